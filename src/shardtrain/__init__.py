@@ -1,0 +1,27 @@
+"""shardtrain: ZeRO sharded data-parallel training for PyTorch, with convergence debugging."""
+
+from shardtrain.config import Config, load_config
+from shardtrain.engine import Engine, initialize
+from shardtrain.errors import (
+    CollectiveTimeoutError,
+    ConfigError,
+    LayoutError,
+    OptimizerError,
+    RankMismatchError,
+    ShardtrainError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CollectiveTimeoutError",
+    "Config",
+    "ConfigError",
+    "Engine",
+    "LayoutError",
+    "OptimizerError",
+    "RankMismatchError",
+    "ShardtrainError",
+    "initialize",
+    "load_config",
+]

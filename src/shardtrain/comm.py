@@ -1,0 +1,164 @@
+"""The only module that calls ``torch.distributed`` collectives.
+
+Every collective goes through a :class:`Communicator`, which
+
+* counts calls and bytes per collective kind (``engine.comm_stats()`` reads them; tests assert them);
+* turns a timeout or a dead peer into a :class:`CollectiveTimeoutError` that names this rank and what it
+  was waiting for, instead of a bare gloo/NCCL traceback.
+
+Bytes are counted with the bus-bandwidth convention of nccl-tests, i.e. what one rank sends over the
+wire for a ring algorithm, with ``S`` the size of the full (unsharded) tensor and ``N`` the group size:
+
+================  ====================
+all_reduce        ``2 * S * (N-1)/N``
+all_gather        ``S * (N-1)/N``
+reduce_scatter    ``S * (N-1)/N``
+broadcast         ``S`` (0 when N == 1)
+================  ====================
+
+With this convention one ZeRO-3 step moves ``3 * P * (N-1)/N`` bytes and a DDP step ``2 * P * (N-1)/N``,
+the figures the ZeRO paper uses. Counts are exact integers when ``S`` divides by ``N`` (ZeRO buffers are
+padded so that it does); otherwise they are rounded down.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardtrain.errors import CollectiveTimeoutError
+
+_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX}
+
+
+@dataclass
+class CollectiveCount:
+    calls: int = 0
+    bytes: int = 0
+
+
+class Handle:
+    """An in-flight collective; ``wait()`` re-raises failures with the rank and what was awaited."""
+
+    def __init__(self, comm: Communicator, work: Any, kind: str, what: str) -> None:
+        self._comm, self._work, self.kind, self.what = comm, work, kind, what
+
+    def wait(self) -> None:
+        if self._work is None:
+            return
+        try:
+            self._work.wait()
+        except RuntimeError as err:
+            raise self._comm.describe_failure(self.kind, self.what, err) from err
+        finally:
+            self._work = None
+
+
+class Communicator:
+    """Collectives over one process group, counted and guarded."""
+
+    def __init__(self, group: dist.ProcessGroup, timeout_s: float) -> None:
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.global_rank = dist.get_rank()
+        self.timeout_s = timeout_s
+        self._counts: dict[str, CollectiveCount] = defaultdict(CollectiveCount)
+
+    # -- accounting -------------------------------------------------------------------------------
+    def stats(self) -> dict[str, dict[str, int]]:
+        return {k: {"calls": v.calls, "bytes": v.bytes} for k, v in sorted(self._counts.items())}
+
+    def reset_stats(self) -> None:
+        self._counts.clear()
+
+    def _count(self, kind: str, nbytes: int) -> None:
+        c = self._counts[kind]
+        c.calls += 1
+        c.bytes += nbytes
+
+    def describe_failure(self, kind: str, what: str, err: BaseException) -> CollectiveTimeoutError:
+        return CollectiveTimeoutError(
+            f"rank {self.global_rank}: {kind} of {what} did not complete "
+            f"(collective timeout {self.timeout_s:g}s, group of {self.size}): {err}. "
+            "Another rank most likely crashed or took a different code path; check the other ranks' output."
+        )
+
+    def _run(self, kind: str, what: str, fn, async_op: bool) -> Handle | None:
+        try:
+            work = fn(async_op)
+        except RuntimeError as err:
+            raise self.describe_failure(kind, what, err) from err
+        handle = Handle(self, work, kind, what)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    # -- collectives ------------------------------------------------------------------------------
+    def all_reduce(self, t: torch.Tensor, op: str = "sum", *, what: str, async_op: bool = False):
+        n = self.size
+        self._count("all_reduce", 2 * t.numel() * t.element_size() * (n - 1) // n)
+        if n == 1:
+            return Handle(self, None, "all_reduce", what) if async_op else None
+        return self._run(
+            "all_reduce", what, lambda a: dist.all_reduce(t, op=_OPS[op], group=self.group, async_op=a), async_op
+        )
+
+    def reduce_scatter(
+        self, out: torch.Tensor, inp: torch.Tensor, op: str = "sum", *, what: str, async_op: bool = False
+    ):
+        """``inp`` holds ``size`` equal chunks; chunk ``rank`` of the reduction lands in ``out``."""
+        n = self.size
+        self._count("reduce_scatter", inp.numel() * inp.element_size() * (n - 1) // n)
+        if n == 1:
+            if op == "avg" or op == "sum" or op == "max":
+                out.copy_(inp)
+            return Handle(self, None, "reduce_scatter", what) if async_op else None
+        return self._run(
+            "reduce_scatter",
+            what,
+            lambda a: dist.reduce_scatter_tensor(out, inp, op=_OPS[op], group=self.group, async_op=a),
+            async_op,
+        )
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, *, what: str, async_op: bool = False):
+        """Concatenate every rank's ``inp`` into ``out``; ``inp`` may be this rank's chunk of ``out``."""
+        n = self.size
+        self._count("all_gather", out.numel() * out.element_size() * (n - 1) // n)
+        if n == 1:
+            if out.data_ptr() != inp.data_ptr():
+                out.copy_(inp)
+            return Handle(self, None, "all_gather", what) if async_op else None
+        return self._run(
+            "all_gather",
+            what,
+            lambda a: dist.all_gather_into_tensor(out, inp, group=self.group, async_op=a),
+            async_op,
+        )
+
+    def broadcast(self, t: torch.Tensor, src: int = 0, *, what: str) -> None:
+        """Broadcast from group rank ``src``."""
+        n = self.size
+        self._count("broadcast", t.numel() * t.element_size() if n > 1 else 0)
+        if n == 1:
+            return
+        global_src = dist.get_global_rank(self.group, src)
+        self._run("broadcast", what, lambda a: dist.broadcast(t, src=global_src, group=self.group, async_op=a), False)
+
+    def all_gather_object(self, obj: Any, *, what: str) -> list[Any]:
+        """Small Python objects from every rank (consistency checks, not tensors)."""
+        self._count("all_gather_object", len(pickle.dumps(obj)) if self.size > 1 else 0)
+        if self.size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.size
+        try:
+            dist.all_gather_object(out, obj, group=self.group)
+        except RuntimeError as err:
+            raise self.describe_failure("all_gather_object", what, err) from err
+        return out

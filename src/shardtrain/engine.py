@@ -1,0 +1,258 @@
+"""``initialize`` and the :class:`Engine` a training loop drives (forward, backward, step).
+
+Protocol of one optimizer step with ``gradient_accumulation_steps = k``::
+
+    for micro in range(k):
+        loss = engine(batch)        # the module's forward
+        engine.backward(loss)       # loss / k; reductions overlap backward (all stages: the last micro-step;
+                                    # stage 2: every micro-step)
+        engine.step()               # steps optimizer and scheduler only after the k-th micro-step
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import random
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
+
+from shardtrain.comm import Communicator
+from shardtrain.config import Config, load_config, optimizer_class_and_kwargs, resolve_batch_sizes
+from shardtrain.errors import ConfigError, OptimizerError, RankMismatchError
+from shardtrain.mesh import Topology, init_topology
+from shardtrain.schedulers import build_scheduler
+from shardtrain.zero.layout import build_buckets
+from shardtrain.zero.optimizer import ShardedOptimizer
+from shardtrain.zero.reducer import GradientReducer
+
+log = logging.getLogger("shardtrain")
+
+OptimizerArg = torch.optim.Optimizer | Callable[[Any], torch.optim.Optimizer] | None
+SchedulerArg = LRScheduler | Callable[[torch.optim.Optimizer], LRScheduler] | None
+
+
+class Engine:
+    """Trains ``module`` data-parallel with ZeRO; build it with :func:`initialize`."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        config: Config,
+        topology: Topology,
+        optimizer: torch.optim.Optimizer,
+        lr_scheduler: LRScheduler | None,
+    ) -> None:
+        self.module, self.config, self.topology = module, config, topology
+        self.comm = Communicator(topology.dp_group, topology.timeout_s)
+        zcfg = config.zero_optimization
+        self.stage = zcfg.stage
+        self.train_batch_size, self.micro_batch_size, self.gradient_accumulation_steps = resolve_batch_sizes(
+            config, topology.dp
+        )
+        _check_ranks_agree(self.comm, module, config)
+        trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self._buckets = build_buckets(trainable, zcfg.reduce_bucket_size, topology.dp, topology.dp_rank)
+        self._sync_initial_state()
+        self._reducer = GradientReducer(self._buckets, self.stage, self.comm, zcfg.overlap_comm)
+        self._optimizer = ShardedOptimizer(
+            optimizer, module, self._buckets, self._reducer, self.stage, self.comm, zcfg.allgather_bucket_size
+        )
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.global_step = 0
+        self.micro_steps = 0
+        self._grad_norm: float | None = None
+        self._last_loss: torch.Tensor | None = None
+        self.comm.reset_stats()
+
+    # -- setup ----------------------------------------------------------------------------------
+    def _sync_initial_state(self) -> None:
+        """Every rank starts from rank 0's parameters and buffers (as DDP does)."""
+        for b in self._buckets:
+            self.comm.broadcast(b.flat_param, 0, what=f"initial parameters of bucket {b.index}")
+        bucketed = {id(s.param) for b in self._buckets for s in b.slots}
+        for name, p in self.module.named_parameters():
+            if id(p) not in bucketed:
+                self.comm.broadcast(p.data, 0, what=f"initial value of frozen parameter {name!r}")
+        for name, buf in self.module.named_buffers():
+            self.comm.broadcast(buf, 0, what=f"initial value of buffer {name!r}")
+
+    # -- the training loop -------------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate ``loss / gradient_accumulation_steps`` and reduce gradients across ranks."""
+        if not torch.is_tensor(loss) or loss.numel() != 1:
+            raise ValueError(f"engine.backward expects a scalar loss tensor, got {_describe(loss)}")
+        self._last_loss = loss.detach()
+        self._reducer.begin_backward(self.is_gradient_accumulation_boundary())
+        try:
+            (loss / self.gradient_accumulation_steps).backward()
+        finally:
+            self._reducer.end_backward()
+
+    def step(self) -> None:
+        """At an accumulation boundary: clip, step optimizer and scheduler, clear gradients."""
+        boundary = self.is_gradient_accumulation_boundary()
+        self.micro_steps += 1
+        if not boundary:
+            return
+        self._grad_norm = self._optimizer.step(self.config.gradient_clipping)
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self._reducer.zero_grads()
+        self.global_step += 1
+        if self.topology.rank == 0 and self.global_step % self.config.steps_per_print == 0:
+            loss = float(self._last_loss) if self._last_loss is not None else float("nan")
+            lr = self.optimizer.param_groups[0]["lr"]
+            log.info("step %d: loss %.4f, lr %.3g, grad norm %.4g", self.global_step, loss, lr, self._grad_norm)
+
+    def train(self, mode: bool = True) -> Engine:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> Engine:
+        self.module.eval()
+        return self
+
+    # -- inspection --------------------------------------------------------------------------------
+    def get_global_grad_norm(self) -> float | None:
+        """Global gradient norm of the last optimizer step, before clipping; the same on every rank."""
+        return self._grad_norm
+
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def comm_stats(self, reset: bool = False) -> dict[str, dict[str, int]]:
+        """Calls and bytes per collective kind since the last reset (see :mod:`shardtrain.comm`)."""
+        stats = self.comm.stats()
+        if reset:
+            self.comm.reset_stats()
+        return stats
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds for parameters, gradients and optimizer state (incl. ZeRO padding)."""
+        bucketed = {id(s.param) for b in self._buckets for s in b.slots}
+        params = sum(b.flat_param.numel() * b.flat_param.element_size() for b in self._buckets)
+        params += sum(p.numel() * p.element_size() for p in self.module.parameters() if id(p) not in bucketed)
+        return {"params": params, "grads": self._reducer.grad_bytes(), "optimizer": self._optimizer.state_bytes()}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The full model state dict on rank 0 (CPU copies; tied parameters under every name), None elsewhere."""
+        if self.topology.dp_rank != 0:
+            return None
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
+
+
+# -- initialize -------------------------------------------------------------------------------------
+
+
+def initialize(
+    model: nn.Module,
+    config: Config | Mapping[str, Any] | str | Path | None = None,
+    optimizer: OptimizerArg = None,
+    lr_scheduler: SchedulerArg = None,
+) -> Engine:
+    """Wrap ``model`` for sharded data-parallel training and return the :class:`Engine`.
+
+    ``optimizer``: a ``torch.optim.Optimizer`` built over ``model.parameters()`` (its param groups and
+    hyperparameters are kept), a callable ``params -> Optimizer`` (called with the model's parameters), or
+    None when the config has an ``optimizer`` section. ``lr_scheduler``: a scheduler built on that optimizer,
+    a callable ``optimizer -> scheduler``, or None (the config's ``scheduler`` section, if any, is used).
+    """
+    cfg = load_config(config)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"initialize() expects an nn.Module, got {type(model).__name__}")
+    topology = init_topology(timeout_s=cfg.collective_timeout_s)
+    resolve_batch_sizes(cfg, topology.dp)  # fail on batch-size mistakes before touching the model
+    if cfg.seed is not None:
+        random.seed(cfg.seed)
+        np.random.seed(cfg.seed)
+        torch.manual_seed(cfg.seed)
+    model.to(topology.device)
+    opt = _build_optimizer(model, cfg, optimizer)
+    engine = Engine(model, cfg, topology, opt, None)
+    engine.lr_scheduler = _build_scheduler(cfg, opt, lr_scheduler, optimizer_given=optimizer)
+    return engine
+
+
+def _build_optimizer(model: nn.Module, cfg: Config, optimizer: OptimizerArg) -> torch.optim.Optimizer:
+    if optimizer is not None and cfg.optimizer is not None:
+        raise ConfigError(
+            "an optimizer was passed to initialize() and the config has an 'optimizer' section; keep one of them"
+        )
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+    if callable(optimizer):
+        built = optimizer(model.parameters())
+        if not isinstance(built, torch.optim.Optimizer):
+            raise OptimizerError(f"the optimizer callable returned {type(built).__name__}, not a torch optimizer")
+        return built
+    if optimizer is not None:
+        raise OptimizerError(f"optimizer must be a torch.optim.Optimizer or a callable, got {type(optimizer).__name__}")
+    if cfg.optimizer is None:
+        raise ConfigError("no optimizer: pass initialize(optimizer=...) or add an 'optimizer' section to the config")
+    cls, kwargs = optimizer_class_and_kwargs(cfg.optimizer)
+    return cls([p for p in model.parameters() if p.requires_grad], **kwargs)
+
+
+def _build_scheduler(
+    cfg: Config, opt: torch.optim.Optimizer, lr_scheduler: SchedulerArg, optimizer_given: OptimizerArg
+) -> LRScheduler | None:
+    if lr_scheduler is not None and cfg.scheduler is not None:
+        raise ConfigError(
+            "an lr_scheduler was passed to initialize() and the config has a 'scheduler' section; keep one of them"
+        )
+    if isinstance(lr_scheduler, LRScheduler):
+        if lr_scheduler.optimizer is not opt:
+            raise OptimizerError(
+                "lr_scheduler was built on a different optimizer than the one passed to initialize(); "
+                "build it on that optimizer, or pass a callable optimizer -> scheduler"
+            )
+        return lr_scheduler
+    if callable(lr_scheduler):
+        return lr_scheduler(opt)
+    if lr_scheduler is not None:
+        raise OptimizerError(f"lr_scheduler must be an LRScheduler or a callable, got {type(lr_scheduler).__name__}")
+    if cfg.scheduler is not None:
+        return build_scheduler(cfg.scheduler, opt)
+    return None
+
+
+def _check_ranks_agree(comm: Communicator, module: nn.Module, cfg: Config) -> None:
+    """Fail at once, naming ranks, if ranks got different configs or models (instead of hanging later)."""
+    structure = [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in module.named_parameters()]
+    mine = {
+        "config": hashlib.sha256(cfg.model_dump_json().encode()).hexdigest()[:16],
+        "model": hashlib.sha256(json.dumps(structure).encode()).hexdigest()[:16],
+    }
+    everyone = comm.all_gather_object(mine, what="config and model fingerprints")
+    for key in ("config", "model"):
+        values = [e[key] for e in everyone]
+        if len(set(values)) > 1:
+            groups: dict[str, list[int]] = {}
+            for r, v in enumerate(values):
+                groups.setdefault(v, []).append(r)
+            detail = "; ".join(f"ranks {rs} have {v}" for v, rs in groups.items())
+            raise RankMismatchError(f"ranks disagree on the {key} passed to initialize(): {detail}")
+
+
+def _describe(x: Any) -> str:
+    if torch.is_tensor(x):
+        return f"a tensor of shape {tuple(x.shape)}"
+    return type(x).__name__

@@ -1,0 +1,27 @@
+"""Exceptions a user can cause; each message says what was done and what to do instead."""
+
+from __future__ import annotations
+
+
+class ShardtrainError(Exception):
+    """Base class of every error shardtrain raises on purpose."""
+
+
+class ConfigError(ShardtrainError, ValueError):
+    """The configuration has an unknown key, a wrong type or an impossible value."""
+
+
+class LayoutError(ShardtrainError, ValueError):
+    """The requested parallel layout cannot be built from the processes that exist."""
+
+
+class RankMismatchError(ShardtrainError, RuntimeError):
+    """Ranks that must agree (config, model structure, collective order) do not."""
+
+
+class CollectiveTimeoutError(ShardtrainError, RuntimeError):
+    """A collective did not complete in time; the message names the rank and what it waited for."""
+
+
+class OptimizerError(ShardtrainError, ValueError):
+    """The optimizer handed to ``initialize`` cannot be sharded as given."""

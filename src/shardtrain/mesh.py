@@ -1,0 +1,113 @@
+"""Process topology: who we are, which device and backend we use, and the data-parallel group.
+
+A :class:`Topology` is built once by :func:`init_topology` and passed explicitly to everything that
+communicates. There are no process-group globals in shardtrain.
+
+Three ways to start are supported:
+
+* the user already called ``torch.distributed.init_process_group``: we use that group as it is;
+* launched by ``torchrun`` (``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` set): we initialize from the env;
+* a plain ``python train.py``: we initialize a one-process group on a free local port, so the same code
+  path runs everywhere.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from shardtrain.errors import LayoutError
+
+
+def pick_device() -> torch.device:
+    """CUDA device of this local rank when CUDA is available, else the CPU."""
+    if torch.cuda.is_available():
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ensure_process_group(timeout_s: float) -> bool:
+    """Initialize the default process group if nobody has; returns True when this call created it."""
+    if dist.is_initialized():
+        return False
+    device = pick_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        # A plain single-process run: no launcher set the rendezvous variables.
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("LOCAL_RANK", "0")
+    dist.init_process_group(backend=backend_for(device), timeout=datetime.timedelta(seconds=timeout_s))
+    return True
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The parallel layout of this job, validated once.
+
+    ``dp`` is the data-parallel size. A tensor-parallel dimension will be added to the same mesh; every
+    consumer already reads its group from here rather than from a global.
+    """
+
+    rank: int
+    world_size: int
+    dp: int
+    device: torch.device
+    backend: str
+    mesh: DeviceMesh
+    timeout_s: float
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        return self.mesh.get_group("dp")
+
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh.get_local_rank("dp")
+
+
+def init_topology(dp: int | None = None, timeout_s: float = 1800.0) -> Topology:
+    """Create (or adopt) the process group and the device mesh, and check the layout is possible."""
+    ensure_process_group(timeout_s)
+    world = dist.get_world_size()
+    dp = world if dp is None else dp
+    if dp != world:
+        raise LayoutError(
+            f"data-parallel size {dp} does not fit {world} processes: without tensor parallelism the "
+            f"data-parallel size must equal the number of processes ({world})."
+        )
+    device = pick_device()
+    backend = str(dist.get_backend())
+    if device.type == "cuda" and "nccl" not in backend:
+        # A user-created gloo group with CUDA tensors would fail deep inside the first collective.
+        raise LayoutError(f"the process group uses {backend!r} but tensors live on CUDA; initialize it with 'nccl'.")
+    mesh = init_device_mesh(device.type, (dp,), mesh_dim_names=("dp",))
+    return Topology(
+        rank=dist.get_rank(),
+        world_size=world,
+        dp=dp,
+        device=device,
+        backend=backend,
+        mesh=mesh,
+        timeout_s=timeout_s,
+    )

@@ -1,0 +1,123 @@
+"""Flat bucket layout: which parameter lives where in which flat buffer, and what this rank owns.
+
+[Note: bucket layout]
+Trainable parameters are grouped by dtype and laid out, in reverse registration order (roughly the order
+gradients become ready in backward), into buckets of at most ``reduce_bucket_size`` elements; a parameter
+larger than that gets a bucket of its own. A bucket is one flat buffer padded to a multiple of the
+data-parallel size ``N``; rank ``r`` owns the contiguous chunk ``[r*S, (r+1)*S)`` with ``S = padded/N``.
+Each module parameter's storage is redirected to its place in the flat buffer, so
+
+* one reduce-scatter of a bucket's gradients gives every rank exactly the gradients of its chunk;
+* the all-gather after the optimizer step writes straight into the parameters (no copy);
+* what rank ``r`` owns of a parameter (its *fragment*) is the intersection of the parameter's range with
+  chunk ``r``, recorded as plain offsets (:class:`Fragment`), never re-derived from padding rules.
+
+Padding elements are zero in parameters and gradients and are never handed to the optimizer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+@dataclass(eq=False)
+class ParamSlot:
+    """One trainable parameter's place in its bucket."""
+
+    name: str
+    param: nn.Parameter
+    offset: int
+    numel: int
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.param.shape
+
+
+@dataclass(frozen=True)
+class Fragment:
+    """The part of one parameter that this rank owns: elements ``[start, start+length)`` of it flattened,
+    stored at ``shard_offset`` within this rank's chunk of the bucket."""
+
+    start: int
+    length: int
+    shard_offset: int
+
+
+@dataclass(eq=False)
+class Bucket:
+    index: int
+    dtype: torch.dtype
+    slots: list[ParamSlot]
+    numel: int
+    padded_numel: int
+    world: int
+    rank: int
+    flat_param: torch.Tensor = field(repr=False)
+    fragments: list[Fragment] = field(default_factory=list)
+
+    @property
+    def shard_numel(self) -> int:
+        return self.padded_numel // self.world
+
+    @property
+    def shard_range(self) -> tuple[int, int]:
+        return self.rank * self.shard_numel, (self.rank + 1) * self.shard_numel
+
+    def param_shard(self) -> torch.Tensor:
+        lo, hi = self.shard_range
+        return self.flat_param[lo:hi]
+
+
+def _fragment(slot: ParamSlot, lo: int, hi: int) -> Fragment:
+    a, b = max(slot.offset, lo), min(slot.offset + slot.numel, hi)
+    if a >= b:  # this rank owns nothing of the parameter; keep an empty fragment at a stable place
+        return Fragment(start=0, length=0, shard_offset=0)
+    return Fragment(start=a - slot.offset, length=b - a, shard_offset=a - lo)
+
+
+def build_buckets(
+    named_params: list[tuple[str, nn.Parameter]], bucket_numel: int, world: int, rank: int
+) -> list[Bucket]:
+    """Lay trainable parameters out into flat buckets and point each parameter at its slice.
+
+    ``named_params`` must hold each Parameter once (tied parameters under their first name).
+    """
+    by_dtype: dict[torch.dtype, list[tuple[str, nn.Parameter]]] = {}
+    for name, p in reversed(named_params):
+        by_dtype.setdefault(p.dtype, []).append((name, p))
+    groups: list[list[tuple[str, nn.Parameter]]] = []
+    for items in by_dtype.values():
+        current: list[tuple[str, nn.Parameter]] = []
+        size = 0
+        for name, p in items:
+            if current and size + p.numel() > bucket_numel:
+                groups.append(current)
+                current, size = [], 0
+            current.append((name, p))
+            size += p.numel()
+        if current:
+            groups.append(current)
+
+    buckets = []
+    for index, items in enumerate(groups):
+        numel = sum(p.numel() for _, p in items)
+        padded = -(-numel // world) * world
+        first = items[0][1]
+        flat = torch.zeros(padded, dtype=first.dtype, device=first.device)
+        slots, offset = [], 0
+        for name, p in items:
+            n = p.numel()
+            flat[offset : offset + n].copy_(p.detach().reshape(-1))
+            with torch.no_grad():
+                p.data = flat[offset : offset + n].view(p.shape)
+            slots.append(ParamSlot(name=name, param=p, offset=offset, numel=n))
+            offset += n
+        bucket = Bucket(index, first.dtype, slots, numel, padded, world, rank, flat_param=flat)
+        lo, hi = bucket.shard_range
+        bucket.fragments = [_fragment(s, lo, hi) for s in slots]
+        buckets.append(bucket)
+    return buckets

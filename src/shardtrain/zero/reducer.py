@@ -1,0 +1,167 @@
+"""Gradient reduction for ZeRO stages 0, 1 and 2, bucket by bucket, overlapped with backward.
+
+[Note: gradient storage per stage]
+* stage 0: each bucket has a full flat gradient buffer; ``param.grad`` is a view into it, so autograd
+  accumulates micro-steps in place. At the accumulation boundary each bucket is all-reduced (averaged).
+* stage 1: same full buffers; at the boundary each bucket is reduce-scattered and the averaged result
+  written into this rank's chunk of the buffer, which the optimizer's fragments view.
+* stage 2: no full buffer survives a bucket. When a parameter's gradient is ready it is copied into its
+  bucket's staging buffer and ``param.grad`` is freed; a complete bucket is reduce-scattered (every
+  micro-step) and the result added into a persistent ``shard_numel`` gradient buffer; staging is freed as
+  soon as the collective completes.
+
+[Note: collective order]
+Buckets are launched strictly in index order on every rank: a bucket that is ready before its predecessor
+waits for it. Buckets with parameters no rank used are launched at the end of backward with zero
+gradients. This keeps the sequence of collectives identical on every rank whatever the autograd order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shardtrain.comm import Communicator, Handle
+from shardtrain.errors import ShardtrainError
+from shardtrain.zero.layout import Bucket, ParamSlot
+
+
+@dataclass
+class _Pending:
+    bucket: Bucket
+    handle: Handle | None
+    out: torch.Tensor | None  # reduce-scatter output, folded into the gradient shard on completion
+    staging: torch.Tensor | None  # kept alive until the collective completes
+
+
+class GradientReducer:
+    def __init__(self, buckets: list[Bucket], stage: int, comm: Communicator, overlap: bool) -> None:
+        self.buckets, self.stage, self.comm, self.overlap = buckets, stage, comm, overlap
+        self._in_backward = False
+        self._boundary = False
+        self._fresh_shard = True  # stage 2: the gradient shards hold nothing yet this step
+        self._ready = [0] * len(buckets)
+        self._next = 0
+        self._pending: list[_Pending] = []
+        self._staging: dict[int, torch.Tensor] = {}
+        self.full_grads: list[torch.Tensor] = []
+        self.shard_grads: list[torch.Tensor] = []
+        if stage in (0, 1):
+            self.full_grads = [torch.zeros_like(b.flat_param) for b in buckets]
+            for b, g in zip(buckets, self.full_grads):
+                for s in b.slots:
+                    s.param.grad = self._grad_view(g, s)
+        else:
+            self.shard_grads = [b.flat_param.new_zeros(b.shard_numel) for b in buckets]
+        self._hooks = [
+            s.param.register_post_accumulate_grad_hook(self._make_hook(b.index, s)) for b in buckets for s in b.slots
+        ]
+
+    @staticmethod
+    def _grad_view(flat: torch.Tensor, s: ParamSlot) -> torch.Tensor:
+        return flat[s.offset : s.offset + s.numel].view(s.shape)
+
+    # -- backward --------------------------------------------------------------------------------
+    def begin_backward(self, boundary: bool) -> None:
+        self._in_backward, self._boundary = True, boundary
+        self._ready = [0] * len(self.buckets)
+        self._next = 0
+
+    def _active(self) -> bool:
+        """Whether this backward reduces (stage 2 every micro-step, stages 0/1 at the boundary)."""
+        return self.stage == 2 or self._boundary
+
+    def _make_hook(self, index: int, slot: ParamSlot):
+        def hook(param: torch.Tensor) -> None:
+            if not self._in_backward:
+                raise ShardtrainError(
+                    f"gradient of {slot.name!r} computed outside engine.backward(): call "
+                    "engine.backward(loss) instead of loss.backward() so gradients are reduced across ranks"
+                )
+            bucket = self.buckets[index]
+            if self.stage in (0, 1):
+                view = self._grad_view(self.full_grads[index], slot)
+                if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
+                    view.add_(param.grad)  # someone reset .grad (e.g. zero_grad(set_to_none=True))
+                    param.grad = view
+            else:
+                staging = self._staging.get(index)
+                if staging is None:
+                    staging = self._staging[index] = bucket.flat_param.new_zeros(bucket.padded_numel)
+                staging[slot.offset : slot.offset + slot.numel].copy_(param.grad.reshape(-1))
+                param.grad = None
+            self._ready[index] += 1
+            if self.overlap and self._active():
+                self._launch_ready()
+
+        return hook
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.buckets) and self._ready[self._next] == len(self.buckets[self._next].slots):
+            self._launch(self.buckets[self._next])
+            self._next += 1
+
+    def _launch(self, b: Bucket) -> None:
+        what = f"gradient bucket {b.index} ({b.numel} elements)"
+        if self.stage == 0:
+            handle = self.comm.all_reduce(self.full_grads[b.index], "avg", what=what, async_op=True)
+            self._pending.append(_Pending(b, handle, None, None))
+            return
+        inp = self.full_grads[b.index] if self.stage == 1 else self._staging.pop(b.index, None)
+        if inp is None:  # stage 2, no parameter of the bucket got a gradient on this rank
+            inp = b.flat_param.new_zeros(b.padded_numel)
+        out = b.flat_param.new_empty(b.shard_numel)
+        handle = self.comm.reduce_scatter(out, inp, "avg", what=what, async_op=True)
+        self._pending.append(_Pending(b, handle, out, inp))
+
+    def end_backward(self) -> None:
+        """Launch what is left in order and wait for every reduction of this backward."""
+        if self._active():
+            while self._next < len(self.buckets):
+                self._launch(self.buckets[self._next])
+                self._next += 1
+        for p in self._pending:
+            assert p.handle is not None
+            p.handle.wait()
+            if p.out is None:
+                continue
+            if self.stage == 1:
+                lo, hi = p.bucket.shard_range
+                self.full_grads[p.bucket.index][lo:hi].copy_(p.out)
+            elif self._fresh_shard:
+                self.shard_grads[p.bucket.index].copy_(p.out)
+            else:
+                self.shard_grads[p.bucket.index].add_(p.out)
+        if self._pending and self.stage == 2:
+            self._fresh_shard = False
+        self._pending.clear()
+        self._staging.clear()
+        self._in_backward = False
+
+    # -- after the step --------------------------------------------------------------------------
+    def shard_grad(self, b: Bucket) -> torch.Tensor:
+        """This rank's reduced gradient chunk of bucket ``b`` (valid after a boundary backward)."""
+        if self.stage == 2:
+            return self.shard_grads[b.index]
+        lo, hi = b.shard_range
+        return self.full_grads[b.index][lo:hi]
+
+    def zero_grads(self) -> None:
+        for g in self.full_grads:
+            g.zero_()
+        for b, g in zip(self.buckets, self.full_grads):
+            for s in b.slots:  # re-point in case the user replaced or dropped a .grad
+                if s.param.grad is None or s.param.grad.data_ptr() != g.data_ptr() + s.offset * g.element_size():
+                    s.param.grad = self._grad_view(g, s)
+        for g in self.shard_grads:
+            g.zero_()
+        self._fresh_shard = True
+
+    def grad_bytes(self) -> int:
+        return sum(g.numel() * g.element_size() for g in self.full_grads + self.shard_grads)
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()

@@ -1,0 +1,131 @@
+"""Shared pieces of the parity tests: models, data, the single-process reference and the engine run.
+
+The reference follows the exact recipe the engine must reproduce: the same global batch per micro-step,
+loss / accumulation_steps, ``clip_grad_norm_`` and the same optimizer param groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+import shardtrain
+from shardtrain.models.gpt import GPT, GPTConfig
+
+VOCAB, SEQ = 64, 16
+
+
+@dataclass(frozen=True)
+class Recipe:
+    model: str = "gpt"  # "gpt", "tied" (tied embeddings + a frozen parameter)
+    steps: int = 10
+    gas: int = 2
+    micro: int = 2  # per rank
+    clip: float = 0.5
+    lr: float = 3e-3
+    seed: int = 0
+
+
+def make_model(recipe: Recipe) -> nn.Module:
+    torch.manual_seed(recipe.seed)
+    tied = recipe.model == "tied"
+    model = GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=32, n_layer=2, n_head=4, tie_embeddings=tied))
+    if tied:
+        model.pos.weight.requires_grad_(False)  # a frozen parameter
+    return model
+
+
+def make_optimizer(model: nn.Module, recipe: Recipe) -> torch.optim.Optimizer:
+    """AdamW with two param groups: weight decay on matrices only."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=recipe.lr
+    )
+
+
+def global_micro_batches(recipe: Recipe, world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1234 + recipe.seed)
+    rows = recipe.micro * world
+    out = []
+    for _ in range(recipe.steps * recipe.gas):
+        x = torch.randint(0, VOCAB, (rows, SEQ), generator=g)
+        out.append((x, torch.roll(x, -1, dims=1)))
+    return out
+
+
+def reference_run(recipe: Recipe, world: int) -> dict:
+    model = make_model(recipe)
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = make_optimizer(model, recipe)
+    batches = global_micro_batches(recipe, world)
+    losses, norms = [], []
+    for step in range(recipe.steps):
+        step_loss = 0.0
+        for m in range(recipe.gas):
+            x, y = batches[step * recipe.gas + m]
+            loss = model(x, y)
+            (loss / recipe.gas).backward()
+            step_loss += loss.item() / recipe.gas
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.clip)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(step_loss)
+    return {"losses": losses, "norms": norms, "params": model.state_dict(), "init": init}
+
+
+def engine_run(recipe: Recipe, stage: int, world: int, bucket: int = 2000, extra: dict | None = None) -> dict:
+    """Runs on every rank; returns this rank's local losses, the grad norms and rank 0's final state."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    model = make_model(recipe)
+    config = {
+        "train_micro_batch_size_per_gpu": recipe.micro,
+        "gradient_accumulation_steps": recipe.gas,
+        "gradient_clipping": recipe.clip,
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket},
+        **(extra or {}),
+    }
+    engine = shardtrain.initialize(model, config=config, optimizer=make_optimizer(model, recipe))
+    batches = global_micro_batches(recipe, world)
+    lo, hi = rank * recipe.micro, (rank + 1) * recipe.micro
+    losses, norms, comm = [], [], []
+    for step in range(recipe.steps):
+        step_loss = 0.0
+        for m in range(recipe.gas):
+            x, y = batches[step * recipe.gas + m]
+            loss = engine(x[lo:hi], y[lo:hi])
+            engine.backward(loss)
+            engine.step()
+            step_loss += loss.item() / recipe.gas
+        losses.append(step_loss)
+        norms.append(engine.get_global_grad_norm())
+        comm.append(engine.comm_stats(reset=True))
+    return {
+        "losses": losses,
+        "norms": norms,
+        "params": engine.full_state_dict(),
+        "comm": comm,
+        "state_bytes": engine.state_bytes(),
+        "global_step": engine.global_step,
+    }
+
+
+def assert_parity(results: list[dict], ref: dict, loss_rtol: float = 1e-5, norm_rtol: float = 1e-4) -> None:
+    world = len(results)
+    losses = [sum(r["losses"][s] for r in results) / world for s in range(len(ref["losses"]))]
+    for s, (a, b) in enumerate(zip(losses, ref["losses"])):
+        assert abs(a - b) <= loss_rtol * abs(b), f"step {s}: loss {a} vs reference {b}"
+    for r in results:  # the norm is global: identical on every rank
+        for s, (a, b) in enumerate(zip(r["norms"], ref["norms"])):
+            assert abs(a - b) <= norm_rtol * abs(b), f"step {s}: grad norm {a} vs reference {b}"
+    final = results[0]["params"]
+    assert final.keys() == ref["params"].keys()
+    for k, want in ref["params"].items():
+        moved = (want - ref["init"][k]).abs().max().item()
+        err = (final[k] - want).abs().max().item()
+        # equal within a small fraction of how far the optimizer moved them (exactly equal if unmoved)
+        assert err <= 1e-3 * moved + 1e-7, f"{k}: max error {err:.3g} vs distance moved {moved:.3g}"
