@@ -1,0 +1,42 @@
+"""The ``shardtrain`` command (also ``python -m shardtrain``).
+
+Subcommands register themselves from the layer that owns them; this module only dispatches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from torch.distributed.run import main as torchrun
+
+    torchrun(["--standalone", f"--nproc_per_node={args.nproc}", "-m", "shardtrain.demo", *args.demo_args])
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shardtrain", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="train a small GPT with ZeRO stage 2 on local processes")
+    demo.add_argument("--nproc", type=int, default=2, help="number of processes (default 2)")
+    demo.add_argument("demo_args", nargs=argparse.REMAINDER, help="arguments passed to the demo script")
+    demo.set_defaults(func=_demo)
+
+    from shardtrain.debug import compare
+
+    cmp = sub.add_parser("compare", help="compare two runs' statistics and point at the first divergence")
+    compare.add_arguments(cmp)
+    cmp.set_defaults(func=compare.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

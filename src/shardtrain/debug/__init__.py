@@ -1,0 +1,1 @@
+"""Convergence debugging: subscribers on module forward/backward, statistics, run comparison."""
