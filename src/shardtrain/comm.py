@@ -33,6 +33,10 @@ import torch.distributed as dist
 
 from shardtrain.errors import CollectiveTimeoutError
 
+# torch 2.13 renamed the flat-tensor collectives; keep working on the older names too.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX}
 
 
@@ -117,13 +121,12 @@ class Communicator:
         n = self.size
         self._count("reduce_scatter", inp.numel() * inp.element_size() * (n - 1) // n)
         if n == 1:
-            if op == "avg" or op == "sum" or op == "max":
-                out.copy_(inp)
+            out.copy_(inp)
             return Handle(self, None, "reduce_scatter", what) if async_op else None
         return self._run(
             "reduce_scatter",
             what,
-            lambda a: dist.reduce_scatter_tensor(out, inp, op=_OPS[op], group=self.group, async_op=a),
+            lambda a: _reduce_scatter_flat(out, inp, op=_OPS[op], group=self.group, async_op=a),
             async_op,
         )
 
@@ -138,7 +141,7 @@ class Communicator:
         return self._run(
             "all_gather",
             what,
-            lambda a: dist.all_gather_into_tensor(out, inp, group=self.group, async_op=a),
+            lambda a: _all_gather_flat(out, inp, group=self.group, async_op=a),
             async_op,
         )
 

@@ -30,7 +30,7 @@ from shardtrain.errors import ConfigError, OptimizerError, RankMismatchError
 from shardtrain.mesh import Topology, init_topology
 from shardtrain.schedulers import build_scheduler
 from shardtrain.zero.layout import build_buckets
-from shardtrain.zero.optimizer import ShardedOptimizer
+from shardtrain.zero.optimizer import ShardedOptimizer, check_optimizer
 from shardtrain.zero.reducer import GradientReducer
 
 log = logging.getLogger("shardtrain")
@@ -185,10 +185,11 @@ def initialize(
         np.random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
     model.to(topology.device)
+    # everything that can be refused is checked before the model is touched (hooks, flat storage)
     opt = _build_optimizer(model, cfg, optimizer)
-    engine = Engine(model, cfg, topology, opt, None)
-    engine.lr_scheduler = _build_scheduler(cfg, opt, lr_scheduler, optimizer_given=optimizer)
-    return engine
+    check_optimizer(opt, model)
+    scheduler = _build_scheduler(cfg, opt, lr_scheduler)
+    return Engine(model, cfg, topology, opt, scheduler)
 
 
 def _build_optimizer(model: nn.Module, cfg: Config, optimizer: OptimizerArg) -> torch.optim.Optimizer:
@@ -211,9 +212,7 @@ def _build_optimizer(model: nn.Module, cfg: Config, optimizer: OptimizerArg) -> 
     return cls([p for p in model.parameters() if p.requires_grad], **kwargs)
 
 
-def _build_scheduler(
-    cfg: Config, opt: torch.optim.Optimizer, lr_scheduler: SchedulerArg, optimizer_given: OptimizerArg
-) -> LRScheduler | None:
+def _build_scheduler(cfg: Config, opt: torch.optim.Optimizer, lr_scheduler: SchedulerArg) -> LRScheduler | None:
     if lr_scheduler is not None and cfg.scheduler is not None:
         raise ConfigError(
             "an lr_scheduler was passed to initialize() and the config has a 'scheduler' section; keep one of them"

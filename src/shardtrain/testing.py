@@ -41,7 +41,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kwargs: dict, results, threads) -> None:
+def _worker(
+    rank: int, world_size: int, port: int, fn: Callable, args: tuple, kwargs: dict, results, threads: int, init_pg: bool
+) -> None:
     import torch
     import torch.distributed as dist
 
@@ -54,7 +56,8 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kw
     )
     torch.set_num_threads(threads)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60))
+        if init_pg:
+            dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60))
         value = fn(*args, **kwargs)
         # plain pickle copies tensor data: torch's queue reducer would share memory with a process about to exit
         results.put((rank, "ok", pickle.dumps(value)))
@@ -71,15 +74,24 @@ def run_distributed(
     *args: Any,
     timeout: float = 240.0,
     threads: int | None = None,
+    init_process_group: bool = True,
     **kwargs: Any,
 ) -> list[Any]:
-    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return their results ordered by rank."""
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return their results ordered by rank.
+
+    With ``init_process_group=False`` only the torchrun-style environment (``RANK``, ``WORLD_SIZE``,
+    ``MASTER_ADDR``, ``MASTER_PORT``) is set and ``fn`` (e.g. ``shardtrain.initialize``) creates the group.
+    """
     if threads is None:
         threads = max(1, (os.cpu_count() or 1) // world_size)
     results = _CTX.Queue()
     port = _free_port()
     procs = [
-        _CTX.Process(target=_worker, args=(r, world_size, port, fn, args, kwargs, results, threads), daemon=True)
+        _CTX.Process(
+            target=_worker,
+            args=(r, world_size, port, fn, args, kwargs, results, threads, init_process_group),
+            daemon=True,
+        )
         for r in range(world_size)
     ]
     for p in procs:

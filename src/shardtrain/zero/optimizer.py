@@ -23,6 +23,8 @@ from shardtrain.zero.reducer import GradientReducer
 
 
 class ShardedOptimizer:
+    """Steps ``optimizer`` on this rank's fragments; ``initialize`` has already run :func:`check_optimizer`."""
+
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
@@ -35,7 +37,6 @@ class ShardedOptimizer:
     ) -> None:
         self.optimizer, self.buckets, self.reducer = optimizer, buckets, reducer
         self.stage, self.comm, self.allgather_bucket_numel = stage, comm, allgather_bucket_numel
-        _check_optimizer(optimizer, module)
         # (fragment tensor, bucket, slot index) for every trainable parameter, keyed by the parameter
         self._frag: dict[int, tuple[torch.Tensor, Bucket, int]] = {}
         for b in buckets:
@@ -112,7 +113,7 @@ class ShardedOptimizer:
         return total
 
 
-def _check_optimizer(optimizer: torch.optim.Optimizer, module: nn.Module) -> None:
+def check_optimizer(optimizer: torch.optim.Optimizer, module: nn.Module) -> None:
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise OptimizerError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if any(len(s) for s in optimizer.state.values()):

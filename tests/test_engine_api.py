@@ -1,0 +1,252 @@
+"""The engine's API beyond parity: optimizer/scheduler forms, errors, rank checks, timeouts, launch modes."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import shardtrain
+from shardtrain.errors import CollectiveTimeoutError, ConfigError, OptimizerError, RankMismatchError, ShardtrainError
+from shardtrain.testing import DistributedFailure, run_distributed
+
+from parity import Recipe, make_model, make_optimizer
+
+
+def _config_optimizer_and_scheduler(stage: int) -> dict:
+    model = make_model(Recipe())
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "Adam", "params": {"lr": 0.01, "weight_decay": 0.1}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 0.01, "warmup_num_steps": 4}},
+        "zero_optimization": {"stage": stage},
+    }
+    engine = shardtrain.initialize(model, config=config)
+    x = torch.randint(0, 64, (2, 16))
+    lrs = []
+    for _ in range(5):
+        lrs.append(engine.get_lr()[0])
+        engine.backward(engine(x, x))
+        engine.step()
+    return {
+        "optimizer": type(engine.optimizer).__name__,
+        "lrs": lrs,
+        "global_step": engine.global_step,
+        "full": engine.full_state_dict() is not None,
+        "training": engine.train().module.training and not engine.eval().module.training,
+    }
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_optimizer_and_scheduler_from_config(stage):
+    results = run_distributed(_config_optimizer_and_scheduler, 2, stage)
+    for rank, r in enumerate(results):
+        assert r["optimizer"] == "AdamW"  # DeepSpeed's Adam defaults to adam_w_mode=True
+        assert r["lrs"][0] == 0.0 and r["lrs"][4] == pytest.approx(0.01)  # log warm-up over 4 steps
+        assert r["global_step"] == 5
+        assert r["full"] == (rank == 0)  # full_state_dict only on rank 0
+        assert r["training"]
+
+
+def _user_objects(stage: int) -> dict:
+    model = make_model(Recipe())
+    opt = make_optimizer(model, Recipe())
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    engine = shardtrain.initialize(
+        model, config={"zero_optimization": {"stage": stage}}, optimizer=opt, lr_scheduler=sched
+    )
+    x = torch.randint(0, 64, (2, 16))
+    for _ in range(2):
+        engine.backward(engine(x, x))
+        engine.step()
+    # the callable forms
+    model2 = make_model(Recipe())
+    engine2 = shardtrain.initialize(
+        model2,
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+        lr_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (s + 1)),
+    )
+    engine2.backward(engine2(x, x))
+    engine2.step()
+    return {
+        "same_optimizer": engine.optimizer is opt,
+        "groups": [(len(g["params"]), g["weight_decay"], g["lr"]) for g in opt.param_groups],
+        "n_params": [sum(1 for p in model.parameters() if p.requires_grad and p.dim() >= 2)],
+        "callable": (type(engine2.optimizer).__name__, engine2.get_lr()[0]),
+    }
+
+
+def test_user_optimizer_scheduler_and_callables():
+    r = run_distributed(_user_objects, 2, 1)[0]
+    assert r["same_optimizer"]  # the user's object is kept (schedulers built on it keep working)
+    decay, no_decay = r["groups"]
+    assert decay[0] == r["n_params"][0] and decay[1] == 0.1 and no_decay[1] == 0.0
+    assert decay[2] == pytest.approx(3e-3 * 0.25)  # StepLR halved the lr twice
+    assert r["callable"] == ("SGD", pytest.approx(0.05))
+
+
+def _optimizer_mistakes() -> list[str]:
+    messages = []
+    model = make_model(Recipe())
+
+    def attempt(**kwargs):
+        try:
+            shardtrain.initialize(model, config=kwargs.pop("config", None), **kwargs)
+        except (OptimizerError, ConfigError) as err:
+            messages.append(str(err))
+        else:
+            messages.append("no error")
+
+    attempt(optimizer=torch.optim.AdamW([nn.Parameter(torch.zeros(3))]))
+    attempt(optimizer=torch.optim.AdamW([p for n, p in model.named_parameters() if "head" not in n]))
+    stepped = torch.optim.AdamW(model.parameters())
+    model(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long)).backward()
+    stepped.step()
+    attempt(optimizer=stepped)
+    attempt(optimizer=torch.optim.AdamW(model.parameters()), config={"optimizer": {"type": "SGD"}})
+    attempt()
+    other = torch.optim.AdamW(make_model(Recipe()).parameters())
+    attempt(optimizer=torch.optim.AdamW(model.parameters()), lr_scheduler=torch.optim.lr_scheduler.StepLR(other, 1))
+    return messages
+
+
+def test_optimizer_mistakes_are_clear():
+    foreign, missing, stepped, both, none, sched = run_distributed(_optimizer_mistakes, 1)[0]
+    assert "is not a parameter of the model" in foreign
+    assert "not in any optimizer param group: head.weight" in missing
+    assert "already holds state" in stepped
+    assert "keep one of them" in both
+    assert "no optimizer" in none
+    assert "different optimizer" in sched
+
+
+def _loss_backward_outside_engine() -> str:
+    model = make_model(Recipe())
+    engine = shardtrain.initialize(
+        model, config={"zero_optimization": {"stage": 2}}, optimizer=make_optimizer(model, Recipe())
+    )
+    x = torch.randint(0, 64, (2, 16))
+    try:
+        engine(x, x).backward()
+    except ShardtrainError as err:
+        return str(err)
+    return "no error"
+
+
+def test_plain_loss_backward_is_refused():
+    assert "call engine.backward(loss)" in run_distributed(_loss_backward_outside_engine, 2)[0]
+
+
+def _disagreeing_ranks(what: str) -> str:
+    rank = dist.get_rank()
+    model = make_model(Recipe())
+    config = {"zero_optimization": {"stage": 1}}
+    if what == "config" and rank == 1:
+        config["gradient_clipping"] = 1.0
+    if what == "model" and rank == 1:
+        model.extra = nn.Linear(2, 2)
+    try:
+        shardtrain.initialize(model, config=config, optimizer=torch.optim.AdamW(model.parameters()))
+    except RankMismatchError as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.parametrize("what", ["config", "model"])
+def test_ranks_that_disagree_fail_at_initialize(what):
+    for message in run_distributed(_disagreeing_ranks, 3, what):
+        assert f"ranks disagree on the {what}" in message and "ranks [1]" in message
+
+
+def _rank_takes_extra_backward() -> str:
+    model = make_model(Recipe())
+    engine = shardtrain.initialize(
+        model,
+        config={"zero_optimization": {"stage": 2}, "collective_timeout_s": 3},
+        optimizer=make_optimizer(model, Recipe()),
+    )
+    x = torch.randint(0, 64, (2, 16))
+    engine.backward(engine(x, x))
+    engine.step()
+    if dist.get_rank() == 0:
+        try:
+            engine.backward(engine(x, x))  # rank 1 never joins this reduction
+        except CollectiveTimeoutError as err:
+            return str(err)
+        return "no error"
+    time.sleep(8)
+    return "waited"
+
+
+def test_diverging_ranks_fail_with_named_timeout():
+    start = time.monotonic()
+    message = run_distributed(_rank_takes_extra_backward, 2, init_process_group=False, timeout=60)[0]
+    assert message.startswith("rank 0: reduce_scatter of gradient bucket")
+    assert "collective timeout 3s" in message
+    assert time.monotonic() - start < 40
+
+
+def _initial_state_from_rank_0() -> dict:
+    torch.manual_seed(dist.get_rank())  # every rank builds different weights and buffers
+    model = nn.Sequential(nn.Linear(5, 7), nn.BatchNorm1d(7), nn.Linear(7, 3))
+    model[1].running_mean.uniform_()
+    engine = shardtrain.initialize(
+        model, config={"zero_optimization": {"stage": 2}}, optimizer=torch.optim.SGD(model.parameters(), lr=0.1)
+    )
+    return {k: v.clone() for k, v in engine.module.state_dict().items()}
+
+
+def test_parameters_and_buffers_start_from_rank_0():
+    torch.manual_seed(0)
+    want = nn.Sequential(nn.Linear(5, 7), nn.BatchNorm1d(7), nn.Linear(7, 3))
+    want[1].running_mean.uniform_()
+    for state in run_distributed(_initial_state_from_rank_0, 3):
+        for k, v in want.state_dict().items():
+            assert torch.equal(state[k], v), k
+
+
+def test_single_process_without_launcher(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch, shardtrain\n"
+        "model = torch.nn.Linear(4, 2)\n"
+        "engine = shardtrain.initialize(model, config={'zero_optimization': {'stage': 2}},"
+        " optimizer=torch.optim.SGD(model.parameters(), lr=0.1))\n"
+        "x = torch.ones(3, 4)\n"
+        "before = model.weight.detach().clone()\n"
+        "engine.backward(engine(x).pow(2).mean()); engine.step()\n"
+        "assert not torch.equal(before, model.weight), 'no update'\n"
+        "print('world', engine.topology.world_size, 'step', engine.global_step)\n"
+    )
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+    }
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "world 1 step 1" in out.stdout
+
+
+def _fails_on_rank(bad: int) -> None:
+    if dist.get_rank() == bad:
+        raise ValueError(f"planted failure on rank {bad}")
+    dist.barrier()
+
+
+def _hangs() -> None:
+    time.sleep(60)
+
+
+def test_harness_reports_rank_traceback_and_timeouts():
+    with pytest.raises(DistributedFailure) as err:
+        run_distributed(_fails_on_rank, 3, 2, timeout=60)
+    assert "--- rank 2 ---" in str(err.value) and "planted failure on rank 2" in str(err.value)
+    start = time.monotonic()
+    with pytest.raises(DistributedFailure, match=r"rank\(s\) \[0, 1\] did not finish within 3s"):
+        run_distributed(_hangs, 2, timeout=3)
+    assert time.monotonic() - start < 20
