@@ -76,7 +76,7 @@ def reference_run(recipe: Recipe, world: int) -> dict:
     return {"losses": losses, "norms": norms, "params": model.state_dict(), "init": init}
 
 
-def engine_run(recipe: Recipe, stage: int, world: int, bucket: int = 2000, extra: dict | None = None) -> dict:
+def engine_run(recipe: Recipe, stage: int, world: int, bucket: int = 2000, zero_extra: dict | None = None) -> dict:
     """Runs on every rank; returns this rank's local losses, the grad norms and rank 0's final state."""
     import torch.distributed as dist
 
@@ -86,8 +86,12 @@ def engine_run(recipe: Recipe, stage: int, world: int, bucket: int = 2000, extra
         "train_micro_batch_size_per_gpu": recipe.micro,
         "gradient_accumulation_steps": recipe.gas,
         "gradient_clipping": recipe.clip,
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket},
-        **(extra or {}),
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": bucket,
+            "allgather_bucket_size": bucket,
+            **(zero_extra or {}),
+        },
     }
     engine = shardtrain.initialize(model, config=config, optimizer=make_optimizer(model, recipe))
     batches = global_micro_batches(recipe, world)

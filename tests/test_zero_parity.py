@@ -35,3 +35,12 @@ def test_tied_and_frozen_parity(stage, world):
     params = results[0]["params"]
     # tied weights appear under both names, identical, as nn.Module.state_dict() does
     assert params["tok.weight"].data_ptr() != 0 and (params["tok.weight"] == params["head.weight"]).all()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_parity_without_overlap_and_with_large_buckets(stage):
+    """Reductions after backward (overlap_comm false) and one bucket for everything give the same numbers."""
+    recipe = Recipe(steps=4)
+    ref = reference(recipe, 3)
+    assert_parity(run_distributed(engine_run, 3, recipe, stage, 3, 2000, {"overlap_comm": False}), ref)
+    assert_parity(run_distributed(engine_run, 3, recipe, stage, 3, 10**9), ref)

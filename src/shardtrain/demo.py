@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     bar = tqdm(range(args.steps), disable=rank != 0, desc=f"ZeRO-{args.stage} x{world}", unit="step")
     for _ in bar:
         x, y = corpus.batch(args.micro_batch, gpt.seq_len, data)
-        loss = engine(x.to(engine.topology.device), y.to(engine.topology.device))
+        loss = engine(x.to(engine.device), y.to(engine.device))
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())

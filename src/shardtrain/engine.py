@@ -131,6 +131,11 @@ class Engine:
         return self
 
     # -- inspection --------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        """Where the model lives (CUDA device of this local rank, or the CPU); move batches here."""
+        return self.topology.device
+
     def get_global_grad_norm(self) -> float | None:
         """Global gradient norm of the last optimizer step, before clipping; the same on every rank."""
         return self._grad_norm

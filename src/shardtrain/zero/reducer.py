@@ -80,6 +80,13 @@ class GradientReducer:
                     "engine.backward(loss) instead of loss.backward() so gradients are reduced across ranks"
                 )
             bucket = self.buckets[index]
+            if self._active() and index < self._next:
+                # its bucket's collective is already in flight: this gradient would be lost or race with it
+                raise ShardtrainError(
+                    f"parameter {slot.name!r} received a second gradient in one backward after its bucket was "
+                    "reduced (reentrant activation checkpointing?); use torch.utils.checkpoint(..., "
+                    "use_reentrant=False) or set zero_optimization.overlap_comm to false"
+                )
             if self.stage in (0, 1):
                 view = self._grad_view(self.full_grads[index], slot)
                 if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
