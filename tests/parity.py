@@ -17,9 +17,34 @@ from shardtrain.models.gpt import GPT, GPTConfig
 VOCAB, SEQ = 64, 16
 
 
+class TwistedGPT(GPT):
+    """GPT variants that stress ZeRO-3: a block called twice, a parameter used outside its module, or the
+    blocks run in reverse order from the given step on."""
+
+    def __init__(self, cfg: GPTConfig, twist: str) -> None:
+        super().__init__(cfg)
+        self.twist = twist
+        self.calls = 0
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor):
+        self.calls += 1
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        blocks = list(self.blocks)
+        if self.twist == "twice":
+            blocks = [blocks[0], blocks[1], blocks[0]]  # block 0 runs twice
+        if self.twist == "reverse" and self.calls > 4:
+            blocks = blocks[::-1]
+        for block in blocks:
+            x = block(x)
+        if self.twist == "outside":  # a block's parameter used by the root module
+            x = x + 0.1 * x @ self.blocks[1].attn.proj.weight
+        logits = self.head(self.ln_f(x))
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
 @dataclass(frozen=True)
 class Recipe:
-    model: str = "gpt"  # "gpt", "tied" (tied embeddings + a frozen parameter)
+    model: str = "gpt"  # "gpt", "tied" (tied embeddings + a frozen parameter), "twice", "outside", "reverse"
     steps: int = 10
     gas: int = 2
     micro: int = 2  # per rank
@@ -31,7 +56,8 @@ class Recipe:
 def make_model(recipe: Recipe) -> nn.Module:
     torch.manual_seed(recipe.seed)
     tied = recipe.model == "tied"
-    model = GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=32, n_layer=2, n_head=4, tie_embeddings=tied))
+    cfg = GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=32, n_layer=2, n_head=4, tie_embeddings=tied)
+    model = TwistedGPT(cfg, recipe.model) if recipe.model in ("twice", "outside", "reverse") else GPT(cfg)
     if tied:
         model.pos.weight.requires_grad_(False)  # a frozen parameter
     return model

@@ -28,8 +28,19 @@ def test_loads_dict_json_yaml_and_object(tmp_path):
     [
         ({"zero_optimization": {"stgae": 1}}, ["zero_optimization.stgae", "unknown key", "did you mean 'stage'"]),
         ({"train_batch_sise": 4}, ["train_batch_sise", "did you mean 'train_batch_size'"]),
-        ({"zero_optimization": {"stage": 7}}, ["zero_optimization.stage", "0, 1 or 2", "got 7"]),
-        ({"zero_optimization": {"stage": 3}}, ["zero_optimization.stage", "stage 3 is not supported yet"]),
+        ({"zero_optimization": {"stage": 7}}, ["zero_optimization.stage", "0, 1, 2 or 3", "got 7"]),
+        (
+            {"zero_optimization": {"stage": 2, "stage3_prefetch_bucket_size": 0}},
+            ["zero_optimization", "stage3_prefetch_bucket_size applies to stage 3 only, but stage is 2"],
+        ),
+        (
+            {"zero_optimization": {"stage": 3, "stage3_unit_classes": "Block"}},
+            ["zero_optimization.stage3_unit_classes", "valid list", "got 'Block'"],
+        ),
+        (
+            {"zero_optimization": {"stage": 3, "stage3_max_live_parameters": 1e9}},
+            ["zero_optimization.stage3_max_live_parameters", "does not support yet"],
+        ),
         ({"gradient_clipping": "1.0"}, ["gradient_clipping", "valid number", "got '1.0'"]),
         ({"gradient_clipping": -1}, ["gradient_clipping", "greater than or equal to 0", "got -1"]),
         ({"train_batch_size": 1.5}, ["train_batch_size", "valid integer", "got 1.5"]),

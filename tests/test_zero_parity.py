@@ -44,3 +44,18 @@ def test_parity_without_overlap_and_with_large_buckets(stage):
     ref = reference(recipe, 3)
     assert_parity(run_distributed(engine_run, 3, recipe, stage, 3, 2000, {"overlap_comm": False}), ref)
     assert_parity(run_distributed(engine_run, 3, recipe, stage, 3, 10**9), ref)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_stage3_gpt_parity(world):
+    recipe = Recipe()
+    results = run_distributed(engine_run, world, recipe, 3, world, 2000, {"stage3_param_persistence_threshold": 0})
+    assert_parity(results, reference(recipe, world))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_stage3_tied_frozen_persistent_parity(world):
+    """Tied embedding/head, a frozen parameter, and small parameters kept whole (persistence threshold)."""
+    recipe = Recipe(model="tied")
+    results = run_distributed(engine_run, world, recipe, 3, world, 2000, {"stage3_param_persistence_threshold": 100})
+    assert_parity(results, reference(recipe, world))

@@ -130,16 +130,21 @@ class Communicator:
             async_op,
         )
 
-    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, *, what: str, async_op: bool = False):
-        """Concatenate every rank's ``inp`` into ``out``; ``inp`` may be this rank's chunk of ``out``."""
+    def all_gather(
+        self, out: torch.Tensor, inp: torch.Tensor, *, what: str, async_op: bool = False, kind: str = "all_gather"
+    ):
+        """Concatenate every rank's ``inp`` into ``out``; ``inp`` may be this rank's chunk of ``out``.
+
+        ``kind`` is the name the bytes are counted under (e.g. ``gather_check`` for ZeRO-3's unit-id check,
+        so that parameter traffic stays comparable with the formulas)."""
         n = self.size
-        self._count("all_gather", out.numel() * out.element_size() * (n - 1) // n)
+        self._count(kind, out.numel() * out.element_size() * (n - 1) // n)
         if n == 1:
             if out.data_ptr() != inp.data_ptr():
                 out.copy_(inp)
-            return Handle(self, None, "all_gather", what) if async_op else None
+            return Handle(self, None, kind, what) if async_op else None
         return self._run(
-            "all_gather",
+            kind,
             what,
             lambda a: _all_gather_flat(out, inp, group=self.group, async_op=a),
             async_op,

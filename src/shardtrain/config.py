@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 
 import torch
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from shardtrain.errors import ConfigError
 
@@ -54,12 +54,10 @@ UNSUPPORTED_DEEPSPEED_KEYS: dict[str, str] = {
     "dump_state": "not supported",
     "zero_optimization.offload_optimizer": "optimizer offload is not supported yet",
     "zero_optimization.offload_param": "parameter offload is not supported yet",
-    "zero_optimization.sub_group_size": "not supported yet (ZeRO-3)",
-    "zero_optimization.stage3_prefetch_bucket_size": "ZeRO stage 3 is not supported yet",
-    "zero_optimization.stage3_param_persistence_threshold": "ZeRO stage 3 is not supported yet",
-    "zero_optimization.stage3_max_live_parameters": "ZeRO stage 3 is not supported yet",
-    "zero_optimization.stage3_max_reuse_distance": "ZeRO stage 3 is not supported yet",
-    "zero_optimization.stage3_gather_16bit_weights_on_model_save": "ZeRO stage 3 is not supported yet",
+    "zero_optimization.sub_group_size": "the optimizer steps each rank's fragments at once",
+    "zero_optimization.stage3_max_live_parameters": "at most the current and the prefetched units are gathered",
+    "zero_optimization.stage3_max_reuse_distance": "units are released after every use",
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save": "use engine.full_state_dict()",
     "zero_optimization.round_robin_gradients": "not supported",
     "zero_optimization.elastic_checkpoint": "not supported; checkpoints will load into any layout",
     "zero_optimization.load_from_fp32_weights": "not supported yet",
@@ -84,6 +82,7 @@ def _integral(v: Any) -> Any:
 
 
 Count = Annotated[int, BeforeValidator(_integral), Field(strict=True, ge=1)]
+Size = Annotated[int, BeforeValidator(_integral), Field(strict=True, ge=0)]
 
 
 class _Section(BaseModel):
@@ -91,7 +90,7 @@ class _Section(BaseModel):
 
 
 class ZeroConfig(_Section):
-    stage: Literal[0, 1, 2] = 0
+    stage: Literal[0, 1, 2, 3] = 0
     reduce_bucket_size: Count = 500_000_000
     """Elements per gradient bucket; also the unit parameters are laid out (and all-gathered) in."""
     allgather_bucket_size: Count = 500_000_000
@@ -100,13 +99,22 @@ class ZeroConfig(_Section):
     """Launch each bucket's reduction as soon as its gradients are ready during backward."""
     contiguous_gradients: Literal[True] = True
     """Always on: gradients are copied into contiguous bucket buffers (``false`` is refused)."""
+    stage3_param_persistence_threshold: Size = 100_000
+    """Stage 3: parameters with fewer elements stay whole on every rank."""
+    stage3_prefetch_bucket_size: Size = 50_000_000
+    """Stage 3: elements of upcoming units gathered ahead of use (0 disables prefetch)."""
+    stage3_unit_classes: list[str] | None = None
+    """Stage 3 (shardtrain key): module class names to gather/release as units, instead of repeated blocks."""
+    stage3_gather_check: bool = True
+    """Stage 3 (shardtrain key): exchange unit ids before each gather to catch ranks on different paths."""
 
-    @field_validator("stage", mode="before")
-    @classmethod
-    def _stage3(cls, v: Any) -> Any:
-        if v == 3 and not isinstance(v, bool):
-            raise ValueError("ZeRO stage 3 is not supported yet; use stage 0, 1 or 2")
-        return v
+    @model_validator(mode="after")
+    def _stage3_keys_need_stage3(self) -> ZeroConfig:
+        if self.stage != 3:
+            for key in sorted(self.model_fields_set):
+                if key.startswith("stage3_"):
+                    raise ValueError(f"{key} applies to stage 3 only, but stage is {self.stage}; remove it")
+        return self
 
 
 class OptimizerConfig(_Section):

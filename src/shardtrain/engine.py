@@ -15,7 +15,8 @@ import hashlib
 import json
 import logging
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +30,10 @@ from shardtrain.config import Config, load_config, optimizer_class_and_kwargs, r
 from shardtrain.errors import ConfigError, OptimizerError, RankMismatchError
 from shardtrain.mesh import Topology, init_topology
 from shardtrain.schedulers import build_scheduler
-from shardtrain.zero.layout import build_buckets
+from shardtrain.zero.layout import Bucket, build_buckets, group_by_size
 from shardtrain.zero.optimizer import ShardedOptimizer, check_optimizer
 from shardtrain.zero.reducer import GradientReducer
+from shardtrain.zero.stage3 import ParameterUnits, assign_parameters, find_unit_modules
 
 log = logging.getLogger("shardtrain")
 
@@ -58,10 +60,32 @@ class Engine:
             config, topology.dp
         )
         _check_ranks_agree(self.comm, module, config)
-        trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        self._buckets = build_buckets(trainable, zcfg.reduce_bucket_size, topology.dp, topology.dp_rank)
+        self._units: ParameterUnits | None = None
+        if self.stage == 3:
+            unit_specs, persistent = self._plan_units()
+            self._buckets = [b for _, _, bs in unit_specs for b in bs] + build_buckets(
+                group_by_size(persistent, zcfg.reduce_bucket_size),
+                topology.dp,
+                topology.dp_rank,
+                first_index=sum(len(bs) for _, _, bs in unit_specs),
+            )
+        else:
+            trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+            self._buckets = build_buckets(
+                group_by_size(trainable, zcfg.reduce_bucket_size), topology.dp, topology.dp_rank
+            )
         self._sync_initial_state()
-        self._reducer = GradientReducer(self._buckets, self.stage, self.comm, zcfg.overlap_comm)
+        if self.stage == 3:
+            self._units = ParameterUnits(
+                module, unit_specs, self.comm, zcfg.stage3_prefetch_bucket_size, zcfg.stage3_gather_check
+            )
+        self._reducer = GradientReducer(
+            self._buckets,
+            self.stage,
+            self.comm,
+            zcfg.overlap_comm,
+            on_launch=self._units.on_bucket_launched if self._units else None,
+        )
         self._optimizer = ShardedOptimizer(
             optimizer, module, self._buckets, self._reducer, self.stage, self.comm, zcfg.allgather_bucket_size
         )
@@ -74,6 +98,32 @@ class Engine:
         self.comm.reset_stats()
 
     # -- setup ----------------------------------------------------------------------------------
+    def _plan_units(self) -> tuple[list[tuple[str, nn.Module, list[Bucket]]], list[tuple[str, nn.Parameter]]]:
+        """Stage 3: (unit name, module, buckets) in expected backward order, and the persistent parameters.
+
+        Units are ordered last block first and the root last, the order their gradients complete in
+        backward, because reductions are launched in bucket order (see [Note: collective order]).
+        """
+        zcfg, top = self.config.zero_optimization, self.topology
+        unit_modules = find_unit_modules(self.module, zcfg.stage3_unit_classes)
+        groups = assign_parameters(self.module, unit_modules)
+        threshold = zcfg.stage3_param_persistence_threshold
+        persistent = [(n, p) for g in groups for n, p in g if p.numel() < threshold]
+        named = [*unit_modules[::-1], ("<root>", self.module)]
+        params_of = [*groups[:-1][::-1], groups[-1]]
+        specs: list[tuple[str, nn.Module, list[Bucket]]] = []
+        index = 0
+        for (name, m), params in zip(named, params_of):
+            by_dtype: dict[torch.dtype, list[tuple[str, nn.Parameter]]] = {}
+            for n, p in params:
+                if p.numel() >= threshold:
+                    by_dtype.setdefault(p.dtype, []).append((n, p))
+            if by_dtype:
+                buckets = build_buckets(list(by_dtype.values()), top.dp, top.dp_rank, first_index=index)
+                index += len(buckets)
+                specs.append((name, m, buckets))
+        return specs, persistent
+
     def _sync_initial_state(self) -> None:
         """Every rank starts from rank 0's parameters and buffers (as DDP does)."""
         for b in self._buckets:
@@ -101,10 +151,14 @@ class Engine:
             raise ValueError(f"engine.backward expects a scalar loss tensor, got {_describe(loss)}")
         self._last_loss = loss.detach()
         self._reducer.begin_backward(self.is_gradient_accumulation_boundary())
+        if self._units is not None:
+            self._units.begin_backward()
         try:
             (loss / self.gradient_accumulation_steps).backward()
         finally:
             self._reducer.end_backward()
+            if self._units is not None:
+                self._units.end_backward()
 
     def step(self) -> None:
         """At an accumulation boundary: clip, step optimizer and scheduler, clear gradients."""
@@ -151,17 +205,66 @@ class Engine:
         return stats
 
     def state_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds for parameters, gradients and optimizer state (incl. ZeRO padding)."""
+        """Bytes this rank holds for parameters, gradients and optimizer state (incl. ZeRO padding).
+
+        Parameters: the permanent copies (full flat buffers at stages 0-2; shards of units plus persistent
+        and frozen parameters at stage 3). Transient buffers (gathered units, stage-2/3 gradient staging) are
+        not state and not counted."""
         bucketed = {id(s.param) for b in self._buckets for s in b.slots}
-        params = sum(b.flat_param.numel() * b.flat_param.element_size() for b in self._buckets)
+        params = sum(
+            (b.flat_param if b.gather_after_step else b.shard).numel() * b.shard.element_size() for b in self._buckets
+        )
         params += sum(p.numel() * p.element_size() for p in self.module.parameters() if id(p) not in bucketed)
         return {"params": params, "grads": self._reducer.grad_bytes(), "optimizer": self._optimizer.state_bytes()}
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """The full model state dict on rank 0 (CPU copies; tied parameters under every name), None elsewhere."""
-        if self.topology.dp_rank != 0:
+        """The full model state dict on rank 0 (CPU copies; tied parameters under every name), None elsewhere.
+
+        Collective at stage 3 (every rank must call it): units are gathered one at a time, so no rank holds
+        more than one unit's full parameters besides the CPU copies on rank 0."""
+        rank0 = self.topology.dp_rank == 0
+        copies: dict[int, torch.Tensor] = {}
+        if self._units is not None:
+            for unit in self._units.units:
+                with self._units.gathered([unit]):
+                    for b in unit.buckets:
+                        for s in b.slots:
+                            if rank0:
+                                copies[id(s.param)] = s.param.detach().to("cpu", copy=True)
+        if not rank0:
             return None
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
+        state = self.module.state_dict(keep_vars=True)
+        return {k: copies[id(v)] if id(v) in copies else v.detach().to("cpu", copy=True) for k, v in state.items()}
+
+    @contextmanager
+    def gathered(self, target: nn.Module | nn.Parameter | Iterable[nn.Parameter], modifier_rank: int | None = None):
+        """Full parameters of ``target`` inside the block (collective: every rank must enter).
+
+        With ``modifier_rank=r``, the values rank ``r`` holds at the end of the block are copied to every
+        rank and into the sharded state (the masters the optimizer steps), so changes made there persist.
+        """
+        if isinstance(target, nn.Module):
+            params = list(target.parameters())
+        elif isinstance(target, torch.Tensor):
+            params = [target]
+        else:
+            params = list(target)
+        units = self._units.units_of(params) if self._units is not None else []
+        context = self._units.gathered(units) if self._units is not None else nullcontext()
+        with context:
+            yield
+            if modifier_rank is not None:
+                if not 0 <= modifier_rank < self.topology.dp:
+                    raise ValueError(
+                        f"modifier_rank {modifier_rank} is not a rank of this job (0..{self.topology.dp - 1})"
+                    )
+                with torch.no_grad():
+                    for p in params:
+                        self.comm.broadcast(p.data, modifier_rank, what="parameters changed in engine.gathered()")
+                    for unit in units:
+                        for b in unit.buckets:
+                            lo, hi = b.shard_range
+                            b.shard.copy_(b.flat_param[lo:hi])
 
 
 # -- initialize -------------------------------------------------------------------------------------

@@ -13,6 +13,10 @@ Each module parameter's storage is redirected to its place in the flat buffer, s
   chunk ``r``, recorded as plain offsets (:class:`Fragment`), never re-derived from padding rules.
 
 Padding elements are zero in parameters and gradients and are never handed to the optimizer.
+
+At stage 3 a bucket is a *unit* (see :mod:`shardtrain.zero.stage3`): ``shard`` gets storage of its own
+and the full flat buffer's storage is freed between uses; parameters stay views of the full buffer, so a
+re-gather refills the very storage autograd saved for backward.
 """
 
 from __future__ import annotations
@@ -57,7 +61,11 @@ class Bucket:
     world: int
     rank: int
     flat_param: torch.Tensor = field(repr=False)
+    shard: torch.Tensor = field(repr=False)
+    """This rank's chunk: a view of ``flat_param`` (stages 0-2) or storage of its own (stage-3 units)."""
     fragments: list[Fragment] = field(default_factory=list)
+    gather_after_step: bool = True
+    """Whether the optimizer step is followed by an all-gather (False for stage-3 units: gathered on use)."""
 
     @property
     def shard_numel(self) -> int:
@@ -67,10 +75,6 @@ class Bucket:
     def shard_range(self) -> tuple[int, int]:
         return self.rank * self.shard_numel, (self.rank + 1) * self.shard_numel
 
-    def param_shard(self) -> torch.Tensor:
-        lo, hi = self.shard_range
-        return self.flat_param[lo:hi]
-
 
 def _fragment(slot: ParamSlot, lo: int, hi: int) -> Fragment:
     a, b = max(slot.offset, lo), min(slot.offset + slot.numel, hi)
@@ -79,13 +83,10 @@ def _fragment(slot: ParamSlot, lo: int, hi: int) -> Fragment:
     return Fragment(start=a - slot.offset, length=b - a, shard_offset=a - lo)
 
 
-def build_buckets(
-    named_params: list[tuple[str, nn.Parameter]], bucket_numel: int, world: int, rank: int
-) -> list[Bucket]:
-    """Lay trainable parameters out into flat buckets and point each parameter at its slice.
-
-    ``named_params`` must hold each Parameter once (tied parameters under their first name).
-    """
+def group_by_size(
+    named_params: list[tuple[str, nn.Parameter]], bucket_numel: int
+) -> list[list[tuple[str, nn.Parameter]]]:
+    """Greedy buckets of at most ``bucket_numel`` elements per dtype, in reverse registration order."""
     by_dtype: dict[torch.dtype, list[tuple[str, nn.Parameter]]] = {}
     for name, p in reversed(named_params):
         by_dtype.setdefault(p.dtype, []).append((name, p))
@@ -101,12 +102,24 @@ def build_buckets(
             size += p.numel()
         if current:
             groups.append(current)
+    return groups
 
+
+def build_buckets(
+    groups: list[list[tuple[str, nn.Parameter]]], world: int, rank: int, first_index: int = 0, own_shard: bool = False
+) -> list[Bucket]:
+    """One flat bucket per group (one dtype each); each parameter is pointed at its slice.
+
+    Each Parameter must appear once overall (tied parameters under their first name). With ``own_shard``
+    the rank's chunk is copied into storage of its own (stage-3 units).
+    """
     buckets = []
-    for index, items in enumerate(groups):
+    for index, items in enumerate(groups, start=first_index):
         numel = sum(p.numel() for _, p in items)
         padded = -(-numel // world) * world
         first = items[0][1]
+        if any(p.dtype != first.dtype for _, p in items):
+            raise ValueError("a bucket holds parameters of one dtype")
         flat = torch.zeros(padded, dtype=first.dtype, device=first.device)
         slots, offset = [], 0
         for name, p in items:
@@ -116,8 +129,10 @@ def build_buckets(
                 p.data = flat[offset : offset + n].view(p.shape)
             slots.append(ParamSlot(name=name, param=p, offset=offset, numel=n))
             offset += n
-        bucket = Bucket(index, first.dtype, slots, numel, padded, world, rank, flat_param=flat)
-        lo, hi = bucket.shard_range
+        shard_numel = padded // world
+        lo, hi = rank * shard_numel, (rank + 1) * shard_numel
+        shard = flat[lo:hi].clone() if own_shard else flat[lo:hi]
+        bucket = Bucket(index, first.dtype, slots, numel, padded, world, rank, flat_param=flat, shard=shard)
         bucket.fragments = [_fragment(s, lo, hi) for s in slots]
         buckets.append(bucket)
     return buckets

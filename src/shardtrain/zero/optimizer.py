@@ -40,13 +40,8 @@ class ShardedOptimizer:
         # (fragment tensor, bucket, slot index) for every trainable parameter, keyed by the parameter
         self._frag: dict[int, tuple[torch.Tensor, Bucket, int]] = {}
         for b in buckets:
-            lo, _ = b.shard_range
             for i, (slot, f) in enumerate(zip(b.slots, b.fragments)):
-                if stage == 0:
-                    t = slot.param
-                else:
-                    a = lo + f.shard_offset
-                    t = b.flat_param[a : a + f.length]
+                t = slot.param if stage == 0 else b.shard[f.shard_offset : f.shard_offset + f.length]
                 self._frag[id(slot.param)] = (t, b, i)
         if stage > 0:
             for group in optimizer.param_groups:
@@ -96,10 +91,10 @@ class ShardedOptimizer:
         """Every rank's updated chunks into the full flat buffers, at most ``allgather_bucket_numel``
         elements in flight."""
         in_flight: list[tuple[int, object]] = []
-        for b in self.buckets:
+        for b in (b for b in self.buckets if b.gather_after_step):
             while in_flight and sum(n for n, _ in in_flight) + b.padded_numel > self.allgather_bucket_numel:
                 in_flight.pop(0)[1].wait()
-            h = self.comm.all_gather(b.flat_param, b.param_shard(), what=f"parameter bucket {b.index}", async_op=True)
+            h = self.comm.all_gather(b.flat_param, b.shard, what=f"parameter bucket {b.index}", async_op=True)
             in_flight.append((b.padded_numel, h))
         for _, h in in_flight:
             h.wait()

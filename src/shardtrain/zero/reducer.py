@@ -5,10 +5,11 @@
   accumulates micro-steps in place. At the accumulation boundary each bucket is all-reduced (averaged).
 * stage 1: same full buffers; at the boundary each bucket is reduce-scattered and the averaged result
   written into this rank's chunk of the buffer, which the optimizer's fragments view.
-* stage 2: no full buffer survives a bucket. When a parameter's gradient is ready it is copied into its
+* stages 2 and 3: no full gradient buffer survives a bucket. When a parameter's gradient is ready it is copied into its
   bucket's staging buffer and ``param.grad`` is freed; a complete bucket is reduce-scattered (every
   micro-step) and the result added into a persistent ``shard_numel`` gradient buffer; staging is freed as
-  soon as the collective completes.
+  soon as the collective completes. At stage 3 a bucket is a unit, and ``on_launch`` releases the unit's
+  gathered parameters as soon as its reduction is launched (its backward is over).
 
 [Note: collective order]
 Buckets are launched strictly in index order on every rank: a bucket that is ready before its predecessor
@@ -18,6 +19,7 @@ gradients. This keeps the sequence of collectives identical on every rank whatev
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -36,24 +38,33 @@ class _Pending:
 
 
 class GradientReducer:
-    def __init__(self, buckets: list[Bucket], stage: int, comm: Communicator, overlap: bool) -> None:
+    def __init__(
+        self,
+        buckets: list[Bucket],
+        stage: int,
+        comm: Communicator,
+        overlap: bool,
+        on_launch: Callable[[Bucket], None] | None = None,
+    ) -> None:
         self.buckets, self.stage, self.comm, self.overlap = buckets, stage, comm, overlap
+        self.sharded_grads = stage >= 2
+        self._on_launch = on_launch
         self._in_backward = False
         self._boundary = False
-        self._fresh_shard = True  # stage 2: the gradient shards hold nothing yet this step
+        self._fresh_shard = True  # stages 2-3: the gradient shards hold nothing yet this step
         self._ready = [0] * len(buckets)
         self._next = 0
         self._pending: list[_Pending] = []
         self._staging: dict[int, torch.Tensor] = {}
         self.full_grads: list[torch.Tensor] = []
         self.shard_grads: list[torch.Tensor] = []
-        if stage in (0, 1):
+        if not self.sharded_grads:
             self.full_grads = [torch.zeros_like(b.flat_param) for b in buckets]
             for b, g in zip(buckets, self.full_grads):
                 for s in b.slots:
                     s.param.grad = self._grad_view(g, s)
         else:
-            self.shard_grads = [b.flat_param.new_zeros(b.shard_numel) for b in buckets]
+            self.shard_grads = [b.shard.new_zeros(b.shard_numel) for b in buckets]
         self._hooks = [
             s.param.register_post_accumulate_grad_hook(self._make_hook(b.index, s)) for b in buckets for s in b.slots
         ]
@@ -69,8 +80,8 @@ class GradientReducer:
         self._next = 0
 
     def _active(self) -> bool:
-        """Whether this backward reduces (stage 2 every micro-step, stages 0/1 at the boundary)."""
-        return self.stage == 2 or self._boundary
+        """Whether this backward reduces (stages 2-3 every micro-step, stages 0-1 at the boundary)."""
+        return self.sharded_grads or self._boundary
 
     def _make_hook(self, index: int, slot: ParamSlot):
         def hook(param: torch.Tensor) -> None:
@@ -87,7 +98,7 @@ class GradientReducer:
                     "reduced (reentrant activation checkpointing?); use torch.utils.checkpoint(..., "
                     "use_reentrant=False) or set zero_optimization.overlap_comm to false"
                 )
-            if self.stage in (0, 1):
+            if not self.sharded_grads:
                 view = self._grad_view(self.full_grads[index], slot)
                 if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
                     view.add_(param.grad)  # someone reset .grad (e.g. zero_grad(set_to_none=True))
@@ -95,7 +106,7 @@ class GradientReducer:
             else:
                 staging = self._staging.get(index)
                 if staging is None:
-                    staging = self._staging[index] = bucket.flat_param.new_zeros(bucket.padded_numel)
+                    staging = self._staging[index] = bucket.shard.new_zeros(bucket.padded_numel)
                 staging[slot.offset : slot.offset + slot.numel].copy_(param.grad.reshape(-1))
                 param.grad = None
             self._ready[index] += 1
@@ -116,11 +127,13 @@ class GradientReducer:
             self._pending.append(_Pending(b, handle, None, None))
             return
         inp = self.full_grads[b.index] if self.stage == 1 else self._staging.pop(b.index, None)
-        if inp is None:  # stage 2, no parameter of the bucket got a gradient on this rank
-            inp = b.flat_param.new_zeros(b.padded_numel)
-        out = b.flat_param.new_empty(b.shard_numel)
+        if inp is None:  # stages 2-3, no parameter of the bucket got a gradient on this rank
+            inp = b.shard.new_zeros(b.padded_numel)
+        out = b.shard.new_empty(b.shard_numel)
         handle = self.comm.reduce_scatter(out, inp, "avg", what=what, async_op=True)
         self._pending.append(_Pending(b, handle, out, inp))
+        if self._on_launch is not None:
+            self._on_launch(b)
 
     def end_backward(self) -> None:
         """Launch what is left in order and wait for every reduction of this backward."""
@@ -140,7 +153,7 @@ class GradientReducer:
                 self.shard_grads[p.bucket.index].copy_(p.out)
             else:
                 self.shard_grads[p.bucket.index].add_(p.out)
-        if self._pending and self.stage == 2:
+        if self._pending and self.sharded_grads:
             self._fresh_shard = False
         self._pending.clear()
         self._staging.clear()
@@ -149,7 +162,7 @@ class GradientReducer:
     # -- after the step --------------------------------------------------------------------------
     def shard_grad(self, b: Bucket) -> torch.Tensor:
         """This rank's reduced gradient chunk of bucket ``b`` (valid after a boundary backward)."""
-        if self.stage == 2:
+        if self.sharded_grads:
             return self.shard_grads[b.index]
         lo, hi = b.shard_range
         return self.full_grads[b.index][lo:hi]

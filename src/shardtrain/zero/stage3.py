@@ -1,0 +1,434 @@
+"""ZeRO stage 3: parameters partitioned into units, gathered just in time and released right after.
+
+[Note: unit lifecycle]
+A *unit* is a module whose parameters are gathered and released together: by default every block of a
+repeated ``nn.ModuleList``/``nn.Sequential`` stack, plus a root unit with the remaining parameters. Each
+unit owns one flat bucket per dtype (see [Note: bucket layout]); the bucket's ``shard`` is the only
+permanent copy, and the full flat buffer's storage is resized to 0 while the unit is ``SHARDED``.
+
+* forward: the unit's pre-forward hook gathers it (or waits for the prefetch), and prefetches the next
+  unit(s) of the order recorded on the first step; the post-forward hook releases it and puts a hook on its
+  outputs so that the unit is gathered again just before its backward runs;
+* backward: once every parameter of the unit has its gradient, the gradient reducer reduce-scatters the
+  unit and releases it (``on_bucket_launched``);
+* parameters stay views of the full buffer for their whole life. Releasing frees the storage in place and
+  gathering refills that same storage, so tensors autograd saved in forward see the values again in
+  backward (the version counter is preserved across the refill: the values written are the same).
+
+[Note: guarded parameters]
+Trainable parameters of units become :class:`ShardedParameter` (their class is changed in place, so the
+optimizer, tied modules and hooks keep the same object). Any data access while the unit is not gathered
+(reading ``.data``, an arithmetic op, ``state_dict()``) is intercepted by ``__torch_function__``: inside a
+forward it gathers the owning unit on demand (a parameter used outside the module that owns it; such units
+stay gathered for the backward too); anywhere else it raises an error naming the parameter and the
+``engine.gathered(...)`` context to use. Metadata (shape, dtype, ``.grad``) stays readable.
+
+[Note: unit order check]
+Before each all-gather the ranks exchange the id of the unit they are about to gather (one 8-byte
+all-gather, on by default: ``zero_optimization.stage3_gather_check``). Ranks that took different paths then
+fail at once with the unit each rank was gathering, instead of mixing up buffers or hanging. Cost: one
+small collective per gather (tens of microseconds on gloo over loopback, a few on NCCL); turn it off with
+``stage3_gather_check: false`` once a model is known to run the same path on every rank.
+"""
+
+from __future__ import annotations
+
+import enum
+import types
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from shardtrain.comm import Communicator, Handle
+from shardtrain.errors import RankMismatchError, ShardtrainError
+from shardtrain.zero.layout import Bucket
+
+
+class UnitState(enum.Enum):
+    SHARDED = "sharded"  # only this rank's shard exists; the full buffer's storage is freed
+    GATHERING = "gathering"  # an all-gather into the full buffer is in flight (prefetch)
+    GATHERED = "gathered"  # full parameters are readable
+
+
+# Tensor attributes and methods that read no parameter data, allowed while a unit is sharded.
+_METADATA = frozenset(
+    [
+        "shape",
+        "dtype",
+        "device",
+        "size",
+        "dim",
+        "ndim",
+        "numel",
+        "nelement",
+        "element_size",
+        "requires_grad",
+        "requires_grad_",
+        "is_leaf",
+        "grad",
+        "_grad",
+        "grad_fn",
+        "_grad_fn",
+        "is_floating_point",
+        "is_complex",
+        "layout",
+        "is_sparse",
+        "is_cuda",
+        "is_meta",
+        "__hash__",
+        "register_hook",
+        "register_post_accumulate_grad_hook",
+        "_post_accumulate_grad_hooks",
+        "_backward_hooks",
+        "retains_grad",
+        "_version",
+        "_base",
+        "_is_view",
+        "__len__",
+        "names",
+        "is_quantized",
+        "is_mkldnn",
+        "is_nested",
+    ]
+)
+
+
+def _op_name(func) -> str:
+    if isinstance(func, types.MethodWrapperType):  # attribute access: Tensor.data.__get__
+        return getattr(func.__self__, "__name__", "")
+    return getattr(func, "__name__", "")
+
+
+def _sharded_args(args: tuple, kwargs: dict) -> Iterator[ShardedParameter]:
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, ShardedParameter):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            yield from (x for x in a if isinstance(x, ShardedParameter))
+
+
+class ShardedParameter(nn.Parameter):
+    """A parameter of a ZeRO-3 unit; see [Note: guarded parameters]."""
+
+    _st_name: str
+    _st_unit: Unit
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _op_name(func) not in _METADATA:
+            for p in _sharded_args(args, kwargs):
+                if p._st_unit.state is not UnitState.GATHERED:
+                    p._st_unit.runtime.touch(p)
+        return super().__torch_function__(func, types, args, kwargs)
+
+    def __repr__(self) -> str:
+        return f"ShardedParameter({self._st_name!r}, shape={tuple(self.shape)}, {self._st_unit.state.value})"
+
+
+@dataclass(eq=False)
+class Unit:
+    index: int
+    name: str
+    module: nn.Module
+    buckets: list[Bucket]
+    runtime: ParameterUnits = field(repr=False)
+    state: UnitState = UnitState.GATHERED
+    pending: list[Handle] = field(default_factory=list)
+    launched: int = 0  # buckets whose gradient reduction was launched this backward
+
+    @property
+    def numel(self) -> int:
+        return sum(b.padded_numel for b in self.buckets)
+
+
+def find_unit_modules(root: nn.Module, unit_classes: list[str] | None) -> list[tuple[str, nn.Module]]:
+    """Modules to make units of, outermost first, never one inside another."""
+    chosen: list[tuple[str, nn.Module]] = []
+
+    def inside_chosen(name: str) -> bool:
+        return any(name == c or name.startswith(c + ".") for c, _ in chosen)
+
+    if unit_classes:
+        found = set()
+        for name, m in root.named_modules():
+            if m is not root and type(m).__name__ in unit_classes and not inside_chosen(name):
+                chosen.append((name, m))
+                found.add(type(m).__name__)
+        missing = sorted(set(unit_classes) - found)
+        if missing:
+            raise ShardtrainError(
+                f"zero_optimization.stage3_unit_classes: no module of class {', '.join(map(repr, missing))} in "
+                f"the model; classes present: {', '.join(sorted({type(m).__name__ for m in root.modules()}))}"
+            )
+        return chosen
+    for name, m in root.named_modules():
+        if isinstance(m, (nn.ModuleList, nn.Sequential)) and not inside_chosen(name):
+            children = list(m.named_children())
+            kinds = {type(c) for _, c in children}
+            if len(children) >= 2 and len(kinds) == 1 and any(True for _ in children[0][1].parameters()):
+                chosen.extend((f"{name}.{n}" if name else n, c) for n, c in children)
+    return chosen
+
+
+def assign_parameters(
+    root: nn.Module, unit_modules: list[tuple[str, nn.Module]]
+) -> list[list[tuple[str, nn.Parameter]]]:
+    """Trainable parameters of each unit module, then the root's (last); a shared parameter goes to the
+    unit whose module registers it first in ``named_modules()`` order."""
+    owner_of = {id(m): i for i, (_, m) in enumerate(unit_modules)}
+    groups: list[list[tuple[str, nn.Parameter]]] = [[] for _ in range(len(unit_modules) + 1)]
+    seen: set[int] = set()
+    prefix_unit: dict[str, int] = {}
+    for name, m in root.named_modules(remove_duplicate=False):
+        parent = name.rsplit(".", 1)[0] if "." in name else ""
+        unit = owner_of.get(id(m), prefix_unit.get(parent, len(unit_modules)) if name else len(unit_modules))
+        prefix_unit[name] = unit
+        for pname, p in m.named_parameters(recurse=False):
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                groups[unit].append((f"{name}.{pname}" if name else pname, p))
+    return groups
+
+
+class ParameterUnits:
+    """Runs the [Note: unit lifecycle] for a root module and its units."""
+
+    def __init__(
+        self,
+        root: nn.Module,
+        units: list[tuple[str, nn.Module, list[Bucket]]],
+        comm: Communicator,
+        prefetch_numel: int,
+        gather_check: bool,
+    ) -> None:
+        self.root, self.comm = root, comm
+        self.prefetch_numel, self.gather_check = prefetch_numel, gather_check
+        self.units: list[Unit] = []
+        self._unit_of_bucket: dict[int, Unit] = {}
+        for index, (name, module, buckets) in enumerate(units):
+            unit = Unit(index, name, module, buckets, runtime=self)
+            self.units.append(unit)
+            for b in buckets:
+                self._unit_of_bucket[b.index] = unit
+                lo, hi = b.shard_range
+                b.shard = b.flat_param[lo:hi].clone()
+                b.gather_after_step = False
+                for s in b.slots:
+                    s.param.__class__ = ShardedParameter
+                    s.param._st_name, s.param._st_unit = s.name, unit
+            self._release(unit)
+        self.in_forward = False
+        self._on_demand: set[int] = set()  # units gathered because a parameter was used outside its unit
+        self._fwd_order: list[int] | None = None  # recorded on the first forward (see [Note: unit lifecycle])
+        self._bwd_order: list[int] | None = None
+        self._fwd_now: list[int] = []
+        self._bwd_now: list[int] = []
+        self._order_ok = True
+        self._warned = False
+        by_module: dict[int, list[Unit]] = {}
+        for u in self.units:
+            by_module.setdefault(id(u.module), []).append(u)
+        self._hooks = []
+        for u in self.units:
+            if u.module is root:
+                continue
+            self._hooks.append(u.module.register_forward_pre_hook(partial(self._pre_forward, u)))
+            self._hooks.append(u.module.register_forward_hook(partial(self._post_forward, u)))
+        root_units = by_module.get(id(root), [])
+        self._hooks.append(root.register_forward_pre_hook(partial(self._root_pre_forward, root_units)))
+        self._hooks.append(root.register_forward_hook(partial(self._root_post_forward, root_units)))
+
+    # -- gather / release ------------------------------------------------------------------------------
+    def _check_same_unit(self, unit: Unit, why: str) -> None:
+        if not self.gather_check:
+            return
+        mine = torch.tensor([unit.index], dtype=torch.int64, device=unit.buckets[0].shard.device)
+        everyone = mine.new_empty(self.comm.size)
+        self.comm.all_gather(
+            everyone, mine, what=f"unit-order check before gathering {unit.name!r}", kind="gather_check"
+        )
+        ids = everyone.tolist()
+        if len(set(ids)) > 1:
+            per_rank = ", ".join(f"rank {r}: {self.units[i].name!r}" for r, i in enumerate(ids))
+            raise RankMismatchError(
+                f"ranks are gathering different ZeRO-3 units at the same point ({why}): {per_rank}. Every rank "
+                "must run the same sequence of forward and backward passes (same modules, same number of calls)."
+            )
+
+    def _gather(self, unit: Unit, why: str, async_op: bool = False) -> None:
+        if unit.state is UnitState.GATHERING:
+            if not async_op:
+                self._wait(unit)
+            return
+        if unit.state is UnitState.GATHERED:
+            return
+        self._check_same_unit(unit, why)
+        for b in unit.buckets:
+            b.flat_param.untyped_storage().resize_(b.padded_numel * b.flat_param.element_size())
+            with torch.autograd._unsafe_preserve_version_counter(b.flat_param):
+                unit.pending.append(
+                    self.comm.all_gather(b.flat_param, b.shard, what=f"parameters of unit {unit.name!r}", async_op=True)
+                )
+        unit.state = UnitState.GATHERING
+        if not async_op:
+            self._wait(unit)
+
+    def _wait(self, unit: Unit) -> None:
+        for h in unit.pending:
+            h.wait()
+        unit.pending.clear()
+        unit.state = UnitState.GATHERED
+
+    def _release(self, unit: Unit) -> None:
+        if unit.state is UnitState.GATHERING:
+            self._wait(unit)
+        for b in unit.buckets:
+            b.flat_param.untyped_storage().resize_(0)
+        unit.state = UnitState.SHARDED
+
+    def touch(self, p: ShardedParameter) -> None:
+        """A sharded parameter's data is being used: gather on demand in forward, else refuse."""
+        unit = p._st_unit
+        if unit.state is UnitState.GATHERING:
+            self._wait(unit)
+            return
+        if self.in_forward:
+            self._gather(unit, f"parameter {p._st_name!r} used outside its unit")
+            self._on_demand.add(unit.index)
+            return
+        raise ShardtrainError(
+            f"parameter {p._st_name!r} is partitioned by ZeRO stage 3 and not gathered here. Read it inside "
+            "`with engine.gathered(module_or_params):` (pass modifier_rank=r to change it), or use "
+            "engine.full_state_dict()."
+        )
+
+    # -- prefetch and order ----------------------------------------------------------------------------
+    def _record(self, now: list[int], recorded: list[int] | None, index: int) -> bool:
+        """Append to the order of this pass; False (and a warning, once) if it departs from the recording."""
+        now.append(index)
+        if recorded is None or not self._order_ok:
+            return recorded is not None and self._order_ok
+        k = len(now) - 1
+        if k >= len(recorded) or recorded[k] != index:
+            self._order_ok = False
+            if not self._warned:
+                self._warned = True
+                warnings.warn(
+                    f"ZeRO-3 unit order differs from the first step's at position {k} (unit "
+                    f"{self.units[index].name!r}); training stays correct, prefetch is skipped for such passes",
+                    stacklevel=4,
+                )
+            return False
+        return True
+
+    def _prefetch(self, recorded: list[int], position: int, why: str) -> None:
+        budget = self.prefetch_numel
+        for index in recorded[position + 1 :]:
+            unit = self.units[index]
+            if unit.state is not UnitState.SHARDED:
+                continue
+            if unit.numel > budget:
+                break
+            budget -= unit.numel
+            self._gather(unit, why, async_op=True)
+
+    # -- hooks -----------------------------------------------------------------------------------------
+    def _root_pre_forward(self, root_units: list[Unit], module, args) -> None:
+        self.in_forward = True
+        self._fwd_now, self._order_ok = [], True
+        for u in root_units:
+            self._gather(u, "root forward")
+
+    def _root_post_forward(self, root_units: list[Unit], module, args, output):
+        self.in_forward = False
+        if self._fwd_order is None:
+            self._fwd_order = list(self._fwd_now)
+        self._register_pre_backward(root_units, output)
+        for u in self.units:  # root, on-demand and any prefetched-but-unused unit
+            if u.state is not UnitState.SHARDED:
+                self._release(u)
+        return output
+
+    def _pre_forward(self, unit: Unit, module, args) -> None:
+        in_order = self._record(self._fwd_now, self._fwd_order, unit.index)
+        self._gather(unit, "forward")
+        if in_order and self.prefetch_numel > 0:
+            self._prefetch(self._fwd_order, len(self._fwd_now) - 1, "forward prefetch")
+
+    def _post_forward(self, unit: Unit, module, args, output):
+        self._register_pre_backward([unit], output)
+        self._release(unit)
+        return output
+
+    def _register_pre_backward(self, units: list[Unit], output) -> None:
+        if not torch.is_grad_enabled() or not units:
+            return
+        for t in tree_flatten(output)[0]:
+            if torch.is_tensor(t) and t.requires_grad:
+                t.register_hook(partial(self._pre_backward, units))
+
+    def _pre_backward(self, units: list[Unit], grad):
+        for unit in units:
+            if unit.state is UnitState.SHARDED and unit.launched == 0:
+                in_order = self._record(self._bwd_now, self._bwd_order, unit.index)
+                self._gather(unit, "backward")
+                if in_order and self.prefetch_numel > 0:
+                    self._prefetch(self._bwd_order, len(self._bwd_now) - 1, "backward prefetch")
+            elif unit.state is UnitState.GATHERING:
+                self._wait(unit)
+        if self.units and units and units[0].module is self.root:
+            for index in sorted(self._on_demand):  # used outside their unit in forward: needed again now
+                self._gather(self.units[index], "backward (parameter used outside its unit)")
+        return grad
+
+    # -- backward bracketing (called by the engine) ----------------------------------------------------
+    def begin_backward(self) -> None:
+        self._bwd_now, self._order_ok = [], True
+        for u in self.units:
+            u.launched = 0
+
+    def on_bucket_launched(self, bucket: Bucket) -> None:
+        unit = self._unit_of_bucket.get(bucket.index)
+        if unit is None:  # a persistent bucket
+            return
+        unit.launched += 1
+        if unit.launched == len(unit.buckets) and unit.index not in self._on_demand:
+            self._release(unit)
+
+    def end_backward(self) -> None:
+        if self._bwd_order is None:
+            self._bwd_order = list(self._bwd_now)
+        self._on_demand.clear()
+        for u in self.units:
+            if u.state is not UnitState.SHARDED:
+                self._release(u)
+
+    # -- access outside forward ------------------------------------------------------------------------
+    def units_of(self, params: list[nn.Parameter]) -> list[Unit]:
+        wanted = {id(p._st_unit) for p in params if isinstance(p, ShardedParameter)}
+        return [u for u in self.units if id(u) in wanted]
+
+    @contextmanager
+    def gathered(self, units: list[Unit]) -> Iterator[None]:
+        """Gather ``units`` (collective: every rank must enter) and release them on exit."""
+        was = {u.index: u.state for u in units}
+        for u in units:
+            self._gather(u, "engine.gathered()")
+        try:
+            yield
+        finally:
+            for u in units:
+                if was[u.index] is UnitState.SHARDED:
+                    self._release(u)
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
