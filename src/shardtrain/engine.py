@@ -30,10 +30,12 @@ from shardtrain.config import Config, load_config, optimizer_class_and_kwargs, r
 from shardtrain.errors import ConfigError, OptimizerError, RankMismatchError
 from shardtrain.mesh import Topology, init_topology
 from shardtrain.schedulers import build_scheduler
+from shardtrain.zero.init import is_under_construction
 from shardtrain.zero.layout import Bucket, build_buckets, group_by_size
 from shardtrain.zero.optimizer import ShardedOptimizer, check_optimizer
 from shardtrain.zero.reducer import GradientReducer
 from shardtrain.zero.stage3 import ParameterUnits, assign_parameters, find_unit_modules
+from shardtrain.zero.weights import Destination, load_safetensors, load_state_dict_from_rank0, safetensors_files
 
 log = logging.getLogger("shardtrain")
 
@@ -60,6 +62,7 @@ class Engine:
             config, topology.dp
         )
         _check_ranks_agree(self.comm, module, config)
+        self._finish_construction()
         self._units: ParameterUnits | None = None
         if self.stage == 3:
             unit_specs, persistent = self._plan_units()
@@ -98,6 +101,19 @@ class Engine:
         self.comm.reset_stats()
 
     # -- setup ----------------------------------------------------------------------------------
+    def _finish_construction(self) -> None:
+        """Parameters built under ``shardtrain.zero.Init`` that will not be unit-sharded become whole again;
+        the others stay sharded until ``_plan_units`` lays them out (see [Note: sharded construction])."""
+        built = [p for p in self.module.parameters() if is_under_construction(p)]
+        if not built:
+            return
+        runtime = built[0]._st_unit.runtime
+        runtime.settle()
+        threshold = self.config.zero_optimization.stage3_param_persistence_threshold
+        for p in built:
+            if self.stage != 3 or not p.requires_grad or p.numel() < threshold:
+                runtime.materialize(p)
+
     def _plan_units(self) -> tuple[list[tuple[str, nn.Module, list[Bucket]]], list[tuple[str, nn.Parameter]]]:
         """Stage 3: (unit name, module, buckets) in expected backward order, and the persistent parameters.
 
@@ -118,16 +134,29 @@ class Engine:
             for n, p in params:
                 if p.numel() >= threshold:
                     by_dtype.setdefault(p.dtype, []).append((n, p))
-            if by_dtype:
-                buckets = build_buckets(list(by_dtype.values()), top.dp, top.dp_rank, first_index=index)
-                index += len(buckets)
-                specs.append((name, m, buckets))
+            if not by_dtype:
+                continue
+            # one unit at a time: its full buffer exists only until rank 0's values are in and the shard is cut
+            buckets = build_buckets(list(by_dtype.values()), top.dp, top.dp_rank, first_index=index)
+            for b in buckets:
+                self.comm.broadcast(b.flat_param, 0, what=f"initial parameters of unit {name!r}")
+                lo, hi = b.shard_range
+                b.shard = b.flat_param[lo:hi].clone()
+                b.gather_after_step = False
+                b.flat_param.untyped_storage().resize_(0)
+            index += len(buckets)
+            specs.append((name, m, buckets))
+        for p in self.module.parameters():
+            if is_under_construction(p):
+                p._st_unit.runtime.settle()
+                break
         return specs, persistent
 
     def _sync_initial_state(self) -> None:
         """Every rank starts from rank 0's parameters and buffers (as DDP does)."""
         for b in self._buckets:
-            self.comm.broadcast(b.flat_param, 0, what=f"initial parameters of bucket {b.index}")
+            if b.gather_after_step:  # stage-3 units were synchronized while they were built
+                self.comm.broadcast(b.flat_param, 0, what=f"initial parameters of bucket {b.index}")
         bucketed = {id(s.param) for b in self._buckets for s in b.slots}
         for name, p in self.module.named_parameters():
             if id(p) not in bucketed:
@@ -236,6 +265,40 @@ class Engine:
         state = self.module.state_dict(keep_vars=True)
         return {k: copies[id(v)] if id(v) in copies else v.detach().to("cpu", copy=True) for k, v in state.items()}
 
+    def load_full_state_dict(
+        self,
+        source: Mapping[str, torch.Tensor] | str | Path | list[str | Path] | None,
+        strict: bool = True,
+    ) -> None:
+        """Load full (unsharded) weights; each rank keeps only what it holds. Collective.
+
+        ``source`` is either a state dict on rank 0 (other ranks pass ``None``), or, on every rank, the same
+        safetensors file(s) or a directory with ``model.safetensors`` / ``model.safetensors.index.json``.
+        Tied parameters may appear under any of their names. With ``strict``, missing or unexpected names
+        are an error. Peak memory: a rank's fragments plus one tensor (see :mod:`shardtrain.zero.weights`).
+        """
+        dests = self._weight_destinations()
+        if isinstance(source, (str, Path, list, tuple)):
+            load_safetensors(dests, safetensors_files(source), strict)
+        else:
+            load_state_dict_from_rank0(dests, source, self.comm, strict)
+
+    def _weight_destinations(self) -> list[Destination]:
+        names: dict[int, list[str]] = {}
+        tensors: dict[int, torch.Tensor] = {}
+        for name, t in self.module.state_dict(keep_vars=True).items():
+            names.setdefault(id(t), []).append(name)
+            tensors.setdefault(id(t), t)
+        dests = []
+        for key, t in tensors.items():
+            frag = self._optimizer.fragment_of(t)
+            if frag is not None and not frag[1].gather_after_step:  # a stage-3 unit: this rank's fragment only
+                fragment, bucket, i = frag
+                dests.append(Destination(names[key], t.shape, None, fragment, bucket.fragments[i].start))
+            else:
+                dests.append(Destination(names[key], t.shape, t))
+        return dests
+
     @contextmanager
     def gathered(self, target: nn.Module | nn.Parameter | Iterable[nn.Parameter], modifier_rank: int | None = None):
         """Full parameters of ``target`` inside the block (collective: every rank must enter).
@@ -292,7 +355,8 @@ def initialize(
         random.seed(cfg.seed)
         np.random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
-    model.to(topology.device)
+    if any(t.device != topology.device for t in (*model.parameters(), *model.buffers())):
+        model.to(topology.device)
     # everything that can be refused is checked before the model is touched (hooks, flat storage)
     opt = _build_optimizer(model, cfg, optimizer)
     check_optimizer(opt, model)

@@ -1,0 +1,3 @@
+from shardtrain.zero.init import Init
+
+__all__ = ["Init"]

@@ -47,6 +47,10 @@ class ShardedOptimizer:
             for group in optimizer.param_groups:
                 group["params"] = [self._frag[id(p)][0] if id(p) in self._frag else p for p in group["params"]]
 
+    def fragment_of(self, p: torch.Tensor) -> tuple[torch.Tensor, Bucket, int] | None:
+        """(fragment tensor, bucket, slot index) of a trainable parameter; None for anything else."""
+        return self._frag.get(id(p))
+
     def _fragment_grads(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(fragment, its reduced gradient) for every trainable parameter."""
         pairs = []

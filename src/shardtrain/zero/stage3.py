@@ -215,15 +215,12 @@ class ParameterUnits:
         for index, (name, module, buckets) in enumerate(units):
             unit = Unit(index, name, module, buckets, runtime=self)
             self.units.append(unit)
-            for b in buckets:
+            for b in buckets:  # shards were cut by the engine while planning (one unit at a time)
                 self._unit_of_bucket[b.index] = unit
-                lo, hi = b.shard_range
-                b.shard = b.flat_param[lo:hi].clone()
-                b.gather_after_step = False
                 for s in b.slots:
                     s.param.__class__ = ShardedParameter
                     s.param._st_name, s.param._st_unit = s.name, unit
-            self._release(unit)
+            unit.state = UnitState.SHARDED
         self.in_forward = False
         self._on_demand: set[int] = set()  # units gathered because a parameter was used outside its unit
         self._fwd_order: list[int] | None = None  # recorded on the first forward (see [Note: unit lifecycle])

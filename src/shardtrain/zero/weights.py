@@ -1,0 +1,152 @@
+"""Loading full weights into a (possibly sharded) model without any rank holding the whole model.
+
+Two sources:
+
+* a state dict held by rank 0 (the other ranks pass ``None``): tensors are broadcast one at a time, so each
+  rank holds at most its fragments plus the largest single tensor;
+* safetensors files (one file, a list of files, or a directory with ``model.safetensors`` or a
+  ``model.safetensors.index.json``): every rank reads what it needs itself; for a parameter split across
+  ranks it reads only the rows that cover its fragment.
+
+Each parameter is written through a :class:`Destination` that knows whether this rank holds it whole
+(stages 0-2, persistent, frozen, buffers) or only a fragment of it (stage-3 units).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from shardtrain.comm import Communicator
+from shardtrain.errors import ShardtrainError
+
+
+@dataclass
+class Destination:
+    """Where one model tensor's values go on this rank."""
+
+    names: list[str]  # every state-dict name of the tensor (tied parameters have several)
+    shape: torch.Size
+    whole: torch.Tensor | None  # the tensor itself when this rank holds it whole
+    fragment: torch.Tensor | None = None  # else: this rank's fragment (1-D) ...
+    start: int = 0  # ... and where it starts in the flattened tensor
+
+    def write_slice(self, flat_values: torch.Tensor, first: int) -> None:
+        """Write values of the flattened tensor starting at element ``first`` (covering what we need)."""
+        with torch.no_grad():
+            if self.whole is not None:
+                self.whole.copy_(flat_values.view(self.shape))
+            elif self.fragment is not None and self.fragment.numel():
+                a = self.start - first
+                self.fragment.copy_(flat_values[a : a + self.fragment.numel()])
+
+    def needed_range(self) -> tuple[int, int]:
+        if self.whole is not None:
+            return 0, self.shape.numel()
+        if self.fragment is None or not self.fragment.numel():
+            return 0, 0
+        return self.start, self.start + self.fragment.numel()
+
+
+def load_state_dict_from_rank0(
+    dests: list[Destination], state: Mapping[str, torch.Tensor] | None, comm: Communicator, strict: bool
+) -> None:
+    if comm.rank == 0 and state is None:
+        raise ShardtrainError("load_full_state_dict: rank 0 must pass the state dict (other ranks pass None)")
+    # every rank learns rank 0's keys and shapes, so that every rank takes the same decisions (no hang)
+    shapes = {k: tuple(v.shape) for k, v in state.items()} if comm.rank == 0 and state is not None else None
+    shapes = comm.all_gather_object(shapes, what="state-dict keys and shapes from rank 0")[0]
+    picked = _match(dests, set(shapes), strict)
+    for dest, key in picked:
+        _check_shape(key, shapes[key], dest, "the state dict")
+    for dest, key in picked:
+        device = (dest.whole if dest.whole is not None else dest.fragment).device
+        if comm.rank == 0:
+            buf = state[key].detach().to(device=device, dtype=_dtype(dest), copy=True).contiguous()
+        else:
+            buf = torch.empty(dest.shape, dtype=_dtype(dest), device=device)
+        comm.broadcast(buf, 0, what=f"weights of {key!r}")
+        dest.write_slice(buf.reshape(-1), 0)
+
+
+def _check_shape(key: str, shape: tuple[int, ...], dest: Destination, where: str) -> None:
+    if tuple(shape) != tuple(dest.shape):
+        raise ShardtrainError(f"{key!r}: shape {tuple(shape)} in {where}, {tuple(dest.shape)} in the model")
+
+
+def _dtype(dest: Destination) -> torch.dtype:
+    return (dest.whole if dest.whole is not None else dest.fragment).dtype
+
+
+def safetensors_files(path: str | Path | list[str | Path]) -> list[Path]:
+    if isinstance(path, (list, tuple)):
+        return [Path(p) for p in path]
+    path = Path(path)
+    if path.is_dir():
+        index = path / "model.safetensors.index.json"
+        if index.is_file():
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            return [path / s for s in shards]
+        single = path / "model.safetensors"
+        if single.is_file():
+            return [single]
+        raise ShardtrainError(f"{str(path)!r} holds neither model.safetensors nor model.safetensors.index.json")
+    if not path.is_file():
+        raise ShardtrainError(f"no safetensors file at {str(path)!r}")
+    return [path]
+
+
+def load_safetensors(dests: list[Destination], files: list[Path], strict: bool) -> None:
+    where: dict[str, Path] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 (safe_open has keys(), not iteration)
+                where[key] = f
+    picked = _match(dests, set(where), strict)
+    for dest, key in picked:  # every rank checks every shape (headers only) before anything is written
+        with safe_open(str(where[key]), framework="pt") as handle:
+            _check_shape(key, tuple(handle.get_slice(key).get_shape()), dest, where[key].name)
+    for dest, key in picked:
+        lo, hi = dest.needed_range()
+        if lo == hi:
+            continue
+        with safe_open(str(where[key]), framework="pt") as handle:
+            part = handle.get_slice(key)
+            values, first = _read_rows(part, tuple(part.get_shape()), lo, hi)
+        dest.write_slice(values.to(_dtype(dest)).reshape(-1), first)
+
+
+def _read_rows(part, shape: tuple[int, ...], lo: int, hi: int) -> tuple[torch.Tensor, int]:
+    """Read the whole rows (first dimension) covering flattened elements [lo, hi)."""
+    if len(shape) == 0:
+        return part[...].reshape(1), 0
+    row = max(1, int(torch.Size(shape[1:]).numel()))
+    r0, r1 = lo // row, -(-hi // row)
+    return part[r0:r1].reshape(-1), r0 * row
+
+
+def _match(dests: list[Destination], keys: set[str], strict: bool) -> list[tuple[Destination, str]]:
+    picked, missing, used = [], [], set()
+    for dest in dests:
+        key = next((n for n in dest.names if n in keys), None)
+        if key is None:
+            missing.append(dest.names[0])
+            continue
+        used.update(n for n in dest.names if n in keys)
+        picked.append((dest, key))
+    unexpected = sorted(keys - used)
+    if strict and (missing or unexpected):
+        parts = []
+        if missing:
+            parts.append(f"missing: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+        if unexpected:
+            parts.append(f"unexpected: {', '.join(unexpected[:8])}{' ...' if len(unexpected) > 8 else ''}")
+        raise ShardtrainError(
+            f"weights do not match the model ({'; '.join(parts)}); pass strict=False to load the rest"
+        )
+    return picked
