@@ -112,6 +112,8 @@ class _Attachment:
         self._root_handles = [
             root.register_forward_pre_hook(self._root_pre, with_kwargs=True, prepend=True),
             root.register_forward_hook(self._root_post),
+            # runs even when the forward raises, so inspect_activation never reports to a forward that is over
+            root.register_forward_hook(self._leave, always_call=True),
         ]
 
     def detach(self) -> None:
@@ -152,9 +154,11 @@ class _Attachment:
             self._hook_grads("", result)
             return None if result is outputs else result
         finally:
-            if self in _RUNNING:
-                _RUNNING.remove(self)
-            self.forwards += 1
+            self.forwards += 1  # a forward that raises does not count: the step advances on completed forwards
+
+    def _leave(self, module: nn.Module, args: tuple, outputs: Any) -> None:
+        if self in _RUNNING:
+            _RUNNING.remove(self)
 
     # -- per-module hooks (installed only while some subscriber is active) -------------------------
     def _install_child_hooks(self) -> None:
