@@ -12,8 +12,9 @@ Conventions (the compare tool and the tests rely on them):
 * Complex tensors get only shape, dtype and numel (there is no order on them); so do meta tensors (no data).
 
 Large tensors are processed in chunks so the float64 temporaries stay bounded (``CHUNK`` elements); chunk results
-are merged with Chan's parallel formula, which keeps the variance accurate. Each chunk costs one device-to-host
-transfer of a few numbers; no copy of the tensor outlives the call.
+are merged with Chan's parallel formula, which keeps the variance accurate. Each chunk costs two small
+device-to-host transfers (the mean, which also tells whether NaN/inf are present, then a dozen numbers); no copy of
+the tensor outlives the call.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def tensor_stats(t: torch.Tensor) -> dict[str, Any]:
     flat = t.reshape(-1)  # a view when contiguous; strided inputs are copied once, chunk by chunk below
     acc = _Accumulator(exact_extremes=not (t.is_floating_point() or t.dtype == torch.bool))
     for start in range(0, flat.numel(), CHUNK):
-        acc.add(flat[start : start + CHUNK], t.is_floating_point())
+        acc.add(flat[start : start + CHUNK])
     out.update(acc.result())
     return out
 
@@ -54,35 +55,38 @@ class _Accumulator:
         self.hi: float | int | None = None
         self.counts = dict.fromkeys(("nan", "inf", "zero", "pos", "neg"), 0)
 
-    def add(self, chunk: torch.Tensor, floating: bool) -> None:
+    def add(self, chunk: torch.Tensor) -> None:
         if chunk.numel() == 0:
             return
-        counts = [(chunk == 0).sum(), (chunk > 0).sum(), (chunk < 0).sum()]
-        finite = chunk
-        if floating:
+        device = chunk.device
+        # sign counts in two passes: zero = numel - nonzero, neg = nonzero - pos - nan
+        nonzero, pos = torch.count_nonzero(chunk), (chunk > 0).sum()
+        nan = inf = torch.zeros((), dtype=torch.int64, device=device)
+        x = chunk.to(torch.float64)
+        mean = x.mean()
+        # the float64 mean is finite unless a NaN or inf is present: one host sync instead of an isfinite pass,
+        # and the masking (which copies) only when needed
+        if chunk.is_floating_point() and not math.isfinite(mean.item()):
+            finite = torch.isfinite(chunk)
             nan, inf = torch.isnan(chunk).sum(), torch.isinf(chunk).sum()
-            counts = [nan, inf, *counts]
-            # one host sync to learn whether masking (which copies) is needed; the common case skips it
-            if int(nan) + int(inf) > 0:
-                finite = chunk[torch.isfinite(chunk)]
-        else:
-            zero = torch.zeros((), dtype=torch.int64, device=chunk.device)
-            counts = [zero, zero, *counts]
-        x = finite.to(torch.float64)
+            x = x[finite]
+            mean = x.mean() if x.numel() else torch.zeros((), dtype=torch.float64, device=device)
         n = x.numel()
+        counts = [nan, inf, chunk.numel() - nonzero, pos, nonzero - pos - nan]
         if n:
-            mean = x.mean()
-            moments = [mean, ((x - mean) ** 2).sum(), (x * x).sum(), x.min(), x.max()]
+            centered = x - mean  # two-pass M2: no cancellation when |mean| >> std
+            lo, hi = torch.aminmax(x)
+            moments = [mean, torch.dot(centered, centered), torch.dot(x, x), lo, hi]
         else:
-            moments = [torch.zeros((), dtype=torch.float64, device=chunk.device)] * 5
-        values = torch.stack([m.to(torch.float64) for m in moments] + [c.to(torch.float64) for c in counts]).tolist()
+            moments = [mean] * 5
+        values = torch.stack(moments + [c.to(torch.float64) for c in counts]).tolist()
         c_mean, c_m2, c_sumsq, c_lo, c_hi = values[:5]
         for key, value in zip(("nan", "inf", "zero", "pos", "neg"), values[5:]):
             self.counts[key] += int(value)
         if not n:
             return
-        if self.exact_extremes:  # integers: exact extremes from the native dtype
-            c_lo, c_hi = int(finite.min()), int(finite.max())
+        if self.exact_extremes:  # integers: exact extremes from the native dtype (float64 rounds beyond 2**53)
+            c_lo, c_hi = int(chunk.min()), int(chunk.max())
         self.lo = c_lo if self.lo is None else min(self.lo, c_lo)
         self.hi = c_hi if self.hi is None else max(self.hi, c_hi)
         total = self.n + n
