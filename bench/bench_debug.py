@@ -78,10 +78,8 @@ def main() -> None:
             manager.unsubscribe(built[variant][1])
         recorded = sum(len(files) for _, _, files in os.walk(os.path.join(out_root, "inside")))
     model_params = num_parameters(GPT(DEMO_GPT))
-    print(
-        f"# machine: {platform.machine()} {platform.processor() or ''}, {os.cpu_count()} cores, "
-        f"torch threads {torch.get_num_threads()}, torch {torch.__version__}"
-    )
+    machine = " ".join(filter(None, (platform.machine(), platform.processor())))
+    print(f"# machine: {machine}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}, {torch.__version__}")
     print(f"# command: python {' '.join(sys.argv)}")
     print(f"# model: demo GPT {model_params / 1e6:.2f}M parameters, micro-batch {MICRO_BATCH}, ZeRO stage 0, 1 process")
     print(f"# {args.steps} measured steps per variant after {args.warmup} warm-up; inside wrote {recorded} step files")

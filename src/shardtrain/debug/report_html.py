@@ -23,7 +23,7 @@ from matplotlib.figure import Figure
 from shardtrain.debug.records import Comparison, Key, RecordDiff, describe_key
 
 FLOOR = 1e-12  # zero differences are drawn at this height on log scales
-MAX_ROWS = 40  # activations in the heat map (the most different ones)
+MAX_ROWS = 60  # activations in the heat map (the most different ones)
 MAX_CURVES = 4  # first diverging activations whose values are plotted
 
 
