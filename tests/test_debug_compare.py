@@ -143,6 +143,9 @@ def test_bad_input_is_a_clear_error(runs, tmp_path, capsys):
     (broken / "step_000000.jsonl").write_text('{"dir": "forward"}\n')
     assert main(["compare", str(runs["a"]), str(tmp_path / "broken")]) == 2
     assert "step_000000.jsonl:1: not a statistics record" in capsys.readouterr().err
+    (tmp_path / "a_file").write_text("x")
+    assert main(["compare", str(runs["a"]), str(runs["a"]), "--out", str(tmp_path / "a_file")]) == 2
+    assert "cannot write the HTML report" in capsys.readouterr().err
     for flag, value in (("--rtol", "-1"), ("--atol", "nan"), ("--rtol", "abc")):
         with pytest.raises(SystemExit) as exc:
             main(["compare", str(runs["a"]), str(runs["a"]), flag, value])

@@ -56,7 +56,11 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         from shardtrain.debug.report_html import write_html  # matplotlib is imported only when asked for
 
-        path = write_html(comparison, Path(args.out), args.run_a, args.run_b, text)
+        try:
+            path = write_html(comparison, Path(args.out), args.run_a, args.run_b, text)
+        except OSError as err:  # --out names a file, or a place we may not write
+            print(f"shardtrain compare: error: cannot write the HTML report: {err}", file=sys.stderr)
+            return 2
         print(f"report written to {path}")
     return 1 if comparison.first_step is not None else 0
 

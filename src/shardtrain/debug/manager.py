@@ -10,7 +10,7 @@ Step numbering
     forward that produced it, whenever backward runs.
 
 Cost outside the active window
-    Only two hooks on the root module stay installed permanently. When a root forward starts at a step where no
+    Only three hooks on the root module stay installed permanently. When a root forward starts at a step where no
     subscriber :meth:`~Subscriber.is_active`, the per-module hooks are removed (once) and that forward runs at
     almost the speed of an unsubscribed model; they are installed again at the next active step.
 
