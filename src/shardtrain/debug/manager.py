@@ -5,9 +5,9 @@ Step numbering
     advances once per root forward. On an engine (anything that is not a module but has ``.module`` and
     ``.global_step``, such as :class:`shardtrain.Engine`), the step is ``engine.global_step`` read when the root
     forward starts, i.e. it advances once per *optimizer* step. With gradient accumulation the micro-steps of one
-    optimizer step therefore share a step number; callbacks and records tell them apart by ``micro``, the index of
-    the root forward within its step (always 0 without accumulation). A gradient is reported with the step of the
-    forward that produced it, whenever backward runs.
+    optimizer step therefore share a step number; the StatisticsSubscriber writes them one after the other into
+    that step's file and numbers repeated records with ``call`` (micro-step k gives call k). A gradient is
+    reported with the step of the forward that produced it, whenever backward runs.
 
 Cost outside the active window
     Only three hooks on the root module stay installed permanently. When a root forward starts at a step where no
@@ -106,7 +106,6 @@ class _Attachment:
         self.root, self.engine, self.subscribers = root, engine, subscribers
         self.forwards = 0  # root forwards seen (the step of a plain module)
         self.step = -1
-        self.micro = 0
         self.active: list[Subscriber] = []
         self._child_handles: list[RemovableHandle] = []
         self._root_handles = [
@@ -128,7 +127,6 @@ class _Attachment:
         if self in _RUNNING:  # the previous forward raised before our post hook: forget it
             _RUNNING.remove(self)
         step = self.engine.global_step if self.engine is not None else self.forwards
-        self.micro = self.micro + 1 if step == self.step else 0
         self.step = step
         self.active = [s for s in self.subscribers if s.is_active(step)]
         if self.active and not self._child_handles:
@@ -154,7 +152,8 @@ class _Attachment:
             self._hook_grads("", result)
             return None if result is outputs else result
         finally:
-            self.forwards += 1  # a forward that raises does not count: the step advances on completed forwards
+            # torch calls this hook only after a forward completed: one that raises does not advance the step
+            self.forwards += 1
 
     def _leave(self, module: nn.Module, args: tuple, outputs: Any) -> None:
         if self in _RUNNING:
