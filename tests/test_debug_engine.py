@@ -51,7 +51,13 @@ def _train(stage: int, out_dir: str | None, start_step: int | None = None) -> di
 
 
 def _with_and_without(stage: int, out_dir: str) -> dict:
-    return {"plain": _train(stage, None), "watched": _train(stage, out_dir, start_step=1)}
+    result = {"plain": _train(stage, None), "watched": _train(stage, out_dir, start_step=1)}
+    try:  # a second run into the same directory: every rank must refuse, each for its own rank_<r>
+        StatisticsSubscriber(out_dir)
+        result["reuse"] = "accepted"
+    except FileExistsError as err:
+        result["reuse"] = str(err)
+    return result
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -62,6 +68,7 @@ def test_engine_runs_are_undisturbed_and_recorded_per_rank(stage, world_size, tm
     for r in results:  # bit-identical training with the subscriber attached
         assert r["watched"]["losses"] == r["plain"]["losses"]
         assert r["watched"]["norms"] == r["plain"]["norms"]
+    assert all("already exists" in r["reuse"] for r in results)
     final_plain, final_watched = results[0]["plain"]["params"], results[0]["watched"]["params"]
     assert all(torch.equal(final_plain[k], final_watched[k]) for k in final_plain)
 

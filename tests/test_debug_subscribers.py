@@ -297,3 +297,9 @@ def test_existing_output_dir_is_an_error_unless_overridden(tmp_path):
     _train(model, 1)
     manager.unsubscribe(model)
     assert sorted(p.name for p in (run / "rank_0").iterdir()) == ["step_000000.jsonl"]  # old steps are gone
+    # override removes rank_<r> directories only, never other content of the directory
+    (run / "notes.txt").write_text("keep me")
+    (run / "rank_7").mkdir()
+    StatisticsSubscriber(run, override_output_dir=True).close()
+    assert sorted(p.name for p in run.iterdir()) == ["notes.txt", "rank_0"]
+    assert not any((run / "rank_0").iterdir())

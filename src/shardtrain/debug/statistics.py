@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from collections import defaultdict
 from pathlib import Path
@@ -47,6 +48,9 @@ def current_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+_RANK_DIR = re.compile(r"rank_\d+$")
+
+
 def rank_dir_name(rank: int) -> str:
     return f"rank_{rank}"
 
@@ -58,11 +62,12 @@ def step_file_name(step: int) -> str:
 class StatisticsSubscriber(Subscriber):
     """Records statistics for steps ``start_step <= step < end_step`` (``None``: unbounded) under ``output_dir``.
 
-    ``output_dir`` must not exist unless ``override_output_dir=True``, which deletes what this rank wrote there
-    before. In a multi-rank run other ranks create their ``rank_<r>`` directories beside this one at the same time,
-    so there the check is: this rank's directory must not exist, and ``output_dir`` may hold nothing but
-    ``rank_<r>`` directories. Build the subscriber after ``init_process_group`` (or under ``torchrun``) so that the
-    rank is known. Call :meth:`close` (``SubscriberManager.unsubscribe`` does) or use it as a context manager so
+    ``output_dir`` must not exist unless ``override_output_dir=True``, which deletes the ``rank_<r>`` directories in
+    it (in a multi-rank run, only this rank's) and nothing else. In a multi-rank run other ranks create their
+    ``rank_<r>`` directories beside this one at the same time, so there the check is: this rank's directory must
+    not exist, and ``output_dir`` may hold nothing but ``rank_<r>`` directories. Build the subscriber after
+    ``init_process_group`` (or under ``torchrun``) so that the rank is known. Call :meth:`close`
+    (``SubscriberManager.unsubscribe`` does) or use it as a context manager so
     the last file is flushed.
     """
 
@@ -144,12 +149,16 @@ def _prepare_dir(output_dir: Path, rank_dir: Path, override: bool) -> None:
         raise NotADirectoryError(f"StatisticsSubscriber output_dir {str(output_dir)!r} exists and is not a directory")
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     if override:
-        # each rank deletes only its own directory: no two ranks ever remove or write the same path
-        target = rank_dir if distributed else output_dir
-        if target.exists():
-            shutil.rmtree(target)
+        # Only rank_<r> directories are ever deleted, never output_dir itself (it may be a directory the user
+        # cares about). Each rank of a multi-rank run deletes only its own: no path is removed by two ranks.
+        if distributed:
+            stale = [rank_dir] if rank_dir.exists() else []
+        else:
+            stale = [p for p in output_dir.iterdir() if _RANK_DIR.match(p.name)] if output_dir.exists() else []
+        for path in stale:
+            shutil.rmtree(path)
     elif output_dir.exists():
-        foreign = [p.name for p in output_dir.iterdir() if not (p.is_dir() and p.name.startswith("rank_"))]
+        foreign = [p.name for p in output_dir.iterdir() if not (p.is_dir() and _RANK_DIR.match(p.name))]
         if not distributed or rank_dir.exists() or foreign:
             raise FileExistsError(
                 f"StatisticsSubscriber output_dir {str(output_dir)!r} already exists; pick a new directory or pass "
