@@ -7,6 +7,8 @@ import math
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from shardtrain.debug import stats as stats_module
 from shardtrain.debug import tensor_stats
@@ -116,3 +118,30 @@ def test_stats_on_cuda_match_cpu(dtype):
     assert on_gpu.keys() == on_cpu.keys()
     for key, value in on_cpu.items():  # reduction order differs on the GPU: equal to the last few bits
         assert on_gpu[key] == (pytest.approx(value, rel=1e-13) if isinstance(value, float) else value), key
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    values=st.lists(
+        st.one_of(
+            st.floats(min_value=-1e4, max_value=1e4, allow_nan=False, allow_infinity=False),
+            st.sampled_from([math.nan, math.inf, -math.inf, 0.0]),
+        ),
+        max_size=40,
+    ),
+    dtype=st.sampled_from([torch.float32, torch.float64, torch.float16, torch.bfloat16]),
+)
+def test_stats_match_a_float64_reference(values, dtype):
+    t = torch.tensor(values, dtype=torch.float64).to(dtype)  # rounding to the dtype happens here, as in a model
+    ref = t.double().numpy()
+    finite = ref[np.isfinite(ref)]
+    s = tensor_stats(t)
+    assert (s["nan"], s["inf"]) == (int(np.isnan(ref).sum()), int(np.isinf(ref).sum()))
+    assert (s["zero"], s["pos"], s["neg"]) == (int((ref == 0).sum()), int((ref > 0).sum()), int((ref < 0).sum()))
+    if finite.size == 0:
+        assert s["mean"] is None and s["std"] is None
+        return
+    assert (s["min"], s["max"]) == (finite.min(), finite.max())
+    assert s["mean"] == pytest.approx(finite.mean(), rel=1e-12, abs=1e-12)
+    assert s["std"] == pytest.approx(finite.std(), rel=1e-9, abs=1e-9)  # numpy's default std is the population one
+    assert s["norm"] == pytest.approx(float(np.sqrt((finite * finite).sum())), rel=1e-12)
