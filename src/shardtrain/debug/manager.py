@@ -1,0 +1,212 @@
+"""Attach :class:`Subscriber` objects to a model's modules with forward hooks, and number the steps.
+
+Step numbering
+    Steps count from 0. On a plain ``nn.Module`` the first forward of the root module is step 0 and the counter
+    advances once per root forward. On an engine (anything that is not a module but has ``.module`` and
+    ``.global_step``, such as :class:`shardtrain.Engine`), the step is ``engine.global_step`` read when the root
+    forward starts, i.e. it advances once per *optimizer* step. With gradient accumulation the micro-steps of one
+    optimizer step therefore share a step number; the StatisticsSubscriber writes them one after the other into
+    that step's file and numbers repeated records with ``call`` (micro-step k gives call k). A gradient is
+    reported with the step of the forward that produced it, whenever backward runs.
+
+Cost outside the active window
+    Only three hooks on the root module stay installed permanently. When a root forward starts at a step where no
+    subscriber :meth:`~Subscriber.is_active`, the per-module hooks are removed (once) and that forward runs at
+    almost the speed of an unsubscribed model; they are installed again at the next active step.
+
+Hooks and parameters
+    The hooks read inputs and outputs only. They never touch parameters and put no tensor hook on a parameter or
+    any other leaf, so ZeRO's gradient reduction (parameter hooks) and stage-3 gathering (module hooks around the
+    same forward) are not disturbed.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from shardtrain.debug.subscriber import Subscriber
+from shardtrain.debug.tree import iter_tensors
+
+# Attachments whose root forward is running, innermost last; inspect_activation reports to the innermost.
+_RUNNING: list[_Attachment] = []
+
+
+class SubscriberManager:
+    """Subscribes lists of :class:`Subscriber` to root modules (or engines); see the module docstring for steps."""
+
+    def __init__(self) -> None:
+        self._attached: dict[int, _Attachment] = {}
+
+    def subscribe(self, target: nn.Module | Any, subscribers: Subscriber | Sequence[Subscriber]) -> None:
+        """Attach ``subscribers`` (called in list order) to ``target`` and all its submodules.
+
+        Subscribing a target again replaces its subscribers; hooks never stack. The step counter of a plain module
+        restarts at 0.
+        """
+        root, engine = _resolve(target)
+        subs = [subscribers] if isinstance(subscribers, Subscriber) else list(subscribers)
+        bad = [type(s).__name__ for s in subs if not isinstance(s, Subscriber)]
+        if bad:
+            raise TypeError(f"subscribers must be shardtrain.debug.Subscriber instances, got {', '.join(bad)}")
+        if id(root) in self._attached:
+            self._attached.pop(id(root)).detach()
+        self._attached[id(root)] = _Attachment(root, engine, subs)
+
+    def unsubscribe(self, target: nn.Module | Any) -> None:
+        """Remove every hook this manager put on ``target`` and close its subscribers (flushing their files)."""
+        root, _ = _resolve(target)
+        attachment = self._attached.pop(id(root), None)
+        if attachment is None:
+            raise ValueError(f"{type(root).__name__} is not subscribed with this manager; call subscribe() first")
+        attachment.detach()
+        for sub in attachment.subscribers:
+            close = getattr(sub, "close", None)
+            if callable(close):
+                close()
+
+    def is_subscribed(self, target: nn.Module | Any) -> bool:
+        return id(_resolve(target)[0]) in self._attached
+
+
+def inspect_activation(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """Report an intermediate ``tensor`` (and, in backward, its gradient) to the subscribers under ``name``.
+
+    Call it inside any forward. Outside a subscribed root forward, or at a step where no subscriber is active, it
+    returns ``tensor`` itself at the cost of a list lookup, so it can stay in production code. A subscriber may
+    return a replacement, which is what this function then returns.
+    """
+    if not _RUNNING:
+        return tensor
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"inspect_activation needs a non-empty string name, got {name!r}")
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"inspect_activation({name!r}, ...) expects a tensor, got {type(tensor).__name__}")
+    return _RUNNING[-1].inspect(name, tensor)
+
+
+def _resolve(target: Any) -> tuple[nn.Module, Any]:
+    if isinstance(target, nn.Module):
+        return target, None
+    module = getattr(target, "module", None)
+    if isinstance(module, nn.Module) and isinstance(getattr(target, "global_step", None), int):
+        return module, target  # an engine: duck-typed so that debug does not import the engine layer
+    raise TypeError(f"expected an nn.Module or an engine with .module and .global_step, got {type(target).__name__}")
+
+
+class _Attachment:
+    """The hooks and step state of one subscribed root module."""
+
+    def __init__(self, root: nn.Module, engine: Any, subscribers: list[Subscriber]) -> None:
+        self.root, self.engine, self.subscribers = root, engine, subscribers
+        self.forwards = 0  # root forwards seen (the step of a plain module)
+        self.step = -1
+        self.active: list[Subscriber] = []
+        self._child_handles: list[RemovableHandle] = []
+        self._root_handles = [
+            root.register_forward_pre_hook(self._root_pre, with_kwargs=True, prepend=True),
+            root.register_forward_hook(self._root_post),
+            # runs even when the forward raises, so inspect_activation never reports to a forward that is over
+            root.register_forward_hook(self._leave, always_call=True),
+        ]
+
+    def detach(self) -> None:
+        for handle in self._root_handles + self._child_handles:
+            handle.remove()
+        self._root_handles, self._child_handles = [], []
+        if self in _RUNNING:
+            _RUNNING.remove(self)
+
+    # -- root hooks --------------------------------------------------------------------------------
+    def _root_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if self in _RUNNING:  # the previous forward raised before our post hook: forget it
+            _RUNNING.remove(self)
+        step = self.engine.global_step if self.engine is not None else self.forwards
+        self.step = step
+        self.active = [s for s in self.subscribers if s.is_active(step)]
+        if self.active and not self._child_handles:
+            self._install_child_hooks()
+        elif not self.active and self._child_handles:
+            for handle in self._child_handles:
+                handle.remove()
+            self._child_handles = []
+        _RUNNING.append(self)
+        return self._pre("", module, args, kwargs) if self.active else None
+
+    def _root_post(self, module: nn.Module, args: tuple, outputs: Any) -> Any:
+        try:
+            if not self.active:
+                return None
+            result = outputs
+            for sub in self.active:
+                replaced = sub.post_forward(self.step, "", module, result)
+                result = result if replaced is None else replaced
+            for sub in self.active:
+                replaced = sub.post_root_forward(self.step, "", module, result)
+                result = result if replaced is None else replaced
+            self._hook_grads("", result)
+            return None if result is outputs else result
+        finally:
+            # torch calls this hook only after a forward completed: one that raises does not advance the step
+            self.forwards += 1
+
+    def _leave(self, module: nn.Module, args: tuple, outputs: Any) -> None:
+        if self in _RUNNING:
+            _RUNNING.remove(self)
+
+    # -- per-module hooks (installed only while some subscriber is active) -------------------------
+    def _install_child_hooks(self) -> None:
+        for name, module in self.root.named_modules():
+            if module is self.root:
+                continue
+            self._child_handles.append(
+                module.register_forward_pre_hook(functools.partial(self._pre, name), with_kwargs=True)
+            )
+            self._child_handles.append(module.register_forward_hook(functools.partial(self._post, name)))
+
+    def _pre(self, name: str, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        changed = False
+        for sub in self.active:
+            replaced = sub.pre_forward(self.step, name, module, args, kwargs)
+            if replaced is not None:
+                args, kwargs = replaced
+                changed = True
+        return (args, kwargs) if changed else None
+
+    def _post(self, name: str, module: nn.Module, args: tuple, outputs: Any) -> Any:
+        result = outputs
+        for sub in self.active:
+            replaced = sub.post_forward(self.step, name, module, result)
+            result = result if replaced is None else replaced
+        self._hook_grads(name, result)
+        return None if result is outputs else result
+
+    def inspect(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        result = tensor
+        for sub in self.active:
+            replaced = sub.inspect(self.step, name, result)
+            result = result if replaced is None else replaced
+        if self.active:
+            self._hook_grads(name, result)
+        return result
+
+    def _hook_grads(self, name: str, outputs: Any) -> None:
+        """Report the gradient of each non-leaf output tensor to the subscribers active now, with this step."""
+        step, subs = self.step, list(self.active)
+        for path, tensor in iter_tensors(outputs):
+            # leaves (parameters above all) are left alone: a hook there would change what ZeRO sees
+            if tensor.requires_grad and tensor.grad_fn is not None:
+                tensor.register_hook(functools.partial(_on_grad, subs, step, name, path))
+
+
+def _on_grad(subs: list[Subscriber], step: int, name: str, path: str, grad: torch.Tensor) -> torch.Tensor | None:
+    result = grad
+    for sub in subs:
+        replaced = sub.output_grad(step, name, path, result)
+        result = result if replaced is None else replaced
+    return None if result is grad else result
