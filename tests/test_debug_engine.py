@@ -1,4 +1,4 @@
-"""Subscribers on an engine at ZeRO stages 0-2: training is not disturbed, every rank writes its own directory."""
+"""Subscribers on an engine at ZeRO stages 0-3: training is not disturbed, every rank writes its own directory."""
 
 from __future__ import annotations
 
@@ -28,7 +28,9 @@ def _train(stage: int, out_dir: str | None, start_step: int | None = None) -> di
         "train_micro_batch_size_per_gpu": RECIPE.micro,
         "gradient_accumulation_steps": RECIPE.gas,
         "gradient_clipping": RECIPE.clip,
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000, "allgather_bucket_size": 2000},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000, "allgather_bucket_size": 2000}
+        if stage < 3
+        else {"stage": 3, "stage3_param_persistence_threshold": 0},
     }
     engine = shardtrain.initialize(model, config=config, optimizer=make_optimizer(model, RECIPE))
     manager = SubscriberManager()
@@ -61,7 +63,7 @@ def _with_and_without(stage: int, out_dir: str) -> dict:
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_engine_runs_are_undisturbed_and_recorded_per_rank(stage, world_size, tmp_path):
     out = tmp_path / "stats"
     results = run_distributed(_with_and_without, world_size, stage, str(out))
@@ -92,14 +94,14 @@ def test_engine_runs_are_undisturbed_and_recorded_per_rank(stage, world_size, tm
 
 
 def _two_stages(out_root: str) -> None:
-    for stage in (0, 2):
+    for stage in (0, 3):
         _train(stage, f"{out_root}/stage{stage}")
 
 
-def test_stage0_and_stage2_runs_agree_under_compare(tmp_path, capsys):
+def test_stage0_and_stage3_runs_agree_under_compare(tmp_path, capsys):
     run_distributed(_two_stages, 2, str(tmp_path))
-    code = main(["compare", str(tmp_path / "stage0"), str(tmp_path / "stage2"), "--rtol", "1e-4"])
+    code = main(["compare", str(tmp_path / "stage0"), str(tmp_path / "stage3"), "--rtol", "1e-4"])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "records compared: " in out and "over 3 step(s)" in out
-    assert Path(tmp_path / "stage2" / "rank_1" / "step_000000.jsonl").exists()
+    assert Path(tmp_path / "stage3" / "rank_1" / "step_000000.jsonl").exists()
