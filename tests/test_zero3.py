@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 import shardtrain
 from shardtrain.errors import CollectiveTimeoutError, RankMismatchError, ShardtrainError
+from shardtrain.models.gpt import GPT, GPTConfig
 from shardtrain.testing import run_distributed
 from shardtrain.zero.stage3 import UnitState
 
@@ -35,7 +36,10 @@ def _batch(rank: int = 0):
 
 
 def _one_step_comm() -> dict:
-    engine, model = _engine(zero=NO_PERSIST)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layer=5, n_head=4))
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3, **NO_PERSIST}}
+    engine = shardtrain.initialize(model, config=config, optimizer=make_optimizer(model, Recipe()))
     held = []
     count = lambda *_: held.append(sum(u.state is not UnitState.SHARDED for u in engine._units.units))  # noqa: E731
     for block in model.blocks:

@@ -326,15 +326,16 @@ class ParameterUnits:
         return True
 
     def _prefetch(self, recorded: list[int], position: int, why: str) -> None:
-        budget = self.prefetch_numel
+        """Start gathering the next unit of the recorded order, if it fits the prefetch budget.
+
+        One unit ahead keeps at most the current and the prefetched unit whole (plus the root unit), and
+        is enough to hide a gather behind one unit's compute."""
         for index in recorded[position + 1 :]:
             unit = self.units[index]
-            if unit.state is not UnitState.SHARDED:
-                continue
-            if unit.numel > budget:
-                break
-            budget -= unit.numel
-            self._gather(unit, why, async_op=True)
+            if unit.state is UnitState.SHARDED and unit.numel <= self.prefetch_numel:
+                self._gather(unit, why, async_op=True)
+            if unit.index != recorded[position]:  # the next distinct unit decides; do not look further
+                return
 
     # -- hooks -----------------------------------------------------------------------------------------
     def _root_pre_forward(self, root_units: list[Unit], module, args) -> None:
