@@ -1,11 +1,13 @@
-"""ZeRO stages 0/1/2 against torch DDP at world 2, steps interleaved so ratios survive a noisy machine.
+"""ZeRO stages against torch DDP (and FSDP2) at world 2, steps interleaved so ratios survive a noisy machine.
 
-    python bench/bench_zero.py [--steps 10] [--warmup 2] [--layers 11]
+    python bench/bench_zero.py [--variants ddp,stage0,stage1,stage2] [--steps 10] [--warmup 2] [--layers 11]
+    python bench/bench_zero.py --variants ddp,stage0,stage3,fsdp2
+    python bench/bench_zero.py --memory-scaling          # stage 3 at world 1, 2, 4 on a ~50M-parameter GPT
 
-Every rank builds the same GPT four times (DDP, stage 0, 1, 2). Each iteration runs one training step of
-each variant, in a rotating order; a step's time is the slowest rank's. Prints the median step time of each
-variant and its ratio to DDP, communication bytes per step (from engine.comm_stats()) and, from separate
-fresh processes per variant, the peak RSS per rank.
+Every rank builds the same GPT once per variant. Each iteration runs one training step of each variant, in
+a rotating order; a step's time is the slowest rank's. Prints the median step time of each variant and its
+ratio to DDP, communication bytes per step (from engine.comm_stats()) and, from separate fresh processes
+per variant, the peak RSS per rank.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ import shardtrain
 from shardtrain.models.gpt import GPT, GPTConfig, num_parameters
 from shardtrain.testing import run_distributed
 
-VARIANTS = ["ddp", "stage0", "stage1", "stage2"]
 MICRO_BATCH = 8
 
 
@@ -48,6 +49,23 @@ def build(variant: str, layers: int):
             opt.zero_grad(set_to_none=False)
 
         return ddp_step, None
+    if variant == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+        def fsdp_step(x, y):
+            model(x, y).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+
+        return fsdp_step, None
     config = {
         "train_micro_batch_size_per_gpu": MICRO_BATCH,
         "gradient_clipping": 1.0,
@@ -69,13 +87,14 @@ def batch(layers: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.roll(x, -1, 1)
 
 
-def timing_body(steps: int, warmup: int, layers: int) -> dict:
+def timing_body(variants: list[str], steps: int, warmup: int, layers: int) -> dict:
     rank = dist.get_rank()
-    runners = {v: build(v, layers) for v in VARIANTS}
-    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    runners = {v: build(v, layers) for v in variants}
+    times: dict[str, list[float]] = {v: [] for v in variants}
     comm: dict[str, dict] = {}
     for it in range(warmup + steps):
-        order = VARIANTS[it % 4 :] + VARIANTS[: it % 4]  # rotate so no variant always runs first
+        k = it % len(variants)
+        order = variants[k:] + variants[:k]  # rotate so no variant always runs first
         x, y = batch(layers, seed=1000 * it + rank)
         for v in order:
             step, engine = runners[v]
@@ -100,12 +119,45 @@ def rss_body(variant: str, steps: int, layers: int) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def scaling_body(layers: int, steps: int) -> dict:
+    cfg = GPTConfig(vocab_size=8192, seq_len=128, d_model=512, n_layer=layers, n_head=8, tie_embeddings=True)
+    with shardtrain.zero.Init():  # no rank ever holds the whole model
+        model = GPT(cfg)
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}}
+    engine = shardtrain.initialize(model, config=config, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4))
+    g = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(steps):
+        x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=g)
+        engine.backward(engine(x, torch.roll(x, -1, 1)))
+        engine.step()
+    return {"state": engine.state_bytes(), "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def memory_scaling(layers: int = 14) -> None:
+    cfg = GPTConfig(vocab_size=8192, seq_len=128, d_model=512, n_layer=layers, n_head=8, tie_embeddings=True)
+    n = num_parameters(GPT(cfg))
+    print(f"# memory scaling: ZeRO-3, {n / 1e6:.1f}M-parameter GPT built under shardtrain.zero.Init, fp32 AdamW")
+    print(f"# command: python {' '.join(sys.argv)}")
+    print(f"\n{'world':>5} {'state bytes/rank':>17} {'bytes/param':>12} {'peak RSS/rank':>14}")
+    for world in (1, 2, 4):
+        results = run_distributed(scaling_body, world, layers, 2, timeout=1800, threads=max(1, 2 // world))
+        state = max(sum(r["state"].values()) for r in results)
+        rss = max(r["rss"] for r in results)
+        print(f"{world:5d} {state / 2**20:13.1f} MiB {state / n:12.2f} {rss / 2**20:10.0f} MiB")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--variants", default="ddp,stage0,stage1,stage2", help="comma-separated; ddp first")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--layers", type=int, default=11)
+    parser.add_argument("--memory-scaling", action="store_true")
     args = parser.parse_args()
+    if args.memory_scaling:
+        memory_scaling()
+        return
+    variants = args.variants.split(",")
     world = 2
     n = num_parameters(GPT(gpt_config(args.layers)))
     print(
@@ -114,14 +166,18 @@ def main() -> None:
     )
     print(f"# machine: {platform.machine()}, {torch.get_num_threads()} cores, torch {torch.__version__}")
     print(f"# command: python {' '.join(sys.argv)}")
-    result = run_distributed(timing_body, world, args.steps, args.warmup, args.layers, timeout=3600, threads=1)[0]
-    rss = {v: max(run_distributed(rss_body, world, v, 3, args.layers, timeout=900, threads=1)) for v in VARIANTS}
+    result = run_distributed(
+        timing_body, world, variants, args.steps, args.warmup, args.layers, timeout=3600, threads=1
+    )[0]
+    rss = {v: max(run_distributed(rss_body, world, v, 3, args.layers, timeout=900, threads=1)) for v in variants}
     ddp = statistics.median(result["times"]["ddp"])
     print(f"\n{'variant':8} {'median step':>12} {'ratio to DDP':>13} {'peak RSS/rank':>14}  bytes/step by kind")
-    for v in VARIANTS:
+    for v in variants:
         med = statistics.median(result["times"][v])
         comm = result["comm"].get(v)
-        if comm is None:
+        if v == "fsdp2":
+            comm_text = f"~{3 * 4 * n * (world - 1) / world / 2**20:.1f} MiB (computed: 3P(N-1)/N)"
+        elif comm is None:
             comm_text = f"all_reduce {2 * 4 * n * (world - 1) / world / 2**20:.1f} MiB (computed: 2P(N-1)/N)"
         else:
             comm_text = ", ".join(f"{k} {c['bytes'] / 2**20:.1f} MiB in {c['calls']} calls" for k, c in comm.items())

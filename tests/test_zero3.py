@@ -193,3 +193,28 @@ def test_ranks_on_different_paths_fail_naming_units():
         assert "rank 0: '<root>'" in message and "rank 1: 'blocks.1'" in message
     message = run_distributed(_diverge, 2, "timeout", init_process_group=False, timeout=60)[0]
     assert message.startswith("rank 0: gather_check of unit-order check before gathering '<root>'")
+
+
+def _steady_training() -> dict:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layer=4, n_head=4))
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3, **NO_PERSIST}}
+    engine = shardtrain.initialize(model, config=config, optimizer=make_optimizer(model, Recipe()))
+    x, y = _batch(dist.get_rank())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            engine.backward(engine(x, y))
+            engine.step()
+    return {
+        "warnings": [str(w.message) for w in caught if "unit order" in str(w.message)],
+        "prefetches": {u.name: u.prefetches for u in engine._units.units},
+    }
+
+
+def test_same_order_every_step_prefetches_in_forward_and_backward():
+    r = run_distributed(_steady_training, 2)[0]
+    assert r["warnings"] == []
+    # steps 2-4 (the first one records the order): each block is gathered ahead of use once in forward
+    # (block 0 by the root's pre-forward) and once in backward (block 3 by the root's pre-backward)
+    assert r["prefetches"] == {"blocks.3": 6, "blocks.2": 6, "blocks.1": 6, "blocks.0": 6, "<root>": 0}

@@ -7,8 +7,9 @@
   written into this rank's chunk of the buffer, which the optimizer's fragments view.
 * stages 2 and 3: no full gradient buffer survives a bucket. When a parameter's gradient is ready it is copied into its
   bucket's staging buffer and ``param.grad`` is freed; a complete bucket is reduce-scattered (every
-  micro-step) and the result added into a persistent ``shard_numel`` gradient buffer; staging is freed as
-  soon as the collective completes. At stage 3 a bucket is a unit, and ``on_launch`` releases the unit's
+  micro-step) and the result added into a persistent ``shard_numel`` gradient buffer. A reduction is
+  finished (waited for, folded in, staging freed) when the next bucket is launched, so at most two
+  buckets' staging buffers exist at once. At stage 3 a bucket is a unit, and ``on_launch`` releases the unit's
   gathered parameters as soon as its reduction is launched (its backward is over).
 
 [Note: collective order]
@@ -134,6 +135,23 @@ class GradientReducer:
         self._pending.append(_Pending(b, handle, out, inp))
         if self._on_launch is not None:
             self._on_launch(b)
+        # Older reductions had a whole bucket's backward to finish: fold them in now, so that their
+        # full-size staging buffers do not outlive the next bucket (at most one stays in flight).
+        while len(self._pending) > 1:
+            self._finish(self._pending.pop(0))
+
+    def _finish(self, p: _Pending) -> None:
+        assert p.handle is not None
+        p.handle.wait()
+        if p.out is None:
+            return
+        if self.stage == 1:
+            lo, hi = p.bucket.shard_range
+            self.full_grads[p.bucket.index][lo:hi].copy_(p.out)
+        elif self._fresh_shard:
+            self.shard_grads[p.bucket.index].copy_(p.out)
+        else:
+            self.shard_grads[p.bucket.index].add_(p.out)
 
     def end_backward(self) -> None:
         """Launch what is left in order and wait for every reduction of this backward."""
@@ -142,18 +160,8 @@ class GradientReducer:
                 self._launch(self.buckets[self._next])
                 self._next += 1
         for p in self._pending:
-            assert p.handle is not None
-            p.handle.wait()
-            if p.out is None:
-                continue
-            if self.stage == 1:
-                lo, hi = p.bucket.shard_range
-                self.full_grads[p.bucket.index][lo:hi].copy_(p.out)
-            elif self._fresh_shard:
-                self.shard_grads[p.bucket.index].copy_(p.out)
-            else:
-                self.shard_grads[p.bucket.index].add_(p.out)
-        if self._pending and self.sharded_grads:
+            self._finish(p)
+        if self.sharded_grads and self._active():
             self._fresh_shard = False
         self._pending.clear()
         self._staging.clear()

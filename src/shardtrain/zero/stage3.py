@@ -142,6 +142,8 @@ class Unit:
     state: UnitState = UnitState.GATHERED
     pending: list[Handle] = field(default_factory=list)
     launched: int = 0  # buckets whose gradient reduction was launched this backward
+    needed_in_backward: bool = False  # its pre-backward hook already ran this backward
+    prefetches: int = 0  # how often it was gathered ahead of use (tests and benchmarks read it)
 
     @property
     def numel(self) -> int:
@@ -330,11 +332,13 @@ class ParameterUnits:
 
         One unit ahead keeps at most the current and the prefetched unit whole (plus the root unit), and
         is enough to hide a gather behind one unit's compute."""
+        current = recorded[position] if position >= 0 else None
         for index in recorded[position + 1 :]:
             unit = self.units[index]
             if unit.state is UnitState.SHARDED and unit.numel <= self.prefetch_numel:
                 self._gather(unit, why, async_op=True)
-            if unit.index != recorded[position]:  # the next distinct unit decides; do not look further
+                unit.prefetches += 1
+            if index != current:  # the next distinct unit decides; do not look further
                 return
 
     # -- hooks -----------------------------------------------------------------------------------------
@@ -343,6 +347,8 @@ class ParameterUnits:
         self._fwd_now, self._order_ok = [], True
         for u in root_units:
             self._gather(u, "root forward")
+        if self._fwd_order and self.prefetch_numel > 0:
+            self._prefetch(self._fwd_order, -1, "forward prefetch")
 
     def _root_post_forward(self, root_units: list[Unit], module, args, output):
         self.in_forward = False
@@ -374,13 +380,16 @@ class ParameterUnits:
 
     def _pre_backward(self, units: list[Unit], grad):
         for unit in units:
-            if unit.state is UnitState.SHARDED and unit.launched == 0:
-                in_order = self._record(self._bwd_now, self._bwd_order, unit.index)
-                self._gather(unit, "backward")
-                if in_order and self.prefetch_numel > 0:
-                    self._prefetch(self._bwd_order, len(self._bwd_now) - 1, "backward prefetch")
-            elif unit.state is UnitState.GATHERING:
-                self._wait(unit)
+            if unit.launched or unit.needed_in_backward:  # another output of the unit got here first
+                if unit.state is UnitState.GATHERING:
+                    self._wait(unit)
+                continue
+            unit.needed_in_backward = True
+            # recorded whether it is sharded or already being prefetched: the order is what is checked
+            in_order = self._record(self._bwd_now, self._bwd_order, unit.index)
+            self._gather(unit, "backward")
+            if in_order and self.prefetch_numel > 0:
+                self._prefetch(self._bwd_order, len(self._bwd_now) - 1, "backward prefetch")
         if self.units and units and units[0].module is self.root:
             for index in sorted(self._on_demand):  # used outside their unit in forward: needed again now
                 self._gather(self.units[index], "backward (parameter used outside its unit)")
@@ -391,6 +400,7 @@ class ParameterUnits:
         self._bwd_now, self._order_ok = [], True
         for u in self.units:
             u.launched = 0
+            u.needed_in_backward = False
 
     def on_bucket_launched(self, bucket: Bucket) -> None:
         unit = self._unit_of_bucket.get(bucket.index)
