@@ -218,3 +218,25 @@ def test_same_order_every_step_prefetches_in_forward_and_backward():
     # steps 2-4 (the first one records the order): each block is gathered ahead of use once in forward
     # (block 0 by the root's pre-forward) and once in backward (block 3 by the root's pre-backward)
     assert r["prefetches"] == {"blocks.3": 6, "blocks.2": 6, "blocks.1": 6, "blocks.0": 6, "<root>": 0}
+
+
+def test_unit_classes_and_weights_tied_across_units():
+    """Embeddings as units of their own while the tied LM head stays in the root unit: the head uses a
+    parameter of another unit, gathered on demand, and training still matches one process."""
+    recipe = Recipe(model="tied", steps=4)
+    zero = {**NO_PERSIST, "stage3_unit_classes": ["Block", "Embedding"]}
+    results = run_distributed(engine_run, 2, recipe, 3, 2, 2000, zero)
+    assert_parity(results, reference(recipe, 2))
+
+
+def _unknown_unit_class() -> str:
+    try:
+        _engine(zero={"stage3_unit_classes": ["Block", "Transformerblock"]})
+    except ShardtrainError as err:
+        return str(err)
+    return "no error"
+
+
+def test_unknown_unit_class_is_an_error():
+    message = run_distributed(_unknown_unit_class, 1)[0]
+    assert "no module of class 'Transformerblock'" in message and "Block" in message

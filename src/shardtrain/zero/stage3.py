@@ -24,10 +24,11 @@ stay gathered for the backward too); anywhere else it raises an error naming the
 ``engine.gathered(...)`` context to use. Metadata (shape, dtype, ``.grad``) stays readable.
 
 [Note: unit order check]
-Before each all-gather the ranks exchange the id of the unit they are about to gather (one 8-byte
-all-gather, on by default: ``zero_optimization.stage3_gather_check``). Ranks that took different paths then
-fail at once with the unit each rank was gathering, instead of mixing up buffers or hanging. Cost: one
-small collective per gather (tens of microseconds on gloo over loopback, a few on NCCL); turn it off with
+With each all-gather the ranks exchange the id of the unit they are gathering (one 8-byte all-gather issued
+just before the data, on by default: ``zero_optimization.stage3_gather_check``). The ids are compared before
+the data is waited for, so ranks that took different paths fail with the unit each rank was gathering
+instead of mixing up buffers or hanging. The exchange is asynchronous (a prefetch does not wait for the
+other ranks); its cost is one small collective per gather (see docs/benchmarks.md); turn it off with
 ``stage3_gather_check: false`` once a model is known to run the same path on every rank.
 """
 
@@ -141,6 +142,8 @@ class Unit:
     runtime: ParameterUnits = field(repr=False)
     state: UnitState = UnitState.GATHERED
     pending: list[Handle] = field(default_factory=list)
+    check: tuple[torch.Tensor, Handle] | None = None  # the unit-id exchange of the gather in flight
+    why: str = ""  # what the gather in flight is for (error messages)
     launched: int = 0  # buckets whose gradient reduction was launched this backward
     needed_in_backward: bool = False  # its pre-backward hook already ran this backward
     prefetches: int = 0  # how often it was gathered ahead of use (tests and benchmarks read it)
@@ -245,20 +248,27 @@ class ParameterUnits:
         self._hooks.append(root.register_forward_hook(partial(self._root_post_forward, root_units)))
 
     # -- gather / release ------------------------------------------------------------------------------
-    def _check_same_unit(self, unit: Unit, why: str) -> None:
+    def _start_check(self, unit: Unit) -> tuple[torch.Tensor, Handle] | None:
+        """Issue the unit-id exchange of [Note: unit order check]; verified in ``_wait``, not here, so a
+        gather (a prefetch above all) never waits for the other ranks to reach the same point."""
         if not self.gather_check:
-            return
+            return None
         mine = torch.tensor([unit.index], dtype=torch.int64, device=unit.buckets[0].shard.device)
         everyone = mine.new_empty(self.comm.size)
-        self.comm.all_gather(
-            everyone, mine, what=f"unit-order check before gathering {unit.name!r}", kind="gather_check"
-        )
+        what = f"unit-order check before gathering {unit.name!r}"
+        return everyone, self.comm.all_gather(everyone, mine, what=what, kind="gather_check", async_op=True)
+
+    def _verify(self, unit: Unit) -> None:
+        everyone, handle = unit.check
+        unit.check = None
+        handle.wait()
         ids = everyone.tolist()
         if len(set(ids)) > 1:
             per_rank = ", ".join(f"rank {r}: {self.units[i].name!r}" for r, i in enumerate(ids))
             raise RankMismatchError(
-                f"ranks are gathering different ZeRO-3 units at the same point ({why}): {per_rank}. Every rank "
-                "must run the same sequence of forward and backward passes (same modules, same number of calls)."
+                f"ranks are gathering different ZeRO-3 units at the same point ({unit.why}): {per_rank}. "
+                "Every rank must run the same sequence of forward and backward passes (same modules, same "
+                "number of calls)."
             )
 
     def _gather(self, unit: Unit, why: str, async_op: bool = False) -> None:
@@ -268,7 +278,8 @@ class ParameterUnits:
             return
         if unit.state is UnitState.GATHERED:
             return
-        self._check_same_unit(unit, why)
+        unit.why = why
+        unit.check = self._start_check(unit)
         for b in unit.buckets:
             b.flat_param.untyped_storage().resize_(b.padded_numel * b.flat_param.element_size())
             with torch.autograd._unsafe_preserve_version_counter(b.flat_param):
@@ -280,6 +291,8 @@ class ParameterUnits:
             self._wait(unit)
 
     def _wait(self, unit: Unit) -> None:
+        if unit.check is not None:  # before the data: ranks on different paths fail here, with names
+            self._verify(unit)
         for h in unit.pending:
             h.wait()
         unit.pending.clear()
