@@ -25,10 +25,9 @@ from shardtrain.errors import ConfigError
 
 # DeepSpeed keys a user may bring over that shardtrain does not implement (yet). Paths use dots.
 UNSUPPORTED_DEEPSPEED_KEYS: dict[str, str] = {
-    "fp16": "mixed precision (fp16) is not supported yet",
-    "bf16": "mixed precision (bf16) is not supported yet",
-    "amp": "apex AMP is not supported; mixed precision comes with the 'bf16'/'fp16' keys in a later release",
-    "communication_data_type": "reducing gradients in another dtype is not supported yet",
+    "amp": "apex AMP is not supported; use the 'bf16' or 'fp16' sections",
+    "fp16.auto_cast": "inputs are not cast; pass floating inputs in the compute dtype",
+    "fp16.consecutive_hysteresis": "not supported; the hysteresis allowance is restored after each clean window",
     "prescale_gradients": "gradients are always averaged over data-parallel ranks during the reduction",
     "gradient_predivide_factor": "gradients are always averaged over data-parallel ranks during the reduction",
     "sparse_gradients": "sparse gradients are not supported",
@@ -69,6 +68,13 @@ UNSUPPORTED_DEEPSPEED_KEYS: dict[str, str] = {
     "zero_optimization.zero_quantized_weights": "quantized communication (ZeRO++) is not supported",
     "zero_optimization.zero_quantized_gradients": "quantized communication (ZeRO++) is not supported",
     "zero_optimization.mics_shard_size": "MiCS is not supported",
+}
+
+
+# Keys that belong elsewhere: refused with this message as it stands.
+MISPLACED_KEYS: dict[str, str] = {
+    f"bf16.{key}": "loss scaling applies to fp16 only; bf16 has fp32's range and needs none"
+    for key in ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale")
 }
 
 
@@ -117,6 +123,20 @@ class ZeroConfig(_Section):
         return self
 
 
+class BF16Config(_Section):
+    enabled: bool = False
+
+
+class FP16Config(_Section):
+    enabled: bool = False
+    loss_scale: float = Field(default=0.0, ge=0)
+    """0 = dynamic loss scaling; a positive value is a static scale."""
+    initial_scale_power: int = Field(default=16, ge=0, le=64)
+    loss_scale_window: Count = 1000
+    hysteresis: Count = 2
+    min_loss_scale: float = Field(default=1.0, gt=0)
+
+
 class OptimizerConfig(_Section):
     type: str
     params: dict[str, Any] = Field(default_factory=dict)
@@ -149,10 +169,30 @@ class Config(_Section):
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
+    bf16: BF16Config = Field(default_factory=BF16Config)
+    fp16: FP16Config = Field(default_factory=FP16Config)
+    communication_data_type: Literal["fp32", "bf16", "fp16"] | None = None
+    """dtype gradients are reduced in; default fp32 (see [Note: mixed precision])."""
     steps_per_print: Count = 10
     seed: int | None = None
     collective_timeout_s: float = Field(default=1800.0, gt=0)
     """shardtrain's own key: seconds a collective may wait before failing with a named error."""
+
+    @model_validator(mode="after")
+    def _precision(self) -> Config:
+        if self.bf16.enabled and self.fp16.enabled:
+            raise ValueError("bf16.enabled and fp16.enabled are both true; enable one of them")
+        compute = "bf16" if self.bf16.enabled else "fp16" if self.fp16.enabled else "fp32"
+        if compute == "fp32" and self.communication_data_type not in (None, "fp32"):
+            raise ValueError(
+                "communication_data_type applies to mixed precision only; enable bf16 or fp16, or remove it"
+            )
+        if self.communication_data_type not in (None, "fp32", compute):
+            raise ValueError(
+                f"communication_data_type {self.communication_data_type!r} with {compute} compute; use 'fp32' "
+                f"(the default) or {compute!r}"
+            )
+        return self
 
 
 # -- optimizer and scheduler validation ----------------------------------------------------------
@@ -266,6 +306,8 @@ def _check_keys(data: Any, model: type[BaseModel], prefix: str) -> None:
         return  # pydantic reports the wrong type with its path
     for key, value in data.items():
         path = f"{prefix}.{key}" if prefix else str(key)
+        if path in MISPLACED_KEYS:
+            raise ConfigError(f"{path}: {MISPLACED_KEYS[path]}")
         if path in UNSUPPORTED_DEEPSPEED_KEYS:
             raise ConfigError(
                 f"{path}: a DeepSpeed key shardtrain does not support yet ({UNSUPPORTED_DEEPSPEED_KEYS[path]})"
@@ -284,6 +326,9 @@ def _format_validation_error(err: ValidationError, prefix: str) -> str:
         loc = ".".join(str(p) for p in e["loc"] if not str(p).startswith(("function-", "constrained-")))
         loc = f"{prefix}.{loc}" if prefix and loc else (prefix or loc)
         msg = e["msg"].removeprefix("Value error, ")
+        if not loc:  # a rule about several keys: the message names them, the input is the whole config
+            lines.append(f"config: {msg}")
+            continue
         lines.append(f"{loc}: {msg} (got {e.get('input')!r})")
     return "invalid config:\n  " + "\n  ".join(lines)
 

@@ -29,10 +29,11 @@ from shardtrain.comm import Communicator
 from shardtrain.config import Config, load_config, optimizer_class_and_kwargs, resolve_batch_sizes
 from shardtrain.errors import ConfigError, OptimizerError, RankMismatchError
 from shardtrain.mesh import Topology, init_topology
+from shardtrain.precision import LossScaler, policy_from_config
 from shardtrain.schedulers import build_scheduler
 from shardtrain.zero.init import is_under_construction
-from shardtrain.zero.layout import Bucket, build_buckets, group_by_size
-from shardtrain.zero.optimizer import ShardedOptimizer, check_optimizer
+from shardtrain.zero.layout import Bucket, build_buckets, cast_bucket, group_by_size
+from shardtrain.zero.optimizer import ShardedOptimizer, check_optimizer, make_masters
 from shardtrain.zero.reducer import GradientReducer
 from shardtrain.zero.stage3 import ParameterUnits, assign_parameters, find_unit_modules
 from shardtrain.zero.weights import Destination, load_safetensors, load_state_dict_from_rank0, safetensors_files
@@ -82,15 +83,30 @@ class Engine:
             self._units = ParameterUnits(
                 module, unit_specs, self.comm, zcfg.stage3_prefetch_bucket_size, zcfg.stage3_gather_check
             )
+        self.precision = policy_from_config(config)
+        self.scaler = LossScaler.from_config(config)
+        self.skipped_steps = 0
+        masters = None
+        if self.precision.mixed:  # masters from the fp32 values, then compute-dtype parameters
+            masters = make_masters(self._buckets, self.stage)
+            self._cast_to_compute_dtype()
         self._reducer = GradientReducer(
             self._buckets,
             self.stage,
             self.comm,
             zcfg.overlap_comm,
             on_launch=self._units.on_bucket_launched if self._units else None,
+            reduce_dtype=self.precision.reduce_dtype if self.precision.mixed else None,
         )
         self._optimizer = ShardedOptimizer(
-            optimizer, module, self._buckets, self._reducer, self.stage, self.comm, zcfg.allgather_bucket_size
+            optimizer,
+            module,
+            self._buckets,
+            self._reducer,
+            self.stage,
+            self.comm,
+            zcfg.allgather_bucket_size,
+            masters=masters,
         )
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
@@ -101,6 +117,22 @@ class Engine:
         self.comm.reset_stats()
 
     # -- setup ----------------------------------------------------------------------------------
+    def _cast_to_compute_dtype(self) -> None:
+        """See [Note: mixed precision]: buckets, other fp32 parameters and floating buffers."""
+        policy = self.precision
+        for b in self._buckets:
+            if b.dtype == torch.float32:
+                cast_bucket(b, policy.compute_dtype)
+        bucketed = {id(s.param) for b in self._buckets for s in b.slots}
+        with torch.no_grad():
+            for p in self.module.parameters():
+                if id(p) not in bucketed and policy.casts(p):
+                    p.data = p.data.to(policy.compute_dtype)
+            for m in self.module.modules():
+                for name, buf in m._buffers.items():
+                    if buf is not None and policy.casts(buf):
+                        m._buffers[name] = buf.to(policy.compute_dtype)
+
     def _finish_construction(self) -> None:
         """Parameters built under ``shardtrain.zero.Init`` that will not be unit-sharded become whole again;
         the others stay sharded until ``_plan_units`` lays them out (see [Note: sharded construction])."""
@@ -183,6 +215,8 @@ class Engine:
         if self._units is not None:
             self._units.begin_backward()
         try:
+            if self.scaler is not None:  # fp16: scale in fp32 (the scaled loss may not fit fp16)
+                loss = loss.float() * self.scaler.scale
             (loss / self.gradient_accumulation_steps).backward()
         finally:
             self._reducer.end_backward()
@@ -195,8 +229,14 @@ class Engine:
         self.micro_steps += 1
         if not boundary:
             return
-        self._grad_norm = self._optimizer.step(self.config.gradient_clipping)
-        if self.lr_scheduler is not None:
+        scale = self.scaler.scale if self.scaler is not None else None
+        self._grad_norm, skipped = self._optimizer.step(self.config.gradient_clipping, scale)
+        if self.scaler is not None:
+            self.scaler.update(overflow=skipped)
+        if skipped:  # parameters, masters, optimizer state and the scheduler stay as they were
+            self.skipped_steps += 1
+            log.info("step %d skipped: gradient overflow, loss scale now %g", self.global_step + 1, self.loss_scale)
+        elif self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self._reducer.zero_grads()
         self.global_step += 1
@@ -214,6 +254,11 @@ class Engine:
         return self
 
     # -- inspection --------------------------------------------------------------------------------
+    @property
+    def loss_scale(self) -> float:
+        """Current fp16 loss scale (1.0 without fp16)."""
+        return self.scaler.scale if self.scaler is not None else 1.0
+
     @property
     def device(self) -> torch.device:
         """Where the model lives (CUDA device of this local rank, or the CPU); move batches here."""
@@ -291,12 +336,19 @@ class Engine:
             tensors.setdefault(id(t), t)
         dests = []
         for key, t in tensors.items():
+            targets: list[tuple[torch.Tensor, int]] = []
             frag = self._optimizer.fragment_of(t)
-            if frag is not None and not frag[1].gather_after_step:  # a stage-3 unit: this rank's fragment only
+            if frag is None or frag[1].gather_after_step:  # this rank holds the tensor whole
+                targets.append((t.data.view(-1), 0))
+            if frag is not None:
                 fragment, bucket, i = frag
-                dests.append(Destination(names[key], t.shape, None, fragment, bucket.fragments[i].start))
-            else:
-                dests.append(Destination(names[key], t.shape, t))
+                start = bucket.fragments[i].start if self.stage > 0 else 0
+                if not bucket.gather_after_step:  # a stage-3 unit: this rank's fragment only
+                    targets.append((fragment.view(-1), start))
+                master = self._optimizer.master_of(t)
+                if master is not None:
+                    targets.append((master.view(-1), start))
+            dests.append(Destination(names[key], t.shape, targets))
         return dests
 
     @contextmanager
@@ -328,6 +380,7 @@ class Engine:
                         for b in unit.buckets:
                             lo, hi = b.shard_range
                             b.shard.copy_(b.flat_param[lo:hi])
+                    self._optimizer.refresh_masters(params)
 
 
 # -- initialize -------------------------------------------------------------------------------------

@@ -86,7 +86,8 @@ class GPT(nn.Module):
         logits = self.head(self.ln_f(x))
         if targets is None:
             return logits
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        # the loss in fp32 whatever the compute dtype: a bf16 loss is quantized at ~0.4%
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def num_parameters(model: nn.Module) -> int:

@@ -136,3 +136,19 @@ def build_buckets(
         bucket.fragments = [_fragment(s, lo, hi) for s in slots]
         buckets.append(bucket)
     return buckets
+
+
+def cast_bucket(b: Bucket, dtype: torch.dtype) -> None:
+    """Re-create a bucket's flat buffer (and a stage-3 unit's own shard) in ``dtype`` and re-point its
+    parameters; a stage-3 unit's full buffer keeps its storage freed."""
+    resident = b.flat_param.untyped_storage().nbytes() > 0
+    flat = b.flat_param.to(dtype) if resident else torch.empty(b.padded_numel, dtype=dtype, device=b.flat_param.device)
+    # parameters of stage-3 units guard their data (see [Note: guarded parameters]); this is layout work
+    with torch._C.DisableTorchFunctionSubclass(), torch.no_grad():
+        for s in b.slots:
+            s.param.data = flat[s.offset : s.offset + s.numel].view(s.shape)
+    if not resident:
+        flat.untyped_storage().resize_(0)
+    lo, hi = b.shard_range
+    b.shard = flat[lo:hi] if b.gather_after_step else b.shard.to(dtype)
+    b.flat_param, b.dtype = flat, dtype

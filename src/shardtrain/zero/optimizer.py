@@ -13,6 +13,8 @@ parameter (possibly empty) so param-group indexing is identical on all ranks.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -34,6 +36,7 @@ class ShardedOptimizer:
         stage: int,
         comm: Communicator,
         allgather_bucket_numel: int,
+        masters: dict[int, torch.Tensor] | None = None,
     ) -> None:
         self.optimizer, self.buckets, self.reducer = optimizer, buckets, reducer
         self.stage, self.comm, self.allgather_bucket_numel = stage, comm, allgather_bucket_numel
@@ -43,53 +46,85 @@ class ShardedOptimizer:
             for i, (slot, f) in enumerate(zip(b.slots, b.fragments)):
                 t = slot.param if stage == 0 else b.shard[f.shard_offset : f.shard_offset + f.length]
                 self._frag[id(slot.param)] = (t, b, i)
-        if stage > 0:
+        # what the optimizer steps: fp32 masters under mixed precision (see [Note: mixed precision]), else
+        # the fragments themselves
+        self.masters = masters
+        self._stepped = {k: (masters[k] if masters is not None else t) for k, (t, _, _) in self._frag.items()}
+        if stage > 0 or masters is not None:
             for group in optimizer.param_groups:
-                group["params"] = [self._frag[id(p)][0] if id(p) in self._frag else p for p in group["params"]]
+                group["params"] = [self._stepped.get(id(p), p) for p in group["params"]]
 
     def fragment_of(self, p: torch.Tensor) -> tuple[torch.Tensor, Bucket, int] | None:
         """(fragment tensor, bucket, slot index) of a trainable parameter; None for anything else."""
         return self._frag.get(id(p))
 
-    def _fragment_grads(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(fragment, its reduced gradient) for every trainable parameter."""
-        pairs = []
-        for t, b, i in self._frag.values():
-            if self.stage == 0:
-                pairs.append((t, t.grad))
-                continue
-            f = b.fragments[i]
-            g = self.reducer.shard_grad(b)
-            pairs.append((t, g[f.shard_offset : f.shard_offset + f.length]))
-        return pairs
+    def master_of(self, p: torch.Tensor) -> torch.Tensor | None:
+        """The fp32 master of a trainable parameter's fragment under mixed precision, else None."""
+        return self.masters.get(id(p)) if self.masters is not None else None
 
-    def step(self, max_norm: float) -> float:
-        """Clip by the global norm, step the fragments, re-gather parameters; returns the norm before clipping."""
-        pairs = self._fragment_grads()
-        grads = [g for _, g in pairs if g is not None and g.numel() > 0]
-        if grads:
-            norms = torch._foreach_norm(grads)
-            local_sq = torch.linalg.vector_norm(torch.stack(norms)) ** 2
+    def refresh_masters(self, params: list[torch.Tensor]) -> None:
+        """Masters take the (changed) compute-dtype values of these parameters' fragments."""
+        if self.masters is None:
+            return
+        with torch.no_grad():
+            for p in params:
+                if id(p) in self._frag:
+                    self.masters[id(p)].copy_(self._frag[id(p)][0].reshape(-1).view_as(self.masters[id(p)]))
+
+    def _fragment_grads(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(stepped tensor, fragment, its reduced gradient) for every trainable parameter."""
+        triples = []
+        for key, (t, b, i) in self._frag.items():
+            if self.stage == 0:
+                g = self.reducer.param_grad(b, i)
+            else:
+                f = b.fragments[i]
+                g = self.reducer.shard_grad(b)[f.shard_offset : f.shard_offset + f.length]
+            triples.append((self._stepped[key], t, g))
+        return triples
+
+    def step(self, max_norm: float, loss_scale: float | None = None) -> tuple[float, bool]:
+        """Unscale, clip by the global norm, step, refresh and re-gather parameters.
+
+        Returns (norm of the unscaled gradients before clipping, whether the step was skipped). With a loss
+        scale, a non-finite norm on any rank (it is all-reduced, so every rank sees the same) skips the step
+        and leaves parameters, masters and optimizer state untouched."""
+        triples = self._fragment_grads()
+        # the optimizer sees the stepped tensors' dtype (fp32 masters): upcast compute-dtype gradients
+        grads = [g if g.dtype == s.dtype else g.to(s.dtype) for s, _, g in triples if g is not None]
+        nonempty = [g for g in grads if g.numel() > 0]
+        if loss_scale is not None and loss_scale != 1.0 and nonempty:
+            torch._foreach_mul_(nonempty, 1.0 / loss_scale)
+        if nonempty:
+            local_sq = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(nonempty))) ** 2
         else:
-            local_sq = torch.zeros((), device=self.buckets[0].flat_param.device if self.buckets else "cpu")
+            local_sq = torch.zeros((), device=self.buckets[0].shard.device if self.buckets else "cpu")
         local_sq = local_sq.to(torch.float32)
         if self.stage > 0:  # fragments are disjoint: the squares add up across ranks
             self.comm.all_reduce(local_sq, "sum", what="squared gradient norm")
         total_norm = float(local_sq.sqrt())
-        if max_norm > 0 and grads:
+        if loss_scale is not None and not math.isfinite(total_norm):
+            return total_norm, True
+        if max_norm > 0 and nonempty:
             # identical to torch.nn.utils.clip_grad_norm_: scale by max_norm/(norm+1e-6), never up
             coef = torch.clamp(max_norm / (local_sq.sqrt() + 1e-6), max=1.0)
-            torch._foreach_mul_(grads, coef)
-        if self.stage == 0:  # the parameters are the fragments and already hold their gradients
+            torch._foreach_mul_(nonempty, coef)
+        if self.stage == 0 and self.masters is None:  # fp32 stage 0: the parameters hold their gradients
             self.optimizer.step()
-            return total_norm
-        for t, g in pairs:
-            t.grad = g
+            return total_norm, False
+        stepped = [s for s, _, g in triples if g is not None]
+        for s, g in zip(stepped, grads):
+            s.grad = g
         self.optimizer.step()
-        for t, _ in pairs:
-            t.grad = None
-        self._all_gather_params()
-        return total_norm
+        for s in stepped:
+            s.grad = None
+        if self.masters is not None:  # refresh the compute-dtype fragments from the fp32 masters
+            frags = [t for s, t, _ in triples if t.numel()]
+            with torch.no_grad():
+                torch._foreach_copy_(frags, [s for s, t, _ in triples if t.numel()])
+        if self.stage > 0:
+            self._all_gather_params()
+        return total_norm, False
 
     def _all_gather_params(self) -> None:
         """Every rank's updated chunks into the full flat buffers, at most ``allgather_bucket_numel``
@@ -104,7 +139,8 @@ class ShardedOptimizer:
             h.wait()
 
     def state_bytes(self) -> int:
-        total = 0
+        """Optimizer state plus fp32 masters (when they are separate from the parameters)."""
+        total = sum(m.numel() * m.element_size() for m in self.masters.values()) if self.masters else 0
         for st in self.optimizer.state.values():
             for v in st.values():
                 if torch.is_tensor(v):
@@ -137,3 +173,13 @@ def check_optimizer(optimizer: torch.optim.Optimizer, module: nn.Module) -> None
             f"trainable parameters not in any optimizer param group: {', '.join(missing[:5])}"
             f"{' ...' if len(missing) > 5 else ''}; add them to the optimizer or set requires_grad=False"
         )
+
+
+def make_masters(buckets: list[Bucket], stage: int) -> dict[int, torch.Tensor]:
+    """fp32 copies of this rank's fragments, taken before the parameters are cast to the compute dtype."""
+    masters = {}
+    for b in buckets:
+        for slot, f in zip(b.slots, b.fragments):
+            t = slot.param.detach() if stage == 0 else b.shard[f.shard_offset : f.shard_offset + f.length]
+            masters[id(slot.param)] = t.to(torch.float32, copy=True)
+    return masters

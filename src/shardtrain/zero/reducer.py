@@ -46,8 +46,10 @@ class GradientReducer:
         comm: Communicator,
         overlap: bool,
         on_launch: Callable[[Bucket], None] | None = None,
+        reduce_dtype: torch.dtype | None = None,
     ) -> None:
         self.buckets, self.stage, self.comm, self.overlap = buckets, stage, comm, overlap
+        self.reduce_dtype = reduce_dtype  # None: each bucket's own dtype (see [Note: mixed precision])
         self.sharded_grads = stage >= 2
         self._on_launch = on_launch
         self._in_backward = False
@@ -59,13 +61,19 @@ class GradientReducer:
         self._staging: dict[int, torch.Tensor] = {}
         self.full_grads: list[torch.Tensor] = []
         self.shard_grads: list[torch.Tensor] = []
+        self._alias = True
         if not self.sharded_grads:
-            self.full_grads = [torch.zeros_like(b.flat_param) for b in buckets]
-            for b, g in zip(buckets, self.full_grads):
-                for s in b.slots:
-                    s.param.grad = self._grad_view(g, s)
-        else:
-            self.shard_grads = [b.shard.new_zeros(b.shard_numel) for b in buckets]
+            # fp32 buffers for compute-dtype parameters (exact accumulation); else param.grad aliases them
+            self.full_grads = [
+                b.flat_param.new_zeros(b.padded_numel, dtype=_accumulation_dtype(b.dtype)) for b in buckets
+            ]
+            self._alias = all(g.dtype == b.dtype for b, g in zip(buckets, self.full_grads))
+            if self._alias:
+                for b, g in zip(buckets, self.full_grads):
+                    for s in b.slots:
+                        s.param.grad = self._grad_view(g, s)
+        else:  # fp32 gradient shards for compute-dtype parameters: accumulation over micro-steps is exact
+            self.shard_grads = [b.shard.new_zeros(b.shard_numel, dtype=_accumulation_dtype(b.dtype)) for b in buckets]
         self._hooks = [
             s.param.register_post_accumulate_grad_hook(self._make_hook(b.index, s)) for b in buckets for s in b.slots
         ]
@@ -102,12 +110,15 @@ class GradientReducer:
             if not self.sharded_grads:
                 view = self._grad_view(self.full_grads[index], slot)
                 if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
-                    view.add_(param.grad)  # someone reset .grad (e.g. zero_grad(set_to_none=True))
-                    param.grad = view
+                    # a compute-dtype gradient into its fp32 buffer, or .grad was reset by the user
+                    view.add_(param.grad)
+                    param.grad = view if self._alias else None
             else:
                 staging = self._staging.get(index)
                 if staging is None:
-                    staging = self._staging[index] = bucket.shard.new_zeros(bucket.padded_numel)
+                    staging = self._staging[index] = bucket.shard.new_zeros(
+                        bucket.padded_numel, dtype=self._wire_dtype(bucket)
+                    )
                 staging[slot.offset : slot.offset + slot.numel].copy_(param.grad.reshape(-1))
                 param.grad = None
             self._ready[index] += 1
@@ -121,18 +132,27 @@ class GradientReducer:
             self._launch(self.buckets[self._next])
             self._next += 1
 
+    def _wire_dtype(self, b: Bucket) -> torch.dtype:
+        return self.reduce_dtype or b.dtype
+
     def _launch(self, b: Bucket) -> None:
         what = f"gradient bucket {b.index} ({b.numel} elements)"
+        wire = self._wire_dtype(b)
         if self.stage == 0:
-            handle = self.comm.all_reduce(self.full_grads[b.index], "avg", what=what, async_op=True)
-            self._pending.append(_Pending(b, handle, None, None))
-            return
-        inp = self.full_grads[b.index] if self.stage == 1 else self._staging.pop(b.index, None)
-        if inp is None:  # stages 2-3, no parameter of the bucket got a gradient on this rank
-            inp = b.shard.new_zeros(b.padded_numel)
-        out = b.shard.new_empty(b.shard_numel)
-        handle = self.comm.reduce_scatter(out, inp, "avg", what=what, async_op=True)
-        self._pending.append(_Pending(b, handle, out, inp))
+            buf = self.full_grads[b.index]
+            tmp = buf if buf.dtype == wire else buf.to(wire)  # reduced in the wire dtype, written back after
+            handle = self.comm.all_reduce(tmp, "avg", what=what, async_op=True)
+            self._pending.append(_Pending(b, handle, None if tmp is buf else tmp, tmp))
+        else:
+            if self.stage == 1:
+                inp = self.full_grads[b.index].to(wire)  # no copy when the dtypes agree
+            else:
+                inp = self._staging.pop(b.index, None)
+                if inp is None:  # no parameter of the bucket got a gradient on this rank
+                    inp = b.shard.new_zeros(b.padded_numel, dtype=wire)
+            out = inp.new_empty(b.shard_numel)
+            handle = self.comm.reduce_scatter(out, inp, "avg", what=what, async_op=True)
+            self._pending.append(_Pending(b, handle, out, inp))
         if self._on_launch is not None:
             self._on_launch(b)
         # Older reductions had a whole bucket's backward to finish: fold them in now, so that their
@@ -145,7 +165,9 @@ class GradientReducer:
         p.handle.wait()
         if p.out is None:
             return
-        if self.stage == 1:
+        if self.stage == 0:
+            self.full_grads[p.bucket.index].copy_(p.out)
+        elif self.stage == 1:
             lo, hi = p.bucket.shard_range
             self.full_grads[p.bucket.index][lo:hi].copy_(p.out)
         elif self._fresh_shard:
@@ -175,9 +197,15 @@ class GradientReducer:
         lo, hi = b.shard_range
         return self.full_grads[b.index][lo:hi]
 
+    def param_grad(self, b: Bucket, i: int) -> torch.Tensor:
+        """The (reduced, at stage 0) full gradient of slot ``i`` of bucket ``b``, shaped like the parameter."""
+        return self._grad_view(self.full_grads[b.index], b.slots[i])
+
     def zero_grads(self) -> None:
         for g in self.full_grads:
             g.zero_()
+        if self.full_grads and not self._alias:
+            return
         for b, g in zip(self.buckets, self.full_grads):
             for s in b.slots:  # re-point in case the user replaced or dropped a .grad
                 if s.param.grad is None or s.param.grad.data_ptr() != g.data_ptr() + s.offset * g.element_size():
@@ -193,3 +221,7 @@ class GradientReducer:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+
+
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype

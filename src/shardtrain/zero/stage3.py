@@ -24,11 +24,12 @@ stay gathered for the backward too); anywhere else it raises an error naming the
 ``engine.gathered(...)`` context to use. Metadata (shape, dtype, ``.grad``) stays readable.
 
 [Note: unit order check]
-With each all-gather the ranks exchange the id of the unit they are gathering (one 8-byte all-gather issued
-just before the data, on by default: ``zero_optimization.stage3_gather_check``). The ids are compared before
-the data is waited for, so ranks that took different paths fail with the unit each rank was gathering
-instead of mixing up buffers or hanging. The exchange is asynchronous (a prefetch does not wait for the
-other ranks); its cost is one small collective per gather (see docs/benchmarks.md); turn it off with
+Before each all-gather the ranks exchange the id of the unit they are about to gather (one 8-byte
+all-gather, on by default: ``zero_optimization.stage3_gather_check``) and compare the ids before the data
+collective is issued, so ranks that took different paths fail with the unit each rank was gathering instead
+of mixing up buffers, hanging, or aborting inside the backend (gloo aborts on all-gathers of different
+sizes). It must complete first, so it makes every gather, prefetches included, wait for the other ranks to
+reach the same point; its cost is measured in docs/benchmarks.md. Turn it off with
 ``stage3_gather_check: false`` once a model is known to run the same path on every rank.
 """
 
@@ -249,8 +250,7 @@ class ParameterUnits:
 
     # -- gather / release ------------------------------------------------------------------------------
     def _start_check(self, unit: Unit) -> tuple[torch.Tensor, Handle] | None:
-        """Issue the unit-id exchange of [Note: unit order check]; verified in ``_wait``, not here, so a
-        gather (a prefetch above all) never waits for the other ranks to reach the same point."""
+        """Issue the unit-id exchange of [Note: unit order check]."""
         if not self.gather_check:
             return None
         mine = torch.tensor([unit.index], dtype=torch.int64, device=unit.buckets[0].shard.device)
@@ -280,6 +280,10 @@ class ParameterUnits:
             return
         unit.why = why
         unit.check = self._start_check(unit)
+        if unit.check is not None:
+            # verified before the data is issued: all-gathers of different sizes on different ranks would
+            # abort the process inside the backend instead of failing with the units' names
+            self._verify(unit)
         for b in unit.buckets:
             b.flat_param.untyped_storage().resize_(b.padded_numel * b.flat_param.element_size())
             with torch.autograd._unsafe_preserve_version_counter(b.flat_param):
@@ -291,8 +295,6 @@ class ParameterUnits:
             self._wait(unit)
 
     def _wait(self, unit: Unit) -> None:
-        if unit.check is not None:  # before the data: ranks on different paths fail here, with names
-            self._verify(unit)
         for h in unit.pending:
             h.wait()
         unit.pending.clear()

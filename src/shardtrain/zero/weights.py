@@ -28,29 +28,36 @@ from shardtrain.errors import ShardtrainError
 
 @dataclass
 class Destination:
-    """Where one model tensor's values go on this rank."""
+    """Where one model tensor's values go on this rank: 1-D targets, each covering elements
+    ``[start, start + numel)`` of the flattened tensor (the whole tensor, a stage-3 fragment, an fp32
+    master of a fragment)."""
 
     names: list[str]  # every state-dict name of the tensor (tied parameters have several)
     shape: torch.Size
-    whole: torch.Tensor | None  # the tensor itself when this rank holds it whole
-    fragment: torch.Tensor | None = None  # else: this rank's fragment (1-D) ...
-    start: int = 0  # ... and where it starts in the flattened tensor
+    targets: list[tuple[torch.Tensor, int]]
 
     def write_slice(self, flat_values: torch.Tensor, first: int) -> None:
         """Write values of the flattened tensor starting at element ``first`` (covering what we need)."""
         with torch.no_grad():
-            if self.whole is not None:
-                self.whole.copy_(flat_values.view(self.shape))
-            elif self.fragment is not None and self.fragment.numel():
-                a = self.start - first
-                self.fragment.copy_(flat_values[a : a + self.fragment.numel()])
+            for target, start in self.targets:
+                if target.numel():
+                    a = start - first
+                    target.copy_(flat_values[a : a + target.numel()])
 
     def needed_range(self) -> tuple[int, int]:
-        if self.whole is not None:
-            return 0, self.shape.numel()
-        if self.fragment is None or not self.fragment.numel():
+        spans = [(start, start + t.numel()) for t, start in self.targets if t.numel()]
+        if not spans:
             return 0, 0
-        return self.start, self.start + self.fragment.numel()
+        return min(a for a, _ in spans), max(b for _, b in spans)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The widest target dtype: a broadcast in it loses nothing for any target."""
+        return max((t.dtype for t, _ in self.targets), key=lambda d: torch.finfo(d).bits if d.is_floating_point else 0)
+
+    @property
+    def device(self) -> torch.device:
+        return self.targets[0][0].device
 
 
 def load_state_dict_from_rank0(
@@ -65,11 +72,10 @@ def load_state_dict_from_rank0(
     for dest, key in picked:
         _check_shape(key, shapes[key], dest, "the state dict")
     for dest, key in picked:
-        device = (dest.whole if dest.whole is not None else dest.fragment).device
         if comm.rank == 0:
-            buf = state[key].detach().to(device=device, dtype=_dtype(dest), copy=True).contiguous()
+            buf = state[key].detach().to(device=dest.device, dtype=dest.dtype, copy=True).contiguous()
         else:
-            buf = torch.empty(dest.shape, dtype=_dtype(dest), device=device)
+            buf = torch.empty(dest.shape, dtype=dest.dtype, device=dest.device)
         comm.broadcast(buf, 0, what=f"weights of {key!r}")
         dest.write_slice(buf.reshape(-1), 0)
 
@@ -77,10 +83,6 @@ def load_state_dict_from_rank0(
 def _check_shape(key: str, shape: tuple[int, ...], dest: Destination, where: str) -> None:
     if tuple(shape) != tuple(dest.shape):
         raise ShardtrainError(f"{key!r}: shape {tuple(shape)} in {where}, {tuple(dest.shape)} in the model")
-
-
-def _dtype(dest: Destination) -> torch.dtype:
-    return (dest.whole if dest.whole is not None else dest.fragment).dtype
 
 
 def safetensors_files(path: str | Path | list[str | Path]) -> list[Path]:
@@ -118,7 +120,7 @@ def load_safetensors(dests: list[Destination], files: list[Path], strict: bool) 
         with safe_open(str(where[key]), framework="pt") as handle:
             part = handle.get_slice(key)
             values, first = _read_rows(part, tuple(part.get_shape()), lo, hi)
-        dest.write_slice(values.to(_dtype(dest)).reshape(-1), first)
+        dest.write_slice(values.reshape(-1), first)
 
 
 def _read_rows(part, shape: tuple[int, ...], lo: int, hi: int) -> tuple[torch.Tensor, int]:

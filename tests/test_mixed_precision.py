@@ -1,0 +1,231 @@
+"""Mixed precision: bf16/fp16 compute with fp32 masters under every ZeRO stage, and the loss scaler."""
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import shardtrain
+from shardtrain.errors import ShardtrainError
+from shardtrain.precision import LossScaler
+from shardtrain.testing import run_distributed
+
+from parity import VOCAB, Recipe, global_micro_batches, make_model, make_optimizer
+
+RECIPE = Recipe(steps=10, gas=2, micro=2, clip=0.5, lr=3e-3)
+
+
+def _zero(stage: int) -> dict:
+    return {"stage": stage, "stage3_param_persistence_threshold": 0} if stage == 3 else {"stage": stage}
+
+
+@functools.cache
+def bf16_reference(world: int) -> list[float]:
+    """One process, same recipe: bf16 compute, fp32 masters made from the fp32 init, AdamW on the masters,
+    gradients summed in fp32 over micro-steps, bf16 parameters refreshed from the masters."""
+    model = make_model(RECIPE)
+    opt = make_optimizer(model, RECIPE)
+    params = [p for g in opt.param_groups for p in g["params"]]
+    masters = {p: p.detach().clone() for p in params}
+    for g in opt.param_groups:
+        g["params"] = [masters[p] for p in g["params"]]
+    model.to(torch.bfloat16)
+    batches = global_micro_batches(RECIPE, world)
+    losses = []
+    for step in range(RECIPE.steps):
+        total = 0.0
+        for m in range(RECIPE.gas):
+            x, y = batches[step * RECIPE.gas + m]
+            loss = model(x, y)
+            (loss / RECIPE.gas).backward()
+            for p in params:
+                masters[p].grad = p.grad.float() + (masters[p].grad if masters[p].grad is not None else 0)
+                p.grad = None
+            total += loss.item() / RECIPE.gas
+        torch.nn.utils.clip_grad_norm_(list(masters.values()), RECIPE.clip)
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for p in params:
+                p.copy_(masters[p])
+        losses.append(total)
+    return losses
+
+
+def _bf16_run(stage: int, world: int) -> dict:
+    rank = dist.get_rank()
+    model = make_model(RECIPE)
+    config = {
+        "train_micro_batch_size_per_gpu": RECIPE.micro,
+        "gradient_accumulation_steps": RECIPE.gas,
+        "gradient_clipping": RECIPE.clip,
+        "bf16": {"enabled": True},
+        "zero_optimization": _zero(stage),
+    }
+    engine = shardtrain.initialize(model, config=config, optimizer=make_optimizer(model, RECIPE))
+    dtypes = {p.dtype for p in model.parameters()} | {
+        p.dtype for g in engine.optimizer.param_groups for p in g["params"]
+    }
+    batches = global_micro_batches(RECIPE, world)
+    lo, hi = rank * RECIPE.micro, (rank + 1) * RECIPE.micro
+    losses = []
+    for step in range(RECIPE.steps):
+        total = 0.0
+        for m in range(RECIPE.gas):
+            x, y = batches[step * RECIPE.gas + m]
+            loss = engine(x[lo:hi], y[lo:hi])
+            engine.backward(loss)
+            engine.step()
+            total += loss.item() / RECIPE.gas
+        losses.append(total)
+    return {"losses": losses, "dtypes": dtypes, "state": engine.state_bytes()}
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_bf16_parity(stage, world):
+    ref = bf16_reference(world)
+    results = run_distributed(_bf16_run, world, stage, world)
+    assert results[0]["dtypes"] == {torch.bfloat16, torch.float32}  # bf16 model, fp32 masters
+    for s in range(RECIPE.steps):
+        loss = sum(r["losses"][s] for r in results) / world
+        assert abs(loss - ref[s]) <= 1e-3 * ref[s], (s, loss, ref[s])
+
+
+def test_bf16_state_bytes_follow_the_formulas():
+    n_tensors = len([p for p in make_model(RECIPE).parameters() if p.requires_grad])
+    for stage in (1, 2, 3):
+        state = run_distributed(_bf16_run, 2, stage, 2)[0]["state"]
+        p = state["params"]  # bf16 bytes this rank holds: 2 per parameter (stages 1-2) or 2/N (stage 3)
+        n = p // 2 if stage < 3 else p  # elements (padded) of the whole model
+        half = n // 2  # this rank's share at world 2
+        optimizer = state["optimizer"] - 4 * n_tensors  # minus AdamW's scalar 'step' per parameter tensor
+        assert optimizer == 12 * half  # fp32 master + two fp32 moments of this rank's half
+        expected_grads = {1: 4 * n, 2: 4 * half, 3: 4 * half}[stage]  # fp32 accumulation: full, or shard
+        assert state["grads"] == expected_grads, stage
+
+
+PLANT_STEP = 2
+
+
+def _fp16_overflow(stage: int, min_scale_case: bool = False) -> dict:
+    rank = dist.get_rank()
+    recipe = Recipe(steps=9, gas=1, micro=2)
+    model = make_model(recipe)
+    fp16 = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 3, "hysteresis": 1}
+    if min_scale_case:
+        fp16 = {"enabled": True, "initial_scale_power": 0, "min_loss_scale": 1, "hysteresis": 1}
+    config = {"train_micro_batch_size_per_gpu": 2, "fp16": fp16, "zero_optimization": _zero(stage)}
+    engine = shardtrain.initialize(model, config=config, optimizer=make_optimizer(model, recipe))
+    plant = {"on": False}
+    target = model.blocks[0].mlp[0].weight
+
+    def poison(grad):  # an inf in one element of one rank's gradient
+        if plant["on"] and rank == 1:
+            grad = grad.clone()
+            grad.view(-1)[3] = float("inf")
+        return grad
+
+    target.register_hook(poison)
+    batches = global_micro_batches(recipe, dist.get_world_size())
+    out = {"scales": [], "skipped": [], "losses": []}
+    for step in range(recipe.steps):
+        x, y = batches[step]
+        x, y = x[rank * 2 : rank * 2 + 2], y[rank * 2 : rank * 2 + 2]
+        plant["on"] = step == PLANT_STEP
+        if step == PLANT_STEP:
+            out["before"] = engine.full_state_dict()
+            out["masters_before"] = [t.clone() for g in engine.optimizer.param_groups for t in g["params"]]
+            out["moments_before"] = [
+                v.clone() for st in engine.optimizer.state.values() for v in st.values() if torch.is_tensor(v)
+            ]
+        loss = engine(x, y)
+        try:
+            engine.backward(loss)
+            engine.step()
+        except ShardtrainError as err:
+            out["error"] = str(err)
+            return out
+        if step == PLANT_STEP:
+            out["after"] = engine.full_state_dict()
+            out["masters_after"] = [t.clone() for g in engine.optimizer.param_groups for t in g["params"]]
+            out["moments_after"] = [
+                v.clone() for st in engine.optimizer.state.values() for v in st.values() if torch.is_tensor(v)
+            ]
+            out["lr_after"] = engine.get_lr()
+        out["scales"].append(engine.loss_scale)
+        out["skipped"].append(engine.skipped_steps)
+        out["losses"].append(loss.item())
+    out["norms_finite"] = engine.get_global_grad_norm() is not None
+    return out
+
+
+@pytest.mark.parametrize(("stage", "world"), [(0, 2), (1, 3), (2, 2), (3, 3)])
+def test_fp16_overflow_skips_the_step_on_every_rank(stage, world):
+    results = run_distributed(_fp16_overflow, world, stage)
+    for r in results:
+        # the step with the planted inf was skipped everywhere, and only that one
+        assert r["skipped"] == [0, 0, 1, 1, 1, 1, 1, 1, 1]
+        # dynamic scale: 256, halved by the overflow (hysteresis 1), doubled after 3 clean steps, again after 3
+        assert r["scales"] == [256, 256, 128, 128, 128, 256, 256, 256, 512]
+        assert all(torch.isfinite(torch.tensor(r["losses"])))
+        for a, b in zip(r["masters_before"], r["masters_after"]):
+            assert torch.equal(a, b)  # fp32 masters bitwise unchanged across the skip
+        for a, b in zip(r["moments_before"], r["moments_after"]):
+            assert torch.equal(a, b)  # optimizer state too
+    before, after = results[0]["before"], results[0]["after"]
+    for k in before:
+        assert torch.equal(before[k], after[k]), k  # fp16 parameters bitwise unchanged
+
+
+def test_fp16_overflow_at_minimum_scale_is_a_clear_error():
+    for r in run_distributed(_fp16_overflow, 2, 2, True):
+        assert "overflow even at the minimum loss scale (1)" in r["error"]
+
+
+def test_dynamic_scaler_hysteresis_and_growth():
+    s = LossScaler(initial_scale_power=4, window=2, hysteresis=2, min_scale=1)
+    seq = []
+    for overflow in [True, True, False, False, True, False, False, False]:
+        s.update(overflow)
+        seq.append(s.scale)
+    # first overflow uses the allowance, second halves; 2 clean steps double (allowance restored);
+    # the next overflow is absorbed by the allowance; 2 clean doubles
+    assert seq == [16, 8, 8, 16, 16, 16, 32, 32]
+    static = LossScaler(static_scale=128.0)
+    static.update(True)
+    assert static.scale == 128.0 and not static.dynamic
+
+
+def test_precision_config_errors():
+    from shardtrain.config import load_config
+    from shardtrain.errors import ConfigError
+
+    cases = {
+        "both": ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, "enable one of them"),
+        "scale under bf16": ({"bf16": {"enabled": True, "loss_scale": 128}}, "loss scaling applies to fp16 only"),
+        "comm without mp": ({"communication_data_type": "bf16"}, "applies to mixed precision only"),
+        "comm mismatch": ({"fp16": {"enabled": True}, "communication_data_type": "bf16"}, "use 'fp32'"),
+    }
+    for name, (config, message) in cases.items():
+        with pytest.raises(ConfigError, match=message):
+            load_config(config)
+        assert name
+
+
+def _bf16_comm_dtype() -> dict:
+    model = make_model(Recipe())
+    config = {"bf16": {"enabled": True}, "communication_data_type": "bf16", "zero_optimization": {"stage": 2}}
+    engine = shardtrain.initialize(model, config=config, optimizer=make_optimizer(model, Recipe()))
+    x = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(dist.get_rank()))
+    engine.comm_stats(reset=True)
+    engine.backward(engine(x, x))
+    engine.step()
+    return engine.comm_stats()
+
+
+def test_communication_data_type_halves_reduction_bytes():
+    bf16_wire = run_distributed(_bf16_comm_dtype, 2)[0]["reduce_scatter"]["bytes"]
+    n = sum(p.numel() for p in make_model(Recipe()).parameters())
+    assert n - 2 <= bf16_wire <= n + 64  # 2 bytes x n x (N-1)/N with N = 2 (+ padding)
