@@ -3,6 +3,7 @@
     python bench/bench_zero.py [--variants ddp,stage0,stage1,stage2] [--steps 10] [--warmup 2] [--layers 11]
     python bench/bench_zero.py --variants ddp,stage0,stage3,fsdp2
     python bench/bench_zero.py --memory-scaling          # stage 3 at world 1, 2, 4 on a ~50M-parameter GPT
+    python bench/bench_zero.py --variants ddp,stage2,stage2:bf16,stage3,stage3:bf16 --layers 2 --steps 3
 
 Every rank builds the same GPT once per variant. Each iteration runs one training step of each variant, in
 a rotating order; a step's time is the slowest rank's. Prints the median step time of each variant and its
@@ -72,6 +73,8 @@ def build(variant: str, layers: int):
         # DDP's default bucket is 25 MB; ours is counted in elements
         "zero_optimization": {"stage": int(variant[5]), "reduce_bucket_size": 25_000_000 // 4},
     }
+    if variant.endswith(":bf16"):  # e.g. stage3:bf16 (on this AVX2 CPU bf16 matmuls are ~16x slower)
+        config["bf16"] = {"enabled": True}
     if variant == "stage3-nocheck":  # what the unit-order check costs
         config["zero_optimization"]["stage3_gather_check"] = False
     engine = shardtrain.initialize(model, config=config, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4))
@@ -111,7 +114,8 @@ def timing_body(variants: list[str], steps: int, warmup: int, layers: int) -> di
                 times[v].append(float(elapsed))
             if engine is not None:
                 comm[v] = engine.comm_stats()
-    return {"times": times, "comm": comm}
+    states = {v: e.state_bytes() for v, (_, e) in runners.items() if e is not None}
+    return {"times": times, "comm": comm, "states": states}
 
 
 def rss_body(variant: str, steps: int, layers: int) -> int:
@@ -173,7 +177,8 @@ def main() -> None:
     )[0]
     rss = {v: max(run_distributed(rss_body, world, v, 3, args.layers, timeout=900, threads=1)) for v in variants}
     ddp = statistics.median(result["times"]["ddp"])
-    print(f"\n{'variant':8} {'median step':>12} {'ratio to DDP':>13} {'peak RSS/rank':>14}  bytes/step by kind")
+    header = f"{'variant':14} {'median step':>12} {'ratio to DDP':>13} {'peak RSS/rank':>14} {'state/rank':>11}"
+    print(f"\n{header}  bytes/step")
     for v in variants:
         med = statistics.median(result["times"][v])
         comm = result["comm"].get(v)
@@ -183,7 +188,9 @@ def main() -> None:
             comm_text = f"all_reduce {2 * 4 * n * (world - 1) / world / 2**20:.1f} MiB (computed: 2P(N-1)/N)"
         else:
             comm_text = ", ".join(f"{k} {c['bytes'] / 2**20:.1f} MiB in {c['calls']} calls" for k, c in comm.items())
-        print(f"{v:8} {med * 1000:10.0f}ms {med / ddp:12.3f}x {rss[v] / 2**20:10.0f} MiB  {comm_text}")
+        state = result["states"].get(v)
+        state_text = f"{sum(state.values()) / 2**20:7.1f} MiB" if state else f"{16 * n / 2**20:7.1f} MiB"
+        print(f"{v:14} {med * 1000:10.0f}ms {med / ddp:12.3f}x {rss[v] / 2**20:10.0f} MiB {state_text}  {comm_text}")
 
 
 if __name__ == "__main__":

@@ -25,9 +25,10 @@ def _mib(n: int) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--stage", type=int, default=2, choices=[0, 1, 2])
+    parser.add_argument("--stage", type=int, default=2, choices=[0, 1, 2, 3])
     parser.add_argument("--micro-batch", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="compute dtype")
     args = parser.parse_args(argv)
 
     torch.manual_seed(args.seed)
@@ -42,6 +43,8 @@ def main(argv: list[str] | None = None) -> None:
         "zero_optimization": {"stage": args.stage, "reduce_bucket_size": 200_000},
         "steps_per_print": 10**9,  # the progress bar reports instead
     }
+    if args.dtype != "fp32":
+        config[args.dtype] = {"enabled": True}
     engine = shardtrain.initialize(model, config=config)
     rank, world = engine.topology.rank, engine.topology.world_size
     corpus = MarkovCorpus(gpt.vocab_size, seed=args.seed)
@@ -56,16 +59,27 @@ def main(argv: list[str] | None = None) -> None:
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-        bar.set_postfix(loss=f"{losses[-1]:.3f}", grad_norm=f"{engine.get_global_grad_norm():.2f}")
+        shown = {"loss": f"{losses[-1]:.3f}", "grad_norm": f"{engine.get_global_grad_norm():.2f}"}
+        if args.dtype == "fp16":  # overflow steps are skipped; the bar says how many and at which scale
+            shown.update(skipped=engine.skipped_steps, scale=f"{engine.loss_scale:g}")
+        bar.set_postfix(shown)
     elapsed = time.perf_counter() - start
 
     per_rank = engine.comm.all_gather_object(engine.state_bytes(), what="demo memory summary")
     if rank != 0:
         return
     n = num_parameters(model)
-    unsharded = {"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n + 4 * len(list(model.parameters()))}
+    tensors = len(list(model.parameters()))
+    if args.dtype == "fp32":
+        unsharded = {"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n + 4 * tensors}
+    else:  # compute-dtype parameters, fp32 gradient accumulation, fp32 masters + moments
+        unsharded = {"params": 2 * n, "grads": 4 * n, "optimizer": 12 * n + 4 * tensors}
     first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
-    print(f"\n{n / 1e6:.2f}M parameters, {world} ranks, ZeRO stage {args.stage}, {args.steps} steps in {elapsed:.1f}s")
+    skipped = f", {engine.skipped_steps} skipped (fp16 overflow)" if args.dtype == "fp16" else ""
+    print(
+        f"\n{n / 1e6:.2f}M parameters, {world} ranks, ZeRO stage {args.stage}, {args.dtype}, "
+        f"{args.steps} steps{skipped} in {elapsed:.1f}s"
+    )
     uniform, entropy = corpus.uniform_loss(gpt.vocab_size), corpus.entropy()
     print(f"loss (mean of 10 steps): {first:.3f} -> {last:.3f}   (uniform guess {uniform:.3f}, entropy {entropy:.3f})")
     print(f"\nmemory per rank          {'params':>11} {'grads':>11} {'optimizer':>11} {'total':>11}")
