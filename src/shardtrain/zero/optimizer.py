@@ -58,6 +58,10 @@ class ShardedOptimizer:
         """(fragment tensor, bucket, slot index) of a trainable parameter; None for anything else."""
         return self._frag.get(id(p))
 
+    def stepped_of(self, p: torch.Tensor) -> torch.Tensor:
+        """What the optimizer steps for a trainable parameter: its fp32 master or its fragment."""
+        return self._stepped[id(p)]
+
     def master_of(self, p: torch.Tensor) -> torch.Tensor | None:
         """The fp32 master of a trainable parameter's fragment under mixed precision, else None."""
         return self.masters.get(id(p)) if self.masters is not None else None
