@@ -1,0 +1,409 @@
+"""Collective, crash-safe checkpoint save: every rank writes its pieces in parallel, rank 0 publishes.
+
+Protocol (every rank calls :func:`save` with the same ``save_dir`` and ``tag``; ``docs/checkpoint-format.md`` has
+the full argument):
+
+1. rank 0 validates the tag, refuses an existing one unless ``overwrite``, removes leftovers of crashed saves
+   (``.tmp-*``, ``.trash-*``, ``latest.tmp``) and creates ``.tmp-<tag>``;
+2. every rank checksums its pieces; one ``all_gather_object`` shares the piece descriptors (and rank 0's outcome of
+   step 1); every rank then computes the same plan: which rank stores each replicated piece (the lowest that holds
+   it), whether shapes, dtypes and replicas agree, whether the pieces cover every tensor exactly once;
+3. every rank writes ``rank<r>.safetensors`` (its planned pieces) and ``rank<r>.objects.pkl`` (its per-rank objects,
+   when some do not fit JSON), rank 0 also ``objects.pkl``; each file is fsynced; a second gather shares sizes;
+4. rank 0 writes ``manifest.json`` (fsync), fsyncs the directory, renames it to ``<tag>`` and fsyncs ``save_dir``;
+   then writes ``latest.tmp``, fsyncs it, renames it over ``latest`` and fsyncs ``save_dir`` again;
+5. a third gather returns rank 0's outcome, so that every rank returns (or raises) only once the checkpoint is
+   complete.
+
+A failure on any rank in steps 1-4 is carried in the next gather, so that every rank raises the same
+:class:`CheckpointError` instead of hanging in a collective.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+import shutil
+import signal
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from shardtrain.checkpoint.format import (
+    FORMAT_VERSION,
+    LATEST_NAME,
+    MANIFEST_NAME,
+    FileEntry,
+    FlatSlice,
+    Manifest,
+    ObjectRecord,
+    Piece,
+    Slice,
+    TensorEntry,
+    crc32_of,
+    crc32_of_bytes,
+    dtype_name,
+)
+from shardtrain.comm import Communicator
+from shardtrain.errors import CheckpointError
+
+TMP_PREFIX = ".tmp-"
+TRASH_PREFIX = ".trash-"
+_TAG_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.=-]*")
+
+# Test hook: the process that reaches the named point of the protocol kills itself with SIGKILL. Only the crash-safety
+# tests set it; the points are listed in protocol order.
+KILL_ENV = "SHARDTRAIN_CHECKPOINT_KILL_AT"
+CRASH_POINTS = (
+    "start",
+    "tmp_created",
+    "tensor_file_torn",
+    "tensor_file_written",
+    "objects_written",
+    "files_synced",
+    "manifest_torn",
+    "manifest_written",
+    "tmp_synced",
+    "renamed",
+    "latest_torn",
+    "latest_tmp_written",
+    "latest_renamed",
+    "done",
+)
+
+
+def _crash_point(name: str, path: Path | None = None) -> None:
+    if os.environ.get(KILL_ENV) != name:
+        return
+    if path is not None:  # a torn write: the file holds only its first half when the process dies
+        with open(path, "r+b") as f:
+            f.truncate(max(1, os.path.getsize(path) // 2))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@dataclass(frozen=True)
+class SavePiece:
+    """What one rank holds of a logical tensor: ``tensor`` is the part ``slice`` of a tensor of ``global_shape``.
+
+    The logical dtype is ``tensor.dtype``. A piece held by several ranks with the same slice (a replicated
+    parameter) is stored once, by the lowest of those ranks; the replicas must have identical bytes.
+    """
+
+    name: str
+    global_shape: tuple[int, ...]
+    slice: Slice
+    tensor: torch.Tensor
+
+    def __post_init__(self) -> None:
+        shape = tuple(int(s) for s in self.global_shape)
+        object.__setattr__(self, "global_shape", shape)
+        try:
+            self.slice.validate(shape)
+        except CheckpointError as err:
+            raise CheckpointError(f"tensor {self.name!r}: {err}") from None
+        want = self.slice.piece_shape(shape)
+        if isinstance(self.slice, FlatSlice):  # any shape with the right element count; stored flattened
+            if self.tensor.numel() != self.slice.length:
+                raise CheckpointError(
+                    f"tensor {self.name!r}: piece has {self.tensor.numel()} elements but {self.slice} holds "
+                    f"{self.slice.length}"
+                )
+        elif tuple(self.tensor.shape) != want:
+            raise CheckpointError(
+                f"tensor {self.name!r}: piece has shape {tuple(self.tensor.shape)} but {self.slice} of a tensor of "
+                f"shape {shape} has shape {want}"
+            )
+        dtype_name(self.tensor.dtype)
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    path: Path
+    manifest: Manifest
+    bytes_written: int  # by this rank
+    seconds: float
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def check_tag(tag: str) -> None:
+    if not isinstance(tag, str) or not _TAG_RE.fullmatch(tag) or tag in (LATEST_NAME, MANIFEST_NAME):
+        raise CheckpointError(
+            f"checkpoint tag {tag!r} is not allowed: use letters, digits, '_', '.', '=', '-', not starting with "
+            f"'.' or '-', and not {LATEST_NAME!r}"
+        )
+
+
+def _prepare(save_dir: Path, tag: str, overwrite: bool) -> str | None:
+    """Rank 0, step 1. Returns an error message instead of raising (it travels to the other ranks)."""
+    try:
+        check_tag(tag)
+        save_dir.mkdir(parents=True, exist_ok=True)
+        if (save_dir / tag).exists() and not overwrite:
+            return (
+                f"checkpoint {save_dir / tag} already exists; choose another tag, delete it, "
+                "or pass overwrite=True to replace it"
+            )
+        for leftover in save_dir.iterdir():
+            if leftover.name.startswith((TMP_PREFIX, TRASH_PREFIX)):
+                shutil.rmtree(leftover, ignore_errors=True)
+            elif leftover.name == LATEST_NAME + ".tmp":
+                leftover.unlink()
+        tmp = save_dir / (TMP_PREFIX + tag)
+        tmp.mkdir()
+        fsync_dir(save_dir)
+    except CheckpointError as err:
+        return str(err)
+    except OSError as err:
+        return f"cannot prepare {save_dir} for checkpoint {tag!r}: {err}"
+    _crash_point("tmp_created")
+    return None
+
+
+def _encode_objects(objects: dict[str, Any], file: str) -> tuple[dict[str, ObjectRecord], dict[str, Any]]:
+    """Inline JSON where the value survives a JSON round trip unchanged, pickle otherwise."""
+    records: dict[str, ObjectRecord] = {}
+    pickled: dict[str, Any] = {}
+    for key, value in objects.items():
+        try:
+            inline = json.loads(json.dumps(value, allow_nan=False)) == value
+        except (TypeError, ValueError):
+            inline = False
+        if inline:
+            records[key] = ObjectRecord(key, "json", value)
+        else:
+            records[key] = ObjectRecord(key, "pickle", file=file)
+            pickled[key] = value
+    return records, pickled
+
+
+def _plan(
+    gathered: list[list[tuple]], aliases: dict[str, str]
+) -> tuple[dict[str, TensorEntry], dict[int, list[tuple[int, str]]]]:
+    """Steps 2 on every rank: tensor entries and, per rank, which of its pieces (index, key) it stores."""
+    shapes: dict[str, tuple[tuple[int, ...], str, int]] = {}
+    owners: dict[tuple[str, Slice], tuple[int, int, str]] = {}  # (name, slice) -> (rank, index, checksum)
+    for rank, descs in enumerate(gathered):
+        for index, (name, shape, dtype, slc, checksum) in enumerate(descs):
+            if name in shapes and shapes[name][:2] != (shape, dtype):
+                first = shapes[name]
+                raise CheckpointError(
+                    f"tensor {name!r}: rank {first[2]} saves it as {first[1]} {list(first[0])}, rank {rank} as "
+                    f"{dtype} {list(shape)}; every rank must agree on a tensor's global shape and dtype"
+                )
+            shapes.setdefault(name, (shape, dtype, rank))
+            if (name, slc) in owners:
+                owner = owners[(name, slc)]
+                if owner[2] != checksum:
+                    raise CheckpointError(
+                        f"tensor {name!r}: ranks {owner[0]} and {rank} hold the same part ({slc}) with different "
+                        "values; replicated state has diverged"
+                    )
+            else:
+                owners[(name, slc)] = (rank, index, checksum)
+    stored: dict[int, list[tuple[int, str]]] = defaultdict(list)
+    pieces: dict[str, list[Piece]] = defaultdict(list)
+    keys_used: dict[tuple[int, str], int] = defaultdict(int)
+    for (name, slc), (rank, index, checksum) in owners.items():
+        n = keys_used[(rank, name)]
+        keys_used[(rank, name)] += 1
+        key = name if n == 0 else f"{name}@{n}"
+        stored[rank].append((index, key))
+        pieces[name].append(Piece(rank_file(rank), key, slc, checksum))
+    alias_of: dict[str, list[str]] = defaultdict(list)
+    for alias, target in aliases.items():
+        if target not in shapes:
+            raise CheckpointError(f"alias {alias!r} names tensor {target!r}, which no rank saves")
+        if alias in shapes:
+            raise CheckpointError(f"alias {alias!r} is also saved as a tensor of its own; save it once")
+        alias_of[target].append(alias)
+    entries = {
+        name: TensorEntry(name, shape, dtype, tuple(pieces[name]), tuple(alias_of.get(name, ())))
+        for name, (shape, dtype, _) in shapes.items()
+    }
+    return entries, stored
+
+
+def rank_file(rank: int) -> str:
+    return f"rank{rank:05d}.safetensors"
+
+
+def _write_rank_files(
+    tmp: Path, rank: int, pieces: list[SavePiece], mine: list[tuple[int, str]], rank_objects: dict[str, Any]
+) -> tuple[list[FileEntry], dict[str, ObjectRecord], int]:
+    """Step 3 on one rank: its tensor file and its per-rank object file, fsynced."""
+    files: list[FileEntry] = []
+    written = 0
+    if mine:
+        path = tmp / rank_file(rank)
+        tensors = {key: _stored(pieces[index]) for index, key in mine}
+        save_file(tensors, path, metadata={"format": "pt"})
+        _crash_point("tensor_file_torn", path)
+        _crash_point("tensor_file_written")
+        _fsync_file(path)
+        size = path.stat().st_size
+        files.append(FileEntry(path.name, rank, size))
+        written += size
+    records, pickled = _encode_objects(rank_objects, f"rank{rank:05d}.objects.pkl")
+    if pickled:
+        files.append(_write_pickle(tmp / f"rank{rank:05d}.objects.pkl", rank, pickled))
+        written += files[-1].size
+    return files, records, written
+
+
+def _stored(p: SavePiece) -> torch.Tensor:
+    t = p.tensor.detach()
+    return (t.reshape(-1) if isinstance(p.slice, FlatSlice) else t).contiguous()
+
+
+def _write_pickle(path: Path, rank: int, objects: dict[str, Any]) -> FileEntry:
+    data = pickle.dumps(objects, protocol=pickle.HIGHEST_PROTOCOL)
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return FileEntry(path.name, rank, len(data), crc32_of_bytes(data))
+
+
+def write_atomically(path: Path, data: bytes, torn_point: str, written_point: str) -> None:
+    """Write ``path`` via ``path.tmp`` + fsync + rename + fsync of the directory."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    _crash_point(torn_point, tmp)
+    _crash_point(written_point)
+    os.replace(tmp, path)
+
+
+def _publish(save_dir: Path, tag: str, manifest: Manifest) -> None:
+    """Step 4 on rank 0."""
+    tmp = save_dir / (TMP_PREFIX + tag)
+    path = tmp / MANIFEST_NAME
+    with open(path, "w") as f:
+        f.write(manifest.to_json())
+        f.flush()
+        os.fsync(f.fileno())
+    _crash_point("manifest_torn", path)
+    _crash_point("manifest_written")
+    fsync_dir(tmp)
+    _crash_point("tmp_synced")
+    final = save_dir / tag
+    if final.exists():  # overwrite=True: the old copy is moved aside, then removed once the new one is in place
+        trash = save_dir / (TRASH_PREFIX + tag)
+        os.replace(final, trash)
+        os.replace(tmp, final)
+        fsync_dir(save_dir)
+        shutil.rmtree(trash)
+    else:
+        os.replace(tmp, final)
+    _crash_point("renamed")
+    fsync_dir(save_dir)
+    latest = save_dir / LATEST_NAME
+    write_atomically(latest, tag.encode() + b"\n", "latest_torn", "latest_tmp_written")
+    _crash_point("latest_renamed")
+    fsync_dir(save_dir)
+
+
+def _raise_first(errors: list[str | None], stage: str) -> None:
+    failed = [(r, e) for r, e in enumerate(errors) if e]
+    if failed:
+        raise CheckpointError(f"checkpoint save failed ({stage}): " + "; ".join(f"rank {r}: {e}" for r, e in failed))
+
+
+def save(
+    save_dir: str | os.PathLike,
+    tag: str,
+    comm: Communicator | None,
+    pieces: list[SavePiece],
+    *,
+    rank_objects: dict[str, Any] | None = None,
+    global_objects: dict[str, Any] | None = None,
+    aliases: dict[str, str] | None = None,
+    overwrite: bool = False,
+) -> SaveResult:
+    """Save one checkpoint ``save_dir/tag`` collectively; every rank of ``comm`` calls this (``None``: one process).
+
+    ``pieces``: this rank's parts of logical tensors. ``rank_objects``: this rank's small objects (RNG states);
+    ``global_objects``: objects shared by all ranks (only rank 0's are written). ``aliases``: ``{alias: name}`` extra
+    names of a tensor (tied weights), given on rank 0. An existing tag is refused unless ``overwrite``. Returns when
+    the checkpoint is complete and ``latest`` names it.
+    """
+    t0 = time.perf_counter()
+    _crash_point("start")
+    save_dir = Path(save_dir)
+    rank, size = (comm.rank, comm.size) if comm is not None else (0, 1)
+
+    def gather(obj: Any, what: str) -> list[Any]:
+        return comm.all_gather_object(obj, what=what) if comm is not None else [obj]
+
+    prep_error = _prepare(save_dir, tag, overwrite) if rank == 0 else None
+    descs = [(p.name, p.global_shape, dtype_name(p.tensor.dtype), p.slice, crc32_of(p.tensor)) for p in pieces]
+    names = [d[0] for d in descs]
+    if len(set(zip(names, (d[3] for d in descs)))) != len(descs):
+        local_error: str | None = "the same part of a tensor is passed twice"
+    else:
+        local_error = None
+    gathered = gather((descs, prep_error or local_error, aliases or {}), "checkpoint piece descriptors")
+    _raise_first([g[1] for g in gathered], "preparing")
+    entries, stored = _plan([g[0] for g in gathered], gathered[0][2])
+
+    tmp = save_dir / (TMP_PREFIX + tag)
+    write_error: str | None = None
+    files: list[FileEntry] = []
+    records: dict[str, ObjectRecord] = {}
+    global_records: dict[str, ObjectRecord] = {}
+    written = 0
+    try:
+        files, records, written = _write_rank_files(tmp, rank, pieces, stored.get(rank, []), rank_objects or {})
+        if rank == 0:
+            global_records, pickled = _encode_objects(global_objects or {}, "objects.pkl")
+            if pickled:
+                files.append(_write_pickle(tmp / "objects.pkl", 0, pickled))
+                written += files[-1].size
+        _crash_point("objects_written")
+    except OSError as err:
+        write_error = f"writing into {tmp}: {err}"
+    _crash_point("files_synced")
+    parts = gather((files, records, global_records, write_error), "checkpoint file list")
+    _raise_first([p[3] for p in parts], "writing files")
+    manifest = Manifest(
+        version=FORMAT_VERSION,
+        tag=tag,
+        world_size=size,
+        tensors=entries,
+        files={f.name: f for p in parts for f in p[0]},
+        objects=parts[0][2],
+        rank_objects={r: p[1] for r, p in enumerate(parts) if p[1]},
+    )
+    publish_error: str | None = None
+    if rank == 0:
+        try:
+            _publish(save_dir, tag, manifest)
+        except OSError as err:
+            publish_error = f"publishing {save_dir / tag}: {err}"
+        _crash_point("done")
+    _raise_first([gather(publish_error, "checkpoint published")[0]], "publishing")
+    return SaveResult(save_dir / tag, manifest, written, time.perf_counter() - t0)
