@@ -100,11 +100,16 @@ def save_engine_like(save_dir: str, tag: str, world: int, seed: int, **kwargs) -
     np.random.seed(1000 + rank)
     random.seed(1000 + rank)
     rng = rng_state()
+    if comm is not None:
+        pieces = engine_pieces(model, opt, world, rank)
+    else:  # one process holding every rank's fragments (replicated pieces once)
+        unique = {(p.name, p.slice): p for r in range(world) for p in engine_pieces(model, opt, world, r)}
+        pieces = list(unique.values())
     result = save(
         save_dir,
         tag,
         comm,
-        engine_pieces(model, opt, world, rank),
+        pieces,
         rank_objects={"rng": rng, "rank": rank},
         global_objects={
             "step": 2,
