@@ -7,9 +7,9 @@ listed in the file's metadata (``"tied"``). Files: ``model.safetensors``, or, wh
 
 [Note: streaming] ``safetensors.torch.save_file`` needs every tensor of a file in memory at once. Here the header
 (names, dtypes, shapes, offsets) is computed from the manifest first, then each tensor is assembled from its pieces
-straight into the output dtype, written and freed. Peak memory is one assembled tensor plus the largest piece being
-copied into it, i.e. at most about twice the largest tensor, whatever the model size. The output is read back by
-``safetensors`` itself in the tests.
+straight into the output dtype, written and freed (``safetensors_io.write_streaming``). Peak memory is one assembled
+tensor plus the largest piece being copied into it, i.e. at most about twice the largest tensor, whatever the model
+size. The output is read back by ``safetensors`` itself in the tests.
 
 With ``optimizer=True`` a ``torch.optim.Optimizer.state_dict()`` is also written (``optimizer.pt``). It needs the
 global object :data:`OPTIMIZER_LAYOUT_KEY` (see there); ``torch.save`` holds this dict in memory, so this part is
@@ -20,17 +20,15 @@ from __future__ import annotations
 
 import json
 import os
-import struct
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from tqdm import tqdm
 
 from shardtrain.checkpoint.format import TensorEntry
 from shardtrain.checkpoint.reader import CheckpointReader
+from shardtrain.checkpoint.safetensors_io import write_streaming
 from shardtrain.errors import CheckpointError
 
 MODEL_PREFIX = "model/"
@@ -40,20 +38,6 @@ OPTIM_PREFIX = "optim/"
 # Optimizer state of parameter P is stored as tensors "optim/P/<state key>" (e.g. exp_avg, exp_avg_sq, step).
 OPTIMIZER_LAYOUT_KEY = "optimizer/param_groups"
 
-_ST_DTYPES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-}
 DTYPE_CHOICES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -83,37 +67,6 @@ class _Out:
     @property
     def nbytes(self) -> int:
         return self.entry.numel * self.dtype.itemsize
-
-
-def write_safetensors_streaming(
-    path: Path,
-    outs: list[_Out],
-    load: Callable[[_Out], torch.Tensor],
-    metadata: dict[str, str],
-    advance: Callable[[int], None],
-) -> None:
-    """Write a safetensors file whose tensors are produced one at a time by ``load`` (see [Note: streaming])."""
-    header: dict[str, Any] = {"__metadata__": metadata}
-    offset = 0
-    for o in outs:
-        header[o.name] = {"dtype": _ST_DTYPES[o.dtype], "shape": list(o.entry.global_shape)}
-        header[o.name]["data_offsets"] = [offset, offset + o.nbytes]
-        offset += o.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the format pads the header so that tensor data starts 8-byte aligned
-    tmp = path.with_name(path.name + ".partial")
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for o in outs:
-            t = load(o)
-            if t.numel():
-                f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
-            advance(o.nbytes)
-            del t
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _shards(outs: list[_Out], max_bytes: int | None) -> list[list[_Out]]:
@@ -163,8 +116,12 @@ def consolidate(
     with tqdm(total=total, unit="B", unit_scale=True, desc="consolidate", disable=not progress) as bar:
         for i, shard in enumerate(shards):
             fname = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            write_safetensors_streaming(
-                out_dir / fname, shard, lambda o: reader.read(o.entry.name, dtype=o.dtype), meta, bar.update
+            write_streaming(
+                out_dir / fname,
+                [(o.name, o.dtype, o.entry.global_shape) for o in shard],
+                lambda i, shard=shard: reader.read(shard[i].entry.name, dtype=shard[i].dtype),
+                meta,
+                bar.update,
             )
             written.append(out_dir / fname)
     if len(shards) > 1:

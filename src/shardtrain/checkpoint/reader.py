@@ -3,10 +3,11 @@
 Integrity, and what it costs (``docs/checkpoint-format.md`` has the full discussion):
 
 * always: the manifest must parse and carry a known version; every file a read touches must exist and have the size
-  the manifest records (one ``stat``, catches truncation); safetensors must accept its header and key;
+  the manifest records (one ``stat``, catches truncation); the safetensors header must parse and hold the key with
+  the manifest's dtype and shape;
 * with ``verify=True`` (the default) every piece a read touches is read whole and its CRC-32 compared with the
-  manifest (about 3 GB/s on one core, well above disk speed), so a read of a sub-range reads the whole overlapping
-  pieces; with ``verify=False`` only the overlapping elements are read;
+  manifest (zlib, about 3 GB/s on one core), so a read of a sub-range reads the whole overlapping pieces; with
+  ``verify=False`` only the overlapping elements are read;
 * :meth:`CheckpointReader.verify` checks every file and piece (``shardtrain checkpoint inspect --verify``).
 
 Every error names the file and the tensor.
@@ -21,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from shardtrain.checkpoint.format import (
     LATEST_NAME,
@@ -34,6 +34,7 @@ from shardtrain.checkpoint.format import (
     crc32_of_bytes,
     numel,
 )
+from shardtrain.checkpoint.safetensors_io import read_tensor
 from shardtrain.errors import CheckpointError
 
 
@@ -99,27 +100,18 @@ class CheckpointReader:
         return path
 
     def _load_piece(self, entry: TensorEntry, piece: Piece, elems: tuple[int, int] | None = None) -> torch.Tensor:
-        """The piece, flattened; ``elems`` limits it to a range of the piece's elements (only without verify)."""
+        """The piece, flattened; ``elems`` limits it to a range of the piece's elements (read alone without verify)."""
         path = self._check_file(piece.file, entry.name)
+        partial = elems is not None and not self.verify_reads
+        shape = piece.slice.piece_shape(entry.global_shape)
         try:
-            with safe_open(path, framework="pt") as f:
-                if (
-                    elems is not None
-                    and not self.verify_reads
-                    and len(piece.slice.piece_shape(entry.global_shape)) == 1
-                ):
-                    return f.get_slice(piece.key)[elems[0] : elems[1]]
-                t = f.get_tensor(piece.key)
-        except CheckpointError:
-            raise
-        except Exception as err:  # safetensors raises several types for damaged files
+            t = read_tensor(path, piece.key, entry.torch_dtype, shape, elems if partial else None)
+        except CheckpointError as err:
+            raise CheckpointError(f"{err} (reading tensor {entry.name!r})") from None
+        except OSError as err:
             raise CheckpointError(f"{path}: cannot read tensor {entry.name!r} (key {piece.key!r}): {err}") from None
-        want_shape = piece.slice.piece_shape(entry.global_shape)
-        if tuple(t.shape) != want_shape or t.dtype != entry.torch_dtype:
-            raise CheckpointError(
-                f"{path}: tensor {entry.name!r} (key {piece.key!r}) is {t.dtype} {tuple(t.shape)}, the manifest "
-                f"says {entry.dtype} {want_shape}"
-            )
+        if partial:
+            return t
         if self.verify_reads and crc32_of(t) != piece.checksum:
             raise CheckpointError(
                 f"{path}: checksum mismatch in tensor {entry.name!r} (key {piece.key!r}, {piece.slice}): the file is "
