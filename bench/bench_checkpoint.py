@@ -20,6 +20,7 @@ import argparse
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import textwrap
@@ -49,8 +50,9 @@ def drop_cache(path: Path) -> None:
             os.close(fd)
 
 
-def raw_disk(path: Path, nbytes: int) -> tuple[float, float]:
-    """Sequential write (+fsync) and cold read of one file of ``nbytes``; returns seconds for each."""
+def raw_disk(path: Path, nbytes: int) -> tuple[float, float, float]:
+    """Sequential write (+fsync) and cold reads of one file of ``nbytes``: into one reused buffer (the disk's speed)
+    and into freshly allocated memory (what any loader that creates tensors also pays). Returns seconds for each."""
     block = os.urandom(BLOCK)
     t0 = time.perf_counter()
     with open(path, "wb") as f:
@@ -59,15 +61,17 @@ def raw_disk(path: Path, nbytes: int) -> tuple[float, float]:
         f.flush()
         os.fsync(f.fileno())
     write_s = time.perf_counter() - t0
-    drop_cache(path)
-    buf = bytearray(BLOCK)
-    t0 = time.perf_counter()
-    with open(path, "rb", buffering=0) as f:
-        while f.readinto(buf):
-            pass
-    read_s = time.perf_counter() - t0
+    times = []
+    for fresh in (False, True):
+        drop_cache(path)
+        buf = bytearray(BLOCK)
+        t0 = time.perf_counter()
+        with open(path, "rb", buffering=0) as f:
+            while f.readinto(buf if not fresh else bytearray(BLOCK)):
+                pass
+        times.append(time.perf_counter() - t0)
     path.unlink()
-    return write_s, read_s
+    return write_s, times[0], times[1]
 
 
 def _local_state(rank: int, world: int, numel_per_tensor: int) -> list[SavePiece]:
@@ -84,45 +88,56 @@ def _local_state(rank: int, world: int, numel_per_tensor: int) -> list[SavePiece
     ]
 
 
-def _bench_rank(root: str, world: int, numel_per_tensor: int) -> dict[str, float]:
+def _bench_rank(root: str, world: int, numel_per_tensor: int, rounds: int) -> list[dict[str, float]]:
     import torch.distributed.checkpoint as dcp
 
     comm = Communicator(dist.group.WORLD, 600.0)
     rank, root_path = comm.rank, Path(root)
     pieces = _local_state(rank, world, numel_per_tensor)
     nbytes = sum(p.tensor.numel() * 4 for p in pieces)
-    out: dict[str, float] = {"bytes": nbytes}
-
-    comm.barrier(what="bench: before save")
-    t0 = time.perf_counter()
-    save(root_path / "ours", "step1", comm, pieces)
-    out["save_s"] = time.perf_counter() - t0
-    comm.barrier(what="bench: after save")
-    if rank == 0:
-        drop_cache(root_path / "ours")
-    comm.barrier(what="bench: before load")
-    t0 = time.perf_counter()
-    reader = open_checkpoint(root_path / "ours")
-    loaded = [reader.read(p.name, (p.slice.start, p.slice.start + p.slice.length)) for p in pieces]
-    out["load_s"] = time.perf_counter() - t0
-    assert all(torch.equal(a, p.tensor) for a, p in zip(loaded, pieces))
-    del loaded
-    comm.barrier(what="bench: after load")
-
     state = {f"layer{i}.weight.r{rank}": p.tensor for i, p in enumerate(pieces)}
-    t0 = time.perf_counter()
-    dcp.save(state, checkpoint_id=str(root_path / "dcp"))
-    out["dcp_save_s"] = time.perf_counter() - t0
-    comm.barrier(what="bench: after dcp save")
-    if rank == 0:
-        drop_cache(root_path / "dcp")
-    comm.barrier(what="bench: before dcp load")
-    target = {k: torch.empty_like(v) for k, v in state.items()}
-    t0 = time.perf_counter()
-    dcp.load(target, checkpoint_id=str(root_path / "dcp"))
-    out["dcp_load_s"] = time.perf_counter() - t0
-    assert all(torch.equal(target[k], state[k]) for k in state)
-    return out
+    results = []
+    for k in range(rounds):
+        out: dict[str, float] = {"bytes": nbytes}
+        ours, theirs = root_path / f"ours{k}", root_path / f"dcp{k}"
+        os.sync()
+        comm.barrier(what="bench: before save")
+        t0 = time.perf_counter()
+        save(ours, "step1", comm, pieces)
+        out["save_s"] = time.perf_counter() - t0
+        comm.barrier(what="bench: after save")
+        if rank == 0:
+            drop_cache(ours)
+        comm.barrier(what="bench: before load")
+        t0 = time.perf_counter()
+        reader = open_checkpoint(ours)
+        loaded = [reader.read(p.name, (p.slice.start, p.slice.start + p.slice.length)) for p in pieces]
+        out["load_s"] = time.perf_counter() - t0
+        assert all(torch.equal(a, p.tensor) for a, p in zip(loaded, pieces))
+        del loaded
+
+        os.sync()
+        comm.barrier(what="bench: before dcp save")
+        t0 = time.perf_counter()
+        dcp.save(state, checkpoint_id=str(theirs))
+        out["dcp_save_s"] = time.perf_counter() - t0
+        comm.barrier(what="bench: after dcp save")
+        if rank == 0:
+            drop_cache(theirs)
+        comm.barrier(what="bench: before dcp load")
+        target = {k: torch.empty_like(v) for k, v in state.items()}
+        t0 = time.perf_counter()
+        dcp.load(target, checkpoint_id=str(theirs))
+        out["dcp_load_s"] = time.perf_counter() - t0
+        assert all(torch.equal(target[k], state[k]) for k in state)
+        del target
+        comm.barrier(what="bench: round done")
+        if rank == 0 and k < rounds - 1:
+            shutil.rmtree(theirs)
+            if k > 0:
+                shutil.rmtree(root_path / f"ours{k - 1}")
+        results.append(out)
+    return results
 
 
 _CONSOLIDATE = textwrap.dedent(
@@ -149,6 +164,7 @@ def main() -> None:
     ap.add_argument("--size-gb", type=float, default=1.0, help="total state size in GB (default 1.0)")
     ap.add_argument("--world", type=int, default=2, help="number of ranks (default 2)")
     ap.add_argument("--dir", default="out/bench_checkpoint", help="scratch directory on the disk to measure")
+    ap.add_argument("--rounds", type=int, default=3, help="repetitions; medians are reported (default 3)")
     args = ap.parse_args()
     root = Path(args.dir)
     shutil.rmtree(root, ignore_errors=True)
@@ -157,13 +173,17 @@ def main() -> None:
     total = numel_per_tensor * N_TENSORS * 4
     gb = total / 1e9
 
-    raw_w, raw_r = raw_disk(root / "raw.bin", total // BLOCK * BLOCK)
-    raw_gb = (total // BLOCK * BLOCK) / 1e9
-    ranks = run_distributed(_bench_rank, args.world, str(root), args.world, numel_per_tensor, timeout=1200.0)
+    raw_bytes = total // BLOCK * BLOCK
+    raw = [raw_disk(root / "raw.bin", raw_bytes) for _ in range(args.rounds)]
+    raw_w, raw_r, raw_fresh = (statistics.median(r[i] for r in raw) for i in range(3))
+    raw_gb = raw_bytes / 1e9
+    per_round = run_distributed(
+        _bench_rank, args.world, str(root), args.world, numel_per_tensor, args.rounds, timeout=3000.0
+    )
     timing, growth, rss_before = (
         float(x)
         for x in subprocess.run(
-            [sys.executable, "-c", _CONSOLIDATE, str(root / "ours"), str(root / "hf")],
+            [sys.executable, "-c", _CONSOLIDATE, str(root / f"ours{args.rounds - 1}"), str(root / "hf")],
             capture_output=True,
             text=True,
             check=True,
@@ -171,36 +191,38 @@ def main() -> None:
     )
     largest = numel_per_tensor * 4
 
-    def agg(key: str) -> float:
-        return gb / max(r[key] for r in ranks)
+    def agg(key: str) -> float:  # all ranks' bytes over the slowest rank's time, median over rounds
+        return statistics.median(gb / max(ranks[k][key] for ranks in per_round) for k in range(args.rounds))
+
+    def rank_rate(key: str) -> float:  # one rank's bytes over its own time, median over rounds and ranks
+        return statistics.median(r[k]["bytes"] / 1e9 / r[k][key] for r in per_round for k in range(args.rounds))
 
     rows = [
-        ("raw disk (1 writer/reader, fsync)", raw_gb / raw_w, raw_gb / raw_r, None, None),
-        (
-            "shardtrain",
-            agg("save_s"),
-            agg("load_s"),
-            min(r["bytes"] / 1e9 / r["save_s"] for r in ranks),
-            min(r["bytes"] / 1e9 / r["load_s"] for r in ranks),
-        ),
+        ("raw disk: write + fsync / read (1 process)", raw_gb / raw_w, raw_gb / raw_r, None, None),
+        ("raw disk: read into fresh memory (1 process)", None, raw_gb / raw_fresh, None, None),
+        ("shardtrain", agg("save_s"), agg("load_s"), rank_rate("save_s"), rank_rate("load_s")),
         (
             "torch.distributed.checkpoint",
             agg("dcp_save_s"),
             agg("dcp_load_s"),
-            min(r["bytes"] / 1e9 / r["dcp_save_s"] for r in ranks),
-            min(r["bytes"] / 1e9 / r["dcp_load_s"] for r in ranks),
+            rank_rate("dcp_save_s"),
+            rank_rate("dcp_load_s"),
         ),
     ]
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}")
-    print(f"state: {gb:.2f} GB float32 in {N_TENSORS} tensors, world {args.world}, directory {root.resolve()}\n")
+    print(
+        f"state: {gb:.2f} GB float32 in {N_TENSORS} tensors, world {args.world}, directory {root.resolve()}, "
+        f"median of {args.rounds} rounds\n"
+    )
     print("| method | save GB/s (aggregate) | load GB/s (aggregate) | save GB/s (per rank) | load GB/s (per rank) |")
     print("|---|---|---|---|---|")
     for name, s, lo, sr, lr in rows:
-        per_rank = " | ".join("-" if v is None else f"{v:.2f}" for v in (sr, lr))
-        print(f"| {name} | {s:.2f} | {lo:.2f} | {per_rank} |")
-    ours, dcp = rows[1], rows[2]
+        cells = " | ".join("-" if v is None else f"{v:.2f}" for v in (s, lo, sr, lr))
+        print(f"| {name} | {cells} |")
+    ours, dcp = rows[2], rows[3]
     print(
         f"\nratios: save/raw write {ours[1] / rows[0][1]:.2f}, load/raw read {ours[2] / rows[0][2]:.2f}, "
+        f"load/raw read into fresh memory {ours[2] / rows[1][2]:.2f}, "
         f"save/DCP save {ours[1] / dcp[1]:.2f}, load/DCP load {ours[2] / dcp[2]:.2f}"
     )
     print(

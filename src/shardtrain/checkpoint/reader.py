@@ -132,7 +132,8 @@ class CheckpointReader:
         a, b = (0, total) if flat_range is None else flat_range
         if not (0 <= a <= b <= total):
             raise CheckpointError(f"tensor {entry.name!r}: range [{a}, {b}) is outside its {total} elements")
-        out = torch.empty(b - a, dtype=dtype or entry.torch_dtype)
+        want_dtype = dtype or entry.torch_dtype
+        out: torch.Tensor | None = None
         for piece in entry.pieces:
             runs = [
                 (g, p, n) for g, p, n in piece.slice.runs(entry.global_shape) if g < b and g + n > a
@@ -142,10 +143,17 @@ class CheckpointReader:
             lo = min(p + max(a - g, 0) for g, p, n in runs)
             hi = max(p + min(b, g + n) - g for g, p, n in runs)
             data = self._load_piece(entry, piece, (lo, hi))
+            if out is None and len(runs) == 1 and data.numel() == b - a and data.dtype == want_dtype:
+                out = data  # one piece holds exactly the range: no second buffer, no copy
+                continue
+            if out is None:
+                out = torch.empty(b - a, dtype=want_dtype)
             for g, p, n in runs:
                 s, e = max(a, g), min(b, g + n)
                 out[s - a : e - a].copy_(data[p + s - g - lo : p + e - g - lo])
             del data
+        if out is None:  # an empty range or tensor
+            out = torch.empty(b - a, dtype=want_dtype)
         return out.reshape(entry.global_shape) if flat_range is None else out
 
     # -- objects ----------------------------------------------------------------------------------
