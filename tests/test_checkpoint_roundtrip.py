@@ -58,8 +58,8 @@ def test_only_overlapping_pieces_are_read(saved, monkeypatch):
     reader = open_checkpoint(d)
     entry = reader.entry("model/embed.weight")
     touched = []
-    original = reader._load_piece
-    monkeypatch.setattr(reader, "_load_piece", lambda e, p, r=None: touched.append(p) or original(e, p, r))
+    original = reader._stream_piece
+    monkeypatch.setattr(reader, "_stream_piece", lambda e, p, r, s: touched.append(p) or original(e, p, r, s))
     first = entry.pieces[0].slice
     reader.read("model/embed.weight", (first.start, first.start + 1))
     assert touched == [entry.pieces[0]]

@@ -71,8 +71,7 @@ def inspect(args: argparse.Namespace) -> int:
         print(f"  {name:<{width}}  {e.dtype:<9} {shape:<16} {_human(e.nbytes):>10}  {len(e.pieces)} piece(s){alias}")
     if not args.verify:
         return 0
-    stored = sum(f.size for f in m.files.values())
-    with tqdm(total=stored, unit="B", unit_scale=True, desc="verify", file=sys.stderr) as bar:
+    with tqdm(total=total, unit="B", unit_scale=True, desc="verify", file=sys.stderr) as bar:
         problems = reader.verify(bar.update)
     if problems:
         print(f"verify: {len(problems)} problem(s)")

@@ -30,11 +30,10 @@ from shardtrain.checkpoint.format import (
     ObjectRecord,
     Piece,
     TensorEntry,
-    crc32_of,
     crc32_of_bytes,
     numel,
 )
-from shardtrain.checkpoint.safetensors_io import read_tensor
+from shardtrain.checkpoint.safetensors_io import stream_tensor
 from shardtrain.errors import CheckpointError
 
 
@@ -99,61 +98,59 @@ class CheckpointReader:
         self._sizes_checked.add(file)
         return path
 
-    def _load_piece(self, entry: TensorEntry, piece: Piece, elems: tuple[int, int] | None = None) -> torch.Tensor:
-        """The piece, flattened; ``elems`` limits it to a range of the piece's elements (read alone without verify)."""
+    def _stream_piece(
+        self, entry: TensorEntry, piece: Piece, elems: tuple[int, int], sink: Callable[[int, torch.Tensor], None]
+    ) -> None:
+        """Feed elements ``elems`` of the flattened piece to ``sink`` chunk by chunk; with verify (or when the whole
+        piece is asked for) the whole piece is read and its checksum compared."""
         path = self._check_file(piece.file, entry.name)
-        partial = elems is not None and not self.verify_reads
         shape = piece.slice.piece_shape(entry.global_shape)
+        whole = (0, numel(shape))
+        check = self.verify_reads or elems == whole
         try:
-            t = read_tensor(path, piece.key, entry.torch_dtype, shape, elems if partial else None)
+            crc = stream_tensor(path, piece.key, entry.torch_dtype, shape, whole if check else elems, sink)
         except CheckpointError as err:
             raise CheckpointError(f"{err} (reading tensor {entry.name!r})") from None
         except OSError as err:
             raise CheckpointError(f"{path}: cannot read tensor {entry.name!r} (key {piece.key!r}): {err}") from None
-        if partial:
-            return t
-        if self.verify_reads and crc32_of(t) != piece.checksum:
+        if check and f"crc32:{crc:08x}" != piece.checksum:
             raise CheckpointError(
                 f"{path}: checksum mismatch in tensor {entry.name!r} (key {piece.key!r}, {piece.slice}): the file is "
                 "corrupted"
             )
-        t = t.reshape(-1)
-        return t if elems is None else t[elems[0] : elems[1]]
 
     def read(
         self, name: str, flat_range: tuple[int, int] | None = None, *, dtype: torch.dtype | None = None
     ) -> torch.Tensor:
         """Tensor ``name`` (or an alias), whole in its global shape, or elements ``[a, b)`` of it flattened (1-D).
 
-        Only pieces overlapping the range are read. ``dtype`` converts while copying (no second full-size copy).
+        Only pieces overlapping the range are read, in chunks straight into the result: memory is the result plus
+        a few MiB. ``dtype`` converts while copying.
         """
         entry = self.manifest.resolve(name)
         total = entry.numel
         a, b = (0, total) if flat_range is None else flat_range
         if not (0 <= a <= b <= total):
             raise CheckpointError(f"tensor {entry.name!r}: range [{a}, {b}) is outside its {total} elements")
-        want_dtype = dtype or entry.torch_dtype
-        out: torch.Tensor | None = None
+        out = torch.empty(b - a, dtype=dtype or entry.torch_dtype)
         for piece in entry.pieces:
-            runs = [
-                (g, p, n) for g, p, n in piece.slice.runs(entry.global_shape) if g < b and g + n > a
-            ]  # [Note: runs] in format.py
-            if not runs:
+            # [Note: runs] in format.py, as piece element ranges [ps, pe) that land at out[ps + shift : pe + shift]
+            spans = [
+                (p + max(a, g) - g, p + min(b, g + n) - g, g - p - a)
+                for g, p, n in piece.slice.runs(entry.global_shape)
+                if g < b and g + n > a
+            ]
+            if not spans:
                 continue
-            lo = min(p + max(a - g, 0) for g, p, n in runs)
-            hi = max(p + min(b, g + n) - g for g, p, n in runs)
-            data = self._load_piece(entry, piece, (lo, hi))
-            if out is None and len(runs) == 1 and data.numel() == b - a and data.dtype == want_dtype:
-                out = data  # one piece holds exactly the range: no second buffer, no copy
-                continue
-            if out is None:
-                out = torch.empty(b - a, dtype=want_dtype)
-            for g, p, n in runs:
-                s, e = max(a, g), min(b, g + n)
-                out[s - a : e - a].copy_(data[p + s - g - lo : p + e - g - lo])
-            del data
-        if out is None:  # an empty range or tensor
-            out = torch.empty(b - a, dtype=want_dtype)
+
+            def sink(offset: int, chunk: torch.Tensor, spans: list = spans) -> None:
+                end = offset + chunk.numel()
+                for ps, pe, shift in spans:
+                    s, e = max(ps, offset), min(pe, end)
+                    if s < e:
+                        out[s + shift : e + shift].copy_(chunk[s - offset : e - offset])
+
+            self._stream_piece(entry, piece, (spans[0][0], spans[-1][1]), sink)
         return out.reshape(entry.global_shape) if flat_range is None else out
 
     # -- objects ----------------------------------------------------------------------------------
@@ -206,7 +203,8 @@ class CheckpointReader:
             for entry in self.manifest.tensors.values():
                 for piece in entry.pieces:
                     try:
-                        self._load_piece(entry, piece)
+                        whole = (0, numel(piece.slice.piece_shape(entry.global_shape)))
+                        self._stream_piece(entry, piece, whole, lambda offset, chunk: None)
                     except CheckpointError as err:
                         problems.append(str(err))
                     if progress is not None:

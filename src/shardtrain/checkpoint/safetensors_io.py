@@ -1,10 +1,11 @@
 """The two safetensors operations the ``safetensors`` package does not offer: streamed writing and direct reads.
 
-``safetensors.torch.save_file`` (used for the per-rank files) needs every tensor of a file in memory at once, and
-``safe_open`` returns memory-mapped tensors whose page faults make cold reads several times slower than plain
-sequential reads into the destination. The file format is small and fixed: 8 bytes little-endian header length,
-a JSON header ``{key: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}`` padded with spaces
-to 8-byte alignment, then the data. Files written here are read back with ``safetensors`` itself in the tests.
+``safetensors.torch.save_file`` needs every tensor of a file in memory at once and cannot checksum what it writes
+(a separate checksum pass reads every tensor from memory again), and ``safe_open`` returns memory-mapped tensors
+whose page faults make cold reads several times slower than plain sequential reads into the destination. The file
+format is small and fixed: 8 bytes little-endian header length, a JSON header ``{key: {"dtype", "shape",
+"data_offsets": [begin, end]}, "__metadata__": {...}}`` padded with spaces to 8-byte alignment, then the data.
+Files written here are read back with ``safetensors`` itself in the tests.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import zlib
 from collections.abc import Callable, Iterable
 from functools import lru_cache
 from pathlib import Path
@@ -36,6 +38,7 @@ ST_DTYPES = {
     torch.float8_e5m2: "F8_E5M2",
 }
 _MAX_HEADER = 100 << 20
+_CHUNK = 4 << 20  # read, write and checksum in pieces that fit the CPU cache
 
 
 @lru_cache(maxsize=64)
@@ -62,10 +65,18 @@ def read_header(path: Path) -> tuple[int, dict[str, Any]]:
     return _read_header_cached(str(path), st.st_size, st.st_mtime_ns)
 
 
-def read_tensor(
-    path: Path, key: str, dtype: torch.dtype, shape: tuple[int, ...], elems: tuple[int, int] | None = None
-) -> torch.Tensor:
-    """Tensor ``key`` (checked against ``dtype`` and ``shape``), or elements ``[a, b)`` of it flattened."""
+def stream_tensor(
+    path: Path,
+    key: str,
+    dtype: torch.dtype,
+    shape: tuple[int, ...],
+    elems: tuple[int, int],
+    sink: Callable[[int, torch.Tensor], None],
+) -> int:
+    """Read elements ``[a, b)`` of tensor ``key`` (checked against ``dtype`` and ``shape``) sequentially, in chunks
+    of a few MiB through one reused buffer; ``sink(offset, chunk)`` gets each chunk (a 1-D view valid only during
+    the call; ``offset`` counts elements from the start of the tensor). Returns the CRC-32 of the bytes read,
+    computed while each chunk is in the CPU cache. Memory: one chunk, whatever the tensor size."""
     data_start, header = read_header(path)
     info = header.get(key)
     if not isinstance(info, dict):
@@ -80,18 +91,24 @@ def read_tensor(
         )
     if end - begin != numel * dtype.itemsize or data_start + end > path.stat().st_size:
         raise CheckpointError(f"{path}: data offsets of {key!r} do not fit its shape or the file")
-    a, b = (0, numel) if elems is None else elems
-    out = torch.empty(b - a, dtype=dtype)
-    view = memoryview(out.view(torch.uint8).numpy()).cast("B")
+    a, b = elems
+    per_chunk = max(1, _CHUNK // dtype.itemsize)
+    buf = torch.empty(min(per_chunk, b - a), dtype=dtype)
+    view = memoryview(buf.view(torch.uint8).numpy()).cast("B")
+    running = 0
     with open(path, "rb", buffering=0) as f:
         f.seek(data_start + begin + a * dtype.itemsize)
-        got = 0
-        while got < len(view):
-            n = f.readinto(view[got:])
-            if not n:
-                raise CheckpointError(f"{path}: ends inside tensor {key!r}")
-            got += n
-    return out if elems is not None else out.reshape(shape)
+        for offset in range(a, b, per_chunk):
+            n = min(per_chunk, b - offset)
+            nbytes, got = n * dtype.itemsize, 0
+            while got < nbytes:
+                r = f.readinto(view[got:nbytes])
+                if not r:
+                    raise CheckpointError(f"{path}: ends inside tensor {key!r}")
+                got += r
+            running = zlib.crc32(view[:nbytes], running)
+            sink(offset, buf[:n])
+    return running
 
 
 def write_streaming(
@@ -100,10 +117,14 @@ def write_streaming(
     load: Callable[[int], torch.Tensor],
     metadata: dict[str, str],
     advance: Callable[[int], None] = lambda n: None,
-) -> None:
-    """Write ``path`` (via ``path.partial``, fsynced) with header from ``tensors``; data of the i-th is ``load(i)``.
+    *,
+    via_partial: bool = True,
+) -> list[str]:
+    """Write ``path`` with the header from ``tensors``; the data of the i-th is ``load(i)``, fsynced at the end.
 
-    Only one tensor is in memory at a time.
+    Only one tensor is in memory at a time. Each tensor's CRC-32 (``crc32:xxxxxxxx``) is computed chunk by chunk as
+    it is written, while the chunk is in the CPU cache; the list is returned. With ``via_partial`` the file is
+    written as ``path.partial`` and renamed, so that ``path`` never exists half-written.
     """
     specs = list(tensors)
     header: dict[str, Any] = {"__metadata__": metadata}
@@ -116,18 +137,26 @@ def write_streaming(
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # tensor data starts 8-byte aligned
-    tmp = path.with_name(path.name + ".partial")
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
+    target = path.with_name(path.name + ".partial") if via_partial else path
+    checksums = []
+    with open(target, "wb", buffering=0) as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
         for i, (name, dtype, shape) in enumerate(specs):
             t = load(i)
             if t.dtype != dtype or tuple(t.shape) != tuple(shape):
                 raise CheckpointError(f"{path}: tensor {name!r} came as {t.dtype} {tuple(t.shape)}")
-            if t.numel():
-                f.write(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()).cast("B"))
-            advance(t.numel() * t.element_size())
-            del t
-        f.flush()
+            view = memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()).cast("B")
+            running = 0
+            for start in range(0, len(view), _CHUNK):
+                chunk = view[start : start + _CHUNK]
+                running = zlib.crc32(chunk, running)
+                done = 0
+                while done < len(chunk):
+                    done += f.write(chunk[done:])
+            checksums.append(f"crc32:{running:08x}")
+            advance(len(view))
+            del t, view
         os.fsync(f.fileno())
-    os.replace(tmp, path)
+    if via_partial:
+        os.replace(target, path)
+    return checksums

@@ -5,11 +5,12 @@ the full argument):
 
 1. rank 0 validates the tag, refuses an existing one unless ``overwrite``, removes leftovers of crashed saves
    (``.tmp-*``, ``.trash-*``, ``latest.tmp``) and creates ``.tmp-<tag>``;
-2. every rank checksums its pieces; one ``all_gather_object`` shares the piece descriptors (and rank 0's outcome of
-   step 1); every rank then computes the same plan: which rank stores each replicated piece (the lowest that holds
-   it), whether shapes, dtypes and replicas agree, whether the pieces cover every tensor exactly once;
-3. every rank writes ``rank<r>.safetensors`` (its planned pieces) and ``rank<r>.objects.pkl`` (its per-rank objects,
-   when some do not fit JSON), rank 0 also ``objects.pkl``; each file is fsynced; a second gather shares sizes;
+2. one ``all_gather_object`` shares the piece descriptors (and rank 0's outcome of step 1); every rank then computes
+   the same plan: which rank stores each replicated piece (the lowest that holds it), whether shapes and dtypes
+   agree, whether the pieces cover every tensor exactly once;
+3. every rank writes ``rank<r>.safetensors`` (its planned pieces, CRC-32 computed as they are written) and
+   ``rank<r>.objects.pkl`` (its per-rank objects, when some do not fit JSON), rank 0 also ``objects.pkl``; each file
+   is fsynced; a second gather shares sizes and checksums, and every rank checks that replicas agree;
 4. rank 0 writes ``manifest.json`` (fsync), fsyncs the directory, renames it to ``<tag>`` and fsyncs ``save_dir``;
    then writes ``latest.tmp``, fsyncs it, renames it over ``latest`` and fsyncs ``save_dir`` again;
 5. a third gather returns rank 0's outcome, so that every rank returns (or raises) only once the checkpoint is
@@ -34,7 +35,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from shardtrain.checkpoint.format import (
     FORMAT_VERSION,
@@ -47,10 +47,12 @@ from shardtrain.checkpoint.format import (
     Piece,
     Slice,
     TensorEntry,
+    check_coverage,
     crc32_of,
     crc32_of_bytes,
     dtype_name,
 )
+from shardtrain.checkpoint.safetensors_io import write_streaming
 from shardtrain.comm import Communicator
 from shardtrain.errors import CheckpointError
 
@@ -198,14 +200,13 @@ def _encode_objects(objects: dict[str, Any], file: str) -> tuple[dict[str, Objec
     return records, pickled
 
 
-def _plan(
-    gathered: list[list[tuple]], aliases: dict[str, str]
-) -> tuple[dict[str, TensorEntry], dict[int, list[tuple[int, str]]]]:
-    """Steps 2 on every rank: tensor entries and, per rank, which of its pieces (index, key) it stores."""
+def _plan(gathered: list[list[tuple]], aliases: dict[str, str]) -> tuple[dict[str, tuple], dict[tuple, list[int]]]:
+    """Step 2 on every rank: per tensor (shape, dtype, aliases); per distinct (name, slice) the ranks holding it,
+    lowest (the one that stores it) first. Raises when ranks disagree or the pieces do not cover a tensor."""
     shapes: dict[str, tuple[tuple[int, ...], str, int]] = {}
-    owners: dict[tuple[str, Slice], tuple[int, int, str]] = {}  # (name, slice) -> (rank, index, checksum)
+    holders: dict[tuple[str, Slice], list[int]] = defaultdict(list)
     for rank, descs in enumerate(gathered):
-        for index, (name, shape, dtype, slc, checksum) in enumerate(descs):
+        for name, shape, dtype, slc in descs:
             if name in shapes and shapes[name][:2] != (shape, dtype):
                 first = shapes[name]
                 raise CheckpointError(
@@ -213,24 +214,12 @@ def _plan(
                     f"{dtype} {list(shape)}; every rank must agree on a tensor's global shape and dtype"
                 )
             shapes.setdefault(name, (shape, dtype, rank))
-            if (name, slc) in owners:
-                owner = owners[(name, slc)]
-                if owner[2] != checksum:
-                    raise CheckpointError(
-                        f"tensor {name!r}: ranks {owner[0]} and {rank} hold the same part ({slc}) with different "
-                        "values; replicated state has diverged"
-                    )
-            else:
-                owners[(name, slc)] = (rank, index, checksum)
-    stored: dict[int, list[tuple[int, str]]] = defaultdict(list)
-    pieces: dict[str, list[Piece]] = defaultdict(list)
-    keys_used: dict[tuple[int, str], int] = defaultdict(int)
-    for (name, slc), (rank, index, checksum) in owners.items():
-        n = keys_used[(rank, name)]
-        keys_used[(rank, name)] += 1
-        key = name if n == 0 else f"{name}@{n}"
-        stored[rank].append((index, key))
-        pieces[name].append(Piece(rank_file(rank), key, slc, checksum))
+            holders[(name, slc)].append(rank)
+    by_name: dict[str, list[Slice]] = defaultdict(list)
+    for name, slc in holders:
+        by_name[name].append(slc)
+    for name, slices in by_name.items():
+        check_coverage(name, shapes[name][0], slices)
     alias_of: dict[str, list[str]] = defaultdict(list)
     for alias, target in aliases.items():
         if target not in shapes:
@@ -238,11 +227,39 @@ def _plan(
         if alias in shapes:
             raise CheckpointError(f"alias {alias!r} is also saved as a tensor of its own; save it once")
         alias_of[target].append(alias)
-    entries = {
-        name: TensorEntry(name, shape, dtype, tuple(pieces[name]), tuple(alias_of.get(name, ())))
-        for name, (shape, dtype, _) in shapes.items()
+    tensors = {name: (shape, dtype, tuple(alias_of.get(name, ()))) for name, (shape, dtype, _) in shapes.items()}
+    return tensors, dict(holders)
+
+
+def _keys(holders: dict[tuple, list[int]]) -> dict[tuple, str]:
+    """The safetensors key of each stored piece: the name, with ``@k`` for further pieces of it in the same file."""
+    used: dict[tuple[int, str], int] = defaultdict(int)
+    keys = {}
+    for name, slc in holders:
+        owner = holders[(name, slc)][0]
+        n = used[(owner, name)]
+        used[(owner, name)] += 1
+        keys[(name, slc)] = name if n == 0 else f"{name}@{n}"
+    return keys
+
+
+def _entries(
+    tensors: dict[str, tuple], holders: dict[tuple, list[int]], keys: dict[tuple, str], sums: list[dict[tuple, str]]
+) -> dict[str, TensorEntry]:
+    """After step 3 on every rank: the tensor entries; replicas held by several ranks must have equal checksums."""
+    pieces: dict[str, list[Piece]] = defaultdict(list)
+    for (name, slc), ranks in holders.items():
+        values = {r: sums[r][(name, slc)] for r in ranks}
+        if len(set(values.values())) > 1:
+            raise CheckpointError(
+                f"tensor {name!r}: ranks {ranks} hold the same part ({slc}) with different values "
+                f"({values}); replicated state has diverged"
+            )
+        pieces[name].append(Piece(rank_file(ranks[0]), keys[(name, slc)], slc, values[ranks[0]]))
+    return {
+        name: TensorEntry(name, shape, dtype, tuple(pieces[name]), aliases)
+        for name, (shape, dtype, aliases) in tensors.items()
     }
-    return entries, stored
 
 
 def rank_file(rank: int) -> str:
@@ -250,26 +267,35 @@ def rank_file(rank: int) -> str:
 
 
 def _write_rank_files(
-    tmp: Path, rank: int, pieces: list[SavePiece], mine: list[tuple[int, str]], rank_objects: dict[str, Any]
-) -> tuple[list[FileEntry], dict[str, ObjectRecord], int]:
-    """Step 3 on one rank: its tensor file and its per-rank object file, fsynced."""
+    tmp: Path, rank: int, pieces: list[SavePiece], mine: list[tuple[SavePiece, str]], rank_objects: dict[str, Any]
+) -> tuple[list[FileEntry], dict[str, ObjectRecord], dict[tuple, str], int]:
+    """Step 3 on one rank: its tensor file (checksummed while written) and its per-rank object file, fsynced.
+
+    Returns the file entries, object records, the checksum of every piece this rank holds (stored by it or, for a
+    replica stored by a lower rank, computed for the comparison), and the bytes written."""
     files: list[FileEntry] = []
+    checksums: dict[tuple, str] = {}
     written = 0
     if mine:
         path = tmp / rank_file(rank)
-        tensors = {key: _stored(pieces[index]) for index, key in mine}
-        save_file(tensors, path, metadata={"format": "pt"})
+        tensors = [_stored(p) for p, _ in mine]
+        specs = [(key, t.dtype, tuple(t.shape)) for (_, key), t in zip(mine, tensors)]
+        sums = write_streaming(path, specs, tensors.__getitem__, {"format": "pt"}, via_partial=False)
+        del tensors
+        checksums = {(p.name, p.slice): c for (p, _), c in zip(mine, sums)}
         _crash_point("tensor_file_torn", path)
         _crash_point("tensor_file_written")
-        _fsync_file(path)
         size = path.stat().st_size
         files.append(FileEntry(path.name, rank, size))
         written += size
+    for p in pieces:
+        if (p.name, p.slice) not in checksums:
+            checksums[(p.name, p.slice)] = crc32_of(p.tensor)
     records, pickled = _encode_objects(rank_objects, f"rank{rank:05d}.objects.pkl")
     if pickled:
         files.append(_write_pickle(tmp / f"rank{rank:05d}.objects.pkl", rank, pickled))
         written += files[-1].size
-    return files, records, written
+    return files, records, checksums, written
 
 
 def _stored(p: SavePiece) -> torch.Tensor:
@@ -360,24 +386,25 @@ def save(
         return comm.all_gather_object(obj, what=what) if comm is not None else [obj]
 
     prep_error = _prepare(save_dir, tag, overwrite) if rank == 0 else None
-    descs = [(p.name, p.global_shape, dtype_name(p.tensor.dtype), p.slice, crc32_of(p.tensor)) for p in pieces]
-    names = [d[0] for d in descs]
-    if len(set(zip(names, (d[3] for d in descs)))) != len(descs):
-        local_error: str | None = "the same part of a tensor is passed twice"
-    else:
-        local_error = None
+    descs = [(p.name, p.global_shape, dtype_name(p.tensor.dtype), p.slice) for p in pieces]
+    local_error = (
+        "the same part of a tensor is passed twice" if len({(d[0], d[3]) for d in descs}) < len(descs) else None
+    )
     gathered = gather((descs, prep_error or local_error, aliases or {}), "checkpoint piece descriptors")
     _raise_first([g[1] for g in gathered], "preparing")
-    entries, stored = _plan([g[0] for g in gathered], gathered[0][2])
+    tensors, holders = _plan([g[0] for g in gathered], gathered[0][2])
+    keys = _keys(holders)
+    mine = [(p, keys[(p.name, p.slice)]) for p in pieces if holders[(p.name, p.slice)][0] == rank]
 
     tmp = save_dir / (TMP_PREFIX + tag)
     write_error: str | None = None
     files: list[FileEntry] = []
     records: dict[str, ObjectRecord] = {}
     global_records: dict[str, ObjectRecord] = {}
+    checksums: dict[tuple, str] = {}
     written = 0
     try:
-        files, records, written = _write_rank_files(tmp, rank, pieces, stored.get(rank, []), rank_objects or {})
+        files, records, checksums, written = _write_rank_files(tmp, rank, pieces, mine, rank_objects or {})
         if rank == 0:
             global_records, pickled = _encode_objects(global_objects or {}, "objects.pkl")
             if pickled:
@@ -387,13 +414,13 @@ def save(
     except OSError as err:
         write_error = f"writing into {tmp}: {err}"
     _crash_point("files_synced")
-    parts = gather((files, records, global_records, write_error), "checkpoint file list")
+    parts = gather((files, records, global_records, write_error, checksums), "checkpoint file list")
     _raise_first([p[3] for p in parts], "writing files")
     manifest = Manifest(
         version=FORMAT_VERSION,
         tag=tag,
         world_size=size,
-        tensors=entries,
+        tensors=_entries(tensors, holders, keys, [p[4] for p in parts]),
         files={f.name: f for p in parts for f in p[0]},
         objects=parts[0][2],
         rank_objects={r: p[1] for r, p in enumerate(parts) if p[1]},
