@@ -155,7 +155,7 @@ def write_streaming(
                     done += f.write(chunk[done:])
             checksums.append(f"crc32:{running:08x}")
             advance(len(view))
-            del t, view
+            chunk = view = t = None  # free this tensor before the next one is loaded
         os.fsync(f.fileno())
     if via_partial:
         os.replace(target, path)
