@@ -5,11 +5,13 @@
 The state is ``--size-gb`` of float32 split into 16 logical tensors, each cut into ``--world`` ZeRO fragments (one
 per rank). Measured in the same run, on the same directory:
 
-* raw disk: one file of the same size written sequentially in 64 MiB blocks and fsynced, then (after dropping it
-  from the page cache with ``posix_fadvise(DONTNEED)``) read back sequentially;
+* raw disk: one file of the same size written sequentially by one process in 64 MiB blocks and fsynced, then (after
+  dropping it from the page cache with ``posix_fadvise(DONTNEED)``) read back sequentially, into one reused buffer
+  and into fresh memory; and the same with every rank writing and reading its share to its own file in parallel;
 * shardtrain save (collective, fsync, rename, ``latest``) and load (each rank reads its own fragments with checksum
   verification), after dropping the checkpoint's files from the page cache;
 * ``torch.distributed.checkpoint.save`` / ``load`` of the same per-rank tensors (``sync_files=True``, its default);
+* every round runs all of these in turn (shardtrain and DCP alternate which goes first); medians are reported;
 * ``shardtrain checkpoint consolidate`` of the checkpoint in a fresh process: time and peak RSS growth (``VmHWM``
   after resetting it via ``/proc/self/clear_refs``), against twice the largest tensor.
 """
@@ -88,9 +90,45 @@ def _local_state(rank: int, world: int, numel_per_tensor: int) -> list[SavePiece
     ]
 
 
-def _bench_rank(root: str, world: int, numel_per_tensor: int, rounds: int) -> list[dict[str, float]]:
+def _ours(comm: Communicator, path: Path, pieces: list[SavePiece], out: dict[str, float]) -> None:
+    os.sync()
+    comm.barrier(what="bench: before save")
+    t0 = time.perf_counter()
+    save(path, "step1", comm, pieces)
+    out["save_s"] = time.perf_counter() - t0
+    comm.barrier(what="bench: after save")
+    if comm.rank == 0:
+        drop_cache(path)
+    comm.barrier(what="bench: before load")
+    t0 = time.perf_counter()
+    reader = open_checkpoint(path)
+    loaded = [reader.read(p.name, (p.slice.start, p.slice.start + p.slice.length)) for p in pieces]
+    out["load_s"] = time.perf_counter() - t0
+    assert all(torch.equal(a, p.tensor) for a, p in zip(loaded, pieces))
+
+
+def _dcp(comm: Communicator, path: Path, state: dict[str, torch.Tensor], out: dict[str, float]) -> None:
     import torch.distributed.checkpoint as dcp
 
+    os.sync()
+    comm.barrier(what="bench: before dcp save")
+    t0 = time.perf_counter()
+    dcp.save(state, checkpoint_id=str(path))
+    out["dcp_save_s"] = time.perf_counter() - t0
+    comm.barrier(what="bench: after dcp save")
+    if comm.rank == 0:
+        drop_cache(path)
+    comm.barrier(what="bench: before dcp load")
+    target = {k: torch.empty_like(v) for k, v in state.items()}  # like ours, pages are touched during the load
+    t0 = time.perf_counter()
+    dcp.load(target, checkpoint_id=str(path))
+    out["dcp_load_s"] = time.perf_counter() - t0
+    assert all(torch.equal(target[k], state[k]) for k in state)
+
+
+def _bench_rank(root: str, world: int, numel_per_tensor: int, rounds: int) -> list[dict[str, float]]:
+    """Per round: raw disk (rank 0 alone, then every rank its share in parallel), shardtrain and DCP (alternating
+    which goes first), so that all of them see the same disk conditions."""
     comm = Communicator(dist.group.WORLD, 600.0)
     rank, root_path = comm.rank, Path(root)
     pieces = _local_state(rank, world, numel_per_tensor)
@@ -99,38 +137,25 @@ def _bench_rank(root: str, world: int, numel_per_tensor: int, rounds: int) -> li
     results = []
     for k in range(rounds):
         out: dict[str, float] = {"bytes": nbytes}
+        os.sync()
+        comm.barrier(what="bench: before raw")
+        if rank == 0:
+            total = max(BLOCK, nbytes * world // BLOCK * BLOCK)
+            out["raw_bytes"] = total
+            out["raw_write_s"], out["raw_read_s"], out["raw_fresh_s"] = raw_disk(root_path / "raw.bin", total)
+        os.sync()
+        comm.barrier(what="bench: before parallel raw")
+        out["par_bytes"] = max(BLOCK, nbytes // BLOCK * BLOCK)
+        w, r, _ = raw_disk(root_path / f"raw{rank}.bin", int(out["par_bytes"]))
+        out["par_write_s"], out["par_read_s"] = w, r
+        comm.barrier(what="bench: after parallel raw")
         ours, theirs = root_path / f"ours{k}", root_path / f"dcp{k}"
-        os.sync()
-        comm.barrier(what="bench: before save")
-        t0 = time.perf_counter()
-        save(ours, "step1", comm, pieces)
-        out["save_s"] = time.perf_counter() - t0
-        comm.barrier(what="bench: after save")
-        if rank == 0:
-            drop_cache(ours)
-        comm.barrier(what="bench: before load")
-        t0 = time.perf_counter()
-        reader = open_checkpoint(ours)
-        loaded = [reader.read(p.name, (p.slice.start, p.slice.start + p.slice.length)) for p in pieces]
-        out["load_s"] = time.perf_counter() - t0
-        assert all(torch.equal(a, p.tensor) for a, p in zip(loaded, pieces))
-        del loaded
-
-        os.sync()
-        comm.barrier(what="bench: before dcp save")
-        t0 = time.perf_counter()
-        dcp.save(state, checkpoint_id=str(theirs))
-        out["dcp_save_s"] = time.perf_counter() - t0
-        comm.barrier(what="bench: after dcp save")
-        if rank == 0:
-            drop_cache(theirs)
-        comm.barrier(what="bench: before dcp load")
-        target = {k: torch.empty_like(v) for k, v in state.items()}
-        t0 = time.perf_counter()
-        dcp.load(target, checkpoint_id=str(theirs))
-        out["dcp_load_s"] = time.perf_counter() - t0
-        assert all(torch.equal(target[k], state[k]) for k in state)
-        del target
+        if k % 2 == 0:
+            _ours(comm, ours, pieces, out)
+            _dcp(comm, theirs, state, out)
+        else:
+            _dcp(comm, theirs, state, out)
+            _ours(comm, ours, pieces, out)
         comm.barrier(what="bench: round done")
         if rank == 0 and k < rounds - 1:
             shutil.rmtree(theirs)
@@ -173,10 +198,6 @@ def main() -> None:
     total = numel_per_tensor * N_TENSORS * 4
     gb = total / 1e9
 
-    raw_bytes = total // BLOCK * BLOCK
-    raw = [raw_disk(root / "raw.bin", raw_bytes) for _ in range(args.rounds)]
-    raw_w, raw_r, raw_fresh = (statistics.median(r[i] for r in raw) for i in range(3))
-    raw_gb = raw_bytes / 1e9
     per_round = run_distributed(
         _bench_rank, args.world, str(root), args.world, numel_per_tensor, args.rounds, timeout=3000.0
     )
@@ -197,9 +218,24 @@ def main() -> None:
     def rank_rate(key: str) -> float:  # one rank's bytes over its own time, median over rounds and ranks
         return statistics.median(r[k]["bytes"] / 1e9 / r[k][key] for r in per_round for k in range(args.rounds))
 
+    def med(values) -> float:
+        return statistics.median(list(values))
+
+    r0 = per_round[0]
+    raw_gb = r0[0]["raw_bytes"] / 1e9
+    par_gb = sum(ranks[0]["par_bytes"] for ranks in per_round) / 1e9
+    par_w = med(par_gb / max(ranks[k]["par_write_s"] for ranks in per_round) for k in range(args.rounds))
+    par_r = med(par_gb / max(ranks[k]["par_read_s"] for ranks in per_round) for k in range(args.rounds))
     rows = [
-        ("raw disk: write + fsync / read (1 process)", raw_gb / raw_w, raw_gb / raw_r, None, None),
-        ("raw disk: read into fresh memory (1 process)", None, raw_gb / raw_fresh, None, None),
+        (
+            "raw disk: 1 process, write + fsync / read",
+            med(raw_gb / x["raw_write_s"] for x in r0),
+            med(raw_gb / x["raw_read_s"] for x in r0),
+            None,
+            None,
+        ),
+        ("raw disk: 1 process, read into fresh memory", None, med(raw_gb / x["raw_fresh_s"] for x in r0), None, None),
+        (f"raw disk: {args.world} processes in parallel, one file each", par_w, par_r, None, None),
         ("shardtrain", agg("save_s"), agg("load_s"), rank_rate("save_s"), rank_rate("load_s")),
         (
             "torch.distributed.checkpoint",
@@ -219,11 +255,12 @@ def main() -> None:
     for name, s, lo, sr, lr in rows:
         cells = " | ".join("-" if v is None else f"{v:.2f}" for v in (s, lo, sr, lr))
         print(f"| {name} | {cells} |")
-    ours, dcp = rows[2], rows[3]
+    raw1, fresh, par, ours, dcp = rows
     print(
-        f"\nratios: save/raw write {ours[1] / rows[0][1]:.2f}, load/raw read {ours[2] / rows[0][2]:.2f}, "
-        f"load/raw read into fresh memory {ours[2] / rows[1][2]:.2f}, "
-        f"save/DCP save {ours[1] / dcp[1]:.2f}, load/DCP load {ours[2] / dcp[2]:.2f}"
+        f"\nratios: save / raw write {ours[1] / raw1[1]:.2f} (parallel raw {ours[1] / par[1]:.2f}), "
+        f"load / raw read {ours[2] / raw1[2]:.2f} (into fresh memory {ours[2] / fresh[2]:.2f}, "
+        f"parallel raw {ours[2] / par[2]:.2f}), save / DCP save {ours[1] / dcp[1]:.2f}, "
+        f"load / DCP load {ours[2] / dcp[2]:.2f}"
     )
     print(
         f"consolidation of {gb:.2f} GB: {timing:.1f} s, peak RSS growth {growth / 1e6:.0f} MB "
