@@ -61,8 +61,11 @@ def numel(shape: tuple[int, ...]) -> int:
 
 def crc32_of(t: torch.Tensor) -> str:
     """CRC-32 of a tensor's raw bytes (row-major), as ``crc32:xxxxxxxx``."""
-    data = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-    return f"crc32:{zlib.crc32(data) & 0xFFFFFFFF:08x}"
+    data = memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()).cast("B")
+    running = 0
+    for start in range(0, len(data), 64 << 20):  # zlib takes at most 4 GiB per call on some builds
+        running = zlib.crc32(data[start : start + (64 << 20)], running)
+    return f"crc32:{running:08x}"
 
 
 def crc32_of_bytes(data: bytes) -> str:

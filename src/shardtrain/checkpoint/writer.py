@@ -8,7 +8,7 @@ the full argument):
 2. one ``all_gather_object`` shares the piece descriptors (and rank 0's outcome of step 1); every rank then computes
    the same plan: which rank stores each replicated piece (the lowest that holds it), whether shapes and dtypes
    agree, whether the pieces cover every tensor exactly once;
-3. every rank writes ``rank<r>.safetensors`` (its planned pieces, CRC-32 computed as they are written) and
+3. every rank writes ``rank<r>.safetensors`` (its planned pieces; CRC-32 computed during the fsync) and
    ``rank<r>.objects.pkl`` (its per-rank objects, when some do not fit JSON), rank 0 also ``objects.pkl``; each file
    is fsynced; a second gather shares sizes and checksums, and every rank checks that replicas agree;
 4. rank 0 writes ``manifest.json`` (fsync), fsyncs the directory, renames it to ``<tag>`` and fsyncs ``save_dir``;
@@ -30,6 +30,7 @@ import shutil
 import signal
 import time
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -269,7 +270,7 @@ def rank_file(rank: int) -> str:
 def _write_rank_files(
     tmp: Path, rank: int, pieces: list[SavePiece], mine: list[tuple[SavePiece, str]], rank_objects: dict[str, Any]
 ) -> tuple[list[FileEntry], dict[str, ObjectRecord], dict[tuple, str], int]:
-    """Step 3 on one rank: its tensor file (checksummed while written) and its per-rank object file, fsynced.
+    """Step 3 on one rank: its tensor file (checksummed during its fsync) and its per-rank object file, fsynced.
 
     Returns the file entries, object records, the checksum of every piece this rank holds (stored by it or, for a
     replica stored by a lower rank, computed for the comparison), and the bytes written."""
@@ -280,11 +281,16 @@ def _write_rank_files(
         path = tmp / rank_file(rank)
         tensors = [_stored(p) for p, _ in mine]
         specs = [(key, t.dtype, tuple(t.shape)) for (_, key), t in zip(mine, tensors)]
-        sums = write_streaming(path, specs, tensors.__getitem__, {"format": "pt"}, via_partial=False)
-        del tensors
-        checksums = {(p.name, p.slice): c for (p, _), c in zip(mine, sums)}
+        write_streaming(path, specs, tensors.__getitem__, {"format": "pt"}, via_partial=False, fsync=False)
         _crash_point("tensor_file_torn", path)
         _crash_point("tensor_file_written")
+        # The checksums are computed while the kernel writes the file back: fsync waits on the disk, crc32 on the
+        # CPU, and both release the GIL.
+        with ThreadPoolExecutor(1) as pool:
+            synced = pool.submit(_fsync_file, path)
+            checksums = {(p.name, p.slice): crc32_of(t) for (p, _), t in zip(mine, tensors)}
+            synced.result()
+        del tensors
         size = path.stat().st_size
         files.append(FileEntry(path.name, rank, size))
         written += size
