@@ -262,6 +262,17 @@ def main() -> None:
         f"parallel raw {ours[2] / par[2]:.2f}), save / DCP save {ours[1] / dcp[1]:.2f}, "
         f"load / DCP load {ours[2] / dcp[2]:.2f}"
     )
+
+    def rate(k: int, key: str) -> float:
+        return gb / max(x[k][key] for x in per_round)
+
+    rounds_text = "; ".join(
+        f"raw {raw_gb / r0[k]['raw_write_s']:.2f}/{raw_gb / r0[k]['raw_read_s']:.2f}, "
+        f"shardtrain {rate(k, 'save_s'):.2f}/{rate(k, 'load_s'):.2f}, "
+        f"DCP {rate(k, 'dcp_save_s'):.2f}/{rate(k, 'dcp_load_s'):.2f}"
+        for k in range(args.rounds)
+    )
+    print(f"\nper round, aggregate GB/s save/load: {rounds_text}")
     print(
         f"consolidation of {gb:.2f} GB: {timing:.1f} s, peak RSS growth {growth / 1e6:.0f} MB "
         f"(largest tensor {largest / 1e6:.0f} MB, 2x = {2 * largest / 1e6:.0f} MB; "
