@@ -1,8 +1,9 @@
 """The two safetensors operations the ``safetensors`` package does not offer: streamed writing and direct reads.
 
-``safetensors.torch.save_file`` needs every tensor of a file in memory at once and cannot checksum what it writes
-(a separate checksum pass reads every tensor from memory again), and ``safe_open`` returns memory-mapped tensors
-whose page faults make cold reads several times slower than plain sequential reads into the destination. The file
+``safetensors.torch.save_file`` needs every tensor of a file in memory at once (consolidation produces them one at a
+time) and fsyncs nothing (the checkpoint writer wants to overlap the fsync with its checksums); ``safe_open`` returns
+memory-mapped tensors whose page faults make cold reads several times slower than plain sequential reads, and whose
+pages count towards the resident set. The file
 format is small and fixed: 8 bytes little-endian header length, a JSON header ``{key: {"dtype", "shape",
 "data_offsets": [begin, end]}, "__metadata__": {...}}`` padded with spaces to 8-byte alignment, then the data.
 Files written here are read back with ``safetensors`` itself in the tests.
