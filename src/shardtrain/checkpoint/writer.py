@@ -174,8 +174,7 @@ def _prepare(save_dir: Path, tag: str, overwrite: bool) -> str | None:
             elif leftover.name == LATEST_NAME + ".tmp":
                 leftover.unlink()
         tmp = save_dir / (TMP_PREFIX + tag)
-        tmp.mkdir()
-        fsync_dir(save_dir)
+        tmp.mkdir()  # no fsync of save_dir needed: nothing relies on .tmp-<tag> surviving a crash
     except CheckpointError as err:
         return str(err)
     except OSError as err:
