@@ -52,6 +52,13 @@ def drop_cache(path: Path) -> None:
             os.close(fd)
 
 
+def settle(seconds: float) -> None:
+    """Flush dirty pages, then wait: a virtual disk keeps writing back on the host after fsync returns, and without
+    a pause whichever method runs second in a round pays for the first one's writes."""
+    os.sync()
+    time.sleep(seconds)
+
+
 def raw_disk(path: Path, nbytes: int) -> tuple[float, float, float]:
     """Sequential write (+fsync) and cold reads of one file of ``nbytes``: into one reused buffer (the disk's speed)
     and into freshly allocated memory (what any loader that creates tensors also pays). Returns seconds for each."""
@@ -90,8 +97,8 @@ def _local_state(rank: int, world: int, numel_per_tensor: int) -> list[SavePiece
     ]
 
 
-def _ours(comm: Communicator, path: Path, pieces: list[SavePiece], out: dict[str, float]) -> None:
-    os.sync()
+def _ours(comm: Communicator, path: Path, pieces: list[SavePiece], out: dict[str, float], settle_s: float) -> None:
+    settle(settle_s)
     comm.barrier(what="bench: before save")
     t0 = time.perf_counter()
     save(path, "step1", comm, pieces)
@@ -107,10 +114,12 @@ def _ours(comm: Communicator, path: Path, pieces: list[SavePiece], out: dict[str
     assert all(torch.equal(a, p.tensor) for a, p in zip(loaded, pieces))
 
 
-def _dcp(comm: Communicator, path: Path, state: dict[str, torch.Tensor], out: dict[str, float]) -> None:
+def _dcp(
+    comm: Communicator, path: Path, state: dict[str, torch.Tensor], out: dict[str, float], settle_s: float
+) -> None:
     import torch.distributed.checkpoint as dcp
 
-    os.sync()
+    settle(settle_s)
     comm.barrier(what="bench: before dcp save")
     t0 = time.perf_counter()
     dcp.save(state, checkpoint_id=str(path))
@@ -126,7 +135,7 @@ def _dcp(comm: Communicator, path: Path, state: dict[str, torch.Tensor], out: di
     assert all(torch.equal(target[k], state[k]) for k in state)
 
 
-def _bench_rank(root: str, world: int, numel_per_tensor: int, rounds: int) -> list[dict[str, float]]:
+def _bench_rank(root: str, world: int, numel_per_tensor: int, rounds: int, settle_s: float) -> list[dict[str, float]]:
     """Per round: raw disk (rank 0 alone, then every rank its share in parallel), shardtrain and DCP (alternating
     which goes first), so that all of them see the same disk conditions."""
     comm = Communicator(dist.group.WORLD, 600.0)
@@ -137,13 +146,13 @@ def _bench_rank(root: str, world: int, numel_per_tensor: int, rounds: int) -> li
     results = []
     for k in range(rounds):
         out: dict[str, float] = {"bytes": nbytes}
-        os.sync()
+        settle(settle_s)
         comm.barrier(what="bench: before raw")
         if rank == 0:
             total = max(BLOCK, nbytes * world // BLOCK * BLOCK)
             out["raw_bytes"] = total
             out["raw_write_s"], out["raw_read_s"], out["raw_fresh_s"] = raw_disk(root_path / "raw.bin", total)
-        os.sync()
+        settle(settle_s)
         comm.barrier(what="bench: before parallel raw")
         out["par_bytes"] = max(BLOCK, nbytes // BLOCK * BLOCK)
         w, r, _ = raw_disk(root_path / f"raw{rank}.bin", int(out["par_bytes"]))
@@ -151,11 +160,11 @@ def _bench_rank(root: str, world: int, numel_per_tensor: int, rounds: int) -> li
         comm.barrier(what="bench: after parallel raw")
         ours, theirs = root_path / f"ours{k}", root_path / f"dcp{k}"
         if k % 2 == 0:
-            _ours(comm, ours, pieces, out)
-            _dcp(comm, theirs, state, out)
+            _ours(comm, ours, pieces, out, settle_s)
+            _dcp(comm, theirs, state, out, settle_s)
         else:
-            _dcp(comm, theirs, state, out)
-            _ours(comm, ours, pieces, out)
+            _dcp(comm, theirs, state, out, settle_s)
+            _ours(comm, ours, pieces, out, settle_s)
         comm.barrier(what="bench: round done")
         if rank == 0 and k < rounds - 1:
             shutil.rmtree(theirs)
@@ -189,7 +198,8 @@ def main() -> None:
     ap.add_argument("--size-gb", type=float, default=1.0, help="total state size in GB (default 1.0)")
     ap.add_argument("--world", type=int, default=2, help="number of ranks (default 2)")
     ap.add_argument("--dir", default="out/bench_checkpoint", help="scratch directory on the disk to measure")
-    ap.add_argument("--rounds", type=int, default=3, help="repetitions; medians are reported (default 3)")
+    ap.add_argument("--rounds", type=int, default=8, help="repetitions; medians are reported (default 8)")
+    ap.add_argument("--settle", type=float, default=2.0, help="seconds to wait after os.sync() (default 2)")
     args = ap.parse_args()
     root = Path(args.dir)
     shutil.rmtree(root, ignore_errors=True)
@@ -199,7 +209,7 @@ def main() -> None:
     gb = total / 1e9
 
     per_round = run_distributed(
-        _bench_rank, args.world, str(root), args.world, numel_per_tensor, args.rounds, timeout=3000.0
+        _bench_rank, args.world, str(root), args.world, numel_per_tensor, args.rounds, args.settle, timeout=3000.0
     )
     timing, growth, rss_before = (
         float(x)
