@@ -11,7 +11,7 @@ import torch
 
 from checkpoint_helpers import save_engine_like, trained_model
 from shardtrain.checkpoint import open_checkpoint
-from shardtrain.checkpoint.writer import CRASH_POINTS, KILL_ENV
+from shardtrain.checkpoint.durable import CRASH_POINTS, KILL_ENV
 
 # The points after which the new checkpoint is published (``latest`` renamed onto it).
 PUBLISHED = {"latest_renamed", "done"}

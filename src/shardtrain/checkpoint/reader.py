@@ -81,7 +81,8 @@ class CheckpointReader:
     def entry(self, name: str) -> TensorEntry:
         return self.manifest.resolve(name)
 
-    def _check_file(self, file: str, tensor: str) -> Path:
+    def _check_file(self, file: str, what: str) -> Path:
+        """``what`` names the tensor or object the file is needed for (it goes into the error)."""
         path = self.path / file
         if file in self._sizes_checked:
             return path
@@ -89,11 +90,10 @@ class CheckpointReader:
         try:
             size = path.stat().st_size
         except FileNotFoundError:
-            raise CheckpointError(f"{path}: file is missing (needed for tensor {tensor!r})") from None
+            raise CheckpointError(f"{path}: file is missing (needed for {what})") from None
         if size != want:
             raise CheckpointError(
-                f"{path}: file has {size} bytes, the manifest says {want} (truncated or replaced; "
-                f"needed for tensor {tensor!r})"
+                f"{path}: file has {size} bytes, the manifest says {want} (truncated or replaced; needed for {what})"
             )
         self._sizes_checked.add(file)
         return path
@@ -103,7 +103,7 @@ class CheckpointReader:
     ) -> None:
         """Feed elements ``elems`` of the flattened piece to ``sink`` chunk by chunk; with verify (or when the whole
         piece is asked for) the whole piece is read and its checksum compared."""
-        path = self._check_file(piece.file, entry.name)
+        path = self._check_file(piece.file, f"tensor {entry.name!r}")
         shape = piece.slice.piece_shape(entry.global_shape)
         whole = (0, numel(shape))
         check = self.verify_reads or elems == whole
@@ -155,7 +155,7 @@ class CheckpointReader:
 
     # -- objects ----------------------------------------------------------------------------------
     def _load_pickle(self, file: str, key: str) -> dict[str, Any]:
-        path = self._check_file(file, key)
+        path = self._check_file(file, f"object {key!r}")
         data = path.read_bytes()
         want = self.manifest.files[file].checksum
         if want is not None and crc32_of_bytes(data) != want:
@@ -197,7 +197,9 @@ class CheckpointReader:
                 if fe.checksum is None:
                     continue
                 try:
-                    self._load_pickle(file, "objects")
+                    records = [*self.manifest.objects.values()]
+                    records += [r for objs in self.manifest.rank_objects.values() for r in objs.values()]
+                    self._load_pickle(file, ", ".join(r.key for r in records if r.file == file))
                 except CheckpointError as err:
                     problems.append(str(err))
             for entry in self.manifest.tensors.values():

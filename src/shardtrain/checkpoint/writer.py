@@ -24,12 +24,9 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import re
 import shutil
-import signal
 import time
-from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +34,7 @@ from typing import Any
 
 import torch
 
+from shardtrain.checkpoint.durable import crash_point, fsync_dir, fsync_file, write_atomically, write_pickle
 from shardtrain.checkpoint.format import (
     FORMAT_VERSION,
     LATEST_NAME,
@@ -45,14 +43,11 @@ from shardtrain.checkpoint.format import (
     FlatSlice,
     Manifest,
     ObjectRecord,
-    Piece,
     Slice,
-    TensorEntry,
-    check_coverage,
     crc32_of,
-    crc32_of_bytes,
     dtype_name,
 )
+from shardtrain.checkpoint.plan import piece_keys, plan_pieces, rank_file, tensor_entries
 from shardtrain.checkpoint.safetensors_io import write_streaming
 from shardtrain.comm import Communicator
 from shardtrain.errors import CheckpointError
@@ -60,35 +55,6 @@ from shardtrain.errors import CheckpointError
 TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
 _TAG_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.=-]*")
-
-# Test hook: the process that reaches the named point of the protocol kills itself with SIGKILL. Only the crash-safety
-# tests set it; the points are listed in protocol order.
-KILL_ENV = "SHARDTRAIN_CHECKPOINT_KILL_AT"
-CRASH_POINTS = (
-    "start",
-    "tmp_created",
-    "tensor_file_torn",
-    "tensor_file_written",
-    "objects_written",
-    "files_synced",
-    "manifest_torn",
-    "manifest_written",
-    "tmp_synced",
-    "renamed",
-    "latest_torn",
-    "latest_tmp_written",
-    "latest_renamed",
-    "done",
-)
-
-
-def _crash_point(name: str, path: Path | None = None) -> None:
-    if os.environ.get(KILL_ENV) != name:
-        return
-    if path is not None:  # a torn write: the file holds only its first half when the process dies
-        with open(path, "r+b") as f:
-            f.truncate(max(1, os.path.getsize(path) // 2))
-    os.kill(os.getpid(), signal.SIGKILL)
 
 
 @dataclass(frozen=True)
@@ -134,22 +100,6 @@ class SaveResult:
     seconds: float
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def check_tag(tag: str) -> None:
     if not isinstance(tag, str) or not _TAG_RE.fullmatch(tag) or tag in (LATEST_NAME, MANIFEST_NAME):
         raise CheckpointError(
@@ -179,7 +129,7 @@ def _prepare(save_dir: Path, tag: str, overwrite: bool) -> str | None:
         return str(err)
     except OSError as err:
         return f"cannot prepare {save_dir} for checkpoint {tag!r}: {err}"
-    _crash_point("tmp_created")
+    crash_point("tmp_created")
     return None
 
 
@@ -200,72 +150,6 @@ def _encode_objects(objects: dict[str, Any], file: str) -> tuple[dict[str, Objec
     return records, pickled
 
 
-def _plan(gathered: list[list[tuple]], aliases: dict[str, str]) -> tuple[dict[str, tuple], dict[tuple, list[int]]]:
-    """Step 2 on every rank: per tensor (shape, dtype, aliases); per distinct (name, slice) the ranks holding it,
-    lowest (the one that stores it) first. Raises when ranks disagree or the pieces do not cover a tensor."""
-    shapes: dict[str, tuple[tuple[int, ...], str, int]] = {}
-    holders: dict[tuple[str, Slice], list[int]] = defaultdict(list)
-    for rank, descs in enumerate(gathered):
-        for name, shape, dtype, slc in descs:
-            if name in shapes and shapes[name][:2] != (shape, dtype):
-                first = shapes[name]
-                raise CheckpointError(
-                    f"tensor {name!r}: rank {first[2]} saves it as {first[1]} {list(first[0])}, rank {rank} as "
-                    f"{dtype} {list(shape)}; every rank must agree on a tensor's global shape and dtype"
-                )
-            shapes.setdefault(name, (shape, dtype, rank))
-            holders[(name, slc)].append(rank)
-    by_name: dict[str, list[Slice]] = defaultdict(list)
-    for name, slc in holders:
-        by_name[name].append(slc)
-    for name, slices in by_name.items():
-        check_coverage(name, shapes[name][0], slices)
-    alias_of: dict[str, list[str]] = defaultdict(list)
-    for alias, target in aliases.items():
-        if target not in shapes:
-            raise CheckpointError(f"alias {alias!r} names tensor {target!r}, which no rank saves")
-        if alias in shapes:
-            raise CheckpointError(f"alias {alias!r} is also saved as a tensor of its own; save it once")
-        alias_of[target].append(alias)
-    tensors = {name: (shape, dtype, tuple(alias_of.get(name, ()))) for name, (shape, dtype, _) in shapes.items()}
-    return tensors, dict(holders)
-
-
-def _keys(holders: dict[tuple, list[int]]) -> dict[tuple, str]:
-    """The safetensors key of each stored piece: the name, with ``@k`` for further pieces of it in the same file."""
-    used: dict[tuple[int, str], int] = defaultdict(int)
-    keys = {}
-    for name, slc in holders:
-        owner = holders[(name, slc)][0]
-        n = used[(owner, name)]
-        used[(owner, name)] += 1
-        keys[(name, slc)] = name if n == 0 else f"{name}@{n}"
-    return keys
-
-
-def _entries(
-    tensors: dict[str, tuple], holders: dict[tuple, list[int]], keys: dict[tuple, str], sums: list[dict[tuple, str]]
-) -> dict[str, TensorEntry]:
-    """After step 3 on every rank: the tensor entries; replicas held by several ranks must have equal checksums."""
-    pieces: dict[str, list[Piece]] = defaultdict(list)
-    for (name, slc), ranks in holders.items():
-        values = {r: sums[r][(name, slc)] for r in ranks}
-        if len(set(values.values())) > 1:
-            raise CheckpointError(
-                f"tensor {name!r}: ranks {ranks} hold the same part ({slc}) with different values "
-                f"({values}); replicated state has diverged"
-            )
-        pieces[name].append(Piece(rank_file(ranks[0]), keys[(name, slc)], slc, values[ranks[0]]))
-    return {
-        name: TensorEntry(name, shape, dtype, tuple(pieces[name]), aliases)
-        for name, (shape, dtype, aliases) in tensors.items()
-    }
-
-
-def rank_file(rank: int) -> str:
-    return f"rank{rank:05d}.safetensors"
-
-
 def _write_rank_files(
     tmp: Path, rank: int, pieces: list[SavePiece], mine: list[tuple[SavePiece, str]], rank_objects: dict[str, Any]
 ) -> tuple[list[FileEntry], dict[str, ObjectRecord], dict[tuple, str], int]:
@@ -281,12 +165,12 @@ def _write_rank_files(
         tensors = [_stored(p) for p, _ in mine]
         specs = [(key, t.dtype, tuple(t.shape)) for (_, key), t in zip(mine, tensors)]
         write_streaming(path, specs, tensors.__getitem__, {"format": "pt"}, via_partial=False, fsync=False)
-        _crash_point("tensor_file_torn", path)
-        _crash_point("tensor_file_written")
+        crash_point("tensor_file_torn", path)
+        crash_point("tensor_file_written")
         # The checksums are computed while the kernel writes the file back: fsync waits on the disk, crc32 on the
         # CPU, and both release the GIL.
         with ThreadPoolExecutor(1) as pool:
-            synced = pool.submit(_fsync_file, path)
+            synced = pool.submit(fsync_file, path)
             checksums = {(p.name, p.slice): crc32_of(t) for (p, _), t in zip(mine, tensors)}
             synced.result()
         del tensors
@@ -298,7 +182,7 @@ def _write_rank_files(
             checksums[(p.name, p.slice)] = crc32_of(p.tensor)
     records, pickled = _encode_objects(rank_objects, f"rank{rank:05d}.objects.pkl")
     if pickled:
-        files.append(_write_pickle(tmp / f"rank{rank:05d}.objects.pkl", rank, pickled))
+        files.append(write_pickle(tmp / f"rank{rank:05d}.objects.pkl", rank, pickled))
         written += files[-1].size
     return files, records, checksums, written
 
@@ -306,27 +190,6 @@ def _write_rank_files(
 def _stored(p: SavePiece) -> torch.Tensor:
     t = p.tensor.detach()
     return (t.reshape(-1) if isinstance(p.slice, FlatSlice) else t).contiguous()
-
-
-def _write_pickle(path: Path, rank: int, objects: dict[str, Any]) -> FileEntry:
-    data = pickle.dumps(objects, protocol=pickle.HIGHEST_PROTOCOL)
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    return FileEntry(path.name, rank, len(data), crc32_of_bytes(data))
-
-
-def write_atomically(path: Path, data: bytes, torn_point: str, written_point: str) -> None:
-    """Write ``path`` via ``path.tmp`` + fsync + rename + fsync of the directory."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    _crash_point(torn_point, tmp)
-    _crash_point(written_point)
-    os.replace(tmp, path)
 
 
 def _publish(save_dir: Path, tag: str, manifest: Manifest) -> None:
@@ -337,10 +200,10 @@ def _publish(save_dir: Path, tag: str, manifest: Manifest) -> None:
         f.write(manifest.to_json())
         f.flush()
         os.fsync(f.fileno())
-    _crash_point("manifest_torn", path)
-    _crash_point("manifest_written")
+    crash_point("manifest_torn", path)
+    crash_point("manifest_written")
     fsync_dir(tmp)
-    _crash_point("tmp_synced")
+    crash_point("tmp_synced")
     final = save_dir / tag
     if final.exists():  # overwrite=True: the old copy is moved aside, then removed once the new one is in place
         trash = save_dir / (TRASH_PREFIX + tag)
@@ -350,11 +213,11 @@ def _publish(save_dir: Path, tag: str, manifest: Manifest) -> None:
         shutil.rmtree(trash)
     else:
         os.replace(tmp, final)
-    _crash_point("renamed")
+    crash_point("renamed")
     fsync_dir(save_dir)
     latest = save_dir / LATEST_NAME
     write_atomically(latest, tag.encode() + b"\n", "latest_torn", "latest_tmp_written")
-    _crash_point("latest_renamed")
+    crash_point("latest_renamed")
     fsync_dir(save_dir)
 
 
@@ -383,7 +246,7 @@ def save(
     the checkpoint is complete and ``latest`` names it.
     """
     t0 = time.perf_counter()
-    _crash_point("start")
+    crash_point("start")
     save_dir = Path(save_dir)
     rank, size = (comm.rank, comm.size) if comm is not None else (0, 1)
 
@@ -397,8 +260,8 @@ def save(
     )
     gathered = gather((descs, prep_error or local_error, aliases or {}), "checkpoint piece descriptors")
     _raise_first([g[1] for g in gathered], "preparing")
-    tensors, holders = _plan([g[0] for g in gathered], gathered[0][2])
-    keys = _keys(holders)
+    tensors, holders = plan_pieces([g[0] for g in gathered], gathered[0][2])
+    keys = piece_keys(holders)
     mine = [(p, keys[(p.name, p.slice)]) for p in pieces if holders[(p.name, p.slice)][0] == rank]
 
     tmp = save_dir / (TMP_PREFIX + tag)
@@ -413,19 +276,19 @@ def save(
         if rank == 0:
             global_records, pickled = _encode_objects(global_objects or {}, "objects.pkl")
             if pickled:
-                files.append(_write_pickle(tmp / "objects.pkl", 0, pickled))
+                files.append(write_pickle(tmp / "objects.pkl", 0, pickled))
                 written += files[-1].size
-        _crash_point("objects_written")
+        crash_point("objects_written")
     except OSError as err:
         write_error = f"writing into {tmp}: {err}"
-    _crash_point("files_synced")
+    crash_point("files_synced")
     parts = gather((files, records, global_records, write_error, checksums), "checkpoint file list")
     _raise_first([p[3] for p in parts], "writing files")
     manifest = Manifest(
         version=FORMAT_VERSION,
         tag=tag,
         world_size=size,
-        tensors=_entries(tensors, holders, keys, [p[4] for p in parts]),
+        tensors=tensor_entries(tensors, holders, keys, [p[4] for p in parts]),
         files={f.name: f for p in parts for f in p[0]},
         objects=parts[0][2],
         rank_objects={r: p[1] for r, p in enumerate(parts) if p[1]},
@@ -436,6 +299,6 @@ def save(
             _publish(save_dir, tag, manifest)
         except OSError as err:
             publish_error = f"publishing {save_dir / tag}: {err}"
-        _crash_point("done")
+        crash_point("done")
     _raise_first([gather(publish_error, "checkpoint published")[0]], "publishing")
     return SaveResult(save_dir / tag, manifest, written, time.perf_counter() - t0)
