@@ -30,6 +30,11 @@ def build_parser() -> argparse.ArgumentParser:
     cmp = sub.add_parser("compare", help="compare two runs' statistics and point at the first divergence")
     compare.add_arguments(cmp)
     cmp.set_defaults(func=compare.run)
+
+    from shardtrain.checkpoint import cli as checkpoint_cli
+
+    ckpt = sub.add_parser("checkpoint", help="inspect, verify or consolidate a checkpoint")
+    checkpoint_cli.add_arguments(ckpt)
     return parser
 
 

@@ -159,6 +159,13 @@ class Communicator:
         global_src = dist.get_global_rank(self.group, src)
         self._run("broadcast", what, lambda a: dist.broadcast(t, src=global_src, group=self.group, async_op=a), False)
 
+    def barrier(self, *, what: str) -> None:
+        """Wait until every rank of the group has arrived (counted, no bytes)."""
+        self._count("barrier", 0)
+        if self.size == 1:
+            return
+        self._run("barrier", what, lambda a: dist.barrier(group=self.group, async_op=a), False)
+
     def all_gather_object(self, obj: Any, *, what: str) -> list[Any]:
         """Small Python objects from every rank (consistency checks, not tensors)."""
         self._count("all_gather_object", len(pickle.dumps(obj)) if self.size > 1 else 0)

@@ -25,3 +25,7 @@ class CollectiveTimeoutError(ShardtrainError, RuntimeError):
 
 class OptimizerError(ShardtrainError, ValueError):
     """The optimizer handed to ``initialize`` cannot be sharded as given."""
+
+
+class CheckpointError(ShardtrainError, RuntimeError):
+    """A checkpoint cannot be written or read as asked (missing, damaged, unsupported, inconsistent pieces)."""

@@ -1,0 +1,295 @@
+"""Checkpoint save/load throughput against the raw disk and torch.distributed.checkpoint; consolidation peak RSS.
+
+    .venv/bin/python bench/bench_checkpoint.py [--size-gb 1.0] [--world 2] [--dir out/bench_checkpoint]
+
+The state is ``--size-gb`` of float32 split into 16 logical tensors, each cut into ``--world`` ZeRO fragments (one
+per rank). Measured in the same run, on the same directory:
+
+* raw disk: one file of the same size written sequentially by one process in 64 MiB blocks and fsynced, then (after
+  dropping it from the page cache with ``posix_fadvise(DONTNEED)``) read back sequentially, into one reused buffer
+  and into fresh memory; and the same with every rank writing and reading its share to its own file in parallel;
+* shardtrain save (collective, fsync, rename, ``latest``) and load (each rank reads its own fragments with checksum
+  verification), after dropping the checkpoint's files from the page cache;
+* ``torch.distributed.checkpoint.save`` / ``load`` of the same per-rank tensors (``sync_files=True``, its default);
+* every round runs all of these in turn (shardtrain and DCP alternate which goes first); medians are reported;
+* ``shardtrain checkpoint consolidate`` of the checkpoint in a fresh process: time and peak RSS growth (``VmHWM``
+  after resetting it via ``/proc/self/clear_refs``), against twice the largest tensor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from shardtrain.checkpoint import FlatSlice, SavePiece, open_checkpoint, save
+from shardtrain.comm import Communicator
+from shardtrain.testing import run_distributed
+
+N_TENSORS = 16
+BLOCK = 64 << 20
+
+
+def drop_cache(path: Path) -> None:
+    """Evict a file (or every file under a directory) from the page cache; its pages are clean after fsync."""
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def settle(seconds: float) -> None:
+    """Flush dirty pages, then wait: a virtual disk keeps writing back on the host after fsync returns, and without
+    a pause whichever method runs second in a round pays for the first one's writes."""
+    os.sync()
+    time.sleep(seconds)
+
+
+def raw_disk(path: Path, nbytes: int) -> tuple[float, float, float]:
+    """Sequential write (+fsync) and cold reads of one file of ``nbytes``: into one reused buffer (the disk's speed)
+    and into freshly allocated memory (what any loader that creates tensors also pays). Returns seconds for each."""
+    block = os.urandom(BLOCK)
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        for _ in range(nbytes // BLOCK):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    write_s = time.perf_counter() - t0
+    times = []
+    for fresh in (False, True):
+        drop_cache(path)
+        buf = bytearray(BLOCK)
+        t0 = time.perf_counter()
+        with open(path, "rb", buffering=0) as f:
+            while f.readinto(buf if not fresh else bytearray(BLOCK)):
+                pass
+        times.append(time.perf_counter() - t0)
+    path.unlink()
+    return write_s, times[0], times[1]
+
+
+def _local_state(rank: int, world: int, numel_per_tensor: int) -> list[SavePiece]:
+    share = numel_per_tensor // world
+    g = torch.Generator().manual_seed(rank)
+    return [
+        SavePiece(
+            f"model/layer{i}.weight",
+            (numel_per_tensor,),
+            FlatSlice(rank * share, share),
+            torch.randn(share, generator=g),
+        )
+        for i in range(N_TENSORS)
+    ]
+
+
+def _ours(comm: Communicator, path: Path, pieces: list[SavePiece], out: dict[str, float], settle_s: float) -> None:
+    settle(settle_s)
+    comm.barrier(what="bench: before save")
+    t0 = time.perf_counter()
+    save(path, "step1", comm, pieces)
+    out["save_s"] = time.perf_counter() - t0
+    comm.barrier(what="bench: after save")
+    if comm.rank == 0:
+        drop_cache(path)
+    comm.barrier(what="bench: before load")
+    t0 = time.perf_counter()
+    reader = open_checkpoint(path)
+    loaded = [reader.read(p.name, (p.slice.start, p.slice.start + p.slice.length)) for p in pieces]
+    out["load_s"] = time.perf_counter() - t0
+    assert all(torch.equal(a, p.tensor) for a, p in zip(loaded, pieces))
+
+
+def _dcp(
+    comm: Communicator, path: Path, state: dict[str, torch.Tensor], out: dict[str, float], settle_s: float
+) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    settle(settle_s)
+    comm.barrier(what="bench: before dcp save")
+    t0 = time.perf_counter()
+    dcp.save(state, checkpoint_id=str(path))
+    out["dcp_save_s"] = time.perf_counter() - t0
+    comm.barrier(what="bench: after dcp save")
+    if comm.rank == 0:
+        drop_cache(path)
+    comm.barrier(what="bench: before dcp load")
+    target = {k: torch.empty_like(v) for k, v in state.items()}  # like ours, pages are touched during the load
+    t0 = time.perf_counter()
+    dcp.load(target, checkpoint_id=str(path))
+    out["dcp_load_s"] = time.perf_counter() - t0
+    assert all(torch.equal(target[k], state[k]) for k in state)
+
+
+def _bench_rank(root: str, world: int, numel_per_tensor: int, rounds: int, settle_s: float) -> list[dict[str, float]]:
+    """Per round: raw disk (rank 0 alone, then every rank its share in parallel), shardtrain and DCP (alternating
+    which goes first), so that all of them see the same disk conditions."""
+    comm = Communicator(dist.group.WORLD, 600.0)
+    rank, root_path = comm.rank, Path(root)
+    pieces = _local_state(rank, world, numel_per_tensor)
+    nbytes = sum(p.tensor.numel() * 4 for p in pieces)
+    state = {f"layer{i}.weight.r{rank}": p.tensor for i, p in enumerate(pieces)}
+    results = []
+    for k in range(rounds):
+        out: dict[str, float] = {"bytes": nbytes}
+        settle(settle_s)
+        comm.barrier(what="bench: before raw")
+        if rank == 0:
+            total = max(BLOCK, nbytes * world // BLOCK * BLOCK)
+            out["raw_bytes"] = total
+            out["raw_write_s"], out["raw_read_s"], out["raw_fresh_s"] = raw_disk(root_path / "raw.bin", total)
+        settle(settle_s)
+        comm.barrier(what="bench: before parallel raw")
+        out["par_bytes"] = max(BLOCK, nbytes // BLOCK * BLOCK)
+        w, r, _ = raw_disk(root_path / f"raw{rank}.bin", int(out["par_bytes"]))
+        out["par_write_s"], out["par_read_s"] = w, r
+        comm.barrier(what="bench: after parallel raw")
+        ours, theirs = root_path / f"ours{k}", root_path / f"dcp{k}"
+        if k % 2 == 0:
+            _ours(comm, ours, pieces, out, settle_s)
+            _dcp(comm, theirs, state, out, settle_s)
+        else:
+            _dcp(comm, theirs, state, out, settle_s)
+            _ours(comm, ours, pieces, out, settle_s)
+        comm.barrier(what="bench: round done")
+        if rank == 0 and k < rounds - 1:
+            shutil.rmtree(theirs)
+            if k > 0:
+                shutil.rmtree(root_path / f"ours{k - 1}")
+        results.append(out)
+    return results
+
+
+_CONSOLIDATE = textwrap.dedent(
+    """
+    import sys, time
+    from shardtrain.checkpoint import open_checkpoint
+    from shardtrain.checkpoint.consolidate import consolidate
+
+    def status(key):
+        return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(key))
+
+    reader = open_checkpoint(sys.argv[1])
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before, t0 = status("VmRSS:"), time.perf_counter()
+    consolidate(reader, sys.argv[2], progress=False)
+    print(time.perf_counter() - t0, status("VmHWM:") - before, before)
+    """
+)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size-gb", type=float, default=1.0, help="total state size in GB (default 1.0)")
+    ap.add_argument("--world", type=int, default=2, help="number of ranks (default 2)")
+    ap.add_argument("--dir", default="out/bench_checkpoint", help="scratch directory on the disk to measure")
+    ap.add_argument("--rounds", type=int, default=8, help="repetitions; medians are reported (default 8)")
+    ap.add_argument("--settle", type=float, default=2.0, help="seconds to wait after os.sync() (default 2)")
+    args = ap.parse_args()
+    root = Path(args.dir)
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    numel_per_tensor = int(args.size_gb * 1e9 / 4 / N_TENSORS) // (args.world * 1024) * (args.world * 1024)
+    total = numel_per_tensor * N_TENSORS * 4
+    gb = total / 1e9
+
+    per_round = run_distributed(
+        _bench_rank, args.world, str(root), args.world, numel_per_tensor, args.rounds, args.settle, timeout=3000.0
+    )
+    timing, growth, rss_before = (
+        float(x)
+        for x in subprocess.run(
+            [sys.executable, "-c", _CONSOLIDATE, str(root / f"ours{args.rounds - 1}"), str(root / "hf")],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
+    )
+    largest = numel_per_tensor * 4
+
+    def agg(key: str) -> float:  # all ranks' bytes over the slowest rank's time, median over rounds
+        return statistics.median(gb / max(ranks[k][key] for ranks in per_round) for k in range(args.rounds))
+
+    def rank_rate(key: str) -> float:  # one rank's bytes over its own time, median over rounds and ranks
+        return statistics.median(r[k]["bytes"] / 1e9 / r[k][key] for r in per_round for k in range(args.rounds))
+
+    def med(values) -> float:
+        return statistics.median(list(values))
+
+    r0 = per_round[0]
+    raw_gb = r0[0]["raw_bytes"] / 1e9
+    par_gb = sum(ranks[0]["par_bytes"] for ranks in per_round) / 1e9
+    par_w = med(par_gb / max(ranks[k]["par_write_s"] for ranks in per_round) for k in range(args.rounds))
+    par_r = med(par_gb / max(ranks[k]["par_read_s"] for ranks in per_round) for k in range(args.rounds))
+    rows = [
+        (
+            "raw disk: 1 process, write + fsync / read",
+            med(raw_gb / x["raw_write_s"] for x in r0),
+            med(raw_gb / x["raw_read_s"] for x in r0),
+            None,
+            None,
+        ),
+        ("raw disk: 1 process, read into fresh memory", None, med(raw_gb / x["raw_fresh_s"] for x in r0), None, None),
+        (f"raw disk: {args.world} processes in parallel, one file each", par_w, par_r, None, None),
+        ("shardtrain", agg("save_s"), agg("load_s"), rank_rate("save_s"), rank_rate("load_s")),
+        (
+            "torch.distributed.checkpoint",
+            agg("dcp_save_s"),
+            agg("dcp_load_s"),
+            rank_rate("dcp_save_s"),
+            rank_rate("dcp_load_s"),
+        ),
+    ]
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}")
+    print(
+        f"state: {gb:.2f} GB float32 in {N_TENSORS} tensors, world {args.world}, directory {root.resolve()}, "
+        f"median of {args.rounds} rounds\n"
+    )
+    print("| method | save GB/s (aggregate) | load GB/s (aggregate) | save GB/s (per rank) | load GB/s (per rank) |")
+    print("|---|---|---|---|---|")
+    for name, s, lo, sr, lr in rows:
+        cells = " | ".join("-" if v is None else f"{v:.2f}" for v in (s, lo, sr, lr))
+        print(f"| {name} | {cells} |")
+    raw1, fresh, par, ours, dcp = rows
+    print(
+        f"\nratios: save / raw write {ours[1] / raw1[1]:.2f} (parallel raw {ours[1] / par[1]:.2f}), "
+        f"load / raw read {ours[2] / raw1[2]:.2f} (into fresh memory {ours[2] / fresh[2]:.2f}, "
+        f"parallel raw {ours[2] / par[2]:.2f}), save / DCP save {ours[1] / dcp[1]:.2f}, "
+        f"load / DCP load {ours[2] / dcp[2]:.2f}"
+    )
+
+    def rate(k: int, key: str) -> float:
+        return gb / max(x[k][key] for x in per_round)
+
+    rounds_text = "; ".join(
+        f"raw {raw_gb / r0[k]['raw_write_s']:.2f}/{raw_gb / r0[k]['raw_read_s']:.2f}, "
+        f"shardtrain {rate(k, 'save_s'):.2f}/{rate(k, 'load_s'):.2f}, "
+        f"DCP {rate(k, 'dcp_save_s'):.2f}/{rate(k, 'dcp_load_s'):.2f}"
+        for k in range(args.rounds)
+    )
+    print(f"\nper round, aggregate GB/s save/load: {rounds_text}")
+    print(
+        f"consolidation of {gb:.2f} GB: {timing:.1f} s, peak RSS growth {growth / 1e6:.0f} MB "
+        f"(largest tensor {largest / 1e6:.0f} MB, 2x = {2 * largest / 1e6:.0f} MB; "
+        f"process RSS before {rss_before / 1e6:.0f} MB)"
+    )
+    shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""Checkpoints as data: a JSON manifest of logical tensors and the slices of them stored in safetensors files.
+
+* :mod:`~shardtrain.checkpoint.format`: the manifest dataclasses;
+* :mod:`~shardtrain.checkpoint.writer`: the collective, crash-safe :func:`save`;
+* :mod:`~shardtrain.checkpoint.reader`: :func:`open_checkpoint`, reads of whole tensors or element ranges;
+* :mod:`~shardtrain.checkpoint.consolidate`: Hugging Face-style safetensors (and optimizer state dict) output;
+* :mod:`~shardtrain.checkpoint.cli`: ``shardtrain checkpoint inspect|consolidate``.
+"""
+
+from shardtrain.checkpoint.format import (
+    FORMAT_VERSION,
+    BlockSlice,
+    FileEntry,
+    FlatSlice,
+    Manifest,
+    ObjectRecord,
+    Piece,
+    TensorEntry,
+)
+from shardtrain.checkpoint.reader import CheckpointReader, open_checkpoint
+from shardtrain.checkpoint.writer import SavePiece, SaveResult, save
+
+__all__ = [
+    "FORMAT_VERSION",
+    "BlockSlice",
+    "CheckpointReader",
+    "FileEntry",
+    "FlatSlice",
+    "Manifest",
+    "ObjectRecord",
+    "Piece",
+    "SavePiece",
+    "SaveResult",
+    "TensorEntry",
+    "open_checkpoint",
+    "save",
+]

@@ -1,0 +1,104 @@
+"""``shardtrain checkpoint inspect DIR [--verify]`` and ``shardtrain checkpoint consolidate DIR OUT [...]``.
+
+``DIR`` is a save directory (the checkpoint ``latest`` names, or ``--tag``) or one checkpoint directory. Exit status:
+0 on success, 1 when ``--verify`` found damage, 2 for bad input (missing or unreadable checkpoint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tqdm import tqdm
+
+from shardtrain.errors import CheckpointError
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="checkpoint_command", required=True)
+    ins = sub.add_parser("inspect", help="print topology, step, objects and tensors; --verify checks every checksum")
+    ins.add_argument("dir", help="save directory (uses 'latest') or checkpoint directory")
+    ins.add_argument("--tag", help="checkpoint tag inside DIR (default: the one 'latest' names)")
+    ins.add_argument("--verify", action="store_true", help="read every piece and compare its checksum")
+    ins.set_defaults(func=inspect)
+    con = sub.add_parser("consolidate", help="write Hugging Face-style safetensors (and optionally optimizer state)")
+    con.add_argument("dir", help="save directory (uses 'latest') or checkpoint directory")
+    con.add_argument("out", help="output directory")
+    con.add_argument("--tag", help="checkpoint tag inside DIR (default: the one 'latest' names)")
+    con.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="convert floating-point tensors")
+    con.add_argument("--max-shard-size", default="2GB", help="largest output file, e.g. 2GB, 500MB (default 2GB)")
+    con.add_argument("--optimizer", action="store_true", help="also write optimizer.pt (a torch optimizer state dict)")
+    con.add_argument("--no-progress", action="store_true", help="no progress bar")
+    con.set_defaults(func=consolidate_cmd)
+
+
+def inspect(args: argparse.Namespace) -> int:
+    from shardtrain.checkpoint.reader import open_checkpoint
+
+    try:
+        reader = open_checkpoint(args.dir, args.tag)
+    except CheckpointError as err:
+        print(f"shardtrain checkpoint: error: {err}", file=sys.stderr)
+        return 2
+    m = reader.manifest
+    print(f"checkpoint {reader.path} (format version {m.version})")
+    print(f"tag: {m.tag}   saved by {m.world_size} rank(s)   files: {len(m.files)}")
+    try:
+        objects = reader.objects
+    except CheckpointError as err:
+        objects = {}
+        print(f"objects: unreadable ({err})")
+    for key in ("step", "topology"):
+        if key in objects:
+            print(f"{key}: {objects[key]}")
+    print(f"global objects: {', '.join(sorted(m.objects)) or '-'}")
+    per_rank = sorted({k for objs in m.rank_objects.values() for k in objs})
+    print(f"per-rank objects: {', '.join(per_rank) or '-'}")
+    total = sum(e.nbytes for e in m.tensors.values())
+    print(f"tensors: {len(m.tensors)}, {_human(total)}")
+    width = max(len(n) for n in m.tensors) if m.tensors else 4
+    for name, e in m.tensors.items():
+        alias = f"  (also {', '.join(e.aliases)})" if e.aliases else ""
+        shape = "x".join(map(str, e.global_shape)) or "scalar"
+        print(f"  {name:<{width}}  {e.dtype:<9} {shape:<16} {_human(e.nbytes):>10}  {len(e.pieces)} piece(s){alias}")
+    if not args.verify:
+        return 0
+    with tqdm(total=total, unit="B", unit_scale=True, desc="verify", file=sys.stderr) as bar:
+        problems = reader.verify(bar.update)
+    if problems:
+        print(f"verify: {len(problems)} problem(s)")
+        for p in problems:
+            print(f"  {p}")
+        return 1
+    print("verify: all files and checksums OK")
+    return 0
+
+
+def consolidate_cmd(args: argparse.Namespace) -> int:
+    from shardtrain.checkpoint.consolidate import DTYPE_CHOICES, consolidate, parse_size
+    from shardtrain.checkpoint.reader import open_checkpoint
+
+    try:
+        reader = open_checkpoint(args.dir, args.tag)
+        files = consolidate(
+            reader,
+            args.out,
+            dtype=DTYPE_CHOICES[args.dtype] if args.dtype else None,
+            max_shard_size=parse_size(args.max_shard_size),
+            optimizer=args.optimizer,
+            progress=not args.no_progress,
+        )
+    except CheckpointError as err:
+        print(f"shardtrain checkpoint: error: {err}", file=sys.stderr)
+        return 2
+    for f in files:
+        print(f)
+    return 0

@@ -1,0 +1,164 @@
+"""Merge a checkpoint's pieces into Hugging Face-style safetensors files, one tensor in memory at a time.
+
+Model tensors are the logical tensors named ``model/<parameter name>``; they are written under ``<parameter name>``.
+A tensor with aliases (tied weights) is written once, under its primary name, as Hugging Face does; the aliases are
+listed in the file's metadata (``"tied"``). Files: ``model.safetensors``, or, when the tensors exceed
+``max_shard_size``, ``model-0000i-of-0000n.safetensors`` plus ``model.safetensors.index.json``.
+
+[Note: streaming] ``safetensors.torch.save_file`` needs every tensor of a file in memory at once. Here the header
+(names, dtypes, shapes, offsets) is computed from the manifest first, then each tensor is assembled from its pieces
+straight into the output dtype, written and freed (``safetensors_io.write_streaming``). Peak memory is one assembled
+tensor plus the largest piece being copied into it, i.e. at most about twice the largest tensor, whatever the model
+size. The output is read back by ``safetensors`` itself in the tests.
+
+With ``optimizer=True`` a ``torch.optim.Optimizer.state_dict()`` is also written (``optimizer.pt``). It needs the
+global object :data:`OPTIMIZER_LAYOUT_KEY` (see there); ``torch.save`` holds this dict in memory, so this part is
+not streamed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from shardtrain.checkpoint.format import TensorEntry
+from shardtrain.checkpoint.reader import CheckpointReader
+from shardtrain.checkpoint.safetensors_io import write_streaming
+from shardtrain.errors import CheckpointError
+
+MODEL_PREFIX = "model/"
+OPTIM_PREFIX = "optim/"
+# Global object the engine saves for consolidation of the optimizer: a list of param groups, each a dict of
+# hyperparameters plus "params": the parameter names (without "model/") in the order the group holds them.
+# Optimizer state of parameter P is stored as tensors "optim/P/<state key>" (e.g. exp_avg, exp_avg_sq, step).
+OPTIMIZER_LAYOUT_KEY = "optimizer/param_groups"
+
+DTYPE_CHOICES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def parse_size(text: str) -> int:
+    """``2GB`` (10^9), ``500MB``, ``1.5GiB`` (2^30), ``4096`` (bytes) -> bytes."""
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20}
+    units |= {"GIB": 2**30, "TIB": 2**40}
+    s = text.strip().upper()
+    num = s.rstrip("KMGTIB")
+    try:
+        value = float(num) * units[s[len(num) :]]
+    except (ValueError, KeyError):
+        raise CheckpointError(
+            f"cannot read size {text!r}; write e.g. 2GB, 500MB, 1.5GiB or a number of bytes"
+        ) from None
+    if value < 1:
+        raise CheckpointError(f"size {text!r} must be at least one byte")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class _Out:
+    name: str  # name in the output file
+    entry: TensorEntry
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.entry.numel * self.dtype.itemsize
+
+
+def _shards(outs: list[_Out], max_bytes: int | None) -> list[list[_Out]]:
+    shards: list[list[_Out]] = [[]]
+    size = 0
+    for o in outs:
+        if max_bytes is not None and shards[-1] and size + o.nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(o)
+        size += o.nbytes
+    return shards
+
+
+def consolidate(
+    reader: CheckpointReader,
+    out_dir: str | os.PathLike,
+    *,
+    dtype: torch.dtype | None = None,
+    max_shard_size: int | None = None,
+    optimizer: bool = False,
+    progress: bool = True,
+) -> list[Path]:
+    """Write the model (and with ``optimizer`` the optimizer state dict) of ``reader``'s checkpoint to ``out_dir``.
+
+    ``dtype`` converts floating-point tensors (others keep theirs). Returns the files written.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    outs = []
+    tied: dict[str, str] = {}
+    for name, entry in reader.manifest.tensors.items():
+        if not name.startswith(MODEL_PREFIX):
+            continue
+        target = dtype if dtype is not None and entry.torch_dtype.is_floating_point else entry.torch_dtype
+        outs.append(_Out(name[len(MODEL_PREFIX) :], entry, target))
+        for alias in entry.aliases:
+            tied[alias.removeprefix(MODEL_PREFIX)] = name[len(MODEL_PREFIX) :]
+    if not outs:
+        raise CheckpointError(f"{reader.path}: no model tensors (names starting with {MODEL_PREFIX!r}) to consolidate")
+    shards = _shards(outs, max_shard_size)
+    total = sum(o.nbytes for o in outs)
+    meta = {"format": "pt"}
+    if tied:
+        meta["tied"] = json.dumps(tied)
+    written: list[Path] = []
+    with tqdm(total=total, unit="B", unit_scale=True, desc="consolidate", disable=not progress) as bar:
+        for i, shard in enumerate(shards):
+            fname = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            write_streaming(
+                out_dir / fname,
+                [(o.name, o.dtype, o.entry.global_shape) for o in shard],
+                lambda i, shard=shard: reader.read(shard[i].entry.name, dtype=shard[i].dtype),
+                meta,
+                bar.update,
+            )
+            written.append(out_dir / fname)
+    if len(shards) > 1:
+        index = {
+            "metadata": {"total_size": total},
+            "weight_map": {o.name: written[i].name for i, shard in enumerate(shards) for o in shard},
+        }
+        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        written.append(out_dir / "model.safetensors.index.json")
+    if optimizer:
+        written.append(_write_optimizer(reader, out_dir / "optimizer.pt"))
+    return written
+
+
+def _write_optimizer(reader: CheckpointReader, path: Path) -> Path:
+    """``{"state": {i: {...}}, "param_groups": [...]}`` with indices assigned as ``Optimizer.state_dict()`` does."""
+    groups = reader.objects.get(OPTIMIZER_LAYOUT_KEY)
+    if not isinstance(groups, list) or not all(isinstance(g, dict) and "params" in g for g in groups):
+        raise CheckpointError(
+            f"{reader.path}: --optimizer needs the global object {OPTIMIZER_LAYOUT_KEY!r} (a list of param groups "
+            "with 'params' as parameter names); this checkpoint does not have it"
+        )
+    by_param: dict[str, dict[str, str]] = {}
+    for name in reader.manifest.tensors:
+        if name.startswith(OPTIM_PREFIX):
+            param, _, key = name[len(OPTIM_PREFIX) :].rpartition("/")
+            by_param.setdefault(param, {})[key] = name
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    param_groups = []
+    index = 0
+    for group in groups:
+        ids = []
+        for pname in group["params"]:
+            if pname in by_param:
+                state[index] = {k: reader.read(n) for k, n in sorted(by_param[pname].items())}
+            ids.append(index)
+            index += 1
+        param_groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
+    torch.save({"state": state, "param_groups": param_groups}, path)
+    return path

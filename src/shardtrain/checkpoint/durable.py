@@ -1,0 +1,82 @@
+"""Durable file operations of the save protocol, and the test hook that kills a save at a chosen point.
+
+Durability on POSIX needs the data fsynced before it is renamed into place, and the directory fsynced after a rename
+so that the new name survives a power loss; SIGKILL alone keeps the page cache, so the crash tests exercise the
+ordering and the fsyncs are what extend it to power loss.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+from pathlib import Path
+from typing import Any
+
+from shardtrain.checkpoint.format import FileEntry, crc32_of_bytes
+
+# Test hook: the process that reaches the named point of the protocol kills itself with SIGKILL. Only the crash-safety
+# tests set it; the points are listed in protocol order.
+KILL_ENV = "SHARDTRAIN_CHECKPOINT_KILL_AT"
+CRASH_POINTS = (
+    "start",
+    "tmp_created",
+    "tensor_file_torn",
+    "tensor_file_written",
+    "objects_written",
+    "files_synced",
+    "manifest_torn",
+    "manifest_written",
+    "tmp_synced",
+    "renamed",
+    "latest_torn",
+    "latest_tmp_written",
+    "latest_renamed",
+    "done",
+)
+
+
+def crash_point(name: str, path: Path | None = None) -> None:
+    if os.environ.get(KILL_ENV) != name:
+        return
+    if path is not None:  # a torn write: the file holds only its first half when the process dies
+        with open(path, "r+b") as f:
+            f.truncate(max(1, os.path.getsize(path) // 2))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_pickle(path: Path, rank: int, objects: dict[str, Any]) -> FileEntry:
+    data = pickle.dumps(objects, protocol=pickle.HIGHEST_PROTOCOL)
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return FileEntry(path.name, rank, len(data), crc32_of_bytes(data))
+
+
+def write_atomically(path: Path, data: bytes, torn_point: str, written_point: str) -> None:
+    """Write ``path`` via ``path.tmp`` + fsync + rename + fsync of the directory."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    crash_point(torn_point, tmp)
+    crash_point(written_point)
+    os.replace(tmp, path)

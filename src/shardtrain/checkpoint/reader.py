@@ -1,0 +1,216 @@
+"""Read a checkpoint in any layout: whole tensors, or elements ``[a, b)`` of a flattened tensor, from the pieces saved.
+
+Integrity, and what it costs (``docs/checkpoint-format.md`` has the full discussion):
+
+* always: the manifest must parse and carry a known version; every file a read touches must exist and have the size
+  the manifest records (one ``stat``, catches truncation); the safetensors header must parse and hold the key with
+  the manifest's dtype and shape;
+* with ``verify=True`` (the default) every piece a read touches is read whole and its CRC-32 compared with the
+  manifest (zlib, about 3 GB/s on one core), so a read of a sub-range reads the whole overlapping pieces; with
+  ``verify=False`` only the overlapping elements are read;
+* :meth:`CheckpointReader.verify` checks every file and piece (``shardtrain checkpoint inspect --verify``).
+
+Every error names the file and the tensor.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardtrain.checkpoint.format import (
+    LATEST_NAME,
+    MANIFEST_NAME,
+    Manifest,
+    ObjectRecord,
+    Piece,
+    TensorEntry,
+    crc32_of_bytes,
+    numel,
+)
+from shardtrain.checkpoint.safetensors_io import stream_tensor
+from shardtrain.errors import CheckpointError
+
+
+def resolve_checkpoint_dir(path: str | os.PathLike, tag: str | None = None) -> Path:
+    """``path`` is a save directory (then ``tag``, or the one ``latest`` names) or a checkpoint directory itself."""
+    path = Path(path)
+    if tag is None and (path / MANIFEST_NAME).is_file():
+        return path
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is not a directory")
+    if tag is None:
+        latest = path / LATEST_NAME
+        if not latest.is_file():
+            raise CheckpointError(
+                f"no complete checkpoint in {path}: {LATEST_NAME!r} does not exist (a save that never finished "
+                "leaves none); pass a tag to open a specific checkpoint"
+            )
+        tag = latest.read_text().strip()
+        if not tag or not (path / tag / MANIFEST_NAME).is_file():
+            raise CheckpointError(f"{latest} names checkpoint {tag!r}, which has no {MANIFEST_NAME}")
+    ckpt = path / tag
+    if not (ckpt / MANIFEST_NAME).is_file():
+        raise CheckpointError(f"checkpoint {ckpt} has no {MANIFEST_NAME}; it is incomplete or not a checkpoint")
+    return ckpt
+
+
+def open_checkpoint(path: str | os.PathLike, tag: str | None = None, *, verify: bool = True) -> CheckpointReader:
+    """Open a checkpoint for reading; see :func:`resolve_checkpoint_dir` for ``path`` and ``tag``."""
+    ckpt = resolve_checkpoint_dir(path, tag)
+    text = (ckpt / MANIFEST_NAME).read_text()
+    return CheckpointReader(ckpt, Manifest.from_json(text, str(ckpt / MANIFEST_NAME)), verify=verify)
+
+
+class CheckpointReader:
+    """Reads tensors and objects of one checkpoint directory. Holds no open files between calls."""
+
+    def __init__(self, path: Path, manifest: Manifest, *, verify: bool = True) -> None:
+        self.path = path
+        self.manifest = manifest
+        self.verify_reads = verify
+        self._sizes_checked: set[str] = set()
+        self._objects: dict[str, Any] | None = None
+
+    # -- tensors ----------------------------------------------------------------------------------
+    def entry(self, name: str) -> TensorEntry:
+        return self.manifest.resolve(name)
+
+    def _check_file(self, file: str, what: str) -> Path:
+        """``what`` names the tensor or object the file is needed for (it goes into the error)."""
+        path = self.path / file
+        if file in self._sizes_checked:
+            return path
+        want = self.manifest.files[file].size
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            raise CheckpointError(f"{path}: file is missing (needed for {what})") from None
+        if size != want:
+            raise CheckpointError(
+                f"{path}: file has {size} bytes, the manifest says {want} (truncated or replaced; needed for {what})"
+            )
+        self._sizes_checked.add(file)
+        return path
+
+    def _stream_piece(
+        self, entry: TensorEntry, piece: Piece, elems: tuple[int, int], sink: Callable[[int, torch.Tensor], None]
+    ) -> None:
+        """Feed elements ``elems`` of the flattened piece to ``sink`` chunk by chunk; with verify (or when the whole
+        piece is asked for) the whole piece is read and its checksum compared."""
+        path = self._check_file(piece.file, f"tensor {entry.name!r}")
+        shape = piece.slice.piece_shape(entry.global_shape)
+        whole = (0, numel(shape))
+        check = self.verify_reads or elems == whole
+        try:
+            crc = stream_tensor(path, piece.key, entry.torch_dtype, shape, whole if check else elems, sink)
+        except CheckpointError as err:
+            raise CheckpointError(f"{err} (reading tensor {entry.name!r})") from None
+        except OSError as err:
+            raise CheckpointError(f"{path}: cannot read tensor {entry.name!r} (key {piece.key!r}): {err}") from None
+        if check and f"crc32:{crc:08x}" != piece.checksum:
+            raise CheckpointError(
+                f"{path}: checksum mismatch in tensor {entry.name!r} (key {piece.key!r}, {piece.slice}): the file is "
+                "corrupted"
+            )
+
+    def read(
+        self, name: str, flat_range: tuple[int, int] | None = None, *, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """Tensor ``name`` (or an alias), whole in its global shape, or elements ``[a, b)`` of it flattened (1-D).
+
+        Only pieces overlapping the range are read, in chunks straight into the result: memory is the result plus
+        a few MiB. ``dtype`` converts while copying.
+        """
+        entry = self.manifest.resolve(name)
+        total = entry.numel
+        a, b = (0, total) if flat_range is None else flat_range
+        if not (0 <= a <= b <= total):
+            raise CheckpointError(f"tensor {entry.name!r}: range [{a}, {b}) is outside its {total} elements")
+        out = torch.empty(b - a, dtype=dtype or entry.torch_dtype)
+        for piece in entry.pieces:
+            # [Note: runs] in format.py, as piece element ranges [ps, pe) that land at out[ps + shift : pe + shift]
+            spans = [
+                (p + max(a, g) - g, p + min(b, g + n) - g, g - p - a)
+                for g, p, n in piece.slice.runs(entry.global_shape)
+                if g < b and g + n > a
+            ]
+            if not spans:
+                continue
+
+            def sink(offset: int, chunk: torch.Tensor, spans: list = spans) -> None:
+                end = offset + chunk.numel()
+                for ps, pe, shift in spans:
+                    s, e = max(ps, offset), min(pe, end)
+                    if s < e:
+                        out[s + shift : e + shift].copy_(chunk[s - offset : e - offset])
+
+            self._stream_piece(entry, piece, (spans[0][0], spans[-1][1]), sink)
+        return out.reshape(entry.global_shape) if flat_range is None else out
+
+    # -- objects ----------------------------------------------------------------------------------
+    def _load_pickle(self, file: str, key: str) -> dict[str, Any]:
+        path = self._check_file(file, f"object {key!r}")
+        data = path.read_bytes()
+        want = self.manifest.files[file].checksum
+        if want is not None and crc32_of_bytes(data) != want:
+            raise CheckpointError(f"{path}: checksum mismatch (object {key!r}); the file is corrupted")
+        return pickle.loads(data)
+
+    def _decode(self, records: dict[str, ObjectRecord]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        files: dict[str, dict[str, Any]] = {}
+        for key, rec in records.items():
+            if rec.encoding == "json":
+                out[key] = rec.value
+            else:
+                if rec.file not in files:
+                    files[rec.file] = self._load_pickle(rec.file, key)
+                out[key] = files[rec.file][key]
+        return out
+
+    @property
+    def objects(self) -> dict[str, Any]:
+        """The global objects (scheduler, scaler, counters, ...)."""
+        if self._objects is None:
+            self._objects = self._decode(self.manifest.objects)
+        return self._objects
+
+    def rank_objects(self, rank: int) -> dict[str, Any]:
+        """The objects rank ``rank`` of the saving run passed (e.g. its RNG states)."""
+        if not 0 <= rank < self.manifest.world_size:
+            raise CheckpointError(f"rank {rank} does not exist in a checkpoint saved by {self.manifest.world_size}")
+        return self._decode(self.manifest.rank_objects.get(rank, {}))
+
+    # -- full check -------------------------------------------------------------------------------
+    def verify(self, progress: Callable[[int], None] | None = None) -> list[str]:
+        """Check every file's size and every checksum; returns one message per problem (empty: all good)."""
+        problems: list[str] = []
+        saved, self.verify_reads = self.verify_reads, True
+        try:
+            for file, fe in self.manifest.files.items():
+                if fe.checksum is None:
+                    continue
+                try:
+                    records = [*self.manifest.objects.values()]
+                    records += [r for objs in self.manifest.rank_objects.values() for r in objs.values()]
+                    self._load_pickle(file, ", ".join(r.key for r in records if r.file == file))
+                except CheckpointError as err:
+                    problems.append(str(err))
+            for entry in self.manifest.tensors.values():
+                for piece in entry.pieces:
+                    try:
+                        whole = (0, numel(piece.slice.piece_shape(entry.global_shape)))
+                        self._stream_piece(entry, piece, whole, lambda offset, chunk: None)
+                    except CheckpointError as err:
+                        problems.append(str(err))
+                    if progress is not None:
+                        progress(numel(piece.slice.piece_shape(entry.global_shape)) * entry.torch_dtype.itemsize)
+        finally:
+            self.verify_reads = saved
+        return problems

@@ -1,0 +1,157 @@
+"""The two safetensors operations the ``safetensors`` package does not offer: streamed writing and direct reads.
+
+``safetensors.torch.save_file`` needs every tensor of a file in memory at once (consolidation produces them one at a
+time) and fsyncs nothing (the checkpoint writer wants to overlap the fsync with its checksums); ``safe_open`` returns
+memory-mapped tensors whose page faults make cold reads several times slower than plain sequential reads, and whose
+pages count towards the resident set. The file
+format is small and fixed: 8 bytes little-endian header length, a JSON header ``{key: {"dtype", "shape",
+"data_offsets": [begin, end]}, "__metadata__": {...}}`` padded with spaces to 8-byte alignment, then the data.
+Files written here are read back with ``safetensors`` itself in the tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import zlib
+from collections.abc import Callable, Iterable
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardtrain.errors import CheckpointError
+
+ST_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+_MAX_HEADER = 100 << 20
+_CHUNK = 4 << 20  # read, write and checksum in pieces that fit the CPU cache
+
+
+@lru_cache(maxsize=64)
+def _read_header_cached(path: str, size: int, mtime_ns: int) -> tuple[int, dict[str, Any]]:
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise CheckpointError(f"{path}: too short for a safetensors file ({size} bytes)")
+        (n,) = struct.unpack("<Q", raw)
+        if n > _MAX_HEADER or 8 + n > size:
+            raise CheckpointError(f"{path}: safetensors header length {n} does not fit the file ({size} bytes)")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise CheckpointError(f"{path}: damaged safetensors header ({err})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: damaged safetensors header (not a JSON object)")
+    return 8 + n, header
+
+
+def read_header(path: Path) -> tuple[int, dict[str, Any]]:
+    """(offset of the data section, header dict) of a safetensors file; cached while the file is unchanged."""
+    st = path.stat()
+    return _read_header_cached(str(path), st.st_size, st.st_mtime_ns)
+
+
+def stream_tensor(
+    path: Path,
+    key: str,
+    dtype: torch.dtype,
+    shape: tuple[int, ...],
+    elems: tuple[int, int],
+    sink: Callable[[int, torch.Tensor], None],
+) -> int:
+    """Read elements ``[a, b)`` of tensor ``key`` (checked against ``dtype`` and ``shape``) sequentially, in chunks
+    of a few MiB through one reused buffer; ``sink(offset, chunk)`` gets each chunk (a 1-D view valid only during
+    the call; ``offset`` counts elements from the start of the tensor). Returns the CRC-32 of the bytes read,
+    computed while each chunk is in the CPU cache. Memory: one chunk, whatever the tensor size."""
+    data_start, header = read_header(path)
+    info = header.get(key)
+    if not isinstance(info, dict):
+        raise CheckpointError(f"{path}: has no tensor {key!r}")
+    numel = 1
+    for s in shape:
+        numel *= s
+    begin, end = info.get("data_offsets", (0, -1))
+    if info.get("dtype") != ST_DTYPES[dtype] or list(info.get("shape", ())) != list(shape):
+        raise CheckpointError(
+            f"{path}: {key!r} is {info.get('dtype')} {info.get('shape')}, expected {ST_DTYPES[dtype]} {list(shape)}"
+        )
+    if end - begin != numel * dtype.itemsize or data_start + end > path.stat().st_size:
+        raise CheckpointError(f"{path}: data offsets of {key!r} do not fit its shape or the file")
+    a, b = elems
+    per_chunk = max(1, _CHUNK // dtype.itemsize)
+    buf = torch.empty(min(per_chunk, b - a), dtype=dtype)
+    view = memoryview(buf.view(torch.uint8).numpy()).cast("B")
+    running = 0
+    with open(path, "rb", buffering=0) as f:
+        f.seek(data_start + begin + a * dtype.itemsize)
+        for offset in range(a, b, per_chunk):
+            n = min(per_chunk, b - offset)
+            nbytes, got = n * dtype.itemsize, 0
+            while got < nbytes:
+                r = f.readinto(view[got:nbytes])
+                if not r:
+                    raise CheckpointError(f"{path}: ends inside tensor {key!r}")
+                got += r
+            running = zlib.crc32(view[:nbytes], running)
+            sink(offset, buf[:n])
+    return running
+
+
+def write_streaming(
+    path: Path,
+    tensors: Iterable[tuple[str, torch.dtype, tuple[int, ...]]],
+    load: Callable[[int], torch.Tensor],
+    metadata: dict[str, str],
+    advance: Callable[[int], None] = lambda n: None,
+    *,
+    via_partial: bool = True,
+    fsync: bool = True,
+) -> None:
+    """Write ``path`` with the header from ``tensors``; the data of the i-th is ``load(i)``. Only one tensor is in
+    memory at a time. With ``via_partial`` the file is written as ``path.partial`` and renamed, so that ``path``
+    never exists half-written; with ``fsync`` it is fsynced before."""
+    specs = list(tensors)
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for name, dtype, shape in specs:
+        nbytes = dtype.itemsize
+        for s in shape:
+            nbytes *= s
+        header[name] = {"dtype": ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # tensor data starts 8-byte aligned
+    target = path.with_name(path.name + ".partial") if via_partial else path
+    with open(target, "wb", buffering=0) as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for i, (name, dtype, shape) in enumerate(specs):
+            t = load(i)
+            if t.dtype != dtype or tuple(t.shape) != tuple(shape):
+                raise CheckpointError(f"{path}: tensor {name!r} came as {t.dtype} {tuple(t.shape)}")
+            view = memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()).cast("B")
+            for start in range(0, len(view), _CHUNK):
+                chunk = view[start : start + _CHUNK]
+                done = 0
+                while done < len(chunk):
+                    done += f.write(chunk[done:])
+            advance(len(view))
+            chunk = view = t = None  # free this tensor before the next one is loaded
+        if fsync:
+            os.fsync(f.fileno())
+    if via_partial:
+        os.replace(target, path)

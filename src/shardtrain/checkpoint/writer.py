@@ -1,0 +1,304 @@
+"""Collective, crash-safe checkpoint save: every rank writes its pieces in parallel, rank 0 publishes.
+
+Protocol (every rank calls :func:`save` with the same ``save_dir`` and ``tag``; ``docs/checkpoint-format.md`` has
+the full argument):
+
+1. rank 0 validates the tag, refuses an existing one unless ``overwrite``, removes leftovers of crashed saves
+   (``.tmp-*``, ``.trash-*``, ``latest.tmp``) and creates ``.tmp-<tag>``;
+2. one ``all_gather_object`` shares the piece descriptors (and rank 0's outcome of step 1); every rank then computes
+   the same plan: which rank stores each replicated piece (the lowest that holds it), whether shapes and dtypes
+   agree, whether the pieces cover every tensor exactly once;
+3. every rank writes ``rank<r>.safetensors`` (its planned pieces; CRC-32 computed during the fsync) and
+   ``rank<r>.objects.pkl`` (its per-rank objects, when some do not fit JSON), rank 0 also ``objects.pkl``; each file
+   is fsynced; a second gather shares sizes and checksums, and every rank checks that replicas agree;
+4. rank 0 writes ``manifest.json`` (fsync), fsyncs the directory, renames it to ``<tag>`` and fsyncs ``save_dir``;
+   then writes ``latest.tmp``, fsyncs it, renames it over ``latest`` and fsyncs ``save_dir`` again;
+5. a third gather returns rank 0's outcome, so that every rank returns (or raises) only once the checkpoint is
+   complete.
+
+A failure on any rank in steps 1-4 is carried in the next gather, so that every rank raises the same
+:class:`CheckpointError` instead of hanging in a collective.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardtrain.checkpoint.durable import crash_point, fsync_dir, fsync_file, write_atomically, write_pickle
+from shardtrain.checkpoint.format import (
+    FORMAT_VERSION,
+    LATEST_NAME,
+    MANIFEST_NAME,
+    FileEntry,
+    FlatSlice,
+    Manifest,
+    ObjectRecord,
+    Slice,
+    crc32_of,
+    dtype_name,
+)
+from shardtrain.checkpoint.plan import piece_keys, plan_pieces, rank_file, tensor_entries
+from shardtrain.checkpoint.safetensors_io import write_streaming
+from shardtrain.comm import Communicator
+from shardtrain.errors import CheckpointError
+
+TMP_PREFIX = ".tmp-"
+TRASH_PREFIX = ".trash-"
+_TAG_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.=-]*")
+
+
+@dataclass(frozen=True)
+class SavePiece:
+    """What one rank holds of a logical tensor: ``tensor`` is the part ``slice`` of a tensor of ``global_shape``.
+
+    The logical dtype is ``tensor.dtype``. A piece held by several ranks with the same slice (a replicated
+    parameter) is stored once, by the lowest of those ranks; the replicas must have identical bytes.
+    """
+
+    name: str
+    global_shape: tuple[int, ...]
+    slice: Slice
+    tensor: torch.Tensor
+
+    def __post_init__(self) -> None:
+        shape = tuple(int(s) for s in self.global_shape)
+        object.__setattr__(self, "global_shape", shape)
+        try:
+            self.slice.validate(shape)
+        except CheckpointError as err:
+            raise CheckpointError(f"tensor {self.name!r}: {err}") from None
+        want = self.slice.piece_shape(shape)
+        if isinstance(self.slice, FlatSlice):  # any shape with the right element count; stored flattened
+            if self.tensor.numel() != self.slice.length:
+                raise CheckpointError(
+                    f"tensor {self.name!r}: piece has {self.tensor.numel()} elements but {self.slice} holds "
+                    f"{self.slice.length}"
+                )
+        elif tuple(self.tensor.shape) != want:
+            raise CheckpointError(
+                f"tensor {self.name!r}: piece has shape {tuple(self.tensor.shape)} but {self.slice} of a tensor of "
+                f"shape {shape} has shape {want}"
+            )
+        dtype_name(self.tensor.dtype)
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    path: Path
+    manifest: Manifest
+    bytes_written: int  # by this rank
+    seconds: float
+
+
+def check_tag(tag: str) -> None:
+    if not isinstance(tag, str) or not _TAG_RE.fullmatch(tag) or tag in (LATEST_NAME, MANIFEST_NAME):
+        raise CheckpointError(
+            f"checkpoint tag {tag!r} is not allowed: use letters, digits, '_', '.', '=', '-', not starting with "
+            f"'.' or '-', and not {LATEST_NAME!r}"
+        )
+
+
+def _prepare(save_dir: Path, tag: str, overwrite: bool) -> str | None:
+    """Rank 0, step 1. Returns an error message instead of raising (it travels to the other ranks)."""
+    try:
+        check_tag(tag)
+        save_dir.mkdir(parents=True, exist_ok=True)
+        if (save_dir / tag).exists() and not overwrite:
+            return (
+                f"checkpoint {save_dir / tag} already exists; choose another tag, delete it, "
+                "or pass overwrite=True to replace it"
+            )
+        for leftover in save_dir.iterdir():
+            if leftover.name.startswith((TMP_PREFIX, TRASH_PREFIX)):
+                shutil.rmtree(leftover, ignore_errors=True)
+            elif leftover.name == LATEST_NAME + ".tmp":
+                leftover.unlink()
+        tmp = save_dir / (TMP_PREFIX + tag)
+        tmp.mkdir()  # no fsync of save_dir needed: nothing relies on .tmp-<tag> surviving a crash
+    except CheckpointError as err:
+        return str(err)
+    except OSError as err:
+        return f"cannot prepare {save_dir} for checkpoint {tag!r}: {err}"
+    crash_point("tmp_created")
+    return None
+
+
+def _encode_objects(objects: dict[str, Any], file: str) -> tuple[dict[str, ObjectRecord], dict[str, Any]]:
+    """Inline JSON where the value survives a JSON round trip unchanged, pickle otherwise."""
+    records: dict[str, ObjectRecord] = {}
+    pickled: dict[str, Any] = {}
+    for key, value in objects.items():
+        try:
+            inline = json.loads(json.dumps(value, allow_nan=False)) == value
+        except (TypeError, ValueError):
+            inline = False
+        if inline:
+            records[key] = ObjectRecord(key, "json", value)
+        else:
+            records[key] = ObjectRecord(key, "pickle", file=file)
+            pickled[key] = value
+    return records, pickled
+
+
+def _write_rank_files(
+    tmp: Path, rank: int, pieces: list[SavePiece], mine: list[tuple[SavePiece, str]], rank_objects: dict[str, Any]
+) -> tuple[list[FileEntry], dict[str, ObjectRecord], dict[tuple, str], int]:
+    """Step 3 on one rank: its tensor file (checksummed during its fsync) and its per-rank object file, fsynced.
+
+    Returns the file entries, object records, the checksum of every piece this rank holds (stored by it or, for a
+    replica stored by a lower rank, computed for the comparison), and the bytes written."""
+    files: list[FileEntry] = []
+    checksums: dict[tuple, str] = {}
+    written = 0
+    if mine:
+        path = tmp / rank_file(rank)
+        tensors = [_stored(p) for p, _ in mine]
+        specs = [(key, t.dtype, tuple(t.shape)) for (_, key), t in zip(mine, tensors)]
+        write_streaming(path, specs, tensors.__getitem__, {"format": "pt"}, via_partial=False, fsync=False)
+        crash_point("tensor_file_torn", path)
+        crash_point("tensor_file_written")
+        # The checksums are computed while the kernel writes the file back: fsync waits on the disk, crc32 on the
+        # CPU, and both release the GIL.
+        with ThreadPoolExecutor(1) as pool:
+            synced = pool.submit(fsync_file, path)
+            checksums = {(p.name, p.slice): crc32_of(t) for (p, _), t in zip(mine, tensors)}
+            synced.result()
+        del tensors
+        size = path.stat().st_size
+        files.append(FileEntry(path.name, rank, size))
+        written += size
+    for p in pieces:
+        if (p.name, p.slice) not in checksums:
+            checksums[(p.name, p.slice)] = crc32_of(p.tensor)
+    records, pickled = _encode_objects(rank_objects, f"rank{rank:05d}.objects.pkl")
+    if pickled:
+        files.append(write_pickle(tmp / f"rank{rank:05d}.objects.pkl", rank, pickled))
+        written += files[-1].size
+    return files, records, checksums, written
+
+
+def _stored(p: SavePiece) -> torch.Tensor:
+    t = p.tensor.detach()
+    return (t.reshape(-1) if isinstance(p.slice, FlatSlice) else t).contiguous()
+
+
+def _publish(save_dir: Path, tag: str, manifest: Manifest) -> None:
+    """Step 4 on rank 0."""
+    tmp = save_dir / (TMP_PREFIX + tag)
+    path = tmp / MANIFEST_NAME
+    with open(path, "w") as f:
+        f.write(manifest.to_json())
+        f.flush()
+        os.fsync(f.fileno())
+    crash_point("manifest_torn", path)
+    crash_point("manifest_written")
+    fsync_dir(tmp)
+    crash_point("tmp_synced")
+    final = save_dir / tag
+    if final.exists():  # overwrite=True: the old copy is moved aside, then removed once the new one is in place
+        trash = save_dir / (TRASH_PREFIX + tag)
+        os.replace(final, trash)
+        os.replace(tmp, final)
+        fsync_dir(save_dir)
+        shutil.rmtree(trash)
+    else:
+        os.replace(tmp, final)
+    crash_point("renamed")
+    fsync_dir(save_dir)
+    latest = save_dir / LATEST_NAME
+    write_atomically(latest, tag.encode() + b"\n", "latest_torn", "latest_tmp_written")
+    crash_point("latest_renamed")
+    fsync_dir(save_dir)
+
+
+def _raise_first(errors: list[str | None], stage: str) -> None:
+    failed = [(r, e) for r, e in enumerate(errors) if e]
+    if failed:
+        raise CheckpointError(f"checkpoint save failed ({stage}): " + "; ".join(f"rank {r}: {e}" for r, e in failed))
+
+
+def save(
+    save_dir: str | os.PathLike,
+    tag: str,
+    comm: Communicator | None,
+    pieces: list[SavePiece],
+    *,
+    rank_objects: dict[str, Any] | None = None,
+    global_objects: dict[str, Any] | None = None,
+    aliases: dict[str, str] | None = None,
+    overwrite: bool = False,
+) -> SaveResult:
+    """Save one checkpoint ``save_dir/tag`` collectively; every rank of ``comm`` calls this (``None``: one process).
+
+    ``pieces``: this rank's parts of logical tensors. ``rank_objects``: this rank's small objects (RNG states);
+    ``global_objects``: objects shared by all ranks (only rank 0's are written). ``aliases``: ``{alias: name}`` extra
+    names of a tensor (tied weights), given on rank 0. An existing tag is refused unless ``overwrite``. Returns when
+    the checkpoint is complete and ``latest`` names it.
+    """
+    t0 = time.perf_counter()
+    crash_point("start")
+    save_dir = Path(save_dir)
+    rank, size = (comm.rank, comm.size) if comm is not None else (0, 1)
+
+    def gather(obj: Any, what: str) -> list[Any]:
+        return comm.all_gather_object(obj, what=what) if comm is not None else [obj]
+
+    prep_error = _prepare(save_dir, tag, overwrite) if rank == 0 else None
+    descs = [(p.name, p.global_shape, dtype_name(p.tensor.dtype), p.slice) for p in pieces]
+    local_error = (
+        "the same part of a tensor is passed twice" if len({(d[0], d[3]) for d in descs}) < len(descs) else None
+    )
+    gathered = gather((descs, prep_error or local_error, aliases or {}), "checkpoint piece descriptors")
+    _raise_first([g[1] for g in gathered], "preparing")
+    tensors, holders = plan_pieces([g[0] for g in gathered], gathered[0][2])
+    keys = piece_keys(holders)
+    mine = [(p, keys[(p.name, p.slice)]) for p in pieces if holders[(p.name, p.slice)][0] == rank]
+
+    tmp = save_dir / (TMP_PREFIX + tag)
+    write_error: str | None = None
+    files: list[FileEntry] = []
+    records: dict[str, ObjectRecord] = {}
+    global_records: dict[str, ObjectRecord] = {}
+    checksums: dict[tuple, str] = {}
+    written = 0
+    try:
+        files, records, checksums, written = _write_rank_files(tmp, rank, pieces, mine, rank_objects or {})
+        if rank == 0:
+            global_records, pickled = _encode_objects(global_objects or {}, "objects.pkl")
+            if pickled:
+                files.append(write_pickle(tmp / "objects.pkl", 0, pickled))
+                written += files[-1].size
+        crash_point("objects_written")
+    except OSError as err:
+        write_error = f"writing into {tmp}: {err}"
+    crash_point("files_synced")
+    parts = gather((files, records, global_records, write_error, checksums), "checkpoint file list")
+    _raise_first([p[3] for p in parts], "writing files")
+    manifest = Manifest(
+        version=FORMAT_VERSION,
+        tag=tag,
+        world_size=size,
+        tensors=tensor_entries(tensors, holders, keys, [p[4] for p in parts]),
+        files={f.name: f for p in parts for f in p[0]},
+        objects=parts[0][2],
+        rank_objects={r: p[1] for r, p in enumerate(parts) if p[1]},
+    )
+    publish_error: str | None = None
+    if rank == 0:
+        try:
+            _publish(save_dir, tag, manifest)
+        except OSError as err:
+            publish_error = f"publishing {save_dir / tag}: {err}"
+        crash_point("done")
+    _raise_first([gather(publish_error, "checkpoint published")[0]], "publishing")
+    return SaveResult(save_dir / tag, manifest, written, time.perf_counter() - t0)

@@ -1,0 +1,64 @@
+"""A save killed with SIGKILL at any point of the protocol leaves the previous checkpoint loadable and ``latest``
+pointing at a complete checkpoint; the next save cleans up what the killed one left."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+from checkpoint_helpers import save_engine_like, trained_model
+from shardtrain.checkpoint import open_checkpoint
+from shardtrain.checkpoint.durable import CRASH_POINTS, KILL_ENV
+
+# The points after which the new checkpoint is published (``latest`` renamed onto it).
+PUBLISHED = {"latest_renamed", "done"}
+
+
+def _save_in_child(save_dir, tag: str, seed: int, point: str) -> int:
+    """Fork; the child saves and SIGKILLs itself at ``point``. Returns the child's wait status."""
+    pid = os.fork()
+    if pid == 0:  # child: never returns into pytest
+        code = 3
+        try:
+            os.environ[KILL_ENV] = point
+            save_engine_like(str(save_dir), tag, 2, seed)
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return status
+
+
+def _assert_holds_model_of(reader, seed: int) -> None:
+    model, _ = trained_model(seed)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(reader.read(f"model/{name}"), p.detach(), rtol=0, atol=0)
+
+
+def test_there_are_at_least_ten_kill_points_in_protocol_order():
+    assert len(CRASH_POINTS) >= 10 and len(set(CRASH_POINTS)) == len(CRASH_POINTS)
+
+
+@pytest.mark.parametrize("point", CRASH_POINTS)
+def test_sigkill_during_save_leaves_a_loadable_checkpoint(tmp_path, point):
+    save_engine_like(str(tmp_path), "a", 2, seed=1)
+    status = _save_in_child(tmp_path, "b", seed=2, point=point)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, f"the save did not die at {point}"
+
+    reader = open_checkpoint(tmp_path)  # what `latest` names
+    want_tag, want_seed = ("b", 2) if point in PUBLISHED else ("a", 1)
+    assert reader.manifest.tag == want_tag
+    assert reader.verify() == []
+    _assert_holds_model_of(reader, want_seed)
+    _assert_holds_model_of(open_checkpoint(tmp_path, "a"), 1)  # the previous one is untouched either way
+    assert reader.objects["step"] == 2 and set(reader.rank_objects(0)) == {"rng", "rank"}
+
+    # the next save succeeds and removes the leftovers of the killed one
+    save_engine_like(str(tmp_path), "c", 2, seed=3)
+    names = {p.name for p in tmp_path.iterdir()}
+    assert not any(n.startswith((".tmp-", ".trash-")) or n == "latest.tmp" for n in names), names
+    assert (tmp_path / "latest").read_text().strip() == "c"
+    _assert_holds_model_of(open_checkpoint(tmp_path), 3)
