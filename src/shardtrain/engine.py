@@ -310,6 +310,24 @@ class Engine:
         state = self.module.state_dict(keep_vars=True)
         return {k: copies[id(v)] if id(v) in copies else v.detach().to("cpu", copy=True) for k, v in state.items()}
 
+    def save_checkpoint(self, save_dir: str | Path, tag: str | None = None, client_state: dict | None = None) -> Path:
+        """Save a sharded checkpoint ``save_dir/tag`` (default tag ``global_step{N}``); collective.
+
+        Every rank writes its own part in parallel; the save is crash-safe and ``save_dir/latest`` names the
+        newest complete checkpoint (see docs/checkpoint-format.md and [Note: engine checkpoint contents])."""
+        from shardtrain.engine_checkpoint import save_engine
+
+        return save_engine(self, save_dir, tag or f"global_step{self.global_step}", client_state)
+
+    def load_checkpoint(self, load_dir: str | Path, tag: str | None = None, load_optimizer_states: bool = True) -> dict:
+        """Restore a checkpoint saved in any layout (ranks, stage); returns its ``client_state``. Collective.
+
+        Without ``tag`` the one ``load_dir/latest`` names is loaded. ``load_optimizer_states=False`` loads the
+        model weights (masters included) and the loss scale only."""
+        from shardtrain.engine_checkpoint import load_engine
+
+        return load_engine(self, load_dir, tag, load_optimizer_states)
+
     def load_full_state_dict(
         self,
         source: Mapping[str, torch.Tensor] | str | Path | list[str | Path] | None,
