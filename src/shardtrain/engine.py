@@ -36,7 +36,13 @@ from shardtrain.zero.layout import Bucket, build_buckets, cast_bucket, group_by_
 from shardtrain.zero.optimizer import ShardedOptimizer, check_optimizer, make_masters
 from shardtrain.zero.reducer import GradientReducer
 from shardtrain.zero.stage3 import ParameterUnits, assign_parameters, find_unit_modules
-from shardtrain.zero.weights import Destination, load_safetensors, load_state_dict_from_rank0, safetensors_files
+from shardtrain.zero.weights import (
+    Destination,
+    load_safetensors,
+    load_state_dict_from_rank0,
+    safetensors_files,
+    state_tensors,
+)
 
 log = logging.getLogger("shardtrain")
 
@@ -347,13 +353,8 @@ class Engine:
             load_state_dict_from_rank0(dests, source, self.comm, strict)
 
     def _weight_destinations(self) -> list[Destination]:
-        names: dict[int, list[str]] = {}
-        tensors: dict[int, torch.Tensor] = {}
-        for name, t in self.module.state_dict(keep_vars=True).items():
-            names.setdefault(id(t), []).append(name)
-            tensors.setdefault(id(t), t)
         dests = []
-        for key, t in tensors.items():
+        for names, t in state_tensors(self.module):
             targets: list[tuple[torch.Tensor, int]] = []
             frag = self._optimizer.fragment_of(t)
             if frag is None or frag[1].gather_after_step:  # this rank holds the tensor whole
@@ -366,7 +367,7 @@ class Engine:
                 master = self._optimizer.master_of(t)
                 if master is not None:
                     targets.append((master.view(-1), start))
-            dests.append(Destination(names[key], t.shape, targets))
+            dests.append(Destination(names, t.shape, targets))
         return dests
 
     @contextmanager

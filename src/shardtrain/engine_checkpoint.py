@@ -34,20 +34,12 @@ import torch
 
 from shardtrain.checkpoint import FlatSlice, SavePiece, open_checkpoint, save
 from shardtrain.errors import CheckpointError
+from shardtrain.zero.weights import state_tensors
 
 if TYPE_CHECKING:
     from shardtrain.engine import Engine
 
 PARAM_GROUPS_KEY = "optimizer/param_groups"
-
-
-def _names(engine: Engine) -> tuple[dict[int, list[str]], dict[int, torch.Tensor]]:
-    names: dict[int, list[str]] = {}
-    tensors: dict[int, torch.Tensor] = {}
-    for name, t in engine.module.state_dict(keep_vars=True).items():
-        names.setdefault(id(t), []).append(name)
-        tensors.setdefault(id(t), t)
-    return names, tensors
 
 
 def _my_chunk(numel: int, rank: int, world: int) -> tuple[int, int]:
@@ -68,14 +60,13 @@ def collect_pieces(engine: Engine) -> tuple[list[SavePiece], dict[str, str], dic
     """(this rank's pieces, aliases, the optimizer layout object) for a save."""
     rank, world = engine.topology.dp_rank, engine.topology.dp
     opt = engine._optimizer
-    names, tensors = _names(engine)
     pieces: list[SavePiece] = []
     aliases: dict[str, str] = {}
     stepped_name: dict[int, str] = {}
     with torch._C.DisableTorchFunctionSubclass():  # stage-3 parameters: only metadata and fragments are read
-        for key, t in tensors.items():
-            name = names[key][0]
-            aliases.update({f"model/{alias}": f"model/{name}" for alias in names[key][1:]})
+        for names, t in state_tensors(engine.module):
+            name = names[0]
+            aliases.update({f"model/{alias}": f"model/{name}" for alias in names[1:]})
             frag = opt.fragment_of(t)
             if frag is None:  # frozen parameter or buffer: the same on every rank
                 pieces += _replicated(f"model/{name}", t, rank, world)
@@ -192,7 +183,6 @@ def _load(engine: Engine, load_dir: str | Path, tag: str | None, load_optimizer_
             f"{reader.path}: no tensor {prefix}{candidates[0]!r} (the model has parameters the checkpoint lacks)"
         )
 
-    names, tensors = _names(engine)
     for dest in engine._weight_destinations():
         lo, hi = dest.needed_range()
         name = entry_name(dest.names, "model/")
@@ -206,13 +196,13 @@ def _load(engine: Engine, load_dir: str | Path, tag: str | None, load_optimizer_
 
     objects = reader.objects
     if load_optimizer_states:
-        for key, t in tensors.items():
+        for names, t in state_tensors(engine.module):
             frag = opt.fragment_of(t)
             if frag is None:
                 continue
             _, bucket, i = frag
             stepped = opt.stepped_of(t)
-            base = entry_name(names[key], "model/").removeprefix("model/")
+            base = entry_name(names, "model/").removeprefix("model/")
             prefix = f"optim/{base}/"
             lo, hi = (
                 (0, t.numel())

@@ -45,15 +45,8 @@ def crash_point(name: str, path: Path | None = None) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_file(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory (a directory's fsync makes its entries durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from shardtrain.checkpoint.durable import crash_point, fsync_dir, fsync_file, write_atomically, write_pickle
+from shardtrain.checkpoint.durable import crash_point, fsync_path, write_atomically, write_pickle
 from shardtrain.checkpoint.format import (
     FORMAT_VERSION,
     LATEST_NAME,
@@ -170,7 +170,7 @@ def _write_rank_files(
         # The checksums are computed while the kernel writes the file back: fsync waits on the disk, crc32 on the
         # CPU, and both release the GIL.
         with ThreadPoolExecutor(1) as pool:
-            synced = pool.submit(fsync_file, path)
+            synced = pool.submit(fsync_path, path)
             checksums = {(p.name, p.slice): crc32_of(t) for (p, _), t in zip(mine, tensors)}
             synced.result()
         del tensors
@@ -202,23 +202,23 @@ def _publish(save_dir: Path, tag: str, manifest: Manifest) -> None:
         os.fsync(f.fileno())
     crash_point("manifest_torn", path)
     crash_point("manifest_written")
-    fsync_dir(tmp)
+    fsync_path(tmp)
     crash_point("tmp_synced")
     final = save_dir / tag
     if final.exists():  # overwrite=True: the old copy is moved aside, then removed once the new one is in place
         trash = save_dir / (TRASH_PREFIX + tag)
         os.replace(final, trash)
         os.replace(tmp, final)
-        fsync_dir(save_dir)
+        fsync_path(save_dir)
         shutil.rmtree(trash)
     else:
         os.replace(tmp, final)
     crash_point("renamed")
-    fsync_dir(save_dir)
+    fsync_path(save_dir)
     latest = save_dir / LATEST_NAME
     write_atomically(latest, tag.encode() + b"\n", "latest_torn", "latest_tmp_written")
     crash_point("latest_renamed")
-    fsync_dir(save_dir)
+    fsync_path(save_dir)
 
 
 def _raise_first(errors: list[str | None], stage: str) -> None:

@@ -60,6 +60,14 @@ class Destination:
         return self.targets[0][0].device
 
 
+def state_tensors(module: torch.nn.Module) -> list[tuple[list[str], torch.Tensor]]:
+    """Each distinct parameter and buffer with all its state-dict names (a tied parameter has several)."""
+    grouped: dict[int, tuple[list[str], torch.Tensor]] = {}
+    for name, t in module.state_dict(keep_vars=True).items():
+        grouped.setdefault(id(t), ([], t))[0].append(name)
+    return list(grouped.values())
+
+
 def load_state_dict_from_rank0(
     dests: list[Destination], state: Mapping[str, torch.Tensor] | None, comm: Communicator, strict: bool
 ) -> None:
