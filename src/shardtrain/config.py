@@ -35,12 +35,8 @@ UNSUPPORTED_DEEPSPEED_KEYS: dict[str, str] = {
     "checkpoint": "checkpoint options are not supported yet",
     "zero_allow_untested_optimizer": "any torch.optim optimizer is accepted; the key is not needed",
     "zero_force_ds_cpu_optimizer": "there is no DeepSpeed CPU optimizer in shardtrain",
-    "wall_clock_breakdown": "not supported; use bench/ or torch.profiler",
     "memory_breakdown": "not supported; use engine.state_bytes()",
     "flops_profiler": "not supported; use torch.profiler",
-    "tensorboard": "monitoring backends are not supported",
-    "wandb": "monitoring backends are not supported",
-    "csv_monitor": "monitoring backends are not supported",
     "comms_logger": "not supported; use engine.comm_stats()",
     "pipeline": "pipeline parallelism is not supported",
     "tensor_parallel": "tensor parallelism is not supported yet",
@@ -158,6 +154,25 @@ class WarmupDecayLRParams(WarmupLRParams):
     total_num_steps: Count
 
 
+class MonitorConfig(_Section):
+    """DeepSpeed's ``tensorboard`` and ``csv_monitor`` sections (written by :mod:`shardtrain.monitor`)."""
+
+    enabled: bool = False
+    output_path: str = ""
+    """Directory for the monitor's files; empty: ``./runs`` relative to the working directory."""
+    job_name: str = "DeepSpeedJobName"
+    """Subdirectory of ``output_path`` for this run."""
+
+
+class WandbConfig(_Section):
+    """DeepSpeed's ``wandb`` section; needs the ``wandb`` package when enabled."""
+
+    enabled: bool = False
+    group: str | None = None
+    team: str | None = None
+    project: str = "deepspeed"
+
+
 class Config(_Section):
     """The whole configuration. Field names are DeepSpeed's where DeepSpeed has the same concept."""
 
@@ -174,6 +189,11 @@ class Config(_Section):
     communication_data_type: Literal["fp32", "bf16", "fp16"] | None = None
     """dtype gradients are reduced in; default fp32 (see [Note: mixed precision])."""
     steps_per_print: Count = 10
+    wall_clock_breakdown: bool = False
+    """Log forward/backward/step wall-clock times every ``steps_per_print`` steps (rank 0)."""
+    tensorboard: MonitorConfig = Field(default_factory=MonitorConfig)
+    csv_monitor: MonitorConfig = Field(default_factory=MonitorConfig)
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
     seed: int | None = None
     collective_timeout_s: float = Field(default=1800.0, gt=0)
     """shardtrain's own key: seconds a collective may wait before failing with a named error."""
