@@ -93,21 +93,24 @@ class Engine:
         self.scaler = LossScaler.from_config(config)
         self.skipped_steps = 0
         masters = None
+        # where every bucketed parameter lives; frozen buckets (stage-3 units) are never reduced nor stepped
+        self._slots = {id(s.param): (b, i) for b in self._buckets for i, s in enumerate(b.slots)}
+        trainable = [b for b in self._buckets if b.requires_grad]
         if self.precision.mixed:  # masters from the fp32 values, then compute-dtype parameters
-            masters = make_masters(self._buckets, self.stage)
+            masters = make_masters(trainable, self.stage)
             self._cast_to_compute_dtype()
         self._reducer = GradientReducer(
-            self._buckets,
+            trainable,
             self.stage,
             self.comm,
             zcfg.overlap_comm,
-            on_launch=self._units.on_bucket_launched if self._units else None,
+            on_grad_ready=self._units.on_grad_ready if self._units else None,
             reduce_dtype=self.precision.reduce_dtype if self.precision.mixed else None,
         )
         self._optimizer = ShardedOptimizer(
             optimizer,
             module,
-            self._buckets,
+            trainable,
             self._reducer,
             self.stage,
             self.comm,
@@ -149,7 +152,7 @@ class Engine:
         runtime.settle()
         threshold = self.config.zero_optimization.stage3_param_persistence_threshold
         for p in built:
-            if self.stage != 3 or not p.requires_grad or p.numel() < threshold:
+            if self.stage != 3 or p.numel() < threshold:
                 runtime.materialize(p)
 
     def _plan_units(self) -> tuple[list[tuple[str, nn.Module, list[Bucket]]], list[tuple[str, nn.Parameter]]]:
@@ -162,16 +165,17 @@ class Engine:
         unit_modules = find_unit_modules(self.module, zcfg.stage3_unit_classes)
         groups = assign_parameters(self.module, unit_modules)
         threshold = zcfg.stage3_param_persistence_threshold
-        persistent = [(n, p) for g in groups for n, p in g if p.numel() < threshold]
+        # small parameters stay whole: trainable ones are reduced like stage 2, frozen ones are left alone
+        persistent = [(n, p) for g in groups for n, p in g if p.numel() < threshold and p.requires_grad]
         named = [*unit_modules[::-1], ("<root>", self.module)]
         params_of = [*groups[:-1][::-1], groups[-1]]
         specs: list[tuple[str, nn.Module, list[Bucket]]] = []
         index = 0
         for (name, m), params in zip(named, params_of):
-            by_dtype: dict[torch.dtype, list[tuple[str, nn.Parameter]]] = {}
-            for n, p in params:
+            by_dtype: dict[tuple[torch.dtype, bool], list[tuple[str, nn.Parameter]]] = {}
+            for n, p in params:  # trainable and frozen parameters in buckets of their own
                 if p.numel() >= threshold:
-                    by_dtype.setdefault(p.dtype, []).append((n, p))
+                    by_dtype.setdefault((p.dtype, p.requires_grad), []).append((n, p))
             if not by_dtype:
                 continue
             # one unit at a time: its full buffer exists only until rank 0's values are in and the shard is cut
@@ -356,14 +360,15 @@ class Engine:
         dests = []
         for names, t in state_tensors(self.module):
             targets: list[tuple[torch.Tensor, int]] = []
-            frag = self._optimizer.fragment_of(t)
-            if frag is None or frag[1].gather_after_step:  # this rank holds the tensor whole
+            located = self._slots.get(id(t))
+            if located is None or located[0].gather_after_step:  # this rank holds the tensor whole
                 targets.append((t.data.view(-1), 0))
-            if frag is not None:
-                fragment, bucket, i = frag
-                start = bucket.fragments[i].start if self.stage > 0 else 0
+            if located is not None:
+                bucket, i = located
+                f = bucket.fragments[i]
+                start = f.start if self.stage > 0 else 0
                 if not bucket.gather_after_step:  # a stage-3 unit: this rank's fragment only
-                    targets.append((fragment.view(-1), start))
+                    targets.append((bucket.shard[f.shard_offset : f.shard_offset + f.length], start))
                 master = self._optimizer.master_of(t)
                 if master is not None:
                     targets.append((master.view(-1), start))

@@ -1,7 +1,7 @@
 """Flat bucket layout: which parameter lives where in which flat buffer, and what this rank owns.
 
 [Note: bucket layout]
-Trainable parameters are grouped by dtype and laid out, in reverse registration order (roughly the order
+Trainable parameters (at stage 3 also frozen ones, in buckets of their own) are grouped by dtype and laid out, in reverse registration order (roughly the order
 gradients become ready in backward), into buckets of at most ``reduce_bucket_size`` elements; a parameter
 larger than that gets a bucket of its own. A bucket is one flat buffer padded to a multiple of the
 data-parallel size ``N``; rank ``r`` owns the contiguous chunk ``[r*S, (r+1)*S)`` with ``S = padded/N``.
@@ -66,6 +66,8 @@ class Bucket:
     fragments: list[Fragment] = field(default_factory=list)
     gather_after_step: bool = True
     """Whether the optimizer step is followed by an all-gather (False for stage-3 units: gathered on use)."""
+    requires_grad: bool = True
+    """Trainable parameters; a frozen bucket (stage-3 units only) is gathered with its unit, never reduced."""
 
     @property
     def shard_numel(self) -> int:
@@ -118,8 +120,8 @@ def build_buckets(
         numel = sum(p.numel() for _, p in items)
         padded = -(-numel // world) * world
         first = items[0][1]
-        if any(p.dtype != first.dtype for _, p in items):
-            raise ValueError("a bucket holds parameters of one dtype")
+        if any(p.dtype != first.dtype or p.requires_grad != first.requires_grad for _, p in items):
+            raise ValueError("a bucket holds parameters of one dtype, all trainable or all frozen")
         flat = torch.zeros(padded, dtype=first.dtype, device=first.device)
         slots, offset = [], 0
         for name, p in items:
@@ -133,6 +135,7 @@ def build_buckets(
         lo, hi = rank * shard_numel, (rank + 1) * shard_numel
         shard = flat[lo:hi].clone() if own_shard else flat[lo:hi]
         bucket = Bucket(index, first.dtype, slots, numel, padded, world, rank, flat_param=flat, shard=shard)
+        bucket.requires_grad = first.requires_grad
         bucket.fragments = [_fragment(s, lo, hi) for s in slots]
         buckets.append(bucket)
     return buckets

@@ -104,7 +104,14 @@ class ShardedOptimizer:
         else:
             local_sq = torch.zeros((), device=self.buckets[0].shard.device if self.buckets else "cpu")
         local_sq = local_sq.to(torch.float32)
-        if self.stage > 0:  # fragments are disjoint: the squares add up across ranks
+        if self.stage > 0 and self.reducer.sharded_grads:
+            # fragments are disjoint: the squares add up across ranks; the reducer's "gradients completed in
+            # another order" flag rides along (see [Note: collective order])
+            both = torch.stack([local_sq, local_sq.new_tensor(float(self.reducer.order_departed))])
+            self.comm.all_reduce(both, "sum", what="squared gradient norm")
+            local_sq = both[0]
+            self.reducer.settle_order(bool(both[1] > 0))
+        elif self.stage > 0:
             self.comm.all_reduce(local_sq, "sum", what="squared gradient norm")
         total_norm = float(local_sq.sqrt())
         if loss_scale is not None and not math.isfinite(total_norm):

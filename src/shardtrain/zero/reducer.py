@@ -8,14 +8,26 @@
 * stages 2 and 3: no full gradient buffer survives a bucket. When a parameter's gradient is ready it is copied into its
   bucket's staging buffer and ``param.grad`` is freed; a complete bucket is reduce-scattered (every
   micro-step) and the result added into a persistent ``shard_numel`` gradient buffer. A reduction is
-  finished (waited for, folded in, staging freed) when the next bucket is launched, so at most two
-  buckets' staging buffers exist at once. At stage 3 a bucket is a unit, and ``on_launch`` releases the unit's
-  gathered parameters as soon as its reduction is launched (its backward is over).
+  finished (waited for, folded in, staging freed) when the next bucket is launched, so once the launch order
+  matches the order gradients complete (see [Note: collective order]) at most two buckets' staging buffers
+  exist at once (``max_staging`` records the high-water mark). At stage 3 a bucket belongs to a unit;
+  ``on_grad_ready`` tells the unit runtime each time one of its parameters has its gradient, so a unit is
+  released when its backward is over, independently of when its reduction is launched.
+
+A parameter may receive more than one gradient in one backward (a parameter used both inside and outside a
+reentrant checkpoint): each slot is counted once towards its bucket's readiness and later gradients are
+added to the first. A gradient arriving after its bucket's collective was launched is an error, never lost.
 
 [Note: collective order]
-Buckets are launched strictly in index order on every rank: a bucket that is ready before its predecessor
-waits for it. Buckets with parameters no rank used are launched at the end of backward with zero
-gradients. This keeps the sequence of collectives identical on every rank whatever the autograd order.
+Every rank launches the buckets' collectives in the same order, ``launch_order``: a ready bucket waits for
+the buckets before it in that order, and buckets no rank used are launched at the end of backward with zero
+gradients. The order starts as bucket index order (the layout already follows reverse registration order).
+At stages 2-3, where a waiting bucket holds a staging buffer, each rank also records the order in which its
+buckets actually became ready; when it departs from ``launch_order`` on any rank (known for free: the flag
+rides on the gradient-norm all-reduce of the step), the ranks exchange their observed orders once and adopt
+them if all agree. A model whose gradients complete in another order than its layout (blocks run in
+reverse, parameters used in an unusual order) therefore waits only until the next step; ranks that take
+different paths keep the previous order, which is always safe.
 """
 
 from __future__ import annotations
@@ -45,20 +57,28 @@ class GradientReducer:
         stage: int,
         comm: Communicator,
         overlap: bool,
-        on_launch: Callable[[Bucket], None] | None = None,
+        on_grad_ready: Callable[[Bucket], None] | None = None,
         reduce_dtype: torch.dtype | None = None,
     ) -> None:
         self.buckets, self.stage, self.comm, self.overlap = buckets, stage, comm, overlap
         self.reduce_dtype = reduce_dtype  # None: each bucket's own dtype (see [Note: mixed precision])
         self.sharded_grads = stage >= 2
-        self._on_launch = on_launch
+        self._on_grad_ready = on_grad_ready
         self._in_backward = False
         self._boundary = False
         self._fresh_shard = True  # stages 2-3: the gradient shards hold nothing yet this step
-        self._ready = [0] * len(buckets)
-        self._next = 0
+        self._position = {b.index: i for i, b in enumerate(buckets)}
+        self.launch_order: list[int] = list(
+            range(len(buckets))
+        )  # positions in ``buckets``; see [Note: collective order]
+        self._observed: list[int] = []  # positions in the order they became ready this backward
+        self.order_departed = False  # the observed order differed from launch_order since the last step
+        self._got: list[set[int]] = [set() for _ in buckets]  # slots that have a gradient this backward
+        self._next = 0  # index into launch_order
+        self._launched: set[int] = set()
         self._pending: list[_Pending] = []
         self._staging: dict[int, torch.Tensor] = {}
+        self.max_staging = 0  # most staging buffers alive at once since the last reset (tests read it)
         self.full_grads: list[torch.Tensor] = []
         self.shard_grads: list[torch.Tensor] = []
         self._alias = True
@@ -77,6 +97,7 @@ class GradientReducer:
         self._hooks = [
             s.param.register_post_accumulate_grad_hook(self._make_hook(b.index, s)) for b in buckets for s in b.slots
         ]
+        self._proposal: list[int] | None = None
 
     @staticmethod
     def _grad_view(flat: torch.Tensor, s: ParamSlot) -> torch.Tensor:
@@ -85,7 +106,9 @@ class GradientReducer:
     # -- backward --------------------------------------------------------------------------------
     def begin_backward(self, boundary: bool) -> None:
         self._in_backward, self._boundary = True, boundary
-        self._ready = [0] * len(self.buckets)
+        self._got = [set() for _ in self.buckets]
+        self._observed = []
+        self._launched = set()
         self._next = 0
 
     def _active(self) -> bool:
@@ -93,68 +116,87 @@ class GradientReducer:
         return self.sharded_grads or self._boundary
 
     def _make_hook(self, index: int, slot: ParamSlot):
+        position = self._position[index]
+        slot_index = next(i for i, x in enumerate(self.buckets[position].slots) if x is slot)
+
         def hook(param: torch.Tensor) -> None:
             if not self._in_backward:
                 raise ShardtrainError(
                     f"gradient of {slot.name!r} computed outside engine.backward(): call "
                     "engine.backward(loss) instead of loss.backward() so gradients are reduced across ranks"
                 )
-            bucket = self.buckets[index]
-            if self._active() and index < self._next:
+            bucket = self.buckets[position]
+            if self._active() and position in self._launched:
                 # its bucket's collective is already in flight: this gradient would be lost or race with it
                 raise ShardtrainError(
                     f"parameter {slot.name!r} received a second gradient in one backward after its bucket was "
-                    "reduced (reentrant activation checkpointing?); use torch.utils.checkpoint(..., "
-                    "use_reentrant=False) or set zero_optimization.overlap_comm to false"
+                    "reduced (a parameter used inside and outside a reentrant activation checkpoint?); use "
+                    "torch.utils.checkpoint(..., use_reentrant=False), or set zero_optimization.overlap_comm to "
+                    "false so that reductions wait for the end of backward"
                 )
+            first = slot_index not in self._got[position]
             if not self.sharded_grads:
-                view = self._grad_view(self.full_grads[index], slot)
+                view = self._grad_view(self.full_grads[position], slot)
                 if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
                     # a compute-dtype gradient into its fp32 buffer, or .grad was reset by the user
                     view.add_(param.grad)
                     param.grad = view if self._alias else None
             else:
-                staging = self._staging.get(index)
+                staging = self._staging.get(position)
                 if staging is None:
-                    staging = self._staging[index] = bucket.shard.new_zeros(
+                    staging = self._staging[position] = bucket.shard.new_zeros(
                         bucket.padded_numel, dtype=self._wire_dtype(bucket)
                     )
-                staging[slot.offset : slot.offset + slot.numel].copy_(param.grad.reshape(-1))
+                    self.max_staging = max(self.max_staging, len(self._staging) + len(self._pending))
+                target = staging[slot.offset : slot.offset + slot.numel]
+                if first:
+                    target.copy_(param.grad.reshape(-1))
+                else:  # a second gradient in the same backward adds to the first
+                    target.add_(param.grad.reshape(-1))
                 param.grad = None
-            self._ready[index] += 1
-            if self.overlap and self._active():
-                self._launch_ready()
+            if not first:
+                return
+            self._got[position].add(slot_index)
+            if self._on_grad_ready is not None:
+                self._on_grad_ready(bucket)
+            if len(self._got[position]) == len(bucket.slots):
+                self._observed.append(position)
+                if self.overlap and self._active():
+                    self._launch_ready()
 
         return hook
 
     def _launch_ready(self) -> None:
-        while self._next < len(self.buckets) and self._ready[self._next] == len(self.buckets[self._next].slots):
-            self._launch(self.buckets[self._next])
+        order = self.launch_order
+        while self._next < len(order) and len(self._got[order[self._next]]) == len(
+            self.buckets[order[self._next]].slots
+        ):
+            self._launch(order[self._next])
             self._next += 1
 
     def _wire_dtype(self, b: Bucket) -> torch.dtype:
         return self.reduce_dtype or b.dtype
 
-    def _launch(self, b: Bucket) -> None:
+    def _launch(self, position: int) -> None:
+        b = self.buckets[position]
+        self._launched.add(position)
         what = f"gradient bucket {b.index} ({b.numel} elements)"
         wire = self._wire_dtype(b)
         if self.stage == 0:
-            buf = self.full_grads[b.index]
+            buf = self.full_grads[position]
             tmp = buf if buf.dtype == wire else buf.to(wire)  # reduced in the wire dtype, written back after
             handle = self.comm.all_reduce(tmp, "avg", what=what, async_op=True)
             self._pending.append(_Pending(b, handle, None if tmp is buf else tmp, tmp))
         else:
             if self.stage == 1:
-                inp = self.full_grads[b.index].to(wire)  # no copy when the dtypes agree
+                inp = self.full_grads[position].to(wire)  # no copy when the dtypes agree
             else:
-                inp = self._staging.pop(b.index, None)
+                inp = self._staging.pop(position, None)
                 if inp is None:  # no parameter of the bucket got a gradient on this rank
                     inp = b.shard.new_zeros(b.padded_numel, dtype=wire)
             out = inp.new_empty(b.shard_numel)
             handle = self.comm.reduce_scatter(out, inp, "avg", what=what, async_op=True)
             self._pending.append(_Pending(b, handle, out, inp))
-        if self._on_launch is not None:
-            self._on_launch(b)
         # Older reductions had a whole bucket's backward to finish: fold them in now, so that their
         # full-size staging buffers do not outlive the next bucket (at most one stays in flight).
         while len(self._pending) > 1:
@@ -165,41 +207,59 @@ class GradientReducer:
         p.handle.wait()
         if p.out is None:
             return
+        position = self._position[p.bucket.index]
         if self.stage == 0:
-            self.full_grads[p.bucket.index].copy_(p.out)
+            self.full_grads[position].copy_(p.out)
         elif self.stage == 1:
             lo, hi = p.bucket.shard_range
-            self.full_grads[p.bucket.index][lo:hi].copy_(p.out)
+            self.full_grads[position][lo:hi].copy_(p.out)
         elif self._fresh_shard:
-            self.shard_grads[p.bucket.index].copy_(p.out)
+            self.shard_grads[position].copy_(p.out)
         else:
-            self.shard_grads[p.bucket.index].add_(p.out)
+            self.shard_grads[position].add_(p.out)
 
     def end_backward(self) -> None:
         """Launch what is left in order and wait for every reduction of this backward."""
         if self._active():
-            while self._next < len(self.buckets):
-                self._launch(self.buckets[self._next])
+            while self._next < len(self.launch_order):
+                self._launch(self.launch_order[self._next])
                 self._next += 1
         for p in self._pending:
             self._finish(p)
         if self.sharded_grads and self._active():
             self._fresh_shard = False
+            complete = len(self._observed) == len(self.buckets)
+            if complete and self._observed != self.launch_order:
+                self.order_departed = True
+                self._proposal = list(self._observed)
         self._pending.clear()
         self._staging.clear()
         self._in_backward = False
+
+    def settle_order(self, departed_anywhere: bool) -> None:
+        """At a step, after the ranks learned whether any of them saw gradients complete in another order than
+        ``launch_order`` (see [Note: collective order]): if so, exchange the observed orders and adopt them when
+        every rank observed the same one. Collective when ``departed_anywhere``."""
+        if not departed_anywhere:
+            return
+        mine = self._proposal if self.order_departed else None
+        everyone = self.comm.all_gather_object(mine, what="observed gradient order")
+        if all(o is not None and o == everyone[0] for o in everyone):
+            self.launch_order = list(everyone[0])
+        self.order_departed = False
+        self._proposal = None
 
     # -- after the step --------------------------------------------------------------------------
     def shard_grad(self, b: Bucket) -> torch.Tensor:
         """This rank's reduced gradient chunk of bucket ``b`` (valid after a boundary backward)."""
         if self.sharded_grads:
-            return self.shard_grads[b.index]
+            return self.shard_grads[self._position[b.index]]
         lo, hi = b.shard_range
-        return self.full_grads[b.index][lo:hi]
+        return self.full_grads[self._position[b.index]][lo:hi]
 
     def param_grad(self, b: Bucket, i: int) -> torch.Tensor:
         """The (reduced, at stage 0) full gradient of slot ``i`` of bucket ``b``, shaped like the parameter."""
-        return self._grad_view(self.full_grads[b.index], b.slots[i])
+        return self._grad_view(self.full_grads[self._position[b.index]], b.slots[i])
 
     def zero_grads(self) -> None:
         for g in self.full_grads:

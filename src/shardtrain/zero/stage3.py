@@ -7,13 +7,28 @@ unit owns one flat bucket per dtype (see [Note: bucket layout]); the bucket's ``
 permanent copy, and the full flat buffer's storage is resized to 0 while the unit is ``SHARDED``.
 
 * forward: the unit's pre-forward hook gathers it (or waits for the prefetch), and prefetches the next
-  unit(s) of the order recorded on the first step; the post-forward hook releases it and puts a hook on its
-  outputs so that the unit is gathered again just before its backward runs;
-* backward: once every parameter of the unit has its gradient, the gradient reducer reduce-scatters the
-  unit and releases it (``on_bucket_launched``);
+  unit(s) of the order recorded on the first step; the post-forward hook releases it;
+* backward: see [Note: gathering for backward];
 * parameters stay views of the full buffer for their whole life. Releasing frees the storage in place and
   gathering refills that same storage, so tensors autograd saved in forward see the values again in
   backward (the version counter is preserved across the refill: the values written are the same).
+* frozen parameters (``requires_grad=False``) are sharded like trainable ones, in buckets of their own that
+  are gathered with the unit and never reduced.
+
+[Note: gathering for backward]
+Backward needs a unit's parameters exactly when autograd reads a tensor it saved in forward that aliases the
+unit's storage (a weight saved by a matmul, a view of it). During every forward a ``saved_tensors_hooks``
+pair marks such saved tensors; unpacking one in backward gathers its unit first (recording the backward
+order and prefetching the next unit). This does not depend on how the gradient got there: outputs the hooks
+cannot see (a dataclass, a loss stored on a module), parameters used outside their unit and units with no
+root all work. Inside ``torch.utils.checkpoint`` regions the checkpoint's own hooks are the innermost ones,
+so a unit forward pushes ours again over them, chaining every call to the checkpoint's hooks (its count of
+saved tensors stays the same); a forward re-run by the checkpoint during backward gathers its unit and
+keeps it gathered. A unit is released in backward once every trainable parameter of it has its gradient
+(``on_grad_ready``) and no tensor it saved is left to be unpacked (marks freed with the graph count as
+unpacked); a unit whose last saved tensor was just unpacked is released at the next event in another
+autograd node, since the node that unpacked it is still using it. What is still gathered at the end of
+backward is released then.
 
 [Note: guarded parameters]
 Trainable parameters of units become :class:`ShardedParameter` (their class is changed in place, so the
@@ -45,7 +60,6 @@ from functools import partial
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 from shardtrain.comm import Communicator, Handle
 from shardtrain.errors import RankMismatchError, ShardtrainError
@@ -145,13 +159,62 @@ class Unit:
     pending: list[Handle] = field(default_factory=list)
     check: tuple[torch.Tensor, Handle] | None = None  # the unit-id exchange of the gather in flight
     why: str = ""  # what the gather in flight is for (error messages)
-    launched: int = 0  # buckets whose gradient reduction was launched this backward
-    needed_in_backward: bool = False  # its pre-backward hook already ran this backward
+    grads_pending: int = 0  # trainable parameters still waiting for their gradient this backward
+    saved: int = 0  # tensors aliasing its storage that autograd saved and has not unpacked yet
+    last_unpack: object = None  # the autograd node that last unpacked one of them
+    needed_in_backward: bool = False  # gathered for this backward already (order recorded)
     prefetches: int = 0  # how often it was gathered ahead of use (tests and benchmarks read it)
+    gathers: int = 0  # all-gathers issued for it (tests read it)
 
     @property
     def numel(self) -> int:
         return sum(b.padded_numel for b in self.buckets)
+
+    @property
+    def trainable(self) -> int:
+        return sum(len(b.slots) for b in self.buckets if b.requires_grad)
+
+
+class _Saved:
+    """A saved tensor aliasing a unit's storage (see [Note: gathering for backward])."""
+
+    __slots__ = ("live", "payload", "unit")
+
+    def __init__(self, unit: Unit, payload: object) -> None:
+        self.unit, self.payload, self.live = unit, payload, True
+        unit.saved += 1
+
+    def done(self) -> None:
+        if self.live:
+            self.live = False
+            self.unit.saved -= 1
+
+    def __del__(self) -> None:  # the graph was freed without this tensor being unpacked
+        self.done()
+
+
+class _SavedTensorHooks:
+    """The pack/unpack pair of [Note: gathering for backward], chained to the hooks active when pushed."""
+
+    def __init__(self, runtime: ParameterUnits) -> None:
+        self.runtime = runtime
+        self.outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        self.context = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def pack(self, t: torch.Tensor) -> object:
+        packed = self.outer[0](t) if self.outer is not None else t
+        try:
+            key = t.untyped_storage()._cdata
+        except (RuntimeError, NotImplementedError):  # a tensor without a plain storage cannot alias a unit
+            return packed
+        unit = self.runtime.unit_of_storage.get(key)
+        return packed if unit is None else _Saved(unit, packed)
+
+    def unpack(self, packed: object) -> torch.Tensor:
+        if isinstance(packed, _Saved):
+            self.runtime.on_unpack(packed)
+            packed = packed.payload
+        return self.outer[1](packed) if self.outer is not None else packed
 
 
 def find_unit_modules(root: nn.Module, unit_classes: list[str] | None) -> list[tuple[str, nn.Module]]:
@@ -186,8 +249,8 @@ def find_unit_modules(root: nn.Module, unit_classes: list[str] | None) -> list[t
 def assign_parameters(
     root: nn.Module, unit_modules: list[tuple[str, nn.Module]]
 ) -> list[list[tuple[str, nn.Parameter]]]:
-    """Trainable parameters of each unit module, then the root's (last); a shared parameter goes to the
-    unit whose module registers it first in ``named_modules()`` order."""
+    """Parameters (trainable and frozen) of each unit module, then the root's (last); a shared parameter goes
+    to the unit whose module registers it first in ``named_modules()`` order."""
     owner_of = {id(m): i for i, (_, m) in enumerate(unit_modules)}
     groups: list[list[tuple[str, nn.Parameter]]] = [[] for _ in range(len(unit_modules) + 1)]
     seen: set[int] = set()
@@ -197,7 +260,7 @@ def assign_parameters(
         unit = owner_of.get(id(m), prefix_unit.get(parent, len(unit_modules)) if name else len(unit_modules))
         prefix_unit[name] = unit
         for pname, p in m.named_parameters(recurse=False):
-            if p.requires_grad and id(p) not in seen:
+            if id(p) not in seen:
                 seen.add(id(p))
                 groups[unit].append((f"{name}.{pname}" if name else pname, p))
     return groups
@@ -218,23 +281,28 @@ class ParameterUnits:
         self.prefetch_numel, self.gather_check = prefetch_numel, gather_check
         self.units: list[Unit] = []
         self._unit_of_bucket: dict[int, Unit] = {}
+        self.unit_of_storage: dict[int, Unit] = {}  # the full buffers' storages (stable across resizes)
         for index, (name, module, buckets) in enumerate(units):
             unit = Unit(index, name, module, buckets, runtime=self)
             self.units.append(unit)
             for b in buckets:  # shards were cut by the engine while planning (one unit at a time)
                 self._unit_of_bucket[b.index] = unit
+                self.unit_of_storage[b.flat_param.untyped_storage()._cdata] = unit
                 for s in b.slots:
                     s.param.__class__ = ShardedParameter
                     s.param._st_name, s.param._st_unit = s.name, unit
             unit.state = UnitState.SHARDED
-        self.in_forward = False
-        self._on_demand: set[int] = set()  # units gathered because a parameter was used outside its unit
+        self._forward_depth = 0  # unit or root forwards running (parameters may be gathered on demand)
+        self._in_backward = False
+        self._pushed: list[_SavedTensorHooks | None] = []  # per running forward hook, what it pushed
         self._fwd_order: list[int] | None = None  # recorded on the first forward (see [Note: unit lifecycle])
         self._bwd_order: list[int] | None = None
         self._fwd_now: list[int] = []
         self._bwd_now: list[int] = []
         self._order_ok = True
         self._warned = False
+        self.max_gathered = 0  # most units gathered at once (tests read it)
+        self._bwd_gathered: list[Unit] = []  # units gathered for this backward, in the order they were needed
         by_module: dict[int, list[Unit]] = {}
         for u in self.units:
             by_module.setdefault(id(u.module), []).append(u)
@@ -243,10 +311,10 @@ class ParameterUnits:
             if u.module is root:
                 continue
             self._hooks.append(u.module.register_forward_pre_hook(partial(self._pre_forward, u)))
-            self._hooks.append(u.module.register_forward_hook(partial(self._post_forward, u)))
+            self._hooks.append(u.module.register_forward_hook(partial(self._post_forward, u), always_call=True))
         root_units = by_module.get(id(root), [])
         self._hooks.append(root.register_forward_pre_hook(partial(self._root_pre_forward, root_units)))
-        self._hooks.append(root.register_forward_hook(partial(self._root_post_forward, root_units)))
+        self._hooks.append(root.register_forward_hook(partial(self._root_post_forward, root_units), always_call=True))
 
     # -- gather / release ------------------------------------------------------------------------------
     def _start_check(self, unit: Unit) -> tuple[torch.Tensor, Handle] | None:
@@ -291,6 +359,8 @@ class ParameterUnits:
                     self.comm.all_gather(b.flat_param, b.shard, what=f"parameters of unit {unit.name!r}", async_op=True)
                 )
         unit.state = UnitState.GATHERING
+        unit.gathers += 1
+        self.max_gathered = max(self.max_gathered, sum(u.state is not UnitState.SHARDED for u in self.units))
         if not async_op:
             self._wait(unit)
 
@@ -308,14 +378,14 @@ class ParameterUnits:
         unit.state = UnitState.SHARDED
 
     def touch(self, p: ShardedParameter) -> None:
-        """A sharded parameter's data is being used: gather on demand in forward, else refuse."""
+        """A sharded parameter's data is being used: gather on demand in forward or backward, else refuse."""
         unit = p._st_unit
         if unit.state is UnitState.GATHERING:
             self._wait(unit)
             return
-        if self.in_forward:
+        if self._forward_depth > 0 or self._in_backward:
+            # a parameter used outside its unit; in backward, saved tensors bring the unit back when needed
             self._gather(unit, f"parameter {p._st_name!r} used outside its unit")
-            self._on_demand.add(unit.index)
             return
         raise ShardtrainError(
             f"parameter {p._st_name!r} is partitioned by ZeRO stage 3 and not gathered here. Read it inside "
@@ -356,9 +426,30 @@ class ParameterUnits:
             if index != current:  # the next distinct unit decides; do not look further
                 return
 
-    # -- hooks -----------------------------------------------------------------------------------------
+    # -- forward hooks ---------------------------------------------------------------------------------
+    def _push_saved_hooks(self) -> None:
+        """Mark saved tensors of this forward, unless our hooks are already the innermost ones."""
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        ours = top is not None and isinstance(getattr(top[0], "__self__", None), _SavedTensorHooks)
+        if ours or not torch.is_grad_enabled():
+            self._pushed.append(None)
+            return
+        hooks = _SavedTensorHooks(self)
+        hooks.context.__enter__()
+        self._pushed.append(hooks)
+
+    def _pop_saved_hooks(self) -> None:
+        hooks = self._pushed.pop()
+        if hooks is not None:
+            hooks.context.__exit__(None, None, None)
+
     def _root_pre_forward(self, root_units: list[Unit], module, args) -> None:
-        self.in_forward = True
+        self._forward_depth += 1
+        self._push_saved_hooks()
+        if self._in_backward:  # re-run by an activation checkpoint of the whole model
+            for u in root_units:
+                self._need_in_backward(u, "root forward re-run in backward")
+            return
         self._fwd_now, self._order_ok = [], True
         for u in root_units:
             self._gather(u, "root forward")
@@ -366,70 +457,94 @@ class ParameterUnits:
             self._prefetch(self._fwd_order, -1, "forward prefetch")
 
     def _root_post_forward(self, root_units: list[Unit], module, args, output):
-        self.in_forward = False
+        self._forward_depth -= 1
+        self._pop_saved_hooks()
+        if self._in_backward:
+            return output
         if self._fwd_order is None:
             self._fwd_order = list(self._fwd_now)
-        self._register_pre_backward(root_units, output)
         for u in self.units:  # root, on-demand and any prefetched-but-unused unit
             if u.state is not UnitState.SHARDED:
                 self._release(u)
         return output
 
     def _pre_forward(self, unit: Unit, module, args) -> None:
+        self._forward_depth += 1
+        self._push_saved_hooks()
+        if self._in_backward:  # re-run by an activation checkpoint: its backward follows at once
+            self._need_in_backward(unit, "forward re-run in backward (activation checkpointing)")
+            return
         in_order = self._record(self._fwd_now, self._fwd_order, unit.index)
         self._gather(unit, "forward")
         if in_order and self.prefetch_numel > 0:
             self._prefetch(self._fwd_order, len(self._fwd_now) - 1, "forward prefetch")
 
     def _post_forward(self, unit: Unit, module, args, output):
-        self._register_pre_backward([unit], output)
-        self._release(unit)
+        self._forward_depth -= 1
+        self._pop_saved_hooks()
+        if not self._in_backward:  # in backward the unit stays until its gradients are in
+            self._release(unit)
         return output
 
-    def _register_pre_backward(self, units: list[Unit], output) -> None:
-        if not torch.is_grad_enabled() or not units:
-            return
-        for t in tree_flatten(output)[0]:
-            if torch.is_tensor(t) and t.requires_grad:
-                t.register_hook(partial(self._pre_backward, units))
-
-    def _pre_backward(self, units: list[Unit], grad):
-        for unit in units:
-            if unit.launched or unit.needed_in_backward:  # another output of the unit got here first
-                if unit.state is UnitState.GATHERING:
-                    self._wait(unit)
-                continue
+    # -- backward --------------------------------------------------------------------------------------
+    def _need_in_backward(self, unit: Unit, why: str) -> None:
+        if not unit.needed_in_backward:
             unit.needed_in_backward = True
+            self._bwd_gathered.append(unit)
             # recorded whether it is sharded or already being prefetched: the order is what is checked
             in_order = self._record(self._bwd_now, self._bwd_order, unit.index)
-            self._gather(unit, "backward")
+            self._gather(unit, why)
             if in_order and self.prefetch_numel > 0:
                 self._prefetch(self._bwd_order, len(self._bwd_now) - 1, "backward prefetch")
-        if self.units and units and units[0].module is self.root:
-            for index in sorted(self._on_demand):  # used outside their unit in forward: needed again now
-                self._gather(self.units[index], "backward (parameter used outside its unit)")
-        return grad
+        else:
+            self._gather(unit, why)
 
-    # -- backward bracketing (called by the engine) ----------------------------------------------------
-    def begin_backward(self) -> None:
-        self._bwd_now, self._order_ok = [], True
-        for u in self.units:
-            u.launched = 0
-            u.needed_in_backward = False
+    def on_unpack(self, saved: _Saved) -> None:
+        """Autograd is about to use a tensor aliasing ``saved.unit``'s storage (see [Note: gathering for
+        backward])."""
+        unit = saved.unit
+        saved.done()
+        node = torch._C._current_autograd_node()
+        unit.last_unpack = node
+        if self._in_backward:
+            self._release_finished(node)
+            self._need_in_backward(unit, "backward")
+        else:  # autograd.grad or backward outside engine.backward(): gather, released by the next forward
+            self._gather(unit, "backward outside engine.backward()")
 
-    def on_bucket_launched(self, bucket: Bucket) -> None:
+    def on_grad_ready(self, bucket: Bucket) -> None:
+        """A trainable parameter of ``bucket`` has its gradient (called by the gradient reducer)."""
         unit = self._unit_of_bucket.get(bucket.index)
-        if unit is None:  # a persistent bucket
-            return
-        unit.launched += 1
-        if unit.launched == len(unit.buckets) and unit.index not in self._on_demand:
-            self._release(unit)
+        if unit is not None:
+            unit.grads_pending -= 1
+        self._release_finished(None)
+
+    def _release_finished(self, node: object) -> None:
+        """Release units whose backward is over: gradients in, nothing saved left, not in use by ``node``."""
+        for u in self._bwd_gathered:
+            if (
+                u.state is not UnitState.SHARDED
+                and u.grads_pending <= 0
+                and u.saved <= 0
+                and (u.last_unpack is None or u.last_unpack is not node)
+            ):
+                self._release(u)
+
+    def begin_backward(self) -> None:
+        self._in_backward = True
+        self._bwd_now, self._order_ok = [], True
+        self._bwd_gathered = []
+        for u in self.units:
+            u.grads_pending = u.trainable
+            u.needed_in_backward = False
+            u.last_unpack = None
 
     def end_backward(self) -> None:
+        self._in_backward = False
         if self._bwd_order is None:
             self._bwd_order = list(self._bwd_now)
-        self._on_demand.clear()
         for u in self.units:
+            u.last_unpack = None
             if u.state is not UnitState.SHARDED:
                 self._release(u)
 
