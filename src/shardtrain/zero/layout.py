@@ -1,10 +1,11 @@
 """Flat bucket layout: which parameter lives where in which flat buffer, and what this rank owns.
 
 [Note: bucket layout]
-Trainable parameters (at stage 3 also frozen ones, in buckets of their own) are grouped by dtype and laid out, in reverse registration order (roughly the order
-gradients become ready in backward), into buckets of at most ``reduce_bucket_size`` elements; a parameter
-larger than that gets a bucket of its own. A bucket is one flat buffer padded to a multiple of the
-data-parallel size ``N``; rank ``r`` owns the contiguous chunk ``[r*S, (r+1)*S)`` with ``S = padded/N``.
+Trainable parameters (at stage 3 also frozen ones, in buckets of their own) are grouped by dtype and laid out,
+in reverse registration order (roughly the order gradients become ready in backward), into buckets of at most
+``reduce_bucket_size`` elements; a parameter larger than that gets a bucket of its own. A bucket is one flat
+buffer padded to a multiple of the data-parallel size ``N``; rank ``r`` owns the contiguous chunk ``[r*S,
+(r+1)*S)`` with ``S = padded/N``.
 Each module parameter's storage is redirected to its place in the flat buffer, so
 
 * one reduce-scatter of a bucket's gradients gives every rank exactly the gradients of its chunk;
