@@ -276,7 +276,12 @@ RULES: tuple[Rule, ...] = (
         check=dict,
         accept=lambda v: set(v) <= {"grad_accum_dtype"} and v.get("grad_accum_dtype", "fp32") in ("fp32", None),
     ),
-    _supported("gradient_clipping", "float ≥ 0, `0`", "clip the global gradient norm (0 = off)", auto="same name"),
+    _supported(
+        "gradient_clipping",
+        "float ≥ 0, `0`",
+        "clip the global gradient norm (0 = off)",
+        auto='`auto_values["gradient_clipping"]`',
+    ),
     # -- ZeRO ------------------------------------------------------------------------------------
     _supported("zero_optimization", "section", "ZeRO settings (legacy `true`/`false` means stage 1/0)"),
     _supported(
@@ -468,9 +473,21 @@ RULES: tuple[Rule, ...] = (
     ),
     _only("dump_state", False, "the engine state is not printed at start"),
     _only("memory_breakdown", False, "not built; use `engine.state_bytes()`"),
-    _supported("tensorboard", "section", "`enabled`, `output_path`, `job_name`"),
-    _supported("csv_monitor", "section", "`enabled`, `output_path`, `job_name`"),
-    _supported("wandb", "section", "`enabled`, `group`, `team`, `project` (needs the `wandb` package)"),
+    *(
+        rule
+        for monitor in ("tensorboard", "csv_monitor")
+        for rule in (
+            _supported(monitor, "section", f"write scalars with the {monitor} monitor"),
+            _supported(f"{monitor}.enabled", "bool, `false`", "turn the monitor on"),
+            _supported(f"{monitor}.output_path", "string, `./runs`", "directory of the monitor's files"),
+            _supported(f"{monitor}.job_name", "string, `DeepSpeedJobName`", "subdirectory of `output_path`"),
+        )
+    ),
+    _supported("wandb", "section", "log scalars to Weights & Biases (needs the `wandb` package)"),
+    _supported("wandb.enabled", "bool, `false`", "turn the monitor on"),
+    _supported("wandb.group", "string", "W&B group"),
+    _supported("wandb.team", "string", "W&B team (entity)"),
+    _supported("wandb.project", "string, `deepspeed`", "W&B project"),
     _disabled("comet", "the Comet monitor is not built; use `tensorboard`, `csv_monitor` or `wandb`"),
     _disabled("comms_logger", "not built; use `engine.comm_stats()`"),
     _disabled("flops_profiler", "not built; use `torch.profiler`"),
