@@ -35,6 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     ckpt = sub.add_parser("checkpoint", help="inspect, verify or consolidate a checkpoint")
     checkpoint_cli.add_arguments(ckpt)
+
+    from shardtrain import config_check
+
+    cfg = sub.add_parser("config", help="check DeepSpeed config files: what is supported, ignored or refused")
+    config_check.add_arguments(cfg)
     return parser
 
 

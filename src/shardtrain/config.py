@@ -2,18 +2,22 @@
 
 ``load_config`` takes a dict, a path to a JSON or YAML file, or a :class:`Config`, and returns a
 :class:`Config`. Every mistake raises :class:`ConfigError` naming the full key path, the bad value and what
-is allowed. A DeepSpeed key that shardtrain does not support yet says exactly that; nothing is ignored.
+is allowed. What shardtrain does with each DeepSpeed key (supported, accepted without effect, refused) is one
+table in :mod:`shardtrain.config_deepspeed`; nothing is silently ignored.
 
-Validation is pydantic's (types, ranges, enumerations); the key walk in :func:`_check_keys` runs first so
-that unknown keys get a "did you mean" and DeepSpeed keys get their own message.
+Validation is pydantic's (types, ranges, enumerations); the key walk of
+:func:`shardtrain.config_deepspeed.classify` runs first so that unknown keys get a "did you mean" and DeepSpeed
+keys get their own message. :func:`inspect_config` collects every problem instead of raising at the first.
+Values written ``"auto"`` stay ``"auto"`` (type :data:`Auto`) until ``initialize`` resolves them
+(:mod:`shardtrain.config_auto`).
 """
 
 from __future__ import annotations
 
-import difflib
 import inspect
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -21,57 +25,8 @@ import torch
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
+from shardtrain.config_deepspeed import AUTO, Auto, Findings, classify, is_auto, unknown_key_message
 from shardtrain.errors import ConfigError
-
-# DeepSpeed keys a user may bring over that shardtrain does not implement (yet). Paths use dots.
-UNSUPPORTED_DEEPSPEED_KEYS: dict[str, str] = {
-    "amp": "apex AMP is not supported; use the 'bf16' or 'fp16' sections",
-    "fp16.auto_cast": "inputs are not cast; pass floating inputs in the compute dtype",
-    "fp16.consecutive_hysteresis": "not supported; the hysteresis allowance is restored after each clean window",
-    "prescale_gradients": "gradients are always averaged over data-parallel ranks during the reduction",
-    "gradient_predivide_factor": "gradients are always averaged over data-parallel ranks during the reduction",
-    "sparse_gradients": "sparse gradients are not supported",
-    "activation_checkpointing": "use torch.utils.checkpoint in the model instead",
-    "checkpoint": "checkpoint options are not supported yet",
-    "zero_allow_untested_optimizer": "any torch.optim optimizer is accepted; the key is not needed",
-    "zero_force_ds_cpu_optimizer": "there is no DeepSpeed CPU optimizer in shardtrain",
-    "memory_breakdown": "not supported; use engine.state_bytes()",
-    "flops_profiler": "not supported; use torch.profiler",
-    "comms_logger": "not supported; use engine.comm_stats()",
-    "pipeline": "pipeline parallelism is not supported",
-    "tensor_parallel": "tensor parallelism is not supported yet",
-    "aio": "NVMe offload is not supported yet",
-    "autotuning": "not supported",
-    "elasticity": "not supported",
-    "compression_training": "not supported",
-    "data_efficiency": "not supported",
-    "curriculum_learning": "not supported",
-    "dump_state": "not supported",
-    "zero_optimization.offload_optimizer": "optimizer offload is not supported yet",
-    "zero_optimization.offload_param": "parameter offload is not supported yet",
-    "zero_optimization.sub_group_size": "the optimizer steps each rank's fragments at once",
-    "zero_optimization.stage3_max_live_parameters": "at most the current and the prefetched units are gathered",
-    "zero_optimization.stage3_max_reuse_distance": "units are released after every use",
-    "zero_optimization.stage3_gather_16bit_weights_on_model_save": "use engine.full_state_dict()",
-    "zero_optimization.round_robin_gradients": "not supported",
-    "zero_optimization.elastic_checkpoint": "not supported; checkpoints will load into any layout",
-    "zero_optimization.load_from_fp32_weights": "not supported yet",
-    "zero_optimization.reduce_scatter": "gradients are always reduce-scattered at stages 1 and 2",
-    "zero_optimization.allgather_partitions": "parameters are always all-gathered after the step",
-    "zero_optimization.cpu_offload": "optimizer offload is not supported yet",
-    "zero_optimization.ignore_unused_parameters": "unused parameters are always handled (their gradient is zero)",
-    "zero_optimization.zero_hpz_partition_size": "hierarchical partitioning (ZeRO++) is not supported",
-    "zero_optimization.zero_quantized_weights": "quantized communication (ZeRO++) is not supported",
-    "zero_optimization.zero_quantized_gradients": "quantized communication (ZeRO++) is not supported",
-    "zero_optimization.mics_shard_size": "MiCS is not supported",
-}
-
-
-# Keys that belong elsewhere: refused with this message as it stands.
-MISPLACED_KEYS: dict[str, str] = {
-    f"bf16.{key}": "loss scaling applies to fp16 only; bf16 has fp32's range and needs none"
-    for key in ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale")
-}
 
 
 def _integral(v: Any) -> Any:
@@ -83,6 +38,11 @@ def _integral(v: Any) -> Any:
     return v
 
 
+def _stage(v: Any) -> Any:
+    """DeepSpeed reads ``"stage": "2"`` as 2."""
+    return int(v) if isinstance(v, str) and v in ("0", "1", "2", "3") else v
+
+
 Count = Annotated[int, BeforeValidator(_integral), Field(strict=True, ge=1)]
 Size = Annotated[int, BeforeValidator(_integral), Field(strict=True, ge=0)]
 
@@ -92,39 +52,29 @@ class _Section(BaseModel):
 
 
 class ZeroConfig(_Section):
-    stage: Literal[0, 1, 2, 3] = 0
-    reduce_bucket_size: Count = 500_000_000
+    stage: Annotated[Literal[0, 1, 2, 3], BeforeValidator(_stage)] = 0
+    reduce_bucket_size: Size | Auto = 500_000_000
     """Elements per gradient bucket; also the unit parameters are laid out (and all-gathered) in."""
     allgather_bucket_size: Count = 500_000_000
     """At most this many elements of parameter all-gathers are in flight at once after a step."""
     overlap_comm: bool = True
     """Launch each bucket's reduction as soon as its gradients are ready during backward."""
-    contiguous_gradients: Literal[True] = True
-    """Always on: gradients are copied into contiguous bucket buffers (``false`` is refused)."""
-    stage3_param_persistence_threshold: Size = 100_000
+    stage3_param_persistence_threshold: Size | Auto = 100_000
     """Stage 3: parameters with fewer elements stay whole on every rank."""
-    stage3_prefetch_bucket_size: Size = 50_000_000
+    stage3_prefetch_bucket_size: Size | Auto = 50_000_000
     """Stage 3: elements of upcoming units gathered ahead of use (0 disables prefetch)."""
     stage3_unit_classes: list[str] | None = None
     """Stage 3 (shardtrain key): module class names to gather/release as units, instead of repeated blocks."""
     stage3_gather_check: bool = True
     """Stage 3 (shardtrain key): exchange unit ids before each gather to catch ranks on different paths."""
 
-    @model_validator(mode="after")
-    def _stage3_keys_need_stage3(self) -> ZeroConfig:
-        if self.stage != 3:
-            for key in sorted(self.model_fields_set):
-                if key.startswith("stage3_"):
-                    raise ValueError(f"{key} applies to stage 3 only, but stage is {self.stage}; remove it")
-        return self
-
 
 class BF16Config(_Section):
-    enabled: bool = False
+    enabled: bool | Auto = False
 
 
 class FP16Config(_Section):
-    enabled: bool = False
+    enabled: bool | Auto = False
     loss_scale: float = Field(default=0.0, ge=0)
     """0 = dynamic loss scaling; a positive value is a static scale."""
     initial_scale_power: int = Field(default=16, ge=0, le=64)
@@ -176,10 +126,10 @@ class WandbConfig(_Section):
 class Config(_Section):
     """The whole configuration. Field names are DeepSpeed's where DeepSpeed has the same concept."""
 
-    train_batch_size: Count | None = None
-    train_micro_batch_size_per_gpu: Count | None = None
-    gradient_accumulation_steps: Count | None = None
-    gradient_clipping: float = Field(default=0.0, ge=0)
+    train_batch_size: Count | Auto | None = None
+    train_micro_batch_size_per_gpu: Count | Auto | None = None
+    gradient_accumulation_steps: Count | Auto | None = None
+    gradient_clipping: Annotated[float, Field(ge=0)] | Auto = 0.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None
@@ -200,8 +150,10 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _precision(self) -> Config:
-        if self.bf16.enabled and self.fp16.enabled:
+        if self.bf16.enabled is True and self.fp16.enabled is True:
             raise ValueError("bf16.enabled and fp16.enabled are both true; enable one of them")
+        if is_auto(self.bf16.enabled) or is_auto(self.fp16.enabled):
+            return self  # checked again once "auto" is resolved
         compute = "bf16" if self.bf16.enabled else "fp16" if self.fp16.enabled else "fp32"
         if compute == "fp32" and self.communication_data_type not in (None, "fp32"):
             raise ValueError(
@@ -221,11 +173,14 @@ _OPTIMIZERS = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torc
 _SCHEDULERS = {"WarmupLR": WarmupLRParams, "WarmupDecayLR": WarmupDecayLRParams}
 
 
-def optimizer_class_and_kwargs(cfg: OptimizerConfig) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
+def optimizer_class_and_kwargs(
+    cfg: OptimizerConfig, allow_auto: bool = False
+) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
     """Map a DeepSpeed optimizer section onto a torch optimizer class and keyword arguments.
 
     As in DeepSpeed, ``type: Adam`` has ``adam_w_mode: true`` by default, i.e. decoupled weight decay
-    (torch's AdamW); ``adam_w_mode: false`` gives torch's Adam (L2 penalty).
+    (torch's AdamW); ``adam_w_mode: false`` gives torch's Adam (L2 penalty). ``allow_auto``: check the other
+    values of a section that still has ``"auto"`` ones (``load_config``); otherwise ``"auto"`` is an error.
     """
     kind = cfg.type.lower()
     if kind not in _OPTIMIZERS:
@@ -233,7 +188,10 @@ def optimizer_class_and_kwargs(cfg: OptimizerConfig) -> tuple[type[torch.optim.O
             f"optimizer.type: {cfg.type!r} is not supported; allowed: Adam, AdamW, SGD "
             "(or pass a torch optimizer to initialize(optimizer=...))"
         )
-    params = dict(cfg.params)
+    autos = [k for k, v in cfg.params.items() if is_auto(v)]
+    if autos and not allow_auto:
+        raise ConfigError(f'optimizer.params.{autos[0]}: "auto" was not resolved; give a value')
+    params = {k: v for k, v in cfg.params.items() if not is_auto(v)}
     if kind == "adam":
         adam_w_mode = params.pop("adam_w_mode", True)
         if not isinstance(adam_w_mode, bool):
@@ -242,9 +200,9 @@ def optimizer_class_and_kwargs(cfg: OptimizerConfig) -> tuple[type[torch.optim.O
     else:
         cls = _OPTIMIZERS[kind]
     allowed = [p for p in inspect.signature(cls).parameters if p != "params"]
-    for key in params:
+    for key in [*params, *autos]:
         if key not in allowed:
-            raise ConfigError(_unknown_key_message(f"optimizer.params.{key}", key, allowed))
+            raise ConfigError(unknown_key_message(f"optimizer.params.{key}", key, allowed))
     if "betas" in params and isinstance(params["betas"], list):
         params["betas"] = tuple(params["betas"])
     try:  # let torch validate values (negative lr, betas out of range) on a throwaway tensor
@@ -254,46 +212,105 @@ def optimizer_class_and_kwargs(cfg: OptimizerConfig) -> tuple[type[torch.optim.O
     return cls, params
 
 
-def scheduler_params(cfg: SchedulerConfig) -> WarmupLRParams:
+def scheduler_params(cfg: SchedulerConfig, allow_auto: bool = False) -> WarmupLRParams | None:
+    """The validated params of a scheduler section; None when ``allow_auto`` and some are still ``"auto"``."""
     if cfg.type not in _SCHEDULERS:
         raise ConfigError(
             f"scheduler.type: {cfg.type!r} is not supported; allowed: {', '.join(_SCHEDULERS)} "
             "(or pass a torch LR scheduler to initialize(lr_scheduler=...))"
         )
     model = _SCHEDULERS[cfg.type]
-    _check_keys(cfg.params, model, "scheduler.params")
+    autos = {k for k, v in cfg.params.items() if is_auto(v)}
+    if autos and not allow_auto:
+        raise ConfigError(f'scheduler.params.{sorted(autos)[0]}: "auto" was not resolved; give a value')
+    for key in cfg.params:
+        if key not in model.model_fields:
+            raise ConfigError(unknown_key_message(f"scheduler.params.{key}", key, list(model.model_fields)))
     try:
-        return model.model_validate(cfg.params)
+        params = model.model_validate({k: v for k, v in cfg.params.items() if k not in autos})
     except ValidationError as err:
-        raise ConfigError(_format_validation_error(err, "scheduler.params")) from None
+        # a required value written "auto" is not missing: it is filled in at initialize
+        errors = [e for e in err.errors() if not (e["type"] == "missing" and e["loc"][0] in autos)]
+        if errors:
+            raise ConfigError("\n".join(_format_errors(errors, "scheduler.params"))) from None
+        return None
+    return None if autos else params
 
 
 # -- loading ----------------------------------------------------------------------------------------
 
 
+@dataclass
+class ConfigReport:
+    """Everything :func:`inspect_config` found in one config, every problem included."""
+
+    config: Config | None
+    """The validated config (``"auto"`` values kept); None when there are problems."""
+    problems: list[str] = field(default_factory=list)
+    """``key.path: what is wrong and what to do``."""
+    no_effect: list[str] = field(default_factory=list)
+    """``key.path: why``, for keys accepted without effect."""
+    autos: dict[str, str] = field(default_factory=dict)
+    """key path -> what ``initialize`` resolves that ``"auto"`` from."""
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
 def load_config(source: Config | Mapping[str, Any] | str | Path | None) -> Config:
+    """A validated :class:`Config`; :class:`ConfigError` listing every problem (each with its key path)."""
     if source is None:
         return Config()
     if isinstance(source, Config):
         return source
-    if isinstance(source, (str, Path)):
-        data = _read_file(Path(source))
-    elif isinstance(source, Mapping):
-        data = dict(source)
-    else:
-        raise ConfigError(
-            f"config must be a dict, a path to a .json/.yaml file or a shardtrain.Config; got {type(source).__name__}"
-        )
-    _check_keys(data, Config, "")
+    report = inspect_config(source)
+    if report.problems:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(report.problems))
+    assert report.config is not None
+    return report.config
+
+
+def inspect_config(source: Mapping[str, Any] | str | Path) -> ConfigReport:
+    """Validate ``source`` collecting every problem, the keys accepted without effect and the "auto" values."""
     try:
-        cfg = Config.model_validate(data)
+        if isinstance(source, (str, Path)):
+            data = _read_file(Path(source))
+        elif isinstance(source, Mapping):
+            data = dict(source)
+        else:
+            raise ConfigError(
+                "config must be a dict, a path to a .json/.yaml file or a shardtrain.Config; "
+                f"got {type(source).__name__}"
+            )
+    except ConfigError as err:
+        return ConfigReport(None, [str(err)])
+    clean, found = classify(data, Config)
+    return _validate(clean, found)
+
+
+def _validate(clean: Mapping[str, Any], found: Findings) -> ConfigReport:
+    problems = list(found.problems)
+    cfg = None
+    try:
+        cfg = Config.model_validate(clean)
     except ValidationError as err:
-        raise ConfigError(_format_validation_error(err, "")) from None
-    if cfg.optimizer is not None:
-        optimizer_class_and_kwargs(cfg.optimizer)
-    if cfg.scheduler is not None:
-        scheduler_params(cfg.scheduler)
-    return cfg
+        problems += _format_errors(err.errors(), "")
+    if cfg is not None:
+        for check, section in ((optimizer_class_and_kwargs, cfg.optimizer), (scheduler_params, cfg.scheduler)):
+            if section is not None:
+                try:
+                    check(section, allow_auto=True)
+                except ConfigError as err:
+                    problems.append(str(err))
+    no_effect = list(found.no_effect)
+    if cfg is not None and cfg.zero_optimization.stage != 3:
+        for key in sorted(cfg.zero_optimization.model_fields_set):
+            if key.startswith("stage3_"):
+                no_effect.append(
+                    f"zero_optimization.{key}: applies to stage 3 only (stage is {cfg.zero_optimization.stage})"
+                )
+    return ConfigReport(None if problems else cfg, problems, no_effect, dict(found.autos))
 
 
 def _read_file(path: Path) -> dict[str, Any]:
@@ -314,43 +331,29 @@ def _read_file(path: Path) -> dict[str, Any]:
     return data
 
 
-def _unknown_key_message(path: str, key: str, allowed: list[str]) -> str:
-    close = difflib.get_close_matches(key, allowed, n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
-    return f"{path}: unknown key {key!r}{hint} Allowed keys here: {', '.join(sorted(allowed))}"
+def _is_schema_tag(part: Any) -> bool:
+    """Parts of a pydantic error location that name a union member or a validator, not a key."""
+    text = str(part)
+    return isinstance(part, str) and (
+        "[" in text or text.startswith(("function-", "constrained-")) or text in ("bool", "int", "float", "str")
+    )
 
 
-def _check_keys(data: Any, model: type[BaseModel], prefix: str) -> None:
-    """Refuse unknown and unsupported keys, recursing into nested sections."""
-    if not isinstance(data, Mapping):
-        return  # pydantic reports the wrong type with its path
-    for key, value in data.items():
-        path = f"{prefix}.{key}" if prefix else str(key)
-        if path in MISPLACED_KEYS:
-            raise ConfigError(f"{path}: {MISPLACED_KEYS[path]}")
-        if path in UNSUPPORTED_DEEPSPEED_KEYS:
-            raise ConfigError(
-                f"{path}: a DeepSpeed key shardtrain does not support yet ({UNSUPPORTED_DEEPSPEED_KEYS[path]})"
-            )
-        if key not in model.model_fields:
-            raise ConfigError(_unknown_key_message(path, str(key), list(model.model_fields)))
-        annotation = model.model_fields[key].annotation
-        for candidate in getattr(annotation, "__args__", (annotation,)):
-            if isinstance(candidate, type) and issubclass(candidate, BaseModel):
-                _check_keys(value, candidate, path)
-
-
-def _format_validation_error(err: ValidationError, prefix: str) -> str:
-    lines = []
-    for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"] if not str(p).startswith(("function-", "constrained-")))
+def _format_errors(errors: list[Any], prefix: str) -> list[str]:
+    lines: list[str] = []
+    for e in errors:
+        if any(str(p) == f"literal[{AUTO!r}]" for p in e["loc"]):
+            continue  # the other member of "value | auto" says what is wrong
+        loc = ".".join(str(p) for p in e["loc"] if not _is_schema_tag(p))
         loc = f"{prefix}.{loc}" if prefix and loc else (prefix or loc)
         msg = e["msg"].removeprefix("Value error, ")
         if not loc:  # a rule about several keys: the message names them, the input is the whole config
-            lines.append(f"config: {msg}")
-            continue
-        lines.append(f"{loc}: {msg} (got {e.get('input')!r})")
-    return "invalid config:\n  " + "\n  ".join(lines)
+            line = f"config: {msg}"
+        else:
+            line = f"{loc}: {msg} (got {e.get('input')!r})"
+        if line not in lines:
+            lines.append(line)
+    return lines
 
 
 def resolve_batch_sizes(cfg: Config, dp: int) -> tuple[int, int, int]:

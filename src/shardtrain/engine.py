@@ -27,6 +27,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from shardtrain.comm import Communicator
 from shardtrain.config import Config, load_config, optimizer_class_and_kwargs, resolve_batch_sizes
+from shardtrain.config_auto import resolve_auto
 from shardtrain.errors import ConfigError, OptimizerError, RankMismatchError
 from shardtrain.mesh import Topology, init_topology
 from shardtrain.precision import LossScaler, policy_from_config
@@ -415,6 +416,8 @@ def initialize(
     config: Config | Mapping[str, Any] | str | Path | None = None,
     optimizer: OptimizerArg = None,
     lr_scheduler: SchedulerArg = None,
+    *,
+    auto_values: Mapping[str, Any] | None = None,
 ) -> Engine:
     """Wrap ``model`` for sharded data-parallel training and return the :class:`Engine`.
 
@@ -422,11 +425,20 @@ def initialize(
     hyperparameters are kept), a callable ``params -> Optimizer`` (called with the model's parameters), or
     None when the config has an ``optimizer`` section. ``lr_scheduler``: a scheduler built on that optimizer,
     a callable ``optimizer -> scheduler``, or None (the config's ``scheduler`` section, if any, is used).
+    ``auto_values``: what config values written ``"auto"`` are resolved from, as Hugging Face's Trainer
+    does (``lr``, ``betas``, ``eps``, ``weight_decay``, ``gradient_clipping``, ``train_micro_batch_size_per_gpu``,
+    ``gradient_accumulation_steps``, ``train_batch_size``, ``warmup_min_lr``, ``warmup_num_steps``,
+    ``total_num_steps``, ``precision``, ``hidden_size``; see :mod:`shardtrain.config_auto`). The resolved
+    config is logged once (rank 0) and kept as ``engine.config``.
     """
     cfg = load_config(config)
     if not isinstance(model, nn.Module):
         raise TypeError(f"initialize() expects an nn.Module, got {type(model).__name__}")
     topology = init_topology(timeout_s=cfg.collective_timeout_s)
+    # "auto" values are resolved before the model is touched
+    cfg = resolve_auto(cfg, dp=topology.dp, model=model, auto_values=auto_values)
+    if topology.rank == 0:
+        log.info("shardtrain config: %s", cfg.model_dump_json(exclude_unset=True))
     resolve_batch_sizes(cfg, topology.dp)  # fail on batch-size mistakes before touching the model
     if cfg.seed is not None:
         random.seed(cfg.seed)

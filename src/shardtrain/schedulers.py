@@ -60,6 +60,7 @@ class WarmupDecayLR(WarmupLR):
 
 def build_scheduler(cfg: SchedulerConfig, optimizer: torch.optim.Optimizer) -> LRScheduler:
     params = scheduler_params(cfg)
+    assert params is not None  # "auto" is refused unless allow_auto
     kwargs = params.model_dump()
     if isinstance(params, WarmupDecayLRParams):
         return WarmupDecayLR(optimizer, **kwargs)

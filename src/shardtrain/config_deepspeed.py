@@ -1,0 +1,773 @@
+"""Every DeepSpeed config key, classified once: what shardtrain does with it.
+
+One table (:data:`RULES`) says for each key of DeepSpeed's config reference whether it is
+
+* **supported**: same meaning as in DeepSpeed (a field of :class:`shardtrain.config.Config`);
+* **accepted, no effect**: the value is checked, then dropped, because what it asks for is what shardtrain always
+  does, or it tunes machinery shardtrain does not have;
+* **refused value**: some values are accepted (without effect), the others asked for something not built here;
+* **not supported**: any value is refused with what to do instead.
+
+:func:`classify` walks a raw config dict with that table before pydantic validates it, and returns the dict that
+pydantic sees (aliases renamed, no-effect keys removed) with every problem found, not only the first.
+``docs/config.md`` holds :func:`markdown_table`'s output; ``tests/test_config_deepspeed.py`` keeps them equal
+(regenerate with ``python -m shardtrain.config_deepspeed``).
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Literal
+
+from pydantic import BaseModel, StrictBool, StrictStr, TypeAdapter, ValidationError
+
+AUTO = "auto"
+Auto = Literal["auto"]
+"""Marker type of a value written ``"auto"``: kept by ``load_config``, replaced at ``initialize``."""
+
+
+def is_auto(value: Any) -> bool:
+    return isinstance(value, str) and value == AUTO
+
+
+class Kind(str, Enum):
+    SUPPORTED = "supported"
+    NO_EFFECT = "accepted, no effect"
+    REFUSED_VALUE = "refused value"
+    NOT_SUPPORTED = "not supported"
+
+
+@dataclass(frozen=True)
+class Rule:
+    path: str
+    kind: Kind
+    note: str
+    """Supported: the meaning. No effect: why. Refused value / not supported: what it asks for, what to do."""
+    values: str = ""
+    """Values in words (docs): type and default, or the accepted values of a refused-value key."""
+    check: Any = None
+    """A type the value must have (validated by pydantic) before it is accepted without effect."""
+    accept: Callable[[Any], bool] | None = None
+    """Refused value: the values accepted (with no effect); any other value is refused."""
+    auto: str = ""
+    """Where ``"auto"`` is resolved from at ``initialize``; empty: ``"auto"`` is an error."""
+    shown: Callable[[Any], str] | None = None
+    """Refused value: the part of a refused section that asked for it, for the message."""
+
+
+def _whole(v: Any) -> Any:
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
+def _supported(path: str, values: str, note: str, auto: str = "") -> Rule:
+    return Rule(path, Kind.SUPPORTED, note, values, auto=auto)
+
+
+def _no_effect(path: str, values: str, note: str, check: Any = None, auto: str = "") -> Rule:
+    return Rule(path, Kind.NO_EFFECT, note, values, check=check, auto=auto)
+
+
+def _only(path: str, accepted: Any, note: str) -> Rule:
+    """A key accepted (without effect) only at the value that is shardtrain's behaviour."""
+    if isinstance(accepted, bool):
+        shown, check = ("`true`" if accepted else "`false`"), StrictBool
+    else:
+        shown, check = (f'`"{accepted}"`' if isinstance(accepted, str) else f"`{accepted}`"), None
+    return Rule(
+        path,
+        Kind.REFUSED_VALUE,
+        note,
+        shown,
+        check=check,
+        accept=lambda v: v == accepted and isinstance(v, bool) == isinstance(accepted, bool),
+    )
+
+
+def _disabled(path: str, note: str) -> Rule:
+    """A section accepted (without effect) while its ``enabled`` is false or absent."""
+    return Rule(
+        path,
+        Kind.REFUSED_VALUE,
+        note,
+        "section with `enabled: false`",
+        check=dict,
+        accept=lambda v: v.get("enabled", False) is False,
+        shown=lambda v: f"enabled: {_describe(v.get('enabled'))}",
+    )
+
+
+def _not_supported(path: str, note: str) -> Rule:
+    return Rule(path, Kind.NOT_SUPPORTED, note)
+
+
+def _offload_off(v: Mapping[str, Any]) -> bool:
+    return v.get("device", "none") in ("none", None)
+
+
+_OFFLOAD = 'offload is planned but not available yet; remove the section or set `device: "none"`'
+_ZERO_PP = "ZeRO++ is not built; remove the key"
+_Z = "zero_optimization."
+
+RULES: tuple[Rule, ...] = (
+    # -- batch size ------------------------------------------------------------------------------
+    _supported(
+        "train_batch_size",
+        "int ≥ 1",
+        "global batch per optimizer step",
+        auto="micro x accumulation x data-parallel size",
+    ),
+    _supported(
+        "train_micro_batch_size_per_gpu",
+        "int ≥ 1",
+        "per-rank batch of one forward/backward",
+        auto='`auto_values["train_micro_batch_size_per_gpu"]`, or from the other two',
+    ),
+    _supported(
+        "gradient_accumulation_steps",
+        "int ≥ 1",
+        "micro-steps per optimizer step",
+        auto='`auto_values["gradient_accumulation_steps"]`, or from the other two',
+    ),
+    _only(
+        "managed_gradient_accumulation",
+        True,
+        "call `engine.step()` after every micro-step; it steps at the boundary (`false`, client-managed "
+        "boundaries, is not supported)",
+    ),
+    # -- optimizer and scheduler -----------------------------------------------------------------
+    _supported(
+        "optimizer",
+        "section",
+        "optimizer built by `initialize` (or pass `optimizer=`)",
+    ),
+    _supported(
+        "optimizer.type",
+        "`Adam`, `AdamW`, `SGD`",
+        "`Adam` means AdamW unless `params.adam_w_mode: false` (as in DeepSpeed); other types (Lamb, OneBitAdam, "
+        "Muon, ...) are refused: pass a torch optimizer to `initialize(optimizer=...)`",
+    ),
+    _supported(
+        "optimizer.params",
+        "dict",
+        "keyword arguments of the torch optimizer (checked against its signature); `lr`, `betas`, `eps`, "
+        '`weight_decay` may be `"auto"`',
+        auto='`auto_values["lr"]`, `["betas"]`, `["eps"]`, `["weight_decay"]`',
+    ),
+    _no_effect("optimizer.legacy_fusion", "bool", "there are no fused DeepSpeed optimizers here", check=StrictBool),
+    _supported(
+        "scheduler",
+        "section",
+        "LR scheduler built by `initialize` (or pass `lr_scheduler=`), stepped once per optimizer step",
+    ),
+    _supported(
+        "scheduler.type",
+        "`WarmupLR`, `WarmupDecayLR`",
+        "DeepSpeed's formulas; other types are refused: pass a torch scheduler to `initialize(lr_scheduler=...)`",
+    ),
+    _supported(
+        "scheduler.params",
+        "dict",
+        "`warmup_min_lr` (0), `warmup_max_lr` (0.001), `warmup_num_steps` (1000), `warmup_type` (`log`/`linear`), "
+        "`total_num_steps` (WarmupDecayLR, required)",
+        auto='`warmup_min_lr`: `auto_values["warmup_min_lr"]` or 0; `warmup_max_lr`: `["lr"]`; '
+        "`warmup_num_steps`, `total_num_steps`: same names",
+    ),
+    _no_effect(
+        "zero_allow_untested_optimizer",
+        "bool",
+        "any torch optimizer is accepted at every stage",
+        check=StrictBool,
+    ),
+    _no_effect(
+        "zero_force_ds_cpu_optimizer",
+        "bool",
+        "there is no DeepSpeed CPU optimizer (nor offload) here",
+        check=StrictBool,
+    ),
+    # -- communication ---------------------------------------------------------------------------
+    _supported(
+        "communication_data_type",
+        "`fp32`, `bf16`, `fp16`; fp32",
+        "dtype gradients are reduced in (mixed precision only; the compute dtype halves the bytes)",
+    ),
+    _no_effect(
+        "seq_parallel_communication_data_type",
+        "string",
+        "there is no sequence parallelism here",
+        check=StrictStr,
+    ),
+    _only(
+        "gradient_allreduce_op",
+        "mean",
+        'gradients are averaged over data-parallel ranks; `"sum"` is not supported',
+    ),
+    _only(
+        "prescale_gradients",
+        False,
+        "gradients are averaged during the reduction; `true` (divide before reducing) is not supported",
+    ),
+    Rule(
+        "gradient_predivide_factor",
+        Kind.REFUSED_VALUE,
+        "gradients are averaged during the reduction; another factor is not supported",
+        "`1.0`",
+        accept=lambda v: not isinstance(v, bool) and v == 1,
+    ),
+    _only("sparse_gradients", False, "sparse embedding gradients are not supported"),
+    _only("disable_allgather", False, "parameters are always all-gathered after the step"),
+    # -- precision -------------------------------------------------------------------------------
+    _supported("fp16", "section", "fp16 compute with loss scaling"),
+    _supported(
+        "fp16.enabled",
+        "bool, `false`",
+        "fp16 compute, fp32 masters and optimizer state",
+        auto='`auto_values["precision"] == "fp16"`; false when not given',
+    ),
+    _supported("fp16.loss_scale", "float ≥ 0, `0`", "`0` = dynamic scaling; a positive value is a static scale"),
+    _supported("fp16.initial_scale_power", "int 0-64, `16`", "dynamic scaling starts at 2^this"),
+    _supported("fp16.loss_scale_window", "int ≥ 1, `1000`", "clean steps after which the scale doubles"),
+    _supported(
+        "fp16.hysteresis",
+        "int ≥ 1, `2`",
+        "overflows absorbed before the scale halves (restored after a clean window)",
+    ),
+    _supported("fp16.min_loss_scale", "float > 0, `1`", "an overflow at this scale raises an error"),
+    _only(
+        "fp16.auto_cast",
+        False,
+        "inputs are not cast: pass floating inputs in the compute dtype",
+    ),
+    _only(
+        "fp16.consecutive_hysteresis",
+        False,
+        "the hysteresis allowance is restored after a clean window, not after every clean step",
+    ),
+    _only("fp16.fp16_master_weights_and_grads", False, "master weights and gradients are always fp32"),
+    _supported("bf16", "section", "bf16 compute (also spelled `bfloat16`)"),
+    _supported(
+        "bf16.enabled",
+        "bool, `false`",
+        "bf16 compute, fp32 masters and optimizer state",
+        auto='`auto_values["precision"] == "bf16"`; false when not given',
+    ),
+    _no_effect(
+        "bf16.immediate_grad_update",
+        "bool",
+        "gradients are accumulated in fp32 and applied at the boundary",
+        check=StrictBool,
+    ),
+    _only(
+        "bf16.check_grad_overflow",
+        False,
+        "bf16 steps are not checked for inf/nan (fp16 steps are); `true` is not supported",
+    ),
+    _only("bf16.bf16_master_weights_and_grads", False, "master weights and gradients are always fp32"),
+    _only("bf16.bf16_optimizer_states", False, "optimizer state is always fp32"),
+    _disabled("amp", "apex AMP is not supported; use the `bf16` or `fp16` section"),
+    _disabled("torch_autocast", "torch.autocast is not applied by the engine; use the `bf16` or `fp16` section"),
+    Rule(
+        "data_types",
+        Kind.REFUSED_VALUE,
+        "gradients are accumulated in fp32; another `grad_accum_dtype` is not supported",
+        '`{"grad_accum_dtype": "fp32"}`',
+        check=dict,
+        accept=lambda v: set(v) <= {"grad_accum_dtype"} and v.get("grad_accum_dtype", "fp32") in ("fp32", None),
+    ),
+    _supported(
+        "gradient_clipping",
+        "float ≥ 0, `0`",
+        "clip the global gradient norm (0 = off)",
+        auto='`auto_values["gradient_clipping"]`',
+    ),
+    # -- ZeRO ------------------------------------------------------------------------------------
+    _supported("zero_optimization", "section", "ZeRO settings (legacy `true`/`false` means stage 1/0)"),
+    _supported(
+        _Z + "stage",
+        '0, 1, 2, 3 (also `"1"`); `0`',
+        "what is partitioned (see architecture.md)",
+    ),
+    _supported(
+        _Z + "reduce_bucket_size",
+        "int ≥ 0 (`5e8` accepted), `5e8`",
+        "elements per gradient bucket and parameter layout unit (0: one parameter per bucket)",
+        auto="hidden_size²",
+    ),
+    _supported(
+        _Z + "allgather_bucket_size",
+        "int ≥ 1, `5e8`",
+        "at most this many elements of post-step all-gathers in flight",
+    ),
+    _supported(
+        _Z + "overlap_comm",
+        "bool, `true`",
+        "launch each bucket's reduction during backward; `false` reduces after backward",
+    ),
+    _only(_Z + "contiguous_gradients", True, "gradients are always copied into contiguous bucket buffers"),
+    _only(_Z + "allgather_partitions", True, "parameters are always all-gathered (not broadcast) after the step"),
+    _only(_Z + "reduce_scatter", True, "gradients are always reduce-scattered at stages 1 and 2"),
+    _only(_Z + "grad_hooks", True, "reductions are launched from gradient hooks (see `overlap_comm`)"),
+    _no_effect(
+        _Z + "use_multi_rank_bucket_allreduce",
+        "bool",
+        "one reduction per bucket is the only schedule",
+        check=StrictBool,
+    ),
+    _only(_Z + "ignore_unused_parameters", True, "unused parameters get a zero gradient"),
+    _only(_Z + "load_from_fp32_weights", True, "checkpoints always load the fp32 masters"),
+    _no_effect(
+        _Z + "elastic_checkpoint",
+        "bool",
+        "checkpoints always load into any layout",
+        check=StrictBool,
+    ),
+    _no_effect(
+        _Z + "round_robin_gradients",
+        "bool",
+        "an optimization of CPU offload, which is not built",
+        check=StrictBool,
+    ),
+    _no_effect(
+        _Z + "sub_group_size",
+        "int ≥ 0",
+        "the optimizer steps each rank's fragments at once (no offload tiles)",
+        check=int,
+    ),
+    Rule(
+        _Z + "offload_optimizer",
+        Kind.REFUSED_VALUE,
+        "optimizer " + _OFFLOAD,
+        '`device: "none"`',
+        check=dict,
+        accept=_offload_off,
+        shown=lambda v: f"device: {_describe(v.get('device'))}",
+    ),
+    Rule(
+        _Z + "offload_param",
+        Kind.REFUSED_VALUE,
+        "parameter " + _OFFLOAD,
+        '`device: "none"`',
+        check=dict,
+        accept=_offload_off,
+        shown=lambda v: f"device: {_describe(v.get('device'))}",
+    ),
+    _only(_Z + "cpu_offload", False, "legacy optimizer offload; " + _OFFLOAD),
+    _only(_Z + "cpu_offload_param", False, "legacy parameter offload; " + _OFFLOAD),
+    _no_effect(
+        _Z + "cpu_offload_use_pin_memory",
+        "bool",
+        "pinned memory for offload, which is not built",
+        check=StrictBool,
+    ),
+    _no_effect(
+        _Z + "zenflow",
+        "section",
+        "ZenFlow tunes CPU offload, which is not built",
+        check=dict,
+    ),
+    _supported(
+        _Z + "stage3_param_persistence_threshold",
+        "int ≥ 0, `1e5`",
+        "stage 3: parameters with fewer elements stay whole on every rank",
+        auto="10 x hidden_size (stage 3)",
+    ),
+    _supported(
+        _Z + "stage3_prefetch_bucket_size",
+        "int ≥ 0, `5e7`",
+        "stage 3: prefetch the next unit if it has at most this many elements (0 = no prefetch)",
+        auto="0.9 x hidden_size² (stage 3)",
+    ),
+    _supported(
+        _Z + "stage3_unit_classes",
+        "list of class names",
+        "stage 3 (shardtrain key): gather/release modules of these classes as units instead of repeated blocks",
+    ),
+    _supported(
+        _Z + "stage3_gather_check",
+        "bool, `true`",
+        "stage 3 (shardtrain key): exchange unit ids before each gather (one 8-byte all-gather) so ranks on "
+        "different paths fail with the unit names; `false` saves that collective",
+    ),
+    _no_effect(
+        _Z + "stage3_max_live_parameters",
+        "int ≥ 0",
+        "at most the current and the prefetched units are gathered",
+        check=int,
+    ),
+    _no_effect(
+        _Z + "stage3_max_reuse_distance",
+        "int ≥ 0",
+        "units are released after every use",
+        check=int,
+    ),
+    _no_effect(
+        _Z + "stage3_model_persistence_threshold",
+        "int ≥ 0",
+        "persistence is decided per parameter (`stage3_param_persistence_threshold`) only",
+        check=int,
+    ),
+    _no_effect(
+        _Z + "stage3_module_granularity_threshold",
+        "int ≥ 0",
+        "units are transformer blocks or `stage3_unit_classes`, not chosen by granularity",
+        check=int,
+    ),
+    _no_effect(
+        _Z + "stage3_gather_16bit_weights_on_model_save",
+        "bool",
+        "`engine.full_state_dict()` always gathers full weights",
+        check=StrictBool,
+    ),
+    _no_effect(
+        _Z + "stage3_use_all_reduce_for_fetch_params",
+        "bool",
+        "units are fetched with one all-gather each",
+        check=StrictBool,
+    ),
+    _no_effect(_Z + "stage3_allgather_sequential", "bool", "one all-gather per unit", check=StrictBool),
+    _no_effect(_Z + "memory_efficient_linear", "bool", "linear layers are not replaced", check=StrictBool),
+    _no_effect(_Z + "override_module_apply", "bool", "`module.apply` is not patched", check=StrictBool),
+    _no_effect(_Z + "log_trace_cache_warnings", "bool", "there is no trace cache", check=StrictBool),
+    _no_effect(
+        _Z + "enable_sanity_checks",
+        "bool",
+        "see `stage3_gather_check` for shardtrain's check",
+        check=StrictBool,
+    ),
+    _no_effect(
+        _Z + "save_muon_momentum_buffer_in_memory",
+        "bool",
+        "there is no Muon optimizer nor NVMe offload",
+        check=StrictBool,
+    ),
+    _not_supported(_Z + "leaf_module", "use `zero_optimization.stage3_unit_classes` to choose units"),
+    _only(_Z + "legacy_stage1", False, "there is one stage-1 implementation"),
+    _only(_Z + "pipeline_loading_checkpoint", False, "there is no pipeline parallelism"),
+    Rule(
+        _Z + "zero_hpz_partition_size",
+        Kind.REFUSED_VALUE,
+        "hierarchical partitioning (ZeRO++ hpZ); " + _ZERO_PP,
+        "`1`",
+        accept=lambda v: not isinstance(v, bool) and v in (0, 1),
+    ),
+    _only(_Z + "zero_quantized_weights", False, "quantized weights (ZeRO++); " + _ZERO_PP),
+    _only(_Z + "zero_quantized_nontrainable_weights", False, "quantized weights (ZeRO++); " + _ZERO_PP),
+    _only(_Z + "zero_quantized_gradients", False, "quantized gradients (ZeRO++); " + _ZERO_PP),
+    _not_supported(_Z + "zeropp_loco_param", _ZERO_PP),
+    Rule(
+        _Z + "mics_shard_size",
+        Kind.REFUSED_VALUE,
+        "MiCS is not built; remove the key",
+        "`-1`",
+        accept=lambda v: not isinstance(v, bool) and v == -1,
+    ),
+    _only(_Z + "mics_hierarchical_params_gather", False, "MiCS is not built"),
+    # -- logging and monitoring ------------------------------------------------------------------
+    _supported("steps_per_print", "int ≥ 1, `10`", "rank 0 logs loss, lr and grad norm (logger `shardtrain`)"),
+    _supported(
+        "wall_clock_breakdown",
+        "bool, `false`",
+        "log forward/backward/step wall-clock times every `steps_per_print` steps (rank 0)",
+    ),
+    _only("dump_state", False, "the engine state is not printed at start"),
+    _only("memory_breakdown", False, "not built; use `engine.state_bytes()`"),
+    *(
+        rule
+        for monitor in ("tensorboard", "csv_monitor")
+        for rule in (
+            _supported(monitor, "section", f"write scalars with the {monitor} monitor"),
+            _supported(f"{monitor}.enabled", "bool, `false`", "turn the monitor on"),
+            _supported(f"{monitor}.output_path", "string, `./runs`", "directory of the monitor's files"),
+            _supported(f"{monitor}.job_name", "string, `DeepSpeedJobName`", "subdirectory of `output_path`"),
+        )
+    ),
+    _supported("wandb", "section", "log scalars to Weights & Biases (needs the `wandb` package)"),
+    _supported("wandb.enabled", "bool, `false`", "turn the monitor on"),
+    _supported("wandb.group", "string", "W&B group"),
+    _supported("wandb.team", "string", "W&B team (entity)"),
+    _supported("wandb.project", "string, `deepspeed`", "W&B project"),
+    _disabled("comet", "the Comet monitor is not built; use `tensorboard`, `csv_monitor` or `wandb`"),
+    _disabled("comms_logger", "not built; use `engine.comm_stats()`"),
+    _disabled("flops_profiler", "not built; use `torch.profiler`"),
+    _no_effect(
+        "timers",
+        "section",
+        "DeepSpeed's throughput timers; see `wall_clock_breakdown`",
+        check=dict,
+    ),
+    # -- features that are not built -------------------------------------------------------------
+    _no_effect(
+        "activation_checkpointing",
+        "section",
+        "configures `deepspeed.checkpointing`, which a model calls itself; use `torch.utils.checkpoint`",
+        check=dict,
+    ),
+    _not_supported("sparse_attention", "DeepSpeed's sparse attention modules are not provided"),
+    _not_supported("pipeline", "pipeline parallelism is not supported"),
+    Rule(
+        "tensor_parallel",
+        Kind.REFUSED_VALUE,
+        "tensor parallelism (AutoTP) is not built yet; remove the section",
+        "`autotp_size` ≤ 1",
+        check=dict,
+        accept=lambda v: v.get("autotp_size", 1) in (0, 1),
+    ),
+    _disabled("expert_parallel", "expert parallelism (AutoEP) is not supported"),
+    _disabled("hybrid_engine", "the RLHF hybrid engine is not supported"),
+    _not_supported("aio", "asynchronous I/O configures NVMe offload, which is not built yet; remove the section"),
+    _disabled("autotuning", "not supported; tune batch and bucket sizes by hand"),
+    _disabled("elasticity", "elastic batch sizes are not supported; give the batch sizes"),
+    _not_supported("compression_training", "model compression is not supported"),
+    _not_supported("weight_quantization", "weight quantization is not supported"),
+    _disabled("quantize_training", "quantized training is not supported"),
+    _disabled("data_efficiency", "data sampling and routing are not supported; do it in your data loader"),
+    _disabled("curriculum_learning", "curriculum learning is not supported; do it in your data loader"),
+    _disabled("progressive_layer_drop", "progressive layer drop is not supported"),
+    _disabled("eigenvalue", "eigenvalue computation is not supported"),
+    Rule(
+        "compile",
+        Kind.REFUSED_VALUE,
+        "settings for DeepSpeed's `engine.compile()`; call `torch.compile` on the model yourself. "
+        "`deepcompile: true` is not supported",
+        "without `deepcompile: true`",
+        check=dict,
+        accept=lambda v: v.get("deepcompile", False) is False,
+    ),
+    _no_effect(
+        "dataloader_drop_last",
+        "bool",
+        "the engine does not build data loaders",
+        check=StrictBool,
+    ),
+    _no_effect(
+        "use_data_before_expert_parallelism",
+        "bool",
+        "there is no expert parallelism",
+        check=StrictBool,
+    ),
+    _only("graph_harvesting", False, "CUDA graphs are not captured by the engine"),
+    Rule(
+        "checkpoint",
+        Kind.REFUSED_VALUE,
+        "checkpoints have one format that loads into any layout; `use_node_local_storage: true` (each node "
+        "writes its own copy) is not supported",
+        "without `use_node_local_storage: true`",
+        check=dict,
+        accept=lambda v: v.get("use_node_local_storage", False) is False,
+    ),
+    _disabled("nebula", "the Nebula checkpoint service is not supported"),
+    _disabled("datastates", "DataStates checkpointing is not supported"),
+    # -- shardtrain's own keys -------------------------------------------------------------------
+    _supported("seed", "int", "shardtrain key: seeds python, numpy and torch at `initialize`"),
+    _supported(
+        "collective_timeout_s",
+        "float > 0, `1800`",
+        "shardtrain key: seconds before a collective fails with a named error",
+    ),
+)
+
+RULES_BY_PATH: dict[str, Rule] = {r.path: r for r in RULES}
+
+# DeepSpeed spellings of the same key: (alias, canonical path).
+ALIASES: dict[str, str] = {
+    "bfloat16": "bf16",
+    **{
+        _Z + name: _Z + "stage3_" + name
+        for name in (
+            "prefetch_bucket_size",
+            "param_persistence_threshold",
+            "model_persistence_threshold",
+            "max_live_parameters",
+            "max_reuse_distance",
+            "gather_16bit_weights_on_model_save",
+            "module_granularity_threshold",
+            "use_all_reduce_for_fetch_params",
+            "allgather_sequential",
+        )
+    },
+    _Z + "stage3_gather_fp16_weights_on_model_save": _Z + "stage3_gather_16bit_weights_on_model_save",
+}
+
+# Keys that belong elsewhere: refused with this message as it stands.
+MISPLACED_KEYS: dict[str, str] = {
+    f"bf16.{key}": "loss scaling applies to fp16 only; bf16 has fp32's range and needs none"
+    for key in ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale")
+}
+
+# "auto" inside optimizer.params / scheduler.params (dicts that pydantic does not walk).
+AUTO_PARAMS: dict[str, str] = {
+    "optimizer.params.lr": 'auto_values["lr"]',
+    "optimizer.params.betas": 'auto_values["betas"]',
+    "optimizer.params.eps": 'auto_values["eps"]',
+    "optimizer.params.weight_decay": 'auto_values["weight_decay"]',
+    "scheduler.params.warmup_min_lr": 'auto_values["warmup_min_lr"], else 0',
+    "scheduler.params.warmup_max_lr": 'auto_values["lr"]',
+    "scheduler.params.warmup_num_steps": 'auto_values["warmup_num_steps"]',
+    "scheduler.params.total_num_steps": 'auto_values["total_num_steps"]',
+}
+
+
+@dataclass
+class Findings:
+    """What :func:`classify` found: problems (``path: message``), keys accepted without effect, "auto" paths."""
+
+    problems: list[str] = field(default_factory=list)
+    no_effect: list[str] = field(default_factory=list)
+    autos: dict[str, str] = field(default_factory=dict)
+    """path -> where it is resolved from."""
+
+
+def _describe(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return repr(v)
+
+
+def _check_type(rule: Rule, value: Any) -> str | None:
+    if rule.check is None:
+        return None
+    if rule.check is dict:
+        return None if isinstance(value, Mapping) else f"expected a section (a mapping), got {_describe(value)}"
+    if rule.check is int:
+        value = _whole(value)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            return f"expected a whole number ≥ 0, got {_describe(value)}"
+        return None
+    try:
+        TypeAdapter(rule.check).validate_python(value)
+    except ValidationError as err:
+        return f"{err.errors()[0]['msg']} (got {_describe(value)})"
+    return None
+
+
+def _apply_rule(rule: Rule, value: Any, found: Findings) -> None:
+    """A rule of any kind but SUPPORTED: record a problem or a no-effect note; the key leaves the data."""
+    path = rule.path
+    if rule.kind is Kind.NOT_SUPPORTED:
+        found.problems.append(f"{path}: a DeepSpeed key shardtrain does not support ({rule.note})")
+        return
+    bad_type = _check_type(rule, value)
+    if bad_type:
+        found.problems.append(f"{path}: {bad_type}")
+        return
+    if rule.accept is not None and not rule.accept(value):
+        shown = rule.shown(value) if rule.shown else _describe(value)
+        found.problems.append(
+            f"{path}: {shown} is not supported: {rule.note}. Accepted (no effect): {rule.values}, or remove the key"
+        )
+        return
+    found.no_effect.append(f"{path}: {rule.note}")
+
+
+def _known_here(prefix: str, model: type[BaseModel] | None) -> list[str]:
+    names = set(model.model_fields) if model else set()
+    dotted = f"{prefix}." if prefix else ""
+    for path in (*RULES_BY_PATH, *ALIASES):
+        if path.startswith(dotted) and "." not in path[len(dotted) :]:
+            names.add(path[len(dotted) :])
+    return sorted(names)
+
+
+def unknown_key_message(path: str, key: str, allowed: list[str]) -> str:
+    close = difflib.get_close_matches(key, allowed, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return f"{path}: unknown key {key!r}{hint} Allowed keys here: {', '.join(sorted(allowed))}"
+
+
+def _section_model(model: type[BaseModel] | None, key: str) -> type[BaseModel] | None:
+    if model is None or key not in model.model_fields:
+        return None
+    annotation = model.model_fields[key].annotation
+    for candidate in getattr(annotation, "__args__", (annotation,)):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
+
+
+def classify(data: Mapping[str, Any], model: type[BaseModel], prefix: str = "") -> tuple[dict[str, Any], Findings]:
+    """Walk ``data`` (a raw config section) with :data:`RULES`; return what pydantic should validate, and findings."""
+    found = Findings()
+    return _walk(data, model, prefix, found), found
+
+
+def _walk(data: Mapping[str, Any], model: type[BaseModel] | None, prefix: str, found: Findings) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for raw_key, raw_value in data.items():
+        key, value = str(raw_key), raw_value
+        path = f"{prefix}.{key}" if prefix else key
+        if path in ALIASES:
+            canonical = ALIASES[path]
+            key, path = canonical.rsplit(".", 1)[-1], canonical
+            if key in data:
+                found.problems.append(
+                    f"{path}: given twice, as {path!r} and as its alias {prefix_join(prefix, raw_key)!r}"
+                )
+                continue
+        if not prefix and key.startswith("_"):
+            found.no_effect.append(f"{path}: a comment (a key starting with '_')")
+            continue
+        if path == "zero_optimization" and isinstance(value, bool):  # DeepSpeed's legacy form
+            value = {"stage": 1 if value else 0}
+        if path in MISPLACED_KEYS:
+            found.problems.append(f"{path}: {MISPLACED_KEYS[path]}")
+            continue
+        rule = RULES_BY_PATH.get(path)
+        if is_auto(value):
+            if rule is not None and rule.auto:
+                found.autos[path] = rule.auto
+                out[key] = value
+            else:
+                found.problems.append(
+                    f'{path}: "auto" cannot be derived for this key (only for the keys Hugging Face\'s Trainer '
+                    "fills in; see docs/config.md); give a value"
+                )
+            continue
+        if rule is not None and rule.kind is not Kind.SUPPORTED:
+            _apply_rule(rule, value, found)
+            continue
+        if rule is None and (model is None or key not in model.model_fields):
+            found.problems.append(unknown_key_message(path, key, _known_here(prefix, model)))
+            continue
+        section = _section_model(model, key)
+        if section is not None and isinstance(value, Mapping):
+            value = _walk(value, section, path, found)
+        elif path in ("optimizer.params", "scheduler.params") and isinstance(value, Mapping):
+            for name, v in value.items():
+                if is_auto(v):
+                    if f"{path}.{name}" in AUTO_PARAMS:
+                        found.autos[f"{path}.{name}"] = AUTO_PARAMS[f"{path}.{name}"]
+                    else:
+                        found.problems.append(f'{path}.{name}: "auto" cannot be derived for this key; give a value')
+        out[key] = value
+    return out
+
+
+def prefix_join(prefix: str, key: Any) -> str:
+    return f"{prefix}.{key}" if prefix else str(key)
+
+
+# -- the docs table ----------------------------------------------------------------------------------
+
+
+def markdown_table() -> str:
+    """The table in docs/config.md: every key, its classification, values and meaning or reason."""
+    lines = [
+        "| key | classification | values | meaning, or why no effect / what to do |",
+        "|---|---|---|---|",
+    ]
+    for r in RULES:
+        kind = r.kind.value
+        if r.kind is Kind.REFUSED_VALUE:
+            kind = f"refused value (accepted, no effect: {r.values})"
+        values = "" if r.kind is Kind.REFUSED_VALUE else r.values
+        auto = f' `"auto"`: {r.auto}.' if r.auto else ""
+        lines.append(f"| `{r.path}` | {kind} | {values} | {r.note}.{auto} |".replace("..", "."))
+    for alias, canonical in ALIASES.items():
+        lines.append(f"| `{alias}` | alias | | DeepSpeed's other spelling of `{canonical}` |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown_table(), end="")

@@ -1,0 +1,167 @@
+"""Every DeepSpeed key is classified once: supported, accepted without effect, refused value, not supported."""
+
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel
+
+from shardtrain.config import Config, inspect_config, load_config
+from shardtrain.config_deepspeed import ALIASES, RULES, RULES_BY_PATH, Kind, markdown_table
+from shardtrain.errors import ConfigError
+
+DOC = Path(__file__).parent.parent / "docs" / "config.md"
+
+
+def _field_paths(model: type[BaseModel], prefix: str = "") -> set[str]:
+    paths = set()
+    for name, info in model.model_fields.items():
+        path = f"{prefix}{name}"
+        paths.add(path)
+        for candidate in getattr(info.annotation, "__args__", (info.annotation,)):
+            if (
+                isinstance(candidate, type)
+                and issubclass(candidate, BaseModel)
+                and path not in ("optimizer", "scheduler")
+            ):
+                paths |= _field_paths(candidate, f"{path}.")
+    return paths
+
+
+def test_doc_table_is_the_code_table():
+    doc = DOC.read_text()
+    start = doc.index("| key | classification |")
+    end = doc.index("<!-- end of key table -->")
+    assert doc[start:end] == markdown_table(), "regenerate the table: python -m shardtrain.config_deepspeed"
+
+
+def test_supported_rules_are_exactly_the_config_fields():
+    supported = {r.path for r in RULES if r.kind is Kind.SUPPORTED}
+    fields = _field_paths(Config) | {"optimizer.type", "optimizer.params", "scheduler.type", "scheduler.params"}
+    assert supported == fields
+    assert len(RULES_BY_PATH) == len(RULES)  # one rule per key
+    assert all(canonical in RULES_BY_PATH for canonical in ALIASES.values())
+
+
+@pytest.mark.parametrize(
+    ("config", "path"),
+    [
+        ({"zero_optimization": {"contiguous_gradients": True}}, "zero_optimization.contiguous_gradients"),
+        ({"zero_optimization": {"allgather_partitions": True}}, "zero_optimization.allgather_partitions"),
+        ({"zero_optimization": {"reduce_scatter": True}}, "zero_optimization.reduce_scatter"),
+        ({"prescale_gradients": False}, "prescale_gradients"),
+        ({"zero_allow_untested_optimizer": True}, "zero_allow_untested_optimizer"),
+        ({"zero_optimization": {"sub_group_size": 1e9}}, "zero_optimization.sub_group_size"),
+        ({"zero_optimization": {"stage": 3, "stage3_max_live_parameters": 1e9}}, "stage3_max_live_parameters"),
+        ({"zero_optimization": {"offload_optimizer": {"device": "none"}}}, "zero_optimization.offload_optimizer"),
+        ({"zero_optimization": {"cpu_offload": False}}, "zero_optimization.cpu_offload"),
+        ({"fp16": {"auto_cast": False}}, "fp16.auto_cast"),
+        ({"flops_profiler": {"enabled": False, "profile_step": 1}}, "flops_profiler"),
+        ({"comms_logger": {"enabled": False}}, "comms_logger"),
+        ({"memory_breakdown": False}, "memory_breakdown"),
+        ({"_comment": "anything"}, "_comment"),
+        ({"zero_optimization": {"stage": 2, "stage3_prefetch_bucket_size": 0}}, "stage3_prefetch_bucket_size"),
+        ({"zero_optimization": {"stage": 1, "stage3_param_persistence_threshold": 10}}, "applies to stage 3 only"),
+    ],
+)
+def test_accepted_without_effect(config, path):
+    report = inspect_config(config)
+    assert report.ok, report.problems
+    assert any(path in note for note in report.no_effect), report.no_effect
+    assert load_config(config) == report.config
+
+
+@pytest.mark.parametrize(
+    ("config", "fragments"),
+    [
+        ({"zero_optimization": {"allgather_partitions": False}}, ["allgather_partitions: false", "`true`"]),
+        ({"zero_optimization": {"contiguous_gradients": False}}, ["contiguous_gradients: false", "contiguous"]),
+        ({"prescale_gradients": True}, ["prescale_gradients: true is not supported", "`false`"]),
+        ({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}, ["device: 'nvme'", "planned"]),
+        ({"zero_optimization": {"offload_param": {"device": "cpu"}}}, ["offload_param: device: 'cpu'", "planned"]),
+        ({"zero_optimization": {"cpu_offload": True}}, ["zero_optimization.cpu_offload: true", "offload is planned"]),
+        ({"fp16": {"auto_cast": True}}, ["fp16.auto_cast: true", "inputs are not cast"]),
+        ({"flops_profiler": {"enabled": True}}, ["flops_profiler: enabled: true", "torch.profiler"]),
+        ({"comms_logger": {"enabled": True}}, ["comms_logger: enabled: true", "engine.comm_stats()"]),
+        ({"gradient_predivide_factor": 2.0}, ["gradient_predivide_factor: 2.0", "`1.0`"]),
+        ({"tensor_parallel": {"autotp_size": 4}}, ["tensor_parallel", "not built yet"]),
+        ({"zero_optimization": {"sub_group_size": "big"}}, ["zero_optimization.sub_group_size", "whole number"]),
+        ({"zero_allow_untested_optimizer": "yes"}, ["zero_allow_untested_optimizer", "valid boolean"]),
+    ],
+)
+def test_refused_values_name_key_value_and_what_is_accepted(config, fragments):
+    with pytest.raises(ConfigError) as err:
+        load_config(config)
+    for fragment in fragments:
+        assert fragment in str(err.value), f"{fragment!r} not in: {err.value}"
+
+
+@pytest.mark.parametrize(
+    ("config", "fragments"),
+    [
+        ({"pipeline": {"stages": 2}}, ["pipeline: a DeepSpeed key shardtrain does not support", "pipeline"]),
+        ({"sparse_attention": {"mode": "fixed"}}, ["sparse_attention", "not provided"]),
+        ({"aio": {"block_size": 1}}, ["aio", "NVMe offload"]),
+        ({"zero_optimization": {"leaf_module": {}}}, ["zero_optimization.leaf_module", "stage3_unit_classes"]),
+    ],
+)
+def test_not_supported_keys(config, fragments):
+    with pytest.raises(ConfigError) as err:
+        load_config(config)
+    for fragment in fragments:
+        assert fragment in str(err.value)
+
+
+def test_every_problem_is_reported_not_only_the_first():
+    report = inspect_config(
+        {
+            "zero_optimization": {"stage": 7, "offload_optimizer": {"device": "cpu"}, "stgae": 1},
+            "prescale_gradients": True,
+            "gradient_clipping": -1,
+            "train_batch_sise": 8,
+        }
+    )
+    keys = {p.split(":")[0] for p in report.problems}
+    assert keys == {
+        "zero_optimization.stage",
+        "zero_optimization.offload_optimizer",
+        "zero_optimization.stgae",
+        "prescale_gradients",
+        "gradient_clipping",
+        "train_batch_sise",
+    }, report.problems
+    assert report.config is None
+    assert any("did you mean 'train_batch_size'" in p for p in report.problems)
+
+
+def test_aliases_and_legacy_spellings():
+    assert load_config({"bfloat16": {"enabled": True}}).bf16.enabled is True
+    assert load_config({"zero_optimization": {"stage": "2"}}).zero_optimization.stage == 2
+    assert load_config({"zero_optimization": True}).zero_optimization.stage == 1
+    assert load_config({"zero_optimization": False}).zero_optimization.stage == 0
+    assert load_config({"zero_optimization": {}}).zero_optimization.stage == 0
+    cfg = load_config(
+        {"zero_optimization": {"stage": 3, "prefetch_bucket_size": 2e8, "param_persistence_threshold": 0}}
+    )
+    assert cfg.zero_optimization.stage3_prefetch_bucket_size == 200_000_000
+    assert cfg.zero_optimization.stage3_param_persistence_threshold == 0
+    report = inspect_config({"zero_optimization": {"stage": 3, "max_live_parameters": 0, "max_reuse_distance": 0}})
+    assert report.ok and any("stage3_max_live_parameters" in n for n in report.no_effect)
+    legacy = inspect_config({"zero_optimization": {"stage": 3, "stage3_gather_fp16_weights_on_model_save": True}})
+    assert legacy.ok and any("stage3_gather_16bit_weights_on_model_save" in n for n in legacy.no_effect)
+    with pytest.raises(ConfigError, match="given twice"):
+        load_config({"bf16": {"enabled": True}, "bfloat16": {"enabled": True}})
+    with pytest.raises(ConfigError, match=r"bf16\.loss_scale"):
+        load_config({"bfloat16": {"enabled": True, "loss_scale": 0}})
+
+
+def test_auto_is_kept_by_load_config_and_refused_where_not_derivable():
+    report = inspect_config({"train_batch_size": "auto", "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}})
+    assert report.ok
+    assert report.config.train_batch_size == "auto"
+    assert set(report.autos) == {"train_batch_size", "optimizer.params.lr"}
+    with pytest.raises(ConfigError, match='steps_per_print: "auto" cannot be derived'):
+        load_config({"steps_per_print": "auto"})
+    with pytest.raises(ConfigError, match=r'optimizer\.params\.momentum: "auto" cannot be derived'):
+        load_config({"optimizer": {"type": "SGD", "params": {"momentum": "auto"}}})
+    with pytest.raises(ConfigError, match="train_batch_size: Input should be a valid integer"):
+        load_config({"train_batch_size": "automatic"})
