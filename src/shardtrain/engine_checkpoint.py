@@ -122,6 +122,7 @@ def save_engine(engine: Engine, save_dir: str | Path, tag: str, client_state: di
             "global_step": engine.global_step,
             "micro_steps": engine.micro_steps,
             "skipped_steps": engine.skipped_steps,
+            "global_samples": engine.global_samples,
         },
         "engine/topology": {
             "world_size": top.dp,
@@ -233,6 +234,8 @@ def _load(engine: Engine, load_dir: str | Path, tag: str | None, load_optimizer_
     engine.global_step = counters.get("global_step", 0)
     engine.micro_steps = counters.get("micro_steps", 0)
     engine.skipped_steps = counters.get("skipped_steps", 0)
+    # checkpoints older than the monitors: DeepSpeed's own fallback
+    engine.global_samples = counters.get("global_samples", engine.global_step * engine.train_batch_size)
     if manifest.world_size == engine.topology.dp:
         rng = reader.rank_objects(engine.topology.dp_rank).get("rng")
         if rng is not None:
