@@ -15,7 +15,8 @@ owns); a tensor every rank holds whole (stage 0, frozen parameters, buffers, sca
 contiguous slices, one written by each rank, so the writes run in parallel.
 
 Global objects: ``optimizer/param_groups`` (hyperparameters and parameter names per group), the scheduler
-and loss-scaler states, engine counters, the saving topology and ``client_state``. Per rank: RNG states.
+and loss-scaler states, engine counters, the saving topology and ``client_state``; for a transformers model
+also ``hf/config`` and ``hf/generation_config`` (JSON text, see :mod:`shardtrain.hf`). Per rank: RNG states.
 
 Loading reads, for each tensor, the elements this rank now needs (the whole parameter, a stage-3 fragment,
 the master fragment), whatever layout saved them, so a checkpoint taken at N ranks and stage s loads at M
@@ -34,6 +35,7 @@ import torch
 
 from shardtrain.checkpoint import FlatSlice, SavePiece, open_checkpoint, save
 from shardtrain.errors import CheckpointError
+from shardtrain.hf import hf_config_objects
 from shardtrain.zero.weights import state_tensors
 
 if TYPE_CHECKING:
@@ -133,6 +135,7 @@ def save_engine(engine: Engine, save_dir: str | Path, tag: str, client_state: di
         "engine/scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
         "engine/scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
         "client_state": client_state if client_state is not None else {},
+        **hf_config_objects(engine.module),  # a transformers model's config: consolidation writes config.json
     }
     rng = {
         "torch": torch.get_rng_state(),
