@@ -16,7 +16,7 @@ contiguous slices, one written by each rank, so the writes run in parallel.
 
 Global objects: ``optimizer/param_groups`` (hyperparameters and parameter names per group), the scheduler
 and loss-scaler states, engine counters, the saving topology and ``client_state``; for a transformers model
-also ``hf/config`` and ``hf/generation_config`` (JSON text, see :mod:`shardtrain.hf`). Per rank: RNG states.
+also ``hf/config`` and ``hf/generation_config`` (JSON text, see :mod:`shardtrain.hf_config`). Per rank: RNG states.
 
 Loading reads, for each tensor, the elements this rank now needs (the whole parameter, a stage-3 fragment,
 the master fragment), whatever layout saved them, so a checkpoint taken at N ranks and stage s loads at M
@@ -35,7 +35,7 @@ import torch
 
 from shardtrain.checkpoint import FlatSlice, SavePiece, open_checkpoint, save
 from shardtrain.errors import CheckpointError
-from shardtrain.hf import hf_config_objects
+from shardtrain.hf_config import hf_config_objects
 from shardtrain.zero.weights import state_tensors
 
 if TYPE_CHECKING:

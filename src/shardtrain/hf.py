@@ -1,6 +1,6 @@
-"""Hugging Face ``transformers`` models in and out: :func:`from_pretrained` builds a sharded engine from a pretrained
-directory; :func:`hf_config_objects` is what ``engine.save_checkpoint`` keeps of a model's HF configuration so that
-``shardtrain checkpoint consolidate`` writes a directory ``AutoModelForCausalLM.from_pretrained`` opens as it is.
+"""Hugging Face ``transformers`` models in: :func:`from_pretrained` builds a sharded engine from a pretrained
+directory. (Out: :mod:`shardtrain.hf_config` is what ``engine.save_checkpoint`` keeps of a model's HF configuration,
+so that ``shardtrain checkpoint consolidate`` writes a directory ``AutoModelForCausalLM.from_pretrained`` opens.)
 
 ``transformers`` is imported only when the model (or the call) is a ``transformers`` one: plain PyTorch users never
 pay for it, and it is not a dependency of the package.
@@ -8,7 +8,6 @@ pay for it, and it is not a dependency of the package.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -16,38 +15,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardtrain.checkpoint.consolidate import HF_CONFIG_KEY, HF_GENERATION_CONFIG_KEY
 from shardtrain.config import Config, load_config
 from shardtrain.engine import Engine, OptimizerArg, SchedulerArg, initialize
 from shardtrain.errors import ShardtrainError
+from shardtrain.hf_config import hf_config_objects
 
-
-def _is_transformers_class(obj: Any, *names: str) -> bool:
-    """True when a class in ``type(obj)``'s MRO is one of transformers' ``names`` (no import of transformers)."""
-    return any(c.__module__.startswith("transformers.") and c.__name__ in names for c in type(obj).__mro__)
-
-
-def hf_config_objects(module: nn.Module) -> dict[str, str]:
-    """The module's HF config (and generation config) as JSON text, or ``{}`` when it is not a transformers model.
-
-    Global checkpoint objects: the text ``save_pretrained`` would write, except ``dtype``, which consolidation sets
-    to the dtype it writes the weights in (see [Note: engine checkpoint contents]).
-
-    ``architectures`` is set to the module's class name, as ``save_pretrained`` does, so that the Auto classes
-    pick the right head when the consolidated directory is opened."""
-    config = getattr(module, "config", None)
-    if not _is_transformers_class(config, "PreTrainedConfig", "PretrainedConfig"):
-        return {}
-    data = json.loads(config.to_json_string(use_diff=True))
-    data["architectures"] = [type(module).__name__]
-    objects = {HF_CONFIG_KEY: json.dumps(data, indent=2, sort_keys=True)}
-    generation = getattr(module, "generation_config", None)
-    can_generate = getattr(module, "can_generate", lambda: False)
-    if _is_transformers_class(generation, "GenerationConfig") and can_generate():
-        gen = json.loads(generation.to_json_string(use_diff=True))
-        gen.pop("compile_config", None)  # save_pretrained drops it too (runtime-only setting)
-        objects[HF_GENERATION_CONFIG_KEY] = json.dumps(gen, indent=2, sort_keys=True)
-    return objects
+__all__ = ["from_pretrained", "hf_config_objects"]
 
 
 def _check_pretrained_dir(path: Path) -> None:
