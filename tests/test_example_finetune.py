@@ -44,7 +44,8 @@ def test_finetune_example_trains_resumes_and_consolidates(tmp_path):
 
     reader = open_checkpoint(out / "checkpoints")  # the one `latest` names
     assert reader.manifest.tag == "global_step4"
-    assert reader.objects["engine/counters"]["global_step"] == 4
+    counters = reader.objects["engine/counters"]
+    assert counters["global_step"] == 4 and counters["global_samples"] == 4 * (4 * 2 * 2)  # micro x accum x ranks
     # Adam's step count continued from the checkpoint (a fresh optimizer would be at 2)
     assert reader.read("optim/model.norm.weight/step").item() == 4
     assert reader.objects["engine/scheduler"]["last_epoch"] == 4
