@@ -10,6 +10,7 @@ from shardtrain.errors import (
     RankMismatchError,
     ShardtrainError,
 )
+from shardtrain.hf import from_pretrained
 
 __version__ = "0.1.0"
 
@@ -22,6 +23,7 @@ __all__ = [
     "OptimizerError",
     "RankMismatchError",
     "ShardtrainError",
+    "from_pretrained",
     "initialize",
     "load_config",
 ]

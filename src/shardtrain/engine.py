@@ -30,6 +30,7 @@ from shardtrain.config import Config, load_config, optimizer_class_and_kwargs, r
 from shardtrain.config_auto import resolve_auto
 from shardtrain.errors import ConfigError, OptimizerError, RankMismatchError
 from shardtrain.mesh import Topology, init_topology
+from shardtrain.monitor import TrainingMonitor, check_monitor_packages
 from shardtrain.precision import LossScaler, policy_from_config
 from shardtrain.schedulers import build_scheduler
 from shardtrain.zero.init import is_under_construction
@@ -122,8 +123,10 @@ class Engine:
         self.lr_scheduler = lr_scheduler
         self.global_step = 0
         self.micro_steps = 0
+        self.global_samples = 0  # DeepSpeed's x-axis for monitors: train_batch_size per optimizer step
         self._grad_norm: float | None = None
-        self._last_loss: torch.Tensor | None = None
+        # metrics, monitors (TensorBoard/CSV/wandb) and wall-clock breakdown: rank 0 only, never communicates
+        self.monitor = TrainingMonitor(config, topology.rank, topology.device, topology.dp)
         self.comm.reset_stats()
 
     # -- setup ----------------------------------------------------------------------------------
@@ -209,10 +212,12 @@ class Engine:
 
     # -- the training loop -------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+        return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+        self.monitor.count_tokens(args, kwargs)  # tokens/s (see [Note: monitor metrics])
+        with self.monitor.timed("forward"):  # wall-clock breakdown and step time (rank 0)
+            return self.module(*args, **kwargs)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
@@ -221,7 +226,11 @@ class Engine:
         """Backpropagate ``loss / gradient_accumulation_steps`` and reduce gradients across ranks."""
         if not torch.is_tensor(loss) or loss.numel() != 1:
             raise ValueError(f"engine.backward expects a scalar loss tensor, got {_describe(loss)}")
-        self._last_loss = loss.detach()
+        self.monitor.record_loss(loss)  # the train_loss metric (rank 0)
+        with self.monitor.timed("backward"):
+            self._backward(loss)
+
+    def _backward(self, loss: torch.Tensor) -> None:
         self._reducer.begin_backward(self.is_gradient_accumulation_boundary())
         if self._units is not None:
             self._units.begin_backward()
@@ -234,12 +243,22 @@ class Engine:
             if self._units is not None:
                 self._units.end_backward()
 
-    def step(self) -> None:
-        """At an accumulation boundary: clip, step optimizer and scheduler, clear gradients."""
+    def step(self, tokens: int | None = None) -> None:
+        """At an accumulation boundary: clip, step optimizer and scheduler, clear gradients.
+
+        ``tokens``: this rank's tokens in the micro-batch just processed, for the ``tokens_per_second`` metric;
+        by default rank 0 counts the elements of the first integer tensor passed to ``engine(...)``."""
+        self.monitor.end_micro_step(tokens)
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         if not boundary:
             return
+        with self.monitor.timed("step"):
+            self._optimizer_step()
+        self.global_samples += self.train_batch_size
+        self.monitor.end_optimizer_step(self)  # at every steps_per_print-th step: log and write metrics
+
+    def _optimizer_step(self) -> None:
         scale = self.scaler.scale if self.scaler is not None else None
         self._grad_norm, skipped = self._optimizer.step(self.config.gradient_clipping, scale)
         if self.scaler is not None:
@@ -251,10 +270,10 @@ class Engine:
             self.lr_scheduler.step()
         self._reducer.zero_grads()
         self.global_step += 1
-        if self.topology.rank == 0 and self.global_step % self.config.steps_per_print == 0:
-            loss = float(self._last_loss) if self._last_loss is not None else float("nan")
-            lr = self.optimizer.param_groups[0]["lr"]
-            log.info("step %d: loss %.4f, lr %.3g, grad norm %.4g", self.global_step, loss, lr, self._grad_norm)
+
+    def close(self) -> None:
+        """Flush and close the monitors' files (TensorBoard, wandb run). Safe to call more than once."""
+        self.monitor.close()
 
     def train(self, mode: bool = True) -> Engine:
         self.module.train(mode)
@@ -440,6 +459,7 @@ def initialize(
     if topology.rank == 0:
         log.info("shardtrain config: %s", cfg.model_dump_json(exclude_unset=True))
     resolve_batch_sizes(cfg, topology.dp)  # fail on batch-size mistakes before touching the model
+    check_monitor_packages(cfg)  # an enabled tensorboard/wandb monitor without its package
     if cfg.seed is not None:
         random.seed(cfg.seed)
         np.random.seed(cfg.seed)

@@ -15,7 +15,8 @@ owns); a tensor every rank holds whole (stage 0, frozen parameters, buffers, sca
 contiguous slices, one written by each rank, so the writes run in parallel.
 
 Global objects: ``optimizer/param_groups`` (hyperparameters and parameter names per group), the scheduler
-and loss-scaler states, engine counters, the saving topology and ``client_state``. Per rank: RNG states.
+and loss-scaler states, engine counters, the saving topology and ``client_state``; for a transformers model
+also ``hf/config`` and ``hf/generation_config`` (JSON text, see :mod:`shardtrain.hf_config`). Per rank: RNG states.
 
 Loading reads, for each tensor, the elements this rank now needs (the whole parameter, a stage-3 fragment,
 the master fragment), whatever layout saved them, so a checkpoint taken at N ranks and stage s loads at M
@@ -34,6 +35,7 @@ import torch
 
 from shardtrain.checkpoint import FlatSlice, SavePiece, open_checkpoint, save
 from shardtrain.errors import CheckpointError
+from shardtrain.hf_config import hf_config_objects
 from shardtrain.zero.weights import state_tensors
 
 if TYPE_CHECKING:
@@ -122,6 +124,7 @@ def save_engine(engine: Engine, save_dir: str | Path, tag: str, client_state: di
             "global_step": engine.global_step,
             "micro_steps": engine.micro_steps,
             "skipped_steps": engine.skipped_steps,
+            "global_samples": engine.global_samples,
         },
         "engine/topology": {
             "world_size": top.dp,
@@ -132,6 +135,7 @@ def save_engine(engine: Engine, save_dir: str | Path, tag: str, client_state: di
         "engine/scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
         "engine/scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
         "client_state": client_state if client_state is not None else {},
+        **hf_config_objects(engine.module),  # a transformers model's config: consolidation writes config.json
     }
     rng = {
         "torch": torch.get_rng_state(),
@@ -233,6 +237,8 @@ def _load(engine: Engine, load_dir: str | Path, tag: str | None, load_optimizer_
     engine.global_step = counters.get("global_step", 0)
     engine.micro_steps = counters.get("micro_steps", 0)
     engine.skipped_steps = counters.get("skipped_steps", 0)
+    # checkpoints older than the monitors: DeepSpeed's own fallback
+    engine.global_samples = counters.get("global_samples", engine.global_step * engine.train_batch_size)
     if manifest.world_size == engine.topology.dp:
         rng = reader.rank_objects(engine.topology.dp_rank).get("rng")
         if rng is not None:

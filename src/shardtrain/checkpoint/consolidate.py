@@ -11,6 +11,11 @@ straight into the output dtype, written and freed (``safetensors_io.write_stream
 tensor plus the largest piece being copied into it, i.e. at most about twice the largest tensor, whatever the model
 size. The output is read back by ``safetensors`` itself in the tests.
 
+A checkpoint of a Hugging Face ``transformers`` model carries its configuration (global objects
+:data:`HF_CONFIG_KEY` and :data:`HF_GENERATION_CONFIG_KEY`, JSON text); it is written as ``config.json`` (with
+``dtype`` set to the dtype of the written weights) and ``generation_config.json``, so that
+``AutoModelForCausalLM.from_pretrained(out_dir)`` opens the output with no other step.
+
 With ``optimizer=True`` a ``torch.optim.Optimizer.state_dict()`` is also written (``optimizer.pt``). It needs the
 global object :data:`OPTIMIZER_LAYOUT_KEY` (see there); ``torch.save`` holds this dict in memory, so this part is
 not streamed.
@@ -37,6 +42,9 @@ OPTIM_PREFIX = "optim/"
 # hyperparameters plus "params": the parameter names (without "model/") in the order the group holds them.
 # Optimizer state of parameter P is stored as tensors "optim/P/<state key>" (e.g. exp_avg, exp_avg_sq, step).
 OPTIMIZER_LAYOUT_KEY = "optimizer/param_groups"
+# Written by the engine for transformers models (shardtrain.hf); the checkpoint layer only copies the text.
+HF_CONFIG_KEY = "hf/config"
+HF_GENERATION_CONFIG_KEY = "hf/generation_config"
 
 DTYPE_CHOICES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -131,8 +139,26 @@ def consolidate(
         }
         (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         written.append(out_dir / "model.safetensors.index.json")
+    written += _write_hf_configs(reader, out_dir, next((o.dtype for o in outs if o.dtype.is_floating_point), None))
     if optimizer:
         written.append(_write_optimizer(reader, out_dir / "optimizer.pt"))
+    return written
+
+
+def _write_hf_configs(reader: CheckpointReader, out_dir: Path, weights_dtype: torch.dtype | None) -> list[Path]:
+    """``config.json`` / ``generation_config.json`` when the checkpoint holds a transformers model's configs."""
+    objects = reader.objects
+    written = []
+    if HF_CONFIG_KEY in objects:
+        config = json.loads(objects[HF_CONFIG_KEY])
+        if weights_dtype is not None:  # what save_pretrained records: the dtype the weights are stored in
+            key = "torch_dtype" if "torch_dtype" in config and "dtype" not in config else "dtype"
+            config[key] = str(weights_dtype).removeprefix("torch.")
+        (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        written.append(out_dir / "config.json")
+    if HF_GENERATION_CONFIG_KEY in objects:
+        (out_dir / "generation_config.json").write_text(objects[HF_GENERATION_CONFIG_KEY] + "\n")
+        written.append(out_dir / "generation_config.json")
     return written
 
 
