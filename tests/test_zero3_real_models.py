@@ -6,9 +6,8 @@ import functools
 
 import pytest
 
-from shardtrain.testing import run_distributed
-
 from model_cases import assert_parity, engine_run, reference
+from shardtrain.testing import run_distributed
 
 pytest.importorskip("transformers")
 NO_PERSIST = {"stage3_param_persistence_threshold": 0}
