@@ -94,6 +94,8 @@ def _llama(checkpointing: str | None = None, lora: bool = False) -> nn.Module:
         torch.manual_seed(1)
         lora_cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
         model = peft.get_peft_model(model, lora_cfg)
+        if checkpointing is not None:  # the inputs of checkpointed layers must require grad (as peft does)
+            model.enable_input_require_grads()
         with torch.no_grad():  # peft starts lora_B at zero; make both adapters matter from step 1
             for n, p in model.named_parameters():
                 if "lora_B" in n:
@@ -110,6 +112,7 @@ BUILDERS = {
     "llama_ckpt_reentrant": lambda: _llama("reentrant"),
     "llama_ckpt": lambda: _llama("non-reentrant"),
     "llama_lora": lambda: _llama(lora=True),
+    "llama_lora_ckpt": lambda: _llama("non-reentrant", lora=True),
 }
 
 

@@ -22,9 +22,12 @@ pair marks such saved tensors; unpacking one in backward gathers its unit first 
 order and prefetching the next unit). This does not depend on how the gradient got there: outputs the hooks
 cannot see (a dataclass, a loss stored on a module), parameters used outside their unit and units with no
 root all work. Inside ``torch.utils.checkpoint`` regions the checkpoint's own hooks are the innermost ones,
-so a unit forward pushes ours again over them, chaining every call to the checkpoint's hooks (its count of
-saved tensors stays the same); a forward re-run by the checkpoint during backward gathers its unit and
-keeps it gathered. A unit is released in backward once every trainable parameter of it has its gradient
+so a unit forward, and every operation that takes a sharded parameter, pushes ours again over them,
+chaining every call to the checkpoint's hooks (its count of saved tensors stays the same). A forward re-run
+by the checkpoint in backward (with or without module hooks: Hugging Face checkpoints ``forward`` itself)
+gathers its unit as a backward need. One case stays unseen: inside a checkpoint region, a tensor derived
+from a parameter by a view (``w.t()``) and saved by a later operation; it is released with its unit once
+the parameter's gradient is in, which is after every use for a trainable parameter. A unit is released in backward once every trainable parameter of it has its gradient
 (``on_grad_ready``) and no tensor it saved is left to be unpacked (marks freed with the graph count as
 unpacked); a unit whose last saved tensor was just unpacked is released at the next event in another
 autograd node, since the node that unpacked it is still using it. What is still gathered at the end of
@@ -138,11 +141,18 @@ class ShardedParameter(nn.Parameter):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if _op_name(func) not in _METADATA:
-            for p in _sharded_args(args, kwargs):
-                if p._st_unit.state is not UnitState.GATHERED:
-                    p._st_unit.runtime.touch(p)
-        return super().__torch_function__(func, types, args, kwargs)
+        if _op_name(func) in _METADATA:
+            return super().__torch_function__(func, types, args, kwargs)
+        runtime = None
+        for p in _sharded_args(args, kwargs):
+            runtime = p._st_unit.runtime
+            if p._st_unit.state is not UnitState.GATHERED:
+                runtime.touch(p)
+        hooks = runtime.hooks_for_op() if runtime is not None else None
+        if hooks is None:
+            return super().__torch_function__(func, types, args, kwargs)
+        with hooks.context:  # inside another saved-tensor hook (a checkpoint): see [Note: gathering for backward]
+            return super().__torch_function__(func, types, args, kwargs)
 
     def __repr__(self) -> str:
         return f"ShardedParameter({self._st_name!r}, shape={tuple(self.shape)}, {self._st_unit.state.value})"
@@ -383,8 +393,10 @@ class ParameterUnits:
         if unit.state is UnitState.GATHERING:
             self._wait(unit)
             return
-        if self._forward_depth > 0 or self._in_backward:
-            # a parameter used outside its unit; in backward, saved tensors bring the unit back when needed
+        if self._in_backward:  # a forward re-run by an activation checkpoint that bypasses module hooks
+            self._need_in_backward(unit, f"parameter {p._st_name!r} used in backward")
+            return
+        if self._forward_depth > 0:  # a parameter used outside its unit
             self._gather(unit, f"parameter {p._st_name!r} used outside its unit")
             return
         raise ShardtrainError(
@@ -427,15 +439,25 @@ class ParameterUnits:
                 return
 
     # -- forward hooks ---------------------------------------------------------------------------------
+    def hooks_for_op(self) -> _SavedTensorHooks | None:
+        """Saved-tensor hooks to push around one operation, or None where ours are already innermost, no
+        gradient is recorded, or a non-reentrant checkpoint re-runs a forward in backward (its tensors go to the
+        checkpoint's holders, which our hooks marked in the first forward; a reentrant checkpoint has no hooks
+        active and builds a new graph, which is marked)."""
+        if not torch.is_grad_enabled():
+            return None
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if top is None:
+            return _SavedTensorHooks(self)
+        if self._in_backward or isinstance(getattr(top[0], "__self__", None), _SavedTensorHooks):
+            return None
+        return _SavedTensorHooks(self)
+
     def _push_saved_hooks(self) -> None:
         """Mark saved tensors of this forward, unless our hooks are already the innermost ones."""
-        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        ours = top is not None and isinstance(getattr(top[0], "__self__", None), _SavedTensorHooks)
-        if ours or not torch.is_grad_enabled():
-            self._pushed.append(None)
-            return
-        hooks = _SavedTensorHooks(self)
-        hooks.context.__enter__()
+        hooks = self.hooks_for_op()
+        if hooks is not None:
+            hooks.context.__enter__()
         self._pushed.append(hooks)
 
     def _pop_saved_hooks(self) -> None:
