@@ -358,7 +358,7 @@ class Engine:
             targets: list[tuple[torch.Tensor, int]] = []
             frag = self._optimizer.fragment_of(t)
             if frag is None or frag[1].gather_after_step:  # this rank holds the tensor whole
-                targets.append((t.data.view(-1), 0))
+                targets.append((t.data, 0))
             if frag is not None:
                 fragment, bucket, i = frag
                 start = bucket.fragments[i].start if self.stage > 0 else 0
