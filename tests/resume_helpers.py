@@ -74,9 +74,6 @@ def make_optimizer(model: ResumeNet, kind: str) -> torch.optim.Optimizer:
 def make_engine(seed: int, stage: int, optimizer: str, dtype: str = "fp32", threshold: int = 20):
     model = ResumeNet(seed)
     world = dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-    if device is not None:
-        model.to(device)
     zero: dict = {"stage": stage, "reduce_bucket_size": 50, "allgather_bucket_size": 50}
     if stage == 3:
         zero["stage3_param_persistence_threshold"] = threshold
