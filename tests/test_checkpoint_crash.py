@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from checkpoint_helpers import save_engine_like, trained_model
-from shardtrain.checkpoint import open_checkpoint
+from shardtrain.checkpoint import durable, open_checkpoint, writer
 from shardtrain.checkpoint.durable import CRASH_POINTS, KILL_ENV
 
 # The points after which the new checkpoint is published (``latest`` renamed onto it).
@@ -38,8 +38,66 @@ def _assert_holds_model_of(reader, seed: int) -> None:
         torch.testing.assert_close(reader.read(f"model/{name}"), p.detach(), rtol=0, atol=0)
 
 
-def test_there_are_at_least_ten_kill_points_in_protocol_order():
-    assert len(CRASH_POINTS) >= 10 and len(set(CRASH_POINTS)) == len(CRASH_POINTS)
+# The save protocol, phase by phase, as docs/checkpoint-format.md states it; the crash tests below rely on it.
+PROTOCOL = [
+    "start",
+    "tmp_created",
+    "tensor_file_torn",
+    "tensor_file_written",
+    "objects_written",
+    "files_synced",
+    "manifest_torn",
+    "manifest_written",
+    "tmp_synced",
+    "renamed",
+    "latest_torn",
+    "latest_tmp_written",
+    "latest_renamed",
+    "done",
+]
+
+
+def _state(save_dir) -> dict:
+    tmp = save_dir / ".tmp-b"
+    return {
+        "tmp": sorted(p.name for p in tmp.iterdir()) if tmp.is_dir() else None,
+        "b": (save_dir / "b" / "manifest.json").is_file(),
+        "latest": (save_dir / "latest").read_text().strip(),
+        "latest.tmp": (save_dir / "latest.tmp").exists(),
+    }
+
+
+def test_a_save_passes_every_kill_point_once_in_protocol_order(tmp_path, monkeypatch):
+    """What a save has done when it reaches each point: the kill tests are only as good as this order."""
+    save_engine_like(str(tmp_path), "a", 2, seed=1)
+    seen: list[tuple[str, dict]] = []
+
+    def record(name, path=None):
+        seen.append((name, _state(tmp_path)))
+
+    monkeypatch.setattr(durable, "crash_point", record)
+    monkeypatch.setattr(writer, "crash_point", record)
+    save_engine_like(str(tmp_path), "b", 2, seed=2)
+    assert [name for name, _ in seen] == PROTOCOL == list(CRASH_POINTS)
+    state = dict(seen)
+    files = ["objects.pkl", "rank00000.objects.pkl", "rank00000.safetensors"]
+    unpublished = {"b": False, "latest": "a", "latest.tmp": False}
+    assert state["start"] == {"tmp": None, **unpublished}
+    assert state["tmp_created"] == {"tmp": [], **unpublished}
+    assert (
+        state["tensor_file_torn"] == state["tensor_file_written"] == {"tmp": ["rank00000.safetensors"], **unpublished}
+    )
+    assert state["objects_written"] == state["files_synced"] == {"tmp": files, **unpublished}
+    for point in ("manifest_torn", "manifest_written", "tmp_synced"):
+        assert state[point] == {"tmp": sorted([*files, "manifest.json"]), **unpublished}, point
+    assert state["renamed"] == {"tmp": None, "b": True, "latest": "a", "latest.tmp": False}
+    assert (
+        state["latest_torn"]
+        == state["latest_tmp_written"]
+        == {"tmp": None, "b": True, "latest": "a", "latest.tmp": True}
+    )
+    for point in ("latest_renamed", "done"):
+        assert state[point] == {"tmp": None, "b": True, "latest": "b", "latest.tmp": False}, point
 
 
 @pytest.mark.parametrize("point", CRASH_POINTS)

@@ -382,7 +382,7 @@ class Engine:
             targets: list[tuple[torch.Tensor, int]] = []
             located = self._slots.get(id(t))
             if located is None or located[0].gather_after_step:  # this rank holds the tensor whole
-                targets.append((t.data.view(-1), 0))
+                targets.append((t.data, 0))
             if located is not None:
                 bucket, i = located
                 f = bucket.fragments[i]

@@ -16,8 +16,9 @@ the full argument):
 5. a third gather returns rank 0's outcome, so that every rank returns (or raises) only once the checkpoint is
    complete.
 
-A failure on any rank in steps 1-4 is carried in the next gather, so that every rank raises the same
-:class:`CheckpointError` instead of hanging in a collective.
+A failure on any rank in steps 1-4 (any exception, not only I/O errors) is carried in the next gather, so that every
+rank raises the same :class:`CheckpointError`, naming the failing ranks and causes, instead of hanging in a
+collective; the temporary directory is removed and nothing is published.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import re
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -127,8 +128,8 @@ def _prepare(save_dir: Path, tag: str, overwrite: bool) -> str | None:
         tmp.mkdir()  # no fsync of save_dir needed: nothing relies on .tmp-<tag> surviving a crash
     except CheckpointError as err:
         return str(err)
-    except OSError as err:
-        return f"cannot prepare {save_dir} for checkpoint {tag!r}: {err}"
+    except Exception as err:  # OSError, or anything else: it must reach the other ranks (no hang)
+        return f"cannot prepare {save_dir} for checkpoint {tag!r}: {_describe(err)}"
     crash_point("tmp_created")
     return None
 
@@ -221,10 +222,43 @@ def _publish(save_dir: Path, tag: str, manifest: Manifest) -> None:
     fsync_path(save_dir)
 
 
-def _raise_first(errors: list[str | None], stage: str) -> None:
+def _describe(err: BaseException) -> str:
+    return str(err) if isinstance(err, CheckpointError) else f"{type(err).__name__}: {err}"
+
+
+def _raise_failures(errors: list[str | None], stage: str, save_dir: Path, tag: str, rank: int) -> None:
+    """Raise on every rank when any rank failed; rank 0 first removes the unpublished temporary directory (every
+    rank is past its writes: this runs after a gather)."""
     failed = [(r, e) for r, e in enumerate(errors) if e]
-    if failed:
-        raise CheckpointError(f"checkpoint save failed ({stage}): " + "; ".join(f"rank {r}: {e}" for r, e in failed))
+    if not failed:
+        return
+    if rank == 0:
+        shutil.rmtree(save_dir / (TMP_PREFIX + tag), ignore_errors=True)
+    unchanged = "; nothing was published ('latest' is unchanged)" if stage != "publishing" else ""
+    raise CheckpointError(
+        "; ".join(f"rank {r} failed to save checkpoint {save_dir / tag} ({stage}): {e}" for r, e in failed) + unchanged
+    )
+
+
+def _to_host(pieces: list[SavePiece]) -> list[SavePiece]:
+    """Pieces of device tensors copied to host memory (pinned, asynchronous from CUDA, one synchronization), so
+    that the files and checksums are computed from host memory."""
+    out, cuda = [], False
+    for p in pieces:
+        t = p.tensor.detach()
+        if t.device.type == "cpu":
+            out.append(p)
+            continue
+        if t.is_cuda:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            cuda = True
+        else:
+            host = t.to("cpu")
+        out.append(replace(p, tensor=host))
+    if cuda:
+        torch.cuda.synchronize()
+    return out
 
 
 def save(
@@ -237,13 +271,20 @@ def save(
     global_objects: dict[str, Any] | None = None,
     aliases: dict[str, str] | None = None,
     overwrite: bool = False,
+    failure: str | None = None,
 ) -> SaveResult:
     """Save one checkpoint ``save_dir/tag`` collectively; every rank of ``comm`` calls this (``None``: one process).
 
     ``pieces``: this rank's parts of logical tensors. ``rank_objects``: this rank's small objects (RNG states);
     ``global_objects``: objects shared by all ranks (only rank 0's are written). ``aliases``: ``{alias: name}`` extra
     names of a tensor (tied weights), given on rank 0. An existing tag is refused unless ``overwrite``. Returns when
-    the checkpoint is complete and ``latest`` names it.
+    the checkpoint is complete and ``latest`` names it. Pieces may live on any device; they are copied to host
+    memory first (this rank's pieces are held there until its file is written).
+
+    ``failure``: this rank could not prepare its part (e.g. collecting its pieces raised); the save is abandoned
+    on every rank with this message at the first gather. Any exception a rank meets during the save is carried the
+    same way, so every rank raises one :class:`CheckpointError` naming the failing ranks and causes, and nothing is
+    published.
     """
     t0 = time.perf_counter()
     crash_point("start")
@@ -254,13 +295,23 @@ def save(
         return comm.all_gather_object(obj, what=what) if comm is not None else [obj]
 
     prep_error = _prepare(save_dir, tag, overwrite) if rank == 0 else None
-    descs = [(p.name, p.global_shape, dtype_name(p.tensor.dtype), p.slice) for p in pieces]
-    local_error = (
-        "the same part of a tensor is passed twice" if len({(d[0], d[3]) for d in descs}) < len(descs) else None
-    )
+    local_error, descs = failure, []
+    if local_error is None:
+        try:
+            pieces = _to_host(pieces)
+            descs = [(p.name, p.global_shape, dtype_name(p.tensor.dtype), p.slice) for p in pieces]
+            if len({(d[0], d[3]) for d in descs}) < len(descs):
+                local_error = "the same part of a tensor is passed twice"
+        except Exception as err:
+            local_error = f"staging its pieces: {_describe(err)}"
     gathered = gather((descs, prep_error or local_error, aliases or {}), "checkpoint piece descriptors")
-    _raise_first([g[1] for g in gathered], "preparing")
-    tensors, holders = plan_pieces([g[0] for g in gathered], gathered[0][2])
+    _raise_failures([g[1] for g in gathered], "preparing", save_dir, tag, rank)
+    try:
+        tensors, holders = plan_pieces([g[0] for g in gathered], gathered[0][2])
+    except CheckpointError:  # computed from the same gathered data on every rank: every rank raises it
+        if rank == 0:
+            shutil.rmtree(save_dir / (TMP_PREFIX + tag), ignore_errors=True)
+        raise
     keys = piece_keys(holders)
     mine = [(p, keys[(p.name, p.slice)]) for p in pieces if holders[(p.name, p.slice)][0] == rank]
 
@@ -279,26 +330,31 @@ def save(
                 files.append(write_pickle(tmp / "objects.pkl", 0, pickled))
                 written += files[-1].size
         crash_point("objects_written")
-    except OSError as err:
-        write_error = f"writing into {tmp}: {err}"
+    except Exception as err:  # I/O, an object that cannot be pickled, a bug: every rank must hear of it
+        write_error = f"writing into {tmp}: {_describe(err)}"
     crash_point("files_synced")
     parts = gather((files, records, global_records, write_error, checksums), "checkpoint file list")
-    _raise_first([p[3] for p in parts], "writing files")
-    manifest = Manifest(
-        version=FORMAT_VERSION,
-        tag=tag,
-        world_size=size,
-        tensors=tensor_entries(tensors, holders, keys, [p[4] for p in parts]),
-        files={f.name: f for p in parts for f in p[0]},
-        objects=parts[0][2],
-        rank_objects={r: p[1] for r, p in enumerate(parts) if p[1]},
-    )
+    _raise_failures([p[3] for p in parts], "writing files", save_dir, tag, rank)
+    try:
+        manifest = Manifest(
+            version=FORMAT_VERSION,
+            tag=tag,
+            world_size=size,
+            tensors=tensor_entries(tensors, holders, keys, [p[4] for p in parts]),
+            files={f.name: f for p in parts for f in p[0]},
+            objects=parts[0][2],
+            rank_objects={r: p[1] for r, p in enumerate(parts) if p[1]},
+        )
+    except CheckpointError:  # the same on every rank (e.g. diverged replicas)
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     publish_error: str | None = None
     if rank == 0:
         try:
             _publish(save_dir, tag, manifest)
-        except OSError as err:
-            publish_error = f"publishing {save_dir / tag}: {err}"
+        except Exception as err:
+            publish_error = _describe(err)
         crash_point("done")
-    _raise_first([gather(publish_error, "checkpoint published")[0]], "publishing")
+    _raise_failures([gather(publish_error, "checkpoint published")[0]], "publishing", save_dir, tag, rank)
     return SaveResult(save_dir / tag, manifest, written, time.perf_counter() - t0)

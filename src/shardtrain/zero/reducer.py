@@ -12,7 +12,8 @@
   matches the order gradients complete (see [Note: collective order]) at most two buckets' staging buffers
   exist at once (``max_staging`` records the high-water mark), plus any bucket whose gradients arrive far
   apart in time: the stage-3 root unit (the head's gradient comes first, the embeddings' last), or at stage 2
-  a size-based bucket straddling two blocks whose backward order is not the layout's. At stage 3 a bucket belongs to a unit;
+  a size-based bucket straddling two blocks whose backward order is not the layout's. At stage 3 a bucket belongs to
+  a unit;
   ``on_grad_ready`` tells the unit runtime each time one of its parameters has its gradient, so a unit is
   released when its backward is over, independently of when its reduction is launched.
 

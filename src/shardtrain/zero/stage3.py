@@ -27,7 +27,8 @@ chaining every call to the checkpoint's hooks (its count of saved tensors stays 
 by the checkpoint in backward (with or without module hooks: Hugging Face checkpoints ``forward`` itself)
 gathers its unit as a backward need. One case stays unseen: inside a checkpoint region, a tensor derived
 from a parameter by a view (``w.t()``) and saved by a later operation; it is released with its unit once
-the parameter's gradient is in, which is after every use for a trainable parameter. A unit is released in backward once every trainable parameter of it has its gradient
+the parameter's gradient is in, which is after every use for a trainable parameter. A unit is released in backward
+once every trainable parameter of it has its gradient
 (``on_grad_ready``) and no tensor it saved is left to be unpacked (marks freed with the graph count as
 unpacked); a unit whose last saved tensor was just unpacked is released at the next event in another
 autograd node, since the node that unpacked it is still using it. What is still gathered at the end of

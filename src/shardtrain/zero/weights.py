@@ -28,9 +28,10 @@ from shardtrain.errors import ShardtrainError
 
 @dataclass
 class Destination:
-    """Where one model tensor's values go on this rank: 1-D targets, each covering elements
-    ``[start, start + numel)`` of the flattened tensor (the whole tensor, a stage-3 fragment, an fp32
-    master of a fragment)."""
+    """Where one model tensor's values go on this rank: targets, each covering elements ``[start, start + numel)``
+    of the flattened tensor: the whole tensor (``start`` 0, in its own shape and strides, so a non-contiguous
+    buffer or a 0-dim parameter is written in place), or a 1-D stage-3 fragment or fp32 master of a fragment.
+    Targets may live on any device; values are copied (and converted) into them."""
 
     names: list[str]  # every state-dict name of the tensor (tied parameters have several)
     shape: torch.Size
@@ -42,7 +43,7 @@ class Destination:
             for target, start in self.targets:
                 if target.numel():
                     a = start - first
-                    target.copy_(flat_values[a : a + target.numel()])
+                    target.copy_(flat_values[a : a + target.numel()].view(target.shape))
 
     def needed_range(self) -> tuple[int, int]:
         spans = [(start, start + t.numel()) for t, start in self.targets if t.numel()]
