@@ -9,7 +9,7 @@ import torch
 
 from debug_models import FakeModelOutput, Net, Pair, Point, Wrapper
 from shardtrain.debug import StatisticsSubscriber, Subscriber, SubscriberManager, inspect_activation
-from shardtrain.debug.tree import iter_tensors, map_tensors
+from shardtrain.tree import iter_tensors, map_tensors
 
 
 class Recorder(Subscriber):

@@ -42,6 +42,7 @@ import torch
 
 from shardtrain.config import Config, MonitorConfig, WandbConfig
 from shardtrain.errors import ConfigError
+from shardtrain.tree import iter_tensors
 
 if TYPE_CHECKING:
     from shardtrain.engine import Engine
@@ -237,9 +238,9 @@ class TrainingMonitor:
 
 
 def _first_integer_tensor(values: list[Any]) -> torch.Tensor | None:
-    for v in values:
-        if isinstance(v, Mapping):  # a batch dict passed positionally: engine(batch) / engine(**batch) alike
-            v = _first_integer_tensor(list(v.values()))
-        if torch.is_tensor(v) and not v.is_floating_point() and not v.is_complex() and v.dtype != torch.bool:
-            return v
+    """The first integer tensor in the call's arguments, walked as every module input is (see
+    :mod:`shardtrain.tree`): token ids, whether passed alone, in a dict or in a dataclass."""
+    for _, t in iter_tensors(values):
+        if not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool:
+            return t
     return None

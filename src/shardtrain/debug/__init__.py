@@ -13,7 +13,7 @@ from shardtrain.debug.manager import SubscriberManager, inspect_activation
 from shardtrain.debug.statistics import StatisticsSubscriber
 from shardtrain.debug.stats import tensor_stats
 from shardtrain.debug.subscriber import Subscriber
-from shardtrain.debug.tree import iter_tensors, map_tensors
+from shardtrain.tree import iter_tensors, map_tensors
 
 __all__ = [
     "StatisticsSubscriber",

@@ -31,7 +31,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from shardtrain.debug.subscriber import Subscriber
-from shardtrain.debug.tree import iter_tensors
+from shardtrain.tree import iter_tensors
 
 # Attachments whose root forward is running, innermost last; inspect_activation reports to the innermost.
 _RUNNING: list[_Attachment] = []

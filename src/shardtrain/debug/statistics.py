@@ -38,7 +38,7 @@ from torch import nn
 
 from shardtrain.debug.stats import tensor_stats
 from shardtrain.debug.subscriber import Subscriber
-from shardtrain.debug.tree import iter_tensors
+from shardtrain.tree import iter_tensors
 
 
 def current_rank() -> int:

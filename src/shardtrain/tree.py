@@ -1,4 +1,5 @@
-"""Walk the tensors inside a module's nested inputs or outputs, optionally replacing them.
+"""Walk the tensors inside a module's nested inputs or outputs, optionally replacing them: the package's one
+tree walker (debug subscribers, statistics and the training monitor use it).
 
 Containers torch's pytree knows (tuple, list, dict, OrderedDict, namedtuple, and anything registered with it, such
 as ``transformers`` ``ModelOutput``) are taken apart one level at a time with ``torch.utils._pytree`` and rebuilt with
