@@ -101,6 +101,8 @@ class Engine:
         if self.precision.mixed:  # masters from the fp32 values, then compute-dtype parameters
             masters = make_masters(trainable, self.stage)
             self._cast_to_compute_dtype()
+            if self._units is not None:  # the cast made new full buffers
+                self._units.index_storages()
         self._reducer = GradientReducer(
             trainable,
             self.stage,

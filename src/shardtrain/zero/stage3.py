@@ -298,11 +298,11 @@ class ParameterUnits:
             self.units.append(unit)
             for b in buckets:  # shards were cut by the engine while planning (one unit at a time)
                 self._unit_of_bucket[b.index] = unit
-                self.unit_of_storage[b.flat_param.untyped_storage()._cdata] = unit
                 for s in b.slots:
                     s.param.__class__ = ShardedParameter
                     s.param._st_name, s.param._st_unit = s.name, unit
             unit.state = UnitState.SHARDED
+        self.index_storages()
         self._forward_depth = 0  # unit or root forwards running (parameters may be gathered on demand)
         self._in_backward = False
         self._pushed: list[_SavedTensorHooks | None] = []  # per running forward hook, what it pushed
@@ -326,6 +326,11 @@ class ParameterUnits:
         root_units = by_module.get(id(root), [])
         self._hooks.append(root.register_forward_pre_hook(partial(self._root_pre_forward, root_units)))
         self._hooks.append(root.register_forward_hook(partial(self._root_post_forward, root_units), always_call=True))
+
+    def index_storages(self) -> None:
+        """Map each unit's full-buffer storage to the unit; again whenever buffers are re-created (a cast to the
+        compute dtype makes new ones)."""
+        self.unit_of_storage = {b.flat_param.untyped_storage()._cdata: u for u in self.units for b in u.buckets}
 
     # -- gather / release ------------------------------------------------------------------------------
     def _start_check(self, unit: Unit) -> tuple[torch.Tensor, Handle] | None:
