@@ -23,7 +23,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
 from torch import nn
 
 from shardtrain.config import Config
