@@ -6,7 +6,7 @@ import pytest
 
 from shardtrain.testing import run_distributed
 
-from parity import Recipe, assert_parity, engine_run, reference_run
+from parity import OPTIMIZERS, Recipe, assert_parity, engine_run, reference_run
 
 
 @functools.cache
@@ -59,3 +59,22 @@ def test_stage3_tied_frozen_persistent_parity(world):
     recipe = Recipe(model="tied")
     results = run_distributed(engine_run, world, recipe, 3, world, 2000, {"stage3_param_persistence_threshold": 100})
     assert_parity(results, reference(recipe, world))
+
+
+def _each_optimizer(recipes: list[Recipe], stage: int, world: int) -> list[dict]:
+    return [engine_run(r, stage, world) for r in recipes]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_elementwise_optimizers_parity(world):
+    """Every optimizer accepted at stages 1-3 gives one process's numbers at stage 2 (momentum, nesterov,
+    amsgrad, centered, decoupled weight decay where the optimizer has them)."""
+    recipes = [Recipe(optimizer=name, steps=3) for name in OPTIMIZERS]
+    per_rank = run_distributed(_each_optimizer, world, recipes, 2, world)
+    failures = []
+    for i, recipe in enumerate(recipes):
+        try:
+            assert_parity([r[i] for r in per_rank], reference_run(recipe, world))
+        except AssertionError as err:
+            failures.append(f"{recipe.optimizer}: {err}")
+    assert not failures, "\n".join(failures)

@@ -469,7 +469,7 @@ def initialize(
         model.to(topology.device)
     # everything that can be refused is checked before the model is touched (hooks, flat storage)
     opt = _build_optimizer(model, cfg, optimizer)
-    check_optimizer(opt, model)
+    check_optimizer(opt, model, cfg.zero_optimization.stage, cfg.zero_allow_untested_optimizer)
     scheduler = _build_scheduler(cfg, opt, lr_scheduler)
     return Engine(model, cfg, topology, opt, scheduler)
 
