@@ -51,6 +51,22 @@ class Recipe:
     clip: float = 0.5
     lr: float = 3e-3
     seed: int = 0
+    optimizer: str = "adamw"  # a key of OPTIMIZERS
+
+
+# element-wise optimizers with non-default options where they have them (lr scaled by the recipe's lr / 3e-3)
+OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict]] = {
+    "adamw": (torch.optim.AdamW, {}),
+    "adam": (torch.optim.Adam, {"amsgrad": True}),
+    "sgd": (torch.optim.SGD, {"lr": 0.3, "momentum": 0.9, "nesterov": True}),
+    "adamax": (torch.optim.Adamax, {}),
+    "nadam": (torch.optim.NAdam, {"decoupled_weight_decay": True}),
+    "radam": (torch.optim.RAdam, {}),
+    "adagrad": (torch.optim.Adagrad, {"lr": 3e-2, "lr_decay": 0.01, "initial_accumulator_value": 0.1}),
+    "adadelta": (torch.optim.Adadelta, {"lr": 1.0}),
+    "rmsprop": (torch.optim.RMSprop, {"momentum": 0.5, "centered": True, "eps": 1e-6}),
+    "asgd": (torch.optim.ASGD, {"lr": 3e-2, "t0": 1}),
+}
 
 
 def make_model(recipe: Recipe) -> nn.Module:
@@ -64,12 +80,13 @@ def make_model(recipe: Recipe) -> nn.Module:
 
 
 def make_optimizer(model: nn.Module, recipe: Recipe) -> torch.optim.Optimizer:
-    """AdamW with two param groups: weight decay on matrices only."""
+    """``recipe.optimizer`` (AdamW by default) with two param groups: weight decay on matrices only."""
+    cls, kwargs = OPTIMIZERS[recipe.optimizer]
+    kwargs = {"lr": recipe.lr, **kwargs}
+    kwargs["lr"] *= recipe.lr / 3e-3 if "lr" in OPTIMIZERS[recipe.optimizer][1] else 1.0
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=recipe.lr
-    )
+    return cls([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], **kwargs)
 
 
 def global_micro_batches(recipe: Recipe, world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

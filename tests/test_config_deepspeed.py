@@ -49,7 +49,6 @@ def test_supported_rules_are_exactly_the_config_fields():
         ({"zero_optimization": {"allgather_partitions": True}}, "zero_optimization.allgather_partitions"),
         ({"zero_optimization": {"reduce_scatter": True}}, "zero_optimization.reduce_scatter"),
         ({"prescale_gradients": False}, "prescale_gradients"),
-        ({"zero_allow_untested_optimizer": True}, "zero_allow_untested_optimizer"),
         ({"zero_optimization": {"sub_group_size": 1e9}}, "zero_optimization.sub_group_size"),
         ({"zero_optimization": {"stage": 3, "stage3_max_live_parameters": 1e9}}, "stage3_max_live_parameters"),
         ({"zero_optimization": {"offload_optimizer": {"device": "none"}}}, "zero_optimization.offload_optimizer"),

@@ -253,3 +253,73 @@ def test_harness_reports_rank_traceback_and_timeouts():
     with pytest.raises(DistributedFailure, match=r"rank\(s\) \[0, 1\] did not finish within 3s"):
         run_distributed(_hangs, 2, timeout=3)
     assert time.monotonic() - start < 20
+
+
+class _SubclassedAdamW(torch.optim.AdamW):
+    """Changes a default only: keeps AdamW's element-wise step."""
+
+    def __init__(self, params, lr: float = 1e-3) -> None:
+        super().__init__(params, lr=lr, weight_decay=0.0)
+
+
+class _OwnStepAdamW(torch.optim.AdamW):
+    """Overrides step: its update may need whole tensors."""
+
+    def step(self, closure=None):
+        return super().step(closure)
+
+
+class _UnknownOptimizer(torch.optim.Optimizer):
+    def __init__(self, params) -> None:
+        super().__init__(params, {"lr": 0.1})
+
+    def step(self, closure=None):
+        return None
+
+
+_NOT_ELEMENTWISE = {
+    "Adafactor": lambda ps: torch.optim.Adafactor(ps),
+    "LBFGS": lambda ps: torch.optim.LBFGS(ps),
+    "SparseAdam": lambda ps: torch.optim.SparseAdam(ps),
+    "_OwnStepAdamW": lambda ps: _OwnStepAdamW(ps),
+    "_UnknownOptimizer": lambda ps: _UnknownOptimizer(ps),
+}
+
+
+def _optimizer_policy(stage: int, allow: bool) -> dict[str, str]:
+    """What initialize says for each optimizer at ``stage``: 'ok' or the error message."""
+    out = {}
+    config = {"zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": allow}
+    for name, build in {**_NOT_ELEMENTWISE, "_SubclassedAdamW": lambda ps: _SubclassedAdamW(ps)}.items():
+        try:
+            shardtrain.initialize(make_model(Recipe()), config=config, optimizer=build)
+        except OptimizerError as err:
+            out[name] = str(err)
+        else:
+            out[name] = "ok"
+    # Muon takes 2-D parameters only: a model without biases or norms
+    try:
+        model = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 2, bias=False))
+        shardtrain.initialize(model, config=config, optimizer=torch.optim.Muon(model.parameters()))
+    except OptimizerError as err:
+        out["Muon"] = str(err)
+    else:
+        out["Muon"] = "ok"
+    return out
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_optimizers_that_need_whole_tensors_are_refused_at_stages_1_to_3(stage):
+    r = run_distributed(_optimizer_policy, 1, stage, False)[0]
+    assert r.pop("_SubclassedAdamW") == "ok"  # a subclass that keeps AdamW's step
+    for name, message in r.items():
+        if stage == 0:
+            assert message == "ok", (name, message)
+        else:
+            assert name in message and "1-D fragments" in message and f"stage {stage}" in message, (name, message)
+            assert "zero_allow_untested_optimizer" in message
+
+
+def test_untested_optimizers_are_allowed_by_the_config_key():
+    r = run_distributed(_optimizer_policy, 1, 2, True)[0]
+    assert set(r.values()) == {"ok"}, r

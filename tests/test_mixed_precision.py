@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import shardtrain
-from shardtrain.errors import ShardtrainError
+from shardtrain.errors import ConfigError, ShardtrainError
 from shardtrain.precision import LossScaler
 from shardtrain.testing import run_distributed
 
@@ -229,3 +229,47 @@ def test_communication_data_type_halves_reduction_bytes():
     bf16_wire = run_distributed(_bf16_comm_dtype, 2)[0]["reduce_scatter"]["bytes"]
     n = sum(p.numel() for p in make_model(Recipe()).parameters())
     assert n - 2 <= bf16_wire <= n + 64  # 2 bytes x n x (N-1)/N with N = 2 (+ padding)
+
+
+def _low_precision_model(stage: int, dtype: str, precision: str | None) -> dict:
+    """A model cast to ``dtype`` before initialize, with or without a mixed-precision config."""
+    model = make_model(Recipe()).to(getattr(torch, dtype))
+    before = {k: (v.clone(), v.dtype) for k, v in model.state_dict().items()}
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": _zero(stage)}
+    if precision:
+        config[precision] = {"enabled": True}
+    try:
+        engine = shardtrain.initialize(model, config=config, optimizer=make_optimizer(model, Recipe()))
+    except ConfigError as err:
+        after = model.state_dict()
+        untouched = all(torch.equal(v, after[k]) and after[k].dtype == d for k, (v, d) in before.items())
+        hooks = any(p._backward_hooks or p._post_accumulate_grad_hooks for p in model.parameters())
+        return {"error": str(err), "untouched": untouched and not hooks}
+    x = torch.randint(0, VOCAB, (2, 16))
+    engine.backward(engine(x, x))
+    engine.step()
+    state = engine.full_state_dict()
+    moved = state is None or not torch.equal(state["head.weight"], before["head.weight"][0])
+    stepped = {t.dtype for g in engine.optimizer.param_groups for t in g["params"]}
+    return {"moved": moved, "stepped": stepped}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize(("dtype", "precision"), [("bfloat16", None), ("float16", None), ("float16", "bf16")])
+def test_low_precision_parameters_without_matching_config_are_refused(stage, dtype, precision):
+    """A bf16/fp16 model must not train silently (a no-op step) or without fp32 masters: refused at
+    initialize, naming the parameters, their dtype and the key to set, with the model untouched."""
+    r = run_distributed(_low_precision_model, 1, stage, dtype, precision)[0]
+    assert "error" in r, r
+    short = {"bfloat16": "bf16", "float16": "fp16"}[dtype]
+    assert f"torch.{dtype}" in r["error"] and "tok.weight" in r["error"]
+    if precision is None:
+        assert f'"{short}": {{"enabled": true}}' in r["error"]
+    assert "fp32 master" in r["error"]
+    assert r["untouched"]
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_bf16_model_with_bf16_config_trains_with_fp32_masters(stage):
+    r = run_distributed(_low_precision_model, 1, stage, "bfloat16", "bf16")[0]
+    assert r == {"moved": True, "stepped": {torch.float32}}

@@ -145,6 +145,8 @@ class Config(_Section):
     csv_monitor: MonitorConfig = Field(default_factory=MonitorConfig)
     wandb: WandbConfig = Field(default_factory=WandbConfig)
     seed: int | None = None
+    zero_allow_untested_optimizer: bool = False
+    """Accept at stages 1-3 an optimizer not known to be element-wise (see [Note: element-wise optimizers])."""
     collective_timeout_s: float = Field(default=1800.0, gt=0)
     """shardtrain's own key: seconds a collective may wait before failing with a named error."""
 

@@ -175,11 +175,13 @@ RULES: tuple[Rule, ...] = (
         auto='`warmup_min_lr`: `auto_values["warmup_min_lr"]` or 0; `warmup_max_lr`: `["lr"]`; '
         "`warmup_num_steps`, `total_num_steps`: same names",
     ),
-    _no_effect(
+    _supported(
         "zero_allow_untested_optimizer",
-        "bool",
-        "any torch optimizer is accepted at every stage",
-        check=StrictBool,
+        "bool, `false`",
+        "accept at stages 1-3 an optimizer not known to be element-wise; by default only SGD, Adam, AdamW, "
+        "Adamax, NAdam, RAdam, Adagrad, Adadelta, RMSprop, ASGD and their subclasses that keep their "
+        "`step` are (ZeRO steps 1-D fragments: Adafactor, Muon, LBFGS, SparseAdam would be wrong); stage 0 "
+        "accepts any optimizer",
     ),
     _no_effect(
         "zero_force_ds_cpu_optimizer",

@@ -31,7 +31,7 @@ from shardtrain.config_auto import resolve_auto
 from shardtrain.errors import ConfigError, OptimizerError, RankMismatchError
 from shardtrain.mesh import Topology, init_topology
 from shardtrain.monitor import TrainingMonitor, check_monitor_packages
-from shardtrain.precision import LossScaler, policy_from_config
+from shardtrain.precision import LossScaler, check_parameter_dtypes, policy_from_config
 from shardtrain.schedulers import build_scheduler
 from shardtrain.zero.init import is_under_construction
 from shardtrain.zero.layout import Bucket, build_buckets, cast_bucket, group_by_size
@@ -462,6 +462,7 @@ def initialize(
         log.info("shardtrain config: %s", cfg.model_dump_json(exclude_unset=True))
     resolve_batch_sizes(cfg, topology.dp)  # fail on batch-size mistakes before touching the model
     check_monitor_packages(cfg)  # an enabled tensorboard/wandb monitor without its package
+    check_parameter_dtypes(model, policy_from_config(cfg))  # a bf16 model without a bf16 section, ...
     if cfg.seed is not None:
         random.seed(cfg.seed)
         np.random.seed(cfg.seed)
@@ -470,7 +471,7 @@ def initialize(
         model.to(topology.device)
     # everything that can be refused is checked before the model is touched (hooks, flat storage)
     opt = _build_optimizer(model, cfg, optimizer)
-    check_optimizer(opt, model)
+    check_optimizer(opt, model, cfg.zero_optimization.stage, cfg.zero_allow_untested_optimizer)
     scheduler = _build_scheduler(cfg, opt, lr_scheduler)
     return Engine(model, cfg, topology, opt, scheduler)
 

@@ -23,9 +23,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from shardtrain.config import Config
-from shardtrain.errors import ShardtrainError
+from shardtrain.errors import ConfigError, ShardtrainError
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -54,6 +55,37 @@ def policy_from_config(cfg: Config) -> PrecisionPolicy:
         compute = torch.float32
     reduce = _DTYPES[cfg.communication_data_type] if cfg.communication_data_type else torch.float32
     return PrecisionPolicy(compute_dtype=compute, reduce_dtype=reduce)
+
+
+def check_parameter_dtypes(model: nn.Module, policy: PrecisionPolicy) -> None:
+    """Refuse trainable parameters in a dtype the policy does not train correctly, before the model is touched.
+
+    The flat buffers, gradient reductions and optimizer are built for fp32 parameters, or, under mixed
+    precision, for parameters that are fp32 (cast by shardtrain after its fp32 masters are taken) or
+    already in the compute dtype (the masters are then made from those values). Any other dtype would
+    train silently wrong: a bf16 model without a ``bf16`` section used to take no-op steps. Frozen
+    parameters may have any dtype (a bf16 base model under LoRA adapters): they are never stepped."""
+    allowed = {torch.float32, policy.compute_dtype}
+    wrong: dict[torch.dtype, list[str]] = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad and p.dtype not in allowed:
+            wrong.setdefault(p.dtype, []).append(name)
+    if not wrong:
+        return
+    dtype, names = next(iter(wrong.items()))
+    shown = ", ".join(names[:5]) + (f" (+{len(names) - 5} more)" if len(names) > 5 else "")
+    short = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype)
+    if policy.mixed:
+        fix = f"cast the model to torch.float32 (or {policy.compute_dtype}, the compute dtype of this config)"
+    elif short is not None:
+        fix = f'keep the model in torch.float32 and set "{short}": {{"enabled": true}} in the config'
+    else:
+        fix = "keep the model in torch.float32"
+    raise ConfigError(
+        f"trainable parameter(s) {shown} have dtype {dtype}, but this config computes in "
+        f"{policy.compute_dtype}; {fix}. shardtrain keeps the fp32 master weights itself and casts the "
+        "model to the compute dtype after taking them, so the model should stay fp32"
+    )
 
 
 class LossScaler:

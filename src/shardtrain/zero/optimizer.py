@@ -9,10 +9,23 @@ fragment *is* the master weight, so the step updates the flat buffer in place an
 follows writes every other rank's updated chunks next to it. Optimizer state (moments, step counts) is
 therefore allocated for fragments only: sharded by construction. Every rank holds a fragment for every
 parameter (possibly empty) so param-group indexing is identical on all ranks.
+
+[Note: element-wise optimizers]
+Stepping 1-D fragments gives the same numbers as stepping whole tensors only if the optimizer's update of
+an element depends on that element's gradient and state alone (plus per-tensor scalars such as the step
+count). The global-norm clipping is done before, on all fragments together. Adafactor (factored moments of
+2-D tensors), Muon (orthogonalized matrices), LBFGS (a line search over all parameters) and SparseAdam
+(sparse gradients) are not element-wise. So at stages 1-3 :func:`check_optimizer` accepts the element-wise
+torch classes of :data:`ELEMENTWISE_OPTIMIZERS`, and their subclasses that do not override ``step`` (a
+subclass changing defaults keeps the base update); anything else is refused unless the config sets
+``zero_allow_untested_optimizer: true``. Stage 0 steps whole parameters: every optimizer is accepted.
+Rprop is element-wise but not listed: its sign-based step turns rounding noise in gradients that are zero
+up to rounding (attention key biases) into full steps, so its parity with one process cannot be tested.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -51,8 +64,24 @@ class ShardedOptimizer:
         self.masters = masters
         self._stepped = {k: (masters[k] if masters is not None else t) for k, (t, _, _) in self._frag.items()}
         if stage > 0 or masters is not None:
+            self._move_initial_state()
             for group in optimizer.param_groups:
                 group["params"] = [self._stepped.get(id(p), p) for p in group["params"]]
+
+    def _move_initial_state(self) -> None:
+        """State an optimizer made at construction (Adagrad's ``sum`` and ``step``) follows the tensors it
+        steps: per-element tensors are cut like the fragment, other values copied."""
+        for p in [p for p in self.optimizer.state if id(p) in self._frag]:
+            old = self.optimizer.state.pop(p)
+            stepped = self._stepped[id(p)]
+            f = self._frag[id(p)][1].fragments[self._frag[id(p)][2]]
+            new = {}
+            for k, v in old.items():
+                if torch.is_tensor(v) and v.shape == p.shape and v.numel() > 1:
+                    piece = v.reshape(-1)[f.start : f.start + f.length] if self.stage > 0 else v
+                    v = piece.to(stepped.dtype, copy=True).view_as(stepped)
+                new[k] = v
+            self.optimizer.state[stepped] = new
 
     def fragment_of(self, p: torch.Tensor) -> tuple[torch.Tensor, Bucket, int] | None:
         """(fragment tensor, bucket, slot index) of a trainable parameter; None for anything else."""
@@ -159,10 +188,48 @@ class ShardedOptimizer:
         return total
 
 
-def check_optimizer(optimizer: torch.optim.Optimizer, module: nn.Module) -> None:
+ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.Adagrad,
+    torch.optim.Adadelta,
+    torch.optim.RMSprop,
+    torch.optim.ASGD,
+)
+"""Optimizers whose update is element-wise: they may step 1-D fragments (see [Note: element-wise optimizers])."""
+
+
+def _elementwise_base(cls: type) -> type | None:
+    """The element-wise torch class ``cls`` is or derives from without overriding its ``step``; else None."""
+    for base in ELEMENTWISE_OPTIMIZERS:
+        # torch wraps ``step`` in profiling hooks (on whichever class is instantiated first): compare unwrapped
+        if issubclass(cls, base) and inspect.unwrap(cls.step) is inspect.unwrap(base.step):
+            return base
+    return None
+
+
+def check_optimizer(
+    optimizer: torch.optim.Optimizer, module: nn.Module, stage: int, allow_untested: bool = False
+) -> None:
+    """Refuse an optimizer that cannot be stepped on this stage's tensors or that does not cover the model."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise OptimizerError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    if any(len(s) for s in optimizer.state.values()):
+    if stage > 0 and not allow_untested and _elementwise_base(type(optimizer)) is None:
+        cls = type(optimizer)
+        own_step = any(issubclass(cls, b) for b in ELEMENTWISE_OPTIMIZERS)
+        why = "it overrides step()" if own_step else "its update is not known to be element-wise"
+        raise OptimizerError(
+            f"{cls.__module__}.{cls.__qualname__} cannot be used at ZeRO stage {stage}: {why}, and ZeRO hands "
+            "the optimizer flat 1-D fragments of the parameters, not whole tensors (an update that factors or "
+            "orthogonalizes matrices, or needs all parameters at once, would be silently wrong). Use an "
+            f"element-wise optimizer ({', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}), ZeRO stage 0, "
+            'or set "zero_allow_untested_optimizer": true if its update is element-wise'
+        )
+    if any(_has_stepped(s) for s in optimizer.state.values()):
         raise OptimizerError("the optimizer already holds state (it has taken a step); pass a freshly built optimizer")
     names = {id(p): n for n, p in module.named_parameters()}
     seen: dict[int, int] = {}
@@ -184,6 +251,12 @@ def check_optimizer(optimizer: torch.optim.Optimizer, module: nn.Module) -> None
             f"trainable parameters not in any optimizer param group: {', '.join(missing[:5])}"
             f"{' ...' if len(missing) > 5 else ''}; add them to the optimizer or set requires_grad=False"
         )
+
+
+def _has_stepped(state: dict) -> bool:
+    """Whether a parameter's optimizer state shows a step (state made at construction, Adagrad's, has step 0)."""
+    step = state.get("step")
+    return bool(state) and (step is None or float(step) != 0)
 
 
 def make_masters(buckets: list[Bucket], stage: int) -> dict[int, torch.Tensor]:
