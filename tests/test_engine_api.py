@@ -59,20 +59,24 @@ def _user_objects(stage: int) -> dict:
     engine = shardtrain.initialize(
         model, config={"zero_optimization": {"stage": stage}}, optimizer=opt, lr_scheduler=sched
     )
-    x = torch.randint(0, 64, (2, 16))
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(5))
     for _ in range(2):
         engine.backward(engine(x, x))
         engine.step()
-    # the callable forms
+    # the callable forms, at stage 2 (momentum buffers of fragments); every rank gets the same batch, so three
+    # steps must equal torch's SGD on that batch in one process
     model2 = make_model(Recipe())
     engine2 = shardtrain.initialize(
         model2,
-        optimizer=lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
-        lr_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (s + 1)),
+        config={"zero_optimization": {"stage": 2, "reduce_bucket_size": 3000}},
+        optimizer=_sgd,
+        lr_scheduler=_halving,
     )
-    engine2.backward(engine2(x, x))
-    engine2.step()
+    for _ in range(3):
+        engine2.backward(engine2(x, x))
+        engine2.step()
     return {
+        "sgd_params": engine2.full_state_dict(),
         "same_optimizer": engine.optimizer is opt,
         "groups": [(len(g["params"]), g["weight_decay"], g["lr"]) for g in opt.param_groups],
         "n_params": [sum(1 for p in model.parameters() if p.requires_grad and p.dim() >= 2)],
@@ -80,13 +84,34 @@ def _user_objects(stage: int) -> dict:
     }
 
 
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01)
+
+
+def _halving(optimizer):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (s + 1))
+
+
 def test_user_optimizer_scheduler_and_callables():
     r = run_distributed(_user_objects, 2, 1)[0]
+    reference = make_model(Recipe())
+    opt = _sgd(reference.parameters())
+    sched = _halving(opt)
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(5))
+    init = {k: v.clone() for k, v in reference.state_dict().items()}
+    for _ in range(3):
+        reference(x, x).backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    for k, want in reference.state_dict().items():
+        moved = (want - init[k]).abs().max().item()
+        assert (r["sgd_params"][k] - want).abs().max().item() <= 1e-3 * moved + 1e-7, k
     assert r["same_optimizer"]  # the user's object is kept (schedulers built on it keep working)
     decay, no_decay = r["groups"]
     assert decay[0] == r["n_params"][0] and decay[1] == 0.1 and no_decay[1] == 0.0
     assert decay[2] == pytest.approx(3e-3 * 0.25)  # StepLR halved the lr twice
-    assert r["callable"] == ("SGD", pytest.approx(0.05))
+    assert r["callable"] == ("SGD", pytest.approx(0.1 / 4))  # LambdaLR after three steps
 
 
 def _optimizer_mistakes() -> list[str]:
