@@ -62,10 +62,13 @@ def check_parameter_dtypes(model: nn.Module, policy: PrecisionPolicy) -> None:
 
     The flat buffers, gradient reductions and optimizer are built for fp32 parameters, or, under mixed
     precision, for parameters that are fp32 (cast by shardtrain after its fp32 masters are taken) or
-    already in the compute dtype (the masters are then made from those values). Any other dtype would
+    already in the compute dtype (the masters are then made from those values), and fp64 without mixed
+    precision. Any other dtype would
     train silently wrong: a bf16 model without a ``bf16`` section used to take no-op steps. Frozen
     parameters may have any dtype (a bf16 base model under LoRA adapters): they are never stepped."""
     allowed = {torch.float32, policy.compute_dtype}
+    if not policy.mixed:  # fp64 trains as it is: its gradients accumulate in fp64 and alias the flat buffers
+        allowed.add(torch.float64)
     wrong: dict[torch.dtype, list[str]] = {}
     for name, p in model.named_parameters():
         if p.requires_grad and p.dtype not in allowed:

@@ -149,7 +149,8 @@ class ShardedParameter(nn.Parameter):
             runtime = p._st_unit.runtime
             if p._st_unit.state is not UnitState.GATHERED:
                 runtime.touch(p)
-        hooks = runtime.hooks_for_op() if runtime is not None else None
+        # parameters still under zero.Init construction have a construction runtime: nothing to mark yet
+        hooks = runtime.hooks_for_op() if isinstance(runtime, ParameterUnits) else None
         if hooks is None:
             return super().__torch_function__(func, types, args, kwargs)
         with hooks.context:  # inside another saved-tensor hook (a checkpoint): see [Note: gathering for backward]
