@@ -12,7 +12,7 @@ import shardtrain
 from shardtrain.errors import CollectiveTimeoutError, RankMismatchError, ShardtrainError
 from shardtrain.models.gpt import GPT, GPTConfig
 from shardtrain.testing import run_distributed
-from shardtrain.zero.stage3 import UnitState
+from shardtrain.zero.units import UnitState
 
 from parity import Recipe, assert_parity, engine_run, make_model, make_optimizer, reference_run
 

@@ -11,7 +11,7 @@ import shardtrain
 from shardtrain.errors import ShardtrainError
 from shardtrain.models.gpt import GPT, GPTConfig
 from shardtrain.testing import run_distributed
-from shardtrain.zero.stage3 import ShardedParameter
+from shardtrain.zero.guarded import ShardedParameter, guard_of
 
 from parity import Recipe, assert_parity, engine_run, make_model, make_optimizer, reference_run
 
@@ -42,8 +42,8 @@ def _build_under_init(stage: int) -> dict:
     with shardtrain.zero.Init():
         model = make_model(Recipe())
     sharded = [p for p in model.parameters() if isinstance(p, ShardedParameter)]
-    freed = all(p._st_unit.buckets[0].flat_param.untyped_storage().nbytes() == 0 for p in sharded)
-    held = sum(p._st_unit.buckets[0].shard.numel() for p in sharded)
+    freed = all(guard_of(p).unit.buckets[0].flat_param.untyped_storage().nbytes() == 0 for p in sharded)
+    held = sum(guard_of(p).unit.buckets[0].shard.numel() for p in sharded)
     config = {**ZERO3, "zero_optimization": {**ZERO3["zero_optimization"], "stage": stage}}
     if stage != 3:
         del config["zero_optimization"]["stage3_param_persistence_threshold"]

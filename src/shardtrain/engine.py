@@ -28,22 +28,23 @@ from torch.optim.lr_scheduler import LRScheduler
 from shardtrain.comm import Communicator
 from shardtrain.config import Config, load_config, optimizer_class_and_kwargs, resolve_batch_sizes
 from shardtrain.config_auto import resolve_auto
+from shardtrain.engine_checkpoint import COUNTERS, TrainingState, load_engine, save_engine
 from shardtrain.errors import ConfigError, OptimizerError, RankMismatchError
 from shardtrain.mesh import Topology, init_topology
 from shardtrain.monitor import TrainingMonitor, check_monitor_packages
 from shardtrain.precision import LossScaler, check_parameter_dtypes, policy_from_config
 from shardtrain.schedulers import build_scheduler
-from shardtrain.zero.init import is_under_construction
-from shardtrain.zero.layout import Bucket, build_buckets, cast_bucket, group_by_size
+from shardtrain.zero.build import build_layout
+from shardtrain.zero.layout import cast_bucket
 from shardtrain.zero.optimizer import ShardedOptimizer, check_optimizer, make_masters
 from shardtrain.zero.reducer import GradientReducer
-from shardtrain.zero.stage3 import ParameterUnits, assign_parameters, find_unit_modules
+from shardtrain.zero.unit_runtime import ParameterUnits
 from shardtrain.zero.weights import (
     Destination,
     load_safetensors,
     load_state_dict_from_rank0,
     safetensors_files,
-    state_tensors,
+    weight_destinations,
 )
 
 log = logging.getLogger("shardtrain")
@@ -66,46 +67,31 @@ class Engine:
         self.module, self.config, self.topology = module, config, topology
         self.comm = Communicator(topology.dp_group, topology.timeout_s)
         zcfg = config.zero_optimization
-        self.stage = zcfg.stage
         self.train_batch_size, self.micro_batch_size, self.gradient_accumulation_steps = resolve_batch_sizes(
             config, topology.dp
         )
         _check_ranks_agree(self.comm, module, config)
-        self._finish_construction()
+        # where every parameter lives (see [Note: the layout]); built before anything else touches the model
+        self.layout = build_layout(module, zcfg, self.comm)
+        self.policy = self.layout.policy
         self._units: ParameterUnits | None = None
-        if self.stage == 3:
-            unit_specs, persistent = self._plan_units()
-            self._buckets = [b for _, _, bs in unit_specs for b in bs] + build_buckets(
-                group_by_size(persistent, zcfg.reduce_bucket_size),
-                topology.dp,
-                topology.dp_rank,
-                first_index=sum(len(bs) for _, _, bs in unit_specs),
-            )
-        else:
-            trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-            self._buckets = build_buckets(
-                group_by_size(trainable, zcfg.reduce_bucket_size), topology.dp, topology.dp_rank
-            )
-        self._sync_initial_state()
-        if self.stage == 3:
+        if self.layout.units:
             self._units = ParameterUnits(
-                module, unit_specs, self.comm, zcfg.stage3_prefetch_bucket_size, zcfg.stage3_gather_check
+                module, self.layout.units, self.comm, zcfg.stage3_prefetch_bucket_size, zcfg.stage3_gather_check
             )
         self.precision = policy_from_config(config)
         self.scaler = LossScaler.from_config(config)
         self.skipped_steps = 0
         masters = None
-        # where every bucketed parameter lives; frozen buckets (stage-3 units) are never reduced nor stepped
-        self._slots = {id(s.param): (b, i) for b in self._buckets for i, s in enumerate(b.slots)}
-        trainable = [b for b in self._buckets if b.requires_grad]
+        trainable = self.layout.trainable_buckets  # frozen buckets (stage-3 units) are never reduced nor stepped
         if self.precision.mixed:  # masters from the fp32 values, then compute-dtype parameters
-            masters = make_masters(trainable, self.stage)
+            masters = make_masters(trainable, self.policy)
             self._cast_to_compute_dtype()
             if self._units is not None:  # the cast made new full buffers
                 self._units.index_storages()
         self._reducer = GradientReducer(
             trainable,
-            self.stage,
+            self.policy,
             self.comm,
             zcfg.overlap_comm,
             on_grad_ready=self._units.on_grad_ready if self._units else None,
@@ -116,7 +102,7 @@ class Engine:
             module,
             trainable,
             self._reducer,
-            self.stage,
+            self.policy,
             self.comm,
             zcfg.allgather_bucket_size,
             masters=masters,
@@ -131,86 +117,27 @@ class Engine:
         self.monitor = TrainingMonitor(config, topology.rank, topology.device, topology.dp)
         self.comm.reset_stats()
 
+    @property
+    def stage(self) -> int:
+        """The ZeRO stage (what it shards is ``engine.policy``)."""
+        return self.policy.stage
+
     # -- setup ----------------------------------------------------------------------------------
     def _cast_to_compute_dtype(self) -> None:
         """See [Note: mixed precision]: buckets, other fp32 parameters and floating buffers."""
         policy = self.precision
-        for b in self._buckets:
+        for b in self.layout.buckets:
             if b.dtype == torch.float32:
                 cast_bucket(b, policy.compute_dtype)
-        bucketed = {id(s.param) for b in self._buckets for s in b.slots}
         with torch.no_grad():
             for p in self.module.parameters():
-                if id(p) not in bucketed and policy.casts(p):
+                record = self.layout.record_of(p)
+                if (record is None or record.bucket is None) and policy.casts(p):
                     p.data = p.data.to(policy.compute_dtype)
             for m in self.module.modules():
                 for name, buf in m._buffers.items():
                     if buf is not None and policy.casts(buf):
                         m._buffers[name] = buf.to(policy.compute_dtype)
-
-    def _finish_construction(self) -> None:
-        """Parameters built under ``shardtrain.zero.Init`` that will not be unit-sharded become whole again;
-        the others stay sharded until ``_plan_units`` lays them out (see [Note: sharded construction])."""
-        built = [p for p in self.module.parameters() if is_under_construction(p)]
-        if not built:
-            return
-        runtime = built[0]._st_unit.runtime
-        runtime.settle()
-        threshold = self.config.zero_optimization.stage3_param_persistence_threshold
-        for p in built:
-            if self.stage != 3 or p.numel() < threshold:
-                runtime.materialize(p)
-
-    def _plan_units(self) -> tuple[list[tuple[str, nn.Module, list[Bucket]]], list[tuple[str, nn.Parameter]]]:
-        """Stage 3: (unit name, module, buckets) in expected backward order, and the persistent parameters.
-
-        Units are ordered last block first and the root last, the order their gradients complete in
-        backward, because reductions are launched in bucket order (see [Note: collective order]).
-        """
-        zcfg, top = self.config.zero_optimization, self.topology
-        unit_modules = find_unit_modules(self.module, zcfg.stage3_unit_classes)
-        groups = assign_parameters(self.module, unit_modules)
-        threshold = zcfg.stage3_param_persistence_threshold
-        # small parameters stay whole: trainable ones are reduced like stage 2, frozen ones are left alone
-        persistent = [(n, p) for g in groups for n, p in g if p.numel() < threshold and p.requires_grad]
-        named = [*unit_modules[::-1], ("<root>", self.module)]
-        params_of = [*groups[:-1][::-1], groups[-1]]
-        specs: list[tuple[str, nn.Module, list[Bucket]]] = []
-        index = 0
-        for (name, m), params in zip(named, params_of):
-            by_dtype: dict[tuple[torch.dtype, bool], list[tuple[str, nn.Parameter]]] = {}
-            for n, p in params:  # trainable and frozen parameters in buckets of their own
-                if p.numel() >= threshold:
-                    by_dtype.setdefault((p.dtype, p.requires_grad), []).append((n, p))
-            if not by_dtype:
-                continue
-            # one unit at a time: its full buffer exists only until rank 0's values are in and the shard is cut
-            buckets = build_buckets(list(by_dtype.values()), top.dp, top.dp_rank, first_index=index)
-            for b in buckets:
-                self.comm.broadcast(b.flat_param, 0, what=f"initial parameters of unit {name!r}")
-                lo, hi = b.shard_range
-                b.shard = b.flat_param[lo:hi].clone()
-                b.gather_after_step = False
-                b.flat_param.untyped_storage().resize_(0)
-            index += len(buckets)
-            specs.append((name, m, buckets))
-        for p in self.module.parameters():
-            if is_under_construction(p):
-                p._st_unit.runtime.settle()
-                break
-        return specs, persistent
-
-    def _sync_initial_state(self) -> None:
-        """Every rank starts from rank 0's parameters and buffers (as DDP does)."""
-        for b in self._buckets:
-            if b.gather_after_step:  # stage-3 units were synchronized while they were built
-                self.comm.broadcast(b.flat_param, 0, what=f"initial parameters of bucket {b.index}")
-        bucketed = {id(s.param) for b in self._buckets for s in b.slots}
-        for name, p in self.module.named_parameters():
-            if id(p) not in bucketed:
-                self.comm.broadcast(p.data, 0, what=f"initial value of frozen parameter {name!r}")
-        for name, buf in self.module.named_buffers():
-            self.comm.broadcast(buf, 0, what=f"initial value of buffer {name!r}")
 
     # -- the training loop -------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -274,7 +201,12 @@ class Engine:
         self.global_step += 1
 
     def close(self) -> None:
-        """Flush and close the monitors' files (TensorBoard, wandb run). Safe to call more than once."""
+        """Remove every hook the engine installed (gradient hooks, ZeRO-3 module hooks) and flush and close the
+        monitors' files (TensorBoard, wandb run). Not collective; safe to call more than once. ZeRO-3 parameters
+        stay sharded: take ``full_state_dict()`` first if the module is used afterwards."""
+        self._reducer.remove_hooks()
+        if self._units is not None:
+            self._units.remove_hooks()
         self.monitor.close()
 
     def train(self, mode: bool = True) -> Engine:
@@ -316,11 +248,11 @@ class Engine:
         Parameters: the permanent copies (full flat buffers at stages 0-2; shards of units plus persistent
         and frozen parameters at stage 3). Transient buffers (gathered units, stage-2/3 gradient staging) are
         not state and not counted."""
-        bucketed = {id(s.param) for b in self._buckets for s in b.slots}
+        buckets = self.layout.buckets
         params = sum(
-            (b.flat_param if b.gather_after_step else b.shard).numel() * b.shard.element_size() for b in self._buckets
+            (b.flat_param if b.gather_after_step else b.shard).numel() * b.shard.element_size() for b in buckets
         )
-        params += sum(p.numel() * p.element_size() for p in self.module.parameters() if id(p) not in bucketed)
+        params += sum(r.param.numel() * r.param.element_size() for r in self.layout.records if r.bucket is None)
         return {"params": params, "grads": self._reducer.grad_bytes(), "optimizer": self._optimizer.state_bytes()}
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
@@ -347,18 +279,37 @@ class Engine:
 
         Every rank writes its own part in parallel; the save is crash-safe and ``save_dir/latest`` names the
         newest complete checkpoint (see docs/checkpoint-format.md and [Note: engine checkpoint contents])."""
-        from shardtrain.engine_checkpoint import save_engine
-
-        return save_engine(self, save_dir, tag or f"global_step{self.global_step}", client_state)
+        return save_engine(self._training_state(), save_dir, tag or f"global_step{self.global_step}", client_state)
 
     def load_checkpoint(self, load_dir: str | Path, tag: str | None = None, load_optimizer_states: bool = True) -> dict:
         """Restore a checkpoint saved in any layout (ranks, stage); returns its ``client_state``. Collective.
 
         Without ``tag`` the one ``load_dir/latest`` names is loaded. ``load_optimizer_states=False`` loads the
         model weights (masters included) and the loss scale only."""
-        from shardtrain.engine_checkpoint import load_engine
+        state = self._training_state()
+        client_state = load_engine(state, load_dir, tag, load_optimizer_states)
+        self.global_step = state.counters.get("global_step", 0)
+        self.micro_steps = state.counters.get("micro_steps", 0)
+        self.skipped_steps = state.counters.get("skipped_steps", 0)
+        # checkpoints older than the monitors: DeepSpeed's own fallback
+        self.global_samples = state.counters.get("global_samples", self.global_step * self.train_batch_size)
+        return client_state
 
-        return load_engine(self, load_dir, tag, load_optimizer_states)
+    def _training_state(self) -> TrainingState:
+        """What the checkpoint code reads and restores (see :mod:`shardtrain.engine_checkpoint`)."""
+        return TrainingState(
+            module=self.module,
+            layout=self.layout,
+            optimizer=self._optimizer,
+            comm=self.comm,
+            lr_scheduler=self.lr_scheduler,
+            scaler=self.scaler,
+            counters={k: getattr(self, k) for k in COUNTERS},
+            run={
+                "compute_dtype": str(self.precision.compute_dtype).removeprefix("torch."),
+                "gradient_accumulation_steps": self.gradient_accumulation_steps,
+            },
+        )
 
     def load_full_state_dict(
         self,
@@ -379,23 +330,7 @@ class Engine:
             load_state_dict_from_rank0(dests, source, self.comm, strict)
 
     def _weight_destinations(self) -> list[Destination]:
-        dests = []
-        for names, t in state_tensors(self.module):
-            targets: list[tuple[torch.Tensor, int]] = []
-            located = self._slots.get(id(t))
-            if located is None or located[0].gather_after_step:  # this rank holds the tensor whole
-                targets.append((t.data, 0))
-            if located is not None:
-                bucket, i = located
-                f = bucket.fragments[i]
-                start = f.start if self.stage > 0 else 0
-                if not bucket.gather_after_step:  # a stage-3 unit: this rank's fragment only
-                    targets.append((bucket.shard[f.shard_offset : f.shard_offset + f.length], start))
-                master = self._optimizer.master_of(t)
-                if master is not None:
-                    targets.append((master.view(-1), start))
-            dests.append(Destination(names, t.shape, targets))
-        return dests
+        return weight_destinations(self.module, self.layout, self._optimizer)
 
     @contextmanager
     def gathered(self, target: nn.Module | nn.Parameter | Iterable[nn.Parameter], modifier_rank: int | None = None):

@@ -40,20 +40,40 @@ from __future__ import annotations
 
 import random
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
 from shardtrain.checkpoint import FlatSlice, SavePiece, open_checkpoint, save
 from shardtrain.checkpoint.reader import CheckpointReader
+from shardtrain.comm import Communicator
 from shardtrain.errors import CheckpointError
 from shardtrain.hf_config import hf_config_objects
-from shardtrain.zero.weights import state_tensors
+from shardtrain.zero.layout import ShardLayout
+from shardtrain.zero.optimizer import ShardedOptimizer
+from shardtrain.zero.weights import state_tensors, weight_destinations
 
-if TYPE_CHECKING:
-    from shardtrain.engine import Engine
+COUNTERS = ("global_step", "micro_steps", "skipped_steps", "global_samples")
+
+
+@dataclass
+class TrainingState:
+    """What a checkpoint saves and restores, handed over by the engine: the checkpoint code reads the layout and
+    the optimizer wrapper's public methods, never the engine's fields."""
+
+    module: nn.Module
+    layout: ShardLayout
+    optimizer: ShardedOptimizer
+    comm: Communicator
+    lr_scheduler: Any  # an LRScheduler or None
+    scaler: Any  # a LossScaler or None
+    counters: dict[str, int]  # COUNTERS
+    run: dict[str, Any]  # compute_dtype, gradient_accumulation_steps (recorded, informative)
+
 
 PARAM_GROUPS_KEY = "optimizer/param_groups"
 STATE_KINDS_KEY = "optimizer/state_kinds"
@@ -74,10 +94,10 @@ def _replicated(name: str, t: torch.Tensor, rank: int, world: int) -> list[SaveP
     return [SavePiece(name, tuple(t.shape), FlatSlice(lo, hi - lo), flat[lo:hi])]
 
 
-def _stepped(engine: Engine, t: torch.Tensor) -> torch.Tensor | None:
+def _stepped(state: TrainingState, t: torch.Tensor) -> torch.Tensor | None:
     """What the optimizer steps for ``t`` (its fp32 master or its fragment), None for a tensor it does not step."""
     try:
-        return engine._optimizer.stepped_of(t)
+        return state.optimizer.stepped_of(t)
     except KeyError:
         return None
 
@@ -96,47 +116,48 @@ def _state_kind(key: str, value: torch.Tensor, stepped: torch.Tensor, name: str)
     )
 
 
-def _names_by_tensor(engine: Engine) -> dict[int, list[str]]:
+def _names_by_tensor(state: TrainingState) -> dict[int, list[str]]:
     """Every state-dict name of each parameter, keyed by the parameter and by what the optimizer steps for it."""
     names: dict[int, list[str]] = {}
     with torch._C.DisableTorchFunctionSubclass():
-        for ns, t in state_tensors(engine.module):
+        for ns, t in state_tensors(state.module):
             names[id(t)] = ns
-            stepped = _stepped(engine, t)
+            stepped = _stepped(state, t)
             if stepped is not None:
                 names[id(stepped)] = ns
     return names
 
 
-def collect_pieces(engine: Engine) -> tuple[list[SavePiece], dict[str, str], dict[str, Any]]:
+def collect_pieces(state: TrainingState) -> tuple[list[SavePiece], dict[str, str], dict[str, Any]]:
     """(this rank's pieces, aliases, the optimizer's global objects) for a save."""
-    rank, world = engine.topology.dp_rank, engine.topology.dp
-    opt = engine._optimizer
+    layout = state.layout
+    rank, world = layout.dp_rank, layout.dp
+    sharded = layout.policy.shard_optimizer_state
+    opt = state.optimizer
     pieces: list[SavePiece] = []
     aliases: dict[str, str] = {}
     kinds: dict[str, str] = {}
     with torch._C.DisableTorchFunctionSubclass():  # stage-3 parameters: only metadata and fragments are read
-        for names, t in state_tensors(engine.module):
+        for names, t in state_tensors(state.module):
             name = names[0]
             aliases.update({f"model/{alias}": f"model/{name}" for alias in names[1:]})
-            located = engine._slots.get(id(t))
-            if located is None:  # a buffer or a parameter held whole (frozen below stage 3, persistent frozen)
+            record = layout.record_of(t)
+            if record is None or record.bucket is None:  # a buffer or a parameter held whole outside buckets
                 pieces += _replicated(f"model/{name}", t, rank, world)
                 continue
-            bucket, i = located
-            f = bucket.fragments[i]
+            bucket, f = record.bucket, record.fragment
             # a bucketed parameter, trainable or (in a stage-3 unit) frozen: whole at stage 0, else this rank's
             # fragment of it
-            fragment = t if engine.stage == 0 else bucket.shard[f.shard_offset : f.shard_offset + f.length]
-            stepped = _stepped(engine, t)
+            fragment = bucket.shard[f.shard_offset : f.shard_offset + f.length] if sharded else t
+            stepped = _stepped(state, t)
             value = stepped if stepped is not None else fragment
             shape = tuple(t.shape)
-            if engine.stage == 0:  # whole on every rank
+            if not sharded:  # whole on every rank
                 pieces += _replicated(f"model/{name}", value.view(shape), rank, world)
             elif f.length or (t.numel() == 0 and rank == 0):
                 pieces.append(SavePiece(f"model/{name}", shape, FlatSlice(f.start, f.length), value))
-            state = opt.optimizer.state.get(stepped, {}) if stepped is not None else {}
-            for k, v in state.items():
+            opt_state = opt.optimizer.state.get(stepped, {}) if stepped is not None else {}
+            for k, v in opt_state.items():
                 if not torch.is_tensor(v):
                     raise CheckpointError(f"optimizer state {k!r} of {name!r} is not a tensor ({type(v).__name__})")
                 kind = _state_kind(k, v, value, name)
@@ -147,15 +168,15 @@ def collect_pieces(engine: Engine) -> tuple[list[SavePiece], dict[str, str], dic
                     )
                 if kind == SCALAR:  # identical on every rank, stored once
                     pieces.append(SavePiece(f"optim/{name}/{k}", (), FlatSlice(0, 1), v))
-                elif engine.stage == 0:
+                elif not sharded:
                     pieces += _replicated(f"optim/{name}/{k}", v.view(shape), rank, world)
                 elif f.length or (t.numel() == 0 and rank == 0):
                     pieces.append(SavePiece(f"optim/{name}/{k}", shape, FlatSlice(f.start, f.length), v))
         # a state seen only on 0-dim parameters stepped whole: torch's optimizers make only "step" a scalar
         for k in {k for st in opt.optimizer.state.values() for k in st if k not in kinds}:
             kinds[k] = SCALAR if k == "step" else ELEMENTWISE
-    names = _names_by_tensor(engine)
-    layout = []
+    names = _names_by_tensor(state)
+    groups = []
     for gi, group in enumerate(opt.optimizer.param_groups):
         entry = {k: v for k, v in group.items() if k != "params"}
         try:
@@ -164,38 +185,31 @@ def collect_pieces(engine: Engine) -> tuple[list[SavePiece], dict[str, str], dic
             raise CheckpointError(
                 f"optimizer param group {gi} holds a tensor that is not a parameter of the model"
             ) from None
-        layout.append(entry)
-    return pieces, aliases, {PARAM_GROUPS_KEY: layout, STATE_KINDS_KEY: dict(sorted(kinds.items()))}
+        groups.append(entry)
+    return pieces, aliases, {PARAM_GROUPS_KEY: groups, STATE_KINDS_KEY: dict(sorted(kinds.items()))}
 
 
 def _describe_failure(err: BaseException) -> str:
     return str(err) if isinstance(err, CheckpointError) else f"{type(err).__name__}: {err}"
 
 
-def save_engine(engine: Engine, save_dir: str | Path, tag: str, client_state: dict | None) -> Path:
+def save_engine(state: TrainingState, save_dir: str | Path, tag: str, client_state: dict | None) -> Path:
     """Collective; see [Note: checkpoint failures are collective]."""
     failure, pieces, aliases, global_objects, rng = None, [], {}, {}, {}
     try:
-        pieces, aliases, optimizer_objects = collect_pieces(engine)
-        top = engine.topology
+        pieces, aliases, optimizer_objects = collect_pieces(state)
         global_objects = {
             **optimizer_objects,
-            "engine/counters": {
-                "global_step": engine.global_step,
-                "micro_steps": engine.micro_steps,
-                "skipped_steps": engine.skipped_steps,
-                "global_samples": engine.global_samples,
-            },
+            "engine/counters": {k: state.counters[k] for k in COUNTERS},
             "engine/topology": {
-                "world_size": top.dp,
-                "zero_stage": engine.stage,
-                "compute_dtype": str(engine.precision.compute_dtype).removeprefix("torch."),
-                "gradient_accumulation_steps": engine.gradient_accumulation_steps,
+                "world_size": state.layout.dp,
+                "zero_stage": state.layout.policy.stage,
+                **state.run,
             },
-            "engine/scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
-            "engine/scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
+            "engine/scheduler": state.lr_scheduler.state_dict() if state.lr_scheduler is not None else None,
+            "engine/scaler": state.scaler.state_dict() if state.scaler is not None else None,
             "client_state": client_state if client_state is not None else {},
-            **hf_config_objects(engine.module),  # a transformers model's config: consolidation writes config.json
+            **hf_config_objects(state.module),  # a transformers model's config: consolidation writes config.json
         }
         rng = {
             "torch": torch.get_rng_state(),
@@ -208,7 +222,7 @@ def save_engine(engine: Engine, save_dir: str | Path, tag: str, client_state: di
     result = save(
         save_dir,
         tag,
-        engine.comm,
+        state.comm,
         pieces,
         rank_objects={"rng": rng},
         global_objects=global_objects,
@@ -218,18 +232,19 @@ def save_engine(engine: Engine, save_dir: str | Path, tag: str, client_state: di
     return result.path
 
 
-def load_engine(engine: Engine, load_dir: str | Path, tag: str | None, load_optimizer_states: bool) -> dict:
-    """Restore ``engine`` from a checkpoint; returns the saved ``client_state``. Collective.
+def load_engine(state: TrainingState, load_dir: str | Path, tag: str | None, load_optimizer_states: bool) -> dict:
+    """Restore ``state`` from a checkpoint; returns the saved ``client_state`` (``state.counters`` is updated in
+    place: counters missing from an old checkpoint are left out). Collective.
 
     A rank reads only what it needs, so a damaged file may fail on one rank only: the outcome is shared,
     and every rank raises the failing ranks' messages (see [Note: checkpoint failures are collective])."""
     error, client_state = None, {}
     try:
-        client_state = _load(engine, load_dir, tag, load_optimizer_states)
+        client_state = _load(state, load_dir, tag, load_optimizer_states)
     except Exception as err:
         error = _describe_failure(err)
         cause = err
-    outcomes = engine.comm.all_gather_object(error, what="checkpoint load outcome")
+    outcomes = state.comm.all_gather_object(error, what="checkpoint load outcome")
     failed = [(r, e) for r, e in enumerate(outcomes) if e is not None]
     if failed:
         where = f"{load_dir}" + (f" (tag {tag!r})" if tag is not None else "")
@@ -240,7 +255,7 @@ def load_engine(engine: Engine, load_dir: str | Path, tag: str | None, load_opti
     return client_state
 
 
-def _load(engine: Engine, load_dir: str | Path, tag: str | None, load_optimizer_states: bool) -> dict:
+def _load(state: TrainingState, load_dir: str | Path, tag: str | None, load_optimizer_states: bool) -> dict:
     reader = open_checkpoint(load_dir, tag)
     manifest = reader.manifest
 
@@ -256,7 +271,7 @@ def _load(engine: Engine, load_dir: str | Path, tag: str | None, load_optimizer_
 
     objects = reader.objects
     # everything that can be refused without reading tensors is checked before the engine is touched
-    dests = engine._weight_destinations()
+    dests = weight_destinations(state.module, state.layout, state.optimizer)
     for dest in dests:
         entry = manifest.resolve(entry_name(dest.names, "model/"))
         if tuple(entry.global_shape) != tuple(dest.shape):
@@ -264,7 +279,7 @@ def _load(engine: Engine, load_dir: str | Path, tag: str | None, load_optimizer_
                 f"{entry.name!r}: shape {tuple(entry.global_shape)} in the checkpoint, {tuple(dest.shape)} in the model"
             )
     if load_optimizer_states:
-        group_matches = _match_param_groups(engine, objects.get(PARAM_GROUPS_KEY), reader)
+        group_matches = _match_param_groups(state, objects.get(PARAM_GROUPS_KEY), reader)
 
     for dest in dests:
         lo, hi = dest.needed_range()
@@ -272,21 +287,18 @@ def _load(engine: Engine, load_dir: str | Path, tag: str | None, load_optimizer_
             dest.write_slice(reader.read(entry_name(dest.names, "model/"), (lo, hi)), lo)
 
     if load_optimizer_states:
-        _load_optimizer_state(engine, reader, entry_name)
+        _load_optimizer_state(state, reader, entry_name)
         for group, saved in group_matches:
             group.update({k: v for k, v in saved.items() if k != "params"})
-        if engine.lr_scheduler is not None and objects.get("engine/scheduler") is not None:
-            engine.lr_scheduler.load_state_dict(objects["engine/scheduler"])
-    if engine.scaler is not None and objects.get("engine/scaler") is not None:
-        engine.scaler.load_state_dict(objects["engine/scaler"])
+        if state.lr_scheduler is not None and objects.get("engine/scheduler") is not None:
+            state.lr_scheduler.load_state_dict(objects["engine/scheduler"])
+    if state.scaler is not None and objects.get("engine/scaler") is not None:
+        state.scaler.load_state_dict(objects["engine/scaler"])
     counters = objects.get("engine/counters", {})
-    engine.global_step = counters.get("global_step", 0)
-    engine.micro_steps = counters.get("micro_steps", 0)
-    engine.skipped_steps = counters.get("skipped_steps", 0)
-    # checkpoints older than the monitors: DeepSpeed's own fallback
-    engine.global_samples = counters.get("global_samples", engine.global_step * engine.train_batch_size)
-    if manifest.world_size == engine.topology.dp:
-        rng = reader.rank_objects(engine.topology.dp_rank).get("rng")
+    state.counters.clear()
+    state.counters.update({k: counters[k] for k in COUNTERS if k in counters})
+    if manifest.world_size == state.comm.size:
+        rng = reader.rank_objects(state.comm.rank).get("rng")
         if rng is not None:
             torch.set_rng_state(rng["torch"])
             if rng["cuda"] is not None and torch.cuda.is_available():
@@ -295,16 +307,17 @@ def _load(engine: Engine, load_dir: str | Path, tag: str | None, load_optimizer_
             random.setstate(rng["python"])
     else:
         warnings.warn(
-            f"checkpoint saved by {manifest.world_size} ranks loaded by {engine.topology.dp}: per-rank RNG states "
+            f"checkpoint saved by {manifest.world_size} ranks loaded by {state.comm.size}: per-rank RNG states "
             "are not restored",
             stacklevel=4,
         )
     return objects.get("client_state", {})
 
 
-def _load_optimizer_state(engine: Engine, reader: CheckpointReader, entry_name) -> None:
+def _load_optimizer_state(state: TrainingState, reader: CheckpointReader, entry_name) -> None:
     """Replace the optimizer state of every stepped tensor by the checkpoint's, read for this rank's range."""
-    manifest, opt = reader.manifest, engine._optimizer
+    manifest, opt = reader.manifest, state.optimizer
+    sharded = state.layout.policy.shard_optimizer_state
     saved_kinds = reader.objects.get(STATE_KINDS_KEY)  # absent in checkpoints written before it existed
     by_param: dict[str, dict[str, str]] = {}
     for tensor_name in manifest.tensors:
@@ -314,16 +327,16 @@ def _load_optimizer_state(engine: Engine, reader: CheckpointReader, entry_name) 
     group_of = {id(p): g for g in opt.optimizer.param_groups for p in g["params"]}
     new_state: dict[torch.Tensor, dict[str, Any]] = {}
     with torch._C.DisableTorchFunctionSubclass():
-        for names, t in state_tensors(engine.module):
+        for names, t in state_tensors(state.module):
             frag = opt.fragment_of(t)
-            stepped = _stepped(engine, t) if frag is not None else None
+            stepped = _stepped(state, t) if frag is not None else None
             if stepped is None:
                 continue
             _, bucket, i = frag
             f = bucket.fragments[i]
-            lo, hi = (0, t.numel()) if engine.stage == 0 else (f.start, f.start + f.length)
+            lo, hi = (f.start, f.start + f.length) if sharded else (0, t.numel())
             base = entry_name(names, "model/").removeprefix("model/")
-            state: dict[str, Any] = {}
+            param_state: dict[str, Any] = {}
             for key, tensor_name in sorted(by_param.get(base, {}).items()):
                 entry = manifest.tensors[tensor_name]
                 kind = (saved_kinds or {}).get(key) or _infer_kind(key, entry.global_shape, tuple(t.shape))
@@ -336,11 +349,11 @@ def _load_optimizer_state(engine: Engine, reader: CheckpointReader, entry_name) 
                     )
                 else:
                     value = reader.read(tensor_name, (lo, hi)).view(stepped.shape)
-                state[key] = _cast_like_torch(key, value, stepped, group_of.get(id(stepped), {}))
-            new_state[stepped] = state
-    for stepped, state in new_state.items():  # like Optimizer.load_state_dict: the checkpoint's state replaces all
-        if state:
-            opt.optimizer.state[stepped] = state
+                param_state[key] = _cast_like_torch(key, value, stepped, group_of.get(id(stepped), {}))
+            new_state[stepped] = param_state
+    for stepped, param_state in new_state.items():  # like Optimizer.load_state_dict: the checkpoint's replaces all
+        if param_state:
+            opt.optimizer.state[stepped] = param_state
         else:
             opt.optimizer.state.pop(stepped, None)
 
@@ -367,19 +380,21 @@ def _cast_like_torch(key: str, value: torch.Tensor, stepped: torch.Tensor, group
     return value.to(device=stepped.device)
 
 
-def _match_param_groups(engine: Engine, saved: list[dict] | None, reader: CheckpointReader) -> list[tuple[dict, dict]]:
+def _match_param_groups(
+    state: TrainingState, saved: list[dict] | None, reader: CheckpointReader
+) -> list[tuple[dict, dict]]:
     """Pair every current param group with the saved group holding the same parameter names; refuses any other
     grouping, naming the group and the parameters."""
     if saved is None:
         raise CheckpointError(f"{reader.path}: has no {PARAM_GROUPS_KEY!r}; load it with load_optimizer_states=False")
-    names = _names_by_tensor(engine)
+    names = _names_by_tensor(state)
     saved_group_of: dict[str, int] = {n: si for si, g in enumerate(saved) for n in g["params"]}
     matches: list[tuple[dict, dict]] = []
     advice = (
         "build the optimizer with the same param groups (the same parameters in each) as the run that saved it, "
         "or load with load_optimizer_states=False"
     )
-    for gi, group in enumerate(engine._optimizer.optimizer.param_groups):
+    for gi, group in enumerate(state.optimizer.optimizer.param_groups):
         here = [names[id(p)] for p in group["params"]]  # every name of each parameter
         missing = [ns[0] for ns in here if not any(n in saved_group_of for n in ns)]
         if missing:

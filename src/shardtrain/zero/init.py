@@ -7,7 +7,7 @@
 [Note: sharded construction]
 While the context is active, the ``__init__`` of every ``nn.Module`` class is wrapped: when a module's
 constructor returns, each parameter it registered is flattened, padded to the data-parallel size, and only
-this rank's chunk is kept (a one-parameter unit, see :mod:`shardtrain.zero.stage3`). Every rank runs the
+this rank's chunk is kept (a one-parameter unit, see :mod:`shardtrain.zero.units`). Every rank runs the
 same constructor code with the same seed, so the chunks are chunks of identical tensors.
 
 Construction code often touches parameters after they were built (a parent's ``apply(_init_weights)``,
@@ -34,14 +34,18 @@ from torch import nn
 
 from shardtrain.comm import Communicator
 from shardtrain.mesh import ensure_process_group, pick_device
+from shardtrain.zero.guarded import ShardedParameter, guard, guard_of, unguard
 from shardtrain.zero.layout import build_buckets
-from shardtrain.zero.stage3 import ShardedParameter, Unit, UnitState
+from shardtrain.zero.units import Unit, UnitState
 
 
 class ConstructionRuntime:
     """Gathers and re-shards one-parameter units while a model is being built (see the module note)."""
 
     in_forward = False
+
+    def hooks_for_op(self) -> None:  # nothing autograd saves during construction is a unit's to mark
+        return None
 
     def __init__(self, comm: Communicator) -> None:
         self.comm = comm
@@ -51,8 +55,7 @@ class ConstructionRuntime:
         (bucket,) = build_buckets([[(name, p)]], self.comm.size, self.comm.rank, own_shard=True)
         bucket.gather_after_step = False
         unit = Unit(-1, name, module=None, buckets=[bucket], runtime=self)
-        p.__class__ = ShardedParameter
-        p._st_name, p._st_unit = name, unit
+        guard(p, name, unit)
         self._release(unit)
 
     def _release(self, unit: Unit) -> None:
@@ -70,7 +73,7 @@ class ConstructionRuntime:
         self._open.clear()
 
     def touch(self, p: ShardedParameter) -> None:
-        unit = p._st_unit
+        unit = guard_of(p).unit
         if unit in self._open:
             return
         self.settle()
@@ -85,11 +88,9 @@ class ConstructionRuntime:
         """Turn a parameter built under Init back into an ordinary whole Parameter."""
         self.touch(p)
         full = p.detach().clone()
-        self._open.remove(p._st_unit)
-        p.__class__ = nn.Parameter
+        self._open.remove(guard_of(p).unit)
+        unguard(p)
         p.data = full
-        for name in ("_st_name", "_st_unit"):
-            delattr(p, name)
 
     def post_init(self, module: nn.Module) -> None:
         self.settle()
@@ -99,7 +100,12 @@ class ConstructionRuntime:
 
 
 def is_under_construction(p: nn.Parameter) -> bool:
-    return isinstance(p, ShardedParameter) and isinstance(p._st_unit.runtime, ConstructionRuntime)
+    return isinstance(p, ShardedParameter) and isinstance(guard_of(p).unit.runtime, ConstructionRuntime)
+
+
+def construction_runtime(p: nn.Parameter) -> ConstructionRuntime:
+    """The runtime that built ``p`` under :class:`Init` (``p`` must be under construction)."""
+    return guard_of(p).unit.runtime
 
 
 def _module_classes() -> list[type[nn.Module]]:

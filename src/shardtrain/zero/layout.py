@@ -15,7 +15,7 @@ Each module parameter's storage is redirected to its place in the flat buffer, s
 
 Padding elements are zero in parameters and gradients and are never handed to the optimizer.
 
-At stage 3 a bucket is a *unit* (see :mod:`shardtrain.zero.stage3`): ``shard`` gets storage of its own
+At stage 3 a bucket is a *unit* (see :mod:`shardtrain.zero.units`): ``shard`` gets storage of its own
 and the full flat buffer's storage is freed between uses; parameters stay views of the full buffer, so a
 re-gather refills the very storage autograd saved for backward.
 """
@@ -23,9 +23,12 @@ re-gather refills the very storage autograd saved for backward.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
+
+from shardtrain.zero.policy import ZeroPolicy
 
 
 @dataclass(eq=False)
@@ -156,3 +159,70 @@ def cast_bucket(b: Bucket, dtype: torch.dtype) -> None:
     lo, hi = b.shard_range
     b.shard = flat[lo:hi] if b.gather_after_step else b.shard.to(dtype)
     b.flat_param, b.dtype = flat, dtype
+
+
+@dataclass(eq=False)
+class ParamRecord:
+    """Everything the engine's parts need to know about one parameter (see [Note: the layout])."""
+
+    names: tuple[str, ...]
+    """Every state-dict name of the parameter (a tied parameter has several; the first is canonical)."""
+    param: nn.Parameter
+    global_shape: tuple[int, ...]
+    """The whole tensor's shape across the tensor-parallel group (the local shape when not split)."""
+    tp: Any = None
+    """How tensor parallelism splits it (a ``TPPlacement``); None when every tp rank holds the same tensor."""
+    bucket: Bucket | None = None
+    """The flat bucket it lives in; None for a parameter held whole outside every bucket (frozen below stage 3,
+    frozen and under the persistence threshold at stage 3)."""
+    slot: int = -1
+
+    @property
+    def name(self) -> str:
+        return self.names[0]
+
+    @property
+    def fragment(self) -> Fragment | None:
+        """What this data-parallel rank owns of the (local) parameter, None outside buckets."""
+        return self.bucket.fragments[self.slot] if self.bucket is not None else None
+
+    @property
+    def held_whole(self) -> bool:
+        """Whether this rank holds the parameter's full (local) value between steps."""
+        return self.bucket is None or self.bucket.gather_after_step
+
+    @property
+    def tp_split(self) -> bool:
+        return self.tp is not None and self.tp.dim is not None
+
+
+@dataclass(eq=False)
+class ShardLayout:
+    """[Note: the layout]
+    Where every parameter lives, built once from (model, config, mesh) by :func:`shardtrain.zero.build.build_layout`
+    before the engine exists, and read by the gradient reducer (``buckets``), the optimizer wrapper (fragments),
+    the ZeRO-3 runtime (``units``), weight loading and the checkpoint code (``records``). Nothing is set on the
+    parameters themselves: a parameter's record is found with :meth:`record_of`.
+    """
+
+    policy: ZeroPolicy
+    dp: int
+    dp_rank: int
+    buckets: list[Bucket]
+    units: list[tuple[str, nn.Module, list[Bucket]]]
+    """ZeRO-3 units (name, module, buckets) in expected backward order; empty below stage 3."""
+    records: list[ParamRecord]
+    """Every parameter once, in ``named_parameters()`` order."""
+    tp: int = 1
+    tp_rank: int = 0
+
+    def __post_init__(self) -> None:
+        self._by_id = {id(r.param): r for r in self.records}
+
+    def record_of(self, t: torch.Tensor) -> ParamRecord | None:
+        return self._by_id.get(id(t))
+
+    @property
+    def trainable_buckets(self) -> list[Bucket]:
+        """Buckets that are reduced and stepped (frozen stage-3 buckets are only gathered)."""
+        return [b for b in self.buckets if b.requires_grad]

@@ -34,6 +34,7 @@ from torch import nn
 from shardtrain.comm import Communicator
 from shardtrain.errors import OptimizerError
 from shardtrain.zero.layout import Bucket
+from shardtrain.zero.policy import ZeroPolicy
 from shardtrain.zero.reducer import GradientReducer
 
 
@@ -46,24 +47,25 @@ class ShardedOptimizer:
         module: nn.Module,
         buckets: list[Bucket],
         reducer: GradientReducer,
-        stage: int,
+        policy: ZeroPolicy,
         comm: Communicator,
         allgather_bucket_numel: int,
         masters: dict[int, torch.Tensor] | None = None,
     ) -> None:
         self.optimizer, self.buckets, self.reducer = optimizer, buckets, reducer
-        self.stage, self.comm, self.allgather_bucket_numel = stage, comm, allgather_bucket_numel
+        self.comm, self.allgather_bucket_numel = comm, allgather_bucket_numel
+        self.sharded = policy.shard_optimizer_state  # steps fragments (else whole parameters)
         # (fragment tensor, bucket, slot index) for every trainable parameter, keyed by the parameter
         self._frag: dict[int, tuple[torch.Tensor, Bucket, int]] = {}
         for b in buckets:
             for i, (slot, f) in enumerate(zip(b.slots, b.fragments)):
-                t = slot.param if stage == 0 else b.shard[f.shard_offset : f.shard_offset + f.length]
+                t = b.shard[f.shard_offset : f.shard_offset + f.length] if self.sharded else slot.param
                 self._frag[id(slot.param)] = (t, b, i)
         # what the optimizer steps: fp32 masters under mixed precision (see [Note: mixed precision]), else
         # the fragments themselves
         self.masters = masters
         self._stepped = {k: (masters[k] if masters is not None else t) for k, (t, _, _) in self._frag.items()}
-        if stage > 0 or masters is not None:
+        if self.sharded or masters is not None:
             self._move_initial_state()
             for group in optimizer.param_groups:
                 group["params"] = [self._stepped.get(id(p), p) for p in group["params"]]
@@ -78,7 +80,7 @@ class ShardedOptimizer:
             new = {}
             for k, v in old.items():
                 if torch.is_tensor(v) and v.shape == p.shape and v.numel() > 1:
-                    piece = v.reshape(-1)[f.start : f.start + f.length] if self.stage > 0 else v
+                    piece = v.reshape(-1)[f.start : f.start + f.length] if self.sharded else v
                     v = piece.to(stepped.dtype, copy=True).view_as(stepped)
                 new[k] = v
             self.optimizer.state[stepped] = new
@@ -108,7 +110,7 @@ class ShardedOptimizer:
         """(stepped tensor, fragment, its reduced gradient) for every trainable parameter."""
         triples = []
         for key, (t, b, i) in self._frag.items():
-            if self.stage == 0:
+            if not self.sharded:
                 g = self.reducer.param_grad(b, i)
             else:
                 f = b.fragments[i]
@@ -133,14 +135,14 @@ class ShardedOptimizer:
         else:
             local_sq = torch.zeros((), device=self.buckets[0].shard.device if self.buckets else "cpu")
         local_sq = local_sq.to(torch.float32)
-        if self.stage > 0 and self.reducer.sharded_grads:
+        if self.sharded and self.reducer.sharded_grads:
             # fragments are disjoint: the squares add up across ranks; the reducer's "gradients completed in
             # another order" flag rides along (see [Note: collective order])
             both = torch.stack([local_sq, local_sq.new_tensor(float(self.reducer.order_departed))])
             self.comm.all_reduce(both, "sum", what="squared gradient norm")
             local_sq = both[0]
             self.reducer.settle_order(bool(both[1] > 0))
-        elif self.stage > 0:
+        elif self.sharded:
             self.comm.all_reduce(local_sq, "sum", what="squared gradient norm")
         total_norm = float(local_sq.sqrt())
         if loss_scale is not None and not math.isfinite(total_norm):
@@ -149,7 +151,7 @@ class ShardedOptimizer:
             # identical to torch.nn.utils.clip_grad_norm_: scale by max_norm/(norm+1e-6), never up
             coef = torch.clamp(max_norm / (local_sq.sqrt() + 1e-6), max=1.0)
             torch._foreach_mul_(nonempty, coef)
-        if self.stage == 0 and self.masters is None:  # fp32 stage 0: the parameters hold their gradients
+        if not self.sharded and self.masters is None:  # fp32 stage 0: the parameters hold their gradients
             self.optimizer.step()
             return total_norm, False
         stepped = [s for s, _, g in triples if g is not None]
@@ -162,7 +164,7 @@ class ShardedOptimizer:
             frags = [t for s, t, _ in triples if t.numel()]
             with torch.no_grad():
                 torch._foreach_copy_(frags, [s for s, t, _ in triples if t.numel()])
-        if self.stage > 0:
+        if self.sharded:
             self._all_gather_params()
         return total_norm, False
 
@@ -259,11 +261,15 @@ def _has_stepped(state: dict) -> bool:
     return bool(state) and (step is None or float(step) != 0)
 
 
-def make_masters(buckets: list[Bucket], stage: int) -> dict[int, torch.Tensor]:
+def make_masters(buckets: list[Bucket], policy: ZeroPolicy) -> dict[int, torch.Tensor]:
     """fp32 copies of this rank's fragments, taken before the parameters are cast to the compute dtype."""
     masters = {}
     for b in buckets:
         for slot, f in zip(b.slots, b.fragments):
-            t = slot.param.detach() if stage == 0 else b.shard[f.shard_offset : f.shard_offset + f.length]
+            t = (
+                b.shard[f.shard_offset : f.shard_offset + f.length]
+                if policy.shard_optimizer_state
+                else slot.param.detach()
+            )
             masters[id(slot.param)] = t.to(torch.float32, copy=True)
     return masters

@@ -43,6 +43,7 @@ import torch
 from shardtrain.comm import Communicator, Handle
 from shardtrain.errors import ShardtrainError
 from shardtrain.zero.layout import Bucket, ParamSlot
+from shardtrain.zero.policy import ZeroPolicy
 
 
 @dataclass
@@ -57,15 +58,16 @@ class GradientReducer:
     def __init__(
         self,
         buckets: list[Bucket],
-        stage: int,
+        policy: ZeroPolicy,
         comm: Communicator,
         overlap: bool,
         on_grad_ready: Callable[[Bucket], None] | None = None,
         reduce_dtype: torch.dtype | None = None,
     ) -> None:
-        self.buckets, self.stage, self.comm, self.overlap = buckets, stage, comm, overlap
+        self.buckets, self.comm, self.overlap = buckets, comm, overlap
         self.reduce_dtype = reduce_dtype  # None: each bucket's own dtype (see [Note: mixed precision])
-        self.sharded_grads = stage >= 2
+        self.mode = policy.gradient_reduction  # see [Note: gradient storage per stage]
+        self.sharded_grads = policy.shard_gradients
         self._on_grad_ready = on_grad_ready
         self._in_backward = False
         self._boundary = False
@@ -185,13 +187,13 @@ class GradientReducer:
         self._launched.add(position)
         what = f"gradient bucket {b.index} ({b.numel} elements)"
         wire = self._wire_dtype(b)
-        if self.stage == 0:
+        if self.mode == "all_reduce":
             buf = self.full_grads[position]
             tmp = buf if buf.dtype == wire else buf.to(wire)  # reduced in the wire dtype, written back after
             handle = self.comm.all_reduce(tmp, "avg", what=what, async_op=True)
             self._pending.append(_Pending(b, handle, None if tmp is buf else tmp, tmp))
         else:
-            if self.stage == 1:
+            if self.mode == "reduce_scatter":
                 inp = self.full_grads[position].to(wire)  # no copy when the dtypes agree
             else:
                 inp = self._staging.pop(position, None)
@@ -211,9 +213,9 @@ class GradientReducer:
         if p.out is None:
             return
         position = self._position[p.bucket.index]
-        if self.stage == 0:
+        if self.mode == "all_reduce":
             self.full_grads[position].copy_(p.out)
-        elif self.stage == 1:
+        elif self.mode == "reduce_scatter":
             lo, hi = p.bucket.shard_range
             self.full_grads[position][lo:hi].copy_(p.out)
         elif self._fresh_shard:

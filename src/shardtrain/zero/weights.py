@@ -18,12 +18,17 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
 
 from shardtrain.comm import Communicator
 from shardtrain.errors import ShardtrainError
+
+if TYPE_CHECKING:
+    from shardtrain.zero.layout import ShardLayout
+    from shardtrain.zero.optimizer import ShardedOptimizer
 
 
 @dataclass
@@ -59,6 +64,28 @@ class Destination:
     @property
     def device(self) -> torch.device:
         return self.targets[0][0].device
+
+
+def weight_destinations(module: torch.nn.Module, layout: ShardLayout, optimizer: ShardedOptimizer) -> list[Destination]:
+    """Where each parameter's and buffer's values go on this rank, read from the layout: the tensor itself
+    when held whole, this rank's fragment of a stage-3 unit, and the fp32 master of the fragment."""
+    dests = []
+    sharded = layout.policy.shard_optimizer_state
+    for names, t in state_tensors(module):
+        targets: list[tuple[torch.Tensor, int]] = []
+        record = layout.record_of(t)
+        if record is None or record.held_whole:
+            targets.append((t.data, 0))
+        if record is not None and record.bucket is not None:
+            bucket, f = record.bucket, record.fragment
+            start = f.start if sharded else 0
+            if not bucket.gather_after_step:  # a stage-3 unit: this rank's fragment only
+                targets.append((bucket.shard[f.shard_offset : f.shard_offset + f.length], start))
+            master = optimizer.master_of(t)
+            if master is not None:
+                targets.append((master.view(-1), start))
+        dests.append(Destination(names, t.shape, targets))
+    return dests
 
 
 def state_tensors(module: torch.nn.Module) -> list[tuple[list[str], torch.Tensor]]:

@@ -1,19 +1,4 @@
-"""ZeRO stage 3: parameters partitioned into units, gathered just in time and released right after.
-
-[Note: unit lifecycle]
-A *unit* is a module whose parameters are gathered and released together: by default every block of a
-repeated ``nn.ModuleList``/``nn.Sequential`` stack, plus a root unit with the remaining parameters. Each
-unit owns one flat bucket per dtype (see [Note: bucket layout]); the bucket's ``shard`` is the only
-permanent copy, and the full flat buffer's storage is resized to 0 while the unit is ``SHARDED``.
-
-* forward: the unit's pre-forward hook gathers it (or waits for the prefetch), and prefetches the next
-  unit(s) of the order recorded on the first step; the post-forward hook releases it;
-* backward: see [Note: gathering for backward];
-* parameters stay views of the full buffer for their whole life. Releasing frees the storage in place and
-  gathering refills that same storage, so tensors autograd saved in forward see the values again in
-  backward (the version counter is preserved across the refill: the values written are the same).
-* frozen parameters (``requires_grad=False``) are sharded like trainable ones, in buckets of their own that
-  are gathered with the unit and never reduced.
+"""The ZeRO-3 runtime: gathers, releases and prefetches units around forward and backward.
 
 [Note: gathering for backward]
 Backward needs a unit's parameters exactly when autograd reads a tensor it saved in forward that aliases the
@@ -34,14 +19,6 @@ unpacked); a unit whose last saved tensor was just unpacked is released at the n
 autograd node, since the node that unpacked it is still using it. What is still gathered at the end of
 backward is released then.
 
-[Note: guarded parameters]
-Trainable parameters of units become :class:`ShardedParameter` (their class is changed in place, so the
-optimizer, tied modules and hooks keep the same object). Any data access while the unit is not gathered
-(reading ``.data``, an arithmetic op, ``state_dict()``) is intercepted by ``__torch_function__``: inside a
-forward it gathers the owning unit on demand (a parameter used outside the module that owns it; such units
-stay gathered for the backward too); anywhere else it raises an error naming the parameter and the
-``engine.gathered(...)`` context to use. Metadata (shape, dtype, ``.grad``) stays readable.
-
 [Note: unit order check]
 Before each all-gather the ranks exchange the id of the unit they are about to gather (one 8-byte
 all-gather, on by default: ``zero_optimization.stage3_gather_check``) and compare the ids before the data
@@ -54,12 +31,9 @@ reach the same point; its cost is measured in docs/benchmarks.md. Turn it off wi
 
 from __future__ import annotations
 
-import enum
-import types
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -67,124 +41,9 @@ from torch import nn
 
 from shardtrain.comm import Communicator, Handle
 from shardtrain.errors import RankMismatchError, ShardtrainError
+from shardtrain.zero.guarded import ShardedParameter, guard, guard_of
 from shardtrain.zero.layout import Bucket
-
-
-class UnitState(enum.Enum):
-    SHARDED = "sharded"  # only this rank's shard exists; the full buffer's storage is freed
-    GATHERING = "gathering"  # an all-gather into the full buffer is in flight (prefetch)
-    GATHERED = "gathered"  # full parameters are readable
-
-
-# Tensor attributes and methods that read no parameter data, allowed while a unit is sharded.
-_METADATA = frozenset(
-    [
-        "shape",
-        "dtype",
-        "device",
-        "size",
-        "dim",
-        "ndim",
-        "numel",
-        "nelement",
-        "element_size",
-        "requires_grad",
-        "requires_grad_",
-        "is_leaf",
-        "grad",
-        "_grad",
-        "grad_fn",
-        "_grad_fn",
-        "is_floating_point",
-        "is_complex",
-        "layout",
-        "is_sparse",
-        "is_cuda",
-        "is_meta",
-        "__hash__",
-        "register_hook",
-        "register_post_accumulate_grad_hook",
-        "_post_accumulate_grad_hooks",
-        "_backward_hooks",
-        "retains_grad",
-        "_version",
-        "_base",
-        "_is_view",
-        "__len__",
-        "names",
-        "is_quantized",
-        "is_mkldnn",
-        "is_nested",
-    ]
-)
-
-
-def _op_name(func) -> str:
-    if isinstance(func, types.MethodWrapperType):  # attribute access: Tensor.data.__get__
-        return getattr(func.__self__, "__name__", "")
-    return getattr(func, "__name__", "")
-
-
-def _sharded_args(args: tuple, kwargs: dict) -> Iterator[ShardedParameter]:
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, ShardedParameter):
-            yield a
-        elif isinstance(a, (list, tuple)):
-            yield from (x for x in a if isinstance(x, ShardedParameter))
-
-
-class ShardedParameter(nn.Parameter):
-    """A parameter of a ZeRO-3 unit; see [Note: guarded parameters]."""
-
-    _st_name: str
-    _st_unit: Unit
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if _op_name(func) in _METADATA:
-            return super().__torch_function__(func, types, args, kwargs)
-        runtime = None
-        for p in _sharded_args(args, kwargs):
-            runtime = p._st_unit.runtime
-            if p._st_unit.state is not UnitState.GATHERED:
-                runtime.touch(p)
-        # parameters still under zero.Init construction have a construction runtime: nothing to mark yet
-        hooks = runtime.hooks_for_op() if isinstance(runtime, ParameterUnits) else None
-        if hooks is None:
-            return super().__torch_function__(func, types, args, kwargs)
-        with hooks.context:  # inside another saved-tensor hook (a checkpoint): see [Note: gathering for backward]
-            return super().__torch_function__(func, types, args, kwargs)
-
-    def __repr__(self) -> str:
-        return f"ShardedParameter({self._st_name!r}, shape={tuple(self.shape)}, {self._st_unit.state.value})"
-
-
-@dataclass(eq=False)
-class Unit:
-    index: int
-    name: str
-    module: nn.Module
-    buckets: list[Bucket]
-    runtime: ParameterUnits = field(repr=False)
-    state: UnitState = UnitState.GATHERED
-    pending: list[Handle] = field(default_factory=list)
-    check: tuple[torch.Tensor, Handle] | None = None  # the unit-id exchange of the gather in flight
-    why: str = ""  # what the gather in flight is for (error messages)
-    grads_pending: int = 0  # trainable parameters still waiting for their gradient this backward
-    saved: int = 0  # tensors aliasing its storage that autograd saved and has not unpacked yet
-    last_unpack: object = None  # the autograd node that last unpacked one of them
-    needed_in_backward: bool = False  # gathered for this backward already (order recorded)
-    prefetches: int = 0  # how often it was gathered ahead of use (tests and benchmarks read it)
-    gathers: int = 0  # all-gathers issued for it (tests read it)
-
-    @property
-    def numel(self) -> int:
-        return sum(b.padded_numel for b in self.buckets)
-
-    @property
-    def trainable(self) -> int:
-        return sum(len(b.slots) for b in self.buckets if b.requires_grad)
+from shardtrain.zero.units import Unit, UnitState
 
 
 class _Saved:
@@ -229,55 +88,6 @@ class _SavedTensorHooks:
         return self.outer[1](packed) if self.outer is not None else packed
 
 
-def find_unit_modules(root: nn.Module, unit_classes: list[str] | None) -> list[tuple[str, nn.Module]]:
-    """Modules to make units of, outermost first, never one inside another."""
-    chosen: list[tuple[str, nn.Module]] = []
-
-    def inside_chosen(name: str) -> bool:
-        return any(name == c or name.startswith(c + ".") for c, _ in chosen)
-
-    if unit_classes:
-        found = set()
-        for name, m in root.named_modules():
-            if m is not root and type(m).__name__ in unit_classes and not inside_chosen(name):
-                chosen.append((name, m))
-                found.add(type(m).__name__)
-        missing = sorted(set(unit_classes) - found)
-        if missing:
-            raise ShardtrainError(
-                f"zero_optimization.stage3_unit_classes: no module of class {', '.join(map(repr, missing))} in "
-                f"the model; classes present: {', '.join(sorted({type(m).__name__ for m in root.modules()}))}"
-            )
-        return chosen
-    for name, m in root.named_modules():
-        if isinstance(m, (nn.ModuleList, nn.Sequential)) and not inside_chosen(name):
-            children = list(m.named_children())
-            kinds = {type(c) for _, c in children}
-            if len(children) >= 2 and len(kinds) == 1 and any(True for _ in children[0][1].parameters()):
-                chosen.extend((f"{name}.{n}" if name else n, c) for n, c in children)
-    return chosen
-
-
-def assign_parameters(
-    root: nn.Module, unit_modules: list[tuple[str, nn.Module]]
-) -> list[list[tuple[str, nn.Parameter]]]:
-    """Parameters (trainable and frozen) of each unit module, then the root's (last); a shared parameter goes
-    to the unit whose module registers it first in ``named_modules()`` order."""
-    owner_of = {id(m): i for i, (_, m) in enumerate(unit_modules)}
-    groups: list[list[tuple[str, nn.Parameter]]] = [[] for _ in range(len(unit_modules) + 1)]
-    seen: set[int] = set()
-    prefix_unit: dict[str, int] = {}
-    for name, m in root.named_modules(remove_duplicate=False):
-        parent = name.rsplit(".", 1)[0] if "." in name else ""
-        unit = owner_of.get(id(m), prefix_unit.get(parent, len(unit_modules)) if name else len(unit_modules))
-        prefix_unit[name] = unit
-        for pname, p in m.named_parameters(recurse=False):
-            if id(p) not in seen:
-                seen.add(id(p))
-                groups[unit].append((f"{name}.{pname}" if name else pname, p))
-    return groups
-
-
 class ParameterUnits:
     """Runs the [Note: unit lifecycle] for a root module and its units."""
 
@@ -300,8 +110,7 @@ class ParameterUnits:
             for b in buckets:  # shards were cut by the engine while planning (one unit at a time)
                 self._unit_of_bucket[b.index] = unit
                 for s in b.slots:
-                    s.param.__class__ = ShardedParameter
-                    s.param._st_name, s.param._st_unit = s.name, unit
+                    guard(s.param, s.name, unit)
             unit.state = UnitState.SHARDED
         self.index_storages()
         self._forward_depth = 0  # unit or root forwards running (parameters may be gathered on demand)
@@ -396,18 +205,19 @@ class ParameterUnits:
 
     def touch(self, p: ShardedParameter) -> None:
         """A sharded parameter's data is being used: gather on demand in forward or backward, else refuse."""
-        unit = p._st_unit
+        g = guard_of(p)
+        unit = g.unit
         if unit.state is UnitState.GATHERING:
             self._wait(unit)
             return
         if self._in_backward:  # a forward re-run by an activation checkpoint that bypasses module hooks
-            self._need_in_backward(unit, f"parameter {p._st_name!r} used in backward")
+            self._need_in_backward(unit, f"parameter {g.name!r} used in backward")
             return
         if self._forward_depth > 0:  # a parameter used outside its unit
-            self._gather(unit, f"parameter {p._st_name!r} used outside its unit")
+            self._gather(unit, f"parameter {g.name!r} used outside its unit")
             return
         raise ShardtrainError(
-            f"parameter {p._st_name!r} is partitioned by ZeRO stage 3 and not gathered here. Read it inside "
+            f"parameter {g.name!r} is partitioned by ZeRO stage 3 and not gathered here. Read it inside "
             "`with engine.gathered(module_or_params):` (pass modifier_rank=r to change it), or use "
             "engine.full_state_dict()."
         )
@@ -579,7 +389,7 @@ class ParameterUnits:
 
     # -- access outside forward ------------------------------------------------------------------------
     def units_of(self, params: list[nn.Parameter]) -> list[Unit]:
-        wanted = {id(p._st_unit) for p in params if isinstance(p, ShardedParameter)}
+        wanted = {id(guard_of(p).unit) for p in params if isinstance(p, ShardedParameter)}
         return [u for u in self.units if id(u) in wanted]
 
     @contextmanager

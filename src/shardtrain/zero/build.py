@@ -1,0 +1,132 @@
+"""From (model, ZeRO config, data-parallel group) to the :class:`~shardtrain.zero.layout.ShardLayout`.
+
+Runs once, before the engine exists, in this order:
+
+1. parameters built under ``shardtrain.zero.Init`` that will not be unit-sharded become whole again (see
+   [Note: sharded construction]);
+2. at stage 3, units are planned and laid out one at a time (rank 0's values broadcast into each unit's flat
+   buffer, this rank's shard cut, the full buffer freed); small parameters stay whole (persistence threshold);
+3. the other trainable parameters go into size-based buckets (see [Note: bucket layout]);
+4. every rank takes rank 0's values of what it holds whole (parameters and buffers), as DDP does;
+5. one :class:`ParamRecord` per parameter ties it all together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardtrain.comm import Communicator
+from shardtrain.config import ZeroConfig
+from shardtrain.zero.init import construction_runtime, is_under_construction
+from shardtrain.zero.layout import Bucket, ParamRecord, ShardLayout, build_buckets, group_by_size
+from shardtrain.zero.policy import ZeroPolicy
+from shardtrain.zero.units import assign_parameters, find_unit_modules
+from shardtrain.zero.weights import state_tensors
+
+
+def build_layout(
+    module: nn.Module,
+    zcfg: ZeroConfig,
+    comm: Communicator,
+    tp_placements: Mapping[str, Any] | None = None,
+    *,
+    tp: int = 1,
+    tp_rank: int = 0,
+) -> ShardLayout:
+    """Lay ``module``'s parameters out over the data-parallel group of ``comm`` (see the module docstring).
+
+    ``tp_placements``: how tensor parallelism split each parameter, by its name (absent: not split)."""
+    policy = ZeroPolicy.for_stage(zcfg.stage)
+    dp, dp_rank = comm.size, comm.rank
+    _finish_construction(module, policy, zcfg.stage3_param_persistence_threshold)
+    units: list[tuple[str, nn.Module, list[Bucket]]] = []
+    if policy.shard_parameters:
+        units, persistent = _plan_units(module, zcfg, comm)
+        buckets = [b for _, _, bs in units for b in bs]
+        buckets += build_buckets(
+            group_by_size(persistent, zcfg.reduce_bucket_size), dp, dp_rank, first_index=len(buckets)
+        )
+    else:
+        trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        buckets = build_buckets(group_by_size(trainable, zcfg.reduce_bucket_size), dp, dp_rank)
+    _sync_initial_state(module, buckets, comm)
+    where = {id(s.param): (b, i) for b in buckets for i, s in enumerate(b.slots)}
+    placements = dict(tp_placements or {})
+    records = []
+    for names, t in state_tensors(module):
+        if not isinstance(t, nn.Parameter):
+            continue
+        placement = next((placements[n] for n in names if n in placements), None)
+        bucket, slot = where.get(id(t), (None, -1))
+        shape = tuple(placement.global_shape) if placement is not None else tuple(t.shape)
+        records.append(ParamRecord(tuple(names), t, shape, placement, bucket, slot))
+    return ShardLayout(policy, dp, dp_rank, buckets, units, records, tp=tp, tp_rank=tp_rank)
+
+
+def _finish_construction(module: nn.Module, policy: ZeroPolicy, threshold: int) -> None:
+    """Parameters built under ``shardtrain.zero.Init`` that will not be unit-sharded become whole again;
+    the others stay sharded until :func:`_plan_units` lays them out (see [Note: sharded construction])."""
+    built = [p for p in module.parameters() if is_under_construction(p)]
+    if not built:
+        return
+    runtime = construction_runtime(built[0])
+    runtime.settle()
+    for p in built:
+        if not policy.shard_parameters or p.numel() < threshold:
+            runtime.materialize(p)
+
+
+def _plan_units(
+    module: nn.Module, zcfg: ZeroConfig, comm: Communicator
+) -> tuple[list[tuple[str, nn.Module, list[Bucket]]], list[tuple[str, nn.Parameter]]]:
+    """Stage 3: (unit name, module, buckets) in expected backward order, and the persistent parameters.
+
+    Units are ordered last block first and the root last, the order their gradients complete in backward,
+    because reductions are launched in bucket order (see [Note: collective order])."""
+    unit_modules = find_unit_modules(module, zcfg.stage3_unit_classes)
+    groups = assign_parameters(module, unit_modules)
+    threshold = zcfg.stage3_param_persistence_threshold
+    # small parameters stay whole: trainable ones are reduced like stage 2, frozen ones are left alone
+    persistent = [(n, p) for g in groups for n, p in g if p.numel() < threshold and p.requires_grad]
+    named = [*unit_modules[::-1], ("<root>", module)]
+    params_of = [*groups[:-1][::-1], groups[-1]]
+    specs: list[tuple[str, nn.Module, list[Bucket]]] = []
+    index = 0
+    for (name, m), params in zip(named, params_of):
+        by_kind: dict[tuple[torch.dtype, bool], list[tuple[str, nn.Parameter]]] = {}
+        for n, p in params:  # trainable and frozen parameters in buckets of their own
+            if p.numel() >= threshold:
+                by_kind.setdefault((p.dtype, p.requires_grad), []).append((n, p))
+        if not by_kind:
+            continue
+        # one unit at a time: its full buffer exists only until rank 0's values are in and the shard is cut
+        buckets = build_buckets(list(by_kind.values()), comm.size, comm.rank, first_index=index)
+        for b in buckets:
+            comm.broadcast(b.flat_param, 0, what=f"initial parameters of unit {name!r}")
+            lo, hi = b.shard_range
+            b.shard = b.flat_param[lo:hi].clone()
+            b.gather_after_step = False
+            b.flat_param.untyped_storage().resize_(0)
+        index += len(buckets)
+        specs.append((name, m, buckets))
+    built = [p for p in module.parameters() if is_under_construction(p)]
+    if built:
+        construction_runtime(built[0]).settle()
+    return specs, persistent
+
+
+def _sync_initial_state(module: nn.Module, buckets: list[Bucket], comm: Communicator) -> None:
+    """Every rank starts from rank 0's parameters and buffers (as DDP does)."""
+    for b in buckets:
+        if b.gather_after_step:  # stage-3 units were synchronized while they were built
+            comm.broadcast(b.flat_param, 0, what=f"initial parameters of bucket {b.index}")
+    bucketed = {id(s.param) for b in buckets for s in b.slots}
+    for name, p in module.named_parameters():
+        if id(p) not in bucketed:
+            comm.broadcast(p.data, 0, what=f"initial value of frozen parameter {name!r}")
+    for name, buf in module.named_buffers():
+        comm.broadcast(buf, 0, what=f"initial value of buffer {name!r}")

@@ -1,0 +1,112 @@
+"""ZeRO-3 units: which modules are gathered and released together, and each unit's state.
+
+[Note: unit lifecycle]
+A *unit* is a module whose parameters are gathered and released together: by default every block of a
+repeated ``nn.ModuleList``/``nn.Sequential`` stack, plus a root unit with the remaining parameters. Each
+unit owns one flat bucket per dtype (see [Note: bucket layout]); the bucket's ``shard`` is the only
+permanent copy, and the full flat buffer's storage is resized to 0 while the unit is ``SHARDED``.
+
+* forward: the unit's pre-forward hook gathers it (or waits for the prefetch), and prefetches the next
+  unit(s) of the order recorded on the first step; the post-forward hook releases it;
+* backward: see [Note: gathering for backward];
+* parameters stay views of the full buffer for their whole life. Releasing frees the storage in place and
+  gathering refills that same storage, so tensors autograd saved in forward see the values again in
+  backward (the version counter is preserved across the refill: the values written are the same).
+* frozen parameters (``requires_grad=False``) are sharded like trainable ones, in buckets of their own that
+  are gathered with the unit and never reduced.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardtrain.comm import Handle
+from shardtrain.errors import ShardtrainError
+from shardtrain.zero.layout import Bucket
+
+
+class UnitState(enum.Enum):
+    SHARDED = "sharded"  # only this rank's shard exists; the full buffer's storage is freed
+    GATHERING = "gathering"  # an all-gather into the full buffer is in flight (prefetch)
+    GATHERED = "gathered"  # full parameters are readable
+
+
+@dataclass(eq=False)
+class Unit:
+    index: int
+    name: str
+    module: nn.Module
+    buckets: list[Bucket]
+    runtime: Any = field(repr=False)  # ParameterUnits, or zero.Init's construction runtime
+    state: UnitState = UnitState.GATHERED
+    pending: list[Handle] = field(default_factory=list)
+    check: tuple[torch.Tensor, Handle] | None = None  # the unit-id exchange of the gather in flight
+    why: str = ""  # what the gather in flight is for (error messages)
+    grads_pending: int = 0  # trainable parameters still waiting for their gradient this backward
+    saved: int = 0  # tensors aliasing its storage that autograd saved and has not unpacked yet
+    last_unpack: object = None  # the autograd node that last unpacked one of them
+    needed_in_backward: bool = False  # gathered for this backward already (order recorded)
+    prefetches: int = 0  # how often it was gathered ahead of use (tests and benchmarks read it)
+    gathers: int = 0  # all-gathers issued for it (tests read it)
+
+    @property
+    def numel(self) -> int:
+        return sum(b.padded_numel for b in self.buckets)
+
+    @property
+    def trainable(self) -> int:
+        return sum(len(b.slots) for b in self.buckets if b.requires_grad)
+
+
+def find_unit_modules(root: nn.Module, unit_classes: list[str] | None) -> list[tuple[str, nn.Module]]:
+    """Modules to make units of, outermost first, never one inside another."""
+    chosen: list[tuple[str, nn.Module]] = []
+
+    def inside_chosen(name: str) -> bool:
+        return any(name == c or name.startswith(c + ".") for c, _ in chosen)
+
+    if unit_classes:
+        found = set()
+        for name, m in root.named_modules():
+            if m is not root and type(m).__name__ in unit_classes and not inside_chosen(name):
+                chosen.append((name, m))
+                found.add(type(m).__name__)
+        missing = sorted(set(unit_classes) - found)
+        if missing:
+            raise ShardtrainError(
+                f"zero_optimization.stage3_unit_classes: no module of class {', '.join(map(repr, missing))} in "
+                f"the model; classes present: {', '.join(sorted({type(m).__name__ for m in root.modules()}))}"
+            )
+        return chosen
+    for name, m in root.named_modules():
+        if isinstance(m, (nn.ModuleList, nn.Sequential)) and not inside_chosen(name):
+            children = list(m.named_children())
+            kinds = {type(c) for _, c in children}
+            if len(children) >= 2 and len(kinds) == 1 and any(True for _ in children[0][1].parameters()):
+                chosen.extend((f"{name}.{n}" if name else n, c) for n, c in children)
+    return chosen
+
+
+def assign_parameters(
+    root: nn.Module, unit_modules: list[tuple[str, nn.Module]]
+) -> list[list[tuple[str, nn.Parameter]]]:
+    """Parameters (trainable and frozen) of each unit module, then the root's (last); a shared parameter goes
+    to the unit whose module registers it first in ``named_modules()`` order."""
+    owner_of = {id(m): i for i, (_, m) in enumerate(unit_modules)}
+    groups: list[list[tuple[str, nn.Parameter]]] = [[] for _ in range(len(unit_modules) + 1)]
+    seen: set[int] = set()
+    prefix_unit: dict[str, int] = {}
+    for name, m in root.named_modules(remove_duplicate=False):
+        parent = name.rsplit(".", 1)[0] if "." in name else ""
+        unit = owner_of.get(id(m), prefix_unit.get(parent, len(unit_modules)) if name else len(unit_modules))
+        prefix_unit[name] = unit
+        for pname, p in m.named_parameters(recurse=False):
+            if id(p) not in seen:
+                seen.add(id(p))
+                groups[unit].append((f"{name}.{pname}" if name else pname, p))
+    return groups
