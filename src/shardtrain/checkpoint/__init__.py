@@ -2,13 +2,15 @@
 
 * :mod:`~shardtrain.checkpoint.format`: the manifest dataclasses;
 * :mod:`~shardtrain.checkpoint.writer`: the collective, crash-safe :func:`save`;
-* :mod:`~shardtrain.checkpoint.reader`: :func:`open_checkpoint`, reads of whole tensors or element ranges;
+* :mod:`~shardtrain.checkpoint.reader`: :func:`open_checkpoint`, reads of whole tensors, element ranges or any slice;
+* :mod:`~shardtrain.checkpoint.runs`: the element maps between slices (run tables, vectorized);
 * :mod:`~shardtrain.checkpoint.consolidate`: Hugging Face-style safetensors (and optimizer state dict) output;
 * :mod:`~shardtrain.checkpoint.cli`: ``shardtrain checkpoint inspect|consolidate``.
 """
 
 from shardtrain.checkpoint.format import (
     FORMAT_VERSION,
+    BlockFlatSlice,
     BlockSlice,
     FileEntry,
     FlatSlice,
@@ -22,6 +24,7 @@ from shardtrain.checkpoint.writer import SavePiece, SaveResult, save
 
 __all__ = [
     "FORMAT_VERSION",
+    "BlockFlatSlice",
     "BlockSlice",
     "CheckpointReader",
     "FileEntry",

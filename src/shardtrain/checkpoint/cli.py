@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections import Counter
 
 from tqdm import tqdm
 
+from shardtrain.checkpoint.format import BlockFlatSlice, BlockSlice, FlatSlice, TensorEntry
 from shardtrain.errors import CheckpointError
 
 
@@ -20,6 +22,29 @@ def _human(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000
     return f"{n:.1f} TB"
+
+
+def describe_layout(entry: TensorEntry) -> str:
+    """How a tensor's pieces split it, e.g. ``tp: dim 0, 2 blocks, stride 3 | zero: 4 fragments per block``."""
+    flats = [p.slice for p in entry.pieces if isinstance(p.slice, FlatSlice)]
+    if len(flats) == len(entry.pieces) == 1:
+        return "whole"
+    parts = [f"zero: {len(flats)} fragments"] if flats else []
+    # per tensor-parallel split (dim, count, stride): the number of pieces of each block (1 = stored whole)
+    splits: dict[tuple[int, int, int], Counter] = {}
+    for p in entry.pieces:
+        block = p.slice.block if isinstance(p.slice, BlockFlatSlice) else p.slice
+        if isinstance(block, BlockSlice):
+            splits.setdefault((block.dim, block.count, block.stride), Counter())[block.index] += 1
+    for (dim, count, stride), per_block in splits.items():
+        text = f"tp: dim {dim}, {count} blocks" + (f", stride {stride}" if stride > 1 else "")
+        if len(per_block) < count:
+            text += f" ({len(per_block)} stored this way)"
+        low, high = min(per_block.values()), max(per_block.values())
+        if high > 1:
+            text += f" | zero: {low if low == high else f'{low}-{high}'} fragments per block"
+        parts.append(text)
+    return "; ".join(parts)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,7 +93,9 @@ def inspect(args: argparse.Namespace) -> int:
     for name, e in m.tensors.items():
         alias = f"  (also {', '.join(e.aliases)})" if e.aliases else ""
         shape = "x".join(map(str, e.global_shape)) or "scalar"
-        print(f"  {name:<{width}}  {e.dtype:<9} {shape:<16} {_human(e.nbytes):>10}  {len(e.pieces)} piece(s){alias}")
+        pieces = f"{len(e.pieces)} piece(s)"
+        layout = describe_layout(e)
+        print(f"  {name:<{width}}  {e.dtype:<9} {shape:<16} {_human(e.nbytes):>10}  {pieces:<11} {layout}{alias}")
     if not args.verify:
         return 0
     with tqdm(total=total, unit="B", unit_scale=True, desc="verify", file=sys.stderr) as bar:

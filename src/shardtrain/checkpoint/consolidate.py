@@ -7,9 +7,11 @@ listed in the file's metadata (``"tied"``). Files: ``model.safetensors``, or, wh
 
 [Note: streaming] ``safetensors.torch.save_file`` needs every tensor of a file in memory at once. Here the header
 (names, dtypes, shapes, offsets) is computed from the manifest first, then each tensor is assembled from its pieces
-straight into the output dtype, written and freed (``safetensors_io.write_streaming``). Peak memory is one assembled
-tensor plus the largest piece being copied into it, i.e. at most about twice the largest tensor, whatever the model
-size. The output is read back by ``safetensors`` itself in the tests.
+straight into the output dtype, written and freed (``safetensors_io.write_streaming``). Pieces of every kind (ZeRO
+fragments, tensor-parallel blocks with their stride, ZeRO fragments of blocks, any mix) are assembled by
+``CheckpointReader.read`` chunk by chunk, so each tensor comes out whole, in its global (Hugging Face) layout. Peak
+memory is one assembled tensor plus a chunk of the piece being copied into it, whatever the model size. The output
+is read back by ``safetensors`` itself in the tests.
 
 A checkpoint of a Hugging Face ``transformers`` model carries its configuration (global objects
 :data:`HF_CONFIG_KEY` and :data:`HF_GENERATION_CONFIG_KEY`, JSON text); it is written as ``config.json`` (with

@@ -2,13 +2,13 @@
 
 A checkpoint directory holds ``manifest.json`` and the files it lists. The manifest names every logical tensor
 (global shape, dtype) and every stored *piece* of it: which file, which safetensors key, which part of the global
-tensor (a :class:`FlatSlice` for ZeRO fragments, a :class:`BlockSlice` for tensor-parallel blocks) and a CRC-32 of
-the piece's bytes. Loading into another layout is "read the elements I now own"; nothing is re-derived from padding
-rules. The schema is documented in ``docs/checkpoint-format.md``.
+tensor (a :class:`FlatSlice` for ZeRO fragments, a :class:`BlockSlice` for tensor-parallel blocks, a
+:class:`BlockFlatSlice` for a ZeRO fragment inside a tensor-parallel block) and a CRC-32 of the piece's bytes.
+Loading into another layout is "read the elements I now own"; nothing is re-derived from padding rules. The schema
+is documented in ``docs/checkpoint-format.md``.
 
-[Note: runs] Every slice kind reduces to *runs*: ``(global_start, piece_start, length)`` triples in flattened
-(row-major) element indices of the global tensor and of the piece. Coverage checks and range reads use only runs,
-so a new slice kind needs only a ``runs`` method.
+Every slice kind reduces to runs ([Note: runs] in ``runs.py``): coverage checks and reads use only its
+``run_table``.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from shardtrain.checkpoint.runs import RunTable, block_runs, coverage_problem, flat_index, spans_coverage_problem
 from shardtrain.errors import CheckpointError
 
 FORMAT_VERSION = 1
@@ -99,9 +100,11 @@ class FlatSlice:
     def piece_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         return (self.length,)
 
+    def run_table(self, shape: tuple[int, ...]) -> RunTable:
+        return RunTable.of(*([[self.start], [0], [self.length]] if self.length else [[], [], []]))
+
     def runs(self, shape: tuple[int, ...]) -> Iterator[tuple[int, int, int]]:
-        if self.length:
-            yield (self.start, 0, self.length)
+        return _iter_runs(self.run_table(shape))
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": "flat", "start": self.start, "length": self.length}
@@ -140,26 +143,80 @@ class BlockSlice:
     def piece_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         return shape[: self.dim] + (shape[self.dim] // self.count,) + shape[self.dim + 1 :]
 
+    def run_table(self, shape: tuple[int, ...]) -> RunTable:
+        """``outer * stride`` runs of ``rows * inner`` elements (``block_runs`` in ``runs.py``)."""
+        return block_runs(shape, self.dim, self.index, self.count, self.stride, 0, None)
+
     def runs(self, shape: tuple[int, ...]) -> Iterator[tuple[int, int, int]]:
-        outer, size, inner = numel(shape[: self.dim]), shape[self.dim], numel(shape[self.dim + 1 :])
-        block = size // (self.count * self.stride)  # rows of one block of one group
-        if block * inner == 0:
-            return
-        piece_rows = size // self.count
-        for o in range(outer):
-            for g in range(self.stride):
-                global_row = g * (size // self.stride) + self.index * block
-                yield (
-                    (o * size + global_row) * inner,
-                    (o * piece_rows + g * block) * inner,
-                    block * inner,
-                )
+        return _iter_runs(self.run_table(shape))
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": "block", "dim": self.dim, "index": self.index, "count": self.count, "stride": self.stride}
 
 
-Slice = FlatSlice | BlockSlice
+@dataclass(frozen=True)
+class BlockFlatSlice:
+    """Elements ``[start, start + length)`` of the row-major flattening of tensor-parallel block ``block``, stored
+    as a 1-D piece: ZeRO inside tensor parallelism (each data-parallel rank holds a fragment of its block).
+
+    ``BlockFlatSlice(BlockSlice(0, 1, 2, stride=3), 12, 36)`` of a (24, 4) fused QKV weight: tensor-parallel rank
+    1's block is rows 4-7, 12-15 and 20-23 (its part of Q, K and V), flattened to 48 elements; the piece is elements
+    12-47 of those: row 7, rows 12-15 and rows 20-23, three runs.
+    """
+
+    block: BlockSlice
+    start: int
+    length: int
+
+    def __post_init__(self) -> None:
+        _check(
+            isinstance(self.block, BlockSlice),
+            f"BlockFlatSlice needs a BlockSlice as its block, got {self.block!r}",
+        )
+        _check(
+            isinstance(self.start, int) and isinstance(self.length, int) and self.start >= 0 and self.length >= 0,
+            f"BlockFlatSlice needs integers start >= 0 and length >= 0, got start={self.start!r} "
+            f"length={self.length!r}",
+        )
+
+    def validate(self, shape: tuple[int, ...]) -> None:
+        self.block.validate(shape)
+        block_numel = numel(self.block.piece_shape(shape))
+        _check(
+            self.start + self.length <= block_numel,
+            f"BlockFlatSlice [{self.start}, {self.start + self.length}) exceeds the {block_numel} elements of "
+            f"{self.block} of a tensor of shape {shape}",
+        )
+
+    def piece_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return (self.length,)
+
+    def run_table(self, shape: tuple[int, ...]) -> RunTable:
+        b = self.block
+        return block_runs(shape, b.dim, b.index, b.count, b.stride, self.start, self.start + self.length)
+
+    def runs(self, shape: tuple[int, ...]) -> Iterator[tuple[int, int, int]]:
+        return _iter_runs(self.run_table(shape))
+
+    def to_json(self) -> dict[str, Any]:
+        b = self.block
+        return {
+            "kind": "block_flat",
+            "dim": b.dim,
+            "index": b.index,
+            "count": b.count,
+            "stride": b.stride,
+            "start": self.start,
+            "length": self.length,
+        }
+
+
+Slice = FlatSlice | BlockSlice | BlockFlatSlice
+SLICE_KINDS = ("flat", "block", "block_flat")
+
+
+def _iter_runs(table: RunTable) -> Iterator[tuple[int, int, int]]:
+    return zip(*(t.tolist() for t in table))
 
 
 def slice_from_json(d: dict[str, Any]) -> Slice:
@@ -168,7 +225,12 @@ def slice_from_json(d: dict[str, Any]) -> Slice:
         return FlatSlice(d["start"], d["length"])
     if kind == "block":
         return BlockSlice(d["dim"], d["index"], d["count"], d.get("stride", 1))
-    raise CheckpointError(f"unknown slice kind {kind!r} (known: 'flat', 'block')")
+    if kind == "block_flat":
+        return BlockFlatSlice(BlockSlice(d["dim"], d["index"], d["count"], d["stride"]), d["start"], d["length"])
+    raise CheckpointError(
+        f"unknown slice kind {kind!r} (known: {', '.join(map(repr, SLICE_KINDS))}); the checkpoint was written by a "
+        "newer shardtrain"
+    )
 
 
 @dataclass(frozen=True)
@@ -243,17 +305,23 @@ class TensorEntry:
 
 
 def check_coverage(name: str, shape: tuple[int, ...], slices: list[Slice]) -> None:
-    """The slices must cover every element of the tensor exactly once."""
-    runs = sorted((g, n) for s in slices for g, _, n in s.runs(shape))
-    pos = 0
-    for start, length in runs:
-        if start < pos:
-            raise CheckpointError(f"tensor {name!r}: stored pieces overlap at element {start}")
-        if start > pos:
-            raise CheckpointError(f"tensor {name!r}: elements [{pos}, {start}) are in no stored piece")
-        pos = start + length
-    if pos != numel(shape):
-        raise CheckpointError(f"tensor {name!r}: elements [{pos}, {numel(shape)}) are in no stored piece")
+    """The slices (any mix of kinds, each valid for ``shape``) must cover every element of the tensor exactly once;
+    the error names the first element covered twice (and the two slices) or the first range covered by none."""
+    if all(isinstance(s, FlatSlice) for s in slices):
+        problem = spans_coverage_problem(numel(shape), [(s.start, s.length) for s in slices])
+    else:
+        problem = coverage_problem(numel(shape), [s.run_table(shape) for s in slices])
+    if problem is None:
+        return
+    kind, first, end, a, b = problem
+    where = f"element {first} is at index {flat_index(first, shape)} of shape {shape}"
+    if kind == "overlap":
+        raise CheckpointError(
+            f"tensor {name!r}: stored pieces overlap at element {first} ({where}): {slices[a]} and {slices[b]} "
+            "both hold it"
+        )
+    after = f"; the piece before it is {slices[a]}" if a >= 0 else ""
+    raise CheckpointError(f"tensor {name!r}: elements [{first}, {end}) are in no stored piece ({where}{after})")
 
 
 @dataclass(frozen=True)

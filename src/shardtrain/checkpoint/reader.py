@@ -1,4 +1,5 @@
-"""Read a checkpoint in any layout: whole tensors, or elements ``[a, b)`` of a flattened tensor, from the pieces saved.
+"""Read a checkpoint in any layout: whole tensors, elements ``[a, b)`` of a flattened tensor, or any slice (a ZeRO
+fragment, a tensor-parallel block, a fragment of a block) of a tensor, from whatever pieces were saved.
 
 Integrity, and what it costs (``docs/checkpoint-format.md`` has the full discussion):
 
@@ -26,13 +27,16 @@ import torch
 from shardtrain.checkpoint.format import (
     LATEST_NAME,
     MANIFEST_NAME,
+    FlatSlice,
     Manifest,
     ObjectRecord,
     Piece,
+    Slice,
     TensorEntry,
     crc32_of_bytes,
     numel,
 )
+from shardtrain.checkpoint.runs import SegmentCopier, intersect
 from shardtrain.checkpoint.safetensors_io import stream_tensor
 from shardtrain.errors import CheckpointError
 
@@ -124,34 +128,44 @@ class CheckpointReader:
     ) -> torch.Tensor:
         """Tensor ``name`` (or an alias), whole in its global shape, or elements ``[a, b)`` of it flattened (1-D).
 
-        Only pieces overlapping the range are read, in chunks straight into the result: memory is the result plus
-        a few MiB. ``dtype`` converts while copying.
+        The same as :meth:`read_slice` with ``FlatSlice(a, b - a)`` (reshaped to the global shape when whole).
         """
         entry = self.manifest.resolve(name)
         total = entry.numel
         a, b = (0, total) if flat_range is None else flat_range
         if not (0 <= a <= b <= total):
             raise CheckpointError(f"tensor {entry.name!r}: range [{a}, {b}) is outside its {total} elements")
-        out = torch.empty(b - a, dtype=dtype or entry.torch_dtype)
-        for piece in entry.pieces:
-            # [Note: runs] in format.py, as piece element ranges [ps, pe) that land at out[ps + shift : pe + shift]
-            spans = [
-                (p + max(a, g) - g, p + min(b, g + n) - g, g - p - a)
-                for g, p, n in piece.slice.runs(entry.global_shape)
-                if g < b and g + n > a
-            ]
-            if not spans:
-                continue
-
-            def sink(offset: int, chunk: torch.Tensor, spans: list = spans) -> None:
-                end = offset + chunk.numel()
-                for ps, pe, shift in spans:
-                    s, e = max(ps, offset), min(pe, end)
-                    if s < e:
-                        out[s + shift : e + shift].copy_(chunk[s - offset : e - offset])
-
-            self._stream_piece(entry, piece, (spans[0][0], spans[-1][1]), sink)
+        out = self.read_slice(name, FlatSlice(a, b - a), dtype=dtype)
         return out.reshape(entry.global_shape) if flat_range is None else out
+
+    def read_slice(self, name: str, slice: Slice, *, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The part ``slice`` of tensor ``name`` (or an alias), of shape ``slice.piece_shape(global shape)``: what a
+        rank of another layout owns, whatever layout the checkpoint was saved at (any mix of slice kinds).
+
+        Only stored pieces sharing elements with ``slice`` are read, each once, sequentially in chunks of a few MiB
+        (whole when verifying its checksum). The element map of each piece is computed from the runs of both slices
+        as tensors, and each chunk is copied into the result with strided views or one gather (``runs.py``), never
+        a Python step per run. Memory: the result, one chunk, the run tables. ``dtype`` converts while copying.
+        """
+        entry = self.manifest.resolve(name)
+        shape = entry.global_shape
+        try:
+            slice.validate(shape)
+        except CheckpointError as err:
+            raise CheckpointError(f"tensor {entry.name!r}: cannot read {slice}: {err}") from None
+        out = torch.empty(slice.piece_shape(shape), dtype=dtype or entry.torch_dtype)
+        target = slice.run_table(shape)
+        if target.count == 0:
+            return out
+        flat = out.view(-1)
+        for piece in entry.pieces:
+            segments = intersect(target, piece.slice.run_table(shape))
+            if segments.count == 0:
+                continue
+            first = int(segments.piece_start[0])
+            last = int(segments.piece_start[-1] + segments.length[-1])
+            self._stream_piece(entry, piece, (first, last), SegmentCopier(flat, segments))
+        return out
 
     # -- objects ----------------------------------------------------------------------------------
     def _load_pickle(self, file: str, key: str) -> dict[str, Any]:
