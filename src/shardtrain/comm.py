@@ -150,6 +150,16 @@ class Communicator:
             async_op,
         )
 
+    def all_gather_dim(self, inp: torch.Tensor, dim: int, *, what: str) -> torch.Tensor:
+        """Every rank's ``inp`` concatenated along ``dim``, in rank order (a new tensor).
+
+        ``inp`` must have the same shape on every rank. Counted as one ``all_gather`` of the result (the
+        tensor-parallel "gather from the region" is this call with ``dim=-1``)."""
+        dim = dim % inp.dim()
+        stacked = torch.empty((self.size, *inp.shape), dtype=inp.dtype, device=inp.device)  # [N, *inp.shape]
+        self.all_gather(stacked.view(-1), inp.contiguous().view(-1), what=what)
+        return torch.cat(stacked.unbind(0), dim=dim)  # [..., N * inp.shape[dim], ...]
+
     def broadcast(self, t: torch.Tensor, src: int = 0, *, what: str) -> None:
         """Broadcast from group rank ``src``."""
         n = self.size

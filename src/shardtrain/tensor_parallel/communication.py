@@ -1,0 +1,126 @@
+"""The four communication primitives of Megatron tensor parallelism, as small autograd Functions.
+
+Shoeybi et al., "Megatron-LM" (2019), section 3, name two conjugate operators: ``f`` (identity in forward,
+all-reduce in backward) in front of a column-parallel layer and ``g`` (all-reduce in forward, identity in
+backward) after a row-parallel layer. Gathering a split activation along its last dimension and its mirror,
+scattering a replicated one, complete the set (Megatron-Core ``tensor_parallel/mappings.py``).
+
+Every collective goes through the :class:`~shardtrain.comm.Communicator` passed in (no process-group
+globals), which counts its bytes. ``what`` names the tensor in timeout errors.
+
+[Note: replicated and split activations]
+Between tensor-parallel layers an activation is either *replicated* (every rank holds the same whole tensor:
+the residual stream) or *split* (rank r holds block r of the last dimension: the output of a column-parallel
+layer, the heads of an attention). The gradient of a replicated activation must come out replicated too: a
+rank whose computation used only its block produces a partial gradient, and ``f`` sums those partial
+gradients. Conversely the gradient of a gathered activation is replicated, so its backward just keeps this
+rank's block.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardtrain.comm import Communicator
+
+
+class _CopyToRegion(torch.autograd.Function):
+    """Megatron's ``f``: enter the tensor-parallel region. Forward identity, backward all-reduce (sum)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Communicator, what: str) -> torch.Tensor:  # [*, h] -> [*, h]
+        ctx.comm, ctx.what = comm, what
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # [*, h] partial per rank -> [*, h] summed
+        grad = grad.contiguous().clone()
+        ctx.comm.all_reduce(grad, what=f"input gradient of {ctx.what}")
+        return grad, None, None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    """Megatron's ``g``: leave the region by summing partial results. Forward all-reduce, backward identity."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Communicator, what: str) -> torch.Tensor:  # [*, h] partial -> summed
+        out = x.contiguous().clone()  # x may be saved by another op: never reduce it in place
+        comm.all_reduce(out, what=what)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # [*, h] replicated
+        return grad, None, None
+
+
+class _GatherFromRegion(torch.autograd.Function):
+    """Gather a split activation along the last dimension. Forward all-gather, backward keep this rank's block."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Communicator, what: str) -> torch.Tensor:  # [*, h/N] -> [*, h]
+        ctx.comm = comm
+        return comm.all_gather_dim(x, -1, what=what)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # [*, h] replicated -> [*, h/N]
+        return _block_of_last_dim(grad, ctx.comm), None, None
+
+
+class _ScatterToRegion(torch.autograd.Function):
+    """Split a replicated activation along the last dimension. Forward keep this rank's block, backward all-gather."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Communicator, what: str) -> torch.Tensor:  # [*, h] -> [*, h/N]
+        ctx.comm, ctx.what = comm, what
+        return _block_of_last_dim(x, comm)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # [*, h/N] -> [*, h]
+        return ctx.comm.all_gather_dim(grad, -1, what=f"input gradient of {ctx.what}"), None, None
+
+
+def _block_of_last_dim(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    n = x.shape[-1]
+    if n % comm.size:
+        raise ValueError(f"the last dimension ({n}) does not split into {comm.size} tensor-parallel blocks")
+    per = n // comm.size
+    return x.narrow(-1, comm.rank * per, per).contiguous()
+
+
+def copy_to_tp_region(x: torch.Tensor, comm: Communicator, what: str = "a tensor-parallel input") -> torch.Tensor:
+    """``f``: identity; in backward the partial input gradients of the ranks are summed."""
+    return _CopyToRegion.apply(x, comm, what)
+
+
+def reduce_from_tp_region(x: torch.Tensor, comm: Communicator, what: str = "a tensor-parallel output") -> torch.Tensor:
+    """``g``: the sum over ranks of the partial results ``x``; the gradient passes through unchanged."""
+    return _ReduceFromRegion.apply(x, comm, what)
+
+
+def gather_from_tp_region(x: torch.Tensor, comm: Communicator, what: str = "a tensor-parallel output") -> torch.Tensor:
+    """Every rank's block of the last dimension, concatenated in rank order."""
+    return _GatherFromRegion.apply(x, comm, what)
+
+
+def scatter_to_tp_region(x: torch.Tensor, comm: Communicator, what: str = "a tensor-parallel input") -> torch.Tensor:
+    """This rank's block of the last dimension of the replicated ``x``."""
+    return _ScatterToRegion.apply(x, comm, what)
+
+
+def group_major_to_rank_major(x: torch.Tensor, size: int, stride: int) -> torch.Tensor:
+    """Reorder the last dimension from ``stride`` fused groups to rank-major blocks ([Note: strided blocks]).
+
+    ``[..., stride * size * per]`` laid out as (group, rank, per) becomes (rank, group, per), so that a plain
+    split hands each rank its block of every group. :func:`rank_major_to_group_major` is the inverse."""
+    if stride == 1 or size == 1:
+        return x
+    head, n = x.shape[:-1], x.shape[-1]
+    return x.reshape(*head, stride, size, n // (stride * size)).transpose(-3, -2).reshape(*head, n)
+
+
+def rank_major_to_group_major(x: torch.Tensor, size: int, stride: int) -> torch.Tensor:
+    """The inverse of :func:`group_major_to_rank_major`: the order of a gathered strided output."""
+    if stride == 1 or size == 1:
+        return x
+    head, n = x.shape[:-1], x.shape[-1]
+    return x.reshape(*head, size, stride, n // (stride * size)).transpose(-3, -2).reshape(*head, n)

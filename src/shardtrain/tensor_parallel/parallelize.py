@@ -1,0 +1,312 @@
+"""``parallelize(model, plan, tp_comm)``: apply a tensor-parallel plan to a model in place.
+
+The order, each step finishing before the next starts so that an impossible plan leaves the model untouched:
+
+1. *Match*: every module and parameter name is matched against the plan's patterns (:mod:`.plans`); each
+   matched name gets the :class:`~.styles.TPStyle` of its most specific pattern. An explicit plan's pattern
+   that matches nothing is an error (a typo would otherwise silently train a replicated model); Hugging Face's
+   own plans may name modules a configuration does not build, as in ``transformers``.
+2. *Check*: each split is computed as a :class:`~.placement.TPPlacement` and checked -- dimensions divisible by
+   tp x stride, whole attention heads per rank, a tied parameter split the same way by every module using it,
+   ``local_*`` styles inside a ``gather``/``all_reduce`` module, ``per_rank_attributes`` divisible.
+3. *Apply*: parameters are cut in place (the same ``nn.Parameter`` objects), matched modules are replaced by
+   the tensor-parallel layers in every parent holding them, ``gather``/``all_reduce`` modules get their
+   input/output hooks, per-rank attributes are divided, and the root module gets the hooks that close any open
+   RNG region at both ends of its forward ([Note: tensor-parallel RNG]).
+
+The result maps every ``model.named_parameters()`` name to its placement. Parameters marked ``partial_grad``
+need their gradients summed over the tensor-parallel group after backward: :func:`sum_partial_gradients` (or the
+engine's reducer) does it.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from shardtrain.comm import Communicator
+from shardtrain.errors import LayoutError
+from shardtrain.tensor_parallel.communication import copy_to_tp_region, reduce_from_tp_region
+from shardtrain.tensor_parallel.embedding import HiddenParallelEmbedding, VocabParallelEmbedding
+from shardtrain.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from shardtrain.tensor_parallel.loss import VocabParallelCrossEntropy
+from shardtrain.tensor_parallel.placement import ParameterSharder, TPPlacement
+from shardtrain.tensor_parallel.plans import TPPlan, as_plan, best_match, hf_tp_plan
+from shardtrain.tensor_parallel.rng import RegionRNG
+from shardtrain.tensor_parallel.styles import TPStyle, resolve_style
+
+_LAYERS = {
+    "column": ColumnParallelLinear,
+    "row": RowParallelLinear,
+    "vocab_embedding": VocabParallelEmbedding,
+    "hidden_embedding": HiddenParallelEmbedding,
+}
+
+
+def parallelize(
+    model: nn.Module, plan: Mapping[str, str | TPStyle] | TPPlan | None, tp_comm: Communicator
+) -> dict[str, TPPlacement]:
+    """Apply ``plan`` (``None``: the Hugging Face model's own) over ``tp_comm``'s group; return the placements."""
+    explicit = plan is not None
+    tp_plan = as_plan(plan) if explicit else TPPlan(styles=hf_tp_plan(model))
+    size = tp_comm.size
+    modules = dict(model.named_modules())
+    module_styles, param_styles = _match(model, tp_plan, explicit)
+
+    # -- check: every placement, before anything changes
+    planned: dict[int, tuple[TPPlacement, str]] = {}  # id(param) -> (placement, first qualified name)
+    for name, style in module_styles.items():
+        for pname, placement in _module_placements(modules[name], style, name).items():
+            _plan_param(planned, getattr(modules[name], pname), placement, f"{name}.{pname}", size)
+        if style.layer in ("column", "row"):
+            _check_heads(name, modules, style, size)
+        if not style.communicate and style.layer in ("column", "row") and not _in_region(name, module_styles):
+            raise LayoutError(
+                f"{name}: style {style.name!r} leaves its communication to an enclosing module, but no enclosing "
+                "module has 'gather' or 'all_reduce'. Add one (e.g. the MLP holding it) or use the non-local style."
+            )
+    for name, style in param_styles.items():
+        mname, _, pname = name.rpartition(".")
+        if mname in module_styles and module_styles[mname].layer != "none":
+            raise LayoutError(f"{name}: the plan styles both this parameter and its module {mname}; keep one")
+        param = getattr(modules[mname], pname)
+        _plan_param(planned, param, _parameter_placement(param, style, name), name, size)
+    for name, style in module_styles.items():  # replicated parameters under a gather see partial gradients
+        if style.layer == "region":
+            for pname, p in modules[name].named_parameters():
+                if id(p) not in planned:
+                    planned[id(p)] = (TPPlacement(None, 1, tuple(p.shape), partial_grad=True), f"{name}.{pname}")
+    _check_tied(model, planned, module_styles, param_styles)
+    attributes = _per_rank_attributes(model, tp_plan, explicit, size)
+
+    # -- apply
+    rng = RegionRNG(tp_comm.rank, size)
+    sharder = ParameterSharder(tp_comm.rank, size)
+    parents = _parents(model)
+    for name, style in module_styles.items():
+        replacement = _build(modules[name], style, tp_comm, rng, sharder, name)
+        if replacement is not None:
+            for parent, attr in parents[id(modules[name])]:
+                setattr(parent, attr, replacement)
+        if style.layer == "region":
+            _install_region_hooks(modules[name], tp_comm, rng, name)
+    for name in param_styles:
+        mname, _, pname = name.rpartition(".")
+        param = getattr(modules[mname], pname)
+        sharder.shard(param, planned[id(param)][0], name)
+    for module, attr, value in attributes:
+        setattr(module, attr, value)
+    model.register_forward_pre_hook(lambda _m, _args: rng.exit())
+    model.register_forward_hook(lambda _m, _args, _out: rng.exit(), always_call=True)
+
+    return {
+        name: planned[id(p)][0] if id(p) in planned else TPPlacement(None, 1, tuple(p.shape))
+        for name, p in model.named_parameters()
+    }
+
+
+def sum_partial_gradients(model: nn.Module, placements: Mapping[str, TPPlacement], tp_comm: Communicator) -> None:
+    """Sum over the tensor-parallel group the gradients of the parameters marked ``partial_grad``."""
+    for name, p in model.named_parameters():
+        placement = placements.get(name)
+        if placement is not None and placement.partial_grad and p.grad is not None:
+            tp_comm.all_reduce(p.grad, what=f"partial gradient of {name}")
+
+
+def _match(model: nn.Module, plan: TPPlan, explicit: bool) -> tuple[dict[str, TPStyle], dict[str, TPStyle]]:
+    """Module name -> style and parameter name -> style, in ``named_modules`` order."""
+    module_styles: dict[str, TPStyle] = {}
+    param_styles: dict[str, TPStyle] = {}
+    used: set[str] = set()
+    for mname, module in model.named_modules():
+        if mname and (pattern := best_match(plan.styles, mname)) is not None:
+            used.add(pattern)
+            module_styles[mname] = resolve_style(plan.styles[pattern], mname)
+        for pname, _ in module.named_parameters(recurse=False):
+            full = f"{mname}.{pname}" if mname else pname
+            if (pattern := best_match(plan.styles, full)) is not None:
+                used.add(pattern)
+                param_styles[full] = resolve_style(plan.styles[pattern], full)
+    unused = [p for p in plan.styles if p not in used]
+    if explicit and unused:
+        raise LayoutError(
+            f"tensor-parallel plan patterns {unused} match no module or parameter of {type(model).__name__}. "
+            "Check the names against model.named_modules() (a * stands for exactly one name component)."
+        )
+    return module_styles, param_styles
+
+
+def _module_placements(module: nn.Module, style: TPStyle, name: str) -> dict[str, TPPlacement]:
+    """Local parameter name -> placement for a module-level style."""
+    if style.layer == "column":
+        return ColumnParallelLinear.placements(module, stride=style.stride, name=name)
+    if style.layer == "row":
+        return RowParallelLinear.placements(module, stride=style.stride, communicate=style.communicate, name=name)
+    if style.layer in ("vocab_embedding", "hidden_embedding"):
+        return _LAYERS[style.layer].placements(module, name=name)
+    if style.partial_grad:
+        return {
+            n: TPPlacement(None, 1, tuple(p.shape), partial_grad=True)
+            for n, p in module.named_parameters(recurse=False)
+        }
+    return {}
+
+
+def _parameter_placement(param: nn.Parameter, style: TPStyle, name: str) -> TPPlacement:
+    """A parameter-level style, as Hugging Face reads it: colwise splits dim -2 (0 for a vector), rowwise -1."""
+    shape, nd = tuple(param.shape), param.dim()
+    if style.layer == "column":
+        return TPPlacement(max(nd - 2, 0), style.stride, shape)
+    if style.layer == "row":
+        return TPPlacement(nd - 1, style.stride, shape) if nd >= 2 else TPPlacement(None, 1, shape)
+    if style.layer == "none":
+        return TPPlacement(None, 1, shape, partial_grad=style.partial_grad)
+    raise LayoutError(f"{name}: style {style.name!r} applies to a module, not to a parameter")
+
+
+def _plan_param(planned: dict, param: nn.Parameter, placement: TPPlacement, name: str, size: int) -> None:
+    placement.check_divisible(size, name)
+    previous = planned.get(id(param))
+    if previous is not None and previous[0] != placement:
+        raise LayoutError(
+            f"{name} is the same parameter as {previous[1]} (tied weights), but the plan lays it out differently "
+            f"there ({previous[0]}) and here ({placement}). Give both modules styles that split it the same way "
+            "(e.g. embedding_rowwise with colwise), or untie them."
+        )
+    planned.setdefault(id(param), (placement, name))
+
+
+def _check_heads(name: str, modules: dict[str, nn.Module], style: TPStyle, size: int) -> None:
+    """Each rank must hold whole attention heads: read the head size off the enclosing attention module."""
+    parent_name = name.rpartition(".")[0]
+    parent = modules.get(parent_name)
+    module = modules[name]
+    out_dim, in_dim = (0, 1) if isinstance(module, nn.Linear) else (1, 0)
+    width = module.weight.shape[out_dim if style.layer == "column" else in_dim] // style.stride  # one group
+    head_dim = getattr(parent, "head_dim", None)
+    counted = "head_dim"
+    if not isinstance(head_dim, int):
+        for attr in ("num_heads", "n_head", "num_attention_heads"):
+            n = getattr(parent, attr, None)
+            if isinstance(n, int) and n > 0 and width % n == 0:
+                head_dim, counted = width // n, attr
+                break
+    if not isinstance(head_dim, int) or head_dim <= 0 or width % head_dim:
+        return  # not laid out in heads
+    heads = width // head_dim
+    if heads % size:
+        raise LayoutError(
+            f"{name}.weight: its {heads} attention heads (of size {head_dim}, from {parent_name}.{counted}) cannot "
+            f"be split evenly over tensor-parallel size {size}; every rank must hold whole heads. Pick a "
+            f"tensor-parallel size that divides {heads}."
+        )
+
+
+def _in_region(name: str, module_styles: dict[str, TPStyle]) -> bool:
+    """Whether an enclosing module of ``name`` has a ``gather``/``all_reduce`` style."""
+    parts = name.split(".")
+    for i in range(1, len(parts)):
+        style = module_styles.get(".".join(parts[:i]))
+        if style is not None and style.layer == "region":
+            return True
+    return False
+
+
+def _check_tied(model: nn.Module, planned: dict, module_styles: dict, param_styles: dict) -> None:
+    """A split parameter used by a module the plan does not split it for would be used whole: refuse."""
+    for mname, module in model.named_modules(remove_duplicate=False):
+        for pname, p in module._parameters.items():
+            if p is None or id(p) not in planned or planned[id(p)][0].dim is None:
+                continue
+            full = f"{mname}.{pname}" if mname else pname
+            style = module_styles.get(mname)
+            splits_it = (style is not None and style.layer in _LAYERS) or full in param_styles
+            if not splits_it:
+                raise LayoutError(
+                    f"{full} is the same parameter as {planned[id(p)][1]} (tied weights): the plan splits it there, "
+                    f"but {mname or 'the root module'} would use it whole. Give {mname} a style that splits it the "
+                    "same way, or untie the weights."
+                )
+
+
+def _per_rank_attributes(model: nn.Module, plan: TPPlan, explicit: bool, size: int) -> list[tuple]:
+    out = []
+    for pattern, attrs in plan.per_rank_attributes.items():
+        hits = [(n, m) for n, m in model.named_modules() if n and best_match({pattern: 0}, n)]
+        if not hits and explicit:
+            raise LayoutError(f"per_rank_attributes pattern {pattern!r} matches no module of {type(model).__name__}")
+        for name, module in hits:
+            for attr in attrs:
+                value = getattr(module, attr, None)
+                if not isinstance(value, int) or value % size:
+                    raise LayoutError(
+                        f"{name}.{attr} = {value!r} must be an integer divisible by the tensor-parallel size {size}"
+                    )
+                out.append((module, attr, value // size))
+    return out
+
+
+def _parents(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
+    """id(module) -> every (parent, attribute) holding it (a module may be registered under several names)."""
+    parents: dict[int, list[tuple[nn.Module, str]]] = defaultdict(list)
+    for _, parent in model.named_modules(remove_duplicate=False):
+        for attr, child in parent._modules.items():
+            if child is not None and (parent, attr) not in parents[id(child)]:
+                parents[id(child)].append((parent, attr))
+    return parents
+
+
+def _build(module, style, comm, rng, sharder, name) -> nn.Module | None:
+    """The tensor-parallel replacement for ``module`` (its parameters cut in place), or None to keep it."""
+    if style.layer == "column":
+        return ColumnParallelLinear.from_module(
+            module,
+            comm,
+            stride=style.stride,
+            gather_output=style.gather_output,
+            communicate=style.communicate,
+            rng=rng,
+            sharder=sharder,
+            name=name,
+        )
+    if style.layer == "row":
+        return RowParallelLinear.from_module(
+            module,
+            comm,
+            stride=style.stride,
+            split_input=style.split_input,
+            communicate=style.communicate,
+            rng=rng,
+            sharder=sharder,
+            name=name,
+        )
+    if style.layer in ("vocab_embedding", "hidden_embedding"):
+        return _LAYERS[style.layer].from_module(module, comm, rng=rng, sharder=sharder, name=name)
+    if style.layer == "vocab_loss":
+        return VocabParallelCrossEntropy.from_module(module, comm, rng=rng, name=name)
+    return None
+
+
+def _install_region_hooks(module: nn.Module, comm: Communicator, rng: RegionRNG, name: str) -> None:
+    """``gather``/``all_reduce``: ``f`` on the first input, ``g`` on the (first) output."""
+
+    def enter(_m, args, kwargs):
+        if args and isinstance(args[0], torch.Tensor):
+            args = (copy_to_tp_region(args[0], comm, f"{name} input"), *args[1:])
+        elif isinstance(kwargs.get("hidden_states"), torch.Tensor):
+            kwargs = {**kwargs, "hidden_states": copy_to_tp_region(kwargs["hidden_states"], comm, f"{name} input")}
+        return args, kwargs
+
+    def leave(_m, _args, output):
+        rng.exit()
+        if isinstance(output, torch.Tensor):
+            return reduce_from_tp_region(output, comm, f"{name} output")
+        if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+            return (reduce_from_tp_region(output[0], comm, f"{name} output"), *output[1:])
+        raise LayoutError(f"{name}: a gather/all_reduce module must return a tensor or a tuple starting with one")
+
+    module.register_forward_pre_hook(enter, with_kwargs=True)
+    module.register_forward_hook(leave)

@@ -1,0 +1,127 @@
+"""Tensor-parallel plans: what they are, Hugging Face's own plans, and the plans shipped for known models.
+
+A plan maps name patterns to styles (:mod:`.styles`). A pattern is a module (or parameter) name as
+``model.named_modules()`` spells it, where a ``*`` component stands for any one path component:
+``model.layers.*.self_attn.q_proj`` names the ``q_proj`` of every layer. When several patterns match one name,
+the one with the fewest ``*`` wins; two equally specific patterns that disagree are an error.
+
+A :class:`TPPlan` adds ``per_rank_attributes``: integer module attributes that count something the plan splits
+(heads, split sizes) and that the model's code reads in its forward. :func:`parallelize` divides them by the
+tensor-parallel size, so the model code stays free of parallelism (GPT-2's attention splits its fused output by
+``self.split_size``, a full-width size unless told otherwise).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from torch import nn
+
+from shardtrain.errors import LayoutError
+from shardtrain.tensor_parallel.styles import TPStyle, packed_colwise
+
+
+@dataclass(frozen=True)
+class TPPlan:
+    """Name patterns -> styles, and name patterns -> attributes to divide by the tensor-parallel size."""
+
+    styles: Mapping[str, str | TPStyle]
+    per_rank_attributes: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for pattern in (*self.styles, *self.per_rank_attributes):
+            if not isinstance(pattern, str) or not pattern or any(not c for c in pattern.split(".")):
+                raise LayoutError(f"plan pattern {pattern!r} is not a dotted module name (use * for one component)")
+        object.__setattr__(self, "styles", MappingProxyType(dict(self.styles)))
+        object.__setattr__(self, "per_rank_attributes", MappingProxyType(dict(self.per_rank_attributes)))
+
+
+def as_plan(plan: Mapping[str, str | TPStyle] | TPPlan) -> TPPlan:
+    return plan if isinstance(plan, TPPlan) else TPPlan(styles=plan)
+
+
+def matches(pattern: str, name: str) -> bool:
+    """Whether ``name`` (dotted) fits ``pattern``, where a ``*`` component matches any one component."""
+    want, have = pattern.split("."), name.split(".")
+    return len(want) == len(have) and all(w in ("*", h) for w, h in zip(want, have))
+
+
+def best_match(patterns: Mapping[str, object], name: str) -> str | None:
+    """The most specific pattern matching ``name`` (fewest ``*``), or None; raises if two tie and disagree."""
+    hits = [p for p in patterns if matches(p, name)]
+    if not hits:
+        return None
+    fewest = min(p.count("*") for p in hits)
+    best = [p for p in hits if p.count("*") == fewest]
+    if len({repr(patterns[p]) for p in best}) > 1:
+        raise LayoutError(
+            f"{name}: plan patterns {best} match it equally well but give different values; make one more specific."
+        )
+    return best[0]
+
+
+def hf_tp_plan(model: nn.Module) -> dict[str, str]:
+    """The plan a Hugging Face model declares for itself, resolved as ``transformers`` 5.x resolves it.
+
+    The base model's plan is its class's ``_tp_plan`` updated with ``config.base_model_tp_plan``; when it is not
+    empty and the base model has an ``embed_tokens`` embedding, that embedding is vocab-parallel
+    (``embedding_rowwise``) unless the plan names it. A model with a head (``LlamaForCausalLM``) prefixes that
+    plan with the base model's attribute (``base_model_prefix``: ``model.``) and adds its class's
+    ``_tp_plan`` (``{"lm_head": "colwise_gather_output"}``). Raises :class:`LayoutError` if the model has none.
+    """
+    config = getattr(model, "config", None)
+    prefix_attr = getattr(model, "base_model_prefix", "") or ""
+    base = getattr(model, prefix_attr, None) if prefix_attr else None
+    if not isinstance(base, nn.Module) or base is model:
+        base, prefix = model, ""
+    else:
+        prefix = prefix_attr + "."
+    base_plan = dict(getattr(type(base), "_tp_plan", None) or {})
+    base_plan.update(getattr(config, "base_model_tp_plan", None) or {})
+    if base_plan and isinstance(getattr(base, "embed_tokens", None), nn.Embedding):
+        base_plan = {"embed_tokens": "embedding_rowwise", **base_plan}
+    plan = dict(getattr(type(model), "_tp_plan", None) or {}) if base is not model else {}
+    plan.update({prefix + k: v for k, v in base_plan.items()})
+    if not plan:
+        raise LayoutError(
+            f"{type(model).__name__} declares no tensor-parallel plan (no _tp_plan on its class, no "
+            "base_model_tp_plan in its config). Pass one: parallelize(model, plan, tp_comm), e.g. GPT2_TP_PLAN "
+            "for GPT-2, or a dict of module-name patterns to styles."
+        )
+    return plan
+
+
+# The project's GPT (shardtrain.models.gpt): fused Q/K/V column-parallel with stride 3, the output projection
+# row-parallel, the MLP column/row, the token embedding vocab-parallel, the head kept split and its loss computed
+# vocab-parallel (so full logits never exist; without targets the model returns this rank's block of logits).
+# With tie_embeddings the embedding and the head share one weight, cut once on the vocabulary dimension.
+GPT_TP_PLAN = TPPlan(
+    styles={
+        "tok": "embedding_rowwise",
+        "blocks.*.attn.qkv": packed_colwise(3),
+        "blocks.*.attn.proj": "rowwise",
+        "blocks.*.mlp.0": "colwise",
+        "blocks.*.mlp.2": "rowwise",
+        "head": "colwise",
+        "loss": "vocab_parallel_loss",
+    }
+)
+
+# Hugging Face GPT-2 (GPT2LMHeadModel), which declares no plan of its own. Its fused c_attn is a Conv1D whose
+# output stacks Q, K and V: column-parallel with stride 3. GPT2Attention.forward splits that output with
+# `.split(self.split_size)` where split_size is the full hidden size, so the plan divides `split_size` (and
+# `num_heads`, kept consistent) by the tensor-parallel size. The LM head is tied to wte: both split the shared
+# weight on the vocabulary dimension. The head gathers its logits so that GPT-2's own loss runs unchanged.
+GPT2_TP_PLAN = TPPlan(
+    styles={
+        "transformer.wte": "embedding_rowwise",
+        "transformer.h.*.attn.c_attn": packed_colwise(3),
+        "transformer.h.*.attn.c_proj": "rowwise",
+        "transformer.h.*.mlp.c_fc": "colwise",
+        "transformer.h.*.mlp.c_proj": "rowwise",
+        "lm_head": "colwise_gather_output",
+    },
+    per_rank_attributes={"transformer.h.*.attn": ("split_size", "num_heads")},
+)

@@ -1,0 +1,70 @@
+"""Random numbers inside and outside tensor-parallel regions (Megatron's RNG tracker idea, without a tracker).
+
+[Note: tensor-parallel RNG]
+Dropout on a *split* activation (attention probabilities of this rank's heads, the MLP's hidden block) must
+draw different masks on different tensor-parallel ranks, or the ranks would drop the same positions of their
+different blocks: a correlated mask no single-process model has. Dropout on a *replicated* activation (the
+residual stream) must draw the *same* mask on every rank, or the replicas would drift apart.
+
+Megatron-LM keeps a second, per-rank generator state in a tracker and switches to it in a context manager; that
+state must then be saved in checkpoints and restored around activation recomputation. Here the only state is
+the default generator(s), which checkpoints already save per rank and ``torch.utils.checkpoint`` already
+restores before a recompute:
+
+* ``enter()`` (a column-parallel layer produced a split output) draws one number ``base`` from the default CPU
+  generator -- the same on every tensor-parallel rank, since their default states agree -- remembers the state
+  after that draw, and re-seeds the default generators (CPU, and the current CUDA device's once CUDA is
+  initialized) from ``(base, tp_rank)``;
+* ``exit()`` (a row-parallel layer takes the split activation in, or anything else makes the activation
+  replicated again) restores the remembered state.
+
+So outside regions the default stream advances identically on every rank (by one draw per region, which also
+makes successive regions use different seeds), and inside a region it depends on the rank. A recompute starts
+from the restored default state, forks to the same seed and reproduces the same masks. Between steps no region
+is open (the model's forward hooks close any region at both ends of the forward), so a checkpoint never needs
+more than the default generator states. With a group of one the fork is skipped entirely, so tensor-parallel
+size 1 draws exactly the numbers of the unparallelized model.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_GOLDEN = 0x9E3779B97F4A7C15  # odd: (rank + 1) * _GOLDEN is distinct modulo 2**63 for every rank
+_MASK63 = (1 << 63) - 1
+
+
+class RegionRNG:
+    """Forks the default generators on entering a tensor-parallel region and restores them on leaving it."""
+
+    def __init__(self, tp_rank: int, tp_size: int) -> None:
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        # the generator states to restore on exit (one per forked generator), None outside a region
+        self._resume: list[tuple[torch.Generator, torch.Tensor]] | None = None
+
+    @property
+    def inside(self) -> bool:
+        """Whether a region is open (the default generators are forked)."""
+        return self._resume is not None
+
+    def enter(self) -> None:
+        """Open a region (no-op if one is open already, or for a group of one)."""
+        if self._resume is not None or self.tp_size == 1:
+            return
+        cpu = torch.default_generator
+        base = int(torch.randint(0, 1 << 62, (1,), generator=cpu).item())  # the one identical draw
+        generators = [cpu]
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            generators.append(torch.cuda.default_generators[torch.cuda.current_device()])
+        self._resume = [(g, g.get_state()) for g in generators]
+        seed = (base + (self.tp_rank + 1) * _GOLDEN) & _MASK63
+        for i, g in enumerate(generators):
+            g.manual_seed((seed + i) & _MASK63)
+
+    def exit(self) -> None:
+        """Close the open region, if any: the default generators continue as if it never was."""
+        if self._resume is None:
+            return
+        for g, state in self._resume:
+            g.set_state(state)
+        self._resume = None
