@@ -82,7 +82,7 @@ def test_accepted_without_effect(config, path):
         ({"flops_profiler": {"enabled": True}}, ["flops_profiler: enabled: true", "torch.profiler"]),
         ({"comms_logger": {"enabled": True}}, ["comms_logger: enabled: true", "engine.comm_stats()"]),
         ({"gradient_predivide_factor": 2.0}, ["gradient_predivide_factor: 2.0", "`1.0`"]),
-        ({"tensor_parallel": {"autotp_size": 4}}, ["tensor_parallel", "not built yet"]),
+        ({"tensor_parallel": {"size": 2, "autotp_size": 4}}, ["tensor_parallel", "disagree"]),
         ({"zero_optimization": {"sub_group_size": "big"}}, ["zero_optimization.sub_group_size", "whole number"]),
         ({"zero_allow_untested_optimizer": "yes"}, ["zero_allow_untested_optimizer", "valid boolean"]),
     ],

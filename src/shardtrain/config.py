@@ -69,6 +69,26 @@ class ZeroConfig(_Section):
     """Stage 3 (shardtrain key): exchange unit ids before each gather to catch ranks on different paths."""
 
 
+class TensorParallelConfig(_Section):
+    """Megatron-style tensor parallelism over groups of ``size`` adjacent ranks (see docs/tensor-parallel.md)."""
+
+    size: Count = 1
+    """Ranks each layer is split across; the data-parallel size is the world size divided by it."""
+    autotp_size: Size | None = None
+    """DeepSpeed's name for ``size`` (AutoTP; 0 means off); give one of them."""
+
+    @model_validator(mode="after")
+    def _one_size(self) -> TensorParallelConfig:
+        if self.autotp_size is not None and "size" in self.model_fields_set and self.degree != self.size:
+            raise ValueError(f"size {self.size} and autotp_size {self.autotp_size} disagree; give one of them")
+        return self
+
+    @property
+    def degree(self) -> int:
+        """The tensor-parallel size in effect."""
+        return max(1, self.autotp_size) if self.autotp_size is not None else self.size
+
+
 class BF16Config(_Section):
     enabled: bool | Auto = False
 
@@ -134,6 +154,7 @@ class Config(_Section):
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
+    tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
     bf16: BF16Config = Field(default_factory=BF16Config)
     fp16: FP16Config = Field(default_factory=FP16Config)
     communication_data_type: Literal["fp32", "bf16", "fp16"] | None = None

@@ -34,9 +34,11 @@ from shardtrain.mesh import Topology, init_topology
 from shardtrain.monitor import TrainingMonitor, check_monitor_packages
 from shardtrain.precision import LossScaler, check_parameter_dtypes, policy_from_config
 from shardtrain.schedulers import build_scheduler
+from shardtrain.tensor_parallel import check_same_batch, parallelize
 from shardtrain.zero.build import build_layout
-from shardtrain.zero.layout import cast_bucket
-from shardtrain.zero.optimizer import ShardedOptimizer, check_optimizer, make_masters
+from shardtrain.zero.init import is_under_construction
+from shardtrain.zero.layout import ParamRecord, cast_bucket
+from shardtrain.zero.optimizer import ShardedOptimizer, TensorParallelNorm, check_optimizer, make_masters
 from shardtrain.zero.reducer import GradientReducer
 from shardtrain.zero.unit_runtime import ParameterUnits
 from shardtrain.zero.weights import (
@@ -63,16 +65,21 @@ class Engine:
         topology: Topology,
         optimizer: torch.optim.Optimizer,
         lr_scheduler: LRScheduler | None,
+        tp_placements: Mapping[str, Any] | None = None,
+        tp_comm: Communicator | None = None,
     ) -> None:
         self.module, self.config, self.topology = module, config, topology
-        self.comm = Communicator(topology.dp_group, topology.timeout_s)
+        self.comm = Communicator(topology.dp_group, topology.timeout_s)  # ZeRO's collectives: the dp axis
+        # every rank: checkpoint protocols, agreement checks, and the gradient norm on a (dp, tp) mesh
+        self.world_comm = self.comm if topology.tp == 1 else Communicator(topology.world_group, topology.timeout_s)
+        self.tp_comm = tp_comm  # tensor-parallel layers' collectives (None without tensor parallelism)
         zcfg = config.zero_optimization
         self.train_batch_size, self.micro_batch_size, self.gradient_accumulation_steps = resolve_batch_sizes(
             config, topology.dp
         )
-        _check_ranks_agree(self.comm, module, config)
+        _check_ranks_agree(self.world_comm, module, config)
         # where every parameter lives (see [Note: the layout]); built before anything else touches the model
-        self.layout = build_layout(module, zcfg, self.comm)
+        self.layout = build_layout(module, zcfg, self.comm, tp_placements, tp=topology.tp, tp_rank=topology.tp_rank)
         self.policy = self.layout.policy
         self._units: ParameterUnits | None = None
         if self.layout.units:
@@ -89,6 +96,7 @@ class Engine:
             self._cast_to_compute_dtype()
             if self._units is not None:  # the cast made new full buffers
                 self._units.index_storages()
+        partial_grads = frozenset(id(r.param) for r in self.layout.records if r.tp is not None and r.tp.partial_grad)
         self._reducer = GradientReducer(
             trainable,
             self.policy,
@@ -96,7 +104,12 @@ class Engine:
             zcfg.overlap_comm,
             on_grad_ready=self._units.on_grad_ready if self._units else None,
             reduce_dtype=self.precision.reduce_dtype if self.precision.mixed else None,
+            tp_partial=(tp_comm, partial_grads) if partial_grads and tp_comm is not None else None,
         )
+        tp_norm = None
+        if topology.tp > 1:
+            split = frozenset(id(r.param) for r in self.layout.records if r.tp_split)
+            tp_norm = TensorParallelNorm(self.world_comm, split, topology.dp_rank, topology.tp_rank)
         self._optimizer = ShardedOptimizer(
             optimizer,
             module,
@@ -106,6 +119,7 @@ class Engine:
             self.comm,
             zcfg.allgather_bucket_size,
             masters=masters,
+            tp_norm=tp_norm,
         )
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
@@ -115,6 +129,7 @@ class Engine:
         self._grad_norm: float | None = None
         # metrics, monitors (TensorBoard/CSV/wandb) and wall-clock breakdown: rank 0 only, never communicates
         self.monitor = TrainingMonitor(config, topology.rank, topology.device, topology.dp)
+        self._batch_checked = tp_comm is None
         self.comm.reset_stats()
 
     @property
@@ -144,6 +159,9 @@ class Engine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._batch_checked:  # every rank of a tensor-parallel group must get the same batch
+            check_same_batch(args, kwargs, self.tp_comm)
+            self._batch_checked = True
         self.monitor.count_tokens(args, kwargs)  # tokens/s (see [Note: monitor metrics])
         with self.monitor.timed("forward"):  # wall-clock breakdown and step time (rank 0)
             return self.module(*args, **kwargs)
@@ -258,8 +276,8 @@ class Engine:
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The full model state dict on rank 0 (CPU copies; tied parameters under every name), None elsewhere.
 
-        Collective at stage 3 (every rank must call it): units are gathered one at a time, so no rank holds
-        more than one unit's full parameters besides the CPU copies on rank 0."""
+        Collective at stage 3 and with tensor parallelism (every rank must call it): units are gathered one at
+        a time, so no rank holds more than one unit's full parameters besides the CPU copies on rank 0."""
         rank0 = self.topology.dp_rank == 0
         copies: dict[int, torch.Tensor] = {}
         if self._units is not None:
@@ -269,10 +287,24 @@ class Engine:
                         for s in b.slots:
                             if rank0:
                                 copies[id(s.param)] = s.param.detach().to("cpu", copy=True)
-        if not rank0:
+        if rank0 and self.tp_comm is not None:  # tensor-parallel blocks of dp rank 0's group, joined
+            for r in self.layout.records:
+                if r.tp_split:
+                    local = copies[id(r.param)] if id(r.param) in copies else r.param.detach()
+                    copies[id(r.param)] = self._join_blocks(local.to(self.device), r).cpu()
+        if self.topology.rank != 0:
             return None
         state = self.module.state_dict(keep_vars=True)
         return {k: copies[id(v)] if id(v) in copies else v.detach().to("cpu", copy=True) for k, v in state.items()}
+
+    def _join_blocks(self, local: torch.Tensor, record: ParamRecord) -> torch.Tensor:
+        """The full tensor from every tp rank's block (collective over the tensor-parallel group)."""
+        t, p = self.topology.tp, record.tp
+        everyone = local.new_empty(t * local.numel())
+        self.tp_comm.all_gather(everyone, local.reshape(-1).contiguous(), what=f"blocks of {record.name!r}")
+        blocks = everyone.view(t, *local.shape).unbind(0)
+        groups = [b.chunk(p.stride, p.dim) for b in blocks]  # per rank: its part of each fused group
+        return torch.cat([torch.cat([g[i] for g in groups], p.dim) for i in range(p.stride)], p.dim)
 
     def save_checkpoint(self, save_dir: str | Path, tag: str | None = None, client_state: dict | None = None) -> Path:
         """Save a sharded checkpoint ``save_dir/tag`` (default tag ``global_step{N}``); collective.
@@ -301,7 +333,7 @@ class Engine:
             module=self.module,
             layout=self.layout,
             optimizer=self._optimizer,
-            comm=self.comm,
+            comm=self.world_comm,
             lr_scheduler=self.lr_scheduler,
             scaler=self.scaler,
             counters={k: getattr(self, k) for k in COUNTERS},
@@ -374,6 +406,7 @@ def initialize(
     lr_scheduler: SchedulerArg = None,
     *,
     auto_values: Mapping[str, Any] | None = None,
+    tp_plan: Mapping[str, str] | None = None,
 ) -> Engine:
     """Wrap ``model`` for sharded data-parallel training and return the :class:`Engine`.
 
@@ -386,11 +419,14 @@ def initialize(
     ``gradient_accumulation_steps``, ``train_batch_size``, ``warmup_min_lr``, ``warmup_num_steps``,
     ``total_num_steps``, ``precision``, ``hidden_size``; see :mod:`shardtrain.config_auto`). The resolved
     config is logged once (rank 0) and kept as ``engine.config``.
+    ``tp_plan``: with ``tensor_parallel.size`` > 1, module-name patterns -> Hugging Face tensor-parallel styles
+    (``colwise``, ``rowwise``, ...; see docs/tensor-parallel.md). Without it a transformers model uses its own
+    plan (``config.base_model_tp_plan`` and the head's ``_tp_plan``).
     """
     cfg = load_config(config)
     if not isinstance(model, nn.Module):
         raise TypeError(f"initialize() expects an nn.Module, got {type(model).__name__}")
-    topology = init_topology(timeout_s=cfg.collective_timeout_s)
+    topology = init_topology(tp=cfg.tensor_parallel.degree, timeout_s=cfg.collective_timeout_s)
     # "auto" values are resolved before the model is touched
     cfg = resolve_auto(cfg, dp=topology.dp, model=model, auto_values=auto_values)
     if topology.rank == 0:
@@ -404,11 +440,33 @@ def initialize(
         torch.manual_seed(cfg.seed)
     if any(t.device != topology.device for t in (*model.parameters(), *model.buffers())):
         model.to(topology.device)
+    tp_comm, placements = None, None
+    if topology.tp > 1:  # split the layers before anything is laid out or built over the parameters
+        tp_comm = Communicator(topology.tp_group, topology.timeout_s)
+        _refuse_sharded_construction(model)
+        _broadcast_model(model, Communicator(topology.world_group, topology.timeout_s))
+        placements = parallelize(model, tp_plan, tp_comm)  # a plan given at size 1 splits nothing: same script
     # everything that can be refused is checked before the model is touched (hooks, flat storage)
     opt = _build_optimizer(model, cfg, optimizer)
     check_optimizer(opt, model, cfg.zero_optimization.stage, cfg.zero_allow_untested_optimizer)
     scheduler = _build_scheduler(cfg, opt, lr_scheduler)
-    return Engine(model, cfg, topology, opt, scheduler)
+    return Engine(model, cfg, topology, opt, scheduler, placements, tp_comm)
+
+
+def _refuse_sharded_construction(model: nn.Module) -> None:
+    if any(is_under_construction(p) for p in model.parameters()):
+        raise ConfigError(
+            "a model built under shardtrain.zero.Init cannot be split by tensor parallelism yet: build it normally "
+            "(each rank then holds one tensor-parallel block of each split layer), or set tensor_parallel.size to 1"
+        )
+
+
+def _broadcast_model(model: nn.Module, world: Communicator) -> None:
+    """Every rank starts from rank 0's full model before tensor parallelism cuts each rank's blocks (the
+    data-parallel broadcast after the split only reaches ranks holding the same block)."""
+    with torch.no_grad():
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            world.broadcast(t.data, 0, what=f"initial value of {name!r} before the tensor-parallel split")
 
 
 def _build_optimizer(model: nn.Module, cfg: Config, optimizer: OptimizerArg) -> torch.optim.Optimizer:

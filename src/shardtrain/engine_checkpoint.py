@@ -49,11 +49,12 @@ import torch
 from torch import nn
 
 from shardtrain.checkpoint import FlatSlice, SavePiece, open_checkpoint, save
+from shardtrain.checkpoint.format import BlockFlatSlice, BlockSlice, numel
 from shardtrain.checkpoint.reader import CheckpointReader
 from shardtrain.comm import Communicator
 from shardtrain.errors import CheckpointError
 from shardtrain.hf_config import hf_config_objects
-from shardtrain.zero.layout import ShardLayout
+from shardtrain.zero.layout import ParamRecord, ShardLayout
 from shardtrain.zero.optimizer import ShardedOptimizer
 from shardtrain.zero.weights import state_tensors, weight_destinations
 
@@ -68,7 +69,7 @@ class TrainingState:
     module: nn.Module
     layout: ShardLayout
     optimizer: ShardedOptimizer
-    comm: Communicator
+    comm: Communicator  # every rank of the job: the save and load protocols run over it
     lr_scheduler: Any  # an LRScheduler or None
     scaler: Any  # a LossScaler or None
     counters: dict[str, int]  # COUNTERS
@@ -83,15 +84,6 @@ ELEMENTWISE, SCALAR = "elementwise", "scalar"
 def _my_chunk(numel: int, rank: int, world: int) -> tuple[int, int]:
     per = -(-numel // world)
     return min(rank * per, numel), min((rank + 1) * per, numel)
-
-
-def _replicated(name: str, t: torch.Tensor, rank: int, world: int) -> list[SavePiece]:
-    """This rank's share of a tensor every rank holds whole (any strides); rank 0 describes an empty one."""
-    flat = t.detach().reshape(-1)  # a copy when ``t`` is not contiguous
-    lo, hi = _my_chunk(flat.numel(), rank, world)
-    if hi <= lo and not (flat.numel() == 0 and rank == 0):
-        return []
-    return [SavePiece(name, tuple(t.shape), FlatSlice(lo, hi - lo), flat[lo:hi])]
 
 
 def _stepped(state: TrainingState, t: torch.Tensor) -> torch.Tensor | None:
@@ -128,10 +120,44 @@ def _names_by_tensor(state: TrainingState) -> dict[int, list[str]]:
     return names
 
 
+def _block_of(record: ParamRecord | None, layout: ShardLayout) -> BlockSlice | None:
+    """The tensor-parallel block this rank holds of a parameter split by tensor parallelism, else None."""
+    if record is None or not record.tp_split:
+        return None
+    return BlockSlice(record.tp.dim, layout.tp_rank, layout.tp, record.tp.stride)
+
+
+def _pieces(
+    name: str,
+    value: torch.Tensor,
+    shape: tuple[int, ...],
+    block: BlockSlice | None,
+    fragment: tuple[int, int] | None,
+    layout: ShardLayout,
+) -> list[SavePiece]:
+    """This rank's pieces of one logical tensor of global ``shape``.
+
+    ``value`` is this rank's ZeRO fragment ``(start, length)`` of its (local) tensor, or, with ``fragment`` None,
+    the whole local tensor, which every data-parallel rank holds: then each writes one contiguous share, so the
+    writes run in parallel. ``block``: the tensor-parallel block the local tensor is (None: every tp rank holds
+    the same tensor, and tp rank 0's copy is written)."""
+    rank, world = layout.dp_rank, layout.dp
+    if block is None and layout.tp_rank != 0:
+        return []
+    if fragment is None:
+        flat = value.detach().reshape(-1)  # a copy when ``value`` is not contiguous
+        start, end = _my_chunk(flat.numel(), rank, world)
+        fragment, value = (start, end - start), flat[start:end]
+    start, length = fragment
+    if not length and not (numel(shape) == 0 and rank == 0):
+        return []  # an empty piece describes an empty tensor once
+    where = FlatSlice(start, length) if block is None else BlockFlatSlice(block, start, length)
+    return [SavePiece(name, shape, where, value.reshape(-1))]
+
+
 def collect_pieces(state: TrainingState) -> tuple[list[SavePiece], dict[str, str], dict[str, Any]]:
     """(this rank's pieces, aliases, the optimizer's global objects) for a save."""
     layout = state.layout
-    rank, world = layout.dp_rank, layout.dp
     sharded = layout.policy.shard_optimizer_state
     opt = state.optimizer
     pieces: list[SavePiece] = []
@@ -142,8 +168,10 @@ def collect_pieces(state: TrainingState) -> tuple[list[SavePiece], dict[str, str
             name = names[0]
             aliases.update({f"model/{alias}": f"model/{name}" for alias in names[1:]})
             record = layout.record_of(t)
+            block = _block_of(record, layout)
+            shape = tuple(record.global_shape) if record is not None else tuple(t.shape)
             if record is None or record.bucket is None:  # a buffer or a parameter held whole outside buckets
-                pieces += _replicated(f"model/{name}", t, rank, world)
+                pieces += _pieces(f"model/{name}", t, shape, block, None, layout)
                 continue
             bucket, f = record.bucket, record.fragment
             # a bucketed parameter, trainable or (in a stage-3 unit) frozen: whole at stage 0, else this rank's
@@ -151,11 +179,8 @@ def collect_pieces(state: TrainingState) -> tuple[list[SavePiece], dict[str, str
             fragment = bucket.shard[f.shard_offset : f.shard_offset + f.length] if sharded else t
             stepped = _stepped(state, t)
             value = stepped if stepped is not None else fragment
-            shape = tuple(t.shape)
-            if not sharded:  # whole on every rank
-                pieces += _replicated(f"model/{name}", value.view(shape), rank, world)
-            elif f.length or (t.numel() == 0 and rank == 0):
-                pieces.append(SavePiece(f"model/{name}", shape, FlatSlice(f.start, f.length), value))
+            span = (f.start, f.length) if sharded else None
+            pieces += _pieces(f"model/{name}", value, shape, block, span, layout)
             opt_state = opt.optimizer.state.get(stepped, {}) if stepped is not None else {}
             for k, v in opt_state.items():
                 if not torch.is_tensor(v):
@@ -167,11 +192,10 @@ def collect_pieces(state: TrainingState) -> tuple[list[SavePiece], dict[str, str
                         f"({name!r}); this optimizer's state cannot be checkpointed"
                     )
                 if kind == SCALAR:  # identical on every rank, stored once
-                    pieces.append(SavePiece(f"optim/{name}/{k}", (), FlatSlice(0, 1), v))
-                elif not sharded:
-                    pieces += _replicated(f"optim/{name}/{k}", v.view(shape), rank, world)
-                elif f.length or (t.numel() == 0 and rank == 0):
-                    pieces.append(SavePiece(f"optim/{name}/{k}", shape, FlatSlice(f.start, f.length), v))
+                    if layout.tp_rank == 0 or layout.tp == 1:
+                        pieces.append(SavePiece(f"optim/{name}/{k}", (), FlatSlice(0, 1), v))
+                else:
+                    pieces += _pieces(f"optim/{name}/{k}", v, shape, block, span, layout)
         # a state seen only on 0-dim parameters stepped whole: torch's optimizers make only "step" a scalar
         for k in {k for st in opt.optimizer.state.values() for k in st if k not in kinds}:
             kinds[k] = SCALAR if k == "step" else ELEMENTWISE
@@ -202,7 +226,9 @@ def save_engine(state: TrainingState, save_dir: str | Path, tag: str, client_sta
             **optimizer_objects,
             "engine/counters": {k: state.counters[k] for k in COUNTERS},
             "engine/topology": {
-                "world_size": state.layout.dp,
+                "world_size": state.comm.size,
+                "dp": state.layout.dp,
+                "tp": state.layout.tp,
                 "zero_stage": state.layout.policy.stage,
                 **state.run,
             },
@@ -282,9 +308,14 @@ def _load(state: TrainingState, load_dir: str | Path, tag: str | None, load_opti
         group_matches = _match_param_groups(state, objects.get(PARAM_GROUPS_KEY), reader)
 
     for dest in dests:
+        name = entry_name(dest.names, "model/")
+        if dest.block is not None:  # this rank's tensor-parallel block, from pieces of any layout
+            b = dest.block
+            dest.write_block(reader.read_slice(name, BlockSlice(b.dim, b.index, b.count, b.stride)))
+            continue
         lo, hi = dest.needed_range()
         if hi > lo:
-            dest.write_slice(reader.read(entry_name(dest.names, "model/"), (lo, hi)), lo)
+            dest.write_slice(reader.read(name, (lo, hi)), lo)
 
     if load_optimizer_states:
         _load_optimizer_state(state, reader, entry_name)
@@ -297,7 +328,9 @@ def _load(state: TrainingState, load_dir: str | Path, tag: str | None, load_opti
     counters = objects.get("engine/counters", {})
     state.counters.clear()
     state.counters.update({k: counters[k] for k in COUNTERS if k in counters})
-    if manifest.world_size == state.comm.size:
+    saved = objects.get("engine/topology", {})
+    same_layout = saved.get("tp", 1) == state.layout.tp and manifest.world_size == state.comm.size
+    if same_layout:
         rng = reader.rank_objects(state.comm.rank).get("rng")
         if rng is not None:
             torch.set_rng_state(rng["torch"])
@@ -307,7 +340,8 @@ def _load(state: TrainingState, load_dir: str | Path, tag: str | None, load_opti
             random.setstate(rng["python"])
     else:
         warnings.warn(
-            f"checkpoint saved by {manifest.world_size} ranks loaded by {state.comm.size}: per-rank RNG states "
+            f"checkpoint saved by {manifest.world_size} ranks (tensor parallel {saved.get('tp', 1)}) loaded by "
+            f"{state.comm.size} (tensor parallel {state.layout.tp}): per-rank RNG states "
             "are not restored",
             stacklevel=4,
         )
@@ -337,18 +371,20 @@ def _load_optimizer_state(state: TrainingState, reader: CheckpointReader, entry_
             lo, hi = (f.start, f.start + f.length) if sharded else (0, t.numel())
             base = entry_name(names, "model/").removeprefix("model/")
             param_state: dict[str, Any] = {}
+            record = state.layout.record_of(t)
+            shape = tuple(record.global_shape) if record is not None else tuple(t.shape)
             for key, tensor_name in sorted(by_param.get(base, {}).items()):
                 entry = manifest.tensors[tensor_name]
-                kind = (saved_kinds or {}).get(key) or _infer_kind(key, entry.global_shape, tuple(t.shape))
+                kind = (saved_kinds or {}).get(key) or _infer_kind(key, entry.global_shape, shape)
                 if kind == SCALAR:
                     value = reader.read(tensor_name).reshape(())
-                elif tuple(entry.global_shape) != tuple(t.shape):
+                elif tuple(entry.global_shape) != shape:
                     raise CheckpointError(
                         f"{tensor_name!r}: shape {tuple(entry.global_shape)} in the checkpoint, the parameter's is "
-                        f"{tuple(t.shape)}"
+                        f"{shape}"
                     )
                 else:
-                    value = reader.read(tensor_name, (lo, hi)).view(stepped.shape)
+                    value = _read_local(reader, tensor_name, record, state.layout, lo, hi).view(stepped.shape)
                 param_state[key] = _cast_like_torch(key, value, stepped, group_of.get(id(stepped), {}))
             new_state[stepped] = param_state
     for stepped, param_state in new_state.items():  # like Optimizer.load_state_dict: the checkpoint's replaces all
@@ -356,6 +392,16 @@ def _load_optimizer_state(state: TrainingState, reader: CheckpointReader, entry_
             opt.optimizer.state[stepped] = param_state
         else:
             opt.optimizer.state.pop(stepped, None)
+
+
+def _read_local(
+    reader: CheckpointReader, name: str, record: ParamRecord | None, layout: ShardLayout, lo: int, hi: int
+) -> torch.Tensor:
+    """Elements ``[lo, hi)`` of this rank's (local) tensor: of its tensor-parallel block for a split parameter."""
+    block = _block_of(record, layout)
+    if block is None:
+        return reader.read(name, (lo, hi))
+    return reader.read_slice(name, BlockFlatSlice(block, lo, hi - lo))
 
 
 def _infer_kind(key: str, saved_shape: tuple[int, ...], param_shape: tuple[int, ...]) -> str:

@@ -1,4 +1,4 @@
-"""Process topology: who we are, which device and backend we use, and the data-parallel group.
+"""Process topology: who we are, which device and backend we use, and the data- and tensor-parallel groups.
 
 A :class:`Topology` is built once by :func:`init_topology` and passed explicitly to everything that
 communicates. There are no process-group globals in shardtrain.
@@ -63,10 +63,11 @@ def ensure_process_group(timeout_s: float) -> bool:
 
 @dataclass(frozen=True)
 class Topology:
-    """The parallel layout of this job, validated once.
+    """The parallel layout of this job, validated once: a 2-D ``(dp, tp)`` device mesh.
 
-    ``dp`` is the data-parallel size. A tensor-parallel dimension will be added to the same mesh; every
-    consumer already reads its group from here rather than from a global.
+    Tensor-parallel groups are ``tp`` adjacent ranks (``rank = dp_rank * tp + tp_rank``), so that on a
+    multi-GPU node a layer's all-reduces stay inside the node; ZeRO shards over the ``dp`` axis only, i.e.
+    across the tensor-parallel groups, between ranks holding the same tensor-parallel block.
     """
 
     rank: int
@@ -76,6 +77,7 @@ class Topology:
     backend: str
     mesh: DeviceMesh
     timeout_s: float
+    tp: int = 1
 
     @property
     def dp_group(self) -> dist.ProcessGroup:
@@ -85,23 +87,35 @@ class Topology:
     def dp_rank(self) -> int:
         return self.mesh.get_local_rank("dp")
 
+    @property
+    def tp_group(self) -> dist.ProcessGroup:
+        return self.mesh.get_group("tp")
 
-def init_topology(dp: int | None = None, timeout_s: float = 1800.0) -> Topology:
-    """Create (or adopt) the process group and the device mesh, and check the layout is possible."""
+    @property
+    def tp_rank(self) -> int:
+        return self.mesh.get_local_rank("tp")
+
+    @property
+    def world_group(self) -> dist.ProcessGroup:
+        return dist.group.WORLD
+
+
+def init_topology(tp: int = 1, timeout_s: float = 1800.0) -> Topology:
+    """Create (or adopt) the process group and the ``(dp, tp)`` device mesh, and check the layout is possible."""
     ensure_process_group(timeout_s)
     world = dist.get_world_size()
-    dp = world if dp is None else dp
-    if dp != world:
+    if tp < 1 or world % tp:
         raise LayoutError(
-            f"data-parallel size {dp} does not fit {world} processes: without tensor parallelism the "
-            f"data-parallel size must equal the number of processes ({world})."
+            f"tensor_parallel.size {tp} does not divide the {world} processes of this job: the data-parallel size "
+            f"is world / tensor_parallel.size, so choose one of {[d for d in range(1, world + 1) if world % d == 0]}"
         )
+    dp = world // tp
     device = pick_device()
     backend = str(dist.get_backend())
     if device.type == "cuda" and "nccl" not in backend:
         # A user-created gloo group with CUDA tensors would fail deep inside the first collective.
         raise LayoutError(f"the process group uses {backend!r} but tensors live on CUDA; initialize it with 'nccl'.")
-    mesh = init_device_mesh(device.type, (dp,), mesh_dim_names=("dp",))
+    mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
     return Topology(
         rank=dist.get_rank(),
         world_size=world,
@@ -110,4 +124,5 @@ def init_topology(dp: int | None = None, timeout_s: float = 1800.0) -> Topology:
         backend=backend,
         mesh=mesh,
         timeout_s=timeout_s,
+        tp=tp,
     )

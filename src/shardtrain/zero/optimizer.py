@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -36,6 +37,38 @@ from shardtrain.errors import OptimizerError
 from shardtrain.zero.layout import Bucket
 from shardtrain.zero.policy import ZeroPolicy
 from shardtrain.zero.reducer import GradientReducer
+
+
+@dataclass(frozen=True)
+class TensorParallelNorm:
+    """The global gradient norm on a (dp, tp) mesh: split parameters add up across the tensor-parallel group,
+    parameters every tp rank holds the same are counted once (tp rank 0's), and across the data-parallel group
+    fragments add up (stages 1-3) or only dp rank 0's whole gradients count (stage 0). One all-reduce over
+    every rank carries both sums and the reducer's order flag (see [Note: collective order]); a non-finite
+    value anywhere (fp16 overflow) therefore reaches every rank."""
+
+    world: Communicator
+    split: frozenset[int]  # ids of the parameters split by tensor parallelism
+    dp_rank: int
+    tp_rank: int
+
+    def global_square(
+        self, keys: list[int], grads: list[torch.Tensor], sharded: bool, reducer: GradientReducer
+    ) -> torch.Tensor:
+        def square(gs: list[torch.Tensor]) -> torch.Tensor:
+            if not gs:
+                return torch.zeros((), dtype=torch.float32, device=reducer.device)
+            return (torch.linalg.vector_norm(torch.stack(torch._foreach_norm(gs))) ** 2).to(torch.float32)
+
+        split = square([g for k, g in zip(keys, grads) if k in self.split and g.numel()])
+        replicated = square([g for k, g in zip(keys, grads) if k not in self.split and g.numel()])
+        owner = 1.0 if sharded or self.dp_rank == 0 else 0.0
+        flag = float(reducer.order_departed)
+        parts = torch.stack([split * owner, replicated * owner * float(self.tp_rank == 0), split.new_tensor(flag)])
+        self.world.all_reduce(parts, "sum", what="squared gradient norm (data x tensor parallel)")
+        if reducer.sharded_grads:
+            reducer.settle_order(bool(parts[2] > 0))
+        return parts[0] + parts[1]
 
 
 class ShardedOptimizer:
@@ -51,8 +84,10 @@ class ShardedOptimizer:
         comm: Communicator,
         allgather_bucket_numel: int,
         masters: dict[int, torch.Tensor] | None = None,
+        tp_norm: TensorParallelNorm | None = None,
     ) -> None:
         self.optimizer, self.buckets, self.reducer = optimizer, buckets, reducer
+        self.tp_norm = tp_norm  # with tensor parallelism: how the squared norm is summed (see the class)
         self.comm, self.allgather_bucket_numel = comm, allgather_bucket_numel
         self.sharded = policy.shard_optimizer_state  # steps fragments (else whole parameters)
         # (fragment tensor, bucket, slot index) for every trainable parameter, keyed by the parameter
@@ -135,7 +170,9 @@ class ShardedOptimizer:
         else:
             local_sq = torch.zeros((), device=self.buckets[0].shard.device if self.buckets else "cpu")
         local_sq = local_sq.to(torch.float32)
-        if self.sharded and self.reducer.sharded_grads:
+        if self.tp_norm is not None:
+            local_sq = self.tp_norm.global_square(list(self._frag), grads, self.sharded, self.reducer)
+        elif self.sharded and self.reducer.sharded_grads:
             # fragments are disjoint: the squares add up across ranks; the reducer's "gradients completed in
             # another order" flag rides along (see [Note: collective order])
             both = torch.stack([local_sq, local_sq.new_tensor(float(self.reducer.order_departed))])

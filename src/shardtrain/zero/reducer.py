@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -63,8 +64,10 @@ class GradientReducer:
         overlap: bool,
         on_grad_ready: Callable[[Bucket], None] | None = None,
         reduce_dtype: torch.dtype | None = None,
+        tp_partial: tuple[Communicator, frozenset[int]] | None = None,
     ) -> None:
         self.buckets, self.comm, self.overlap = buckets, comm, overlap
+        self.device = buckets[0].shard.device if buckets else torch.device("cpu")
         self.reduce_dtype = reduce_dtype  # None: each bucket's own dtype (see [Note: mixed precision])
         self.mode = policy.gradient_reduction  # see [Note: gradient storage per stage]
         self.sharded_grads = policy.shard_gradients
@@ -102,6 +105,12 @@ class GradientReducer:
         self._hooks = [
             s.param.register_post_accumulate_grad_hook(self._make_hook(b.index, s)) for b in buckets for s in b.slots
         ]
+        if tp_partial is not None:  # before accumulation into .grad, so micro-steps are summed once
+            tp_comm, ids = tp_partial
+            for b in buckets:
+                for s in b.slots:
+                    if id(s.param) in ids:
+                        self._hooks.append(s.param.register_hook(partial(_tp_sum, tp_comm, s.name)))
         self._proposal: list[int] | None = None
 
     @staticmethod
@@ -286,6 +295,12 @@ class GradientReducer:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+
+
+def _tp_sum(tp_comm: Communicator, name: str, grad: torch.Tensor) -> torch.Tensor:
+    out = grad.clone()
+    tp_comm.all_reduce(out, "sum", what=f"tensor-parallel partial gradient of {name!r}")
+    return out
 
 
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -15,6 +15,7 @@ Each parameter is written through a :class:`Destination` that knows whether this
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,9 +42,22 @@ class Destination:
     names: list[str]  # every state-dict name of the tensor (tied parameters have several)
     shape: torch.Size
     targets: list[tuple[torch.Tensor, int]]
+    block: TPBlock | None = None
+    """For a tensor split by tensor parallelism: this rank's block of it (``shape`` is the full shape; target starts
+    index the flattened block)."""
 
     def write_slice(self, flat_values: torch.Tensor, first: int) -> None:
         """Write values of the flattened tensor starting at element ``first`` (covering what we need)."""
+        if self.block is not None:  # the whole tensor was read: keep this rank's block
+            self.write_block(self.block.cut(flat_values.view(self.shape)))
+            return
+        self._write(flat_values, first)
+
+    def write_block(self, block: torch.Tensor) -> None:
+        """Write this rank's tensor-parallel block (read as such from a checkpoint)."""
+        self._write(block.reshape(-1), 0)
+
+    def _write(self, flat_values: torch.Tensor, first: int) -> None:
         with torch.no_grad():
             for target, start in self.targets:
                 if target.numel():
@@ -51,6 +65,8 @@ class Destination:
                     target.copy_(flat_values[a : a + target.numel()].view(target.shape))
 
     def needed_range(self) -> tuple[int, int]:
+        if self.block is not None:
+            return 0, math.prod(self.shape)
         spans = [(start, start + t.numel()) for t, start in self.targets if t.numel()]
         if not spans:
             return 0, 0
@@ -84,8 +100,28 @@ def weight_destinations(module: torch.nn.Module, layout: ShardLayout, optimizer:
             master = optimizer.master_of(t)
             if master is not None:
                 targets.append((master.view(-1), start))
-        dests.append(Destination(names, t.shape, targets))
+        if record is not None and record.tp_split:
+            block = TPBlock(record.tp.dim, layout.tp_rank, layout.tp, record.tp.stride)
+            dests.append(Destination(names, torch.Size(record.global_shape), targets, block=block))
+        else:
+            dests.append(Destination(names, t.shape, targets))
     return dests
+
+
+@dataclass(frozen=True)
+class TPBlock:
+    """Block ``index`` of ``count`` along ``dim``; with ``stride`` > 1 the dimension is first cut into ``stride``
+    equal groups (Q, K, V of a fused weight) and the block of each group is taken, in group order (the
+    checkpoint's ``BlockSlice``)."""
+
+    dim: int
+    index: int
+    count: int
+    stride: int = 1
+
+    def cut(self, full: torch.Tensor) -> torch.Tensor:
+        groups = full.chunk(self.stride, self.dim)
+        return torch.cat([g.chunk(self.count, self.dim)[self.index] for g in groups], self.dim)
 
 
 def state_tensors(module: torch.nn.Module) -> list[tuple[list[str], torch.Tensor]]:

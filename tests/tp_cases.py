@@ -1,0 +1,237 @@
+"""Tensor parallelism composed with ZeRO, run through the engine: the models, the single-process reference and the
+per-rank body the tests in ``test_tp_engine.py`` spawn.
+
+Every rank of a tensor-parallel group gets its data-parallel rank's rows of the global batch; the reference is one
+process training the same model on the whole global batch with the same recipe (loss / accumulation steps,
+``clip_grad_norm_``, AdamW with two param groups).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import shardtrain
+from shardtrain.models.gpt import GPT, GPTConfig
+
+VOCAB, SEQ = 64, 16
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str = "gpt"  # "gpt" (the project's, fused QKV), "llama" (HF, its own plan), "gpt2" (HF, strided plan)
+    steps: int = 4
+    gas: int = 2
+    micro: int = 2  # rows per data-parallel rank and micro-step
+    clip: float = 0.5
+    lr: float = 3e-3
+    dtype: str = "fp32"  # or "bf16"
+
+
+def make_model(case: Case, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    if case.model == "gpt":
+        return GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=32, n_layer=2, n_head=4))
+    if case.model == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=SEQ,
+            attn_implementation="eager",
+        )
+        return _LossWrapper(LlamaForCausalLM(cfg))
+    if case.model == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        cfg = GPT2Config(
+            vocab_size=VOCAB,
+            n_positions=SEQ,
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            attn_implementation="eager",
+            tie_word_embeddings=False,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+        return _LossWrapper(GPT2LMHeadModel(cfg))
+    raise ValueError(case.model)
+
+
+class _LossWrapper(nn.Module):
+    """(ids, targets) -> mean cross-entropy for a transformers causal LM, in fp32 (shifted targets are given)."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+        self.config = lm.config
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.lm(input_ids=idx).logits
+        return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def plan_for(case: Case):
+    from shardtrain.tensor_parallel import GPT2_TP_PLAN, GPT_TP_PLAN, TPPlan
+
+    if case.model == "gpt":
+        return GPT_TP_PLAN
+    if case.model == "gpt2":  # the wrapper holds the HF model under "lm"
+        return TPPlan(
+            styles={f"lm.{k}": v for k, v in GPT2_TP_PLAN.styles.items()},
+            per_rank_attributes={f"lm.{k}": v for k, v in GPT2_TP_PLAN.per_rank_attributes.items()},
+        )
+    return None  # Llama: the plan its config carries
+
+
+def make_optimizer(model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=lr)
+
+
+def global_batches(case: Case, dp: int, steps: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(4321)
+    out = []
+    for _ in range((steps or case.steps) * case.gas):
+        x = torch.randint(0, VOCAB, (case.micro * dp, SEQ), generator=g)
+        out.append((x, torch.roll(x, -1, dims=1)))
+    return out
+
+
+def reference_run(case: Case, dp: int, steps: int | None = None) -> dict:
+    """One process, the whole global batch. bf16 as the engine does it: bf16 compute, fp32 masters made from the
+    fp32 init, gradients summed in fp32 over micro-steps, AdamW on the masters, bf16 parameters refreshed."""
+    steps = steps or case.steps
+    model = make_model(case)
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    batches = global_batches(case, dp, steps)
+    opt = make_optimizer(model, case.lr)
+    params = [p for g in opt.param_groups for p in g["params"]]
+    bf16 = case.dtype == "bf16"
+    masters = {p: p.detach().clone() for p in params} if bf16 else {p: p for p in params}
+    if bf16:
+        for g in opt.param_groups:
+            g["params"] = [masters[p] for p in g["params"]]
+        model.to(torch.bfloat16)
+    losses, norms = [], []
+    for step in range(steps):
+        step_loss = 0.0
+        for m in range(case.gas):
+            x, y = batches[step * case.gas + m]
+            loss = model(x, y)
+            (loss / case.gas).backward()
+            if bf16:
+                for p in params:
+                    masters[p].grad = p.grad.float() + (masters[p].grad if masters[p].grad is not None else 0)
+                    p.grad = None
+            step_loss += loss.item() / case.gas
+        norms.append(float(torch.nn.utils.clip_grad_norm_(list(masters.values()), case.clip)))
+        opt.step()
+        opt.zero_grad()
+        if bf16:
+            with torch.no_grad():
+                for p in params:
+                    p.copy_(masters[p])
+        losses.append(step_loss)
+    return {"losses": losses, "norms": norms, "params": model.state_dict(), "init": init}
+
+
+def config_for(case: Case, stage: int, tp: int) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": case.micro,
+        "gradient_accumulation_steps": case.gas,
+        "gradient_clipping": case.clip,
+        "tensor_parallel": {"size": tp},
+        "bf16": {"enabled": case.dtype == "bf16"},
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": 3000,
+            "allgather_bucket_size": 3000,
+            "stage3_param_persistence_threshold": 0,
+        },
+    }
+
+
+def build_engine(case: Case, stage: int, tp: int, seed: int = 0):
+    model = make_model(case, seed)
+    return shardtrain.initialize(
+        model, config=config_for(case, stage, tp), optimizer=make_optimizer(model, case.lr), tp_plan=plan_for(case)
+    )
+
+
+def train(engine, case: Case, batches, steps: range) -> tuple[list[float], list[float]]:
+    """Train ``steps`` optimizer steps on this rank's rows; returns (mean loss over dp ranks, grad norm) per step."""
+    dp_rank = engine.topology.dp_rank
+    lo, hi = dp_rank * case.micro, (dp_rank + 1) * case.micro
+    losses, norms = [], []
+    for step in steps:
+        step_loss = torch.zeros(())
+        for m in range(case.gas):
+            x, y = batches[step * case.gas + m]
+            loss = engine(x[lo:hi], y[lo:hi])
+            engine.backward(loss)
+            engine.step()
+            step_loss += loss.detach().float() / case.gas
+        dist.all_reduce(step_loss)  # the same on the tp ranks: mean over every rank is the mean over dp ranks
+        losses.append(float(step_loss) / dist.get_world_size())
+        norms.append(engine.get_global_grad_norm())
+    return losses, norms
+
+
+def run_cases(cases: list[tuple[Case, int, int]]) -> list[dict]:
+    """Each (case, stage, tp) on this rank: losses, norms and rank 0's full state dict."""
+    out = []
+    for case, stage, tp in cases:
+        engine = build_engine(case, stage, tp)
+        batches = global_batches(case, engine.topology.dp)
+        losses, norms = train(engine, case, batches, range(case.steps))
+        out.append({"losses": losses, "norms": norms, "params": engine.full_state_dict()})
+        engine.close()
+    return out
+
+
+def assert_parity(result: dict, ref: dict, what: str, loss_rtol: float = 2e-5, moved_frac: float = 5e-3) -> None:
+    """fp32: losses within 2e-5 relative, every parameter tensor within 5e-3 of the distance it moved (L2). bf16 (rounding of
+    bf16 gradients differs with the summation order): losses within 1e-3, norms 2e-2, total parameter error under
+    a tenth of the total distance moved (the bar of tests/test_mixed_precision.py)."""
+    if "bf16" in what:
+        return _assert_bf16_parity(result, ref, what)
+    for s, (a, b) in enumerate(zip(result["losses"], ref["losses"])):
+        assert abs(a - b) <= loss_rtol * abs(b), f"{what}: step {s}: loss {a} vs reference {b}"
+    for s, (a, b) in enumerate(zip(result["norms"], ref["norms"])):
+        assert abs(a - b) <= 1e-4 * abs(b), f"{what}: step {s}: grad norm {a} vs reference {b}"
+    final = result["params"]
+    assert final.keys() == ref["params"].keys(), what
+    for k, want in ref["params"].items():
+        got = final[k].float()
+        want = want.float()
+        assert got.shape == want.shape, f"{what}: {k}: shape {tuple(got.shape)} vs {tuple(want.shape)}"
+        # L2 over the tensor: Adam turns rounding-level gradient differences of near-zero elements into
+        # lr-sized steps element by element, so the bound is on the tensor, not on its worst element
+        moved = (want - ref["init"][k].float()).norm().item()
+        err = (got - want).norm().item()
+        assert err <= moved_frac * moved + 1e-7, f"{what}: {k}: error {err:.3g} vs distance moved {moved:.3g} (L2)"
+
+
+def _assert_bf16_parity(result: dict, ref: dict, what: str) -> None:
+    for s, (a, b) in enumerate(zip(result["losses"], ref["losses"])):
+        assert abs(a - b) <= 1e-3 * abs(b), f"{what}: step {s}: loss {a} vs reference {b}"
+    for s, (a, b) in enumerate(zip(result["norms"], ref["norms"])):
+        assert abs(a - b) <= 2e-2 * abs(b), f"{what}: step {s}: grad norm {a} vs reference {b}"
+    final = result["params"]
+    err = sum((final[k].float() - w.float()).abs().sum().item() for k, w in ref["params"].items())
+    moved = sum((w.float() - ref["init"][k].bfloat16().float()).abs().sum().item() for k, w in ref["params"].items())
+    assert err <= 0.1 * moved, f"{what}: total parameter error {err:.3g} vs total distance moved {moved:.3g}"
