@@ -23,7 +23,8 @@ from shardtrain.tensor_parallel.rng import RegionRNG
 def _check_embedding(module: nn.Module, name: str) -> None:
     if not isinstance(module, nn.Embedding):
         raise LayoutError(
-            f"{name or 'the module'} is a {type(module).__name__}: embedding styles apply to nn.Embedding only."
+            f"{name or 'the module'} ({type(module).__name__}) cannot take an embedding style: those apply to "
+            "nn.Embedding only."
         )
     if module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
         raise LayoutError(
