@@ -14,7 +14,7 @@ from shardtrain.errors import LayoutError
 from shardtrain.tensor_parallel.embedding import HiddenParallelEmbedding, VocabParallelEmbedding
 from shardtrain.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from shardtrain.tensor_parallel.placement import TPPlacement
-from shardtrain.tensor_parallel.plans import TPPlan, best_match
+from shardtrain.tensor_parallel.plans import TPPlan, matches
 from shardtrain.tensor_parallel.styles import TPStyle
 
 SPLITTING_LAYERS = ("column", "row", "vocab_embedding", "hidden_embedding")
@@ -50,13 +50,14 @@ def parameter_placement(param: nn.Parameter, style: TPStyle, name: str) -> TPPla
 
 
 def plan_param(planned: dict, param: nn.Parameter, placement: TPPlacement, name: str, size: int) -> None:
+    """Record ``param``'s placement (checked divisible); a tied parameter must be laid out the same way again."""
     placement.check_divisible(size, name)
     previous = planned.get(id(param))
     if previous is not None and previous[0] != placement:
         raise LayoutError(
             f"{name} is the same parameter as {previous[1]} (tied weights), but the plan lays it out differently "
-            f"there ({previous[0]}) and here ({placement}). Give both modules styles that split it the same way "
-            "(e.g. embedding_rowwise with colwise), or untie them."
+            f"there ({previous[0].describe()}) and here ({placement.describe()}). Give both modules styles that "
+            "split it the same way (e.g. embedding_rowwise with colwise), or untie them."
         )
     planned.setdefault(id(param), (placement, name))
 
@@ -99,12 +100,14 @@ def in_region(name: str, module_styles: dict[str, TPStyle]) -> bool:
 
 def check_tied(model: nn.Module, planned: dict, module_styles: dict, param_styles: dict) -> None:
     """A split parameter used by a module the plan does not split it for would be used whole: refuse."""
+    modules = dict(model.named_modules())
+    style_of = {id(modules[n]): s for n, s in module_styles.items()}  # a module registered twice has one style
     for mname, module in model.named_modules(remove_duplicate=False):
         for pname, p in module._parameters.items():
             if p is None or id(p) not in planned or planned[id(p)][0].dim is None:
                 continue
             full = f"{mname}.{pname}" if mname else pname
-            style = module_styles.get(mname)
+            style = style_of.get(id(module))
             splits_it = (style is not None and style.layer in SPLITTING_LAYERS) or full in param_styles
             if not splits_it:
                 raise LayoutError(
@@ -115,9 +118,10 @@ def check_tied(model: nn.Module, planned: dict, module_styles: dict, param_style
 
 
 def per_rank_attributes(model: nn.Module, plan: TPPlan, explicit: bool, size: int) -> list[tuple]:
+    """``(module, attribute, per-rank value)`` for every attribute the plan's ``per_rank_attributes`` name."""
     out = []
     for pattern, attrs in plan.per_rank_attributes.items():
-        hits = [(n, m) for n, m in model.named_modules() if n and best_match({pattern: 0}, n)]
+        hits = [(n, m) for n, m in model.named_modules() if n and matches(pattern, n)]
         if not hits and explicit:
             raise LayoutError(f"per_rank_attributes pattern {pattern!r} matches no module of {type(model).__name__}")
         for name, module in hits:
