@@ -158,7 +158,9 @@ class _GLU(nn.Module):
 
 def _glu_case(comm) -> dict:
     """packed_colwise (stride 2) then rowwise, through parallelize. With the stride dropped (a plain colwise
-    split) rank 0 would hold only gate rows and ``chunk(2)`` would pair gate with gate: this case fails."""
+    split) rank 0 would hold only gate rows and ``chunk(2)`` would pair gate with gate. Checked by setting
+    ``STYLES["packed_colwise"]`` to stride 1: test_fused_glu_needs_its_stride fails, the loss off by 1.63 at
+    world 2 and 1.40 at world 4."""
     torch.manual_seed(2)
     ref = _GLU()
     model = copy.deepcopy(ref)

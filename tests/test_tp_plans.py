@@ -272,6 +272,8 @@ def _assert_parity(result: dict) -> None:
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("case", ["gpt", "gpt_tied"])
 def test_gpt_plan_matches_one_process(world, case):
+    # fails if the fused Q/K/V loses its stride: checked with GPT_TP_PLAN's qkv as plain "colwise" (loss off by
+    # 5e-3 at world 2, gradients worse)
     for result in _results(world):
         _assert_parity(result[case])
         assert result[case]["names"]
