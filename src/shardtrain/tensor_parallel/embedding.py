@@ -51,8 +51,8 @@ class _ParallelEmbedding(nn.Module):
         rng: RegionRNG | None = None,
         sharder: ParameterSharder | None = None,
         name: str = "",
-    ):
-        """Shard ``module`` in place and return the layer to put in its place."""
+    ) -> _ParallelEmbedding:
+        """Shard ``module`` in place and return the layer to put in its place (an instance of ``cls``)."""
         sharder = sharder or ParameterSharder(comm.rank, comm.size)
         placement = cls.placements(module, name=name, shape_of=sharder.global_shape)["weight"]
         sharder.shard(module.weight, placement, f"{name}.weight" if name else "weight")

@@ -153,8 +153,8 @@ class ParameterSharder:
             raise LayoutError(f"{owner}: shape {tuple(param.shape)} is not {placement.global_shape}")
         placement.check_divisible(self.size, owner)
         self._done[id(param)] = (param, placement, owner)
-        if placement.dim is None:
-            return
+        if placement.dim is None or self.size == 1:
+            return  # nothing to cut (a group of one holds the whole tensor)
         with torch.no_grad():
             param.data = shard_block(param.data, placement, self.rank, self.size).clone()
             if param.grad is not None:
