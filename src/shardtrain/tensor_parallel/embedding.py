@@ -23,7 +23,8 @@ from shardtrain.tensor_parallel.rng import RegionRNG
 def _check_embedding(module: nn.Module, name: str) -> None:
     if not isinstance(module, nn.Embedding):
         raise LayoutError(
-            f"{name or 'the module'} is a {type(module).__name__}: embedding styles apply to nn.Embedding only."
+            f"{name or 'the module'} ({type(module).__name__}) cannot take an embedding style: those apply to "
+            "nn.Embedding only."
         )
     if module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
         raise LayoutError(
@@ -50,8 +51,8 @@ class _ParallelEmbedding(nn.Module):
         rng: RegionRNG | None = None,
         sharder: ParameterSharder | None = None,
         name: str = "",
-    ):
-        """Shard ``module`` in place and return the layer to put in its place."""
+    ) -> _ParallelEmbedding:
+        """Shard ``module`` in place and return the layer to put in its place (an instance of ``cls``)."""
         sharder = sharder or ParameterSharder(comm.rank, comm.size)
         placement = cls.placements(module, name=name, shape_of=sharder.global_shape)["weight"]
         sharder.shard(module.weight, placement, f"{name}.weight" if name else "weight")

@@ -50,8 +50,8 @@ def linear_dims(module: nn.Module, name: str = "") -> tuple[int, int]:
     if is_hf_conv1d(module):
         return 1, 0
     raise LayoutError(
-        f"{name or 'the module'} is a {type(module).__name__}: column- and row-parallel styles apply to "
-        "nn.Linear and transformers' Conv1D only. Give it another style (e.g. replicate) or none."
+        f"{name or 'the module'} ({type(module).__name__}) cannot take a column- or row-parallel style: those apply "
+        "to nn.Linear and transformers' Conv1D only. Give it another style (e.g. replicate) or none."
     )
 
 

@@ -34,10 +34,26 @@ from shardtrain.tensor_parallel.embedding import HiddenParallelEmbedding, VocabP
 from shardtrain.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from shardtrain.tensor_parallel.loss import VocabParallelCrossEntropy
 from shardtrain.tensor_parallel.placement import ParameterSharder, TPPlacement
+from shardtrain.tensor_parallel.planning import (
+    check_heads,
+    check_tied,
+    in_region,
+    module_placements,
+    parameter_placement,
+    per_rank_attributes,
+    plan_param,
+)
 from shardtrain.tensor_parallel.plans import TPPlan, as_plan, best_match, hf_tp_plan
 from shardtrain.tensor_parallel.rng import RegionRNG
 from shardtrain.tensor_parallel.styles import TPStyle, resolve_style
 
+_TP_MODULES = (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    HiddenParallelEmbedding,
+    VocabParallelCrossEntropy,
+)
 _LAYERS = {
     "column": ColumnParallelLinear,
     "row": RowParallelLinear,
@@ -49,21 +65,35 @@ _LAYERS = {
 def parallelize(
     model: nn.Module, plan: Mapping[str, str | TPStyle] | TPPlan | None, tp_comm: Communicator
 ) -> dict[str, TPPlacement]:
-    """Apply ``plan`` (``None``: the Hugging Face model's own) over ``tp_comm``'s group; return the placements."""
+    """Apply a tensor-parallel plan to ``model`` in place, over the group of ``tp_comm``.
+
+    ``plan``: name patterns -> style names (or :class:`TPStyle`), or a :class:`TPPlan`; ``None`` uses the
+    Hugging Face model's own plan (:func:`~.plans.hf_tp_plan`). Every tensor-parallel rank must call this with
+    the same model, built from the same seed or weights: each keeps its block of the values it holds.
+
+    Returns every ``model.named_parameters()`` name -> :class:`TPPlacement` (replicated ones included). Raises
+    :class:`LayoutError`, leaving the model unchanged, if the plan cannot be applied.
+    """
     explicit = plan is not None
     tp_plan = as_plan(plan) if explicit else TPPlan(styles=hf_tp_plan(model))
     size = tp_comm.size
     modules = dict(model.named_modules())
+    for name, module in modules.items():
+        if isinstance(module, _TP_MODULES):
+            raise LayoutError(
+                f"{type(model).__name__} is already tensor-parallel ({name} is a {type(module).__name__}); "
+                "parallelize a model once."
+            )
     module_styles, param_styles = _match(model, tp_plan, explicit)
 
     # -- check: every placement, before anything changes
     planned: dict[int, tuple[TPPlacement, str]] = {}  # id(param) -> (placement, first qualified name)
     for name, style in module_styles.items():
-        for pname, placement in _module_placements(modules[name], style, name).items():
-            _plan_param(planned, getattr(modules[name], pname), placement, f"{name}.{pname}", size)
+        for pname, placement in module_placements(modules[name], style, name).items():
+            plan_param(planned, getattr(modules[name], pname), placement, f"{name}.{pname}", size)
         if style.layer in ("column", "row"):
-            _check_heads(name, modules, style, size)
-        if not style.communicate and style.layer in ("column", "row") and not _in_region(name, module_styles):
+            check_heads(name, modules, style, size)
+        if not style.communicate and style.layer in ("column", "row") and not in_region(name, module_styles):
             raise LayoutError(
                 f"{name}: style {style.name!r} leaves its communication to an enclosing module, but no enclosing "
                 "module has 'gather' or 'all_reduce'. Add one (e.g. the MLP holding it) or use the non-local style."
@@ -73,14 +103,14 @@ def parallelize(
         if mname in module_styles and module_styles[mname].layer != "none":
             raise LayoutError(f"{name}: the plan styles both this parameter and its module {mname}; keep one")
         param = getattr(modules[mname], pname)
-        _plan_param(planned, param, _parameter_placement(param, style, name), name, size)
+        plan_param(planned, param, parameter_placement(param, style, name), name, size)
     for name, style in module_styles.items():  # replicated parameters under a gather see partial gradients
         if style.layer == "region":
             for pname, p in modules[name].named_parameters():
-                if id(p) not in planned:
+                if id(p) not in planned or planned[id(p)][0].dim is None:
                     planned[id(p)] = (TPPlacement(None, 1, tuple(p.shape), partial_grad=True), f"{name}.{pname}")
-    _check_tied(model, planned, module_styles, param_styles)
-    attributes = _per_rank_attributes(model, tp_plan, explicit, size)
+    check_tied(model, planned, module_styles, param_styles)
+    attributes = per_rank_attributes(model, tp_plan, explicit, size)
 
     # -- apply
     rng = RegionRNG(tp_comm.rank, size)
@@ -137,116 +167,6 @@ def _match(model: nn.Module, plan: TPPlan, explicit: bool) -> tuple[dict[str, TP
             "Check the names against model.named_modules() (a * stands for exactly one name component)."
         )
     return module_styles, param_styles
-
-
-def _module_placements(module: nn.Module, style: TPStyle, name: str) -> dict[str, TPPlacement]:
-    """Local parameter name -> placement for a module-level style."""
-    if style.layer == "column":
-        return ColumnParallelLinear.placements(module, stride=style.stride, name=name)
-    if style.layer == "row":
-        return RowParallelLinear.placements(module, stride=style.stride, communicate=style.communicate, name=name)
-    if style.layer in ("vocab_embedding", "hidden_embedding"):
-        return _LAYERS[style.layer].placements(module, name=name)
-    if style.partial_grad:
-        return {
-            n: TPPlacement(None, 1, tuple(p.shape), partial_grad=True)
-            for n, p in module.named_parameters(recurse=False)
-        }
-    return {}
-
-
-def _parameter_placement(param: nn.Parameter, style: TPStyle, name: str) -> TPPlacement:
-    """A parameter-level style, as Hugging Face reads it: colwise splits dim -2 (0 for a vector), rowwise -1."""
-    shape, nd = tuple(param.shape), param.dim()
-    if style.layer == "column":
-        return TPPlacement(max(nd - 2, 0), style.stride, shape)
-    if style.layer == "row":
-        return TPPlacement(nd - 1, style.stride, shape) if nd >= 2 else TPPlacement(None, 1, shape)
-    if style.layer == "none":
-        return TPPlacement(None, 1, shape, partial_grad=style.partial_grad)
-    raise LayoutError(f"{name}: style {style.name!r} applies to a module, not to a parameter")
-
-
-def _plan_param(planned: dict, param: nn.Parameter, placement: TPPlacement, name: str, size: int) -> None:
-    placement.check_divisible(size, name)
-    previous = planned.get(id(param))
-    if previous is not None and previous[0] != placement:
-        raise LayoutError(
-            f"{name} is the same parameter as {previous[1]} (tied weights), but the plan lays it out differently "
-            f"there ({previous[0]}) and here ({placement}). Give both modules styles that split it the same way "
-            "(e.g. embedding_rowwise with colwise), or untie them."
-        )
-    planned.setdefault(id(param), (placement, name))
-
-
-def _check_heads(name: str, modules: dict[str, nn.Module], style: TPStyle, size: int) -> None:
-    """Each rank must hold whole attention heads: read the head size off the enclosing attention module."""
-    parent_name = name.rpartition(".")[0]
-    parent = modules.get(parent_name)
-    module = modules[name]
-    out_dim, in_dim = (0, 1) if isinstance(module, nn.Linear) else (1, 0)
-    width = module.weight.shape[out_dim if style.layer == "column" else in_dim] // style.stride  # one group
-    head_dim = getattr(parent, "head_dim", None)
-    counted = "head_dim"
-    if not isinstance(head_dim, int):
-        for attr in ("num_heads", "n_head", "num_attention_heads"):
-            n = getattr(parent, attr, None)
-            if isinstance(n, int) and n > 0 and width % n == 0:
-                head_dim, counted = width // n, attr
-                break
-    if not isinstance(head_dim, int) or head_dim <= 0 or width % head_dim:
-        return  # not laid out in heads
-    heads = width // head_dim
-    if heads % size:
-        raise LayoutError(
-            f"{name}.weight: its {heads} attention heads (of size {head_dim}, from {parent_name}.{counted}) cannot "
-            f"be split evenly over tensor-parallel size {size}; every rank must hold whole heads. Pick a "
-            f"tensor-parallel size that divides {heads}."
-        )
-
-
-def _in_region(name: str, module_styles: dict[str, TPStyle]) -> bool:
-    """Whether an enclosing module of ``name`` has a ``gather``/``all_reduce`` style."""
-    parts = name.split(".")
-    for i in range(1, len(parts)):
-        style = module_styles.get(".".join(parts[:i]))
-        if style is not None and style.layer == "region":
-            return True
-    return False
-
-
-def _check_tied(model: nn.Module, planned: dict, module_styles: dict, param_styles: dict) -> None:
-    """A split parameter used by a module the plan does not split it for would be used whole: refuse."""
-    for mname, module in model.named_modules(remove_duplicate=False):
-        for pname, p in module._parameters.items():
-            if p is None or id(p) not in planned or planned[id(p)][0].dim is None:
-                continue
-            full = f"{mname}.{pname}" if mname else pname
-            style = module_styles.get(mname)
-            splits_it = (style is not None and style.layer in _LAYERS) or full in param_styles
-            if not splits_it:
-                raise LayoutError(
-                    f"{full} is the same parameter as {planned[id(p)][1]} (tied weights): the plan splits it there, "
-                    f"but {mname or 'the root module'} would use it whole. Give {mname} a style that splits it the "
-                    "same way, or untie the weights."
-                )
-
-
-def _per_rank_attributes(model: nn.Module, plan: TPPlan, explicit: bool, size: int) -> list[tuple]:
-    out = []
-    for pattern, attrs in plan.per_rank_attributes.items():
-        hits = [(n, m) for n, m in model.named_modules() if n and best_match({pattern: 0}, n)]
-        if not hits and explicit:
-            raise LayoutError(f"per_rank_attributes pattern {pattern!r} matches no module of {type(model).__name__}")
-        for name, module in hits:
-            for attr in attrs:
-                value = getattr(module, attr, None)
-                if not isinstance(value, int) or value % size:
-                    raise LayoutError(
-                        f"{name}.{attr} = {value!r} must be an integer divisible by the tensor-parallel size {size}"
-                    )
-                out.append((module, attr, value // size))
-    return out
 
 
 def _parents(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:

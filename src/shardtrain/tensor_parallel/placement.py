@@ -69,6 +69,12 @@ class TPPlacement:
     def is_split(self) -> bool:
         return self.dim is not None
 
+    def describe(self) -> str:
+        """``split on dim 0 with stride 3`` / ``replicated``, for messages."""
+        if self.dim is None:
+            return "replicated" + (" (partial gradient)" if self.partial_grad else "")
+        return f"split on dim {self.dim}" + (f" with stride {self.stride}" if self.stride > 1 else "")
+
     def local_shape(self, size: int) -> tuple[int, ...]:
         """The shape of one rank's block in a group of ``size``."""
         if self.dim is None:
@@ -139,7 +145,7 @@ class ParameterSharder:
             if entry[1] != placement:
                 raise LayoutError(
                     f"{owner} is the same parameter as {entry[2]} (tied weights), but the plan splits it as "
-                    f"{_describe(placement)} here and as {_describe(entry[1])} there. Give both modules styles "
+                    f"{placement.describe()} here and as {entry[1].describe()} there. Give both modules styles "
                     "that split it the same way (e.g. embedding_rowwise with colwise), or untie them."
                 )
             return
@@ -147,15 +153,9 @@ class ParameterSharder:
             raise LayoutError(f"{owner}: shape {tuple(param.shape)} is not {placement.global_shape}")
         placement.check_divisible(self.size, owner)
         self._done[id(param)] = (param, placement, owner)
-        if placement.dim is None:
-            return
+        if placement.dim is None or self.size == 1:
+            return  # nothing to cut (a group of one holds the whole tensor)
         with torch.no_grad():
             param.data = shard_block(param.data, placement, self.rank, self.size).clone()
             if param.grad is not None:
                 param.grad = shard_block(param.grad, placement, self.rank, self.size).clone()
-
-
-def _describe(p: TPPlacement) -> str:
-    if p.dim is None:
-        return "replicated"
-    return f"split on dim {p.dim}" + (f" with stride {p.stride}" if p.stride > 1 else "")
