@@ -30,10 +30,11 @@ def _check(cases: list[tuple[Case, int, int]], results: list[dict], world: int) 
 
 
 def test_parity_tp2():
-    """(dp 1, tp 2): the project's GPT at every stage, HF Llama with its own plan, HF GPT-2 with the strided plan,
-    and bf16."""
+    """(dp 1, tp 2): the project's GPT at every stage, HF Llama and Qwen3 with their own plans, HF GPT-2 with the
+    strided plan, and bf16."""
     cases = [(Case(), s, 2) for s in range(4)]
     cases += [(Case(model="llama"), 0, 2), (Case(model="llama"), 3, 2), (Case(model="gpt2"), 2, 2)]
+    cases += [(Case(model="qwen3"), 2, 2)]  # q/k norms: replicated, gradients summed over the tp group
     cases += [(Case(dtype="bf16", steps=3), 1, 2), (Case(model="llama", dtype="bf16", steps=3), 3, 2)]
     _check(cases, run_distributed(run_cases, 2, cases)[0], 2)
 
@@ -126,3 +127,19 @@ def test_tp_size_must_divide_the_world():
     with pytest.raises(DistributedFailure) as err:
         run_distributed(_bad_size, 3)
     assert "tensor_parallel.size 2 does not divide the 3 processes" in str(err.value), err.value
+
+
+def _load_full(stage: int) -> bool:
+    from tp_cases import make_model
+
+    engine = build_engine(Case(), stage, 2)
+    other = make_model(Case(), seed=7).state_dict()  # full tensors, on global rank 0 only
+    engine.load_full_state_dict(other if dist.get_rank() == 0 else None)
+    full = engine.full_state_dict()
+    return full is None or all(torch.equal(full[k], v) for k, v in other.items())
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_load_full_state_dict_cuts_each_ranks_blocks(stage):
+    """Full weights on global rank 0 go to every rank's tensor-parallel block (fused QKV strided) and fragment."""
+    assert all(run_distributed(_load_full, 4, stage))

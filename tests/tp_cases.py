@@ -22,7 +22,7 @@ VOCAB, SEQ = 64, 16
 
 @dataclass(frozen=True)
 class Case:
-    model: str = "gpt"  # "gpt" (the project's, fused QKV), "llama" (HF, its own plan), "gpt2" (HF, strided plan)
+    model: str = "gpt"  # "gpt" (the project's, fused QKV), "llama"/"qwen3" (HF, own plan), "gpt2" (HF, strided plan)
     steps: int = 4
     gas: int = 2
     micro: int = 2  # rows per data-parallel rank and micro-step
@@ -48,7 +48,22 @@ def make_model(case: Case, seed: int = 0) -> nn.Module:
             max_position_embeddings=SEQ,
             attn_implementation="eager",
         )
-        return _LossWrapper(LlamaForCausalLM(cfg))
+        return LlamaForCausalLM(cfg)
+    if case.model == "qwen3":  # per-head q/k norms: replicated parameters with tp-partial gradients
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        cfg = Qwen3Config(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            max_position_embeddings=SEQ,
+            attn_implementation="eager",
+        )
+        return Qwen3ForCausalLM(cfg)
     if case.model == "gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -66,33 +81,29 @@ def make_model(case: Case, seed: int = 0) -> nn.Module:
             bos_token_id=0,
             eos_token_id=0,
         )
-        return _LossWrapper(GPT2LMHeadModel(cfg))
+        return GPT2LMHeadModel(cfg)
     raise ValueError(case.model)
 
 
-class _LossWrapper(nn.Module):
-    """(ids, targets) -> mean cross-entropy for a transformers causal LM, in fp32 (shifted targets are given)."""
+def loss_of(out, targets: torch.Tensor) -> torch.Tensor:
+    """The project's GPT returns its loss; a transformers model returns logits: mean cross-entropy in fp32."""
+    if torch.is_tensor(out):
+        return out
+    logits = out.logits
+    return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
-    def __init__(self, lm: nn.Module) -> None:
-        super().__init__()
-        self.lm = lm
-        self.config = lm.config
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self.lm(input_ids=idx).logits
-        return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+def forward(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return loss_of(model(x, y), y) if isinstance(model, GPT) else loss_of(model(input_ids=x), y)
 
 
 def plan_for(case: Case):
-    from shardtrain.tensor_parallel import GPT2_TP_PLAN, GPT_TP_PLAN, TPPlan
+    from shardtrain.tensor_parallel import GPT2_TP_PLAN, GPT_TP_PLAN
 
     if case.model == "gpt":
         return GPT_TP_PLAN
-    if case.model == "gpt2":  # the wrapper holds the HF model under "lm"
-        return TPPlan(
-            styles={f"lm.{k}": v for k, v in GPT2_TP_PLAN.styles.items()},
-            per_rank_attributes={f"lm.{k}": v for k, v in GPT2_TP_PLAN.per_rank_attributes.items()},
-        )
+    if case.model == "gpt2":
+        return GPT2_TP_PLAN
     return None  # Llama: the plan its config carries
 
 
@@ -131,7 +142,7 @@ def reference_run(case: Case, dp: int, steps: int | None = None) -> dict:
         step_loss = 0.0
         for m in range(case.gas):
             x, y = batches[step * case.gas + m]
-            loss = model(x, y)
+            loss = forward(model, x, y)
             (loss / case.gas).backward()
             if bf16:
                 for p in params:
@@ -181,7 +192,7 @@ def train(engine, case: Case, batches, steps: range) -> tuple[list[float], list[
         step_loss = torch.zeros(())
         for m in range(case.gas):
             x, y = batches[step * case.gas + m]
-            loss = engine(x[lo:hi], y[lo:hi])
+            loss = forward_engine(engine, x[lo:hi], y[lo:hi])
             engine.backward(loss)
             engine.step()
             step_loss += loss.detach().float() / case.gas
@@ -189,6 +200,10 @@ def train(engine, case: Case, batches, steps: range) -> tuple[list[float], list[
         losses.append(float(step_loss) / dist.get_world_size())
         norms.append(engine.get_global_grad_norm())
     return losses, norms
+
+
+def forward_engine(engine, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return loss_of(engine(x, y), y) if isinstance(engine.module, GPT) else loss_of(engine(input_ids=x), y)
 
 
 def run_cases(cases: list[tuple[Case, int, int]]) -> list[dict]:
@@ -204,9 +219,9 @@ def run_cases(cases: list[tuple[Case, int, int]]) -> list[dict]:
 
 
 def assert_parity(result: dict, ref: dict, what: str, loss_rtol: float = 2e-5, moved_frac: float = 5e-3) -> None:
-    """fp32: losses within 2e-5 relative, every parameter tensor within 5e-3 of the distance it moved (L2). bf16 (rounding of
-    bf16 gradients differs with the summation order): losses within 1e-3, norms 2e-2, total parameter error under
-    a tenth of the total distance moved (the bar of tests/test_mixed_precision.py)."""
+    """fp32: losses within 2e-5 relative, every parameter tensor within 5e-3 of the distance it moved (L2).
+    bf16 (rounding of bf16 gradients differs with the summation order): losses within 1e-3, norms 2e-2, total
+    parameter error under a tenth of the total distance moved (the bar of tests/test_mixed_precision.py)."""
     if "bf16" in what:
         return _assert_bf16_parity(result, ref, what)
     for s, (a, b) in enumerate(zip(result["losses"], ref["losses"])):

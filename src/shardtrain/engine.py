@@ -29,7 +29,7 @@ from shardtrain.comm import Communicator
 from shardtrain.config import Config, load_config, optimizer_class_and_kwargs, resolve_batch_sizes
 from shardtrain.config_auto import resolve_auto
 from shardtrain.engine_checkpoint import COUNTERS, TrainingState, load_engine, save_engine
-from shardtrain.errors import ConfigError, OptimizerError, RankMismatchError
+from shardtrain.errors import ConfigError, LayoutError, OptimizerError, RankMismatchError
 from shardtrain.mesh import Topology, init_topology
 from shardtrain.monitor import TrainingMonitor, check_monitor_packages
 from shardtrain.precision import LossScaler, check_parameter_dtypes, policy_from_config
@@ -359,7 +359,7 @@ class Engine:
         if isinstance(source, (str, Path, list, tuple)):
             load_safetensors(dests, safetensors_files(source), strict)
         else:
-            load_state_dict_from_rank0(dests, source, self.comm, strict)
+            load_state_dict_from_rank0(dests, source, self.world_comm, strict)  # global rank 0's dict
 
     def _weight_destinations(self) -> list[Destination]:
         return weight_destinations(self.module, self.layout, self._optimizer)
@@ -446,6 +446,12 @@ def initialize(
         _refuse_sharded_construction(model)
         _broadcast_model(model, Communicator(topology.world_group, topology.timeout_s))
         placements = parallelize(model, tp_plan, tp_comm)  # a plan given at size 1 splits nothing: same script
+        if not any(p.is_split for p in placements.values()):
+            raise LayoutError(
+                f"tensor_parallel.size is {topology.tp} but the tensor-parallel plan splits no parameter of "
+                f"{type(model).__name__}: its patterns match none of the model's module names (a model wrapped in "
+                "another module has longer names; pass initialize(tp_plan=...) with the full names)"
+            )
     # everything that can be refused is checked before the model is touched (hooks, flat storage)
     opt = _build_optimizer(model, cfg, optimizer)
     check_optimizer(opt, model, cfg.zero_optimization.stage, cfg.zero_allow_untested_optimizer)

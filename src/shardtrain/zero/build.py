@@ -1,6 +1,8 @@
-"""From (model, ZeRO config, data-parallel group) to the :class:`~shardtrain.zero.layout.ShardLayout`.
+"""From (model, ZeRO config, data-parallel group, tensor-parallel placements) to the
+:class:`~shardtrain.zero.layout.ShardLayout`.
 
-Runs once, before the engine exists, in this order:
+Runs once, at the start of ``Engine.__init__`` (after ``parallelize`` cut the tensor-parallel blocks, before the
+reducer, the optimizer wrapper and the ZeRO-3 runtime are made from it), in this order:
 
 1. parameters built under ``shardtrain.zero.Init`` that will not be unit-sharded become whole again (see
    [Note: sharded construction]);

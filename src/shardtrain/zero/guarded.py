@@ -9,8 +9,9 @@ stay gathered for the backward too); anywhere else it raises an error naming the
 ``engine.gathered(...)`` context to use. Metadata (shape, dtype, ``.grad``) stays readable.
 
 What the guard knows about a parameter (its name and unit) is kept in a weak map owned by this module, keyed
-by the parameter's identity; nothing is set on the parameter object. :func:`unguard` gives a parameter back
-its ``nn.Parameter`` class (``Engine.close()`` does it for every parameter).
+by the parameter's identity; nothing is set on the parameter object. The class switch is the one change made to
+the parameter itself (it is how data access is intercepted without a global mode); :func:`unguard` reverts it
+(``zero.Init`` does, for parameters that end up whole). Every parameter of a unit is guarded, frozen ones too.
 """
 
 from __future__ import annotations

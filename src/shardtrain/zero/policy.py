@@ -9,9 +9,10 @@ stage  optimizer state (+ masters)  gradients          parameters
 3      sharded                     sharded (staged)   sharded in units
 =====  ==========================  =================  ===================
 
-Each stage shards everything the previous one does; :meth:`ZeroPolicy.for_stage` is the only place a stage
-number is turned into behaviour. Every ZeRO component (layout, reducer, optimizer wrapper, units, checkpoint
-code) reads the policy's fields.
+Each stage shards everything the previous one does; :meth:`ZeroPolicy.for_stage` is where a stage number is
+turned into behaviour for the ZeRO components (layout, reducer, optimizer wrapper, units, checkpoint code), which
+read the policy's fields. The stage number itself remains in user-facing places: the config, error messages,
+``check_optimizer`` (stages 1-3 step fragments) and Hugging Face helpers that mirror DeepSpeed's ``stage == 3``.
 """
 
 from __future__ import annotations
