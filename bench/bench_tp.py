@@ -192,7 +192,7 @@ def body(layouts: list[Layout], shape: Shape, steps: int, warmup: int) -> dict:
                 times[name].append(float(elapsed))
                 cpu[name].append(float(cpu_s))
                 comm[name] = {axis: c.stats() for axis, c in communicators(engine).items()}
-    saved, losses = {}, {}
+    saved, losses, isolated = {}, {}, {}
     for name, engine in engines.items():  # one more step each, with the saved-tensor hook around its forward
         x, y = rows(engine, shape, seed=warmup + steps)
         with count_saved(engine.module, {"mlp": "mlp"}) as totals:
@@ -203,8 +203,33 @@ def body(layouts: list[Layout], shape: Shape, steps: int, warmup: int) -> dict:
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss)  # replicated over tp: the mean over all ranks is the mean over dp ranks
         losses[name] = float(mean_loss) / dist.get_world_size()
+        if engine.tp_comm is not None:
+            isolated[name] = time_activation_all_reduce(engine, x)
         engine.close()
-    return {"rank": rank, "times": times, "cpu": cpu, "comm": comm, "saved": saved, "loss": losses}
+    return {
+        "rank": rank,
+        "times": times,
+        "cpu": cpu,
+        "comm": comm,
+        "saved": saved,
+        "loss": losses,
+        "isolated_all_reduce": isolated,
+    }
+
+
+def time_activation_all_reduce(engine, x: torch.Tensor, repeats: int = 20) -> float:
+    """Median seconds of one tp all-reduce of a [b, s, h] fp32 activation alone (the slowest rank's), i.e. what
+    each of the layers' all-reduces would cost without waiting for a slower rank."""
+    activation = torch.ones(*x.shape, engine.module.cfg.d_model)
+    out = []
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        engine.tp_comm.all_reduce(activation, what="isolated activation all-reduce")
+        elapsed = torch.tensor(time.perf_counter() - t0)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        out.append(float(elapsed))
+    return statistics.median(out)
 
 
 # -- formulas (bytes per optimizer step, comm.py's bus-bandwidth convention) ----------------------------------------
@@ -300,6 +325,7 @@ def main() -> None:
                 "comm": per_rank[0]["comm"][lay.name],
                 "saved": max((r["saved"][lay.name] for r in per_rank), key=lambda s: sum(s.values())),
                 "loss": per_rank[0]["loss"][lay.name],
+                "isolated_all_reduce": per_rank[0]["isolated_all_reduce"].get(lay.name),
             }
     report(results, shape)
 
@@ -341,6 +367,17 @@ def report(results: dict[str, dict], shape: Shape) -> None:
         "(activations saved for backward during one forward, the largest rank; loss: the step after the timed "
         "ones, the same batches for every layout)"
     )
+    for lay in layouts:
+        alone = results[lay.name]["isolated_all_reduce"]
+        if alone is not None:
+            calls = results[lay.name]["comm"]["tp"]["all_reduce"]["calls"]
+            activation_calls = calls - 2  # the loss's two all-reduces are tiny
+            med = statistics.median(results[lay.name]["times"])
+            print(
+                f"{lay.name}: one tp all-reduce of a [b, s, h] activation alone takes {alone * 1000:.1f} ms; "
+                f"{activation_calls} per step would be {activation_calls * alone * 1000:.0f} ms "
+                f"({activation_calls * alone / med:.1%} of the median step)"
+            )
     print("\nbytes per step per collective (rank 0; dp: ZeRO over the dp axis, tp: the layers, world: the grad norm)")
     for lay in layouts:
         print(f"{lay.name}:")
