@@ -10,10 +10,14 @@ Layouts (the same model and the same global batch for all, so a step does the sa
 
 Each world size is one job in which every rank builds every layout of that world once; each iteration runs one
 training step of each layout in a rotating order, a step's time being the slowest rank's. Printed per layout: the
-median step time and its ratio to the reference of the same job (and, for world 4, to the world-2 reference of the
-other job: not interleaved, and 4 ranks share the 2 cores), the bytes autograd saves for backward during one forward
-per rank (activations only: parameter storages are left out), split into the MLPs and the rest, and the bytes per
-step of every collective of the dp, tp and world communicators next to the formula it should follow.
+median step time and its ratio to the reference of the same job (ratio of medians, and the median of per-iteration
+ratios), the CPU time of all ranks per step and its ratio (gloo blocks without spinning, so CPU time is work, and
+other jobs on the machine disturb it less than wall time), the ratio to the world-2 reference of the other job (not
+interleaved, and at world 4 four ranks share the 2 cores); the bytes autograd saves for backward during one forward
+per rank (activations only: parameter storages are left out), split into the MLPs and the rest; the loss of one more
+step (the same in every layout: a check that they train the same model); for tp layouts, the time of one tp
+all-reduce of an activation alone; and the bytes per step of every collective of the dp, tp and world communicators
+next to the formula it should follow.
 
 [Note: what is counted as activation memory]
 A pack hook of ``torch.autograd.graph.saved_tensors_hooks`` sees every tensor autograd saves for backward; each
