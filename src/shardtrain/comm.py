@@ -105,7 +105,7 @@ class Communicator:
         timed_out = elapsed is not None and elapsed >= comm_failure.TIMEOUT_FRACTION * self.timeout_s
         ranks = dist.get_process_group_ranks(self.group) if self.size > 1 else [self.global_rank]
         peers = [r for r in ranks if r != self.global_rank]
-        survey = comm_failure.survey(self.global_rank, peers, f"{kind} of {what}")
+        survey = comm_failure.survey(self.global_rank, peers)
         lost, others = comm_failure.explain(survey)
         lost = lost or (not timed_out and comm_failure.peer_lost_text(err) and not survey.alive)
         took = f" after {elapsed:.2f} s" if elapsed is not None else ""

@@ -9,11 +9,12 @@ which every rank can reach, is used instead:
 
 1. when a :class:`~shardtrain.comm.Communicator` is built, this rank writes ``shardtrain/proc/<global rank>`` =
    (host name, machine id, pid); no collective, one store round trip;
-2. when one of its collectives fails, it first writes ``shardtrain/failed/<global rank>`` (so that the others know it
-   was alive when the failure happened, even if it exits right after), then classifies every other rank of the
-   group: *reported* (it wrote its failure key), *gone* (its process, on this machine, no longer exists or is a
-   zombie), *alive* (its process exists but did not report: it is on another code path or busy), or *silent* (on
-   another machine and no report);
+2. when one of its collectives fails, it first writes ``shardtrain/failed/<global rank>`` = its pid (so that the
+   others know it was alive when the failure happened, even if it exits right after), then classifies every other
+   rank of the group: *reported* (it wrote its failure key), *gone* (its process, on this machine, no longer exists
+   or is a zombie), *alive* (its process exists but did not report: it is on another code path or busy), or
+   *silent* (on another machine and no report). A key holding another pid than the registered one is left from an
+   earlier attempt (torchrun's agent keeps its store across restarts) and is ignored;
 3. it polls until every other rank has reported or is gone, for at most :data:`REPORT_WAIT_S`: the survivors
    usually fail within milliseconds of each other, a killed process closes its sockets a moment before it leaves
    the process table;
@@ -118,21 +119,21 @@ _surveys: dict[tuple[int, tuple[int, ...]], Survey] = {}
 collective fails for the same reason (e.g. the reductions still in flight when backward unwinds)."""
 
 
-def survey(global_rank: int, peers: list[int], note: str) -> Survey:
+def survey(global_rank: int, peers: list[int]) -> Survey:
     """Report this rank's failure and classify ``peers`` (global ranks); see the Note. Never raises."""
     store = _default_store()
     if store is None:
         return Survey(silent=[(r, "unknown host") for r in peers])
     key = (id(store), tuple(peers))
     if key not in _surveys:
-        _surveys[key] = _survey(store, global_rank, peers, note)
+        _surveys[key] = _survey(store, global_rank, peers)
     return _surveys[key]
 
 
-def _survey(store: Any, global_rank: int, peers: list[int], note: str) -> Survey:
+def _survey(store: Any, global_rank: int, peers: list[int]) -> Survey:
     out = Survey()
     try:
-        store.set(_FAILED_KEY.format(global_rank), note)
+        store.set(_FAILED_KEY.format(global_rank), str(os.getpid()))
     except Exception as err:
         out.store_error = f"{type(err).__name__}: {_first_line(str(err))}"
         return out
@@ -145,12 +146,12 @@ def _survey(store: Any, global_rank: int, peers: list[int], note: str) -> Survey
             for r in peers:
                 if status.get(r) in ("reported", "gone"):
                     continue
-                if store.check([_FAILED_KEY.format(r)]):
-                    status[r] = "reported"
-                    continue
                 if procs.get(r) is None and store.check([_PROC_KEY.format(r)]):
                     procs[r] = json.loads(store.get(_PROC_KEY.format(r)))
                 info = procs.get(r)
+                if _written_by(store, _FAILED_KEY.format(r), info):
+                    status[r] = "reported"
+                    continue
                 if info is not None and info.get("machine") == machine:
                     status[r] = "gone" if _process_gone(int(info["pid"])) else "alive"
         except Exception as err:  # the store went away while we asked: its host is gone
@@ -160,7 +161,7 @@ def _survey(store: Any, global_rank: int, peers: list[int], note: str) -> Survey
             break
         time.sleep(0.02)
     if out.store_error is None:  # step 4: stay until the others have asked too, in case this process hosts the store
-        _linger(store, global_rank, [r for r in peers if status.get(r) == "reported"])
+        _linger(store, global_rank, {r: procs.get(r) for r in peers if status.get(r) == "reported"})
 
     def where(r: int) -> str:
         info = procs.get(r)
@@ -179,13 +180,21 @@ def _survey(store: Any, global_rank: int, peers: list[int], note: str) -> Survey
     return out
 
 
-def _linger(store: Any, global_rank: int, reported: list[int]) -> None:
+def _written_by(store: Any, key: str, info: dict | None) -> bool:
+    """Does ``key`` exist and was it written by the process ``info`` registered? A torchrun agent keeps its store
+    across restarts, so a key may be left from the previous attempt, by a process that no longer exists."""
+    if not store.check([key]):
+        return False
+    return info is None or store.get(key).decode() == str(info.get("pid"))
+
+
+def _linger(store: Any, global_rank: int, reported: dict[int, dict | None]) -> None:
     """Mark this rank's survey done; wait (at most :data:`REPORT_WAIT_S`) until the ranks that reported are done."""
     start = time.monotonic()
     try:
-        store.set(_SURVEYED_KEY.format(global_rank), "1")
+        store.set(_SURVEYED_KEY.format(global_rank), str(os.getpid()))
         while time.monotonic() - start < REPORT_WAIT_S:
-            if all(store.check([_SURVEYED_KEY.format(r)]) for r in reported):
+            if all(_written_by(store, _SURVEYED_KEY.format(r), info) for r, info in reported.items()):
                 return
             time.sleep(0.02)
     except Exception:
