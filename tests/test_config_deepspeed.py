@@ -149,7 +149,7 @@ def test_aliases_and_legacy_spellings():
     assert legacy.ok and any("stage3_gather_16bit_weights_on_model_save" in n for n in legacy.no_effect)
     with pytest.raises(ConfigError, match="given twice"):
         load_config({"bf16": {"enabled": True}, "bfloat16": {"enabled": True}})
-    with pytest.raises(ConfigError, match=r"bf16\.loss_scale"):
+    with pytest.raises(ConfigError, match=r"bfloat16\.loss_scale"):  # the path as the config wrote it
         load_config({"bfloat16": {"enabled": True, "loss_scale": 0}})
 
 

@@ -3,8 +3,10 @@
 Every collective goes through a :class:`Communicator`, which
 
 * counts calls and bytes per collective kind (``engine.comm_stats()`` reads them; tests assert them);
-* turns a timeout or a dead peer into a :class:`CollectiveTimeoutError` that names this rank and what it
-  was waiting for, instead of a bare gloo/NCCL traceback.
+* turns a failure into an error that names this rank, what it was waiting for and where it was called from, instead
+  of a bare gloo/NCCL traceback: :class:`PeerLostError` naming the rank whose process is gone (see [Note: naming the
+  rank that vanished] in :mod:`shardtrain.comm_failure`), :class:`CollectiveTimeoutError` only when the collective
+  really waited for the configured timeout, :class:`CollectiveError` otherwise.
 
 Bytes are counted with the bus-bandwidth convention of nccl-tests, i.e. what one rank sends over the
 wire for a ring algorithm, with ``S`` the size of the full (unsharded) tensor and ``N`` the group size:
@@ -24,6 +26,7 @@ padded so that it does); otherwise they are rounded down.
 from __future__ import annotations
 
 import pickle
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +34,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardtrain.errors import CollectiveTimeoutError
+from shardtrain import comm_failure
+from shardtrain.errors import CollectiveError, CollectiveTimeoutError, PeerLostError
 
 # torch 2.13 renamed the flat-tensor collectives; keep working on the older names too.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -49,8 +53,9 @@ class CollectiveCount:
 class Handle:
     """An in-flight collective; ``wait()`` re-raises failures with the rank and what was awaited."""
 
-    def __init__(self, comm: Communicator, work: Any, kind: str, what: str) -> None:
+    def __init__(self, comm: Communicator, work: Any, kind: str, what: str, started: float | None = None) -> None:
         self._comm, self._work, self.kind, self.what = comm, work, kind, what
+        self.started = time.monotonic() if started is None else started
 
     def wait(self) -> None:
         if self._work is None:
@@ -58,7 +63,7 @@ class Handle:
         try:
             self._work.wait()
         except RuntimeError as err:
-            raise self._comm.describe_failure(self.kind, self.what, err) from err
+            raise self._comm.describe_failure(self.kind, self.what, err, started=self.started) from err
         finally:
             self._work = None
 
@@ -73,6 +78,8 @@ class Communicator:
         self.global_rank = dist.get_rank()
         self.timeout_s = timeout_s
         self._counts: dict[str, CollectiveCount] = defaultdict(CollectiveCount)
+        if self.size > 1:  # so that a failing peer can tell whether this process is gone
+            comm_failure.register(self.global_rank)
 
     # -- accounting -------------------------------------------------------------------------------
     def stats(self) -> dict[str, dict[str, int]]:
@@ -86,19 +93,46 @@ class Communicator:
         c.calls += 1
         c.bytes += nbytes
 
-    def describe_failure(self, kind: str, what: str, err: BaseException) -> CollectiveTimeoutError:
-        return CollectiveTimeoutError(
-            f"rank {self.global_rank}: {kind} of {what} did not complete "
-            f"(collective timeout {self.timeout_s:g}s, group of {self.size}): {err}. "
-            "Another rank most likely crashed or took a different code path; check the other ranks' output."
+    def describe_failure(
+        self, kind: str, what: str, err: BaseException, *, started: float | None = None
+    ) -> CollectiveError:
+        """The error for a failed collective (``started``: when it was launched, ``time.monotonic()``).
+
+        Asks which of the other ranks are gone (see [Note: naming the rank that vanished]): a
+        :class:`PeerLostError` names them; a :class:`CollectiveTimeoutError` is returned only when the collective
+        waited for the configured timeout; any other failure is a :class:`CollectiveError`."""
+        elapsed = time.monotonic() - started if started is not None else None
+        timed_out = elapsed is not None and elapsed >= comm_failure.TIMEOUT_FRACTION * self.timeout_s
+        ranks = dist.get_process_group_ranks(self.group) if self.size > 1 else [self.global_rank]
+        peers = [r for r in ranks if r != self.global_rank]
+        survey = comm_failure.survey(self.global_rank, peers)
+        lost, others = comm_failure.explain(survey)
+        lost = lost or (not timed_out and comm_failure.peer_lost_text(err) and not survey.alive)
+        took = f" after {elapsed:.2f} s" if elapsed is not None else ""
+        head = f"failed{took}"
+        cls: type[CollectiveError] = PeerLostError if lost else CollectiveError
+        if timed_out:
+            head = f"timed out{took} (collective timeout {self.timeout_s:g}s)"
+            cls = CollectiveTimeoutError
+        if not others:
+            others = (
+                f"a peer of rank {self.global_rank} in this group is gone or took a different code path; check the "
+                "other ranks' output"
+            )
+        call = comm_failure.api_call()
+        where = f", in {call}" if call else ""
+        return cls(
+            f"rank {self.global_rank}: {kind} of {what} {head}{where}: {others}. Group of {self.size} "
+            f"(global ranks {ranks}). {dist.get_backend(self.group)}: {comm_failure.backend_text(err)}"
         )
 
     def _run(self, kind: str, what: str, fn, async_op: bool) -> Handle | None:
+        started = time.monotonic()
         try:
             work = fn(async_op)
         except RuntimeError as err:
-            raise self.describe_failure(kind, what, err) from err
-        handle = Handle(self, work, kind, what)
+            raise self.describe_failure(kind, what, err, started=started) from err
+        handle = Handle(self, work, kind, what, started)
         if async_op:
             return handle
         handle.wait()
@@ -182,8 +216,9 @@ class Communicator:
         if self.size == 1:
             return [obj]
         out: list[Any] = [None] * self.size
+        started = time.monotonic()
         try:
             dist.all_gather_object(out, obj, group=self.group)
         except RuntimeError as err:
-            raise self.describe_failure("all_gather_object", what, err) from err
+            raise self.describe_failure("all_gather_object", what, err, started=started) from err
         return out

@@ -165,7 +165,8 @@ class Config(_Section):
     tensorboard: MonitorConfig = Field(default_factory=MonitorConfig)
     csv_monitor: MonitorConfig = Field(default_factory=MonitorConfig)
     wandb: WandbConfig = Field(default_factory=WandbConfig)
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=0, lt=2**32)] | None = None
+    """numpy's seeds are 0 to 2**32 - 1."""
     zero_allow_untested_optimizer: bool = False
     """Accept at stages 1-3 an optimizer not known to be element-wise (see [Note: element-wise optimizers])."""
     collective_timeout_s: float = Field(default=1800.0, gt=0)
@@ -222,17 +223,31 @@ def optimizer_class_and_kwargs(
         cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
     else:
         cls = _OPTIMIZERS[kind]
-    allowed = [p for p in inspect.signature(cls).parameters if p != "params"]
+    signature = inspect.signature(cls).parameters
+    allowed = [p for p in signature if p != "params"]
     for key in [*params, *autos]:
         if key not in allowed:
             raise ConfigError(unknown_key_message(f"optimizer.params.{key}", key, allowed))
-    if "betas" in params and isinstance(params["betas"], list):
-        params["betas"] = tuple(params["betas"])
+    for key, value in params.items():  # the type the default has, before torch compares a dict with a float
+        default = signature[key].default
+        if isinstance(default, bool) and not isinstance(value, bool):
+            raise ConfigError(f"optimizer.params.{key}: expected true or false, got {value!r}")
+        if _is_number(default) and not _is_number(value):
+            raise ConfigError(f"optimizer.params.{key}: expected a number, got {value!r}")
+    if "betas" in params:
+        betas = params["betas"]
+        if not isinstance(betas, (list, tuple)) or len(betas) != 2 or not all(_is_number(b) for b in betas):
+            raise ConfigError(f"optimizer.params.betas: expected two numbers [beta1, beta2], got {betas!r}")
+        params["betas"] = tuple(betas)
     try:  # let torch validate values (negative lr, betas out of range) on a throwaway tensor
         cls([torch.zeros(1, requires_grad=True)], **params)
-    except (ValueError, TypeError) as err:
+    except Exception as err:  # whatever torch's checks raise (ValueError, TypeError, ...) is a bad value
         raise ConfigError(f"optimizer.params: {err} (got {cfg.params!r})") from err
     return cls, params
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def scheduler_params(cfg: SchedulerConfig, allow_auto: bool = False) -> WarmupLRParams | None:
@@ -326,6 +341,7 @@ def _validate(clean: Mapping[str, Any], found: Findings) -> ConfigReport:
                     check(section, allow_auto=True)
                 except ConfigError as err:
                     problems.append(str(err))
+    problems = [found.as_written(line) for line in problems]
     no_effect = list(found.no_effect)
     if cfg is not None and cfg.zero_optimization.stage != 3:
         for key in sorted(cfg.zero_optimization.model_fields_set):

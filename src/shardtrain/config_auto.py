@@ -105,6 +105,8 @@ def resolve_auto(
     cfg: Config, *, dp: int, model: nn.Module | None = None, auto_values: Mapping[str, Any] | None = None
 ) -> Config:
     """Return ``cfg`` with every ``"auto"`` replaced (see the module docstring); ``cfg`` itself when it has none."""
+    if auto_values is not None and not isinstance(auto_values, Mapping):
+        raise ConfigError(f"auto_values must be a dict (name -> value), got {type(auto_values).__name__}")
     values = dict(auto_values or {})
     for name in values:
         if name not in AUTO_VALUE_KEYS:

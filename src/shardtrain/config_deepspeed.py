@@ -618,6 +618,15 @@ class Findings:
     no_effect: list[str] = field(default_factory=list)
     autos: dict[str, str] = field(default_factory=dict)
     """path -> where it is resolved from."""
+    renamed: dict[str, str] = field(default_factory=dict)
+    """canonical path -> the alias the config wrote it as (messages name what the user wrote)."""
+
+    def as_written(self, line: str) -> str:
+        """``line`` (``path: message``) with a renamed path given back its written spelling."""
+        for canonical, written in self.renamed.items():
+            if line.startswith((canonical + ":", canonical + ".")):
+                return written + line[len(canonical) :]
+        return line
 
 
 def _describe(v: Any) -> str:
@@ -706,6 +715,7 @@ def _walk(data: Mapping[str, Any], model: type[BaseModel] | None, prefix: str, f
                     f"{path}: given twice, as {path!r} and as its alias {prefix_join(prefix, raw_key)!r}"
                 )
                 continue
+            found.renamed[path] = prefix_join(prefix, raw_key)
         if not prefix and key.startswith("_"):
             found.no_effect.append(f"{path}: a comment (a key starting with '_')")
             continue

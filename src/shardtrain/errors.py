@@ -19,8 +19,18 @@ class RankMismatchError(ShardtrainError, RuntimeError):
     """Ranks that must agree (config, model structure, collective order) do not."""
 
 
-class CollectiveTimeoutError(ShardtrainError, RuntimeError):
-    """A collective did not complete in time; the message names the rank and what it waited for."""
+class CollectiveError(ShardtrainError, RuntimeError):
+    """A collective failed; the message names this rank, what it waited for, and what is known of the others."""
+
+
+class CollectiveTimeoutError(CollectiveError):
+    """A collective did not complete within ``collective_timeout_s``; the message names the rank and what it
+    waited for."""
+
+
+class PeerLostError(CollectiveError):
+    """A collective failed because another rank's process is gone (killed, e.g. by the OOM killer, or exited); the
+    message names that rank when it can be known (see [Note: naming the rank that vanished])."""
 
 
 class OptimizerError(ShardtrainError, ValueError):

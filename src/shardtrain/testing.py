@@ -12,6 +12,10 @@ In pytest, parametrize over world sizes and call it from the test::
         results = run_distributed(_body, world_size, arg)
 
 ``fn`` must be importable (defined at module level) because processes are started fresh.
+
+Failure tests (a rank killed, a disk full) use :func:`run_ranks` instead: it never raises for a rank's failure,
+waits until every process has exited on its own, and returns each rank's :class:`RankOutcome` (return value or
+traceback, exit code, exit time, whether the harness had to kill it).
 """
 
 from __future__ import annotations
@@ -25,10 +29,11 @@ import socket
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 _CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(["torch", "torch.distributed", "shardtrain"])
+_CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "shardtrain"])
 
 
 class DistributedFailure(AssertionError):
@@ -68,6 +73,22 @@ def _worker(
             dist.destroy_process_group()
 
 
+def _start(fn: Callable, world_size: int, args: tuple, kwargs: dict, threads: int | None, init_pg: bool):
+    if threads is None:
+        threads = max(1, (os.cpu_count() or 1) // world_size)
+    results = _CTX.Queue()
+    port = _free_port()
+    procs = [
+        _CTX.Process(
+            target=_worker, args=(r, world_size, port, fn, args, kwargs, results, threads, init_pg), daemon=True
+        )
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    return procs, results
+
+
 def run_distributed(
     fn: Callable[..., Any],
     world_size: int,
@@ -82,20 +103,7 @@ def run_distributed(
     With ``init_process_group=False`` only the torchrun-style environment (``RANK``, ``WORLD_SIZE``,
     ``MASTER_ADDR``, ``MASTER_PORT``) is set and ``fn`` (e.g. ``shardtrain.initialize``) creates the group.
     """
-    if threads is None:
-        threads = max(1, (os.cpu_count() or 1) // world_size)
-    results = _CTX.Queue()
-    port = _free_port()
-    procs = [
-        _CTX.Process(
-            target=_worker,
-            args=(r, world_size, port, fn, args, kwargs, results, threads, init_process_group),
-            daemon=True,
-        )
-        for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
+    procs, results = _start(fn, world_size, args, kwargs, threads, init_process_group)
     outcome: dict[int, tuple[str, Any]] = {}
     deadline = time.monotonic() + timeout
     try:
@@ -128,3 +136,76 @@ def run_distributed(
             head += f"rank(s) {missing} did not finish within {timeout:g}s (killed). "
         raise DistributedFailure(head + "\n" + "\n".join(errors))
     return [pickle.loads(outcome[r][1]) for r in range(world_size)]
+
+
+@dataclass(frozen=True)
+class RankOutcome:
+    """How one rank of :func:`run_ranks` ended."""
+
+    rank: int
+    value: Any = None
+    """``fn``'s return value, when it returned."""
+    error: str | None = None
+    """The traceback, when ``fn`` raised."""
+    exitcode: int | None = None
+    """The process's exit status; ``-9`` when it was killed with SIGKILL; None when the harness had to kill it."""
+    exited_after: float | None = None
+    """Seconds from the start of :func:`run_ranks` until the process was seen gone (within 50 ms)."""
+
+    @property
+    def killed_by_harness(self) -> bool:
+        return self.exitcode is None
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
+    threads: int | None = None,
+    init_process_group: bool = True,
+    **kwargs: Any,
+) -> list[RankOutcome]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks and report how each ended, for failure tests.
+
+    Never raises for a rank's failure. Waits until every process has exited on its own; a process still running
+    ``timeout`` seconds after the start is killed and reported with ``exitcode=None``, so a test can assert that no
+    process was left behind."""
+    start = time.monotonic()
+    procs, results = _start(fn, world_size, args, kwargs, threads, init_process_group)
+    reported: dict[int, tuple[str, Any]] = {}
+    exited: dict[int, float] = {}
+
+    def drain(wait: float) -> None:
+        try:
+            while True:
+                rank, status, value = results.get(timeout=wait)
+                reported[rank] = (status, value)
+        except queue.Empty:
+            pass
+
+    try:
+        while len(exited) < world_size and time.monotonic() - start < timeout:
+            drain(0.05)
+            for r, p in enumerate(procs):
+                if r not in exited and p.exitcode is not None:
+                    exited[r] = time.monotonic() - start
+        drain(0.2)  # a result put just before its process exited
+    finally:
+        for p in procs:
+            if p.exitcode is None:
+                p.kill()
+            p.join()
+    outcomes = []
+    for r, p in enumerate(procs):
+        status, value = reported.get(r, (None, None))
+        outcomes.append(
+            RankOutcome(
+                rank=r,
+                value=pickle.loads(value) if status == "ok" else None,
+                error=value if status == "error" else None,
+                exitcode=p.exitcode if r in exited else None,
+                exited_after=exited.get(r),
+            )
+        )
+    return outcomes

@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import pickle
 import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -45,18 +47,31 @@ def crash_point(name: str, path: Path | None = None) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+@contextmanager
+def naming(path: Path) -> Iterator[None]:
+    """Give ``path`` to an OSError that has no file name: a failed ``write`` or ``fsync`` ("No space left on device",
+    "Input/output error") says nothing of the file it was writing."""
+    try:
+        yield
+    except OSError as err:
+        if err.filename is not None:
+            raise
+        raise OSError(err.errno, err.strerror or str(err), str(path)) from err
+
+
 def fsync_path(path: Path) -> None:
     """fsync a file or a directory (a directory's fsync makes its entries durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    with naming(path):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def write_pickle(path: Path, rank: int, objects: dict[str, Any]) -> FileEntry:
     data = pickle.dumps(objects, protocol=pickle.HIGHEST_PROTOCOL)
-    with open(path, "wb") as f:
+    with naming(path), open(path, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
@@ -64,12 +79,17 @@ def write_pickle(path: Path, rank: int, objects: dict[str, Any]) -> FileEntry:
 
 
 def write_atomically(path: Path, data: bytes, torn_point: str, written_point: str) -> None:
-    """Write ``path`` via ``path.tmp`` + fsync + rename + fsync of the directory."""
+    """Write ``path`` via ``path.tmp`` + fsync + rename + fsync of the directory; a failed write leaves no
+    ``path.tmp`` behind."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with naming(tmp), open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     crash_point(torn_point, tmp)
     crash_point(written_point)
     os.replace(tmp, path)

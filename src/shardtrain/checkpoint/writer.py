@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from shardtrain.checkpoint.durable import crash_point, fsync_path, write_atomically, write_pickle
+from shardtrain.checkpoint.durable import crash_point, fsync_path, naming, write_atomically, write_pickle
 from shardtrain.checkpoint.format import (
     FORMAT_VERSION,
     LATEST_NAME,
@@ -165,7 +165,8 @@ def _write_rank_files(
         path = tmp / rank_file(rank)
         tensors = [_stored(p) for p, _ in mine]
         specs = [(key, t.dtype, tuple(t.shape)) for (_, key), t in zip(mine, tensors)]
-        write_streaming(path, specs, tensors.__getitem__, {"format": "pt"}, via_partial=False, fsync=False)
+        with naming(path):
+            write_streaming(path, specs, tensors.__getitem__, {"format": "pt"}, via_partial=False, fsync=False)
         crash_point("tensor_file_torn", path)
         crash_point("tensor_file_written")
         # The checksums are computed while the kernel writes the file back: fsync waits on the disk, crc32 on the
@@ -197,7 +198,7 @@ def _publish(save_dir: Path, tag: str, manifest: Manifest) -> None:
     """Step 4 on rank 0."""
     tmp = save_dir / (TMP_PREFIX + tag)
     path = tmp / MANIFEST_NAME
-    with open(path, "w") as f:
+    with naming(path), open(path, "w") as f:
         f.write(manifest.to_json())
         f.flush()
         os.fsync(f.fileno())
@@ -220,6 +221,18 @@ def _publish(save_dir: Path, tag: str, manifest: Manifest) -> None:
     write_atomically(latest, tag.encode() + b"\n", "latest_torn", "latest_tmp_written")
     crash_point("latest_renamed")
     fsync_path(save_dir)
+
+
+def _latest_state(save_dir: Path, tag: str) -> str:
+    """After a failed publish: whether the new checkpoint is in place and what ``latest`` names."""
+    try:
+        latest = (save_dir / LATEST_NAME).read_text().strip()
+    except OSError:
+        latest = None
+    if latest == tag:
+        return f"{LATEST_NAME!r} names it"
+    state = f"{save_dir / tag} is complete but " if (save_dir / tag / MANIFEST_NAME).is_file() else ""
+    return state + (f"{LATEST_NAME!r} still names {latest!r}" if latest else f"there is no {LATEST_NAME!r}")
 
 
 def _describe(err: BaseException) -> str:
@@ -354,7 +367,7 @@ def save(
         try:
             _publish(save_dir, tag, manifest)
         except Exception as err:
-            publish_error = _describe(err)
+            publish_error = f"{_describe(err)}; {_latest_state(save_dir, tag)}"
         crash_point("done")
     _raise_failures([gather(publish_error, "checkpoint published")[0]], "publishing", save_dir, tag, rank)
     return SaveResult(save_dir / tag, manifest, written, time.perf_counter() - t0)

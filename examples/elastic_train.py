@@ -1,0 +1,122 @@
+"""A long run that survives crashes: torchrun restarts the job and it resumes from the last complete checkpoint.
+
+    torchrun --standalone --nproc-per-node=2 --max-restarts=3 examples/elastic_train.py \\
+        --ckpt-dir runs/elastic --steps 300 --save-every 25
+
+When any rank dies (the OOM killer, a node reboot, a bug), the others stop within a second with an error naming it,
+torchrun stops the job and starts it again (up to ``--max-restarts`` times), and this script loads what
+``<ckpt-dir>/latest`` names: weights, optimizer, scheduler, loss scale, step counters and each rank's RNG states.
+Training then continues exactly as if the crash had not happened, from that checkpoint on; only the steps after it
+are done again. What this takes from a training script:
+
+* resume at start: ``if (ckpt_dir / "latest").exists(): engine.load_checkpoint(ckpt_dir)``;
+* data that is a function of the step (here: the batch is drawn from a generator seeded with (seed, step, rank)),
+  or a data loader whose position is saved in ``client_state`` and restored from what ``load_checkpoint`` returns;
+* a checkpoint every N steps (``save_checkpoint`` is crash-safe: ``latest`` only ever names a complete one).
+
+``--kill-rank R --kill-at-step S`` shows it: rank R kills itself with SIGKILL after step S on the first attempt only
+(``TORCHELASTIC_RESTART_COUNT`` is 0), as the OOM killer would. ``--loss-log FILE`` appends one JSON line per step
+(rank 0): attempt, step, loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+from pathlib import Path
+
+import torch
+
+import shardtrain
+from shardtrain.data import MarkovCorpus
+from shardtrain.models.gpt import GPT, GPTConfig
+
+MODEL = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layer=2, n_head=2)
+
+
+def build_engine(stage: int, seed: int) -> shardtrain.Engine:
+    torch.manual_seed(seed)  # every rank builds the same initial weights (rank 0's are broadcast anyway)
+    model = GPT(MODEL)
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 3e-3, "warmup_num_steps": 5}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "steps_per_print": 10**9,
+    }
+    return shardtrain.initialize(model, config=config)
+
+
+def batch(corpus: MarkovCorpus, seed: int, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's batch of optimizer step ``step``: a resumed run reads exactly what the first attempt read."""
+    g = torch.Generator().manual_seed(hash((seed, step, rank)) % 2**63)
+    return corpus.batch(4, MODEL.seq_len, g)
+
+
+def train(
+    ckpt_dir: str,
+    steps: int,
+    save_every: int,
+    stage: int = 2,
+    seed: int = 0,
+    kill_rank: int | None = None,
+    kill_at_step: int | None = None,
+    log: str | None = None,
+) -> list[tuple[int, float]]:
+    """Train until ``steps`` optimizer steps in total, resuming from ``ckpt_dir/latest`` when it exists. Returns
+    (step, loss) of the steps this call trained."""
+    engine = build_engine(stage, seed)
+    rank = engine.topology.rank
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if (Path(ckpt_dir) / "latest").exists():
+        engine.load_checkpoint(ckpt_dir)
+        if rank == 0:
+            print(f"attempt {attempt}: resumed from {ckpt_dir} at step {engine.global_step}", flush=True)
+    corpus = MarkovCorpus(MODEL.vocab_size, seed=seed)
+    losses = []
+    while engine.global_step < steps:
+        if attempt == 0 and rank == kill_rank and engine.global_step == kill_at_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        x, y = batch(corpus, seed, engine.global_step, rank)
+        loss = engine(x.to(engine.device), y.to(engine.device))
+        engine.backward(loss)
+        engine.step()
+        losses.append((engine.global_step, loss.item()))
+        if rank == 0 and log:
+            with open(log, "a") as f:
+                f.write(json.dumps({"attempt": attempt, "step": engine.global_step, "loss": loss.item()}) + "\n")
+        if engine.global_step % save_every == 0:
+            engine.save_checkpoint(ckpt_dir)
+    return losses
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ckpt-dir", required=True)
+    parser.add_argument("--steps", type=int, default=300, help="train until this many optimizer steps in total")
+    parser.add_argument("--save-every", type=int, default=25)
+    parser.add_argument("--stage", type=int, default=2, choices=[0, 1, 2, 3])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kill-rank", type=int, help="this rank kills itself with SIGKILL on the first attempt")
+    parser.add_argument("--kill-at-step", type=int, help="... after this many optimizer steps")
+    parser.add_argument("--loss-log", help="rank 0 appends one JSON line per step here")
+    args = parser.parse_args()
+    losses = train(
+        args.ckpt_dir,
+        args.steps,
+        args.save_every,
+        stage=args.stage,
+        seed=args.seed,
+        kill_rank=args.kill_rank,
+        kill_at_step=args.kill_at_step,
+        log=args.loss_log,
+    )
+    if losses and int(os.environ.get("RANK", "0")) == 0:
+        print(f"step {losses[-1][0]}: loss {losses[-1][1]:.4f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
