@@ -200,9 +200,10 @@ class ParamRecord:
 class ShardLayout:
     """[Note: the layout]
     Where every parameter lives, built once from (model, ZeRO config, dp communicator, tp placements) by
-    :func:`shardtrain.zero.build.build_layout` before any other part of the engine, and read by the gradient reducer (``buckets``), the optimizer wrapper (fragments),
-    the ZeRO-3 runtime (``units``), weight loading and the checkpoint code (``records``). Nothing is set on the
-    parameters themselves: a parameter's record is found with :meth:`record_of`.
+    :func:`shardtrain.zero.build.build_layout` before any other part of the engine, and read by the gradient
+    reducer (``buckets``), the optimizer wrapper (fragments), the ZeRO-3 runtime (``units``), weight loading and
+    the checkpoint code (``records``). Nothing is set on the parameters themselves: a parameter's record is found
+    with :meth:`record_of`.
     """
 
     policy: ZeroPolicy
