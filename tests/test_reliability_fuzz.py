@@ -8,8 +8,10 @@ process never creates a process group.
 
 Found and fixed here: ``optimizer.params.betas`` that is not two numbers (KeyError from torch), a non-number
 ``lr`` (TypeError from torch), a ``seed`` outside numpy's range (ValueError at initialize), ``auto_values`` that is
-not a dict (TypeError), a path written with an alias (``bfloat16``) named by its canonical spelling. Found and left
-to the files' owners: the ``xfail(strict=True)`` tests below (each says what to change)."""
+not a dict (TypeError), a path written with an alias (``bfloat16``) named by its canonical spelling, a model without
+trainable parameters (torch's "empty parameter list"), an unknown unit class (a ShardtrainError, now a ConfigError),
+a scheduler callable returning something else, checkpoint text files that are not UTF-8 or manifest sections of the
+wrong type (each now a named error; the tests below failed before)."""
 
 from __future__ import annotations
 
@@ -101,8 +103,8 @@ def test_auto_values_must_be_a_dict():
 
 # -- initialize, world 1 ----------------------------------------------------------------------------
 
-# A fix another engineer owns, tolerated by the fuzz until it lands (see the strict xfail test of each).
-KNOWN_NON_CONFIG_ERRORS = ("zero_optimization.stage3_unit_classes: no module of class",)
+# Messages of non-ConfigErrors the fuzz tolerates (none left: keep it empty unless a fix is pending).
+KNOWN_NON_CONFIG_ERRORS: tuple[str, ...] = ()
 
 
 def _tiny_model(hf: bool) -> nn.Module:
@@ -227,31 +229,16 @@ def test_bad_arguments_to_initialize_are_named(bad_arguments, case, expected):
     assert bad_arguments[case].startswith(expected), bad_arguments[case]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine.py initialize() lets torch's 'ValueError: optimizer got an empty parameter list' through; it "
-    "should refuse a model without trainable parameters first, naming it (fix requested)",
-)
 @pytest.mark.parametrize("case", ["model without parameters", "model without trainable parameters"])
 def test_a_model_without_trainable_parameters_is_refused_by_name(bad_arguments, case):
     assert bad_arguments[case].startswith(("ConfigError: ", "OptimizerError: ")), bad_arguments[case]
     assert "trainable parameters" in bad_arguments[case]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="zero/stage3.py find_unit_modules raises ShardtrainError for a config mistake; it should be ConfigError "
-    "(fix requested)",
-)
 def test_an_unknown_unit_class_is_a_config_error(bad_arguments):
     assert bad_arguments["unknown unit class"].startswith("ConfigError: zero_optimization.stage3_unit_classes: ")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine.py _build_scheduler accepts what a scheduler callable returns without checking it; the first "
-    "engine.step() then fails with AttributeError (fix requested)",
-)
 def test_a_scheduler_callable_must_return_a_scheduler(bad_arguments):
     assert bad_arguments["scheduler callable returning something else"].startswith("OptimizerError: ")
 
@@ -259,7 +246,7 @@ def test_a_scheduler_callable_must_return_a_scheduler(bad_arguments):
 # -- load_checkpoint on arbitrary directories, world 1 ------------------------------------------------
 
 # Modules owned by another engineer whose raw exceptions (KeyError, TypeError, UnicodeDecodeError, ...) still reach
-# load_checkpoint's message for some damaged manifests (see the strict xfail tests and the report); the error is
+# load_checkpoint's message for some damaged manifests (before the fixes named in the module docstring); the error is
 # still a CheckpointError naming the directory, but not the file. A raw exception from anywhere else fails the fuzz.
 KNOWN_RAW_SOURCES = ("checkpoint/reader.py", "checkpoint/format.py", "<frozen codecs>")
 
@@ -398,13 +385,6 @@ def _load_damaged(root: str, damage: str) -> str:
     return "no error"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="checkpoint/reader.py reads 'latest' and manifest.json with read_text(): bytes that are not UTF-8 raise "
-    "UnicodeDecodeError, whose message names no file; format.py Manifest.from_json catches KeyError, TypeError "
-    "and ValueError but not the AttributeError of a section that is not a mapping, and ObjectRecord.from_json does "
-    "not check that 'file' is a string (reader.py then raises TypeError: unhashable type) (fix requested)",
-)
 @pytest.mark.parametrize(
     "damage", ["latest not UTF-8", "manifest not UTF-8", "files section is a list", "object file is a list"]
 )

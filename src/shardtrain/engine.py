@@ -453,6 +453,10 @@ def initialize(
                 "another module has longer names; pass initialize(tp_plan=...) with the full names)"
             )
     # everything that can be refused is checked before the model is touched (hooks, flat storage)
+    if not any(p.requires_grad for p in model.parameters()):
+        raise OptimizerError(
+            f"{type(model).__name__} has no trainable parameters (none with requires_grad=True): nothing to train"
+        )
     opt = _build_optimizer(model, cfg, optimizer)
     check_optimizer(opt, model, cfg.zero_optimization.stage, cfg.zero_allow_untested_optimizer)
     scheduler = _build_scheduler(cfg, opt, lr_scheduler)
@@ -508,7 +512,10 @@ def _build_scheduler(cfg: Config, opt: torch.optim.Optimizer, lr_scheduler: Sche
             )
         return lr_scheduler
     if callable(lr_scheduler):
-        return lr_scheduler(opt)
+        built = lr_scheduler(opt)
+        if not isinstance(built, LRScheduler):
+            raise OptimizerError(f"the lr_scheduler callable returned {type(built).__name__}, not a torch LRScheduler")
+        return built
     if lr_scheduler is not None:
         raise OptimizerError(f"lr_scheduler must be an LRScheduler or a callable, got {type(lr_scheduler).__name__}")
     if cfg.scheduler is not None:

@@ -352,6 +352,9 @@ class ObjectRecord:
     def __post_init__(self) -> None:
         _check(self.encoding in ("json", "pickle"), f"object {self.key!r}: unknown encoding {self.encoding!r}")
         _check(
+            self.file is None or isinstance(self.file, str), f"object {self.key!r}: file {self.file!r} is not a name"
+        )
+        _check(
             (self.encoding == "pickle") == (self.file is not None),
             f"object {self.key!r}: a pickled object names its file, an inline one does not",
         )
@@ -443,5 +446,7 @@ class Manifest:
                     for r, objs in d["rank_objects"].items()
                 },
             )
-        except (KeyError, TypeError, ValueError) as err:
+        except CheckpointError as err:  # a record that failed its own validation: name the file
+            raise CheckpointError(f"{source}: {err}") from None
+        except (KeyError, TypeError, ValueError, AttributeError) as err:  # a section of the wrong type
             raise CheckpointError(f"{source}: malformed manifest ({type(err).__name__}: {err})") from None

@@ -55,7 +55,7 @@ def resolve_checkpoint_dir(path: str | os.PathLike, tag: str | None = None) -> P
                 f"no complete checkpoint in {path}: {LATEST_NAME!r} does not exist (a save that never finished "
                 "leaves none); pass a tag to open a specific checkpoint"
             )
-        tag = latest.read_text().strip()
+        tag = _read_text(latest).strip()
         if not tag or not (path / tag / MANIFEST_NAME).is_file():
             raise CheckpointError(f"{latest} names checkpoint {tag!r}, which has no {MANIFEST_NAME}")
     ckpt = path / tag
@@ -64,10 +64,20 @@ def resolve_checkpoint_dir(path: str | os.PathLike, tag: str | None = None) -> P
     return ckpt
 
 
+def _read_text(path: Path) -> str:
+    """A small text file of the checkpoint; damage (bytes that are not UTF-8) is an error naming it."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise CheckpointError(
+            f"{path}: not UTF-8 text ({err.reason} at byte {err.start}); the file is damaged"
+        ) from None
+
+
 def open_checkpoint(path: str | os.PathLike, tag: str | None = None, *, verify: bool = True) -> CheckpointReader:
     """Open a checkpoint for reading; see :func:`resolve_checkpoint_dir` for ``path`` and ``tag``."""
     ckpt = resolve_checkpoint_dir(path, tag)
-    text = (ckpt / MANIFEST_NAME).read_text()
+    text = _read_text(ckpt / MANIFEST_NAME)
     return CheckpointReader(ckpt, Manifest.from_json(text, str(ckpt / MANIFEST_NAME)), verify=verify)
 
 

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from shardtrain.comm import Handle
-from shardtrain.errors import ShardtrainError
+from shardtrain.errors import ConfigError
 from shardtrain.zero.layout import Bucket
 
 
@@ -78,7 +78,7 @@ def find_unit_modules(root: nn.Module, unit_classes: list[str] | None) -> list[t
                 found.add(type(m).__name__)
         missing = sorted(set(unit_classes) - found)
         if missing:
-            raise ShardtrainError(
+            raise ConfigError(
                 f"zero_optimization.stage3_unit_classes: no module of class {', '.join(map(repr, missing))} in "
                 f"the model; classes present: {', '.join(sorted({type(m).__name__ for m in root.modules()}))}"
             )
