@@ -16,7 +16,7 @@ are done again. What this takes from a training script:
 
 ``--kill-rank R --kill-at-step S`` shows it: rank R kills itself with SIGKILL after step S on the first attempt only
 (``TORCHELASTIC_RESTART_COUNT`` is 0), as the OOM killer would. ``--loss-log FILE`` appends one JSON line per step
-(rank 0): attempt, step, loss.
+(rank 0): attempt, step, loss, time.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import torch
@@ -87,7 +88,8 @@ def train(
         losses.append((engine.global_step, loss.item()))
         if rank == 0 and log:
             with open(log, "a") as f:
-                f.write(json.dumps({"attempt": attempt, "step": engine.global_step, "loss": loss.item()}) + "\n")
+                line = {"attempt": attempt, "step": engine.global_step, "loss": loss.item(), "time": time.time()}
+                f.write(json.dumps(line) + "\n")
         if engine.global_step % save_every == 0:
             engine.save_checkpoint(ckpt_dir)
     return losses

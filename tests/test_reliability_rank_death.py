@@ -1,6 +1,10 @@
-"""A rank killed with SIGKILL (as the OOM killer does) in forward, backward, the optimizer step or a checkpoint save,
-at every ZeRO stage: every survivor stops within seconds with a PeerLostError that names the killed rank and what
-the survivor was doing, without calling it a timeout, and no process is left behind."""
+"""A rank killed with SIGKILL (as the OOM killer does) in forward, backward or the optimizer step, at every ZeRO
+stage: every survivor stops within seconds with a PeerLostError that names the killed rank and what the survivor was
+doing, without calling it a timeout, and no process is left behind. A rank killed in save_checkpoint is
+tests/test_reliability_save_crash.py (every point of the save, every stage, worlds 2 and 3).
+
+The full matrix (every stage, point, world 2 and 3 and killed rank, save included) is marked ``soak``: ``pytest -m
+soak tests/test_reliability_rank_death.py``."""
 
 from __future__ import annotations
 
@@ -34,13 +38,21 @@ def _train_until_killed(stage: int, victim: int, point: str, root: str) -> None:
 CASES = [
     (stage, point, world, (stage + i // 2) % world)
     for stage in range(4)
-    for i, point in enumerate(POINTS)
+    for i, point in enumerate(POINTS[:3])
     for world in [3 if (stage + i) % 2 == 0 else 2]
 ]
+FULL = [(s, p, world, victim) for s in range(4) for p in POINTS for world in (2, 3) for victim in range(world)]
 
 
 @pytest.mark.parametrize(("stage", "point", "world", "victim"), CASES)
 def test_survivors_name_the_killed_rank(tmp_path, stage, point, world, victim):
+    outcomes = run_ranks(_train_until_killed, world, stage, victim, point, str(tmp_path), timeout=60)
+    check_rank_death(outcomes, victim)
+
+
+@pytest.mark.soak
+@pytest.mark.parametrize(("stage", "point", "world", "victim"), FULL)
+def test_survivors_name_the_killed_rank_full_matrix(tmp_path, stage, point, world, victim):
     outcomes = run_ranks(_train_until_killed, world, stage, victim, point, str(tmp_path), timeout=60)
     check_rank_death(outcomes, victim)
 
@@ -72,3 +84,28 @@ def test_survey_classifies_every_rank_and_ignores_an_earlier_attempts_keys(monke
     lost, text = comm_failure.explain(survey)
     assert lost and text.startswith(f"rank 1 (pid {exited.pid} on this-host) is gone: killed")
     assert store.get("shardtrain/failed/0").decode() == str(os.getpid())  # rank 0 reported its own failure
+
+
+class _GoneStore:
+    """A store whose host has exited."""
+
+    def set(self, key, value):
+        raise dist.DistNetworkError("Broken pipe")
+
+    check = get = set
+
+
+def test_without_the_store_the_peers_read_earlier_still_tell_who_is_gone(monkeypatch):
+    monkeypatch.setattr(comm_failure, "_default_store", lambda: _GoneStore())
+    monkeypatch.setattr(comm_failure, "_surveys", {})
+    exited = subprocess.Popen([sys.executable, "-c", ""])
+    exited.wait()
+    here = comm_failure._machine_id()
+    known = {r: {"host": "h", "machine": here, "pid": pid} for r, pid in ((1, exited.pid), (2, os.getppid()))}
+    monkeypatch.setattr(comm_failure, "_known", known)
+    survey = comm_failure.survey(0, [1, 2])
+    assert survey.store_error == "DistNetworkError: Broken pipe"
+    assert survey.gone == [(1, f"pid {exited.pid} on h")] and survey.alive == [(2, f"pid {os.getppid()} on h")]
+    lost, text = comm_failure.explain(survey)
+    assert lost and "the rendezvous store no longer answers (DistNetworkError: Broken pipe)" in text
+    assert f"rank 1 (pid {exited.pid} on h) is gone: killed" in text

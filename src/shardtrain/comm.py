@@ -78,7 +78,9 @@ class Communicator:
         self.global_rank = dist.get_rank()
         self.timeout_s = timeout_s
         self._counts: dict[str, CollectiveCount] = defaultdict(CollectiveCount)
-        if self.size > 1:  # so that a failing peer can tell whether this process is gone
+        # so that a failing peer can tell whether this process is gone, and this one whether a peer is
+        self._peers_unread = 3 if self.size > 1 else 0  # reads of the peers' entries left to try
+        if self.size > 1:
             comm_failure.register(self.global_rank)
 
     # -- accounting -------------------------------------------------------------------------------
@@ -126,6 +128,12 @@ class Communicator:
             f"(global ranks {ranks}). {dist.get_backend(self.group)}: {comm_failure.backend_text(err)}"
         )
 
+    def _completed(self) -> None:
+        """After a synchronous collective: every peer has registered; read their entries (a few tries at most)."""
+        if self._peers_unread:
+            peers = [r for r in dist.get_process_group_ranks(self.group) if r != self.global_rank]
+            self._peers_unread = 0 if comm_failure.remember(peers) else self._peers_unread - 1
+
     def _run(self, kind: str, what: str, fn, async_op: bool) -> Handle | None:
         started = time.monotonic()
         try:
@@ -136,6 +144,7 @@ class Communicator:
         if async_op:
             return handle
         handle.wait()
+        self._completed()
         return None
 
     # -- collectives ------------------------------------------------------------------------------
@@ -221,4 +230,5 @@ class Communicator:
             dist.all_gather_object(out, obj, group=self.group)
         except RuntimeError as err:
             raise self.describe_failure("all_gather_object", what, err, started=started) from err
+        self._completed()
         return out

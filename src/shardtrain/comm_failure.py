@@ -8,16 +8,19 @@ connection is often to another survivor that has already given up, not to the de
 which every rank can reach, is used instead:
 
 1. when a :class:`~shardtrain.comm.Communicator` is built, this rank writes ``shardtrain/proc/<global rank>`` =
-   (host name, machine id, pid); no collective, one store round trip;
+   (host name, machine id, pid); no collective, one store round trip. Once its first collectives complete (every
+   peer has registered by then) it reads the others' entries, so that it can still tell which processes are gone
+   when the store's host has exited;
 2. when one of its collectives fails, it first writes ``shardtrain/failed/<global rank>`` = its pid (so that the
    others know it was alive when the failure happened, even if it exits right after), then classifies every other
    rank of the group: *reported* (it wrote its failure key), *gone* (its process, on this machine, no longer exists
    or is a zombie), *alive* (its process exists but did not report: it is on another code path or busy), or
    *silent* (on another machine and no report). A key holding another pid than the registered one is left from an
    earlier attempt (torchrun's agent keeps its store across restarts) and is ignored;
-3. it polls until every other rank has reported or is gone, for at most :data:`REPORT_WAIT_S`: the survivors
-   usually fail within milliseconds of each other, a killed process closes its sockets a moment before it leaves
-   the process table;
+3. it polls until every other rank has reported or is gone: the survivors usually fail within milliseconds of
+   each other, and a killed process closes its sockets a moment before it leaves the process table. It waits at
+   most :data:`SETTLE_S` for a rank of this machine that is alive (it may be blocked in a collective with this rank,
+   which no gloo call unblocks but this process's exit), and at most :data:`REPORT_WAIT_S` for other machines;
 4. it writes ``shardtrain/surveyed/<global rank>`` and waits (at most as long) until the ranks that reported have
    written theirs: the process that hosts the store must not exit, taking the store with it, before the slower
    survivors have asked.
@@ -47,7 +50,10 @@ from typing import Any
 import torch.distributed as dist
 
 REPORT_WAIT_S = 3.0
-"""How long a failing rank waits for the other ranks to report the same failure (or to be seen gone)."""
+"""How long a failing rank waits for ranks on other machines to report the same failure."""
+SETTLE_S = 0.5
+"""How long it waits for a rank on this machine whose process exists to report: such a rank may be blocked in a
+collective with this one until this process exits, so a long wait would only delay both."""
 TIMEOUT_FRACTION = 0.9
 """A collective that failed after this fraction of its timeout counts as timed out."""
 
@@ -103,6 +109,24 @@ def register(global_rank: int) -> None:
         store.set(_PROC_KEY.format(global_rank), json.dumps(me))
 
 
+_known: dict[int, dict] = {}
+"""Peers' registrations read once their first collective with this rank completed (step 1b of the Note)."""
+
+
+def remember(peers: list[int]) -> bool:
+    """Read the registrations of ``peers`` not read yet; True when every one is known. Never raises."""
+    store = _default_store()
+    if store is None:
+        return True
+    try:
+        for r in peers:
+            if r not in _known and store.check([_PROC_KEY.format(r)]):
+                _known[r] = json.loads(store.get(_PROC_KEY.format(r)))
+    except Exception:
+        return True
+    return all(r in _known for r in peers)
+
+
 @dataclass
 class Survey:
     """What a failing rank learnt about the other ranks of its group (step 2 of the Note)."""
@@ -132,33 +156,40 @@ def survey(global_rank: int, peers: list[int]) -> Survey:
 
 def _survey(store: Any, global_rank: int, peers: list[int]) -> Survey:
     out = Survey()
+    machine = _machine_id()
+    procs: dict[int, dict] = {r: _known[r] for r in peers if r in _known}
+    status: dict[int, str] = {}
+
+    def lost_store(err: Exception) -> None:
+        out.store_error = f"{type(err).__name__}: {_first_line(str(err))}"
+
     try:
         store.set(_FAILED_KEY.format(global_rank), str(os.getpid()))
     except Exception as err:
-        out.store_error = f"{type(err).__name__}: {_first_line(str(err))}"
-        return out
-    machine = _machine_id()
-    procs: dict[int, dict | None] = {}
-    status: dict[int, str] = {}
+        lost_store(err)
     start = time.monotonic()
     while True:
-        try:
-            for r in peers:
-                if status.get(r) in ("reported", "gone"):
-                    continue
-                if procs.get(r) is None and store.check([_PROC_KEY.format(r)]):
-                    procs[r] = json.loads(store.get(_PROC_KEY.format(r)))
-                info = procs.get(r)
-                if _written_by(store, _FAILED_KEY.format(r), info):
-                    status[r] = "reported"
-                    continue
-                if info is not None and info.get("machine") == machine:
-                    status[r] = "gone" if _process_gone(int(info["pid"])) else "alive"
-        except Exception as err:  # the store went away while we asked: its host is gone
-            out.store_error = f"{type(err).__name__}: {_first_line(str(err))}"
+        for r in peers:
+            if status.get(r) in ("reported", "gone"):
+                continue
+            if out.store_error is None:
+                try:
+                    if r not in procs and store.check([_PROC_KEY.format(r)]):
+                        procs[r] = json.loads(store.get(_PROC_KEY.format(r)))
+                    if _written_by(store, _FAILED_KEY.format(r), procs.get(r)):
+                        status[r] = "reported"
+                        continue
+                except Exception as err:  # the store went away while we asked: its host is gone
+                    lost_store(err)
+            info = procs.get(r)
+            if info is not None and info.get("machine") == machine:
+                status[r] = "gone" if _process_gone(int(info["pid"])) else "alive"
+        waited = time.monotonic() - start
+        pending = [r for r in peers if status.get(r) not in ("reported", "gone")]
+        if not pending or out.store_error is not None or waited >= REPORT_WAIT_S:
             break
-        if all(status.get(r) in ("reported", "gone") for r in peers) or time.monotonic() - start >= REPORT_WAIT_S:
-            break
+        if waited >= SETTLE_S and all(status.get(r) == "alive" for r in pending):
+            break  # an alive rank may be blocked in a collective with this one: waiting longer would hold it there
         time.sleep(0.02)
     if out.store_error is None:  # step 4: stay until the others have asked too, in case this process hosts the store
         _linger(store, global_rank, {r: procs.get(r) for r in peers if status.get(r) == "reported"})
