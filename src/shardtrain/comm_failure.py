@@ -309,10 +309,7 @@ def explain(s: Survey) -> tuple[bool, str]:
     if s.silent:
         parts.append(f"{_ranks(s.silent)} did not answer within {REPORT_WAIT_S:g} s: gone, or hung")
     if s.alive:
-        parts.append(
-            f"{_ranks(s.alive)} is alive but did not fail within {REPORT_WAIT_S:g} s: it is on another code path, "
-            "or still busy"
-        )
+        parts.append(f"{_ranks(s.alive)} is alive and did not fail with it: it is on another code path, or busy")
     if s.reported:
         parts.append(f"rank(s) {s.reported} failed in the same way")
     return lost, "; ".join(parts)
