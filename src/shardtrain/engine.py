@@ -34,7 +34,7 @@ from shardtrain.mesh import Topology, init_topology
 from shardtrain.monitor import TrainingMonitor, check_monitor_packages
 from shardtrain.precision import LossScaler, check_parameter_dtypes, policy_from_config
 from shardtrain.schedulers import build_scheduler
-from shardtrain.tensor_parallel import check_same_batch, parallelize
+from shardtrain.tensor_parallel import assemble_blocks, check_same_batch, parallelize
 from shardtrain.zero.build import build_layout
 from shardtrain.zero.init import is_under_construction
 from shardtrain.zero.layout import ParamRecord, cast_bucket
@@ -299,12 +299,10 @@ class Engine:
 
     def _join_blocks(self, local: torch.Tensor, record: ParamRecord) -> torch.Tensor:
         """The full tensor from every tp rank's block (collective over the tensor-parallel group)."""
-        t, p = self.topology.tp, record.tp
+        t = self.topology.tp
         everyone = local.new_empty(t * local.numel())
         self.tp_comm.all_gather(everyone, local.reshape(-1).contiguous(), what=f"blocks of {record.name!r}")
-        blocks = everyone.view(t, *local.shape).unbind(0)
-        groups = [b.chunk(p.stride, p.dim) for b in blocks]  # per rank: its part of each fused group
-        return torch.cat([torch.cat([g[i] for g in groups], p.dim) for i in range(p.stride)], p.dim)
+        return assemble_blocks(everyone.view(t, *local.shape).unbind(0), record.tp)
 
     def save_checkpoint(self, save_dir: str | Path, tag: str | None = None, client_state: dict | None = None) -> Path:
         """Save a sharded checkpoint ``save_dir/tag`` (default tag ``global_step{N}``); collective.

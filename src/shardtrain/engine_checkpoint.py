@@ -311,7 +311,8 @@ def _load(state: TrainingState, load_dir: str | Path, tag: str | None, load_opti
         name = entry_name(dest.names, "model/")
         if dest.block is not None:  # this rank's tensor-parallel block, from pieces of any layout
             b = dest.block
-            dest.write_block(reader.read_slice(name, BlockSlice(b.dim, b.index, b.count, b.stride)))
+            block = BlockSlice(b.placement.dim, b.index, b.count, b.placement.stride)
+            dest.write_block(reader.read_slice(name, block))
             continue
         lo, hi = dest.needed_range()
         if hi > lo:

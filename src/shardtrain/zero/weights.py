@@ -19,13 +19,14 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
 
 from shardtrain.comm import Communicator
 from shardtrain.errors import ShardtrainError
+from shardtrain.tensor_parallel.placement import shard_block
 
 if TYPE_CHECKING:
     from shardtrain.zero.layout import ShardLayout
@@ -101,7 +102,7 @@ def weight_destinations(module: torch.nn.Module, layout: ShardLayout, optimizer:
             if master is not None:
                 targets.append((master.view(-1), start))
         if record is not None and record.tp_split:
-            block = TPBlock(record.tp.dim, layout.tp_rank, layout.tp, record.tp.stride)
+            block = TPBlock(record.tp, layout.tp_rank, layout.tp)
             dests.append(Destination(names, torch.Size(record.global_shape), targets, block=block))
         else:
             dests.append(Destination(names, t.shape, targets))
@@ -110,18 +111,14 @@ def weight_destinations(module: torch.nn.Module, layout: ShardLayout, optimizer:
 
 @dataclass(frozen=True)
 class TPBlock:
-    """Block ``index`` of ``count`` along ``dim``; with ``stride`` > 1 the dimension is first cut into ``stride``
-    equal groups (Q, K, V of a fused weight) and the block of each group is taken, in group order (the
-    checkpoint's ``BlockSlice``)."""
+    """This rank's block (``index`` of ``count``) of a tensor split as ``placement`` says (a ``TPPlacement``)."""
 
-    dim: int
+    placement: Any
     index: int
     count: int
-    stride: int = 1
 
     def cut(self, full: torch.Tensor) -> torch.Tensor:
-        groups = full.chunk(self.stride, self.dim)
-        return torch.cat([g.chunk(self.count, self.dim)[self.index] for g in groups], self.dim)
+        return shard_block(full, self.placement, self.index, self.count)
 
 
 def state_tensors(module: torch.nn.Module) -> list[tuple[list[str], torch.Tensor]]:
