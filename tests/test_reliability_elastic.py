@@ -56,3 +56,25 @@ def test_a_killed_rank_is_restarted_and_training_resumes_exactly(tmp_path):
     straight = dict(run_distributed(_uninterrupted, 2, str(tmp_path / "straight"), timeout=120)[0])
     assert first == {s: straight[s] for s in first}
     assert second == {s: straight[s] for s in second}  # bitwise: the restart changed nothing
+
+
+def test_the_process_group_shardtrain_created_is_destroyed_at_exit(tmp_path):
+    """A script that ends without ``destroy_process_group`` (like the example) must not leave a gloo group to the
+    interpreter's finalization, where freeing its work objects can abort the process after training finished
+    (seen once in CI: "terminate called without an active exception", SIGABRT, and torchrun failed the job)."""
+    script = tmp_path / "script.py"
+    script.write_text(
+        "import atexit, torch, torch.distributed as dist, shardtrain\n"
+        # registered before shardtrain's handler, so it runs after it (atexit runs last-in first-out)
+        "atexit.register(lambda: print('initialized at exit:', dist.is_initialized(), flush=True))\n"
+        "engine = shardtrain.initialize(torch.nn.Linear(2, 2), config={'train_micro_batch_size_per_gpu': 1,\n"
+        "    'optimizer': {'type': 'SGD', 'params': {'lr': 0.1}}})\n"
+        "engine.backward(engine(torch.ones(1, 2)).sum())\n"
+        "engine.step()\n"
+        "print('trained; initialized:', dist.is_initialized(), flush=True)\n"
+    )
+    env = {k: v for k, v in torchrun_env().items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "trained; initialized: True" in proc.stdout
+    assert "initialized at exit: False" in proc.stdout

@@ -13,6 +13,8 @@ Three ways to start are supported:
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import datetime
 import os
 import socket
@@ -58,7 +60,20 @@ def ensure_process_group(timeout_s: float) -> bool:
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("LOCAL_RANK", "0")
     dist.init_process_group(backend=backend_for(device), timeout=datetime.timedelta(seconds=timeout_s))
+    atexit.register(_destroy_own_process_group)
     return True
+
+
+def _destroy_own_process_group() -> None:
+    """Destroy the process group this module created, while the interpreter is still whole.
+
+    A gloo group left to the interpreter's finalization may still own work objects holding tensors; freeing them
+    then takes the GIL of a half-torn-down interpreter and the process dies with SIGABRT ("terminate called without
+    an active exception") after the script has finished, which torchrun reports as a failed job. Destroying a group is
+    local (no collective), so it cannot wait for a peer."""
+    with contextlib.suppress(Exception):  # already destroyed by the user, or broken by a failed collective
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 @dataclass(frozen=True)
