@@ -567,6 +567,15 @@ RULES: tuple[Rule, ...] = (
         "float > 0, `1800`",
         "shardtrain key: seconds before a collective fails with a named error",
     ),
+    _supported("graph", "section", "shardtrain key: graph mode, captured per input schema: docs/graph-mode.md"),
+    _supported("graph.enabled", "bool, `false`", "run the forward and backward as captured graphs"),
+    _supported("graph.strict", "bool, `false`", "a construct that cannot be captured is an error, not a fallback"),
+    _supported("graph.cache_size", "int ≥ 1, `8`", "captured graphs kept, least recently used evicted"),
+    _supported(
+        "graph.compiler",
+        '`"aot_eager"` or `"inductor"`, `"aot_eager"`',
+        "run the captured graphs as traced (eager numerics) or compiled by Inductor",
+    ),
 )
 
 RULES_BY_PATH: dict[str, Rule] = {r.path: r for r in RULES}
