@@ -48,6 +48,10 @@ log = logging.getLogger("shardtrain.graph")
 
 COMPILERS = ("aot_eager", "inductor")
 
+EAGER_BY_DESIGN = "(eager by design)"
+"""Functions wrapped in ``torch.compiler.disable(reason=...)`` with this in their reason split the graph on purpose
+(the debug subscribers' hooks, shardtrain.debug.manager): no fallback warning for them."""
+
 
 def _trampoline(module: nn.Module, args: tuple, kwargs: dict) -> Any:
     return module(*args, **kwargs)
@@ -167,7 +171,8 @@ class CapturedModule:
             entry.run = _trampoline  # eager from now on, for this schema (an eager error is the model's own)
             return entry.run(self.module, args, kwargs)
         for reason in sorted(_graph_breaks() - breaks):  # Dynamo split the graph and ran a part eagerly
-            self._fall_back(_condensed(reason))
+            if EAGER_BY_DESIGN not in reason:  # (debug subscribers' hooks split it on purpose)
+                self._fall_back(_condensed(reason))
         if before and entry.compiled_graphs > before:  # Dynamo re-traced inside an entry: a guard of its own failed
             self.stats.guard_recaptures += 1
             log.info("re-capturing %s: a fact outside the input schema changed (a TorchDynamo guard)", self.name)
