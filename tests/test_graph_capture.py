@@ -265,3 +265,20 @@ def test_bad_arguments():
         graph.capture(Toy(), compiler="tvm")
     with pytest.raises(ValueError, match="cache_size must be at least 1"):
         graph.capture(Toy(), cache_size=0)
+
+
+def test_grad_mode_and_autocast_are_part_of_the_schema(reasons):
+    model = Toy().eval()
+    run = graph.capture(model)
+    x = _x(2, 5)
+    run(x).sum().backward()
+    with torch.no_grad():
+        out = run(x)
+    assert not out.requires_grad
+    _same(out, model(x).detach())
+    assert reasons()[-1].endswith("grad mode True -> False")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, want = run(x), model(x)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, want, rtol=1e-2, atol=1e-2)  # the same bf16 ops (rounding order may differ)
+    assert reasons()[-1].endswith("autocast(cpu) off -> bfloat16")

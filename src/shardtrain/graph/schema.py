@@ -13,7 +13,9 @@ flipped bool input). The schema is those facts, taken from the call itself:
 * for every other leaf (bool, int, float, str, None, enums, dtypes, other Python values): its type and value; the
   trace branched on them or baked them in;
 * the module's mode (``train()`` / ``eval()``, anywhere in the tree: dropout and batch norm trace differently);
-* the set of parameters that require grad (a frozen parameter changes which gradients the backward graph computes).
+* the set of parameters that require grad (a frozen parameter changes which gradients the backward graph computes);
+* the global modes a trace is specialized on: grad mode (``torch.no_grad()`` traces no backward) and autocast
+  (enabled, and its dtype, on the CPU and on CUDA).
 
 Two schemas are compared field by field, so a re-capture is logged with the reasons (``input 'attention_mask':
 dtype int64 -> bool``) instead of "cache miss". Leaves are walked like :mod:`shardtrain.tree` walks tensors (torch's
@@ -71,6 +73,8 @@ class Schema:
     """(module name, training) of every submodule whose mode differs from the root's, plus the root's as ``''``."""
     trainable: frozenset[str]
     """Names of the parameters that require grad."""
+    context: tuple[tuple[str, Any], ...] = ()
+    """Global modes the trace depends on: grad mode, autocast."""
 
 
 _PLAIN = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, enum.Enum)
@@ -136,7 +140,17 @@ def schema_of(module: nn.Module, args: tuple, kwargs: dict) -> Schema:
     root = module.training
     modes = (("", root), *((n, m.training) for n, m in module.named_modules() if n and m.training != root))
     trainable = frozenset(n for n, p in module.named_parameters(remove_duplicate=False) if p.requires_grad)
-    return Schema(tuple(leaves), tuple(modes), trainable)
+    return Schema(tuple(leaves), tuple(modes), trainable, _context())
+
+
+def _context() -> tuple[tuple[str, Any], ...]:
+    context: list[tuple[str, Any]] = [("grad mode", torch.is_grad_enabled())]
+    for device in ("cpu", "cuda"):
+        on = torch.is_autocast_enabled(device)
+        context.append(
+            (f"autocast({device})", str(torch.get_autocast_dtype(device)).removeprefix("torch.") if on else "off")
+        )
+    return tuple(context)
 
 
 def _mode(training: bool) -> str:
@@ -167,6 +181,8 @@ def differences(old: Schema, new: Schema) -> list[str]:
     for name in sorted(old.trainable ^ new.trainable):
         was = name in old.trainable
         reasons.append(f"parameter {name!r} requires_grad {was} -> {not was}")
+    before_context = dict(old.context)
+    reasons += [f"{k} {before_context.get(k)} -> {v}" for k, v in new.context if before_context.get(k) != v]
     return reasons
 
 
