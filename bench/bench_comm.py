@@ -43,7 +43,7 @@ def body(sizes_mib: list[float], reps: int) -> dict:
         numel = int(mib * 2**20 / 4) // n * n
         full, chunk = torch.randn(numel), torch.empty(numel // n)
 
-        def run(kind: str) -> None:
+        def run(kind: str, full: torch.Tensor = full, chunk: torch.Tensor = chunk) -> None:
             if kind == "all_gather":
                 comm.all_gather(full, chunk, what="bench")
             elif kind == "all_reduce":
