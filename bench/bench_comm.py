@@ -59,6 +59,7 @@ def body(sizes_mib: list[float], reps: int) -> dict:
             for kind in order:
                 dist.barrier()
                 tx0 = _loopback_tx()
+                dist.barrier()  # no rank sends before every rank has read the counter
                 t0 = time.perf_counter()
                 run(kind)
                 spans = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
