@@ -12,8 +12,10 @@ a rotating order; a step's time is the slowest rank's. Prints the median step ti
 ratio of medians to DDP and the median (with quartiles) of the per-iteration ratios to DDP's step of the same
 iteration ("paired"), a per-phase breakdown (forward, backward including the reductions it waits for, step
 including norm, optimizer and all-gather; each phase the slowest rank's), the time the engine spent blocked in
-collectives, communication bytes per step (from engine.comm_stats(): the bus-bandwidth convention and the bytes
-actually sent) and, from separate fresh processes per variant, the peak RSS per rank.
+collectives, the median per-iteration ratio of CPU time (all ranks' threads, gloo's included; other jobs on the
+machine disturb it much less than wall time), communication bytes per step (from engine.comm_stats(): the
+bus-bandwidth convention and the bytes actually sent) and, from separate fresh processes per variant,
+the peak RSS per rank.
 
 Shapes (``--shape``):
 * ``bench``: the project's benchmark GPT: d_model 256, 11 layers (``--layers``), vocab 8192, tied embeddings,
@@ -137,6 +139,7 @@ def timing_body(variants: list[str], steps: int, warmup: int, repeats: int, shap
     times: dict[str, list[float]] = {v: [] for v in variants}
     phases: dict[str, list[list[float]]] = {v: [] for v in variants}  # [forward, backward, step] per timed step
     waits: dict[str, list[float]] = {v: [] for v in variants}
+    cpus: dict[str, list[float]] = {v: [] for v in variants}
     comm: dict[str, dict] = {}
     losses: dict[str, list[float]] = {v: [] for v in variants}
     for repeat in range(repeats):
@@ -151,14 +154,18 @@ def timing_body(variants: list[str], steps: int, warmup: int, repeats: int, shap
                     engine.comm_stats(reset=True)
                     engine.comm.reset_wait_seconds()
                 dist.barrier()
+                cpu0 = time.process_time()
                 marks = [time.perf_counter()]
                 step(x, y, marks)
                 marks.append(time.perf_counter())
+                cpu = torch.tensor([time.process_time() - cpu0], dtype=torch.float64)
                 # each phase and the whole step as the slowest rank saw them
                 spans = torch.tensor([b - a for a, b in itertools.pairwise(marks)] + [marks[-1] - marks[0]])
                 dist.all_reduce(spans, op=dist.ReduceOp.MAX)
+                dist.all_reduce(cpu)  # CPU seconds of all ranks' threads (gloo's included)
                 if it >= warmup:
                     times[v].append(float(spans[-1]))
+                    cpus[v].append(float(cpu))
                     phases[v].append(spans[:-1].tolist())
                     if engine is not None:
                         waits[v].append(sum(engine.comm.wait_seconds().values()))
@@ -172,7 +179,15 @@ def timing_body(variants: list[str], steps: int, warmup: int, repeats: int, shap
             _profile(runners, shape, profile)
         states = {v: e.state_bytes() for v, (_, e, _) in runners.items() if e is not None}
         del runners
-    return {"times": times, "phases": phases, "waits": waits, "comm": comm, "states": states, "losses": losses}
+    return {
+        "times": times,
+        "cpus": cpus,
+        "phases": phases,
+        "waits": waits,
+        "comm": comm,
+        "states": states,
+        "losses": losses,
+    }
 
 
 def _eval_loss(model, x, y) -> float:
@@ -294,12 +309,13 @@ def main() -> None:
     ddp = statistics.median(times["ddp"])
     header = (
         f"{'variant':15} {'median step':>11} {'ratio':>6} {'paired [q1, q3]':>22} {'fwd':>6} {'bwd':>6} {'step':>6}"
-        f" {'coll.wait':>9} {'peak RSS':>9} {'state':>10}"
+        f" {'coll.wait':>9} {'CPU paired':>10} {'peak RSS':>9} {'state':>10}"
     )
     print(f"\n{header}  bytes/step: bus convention (sent on the wire)")
     for v in variants:
         med = statistics.median(times[v])
         q1, q2, q3 = _quartiles([a / b for a, b in zip(times[v], times["ddp"])])
+        cpu_ratio = _quartiles([a / b for a, b in zip(result["cpus"][v], result["cpus"]["ddp"])])[1]
         fwd, bwd, stp = (statistics.median(p[i] for p in result["phases"][v]) * 1000 for i in range(3))
         wait = f"{statistics.median(result['waits'][v]) * 1000:7.0f}ms" if result["waits"][v] else f"{'-':>9}"
         comm = result["comm"].get(v)
@@ -316,7 +332,7 @@ def main() -> None:
         rss_text = f"{rss[v] / 2**20:5.0f} MiB" if v in rss else f"{'-':>9}"
         print(
             f"{v:15} {med * 1000:9.0f}ms {med / ddp:5.3f}x {q2:6.3f}x [{q1:.3f}, {q3:.3f}] {fwd:4.0f}ms {bwd:4.0f}ms"
-            f" {stp:4.0f}ms {wait} {rss_text} {state_text}  {comm_text}"
+            f" {stp:4.0f}ms {wait} {cpu_ratio:9.3f}x {rss_text} {state_text}  {comm_text}"
         )
     print(
         "\nloss after the timed steps, per repeat: "
