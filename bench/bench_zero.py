@@ -1,24 +1,39 @@
 """ZeRO stages against torch DDP (and FSDP2) at world 2, steps interleaved so ratios survive a noisy machine.
 
     python bench/bench_zero.py [--variants ddp,stage0,stage1,stage2] [--steps 10] [--warmup 2] [--layers 11]
+    python bench/bench_zero.py --shape gpt2-10m --variants ddp,stage0,stage1,stage2,stage3 --repeats 2 --steps 7
+    python bench/bench_zero.py --shape gpt2-10m --profile /tmp/traces   # + one torch.profiler trace per variant
     python bench/bench_zero.py --variants ddp,stage0,stage3,fsdp2
     python bench/bench_zero.py --memory-scaling          # stage 3 at world 1, 2, 4 on a ~50M-parameter GPT
     python bench/bench_zero.py --variants ddp,stage2,stage2:bf16,stage3,stage3:bf16 --layers 2 --steps 3
 
 Every rank builds the same GPT once per variant. Each iteration runs one training step of each variant, in
-a rotating order; a step's time is the slowest rank's. Prints the median step time of each variant and its
-ratio to DDP, communication bytes per step (from engine.comm_stats()) and, from separate fresh processes
-per variant, the peak RSS per rank.
+a rotating order; a step's time is the slowest rank's. Prints the median step time of each variant, its
+ratio of medians to DDP and the median (with quartiles) of the per-iteration ratios to DDP's step of the same
+iteration ("paired"), a per-phase breakdown (forward, backward including the reductions it waits for, step
+including norm, optimizer and all-gather; each phase the slowest rank's), the time the engine spent blocked in
+collectives, the median per-iteration ratio of CPU time (all ranks' threads, gloo's included; other jobs on the
+machine disturb it much less than wall time), communication bytes per step (from engine.comm_stats(): the
+bus-bandwidth convention and the bytes actually sent) and, from separate fresh processes per variant,
+the peak RSS per rank.
+
+Shapes (``--shape``):
+* ``bench``: the project's benchmark GPT: d_model 256, 11 layers (``--layers``), vocab 8192, tied embeddings,
+  sequence 128, micro-batch 8, exact GELU.
+* ``gpt2-10m``: issue 15's GPT-2-style model, 10.58M parameters: vocab 8192, d_model 256, 8 layers, 8 heads,
+  sequence 256, micro-batch 4 per rank, untied LM head, pre-LN, GELU-tanh MLP, no dropout.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import platform
 import resource
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -28,28 +43,45 @@ import shardtrain
 from shardtrain.models.gpt import GPT, GPTConfig, num_parameters
 from shardtrain.testing import run_distributed
 
-MICRO_BATCH = 8
+
+@dataclass(frozen=True)
+class Shape:
+    """A model and its micro-batch per rank."""
+
+    gpt: GPTConfig
+    micro_batch: int
 
 
-def gpt_config(layers: int) -> GPTConfig:
-    return GPTConfig(vocab_size=8192, seq_len=128, d_model=256, n_layer=layers, n_head=8, tie_embeddings=True)
+def make_shape(name: str, layers: int) -> Shape:
+    if name == "bench":
+        cfg = GPTConfig(vocab_size=8192, seq_len=128, d_model=256, n_layer=layers, n_head=8, tie_embeddings=True)
+        return Shape(cfg, micro_batch=8)
+    if name == "gpt2-10m":
+        cfg = GPTConfig(vocab_size=8192, seq_len=256, d_model=256, n_layer=8, n_head=8, gelu_approximate="tanh")
+        return Shape(cfg, micro_batch=4)
+    raise SystemExit(f"unknown --shape {name!r}: use bench or gpt2-10m")
 
 
-def build(variant: str, layers: int):
-    """Returns (step function, engine or None) for one variant."""
+def build(variant: str, shape: Shape):
+    """Returns (step function, engine or None, the callable computing the loss) for one variant. A step
+    function takes (x, y, marks) and appends ``time.perf_counter()`` to ``marks`` after forward and after
+    backward."""
     torch.manual_seed(0)
-    model = GPT(gpt_config(layers))
+    model = GPT(shape.gpt)
     if variant == "ddp":
         ddp = DistributedDataParallel(model)
         opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
 
-        def ddp_step(x, y):
-            ddp(x, y).backward()
+        def ddp_step(x, y, marks):
+            loss = ddp(x, y)
+            marks.append(time.perf_counter())
+            loss.backward()
+            marks.append(time.perf_counter())
             torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=False)
 
-        return ddp_step, None
+        return ddp_step, None, ddp
     if variant == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -60,68 +92,140 @@ def build(variant: str, layers: int):
         fully_shard(model, mesh=mesh)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
-        def fsdp_step(x, y):
-            model(x, y).backward()
+        def fsdp_step(x, y, marks):
+            loss = model(x, y)
+            marks.append(time.perf_counter())
+            loss.backward()
+            marks.append(time.perf_counter())
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad()
 
-        return fsdp_step, None
+        return fsdp_step, None, model
+    name, *flags = variant.split(":")  # e.g. stage3:bf16, stage2:backend-rs
     config = {
-        "train_micro_batch_size_per_gpu": MICRO_BATCH,
+        "train_micro_batch_size_per_gpu": shape.micro_batch,
         "gradient_clipping": 1.0,
         # DDP's default bucket is 25 MB; ours is counted in elements
-        "zero_optimization": {"stage": int(variant[5]), "reduce_bucket_size": 25_000_000 // 4},
+        "zero_optimization": {"stage": int(name[5]), "reduce_bucket_size": 25_000_000 // 4},
     }
-    if variant.endswith(":bf16"):  # e.g. stage3:bf16 (on this AVX2 CPU bf16 matmuls are ~16x slower)
+    if "bf16" in flags:  # on this AVX2 CPU bf16 matmuls are ~16x slower
         config["bf16"] = {"enabled": True}
-    if variant == "stage3-nocheck":  # what the unit-order check costs
+    if name == "stage3-nocheck":  # what the unit-order check costs
         config["zero_optimization"]["stage3_gather_check"] = False
     engine = shardtrain.initialize(model, config=config, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4))
+    if "backend-rs" in flags:  # the backend's own reduce-scatter (gloo: an all-reduce on the wire)
+        engine.comm.reduce_scatter_impl = "backend"
 
-    def engine_step(x, y):
-        engine.backward(engine(x, y))
+    def engine_step(x, y, marks):
+        loss = engine(x, y)
+        marks.append(time.perf_counter())
+        engine.backward(loss)
+        marks.append(time.perf_counter())
         engine.step()
 
-    return engine_step, engine
+    return engine_step, engine, engine
 
 
-def batch(layers: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(shape: Shape, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    x = torch.randint(0, gpt_config(layers).vocab_size, (MICRO_BATCH, gpt_config(layers).seq_len), generator=g)
+    x = torch.randint(0, shape.gpt.vocab_size, (shape.micro_batch, shape.gpt.seq_len), generator=g)
     return x, torch.roll(x, -1, 1)
 
 
-def timing_body(variants: list[str], steps: int, warmup: int, layers: int) -> dict:
+def timing_body(variants: list[str], steps: int, warmup: int, repeats: int, shape: Shape, profile: str) -> dict:
+    """``repeats`` rounds of (``warmup`` untimed + ``steps`` timed) iterations; every variant is rebuilt per round."""
     rank = dist.get_rank()
-    runners = {v: build(v, layers) for v in variants}
     times: dict[str, list[float]] = {v: [] for v in variants}
+    phases: dict[str, list[list[float]]] = {v: [] for v in variants}  # [forward, backward, step] per timed step
+    waits: dict[str, list[float]] = {v: [] for v in variants}
+    cpus: dict[str, list[float]] = {v: [] for v in variants}
     comm: dict[str, dict] = {}
-    for it in range(warmup + steps):
-        k = it % len(variants)
-        order = variants[k:] + variants[:k]  # rotate so no variant always runs first
-        x, y = batch(layers, seed=1000 * it + rank)
-        for v in order:
-            step, engine = runners[v]
-            if engine is not None:
-                engine.comm_stats(reset=True)
-            dist.barrier()
-            t0 = time.perf_counter()
-            step(x, y)
-            elapsed = torch.tensor(time.perf_counter() - t0)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step ends when the slowest rank ends
-            if it >= warmup:
-                times[v].append(float(elapsed))
-            if engine is not None:
-                comm[v] = engine.comm_stats()
-    states = {v: e.state_bytes() for v, (_, e) in runners.items() if e is not None}
-    return {"times": times, "comm": comm, "states": states}
+    losses: dict[str, list[float]] = {v: [] for v in variants}
+    for repeat in range(repeats):
+        runners = {v: build(v, shape) for v in variants}
+        for it in range(warmup + steps):
+            k = (it + repeat) % len(variants)
+            order = variants[k:] + variants[:k]  # rotate so no variant always runs first
+            x, y = batch(shape, seed=1000 * it + rank)
+            for v in order:
+                step, engine, _ = runners[v]
+                if engine is not None:
+                    engine.comm_stats(reset=True)
+                    engine.comm.reset_wait_seconds()
+                dist.barrier()
+                cpu0 = time.process_time()
+                marks = [time.perf_counter()]
+                step(x, y, marks)
+                marks.append(time.perf_counter())
+                cpu = torch.tensor([time.process_time() - cpu0], dtype=torch.float64)
+                # each phase and the whole step as the slowest rank saw them
+                spans = torch.tensor([b - a for a, b in itertools.pairwise(marks)] + [marks[-1] - marks[0]])
+                dist.all_reduce(spans, op=dist.ReduceOp.MAX)
+                dist.all_reduce(cpu)  # CPU seconds of all ranks' threads (gloo's included)
+                if it >= warmup:
+                    times[v].append(float(spans[-1]))
+                    cpus[v].append(float(cpu))
+                    phases[v].append(spans[:-1].tolist())
+                    if engine is not None:
+                        waits[v].append(sum(engine.comm.wait_seconds().values()))
+                if engine is not None:
+                    comm[v] = engine.comm_stats()
+        # the loss of one more step of every variant on the same batch: they must agree
+        x, y = batch(shape, seed=7 + rank)
+        for v in variants:
+            losses[v].append(_eval_loss(runners[v][2], x, y))
+        if profile and repeat == 0:
+            _profile(runners, shape, profile)
+        states = {v: e.state_bytes() for v, (_, e, _) in runners.items() if e is not None}
+        del runners
+    return {
+        "times": times,
+        "cpus": cpus,
+        "phases": phases,
+        "waits": waits,
+        "comm": comm,
+        "states": states,
+        "losses": losses,
+    }
 
 
-def rss_body(variant: str, steps: int, layers: int) -> int:
-    step, _ = build(variant, layers)
+def _eval_loss(model, x, y) -> float:
+    """The mean over ranks of the loss on this rank's (x, y), without gradients."""
+    with torch.no_grad():
+        t = model(x, y).detach().clone()
+    dist.all_reduce(t)
+    return float(t) / dist.get_world_size()
+
+
+def _profile(runners: dict, shape: Shape, folder: str) -> None:
+    """One step of each variant under torch.profiler: a Chrome trace per variant and rank, and the top operators
+    of rank 0 printed (collectives waited on appear as their ``gloo:`` records / ``wait``)."""
+    import os
+
+    from torch.profiler import ProfilerActivity, profile
+
+    os.makedirs(folder, exist_ok=True)
+    rank = dist.get_rank()
+    x, y = batch(shape, seed=99 + rank)
+    for v, (step, _, _) in runners.items():
+        dist.barrier()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            step(x, y, [])
+        prof.export_chrome_trace(os.path.join(folder, f"{shape_name_of(shape)}-{v}-rank{rank}.json"))
+        if rank == 0:
+            table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
+            print(f"\n## profile {v} (rank 0, one step)\n{table}", flush=True)
+
+
+def shape_name_of(shape: Shape) -> str:
+    return "gpt2-10m" if shape.gpt.seq_len == 256 else "bench"
+
+
+def rss_body(variant: str, steps: int, shape: Shape) -> int:
+    step, _, _ = build(variant, shape)
     for i in range(steps):
-        step(*batch(layers, seed=i))
+        step(*batch(shape, seed=i), [])
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
@@ -152,45 +256,88 @@ def memory_scaling(layers: int = 14) -> None:
         print(f"{world:5d} {state / 2**20:13.1f} MiB {state / n:12.2f} {rss / 2**20:10.0f} MiB")
 
 
+def _quartiles(xs: list[float]) -> tuple[float, float, float]:
+    if len(xs) < 2:
+        return xs[0], xs[0], xs[0]
+    q1, q2, q3 = statistics.quantiles(xs, n=4, method="inclusive")
+    return q1, q2, q3
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variants", default="ddp,stage0,stage1,stage2", help="comma-separated; ddp first")
+    parser.add_argument("--shape", default="bench", help="bench (default) or gpt2-10m")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--layers", type=int, default=11)
+    parser.add_argument("--repeats", type=int, default=1, help="rounds, each building every variant anew")
+    parser.add_argument("--layers", type=int, default=11, help="layers of the bench shape")
+    parser.add_argument("--profile", default="", help="folder for one torch.profiler trace per variant and rank")
+    parser.add_argument("--no-rss", action="store_true", help="skip the peak-RSS processes")
     parser.add_argument("--memory-scaling", action="store_true")
     args = parser.parse_args()
     if args.memory_scaling:
         memory_scaling()
         return
     variants = args.variants.split(",")
+    if variants[0] != "ddp":
+        raise SystemExit("--variants must start with ddp (the reference)")
+    shape = make_shape(args.shape, args.layers)
     world = 2
-    n = num_parameters(GPT(gpt_config(args.layers)))
+    n = num_parameters(GPT(shape.gpt))
     print(
-        f"# bench_zero: {n / 1e6:.1f}M-parameter GPT, fp32 AdamW, world {world} (gloo, 1 thread/rank), "
-        f"micro-batch {MICRO_BATCH}x{gpt_config(args.layers).seq_len}"
+        f"# bench_zero --shape {args.shape}: {n / 1e6:.2f}M-parameter GPT, fp32 AdamW, world {world} (gloo, "
+        f"1 thread/rank), micro-batch {shape.micro_batch}x{shape.gpt.seq_len}, {args.repeats} x {args.steps} steps"
     )
     print(f"# machine: {platform.machine()}, {torch.get_num_threads()} cores, torch {torch.__version__}")
     print(f"# command: python {' '.join(sys.argv)}")
     result = run_distributed(
-        timing_body, world, variants, args.steps, args.warmup, args.layers, timeout=3600, threads=1
+        timing_body,
+        world,
+        variants,
+        args.steps,
+        args.warmup,
+        args.repeats,
+        shape,
+        args.profile,
+        timeout=3600,
+        threads=1,
     )[0]
-    rss = {v: max(run_distributed(rss_body, world, v, 3, args.layers, timeout=900, threads=1)) for v in variants}
-    ddp = statistics.median(result["times"]["ddp"])
-    header = f"{'variant':14} {'median step':>12} {'ratio to DDP':>13} {'peak RSS/rank':>14} {'state/rank':>11}"
-    print(f"\n{header}  bytes/step")
+    rss = {}
+    if not args.no_rss:
+        rss = {v: max(run_distributed(rss_body, world, v, 3, shape, timeout=900, threads=1)) for v in variants}
+    times = result["times"]
+    ddp = statistics.median(times["ddp"])
+    header = (
+        f"{'variant':15} {'median step':>11} {'ratio':>6} {'paired [q1, q3]':>22} {'fwd':>6} {'bwd':>6} {'step':>6}"
+        f" {'coll.wait':>9} {'CPU paired':>10} {'peak RSS':>9} {'state':>10}"
+    )
+    print(f"\n{header}  bytes/step: bus convention (sent on the wire)")
     for v in variants:
-        med = statistics.median(result["times"][v])
+        med = statistics.median(times[v])
+        q1, q2, q3 = _quartiles([a / b for a, b in zip(times[v], times["ddp"])])
+        cpu_ratio = _quartiles([a / b for a, b in zip(result["cpus"][v], result["cpus"]["ddp"])])[1]
+        fwd, bwd, stp = (statistics.median(p[i] for p in result["phases"][v]) * 1000 for i in range(3))
+        wait = f"{statistics.median(result['waits'][v]) * 1000:7.0f}ms" if result["waits"][v] else f"{'-':>9}"
         comm = result["comm"].get(v)
         if v == "fsdp2":
             comm_text = f"~{3 * 4 * n * (world - 1) / world / 2**20:.1f} MiB (computed: 3P(N-1)/N)"
         elif comm is None:
             comm_text = f"all_reduce {2 * 4 * n * (world - 1) / world / 2**20:.1f} MiB (computed: 2P(N-1)/N)"
         else:
-            comm_text = ", ".join(f"{k} {c['bytes'] / 2**20:.1f} MiB in {c['calls']} calls" for k, c in comm.items())
+            comm_text = ", ".join(
+                f"{k} {c['bytes'] / 2**20:.1f} ({c['sent'] / 2**20:.1f}) MiB/{c['calls']}" for k, c in comm.items()
+            )
         state = result["states"].get(v)
-        state_text = f"{sum(state.values()) / 2**20:7.1f} MiB" if state else f"{16 * n / 2**20:7.1f} MiB"
-        print(f"{v:14} {med * 1000:10.0f}ms {med / ddp:12.3f}x {rss[v] / 2**20:10.0f} MiB {state_text}  {comm_text}")
+        state_text = f"{sum(state.values()) / 2**20:6.1f} MiB" if state else f"{16 * n / 2**20:6.1f} MiB"
+        rss_text = f"{rss[v] / 2**20:5.0f} MiB" if v in rss else f"{'-':>9}"
+        print(
+            f"{v:15} {med * 1000:9.0f}ms {med / ddp:5.3f}x {q2:6.3f}x [{q1:.3f}, {q3:.3f}] {fwd:4.0f}ms {bwd:4.0f}ms"
+            f" {stp:4.0f}ms {wait} {cpu_ratio:9.3f}x {rss_text} {state_text}  {comm_text}"
+        )
+    print(
+        "\nloss after the timed steps, per repeat: "
+        + "; ".join(f"{v} {', '.join(f'{x:.6f}' for x in result['losses'][v])}" for v in variants)
+    )
 
 
 if __name__ == "__main__":

@@ -400,8 +400,8 @@ def test_primitives_and_their_bytes(world):
         ring = lambda nbytes: nbytes * (world - 1) // world  # noqa: E731
         # f backward and g forward: one all-reduce of [4, 6] fp32 each; gather forward and scatter backward:
         # one all-gather of [4, 6 N] fp32 each
-        assert p["stats"]["all_reduce"] == {"calls": 2, "bytes": 2 * 2 * ring(96)}, p["stats"]
-        assert p["stats"]["all_gather"] == {"calls": 2, "bytes": 2 * ring(96 * world)}, p["stats"]
+        assert p["stats"]["all_reduce"] == {"calls": 2, "bytes": 2 * 2 * ring(96), "sent": 2 * 2 * ring(96)}, p["stats"]
+        assert p["stats"]["all_gather"] == {"calls": 2, "bytes": 2 * ring(96 * world), "sent": 2 * ring(96 * world)}
 
 
 @pytest.mark.parametrize("world", WORLDS)

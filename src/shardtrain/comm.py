@@ -21,6 +21,30 @@ broadcast         ``S`` (0 when N == 1)
 With this convention one ZeRO-3 step moves ``3 * P * (N-1)/N`` bytes and a DDP step ``2 * P * (N-1)/N``,
 the figures the ZeRO paper uses. Counts are exact integers when ``S`` divides by ``N`` (ZeRO buffers are
 padded so that it does); otherwise they are rounded down.
+
+Beside ``bytes`` (the convention above, the same whatever the backend does), ``stats()`` reports ``sent``: the
+bytes the collective really puts on the wire, per rank (the group's total divided by ``N``; for the symmetric
+algorithms used here each rank sends that much). See [Note: bytes on the wire].
+
+[Note: bytes on the wire]
+Backends do not all move the convention's bytes. Measured on loopback (``/proc/net/dev``, world 2 and 3; the test
+``tests/test_comm_ring.py`` repeats the measurement): gloo's all-gather moves ``S * (N-1)/N`` per rank and its
+all-reduce ``2 * S * (N-1)/N`` as the convention says, but its ``reduce_scatter_tensor`` moves an all-reduce's
+bytes, ``2 * S * (N-1)/N``, twice the theoretical bytes; a ZeRO-3 step would move
+4P instead of 3P, stages 1-2 3P instead of 2P. So on gloo the reduce-scatter is ours (``reduce_scatter_impl ==
+"pairwise"``): each rank sends chunk ``j`` of its input straight to rank ``j`` (``isend``) and receives the ``N-1``
+peers' copies of its own chunk (``irecv``), all posted at once, so the transfers run on gloo's transport threads
+while the caller computes; ``wait()`` adds the ``N`` chunks up in rank order (rank 0's + rank 1's + ...), the same
+order on every rank and every step, so the result is deterministic. Every rank sends exactly ``S * (N-1)/N``
+bytes. A ring would send the same bytes in ``N-1`` dependent rounds, each needing a reduction before the next
+send, which an asynchronous handle cannot do without a thread of its own; the pairwise exchange has one round,
+which is what matters at the small group sizes gloo is used for (each rank talks to its ``N-1`` peers at once, the
+all-to-all pattern, fine on loopback and a few hosts). ``bench/bench_comm.py`` measures both against each other:
+on loopback the pairwise exchange took 0.35-0.6x the time of gloo's reduce-scatter from 1 to 24 MiB at world 2
+and 3, about an all-gather's time (docs/benchmarks.md, issue 15), so ``"auto"`` picks it for gloo and leaves
+NCCL's own reduce-scatter alone. ``sent`` is what the pairwise exchange really sends for ours, and the factor
+measured on loopback for gloo's collectives (its broadcast: ``S * (N-1)/N`` per rank on average); for NCCL it is
+the convention, NCCL's ring algorithms' bytes (not measured here: no GPU).
 """
 
 from __future__ import annotations
@@ -47,7 +71,9 @@ _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp
 @dataclass
 class CollectiveCount:
     calls: int = 0
-    bytes: int = 0
+    bytes: int = 0  # the bus-bandwidth convention (module docstring)
+    sent: int = 0  # what this rank put on the wire (see [Note: bytes on the wire])
+    wait_s: float = 0.0  # time this process was blocked in the collectives (synchronous ones: all of it)
 
 
 class Handle:
@@ -60,23 +86,59 @@ class Handle:
     def wait(self) -> None:
         if self._work is None:
             return
+        t0 = time.perf_counter()
         try:
-            self._work.wait()
+            self._wait_work()
         except RuntimeError as err:
             raise self._comm.describe_failure(self.kind, self.what, err, started=self.started) from err
         finally:
             self._work = None
+            self._comm._counts[self.kind].wait_s += time.perf_counter() - t0
+
+    def _wait_work(self) -> None:
+        self._work.wait()
+
+
+class _PairwiseHandle(Handle):
+    """The pairwise reduce-scatter of [Note: bytes on the wire]: waits for every transfer, then adds the ``N``
+    chunks in rank order into ``out``."""
+
+    def __init__(self, comm: Communicator, works: list, parts: list[torch.Tensor], out: torch.Tensor, op: str,
+                 what: str, started: float) -> None:  # fmt: skip
+        super().__init__(comm, works, "reduce_scatter", what, started)
+        self._parts, self._out, self._op = parts, out, op
+
+    def _wait_work(self) -> None:
+        for w in self._work:
+            w.wait()
+        parts, out = self._parts, self._out
+        self._parts = []
+        torch.add(parts[0], parts[1], out=out)
+        for part in parts[2:]:
+            out.add_(part)
+        if self._op == "avg":
+            out.div_(len(parts))
 
 
 class Communicator:
     """Collectives over one process group, counted and guarded."""
 
-    def __init__(self, group: dist.ProcessGroup, timeout_s: float) -> None:
+    def __init__(self, group: dist.ProcessGroup, timeout_s: float, reduce_scatter_impl: str = "auto") -> None:
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.global_rank = dist.get_rank()
         self.timeout_s = timeout_s
+        self.backend = dist.get_backend(group) if self.size > 1 else ""
+        if reduce_scatter_impl == "auto":  # see [Note: bytes on the wire]
+            reduce_scatter_impl = "pairwise" if self.backend == "gloo" else "backend"
+        if reduce_scatter_impl not in ("pairwise", "backend"):
+            raise ValueError(
+                f"reduce_scatter_impl must be 'auto', 'pairwise' or 'backend', got {reduce_scatter_impl!r}"
+            )
+        self.reduce_scatter_impl = reduce_scatter_impl
+        self._ranks = dist.get_process_group_ranks(group) if self.size > 1 else [self.global_rank]
+        self._tag = 0  # send/recv tag of the next pairwise reduce-scatter: calls in flight never match each other
         self._counts: dict[str, CollectiveCount] = defaultdict(CollectiveCount)
         # so that a failing peer can tell whether this process is gone, and this one whether a peer is
         self._peers_unread = 3 if self.size > 1 else 0  # reads of the peers' entries left to try
@@ -85,15 +147,30 @@ class Communicator:
 
     # -- accounting -------------------------------------------------------------------------------
     def stats(self) -> dict[str, dict[str, int]]:
-        return {k: {"calls": v.calls, "bytes": v.bytes} for k, v in sorted(self._counts.items())}
+        """Per collective kind: ``calls``, ``bytes`` (the bus-bandwidth convention) and ``sent`` (bytes this rank
+        put on the wire, see [Note: bytes on the wire])."""
+        return {
+            k: {"calls": v.calls, "bytes": v.bytes, "sent": v.sent} for k, v in sorted(self._counts.items()) if v.calls
+        }
+
+    def wait_seconds(self) -> dict[str, float]:
+        """Per collective kind, seconds this process spent blocked waiting for it since the last reset: all of a
+        synchronous collective, the part of an asynchronous one that computation did not hide."""
+        return {k: v.wait_s for k, v in sorted(self._counts.items()) if v.wait_s}
 
     def reset_stats(self) -> None:
-        self._counts.clear()
+        for c in self._counts.values():
+            c.calls, c.bytes, c.sent = 0, 0, 0
 
-    def _count(self, kind: str, nbytes: int) -> None:
+    def reset_wait_seconds(self) -> None:
+        for c in self._counts.values():
+            c.wait_s = 0.0
+
+    def _count(self, kind: str, nbytes: int, sent: int | None = None) -> None:
         c = self._counts[kind]
         c.calls += 1
         c.bytes += nbytes
+        c.sent += nbytes if sent is None else sent
 
     def describe_failure(
         self, kind: str, what: str, err: BaseException, *, started: float | None = None
@@ -150,7 +227,7 @@ class Communicator:
     # -- collectives ------------------------------------------------------------------------------
     def all_reduce(self, t: torch.Tensor, op: str = "sum", *, what: str, async_op: bool = False):
         n = self.size
-        self._count("all_reduce", 2 * t.numel() * t.element_size() * (n - 1) // n)
+        self._count("all_reduce", 2 * t.numel() * t.element_size() * (n - 1) // n)  # ring: sent as counted
         if n == 1:
             return Handle(self, None, "all_reduce", what) if async_op else None
         return self._run(
@@ -160,18 +237,51 @@ class Communicator:
     def reduce_scatter(
         self, out: torch.Tensor, inp: torch.Tensor, op: str = "sum", *, what: str, async_op: bool = False
     ):
-        """``inp`` holds ``size`` equal chunks; chunk ``rank`` of the reduction lands in ``out``."""
+        """``inp`` holds ``size`` equal chunks; chunk ``rank`` of the reduction lands in ``out``.
+
+        ``inp`` must not change until the collective completes (it is sent from in place)."""
         n = self.size
-        self._count("reduce_scatter", inp.numel() * inp.element_size() * (n - 1) // n)
+        nbytes = inp.numel() * inp.element_size() * (n - 1) // n
+        pairwise = n > 1 and self.reduce_scatter_impl == "pairwise"
+        # gloo's own reduce-scatter is an all-reduce on the wire (see [Note: bytes on the wire])
+        self._count("reduce_scatter", nbytes, nbytes if pairwise or self.backend != "gloo" else 2 * nbytes)
         if n == 1:
             out.copy_(inp)
             return Handle(self, None, "reduce_scatter", what) if async_op else None
+        if pairwise:
+            return self._reduce_scatter_pairwise(out, inp, op, what, async_op)
         return self._run(
             "reduce_scatter",
             what,
             lambda a: _reduce_scatter_flat(out, inp, op=_OPS[op], group=self.group, async_op=a),
             async_op,
         )
+
+    def _reduce_scatter_pairwise(self, out: torch.Tensor, inp: torch.Tensor, op: str, what: str, async_op: bool):
+        """See [Note: bytes on the wire]."""
+        if op not in ("sum", "avg"):
+            raise ValueError(f"pairwise reduce-scatter supports op 'sum' or 'avg', got {op!r}")
+        n, me = self.size, self.rank
+        chunks = inp.view(n, -1)  # [N, S/N]: chunk j goes to rank j
+        received = inp.new_empty((n - 1, chunks.shape[1]))
+        tag, self._tag = self._tag, (self._tag + 1) % (1 << 30)
+        parts: list[torch.Tensor] = [chunks[me]] * n  # by source rank; own chunk in place
+        started = time.monotonic()
+        works = []
+        try:
+            for k in range(1, n):
+                to, frm = (me + k) % n, (me - k) % n
+                parts[frm] = received[k - 1]
+                works.append(dist.irecv(received[k - 1], src=self._ranks[frm], group=self.group, tag=tag))
+                works.append(dist.isend(chunks[to], dst=self._ranks[to], group=self.group, tag=tag))
+        except RuntimeError as err:
+            raise self.describe_failure("reduce_scatter", what, err, started=started) from err
+        handle = _PairwiseHandle(self, works, parts, out, op, what, started)
+        if async_op:
+            return handle
+        handle.wait()
+        self._completed()
+        return None
 
     def all_gather(
         self, out: torch.Tensor, inp: torch.Tensor, *, what: str, async_op: bool = False, kind: str = "all_gather"
@@ -206,7 +316,10 @@ class Communicator:
     def broadcast(self, t: torch.Tensor, src: int = 0, *, what: str) -> None:
         """Broadcast from group rank ``src``."""
         n = self.size
-        self._count("broadcast", t.numel() * t.element_size() if n > 1 else 0)
+        # sent: the group sends S to each of the N-1 others, on average S * (N-1)/N per rank
+        self._count(
+            "broadcast", t.numel() * t.element_size() if n > 1 else 0, t.numel() * t.element_size() * (n - 1) // n
+        )
         if n == 1:
             return
         global_src = dist.get_global_rank(self.group, src)

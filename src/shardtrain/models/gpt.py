@@ -3,7 +3,8 @@
 It knows nothing of parallelism, and is written so that parallelism can be applied from outside: the fused
 Q/K/V output is cut with ``chunk(3)`` and heads are counted with ``-1``, so a projection holding only some heads
 works unchanged, and the loss is a submodule that a tensor-parallel plan can replace. ``tie_embeddings`` shares
-the token embedding with the LM head (one Parameter used by two modules), as GPT-2 does.
+the token embedding with the LM head (one Parameter used by two modules), as GPT-2 does; ``gelu_approximate="tanh"``
+gives GPT-2's GELU.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ class GPTConfig:
     n_head: int = 4
     tie_embeddings: bool = False
     dropout: float = 0.0
+    gelu_approximate: str = "none"  # "tanh": GPT-2's GELU (torch.nn.GELU's ``approximate``)
 
 
 class CausalSelfAttention(nn.Module):
@@ -51,7 +53,9 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.d_model)
         self.mlp = nn.Sequential(
-            nn.Linear(cfg.d_model, 4 * cfg.d_model), nn.GELU(), nn.Linear(4 * cfg.d_model, cfg.d_model)
+            nn.Linear(cfg.d_model, 4 * cfg.d_model),
+            nn.GELU(approximate=cfg.gelu_approximate),
+            nn.Linear(4 * cfg.d_model, cfg.d_model),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,18 @@ unpacked); a unit whose last saved tensor was just unpacked is released at the n
 autograd node, since the node that unpacked it is still using it. What is still gathered at the end of
 backward is released then.
 
+[Note: kept after forward]
+A forward that records gradients leaves two things gathered for the backward that follows, as FSDP2 does for its
+root: the root unit (its head is the first thing backward needs, its embeddings the last) and the last unit of the
+recorded forward order (the first block backward needs). Releasing and re-gathering them would move their bytes
+once more for nothing: on the 10.6M-parameter GPT-2 of docs/benchmarks.md the root holds 40% of the parameters.
+Their backward gathers are then no-ops; they are released with the others, when their gradients are in. A
+forward that no backward follows (evaluation with gradients on) leaves them gathered until the next forward,
+which releases them first, since a step or ``engine.gathered(modifier_rank=...)`` may have changed the shards.
+Memory: at most the root and the last unit stay whole between forward and backward, never more than the root,
+the current and the prefetched unit that forward itself holds. From the second step on a step moves
+``3P - (root + last unit)`` parameter bytes times ``(N-1)/N``.
+
 [Note: unit order check]
 Before each all-gather the ranks exchange the id of the unit they are about to gather (one 8-byte
 all-gather, on by default: ``zero_optimization.stage3_gather_check``) and compare the ids before the data
@@ -290,6 +302,9 @@ class ParameterUnits:
                 self._need_in_backward(u, "root forward re-run in backward")
             return
         self._fwd_now, self._order_ok = [], True
+        for u in self.units:  # kept by a forward that no backward followed: the shards may have changed since
+            if u.state is not UnitState.SHARDED:
+                self._release(u)
         for u in root_units:
             self._gather(u, "root forward")
         if self._fwd_order and self.prefetch_numel > 0:
@@ -302,10 +317,17 @@ class ParameterUnits:
             return output
         if self._fwd_order is None:
             self._fwd_order = list(self._fwd_now)
-        for u in self.units:  # root, on-demand and any prefetched-but-unused unit
-            if u.state is not UnitState.SHARDED:
+        keep = self._kept_for_backward(root_units)
+        for u in self.units:  # on-demand and any prefetched-but-unused unit; the root unless kept
+            if u.state is not UnitState.SHARDED and u not in keep:
                 self._release(u)
         return output
+
+    def _kept_for_backward(self, root_units: list[Unit]) -> list[Unit]:
+        """The units a forward leaves gathered for the backward that follows (see [Note: kept after forward])."""
+        if not torch.is_grad_enabled() or not self._order_ok or not self._fwd_order:
+            return []
+        return [*root_units, self.units[self._fwd_order[-1]]]
 
     def _pre_forward(self, unit: Unit, module, args) -> None:
         self._forward_depth += 1
@@ -321,8 +343,11 @@ class ParameterUnits:
     def _post_forward(self, unit: Unit, module, args, output):
         self._forward_depth -= 1
         self._pop_saved_hooks()
-        if not self._in_backward:  # in backward the unit stays until its gradients are in
-            self._release(unit)
+        if self._in_backward:  # in backward the unit stays until its gradients are in
+            return output
+        last = self._fwd_order is not None and len(self._fwd_now) == len(self._fwd_order)
+        if not (last and self._order_ok and torch.is_grad_enabled() and unit.index == self._fwd_order[-1]):
+            self._release(unit)  # else kept for backward (see [Note: kept after forward])
         return output
 
     # -- backward --------------------------------------------------------------------------------------
