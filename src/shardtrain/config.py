@@ -70,9 +70,7 @@ class _OffloadSection(_Section):
     @model_validator(mode="after")
     def _path_with_nvme(self) -> _OffloadSection:
         if self.device == "nvme" and not self.nvme_path:
-            raise ValueError(
-                "device 'nvme' needs nvme_path: the directory the swap files go in (a local fast disk)"
-            )
+            raise ValueError("device 'nvme' needs nvme_path: the directory the swap files go in (a local fast disk)")
         return self
 
 

@@ -38,6 +38,7 @@ from shardtrain.tensor_parallel import assemble_blocks, check_same_batch, parall
 from shardtrain.zero.build import build_layout
 from shardtrain.zero.init import is_under_construction
 from shardtrain.zero.layout import ParamRecord, cast_bucket
+from shardtrain.zero.offload import ScratchDir, build_optimizer_offload, host_masters, prepare_scratch
 from shardtrain.zero.optimizer import ShardedOptimizer, TensorParallelNorm, check_optimizer, make_masters
 from shardtrain.zero.reducer import GradientReducer
 from shardtrain.zero.unit_runtime import ParameterUnits
@@ -78,6 +79,8 @@ class Engine:
             config, topology.dp
         )
         _check_ranks_agree(self.world_comm, module, config)
+        # swap directories are checked on every rank before the model is touched (see docs/offload.md)
+        self._scratch = _prepare_offload(zcfg, topology, self.world_comm)
         # where every parameter lives (see [Note: the layout]); built before anything else touches the model
         self.layout = build_layout(module, zcfg, self.comm, tp_placements, tp=topology.tp, tp_rank=topology.tp_rank)
         self.policy = self.layout.policy
@@ -96,6 +99,16 @@ class Engine:
             self._cast_to_compute_dtype()
             if self._units is not None:  # the cast made new full buffers
                 self._units.index_storages()
+        offload = zcfg.offload_optimizer
+        if offload.device != "none" and topology.device.type == "cuda":  # the step runs on the host
+            fragments = {id(s.param): s.param.detach() for b in trainable for s in b.slots}
+            if self.policy.shard_optimizer_state:
+                fragments = {
+                    id(s.param): b.shard[f.shard_offset : f.shard_offset + f.length]
+                    for b in trainable
+                    for s, f in zip(b.slots, b.fragments)
+                }
+            masters = host_masters(masters, fragments, offload.pin_memory)
         partial_grads = frozenset(id(r.param) for r in self.layout.records if r.tp is not None and r.tp.partial_grad)
         self._reducer = GradientReducer(
             trainable,
@@ -121,6 +134,21 @@ class Engine:
             masters=masters,
             tp_norm=tp_norm,
         )
+        if offload.device != "none":
+            self._optimizer.attach_offload(
+                build_optimizer_offload(
+                    optimizer,
+                    self._optimizer.stepped_tensors(),
+                    offload.device,
+                    zcfg.sub_group_size,
+                    offload.buffer_count,
+                    offload.ratio,
+                    offload.pin_memory,
+                    self._scratch.get("offload_optimizer"),
+                    topology.rank,
+                    self.world_comm,
+                )
+            )
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.global_step = 0
@@ -226,6 +254,10 @@ class Engine:
         if self._units is not None:
             self._units.remove_hooks()
         self.monitor.close()
+        if self._optimizer.offload is not None:  # swap files are scratch: removed with their directory
+            self._optimizer.offload.close()
+        for scratch in self._scratch.values():
+            scratch.remove()
 
     def train(self, mode: bool = True) -> Engine:
         self.module.train(mode)
@@ -459,6 +491,25 @@ def initialize(
     check_optimizer(opt, model, cfg.zero_optimization.stage, cfg.zero_allow_untested_optimizer)
     scheduler = _build_scheduler(cfg, opt, lr_scheduler)
     return Engine(model, cfg, topology, opt, scheduler, placements, tp_comm)
+
+
+def _prepare_offload(zcfg: Any, topology: Topology, world: Communicator) -> dict[str, ScratchDir]:
+    """Each rank's swap directories (device ``nvme``), checked on every rank; refuses what is not built."""
+    param = zcfg.offload_param
+    if param.device == "nvme" or (param.device == "cpu" and topology.device.type == "cuda"):
+        raise ConfigError(
+            f"zero_optimization.offload_param.device {param.device!r} is not built yet"
+            + ("" if param.device == "nvme" else " on CUDA")
+            + "; use offload_optimizer (optimizer state, and fp32 masters, in host memory or on disk) and set "
+            "offload_param.device to 'none' (docs/offload.md)"
+        )
+    scratch = {}
+    off = zcfg.offload_optimizer
+    if off.device == "nvme":
+        scratch["offload_optimizer"] = prepare_scratch(
+            off.nvme_path, topology.rank, "zero_optimization.offload_optimizer", world
+        )
+    return scratch
 
 
 def _refuse_sharded_construction(model: nn.Module) -> None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import inspect
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -37,6 +38,9 @@ from shardtrain.errors import OptimizerError
 from shardtrain.zero.layout import Bucket
 from shardtrain.zero.policy import ZeroPolicy
 from shardtrain.zero.reducer import GradientReducer
+
+if TYPE_CHECKING:
+    from shardtrain.zero.offload import OptimizerOffload
 
 
 @dataclass(frozen=True)
@@ -99,6 +103,7 @@ class ShardedOptimizer:
         # what the optimizer steps: fp32 masters under mixed precision (see [Note: mixed precision]), else
         # the fragments themselves
         self.masters = masters
+        self.offload: OptimizerOffload | None = None  # sub-group stepping with offloaded state (attach_offload)
         self._stepped = {k: (masters[k] if masters is not None else t) for k, (t, _, _) in self._frag.items()}
         if self.sharded or masters is not None:
             self._move_initial_state()
@@ -119,6 +124,29 @@ class ShardedOptimizer:
                     v = piece.to(stepped.dtype, copy=True).view_as(stepped)
                 new[k] = v
             self.optimizer.state[stepped] = new
+
+    def attach_offload(self, offload: OptimizerOffload) -> None:
+        """Step through ``offload`` from now on; it steps :meth:`stepped_tensors` in sub-groups."""
+        self.offload = offload
+
+    def stepped_tensors(self) -> list[torch.Tensor]:
+        """What the optimizer steps, one per trainable parameter, in the order gradients are handed over."""
+        return list(self._stepped.values())
+
+    def state_of(self, stepped: torch.Tensor) -> dict:
+        """The optimizer state of a stepped tensor, offloaded parts included (mapped, not read into memory)."""
+        if self.offload is not None:
+            return self.offload.state_of(stepped)
+        return self.optimizer.state.get(stepped, {})
+
+    def set_state(self, stepped: torch.Tensor, state: dict) -> None:
+        """Replace the optimizer state of a stepped tensor (an empty dict removes it)."""
+        if self.offload is not None:
+            self.offload.set_state(stepped, state)
+        elif state:
+            self.optimizer.state[stepped] = state
+        else:
+            self.optimizer.state.pop(stepped, None)
 
     def fragment_of(self, p: torch.Tensor) -> tuple[torch.Tensor, Bucket, int] | None:
         """(fragment tensor, bucket, slot index) of a trainable parameter; None for anything else."""
@@ -192,15 +220,24 @@ class ShardedOptimizer:
             self.optimizer.step()
             return total_norm, False
         stepped = [s for s, _, g in triples if g is not None]
-        for s, g in zip(stepped, grads):
-            s.grad = g
-        self.optimizer.step()
-        for s in stepped:
-            s.grad = None
+        if self.offload is not None:  # one sub-group at a time (see [Note: sub-group stepping])
+            upcast = iter(grads)
+            self.offload.step([next(upcast) if g is not None else None for _, _, g in triples])
+        else:
+            for s, g in zip(stepped, grads):
+                s.grad = g
+            self.optimizer.step()
+            for s in stepped:
+                s.grad = None
         if self.masters is not None:  # refresh the compute-dtype fragments from the fp32 masters
             frags = [t for s, t, _ in triples if t.numel()]
+            masters = [s for s, t, _ in triples if t.numel()]
             with torch.no_grad():
-                torch._foreach_copy_(frags, [s for s, t, _ in triples if t.numel()])
+                if frags and frags[0].device != masters[0].device:  # masters offloaded to the host
+                    for t, s in zip(frags, masters):
+                        t.copy_(s, non_blocking=True)
+                else:
+                    torch._foreach_copy_(frags, masters)
         if self.sharded:
             self._all_gather_params()
         return total_norm, False

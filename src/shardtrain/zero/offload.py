@@ -1,0 +1,618 @@
+"""Optimizer state in host memory or in swap files, stepped one sub-group at a time (DeepSpeed's ZeRO-Offload
+and ZeRO-Infinity for the optimizer).
+
+[Note: sub-group stepping]
+A rank's stepped tensors (its fp32 fragments, or their masters under mixed precision; see [Note: optimizer
+fragments]) are cut, in the order the optimizer wrapper lists them, into *sub-groups* of about
+``sub_group_size`` elements; a fragment is never split, so one larger than that is a sub-group of its own.
+The user's optimizer steps one sub-group at a time: only that sub-group's tensors carry a ``.grad`` when
+``optimizer.step()`` is called, and torch's optimizers skip a tensor without one. The update of an element
+depends on that element's gradient and state alone (see [Note: element-wise optimizers]) and torch's CPU
+optimizers loop over tensors, so the values are bitwise those of one call over every tensor. Per-tensor
+scalar state (``step``) stays in ``optimizer.state``; element-wise state (``exp_avg``, ``exp_avg_sq``,
+``momentum_buffer``, ...) of an offloaded sub-group is in ``optimizer.state`` only while that sub-group is
+stepped. ``ratio`` < 1 offloads the first sub-groups holding that fraction of the elements; the others keep
+their state resident, as without offload. Step hooks registered on the optimizer run once per sub-group.
+
+[Note: swap pipeline]
+With ``device: nvme`` each (stepped tensor, state key) has one file in the rank's scratch directory. A pool
+of ``buffer_count`` byte buffers holds sub-groups in memory: while sub-group i is stepped, reads of the
+next sub-groups (as many as free buffers allow) and the write-back of the previous ones run on a small
+thread pool (``os.preadv`` / ``os.pwritev`` release the GIL). A buffer is reused only after its write has
+finished, so the element-wise optimizer state in memory never exceeds ``buffer_count`` sub-groups. The
+exception is a tensor's first step: the optimizer creates its state itself (zeros, in its own memory), which
+is written from there and dropped; on that step one more sub-group can be in memory. Every rank agrees on
+the outcome of the step (one small object all-gather) so that a full disk on one rank raises on all ranks,
+naming the rank and the file, instead of the others waiting for a collective that never comes.
+
+[Note: scratch directories]
+Swap files are scratch, never state: each run makes ``<nvme_path>/shardtrain-swap-<host>-<pid>-rank<r>-*``
+(``tempfile.mkdtemp``, so never an existing directory) with an ``owner.json`` naming host, pid and the
+process's start time. It is removed by ``Engine.close()`` and at interpreter exit. A directory whose owner
+on this host is no longer running (pid gone, or reused by a process started later) is from a killed run and
+is removed when a new run prepares its own; a directory of another host, or of a live process, is left
+alone. Checkpoints copy the state out (:meth:`OptimizerOffload.state_of` maps the files; pages are read as
+the writer goes) and loading writes it into fresh files.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import queue
+import shutil
+import socket
+import tempfile
+import threading
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardtrain.comm import Communicator
+from shardtrain.errors import ShardtrainError
+
+PREFIX = "shardtrain-swap-"
+MARKER = "owner.json"
+ALIGN = 4096  # buffer regions start on page boundaries (and could be read with O_DIRECT)
+
+
+class OffloadError(ShardtrainError, RuntimeError):
+    """A swap directory or file cannot be created, written or read; the message names the rank and the path."""
+
+
+# -- scratch directories ---------------------------------------------------------------------------
+
+
+def _process_start(pid: int) -> str | None:
+    """The start time of ``pid`` (field 22 of /proc/<pid>/stat), to tell a reused pid from the original."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def _host_tag() -> str:
+    """This host's name as scratch directory names carry it (no '-', which separates the fields)."""
+    return socket.gethostname().replace("-", "_")
+
+
+def _owner_alive(host: str, pid: int, started: str | None) -> bool | None:
+    """Whether the process that made a scratch directory still runs; None when it ran on another host.
+    ``started`` None: not known (the marker is not written yet), a live pid counts as the owner."""
+    if host != _host_tag():
+        return None
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's live process
+    now = _process_start(pid)
+    return started is None or now is None or now == started
+
+
+def clear_stale(root: Path) -> list[Path]:
+    """Remove scratch directories under ``root`` left by runs that are gone (see [Note: scratch directories])."""
+    removed = []
+    for d in root.glob(PREFIX + "*"):
+        parts = d.name[len(PREFIX) :].split("-")
+        if not d.is_dir() or len(parts) < 4 or not parts[-3].isdigit():
+            continue
+        started = None  # no marker yet (its run is between mkdtemp and writing it) or a damaged one: the name tells
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            started = json.loads((d / MARKER).read_text()).get("started")
+        if _owner_alive("-".join(parts[:-3]), int(parts[-3]), started) is False:
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
+    return removed
+
+
+_LIVE: weakref.WeakSet[ScratchDir] = weakref.WeakSet()
+
+
+@atexit.register
+def _remove_all() -> None:
+    for d in list(_LIVE):
+        d.remove()
+
+
+class ScratchDir:
+    """This rank's fresh swap directory under ``root``, checked by writing, syncing and reading a probe file."""
+
+    def __init__(self, root: str | Path, rank: int, what: str) -> None:
+        self.root = Path(root)
+        if not self.root.is_dir():
+            why = "is not a directory" if self.root.exists() else "does not exist"
+            raise OffloadError(f"rank {rank}: {what}.nvme_path {str(self.root)!r} {why}; create it or pick another")
+        clear_stale(self.root)
+        try:
+            prefix = f"{PREFIX}{_host_tag()}-{os.getpid()}-rank{rank}-"
+            self.path = Path(tempfile.mkdtemp(prefix=prefix, dir=self.root))
+        except OSError as err:
+            raise OffloadError(
+                f"rank {rank}: cannot create a swap directory in {what}.nvme_path {str(self.root)!r}: "
+                f"{err.strerror or err}"
+            ) from None
+        _LIVE.add(self)
+        owner = {"host": socket.gethostname(), "pid": os.getpid(), "started": _process_start(os.getpid())}
+        probe = self.path / "probe"
+        try:
+            (self.path / MARKER).write_text(json.dumps(owner))
+            with open(probe, "wb") as f:
+                f.write(b"\0" * ALIGN)
+                f.flush()
+                os.fsync(f.fileno())
+            if probe.read_bytes() != b"\0" * ALIGN:
+                raise OSError(0, "the probe file read back different bytes")
+            probe.unlink()
+        except OSError as err:
+            self.remove()
+            raise OffloadError(
+                f"rank {rank}: {what}.nvme_path {str(self.root)!r} is not usable for swap files "
+                f"({err.strerror or err} in {str(self.path)!r})"
+            ) from None
+
+    def remove(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+        _LIVE.discard(self)
+
+
+def prepare_scratch(root: str | Path, rank: int, what: str, world: Communicator) -> ScratchDir:
+    """Every rank makes its scratch directory; if any fails, every rank raises one error naming them all.
+    Collective over ``world``."""
+    mine: ScratchDir | None = None
+    error = None
+    try:
+        mine = ScratchDir(root, rank, what)
+    except OffloadError as err:
+        error = str(err)
+    outcomes = world.all_gather_object(error, what=f"{what} swap directory check")
+    failed = [e for e in outcomes if e is not None]
+    if failed:
+        if mine is not None:
+            mine.remove()
+        raise OffloadError("; ".join(failed))
+    assert mine is not None
+    return mine
+
+
+# -- sub-groups ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SubGroup:
+    """Consecutive stepped tensors (indices into the wrapper's list) stepped together."""
+
+    index: int
+    members: tuple[int, ...]
+    numel: int
+    offloaded: bool
+
+
+def make_sub_groups(numels: list[int], size: int, ratio: float = 1.0) -> list[SubGroup]:
+    """Cut tensors of ``numels`` elements, in order, into sub-groups of at most ``size`` elements (a larger
+    tensor alone); the first ones holding ``ratio`` of all elements are offloaded."""
+    groups: list[list[int]] = []
+    current: list[int] = []
+    count = 0
+    for i, n in enumerate(numels):
+        if current and count + n > max(size, 1):
+            groups.append(current)
+            current, count = [], 0
+        current.append(i)
+        count += n
+    if current:
+        groups.append(current)
+    total = sum(numels)
+    out, offloaded_so_far = [], 0
+    for gi, members in enumerate(groups):
+        n = sum(numels[i] for i in members)
+        offloaded = ratio >= 1.0 or offloaded_so_far + n <= ratio * total
+        offloaded_so_far += n if offloaded else 0
+        out.append(SubGroup(gi, tuple(members), n, offloaded))
+    return out
+
+
+# -- swap files ------------------------------------------------------------------------------------
+
+
+def _write_at(fd: int, data: memoryview, offset: int) -> int:
+    """One positional write (tests replace it to simulate a full disk)."""
+    return os.pwritev(fd, [data], offset)
+
+
+def _read_at(fd: int, out: memoryview, offset: int) -> int:
+    return os.preadv(fd, [out], offset)
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+
+
+class SwapFiles:
+    """One file per (stepped tensor, state key) in a scratch directory; errors name the file."""
+
+    def __init__(self, scratch: ScratchDir, rank: int) -> None:
+        self.scratch, self.rank = scratch, rank
+        self._fds: dict[tuple[int, str], int] = {}
+        self._lock = threading.Lock()
+
+    def path(self, member: int, key: str) -> Path:
+        return self.scratch.path / f"{member}.{key}.bin"
+
+    def _fd(self, member: int, key: str) -> int:
+        with self._lock:
+            if (member, key) not in self._fds:
+                self._fds[(member, key)] = os.open(self.path(member, key), os.O_RDWR | os.O_CREAT, 0o600)
+            return self._fds[(member, key)]
+
+    def write(self, member: int, key: str, t: torch.Tensor) -> None:
+        data = _bytes_of(t.detach().contiguous())
+        try:
+            fd, done = self._fd(member, key), 0
+            while done < len(data):
+                n = _write_at(fd, data[done:], done)
+                if n <= 0:
+                    raise OSError(0, f"wrote {done} of {len(data)} bytes")
+                done += n
+        except OSError as err:
+            raise OffloadError(
+                f"rank {self.rank}: writing optimizer state to {str(self.path(member, key))!r} failed: "
+                f"{err.strerror or err}"
+            ) from None
+
+    def read(self, member: int, key: str, out: torch.Tensor) -> None:
+        data = _bytes_of(out)
+        try:
+            fd, done = self._fd(member, key), 0
+            while done < len(data):
+                n = _read_at(fd, data[done:], done)
+                if n <= 0:
+                    raise OSError(0, f"the file ends after {done} of {len(data)} bytes")
+                done += n
+        except OSError as err:
+            raise OffloadError(
+                f"rank {self.rank}: reading optimizer state from {str(self.path(member, key))!r} failed: "
+                f"{err.strerror or err}"
+            ) from None
+
+    def mapped(self, member: int, key: str, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """The file as a read-only-in-spirit tensor: pages are read when touched, never all at once."""
+        if numel == 0:
+            return torch.empty(0, dtype=dtype)
+        return torch.from_file(str(self.path(member, key)), shared=False, size=numel, dtype=dtype)
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+
+# -- the offloaded optimizer step ------------------------------------------------------------------
+
+
+@dataclass
+class _Frame:
+    """One reusable byte buffer holding a sub-group's element-wise state while it is read, stepped, written."""
+
+    data: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.uint8))
+
+    def ensure(self, nbytes: int, pin: bool) -> None:
+        if self.data.numel() < nbytes:
+            self.data = torch.empty(0, dtype=torch.uint8)  # free the old one before allocating the new one
+            self.data = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+
+
+def _elementwise(v: Any, stepped: torch.Tensor) -> bool:
+    return torch.is_tensor(v) and v.dim() > 0 and v.shape == stepped.shape
+
+
+class OptimizerOffload:
+    """Steps ``optimizer`` one sub-group at a time over ``stepped`` (see [Note: sub-group stepping]); with
+    ``files``, element-wise state of offloaded sub-groups lives in them (see [Note: swap pipeline])."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        stepped: list[torch.Tensor],
+        groups: list[SubGroup],
+        files: SwapFiles | None,
+        buffer_count: int,
+        world: Communicator,
+        pin_memory: bool = False,
+    ) -> None:
+        self.optimizer, self.stepped, self.groups, self.files = optimizer, stepped, groups, files
+        self.world, self.pin = world, pin_memory and torch.cuda.is_available()
+        self.buffer_count = buffer_count
+        self._index = {id(s): i for i, s in enumerate(stepped)}
+        self._group_of = {i: g for g in groups for i in g.members}
+        # element-wise state on disk: member -> {key: dtype}
+        self._saved: dict[int, dict[str, torch.dtype]] = {}
+        self._frames: queue.Queue[_Frame] = queue.Queue()
+        for _ in range(buffer_count):
+            self._frames.put(_Frame())
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="shardtrain-swap") if files else None
+        self._held_lock = threading.Lock()
+        self._busy_bytes = 0  # bytes of buffers taken out of the pool
+        self._extra_bytes = 0  # state the optimizer created itself, on its way to the files
+        self.peak_held_bytes = 0
+        """Most bytes of element-wise state this object held in memory at once (buffers + first-step state)."""
+        if files is not None:  # state made at construction (Adagrad's ``sum``) goes to the files at once
+            for g in groups:
+                if g.offloaded:
+                    for i in g.members:
+                        self._write_new(i, self._detach_state(i))
+
+    # -- accounting (read by tests and the benchmark) --
+    def held_bytes(self) -> int:
+        """Bytes of the buffers allocated now plus first-step state not yet written: what is in memory."""
+        frames = sum(f.data.untyped_storage().nbytes() for f in list(self._frames.queue))
+        return frames + self._busy_bytes + self._extra_bytes
+
+    def _note_peak(self) -> None:
+        with self._held_lock:
+            self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes())
+
+    @property
+    def offloaded(self) -> bool:
+        return self.files is not None
+
+    def is_offloaded(self, stepped: torch.Tensor) -> bool:
+        i = self._index.get(id(stepped))
+        return self.files is not None and i is not None and self._group_of[i].offloaded
+
+    # -- state access for checkpoints --
+    def state_of(self, stepped: torch.Tensor) -> dict[str, Any]:
+        """The full optimizer state of one stepped tensor: element-wise state of an offloaded one mapped from
+        its files (read page by page as it is used)."""
+        state = dict(self.optimizer.state.get(stepped, {}))
+        if self.is_offloaded(stepped):
+            i = self._index[id(stepped)]
+            for key, dtype in self._saved.get(i, {}).items():
+                state[key] = self.files.mapped(i, key, dtype, stepped.numel()).view_as(stepped)
+        return state
+
+    def set_state(self, stepped: torch.Tensor, state: dict[str, Any]) -> None:
+        """Replace the optimizer state of one stepped tensor; element-wise state of an offloaded one goes to its
+        files at once and is not kept."""
+        if not self.is_offloaded(stepped):
+            if state:
+                self.optimizer.state[stepped] = state
+            else:
+                self.optimizer.state.pop(stepped, None)
+            return
+        i = self._index[id(stepped)]
+        elementwise = {k: v for k, v in state.items() if _elementwise(v, stepped)}
+        scalars = {k: v for k, v in state.items() if k not in elementwise}
+        self._saved.pop(i, None)
+        self._write_new(i, elementwise)
+        if scalars:
+            self.optimizer.state[stepped] = scalars
+        else:
+            self.optimizer.state.pop(stepped, None)
+
+    # -- the step --
+    def step(self, grads: list[torch.Tensor | None]) -> None:
+        """Step every sub-group with ``grads[i]`` as the gradient of ``stepped[i]`` (None: not stepped)."""
+        if self.files is None:
+            for g in self.groups:
+                self._step_group(g, grads)
+            return
+        error = None
+        try:
+            self._pipelined_step(grads)
+        except Exception as err:  # shared with every rank below
+            error = str(err) if isinstance(err, OffloadError) else f"{type(err).__name__}: {err}"
+            cause = err
+        outcomes = self.world.all_gather_object(error, what="offloaded optimizer step outcome")
+        failed = [e for e in outcomes if e is not None]
+        if failed:
+            message = "offloaded optimizer step failed: " + "; ".join(failed)
+            if error is not None:
+                raise OffloadError(message) from cause
+            raise OffloadError(message)
+
+    def _step_group(self, group: SubGroup, grads: list[torch.Tensor | None]) -> None:
+        members = [i for i in group.members if grads[i] is not None]
+        host = [grads[i].to(self.stepped[i].device, non_blocking=True) for i in members]
+        if any(g.device != grads[i].device for g, i in zip(host, members)) and torch.cuda.is_available():
+            torch.cuda.current_stream().synchronize()  # device-to-host copies done before the CPU reads them
+        for i, g in zip(members, host):
+            self.stepped[i].grad = g
+        try:
+            self.optimizer.step()
+        finally:
+            for i in members:
+                self.stepped[i].grad = None
+
+    def _regions(self, group: SubGroup) -> tuple[list[tuple[int, str, torch.dtype, int]], int]:
+        """(member, key, dtype, byte offset) of every saved element-wise state of ``group``, and the bytes."""
+        regions, offset = [], 0
+        for i in group.members:
+            for key, dtype in sorted(self._saved.get(i, {}).items()):
+                regions.append((i, key, dtype, offset))
+                nbytes = self.stepped[i].numel() * dtype.itemsize
+                offset += -(-nbytes // ALIGN) * ALIGN
+        return regions, offset
+
+    def _take_frame(self, block: bool) -> _Frame | None:
+        try:
+            frame = self._frames.get(block=block)
+        except queue.Empty:
+            return None
+        with self._held_lock:
+            self._busy_bytes += frame.data.untyped_storage().nbytes()
+        return frame
+
+    def _give_frame(self, frame: _Frame) -> None:
+        with self._held_lock:
+            self._busy_bytes -= frame.data.untyped_storage().nbytes()
+        self._frames.put(frame)
+
+    def _read_group(self, group: SubGroup, frame: _Frame) -> dict[int, dict[str, torch.Tensor]]:
+        regions, nbytes = self._regions(group)
+        with self._held_lock:
+            self._busy_bytes -= frame.data.untyped_storage().nbytes()
+            frame.ensure(nbytes, self.pin)
+            self._busy_bytes += frame.data.untyped_storage().nbytes()
+        self._note_peak()
+        views: dict[int, dict[str, torch.Tensor]] = {}
+        for i, key, dtype, offset in regions:
+            n = self.stepped[i].numel()
+            view = frame.data[offset : offset + n * dtype.itemsize].view(dtype).view_as(self.stepped[i])
+            self.files.read(i, key, view)
+            views.setdefault(i, {})[key] = view
+        return views
+
+    def _write_group(self, group: SubGroup, frame: _Frame, out: dict[int, dict[str, torch.Tensor]]) -> None:
+        try:
+            for i, state in out.items():
+                for key, t in state.items():
+                    self.files.write(i, key, t)
+        finally:
+            self._give_frame(frame)
+
+    def _detach_state(self, i: int) -> dict[str, torch.Tensor]:
+        """Remove and return the element-wise state of ``stepped[i]`` from the optimizer."""
+        s = self.stepped[i]
+        state = self.optimizer.state.get(s)
+        if not state:
+            return {}
+        out = {k: v for k, v in state.items() if _elementwise(v, s)}
+        for k in out:
+            del state[k]
+        if not state:
+            del self.optimizer.state[s]
+        return out
+
+    def _write_new(self, i: int, state: dict[str, torch.Tensor]) -> None:
+        """State that is not in a buffer (made by the optimizer, or loaded): written at once, then dropped."""
+        nbytes = sum(t.numel() * t.element_size() for t in state.values())
+        with self._held_lock:
+            self._extra_bytes += nbytes
+        self._note_peak()
+        try:
+            for key, t in state.items():
+                self.files.write(i, key, t)
+                self._saved.setdefault(i, {})[key] = t.dtype
+        finally:
+            with self._held_lock:
+                self._extra_bytes -= nbytes
+
+    def _pipelined_step(self, grads: list[torch.Tensor | None]) -> None:
+        offloaded = [g for g in self.groups if g.offloaded]
+        reads: dict[int, tuple[_Frame, Future]] = {}
+        writes: list[Future] = []
+        issued = 0
+
+        def issue(block: bool) -> bool:
+            nonlocal issued
+            if issued >= len(offloaded):
+                return False
+            frame = self._take_frame(block)
+            if frame is None:
+                return False
+            reads[issued] = (frame, self._pool.submit(self._read_group, offloaded[issued], frame))
+            issued += 1
+            return True
+
+        try:
+            while issue(block=False):  # read ahead while buffers are free
+                pass
+            for g in self.groups:  # resident sub-groups step while the first reads run
+                if not g.offloaded:
+                    self._step_group(g, grads)
+            for k, group in enumerate(offloaded):
+                while issued <= k:
+                    issue(block=True)
+                frame, future = reads.pop(k)
+                try:
+                    views = future.result()
+                except BaseException:
+                    self._give_frame(frame)
+                    raise
+                for i, state in views.items():
+                    self.optimizer.state.setdefault(self.stepped[i], {}).update(state)
+                try:
+                    self._step_group(group, grads)
+                finally:
+                    out = {i: self._detach_state(i) for i in group.members}
+                # state the optimizer created on this step (not in the buffer) is written from where it is
+                fresh: dict[int, dict[str, torch.Tensor]] = {}
+                for i, state in out.items():
+                    for key, t in state.items():
+                        if key not in views.get(i, {}):
+                            fresh.setdefault(i, {})[key] = t
+                if fresh:
+                    for i, state in fresh.items():
+                        for key in state:
+                            del out[i][key]
+                        self._write_new(i, state)
+                writes.append(self._pool.submit(self._write_group, group, frame, out))
+                while issue(block=False):
+                    pass
+            for w in writes:
+                w.result()
+        finally:  # on failure: no thread may still fill a buffer after this returns
+            for frame, future in reads.values():
+                with contextlib.suppress(BaseException):
+                    future.result()
+                self._give_frame(frame)
+            for w in writes:
+                with contextlib.suppress(BaseException):
+                    w.result()
+
+    def close(self) -> None:
+        """Stop the I/O threads, close the files (the scratch directory is removed by its owner)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        if self.files is not None:
+            self.files.close()
+        while not self._frames.empty():
+            self._frames.get_nowait().data = torch.empty(0, dtype=torch.uint8)
+
+
+# -- wiring ----------------------------------------------------------------------------------------
+
+
+def host_masters(
+    masters: dict[int, torch.Tensor] | None, fragments: dict[int, torch.Tensor], pin: bool
+) -> dict[int, torch.Tensor]:
+    """fp32 masters in host memory for a CUDA run whose optimizer state is offloaded: the step runs on the CPU
+    (see docs/offload.md). ``fragments``: the fp32 fragments, used when there are no separate masters."""
+    source = masters if masters is not None else fragments
+    out = {}
+    for k, t in source.items():
+        host = torch.empty(t.shape, dtype=torch.float32, device="cpu", pin_memory=pin and torch.cuda.is_available())
+        host.copy_(t)
+        out[k] = host
+    return out
+
+
+def build_optimizer_offload(
+    optimizer: torch.optim.Optimizer,
+    stepped: list[torch.Tensor],
+    device: str,
+    sub_group_size: int,
+    buffer_count: int,
+    ratio: float,
+    pin_memory: bool,
+    scratch: ScratchDir | None,
+    rank: int,
+    world: Communicator,
+) -> OptimizerOffload:
+    """Sub-groups over ``stepped`` and, with ``device == "nvme"``, swap files in ``scratch``."""
+    groups = make_sub_groups([s.numel() for s in stepped], sub_group_size, ratio if device == "nvme" else 0.0)
+    files = SwapFiles(scratch, rank) if device == "nvme" and scratch is not None else None
+    return OptimizerOffload(optimizer, stepped, groups, files, buffer_count, world, pin_memory)
