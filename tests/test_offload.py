@@ -133,3 +133,153 @@ def test_ratio_offloads_the_first_sub_groups_only(tmp_path):
     for r, p in zip(offloaded, plain):
         kept = r["resident"][-1] / p["resident"][-1]
         assert 0.3 < kept < 0.7, kept  # about half the state stays resident
+
+
+# -- memory: buffer_count sub-groups, not the whole state ------------------------------------------
+
+
+def _rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
+def train_wide(nvme_path: str | None, steps: int = 3) -> dict:
+    """One rank, a GPT whose Adam state (~25 MB) dwarfs the swap buffers; what the swapper held, and the RSS."""
+    import gc
+
+    from shardtrain.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=256, n_layer=4, n_head=4))
+    zero: dict = {"stage": 2, "sub_group_size": 100_000}
+    if nvme_path is not None:
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 3}
+    engine = shardtrain.initialize(
+        model, {"train_micro_batch_size_per_gpu": 2, "zero_optimization": zero}, torch.optim.AdamW(model.parameters())
+    )
+    x = torch.randint(0, 64, (2, 16))
+    for _ in range(steps):
+        engine.backward(engine(x, torch.roll(x, -1, 1)))
+        engine.step()
+    gc.collect()
+    out = {"rss": _rss_bytes()}
+    offload = engine._optimizer.offload
+    if offload is not None:
+        files = offload.files
+        sizes = {
+            g.index: sum(files.path(i, k).stat().st_size for i in g.members for k in offload._saved.get(i, {}))
+            for g in offload.groups
+        }
+        out |= {
+            "peak": offload.peak_held_bytes,
+            "held": offload.held_bytes(),
+            "group_bytes": max(sizes.values()),
+            "total_bytes": sum(sizes.values()),
+            "regions": max(sum(len(offload._saved.get(i, {})) for i in g.members) for g in offload.groups),
+            "buffer_count": offload.buffer_count,
+        }
+    engine.close()
+    return out
+
+
+def test_optimizer_state_in_memory_is_buffer_count_sub_groups(tmp_path):
+    """The swapper's buffers (their storages, measured) never hold more than ``buffer_count`` sub-groups of state,
+    a small part of the whole state on disk; and the process's resident memory shows the state is gone from it."""
+    (offloaded,) = run_distributed(train_wide, 1, str(tmp_path))
+    (plain,) = run_distributed(train_wide, 1, None)
+    largest = offloaded["group_bytes"] + offloaded["regions"] * 4096  # each state region starts on a page
+    assert offloaded["peak"] <= offloaded["buffer_count"] * largest
+    assert offloaded["peak"] >= largest  # the buffers did hold a sub-group (the accounting counts something)
+    assert offloaded["total_bytes"] >= 4 * offloaded["peak"]  # the whole state is far larger than what was held
+    assert offloaded["held"] <= offloaded["peak"]
+    # the in-memory run keeps all ~25 MB of Adam state resident; the offloaded one at most the buffers
+    saved = plain["rss"] - offloaded["rss"]
+    assert saved >= offloaded["total_bytes"] - offloaded["peak"] - 8 * 2**20, (saved, offloaded)
+
+
+# -- checkpoints: offloaded state saved and loaded in any layout ---------------------------------
+
+
+def ckpt_run(recipe: Recipe, stage: int, zero_extra: dict | None, steps: int, save: str | None, load: str | None):
+    """Train ``steps`` steps (after loading ``load``), then save to ``save``; returns losses and final weights."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_model(Recipe(seed=recipe.seed + 7) if load else recipe)  # a loaded run's values come from the file
+    config = {
+        "train_micro_batch_size_per_gpu": recipe.micro,
+        "gradient_accumulation_steps": recipe.gas,
+        "gradient_clipping": recipe.clip,
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": 2000,
+            "stage3_param_persistence_threshold": 0,
+            **(zero_extra or {}),
+        },
+    }
+    engine = shardtrain.initialize(model, config=config, optimizer=make_optimizer(model, recipe))
+    if load:
+        engine.load_checkpoint(load)
+    batches = global_micro_batches(recipe, world)
+    lo, hi = rank * recipe.micro, (rank + 1) * recipe.micro
+    losses = []
+    for _ in range(steps):
+        step = engine.global_step
+        total = 0.0
+        for m in range(recipe.gas):
+            x, y = batches[step * recipe.gas + m]
+            loss = engine(x[lo:hi], y[lo:hi])
+            engine.backward(loss)
+            engine.step()
+            total += loss.item() / recipe.gas
+        losses.append(total)
+    if save:
+        engine.save_checkpoint(save, tag="t")
+    params = engine.full_state_dict()
+    engine.close()
+    return {"losses": losses, "params": params}
+
+
+def _optim_tensors(path: Path) -> dict[str, torch.Tensor]:
+    from shardtrain.checkpoint import open_checkpoint
+
+    reader = open_checkpoint(path, "t")
+    return {n: reader.read(n) for n in reader.manifest.tensors if n.startswith(("optim/", "model/"))}
+
+
+def test_checkpoint_of_offloaded_state_equals_in_memory_checkpoint_and_resumes_exactly(tmp_path):
+    recipe = Recipe(steps=4)
+    nvme = {"sub_group_size": 1500, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "swap")}}
+    (tmp_path / "swap").mkdir()
+    straight = run_distributed(ckpt_run, 2, recipe, 2, nvme, 4, None, None)
+    run_distributed(ckpt_run, 2, recipe, 2, nvme, 2, str(tmp_path / "off"), None)
+    run_distributed(ckpt_run, 2, recipe, 2, None, 2, str(tmp_path / "mem"), None)
+    saved_off, saved_mem = _optim_tensors(tmp_path / "off"), _optim_tensors(tmp_path / "mem")
+    assert saved_off.keys() == saved_mem.keys() and any(k.endswith("/exp_avg_sq") for k in saved_off)
+    for k in saved_off:
+        assert torch.equal(saved_off[k], saved_mem[k]), k
+    # offload -> offload, same layout: the resumed steps are the straight run's, bitwise
+    resumed = run_distributed(ckpt_run, 2, recipe, 2, nvme, 2, None, str(tmp_path / "off"))
+    for r, s in zip(resumed, straight):
+        assert r["losses"] == s["losses"][2:]
+    for k, v in straight[0]["params"].items():
+        assert torch.equal(resumed[0]["params"][k], v), k
+    assert list((tmp_path / "swap").iterdir()) == []
+
+
+@pytest.mark.parametrize(("save_offloaded", "world", "stage"), [(True, 3, 3), (False, 3, 1), (False, 1, 3)])
+def test_checkpoint_loads_across_offload_and_world_size(save_offloaded, world, stage, tmp_path):
+    """Saved at world 2 stage 2 (offloaded or not), loaded at another world and stage with and without offload:
+    the two continue bitwise alike, so the offloaded engine loaded exactly what the in-memory one did."""
+    recipe = Recipe(steps=4)
+    (tmp_path / "swap").mkdir()
+    nvme = {"sub_group_size": 1500, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "swap")}}
+    run_distributed(ckpt_run, 2, recipe, 2, nvme if save_offloaded else None, 2, str(tmp_path / "c"), None)
+    into_mem = run_distributed(ckpt_run, world, recipe, stage, None, 2, None, str(tmp_path / "c"))
+    into_off = run_distributed(ckpt_run, world, recipe, stage, nvme, 2, None, str(tmp_path / "c"))
+    for a, b in zip(into_off, into_mem):
+        assert a["losses"] == b["losses"]
+    for k, v in into_mem[0]["params"].items():
+        assert torch.equal(into_off[0]["params"][k], v), k
