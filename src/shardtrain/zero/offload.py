@@ -25,6 +25,15 @@ is written from there and dropped; on that step one more sub-group can be in mem
 the outcome of the step (one small object all-gather) so that a full disk on one rank raises on all ranks,
 naming the rank and the file, instead of the others waiting for a collective that never comes.
 
+[Note: page cache]
+A write through the page cache only moves the state from this process's memory to the kernel's: a rank
+whose state does not fit in memory would then fill the page cache with dirty pages, and a benchmark would
+measure memory, not the disk. DeepSpeed reads and writes with O_DIRECT. Here a swap file of at least
+``DROP_BYTES`` is synced (``fdatasync``, on the I/O thread, overlapped with the step) and dropped from the
+cache (``posix_fadvise(DONTNEED)``) after each write, and dropped after each read; so the state really
+leaves memory and a full disk surfaces at the step that wrote it (ENOSPC at write-back is reported by the
+sync). Smaller files (biases, norms) stay cached: their bytes do not matter and a sync each would.
+
 [Note: scratch directories]
 Swap files are scratch, never state: each run makes ``<nvme_path>/shardtrain-swap-<host>-<pid>-rank<r>-*``
 (``tempfile.mkdtemp``, so never an existing directory) with an ``owner.json`` naming host, pid and the
@@ -60,6 +69,7 @@ from shardtrain.errors import ShardtrainError
 PREFIX = "shardtrain-swap-"
 MARKER = "owner.json"
 ALIGN = 4096  # buffer regions start on page boundaries (and could be read with O_DIRECT)
+DROP_BYTES = 1 << 20  # files at least this large leave the page cache after each write and read
 
 
 class OffloadError(ShardtrainError, RuntimeError):
@@ -264,6 +274,9 @@ class SwapFiles:
                 if n <= 0:
                     raise OSError(0, f"wrote {done} of {len(data)} bytes")
                 done += n
+            if done >= DROP_BYTES:  # see [Note: page cache]
+                os.fdatasync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         except OSError as err:
             raise OffloadError(
                 f"rank {self.rank}: writing optimizer state to {str(self.path(member, key))!r} failed: "
@@ -279,6 +292,8 @@ class SwapFiles:
                 if n <= 0:
                     raise OSError(0, f"the file ends after {done} of {len(data)} bytes")
                 done += n
+            if done >= DROP_BYTES:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         except OSError as err:
             raise OffloadError(
                 f"rank {self.rank}: reading optimizer state from {str(self.path(member, key))!r} failed: "
