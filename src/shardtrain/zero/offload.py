@@ -255,6 +255,7 @@ class SwapFiles:
         self.scratch, self.rank = scratch, rank
         self._fds: dict[tuple[int, str], int] = {}
         self._lock = threading.Lock()
+        self.bytes_read = self.bytes_written = 0  # since construction (benchmarks report the bandwidth)
 
     def path(self, member: int, key: str) -> Path:
         return self.scratch.path / f"{member}.{key}.bin"
@@ -277,6 +278,8 @@ class SwapFiles:
             if done >= DROP_BYTES:  # see [Note: page cache]
                 os.fdatasync(fd)
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            with self._lock:
+                self.bytes_written += done
         except OSError as err:
             raise OffloadError(
                 f"rank {self.rank}: writing optimizer state to {str(self.path(member, key))!r} failed: "
@@ -294,6 +297,8 @@ class SwapFiles:
                 done += n
             if done >= DROP_BYTES:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            with self._lock:
+                self.bytes_read += done
         except OSError as err:
             raise OffloadError(
                 f"rank {self.rank}: reading optimizer state from {str(self.path(member, key))!r} failed: "
