@@ -2,7 +2,7 @@
 
     python bench/bench_offload.py                        # ~310M-parameter GPT (d 1024, 24 layers), 2 timed steps
     python bench/bench_offload.py --layers 6 --steps 2   # a quicker ~85M one
-    python bench/bench_offload.py --nvme-path /mnt/nvme  # swap files on another disk (default: /tmp/shardtrain-bench-swap)
+    python bench/bench_offload.py --nvme-path /mnt/nvme  # swap files elsewhere (default /tmp/shardtrain-bench-swap)
 
 Runs, each in fresh processes (two ranks, one thread each, ZeRO stage 3, fp32, AdamW):
 
