@@ -120,7 +120,10 @@ def test_nvme_offload_under_mixed_precision_is_bitwise_in_memory_training(precis
     nvme = {"sub_group_size": 2000, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}
     top = {precision: {"enabled": True}}
     plain = run_distributed(train, 2, recipe, 3, 2, None, 2000, top)
-    _bitwise_equal(run_distributed(train, 2, recipe, 3, 2, nvme, 2000, top), plain)
+    offloaded = run_distributed(train, 2, recipe, 3, 2, nvme, 2000, top)
+    _bitwise_equal(offloaded, plain)
+    for r, q in zip(offloaded, plain):  # the fp32 masters went to the files with the moments
+        assert max(r["resident"]) < 0.05 * max(q["resident"])
 
 
 def test_cpu_offload_on_a_cpu_machine_is_in_memory_training(tmp_path):
@@ -217,7 +220,15 @@ def test_optimizer_state_in_memory_is_buffer_count_sub_groups(tmp_path):
 # -- checkpoints: offloaded state saved and loaded in any layout ---------------------------------
 
 
-def ckpt_run(recipe: Recipe, stage: int, zero_extra: dict | None, steps: int, save: str | None, load: str | None):
+def ckpt_run(
+    recipe: Recipe,
+    stage: int,
+    zero_extra: dict | None,
+    steps: int,
+    save: str | None,
+    load: str | None,
+    top: dict | None = None,
+):
     """Train ``steps`` steps (after loading ``load``), then save to ``save``; returns losses and final weights."""
     import torch.distributed as dist
 
@@ -233,6 +244,7 @@ def ckpt_run(recipe: Recipe, stage: int, zero_extra: dict | None, steps: int, sa
             "stage3_param_persistence_threshold": 0,
             **(zero_extra or {}),
         },
+        **(top or {}),
     }
     engine = shardtrain.initialize(model, config=config, optimizer=make_optimizer(model, recipe))
     if load:
@@ -264,19 +276,22 @@ def _optim_tensors(path: Path) -> dict[str, torch.Tensor]:
     return {n: reader.read(n) for n in reader.manifest.tensors if n.startswith(("optim/", "model/"))}
 
 
-def test_checkpoint_of_offloaded_state_equals_in_memory_checkpoint_and_resumes_exactly(tmp_path):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_checkpoint_of_offloaded_state_equals_in_memory_checkpoint_and_resumes_exactly(precision, tmp_path):
+    """bf16: the saved fp32 masters come from their swap files, and loading writes them back there."""
     recipe = Recipe(steps=4)
     nvme = {"sub_group_size": 1500, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "swap")}}
+    top = {"bf16": {"enabled": True}} if precision == "bf16" else None
     (tmp_path / "swap").mkdir()
-    straight = run_distributed(ckpt_run, 2, recipe, 2, nvme, 4, None, None)
-    run_distributed(ckpt_run, 2, recipe, 2, nvme, 2, str(tmp_path / "off"), None)
-    run_distributed(ckpt_run, 2, recipe, 2, None, 2, str(tmp_path / "mem"), None)
+    straight = run_distributed(ckpt_run, 2, recipe, 2, nvme, 4, None, None, top)
+    run_distributed(ckpt_run, 2, recipe, 2, nvme, 2, str(tmp_path / "off"), None, top)
+    run_distributed(ckpt_run, 2, recipe, 2, None, 2, str(tmp_path / "mem"), None, top)
     saved_off, saved_mem = _optim_tensors(tmp_path / "off"), _optim_tensors(tmp_path / "mem")
     assert saved_off.keys() == saved_mem.keys() and any(k.endswith("/exp_avg_sq") for k in saved_off)
     for k in saved_off:
         assert torch.equal(saved_off[k], saved_mem[k]), k
     # offload -> offload, same layout: the resumed steps are the straight run's, bitwise
-    resumed = run_distributed(ckpt_run, 2, recipe, 2, nvme, 2, None, str(tmp_path / "off"))
+    resumed = run_distributed(ckpt_run, 2, recipe, 2, nvme, 2, None, str(tmp_path / "off"), top)
     for r, s in zip(resumed, straight):
         assert r["losses"] == s["losses"][2:]
     for k, v in straight[0]["params"].items():
@@ -298,3 +313,40 @@ def test_checkpoint_loads_across_offload_and_world_size(save_offloaded, world, s
         assert a["losses"] == b["losses"]
     for k, v in into_mem[0]["params"].items():
         assert torch.equal(into_off[0]["params"][k], v), k
+
+
+def load_weights_then_train(nvme_path: str | None) -> dict:
+    """bf16 at stage 2: one step, full weights loaded (they land in the fp32 masters), one step more."""
+    import torch.distributed as dist
+
+    recipe = Recipe(steps=2)
+    model = make_model(recipe)
+    zero: dict = {"stage": 2, "reduce_bucket_size": 2000, "sub_group_size": 1500}
+    if nvme_path:
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path}
+    config = {"train_micro_batch_size_per_gpu": recipe.micro, "bf16": {"enabled": True}, "zero_optimization": zero}
+    engine = shardtrain.initialize(model, config=config, optimizer=make_optimizer(model, recipe))
+    batches = global_micro_batches(recipe, dist.get_world_size())
+    lo, hi = dist.get_rank() * recipe.micro, (dist.get_rank() + 1) * recipe.micro
+    losses = []
+    for step in range(2):
+        if step == 1:
+            weights = make_model(Recipe(seed=5)).state_dict() if dist.get_rank() == 0 else None
+            engine.load_full_state_dict(weights)
+        x, y = batches[step]
+        loss = engine(x[lo:hi], y[lo:hi])
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    params = engine.full_state_dict()
+    engine.close()
+    return {"losses": losses, "params": params}
+
+
+def test_full_weights_load_into_offloaded_masters(tmp_path):
+    plain = run_distributed(load_weights_then_train, 2, None)
+    offloaded = run_distributed(load_weights_then_train, 2, str(tmp_path))
+    for a, b in zip(offloaded, plain):
+        assert a["losses"] == b["losses"]
+    for k, v in plain[0]["params"].items():
+        assert torch.equal(offloaded[0]["params"][k], v), k

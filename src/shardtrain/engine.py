@@ -147,6 +147,7 @@ class Engine:
                     self._scratch.get("offload_optimizer"),
                     topology.rank,
                     self.world_comm,
+                    fragments=self._optimizer.stepped_fragments() if masters is not None else None,
                 )
             )
         self.optimizer = optimizer

@@ -178,7 +178,7 @@ def collect_pieces(state: TrainingState) -> tuple[list[SavePiece], dict[str, str
             # fragment of it
             fragment = bucket.shard[f.shard_offset : f.shard_offset + f.length] if sharded else t
             stepped = _stepped(state, t)
-            value = stepped if stepped is not None else fragment
+            value = opt.readable(stepped) if stepped is not None else fragment  # an offloaded master: mapped
             span = (f.start, f.length) if sharded else None
             pieces += _pieces(f"model/{name}", value, shape, block, span, layout)
             opt_state = opt.state_of(stepped) if stepped is not None else {}  # offloaded state: mapped files
@@ -372,6 +372,7 @@ def _load_optimizer_state(state: TrainingState, reader: CheckpointReader, entry_
             f = bucket.fragments[i]
             lo, hi = (f.start, f.start + f.length) if sharded else (0, t.numel())
             base = entry_name(names, "model/").removeprefix("model/")
+            shape_of_stepped = opt.readable(stepped).shape  # an offloaded master is empty between steps
             param_state: dict[str, Any] = {}
             record = state.layout.record_of(t)
             shape = tuple(record.global_shape) if record is not None else tuple(t.shape)
@@ -386,7 +387,7 @@ def _load_optimizer_state(state: TrainingState, reader: CheckpointReader, entry_
                         f"{shape}"
                     )
                 else:
-                    value = _read_local(reader, tensor_name, record, state.layout, lo, hi).view(stepped.shape)
+                    value = _read_local(reader, tensor_name, record, state.layout, lo, hi).view(shape_of_stepped)
                 param_state[key] = _cast_like_torch(key, value, stepped, group_of.get(id(stepped), {}))
             if streamed:
                 opt.set_state(stepped, param_state)

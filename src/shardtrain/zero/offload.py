@@ -25,6 +25,16 @@ is written from there and dropped; on that step one more sub-group can be in mem
 the outcome of the step (one small object all-gather) so that a full disk on one rank raises on all ranks,
 naming the rank and the file, instead of the others waiting for a collective that never comes.
 
+[Note: offloaded masters]
+Under mixed precision the optimizer steps separate fp32 masters; with ``nvme`` they go to the files too (key
+``master``), so a rank keeps neither its 4 bytes of master nor its 8 of Adam moments per element. The master
+stays the same tensor object (``optimizer.state`` and the param groups are keyed on it); between steps its
+storage is an empty one (``Tensor.set_``), during its sub-group's step a view of the buffer, and right after
+that step it refreshes the compute-dtype fragment. What reads or writes a master between steps (loading
+full weights, ``engine.gathered(modifier_rank=...)``, checkpoints) gets its file mapped shared
+(:meth:`OptimizerOffload.master_view`): pages are read and written where they are, never the whole state.
+In fp32 training the stepped tensor is the parameter's own fragment, which is not optimizer state and stays.
+
 [Note: page cache]
 A write through the page cache only moves the state from this process's memory to the kernel's: a rank
 whose state does not fit in memory would then fill the page cache with dirty pages, and a benchmark would
@@ -305,11 +315,12 @@ class SwapFiles:
                 f"{err.strerror or err}"
             ) from None
 
-    def mapped(self, member: int, key: str, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        """The file as a read-only-in-spirit tensor: pages are read when touched, never all at once."""
+    def mapped(self, member: int, key: str, dtype: torch.dtype, numel: int, shared: bool = False) -> torch.Tensor:
+        """The file as a tensor whose pages are read when touched, never all at once; ``shared``: writes to the
+        tensor go to the file (else they stay private to it)."""
         if numel == 0:
             return torch.empty(0, dtype=dtype)
-        return torch.from_file(str(self.path(member, key)), shared=False, size=numel, dtype=dtype)
+        return torch.from_file(str(self.path(member, key)), shared=shared, size=numel, dtype=dtype)
 
     def close(self) -> None:
         with self._lock:
@@ -333,8 +344,11 @@ class _Frame:
             self.data = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
 
 
-def _elementwise(v: Any, stepped: torch.Tensor) -> bool:
-    return torch.is_tensor(v) and v.dim() > 0 and v.shape == stepped.shape
+def _elementwise(v: Any, shape: torch.Size) -> bool:
+    return torch.is_tensor(v) and v.dim() > 0 and v.shape == shape
+
+
+MASTER = "master"  # the file key of an offloaded fp32 master (see [Note: offloaded masters])
 
 
 class OptimizerOffload:
@@ -350,8 +364,13 @@ class OptimizerOffload:
         buffer_count: int,
         world: Communicator,
         pin_memory: bool = False,
+        fragments: list[torch.Tensor] | None = None,
     ) -> None:
         self.optimizer, self.stepped, self.groups, self.files = optimizer, stepped, groups, files
+        self.shapes = [t.shape for t in stepped]  # an offloaded master is empty between steps
+        # mixed precision: the compute-dtype fragment each stepped fp32 master refreshes after its step
+        self.fragments = fragments
+        self.holds_masters = fragments is not None and files is not None
         self.world, self.pin = world, pin_memory and torch.cuda.is_available()
         self.buffer_count = buffer_count
         self._index = {id(s): i for i, s in enumerate(stepped)}
@@ -372,6 +391,9 @@ class OptimizerOffload:
                 if g.offloaded:
                     for i in g.members:
                         self._write_new(i, self._detach_state(i))
+                        if self.holds_masters:
+                            self._write_new(i, {MASTER: stepped[i].detach()})
+                            self._park(i)
 
     # -- accounting (read by tests and the benchmark) --
     def held_bytes(self) -> int:
@@ -399,8 +421,17 @@ class OptimizerOffload:
         if self.is_offloaded(stepped):
             i = self._index[id(stepped)]
             for key, dtype in self._saved.get(i, {}).items():
-                state[key] = self.files.mapped(i, key, dtype, stepped.numel()).view_as(stepped)
+                if key != MASTER:
+                    state[key] = self.files.mapped(i, key, dtype, self.shapes[i].numel()).view(self.shapes[i])
         return state
+
+    def master_view(self, stepped: torch.Tensor) -> torch.Tensor:
+        """What ``stepped`` holds: itself, or for an offloaded master its file mapped shared (reads fetch pages,
+        writes go to the file)."""
+        if not (self.holds_masters and self.is_offloaded(stepped)):
+            return stepped
+        i = self._index[id(stepped)]
+        return self.files.mapped(i, MASTER, torch.float32, self.shapes[i].numel(), shared=True).view(self.shapes[i])
 
     def set_state(self, stepped: torch.Tensor, state: dict[str, Any]) -> None:
         """Replace the optimizer state of one stepped tensor; element-wise state of an offloaded one goes to its
@@ -412,9 +443,10 @@ class OptimizerOffload:
                 self.optimizer.state.pop(stepped, None)
             return
         i = self._index[id(stepped)]
-        elementwise = {k: v for k, v in state.items() if _elementwise(v, stepped)}
+        elementwise = {k: v for k, v in state.items() if _elementwise(v, self.shapes[i])}
         scalars = {k: v for k, v in state.items() if k not in elementwise}
-        self._saved.pop(i, None)
+        master = self._saved.get(i, {}).get(MASTER)
+        self._saved[i] = {MASTER: master} if master is not None else {}
         self._write_new(i, elementwise)
         if scalars:
             self.optimizer.state[stepped] = scalars
@@ -444,7 +476,7 @@ class OptimizerOffload:
 
     def _step_group(self, group: SubGroup, grads: list[torch.Tensor | None]) -> None:
         members = [i for i in group.members if grads[i] is not None]
-        host = [grads[i].to(self.stepped[i].device, non_blocking=True) for i in members]
+        host = [grads[i].to(self.stepped[i].device, non_blocking=True) for i in members]  # CUDA: to the host
         if any(g.device != grads[i].device for g, i in zip(host, members)) and torch.cuda.is_available():
             torch.cuda.current_stream().synchronize()  # device-to-host copies done before the CPU reads them
         for i, g in zip(members, host):
@@ -454,6 +486,15 @@ class OptimizerOffload:
         finally:
             for i in members:
                 self.stepped[i].grad = None
+        if self.holds_masters:  # refresh the compute-dtype fragments while the masters are in memory
+            with torch.no_grad():
+                for i in group.members:
+                    if self.fragments[i].numel():
+                        self.fragments[i].copy_(self.stepped[i].view_as(self.fragments[i]))
+
+    def _park(self, i: int) -> None:
+        """An offloaded master holds no memory between steps (same tensor object: the optimizer keys on it)."""
+        self.stepped[i].set_(torch.empty(0, dtype=self.stepped[i].dtype, device=self.stepped[i].device))
 
     def _regions(self, group: SubGroup) -> tuple[list[tuple[int, str, torch.dtype, int]], int]:
         """(member, key, dtype, byte offset) of every saved element-wise state of ``group``, and the bytes."""
@@ -461,7 +502,7 @@ class OptimizerOffload:
         for i in group.members:
             for key, dtype in sorted(self._saved.get(i, {}).items()):
                 regions.append((i, key, dtype, offset))
-                nbytes = self.stepped[i].numel() * dtype.itemsize
+                nbytes = self.shapes[i].numel() * dtype.itemsize
                 offset += -(-nbytes // ALIGN) * ALIGN
         return regions, offset
 
@@ -488,8 +529,8 @@ class OptimizerOffload:
         self._note_peak()
         views: dict[int, dict[str, torch.Tensor]] = {}
         for i, key, dtype, offset in regions:
-            n = self.stepped[i].numel()
-            view = frame.data[offset : offset + n * dtype.itemsize].view(dtype).view_as(self.stepped[i])
+            n = self.shapes[i].numel()
+            view = frame.data[offset : offset + n * dtype.itemsize].view(dtype).view(self.shapes[i])
             self.files.read(i, key, view)
             views.setdefault(i, {})[key] = view
         return views
@@ -508,7 +549,7 @@ class OptimizerOffload:
         state = self.optimizer.state.get(s)
         if not state:
             return {}
-        out = {k: v for k, v in state.items() if _elementwise(v, s)}
+        out = {k: v for k, v in state.items() if _elementwise(v, self.shapes[i])}
         for k in out:
             del state[k]
         if not state:
@@ -562,11 +603,20 @@ class OptimizerOffload:
                     self._give_frame(frame)
                     raise
                 for i, state in views.items():
-                    self.optimizer.state.setdefault(self.stepped[i], {}).update(state)
+                    master = state.pop(MASTER, None)
+                    if master is not None:
+                        self.stepped[i].set_(master)
+                    if state:
+                        self.optimizer.state.setdefault(self.stepped[i], {}).update(state)
                 try:
                     self._step_group(group, grads)
                 finally:
                     out = {i: self._detach_state(i) for i in group.members}
+                    if self.holds_masters:
+                        for i in group.members:
+                            out[i][MASTER] = self.stepped[i].detach()
+                            views.setdefault(i, {})[MASTER] = out[i][MASTER]
+                            self._park(i)
                 # state the optimizer created on this step (not in the buffer) is written from where it is
                 fresh: dict[int, dict[str, torch.Tensor]] = {}
                 for i, state in out.items():
@@ -631,8 +681,10 @@ def build_optimizer_offload(
     scratch: ScratchDir | None,
     rank: int,
     world: Communicator,
+    fragments: list[torch.Tensor] | None = None,
 ) -> OptimizerOffload:
-    """Sub-groups over ``stepped`` and, with ``device == "nvme"``, swap files in ``scratch``."""
+    """Sub-groups over ``stepped`` and, with ``device == "nvme"``, swap files in ``scratch``; ``fragments``: with
+    separate fp32 masters, the compute-dtype fragment of each (the masters are then offloaded too)."""
     groups = make_sub_groups([s.numel() for s in stepped], sub_group_size, ratio if device == "nvme" else 0.0)
     files = SwapFiles(scratch, rank) if device == "nvme" and scratch is not None else None
-    return OptimizerOffload(optimizer, stepped, groups, files, buffer_count, world, pin_memory)
+    return OptimizerOffload(optimizer, stepped, groups, files, buffer_count, world, pin_memory, fragments)

@@ -133,6 +133,14 @@ class ShardedOptimizer:
         """What the optimizer steps, one per trainable parameter, in the order gradients are handed over."""
         return list(self._stepped.values())
 
+    def stepped_fragments(self) -> list[torch.Tensor]:
+        """The fragment (or whole parameter) of each of :meth:`stepped_tensors`, in the same order."""
+        return [t for t, _, _ in self._frag.values()]
+
+    def readable(self, stepped: torch.Tensor) -> torch.Tensor:
+        """The values of a stepped tensor: itself, or an offloaded master's file mapped (read and written in place)."""
+        return self.offload.master_view(stepped) if self.offload is not None else stepped
+
     def state_of(self, stepped: torch.Tensor) -> dict:
         """The optimizer state of a stepped tensor, offloaded parts included (mapped, not read into memory)."""
         if self.offload is not None:
@@ -158,7 +166,9 @@ class ShardedOptimizer:
 
     def master_of(self, p: torch.Tensor) -> torch.Tensor | None:
         """The fp32 master of a trainable parameter's fragment under mixed precision, else None."""
-        return self.masters.get(id(p)) if self.masters is not None else None
+        if self.masters is None or id(p) not in self.masters:
+            return None
+        return self.readable(self.masters[id(p)])
 
     def refresh_masters(self, params: list[torch.Tensor]) -> None:
         """Masters take the (changed) compute-dtype values of these parameters' fragments."""
@@ -167,7 +177,8 @@ class ShardedOptimizer:
         with torch.no_grad():
             for p in params:
                 if id(p) in self._frag:
-                    self.masters[id(p)].copy_(self._frag[id(p)][0].reshape(-1).view_as(self.masters[id(p)]))
+                    master = self.master_of(p)
+                    master.copy_(self._frag[id(p)][0].reshape(-1).view_as(master))
 
     def _fragment_grads(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """(stepped tensor, fragment, its reduced gradient) for every trainable parameter."""
@@ -229,7 +240,8 @@ class ShardedOptimizer:
             self.optimizer.step()
             for s in stepped:
                 s.grad = None
-        if self.masters is not None:  # refresh the compute-dtype fragments from the fp32 masters
+        if self.masters is not None and not (self.offload is not None and self.offload.holds_masters):
+            # refresh the compute-dtype fragments from the fp32 masters (offloaded ones refreshed as stepped)
             frags = [t for s, t, _ in triples if t.numel()]
             masters = [s for s, t, _ in triples if t.numel()]
             with torch.no_grad():
