@@ -195,3 +195,20 @@ def test_swap_directory_removed_at_exit_and_after_a_kill(kill, tmp_path):
     assert run.returncode == -9 and scratch.exists() and any(scratch.glob("*.bin"))
     run_distributed(init_only, 1, str(tmp_path), timeout=60)
     assert list(tmp_path.iterdir()) == []
+
+
+def init_param_offload(nvme_path: str) -> str:
+    model = torch.nn.Linear(4, 4)
+    config = {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": nvme_path}}}
+    try:
+        shardtrain.initialize(model, config, torch.optim.AdamW(model.parameters()))
+    except shardtrain.ConfigError as err:
+        return str(err)
+    return "no error"
+
+
+def test_parameter_offload_to_nvme_is_refused_with_what_to_do(tmp_path):
+    (message,) = run_distributed(init_param_offload, 1, str(tmp_path), timeout=60)
+    assert "zero_optimization.offload_param.device 'nvme' is not built yet" in message
+    assert "offload_optimizer" in message
+    assert list(tmp_path.iterdir()) == []

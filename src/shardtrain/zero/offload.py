@@ -609,25 +609,25 @@ class OptimizerOffload:
                     if state:
                         self.optimizer.state.setdefault(self.stepped[i], {}).update(state)
                 try:
-                    self._step_group(group, grads)
-                finally:
-                    out = {i: self._detach_state(i) for i in group.members}
-                    if self.holds_masters:
-                        for i in group.members:
-                            out[i][MASTER] = self.stepped[i].detach()
-                            views.setdefault(i, {})[MASTER] = out[i][MASTER]
-                            self._park(i)
-                # state the optimizer created on this step (not in the buffer) is written from where it is
-                fresh: dict[int, dict[str, torch.Tensor]] = {}
-                for i, state in out.items():
-                    for key, t in state.items():
-                        if key not in views.get(i, {}):
-                            fresh.setdefault(i, {})[key] = t
-                if fresh:
-                    for i, state in fresh.items():
-                        for key in state:
-                            del out[i][key]
-                        self._write_new(i, state)
+                    try:
+                        self._step_group(group, grads)
+                    finally:
+                        out = {i: self._detach_state(i) for i in group.members}
+                        if self.holds_masters:
+                            for i in group.members:
+                                out[i][MASTER] = self.stepped[i].detach()
+                                views.setdefault(i, {})[MASTER] = out[i][MASTER]
+                                self._park(i)
+                    # state the optimizer created on this step (not in the buffer) is written from where it is
+                    for i, state in out.items():
+                        fresh = {key: t for key, t in state.items() if key not in views.get(i, {})}
+                        for key in fresh:
+                            del state[key]
+                        if fresh:
+                            self._write_new(i, fresh)
+                except BaseException:
+                    self._give_frame(frame)
+                    raise
                 writes.append(self._pool.submit(self._write_group, group, frame, out))
                 while issue(block=False):
                     pass
