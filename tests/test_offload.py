@@ -350,3 +350,49 @@ def test_full_weights_load_into_offloaded_masters(tmp_path):
         assert a["losses"] == b["losses"]
     for k, v in plain[0]["params"].items():
         assert torch.equal(offloaded[0]["params"][k], v), k
+
+
+# -- parameter offload (stage 3) ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_nvme_parameter_offload_is_bitwise_in_memory_training(world, tmp_path):
+    """Unit shards in mapped swap files (and the optimizer state in its own): the same numbers, bitwise."""
+    recipe = Recipe(steps=3)
+    both = {
+        "sub_group_size": 1500,
+        "offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "max_in_cpu": 0},
+        "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)},
+    }
+    plain = run_distributed(train, world, recipe, 3, world)
+    offloaded = run_distributed(train, world, recipe, 3, world, both)
+    _bitwise_equal(offloaded, plain)
+    assert_parity(offloaded, reference(recipe, world))
+    assert all(len(r["scratch"]) == 2 and r["scratch_left"] == [] for r in offloaded)
+
+
+def test_parameter_offload_max_in_cpu_keeps_the_first_units(tmp_path):
+    recipe = Recipe(steps=2)
+    some = {"offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "max_in_cpu": 4000}}
+    plain = run_distributed(train, 2, recipe, 3, 2)
+    _bitwise_equal(run_distributed(train, 2, recipe, 3, 2, some), plain)
+
+
+def test_checkpoint_with_parameter_offload_loads_in_memory(tmp_path):
+    recipe = Recipe(steps=4)
+    (tmp_path / "swap").mkdir()
+    both = {
+        "offload_param": {"device": "nvme", "nvme_path": str(tmp_path / "swap"), "max_in_cpu": 0},
+        "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "swap")},
+    }
+    run_distributed(ckpt_run, 2, recipe, 3, both, 2, str(tmp_path / "off"), None)
+    run_distributed(ckpt_run, 2, recipe, 3, None, 2, str(tmp_path / "mem"), None)
+    saved_off, saved_mem = _optim_tensors(tmp_path / "off"), _optim_tensors(tmp_path / "mem")
+    for k in saved_mem:
+        assert torch.equal(saved_off[k], saved_mem[k]), k
+    into_off = run_distributed(ckpt_run, 3, recipe, 3, both, 2, None, str(tmp_path / "mem"))
+    into_mem = run_distributed(ckpt_run, 3, recipe, 3, None, 2, None, str(tmp_path / "mem"))
+    for a, b in zip(into_off, into_mem):
+        assert a["losses"] == b["losses"]
+    for k, v in into_mem[0]["params"].items():
+        assert torch.equal(into_off[0]["params"][k], v), k

@@ -133,6 +133,7 @@ def test_full_disk_during_a_step_fails_on_every_rank_naming_the_file(world, fail
         for r in failing:
             assert f"rank {r}: writing optimizer state to '{tmp_path}/" in message, out
         assert NOSPACE in message
+    assert list(tmp_path.iterdir()) == []  # every rank removed its swap directories
     assert list(tmp_path.iterdir()) == []  # close() removed every rank's swap directory
 
 
@@ -197,18 +198,29 @@ def test_swap_directory_removed_at_exit_and_after_a_kill(kill, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def init_param_offload(nvme_path: str) -> str:
-    model = torch.nn.Linear(4, 4)
-    config = {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": nvme_path}}}
+def param_files_fail(nvme_path: str, fail_rank: int) -> str:
+    """Stage 3 with parameter offload; making the parameter swap files fails with ENOSPC on ``fail_rank``."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == fail_rank:
+
+        def full(fd, offset, length):
+            raise OSError(errno.ENOSPC, NOSPACE)
+
+        offload_module.os.posix_fallocate = full
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    param = {"device": "nvme", "nvme_path": nvme_path, "max_in_cpu": 0}
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "offload_param": param}
     try:
-        shardtrain.initialize(model, config, torch.optim.AdamW(model.parameters()))
-    except shardtrain.ConfigError as err:
+        shardtrain.initialize(model, {"zero_optimization": zero}, torch.optim.AdamW(model.parameters()))
+    except offload_module.OffloadError as err:
         return str(err)
     return "no error"
 
 
-def test_parameter_offload_to_nvme_is_refused_with_what_to_do(tmp_path):
-    (message,) = run_distributed(init_param_offload, 1, str(tmp_path), timeout=60)
-    assert "zero_optimization.offload_param.device 'nvme' is not built yet" in message
-    assert "offload_optimizer" in message
-    assert list(tmp_path.iterdir()) == []
+def test_full_disk_making_parameter_swap_files_fails_on_every_rank(tmp_path):
+    outcomes = run_distributed(param_files_fail, 2, str(tmp_path), 1, timeout=60)
+    for message in outcomes:
+        assert message.startswith(f"rank 1: cannot make the parameter swap file '{tmp_path}/"), message
+        assert NOSPACE in message
+    assert list(tmp_path.iterdir()) == []  # every rank removed its swap directories

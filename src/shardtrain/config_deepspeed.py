@@ -386,21 +386,25 @@ RULES: tuple[Rule, ...] = (
     _supported(
         _Z + "offload_param.device",
         '`"none"`, `"cpu"`, `"nvme"`; none',
-        "stage 3 only. `cpu`: unit shards in host memory (CPU-only machine: where they are); `nvme`: see "
-        "docs/offload.md for what is built",
+        "stage 3 only. `nvme`: each unit's shard in a mapped swap file, read before its gather; `cpu`: where "
+        "parameters are on a CPU-only machine (both are refused on CUDA, not built there yet)",
     ),
     _supported(_Z + "offload_param.nvme_path", "path", "directory for the parameter swap files"),
     _supported(_Z + "offload_param.pin_memory", "bool, `false`", "page-locked host buffers (CUDA only)"),
-    _supported(_Z + "offload_param.buffer_count", "int ≥ 1, `5`", "`nvme`: unit-shard buffers in flight"),
+    _supported(
+        _Z + "offload_param.buffer_count",
+        "int ≥ 1, `5`",
+        "checked; no effect: the kernel's page cache holds the shards being read",
+    ),
     _supported(
         _Z + "offload_param.max_in_cpu",
         "int ≥ 0, `1e9`",
-        "`nvme`: parameter elements kept in host memory instead of on disk",
+        "`nvme`: the first units holding this many elements stay in memory instead of on disk",
     ),
     _no_effect(
         _Z + "offload_param.buffer_size",
         "int ≥ 0",
-        "buffers are sized by the units they hold",
+        "the kernel's page cache holds the shards being read",
         check=int,
     ),
     _only(

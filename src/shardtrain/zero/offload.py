@@ -35,6 +35,19 @@ full weights, ``engine.gathered(modifier_rank=...)``, checkpoints) gets its file
 (:meth:`OptimizerOffload.master_view`): pages are read and written where they are, never the whole state.
 In fp32 training the stepped tensor is the parameter's own fragment, which is not optimizer state and stays.
 
+[Note: parameter offload]
+At stage 3 with ``offload_param: {device: nvme}`` each unit bucket's shard (this rank's chunk of the unit's
+flat parameters, in the compute dtype) becomes a tensor over a shared memory mapping of its own file,
+preallocated with ``posix_fallocate`` (a full disk fails at ``initialize``, never later as a SIGBUS). Every
+reader and writer of ``bucket.shard`` (the all-gather, the optimizer's fragments, weight loading,
+checkpoints) works unchanged on it: pages are read when touched and written back by the kernel. What
+decides residency is explicit: the unit runtime calls ``before_gather`` just before a unit's all-gather is
+issued, prefetches included, so in the recorded gather order (``MADV_WILLNEED``: the kernel starts reading
+the shard while earlier units compute), and ``after_gather`` once it has completed (``MADV_DONTNEED``: the
+pages leave the process; a changed page stays in the page cache until written back, nothing is lost). After
+the optimizer step the updated shards leave the same way. The first units holding ``max_in_cpu`` elements
+stay in ordinary memory. ``buffer_count`` has no effect here: the kernel's page cache is the buffer.
+
 [Note: page cache]
 A write through the page cache only moves the state from this process's memory to the kernel's: a rank
 whose state does not fit in memory would then fill the page cache with dirty pages, and a benchmark would
@@ -186,23 +199,29 @@ class ScratchDir:
         _LIVE.discard(self)
 
 
+def on_every_rank(world: Communicator, what: str, make: Any, undo: Any = None) -> Any:
+    """``make()`` on every rank; if it raises :class:`OffloadError` on any, every rank raises one error naming
+    them all (after ``undo(result)`` where it succeeded) instead of the others running into a collective that
+    never comes. Collective over ``world``."""
+    result, error = None, None
+    try:
+        result = make()
+    except OffloadError as err:
+        error = str(err)
+    failed = [e for e in world.all_gather_object(error, what=what) if e is not None]
+    if failed:
+        if error is None and undo is not None:
+            undo(result)
+        raise OffloadError("; ".join(failed))
+    return result
+
+
 def prepare_scratch(root: str | Path, rank: int, what: str, world: Communicator) -> ScratchDir:
     """Every rank makes its scratch directory; if any fails, every rank raises one error naming them all.
     Collective over ``world``."""
-    mine: ScratchDir | None = None
-    error = None
-    try:
-        mine = ScratchDir(root, rank, what)
-    except OffloadError as err:
-        error = str(err)
-    outcomes = world.all_gather_object(error, what=f"{what} swap directory check")
-    failed = [e for e in outcomes if e is not None]
-    if failed:
-        if mine is not None:
-            mine.remove()
-        raise OffloadError("; ".join(failed))
-    assert mine is not None
-    return mine
+    return on_every_rank(
+        world, f"{what} swap directory check", lambda: ScratchDir(root, rank, what), lambda d: d.remove()
+    )
 
 
 # -- sub-groups ------------------------------------------------------------------------------------
@@ -688,3 +707,73 @@ def build_optimizer_offload(
     groups = make_sub_groups([s.numel() for s in stepped], sub_group_size, ratio if device == "nvme" else 0.0)
     files = SwapFiles(scratch, rank) if device == "nvme" and scratch is not None else None
     return OptimizerOffload(optimizer, stepped, groups, files, buffer_count, world, pin_memory, fragments)
+
+
+# -- parameter offload (stage 3) ---------------------------------------------------------------------
+
+
+class ParamOffload:
+    """Stage-3 unit shards kept in files (see [Note: parameter offload]): each unit bucket's ``shard`` becomes
+    a tensor over a shared mapping of its own preallocated file."""
+
+    def __init__(self, units: list, scratch: ScratchDir, rank: int, max_in_cpu: int) -> None:
+        import mmap
+
+        self.rank, self.scratch = rank, scratch
+        self._maps: dict[int, tuple[mmap.mmap, int]] = {}  # bucket index -> (mapping, bytes)
+        self.mapped_units: set[int] = set()
+        kept = 0
+        for unit in units:  # the first units up to max_in_cpu elements stay in memory
+            numel = sum(b.shard.numel() for b in unit.buckets)
+            if kept + numel <= max_in_cpu:
+                kept += numel
+                continue
+            self.mapped_units.add(unit.index)
+            for b in unit.buckets:
+                self._map_bucket(b)
+
+    def _map_bucket(self, b) -> None:
+        import mmap
+
+        path = self.scratch.path / f"param-{b.index}.bin"
+        nbytes = b.shard.numel() * b.shard.element_size()
+        if nbytes == 0:
+            return
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, nbytes)  # the blocks exist now: a full disk cannot surface later
+                mapping = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            finally:
+                os.close(fd)
+        except OSError as err:
+            raise OffloadError(
+                f"rank {self.rank}: cannot make the parameter swap file {str(path)!r} ({nbytes} bytes): "
+                f"{err.strerror or err}"
+            ) from None
+        shard = torch.frombuffer(mapping, dtype=b.shard.dtype, count=b.shard.numel())
+        shard.copy_(b.shard)
+        b.shard = shard
+        self._maps[b.index] = (mapping, nbytes)
+        mapping.madvise(mmap.MADV_DONTNEED)
+
+    def will_need(self, unit) -> None:
+        """Before a gather (called in gather order, prefetches included): start reading the unit's shards."""
+        import mmap
+
+        for b in unit.buckets:
+            if b.index in self._maps:
+                mapping, _ = self._maps[b.index]
+                mapping.madvise(mmap.MADV_WILLNEED)
+
+    def done_with(self, units) -> None:
+        """The shards leave this process's memory (written back by the kernel when changed; read again on use)."""
+        import mmap
+
+        for unit in units:
+            for b in unit.buckets:
+                if b.index in self._maps:
+                    self._maps[b.index][0].madvise(mmap.MADV_DONTNEED)
+
+    def mapped_bytes(self) -> int:
+        return sum(n for _, n in self._maps.values())
