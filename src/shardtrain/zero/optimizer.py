@@ -247,7 +247,7 @@ class ShardedOptimizer:
             with torch.no_grad():
                 if frags and frags[0].device != masters[0].device:  # masters offloaded to the host
                     for t, s in zip(frags, masters):
-                        t.copy_(s, non_blocking=True)
+                        t.copy_(s)  # blocking: the host masters change at the next step
                 else:
                     torch._foreach_copy_(frags, masters)
         if self.sharded:
