@@ -3,6 +3,7 @@
     python bench/bench_offload.py                        # ~310M-parameter GPT (d 1024, 24 layers), 2 timed steps
     python bench/bench_offload.py --layers 6 --steps 2   # a quicker ~85M one
     python bench/bench_offload.py --nvme-path /mnt/nvme  # swap files elsewhere (default /tmp/shardtrain-bench-swap)
+    python bench/bench_offload.py --offload-param        # unit shards in swap files too
 
 Runs, each in fresh processes (two ranks, one thread each, ZeRO stage 3, fp32, AdamW):
 
@@ -119,6 +120,7 @@ def main() -> None:
     parser.add_argument("--raw-mib", type=int, default=1024)
     parser.add_argument("--buffer-count", type=int, default=3)
     parser.add_argument("--skip-in-memory", action="store_true")
+    parser.add_argument("--offload-param", action="store_true", help="also offload_param: nvme (max_in_cpu 0)")
     args = parser.parse_args()
     Path(args.nvme_path).mkdir(parents=True, exist_ok=True)
     n = num_parameters(gpt(args.layers, args.d_model))
@@ -129,6 +131,8 @@ def main() -> None:
         "sub_group_size": sub_group,
         "offload_optimizer": {"device": "nvme", "nvme_path": args.nvme_path, "buffer_count": args.buffer_count},
     }
+    if args.offload_param:
+        zero["offload_param"] = {"device": "nvme", "nvme_path": args.nvme_path, "max_in_cpu": 0}
     timeout = 3600
     print(
         f"machine: {platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
