@@ -109,7 +109,7 @@ class ZeroConfig(_Section):
     stage3_gather_check: bool = True
     """Stage 3 (shardtrain key): exchange unit ids before each gather to catch ranks on different paths."""
     sub_group_size: Size = 1_000_000_000
-    """The optimizer steps this rank's fragments in sub-groups of about this many elements (one at a time)."""
+    """With optimizer offload: the optimizer steps this rank's fragments in sub-groups of about this many elements."""
     offload_optimizer: OffloadOptimizerConfig = Field(default_factory=OffloadOptimizerConfig)
     offload_param: OffloadParamConfig = Field(default_factory=OffloadParamConfig)
 

@@ -329,8 +329,9 @@ RULES: tuple[Rule, ...] = (
     _supported(
         _Z + "sub_group_size",
         "int ≥ 0, `1e9`",
-        "the optimizer steps each rank's fragments in sub-groups of about this many elements, one at a time (a "
-        "fragment is never split); with offload, one sub-group's state is what a swap buffer holds",
+        "with `offload_optimizer`, the optimizer steps each rank's fragments in sub-groups of about this many "
+        "elements, one at a time (a fragment is never split), and one sub-group's state is what a swap buffer "
+        "holds; without offload one step covers all fragments (the same numbers)",
     ),
     _supported(
         _Z + "offload_optimizer",
