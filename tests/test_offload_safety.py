@@ -20,6 +20,7 @@ import torch
 import shardtrain
 from shardtrain.testing import DistributedFailure, run_distributed
 from shardtrain.zero import offload as offload_module
+from shardtrain.zero import swap as swap_module
 
 NOSPACE = os.strerror(errno.ENOSPC)
 
@@ -34,7 +35,7 @@ def tiny_engine(nvme_path: str, stage: int = 2, fail: str | None = None, fail_ra
         def refuse(*args, **kwargs):
             raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
 
-        offload_module.tempfile.mkdtemp = refuse
+        swap_module.tempfile.mkdtemp = refuse
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
     config = {
@@ -102,7 +103,7 @@ def full_disk_step(nvme_path: str, fail_rank: int | None, room: int) -> str:
     rank = dist.get_rank()
     if fail_rank is None or rank == fail_rank:
         left = [room]
-        real = offload_module._write_at
+        real = swap_module._write_at
 
         def filling(fd, data, offset):
             if left[0] <= 0:
@@ -111,7 +112,7 @@ def full_disk_step(nvme_path: str, fail_rank: int | None, room: int) -> str:
             left[0] -= n
             return n
 
-        offload_module._write_at = filling
+        swap_module._write_at = filling
     start = time.monotonic()
     try:
         _step(engine)
@@ -156,7 +157,7 @@ def test_stale_directory_of_a_killed_run_is_cleared_and_never_read(tmp_path):
     live.mkdir()
     (live / "owner.json").write_text(
         json.dumps(
-            {"host": socket.gethostname(), "pid": os.getpid(), "started": offload_module._process_start(os.getpid())}
+            {"host": socket.gethostname(), "pid": os.getpid(), "started": swap_module._process_start(os.getpid())}
         )
     )
     other_host = tmp_path / "shardtrain-swap-elsewhere-1-rank0-xyz789"
