@@ -44,8 +44,8 @@ def test_loads_dict_json_yaml_and_object(tmp_path):
         ({"fp16": {"enabled": True, "loss_scale": -1}}, ["fp16.loss_scale", "greater than or equal to 0"]),
         ({"bf16": {"enabled": "yes"}}, ["bf16.enabled", "valid boolean", "got 'yes'"]),
         (
-            {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}},
-            ["zero_optimization.offload_optimizer: device: 'cpu' is not supported", "planned"],
+            {"zero_optimization": {"offload_optimizer": {"device": "disk"}}},
+            ["zero_optimization.offload_optimizer.device", "'none', 'cpu' or 'nvme'", "got 'disk'"],
         ),
         ({"optimizer": {"type": "Lamb"}}, ["optimizer.type", "'Lamb'", "Adam, AdamW, SGD"]),
         ({"optimizer": {"type": "AdamW", "params": {"lrr": 1}}}, ["optimizer.params.lrr", "did you mean 'lr'"]),

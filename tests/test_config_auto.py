@@ -134,7 +134,7 @@ def _initialize_real_configs() -> dict:
     logging.getLogger("shardtrain").setLevel(logging.INFO)
     out = {}
     x = torch.randint(0, 64, (2, 8))
-    # transformers' own test config (its CPU offload section removed: offload is not built yet)
+    # transformers' own test config (its CPU offload section removed: this test is about "auto" values)
     zero2 = json.loads((CORPUS / "transformers__ds_config_zero2.json").read_text())
     del zero2["zero_optimization"]["offload_optimizer"]
     # LLaVA's stage-3 config: bucket sizes "auto" from the model's hidden size

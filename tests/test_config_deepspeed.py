@@ -49,9 +49,9 @@ def test_supported_rules_are_exactly_the_config_fields():
         ({"zero_optimization": {"allgather_partitions": True}}, "zero_optimization.allgather_partitions"),
         ({"zero_optimization": {"reduce_scatter": True}}, "zero_optimization.reduce_scatter"),
         ({"prescale_gradients": False}, "prescale_gradients"),
-        ({"zero_optimization": {"sub_group_size": 1e9}}, "zero_optimization.sub_group_size"),
+        ({"zero_optimization": {"offload_optimizer": {"pipeline_read": True}}}, "offload_optimizer.pipeline_read"),
         ({"zero_optimization": {"stage": 3, "stage3_max_live_parameters": 1e9}}, "stage3_max_live_parameters"),
-        ({"zero_optimization": {"offload_optimizer": {"device": "none"}}}, "zero_optimization.offload_optimizer"),
+        ({"aio": {"block_size": 1048576, "queue_depth": 8}}, "aio"),
         ({"zero_optimization": {"cpu_offload": False}}, "zero_optimization.cpu_offload"),
         ({"fp16": {"auto_cast": False}}, "fp16.auto_cast"),
         ({"flops_profiler": {"enabled": False, "profile_step": 1}}, "flops_profiler"),
@@ -75,15 +75,16 @@ def test_accepted_without_effect(config, path):
         ({"zero_optimization": {"allgather_partitions": False}}, ["allgather_partitions: false", "`true`"]),
         ({"zero_optimization": {"contiguous_gradients": False}}, ["contiguous_gradients: false", "contiguous"]),
         ({"prescale_gradients": True}, ["prescale_gradients: true is not supported", "`false`"]),
-        ({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}, ["device: 'nvme'", "planned"]),
-        ({"zero_optimization": {"offload_param": {"device": "cpu"}}}, ["offload_param: device: 'cpu'", "planned"]),
-        ({"zero_optimization": {"cpu_offload": True}}, ["zero_optimization.cpu_offload: true", "offload is planned"]),
+        ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "nvme"}}}, ["nvme_path", "'nvme'"]),
+        ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, ["offload_param", "stage 3"]),
+        ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, ["offload_optimizer", "stage 1, 2 or 3"]),
+        ({"zero_optimization": {"cpu_offload": True}}, ["zero_optimization.cpu_offload: true", "offload_optimizer"]),
         ({"fp16": {"auto_cast": True}}, ["fp16.auto_cast: true", "inputs are not cast"]),
         ({"flops_profiler": {"enabled": True}}, ["flops_profiler: enabled: true", "torch.profiler"]),
         ({"comms_logger": {"enabled": True}}, ["comms_logger: enabled: true", "engine.comm_stats()"]),
         ({"gradient_predivide_factor": 2.0}, ["gradient_predivide_factor: 2.0", "`1.0`"]),
         ({"tensor_parallel": {"size": 2, "autotp_size": 4}}, ["tensor_parallel", "disagree"]),
-        ({"zero_optimization": {"sub_group_size": "big"}}, ["zero_optimization.sub_group_size", "whole number"]),
+        ({"zero_optimization": {"sub_group_size": "big"}}, ["zero_optimization.sub_group_size", "valid integer"]),
         ({"zero_allow_untested_optimizer": "yes"}, ["zero_allow_untested_optimizer", "valid boolean"]),
     ],
 )
@@ -99,7 +100,6 @@ def test_refused_values_name_key_value_and_what_is_accepted(config, fragments):
     [
         ({"pipeline": {"stages": 2}}, ["pipeline: a DeepSpeed key shardtrain does not support", "pipeline"]),
         ({"sparse_attention": {"mode": "fixed"}}, ["sparse_attention", "not provided"]),
-        ({"aio": {"block_size": 1}}, ["aio", "NVMe offload"]),
         ({"zero_optimization": {"leaf_module": {}}}, ["zero_optimization.leaf_module", "stage3_unit_classes"]),
     ],
 )
@@ -113,7 +113,7 @@ def test_not_supported_keys(config, fragments):
 def test_every_problem_is_reported_not_only_the_first():
     report = inspect_config(
         {
-            "zero_optimization": {"stage": 7, "offload_optimizer": {"device": "cpu"}, "stgae": 1},
+            "zero_optimization": {"stage": 7, "offload_optimizer": {"device": "tape"}, "stgae": 1},
             "prescale_gradients": True,
             "gradient_clipping": -1,
             "train_batch_sise": 8,
@@ -122,7 +122,7 @@ def test_every_problem_is_reported_not_only_the_first():
     keys = {p.split(":")[0] for p in report.problems}
     assert keys == {
         "zero_optimization.stage",
-        "zero_optimization.offload_optimizer",
+        "zero_optimization.offload_optimizer.device",
         "zero_optimization.stgae",
         "prescale_gradients",
         "gradient_clipping",

@@ -51,6 +51,47 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
 
+def _device(v: Any) -> Any:
+    """DeepSpeed writes ``device: null`` for no offload."""
+    return "none" if v is None else v
+
+
+OffloadDevice = Annotated[Literal["none", "cpu", "nvme"], BeforeValidator(_device)]
+
+
+class _OffloadSection(_Section):
+    device: OffloadDevice = "none"
+    """Where the state lives between uses: ``none`` (where it is used), ``cpu`` (host memory), ``nvme`` (files)."""
+    nvme_path: str | None = None
+    """Directory for the swap files (device ``nvme``); each rank makes its own scratch directory in it."""
+    pin_memory: bool = False
+    """Page-locked host buffers (CUDA: faster copies to and from the GPU; no effect on a CPU-only machine)."""
+
+    @model_validator(mode="after")
+    def _path_with_nvme(self) -> _OffloadSection:
+        if self.device == "nvme" and not self.nvme_path:
+            raise ValueError("device 'nvme' needs nvme_path: the directory the swap files go in (a local fast disk)")
+        return self
+
+
+class OffloadOptimizerConfig(_OffloadSection):
+    """DeepSpeed's ``offload_optimizer``: optimizer state (and fp32 masters) in host memory or in files."""
+
+    buffer_count: Count = 4
+    """Device ``nvme``: sub-group buffers in flight (one being stepped, the others read ahead or written back)."""
+    ratio: float = Field(default=1.0, gt=0, le=1)
+    """Fraction of the rank's optimizer-state elements offloaded (the first sub-groups); the rest stays resident."""
+
+
+class OffloadParamConfig(_OffloadSection):
+    """DeepSpeed's ``offload_param`` (stage 3): parameter shards of units in host memory or in files."""
+
+    buffer_count: Count = 5
+    """Device ``nvme``: unit-shard buffers in flight."""
+    max_in_cpu: Size = 1_000_000_000
+    """Device ``nvme``: parameter elements kept in host memory (the first units) instead of on disk."""
+
+
 class ZeroConfig(_Section):
     stage: Annotated[Literal[0, 1, 2, 3], BeforeValidator(_stage)] = 0
     reduce_bucket_size: Size | Auto = 500_000_000
@@ -67,6 +108,24 @@ class ZeroConfig(_Section):
     """Stage 3 (shardtrain key): module class names to gather/release as units, instead of repeated blocks."""
     stage3_gather_check: bool = True
     """Stage 3 (shardtrain key): exchange unit ids before each gather to catch ranks on different paths."""
+    sub_group_size: Size = 1_000_000_000
+    """With optimizer offload: the optimizer steps this rank's fragments in sub-groups of about this many elements."""
+    offload_optimizer: OffloadOptimizerConfig = Field(default_factory=OffloadOptimizerConfig)
+    offload_param: OffloadParamConfig = Field(default_factory=OffloadParamConfig)
+
+    @model_validator(mode="after")
+    def _offload_stages(self) -> ZeroConfig:
+        if self.offload_optimizer.device != "none" and self.stage == 0:
+            raise ValueError(
+                f"offload_optimizer.device {self.offload_optimizer.device!r} needs ZeRO stage 1, 2 or 3 (the "
+                "optimizer state is offloaded per rank's shard); set stage >= 1 or device 'none'"
+            )
+        if self.offload_param.device != "none" and self.stage != 3:
+            raise ValueError(
+                f"offload_param.device {self.offload_param.device!r} needs ZeRO stage 3 (only stage 3 shards "
+                f"parameters; stage is {self.stage}); set stage 3 or device 'none'"
+            )
+        return self
 
 
 class TensorParallelConfig(_Section):

@@ -103,11 +103,6 @@ def _not_supported(path: str, note: str) -> Rule:
     return Rule(path, Kind.NOT_SUPPORTED, note)
 
 
-def _offload_off(v: Mapping[str, Any]) -> bool:
-    return v.get("device", "none") in ("none", None)
-
-
-_OFFLOAD = 'offload is planned but not available yet; remove the section or set `device: "none"`'
 _ZERO_PP = "ZeRO++ is not built; remove the key"
 _Z = "zero_optimization."
 
@@ -186,7 +181,7 @@ RULES: tuple[Rule, ...] = (
     _no_effect(
         "zero_force_ds_cpu_optimizer",
         "bool",
-        "there is no DeepSpeed CPU optimizer (nor offload) here",
+        "offloaded steps run torch's own optimizer on the CPU",
         check=StrictBool,
     ),
     # -- communication ---------------------------------------------------------------------------
@@ -328,45 +323,111 @@ RULES: tuple[Rule, ...] = (
     _no_effect(
         _Z + "round_robin_gradients",
         "bool",
-        "an optimization of CPU offload, which is not built",
+        "an ordering of DeepSpeed's gradient copies to the host; shardtrain copies each reduced shard once",
+        check=StrictBool,
+    ),
+    _supported(
+        _Z + "sub_group_size",
+        "int ≥ 0, `1e9`",
+        "with `offload_optimizer`, the optimizer steps each rank's fragments in sub-groups of about this many "
+        "elements, one at a time (a fragment is never split), and one sub-group's state is what a swap buffer "
+        "holds; without offload one step covers all fragments (the same numbers)",
+    ),
+    _supported(
+        _Z + "offload_optimizer",
+        "section",
+        "optimizer state (and the fp32 masters of mixed precision) in host memory or in files: docs/offload.md",
+    ),
+    _supported(
+        _Z + "offload_optimizer.device",
+        '`"none"`, `"cpu"`, `"nvme"`; none',
+        "stages 1-3. `cpu`: state in (pinned) host memory and the step on the CPU (on a CPU-only machine the "
+        "state is already there); `nvme`: state in swap files, stepped one sub-group at a time",
+    ),
+    _supported(
+        _Z + "offload_optimizer.nvme_path",
+        "path",
+        "directory for the swap files (required with `nvme`; checked writable at `initialize` on every rank)",
+    ),
+    _supported(_Z + "offload_optimizer.pin_memory", "bool, `false`", "page-locked host buffers (CUDA only)"),
+    _supported(
+        _Z + "offload_optimizer.buffer_count",
+        "int ≥ 1, `4`",
+        "`nvme`: sub-group buffers in flight (read ahead, stepped, written back): the state held in memory",
+    ),
+    _supported(
+        _Z + "offload_optimizer.ratio",
+        "0 < float ≤ 1, `1`",
+        "fraction of the rank's optimizer-state elements offloaded (the first sub-groups); the rest stays resident",
+    ),
+    _no_effect(
+        _Z + "offload_optimizer.pipeline_read",
+        "bool",
+        "reads of the next sub-group always overlap the step",
         check=StrictBool,
     ),
     _no_effect(
-        _Z + "sub_group_size",
+        _Z + "offload_optimizer.pipeline_write",
+        "bool",
+        "writes of the previous sub-group always overlap the step",
+        check=StrictBool,
+    ),
+    _no_effect(
+        _Z + "offload_optimizer.fast_init",
+        "bool",
+        "swap files are created on the first write, never initialized ahead",
+        check=StrictBool,
+    ),
+    _no_effect(
+        _Z + "offload_optimizer.cpuadam_cores_perc",
+        "number",
+        "the CPU step uses torch's optimizers and torch's threads",
+    ),
+    _supported(_Z + "offload_param", "section", "stage 3: parameter shards in host memory or in files"),
+    _supported(
+        _Z + "offload_param.device",
+        '`"none"`, `"cpu"`, `"nvme"`; none',
+        "stage 3 only. `nvme`: each unit's shard in a mapped swap file, read before its gather; `cpu`: where "
+        "parameters are on a CPU-only machine (both are refused on CUDA, not built there yet)",
+    ),
+    _supported(_Z + "offload_param.nvme_path", "path", "directory for the parameter swap files"),
+    _supported(_Z + "offload_param.pin_memory", "bool, `false`", "page-locked host buffers (CUDA only)"),
+    _supported(
+        _Z + "offload_param.buffer_count",
+        "int ≥ 1, `5`",
+        "checked; no effect: the kernel's page cache holds the shards being read",
+    ),
+    _supported(
+        _Z + "offload_param.max_in_cpu",
+        "int ≥ 0, `1e9`",
+        "`nvme`: the first units holding this many elements stay in memory instead of on disk",
+    ),
+    _no_effect(
+        _Z + "offload_param.buffer_size",
         "int ≥ 0",
-        "the optimizer steps each rank's fragments at once (no offload tiles)",
+        "the kernel's page cache holds the shards being read",
         check=int,
     ),
-    Rule(
-        _Z + "offload_optimizer",
-        Kind.REFUSED_VALUE,
-        "optimizer " + _OFFLOAD,
-        '`device: "none"`',
-        check=dict,
-        accept=_offload_off,
-        shown=lambda v: f"device: {_describe(v.get('device'))}",
+    _only(
+        _Z + "cpu_offload",
+        False,
+        'legacy optimizer offload; write `offload_optimizer: {"device": "cpu"}` instead',
     ),
-    Rule(
-        _Z + "offload_param",
-        Kind.REFUSED_VALUE,
-        "parameter " + _OFFLOAD,
-        '`device: "none"`',
-        check=dict,
-        accept=_offload_off,
-        shown=lambda v: f"device: {_describe(v.get('device'))}",
+    _only(
+        _Z + "cpu_offload_param",
+        False,
+        'legacy parameter offload; write `offload_param: {"device": "cpu"}` instead',
     ),
-    _only(_Z + "cpu_offload", False, "legacy optimizer offload; " + _OFFLOAD),
-    _only(_Z + "cpu_offload_param", False, "legacy parameter offload; " + _OFFLOAD),
     _no_effect(
         _Z + "cpu_offload_use_pin_memory",
         "bool",
-        "pinned memory for offload, which is not built",
+        "legacy spelling; use `offload_optimizer.pin_memory`",
         check=StrictBool,
     ),
     _no_effect(
         _Z + "zenflow",
         "section",
-        "ZenFlow tunes CPU offload, which is not built",
+        "ZenFlow (stale-update CPU offload) is not built; offload here steps with current gradients",
         check=dict,
     ),
     _supported(
@@ -441,7 +502,7 @@ RULES: tuple[Rule, ...] = (
     _no_effect(
         _Z + "save_muon_momentum_buffer_in_memory",
         "bool",
-        "there is no Muon optimizer nor NVMe offload",
+        "there is no Muon optimizer",
         check=StrictBool,
     ),
     _not_supported(_Z + "leaf_module", "use `zero_optimization.stage3_unit_classes` to choose units"),
@@ -517,7 +578,13 @@ RULES: tuple[Rule, ...] = (
     _supported("tensor_parallel.autotp_size", "int ≥ 1", "DeepSpeed's name for `tensor_parallel.size`"),
     _disabled("expert_parallel", "expert parallelism (AutoEP) is not supported"),
     _disabled("hybrid_engine", "the RLHF hybrid engine is not supported"),
-    _not_supported("aio", "asynchronous I/O configures NVMe offload, which is not built yet; remove the section"),
+    _no_effect(
+        "aio",
+        "section",
+        "tunes DeepSpeed's libaio engine; shardtrain's swapper reads and writes with a small thread pool "
+        "(`offload_*.buffer_count` sets what is in flight)",
+        check=dict,
+    ),
     _disabled("autotuning", "not supported; tune batch and bucket sizes by hand"),
     _disabled("elasticity", "elastic batch sizes are not supported; give the batch sizes"),
     _not_supported("compression_training", "model compression is not supported"),

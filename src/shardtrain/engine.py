@@ -38,6 +38,15 @@ from shardtrain.tensor_parallel import assemble_blocks, check_same_batch, parall
 from shardtrain.zero.build import build_layout
 from shardtrain.zero.init import is_under_construction
 from shardtrain.zero.layout import ParamRecord, cast_bucket
+from shardtrain.zero.offload import (
+    OffloadError,
+    ParamOffload,
+    ScratchDir,
+    build_optimizer_offload,
+    host_masters,
+    on_every_rank,
+    prepare_scratch,
+)
 from shardtrain.zero.optimizer import ShardedOptimizer, TensorParallelNorm, check_optimizer, make_masters
 from shardtrain.zero.reducer import GradientReducer
 from shardtrain.zero.unit_runtime import ParameterUnits
@@ -81,6 +90,8 @@ class Engine:
             config, topology.dp
         )
         _check_ranks_agree(self.world_comm, module, config)
+        # swap directories are checked on every rank before the model is touched (see docs/offload.md)
+        self._scratch = _prepare_offload(zcfg, topology, self.world_comm)
         # where every parameter lives (see [Note: the layout]); built before anything else touches the model
         self.layout = build_layout(module, zcfg, self.comm, tp_placements, tp=topology.tp, tp_rank=topology.tp_rank)
         self.policy = self.layout.policy
@@ -99,6 +110,32 @@ class Engine:
             self._cast_to_compute_dtype()
             if self._units is not None:  # the cast made new full buffers
                 self._units.index_storages()
+        self._param_offload: ParamOffload | None = None
+        if zcfg.offload_param.device == "nvme" and self._units is not None:  # shards into mapped files
+            try:
+                self._param_offload = on_every_rank(
+                    self.world_comm,
+                    "parameter swap files",
+                    lambda: ParamOffload(
+                        self._units.units, self._scratch["offload_param"], topology.rank, zcfg.offload_param.max_in_cpu
+                    ),
+                )
+            except OffloadError:
+                for scratch in self._scratch.values():
+                    scratch.remove()
+                raise
+            self._units.before_gather = self._param_offload.will_need
+            self._units.after_gather = lambda unit: self._param_offload.done_with([unit])
+        offload = zcfg.offload_optimizer
+        if offload.device != "none" and topology.device.type == "cuda":  # the step runs on the host
+            fragments = {id(s.param): s.param.detach() for b in trainable for s in b.slots}
+            if self.policy.shard_optimizer_state:
+                fragments = {
+                    id(s.param): b.shard[f.shard_offset : f.shard_offset + f.length]
+                    for b in trainable
+                    for s, f in zip(b.slots, b.fragments)
+                }
+            masters = host_masters(masters, fragments, offload.pin_memory)
         partial_grads = frozenset(id(r.param) for r in self.layout.records if r.tp is not None and r.tp.partial_grad)
         self._reducer = GradientReducer(
             trainable,
@@ -124,6 +161,22 @@ class Engine:
             masters=masters,
             tp_norm=tp_norm,
         )
+        if offload.device != "none":
+            self._optimizer.attach_offload(
+                build_optimizer_offload(
+                    optimizer,
+                    self._optimizer.stepped_tensors(),
+                    offload.device,
+                    zcfg.sub_group_size,
+                    offload.buffer_count,
+                    offload.ratio,
+                    offload.pin_memory,
+                    self._scratch.get("offload_optimizer"),
+                    topology.rank,
+                    self.world_comm,
+                    fragments=self._optimizer.stepped_fragments() if masters is not None else None,
+                )
+            )
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.global_step = 0
@@ -212,6 +265,8 @@ class Engine:
     def _optimizer_step(self) -> None:
         scale = self.scaler.scale if self.scaler is not None else None
         self._grad_norm, skipped = self._optimizer.step(self.config.gradient_clipping, scale)
+        if self._param_offload is not None:  # updated shards leave memory (the kernel writes them back)
+            self._param_offload.done_with(self._units.units)
         if self.scaler is not None:
             self.scaler.update(overflow=skipped)
         if skipped:  # parameters, masters, optimizer state and the scheduler stay as they were
@@ -230,6 +285,10 @@ class Engine:
         if self._units is not None:
             self._units.remove_hooks()
         self.monitor.close()
+        if self._optimizer.offload is not None:  # swap files are scratch: removed with their directory
+            self._optimizer.offload.close()
+        for scratch in self._scratch.values():
+            scratch.remove()
 
     def train(self, mode: bool = True) -> Engine:
         self.module.train(mode)
@@ -273,13 +332,15 @@ class Engine:
         """Bytes this rank holds for parameters, gradients and optimizer state (incl. ZeRO padding).
 
         Parameters: the permanent copies (full flat buffers at stages 0-2; shards of units plus persistent
-        and frozen parameters at stage 3). Transient buffers (gathered units, stage-2/3 gradient staging) are
-        not state and not counted."""
+        and frozen parameters at stage 3, less shards offloaded to files). Transient buffers (gathered units,
+        stage-2/3 gradient staging) are not state and not counted."""
         buckets = self.layout.buckets
         params = sum(
             (b.flat_param if b.gather_after_step else b.shard).numel() * b.shard.element_size() for b in buckets
         )
         params += sum(r.param.numel() * r.param.element_size() for r in self.layout.records if r.bucket is None)
+        if self._param_offload is not None:  # shards in their swap files are not held (see docs/offload.md)
+            params -= self._param_offload.mapped_bytes()
         return {"params": params, "grads": self._reducer.grad_bytes(), "optimizer": self._optimizer.state_bytes()}
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
@@ -468,6 +529,28 @@ def initialize(
     check_optimizer(opt, model, cfg.zero_optimization.stage, cfg.zero_allow_untested_optimizer)
     scheduler = _build_scheduler(cfg, opt, lr_scheduler)
     return Engine(model, cfg, topology, opt, scheduler, placements, tp_comm)
+
+
+def _prepare_offload(zcfg: Any, topology: Topology, world: Communicator) -> dict[str, ScratchDir]:
+    """Each rank's swap directories (device ``nvme``), checked on every rank; refuses what is not built."""
+    param = zcfg.offload_param
+    if param.device != "none" and topology.device.type == "cuda":
+        raise ConfigError(
+            f"zero_optimization.offload_param.device {param.device!r} is not built on CUDA yet; use "
+            "offload_optimizer (optimizer state, and fp32 masters, in host memory or on disk) and set "
+            "offload_param.device to 'none' (docs/offload.md)"
+        )
+    scratch = {}
+    if param.device == "nvme":
+        scratch["offload_param"] = prepare_scratch(
+            param.nvme_path, topology.rank, "zero_optimization.offload_param", world
+        )
+    off = zcfg.offload_optimizer
+    if off.device == "nvme":
+        scratch["offload_optimizer"] = prepare_scratch(
+            off.nvme_path, topology.rank, "zero_optimization.offload_optimizer", world
+        )
+    return scratch
 
 
 def _refuse_sharded_construction(model: nn.Module) -> None:

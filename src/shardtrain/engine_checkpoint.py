@@ -178,10 +178,10 @@ def collect_pieces(state: TrainingState) -> tuple[list[SavePiece], dict[str, str
             # fragment of it
             fragment = bucket.shard[f.shard_offset : f.shard_offset + f.length] if sharded else t
             stepped = _stepped(state, t)
-            value = stepped if stepped is not None else fragment
+            value = opt.readable(stepped) if stepped is not None else fragment  # an offloaded master: mapped
             span = (f.start, f.length) if sharded else None
             pieces += _pieces(f"model/{name}", value, shape, block, span, layout)
-            opt_state = opt.optimizer.state.get(stepped, {}) if stepped is not None else {}
+            opt_state = opt.state_of(stepped) if stepped is not None else {}  # offloaded state: mapped files
             for k, v in opt_state.items():
                 if not torch.is_tensor(v):
                     raise CheckpointError(f"optimizer state {k!r} of {name!r} is not a tensor ({type(v).__name__})")
@@ -361,6 +361,7 @@ def _load_optimizer_state(state: TrainingState, reader: CheckpointReader, entry_
             by_param.setdefault(param, {})[key] = tensor_name
     group_of = {id(p): g for g in opt.optimizer.param_groups for p in g["params"]}
     new_state: dict[torch.Tensor, dict[str, Any]] = {}
+    streamed = opt.offload is not None and opt.offload.offloaded  # to the swap files, one tensor at a time
     with torch._C.DisableTorchFunctionSubclass():
         for names, t in state_tensors(state.module):
             frag = opt.fragment_of(t)
@@ -371,6 +372,7 @@ def _load_optimizer_state(state: TrainingState, reader: CheckpointReader, entry_
             f = bucket.fragments[i]
             lo, hi = (f.start, f.start + f.length) if sharded else (0, t.numel())
             base = entry_name(names, "model/").removeprefix("model/")
+            shape_of_stepped = opt.readable(stepped).shape  # an offloaded master is empty between steps
             param_state: dict[str, Any] = {}
             record = state.layout.record_of(t)
             shape = tuple(record.global_shape) if record is not None else tuple(t.shape)
@@ -385,14 +387,14 @@ def _load_optimizer_state(state: TrainingState, reader: CheckpointReader, entry_
                         f"{shape}"
                     )
                 else:
-                    value = _read_local(reader, tensor_name, record, state.layout, lo, hi).view(stepped.shape)
+                    value = _read_local(reader, tensor_name, record, state.layout, lo, hi).view(shape_of_stepped)
                 param_state[key] = _cast_like_torch(key, value, stepped, group_of.get(id(stepped), {}))
-            new_state[stepped] = param_state
+            if streamed:
+                opt.set_state(stepped, param_state)
+            else:
+                new_state[stepped] = param_state
     for stepped, param_state in new_state.items():  # like Optimizer.load_state_dict: the checkpoint's replaces all
-        if param_state:
-            opt.optimizer.state[stepped] = param_state
-        else:
-            opt.optimizer.state.pop(stepped, None)
+        opt.set_state(stepped, param_state)
 
 
 def _read_local(

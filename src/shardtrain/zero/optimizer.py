@@ -28,6 +28,7 @@ from __future__ import annotations
 import inspect
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -37,6 +38,9 @@ from shardtrain.errors import OptimizerError
 from shardtrain.zero.layout import Bucket
 from shardtrain.zero.policy import ZeroPolicy
 from shardtrain.zero.reducer import GradientReducer
+
+if TYPE_CHECKING:
+    from shardtrain.zero.offload import OptimizerOffload
 
 
 @dataclass(frozen=True)
@@ -99,6 +103,7 @@ class ShardedOptimizer:
         # what the optimizer steps: fp32 masters under mixed precision (see [Note: mixed precision]), else
         # the fragments themselves
         self.masters = masters
+        self.offload: OptimizerOffload | None = None  # sub-group stepping with offloaded state (attach_offload)
         self._stepped = {k: (masters[k] if masters is not None else t) for k, (t, _, _) in self._frag.items()}
         if self.sharded or masters is not None:
             self._move_initial_state()
@@ -120,6 +125,37 @@ class ShardedOptimizer:
                 new[k] = v
             self.optimizer.state[stepped] = new
 
+    def attach_offload(self, offload: OptimizerOffload) -> None:
+        """Step through ``offload`` from now on; it steps :meth:`stepped_tensors` in sub-groups."""
+        self.offload = offload
+
+    def stepped_tensors(self) -> list[torch.Tensor]:
+        """What the optimizer steps, one per trainable parameter, in the order gradients are handed over."""
+        return list(self._stepped.values())
+
+    def stepped_fragments(self) -> list[torch.Tensor]:
+        """The fragment (or whole parameter) of each of :meth:`stepped_tensors`, in the same order."""
+        return [t for t, _, _ in self._frag.values()]
+
+    def readable(self, stepped: torch.Tensor) -> torch.Tensor:
+        """The values of a stepped tensor: itself, or an offloaded master's file mapped (read and written in place)."""
+        return self.offload.master_view(stepped) if self.offload is not None else stepped
+
+    def state_of(self, stepped: torch.Tensor) -> dict:
+        """The optimizer state of a stepped tensor, offloaded parts included (mapped, not read into memory)."""
+        if self.offload is not None:
+            return self.offload.state_of(stepped)
+        return self.optimizer.state.get(stepped, {})
+
+    def set_state(self, stepped: torch.Tensor, state: dict) -> None:
+        """Replace the optimizer state of a stepped tensor (an empty dict removes it)."""
+        if self.offload is not None:
+            self.offload.set_state(stepped, state)
+        elif state:
+            self.optimizer.state[stepped] = state
+        else:
+            self.optimizer.state.pop(stepped, None)
+
     def fragment_of(self, p: torch.Tensor) -> tuple[torch.Tensor, Bucket, int] | None:
         """(fragment tensor, bucket, slot index) of a trainable parameter; None for anything else."""
         return self._frag.get(id(p))
@@ -130,7 +166,9 @@ class ShardedOptimizer:
 
     def master_of(self, p: torch.Tensor) -> torch.Tensor | None:
         """The fp32 master of a trainable parameter's fragment under mixed precision, else None."""
-        return self.masters.get(id(p)) if self.masters is not None else None
+        if self.masters is None or id(p) not in self.masters:
+            return None
+        return self.readable(self.masters[id(p)])
 
     def refresh_masters(self, params: list[torch.Tensor]) -> None:
         """Masters take the (changed) compute-dtype values of these parameters' fragments."""
@@ -139,7 +177,8 @@ class ShardedOptimizer:
         with torch.no_grad():
             for p in params:
                 if id(p) in self._frag:
-                    self.masters[id(p)].copy_(self._frag[id(p)][0].reshape(-1).view_as(self.masters[id(p)]))
+                    master = self.master_of(p)
+                    master.copy_(self._frag[id(p)][0].reshape(-1).view_as(master))
 
     def _fragment_grads(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """(stepped tensor, fragment, its reduced gradient) for every trainable parameter."""
@@ -192,15 +231,25 @@ class ShardedOptimizer:
             self.optimizer.step()
             return total_norm, False
         stepped = [s for s, _, g in triples if g is not None]
-        for s, g in zip(stepped, grads):
-            s.grad = g
-        self.optimizer.step()
-        for s in stepped:
-            s.grad = None
-        if self.masters is not None:  # refresh the compute-dtype fragments from the fp32 masters
+        if self.offload is not None:  # one sub-group at a time (see [Note: sub-group stepping])
+            upcast = iter(grads)
+            self.offload.step([next(upcast) if g is not None else None for _, _, g in triples])
+        else:
+            for s, g in zip(stepped, grads):
+                s.grad = g
+            self.optimizer.step()
+            for s in stepped:
+                s.grad = None
+        if self.masters is not None and not (self.offload is not None and self.offload.holds_masters):
+            # refresh the compute-dtype fragments from the fp32 masters (offloaded ones refreshed as stepped)
             frags = [t for s, t, _ in triples if t.numel()]
+            masters = [s for s, t, _ in triples if t.numel()]
             with torch.no_grad():
-                torch._foreach_copy_(frags, [s for s, t, _ in triples if t.numel()])
+                if frags and frags[0].device != masters[0].device:  # masters offloaded to the host
+                    for t, s in zip(frags, masters):
+                        t.copy_(s)  # blocking: the host masters change at the next step
+                else:
+                    torch._foreach_copy_(frags, masters)
         if self.sharded:
             self._all_gather_params()
         return total_norm, False

@@ -44,7 +44,7 @@ reach the same point; its cost is measured in docs/benchmarks.md. Turn it off wi
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
 
@@ -135,6 +135,10 @@ class ParameterUnits:
         self._order_ok = True
         self._warned = False
         self.max_gathered = 0  # most units gathered at once (tests read it)
+        # parameter offload (zero/offload.py): told before a unit's all-gather is issued (prefetches included,
+        # so in gather order) and once it has completed (the shard may leave memory again)
+        self.before_gather: Callable[[Unit], None] | None = None
+        self.after_gather: Callable[[Unit], None] | None = None
         self._bwd_gathered: list[Unit] = []  # units gathered for this backward, in the order they were needed
         by_module: dict[int, list[Unit]] = {}
         for u in self.units:
@@ -190,6 +194,8 @@ class ParameterUnits:
             # verified before the data is issued: all-gathers of different sizes on different ranks would
             # abort the process inside the backend instead of failing with the units' names
             self._verify(unit)
+        if self.before_gather is not None:
+            self.before_gather(unit)
         for b in unit.buckets:
             b.flat_param.untyped_storage().resize_(b.padded_numel * b.flat_param.element_size())
             with torch.autograd._unsafe_preserve_version_counter(b.flat_param):
@@ -207,6 +213,8 @@ class ParameterUnits:
             h.wait()
         unit.pending.clear()
         unit.state = UnitState.GATHERED
+        if self.after_gather is not None:
+            self.after_gather(unit)
 
     def _release(self, unit: Unit) -> None:
         if unit.state is UnitState.GATHERING:

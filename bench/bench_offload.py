@@ -1,0 +1,196 @@
+"""NVMe optimizer offload at world 2: a GPT whose Adam state is several times the memory allowed for it.
+
+    python bench/bench_offload.py                        # ~310M-parameter GPT (d 1024, 24 layers), 2 timed steps
+    python bench/bench_offload.py --layers 6 --steps 2   # a quicker ~85M one
+    python bench/bench_offload.py --nvme-path /mnt/nvme  # swap files elsewhere (default /tmp/shardtrain-bench-swap)
+    python bench/bench_offload.py --offload-param        # unit shards in swap files too
+
+Runs, each in fresh processes (two ranks, one thread each, ZeRO stage 3, fp32, AdamW):
+
+1. raw disk: both ranks at once write (``pwritev`` + ``fdatasync``, then dropped from the page cache) and read
+   back a file of ``--raw-mib`` MiB each, through the swapper's own file code: the bandwidth the disk gives two
+   writers/readers, measured in this run;
+2. offload: the model with ``offload_optimizer: {device: nvme}``, ``sub_group_size`` and ``buffer_count`` chosen
+   so that the buffers (the memory allowed to optimizer state) are at most a quarter of a rank's state; per
+   step: forward+backward time, optimizer step time, bytes read and written by the swapper, the bandwidth that
+   is (bytes / step time, both ranks), and its ratio to the raw disk's;
+3. in memory: the same model without offload (when it fits), step times, ratio offload / in memory;
+4. small in memory: a model with a quarter of the layers, its step time scaled by the parameter ratio.
+
+Peak RSS per rank (``ru_maxrss``) of each run. A step's time is the slowest rank's median over the timed steps
+(the first step is warm-up: it creates the state). Prints one table and the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import resource
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import shardtrain
+from shardtrain.models.gpt import GPT, GPTConfig, num_parameters
+from shardtrain.testing import run_distributed
+
+SEQ, MICRO = 64, 1
+
+
+def gpt(layers: int, d_model: int) -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=8192, seq_len=SEQ, d_model=d_model, n_layer=layers, n_head=16))
+
+
+def raw_disk(path: str, mib: int) -> dict:
+    """Write then read ``mib`` MiB with the swapper's file code (synced, dropped from the cache)."""
+    from shardtrain.zero.swap import ScratchDir, SwapFiles
+
+    scratch = ScratchDir(path, dist.get_rank(), "bench")
+    files = SwapFiles(scratch, dist.get_rank())
+    chunk = torch.full((64 << 20,), 1.0, dtype=torch.float32)  # 256 MiB per file
+    count = max(1, mib // 256)
+    dist.barrier()
+    start = time.perf_counter()
+    for i in range(count):
+        files.write(i, "raw", chunk)
+    wrote = time.perf_counter() - start
+    dist.barrier()
+    start = time.perf_counter()
+    for i in range(count):
+        files.read(i, "raw", chunk)
+    read = time.perf_counter() - start
+    files.close()
+    scratch.remove()
+    return {"bytes": count * chunk.numel() * 4, "write_s": wrote, "read_s": read}
+
+
+def train(layers: int, d_model: int, steps: int, zero: dict) -> dict:
+    model = gpt(layers, d_model)
+    params = num_parameters(model)
+    config = {"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": {"stage": 3, **zero}}
+    engine = shardtrain.initialize(model, config, torch.optim.AdamW(model.parameters(), lr=1e-4))
+    g = torch.Generator().manual_seed(dist.get_rank())
+    offload = engine._optimizer.offload
+    files = offload.files if offload is not None else None
+    times = []
+    for s in range(steps + 1):
+        x = torch.randint(0, 8192, (MICRO, SEQ), generator=g)
+        dist.barrier()
+        t0 = time.perf_counter()
+        engine.backward(engine(x, torch.roll(x, -1, 1)))
+        t1 = time.perf_counter()
+        before = (files.bytes_read, files.bytes_written) if files else (0, 0)
+        engine.step()
+        t2 = time.perf_counter()
+        after = (files.bytes_read, files.bytes_written) if files else (0, 0)
+        if s > 0:  # the first step creates the state
+            times.append((t1 - t0, t2 - t1, after[0] - before[0], after[1] - before[1]))
+    out = {
+        "params": params,
+        "fwd_bwd": statistics.median(t[0] for t in times),
+        "step": statistics.median(t[1] for t in times),
+        "read": statistics.median(t[2] for t in times),
+        "written": statistics.median(t[3] for t in times),
+        "state_bytes": engine.state_bytes(),
+        "peak_held": offload.peak_held_bytes if offload is not None and files else 0,
+        "offloaded_bytes": sum(files.path(i, k).stat().st_size for i, keys in offload._saved.items() for k in keys)
+        if files
+        else 0,
+    }
+    engine.close()
+    out["max_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return out
+
+
+def slowest(results: list[dict], key: str) -> float:
+    return max(r[key] for r in results)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--d-model", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--nvme-path", default="/tmp/shardtrain-bench-swap")
+    parser.add_argument("--raw-mib", type=int, default=1024)
+    parser.add_argument("--buffer-count", type=int, default=3)
+    parser.add_argument("--skip-in-memory", action="store_true")
+    parser.add_argument("--offload-param", action="store_true", help="also offload_param: nvme (max_in_cpu 0)")
+    args = parser.parse_args()
+    Path(args.nvme_path).mkdir(parents=True, exist_ok=True)
+    n = num_parameters(gpt(args.layers, args.d_model))
+    per_rank_state = n // 2 * 8  # AdamW exp_avg + exp_avg_sq of a rank's half, fp32
+    # buffers for at most a quarter of a rank's state: sub_group_size elements x 8 bytes x buffer_count
+    sub_group = per_rank_state // 4 // (8 * args.buffer_count)
+    zero = {
+        "sub_group_size": sub_group,
+        "offload_optimizer": {"device": "nvme", "nvme_path": args.nvme_path, "buffer_count": args.buffer_count},
+    }
+    if args.offload_param:
+        zero["offload_param"] = {"device": "nvme", "nvme_path": args.nvme_path, "max_in_cpu": 0}
+    timeout = 3600
+    print(
+        f"machine: {platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"torch {torch.__version__}; swap dir {Path(args.nvme_path).resolve()}"
+    )
+    print(
+        f"model: GPT d_model {args.d_model}, {args.layers} layers, {n / 1e6:.1f}M parameters; world 2, stage 3, "
+        f"fp32 AdamW; sub_group_size {sub_group:,}, buffer_count {args.buffer_count}"
+    )
+    raw = run_distributed(raw_disk, 2, args.nvme_path, args.raw_mib, timeout=timeout, threads=1)
+    raw_write = sum(r["bytes"] for r in raw) / slowest(raw, "write_s")
+    raw_read = sum(r["bytes"] for r in raw) / slowest(raw, "read_s")
+    raw_mixed = 2 * sum(r["bytes"] for r in raw) / (slowest(raw, "write_s") + slowest(raw, "read_s"))
+    print(
+        f"raw disk, 2 ranks at once: write {raw_write / 1e6:.0f} MB/s, read {raw_read / 1e6:.0f} MB/s, "
+        f"write+read {raw_mixed / 1e6:.0f} MB/s"
+    )
+    off = run_distributed(train, 2, args.layers, args.d_model, args.steps, zero, timeout=timeout, threads=1)
+    io = sum(r["read"] + r["written"] for r in off)
+    achieved = io / slowest(off, "step")
+    rows = [("offload nvme", off)]
+    print(
+        f"offload: optimizer state on disk {max(r['offloaded_bytes'] for r in off) / 2**20:.0f} MiB per rank, "
+        f"swap buffers held at most {max(r['peak_held'] for r in off) / 2**20:.0f} MiB per rank "
+        f"({max(r['offloaded_bytes'] for r in off) / max(r['peak_held'] for r in off):.1f}x less); "
+        f"step moved {io / 1e6:.0f} MB (both ranks): {achieved / 1e6:.0f} MB/s = "
+        f"{achieved / raw_mixed:.2f} x raw write+read"
+    )
+    if not args.skip_in_memory:
+        rows.append(
+            (
+                "in memory",
+                run_distributed(train, 2, args.layers, args.d_model, args.steps, {}, timeout=timeout, threads=1),
+            )
+        )
+    small_layers = max(1, args.layers // 4)
+    small = run_distributed(train, 2, small_layers, args.d_model, args.steps, {}, timeout=timeout, threads=1)
+    scale = n / small[0]["params"]
+    rows.append((f"in memory, {small_layers} layers, x{scale:.2f}", small))
+    print(f"{'run':<28} {'fwd+bwd s':>10} {'step s':>10} {'total s':>10} {'peak RSS/rank MiB':>18}")
+    ref_total = None
+    for name, res in rows:
+        f, s = slowest(res, "fwd_bwd"), slowest(res, "step")
+        if name.startswith("in memory,"):
+            f, s = f * scale, s * scale
+        total = f + s
+        ref_total = ref_total or total
+        print(
+            f"{name:<28} {f:>10.2f} {s:>10.2f} {total:>10.2f} {max(r['max_rss'] for r in res) / 2**20:>18.0f}"
+            + ("" if name == "offload nvme" else f"   offload / this: {ref_total / total:.2f}x")
+        )
+    try:
+        import deepspeed  # noqa: F401
+
+        print("deepspeed is installed: compare with its ZeRO-Infinity by hand (not automated here)")
+    except ImportError:
+        print("deepspeed is not installed in this environment: no ZeRO-Infinity comparison")
+
+
+if __name__ == "__main__":
+    main()

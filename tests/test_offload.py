@@ -1,0 +1,398 @@
+"""Optimizer offload (``zero_optimization.offload_optimizer``): training with state in swap files (``nvme``) or in
+host memory (``cpu``) gives bitwise the numbers of training without offload, at stages 1-3 and worlds 1-3, and
+equals one process; the memory held for optimizer state is ``buffer_count`` sub-groups, not the whole state."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+
+import shardtrain
+from shardtrain.testing import run_distributed
+
+from parity import Recipe, assert_parity, global_micro_batches, make_model, make_optimizer, reference_run
+
+
+@functools.cache
+def reference(recipe: Recipe, world: int) -> dict:
+    return reference_run(recipe, world)
+
+
+def train(
+    recipe: Recipe, stage: int, world: int, zero_extra: dict | None = None, bucket: int = 2000, top: dict | None = None
+) -> dict:
+    """Runs on every rank: this rank's losses, the final full weights (rank 0), what offload held and where."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    model = make_model(recipe)
+    config = {
+        "train_micro_batch_size_per_gpu": recipe.micro,
+        "gradient_accumulation_steps": recipe.gas,
+        "gradient_clipping": recipe.clip,
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": bucket,
+            "allgather_bucket_size": bucket,
+            "stage3_param_persistence_threshold": 0,
+            **(zero_extra or {}),
+        },
+        **(top or {}),
+    }
+    engine = shardtrain.initialize(model, config=config, optimizer=make_optimizer(model, recipe))
+    offload = engine._optimizer.offload
+    batches = global_micro_batches(recipe, world)
+    lo, hi = rank * recipe.micro, (rank + 1) * recipe.micro
+    losses, norms, resident = [], [], []
+    for step in range(recipe.steps):
+        step_loss = 0.0
+        for m in range(recipe.gas):
+            x, y = batches[step * recipe.gas + m]
+            loss = engine(x[lo:hi], y[lo:hi])
+            engine.backward(loss)
+            engine.step()
+            step_loss += loss.item() / recipe.gas
+        losses.append(step_loss)
+        norms.append(engine.get_global_grad_norm())
+        resident.append(engine.state_bytes()["optimizer"])
+    out = {
+        "losses": losses,
+        "norms": norms,
+        "params": engine.full_state_dict(),
+        "resident": resident,
+        "scratch": [str(s.path) for s in engine._scratch.values()],
+    }
+    if offload is not None:
+        out["groups"] = len(offload.groups)
+        out["peak"] = offload.peak_held_bytes
+        out["saved_files"] = sum(len(keys) for keys in offload._saved.values())
+    engine.close()
+    out["scratch_left"] = [p for p in out["scratch"] if Path(p).exists()]
+    return out
+
+
+def _bitwise_equal(a: list[dict], b: list[dict]) -> None:
+    for ra, rb in zip(a, b):
+        assert ra["losses"] == rb["losses"]
+        assert ra["norms"] == rb["norms"]
+    pa, pb = a[0]["params"], b[0]["params"]
+    assert pa.keys() == pb.keys()
+    for k in pa:
+        assert torch.equal(pa[k], pb[k]), k
+
+
+@pytest.mark.parametrize(("stage", "world"), [(1, 3), (2, 1), (2, 2), (2, 3), (3, 1), (3, 2), (3, 3)])
+def test_nvme_offload_is_bitwise_in_memory_training(stage, world, tmp_path):
+    recipe = Recipe(steps=4)
+    nvme = {
+        "sub_group_size": 1500,
+        "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 3},
+    }
+    plain = run_distributed(train, world, recipe, stage, world)
+    offloaded = run_distributed(train, world, recipe, stage, world, nvme)
+    _bitwise_equal(offloaded, plain)
+    assert_parity(offloaded, reference(recipe, world))
+    for r in offloaded:
+        assert r["groups"] > 3  # several sub-groups were swapped in and out
+        assert r["saved_files"] > 0
+        # between steps no element-wise state is resident: Adam's step counts only (8 bytes per tensor)
+        assert max(r["resident"]) < 0.05 * max(max(p["resident"]) for p in plain)
+        assert r["scratch_left"] == []  # close() removed the swap directory
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam", "adagrad"])
+def test_nvme_offload_other_optimizers(optimizer, tmp_path):
+    """SGD's momentum, Adam's amsgrad maximum, Adagrad's sum made at construction: each goes through the files."""
+    recipe = Recipe(steps=3, optimizer=optimizer)
+    nvme = {"sub_group_size": 3000, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}
+    plain = run_distributed(train, 2, recipe, 2, 2)
+    _bitwise_equal(run_distributed(train, 2, recipe, 2, 2, nvme), plain)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_nvme_offload_under_mixed_precision_is_bitwise_in_memory_training(precision, tmp_path):
+    """fp32 masters (resident) and compute-dtype parameters: the offloaded moments step them exactly alike."""
+    recipe = Recipe(steps=3)
+    nvme = {"sub_group_size": 2000, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}
+    top = {precision: {"enabled": True}}
+    plain = run_distributed(train, 2, recipe, 3, 2, None, 2000, top)
+    offloaded = run_distributed(train, 2, recipe, 3, 2, nvme, 2000, top)
+    _bitwise_equal(offloaded, plain)
+    for r, q in zip(offloaded, plain):  # the fp32 masters went to the files with the moments
+        assert max(r["resident"]) < 0.05 * max(q["resident"])
+
+
+def test_cpu_offload_on_a_cpu_machine_is_in_memory_training(tmp_path):
+    """device cpu on a CPU-only machine: state stays in host memory (where it is), stepped per sub-group."""
+    recipe = Recipe(steps=3)
+    cpu = {"sub_group_size": 1000, "offload_optimizer": {"device": "cpu"}}
+    plain = run_distributed(train, 2, recipe, 3, 2)
+    offloaded = run_distributed(train, 2, recipe, 3, 2, cpu)
+    _bitwise_equal(offloaded, plain)
+    assert offloaded[0]["resident"] == plain[0]["resident"]
+    assert offloaded[0]["scratch"] == []
+
+
+def test_ratio_offloads_the_first_sub_groups_only(tmp_path):
+    recipe = Recipe(steps=3)
+    half = {
+        "sub_group_size": 1500,
+        "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path), "ratio": 0.5},
+    }
+    plain = run_distributed(train, 2, recipe, 2, 2)
+    offloaded = run_distributed(train, 2, recipe, 2, 2, half)
+    _bitwise_equal(offloaded, plain)
+    for r, p in zip(offloaded, plain):
+        kept = r["resident"][-1] / p["resident"][-1]
+        assert 0.3 < kept < 0.7, kept  # about half the state stays resident
+
+
+# -- memory: buffer_count sub-groups, not the whole state ------------------------------------------
+
+
+def _rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
+def train_wide(nvme_path: str | None, steps: int = 2) -> dict:
+    """One rank, a GPT whose Adam state (~25 MB) dwarfs the swap buffers; what the swapper held, and the RSS."""
+    import ctypes
+    import gc
+
+    from shardtrain.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=256, n_layer=4, n_head=4))
+    zero: dict = {"stage": 2, "sub_group_size": 100_000}
+    if nvme_path is not None:
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 3}
+    engine = shardtrain.initialize(
+        model, {"train_micro_batch_size_per_gpu": 2, "zero_optimization": zero}, torch.optim.AdamW(model.parameters())
+    )
+    x = torch.randint(0, 64, (2, 16))
+    for _ in range(steps):
+        engine.backward(engine(x, torch.roll(x, -1, 1)))
+        engine.step()
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed heap pages back to the OS: RSS counts what is live
+    out = {"rss": _rss_bytes()}
+    offload = engine._optimizer.offload
+    if offload is not None:
+        files = offload.files
+        sizes = {
+            g.index: sum(files.path(i, k).stat().st_size for i in g.members for k in offload._saved.get(i, {}))
+            for g in offload.groups
+        }
+        out |= {
+            "peak": offload.peak_held_bytes,
+            "held": offload.held_bytes(),
+            "group_bytes": max(sizes.values()),
+            "total_bytes": sum(sizes.values()),
+            "regions": max(sum(len(offload._saved.get(i, {})) for i in g.members) for g in offload.groups),
+            "buffer_count": offload.buffer_count,
+        }
+    engine.close()
+    return out
+
+
+def test_optimizer_state_in_memory_is_buffer_count_sub_groups(tmp_path):
+    """The swapper's buffers (their storages, measured) never hold more than ``buffer_count`` sub-groups of state,
+    a small part of the whole state on disk; and the process's resident memory shows the state is gone from it."""
+    (offloaded,) = run_distributed(train_wide, 1, str(tmp_path))
+    (plain,) = run_distributed(train_wide, 1, None)
+    largest = offloaded["group_bytes"] + offloaded["regions"] * 4096  # each state region starts on a page
+    assert offloaded["peak"] <= offloaded["buffer_count"] * largest
+    assert offloaded["peak"] >= largest  # the buffers did hold a sub-group (the accounting counts something)
+    assert offloaded["total_bytes"] >= 4 * offloaded["peak"]  # the whole state is far larger than what was held
+    assert offloaded["held"] <= offloaded["peak"]
+    # the in-memory run keeps all ~25 MB of Adam state resident; the offloaded one at most the buffers
+    saved = plain["rss"] - offloaded["rss"]
+    assert saved >= 0.5 * (offloaded["total_bytes"] - offloaded["peak"]), (saved, offloaded)
+
+
+# -- checkpoints: offloaded state saved and loaded in any layout ---------------------------------
+
+
+def ckpt_run(
+    recipe: Recipe,
+    stage: int,
+    zero_extra: dict | None,
+    steps: int,
+    save: str | None,
+    load: str | None,
+    top: dict | None = None,
+):
+    """Train ``steps`` steps (after loading ``load``), then save to ``save``; returns losses and final weights."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_model(Recipe(seed=recipe.seed + 7) if load else recipe)  # a loaded run's values come from the file
+    config = {
+        "train_micro_batch_size_per_gpu": recipe.micro,
+        "gradient_accumulation_steps": recipe.gas,
+        "gradient_clipping": recipe.clip,
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": 2000,
+            "stage3_param_persistence_threshold": 0,
+            **(zero_extra or {}),
+        },
+        **(top or {}),
+    }
+    engine = shardtrain.initialize(model, config=config, optimizer=make_optimizer(model, recipe))
+    if load:
+        engine.load_checkpoint(load)
+    batches = global_micro_batches(recipe, world)
+    lo, hi = rank * recipe.micro, (rank + 1) * recipe.micro
+    losses = []
+    for _ in range(steps):
+        step = engine.global_step
+        total = 0.0
+        for m in range(recipe.gas):
+            x, y = batches[step * recipe.gas + m]
+            loss = engine(x[lo:hi], y[lo:hi])
+            engine.backward(loss)
+            engine.step()
+            total += loss.item() / recipe.gas
+        losses.append(total)
+    if save:
+        engine.save_checkpoint(save, tag="t")
+    params = engine.full_state_dict()
+    engine.close()
+    return {"losses": losses, "params": params}
+
+
+def _optim_tensors(path: Path) -> dict[str, torch.Tensor]:
+    from shardtrain.checkpoint import open_checkpoint
+
+    reader = open_checkpoint(path, "t")
+    return {n: reader.read(n) for n in reader.manifest.tensors if n.startswith(("optim/", "model/"))}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_checkpoint_of_offloaded_state_equals_in_memory_checkpoint_and_resumes_exactly(precision, tmp_path):
+    """bf16: the saved fp32 masters come from their swap files, and loading writes them back there."""
+    recipe = Recipe(steps=4)
+    nvme = {"sub_group_size": 1500, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "swap")}}
+    top = {"bf16": {"enabled": True}} if precision == "bf16" else None
+    (tmp_path / "swap").mkdir()
+    straight = run_distributed(ckpt_run, 2, recipe, 2, nvme, 4, None, None, top)
+    run_distributed(ckpt_run, 2, recipe, 2, nvme, 2, str(tmp_path / "off"), None, top)
+    run_distributed(ckpt_run, 2, recipe, 2, None, 2, str(tmp_path / "mem"), None, top)
+    saved_off, saved_mem = _optim_tensors(tmp_path / "off"), _optim_tensors(tmp_path / "mem")
+    assert saved_off.keys() == saved_mem.keys() and any(k.endswith("/exp_avg_sq") for k in saved_off)
+    for k in saved_off:
+        assert torch.equal(saved_off[k], saved_mem[k]), k
+    # offload -> offload, same layout: the resumed steps are the straight run's, bitwise
+    resumed = run_distributed(ckpt_run, 2, recipe, 2, nvme, 2, None, str(tmp_path / "off"), top)
+    for r, s in zip(resumed, straight):
+        assert r["losses"] == s["losses"][2:]
+    for k, v in straight[0]["params"].items():
+        assert torch.equal(resumed[0]["params"][k], v), k
+    assert list((tmp_path / "swap").iterdir()) == []
+
+
+@pytest.mark.parametrize(("save_offloaded", "world", "stage"), [(True, 3, 3), (False, 3, 1), (False, 1, 3)])
+def test_checkpoint_loads_across_offload_and_world_size(save_offloaded, world, stage, tmp_path):
+    """Saved at world 2 stage 2 (offloaded or not), loaded at another world and stage with and without offload:
+    the two continue bitwise alike, so the offloaded engine loaded exactly what the in-memory one did."""
+    recipe = Recipe(steps=4)
+    (tmp_path / "swap").mkdir()
+    nvme = {"sub_group_size": 1500, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "swap")}}
+    run_distributed(ckpt_run, 2, recipe, 2, nvme if save_offloaded else None, 2, str(tmp_path / "c"), None)
+    into_mem = run_distributed(ckpt_run, world, recipe, stage, None, 2, None, str(tmp_path / "c"))
+    into_off = run_distributed(ckpt_run, world, recipe, stage, nvme, 2, None, str(tmp_path / "c"))
+    for a, b in zip(into_off, into_mem):
+        assert a["losses"] == b["losses"]
+    for k, v in into_mem[0]["params"].items():
+        assert torch.equal(into_off[0]["params"][k], v), k
+
+
+def load_weights_then_train(nvme_path: str | None) -> dict:
+    """bf16 at stage 2: one step, full weights loaded (they land in the fp32 masters), one step more."""
+    import torch.distributed as dist
+
+    recipe = Recipe(steps=2)
+    model = make_model(recipe)
+    zero: dict = {"stage": 2, "reduce_bucket_size": 2000, "sub_group_size": 1500}
+    if nvme_path:
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path}
+    config = {"train_micro_batch_size_per_gpu": recipe.micro, "bf16": {"enabled": True}, "zero_optimization": zero}
+    engine = shardtrain.initialize(model, config=config, optimizer=make_optimizer(model, recipe))
+    batches = global_micro_batches(recipe, dist.get_world_size())
+    lo, hi = dist.get_rank() * recipe.micro, (dist.get_rank() + 1) * recipe.micro
+    losses = []
+    for step in range(2):
+        if step == 1:
+            weights = make_model(Recipe(seed=5)).state_dict() if dist.get_rank() == 0 else None
+            engine.load_full_state_dict(weights)
+        x, y = batches[step]
+        loss = engine(x[lo:hi], y[lo:hi])
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    params = engine.full_state_dict()
+    engine.close()
+    return {"losses": losses, "params": params}
+
+
+def test_full_weights_load_into_offloaded_masters(tmp_path):
+    plain = run_distributed(load_weights_then_train, 2, None)
+    offloaded = run_distributed(load_weights_then_train, 2, str(tmp_path))
+    for a, b in zip(offloaded, plain):
+        assert a["losses"] == b["losses"]
+    for k, v in plain[0]["params"].items():
+        assert torch.equal(offloaded[0]["params"][k], v), k
+
+
+# -- parameter offload (stage 3) ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_nvme_parameter_offload_is_bitwise_in_memory_training(world, tmp_path):
+    """Unit shards in mapped swap files (and the optimizer state in its own): the same numbers, bitwise."""
+    recipe = Recipe(steps=3)
+    both = {
+        "sub_group_size": 1500,
+        "offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "max_in_cpu": 0},
+        "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)},
+    }
+    plain = run_distributed(train, world, recipe, 3, world)
+    offloaded = run_distributed(train, world, recipe, 3, world, both)
+    _bitwise_equal(offloaded, plain)
+    assert_parity(offloaded, reference(recipe, world))
+    assert all(len(r["scratch"]) == 2 and r["scratch_left"] == [] for r in offloaded)
+
+
+def test_parameter_offload_max_in_cpu_keeps_the_first_units(tmp_path):
+    recipe = Recipe(steps=2)
+    some = {"offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "max_in_cpu": 4000}}
+    plain = run_distributed(train, 2, recipe, 3, 2)
+    _bitwise_equal(run_distributed(train, 2, recipe, 3, 2, some), plain)
+
+
+def test_checkpoint_with_parameter_offload_loads_in_memory(tmp_path):
+    recipe = Recipe(steps=4)
+    (tmp_path / "swap").mkdir()
+    both = {
+        "offload_param": {"device": "nvme", "nvme_path": str(tmp_path / "swap"), "max_in_cpu": 0},
+        "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "swap")},
+    }
+    run_distributed(ckpt_run, 2, recipe, 3, both, 2, str(tmp_path / "off"), None)
+    run_distributed(ckpt_run, 2, recipe, 3, None, 2, str(tmp_path / "mem"), None)
+    saved_off, saved_mem = _optim_tensors(tmp_path / "off"), _optim_tensors(tmp_path / "mem")
+    for k in saved_mem:
+        assert torch.equal(saved_off[k], saved_mem[k]), k
+    into_off = run_distributed(ckpt_run, 3, recipe, 3, both, 2, None, str(tmp_path / "mem"))
+    into_mem = run_distributed(ckpt_run, 3, recipe, 3, None, 2, None, str(tmp_path / "mem"))
+    for a, b in zip(into_off, into_mem):
+        assert a["losses"] == b["losses"]
+    for k, v in into_mem[0]["params"].items():
+        assert torch.equal(into_off[0]["params"][k], v), k

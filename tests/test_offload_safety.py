@@ -1,0 +1,227 @@
+"""Swap files are scratch and their failures are named: a missing or unusable ``nvme_path`` fails at
+``initialize`` on every rank naming the rank and the path; a full disk during a step fails the step on every rank
+naming the file, within seconds; swap directories are removed by ``close()`` and at exit; a directory left by a
+killed run is cleared, never read."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import shardtrain
+from shardtrain.testing import DistributedFailure, run_distributed
+from shardtrain.zero import offload as offload_module
+from shardtrain.zero import swap as swap_module
+
+NOSPACE = os.strerror(errno.ENOSPC)
+
+
+def tiny_engine(nvme_path: str, stage: int = 2, fail: str | None = None, fail_rank: int = 1):
+    """An engine on a tiny model with nvme optimizer offload; ``fail`` injects a fault on ``fail_rank``."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if fail == "mkdir" and rank == fail_rank:
+
+        def refuse(*args, **kwargs):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+
+        swap_module.tempfile.mkdtemp = refuse
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "zero_optimization": {
+            "stage": stage,
+            "sub_group_size": 64,
+            "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 2},
+        },
+    }
+    return shardtrain.initialize(model, config, torch.optim.AdamW(model.parameters(), lr=1e-2))
+
+
+def _step(engine) -> None:
+    x = torch.randn(2, 8)
+    engine.backward(engine(x).square().mean())
+    engine.step()
+
+
+def init_only(nvme_path: str, fail: str | None = None) -> str:
+    engine = tiny_engine(nvme_path, fail=fail)
+    scratch = str(engine._scratch["offload_optimizer"].path)
+    engine.close()
+    return scratch
+
+
+def test_missing_nvme_path_fails_at_initialize_on_every_rank(tmp_path):
+    missing = tmp_path / "no" / "such" / "dir"
+    with pytest.raises(DistributedFailure) as err:
+        run_distributed(init_only, 2, str(missing), timeout=60)
+    text = str(err.value)
+    for rank in (0, 1):
+        assert f"rank {rank}: zero_optimization.offload_optimizer.nvme_path {str(missing)!r} does not exist" in text
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    with pytest.raises(DistributedFailure, match="is not a directory"):
+        run_distributed(init_only, 2, str(a_file), timeout=60)
+
+
+def test_unwritable_nvme_path_on_one_rank_fails_on_every_rank(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(DistributedFailure) as err:
+        run_distributed(init_only, 2, str(tmp_path), "mkdir", timeout=60)
+    text = str(err.value)
+    assert time.monotonic() - start < 30  # no rank waits for a collective timeout
+    # both ranks raise, each naming rank 1 (the failing one), the path and the cause
+    assert (
+        text.count(
+            f"rank 1: cannot create a swap directory in zero_optimization.offload_optimizer.nvme_path "
+            f"{str(tmp_path)!r}: Permission denied"
+        )
+        >= 2
+    ), text
+    assert list(tmp_path.iterdir()) == []  # rank 0 removed the directory it had made
+
+
+def full_disk_step(nvme_path: str, fail_rank: int | None, room: int) -> str:
+    """Two good steps, then every write on ``fail_rank`` (None: every rank) fails with ENOSPC after ``room``
+    more bytes; returns the error each rank raised."""
+    import torch.distributed as dist
+
+    engine = tiny_engine(nvme_path)
+    _step(engine)
+    _step(engine)
+    rank = dist.get_rank()
+    if fail_rank is None or rank == fail_rank:
+        left = [room]
+        real = swap_module._write_at
+
+        def filling(fd, data, offset):
+            if left[0] <= 0:
+                raise OSError(errno.ENOSPC, NOSPACE)
+            n = real(fd, data[: left[0]], offset)
+            left[0] -= n
+            return n
+
+        swap_module._write_at = filling
+    start = time.monotonic()
+    try:
+        _step(engine)
+    except offload_module.OffloadError as err:
+        return f"{time.monotonic() - start:.1f}s {err}"
+    finally:
+        engine.close()
+    return "no error"
+
+
+@pytest.mark.parametrize(("world", "fail_rank", "room"), [(2, 1, 0), (3, 2, 100), (2, None, 0)])
+def test_full_disk_during_a_step_fails_on_every_rank_naming_the_file(world, fail_rank, room, tmp_path):
+    outcomes = run_distributed(full_disk_step, world, str(tmp_path), fail_rank, room, timeout=90)
+    failing = range(world) if fail_rank is None else [fail_rank]
+    for out in outcomes:
+        seconds, _, message = out.partition("s ")
+        assert float(seconds) < 20, out
+        assert message.startswith("offloaded optimizer step failed: "), out
+        for r in failing:
+            assert f"rank {r}: writing optimizer state to '{tmp_path}/" in message, out
+        assert NOSPACE in message
+    assert list(tmp_path.iterdir()) == []  # every rank removed its swap directories
+    assert list(tmp_path.iterdir()) == []  # close() removed every rank's swap directory
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_stale_directory_of_a_killed_run_is_cleared_and_never_read(tmp_path):
+    host = socket.gethostname().replace("-", "_")
+    dead = _dead_pid()
+    stale = tmp_path / f"shardtrain-swap-{host}-{dead}-rank0-abc123"
+    stale.mkdir()
+    (stale / "owner.json").write_text(json.dumps({"host": socket.gethostname(), "pid": dead, "started": "1"}))
+    (stale / "0.exp_avg.bin").write_bytes(b"\x7f" * 4096)  # garbage that must never be read as state
+    no_marker = tmp_path / f"shardtrain-swap-{host}-{dead}-rank1-def456"  # killed before writing its marker
+    no_marker.mkdir()
+    live = tmp_path / f"shardtrain-swap-{host}-{os.getpid()}-rank0-live00"  # this (live) process's
+    live.mkdir()
+    (live / "owner.json").write_text(
+        json.dumps(
+            {"host": socket.gethostname(), "pid": os.getpid(), "started": swap_module._process_start(os.getpid())}
+        )
+    )
+    other_host = tmp_path / "shardtrain-swap-elsewhere-1-rank0-xyz789"
+    other_host.mkdir()
+    scratch = run_distributed(init_only, 1, str(tmp_path), timeout=60)[0]
+    assert not stale.exists() and not no_marker.exists()
+    assert live.exists() and other_host.exists()
+    assert Path(scratch).parent == tmp_path and not Path(scratch).exists()
+
+
+SCRIPT = """
+import sys, torch, shardtrain
+sys.path.insert(0, {tests!r})
+from test_offload_safety import tiny_engine, _step
+engine = tiny_engine({path!r})
+_step(engine)
+print(engine._scratch["offload_optimizer"].path, flush=True)
+if {kill}:
+    import os, signal
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.parametrize("kill", [False, True])
+def test_swap_directory_removed_at_exit_and_after_a_kill(kill, tmp_path):
+    """A script that never calls close() leaves nothing at exit; a killed one leaves its directory, which the next
+    run's initialize removes."""
+    code = SCRIPT.format(tests=str(Path(__file__).parent), path=str(tmp_path), kill=kill)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    scratch = Path(run.stdout.strip().splitlines()[-1])
+    assert scratch.parent == tmp_path
+    if not kill:
+        assert run.returncode == 0, run.stderr
+        assert not scratch.exists()
+        return
+    assert run.returncode == -9 and scratch.exists() and any(scratch.glob("*.bin"))
+    run_distributed(init_only, 1, str(tmp_path), timeout=60)
+    assert list(tmp_path.iterdir()) == []
+
+
+def param_files_fail(nvme_path: str, fail_rank: int) -> str:
+    """Stage 3 with parameter offload; making the parameter swap files fails with ENOSPC on ``fail_rank``."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == fail_rank:
+
+        def full(fd, offset, length):
+            raise OSError(errno.ENOSPC, NOSPACE)
+
+        offload_module.os.posix_fallocate = full
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    param = {"device": "nvme", "nvme_path": nvme_path, "max_in_cpu": 0}
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "offload_param": param}
+    try:
+        shardtrain.initialize(model, {"zero_optimization": zero}, torch.optim.AdamW(model.parameters()))
+    except offload_module.OffloadError as err:
+        return str(err)
+    return "no error"
+
+
+def test_full_disk_making_parameter_swap_files_fails_on_every_rank(tmp_path):
+    outcomes = run_distributed(param_files_fail, 2, str(tmp_path), 1, timeout=60)
+    for message in outcomes:
+        assert message.startswith(f"rank 1: cannot make the parameter swap file '{tmp_path}/"), message
+        assert NOSPACE in message
+    assert list(tmp_path.iterdir()) == []  # every rank removed its swap directories
