@@ -43,3 +43,7 @@ class CheckpointError(ShardtrainError, RuntimeError):
 
 class GraphCaptureError(ShardtrainError, RuntimeError):
     """Graph mode cannot capture the module as asked (``graph.strict`` and a construct that must run eagerly)."""
+
+
+class OffloadError(ShardtrainError, RuntimeError):
+    """A swap directory or file cannot be created, written or read; the message names the rank and the path."""

@@ -37,16 +37,12 @@ from typing import Any
 import torch
 
 from shardtrain.comm import Communicator
-from shardtrain.errors import ShardtrainError
+from shardtrain.errors import OffloadError
 
 PREFIX = "shardtrain-swap-"
 MARKER = "owner.json"
 ALIGN = 4096  # the probe's size; buffer regions start on page boundaries too (and could use O_DIRECT)
 DROP_BYTES = 1 << 20  # files at least this large leave the page cache after each write and read
-
-
-class OffloadError(ShardtrainError, RuntimeError):
-    """A swap directory or file cannot be created, written or read; the message names the rank and the path."""
 
 
 # -- scratch directories ---------------------------------------------------------------------------
