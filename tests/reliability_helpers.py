@@ -40,10 +40,15 @@ def last_error(outcome: RankOutcome) -> str:
     return outcome.error.strip().splitlines()[-1]
 
 
-def check_rank_death(outcomes: list[RankOutcome], victim: int) -> dict[int, tuple[float, str]]:
+def check_rank_death(outcomes: list[RankOutcome], victim: int, tp: int = 1) -> dict[int, tuple[float, str]]:
     """The killed rank died of SIGKILL; no process was left for the harness to kill; every survivor raised a
     PeerLostError naming the killed rank, without the word timeout, and exited on its own within
-    :data:`SURVIVOR_LIMIT_S` of it. Returns {survivor: (seconds after the killed rank, message)}."""
+    :data:`SURVIVOR_LIMIT_S` of it. Returns {survivor: (seconds after the killed rank, message)}.
+
+    On a (dp, tp) mesh (``tp`` > 1, world > tp) a survivor that shares neither its tensor-parallel nor its
+    data-parallel group with the killed rank fails when a peer of its own groups leaves; its survey covers the group
+    of the failing collective only, so it names that peer ("rank(s) [1] failed in the same way") and not the killed
+    rank: see docs/reliability.md (limits)."""
     dead = outcomes[victim]
     assert dead.exitcode == -signal.SIGKILL, f"rank {victim} was to be killed: {dead}"
     assert not [o.rank for o in outcomes if o.killed_by_harness], "processes left behind"
@@ -55,7 +60,9 @@ def check_rank_death(outcomes: list[RankOutcome], victim: int) -> dict[int, tupl
         assert line.startswith("shardtrain.errors.PeerLostError: "), line
         message = line.removeprefix("shardtrain.errors.PeerLostError: ")
         assert message.startswith(f"rank {o.rank}: "), message
-        if victim == 0:  # rank 0 hosts the rendezvous store of run_ranks: its loss is what the others see
+        if tp > 1 and o.rank // tp != victim // tp and o.rank % tp != victim % tp:  # no group with the victim
+            assert re.search(r"rank\(s\) \[[\d, ]+\] failed in the same way", message), message
+        elif victim == 0:  # rank 0 hosts the rendezvous store of run_ranks: its loss is what the others see
             assert "store no longer answers" in message and "gone: rank 0, which hosts it" in message, message
         else:
             # "rank 1 (pid 42 on h) is gone: killed ...", or with the others gone by then (the store's host exited

@@ -87,7 +87,7 @@ class PhaseCheck:
         mine = torch.tensor([_MARKER, CALLS.index(call), global_step, micro_step], dtype=torch.int64)
         mine = mine.to(self.device)
         everyone = mine.new_empty(self.comm.size * _FIELDS)
-        self.comm.all_gather(everyone, mine, what=f"the desync check ({phase})", kind="desync_check")
+        self.comm.all_gather(everyone, mine, what=f"this rank's position ({phase})", kind="desync_check")
         rows = everyone.view(self.comm.size, _FIELDS).tolist()
         if all(row == rows[0] for row in rows):
             return
@@ -131,11 +131,17 @@ class PhaseCheck:
             hints.append(f"{call}() is collective: {self.names(callers)} called it and {self.names(others)} did not.")
         steps = [p for p in groups if p.call == "step"]
         for p in groups:
-            if p.call == "backward" and any(s.micro_step == p.micro_step for s in steps):
+            if p.call in ("forward", "backward") and any(s.micro_step == p.micro_step for s in steps):
                 hints.append(
-                    f"{self.names(groups[p])} called backward() again without step() after the previous backward() "
-                    "(a skipped step()?)."
+                    f"{self.names(groups[p])} called {p.call}() where the others step(): a skipped step() after "
+                    "the previous backward()?"
                 )
+        training = sorted(r for p, rs in groups.items() if p.call in TRAINING_CALLS for r in rs)
+        if training and len(training) < sum(len(rs) for rs in groups.values()):
+            hints.append(
+                f"{self.names(training)} {'is' if len(training) == 1 else 'are'} still training: more micro-steps "
+                "there than on the others (an extra micro-step?), or the others called the collective early."
+            )
         micro = {p.micro_step for p in groups}
         if len(micro) > 1:
             lo, hi = min(micro), max(micro)
