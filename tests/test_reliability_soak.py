@@ -116,6 +116,7 @@ def slope_per_100(samples: list[dict]) -> float:
 
 
 @pytest.mark.soak
+@pytest.mark.timeout(3600)
 def test_soak_world3_saves_kills_restarts_and_loads_elsewhere(tmp_path):
     started = time.monotonic()
     summary: dict = {"steps": STEPS, "world": WORLD, "stage": STAGE, "attempts": [], "loads": []}
