@@ -8,7 +8,8 @@ pairs two collectives of equal size and returns a silently wrong sum, or aborts 
 ZeRO-3's unit-order check ([Note: unit order check]) covers gathers only, over the data-parallel axis.
 
 So every engine call that communicates (``forward`` at ZeRO-3 or with tensor parallelism, ``backward`` on every
-micro-step, ``step`` at an accumulation boundary, ``gathered`` when it gathers or broadcasts,
+micro-step, ``step`` at an accumulation boundary (not at stage 0 without tensor parallelism: there it issues no
+collective, and the next ``backward``'s check sees its micro-step count), ``gathered`` when it gathers or broadcasts,
 ``full_state_dict``, ``load_full_state_dict``, ``save_checkpoint``, ``load_checkpoint``) starts with one
 all-gather over the whole world of a fixed-size descriptor: (marker, call, global step, micro-step). Because
 *every* call that issues a collective starts with this one, the first collective two diverging ranks issue is
@@ -25,9 +26,10 @@ after it has mixed the extra gradient into the update.
 Why a Communicator of its own (over the same world group as ``engine.world_comm``): its calls are counted apart,
 so ``engine.comm_stats()`` still holds only the traffic the ZeRO formulas describe.
 
-Costs: one all-gather of ``4 * 8 * world`` bytes and one host sync per checked call, i.e. two or three per
-micro-step. ``bench/bench_desync.py`` measures it against the same engine without it, steps interleaved (see
-docs/reliability.md); ``desync_check: false`` removes it.
+Costs: one all-gather of ``4 * 8 * world`` bytes and one host sync per checked call: per micro-step one at stage 0,
+two at stages 1-2 (one off the accumulation boundary), three at stage 3 or with tensor parallelism. Each is also a
+point where every rank waits for the slowest. ``bench/bench_desync.py`` measures both (see docs/reliability.md);
+``desync_check: false`` removes it.
 
 What it cannot catch: a rank that calls nothing at all (it sleeps, or waits in a collective of its own, such as a
 user's ``dist.barrier()``): the lone rank's check then waits for ``collective_timeout_s`` and fails with a

@@ -211,7 +211,8 @@ class Engine:
         self.micro_steps += 1
         if not boundary:
             return
-        self._agree("step", micro_steps=self.micro_steps - 1)  # where backward() was, not one ahead
+        if self.policy.stage > 0 or self.tp_comm is not None:  # stage 0 steps without a collective
+            self._agree("step", micro_steps=self.micro_steps - 1)  # where backward() was, not one ahead
         with self.monitor.timed("step"):
             self._optimizer_step()
         self.global_samples += self.train_batch_size
