@@ -46,9 +46,10 @@ def check_rank_death(outcomes: list[RankOutcome], victim: int, tp: int = 1) -> d
     :data:`SURVIVOR_LIMIT_S` of it. Returns {survivor: (seconds after the killed rank, message)}.
 
     On a (dp, tp) mesh (``tp`` > 1, world > tp) a survivor that shares neither its tensor-parallel nor its
-    data-parallel group with the killed rank fails when a peer of its own groups leaves; its survey covers the group
-    of the failing collective only, so it names that peer ("rank(s) [1] failed in the same way") and not the killed
-    rank: see docs/reliability.md (limits)."""
+    data-parallel group with the killed rank may fail in a collective of its own groups when a peer there leaves
+    (rather than in a world collective such as the desync check); its survey covers the group of the failing
+    collective only, so it then names that peer ("rank(s) [1] failed in the same way") and not the killed rank: see
+    docs/reliability.md (limits)."""
     dead = outcomes[victim]
     assert dead.exitcode == -signal.SIGKILL, f"rank {victim} was to be killed: {dead}"
     assert not [o.rank for o in outcomes if o.killed_by_harness], "processes left behind"
@@ -60,14 +61,17 @@ def check_rank_death(outcomes: list[RankOutcome], victim: int, tp: int = 1) -> d
         assert line.startswith("shardtrain.errors.PeerLostError: "), line
         message = line.removeprefix("shardtrain.errors.PeerLostError: ")
         assert message.startswith(f"rank {o.rank}: "), message
-        if tp > 1 and o.rank // tp != victim // tp and o.rank % tp != victim % tp:  # no group with the victim
-            assert re.search(r"rank\(s\) \[[\d, ]+\] failed in the same way", message), message
-        elif victim == 0:  # rank 0 hosts the rendezvous store of run_ranks: its loss is what the others see
-            assert "store no longer answers" in message and "gone: rank 0, which hosts it" in message, message
+        if victim == 0:  # rank 0 hosts the rendezvous store of run_ranks: its loss is what the others see
+            named = "store no longer answers" in message and "gone: rank 0, which hosts it" in message
         else:
             # "rank 1 (pid 42 on h) is gone: killed ...", or with the others gone by then (the store's host exited
             # first, see [Note: naming the rank that vanished]) "rank 0 (...), rank 1 (...) are gone: killed ..."
-            assert f"rank {victim} (pid " in message and re.search(r"\) (is|are) gone: killed", message), message
+            named = f"rank {victim} (pid " in message and re.search(r"\) (is|are) gone: killed", message)
+        isolated = tp > 1 and o.rank // tp != victim // tp and o.rank % tp != victim % tp  # no group with the victim
+        if isolated and not named:  # it failed in a collective of its own groups (not the world's desync check)
+            assert re.search(r"rank\(s\) \[[\d, ]+\] failed in the same way", message), message
+        else:
+            assert named, message
         assert "timeout" not in message.lower() and "timed out" not in message.lower(), message
         assert " in Engine." in message, message  # where this rank was
         seconds = o.exited_after - dead.exited_after

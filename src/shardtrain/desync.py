@@ -21,7 +21,10 @@ Why the descriptor holds the micro-step count and not only the call: an extra mi
 between two non-boundary micro-steps, issues the same sequence of calls as a correct run, shifted; only the counts
 tell. ``backward`` is checked on every micro-step (also at stages 0 and 1, where a non-boundary backward does not
 communicate) so that a rank accumulating one micro-batch too many is caught within that optimizer step, not
-after it has mixed the extra gradient into the update.
+after it has mixed the extra gradient into the update. An extra micro-step (forward, backward and step) on one rank
+shifts that rank's accumulation boundaries by one and nothing else: its calls look like its peers' until they stop
+training, at a ``save_checkpoint`` or ``full_state_dict``, where the check catches it. Until then each of its
+optimizer steps combined other micro-batches than its peers' did, which no comparison of calls can see.
 
 Why a Communicator of its own (over the same world group as ``engine.world_comm``): its calls are counted apart,
 so ``engine.comm_stats()`` still holds only the traffic the ZeRO formulas describe.
