@@ -48,8 +48,9 @@ def check_rank_death(outcomes: list[RankOutcome], victim: int, tp: int = 1) -> d
     On a (dp, tp) mesh (``tp`` > 1, world > tp) a survivor that shares neither its tensor-parallel nor its
     data-parallel group with the killed rank may fail in a collective of its own groups when a peer there leaves
     (rather than in a world collective such as the desync check); its survey covers the group of the failing
-    collective only, so it then names that peer ("rank(s) [1] failed in the same way") and not the killed rank: see
-    docs/reliability.md (limits)."""
+    collective only, so it then names that peer ("rank(s) [1] failed in the same way", or "rank 0 (...) is gone" when
+    that peer hosted the rendezvous store and has exited already) and not the killed rank: see docs/reliability.md
+    (limits)."""
     dead = outcomes[victim]
     assert dead.exitcode == -signal.SIGKILL, f"rank {victim} was to be killed: {dead}"
     assert not [o.rank for o in outcomes if o.killed_by_harness], "processes left behind"
@@ -69,7 +70,8 @@ def check_rank_death(outcomes: list[RankOutcome], victim: int, tp: int = 1) -> d
             named = f"rank {victim} (pid " in message and re.search(r"\) (is|are) gone: killed", message)
         isolated = tp > 1 and o.rank // tp != victim // tp and o.rank % tp != victim % tp  # no group with the victim
         if isolated and not named:  # it failed in a collective of its own groups (not the world's desync check)
-            assert re.search(r"rank\(s\) \[[\d, ]+\] failed in the same way", message), message
+            peer = r"rank\(s\) \[[\d, ]+\] failed in the same way|\) (is|are) gone: killed"  # the peer that left
+            assert re.search(peer, message), message
         else:
             assert named, message
         assert "timeout" not in message.lower() and "timed out" not in message.lower(), message
