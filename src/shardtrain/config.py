@@ -89,6 +89,18 @@ class TensorParallelConfig(_Section):
         return max(1, self.autotp_size) if self.autotp_size is not None else self.size
 
 
+class GraphConfig(_Section):
+    """Graph mode (shardtrain section): capture the forward and backward per input schema (docs/graph-mode.md)."""
+
+    enabled: bool = False
+    strict: bool = False
+    """A construct that cannot be captured is an error instead of a warning and an eager fallback."""
+    cache_size: Count = 8
+    """Captured graphs kept (one per input schema); the least recently used is evicted."""
+    compiler: Literal["aot_eager", "inductor"] = "aot_eager"
+    """How captured graphs run: as traced (exact eager numerics) or compiled by Inductor (fused kernels)."""
+
+
 class BF16Config(_Section):
     enabled: bool | Auto = False
 
@@ -155,6 +167,7 @@ class Config(_Section):
     scheduler: SchedulerConfig | None = None
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
+    graph: GraphConfig = Field(default_factory=GraphConfig)
     bf16: BF16Config = Field(default_factory=BF16Config)
     fp16: FP16Config = Field(default_factory=FP16Config)
     communication_data_type: Literal["fp32", "bf16", "fp16"] | None = None

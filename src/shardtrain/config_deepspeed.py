@@ -574,6 +574,15 @@ RULES: tuple[Rule, ...] = (
         "step, micro-step; one 32-byte all-gather per rank), so that a rank that takes an extra micro-step, skips "
         "`step()` or calls `full_state_dict()` alone fails at once on every rank, naming each; `false` saves it",
     ),
+    _supported("graph", "section", "shardtrain key: graph mode, captured per input schema: docs/graph-mode.md"),
+    _supported("graph.enabled", "bool, `false`", "run the forward and backward as captured graphs"),
+    _supported("graph.strict", "bool, `false`", "a construct that cannot be captured is an error, not a fallback"),
+    _supported("graph.cache_size", "int ≥ 1, `8`", "captured graphs kept, least recently used evicted"),
+    _supported(
+        "graph.compiler",
+        '`"aot_eager"` or `"inductor"`, `"aot_eager"`',
+        "run the captured graphs as traced (eager numerics) or compiled by Inductor",
+    ),
 )
 
 RULES_BY_PATH: dict[str, Rule] = {r.path: r for r in RULES}

@@ -18,7 +18,7 @@ import random
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -53,6 +53,9 @@ from shardtrain.zero.weights import (
 log = logging.getLogger("shardtrain")
 
 OptimizerArg = torch.optim.Optimizer | Callable[[Any], torch.optim.Optimizer] | None
+if TYPE_CHECKING:
+    from shardtrain.graph import CapturedModule
+
 SchedulerArg = LRScheduler | Callable[[torch.optim.Optimizer], LRScheduler] | None
 
 
@@ -138,6 +141,7 @@ class Engine:
         # metrics, monitors (TensorBoard/CSV/wandb) and wall-clock breakdown: rank 0 only, never communicates
         self.monitor = TrainingMonitor(config, topology.rank, topology.device, topology.dp)
         self._batch_checked = tp_comm is None
+        self._graph = _graph_mode(module, config, topology)
         self.comm.reset_stats()
 
     @property
@@ -174,7 +178,7 @@ class Engine:
             self._batch_checked = True
         self.monitor.count_tokens(args, kwargs)  # tokens/s (see [Note: monitor metrics])
         with self.monitor.timed("forward"):  # wall-clock breakdown and step time (rank 0)
-            return self.module(*args, **kwargs)
+            return (self._graph or self.module)(*args, **kwargs)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
@@ -270,6 +274,11 @@ class Engine:
 
     def get_lr(self) -> list[float]:
         return [g["lr"] for g in self.optimizer.param_groups]
+
+    def graph_stats(self) -> dict[str, Any] | None:
+        """Graph mode's captures, reuses, evictions and the reasons of every capture (None when graph mode is off);
+        see :class:`shardtrain.graph.GraphStats`."""
+        return self._graph.graph_stats() if self._graph is not None else None
 
     def comm_stats(self, reset: bool = False) -> dict[str, dict[str, int]]:
         """Calls and bytes per collective kind since the last reset (see :mod:`shardtrain.comm`)."""
@@ -563,6 +572,26 @@ def _check_ranks_agree(comm: Communicator, module: nn.Module, cfg: Config) -> No
                 groups.setdefault(v, []).append(r)
             detail = "; ".join(f"ranks {rs} have {v}" for v, rs in groups.items())
             raise RankMismatchError(f"ranks disagree on the {key} passed to initialize(): {detail}")
+
+
+def _graph_mode(module: nn.Module, config: Config, topology: Topology) -> CapturedModule | None:
+    """The graph-mode wrapper of ``module`` when ``graph.enabled``; refuses the layouts it does not run yet."""
+    gcfg = config.graph
+    if not gcfg.enabled:
+        return None
+    if config.zero_optimization.stage == 3:
+        raise ConfigError(
+            "graph.enabled: ZeRO stage 3 does not run in graph mode yet (its parameter gathers are module hooks that "
+            "split the graph); use stage 0-2 with graph mode, or stage 3 without it"
+        )
+    if topology.tp > 1:
+        raise ConfigError(
+            "graph.enabled: tensor parallelism does not run in graph mode yet; set tensor_parallel.size to 1 or "
+            "graph.enabled to false"
+        )
+    from shardtrain.graph import CapturedModule  # imports TorchDynamo: only when graph mode is on
+
+    return CapturedModule(module, strict=gcfg.strict, cache_size=gcfg.cache_size, compiler=gcfg.compiler)
 
 
 def _describe(x: Any) -> str:

@@ -39,3 +39,7 @@ class OptimizerError(ShardtrainError, ValueError):
 
 class CheckpointError(ShardtrainError, RuntimeError):
     """A checkpoint cannot be written or read as asked (missing, damaged, unsupported, inconsistent pieces)."""
+
+
+class GraphCaptureError(ShardtrainError, RuntimeError):
+    """Graph mode cannot capture the module as asked (``graph.strict`` and a construct that must run eagerly)."""

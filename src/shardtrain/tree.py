@@ -23,6 +23,8 @@ import torch.utils._pytree as pytree
 
 # (path, tensor) -> replacement tensor, or the same tensor to keep it
 TensorFn = Callable[[str, torch.Tensor], torch.Tensor]
+# (path, leaf) of a leaf that is not a tensor; its result is ignored (non-tensor leaves are never replaced)
+OtherFn = Callable[[str, Any], None]
 
 _MAX_DEPTH = 64  # a guard against self-referencing containers, far deeper than any real model output
 
@@ -47,31 +49,48 @@ def iter_tensors(obj: Any) -> list[tuple[str, torch.Tensor]]:
     return found
 
 
-def _map(obj: Any, fn: TensorFn, path: str, depth: int) -> Any:
+def iter_leaves(obj: Any) -> list[tuple[str, Any]]:
+    """Every leaf of ``obj``, tensor or not (``None``, numbers, strings, other objects), as ``(path, leaf)`` in the
+    order :func:`map_tensors` visits tensors; what graph capture's input schema is made of."""
+    found: list[tuple[str, Any]] = []
+
+    def tensor(path: str, t: torch.Tensor) -> torch.Tensor:
+        found.append((path, t))
+        return t
+
+    _map(obj, tensor, "", 0, lambda path, leaf: found.append((path, leaf)))
+    return found
+
+
+def _map(obj: Any, fn: TensorFn, path: str, depth: int, other: OtherFn | None = None) -> Any:
     if isinstance(obj, torch.Tensor):
         return fn(path, obj)
     if depth >= _MAX_DEPTH or obj is None or isinstance(obj, (str, bytes, int, float, bool)):
+        if other is not None:
+            other(path, obj)
         return obj
     # one level of pytree: every child is a leaf, so we recurse ourselves and reach the fallbacks below at any depth
     children, spec = pytree.tree_flatten_with_path(obj, is_leaf=lambda child: child is not obj)
     if not spec.is_leaf():
         new, changed = [], False
         for keys, child in children:
-            out = _map(child, fn, path + pytree.keystr(keys), depth + 1)
+            out = _map(child, fn, path + pytree.keystr(keys), depth + 1, other)
             changed |= out is not child
             new.append(out)
         return pytree.tree_unflatten(new, spec) if changed else obj
     if isinstance(obj, Mapping):
-        return _map_mapping(obj, fn, path, depth)
+        return _map_mapping(obj, fn, path, depth, other)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return _map_dataclass(obj, fn, path, depth)
+        return _map_dataclass(obj, fn, path, depth, other)
+    if other is not None:
+        other(path, obj)
     return obj
 
 
-def _map_mapping(obj: Mapping, fn: TensorFn, path: str, depth: int) -> Any:
+def _map_mapping(obj: Mapping, fn: TensorFn, path: str, depth: int, other: OtherFn | None) -> Any:
     replaced = {}
     for key, value in obj.items():
-        out = _map(value, fn, f"{path}[{key!r}]", depth + 1)
+        out = _map(value, fn, f"{path}[{key!r}]", depth + 1, other)
         if out is not value:
             replaced[key] = out
     if not replaced:
@@ -84,11 +103,11 @@ def _map_mapping(obj: Mapping, fn: TensorFn, path: str, depth: int) -> Any:
     return new
 
 
-def _map_dataclass(obj: Any, fn: TensorFn, path: str, depth: int) -> Any:
+def _map_dataclass(obj: Any, fn: TensorFn, path: str, depth: int, other: OtherFn | None) -> Any:
     replaced = {}
     for field in dataclasses.fields(obj):
         value = getattr(obj, field.name)
-        out = _map(value, fn, f"{path}.{field.name}", depth + 1)
+        out = _map(value, fn, f"{path}.{field.name}", depth + 1, other)
         if out is not value:
             replaced[field.name] = out
     if not replaced:

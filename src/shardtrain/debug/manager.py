@@ -14,6 +14,13 @@ Cost outside the active window
     subscriber :meth:`~Subscriber.is_active`, the per-module hooks are removed (once) and that forward runs at
     almost the speed of an unsubscribed model; they are installed again at the next active step.
 
+Graph mode
+    Every hook, ``inspect_activation`` included, is wrapped in ``torch.compiler.disable``: under graph mode
+    (:mod:`shardtrain.graph`) TorchDynamo does not trace them but splits the captured graph where they are called
+    and runs them eagerly on the real activations, so statistics, replaced outputs and gradient hooks are those of
+    eager mode. The split costs speed while subscribers are attached, not correctness; the split points are
+    expected, so graph mode does not warn about them (``DEBUG_HOOK_MARK``).
+
 Hooks and parameters
     The hooks read inputs and outputs only. They never touch parameters and put no tensor hook on a parameter or
     any other leaf, so ZeRO's gradient reduction (parameter hooks) and stage-3 gathering (module hooks around the
@@ -35,6 +42,22 @@ from shardtrain.tree import iter_tensors
 
 # Attachments whose root forward is running, innermost last; inspect_activation reports to the innermost.
 _RUNNING: list[_Attachment] = []
+
+DEBUG_HOOK_MARK = "shardtrain debug hook (eager by design)"
+"""The reason given to ``torch.compiler.disable`` for the debug hooks; graph mode does not warn about graph splits
+whose reason says "(eager by design)"."""
+
+
+def _eager(fn: Any) -> Any:
+    """``fn`` run eagerly even inside a captured graph (see "Graph mode" above). In eager mode the wrapper is one
+    ``is_compiling()`` check; TorchDynamo, tracing it, sees ``True`` and stops at the disabled call."""
+    disabled = torch.compiler.disable(fn, reason=DEBUG_HOOK_MARK)
+
+    @functools.wraps(fn)
+    def hook(*args: Any, **kwargs: Any) -> Any:
+        return disabled(*args, **kwargs) if torch.compiler.is_compiling() else fn(*args, **kwargs)
+
+    return hook
 
 
 class SubscriberManager:
@@ -83,6 +106,11 @@ def inspect_activation(name: str, tensor: torch.Tensor) -> torch.Tensor:
     """
     if not _RUNNING:
         return tensor
+    return _inspect(name, tensor)
+
+
+@_eager
+def _inspect(name: str, tensor: torch.Tensor) -> torch.Tensor:
     if not isinstance(name, str) or not name:
         raise ValueError(f"inspect_activation needs a non-empty string name, got {name!r}")
     if not isinstance(tensor, torch.Tensor):
@@ -109,10 +137,10 @@ class _Attachment:
         self.active: list[Subscriber] = []
         self._child_handles: list[RemovableHandle] = []
         self._root_handles = [
-            root.register_forward_pre_hook(self._root_pre, with_kwargs=True, prepend=True),
-            root.register_forward_hook(self._root_post),
+            root.register_forward_pre_hook(_eager(self._root_pre), with_kwargs=True, prepend=True),
+            root.register_forward_hook(_eager(self._root_post)),
             # runs even when the forward raises, so inspect_activation never reports to a forward that is over
-            root.register_forward_hook(self._leave, always_call=True),
+            root.register_forward_hook(_eager(self._leave), always_call=True),
         ]
 
     def detach(self) -> None:
@@ -165,9 +193,9 @@ class _Attachment:
             if module is self.root:
                 continue
             self._child_handles.append(
-                module.register_forward_pre_hook(functools.partial(self._pre, name), with_kwargs=True)
+                module.register_forward_pre_hook(_eager(functools.partial(self._pre, name)), with_kwargs=True)
             )
-            self._child_handles.append(module.register_forward_hook(functools.partial(self._post, name)))
+            self._child_handles.append(module.register_forward_hook(_eager(functools.partial(self._post, name))))
 
     def _pre(self, name: str, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         changed = False

@@ -1,0 +1,210 @@
+"""Capture a module's forward and backward into graphs, one per input schema.
+
+[Note: graph mode runs on torch.compile, with a backend of ours]
+PyTorch offers two ways to capture a training step: ``torch.export`` (a whole-program graph of the forward, with no
+Python left; the backward must then be derived with AOT autograd by hand, every unsupported construct is a hard
+error, and nested inputs/outputs, hooks and mutation of buffers each need their own handling) and ``torch.compile``
+(TorchDynamo traces the Python frame, guards every assumption it made, splits the graph where it cannot trace and
+runs that part eagerly, and hands each graph to a *backend*; AOT autograd turns a forward graph into a joint
+forward/backward pair). We use ``torch.compile`` with our own backend:
+
+* the backward comes from AOT autograd, as the same engine computes it in eager mode, so gradients and the
+  reducer's gradient hooks (which fire on the parameters' accumulation, outside the graph) behave as in eager;
+* what cannot be captured still runs (eagerly, between graphs), which is the fallback the user is told about, and
+  ``strict`` turns it into an error (``fullgraph=True``);
+* the backend sees every graph before it runs (``GraphModule`` + example inputs): the place for our passes;
+* nested inputs and outputs (dicts, dataclasses, namedtuples, ``ModelOutput``) are traced through by Dynamo itself,
+  so outputs come back in the module's own structure, non-tensor leaves as they were.
+
+Dynamo's own guards stay on: they check everything the trace assumed, including facts our schema does not hold
+(a global flag read by ``forward``). The schema (:mod:`shardtrain.graph.schema`) is the cache key on top of them,
+so that a re-capture has a stated reason and the cache has a size limit we control. Each cache entry compiles its
+own copy of a small trampoline function (a distinct code object), because Dynamo keeps its compiled code per code
+object: entries then never share compiled code, and dropping an entry drops its graphs.
+
+The inner compiler is AOT autograd with the captured graphs run as they are (``"aot_eager"``, the default: exact
+eager numerics, no C++ compiler needed), or Inductor (``"inductor"``: fused kernels; needs a C++ compiler on a CPU,
+and its fused kernels round differently from eager, so results agree within fp32 noise, not bitwise).
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+import warnings
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch._dynamo
+from torch import nn
+
+from shardtrain.errors import GraphCaptureError
+from shardtrain.graph.schema import Schema, differences, schema_of
+
+log = logging.getLogger("shardtrain.graph")
+
+COMPILERS = ("aot_eager", "inductor")
+
+EAGER_BY_DESIGN = "(eager by design)"
+"""Functions wrapped in ``torch.compiler.disable(reason=...)`` with this in their reason split the graph on purpose
+(the debug subscribers' hooks, shardtrain.debug.manager): no fallback warning for them."""
+
+
+def _trampoline(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+    return module(*args, **kwargs)
+
+
+@dataclass
+class GraphStats:
+    """What the cache did: ``captures`` (a new schema), ``reuses``, ``evictions``, ``guard_recaptures`` (Dynamo
+    re-traced inside an entry because a fact outside the schema changed), ``fallbacks`` (what ran eagerly) and the
+    count of every reason logged."""
+
+    captures: int = 0
+    reuses: int = 0
+    evictions: int = 0
+    guard_recaptures: int = 0
+    fallbacks: list[str] = field(default_factory=list)
+    reasons: Counter[str] = field(default_factory=Counter)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "captures": self.captures,
+            "reuses": self.reuses,
+            "evictions": self.evictions,
+            "guard_recaptures": self.guard_recaptures,
+            "fallbacks": list(self.fallbacks),
+            "reasons": dict(self.reasons),
+        }
+
+
+@dataclass
+class _Entry:
+    schema: Schema
+    run: Callable[..., Any]
+    compiled_graphs: int = 0
+
+
+class CapturedModule:
+    """``module`` run through graphs captured per input schema; call it like the module.
+
+    ``cache_size`` graphs are kept (least recently used evicted); ``strict`` makes anything that cannot be captured
+    an error instead of a warning and an eager fallback; ``compiler`` is ``"aot_eager"`` or ``"inductor"``.
+    """
+
+    def __init__(self, module: nn.Module, *, strict: bool = False, cache_size: int = 8, compiler: str = "aot_eager"):
+        if compiler not in COMPILERS:
+            raise ValueError(f"graph compiler must be one of {', '.join(COMPILERS)}, got {compiler!r}")
+        if cache_size < 1:
+            raise ValueError(f"graph cache_size must be at least 1, got {cache_size}")
+        self.module, self.strict, self.cache_size, self.compiler = module, strict, cache_size, compiler
+        self.name = type(module).__name__
+        self._entries: OrderedDict[Schema, _Entry] = OrderedDict()
+        self._last: Schema | None = None
+        self.stats = GraphStats()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        schema = schema_of(self.module, args, kwargs)
+        entry = self._entries.get(schema)
+        if entry is None:
+            entry = self._capture(schema)
+        else:
+            self._entries.move_to_end(schema)
+            self.stats.reuses += 1
+        self._last = schema
+        return self._run(entry, args, kwargs)
+
+    def graph_stats(self) -> dict[str, Any]:
+        return self.stats.as_dict()
+
+    # -- capture -------------------------------------------------------------------------------------------
+    def _capture(self, schema: Schema) -> _Entry:
+        reasons = ["first call"] if self._last is None else differences(self._last, schema)
+        if not reasons:  # equal to the last call's schema but evicted since, or an older schema back again
+            reasons = ["schema seen before but evicted from the cache"]
+        self.stats.captures += 1
+        self.stats.reasons.update(reasons)
+        log.info("capturing %s (graph %d): %s", self.name, self.stats.captures, "; ".join(reasons))
+        entry = _Entry(schema, run=lambda *a: None)
+        fn = types.FunctionType(_trampoline.__code__.replace(), _trampoline.__globals__, "captured_" + self.name)
+        entry.run = torch.compile(fn, backend=self._backend(entry), dynamic=True, fullgraph=self.strict)
+        self._entries[schema] = entry
+        while len(self._entries) > self.cache_size:
+            self._entries.popitem(last=False)
+            self.stats.evictions += 1
+        return entry
+
+    def _backend(self, entry: _Entry) -> Callable:
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._functorch.aot_autograd import make_boxed_func
+
+        def run_as_captured(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+            return make_boxed_func(gm.forward)
+
+        aot = aot_autograd(fw_compiler=run_as_captured, bw_compiler=run_as_captured)
+
+        def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+            entry.compiled_graphs += 1  # Dynamo may call this more than once per trace (it restarts an analysis)
+            if self.compiler == "inductor":
+                from torch._inductor.compile_fx import compile_fx
+
+                return compile_fx(gm, example_inputs)
+            return aot(gm, example_inputs)
+
+        return backend
+
+    def _run(self, entry: _Entry, args: tuple, kwargs: dict) -> Any:
+        before = entry.compiled_graphs
+        breaks = _graph_breaks()
+        try:
+            out = entry.run(self.module, args, kwargs)
+        except torch._dynamo.exc.TorchDynamoException as err:  # tracing refused the forward as a whole
+            if self.strict:
+                raise GraphCaptureError(
+                    f"cannot capture {self.name} as one graph (graph.strict is on): {_construct(err)}; turn "
+                    "graph.strict off to run it eagerly, or change the model"
+                ) from None
+            self._fall_back(f"{_construct(err)}; this input schema runs eagerly")
+            entry.run = _trampoline  # eager from now on, for this schema (an eager error is the model's own)
+            return entry.run(self.module, args, kwargs)
+        for reason in sorted(_graph_breaks() - breaks):  # Dynamo split the graph and ran a part eagerly
+            if EAGER_BY_DESIGN not in reason:  # (debug subscribers' hooks split it on purpose)
+                self._fall_back(_condensed(reason))
+        if before and entry.compiled_graphs > before:  # Dynamo re-traced inside an entry: a guard of its own failed
+            self.stats.guard_recaptures += 1
+            log.info("re-capturing %s: a fact outside the input schema changed (a TorchDynamo guard)", self.name)
+        return out
+
+    def _fall_back(self, reason: str) -> None:
+        self.stats.fallbacks.append(reason)
+        warnings.warn(
+            f"graph mode: part of {self.name}'s forward runs eagerly: {reason} (graph.strict makes this an error)",
+            stacklevel=4,
+        )
+
+
+def _graph_breaks() -> Counter[str]:
+    return Counter(torch._dynamo.utils.counters["graph_break"])
+
+
+def _condensed(reason: str) -> str:
+    """A graph-break reason without Dynamo's hints and links: its first line and its explanation."""
+    lines = [line.strip() for line in reason.splitlines() if line.strip()]
+    keep = lines[:1] + [line for line in lines[1:] if line.startswith("Explanation:")]
+    return " ".join(keep)
+
+
+def _construct(err: BaseException) -> str:
+    """The first line of Dynamo's message and the user's line of code it stopped at."""
+    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+    head = lines[0] if lines else type(err).__name__
+    where = [line for line in lines if line.startswith("File ") and "shardtrain/graph/" not in line]
+    return f"{head} (at {where[-1]})" if where else head
+
+
+def capture(module: nn.Module, *, strict: bool = False, cache_size: int = 8, compiler: str = "aot_eager"):
+    """Run ``module`` in graph mode: see :class:`CapturedModule`."""
+    return CapturedModule(module, strict=strict, cache_size=cache_size, compiler=compiler)

@@ -1,0 +1,203 @@
+"""The input schema of a call: what must be equal for a captured graph to be reused.
+
+[Note: what the schema holds, and why]
+A captured graph is a function of the tensors it was traced with, specialized on everything else. It may be reused
+for a call only if every fact the trace depended on is the same; a graph reused when one of them changed returns the
+old graph's answer silently (ORTModule, with its re-export checks off by default, returned the old output for a
+flipped bool input). The schema is those facts, taken from the call itself:
+
+* the call's structure, flattened: every leaf named by its path from the bound argument name (``attention_mask``,
+  ``batch['labels']``, ``cfg.scale``), positional arguments named by the parameter of ``forward`` they bind to;
+* for each tensor leaf: dtype, rank (number of dimensions), device and requires_grad; never the sizes: dimension
+  sizes are dynamic, so a new batch size or sequence length reuses the graph;
+* for every other leaf (bool, int, float, str, None, enums, dtypes, other Python values): its type and value; the
+  trace branched on them or baked them in;
+* the module's mode (``train()`` / ``eval()``, anywhere in the tree: dropout and batch norm trace differently);
+* the set of parameters that require grad (a frozen parameter changes which gradients the backward graph computes);
+* the global modes a trace is specialized on: grad mode (``torch.no_grad()`` traces no backward) and autocast
+  (enabled, and its dtype, on the CPU and on CUDA).
+
+Two schemas are compared field by field, so a re-capture is logged with the reasons (``input 'attention_mask':
+dtype int64 -> bool``) instead of "cache miss". Leaves are walked like :mod:`shardtrain.tree` walks tensors (torch's
+pytree one level at a time, plus mappings and dataclasses pytree does not know), so inputs nested in dicts,
+dataclasses, namedtuples or ``ModelOutput`` are named and compared too.
+"""
+
+from __future__ import annotations
+
+import enum
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardtrain.tree import iter_leaves
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """The facts about a tensor input a trace depends on (its sizes are dynamic)."""
+
+    dtype: torch.dtype
+    ndim: int
+    device: str
+    requires_grad: bool
+
+    def describe(self) -> str:
+        return f"tensor {str(self.dtype).removeprefix('torch.')}, rank {self.ndim}, {self.device}"
+
+
+@dataclass(frozen=True)
+class ValueSpec:
+    """A non-tensor leaf: its type and (when it can be compared) its value."""
+
+    type_name: str
+    value: Any
+
+    def describe(self) -> str:
+        return "None" if self.value is None and self.type_name == "NoneType" else f"{self.type_name} {self.value!r}"
+
+
+Leaf = TensorSpec | ValueSpec
+
+
+@dataclass(frozen=True)
+class Schema:
+    """What a captured graph is specialized on; equal schemas may share one graph."""
+
+    leaves: tuple[tuple[str, Leaf], ...]
+    """(path, spec) of every leaf of the call, in call order."""
+    modes: tuple[tuple[str, bool], ...]
+    """(module name, training) of every submodule whose mode differs from the root's, plus the root's as ``''``."""
+    trainable: frozenset[str]
+    """Names of the parameters that require grad."""
+    context: tuple[tuple[str, Any], ...] = ()
+    """Global modes the trace depends on: grad mode, autocast."""
+
+
+_PLAIN = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, enum.Enum)
+
+
+def _value_spec(value: Any) -> ValueSpec:
+    if isinstance(value, _PLAIN):
+        return ValueSpec(type(value).__name__, value)
+    try:
+        hash(value)
+        return ValueSpec(type(value).__qualname__, value)
+    except TypeError:  # an unhashable object: the same object is the same input, nothing weaker can be asserted
+        return ValueSpec(type(value).__qualname__, _Identity(value))
+
+
+@dataclass(frozen=True)
+class _Identity:
+    """Compares by object identity (an unhashable non-tensor input)."""
+
+    obj: Any
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Identity) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __repr__(self) -> str:
+        return f"<{type(self.obj).__qualname__} object at {id(self.obj):#x}>"
+
+
+def bind_arguments(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The call's arguments by the names of ``module.forward``'s parameters (positional ones too), defaults filled
+    in (passing a default explicitly is the same call); extra positional arguments are named ``<name>[i]`` after the
+    ``*args`` parameter and extra keywords by their own names."""
+    try:
+        bound = inspect.signature(module.forward).bind(*args, **kwargs)
+    except (TypeError, ValueError):  # a signature inspect cannot read, or a call forward will refuse anyway
+        return {**{f"args[{i}]": a for i, a in enumerate(args)}, **kwargs}
+    bound.apply_defaults()
+    named: dict[str, Any] = {}
+    for name, value in bound.arguments.items():
+        kind = bound.signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_POSITIONAL:
+            named.update({f"{name}[{i}]": v for i, v in enumerate(value)})
+        elif kind is inspect.Parameter.VAR_KEYWORD:
+            named.update(value)
+        else:
+            named[name] = value
+    return named
+
+
+def schema_of(module: nn.Module, args: tuple, kwargs: dict) -> Schema:
+    leaves: list[tuple[str, Leaf]] = []
+    for name, value in bind_arguments(module, args, kwargs).items():
+        for path, leaf in iter_leaves(value):
+            full = name + path
+            if isinstance(leaf, torch.Tensor):
+                spec: Leaf = TensorSpec(leaf.dtype, leaf.dim(), str(leaf.device), leaf.requires_grad)
+            else:
+                spec = _value_spec(leaf)
+            leaves.append((full, spec))
+    root = module.training
+    modes = (("", root), *((n, m.training) for n, m in module.named_modules() if n and m.training != root))
+    trainable = frozenset(n for n, p in module.named_parameters(remove_duplicate=False) if p.requires_grad)
+    return Schema(tuple(leaves), tuple(modes), trainable, _context())
+
+
+def _context() -> tuple[tuple[str, Any], ...]:
+    context: list[tuple[str, Any]] = [("grad mode", torch.is_grad_enabled())]
+    for device in ("cpu", "cuda"):
+        on = torch.is_autocast_enabled(device)
+        context.append(
+            (f"autocast({device})", str(torch.get_autocast_dtype(device)).removeprefix("torch.") if on else "off")
+        )
+    return tuple(context)
+
+
+def _mode(training: bool) -> str:
+    return "train()" if training else "eval()"
+
+
+def differences(old: Schema, new: Schema) -> list[str]:
+    """Why ``new`` cannot reuse the graph captured for ``old``: one line per difference, in call order."""
+    reasons: list[str] = []
+    before, after = dict(old.leaves), dict(new.leaves)
+    for path, spec in new.leaves:
+        was = before.get(path)
+        if was is None:
+            reasons.append(f"input {path!r} added ({spec.describe()})")
+        elif was != spec:
+            reasons.append(f"input {path!r}: {_leaf_change(was, spec)}")
+    reasons += [f"input {path!r} removed (was {spec.describe()})" for path, spec in old.leaves if path not in after]
+    if [p for p, _ in old.leaves if p in after] != [p for p, _ in new.leaves if p in before]:
+        reasons.append("inputs reordered: " + ", ".join(p for p, _ in new.leaves))
+    modes_old, modes_new = dict(old.modes), dict(new.modes)
+    root_old, root_new = modes_old[""], modes_new[""]
+    if root_old != root_new:
+        reasons.append(f"module.{_mode(root_old)} -> {_mode(root_new)}")
+    for name in sorted(set(modes_old) | set(modes_new)):
+        a, b = modes_old.get(name, root_old), modes_new.get(name, root_new)
+        if name and a != b:
+            reasons.append(f"module '{name}'.{_mode(a)} -> {_mode(b)}")
+    for name in sorted(old.trainable ^ new.trainable):
+        was = name in old.trainable
+        reasons.append(f"parameter {name!r} requires_grad {was} -> {not was}")
+    before_context = dict(old.context)
+    reasons += [f"{k} {before_context.get(k)} -> {v}" for k, v in new.context if before_context.get(k) != v]
+    return reasons
+
+
+def _leaf_change(was: Leaf, now: Leaf) -> str:
+    if isinstance(was, TensorSpec) and isinstance(now, TensorSpec):
+        parts = []
+        if was.dtype != now.dtype:
+            parts.append(f"dtype {str(was.dtype).removeprefix('torch.')} -> {str(now.dtype).removeprefix('torch.')}")
+        if was.ndim != now.ndim:
+            parts.append(f"rank {was.ndim} -> {now.ndim}")
+        if was.device != now.device:
+            parts.append(f"device {was.device} -> {now.device}")
+        if was.requires_grad != now.requires_grad:
+            parts.append(f"requires_grad {was.requires_grad} -> {now.requires_grad}")
+        return ", ".join(parts)
+    if isinstance(was, ValueSpec) and isinstance(now, ValueSpec) and was.type_name == now.type_name:
+        return f"value {was.value!r} -> {now.value!r}"
+    return f"{was.describe()} -> {now.describe()}"
