@@ -7,7 +7,7 @@ open file descriptors and of threads are the same at the end as after warm-up; e
 other layout into exactly the weights the run had when it saved it; the final parameters equal those of the same
 2,000 steps run without interruption (max |difference| within fp32 noise; resume is exact, so 0 is expected).
 
-Marked ``soak`` (excluded by default; about 10 minutes on the 2-CPU VM)::
+Marked ``soak`` (excluded by default; 7.6 minutes on the shared 2-CPU VM)::
 
     PYTHONPATH=src:tests python -m pytest -m soak -s tests/test_reliability_soak.py
 
