@@ -40,10 +40,17 @@ def last_error(outcome: RankOutcome) -> str:
     return outcome.error.strip().splitlines()[-1]
 
 
-def check_rank_death(outcomes: list[RankOutcome], victim: int) -> dict[int, tuple[float, str]]:
+def check_rank_death(outcomes: list[RankOutcome], victim: int, tp: int = 1) -> dict[int, tuple[float, str]]:
     """The killed rank died of SIGKILL; no process was left for the harness to kill; every survivor raised a
     PeerLostError naming the killed rank, without the word timeout, and exited on its own within
-    :data:`SURVIVOR_LIMIT_S` of it. Returns {survivor: (seconds after the killed rank, message)}."""
+    :data:`SURVIVOR_LIMIT_S` of it. Returns {survivor: (seconds after the killed rank, message)}.
+
+    On a (dp, tp) mesh (``tp`` > 1, world > tp) a survivor that shares neither its tensor-parallel nor its
+    data-parallel group with the killed rank may fail in a collective of its own groups when a peer there leaves
+    (rather than in a world collective such as the desync check); its survey covers the group of the failing
+    collective only, so it then names that peer ("rank(s) [1] failed in the same way", or "rank 0 (...) is gone" when
+    that peer hosted the rendezvous store and has exited already) and not the killed rank: see docs/reliability.md
+    (limits)."""
     dead = outcomes[victim]
     assert dead.exitcode == -signal.SIGKILL, f"rank {victim} was to be killed: {dead}"
     assert not [o.rank for o in outcomes if o.killed_by_harness], "processes left behind"
@@ -56,11 +63,17 @@ def check_rank_death(outcomes: list[RankOutcome], victim: int) -> dict[int, tupl
         message = line.removeprefix("shardtrain.errors.PeerLostError: ")
         assert message.startswith(f"rank {o.rank}: "), message
         if victim == 0:  # rank 0 hosts the rendezvous store of run_ranks: its loss is what the others see
-            assert "store no longer answers" in message and "gone: rank 0, which hosts it" in message, message
+            named = "store no longer answers" in message and "gone: rank 0, which hosts it" in message
         else:
             # "rank 1 (pid 42 on h) is gone: killed ...", or with the others gone by then (the store's host exited
             # first, see [Note: naming the rank that vanished]) "rank 0 (...), rank 1 (...) are gone: killed ..."
-            assert f"rank {victim} (pid " in message and re.search(r"\) (is|are) gone: killed", message), message
+            named = f"rank {victim} (pid " in message and re.search(r"\) (is|are) gone: killed", message)
+        isolated = tp > 1 and o.rank // tp != victim // tp and o.rank % tp != victim % tp  # no group with the victim
+        if isolated and not named:  # it failed in a collective of its own groups (not the world's desync check)
+            peer = r"rank\(s\) \[[\d, ]+\] failed in the same way|\) (is|are) gone: killed"  # the peer that left
+            assert re.search(peer, message), message
+        else:
+            assert named, message
         assert "timeout" not in message.lower() and "timed out" not in message.lower(), message
         assert " in Engine." in message, message  # where this rank was
         seconds = o.exited_after - dead.exited_after

@@ -1,9 +1,11 @@
 """A rank killed with SIGKILL (as the OOM killer does) in forward, backward or the optimizer step, at every ZeRO
-stage: every survivor stops within seconds with a PeerLostError that names the killed rank and what the survivor was
-doing, without calling it a timeout, and no process is left behind. A rank killed in save_checkpoint is
-tests/test_reliability_save_crash.py (every point of the save, every stage, worlds 2 and 3).
+stage and with tensor parallelism (tp=2: forward and backward then hold the tensor-parallel all-reduces and
+all-gathers too; world 2, and world 4 = dp 2 x tp 2): every survivor stops within seconds with a PeerLostError that
+names the killed rank and what the survivor was doing, without calling it a timeout, and no process is left behind.
+A rank killed in save_checkpoint is tests/test_reliability_save_crash.py (every point of the save, every stage,
+worlds 2 and 3; with tensor parallelism: one point here).
 
-The full matrix (every stage, point, world 2 and 3 and killed rank, save included) is marked ``soak``: ``pytest -m
+The full matrices (every stage, point, world and killed rank, save included) are marked ``soak``: ``pytest -m
 soak tests/test_reliability_rank_death.py``."""
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from reliability_helpers import arm, check_rank_death
 from resume_helpers import make_engine, train
 from shardtrain import comm_failure
 from shardtrain.testing import run_ranks
+from tp_cases import Case, build_engine, forward_engine, global_batches
 
 POINTS = ["forward", "backward", "step", "save"]
 
@@ -48,6 +51,38 @@ FULL = [(s, p, world, victim) for s in range(4) for p in POINTS for world in (2,
 def test_survivors_name_the_killed_rank(tmp_path, stage, point, world, victim):
     outcomes = run_ranks(_train_until_killed, world, stage, victim, point, str(tmp_path), timeout=60)
     check_rank_death(outcomes, victim)
+
+
+def _train_tp_until_killed(stage: int, victim: int, point: str, root: str) -> None:
+    case = Case(gas=1, micro=2)
+    engine = build_engine(case, stage, tp=2)
+    batches = global_batches(case, engine.topology.dp, steps=3)
+    lo, hi = engine.topology.dp_rank * case.micro, (engine.topology.dp_rank + 1) * case.micro
+    for step, (x, y) in enumerate(batches):  # no collective of the test's own: every one is the engine's
+        if step == 1 and dist.get_rank() == victim:
+            arm(engine, "tensor_file_written" if point == "save" else point)
+        engine.backward(forward_engine(engine, x[lo:hi], y[lo:hi]))
+        engine.step()
+    engine.save_checkpoint(root)
+
+
+# tp=2: each point once at world 2 (dp 1), the victim and stage rotating; world 4 (dp 2 x tp 2) once, in backward
+# where a survivor may be in a tensor-parallel all-reduce (its tp peer died) or a ZeRO reduction (its dp peer died)
+TP_CASES = [(1 + i % 3, point, 2, i % 2) for i, point in enumerate(POINTS)] + [(3, "backward", 4, 3)]
+TP_FULL = [(s, p, world, v) for s in range(4) for p in POINTS for world in (2, 4) for v in range(world)]
+
+
+@pytest.mark.parametrize(("stage", "point", "world", "victim"), TP_CASES)
+def test_survivors_name_the_killed_rank_tensor_parallel(tmp_path, stage, point, world, victim):
+    outcomes = run_ranks(_train_tp_until_killed, world, stage, victim, point, str(tmp_path), timeout=90)
+    check_rank_death(outcomes, victim, tp=2)
+
+
+@pytest.mark.soak
+@pytest.mark.parametrize(("stage", "point", "world", "victim"), TP_FULL)
+def test_survivors_name_the_killed_rank_tensor_parallel_full_matrix(tmp_path, stage, point, world, victim):
+    outcomes = run_ranks(_train_tp_until_killed, world, stage, victim, point, str(tmp_path), timeout=120)
+    check_rank_death(outcomes, victim, tp=2)
 
 
 @pytest.mark.soak

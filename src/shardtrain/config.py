@@ -243,6 +243,9 @@ class Config(_Section):
     """Accept at stages 1-3 an optimizer not known to be element-wise (see [Note: element-wise optimizers])."""
     collective_timeout_s: float = Field(default=1800.0, gt=0)
     """shardtrain's own key: seconds a collective may wait before failing with a named error."""
+    desync_check: bool = True
+    """shardtrain's own key: ranks exchange where they are before every engine call that communicates, so that a
+    rank that diverges fails at once on every rank, naming each (see [Note: phase agreement])."""
 
     @model_validator(mode="after")
     def _precision(self) -> Config:

@@ -634,6 +634,13 @@ RULES: tuple[Rule, ...] = (
         "float > 0, `1800`",
         "shardtrain key: seconds before a collective fails with a named error",
     ),
+    _supported(
+        "desync_check",
+        "bool, `true`",
+        "shardtrain key: before every engine call that communicates, ranks exchange where they are (call, global "
+        "step, micro-step; one 32-byte all-gather per rank), so that a rank that takes an extra micro-step, skips "
+        "`step()` or calls `full_state_dict()` alone fails at once on every rank, naming each; `false` saves it",
+    ),
     _supported("graph", "section", "shardtrain key: graph mode, captured per input schema: docs/graph-mode.md"),
     _supported("graph.enabled", "bool, `false`", "run the forward and backward as captured graphs"),
     _supported("graph.strict", "bool, `false`", "a construct that cannot be captured is an error, not a fallback"),

@@ -28,6 +28,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from shardtrain.comm import Communicator
 from shardtrain.config import Config, load_config, optimizer_class_and_kwargs, resolve_batch_sizes
 from shardtrain.config_auto import resolve_auto
+from shardtrain.desync import PhaseCheck
 from shardtrain.engine_checkpoint import COUNTERS, TrainingState, load_engine, save_engine
 from shardtrain.errors import ConfigError, LayoutError, OptimizerError, RankMismatchError
 from shardtrain.mesh import Topology, init_topology
@@ -85,6 +86,13 @@ class Engine:
         # every rank: checkpoint protocols, agreement checks, and the gradient norm on a (dp, tp) mesh
         self.world_comm = self.comm if topology.tp == 1 else Communicator(topology.world_group, topology.timeout_s)
         self.tp_comm = tp_comm  # tensor-parallel layers' collectives (None without tensor parallelism)
+        # every rank says where it is before each call that communicates ([Note: phase agreement]); its own
+        # Communicator over the world group, so that comm_stats() keeps only the traffic of the ZeRO formulas
+        self._phase_check = PhaseCheck(
+            Communicator(topology.world_group, topology.timeout_s) if config.desync_check else None,
+            topology.tp,
+            topology.device,
+        )
         zcfg = config.zero_optimization
         self.train_batch_size, self.micro_batch_size, self.gradient_accumulation_steps = resolve_batch_sizes(
             config, topology.dp
@@ -216,6 +224,8 @@ class Engine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._units is not None or self.tp_comm is not None:  # forward communicates: gathers, tp reductions
+            self._agree("forward")
         if not self._batch_checked:  # every rank of a tensor-parallel group must get the same batch
             check_same_batch(args, kwargs, self.tp_comm)
             self._batch_checked = True
@@ -230,6 +240,7 @@ class Engine:
         """Backpropagate ``loss / gradient_accumulation_steps`` and reduce gradients across ranks."""
         if not torch.is_tensor(loss) or loss.numel() != 1:
             raise ValueError(f"engine.backward expects a scalar loss tensor, got {_describe(loss)}")
+        self._agree("backward")  # every micro-step: see [Note: phase agreement] for why
         self.monitor.record_loss(loss)  # the train_loss metric (rank 0)
         with self.monitor.timed("backward"):
             self._backward(loss)
@@ -257,6 +268,8 @@ class Engine:
         self.micro_steps += 1
         if not boundary:
             return
+        if self.policy.stage > 0 or self.tp_comm is not None:  # stage 0 steps without a collective
+            self._agree("step", micro_steps=self.micro_steps - 1)  # where backward() was, not one ahead
         with self.monitor.timed("step"):
             self._optimizer_step()
         self.global_samples += self.train_batch_size
@@ -297,6 +310,11 @@ class Engine:
     def eval(self) -> Engine:
         self.module.eval()
         return self
+
+    def _agree(self, call: str, micro_steps: int | None = None) -> None:
+        """[Note: phase agreement]: fail on every rank, naming each, unless all ranks are entering ``call`` at the
+        same step."""
+        self._phase_check(call, self.global_step, self.micro_steps if micro_steps is None else micro_steps)
 
     # -- inspection --------------------------------------------------------------------------------
     @property
@@ -346,8 +364,11 @@ class Engine:
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The full model state dict on rank 0 (CPU copies; tied parameters under every name), None elsewhere.
 
-        Collective at stage 3 and with tensor parallelism (every rank must call it): units are gathered one at
-        a time, so no rank holds more than one unit's full parameters besides the CPU copies on rank 0."""
+        Collective: every rank must call it (at stages 0-2 without tensor parallelism only the desync check of
+        [Note: phase agreement] communicates, so that a script right at stage 0 is right at stage 3). Units are
+        gathered one at a time, so no rank holds more than one unit's full parameters besides the CPU copies on
+        rank 0."""
+        self._agree("full_state_dict")
         rank0 = self.topology.dp_rank == 0
         copies: dict[int, torch.Tensor] = {}
         if self._units is not None:
@@ -379,6 +400,7 @@ class Engine:
 
         Every rank writes its own part in parallel; the save is crash-safe and ``save_dir/latest`` names the
         newest complete checkpoint (see docs/checkpoint-format.md and [Note: engine checkpoint contents])."""
+        self._agree("save_checkpoint")
         return save_engine(self._training_state(), save_dir, tag or f"global_step{self.global_step}", client_state)
 
     def load_checkpoint(self, load_dir: str | Path, tag: str | None = None, load_optimizer_states: bool = True) -> dict:
@@ -386,6 +408,7 @@ class Engine:
 
         Without ``tag`` the one ``load_dir/latest`` names is loaded. ``load_optimizer_states=False`` loads the
         model weights (masters included) and the loss scale only."""
+        self._agree("load_checkpoint")
         state = self._training_state()
         client_state = load_engine(state, load_dir, tag, load_optimizer_states)
         self.global_step = state.counters.get("global_step", 0)
@@ -423,6 +446,7 @@ class Engine:
         Tied parameters may appear under any of their names. With ``strict``, missing or unexpected names
         are an error. Peak memory: a rank's fragments plus one tensor (see :mod:`shardtrain.zero.weights`).
         """
+        self._agree("load_full_state_dict")
         dests = self._weight_destinations()
         if isinstance(source, (str, Path, list, tuple)):
             load_safetensors(dests, safetensors_files(source), strict)
@@ -445,6 +469,8 @@ class Engine:
             params = [target]
         else:
             params = list(target)
+        if self._units is not None or modifier_rank is not None:  # it gathers or broadcasts
+            self._agree("gathered")
         units = self._units.units_of(params) if self._units is not None else []
         context = self._units.gathered(units) if self._units is not None else nullcontext()
         with context:

@@ -6,7 +6,9 @@ backward) after a row-parallel layer. Gathering a split activation along its las
 scattering a replicated one, complete the set (Megatron-Core ``tensor_parallel/mappings.py``).
 
 Every collective goes through the :class:`~shardtrain.comm.Communicator` passed in (no process-group
-globals), which counts its bytes. ``what`` names the tensor in timeout errors.
+globals), which counts its bytes. ``what`` is the layer's module name; the error of a failed collective says which
+primitive of which layer it was, in forward or backward (e.g. ``all_reduce of the input gradient of
+'blocks.1.mlp.0' (Megatron's f, backward) failed ...``).
 
 [Note: replicated and split activations]
 Between tensor-parallel layers an activation is either *replicated* (every rank holds the same whole tensor:
@@ -35,7 +37,7 @@ class _CopyToRegion(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # [*, h] partial per rank -> [*, h] summed
         grad = grad.contiguous().clone()
-        ctx.comm.all_reduce(grad, what=f"input gradient of {ctx.what}")
+        ctx.comm.all_reduce(grad, what=f"the input gradient of {_layer(ctx.what)} (Megatron's f, backward)")
         return grad, None, None
 
 
@@ -45,7 +47,7 @@ class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, comm: Communicator, what: str) -> torch.Tensor:  # [*, h] partial -> summed
         out = x.contiguous().clone()  # x may be saved by another op: never reduce it in place
-        comm.all_reduce(out, what=what)
+        comm.all_reduce(out, what=f"the output of {_layer(what)} (Megatron's g, forward)")
         return out
 
     @staticmethod
@@ -59,7 +61,7 @@ class _GatherFromRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, comm: Communicator, what: str) -> torch.Tensor:  # [*, h/N] -> [*, h]
         ctx.comm = comm
-        return comm.all_gather_dim(x, -1, what=what)
+        return comm.all_gather_dim(x, -1, what=f"the output blocks of {_layer(what)} (tensor-parallel gather, forward)")
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # [*, h] replicated -> [*, h/N]
@@ -76,7 +78,12 @@ class _ScatterToRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # [*, h/N] -> [*, h]
-        return ctx.comm.all_gather_dim(grad, -1, what=f"input gradient of {ctx.what}"), None, None
+        what = f"the input-gradient blocks of {_layer(ctx.what)} (tensor-parallel scatter, backward)"
+        return ctx.comm.all_gather_dim(grad, -1, what=what), None, None
+
+
+def _layer(name: str) -> str:
+    return repr(name) if name else "a tensor-parallel layer"
 
 
 def _block_of_last_dim(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
@@ -87,22 +94,22 @@ def _block_of_last_dim(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     return x.narrow(-1, comm.rank * per, per).contiguous()
 
 
-def copy_to_tp_region(x: torch.Tensor, comm: Communicator, what: str = "a tensor-parallel input") -> torch.Tensor:
+def copy_to_tp_region(x: torch.Tensor, comm: Communicator, what: str = "") -> torch.Tensor:
     """``f``: identity; in backward the partial input gradients of the ranks are summed."""
     return _CopyToRegion.apply(x, comm, what)
 
 
-def reduce_from_tp_region(x: torch.Tensor, comm: Communicator, what: str = "a tensor-parallel output") -> torch.Tensor:
+def reduce_from_tp_region(x: torch.Tensor, comm: Communicator, what: str = "") -> torch.Tensor:
     """``g``: the sum over ranks of the partial results ``x``; the gradient passes through unchanged."""
     return _ReduceFromRegion.apply(x, comm, what)
 
 
-def gather_from_tp_region(x: torch.Tensor, comm: Communicator, what: str = "a tensor-parallel output") -> torch.Tensor:
+def gather_from_tp_region(x: torch.Tensor, comm: Communicator, what: str = "") -> torch.Tensor:
     """Every rank's block of the last dimension, concatenated in rank order."""
     return _GatherFromRegion.apply(x, comm, what)
 
 
-def scatter_to_tp_region(x: torch.Tensor, comm: Communicator, what: str = "a tensor-parallel input") -> torch.Tensor:
+def scatter_to_tp_region(x: torch.Tensor, comm: Communicator, what: str = "") -> torch.Tensor:
     """This rank's block of the last dimension of the replicated ``x``."""
     return _ScatterToRegion.apply(x, comm, what)
 

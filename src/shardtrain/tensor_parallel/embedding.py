@@ -89,7 +89,7 @@ class VocabParallelEmbedding(_ParallelEmbedding):
         local_pad = pad - start if pad is not None and start <= pad < start + per else None
         out = F.embedding(local_ids, self.weight, local_pad)  # [*, d]
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)  # only the rows this rank owns
-        return reduce_from_tp_region(out, self.comm, f"{self.name} lookup")  # [*, d]
+        return reduce_from_tp_region(out, self.comm, self.name)  # [*, d]
 
 
 class HiddenParallelEmbedding(_ParallelEmbedding):
@@ -107,4 +107,4 @@ class HiddenParallelEmbedding(_ParallelEmbedding):
         if self.rng is not None:
             self.rng.exit()
         out = F.embedding(ids, self.weight, self.padding_idx)  # [*, d/N]
-        return gather_from_tp_region(out, self.comm, f"{self.name} lookup")  # [*, d]
+        return gather_from_tp_region(out, self.comm, self.name)  # [*, d]

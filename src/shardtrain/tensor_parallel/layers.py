@@ -145,10 +145,10 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [*, in] replicated
         if self.communicate:
-            x = copy_to_tp_region(x, self.comm, f"{self.name} input")
+            x = copy_to_tp_region(x, self.comm, self.name)
         y = self._local_linear(x, self.bias)  # [*, out/N], this rank's block of each of the `stride` groups
         if self.gather_output:
-            y = gather_from_tp_region(y, self.comm, f"{self.name} output")  # [*, out], rank-major
+            y = gather_from_tp_region(y, self.comm, self.name)  # [*, out], rank-major
             y = rank_major_to_group_major(y, self.comm.size, self.stride)  # [*, out], the model's order
             if self.rng is not None:
                 self.rng.exit()
@@ -218,12 +218,12 @@ class RowParallelLinear(_ParallelLinear):
             self.rng.exit()  # the split activation ends here: back to the shared random stream
         if self.split_input:
             x = group_major_to_rank_major(x, self.comm.size, self.stride)
-            x = scatter_to_tp_region(x, self.comm, f"{self.name} input")  # [*, in/N]
+            x = scatter_to_tp_region(x, self.comm, self.name)  # [*, in/N]
         y = self._local_linear(x, None)  # [*, out], this rank's partial sum
         if self.bias is None:
-            return reduce_from_tp_region(y, self.comm, f"{self.name} output") if self.communicate else y
+            return reduce_from_tp_region(y, self.comm, self.name) if self.communicate else y
         if self.communicate:
-            return reduce_from_tp_region(y, self.comm, f"{self.name} output") + self.bias  # bias once, after g
+            return reduce_from_tp_region(y, self.comm, self.name) + self.bias  # bias once, after g
         return y + self.bias * (1.0 if self.comm.rank == 0 else 0.0)  # summed by the enclosing module
 
 

@@ -143,7 +143,7 @@ def sum_partial_gradients(model: nn.Module, placements: Mapping[str, TPPlacement
     for name, p in model.named_parameters():
         placement = placements.get(name)
         if placement is not None and placement.partial_grad and p.grad is not None:
-            tp_comm.all_reduce(p.grad, what=f"partial gradient of {name}")
+            tp_comm.all_reduce(p.grad, what=f"the partial gradients of {name!r} (summed over tp ranks)")
 
 
 def _match(model: nn.Module, plan: TPPlan, explicit: bool) -> tuple[dict[str, TPStyle], dict[str, TPStyle]]:
@@ -215,17 +215,17 @@ def _install_region_hooks(module: nn.Module, comm: Communicator, rng: RegionRNG,
 
     def enter(_m, args, kwargs):
         if args and isinstance(args[0], torch.Tensor):
-            args = (copy_to_tp_region(args[0], comm, f"{name} input"), *args[1:])
+            args = (copy_to_tp_region(args[0], comm, name), *args[1:])
         elif isinstance(kwargs.get("hidden_states"), torch.Tensor):
-            kwargs = {**kwargs, "hidden_states": copy_to_tp_region(kwargs["hidden_states"], comm, f"{name} input")}
+            kwargs = {**kwargs, "hidden_states": copy_to_tp_region(kwargs["hidden_states"], comm, name)}
         return args, kwargs
 
     def leave(_m, _args, output):
         rng.exit()
         if isinstance(output, torch.Tensor):
-            return reduce_from_tp_region(output, comm, f"{name} output")
+            return reduce_from_tp_region(output, comm, name)
         if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
-            return (reduce_from_tp_region(output[0], comm, f"{name} output"), *output[1:])
+            return (reduce_from_tp_region(output[0], comm, name), *output[1:])
         raise LayoutError(f"{name}: a gather/all_reduce module must return a tensor or a tuple starting with one")
 
     module.register_forward_pre_hook(enter, with_kwargs=True)
