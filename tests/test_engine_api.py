@@ -191,7 +191,7 @@ def _rank_takes_extra_backward() -> str:
     model = make_model(Recipe())
     engine = shardtrain.initialize(
         model,
-        config={"zero_optimization": {"stage": 2}, "collective_timeout_s": 3},
+        config={"zero_optimization": {"stage": 2}, "collective_timeout_s": 3, "desync_check": False},
         optimizer=make_optimizer(model, Recipe()),
     )
     x = torch.randint(0, 64, (2, 16))

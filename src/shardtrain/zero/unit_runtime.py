@@ -174,12 +174,18 @@ class ParameterUnits:
         handle.wait()
         ids = everyone.tolist()
         if len(set(ids)) > 1:
-            per_rank = ", ".join(f"rank {r}: {self.units[i].name!r}" for r, i in enumerate(ids))
+            per_rank = ", ".join(f"rank {r}: {self._unit_name(i)}" for r, i in enumerate(ids))
             raise RankMismatchError(
                 f"ranks are gathering different ZeRO-3 units at the same point ({unit.why}): {per_rank}. "
                 "Every rank must run the same sequence of forward and backward passes (same modules, same "
                 "number of calls)."
             )
+
+    def _unit_name(self, index: int) -> str:
+        if 0 <= index < len(self.units):
+            return repr(self.units[index].name)
+        # the exchange met another rank's collective of the same size (desync_check off): its data is not an id
+        return f"no unit (received {index}: that rank was in another collective)"
 
     def _gather(self, unit: Unit, why: str, async_op: bool = False) -> None:
         if unit.state is UnitState.GATHERING:
