@@ -658,7 +658,7 @@ def _check_ranks_agree(comm: Communicator, module: nn.Module, cfg: Config) -> No
 
 
 def _graph_mode(module: nn.Module, config: Config, topology: Topology) -> CapturedModule | None:
-    """The graph-mode wrapper of ``module`` when ``graph.enabled``; refuses the layouts it does not run yet."""
+    """The graph-mode wrapper of ``module`` when ``graph.enabled``; refuses ZeRO-3, which does not run in it yet."""
     gcfg = config.graph
     if not gcfg.enabled:
         return None
@@ -666,11 +666,6 @@ def _graph_mode(module: nn.Module, config: Config, topology: Topology) -> Captur
         raise ConfigError(
             "graph.enabled: ZeRO stage 3 does not run in graph mode yet (its parameter gathers are module hooks that "
             "split the graph); use stage 0-2 with graph mode, or stage 3 without it"
-        )
-    if topology.tp > 1:
-        raise ConfigError(
-            "graph.enabled: tensor parallelism does not run in graph mode yet; set tensor_parallel.size to 1 or "
-            "graph.enabled to false"
         )
     from shardtrain.graph import CapturedModule  # imports TorchDynamo: only when graph mode is on
 

@@ -19,7 +19,7 @@ Graph mode
     (:mod:`shardtrain.graph`) TorchDynamo does not trace them but splits the captured graph where they are called
     and runs them eagerly on the real activations, so statistics, replaced outputs and gradient hooks are those of
     eager mode. The split costs speed while subscribers are attached, not correctness; the split points are
-    expected, so graph mode does not warn about them (``DEBUG_HOOK_MARK``).
+    expected, so graph mode does not warn about them (:mod:`shardtrain.eager`).
 
 Hooks and parameters
     The hooks read inputs and outputs only. They never touch parameters and put no tensor hook on a parameter or
@@ -38,26 +38,16 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from shardtrain.debug.subscriber import Subscriber
+from shardtrain.eager import eager
 from shardtrain.tree import iter_tensors
 
 # Attachments whose root forward is running, innermost last; inspect_activation reports to the innermost.
 _RUNNING: list[_Attachment] = []
 
-DEBUG_HOOK_MARK = "shardtrain debug hook (eager by design)"
-"""The reason given to ``torch.compiler.disable`` for the debug hooks; graph mode does not warn about graph splits
-whose reason says "(eager by design)"."""
-
 
 def _eager(fn: Any) -> Any:
-    """``fn`` run eagerly even inside a captured graph (see "Graph mode" above). In eager mode the wrapper is one
-    ``is_compiling()`` check; TorchDynamo, tracing it, sees ``True`` and stops at the disabled call."""
-    disabled = torch.compiler.disable(fn, reason=DEBUG_HOOK_MARK)
-
-    @functools.wraps(fn)
-    def hook(*args: Any, **kwargs: Any) -> Any:
-        return disabled(*args, **kwargs) if torch.compiler.is_compiling() else fn(*args, **kwargs)
-
-    return hook
+    """``fn`` run eagerly even inside a captured graph (see "Graph mode" above)."""
+    return eager("debug hook")(fn)
 
 
 class SubscriberManager:

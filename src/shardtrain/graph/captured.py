@@ -11,7 +11,8 @@ forward/backward pair). We use ``torch.compile`` with our own backend:
 * the backward comes from AOT autograd, as the same engine computes it in eager mode, so gradients and the
   reducer's gradient hooks (which fire on the parameters' accumulation, outside the graph) behave as in eager;
 * what cannot be captured still runs (eagerly, between graphs), which is the fallback the user is told about, and
-  ``strict`` turns it into an error (``fullgraph=True``);
+  ``strict`` turns it into an error (every split TorchDynamo reports, except the intended ones of
+  :mod:`shardtrain.eager`: debug hooks, tensor-parallel collectives);
 * the backend sees every graph before it runs (``GraphModule`` + example inputs): the place for our passes;
 * nested inputs and outputs (dicts, dataclasses, namedtuples, ``ModelOutput``) are traced through by Dynamo itself,
   so outputs come back in the module's own structure, non-tensor leaves as they were.
@@ -41,16 +42,13 @@ import torch
 import torch._dynamo
 from torch import nn
 
+from shardtrain.eager import EAGER_BY_DESIGN
 from shardtrain.errors import GraphCaptureError
 from shardtrain.graph.schema import Schema, differences, schema_of
 
 log = logging.getLogger("shardtrain.graph")
 
 COMPILERS = ("aot_eager", "inductor")
-
-EAGER_BY_DESIGN = "(eager by design)"
-"""Functions wrapped in ``torch.compiler.disable(reason=...)`` with this in their reason split the graph on purpose
-(the debug subscribers' hooks, shardtrain.debug.manager): no fallback warning for them."""
 
 
 def _trampoline(module: nn.Module, args: tuple, kwargs: dict) -> Any:
@@ -130,7 +128,9 @@ class CapturedModule:
         log.info("capturing %s (graph %d): %s", self.name, self.stats.captures, "; ".join(reasons))
         entry = _Entry(schema, run=lambda *a: None)
         fn = types.FunctionType(_trampoline.__code__.replace(), _trampoline.__globals__, "captured_" + self.name)
-        entry.run = torch.compile(fn, backend=self._backend(entry), dynamic=True, fullgraph=self.strict)
+        # not fullgraph=True even when strict: shardtrain.eager's intended splits must stay allowed; strict is
+        # enforced in _run on the splits Dynamo reports
+        entry.run = torch.compile(fn, backend=self._backend(entry), dynamic=True)
         self._entries[schema] = entry
         while len(self._entries) > self.cache_size:
             self._entries.popitem(last=False)
@@ -163,20 +163,29 @@ class CapturedModule:
             out = entry.run(self.module, args, kwargs)
         except torch._dynamo.exc.TorchDynamoException as err:  # tracing refused the forward as a whole
             if self.strict:
-                raise GraphCaptureError(
-                    f"cannot capture {self.name} as one graph (graph.strict is on): {_construct(err)}; turn "
-                    "graph.strict off to run it eagerly, or change the model"
-                ) from None
+                self._entries.pop(entry.schema, None)
+                raise GraphCaptureError(self._strict_message(_construct(err))) from None
             self._fall_back(f"{_construct(err)}; this input schema runs eagerly")
             entry.run = _trampoline  # eager from now on, for this schema (an eager error is the model's own)
             return entry.run(self.module, args, kwargs)
-        for reason in sorted(_graph_breaks() - breaks):  # Dynamo split the graph and ran a part eagerly
-            if EAGER_BY_DESIGN not in reason:  # (debug subscribers' hooks split it on purpose)
-                self._fall_back(_condensed(reason))
+        # Dynamo split the graph and ran a part eagerly; shardtrain.eager's splits (debug hooks, tensor-parallel
+        # collectives) are intended
+        unexpected = [_condensed(r) for r in sorted(_graph_breaks() - breaks) if EAGER_BY_DESIGN not in r]
+        if unexpected and self.strict:
+            self._entries.pop(entry.schema, None)
+            raise GraphCaptureError(self._strict_message("; ".join(unexpected)))
+        for reason in unexpected:
+            self._fall_back(reason)
         if before and entry.compiled_graphs > before:  # Dynamo re-traced inside an entry: a guard of its own failed
             self.stats.guard_recaptures += 1
             log.info("re-capturing %s: a fact outside the input schema changed (a TorchDynamo guard)", self.name)
         return out
+
+    def _strict_message(self, construct: str) -> str:
+        return (
+            f"cannot capture {self.name} as one graph (graph.strict is on): {construct}; turn graph.strict off to run "
+            "that part eagerly, or change the model"
+        )
 
     def _fall_back(self, reason: str) -> None:
         self.stats.fallbacks.append(reason)

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from shardtrain.comm import Communicator
+from shardtrain.eager import eager
 from shardtrain.errors import LayoutError
 from shardtrain.tensor_parallel.rng import RegionRNG
 
@@ -62,8 +63,13 @@ def vocab_parallel_cross_entropy(
     """
     logits = local_logits.float().reshape(-1, local_logits.shape[-1])  # [T, V/N]
     flat_targets = targets.reshape(-1)  # [T]
-    losses = _VocabParallelCrossEntropy.apply(logits, flat_targets, comm, ignore_index)  # [T]
+    losses = _vocab_parallel_losses(logits, flat_targets, comm, ignore_index)  # [T]
     return losses.sum() / (flat_targets != ignore_index).sum()
+
+
+@eager("vocab-parallel cross-entropy")  # its all-reduces: between graph pieces in graph mode
+def _vocab_parallel_losses(logits: torch.Tensor, targets: torch.Tensor, comm: Communicator, ignore_index: int):
+    return _VocabParallelCrossEntropy.apply(logits, targets, comm, ignore_index)
 
 
 class VocabParallelCrossEntropy(nn.Module):
