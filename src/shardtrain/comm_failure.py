@@ -143,6 +143,11 @@ _surveys: dict[tuple[int, tuple[int, ...]], Survey] = {}
 collective fails for the same reason (e.g. the reductions still in flight when backward unwinds)."""
 
 
+def any_failed() -> bool:
+    """Whether a collective of this process has failed (its groups are broken)."""
+    return bool(_surveys)
+
+
 def survey(global_rank: int, peers: list[int]) -> Survey:
     """Report this rank's failure and classify ``peers`` (global ranks); see the Note. Never raises."""
     store = _default_store()

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from shardtrain import comm_failure
 from shardtrain.errors import LayoutError
 
 
@@ -69,9 +70,12 @@ def _destroy_own_process_group() -> None:
 
     A gloo group left to the interpreter's finalization may still own work objects holding tensors; freeing them
     then takes the GIL of a half-torn-down interpreter and the process dies with SIGABRT ("terminate called without
-    an active exception") after the script has finished, which torchrun reports as a failed job. Destroying a group is
-    local (no collective), so it cannot wait for a peer."""
-    with contextlib.suppress(Exception):  # already destroyed by the user, or broken by a failed collective
+    an active exception") after the script has finished, which torchrun reports as a failed job. Destroying a gloo
+    group is local (no collective). After a collective failed the group is left alone: the process is failing anyway,
+    and NCCL's teardown of a group whose peers are gone may wait for them."""
+    if comm_failure.any_failed():
+        return
+    with contextlib.suppress(Exception):  # already destroyed by the user
         if dist.is_initialized():
             dist.destroy_process_group()
 
