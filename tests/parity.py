@@ -119,6 +119,20 @@ def reference_run(recipe: Recipe, world: int) -> dict:
     return {"losses": losses, "norms": norms, "params": model.state_dict(), "init": init}
 
 
+def train_step(engine, recipe: Recipe, batches: list, step: int, rank: int) -> float:
+    """Optimizer step ``step``: its ``recipe.gas`` micro-steps on this rank's rows of the global batches; returns
+    this rank's mean loss over them."""
+    lo, hi = rank * recipe.micro, (rank + 1) * recipe.micro
+    total = 0.0
+    for m in range(recipe.gas):
+        x, y = batches[step * recipe.gas + m]
+        loss = engine(x[lo:hi], y[lo:hi])
+        engine.backward(loss)
+        engine.step()
+        total += loss.item() / recipe.gas
+    return total
+
+
 def engine_run(recipe: Recipe, stage: int, world: int, bucket: int = 2000, zero_extra: dict | None = None) -> dict:
     """Runs on every rank; returns this rank's local losses, the grad norms and rank 0's final state."""
     import torch.distributed as dist
@@ -138,17 +152,9 @@ def engine_run(recipe: Recipe, stage: int, world: int, bucket: int = 2000, zero_
     }
     engine = shardtrain.initialize(model, config=config, optimizer=make_optimizer(model, recipe))
     batches = global_micro_batches(recipe, world)
-    lo, hi = rank * recipe.micro, (rank + 1) * recipe.micro
     losses, norms, comm = [], [], []
     for step in range(recipe.steps):
-        step_loss = 0.0
-        for m in range(recipe.gas):
-            x, y = batches[step * recipe.gas + m]
-            loss = engine(x[lo:hi], y[lo:hi])
-            engine.backward(loss)
-            engine.step()
-            step_loss += loss.item() / recipe.gas
-        losses.append(step_loss)
+        losses.append(train_step(engine, recipe, batches, step, rank))
         norms.append(engine.get_global_grad_norm())
         comm.append(engine.comm_stats(reset=True))
     return {

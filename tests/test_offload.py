@@ -13,7 +13,15 @@ import torch
 import shardtrain
 from shardtrain.testing import run_distributed
 
-from parity import Recipe, assert_parity, global_micro_batches, make_model, make_optimizer, reference_run
+from parity import (
+    Recipe,
+    assert_parity,
+    global_micro_batches,
+    make_model,
+    make_optimizer,
+    reference_run,
+    train_step,
+)
 
 
 @functools.cache
@@ -45,17 +53,9 @@ def train(
     engine = shardtrain.initialize(model, config=config, optimizer=make_optimizer(model, recipe))
     offload = engine._optimizer.offload
     batches = global_micro_batches(recipe, world)
-    lo, hi = rank * recipe.micro, (rank + 1) * recipe.micro
     losses, norms, resident = [], [], []
     for step in range(recipe.steps):
-        step_loss = 0.0
-        for m in range(recipe.gas):
-            x, y = batches[step * recipe.gas + m]
-            loss = engine(x[lo:hi], y[lo:hi])
-            engine.backward(loss)
-            engine.step()
-            step_loss += loss.item() / recipe.gas
-        losses.append(step_loss)
+        losses.append(train_step(engine, recipe, batches, step, rank))
         norms.append(engine.get_global_grad_norm())
         resident.append(engine.state_bytes()["optimizer"])
     out = {
@@ -250,18 +250,7 @@ def ckpt_run(
     if load:
         engine.load_checkpoint(load)
     batches = global_micro_batches(recipe, world)
-    lo, hi = rank * recipe.micro, (rank + 1) * recipe.micro
-    losses = []
-    for _ in range(steps):
-        step = engine.global_step
-        total = 0.0
-        for m in range(recipe.gas):
-            x, y = batches[step * recipe.gas + m]
-            loss = engine(x[lo:hi], y[lo:hi])
-            engine.backward(loss)
-            engine.step()
-            total += loss.item() / recipe.gas
-        losses.append(total)
+    losses = [train_step(engine, recipe, batches, engine.global_step, rank) for _ in range(steps)]
     if save:
         engine.save_checkpoint(save, tag="t")
     params = engine.full_state_dict()
