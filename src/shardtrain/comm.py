@@ -332,6 +332,40 @@ class Communicator:
             return
         self._run("barrier", what, lambda a: dist.barrier(group=self.group, async_op=a), False)
 
+    # -- collectives inside captured graphs ---------------------------------------------------------
+    # [Note: collectives in graphs]
+    # Graph-mode ZeRO-3 (shardtrain.graph.sharded) traces its gathers and reductions into the graph, so they are
+    # PyTorch's functional collectives (``_c10d_functional``: an op that issues the collective and returns its
+    # output, and ``wait_tensor``), which TorchDynamo and AOT autograd trace as graph nodes and a pass can move.
+    # The reduce-scatter keeps the algorithm chosen above: on gloo the pairwise exchange is an all-to-all of
+    # the ``N`` chunks followed by the same rank-order sum as ``_PairwiseHandle`` (bitwise the eager result);
+    # elsewhere the backend's reduce-scatter. They are not counted in ``stats()`` (a graph runs them without
+    # Python) and fail with the backend's own error after the process group's timeout.
+    def graph_all_gather(self, shard: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``shard`` concatenated (traceable; see [Note: collectives in graphs])."""
+        if self.size == 1:
+            return shard
+        full = torch.ops._c10d_functional.all_gather_into_tensor(shard, self.size, self.group.group_name)
+        return torch.ops._c10d_functional.wait_tensor(full)
+
+    def graph_reduce_scatter_avg(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's chunk of the average of every rank's ``full`` (traceable; see [Note: collectives in
+        graphs])."""
+        n = self.size
+        if n == 1:
+            return full
+        name = self.group.group_name
+        if self.reduce_scatter_impl != "pairwise":
+            out = torch.ops._c10d_functional.reduce_scatter_tensor(full, "sum", n, name)
+            return torch.ops._c10d_functional.wait_tensor(out) / n
+        chunk = full.numel() // n
+        parts = torch.ops._c10d_functional.all_to_all_single(full, [chunk] * n, [chunk] * n, name)
+        parts = torch.ops._c10d_functional.wait_tensor(parts).view(n, chunk)
+        out = parts[0] + parts[1]
+        for k in range(2, n):
+            out = out + parts[k]
+        return out / n
+
     def all_gather_object(self, obj: Any, *, what: str) -> list[Any]:
         """Small Python objects from every rank (consistency checks, not tensors)."""
         self._count("all_gather_object", len(pickle.dumps(obj)) if self.size > 1 else 0)

@@ -64,6 +64,7 @@ log = logging.getLogger("shardtrain")
 OptimizerArg = torch.optim.Optimizer | Callable[[Any], torch.optim.Optimizer] | None
 if TYPE_CHECKING:
     from shardtrain.graph import CapturedModule
+    from shardtrain.graph.sharded import ShardedUnits
 
 SchedulerArg = LRScheduler | Callable[[torch.optim.Optimizer], LRScheduler] | None
 
@@ -194,7 +195,7 @@ class Engine:
         # metrics, monitors (TensorBoard/CSV/wandb) and wall-clock breakdown: rank 0 only, never communicates
         self.monitor = TrainingMonitor(config, topology.rank, topology.device, topology.dp)
         self._batch_checked = tp_comm is None
-        self._graph = _graph_mode(module, config, topology)
+        self._graph = _graph_mode(module, config, topology, self._graph_units())
         self.comm.reset_stats()
 
     @property
@@ -245,7 +246,29 @@ class Engine:
         with self.monitor.timed("backward"):
             self._backward(loss)
 
+    def _graph_units(self) -> ShardedUnits | None:
+        """ZeRO-3 in graph mode: the units as graph inputs; the eager gather hooks are removed (see [Note: ZeRO-3
+        as graph operations])."""
+        if not self.config.graph.enabled or self._units is None:
+            return None
+        if self._param_offload is not None or self.tp_comm is not None:
+            raise ConfigError(
+                "graph.enabled with ZeRO stage 3: "
+                + ("offload_param to nvme" if self._param_offload is not None else "tensor parallelism")
+                + " does not run in graph mode yet; turn graph mode off, or use stage 0-2 with it"
+            )
+        from shardtrain.graph.sharded import ShardedUnits  # imports TorchDynamo: only when graph mode is on
+
+        self._units.remove_hooks()
+        wire = self.precision.reduce_dtype if self.precision.mixed else None
+        return ShardedUnits(self._units.units, self.comm, lambda b: wire or b.dtype, self._reducer.shard_grad)
+
     def _backward(self, loss: torch.Tensor) -> None:
+        if self._graph is not None and self._graph.sharded is not None:  # the graph reduces (ZeRO-3 in graph mode)
+            if self.scaler is not None:
+                loss = loss.float() * self.scaler.scale
+            (loss / self.gradient_accumulation_steps).backward()
+            return
         self._reducer.begin_backward(self.is_gradient_accumulation_boundary())
         if self._units is not None:
             self._units.begin_backward()
@@ -657,19 +680,18 @@ def _check_ranks_agree(comm: Communicator, module: nn.Module, cfg: Config) -> No
             raise RankMismatchError(f"ranks disagree on the {key} passed to initialize(): {detail}")
 
 
-def _graph_mode(module: nn.Module, config: Config, topology: Topology) -> CapturedModule | None:
-    """The graph-mode wrapper of ``module`` when ``graph.enabled``; refuses ZeRO-3, which does not run in it yet."""
+def _graph_mode(
+    module: nn.Module, config: Config, topology: Topology, sharded: ShardedUnits | None
+) -> CapturedModule | None:
+    """The graph-mode wrapper of ``module`` when ``graph.enabled`` (``sharded``: the ZeRO-3 units)."""
     gcfg = config.graph
     if not gcfg.enabled:
         return None
-    if config.zero_optimization.stage == 3:
-        raise ConfigError(
-            "graph.enabled: ZeRO stage 3 does not run in graph mode yet (its parameter gathers are module hooks that "
-            "split the graph); use stage 0-2 with graph mode, or stage 3 without it"
-        )
     from shardtrain.graph import CapturedModule  # imports TorchDynamo: only when graph mode is on
 
-    return CapturedModule(module, strict=gcfg.strict, cache_size=gcfg.cache_size, compiler=gcfg.compiler)
+    return CapturedModule(
+        module, strict=gcfg.strict, cache_size=gcfg.cache_size, compiler=gcfg.compiler, sharded=sharded
+    )
 
 
 def _describe(x: Any) -> str:

@@ -36,6 +36,7 @@ import warnings
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -45,6 +46,7 @@ from torch import nn
 from shardtrain.eager import EAGER_BY_DESIGN
 from shardtrain.errors import GraphCaptureError
 from shardtrain.graph.schema import Schema, differences, schema_of
+from shardtrain.graph.sharded import ShardedUnits, recompute_gathers, schedule, sharded_trampoline
 
 log = logging.getLogger("shardtrain.graph")
 
@@ -63,6 +65,11 @@ class GraphStats:
 
     captures: int = 0
     reuses: int = 0
+    most_gathered: int = 0
+    """ZeRO-3: the most units gathered at once in any captured graph's schedule (current + prefetched)."""
+    collectives: Counter[str] = field(default_factory=Counter)
+    """ZeRO-3: the collectives in the captured graphs (``forward all-gathers``, ``backward all-gathers``,
+    ``backward reduce-scatters``), summed over captures."""
     evictions: int = 0
     guard_recaptures: int = 0
     fallbacks: list[str] = field(default_factory=list)
@@ -74,6 +81,8 @@ class GraphStats:
             "reuses": self.reuses,
             "evictions": self.evictions,
             "guard_recaptures": self.guard_recaptures,
+            "most_gathered": self.most_gathered,
+            "collectives": dict(self.collectives),
             "fallbacks": list(self.fallbacks),
             "reasons": dict(self.reasons),
         }
@@ -90,15 +99,27 @@ class CapturedModule:
     """``module`` run through graphs captured per input schema; call it like the module.
 
     ``cache_size`` graphs are kept (least recently used evicted); ``strict`` makes anything that cannot be captured
-    an error instead of a warning and an eager fallback; ``compiler`` is ``"aot_eager"`` or ``"inductor"``.
+    an error instead of a warning and an eager fallback; ``compiler`` is ``"aot_eager"`` or ``"inductor"``;
+    ``sharded`` (the engine's, at ZeRO stage 3) runs the module on parameters gathered inside the graph (see
+    [Note: ZeRO-3 as graph operations]).
     """
 
-    def __init__(self, module: nn.Module, *, strict: bool = False, cache_size: int = 8, compiler: str = "aot_eager"):
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        strict: bool = False,
+        cache_size: int = 8,
+        compiler: str = "aot_eager",
+        sharded: ShardedUnits | None = None,
+    ):
         if compiler not in COMPILERS:
             raise ValueError(f"graph compiler must be one of {', '.join(COMPILERS)}, got {compiler!r}")
         if cache_size < 1:
             raise ValueError(f"graph cache_size must be at least 1, got {cache_size}")
         self.module, self.strict, self.cache_size, self.compiler = module, strict, cache_size, compiler
+        self.sharded = sharded
+        self._eager = _trampoline if sharded is None else sharded_trampoline
         self.name = type(module).__name__
         self._entries: OrderedDict[Schema, _Entry] = OrderedDict()
         self._last: Schema | None = None
@@ -127,7 +148,8 @@ class CapturedModule:
         self.stats.reasons.update(reasons)
         log.info("capturing %s (graph %d): %s", self.name, self.stats.captures, "; ".join(reasons))
         entry = _Entry(schema, run=lambda *a: None)
-        fn = types.FunctionType(_trampoline.__code__.replace(), _trampoline.__globals__, "captured_" + self.name)
+        eager = self._eager
+        fn = types.FunctionType(eager.__code__.replace(), eager.__globals__, "captured_" + self.name)
         # not fullgraph=True even when strict: shardtrain.eager's intended splits must stay allowed; strict is
         # enforced in _run on the splits Dynamo reports
         entry.run = torch.compile(fn, backend=self._backend(entry), dynamic=True)
@@ -141,17 +163,40 @@ class CapturedModule:
         from torch._dynamo.backends.common import aot_autograd
         from torch._functorch.aot_autograd import make_boxed_func
 
-        def run_as_captured(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        def run_as_captured(gm: torch.fx.GraphModule, example_inputs: list, which: str = "forward") -> Callable:
+            if self.sharded is not None:  # prefetch, release and reduction order (step 2 of the note)
+                done = schedule(gm)
+                self.stats.most_gathered = max(self.stats.most_gathered, done.most_gathered)
+                self.stats.collectives.update(
+                    {f"{which} all-gathers": done.all_gathers, f"{which} reduce-scatters": done.reduce_scatters}
+                )
             return make_boxed_func(gm.forward)
 
-        aot = aot_autograd(fw_compiler=run_as_captured, bw_compiler=run_as_captured)
+        def partition(joint: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
+            from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
+
+            if self.sharded is None:
+                return default_partition(joint, joint_inputs, **kwargs)
+            recompute_gathers(joint.graph)  # step 1 of the note
+            return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+        aot = aot_autograd(
+            fw_compiler=run_as_captured,
+            bw_compiler=partial(run_as_captured, which="backward"),
+            inference_compiler=run_as_captured,
+            partition_fn=partition,
+        )
 
         def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
             entry.compiled_graphs += 1  # Dynamo may call this more than once per trace (it restarts an analysis)
             if self.compiler == "inductor":
+                from torch._inductor import config as inductor_config
                 from torch._inductor.compile_fx import compile_fx
 
-                return compile_fx(gm, example_inputs)
+                if self.sharded is None:
+                    return compile_fx(gm, example_inputs)
+                with inductor_config.patch(joint_custom_pre_pass=recompute_gathers):
+                    return compile_fx(gm, example_inputs)
             return aot(gm, example_inputs)
 
         return backend
@@ -160,14 +205,14 @@ class CapturedModule:
         before = entry.compiled_graphs
         breaks = _graph_breaks()
         try:
-            out = entry.run(self.module, args, kwargs)
+            out = self._call(entry.run, args, kwargs)
         except torch._dynamo.exc.TorchDynamoException as err:  # tracing refused the forward as a whole
             if self.strict:
                 self._entries.pop(entry.schema, None)
                 raise GraphCaptureError(self._strict_message(_construct(err))) from None
             self._fall_back(f"{_construct(err)}; this input schema runs eagerly")
-            entry.run = _trampoline  # eager from now on, for this schema (an eager error is the model's own)
-            return entry.run(self.module, args, kwargs)
+            entry.run = self._eager  # eager from now on, for this schema (an eager error is the model's own)
+            return self._call(entry.run, args, kwargs)
         # Dynamo split the graph and ran a part eagerly; shardtrain.eager's splits (debug hooks, tensor-parallel
         # collectives) are intended
         unexpected = [_condensed(r) for r in sorted(_graph_breaks() - breaks) if EAGER_BY_DESIGN not in r]
@@ -180,6 +225,13 @@ class CapturedModule:
             self.stats.guard_recaptures += 1
             log.info("re-capturing %s: a fact outside the input schema changed (a TorchDynamo guard)", self.name)
         return out
+
+    def _call(self, run: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        if self.sharded is None:
+            return run(self.module, args, kwargs)
+        shards, sinks = self.sharded.inputs()
+        with self.sharded.detached():
+            return run(self.module, self.sharded, shards, sinks, args, kwargs)
 
     def _strict_message(self, construct: str) -> str:
         return (

@@ -1,0 +1,322 @@
+"""ZeRO-3 inside the captured graph: gathers, releases and gradient reduce-scatters as graph operations.
+
+[Note: ZeRO-3 as graph operations]
+Eager ZeRO-3 gathers a unit in a module hook, frees it by resizing its storage, and reduces gradients in hooks
+on the parameters: none of that can be traced. In graph mode the engine's forward instead runs
+
+    parameters = {name: view of gather(unit shard) for every unit}
+    torch.func.functional_call(module, parameters, args, kwargs)
+
+where ``gather`` is an autograd function whose forward is an all-gather of the unit's flat shard and whose
+backward is the reduce-scatter (average over the data-parallel ranks) of the unit's flat gradient, both
+functional collectives (see [Note: collectives in graphs] in :mod:`shardtrain.comm`). TorchDynamo and AOT
+autograd then trace every gather into the forward graph and every reduce-scatter into the backward graph, and
+three steps of ours make the result behave like ZeRO-3 rather than like a model held whole:
+
+1. **Release** (the partitioner). A gathered parameter that backward needs (a weight saved by a matmul) would be
+   saved from forward to backward, so every unit would stay gathered in between. Before AOT autograd splits the
+   joint graph, :func:`recompute_gathers` marks each all-gather, its wait and the views taken of its output
+   ``MUST_RECOMPUTE``: the partitioner saves the shard instead and re-gathers the unit in backward.
+   Releasing is then the graph's own liveness: the generated code drops each value after its last use, so a
+   unit's full buffer is freed right after the last operation that reads it.
+2. **Prefetch and order** (:func:`schedule`, run on the forward and the backward graph). Dynamo traces all
+   gathers first (they come before the module call); the pass moves each unit's wait and views to just before
+   their first use and issues the unit's all-gather one unit ahead (when the previous unit's data has arrived),
+   so at most two units are gathered at once, the current one and the prefetched one. In backward, each unit's
+   gradient assembly and reduce-scatter are hoisted to the moment its last gradient is computed, and the result
+   of a reduce-scatter is waited for when the next one is issued: one reduction in flight, as the eager reducer.
+3. **Gradients** land in the reducer's fp32 gradient shards: each trainable bucket has a *sink*, an fp32 leaf
+   tensor that the gather function takes as an input and ignores in forward; its gradient is the reduce-scattered
+   gradient of the bucket, and the sink's ``.grad`` is the reducer's shard buffer itself, so autograd accumulates
+   micro-steps into it in place, in fp32 (what eager does). The optimizer step, clipping, checkpoints and
+   ``engine.gathered()`` read that buffer and the shards exactly as in eager ZeRO-3.
+
+The numbers are eager ZeRO-3's: the same shards gathered, the same gradients reduced with the same algorithm
+and summation order (the wire dtype of mixed precision included); what can differ is the order in which
+AOT autograd adds the contributions of a parameter used twice (tied embeddings), i.e. fp32 rounding.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.utils.checkpoint import CheckpointPolicy
+
+from shardtrain.comm import Communicator
+from shardtrain.zero.layout import Bucket
+from shardtrain.zero.units import Unit
+
+
+@dataclass(frozen=True, eq=False)
+class BucketSpec:
+    """What the graph needs to know of one unit bucket: the names, sizes and shapes of its parameters."""
+
+    unit: str
+    names: tuple[str, ...]
+    sizes: tuple[int, ...]  # each parameter's numel, then the padding
+    shapes: tuple[tuple[int, ...], ...]
+    wire_dtype: torch.dtype  # gradients are reduced in it
+    comm: Communicator
+
+
+@torch._dynamo.assume_constant_result
+def _layout_of(spec: BucketSpec) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
+    """The bucket's sizes and shapes as constants of the graph (``dynamic=True`` would trace them as symbols)."""
+    return spec.sizes, spec.shapes
+
+
+def _views(full: torch.Tensor, spec: BucketSpec) -> tuple[torch.Tensor, ...]:
+    sizes, shapes = _layout_of(spec)
+    pieces = torch.split(full, sizes)
+    return tuple(piece.view(shape) for piece, shape in zip(pieces, shapes))
+
+
+class _GatherUnit(torch.autograd.Function):
+    """Forward: all-gather a bucket's shard into its parameters. Backward: reduce-scatter (average) the bucket's
+    gradient into the sink's gradient (see [Note: ZeRO-3 as graph operations])."""
+
+    @staticmethod
+    def forward(ctx: Any, shard: torch.Tensor, sink: torch.Tensor, spec: BucketSpec) -> tuple[torch.Tensor, ...]:
+        ctx.spec = spec
+        ctx.sink_dtype = sink.dtype
+        return _views(spec.comm.graph_all_gather(shard), spec)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[None, torch.Tensor, None]:
+        spec: BucketSpec = ctx.spec
+        sizes, _ = _layout_of(spec)
+        flat = [g.reshape(-1).to(spec.wire_dtype) for g in grads]
+        if len(sizes) > len(grads):  # the padding up to a multiple of the data-parallel size
+            flat.append(flat[0].new_zeros(sizes[-1]))
+        reduced = spec.comm.graph_reduce_scatter_avg(torch.cat(flat))
+        return None, reduced.to(ctx.sink_dtype), None
+
+
+class ShardedUnits:
+    """The ZeRO-3 units of an engine as inputs of the captured graph (see [Note: ZeRO-3 as graph operations]).
+
+    ``shard_grad(bucket)`` is the reducer's fp32 gradient shard of a trainable bucket: the sink's ``.grad``."""
+
+    def __init__(
+        self,
+        units: list[Unit],
+        comm: Communicator,
+        wire_dtype: Callable[[Bucket], torch.dtype],
+        shard_grad: Callable[[Bucket], torch.Tensor],
+    ) -> None:
+        self.buckets: list[Bucket] = [b for u in units for b in u.buckets]
+        index = {id(s.param): (i, k) for i, b in enumerate(self.buckets) for k, s in enumerate(b.slots)}
+        # every place a unit parameter is registered (a tied parameter has several): (module, attribute, name, slot)
+        root = units[0].runtime.root if units else None
+        self._places: list[tuple[nn.Module, str, str, tuple[int, int]]] = []
+        for prefix, m in root.named_modules(remove_duplicate=False) if root is not None else ():
+            for attr, p in m._parameters.items():
+                if p is not None and id(p) in index:
+                    self._places.append((m, attr, f"{prefix}.{attr}" if prefix else attr, index[id(p)]))
+        self._shard_grad = shard_grad
+        self.specs: list[BucketSpec] = []
+        for u in units:
+            for b in u.buckets:
+                pad = b.padded_numel - b.numel
+                self.specs.append(
+                    BucketSpec(
+                        unit=u.name,
+                        names=tuple(s.name for s in b.slots),
+                        sizes=tuple(s.numel for s in b.slots) + ((pad,) if pad else ()),
+                        shapes=tuple(tuple(s.shape) for s in b.slots),
+                        wire_dtype=wire_dtype(b),
+                        comm=comm,
+                    )
+                )
+        # fp32 leaves whose gradient is the bucket's reduced gradient; no storage of their own (stride 0)
+        self.sinks: list[torch.Tensor | None] = [
+            shard_grad(b).new_zeros(()).expand(b.shard_numel).requires_grad_() if b.requires_grad else None
+            for b in self.buckets
+        ]
+        for sink in self.sinks:
+            if sink is not None:
+                torch._dynamo.mark_static(sink)
+
+    def inputs(self) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """The graph's extra inputs for one call: the buckets' shards and sinks, the sinks' ``.grad`` pointed at the
+        reducer's gradient shards (autograd accumulates into them in place)."""
+        for b, sink in zip(self.buckets, self.sinks):
+            torch._dynamo.mark_static(b.shard)  # sizes of shards are fixed: no symbols for them in the graph
+            if sink is not None:
+                sink.grad = self._shard_grad(b)
+        return [b.shard for b in self.buckets], self.sinks
+
+    @contextmanager
+    def detached(self) -> Iterator[None]:
+        """The unit parameters taken out of their modules for a call (the graph passes gathered ones in their
+        place): TorchDynamo then never touches a partitioned parameter."""
+        for m, attr, _, _ in self._places:
+            m._parameters[attr] = None
+        try:
+            yield
+        finally:
+            for m, attr, _, (i, k) in self._places:
+                m._parameters[attr] = self.buckets[i].slots[k].param
+
+    def parameters(self, shards: list[torch.Tensor], sinks: list[torch.Tensor | None]) -> dict[str, torch.Tensor]:
+        """Every unit parameter under every name it is registered as, gathered (traced into the graph)."""
+        views: list[tuple[torch.Tensor, ...]] = []
+        for spec, shard, sink in zip(self.specs, shards, sinks):
+            if sink is None or not torch.is_grad_enabled():
+                views.append(_views(spec.comm.graph_all_gather(shard), spec))
+            else:
+                views.append(_GatherUnit.apply(shard, sink, spec))
+        return {name: views[i][k] for _, _, name, (i, k) in self._places}
+
+
+def sharded_trampoline(module: nn.Module, units: ShardedUnits, shards: list, sinks: list, args: tuple, kwargs: dict):
+    """The function graph mode captures at ZeRO stage 3 (one copy per cache entry, like ``_trampoline``)."""
+    return torch.func.functional_call(module, units.parameters(shards, sinks), args, kwargs, tie_weights=False)
+
+
+# -- graph passes ---------------------------------------------------------------------------------------------
+_AG = torch.ops._c10d_functional.all_gather_into_tensor.default
+_WAIT = torch.ops._c10d_functional.wait_tensor.default
+_RS = (torch.ops._c10d_functional.all_to_all_single.default, torch.ops._c10d_functional.reduce_scatter_tensor.default)
+
+
+def _is_view(node: fx.Node) -> bool:
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return True
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+
+
+_ASSEMBLY = frozenset(
+    ["cat", "_to_copy", "convert_element_type", "view", "reshape", "_unsafe_view", "clone", "new_zeros", "zeros",
+     "full", "t", "transpose", "permute", "expand", "contiguous"]
+)  # fmt: skip
+
+
+def _op_name(node: fx.Node) -> str:
+    if node.op != "call_function":
+        return ""
+    return getattr(getattr(node.target, "overloadpacket", None), "__name__", "")
+
+
+def _gather_group(start: fx.Node) -> list[fx.Node]:
+    """An all-gather, its wait and every view taken of the gathered buffer (not the ops that compute with it)."""
+    group, stack = [start], [start]
+    while stack:
+        node = stack.pop()
+        for user in node.users:
+            if user not in group and (user.target is _WAIT or (node is not start and _is_view(user))):
+                group.append(user)
+                stack.append(user)
+    return group
+
+
+def recompute_gathers(joint: fx.Graph) -> None:
+    """Step 1 of [Note: ZeRO-3 as graph operations]: re-gather in backward instead of saving gathered values."""
+    for node in list(joint.nodes):
+        if node.target is _AG:
+            for member in _gather_group(node):
+                member.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+                member.meta["ac_graph_id"] = 0
+
+
+@dataclass(frozen=True)
+class Scheduled:
+    """What :func:`schedule` left in one graph."""
+
+    all_gathers: int
+    reduce_scatters: int
+    most_gathered: int  # units gathered at once at the worst point of the program order
+
+
+def schedule(gm: fx.GraphModule) -> Scheduled:
+    """Step 2 of [Note: ZeRO-3 as graph operations] on one graph."""
+    graph = gm.graph
+    groups = [_gather_group(n) for n in graph.nodes if n.target is _AG]
+    order = {n: i for i, n in enumerate(graph.nodes)}
+
+    def first_use(group: list[fx.Node]) -> fx.Node:
+        members = set(group)
+        users = [u for m in group for u in m.users if u not in members]
+        return min(users, key=order.__getitem__)
+
+    # each unit's wait and views right before their first use, in the order of that use
+    placed = []
+    for group in groups:
+        if any(m.users for m in group[1:]):
+            placed.append((first_use(group), group))
+    placed.sort(key=lambda item: order[item[0]])
+    for use, group in placed:
+        for member in sorted(group[1:], key=order.__getitem__):
+            use.prepend(member)
+    # each all-gather issued when the previous unit's data has arrived (one unit ahead)
+    for (_, previous), (_, group) in itertools.pairwise(placed):
+        wait = next(m for m in previous if m.target is _WAIT)
+        wait.append(group[0])
+    _schedule_reductions(graph)
+    graph.lint()
+    gm.recompile()
+    reductions = sum(1 for n in graph.nodes if n.target in _RS)
+    return Scheduled(len(groups), reductions, _most_gathered(graph))
+
+
+def _schedule_reductions(graph: fx.Graph) -> None:
+    """Backward: each reduce-scatter (and the assembly of its input) as soon as its gradients exist; its result
+    waited for when the next one is issued."""
+    starts = [n for n in graph.nodes if n.target in _RS]
+    if not starts:
+        return
+    output = next(n for n in graph.nodes if n.op == "output")
+    last_input = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    for start in starts:
+        chain, stack = [], [start]
+        while stack:  # the ops that assemble the reduced tensor (cat, casts, padding), not the gradients' compute
+            node = stack.pop()
+            for arg in node.all_input_nodes:
+                if arg not in chain and len(arg.users) == 1 and _op_name(arg) in _ASSEMBLY:
+                    chain.append(arg)
+                    stack.append(arg)
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        for node in sorted([*chain, start], key=order.__getitem__):
+            inputs = node.all_input_nodes
+            anchor = max(inputs, key=order.__getitem__) if inputs else last_input
+            if order[anchor] < order[node]:
+                anchor.append(node)
+                order = {n: i for i, n in enumerate(graph.nodes)}
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    starts.sort(key=order.__getitem__)
+    for start, following in zip(starts, [*starts[1:], output]):
+        tail, stack = [], [start]
+        while stack:  # the wait and what turns its result into the gradient shard, up to the output
+            node = stack.pop()
+            for user in node.users:
+                if user.op != "output" and user not in tail:
+                    tail.append(user)
+                    stack.append(user)
+        for node in sorted(tail, key=order.__getitem__):
+            if all(order[a] < order[following] for a in node.all_input_nodes if a not in tail):
+                following.prepend(node)
+        order = {n: i for i, n in enumerate(graph.nodes)}
+
+
+def _most_gathered(graph: fx.Graph) -> int:
+    """Most all-gathers issued and not yet dead at one point of the graph's program order."""
+    nodes = list(graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    lifetimes = []
+    for n in nodes:
+        if n.target is _AG:
+            group = _gather_group(n)
+            members = set(group)
+            last = max((index[u] for m in group for u in m.users if u not in members), default=index[n])
+            lifetimes.append((index[n], last))
+    return max((sum(1 for a, b in lifetimes if a <= i <= b) for i in range(len(nodes))), default=0)
