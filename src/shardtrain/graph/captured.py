@@ -46,7 +46,14 @@ from torch import nn
 from shardtrain.eager import EAGER_BY_DESIGN
 from shardtrain.errors import GraphCaptureError
 from shardtrain.graph.schema import Schema, differences, schema_of
-from shardtrain.graph.sharded import ShardedUnits, recompute_gathers, schedule, sharded_trampoline
+from shardtrain.graph.sharded import (
+    InductorPasses,
+    Scheduled,
+    ShardedUnits,
+    recompute_gathers,
+    schedule,
+    sharded_trampoline,
+)
 
 log = logging.getLogger("shardtrain.graph")
 
@@ -163,13 +170,15 @@ class CapturedModule:
         from torch._dynamo.backends.common import aot_autograd
         from torch._functorch.aot_autograd import make_boxed_func
 
+        def report(which: str, done: Scheduled) -> None:
+            self.stats.most_gathered = max(self.stats.most_gathered, done.most_gathered)
+            self.stats.collectives.update(
+                {f"{which} all-gathers": done.all_gathers, f"{which} reduce-scatters": done.reduce_scatters}
+            )
+
         def run_as_captured(gm: torch.fx.GraphModule, example_inputs: list, which: str = "forward") -> Callable:
             if self.sharded is not None:  # prefetch, release and reduction order (step 2 of the note)
-                done = schedule(gm)
-                self.stats.most_gathered = max(self.stats.most_gathered, done.most_gathered)
-                self.stats.collectives.update(
-                    {f"{which} all-gathers": done.all_gathers, f"{which} reduce-scatters": done.reduce_scatters}
-                )
+                report(which, schedule(gm))
             return make_boxed_func(gm.forward)
 
         def partition(joint: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
@@ -195,7 +204,7 @@ class CapturedModule:
 
                 if self.sharded is None:
                     return compile_fx(gm, example_inputs)
-                with inductor_config.patch(joint_custom_pre_pass=recompute_gathers):
+                with inductor_config.patch(InductorPasses(report).config):
                     return compile_fx(gm, example_inputs)
             return aot(gm, example_inputs)
 

@@ -239,8 +239,18 @@ class Scheduled:
 
 
 def schedule(gm: fx.GraphModule) -> Scheduled:
+    """Step 2 of [Note: ZeRO-3 as graph operations] on one graph module."""
+    done = schedule_graph(gm.graph)
+    gm.recompile()
+    return done
+
+
+def is_backward(graph: fx.Graph) -> bool:
+    return any(n.op == "placeholder" and n.name.startswith("tangents") for n in graph.nodes)
+
+
+def schedule_graph(graph: fx.Graph) -> Scheduled:
     """Step 2 of [Note: ZeRO-3 as graph operations] on one graph."""
-    graph = gm.graph
     groups = [_gather_group(n) for n in graph.nodes if n.target is _AG]
     order = {n: i for i, n in enumerate(graph.nodes)}
 
@@ -264,7 +274,6 @@ def schedule(gm: fx.GraphModule) -> Scheduled:
         wait.append(group[0])
     _schedule_reductions(graph)
     graph.lint()
-    gm.recompile()
     reductions = sum(1 for n in graph.nodes if n.target in _RS)
     return Scheduled(len(groups), reductions, _most_gathered(graph))
 
@@ -320,3 +329,30 @@ def _most_gathered(graph: fx.Graph) -> int:
             last = max((index[u] for m in group for u in m.users if u not in members), default=index[n])
             lifetimes.append((index[n], last))
     return max((sum(1 for a, b in lifetimes if a <= i <= b) for i in range(len(nodes))), default=0)
+
+
+class InductorPasses:
+    """Steps 1 and 2 of [Note: ZeRO-3 as graph operations] as Inductor's custom passes (``joint_custom_pre_pass``
+    before the partitioner, ``post_grad_custom_post_pass`` on the forward and backward graphs it compiles);
+    ``report(which, scheduled)`` is told what each scheduled graph holds."""
+
+    def __init__(self, report: Callable[[str, Scheduled], None]) -> None:
+        from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+        uuid = get_hash_for_files((__file__,))
+
+        class Recompute(CustomGraphPass):
+            def __call__(self, graph: fx.Graph) -> None:
+                recompute_gathers(graph)
+
+            def uuid(self) -> bytes:
+                return uuid
+
+        class Schedule(CustomGraphPass):
+            def __call__(self, graph: fx.Graph) -> None:
+                report("backward" if is_backward(graph) else "forward", schedule_graph(graph))
+
+            def uuid(self) -> bytes:
+                return uuid
+
+        self.config = {"joint_custom_pre_pass": Recompute(), "post_grad_custom_post_pass": Schedule()}
