@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 import shardtrain
@@ -46,10 +47,10 @@ def test_plain_module_statistics_and_inspect_activation(tmp_path):
     assert main(["compare", str(tmp_path / "eager"), str(tmp_path / "graph")]) == 0
 
 
-def _engine_run(out: str, graph_mode: bool) -> dict:
+def _engine_run(out: str, graph_mode: bool, stage: int) -> dict:
     case = Case(steps=2)
     model = make_model(case)
-    config = {**config_for(case, 2, 1), "graph": {"enabled": graph_mode}}
+    config = {**config_for(case, stage, 1), "graph": {"enabled": graph_mode}}
     engine = shardtrain.initialize(model, config=config, optimizer=make_optimizer(model, case.lr))
     manager = SubscriberManager()
     manager.subscribe(engine, StatisticsSubscriber(out))
@@ -58,9 +59,11 @@ def _engine_run(out: str, graph_mode: bool) -> dict:
     return {"losses": losses, "graph": engine.graph_stats()}
 
 
-def test_engine_statistics_in_graph_mode_equal_eager(tmp_path):
-    eager = run_distributed(_engine_run, 2, str(tmp_path / "eager"), False, timeout=600)
-    captured = run_distributed(_engine_run, 2, str(tmp_path / "graph"), True, timeout=600)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_engine_statistics_in_graph_mode_equal_eager(tmp_path, stage):
+    """At stage 3 the graph runs the module on parameters gathered inside it: the hooks see the same modules."""
+    eager = run_distributed(_engine_run, 2, str(tmp_path / "eager"), False, stage, timeout=600)
+    captured = run_distributed(_engine_run, 2, str(tmp_path / "graph"), True, stage, timeout=600)
     assert captured[0]["graph"]["captures"] == 1 and captured[0]["graph"]["fallbacks"] == []
     torch.testing.assert_close(captured[0]["losses"], eager[0]["losses"], rtol=1e-6, atol=0)
     a, b = load_run(tmp_path / "eager"), load_run(tmp_path / "graph")

@@ -92,10 +92,13 @@ def test_graph_mode_with_tensor_parallelism(model, stage):
         assert r["graph"]["captures"] == 1 and r["graph"]["fallbacks"] == [], r["graph"]
 
 
-def test_graph_mode_bf16():
+@pytest.mark.parametrize("stage", [2, 3])
+def test_graph_mode_bf16(stage):
     case = Case(dtype="bf16", steps=2)
-    results = run_distributed(graph_run, 2, case, 2, timeout=600)
-    assert_parity(results[0], reference_run(case, 2), "graph gpt bf16 stage 2 world 2")
+    results = run_distributed(graph_run, 2, case, stage, timeout=600)
+    assert_parity(results[0], reference_run(case, 2), f"graph gpt bf16 stage {stage} world 2")
+    if stage == 3:  # bf16 shards gathered, gradients reduced in bf16 and accumulated in the fp32 shards
+        assert_zero3_in_graph(results[0])
 
 
 def _refused(config: dict) -> str:
