@@ -282,3 +282,26 @@ def test_grad_mode_and_autocast_are_part_of_the_schema(reasons):
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out, want, rtol=1e-2, atol=1e-2)  # the same bf16 ops (rounding order may differ)
     assert reasons()[-1].endswith("autocast(cpu) off -> bfloat16")
+
+
+def test_module_hooks_are_part_of_the_schema(reasons):
+    """TorchDynamo traces the hooks present at capture and does not guard on them (``skip_nnmodule_hook_guards``):
+    without the hooks in the schema, a hook added after the capture never runs and a removed one keeps running."""
+    model = Toy().eval()
+    run = graph.capture(model)
+    x = _x(2, 5)
+    _same(run(x), model(x))
+    seen: list[int] = []
+    handle = model.head.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[0]))
+    _same(run(x), model(x))
+    assert seen == [2, 2] and reasons()[-1].endswith("module 'head': forward pre-hooks 0 -> 1")
+    doubled = model.proj.register_forward_hook(lambda m, args, out: out * 2)
+    _same(run(x), model(x))
+    assert reasons()[-1].endswith("module 'proj': forward hooks 0 -> 1")
+    doubled.remove()
+    handle.remove()
+    seen.clear()
+    _same(run(x), model(x))  # the first graph again, recaptured (the cache still holds it: reused)
+    assert seen == []
+    stats = run.graph_stats()
+    assert stats["captures"] == 3 and stats["reuses"] == 1, stats

@@ -9,12 +9,14 @@ import pytest
 import torch
 
 import shardtrain
+from reliability_helpers import check_rank_death, die
 from shardtrain.errors import ConfigError
-from shardtrain.testing import run_distributed
+from shardtrain.testing import run_distributed, run_ranks
 from tp_cases import (
     Case,
     assert_parity,
     config_for,
+    forward_engine,
     global_batches,
     make_model,
     make_optimizer,
@@ -137,3 +139,57 @@ def test_graph_config_errors_name_the_key():
         shardtrain.config.load_config({"graph": {"cache_size": 0}})
     with pytest.raises(ConfigError, match=r"graph\.capture"):
         shardtrain.config.load_config({"graph": {"capture": True}})
+
+
+def _graph_zero3_until_killed(victim: int, point: str) -> None:
+    case = Case(gas=1, micro=2)
+    model = make_model(case)
+    config = {**config_for(case, 3, 1), "graph": {"enabled": True}}
+    engine = shardtrain.initialize(model, config=config, optimizer=make_optimizer(model, case.lr))
+    batches = global_batches(case, engine.topology.dp, steps=3)
+    lo, hi = engine.topology.dp_rank * case.micro, (engine.topology.dp_rank + 1) * case.micro
+    me = torch.distributed.get_rank()
+
+    @torch.compiler.disable  # runs between two pieces of the graph, on every rank: the ranks' graphs stay alike
+    def die_in_forward(*_: object) -> None:
+        if me == victim and engine.global_step == 1:
+            die()
+
+    if point == "forward":  # entering the second block: the peers wait in its gather
+        engine.module.blocks[1].register_forward_pre_hook(die_in_forward)
+    for step, (x, y) in enumerate(batches):
+        loss = forward_engine(engine, x[lo:hi], y[lo:hi])
+        if point == "backward" and step == 1 and me == victim:  # before the backward graph: the peers wait in it
+            loss.register_hook(lambda grad: die())
+        engine.backward(loss)
+        engine.step()
+
+
+@pytest.mark.parametrize(("point", "world", "victim"), [("forward", 2, 1), ("backward", 3, 2)])
+def test_a_rank_killed_inside_the_zero3_graph_is_named(point, world, victim):
+    """The survivors are inside the captured graph's gathers or reduce-scatters when the peer dies: they stop with the
+    PeerLostError eager collectives raise, naming the killed rank, not with gloo's error."""
+    outcomes = run_ranks(_graph_zero3_until_killed, world, victim, point, timeout=120)
+    check_rank_death(outcomes, victim)
+
+
+def _hook_on_one_rank() -> str:
+    case = Case(gas=1)
+    model = make_model(case)
+    config = {**config_for(case, 3, 1), "graph": {"enabled": True}}
+    engine = shardtrain.initialize(model, config=config, optimizer=make_optimizer(model, case.lr))
+    (x, y), *_ = global_batches(case, engine.topology.dp, steps=1)
+    if torch.distributed.get_rank() == 1:
+        engine.module.blocks[1].register_forward_hook(lambda m, args, out: None)
+    with pytest.raises(shardtrain.errors.RankMismatchError) as err:
+        forward_engine(engine, x[: case.micro], y[: case.micro])
+    return str(err.value)
+
+
+def test_ranks_running_different_graphs_at_zero3_are_named():
+    """A hook on one rank only splits that rank's graph, so its gathers would be issued in another order than its
+    peers' (gloo aborts the process on the size mismatch, or two units of equal size are silently exchanged): the
+    desync check of forward compares the schemas and every rank says which rank differs, and how."""
+    for msg in run_distributed(_hook_on_one_rank, 3, timeout=300):
+        assert "rank 1 differs from rank 0: module 'blocks.1': forward hooks 0 -> 1" in msg, msg
+        assert "attach hooks (subscribers) on every rank or on none" in msg

@@ -266,6 +266,12 @@ def peer_lost_text(err: BaseException) -> bool:
     )
 
 
+def backend_error(err: BaseException) -> bool:
+    """Does ``err`` come from the communication backend (a gloo source location, NCCL, a broken connection)?"""
+    text = str(err)
+    return bool(_GLOO_PATH.search(text)) or "NCCL" in text or peer_lost_text(err)
+
+
 def api_call() -> str | None:
     """Where this rank was: the outermost shardtrain call on the stack and the user's line that made it, e.g.
     ``Engine.backward (called from train.py:57)``; None when no such frame is found."""

@@ -11,7 +11,7 @@ So every engine call that communicates (``forward`` at ZeRO-3 or with tensor par
 micro-step, ``step`` at an accumulation boundary (not at stage 0 without tensor parallelism: there it issues no
 collective, and the next ``backward``'s check sees its micro-step count), ``gathered`` when it gathers or broadcasts,
 ``full_state_dict``, ``load_full_state_dict``, ``save_checkpoint``, ``load_checkpoint``) starts with one
-all-gather over the whole world of a fixed-size descriptor: (marker, call, global step, micro-step). Because
+all-gather over the whole world of a fixed-size descriptor: (marker, call, global step, micro-step, detail). Because
 *every* call that issues a collective starts with this one, the first collective two diverging ranks issue is
 always the check on both, of the same size, on the same group: it completes, both ranks see the disagreement, and
 every rank raises :class:`~shardtrain.errors.RankMismatchError` with the same message naming each rank and what it
@@ -29,7 +29,7 @@ optimizer steps combined other micro-batches than its peers' did, which no compa
 Why a Communicator of its own (over the same world group as ``engine.world_comm``): its calls are counted apart,
 so ``engine.comm_stats()`` still holds only the traffic the ZeRO formulas describe.
 
-Costs: one all-gather of ``4 * 8 * world`` bytes and one host sync per checked call: per micro-step one at stage 0,
+Costs: one all-gather of ``5 * 8 * world`` bytes and one host sync per checked call: per micro-step one at stage 0,
 two at stages 1-2 (one off the accumulation boundary), three at stage 3 or with tensor parallelism. Each is also a
 point where every rank waits for the slowest. ``bench/bench_desync.py`` measures both (see docs/reliability.md);
 ``desync_check: false`` removes it.
@@ -43,6 +43,7 @@ exited instead, with a :class:`~shardtrain.errors.PeerLostError` naming it. A mo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -63,7 +64,7 @@ CALLS = (
 """The engine calls that are checked; a call's index is its code in the descriptor."""
 TRAINING_CALLS = frozenset({"forward", "backward", "step"})
 _MARKER = 0x53_48_44_53_59_4E_43  # "SHDSYNC": a descriptor, not another collective's payload
-_FIELDS = 4  # marker, call, global step, micro-step
+_FIELDS = 5  # marker, call, global step, micro-step, detail (graph-mode ZeRO-3: the input schema's fingerprint)
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,7 @@ class Phase:
     call: str
     global_step: int
     micro_step: int
+    detail: int = 0
 
     def __str__(self) -> str:
         return f"{self.call}() at global step {self.global_step}, micro step {self.micro_step}"
@@ -85,17 +87,23 @@ class PhaseCheck:
         self.comm = comm if comm is not None and comm.size > 1 else None
         self.tp, self.device = tp, device
 
-    def __call__(self, call: str, global_step: int, micro_step: int) -> None:
+    def __call__(
+        self, call: str, global_step: int, micro_step: int, detail: int = 0, explain: Callable[[], str] | None = None
+    ) -> None:
+        """``detail``: a further fact every rank must agree on (a fingerprint below 2**63); when the ranks agree on
+        the rest but not on it, ``explain()`` (collective: every rank calls it) says how they differ."""
         if self.comm is None:
             return
-        phase = Phase(call, global_step, micro_step)
-        mine = torch.tensor([_MARKER, CALLS.index(call), global_step, micro_step], dtype=torch.int64)
+        phase = Phase(call, global_step, micro_step, detail)
+        mine = torch.tensor([_MARKER, CALLS.index(call), global_step, micro_step, detail], dtype=torch.int64)
         mine = mine.to(self.device)
         everyone = mine.new_empty(self.comm.size * _FIELDS)
         self.comm.all_gather(everyone, mine, what=f"this rank's position ({phase})", kind="desync_check")
         rows = everyone.view(self.comm.size, _FIELDS).tolist()
         if all(row == rows[0] for row in rows):
             return
+        if explain is not None and all(row[:4] == rows[0][:4] for row in rows):
+            raise RankMismatchError(explain())
         raise RankMismatchError(self.message([_decode(row) for row in rows]))
 
     def name(self, rank: int) -> str:
@@ -162,7 +170,7 @@ class PhaseCheck:
 
 
 def _decode(row: list[int]) -> Phase | None:
-    marker, code, global_step, micro_step = row
+    marker, code, global_step, micro_step, detail = row
     if marker != _MARKER or not 0 <= code < len(CALLS):
         return None
-    return Phase(CALLS[code], global_step, micro_step)
+    return Phase(CALLS[code], global_step, micro_step, detail)

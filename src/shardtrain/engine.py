@@ -15,7 +15,8 @@ import hashlib
 import json
 import logging
 import random
-from collections.abc import Callable, Iterable, Mapping
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,6 +26,7 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
+from shardtrain import comm_failure
 from shardtrain.comm import Communicator
 from shardtrain.config import Config, load_config, optimizer_class_and_kwargs, resolve_batch_sizes
 from shardtrain.config_auto import resolve_auto
@@ -225,14 +227,43 @@ class Engine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._graph is not None and self._graph.sharded is not None:
+            return self._graph_forward(args, kwargs)
         if self._units is not None or self.tp_comm is not None:  # forward communicates: gathers, tp reductions
             self._agree("forward")
         if not self._batch_checked:  # every rank of a tensor-parallel group must get the same batch
             check_same_batch(args, kwargs, self.tp_comm)
             self._batch_checked = True
         self.monitor.count_tokens(args, kwargs)  # tokens/s (see [Note: monitor metrics])
-        with self.monitor.timed("forward"):  # wall-clock breakdown and step time (rank 0)
+        with self.monitor.timed("forward"), self._graph_collectives("forward"):  # timed: rank 0's breakdown
             return (self._graph or self.module)(*args, **kwargs)
+
+    def _graph_forward(self, args: tuple, kwargs: dict) -> Any:
+        """Graph mode at ZeRO-3: the gathers are collectives inside the graph, so every rank must run the same
+        graph. The desync check of this forward also compares the input schemas (hooks included: a subscriber on one
+        rank only splits that rank's graph) and, when they differ, says how."""
+        schema = self._graph.schema(args, kwargs)
+
+        def explain() -> str:
+            from shardtrain.graph.schema import differences
+
+            everyone = self._phase_check.comm.all_gather_object(schema.portable(), what="graph-mode input schemas")
+            ranks = "; ".join(
+                f"rank {r} differs from rank 0: {', '.join(differences(everyone[0], s))}"
+                for r, s in enumerate(everyone)
+                if s != everyone[0]
+            )
+            return (
+                f"ranks entered forward() at global step {self.global_step}, micro step {self.micro_steps} with "
+                f"different inputs for graph mode: {ranks}. At ZeRO stage 3 the captured graph's gathers and "
+                "reduce-scatters are collectives, so every rank must run the same graph: call the engine with inputs "
+                "of the same structure, and attach hooks (subscribers) on every rank or on none."
+            )
+
+        self._phase_check("forward", self.global_step, self.micro_steps, schema.fingerprint(), explain)
+        self.monitor.count_tokens(args, kwargs)
+        with self.monitor.timed("forward"), self._graph_collectives("forward"):
+            return self._graph.run(schema, args, kwargs)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
@@ -263,11 +294,28 @@ class Engine:
         wire = self.precision.reduce_dtype if self.precision.mixed else None
         return ShardedUnits(self._units.units, self.comm, lambda b: wire or b.dtype, self._reducer.shard_grad)
 
+    @contextmanager
+    def _graph_collectives(self, call: str) -> Iterator[None]:
+        """Graph-mode ZeRO-3: a collective of the captured graph that fails (a peer gone, the process group's
+        timeout) raises the error eager collectives raise, naming the ranks, instead of the backend's."""
+        if self._graph is None or self._graph.sharded is None:
+            yield
+            return
+        started = time.monotonic()
+        try:
+            yield
+        except RuntimeError as err:
+            if not comm_failure.backend_error(err):
+                raise
+            what = f"ZeRO-3 units in the captured {call} graph"
+            raise self.comm.describe_failure("a gather or reduce-scatter", what, err, started=started) from err
+
     def _backward(self, loss: torch.Tensor) -> None:
         if self._graph is not None and self._graph.sharded is not None:  # the graph reduces (ZeRO-3 in graph mode)
             if self.scaler is not None:
                 loss = loss.float() * self.scaler.scale
-            (loss / self.gradient_accumulation_steps).backward()
+            with self._graph_collectives("backward"):
+                (loss / self.gradient_accumulation_steps).backward()
             return
         self._reducer.begin_backward(self.is_gradient_accumulation_boundary())
         if self._units is not None:

@@ -133,7 +133,14 @@ class CapturedModule:
         self.stats = GraphStats()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        schema = schema_of(self.module, args, kwargs)
+        return self.run(schema_of(self.module, args, kwargs), args, kwargs)
+
+    def schema(self, args: tuple, kwargs: dict) -> Schema:
+        """The schema of a call (what :meth:`run` takes)."""
+        return schema_of(self.module, args, kwargs)
+
+    def run(self, schema: Schema, args: tuple, kwargs: dict) -> Any:
+        """Call the module with ``schema``, the schema of this very call (see :meth:`schema`)."""
         entry = self._entries.get(schema)
         if entry is None:
             entry = self._capture(schema)

@@ -15,7 +15,11 @@ flipped bool input). The schema is those facts, taken from the call itself:
 * the module's mode (``train()`` / ``eval()``, anywhere in the tree: dropout and batch norm trace differently);
 * the set of parameters that require grad (a frozen parameter changes which gradients the backward graph computes);
 * the global modes a trace is specialized on: grad mode (``torch.no_grad()`` traces no backward) and autocast
-  (enabled, and its dtype, on the CPU and on CUDA).
+  (enabled, and its dtype, on the CPU and on CUDA);
+* the module hooks (forward pre-hooks, forward hooks, backward pre-hooks and backward hooks of every submodule,
+  and the global ones), by handle: TorchDynamo traces the hooks present at capture into the graph and, by default
+  (``skip_nnmodule_hook_guards``), does not guard on them, so a hook added later would silently never run and a
+  removed one would keep running.
 
 Two schemas are compared field by field, so a re-capture is logged with the reasons (``input 'attention_mask':
 dtype int64 -> bool``) instead of "cache miss". Leaves are walked like :mod:`shardtrain.tree` walks tensors (torch's
@@ -26,6 +30,7 @@ dataclasses, namedtuples or ``ModelOutput`` are named and compared too.
 from __future__ import annotations
 
 import enum
+import hashlib
 import inspect
 from dataclasses import dataclass
 from typing import Any
@@ -75,9 +80,35 @@ class Schema:
     """Names of the parameters that require grad."""
     context: tuple[tuple[str, Any], ...] = ()
     """Global modes the trace depends on: grad mode, autocast."""
+    hooks: tuple[tuple[str, tuple[tuple[int, ...], ...]], ...] = ()
+    """(module name, handle ids of each kind in ``HOOK_KINDS``) of every module with hooks; ``<global>`` for the
+    global module hooks."""
+
+    def portable(self) -> Schema:
+        """The same facts in a form another process can compare: inputs that are neither tensors nor plain values by
+        their type only (their repr may hold an address), hooks by count (handle ids come from a per-process
+        counter)."""
+        leaves = tuple((p, _portable(v)) for p, v in self.leaves)
+        hooks = tuple((n, tuple(tuple(range(len(ids))) for ids in kinds)) for n, kinds in self.hooks)
+        return Schema(leaves, self.modes, frozenset(self.trainable), self.context, hooks)
+
+    def fingerprint(self) -> int:
+        """A 63-bit digest of :meth:`portable`, equal in every process for equal schemas."""
+        p = self.portable()
+        text = repr((p.leaves, p.modes, sorted(p.trainable), p.context, p.hooks))
+        return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") >> 1
+
+
+HOOK_KINDS = ("forward pre-hooks", "forward hooks", "backward pre-hooks", "backward hooks")
 
 
 _PLAIN = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, enum.Enum)
+
+
+def _portable(spec: Leaf) -> Leaf:
+    if isinstance(spec, TensorSpec) or isinstance(spec.value, _PLAIN):
+        return spec
+    return ValueSpec(spec.type_name, f"<{spec.type_name} object>")
 
 
 def _value_spec(value: Any) -> ValueSpec:
@@ -138,9 +169,27 @@ def schema_of(module: nn.Module, args: tuple, kwargs: dict) -> Schema:
                 spec = _value_spec(leaf)
             leaves.append((full, spec))
     root = module.training
-    modes = (("", root), *((n, m.training) for n, m in module.named_modules() if n and m.training != root))
+    modes = [("", root)]
+    hooks = [("<global>", _hook_ids(*_GLOBAL_HOOKS))]
+    for n, m in module.named_modules():
+        if n and m.training != root:
+            modes.append((n, m.training))
+        hooks.append((n, _hook_ids(m._forward_pre_hooks, m._forward_hooks, m._backward_pre_hooks, m._backward_hooks)))
     trainable = frozenset(n for n, p in module.named_parameters(remove_duplicate=False) if p.requires_grad)
-    return Schema(tuple(leaves), tuple(modes), trainable, _context())
+    hooks = [(n, ids) for n, ids in hooks if any(ids)]
+    return Schema(tuple(leaves), tuple(modes), trainable, _context(), tuple(hooks))
+
+
+_GLOBAL_HOOKS = (
+    nn.modules.module._global_forward_pre_hooks,
+    nn.modules.module._global_forward_hooks,
+    nn.modules.module._global_backward_pre_hooks,
+    nn.modules.module._global_backward_hooks,
+)
+
+
+def _hook_ids(*kinds: dict) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(kind) for kind in kinds)
 
 
 def _context() -> tuple[tuple[str, Any], ...]:
@@ -183,6 +232,19 @@ def differences(old: Schema, new: Schema) -> list[str]:
         reasons.append(f"parameter {name!r} requires_grad {was} -> {not was}")
     before_context = dict(old.context)
     reasons += [f"{k} {before_context.get(k)} -> {v}" for k, v in new.context if before_context.get(k) != v]
+    hooks_old, hooks_new = dict(old.hooks), dict(new.hooks)
+    none = ((),) * len(HOOK_KINDS)
+    for name in sorted(set(hooks_old) | set(hooks_new)):
+        a, b = hooks_old.get(name, none), hooks_new.get(name, none)
+        if a == b:
+            continue
+        changes = [
+            f"{kind} {len(x)} -> {len(y)}" if len(x) != len(y) else f"{kind} replaced"
+            for kind, x, y in zip(HOOK_KINDS, a, b)
+            if x != y
+        ]
+        where = "global module hooks" if name == "<global>" else f"module '{name}'" if name else "module"
+        reasons.append(f"{where}: {', '.join(changes)}")
     return reasons
 
 
