@@ -38,7 +38,9 @@ def _plain(out: Path, graph_mode: bool) -> dict:
 def test_plain_module_statistics_and_inspect_activation(tmp_path):
     _plain(tmp_path / "eager", False)
     stats = _plain(tmp_path / "graph", True)
-    assert stats["captures"] == 1 and stats["reuses"] == 2
+    # the subscriber installs its per-module hooks in the first forward: the second call captures again, saying so
+    assert stats["captures"] == 2 and stats["reuses"] == 1, stats
+    assert "module 'head': forward pre-hooks 0 -> 1, forward hooks 0 -> 1" in stats["reasons"], stats
     assert stats["fallbacks"] == []  # the hooks split the graph on purpose: no warning
     eager, captured = load_run(tmp_path / "eager"), load_run(tmp_path / "graph")
     assert eager.keys() == captured.keys()
@@ -61,10 +63,16 @@ def _engine_run(out: str, graph_mode: bool, stage: int) -> dict:
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_engine_statistics_in_graph_mode_equal_eager(tmp_path, stage):
-    """At stage 3 the graph runs the module on parameters gathered inside it: the hooks see the same modules."""
+    """At stage 3 the statistics are the same too, but the forward runs eagerly while subscribers are attached (their
+    splits fall inside the parameter swap; see docs/graph-mode.md), which graph mode reports as a fallback."""
     eager = run_distributed(_engine_run, 2, str(tmp_path / "eager"), False, stage, timeout=600)
     captured = run_distributed(_engine_run, 2, str(tmp_path / "graph"), True, stage, timeout=600)
-    assert captured[0]["graph"]["captures"] == 1 and captured[0]["graph"]["fallbacks"] == []
+    assert captured[0]["graph"]["captures"] == 2  # the second with the subscriber's per-module hooks
+    if stage < 3:
+        assert captured[0]["graph"]["fallbacks"] == []
+    else:  # the hooks' splits fall inside the parameter swap: the forward runs eagerly, and graph mode says so
+        fallbacks = captured[0]["graph"]["fallbacks"]
+        assert fallbacks and all("makes the whole forward run eagerly" in f for f in fallbacks), fallbacks
     torch.testing.assert_close(captured[0]["losses"], eager[0]["losses"], rtol=1e-6, atol=0)
     a, b = load_run(tmp_path / "eager"), load_run(tmp_path / "graph")
     assert a.keys() == b.keys() and {k[0] for k in a} == {0, 1}  # both ranks, every step, module and gradient

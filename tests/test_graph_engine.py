@@ -5,6 +5,8 @@ instead of keeping units, and the numbers are eager ZeRO-3's."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -193,3 +195,30 @@ def test_ranks_running_different_graphs_at_zero3_are_named():
     for msg in run_distributed(_hook_on_one_rank, 3, timeout=300):
         assert "rank 1 differs from rank 0: module 'blocks.1': forward hooks 0 -> 1" in msg, msg
         assert "attach hooks (subscribers) on every rank or on none" in msg
+
+
+def _stuck_peer(timeout: float) -> str:
+    case = Case(gas=1, micro=2)
+    model = make_model(case)
+    config = {**config_for(case, 3, 1), "graph": {"enabled": True}, "collective_timeout_s": timeout}
+    engine = shardtrain.initialize(model, config=config, optimizer=make_optimizer(model, case.lr))
+    (x, y), *_ = global_batches(case, engine.topology.dp, steps=1)
+    loss = forward_engine(engine, x[: case.micro], y[: case.micro])
+    if torch.distributed.get_rank() == 1:  # stuck before its backward graph, alive
+        loss.register_hook(lambda grad: time.sleep(timeout + 4))
+    try:
+        engine.backward(loss)
+    except shardtrain.errors.CollectiveTimeoutError as err:
+        return str(err)
+    return "no error"
+
+
+def test_a_stuck_peer_inside_the_zero3_graph_ends_at_the_collective_timeout():
+    """Rank 1 is alive but stuck before its backward: rank 0 waits in the backward graph's first gather for the
+    process group's timeout (``collective_timeout_s``, set by shardtrain when it creates the group) and says so."""
+    started = time.monotonic()
+    message = run_ranks(_stuck_peer, 2, 2.0, init_process_group=False, timeout=60)[0].value
+    head = "rank 0: a gather or reduce-scatter of ZeRO-3 units in the captured backward graph timed out after "
+    assert message.startswith(head), message
+    assert "(collective timeout 2s)" in message and "rank 1 (pid " in message, message
+    assert time.monotonic() - started < 40

@@ -231,7 +231,16 @@ class CapturedModule:
             return self._call(entry.run, args, kwargs)
         # Dynamo split the graph and ran a part eagerly; shardtrain.eager's splits (debug hooks, tensor-parallel
         # collectives) are intended
-        unexpected = [_condensed(r) for r in sorted(_graph_breaks() - breaks) if EAGER_BY_DESIGN not in r]
+        new = sorted(_graph_breaks() - breaks)
+        unexpected = [_condensed(r) for r in new if EAGER_BY_DESIGN not in r]
+        if self.sharded is not None and any(_WHOLE_FRAME in r for r in new):
+            # a split inside the module call at ZeRO-3 (even an intended one): TorchDynamo cannot split inside the
+            # parameter swap of functional_call, so it runs the whole forward eagerly
+            unexpected = [
+                "at ZeRO stage 3 a split inside the model ("
+                + "; ".join(_condensed(r).split(" Explanation:")[0] for r in new)
+                + ") makes the whole forward run eagerly, every unit gathered up front and kept until backward"
+            ]
         if unexpected and self.strict:
             self._entries.pop(entry.schema, None)
             raise GraphCaptureError(self._strict_message("; ".join(unexpected)))
@@ -261,6 +270,9 @@ class CapturedModule:
             f"graph mode: part of {self.name}'s forward runs eagerly: {reason} (graph.strict makes this an error)",
             stacklevel=4,
         )
+
+
+_WHOLE_FRAME = "graph break in an active context manager"
 
 
 def _graph_breaks() -> Counter[str]:
