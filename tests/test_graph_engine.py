@@ -29,9 +29,10 @@ from tp_cases import (
 )
 
 
-def graph_run(case: Case, stage: int, tp: int = 1) -> dict:
+def graph_run(case: Case, stage: int, tp: int = 1, persistence_threshold: int = 0) -> dict:
     model = make_model(case)
     config = {**config_for(case, stage, tp), "graph": {"enabled": True, "strict": True}}
+    config["zero_optimization"]["stage3_param_persistence_threshold"] = persistence_threshold
     engine = shardtrain.initialize(
         model, config=config, optimizer=make_optimizer(model, case.lr), tp_plan=plan_for(case) if tp > 1 else None
     )
@@ -129,6 +130,15 @@ def _refused(config: dict) -> str:
     with pytest.raises(ConfigError) as err:
         shardtrain.initialize(model, config=config, optimizer=make_optimizer(model, 1e-3), tp_plan=GPT_TP_PLAN)
     return str(err.value)
+
+
+def test_zero3_graph_with_persistent_parameters():
+    """Parameters under the persistence threshold (biases, norms) stay whole outside the units: their gradients are
+    reduced by the eager reducer's hooks, the units' by the graph, in the same backward."""
+    case = Case(steps=2)
+    results = run_distributed(graph_run, 2, case, 3, 1, 100, timeout=600)
+    assert_parity(results[0], reference_run(case, 2), "graph gpt stage 3 world 2, persistence threshold 100")
+    assert_zero3_in_graph(results[0])
 
 
 def eager_zero3_run(case: Case) -> dict:

@@ -291,6 +291,7 @@ class Engine:
         from shardtrain.graph.sharded import ShardedUnits  # imports TorchDynamo: only when graph mode is on
 
         self._units.remove_hooks()
+        self._reducer.hand_over([b for u in self._units.units for b in u.buckets if b.requires_grad])
         wire = self.precision.reduce_dtype if self.precision.mixed else None
         return ShardedUnits(self._units.units, self.comm, lambda b: wire or b.dtype, self._reducer.shard_grad)
 
@@ -311,23 +312,20 @@ class Engine:
             raise self.comm.describe_failure("a gather or reduce-scatter", what, err, started=started) from err
 
     def _backward(self, loss: torch.Tensor) -> None:
-        if self._graph is not None and self._graph.sharded is not None:  # the graph reduces (ZeRO-3 in graph mode)
-            if self.scaler is not None:
-                loss = loss.float() * self.scaler.scale
-            with self._graph_collectives("backward"):
-                (loss / self.gradient_accumulation_steps).backward()
-            return
+        # graph-mode ZeRO-3: the graph reduces the units (the reducer was told), the eager unit runtime is idle
+        units = self._units if self._graph is None or self._graph.sharded is None else None
         self._reducer.begin_backward(self.is_gradient_accumulation_boundary())
-        if self._units is not None:
-            self._units.begin_backward()
+        if units is not None:
+            units.begin_backward()
         try:
             if self.scaler is not None:  # fp16: scale in fp32 (the scaled loss may not fit fp16)
                 loss = loss.float() * self.scaler.scale
-            (loss / self.gradient_accumulation_steps).backward()
+            with self._graph_collectives("backward"):
+                (loss / self.gradient_accumulation_steps).backward()
         finally:
             self._reducer.end_backward()
-            if self._units is not None:
-                self._units.end_backward()
+            if units is not None:
+                units.end_backward()
 
     def step(self, tokens: int | None = None) -> None:
         """At an accumulation boundary: clip, step optimizer and scheduler, clear gradients.

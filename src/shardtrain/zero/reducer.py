@@ -115,6 +115,14 @@ class GradientReducer:
                     if id(s.param) in ids:
                         self._hooks.append(s.param.register_hook(partial(_tp_sum, tp_comm, s.name)))
         self._proposal: list[int] | None = None
+        self._external: frozenset[int] = frozenset()
+
+    def hand_over(self, buckets: list[Bucket]) -> None:
+        """The gradients of ``buckets`` arrive reduced from elsewhere, added into :meth:`shard_grad` (graph-mode
+        ZeRO-3: the captured backward graph reduce-scatters the units); they are never launched here, and the
+        other buckets (stage 3's persistent parameters) are reduced as before."""
+        self._external = frozenset(self._position[b.index] for b in buckets)
+        self.launch_order = [p for p in self.launch_order if p not in self._external]
 
     @staticmethod
     def _grad_view(flat: torch.Tensor, s: ParamSlot) -> torch.Tensor:
@@ -252,7 +260,7 @@ class GradientReducer:
             self._finish(p)
         if self.sharded_grads and self._active():
             self._fresh_shard = False
-            complete = len(self._observed) == len(self.buckets)
+            complete = len(self._observed) == len(self.buckets) - len(self._external)
             if complete and self._observed != self.launch_order:
                 self.order_departed = True
                 self._proposal = list(self._observed)
