@@ -27,18 +27,22 @@ Columns of the table:
 * ``/ ddp``, ``/ fsdp2``, ``/ stage2``, ``/ stage3`` (each when that variant runs): ratio of median step times.
 * ``fwd``, ``bwd``, ``opt``: median forward, backward (including the reductions it waits for and, in graph mode,
   the re-gathers), and optimizer step (norm, clipping, AdamW, and at ZeRO-1/2 the all-gather of updated shards).
+* ``CPU``: median CPU seconds of a step, both ranks' processes summed (all threads; gloo does not spin while it
+  waits, so this is work done, much less disturbed by other jobs on the machine than wall time).
 * ``capture``: first step minus second step (graph variants; Inductor's on-disk cache makes it vary).
 * ``RSS/rank``: peak RSS of the larger rank in a fresh pair of processes running 3 steps of that variant alone.
 * ``gathers``: ZeRO-3 units gathered at once at the worst point: ``graph_stats()["most_gathered"]`` for graph
   variants (the schedule pass's count; ``?`` when Inductor's cache served the compiled graph and the pass did
   not run), ``engine._units.max_gathered`` for eager ZeRO-3; ``-`` where nothing is gathered per unit.
 * ``captures/reuses``: the graph cache's counts.
-A second table gives the paired ratios: the median, with quartiles, of per-iteration ratios to each reference's
-step of the same iteration (steadier than the ratio of medians when the machine's load changes during a run).
+Two more tables give the paired ratios of step time and of CPU time: the median, with quartiles, of per-iteration
+ratios to each reference's step of the same iteration (steadier than the ratio of medians when the machine's
+load changes during a run).
 
-``--profile V1,V2``: after the timed loop, one more step of each named variant under ``torch.profiler`` on rank 0;
-prints where its time went: blocked in collectives (``wait_tensor`` of graph collectives, gloo work waited on,
-DDP's and FSDP2's waits), ATen compute, other recorded ops, and the wall time no operator accounts for (Python).
+``--profile V1,V2``: after the timed loop, ``--profile-steps`` (3) more steps of each named variant under
+``torch.profiler`` on rank 0; prints where the time of a step went: in collectives (``wait_tensor`` of graph
+collectives, the ``c10d::`` ops of eager ones, FSDP2's scopes), ATen compute, other recorded ops, and the wall time
+no operator accounts for (Python), then the operators with the most self time.
 """
 
 from __future__ import annotations
@@ -139,14 +143,19 @@ def batch(layers: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _timed(runner: Runner, x: torch.Tensor, y: torch.Tensor) -> list[float]:
-    """[forward, backward, optimizer step, whole step] as the slowest rank saw each."""
+    """[forward, backward, optimizer step, whole step] as the slowest rank saw each, then the CPU seconds of the
+    step summed over the ranks (every thread, gloo's included; a rank blocked in a gloo collective does not spin,
+    so this is the work done, which other jobs on the machine disturb much less than wall time)."""
     dist.barrier()
+    cpu0 = time.process_time()
     marks = [time.perf_counter()]
     runner.step(x, y, marks)
     marks.append(time.perf_counter())
-    spans = torch.tensor([b - a for a, b in itertools.pairwise(marks)] + [marks[-1] - marks[0]])
+    cpu = torch.tensor([time.process_time() - cpu0], dtype=torch.float64)
+    spans = torch.tensor([b - a for a, b in itertools.pairwise(marks)] + [marks[-1] - marks[0]], dtype=torch.float64)
     dist.all_reduce(spans, op=dist.ReduceOp.MAX)  # a step ends when the slowest rank ends
-    return spans.tolist()
+    dist.all_reduce(cpu)
+    return spans.tolist() + cpu.tolist()
 
 
 def gathers_in_flight(variant: str, runner: Runner) -> str:
@@ -160,18 +169,18 @@ def gathers_in_flight(variant: str, runner: Runner) -> str:
     return str(stats["most_gathered"]) if stats["collectives"] else "?"
 
 
-def timing_body(variants: list[str], steps: int, layers: int, profile: list[str]) -> dict:
+def timing_body(variants: list[str], steps: int, layers: int, profile: list[str], profile_steps: int) -> dict:
     rank = dist.get_rank()
     runners = {v: build(v, layers) for v in variants}
-    first = {v: _timed(runners[v], *batch(layers, seed=rank))[-1] for v in variants}  # captures happen here
-    second = {v: _timed(runners[v], *batch(layers, seed=7 + rank))[-1] for v in variants}
+    first = {v: _timed(runners[v], *batch(layers, seed=rank))[3] for v in variants}  # captures happen here
+    second = {v: _timed(runners[v], *batch(layers, seed=7 + rank))[3] for v in variants}
     phases: dict[str, list[list[float]]] = {v: [] for v in variants}
     for it in range(steps):
         k = it % len(variants)
         x, y = batch(layers, seed=1000 * it + rank)
         for v in variants[k:] + variants[:k]:  # rotate so no variant always runs first
             phases[v].append(_timed(runners[v], x, y))
-    profiles = {v: _profile(runners[v], layers) for v in profile}
+    profiles = {v: _profile(runners[v], layers, profile_steps) for v in profile}
     graph = {v: r.engine.graph_stats() for v, r in runners.items() if r.engine is not None and r.engine.graph_stats()}
     return {
         "phases": phases,
@@ -186,13 +195,13 @@ _COMM_WORDS = ("wait", "c10d", "gloo", "all_gather", "allgather", "reduce_scatte
                "all_reduce", "barrier", "nccl")  # fmt: skip
 
 
-def _profile(runner: Runner, layers: int) -> dict[str, Any]:
-    """One step under torch.profiler. Self CPU time summed per kind of operator on this rank's threads:
-    ``comm`` (blocked in or issuing collectives), ``aten`` (other ATen operators: the compute), ``other``
-    (recorded scopes' own time: autograd and compiled-graph wrappers); ``unrecorded`` is the wall time of the
-    step less the main thread's recorded self time (Python between operators; negative when other threads'
-    records, gloo's or autograd's, overlap the main thread). For shardtrain engines it also returns the time the
-    engine measured blocked in its own (eager) collectives, which is inside ``unrecorded`` or ``other``."""
+def _profile(runner: Runner, layers: int, steps: int) -> dict[str, Any]:
+    """``steps`` steps under torch.profiler, every number per step. Self CPU time summed per kind of operator on
+    this rank's threads: ``comm`` (blocked in or issuing collectives), ``aten`` (other ATen operators: the
+    compute), ``other`` (recorded scopes' own time: autograd and compiled-graph wrappers); ``unrecorded`` is the
+    wall time of the step less the recorded self time (Python between operators; negative when other threads'
+    records, gloo's or autograd's, overlap the main thread's). For shardtrain engines it also returns the time the
+    engine measured blocked in its own (eager) collectives, which the ``c10d::`` ops of ``comm`` mostly cover."""
     from torch.profiler import ProfilerActivity, profile
 
     x, y = batch(layers, seed=99 + dist.get_rank())
@@ -201,19 +210,21 @@ def _profile(runner: Runner, layers: int) -> dict[str, Any]:
     dist.barrier()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         t0 = time.perf_counter()
-        runner.step(x, y, [])
+        for _ in range(steps):
+            runner.step(x, y, [])
         wall = time.perf_counter() - t0
     # eager shardtrain collectives: the time the engine blocked on them (waits on gloo work are not profiler ops);
     # graph collectives are not counted there (see [Note: collectives in graphs]): their waits are wait_tensor ops
-    engine_wait = sum(runner.engine.comm.wait_seconds().values()) if runner.engine is not None else None
+    engine_wait = sum(runner.engine.comm.wait_seconds().values()) / steps if runner.engine is not None else None
+    wall /= steps
     kinds = {"comm": 0.0, "aten": 0.0, "other": 0.0}
     top = []
     for e in prof.key_averages():
-        seconds = e.self_cpu_time_total / 1e6
+        seconds = e.self_cpu_time_total / 1e6 / steps
         name = e.key.lower()
         kind = "comm" if any(w in name for w in _COMM_WORDS) else "aten" if name.startswith("aten::") else "other"
         kinds[kind] += seconds
-        top.append((seconds, e.key, e.count))
+        top.append((seconds, e.key, e.count // steps))
     top.sort(reverse=True)
     unrecorded = wall - sum(kinds.values())
     return {"wall": wall, **kinds, "unrecorded": unrecorded, "engine_wait": engine_wait, "top": top[:12]}
@@ -239,7 +250,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="timed steps per variant")
     parser.add_argument("--layers", type=int, default=11)
     parser.add_argument("--no-rss", action="store_true", help="skip the fresh-process peak RSS runs")
-    parser.add_argument("--profile", default="", help="comma-separated variants to profile for one step on rank 0")
+    parser.add_argument("--profile", default="", help="comma-separated variants to profile on rank 0")
+    parser.add_argument("--profile-steps", type=int, default=3, help="steps per profiled variant")
     args = parser.parse_args()
     variants = args.variants.split(",")
     profile = [v for v in args.profile.split(",") if v]
@@ -250,16 +262,19 @@ def main() -> None:
     print(f"# machine: {platform.machine()}, {torch.get_num_threads()} cores, torch {torch.__version__}")
     print(f"# command: python {' '.join(sys.argv)}", flush=True)
     started = time.perf_counter()
-    result = run_distributed(timing_body, 2, variants, args.steps, args.layers, profile, timeout=3600, threads=1)[0]
+    result = run_distributed(
+        timing_body, 2, variants, args.steps, args.layers, profile, args.profile_steps, timeout=3600, threads=1
+    )[0]
     rss = {}
     if not args.no_rss:
         rss = {v: max(run_distributed(rss_body, 2, v, 3, args.layers, timeout=1800, threads=1)) for v in variants}
-    times = {v: [p[-1] for p in ps] for v, ps in result["phases"].items()}
+    times = {v: [p[3] for p in ps] for v, ps in result["phases"].items()}
+    cpus = {v: [p[4] for p in ps] for v, ps in result["phases"].items()}
     med = {v: statistics.median(t) for v, t in times.items()}
     refs = [r for r in REFERENCES if r in med]
     cols = "".join(f" {'/ ' + r:>8}" for r in refs)
     print(
-        f"\n{'variant':16} {'median step [q1-q3]':>22}{cols} {'fwd':>6} {'bwd':>6} {'opt':>6} {'capture':>8}"
+        f"\n{'variant':16} {'median step [q1-q3]':>22}{cols} {'fwd':>6} {'bwd':>6} {'opt':>6} {'CPU':>6} {'capture':>8}"
         f" {'RSS/rank':>9} {'gathers':>7}  captures/reuses"
     )
     for v in variants:
@@ -272,24 +287,27 @@ def main() -> None:
         g = result["graph"].get(v)
         counts = f"{g['captures']}/{g['reuses']}" if g else "-"
         print(
-            f"{v:16} {spread:>22}{ratios} {fwd:4.0f}ms {bwd:4.0f}ms {opt:4.0f}ms {capture} {mem}"
+            f"{v:16} {spread:>22}{ratios} {fwd:4.0f}ms {bwd:4.0f}ms {opt:4.0f}ms {statistics.median(cpus[v]):5.2f}s"
+            f" {capture} {mem}"
             f" {result['gathers'][v]:>7}  {counts}"
         )
-    print("\npaired ratios, median [q1-q3] of per-iteration ratios:")
-    print(f"{'variant':16}" + "".join(f" {'/ ' + r:>21}" for r in refs))
-    for v in variants:
-        cells = []
-        for r in refs:
-            q1, q2, q3 = _quartiles([a / b for a, b in zip(times[v], times[r])])
-            cells.append(f" {f'{q2:.3f} [{q1:.3f}-{q3:.3f}]':>21}")
-        print(f"{v:16}" + "".join(cells))
+    for what, values in (("step time", times), ("CPU time", cpus)):
+        print(f"\npaired {what} ratios, median [q1-q3] of per-iteration ratios:")
+        print(f"{'variant':16}" + "".join(f" {'/ ' + r:>21}" for r in refs))
+        for v in variants:
+            cells = []
+            for r in refs:
+                q1, q2, q3 = _quartiles([a / b for a, b in zip(values[v], values[r])])
+                cells.append(f" {f'{q2:.3f} [{q1:.3f}-{q3:.3f}]':>21}")
+            print(f"{v:16}" + "".join(cells))
     for v, g in result["graph"].items():
         if g["collectives"] or g["fallbacks"] or g["guard_recaptures"]:
             print(f"{v}: {g['collectives']}, fallbacks {g['fallbacks']}, guard re-captures {g['guard_recaptures']}")
     for v, p in result["profiles"].items():
         print(
-            f"\n## profile {v} (rank 0, one step): wall {p['wall'] * 1000:.0f} ms = comm {p['comm'] * 1000:.0f} ms"
-            f" + aten {p['aten'] * 1000:.0f} ms + other recorded {p['other'] * 1000:.0f} ms"
+            f"\n## profile {v} (rank 0, per step of {args.profile_steps}): wall {p['wall'] * 1000:.0f} ms"
+            f" = comm {p['comm'] * 1000:.0f} ms + aten {p['aten'] * 1000:.0f} ms"
+            f" + other recorded {p['other'] * 1000:.0f} ms"
             f" + unrecorded {p['unrecorded'] * 1000:.0f} ms"
             + (f"; engine blocked in its collectives {p['engine_wait'] * 1000:.0f} ms" if p["engine_wait"] else "")
         )
