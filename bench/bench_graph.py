@@ -9,11 +9,11 @@ Every rank builds the same GPT (the model of bench/bench_zero.py: vocab 8192, d_
 embeddings, micro-batch 8 per rank), fp32 AdamW (lr 1e-4) and gradient clipping 1.0 once per variant, and runs
 it once (graph variants capture here) and once more; the capture time is the first step minus the second. Then
 each iteration runs one training step of each variant in a rotating order, all on the same batch; a step's time
-(and each phase's) is the slowest rank's. The default ``--variants`` is the whole comparison of issue 12 (about
-8 minutes on the 2-core machine with Inductor's cache warm; a cold Inductor cache adds a few minutes).
+(and each phase's) is the slowest rank's. The default ``--variants`` is the whole comparison of issue 12 (on the
+loaded 2-core machine about 9 minutes at 8 steps, 10 at 16, peak-RSS processes included).
 
 Variants: ``ddp`` (torch DistributedDataParallel); ``fsdp2`` (torch ``fully_shard`` on every block and the root,
-its defaults: parameters resharded after forward, gathered again in backward, one block prefetched); ``stageN``
+its defaults: parameters resharded after forward and gathered again in backward); ``stageN``
 (shardtrain eager, ZeRO stage N); ``stageN:graph`` (captured, graphs run as traced: ``aot_eager``);
 ``stageN:inductor`` (captured and compiled by Inductor). Every stage-3 variant runs with
 ``stage3_param_persistence_threshold: 0`` (every parameter in a unit, gathered and reduce-scattered with it, as
@@ -41,8 +41,8 @@ load changes during a run).
 
 ``--profile V1,V2``: after the timed loop, ``--profile-steps`` (3) more steps of each named variant under
 ``torch.profiler`` on rank 0; prints where the time of a step went: in collectives (``wait_tensor`` of graph
-collectives, the ``c10d::`` ops of eager ones, FSDP2's scopes), ATen compute, other recorded ops, and the wall time
-no operator accounts for (Python), then the operators with the most self time.
+collectives, the ``c10d::`` ops of eager ones, FSDP2's all-gather scopes), ATen compute, other recorded ops, and
+the wall time no operator accounts for (Python), then the operators with the most self time.
 """
 
 from __future__ import annotations
