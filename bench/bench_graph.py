@@ -1,25 +1,62 @@
-"""Graph mode against eager mode at world 2, steps interleaved so ratios survive a noisy machine.
+"""Graph mode against eager mode, DDP and FSDP2 at world 2 (ZeRO-2 and ZeRO-3), steps interleaved so ratios
+survive a noisy machine.
 
-    python bench/bench_graph.py [--variants ddp,stage2,stage2:graph,stage2:inductor] [--steps 8] [--layers 11]
+    python bench/bench_graph.py [--steps 8] [--layers 11] [--variants ddp,fsdp2,stage2,...] [--no-rss]
+    python bench/bench_graph.py --variants ddp,stage3,stage3:graph --profile stage3,stage3:graph
+    TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 python bench/bench_graph.py   # cold Inductor: every pass runs, slow capture
 
 Every rank builds the same GPT (the model of bench/bench_zero.py: vocab 8192, d_model 256, sequence 128, tied
-embeddings, micro-batch 8 per rank) once per variant and captures it at its first step; the capture time (first
-step minus a later step) is reported separately. Then each iteration runs one training step of each variant in a
-rotating order; a step's time is the slowest rank's. Prints the median step time, its ratio to DDP and to eager
-ZeRO-2, and the peak RSS per rank measured in a fresh pair of processes per variant.
+embeddings, micro-batch 8 per rank), fp32 AdamW (lr 1e-4) and gradient clipping 1.0 once per variant, and runs
+it once (graph variants capture here) and once more; the capture time is the first step minus the second. Then
+each iteration runs one training step of each variant in a rotating order, all on the same batch; a step's time
+(and each phase's) is the slowest rank's. The default ``--variants`` is the whole comparison of issue 12 (on the
+loaded 2-core machine about 9 minutes at 8 steps, 10 at 16, peak-RSS processes included).
 
-Variants: ``ddp``; ``stageN`` (eager); ``stageN:graph`` (captured, graphs run as traced); ``stageN:inductor``
-(captured and compiled by Inductor).
+Variants: ``ddp`` (torch DistributedDataParallel); ``fsdp2`` (torch ``fully_shard`` on every block and the root,
+its defaults: parameters resharded after forward and gathered again in backward); ``stageN``
+(shardtrain eager, ZeRO stage N); ``stageN:graph`` (captured, graphs run as traced: ``aot_eager``);
+``stageN:inductor`` (captured and compiled by Inductor). Every stage-3 variant runs with
+``stage3_param_persistence_threshold: 0`` (every parameter in a unit, gathered and reduce-scattered with it, as
+FSDP2 does): with the default threshold graph mode at stage 3 fails at the first backward ("gradient of
+'blocks.0.attn.qkv.bias' computed outside engine.backward()": persistent parameters' gradients go through the
+eager reducer's hooks, which graph mode's backward does not arm), and eager ZeRO-3 gets the same layout so that
+the comparison is of the same work.
+
+Columns of the table:
+* ``median step [q1-q3]``: median step time over the timed iterations, with its quartiles.
+* ``/ ddp``, ``/ fsdp2``, ``/ stage2``, ``/ stage3`` (each when that variant runs): ratio of median step times.
+* ``fwd``, ``bwd``, ``opt``: median forward, backward (including the reductions it waits for and, in graph mode,
+  the re-gathers), and optimizer step (norm, clipping, AdamW, and at ZeRO-1/2 the all-gather of updated shards).
+* ``CPU``: median CPU seconds of a step, both ranks' processes summed (all threads; gloo does not spin while it
+  waits, so this is work done, much less disturbed by other jobs on the machine than wall time).
+* ``capture``: first step minus second step (graph variants; Inductor's on-disk cache makes it vary).
+* ``RSS/rank``: peak RSS of the larger rank in a fresh pair of processes running 3 steps of that variant alone.
+* ``gathers``: ZeRO-3 units gathered at once at the worst point: ``graph_stats()["most_gathered"]`` for graph
+  variants (the schedule pass's count; ``?`` when Inductor's cache served the compiled graph and the pass did
+  not run), ``engine._units.max_gathered`` for eager ZeRO-3; ``-`` where nothing is gathered per unit.
+* ``captures/reuses``: the graph cache's counts.
+Two more tables give the paired ratios of step time and of CPU time: the median, with quartiles, of per-iteration
+ratios to each reference's step of the same iteration (steadier than the ratio of medians when the machine's
+load changes during a run).
+
+``--profile V1,V2``: after the timed loop, ``--profile-steps`` (3) more steps of each named variant under
+``torch.profiler`` on rank 0; prints where the time of a step went: in collectives (``wait_tensor`` of graph
+collectives, the ``c10d::`` ops of eager ones, FSDP2's all-gather scopes), ATen compute, other recorded ops, and
+the wall time no operator accounts for (Python), then the operators with the most self time.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import platform
 import resource
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,41 +67,72 @@ from shardtrain.models.gpt import GPT, GPTConfig, num_parameters
 from shardtrain.testing import run_distributed
 
 MICRO_BATCH = 8
+ALL_VARIANTS = "ddp,fsdp2,stage2,stage2:graph,stage2:inductor,stage3,stage3:graph,stage3:inductor"
+REFERENCES = ("ddp", "fsdp2", "stage2", "stage3")
 
 
 def gpt_config(layers: int) -> GPTConfig:
     return GPTConfig(vocab_size=8192, seq_len=128, d_model=256, n_layer=layers, n_head=8, tie_embeddings=True)
 
 
-def build(variant: str, layers: int):
+@dataclass
+class Runner:
+    """One variant: ``step(x, y, marks)`` runs a training step and appends ``time.perf_counter()`` after forward
+    and after backward; ``engine`` is the shardtrain engine (None for DDP and FSDP2)."""
+
+    step: Callable[[torch.Tensor, torch.Tensor, list[float]], None]
+    engine: Any = None
+
+
+def build(variant: str, layers: int) -> Runner:
     torch.manual_seed(0)
     model = GPT(gpt_config(layers))
-    if variant == "ddp":
-        ddp = DistributedDataParallel(model)
-        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
+    if variant in ("ddp", "fsdp2"):
+        if variant == "ddp":
+            model = DistributedDataParallel(model)
+        else:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
 
-        def ddp_step(x, y):
-            ddp(x, y).backward()
-            torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
+            mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+            for block in model.blocks:
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+        def torch_step(x, y, marks):
+            loss = model(x, y)
+            marks.append(time.perf_counter())
+            loss.backward()
+            marks.append(time.perf_counter())
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
-            opt.zero_grad(set_to_none=False)
+            opt.zero_grad()
 
-        return ddp_step, None
+        return Runner(torch_step)
     stage, _, mode = variant.partition(":")
+    if not stage.startswith("stage") or mode not in ("", "graph", "inductor"):
+        raise SystemExit(f"unknown variant {variant!r}: use ddp, fsdp2, stageN, stageN:graph or stageN:inductor")
     config = {
         "train_micro_batch_size_per_gpu": MICRO_BATCH,
         "gradient_clipping": 1.0,
+        # DDP's default bucket is 25 MB; ours is counted in elements
         "zero_optimization": {"stage": int(stage.removeprefix("stage")), "reduce_bucket_size": 25_000_000 // 4},
     }
+    if stage == "stage3":  # every parameter in a unit, in eager and graph mode alike (see the module docstring)
+        config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     if mode:
         config["graph"] = {"enabled": True, "compiler": "inductor" if mode == "inductor" else "aot_eager"}
     engine = shardtrain.initialize(model, config=config, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4))
 
-    def engine_step(x, y):
-        engine.backward(engine(x, y))
+    def engine_step(x, y, marks):
+        loss = engine(x, y)
+        marks.append(time.perf_counter())
+        engine.backward(loss)
+        marks.append(time.perf_counter())
         engine.step()
 
-    return engine_step, engine
+    return Runner(engine_step, engine)
 
 
 def batch(layers: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,65 +142,178 @@ def batch(layers: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.roll(x, -1, 1)
 
 
-def _timed(step, x, y) -> float:
+def _timed(runner: Runner, x: torch.Tensor, y: torch.Tensor) -> list[float]:
+    """[forward, backward, optimizer step, whole step] as the slowest rank saw each, then the CPU seconds of the
+    step summed over the ranks (every thread, gloo's included; a rank blocked in a gloo collective does not spin,
+    so this is the work done, which other jobs on the machine disturb much less than wall time)."""
     dist.barrier()
-    t0 = time.perf_counter()
-    step(x, y)
-    elapsed = torch.tensor(time.perf_counter() - t0)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step ends when the slowest rank ends
-    return float(elapsed)
+    cpu0 = time.process_time()
+    marks = [time.perf_counter()]
+    runner.step(x, y, marks)
+    marks.append(time.perf_counter())
+    cpu = torch.tensor([time.process_time() - cpu0], dtype=torch.float64)
+    spans = torch.tensor([b - a for a, b in itertools.pairwise(marks)] + [marks[-1] - marks[0]], dtype=torch.float64)
+    dist.all_reduce(spans, op=dist.ReduceOp.MAX)  # a step ends when the slowest rank ends
+    dist.all_reduce(cpu)
+    return spans.tolist() + cpu.tolist()
 
 
-def timing_body(variants: list[str], steps: int, layers: int) -> dict:
+def gathers_in_flight(variant: str, runner: Runner) -> str:
+    """See the module docstring's ``gathers`` column."""
+    engine = runner.engine
+    if engine is None or engine._units is None:
+        return "-"
+    stats = engine.graph_stats()
+    if stats is None:
+        return str(engine._units.max_gathered)
+    return str(stats["most_gathered"]) if stats["collectives"] else "?"
+
+
+def timing_body(variants: list[str], steps: int, layers: int, profile: list[str], profile_steps: int) -> dict:
     rank = dist.get_rank()
     runners = {v: build(v, layers) for v in variants}
-    first = {v: _timed(runners[v][0], *batch(layers, seed=rank)) for v in variants}  # captures happen here
-    second = {v: _timed(runners[v][0], *batch(layers, seed=7 + rank)) for v in variants}
-    times: dict[str, list[float]] = {v: [] for v in variants}
+    first = {v: _timed(runners[v], *batch(layers, seed=rank))[3] for v in variants}  # captures happen here
+    second = {v: _timed(runners[v], *batch(layers, seed=7 + rank))[3] for v in variants}
+    phases: dict[str, list[list[float]]] = {v: [] for v in variants}
     for it in range(steps):
         k = it % len(variants)
         x, y = batch(layers, seed=1000 * it + rank)
         for v in variants[k:] + variants[:k]:  # rotate so no variant always runs first
-            times[v].append(_timed(runners[v][0], x, y))
-    stats = {v: e.graph_stats() for v, (_, e) in runners.items() if e is not None and e.graph_stats() is not None}
-    return {"times": times, "capture": {v: first[v] - second[v] for v in variants}, "graph": stats}
+            phases[v].append(_timed(runners[v], x, y))
+    profiles = {v: _profile(runners[v], layers, profile_steps) for v in profile}
+    graph = {v: r.engine.graph_stats() for v, r in runners.items() if r.engine is not None and r.engine.graph_stats()}
+    return {
+        "phases": phases,
+        "capture": {v: first[v] - second[v] for v in variants},
+        "graph": graph,
+        "gathers": {v: gathers_in_flight(v, r) for v, r in runners.items()},
+        "profiles": profiles,
+    }
+
+
+_COMM_WORDS = ("wait", "c10d", "gloo", "all_gather", "allgather", "reduce_scatter", "all_to_all", "allreduce",
+               "all_reduce", "barrier", "nccl")  # fmt: skip
+
+
+def _profile(runner: Runner, layers: int, steps: int) -> dict[str, Any]:
+    """``steps`` steps under torch.profiler, every number per step. Self CPU time summed per kind of operator on
+    this rank's threads: ``comm`` (blocked in or issuing collectives), ``aten`` (other ATen operators: the
+    compute), ``other`` (recorded scopes' own time: autograd and compiled-graph wrappers); ``unrecorded`` is the
+    wall time of the step less the recorded self time (Python between operators; negative when other threads'
+    records, gloo's or autograd's, overlap the main thread's). For shardtrain engines it also returns the time the
+    engine measured blocked in its own (eager) collectives, which the ``c10d::`` ops of ``comm`` mostly cover."""
+    from torch.profiler import ProfilerActivity, profile
+
+    x, y = batch(layers, seed=99 + dist.get_rank())
+    if runner.engine is not None:
+        runner.engine.comm.reset_wait_seconds()
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            runner.step(x, y, [])
+        wall = time.perf_counter() - t0
+    # eager shardtrain collectives: the time the engine blocked on them (waits on gloo work are not profiler ops);
+    # graph collectives are not counted there (see [Note: collectives in graphs]): their waits are wait_tensor ops
+    engine_wait = sum(runner.engine.comm.wait_seconds().values()) / steps if runner.engine is not None else None
+    wall /= steps
+    kinds = {"comm": 0.0, "aten": 0.0, "other": 0.0}
+    top = []
+    for e in prof.key_averages():
+        seconds = e.self_cpu_time_total / 1e6 / steps
+        name = e.key.lower()
+        kind = "comm" if any(w in name for w in _COMM_WORDS) else "aten" if name.startswith("aten::") else "other"
+        kinds[kind] += seconds
+        top.append((seconds, e.key, e.count // steps))
+    top.sort(reverse=True)
+    unrecorded = wall - sum(kinds.values())
+    return {"wall": wall, **kinds, "unrecorded": unrecorded, "engine_wait": engine_wait, "top": top[:12]}
 
 
 def rss_body(variant: str, steps: int, layers: int) -> int:
-    step, _ = build(variant, layers)
+    runner = build(variant, layers)
     for i in range(steps):
-        step(*batch(layers, seed=i))
+        runner.step(*batch(layers, seed=i), [])
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _quartiles(values: list[float]) -> tuple[float, float, float]:
+    if len(values) < 2:
+        return values[0], values[0], values[0]
+    q1, q2, q3 = statistics.quantiles(values, n=4)
+    return q1, q2, q3
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variants", default="ddp,stage2,stage2:graph,stage2:inductor", help="comma-separated")
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--variants", default=ALL_VARIANTS, help="comma-separated")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per variant")
     parser.add_argument("--layers", type=int, default=11)
     parser.add_argument("--no-rss", action="store_true", help="skip the fresh-process peak RSS runs")
+    parser.add_argument("--profile", default="", help="comma-separated variants to profile on rank 0")
+    parser.add_argument("--profile-steps", type=int, default=3, help="steps per profiled variant")
     args = parser.parse_args()
     variants = args.variants.split(",")
+    profile = [v for v in args.profile.split(",") if v]
+    if unknown := [v for v in profile if v not in variants]:
+        raise SystemExit(f"--profile names variants not in --variants: {', '.join(unknown)}")
     n = num_parameters(GPT(gpt_config(args.layers)))
     print(f"# bench_graph: {n / 1e6:.1f}M-parameter GPT, fp32 AdamW, world 2 (gloo, 1 thread/rank), micro-batch 8x128")
     print(f"# machine: {platform.machine()}, {torch.get_num_threads()} cores, torch {torch.__version__}")
-    print(f"# command: python {' '.join(sys.argv)}")
-    result = run_distributed(timing_body, 2, variants, args.steps, args.layers, timeout=3600, threads=1)[0]
+    print(f"# command: python {' '.join(sys.argv)}", flush=True)
+    started = time.perf_counter()
+    result = run_distributed(
+        timing_body, 2, variants, args.steps, args.layers, profile, args.profile_steps, timeout=3600, threads=1
+    )[0]
     rss = {}
     if not args.no_rss:
         rss = {v: max(run_distributed(rss_body, 2, v, 3, args.layers, timeout=1800, threads=1)) for v in variants}
-    med = {v: statistics.median(t) for v, t in result["times"].items()}
-    ref = {name: med[name] for name in ("ddp", "stage2") if name in med}
-    cols = "".join(f" {'/ ' + name:>10}" for name in ref)
-    print(f"\n{'variant':16} {'median step':>12}{cols} {'capture':>9} {'peak RSS/rank':>14}  captures/reuses")
+    times = {v: [p[3] for p in ps] for v, ps in result["phases"].items()}
+    cpus = {v: [p[4] for p in ps] for v, ps in result["phases"].items()}
+    med = {v: statistics.median(t) for v, t in times.items()}
+    refs = [r for r in REFERENCES if r in med]
+    cols = "".join(f" {'/ ' + r:>8}" for r in refs)
+    print(
+        f"\n{'variant':16} {'median step [q1-q3]':>22}{cols} {'fwd':>6} {'bwd':>6} {'opt':>6} {'CPU':>6} {'capture':>8}"
+        f" {'RSS/rank':>9} {'gathers':>7}  captures/reuses"
+    )
     for v in variants:
-        q1, _, q3 = statistics.quantiles(result["times"][v], n=4)
-        ratios = "".join(f" {med[v] / r:9.3f}x" for r in ref.values())
-        capture = f"{result['capture'][v]:8.1f}s" if ":" in v else f"{'-':>9}"
-        mem = f"{rss[v] / 2**20:10.0f} MiB" if rss else f"{'-':>14}"
+        q1, _, q3 = _quartiles(times[v])
+        spread = f"{med[v] * 1000:.0f}ms [{q1 * 1000:.0f}-{q3 * 1000:.0f}]"
+        ratios = "".join(f" {med[v] / med[r]:7.3f}x" for r in refs)
+        fwd, bwd, opt = (statistics.median(p[i] for p in result["phases"][v]) * 1000 for i in range(3))
+        capture = f"{result['capture'][v]:7.1f}s" if ":" in v else f"{'-':>8}"
+        mem = f"{rss[v] / 2**20:5.0f} MiB" if rss else f"{'-':>9}"
         g = result["graph"].get(v)
         counts = f"{g['captures']}/{g['reuses']}" if g else "-"
-        print(f"{v:16} {med[v] * 1000:8.0f}ms [{q1 * 1000:.0f}-{q3 * 1000:.0f}]{ratios} {capture} {mem}  {counts}")
+        print(
+            f"{v:16} {spread:>22}{ratios} {fwd:4.0f}ms {bwd:4.0f}ms {opt:4.0f}ms {statistics.median(cpus[v]):5.2f}s"
+            f" {capture} {mem}"
+            f" {result['gathers'][v]:>7}  {counts}"
+        )
+    for what, values in (("step time", times), ("CPU time", cpus)):
+        print(f"\npaired {what} ratios, median [q1-q3] of per-iteration ratios:")
+        print(f"{'variant':16}" + "".join(f" {'/ ' + r:>21}" for r in refs))
+        for v in variants:
+            cells = []
+            for r in refs:
+                q1, q2, q3 = _quartiles([a / b for a, b in zip(values[v], values[r])])
+                cells.append(f" {f'{q2:.3f} [{q1:.3f}-{q3:.3f}]':>21}")
+            print(f"{v:16}" + "".join(cells))
+    for v, g in result["graph"].items():
+        if g["collectives"] or g["fallbacks"] or g["guard_recaptures"]:
+            print(f"{v}: {g['collectives']}, fallbacks {g['fallbacks']}, guard re-captures {g['guard_recaptures']}")
+    for v, p in result["profiles"].items():
+        print(
+            f"\n## profile {v} (rank 0, per step of {args.profile_steps}): wall {p['wall'] * 1000:.0f} ms"
+            f" = comm {p['comm'] * 1000:.0f} ms + aten {p['aten'] * 1000:.0f} ms"
+            f" + other recorded {p['other'] * 1000:.0f} ms"
+            f" + unrecorded {p['unrecorded'] * 1000:.0f} ms"
+            + (f"; engine blocked in its collectives {p['engine_wait'] * 1000:.0f} ms" if p["engine_wait"] else "")
+        )
+        for seconds, key, count in p["top"]:
+            print(f"  {seconds * 1000:8.1f} ms  {count:5d}x  {key}")
+    print(f"\n# total {time.perf_counter() - started:.0f} s")
 
 
 if __name__ == "__main__":
