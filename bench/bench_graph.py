@@ -56,9 +56,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 import shardtrain
+from bench_zero import torch_baseline
 from shardtrain.models.gpt import GPT, GPTConfig, num_parameters
 from shardtrain.testing import run_distributed
 
@@ -84,28 +84,7 @@ def build(variant: str, layers: int) -> Runner:
     torch.manual_seed(0)
     model = GPT(gpt_config(layers))
     if variant in ("ddp", "fsdp2"):
-        if variant == "ddp":
-            model = DistributedDataParallel(model)
-        else:
-            from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import fully_shard
-
-            mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-            for block in model.blocks:
-                fully_shard(block, mesh=mesh)
-            fully_shard(model, mesh=mesh)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-        def torch_step(x, y, marks):
-            loss = model(x, y)
-            marks.append(time.perf_counter())
-            loss.backward()
-            marks.append(time.perf_counter())
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad()
-
-        return Runner(torch_step)
+        return Runner(torch_baseline(variant, model)[0])
     stage, _, mode = variant.partition(":")
     if not stage.startswith("stage") or mode not in ("", "graph", "inductor"):
         raise SystemExit(f"unknown variant {variant!r}: use ddp, fsdp2, stageN, stageN:graph or stageN:inductor")

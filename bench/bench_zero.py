@@ -62,46 +62,42 @@ def make_shape(name: str, layers: int) -> Shape:
     raise SystemExit(f"unknown --shape {name!r}: use bench or gpt2-10m")
 
 
-def build(variant: str, shape: Shape):
-    """Returns (step function, engine or None, the callable computing the loss) for one variant. A step
-    function takes (x, y, marks) and appends ``time.perf_counter()`` to ``marks`` after forward and after
-    backward."""
-    torch.manual_seed(0)
-    model = GPT(shape.gpt)
+def torch_baseline(variant: str, model: torch.nn.Module):
+    """``ddp`` (DistributedDataParallel) or ``fsdp2`` (``fully_shard`` on every block and the root, its defaults)
+    around ``model``, with AdamW and gradient clipping 1.0: (step function as in :func:`build`, wrapped module)."""
     if variant == "ddp":
-        ddp = DistributedDataParallel(model)
-        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
-
-        def ddp_step(x, y, marks):
-            loss = ddp(x, y)
-            marks.append(time.perf_counter())
-            loss.backward()
-            marks.append(time.perf_counter())
-            torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=False)
-
-        return ddp_step, None, ddp
-    if variant == "fsdp2":
+        wrapped = DistributedDataParallel(model)
+    else:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        wrapped = fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-4)
 
-        def fsdp_step(x, y, marks):
-            loss = model(x, y)
-            marks.append(time.perf_counter())
-            loss.backward()
-            marks.append(time.perf_counter())
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad()
+    def step(x, y, marks):
+        loss = wrapped(x, y)
+        marks.append(time.perf_counter())
+        loss.backward()
+        marks.append(time.perf_counter())
+        torch.nn.utils.clip_grad_norm_(wrapped.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=variant != "ddp")  # DDP keeps its bucket views
 
-        return fsdp_step, None, model
+    return step, wrapped
+
+
+def build(variant: str, shape: Shape):
+    """Returns (step function, engine or None, the callable computing the loss) for one variant. A step
+    function takes (x, y, marks) and appends ``time.perf_counter()`` to ``marks`` after forward and after
+    backward."""
+    torch.manual_seed(0)
+    model = GPT(shape.gpt)
+    if variant in ("ddp", "fsdp2"):
+        step, wrapped = torch_baseline(variant, model)
+        return step, None, wrapped
     name, *flags = variant.split(":")  # e.g. stage3:bf16, stage2:backend-rs
     config = {
         "train_micro_batch_size_per_gpu": shape.micro_batch,
