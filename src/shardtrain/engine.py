@@ -42,7 +42,6 @@ from shardtrain.zero.build import build_layout
 from shardtrain.zero.init import is_under_construction
 from shardtrain.zero.layout import ParamRecord, cast_bucket
 from shardtrain.zero.offload import (
-    OffloadError,
     ParamOffload,
     ScratchDir,
     build_optimizer_offload,
@@ -53,6 +52,7 @@ from shardtrain.zero.offload import (
 from shardtrain.zero.optimizer import ShardedOptimizer, TensorParallelNorm, check_optimizer, make_masters
 from shardtrain.zero.reducer import GradientReducer
 from shardtrain.zero.unit_runtime import ParameterUnits
+from shardtrain.zero.units import find_unit_modules
 from shardtrain.zero.weights import (
     Destination,
     load_safetensors,
@@ -101,8 +101,28 @@ class Engine:
             config, topology.dp
         )
         _check_ranks_agree(self.world_comm, module, config)
-        # swap directories are checked on every rank before the model is touched (see docs/offload.md)
+        # swap directories are checked on every rank before the model is touched (see docs/offload.md); a failure
+        # of the rest of the construction (a full disk, a peer lost) leaves none behind
         self._scratch = _prepare_offload(zcfg, topology, self.world_comm)
+        try:
+            self._build(module, config, topology, optimizer, lr_scheduler, tp_placements, tp_comm)
+        except BaseException:
+            for scratch in self._scratch.values():
+                scratch.remove()
+            raise
+
+    def _build(
+        self,
+        module: nn.Module,
+        config: Config,
+        topology: Topology,
+        optimizer: torch.optim.Optimizer,
+        lr_scheduler: LRScheduler | None,
+        tp_placements: Mapping[str, Any] | None,
+        tp_comm: Communicator | None,
+    ) -> None:
+        """The parts, in order: layout, ZeRO-3 units, precision, parameter offload, reducer, optimizer, graph."""
+        zcfg = config.zero_optimization
         # where every parameter lives (see [Note: the layout]); built before anything else touches the model
         self.layout = build_layout(module, zcfg, self.comm, tp_placements, tp=topology.tp, tp_rank=topology.tp_rank)
         self.policy = self.layout.policy
@@ -123,18 +143,13 @@ class Engine:
                 self._units.index_storages()
         self._param_offload: ParamOffload | None = None
         if zcfg.offload_param.device == "nvme" and self._units is not None:  # shards into mapped files
-            try:
-                self._param_offload = on_every_rank(
-                    self.world_comm,
-                    "parameter swap files",
-                    lambda: ParamOffload(
-                        self._units.units, self._scratch["offload_param"], topology.rank, zcfg.offload_param.max_in_cpu
-                    ),
-                )
-            except OffloadError:
-                for scratch in self._scratch.values():
-                    scratch.remove()
-                raise
+            self._param_offload = on_every_rank(
+                self.world_comm,
+                "parameter swap files",
+                lambda: ParamOffload(
+                    self._units.units, self._scratch["offload_param"], topology.rank, zcfg.offload_param.max_in_cpu
+                ),
+            )
             self._units.before_gather = self._param_offload.will_need
             self._units.after_gather = lambda unit: self._param_offload.done_with([unit])
         offload = zcfg.offload_optimizer
@@ -279,15 +294,9 @@ class Engine:
 
     def _graph_units(self) -> ShardedUnits | None:
         """ZeRO-3 in graph mode: the units as graph inputs; the eager gather hooks are removed (see [Note: ZeRO-3
-        as graph operations])."""
+        as graph operations]). What graph mode does not run at stage 3 was refused by :func:`_refuse_unbuilt`."""
         if not self.config.graph.enabled or self._units is None:
             return None
-        if self._param_offload is not None or self.tp_comm is not None:
-            raise ConfigError(
-                "graph.enabled with ZeRO stage 3: "
-                + ("offload_param to nvme" if self._param_offload is not None else "tensor parallelism")
-                + " does not run in graph mode yet; turn graph mode off, or use stage 0-2 with it"
-            )
         from shardtrain.graph.sharded import ShardedUnits  # imports TorchDynamo: only when graph mode is on
 
         self._units.remove_hooks()
@@ -595,6 +604,7 @@ def initialize(
     if topology.rank == 0:
         log.info("shardtrain config: %s", cfg.model_dump_json(exclude_unset=True))
     resolve_batch_sizes(cfg, topology.dp)  # fail on batch-size mistakes before touching the model
+    _refuse_unbuilt(cfg, topology, model)
     check_monitor_packages(cfg)  # an enabled tensorboard/wandb monitor without its package
     check_parameter_dtypes(model, policy_from_config(cfg))  # a bf16 model without a bf16 section, ...
     if cfg.seed is not None:
@@ -626,8 +636,9 @@ def initialize(
     return Engine(model, cfg, topology, opt, scheduler, placements, tp_comm)
 
 
-def _prepare_offload(zcfg: Any, topology: Topology, world: Communicator) -> dict[str, ScratchDir]:
-    """Each rank's swap directories (device ``nvme``), checked on every rank; refuses what is not built."""
+def _refuse_unbuilt(cfg: Config, topology: Topology, model: nn.Module) -> None:
+    """Combinations that are not built, refused before the model, its parameters or the disk are touched."""
+    zcfg = cfg.zero_optimization
     param = zcfg.offload_param
     if param.device != "none" and topology.device.type == "cuda":
         raise ConfigError(
@@ -635,6 +646,19 @@ def _prepare_offload(zcfg: Any, topology: Topology, world: Communicator) -> dict
             "offload_optimizer (optimizer state, and fp32 masters, in host memory or on disk) and set "
             "offload_param.device to 'none' (docs/offload.md)"
         )
+    if cfg.graph.enabled and zcfg.stage == 3 and (param.device == "nvme" or topology.tp > 1):
+        raise ConfigError(
+            "graph.enabled with ZeRO stage 3: "
+            + ("offload_param to nvme" if param.device == "nvme" else "tensor parallelism")
+            + " does not run in graph mode yet; turn graph mode off, or use stage 0-2 with it"
+        )
+    if zcfg.stage == 3 and zcfg.stage3_unit_classes:
+        find_unit_modules(model, zcfg.stage3_unit_classes)  # names the classes the model does not have
+
+
+def _prepare_offload(zcfg: Any, topology: Topology, world: Communicator) -> dict[str, ScratchDir]:
+    """Each rank's swap directories (device ``nvme``), checked on every rank."""
+    param = zcfg.offload_param
     scratch = {}
     if param.device == "nvme":
         scratch["offload_param"] = prepare_scratch(
