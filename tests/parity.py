@@ -100,7 +100,15 @@ def global_micro_batches(recipe: Recipe, world: int) -> list[tuple[torch.Tensor,
 
 
 def reference_run(recipe: Recipe, world: int) -> dict:
-    model = make_model(recipe)
+    """One process, the global batch: fp32 losses, grad norms and parameters, and the float64 run's parameters
+    (``exact``, see [Note: parity bounds])."""
+    ref = _reference(recipe, world, torch.float32)
+    ref["exact"] = _reference(recipe, world, torch.float64)["params"]
+    return ref
+
+
+def _reference(recipe: Recipe, world: int, dtype: torch.dtype) -> dict:
+    model = make_model(recipe).to(dtype)
     init = {k: v.clone() for k, v in model.state_dict().items()}
     opt = make_optimizer(model, recipe)
     batches = global_micro_batches(recipe, world)
@@ -175,10 +183,48 @@ def assert_parity(results: list[dict], ref: dict, loss_rtol: float = 1e-5, norm_
     for r in results:  # the norm is global: identical on every rank
         for s, (a, b) in enumerate(zip(r["norms"], ref["norms"])):
             assert abs(a - b) <= norm_rtol * abs(b), f"step {s}: grad norm {a} vs reference {b}"
-    final = results[0]["params"]
-    assert final.keys() == ref["params"].keys()
-    for k, want in ref["params"].items():
-        moved = (want - ref["init"][k]).abs().max().item()
-        err = (final[k] - want).abs().max().item()
-        # equal within a small fraction of how far the optimizer moved them (exactly equal if unmoved)
-        assert err <= 1e-3 * moved + 1e-7, f"{k}: max error {err:.3g} vs distance moved {moved:.3g}"
+    assert_params_near(results[0]["params"], ref["params"], ref["init"], exact=ref.get("exact"))
+
+
+PARAM_TOL = 1e-3
+EXACT_FACTOR = 4.0
+"""[Note: parity bounds] A distributed run sums gradients in another order than one process, so fp32 results differ
+by rounding, and an adaptive optimizer (Adam's ``m / sqrt(v)``) turns the rounding of a gradient that is zero in exact
+arithmetic (the key bias of attention: softmax ignores a constant added to every score) into full-size steps in a
+direction rounding chose. How far such a tensor lands from the reference is one machine's summation order (BLAS
+kernels, thread count), not the numerics: a bound on the largest element failed on another machine of the same kind.
+So each tensor passes if either
+- its error is at most ``PARAM_TOL`` of the L2 distance the reference moved it (every tensor whose gradient carries
+  signal), or
+- it is no farther from the exact result (the same training in float64) than ``EXACT_FACTOR`` times the one-process
+  fp32 reference is: the run is as accurate as single-process training, whatever rounding did.
+A wrongly scaled or missing gradient contribution moves a tensor away from both by a fraction of its distance moved
+comparable to 1, hundreds of times either bound (the SGD cases, which do not normalise gradients, show it best)."""
+
+
+def assert_params_near(
+    got: dict,
+    want: dict,
+    init: dict,
+    tol: float = PARAM_TOL,
+    exact: dict | None = None,
+    what: str = "",
+    require_moved: bool = False,
+) -> None:
+    """Every tensor of ``want`` (the fp32 reference) is in ``got``, within the bounds of [Note: parity bounds]
+    (``exact``: the float64 reference's tensors; without it only the first bound applies)."""
+    assert got.keys() == want.keys(), (sorted(got.keys() ^ want.keys()), what)
+    for k, w in want.items():
+        w, g = w.double(), got[k].double()
+        moved = (w - init[k].double()).norm().item()
+        assert moved > 0 or not require_moved, f"{what}{k} did not move in the reference: the check proves nothing"
+        err = (g - w).norm().item()
+        if err <= tol * moved + 1e-7:
+            continue
+        assert exact is not None, f"{what}{k}: error {err:.3g} vs distance moved {moved:.3g} (L2)"
+        fp32_err = (w - exact[k]).norm().item()
+        got_err = (g - exact[k]).norm().item()
+        assert got_err <= EXACT_FACTOR * fp32_err, (
+            f"{what}{k}: error {err:.3g} vs distance moved {moved:.3g} (L2), and {got_err:.3g} from the float64 run "
+            f"where one fp32 process is {fp32_err:.3g} from it"
+        )
