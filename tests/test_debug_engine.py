@@ -18,7 +18,7 @@ from parity import Recipe, global_micro_batches, make_model, make_optimizer
 RECIPE = Recipe(steps=3, gas=2, micro=2)
 
 
-def _train(stage: int, out_dir: str | None, start_step: int | None = None) -> dict:
+def _train(stage: int, out_dir: str | None, start_step: int | None = None, unsubscribe: bool = True) -> dict:
     """One engine run on this rank; with ``out_dir``, a StatisticsSubscriber records from ``start_step`` on."""
     import torch.distributed as dist
 
@@ -47,7 +47,7 @@ def _train(stage: int, out_dir: str | None, start_step: int | None = None) -> di
             engine.step()
             losses.append(loss.item())
         norms.append(engine.get_global_grad_norm())
-    if out_dir is not None:
+    if out_dir is not None and unsubscribe:
         manager.unsubscribe(engine)
     return {"losses": losses, "norms": norms, "params": engine.full_state_dict()}
 
@@ -105,3 +105,20 @@ def test_stage0_and_stage3_runs_agree_under_compare(tmp_path, capsys):
     assert code == 0, out
     assert "records compared: " in out and "over 3 step(s)" in out
     assert Path(tmp_path / "stage3" / "rank_1" / "step_000000.jsonl").exists()
+
+
+def _second_run_never_unsubscribed(out_root: str) -> None:
+    _train(2, f"{out_root}/unsubscribed")
+    # the worker then leaves with os._exit (multiprocessing): no atexit handler, no garbage collection runs
+    _train(2, f"{out_root}/never_unsubscribed", unsubscribe=False)
+
+
+def test_engine_records_are_on_disk_without_unsubscribe(tmp_path, capsys):
+    run_distributed(_second_run_never_unsubscribed, 2, str(tmp_path))
+    code = main(["compare", str(tmp_path / "unsubscribed"), str(tmp_path / "never_unsubscribed"), "--rtol", "0"])
+    out = capsys.readouterr().out
+    assert code == 0 and "only in" not in out and "over 3 step(s)" in out, out
+    for rank in range(2):  # the last step's last gradients (the embeddings', both micro-steps) on every rank
+        last = tmp_path / "never_unsubscribed" / f"rank_{rank}" / f"step_{RECIPE.steps - 1:06d}.jsonl"
+        records = [json.loads(line) for line in last.read_text().splitlines()]
+        assert [(r["dir"], r["call"]) for r in records if r["name"] == "tok"][-2:] == [("forward", 1), ("backward", 1)]

@@ -17,6 +17,12 @@ A record::
      "min": ..., "max": ..., "mean": ..., "std": ..., "norm": ...,
      "nan": 0, "inf": 0, "zero": 0, "pos": ..., "neg": ...}
 
+Records are never lost: each is handed to the operating system as soon as it is computed (the file is line
+buffered), so the files hold every record made up to the moment a run ends, however it ends: normally without
+``unsubscribe``, on an exception, killed (SIGKILL, the OOM killer) or from a ``multiprocessing`` worker that leaves
+with ``os._exit`` (no ``atexit`` handler runs there, so a flush at step boundaries or at exit would not be enough).
+One ``write`` per record costs about 1.5 us, against far more for its statistics.
+
 ``name`` is the module's qualified name (``""`` for the root) or the name given to ``inspect_activation``;
 ``output`` is the path of the tensor inside the module's outputs (``""`` for a bare tensor, ``[0]``, ``['logits']``).
 The statistics are defined in :mod:`shardtrain.debug.stats` (population std, finite values only).
@@ -28,6 +34,7 @@ import json
 import os
 import re
 import shutil
+import weakref
 from collections import defaultdict
 from pathlib import Path
 from typing import IO, Any
@@ -66,9 +73,11 @@ class StatisticsSubscriber(Subscriber):
     it (in a multi-rank run, only this rank's) and nothing else. In a multi-rank run other ranks create their
     ``rank_<r>`` directories beside this one at the same time, so there the check is: this rank's directory must
     not exist, and ``output_dir`` may hold nothing but ``rank_<r>`` directories. Build the subscriber after
-    ``init_process_group`` (or under ``torchrun``) so that the rank is known. Call :meth:`close`
-    (``SubscriberManager.unsubscribe`` does) or use it as a context manager so
-    the last file is flushed.
+    ``init_process_group`` (or under ``torchrun``) so that the rank is known.
+
+    Every record is on disk as soon as it is written (see the module docstring); :meth:`close`
+    (``SubscriberManager.unsubscribe`` calls it) only releases the open file, which also happens when the
+    subscriber is garbage-collected or the interpreter exits.
     """
 
     def __init__(
@@ -88,8 +97,9 @@ class StatisticsSubscriber(Subscriber):
         self.rank = current_rank()
         self.rank_dir = self.output_dir / rank_dir_name(self.rank)
         _prepare_dir(self.output_dir, self.rank_dir, override_output_dir)
-        self._file: IO[str] | None = None
-        self._file_step = -1
+        self._file = _StepFile()
+        # closes the file of a subscriber that is never unsubscribed: when it is collected, or at interpreter exit
+        self._finalizer = weakref.finalize(self, self._file.close)
         self._seq: dict[int, int] = defaultdict(int)
         self._calls: dict[int, dict[tuple[str, str, str], int]] = defaultdict(lambda: defaultdict(int))
 
@@ -108,10 +118,6 @@ class StatisticsSubscriber(Subscriber):
         if self.is_active(step):
             self._record(step, "backward", name, path, grad)
 
-    def post_root_forward(self, step: int, name: str, module: nn.Module, outputs: Any) -> None:
-        if self._file is not None:
-            self._file.flush()
-
     # -- files ---------------------------------------------------------------------------------------
     def _record(self, step: int, direction: str, name: str, path: str, tensor: torch.Tensor) -> None:
         key = (direction, name, path)
@@ -120,28 +126,39 @@ class StatisticsSubscriber(Subscriber):
         record.update(tensor_stats(tensor))
         calls[key] += 1
         self._seq[step] += 1
-        self._open(step).write(json.dumps(record) + "\n")
-
-    def _open(self, step: int) -> IO[str]:
-        if self._file is None or step != self._file_step:
-            self.close()
-            # append: a late backward may come back to a step whose file was already closed
-            self._file = open(self.rank_dir / step_file_name(step), "a", encoding="utf-8")  # noqa: SIM115
-            self._file_step = step
-        return self._file
+        self._file.write(self.rank_dir, step, json.dumps(record) + "\n")
 
     def close(self) -> None:
-        """Flush and close the open step file; recording may continue later (files are appended to)."""
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-            self._file_step = -1
+        """Close the open step file (every record is already on disk); recording may continue later (appended)."""
+        self._file.close()
 
     def __enter__(self) -> StatisticsSubscriber:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _StepFile:
+    """The one step file a subscriber has open. Apart from the subscriber, so that its finalizer can close it."""
+
+    def __init__(self) -> None:
+        self.file: IO[str] | None = None
+        self.step = -1
+
+    def write(self, rank_dir: Path, step: int, line: str) -> None:
+        if self.file is None or step != self.step:
+            self.close()
+            # append: a late backward may come back to a step whose file was already closed. Line buffered: each
+            # record reaches the operating system at once and survives any end of the process.
+            self.file = open(rank_dir / step_file_name(step), "a", encoding="utf-8", buffering=1)  # noqa: SIM115
+            self.step = step
+        self.file.write(line)
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file, self.step = None, -1
 
 
 def _prepare_dir(output_dir: Path, rank_dir: Path, override: bool) -> None:
