@@ -73,11 +73,11 @@ def test_deleted_file(ckpt):
 
 
 def test_corrupted_object_file(ckpt):
-    path = ckpt / TAG / "objects.pkl"
+    path = ckpt / TAG / "objects.safetensors"
     raw = bytearray(path.read_bytes())
     raw[len(raw) // 2] ^= 1
     path.write_bytes(bytes(raw))
-    with pytest.raises(CheckpointError, match=r"objects\.pkl: checksum mismatch"):
+    with pytest.raises(CheckpointError, match=r"objects\.safetensors: checksum mismatch"):
         open_checkpoint(ckpt).objects  # noqa: B018
     assert open_checkpoint(ckpt).manifest.objects["step"].value == 2  # inline objects do not depend on the file
 

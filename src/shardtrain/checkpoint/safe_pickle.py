@@ -106,9 +106,12 @@ def _storage_from_bytes(data: bytes) -> Any:
     try:
         return torch.load(io.BytesIO(data), weights_only=True)
     except pickle.UnpicklingError as err:  # torch's allow-list refused a global inside the storage bytes
-        first = next((line for line in str(err).splitlines() if "Unsupported" in line), str(err).splitlines()[0])
+        # torch's message opens with advice to retry with weights_only=False; keep only the line naming the global
+        lines = str(err).splitlines()
+        named = next((line for line in lines if "GLOBAL" in line or "Unsupported" in line), "")
         raise UnsafePickleError(
-            f"a pickled tensor's storage holds what torch.load(weights_only=True) refuses: {first}"
+            f"a pickled tensor's storage holds what torch.load(weights_only=True) refuses ({named.strip()}); nothing "
+            "from it was run"
         ) from None
 
 
