@@ -21,7 +21,9 @@ no optimizer state.
 Global objects: ``optimizer/param_groups`` (hyperparameters and parameter names per group),
 ``optimizer/state_kinds``, the scheduler and loss-scaler states, engine counters, the saving topology and
 ``client_state``; for a transformers model also ``hf/config`` and ``hf/generation_config`` (JSON text, see
-:mod:`shardtrain.hf_config`). Per rank: RNG states.
+:mod:`shardtrain.hf_config`). Per rank: RNG states. Objects are stored as JSON and safetensors, never pickled
+([Note: checkpoint objects] in ``checkpoint/objects.py``): ``client_state`` may hold plain data, tensors and numpy
+arrays, and anything else is refused when saving, naming where it sits.
 
 Loading reads, for each tensor, the elements this rank now needs (the whole parameter, a stage-3 fragment,
 the master fragment), whatever layout saved them, so a checkpoint taken at N ranks and stage s loads at M

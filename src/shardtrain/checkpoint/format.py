@@ -352,8 +352,8 @@ class FileEntry:
 @dataclass(frozen=True)
 class ObjectRecord:
     """A small non-tensor object ([Note: checkpoint objects] in ``objects.py``): inline JSON (``"json"``), a tagged
-    JSON tree whose tensors are in ``file``, a safetensors file (``"tagged"``; no file when it holds none), or, in
-    format version 1 only, a key in the pickle file ``file`` (``"pickle"``, read through an allow-list)."""
+    JSON tree whose tensors are in ``file``, a safetensors file (``"tagged"``; no file when it holds none), or a key
+    in the pickle file ``file`` (``"pickle"``: written only by format version 1, read through an allow-list)."""
 
     key: str
     encoding: str  # "json", "tagged" or "pickle"
