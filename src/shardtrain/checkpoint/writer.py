@@ -306,9 +306,8 @@ def save(
     ``pieces``: this rank's parts of logical tensors. ``rank_objects``: this rank's small objects (RNG states);
     ``global_objects``: objects shared by all ranks (only rank 0's are written). Objects may hold the types of
     [Note: checkpoint objects] (plain data, tensors, numpy arrays); anything else fails the save before any file
-    is written. ``aliases``: ``{alias: name}`` extra
-    names of a tensor (tied weights), given on rank 0. An existing tag is refused unless ``overwrite``. Returns when
-    the checkpoint is complete and ``latest`` names it. Pieces may live on any device; they are copied to host
+    is written. ``aliases``: ``{alias: name}`` extra names of a tensor (tied weights), given on rank 0. An existing
+    tag is refused unless ``overwrite``. Returns when the checkpoint is complete and ``latest`` names it. Pieces may live on any device; they are copied to host
     memory first (this rank's pieces are held there until its file is written).
 
     ``failure``: this rank could not prepare its part (e.g. collecting its pieces raised); the save is abandoned
