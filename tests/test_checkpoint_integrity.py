@@ -114,6 +114,15 @@ def test_malformed_manifest_entries(ckpt):
         open_checkpoint(ckpt)
 
 
+def test_object_file_missing_from_the_file_list(ckpt):
+    m = ckpt / TAG / "manifest.json"
+    d = json.loads(m.read_text())
+    d["objects"]["client_state"]["file"] = "elsewhere.safetensors"
+    m.write_text(json.dumps(d))
+    with pytest.raises(CheckpointError, match=r"object 'client_state': file 'elsewhere\.safetensors' is not in the"):
+        open_checkpoint(ckpt)
+
+
 def test_slice_validation():
     with pytest.raises(CheckpointError):
         FlatSlice(-1, 3)

@@ -405,6 +405,12 @@ class Manifest:
                 names[n] = entry.name
             for p in entry.pieces:
                 _check(p.file in self.files, f"tensor {entry.name!r}: piece file {p.file!r} is not in the file list")
+        for records in (self.objects, *self.rank_objects.values()):
+            for rec in records.values():
+                _check(
+                    rec.file is None or rec.file in self.files,
+                    f"object {rec.key!r}: file {rec.file!r} is not in the file list",
+                )
         object.__setattr__(self, "_names", names)
 
     def resolve(self, name: str) -> TensorEntry:

@@ -307,8 +307,9 @@ def save(
     ``global_objects``: objects shared by all ranks (only rank 0's are written). Objects may hold the types of
     [Note: checkpoint objects] (plain data, tensors, numpy arrays); anything else fails the save before any file
     is written. ``aliases``: ``{alias: name}`` extra names of a tensor (tied weights), given on rank 0. An existing
-    tag is refused unless ``overwrite``. Returns when the checkpoint is complete and ``latest`` names it. Pieces may live on any device; they are copied to host
-    memory first (this rank's pieces are held there until its file is written).
+    tag is refused unless ``overwrite``. Returns when the checkpoint is complete and ``latest`` names it. Pieces may
+    live on any device; they are copied to host memory first (this rank's pieces are held there until its file is
+    written).
 
     ``failure``: this rank could not prepare its part (e.g. collecting its pieces raised); the save is abandoned
     on every rank with this message at the first gather. Any exception a rank meets during the save is carried the
