@@ -5,12 +5,14 @@ into equal per-rank ranges, so that some parameters span ranks and some ranks ho
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
+import shardtrain
 from shardtrain.checkpoint import FlatSlice, SavePiece, save
 from shardtrain.checkpoint.consolidate import OPTIMIZER_LAYOUT_KEY
 from shardtrain.comm import Communicator
@@ -115,9 +117,42 @@ def save_engine_like(save_dir: str, tag: str, world: int, seed: int, **kwargs) -
             "step": 2,
             "topology": {"world_size": world, "zero_stage": 2},
             OPTIMIZER_LAYOUT_KEY: optimizer_layout(model, opt),
-            "scheduler": {"last_epoch": 2, "milestones": (1, 2)},  # tuple: not JSON-exact, so it is pickled
+            "scheduler": {"last_epoch": 2, "milestones": (1, 2)},  # tuple: not JSON-exact, so it is a tagged tree
+            "client_state": {"losses": torch.tensor([2.5, 2.25])},  # a tensor: the tree's tensors go to a file
         },
         aliases={"model/head.weight": "model/embed.weight"},
         **kwargs,
     )
     return {"rng": rng, "bytes": result.bytes_written, "tensors": sorted(result.manifest.tensors)}
+
+
+# A checkpoint in format version 1 (objects that are not plain JSON pickled), written by ``save_v1_fixture`` with the
+# code of commit 51377e9 (the last to write that version), at world 2: the compatibility tests load it as it is.
+V1_FIXTURE = Path(__file__).parent / "data" / "checkpoint_v1"
+
+
+def v1_engine(seed: int):
+    """The engine of the version-1 fixture (ZeRO-2, AdamW, WarmupLR): world 2, two rows per rank."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "zero_optimization": {"stage": 2},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-2, "warmup_num_steps": 3}},
+    }
+    return shardtrain.initialize(model, config=config, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2))
+
+
+def v1_client_state() -> dict:
+    """What the fixture's run passed as ``client_state``: values version 1 had to pickle."""
+    return {"epoch": 3, "best": (0.5, float("inf")), "ema": torch.arange(4.0), "seen": np.arange(3, dtype=np.int32)}
+
+
+def save_v1_fixture(save_dir: str) -> None:
+    """Run on each of 2 ranks (via run_distributed): two steps, then ``save_checkpoint(save_dir, tag="v1")``."""
+    engine = v1_engine(0)
+    for step in range(2):
+        x = torch.randn(2, 3, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
+        engine.backward(engine(x).square().mean())
+        engine.step()
+    engine.save_checkpoint(save_dir, tag="v1", client_state=v1_client_state())

@@ -80,7 +80,7 @@ def test_a_save_passes_every_kill_point_once_in_protocol_order(tmp_path, monkeyp
     save_engine_like(str(tmp_path), "b", 2, seed=2)
     assert [name for name, _ in seen] == PROTOCOL == list(CRASH_POINTS)
     state = dict(seen)
-    files = ["objects.pkl", "rank00000.objects.pkl", "rank00000.safetensors"]
+    files = ["objects.safetensors", "rank00000.objects.safetensors", "rank00000.safetensors"]
     unpublished = {"b": False, "latest": "a", "latest.tmp": False}
     assert state["start"] == {"tmp": None, **unpublished}
     assert state["tmp_created"] == {"tmp": [], **unpublished}

@@ -73,11 +73,11 @@ def test_deleted_file(ckpt):
 
 
 def test_corrupted_object_file(ckpt):
-    path = ckpt / TAG / "objects.pkl"
+    path = ckpt / TAG / "objects.safetensors"
     raw = bytearray(path.read_bytes())
     raw[len(raw) // 2] ^= 1
     path.write_bytes(bytes(raw))
-    with pytest.raises(CheckpointError, match=r"objects\.pkl: checksum mismatch"):
+    with pytest.raises(CheckpointError, match=r"objects\.safetensors: checksum mismatch"):
         open_checkpoint(ckpt).objects  # noqa: B018
     assert open_checkpoint(ckpt).manifest.objects["step"].value == 2  # inline objects do not depend on the file
 
@@ -111,6 +111,15 @@ def test_malformed_manifest_entries(ckpt):
     d["tensors"]["model/block.weight"]["pieces"][0]["slice"]["length"] += 1
     m.write_text(json.dumps(d))
     with pytest.raises(CheckpointError, match=r"'model/block\.weight'"):
+        open_checkpoint(ckpt)
+
+
+def test_object_file_missing_from_the_file_list(ckpt):
+    m = ckpt / TAG / "manifest.json"
+    d = json.loads(m.read_text())
+    d["objects"]["client_state"]["file"] = "elsewhere.safetensors"
+    m.write_text(json.dumps(d))
+    with pytest.raises(CheckpointError, match=r"object 'client_state': file 'elsewhere\.safetensors' is not in the"):
         open_checkpoint(ckpt)
 
 

@@ -84,7 +84,7 @@ def test_alias_objects_and_replicated_pieces(saved):
     assert reader.objects["scheduler"] == {"last_epoch": 2, "milestones": (1, 2)}
     manifest = json.loads((d / "global_step2" / "manifest.json").read_text())
     assert manifest["objects"]["step"] == {"encoding": "json", "value": 2}
-    assert manifest["objects"]["scheduler"]["encoding"] == "pickle"
+    assert manifest["objects"]["scheduler"]["encoding"] == "tagged"
     for rank in range(world):
         objs = reader.rank_objects(rank)
         assert objs["rank"] == rank

@@ -38,10 +38,10 @@ def _timed(call) -> tuple[str, float]:
 
 
 def _corrupt_rank_objects(ckpt: Path, rank: int) -> None:
-    """Replace rank ``rank``'s pickled objects by bytes that do not unpickle, with a matching size and checksum in
+    """Replace rank ``rank``'s object file by bytes that are not safetensors, with a matching size and checksum in
     the manifest (as a file written by a broken or foreign writer would be): only that rank reads it."""
-    bad = b"this is not a pickle"
-    name = f"rank{rank:05d}.objects.pkl"
+    bad = b"this is not a safetensors file"
+    name = f"rank{rank:05d}.objects.safetensors"
     (ckpt / name).write_bytes(bad)
     manifest = json.loads((ckpt / "manifest.json").read_text())
     manifest["files"][name].update(size=len(bad), checksum=f"crc32:{zlib.crc32(bad):08x}")
@@ -50,7 +50,7 @@ def _corrupt_rank_objects(ckpt: Path, rank: int) -> None:
 
 def _failures(root: str) -> dict:
     """Every rank: three failing saves (rank 1's file write raises, rank 1's collection of pieces raises, rank 0's
-    publish raises), then a load where only rank 1's objects fail to unpickle. Returns messages and seconds."""
+    publish raises), then a load where only rank 1's object file fails to parse. Returns messages and seconds."""
     rank = dist.get_rank()
     engine = make_engine(0, 2, "adamw")
     train(engine, range(2))
@@ -108,4 +108,4 @@ def test_any_failure_on_one_rank_ends_every_rank_quickly(tmp_path, world):
         message, seconds = out["load"]
         assert seconds < FAST, (rank, seconds)
         assert message.startswith(f"rank 1 failed to load checkpoint {tmp_path}: "), (rank, message)
-        assert "UnpicklingError" in message and message.count("failed to load") == 1, (rank, message)
+        assert "not a readable safetensors file" in message and message.count("failed to load") == 1, (rank, message)

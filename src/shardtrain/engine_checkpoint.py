@@ -21,7 +21,9 @@ no optimizer state.
 Global objects: ``optimizer/param_groups`` (hyperparameters and parameter names per group),
 ``optimizer/state_kinds``, the scheduler and loss-scaler states, engine counters, the saving topology and
 ``client_state``; for a transformers model also ``hf/config`` and ``hf/generation_config`` (JSON text, see
-:mod:`shardtrain.hf_config`). Per rank: RNG states.
+:mod:`shardtrain.hf_config`). Per rank: RNG states. Objects are stored as JSON and safetensors, never pickled
+([Note: checkpoint objects] in ``checkpoint/objects.py``): ``client_state`` may hold plain data, tensors and numpy
+arrays, and anything else is refused when saving, naming where it sits.
 
 Loading reads, for each tensor, the elements this rank now needs (the whole parameter, a stage-3 fragment,
 the master fragment), whatever layout saved them, so a checkpoint taken at N ranks and stage s loads at M
@@ -296,6 +298,9 @@ def _load(state: TrainingState, load_dir: str | Path, tag: str | None, load_opti
         )
 
     objects = reader.objects
+    topology = objects.get("engine/topology", {})
+    same_layout = topology.get("tp", 1) == state.layout.tp and manifest.world_size == state.comm.size
+    rng = reader.rank_objects(state.comm.rank).get("rng") if same_layout else None
     # everything that can be refused without reading tensors is checked before the engine is touched
     dests = weight_destinations(state.module, state.layout, state.optimizer)
     for dest in dests:
@@ -329,11 +334,8 @@ def _load(state: TrainingState, load_dir: str | Path, tag: str | None, load_opti
     counters = objects.get("engine/counters", {})
     state.counters.clear()
     state.counters.update({k: counters[k] for k in COUNTERS if k in counters})
-    saved = objects.get("engine/topology", {})
-    same_layout = saved.get("tp", 1) == state.layout.tp and manifest.world_size == state.comm.size
     if same_layout:
-        rng = reader.rank_objects(state.comm.rank).get("rng")
-        if rng is not None:
+        if rng is not None:  # read (and so checked) before the engine was touched
             torch.set_rng_state(rng["torch"])
             if rng["cuda"] is not None and torch.cuda.is_available():
                 torch.cuda.set_rng_state(rng["cuda"])
@@ -341,7 +343,7 @@ def _load(state: TrainingState, load_dir: str | Path, tag: str | None, load_opti
             random.setstate(rng["python"])
     else:
         warnings.warn(
-            f"checkpoint saved by {manifest.world_size} ranks (tensor parallel {saved.get('tp', 1)}) loaded by "
+            f"checkpoint saved by {manifest.world_size} ranks (tensor parallel {topology.get('tp', 1)}) loaded by "
             f"{state.comm.size} (tensor parallel {state.layout.tp}): per-rank RNG states "
             "are not restored",
             stacklevel=4,

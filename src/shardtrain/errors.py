@@ -41,6 +41,11 @@ class CheckpointError(ShardtrainError, RuntimeError):
     """A checkpoint cannot be written or read as asked (missing, damaged, unsupported, inconsistent pieces)."""
 
 
+class UnsafePickleError(CheckpointError):
+    """A pickled file refers to a class or function outside the allow-list of the format being read; nothing from
+    it was run (see [Note: restricted unpickling] in ``shardtrain.checkpoint.safe_pickle``)."""
+
+
 class GraphCaptureError(ShardtrainError, RuntimeError):
     """Graph mode cannot capture the module as asked (``graph.strict`` and a construct that must run eagerly)."""
 

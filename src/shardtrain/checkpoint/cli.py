@@ -13,7 +13,7 @@ from collections import Counter
 from tqdm import tqdm
 
 from shardtrain.checkpoint.format import BlockFlatSlice, BlockSlice, FlatSlice, TensorEntry
-from shardtrain.errors import CheckpointError
+from shardtrain.errors import CheckpointError, UnsafePickleError
 
 
 def _human(n: float) -> str:
@@ -78,6 +78,9 @@ def inspect(args: argparse.Namespace) -> int:
     print(f"tag: {m.tag}   saved by {m.world_size} rank(s)   files: {len(m.files)}")
     try:
         objects = reader.objects
+    except UnsafePickleError as err:  # a tampered or foreign file: refused, not shown as mere damage
+        print(f"shardtrain checkpoint: error: {err}", file=sys.stderr)
+        return 2
     except CheckpointError as err:
         objects = {}
         print(f"objects: unreadable ({err})")

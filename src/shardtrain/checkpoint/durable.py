@@ -8,12 +8,10 @@ ordering and the fsyncs are what extend it to power loss.
 from __future__ import annotations
 
 import os
-import pickle
 import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 from shardtrain.checkpoint.format import FileEntry, crc32_of_bytes
 
@@ -69,8 +67,8 @@ def fsync_path(path: Path) -> None:
             os.close(fd)
 
 
-def write_pickle(path: Path, rank: int, objects: dict[str, Any]) -> FileEntry:
-    data = pickle.dumps(objects, protocol=pickle.HIGHEST_PROTOCOL)
+def write_object_file(path: Path, rank: int, data: bytes) -> FileEntry:
+    """A small file written whole and fsynced, with the CRC-32 of its bytes (the object files)."""
     with naming(path), open(path, "wb") as f:
         f.write(data)
         f.flush()

@@ -25,7 +25,9 @@ import torch
 from shardtrain.checkpoint.runs import RunTable, block_runs, coverage_problem, flat_index, spans_coverage_problem
 from shardtrain.errors import CheckpointError
 
-FORMAT_VERSION = 1
+# Version 2 stores objects as JSON and safetensors (version 1 pickled some); both are read.
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 MANIFEST_NAME = "manifest.json"
 LATEST_NAME = "latest"
 
@@ -71,6 +73,13 @@ def crc32_of(t: torch.Tensor) -> str:
 
 def crc32_of_bytes(data: bytes) -> str:
     return f"crc32:{zlib.crc32(data) & 0xFFFFFFFF:08x}"
+
+
+def _unsupported_version(version: Any) -> str:
+    return (
+        f"checkpoint format version {version!r} is not supported (this shardtrain reads versions "
+        f"{', '.join(map(str, READABLE_VERSIONS))}); use the shardtrain release that wrote it"
+    )
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -342,27 +351,32 @@ class FileEntry:
 
 @dataclass(frozen=True)
 class ObjectRecord:
-    """A small non-tensor object: inline JSON when it round-trips through JSON, otherwise a key in a pickle file."""
+    """A small non-tensor object ([Note: checkpoint objects] in ``objects.py``): inline JSON (``"json"``), a tagged
+    JSON tree whose tensors are in ``file``, a safetensors file (``"tagged"``; no file when it holds none), or a key
+    in the pickle file ``file`` (``"pickle"``: written only by format version 1, read through an allow-list)."""
 
     key: str
-    encoding: str  # "json" or "pickle"
+    encoding: str  # "json", "tagged" or "pickle"
     value: Any = None
     file: str | None = None
 
     def __post_init__(self) -> None:
-        _check(self.encoding in ("json", "pickle"), f"object {self.key!r}: unknown encoding {self.encoding!r}")
+        _check(
+            self.encoding in ("json", "tagged", "pickle"), f"object {self.key!r}: unknown encoding {self.encoding!r}"
+        )
         _check(
             self.file is None or isinstance(self.file, str), f"object {self.key!r}: file {self.file!r} is not a name"
         )
         _check(
-            (self.encoding == "pickle") == (self.file is not None),
-            f"object {self.key!r}: a pickled object names its file, an inline one does not",
+            self.encoding != "pickle" or self.file is not None, f"object {self.key!r}: a pickled object names its file"
         )
+        _check(self.encoding != "json" or self.file is None, f"object {self.key!r}: an inline one names no file")
 
     def to_json(self) -> dict[str, Any]:
-        if self.encoding == "json":
-            return {"encoding": "json", "value": self.value}
-        return {"encoding": "pickle", "file": self.file}
+        if self.encoding == "pickle":
+            return {"encoding": "pickle", "file": self.file}
+        d = {"encoding": self.encoding, "value": self.value}
+        return d if self.file is None else {**d, "file": self.file}
 
     @staticmethod
     def from_json(key: str, d: dict[str, Any]) -> ObjectRecord:
@@ -382,11 +396,7 @@ class Manifest:
     rank_objects: dict[int, dict[str, ObjectRecord]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        _check(
-            self.version == FORMAT_VERSION,
-            f"checkpoint format version {self.version!r} is not supported (this shardtrain reads version "
-            f"{FORMAT_VERSION}); use the shardtrain release that wrote it",
-        )
+        _check(self.version in READABLE_VERSIONS, _unsupported_version(self.version))
         _check(self.world_size >= 1, f"world_size must be >= 1, got {self.world_size}")
         names: dict[str, str] = {}
         for entry in self.tensors.values():
@@ -395,6 +405,12 @@ class Manifest:
                 names[n] = entry.name
             for p in entry.pieces:
                 _check(p.file in self.files, f"tensor {entry.name!r}: piece file {p.file!r} is not in the file list")
+        for records in (self.objects, *self.rank_objects.values()):
+            for rec in records.values():
+                _check(
+                    rec.file is None or rec.file in self.files,
+                    f"object {rec.key!r}: file {rec.file!r} is not in the file list",
+                )
         object.__setattr__(self, "_names", names)
 
     def resolve(self, name: str) -> TensorEntry:
@@ -428,11 +444,8 @@ class Manifest:
         if not isinstance(d, dict) or d.get("format") != "shardtrain-checkpoint":
             raise CheckpointError(f"{source}: not a shardtrain checkpoint manifest")
         version = d.get("version")
-        if version != FORMAT_VERSION:
-            raise CheckpointError(
-                f"{source}: checkpoint format version {version!r} is not supported (this shardtrain reads version "
-                f"{FORMAT_VERSION}); use the shardtrain release that wrote it"
-            )
+        if version not in READABLE_VERSIONS:
+            raise CheckpointError(f"{source}: {_unsupported_version(version)}")
         try:
             return Manifest(
                 version=version,

@@ -17,7 +17,6 @@ Every error names the file and the tensor.
 from __future__ import annotations
 
 import os
-import pickle
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -36,6 +35,7 @@ from shardtrain.checkpoint.format import (
     crc32_of_bytes,
     numel,
 )
+from shardtrain.checkpoint.objects import decode, decode_tensor_file, load_v1_pickle
 from shardtrain.checkpoint.runs import SegmentCopier, intersect
 from shardtrain.checkpoint.safetensors_io import stream_tensor
 from shardtrain.errors import CheckpointError
@@ -90,6 +90,7 @@ class CheckpointReader:
         self.verify_reads = verify
         self._sizes_checked: set[str] = set()
         self._objects: dict[str, Any] | None = None
+        self._object_files: dict[tuple[str, str], dict[str, Any]] = {}
 
     # -- tensors ----------------------------------------------------------------------------------
     def entry(self, name: str) -> TensorEntry:
@@ -178,24 +179,36 @@ class CheckpointReader:
         return out
 
     # -- objects ----------------------------------------------------------------------------------
-    def _load_pickle(self, file: str, key: str) -> dict[str, Any]:
+    def _object_file(self, file: str, encoding: str, key: str, cached: bool = True) -> dict[str, Any]:
+        """The contents of an object file: tensors by key (``"tagged"``) or objects by key (``"pickle"``, format
+        version 1, through the allow-list of ``objects.py``). Size and checksum are checked first."""
+        if cached and (file, encoding) in self._object_files:
+            return self._object_files[(file, encoding)]
         path = self._check_file(file, f"object {key!r}")
         data = path.read_bytes()
         want = self.manifest.files[file].checksum
         if want is not None and crc32_of_bytes(data) != want:
             raise CheckpointError(f"{path}: checksum mismatch (object {key!r}); the file is corrupted")
-        return pickle.loads(data)
+        if encoding == "pickle":
+            contents = load_v1_pickle(data, str(path))
+        else:
+            contents = decode_tensor_file(data, str(path))
+        self._object_files[(file, encoding)] = contents
+        return contents
 
     def _decode(self, records: dict[str, ObjectRecord]) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        files: dict[str, dict[str, Any]] = {}
         for key, rec in records.items():
             if rec.encoding == "json":
                 out[key] = rec.value
+                continue
+            contents = self._object_file(rec.file, rec.encoding, key) if rec.file is not None else {}
+            if rec.encoding == "tagged":
+                out[key] = decode(rec.value, contents, f"{self.path / (rec.file or MANIFEST_NAME)}: object {key!r}")
+            elif key not in contents:
+                raise CheckpointError(f"{self.path / rec.file}: holds no object {key!r}; the file is damaged")
             else:
-                if rec.file not in files:
-                    files[rec.file] = self._load_pickle(rec.file, key)
-                out[key] = files[rec.file][key]
+                out[key] = contents[key]
         return out
 
     @property
@@ -217,13 +230,15 @@ class CheckpointReader:
         problems: list[str] = []
         saved, self.verify_reads = self.verify_reads, True
         try:
+            records = [*self.manifest.objects.values()]
+            records += [r for objs in self.manifest.rank_objects.values() for r in objs.values()]
             for file, fe in self.manifest.files.items():
                 if fe.checksum is None:
                     continue
+                mine = [r for r in records if r.file == file]
+                encoding = mine[0].encoding if mine else "tagged"  # a file no object names: it must still parse
                 try:
-                    records = [*self.manifest.objects.values()]
-                    records += [r for objs in self.manifest.rank_objects.values() for r in objs.values()]
-                    self._load_pickle(file, ", ".join(r.key for r in records if r.file == file))
+                    self._object_file(file, encoding, ", ".join(r.key for r in mine), cached=False)
                 except CheckpointError as err:
                     problems.append(str(err))
             for entry in self.manifest.tensors.values():

@@ -9,8 +9,9 @@ the full argument):
    the same plan: which rank stores each replicated piece (the lowest that holds it), whether shapes and dtypes
    agree, whether the pieces cover every tensor exactly once;
 3. every rank writes ``rank<r>.safetensors`` (its planned pieces; CRC-32 computed during the fsync) and
-   ``rank<r>.objects.pkl`` (its per-rank objects, when some do not fit JSON), rank 0 also ``objects.pkl``; each file
-   is fsynced; a second gather shares sizes and checksums, and every rank checks that replicas agree;
+   ``rank<r>.objects.safetensors`` (the tensors and arrays its per-rank objects hold, if any: [Note: checkpoint
+   objects]), rank 0 also ``objects.safetensors`` for the global objects; each file is fsynced; a second gather
+   shares sizes and checksums, and every rank checks that replicas agree;
 4. rank 0 writes ``manifest.json`` (fsync), fsyncs the directory, renames it to ``<tag>`` and fsyncs ``save_dir``;
    then writes ``latest.tmp``, fsyncs it, renames it over ``latest`` and fsyncs ``save_dir`` again;
 5. a third gather returns rank 0's outcome, so that every rank returns (or raises) only once the checkpoint is
@@ -35,7 +36,7 @@ from typing import Any
 
 import torch
 
-from shardtrain.checkpoint.durable import crash_point, fsync_path, naming, write_atomically, write_pickle
+from shardtrain.checkpoint.durable import crash_point, fsync_path, naming, write_atomically, write_object_file
 from shardtrain.checkpoint.format import (
     FORMAT_VERSION,
     LATEST_NAME,
@@ -48,6 +49,7 @@ from shardtrain.checkpoint.format import (
     crc32_of,
     dtype_name,
 )
+from shardtrain.checkpoint.objects import TaggedEncoder, encode_tensor_file
 from shardtrain.checkpoint.plan import piece_keys, plan_pieces, rank_file, tensor_entries
 from shardtrain.checkpoint.safetensors_io import write_streaming
 from shardtrain.comm import Communicator
@@ -134,10 +136,17 @@ def _prepare(save_dir: Path, tag: str, overwrite: bool) -> str | None:
     return None
 
 
-def _encode_objects(objects: dict[str, Any], file: str) -> tuple[dict[str, ObjectRecord], dict[str, Any]]:
-    """Inline JSON where the value survives a JSON round trip unchanged, pickle otherwise."""
+def object_file(rank: int | None) -> str:
+    """The file holding the tensors of the global objects (``None``) or of rank ``rank``'s objects."""
+    return "objects.safetensors" if rank is None else f"rank{rank:05d}.objects.safetensors"
+
+
+def _encode_objects(objects: dict[str, Any], file: str) -> tuple[dict[str, ObjectRecord], bytes | None]:
+    """Inline JSON where the value survives a JSON round trip unchanged, a tagged tree otherwise, with the tensors
+    it holds in ``file`` ([Note: checkpoint objects]). Returns the records and the file's bytes (None: no tensors).
+    An object holding something else is refused here, before anything is written."""
     records: dict[str, ObjectRecord] = {}
-    pickled: dict[str, Any] = {}
+    encoder = TaggedEncoder()
     for key, value in objects.items():
         try:
             inline = json.loads(json.dumps(value, allow_nan=False)) == value
@@ -146,18 +155,25 @@ def _encode_objects(objects: dict[str, Any], file: str) -> tuple[dict[str, Objec
         if inline:
             records[key] = ObjectRecord(key, "json", value)
         else:
-            records[key] = ObjectRecord(key, "pickle", file=file)
-            pickled[key] = value
-    return records, pickled
+            before = len(encoder.tensors)
+            tree = encoder.encode(key, value)
+            records[key] = ObjectRecord(key, "tagged", tree, file if len(encoder.tensors) > before else None)
+    if not encoder.tensors:
+        return records, None
+    try:
+        return records, encode_tensor_file(encoder.tensors)
+    except Exception as err:  # a tensor safetensors cannot hold (dtype)
+        keys = ", ".join(sorted({k for k, r in records.items() if r.file is not None}))
+        raise CheckpointError(f"the tensors of objects {keys} cannot be stored: {_describe(err)}") from None
 
 
 def _write_rank_files(
-    tmp: Path, rank: int, pieces: list[SavePiece], mine: list[tuple[SavePiece, str]], rank_objects: dict[str, Any]
-) -> tuple[list[FileEntry], dict[str, ObjectRecord], dict[tuple, str], int]:
+    tmp: Path, rank: int, pieces: list[SavePiece], mine: list[tuple[SavePiece, str]], object_data: bytes | None
+) -> tuple[list[FileEntry], dict[tuple, str], int]:
     """Step 3 on one rank: its tensor file (checksummed during its fsync) and its per-rank object file, fsynced.
 
-    Returns the file entries, object records, the checksum of every piece this rank holds (stored by it or, for a
-    replica stored by a lower rank, computed for the comparison), and the bytes written."""
+    Returns the file entries, the checksum of every piece this rank holds (stored by it or, for a replica stored by
+    a lower rank, computed for the comparison), and the bytes written."""
     files: list[FileEntry] = []
     checksums: dict[tuple, str] = {}
     written = 0
@@ -182,11 +198,10 @@ def _write_rank_files(
     for p in pieces:
         if (p.name, p.slice) not in checksums:
             checksums[(p.name, p.slice)] = crc32_of(p.tensor)
-    records, pickled = _encode_objects(rank_objects, f"rank{rank:05d}.objects.pkl")
-    if pickled:
-        files.append(write_pickle(tmp / f"rank{rank:05d}.objects.pkl", rank, pickled))
+    if object_data is not None:
+        files.append(write_object_file(tmp / object_file(rank), rank, object_data))
         written += files[-1].size
-    return files, records, checksums, written
+    return files, checksums, written
 
 
 def _stored(p: SavePiece) -> torch.Tensor:
@@ -289,10 +304,12 @@ def save(
     """Save one checkpoint ``save_dir/tag`` collectively; every rank of ``comm`` calls this (``None``: one process).
 
     ``pieces``: this rank's parts of logical tensors. ``rank_objects``: this rank's small objects (RNG states);
-    ``global_objects``: objects shared by all ranks (only rank 0's are written). ``aliases``: ``{alias: name}`` extra
-    names of a tensor (tied weights), given on rank 0. An existing tag is refused unless ``overwrite``. Returns when
-    the checkpoint is complete and ``latest`` names it. Pieces may live on any device; they are copied to host
-    memory first (this rank's pieces are held there until its file is written).
+    ``global_objects``: objects shared by all ranks (only rank 0's are written). Objects may hold the types of
+    [Note: checkpoint objects] (plain data, tensors, numpy arrays); anything else fails the save before any file
+    is written. ``aliases``: ``{alias: name}`` extra names of a tensor (tied weights), given on rank 0. An existing
+    tag is refused unless ``overwrite``. Returns when the checkpoint is complete and ``latest`` names it. Pieces may
+    live on any device; they are copied to host memory first (this rank's pieces are held there until its file is
+    written).
 
     ``failure``: this rank could not prepare its part (e.g. collecting its pieces raised); the save is abandoned
     on every rank with this message at the first gather. Any exception a rank meets during the save is carried the
@@ -317,6 +334,16 @@ def save(
                 local_error = "the same part of a tensor is passed twice"
         except Exception as err:
             local_error = f"staging its pieces: {_describe(err)}"
+    records: dict[str, ObjectRecord] = {}
+    global_records: dict[str, ObjectRecord] = {}
+    object_data = global_data = None
+    if local_error is None:  # an object that cannot be stored is refused before anything is written
+        try:
+            records, object_data = _encode_objects(rank_objects or {}, object_file(rank))
+            if rank == 0:
+                global_records, global_data = _encode_objects(global_objects or {}, object_file(None))
+        except Exception as err:
+            local_error = f"encoding its objects: {_describe(err)}"
     gathered = gather((descs, prep_error or local_error, aliases or {}), "checkpoint piece descriptors")
     _raise_failures([g[1] for g in gathered], "preparing", save_dir, tag, rank)
     try:
@@ -331,19 +358,15 @@ def save(
     tmp = save_dir / (TMP_PREFIX + tag)
     write_error: str | None = None
     files: list[FileEntry] = []
-    records: dict[str, ObjectRecord] = {}
-    global_records: dict[str, ObjectRecord] = {}
     checksums: dict[tuple, str] = {}
     written = 0
     try:
-        files, records, checksums, written = _write_rank_files(tmp, rank, pieces, mine, rank_objects or {})
-        if rank == 0:
-            global_records, pickled = _encode_objects(global_objects or {}, "objects.pkl")
-            if pickled:
-                files.append(write_pickle(tmp / "objects.pkl", 0, pickled))
-                written += files[-1].size
+        files, checksums, written = _write_rank_files(tmp, rank, pieces, mine, object_data)
+        if global_data is not None:
+            files.append(write_object_file(tmp / object_file(None), 0, global_data))
+            written += files[-1].size
         crash_point("objects_written")
-    except Exception as err:  # I/O, an object that cannot be pickled, a bug: every rank must hear of it
+    except Exception as err:  # I/O, a bug: every rank must hear of it
         write_error = f"writing into {tmp}: {_describe(err)}"
     crash_point("files_synced")
     parts = gather((files, records, global_records, write_error, checksums), "checkpoint file list")
