@@ -253,7 +253,9 @@ KNOWN_RAW_SOURCES = ("checkpoint/reader.py", "checkpoint/format.py", "<frozen co
 _mutation = st.tuples(st.lists(st.integers(0, 50), max_size=6), st.booleans(), anything)
 _file_ops = st.lists(
     st.tuples(
-        st.sampled_from(["manifest.json", "rank00000.safetensors", "objects.pkl", "rank00000.objects.pkl", "junk"]),
+        st.sampled_from(
+            ["manifest.json", "rank00000.safetensors", "objects.safetensors", "rank00000.objects.safetensors", "junk"]
+        ),
         st.sampled_from(["delete", "truncate", "replace", "mutate"]),
         st.integers(0, 10**6),
         st.binary(max_size=48),
@@ -376,7 +378,7 @@ def _load_damaged(root: str, damage: str) -> str:
         if damage == "files section is a list":
             manifest["files"] = []
         else:  # an object record naming its file with a list
-            manifest["rank_objects"]["0"]["rng"]["file"] = ["rank00000.objects.pkl"]
+            manifest["rank_objects"]["0"]["rng"]["file"] = ["rank00000.objects.safetensors"]
         (ckpt / "manifest.json").write_text(json.dumps(manifest))
     try:
         engine.load_checkpoint(root)
