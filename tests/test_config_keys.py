@@ -816,7 +816,7 @@ def _run_checks(keys: list[str], root: str) -> dict[str, tuple[str, str]]:
 @pytest.fixture(scope="module")
 def world_1_outcomes(tmp_path_factory) -> dict[str, tuple[str, str]]:
     keys = [k for k in EFFECTS if k not in TWO_RANKS]
-    (outcomes,) = run_distributed(_run_checks, 1, keys, str(tmp_path_factory.mktemp("keys")), timeout=600)
+    (outcomes,) = run_distributed(_run_checks, 1, keys, str(tmp_path_factory.mktemp("keys")), timeout=280)
     return outcomes
 
 
