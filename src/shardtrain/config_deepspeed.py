@@ -289,13 +289,15 @@ RULES: tuple[Rule, ...] = (
     _supported(
         _Z + "reduce_bucket_size",
         "int ≥ 0 (`5e8` accepted), `5e8`",
-        "elements per gradient bucket and parameter layout unit (0: one parameter per bucket)",
+        "elements per gradient bucket and parameter layout unit (0: one parameter per bucket); at stage 3 it groups "
+        "the persistent parameters only (each unit is a bucket of its own)",
         auto="hidden_size²",
     ),
     _supported(
         _Z + "allgather_bucket_size",
         "int ≥ 1, `5e8`",
-        "at most this many elements of post-step all-gathers in flight",
+        "at most this many elements of post-step all-gathers in flight (at stage 3 only persistent parameters are "
+        "all-gathered after the step: units are gathered on use)",
     ),
     _supported(
         _Z + "overlap_comm",
