@@ -25,7 +25,15 @@ import torch
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
-from shardtrain.config_deepspeed import AUTO, Auto, Findings, classify, is_auto, unknown_key_message
+from shardtrain.config_deepspeed import (
+    AUTO,
+    Auto,
+    Findings,
+    classify,
+    is_auto,
+    no_effect_here,
+    unknown_key_message,
+)
 from shardtrain.errors import ConfigError
 
 
@@ -418,12 +426,8 @@ def _validate(clean: Mapping[str, Any], found: Findings) -> ConfigReport:
                     problems.append(str(err))
     problems = [found.as_written(line) for line in problems]
     no_effect = list(found.no_effect)
-    if cfg is not None and cfg.zero_optimization.stage != 3:
-        for key in sorted(cfg.zero_optimization.model_fields_set):
-            if key.startswith("stage3_"):
-                no_effect.append(
-                    f"zero_optimization.{key}: applies to stage 3 only (stage is {cfg.zero_optimization.stage})"
-                )
+    if cfg is not None:  # supported keys that do nothing in the combination this config gives
+        no_effect += [found.as_written(line) for line in no_effect_here(cfg)]
     return ConfigReport(None if problems else cfg, problems, no_effect, dict(found.autos))
 
 

@@ -1,8 +1,10 @@
 """``shardtrain config check FILE... [--world-size N]``: can shardtrain use these DeepSpeed configs?
 
-For each file: ``ok``, or every problem with its key path; then the keys accepted without effect and the
-``"auto"`` values ``initialize`` will resolve (and from what). ``--world-size`` also checks the batch sizes
-against that many data-parallel ranks. Exit status: 0 when every file is usable, 1 otherwise.
+For each file: ``ok``, or every problem with its key path; then the keys without effect (accepted without effect,
+or supported but doing nothing in the combination the file gives: see
+:data:`shardtrain.config_deepspeed.NO_EFFECT_WHEN`) and the ``"auto"`` values ``initialize`` will resolve (and from
+what). ``--world-size`` also checks the batch sizes against that many data-parallel ranks. Exit status: 0 when every
+file is usable, 1 otherwise.
 """
 
 from __future__ import annotations

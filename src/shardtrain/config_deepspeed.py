@@ -8,6 +8,11 @@ One table (:data:`RULES`) says for each key of DeepSpeed's config reference whet
 * **refused value**: some values are accepted (without effect), the others asked for something not built here;
 * **not supported**: any value is refused with what to do instead.
 
+A supported key may still do nothing in some combinations (``stage3_*`` keys below stage 3, an ``nvme_path`` without
+``device: nvme``, a monitor's path with the monitor off): :data:`NO_EFFECT_WHEN` lists those modes, the docs table
+says them in the key's row and :func:`no_effect_here` names, for one config, the keys it gives that do nothing there
+(``shardtrain config check`` prints them). ``tests/test_config_keys.py`` shows every supported key's effect.
+
 :func:`classify` walks a raw config dict with that table before pydantic validates it, and returns the dict that
 pydantic sees (aliases renamed, no-effect keys removed) with every problem found, not only the first.
 ``docs/config.md`` holds :func:`markdown_table`'s output; ``tests/test_config_deepspeed.py`` keeps them equal
@@ -289,13 +294,15 @@ RULES: tuple[Rule, ...] = (
     _supported(
         _Z + "reduce_bucket_size",
         "int ≥ 0 (`5e8` accepted), `5e8`",
-        "elements per gradient bucket and parameter layout unit (0: one parameter per bucket)",
+        "elements per gradient bucket and parameter layout unit (0: one parameter per bucket); at stage 3 it groups "
+        "the persistent parameters only (each unit is a bucket of its own)",
         auto="hidden_size²",
     ),
     _supported(
         _Z + "allgather_bucket_size",
         "int ≥ 1, `5e8`",
-        "at most this many elements of post-step all-gathers in flight",
+        "at most this many elements of post-step all-gathers in flight (at stage 3 only persistent parameters are "
+        "all-gathered after the step: units are gathered on use)",
     ),
     _supported(
         _Z + "overlap_comm",
@@ -654,6 +661,166 @@ RULES: tuple[Rule, ...] = (
 
 RULES_BY_PATH: dict[str, Rule] = {r.path: r for r in RULES}
 
+# -- supported keys without effect in some combinations --------------------------------------------
+
+
+@dataclass(frozen=True)
+class NoEffectWhen:
+    """A supported key that has no effect in some combinations of the config (a mode): the docs table says so in its
+    row, and ``inspect_config`` (so ``shardtrain config check``) lists the key under "no effect" for a config that
+    gives the key and is in that mode."""
+
+    path: str
+    condition: str
+    """The mode in words, for the docs and the report (``"without `graph.enabled: true`"``)."""
+    reason: str
+    """Why the key does nothing there."""
+    when: Callable[[Any], bool]
+    """Of the validated :class:`shardtrain.config.Config`: whether it is in that mode (an ``"auto"`` value that
+    decides the mode counts as not: it is resolved later)."""
+
+
+def _zero_stage(cfg: Any) -> Any:
+    return cfg.zero_optimization.stage
+
+
+def _optimizer_offload(cfg: Any) -> str:
+    return cfg.zero_optimization.offload_optimizer.device
+
+
+def _param_offload(cfg: Any) -> str:
+    return cfg.zero_optimization.offload_param.device
+
+
+_OFF = "nothing is offloaded"
+_NO_SWAP = "there are no swap files"
+
+NO_EFFECT_WHEN: tuple[NoEffectWhen, ...] = (
+    *(
+        NoEffectWhen(_Z + key, "at ZeRO stages 0-2", "applies to stage 3 only", lambda c: _zero_stage(c) != 3)
+        for key in (
+            "stage3_param_persistence_threshold",
+            "stage3_prefetch_bucket_size",
+            "stage3_unit_classes",
+            "stage3_gather_check",
+        )
+    ),
+    NoEffectWhen(
+        _Z + "allgather_bucket_size",
+        "at ZeRO stage 0",
+        "every rank steps whole parameters, so nothing is all-gathered after the step",
+        lambda c: _zero_stage(c) == 0,
+    ),
+    NoEffectWhen(
+        "zero_allow_untested_optimizer",
+        "at ZeRO stage 0",
+        "stage 0 steps whole parameters and accepts any optimizer",
+        lambda c: _zero_stage(c) == 0,
+    ),
+    NoEffectWhen(
+        _Z + "sub_group_size",
+        "without `offload_optimizer`",
+        "one optimizer step covers all fragments",
+        lambda c: _optimizer_offload(c) == "none",
+    ),
+    NoEffectWhen(
+        _Z + "offload_optimizer.nvme_path",
+        "unless `offload_optimizer.device` is `nvme`",
+        _NO_SWAP,
+        lambda c: _optimizer_offload(c) != "nvme",
+    ),
+    NoEffectWhen(
+        _Z + "offload_optimizer.buffer_count",
+        "unless `offload_optimizer.device` is `nvme`",
+        "it counts the buffers of sub-groups read from and written to swap files",
+        lambda c: _optimizer_offload(c) != "nvme",
+    ),
+    *(
+        NoEffectWhen(
+            _Z + f"offload_optimizer.{key}",
+            "without `offload_optimizer`",
+            _OFF,
+            lambda c: _optimizer_offload(c) == "none",
+        )
+        for key in ("pin_memory", "ratio")
+    ),
+    NoEffectWhen(
+        _Z + "offload_param.device",
+        "with `cpu`",
+        "on a CPU-only machine stage-3 shards live in host memory anyway; on CUDA `cpu` is refused at `initialize` "
+        "(not built there yet)",
+        lambda c: _param_offload(c) == "cpu",
+    ),
+    *(
+        NoEffectWhen(
+            _Z + f"offload_param.{key}",
+            "unless `offload_param.device` is `nvme`",
+            _NO_SWAP,
+            lambda c: _param_offload(c) != "nvme",
+        )
+        for key in ("nvme_path", "max_in_cpu")
+    ),
+    *(
+        NoEffectWhen(
+            f"fp16.{key}",
+            "without `fp16.enabled: true`",
+            "loss scaling applies to fp16 compute only",
+            lambda c: c.fp16.enabled is False,
+        )
+        for key in ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale")
+    ),
+    *(
+        NoEffectWhen(
+            f"fp16.{key}",
+            "with a static `fp16.loss_scale` (> 0)",
+            "a static loss scale never changes",
+            lambda c: c.fp16.enabled is True and c.fp16.loss_scale > 0,
+        )
+        for key in ("initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale")
+    ),
+    *(
+        NoEffectWhen(
+            f"{monitor}.{key}",
+            f"without `{monitor}.enabled: true`",
+            "the monitor is off",
+            lambda c, m=monitor: not getattr(c, m).enabled,
+        )
+        for monitor, keys in (
+            ("tensorboard", ("output_path", "job_name")),
+            ("csv_monitor", ("output_path", "job_name")),
+            ("wandb", ("group", "team", "project")),
+        )
+        for key in keys
+    ),
+    *(
+        NoEffectWhen(
+            f"graph.{key}", "without `graph.enabled: true`", "graph mode is off", lambda c: not c.graph.enabled
+        )
+        for key in ("strict", "cache_size", "compiler")
+    ),
+)
+
+
+def _given(cfg: Any, path: str) -> bool:
+    """Whether the config gives ``path`` itself (not a default)."""
+    node = cfg
+    for part in path.split("."):
+        if node is None or part not in getattr(node, "model_fields_set", ()):
+            return False
+        node = getattr(node, part)
+    return True
+
+
+def no_effect_here(cfg: Any) -> list[str]:
+    """``path: no effect <mode>: why`` for each key ``cfg`` gives that has no effect in the combination it gives
+    (the first reason of :data:`NO_EFFECT_WHEN` that holds, per key)."""
+    lines: dict[str, str] = {}
+    for note in NO_EFFECT_WHEN:
+        if note.path not in lines and _given(cfg, note.path) and note.when(cfg):
+            lines[note.path] = f"{note.path}: no effect {note.condition}: {note.reason}"
+    return list(lines.values())
+
+
 # DeepSpeed spellings of the same key: (alias, canonical path).
 ALIASES: dict[str, str] = {
     "bfloat16": "bf16",
@@ -857,7 +1024,8 @@ def markdown_table() -> str:
             kind = f"refused value (accepted, no effect: {r.values})"
         values = "" if r.kind is Kind.REFUSED_VALUE else r.values
         auto = f' `"auto"`: {r.auto}.' if r.auto else ""
-        lines.append(f"| `{r.path}` | {kind} | {values} | {r.note}.{auto} |".replace("..", "."))
+        modes = "".join(f" No effect {n.condition}: {n.reason}." for n in NO_EFFECT_WHEN if n.path == r.path)
+        lines.append(f"| `{r.path}` | {kind} | {values} | {r.note}.{auto}{modes} |".replace("..", "."))
     for alias, canonical in ALIASES.items():
         lines.append(f"| `{alias}` | alias | | DeepSpeed's other spelling of `{canonical}` |")
     return "\n".join(lines) + "\n"

@@ -1,0 +1,991 @@
+"""Every key the config table calls supported has an effect: this file walks the table and shows it, key by key.
+
+For each supported key of :data:`shardtrain.config_deepspeed.RULES` (sections aside: a section's effect is its keys')
+one check below builds engines that differ only in that key, in a mode where the key has an effect, and asserts what
+changes: the update applied, the buckets laid out, the collectives issued, the files written, the lines logged. The
+modes where a key has no effect are :data:`~shardtrain.config_deepspeed.NO_EFFECT_WHEN`'s; the second half checks that
+``shardtrain config check`` names each of them for a config that combines them. A key added to the table as supported
+without a check here, or a check without its key, fails :func:`test_every_supported_key_has_an_effect_check`.
+
+Checks are cheap: world 1, run together in one worker process (each key is still its own test), and one world-2 run
+for what needs two ranks (tensor parallelism, the desync check, the collective timeout).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import shardtrain
+from shardtrain.cli import main
+from shardtrain.config import inspect_config
+from shardtrain.config_deepspeed import NO_EFFECT_WHEN, RULES, Kind
+from shardtrain.errors import (
+    CollectiveTimeoutError,
+    ConfigError,
+    GraphCaptureError,
+    OptimizerError,
+    RankMismatchError,
+    ShardtrainError,
+)
+from shardtrain.models.gpt import GPT, GPTConfig
+from shardtrain.tensor_parallel import GPT_TP_PLAN
+from shardtrain.testing import run_distributed
+
+_Z = "zero_optimization."
+SUPPORTED = [r.path for r in RULES if r.kind is Kind.SUPPORTED]
+SECTIONS = {r.path for r in RULES if r.kind is Kind.SUPPORTED and r.values == "section"}
+KEYS = [p for p in SUPPORTED if p not in SECTIONS]
+
+# Keys that other work on issue 20 is giving an effect (nothing reads them today); the integrator replaces each entry
+# with its check below once that work is merged.
+PENDING = {
+    _Z + "offload_param.pin_memory": "offload work of issue 20 (nothing reads it yet)",
+    _Z + "offload_param.buffer_count": "offload work of issue 20 (nothing reads it yet)",
+}
+# Keys checked below in a mode where they have an effect, and ignored today in another mode that other work on
+# issue 20 is fixing; the integrator adds that mode to their check (or, if it stays without effect, to NO_EFFECT_WHEN).
+PENDING_MODES = {
+    _Z + "offload_optimizer.ratio": "with device cpu: offload work",
+    "collective_timeout_s": "when the process group exists before initialize: reliability work",
+    _Z + "stage3_prefetch_bucket_size": "in graph mode: graph work",
+    _Z + "stage3_gather_check": "in graph mode: graph work",
+    _Z + "overlap_comm": "in graph mode, for stage-3 units: graph work",
+}
+
+EFFECTS: dict[str, Callable[[Path], None]] = {}
+"""key -> check, run at world 1 with a scratch directory of its own."""
+TWO_RANKS = ("tensor_parallel.size", "tensor_parallel.autotp_size", "desync_check", "collective_timeout_s")
+"""Keys shown by the world-2 run (:func:`_two_ranks`)."""
+
+
+class Skip(Exception):
+    """A check that cannot run on this machine (no CUDA, a package not installed): the test is skipped, with why."""
+
+
+def effect(*paths: str) -> Callable:
+    def register(fn: Callable[[Path], None]) -> Callable[[Path], None]:
+        for p in paths:
+            assert p not in EFFECTS, f"two checks for {p}"
+            EFFECTS[p] = fn
+        return fn
+
+    return register
+
+
+# -- what the checks build ------------------------------------------------------------------------------------------
+
+VOCAB, SEQ = 64, 16
+
+
+def _gpt(seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=32, n_layer=2, n_head=4))
+
+
+def _batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, VOCAB, (2, SEQ), generator=g)
+    return x, torch.roll(x, -1, dims=1)
+
+
+_STAGE3 = {"stage": 3, "stage3_param_persistence_threshold": 0}
+"""Stage 3 with every parameter in a unit (the GPT's are all below the default persistence threshold)."""
+
+
+def _sgd(lr: float = 0.1) -> Callable:
+    return lambda params: torch.optim.SGD(params, lr=lr)
+
+
+def _engine(config: dict, model: nn.Module | None = None, optimizer: Any = "sgd", **kwargs: Any) -> shardtrain.Engine:
+    config = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**6, **config}
+    if optimizer == "sgd":
+        optimizer = None if "optimizer" in config else _sgd()
+    return shardtrain.initialize(model if model is not None else _gpt(), config=config, optimizer=optimizer, **kwargs)
+
+
+def _micro_step(engine: shardtrain.Engine, batch: tuple | None = None) -> float:
+    x, y = batch or _batch()
+    loss = engine(x.to(engine.device), y.to(engine.device))
+    engine.backward(loss)
+    engine.step()
+    return float(loss.detach())
+
+
+def _params(engine: shardtrain.Engine) -> torch.Tensor:
+    return torch.cat([t.detach().flatten().double() for t in engine.full_state_dict().values()])
+
+
+def _update(config: dict, steps: int = 1, **kwargs: Any) -> torch.Tensor:
+    """The parameters' change over ``steps`` micro-steps of a fresh engine."""
+    engine = _engine(config, **kwargs)
+    before = _params(engine)
+    for _ in range(steps):
+        _micro_step(engine)
+    return _params(engine) - before
+
+
+# a change of fp32 parameters is known to within their rounding: one ulp of the largest (LayerNorm's 1.0)
+_ROUNDING = 2 * torch.finfo(torch.float32).eps
+
+
+def _micro_steps_per_update(config: dict) -> int:
+    engine = _engine(config)
+    for n in range(1, 9):
+        _micro_step(engine)
+        if engine.global_step == 1:
+            return n
+    raise AssertionError("no optimizer step in 8 micro-steps")
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+    def __enter__(self) -> _Records:
+        logger = logging.getLogger("shardtrain")
+        self._level = logger.level
+        logger.setLevel(logging.INFO)
+        logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        logger = logging.getLogger("shardtrain")
+        logger.removeHandler(self)
+        logger.setLevel(self._level)
+
+
+def _spy(obj: Any, name: str, on_call: Callable) -> None:
+    """Let ``on_call(result, *args, **kwargs)`` see every call of the bound method ``obj.name``."""
+    inner = getattr(obj, name)
+
+    def spied(*args: Any, **kwargs: Any) -> Any:
+        out = inner(*args, **kwargs)
+        return on_call(out, *args, **kwargs)
+
+    setattr(obj, name, spied)
+
+
+class _Tiny(nn.Module):
+    """A two-layer regression for graph mode (captured in a second, unlike the GPT)."""
+
+    def __init__(self, graph_break: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.graph_break = nn.Linear(4, 8), nn.Linear(8, 1), graph_break
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        if self.graph_break:
+            torch._dynamo.graph_break()  # a construct TorchDynamo cannot put in the graph
+        return ((self.b(h) - y) ** 2).mean()
+
+
+def _graph_engine(graph: dict, model: nn.Module | None = None) -> shardtrain.Engine:
+    return shardtrain.initialize(
+        model if model is not None else _Tiny(),
+        config={"train_micro_batch_size_per_gpu": 2, "graph": {"enabled": True, **graph}},
+        optimizer=_sgd(),
+    )
+
+
+def _tiny_step(engine: shardtrain.Engine, rank: int = 2) -> None:
+    shape = (2, 4) if rank == 2 else (2, 3, 4)
+    x, y = torch.randn(shape, device=engine.device), torch.randn((*shape[:-1], 1), device=engine.device)
+    engine.backward(engine(x, y))
+    engine.step()
+
+
+# -- batch sizes ------------------------------------------------------------------------------------------------------
+
+
+@effect("train_batch_size")
+def _train_batch_size(tmp: Path) -> None:
+    # micro-batch 2 on one rank: the global batch says how many micro-steps make one optimizer step
+    assert _micro_steps_per_update({"train_batch_size": 8}) == 4
+    assert _micro_steps_per_update({"train_batch_size": 2}) == 1
+
+
+@effect("train_micro_batch_size_per_gpu")
+def _micro_batch(tmp: Path) -> None:
+    assert _micro_steps_per_update({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4}) == 2
+    assert _micro_steps_per_update({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2}) == 4
+
+
+@effect("gradient_accumulation_steps")
+def _accumulation(tmp: Path) -> None:
+    assert _micro_steps_per_update({"gradient_accumulation_steps": 3}) == 3
+    # the loss is divided by the steps: three identical micro-batches move the model as one does at 1 step
+    three, one = _update({"gradient_accumulation_steps": 3}, steps=3), _update({})
+    torch.testing.assert_close(three, one, rtol=0, atol=_ROUNDING)
+
+
+# -- optimizer and scheduler ----------------------------------------------------------------------------------------
+
+
+@effect("optimizer.type")
+def _optimizer_type(tmp: Path) -> None:
+    sgd = _engine({"optimizer": {"type": "SGD", "params": {"lr": 0.01}}}, optimizer=None)
+    adamw = _engine({"optimizer": {"type": "AdamW", "params": {"lr": 0.01}}}, optimizer=None)
+    adam = _engine({"optimizer": {"type": "Adam", "params": {"lr": 0.01, "adam_w_mode": False}}}, optimizer=None)
+    assert (type(sgd.optimizer), type(adamw.optimizer), type(adam.optimizer)) == (
+        torch.optim.SGD,
+        torch.optim.AdamW,
+        torch.optim.Adam,
+    )
+    # Adam's first step moves every parameter with a gradient by about lr; SGD's by lr x gradient
+    d_sgd = _update({"optimizer": {"type": "SGD", "params": {"lr": 0.01}}}, optimizer=None)
+    d_adam = _update({"optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.0}}}, optimizer=None)
+    assert d_adam.abs().max() == pytest.approx(0.01, rel=1e-3)
+    assert d_sgd.abs().max() < 0.005
+
+
+@effect("optimizer.params")
+def _optimizer_params(tmp: Path) -> None:
+    slow = _update({"optimizer": {"type": "SGD", "params": {"lr": 0.05}}}, optimizer=None)
+    fast = _update({"optimizer": {"type": "SGD", "params": {"lr": 0.1}}}, optimizer=None)
+    assert slow.abs().max() > 0
+    torch.testing.assert_close(fast, 2 * slow, rtol=0, atol=_ROUNDING)
+
+
+def _lrs(scheduler: dict, steps: int = 4) -> list[float]:
+    engine = _engine({"scheduler": scheduler})
+    out = []
+    for _ in range(steps):
+        _micro_step(engine)
+        out.append(engine.get_lr()[0])
+    return out
+
+
+_WARMUP = {"warmup_min_lr": 0.0, "warmup_max_lr": 0.1, "warmup_num_steps": 2, "warmup_type": "linear"}
+
+
+@effect("scheduler.type")
+def _scheduler_type(tmp: Path) -> None:
+    warmup = _lrs({"type": "WarmupLR", "params": _WARMUP})
+    decay = _lrs({"type": "WarmupDecayLR", "params": {**_WARMUP, "total_num_steps": 4}})
+    assert warmup[-1] == pytest.approx(0.1)  # stays at the maximum
+    assert decay[-1] == pytest.approx(0.0, abs=1e-12)  # decays to 0 at total_num_steps
+
+
+@effect("scheduler.params")
+def _scheduler_params(tmp: Path) -> None:
+    assert _lrs({"type": "WarmupLR", "params": _WARMUP})[-1] == pytest.approx(0.1)
+    assert _lrs({"type": "WarmupLR", "params": {**_WARMUP, "warmup_max_lr": 0.03}})[-1] == pytest.approx(0.03)
+    # linear warm-up over 2 steps: half-way after the first
+    assert _lrs({"type": "WarmupLR", "params": _WARMUP}, steps=1)[0] < 0.1
+
+
+class _SGDWithItsOwnStep(torch.optim.SGD):
+    def step(self, closure=None):
+        return super().step(closure)
+
+
+@effect("zero_allow_untested_optimizer")
+def _untested_optimizer(tmp: Path) -> None:
+    config = {"zero_optimization": {"stage": 1}}
+    with pytest.raises(OptimizerError, match="zero_allow_untested_optimizer"):
+        _engine(config, optimizer=lambda p: _SGDWithItsOwnStep(p, lr=0.1))
+    engine = _engine(
+        {**config, "zero_allow_untested_optimizer": True}, optimizer=lambda p: _SGDWithItsOwnStep(p, lr=0.1)
+    )
+    assert type(engine.optimizer) is _SGDWithItsOwnStep
+
+
+# -- precision --------------------------------------------------------------------------------------------------------
+
+
+@effect("communication_data_type")
+def _communication_dtype(tmp: Path) -> None:
+    def reduced_dtypes(config: dict) -> set[torch.dtype]:
+        engine = _engine({"bf16": {"enabled": True}, "zero_optimization": {"stage": 2}, **config})
+        seen: set[torch.dtype] = set()
+
+        def record(out: Any, out_tensor: torch.Tensor, inp: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            seen.add(inp.dtype)
+            return out
+
+        _spy(engine.comm, "reduce_scatter", record)
+        _micro_step(engine)
+        return seen
+
+    assert reduced_dtypes({}) == {torch.float32}
+    assert reduced_dtypes({"communication_data_type": "bf16"}) == {torch.bfloat16}
+
+
+@effect("bf16.enabled")
+def _bf16(tmp: Path) -> None:
+    engine = _engine({"bf16": {"enabled": True}})
+    assert {p.dtype for p in engine.module.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in _engine({}).module.parameters()} == {torch.float32}
+
+
+def _fp16_engine(fp16: dict) -> tuple[shardtrain.Engine, dict]:
+    """An fp16 engine and a switch that puts an inf into one gradient of the next backward."""
+    model = _gpt()
+    engine = _engine({"fp16": {"enabled": True, **fp16}}, model=model)
+    plant = {"on": False}
+
+    def poison(grad: torch.Tensor) -> torch.Tensor:
+        if plant["on"]:
+            grad = grad.clone()
+            grad.view(-1)[0] = float("inf")
+        return grad
+
+    model.blocks[0].mlp[0].weight.register_hook(poison)
+    return engine, plant
+
+
+def _scales(fp16: dict, overflows: list[bool]) -> list[float]:
+    engine, plant = _fp16_engine(fp16)
+    out = [engine.loss_scale]
+    for overflow in overflows:
+        plant["on"] = overflow
+        _micro_step(engine)
+        out.append(engine.loss_scale)
+    return out
+
+
+@effect("fp16.enabled")
+def _fp16(tmp: Path) -> None:
+    engine, _ = _fp16_engine({})
+    assert {p.dtype for p in engine.module.parameters()} == {torch.float16}
+    assert engine.loss_scale == 2.0**16
+
+
+@effect("fp16.loss_scale")
+def _static_scale(tmp: Path) -> None:
+    assert _scales({"loss_scale": 128}, [True, False]) == [128.0, 128.0, 128.0]  # static: kept over an overflow
+    assert _scales({"hysteresis": 1}, [True]) == [2.0**16, 2.0**15]  # dynamic: halved
+
+
+@effect("fp16.initial_scale_power")
+def _initial_power(tmp: Path) -> None:
+    assert _scales({"initial_scale_power": 5}, [])[0] == 32.0
+    assert _scales({"initial_scale_power": 3}, [])[0] == 8.0
+
+
+@effect("fp16.loss_scale_window")
+def _window(tmp: Path) -> None:
+    assert _scales({"initial_scale_power": 4, "loss_scale_window": 2}, [False, False]) == [16.0, 16.0, 32.0]
+    assert _scales({"initial_scale_power": 4, "loss_scale_window": 3}, [False, False]) == [16.0, 16.0, 16.0]
+
+
+@effect("fp16.hysteresis")
+def _hysteresis(tmp: Path) -> None:
+    assert _scales({"initial_scale_power": 4, "hysteresis": 1}, [True]) == [16.0, 8.0]
+    assert _scales({"initial_scale_power": 4, "hysteresis": 2}, [True, True]) == [16.0, 16.0, 8.0]
+
+
+@effect("fp16.min_loss_scale")
+def _min_scale(tmp: Path) -> None:
+    fp16 = {"initial_scale_power": 1, "hysteresis": 1}
+    assert _scales({**fp16, "min_loss_scale": 0.25}, [True, True]) == [2.0, 1.0, 0.5]
+    with pytest.raises(ShardtrainError, match="minimum loss scale"):
+        _scales({**fp16, "min_loss_scale": 1}, [True, True])
+
+
+@effect("gradient_clipping")
+def _clipping(tmp: Path) -> None:
+    free = _update({}, optimizer=_sgd(1.0))
+    clipped = _update({"gradient_clipping": 1e-3}, optimizer=_sgd(1.0))
+    assert free.norm() > 1e-2
+    assert clipped.norm() == pytest.approx(1e-3, rel=1e-3)  # SGD at lr 1: the update is the clipped gradient
+
+
+# -- ZeRO -----------------------------------------------------------------------------------------------------------
+
+
+@effect(_Z + "stage")
+def _stage(tmp: Path) -> None:
+    def grads_after_backward(stage: int) -> tuple[bool, int]:
+        engine = _engine({"zero_optimization": {**_STAGE3, "stage": stage}})
+        x, y = _batch()
+        engine.backward(engine(x, y))
+        held = all(p.grad is not None for p in engine.module.parameters())
+        return held, len(engine.layout.units)
+
+    # stages 0-1 keep whole gradients in .grad, stages 2-3 free them into sharded buffers; stage 3 makes units
+    assert grads_after_backward(0) == (True, 0)
+    assert grads_after_backward(1) == (True, 0)
+    assert grads_after_backward(2) == (False, 0)
+    held, units = grads_after_backward(3)
+    assert not held and units > 0
+
+
+@effect(_Z + "reduce_bucket_size")
+def _reduce_bucket_size(tmp: Path) -> None:
+    model = _gpt()
+    trainable = sum(1 for p in model.parameters() if p.requires_grad)
+    assert len(_engine({"zero_optimization": {"reduce_bucket_size": 0}}, model=model).layout.buckets) == trainable
+    assert len(_engine({"zero_optimization": {"reduce_bucket_size": 10**9}}).layout.buckets) == 1
+
+
+@effect(_Z + "allgather_bucket_size")
+def _allgather_bucket_size(tmp: Path) -> None:
+    def most_in_flight(size: int) -> tuple[int, int, int]:
+        engine = _engine({"zero_optimization": {"stage": 1, "reduce_bucket_size": 4000, "allgather_bucket_size": size}})
+        flight = {"now": 0, "most": 0, "calls": 0}
+
+        class Counted:
+            def __init__(self, handle: Any, n: int) -> None:
+                self.handle, self.n = handle, n
+
+            def wait(self) -> None:
+                self.handle.wait()
+                flight["now"] -= self.n
+
+        def record(out: Any, out_tensor: torch.Tensor, inp: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            flight["calls"] += 1
+            flight["now"] += out_tensor.numel()
+            flight["most"] = max(flight["most"], flight["now"])
+            return Counted(out, out_tensor.numel())
+
+        _spy(engine.comm, "all_gather", record)
+        _micro_step(engine)
+        largest = max(b.padded_numel for b in engine.layout.buckets)
+        return flight["most"], flight["calls"], largest
+
+    most, calls, largest = most_in_flight(1)
+    assert calls > 2 and most == largest  # one bucket at a time
+    everything, _, _ = most_in_flight(10**9)
+    assert everything > 2 * largest  # every bucket at once
+
+
+@effect(_Z + "overlap_comm")
+def _overlap(tmp: Path) -> None:
+    def staging(overlap: bool) -> tuple[int, int]:
+        zero = {"stage": 2, "reduce_bucket_size": 4000, "overlap_comm": overlap}
+        engine = _engine({"zero_optimization": zero})
+        _micro_step(engine)
+        return engine._reducer.max_staging, len(engine.layout.buckets)
+
+    most, buckets = staging(True)
+    assert buckets > 3 and most <= 2  # each bucket reduced as soon as it is complete
+    assert staging(False) == (buckets, buckets)  # every bucket waits for the end of backward
+
+
+def _offloaded(zero: dict) -> shardtrain.Engine:
+    engine = _engine({"zero_optimization": {"stage": 2, **zero}}, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))
+    _micro_step(engine)
+    return engine
+
+
+def _nvme(tmp: Path, **offload: Any) -> dict:
+    tmp.mkdir(parents=True, exist_ok=True)
+    return {"device": "nvme", "nvme_path": str(tmp), **offload}
+
+
+@effect(_Z + "sub_group_size")
+def _sub_group_size(tmp: Path) -> None:
+    small = _offloaded({"sub_group_size": 2000, "offload_optimizer": _nvme(tmp / "a")})
+    large = _offloaded({"offload_optimizer": _nvme(tmp / "b")})
+    assert len(large._optimizer.offload.groups) == 1
+    assert len(small._optimizer.offload.groups) > 3
+
+
+@effect(_Z + "offload_optimizer.device")
+def _optimizer_offload_device(tmp: Path) -> None:
+    resident = _offloaded({})
+    swapped = _offloaded({"sub_group_size": 2000, "offload_optimizer": _nvme(tmp)})
+    # Adam's moments of all but the sub-groups in flight live in the swap files
+    assert swapped.state_bytes()["optimizer"] < resident.state_bytes()["optimizer"] / 2
+    assert any(f.stat().st_size > 0 for f in tmp.rglob("*") if f.is_file())
+
+
+@effect(_Z + "offload_optimizer.nvme_path")
+def _optimizer_nvme_path(tmp: Path) -> None:
+    for where in (tmp / "one", tmp / "two"):
+        _offloaded({"offload_optimizer": _nvme(where)})
+        assert any(where.iterdir()), f"no swap directory in {where}"
+
+
+@effect(_Z + "offload_optimizer.pin_memory")
+def _optimizer_pin_memory(tmp: Path) -> None:
+    if not torch.cuda.is_available():
+        raise Skip("page-locked host memory needs CUDA")
+    for pin in (True, False):
+        engine = _engine(
+            {
+                "bf16": {"enabled": True},
+                "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": pin}},
+            }
+        )
+        masters = [m for m in engine._optimizer.masters.values() if m.numel()]
+        assert masters and all(m.device.type == "cpu" and m.is_pinned() == pin for m in masters)
+
+
+@effect(_Z + "offload_optimizer.buffer_count")
+def _optimizer_buffer_count(tmp: Path) -> None:
+    def held(count: int, where: Path) -> int:
+        engine = _offloaded({"sub_group_size": 2000, "offload_optimizer": _nvme(where, buffer_count=count)})
+        _micro_step(engine)  # the second step reads back what the first wrote
+        return engine._optimizer.offload.peak_held_bytes
+
+    one, four = held(1, tmp / "a"), held(4, tmp / "b")
+    assert 0 < one < four  # more sub-groups in memory at once
+
+
+@effect(_Z + "offload_optimizer.ratio")
+def _optimizer_ratio(tmp: Path) -> None:
+    def offloaded(ratio: float, where: Path) -> tuple[int, int]:
+        engine = _offloaded({"sub_group_size": 2000, "offload_optimizer": _nvme(where, ratio=ratio)})
+        groups = engine._optimizer.offload.groups
+        return sum(g.offloaded for g in groups), len(groups)
+
+    some, total = offloaded(0.5, tmp / "a")
+    assert 0 < some < total
+    assert offloaded(1.0, tmp / "b") == (total, total)
+
+
+def _param_offload_built() -> None:
+    if torch.cuda.is_available():
+        raise Skip("offload_param is refused on CUDA (not built there yet)")
+
+
+@effect(_Z + "offload_param.device", _Z + "offload_param.nvme_path")
+def _param_offload(tmp: Path) -> None:
+    _param_offload_built()
+    resident = _engine({"zero_optimization": _STAGE3})
+    swapped = _engine({"zero_optimization": {**_STAGE3, "offload_param": _nvme(tmp, max_in_cpu=0)}})
+    _micro_step(swapped)
+    assert swapped.state_bytes()["params"] < resident.state_bytes()["params"] / 2  # shards in mapped files
+    assert [f for f in tmp.rglob("param-*.bin") if f.stat().st_size > 0], "no parameter swap file in nvme_path"
+
+
+@effect(_Z + "offload_param.max_in_cpu")
+def _param_max_in_cpu(tmp: Path) -> None:
+    _param_offload_built()
+
+    def mapped(max_in_cpu: int, where: Path) -> tuple[int, int]:
+        engine = _engine({"zero_optimization": {**_STAGE3, "offload_param": _nvme(where, max_in_cpu=max_in_cpu)}})
+        return len(engine._param_offload.mapped_units), len(engine.layout.units)
+
+    everything, units = mapped(0, tmp / "a")
+    assert everything == units > 1
+    assert mapped(10**9, tmp / "b") == (0, units)  # all units fit in memory: no unit on disk
+
+
+@effect(_Z + "stage3_param_persistence_threshold")
+def _persistence(tmp: Path) -> None:
+    def whole(threshold: int) -> int:
+        engine = _engine({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": threshold}})
+        return sum(1 for r in engine.layout.records if r.bucket is None or r.bucket.gather_after_step)
+
+    assert whole(0) == 0
+    assert whole(10**9) == len(list(_gpt().parameters()))  # everything stays whole
+
+
+@effect(_Z + "stage3_prefetch_bucket_size")
+def _prefetch(tmp: Path) -> None:
+    def prefetches(size: int | None) -> int:
+        zero = {**_STAGE3, **({} if size is None else {"stage3_prefetch_bucket_size": size})}
+        engine = _engine({"zero_optimization": zero})
+        for _ in range(2):  # the first step records the order, the second prefetches along it
+            _micro_step(engine)
+        return sum(u.prefetches for u in engine._units.units)
+
+    assert prefetches(None) > 0
+    assert prefetches(0) == 0
+
+
+@effect(_Z + "stage3_unit_classes")
+def _unit_classes(tmp: Path) -> None:
+    def names(classes: list[str] | None) -> list[str]:
+        zero = {**_STAGE3, **({} if classes is None else {"stage3_unit_classes": classes})}
+        return [name for name, _, _ in _engine({"zero_optimization": zero}).layout.units]
+
+    assert {"blocks.0", "blocks.1"} <= set(names(None))
+    assert {"blocks.0.attn", "blocks.1.attn"} <= set(names(["CausalSelfAttention"]))
+    assert "blocks.0" not in names(["CausalSelfAttention"])
+
+
+@effect(_Z + "stage3_gather_check")
+def _gather_check(tmp: Path) -> None:
+    def checks(on: bool) -> int:
+        engine = _engine({"zero_optimization": {**_STAGE3, "stage3_gather_check": on}})
+        _micro_step(engine)
+        return engine.comm_stats().get("gather_check", {}).get("calls", 0)
+
+    assert checks(True) > 0
+    assert checks(False) == 0
+
+
+# -- logging and monitors ---------------------------------------------------------------------------------------------
+
+
+def _logged(config: dict, steps: int = 4) -> list[str]:
+    with _Records() as records:
+        engine = _engine(config, model=_Tiny())
+        for _ in range(steps):
+            _tiny_step(engine)
+    return [line for line in records.lines if line.startswith("step ")]
+
+
+@effect("steps_per_print")
+def _steps_per_print(tmp: Path) -> None:
+    assert [line.split(":")[0] for line in _logged({"steps_per_print": 2})] == ["step 2", "step 4"]
+    assert len(_logged({"steps_per_print": 1})) == 4
+
+
+@effect("wall_clock_breakdown")
+def _wall_clock(tmp: Path) -> None:
+    assert not any("forward" in line for line in _logged({"steps_per_print": 2}))
+    timed = [line for line in _logged({"steps_per_print": 2, "wall_clock_breakdown": True}) if "forward" in line]
+    assert len(timed) == 2 and "backward" in timed[0] and "ms" in timed[0]
+
+
+def _monitor_files(monitor: str, section: dict) -> set[Path]:
+    engine = _engine({"steps_per_print": 1, monitor: section}, model=_Tiny())
+    _tiny_step(engine)
+    engine.monitor.close()
+    root = Path(section.get("output_path") or "runs")
+    return {p for p in root.rglob("*") if p.is_file()} if root.exists() else set()
+
+
+def _monitor_check(monitor: str, tmp: Path, key: str) -> None:
+    out = tmp / "out"
+    enabled = {"enabled": True, "output_path": str(out), "job_name": "job"}
+    if key == "enabled":
+        assert _monitor_files(monitor, {**enabled, "enabled": False}) == set()
+        assert {p.parent for p in _monitor_files(monitor, enabled)} == {out / "job"}
+    elif key == "output_path":
+        other = tmp / "elsewhere"
+        assert {p.parent for p in _monitor_files(monitor, {**enabled, "output_path": str(other)})} == {other / "job"}
+    else:
+        assert {p.parent for p in _monitor_files(monitor, {**enabled, "job_name": "other"})} == {out / "other"}
+
+
+for _monitor in ("tensorboard", "csv_monitor"):
+    for _key in ("enabled", "output_path", "job_name"):
+        effect(f"{_monitor}.{_key}")(lambda tmp, m=_monitor, k=_key: _monitor_check(m, tmp, k))
+
+
+@effect("wandb.enabled")
+def _wandb_enabled(tmp: Path) -> None:
+    try:
+        import wandb  # noqa: F401
+    except ImportError:  # then turning it on asks for the package, naming it
+        with pytest.raises(ConfigError, match="'wandb' package is not installed"):
+            _engine({"wandb": {"enabled": True}})
+        return
+    _wandb_run({}, tmp)
+
+
+def _wandb_run(section: dict, tmp: Path) -> Any:
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        raise Skip("the wandb package is not installed") from None
+    os.environ["WANDB_MODE"], os.environ["WANDB_DIR"] = "offline", str(tmp)
+    engine = _engine({"steps_per_print": 1, "wandb": {"enabled": True, **section}})
+    run = next(w.run for w in engine.monitor.writers if hasattr(w, "run"))
+    engine.monitor.close()
+    return run
+
+
+@effect("wandb.group")
+def _wandb_group(tmp: Path) -> None:
+    assert _wandb_run({"group": "g1"}, tmp).group == "g1"
+
+
+@effect("wandb.team")
+def _wandb_team(tmp: Path) -> None:
+    assert _wandb_run({"team": "t1"}, tmp).entity == "t1"
+
+
+@effect("wandb.project")
+def _wandb_project(tmp: Path) -> None:
+    assert _wandb_run({"project": "p1"}, tmp).project == "p1"
+
+
+# -- shardtrain's own keys -------------------------------------------------------------------------------------------
+
+
+@effect("seed")
+def _seed(tmp: Path) -> None:
+    def draws(seed: int) -> tuple[float, float, float]:
+        random.seed(12345)
+        np.random.seed(12345)
+        torch.manual_seed(12345)
+        _engine({"seed": seed}, model=nn.Linear(2, 2))  # a model made before: initialize itself draws nothing
+        return random.random(), float(np.random.rand()), float(torch.rand(()))
+
+    random.seed(7)
+    np.random.seed(7)
+    torch.manual_seed(7)
+    seeded = (random.random(), float(np.random.rand()), float(torch.rand(())))
+    assert draws(7) == seeded
+    assert draws(8) != seeded
+
+
+@effect("graph.enabled")
+def _graph_enabled(tmp: Path) -> None:
+    off = shardtrain.initialize(_Tiny(), config={"train_micro_batch_size_per_gpu": 2}, optimizer=_sgd())
+    _tiny_step(off)
+    assert off.graph_stats() is None
+    on = _graph_engine({})
+    _tiny_step(on)
+    assert on.graph_stats()["captures"] == 1
+
+
+@effect("graph.strict")
+def _graph_strict(tmp: Path) -> None:
+    lenient = _graph_engine({}, model=_Tiny(graph_break=True))
+    _tiny_step(lenient)
+    assert lenient.graph_stats()["fallbacks"], "the graph break should be reported as a fallback"
+    strict = _graph_engine({"strict": True}, model=_Tiny(graph_break=True))
+    with pytest.raises(GraphCaptureError, match=r"graph\.strict"):
+        _tiny_step(strict)
+
+
+@effect("graph.cache_size")
+def _graph_cache_size(tmp: Path) -> None:
+    def stats(size: int) -> tuple[int, int]:
+        engine = _graph_engine({"cache_size": size})
+        for rank in (2, 3, 2):  # two input schemas (2-D and 3-D inputs), the first one again
+            _tiny_step(engine, rank)
+        s = engine.graph_stats()
+        return s["captures"], s["evictions"]
+
+    assert stats(1) == (3, 2)  # the first schema was evicted by the second, captured again
+    assert stats(2) == (2, 0)
+
+
+@effect("graph.compiler")
+def _graph_compiler(tmp: Path) -> None:
+    # Inductor would compile C++ here for a minute (the graph tests run it); what the key chooses is whether each
+    # captured graph is handed to Inductor's compile_fx, so that is what is watched (the graph then runs as traced)
+    import torch._inductor.compile_fx as inductor
+
+    handed: list[int] = []
+    real = inductor.compile_fx
+
+    def watched(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        handed.append(len(gm.graph.nodes))
+        return gm.forward
+
+    inductor.compile_fx = watched
+    try:
+        _tiny_step(_graph_engine({"compiler": "aot_eager"}))
+        assert handed == []
+        _tiny_step(_graph_engine({"compiler": "inductor"}))
+        assert len(handed) == 1
+    finally:
+        inductor.compile_fx = real
+
+
+# -- the runs -------------------------------------------------------------------------------------------------------
+
+
+def _run_checks(keys: list[str], root: str) -> dict[str, tuple[str, str]]:
+    """In one worker: each key's check, with a scratch directory of its own; key -> (outcome, detail)."""
+    out = {}
+    for key in keys:
+        tmp = Path(root) / key
+        tmp.mkdir(parents=True)
+        os.chdir(tmp)  # monitors write ./runs by default
+        started = time.perf_counter()
+        try:
+            EFFECTS[key](tmp)
+            out[key] = ("ok", f"{time.perf_counter() - started:.1f}s")
+        except Skip as why:
+            out[key] = ("skip", str(why))
+        except BaseException:  # pytest.raises fails with a BaseException: reported by the key's own test
+            out[key] = ("fail", traceback.format_exc())
+    return out
+
+
+@pytest.fixture(scope="module")
+def world_1_outcomes(tmp_path_factory) -> dict[str, tuple[str, str]]:
+    keys = [k for k in EFFECTS if k not in TWO_RANKS]
+    (outcomes,) = run_distributed(_run_checks, 1, keys, str(tmp_path_factory.mktemp("keys")), timeout=280)
+    return outcomes
+
+
+def test_every_supported_key_has_an_effect_check():
+    assert set(PENDING) == {_Z + "offload_param.pin_memory", _Z + "offload_param.buffer_count"}
+    assert set(PENDING_MODES) == {
+        _Z + "offload_optimizer.ratio",
+        "collective_timeout_s",
+        _Z + "stage3_prefetch_bucket_size",
+        _Z + "stage3_gather_check",
+        _Z + "overlap_comm",
+    }
+    checked = set(EFFECTS) | set(TWO_RANKS)
+    missing = [k for k in KEYS if k not in checked and k not in PENDING]
+    assert not missing, f"supported keys without a check of their effect: {missing}"
+    assert not set(PENDING) & checked
+    assert set(PENDING_MODES) <= checked
+    assert checked <= set(KEYS), f"checks of keys the table does not call supported: {checked - set(KEYS)}"
+    for section in SECTIONS:  # a section's effect is its keys'
+        assert any(k.startswith(section + ".") for k in checked), section
+
+
+@pytest.mark.parametrize("key", [k for k in KEYS if k in EFFECTS and k not in TWO_RANKS])
+def test_supported_key_has_its_effect(key, world_1_outcomes):
+    outcome, detail = world_1_outcomes[key]
+    if outcome == "skip":
+        pytest.skip(detail)
+    assert outcome == "ok", f"{key}: its effect is gone or wrong:\n{detail}"
+
+
+def _two_ranks(timeout_s: float) -> dict[str, Any]:
+    """World 2 (the group made by initialize): tensor parallelism, the desync check, the collective timeout."""
+    out: dict[str, Any] = {}
+    x, y = _batch()
+    timeout = {"collective_timeout_s": timeout_s}
+    # the first initialize makes the process group: its timeout is collective_timeout_s (the later ones say the same:
+    # with a group that exists the key does not change the group's timeout, see PENDING_MODES)
+    engine = _engine({"tensor_parallel": {"size": 2}, **timeout}, tp_plan=GPT_TP_PLAN)
+    rank = dist.get_rank()
+    out["size"] = (engine.topology.tp, engine.topology.dp, tuple(engine.module.blocks[0].mlp[0].weight.shape))
+    engine = _engine({"tensor_parallel": {"autotp_size": 2}, **timeout}, tp_plan=GPT_TP_PLAN)
+    out["autotp_size"] = (engine.topology.tp, tuple(engine.module.blocks[0].mlp[0].weight.shape))
+    whole = tuple(_gpt().blocks[0].mlp[0].weight.shape)
+    out["whole"] = whole
+    # a rank that skips a micro-step: with the desync check both ranks fail at once, naming where each one is
+    engine = _engine({"zero_optimization": {"stage": 2}, **timeout})
+    _micro_step(engine)
+    started = time.monotonic()
+    try:
+        engine.backward(engine(x, y))
+        if rank == 0:  # rank 0 takes a second micro-step, rank 1 steps
+            engine.backward(engine(x, y))
+        engine.step()
+        out["desync"] = "no error"
+    except RankMismatchError as err:
+        out["desync"] = str(err)
+    out["desync_s"] = time.monotonic() - started
+    engine = _engine({"zero_optimization": {"stage": 2}, "desync_check": False, **timeout})
+    _micro_step(engine)
+    out["phase_exchanges"] = engine._phase_check.comm is not None
+    # the lone collective: rank 1 stays alive elsewhere, rank 0's reduction waits collective_timeout_s
+    started = time.monotonic()
+    if rank == 0:
+        try:
+            engine.backward(engine(x, y))
+            out["timeout"] = "no error"
+        except CollectiveTimeoutError as err:
+            out["timeout"] = str(err)
+    else:
+        time.sleep(timeout_s * 3)
+    out["timeout_s"] = time.monotonic() - started
+    return out
+
+
+def test_keys_that_need_two_ranks():
+    timeout_s = 5.0
+    results = run_distributed(_two_ranks, 2, timeout_s, init_process_group=False, timeout=180)
+    for r in results:  # tensor_parallel.size and its DeepSpeed name autotp_size split each layer across 2 ranks
+        out_features, in_features = r["whole"]
+        assert r["size"] == (2, 1, (out_features // 2, in_features))
+        assert r["autotp_size"] == (2, (out_features // 2, in_features))
+        # desync_check: the diverging ranks fail at once, each naming where the other is
+        assert "rank" in r["desync"] and "backward" in r["desync"] and "step" in r["desync"], r["desync"]
+        assert r["desync_s"] < timeout_s
+        assert r["phase_exchanges"] is False  # desync_check false: nothing is exchanged before each call
+    # collective_timeout_s: the lone reduction fails after that many seconds, naming it
+    message, waited = results[0]["timeout"], results[0]["timeout_s"]
+    assert f"collective timeout {timeout_s:g}s" in message, message
+    assert timeout_s * 0.5 <= waited < timeout_s * 3
+
+
+# -- the modes without effect: config check names them --------------------------------------------------------------
+
+# for each entry of NO_EFFECT_WHEN: a config that gives the key in that mode
+MODE_EXAMPLES: list[tuple[str, dict]] = [
+    *(
+        (_Z + key, {"zero_optimization": {"stage": 2, key: value}})
+        for key, value in (
+            ("stage3_param_persistence_threshold", 10),
+            ("stage3_prefetch_bucket_size", 10),
+            ("stage3_unit_classes", ["Block"]),
+            ("stage3_gather_check", False),
+        )
+    ),
+    (_Z + "allgather_bucket_size", {"zero_optimization": {"stage": 0, "allgather_bucket_size": 10}}),
+    ("zero_allow_untested_optimizer", {"zero_allow_untested_optimizer": True}),
+    (_Z + "sub_group_size", {"zero_optimization": {"stage": 1, "sub_group_size": 10}}),
+    (_Z + "offload_optimizer.nvme_path", {"zero_optimization": {"stage": 1, "offload_optimizer": {"nvme_path": "/x"}}}),
+    (
+        _Z + "offload_optimizer.buffer_count",
+        {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu", "buffer_count": 2}}},
+    ),
+    (
+        _Z + "offload_optimizer.pin_memory",
+        {"zero_optimization": {"stage": 1, "offload_optimizer": {"pin_memory": True}}},
+    ),
+    (_Z + "offload_optimizer.ratio", {"zero_optimization": {"stage": 1, "offload_optimizer": {"ratio": 0.5}}}),
+    (_Z + "offload_param.device", {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}),
+    (_Z + "offload_param.nvme_path", {"zero_optimization": {"stage": 3, "offload_param": {"nvme_path": "/x"}}}),
+    (_Z + "offload_param.max_in_cpu", {"zero_optimization": {"stage": 3, "offload_param": {"max_in_cpu": 0}}}),
+    *((f"fp16.{key}", {"fp16": {key: 2}}) for key in ("loss_scale", "loss_scale_window", "hysteresis")),
+    *((f"fp16.{key}", {"fp16": {"enabled": True, "loss_scale": 128, key: 2}}) for key in ("initial_scale_power",)),
+    ("fp16.min_loss_scale", {"fp16": {"enabled": True, "loss_scale": 128, "min_loss_scale": 2}}),
+    *(
+        (f"{m}.{key}", {m: {key: "x"}})
+        for m, keys in (
+            ("tensorboard", ("output_path", "job_name")),
+            ("csv_monitor", ("output_path", "job_name")),
+            ("wandb", ("group", "team", "project")),
+        )
+        for key in keys
+    ),
+    ("graph.strict", {"graph": {"strict": True}}),
+    ("graph.cache_size", {"graph": {"cache_size": 2}}),
+    ("graph.compiler", {"graph": {"compiler": "inductor"}}),
+]
+
+
+def test_every_mode_without_effect_has_an_example():
+    assert {path for path, _ in MODE_EXAMPLES} == {n.path for n in NO_EFFECT_WHEN}
+    assert all(n.path in KEYS for n in NO_EFFECT_WHEN), "NO_EFFECT_WHEN names a key the table does not support"
+
+
+@pytest.mark.parametrize(("path", "config"), MODE_EXAMPLES, ids=[p for p, _ in MODE_EXAMPLES])
+def test_config_check_names_keys_without_effect_in_the_given_combination(path, config, tmp_path, capsys):
+    report = inspect_config(config)
+    assert report.ok, report.problems
+    assert [n for n in report.no_effect if n.startswith(f"{path}: no effect ")], report.no_effect
+    file = tmp_path / "ds.json"
+    file.write_text(json.dumps(config))
+    assert main(["config", "check", str(file)]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith(f"  no effect  {path}: ")]
+    assert len(lines) == 1, lines
+
+
+def test_keys_in_a_mode_where_they_act_are_not_reported():
+    config = {
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_prefetch_bucket_size": 10,
+            "allgather_bucket_size": 10,
+            "sub_group_size": 10,
+            "offload_optimizer": {"device": "nvme", "nvme_path": "/x", "buffer_count": 2, "ratio": 0.5},
+            "offload_param": {"device": "nvme", "nvme_path": "/x", "max_in_cpu": 0},
+        },
+        "fp16": {"enabled": True, "hysteresis": 1, "min_loss_scale": 2},
+        "tensorboard": {"enabled": True, "job_name": "x"},
+        "zero_allow_untested_optimizer": True,
+    }
+    graph = {"graph": {"enabled": True, "cache_size": 2, "compiler": "inductor"}, "wandb": {"project": "p"}}
+    assert inspect_config(config).ok and inspect_config(config).no_effect == []
+    assert [line.split(":")[0] for line in inspect_config(graph).no_effect] == ["wandb.project"]
