@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import shardtrain
+from shardtrain import comm_failure
 from shardtrain.testing import DistributedFailure, run_distributed
 from shardtrain.zero import offload as offload_module
 from shardtrain.zero import swap as swap_module
@@ -144,28 +145,107 @@ def _dead_pid() -> int:
     return p.pid
 
 
+def _fake_scratch(root: Path, name: str, record: dict | None, lock: bool = True) -> Path:
+    """A scratch directory as another run makes it: an (unheld) lock file, ``owner.json`` when ``record``."""
+    d = root / f"shardtrain-swap-{name}"
+    d.mkdir()
+    if lock:
+        (d / "lock").touch()
+    if record is not None:
+        (d / "owner.json").write_text(json.dumps(record))
+    return d
+
+
 def test_stale_directory_of_a_killed_run_is_cleared_and_never_read(tmp_path):
     host = socket.gethostname().replace("-", "_")
     dead = _dead_pid()
-    stale = tmp_path / f"shardtrain-swap-{host}-{dead}-rank0-abc123"
-    stale.mkdir()
-    (stale / "owner.json").write_text(json.dumps({"host": socket.gethostname(), "pid": dead, "started": "1"}))
+    record = {**comm_failure.process_record(), "pid": dead, "started": "1"}
+    stale = _fake_scratch(tmp_path, f"{host}-{dead}-rank0-abc123", record)
     (stale / "0.exp_avg.bin").write_bytes(b"\x7f" * 4096)  # garbage that must never be read as state
-    no_marker = tmp_path / f"shardtrain-swap-{host}-{dead}-rank1-def456"  # killed before writing its marker
-    no_marker.mkdir()
-    live = tmp_path / f"shardtrain-swap-{host}-{os.getpid()}-rank0-live00"  # this (live) process's
-    live.mkdir()
-    (live / "owner.json").write_text(
-        json.dumps(
-            {"host": socket.gethostname(), "pid": os.getpid(), "started": swap_module._process_start(os.getpid())}
-        )
-    )
-    other_host = tmp_path / "shardtrain-swap-elsewhere-1-rank0-xyz789"
-    other_host.mkdir()
+    # killed between making the directory and locking it (no lock, no record): cleared once it is old
+    no_marker = _fake_scratch(tmp_path, f"{host}-{dead}-rank1-def456", None, lock=False)
+    old = time.time() - 2 * swap_module.GRACE_S
+    os.utime(no_marker, (old, old))
+    just_made = _fake_scratch(tmp_path, f"{host}-{dead}-rank2-ghi789", None)  # a run starting now, not locked yet
+    # without a lock file (a file system without flock) the record decides: this live process's
+    live = _fake_scratch(tmp_path, f"{host}-{os.getpid()}-rank0-live00", comm_failure.process_record(), lock=False)
+    other_host = _fake_scratch(tmp_path, f"elsewhere-{dead}-rank0-xyz789", {**record, "host": "elsewhere"})
     scratch = run_distributed(init_only, 1, str(tmp_path), timeout=60)[0]
     assert not stale.exists() and not no_marker.exists()
-    assert live.exists() and other_host.exists()
+    assert live.exists() and other_host.exists() and just_made.exists()
     assert Path(scratch).parent == tmp_path and not Path(scratch).exists()
+
+
+HOLDER = """
+import fcntl, json, os, sys
+d = sys.argv[1]
+os.mkdir(d)
+fd = os.open(os.path.join(d, "lock"), os.O_RDWR | os.O_CREAT)
+fcntl.flock(fd, fcntl.LOCK_EX)
+with open(os.path.join(d, "owner.json"), "w") as f:
+    f.write(sys.argv[2])
+open(os.path.join(d, "0.exp_avg.bin"), "wb").write(bytes(4096))
+print("locked", flush=True)
+sys.stdin.read()  # hold the lock until the test closes our stdin
+"""
+
+
+def test_a_live_run_in_another_pid_namespace_keeps_its_directory(tmp_path):
+    """Two containers sharing a host name (host networking) and a disk, each with its own pid namespace: the other
+    run's pid does not exist here, its record names this host. It holds its lock, so it is alive and its swap
+    directory stays; once it has exited (lock released) the next run clears the directory."""
+    host = socket.gethostname().replace("-", "_")
+    ghost = _dead_pid()  # a pid that does not exist in this namespace
+    record = {
+        "host": socket.gethostname(),
+        "machine": socket.gethostname() + "|same-boot|pid:[4026599999]",  # another pid namespace
+        "pid": ghost,
+        "started": "12345",
+    }
+    theirs = tmp_path / f"shardtrain-swap-{host}-{ghost}-rank0-other1"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(theirs), json.dumps(record)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        for _ in range(2):  # our initialize (which clears stale directories) twice: theirs is untouched
+            run_distributed(init_only, 1, str(tmp_path), timeout=60)
+            assert (theirs / "0.exp_avg.bin").read_bytes() == bytes(4096)
+        # the record alone would have judged it dead on this machine had it carried this namespace
+        assert comm_failure.process_alive({**record, "machine": comm_failure._machine_id()}) is False
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+    run_distributed(init_only, 1, str(tmp_path), timeout=60)  # its process ended: the lock is free, it is stale
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_liveness_tells_another_pid_namespace_from_a_dead_process():
+    """One liveness check for swap directories and the collective-failure survey: a pid of another machine or pid
+    namespace cannot be judged here (None), a gone or reused pid here is dead, this process is alive."""
+    me = comm_failure.process_record()
+    assert comm_failure.process_alive(me) is True
+    dead = {**me, "pid": _dead_pid()}
+    assert comm_failure.process_alive(dead) is False
+    assert comm_failure.process_alive({**me, "started": "1"}) is False  # the pid was reused by a later process
+    other_namespace = {**dead, "machine": me["machine"] + "-other"}
+    assert comm_failure.process_alive(other_namespace) is None
+    assert comm_failure.process_alive({k: v for k, v in dead.items() if k != "machine"}) is None
+
+
+def test_a_garbage_collected_scratch_directory_is_removed(tmp_path):
+    import gc
+
+    scratch = swap_module.ScratchDir(tmp_path, 0, "zero_optimization.offload_optimizer")
+    path = scratch.path
+    assert path.is_dir() and (path / "lock").exists()
+    del scratch
+    gc.collect()
+    assert not path.exists()
+    assert list(tmp_path.iterdir()) == []
 
 
 SCRIPT = """
