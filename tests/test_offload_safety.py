@@ -305,3 +305,55 @@ def test_full_disk_making_parameter_swap_files_fails_on_every_rank(tmp_path):
         assert message.startswith(f"rank 1: cannot make the parameter swap file '{tmp_path}/"), message
         assert NOSPACE in message
     assert list(tmp_path.iterdir()) == []  # every rank removed its swap directories
+
+
+MANY = """
+import resource, sys, torch, shardtrain
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))  # ulimit -n 256
+
+
+class Many(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ws = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(4)) for _ in range(3000)])
+
+    def forward(self, x):
+        return (x @ torch.stack(list(self.ws)).T).square().mean()
+
+
+def run(zero):
+    torch.manual_seed(0)
+    model = Many()
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2, **zero}}
+    engine = shardtrain.initialize(model, config, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    for step in range(3):
+        engine.backward(engine(torch.randn(2, 4, generator=torch.Generator().manual_seed(step))))
+        engine.step()
+    offload = engine._optimizer.offload
+    swapped = (offload.files.bytes_read, offload.files.most_open) if offload is not None else None
+    weights = engine.full_state_dict()
+    engine.close()
+    return weights, swapped
+
+
+plain, _ = run({})
+nvme = {"sub_group_size": 1000, "offload_optimizer": {"device": "nvme", "nvme_path": sys.argv[1]}}
+offloaded, (bytes_read, most_open) = run(nvme)
+assert all(torch.equal(offloaded[k], v) for k, v in plain.items()), "offloaded training differs"
+print(len(plain), bytes_read, most_open)
+"""
+
+
+def test_nvme_swap_of_3000_parameters_runs_under_ulimit_n_256(tmp_path):
+    """6000 swap files (3000 parameters x Adam's two moments) with at most 256 descriptors: training is bitwise
+    the same as without offload, the state went through the files, and at most a few were open at once."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(
+        [sys.executable, "-c", MANY, str(tmp_path)], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    params, bytes_read, most_open = map(int, run.stdout.split())
+    assert params == 3000
+    assert bytes_read >= 2 * 3000 * 4 * 4 * 2  # two moments of every parameter read back at steps 2 and 3
+    assert most_open <= 2  # one per I/O thread
+    assert list(tmp_path.iterdir()) == []
