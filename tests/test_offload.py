@@ -385,3 +385,23 @@ def test_checkpoint_with_parameter_offload_loads_in_memory(tmp_path):
         assert a["losses"] == b["losses"]
     for k, v in into_mem[0]["params"].items():
         assert torch.equal(into_off[0]["params"][k], v), k
+
+
+# -- state made at the optimizer's construction follows the tensor it steps --------------------------
+
+
+def test_state_made_at_construction_follows_the_stepped_tensor_to_its_device():
+    """Adagrad makes ``sum`` at construction where the parameter is (on CUDA: the GPU) while, with offload, the
+    optimizer steps a master on the host: the offload moves such state to the stepped tensor's device. Here the
+    stepped tensor is on ``meta`` and the state on the CPU, the same logic in the other direction (the CUDA run is
+    in test_offload_cuda.py)."""
+    from shardtrain.zero.offload import OptimizerOffload, make_sub_groups
+
+    p = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.Adagrad([p], initial_accumulator_value=0.5)
+    stepped = torch.empty(3, device="meta")
+    optimizer.state[stepped] = optimizer.state.pop(p)  # as the optimizer wrapper re-keys it on the master
+    OptimizerOffload(optimizer, [stepped], make_sub_groups([3], 10), None, 1, world=None)
+    state = optimizer.state[stepped]
+    assert state["sum"].device == stepped.device and state["sum"].shape == (3,)
+    assert state["step"].device.type == "cpu"  # per-tensor scalars stay where torch keeps them

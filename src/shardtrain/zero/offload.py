@@ -124,6 +124,15 @@ def _elementwise(v: Any, shape: torch.Size) -> bool:
     return torch.is_tensor(v) and v.dim() > 0 and v.shape == shape
 
 
+def follow_device(state: dict[str, Any] | None, stepped: torch.Tensor) -> None:
+    """Move ``state``'s element-wise tensors to ``stepped``'s device, in place. State an optimizer made at its
+    construction (Adagrad's ``sum``) was made where the parameter was, the GPU, and cut into fragments there;
+    with offload the optimizer steps a host master, and the swap files read and write host memory."""
+    for k, v in (state or {}).items():
+        if _elementwise(v, stepped.shape) and v.device != stepped.device:
+            state[k] = v.to(stepped.device)
+
+
 MASTER = "master"  # the file key of an offloaded fp32 master (see [Note: offloaded masters])
 
 
@@ -150,6 +159,8 @@ class OptimizerOffload:
         self.world, self.pin = world, pin_memory and torch.cuda.is_available()
         self.buffer_count = buffer_count
         self._index = {id(s): i for i, s in enumerate(stepped)}
+        for s in stepped:
+            follow_device(optimizer.state.get(s), s)
         self._group_of = {i: g for g in groups for i in g.members}
         # element-wise state on disk: member -> {key: dtype}
         self._saved: dict[int, dict[str, torch.dtype]] = {}
