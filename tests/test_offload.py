@@ -69,6 +69,12 @@ def train(
         out["groups"] = len(offload.groups)
         out["peak"] = offload.peak_held_bytes
         out["saved_files"] = sum(len(keys) for keys in offload._saved.values())
+        out["bytes_read"] = offload.files.bytes_read if offload.files is not None else 0
+        out["bytes_written"] = offload.files.bytes_written if offload.files is not None else 0
+    if engine._param_offload is not None:  # which units' shards went to files, and each unit's shard size
+        out["mapped_units"] = sorted(engine._param_offload.mapped_units)
+        out["unit_numels"] = [sum(b.shard.numel() for b in u.buckets) for u in engine._units.units]
+        out["mapped_bytes"] = engine._param_offload.mapped_bytes()
     engine.close()
     out["scratch_left"] = [p for p in out["scratch"] if Path(p).exists()]
     return out
@@ -110,7 +116,12 @@ def test_nvme_offload_other_optimizers(optimizer, tmp_path):
     recipe = Recipe(steps=3, optimizer=optimizer)
     nvme = {"sub_group_size": 3000, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}
     plain = run_distributed(train, 2, recipe, 2, 2)
-    _bitwise_equal(run_distributed(train, 2, recipe, 2, 2, nvme), plain)
+    offloaded = run_distributed(train, 2, recipe, 2, 2, nvme)
+    _bitwise_equal(offloaded, plain)
+    for r, q in zip(offloaded, plain):  # the state did go to the files and came back from them
+        assert r["saved_files"] > 0 and r["bytes_written"] > 0
+        assert r["bytes_read"] >= r["bytes_written"] / 3  # the 2nd and 3rd steps read what the steps before wrote
+        assert max(r["resident"]) < 0.05 * max(q["resident"])  # none of it stayed in memory between steps
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
@@ -362,9 +373,18 @@ def test_nvme_parameter_offload_is_bitwise_in_memory_training(world, tmp_path):
 
 def test_parameter_offload_max_in_cpu_keeps_the_first_units(tmp_path):
     recipe = Recipe(steps=2)
-    some = {"offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "max_in_cpu": 4000}}
+    # units of this model at world 2: shards of 6352, 6352 and 2336 elements; the first two fit in 13000
+    some = {"offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "max_in_cpu": 13000}}
     plain = run_distributed(train, 2, recipe, 3, 2)
-    _bitwise_equal(run_distributed(train, 2, recipe, 3, 2, some), plain)
+    offloaded = run_distributed(train, 2, recipe, 3, 2, some)
+    _bitwise_equal(offloaded, plain)
+    for r in offloaded:
+        numels, mapped = r["unit_numels"], r["mapped_units"]
+        kept = [i for i in range(len(numels)) if i not in mapped]
+        # the first units, as many as fit in 13000 elements, stay in memory; every later one is in a file
+        assert kept == list(range(len(kept))) and 0 < len(kept) < len(numels), (kept, numels)
+        assert sum(numels[i] for i in kept) <= 13000 < sum(numels[: len(kept) + 1])
+        assert r["mapped_bytes"] > 0
 
 
 def test_checkpoint_with_parameter_offload_loads_in_memory(tmp_path):
