@@ -97,3 +97,13 @@ def test_adagrad_state_made_at_construction_moves_to_the_host(device, tmp_path):
     )[0]
     assert offloaded["stepped"] == {"cpu"} and offloaded["state"] <= {"cpu"}
     _assert_close_relative_to_training(offloaded, on_gpu, 1e-2)
+
+
+def test_cpu_offload_ratio_steps_the_first_sub_groups_on_the_host_and_the_rest_on_the_gpu():
+    """``offload_optimizer: {device: cpu, ratio: 0.5}`` (DeepSpeed's partial offload): the first sub-groups holding
+    half the elements have host masters and state and step on the CPU, the others stay on the GPU."""
+    on_gpu = run_distributed(_train_on_cuda, 1, None, "bf16", init_process_group=False, timeout=300)[0]
+    half = {"sub_group_size": 2000, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}
+    partial = run_distributed(_train_on_cuda, 1, half, "bf16", init_process_group=False, timeout=300)[0]
+    assert partial["stepped"] == {"cpu", "cuda"} and partial["state"] == {"cpu", "cuda"}
+    _assert_close_relative_to_training(partial, on_gpu, 1e-2)
