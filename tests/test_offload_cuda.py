@@ -32,6 +32,9 @@ def _train_on_cuda(zero_extra: dict | None, precision: str, optimizer: str = "ad
     engine = shardtrain.initialize(model, config=config, optimizer=make_optimizer(model, recipe))
     opt = engine._optimizer
     stepped_devices = {t.device.type for t in opt.stepped_tensors()}
+    on_host = [t for t in opt.stepped_tensors() if t.device.type == "cpu" and t.numel()]
+    pinned = all(t.is_pinned() for t in on_host) if on_host else None
+    blocks = len({t.untyped_storage().data_ptr() for t in on_host})  # allocations the host masters live in
     losses = []
     for step in range(recipe.steps):
         x, y = global_micro_batches(recipe, 1)[step]
@@ -48,6 +51,9 @@ def _train_on_cuda(zero_extra: dict | None, precision: str, optimizer: str = "ad
         "state": state_devices,
         "params": params,
         "initial": initial,
+        "pinned": pinned,
+        "blocks": blocks,
+        "host_masters": len(on_host),
     }
 
 
@@ -79,6 +85,8 @@ def test_cpu_offload_steps_on_the_host_and_matches_gpu_training(precision, tmp_p
     )[0]
     assert on_gpu["stepped"] == {"cuda"} and offloaded["stepped"] == {"cpu"}
     assert offloaded["state"] == {"cpu"}
+    # pin_memory: page-locked host masters, in one block (one sub-group of < 256 MiB), not one per fragment
+    assert offloaded["pinned"] is True and offloaded["blocks"] == 1 < offloaded["host_masters"]
     # the same forward and backward on the GPU; only the fp32 optimizer step runs on the CPU instead (rounding)
     for a, b in zip(offloaded["losses"], on_gpu["losses"]):
         assert abs(a - b) <= 1e-3 * abs(b)

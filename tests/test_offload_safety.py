@@ -176,6 +176,23 @@ def test_stale_directory_of_a_killed_run_is_cleared_and_never_read(tmp_path):
     assert Path(scratch).parent == tmp_path and not Path(scratch).exists()
 
 
+def dropped_engine(nvme_path: str) -> tuple[list[str], list[str]]:
+    """An engine that trains a step and is dropped without close(): the swap directories before and after gc."""
+    import gc
+
+    engine = tiny_engine(nvme_path)
+    _step(engine)
+    before = os.listdir(nvme_path)
+    del engine
+    gc.collect()
+    return before, os.listdir(nvme_path)
+
+
+def test_an_engine_dropped_without_close_leaves_no_swap_directory(tmp_path):
+    before, after = run_distributed(dropped_engine, 1, str(tmp_path), timeout=60)[0]
+    assert len(before) == 1 and after == []
+
+
 HOLDER = """
 import fcntl, json, os, sys
 d = sys.argv[1]
