@@ -374,3 +374,15 @@ def test_nvme_swap_of_3000_parameters_runs_under_ulimit_n_256(tmp_path):
     assert bytes_read >= 2 * 3000 * 4 * 4 * 2  # two moments of every parameter read back at steps 2 and 3
     assert most_open <= 2  # one per I/O thread
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_process_never_clears_its_own_live_directory_when_locks_are_per_process(tmp_path, monkeypatch):
+    """On NFS ``flock`` is emulated with POSIX locks, which the process holding one can take again: the second
+    swap directory of a run (parameter and optimizer offload share ``nvme_path``) must not clear the first."""
+    monkeypatch.setattr(swap_module.fcntl, "flock", lambda fd, op: None)  # every lock "taken"
+    first = swap_module.ScratchDir(tmp_path, 0, "zero_optimization.offload_param")
+    second = swap_module.ScratchDir(tmp_path, 0, "zero_optimization.offload_optimizer")
+    assert first.path.is_dir() and second.path.is_dir()
+    first.remove()
+    second.remove()
+    assert list(tmp_path.iterdir()) == []

@@ -136,9 +136,14 @@ def _remove_if_stale(d: Path) -> bool:
             os.close(fd)
 
 
+_MINE: set[Path] = set()
+"""This process's live scratch directories: never judged by their lock, which on a network file system may be
+a per-process POSIX lock that this same process could take again."""
+
+
 def clear_stale(root: Path) -> list[Path]:
     """Remove scratch directories under ``root`` left by runs that are gone (see [Note: scratch directories])."""
-    return [d for d in sorted(root.glob(PREFIX + "*")) if d.is_dir() and _remove_if_stale(d)]
+    return [d for d in sorted(root.glob(PREFIX + "*")) if d not in _MINE and d.is_dir() and _remove_if_stale(d)]
 
 
 def _remove_scratch(path: Path, lock_fd: int | None, owner_pid: int) -> None:
@@ -146,6 +151,7 @@ def _remove_scratch(path: Path, lock_fd: int | None, owner_pid: int) -> None:
     object never removes its parent's directory."""
     if os.getpid() == owner_pid:
         shutil.rmtree(path, ignore_errors=True)
+        _MINE.discard(path)
     if lock_fd is not None:
         with contextlib.suppress(OSError):
             os.close(lock_fd)
@@ -177,6 +183,7 @@ class ScratchDir:
             failed = err
         # from here on the directory goes with this object: remove(), garbage collection or interpreter exit
         self._finalizer = weakref.finalize(self, _remove_scratch, self.path, lock_fd, os.getpid())
+        _MINE.add(self.path)
         self.locked = lock_fd is not None
         probe = self.path / "probe"
         try:
