@@ -5,6 +5,7 @@ equals one process; the memory held for optimizer state is ``buffer_count`` sub-
 from __future__ import annotations
 
 import functools
+import itertools
 from pathlib import Path
 
 import pytest
@@ -69,6 +70,13 @@ def train(
         out["groups"] = len(offload.groups)
         out["peak"] = offload.peak_held_bytes
         out["saved_files"] = sum(len(keys) for keys in offload._saved.values())
+        out["bytes_read"] = offload.files.bytes_read if offload.files is not None else 0
+        out["bytes_written"] = offload.files.bytes_written if offload.files is not None else 0
+    if engine._param_offload is not None:  # which units' shards went to files, and each unit's shard size
+        out["mapped_units"] = sorted(engine._param_offload.mapped_units)
+        out["unit_numels"] = [sum(b.shard.numel() for b in u.buckets) for u in engine._units.units]
+        out["mapped_bytes"] = engine._param_offload.mapped_bytes()
+        out["most_ahead"] = engine._param_offload.most_ahead
     engine.close()
     out["scratch_left"] = [p for p in out["scratch"] if Path(p).exists()]
     return out
@@ -110,7 +118,12 @@ def test_nvme_offload_other_optimizers(optimizer, tmp_path):
     recipe = Recipe(steps=3, optimizer=optimizer)
     nvme = {"sub_group_size": 3000, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}
     plain = run_distributed(train, 2, recipe, 2, 2)
-    _bitwise_equal(run_distributed(train, 2, recipe, 2, 2, nvme), plain)
+    offloaded = run_distributed(train, 2, recipe, 2, 2, nvme)
+    _bitwise_equal(offloaded, plain)
+    for r, q in zip(offloaded, plain):  # the state did go to the files and came back from them
+        assert r["saved_files"] > 0 and r["bytes_written"] > 0
+        assert r["bytes_read"] >= r["bytes_written"] / 3  # the 2nd and 3rd steps read what the steps before wrote
+        assert max(r["resident"]) < 0.05 * max(q["resident"])  # none of it stayed in memory between steps
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
@@ -362,9 +375,18 @@ def test_nvme_parameter_offload_is_bitwise_in_memory_training(world, tmp_path):
 
 def test_parameter_offload_max_in_cpu_keeps_the_first_units(tmp_path):
     recipe = Recipe(steps=2)
-    some = {"offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "max_in_cpu": 4000}}
+    # units of this model at world 2: shards of 6352, 6352 and 2336 elements; the first two fit in 13000
+    some = {"offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "max_in_cpu": 13000}}
     plain = run_distributed(train, 2, recipe, 3, 2)
-    _bitwise_equal(run_distributed(train, 2, recipe, 3, 2, some), plain)
+    offloaded = run_distributed(train, 2, recipe, 3, 2, some)
+    _bitwise_equal(offloaded, plain)
+    for r in offloaded:
+        numels, mapped = r["unit_numels"], r["mapped_units"]
+        kept = [i for i in range(len(numels)) if i not in mapped]
+        # the first units, as many as fit in 13000 elements, stay in memory; every later one is in a file
+        assert kept == list(range(len(kept))) and 0 < len(kept) < len(numels), (kept, numels)
+        assert sum(numels[i] for i in kept) <= 13000 < sum(numels[: len(kept) + 1])
+        assert r["mapped_bytes"] > 0
 
 
 def test_checkpoint_with_parameter_offload_loads_in_memory(tmp_path):
@@ -385,3 +407,139 @@ def test_checkpoint_with_parameter_offload_loads_in_memory(tmp_path):
         assert a["losses"] == b["losses"]
     for k, v in into_mem[0]["params"].items():
         assert torch.equal(into_off[0]["params"][k], v), k
+
+
+# -- state made at the optimizer's construction follows the tensor it steps --------------------------
+
+
+def test_state_made_at_construction_follows_the_stepped_tensor_to_its_device():
+    """Adagrad makes ``sum`` at construction where the parameter is (on CUDA: the GPU) while, with offload, the
+    optimizer steps a master on the host: the offload moves such state to the stepped tensor's device. Here the
+    stepped tensor is on ``meta`` and the state on the CPU, the same logic in the other direction (the CUDA run is
+    in test_offload_cuda.py)."""
+    from shardtrain.zero.offload import OptimizerOffload, make_sub_groups
+
+    p = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.Adagrad([p], initial_accumulator_value=0.5)
+    stepped = torch.empty(3, device="meta")
+    optimizer.state[stepped] = optimizer.state.pop(p)  # as the optimizer wrapper re-keys it on the master
+    OptimizerOffload(optimizer, [stepped], make_sub_groups([3], 10), None, 1, world=None)
+    state = optimizer.state[stepped]
+    assert state["sum"].device == stepped.device and state["sum"].shape == (3,)
+    assert state["step"].device.type == "cpu"  # per-tensor scalars stay where torch keeps them
+
+
+# -- keys with an effect: ratio with device cpu (CUDA), pin_memory, buffer_count --------------------------------
+
+
+def test_pack_blocks_lays_fragments_out_in_few_aligned_blocks():
+    from shardtrain.zero.offload import pack_blocks
+
+    nbytes = [40, 4, 0, 100, 300, 12, 8]
+    sizes, where = pack_blocks(nbytes, breaks={5}, block=256, align=64)
+    # 40@0, 4@64, 0@128, 100@128 fill block 0; 300 > 256 alone; 12 starts block 2 (a break); 8 follows it
+    assert where == [(0, 0), (0, 64), (0, 128), (0, 128), (1, 0), (2, 0), (2, 64)]
+    assert sizes == [228, 300, 72]
+    for (b, off), n in zip(where, nbytes):
+        assert off % 64 == 0 and off + n <= sizes[b]
+    spans = sorted((b, off, off + n) for (b, off), n in zip(where, nbytes) if n)
+    assert all(x[0] != y[0] or x[2] <= y[1] for x, y in itertools.pairwise(spans))  # no two tensors overlap
+
+
+def test_host_masters_are_views_into_a_few_blocks_and_ratio_keeps_the_rest_in_place():
+    """On CUDA the host masters were pinned one allocation per fragment; now a few blocks (one per sub-group at
+    least). With ``ratio`` < 1 (``device: cpu``) only the first sub-groups get host masters, the others are
+    stepped where they are. The layout is device-independent; here the "device" fragments are CPU tensors."""
+    from shardtrain.zero.offload import host_masters
+
+    torch.manual_seed(0)
+    fragments = {k: torch.randn(n) for k, n in enumerate([100, 50, 150, 100, 200, 100, 100])}
+    every = host_masters(None, fragments, pin=False, sub_group_size=300, ratio=1.0)
+    assert all(torch.equal(every[k], t) and every[k] is not t for k, t in fragments.items())
+    storages = {every[k].untyped_storage().data_ptr() for k in fragments}
+    assert len(storages) == 3  # sub-groups [100, 50, 150], [100, 200], [100, 100]: one block each
+    part = host_masters(None, fragments, pin=False, sub_group_size=300, ratio=0.75)
+    on_host = [k for k, t in fragments.items() if part[k] is not t]
+    assert on_host == [0, 1, 2, 3, 4]  # the first two sub-groups: 600 of 800 elements
+    assert all(torch.equal(part[k], fragments[k]) for k in fragments)
+
+
+def offload_warnings(zero_extra: dict) -> list[str]:
+    """``initialize`` with ``zero_extra``; the warnings the engine logged."""
+    import logging
+
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    logging.getLogger("shardtrain").addHandler(Keep(level=logging.WARNING))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    config = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **zero_extra}}
+    engine = shardtrain.initialize(model, config, torch.optim.AdamW(model.parameters()))
+    engine.close()
+    return [r for r in records if "offload" in r]
+
+
+def test_offload_keys_that_cannot_act_on_this_machine_warn_at_initialize(tmp_path):
+    """Without a GPU: ``ratio`` with device cpu (it splits the step between host and GPU), ``pin_memory`` (page-
+    locked memory speeds device copies), ``buffer_count`` with device cpu (it counts swap buffers) each warn,
+    naming the key; where the keys act (nvme) nothing is said."""
+    silent = {
+        "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path), "ratio": 0.5, "buffer_count": 2},
+        "offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 2},
+    }
+    assert run_distributed(offload_warnings, 1, silent)[0] == []
+    loud = {
+        "offload_optimizer": {"device": "cpu", "ratio": 0.5, "pin_memory": True, "buffer_count": 2},
+        "offload_param": {"device": "cpu", "pin_memory": True, "buffer_count": 2},
+    }
+    said = run_distributed(offload_warnings, 1, loud)[0]
+    for key in ("offload_optimizer.ratio 0.5", "offload_optimizer.pin_memory", "offload_optimizer.buffer_count"):
+        assert sum(w.startswith(f"zero_optimization.{key} has no effect") for w in said) == 1, (key, said)
+    for key in ("offload_param.pin_memory", "offload_param.buffer_count"):
+        assert sum(w.startswith(f"zero_optimization.{key} has no effect") for w in said) == 1, (key, said)
+
+
+class _Bucket:
+    def __init__(self, index: int, numel: int):
+        self.index, self.shard = index, torch.randn(numel)
+
+
+class _Unit:
+    def __init__(self, index: int, numel: int):
+        self.index, self.buckets = index, [_Bucket(index, numel)]
+
+
+def test_parameter_offload_buffer_count_bounds_the_units_read_ahead(tmp_path, monkeypatch):
+    """``offload_param.buffer_count``: at most that many units are read ahead (``MADV_WILLNEED``) and not yet
+    gathered; the next one's read-ahead starts when one of them has been gathered."""
+    import mmap
+
+    from shardtrain.zero.offload import ParamOffload
+    from shardtrain.zero.swap import ScratchDir
+
+    advised: list[tuple[int, int]] = []
+    real = ParamOffload._advise
+    monkeypatch.setattr(ParamOffload, "_advise", lambda self, u, a: (advised.append((u.index, a)), real(self, u, a)))
+    units = [_Unit(i, 1000) for i in range(5)]
+    scratch = ScratchDir(tmp_path, 0, "zero_optimization.offload_param")
+    offload = ParamOffload(units, scratch, 0, max_in_cpu=0, buffer_count=2)
+    for u in units[:4]:  # the runtime asks for four units ahead of use
+        offload.will_need(u)
+    assert [i for i, a in advised if a == mmap.MADV_WILLNEED] == [0, 1]
+    offload.done_with([units[0]])  # unit 0 gathered: unit 2's read-ahead starts
+    assert [i for i, a in advised if a == mmap.MADV_WILLNEED] == [0, 1, 2]
+    offload.done_with(units)
+    assert offload.most_ahead == 2
+    scratch.remove()
+
+
+def test_parameter_offload_with_one_buffer_is_bitwise_in_memory_training(tmp_path):
+    recipe = Recipe(steps=2)
+    one = {"offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "max_in_cpu": 0, "buffer_count": 1}}
+    plain = run_distributed(train, 2, recipe, 3, 2)
+    offloaded = run_distributed(train, 2, recipe, 3, 2, one)
+    _bitwise_equal(offloaded, plain)
+    assert all(r["most_ahead"] == 1 for r in offloaded)

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import shardtrain
+from shardtrain import comm_failure
 from shardtrain.testing import DistributedFailure, run_distributed
 from shardtrain.zero import offload as offload_module
 from shardtrain.zero import swap as swap_module
@@ -144,28 +145,124 @@ def _dead_pid() -> int:
     return p.pid
 
 
+def _fake_scratch(root: Path, name: str, record: dict | None, lock: bool = True) -> Path:
+    """A scratch directory as another run makes it: an (unheld) lock file, ``owner.json`` when ``record``."""
+    d = root / f"shardtrain-swap-{name}"
+    d.mkdir()
+    if lock:
+        (d / "lock").touch()
+    if record is not None:
+        (d / "owner.json").write_text(json.dumps(record))
+    return d
+
+
 def test_stale_directory_of_a_killed_run_is_cleared_and_never_read(tmp_path):
     host = socket.gethostname().replace("-", "_")
     dead = _dead_pid()
-    stale = tmp_path / f"shardtrain-swap-{host}-{dead}-rank0-abc123"
-    stale.mkdir()
-    (stale / "owner.json").write_text(json.dumps({"host": socket.gethostname(), "pid": dead, "started": "1"}))
+    record = {**comm_failure.process_record(), "pid": dead, "started": "1"}
+    stale = _fake_scratch(tmp_path, f"{host}-{dead}-rank0-abc123", record)
     (stale / "0.exp_avg.bin").write_bytes(b"\x7f" * 4096)  # garbage that must never be read as state
-    no_marker = tmp_path / f"shardtrain-swap-{host}-{dead}-rank1-def456"  # killed before writing its marker
-    no_marker.mkdir()
-    live = tmp_path / f"shardtrain-swap-{host}-{os.getpid()}-rank0-live00"  # this (live) process's
-    live.mkdir()
-    (live / "owner.json").write_text(
-        json.dumps(
-            {"host": socket.gethostname(), "pid": os.getpid(), "started": swap_module._process_start(os.getpid())}
-        )
-    )
-    other_host = tmp_path / "shardtrain-swap-elsewhere-1-rank0-xyz789"
-    other_host.mkdir()
+    # killed between making the directory and locking it (no lock, no record): cleared once it is old
+    no_marker = _fake_scratch(tmp_path, f"{host}-{dead}-rank1-def456", None, lock=False)
+    old = time.time() - 2 * swap_module.GRACE_S
+    os.utime(no_marker, (old, old))
+    just_made = _fake_scratch(tmp_path, f"{host}-{dead}-rank2-ghi789", None)  # a run starting now, not locked yet
+    # without a lock file (a file system without flock) the record decides: this live process's
+    live = _fake_scratch(tmp_path, f"{host}-{os.getpid()}-rank0-live00", comm_failure.process_record(), lock=False)
+    other_host = _fake_scratch(tmp_path, f"elsewhere-{dead}-rank0-xyz789", {**record, "host": "elsewhere"})
     scratch = run_distributed(init_only, 1, str(tmp_path), timeout=60)[0]
     assert not stale.exists() and not no_marker.exists()
-    assert live.exists() and other_host.exists()
+    assert live.exists() and other_host.exists() and just_made.exists()
     assert Path(scratch).parent == tmp_path and not Path(scratch).exists()
+
+
+def dropped_engine(nvme_path: str) -> tuple[list[str], list[str]]:
+    """An engine that trains a step and is dropped without close(): the swap directories before and after gc."""
+    import gc
+
+    engine = tiny_engine(nvme_path)
+    _step(engine)
+    before = os.listdir(nvme_path)
+    del engine
+    gc.collect()
+    return before, os.listdir(nvme_path)
+
+
+def test_an_engine_dropped_without_close_leaves_no_swap_directory(tmp_path):
+    before, after = run_distributed(dropped_engine, 1, str(tmp_path), timeout=60)[0]
+    assert len(before) == 1 and after == []
+
+
+HOLDER = """
+import fcntl, json, os, sys
+d = sys.argv[1]
+os.mkdir(d)
+fd = os.open(os.path.join(d, "lock"), os.O_RDWR | os.O_CREAT)
+fcntl.flock(fd, fcntl.LOCK_EX)
+with open(os.path.join(d, "owner.json"), "w") as f:
+    f.write(sys.argv[2])
+open(os.path.join(d, "0.exp_avg.bin"), "wb").write(bytes(4096))
+print("locked", flush=True)
+sys.stdin.read()  # hold the lock until the test closes our stdin
+"""
+
+
+def test_a_live_run_in_another_pid_namespace_keeps_its_directory(tmp_path):
+    """Two containers sharing a host name (host networking) and a disk, each with its own pid namespace: the other
+    run's pid does not exist here, its record names this host. It holds its lock, so it is alive and its swap
+    directory stays; once it has exited (lock released) the next run clears the directory."""
+    host = socket.gethostname().replace("-", "_")
+    ghost = _dead_pid()  # a pid that does not exist in this namespace
+    record = {
+        "host": socket.gethostname(),
+        "machine": socket.gethostname() + "|same-boot|pid:[4026599999]",  # another pid namespace
+        "pid": ghost,
+        "started": "12345",
+    }
+    theirs = tmp_path / f"shardtrain-swap-{host}-{ghost}-rank0-other1"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(theirs), json.dumps(record)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        for _ in range(2):  # our initialize (which clears stale directories) twice: theirs is untouched
+            run_distributed(init_only, 1, str(tmp_path), timeout=60)
+            assert (theirs / "0.exp_avg.bin").read_bytes() == bytes(4096)
+        # the record alone would have judged it dead on this machine had it carried this namespace
+        assert comm_failure.process_alive({**record, "machine": comm_failure._machine_id()}) is False
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+    run_distributed(init_only, 1, str(tmp_path), timeout=60)  # its process ended: the lock is free, it is stale
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_liveness_tells_another_pid_namespace_from_a_dead_process():
+    """One liveness check for swap directories and the collective-failure survey: a pid of another machine or pid
+    namespace cannot be judged here (None), a gone or reused pid here is dead, this process is alive."""
+    me = comm_failure.process_record()
+    assert comm_failure.process_alive(me) is True
+    dead = {**me, "pid": _dead_pid()}
+    assert comm_failure.process_alive(dead) is False
+    assert comm_failure.process_alive({**me, "started": "1"}) is False  # the pid was reused by a later process
+    other_namespace = {**dead, "machine": me["machine"] + "-other"}
+    assert comm_failure.process_alive(other_namespace) is None
+    assert comm_failure.process_alive({k: v for k, v in dead.items() if k != "machine"}) is None
+
+
+def test_a_garbage_collected_scratch_directory_is_removed(tmp_path):
+    import gc
+
+    scratch = swap_module.ScratchDir(tmp_path, 0, "zero_optimization.offload_optimizer")
+    path = scratch.path
+    assert path.is_dir() and (path / "lock").exists()
+    del scratch
+    gc.collect()
+    assert not path.exists()
+    assert list(tmp_path.iterdir()) == []
 
 
 SCRIPT = """
@@ -225,3 +322,67 @@ def test_full_disk_making_parameter_swap_files_fails_on_every_rank(tmp_path):
         assert message.startswith(f"rank 1: cannot make the parameter swap file '{tmp_path}/"), message
         assert NOSPACE in message
     assert list(tmp_path.iterdir()) == []  # every rank removed its swap directories
+
+
+MANY = """
+import resource, sys, torch, shardtrain
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))  # ulimit -n 256
+
+
+class Many(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ws = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(4)) for _ in range(3000)])
+
+    def forward(self, x):
+        return (x @ torch.stack(list(self.ws)).T).square().mean()
+
+
+def run(zero):
+    torch.manual_seed(0)
+    model = Many()
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2, **zero}}
+    engine = shardtrain.initialize(model, config, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    for step in range(3):
+        engine.backward(engine(torch.randn(2, 4, generator=torch.Generator().manual_seed(step))))
+        engine.step()
+    offload = engine._optimizer.offload
+    swapped = (offload.files.bytes_read, offload.files.most_open) if offload is not None else None
+    weights = engine.full_state_dict()
+    engine.close()
+    return weights, swapped
+
+
+plain, _ = run({})
+nvme = {"sub_group_size": 1000, "offload_optimizer": {"device": "nvme", "nvme_path": sys.argv[1]}}
+offloaded, (bytes_read, most_open) = run(nvme)
+assert all(torch.equal(offloaded[k], v) for k, v in plain.items()), "offloaded training differs"
+print(len(plain), bytes_read, most_open)
+"""
+
+
+def test_nvme_swap_of_3000_parameters_runs_under_ulimit_n_256(tmp_path):
+    """6000 swap files (3000 parameters x Adam's two moments) with at most 256 descriptors: training is bitwise
+    the same as without offload, the state went through the files, and at most a few were open at once."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(
+        [sys.executable, "-c", MANY, str(tmp_path)], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    params, bytes_read, most_open = map(int, run.stdout.split())
+    assert params == 3000
+    assert bytes_read >= 2 * 3000 * 4 * 4 * 2  # two moments of every parameter read back at steps 2 and 3
+    assert most_open <= 2  # one per I/O thread
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_process_never_clears_its_own_live_directory_when_locks_are_per_process(tmp_path, monkeypatch):
+    """On NFS ``flock`` is emulated with POSIX locks, which the process holding one can take again: the second
+    swap directory of a run (parameter and optimizer offload share ``nvme_path``) must not clear the first."""
+    monkeypatch.setattr(swap_module.fcntl, "flock", lambda fd, op: None)  # every lock "taken"
+    first = swap_module.ScratchDir(tmp_path, 0, "zero_optimization.offload_param")
+    second = swap_module.ScratchDir(tmp_path, 0, "zero_optimization.offload_optimizer")
+    assert first.path.is_dir() and second.path.is_dir()
+    first.remove()
+    second.remove()
+    assert list(tmp_path.iterdir()) == []

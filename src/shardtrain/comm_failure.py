@@ -64,8 +64,12 @@ _PACKAGE = str(Path(__file__).resolve().parent)
 _LAUNCHERS = {"testing.py", "cli.py", "demo.py", "__main__.py"}  # package files that call the API like a user
 
 
+# -- liveness: one answer, for the failure survey here and for swap directories (shardtrain.zero.swap) -------------
+
+
 def _machine_id() -> str:
-    """The same string for every process that shares this process table (host, boot, pid namespace)."""
+    """The same string for every process that shares this process table (host, boot, pid namespace): two
+    containers with the same host name (host networking) but their own pid namespaces differ here."""
     parts = [socket.gethostname()]
     try:
         parts.append(Path("/proc/sys/kernel/random/boot_id").read_text().strip())
@@ -73,6 +77,38 @@ def _machine_id() -> str:
     except OSError:
         pass
     return "|".join(parts)
+
+
+def process_start(pid: int) -> str | None:
+    """The start time of ``pid`` (field 22 of /proc/<pid>/stat), to tell a reused pid from the original."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def process_record() -> dict[str, Any]:
+    """This process as :func:`process_alive` can judge it later, from any process: host, machine, pid, start."""
+    pid = os.getpid()
+    return {"host": socket.gethostname(), "machine": _machine_id(), "pid": pid, "started": process_start(pid)}
+
+
+def process_alive(record: dict[str, Any]) -> bool | None:
+    """Whether the process ``record`` names (see :func:`process_record`) still runs: True or False when it ran on
+    this machine (same host, boot and pid namespace), None when that cannot be told from here (another machine,
+    or a record without its machine). A pid is only meaningful inside its own pid namespace: without this check a
+    process in another container of the same host name looks gone."""
+    if record.get("machine") != _machine_id():
+        return None
+    try:
+        pid = int(record["pid"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    if pid <= 0 or _process_gone(pid):
+        return False
+    started, now = record.get("started"), process_start(pid)
+    return started is None or now is None or now == started  # a different start time: the pid was reused
 
 
 def _process_gone(pid: int) -> bool:
@@ -104,7 +140,7 @@ def register(global_rank: int) -> None:
     store = _default_store()
     if store is None:
         return
-    me = {"host": socket.gethostname(), "machine": _machine_id(), "pid": os.getpid()}
+    me = process_record()
     with contextlib.suppress(Exception):  # a store that refuses it only costs the survey its answers
         store.set(_PROC_KEY.format(global_rank), json.dumps(me))
 
@@ -161,7 +197,6 @@ def survey(global_rank: int, peers: list[int]) -> Survey:
 
 def _survey(store: Any, global_rank: int, peers: list[int]) -> Survey:
     out = Survey()
-    machine = _machine_id()
     procs: dict[int, dict] = {r: _known[r] for r in peers if r in _known}
     status: dict[int, str] = {}
 
@@ -186,9 +221,9 @@ def _survey(store: Any, global_rank: int, peers: list[int]) -> Survey:
                         continue
                 except Exception as err:  # the store went away while we asked: its host is gone
                     lost_store(err)
-            info = procs.get(r)
-            if info is not None and info.get("machine") == machine:
-                status[r] = "gone" if _process_gone(int(info["pid"])) else "alive"
+            alive = process_alive(procs[r]) if r in procs else None  # None: another machine
+            if alive is not None:
+                status[r] = "alive" if alive else "gone"
         waited = time.monotonic() - start
         pending = [r for r in peers if status.get(r) not in ("reported", "gone")]
         if not pending or out.store_error is not None or waited >= REPORT_WAIT_S:

@@ -46,6 +46,7 @@ from shardtrain.zero.offload import (
     ScratchDir,
     build_optimizer_offload,
     host_masters,
+    ineffective_offload_keys,
     on_every_rank,
     prepare_scratch,
 )
@@ -147,7 +148,11 @@ class Engine:
                 self.world_comm,
                 "parameter swap files",
                 lambda: ParamOffload(
-                    self._units.units, self._scratch["offload_param"], topology.rank, zcfg.offload_param.max_in_cpu
+                    self._units.units,
+                    self._scratch["offload_param"],
+                    topology.rank,
+                    zcfg.offload_param.max_in_cpu,
+                    zcfg.offload_param.buffer_count,
                 ),
             )
             self._units.before_gather = self._param_offload.will_need
@@ -161,7 +166,8 @@ class Engine:
                     for b in trainable
                     for s, f in zip(b.slots, b.fragments)
                 }
-            masters = host_masters(masters, fragments, offload.pin_memory)
+            ratio = offload.ratio if offload.device == "cpu" else 1.0  # nvme: resident sub-groups stay on the host
+            masters = host_masters(masters, fragments, offload.pin_memory, zcfg.sub_group_size, ratio)
         partial_grads = frozenset(id(r.param) for r in self.layout.records if r.tp is not None and r.tp.partial_grad)
         self._reducer = GradientReducer(
             trainable,
@@ -657,7 +663,10 @@ def _refuse_unbuilt(cfg: Config, topology: Topology, model: nn.Module) -> None:
 
 
 def _prepare_offload(zcfg: Any, topology: Topology, world: Communicator) -> dict[str, ScratchDir]:
-    """Each rank's swap directories (device ``nvme``), checked on every rank."""
+    """Each rank's swap directories (device ``nvme``), checked on every rank; offload keys that cannot act here are
+    logged."""
+    for note in ineffective_offload_keys(zcfg, topology.device.type):
+        log.warning(note)
     param = zcfg.offload_param
     scratch = {}
     if param.device == "nvme":

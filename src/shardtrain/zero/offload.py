@@ -15,7 +15,8 @@ stepped. ``ratio`` < 1 offloads the first sub-groups holding that fraction of th
 their state resident, as without offload. Step hooks registered on the optimizer run once per sub-group.
 
 [Note: swap pipeline]
-With ``device: nvme`` each (stepped tensor, state key) has one file in the rank's scratch directory. A pool
+With ``device: nvme`` each (stepped tensor, state key) has one file in the rank's scratch directory, opened
+only while it is read or written (see [Note: bounded descriptors] in :mod:`shardtrain.zero.swap`). A pool
 of ``buffer_count`` byte buffers holds sub-groups in memory: while sub-group i is stepped, reads of the
 next sub-groups (as many as free buffers allow) and the write-back of the previous ones run on a small
 thread pool (``os.preadv`` / ``os.pwritev`` release the GIL). A buffer is reused only after its write has
@@ -45,8 +46,10 @@ decides residency is explicit: the unit runtime calls ``before_gather`` just bef
 issued, prefetches included, so in the recorded gather order (``MADV_WILLNEED``: the kernel starts reading
 the shard while earlier units compute), and ``after_gather`` once it has completed (``MADV_DONTNEED``: the
 pages leave the process; a changed page stays in the page cache until written back, nothing is lost). After
-the optimizer step the updated shards leave the same way. The first units holding ``max_in_cpu`` elements
-stay in ordinary memory. ``buffer_count`` has no effect here: the kernel's page cache is the buffer.
+the optimizer step the updated shards leave the same way. Units stay in ordinary memory, in unit order, while
+they fit in ``max_in_cpu`` elements. ``buffer_count`` bounds the read-ahead: at most that many units' shards
+are asked for ahead of use (advised and not yet gathered); the read-ahead of a unit past that waits for one of
+them to be gathered, and a unit gathered before its turn is read by its all-gather touching the pages.
 
 Swap directories, files, the page-cache policy and :class:`OffloadError` are in :mod:`shardtrain.zero.swap`.
 """
@@ -57,6 +60,7 @@ import contextlib
 import os
 import queue
 import threading
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -124,6 +128,15 @@ def _elementwise(v: Any, shape: torch.Size) -> bool:
     return torch.is_tensor(v) and v.dim() > 0 and v.shape == shape
 
 
+def follow_device(state: dict[str, Any] | None, stepped: torch.Tensor) -> None:
+    """Move ``state``'s element-wise tensors to ``stepped``'s device, in place. State an optimizer made at its
+    construction (Adagrad's ``sum``) was made where the parameter was, the GPU, and cut into fragments there;
+    with offload the optimizer steps a host master, and the swap files read and write host memory."""
+    for k, v in (state or {}).items():
+        if _elementwise(v, stepped.shape) and v.device != stepped.device:
+            state[k] = v.to(stepped.device)
+
+
 MASTER = "master"  # the file key of an offloaded fp32 master (see [Note: offloaded masters])
 
 
@@ -150,6 +163,8 @@ class OptimizerOffload:
         self.world, self.pin = world, pin_memory and torch.cuda.is_available()
         self.buffer_count = buffer_count
         self._index = {id(s): i for i, s in enumerate(stepped)}
+        for s in stepped:
+            follow_device(optimizer.state.get(s), s)
         self._group_of = {i: g for g in groups for i in g.members}
         # element-wise state on disk: member -> {key: dtype}
         self._saved: dict[int, dict[str, torch.dtype]] = {}
@@ -432,17 +447,60 @@ class OptimizerOffload:
 # -- wiring ----------------------------------------------------------------------------------------
 
 
+PIN_BLOCK = 1 << 28  # bytes: host masters are views into blocks of at most this size (a larger one alone)
+HOST_ALIGN = 64  # bytes: each view starts on a cache line
+
+
+def pack_blocks(
+    nbytes: list[int], breaks: set[int] = frozenset(), block: int = PIN_BLOCK, align: int = HOST_ALIGN
+) -> tuple[list[int], list[tuple[int, int]]]:
+    """Lay tensors of ``nbytes`` bytes out, in order, in blocks of at most ``block`` bytes (a tensor larger than
+    that in a block of its own), each at an ``align``-ed offset, starting a new block at each index in ``breaks``:
+    the size of every block, and (block, byte offset) of every tensor."""
+    sizes: list[int] = []
+    where: list[tuple[int, int]] = []
+    used = block  # no open block yet
+    for i, n in enumerate(nbytes):
+        start = -(-used // align) * align
+        if i in breaks or not sizes or start + n > block:
+            sizes.append(0)
+            start = 0
+        where.append((len(sizes) - 1, start))
+        used = start + n
+        sizes[-1] = max(sizes[-1], used)
+    return sizes, where
+
+
 def host_masters(
-    masters: dict[int, torch.Tensor] | None, fragments: dict[int, torch.Tensor], pin: bool
+    masters: dict[int, torch.Tensor] | None,
+    fragments: dict[int, torch.Tensor],
+    pin: bool,
+    sub_group_size: int | None = None,
+    ratio: float = 1.0,
 ) -> dict[int, torch.Tensor]:
     """fp32 masters in host memory for a CUDA run whose optimizer state is offloaded: the step runs on the CPU
-    (see docs/offload.md). ``fragments``: the fp32 fragments, used when there are no separate masters."""
+    (see docs/offload.md). ``fragments``: the fp32 fragments in the order they are stepped, used when there are no
+    separate masters. ``ratio`` < 1 (``device: cpu``, DeepSpeed's partial offload): only the sub-groups of the
+    first ``ratio`` of the elements go to the host, the others stay where they are and step on the GPU (their
+    state is made there). The host copies are views into a few large blocks, one per sub-group at least (so that a
+    sub-group whose masters leave memory frees its blocks), pinned with ``pin``: pinned memory allocated per
+    fragment would cost one call into the CUDA driver and a power-of-two rounding per fragment."""
     source = masters if masters is not None else fragments
-    out = {}
-    for k, t in source.items():
-        host = torch.empty(t.shape, dtype=torch.float32, device="cpu", pin_memory=pin and torch.cuda.is_available())
+    keys = list(fragments)
+    numels = [source[k].numel() for k in keys]
+    groups = make_sub_groups(numels, sub_group_size or max(sum(numels), 1), ratio)
+    to_host = [i for g in groups if g.offloaded for i in g.members]
+    breaks = {g.members[0] for g in groups}
+    sizes, where = pack_blocks([numels[i] * 4 for i in to_host], {j for j, i in enumerate(to_host) if i in breaks})
+    pin = pin and torch.cuda.is_available()
+    blocks = [torch.empty(n, dtype=torch.uint8, device="cpu", pin_memory=pin) for n in sizes]
+    out = {k: source[k] for k in keys}  # not offloaded (ratio): the master, or the fp32 fragment itself
+    for j, i in enumerate(to_host):
+        t = source[keys[i]]
+        b, offset = where[j]
+        host = blocks[b][offset : offset + numels[i] * 4].view(torch.float32).view(t.shape)
         host.copy_(t)
-        out[k] = host
+        out[keys[i]] = host
     return out
 
 
@@ -466,6 +524,41 @@ def build_optimizer_offload(
     return OptimizerOffload(optimizer, stepped, groups, files, buffer_count, world, pin_memory, fragments)
 
 
+def ineffective_offload_keys(zcfg: Any, device_type: str) -> list[str]:
+    """One sentence per offload key the user set that can have no effect in this configuration on a machine
+    whose devices are ``device_type`` (the engine logs them as warnings at ``initialize``): what was set, why it
+    does nothing here, what to do instead."""
+    opt, param = zcfg.offload_optimizer, zcfg.offload_param
+    prefix, notes = "zero_optimization.", []
+    if opt.device == "cpu" and opt.ratio < 1 and device_type != "cuda":
+        notes.append(
+            f"{prefix}offload_optimizer.ratio {opt.ratio} has no effect with device 'cpu' on a machine without a "
+            "GPU: the ratio splits the step between the host and the GPU, and here all optimizer state is in host "
+            "memory anyway; remove it, or use device 'nvme' (ratio: the share of the state kept in files)"
+        )
+    if opt.device != "none" and opt.pin_memory and device_type != "cuda":
+        notes.append(
+            f"{prefix}offload_optimizer.pin_memory has no effect on a machine without a GPU: page-locked host "
+            "memory only speeds copies to and from a GPU; remove it"
+        )
+    if opt.device == "cpu" and "buffer_count" in opt.model_fields_set:
+        notes.append(
+            f"{prefix}offload_optimizer.buffer_count has no effect with device 'cpu': it counts the buffers that "
+            "swap files are read into (device 'nvme'); remove it"
+        )
+    if param.device != "none" and param.pin_memory:
+        notes.append(
+            f"{prefix}offload_param.pin_memory has no effect: parameter offload is built for CPU-only machines "
+            "(on CUDA it is refused), where no device copies from page-locked memory; remove it"
+        )
+    if param.device == "cpu" and "buffer_count" in param.model_fields_set:
+        notes.append(
+            f"{prefix}offload_param.buffer_count has no effect with device 'cpu': it bounds the units read ahead "
+            "from their swap files (device 'nvme'); remove it"
+        )
+    return notes
+
+
 # -- parameter offload (stage 3) ---------------------------------------------------------------------
 
 
@@ -473,12 +566,15 @@ class ParamOffload:
     """Stage-3 unit shards kept in files (see [Note: parameter offload]): each unit bucket's ``shard`` becomes
     a tensor over a shared mapping of its own preallocated file."""
 
-    def __init__(self, units: list, scratch: ScratchDir, rank: int, max_in_cpu: int) -> None:
+    def __init__(self, units: list, scratch: ScratchDir, rank: int, max_in_cpu: int, buffer_count: int = 5) -> None:
         import mmap
 
-        self.rank, self.scratch = rank, scratch
+        self.rank, self.scratch, self.buffer_count = rank, scratch, buffer_count
         self._maps: dict[int, tuple[mmap.mmap, int]] = {}  # bucket index -> (mapping, bytes)
         self.mapped_units: set[int] = set()
+        self._ahead: list[int] = []  # units read ahead and not gathered yet: at most buffer_count
+        self._waiting: deque = deque()  # units whose read-ahead waits for one of those to be gathered
+        self.most_ahead = 0  # the most units read ahead at once (tests read it)
         kept = 0
         for unit in units:  # the first units up to max_in_cpu elements stay in memory
             numel = sum(b.shard.numel() for b in unit.buckets)
@@ -514,23 +610,37 @@ class ParamOffload:
         self._maps[b.index] = (mapping, nbytes)
         mapping.madvise(mmap.MADV_DONTNEED)
 
-    def will_need(self, unit) -> None:
-        """Before a gather (called in gather order, prefetches included): start reading the unit's shards."""
-        import mmap
-
+    def _advise(self, unit, advice: int) -> None:
         for b in unit.buckets:
             if b.index in self._maps:
-                mapping, _ = self._maps[b.index]
-                mapping.madvise(mmap.MADV_WILLNEED)
+                self._maps[b.index][0].madvise(advice)
+
+    def will_need(self, unit) -> None:
+        """Before a gather (called in gather order, prefetches included): start reading the unit's shards, if
+        fewer than ``buffer_count`` units are being read ahead; else once one of them has been gathered."""
+        import mmap
+
+        if unit.index not in self.mapped_units or unit.index in self._ahead:
+            return
+        if len(self._ahead) >= self.buffer_count:
+            self._waiting.append(unit)
+            return
+        self._ahead.append(unit.index)
+        self.most_ahead = max(self.most_ahead, len(self._ahead))
+        self._advise(unit, mmap.MADV_WILLNEED)
 
     def done_with(self, units) -> None:
-        """The shards leave this process's memory (written back by the kernel when changed; read again on use)."""
+        """The shards leave this process's memory (written back by the kernel when changed; read again on use);
+        read-ahead that waited for a buffer starts."""
         import mmap
 
         for unit in units:
-            for b in unit.buckets:
-                if b.index in self._maps:
-                    self._maps[b.index][0].madvise(mmap.MADV_DONTNEED)
+            if unit.index in self._ahead:
+                self._ahead.remove(unit.index)
+            self._waiting = deque(u for u in self._waiting if u.index != unit.index)
+            self._advise(unit, mmap.MADV_DONTNEED)
+        while self._waiting and len(self._ahead) < self.buffer_count:
+            self.will_need(self._waiting.popleft())
 
     def mapped_bytes(self) -> int:
         return sum(n for _, n in self._maps.values())

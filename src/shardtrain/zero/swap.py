@@ -12,24 +12,42 @@ sync). Smaller files (biases, norms) stay cached: their bytes do not matter and 
 
 [Note: scratch directories]
 Swap files are scratch, never state: each run makes ``<nvme_path>/shardtrain-swap-<host>-<pid>-rank<r>-*``
-(``tempfile.mkdtemp``, so never an existing directory) with an ``owner.json`` naming host, pid and the
-process's start time. It is removed by ``Engine.close()`` and at interpreter exit. A directory whose owner
-on this host is no longer running (pid gone, or reused by a process started later) is from a killed run and
-is removed when a new run prepares its own; a directory of another host, or of a live process, is left
-alone. Checkpoints copy the state out (``OptimizerOffload.state_of`` maps the files; pages are read as the
-writer goes) and loading writes it into fresh files.
+(``tempfile.mkdtemp``, so never an existing directory), takes an exclusive ``flock`` on its ``lock`` file and
+holds it for the directory's life, then writes ``owner.json`` (:func:`shardtrain.comm_failure.process_record`).
+The directory is removed by ``Engine.close()``, when its :class:`ScratchDir` is garbage-collected, and at
+interpreter exit. The lock, not a guess from the record, tells a live run from a killed one: the kernel drops a
+process's locks when it ends, however it ends, and a lock is seen across pid namespaces (two containers sharing
+a host name and a disk see each other's pids as missing; that guess deleted a live run's files). When a new run
+prepares its own directory it removes the others that (a) have a lock nobody holds and (b) were made on this
+host by name (locks on a network file system may be local to each client, so another host's directory is
+left alone) and (c) already have their ``owner.json`` (written after the lock is taken, so a directory made a
+moment ago and not locked yet is never taken for a dead one). Without a usable lock (a file system without
+``flock``, or a directory older than the lock) the record decides, through the same liveness check as the
+collective failure survey: only a process of this machine (host, boot and pid namespace) that is gone, or whose
+pid was reused, counts as dead; a directory with neither lock nor record is removed once it is
+``GRACE_S`` old. Checkpoints copy the state out (``OptimizerOffload.state_of`` maps the files; pages are read
+as the writer goes) and loading writes it into fresh files.
+
+[Note: bounded descriptors]
+A rank has one swap file per (stepped tensor, state key): a bf16 Llama-70B has ~723 parameters x 3 keys. The
+files are opened for each read or write and closed after it, so a rank holds at most one descriptor per I/O
+thread (two) whatever the model, never one per file (which ran into the usual limit of 1024 descriptors); an
+empty fragment (a rank that owns no element of a tensor) has no file at all. An ``open`` costs microseconds
+against the read or write of a tensor's state.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
+import errno
+import fcntl
 import json
 import os
 import shutil
 import socket
 import tempfile
 import threading
+import time
 import weakref
 from pathlib import Path
 from typing import Any
@@ -37,10 +55,13 @@ from typing import Any
 import torch
 
 from shardtrain.comm import Communicator
+from shardtrain.comm_failure import process_alive, process_record
 from shardtrain.errors import OffloadError
 
 PREFIX = "shardtrain-swap-"
 MARKER = "owner.json"
+LOCK = "lock"  # held (flock) by the owning process for the directory's life
+GRACE_S = 60.0  # a directory with neither lock nor record is removed only once it is this old (seconds)
 ALIGN = 4096  # the probe's size; buffer regions start on page boundaries too (and could use O_DIRECT)
 DROP_BYTES = 1 << 20  # files at least this large leave the page cache after each write and read
 
@@ -48,64 +69,98 @@ DROP_BYTES = 1 << 20  # files at least this large leave the page cache after eac
 # -- scratch directories ---------------------------------------------------------------------------
 
 
-def _process_start(pid: int) -> str | None:
-    """The start time of ``pid`` (field 22 of /proc/<pid>/stat), to tell a reused pid from the original."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat.rsplit(")", 1)[1].split()[19]
-
-
 def _host_tag() -> str:
     """This host's name as scratch directory names carry it (no '-', which separates the fields)."""
     return socket.gethostname().replace("-", "_")
 
 
-def _owner_alive(host: str, pid: int, started: str | None) -> bool | None:
-    """Whether the process that made a scratch directory still runs; None when it ran on another host.
-    ``started`` None: not known (the marker is not written yet), a live pid counts as the owner."""
-    if host != _host_tag():
-        return None
-    if pid <= 0:
-        return False
+def _hold_lock(path: Path) -> int | None:
+    """An exclusive lock on ``path/LOCK``, held by the returned descriptor until it is closed; None when the file
+    system has no ``flock`` (the record alone then speaks for the directory)."""
+    fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # blocks only while a new run's clear_stale looks at it (microseconds)
+    except OSError as err:
+        os.close(fd)
+        if err.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
+            return None
+        raise
+    return fd
+
+
+def _record(d: Path) -> dict | None:
+    with contextlib.suppress(OSError, ValueError):
+        record = json.loads((d / MARKER).read_text())
+        return record if isinstance(record, dict) else None
+    return None
+
+
+def _old(d: Path) -> bool:
+    try:
+        return time.time() - d.stat().st_mtime > GRACE_S
+    except OSError:
         return False
-    except PermissionError:
-        pass  # another user's live process
-    now = _process_start(pid)
-    return started is None or now is None or now == started
+
+
+def _remove_if_stale(d: Path) -> bool:
+    """Remove scratch directory ``d`` if its run is gone (see [Note: scratch directories]); True if removed."""
+    try:
+        fd = os.open(d / LOCK, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        fd = None
+    except OSError:
+        return False  # not ours to open (another user's): leave it
+    try:
+        locked = False
+        if fd is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                locked = True
+            except BlockingIOError:
+                return False  # its owner holds the lock: alive, whatever its record says
+            except OSError:
+                pass  # no flock on this file system
+        record = _record(d)
+        by_name_here = d.name[len(PREFIX) :].rsplit("-", 3)[0] == _host_tag()
+        if record is None:  # not locked yet (a run starting now) or killed before it could be: by age only
+            dead = by_name_here and _old(d)
+        elif locked:  # nobody holds the lock: its process has ended
+            dead = record.get("host") == socket.gethostname()
+        else:
+            dead = process_alive(record) is False
+        if dead:
+            shutil.rmtree(d, ignore_errors=True)  # while holding its lock: no other cleaner races this one
+        return dead
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+_MINE: set[Path] = set()
+"""This process's live scratch directories: never judged by their lock, which on a network file system may be
+a per-process POSIX lock that this same process could take again."""
 
 
 def clear_stale(root: Path) -> list[Path]:
     """Remove scratch directories under ``root`` left by runs that are gone (see [Note: scratch directories])."""
-    removed = []
-    for d in root.glob(PREFIX + "*"):
-        parts = d.name[len(PREFIX) :].split("-")
-        if not d.is_dir() or len(parts) < 4 or not parts[-3].isdigit():
-            continue
-        started = None  # no marker yet (its run is between mkdtemp and writing it) or a damaged one: the name tells
-        with contextlib.suppress(OSError, ValueError, AttributeError):
-            started = json.loads((d / MARKER).read_text()).get("started")
-        if _owner_alive("-".join(parts[:-3]), int(parts[-3]), started) is False:
-            shutil.rmtree(d, ignore_errors=True)
-            removed.append(d)
-    return removed
+    return [d for d in sorted(root.glob(PREFIX + "*")) if d not in _MINE and d.is_dir() and _remove_if_stale(d)]
 
 
-_LIVE: weakref.WeakSet[ScratchDir] = weakref.WeakSet()
-
-
-@atexit.register
-def _remove_all() -> None:
-    for d in list(_LIVE):
-        d.remove()
+def _remove_scratch(path: Path, lock_fd: int | None, owner_pid: int) -> None:
+    """The finalizer of a :class:`ScratchDir`: its files first, then its lock. A forked child that inherited the
+    object never removes its parent's directory."""
+    if os.getpid() == owner_pid:
+        shutil.rmtree(path, ignore_errors=True)
+        _MINE.discard(path)
+    if lock_fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(lock_fd)
 
 
 class ScratchDir:
-    """This rank's fresh swap directory under ``root``, checked by writing, syncing and reading a probe file."""
+    """This rank's fresh swap directory under ``root``, locked for its life (see [Note: scratch directories]) and
+    checked by writing, syncing and reading a probe file; removed by :meth:`remove`, when garbage-collected, and
+    at interpreter exit."""
 
     def __init__(self, root: str | Path, rank: int, what: str) -> None:
         self.root = Path(root)
@@ -121,11 +176,20 @@ class ScratchDir:
                 f"rank {rank}: cannot create a swap directory in {what}.nvme_path {str(self.root)!r}: "
                 f"{err.strerror or err}"
             ) from None
-        _LIVE.add(self)
-        owner = {"host": socket.gethostname(), "pid": os.getpid(), "started": _process_start(os.getpid())}
+        lock_fd, failed = None, None
+        try:
+            lock_fd = _hold_lock(self.path)
+        except OSError as err:
+            failed = err
+        # from here on the directory goes with this object: remove(), garbage collection or interpreter exit
+        self._finalizer = weakref.finalize(self, _remove_scratch, self.path, lock_fd, os.getpid())
+        _MINE.add(self.path)
+        self.locked = lock_fd is not None
         probe = self.path / "probe"
         try:
-            (self.path / MARKER).write_text(json.dumps(owner))
+            if failed is not None:
+                raise failed
+            (self.path / MARKER).write_text(json.dumps(process_record()))
             with open(probe, "wb") as f:
                 f.write(b"\0" * ALIGN)
                 f.flush()
@@ -141,8 +205,8 @@ class ScratchDir:
             ) from None
 
     def remove(self) -> None:
-        shutil.rmtree(self.path, ignore_errors=True)
-        _LIVE.discard(self)
+        """Remove the directory and release its lock (once; later calls do nothing)."""
+        self._finalizer()
 
 
 def on_every_rank(world: Communicator, what: str, make: Any, undo: Any = None) -> Any:
@@ -183,39 +247,52 @@ def _read_at(fd: int, out: memoryview, offset: int) -> int:
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
+    if t.device.type != "cpu":  # the state of a host step; a device tensor here is a wiring bug, said plainly
+        raise OffloadError(f"a swap file holds host memory; got a tensor on {t.device} (a bug in shardtrain)")
     return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
 
 
 class SwapFiles:
-    """One file per (stepped tensor, state key) in a scratch directory; errors name the file."""
+    """One file per (stepped tensor, state key) in a scratch directory, opened only for each read or write (see
+    [Note: bounded descriptors]); errors name the file."""
 
     def __init__(self, scratch: ScratchDir, rank: int) -> None:
         self.scratch, self.rank = scratch, rank
-        self._fds: dict[tuple[int, str], int] = {}
         self._lock = threading.Lock()
         self.bytes_read = self.bytes_written = 0  # since construction (benchmarks report the bandwidth)
+        self.open_now = self.most_open = 0  # descriptors open at once (tests read the most)
 
     def path(self, member: int, key: str) -> Path:
         return self.scratch.path / f"{member}.{key}.bin"
 
-    def _fd(self, member: int, key: str) -> int:
+    @contextlib.contextmanager
+    def _open(self, member: int, key: str, flags: int) -> Any:
+        fd = os.open(self.path(member, key), flags | os.O_CLOEXEC, 0o600)
         with self._lock:
-            if (member, key) not in self._fds:
-                self._fds[(member, key)] = os.open(self.path(member, key), os.O_RDWR | os.O_CREAT, 0o600)
-            return self._fds[(member, key)]
+            self.open_now += 1
+            self.most_open = max(self.most_open, self.open_now)
+        try:
+            yield fd
+        finally:
+            with self._lock:
+                self.open_now -= 1
+            os.close(fd)
 
     def write(self, member: int, key: str, t: torch.Tensor) -> None:
         data = _bytes_of(t.detach().contiguous())
+        if not len(data):
+            return  # an empty fragment has no file
         try:
-            fd, done = self._fd(member, key), 0
-            while done < len(data):
-                n = _write_at(fd, data[done:], done)
-                if n <= 0:
-                    raise OSError(0, f"wrote {done} of {len(data)} bytes")
-                done += n
-            if done >= DROP_BYTES:  # see [Note: page cache]
-                os.fdatasync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            with self._open(member, key, os.O_WRONLY | os.O_CREAT) as fd:
+                done = 0
+                while done < len(data):
+                    n = _write_at(fd, data[done:], done)
+                    if n <= 0:
+                        raise OSError(0, f"wrote {done} of {len(data)} bytes")
+                    done += n
+                if done >= DROP_BYTES:  # see [Note: page cache]
+                    os.fdatasync(fd)
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             with self._lock:
                 self.bytes_written += done
         except OSError as err:
@@ -226,15 +303,18 @@ class SwapFiles:
 
     def read(self, member: int, key: str, out: torch.Tensor) -> None:
         data = _bytes_of(out)
+        if not len(data):
+            return
         try:
-            fd, done = self._fd(member, key), 0
-            while done < len(data):
-                n = _read_at(fd, data[done:], done)
-                if n <= 0:
-                    raise OSError(0, f"the file ends after {done} of {len(data)} bytes")
-                done += n
-            if done >= DROP_BYTES:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            with self._open(member, key, os.O_RDONLY) as fd:
+                done = 0
+                while done < len(data):
+                    n = _read_at(fd, data[done:], done)
+                    if n <= 0:
+                        raise OSError(0, f"the file ends after {done} of {len(data)} bytes")
+                    done += n
+                if done >= DROP_BYTES:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             with self._lock:
                 self.bytes_read += done
         except OSError as err:
@@ -245,13 +325,10 @@ class SwapFiles:
 
     def mapped(self, member: int, key: str, dtype: torch.dtype, numel: int, shared: bool = False) -> torch.Tensor:
         """The file as a tensor whose pages are read when touched, never all at once; ``shared``: writes to the
-        tensor go to the file (else they stay private to it)."""
+        tensor go to the file (else they stay private to it). The mapping keeps no descriptor open."""
         if numel == 0:
             return torch.empty(0, dtype=dtype)
         return torch.from_file(str(self.path(member, key)), shared=shared, size=numel, dtype=dtype)
 
     def close(self) -> None:
-        with self._lock:
-            for fd in self._fds.values():
-                os.close(fd)
-            self._fds.clear()
+        """Nothing stays open between reads and writes; kept for the callers' symmetry."""
