@@ -10,7 +10,16 @@ import torch
 import torch.distributed as dist
 
 from shardtrain.testing import DistributedFailure, run_distributed
-from tp_cases import Case, assert_parity, build_engine, global_batches, reference_run, run_cases, train
+from tp_cases import (
+    Case,
+    assert_parity,
+    build_engine,
+    forward_engine,
+    global_batches,
+    reference_run,
+    run_cases,
+    train,
+)
 
 
 @functools.cache
@@ -137,6 +146,40 @@ def _load_full(stage: int) -> bool:
     engine.load_full_state_dict(other if dist.get_rank() == 0 else None)
     full = engine.full_state_dict()
     return full is None or all(torch.equal(full[k], v) for k, v in other.items())
+
+
+def _unmarked_norms(stages: list[int]) -> list[str | None]:
+    """Qwen3 with its own plan minus ``replicated_with_grad_allreduce`` on the per-head q/k norms, through the
+    engine: the first backward's error at each stage (None: trained on)."""
+    import shardtrain
+    from shardtrain.errors import LayoutError
+    from shardtrain.tensor_parallel import hf_tp_plan
+    from tp_cases import config_for, make_model, make_optimizer
+
+    case = Case(model="qwen3")
+    out = []
+    for stage in stages:
+        model = make_model(case)
+        plan = {k: v for k, v in hf_tp_plan(model).items() if not k.endswith("_norm")}
+        engine = shardtrain.initialize(
+            model, config=config_for(case, stage, 2), optimizer=make_optimizer(model, case.lr), tp_plan=plan
+        )
+        x, y = global_batches(case, 1, 1)[0]
+        try:
+            engine.backward(forward_engine(engine, x, y))
+            out.append(None)
+        except LayoutError as err:
+            out.append(str(err))
+        engine.close()
+    return out
+
+
+def test_replicated_norms_without_their_style_are_refused_at_the_first_backward():
+    """The engine's reducer sums partial gradients in hooks of its own: the check's hooks see the gradients before
+    them, at every stage, and the error names the parameters and the style to add."""
+    for stage, message in zip([1, 3], run_distributed(_unmarked_norms, 2, [1, 3])[0]):
+        assert message is not None, f"stage {stage}: q/k norms with tp-partial gradients trained on, unnoticed"
+        assert "model.layers.1.self_attn.k_norm.weight" in message and "replicated_with_grad_allreduce" in message
 
 
 @pytest.mark.parametrize("stage", [1, 3])

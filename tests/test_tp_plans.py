@@ -282,6 +282,53 @@ def _boxed_input_error(comm) -> str | None:
     return None
 
 
+SCALE_PLAN = {"mlp.up": "colwise", "mlp.down": "rowwise"}  # mlp.scale: replicated, applied to the split hidden
+
+
+def _first_backward(comm, build, plan, batch) -> dict:
+    """Parallelize ``build()`` with ``plan``, one forward and backward on ``batch``: the LayoutError message of the
+    replicated-gradient check, or the gradient errors against one process when it passes."""
+    ref = build()
+    model = copy.deepcopy(ref)
+    placements = parallelize(model, plan, comm)
+    try:
+        _loss(model, batch).backward()
+    except LayoutError as err:
+        return {"error": str(err)}
+    _loss(ref, batch).backward()
+    sum_partial_gradients(model, placements, comm)
+    return {"error": None, "grads": _grad_errors(comm, model, ref, placements)}
+
+
+def _loss(model, batch) -> torch.Tensor:
+    return model(input_ids=batch).logits.square().mean() if torch.is_tensor(batch) else model(*batch).square().sum()
+
+
+def _unmarked_qwen3_plan() -> dict:
+    return {k: v for k, v in hf_tp_plan(_qwen3()).items() if not k.endswith("_norm")}  # q_norm, k_norm left out
+
+
+def _replicated_grad_cases(comm) -> dict:
+    def net():
+        torch.manual_seed(3)
+        return _GatherNet()
+
+    x = (torch.randn(4, 12),)
+    out = {
+        "unmarked": _first_backward(comm, net, SCALE_PLAN, x),
+        "marked": _first_backward(comm, net, {**SCALE_PLAN, "mlp.scale": "replicated_with_grad_allreduce"}, x),
+        "overmarked": _first_backward(
+            comm,
+            net,
+            {**SCALE_PLAN, "*.scale": "replicated_with_grad_allreduce", "norm": "replicated_with_grad_allreduce"},
+            x,
+        ),
+    }
+    if comm.size != 3:
+        out["qwen3"] = _first_backward(comm, _qwen3, _unmarked_qwen3_plan(), torch.randint(0, VOCAB, (2, SEQ)))
+    return out
+
+
 def _error(build, plan, comm) -> str | None:
     """The LayoutError message of parallelizing ``build()`` with ``plan``; checks the model was left unchanged."""
     model = build()
@@ -330,6 +377,7 @@ def _run(world: int) -> dict:
         "x_keyword": _keyword_case(comm, cross=False),
         "cross_keyword": _keyword_case(comm, cross=True),
         "boxed_input": _boxed_input_error(comm),
+        "replicated_grads": _replicated_grad_cases(comm),
         "errors": _error_cases(comm),
     }
     if world != 3:  # 3 divides neither Llama's nor Qwen3's heads: the error case above covers it
@@ -416,6 +464,30 @@ def test_gather_input_hidden_in_an_object_is_refused(world):
     message = _results(world)[0]["boxed_input"]
     assert message is not None, "a tensor requiring grad inside an opaque object entered a gather module unsummed"
     assert message.startswith("mlp: its input args[0] is a _Boxed holding a tensor that requires grad (.hidden)")
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_replicated_parameter_on_split_activations_needs_its_style(world):
+    """A replicated parameter applied to a split activation (``mlp.scale`` on the hidden block of a colwise layer,
+    Qwen3's per-head q/k norms) gets a partial gradient on each rank: without ``replicated_with_grad_allreduce``
+    the replicas drift apart, silently before the check. Now the first backward raises, naming the parameters and
+    the style; with the style, the gradients equal one process's. The converse, a parameter used on replicated
+    activations marked anyway (its gradient would be counted tp times), is refused too."""
+    for result in _results(world):
+        r = result["replicated_grads"]
+        unmarked = r["unmarked"]["error"]
+        assert unmarked is not None, "a replicated parameter with tp-partial gradients trained on, unnoticed"
+        assert unmarked.startswith("the replicated parameters ['mlp.scale'] got different gradients"), unmarked
+        assert "'mlp.scale': 'replicated_with_grad_allreduce'" in unmarked, unmarked
+        assert r["marked"]["error"] is None, r["marked"]["error"]
+        assert max(r["marked"]["grads"].values()) < TOL, r["marked"]["grads"]
+        overmarked = r["overmarked"]["error"]
+        assert overmarked is not None and overmarked.startswith("['norm.weight', 'norm.bias'] are marked"), overmarked
+        assert f"would count it {world} times" in overmarked, overmarked
+        if world != 3:
+            qwen3 = r["qwen3"]["error"]
+            assert qwen3 is not None and "model.layers.0.self_attn.q_norm.weight" in qwen3, qwen3
+            assert "'model.layers.*.self_attn.q_norm.weight': 'replicated_with_grad_allreduce'" in qwen3, qwen3
 
 
 @pytest.mark.parametrize("world", WORLDS)

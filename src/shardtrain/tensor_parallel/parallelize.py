@@ -32,6 +32,7 @@ from shardtrain.comm import Communicator
 from shardtrain.errors import LayoutError
 from shardtrain.tensor_parallel.communication import copy_to_tp_region, reduce_from_tp_region
 from shardtrain.tensor_parallel.embedding import HiddenParallelEmbedding, VocabParallelEmbedding
+from shardtrain.tensor_parallel.grad_check import ReplicatedGradCheck
 from shardtrain.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from shardtrain.tensor_parallel.loss import VocabParallelCrossEntropy
 from shardtrain.tensor_parallel.placement import ParameterSharder, TPPlacement
@@ -64,7 +65,11 @@ _LAYERS = {
 
 
 def parallelize(
-    model: nn.Module, plan: Mapping[str, str | TPStyle] | TPPlan | None, tp_comm: Communicator
+    model: nn.Module,
+    plan: Mapping[str, str | TPStyle] | TPPlan | None,
+    tp_comm: Communicator,
+    *,
+    check_replicated_grads: bool = True,
 ) -> dict[str, TPPlacement]:
     """Apply a tensor-parallel plan to ``model`` in place, over the group of ``tp_comm``.
 
@@ -74,6 +79,11 @@ def parallelize(
 
     Returns every ``model.named_parameters()`` name -> :class:`TPPlacement` (replicated ones included). Raises
     :class:`LayoutError`, leaving the model unchanged, if the plan cannot be applied.
+
+    ``check_replicated_grads``: at the end of the first backward, compare the gradients of the replicated
+    parameters across the group once and raise :class:`LayoutError` naming any that differ (applied to split
+    activations without ``replicated_with_grad_allreduce``) or that are marked to be summed but already agree
+    ([Note: replicated gradients across tensor-parallel ranks]).
     """
     explicit = plan is not None
     tp_plan = as_plan(plan) if explicit else TPPlan(styles=hf_tp_plan(model))
@@ -133,10 +143,16 @@ def parallelize(
     model.register_forward_pre_hook(lambda _m, _args: rng.exit())
     model.register_forward_hook(lambda _m, _args, _out: rng.exit(), always_call=True)
 
-    return {
+    placements = {
         name: planned[id(p)][0] if id(p) in planned else TPPlacement(None, 1, tuple(p.shape))
         for name, p in model.named_parameters()
     }
+    if check_replicated_grads and size > 1:  # registered before any hook that sums gradients (the engine's)
+        params = dict(model.named_parameters())
+        replicated = {n: (params[n], pl.partial_grad) for n, pl in placements.items() if pl.dim is None}
+        # kept alive by its hooks, which it removes once done
+        ReplicatedGradCheck({n: v for n, v in replicated.items() if v[0].requires_grad}, tp_comm)
+    return placements
 
 
 def sum_partial_gradients(model: nn.Module, placements: Mapping[str, TPPlacement], tp_comm: Communicator) -> None:
