@@ -11,13 +11,16 @@ import torch.distributed as dist
 
 from shardtrain.testing import DistributedFailure, run_distributed
 from tp_cases import (
+    SGD_MOVED_FRAC,
     Case,
+    assert_params_parity,
     assert_parity,
     build_engine,
     forward_engine,
     global_batches,
     reference_run,
     run_cases,
+    sgd_case,
     train,
 )
 
@@ -30,7 +33,7 @@ def reference(case: Case, dp: int, steps: int | None = None) -> dict:
 def _check(cases: list[tuple[Case, int, int]], results: list[dict], world: int) -> None:
     failures = []
     for (case, stage, tp), r in zip(cases, results):
-        what = f"{case.model} {case.dtype} (dp {world // tp}, tp {tp}) stage {stage}"
+        what = f"{case.model} {case.dtype} {case.optimizer} (dp {world // tp}, tp {tp}) stage {stage}"
         try:
             assert_parity(r, reference(case, world // tp), what)
         except AssertionError as err:
@@ -40,8 +43,10 @@ def _check(cases: list[tuple[Case, int, int]], results: list[dict], world: int) 
 
 def test_parity_tp2():
     """(dp 1, tp 2): the project's GPT at every stage, HF Llama and Qwen3 with their own plans, HF GPT-2 with the
-    strided plan, and bf16."""
+    strided plan, and bf16; with SGD (a wrongly scaled gradient fails those: tp_cases) the GPT at every stage,
+    Qwen3 (partial gradients summed) and GPT-2."""
     cases = [(Case(), s, 2) for s in range(4)]
+    cases += [(sgd_case(), s, 2) for s in range(4)] + [(sgd_case(model="qwen3"), 2, 2), (sgd_case(model="gpt2"), 3, 2)]
     cases += [(Case(model="llama"), 0, 2), (Case(model="llama"), 3, 2), (Case(model="gpt2"), 2, 2)]
     cases += [(Case(model="qwen3"), 2, 2)]  # q/k norms: replicated, gradients summed over the tp group
     cases += [(Case(dtype="bf16", steps=3), 1, 2), (Case(model="llama", dtype="bf16", steps=3), 3, 2)]
@@ -49,10 +54,34 @@ def test_parity_tp2():
 
 
 def test_parity_world4():
-    """(dp 2, tp 2) and (dp 1, tp 4) at every stage; HF Llama and GPT-2 at (dp 2, tp 2)."""
+    """(dp 2, tp 2) and (dp 1, tp 4) at every stage; HF Llama and GPT-2 at (dp 2, tp 2); SGD at (dp 2, tp 2)
+    stages 1 and 3, and (dp 1, tp 4) stage 2."""
     cases = [(Case(), s, tp) for tp in (2, 4) for s in range(4)]
+    cases += [(sgd_case(), 1, 2), (sgd_case(), 3, 2), (sgd_case(), 2, 4)]
     cases += [(Case(model="llama"), 1, 2), (Case(model="gpt2"), 3, 2), (Case(dtype="bf16", steps=3), 2, 2)]
     _check(cases, run_distributed(run_cases, 4, cases, timeout=600)[0], 4)
+
+
+def _doubled_gradient(cases: list[Case]) -> list[dict]:
+    """(dp 1, tp 2) stage 1, with one tensor's gradient doubled on every rank (as a gradient summed twice would be)."""
+    out = []
+    for case in cases:
+        engine = build_engine(case, 1, 2)
+        engine.module.get_submodule("blocks.0.mlp.0").weight.register_hook(lambda g: 2 * g)
+        losses, norms = train(engine, case, global_batches(case, 1), range(case.steps))
+        out.append({"losses": losses, "norms": norms, "params": engine.full_state_dict()})
+        engine.close()
+    return out
+
+
+def test_sgd_parity_catches_a_gradient_scale_adamw_does_not():
+    """Why the SGD cases: a doubled gradient leaves AdamW's parameters within their bound (its update ignores the
+    scale; only the gradient-norm check could notice), while SGD's bound names the tensor."""
+    adamw, sgd = Case(clip=0.0), sgd_case()
+    results = run_distributed(_doubled_gradient, 2, [adamw, sgd])[0]
+    assert_params_parity(results[0], reference(adamw, 1), "adamw, one gradient doubled", 5e-3)  # blind to it
+    with pytest.raises(AssertionError, match=r"sgd, one gradient doubled: blocks\.0\.mlp\.0\.weight: error"):
+        assert_params_parity(results[1], reference(sgd, 1), "sgd, one gradient doubled", SGD_MOVED_FRAC)
 
 
 # -- checkpoints across layouts ------------------------------------------------------------------------------------
