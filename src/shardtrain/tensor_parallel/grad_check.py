@@ -53,8 +53,10 @@ class ReplicatedGradCheck:
 
     def _record(self, name: str, grad: torch.Tensor) -> None:
         sketch = _sketch(grad)
-        previous = self._sketches.get(name)  # a parameter reached twice in one backward (reentrant checkpointing)
-        self._sketches[name] = sketch if previous is None else torch.cat([previous[:2], previous[2:] + sketch[2:]])
+        previous = self._sketches.get(name)
+        if previous is not None:  # reached twice in one backward (reentrant checkpointing): the projections add up
+            sketch = torch.cat([previous[:1] + sketch[:1], sketch[1:2], previous[2:] + sketch[2:]])  # norm: a bound
+        self._sketches[name] = sketch
         if not self._queued:  # compare once this backward is over, on every rank at the same point
             self._queued = True
             Variable._execution_engine.queue_callback(self._compare)
@@ -66,16 +68,19 @@ class ReplicatedGradCheck:
         self._sketches.clear()
         for name in names:
             self._handles.pop(name).remove()
-        mine = dict(zip(names, values))
-        everyone = self.comm.all_gather_object(mine, what="sketches of replicated parameters' gradients")
+        everyone = self.comm.all_gather_object(
+            dict(zip(names, values)), what="sketches of replicated parameters' gradients"
+        )
         unmarked: list[tuple[str, float, int]] = []  # (name, relative difference, tp rank)
         overmarked: list[str] = []
-        for name in names:
+        # every rank judges the same names from the same sketches: all raise, or none (no rank left waiting)
+        for name in dict.fromkeys(n for theirs in everyone for n in theirs):
             sketches = [theirs.get(name) for theirs in everyone]
+            rtol = next(s for s in sketches if s is not None)[1]
             difference, rank = _largest_difference(sketches)
-            if not self._partial[name] and difference > mine[name][1]:
+            if not self._partial[name] and difference > rtol:
                 unmarked.append((name, difference, rank))
-            elif self._partial[name] and difference <= mine[name][1] and min(_norm(s) for s in sketches) > 0:
+            elif self._partial[name] and difference <= rtol and min(_norm(s) for s in sketches) > 0:
                 overmarked.append(name)
         if unmarked:
             raise LayoutError(_unmarked_message(unmarked, self.comm.size))
