@@ -10,7 +10,19 @@ import torch
 import torch.distributed as dist
 
 from shardtrain.testing import DistributedFailure, run_distributed
-from tp_cases import Case, assert_parity, build_engine, global_batches, reference_run, run_cases, train
+from tp_cases import (
+    SGD_MOVED_FRAC,
+    Case,
+    assert_params_parity,
+    assert_parity,
+    build_engine,
+    forward_engine,
+    global_batches,
+    reference_run,
+    run_cases,
+    sgd_case,
+    train,
+)
 
 
 @functools.cache
@@ -21,7 +33,7 @@ def reference(case: Case, dp: int, steps: int | None = None) -> dict:
 def _check(cases: list[tuple[Case, int, int]], results: list[dict], world: int) -> None:
     failures = []
     for (case, stage, tp), r in zip(cases, results):
-        what = f"{case.model} {case.dtype} (dp {world // tp}, tp {tp}) stage {stage}"
+        what = f"{case.model} {case.dtype} {case.optimizer} (dp {world // tp}, tp {tp}) stage {stage}"
         try:
             assert_parity(r, reference(case, world // tp), what)
         except AssertionError as err:
@@ -31,8 +43,10 @@ def _check(cases: list[tuple[Case, int, int]], results: list[dict], world: int) 
 
 def test_parity_tp2():
     """(dp 1, tp 2): the project's GPT at every stage, HF Llama and Qwen3 with their own plans, HF GPT-2 with the
-    strided plan, and bf16."""
+    strided plan, and bf16; with SGD (a wrongly scaled gradient fails those: tp_cases) the GPT at every stage,
+    Qwen3 (partial gradients summed) and GPT-2."""
     cases = [(Case(), s, 2) for s in range(4)]
+    cases += [(sgd_case(), s, 2) for s in range(4)] + [(sgd_case(model="qwen3"), 2, 2), (sgd_case(model="gpt2"), 3, 2)]
     cases += [(Case(model="llama"), 0, 2), (Case(model="llama"), 3, 2), (Case(model="gpt2"), 2, 2)]
     cases += [(Case(model="qwen3"), 2, 2)]  # q/k norms: replicated, gradients summed over the tp group
     cases += [(Case(dtype="bf16", steps=3), 1, 2), (Case(model="llama", dtype="bf16", steps=3), 3, 2)]
@@ -40,10 +54,34 @@ def test_parity_tp2():
 
 
 def test_parity_world4():
-    """(dp 2, tp 2) and (dp 1, tp 4) at every stage; HF Llama and GPT-2 at (dp 2, tp 2)."""
+    """(dp 2, tp 2) and (dp 1, tp 4) at every stage; HF Llama and GPT-2 at (dp 2, tp 2); SGD at (dp 2, tp 2)
+    stages 1 and 3, and (dp 1, tp 4) stage 2."""
     cases = [(Case(), s, tp) for tp in (2, 4) for s in range(4)]
+    cases += [(sgd_case(), 1, 2), (sgd_case(), 3, 2), (sgd_case(), 2, 4)]
     cases += [(Case(model="llama"), 1, 2), (Case(model="gpt2"), 3, 2), (Case(dtype="bf16", steps=3), 2, 2)]
     _check(cases, run_distributed(run_cases, 4, cases, timeout=600)[0], 4)
+
+
+def _doubled_gradient(cases: list[Case]) -> list[dict]:
+    """(dp 1, tp 2) stage 1, with one tensor's gradient doubled on every rank (as a gradient summed twice would be)."""
+    out = []
+    for case in cases:
+        engine = build_engine(case, 1, 2)
+        engine.module.get_submodule("blocks.0.mlp.0").weight.register_hook(lambda g: 2 * g)
+        losses, norms = train(engine, case, global_batches(case, 1), range(case.steps))
+        out.append({"losses": losses, "norms": norms, "params": engine.full_state_dict()})
+        engine.close()
+    return out
+
+
+def test_sgd_parity_catches_a_gradient_scale_adamw_does_not():
+    """Why the SGD cases: a doubled gradient leaves AdamW's parameters within their bound (its update ignores the
+    scale; only the gradient-norm check could notice), while SGD's bound names the tensor."""
+    adamw, sgd = Case(clip=0.0), sgd_case()
+    results = run_distributed(_doubled_gradient, 2, [adamw, sgd])[0]
+    assert_params_parity(results[0], reference(adamw, 1), "adamw, one gradient doubled", 5e-3)  # blind to it
+    with pytest.raises(AssertionError, match=r"sgd, one gradient doubled: blocks\.0\.mlp\.0\.weight: error"):
+        assert_params_parity(results[1], reference(sgd, 1), "sgd, one gradient doubled", SGD_MOVED_FRAC)
 
 
 # -- checkpoints across layouts ------------------------------------------------------------------------------------
@@ -137,6 +175,40 @@ def _load_full(stage: int) -> bool:
     engine.load_full_state_dict(other if dist.get_rank() == 0 else None)
     full = engine.full_state_dict()
     return full is None or all(torch.equal(full[k], v) for k, v in other.items())
+
+
+def _unmarked_norms(stages: list[int]) -> list[str | None]:
+    """Qwen3 with its own plan minus ``replicated_with_grad_allreduce`` on the per-head q/k norms, through the
+    engine: the first backward's error at each stage (None: trained on)."""
+    import shardtrain
+    from shardtrain.errors import LayoutError
+    from shardtrain.tensor_parallel import hf_tp_plan
+    from tp_cases import config_for, make_model, make_optimizer
+
+    case = Case(model="qwen3")
+    out = []
+    for stage in stages:
+        model = make_model(case)
+        plan = {k: v for k, v in hf_tp_plan(model).items() if not k.endswith("_norm")}
+        engine = shardtrain.initialize(
+            model, config=config_for(case, stage, 2), optimizer=make_optimizer(model, case.lr), tp_plan=plan
+        )
+        x, y = global_batches(case, 1, 1)[0]
+        try:
+            engine.backward(forward_engine(engine, x, y))
+            out.append(None)
+        except LayoutError as err:
+            out.append(str(err))
+        engine.close()
+    return out
+
+
+def test_replicated_norms_without_their_style_are_refused_at_the_first_backward():
+    """The engine's reducer sums partial gradients in hooks of its own: the check's hooks see the gradients before
+    them, at every stage, and the error names the parameters and the style to add."""
+    for stage, message in zip([1, 3], run_distributed(_unmarked_norms, 2, [1, 3])[0]):
+        assert message is not None, f"stage {stage}: q/k norms with tp-partial gradients trained on, unnoticed"
+        assert "model.layers.1.self_attn.k_norm.weight" in message and "replicated_with_grad_allreduce" in message
 
 
 @pytest.mark.parametrize("stage", [1, 3])

@@ -8,7 +8,9 @@ in fp32 to 1e-5:
 * a tiny Hugging Face Llama (grouped-query attention) with no plan argument: its own plan is used;
 * a tiny Qwen3 with no plan argument (its per-head q/k norms are ``replicated_with_grad_allreduce``);
 * a tiny Hugging Face GPT-2 with ``GPT2_TP_PLAN`` (strided Conv1D ``c_attn``, tied head);
-* a module using ``gather`` with ``local_colwise``/``local_rowwise`` children.
+* a module using ``gather`` with ``local_colwise``/``local_rowwise`` children; the same called with its input as
+  ``x=``, and with a second tensor input ``encoder_hidden_states=`` (every input's gradient, and those of the
+  parameters upstream, must be summed over the ranks, not only the first positional one's).
 
 A world size that does not divide a model's sizes must raise an error naming the parameter.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import functools
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -126,6 +129,51 @@ class _GatherNet(nn.Module):
 LOCAL_PLAN = {"mlp": "gather", "mlp.up": "local_colwise", "mlp.down": "local_rowwise"}
 
 
+class _CrossMLP(nn.Module):
+    """A ``gather`` module with a second tensor input, as cross-attention has: both inputs enter the region."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(12, 24)
+        self.ctx = nn.Linear(12, 24)
+        self.down = nn.Linear(24, 12)
+
+    def forward(self, x, encoder_hidden_states=None):
+        context = x if encoder_hidden_states is None else encoder_hidden_states  # [B, S, 12]
+        gate = torch.sigmoid(self.ctx(context)).mean(-2, keepdim=True)  # [B, 1, 24/N], this rank's features
+        return self.down(torch.relu(self.up(x)) * gate)  # up: [B, T, 24/N]
+
+
+class _KeywordNet(nn.Module):
+    """Calls its ``gather`` module with keywords: ``mlp(x=...)``, or ``mlp(h, encoder_hidden_states=...)``."""
+
+    def __init__(self, cross: bool) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(12)
+        self.enc = nn.Linear(12, 12)
+        self.mlp = _CrossMLP()
+        self.cross = cross
+
+    def forward(self, x, context):
+        h = self.norm(x)
+        if self.cross:
+            return x + self.mlp(h, encoder_hidden_states=self.enc(context))
+        return x + self.mlp(x=h) + self.enc(context).mean(-2, keepdim=True)
+
+
+KEYWORD_PLAN = {"mlp": "gather", "mlp.up": "local_colwise", "mlp.ctx": "local_colwise", "mlp.down": "local_rowwise"}
+
+
+@dataclass
+class _Boxed:
+    hidden: torch.Tensor
+
+
+class _BoxedMLP(_GatherMLP):
+    def forward(self, box: _Boxed):
+        return super().forward(box.hidden)
+
+
 def _grad_errors(comm, model, ref, placements) -> dict[str, float]:
     ref_params = dict(ref.named_parameters())
     out = {}
@@ -203,6 +251,84 @@ def _gather_case(comm) -> dict:
     }
 
 
+def _keyword_case(comm, cross: bool) -> dict:
+    torch.manual_seed(2)
+    ref = _KeywordNet(cross)
+    model = copy.deepcopy(ref)
+    x, context = torch.randn(2, 5, 12), torch.randn(2, 3, 12)
+    inputs_ref = [x.clone().requires_grad_(), context.clone().requires_grad_()]
+    inputs = [x.clone().requires_grad_(), context.clone().requires_grad_()]
+    ref(*inputs_ref).square().sum().backward()
+    placements = parallelize(model, KEYWORD_PLAN, comm)
+    out = model(*inputs)
+    out.square().sum().backward()
+    sum_partial_gradients(model, placements, comm)
+    return {
+        "out": (out - ref(*inputs_ref)).abs().max().item(),
+        "grads": _grad_errors(comm, model, ref, placements),
+        "inputs": [(a.grad - b.grad).abs().max().item() for a, b in zip(inputs, inputs_ref)],
+    }
+
+
+def _boxed_input_error(comm) -> str | None:
+    """A region input the pytree walk cannot see into, holding a tensor that requires grad: refused by name."""
+    model = _GatherNet()
+    model.mlp = _BoxedMLP()
+    parallelize(model, LOCAL_PLAN, comm)
+    try:
+        model.mlp(_Boxed(torch.randn(2, 12, requires_grad=True)))
+    except LayoutError as err:
+        return str(err)
+    return None
+
+
+SCALE_PLAN = {"mlp.up": "colwise", "mlp.down": "rowwise"}  # mlp.scale: replicated, applied to the split hidden
+
+
+def _first_backward(comm, build, plan, batch) -> dict:
+    """Parallelize ``build()`` with ``plan``, one forward and backward on ``batch``: the LayoutError message of the
+    replicated-gradient check, or the gradient errors against one process when it passes."""
+    ref = build()
+    model = copy.deepcopy(ref)
+    placements = parallelize(model, plan, comm)
+    try:
+        _loss(model, batch).backward()
+    except LayoutError as err:
+        return {"error": str(err)}
+    _loss(ref, batch).backward()
+    sum_partial_gradients(model, placements, comm)
+    return {"error": None, "grads": _grad_errors(comm, model, ref, placements)}
+
+
+def _loss(model, batch) -> torch.Tensor:
+    return model(input_ids=batch).logits.square().mean() if torch.is_tensor(batch) else model(*batch).square().sum()
+
+
+def _unmarked_qwen3_plan() -> dict:
+    return {k: v for k, v in hf_tp_plan(_qwen3()).items() if not k.endswith("_norm")}  # q_norm, k_norm left out
+
+
+def _replicated_grad_cases(comm) -> dict:
+    def net():
+        torch.manual_seed(3)
+        return _GatherNet()
+
+    x = (torch.randn(4, 12),)
+    out = {
+        "unmarked": _first_backward(comm, net, SCALE_PLAN, x),
+        "marked": _first_backward(comm, net, {**SCALE_PLAN, "mlp.scale": "replicated_with_grad_allreduce"}, x),
+        "overmarked": _first_backward(
+            comm,
+            net,
+            {**SCALE_PLAN, "*.scale": "replicated_with_grad_allreduce", "norm": "replicated_with_grad_allreduce"},
+            x,
+        ),
+    }
+    if comm.size != 3:
+        out["qwen3"] = _first_backward(comm, _qwen3, _unmarked_qwen3_plan(), torch.randint(0, VOCAB, (2, SEQ)))
+    return out
+
+
 def _error(build, plan, comm) -> str | None:
     """The LayoutError message of parallelizing ``build()`` with ``plan``; checks the model was left unchanged."""
     model = build()
@@ -248,6 +374,10 @@ def _run(world: int) -> dict:
         "gpt_tied": _gpt_case(comm, tie=True),
         "gpt2": _hf_case(comm, _gpt2, GPT2_TP_PLAN),
         "gather": _gather_case(comm),
+        "x_keyword": _keyword_case(comm, cross=False),
+        "cross_keyword": _keyword_case(comm, cross=True),
+        "boxed_input": _boxed_input_error(comm),
+        "replicated_grads": _replicated_grad_cases(comm),
         "errors": _error_cases(comm),
     }
     if world != 3:  # 3 divides neither Llama's nor Qwen3's heads: the error case above covers it
@@ -312,6 +442,52 @@ def test_gather_with_local_children(world):
         assert r["out"] < TOL and max(r["grads"].values()) < TOL, r
         # the local row layer's bias and every replicated parameter inside the gather see partial gradients
         assert r["partial"] == ["mlp.down.bias", "mlp.scale"]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("case", ["x_keyword", "cross_keyword"])
+def test_gather_inputs_passed_by_keyword(world, case):
+    """Every input of a gather module that requires grad gets Megatron's f, however it is passed: the input as
+    ``x=``, and a second input ``encoder_hidden_states=``. Gradients of the inputs and of the parameters upstream
+    (``norm``, ``enc``) equal one process's (before the fix: f on ``args[0]``/``hidden_states`` only, so these
+    were each rank's partial sums)."""
+    for result in _results(world):
+        r = result[case]
+        assert r["out"] < TOL, r
+        assert max(r["inputs"]) < TOL, (case, "input gradients", r["inputs"])
+        worst = max(r["grads"], key=r["grads"].get)
+        assert r["grads"][worst] < TOL, (case, worst, r["grads"][worst])
+
+
+@pytest.mark.parametrize("world", [2])
+def test_gather_input_hidden_in_an_object_is_refused(world):
+    message = _results(world)[0]["boxed_input"]
+    assert message is not None, "a tensor requiring grad inside an opaque object entered a gather module unsummed"
+    assert message.startswith("mlp: its input args[0] is a _Boxed holding a tensor that requires grad (.hidden)")
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_replicated_parameter_on_split_activations_needs_its_style(world):
+    """A replicated parameter applied to a split activation (``mlp.scale`` on the hidden block of a colwise layer,
+    Qwen3's per-head q/k norms) gets a partial gradient on each rank: without ``replicated_with_grad_allreduce``
+    the replicas drift apart, silently before the check. Now the first backward raises, naming the parameters and
+    the style; with the style, the gradients equal one process's. The converse, a parameter used on replicated
+    activations marked anyway (its gradient would be counted tp times), is refused too."""
+    for result in _results(world):
+        r = result["replicated_grads"]
+        unmarked = r["unmarked"]["error"]
+        assert unmarked is not None, "a replicated parameter with tp-partial gradients trained on, unnoticed"
+        assert unmarked.startswith("the replicated parameters ['mlp.scale'] got different gradients"), unmarked
+        assert "'mlp.scale': 'replicated_with_grad_allreduce'" in unmarked, unmarked
+        assert r["marked"]["error"] is None, r["marked"]["error"]
+        assert max(r["marked"]["grads"].values()) < TOL, r["marked"]["grads"]
+        overmarked = r["overmarked"]["error"]
+        assert overmarked is not None and overmarked.startswith("['norm.weight', 'norm.bias'] are marked"), overmarked
+        assert f"would count it {world} times" in overmarked, overmarked
+        if world != 3:
+            qwen3 = r["qwen3"]["error"]
+            assert qwen3 is not None and "model.layers.0.self_attn.q_norm.weight" in qwen3, qwen3
+            assert "'model.layers.*.self_attn.q_norm.weight': 'replicated_with_grad_allreduce'" in qwen3, qwen3
 
 
 @pytest.mark.parametrize("world", WORLDS)

@@ -10,6 +10,7 @@ Files, lower ones never importing higher ones::
     loss.py           vocab_parallel_cross_entropy, VocabParallelCrossEntropy
     batch_check.py    check_same_batch: every tensor-parallel rank got the same inputs
     rng.py            RegionRNG: per-rank random streams inside tensor-parallel regions
+    grad_check.py     ReplicatedGradCheck: replicated parameters get the same gradient on every tp rank
     communication.py  f, g, gather, scatter: the autograd Functions over a Communicator
     placement.py      TPPlacement and the block arithmetic (shard_block, assemble_blocks)
 

@@ -26,11 +26,13 @@ from collections.abc import Mapping
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from shardtrain.comm import Communicator
 from shardtrain.errors import LayoutError
 from shardtrain.tensor_parallel.communication import copy_to_tp_region, reduce_from_tp_region
 from shardtrain.tensor_parallel.embedding import HiddenParallelEmbedding, VocabParallelEmbedding
+from shardtrain.tensor_parallel.grad_check import ReplicatedGradCheck
 from shardtrain.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from shardtrain.tensor_parallel.loss import VocabParallelCrossEntropy
 from shardtrain.tensor_parallel.placement import ParameterSharder, TPPlacement
@@ -63,7 +65,11 @@ _LAYERS = {
 
 
 def parallelize(
-    model: nn.Module, plan: Mapping[str, str | TPStyle] | TPPlan | None, tp_comm: Communicator
+    model: nn.Module,
+    plan: Mapping[str, str | TPStyle] | TPPlan | None,
+    tp_comm: Communicator,
+    *,
+    check_replicated_grads: bool = True,
 ) -> dict[str, TPPlacement]:
     """Apply a tensor-parallel plan to ``model`` in place, over the group of ``tp_comm``.
 
@@ -73,6 +79,11 @@ def parallelize(
 
     Returns every ``model.named_parameters()`` name -> :class:`TPPlacement` (replicated ones included). Raises
     :class:`LayoutError`, leaving the model unchanged, if the plan cannot be applied.
+
+    ``check_replicated_grads``: at the end of the first backward, compare the gradients of the replicated
+    parameters across the group once and raise :class:`LayoutError` naming any that differ (applied to split
+    activations without ``replicated_with_grad_allreduce``) or that are marked to be summed but already agree
+    ([Note: replicated gradients across tensor-parallel ranks]).
     """
     explicit = plan is not None
     tp_plan = as_plan(plan) if explicit else TPPlan(styles=hf_tp_plan(model))
@@ -132,10 +143,16 @@ def parallelize(
     model.register_forward_pre_hook(lambda _m, _args: rng.exit())
     model.register_forward_hook(lambda _m, _args, _out: rng.exit(), always_call=True)
 
-    return {
+    placements = {
         name: planned[id(p)][0] if id(p) in planned else TPPlacement(None, 1, tuple(p.shape))
         for name, p in model.named_parameters()
     }
+    if check_replicated_grads and size > 1:  # registered before any hook that sums gradients (the engine's)
+        params = dict(model.named_parameters())
+        replicated = {n: (params[n], pl.partial_grad) for n, pl in placements.items() if pl.dim is None}
+        # kept alive by its hooks, which it removes once done
+        ReplicatedGradCheck({n: v for n, v in replicated.items() if v[0].requires_grad}, tp_comm)
+    return placements
 
 
 def sum_partial_gradients(model: nn.Module, placements: Mapping[str, TPPlacement], tp_comm: Communicator) -> None:
@@ -211,14 +228,10 @@ def _build(module, style, comm, rng, sharder, name) -> nn.Module | None:
 
 
 def _install_region_hooks(module: nn.Module, comm: Communicator, rng: RegionRNG, name: str) -> None:
-    """``gather``/``all_reduce``: ``f`` on the first input, ``g`` on the (first) output."""
+    """``gather``/``all_reduce``: ``f`` on every input that carries a gradient, ``g`` on the (first) output."""
 
     def enter(_m, args, kwargs):
-        if args and isinstance(args[0], torch.Tensor):
-            args = (copy_to_tp_region(args[0], comm, name), *args[1:])
-        elif isinstance(kwargs.get("hidden_states"), torch.Tensor):
-            kwargs = {**kwargs, "hidden_states": copy_to_tp_region(kwargs["hidden_states"], comm, name)}
-        return args, kwargs
+        return _enter_region(args, kwargs, comm, name)
 
     def leave(_m, _args, output):
         rng.exit()
@@ -230,3 +243,50 @@ def _install_region_hooks(module: nn.Module, comm: Communicator, rng: RegionRNG,
 
     module.register_forward_pre_hook(enter, with_kwargs=True)
     module.register_forward_hook(leave)
+
+
+def _enter_region(args: tuple, kwargs: dict, comm: Communicator, name: str) -> tuple[tuple, dict]:
+    """Megatron's ``f`` on every tensor of a region's inputs that requires grad, wherever it sits.
+
+    A ``gather``/``all_reduce`` module's inputs are replicated and each rank's ``local_*`` children use them to
+    compute a partial result, so *each* input's gradient is a partial sum over the ranks, not only the first
+    one's: a second input (cross-attention's ``encoder_hidden_states``), or the first passed by keyword (``x=``),
+    would otherwise train on a partial gradient, silently. Inputs are walked as a pytree (tuples, lists, dicts,
+    and whatever types torch.utils._pytree knows); an object it cannot see into that holds a tensor requiring
+    grad is refused by name rather than guessed at.
+    """
+    if not torch.is_grad_enabled():
+        return args, kwargs
+    leaves, spec = pytree.tree_flatten_with_path((args, kwargs))
+    out = []
+    for path, leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            out.append(copy_to_tp_region(leaf, comm, name) if leaf.requires_grad else leaf)
+            continue
+        hidden = _tensor_attribute_requiring_grad(leaf)
+        if hidden is not None:
+            raise LayoutError(
+                f"{name}: its input {_input_name(path)} is a {type(leaf).__name__} holding a tensor that requires "
+                f"grad (.{hidden}); a gather/all_reduce module must sum that tensor's gradient over the "
+                "tensor-parallel ranks but cannot see inside this type. Pass the tensor itself (or in a "
+                "tuple/list/dict), or register the type with torch.utils._pytree."
+            )
+        out.append(leaf)
+    args, kwargs = pytree.tree_unflatten(out, spec)
+    return args, kwargs
+
+
+def _tensor_attribute_requiring_grad(obj: object) -> str | None:
+    fields = getattr(obj, "__dict__", None)
+    if isinstance(obj, (nn.Module, type)) or not isinstance(fields, dict):
+        return None
+    return next((k for k, v in fields.items() if isinstance(v, torch.Tensor) and v.requires_grad), None)
+
+
+def _input_name(path: tuple) -> str:
+    """``args[1]``, ``x``, ``encoder_hidden_states[0]``: where an input sits in the call."""
+    first, rest = path[0], pytree.keystr(path[1:])
+    if first.idx == 0:
+        return f"args{rest}"
+    key, rest = path[1].key, pytree.keystr(path[2:])
+    return f"{key}{rest}"
