@@ -52,14 +52,10 @@ KEYS = [p for p in SUPPORTED if p not in SECTIONS]
 
 # Keys that other work on issue 20 is giving an effect (nothing reads them today); the integrator replaces each entry
 # with its check below once that work is merged.
-PENDING = {
-    _Z + "offload_param.pin_memory": "offload work of issue 20 (nothing reads it yet)",
-    _Z + "offload_param.buffer_count": "offload work of issue 20 (nothing reads it yet)",
-}
+PENDING: dict[str, str] = {}
 # Keys checked below in a mode where they have an effect, and ignored today in another mode that other work on
 # issue 20 is fixing; the integrator adds that mode to their check (or, if it stays without effect, to NO_EFFECT_WHEN).
 PENDING_MODES = {
-    _Z + "offload_optimizer.ratio": "with device cpu: offload work",
     "collective_timeout_s": "when the process group exists before initialize: reliability work",
     _Z + "stage3_prefetch_bucket_size": "in graph mode: graph work",
     _Z + "stage3_gather_check": "in graph mode: graph work",
@@ -513,8 +509,9 @@ def _optimizer_offload_device(tmp: Path) -> None:
 @effect(_Z + "offload_optimizer.nvme_path")
 def _optimizer_nvme_path(tmp: Path) -> None:
     for where in (tmp / "one", tmp / "two"):
-        _offloaded({"offload_optimizer": _nvme(where)})
+        engine = _offloaded({"offload_optimizer": _nvme(where)})  # its swap directory lives as long as the engine
         assert any(where.iterdir()), f"no swap directory in {where}"
+        engine.close()
 
 
 @effect(_Z + "offload_optimizer.pin_memory")
@@ -568,6 +565,25 @@ def _param_offload(tmp: Path) -> None:
     _micro_step(swapped)
     assert swapped.state_bytes()["params"] < resident.state_bytes()["params"] / 2  # shards in mapped files
     assert [f for f in tmp.rglob("param-*.bin") if f.stat().st_size > 0], "no parameter swap file in nvme_path"
+
+
+@effect(_Z + "offload_param.buffer_count")
+def _param_buffer_count(tmp: Path) -> None:
+    _param_offload_built()
+
+    def most_ahead(count: int, where: Path) -> int:
+        offload = {**_nvme(where, max_in_cpu=0), "buffer_count": count}
+        engine = _engine({"zero_optimization": {**_STAGE3, "offload_param": offload}})
+        _micro_step(engine)
+        # ask for every unit ahead of its gather (as a deep prefetch would): the offload reads `count` of them
+        units = engine._units.units
+        for u in units:
+            engine._param_offload.will_need(u)
+        engine._param_offload.done_with(units)
+        return engine._param_offload.most_ahead
+
+    assert most_ahead(1, tmp / "a") == 1
+    assert most_ahead(3, tmp / "b") == 3
 
 
 @effect(_Z + "offload_param.max_in_cpu")
@@ -821,9 +837,8 @@ def world_1_outcomes(tmp_path_factory) -> dict[str, tuple[str, str]]:
 
 
 def test_every_supported_key_has_an_effect_check():
-    assert set(PENDING) == {_Z + "offload_param.pin_memory", _Z + "offload_param.buffer_count"}
+    assert set(PENDING) == set()
     assert set(PENDING_MODES) == {
-        _Z + "offload_optimizer.ratio",
         "collective_timeout_s",
         _Z + "stage3_prefetch_bucket_size",
         _Z + "stage3_gather_check",
@@ -937,6 +952,7 @@ MODE_EXAMPLES: list[tuple[str, dict]] = [
     (_Z + "offload_param.device", {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}),
     (_Z + "offload_param.nvme_path", {"zero_optimization": {"stage": 3, "offload_param": {"nvme_path": "/x"}}}),
     (_Z + "offload_param.max_in_cpu", {"zero_optimization": {"stage": 3, "offload_param": {"max_in_cpu": 0}}}),
+    (_Z + "offload_param.buffer_count", {"zero_optimization": {"stage": 3, "offload_param": {"buffer_count": 2}}}),
     *((f"fp16.{key}", {"fp16": {key: 2}}) for key in ("loss_scale", "loss_scale_window", "hysteresis")),
     *((f"fp16.{key}", {"fp16": {"enabled": True, "loss_scale": 128, key: 2}}) for key in ("initial_scale_power",)),
     ("fp16.min_loss_scale", {"fp16": {"enabled": True, "loss_scale": 128, "min_loss_scale": 2}}),
@@ -980,7 +996,7 @@ def test_keys_in_a_mode_where_they_act_are_not_reported():
             "allgather_bucket_size": 10,
             "sub_group_size": 10,
             "offload_optimizer": {"device": "nvme", "nvme_path": "/x", "buffer_count": 2, "ratio": 0.5},
-            "offload_param": {"device": "nvme", "nvme_path": "/x", "max_in_cpu": 0},
+            "offload_param": {"device": "nvme", "nvme_path": "/x", "max_in_cpu": 0, "buffer_count": 2},
         },
         "fp16": {"enabled": True, "hysteresis": 1, "min_loss_scale": 2},
         "tensorboard": {"enabled": True, "job_name": "x"},

@@ -72,8 +72,6 @@ class _OffloadSection(_Section):
     """Where the state lives between uses: ``none`` (where it is used), ``cpu`` (host memory), ``nvme`` (files)."""
     nvme_path: str | None = None
     """Directory for the swap files (device ``nvme``); each rank makes its own scratch directory in it."""
-    pin_memory: bool = False
-    """Page-locked host buffers (CUDA: faster copies to and from the GPU; no effect on a CPU-only machine)."""
 
     @model_validator(mode="after")
     def _path_with_nvme(self) -> _OffloadSection:
@@ -85,17 +83,20 @@ class _OffloadSection(_Section):
 class OffloadOptimizerConfig(_OffloadSection):
     """DeepSpeed's ``offload_optimizer``: optimizer state (and fp32 masters) in host memory or in files."""
 
+    pin_memory: bool = False
+    """Page-locked host buffers (CUDA: faster copies to and from the GPU; no effect on a CPU-only machine)."""
     buffer_count: Count = 4
     """Device ``nvme``: sub-group buffers in flight (one being stepped, the others read ahead or written back)."""
     ratio: float = Field(default=1.0, gt=0, le=1)
-    """Fraction of the rank's optimizer-state elements offloaded (the first sub-groups); the rest stays resident."""
+    """Fraction of the rank's optimizer-state elements offloaded (the first sub-groups): ``nvme``, the share in swap
+    files; ``cpu`` on CUDA, the share stepped on the host (the rest on the GPU)."""
 
 
 class OffloadParamConfig(_OffloadSection):
     """DeepSpeed's ``offload_param`` (stage 3): parameter shards of units in host memory or in files."""
 
     buffer_count: Count = 5
-    """Device ``nvme``: unit-shard buffers in flight."""
+    """Device ``nvme``: units read ahead of their gather at most (the next read waits until one is gathered)."""
     max_in_cpu: Size = 1_000_000_000
     """Device ``nvme``: parameter elements kept in host memory (the first units) instead of on disk."""
 

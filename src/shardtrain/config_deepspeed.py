@@ -365,7 +365,9 @@ RULES: tuple[Rule, ...] = (
     _supported(
         _Z + "offload_optimizer.ratio",
         "0 < float ≤ 1, `1`",
-        "fraction of the rank's optimizer-state elements offloaded (the first sub-groups); the rest stays resident",
+        "fraction of the rank's optimizer-state elements offloaded (the first sub-groups): `nvme`, the share in swap "
+        "files, the rest resident; `cpu` on CUDA, the share with host masters stepped on the CPU, the rest stepped on "
+        "the GPU (DeepSpeed's partial offload); `cpu` without a GPU, none (`initialize` warns)",
     ),
     _no_effect(
         _Z + "offload_optimizer.pipeline_read",
@@ -398,11 +400,18 @@ RULES: tuple[Rule, ...] = (
         "parameters are on a CPU-only machine (both are refused on CUDA, not built there yet)",
     ),
     _supported(_Z + "offload_param.nvme_path", "path", "directory for the parameter swap files"),
-    _supported(_Z + "offload_param.pin_memory", "bool, `false`", "page-locked host buffers (CUDA only)"),
+    _no_effect(
+        _Z + "offload_param.pin_memory",
+        "bool",
+        "parameter offload is built for CPU-only machines (refused on CUDA), where no device copies from "
+        "page-locked memory",
+        check=StrictBool,
+    ),
     _supported(
         _Z + "offload_param.buffer_count",
         "int ≥ 1, `5`",
-        "checked; no effect: the kernel's page cache holds the shards being read",
+        "`nvme`: at most this many units' shards are read ahead of their gather; the next read starts when one of "
+        "them has been gathered",
     ),
     _supported(
         _Z + "offload_param.max_in_cpu",
@@ -758,7 +767,7 @@ NO_EFFECT_WHEN: tuple[NoEffectWhen, ...] = (
             _NO_SWAP,
             lambda c: _param_offload(c) != "nvme",
         )
-        for key in ("nvme_path", "max_in_cpu")
+        for key in ("nvme_path", "max_in_cpu", "buffer_count")
     ),
     *(
         NoEffectWhen(

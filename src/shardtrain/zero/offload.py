@@ -546,11 +546,6 @@ def ineffective_offload_keys(zcfg: Any, device_type: str) -> list[str]:
             f"{prefix}offload_optimizer.buffer_count has no effect with device 'cpu': it counts the buffers that "
             "swap files are read into (device 'nvme'); remove it"
         )
-    if param.device != "none" and param.pin_memory:
-        notes.append(
-            f"{prefix}offload_param.pin_memory has no effect: parameter offload is built for CPU-only machines "
-            "(on CUDA it is refused), where no device copies from page-locked memory; remove it"
-        )
     if param.device == "cpu" and "buffer_count" in param.model_fields_set:
         notes.append(
             f"{prefix}offload_param.buffer_count has no effect with device 'cpu': it bounds the units read ahead "
