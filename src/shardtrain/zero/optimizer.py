@@ -121,7 +121,7 @@ class ShardedOptimizer:
             for k, v in old.items():
                 if torch.is_tensor(v) and v.shape == p.shape and v.numel() > 1:
                     piece = v.reshape(-1)[f.start : f.start + f.length] if self.sharded else v
-                    v = piece.to(stepped.dtype, copy=True).view_as(stepped)
+                    v = piece.to(device=stepped.device, dtype=stepped.dtype, copy=True).view_as(stepped)
                 new[k] = v
             self.optimizer.state[stepped] = new
 
