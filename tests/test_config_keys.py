@@ -55,6 +55,11 @@ KEYS = [p for p in SUPPORTED if p not in SECTIONS]
 PENDING = {
     _Z + "offload_param.pin_memory": "offload work of issue 20 (nothing reads it yet)",
     _Z + "offload_param.buffer_count": "offload work of issue 20 (nothing reads it yet)",
+    # issue 21: the reducer divides before summing (tests/test_config_prescale.py) once initialize passes it
+    # predivide=gradient_predivide(cfg, dp); the forward casts with cast_inputs_half once the engine calls it
+    "prescale_gradients": "engine wiring of issue 21 (GradientReducer's predivide)",
+    "gradient_predivide_factor": "engine wiring of issue 21 (GradientReducer's predivide)",
+    "fp16.auto_cast": "engine wiring of issue 21 (cast_inputs_half in forward)",
 }
 # Keys checked below in a mode where they have an effect, and ignored today in another mode that other work on
 # issue 20 is fixing; the integrator adds that mode to their check (or, if it stays without effect, to NO_EFFECT_WHEN).
@@ -283,6 +288,12 @@ def _scheduler_type(tmp: Path) -> None:
     decay = _lrs({"type": "WarmupDecayLR", "params": {**_WARMUP, "total_num_steps": 4}})
     assert warmup[-1] == pytest.approx(0.1)  # stays at the maximum
     assert decay[-1] == pytest.approx(0.0, abs=1e-12)  # decays to 0 at total_num_steps
+    # ratios of the optimizer's lr (0.1): linear warm-up over 2 steps, then a cosine down to cos_min_ratio at step 4
+    cosine = {"total_num_steps": 4, "warmup_num_steps": 2, "warmup_type": "linear", "cos_min_ratio": 0.1}
+    assert _lrs({"type": "WarmupCosineLR", "params": cosine}) == pytest.approx([0.0, 0.05, 0.055, 0.01])
+    # up from 0.01 to 0.11 over 2 steps and back over 2: the lr after each step
+    one_cycle = {"cycle_min_lr": 0.01, "cycle_max_lr": 0.11, "cycle_first_step_size": 2, "cycle_momentum": False}
+    assert _lrs({"type": "OneCycle", "params": one_cycle}) == pytest.approx([0.06, 0.11, 0.06, 0.01])
 
 
 @effect("scheduler.params")
@@ -408,6 +419,15 @@ def _clipping(tmp: Path) -> None:
     clipped = _update({"gradient_clipping": 1e-3}, optimizer=_sgd(1.0))
     assert free.norm() > 1e-2
     assert clipped.norm() == pytest.approx(1e-3, rel=1e-3)  # SGD at lr 1: the update is the clipped gradient
+
+
+@effect("optimizer.params.max_grad_norm")
+def _max_grad_norm(tmp: Path) -> None:
+    sgd = {"type": "SGD", "params": {"lr": 1.0}}
+    free = _update({"optimizer": sgd}, optimizer=None)
+    clipped = _update({"optimizer": {**sgd, "params": {"lr": 1.0, "max_grad_norm": 1e-3}}}, optimizer=None)
+    assert free.norm() > 1e-2
+    assert clipped.norm() == pytest.approx(1e-3, rel=1e-3)  # clipped as gradient_clipping clips
 
 
 # -- ZeRO -----------------------------------------------------------------------------------------------------------
@@ -821,7 +841,13 @@ def world_1_outcomes(tmp_path_factory) -> dict[str, tuple[str, str]]:
 
 
 def test_every_supported_key_has_an_effect_check():
-    assert set(PENDING) == {_Z + "offload_param.pin_memory", _Z + "offload_param.buffer_count"}
+    assert set(PENDING) == {
+        _Z + "offload_param.pin_memory",
+        _Z + "offload_param.buffer_count",
+        "prescale_gradients",
+        "gradient_predivide_factor",
+        "fp16.auto_cast",
+    }
     assert set(PENDING_MODES) == {
         _Z + "offload_optimizer.ratio",
         "collective_timeout_s",
@@ -949,6 +975,8 @@ MODE_EXAMPLES: list[tuple[str, dict]] = [
         )
         for key in keys
     ),
+    ("gradient_predivide_factor", {"prescale_gradients": True, "gradient_predivide_factor": 2.0}),
+    ("fp16.auto_cast", {"fp16": {"auto_cast": True}}),
     ("graph.strict", {"graph": {"strict": True}}),
     ("graph.cache_size", {"graph": {"cache_size": 2}}),
     ("graph.compiler", {"graph": {"compiler": "inductor"}}),
