@@ -148,3 +148,25 @@ def test_fp16_auto_cast_casts_floating_tensors_as_deepspeed_does():
     assert out[1][1]["mask"].dtype == torch.float16 and out[1][1]["n"] == 3
     assert isinstance(out[2], Pair) and out[2].a.dtype == torch.float16 and out[2].b == "s"
     assert out[3] is None and isinstance(out, tuple) and isinstance(out[1], list)
+
+
+def test_optimizer_keys_of_deepspeed_sections():
+    from shardtrain.config import optimizer_class_and_kwargs
+
+    def built(params: dict, kind: str = "AdamW"):
+        return optimizer_class_and_kwargs(load_config({"optimizer": {"type": kind, "params": params}}).optimizer)
+
+    # DeepSpeed reads adam_w_mode for AdamW too, and ignores it there (accelerate's templates write it)
+    assert built({"lr": 1e-3, "adam_w_mode": False}) == (torch.optim.AdamW, {"lr": 1e-3})
+    assert built({"lr": 1e-3, "adam_w_mode": False}, "Adam") == (torch.optim.Adam, {"lr": 1e-3})
+    # torch_adam and bias_correction: true leave the torch optimizer as it is
+    assert built({"lr": 1e-3, "torch_adam": False, "bias_correction": True}, "Adam") == (
+        torch.optim.AdamW,
+        {"lr": 1e-3},
+    )
+    cfg = load_config({"optimizer": {"type": "SGD", "params": {"lr": 0.1, "max_grad_norm": 0.5}}})
+    assert cfg.gradient_clipping == 0.5 and "max_grad_norm" not in cfg.optimizer.params
+    same = {"optimizer": {"type": "SGD", "params": {"lr": 0.1, "max_grad_norm": 0.5}}, "gradient_clipping": 0.5}
+    assert load_config(same).gradient_clipping == 0.5
+    auto = load_config({"optimizer": {"type": "SGD", "params": {"max_grad_norm": 1.0}}, "gradient_clipping": "auto"})
+    assert auto.gradient_clipping == 1.0

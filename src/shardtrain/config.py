@@ -353,11 +353,11 @@ def optimizer_class_and_kwargs(
     if autos and not allow_auto:
         raise ConfigError(f'optimizer.params.{autos[0]}: "auto" was not resolved; give a value')
     params = {k: v for k, v in cfg.params.items() if not is_auto(v)}
-    if kind == "adam":
+    if kind in ("adam", "adamw"):  # DeepSpeed reads adam_w_mode for both; AdamW is AdamW whatever it says
         adam_w_mode = params.pop("adam_w_mode", True)
         if not isinstance(adam_w_mode, bool):
             raise ConfigError(f"optimizer.params.adam_w_mode: expected true or false, got {adam_w_mode!r}")
-        cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
+        cls = torch.optim.AdamW if adam_w_mode or kind == "adamw" else torch.optim.Adam
     else:
         cls = _OPTIMIZERS[kind]
     signature = inspect.signature(cls).parameters

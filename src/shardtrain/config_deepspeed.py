@@ -149,7 +149,8 @@ RULES: tuple[Rule, ...] = (
     _supported(
         "optimizer.type",
         "`Adam`, `AdamW`, `SGD`",
-        "`Adam` means AdamW unless `params.adam_w_mode: false` (as in DeepSpeed); other types (Lamb, OneBitAdam, "
+        "`Adam` means AdamW unless `params.adam_w_mode: false`, `AdamW` is AdamW whatever `adam_w_mode` says (as in "
+        "DeepSpeed); other types (Lamb, OneBitAdam, "
         "Muon, ...) are refused: pass a torch optimizer to `initialize(optimizer=...)`",
     ),
     _supported(
@@ -659,6 +660,18 @@ RULES: tuple[Rule, ...] = (
         "section",
         "not read by DeepSpeed either (its communication logger is the top-level `comms_logger`)",
         check=dict,
+    ),
+    _no_effect(
+        "log",
+        "section",
+        "not read by DeepSpeed either (its logging interval is the top-level `steps_per_print`)",
+        check=dict,
+    ),
+    _no_effect(
+        "cuda_visible_devices",
+        "any",
+        "not read by DeepSpeed either; set the `CUDA_VISIBLE_DEVICES` environment variable or the launcher's "
+        "`--include`",
     ),
     _no_effect(
         "monitor_config",
