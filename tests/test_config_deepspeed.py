@@ -72,7 +72,6 @@ def test_supported_rules_are_exactly_the_config_fields():
         ({"zero_optimization": {"offload_optimizer": {"pipeline_read": True}}}, "offload_optimizer.pipeline_read"),
         ({"zero_optimization": {"stage": 3, "stage3_max_live_parameters": 1e9}}, "stage3_max_live_parameters"),
         ({"aio": {"block_size": 1048576, "queue_depth": 8}}, "aio"),
-        ({"zero_optimization": {"cpu_offload": False}}, "zero_optimization.cpu_offload"),
         ({"flops_profiler": {"enabled": False, "profile_step": 1}}, "flops_profiler"),
         ({"comms_logger": {"enabled": False}}, "comms_logger"),
         ({"memory_breakdown": False}, "memory_breakdown"),
@@ -99,7 +98,11 @@ def test_accepted_without_effect(config, path):
         ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "nvme"}}}, ["nvme_path", "'nvme'"]),
         ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, ["offload_param", "stage 3"]),
         ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, ["offload_optimizer", "stage 1, 2 or 3"]),
-        ({"zero_optimization": {"cpu_offload": True}}, ["zero_optimization.cpu_offload: true", "offload_optimizer"]),
+        (
+            {"zero_optimization": {"stage": 2, "cpu_offload": True, "offload_optimizer": {"device": "cpu"}}},
+            ["zero_optimization.cpu_offload: given with zero_optimization.offload_optimizer", "keep"],
+        ),
+        ({"zero_optimization": {"stage": 3, "cpu_offload_param": "yes"}}, ["cpu_offload_param: expected true"]),
         ({"optimizer": {"type": "Adam", "params": {"bias_correction": False}}}, ["bias_correction: false", "`true`"]),
         ({"flops_profiler": {"enabled": True}}, ["flops_profiler: enabled: true", "torch.profiler"]),
         ({"comms_logger": {"enabled": True}}, ["comms_logger: enabled: true", "engine.comm_stats()"]),
@@ -171,6 +174,21 @@ def test_aliases_and_legacy_spellings():
         load_config({"bf16": {"enabled": True}, "bfloat16": {"enabled": True}})
     with pytest.raises(ConfigError, match=r"bfloat16\.enabled"):  # the path as the config wrote it
         load_config({"bfloat16": {"enabled": "yes"}})
+
+
+def test_legacy_offload_keys_are_read_as_deepspeed_reads_them():
+    zero = load_config({"zero_optimization": {"stage": 2, "cpu_offload": True}}).zero_optimization
+    assert zero.offload_optimizer.device == "cpu" and zero.offload_param.device == "none"
+    zero = load_config({"zero_optimization": {"stage": 3, "cpu_offload": False, "cpu_offload_param": True}})
+    assert zero.zero_optimization.offload_optimizer.device == "none"
+    assert zero.zero_optimization.offload_param.device == "cpu"
+    assert load_config({"zero_optimization": {"stage": 1, "cpu_offload": False}}) == load_config(
+        {"zero_optimization": {"stage": 1}}
+    )
+    report = inspect_config(
+        {"zero_optimization": {"stage": 1, "cpu_offload": True, "cpu_offload_use_pin_memory": True}}
+    )
+    assert report.ok and any("cpu_offload_use_pin_memory" in n for n in report.no_effect)
 
 
 def test_auto_is_kept_by_load_config_and_refused_where_not_derivable():

@@ -22,6 +22,7 @@ pydantic sees (aliases renamed, no-effect keys removed) with every problem found
 from __future__ import annotations
 
 import difflib
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
@@ -241,7 +242,8 @@ RULES: tuple[Rule, ...] = (
         "prescale_gradients",
         "bool, `false`",
         "divide each gradient bucket by the data-parallel size before a summing reduction, instead of averaging "
-        "during it (the same value up to rounding; in fp16/bf16 communication the smaller values cannot overflow)",
+        "during it (the same value up to rounding; in fp16/bf16 communication the smaller values cannot overflow); "
+        "in graph mode at stage 3 the captured graph averages the units' gradients itself",
     ),
     _supported(
         "gradient_predivide_factor",
@@ -485,16 +487,6 @@ RULES: tuple[Rule, ...] = (
         "int ≥ 0",
         "the kernel's page cache holds the shards being read",
         check=int,
-    ),
-    _only(
-        _Z + "cpu_offload",
-        False,
-        'legacy optimizer offload; write `offload_optimizer: {"device": "cpu"}` instead',
-    ),
-    _only(
-        _Z + "cpu_offload_param",
-        False,
-        'legacy parameter offload; write `offload_param: {"device": "cpu"}` instead',
     ),
     _no_effect(
         _Z + "cpu_offload_use_pin_memory",
@@ -972,6 +964,32 @@ ALIASES: dict[str, str] = {
     _Z + "stage3_gather_fp16_weights_on_model_save": _Z + "stage3_gather_16bit_weights_on_model_save",
 }
 
+# DeepSpeed's deprecated spellings of a section, translated as DeepSpeed translates them: legacy key -> the section
+# ``true`` stands for (``false``: the section's default, nothing offloaded).
+LEGACY_SECTIONS: dict[str, tuple[str, dict[str, Any]]] = {
+    _Z + "cpu_offload": (_Z + "offload_optimizer", {"device": "cpu"}),
+    _Z + "cpu_offload_param": (_Z + "offload_param", {"device": "cpu"}),
+}
+
+
+def _legacy_sections(prefix: str, section: Mapping[str, Any], found: Findings) -> dict[str, Any]:
+    """``section`` with DeepSpeed's deprecated spellings (:data:`LEGACY_SECTIONS`) written as their replacement."""
+    out = dict(section)
+    for legacy, (modern, value) in LEGACY_SECTIONS.items():
+        old, new = legacy.rsplit(".", 1)[-1], modern.rsplit(".", 1)[-1]
+        if not legacy.startswith(prefix + ".") or old not in out:
+            continue
+        given = out.pop(old)
+        if not isinstance(given, bool):
+            found.problems.append(f"{legacy}: expected true or false, got {_describe(given)}")
+        elif new in out:  # DeepSpeed refuses a deprecated key beside its replacement too
+            found.problems.append(f"{legacy}: given with {modern}, which replaces it; keep `{new}` only")
+        elif given:
+            out[new] = dict(value)
+            found.renamed[modern] = legacy
+    return out
+
+
 # Keys that belong elsewhere: refused with this message as it stands.
 MISPLACED_KEYS: dict[str, str] = {}
 
@@ -1052,7 +1070,7 @@ def _apply_rule(rule: Rule, value: Any, found: Findings) -> None:
 def _known_here(prefix: str, model: type[BaseModel] | None) -> list[str]:
     names = set(model.model_fields) if model else set()
     dotted = f"{prefix}." if prefix else ""
-    for path in (*RULES_BY_PATH, *ALIASES):
+    for path in (*RULES_BY_PATH, *ALIASES, *LEGACY_SECTIONS):
         if path.startswith(dotted) and "." not in path[len(dotted) :]:
             names.add(path[len(dotted) :])
     return sorted(names)
@@ -1129,6 +1147,8 @@ def _walk(data: Mapping[str, Any], model: type[BaseModel] | None, prefix: str, f
             continue
         if path == "zero_optimization" and isinstance(value, bool):  # DeepSpeed's legacy form
             value = {"stage": 1 if value else 0}
+        if path == "zero_optimization" and isinstance(value, Mapping):
+            value = _legacy_sections(path, value, found)
         if path in MISPLACED_KEYS:
             found.problems.append(f"{path}: {MISPLACED_KEYS[path]}")
             continue
@@ -1193,6 +1213,12 @@ def markdown_table() -> str:
         lines.append(f"| `{r.path}` | {kind} | {values} | {r.note}.{auto}{modes} |".replace("..", "."))
     for alias, canonical in ALIASES.items():
         lines.append(f"| `{alias}` | alias | | DeepSpeed's other spelling of `{canonical}` |")
+    for legacy, (modern, value) in LEGACY_SECTIONS.items():
+        section = json.dumps(value)
+        lines.append(
+            f"| `{legacy}` | legacy spelling | bool | DeepSpeed's deprecated form of `{modern}`: `true` is "
+            f"`{section}`, `false` nothing offloaded; not together with `{modern.rsplit('.', 1)[-1]}` |"
+        )
     return "\n".join(lines) + "\n"
 
 
