@@ -141,7 +141,14 @@ def train_step(engine, recipe: Recipe, batches: list, step: int, rank: int) -> f
     return total
 
 
-def engine_run(recipe: Recipe, stage: int, world: int, bucket: int = 2000, zero_extra: dict | None = None) -> dict:
+def engine_run(
+    recipe: Recipe,
+    stage: int,
+    world: int,
+    bucket: int = 2000,
+    zero_extra: dict | None = None,
+    extra: dict | None = None,
+) -> dict:
     """Runs on every rank; returns this rank's local losses, the grad norms and rank 0's final state."""
     import torch.distributed as dist
 
@@ -157,6 +164,7 @@ def engine_run(recipe: Recipe, stage: int, world: int, bucket: int = 2000, zero_
             "allgather_bucket_size": bucket,
             **(zero_extra or {}),
         },
+        **(extra or {}),
     }
     engine = shardtrain.initialize(model, config=config, optimizer=make_optimizer(model, recipe))
     batches = global_micro_batches(recipe, world)

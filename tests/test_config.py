@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from shardtrain.config import Config, ZeroConfig, load_config, resolve_batch_sizes
 from shardtrain.errors import ConfigError
@@ -38,7 +39,7 @@ def test_loads_dict_json_yaml_and_object(tmp_path):
         ({"train_batch_size": 1.5}, ["train_batch_size", "valid integer", "got 1.5"]),
         ({"train_batch_size": 0}, ["train_batch_size", "greater than or equal to 1"]),
         ({"zero_optimization": {"overlap_comm": "yes"}}, ["zero_optimization.overlap_comm", "got 'yes'"]),
-        ({"zero_optimization": {"contiguous_gradients": False}}, ["zero_optimization.contiguous_gradients"]),
+        ({"zero_optimization": {"allgather_partitions": False}}, ["zero_optimization.allgather_partitions"]),
         ({"zero_optimization": 2}, ["zero_optimization", "got 2"]),
         ({"amp": {"enabled": True}}, ["amp: enabled: true is not supported", "`bf16` or `fp16`"]),
         ({"fp16": {"enabled": True, "loss_scale": -1}}, ["fp16.loss_scale", "greater than or equal to 0"]),
@@ -51,7 +52,23 @@ def test_loads_dict_json_yaml_and_object(tmp_path):
         ({"optimizer": {"type": "AdamW", "params": {"lrr": 1}}}, ["optimizer.params.lrr", "did you mean 'lr'"]),
         ({"optimizer": {"type": "AdamW", "params": {"lr": -1}}}, ["optimizer.params", "Invalid learning rate"]),
         ({"optimizer": {"type": "Adam", "params": {"adam_w_mode": 1}}}, ["optimizer.params.adam_w_mode"]),
-        ({"scheduler": {"type": "OneCycle"}}, ["scheduler.type", "WarmupLR, WarmupDecayLR"]),
+        (
+            {"scheduler": {"type": "LRRangeTest"}},
+            ["scheduler.type", "WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle"],
+        ),
+        (
+            {"scheduler": {"type": "OneCycle", "params": {"cycle_max_lr": 1}}},
+            ["scheduler.params.cycle_min_lr", "required"],
+        ),
+        ({"scheduler": {"type": "WarmupCosineLR", "params": {}}}, ["scheduler.params.total_num_steps", "required"]),
+        (
+            {"optimizer": {"type": "Adam", "params": {"bias_correction": False}}},
+            ["optimizer.params.bias_correction: false is not supported", "bias"],
+        ),
+        (
+            {"optimizer": {"type": "Adam", "params": {"max_grad_norm": 1.0}}, "gradient_clipping": 0.5},
+            ["optimizer.params.max_grad_norm: 1.0 differs from gradient_clipping 0.5"],
+        ),
         ({"scheduler": {"type": "WarmupDecayLR", "params": {}}}, ["scheduler.params.total_num_steps", "required"]),
         ({"scheduler": {"type": "WarmupLR", "params": {"warmup_typ": "log"}}}, ["scheduler.params.warmup_typ"]),
         ({"scheduler": {"type": "WarmupLR", "params": {"warmup_type": "cos"}}}, ["'log' or 'linear'", "cos"]),
@@ -115,3 +132,41 @@ def test_inconsistent_batch_sizes(keys, dp, message):
     with pytest.raises(ConfigError) as err:
         resolve_batch_sizes(load_config(keys), dp)
     assert message in str(err.value)
+
+
+def test_fp16_auto_cast_casts_floating_tensors_as_deepspeed_does():
+    from collections import namedtuple
+
+    from shardtrain.config import cast_inputs_half
+
+    assert load_config({"fp16": {"enabled": True, "auto_cast": True}}).fp16.auto_cast is True
+    Pair = namedtuple("Pair", "a b")
+    ids, x = torch.arange(4), torch.randn(2, 3, dtype=torch.float64)
+    out = cast_inputs_half((x, [ids, {"mask": torch.ones(2), "n": 3}], Pair(x, "s"), None))
+    assert out[0].dtype == torch.float16 and torch.equal(out[0], x.half())
+    assert out[1][0] is ids  # integers are left as they are
+    assert out[1][1]["mask"].dtype == torch.float16 and out[1][1]["n"] == 3
+    assert isinstance(out[2], Pair) and out[2].a.dtype == torch.float16 and out[2].b == "s"
+    assert out[3] is None and isinstance(out, tuple) and isinstance(out[1], list)
+
+
+def test_optimizer_keys_of_deepspeed_sections():
+    from shardtrain.config import optimizer_class_and_kwargs
+
+    def built(params: dict, kind: str = "AdamW"):
+        return optimizer_class_and_kwargs(load_config({"optimizer": {"type": kind, "params": params}}).optimizer)
+
+    # DeepSpeed reads adam_w_mode for AdamW too, and ignores it there (accelerate's templates write it)
+    assert built({"lr": 1e-3, "adam_w_mode": False}) == (torch.optim.AdamW, {"lr": 1e-3})
+    assert built({"lr": 1e-3, "adam_w_mode": False}, "Adam") == (torch.optim.Adam, {"lr": 1e-3})
+    # torch_adam and bias_correction: true leave the torch optimizer as it is
+    assert built({"lr": 1e-3, "torch_adam": False, "bias_correction": True}, "Adam") == (
+        torch.optim.AdamW,
+        {"lr": 1e-3},
+    )
+    cfg = load_config({"optimizer": {"type": "SGD", "params": {"lr": 0.1, "max_grad_norm": 0.5}}})
+    assert cfg.gradient_clipping == 0.5 and "max_grad_norm" not in cfg.optimizer.params
+    same = {"optimizer": {"type": "SGD", "params": {"lr": 0.1, "max_grad_norm": 0.5}}, "gradient_clipping": 0.5}
+    assert load_config(same).gradient_clipping == 0.5
+    auto = load_config({"optimizer": {"type": "SGD", "params": {"max_grad_norm": 1.0}}, "gradient_clipping": "auto"})
+    assert auto.gradient_clipping == 1.0

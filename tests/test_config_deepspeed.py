@@ -37,6 +37,7 @@ def test_doc_table_is_the_code_table():
 def test_supported_rules_are_exactly_the_config_fields():
     supported = {r.path for r in RULES if r.kind is Kind.SUPPORTED}
     fields = _field_paths(Config) | {"optimizer.type", "optimizer.params", "scheduler.type", "scheduler.params"}
+    fields.add("optimizer.params.max_grad_norm")  # read as the gradient_clipping field
     assert supported == fields
     assert len(RULES_BY_PATH) == len(RULES)  # one rule per key
     assert all(canonical in RULES_BY_PATH for canonical in ALIASES.values())
@@ -48,12 +49,29 @@ def test_supported_rules_are_exactly_the_config_fields():
         ({"zero_optimization": {"contiguous_gradients": True}}, "zero_optimization.contiguous_gradients"),
         ({"zero_optimization": {"allgather_partitions": True}}, "zero_optimization.allgather_partitions"),
         ({"zero_optimization": {"reduce_scatter": True}}, "zero_optimization.reduce_scatter"),
-        ({"prescale_gradients": False}, "prescale_gradients"),
+        # DeepSpeed's other paths to the same values
+        ({"zero_optimization": {"contiguous_gradients": False}}, "zero_optimization.contiguous_gradients"),
+        ({"zero_optimization": {"stage": 2, "reduce_scatter": False}}, "zero_optimization.reduce_scatter"),
+        ({"disable_allgather": True}, "disable_allgather"),
+        ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}}, "zero_hpz_partition_size"),
+        ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}, "zero_quantized_weights"),
+        ({"zero_optimization": {"stage": 3, "zero_quantized_gradients": True}}, "zero_quantized_gradients"),
+        ({"zero_optimization": {"stage": 3, "zeropp_loco_param": {"err_beta": 0.8}}}, "zeropp_loco_param"),
+        ({"zero_optimization": {"stage": 3, "paro_strategy": "NIG"}}, "paro_strategy"),
+        # keys DeepSpeed does not read
+        ({"bf16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}}, "bf16.initial_scale_power"),
+        ({"fp16": {"enabled": True, "fp16_scale_tolerance": 0.25}}, "fp16.fp16_scale_tolerance"),
+        ({"fp16": {"enabled": True, "opt_level": "O2"}}, "fp16.opt_level"),
+        ({"comms_config": {"verbose": False}}, "comms_config"),
+        ({"monitor_config": {"enabled": True, "tag": "x"}}, "monitor_config"),
+        ({"optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}}, "optimizer.params.torch_adam"),
+        ({"optimizer": {"type": "Adam", "params": {"bias_correction": True}}}, "optimizer.params.bias_correction"),
+        ({"zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": "auto"}}, "on_model_save"),
+        ({"fp16": {"auto_cast": True}}, "fp16.auto_cast: no effect without `fp16.enabled: true`"),
+        ({"prescale_gradients": True, "gradient_predivide_factor": 2}, "gradient_predivide_factor: no effect"),
         ({"zero_optimization": {"offload_optimizer": {"pipeline_read": True}}}, "offload_optimizer.pipeline_read"),
         ({"zero_optimization": {"stage": 3, "stage3_max_live_parameters": 1e9}}, "stage3_max_live_parameters"),
         ({"aio": {"block_size": 1048576, "queue_depth": 8}}, "aio"),
-        ({"zero_optimization": {"cpu_offload": False}}, "zero_optimization.cpu_offload"),
-        ({"fp16": {"auto_cast": False}}, "fp16.auto_cast"),
         ({"flops_profiler": {"enabled": False, "profile_step": 1}}, "flops_profiler"),
         ({"comms_logger": {"enabled": False}}, "comms_logger"),
         ({"memory_breakdown": False}, "memory_breakdown"),
@@ -73,16 +91,21 @@ def test_accepted_without_effect(config, path):
     ("config", "fragments"),
     [
         ({"zero_optimization": {"allgather_partitions": False}}, ["allgather_partitions: false", "`true`"]),
-        ({"zero_optimization": {"contiguous_gradients": False}}, ["contiguous_gradients: false", "contiguous"]),
-        ({"prescale_gradients": True}, ["prescale_gradients: true is not supported", "`false`"]),
+        ({"zero_optimization": {"contiguous_gradients": 0}}, ["contiguous_gradients", "valid boolean"]),
+        ({"gradient_predivide_factor": 0}, ["gradient_predivide_factor", "greater than 0"]),
+        ({"zero_optimization": {"zero_hpz_partition_size": True}}, ["zero_hpz_partition_size", "whole number"]),
+        ({"bf16": {"loss_scale": "dynamic"}}, ["bf16.loss_scale", "got 'dynamic'"]),
         ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "nvme"}}}, ["nvme_path", "'nvme'"]),
         ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, ["offload_param", "stage 3"]),
         ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, ["offload_optimizer", "stage 1, 2 or 3"]),
-        ({"zero_optimization": {"cpu_offload": True}}, ["zero_optimization.cpu_offload: true", "offload_optimizer"]),
-        ({"fp16": {"auto_cast": True}}, ["fp16.auto_cast: true", "inputs are not cast"]),
+        (
+            {"zero_optimization": {"stage": 2, "cpu_offload": True, "offload_optimizer": {"device": "cpu"}}},
+            ["zero_optimization.cpu_offload: given with zero_optimization.offload_optimizer", "keep"],
+        ),
+        ({"zero_optimization": {"stage": 3, "cpu_offload_param": "yes"}}, ["cpu_offload_param: expected true"]),
+        ({"optimizer": {"type": "Adam", "params": {"bias_correction": False}}}, ["bias_correction: false", "`true`"]),
         ({"flops_profiler": {"enabled": True}}, ["flops_profiler: enabled: true", "torch.profiler"]),
         ({"comms_logger": {"enabled": True}}, ["comms_logger: enabled: true", "engine.comm_stats()"]),
-        ({"gradient_predivide_factor": 2.0}, ["gradient_predivide_factor: 2.0", "`1.0`"]),
         ({"tensor_parallel": {"size": 2, "autotp_size": 4}}, ["tensor_parallel", "disagree"]),
         ({"zero_optimization": {"sub_group_size": "big"}}, ["zero_optimization.sub_group_size", "valid integer"]),
         ({"zero_allow_untested_optimizer": "yes"}, ["zero_allow_untested_optimizer", "valid boolean"]),
@@ -114,7 +137,7 @@ def test_every_problem_is_reported_not_only_the_first():
     report = inspect_config(
         {
             "zero_optimization": {"stage": 7, "offload_optimizer": {"device": "tape"}, "stgae": 1},
-            "prescale_gradients": True,
+            "sparse_gradients": True,
             "gradient_clipping": -1,
             "train_batch_sise": 8,
         }
@@ -124,7 +147,7 @@ def test_every_problem_is_reported_not_only_the_first():
         "zero_optimization.stage",
         "zero_optimization.offload_optimizer.device",
         "zero_optimization.stgae",
-        "prescale_gradients",
+        "sparse_gradients",
         "gradient_clipping",
         "train_batch_sise",
     }, report.problems
@@ -149,8 +172,23 @@ def test_aliases_and_legacy_spellings():
     assert legacy.ok and any("stage3_gather_16bit_weights_on_model_save" in n for n in legacy.no_effect)
     with pytest.raises(ConfigError, match="given twice"):
         load_config({"bf16": {"enabled": True}, "bfloat16": {"enabled": True}})
-    with pytest.raises(ConfigError, match=r"bfloat16\.loss_scale"):  # the path as the config wrote it
-        load_config({"bfloat16": {"enabled": True, "loss_scale": 0}})
+    with pytest.raises(ConfigError, match=r"bfloat16\.enabled"):  # the path as the config wrote it
+        load_config({"bfloat16": {"enabled": "yes"}})
+
+
+def test_legacy_offload_keys_are_read_as_deepspeed_reads_them():
+    zero = load_config({"zero_optimization": {"stage": 2, "cpu_offload": True}}).zero_optimization
+    assert zero.offload_optimizer.device == "cpu" and zero.offload_param.device == "none"
+    zero = load_config({"zero_optimization": {"stage": 3, "cpu_offload": False, "cpu_offload_param": True}})
+    assert zero.zero_optimization.offload_optimizer.device == "none"
+    assert zero.zero_optimization.offload_param.device == "cpu"
+    assert load_config({"zero_optimization": {"stage": 1, "cpu_offload": False}}) == load_config(
+        {"zero_optimization": {"stage": 1}}
+    )
+    report = inspect_config(
+        {"zero_optimization": {"stage": 1, "cpu_offload": True, "cpu_offload_use_pin_memory": True}}
+    )
+    assert report.ok and any("cpu_offload_use_pin_memory" in n for n in report.no_effect)
 
 
 def test_auto_is_kept_by_load_config_and_refused_where_not_derivable():

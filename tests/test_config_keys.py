@@ -279,6 +279,12 @@ def _scheduler_type(tmp: Path) -> None:
     decay = _lrs({"type": "WarmupDecayLR", "params": {**_WARMUP, "total_num_steps": 4}})
     assert warmup[-1] == pytest.approx(0.1)  # stays at the maximum
     assert decay[-1] == pytest.approx(0.0, abs=1e-12)  # decays to 0 at total_num_steps
+    # ratios of the optimizer's lr (0.1): linear warm-up over 2 steps, then a cosine down to cos_min_ratio at step 4
+    cosine = {"total_num_steps": 4, "warmup_num_steps": 2, "warmup_type": "linear", "cos_min_ratio": 0.1}
+    assert _lrs({"type": "WarmupCosineLR", "params": cosine}) == pytest.approx([0.0, 0.05, 0.055, 0.01])
+    # up from 0.01 to 0.11 over 2 steps and back over 2: the lr after each step
+    one_cycle = {"cycle_min_lr": 0.01, "cycle_max_lr": 0.11, "cycle_first_step_size": 2, "cycle_momentum": False}
+    assert _lrs({"type": "OneCycle", "params": one_cycle}) == pytest.approx([0.06, 0.11, 0.06, 0.01])
 
 
 @effect("scheduler.params")
@@ -306,6 +312,59 @@ def _untested_optimizer(tmp: Path) -> None:
 
 
 # -- precision --------------------------------------------------------------------------------------------------------
+
+
+def _first_bucket_reduction(config: dict) -> tuple[str, torch.Tensor]:
+    """(op, input) of the first gradient-bucket reduce-scatter of a stage-2 micro-step (world 1)."""
+    engine = _engine({"zero_optimization": {"stage": 2}, **config})
+    sent: list[tuple[str, torch.Tensor]] = []
+
+    def record(out: Any, out_tensor: torch.Tensor, inp: torch.Tensor, op: str = "sum", **kwargs: Any) -> Any:
+        sent.append((op, inp.clone()))  # the input as sent (a reduction over one rank leaves it as it is)
+        return out
+
+    _spy(engine.comm, "reduce_scatter", record)
+    _micro_step(engine)
+    return sent[0]
+
+
+@effect("prescale_gradients")
+def _prescale(tmp: Path) -> None:
+    # DeepSpeed's prescale: divide by the data-parallel size (1 here), then sum, instead of averaging in the reduction
+    assert _first_bucket_reduction({})[0] == "avg"
+    op, sent = _first_bucket_reduction({"prescale_gradients": True})
+    assert op == "sum"
+    torch.testing.assert_close(sent, _first_bucket_reduction({})[1], rtol=0, atol=0)  # divided by 1
+
+
+@effect("gradient_predivide_factor")
+def _predivide(tmp: Path) -> None:
+    plain = _first_bucket_reduction({})[1]
+    op, sent = _first_bucket_reduction({"gradient_predivide_factor": 2.0})
+    assert op == "sum"
+    torch.testing.assert_close(sent, plain / 2, rtol=0, atol=0)  # what goes on the wire is divided by the factor
+
+
+class _SeesInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin, self.seen = nn.Linear(4, 1), None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen = x.dtype
+        return self.lin(x.to(self.lin.weight.dtype)).float().square().mean()
+
+
+@effect("fp16.auto_cast")
+def _auto_cast(tmp: Path) -> None:
+    def seen(auto_cast: bool) -> torch.dtype:
+        model = _SeesInput()
+        engine = _engine({"fp16": {"enabled": True, "auto_cast": auto_cast}}, model=model)
+        engine.backward(engine(torch.randn(2, 4, device=engine.device)))
+        return model.seen
+
+    assert (seen(False), seen(True)) == (torch.float32, torch.float16)
 
 
 @effect("communication_data_type")
@@ -404,6 +463,15 @@ def _clipping(tmp: Path) -> None:
     clipped = _update({"gradient_clipping": 1e-3}, optimizer=_sgd(1.0))
     assert free.norm() > 1e-2
     assert clipped.norm() == pytest.approx(1e-3, rel=1e-3)  # SGD at lr 1: the update is the clipped gradient
+
+
+@effect("optimizer.params.max_grad_norm")
+def _max_grad_norm(tmp: Path) -> None:
+    sgd = {"type": "SGD", "params": {"lr": 1.0}}
+    free = _update({"optimizer": sgd}, optimizer=None)
+    clipped = _update({"optimizer": {**sgd, "params": {"lr": 1.0, "max_grad_norm": 1e-3}}}, optimizer=None)
+    assert free.norm() > 1e-2
+    assert clipped.norm() == pytest.approx(1e-3, rel=1e-3)  # clipped as gradient_clipping clips
 
 
 # -- ZeRO -----------------------------------------------------------------------------------------------------------
@@ -965,6 +1033,8 @@ MODE_EXAMPLES: list[tuple[str, dict]] = [
         )
         for key in keys
     ),
+    ("gradient_predivide_factor", {"prescale_gradients": True, "gradient_predivide_factor": 2.0}),
+    ("fp16.auto_cast", {"fp16": {"auto_cast": True}}),
     ("graph.strict", {"graph": {"strict": True}}),
     ("graph.cache_size", {"graph": {"cache_size": 2}}),
     ("graph.compiler", {"graph": {"compiler": "inductor"}}),

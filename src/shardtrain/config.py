@@ -181,6 +181,22 @@ class FP16Config(_Section):
     loss_scale_window: Count = 1000
     hysteresis: Count = 2
     min_loss_scale: float = Field(default=1.0, gt=0)
+    auto_cast: bool = False
+    """Cast the floating tensors among ``forward``'s positional arguments to fp16 (:func:`cast_inputs_half`)."""
+
+
+def cast_inputs_half(inputs: Any) -> Any:
+    """DeepSpeed's ``fp16.auto_cast``: every floating tensor in ``inputs`` (walking lists, tuples and dicts) as fp16,
+    everything else as it is. The engine applies it to ``forward``'s positional arguments only, as DeepSpeed does."""
+    if isinstance(inputs, (list, tuple)) and not hasattr(inputs, "_fields"):
+        return type(inputs)(cast_inputs_half(v) for v in inputs)
+    if isinstance(inputs, tuple):  # a named tuple is built from its fields
+        return type(inputs)(*(cast_inputs_half(v) for v in inputs))
+    if isinstance(inputs, dict):
+        return {k: cast_inputs_half(v) for k, v in inputs.items()}
+    if isinstance(inputs, torch.Tensor) and inputs.is_floating_point():
+        return inputs.half()
+    return inputs
 
 
 class OptimizerConfig(_Section):
@@ -202,6 +218,35 @@ class WarmupLRParams(_Section):
 
 class WarmupDecayLRParams(WarmupLRParams):
     total_num_steps: Count
+
+
+class WarmupCosineLRParams(_Section):
+    """DeepSpeed's WarmupCosineLR: ratios of the optimizer's own lr (:class:`shardtrain.schedulers.WarmupCosineLR`)."""
+
+    total_num_steps: Count
+    warmup_min_ratio: float = Field(default=0.0, ge=0)
+    warmup_num_steps: Count = 1000
+    cos_min_ratio: float = Field(default=0.0001, ge=0)
+    warmup_type: Literal["log", "linear"] = "log"
+
+
+class OneCycleParams(_Section):
+    """DeepSpeed's OneCycle (see :class:`shardtrain.schedulers.OneCycle`)."""
+
+    cycle_min_lr: float = Field(ge=0)
+    cycle_max_lr: float = Field(ge=0)
+    decay_lr_rate: float = Field(default=0.0, ge=0)
+    cycle_first_step_size: Count = 2000
+    cycle_second_step_size: Size | None = None
+    """None: the same as ``cycle_first_step_size``."""
+    cycle_first_stair_count: Size = 0
+    cycle_second_stair_count: Size | None = None
+    """None: the same as ``cycle_first_stair_count``."""
+    decay_step_size: Size = 0
+    cycle_momentum: bool = True
+    cycle_min_mom: float = Field(default=0.8, ge=0, lt=1)
+    cycle_max_mom: float = Field(default=0.9, ge=0, lt=1)
+    decay_mom_rate: float = Field(default=0.0, ge=0)
 
 
 class MonitorConfig(_Section):
@@ -240,6 +285,10 @@ class Config(_Section):
     fp16: FP16Config = Field(default_factory=FP16Config)
     communication_data_type: Literal["fp32", "bf16", "fp16"] | None = None
     """dtype gradients are reduced in; default fp32 (see [Note: mixed precision])."""
+    prescale_gradients: bool = False
+    """Divide gradients by the data-parallel size before a summing reduction (:func:`gradient_predivide`)."""
+    gradient_predivide_factor: float = Field(default=1.0, gt=0)
+    """Divide gradients by this before a summing reduction, by dp / this after (:func:`gradient_predivide`)."""
     steps_per_print: Count = 10
     wall_clock_breakdown: bool = False
     """Log forward/backward/step wall-clock times every ``steps_per_print`` steps (rank 0)."""
@@ -278,7 +327,12 @@ class Config(_Section):
 # -- optimizer and scheduler validation ----------------------------------------------------------
 
 _OPTIMIZERS = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
-_SCHEDULERS = {"WarmupLR": WarmupLRParams, "WarmupDecayLR": WarmupDecayLRParams}
+_SCHEDULERS: dict[str, type[_Section]] = {
+    "WarmupLR": WarmupLRParams,
+    "WarmupDecayLR": WarmupDecayLRParams,
+    "WarmupCosineLR": WarmupCosineLRParams,
+    "OneCycle": OneCycleParams,
+}
 
 
 def optimizer_class_and_kwargs(
@@ -300,11 +354,11 @@ def optimizer_class_and_kwargs(
     if autos and not allow_auto:
         raise ConfigError(f'optimizer.params.{autos[0]}: "auto" was not resolved; give a value')
     params = {k: v for k, v in cfg.params.items() if not is_auto(v)}
-    if kind == "adam":
+    if kind in ("adam", "adamw"):  # DeepSpeed reads adam_w_mode for both; AdamW is AdamW whatever it says
         adam_w_mode = params.pop("adam_w_mode", True)
         if not isinstance(adam_w_mode, bool):
             raise ConfigError(f"optimizer.params.adam_w_mode: expected true or false, got {adam_w_mode!r}")
-        cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
+        cls = torch.optim.AdamW if adam_w_mode or kind == "adamw" else torch.optim.Adam
     else:
         cls = _OPTIMIZERS[kind]
     signature = inspect.signature(cls).parameters
@@ -334,7 +388,7 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def scheduler_params(cfg: SchedulerConfig, allow_auto: bool = False) -> WarmupLRParams | None:
+def scheduler_params(cfg: SchedulerConfig, allow_auto: bool = False) -> _Section | None:
     """The validated params of a scheduler section; None when ``allow_auto`` and some are still ``"auto"``."""
     if cfg.type not in _SCHEDULERS:
         raise ConfigError(
@@ -473,6 +527,17 @@ def _format_errors(errors: list[Any], prefix: str) -> list[str]:
         if line not in lines:
             lines.append(line)
     return lines
+
+
+def gradient_predivide(cfg: Config, dp: int) -> float | None:
+    """What the gradient reductions divide by before summing, as DeepSpeed's ``allreduce_bucket``: the data-parallel
+    size with ``prescale_gradients``, else ``gradient_predivide_factor`` when it is not 1 (the rest of the average,
+    dp / factor, is divided after); None: they average (``"avg"``), the default."""
+    if cfg.prescale_gradients:
+        return float(dp)
+    if cfg.gradient_predivide_factor != 1:
+        return cfg.gradient_predivide_factor
+    return None
 
 
 def resolve_batch_sizes(cfg: Config, dp: int) -> tuple[int, int, int]:

@@ -22,16 +22,20 @@ pydantic sees (aliases renamed, no-effect keys removed) with every problem found
 from __future__ import annotations
 
 import difflib
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Literal
 
-from pydantic import BaseModel, StrictBool, StrictStr, TypeAdapter, ValidationError
+from pydantic import BaseModel, StrictBool, StrictFloat, StrictInt, StrictStr, TypeAdapter, ValidationError
 
 AUTO = "auto"
 Auto = Literal["auto"]
 """Marker type of a value written ``"auto"``: kept by ``load_config``, replaced at ``initialize``."""
+
+
+_NUMBER = StrictInt | StrictFloat
 
 
 def is_auto(value: Any) -> bool:
@@ -108,7 +112,7 @@ def _not_supported(path: str, note: str) -> Rule:
     return Rule(path, Kind.NOT_SUPPORTED, note)
 
 
-_ZERO_PP = "ZeRO++ is not built; remove the key"
+_ZERO_PP_SAME = "shardtrain communicates in full precision over all data-parallel ranks (the result of ZeRO without it)"
 _Z = "zero_optimization."
 
 RULES: tuple[Rule, ...] = (
@@ -146,7 +150,8 @@ RULES: tuple[Rule, ...] = (
     _supported(
         "optimizer.type",
         "`Adam`, `AdamW`, `SGD`",
-        "`Adam` means AdamW unless `params.adam_w_mode: false` (as in DeepSpeed); other types (Lamb, OneBitAdam, "
+        "`Adam` means AdamW unless `params.adam_w_mode: false`, `AdamW` is AdamW whatever `adam_w_mode` says (as in "
+        "DeepSpeed); other types (Lamb, OneBitAdam, "
         "Muon, ...) are refused: pass a torch optimizer to `initialize(optimizer=...)`",
     ),
     _supported(
@@ -156,6 +161,26 @@ RULES: tuple[Rule, ...] = (
         '`weight_decay` may be `"auto"`',
         auto='`auto_values["lr"]`, `["betas"]`, `["eps"]`, `["weight_decay"]`',
     ),
+    _no_effect(
+        "optimizer.params.torch_adam",
+        "bool",
+        "DeepSpeed's choice between torch's Adam and its fused kernel (the same update); the optimizer here is "
+        "always torch's",
+        check=StrictBool,
+    ),
+    _only(
+        "optimizer.params.bias_correction",
+        True,
+        "DeepSpeed's fused Adam/Lamb argument; torch's Adam always corrects the moments' bias (`false` is not "
+        "supported)",
+    ),
+    _supported(
+        "optimizer.params.max_grad_norm",
+        "float ≥ 0",
+        "read as `gradient_clipping` (apex's and DeepSpeed's fused optimizers clipped the global gradient norm "
+        "with it; DeepSpeed's engine asks for `gradient_clipping` instead); giving both with different values is "
+        "an error",
+    ),
     _no_effect("optimizer.legacy_fusion", "bool", "there are no fused DeepSpeed optimizers here", check=StrictBool),
     _supported(
         "scheduler",
@@ -164,14 +189,21 @@ RULES: tuple[Rule, ...] = (
     ),
     _supported(
         "scheduler.type",
-        "`WarmupLR`, `WarmupDecayLR`",
-        "DeepSpeed's formulas; other types are refused: pass a torch scheduler to `initialize(lr_scheduler=...)`",
+        "`WarmupLR`, `WarmupDecayLR`, `WarmupCosineLR`, `OneCycle`",
+        "DeepSpeed's formulas, the learning rate of every step included (`OneCycle` also cycles Adam's beta1 as "
+        "DeepSpeed does); other types (`LRRangeTest`) are refused: pass a torch scheduler to "
+        "`initialize(lr_scheduler=...)`",
     ),
     _supported(
         "scheduler.params",
         "dict",
-        "`warmup_min_lr` (0), `warmup_max_lr` (0.001), `warmup_num_steps` (1000), `warmup_type` (`log`/`linear`), "
-        "`total_num_steps` (WarmupDecayLR, required)",
+        "WarmupLR/WarmupDecayLR: `warmup_min_lr` (0), `warmup_max_lr` (0.001), `warmup_num_steps` (1000), "
+        "`warmup_type` (`log`/`linear`), `total_num_steps` (WarmupDecayLR, required). WarmupCosineLR: "
+        "`total_num_steps` (required), `warmup_min_ratio` (0), `warmup_num_steps` (1000), `cos_min_ratio` (0.0001), "
+        "`warmup_type` (a ratio of the optimizer's lr). OneCycle: `cycle_min_lr`, `cycle_max_lr` (required), "
+        "`cycle_first_step_size` (2000), `cycle_second_step_size`, `cycle_first_stair_count` (0), "
+        "`cycle_second_stair_count`, `decay_step_size` (0), `decay_lr_rate` (0), `cycle_momentum` (true), "
+        "`cycle_min_mom` (0.8), `cycle_max_mom` (0.9), `decay_mom_rate` (0)",
         auto='`warmup_min_lr`: `auto_values["warmup_min_lr"]` or 0; `warmup_max_lr`: `["lr"]`; '
         "`warmup_num_steps`, `total_num_steps`: same names",
     ),
@@ -206,20 +238,27 @@ RULES: tuple[Rule, ...] = (
         "mean",
         'gradients are averaged over data-parallel ranks; `"sum"` is not supported',
     ),
-    _only(
+    _supported(
         "prescale_gradients",
-        False,
-        "gradients are averaged during the reduction; `true` (divide before reducing) is not supported",
+        "bool, `false`",
+        "divide each gradient bucket by the data-parallel size before a summing reduction, instead of averaging "
+        "during it (the same value up to rounding; in fp16/bf16 communication the smaller values cannot overflow); "
+        "in graph mode at stage 3 the captured graph averages the units' gradients itself",
     ),
-    Rule(
+    _supported(
         "gradient_predivide_factor",
-        Kind.REFUSED_VALUE,
-        "gradients are averaged during the reduction; another factor is not supported",
-        "`1.0`",
-        accept=lambda v: not isinstance(v, bool) and v == 1,
+        "float > 0, `1.0`",
+        "divide each gradient bucket by this factor before a summing reduction and by data-parallel size / factor "
+        "after it (DeepSpeed's split of the average around the reduction)",
     ),
     _only("sparse_gradients", False, "sparse embedding gradients are not supported"),
-    _only("disable_allgather", False, "parameters are always all-gathered after the step"),
+    _no_effect(
+        "disable_allgather",
+        "bool",
+        "DeepSpeed's broadcast instead of an all-gather of the updated parameters: the same values arrive; "
+        "shardtrain always all-gathers",
+        check=StrictBool,
+    ),
     # -- precision -------------------------------------------------------------------------------
     _supported("fp16", "section", "fp16 compute with loss scaling"),
     _supported(
@@ -237,10 +276,23 @@ RULES: tuple[Rule, ...] = (
         "overflows absorbed before the scale halves (restored after a clean window)",
     ),
     _supported("fp16.min_loss_scale", "float > 0, `1`", "an overflow at this scale raises an error"),
-    _only(
+    _supported(
         "fp16.auto_cast",
-        False,
-        "inputs are not cast: pass floating inputs in the compute dtype",
+        "bool, `false`",
+        "cast the floating tensors among `forward`'s positional arguments (in lists, tuples and dicts too) to fp16, "
+        "as DeepSpeed does; keyword arguments are passed as given",
+    ),
+    _no_effect(
+        "fp16.fp16_scale_tolerance",
+        "number",
+        "an old apex/DeepSpeed knob of the loss scaler that DeepSpeed's scaler no longer reads",
+        check=_NUMBER,
+    ),
+    _no_effect(
+        "fp16.opt_level",
+        "string",
+        "apex AMP's optimization level, not read by DeepSpeed's fp16 section (it belongs in `amp`)",
+        check=StrictStr,
     ),
     _only(
         "fp16.consecutive_hysteresis",
@@ -265,6 +317,15 @@ RULES: tuple[Rule, ...] = (
         "bf16.check_grad_overflow",
         False,
         "bf16 steps are not checked for inf/nan (fp16 steps are); `true` is not supported",
+    ),
+    *(
+        _no_effect(
+            f"bf16.{key}",
+            "number",
+            "loss scaling applies to fp16 only (bf16 has fp32's range); DeepSpeed ignores it in `bf16` too",
+            check=_NUMBER,
+        )
+        for key in ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale")
     ),
     _only("bf16.bf16_master_weights_and_grads", False, "master weights and gradients are always fp32"),
     _only("bf16.bf16_optimizer_states", False, "optimizer state is always fp32"),
@@ -309,9 +370,21 @@ RULES: tuple[Rule, ...] = (
         "bool, `true`",
         "launch each bucket's reduction during backward; `false` reduces after backward",
     ),
-    _only(_Z + "contiguous_gradients", True, "gradients are always copied into contiguous bucket buffers"),
+    _no_effect(
+        _Z + "contiguous_gradients",
+        "bool",
+        "gradients are always copied into contiguous bucket buffers (`false` in DeepSpeed only saves that copy: "
+        "the reduced values are the same)",
+        check=StrictBool,
+    ),
     _only(_Z + "allgather_partitions", True, "parameters are always all-gathered (not broadcast) after the step"),
-    _only(_Z + "reduce_scatter", True, "gradients are always reduce-scattered at stages 1 and 2"),
+    _no_effect(
+        _Z + "reduce_scatter",
+        "bool",
+        "gradients are always reduce-scattered at stages 1 and 2 (`false` in DeepSpeed all-reduces them instead: "
+        "each rank keeps its part, the same values)",
+        check=StrictBool,
+    ),
     _only(_Z + "grad_hooks", True, "reductions are launched from gradient hooks (see `overlap_comm`)"),
     _no_effect(
         _Z + "use_multi_rank_bucket_allreduce",
@@ -424,16 +497,6 @@ RULES: tuple[Rule, ...] = (
         "the kernel's page cache holds the shards being read",
         check=int,
     ),
-    _only(
-        _Z + "cpu_offload",
-        False,
-        'legacy optimizer offload; write `offload_optimizer: {"device": "cpu"}` instead',
-    ),
-    _only(
-        _Z + "cpu_offload_param",
-        False,
-        'legacy parameter offload; write `offload_param: {"device": "cpu"}` instead',
-    ),
     _no_effect(
         _Z + "cpu_offload_use_pin_memory",
         "bool",
@@ -498,6 +561,7 @@ RULES: tuple[Rule, ...] = (
         "bool",
         "`engine.full_state_dict()` always gathers full weights",
         check=StrictBool,
+        auto="nothing to resolve (Hugging Face's Trainer fills it from its save settings)",
     ),
     _no_effect(
         _Z + "stage3_use_all_reduce_for_fetch_params",
@@ -524,17 +588,40 @@ RULES: tuple[Rule, ...] = (
     _not_supported(_Z + "leaf_module", "use `zero_optimization.stage3_unit_classes` to choose units"),
     _only(_Z + "legacy_stage1", False, "there is one stage-1 implementation"),
     _only(_Z + "pipeline_loading_checkpoint", False, "there is no pipeline parallelism"),
-    Rule(
+    _no_effect(
         _Z + "zero_hpz_partition_size",
-        Kind.REFUSED_VALUE,
-        "hierarchical partitioning (ZeRO++ hpZ); " + _ZERO_PP,
-        "`1`",
-        accept=lambda v: not isinstance(v, bool) and v in (0, 1),
+        "int ≥ 0",
+        "ZeRO++ hpZ keeps a second copy of the parameters partitioned within a node, to gather them there in "
+        "backward: the same values, fewer inter-node bytes; " + _ZERO_PP_SAME,
+        check=int,
     ),
-    _only(_Z + "zero_quantized_weights", False, "quantized weights (ZeRO++); " + _ZERO_PP),
-    _only(_Z + "zero_quantized_nontrainable_weights", False, "quantized weights (ZeRO++); " + _ZERO_PP),
-    _only(_Z + "zero_quantized_gradients", False, "quantized gradients (ZeRO++); " + _ZERO_PP),
-    _not_supported(_Z + "zeropp_loco_param", _ZERO_PP),
+    *(
+        _no_effect(
+            _Z + key,
+            "bool",
+            f"ZeRO++ {what}: an approximation of the full-precision collective shardtrain runs; " + _ZERO_PP_SAME,
+            check=StrictBool,
+        )
+        for key, what in (
+            ("zero_quantized_weights", "int8 parameter all-gathers (qwZ)"),
+            ("zero_quantized_nontrainable_weights", "int8 storage of frozen parameters"),
+            ("zero_quantized_gradients", "int4 gradient reduce-scatters (qgZ)"),
+        )
+    ),
+    _no_effect(
+        _Z + "zeropp_loco_param",
+        "section",
+        "error feedback for ZeRO++'s quantized gradients (LoCo); gradients are not quantized here",
+        check=dict,
+    ),
+    _no_effect(
+        _Z + "paro_strategy",
+        "string",
+        "PaRO (partial-redundancy partitioning, `NIG`, `IIG`, ...) chooses within which ranks each state is "
+        "partitioned: a placement, the same values; shardtrain partitions over all data-parallel ranks as `stage` "
+        "says",
+        check=StrictStr,
+    ),
     Rule(
         _Z + "mics_shard_size",
         Kind.REFUSED_VALUE,
@@ -569,6 +656,30 @@ RULES: tuple[Rule, ...] = (
     _supported("wandb.project", "string, `deepspeed`", "W&B project"),
     _disabled("comet", "the Comet monitor is not built; use `tensorboard`, `csv_monitor` or `wandb`"),
     _disabled("comms_logger", "not built; use `engine.comm_stats()`"),
+    _no_effect(
+        "comms_config",
+        "section",
+        "not read by DeepSpeed either (its communication logger is the top-level `comms_logger`)",
+        check=dict,
+    ),
+    _no_effect(
+        "log",
+        "section",
+        "not read by DeepSpeed either (its logging interval is the top-level `steps_per_print`)",
+        check=dict,
+    ),
+    _no_effect(
+        "cuda_visible_devices",
+        "any",
+        "not read by DeepSpeed either; set the `CUDA_VISIBLE_DEVICES` environment variable or the launcher's "
+        "`--include`",
+    ),
+    _no_effect(
+        "monitor_config",
+        "section",
+        "not read by DeepSpeed either (monitors are the top-level `tensorboard`, `csv_monitor`, `wandb`)",
+        check=dict,
+    ),
     _disabled("flops_profiler", "not built; use `torch.profiler`"),
     _no_effect(
         "timers",
@@ -787,6 +898,18 @@ NO_EFFECT_WHEN: tuple[NoEffectWhen, ...] = (
         )
         for key in ("initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale")
     ),
+    NoEffectWhen(
+        "gradient_predivide_factor",
+        "with `prescale_gradients: true`",
+        "prescaling divides by the data-parallel size itself (DeepSpeed ignores the factor there too)",
+        lambda c: c.prescale_gradients,
+    ),
+    NoEffectWhen(
+        "fp16.auto_cast",
+        "without `fp16.enabled: true`",
+        "inputs are cast to fp16 for fp16 compute only",
+        lambda c: c.fp16.enabled is False,
+    ),
     *(
         NoEffectWhen(
             f"{monitor}.{key}",
@@ -850,11 +973,34 @@ ALIASES: dict[str, str] = {
     _Z + "stage3_gather_fp16_weights_on_model_save": _Z + "stage3_gather_16bit_weights_on_model_save",
 }
 
-# Keys that belong elsewhere: refused with this message as it stands.
-MISPLACED_KEYS: dict[str, str] = {
-    f"bf16.{key}": "loss scaling applies to fp16 only; bf16 has fp32's range and needs none"
-    for key in ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale")
+# DeepSpeed's deprecated spellings of a section, translated as DeepSpeed translates them: legacy key -> the section
+# ``true`` stands for (``false``: the section's default, nothing offloaded).
+LEGACY_SECTIONS: dict[str, tuple[str, dict[str, Any]]] = {
+    _Z + "cpu_offload": (_Z + "offload_optimizer", {"device": "cpu"}),
+    _Z + "cpu_offload_param": (_Z + "offload_param", {"device": "cpu"}),
 }
+
+
+def _legacy_sections(prefix: str, section: Mapping[str, Any], found: Findings) -> dict[str, Any]:
+    """``section`` with DeepSpeed's deprecated spellings (:data:`LEGACY_SECTIONS`) written as their replacement."""
+    out = dict(section)
+    for legacy, (modern, value) in LEGACY_SECTIONS.items():
+        old, new = legacy.rsplit(".", 1)[-1], modern.rsplit(".", 1)[-1]
+        if not legacy.startswith(prefix + ".") or old not in out:
+            continue
+        given = out.pop(old)
+        if not isinstance(given, bool):
+            found.problems.append(f"{legacy}: expected true or false, got {_describe(given)}")
+        elif new in out:  # DeepSpeed refuses a deprecated key beside its replacement too
+            found.problems.append(f"{legacy}: given with {modern}, which replaces it; keep `{new}` only")
+        elif given:
+            out[new] = dict(value)
+            found.renamed[modern] = legacy
+    return out
+
+
+# Keys that belong elsewhere: refused with this message as it stands.
+MISPLACED_KEYS: dict[str, str] = {}
 
 # "auto" inside optimizer.params / scheduler.params (dicts that pydantic does not walk).
 AUTO_PARAMS: dict[str, str] = {
@@ -933,7 +1079,7 @@ def _apply_rule(rule: Rule, value: Any, found: Findings) -> None:
 def _known_here(prefix: str, model: type[BaseModel] | None) -> list[str]:
     names = set(model.model_fields) if model else set()
     dotted = f"{prefix}." if prefix else ""
-    for path in (*RULES_BY_PATH, *ALIASES):
+    for path in (*RULES_BY_PATH, *ALIASES, *LEGACY_SECTIONS):
         if path.startswith(dotted) and "." not in path[len(dotted) :]:
             names.add(path[len(dotted) :])
     return sorted(names)
@@ -958,7 +1104,37 @@ def _section_model(model: type[BaseModel] | None, key: str) -> type[BaseModel] |
 def classify(data: Mapping[str, Any], model: type[BaseModel], prefix: str = "") -> tuple[dict[str, Any], Findings]:
     """Walk ``data`` (a raw config section) with :data:`RULES`; return what pydantic should validate, and findings."""
     found = Findings()
-    return _walk(data, model, prefix, found), found
+    out = _walk(data, model, prefix, found)
+    if not prefix:
+        _max_grad_norm_as_clipping(out, found)
+    return out, found
+
+
+_MAX_GRAD_NORM = "optimizer.params.max_grad_norm"
+
+
+def _max_grad_norm_as_clipping(out: dict[str, Any], found: Findings) -> None:
+    """``optimizer.params.max_grad_norm`` (apex's fused optimizers clipped with it) becomes ``gradient_clipping``."""
+    optimizer = out.get("optimizer")
+    params = optimizer.get("params") if isinstance(optimizer, Mapping) else None
+    if not isinstance(params, Mapping) or "max_grad_norm" not in params:
+        return
+    params = dict(params)
+    norm = params.pop("max_grad_norm")
+    out["optimizer"] = {**optimizer, "params": params}
+    given = out.get("gradient_clipping")
+    if is_auto(norm):
+        found.problems.append(f'{_MAX_GRAD_NORM}: "auto" cannot be derived for this key; give a value')
+    elif "gradient_clipping" in out and not (is_auto(given) or given == norm):
+        found.problems.append(
+            f"{_MAX_GRAD_NORM}: {_describe(norm)} differs from gradient_clipping {_describe(given)}; both clip the "
+            "global gradient norm: give one of them"
+        )
+    else:
+        if "gradient_clipping" not in out or is_auto(given):  # a number here settles an "auto" gradient_clipping
+            out["gradient_clipping"] = norm
+            found.autos.pop("gradient_clipping", None)
+            found.renamed["gradient_clipping"] = _MAX_GRAD_NORM
 
 
 def _walk(data: Mapping[str, Any], model: type[BaseModel] | None, prefix: str, found: Findings) -> dict[str, Any]:
@@ -980,11 +1156,16 @@ def _walk(data: Mapping[str, Any], model: type[BaseModel] | None, prefix: str, f
             continue
         if path == "zero_optimization" and isinstance(value, bool):  # DeepSpeed's legacy form
             value = {"stage": 1 if value else 0}
+        if path == "zero_optimization" and isinstance(value, Mapping):
+            value = _legacy_sections(path, value, found)
         if path in MISPLACED_KEYS:
             found.problems.append(f"{path}: {MISPLACED_KEYS[path]}")
             continue
         rule = RULES_BY_PATH.get(path)
         if is_auto(value):
+            if rule is not None and rule.auto and rule.kind is Kind.NO_EFFECT:
+                found.no_effect.append(f"{path}: {rule.note}")
+                continue
             if rule is not None and rule.auto:
                 found.autos[path] = rule.auto
                 out[key] = value
@@ -1004,8 +1185,12 @@ def _walk(data: Mapping[str, Any], model: type[BaseModel] | None, prefix: str, f
         if section is not None and isinstance(value, Mapping):
             value = _walk(value, section, path, found)
         elif path in ("optimizer.params", "scheduler.params") and isinstance(value, Mapping):
-            for name, v in value.items():
-                if is_auto(v):
+            value = dict(value)
+            for name, v in list(value.items()):
+                entry = RULES_BY_PATH.get(f"{path}.{name}")
+                if entry is not None and entry.kind is not Kind.SUPPORTED:
+                    _apply_rule(entry, value.pop(name), found)
+                elif is_auto(v):
                     if f"{path}.{name}" in AUTO_PARAMS:
                         found.autos[f"{path}.{name}"] = AUTO_PARAMS[f"{path}.{name}"]
                     else:
@@ -1037,6 +1222,12 @@ def markdown_table() -> str:
         lines.append(f"| `{r.path}` | {kind} | {values} | {r.note}.{auto}{modes} |".replace("..", "."))
     for alias, canonical in ALIASES.items():
         lines.append(f"| `{alias}` | alias | | DeepSpeed's other spelling of `{canonical}` |")
+    for legacy, (modern, value) in LEGACY_SECTIONS.items():
+        section = json.dumps(value)
+        lines.append(
+            f"| `{legacy}` | legacy spelling | bool | DeepSpeed's deprecated form of `{modern}`: `true` is "
+            f"`{section}`, `false` nothing offloaded; not together with `{modern.rsplit('.', 1)[-1]}` |"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -28,7 +28,14 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from shardtrain import comm_failure
 from shardtrain.comm import Communicator
-from shardtrain.config import Config, load_config, optimizer_class_and_kwargs, resolve_batch_sizes
+from shardtrain.config import (
+    Config,
+    cast_inputs_half,
+    gradient_predivide,
+    load_config,
+    optimizer_class_and_kwargs,
+    resolve_batch_sizes,
+)
 from shardtrain.config_auto import resolve_auto
 from shardtrain.desync import PhaseCheck
 from shardtrain.engine_checkpoint import COUNTERS, TrainingState, load_engine, save_engine
@@ -177,6 +184,7 @@ class Engine:
             on_grad_ready=self._units.on_grad_ready if self._units else None,
             reduce_dtype=self.precision.reduce_dtype if self.precision.mixed else None,
             tp_partial=(tp_comm, partial_grads) if partial_grads and tp_comm is not None else None,
+            predivide=gradient_predivide(config, topology.dp),
         )
         tp_norm = None
         if topology.tp > 1:
@@ -248,6 +256,8 @@ class Engine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.config.fp16.enabled is True and self.config.fp16.auto_cast:  # DeepSpeed: positional inputs only
+            args = cast_inputs_half(args)
         if self._graph is not None and self._graph.sharded is not None:
             return self._graph_forward(args, kwargs)
         if self._units is not None or self.tp_comm is not None:  # forward communicates: gathers, tp reductions

@@ -68,8 +68,12 @@ class GradientReducer:
         on_grad_ready: Callable[[Bucket], None] | None = None,
         reduce_dtype: torch.dtype | None = None,
         tp_partial: tuple[Communicator, frozenset[int]] | None = None,
+        predivide: float | None = None,
     ) -> None:
         self.buckets, self.comm, self.overlap = buckets, comm, overlap
+        # None: reductions average ("avg"). Else DeepSpeed's prescale_gradients / gradient_predivide_factor: each
+        # bucket is multiplied by 1/predivide, summed, then by predivide/N (see config.gradient_predivide)
+        self.predivide = predivide
         self.device = buckets[0].shard.device if buckets else torch.device("cpu")
         self.reduce_dtype = reduce_dtype  # None: each bucket's own dtype (see [Note: mixed precision])
         self.mode = policy.gradient_reduction  # see [Note: gradient storage per stage]
@@ -208,14 +212,18 @@ class GradientReducer:
         self._launched.add(position)
         what = f"gradient bucket {b.index} ({b.numel} elements)"
         wire = self._wire_dtype(b)
+        op = "avg" if self.predivide is None else "sum"
         if self.mode == "all_reduce":
             buf = self.full_grads[position]
             tmp = buf if buf.dtype == wire else buf.to(wire)  # reduced in the wire dtype, written back after
-            handle = self.comm.all_reduce(tmp, "avg", what=what, async_op=True)
+            self._prescale(tmp)  # in place: the buffer receives the reduced values anyway
+            handle = self.comm.all_reduce(tmp, op, what=what, async_op=True)
             self._pending.append(_Pending(b, handle, None if tmp is buf else tmp, tmp))
         else:
             if self.mode == "reduce_scatter":
                 inp = self.full_grads[position].to(wire)  # no copy when the dtypes agree
+                if self.predivide is not None and inp is self.full_grads[position]:
+                    inp = inp.clone()  # the other ranks' parts of the local gradient stay as computed
             else:
                 inp = self._staging.pop(position, None)
                 if inp is None:  # no parameter of the bucket got a gradient on this rank
@@ -226,20 +234,31 @@ class GradientReducer:
                         if i not in got:
                             inp[s.offset : s.offset + s.numel].zero_()
                     inp[b.numel :].zero_()
+            self._prescale(inp)
             out = inp.new_empty(b.shard_numel)
-            handle = self.comm.reduce_scatter(out, inp, "avg", what=what, async_op=True)
+            handle = self.comm.reduce_scatter(out, inp, op, what=what, async_op=True)
             self._pending.append(_Pending(b, handle, out, inp))
         # Older reductions had a whole bucket's backward to finish: fold them in now, so that their
         # full-size staging buffers do not outlive the next bucket (at most one stays in flight).
         while len(self._pending) > 1:
             self._finish(self._pending.pop(0))
 
+    def _prescale(self, t: torch.Tensor) -> None:
+        if self.predivide is not None and self.predivide != 1:
+            t.mul_(1.0 / self.predivide)  # DeepSpeed multiplies by the reciprocal: the same rounding
+
+    def _postscale(self, t: torch.Tensor) -> None:
+        if self.predivide is not None and self.predivide != self.comm.size:
+            t.mul_(self.predivide / self.comm.size)
+
     def _finish(self, p: _Pending) -> None:
         assert p.handle is not None
         p.handle.wait()
-        if p.out is None:
-            return
         position = self._position[p.bucket.index]
+        if p.out is None:  # reduced in place in the gradient buffer
+            self._postscale(self.full_grads[position])
+            return
+        self._postscale(p.out)
         if self.mode == "all_reduce":
             self.full_grads[position].copy_(p.out)
         elif self.mode == "reduce_scatter":
