@@ -143,10 +143,14 @@ class ShardedUnits:
         for sink in self.sinks:
             if sink is not None:
                 torch._dynamo.mark_static(sink)
+        # per bucket, whether each parameter requires grad now: read at every call, not at construction, because
+        # requires_grad_() after initialize() must stop (or resume) training that parameter, as in eager mode
+        self.trainable: tuple[tuple[bool, ...], ...] = ()
 
     def inputs(self) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
         """The graph's extra inputs for one call: the buckets' shards and sinks, the sinks' ``.grad`` pointed at the
         reducer's gradient shards (autograd accumulates into them in place)."""
+        self.trainable = tuple(tuple(s.param.requires_grad for s in b.slots) for b in self.buckets)
         for b, sink in zip(self.buckets, self.sinks):
             torch._dynamo.mark_static(b.shard)  # sizes of shards are fixed: no symbols for them in the graph
             if sink is not None:
@@ -166,13 +170,18 @@ class ShardedUnits:
                 m._parameters[attr] = self.buckets[i].slots[k].param
 
     def parameters(self, shards: list[torch.Tensor], sinks: list[torch.Tensor | None]) -> dict[str, torch.Tensor]:
-        """Every unit parameter under every name it is registered as, gathered (traced into the graph)."""
+        """Every unit parameter under every name it is registered as, gathered (traced into the graph).
+
+        A parameter frozen since ``initialize`` (``requires_grad_(False)``) gets a detached view: no gradient flows
+        to it, so its part of the reduced gradient is zero, what eager ZeRO-3 reduces for a parameter that got no
+        gradient (the schema holds the trainable set, so freezing captures a new graph that reads this again)."""
         views: list[tuple[torch.Tensor, ...]] = []
-        for spec, shard, sink in zip(self.specs, shards, sinks):
-            if sink is None or not torch.is_grad_enabled():
+        for spec, shard, sink, trains in zip(self.specs, shards, sinks, self.trainable):
+            if sink is None or not torch.is_grad_enabled() or not any(trains):
                 views.append(_views(spec.comm.graph_all_gather(shard), spec))
             else:
-                views.append(_GatherUnit.apply(shard, sink, spec))
+                gathered = _GatherUnit.apply(shard, sink, spec)
+                views.append(tuple(v if t else v.detach() for v, t in zip(gathered, trains)))
         return {name: views[i][k] for _, _, name, (i, k) in self._places}
 
 

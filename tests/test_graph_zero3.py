@@ -1,0 +1,89 @@
+"""Graph-mode ZeRO-3 against eager ZeRO-3 and one process where AdamW would hide a mistake: plain SGD (a gradient
+scaled wrongly, or a gradient where there should be none, moves the parameters by exactly that much), parameters
+frozen and unfrozen after ``initialize``, and the schedule measured at run time rather than by the pass itself."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import shardtrain
+from shardtrain.testing import run_distributed
+from tp_cases import Case, config_for, forward, forward_engine, global_batches, make_model
+
+FROZEN = "blocks.0.attn.qkv.weight"
+LR = 0.5
+
+
+def _sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+
+
+def _freezing_plan(steps: int) -> list[bool]:
+    """Whether ``FROZEN`` trains at each step: one step, frozen for two, trained again for the rest."""
+    return [s == 0 or s >= 3 for s in range(steps)]
+
+
+def freeze_run(case: Case, graph: bool) -> dict:
+    """World N: SGD at ZeRO stage 3, ``FROZEN`` frozen after ``initialize`` then unfrozen (see ``_freezing_plan``);
+    returns the full parameters after every step."""
+    model = make_model(case)
+    config = {**config_for(case, 3, 1), "graph": {"enabled": graph, "strict": True}}
+    engine = shardtrain.initialize(model, config=config, optimizer=_sgd(model))
+    batches = global_batches(case, engine.topology.dp)
+    lo, hi = engine.topology.dp_rank * case.micro, (engine.topology.dp_rank + 1) * case.micro
+    weight = dict(engine.module.named_parameters())[FROZEN]
+    after = []
+    for step, trains in enumerate(_freezing_plan(case.steps)):
+        weight.requires_grad_(trains)
+        for m in range(case.gas):
+            x, y = batches[step * case.gas + m]
+            engine.backward(forward_engine(engine, x[lo:hi], y[lo:hi]))
+            engine.step()
+        after.append(engine.full_state_dict())
+    dist.barrier()
+    return {"after": after, "graph": engine.graph_stats()}
+
+
+def freeze_reference(case: Case, dp: int) -> list[dict]:
+    """One process, the whole global batch, the same freezing plan and clipping."""
+    model = make_model(case)
+    opt = _sgd(model)
+    batches = global_batches(case, dp)
+    weight = dict(model.named_parameters())[FROZEN]
+    after = []
+    for step, trains in enumerate(_freezing_plan(case.steps)):
+        weight.requires_grad_(trains)
+        for m in range(case.gas):
+            x, y = batches[step * case.gas + m]
+            (forward(model, x, y) / case.gas).backward()
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], case.clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        after.append({k: v.clone() for k, v in model.state_dict().items()})
+    return after
+
+
+def test_a_parameter_frozen_after_initialize_stops_training_and_trains_again_when_unfrozen():
+    """World 2, SGD, stage 3: ``FROZEN`` is frozen after the first step and unfrozen after the third. While frozen
+    it keeps its value exactly (as in eager ZeRO-3, where it gets no gradient); unfrozen, it trains again; every
+    parameter after every step is eager ZeRO-3's and one process's."""
+    case = Case(steps=5, gas=1)
+    graph = run_distributed(freeze_run, 2, case, True, timeout=600)[0]
+    eager = run_distributed(freeze_run, 2, case, False, timeout=600)[0]
+    ref = freeze_reference(case, 2)
+    plan = _freezing_plan(case.steps)
+    for step in range(1, case.steps):
+        moved = (graph["after"][step][FROZEN] - graph["after"][step - 1][FROZEN]).abs().max().item()
+        if plan[step]:
+            assert moved > 1e-3, f"step {step}: {FROZEN} trains but moved {moved:.3g}"
+        else:
+            assert moved == 0, f"step {step}: {FROZEN} is frozen but moved by {moved:.3g}"
+    for step in range(case.steps):
+        for k, want in ref[step].items():
+            for name, got in (("graph", graph["after"][step][k]), ("eager", eager["after"][step][k])):
+                err = (got - want).abs().max().item()
+                assert err <= 1e-5 * want.abs().max().item() + 1e-6, f"{name} step {step}: {k}: error {err:.3g}"
+            assert torch.equal(graph["after"][step][k], eager["after"][step][k]), f"step {step}: {k}"
+    # one capture per trainable set: unfrozen again, the parameters reuse the first graph (with its gradient)
+    assert graph["graph"]["captures"] == 2 and graph["graph"]["reuses"] == case.steps - 2, graph["graph"]
