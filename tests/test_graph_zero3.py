@@ -4,6 +4,7 @@ frozen and unfrozen after ``initialize``, and the schedule measured at run time 
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -87,3 +88,43 @@ def test_a_parameter_frozen_after_initialize_stops_training_and_trains_again_whe
             assert torch.equal(graph["after"][step][k], eager["after"][step][k]), f"step {step}: {k}"
     # one capture per trainable set: unfrozen again, the parameters reuse the first graph (with its gradient)
     assert graph["graph"]["captures"] == 2 and graph["graph"]["reuses"] == case.steps - 2, graph["graph"]
+
+
+class _DataDependent(torch.nn.Module):
+    """Wraps a module with Python control flow on a tensor's value (TorchDynamo cannot trace ``.item()``) and counts
+    the forwards that really ran."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner, self.runs = inner, []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.runs.append(1)
+        h = self.inner(x)
+        return h * 2 if h.sum().item() > 0 else h
+
+
+def _split_at_stage3(strict: bool) -> dict:
+    case = Case(gas=1)
+    model = make_model(case)
+    model.blocks[0].mlp = _DataDependent(model.blocks[0].mlp)
+    config = {**config_for(case, 3, 1), "graph": {"enabled": True, "strict": strict}}
+    engine = shardtrain.initialize(model, config=config, optimizer=_sgd(model))
+    (x, y), *_ = global_batches(case, engine.topology.dp, steps=1)
+    with pytest.raises(shardtrain.errors.GraphCaptureError) as err:
+        forward_engine(engine, x[: case.micro], y[: case.micro])
+    return {"message": str(err.value), "runs": len(model.blocks[0].mlp.runs), "graph": engine.graph_stats()}
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_split_at_stage3_is_an_error_naming_the_construct_before_anything_runs(strict):
+    """A construct TorchDynamo cannot trace, inside the model at ZeRO stage 3, would make the forward run eagerly
+    inside the parameter swap, every unit gathered at once until backward. Strict or not (the default), it is an
+    error naming the construct, raised while tracing: the model's forward never ran, so nothing was gathered whole."""
+    for r in run_distributed(_split_at_stage3, 2, strict, timeout=300):
+        message = r["message"]
+        assert message.startswith("cannot capture GPT as one graph at ZeRO stage 3: "), message
+        # the construct (a branch on a tensor's value) and the model's line of code holding it
+        assert "data-dependent expression" in message and "turn graph mode off" in message, message
+        assert 'test_graph_zero3.py", line ' in message and "in forward" in message, message
+        assert r["runs"] == 0 and r["graph"]["fallbacks"] == [], r

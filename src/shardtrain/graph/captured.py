@@ -31,6 +31,7 @@ and its fused kernels round differently from eager, so results agree within fp32
 from __future__ import annotations
 
 import logging
+import re
 import types
 import warnings
 from collections import Counter, OrderedDict
@@ -165,8 +166,9 @@ class CapturedModule:
         eager = self._eager
         fn = types.FunctionType(eager.__code__.replace(), eager.__globals__, "captured_" + self.name)
         # not fullgraph=True even when strict: shardtrain.eager's intended splits must stay allowed; strict is
-        # enforced in _run on the splits Dynamo reports
-        entry.run = torch.compile(fn, backend=self._backend(entry), dynamic=True)
+        # enforced in _run on the splits Dynamo reports. At ZeRO stage 3 every split is refused before anything
+        # runs (see [Note: no split at ZeRO stage 3])
+        entry.run = torch.compile(fn, backend=self._backend(entry), dynamic=True, fullgraph=self.sharded is not None)
         self._entries[schema] = entry
         while len(self._entries) > self.cache_size:
             self._entries.popitem(last=False)
@@ -223,6 +225,9 @@ class CapturedModule:
         try:
             out = self._call(entry.run, args, kwargs)
         except torch._dynamo.exc.TorchDynamoException as err:  # tracing refused the forward as a whole
+            if self.sharded is not None:
+                self._entries.pop(entry.schema, None)
+                raise GraphCaptureError(self._sharded_message(_construct(err))) from None
             if self.strict:
                 self._entries.pop(entry.schema, None)
                 raise GraphCaptureError(self._strict_message(_construct(err))) from None
@@ -233,14 +238,6 @@ class CapturedModule:
         # collectives) are intended
         new = sorted(_graph_breaks() - breaks)
         unexpected = [_condensed(r) for r in new if EAGER_BY_DESIGN not in r]
-        if self.sharded is not None and any(_WHOLE_FRAME in r for r in new):
-            # a split inside the module call at ZeRO-3 (even an intended one): TorchDynamo cannot split inside the
-            # parameter swap of functional_call, so it runs the whole forward eagerly
-            unexpected = [
-                "at ZeRO stage 3 a split inside the model ("
-                + "; ".join(_condensed(r).split(" Explanation:")[0] for r in new)
-                + ") makes the whole forward run eagerly, every unit gathered up front and kept until backward"
-            ]
         if unexpected and self.strict:
             self._entries.pop(entry.schema, None)
             raise GraphCaptureError(self._strict_message("; ".join(unexpected)))
@@ -264,15 +261,21 @@ class CapturedModule:
             "that part eagerly, or change the model"
         )
 
+    def _sharded_message(self, construct: str) -> str:
+        return (
+            f"cannot capture {self.name} as one graph at ZeRO stage 3: {construct}. Graph mode gathers the units "
+            "inside the graph, so this cannot run as a split between two graphs; run eagerly, it would gather "
+            "every unit at once and keep them until backward (the whole model on every rank). Change the model "
+            "(or remove the hook, or the debug subscribers), or turn graph mode off: eager ZeRO-3 gathers unit by "
+            "unit around it"
+        )
+
     def _fall_back(self, reason: str) -> None:
         self.stats.fallbacks.append(reason)
         warnings.warn(
             f"graph mode: part of {self.name}'s forward runs eagerly: {reason} (graph.strict makes this an error)",
             stacklevel=4,
         )
-
-
-_WHOLE_FRAME = "graph break in an active context manager"
 
 
 def _graph_breaks() -> Counter[str]:
@@ -287,10 +290,16 @@ def _condensed(reason: str) -> str:
 
 
 def _construct(err: BaseException) -> str:
-    """The first line of Dynamo's message and the user's line of code it stopped at."""
-    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+    """The first line of Dynamo's message (or the name of one of shardtrain's intended splits, such as a debug
+    hook) and the user's line of code it stopped at."""
+    text = str(err)
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
     head = lines[0] if lines else type(err).__name__
-    where = [line for line in lines if line.startswith("File ") and "shardtrain/graph/" not in line]
+    intended = re.search(r"\(reason: (shardtrain [^()]*) " + re.escape(EAGER_BY_DESIGN) + r"\)", text)
+    if intended:
+        head = f"a {intended.group(1).removeprefix('shardtrain ')} (shardtrain runs it eagerly, between graphs)"
+    ours = ("shardtrain/graph/", "shardtrain/eager.py")
+    where = [line for line in lines if line.startswith("File ") and not any(o in line for o in ours)]
     return f"{head} (at {where[-1]})" if where else head
 
 
