@@ -9,8 +9,9 @@ import torch
 import torch.distributed as dist
 
 import shardtrain
+from shardtrain.models.gpt import GPT, GPTConfig
 from shardtrain.testing import run_distributed
-from tp_cases import Case, config_for, forward, forward_engine, global_batches, make_model
+from tp_cases import SEQ, VOCAB, Case, config_for, forward, forward_engine, global_batches, make_model
 
 FROZEN = "blocks.0.attn.qkv.weight"
 LR = 0.5
@@ -128,3 +129,108 @@ def test_a_split_at_stage3_is_an_error_naming_the_construct_before_anything_runs
         assert "data-dependent expression" in message and "turn graph mode off" in message, message
         assert 'test_graph_zero3.py", line ' in message and "in forward" in message, message
         assert r["runs"] == 0 and r["graph"]["fallbacks"] == [], r
+
+
+def _inductor_lazy_backward() -> dict:
+    case = Case(gas=1, micro=1)
+    model = make_model(case)
+    config = {**config_for(case, 3, 1), "graph": {"enabled": True, "strict": True, "compiler": "inductor"}}
+    engine = shardtrain.initialize(model, config=config, optimizer=_sgd(model))
+    x = torch.randint(0, 64, (1, 1), generator=torch.Generator().manual_seed(engine.topology.dp_rank))
+    loss = forward_engine(engine, x, x)
+    before = dict(engine.graph_stats()["collectives"])
+    engine.backward(loss)
+    buckets = [b for _, _, bs in engine.layout.units for b in bs]
+    return {
+        "before": before,
+        "after": engine.graph_stats()["collectives"],
+        "trainable": sum(b.requires_grad for b in buckets),
+    }
+
+
+def test_inductor_schedules_a_backward_compiled_lazily():
+    """Inputs of size 1 are static, so the backward saves no symbolic size and AOT autograd compiles it lazily, at
+    its first run, after the forward returned: its reduce-scatters must still be scheduled by our pass (the pass
+    reports each graph it scheduled: the backward's count is there only after backward)."""
+    for r in run_distributed(_inductor_lazy_backward, 2, timeout=600):
+        assert "backward reduce-scatters" not in r["before"], r  # not compiled with the forward: lazily
+        assert r["after"]["backward reduce-scatters"] == r["trainable"] > 0, r
+
+
+def most_live_gathers(gm: torch.fx.GraphModule) -> int:
+    """The most all-gathered buffers alive at once when ``gm`` runs, read from its generated code's own rule, not
+    from the scheduling pass: the code drops each value after its last use (``node.users``), and a buffer lives
+    while any value sharing its storage (the wait's result, every view of it: fake tensors share storage as the
+    real ones do) is alive."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    nodes = list(gm.graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    storage_of = {}
+    for n in nodes:
+        val = n.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            storage_of[n] = StorageWeakRef(val.untyped_storage())
+    spans = []
+    for n in nodes:
+        if n.target is torch.ops._c10d_functional.all_gather_into_tensor.default:
+            # wait_tensor returns its input at run time (its fake result is a new tensor): the same buffer
+            buffer = {storage_of[m] for m in [n, *n.users] if m in storage_of}
+            sharing = [m for m in nodes if m in storage_of and storage_of[m] in buffer]
+            end = max(max([index[u] for u in m.users] + [index[m]]) for m in sharing)
+            spans.append((index[n], end))
+    return max((sum(a <= i <= b for a, b in spans) for i in range(len(nodes))), default=0)
+
+
+def _schedule_run(zero: dict) -> dict:
+    case = Case(gas=1, steps=2)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=32, n_layer=4, n_head=4))  # 5 units with the root
+    config = {**config_for(case, 3, 1), "graph": {"enabled": True, "strict": True}}
+    config["zero_optimization"].update(zero)
+    engine = shardtrain.initialize(model, config=config, optimizer=_sgd(model))
+    batches = global_batches(case, engine.topology.dp)
+    lo, hi = engine.topology.dp_rank * case.micro, (engine.topology.dp_rank + 1) * case.micro
+    for x, y in batches:
+        engine.backward(forward_engine(engine, x[lo:hi], y[lo:hi]))
+        engine.step()
+    live = {which: most_live_gathers(gm) for which, gm in engine._graph.graphs()}
+    return {"graph": engine.graph_stats(), "live": live, "units": len(engine.layout.units),
+            "params": engine.full_state_dict()}  # fmt: skip
+
+
+def _schedules() -> list[dict]:
+    runs = [
+        _schedule_run({}),
+        _schedule_run({"stage3_prefetch_bucket_size": 0}),
+        _schedule_run({"overlap_comm": False}),
+    ]
+    model = make_model(Case())
+    config = {**config_for(Case(), 3, 1), "graph": {"enabled": True}}
+    config["zero_optimization"]["stage3_gather_check"] = False
+    with pytest.warns(UserWarning, match=r"stage3_gather_check: false has no effect in graph mode"):
+        shardtrain.initialize(model, config=config, optimizer=_sgd(model))
+    return runs
+
+
+def test_the_schedule_follows_prefetch_and_overlap_and_its_peak_is_measured_from_the_graphs():
+    """Graph-mode ZeRO-3 on 5 units. The most units gathered at once is read from the graphs that run (each value
+    dropped after its last use, a buffer alive while any view of it is), not from the pass: 3 in forward (the root,
+    whose embedding comes first and head last, the current and the prefetched unit), at most 3 in backward.
+    ``stage3_prefetch_bucket_size: 0`` issues each gather right before its use (one unit fewer alive);
+    ``overlap_comm: false`` waits for each reduce-scatter at once. The numbers stay bitwise the same."""
+    default, no_prefetch, no_overlap = run_distributed(_schedules, 2, timeout=600)[0]
+    assert default["units"] == 5
+    assert default["live"] == {"forward": 3, "backward": default["live"]["backward"]}, default["live"]
+    assert 2 <= default["live"]["backward"] <= 3, default["live"]
+    assert default["graph"]["most_gathered"] == max(default["live"].values()), default
+    overlapped = default["graph"]["overlapped"]
+    assert overlapped["forward prefetched all-gathers"] == overlapped["backward prefetched all-gathers"] == 4
+    assert overlapped["backward overlapped reduce-scatters"] == 4, overlapped  # the last one has nothing to overlap
+    assert no_prefetch["live"] == {"forward": 2, "backward": default["live"]["backward"] - 1}, no_prefetch["live"]
+    assert no_prefetch["graph"]["overlapped"] == {**overlapped, "forward prefetched all-gathers": 0,
+                                                  "backward prefetched all-gathers": 0}  # fmt: skip
+    assert no_overlap["live"] == default["live"]
+    assert no_overlap["graph"]["overlapped"] == {**overlapped, "backward overlapped reduce-scatters": 0}
+    for k, want in default["params"].items():
+        assert torch.equal(no_prefetch["params"][k], want) and torch.equal(no_overlap["params"][k], want), k

@@ -78,6 +78,9 @@ class GraphStats:
     collectives: Counter[str] = field(default_factory=Counter)
     """ZeRO-3: the collectives in the captured graphs (``forward all-gathers``, ``backward all-gathers``,
     ``backward reduce-scatters``), summed over captures."""
+    overlapped: Counter[str] = field(default_factory=Counter)
+    """ZeRO-3: of those, the all-gathers issued ahead of the compute before their wait (prefetched, see
+    ``stage3_prefetch_bucket_size``) and the reduce-scatters with compute between issue and wait (``overlap_comm``)."""
     evictions: int = 0
     guard_recaptures: int = 0
     fallbacks: list[str] = field(default_factory=list)
@@ -91,6 +94,7 @@ class GraphStats:
             "guard_recaptures": self.guard_recaptures,
             "most_gathered": self.most_gathered,
             "collectives": dict(self.collectives),
+            "overlapped": dict(self.overlapped),
             "fallbacks": list(self.fallbacks),
             "reasons": dict(self.reasons),
         }
@@ -101,6 +105,8 @@ class _Entry:
     schema: Schema
     run: Callable[..., Any]
     compiled_graphs: int = 0
+    graphs: list[tuple[str, torch.fx.GraphModule]] = field(default_factory=list)
+    """("forward" or "backward", graph module) as they run, after our passes (``aot_eager``; for inspection)."""
 
 
 class CapturedModule:
@@ -154,6 +160,11 @@ class CapturedModule:
     def graph_stats(self) -> dict[str, Any]:
         return self.stats.as_dict()
 
+    def graphs(self) -> list[tuple[str, torch.fx.GraphModule]]:
+        """The graphs of the last call's schema as they run (``aot_eager``): ("forward" or "backward", module)."""
+        entry = self._entries.get(self._last) if self._last is not None else None
+        return list(entry.graphs) if entry is not None else []
+
     # -- capture -------------------------------------------------------------------------------------------
     def _capture(self, schema: Schema) -> _Entry:
         reasons = ["first call"] if self._last is None else differences(self._last, schema)
@@ -184,10 +195,17 @@ class CapturedModule:
             self.stats.collectives.update(
                 {f"{which} all-gathers": done.all_gathers, f"{which} reduce-scatters": done.reduce_scatters}
             )
+            self.stats.overlapped.update(
+                {
+                    f"{which} prefetched all-gathers": done.prefetched,
+                    f"{which} overlapped reduce-scatters": done.overlapped,
+                }
+            )
 
         def run_as_captured(gm: torch.fx.GraphModule, example_inputs: list, which: str = "forward") -> Callable:
             if self.sharded is not None:  # prefetch, release and reduction order (step 2 of the note)
-                report(which, schedule(gm))
+                report(which, schedule(gm, self.sharded.settings))
+            entry.graphs.append((which, gm))
             return make_boxed_func(gm.forward)
 
         def partition(joint: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
@@ -208,13 +226,16 @@ class CapturedModule:
         def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
             entry.compiled_graphs += 1  # Dynamo may call this more than once per trace (it restarts an analysis)
             if self.compiler == "inductor":
-                from torch._inductor import config as inductor_config
                 from torch._inductor.compile_fx import compile_fx
 
                 if self.sharded is None:
                     return compile_fx(gm, example_inputs)
-                with inductor_config.patch(InductorPasses(report).config):
-                    return compile_fx(gm, example_inputs)
+                # config_patches, not a config.patch block around the call: AOT autograd compiles a backward that
+                # saves no symbolic size lazily, at its first run, outside any block here; compile_fx patches its
+                # inner compiler too, so that backward gets the passes as well
+                return compile_fx(
+                    gm, example_inputs, config_patches=InductorPasses(report, self.sharded.settings).config
+                )
             return aot(gm, example_inputs)
 
         return backend
