@@ -25,6 +25,8 @@ three steps of ours make the result behave like ZeRO-3 rather than like a model 
    so at most two units are gathered at once, the current one and the prefetched one. In backward, each unit's
    gradient assembly and reduce-scatter are hoisted to the moment its last gradient is computed, and the result
    of a reduce-scatter is waited for when the next one is issued: one reduction in flight, as the eager reducer.
+   The schedule follows ``stage3_prefetch_bucket_size`` and ``overlap_comm`` as eager ZeRO-3 does (see
+   :class:`Settings`).
 3. **Gradients** land in the reducer's fp32 gradient shards: each trainable bucket has a *sink*, an fp32 leaf
    tensor that the gather function takes as an input and ignores in forward; its gradient is the reduce-scattered
    gradient of the bucket, and the sink's ``.grad`` is the reducer's shard buffer itself, so autograd accumulates
