@@ -113,7 +113,8 @@ class CapturedModule:
     """``module`` run through graphs captured per input schema; call it like the module.
 
     ``cache_size`` graphs are kept (least recently used evicted); ``strict`` makes anything that cannot be captured
-    an error instead of a warning and an eager fallback; ``compiler`` is ``"aot_eager"`` or ``"inductor"``;
+    an error instead of a warning and an eager fallback (with ``sharded``, always an error: see [Note: no split at
+    ZeRO stage 3]); ``compiler`` is ``"aot_eager"`` or ``"inductor"``;
     ``sharded`` (the engine's, at ZeRO stage 3) runs the module on parameters gathered inside the graph (see
     [Note: ZeRO-3 as graph operations]).
     """
