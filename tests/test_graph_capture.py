@@ -305,3 +305,26 @@ def test_module_hooks_are_part_of_the_schema(reasons):
     assert seen == []
     stats = run.graph_stats()
     assert stats["captures"] == 3 and stats["reuses"] == 1, stats
+
+
+def test_the_fingerprint_ranks_compare_holds_no_local_device_index():
+    """At ZeRO stage 3 the ranks compare their schemas' fingerprints before every forward (the desync check). Each
+    rank of a node runs on its own ``cuda:<local rank>``: tensors and a ``torch.device`` argument on ``cuda:0`` and
+    ``cuda:1`` must fingerprint alike, or two GPUs of one node would never start. Fake tensors say they are on CUDA
+    without a GPU; another device type or dtype still differs, and the local schema (the cache key) keeps the index."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    model = Toy().eval()
+
+    def schema(device: str, dtype: torch.dtype = torch.float32) -> graph.Schema:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            x = torch.empty(2, 8, device=device, dtype=dtype)
+        return graph.schema_of(model, (x,), {"extra": None, "where": torch.device(device)})
+
+    on0, on1 = schema("cuda:0"), schema("cuda:1")
+    assert on0 != on1  # a local cache entry is for one device
+    assert on0.portable() == on1.portable()
+    assert graph.differences(on0.portable(), on1.portable()) == []
+    assert on0.fingerprint() == on1.fingerprint()
+    assert schema("cpu").fingerprint() != on0.fingerprint()
+    assert schema("cuda:1", torch.bfloat16).fingerprint() != on0.fingerprint()

@@ -99,6 +99,16 @@ class Handle:
         self._work.wait()
 
 
+# backends whose reduce-scatter takes ReduceOp.AVG (gloo's does not; NCCL's has since NCCL 2.10)
+_AVG_BACKENDS = frozenset({"nccl"})
+
+
+def graph_reduce_op(backend: str) -> str:
+    """The reduce op of a graph's backend reduce-scatter on ``backend`` (see [Note: collectives in graphs]):
+    ``"avg"`` where the backend averages on the wire, else ``"sum"`` (the caller divides by the group size)."""
+    return "avg" if backend in _AVG_BACKENDS else "sum"
+
+
 class _PairwiseHandle(Handle):
     """The pairwise reduce-scatter of [Note: bytes on the wire]: waits for every transfer, then adds the ``N``
     chunks in rank order into ``out``."""
@@ -339,8 +349,11 @@ class Communicator:
     # output, and ``wait_tensor``), which TorchDynamo and AOT autograd trace as graph nodes and a pass can move.
     # The reduce-scatter keeps the algorithm chosen above: on gloo the pairwise exchange is an all-to-all of
     # the ``N`` chunks followed by the same rank-order sum as ``_PairwiseHandle`` (bitwise the eager result);
-    # elsewhere the backend's reduce-scatter. They are not counted in ``stats()`` (a graph runs them without
-    # Python) and fail with the backend's own error after the process group's timeout.
+    # elsewhere the backend's reduce-scatter, averaging on the wire where the backend can (NCCL's ``avg``, what eager
+    # passes as ``ReduceOp.AVG``: a sum of fp16 gradients can overflow where their average does not, so summing
+    # and dividing afterwards would skip steps eager mode takes), summing and dividing where it cannot (see
+    # :func:`graph_reduce_op`). They are not counted in ``stats()`` (a graph runs them without Python) and fail
+    # with the backend's own error after the process group's timeout.
     def graph_all_gather(self, shard: torch.Tensor) -> torch.Tensor:
         """Every rank's ``shard`` concatenated (traceable; see [Note: collectives in graphs])."""
         if self.size == 1:
@@ -356,8 +369,10 @@ class Communicator:
             return full
         name = self.group.group_name
         if self.reduce_scatter_impl != "pairwise":
-            out = torch.ops._c10d_functional.reduce_scatter_tensor(full, "sum", n, name)
-            return torch.ops._c10d_functional.wait_tensor(out) / n
+            op = graph_reduce_op(self.backend)
+            out = torch.ops._c10d_functional.reduce_scatter_tensor(full, op, n, name)
+            out = torch.ops._c10d_functional.wait_tensor(out)
+            return out if op == "avg" else out / n
         chunk = full.numel() // n
         parts = torch.ops._c10d_functional.all_to_all_single(full, [chunk] * n, [chunk] * n, name)
         parts = torch.ops._c10d_functional.wait_tensor(parts).view(n, chunk)

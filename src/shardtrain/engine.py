@@ -318,7 +318,9 @@ class Engine:
         self._units.remove_hooks()
         self._reducer.hand_over([b for u in self._units.units for b in u.buckets if b.requires_grad])
         wire = self.precision.reduce_dtype if self.precision.mixed else None
-        return ShardedUnits(self._units.units, self.comm, lambda b: wire or b.dtype, self._reducer.shard_grad)
+        return ShardedUnits(
+            self._units.units, self.comm, lambda b: wire or b.dtype, self._reducer.shard_grad, self._reducer.overlap
+        )
 
     @contextmanager
     def _graph_collectives(self, call: str) -> Iterator[None]:

@@ -31,6 +31,7 @@ and its fused kernels round differently from eager, so results agree within fp32
 from __future__ import annotations
 
 import logging
+import re
 import types
 import warnings
 from collections import Counter, OrderedDict
@@ -77,6 +78,9 @@ class GraphStats:
     collectives: Counter[str] = field(default_factory=Counter)
     """ZeRO-3: the collectives in the captured graphs (``forward all-gathers``, ``backward all-gathers``,
     ``backward reduce-scatters``), summed over captures."""
+    overlapped: Counter[str] = field(default_factory=Counter)
+    """ZeRO-3: of those, the all-gathers issued ahead of the compute before their wait (prefetched, see
+    ``stage3_prefetch_bucket_size``) and the reduce-scatters with compute between issue and wait (``overlap_comm``)."""
     evictions: int = 0
     guard_recaptures: int = 0
     fallbacks: list[str] = field(default_factory=list)
@@ -90,6 +94,7 @@ class GraphStats:
             "guard_recaptures": self.guard_recaptures,
             "most_gathered": self.most_gathered,
             "collectives": dict(self.collectives),
+            "overlapped": dict(self.overlapped),
             "fallbacks": list(self.fallbacks),
             "reasons": dict(self.reasons),
         }
@@ -100,13 +105,16 @@ class _Entry:
     schema: Schema
     run: Callable[..., Any]
     compiled_graphs: int = 0
+    graphs: list[tuple[str, torch.fx.GraphModule]] = field(default_factory=list)
+    """("forward" or "backward", graph module) as they run, after our passes (``aot_eager``; for inspection)."""
 
 
 class CapturedModule:
     """``module`` run through graphs captured per input schema; call it like the module.
 
     ``cache_size`` graphs are kept (least recently used evicted); ``strict`` makes anything that cannot be captured
-    an error instead of a warning and an eager fallback; ``compiler`` is ``"aot_eager"`` or ``"inductor"``;
+    an error instead of a warning and an eager fallback (with ``sharded``, always an error: see [Note: no split at
+    ZeRO stage 3]); ``compiler`` is ``"aot_eager"`` or ``"inductor"``;
     ``sharded`` (the engine's, at ZeRO stage 3) runs the module on parameters gathered inside the graph (see
     [Note: ZeRO-3 as graph operations]).
     """
@@ -153,6 +161,11 @@ class CapturedModule:
     def graph_stats(self) -> dict[str, Any]:
         return self.stats.as_dict()
 
+    def graphs(self) -> list[tuple[str, torch.fx.GraphModule]]:
+        """The graphs of the last call's schema as they run (``aot_eager``): ("forward" or "backward", module)."""
+        entry = self._entries.get(self._last) if self._last is not None else None
+        return list(entry.graphs) if entry is not None else []
+
     # -- capture -------------------------------------------------------------------------------------------
     def _capture(self, schema: Schema) -> _Entry:
         reasons = ["first call"] if self._last is None else differences(self._last, schema)
@@ -165,8 +178,9 @@ class CapturedModule:
         eager = self._eager
         fn = types.FunctionType(eager.__code__.replace(), eager.__globals__, "captured_" + self.name)
         # not fullgraph=True even when strict: shardtrain.eager's intended splits must stay allowed; strict is
-        # enforced in _run on the splits Dynamo reports
-        entry.run = torch.compile(fn, backend=self._backend(entry), dynamic=True)
+        # enforced in _run on the splits Dynamo reports. At ZeRO stage 3 every split is refused before anything
+        # runs (see [Note: no split at ZeRO stage 3])
+        entry.run = torch.compile(fn, backend=self._backend(entry), dynamic=True, fullgraph=self.sharded is not None)
         self._entries[schema] = entry
         while len(self._entries) > self.cache_size:
             self._entries.popitem(last=False)
@@ -182,10 +196,17 @@ class CapturedModule:
             self.stats.collectives.update(
                 {f"{which} all-gathers": done.all_gathers, f"{which} reduce-scatters": done.reduce_scatters}
             )
+            self.stats.overlapped.update(
+                {
+                    f"{which} prefetched all-gathers": done.prefetched,
+                    f"{which} overlapped reduce-scatters": done.overlapped,
+                }
+            )
 
         def run_as_captured(gm: torch.fx.GraphModule, example_inputs: list, which: str = "forward") -> Callable:
             if self.sharded is not None:  # prefetch, release and reduction order (step 2 of the note)
-                report(which, schedule(gm))
+                report(which, schedule(gm, self.sharded.settings))
+            entry.graphs.append((which, gm))
             return make_boxed_func(gm.forward)
 
         def partition(joint: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
@@ -206,13 +227,16 @@ class CapturedModule:
         def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
             entry.compiled_graphs += 1  # Dynamo may call this more than once per trace (it restarts an analysis)
             if self.compiler == "inductor":
-                from torch._inductor import config as inductor_config
                 from torch._inductor.compile_fx import compile_fx
 
                 if self.sharded is None:
                     return compile_fx(gm, example_inputs)
-                with inductor_config.patch(InductorPasses(report).config):
-                    return compile_fx(gm, example_inputs)
+                # config_patches, not a config.patch block around the call: AOT autograd compiles a backward that
+                # saves no symbolic size lazily, at its first run, outside any block here; compile_fx patches its
+                # inner compiler too, so that backward gets the passes as well
+                return compile_fx(
+                    gm, example_inputs, config_patches=InductorPasses(report, self.sharded.settings).config
+                )
             return aot(gm, example_inputs)
 
         return backend
@@ -223,6 +247,9 @@ class CapturedModule:
         try:
             out = self._call(entry.run, args, kwargs)
         except torch._dynamo.exc.TorchDynamoException as err:  # tracing refused the forward as a whole
+            if self.sharded is not None:
+                self._entries.pop(entry.schema, None)
+                raise GraphCaptureError(self._sharded_message(_construct(err))) from None
             if self.strict:
                 self._entries.pop(entry.schema, None)
                 raise GraphCaptureError(self._strict_message(_construct(err))) from None
@@ -233,14 +260,6 @@ class CapturedModule:
         # collectives) are intended
         new = sorted(_graph_breaks() - breaks)
         unexpected = [_condensed(r) for r in new if EAGER_BY_DESIGN not in r]
-        if self.sharded is not None and any(_WHOLE_FRAME in r for r in new):
-            # a split inside the module call at ZeRO-3 (even an intended one): TorchDynamo cannot split inside the
-            # parameter swap of functional_call, so it runs the whole forward eagerly
-            unexpected = [
-                "at ZeRO stage 3 a split inside the model ("
-                + "; ".join(_condensed(r).split(" Explanation:")[0] for r in new)
-                + ") makes the whole forward run eagerly, every unit gathered up front and kept until backward"
-            ]
         if unexpected and self.strict:
             self._entries.pop(entry.schema, None)
             raise GraphCaptureError(self._strict_message("; ".join(unexpected)))
@@ -264,15 +283,21 @@ class CapturedModule:
             "that part eagerly, or change the model"
         )
 
+    def _sharded_message(self, construct: str) -> str:
+        return (
+            f"cannot capture {self.name} as one graph at ZeRO stage 3: {construct}. Graph mode gathers the units "
+            "inside the graph, so this cannot run as a split between two graphs; run eagerly, it would gather "
+            "every unit at once and keep them until backward (the whole model on every rank). Change the model "
+            "(or remove the hook, or the debug subscribers), or turn graph mode off: eager ZeRO-3 gathers unit by "
+            "unit around it"
+        )
+
     def _fall_back(self, reason: str) -> None:
         self.stats.fallbacks.append(reason)
         warnings.warn(
             f"graph mode: part of {self.name}'s forward runs eagerly: {reason} (graph.strict makes this an error)",
             stacklevel=4,
         )
-
-
-_WHOLE_FRAME = "graph break in an active context manager"
 
 
 def _graph_breaks() -> Counter[str]:
@@ -287,10 +312,16 @@ def _condensed(reason: str) -> str:
 
 
 def _construct(err: BaseException) -> str:
-    """The first line of Dynamo's message and the user's line of code it stopped at."""
-    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+    """The first line of Dynamo's message (or the name of one of shardtrain's intended splits, such as a debug
+    hook) and the user's line of code it stopped at."""
+    text = str(err)
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
     head = lines[0] if lines else type(err).__name__
-    where = [line for line in lines if line.startswith("File ") and "shardtrain/graph/" not in line]
+    intended = re.search(r"\(reason: (shardtrain [^()]*) " + re.escape(EAGER_BY_DESIGN) + r"\)", text)
+    if intended:
+        head = f"a {intended.group(1).removeprefix('shardtrain ')} (shardtrain runs it eagerly, between graphs)"
+    ours = ("shardtrain/graph/", "shardtrain/eager.py")
+    where = [line for line in lines if line.startswith("File ") and not any(o in line for o in ours)]
     return f"{head} (at {where[-1]})" if where else head
 
 

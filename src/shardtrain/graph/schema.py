@@ -32,7 +32,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -85,9 +85,9 @@ class Schema:
     global module hooks."""
 
     def portable(self) -> Schema:
-        """The same facts in a form another process can compare: inputs that are neither tensors nor plain values by
-        their type only (their repr may hold an address), hooks by count (handle ids come from a per-process
-        counter)."""
+        """The same facts in a form another process can compare: devices by their type only (each rank of a node
+        runs on its own ``cuda:<local rank>``), inputs that are neither tensors nor plain values by their type only
+        (their repr may hold an address), hooks by count (handle ids come from a per-process counter)."""
         leaves = tuple((p, _portable(v)) for p, v in self.leaves)
         hooks = tuple((n, tuple(tuple(range(len(ids))) for ids in kinds)) for n, kinds in self.hooks)
         return Schema(leaves, self.modes, frozenset(self.trainable), self.context, hooks)
@@ -106,7 +106,11 @@ _PLAIN = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.
 
 
 def _portable(spec: Leaf) -> Leaf:
-    if isinstance(spec, TensorSpec) or isinstance(spec.value, _PLAIN):
+    if isinstance(spec, TensorSpec):
+        return replace(spec, device=torch.device(spec.device).type)
+    if isinstance(spec.value, torch.device):
+        return ValueSpec(spec.type_name, torch.device(spec.value.type))
+    if isinstance(spec.value, _PLAIN):
         return spec
     return ValueSpec(spec.type_name, f"<{spec.type_name} object>")
 

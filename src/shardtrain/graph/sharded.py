@@ -25,11 +25,21 @@ three steps of ours make the result behave like ZeRO-3 rather than like a model 
    so at most two units are gathered at once, the current one and the prefetched one. In backward, each unit's
    gradient assembly and reduce-scatter are hoisted to the moment its last gradient is computed, and the result
    of a reduce-scatter is waited for when the next one is issued: one reduction in flight, as the eager reducer.
+   The schedule follows ``stage3_prefetch_bucket_size`` and ``overlap_comm`` as eager ZeRO-3 does (see
+   :class:`Settings`).
 3. **Gradients** land in the reducer's fp32 gradient shards: each trainable bucket has a *sink*, an fp32 leaf
    tensor that the gather function takes as an input and ignores in forward; its gradient is the reduce-scattered
    gradient of the bucket, and the sink's ``.grad`` is the reducer's shard buffer itself, so autograd accumulates
    micro-steps into it in place, in fp32 (what eager does). The optimizer step, clipping, checkpoints and
    ``engine.gathered()`` read that buffer and the shards exactly as in eager ZeRO-3.
+
+[Note: no split at ZeRO stage 3]
+Every gather is issued before ``functional_call`` enters its parameter swap, a context manager TorchDynamo cannot
+split. A construct it cannot trace inside the model (``.item()`` control flow, a ``torch.compiler.disable`` hook,
+a debug subscriber) therefore cannot become a split between two graphs: TorchDynamo would run the whole forward
+eagerly, every unit gathered up front and kept until backward, the whole model on every rank. So the stage-3
+forward is compiled with ``fullgraph=True`` and such a construct is a ``GraphCaptureError`` naming it, raised
+while tracing (before any gather ran), whatever ``graph.strict`` says.
 
 The numbers are eager ZeRO-3's: the same shards gathered, the same gradients reduced with the same algorithm
 and summation order (the wire dtype of mixed precision included); what can differ is the order in which
@@ -38,8 +48,8 @@ AOT autograd adds the contributions of a parameter used twice (tied embeddings),
 
 from __future__ import annotations
 
-import itertools
 import operator
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -102,7 +112,9 @@ class _GatherUnit(torch.autograd.Function):
 class ShardedUnits:
     """The ZeRO-3 units of an engine as inputs of the captured graph (see [Note: ZeRO-3 as graph operations]).
 
-    ``shard_grad(bucket)`` is the reducer's fp32 gradient shard of a trainable bucket: the sink's ``.grad``."""
+    ``shard_grad(bucket)`` is the reducer's fp32 gradient shard of a trainable bucket: the sink's ``.grad``;
+    ``overlap`` is ``zero_optimization.overlap_comm`` (the prefetch budget is the unit runtime's, see
+    :class:`Settings`)."""
 
     def __init__(
         self,
@@ -110,7 +122,17 @@ class ShardedUnits:
         comm: Communicator,
         wire_dtype: Callable[[Bucket], torch.dtype],
         shard_grad: Callable[[Bucket], torch.Tensor],
+        overlap: bool = True,
     ) -> None:
+        runtime = units[0].runtime if units else None
+        self.settings = Settings(runtime.prefetch_numel if runtime is not None else 0, overlap)
+        if runtime is not None and not runtime.gather_check:
+            warnings.warn(
+                "zero_optimization.stage3_gather_check: false has no effect in graph mode: the captured graph issues "
+                "its gathers without a per-gather check, and the ranks' unit order is checked once per forward by "
+                "the desync check, which compares the input schemas (desync_check)",
+                stacklevel=3,
+            )
         self.buckets: list[Bucket] = [b for u in units for b in u.buckets]
         index = {id(s.param): (i, k) for i, b in enumerate(self.buckets) for k, s in enumerate(b.slots)}
         # every place a unit parameter is registered (a tied parameter has several): (module, attribute, name, slot)
@@ -143,10 +165,14 @@ class ShardedUnits:
         for sink in self.sinks:
             if sink is not None:
                 torch._dynamo.mark_static(sink)
+        # per bucket, whether each parameter requires grad now: read at every call, not at construction, because
+        # requires_grad_() after initialize() must stop (or resume) training that parameter, as in eager mode
+        self.trainable: tuple[tuple[bool, ...], ...] = ()
 
     def inputs(self) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
         """The graph's extra inputs for one call: the buckets' shards and sinks, the sinks' ``.grad`` pointed at the
         reducer's gradient shards (autograd accumulates into them in place)."""
+        self.trainable = tuple(tuple(s.param.requires_grad for s in b.slots) for b in self.buckets)
         for b, sink in zip(self.buckets, self.sinks):
             torch._dynamo.mark_static(b.shard)  # sizes of shards are fixed: no symbols for them in the graph
             if sink is not None:
@@ -166,13 +192,18 @@ class ShardedUnits:
                 m._parameters[attr] = self.buckets[i].slots[k].param
 
     def parameters(self, shards: list[torch.Tensor], sinks: list[torch.Tensor | None]) -> dict[str, torch.Tensor]:
-        """Every unit parameter under every name it is registered as, gathered (traced into the graph)."""
+        """Every unit parameter under every name it is registered as, gathered (traced into the graph).
+
+        A parameter frozen since ``initialize`` (``requires_grad_(False)``) gets a detached view: no gradient flows
+        to it, so its part of the reduced gradient is zero, what eager ZeRO-3 reduces for a parameter that got no
+        gradient (the schema holds the trainable set, so freezing captures a new graph that reads this again)."""
         views: list[tuple[torch.Tensor, ...]] = []
-        for spec, shard, sink in zip(self.specs, shards, sinks):
-            if sink is None or not torch.is_grad_enabled():
+        for spec, shard, sink, trains in zip(self.specs, shards, sinks, self.trainable):
+            if sink is None or not torch.is_grad_enabled() or not any(trains):
                 views.append(_views(spec.comm.graph_all_gather(shard), spec))
             else:
-                views.append(_GatherUnit.apply(shard, sink, spec))
+                gathered = _GatherUnit.apply(shard, sink, spec)
+                views.append(tuple(v if t else v.detach() for v, t in zip(gathered, trains)))
         return {name: views[i][k] for _, _, name, (i, k) in self._places}
 
 
@@ -236,11 +267,26 @@ class Scheduled:
     all_gathers: int
     reduce_scatters: int
     most_gathered: int  # units gathered at once at the worst point of the program order
+    prefetched: int = 0  # all-gathers issued before the compute that precedes their wait
+    overlapped: int = 0  # reduce-scatters with compute between their issue and their wait
 
 
-def schedule(gm: fx.GraphModule) -> Scheduled:
+@dataclass(frozen=True)
+class Settings:
+    """The ``zero_optimization`` keys the schedule follows, as eager ZeRO-3 does.
+
+    ``prefetch_numel`` (``stage3_prefetch_bucket_size``): a unit's all-gather is issued one unit ahead only if
+    its buffer has at most this many elements (0: no prefetch, each gather issued right before its first use);
+    ``overlap`` (``overlap_comm``): each reduce-scatter issued as soon as its gradients exist and waited for when
+    the next one is issued (false: issued where autograd computes it and waited for at once)."""
+
+    prefetch_numel: int = 2**62
+    overlap: bool = True
+
+
+def schedule(gm: fx.GraphModule, settings: Settings = Settings()) -> Scheduled:
     """Step 2 of [Note: ZeRO-3 as graph operations] on one graph module."""
-    done = schedule_graph(gm.graph)
+    done = schedule_graph(gm.graph, settings)
     gm.recompile()
     return done
 
@@ -249,7 +295,7 @@ def is_backward(graph: fx.Graph) -> bool:
     return any(n.op == "placeholder" and n.name.startswith("tangents") for n in graph.nodes)
 
 
-def schedule_graph(graph: fx.Graph) -> Scheduled:
+def schedule_graph(graph: fx.Graph, settings: Settings = Settings()) -> Scheduled:
     """Step 2 of [Note: ZeRO-3 as graph operations] on one graph."""
     groups = [_gather_group(n) for n in graph.nodes if n.target is _AG]
     order = {n: i for i, n in enumerate(graph.nodes)}
@@ -268,14 +314,38 @@ def schedule_graph(graph: fx.Graph) -> Scheduled:
     for use, group in placed:
         for member in sorted(group[1:], key=order.__getitem__):
             use.prepend(member)
-    # each all-gather issued when the previous unit's data has arrived (one unit ahead)
-    for (_, previous), (_, group) in itertools.pairwise(placed):
-        wait = next(m for m in previous if m.target is _WAIT)
-        wait.append(group[0])
-    _schedule_reductions(graph)
+    # each all-gather issued when the previous unit's data has arrived (one unit ahead), if the prefetch budget
+    # admits it; else right before its own wait
+    for previous, (_, group) in zip([None, *placed], placed):
+        if previous is not None and _gathered_numel(group[0]) <= settings.prefetch_numel:
+            next(m for m in previous[1] if m.target is _WAIT).append(group[0])
+        else:
+            next(m for m in group if m.target is _WAIT).prepend(group[0])
+    if settings.overlap:
+        _schedule_reductions(graph)
     graph.lint()
     reductions = sum(1 for n in graph.nodes if n.target in _RS)
-    return Scheduled(len(groups), reductions, _most_gathered(graph))
+    return Scheduled(len(groups), reductions, _most_gathered(graph), *_overlapping(graph))
+
+
+def _gathered_numel(node: fx.Node) -> int:
+    val = node.meta.get("val")
+    return val.numel() if isinstance(val, torch.Tensor) else 0
+
+
+def _overlapping(graph: fx.Graph) -> tuple[int, int]:
+    """(all-gathers, reduce-scatters) with an operation that is none of theirs between issue and wait: prefetched
+    gathers, reductions overlapped with compute."""
+    nodes = list(graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    counts = {True: 0, False: 0}
+    for n in nodes:
+        if n.target is _AG or n.target in _RS:
+            waits = [u for u in n.users if u.target is _WAIT]
+            if waits:
+                between = nodes[index[n] + 1 : index[waits[0]]]
+                counts[n.target is _AG] += any(b.op == "call_function" and b.target is not _WAIT for b in between)
+    return counts[True], counts[False]
 
 
 def _schedule_reductions(graph: fx.Graph) -> None:
@@ -336,7 +406,7 @@ class InductorPasses:
     before the partitioner, ``post_grad_custom_post_pass`` on the forward and backward graphs it compiles);
     ``report(which, scheduled)`` is told what each scheduled graph holds."""
 
-    def __init__(self, report: Callable[[str, Scheduled], None]) -> None:
+    def __init__(self, report: Callable[[str, Scheduled], None], settings: Settings = Settings()) -> None:
         from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
         uuid = get_hash_for_files((__file__,))
@@ -350,7 +420,7 @@ class InductorPasses:
 
         class Schedule(CustomGraphPass):
             def __call__(self, graph: fx.Graph) -> None:
-                report("backward" if is_backward(graph) else "forward", schedule_graph(graph))
+                report("backward" if is_backward(graph) else "forward", schedule_graph(graph, settings))
 
             def uuid(self) -> bytes:
                 return uuid
