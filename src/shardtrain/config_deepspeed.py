@@ -368,7 +368,8 @@ RULES: tuple[Rule, ...] = (
     _supported(
         _Z + "overlap_comm",
         "bool, `true`",
-        "launch each bucket's reduction during backward; `false` reduces after backward",
+        "launch each bucket's reduction during backward; `false` reduces after backward (graph mode at stage 3: "
+        "each unit's reduce-scatter is waited for when issued instead of overlapping the next unit's backward)",
     ),
     _no_effect(
         _Z + "contiguous_gradients",
@@ -518,7 +519,8 @@ RULES: tuple[Rule, ...] = (
     _supported(
         _Z + "stage3_prefetch_bucket_size",
         "int ≥ 0, `5e7`",
-        "stage 3: prefetch the next unit if it has at most this many elements (0 = no prefetch)",
+        "stage 3: prefetch the next unit if it has at most this many elements (0 = no prefetch); graph mode: the "
+        "captured graphs issue a unit's all-gather one unit ahead under the same bound",
         auto="0.9 x hidden_size² (stage 3)",
     ),
     _supported(
@@ -824,6 +826,13 @@ NO_EFFECT_WHEN: tuple[NoEffectWhen, ...] = (
             "stage3_unit_classes",
             "stage3_gather_check",
         )
+    ),
+    NoEffectWhen(
+        _Z + "stage3_gather_check",
+        "in graph mode (`graph.enabled: true`) at stage 3",
+        "the captured graph has no per-gather check: the forward's desync check compares every rank's input schema "
+        "(a different path is a different schema) and `initialize` warns",
+        lambda c: c.graph.enabled is True and _zero_stage(c) == 3,
     ),
     NoEffectWhen(
         _Z + "allgather_bucket_size",
