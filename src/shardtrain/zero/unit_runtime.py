@@ -124,9 +124,10 @@ class ParameterUnits:
         own group)."""
         self.root, self.comm = root, comm
         self.prefetch_numel, self.gather_check = prefetch_numel, gather_check
-        # the unit-order check's exchange: over the host-side group, counted with comm's calls when it is comm's own
+        # the unit-order check's exchange: over the host-side group; when that is comm's own group (gloo), with
+        # comm, so that its calls stay in engine.comm_stats() (under NCCL they are counted apart)
         same = check_group is None or check_group is comm.group
-        self.check_comm = comm if same else Communicator(check_group, comm.timeout_s)
+        self.check_comm = comm if same or not gather_check else Communicator(check_group, comm.timeout_s)
         self.units: list[Unit] = []
         self._unit_of_bucket: dict[int, Unit] = {}
         self.unit_of_storage: dict[int, Unit] = {}  # the full buffers' storages (stable across resizes)
