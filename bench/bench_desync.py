@@ -24,18 +24,18 @@ import torch
 import torch.distributed as dist
 
 import shardtrain
-from bench_zero import MICRO_BATCH, batch, gpt_config
+from bench_zero import Shape, batch, make_shape
 from shardtrain.models.gpt import GPT, num_parameters
 from shardtrain.testing import run_distributed
 
 CHECKS = 500
 
 
-def build(stage: int, check: bool, layers: int, gas: int):
+def build(stage: int, check: bool, shape: Shape, gas: int):
     torch.manual_seed(0)
-    model = GPT(gpt_config(layers))
+    model = GPT(shape.gpt)
     config = {
-        "train_micro_batch_size_per_gpu": MICRO_BATCH,
+        "train_micro_batch_size_per_gpu": shape.micro_batch,
         "gradient_accumulation_steps": gas,
         "gradient_clipping": 1.0,
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 25_000_000 // 4},
@@ -44,10 +44,10 @@ def build(stage: int, check: bool, layers: int, gas: int):
     return shardtrain.initialize(model, config=config, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4))
 
 
-def timing_body(stages: list[int], steps: int, warmup: int, layers: int, gas: int) -> dict:
+def timing_body(stages: list[int], steps: int, warmup: int, shape: Shape, gas: int) -> dict:
     rank = dist.get_rank()
     variants = [(s, c) for s in stages for c in (True, False)]
-    engines = {v: build(*v, layers, gas) for v in variants}
+    engines = {v: build(*v, shape, gas) for v in variants}
     times: dict[tuple[int, bool], list[float]] = {v: [] for v in variants}
     checks = {}
     for it in range(warmup + steps):
@@ -59,7 +59,7 @@ def timing_body(stages: list[int], steps: int, warmup: int, layers: int, gas: in
             dist.barrier()
             t0 = time.perf_counter()
             for m in range(gas):
-                x, y = batch(layers, seed=1000 * it + 10 * m + rank)
+                x, y = batch(shape, seed=1000 * it + 10 * m + rank)
                 engine.backward(engine(x, y))
                 engine.step()
             elapsed = torch.tensor(time.perf_counter() - t0)
@@ -91,16 +91,18 @@ def main() -> None:
     args = parser.parse_args()
     stages = [int(s) for s in args.stages.split(",")]
     world = 2
-    n = num_parameters(GPT(gpt_config(args.layers)))
+    shape = make_shape("bench", args.layers)
+    n = num_parameters(GPT(shape.gpt))
     print(
         f"# bench_desync: {n / 1e6:.1f}M-parameter GPT, fp32 AdamW, world {world} (gloo, 1 thread/rank), "
-        f"micro-batch {MICRO_BATCH}x{gpt_config(args.layers).seq_len}, {args.gas} micro-step(s) per step"
+        f"micro-batch {shape.micro_batch}x{shape.gpt.seq_len}, {args.gas} micro-step(s) per step"
     )
     print(f"# machine: {platform.machine()}, {torch.get_num_threads()} cores, torch {torch.__version__}")
     print(f"# command: python {' '.join(sys.argv)}")
-    r = run_distributed(
-        timing_body, world, stages, args.steps, args.warmup, args.layers, args.gas, timeout=3600, threads=1
-    )[0]
+    ranks = run_distributed(
+        timing_body, world, stages, args.steps, args.warmup, shape, args.gas, timeout=3600, threads=1
+    )
+    r = ranks[0]
     lat = r["latency"]
     print(f"\none check alone: {lat * 1e6:.0f} us (mean of {CHECKS} back to back, slowest rank)")
     print(

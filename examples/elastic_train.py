@@ -14,9 +14,15 @@ are done again. What this takes from a training script:
   or a data loader whose position is saved in ``client_state`` and restored from what ``load_checkpoint`` returns;
 * a checkpoint every N steps (``save_checkpoint`` is crash-safe: ``latest`` only ever names a complete one).
 
+The command line above is all a restart needs: no environment variable (shardtrain starts each attempt's process
+group on a store of its own, so a restarted attempt never reads the addresses of the one that died; see [Note:
+restarts under torchrun] in ``src/shardtrain/mesh.py``).
+
 ``--kill-rank R --kill-at-step S`` shows it: rank R kills itself with SIGKILL after step S on the first attempt only
-(``TORCHELASTIC_RESTART_COUNT`` is 0), as the OOM killer would. ``--loss-log FILE`` appends one JSON line per step
-(rank 0): attempt, step, loss, time.
+(``TORCHELASTIC_RESTART_COUNT`` is 0), as the OOM killer would. ``--hold-rank R --hold-at-step S --pid-file F`` lets
+something outside kill it instead: on the first attempt rank R writes its pid to F after step S and waits there (its
+peers wait for it in the next step's collectives) until it is killed, e.g. ``kill -9 $(cat F)``. ``--loss-log FILE``
+appends one JSON line per step (rank 0): attempt, step, loss, time.
 """
 
 from __future__ import annotations
@@ -66,6 +72,9 @@ def train(
     kill_rank: int | None = None,
     kill_at_step: int | None = None,
     log: str | None = None,
+    hold_rank: int | None = None,
+    hold_at_step: int | None = None,
+    pid_file: str | None = None,
 ) -> list[tuple[int, float]]:
     """Train until ``steps`` optimizer steps in total, resuming from ``ckpt_dir/latest`` when it exists. Returns
     (step, loss) of the steps this call trained."""
@@ -81,6 +90,8 @@ def train(
     while engine.global_step < steps:
         if attempt == 0 and rank == kill_rank and engine.global_step == kill_at_step:
             os.kill(os.getpid(), signal.SIGKILL)
+        if attempt == 0 and rank == hold_rank and engine.global_step == hold_at_step:
+            hold(pid_file)
         x, y = batch(corpus, seed, engine.global_step, rank)
         loss = engine(x.to(engine.device), y.to(engine.device))
         engine.backward(loss)
@@ -95,6 +106,16 @@ def train(
     return losses
 
 
+def hold(pid_file: str) -> None:
+    """Publish this process's pid (whole: written aside, then renamed) and wait to be killed from outside."""
+    tmp = f"{pid_file}.tmp"
+    with open(tmp, "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(tmp, pid_file)
+    while True:
+        time.sleep(1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ckpt-dir", required=True)
@@ -104,8 +125,13 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kill-rank", type=int, help="this rank kills itself with SIGKILL on the first attempt")
     parser.add_argument("--kill-at-step", type=int, help="... after this many optimizer steps")
+    parser.add_argument("--hold-rank", type=int, help="this rank waits to be killed from outside, first attempt")
+    parser.add_argument("--hold-at-step", type=int, help="... after this many optimizer steps")
+    parser.add_argument("--pid-file", help="... having written its pid here")
     parser.add_argument("--loss-log", help="rank 0 appends one JSON line per step here")
     args = parser.parse_args()
+    if args.hold_rank is not None and (args.hold_at_step is None or args.pid_file is None):
+        parser.error("--hold-rank needs --hold-at-step and --pid-file")
     losses = train(
         args.ckpt_dir,
         args.steps,
@@ -115,6 +141,9 @@ def main() -> None:
         kill_rank=args.kill_rank,
         kill_at_step=args.kill_at_step,
         log=args.loss_log,
+        hold_rank=args.hold_rank,
+        hold_at_step=args.hold_at_step,
+        pid_file=args.pid_file,
     )
     if losses and int(os.environ.get("RANK", "0")) == 0:
         print(f"step {losses[-1][0]}: loss {losses[-1][1]:.4f}", flush=True)

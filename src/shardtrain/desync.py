@@ -26,13 +26,21 @@ shifts that rank's accumulation boundaries by one and nothing else: its calls lo
 training, at a ``save_checkpoint`` or ``full_state_dict``, where the check catches it. Until then each of its
 optimizer steps combined other micro-batches than its peers' did, which no comparison of calls can see.
 
-Why a Communicator of its own (over the same world group as ``engine.world_comm``): its calls are counted apart,
+Why a Communicator of its own (over the world's ranks, as ``engine.world_comm``): its calls are counted apart,
 so ``engine.comm_stats()`` still holds only the traffic the ZeRO formulas describe.
 
-Costs: one all-gather of ``5 * 8 * world`` bytes and one host sync per checked call: per micro-step one at stage 0,
+Why on the host: the descriptor is a CPU tensor exchanged over the host-side world group
+(``Topology.host_world_group``: the world group itself under gloo, a gloo group over the same ranks under NCCL; see
+[Note: the engine's groups] in :mod:`shardtrain.mesh`). So the check never touches the device: an NCCL all-gather
+would need the descriptor copied to the GPU and the result copied back, and that copy waits for every kernel queued
+before it (the backward's reduce-scatters, a prefetched gather), stalling the overlap that keeps the GPU busy. On
+the host it waits only for the other ranks' Python to reach the same call. It still completes before the call's
+own collectives are issued, which is what makes it the first collective of diverging ranks.
+
+Costs: one all-gather of ``5 * 8 * world`` bytes on the host per checked call: per micro-step one at stage 0,
 two at stages 1-2 (one off the accumulation boundary), three at stage 3 or with tensor parallelism. Each is also a
-point where every rank waits for the slowest. ``bench/bench_desync.py`` measures both (see docs/reliability.md);
-``desync_check: false`` removes it.
+point where every rank's host waits for the slowest. ``bench/bench_desync.py`` measures both (see
+docs/reliability.md); ``desync_check: false`` removes it.
 
 What it cannot catch: a rank that calls nothing at all (it sleeps, or waits in a collective of its own, such as a
 user's ``dist.barrier()``): the lone rank's check then waits for ``collective_timeout_s`` and fails with a
@@ -50,6 +58,7 @@ import torch
 
 from shardtrain.comm import Communicator
 from shardtrain.errors import RankMismatchError
+from shardtrain.mesh import exchanges_on_host
 
 CALLS = (
     "forward",
@@ -81,11 +90,15 @@ class Phase:
 
 
 class PhaseCheck:
-    """The check of [Note: phase agreement] over ``comm`` (the whole world); ``comm=None`` disables it."""
+    """The check of [Note: phase agreement] over ``comm`` (the whole world; a host-side group, see the note);
+    ``comm=None`` disables it."""
 
     def __init__(self, comm: Communicator | None, tp: int, device: torch.device) -> None:
         self.comm = comm if comm is not None and comm.size > 1 else None
-        self.tp, self.device = tp, device
+        self.tp = tp
+        # the descriptor's device: the CPU over a host-side group; a device group (NCCL) needs it on the device
+        on_host = self.comm is None or exchanges_on_host(self.comm.backend)
+        self.device = torch.device("cpu") if on_host else device
 
     def __call__(
         self, call: str, global_step: int, micro_step: int, detail: int = 0, explain: Callable[[], str] | None = None
@@ -95,11 +108,12 @@ class PhaseCheck:
         if self.comm is None:
             return
         phase = Phase(call, global_step, micro_step, detail)
-        mine = torch.tensor([_MARKER, CALLS.index(call), global_step, micro_step, detail], dtype=torch.int64)
-        mine = mine.to(self.device)
+        mine = torch.tensor(
+            [_MARKER, CALLS.index(call), global_step, micro_step, detail], dtype=torch.int64, device=self.device
+        )
         everyone = mine.new_empty(self.comm.size * _FIELDS)
         self.comm.all_gather(everyone, mine, what=f"this rank's position ({phase})", kind="desync_check")
-        rows = everyone.view(self.comm.size, _FIELDS).tolist()
+        rows = everyone.view(self.comm.size, _FIELDS).tolist()  # a CPU tensor over a host-side group: no device sync
         if all(row == rows[0] for row in rows):
             return
         if explain is not None and all(row[:4] == rows[0][:4] for row in rows):

@@ -100,7 +100,7 @@ class Engine:
         # every rank says where it is before each call that communicates ([Note: phase agreement]); its own
         # Communicator over the world group, so that comm_stats() keeps only the traffic of the ZeRO formulas
         self._phase_check = PhaseCheck(
-            Communicator(topology.world_group, topology.timeout_s) if config.desync_check else None,
+            Communicator(topology.host_world_group, topology.timeout_s) if config.desync_check else None,
             topology.tp,
             topology.device,
         )
@@ -137,7 +137,12 @@ class Engine:
         self._units: ParameterUnits | None = None
         if self.layout.units:
             self._units = ParameterUnits(
-                module, self.layout.units, self.comm, zcfg.stage3_prefetch_bucket_size, zcfg.stage3_gather_check
+                module,
+                self.layout.units,
+                self.comm,
+                zcfg.stage3_prefetch_bucket_size,
+                zcfg.stage3_gather_check,
+                check_group=topology.host_dp_group,
             )
         self.precision = policy_from_config(config)
         self.scaler = LossScaler.from_config(config)
@@ -263,7 +268,7 @@ class Engine:
         if self._units is not None or self.tp_comm is not None:  # forward communicates: gathers, tp reductions
             self._agree("forward")
         if not self._batch_checked:  # every rank of a tensor-parallel group must get the same batch
-            check_same_batch(args, kwargs, self.tp_comm)
+            check_same_batch(args, kwargs, self.tp_comm, self.topology.host_tp_group)
             self._batch_checked = True
         self.monitor.count_tokens(args, kwargs)  # tokens/s (see [Note: monitor metrics])
         with self.monitor.timed("forward"), self._graph_collectives("forward"):  # timed: rank 0's breakdown

@@ -5,10 +5,45 @@ communicates. There are no process-group globals in shardtrain.
 
 Three ways to start are supported:
 
-* the user already called ``torch.distributed.init_process_group``: we use that group as it is;
-* launched by ``torchrun`` (``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` set): we initialize from the env;
+* the user already called ``torch.distributed.init_process_group``: we use that group's ranks and store, and create
+  the engine's own groups with ``collective_timeout_s`` where the user's timeout differs (see [Note: the engine's
+  groups]);
+* launched by ``torchrun`` (``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` set): we initialize from the env, over a store
+  of this attempt's own when torchrun shares its store with the workers (see [Note: restarts under torchrun]);
 * a plain ``python train.py``: we initialize a one-process group on a free local port, so the same code
   path runs everywhere.
+
+[Note: the engine's groups]
+Every collective the engine issues runs on a group of its own topology: the world, the ``dp`` axis and the ``tp``
+axis. Each is created with ``collective_timeout_s`` (``new_group`` otherwise gives gloo and NCCL groups 30 minutes,
+whatever the default group's timeout). The default group itself is used for the world axis (and for an axis that
+spans the world) only when its timeout is the configured one: always when shardtrain created it; when the user
+created it beforehand with another timeout, the engine's world group is a new group over the same ranks, so that a
+stuck peer still fails the engine's collectives after ``collective_timeout_s`` (the user's own collectives keep the
+user's timeout).
+
+Beside them, each axis has a *host-side* group (``host_world_group``, ``host_dp_group``, ``host_tp_group``) for the
+small agreement checks (the desync check, the unit-order check, the tensor-parallel batch check): their payload lives
+in CPU tensors and is exchanged over gloo, so that on CUDA a check never waits for the kernels queued before it (a
+device-to-host copy of an NCCL result would). Where the main backend already exchanges CPU tensors (gloo, or a
+backend string naming gloo for the CPU) the host-side groups are the main ones; under NCCL they are gloo groups over
+the same ranks, created once here (:func:`make_groups`).
+
+[Note: restarts under torchrun]
+Since PyTorch 2.4 torchrun's c10d rendezvous shares its TCP store with the workers (``TORCHELASTIC_USE_AGENT_STORE``
+is ``True``; ``MASTER_ADDR``/``MASTER_PORT`` name the agent's store) and keeps that store across restarts. A
+process group initialized from the environment writes its addresses under the same keys at every attempt, so after
+a restart a worker may read an address of the previous, dead attempt before its peer has overwritten it: gloo then
+fails with ``connectFullMesh failed ... Connection refused`` on every restarted attempt (NCCL reads a stale unique
+id), pytorch/pytorch#135712. A key prefix from ``TORCHELASTIC_RESTART_COUNT`` would not do: each agent counts its
+own restarts, and the agents of a multi-node job do not always agree (pytorch/pytorch#108158). So under a shared
+store rank 0 starts a TCP store of its own on a free port for this attempt and publishes ``<port> <token>`` (a
+random token, also written into its store) under :data:`_ATTEMPT_STORE_KEY` of the agent's store; the other ranks
+read that key and connect, and use the store only if it holds the same token: a key left by the previous attempt
+names a port where nothing listens any more (connection refused) or another store (another token), and they read
+the key again until rank 0 of this attempt has written it. The process group then starts on a store that holds
+nothing from an earlier attempt, as with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, which a user no longer needs to
+set. As without a shared store, rank 0 hosts the store (comm_failure names rank 0 when the store stops answering).
 """
 
 from __future__ import annotations
@@ -18,14 +53,25 @@ import contextlib
 import datetime
 import os
 import socket
+import time
+import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from shardtrain import comm_failure
-from shardtrain.errors import LayoutError
+from shardtrain.errors import LayoutError, ShardtrainError
+
+_ATTEMPT_STORE_KEY = "shardtrain/attempt_store"
+"""In torchrun's shared store: ``<port> <token>`` of this attempt's store, hosted by rank 0 (see [Note: restarts
+under torchrun])."""
+_TOKEN_KEY = "shardtrain/attempt_token"
+_PROBE_S = 2.0
+"""How long a rank tries to connect to the port a key names before reading the key again: a dead attempt's port
+refuses at once, a live store accepts at once."""
 
 
 def pick_device() -> torch.device:
@@ -38,6 +84,13 @@ def pick_device() -> torch.device:
 
 def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
+
+
+def exchanges_on_host(backend: str) -> bool:
+    """Whether a group of ``backend`` (``dist.get_backend``'s string) exchanges CPU tensors: gloo, or a per-device
+    backend such as ``"cpu:gloo,cuda:nccl"``. Such a group is its own host-side group ([Note: the engine's
+    groups])."""
+    return "gloo" in backend
 
 
 def _free_port() -> int:
@@ -60,9 +113,52 @@ def ensure_process_group(timeout_s: float) -> bool:
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("LOCAL_RANK", "0")
-    dist.init_process_group(backend=backend_for(device), timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):  # see [Note: restarts under torchrun]
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        store = attempt_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), rank, world, timeout)
+        dist.init_process_group(backend=backend_for(device), store=store, rank=rank, world_size=world, timeout=timeout)
+    else:
+        dist.init_process_group(backend=backend_for(device), timeout=timeout)
     atexit.register(_destroy_own_process_group)
     return True
+
+
+def attempt_store(addr: str, port: int, rank: int, world: int, timeout: datetime.timedelta) -> dist.Store:
+    """A store of this attempt only, found through the shared store at ``addr:port`` (see [Note: restarts under
+    torchrun])."""
+    shared = dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)
+    if rank == 0:
+        own = dist.TCPStore(addr, 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
+        token = uuid.uuid4().hex
+        own.set(_TOKEN_KEY, token)
+        shared.set(_ATTEMPT_STORE_KEY, f"{own.port} {token}")
+        return own
+    deadline = time.monotonic() + timeout.total_seconds()
+    probe = datetime.timedelta(seconds=_PROBE_S)
+    while True:
+        own_port, token = shared.get(_ATTEMPT_STORE_KEY).decode().split()
+        # a dead attempt's port refuses: asked with a plain socket first, since a store client that cannot connect
+        # logs a C++ traceback at every retry
+        if _listening(addr, int(own_port)):
+            with contextlib.suppress(RuntimeError):  # not a store, or it went away: read the key again
+                own = dist.TCPStore(addr, int(own_port), world, is_master=False, timeout=probe, wait_for_workers=False)
+                if own.check([_TOKEN_KEY]) and own.get(_TOKEN_KEY).decode() == token:
+                    own.set_timeout(timeout)
+                    return own
+        if time.monotonic() > deadline:
+            raise ShardtrainError(
+                f"rank {rank}: rank 0's store for this attempt could not be reached within {timeout.total_seconds():g}"
+                f" s: torchrun's store at {addr}:{port} names {addr}:{own_port}, which does not answer with the "
+                "token rank 0 wrote. Is rank 0 running? (see [Note: restarts under torchrun] in shardtrain/mesh.py)"
+            )
+        time.sleep(0.05)
+
+
+def _listening(addr: str, port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection((addr, port), timeout=_PROBE_S):
+        return True
+    return False
 
 
 def _destroy_own_process_group() -> None:
@@ -81,6 +177,56 @@ def _destroy_own_process_group() -> None:
 
 
 @dataclass(frozen=True)
+class Groups:
+    """This rank's group on each axis of the topology."""
+
+    world: dist.ProcessGroup
+    dp: dist.ProcessGroup
+    tp: dist.ProcessGroup
+
+
+def make_groups(
+    rank: int,
+    world: int,
+    tp: int,
+    backend: str,
+    world_group: dist.ProcessGroup,
+    new_group: Callable[[list[int], str | None], dist.ProcessGroup],
+) -> tuple[Groups, Groups]:
+    """The engine's groups and their host-side twins (see [Note: the engine's groups]).
+
+    ``world_group``: the group over every rank with the configured timeout; ``new_group(ranks, backend)`` creates
+    one (``backend`` None: the default group's). Every rank calls ``new_group`` for every group, in the same order
+    (group creation is collective). Returns ``(main, host)``."""
+    dp = world // tp
+    partitions = {
+        "dp": [[d * tp + t for d in range(dp)] for t in range(tp)],  # ranks holding the same tp block
+        "tp": [[d * tp + t for t in range(tp)] for d in range(dp)],  # tp adjacent ranks
+    }
+
+    def groups(whole: dist.ProcessGroup, backend: str | None) -> Groups:
+        mine = {}
+        for axis, partition in partitions.items():
+            for ranks in partition:
+                group = whole if len(ranks) == world else new_group(ranks, backend)
+                if rank in ranks:
+                    mine[axis] = group
+        return Groups(world=whole, **mine)
+
+    main = groups(world_group, None)
+    if exchanges_on_host(backend):
+        return main, main
+    return main, groups(new_group(list(range(world)), "gloo"), "gloo")
+
+
+def _timeout_s(group: dist.ProcessGroup, device: torch.device) -> float | None:
+    """The timeout ``group`` was created with, when its backend says."""
+    with contextlib.suppress(Exception):
+        return group._get_backend(device).options._timeout.total_seconds()
+    return None
+
+
+@dataclass(frozen=True)
 class Topology:
     """The parallel layout of this job, validated once: a 2-D ``(dp, tp)`` device mesh.
 
@@ -96,6 +242,8 @@ class Topology:
     backend: str
     mesh: DeviceMesh
     timeout_s: float
+    groups: Groups
+    host_groups: Groups
     tp: int = 1
 
     @property
@@ -116,12 +264,25 @@ class Topology:
 
     @property
     def world_group(self) -> dist.ProcessGroup:
-        return dist.group.WORLD
+        return self.groups.world
+
+    @property
+    def host_world_group(self) -> dist.ProcessGroup:
+        """Every rank, exchanging CPU tensors (see [Note: the engine's groups])."""
+        return self.host_groups.world
+
+    @property
+    def host_dp_group(self) -> dist.ProcessGroup:
+        return self.host_groups.dp
+
+    @property
+    def host_tp_group(self) -> dist.ProcessGroup:
+        return self.host_groups.tp
 
 
 def init_topology(tp: int = 1, timeout_s: float = 1800.0) -> Topology:
     """Create (or adopt) the process group and the ``(dp, tp)`` device mesh, and check the layout is possible."""
-    ensure_process_group(timeout_s)
+    created = ensure_process_group(timeout_s)
     world = dist.get_world_size()
     if tp < 1 or world % tp:
         raise LayoutError(
@@ -134,7 +295,17 @@ def init_topology(tp: int = 1, timeout_s: float = 1800.0) -> Topology:
     if device.type == "cuda" and "nccl" not in backend:
         # A user-created gloo group with CUDA tensors would fail deep inside the first collective.
         raise LayoutError(f"the process group uses {backend!r} but tensors live on CUDA; initialize it with 'nccl'.")
-    mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
+    timeout = datetime.timedelta(seconds=timeout_s)
+
+    def new_group(ranks: list[int], backend: str | None) -> dist.ProcessGroup:
+        return dist.new_group(ranks, timeout=timeout, backend=backend)
+
+    whole = dist.group.WORLD
+    if not created and _timeout_s(whole, device) != timeout_s:  # the user's group, with another timeout
+        whole = new_group(list(range(world)), None)
+    groups, host_groups = make_groups(dist.get_rank(), world, tp, backend, whole, new_group)
+    ranks = torch.arange(world).view(dp, tp)
+    mesh = DeviceMesh.from_group([groups.dp, groups.tp], device.type, mesh=ranks, mesh_dim_names=("dp", "tp"))
     return Topology(
         rank=dist.get_rank(),
         world_size=world,
@@ -143,5 +314,7 @@ def init_topology(tp: int = 1, timeout_s: float = 1800.0) -> Topology:
         backend=backend,
         mesh=mesh,
         timeout_s=timeout_s,
+        groups=groups,
+        host_groups=host_groups,
         tp=tp,
     )

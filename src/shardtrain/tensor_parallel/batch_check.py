@@ -3,7 +3,9 @@
 Tensor-parallel ranks compute pieces of *one* forward; they must all see the same inputs. Feeding them
 different batches (a data loader sharded over every rank instead of over the data-parallel ranks only) is a
 common mistake that produces no error, only a model that trains badly. :func:`check_same_batch` costs one pass
-over the inputs and one small object all-gather; the engine calls it at the first step.
+over the inputs, one device-to-host copy per device holding inputs (of two integers per tensor), and one small
+object all-gather over the tensor-parallel ranks' host-side group (gloo: see [Note: the engine's groups] in
+:mod:`shardtrain.mesh`), so that the exchange adds no device round trip; the engine calls it at the first step.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from shardtrain.comm import Communicator
 from shardtrain.errors import RankMismatchError
@@ -27,7 +30,7 @@ def batch_digest(args: tuple, kwargs: dict[str, Any]) -> list[tuple[str, str, tu
     entries, sums = [], []
     tensors = [("args" + p, t) for p, t in iter_tensors(tuple(args))]
     tensors += [("kwargs" + p, t) for p, t in iter_tensors(dict(kwargs))]
-    for path, t in tensors:
+    for path, t in tensors:  # the sums stay where the inputs are: nothing is read back yet
         flat = t.detach()
         if flat.is_complex():
             flat = torch.view_as_real(flat)
@@ -42,14 +45,29 @@ def batch_digest(args: tuple, kwargs: dict[str, Any]) -> list[tuple[str, str, tu
         w = torch.arange(v.numel(), device=v.device) % 65521 + 1  # [n] position weights
         sums.append(torch.stack([v.sum(), (v * w).sum()]) if v.numel() else v.new_zeros(2))
         entries.append((path, str(t.dtype), tuple(t.shape)))
-    values = torch.stack(sums).tolist() if sums else []  # one device sync for all tensors
+    # one copy to the host per device, not per tensor (inputs may live on several devices: the CPU and a GPU)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, pair in enumerate(sums):
+        by_device.setdefault(pair.device, []).append(i)
+    values: list[list[int]] = [[]] * len(sums)
+    for indices in by_device.values():
+        for i, v in zip(indices, torch.stack([sums[i] for i in indices]).tolist()):
+            values[i] = v
     return [(*e, int(a), int(b)) for e, (a, b) in zip(entries, values)]
 
 
-def check_same_batch(args: tuple, kwargs: dict[str, Any], tp_comm: Communicator) -> None:
-    """Raise :class:`RankMismatchError` naming the tensor-parallel ranks whose inputs differ from rank 0's."""
+def check_same_batch(
+    args: tuple, kwargs: dict[str, Any], tp_comm: Communicator, host_group: dist.ProcessGroup | None = None
+) -> None:
+    """Raise :class:`RankMismatchError` naming the tensor-parallel ranks whose inputs differ from rank 0's.
+
+    ``host_group``: the host-side group of ``tp_comm``'s ranks (``Topology.host_tp_group``), where the digests are
+    exchanged (None: over ``tp_comm``)."""
+    comm = tp_comm
+    if host_group is not None and host_group is not tp_comm.group:
+        comm = Communicator(host_group, tp_comm.timeout_s)
     mine = (tp_comm.global_rank, batch_digest(args, kwargs))
-    every = tp_comm.all_gather_object(mine, what="tensor-parallel batch check")
+    every = comm.all_gather_object(mine, what="tensor-parallel batch check")
     reference = every[0][1]
     differ = [(r, g) for r, (g, digest) in enumerate(every) if digest != reference]
     if not differ:

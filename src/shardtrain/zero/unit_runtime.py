@@ -36,9 +36,15 @@ Before each all-gather the ranks exchange the id of the unit they are about to g
 all-gather, on by default: ``zero_optimization.stage3_gather_check``) and compare the ids before the data
 collective is issued, so ranks that took different paths fail with the unit each rank was gathering instead
 of mixing up buffers, hanging, or aborting inside the backend (gloo aborts on all-gathers of different
-sizes). It must complete first, so it makes every gather, prefetches included, wait for the other ranks to
-reach the same point; its cost is measured in docs/benchmarks.md. Turn it off with
-``stage3_gather_check: false`` once a model is known to run the same path on every rank.
+sizes). It must complete first: a check that only looked back (compared the ids once per step, or after the
+gather was issued) would come after the mismatched gathers it is meant to prevent, which is exactly when gloo
+aborts and NCCL hangs or mixes buffers. So it makes every gather, prefetches included, wait for the other ranks to
+reach the same point; its cost is measured in docs/benchmarks.md. The ids are CPU tensors exchanged over the
+data-parallel axis's host-side group (``Topology.host_dp_group``, gloo; see [Note: the engine's groups] in
+:mod:`shardtrain.mesh`), so on CUDA the check waits for the other ranks' hosts only, never for the kernels queued on
+the device: reading an NCCL result back would wait for every queued gather and reduce-scatter, and a prefetch
+issued behind it would no longer overlap anything. The host keeps running ahead of the device as without the check.
+Turn it off with ``stage3_gather_check: false`` once a model is known to run the same path on every rank.
 """
 
 from __future__ import annotations
@@ -49,10 +55,12 @@ from contextlib import contextmanager
 from functools import partial
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from shardtrain.comm import Communicator, Handle
 from shardtrain.errors import RankMismatchError, ShardtrainError
+from shardtrain.mesh import exchanges_on_host
 from shardtrain.zero.guarded import ShardedParameter, guard, guard_of
 from shardtrain.zero.layout import Bucket
 from shardtrain.zero.units import Unit, UnitState
@@ -110,9 +118,16 @@ class ParameterUnits:
         comm: Communicator,
         prefetch_numel: int,
         gather_check: bool,
+        check_group: dist.ProcessGroup | None = None,
     ) -> None:
+        """``check_group``: the host-side group of ``comm``'s ranks, for [Note: unit order check] (None: ``comm``'s
+        own group)."""
         self.root, self.comm = root, comm
         self.prefetch_numel, self.gather_check = prefetch_numel, gather_check
+        # the unit-order check's exchange: over the host-side group; when that is comm's own group (gloo), with
+        # comm, so that its calls stay in engine.comm_stats() (under NCCL they are counted apart)
+        same = check_group is None or check_group is comm.group
+        self.check_comm = comm if same or not gather_check else Communicator(check_group, comm.timeout_s)
         self.units: list[Unit] = []
         self._unit_of_bucket: dict[int, Unit] = {}
         self.unit_of_storage: dict[int, Unit] = {}  # the full buffers' storages (stable across resizes)
@@ -160,19 +175,21 @@ class ParameterUnits:
 
     # -- gather / release ------------------------------------------------------------------------------
     def _start_check(self, unit: Unit) -> tuple[torch.Tensor, Handle] | None:
-        """Issue the unit-id exchange of [Note: unit order check]."""
+        """Issue the unit-id exchange of [Note: unit order check]: on the host over a host-side group."""
         if not self.gather_check:
             return None
-        mine = torch.tensor([unit.index], dtype=torch.int64, device=unit.buckets[0].shard.device)
-        everyone = mine.new_empty(self.comm.size)
+        comm = self.check_comm
+        device = "cpu" if comm.size == 1 or exchanges_on_host(comm.backend) else unit.buckets[0].shard.device
+        mine = torch.tensor([unit.index], dtype=torch.int64, device=device)
+        everyone = mine.new_empty(comm.size)
         what = f"unit-order check before gathering {unit.name!r}"
-        return everyone, self.comm.all_gather(everyone, mine, what=what, kind="gather_check", async_op=True)
+        return everyone, comm.all_gather(everyone, mine, what=what, kind="gather_check", async_op=True)
 
     def _verify(self, unit: Unit) -> None:
         everyone, handle = unit.check
         unit.check = None
         handle.wait()
-        ids = everyone.tolist()
+        ids = everyone.tolist()  # a CPU tensor over a host-side group: no device sync
         if len(set(ids)) > 1:
             per_rank = ", ".join(f"rank {r}: {self._unit_name(i)}" for r, i in enumerate(ids))
             raise RankMismatchError(
