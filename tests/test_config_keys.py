@@ -50,17 +50,10 @@ SUPPORTED = [r.path for r in RULES if r.kind is Kind.SUPPORTED]
 SECTIONS = {r.path for r in RULES if r.kind is Kind.SUPPORTED and r.values == "section"}
 KEYS = [p for p in SUPPORTED if p not in SECTIONS]
 
-# Keys that other work on issue 20 is giving an effect (nothing reads them today); the integrator replaces each entry
-# with its check below once that work is merged.
-PENDING: dict[str, str] = {}
-# Keys checked below in a mode where they have an effect, and ignored today in another mode that other work on
-# issue 20 is fixing; the integrator adds that mode to their check (or, if it stays without effect, to NO_EFFECT_WHEN).
-# (graph mode at stage 3: `stage3_prefetch_bucket_size` and `overlap_comm` act on the captured graphs' schedule, shown
-# by tests/test_graph_zero3.py::test_the_schedule_follows_prefetch_and_overlap_and_its_peak_is_measured_from_the_graphs;
-# `stage3_gather_check` has none there, see NO_EFFECT_WHEN)
-PENDING_MODES = {
-    "collective_timeout_s": "when the process group exists before initialize: reliability work",
-}
+# Keys whose effect in one mode is shown elsewhere: graph mode at stage 3, where `stage3_prefetch_bucket_size` and
+# `overlap_comm` act on the captured graphs' schedule (tests/test_graph_zero3.py::test_the_schedule_follows_prefetch_
+# and_overlap_and_its_peak_is_measured_from_the_graphs; `stage3_gather_check` has none there, see NO_EFFECT_WHEN), and
+# `collective_timeout_s` for a process group the user made before initialize (tests/test_reliability_groups.py).
 
 EFFECTS: dict[str, Callable[[Path], None]] = {}
 """key -> check, run at world 1 with a scratch directory of its own."""
@@ -905,15 +898,9 @@ def world_1_outcomes(tmp_path_factory) -> dict[str, tuple[str, str]]:
 
 
 def test_every_supported_key_has_an_effect_check():
-    assert set(PENDING) == set()
-    assert set(PENDING_MODES) == {
-        "collective_timeout_s",
-    }
     checked = set(EFFECTS) | set(TWO_RANKS)
-    missing = [k for k in KEYS if k not in checked and k not in PENDING]
+    missing = [k for k in KEYS if k not in checked]
     assert not missing, f"supported keys without a check of their effect: {missing}"
-    assert not set(PENDING) & checked
-    assert set(PENDING_MODES) <= checked
     assert checked <= set(KEYS), f"checks of keys the table does not call supported: {checked - set(KEYS)}"
     for section in SECTIONS:  # a section's effect is its keys'
         assert any(k.startswith(section + ".") for k in checked), section
@@ -932,8 +919,7 @@ def _two_ranks(timeout_s: float) -> dict[str, Any]:
     out: dict[str, Any] = {}
     x, y = _batch()
     timeout = {"collective_timeout_s": timeout_s}
-    # the first initialize makes the process group: its timeout is collective_timeout_s (the later ones say the same:
-    # with a group that exists the key does not change the group's timeout, see PENDING_MODES)
+    # the first initialize makes the process group with collective_timeout_s; the later ones reuse it (same timeout)
     engine = _engine({"tensor_parallel": {"size": 2}, **timeout}, tp_plan=GPT_TP_PLAN)
     rank = dist.get_rank()
     out["size"] = (engine.topology.tp, engine.topology.dp, tuple(engine.module.blocks[0].mlp[0].weight.shape))
