@@ -263,9 +263,7 @@ def _report_blocked(per_rank: list[list[dict[str, float]]], world: int) -> None:
     print(f"| async: training steps slowed while the files are written | {med(slower):.3f} |")
     print(f"| async: left to wait at the next save | {med(wait):.3f} |")
     print(f"| async: blocked in all | {med(blocked):.3f} |")
-    print(
-        f"| (the first async call of an engine, which creates the checkpoint group) | {slowest('first_call_s', 0):.3f} |"
-    )
+    print(f"| (an engine's first async call, which creates the checkpoint group) | {slowest('first_call_s', 0):.3f} |")
     print(
         f"ratios: async call / sync save {med(call) / med(sync):.3f}; async blocked in all / sync save "
         f"{med(blocked) / med(sync):.3f}"
