@@ -498,11 +498,14 @@ class Engine:
         ``async_save=True``: return once every rank holds a host copy of what it saves; the files are written and
         ``latest`` moved in the background, and training may go on meanwhile ([Note: asynchronous checkpoints] in
         ``checkpoint/async_save.py``). The next ``save_checkpoint`` and ``close()`` wait for it and raise its
-        failure. Returns the checkpoint's path either way."""
+        failure. The default is the config's ``checkpoint.writer.decoupled`` (DeepSpeed's key, ``false``). Returns
+        the checkpoint's path either way."""
         self._agree("save_checkpoint")
         saver = getattr(self, "_async_saver", None)
         if saver is not None:  # one save in flight at most; a failure of the previous one is raised here
             saver.wait()
+        if async_save is None:
+            async_save = self.config.checkpoint.writer.decoupled
         if not async_save:
             return save_engine(self._training_state(), save_dir, tag or f"global_step{self.global_step}", client_state)
         if saver is None:
