@@ -190,3 +190,39 @@ def test_a_rank_killed_during_the_background_write_leaves_the_previous_checkpoin
     assert reader.manifest.tag == "global_step2"
     assert reader.verify() == []
     assert run_distributed(_load_latest, world, str(tmp_path), timeout=120) == [[]] * world
+
+
+_EXIT_SCRIPT = """
+import sys, time
+import torch
+import shardtrain
+from shardtrain.checkpoint import writer
+
+write = writer._write_rank_files
+def slow(*args, **kwargs):
+    time.sleep(1.0)  # the interpreter reaches its end while this rank's file is still to be written
+    return write(*args, **kwargs)
+writer._write_rank_files = slow
+
+model = torch.nn.Linear(4, 4)
+engine = shardtrain.initialize(model, config={"train_micro_batch_size_per_gpu": 2}, optimizer=torch.optim.SGD(
+    model.parameters(), lr=0.1))
+engine.backward(engine(torch.randn(2, 4)).sum())
+engine.step()
+engine.save_checkpoint(sys.argv[1], async_save=True)
+print("returned", (__import__("pathlib").Path(sys.argv[1]) / "latest").exists())
+"""
+
+
+def test_the_interpreter_exit_waits_for_the_save_in_flight(tmp_path):
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", _EXIT_SCRIPT, str(tmp_path)], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["returned", "False"]  # the call returned before the checkpoint was published
+    reader = open_checkpoint(tmp_path)  # and the process did not end before it was
+    assert reader.manifest.tag == "global_step1" and reader.verify() == []

@@ -28,8 +28,8 @@ import json
 import os
 import re
 import shutil
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -186,11 +186,17 @@ def _write_rank_files(
         crash_point("tensor_file_torn", path)
         crash_point("tensor_file_written")
         # The checksums are computed while the kernel writes the file back: fsync waits on the disk, crc32 on the
-        # CPU, and both release the GIL.
-        with ThreadPoolExecutor(1) as pool:
-            synced = pool.submit(fsync_path, path)
+        # CPU, and both release the GIL. A plain thread, not an executor: a background save may still be writing
+        # when the interpreter exits, and executors refuse new work once its shutdown has begun.
+        fsync_error: list[BaseException] = []
+        synced = threading.Thread(target=_fsync_into, args=(path, fsync_error), name="shardtrain checkpoint fsync")
+        synced.start()
+        try:
             checksums = {(p.name, p.slice): crc32_of(t) for (p, _), t in zip(mine, tensors)}
-            synced.result()
+        finally:
+            synced.join()
+        if fsync_error:
+            raise fsync_error[0]
         del tensors
         size = path.stat().st_size
         files.append(FileEntry(path.name, rank, size))
@@ -202,6 +208,13 @@ def _write_rank_files(
         files.append(write_object_file(tmp / object_file(rank), rank, object_data))
         written += files[-1].size
     return files, checksums, written
+
+
+def _fsync_into(path: Path, errors: list[BaseException]) -> None:
+    try:
+        fsync_path(path)
+    except BaseException as err:  # raised by the writing thread
+        errors.append(err)
 
 
 def _stored(p: SavePiece) -> torch.Tensor:
