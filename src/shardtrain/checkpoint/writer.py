@@ -20,6 +20,9 @@ the full argument):
 A failure on any rank in steps 1-4 (any exception, not only I/O errors) is carried in the next gather, so that every
 rank raises the same :class:`CheckpointError`, naming the failing ranks and causes, instead of hanging in a
 collective; the temporary directory is removed and nothing is published.
+
+Steps 1-2 are :func:`stage` and steps 3-5 :func:`commit`; an asynchronous save runs the commit in a background
+thread ([Note: asynchronous checkpoints] in ``async_save.py``).
 """
 
 from __future__ import annotations
