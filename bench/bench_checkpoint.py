@@ -115,6 +115,21 @@ def _ours(comm: Communicator, path: Path, pieces: list[SavePiece], out: dict[str
     loaded = [reader.read(p.name, (p.slice.start, p.slice.start + p.slice.length)) for p in pieces]
     out["load_s"] = time.perf_counter() - t0
     assert all(torch.equal(a, p.tensor) for a, p in zip(loaded, pieces))
+    del loaded
+    # the same files read raw, in parallel (each rank its own file, as the load above): into one reused buffer and
+    # into fresh memory
+    mine = path / "step1" / f"rank{comm.rank:05d}.safetensors"
+    for key, fresh in (("same_raw_s", False), ("same_fresh_s", True)):
+        comm.barrier(what="bench: before raw read of the same files")
+        if comm.rank == 0:
+            drop_cache(path)
+        comm.barrier(what="bench: cache dropped")
+        t0 = time.perf_counter()
+        buf = bytearray(BLOCK)
+        with open(mine, "rb", buffering=0) as f:
+            while f.readinto(buf if not fresh else bytearray(BLOCK)):
+                pass
+        out[key] = time.perf_counter() - t0
 
 
 def _dcp(
@@ -376,6 +391,12 @@ def main() -> None:
         cells = " | ".join("-" if v is None else f"{v:.2f}" for v in (s, lo, sr, lr))
         print(f"| {name} | {cells} |")
     raw1, fresh, par, ours, dcp = rows
+    same_raw, same_fresh = agg("same_raw_s"), agg("same_fresh_s")
+    print(
+        f"\nload against a raw parallel read of the same files (each rank its own, slowest rank, median): into one "
+        f"reused buffer {same_raw:.2f} GB/s, ratio {ours[2] / same_raw:.2f}; into fresh memory {same_fresh:.2f} "
+        f"GB/s, ratio {ours[2] / same_fresh:.2f}"
+    )
     print(
         f"\nratios: save / raw write {ours[1] / raw1[1]:.2f} (parallel raw {ours[1] / par[1]:.2f}), "
         f"load / raw read {ours[2] / raw1[2]:.2f} (into fresh memory {ours[2] / fresh[2]:.2f}, "
