@@ -29,7 +29,10 @@ interpreter's exit waits too (the thread is not a daemon; an outcome nobody coll
 of the background save (a full disk on any rank, a lost peer) is carried between ranks by the commit's gathers as
 in a synchronous save, so every rank holds the same :class:`CheckpointError`; it is raised at the next
 ``save_checkpoint`` or ``close()`` on every rank, and nothing was published (``latest`` names the previous
-checkpoint). Memory: a host copy of everything this rank saves is held until its files are written.
+checkpoint). Not at ``step()``: the background threads of different ranks finish at different times, so a poll at
+each step would raise on one rank at step k and on another at step k+1, and the first would leave the others waiting
+in training's collectives; the next save and ``close()`` are points every rank reaches together, after joining.
+Memory: a host copy of everything this rank saves is held until its files are written.
 """
 
 from __future__ import annotations
