@@ -13,7 +13,9 @@ per rank). Measured in the same run, on the same directory:
 * ``torch.distributed.checkpoint.save`` / ``load`` of the same per-rank tensors (``sync_files=True``, its default);
 * every round runs all of these in turn (shardtrain and DCP alternate which goes first); medians are reported;
 * ``shardtrain checkpoint consolidate`` of the checkpoint in a fresh process: time and peak RSS growth (``VmHWM``
-  after resetting it via ``/proc/self/clear_refs``), against twice the largest tensor.
+  after resetting it via ``/proc/self/clear_refs``), against twice the largest tensor;
+* time training is blocked by an engine's save, synchronous against ``async_save=True``, in the same run
+  (``--blocked-rounds``; ``--blocked-only`` runs this part alone): see :func:`_blocked_rank`.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+import shardtrain
 from shardtrain.checkpoint import FlatSlice, SavePiece, open_checkpoint, save
 from shardtrain.comm import Communicator
 from shardtrain.testing import run_distributed
@@ -112,6 +115,21 @@ def _ours(comm: Communicator, path: Path, pieces: list[SavePiece], out: dict[str
     loaded = [reader.read(p.name, (p.slice.start, p.slice.start + p.slice.length)) for p in pieces]
     out["load_s"] = time.perf_counter() - t0
     assert all(torch.equal(a, p.tensor) for a, p in zip(loaded, pieces))
+    del loaded
+    # the same files read raw, in parallel (each rank its own file, as the load above): into one reused buffer and
+    # into fresh memory
+    mine = path / "step1" / f"rank{comm.rank:05d}.safetensors"
+    for key, fresh in (("same_raw_s", False), ("same_fresh_s", True)):
+        comm.barrier(what="bench: before raw read of the same files")
+        if comm.rank == 0:
+            drop_cache(path)
+        comm.barrier(what="bench: cache dropped")
+        t0 = time.perf_counter()
+        buf = bytearray(BLOCK)
+        with open(mine, "rb", buffering=0) as f:
+            while f.readinto(buf if not fresh else bytearray(BLOCK)):
+                pass
+        out[key] = time.perf_counter() - t0
 
 
 def _dcp(
@@ -174,6 +192,103 @@ def _bench_rank(root: str, world: int, numel_per_tensor: int, rounds: int, settl
     return results
 
 
+def _blocked_rank(root: str, params_mb: float, rounds: int, steps: int, settle_s: float) -> list[dict[str, float]]:
+    """An engine (ZeRO stage 1, AdamW, fp32) trains a stack of linear layers of ``params_mb`` MB of parameters; per
+    round, alternating which goes first:
+
+    * ``sync_s``: the duration of ``save_checkpoint`` (training is blocked all of it);
+    * ``async_call_s``: the duration of ``save_checkpoint(async_save=True)`` (the snapshot and the plan);
+    * ``steps_base_s`` / ``steps_during_s``: ``steps`` training steps with no save in flight / right after the
+      asynchronous save returned, while its files are written (on a machine with few cores the write competes with
+      training for them: the difference is time lost to the save too);
+    * ``wait_s``: what the next save would still wait for after those steps (``AsyncSaver.wait``).
+
+    Time blocked by an asynchronous save = ``async_call_s + max(0, steps_during_s - steps_base_s) + wait_s``."""
+    rank = dist.get_rank()
+    dim = 1024
+    layers = max(1, round(params_mb * 1e6 / 4 / (dim * dim + dim)))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(dim, dim) for _ in range(layers)))
+    config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 1}}
+    engine = shardtrain.initialize(model, config=config, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4))
+    x = torch.randn(4, dim, generator=torch.Generator().manual_seed(rank))
+
+    def train(n: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            engine.backward(engine(x).square().mean())
+            engine.step()
+        dist.barrier()
+        return time.perf_counter() - t0
+
+    def timed(call) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        call()
+        return time.perf_counter() - t0
+
+    train(2)  # warm-up: optimizer state exists, so the checkpoint holds parameters and both Adam moments
+    # the first asynchronous save also creates the checkpoint process group (once per engine): timed apart
+    first_call = timed(lambda: engine.save_checkpoint(root, tag="first", async_save=True))
+    engine._async_saver.wait()
+    results = []
+    for k in range(rounds):
+        out: dict[str, float] = {"layers": layers, "first_call_s": first_call}
+        for mode in ("sync", "async") if k % 2 == 0 else ("async", "sync"):
+            settle(settle_s)
+            tag = f"{mode}{k}"
+            if mode == "sync":
+                out["steps_base_s"] = train(steps)  # nothing in flight
+                out["sync_s"] = timed(lambda: engine.save_checkpoint(root, tag=tag))  # noqa: B023
+            else:
+                out["async_call_s"] = timed(lambda: engine.save_checkpoint(root, tag=tag, async_save=True))  # noqa: B023
+                out["steps_during_s"] = train(steps)
+                out["wait_s"] = timed(engine._async_saver.wait)
+        if rank == 0:
+            for mode in ("sync", "async"):
+                shutil.rmtree(Path(root) / f"{mode}{k}")
+        results.append(out)
+    saved = sum(p.numel() for p in model.parameters()) * 4 * 3  # parameters and two moments
+    for out in results:
+        out["bytes"] = saved
+    engine.close()
+    return results
+
+
+def _report_blocked(per_rank: list[list[dict[str, float]]], world: int) -> None:
+    rounds = len(per_rank[0])
+
+    def slowest(key: str, k: int) -> float:
+        return max(r[k][key] for r in per_rank)
+
+    sync = [slowest("sync_s", k) for k in range(rounds)]
+    call = [slowest("async_call_s", k) for k in range(rounds)]
+    slower = [max(0.0, slowest("steps_during_s", k) - slowest("steps_base_s", k)) for k in range(rounds)]
+    wait = [slowest("wait_s", k) for k in range(rounds)]
+    blocked = [c + s + w for c, s, w in zip(call, slower, wait)]
+    med = statistics.median
+    saved = per_rank[0][0]["bytes"]
+    print(
+        f"\nblocked time of an engine save (ZeRO-1, AdamW, {saved / 1e9:.2f} GB of parameters and moments, world "
+        f"{world}, {int(per_rank[0][0]['layers'])} layers; slowest rank, median of {rounds} rounds):"
+    )
+    print("| | seconds |\n|---|---|")
+    print(f"| synchronous save_checkpoint | {med(sync):.3f} |")
+    print(f"| async_save=True: call returns | {med(call):.3f} |")
+    print(f"| async: training steps slowed while the files are written | {med(slower):.3f} |")
+    print(f"| async: left to wait at the next save | {med(wait):.3f} |")
+    print(f"| async: blocked in all | {med(blocked):.3f} |")
+    print(f"| (an engine's first async call, which creates the checkpoint group) | {slowest('first_call_s', 0):.3f} |")
+    print(
+        f"ratios: async call / sync save {med(call) / med(sync):.3f}; async blocked in all / sync save "
+        f"{med(blocked) / med(sync):.3f}"
+    )
+    print(
+        "per round (sync / async call / slowed / wait): "
+        + "; ".join(f"{s:.2f}/{c:.3f}/{d:.2f}/{w:.2f}" for s, c, d, w in zip(sync, call, slower, wait))
+    )
+
+
 _CONSOLIDATE = textwrap.dedent(
     """
     import sys, time
@@ -200,10 +315,21 @@ def main() -> None:
     ap.add_argument("--dir", default="out/bench_checkpoint", help="scratch directory on the disk to measure")
     ap.add_argument("--rounds", type=int, default=8, help="repetitions; medians are reported (default 8)")
     ap.add_argument("--settle", type=float, default=2.0, help="seconds to wait after os.sync() (default 2)")
+    ap.add_argument("--blocked-mb", type=float, default=256.0, help="engine parameters in MB (default 256)")
+    ap.add_argument("--blocked-rounds", type=int, default=4, help="rounds of the blocked-time part (default 4)")
+    ap.add_argument("--blocked-steps", type=int, default=3, help="steps timed after each save (default 3)")
+    ap.add_argument("--blocked-only", action="store_true", help="run only the blocked-time part")
     args = ap.parse_args()
     root = Path(args.dir)
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}")
+    blocked_args = (args.blocked_mb, args.blocked_rounds, args.blocked_steps, args.settle)
+    blocked = run_distributed(_blocked_rank, args.world, str(root / "engine"), *blocked_args, timeout=3000.0)
+    _report_blocked(blocked, args.world)
+    if args.blocked_only:
+        shutil.rmtree(root, ignore_errors=True)
+        return
     numel_per_tensor = int(args.size_gb * 1e9 / 4 / N_TENSORS) // (args.world * 1024) * (args.world * 1024)
     total = numel_per_tensor * N_TENSORS * 4
     gb = total / 1e9
@@ -255,9 +381,8 @@ def main() -> None:
             rank_rate("dcp_load_s"),
         ),
     ]
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}")
     print(
-        f"state: {gb:.2f} GB float32 in {N_TENSORS} tensors, world {args.world}, directory {root.resolve()}, "
+        f"\nstate: {gb:.2f} GB float32 in {N_TENSORS} tensors, world {args.world}, directory {root.resolve()}, "
         f"median of {args.rounds} rounds\n"
     )
     print("| method | save GB/s (aggregate) | load GB/s (aggregate) | save GB/s (per rank) | load GB/s (per rank) |")
@@ -266,6 +391,12 @@ def main() -> None:
         cells = " | ".join("-" if v is None else f"{v:.2f}" for v in (s, lo, sr, lr))
         print(f"| {name} | {cells} |")
     raw1, fresh, par, ours, dcp = rows
+    same_raw, same_fresh = agg("same_raw_s"), agg("same_fresh_s")
+    print(
+        f"\nload against a raw parallel read of the same files (each rank its own, slowest rank, median): into one "
+        f"reused buffer {same_raw:.2f} GB/s, ratio {ours[2] / same_raw:.2f}; into fresh memory {same_fresh:.2f} "
+        f"GB/s, ratio {ours[2] / same_fresh:.2f}"
+    )
     print(
         f"\nratios: save / raw write {ours[1] / raw1[1]:.2f} (parallel raw {ours[1] / par[1]:.2f}), "
         f"load / raw read {ours[2] / raw1[2]:.2f} (into fresh memory {ours[2] / fresh[2]:.2f}, "

@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import random
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -720,6 +721,36 @@ def _logged(config: dict, steps: int = 4) -> list[str]:
 def _steps_per_print(tmp: Path) -> None:
     assert [line.split(":")[0] for line in _logged({"steps_per_print": 2})] == ["step 2", "step 4"]
     assert len(_logged({"steps_per_print": 1})) == 4
+
+
+@effect("checkpoint.writer.decoupled")
+def _decoupled_checkpoint_writer(tmp: Path) -> None:
+    """With it, save_checkpoint returns while the files are still to be written (the write is held until after the
+    call returned); without it, the checkpoint is published when the call returns."""
+    from shardtrain.checkpoint import writer
+
+    gate, write = threading.Event(), writer._write_rank_files
+
+    def held(*args, **kwargs):
+        gate.wait(timeout=60)
+        return write(*args, **kwargs)
+
+    for decoupled in (False, True):
+        root = tmp / str(decoupled)
+        engine = _engine({"checkpoint": {"writer": {"decoupled": decoupled}}})
+        _micro_step(engine)
+        gate.clear()
+        writer._write_rank_files = held
+        try:
+            if not decoupled:
+                gate.set()  # a synchronous save would wait for the gate forever
+            engine.save_checkpoint(root)
+            assert (root / "latest").exists() is not decoupled
+            gate.set()
+            engine.close()
+        finally:
+            writer._write_rank_files = write
+        assert (root / "latest").read_text().strip() == "global_step1"
 
 
 @effect("wall_clock_breakdown")

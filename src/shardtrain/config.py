@@ -268,6 +268,16 @@ class WandbConfig(_Section):
     project: str = "deepspeed"
 
 
+class CheckpointWriterConfig(_Section):
+    decoupled: bool = False
+    """DeepSpeed's key: save checkpoints in the background, as ``save_checkpoint(..., async_save=True)`` (the default
+    of its ``async_save``; see [Note: asynchronous checkpoints])."""
+
+
+class CheckpointConfig(_Section):
+    writer: CheckpointWriterConfig = Field(default_factory=CheckpointWriterConfig)
+
+
 class Config(_Section):
     """The whole configuration. Field names are DeepSpeed's where DeepSpeed has the same concept."""
 
@@ -295,6 +305,7 @@ class Config(_Section):
     tensorboard: MonitorConfig = Field(default_factory=MonitorConfig)
     csv_monitor: MonitorConfig = Field(default_factory=MonitorConfig)
     wandb: WandbConfig = Field(default_factory=WandbConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     seed: Annotated[int, Field(ge=0, lt=2**32)] | None = None
     """numpy's seeds are 0 to 2**32 - 1."""
     zero_allow_untested_optimizer: bool = False

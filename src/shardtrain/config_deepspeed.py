@@ -745,14 +745,48 @@ RULES: tuple[Rule, ...] = (
         check=StrictBool,
     ),
     _only("graph_harvesting", False, "CUDA graphs are not captured by the engine"),
-    Rule(
-        "checkpoint",
-        Kind.REFUSED_VALUE,
-        "checkpoints have one format that loads into any layout; `use_node_local_storage: true` (each node "
-        "writes its own copy) is not supported",
-        "without `use_node_local_storage: true`",
+    _supported("checkpoint", "section", "checkpoint settings"),
+    _no_effect(
+        "checkpoint.tag_validation",
+        '`"Warn"`, `"Ignore"` or `"Fail"`',
+        "tags are always validated: one that is not a plain file name is refused",
+        check=StrictStr,
+    ),
+    _no_effect("checkpoint.load_universal", "bool", "checkpoints always load into any layout", check=StrictBool),
+    _only(
+        "checkpoint.use_node_local_storage",
+        False,
+        "each node writing its own copy is not supported; checkpoints go to one directory every rank can read",
+    ),
+    _no_effect(
+        "checkpoint.parallel_write",
+        "section",
+        "every rank always writes its own part in parallel (there is no pipeline parallelism)",
         check=dict,
-        accept=lambda v: v.get("use_node_local_storage", False) is False,
+    ),
+    _no_effect(
+        "checkpoint.checkpoint_serialization", "bool", "tunes DeepSpeed's fast checkpoint writer", check=StrictBool
+    ),
+    _supported(
+        "checkpoint.writer", "section", "DeepSpeed's checkpoint writer settings; only `decoupled` has an effect"
+    ),
+    _supported(
+        "checkpoint.writer.decoupled",
+        "bool, `false`",
+        "save checkpoints in the background: `save_checkpoint` returns once every rank holds a host copy, the files "
+        "are written and `latest` moved by a background thread (the default of `save_checkpoint`'s `async_save`; "
+        "docs/checkpoint-format.md)",
+    ),
+    *(
+        _no_effect(f"checkpoint.writer.{key}", values, "tunes DeepSpeed's fast checkpoint writer", check=check)
+        for key, values, check in (
+            ("type", '`"mock"`, `"python"` or `"fast"`', StrictStr),
+            ("io_buffer_size", "int", int),
+            ("io_buffer_double", "bool", StrictBool),
+            ("show_statistics", "bool", StrictBool),
+            ("data_parallel", '`"replica"`, `"socket"` or `"machine"`', StrictStr),
+            ("io_multiplier", "int", int),
+        )
     ),
     _disabled("nebula", "the Nebula checkpoint service is not supported"),
     _disabled("datastates", "DataStates checkpointing is not supported"),

@@ -27,6 +27,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
 from shardtrain import comm_failure
+from shardtrain.checkpoint.async_save import AsyncSaver
 from shardtrain.comm import Communicator
 from shardtrain.config import (
     Config,
@@ -394,15 +395,23 @@ class Engine:
     def close(self) -> None:
         """Remove every hook the engine installed (gradient hooks, ZeRO-3 module hooks) and flush and close the
         monitors' files (TensorBoard, wandb run). Not collective; safe to call more than once. ZeRO-3 parameters
-        stay sharded: take ``full_state_dict()`` first if the module is used afterwards."""
-        self._reducer.remove_hooks()
-        if self._units is not None:
-            self._units.remove_hooks()
-        self.monitor.close()
-        if self._optimizer.offload is not None:  # swap files are scratch: removed with their directory
-            self._optimizer.offload.close()
-        for scratch in self._scratch.values():
-            scratch.remove()
+        stay sharded: take ``full_state_dict()`` first if the module is used afterwards. Waits for an asynchronous
+        checkpoint save in flight and raises its failure, after the rest of the clean-up."""
+        saver = getattr(self, "_async_saver", None)
+        try:
+            if saver is not None:
+                saver.wait()
+        finally:
+            if saver is not None:
+                saver.close()
+            self._reducer.remove_hooks()
+            if self._units is not None:
+                self._units.remove_hooks()
+            self.monitor.close()
+            if self._optimizer.offload is not None:  # swap files are scratch: removed with their directory
+                self._optimizer.offload.close()
+            for scratch in self._scratch.values():
+                scratch.remove()
 
     def train(self, mode: bool = True) -> Engine:
         self.module.train(mode)
@@ -496,13 +505,37 @@ class Engine:
         self.tp_comm.all_gather(everyone, local.reshape(-1).contiguous(), what=f"blocks of {record.name!r}")
         return assemble_blocks(everyone.view(t, *local.shape).unbind(0), record.tp)
 
-    def save_checkpoint(self, save_dir: str | Path, tag: str | None = None, client_state: dict | None = None) -> Path:
+    def save_checkpoint(
+        self,
+        save_dir: str | Path,
+        tag: str | None = None,
+        client_state: dict | None = None,
+        *,
+        async_save: bool | None = None,
+    ) -> Path:
         """Save a sharded checkpoint ``save_dir/tag`` (default tag ``global_step{N}``); collective.
 
         Every rank writes its own part in parallel; the save is crash-safe and ``save_dir/latest`` names the
-        newest complete checkpoint (see docs/checkpoint-format.md and [Note: engine checkpoint contents])."""
+        newest complete checkpoint (see docs/checkpoint-format.md and [Note: engine checkpoint contents]).
+
+        ``async_save=True``: return once every rank holds a host copy of what it saves; the files are written and
+        ``latest`` moved in the background, and training may go on meanwhile ([Note: asynchronous checkpoints] in
+        ``checkpoint/async_save.py``). The next ``save_checkpoint`` and ``close()`` wait for it and raise its
+        failure. The default is the config's ``checkpoint.writer.decoupled`` (DeepSpeed's key, ``false``). Returns
+        the checkpoint's path either way."""
         self._agree("save_checkpoint")
-        return save_engine(self._training_state(), save_dir, tag or f"global_step{self.global_step}", client_state)
+        saver = getattr(self, "_async_saver", None)
+        if saver is not None:  # one save in flight at most; a failure of the previous one is raised here
+            saver.wait()
+        if async_save is None:
+            async_save = self.config.checkpoint.writer.decoupled
+        if not async_save:
+            return save_engine(self._training_state(), save_dir, tag or f"global_step{self.global_step}", client_state)
+        if saver is None:
+            saver = self._async_saver = AsyncSaver()
+        return save_engine(
+            self._training_state(), save_dir, tag or f"global_step{self.global_step}", client_state, saver
+        )
 
     def load_checkpoint(self, load_dir: str | Path, tag: str | None = None, load_optimizer_states: bool = True) -> dict:
         """Restore a checkpoint saved in any layout (ranks, stage); returns its ``client_state``. Collective.

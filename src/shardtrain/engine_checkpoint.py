@@ -51,8 +51,10 @@ import torch
 from torch import nn
 
 from shardtrain.checkpoint import FlatSlice, SavePiece, open_checkpoint, save
+from shardtrain.checkpoint.async_save import AsyncSaver
 from shardtrain.checkpoint.format import BlockFlatSlice, BlockSlice, numel
 from shardtrain.checkpoint.reader import CheckpointReader
+from shardtrain.checkpoint.writer import stage
 from shardtrain.comm import Communicator
 from shardtrain.errors import CheckpointError
 from shardtrain.hf_config import hf_config_objects
@@ -219,8 +221,16 @@ def _describe_failure(err: BaseException) -> str:
     return str(err) if isinstance(err, CheckpointError) else f"{type(err).__name__}: {err}"
 
 
-def save_engine(state: TrainingState, save_dir: str | Path, tag: str, client_state: dict | None) -> Path:
-    """Collective; see [Note: checkpoint failures are collective]."""
+def save_engine(
+    state: TrainingState,
+    save_dir: str | Path,
+    tag: str,
+    client_state: dict | None,
+    saver: AsyncSaver | None = None,
+) -> Path:
+    """Collective; see [Note: checkpoint failures are collective]. With ``saver``, returns once this rank's
+    snapshot is taken and the plan agreed, and ``saver`` writes and publishes in the background ([Note:
+    asynchronous checkpoints]); the caller must have waited for its previous save."""
     failure, pieces, aliases, global_objects, rng = None, [], {}, {}, {}
     try:
         pieces, aliases, optimizer_objects = collect_pieces(state)
@@ -247,7 +257,20 @@ def save_engine(state: TrainingState, save_dir: str | Path, tag: str, client_sta
         }
     except Exception as err:  # the save is abandoned on every rank (see the Note)
         failure = f"collecting what to save: {_describe_failure(err)}"
-    result = save(
+    if saver is None:
+        result = save(
+            save_dir,
+            tag,
+            state.comm,
+            pieces,
+            rank_objects={"rng": rng},
+            global_objects=global_objects,
+            aliases=aliases,
+            failure=failure,
+        )
+        return result.path
+    commit_comm = saver.commit_comm(state.comm)  # collective the first time: before anything can fail alone
+    staged = stage(
         save_dir,
         tag,
         state.comm,
@@ -256,8 +279,10 @@ def save_engine(state: TrainingState, save_dir: str | Path, tag: str, client_sta
         global_objects=global_objects,
         aliases=aliases,
         failure=failure,
+        snapshot=True,
     )
-    return result.path
+    saver.start(staged, commit_comm)
+    return staged.save_dir / staged.tag
 
 
 def load_engine(state: TrainingState, load_dir: str | Path, tag: str | None, load_optimizer_states: bool) -> dict:

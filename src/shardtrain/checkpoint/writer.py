@@ -20,6 +20,9 @@ the full argument):
 A failure on any rank in steps 1-4 (any exception, not only I/O errors) is carried in the next gather, so that every
 rank raises the same :class:`CheckpointError`, naming the failing ranks and causes, instead of hanging in a
 collective; the temporary directory is removed and nothing is published.
+
+Steps 1-2 are :func:`stage` and steps 3-5 :func:`commit`; an asynchronous save runs the commit in a background
+thread ([Note: asynchronous checkpoints] in ``async_save.py``).
 """
 
 from __future__ import annotations
@@ -28,8 +31,8 @@ import json
 import os
 import re
 import shutil
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -152,8 +155,8 @@ def _encode_objects(objects: dict[str, Any], file: str) -> tuple[dict[str, Objec
             inline = json.loads(json.dumps(value, allow_nan=False)) == value
         except (TypeError, ValueError):
             inline = False
-        if inline:
-            records[key] = ObjectRecord(key, "json", value)
+        if inline:  # the JSON copy: the caller may change ``value`` before the manifest is written
+            records[key] = ObjectRecord(key, "json", json.loads(json.dumps(value, allow_nan=False)))
         else:
             before = len(encoder.tensors)
             tree = encoder.encode(key, value)
@@ -186,11 +189,17 @@ def _write_rank_files(
         crash_point("tensor_file_torn", path)
         crash_point("tensor_file_written")
         # The checksums are computed while the kernel writes the file back: fsync waits on the disk, crc32 on the
-        # CPU, and both release the GIL.
-        with ThreadPoolExecutor(1) as pool:
-            synced = pool.submit(fsync_path, path)
+        # CPU, and both release the GIL. A plain thread, not an executor: a background save may still be writing
+        # when the interpreter exits, and executors refuse new work once its shutdown has begun.
+        fsync_error: list[BaseException] = []
+        synced = threading.Thread(target=_fsync_into, args=(path, fsync_error), name="shardtrain checkpoint fsync")
+        synced.start()
+        try:
             checksums = {(p.name, p.slice): crc32_of(t) for (p, _), t in zip(mine, tensors)}
-            synced.result()
+        finally:
+            synced.join()
+        if fsync_error:
+            raise fsync_error[0]
         del tensors
         size = path.stat().st_size
         files.append(FileEntry(path.name, rank, size))
@@ -202,6 +211,13 @@ def _write_rank_files(
         files.append(write_object_file(tmp / object_file(rank), rank, object_data))
         written += files[-1].size
     return files, checksums, written
+
+
+def _fsync_into(path: Path, errors: list[BaseException]) -> None:
+    try:
+        fsync_path(path)
+    except BaseException as err:  # raised by the writing thread
+        errors.append(err)
 
 
 def _stored(p: SavePiece) -> torch.Tensor:
@@ -268,14 +284,15 @@ def _raise_failures(errors: list[str | None], stage: str, save_dir: Path, tag: s
     )
 
 
-def _to_host(pieces: list[SavePiece]) -> list[SavePiece]:
+def _to_host(pieces: list[SavePiece], copy: bool = False) -> list[SavePiece]:
     """Pieces of device tensors copied to host memory (pinned, asynchronous from CUDA, one synchronization), so
-    that the files and checksums are computed from host memory."""
+    that the files and checksums are computed from host memory. ``copy``: host tensors are copied too (a
+    snapshot: training may change the originals as soon as this returns)."""
     out, cuda = [], False
     for p in pieces:
         t = p.tensor.detach()
         if t.device.type == "cpu":
-            out.append(p)
+            out.append(replace(p, tensor=t.clone()) if copy else p)
             continue
         if t.is_cuda:
             host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
@@ -287,6 +304,150 @@ def _to_host(pieces: list[SavePiece]) -> list[SavePiece]:
     if cuda:
         torch.cuda.synchronize()
     return out
+
+
+@dataclass
+class StagedSave:
+    """A save after its snapshot (steps 1-2 done): everything steps 3-5 need, in memory that training no longer
+    touches, so that they may run in a background thread ([Note: asynchronous checkpoints] in ``async_save.py``)."""
+
+    save_dir: Path
+    tag: str
+    rank: int
+    size: int
+    pieces: list[SavePiece]  # host copies
+    mine: list[tuple[SavePiece, str]]  # the pieces this rank stores, with their keys in its file
+    tensors: Any  # plan_pieces' outcome, the same on every rank
+    holders: Any
+    keys: Any
+    records: dict[str, ObjectRecord]
+    global_records: dict[str, ObjectRecord]
+    object_data: bytes | None
+    global_data: bytes | None
+    started: float
+
+
+def stage(
+    save_dir: str | os.PathLike,
+    tag: str,
+    comm: Communicator | None,
+    pieces: list[SavePiece],
+    *,
+    rank_objects: dict[str, Any] | None = None,
+    global_objects: dict[str, Any] | None = None,
+    aliases: dict[str, str] | None = None,
+    overwrite: bool = False,
+    failure: str | None = None,
+    snapshot: bool = False,
+) -> StagedSave:
+    """Steps 1-2 of :func:`save` (collective over ``comm``): prepare the directory, copy the pieces to host memory,
+    encode the objects, agree on the plan. ``snapshot``: copy host tensors too (not only device ones), so that
+    training may change them once this returns; the objects are always encoded here, into bytes and fresh JSON."""
+    t0 = time.perf_counter()
+    crash_point("start")
+    save_dir = Path(save_dir)
+    rank, size = (comm.rank, comm.size) if comm is not None else (0, 1)
+
+    def gather(obj: Any, what: str) -> list[Any]:
+        return comm.all_gather_object(obj, what=what) if comm is not None else [obj]
+
+    prep_error = _prepare(save_dir, tag, overwrite) if rank == 0 else None
+    local_error, descs = failure, []
+    if local_error is None:
+        try:
+            pieces = _to_host(pieces, copy=snapshot)
+            descs = [(p.name, p.global_shape, dtype_name(p.tensor.dtype), p.slice) for p in pieces]
+            if len({(d[0], d[3]) for d in descs}) < len(descs):
+                local_error = "the same part of a tensor is passed twice"
+        except Exception as err:
+            local_error = f"staging its pieces: {_describe(err)}"
+    records: dict[str, ObjectRecord] = {}
+    global_records: dict[str, ObjectRecord] = {}
+    object_data = global_data = None
+    if local_error is None:  # an object that cannot be stored is refused before anything is written
+        try:
+            records, object_data = _encode_objects(rank_objects or {}, object_file(rank))
+            if rank == 0:
+                global_records, global_data = _encode_objects(global_objects or {}, object_file(None))
+        except Exception as err:
+            local_error = f"encoding its objects: {_describe(err)}"
+    gathered = gather((descs, prep_error or local_error, aliases or {}), "checkpoint piece descriptors")
+    _raise_failures([g[1] for g in gathered], "preparing", save_dir, tag, rank)
+    try:
+        tensors, holders = plan_pieces([g[0] for g in gathered], gathered[0][2])
+    except CheckpointError:  # computed from the same gathered data on every rank: every rank raises it
+        if rank == 0:
+            shutil.rmtree(save_dir / (TMP_PREFIX + tag), ignore_errors=True)
+        raise
+    keys = piece_keys(holders)
+    mine = [(p, keys[(p.name, p.slice)]) for p in pieces if holders[(p.name, p.slice)][0] == rank]
+    return StagedSave(
+        save_dir,
+        tag,
+        rank,
+        size,
+        pieces,
+        mine,
+        tensors,
+        holders,
+        keys,
+        records,
+        global_records,
+        object_data,
+        global_data,
+        t0,
+    )
+
+
+def commit(staged: StagedSave, comm: Communicator | None) -> SaveResult:
+    """Steps 3-5 of :func:`save`: write and fsync this rank's files, agree, publish. Collective over ``comm``, which
+    must hold the same ranks in the same order as the one :func:`stage` ran over (it may be another group: a
+    background commit uses the checkpoint group of [Note: asynchronous checkpoints])."""
+    s = staged
+    save_dir, tag, rank = s.save_dir, s.tag, s.rank
+
+    def gather(obj: Any, what: str) -> list[Any]:
+        return comm.all_gather_object(obj, what=what) if comm is not None else [obj]
+
+    tmp = save_dir / (TMP_PREFIX + tag)
+    write_error: str | None = None
+    files: list[FileEntry] = []
+    checksums: dict[tuple, str] = {}
+    written = 0
+    try:
+        files, checksums, written = _write_rank_files(tmp, rank, s.pieces, s.mine, s.object_data)
+        if s.global_data is not None:
+            files.append(write_object_file(tmp / object_file(None), 0, s.global_data))
+            written += files[-1].size
+        crash_point("objects_written")
+    except Exception as err:  # I/O, a bug: every rank must hear of it
+        write_error = f"writing into {tmp}: {_describe(err)}"
+    crash_point("files_synced")
+    parts = gather((files, s.records, s.global_records, write_error, checksums), "checkpoint file list")
+    _raise_failures([p[3] for p in parts], "writing files", save_dir, tag, rank)
+    try:
+        manifest = Manifest(
+            version=FORMAT_VERSION,
+            tag=tag,
+            world_size=s.size,
+            tensors=tensor_entries(s.tensors, s.holders, s.keys, [p[4] for p in parts]),
+            files={f.name: f for p in parts for f in p[0]},
+            objects=parts[0][2],
+            rank_objects={r: p[1] for r, p in enumerate(parts) if p[1]},
+        )
+    except CheckpointError:  # the same on every rank (e.g. diverged replicas)
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    publish_error: str | None = None
+    if rank == 0:
+        try:
+            _publish(save_dir, tag, manifest)
+        except Exception as err:
+            publish_error = f"{_describe(err)}; {_latest_state(save_dir, tag)}"
+        crash_point("done")
+    _raise_failures([gather(publish_error, "checkpoint published")[0]], "publishing", save_dir, tag, rank)
+    return SaveResult(save_dir / tag, manifest, written, time.perf_counter() - s.started)
 
 
 def save(
@@ -315,82 +476,19 @@ def save(
     on every rank with this message at the first gather. Any exception a rank meets during the save is carried the
     same way, so every rank raises one :class:`CheckpointError` naming the failing ranks and causes, and nothing is
     published.
+
+    It is :func:`stage` then :func:`commit` on the calling thread; ``async_save.py`` runs the commit in the
+    background.
     """
-    t0 = time.perf_counter()
-    crash_point("start")
-    save_dir = Path(save_dir)
-    rank, size = (comm.rank, comm.size) if comm is not None else (0, 1)
-
-    def gather(obj: Any, what: str) -> list[Any]:
-        return comm.all_gather_object(obj, what=what) if comm is not None else [obj]
-
-    prep_error = _prepare(save_dir, tag, overwrite) if rank == 0 else None
-    local_error, descs = failure, []
-    if local_error is None:
-        try:
-            pieces = _to_host(pieces)
-            descs = [(p.name, p.global_shape, dtype_name(p.tensor.dtype), p.slice) for p in pieces]
-            if len({(d[0], d[3]) for d in descs}) < len(descs):
-                local_error = "the same part of a tensor is passed twice"
-        except Exception as err:
-            local_error = f"staging its pieces: {_describe(err)}"
-    records: dict[str, ObjectRecord] = {}
-    global_records: dict[str, ObjectRecord] = {}
-    object_data = global_data = None
-    if local_error is None:  # an object that cannot be stored is refused before anything is written
-        try:
-            records, object_data = _encode_objects(rank_objects or {}, object_file(rank))
-            if rank == 0:
-                global_records, global_data = _encode_objects(global_objects or {}, object_file(None))
-        except Exception as err:
-            local_error = f"encoding its objects: {_describe(err)}"
-    gathered = gather((descs, prep_error or local_error, aliases or {}), "checkpoint piece descriptors")
-    _raise_failures([g[1] for g in gathered], "preparing", save_dir, tag, rank)
-    try:
-        tensors, holders = plan_pieces([g[0] for g in gathered], gathered[0][2])
-    except CheckpointError:  # computed from the same gathered data on every rank: every rank raises it
-        if rank == 0:
-            shutil.rmtree(save_dir / (TMP_PREFIX + tag), ignore_errors=True)
-        raise
-    keys = piece_keys(holders)
-    mine = [(p, keys[(p.name, p.slice)]) for p in pieces if holders[(p.name, p.slice)][0] == rank]
-
-    tmp = save_dir / (TMP_PREFIX + tag)
-    write_error: str | None = None
-    files: list[FileEntry] = []
-    checksums: dict[tuple, str] = {}
-    written = 0
-    try:
-        files, checksums, written = _write_rank_files(tmp, rank, pieces, mine, object_data)
-        if global_data is not None:
-            files.append(write_object_file(tmp / object_file(None), 0, global_data))
-            written += files[-1].size
-        crash_point("objects_written")
-    except Exception as err:  # I/O, a bug: every rank must hear of it
-        write_error = f"writing into {tmp}: {_describe(err)}"
-    crash_point("files_synced")
-    parts = gather((files, records, global_records, write_error, checksums), "checkpoint file list")
-    _raise_failures([p[3] for p in parts], "writing files", save_dir, tag, rank)
-    try:
-        manifest = Manifest(
-            version=FORMAT_VERSION,
-            tag=tag,
-            world_size=size,
-            tensors=tensor_entries(tensors, holders, keys, [p[4] for p in parts]),
-            files={f.name: f for p in parts for f in p[0]},
-            objects=parts[0][2],
-            rank_objects={r: p[1] for r, p in enumerate(parts) if p[1]},
-        )
-    except CheckpointError:  # the same on every rank (e.g. diverged replicas)
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    publish_error: str | None = None
-    if rank == 0:
-        try:
-            _publish(save_dir, tag, manifest)
-        except Exception as err:
-            publish_error = f"{_describe(err)}; {_latest_state(save_dir, tag)}"
-        crash_point("done")
-    _raise_failures([gather(publish_error, "checkpoint published")[0]], "publishing", save_dir, tag, rank)
-    return SaveResult(save_dir / tag, manifest, written, time.perf_counter() - t0)
+    staged = stage(
+        save_dir,
+        tag,
+        comm,
+        pieces,
+        rank_objects=rank_objects,
+        global_objects=global_objects,
+        aliases=aliases,
+        overwrite=overwrite,
+        failure=failure,
+    )
+    return commit(staged, comm)
