@@ -113,6 +113,7 @@ class Engine:
         # swap directories are checked on every rank before the model is touched (see docs/offload.md); a failure
         # of the rest of the construction (a full disk, a peer lost) leaves none behind
         self._scratch = _prepare_offload(zcfg, topology, self.world_comm)
+        self._async_saver: AsyncSaver | None = None  # made by the first asynchronous save_checkpoint
         try:
             self._build(module, config, topology, optimizer, lr_scheduler, tp_placements, tp_comm)
         except BaseException:
@@ -397,7 +398,7 @@ class Engine:
         monitors' files (TensorBoard, wandb run). Not collective; safe to call more than once. ZeRO-3 parameters
         stay sharded: take ``full_state_dict()`` first if the module is used afterwards. Waits for an asynchronous
         checkpoint save in flight and raises its failure, after the rest of the clean-up."""
-        saver = getattr(self, "_async_saver", None)
+        saver = self._async_saver
         try:
             if saver is not None:
                 saver.wait()
@@ -524,18 +525,15 @@ class Engine:
         failure. The default is the config's ``checkpoint.writer.decoupled`` (DeepSpeed's key, ``false``). Returns
         the checkpoint's path either way."""
         self._agree("save_checkpoint")
-        saver = getattr(self, "_async_saver", None)
-        if saver is not None:  # one save in flight at most; a failure of the previous one is raised here
-            saver.wait()
+        if self._async_saver is not None:  # one save in flight at most; a failure of the previous one is raised here
+            self._async_saver.wait()
         if async_save is None:
             async_save = self.config.checkpoint.writer.decoupled
-        if not async_save:
-            return save_engine(self._training_state(), save_dir, tag or f"global_step{self.global_step}", client_state)
-        if saver is None:
-            saver = self._async_saver = AsyncSaver()
-        return save_engine(
-            self._training_state(), save_dir, tag or f"global_step{self.global_step}", client_state, saver
-        )
+        if async_save and self._async_saver is None:
+            self._async_saver = AsyncSaver()
+        saver = self._async_saver if async_save else None
+        tag = tag or f"global_step{self.global_step}"
+        return save_engine(self._training_state(), save_dir, tag, client_state, saver)
 
     def load_checkpoint(self, load_dir: str | Path, tag: str | None = None, load_optimizer_states: bool = True) -> dict:
         """Restore a checkpoint saved in any layout (ranks, stage); returns its ``client_state``. Collective.
@@ -543,6 +541,8 @@ class Engine:
         Without ``tag`` the one ``load_dir/latest`` names is loaded. ``load_optimizer_states=False`` loads the
         model weights (masters included) and the loss scale only."""
         self._agree("load_checkpoint")
+        if self._async_saver is not None:  # a save in flight is what `latest` will name: load it, not the one before
+            self._async_saver.wait()
         state = self._training_state()
         client_state = load_engine(state, load_dir, tag, load_optimizer_states)
         self.global_step = state.counters.get("global_step", 0)
