@@ -115,7 +115,7 @@ class Engine:
         self._scratch = _prepare_offload(zcfg, topology, self.world_comm)
         self._async_saver: AsyncSaver | None = None  # made by the first asynchronous save_checkpoint
         try:
-            self._build(module, config, topology, optimizer, lr_scheduler, tp_placements, tp_comm)
+            self._build(optimizer, lr_scheduler, tp_placements)
         except BaseException:
             for scratch in self._scratch.values():
                 scratch.remove()
@@ -123,15 +123,12 @@ class Engine:
 
     def _build(
         self,
-        module: nn.Module,
-        config: Config,
-        topology: Topology,
         optimizer: torch.optim.Optimizer,
         lr_scheduler: LRScheduler | None,
         tp_placements: Mapping[str, Any] | None,
-        tp_comm: Communicator | None,
     ) -> None:
         """The parts, in order: layout, ZeRO-3 units, precision, parameter offload, reducer, optimizer, graph."""
+        module, config, topology, tp_comm = self.module, self.config, self.topology, self.tp_comm
         zcfg = config.zero_optimization
         # where every parameter lives (see [Note: the layout]); built before anything else touches the model
         self.layout = build_layout(module, zcfg, self.comm, tp_placements, tp=topology.tp, tp_rank=topology.tp_rank)

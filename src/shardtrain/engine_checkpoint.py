@@ -257,30 +257,11 @@ def save_engine(
         }
     except Exception as err:  # the save is abandoned on every rank (see the Note)
         failure = f"collecting what to save: {_describe_failure(err)}"
+    what = {"rank_objects": {"rng": rng}, "global_objects": global_objects, "aliases": aliases, "failure": failure}
     if saver is None:
-        result = save(
-            save_dir,
-            tag,
-            state.comm,
-            pieces,
-            rank_objects={"rng": rng},
-            global_objects=global_objects,
-            aliases=aliases,
-            failure=failure,
-        )
-        return result.path
+        return save(save_dir, tag, state.comm, pieces, **what).path
     commit_comm = saver.commit_comm(state.comm)  # collective the first time: before anything can fail alone
-    staged = stage(
-        save_dir,
-        tag,
-        state.comm,
-        pieces,
-        rank_objects={"rng": rng},
-        global_objects=global_objects,
-        aliases=aliases,
-        failure=failure,
-        snapshot=True,
-    )
+    staged = stage(save_dir, tag, state.comm, pieces, snapshot=True, **what)
     saver.start(staged, commit_comm)
     return staged.save_dir / staged.tag
 
