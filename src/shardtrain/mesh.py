@@ -37,9 +37,10 @@ a restart a worker may read an address of the previous, dead attempt before its 
 fails with ``connectFullMesh failed ... Connection refused`` on every restarted attempt (NCCL reads a stale unique
 id), pytorch/pytorch#135712. A key prefix from ``TORCHELASTIC_RESTART_COUNT`` would not do: each agent counts its
 own restarts, and the agents of a multi-node job do not always agree (pytorch/pytorch#108158). So under a shared
-store rank 0 starts a TCP store of its own on a free port for this attempt and publishes ``<port> <token>`` (a
-random token, also written into its store) under :data:`_ATTEMPT_STORE_KEY` of the agent's store; the other ranks
-read that key and connect, and use the store only if it holds the same token: a key left by the previous attempt
+store rank 0 starts a TCP store of its own on a free port for this attempt and publishes ``<host> <port> <token>``
+under :data:`_ATTEMPT_STORE_KEY` of the agent's store (``host``: rank 0's address on the way to the agent's store,
+which may run on another node; ``token``: random, also written into rank 0's store); the other ranks read that key
+and connect, and use the store only if it holds the same token: a key left by the previous attempt
 names a port where nothing listens any more (connection refused) or another store (another token), and they read
 the key again until rank 0 of this attempt has written it. The process group then starts on a store that holds
 nothing from an earlier attempt, as with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, which a user no longer needs to
@@ -132,24 +133,28 @@ def attempt_store(addr: str, port: int, rank: int, world: int, timeout: datetime
         own = dist.TCPStore(addr, 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
         token = uuid.uuid4().hex
         own.set(_TOKEN_KEY, token)
-        shared.set(_ATTEMPT_STORE_KEY, f"{own.port} {token}")
+        # rank 0 need not run on the agent store's node (multi-node): publish the address it is reached at, the
+        # local end of a connection to that store (the interface the other nodes' traffic to it takes too)
+        with socket.create_connection((addr, port), timeout=_PROBE_S) as probe_socket:
+            host = probe_socket.getsockname()[0]
+        shared.set(_ATTEMPT_STORE_KEY, f"{host} {own.port} {token}")
         return own
     deadline = time.monotonic() + timeout.total_seconds()
     probe = datetime.timedelta(seconds=_PROBE_S)
     while True:
-        own_port, token = shared.get(_ATTEMPT_STORE_KEY).decode().split()
+        host, own_port, token = shared.get(_ATTEMPT_STORE_KEY).decode().split()
         # a dead attempt's port refuses: asked with a plain socket first, since a store client that cannot connect
         # logs a C++ traceback at every retry
-        if _listening(addr, int(own_port)):
+        if _listening(host, int(own_port)):
             with contextlib.suppress(RuntimeError):  # not a store, or it went away: read the key again
-                own = dist.TCPStore(addr, int(own_port), world, is_master=False, timeout=probe, wait_for_workers=False)
+                own = dist.TCPStore(host, int(own_port), world, is_master=False, timeout=probe, wait_for_workers=False)
                 if own.check([_TOKEN_KEY]) and own.get(_TOKEN_KEY).decode() == token:
                     own.set_timeout(timeout)
                     return own
         if time.monotonic() > deadline:
             raise ShardtrainError(
                 f"rank {rank}: rank 0's store for this attempt could not be reached within {timeout.total_seconds():g}"
-                f" s: torchrun's store at {addr}:{port} names {addr}:{own_port}, which does not answer with the "
+                f" s: torchrun's store at {addr}:{port} names {host}:{own_port}, which does not answer with the "
                 "token rank 0 wrote. Is rank 0 running? (see [Note: restarts under torchrun] in shardtrain/mesh.py)"
             )
         time.sleep(0.05)
