@@ -42,7 +42,7 @@ from shardtrain.desync import PhaseCheck
 from shardtrain.engine_checkpoint import COUNTERS, TrainingState, load_engine, save_engine
 from shardtrain.errors import ConfigError, LayoutError, OptimizerError, RankMismatchError
 from shardtrain.mesh import Topology, init_topology
-from shardtrain.monitor import TrainingMonitor, check_monitor_packages
+from shardtrain.monitor import StepMetrics, TrainingMonitor, check_monitor_packages
 from shardtrain.precision import LossScaler, check_parameter_dtypes, policy_from_config
 from shardtrain.schedulers import build_scheduler
 from shardtrain.tensor_parallel import assemble_blocks, check_same_batch, parallelize
@@ -373,7 +373,10 @@ class Engine:
         with self.monitor.timed("step"):
             self._optimizer_step()
         self.global_samples += self.train_batch_size
-        self.monitor.end_optimizer_step(self)  # at every steps_per_print-th step: log and write metrics
+        # at every steps_per_print-th step: log and write metrics
+        self.monitor.end_optimizer_step(
+            StepMetrics(self.global_step, self.global_samples, self.get_lr()[0], self._grad_norm, self.loss_scale)
+        )
 
     def _optimizer_step(self) -> None:
         scale = self.scaler.scale if self.scaler is not None else None

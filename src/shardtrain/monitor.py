@@ -35,8 +35,9 @@ import logging
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -44,12 +45,21 @@ from shardtrain.config import Config, MonitorConfig, WandbConfig
 from shardtrain.errors import ConfigError
 from shardtrain.tree import iter_tensors
 
-if TYPE_CHECKING:
-    from shardtrain.engine import Engine
-
 log = logging.getLogger("shardtrain")
 
 Event = tuple[str, float, int]  # (metric name, value, samples seen)
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    """What the engine reports after an optimizer step: all the monitor reads of it (the monitor never sees the
+    engine itself)."""
+
+    global_step: int
+    global_samples: int
+    lr: float  # the first param group's, after the step
+    grad_norm: float | None  # before clipping; None when the step computed none
+    loss_scale: float
 
 
 def check_monitor_packages(config: Config) -> None:
@@ -188,25 +198,25 @@ class TrainingMonitor:
             self._tokens += tokens if tokens is not None else self._micro_tokens
             self._micro_tokens = 0
 
-    def end_optimizer_step(self, engine: Engine) -> None:
+    def end_optimizer_step(self, step: StepMetrics) -> None:
         """After an optimizer step: at every ``steps_per_print``-th, log and write the metrics."""
         if not self.rank0:
             return
         now = time.perf_counter()
-        if engine.global_step % self.steps_per_print == 0:
+        if step.global_step % self.steps_per_print == 0:
             step_ms = (now - self._step_start) * 1e3 if self._step_start is not None else float("nan")
             loss = float(self._loss_sum) / self._losses if self._loss_sum is not None else float("nan")
-            self.write_metrics(engine, loss, step_ms)
+            self.write_metrics(step, loss, step_ms)
         self._reset_step()
         self._step_start = now  # the next iteration starts now: its data loading counts towards its time
 
-    def write_metrics(self, engine: Engine, loss: float, step_ms: float) -> None:
-        lr, norm = engine.get_lr()[0], engine.get_global_grad_norm()
-        log.info("step %d: loss %.4f, lr %.3g, grad norm %.4g", engine.global_step, loss, lr, norm)
+    def write_metrics(self, step: StepMetrics, loss: float, step_ms: float) -> None:
+        lr, norm = step.lr, step.grad_norm
+        log.info("step %d: loss %.4f, lr %.3g, grad norm %.4g", step.global_step, loss, lr, norm)
         if self.breakdown:
             log.info(
                 "step %d: forward %.2f ms, backward %.2f ms, step %.2f ms",
-                engine.global_step,
+                step.global_step,
                 self._ms["forward"],
                 self._ms["backward"],
                 self._ms["step"],
@@ -218,13 +228,13 @@ class TrainingMonitor:
             "train_loss": loss,
             "lr": lr,
             "grad_norm": norm if norm is not None else float("nan"),
-            "loss_scale": engine.loss_scale,
+            "loss_scale": step.loss_scale,
             "step_time_ms": step_ms,
             "tokens_per_second": tokens_per_s,
         }
         if self.breakdown:
             values |= {f"elapsed_time_ms_{phase}": ms for phase, ms in self._ms.items()}
-        events = [(f"Train/Samples/{k}", float(v), engine.global_samples) for k, v in values.items()]
+        events = [(f"Train/Samples/{k}", float(v), step.global_samples) for k, v in values.items()]
         for w in self.writers:
             w.write(events)
 
