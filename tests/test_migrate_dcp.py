@@ -9,6 +9,7 @@ is far outside the tolerance, so the check sees the moments and step counts carr
 from __future__ import annotations
 
 import pickle
+import re
 import time
 from pathlib import Path
 
@@ -153,7 +154,7 @@ def test_unsafe_metadata_is_refused_before_anything_runs(tmp_path):
 
     save_plain(make_model(0).state_dict(), tmp_path / "ckpt")
     (tmp_path / "ckpt" / ".metadata").write_bytes(pickle.dumps(Exploit()))
-    with pytest.raises(UnsafePickleError, match="refused to unpickle 'pathlib.*touch'"):
+    with pytest.raises(UnsafePickleError, match=r"refused to unpickle 'pathlib\..*touch'"):
         open_checkpoint(tmp_path / "ckpt")
     assert not marker.exists()
 
@@ -164,5 +165,5 @@ def test_damaged_chunk_names_the_tensor(tmp_path):
     data = next((tmp_path / "ckpt").glob("*.distcp"))
     data.write_bytes(data.read_bytes()[:1000])  # truncated
     reader = open_checkpoint(tmp_path / "ckpt")
-    with pytest.raises(CheckpointError, match="cannot read tensor 'model.blocks.1.mlp.2.weight'"):
+    with pytest.raises(CheckpointError, match=re.escape("cannot read tensor 'model.blocks.1.mlp.2.weight'")):
         reader.read("model/blocks.1.mlp.2.weight")
