@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 
 from dcp_runs import (
@@ -27,6 +28,7 @@ from dcp_runs import (
     save_plain,
     world1_body,
 )
+from shardtrain.checkpoint.consolidate import consolidate
 from shardtrain.checkpoint.format import BlockFlatSlice, BlockSlice, FlatSlice
 from shardtrain.checkpoint.reader import open_checkpoint
 from shardtrain.errors import CheckpointError, UnsafePickleError
@@ -55,7 +57,7 @@ def _assert_losses(got: list[float], want: list[float], rtol: float = LOSS_RTOL)
         assert abs(a - b) <= rtol * abs(b), f"step {SAVE_AT + step}: loss {a} after loading, FSDP2 continued with {b}"
 
 
-def test_reader_matches_the_saved_tensors(fsdp2):
+def test_reader_matches_the_saved_tensors(fsdp2, tmp_path):
     """Any slice kind, from chunks split along rows (unevenly) or columns, against the tensors FSDP2 held."""
     reader = open_checkpoint(fsdp2["dir"] / "boxes")
     full = box_tensors()
@@ -71,6 +73,7 @@ def test_reader_matches_the_saved_tensors(fsdp2):
         frag = reader.read_slice(f"model/{name}", BlockFlatSlice(BlockSlice(1, 0, 2), 2, 7))
         assert torch.equal(frag, t.chunk(2, dim=1)[0].reshape(-1)[2:9])
         assert torch.equal(reader.read_slice(f"model/{name}", FlatSlice(0, 0)), t.reshape(-1)[:0])
+    assert open_checkpoint(fsdp2["dir"] / "titan", f"step-{SAVE_AT}").path.name == f"step-{SAVE_AT}"
     # the model and optimizer entries of a real FSDP2 checkpoint equal what torch's own DCP loader reads
     import torch.distributed.checkpoint as dcp
 
@@ -83,6 +86,11 @@ def test_reader_matches_the_saved_tensors(fsdp2):
         assert torch.equal(reader.read(f"model/{k}"), v), k
     assert torch.equal(reader.read(f"optim/{name}/exp_avg"), state["optimizer"]["state"][name]["exp_avg"])
     assert reader.read(f"optim/{name}/step").item() == SAVE_AT
+    # consolidation streams a DCP checkpoint to Hugging Face-style safetensors as it does ours
+    files = consolidate(reader, tmp_path / "hf", progress=False)
+    assert [f.name for f in files] == ["model.safetensors"]
+    written = safetensors.torch.load_file(files[0])
+    assert written.keys() == want.keys() and all(torch.equal(written[k], v) for k, v in want.items())
 
 
 def _error_dirs(root: Path) -> dict[str, str]:
@@ -167,3 +175,29 @@ def test_damaged_chunk_names_the_tensor(tmp_path):
     reader = open_checkpoint(tmp_path / "ckpt")
     with pytest.raises(CheckpointError, match=re.escape("cannot read tensor 'model.blocks.1.mlp.2.weight'")):
         reader.read("model/blocks.1.mlp.2.weight")
+    problems = reader.verify()
+    assert problems and all("model.blocks.1.mlp.2.weight" not in p or "damaged" in p for p in problems)
+    assert any("model.blocks.1.mlp.2.weight" in p for p in problems)
+
+
+def test_the_dcp_tutorials_app_state_layout(tmp_path):
+    """``{"app": AppState}`` holding ``{"model": ..., "optim": ...}`` (the DCP tutorial's recipe) reads as the
+    plain layout: the same names, param groups and optimizer step."""
+    import torch.distributed.checkpoint as dcp
+
+    sd = make_model(0).state_dict()
+    optim = {
+        "state": {k: {"exp_avg": torch.full_like(v, 0.5), "step": torch.tensor(4.0)} for k, v in sd.items()},
+        "param_groups": [{"lr": 0.01, "betas": (0.9, 0.95), "params": list(sd)}],
+    }
+    dcp.save({"app": {"model": sd, "optim": optim}}, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    reader = open_checkpoint(tmp_path / "ckpt")
+    want = {f"model/{k}" for k in sd} | {f"optim/{k}/{s}" for k in sd for s in ("exp_avg", "step")}
+    assert set(reader.manifest.tensors) == want
+    with pytest.warns(UserWarning, match="RNG states"):
+        objects = reader.objects
+    assert objects["optimizer/param_groups"] == [{"lr": 0.01, "betas": (0.9, 0.95), "params": list(sd)}]
+    assert objects["optimizer/state_kinds"] == {"exp_avg": "elementwise", "step": "scalar"}
+    assert objects["engine/counters"] == {"global_step": 4}
+    assert torch.equal(reader.read("model/tok.weight"), sd["tok.weight"])
+    assert torch.equal(reader.read("optim/head.weight/exp_avg", (5, 9)), torch.full((4,), 0.5))

@@ -16,7 +16,8 @@ chunks and values go through ``torch.load(weights_only=True)``, torch's own rest
 
 Two layouts are recognised (:func:`interpret`):
 
-* **FSDP2 scripts**: ``{"model": get_model_state_dict(...), "optimizer": get_optimizer_state_dict(...)}``; the
+* **FSDP2 scripts**: ``{"model": get_model_state_dict(...), "optimizer": get_optimizer_state_dict(...)}``
+  (``"optim"`` too, and both inside one wrapper key, as the DCP tutorial's ``{"app": AppState(...)}``); the
   optimizer as torch returns it (``state`` by parameter name, ``param_groups`` listing names) or flattened
   (``flatten_optimizer_state_dict=True``: ``state.<name>.<key>``, ``param_groups.<name>.<hyperparameter>``);
 * **torchtitan** (``torchtitan/components/checkpointer/dcp.py``): the model's names at the top level, the
@@ -47,6 +48,7 @@ from shardtrain.errors import CheckpointError
 METADATA_NAME = ".metadata"
 MODEL, OPTIMIZER, SCHEDULER, TRAIN_STATE, DATALOADER = "model", "optimizer", "lr_scheduler", "train_state", "dataloader"
 _KNOWN_TOP = (MODEL, OPTIMIZER, SCHEDULER, TRAIN_STATE, DATALOADER)
+_NESTED = {MODEL, OPTIMIZER, "optim"}  # the keys of a Stateful wrapping model and optimizer (``optim``: the tutorial's)
 
 
 def _path_text(*parts: Any) -> str:
@@ -222,6 +224,9 @@ def _entry(name: str, key: str, meta: Any, source: Path) -> DcpTensorEntry:
 def interpret(ckpt: Path, md: dcp_metadata.Metadata) -> DcpContents:
     """Sort the entries of a DCP checkpoint (see [Note: DCP checkpoints])."""
     paths = _paths(md)
+    heads = {p[0] for p in paths.values()}
+    if len(heads) == 1 and all(len(p) > 2 for p in paths.values()) and {p[1] for p in paths.values()} & _NESTED:
+        paths = {k: p[1:] for k, p in paths.items()}  # one wrapper (the DCP tutorial's {"app": AppState})
     is_tensor = {k: isinstance(m, dcp_metadata.TensorStorageMetadata) for k, m in md.state_dict_metadata.items()}
     nested_model = any(p[0] == MODEL and len(p) > 1 and is_tensor[k] for k, p in paths.items())
     out = DcpContents(DcpManifest(ckpt.name, _world_size(md), {}), "model" if nested_model else "top-level")
@@ -238,7 +243,7 @@ def interpret(ckpt: Path, md: dcp_metadata.Metadata) -> DcpContents:
                 tensors[f"model/{name}"] = _entry(f"model/{name}", key, meta, ckpt)
             else:
                 out.not_carried.append(f"model entry {name!r} (not a tensor)")
-        elif head == OPTIMIZER and len(p) > 1:
+        elif head in (OPTIMIZER, "optim") and len(p) > 1:
             target = _optimizer_target(p)
             if target is None:
                 unknown_optim.append(key)

@@ -322,7 +322,8 @@ class _Objects(dict):
         if key == PARAM_GROUPS_KEY and key not in self:
             raise CheckpointError(
                 f"torch DCP checkpoint {self._path} holds no optimizer state (no 'optimizer' entry with param "
-                "groups, as get_optimizer_state_dict returns them); load it with load_optimizer_states=False"
+                "groups, as get_optimizer_state_dict returns them); load it with load_optimizer_states=False (or "
+                "consolidate it without --optimizer)"
             )
         return super().get(key, default)
 
