@@ -115,9 +115,9 @@ def test_world1_resume_fresh_optimizer_and_errors(fsdp2, tmp_path):
     assert resume["client_state"] == {"epoch": 7}
     assert resume["lrs"] == pytest.approx([3e-3 / (1 + 0.3 * SAVE_AT)] * 2)  # the scheduler's lr at the save
     assert any("RNG states" in w for w in resume["warnings"])
-    # the first step after the load already differs: a fresh Adam's first update is lr * sign(gradient)
+    # a fresh Adam's first update is lr * sign(gradient): the loss after it is ~2e-3 off (the loaded state: ~1e-7)
     off = max(abs(a - b) / abs(b) for a, b in zip(fresh["losses"], fsdp2["losses"]))
-    assert off > 300 * LOSS_RTOL, f"a fresh optimizer is only {off:.2g} off: the test could not tell it apart"
+    assert off > 100 * LOSS_RTOL, f"a fresh optimizer is only {off:.2g} off: the test could not tell it apart"
     errors = out["errors"]
     assert "blocks.0.attn.proj.weight" in errors["missing_weights_only"]
     assert "the model has parameters the checkpoint lacks" in errors["missing_weights_only"]
