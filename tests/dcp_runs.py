@@ -26,14 +26,18 @@ SAVE_AT, CONTINUE = 3, 3
 BOXES = {"cols": ((5, 6), 1), "rows": ((7, 4), 0)}  # name -> (shape, sharded dim) of the DTensors of box_tensors
 
 
-def make_model(seed: int) -> GPT:
+def make_model(seed: int, tied: bool = False) -> GPT:
+    """``tied``: the LM head shares the embedding, and the position embedding is frozen."""
     torch.manual_seed(seed)
-    return GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=32, n_layer=2, n_head=4))
+    model = GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=32, n_layer=2, n_head=4, tie_embeddings=tied))
+    if tied:
+        model.pos.weight.requires_grad_(False)
+    return model
 
 
 def make_optimizer(params: list[tuple[str, torch.nn.Parameter]]) -> torch.optim.AdamW:
-    decay = [p for _, p in params if p.dim() >= 2]
-    no_decay = [p for _, p in params if p.dim() < 2]
+    decay = [p for _, p in params if p.dim() >= 2 and p.requires_grad]
+    no_decay = [p for _, p in params if p.dim() < 2 and p.requires_grad]
     return torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=3e-3
     )
@@ -57,7 +61,7 @@ def box_tensors() -> dict[str, torch.Tensor]:
     return {name: torch.randn(shape, generator=g) for name, (shape, _) in BOXES.items()}
 
 
-def fsdp2_save_body(out: str) -> list[float]:
+def fsdp2_save_body(out: str, tied: bool = False) -> list[float]:
     """World 2. Saves ``out/plain`` (model and optimizer under their keys, as FSDP2 examples do),
     ``out/titan/step-3`` (torchtitan's layout) and ``out/boxes`` (DTensors split along columns and unevenly along
     rows); returns the global mean losses of the steps after the save."""
@@ -73,7 +77,7 @@ def fsdp2_save_body(out: str) -> list[float]:
 
     world, rank = dist.get_world_size(), dist.get_rank()
     mesh = init_device_mesh("cpu", (world,))
-    model = make_model(0)
+    model = make_model(0, tied)
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -112,11 +116,11 @@ def fsdp2_save_body(out: str) -> list[float]:
     return losses[SAVE_AT:]
 
 
-def engine_resume_body(path: str, stage: int, tp: int = 1, fresh_optimizer: bool = False) -> dict:
+def engine_resume_body(path: str, stage: int, tp: int = 1, fresh_optimizer: bool = False, tied: bool = False) -> dict:
     """Builds an engine at (world, ``stage``, ``tp``) from another seed, loads the DCP checkpoint ``path`` and
     trains the remaining steps; returns this rank's losses and what the load restored. ``fresh_optimizer``: drop
     the loaded optimizer state (moments and step counts) before training, keeping the learning rates."""
-    model = make_model(1)
+    model = make_model(1, tied)
     opt = make_optimizer(list(model.named_parameters()))
     config = {
         "train_micro_batch_size_per_gpu": ROWS // (dist.get_world_size() // tp),

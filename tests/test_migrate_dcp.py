@@ -45,6 +45,14 @@ def fsdp2(tmp_path_factory) -> dict:
     return {"dir": out, "losses": losses, "seconds": time.monotonic() - start}
 
 
+@pytest.fixture(scope="module")
+def fsdp2_tied(tmp_path_factory) -> dict:
+    """The same run with the LM head tied to the embedding and the position embedding frozen."""
+    out = tmp_path_factory.mktemp("fsdp2_tied")
+    (losses, _) = run_distributed(fsdp2_save_body, 2, str(out), True)
+    return {"dir": out, "losses": losses}
+
+
 def _mean_losses(results: list[dict]) -> list[float]:
     """Global mean loss per step: the mean over data-parallel ranks (tensor-parallel ranks of a group agree)."""
     mine = [r["losses"] for r in results if r["tp_rank"] == 0]
@@ -150,6 +158,15 @@ def test_resume_in_another_layout(fsdp2, layout, world, stage, tp):
 def test_resume_matrix(fsdp2, layout, world, stage):
     results = run_distributed(engine_resume_body, world, str(fsdp2["dir"] / layout), stage)
     _assert_losses(_mean_losses(results), fsdp2["losses"])
+
+
+@pytest.mark.soak
+@pytest.mark.parametrize("layout", ["plain", "titan"])
+@pytest.mark.parametrize(("world", "stage", "tp"), [(1, 2, 1), (3, 3, 1), (2, 1, 2)])
+def test_resume_tied_and_frozen(fsdp2_tied, layout, world, stage, tp):
+    path = str(fsdp2_tied["dir"] / layout)
+    results = run_distributed(engine_resume_body, world, path, stage, tp, False, True)
+    _assert_losses(_mean_losses(results), fsdp2_tied["losses"])
 
 
 def test_unsafe_metadata_is_refused_before_anything_runs(tmp_path):
