@@ -11,7 +11,7 @@ from nesting. Per tensor the metadata lists its global shape and dtype and its c
 sizes); the storage records say where each chunk's bytes are.
 
 torch reads ``.metadata`` with plain ``pickle.load``. We read it through the restricted unpickler of
-``safe_pickle.py`` admitting only the classes DCP's metadata is made of (:data:`DCP_METADATA_GLOBALS`); the
+``safe_pickle.py`` admitting only the classes DCP's metadata is made of (:func:`dcp_metadata_globals`); the
 chunks and values go through ``torch.load(weights_only=True)``, torch's own restricted loader.
 
 Two layouts are recognised (:func:`interpret`):
@@ -30,20 +30,21 @@ reads); any other top-level entry is the client state.
 
 from __future__ import annotations
 
+import functools
 import pathlib
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed.checkpoint.filesystem as dcp_filesystem
-import torch.distributed.checkpoint.metadata as dcp_metadata
-import torch.serialization
 
 from shardtrain.checkpoint.format import DTYPES, LATEST_NAME, MANIFEST_NAME, dtype_name, numel
 from shardtrain.checkpoint.safe_pickle import restricted_loads
 from shardtrain.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
 
 METADATA_NAME = ".metadata"
 MODEL, OPTIMIZER, SCHEDULER, TRAIN_STATE, DATALOADER = "model", "optimizer", "lr_scheduler", "train_state", "dataloader"
@@ -57,47 +58,58 @@ def _path_text(*parts: Any) -> str:
     return str(pathlib.PurePosixPath(*map(str, parts)))
 
 
-# Every global a DCP ``.metadata`` pickle names (torch 2.x), each harmless to call with any arguments: dataclasses
-# and an enum that only store what they are given, torch.Size, a layout lookup by name, torch's dtypes (objects, not
-# called). Old torch kept TensorProperties in ``torch.distributed._shard``; the state it pickled is the same.
-DCP_METADATA_GLOBALS: dict[str, Any] = {
-    **{
-        f"torch.distributed.checkpoint.metadata.{name}": getattr(dcp_metadata, name)
-        for name in (
-            "Metadata",
-            "MetadataIndex",
-            "TensorStorageMetadata",
-            "BytesStorageMetadata",
-            "ChunkStorageMetadata",
-            "TensorProperties",
-            "StorageMeta",
-            "_MEM_FORMAT_ENCODING",
-        )
-    },
-    "torch.distributed._shard.sharded_tensor.metadata.TensorProperties": dcp_metadata.TensorProperties,
-    "torch.distributed._shard.sharded_tensor.metadata.MEM_FORMAT_ENCODING": dcp_metadata._MEM_FORMAT_ENCODING,
-    "torch.distributed.checkpoint.filesystem._StorageInfo": dcp_filesystem._StorageInfo,
-    "torch.Size": torch.Size,
-    "torch.serialization._get_layout": torch.serialization._get_layout,
-    **{f"torch.{name}": getattr(torch, name) for name in DTYPES},
-    **{f"torch.{name}": getattr(torch, name) for name in ("complex64", "complex128", "uint16", "uint32", "uint64")},
-    **{f"{m}.{c}": _path_text for m in ("pathlib", "pathlib._local") for c in ("PosixPath", "WindowsPath", "Path")},
-}
+@functools.cache
+def dcp_metadata_globals() -> dict[str, Any]:
+    """Every global a DCP ``.metadata`` pickle names (torch 2.x), each harmless to call with any arguments:
+    dataclasses and an enum that only store what they are given, torch.Size, a layout lookup by name, torch's dtypes
+    (objects, not called). Old torch kept TensorProperties in ``torch.distributed._shard``; the state it pickled is
+    the same. (Built on first use: opening a shardtrain checkpoint does not import torch.distributed.checkpoint.)"""
+    import torch.distributed.checkpoint.filesystem as dcp_filesystem
+    import torch.distributed.checkpoint.metadata as dcp_metadata
+    import torch.serialization
+
+    return {
+        **{
+            f"torch.distributed.checkpoint.metadata.{name}": getattr(dcp_metadata, name)
+            for name in (
+                "Metadata",
+                "MetadataIndex",
+                "TensorStorageMetadata",
+                "BytesStorageMetadata",
+                "ChunkStorageMetadata",
+                "TensorProperties",
+                "StorageMeta",
+                "_MEM_FORMAT_ENCODING",
+            )
+        },
+        "torch.distributed._shard.sharded_tensor.metadata.TensorProperties": dcp_metadata.TensorProperties,
+        "torch.distributed._shard.sharded_tensor.metadata.MEM_FORMAT_ENCODING": dcp_metadata._MEM_FORMAT_ENCODING,
+        "torch.distributed.checkpoint.filesystem._StorageInfo": dcp_filesystem._StorageInfo,
+        "torch.Size": torch.Size,
+        "torch.serialization._get_layout": torch.serialization._get_layout,
+        **{f"torch.{name}": getattr(torch, name) for name in DTYPES},
+        **{f"torch.{name}": getattr(torch, name) for name in ("complex64", "complex128", "uint16", "uint32", "uint64")},
+        **{f"{m}.{c}": _path_text for m in ("pathlib", "pathlib._local") for c in ("PosixPath", "WindowsPath", "Path")},
+    }
+
+
 _EXPECTED = (
     "a torch.distributed.checkpoint .metadata file holds only DCP's metadata classes, torch sizes and dtypes "
     "(a custom planner's planner_data is not supported)"
 )
 
 
-def load_metadata(ckpt: Path) -> dcp_metadata.Metadata:
-    """``ckpt/.metadata`` through :data:`DCP_METADATA_GLOBALS`; anything else in it is refused by name."""
+def load_metadata(ckpt: Path) -> Metadata:
+    """``ckpt/.metadata`` through :func:`dcp_metadata_globals`; anything else in it is refused by name."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
     path = ckpt / METADATA_NAME
     try:
         data = path.read_bytes()
     except OSError as err:
         raise CheckpointError(f"{path}: cannot read the DCP metadata: {err}") from None
-    md = restricted_loads(data, DCP_METADATA_GLOBALS, source=str(path), expected=_EXPECTED)
-    if not isinstance(md, dcp_metadata.Metadata) or not isinstance(md.state_dict_metadata, dict):
+    md = restricted_loads(data, dcp_metadata_globals(), source=str(path), expected=_EXPECTED)
+    if not isinstance(md, Metadata) or not isinstance(md.state_dict_metadata, dict):
         raise CheckpointError(f"{path}: holds a {type(md).__name__}, not DCP metadata; the file is damaged")
     if not isinstance(md.storage_data, dict):
         raise CheckpointError(
@@ -185,7 +197,7 @@ class DcpContents:
     not_carried: list[str] = field(default_factory=list)
 
 
-def _paths(md: dcp_metadata.Metadata) -> dict[str, tuple]:
+def _paths(md: Metadata) -> dict[str, tuple]:
     """Each flat key's path in the saved state dict: from ``planner_data`` (DCP's default planner records it),
     else split after a known top-level key."""
     planned = md.planner_data if isinstance(md.planner_data, dict) else {}
@@ -200,7 +212,7 @@ def _paths(md: dcp_metadata.Metadata) -> dict[str, tuple]:
     return out
 
 
-def _world_size(md: dcp_metadata.Metadata) -> int:
+def _world_size(md: Metadata) -> int:
     ranks = [
         int(m.group(1))
         for info in md.storage_data.values()
@@ -221,13 +233,15 @@ def _entry(name: str, key: str, meta: Any, source: Path) -> DcpTensorEntry:
     return DcpTensorEntry(name, tuple(map(int, meta.size)), dtype, key, chunks)
 
 
-def interpret(ckpt: Path, md: dcp_metadata.Metadata) -> DcpContents:
+def interpret(ckpt: Path, md: Metadata) -> DcpContents:
     """Sort the entries of a DCP checkpoint (see [Note: DCP checkpoints])."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     paths = _paths(md)
     heads = {p[0] for p in paths.values()}
     if len(heads) == 1 and all(len(p) > 2 for p in paths.values()) and {p[1] for p in paths.values()} & _NESTED:
         paths = {k: p[1:] for k, p in paths.items()}  # one wrapper (the DCP tutorial's {"app": AppState})
-    is_tensor = {k: isinstance(m, dcp_metadata.TensorStorageMetadata) for k, m in md.state_dict_metadata.items()}
+    is_tensor = {k: isinstance(m, TensorStorageMetadata) for k, m in md.state_dict_metadata.items()}
     nested_model = any(p[0] == MODEL and len(p) > 1 and is_tensor[k] for k, p in paths.items())
     out = DcpContents(DcpManifest(ckpt.name, _world_size(md), {}), "model" if nested_model else "top-level")
     tensors = out.manifest.tensors
