@@ -81,6 +81,15 @@ def test_reader_matches_the_saved_tensors(fsdp2, tmp_path):
         frag = reader.read_slice(f"model/{name}", BlockFlatSlice(BlockSlice(1, 0, 2), 2, 7))
         assert torch.equal(frag, t.chunk(2, dim=1)[0].reshape(-1)[2:9])
         assert torch.equal(reader.read_slice(f"model/{name}", FlatSlice(0, 0)), t.reshape(-1)[:0])
+    # a read asks DCP for the chunks holding what it needs, and of each only those rows: row 5 of "rows" (saved as
+    # rows 0-3 and 4-6) is row 1 of the second chunk
+    asked = []
+    read_data = reader._storage.read_data
+    reader._storage.read_data = lambda plan, planner: asked.extend(plan.items) or read_data(plan, planner)
+    assert torch.equal(reader.read("model/rows", (20, 24)), full["rows"][5])
+    assert [(tuple(i.storage_index.offset), tuple(i.storage_offsets), tuple(i.lengths)) for i in asked] == [
+        ((4, 0), (1, 0), (1, 4))
+    ]
     assert open_checkpoint(fsdp2["dir"] / "titan", f"step-{SAVE_AT}").path.name == f"step-{SAVE_AT}"
     # the model and optimizer entries of a real FSDP2 checkpoint equal what torch's own DCP loader reads
     import torch.distributed.checkpoint as dcp
