@@ -76,6 +76,12 @@ def _read_text(path: Path) -> str:
 
 def open_checkpoint(path: str | os.PathLike, tag: str | None = None, *, verify: bool = True) -> CheckpointReader:
     """Open a checkpoint for reading; see :func:`resolve_checkpoint_dir` for ``path`` and ``tag``."""
+    from shardtrain.checkpoint.dcp_format import find_dcp_checkpoint  # torch DCP (FSDP2, torchtitan)
+
+    if (dcp_dir := find_dcp_checkpoint(path, tag)) is not None:
+        from shardtrain.checkpoint.dcp_reader import DcpReader
+
+        return DcpReader(dcp_dir)  # type: ignore[return-value]  # the same reading interface
     ckpt = resolve_checkpoint_dir(path, tag)
     text = _read_text(ckpt / MANIFEST_NAME)
     return CheckpointReader(ckpt, Manifest.from_json(text, str(ckpt / MANIFEST_NAME)), verify=verify)
