@@ -1,0 +1,209 @@
+"""What tests/test_hf_trainer.py runs on each rank: a tiny Llama trained by the plain ``transformers.Trainer`` or by
+``ShardtrainTrainer`` on the same data, seed and global batch."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+VOCAB, SEQ = 64, 16
+
+# A DeepSpeed config as HF Trainer users write it: every value the Trainer knows is "auto".
+DS_CONFIG: dict[str, Any] = {
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "fp16": {"enabled": "auto"},
+    "bf16": {"enabled": "auto"},
+    "zero_optimization": {
+        "stage": 3,
+        "reduce_bucket_size": "auto",
+        "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto",
+    },
+}
+
+
+def ds_config(**changes: Any) -> dict[str, Any]:
+    config = copy.deepcopy(DS_CONFIG)
+    config.update(changes)
+    return config
+
+
+def tiny_llama(seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)  # every rank (and the reference) builds the same weights
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+    )
+    return LlamaForCausalLM(config)
+
+
+class TokenData(torch.utils.data.Dataset):
+    """Random token rows (no padding), each its own labels."""
+
+    def __init__(self, rows: int = 48, seed: int = 1) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(0, VOCAB, (rows, SEQ), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def make_trainer(
+    out_dir: str,
+    *,
+    shardtrain_config: dict | None,
+    batch: int,
+    gas: int,
+    steps: int,
+    save_steps: int | None = None,
+    lora: bool = False,
+    rows: int = 48,
+    **arg_changes: Any,
+):
+    """A Trainer (``shardtrain_config`` None) or a ShardtrainTrainer over a fresh tiny Llama."""
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(
+        output_dir=out_dir,
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=gas,
+        max_steps=steps,
+        learning_rate=5e-3,
+        warmup_steps=2,
+        weight_decay=0.01,
+        max_grad_norm=0.5,  # small enough to clip on some steps: the engine's clipping is compared too
+        logging_steps=1,
+        save_strategy="steps" if save_steps else "no",
+        save_steps=save_steps or 500,
+        report_to="none",
+        disable_tqdm=True,
+        seed=0,
+        use_cpu=True,
+        dataloader_num_workers=0,
+        optim="adamw_torch",
+        **arg_changes,
+    )
+    model = tiny_llama()
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    data = TokenData(rows)
+    if shardtrain_config is None:
+        return Trainer(model=model, args=args, train_dataset=data)
+    from shardtrain.integrations.hf_trainer import ShardtrainTrainer
+
+    return ShardtrainTrainer(model=model, args=args, train_dataset=data, shardtrain_config=shardtrain_config)
+
+
+def step_logs(trainer) -> list[tuple[int, float, float, float]]:
+    """(step, loss, grad_norm, learning_rate) of every logged step."""
+    return [
+        (h["step"], h["loss"], h["grad_norm"], h["learning_rate"]) for h in trainer.state.log_history if "loss" in h
+    ]
+
+
+def plain_run(out_dir: str, batch: int, gas: int, steps: int, rows: int) -> dict[str, Any]:
+    """The reference: the plain Trainer in one process."""
+    trainer = make_trainer(out_dir, shardtrain_config=None, batch=batch, gas=gas, steps=steps, rows=rows)
+    trainer.train()
+    weights = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    return {"logs": step_logs(trainer), "weights": weights}
+
+
+def shardtrain_run(
+    out_dir: str, batch: int, gas: int, steps: int, save_steps: int, final_dir: str, rows: int
+) -> dict[str, Any]:
+    """Train ``steps`` steps saving every ``save_steps``, write ``final_dir`` with save_model; then a second trainer
+    (fresh model) resumes from the first checkpoint and trains to the same end."""
+    import os
+
+    common = {"shardtrain_config": DS_CONFIG, "batch": batch, "gas": gas, "steps": steps, "rows": rows}
+    trainer = make_trainer(os.path.join(out_dir, "first"), save_steps=save_steps, **common)
+    trainer.train()
+    engine = trainer.shardtrain_engine
+    trainer.save_model(final_dir)
+    weights = engine.full_state_dict()
+    state = {
+        "stage": engine.stage,
+        "global_step": engine.global_step,
+        "dp": engine.topology.dp,
+        "micro_steps": engine.micro_steps,
+    }
+    first_logs = step_logs(trainer)
+    engine.close()
+
+    resumed = make_trainer(os.path.join(out_dir, "resumed"), **common)
+    checkpoint = os.path.join(out_dir, "first", f"checkpoint-{save_steps}")
+    resumed.train(resume_from_checkpoint=checkpoint)
+    resumed_weights = resumed.shardtrain_engine.full_state_dict()
+    adam_steps = {int(s["step"]) for s in resumed.shardtrain_engine.optimizer.state.values()}
+    resumed.shardtrain_engine.close()
+    return {
+        "logs": first_logs,
+        "weights": weights,
+        "state": state,
+        "resumed_logs": step_logs(resumed),
+        "resumed_weights": resumed_weights,
+        "resumed_adam_step": adam_steps.pop() if len(adam_steps) == 1 else adam_steps,
+    }
+
+
+def lora_run(out_dir: str, adapter_dir: str) -> dict[str, Any]:
+    """A peft LoRA model trained by ShardtrainTrainer at ZeRO-3; the adapter saved with save_model."""
+    trainer = make_trainer(out_dir, shardtrain_config=DS_CONFIG, batch=2, gas=1, steps=2, lora=True)
+    trainer.train()
+    trainer.save_model(adapter_dir)
+    weights = trainer.shardtrain_engine.full_state_dict()
+    trainer.shardtrain_engine.close()
+    return {"weights": weights}
+
+
+def refusals(out_dir: str) -> dict[str, str]:
+    """The messages of what ShardtrainTrainer refuses, by case (one process)."""
+    import os
+
+    from shardtrain.errors import ShardtrainError
+
+    messages = {}
+
+    def caught(name: str, fn) -> None:
+        try:
+            fn()
+        except ShardtrainError as err:
+            messages[name] = str(err)
+        else:
+            raise AssertionError(f"{name}: nothing was refused")
+
+    common = {"batch": 2, "gas": 2, "steps": 1, "rows": 8}
+    caught(
+        "torch_compile",
+        lambda: make_trainer(out_dir, shardtrain_config=DS_CONFIG, torch_compile=True, **common),
+    )
+    mismatched = ds_config(gradient_accumulation_steps=4)
+    caught("gas_mismatch", lambda: make_trainer(out_dir, shardtrain_config=mismatched, **common).train())
+    bf16 = ds_config(bf16={"enabled": True})
+    caught("bf16_mismatch", lambda: make_trainer(out_dir, shardtrain_config=bf16, **common).train())
+    plain = os.path.join(out_dir, "plain")
+    make_trainer(plain, shardtrain_config=None, save_steps=1, **common).train()
+    checkpoint = os.path.join(plain, "checkpoint-1")
+    caught(
+        "plain_checkpoint",
+        lambda: make_trainer(out_dir, shardtrain_config=DS_CONFIG, **common).train(resume_from_checkpoint=checkpoint),
+    )
+    return messages
