@@ -10,7 +10,8 @@ import torch
 
 VOCAB, SEQ = 64, 16
 
-# A DeepSpeed config as HF Trainer users write it: every value the Trainer knows is "auto".
+# A DeepSpeed config as HF Trainer users write it: every value the Trainer knows is "auto"; optimizer and scheduler
+# are the Trainer's own (no sections).
 DS_CONFIG: dict[str, Any] = {
     "train_batch_size": "auto",
     "train_micro_batch_size_per_gpu": "auto",
@@ -23,6 +24,27 @@ DS_CONFIG: dict[str, Any] = {
         "reduce_bucket_size": "auto",
         "stage3_prefetch_bucket_size": "auto",
         "stage3_param_persistence_threshold": "auto",
+    },
+}
+
+
+# The optimizer and scheduler from the config's sections instead, with "auto" hyperparameters. WarmupDecayLR with a
+# linear warm-up is the Trainer's "linear" schedule; the config's AdamW decays every parameter, where the Trainer's
+# exempts biases and norms, so the two agree at weight_decay 0.
+SECTIONS = {
+    "optimizer": {
+        "type": "AdamW",
+        "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
+    },
+    "scheduler": {
+        "type": "WarmupDecayLR",
+        "params": {
+            "warmup_min_lr": "auto",
+            "warmup_max_lr": "auto",
+            "warmup_num_steps": "auto",
+            "total_num_steps": "auto",
+            "warmup_type": "linear",
+        },
     },
 }
 
@@ -78,25 +100,28 @@ def make_trainer(
     """A Trainer (``shardtrain_config`` None) or a ShardtrainTrainer over a fresh tiny Llama."""
     from transformers import Trainer, TrainingArguments
 
+    settings = {
+        "learning_rate": 5e-3,
+        "warmup_steps": 2,
+        "weight_decay": 0.01,
+        "max_grad_norm": 0.5,  # small enough to clip on some steps: the engine's clipping is compared too
+        "logging_steps": 1,
+        "report_to": "none",
+        "disable_tqdm": True,
+        "seed": 0,
+        "use_cpu": True,
+        "dataloader_num_workers": 0,
+        "optim": "adamw_torch",
+    }
+    settings.update(arg_changes)
     args = TrainingArguments(
         output_dir=out_dir,
         per_device_train_batch_size=batch,
         gradient_accumulation_steps=gas,
         max_steps=steps,
-        learning_rate=5e-3,
-        warmup_steps=2,
-        weight_decay=0.01,
-        max_grad_norm=0.5,  # small enough to clip on some steps: the engine's clipping is compared too
-        logging_steps=1,
         save_strategy="steps" if save_steps else "no",
         save_steps=save_steps or 500,
-        report_to="none",
-        disable_tqdm=True,
-        seed=0,
-        use_cpu=True,
-        dataloader_num_workers=0,
-        optim="adamw_torch",
-        **arg_changes,
+        **settings,
     )
     model = tiny_llama()
     if lora:
@@ -118,22 +143,30 @@ def step_logs(trainer) -> list[tuple[int, float, float, float]]:
     ]
 
 
-def plain_run(out_dir: str, batch: int, gas: int, steps: int, rows: int) -> dict[str, Any]:
+def plain_run(out_dir: str, batch: int, gas: int, steps: int, rows: int, **arg_changes: Any) -> dict[str, Any]:
     """The reference: the plain Trainer in one process."""
-    trainer = make_trainer(out_dir, shardtrain_config=None, batch=batch, gas=gas, steps=steps, rows=rows)
+    trainer = make_trainer(out_dir, shardtrain_config=None, batch=batch, gas=gas, steps=steps, rows=rows, **arg_changes)
     trainer.train()
     weights = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
     return {"logs": step_logs(trainer), "weights": weights}
 
 
 def shardtrain_run(
-    out_dir: str, batch: int, gas: int, steps: int, save_steps: int, final_dir: str, rows: int
+    out_dir: str,
+    batch: int,
+    gas: int,
+    steps: int,
+    save_steps: int,
+    final_dir: str,
+    rows: int,
+    config: dict[str, Any] = DS_CONFIG,
+    **arg_changes: Any,
 ) -> dict[str, Any]:
     """Train ``steps`` steps saving every ``save_steps``, write ``final_dir`` with save_model; then a second trainer
     (fresh model) resumes from the first checkpoint and trains to the same end."""
     import os
 
-    common = {"shardtrain_config": DS_CONFIG, "batch": batch, "gas": gas, "steps": steps, "rows": rows}
+    common = {"shardtrain_config": config, "batch": batch, "gas": gas, "steps": steps, "rows": rows, **arg_changes}
     trainer = make_trainer(os.path.join(out_dir, "first"), save_steps=save_steps, **common)
     trainer.train()
     engine = trainer.shardtrain_engine
@@ -165,13 +198,17 @@ def shardtrain_run(
 
 
 def lora_run(out_dir: str, adapter_dir: str) -> dict[str, Any]:
-    """A peft LoRA model trained by ShardtrainTrainer at ZeRO-3; the adapter saved with save_model."""
-    trainer = make_trainer(out_dir, shardtrain_config=DS_CONFIG, batch=2, gas=1, steps=2, lora=True)
+    """A peft LoRA model trained by ShardtrainTrainer at ZeRO-3, optimizer and scheduler from the config's sections;
+    the adapter saved with save_model."""
+    config = ds_config(**SECTIONS)
+    trainer = make_trainer(out_dir, shardtrain_config=config, batch=2, gas=1, steps=3, lora=True)
     trainer.train()
     trainer.save_model(adapter_dir)
-    weights = trainer.shardtrain_engine.full_state_dict()
-    trainer.shardtrain_engine.close()
-    return {"weights": weights}
+    engine = trainer.shardtrain_engine
+    weights = engine.full_state_dict()
+    resolved = engine.config.model_dump(exclude_unset=True)
+    engine.close()
+    return {"weights": weights, "config": resolved, "optimizer": type(engine.optimizer).__name__}
 
 
 def refusals(out_dir: str) -> dict[str, str]:

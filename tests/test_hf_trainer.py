@@ -78,10 +78,30 @@ def test_zero3_world2_equals_plain_trainer_resumes_and_saves(tmp_path):
         assert torch.equal(state[name], value), name
 
 
-def test_lora_adapter_saves_non_empty(tmp_path):
+def test_lora_adapter_saves_non_empty_with_config_sections(tmp_path):
     peft = pytest.importorskip("peft")
     adapter = tmp_path / "adapter"
     rank0, _ = run_distributed(cases.lora_run, 2, str(tmp_path / "run"), str(adapter), timeout=300)
+
+    # the config's optimizer and scheduler sections, their "auto" values filled from TrainingArguments as
+    # transformers fills them for DeepSpeed (lr 5e-3, warmup_steps 2, max_steps 3, weight_decay 0.01, max_grad_norm
+    # 0.5, 2 per device x 1 accumulation x 2 ranks; hidden size 32)
+    config = rank0["config"]
+    assert rank0["optimizer"] == "AdamW"
+    assert config["optimizer"]["params"] == {"lr": 5e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}
+    assert config["scheduler"]["params"] == {
+        "warmup_min_lr": 0.0,
+        "warmup_max_lr": 5e-3,
+        "warmup_num_steps": 2,
+        "total_num_steps": 3,
+        "warmup_type": "linear",
+    }
+    assert (config["train_batch_size"], config["train_micro_batch_size_per_gpu"]) == (4, 2)
+    assert (config["gradient_accumulation_steps"], config["gradient_clipping"]) == (1, 0.5)
+    assert config["fp16"]["enabled"] is False and config["bf16"]["enabled"] is False
+    zero = config["zero_optimization"]
+    assert (zero["reduce_bucket_size"], zero["stage3_prefetch_bucket_size"]) == (32 * 32, int(0.9 * 32 * 32))
+    assert zero["stage3_param_persistence_threshold"] == 10 * 32
     from safetensors.torch import load_file
 
     saved = load_file(adapter / "adapter_model.safetensors")
@@ -98,6 +118,44 @@ def test_lora_adapter_saves_non_empty(tmp_path):
     for name, value in loaded.state_dict().items():
         if "lora_" in name:
             assert torch.equal(value, engine_lora[name.replace(".default", "")]), name
+
+
+@pytest.mark.soak
+@pytest.mark.parametrize("world", [3])
+def test_config_sections_equal_plain_trainer(world, tmp_path):
+    """Optimizer and scheduler from the config's sections (AdamW, WarmupDecayLR with "auto") equal the Trainer's own
+    (AdamW, "linear") at weight_decay 0 (see cases.SECTIONS), at an odd world size."""
+    rows = 4 * world  # 4 micro-batches of 1 row a rank, accumulation 2: 2 steps an epoch, 2 epochs
+    config = cases.ds_config(**cases.SECTIONS)
+    rank0 = run_distributed(
+        cases.shardtrain_run,
+        world,
+        str(tmp_path / "st"),
+        1,
+        2,
+        STEPS,
+        SAVE_AT,
+        str(tmp_path / "final"),
+        rows,
+        config,
+        weight_decay=0.0,
+        timeout=400,
+    )[0]
+    ref = run_distributed(
+        cases.plain_run,
+        1,
+        str(tmp_path / "ref"),
+        world,
+        2,
+        STEPS,
+        rows,
+        weight_decay=0.0,
+        init_process_group=False,
+    )[0]
+    _assert_logs_equal(rank0["logs"], ref["logs"], f"config sections at world {world} vs Trainer")
+    init = cases.tiny_llama().state_dict()
+    assert_params_near(rank0["weights"], ref["weights"], init, require_moved=True, what="after training: ")
+    _assert_logs_equal(rank0["resumed_logs"][SAVE_AT:], rank0["logs"][SAVE_AT:], "resumed vs uninterrupted")
 
 
 def test_refusals_name_the_argument(tmp_path):
