@@ -112,6 +112,7 @@ def make_trainer(
         "use_cpu": True,
         "dataloader_num_workers": 0,
         "optim": "adamw_torch",
+        "per_device_eval_batch_size": 2,
     }
     settings.update(arg_changes)
     args = TrainingArguments(
@@ -128,12 +129,12 @@ def make_trainer(
         from peft import LoraConfig, get_peft_model
 
         model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
-    data = TokenData(rows)
+    data = {"train_dataset": TokenData(rows), "eval_dataset": TokenData(8, seed=2)}
     if shardtrain_config is None:
-        return Trainer(model=model, args=args, train_dataset=data)
+        return Trainer(model=model, args=args, **data)
     from shardtrain.integrations.hf_trainer import ShardtrainTrainer
 
-    return ShardtrainTrainer(model=model, args=args, train_dataset=data, shardtrain_config=shardtrain_config)
+    return ShardtrainTrainer(model=model, args=args, shardtrain_config=shardtrain_config, **data)
 
 
 def step_logs(trainer) -> list[tuple[int, float, float, float]]:
@@ -148,7 +149,7 @@ def plain_run(out_dir: str, batch: int, gas: int, steps: int, rows: int, **arg_c
     trainer = make_trainer(out_dir, shardtrain_config=None, batch=batch, gas=gas, steps=steps, rows=rows, **arg_changes)
     trainer.train()
     weights = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
-    return {"logs": step_logs(trainer), "weights": weights}
+    return {"logs": step_logs(trainer), "weights": weights, "eval_loss": trainer.evaluate()["eval_loss"]}
 
 
 def shardtrain_run(
@@ -179,6 +180,7 @@ def shardtrain_run(
         "micro_steps": engine.micro_steps,
     }
     first_logs = step_logs(trainer)
+    eval_loss = trainer.evaluate()["eval_loss"]  # through the engine's forward, ZeRO-3 units gathered
     engine.close()
 
     resumed = make_trainer(os.path.join(out_dir, "resumed"), **common)
@@ -190,6 +192,7 @@ def shardtrain_run(
     return {
         "logs": first_logs,
         "weights": weights,
+        "eval_loss": eval_loss,
         "state": state,
         "resumed_logs": step_logs(resumed),
         "resumed_weights": resumed_weights,
@@ -244,3 +247,48 @@ def refusals(out_dir: str) -> dict[str, str]:
         lambda: make_trainer(out_dir, shardtrain_config=DS_CONFIG, **common).train(resume_from_checkpoint=checkpoint),
     )
     return messages
+
+
+def best_model_run(out_dir: str) -> dict[str, Any]:
+    """load_best_model_at_end: the engine ends with the best checkpoint's weights."""
+    from safetensors.torch import load_file
+
+    trainer = make_trainer(
+        out_dir,
+        shardtrain_config=DS_CONFIG,
+        batch=2,
+        gas=1,
+        steps=3,
+        rows=8,
+        save_steps=1,
+        eval_strategy="steps",
+        eval_steps=1,
+        load_best_model_at_end=True,
+        metric_for_best_model="eval_loss",
+        # fitting random rows raises the loss on other random rows: the lowest is the first checkpoint, not the last
+        greater_is_better=False,
+    )
+    trainer.train()
+    best = trainer.state.best_model_checkpoint
+    weights = trainer.shardtrain_engine.full_state_dict()
+    trainer.shardtrain_engine.close()
+    import os
+
+    saved = {
+        name: load_file(os.path.join(out_dir, f"checkpoint-{s}", "model.safetensors"))
+        for name, s in (("best", best.rsplit("-", 1)[1]), ("last", 3))
+    }
+    return {
+        "best": os.path.basename(best),
+        "equals_best": all(torch.equal(weights[k], v) for k, v in saved["best"].items()),
+        "equals_last": all(torch.equal(weights[k], v) for k, v in saved["last"].items()),
+    }
+
+
+def single_rank_checks(out_dir: str) -> dict[str, Any]:
+    import os
+
+    return {
+        "messages": refusals(os.path.join(out_dir, "refusals")),
+        "best": best_model_run(os.path.join(out_dir, "best")),
+    }

@@ -54,6 +54,7 @@ def test_zero3_world2_equals_plain_trainer_resumes_and_saves(tmp_path):
     assert [s for s, *_ in ref["logs"]] == list(range(1, STEPS + 1))
     assert all(norm > 0.5 for _, _, norm, _ in ref["logs"]), "max_grad_norm must clip for the check to test clipping"
     _assert_logs_equal(rank0["logs"], ref["logs"], "ShardtrainTrainer vs Trainer")
+    assert _close(rank0["eval_loss"], ref["eval_loss"], LOSS_TOL), (rank0["eval_loss"], ref["eval_loss"])
     init = cases.tiny_llama().state_dict()
     assert_params_near(rank0["weights"], ref["weights"], init, require_moved=True, what="after training: ")
 
@@ -158,10 +159,13 @@ def test_config_sections_equal_plain_trainer(world, tmp_path):
     _assert_logs_equal(rank0["resumed_logs"][SAVE_AT:], rank0["logs"][SAVE_AT:], "resumed vs uninterrupted")
 
 
-def test_refusals_name_the_argument(tmp_path):
-    messages = run_distributed(cases.refusals, 1, str(tmp_path), init_process_group=False)[0]
+def test_refusals_and_load_best_model_at_end(tmp_path):
+    out = run_distributed(cases.single_rank_checks, 1, str(tmp_path), init_process_group=False)[0]
+    messages = out["messages"]
     assert "torch_compile" in messages["torch_compile"] and '"graph"' in messages["torch_compile"]
     assert "gradient_accumulation_steps" in messages["gas_mismatch"] and "auto" in messages["gas_mismatch"]
     assert "bf16.enabled=True" in messages["bf16_mismatch"] and "--bf16" in messages["bf16_mismatch"]
     assert "optimizer.pt" in messages["plain_checkpoint"] and "from_pretrained" in messages["plain_checkpoint"]
-    assert os.path.isdir(tmp_path / "plain" / "checkpoint-1")  # the plain Trainer's checkpoint that was refused
+    assert os.path.isdir(tmp_path / "refusals" / "plain" / "checkpoint-1")  # the plain Trainer's, refused
+    # load_best_model_at_end: the engine's weights are the best checkpoint's (the first), not the last one's
+    assert out["best"] == {"best": "checkpoint-1", "equals_best": True, "equals_last": False}

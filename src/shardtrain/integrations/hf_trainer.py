@@ -55,7 +55,7 @@ __all__ = ["ShardtrainTrainer", "ShardtrainTrainerMixin", "auto_values_from_args
 
 # transformers versions this integration is tested with (tests/test_hf_trainer.py): it overrides a few of the
 # Trainer's private methods, which may change in another major version.
-TESTED_TRANSFORMERS = ">=5.0,<6"
+TESTED_TRANSFORMERS = ">=5.23,<6"
 
 
 def auto_values_from_args(args: Any, num_training_steps: int) -> dict[str, Any]:
@@ -434,11 +434,18 @@ def _no_engine_checkpoint(path: str) -> str:
 
 def _trainer_base() -> type:
     try:
+        import transformers
         from transformers import Trainer
     except ImportError as err:  # transformers is not a dependency of shardtrain
         raise ImportError(
-            "shardtrain.integrations.hf_trainer needs transformers (pip install 'transformers>=5,<6')"
+            f"shardtrain.integrations.hf_trainer needs transformers (pip install 'transformers{TESTED_TRANSFORMERS}')"
         ) from err
+    major = int(transformers.__version__.split(".")[0])
+    if major != 5:  # 4.x builds the optimizer before it knows the number of steps, in another order
+        raise ImportError(
+            f"shardtrain.integrations.hf_trainer works with transformers{TESTED_TRANSFORMERS} (tested with 5.23); "
+            f"transformers {transformers.__version__} is installed"
+        )
     return Trainer
 
 
