@@ -169,3 +169,29 @@ def test_refusals_and_load_best_model_at_end(tmp_path):
     assert os.path.isdir(tmp_path / "refusals" / "plain" / "checkpoint-1")  # the plain Trainer's, refused
     # load_best_model_at_end: the engine's weights are the best checkpoint's (the first), not the last one's
     assert out["best"] == {"best": "checkpoint-1", "equals_best": True, "equals_last": False}
+
+
+@pytest.mark.soak
+def test_example_trains_resumes_and_saves(tmp_path):
+    """examples/hf_trainer.py under torchrun at world 2: train, resume from the newest checkpoint, save_model."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), os.environ.get("PYTHONPATH", "")])}
+    env["OMP_NUM_THREADS"] = "1"
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    cmd += [str(root / "examples" / "hf_trainer.py"), "--output-dir", str(out), "--save-steps", "2"]
+    for steps, extra in ((2, []), (4, ["--resume"])):
+        proc = subprocess.run(
+            cmd + ["--steps", str(steps), *extra], capture_output=True, text=True, env=env, timeout=300
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert f"step {steps}: model in {out / 'final'}" in proc.stdout
+    state = (out / "checkpoint-4" / "trainer_state.json").read_text()
+    assert '"global_step": 4' in state
+    assert (out / "checkpoint-4" / "latest").read_text().strip() == "global_step4"
+    model = transformers.AutoModelForCausalLM.from_pretrained(out / "final")
+    assert type(model).__name__ == "LlamaForCausalLM"

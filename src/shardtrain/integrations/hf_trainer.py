@@ -356,9 +356,9 @@ class ShardtrainTrainerMixin:
             engine.micro_steps += gas - 1 - engine.micro_steps % gas
         elif not boundary and engine.is_gradient_accumulation_boundary():
             raise ShardtrainError(
-                f"the Trainer continues an accumulation (micro-step {engine.micro_steps}) where the engine's "
-                f"gradient_accumulation_steps={gas} ends one; TrainingArguments.gradient_accumulation_steps must "
-                "be the config's gradient_accumulation_steps"
+                f"the Trainer continues an accumulation at the engine's micro-step {engine.micro_steps}, where the "
+                f"engine (gradient_accumulation_steps={gas}) ends one: the engine was driven outside the Trainer "
+                "(engine.backward/engine.step called directly); let the Trainer drive it"
             )
         engine.backward(loss * gas)  # the engine divides by gas; the Trainer already did
         if boundary:
