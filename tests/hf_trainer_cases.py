@@ -1,0 +1,294 @@
+"""What tests/test_hf_trainer.py runs on each rank: a tiny Llama trained by the plain ``transformers.Trainer`` or by
+``ShardtrainTrainer`` on the same data, seed and global batch."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+VOCAB, SEQ = 64, 16
+
+# A DeepSpeed config as HF Trainer users write it: every value the Trainer knows is "auto"; optimizer and scheduler
+# are the Trainer's own (no sections).
+DS_CONFIG: dict[str, Any] = {
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "fp16": {"enabled": "auto"},
+    "bf16": {"enabled": "auto"},
+    "zero_optimization": {
+        "stage": 3,
+        "reduce_bucket_size": "auto",
+        "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto",
+    },
+}
+
+
+# The optimizer and scheduler from the config's sections instead, with "auto" hyperparameters. WarmupDecayLR with a
+# linear warm-up is the Trainer's "linear" schedule; the config's AdamW decays every parameter, where the Trainer's
+# exempts biases and norms, so the two agree at weight_decay 0.
+SECTIONS = {
+    "optimizer": {
+        "type": "AdamW",
+        "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
+    },
+    "scheduler": {
+        "type": "WarmupDecayLR",
+        "params": {
+            "warmup_min_lr": "auto",
+            "warmup_max_lr": "auto",
+            "warmup_num_steps": "auto",
+            "total_num_steps": "auto",
+            "warmup_type": "linear",
+        },
+    },
+}
+
+
+def ds_config(**changes: Any) -> dict[str, Any]:
+    config = copy.deepcopy(DS_CONFIG)
+    config.update(changes)
+    return config
+
+
+def tiny_llama(seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)  # every rank (and the reference) builds the same weights
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+    )
+    return LlamaForCausalLM(config)
+
+
+class TokenData(torch.utils.data.Dataset):
+    """Random token rows (no padding), each its own labels."""
+
+    def __init__(self, rows: int = 48, seed: int = 1) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(0, VOCAB, (rows, SEQ), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def make_trainer(
+    out_dir: str,
+    *,
+    shardtrain_config: dict | None,
+    batch: int,
+    gas: int,
+    steps: int,
+    save_steps: int | None = None,
+    lora: bool = False,
+    rows: int = 48,
+    **arg_changes: Any,
+):
+    """A Trainer (``shardtrain_config`` None) or a ShardtrainTrainer over a fresh tiny Llama."""
+    from transformers import Trainer, TrainingArguments
+
+    settings = {
+        "learning_rate": 5e-3,
+        "warmup_steps": 2,
+        "weight_decay": 0.01,
+        "max_grad_norm": 0.5,  # small enough to clip on some steps: the engine's clipping is compared too
+        "logging_steps": 1,
+        "report_to": "none",
+        "disable_tqdm": True,
+        "seed": 0,
+        "use_cpu": True,
+        "dataloader_num_workers": 0,
+        # optim: the default, adamw_torch_fused (torch's fused AdamW kernel, on the engine's flat fragments)
+        "per_device_eval_batch_size": 2,
+    }
+    settings.update(arg_changes)
+    args = TrainingArguments(
+        output_dir=out_dir,
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=gas,
+        max_steps=steps,
+        save_strategy="steps" if save_steps else "no",
+        save_steps=save_steps or 500,
+        **settings,
+    )
+    model = tiny_llama()
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    data = {"train_dataset": TokenData(rows), "eval_dataset": TokenData(8, seed=2)}
+    if shardtrain_config is None:
+        return Trainer(model=model, args=args, **data)
+    from shardtrain.integrations.hf_trainer import ShardtrainTrainer
+
+    return ShardtrainTrainer(model=model, args=args, shardtrain_config=shardtrain_config, **data)
+
+
+def step_logs(trainer) -> list[tuple[int, float, float, float]]:
+    """(step, loss, grad_norm, learning_rate) of every logged step."""
+    return [
+        (h["step"], h["loss"], h["grad_norm"], h["learning_rate"]) for h in trainer.state.log_history if "loss" in h
+    ]
+
+
+def plain_run(out_dir: str, batch: int, gas: int, steps: int, rows: int, **arg_changes: Any) -> dict[str, Any]:
+    """The reference: the plain Trainer in one process."""
+    trainer = make_trainer(out_dir, shardtrain_config=None, batch=batch, gas=gas, steps=steps, rows=rows, **arg_changes)
+    trainer.train()
+    weights = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    return {"logs": step_logs(trainer), "weights": weights, "eval_loss": trainer.evaluate()["eval_loss"]}
+
+
+def shardtrain_run(
+    out_dir: str,
+    batch: int,
+    gas: int,
+    steps: int,
+    save_steps: int,
+    final_dir: str,
+    rows: int,
+    config: dict[str, Any] = DS_CONFIG,
+    **arg_changes: Any,
+) -> dict[str, Any]:
+    """Train ``steps`` steps saving every ``save_steps``, write ``final_dir`` with save_model; then a second trainer
+    (fresh model) resumes from the first checkpoint and trains to the same end."""
+    import os
+
+    common = {"shardtrain_config": config, "batch": batch, "gas": gas, "steps": steps, "rows": rows, **arg_changes}
+    trainer = make_trainer(os.path.join(out_dir, "first"), save_steps=save_steps, **common)
+    trainer.train()
+    engine = trainer.shardtrain_engine
+    trainer.save_model(final_dir)
+    weights = engine.full_state_dict()
+    state = {
+        "stage": engine.stage,
+        "global_step": engine.global_step,
+        "dp": engine.topology.dp,
+        "micro_steps": engine.micro_steps,
+    }
+    first_logs = step_logs(trainer)
+    eval_loss = trainer.evaluate()["eval_loss"]  # through the engine's forward, ZeRO-3 units gathered
+    engine.close()
+
+    resumed = make_trainer(os.path.join(out_dir, "resumed"), **common)
+    checkpoint = os.path.join(out_dir, "first", f"checkpoint-{save_steps}")
+    resumed.train(resume_from_checkpoint=checkpoint)
+    resumed_weights = resumed.shardtrain_engine.full_state_dict()
+    adam_steps = {int(s["step"]) for s in resumed.shardtrain_engine.optimizer.state.values()}
+    resumed.shardtrain_engine.close()
+    return {
+        "logs": first_logs,
+        "weights": weights,
+        "eval_loss": eval_loss,
+        "state": state,
+        "resumed_logs": step_logs(resumed),
+        "resumed_weights": resumed_weights,
+        "resumed_adam_step": adam_steps.pop() if len(adam_steps) == 1 else adam_steps,
+    }
+
+
+def lora_run(out_dir: str, adapter_dir: str) -> dict[str, Any]:
+    """A peft LoRA model trained by ShardtrainTrainer at ZeRO-3, optimizer and scheduler from the config's sections;
+    the adapter saved with save_model."""
+    config = ds_config(**SECTIONS)
+    trainer = make_trainer(out_dir, shardtrain_config=config, batch=2, gas=1, steps=3, lora=True)
+    trainer.train()
+    trainer.save_model(adapter_dir)
+    engine = trainer.shardtrain_engine
+    weights = engine.full_state_dict()
+    resolved = engine.config.model_dump(exclude_unset=True)
+    engine.close()
+    return {"weights": weights, "config": resolved, "optimizer": type(engine.optimizer).__name__}
+
+
+def refusals(out_dir: str) -> dict[str, str]:
+    """The messages of what ShardtrainTrainer refuses, by case (one process)."""
+    import os
+
+    from shardtrain.errors import ShardtrainError
+
+    messages = {}
+
+    def caught(name: str, fn) -> None:
+        try:
+            fn()
+        except ShardtrainError as err:
+            messages[name] = str(err)
+        else:
+            raise AssertionError(f"{name}: nothing was refused")
+
+    common = {"batch": 2, "gas": 2, "steps": 1, "rows": 8}
+    caught(
+        "torch_compile",
+        lambda: make_trainer(out_dir, shardtrain_config=DS_CONFIG, torch_compile=True, **common),
+    )
+    mismatched = ds_config(gradient_accumulation_steps=4)
+    caught("gas_mismatch", lambda: make_trainer(out_dir, shardtrain_config=mismatched, **common).train())
+    bf16 = ds_config(bf16={"enabled": True})
+    caught("bf16_mismatch", lambda: make_trainer(out_dir, shardtrain_config=bf16, **common).train())
+    plain = os.path.join(out_dir, "plain")
+    make_trainer(plain, shardtrain_config=None, save_steps=1, **common).train()
+    checkpoint = os.path.join(plain, "checkpoint-1")
+    caught(
+        "plain_checkpoint",
+        lambda: make_trainer(out_dir, shardtrain_config=DS_CONFIG, **common).train(resume_from_checkpoint=checkpoint),
+    )
+    return messages
+
+
+def best_model_run(out_dir: str) -> dict[str, Any]:
+    """load_best_model_at_end: the engine ends with the best checkpoint's weights."""
+    from safetensors.torch import load_file
+
+    trainer = make_trainer(
+        out_dir,
+        shardtrain_config=DS_CONFIG,
+        batch=2,
+        gas=1,
+        steps=3,
+        rows=8,
+        save_steps=1,
+        eval_strategy="steps",
+        eval_steps=1,
+        load_best_model_at_end=True,
+        metric_for_best_model="eval_loss",
+        # fitting random rows raises the loss on other random rows: the lowest is the first checkpoint, not the last
+        greater_is_better=False,
+    )
+    trainer.train()
+    best = trainer.state.best_model_checkpoint
+    weights = trainer.shardtrain_engine.full_state_dict()
+    trainer.shardtrain_engine.close()
+    import os
+
+    saved = {
+        name: load_file(os.path.join(out_dir, f"checkpoint-{s}", "model.safetensors"))
+        for name, s in (("best", best.rsplit("-", 1)[1]), ("last", 3))
+    }
+    return {
+        "best": os.path.basename(best),
+        "equals_best": all(torch.equal(weights[k], v) for k, v in saved["best"].items()),
+        "equals_last": all(torch.equal(weights[k], v) for k, v in saved["last"].items()),
+    }
+
+
+def single_rank_checks(out_dir: str) -> dict[str, Any]:
+    import os
+
+    return {
+        "messages": refusals(os.path.join(out_dir, "refusals")),
+        "best": best_model_run(os.path.join(out_dir, "best")),
+    }
