@@ -48,7 +48,12 @@ from shardtrain.schedulers import build_scheduler
 from shardtrain.tensor_parallel import assemble_blocks, check_same_batch, parallelize
 from shardtrain.tensor_parallel.parallelize import check_replicated_gradients
 from shardtrain.zero.build import build_layout
-from shardtrain.zero.init import is_deferred, is_under_construction, materialize_deferred
+from shardtrain.zero.init import (
+    is_deferred,
+    is_under_construction,
+    materialize_deferred,
+    record_initialization,
+)
 from shardtrain.zero.layout import ParamRecord, cast_bucket
 from shardtrain.zero.offload import (
     ParamOffload,
@@ -667,6 +672,8 @@ def initialize(
         torch.manual_seed(cfg.seed)
     # built under zero.Init(config) with tensor parallelism, or on meta: its parameters are made below as chunks
     deferred = is_deferred(model)
+    if deferred:
+        record_initialization(model)  # reset_parameters() of a model built on meta without Init, before the split
     if not deferred and any(t.device != topology.device for t in (*model.parameters(), *model.buffers())):
         model.to(topology.device)
     tp_comm, placements = None, None

@@ -53,8 +53,10 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import logging
 import math
+import sys
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -237,8 +239,8 @@ class InitRecipe:
     broken: str | None = None
     randoms: int = 0
 
-    def add_random(self, kind: str, a: float, b: float) -> None:
-        self.steps.append((kind, float(a), float(b), self.randoms))
+    def add_random(self, kind: str, *params: float) -> None:
+        self.steps.append((kind, *(float(x) for x in params), self.randoms))
         self.randoms += 1
 
 
@@ -262,13 +264,57 @@ def _written(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     return out
 
 
+# torch.nn.init functions that return at once for a meta tensor (they would silently leave the previous values)
+_SKIP_META = ("orthogonal_", "dirac_", "sparse_", "trunc_normal_")
+
+
 class _Recorder(TorchDispatchMode):
-    """Runs construction with parameter-sized factories on ``meta`` and writes down each meta storage's init."""
+    """Runs construction with parameter-sized factories on ``meta`` and writes down each meta storage's init.
+
+    The ``torch.nn.init`` functions that do nothing on meta tensors are replaced while it is active (also in
+    ``transformers.initialization``'s table of them): ``trunc_normal_`` is recorded as a step of its own, the
+    others mark the tensor as impossible to make chunk by chunk."""
 
     def __init__(self, seed: int) -> None:
         super().__init__()
         self.seed = seed
         self.recipes: dict[int, InitRecipe] = {}
+        self._restore: list[tuple[dict, str, Callable]] = []
+
+    def __enter__(self) -> _Recorder:
+        tables = [vars(torch.nn.init)]
+        hf = sys.modules.get("transformers.initialization")
+        if hf is not None and isinstance(getattr(hf, "TORCH_INIT_FUNCTIONS", None), dict):
+            tables.append(hf.TORCH_INIT_FUNCTIONS)
+        for table in tables:
+            for name in _SKIP_META:
+                if callable(table.get(name)):
+                    self._restore.append((table, name, table[name]))
+                    table[name] = self._on_meta(name, table[name])
+        return super().__enter__()
+
+    def __exit__(self, *exc) -> None:
+        for table, name, original in reversed(self._restore):
+            table[name] = original
+        self._restore.clear()
+        return super().__exit__(*exc)
+
+    def _on_meta(self, name: str, original: Callable) -> Callable:
+        @functools.wraps(original)
+        def init(tensor, *args, **kwargs):
+            if not isinstance(tensor, torch.Tensor) or not tensor.is_meta:
+                return original(tensor, *args, **kwargs)
+            recipe = self.recipes.setdefault(_storage_key(tensor), InitRecipe(self.seed))
+            if name == "trunc_normal_" and _whole(tensor) and tensor.is_contiguous():
+                bound = inspect.signature(original).bind(tensor, *args, **kwargs)
+                bound.apply_defaults()
+                a = bound.arguments
+                recipe.add_random("trunc_normal", a["mean"], a["std"], a["a"], a["b"])
+            elif recipe.broken is None:
+                recipe.broken = f"nn.init.{name} has no chunk-wise form"
+            return tensor
+
+        return init
 
     def recipe_of(self, t: torch.Tensor) -> InitRecipe | None:
         return self.recipes.get(_storage_key(t))
@@ -329,7 +375,7 @@ def is_deferred(model: nn.Module) -> bool:
 
 # splitmix64 constants, as signed 64-bit integers (torch's int64 arithmetic wraps)
 _GOLDEN, _MIX1, _MIX2 = (c - (1 << 64) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
-_CHUNK = 1 << 20  # elements computed at once: bounds the int64/float64 temporaries
+_CHUNK = 1 << 16  # elements computed at once: bounds the int64/float64 temporaries (~3 MB)
 
 
 def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -367,6 +413,11 @@ def _replay(recipe: InitRecipe, name: str, index: torch.Tensor, dtype: torch.dty
             u1 = 1.0 - _uniform(recipe.seed, name, k, 0, index)  # (0, 1]: log is finite
             u2 = _uniform(recipe.seed, name, k, 1, index)
             values = mean + std * torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2.0 * math.pi * u2)
+        elif step[0] == "trunc_normal":  # by inverting the normal CDF over [a, b]
+            _, mean, std, a, b, k = step
+            lo, hi = (0.5 * (1.0 + math.erf((x - mean) / (std * math.sqrt(2.0)))) for x in (a, b))
+            u = lo + (hi - lo) * _uniform(recipe.seed, name, k, 0, index)
+            values = (mean + std * math.sqrt(2.0) * torch.erfinv(2.0 * u - 1.0)).clamp_(a, b)
         else:
             _, func, args, kwargs = step
             func(values, *args, **kwargs)
@@ -394,9 +445,11 @@ def _distinct(module: nn.Module, buffers: bool) -> list[tuple[str, torch.Tensor]
     return list(seen.values())
 
 
-def _record_reset_parameters(module: nn.Module, seed: int) -> None:
-    """Recipes for a model built on ``meta`` without ``Init``: each module's own ``reset_parameters()``."""
-    recorder = _Recorder(seed)
+def record_initialization(module: nn.Module) -> None:
+    """Recipes for the meta parameters of ``module`` that have none (built on ``meta`` without ``Init``): each
+    module's own ``reset_parameters()``, recorded on the whole (not yet split) model; seed ``torch.initial_seed()``.
+    ``initialize`` calls it before the tensor-parallel split replaces the modules."""
+    recorder = _Recorder(torch.initial_seed())
     with recorder, torch.no_grad():
         for m in module.modules():
             own = [p for p in m.parameters(recurse=False) if p.is_meta and p not in _RECIPES]
@@ -420,7 +473,6 @@ def materialize_deferred(
 
     Called by ``initialize`` after ``parallelize`` (which cut meta blocks); the parameters become construction
     units that the layout gathers one unit at a time, as after ``Init`` without tensor parallelism."""
-    _record_reset_parameters(module, torch.initial_seed())
     placements = placements or {}
     problems, unset = [], []
     for name, t in [*_distinct(module, False), *_distinct(module, True)]:
