@@ -196,6 +196,13 @@ def _odd(case: Case) -> dict:
         shardtrain.initialize(bad, cfg, lambda ps: torch.optim.AdamW(ps), tp_plan={"lin": "colwise"})
     except ConfigError as e:
         out["refusal"] = str(e)
+    # a model sharded over the world as it was built (Init without the config) cannot be cut into blocks
+    with shardtrain.zero.Init():
+        sharded = GPT(ODD_GPT)
+    try:
+        shardtrain.initialize(sharded, cfg, lambda ps: torch.optim.AdamW(ps), tp_plan=GPT_TP_PLAN)
+    except ConfigError as e:
+        out["eager_refusal"] = str(e)
     return out
 
 
@@ -228,6 +235,7 @@ def test_odd_world_tp3_from_meta_trains_at_parity_and_init_is_layout_independent
     assert r0["deferred_init"]["tok.weight"].std().item() == pytest.approx(0.02, rel=0.1)  # GPT's own normal_(0.02)
     for r in results:
         assert "lin.weight (nn.init.orthogonal_ has no chunk-wise form)" in r["refusal"], r["refusal"]
+        assert "shardtrain.zero.Init(config)" in r["eager_refusal"], r["eager_refusal"]
 
 
 def test_init_refuses_eager_sharding_with_tensor_parallelism():
@@ -294,3 +302,30 @@ def test_from_pretrained_under_tp_reads_only_each_ranks_blocks(tmp_path):
             assert torch.Size(block).numel() * 2 == torch.Size(whole).numel(), (rank, whole, block)
         bound = r["param_bytes"] + r["grad_bytes"] + r["layer"]
         assert r["peak"] <= bound, f"rank {rank}: peak {r['peak']} > shards + one layer {bound}"
+
+
+# -- wider: Hugging Face models built sharded at other stages (soak) -------------------------------------------------
+
+
+def _hf_built_sharded(case: Case, stage: int, tp: int) -> dict:
+    cfg = config_for(case, stage=stage, tp=tp)
+    torch.manual_seed(0)
+    with shardtrain.zero.Init(cfg):
+        model = tp_cases.make_model(case)
+    engine = shardtrain.initialize(model, cfg, lambda ps: make_optimizer_of(ps, case), tp_plan=tp_cases.plan_for(case))
+    init = engine.full_state_dict()
+    losses, norms = train(engine, case, tp_cases.global_batches(case, engine.topology.dp), range(case.steps))
+    out = {"losses": losses, "norms": norms, "params": engine.full_state_dict(), "init": init}
+    engine.close()
+    return out
+
+
+@pytest.mark.soak
+@pytest.mark.parametrize(("model", "stage"), [("gpt2", 0), ("gpt2", 3), ("qwen3", 2), ("llama", 1)])
+def test_hf_models_built_sharded_at_dp2_tp2(model, stage):
+    """GPT-2 (Conv1D, fused c_attn split with stride 3), Qwen3 (per-head norms with tp-partial gradients) and Llama,
+    built under zero.Init(config) at world 4 = dp 2 x tp 2, train at parity with one process from the same weights."""
+    pytest.importorskip("transformers")
+    case = Case(model=model, steps=3)
+    r0 = run_distributed(_hf_built_sharded, 4, case, stage, 2, timeout=600)[0]
+    assert_parity(r0, _reference_from(case, r0["init"], dp=2), f"{model} stage {stage} dp2 x tp2 built sharded")

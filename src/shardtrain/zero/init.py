@@ -59,7 +59,7 @@ import math
 import sys
 import weakref
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -206,6 +206,9 @@ _META_FACTORIES = {
     aten.rand.default: ("uniform", 0.0, 1.0),
     aten.randn.default: ("normal", 0.0, 1.0),
 }
+# copies of a whole tensor (``module.to(dtype)``, ``clone``): the copy has the source's recipe (computed in float64,
+# cast once to the copy's dtype)
+_COPIES = frozenset([aten._to_copy.default, aten.clone.default])
 # in-place element-wise ops that may follow an initialization (trunc_normal_, scaling) with scalar arguments
 _ELEMENTWISE = frozenset(
     [
@@ -334,6 +337,12 @@ class _Recorder(TorchDispatchMode):
             if t.is_meta:
                 self._record_write(func, t, args, kwargs)
         out = func(*args, **kwargs)
+        source = args[0] if args and isinstance(args[0], torch.Tensor) and args[0].is_meta else None
+        if func in _COPIES and source is not None and _whole(source) and isinstance(out, torch.Tensor):
+            recipe = self.recipe_of(source)  # a dtype cast or copy of a whole tensor: the same values
+            if recipe is not None:
+                self.recipes[_storage_key(out)] = replace(recipe, steps=list(recipe.steps))
+                return out
         aliasing = any(r.alias_info is not None for r in func._schema.returns)
         if not aliasing and not func._schema.is_mutable:
             for o in out if isinstance(out, (tuple, list)) else (out,):
