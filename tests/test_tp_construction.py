@@ -243,6 +243,61 @@ def test_init_refuses_eager_sharding_with_tensor_parallelism():
         shardtrain.zero.Init({"tensor_parallel": {"size": 2}}, deferred=False)
 
 
+# -- recipes and block positions, in one process ---------------------------------------------------------------------
+
+
+def test_global_flat_index_inverts_shard_block():
+    from shardtrain.tensor_parallel.placement import TPPlacement, global_flat_index, shard_block
+
+    for shape, dim, stride, size in [((12, 6), 0, 3, 2), ((4, 12, 3), 1, 2, 3), ((8,), 0, 1, 4), ((6, 8), 1, 2, 2)]:
+        whole = torch.arange(torch.Size(shape).numel()).view(shape)
+        placement = TPPlacement(dim, stride, shape)
+        for rank in range(size):
+            block = shard_block(whole, placement, rank, size)
+            got = global_flat_index(placement, rank, size, torch.arange(block.numel()))
+            assert torch.equal(got, block.reshape(-1)), (shape, dim, stride, size, rank)
+
+
+def test_recorded_initializations_replay_on_blocks():
+    """What Init(deferred) records is replayed with the distributions asked for, and a block computed on its own
+    (a fused weight split with stride 3 over 3 ranks) equals that block of the whole tensor."""
+    from shardtrain.tensor_parallel.placement import TPPlacement, shard_block
+    from shardtrain.zero.init import _RECIPES, chunk_values
+
+    class Inits(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = nn.Linear(64, 3 * 96)  # kaiming-uniform weight, uniform bias
+            nn.init.trunc_normal_(self.qkv.weight, std=0.5, a=-0.3, b=0.6)
+            self.low = nn.Linear(32, 32).to(torch.bfloat16)  # a cast keeps the recipe
+            self.scale = nn.Parameter(torch.full((8,), 0.5))
+            self.emb = nn.Parameter(torch.empty(500, 40).normal_(1.0, 2.0))
+
+    torch.manual_seed(7)
+    with shardtrain.zero.Init(deferred=True):
+        m = Inits()
+    assert all(p.is_meta for p in m.parameters())
+    cpu = torch.device("cpu")
+
+    def whole(name, p):
+        return chunk_values(_RECIPES[p], name, None, 0, 1, 0, p.numel(), p.dtype, cpu).view(p.shape)
+
+    w = whole("qkv.weight", m.qkv.weight)
+    assert w.min() >= -0.3 and w.max() <= 0.6 and abs(w.mean() - 0.111) < 0.01 and abs(w.std() - 0.244) < 0.01
+    bias = whole("qkv.bias", m.qkv.bias)
+    assert bias.abs().max() <= 1 / 8 and bias.abs().max() > 0.1
+    assert whole("low.weight", m.low.weight).dtype == torch.bfloat16
+    assert torch.equal(whole("scale", m.scale), torch.full((8,), 0.5))
+    e = whole("emb", m.emb)
+    assert abs(e.mean() - 1.0) < 0.03 and abs(e.std() - 2.0) < 0.03
+    assert not torch.equal(e[0], e[1])
+    placement = TPPlacement(0, 3, (288, 64))
+    for rank in range(3):
+        n = 288 * 64 // 3
+        block = chunk_values(_RECIPES[m.qkv.weight], "qkv.weight", placement, rank, 3, 0, n, torch.float32, cpu)
+        assert torch.equal(block.view(96, 64), shard_block(w, placement, rank, 3)), rank
+
+
 # -- from_pretrained under tensor parallelism -----------------------------------------------------------------------
 
 

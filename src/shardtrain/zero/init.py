@@ -198,13 +198,29 @@ def _module_classes() -> list[type[nn.Module]]:
 
 aten = torch.ops.aten
 # factories whose values are a constant or a distribution: made on meta, their recipe written down
+# (("fill_arg", i): the value is argument i)
 _META_FACTORIES = {
     aten.empty.memory_format: None,
     aten.empty_strided.default: None,
     aten.zeros.default: ("fill", 0.0),
     aten.ones.default: ("fill", 1.0),
+    aten.full.default: ("fill_arg", 1),
     aten.rand.default: ("uniform", 0.0, 1.0),
     aten.randn.default: ("normal", 0.0, 1.0),
+}
+# the same from another tensor's shape: a new recipe when that tensor (so the result) is on meta
+_LIKE_FACTORIES = {
+    aten.empty_like.default: None,
+    aten.zeros_like.default: ("fill", 0.0),
+    aten.ones_like.default: ("fill", 1.0),
+    aten.full_like.default: ("fill_arg", 1),
+    aten.rand_like.default: ("uniform", 0.0, 1.0),
+    aten.randn_like.default: ("normal", 0.0, 1.0),
+    aten.new_empty.default: None,
+    aten.new_empty_strided.default: None,
+    aten.new_zeros.default: ("fill", 0.0),
+    aten.new_ones.default: ("fill", 1.0),
+    aten.new_full.default: ("fill_arg", 2),
 }
 # copies of a whole tensor (``module.to(dtype)``, ``clone``): the copy has the source's recipe (computed in float64,
 # cast once to the copy's dtype)
@@ -326,17 +342,13 @@ class _Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if func in _META_FACTORIES:
             out = func(*args, **{**kwargs, "device": torch.device("meta")})
-            recipe = self.recipes[_storage_key(out)] = InitRecipe(self.seed)  # a new storage: a new recipe
-            step = _META_FACTORIES[func]
-            if step is not None and step[0] == "fill":
-                recipe.steps.append(step)
-            elif step is not None:
-                recipe.add_random(*step)
-            return out
+            return self._fresh(out, _META_FACTORIES[func], args)
         for t in _written(func, args, kwargs):
             if t.is_meta:
                 self._record_write(func, t, args, kwargs)
         out = func(*args, **kwargs)
+        if func in _LIKE_FACTORIES and isinstance(out, torch.Tensor) and out.is_meta:
+            return self._fresh(out, _LIKE_FACTORIES[func], args)
         source = args[0] if args and isinstance(args[0], torch.Tensor) and args[0].is_meta else None
         if func in _COPIES and source is not None and _whole(source) and isinstance(out, torch.Tensor):
             recipe = self.recipe_of(source)  # a dtype cast or copy of a whole tensor: the same values
@@ -348,6 +360,18 @@ class _Recorder(TorchDispatchMode):
             for o in out if isinstance(out, (tuple, list)) else (out,):
                 if isinstance(o, torch.Tensor) and o.is_meta:
                     self.recipes[_storage_key(o)] = InitRecipe(self.seed, broken=f"computed by {func}")
+        return out
+
+    def _fresh(self, out: torch.Tensor, step: tuple | None, args: tuple) -> torch.Tensor:
+        recipe = self.recipes[_storage_key(out)] = InitRecipe(self.seed)  # a new storage: a new recipe
+        if step is not None and step[0] == "fill_arg":
+            step = ("fill", args[step[1]])
+        if step is not None and step[0] == "fill" and isinstance(step[1], (bool, int, float)):
+            recipe.steps.append(("fill", float(step[1])))
+        elif step is not None and step[0] == "fill":
+            recipe.broken = f"filled with {type(step[1]).__name__} {step[1]!r}"
+        elif step is not None:
+            recipe.add_random(*step)
         return out
 
     def _record_write(self, func, t: torch.Tensor, args: tuple, kwargs: dict) -> None:
@@ -363,6 +387,8 @@ class _Recorder(TorchDispatchMode):
             recipe.steps.append(("fill", 0.0))
         elif name == "fill_" and len(args) > 1 and isinstance(args[1], (bool, int, float)):
             recipe.steps.append(("fill", float(args[1])))
+        elif name == "fill_" and len(args) > 1 and not args[1].is_meta and args[1].numel() == 1:
+            recipe.steps.append(("fill", float(args[1].item())))
         elif name in ("uniform_", "normal_") and t.is_contiguous():
             schema_defaults = (0.0, 1.0)
             a = args[1] if len(args) > 1 else kwargs.get("from", kwargs.get("mean", schema_defaults[0]))
