@@ -241,6 +241,9 @@ def test_odd_world_tp3_from_meta_trains_at_parity_and_init_is_layout_independent
 def test_init_refuses_eager_sharding_with_tensor_parallelism():
     with pytest.raises(ConfigError, match="deferred"):
         shardtrain.zero.Init({"tensor_parallel": {"size": 2}}, deferred=False)
+    with pytest.raises(ConfigError, match="not both"):
+        shardtrain.zero.Init({}, config_dict_or_path={})
+    assert shardtrain.zero.Init(config_dict_or_path={"tensor_parallel": {"size": 2}}).deferred
 
 
 # -- recipes and block positions, in one process ---------------------------------------------------------------------

@@ -589,8 +589,9 @@ class Init:
             model = MyModel(model_config)
         engine = shardtrain.initialize(model, config, lambda params: torch.optim.AdamW(params), tp_plan=plan)
 
-    ``seed``: of deferred initialization (default ``torch.initial_seed()`` on entry). ``timeout_s``: of the
-    construction collectives (default the config's ``collective_timeout_s``)."""
+    ``config_dict_or_path``: DeepSpeed's name for ``config``. ``seed``: of deferred initialization (default
+    ``torch.initial_seed()`` on entry). ``timeout_s``: of the construction collectives (default the config's
+    ``collective_timeout_s``)."""
 
     def __init__(
         self,
@@ -599,8 +600,11 @@ class Init:
         deferred: bool | None = None,
         seed: int | None = None,
         timeout_s: float | None = None,
+        config_dict_or_path: Mapping[str, Any] | str | Path | None = None,
     ) -> None:
-        cfg = load_config(config)
+        if config is not None and config_dict_or_path is not None:
+            raise ConfigError("zero.Init: give config or config_dict_or_path (DeepSpeed's name for it), not both")
+        cfg = load_config(config if config is not None else config_dict_or_path)
         self.deferred = cfg.tensor_parallel.degree > 1 if deferred is None else deferred
         if not self.deferred and cfg.tensor_parallel.degree > 1:
             raise ConfigError(
