@@ -46,8 +46,14 @@ from shardtrain.monitor import StepMetrics, TrainingMonitor, check_monitor_packa
 from shardtrain.precision import LossScaler, check_parameter_dtypes, policy_from_config
 from shardtrain.schedulers import build_scheduler
 from shardtrain.tensor_parallel import assemble_blocks, check_same_batch, parallelize
+from shardtrain.tensor_parallel.parallelize import check_replicated_gradients
 from shardtrain.zero.build import build_layout
-from shardtrain.zero.init import is_under_construction
+from shardtrain.zero.init import (
+    is_deferred,
+    is_under_construction,
+    materialize_deferred,
+    record_initialization,
+)
 from shardtrain.zero.layout import ParamRecord, cast_bucket
 from shardtrain.zero.offload import (
     ParamOffload,
@@ -667,20 +673,31 @@ def initialize(
         random.seed(cfg.seed)
         np.random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
-    if any(t.device != topology.device for t in (*model.parameters(), *model.buffers())):
+    # built under zero.Init(config) with tensor parallelism, or on meta: its parameters are made below as chunks
+    deferred = is_deferred(model)
+    if deferred:
+        record_initialization(model)  # reset_parameters() of a model built on meta without Init, before the split
+    if not deferred and any(t.device != topology.device for t in (*model.parameters(), *model.buffers())):
         model.to(topology.device)
     tp_comm, placements = None, None
     if topology.tp > 1:  # split the layers before anything is laid out or built over the parameters
         tp_comm = Communicator(topology.tp_group, topology.timeout_s)
-        _refuse_sharded_construction(model)
-        _broadcast_model(model, Communicator(topology.world_group, topology.timeout_s))
-        placements = parallelize(model, tp_plan, tp_comm)  # a plan given at size 1 splits nothing: same script
+        if not deferred:  # deferred values are the same on every rank by construction: nothing to broadcast
+            _refuse_sharded_construction(model)
+            _broadcast_model(model, Communicator(topology.world_group, topology.timeout_s))
+        # a plan given at size 1 splits nothing: same script. A deferred model's gradient check needs real parameters
+        placements = parallelize(model, tp_plan, tp_comm, check_replicated_grads=not deferred)
         if not any(p.is_split for p in placements.values()):
             raise LayoutError(
                 f"tensor_parallel.size is {topology.tp} but the tensor-parallel plan splits no parameter of "
                 f"{type(model).__name__}: its patterns match none of the model's module names (a model wrapped in "
                 "another module has longer names; pass initialize(tp_plan=...) with the full names)"
             )
+    if deferred:  # each rank's data-parallel chunk of its tensor-parallel block, and nothing more
+        dp_comm = Communicator(topology.dp_group, topology.timeout_s)
+        materialize_deferred(model, placements, dp_comm, topology.tp_rank, topology.tp, topology.device)
+        if tp_comm is not None:
+            check_replicated_gradients(model, placements, tp_comm)
     # everything that can be refused is checked before the model is touched (hooks, flat storage)
     if not any(p.requires_grad for p in model.parameters()):
         raise OptimizerError(
@@ -734,8 +751,9 @@ def _prepare_offload(zcfg: Any, topology: Topology, world: Communicator) -> dict
 def _refuse_sharded_construction(model: nn.Module) -> None:
     if any(is_under_construction(p) for p in model.parameters()):
         raise ConfigError(
-            "a model built under shardtrain.zero.Init cannot be split by tensor parallelism yet: build it normally "
-            "(each rank then holds one tensor-parallel block of each split layer), or set tensor_parallel.size to 1"
+            "a model built under shardtrain.zero.Init() (sharded over the world as it was built) cannot be split "
+            "by tensor parallelism: build it under shardtrain.zero.Init(config) with the same config, whose "
+            "tensor_parallel section makes each rank build only its blocks (docs/sharded-construction.md)"
         )
 
 

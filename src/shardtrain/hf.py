@@ -62,19 +62,23 @@ def from_pretrained(
     dtype: torch.dtype = torch.float32,
     strict: bool = True,
     model_kwargs: Mapping[str, Any] | None = None,
+    tp_plan: Mapping[str, Any] | None = None,
 ) -> Engine:
     """Build ``model_cls`` from the pretrained directory ``path``, wrap it with :func:`initialize` and load its weights.
 
     Collective: every rank calls it with the same arguments. ``model_cls`` is a transformers model class
     (``GPT2LMHeadModel``) or an Auto class (``AutoModelForCausalLM``). At ZeRO stage 3 the model is built under
     :class:`shardtrain.zero.Init`, so no rank ever holds it whole; each rank then reads from the safetensors files only
-    the rows covering what it holds (:meth:`Engine.load_full_state_dict`). Tied weights are loaded once, under any of
-    their names. ``generation_config.json`` is loaded when present.
+    the rows covering what it holds (:meth:`Engine.load_full_state_dict`). With ``tensor_parallel.size`` > 1 (any
+    stage) it is built under ``zero.Init(config)``, on ``meta``, and each rank reads only its tensor-parallel blocks
+    (docs/sharded-construction.md). Tied weights are loaded once, under any of their names.
+    ``generation_config.json`` is loaded when present.
 
     ``dtype``: the parameters' dtype (HF's ``torch_dtype``/``dtype``); stored values are cast to it. Keep the default
     float32 with ``bf16``/``fp16`` in the config: shardtrain makes fp32 masters and casts the compute copy itself.
     ``strict``: missing or unexpected weights are an error naming them. ``model_kwargs`` go to ``from_config`` (e.g.
-    ``attn_implementation="sdpa"``). Returns the engine; the model is ``engine.module``.
+    ``attn_implementation="sdpa"``). ``tp_plan``: as for :func:`~shardtrain.initialize` (default: the model's own
+    plan). Returns the engine; the model is ``engine.module``.
     """
     path = Path(path)
     _check_pretrained_dir(path)  # before any collective: every rank sees the same files and fails alike
@@ -82,15 +86,15 @@ def from_pretrained(
     from transformers import AutoConfig, GenerationConfig
 
     hf_config = AutoConfig.from_pretrained(str(path))
-    if cfg.zero_optimization.stage == 3:
+    if cfg.zero_optimization.stage == 3 or cfg.tensor_parallel.degree > 1:
         from shardtrain.zero.init import Init
 
-        with Init(timeout_s=cfg.collective_timeout_s):
+        with Init(cfg):  # deferred (on meta) with tensor parallelism: each rank then makes only its blocks
             model = _build(model_cls, hf_config, dtype, model_kwargs or {})
     else:
         model = _build(model_cls, hf_config, dtype, model_kwargs or {})
     if (path / "generation_config.json").is_file() and getattr(model, "can_generate", lambda: False)():
         model.generation_config = GenerationConfig.from_pretrained(str(path))
-    engine = initialize(model, config=cfg, optimizer=optimizer, lr_scheduler=lr_scheduler)
+    engine = initialize(model, config=cfg, optimizer=optimizer, lr_scheduler=lr_scheduler, tp_plan=tp_plan)
     engine.load_full_state_dict(path, strict=strict)
     return engine

@@ -147,12 +147,19 @@ def parallelize(
         name: planned[id(p)][0] if id(p) in planned else TPPlacement(None, 1, tuple(p.shape))
         for name, p in model.named_parameters()
     }
-    if check_replicated_grads and size > 1:  # registered before any hook that sums gradients (the engine's)
-        params = dict(model.named_parameters())
-        replicated = {n: (params[n], pl.partial_grad) for n, pl in placements.items() if pl.dim is None}
-        # kept alive by its hooks, which it removes once done
-        ReplicatedGradCheck({n: v for n, v in replicated.items() if v[0].requires_grad}, tp_comm)
+    if check_replicated_grads and size > 1:
+        check_replicated_gradients(model, placements, tp_comm)
     return placements
+
+
+def check_replicated_gradients(model: nn.Module, placements: Mapping[str, TPPlacement], tp_comm: Communicator) -> None:
+    """Compare the replicated parameters' gradients across the group at the end of the first backward
+    (``parallelize(check_replicated_grads=True)`` calls it; a model whose parameters are still on ``meta`` calls it
+    once they are real). Register it before any hook that sums gradients (the engine's)."""
+    params = dict(model.named_parameters())
+    replicated = {n: (params[n], pl.partial_grad) for n, pl in placements.items() if pl.dim is None}
+    # kept alive by its hooks, which it removes once done
+    ReplicatedGradCheck({n: v for n, v in replicated.items() if v[0].requires_grad}, tp_comm)
 
 
 def sum_partial_gradients(model: nn.Module, placements: Mapping[str, TPPlacement], tp_comm: Communicator) -> None:

@@ -19,6 +19,7 @@ With stride 1 this is the plain contiguous split. Dropping the stride of a fused
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -159,3 +160,23 @@ class ParameterSharder:
             param.data = shard_block(param.data, placement, self.rank, self.size).clone()
             if param.grad is not None:
                 param.grad = shard_block(param.grad, placement, self.rank, self.size).clone()
+
+
+def global_flat_index(placement: TPPlacement | None, rank: int, size: int, local: torch.Tensor) -> torch.Tensor:
+    """Where elements of rank ``rank``'s block sit in the whole tensor: ``local`` holds flat (row-major) indices
+    into the block, the result the flat indices of the same elements in the whole tensor (int64, same shape).
+
+    The inverse of :func:`shard_block` element by element, computed without the whole tensor: construction uses
+    it to give each element of a block the value its position in the whole tensor defines
+    ([Note: deferred construction] in :mod:`shardtrain.zero.init`)."""
+    if placement is None or placement.dim is None or size == 1:
+        return local
+    dim, stride, whole = placement.dim, placement.stride, placement.global_shape
+    inner = math.prod(whole[dim + 1 :])
+    n_local = whole[dim] // size  # the block's length along the split dimension
+    per = whole[dim] // (stride * size)  # elements of one fused group held by one rank
+    along = (local // inner) % n_local  # position along the split dimension, in the block
+    outer = local // (inner * n_local)
+    group, within = along // per, along % per
+    along_whole = group * (whole[dim] // stride) + rank * per + within
+    return (outer * whole[dim] + along_whole) * inner + local % inner

@@ -6,7 +6,8 @@ Two sources:
   rank holds at most its fragments plus the largest single tensor;
 * safetensors files (one file, a list of files, or a directory with ``model.safetensors`` or a
   ``model.safetensors.index.json``): every rank reads what it needs itself; for a parameter split across
-  ranks it reads only the rows that cover its fragment.
+  data-parallel ranks it reads only the rows that cover its fragment, and for one split by tensor parallelism
+  only its block (``safe_open(...).get_slice``), so no rank ever reads a whole split tensor.
 
 Each parameter is written through a :class:`Destination` that knows whether this rank holds it whole
 (stages 0-2, persistent, frozen, buffers) or only a fragment of it (stage-3 units).
@@ -183,6 +184,11 @@ def load_safetensors(dests: list[Destination], files: list[Path], strict: bool) 
         with safe_open(str(where[key]), framework="pt") as handle:
             _check_shape(key, tuple(handle.get_slice(key).get_shape()), dest, where[key].name)
     for dest, key in picked:
+        if dest.block is not None:  # split by tensor parallelism: read this rank's block only
+            if any(t.numel() for t, _ in dest.targets):
+                with safe_open(str(where[key]), framework="pt") as handle:
+                    dest.write_block(_read_block(handle.get_slice(key), dest.block))
+            continue
         lo, hi = dest.needed_range()
         if lo == hi:
             continue
@@ -190,6 +196,20 @@ def load_safetensors(dests: list[Destination], files: list[Path], strict: bool) 
             part = handle.get_slice(key)
             values, first = _read_rows(part, tuple(part.get_shape()), lo, hi)
         dest.write_slice(values.reshape(-1), first)
+
+
+def _read_block(part, block: TPBlock) -> torch.Tensor:
+    """This rank's tensor-parallel block, read as ``stride`` slices of the split dimension (one per fused group,
+    [Note: strided blocks]): no rank reads the whole tensor."""
+    shape = tuple(part.get_shape())
+    dim, stride = block.placement.dim, block.placement.stride
+    group = shape[dim] // stride
+    per = group // block.count
+    pieces = []
+    for g in range(stride):
+        start = g * group + block.index * per
+        pieces.append(part[tuple(slice(start, start + per) if d == dim else slice(None) for d in range(len(shape)))])
+    return pieces[0] if stride == 1 else torch.cat(pieces, dim)
 
 
 def _read_rows(part, shape: tuple[int, ...], lo: int, hi: int) -> tuple[torch.Tensor, int]:
