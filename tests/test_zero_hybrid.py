@@ -54,8 +54,12 @@ def _config(recipe: Recipe, stage: int, zero: dict) -> dict:
     }
 
 
-def _engine(recipe: Recipe, stage: int, zero: dict, extra: dict | None = None):
-    model = make_model(recipe)
+def _engine(recipe: Recipe, stage: int, zero: dict, extra: dict | None = None, sharded_init: bool = False):
+    if sharded_init:  # no rank holds the whole model while it is built
+        with shardtrain.zero.Init():
+            model = make_model(recipe)
+    else:
+        model = make_model(recipe)
     config = {**_config(recipe, stage, zero), **(extra or {})}
     return shardtrain.initialize(model, config=config, optimizer=make_optimizer(model, recipe))
 
@@ -88,8 +92,8 @@ def _facts(engine) -> dict:
     }
 
 
-def _run(recipe: Recipe, stage: int, zero: dict, extra: dict | None = None) -> dict:
-    engine = _engine(recipe, stage, zero, extra)
+def _run(recipe: Recipe, stage: int, zero: dict, extra: dict | None = None, sharded_init: bool = False) -> dict:
+    engine = _engine(recipe, stage, zero, extra, sharded_init)
     losses, norms = [], []
     by_group = []
     for step in range(recipe.steps):
@@ -153,6 +157,7 @@ def _tp_case(case: tp_cases.Case, stage: int, zero: dict) -> dict:
 
 
 SGD = tp_cases.sgd_case(steps=3)
+BF16 = tp_cases.Case(steps=3, dtype="bf16")
 TP_CASES = [(tp_cases.Case(steps=3), 3, "adamw stage 3"), (SGD, 2, "sgd stage 2")]
 
 
@@ -169,6 +174,16 @@ def _world4(tmp: str) -> dict:
     losses, norms = tp_cases.train(engine, SGD, tp_cases.global_batches(SGD, engine.topology.dp), range(SGD.steps))
     out["sgd"] = {"losses": losses, "norms": norms, "params": engine.full_state_dict()}
     engine.close()
+    # bf16 with bf16 reductions: the fp32 gradient shards are all-reduced across the replicas in the wire dtype
+    model = tp_cases.make_model(BF16)
+    config = {**tp_cases.config_for(BF16, 2, tp=1), "communication_data_type": "bf16"}
+    config["zero_optimization"].update(hybrid)
+    engine = shardtrain.initialize(model, config=config, optimizer=tp_cases.make_optimizer(model, BF16.lr))
+    losses, norms = tp_cases.train(engine, BF16, tp_cases.global_batches(BF16, engine.topology.dp), range(BF16.steps))
+    out["bf16"] = {"losses": losses, "norms": norms, "params": engine.full_state_dict()}
+    out["bf16_wire"] = engine.comm_stats(by_group=True)["replicate"]["all_reduce"]["bytes"]
+    out["bf16_shard"] = sum(b.shard_numel for b in engine.layout.trainable_buckets)
+    engine.close()
     # offload is per-rank state: optimizer state and parameter shards in swap files compose with the replicas
     (tmp_path / "swap").mkdir(exist_ok=True)
     offload = {
@@ -178,6 +193,8 @@ def _world4(tmp: str) -> dict:
         "offload_param": {"device": "nvme", "nvme_path": str(tmp_path / "swap")},
     }
     out["offload"] = _run(RECIPE, 3, offload)
+    # sharded construction (zero.Init shards over every rank while the model is built; the layout re-shards per group)
+    out["zero_init"] = _run(RECIPE, 3, hybrid, sharded_init=True)
     # tensor parallelism: 2 replicas x shard 1 x tp 2
     out["tp"] = [_tp_case(case, stage, {"mics_shard_size": 1}) for case, stage, _ in TP_CASES]
     # checkpoints: hybrid -> plain and plain -> hybrid, each resumed for the last step
@@ -235,8 +252,18 @@ def test_sgd_catches_a_wrongly_scaled_replica_reduction(world4):
     tp_cases.assert_parity(world4[0]["sgd"], ref, "hybrid sgd stage 3")  # losses: the mean over every rank
 
 
+def test_bf16_reduces_across_replicas_in_the_wire_dtype(world4):
+    tp_cases.assert_parity(world4[0]["bf16"], tp_cases.reference_run(BF16, 4), "hybrid bf16 stage 2")
+    for r in world4:  # 2 bytes per element of the gradient shard (2 * shard * (R-1)/R), for each of the 3 steps
+        assert r["bf16_wire"] == 3 * 2 * r["bf16_shard"], (r["bf16_wire"], r["bf16_shard"])
+
+
 def test_offload_composes_with_hybrid_sharding(world4):
     assert_parity([r["offload"] for r in world4], reference(RECIPE, 4))
+
+
+def test_sharded_construction_composes_with_hybrid_sharding(world4):
+    assert_parity([r["zero_init"] for r in world4], reference(RECIPE, 4))
 
 
 @pytest.mark.parametrize("index", range(len(TP_CASES)))
