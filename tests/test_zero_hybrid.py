@@ -30,6 +30,7 @@ from shardtrain.testing import run_distributed
 from parity import Recipe, assert_parity, global_micro_batches, make_model, make_optimizer, reference_run, train_step
 
 RECIPE = Recipe(steps=3)
+REVERSE = Recipe(model="reverse", steps=4)
 BUCKET = 2000
 _S3 = {"stage3_param_persistence_threshold": 0}
 
@@ -166,6 +167,9 @@ def _world4(tmp: str) -> dict:
     out: dict = {}
     hybrid = {"mics_shard_size": 2}
     out["parity"] = {stage: _run(RECIPE, stage, hybrid) for stage in (1, 2, 3)}
+    # blocks run in reverse from the third step: gradients complete in another order, which every data-parallel rank
+    # adopts together (the replicas' all-reduces must keep one order)
+    out["reverse"] = {stage: _run(REVERSE, stage, hybrid) for stage in (2, 3)}
     # SGD without clipping: a gradient scaled wrongly (a replica sum for an average) moves each tensor by that factor
     model = tp_cases.make_model(SGD)
     config = tp_cases.config_for(SGD, 3, tp=1)
@@ -245,6 +249,13 @@ def test_two_replicas_of_two_shards_train_like_one_process(world4, stage):
             assert set(step["dp"]) <= {"all_reduce", "all_gather_object"}, step
             assert step["dp"].get("all_reduce", {"bytes": 0})["bytes"] <= 16, step
         assert "all_reduce" in r["by_group"][-1]["dp"] or stage == 1
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_new_gradient_order_is_adopted_by_every_replica(world4, stage):
+    assert_parity([r["reverse"][stage] for r in world4], reference(REVERSE, 4))
+    for r in world4:  # the observed orders were exchanged over every data-parallel rank
+        assert any("all_gather_object" in step["dp"] for step in r["reverse"][stage]["by_group"])
 
 
 def test_sgd_catches_a_wrongly_scaled_replica_reduction(world4):

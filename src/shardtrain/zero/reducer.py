@@ -44,8 +44,8 @@ soon as the bucket's reduce-scatter has been folded in, so it overlaps the rest 
 end of backward. Micro-steps before the boundary reduce within the group only, as DeepSpeed's MiCS does: the bytes
 that leave a group per optimizer step are one all-reduce of a shard, ``2 * (P/S) * (R-1)/R``, whatever the
 accumulation. The all-reduce runs in the wire dtype (``communication_data_type``, else the bucket's), from the fp32
-accumulation: with one micro-step that is the reduce-scatter's own result, exactly representable, so the rounding is
-that of a reduction over every rank. The average of group averages is the average over all ``R * S`` ranks
+accumulation: with one micro-step that is the reduce-scatter's own result, exactly representable, so nothing is rounded
+beyond the two reductions themselves. The average of group averages is the average over all ``R * S`` ranks
 (``prescale_gradients``' factors apply within the group, the replica average after). Buckets whose gradients the
 captured graph reduced (graph-mode ZeRO-3, :meth:`GradientReducer.hand_over`) are all-reduced the same way after
 backward.
