@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 import shardtrain
 import tp_cases
+from shardtrain.checkpoint import open_checkpoint
 from shardtrain.config import load_config
 from shardtrain.errors import ConfigError, LayoutError
 from shardtrain.testing import run_distributed
@@ -75,7 +76,7 @@ def _train(engine, recipe: Recipe, steps: range) -> tuple[list[float], list[floa
 
 
 def _facts(engine) -> dict:
-    """Where the engine put this rank and its state, and the bytes of the last step by group."""
+    """Where the engine put this rank and its state."""
     topo, layout = engine.topology, engine.layout
     return {
         "coords": (topo.dp, topo.dp_rank, topo.shard_size, topo.shard_rank, topo.replicas, topo.replica_rank),
@@ -204,6 +205,7 @@ def _world4(tmp: str) -> dict:
     # checkpoints: hybrid -> plain and plain -> hybrid, each resumed for the last step
     _save_after(RECIPE, 3, hybrid, tmp_path / "hybrid", 2)
     out["hybrid_to_plain"] = _resume(RECIPE, 2, {}, tmp_path / "hybrid", 2)
+    out["hybrid_checkpoint"] = str(tmp_path / "hybrid")
     _save_after(RECIPE, 1, {}, tmp_path / "plain", 2)
     out["plain_to_hybrid"] = _resume(RECIPE, 3, {"mics_shard_size": 2}, tmp_path / "plain", 2)
     # layouts that cannot be built
@@ -297,6 +299,11 @@ def test_checkpoints_move_between_hybrid_and_plain_layouts(world4):
 
     for key in ("hybrid_to_plain", "plain_to_hybrid"):
         assert_params_near(world4[0][key]["params"], ref["params"], ref["init"], exact=ref["exact"], what=f"{key}: ")
+    # the replicas' copies of each fragment are stored once, by the first replica (ranks 0 and 1); the second
+    # replica's files hold no tensor piece
+    manifest = open_checkpoint(world4[0]["hybrid_checkpoint"]).manifest
+    writers = {piece.file for entry in manifest.tensors.values() for piece in entry.pieces}
+    assert writers == {"rank00000.safetensors", "rank00001.safetensors"}, writers
 
 
 def test_impossible_layouts_are_refused_with_what_fits(world4):
