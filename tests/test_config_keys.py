@@ -58,7 +58,13 @@ KEYS = [p for p in SUPPORTED if p not in SECTIONS]
 
 EFFECTS: dict[str, Callable[[Path], None]] = {}
 """key -> check, run at world 1 with a scratch directory of its own."""
-TWO_RANKS = ("tensor_parallel.size", "tensor_parallel.autotp_size", "desync_check", "collective_timeout_s")
+TWO_RANKS = (
+    "tensor_parallel.size",
+    "tensor_parallel.autotp_size",
+    "desync_check",
+    "collective_timeout_s",
+    _Z + "mics_shard_size",
+)
 """Keys shown by the world-2 run (:func:`_two_ranks`)."""
 
 
@@ -958,6 +964,16 @@ def _two_ranks(timeout_s: float) -> dict[str, Any]:
     out["autotp_size"] = (engine.topology.tp, tuple(engine.module.blocks[0].mlp[0].weight.shape))
     whole = tuple(_gpt().blocks[0].mlp[0].weight.shape)
     out["whole"] = whole
+    # mics_shard_size: groups of 1 rank hold everything; the gradients are all-reduced across the 2 replicas
+    for size in (1, -1):
+        engine = _engine({"zero_optimization": {"stage": 2, "mics_shard_size": size}, **timeout})
+        _micro_step(engine)
+        grads = engine.comm_stats(by_group=True)
+        out[f"mics {size}"] = (
+            engine.topology.replicas,
+            {b.world for b in engine.layout.buckets},
+            "replicate" in grads and grads["replicate"]["all_reduce"]["calls"] > 0,
+        )
     # a rank that skips a micro-step: with the desync check both ranks fail at once, naming where each one is
     engine = _engine({"zero_optimization": {"stage": 2}, **timeout})
     _micro_step(engine)
@@ -999,6 +1015,8 @@ def test_keys_that_need_two_ranks():
         assert "rank" in r["desync"] and "backward" in r["desync"] and "step" in r["desync"], r["desync"]
         assert r["desync_s"] < timeout_s
         assert r["phase_exchanges"] is False  # desync_check false: nothing is exchanged before each call
+        # mics_shard_size 1: 2 replicas of 1-rank shards, gradients all-reduced across them; -1: one group of 2
+        assert r["mics 1"] == (2, {1}, True) and r["mics -1"] == (1, {2}, False), (r["mics 1"], r["mics -1"])
     # collective_timeout_s: the lone reduction fails after that many seconds, naming it
     message, waited = results[0]["timeout"], results[0]["timeout_s"]
     assert f"collective timeout {timeout_s:g}s" in message, message

@@ -130,6 +130,18 @@ class _PairwiseHandle(Handle):
             out.div_(len(parts))
 
 
+def merge_stats(*stats: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    """Several communicators' :meth:`Communicator.stats` added up per collective kind (what one rank sent over all
+    of their groups; hybrid sharding's groups, for instance)."""
+    total: dict[str, dict[str, int]] = {}
+    for one in stats:
+        for kind, counts in one.items():
+            into = total.setdefault(kind, {"calls": 0, "bytes": 0, "sent": 0})
+            for k, v in counts.items():
+                into[k] += v
+    return dict(sorted(total.items()))
+
+
 class Communicator:
     """Collectives over one process group, counted and guarded."""
 

@@ -121,6 +121,10 @@ class ZeroConfig(_Section):
     """With optimizer offload: the optimizer steps this rank's fragments in sub-groups of about this many elements."""
     offload_optimizer: OffloadOptimizerConfig = Field(default_factory=OffloadOptimizerConfig)
     offload_param: OffloadParamConfig = Field(default_factory=OffloadParamConfig)
+    mics_shard_size: Annotated[int, BeforeValidator(_integral), Field(strict=True)] = -1
+    """Hybrid sharding (DeepSpeed's MiCS key): shard parameters, gradients and optimizer state within groups of this
+    many adjacent data-parallel ranks and replicate them across groups (-1: one group of every data-parallel rank);
+    see docs/hybrid-sharding.md."""
 
     @model_validator(mode="after")
     def _offload_stages(self) -> ZeroConfig:
@@ -133,6 +137,16 @@ class ZeroConfig(_Section):
             raise ValueError(
                 f"offload_param.device {self.offload_param.device!r} needs ZeRO stage 3 (only stage 3 shards "
                 f"parameters; stage is {self.stage}); set stage 3 or device 'none'"
+            )
+        if self.mics_shard_size == 0 or self.mics_shard_size < -1:
+            raise ValueError(
+                f"mics_shard_size {self.mics_shard_size} is not a group size: give a number of data-parallel ranks "
+                "(>= 1) that divides the data-parallel size, or -1 to shard over all of them"
+            )
+        if self.mics_shard_size != -1 and self.stage == 0:
+            raise ValueError(
+                f"mics_shard_size {self.mics_shard_size} shards state within groups of ranks, but ZeRO stage 0 "
+                "shards nothing; set stage 1, 2 or 3, or remove mics_shard_size"
             )
         return self
 

@@ -594,7 +594,9 @@ RULES: tuple[Rule, ...] = (
         _Z + "zero_hpz_partition_size",
         "int ≥ 0",
         "ZeRO++ hpZ keeps a second copy of the parameters partitioned within a node, to gather them there in "
-        "backward: the same values, fewer inter-node bytes; " + _ZERO_PP_SAME,
+        "backward, while gradients and optimizer state stay sharded over every rank: the same values, fewer "
+        "inter-node bytes; " + _ZERO_PP_SAME + ". For gathers that stay inside a node use `mics_shard_size` "
+        "(optimizer state is then replicated across the groups)",
         check=int,
     ),
     *(
@@ -624,14 +626,21 @@ RULES: tuple[Rule, ...] = (
         "says",
         check=StrictStr,
     ),
-    Rule(
+    _supported(
         _Z + "mics_shard_size",
-        Kind.REFUSED_VALUE,
-        "MiCS is not built; remove the key",
-        "`-1`",
-        accept=lambda v: not isinstance(v, bool) and v == -1,
+        "int, `-1`",
+        "hybrid sharding (MiCS): stages 1-3 shard parameters, gradients and optimizer state within groups of this "
+        "many adjacent data-parallel ranks and replicate them across groups (gradients reduce-scattered in a group, "
+        "then all-reduced across groups); must divide the data-parallel size; -1: one group of all "
+        "(docs/hybrid-sharding.md)",
     ),
-    _only(_Z + "mics_hierarchical_params_gather", False, "MiCS is not built"),
+    _no_effect(
+        _Z + "mics_hierarchical_params_gather",
+        "bool",
+        "a shard group's all-gather is one collective (NCCL routes it over the nodes the group spans); DeepSpeed's "
+        "two-level gather changes which links carry the bytes, not the values",
+        check=StrictBool,
+    ),
     # -- logging and monitoring ------------------------------------------------------------------
     _supported("steps_per_print", "int ≥ 1, `10`", "rank 0 logs loss, lr and grad norm (logger `shardtrain`)"),
     _supported(

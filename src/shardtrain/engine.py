@@ -28,7 +28,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from shardtrain import comm_failure
 from shardtrain.checkpoint.async_save import AsyncSaver
-from shardtrain.comm import Communicator
+from shardtrain.comm import Communicator, merge_stats
 from shardtrain.config import (
     Config,
     cast_inputs_half,
@@ -100,9 +100,14 @@ class Engine:
         tp_comm: Communicator | None = None,
     ) -> None:
         self.module, self.config, self.topology = module, config, topology
-        self.comm = Communicator(topology.dp_group, topology.timeout_s)  # ZeRO's collectives: the dp axis
+        # ZeRO's collectives: the dp axis, or its shard groups with hybrid sharding, where the gradient shards are
+        # all-reduced across the replicas and what must reach every data-parallel rank goes over the dp axis (see
+        # [Note: the hybrid mesh] in shardtrain/mesh.py)
+        self.comm = Communicator(topology.shard_group, topology.timeout_s)
+        self.replica_comm = Communicator(topology.replicate_group, topology.timeout_s) if topology.hybrid else None
+        self._dp_comm = Communicator(topology.dp_group, topology.timeout_s) if topology.hybrid else self.comm
         # every rank: checkpoint protocols, agreement checks, and the gradient norm on a (dp, tp) mesh
-        self.world_comm = self.comm if topology.tp == 1 else Communicator(topology.world_group, topology.timeout_s)
+        self.world_comm = self._dp_comm if topology.tp == 1 else Communicator(topology.world_group, topology.timeout_s)
         self.tp_comm = tp_comm  # tensor-parallel layers' collectives (None without tensor parallelism)
         # every rank says where it is before each call that communicates ([Note: phase agreement]); its own
         # Communicator over the world group, so that comm_stats() keeps only the traffic of the ZeRO formulas
@@ -137,7 +142,9 @@ class Engine:
         module, config, topology, tp_comm = self.module, self.config, self.topology, self.tp_comm
         zcfg = config.zero_optimization
         # where every parameter lives (see [Note: the layout]); built before anything else touches the model
-        self.layout = build_layout(module, zcfg, self.comm, tp_placements, tp=topology.tp, tp_rank=topology.tp_rank)
+        self.layout = build_layout(
+            module, zcfg, self.comm, tp_placements, tp=topology.tp, tp_rank=topology.tp_rank, dp_comm=self._dp_comm
+        )
         self.policy = self.layout.policy
         self._units: ParameterUnits | None = None
         if self.layout.units:
@@ -147,7 +154,7 @@ class Engine:
                 self.comm,
                 zcfg.stage3_prefetch_bucket_size,
                 zcfg.stage3_gather_check,
-                check_group=topology.host_dp_group,
+                check_group=topology.host_shard_group,
             )
         self.precision = policy_from_config(config)
         self.scaler = LossScaler.from_config(config)
@@ -194,12 +201,16 @@ class Engine:
             on_grad_ready=self._units.on_grad_ready if self._units else None,
             reduce_dtype=self.precision.reduce_dtype if self.precision.mixed else None,
             tp_partial=(tp_comm, partial_grads) if partial_grads and tp_comm is not None else None,
-            predivide=gradient_predivide(config, topology.dp),
+            predivide=gradient_predivide(config, topology.shard_size),
+            replicate=self.replica_comm,
+            order_comm=self._dp_comm,
         )
         tp_norm = None
         if topology.tp > 1:
             split = frozenset(id(r.param) for r in self.layout.records if r.tp_split)
-            tp_norm = TensorParallelNorm(self.world_comm, split, topology.dp_rank, topology.tp_rank)
+            tp_norm = TensorParallelNorm(
+                self.world_comm, split, topology.dp_rank, topology.tp_rank, replica_rank=topology.replica_rank
+            )
         self._optimizer = ShardedOptimizer(
             optimizer,
             module,
@@ -210,6 +221,8 @@ class Engine:
             zcfg.allgather_bucket_size,
             masters=masters,
             tp_norm=tp_norm,
+            dp_comm=self._dp_comm,
+            replica_rank=topology.replica_rank,
         )
         if offload.device != "none":
             self._optimizer.attach_offload(
@@ -237,7 +250,8 @@ class Engine:
         self.monitor = TrainingMonitor(config, topology.rank, topology.device, topology.dp)
         self._batch_checked = tp_comm is None
         self._graph = _graph_mode(module, config, topology, self._graph_units())
-        self.comm.reset_stats()
+        for comm in self._zero_comms().values():
+            comm.reset_stats()
 
     @property
     def stage(self) -> int:
@@ -456,12 +470,23 @@ class Engine:
         see :class:`shardtrain.graph.GraphStats`."""
         return self._graph.graph_stats() if self._graph is not None else None
 
-    def comm_stats(self, reset: bool = False) -> dict[str, dict[str, int]]:
-        """Calls and bytes per collective kind since the last reset (see :mod:`shardtrain.comm`)."""
-        stats = self.comm.stats()
+    def comm_stats(self, reset: bool = False, by_group: bool = False) -> dict[str, dict]:
+        """Calls and bytes per collective kind since the last reset (see :mod:`shardtrain.comm`), of ZeRO's groups
+        added up. ``by_group``: per group instead, ``{"shard": ...}``, and with hybrid sharding ``"replicate"``
+        (the gradient all-reduce across replicas) and ``"dp"`` (every data-parallel rank: the gradient norm, the
+        order exchange); the bytes of the last two are the ones that leave a shard group."""
+        comms = self._zero_comms()
+        per_group = {name: comm.stats() for name, comm in comms.items()}
         if reset:
-            self.comm.reset_stats()
-        return stats
+            for comm in comms.values():
+                comm.reset_stats()
+        return per_group if by_group else merge_stats(*per_group.values())
+
+    def _zero_comms(self) -> dict[str, Communicator]:
+        """ZeRO's communicators by group name (see :meth:`comm_stats`)."""
+        if self.replica_comm is None:
+            return {"shard": self.comm}
+        return {"shard": self.comm, "replicate": self.replica_comm, "dp": self._dp_comm}
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds for parameters, gradients and optimizer state (incl. ZeRO padding).
@@ -622,7 +647,7 @@ class Engine:
                     )
                 with torch.no_grad():
                     for p in params:
-                        self.comm.broadcast(p.data, modifier_rank, what="parameters changed in engine.gathered()")
+                        self._dp_comm.broadcast(p.data, modifier_rank, what="parameters changed in engine.gathered()")
                     for unit in units:
                         for b in unit.buckets:
                             lo, hi = b.shard_range
@@ -660,7 +685,11 @@ def initialize(
     cfg = load_config(config)
     if not isinstance(model, nn.Module):
         raise TypeError(f"initialize() expects an nn.Module, got {type(model).__name__}")
-    topology = init_topology(tp=cfg.tensor_parallel.degree, timeout_s=cfg.collective_timeout_s)
+    topology = init_topology(
+        tp=cfg.tensor_parallel.degree,
+        timeout_s=cfg.collective_timeout_s,
+        shard_size=cfg.zero_optimization.mics_shard_size,
+    )
     # "auto" values are resolved before the model is touched
     cfg = resolve_auto(cfg, dp=topology.dp, model=model, auto_values=auto_values)
     if topology.rank == 0:

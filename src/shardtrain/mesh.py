@@ -188,6 +188,10 @@ class Groups:
     world: dist.ProcessGroup
     dp: dist.ProcessGroup
     tp: dist.ProcessGroup
+    shard: dist.ProcessGroup | None = None
+    """Hybrid sharding: the ``S`` ranks this rank shards state with (None: ZeRO shards over the whole ``dp`` axis)."""
+    replicate: dist.ProcessGroup | None = None
+    """Hybrid sharding: the ranks holding the same shard in the other groups (None without hybrid sharding)."""
 
 
 def make_groups(
@@ -197,17 +201,27 @@ def make_groups(
     backend: str,
     world_group: dist.ProcessGroup,
     new_group: Callable[[list[int], str | None], dist.ProcessGroup],
+    shard_size: int | None = None,
 ) -> tuple[Groups, Groups]:
     """The engine's groups and their host-side twins (see [Note: the engine's groups]).
 
     ``world_group``: the group over every rank with the configured timeout; ``new_group(ranks, backend)`` creates
     one (``backend`` None: the default group's). Every rank calls ``new_group`` for every group, in the same order
-    (group creation is collective). Returns ``(main, host)``."""
+    (group creation is collective). ``shard_size``: hybrid sharding's group size ``S`` (see [Note: the hybrid
+    mesh]); None or the whole data-parallel size: no shard and replicate groups. Returns ``(main, host)``."""
     dp = world // tp
     partitions = {
         "dp": [[d * tp + t for d in range(dp)] for t in range(tp)],  # ranks holding the same tp block
         "tp": [[d * tp + t for t in range(tp)] for d in range(dp)],  # tp adjacent ranks
     }
+    if shard_size is not None and shard_size != dp:
+        s, replicas = shard_size, dp // shard_size
+        partitions["shard"] = [
+            [((r * s) + i) * tp + t for i in range(s)] for r in range(replicas) for t in range(tp)
+        ]  # S adjacent data-parallel ranks of one replica, same tp block
+        partitions["replicate"] = [
+            [((r * s) + i) * tp + t for r in range(replicas)] for i in range(s) for t in range(tp)
+        ]  # the same shard index in every replica
 
     def groups(whole: dist.ProcessGroup, backend: str | None) -> Groups:
         mine = {}
@@ -233,11 +247,24 @@ def _timeout_s(group: dist.ProcessGroup, device: torch.device) -> float | None:
 
 @dataclass(frozen=True)
 class Topology:
-    """The parallel layout of this job, validated once: a 2-D ``(dp, tp)`` device mesh.
+    """The parallel layout of this job, validated once: a 2-D ``(dp, tp)`` device mesh, or with hybrid sharding a
+    3-D ``(replicate, shard, tp)`` one (see [Note: the hybrid mesh]).
 
     Tensor-parallel groups are ``tp`` adjacent ranks (``rank = dp_rank * tp + tp_rank``), so that on a
-    multi-GPU node a layer's all-reduces stay inside the node; ZeRO shards over the ``dp`` axis only, i.e.
-    across the tensor-parallel groups, between ranks holding the same tensor-parallel block.
+    multi-GPU node a layer's all-reduces stay inside the node; ZeRO shards over the ``dp`` axis only (over its
+    ``shard`` part with hybrid sharding), i.e. across the tensor-parallel groups, between ranks holding the same
+    tensor-parallel block.
+
+    [Note: the hybrid mesh]
+    With ``zero_optimization.mics_shard_size: S`` the data-parallel axis is split in two: ``dp = replicas * S`` and
+    ``dp_rank = replica_rank * S + shard_rank``, so a shard group is ``S`` adjacent data-parallel ranks (``S * tp``
+    adjacent global ranks: one node when ``S * tp`` GPUs fit in it), and the replicate group of a rank is the rank
+    with the same shard index (and tp rank) in every other replica. ZeRO shards parameters, gradients and optimizer
+    state over the ``shard`` axis; the ``replicate`` axis holds copies. ``dp`` and ``dp_rank`` stay the axis along
+    which batches differ (every rank of the data-parallel axis gets its own rows), so scripts and batch-size
+    arithmetic are the same with and without hybrid sharding. The ``dp`` group (every replica and shard) remains
+    for what must reach all data-parallel ranks: the initial broadcast, the gradient norm, ``gathered`` with a
+    ``modifier_rank``.
     """
 
     rank: int
@@ -250,14 +277,21 @@ class Topology:
     groups: Groups
     host_groups: Groups
     tp: int = 1
+    replicas: int = 1
+    """Hybrid sharding: copies of the sharded state (``dp // mics_shard_size``); 1 without it."""
+
+    @property
+    def hybrid(self) -> bool:
+        return self.replicas > 1
 
     @property
     def dp_group(self) -> dist.ProcessGroup:
-        return self.mesh.get_group("dp")
+        return self.groups.dp
 
     @property
     def dp_rank(self) -> int:
-        return self.mesh.get_local_rank("dp")
+        """This rank's index along the axis batches differ on (``replica_rank * shard_size + shard_rank``)."""
+        return self.rank // self.tp
 
     @property
     def tp_group(self) -> dist.ProcessGroup:
@@ -266,6 +300,32 @@ class Topology:
     @property
     def tp_rank(self) -> int:
         return self.mesh.get_local_rank("tp")
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks ZeRO shards state over: ``mics_shard_size``, or the whole data-parallel size."""
+        return self.dp // self.replicas
+
+    @property
+    def shard_rank(self) -> int:
+        return self.dp_rank % self.shard_size
+
+    @property
+    def replica_rank(self) -> int:
+        return self.dp_rank // self.shard_size
+
+    @property
+    def shard_group(self) -> dist.ProcessGroup:
+        return self.groups.shard if self.groups.shard is not None else self.groups.dp
+
+    @property
+    def replicate_group(self) -> dist.ProcessGroup | None:
+        """None without hybrid sharding."""
+        return self.groups.replicate
+
+    @property
+    def host_shard_group(self) -> dist.ProcessGroup:
+        return self.host_groups.shard if self.host_groups.shard is not None else self.host_groups.dp
 
     @property
     def world_group(self) -> dist.ProcessGroup:
@@ -285,8 +345,9 @@ class Topology:
         return self.host_groups.tp
 
 
-def init_topology(tp: int = 1, timeout_s: float = 1800.0) -> Topology:
-    """Create (or adopt) the process group and the ``(dp, tp)`` device mesh, and check the layout is possible."""
+def init_topology(tp: int = 1, timeout_s: float = 1800.0, shard_size: int = -1) -> Topology:
+    """Create (or adopt) the process group and the ``(dp, tp)`` device mesh (``(replicate, shard, tp)`` with
+    ``shard_size``, the config's ``mics_shard_size``; -1: no hybrid sharding), and check the layout is possible."""
     created = ensure_process_group(timeout_s)
     world = dist.get_world_size()
     if tp < 1 or world % tp:
@@ -295,6 +356,15 @@ def init_topology(tp: int = 1, timeout_s: float = 1800.0) -> Topology:
             f"is world / tensor_parallel.size, so choose one of {[d for d in range(1, world + 1) if world % d == 0]}"
         )
     dp = world // tp
+    shard = dp if shard_size == -1 else shard_size
+    if shard < 1 or dp % shard:
+        divisors = [d for d in range(1, dp + 1) if dp % d == 0]
+        raise LayoutError(
+            f"zero_optimization.mics_shard_size {shard_size} does not divide the data-parallel size {dp} (world "
+            f"{world} / tensor_parallel.size {tp}): state is sharded within groups of mics_shard_size ranks and "
+            f"replicated across the groups, so choose one of {divisors} (or -1 to shard over all {dp})"
+        )
+    replicas = dp // shard
     device = pick_device()
     backend = str(dist.get_backend())
     if device.type == "cuda" and "nccl" not in backend:
@@ -308,9 +378,14 @@ def init_topology(tp: int = 1, timeout_s: float = 1800.0) -> Topology:
     whole = dist.group.WORLD
     if not created and _timeout_s(whole, device) != timeout_s:  # the user's group, with another timeout
         whole = new_group(list(range(world)), None)
-    groups, host_groups = make_groups(dist.get_rank(), world, tp, backend, whole, new_group)
-    ranks = torch.arange(world).view(dp, tp)
-    mesh = DeviceMesh.from_group([groups.dp, groups.tp], device.type, mesh=ranks, mesh_dim_names=("dp", "tp"))
+    groups, host_groups = make_groups(dist.get_rank(), world, tp, backend, whole, new_group, shard)
+    if replicas > 1:  # see [Note: the hybrid mesh]
+        ranks = torch.arange(world).view(replicas, shard, tp)
+        axes = [groups.replicate, groups.shard, groups.tp]
+        mesh = DeviceMesh.from_group(axes, device.type, mesh=ranks, mesh_dim_names=("replicate", "shard", "tp"))
+    else:
+        ranks = torch.arange(world).view(dp, tp)
+        mesh = DeviceMesh.from_group([groups.dp, groups.tp], device.type, mesh=ranks, mesh_dim_names=("dp", "tp"))
     return Topology(
         rank=dist.get_rank(),
         world_size=world,
@@ -322,4 +397,5 @@ def init_topology(tp: int = 1, timeout_s: float = 1800.0) -> Topology:
         groups=groups,
         host_groups=host_groups,
         tp=tp,
+        replicas=replicas,
     )

@@ -38,24 +38,29 @@ def build_layout(
     *,
     tp: int = 1,
     tp_rank: int = 0,
+    dp_comm: Communicator | None = None,
 ) -> ShardLayout:
-    """Lay ``module``'s parameters out over the data-parallel group of ``comm`` (see the module docstring).
+    """Lay ``module``'s parameters out over the group of ``comm`` (see the module docstring).
 
-    ``tp_placements``: how tensor parallelism split each parameter, by its name (absent: not split)."""
+    ``tp_placements``: how tensor parallelism split each parameter, by its name (absent: not split). ``dp_comm``:
+    with hybrid sharding, every data-parallel rank (``comm`` is then this rank's shard group, see [Note: the hybrid
+    mesh] in :mod:`shardtrain.mesh`): rank 0's values are broadcast over it, so that every replica starts from them;
+    None: ``comm`` is the whole data-parallel group."""
     policy = ZeroPolicy.for_stage(zcfg.stage)
-    dp, dp_rank = comm.size, comm.rank
+    sync = dp_comm if dp_comm is not None else comm
+    replicas = sync.size // comm.size
     _finish_construction(module, policy, zcfg.stage3_param_persistence_threshold)
     units: list[tuple[str, nn.Module, list[Bucket]]] = []
     if policy.shard_parameters:
-        units, persistent = _plan_units(module, zcfg, comm)
+        units, persistent = _plan_units(module, zcfg, comm, sync)
         buckets = [b for _, _, bs in units for b in bs]
         buckets += build_buckets(
-            group_by_size(persistent, zcfg.reduce_bucket_size), dp, dp_rank, first_index=len(buckets)
+            group_by_size(persistent, zcfg.reduce_bucket_size), comm.size, comm.rank, first_index=len(buckets)
         )
     else:
         trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        buckets = build_buckets(group_by_size(trainable, zcfg.reduce_bucket_size), dp, dp_rank)
-    _sync_initial_state(module, buckets, comm)
+        buckets = build_buckets(group_by_size(trainable, zcfg.reduce_bucket_size), comm.size, comm.rank)
+    _sync_initial_state(module, buckets, sync)
     where = {id(s.param): (b, i) for b in buckets for i, s in enumerate(b.slots)}
     placements = dict(tp_placements or {})
     records = []
@@ -66,7 +71,7 @@ def build_layout(
         bucket, slot = where.get(id(t), (None, -1))
         shape = tuple(placement.global_shape) if placement is not None else tuple(t.shape)
         records.append(ParamRecord(tuple(names), t, shape, placement, bucket, slot))
-    return ShardLayout(policy, dp, dp_rank, buckets, units, records, tp=tp, tp_rank=tp_rank)
+    return ShardLayout(policy, sync.size, sync.rank, buckets, units, records, tp=tp, tp_rank=tp_rank, replicas=replicas)
 
 
 def _finish_construction(module: nn.Module, policy: ZeroPolicy, threshold: int) -> None:
@@ -83,7 +88,7 @@ def _finish_construction(module: nn.Module, policy: ZeroPolicy, threshold: int) 
 
 
 def _plan_units(
-    module: nn.Module, zcfg: ZeroConfig, comm: Communicator
+    module: nn.Module, zcfg: ZeroConfig, comm: Communicator, sync: Communicator
 ) -> tuple[list[tuple[str, nn.Module, list[Bucket]]], list[tuple[str, nn.Parameter]]]:
     """Stage 3: (unit name, module, buckets) in expected backward order, and the persistent parameters.
 
@@ -108,7 +113,7 @@ def _plan_units(
         # one unit at a time: its full buffer exists only until rank 0's values are in and the shard is cut
         buckets = build_buckets(list(by_kind.values()), comm.size, comm.rank, first_index=index)
         for b in buckets:
-            comm.broadcast(b.flat_param, 0, what=f"initial parameters of unit {name!r}")
+            sync.broadcast(b.flat_param, 0, what=f"initial parameters of unit {name!r}")
             lo, hi = b.shard_range
             b.shard = b.flat_param[lo:hi].clone()
             b.gather_after_step = False

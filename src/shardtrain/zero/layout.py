@@ -208,6 +208,7 @@ class ShardLayout:
 
     policy: ZeroPolicy
     dp: int
+    """Data-parallel ranks (batches differ along them): with hybrid sharding ``replicas`` x the shard group size."""
     dp_rank: int
     buckets: list[Bucket]
     units: list[tuple[str, nn.Module, list[Bucket]]]
@@ -216,6 +217,9 @@ class ShardLayout:
     """Every parameter once, in ``named_parameters()`` order."""
     tp: int = 1
     tp_rank: int = 0
+    replicas: int = 1
+    """Hybrid sharding: copies of every bucket's shards, one per group of ``dp // replicas`` ranks (each bucket's
+    ``world``); 1 when the buckets are sharded over the whole data-parallel group."""
 
     def __post_init__(self) -> None:
         self._by_id = {id(r.param): r for r in self.records}

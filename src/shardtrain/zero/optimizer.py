@@ -55,6 +55,7 @@ class TensorParallelNorm:
     split: frozenset[int]  # ids of the parameters split by tensor parallelism
     dp_rank: int
     tp_rank: int
+    replica_rank: int = 0  # hybrid sharding: only the first replica's fragments count (the others are copies)
 
     def global_square(
         self, keys: list[int], grads: list[torch.Tensor], sharded: bool, reducer: GradientReducer
@@ -66,7 +67,7 @@ class TensorParallelNorm:
 
         split = square([g for k, g in zip(keys, grads) if k in self.split and g.numel()])
         replicated = square([g for k, g in zip(keys, grads) if k not in self.split and g.numel()])
-        owner = 1.0 if sharded or self.dp_rank == 0 else 0.0
+        owner = 1.0 if (sharded and self.replica_rank == 0) or self.dp_rank == 0 else 0.0
         flag = float(reducer.order_departed)
         parts = torch.stack([split * owner, replicated * owner * float(self.tp_rank == 0), split.new_tensor(flag)])
         self.world.all_reduce(parts, "sum", what="squared gradient norm (data x tensor parallel)")
@@ -89,10 +90,18 @@ class ShardedOptimizer:
         allgather_bucket_numel: int,
         masters: dict[int, torch.Tensor] | None = None,
         tp_norm: TensorParallelNorm | None = None,
+        dp_comm: Communicator | None = None,
+        replica_rank: int = 0,
     ) -> None:
+        """``comm``: the group the buckets are sharded over; with hybrid sharding (``dp_comm``: every data-parallel
+        rank, ``replica_rank``: this rank's replica) the shard group."""
         self.optimizer, self.buckets, self.reducer = optimizer, buckets, reducer
         self.tp_norm = tp_norm  # with tensor parallelism: how the squared norm is summed (see the class)
         self.comm, self.allgather_bucket_numel = comm, allgather_bucket_numel
+        # the norm's all-reduce when it carries the reducer's order flag: every data-parallel rank must see the flag
+        # (see [Note: collective order]); the replicas' copies of the fragments count once
+        self.norm_comm = dp_comm if dp_comm is not None else comm
+        self.norm_weight = 1.0 if replica_rank == 0 else 0.0
         self.sharded = policy.shard_optimizer_state  # steps fragments (else whole parameters)
         # (fragment tensor, bucket, slot index) for every trainable parameter, keyed by the parameter
         self._frag: dict[int, tuple[torch.Tensor, Bucket, int]] = {}
@@ -214,11 +223,11 @@ class ShardedOptimizer:
         elif self.sharded and self.reducer.sharded_grads:
             # fragments are disjoint: the squares add up across ranks; the reducer's "gradients completed in
             # another order" flag rides along (see [Note: collective order])
-            both = torch.stack([local_sq, local_sq.new_tensor(float(self.reducer.order_departed))])
-            self.comm.all_reduce(both, "sum", what="squared gradient norm")
+            both = torch.stack([local_sq * self.norm_weight, local_sq.new_tensor(float(self.reducer.order_departed))])
+            self.norm_comm.all_reduce(both, "sum", what="squared gradient norm")
             local_sq = both[0]
             self.reducer.settle_order(bool(both[1] > 0))
-        elif self.sharded:
+        elif self.sharded:  # a shard group's fragments cover every parameter once: enough for the norm
             self.comm.all_reduce(local_sq, "sum", what="squared gradient norm")
         total_norm = float(local_sq.sqrt())
         if loss_scale is not None and not math.isfinite(total_norm):

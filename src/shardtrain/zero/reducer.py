@@ -33,7 +33,22 @@ buckets actually became ready; when it departs from ``launch_order`` on any rank
 rides on the gradient-norm all-reduce of the step), the ranks exchange their observed orders once and adopt
 them if all agree. A model whose gradients complete in another order than its layout (blocks run in
 reverse, parameters used in an unusual order) therefore waits only until the next step; ranks that take
-different paths keep the previous order, which is always safe.
+different paths keep the previous order, which is always safe. With hybrid sharding the flag and the exchange
+span every data-parallel rank (``order_comm``), since the replicas' all-reduces must come in one order too.
+
+[Note: hybrid gradient reduction]
+With hybrid sharding (``mics_shard_size``, [Note: the hybrid mesh] in :mod:`shardtrain.mesh`) ``comm`` is the shard
+group: each bucket is reduce-scattered (averaged) within it exactly as above. At the accumulation boundary, once a
+bucket's gradient shard is complete, it is all-reduced (averaged) across the replicas (``replicate``), launched as
+soon as the bucket's reduce-scatter has been folded in, so it overlaps the rest of backward, and waited for at the
+end of backward. Micro-steps before the boundary reduce within the group only, as DeepSpeed's MiCS does: the bytes
+that leave a group per optimizer step are one all-reduce of a shard, ``2 * (P/S) * (R-1)/R``, whatever the
+accumulation. The all-reduce runs in the wire dtype (``communication_data_type``, else the bucket's), from the fp32
+accumulation: with one micro-step that is the reduce-scatter's own result, exactly representable, so nothing is rounded
+beyond the two reductions themselves. The average of group averages is the average over all ``R * S`` ranks
+(``prescale_gradients``' factors apply within the group, the replica average after). Buckets whose gradients the
+captured graph reduced (graph-mode ZeRO-3, :meth:`GradientReducer.hand_over`) are all-reduced the same way after
+backward.
 """
 
 from __future__ import annotations
@@ -69,8 +84,15 @@ class GradientReducer:
         reduce_dtype: torch.dtype | None = None,
         tp_partial: tuple[Communicator, frozenset[int]] | None = None,
         predivide: float | None = None,
+        replicate: Communicator | None = None,
+        order_comm: Communicator | None = None,
     ) -> None:
+        """``replicate``: hybrid sharding's replicate group (see [Note: hybrid gradient reduction]); ``order_comm``:
+        the ranks that must agree on the launch order (every data-parallel rank; default ``comm``)."""
         self.buckets, self.comm, self.overlap = buckets, comm, overlap
+        self.replicate = replicate if replicate is not None and replicate.size > 1 else None
+        self.order_comm = order_comm if order_comm is not None else comm
+        self._replica_pending: list[tuple[Handle, torch.Tensor, torch.Tensor]] = []
         # None: reductions average ("avg"). Else DeepSpeed's prescale_gradients / gradient_predivide_factor: each
         # bucket is multiplied by 1/predivide, summed, then by predivide/N (see config.gradient_predivide)
         self.predivide = predivide
@@ -268,6 +290,18 @@ class GradientReducer:
             self.shard_grads[position].copy_(p.out)
         else:
             self.shard_grads[position].add_(p.out)
+        if self.replicate is not None and self._boundary:
+            self._launch_replica(p.bucket)
+
+    def _launch_replica(self, b: Bucket) -> None:
+        """All-reduce this rank's complete gradient shard of ``b`` across the replicas ([Note: hybrid gradient
+        reduction])."""
+        grad = self.shard_grad(b)
+        wire = self._wire_dtype(b)
+        tmp = grad if grad.dtype == wire else grad.to(wire)
+        what = f"gradient shard of bucket {b.index} across replicas"
+        handle = self.replicate.all_reduce(tmp, "avg", what=what, async_op=True)
+        self._replica_pending.append((handle, grad, tmp))
 
     def end_backward(self) -> None:
         """Launch what is left in order and wait for every reduction of this backward."""
@@ -277,6 +311,14 @@ class GradientReducer:
                 self._next += 1
         for p in self._pending:
             self._finish(p)
+        if self.replicate is not None and self._boundary:
+            for position in sorted(self._external):  # reduced by the captured graph (see hand_over)
+                self._launch_replica(self.buckets[position])
+            for handle, grad, tmp in self._replica_pending:
+                handle.wait()
+                if tmp is not grad:
+                    grad.copy_(tmp)
+        self._replica_pending.clear()
         if self.sharded_grads and self._active():
             self._fresh_shard = False
             complete = len(self._observed) == len(self.buckets) - len(self._external)
@@ -294,7 +336,7 @@ class GradientReducer:
         if not departed_anywhere:
             return
         mine = self._proposal if self.order_departed else None
-        everyone = self.comm.all_gather_object(mine, what="observed gradient order")
+        everyone = self.order_comm.all_gather_object(mine, what="observed gradient order")
         if all(o is not None and o == everyone[0] for o in everyone):
             self.launch_order = list(everyone[0])
         self.order_departed = False

@@ -1,0 +1,205 @@
+"""Hybrid sharding: the bytes that cross group boundaries per step, measured against the formulas and against plain
+ZeRO at the same world size.
+
+    python bench/bench_hybrid.py [--world 4] [--shard 2] [--stages 1,2,3] [--steps 3] [--gas 1,2] [--layers 4]
+
+The world is read as ``world / shard`` nodes of ``shard`` adjacent ranks (groups of ``mics_shard_size`` ranks are
+meant to be nodes). A collective's bytes cross a node boundary when its group spans more than one node: with plain
+ZeRO every collective is over all data-parallel ranks, so all of them do; with hybrid sharding the shard group's
+gathers and reduce-scatters stay inside a node and only the replicate group's gradient all-reduce and the small
+exchanges over every data-parallel rank (gradient norm, launch order) leave it. Bytes are ``engine.comm_stats(
+by_group=True)``'s, in the bus-bandwidth convention of :mod:`shardtrain.comm` (what one rank sends in a ring), per
+rank and optimizer step after a warm-up step; ``stage3_gather_check`` is off so that the counts are parameter and
+gradient traffic only.
+
+Formulas, per rank and optimizer step, from the layout's padded bucket sizes (``B``: a bucket's bytes, ``N`` the
+data-parallel size, ``S`` the shard group, ``R = N/S`` replicas, ``k`` micro-steps per step):
+
+* all-gather within the group: stages 1-2 ``sum B (S-1)/S`` after the step; stage 3 ``sum B (S-1)/S`` per forward
+  and again per backward for every unit but the root and the last block ([Note: kept after forward]), ``k`` times;
+* reduce-scatter within the group: ``sum B (S-1)/S``, at the boundary (stage 1) or every micro-step (stages 2-3);
+* across the replicas (hybrid only): ``2 sum (B/S) (R-1)/R`` once per step, whatever ``k``;
+* gradient norm: an all-reduce of two fp32 values over every data-parallel rank (stages 2-3), of one within the
+  group at stage 1.
+
+Plain ZeRO is the same with ``S = N`` and no replicas. The step time is printed too, for scale only: on one machine's
+loopback a "node boundary" costs nothing, so the time says nothing about a real network.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import shardtrain
+from shardtrain.models.gpt import GPT, GPTConfig, num_parameters
+from shardtrain.testing import run_distributed
+
+FP32 = 4
+
+
+def _model(layers: int) -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=2048, seq_len=64, d_model=128, n_layer=layers, n_head=4))
+
+
+def _ring(nbytes: int, n: int, factor: int = 1) -> int:
+    """One collective's bytes in the convention of shardtrain.comm (rounded down as the Communicator does)."""
+    return factor * nbytes * (n - 1) // n
+
+
+def formulas(engine, stage: int, gas: int) -> dict[str, int]:
+    """Bytes per rank and optimizer step by group, from the layout (see the module docstring)."""
+    topo, layout = engine.topology, engine.layout
+    s, r, n = topo.shard_size, topo.replicas, topo.dp
+    trainable = layout.trainable_buckets
+    shard: dict[str, int] = {}
+    if stage == 3:
+        units = layout.units  # backward order: the last block first, the root last; both stay gathered
+        kept = {id(units[0][1]), id(units[-1][1])}
+        forward = sum(_ring(b.padded_numel * FP32, s) for _, _, bs in units for b in bs)
+        backward = sum(_ring(b.padded_numel * FP32, s) for _, m, bs in units if id(m) not in kept for b in bs)
+        shard["all_gather"] = gas * (forward + backward)
+    else:
+        shard["all_gather"] = sum(_ring(b.padded_numel * FP32, s) for b in trainable)
+    reductions = 1 if stage == 1 else gas
+    shard["reduce_scatter"] = reductions * sum(_ring(b.padded_numel * FP32, s) for b in trainable)
+    out = {"shard": sum(shard.values())}
+    norm = _ring(2 * FP32, n, 2) if stage >= 2 else _ring(FP32, s, 2)
+    if r > 1:
+        out["replicate"] = sum(_ring(b.shard_numel * FP32, r, 2) for b in trainable)
+        out["dp"] = norm if stage >= 2 else 0  # stage 1: the norm stays in the group
+        if stage == 1:
+            out["shard"] += norm
+    else:
+        out["shard"] += norm
+    return out
+
+
+def _bytes(stats: dict) -> int:
+    return sum(v["bytes"] for v in stats.values())
+
+
+def _body(world: int, shard: int, stages: list[int], gases: list[int], steps: int, layers: int) -> list[dict]:
+    rows = []
+    for stage in stages:
+        for gas in gases:
+            for size in (-1, shard):
+                model = _model(layers)
+                config = {
+                    "train_micro_batch_size_per_gpu": 2,
+                    "gradient_accumulation_steps": gas,
+                    "gradient_clipping": 1.0,
+                    "steps_per_print": 10**6,
+                    "zero_optimization": {
+                        "stage": stage,
+                        "mics_shard_size": size,
+                        "stage3_param_persistence_threshold": 0,
+                        "stage3_gather_check": False,
+                        "reduce_bucket_size": 2_000_000,
+                    },
+                }
+                engine = shardtrain.initialize(model, config=config, optimizer=torch.optim.AdamW)
+                g = torch.Generator().manual_seed(engine.topology.dp_rank)
+                per_step, times = [], []
+                for step in range(steps + 1):  # the first step warms up (it records the unit order)
+                    dist.barrier()
+                    started = time.perf_counter()
+                    for _ in range(gas):
+                        x = torch.randint(0, 2048, (2, 64), generator=g)
+                        engine.backward(engine(x, torch.roll(x, -1, dims=1)))
+                        engine.step()
+                    elapsed = torch.tensor([time.perf_counter() - started])
+                    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                    stats = engine.comm_stats(reset=True, by_group=True)
+                    if step:
+                        per_step.append({group: _bytes(s) for group, s in stats.items()})
+                        times.append(float(elapsed))
+                measured = per_step[-1]
+                assert all(p == measured for p in per_step), f"bytes differ between steps: {per_step}"
+                rows.append(
+                    {
+                        "stage": stage,
+                        "gas": gas,
+                        "shard": engine.topology.shard_size,
+                        "replicas": engine.topology.replicas,
+                        "measured": measured,
+                        "formula": formulas(engine, stage, gas),
+                        "step_s": statistics.median(times),
+                        "params": num_parameters(model),
+                        "state": engine.state_bytes(),
+                    }
+                )
+                engine.close()
+    return rows
+
+
+def crossing(row: dict) -> int:
+    """Bytes of the groups that span more than one node (see the module docstring)."""
+    spans = {"replicate", "dp"} if row["replicas"] > 1 else {"shard"}
+    return sum(v for k, v in row["measured"].items() if k in spans)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--shard", type=int, default=2)
+    ap.add_argument("--stages", default="1,2,3")
+    ap.add_argument("--gas", default="1,2")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--layers", type=int, default=4)
+    a = ap.parse_args()
+    stages = [int(s) for s in a.stages.split(",")]
+    gases = [int(g) for g in a.gas.split(",")]
+    results = run_distributed(_body, a.world, a.world, a.shard, stages, gases, a.steps, a.layers, timeout=1800)
+    rank0 = results[0]
+    print(f"# {' '.join(sys.argv)}")
+    print(f"# {platform.node()}, {platform.processor() or platform.machine()}, torch {torch.__version__}, gloo")
+    print(
+        f"# GPT {rank0[0]['params'] / 1e6:.2f}M parameters, world {a.world} read as {a.world // a.shard} nodes of "
+        f"{a.shard}; bytes per rank and optimizer step (bus convention)"
+    )
+    print(
+        "| stage | micro-steps | layout | in-node bytes | cross-node bytes | cross-node vs plain | state bytes/rank | "
+        "step s |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    mismatches = []
+    for stage in stages:
+        for gas in gases:
+            plain, hybrid = (
+                next(r for r in rank0 if (r["stage"], r["gas"]) == (stage, gas) and (r["replicas"] > 1) == h)
+                for h in (False, True)
+            )
+            for row in (plain, hybrid):
+                for rank in range(a.world):  # every rank measures its own; all must match their formulas
+                    mine = next(
+                        r
+                        for r in results[rank]
+                        if (r["stage"], r["gas"], r["replicas"]) == (stage, gas, row["replicas"])
+                    )
+                    if mine["measured"] != mine["formula"]:
+                        mismatches.append((rank, stage, gas, mine["replicas"], mine["measured"], mine["formula"]))
+                inside = sum(v for k, v in row["measured"].items() if k == "shard") if row["replicas"] > 1 else 0
+                layout = "plain ZeRO" if row["replicas"] == 1 else f"{row['replicas']} x shard {row['shard']}"
+                ratio = crossing(row) / crossing(plain)
+                state = sum(row["state"].values())
+                print(
+                    f"| {stage} | {gas} | {layout} | {inside:,} | {crossing(row):,} | {ratio:.3f}x | {state:,} | "
+                    f"{row['step_s']:.3f} |"
+                )
+    if mismatches:
+        for m in mismatches:
+            print(f"MISMATCH rank {m[0]} stage {m[1]} gas {m[2]} replicas {m[3]}: measured {m[4]} formula {m[5]}")
+        raise SystemExit(1)
+    print("# every rank's measured bytes equal the formulas, per group")
+
+
+if __name__ == "__main__":
+    main()
