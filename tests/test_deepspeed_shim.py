@@ -164,6 +164,24 @@ def _shim_api(workdir: str) -> dict:
     path, client = engine.load_checkpoint(workdir, tag="t1")
     out["full"] = (engine.global_steps, engine.lr_scheduler.last_epoch)
     engine.zero_grad()
+
+    # GatheredParameters on several parameters still under zero.Init construction, modified at rank 1
+    with deepspeed.zero.Init():
+        built = nn.Linear(3, 5)
+    with deepspeed.zero.GatheredParameters([built.weight, built.bias], modifier_rank=1):
+        if rank == 1:
+            with torch.no_grad():
+                built.weight.fill_(2.0)
+                built.bias.fill_(-1.0)
+    with deepspeed.zero.GatheredParameters(list(built.parameters())):
+        out["built"] = (built.weight.detach().clone(), built.bias.detach().clone())
+
+    # the data loader: this rank's share of the dataset in micro-batches; dataloader_drop_last drops the short one
+    _, _, loader, _ = deepspeed.initialize(
+        model=nn.Linear(6, 3), config={**ds_script.config_for(0), "dataloader_drop_last": True},
+        training_data=ds_script.Points(10),
+    )  # fmt: skip
+    out["batches"] = [tuple(x.shape) for x, _ in loader]
     return out
 
 
@@ -178,3 +196,6 @@ def test_shim_refusals_options_and_gathered_after_initialize(tmp_path):
         assert out["module_only"] == ("t1", {"k": 1}, True, True)
         assert out["no_scheduler"] == ({"k": 1}, 1, True)
         assert out["full"] == (1, 1)
+        torch.testing.assert_close(out["built"][0], torch.full((5, 3), 2.0), rtol=0, atol=0)
+        torch.testing.assert_close(out["built"][1], torch.full((5,), -1.0), rtol=0, atol=0)
+        assert out["batches"] == [(2, 6), (2, 6)]  # 5 samples per rank: the fifth is dropped

@@ -738,7 +738,8 @@ RULES: tuple[Rule, ...] = (
     _no_effect(
         "dataloader_drop_last",
         "bool",
-        "the engine does not build data loaders",
+        "`shardtrain.initialize` builds no data loader; `shardtrain.deepspeed.initialize(training_data=...)` "
+        "does, and drops an incomplete last micro-batch with it, as DeepSpeed's loader does",
         check=StrictBool,
     ),
     _no_effect(
