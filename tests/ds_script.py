@@ -1,6 +1,6 @@
 """A training script written against DeepSpeed's API only; ``run(module_name, ...)`` imports ``deepspeed`` or
 ``shardtrain.deepspeed`` under the name ``deepspeed`` and runs it unchanged (tests/test_deepspeed_shim.py runs it
-both ways, on 2 ranks).
+both ways, on 2 or 3 ranks).
 
 Per ZeRO stage it: builds the model (under ``zero.Init`` at stage 3), changes one weight at the last rank inside
 ``GatheredParameters(modifier_rank=last)``, calls ``initialize`` with two param groups, the config's optimizer and
@@ -38,7 +38,7 @@ class Net(nn.Module):
 
 
 class Points(Dataset):
-    def __init__(self, n: int = 64) -> None:
+    def __init__(self, n: int = 96) -> None:
         g = torch.Generator().manual_seed(1234)
         self.x = torch.randn(n, 6, generator=g)
         self.y = torch.randn(n, 3, generator=g)

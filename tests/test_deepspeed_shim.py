@@ -1,10 +1,10 @@
 """``import shardtrain.deepspeed as deepspeed`` runs a DeepSpeed script unchanged.
 
 The same script (tests/ds_script.py, written against DeepSpeed's API only) runs with real DeepSpeed (its CPU
-accelerator, gloo, world 2, ``torch_adam: true``) and with the shim, at each ZeRO stage: every micro-step's loss and
-learning rates, the counters, a run resumed from a checkpoint and the gathered parameters must agree. Stages 1 and 3
-run by default (one process group each way for both), 0 and 2 under ``-m soak``. The rest checks what the shim
-refuses, by name, without DeepSpeed.
+accelerator, gloo, ``torch_adam: true``) and with the shim, at each ZeRO stage: every micro-step's loss and learning
+rates, the counters, a run resumed from a checkpoint and the gathered parameters must agree. Stages 1 and 3 at world 2
+run by default (DeepSpeed, then the shim, in one pair of processes); stages 0 and 2, and world 3, under ``-m soak``.
+The rest checks what the shim refuses, by name, without DeepSpeed.
 """
 
 from __future__ import annotations
@@ -44,14 +44,14 @@ def _compare_run(ours: dict, theirs: dict, what: str) -> None:
         torch.testing.assert_close(ours["params"][name], value, **LOSS, msg=lambda m, n=name: f"{what} {n}: {m}")
 
 
-def _script_both_ways(tmp_path, stages: list[int]) -> None:
+def _script_both_ways(tmp_path, stages: list[int], world: int = 2) -> None:
     # real DeepSpeed first, then the shim, in the same two processes (DeepSpeed's process group is reused)
     both = run_distributed(
-        ds_script.run_in_test_worker, 2, ["deepspeed", "shardtrain.deepspeed"], stages, str(tmp_path),
+        ds_script.run_in_test_worker, world, ["deepspeed", "shardtrain.deepspeed"], stages, str(tmp_path),
         init_process_group=False, timeout=400,
     )  # fmt: skip
     theirs, ours = [r["deepspeed"] for r in both], [r["shardtrain.deepspeed"] for r in both]
-    for rank in range(2):
+    for rank in range(world):
         for stage in stages:
             mine, ds = ours[rank][stage], theirs[rank][stage]
             where = f"rank {rank} stage {stage}"
@@ -59,7 +59,7 @@ def _script_both_ways(tmp_path, stages: list[int]) -> None:
             _compare_run(mine["resumed"], ds["resumed"], f"{where}, resumed run:")
             for key in ("sizes", "optimizer_lrs", "scheduler_lrs"):
                 assert mine["first"][key] == pytest.approx(ds["first"][key], rel=1e-12), f"{where} {key}"
-            assert mine["first"]["sizes"] == (8, 2, 2)
+            assert mine["first"]["sizes"] == (4 * world, 2, 2)
             # a resumed run continues the first exactly (DeepSpeed's own continuation, compared above, does too)
             n = ds_script.SAVE_AFTER
             torch.testing.assert_close(mine["resumed"]["loss"], mine["first"]["loss"][n:], rtol=0, atol=0)
@@ -83,6 +83,11 @@ def test_deepspeed_script_unchanged_stages_1_and_3(tmp_path):
 @pytest.mark.soak
 def test_deepspeed_script_unchanged_stages_0_and_2(tmp_path):
     _script_both_ways(tmp_path, [0, 2])
+
+
+@pytest.mark.soak
+def test_deepspeed_script_unchanged_world_3(tmp_path):
+    _script_both_ways(tmp_path, [1, 3], world=3)
 
 
 # -- the shim alone: refusals by name, checkpoint options, GatheredParameters after initialize ------------------------
