@@ -155,8 +155,10 @@ def run(module_name: str, stages: list[int], workdir: str) -> dict:
 def run_in_test_worker(module_names: list[str], stages: list[int], workdir: str) -> dict:
     """:func:`run` with each module in turn, in one process of ``shardtrain.testing.run_distributed`` (one start of
     the processes for both). Those processes are daemonic, and DeepSpeed's data loader starts two worker processes,
-    which a daemonic process may not: the flag is lifted (the harness still kills the process at the end)."""
+    which a daemonic process may not: the flag is lifted (the harness still kills the process at the end). The
+    workers are forked: the harness's forkserver would spend seconds importing for each."""
     import multiprocessing
 
     multiprocessing.current_process()._config["daemon"] = False
+    multiprocessing.set_start_method("fork", force=True)
     return {name: run(name, stages, workdir) for name in module_names}
