@@ -134,7 +134,8 @@ def _shim_api(workdir: str) -> dict:
     )
     assert loader is None and optimizer is engine.optimizer and scheduler is engine.lr_scheduler
     assert isinstance(engine, deepspeed.DeepSpeedEngine) and engine.zero_optimization_stage() == 3
-    _raises(lambda: engine.save_16bit_model, "DeepSpeedEngine.save_16bit_model")
+    _raises(lambda: engine.save_16bit_model, "DeepSpeedEngine.save_16bit_model", "full_state_dict()")
+    _raises(lambda: engine.no_such_method, "DeepSpeedEngine.no_such_method", "engine.shardtrain_engine")
     _raises(lambda: engine.backward(torch.ones(()), retain_graph=True), "retain_graph=True")
     _raises(lambda: engine.step(lr_kwargs={"x": 1}), "lr_kwargs")
     _raises(lambda: engine.save_checkpoint(workdir, save_latest=False), "save_latest=False")

@@ -237,7 +237,21 @@ class DeepSpeedEngine:
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or name == "shardtrain_engine":  # copy/pickle probes; construction not finished
             raise AttributeError(name)
-        raise not_provided(
-            f"DeepSpeedEngine.{name}",
-            "the shardtrain engine underneath is engine.shardtrain_engine (see its methods in shardtrain/engine.py)",
+        instead = _ENGINE_INSTEAD.get(
+            name, "the shardtrain engine underneath is engine.shardtrain_engine (its methods: shardtrain/engine.py)"
         )
+        raise not_provided(f"DeepSpeedEngine.{name}", instead)
+
+
+_FULL_WEIGHTS = (
+    "take engine.shardtrain_engine.full_state_dict() (collective; the full weights on rank 0) and save it, or "
+    "consolidate a checkpoint with `shardtrain checkpoint consolidate`"
+)
+_ENGINE_INSTEAD = {
+    "save_16bit_model": _FULL_WEIGHTS,
+    "save_fp16_model": _FULL_WEIGHTS,
+    "state_dict": _FULL_WEIGHTS + "; engine.module.state_dict() at stages 0-2",
+    "set_train_batch_size": "set train_batch_size or gradient_accumulation_steps in the config",
+    "set_gradient_accumulation_boundary": "step() after every micro-batch decides the boundary",
+    "compile": "call torch.compile on the model yourself, or turn on the config's graph mode (docs/graph-mode.md)",
+}
