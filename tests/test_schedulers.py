@@ -1,12 +1,16 @@
-"""WarmupLR / WarmupDecayLR follow DeepSpeed's formulas."""
+"""Our DeepSpeed-named schedulers follow DeepSpeed's formulas: against the formulas DeepSpeed documents and, step by
+step, against DeepSpeed's own classes (``deepspeed.runtime.lr_schedules``, a test-only dependency)."""
 
 import math
+import os
 
 import pytest
 import torch
 
 from shardtrain.config import SchedulerConfig
-from shardtrain.schedulers import OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR, build_scheduler
+from shardtrain.schedulers import LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR, build_scheduler
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported: no GPU probing
 
 
 def _opt():
@@ -23,21 +27,27 @@ def _lrs(sched, n):
 
 
 def test_warmup_log_and_linear():
-    log = _lrs(WarmupLR(_opt(), warmup_min_lr=0.0, warmup_max_lr=1.0, warmup_num_steps=10), 12)
-    assert log[0] == 0.0
-    assert log[3] == pytest.approx(math.log(4) / math.log(10))
-    assert log[10:] == [1.0, 1.0]
-    lin = _lrs(WarmupLR(_opt(), warmup_min_lr=0.1, warmup_max_lr=1.1, warmup_num_steps=4, warmup_type="linear"), 6)
-    assert lin == pytest.approx([0.1, 0.35, 0.6, 0.85, 1.1, 1.1])
+    # DeepSpeed's step k runs at its formula for k - 1 steps taken, and at warmup_min_lr when built: steps 0 and 1
+    # both run at the minimum (log(0 + 1) = 0)
+    log = _lrs(WarmupLR(_opt(), warmup_min_lr=0.0, warmup_max_lr=1.0, warmup_num_steps=10), 13)
+    assert log[:2] == [0.0, 0.0]
+    assert log[4] == pytest.approx(math.log(4) / math.log(10))
+    assert log[11:] == [1.0, 1.0]
+    lin = _lrs(WarmupLR(_opt(), warmup_min_lr=0.1, warmup_max_lr=1.1, warmup_num_steps=4, warmup_type="linear"), 7)
+    assert lin == pytest.approx([0.1, 0.1, 0.35, 0.6, 0.85, 1.1, 1.1])
+
+
+def test_warmup_lr_defaults_to_the_optimizers_lr():
+    assert _lrs(WarmupLR(_opt(), warmup_num_steps=2, warmup_type="linear"), 4) == [0.0, 0.0, 0.5, 1.0]
 
 
 def test_warmup_decay_reaches_zero():
     lrs = _lrs(
-        WarmupDecayLR(_opt(), total_num_steps=10, warmup_max_lr=1.0, warmup_num_steps=2, warmup_type="linear"), 12
+        WarmupDecayLR(_opt(), total_num_steps=10, warmup_max_lr=1.0, warmup_num_steps=2, warmup_type="linear"), 13
     )
-    assert lrs[:3] == pytest.approx([0.0, 0.5, 1.0])
-    assert lrs[6] == pytest.approx(0.5)  # (10 - 6) / (10 - 2)
-    assert lrs[10:] == [0.0, 0.0]
+    assert lrs[:4] == pytest.approx([0.0, 0.0, 0.5, 1.0])
+    assert lrs[7] == pytest.approx(0.5)  # (10 - 6) / (10 - 2)
+    assert lrs[11:] == [0.0, 0.0]
 
 
 def test_build_from_config():
@@ -190,3 +200,98 @@ def test_build_deepspeed_schedulers_from_config():
     cycle = build_scheduler(SchedulerConfig(type="OneCycle", params={"cycle_min_lr": 0.1, "cycle_max_lr": 1.0}), _opt())
     assert isinstance(cos, WarmupCosineLR) and cos.total_num_steps == 5 and cos.cos_min_ratio == 0.0001
     assert isinstance(cycle, OneCycle) and cycle.first_step_size == cycle.second_step_size == 2000
+
+
+# -- every scheduler against DeepSpeed's own class, step by step -----------------------------------------------------
+# Both drive an optimizer the same way an engine does: the lr in the param groups is the lr of the next step, the
+# scheduler steps once after each optimizer step. 60 steps cover warm-up, decay, the cycle and the decay after it.
+
+_DEEPSPEED_CASES = [
+    ("WarmupLR", {"warmup_min_lr": 0.01, "warmup_max_lr": 0.2, "warmup_num_steps": 10}),
+    ("WarmupLR", {"warmup_min_lr": 0.0, "warmup_max_lr": 0.1, "warmup_num_steps": 7, "warmup_type": "linear"}),
+    ("WarmupLR", {"warmup_num_steps": 1, "warmup_type": "linear"}),  # max: the optimizer's lr; 1 step made 2
+    ("WarmupDecayLR", {"total_num_steps": 40, "warmup_min_lr": 0.001, "warmup_max_lr": 0.1, "warmup_num_steps": 8}),
+    ("WarmupDecayLR", {"total_num_steps": 30, "warmup_num_steps": 5, "warmup_type": "linear"}),
+    ("WarmupDecayLR", {"total_num_steps": 4, "warmup_num_steps": 6, "warmup_max_lr": 0.05}),  # total < warm-up
+    ("WarmupCosineLR", {"total_num_steps": 40, "warmup_num_steps": 8, "warmup_min_ratio": 0.1}),
+    ("WarmupCosineLR", {"total_num_steps": 25, "warmup_num_steps": 5, "warmup_type": "linear", "cos_min_ratio": 0.0}),
+    ("OneCycle", {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1, "cycle_first_step_size": 10}),
+    (
+        "OneCycle",
+        {
+            "cycle_min_lr": 0.02, "cycle_max_lr": 0.2, "cycle_first_step_size": 9, "cycle_second_step_size": 6,
+            "cycle_first_stair_count": 3, "cycle_second_stair_count": 2, "decay_step_size": 4,
+            "decay_lr_rate": 0.3, "decay_mom_rate": 0.02, "cycle_min_mom": 0.85, "cycle_max_mom": 0.95,
+        },
+    ),
+    ("LRRangeTest", {"lr_range_test_min_lr": 0.001, "lr_range_test_step_size": 7, "lr_range_test_step_rate": 0.5}),
+    ("LRRangeTest", {"lr_range_test_min_lr": 0.002, "lr_range_test_step_size": 5, "lr_range_test_staircase": True}),
+]  # fmt: skip
+_IDS = [f"{kind}-{i}" for i, (kind, _) in enumerate(_DEEPSPEED_CASES)]
+
+
+def _two_group_adam(lr: float = 0.3) -> torch.optim.Optimizer:
+    a, b = torch.zeros(2, requires_grad=True), torch.zeros(3, requires_grad=True)
+    return torch.optim.AdamW([{"params": [a]}, {"params": [b], "lr": lr / 2}], lr=lr, betas=(0.9, 0.999))
+
+
+def _trace(opt: torch.optim.Optimizer, sched, steps: int) -> list[list[float]]:
+    """lr, beta1, beta2 of every param group before each optimizer step."""
+    out = []
+    for _ in range(steps):
+        out.append([x for g in opt.param_groups for x in (g["lr"], *g["betas"])])
+        opt.step()
+        sched.step()
+    return out
+
+
+@pytest.mark.parametrize(("kind", "params"), _DEEPSPEED_CASES, ids=_IDS)
+def test_every_step_equals_deepspeeds_scheduler(kind, params):
+    from deepspeed.runtime import lr_schedules
+
+    ours_opt, theirs_opt = _two_group_adam(), _two_group_adam()
+    ours = build_scheduler(SchedulerConfig(type=kind, params=params), ours_opt)
+    theirs = getattr(lr_schedules, kind)(theirs_opt, **params)
+    got, want = _trace(ours_opt, ours, 60), _trace(theirs_opt, theirs, 60)
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g == pytest.approx(w, rel=1e-14, abs=1e-300), f"step {step}: ours {g}, DeepSpeed's {w}"
+    assert ours.last_batch_iteration == theirs.last_batch_iteration == 59
+
+
+@pytest.mark.parametrize(("kind", "params"), _DEEPSPEED_CASES, ids=_IDS)
+def test_resume_from_deepspeeds_state_dict(kind, params):
+    """A DeepSpeed checkpoint's scheduler state (``{'last_batch_iteration': k}``) loaded into ours, on a fresh
+    optimizer, continues as DeepSpeed's scheduler does after its optimizer state was restored."""
+    from deepspeed.runtime import lr_schedules
+
+    theirs_opt = _two_group_adam()
+    theirs = getattr(lr_schedules, kind)(theirs_opt, **params)
+    _trace(theirs_opt, theirs, 17)
+    saved = theirs.state_dict()
+    assert saved == {"last_batch_iteration": 16}
+    ours_opt = _two_group_adam()
+    ours = build_scheduler(SchedulerConfig(type=kind, params=params), ours_opt)
+    ours.load_state_dict(saved)
+    got, want = _trace(ours_opt, ours, 30), _trace(theirs_opt, theirs, 30)
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g == pytest.approx(w, rel=1e-14, abs=1e-300), f"step {17 + step}: ours {g}, DeepSpeed's {w}"
+    # and our own state dict round-trips as before
+    again = build_scheduler(SchedulerConfig(type=kind, params=params), _two_group_adam())
+    again.load_state_dict(ours.state_dict())
+    assert again.last_epoch == ours.last_epoch == 47
+
+
+def test_deepspeed_state_dict_refusals():
+    sched = WarmupLR(_opt(), warmup_num_steps=3)
+    with pytest.raises(ValueError, match=r"only 'last_batch_iteration'.*'extra'"):
+        sched.load_state_dict({"last_batch_iteration": 3, "extra": 1})
+    with pytest.raises(ValueError, match="integer >= -1, got 'x'"):
+        sched.load_state_dict({"last_batch_iteration": "x"})
+
+
+def test_lr_range_test_from_config_and_its_checks():
+    sched = build_scheduler(SchedulerConfig(type="LRRangeTest", params={"lr_range_test_step_size": 2}), _opt())
+    assert isinstance(sched, LRRangeTest)
+    assert _lrs(sched, 4) == pytest.approx([0.001, 0.0015, 0.002, 0.0025])
+    with pytest.raises(ValueError, match="lr_range_test_step_size must be a positive integer"):
+        LRRangeTest(_opt(), lr_range_test_step_size=0)

@@ -225,13 +225,24 @@ class SchedulerConfig(_Section):
 
 class WarmupLRParams(_Section):
     warmup_min_lr: float = Field(default=0.0, ge=0)
-    warmup_max_lr: float = Field(default=0.001, ge=0)
+    warmup_max_lr: float | None = Field(default=None, ge=0)
+    """None: the optimizer's lr (DeepSpeed's default for WarmupLR)."""
     warmup_num_steps: Count = 1000
     warmup_type: Literal["log", "linear"] = "log"
 
 
 class WarmupDecayLRParams(WarmupLRParams):
     total_num_steps: Count
+    warmup_max_lr: float = Field(default=0.001, ge=0)  # DeepSpeed's default for WarmupDecayLR
+
+
+class LRRangeTestParams(_Section):
+    """DeepSpeed's LRRangeTest (see :class:`shardtrain.schedulers.LRRangeTest`)."""
+
+    lr_range_test_min_lr: float = Field(default=0.001, ge=0)
+    lr_range_test_step_size: Count = 2000
+    lr_range_test_step_rate: float = Field(default=1.0, ge=0)
+    lr_range_test_staircase: bool = False
 
 
 class WarmupCosineLRParams(_Section):
@@ -357,6 +368,7 @@ _SCHEDULERS: dict[str, type[_Section]] = {
     "WarmupDecayLR": WarmupDecayLRParams,
     "WarmupCosineLR": WarmupCosineLRParams,
     "OneCycle": OneCycleParams,
+    "LRRangeTest": LRRangeTestParams,
 }
 
 

@@ -189,21 +189,24 @@ RULES: tuple[Rule, ...] = (
     ),
     _supported(
         "scheduler.type",
-        "`WarmupLR`, `WarmupDecayLR`, `WarmupCosineLR`, `OneCycle`",
+        "`WarmupLR`, `WarmupDecayLR`, `WarmupCosineLR`, `OneCycle`, `LRRangeTest`",
         "DeepSpeed's formulas, the learning rate of every step included (`OneCycle` also cycles Adam's beta1 as "
-        "DeepSpeed does); other types (`LRRangeTest`) are refused: pass a torch scheduler to "
-        "`initialize(lr_scheduler=...)`",
+        "DeepSpeed does); the schedulers also load DeepSpeed's own state (`{'last_batch_iteration': k}`); other "
+        "types are refused: pass a torch scheduler to `initialize(lr_scheduler=...)`",
     ),
     _supported(
         "scheduler.params",
         "dict",
-        "WarmupLR/WarmupDecayLR: `warmup_min_lr` (0), `warmup_max_lr` (0.001), `warmup_num_steps` (1000), "
+        "WarmupLR/WarmupDecayLR: `warmup_min_lr` (0), `warmup_max_lr` (WarmupLR: the optimizer's lr; "
+        "WarmupDecayLR: 0.001), `warmup_num_steps` (1000), "
         "`warmup_type` (`log`/`linear`), `total_num_steps` (WarmupDecayLR, required). WarmupCosineLR: "
         "`total_num_steps` (required), `warmup_min_ratio` (0), `warmup_num_steps` (1000), `cos_min_ratio` (0.0001), "
         "`warmup_type` (a ratio of the optimizer's lr). OneCycle: `cycle_min_lr`, `cycle_max_lr` (required), "
         "`cycle_first_step_size` (2000), `cycle_second_step_size`, `cycle_first_stair_count` (0), "
         "`cycle_second_stair_count`, `decay_step_size` (0), `decay_lr_rate` (0), `cycle_momentum` (true), "
-        "`cycle_min_mom` (0.8), `cycle_max_mom` (0.9), `decay_mom_rate` (0)",
+        "`cycle_min_mom` (0.8), `cycle_max_mom` (0.9), `decay_mom_rate` (0). LRRangeTest: "
+        "`lr_range_test_min_lr` (0.001), `lr_range_test_step_size` (2000), `lr_range_test_step_rate` (1), "
+        "`lr_range_test_staircase` (false)",
         auto='`warmup_min_lr`: `auto_values["warmup_min_lr"]` or 0; `warmup_max_lr`: `["lr"]`; '
         "`warmup_num_steps`, `total_num_steps`: same names",
     ),
@@ -744,7 +747,8 @@ RULES: tuple[Rule, ...] = (
     _no_effect(
         "dataloader_drop_last",
         "bool",
-        "the engine does not build data loaders",
+        "`shardtrain.initialize` builds no data loader; `shardtrain.deepspeed.initialize(training_data=...)` "
+        "does, and drops an incomplete last micro-batch with it, as DeepSpeed's loader does",
         check=StrictBool,
     ),
     _no_effect(
