@@ -323,14 +323,17 @@ class Engine:
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backpropagate ``loss / gradient_accumulation_steps`` and reduce gradients across ranks."""
+    def backward(self, loss: torch.Tensor, *, scale_wrt_gas: bool = True) -> None:
+        """Backpropagate ``loss / gradient_accumulation_steps`` and reduce gradients across ranks.
+
+        ``scale_wrt_gas=False`` (DeepSpeed's argument): the loss is already divided for accumulation (as the Hugging
+        Face Trainer's is), so it is backpropagated as given."""
         if not torch.is_tensor(loss) or loss.numel() != 1:
             raise ValueError(f"engine.backward expects a scalar loss tensor, got {_describe(loss)}")
         self._agree("backward")  # every micro-step: see [Note: phase agreement] for why
         self.monitor.record_loss(loss)  # the train_loss metric (rank 0)
         with self.monitor.timed("backward"):
-            self._backward(loss)
+            self._backward(loss, self.gradient_accumulation_steps if scale_wrt_gas else 1)
 
     def _graph_units(self) -> ShardedUnits | None:
         """ZeRO-3 in graph mode: the units as graph inputs; the eager gather hooks are removed (see [Note: ZeRO-3
@@ -362,7 +365,7 @@ class Engine:
             what = f"ZeRO-3 units in the captured {call} graph"
             raise self.comm.describe_failure("a gather or reduce-scatter", what, err, started=started) from err
 
-    def _backward(self, loss: torch.Tensor) -> None:
+    def _backward(self, loss: torch.Tensor, divisor: int) -> None:
         # graph-mode ZeRO-3: the graph reduces the units (the reducer was told), the eager unit runtime is idle
         units = self._units if self._graph is None or self._graph.sharded is None else None
         self._reducer.begin_backward(self.is_gradient_accumulation_boundary())
@@ -372,7 +375,7 @@ class Engine:
             if self.scaler is not None:  # fp16: scale in fp32 (the scaled loss may not fit fp16)
                 loss = loss.float() * self.scaler.scale
             with self._graph_collectives("backward"):
-                (loss / self.gradient_accumulation_steps).backward()
+                (loss / divisor if divisor != 1 else loss).backward()
         finally:
             self._reducer.end_backward()
             if units is not None:

@@ -47,15 +47,11 @@ class DeepSpeedEngine:
         return self.shardtrain_engine(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
-        """Backpropagate ``loss / gradient_accumulation_steps``; returns ``loss`` as DeepSpeed does."""
+        """Backpropagate ``loss / gradient_accumulation_steps`` (``loss`` as given with ``scale_wrt_gas=False``);
+        returns ``loss`` as DeepSpeed does."""
         if retain_graph:
             raise not_provided("engine.backward(retain_graph=True)", "run forward again for a second backward")
-        if not scale_wrt_gas:
-            raise not_provided(
-                "engine.backward(scale_wrt_gas=False)",
-                "the loss is always divided by gradient_accumulation_steps; multiply it beforehand to undo that",
-            )
-        self.shardtrain_engine.backward(loss)
+        self.shardtrain_engine.backward(loss, scale_wrt_gas=scale_wrt_gas)
         return loss
 
     def step(self, lr_kwargs: dict | None = None) -> None:

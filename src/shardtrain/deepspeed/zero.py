@@ -18,7 +18,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardtrain.config import load_config
 from shardtrain.deepspeed.unsupported import not_provided
 from shardtrain.engine import Engine
 from shardtrain.zero.guarded import guard_of
@@ -36,9 +35,10 @@ def register_engine(engine: Engine) -> None:
 class Init:
     """``deepspeed.zero.Init``: build a model with its parameters sharded over the ranks as they are created.
 
-    ``enabled=False`` builds it normally. ``config_dict_or_path`` / ``config`` is read for its timeout only (the
-    stage is the config passed to ``initialize``). Remote devices, quantized weights and other groups are refused
-    by name."""
+    ``enabled=False`` builds it normally. ``config_dict_or_path`` / ``config`` goes to shardtrain's ``zero.Init``:
+    its timeout, and with ``tensor_parallel.size`` > 1 a deferred build whose parameters are materialized as each
+    rank's fragment of its block after the split (docs/sharded-construction.md). Remote devices, quantized weights
+    and other groups are refused by name."""
 
     def __init__(
         self,
@@ -80,11 +80,10 @@ class Init:
         if config_dict_or_path is not None and config is not None:
             raise ValueError("deepspeed.zero.Init: pass config_dict_or_path or config, not both")
         source = config_dict_or_path if config_dict_or_path is not None else config
-        timeout = load_config(source).collective_timeout_s if source is not None else 1800.0
         # remote_device "cpu" asks for the shards in host memory: on CPU they are, on CUDA it is refused by
         # initialize's offload checks like offload_param; shardtrain creates them on the device it trains on
         self.enabled = enabled
-        self._inner = _ShardedInit(timeout_s=timeout) if enabled else None
+        self._inner = _ShardedInit(source) if enabled else None
 
     def __enter__(self) -> Init:
         if self._inner is not None:

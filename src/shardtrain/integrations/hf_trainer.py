@@ -24,8 +24,8 @@ checkpoint rotation); shardtrain replaces what accelerate would do with DeepSpee
   (DeepSpeed's engine is driven the same way by accelerate): at the Trainer's accumulation boundary (its
   ``sync_gradients``) the engine reduces, clips (``gradient_clipping``), steps optimizer and scheduler. The Trainer's
   loss is already divided for accumulation (or normalized by ``num_items_in_batch``), so the engine must not divide
-  it again: it is handed ``loss * gradient_accumulation_steps``, which its backward divides back (exact for powers
-  of two; within one rounding of the loss otherwise). ``clip_grad_norm_`` answers the engine's norm of that step.
+  it again: ``engine.backward(loss, scale_wrt_gas=False)``, as accelerate drives DeepSpeed's engine.
+  ``clip_grad_norm_`` answers the engine's norm of that step.
 * Checkpoints: ``checkpoint-N/`` holds what the Trainer writes (``model.safetensors`` and ``config.json`` from
   ``save_model``, ``trainer_state.json``, RNG states) and, in place of ``optimizer.pt``/``scheduler.pt``, the
   engine's sharded checkpoint (``global_stepN/`` and ``latest``), as DeepSpeed's does. ``resume_from_checkpoint``
@@ -360,7 +360,7 @@ class ShardtrainTrainerMixin:
                 f"engine (gradient_accumulation_steps={gas}) ends one: the engine was driven outside the Trainer "
                 "(engine.backward/engine.step called directly); let the Trainer drive it"
             )
-        engine.backward(loss * gas)  # the engine divides by gas; the Trainer already did
+        engine.backward(loss, scale_wrt_gas=False)  # the Trainer already divided it for accumulation
         if boundary:
             lr = engine.get_lr()
             skipped_before = engine.skipped_steps
