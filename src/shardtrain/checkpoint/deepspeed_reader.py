@@ -217,7 +217,7 @@ class DeepSpeedReader:
         if self.optim_files:
             stage, world = self._zero_pieces(main, tensors, shapes, dtypes, groups, kinds)
         else:
-            stage, world = 0, 1
+            stage, world = 0, int(main.get("dp_world_size") or 1)
             shared.update(self._stage0_pieces(main, module, buffers, tensors, shapes, dtypes, groups, kinds))
         self.stage = stage
         # everything not stepped by the optimizer: buffers and frozen parameters
