@@ -150,6 +150,8 @@ def _dig(data: Any, keys: tuple, where: str) -> Any:
 class DeepSpeedReader:
     """A DeepSpeed checkpoint (one tag directory) behind the interface of ``CheckpointReader``."""
 
+    format_name = "written by DeepSpeed"
+
     def __init__(self, path: Path) -> None:
         self.path = path
         self.verify_reads = False  # DeepSpeed's files carry no checksums
