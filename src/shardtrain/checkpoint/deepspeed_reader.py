@@ -124,10 +124,6 @@ def find_deepspeed_dir(path: str | os.PathLike, tag: str | None = None) -> Path 
     return ckpt if ckpt.is_dir() and _model_files(ckpt) else None
 
 
-def open_deepspeed_checkpoint(ckpt: Path) -> DeepSpeedReader:
-    return DeepSpeedReader(ckpt)
-
-
 @dataclass(frozen=True)
 class _Source:
     """Where a piece's elements are: ``file``, the keys from the top of its dict down to a tensor, and the
@@ -341,9 +337,9 @@ class DeepSpeedReader:
         base = _dig(first, state_keys, str(self.path / self.optim_files[0]))
         if not isinstance(base, dict) or "param_groups" not in base:
             raise CheckpointError(
-                f"{self.path / self.optim_files[0]}: the optimizer state is not a torch state dict (written by an "
-                "older DeepSpeed?); load it with load_optimizer_states=False is not possible either: the fp32 "
-                "masters are in it"
+                f"{self.path / self.optim_files[0]}: the optimizer state is not a torch optimizer state dict (the "
+                "'elastic' layout of some DeepSpeed releases); this reader does not know it: load the checkpoint "
+                "into DeepSpeed and save it again with elastic_checkpoint off"
             )
         saved_groups = base["param_groups"]
         paddings = osd.get("param_alignment_paddings")
@@ -542,7 +538,7 @@ class DeepSpeedReader:
             "engine/scheduler": main.get("lr_scheduler"),
             "engine/scaler": self._scaler(main, config),
             "client_state": {k: _detach(v) for k, v in main.items() if k not in DEEPSPEED_KEYS},
-            "optimizer/param_groups": groups,
+            "optimizer/param_groups": groups or None,  # None: no optimizer state to offer
             "optimizer/state_kinds": dict(sorted(kinds.items())),
         }
         for key, fname in (("hf/config", "config.json"), ("hf/generation_config", "generation_config.json")):

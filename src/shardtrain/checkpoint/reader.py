@@ -75,13 +75,11 @@ def _read_text(path: Path) -> str:
 
 
 def open_checkpoint(path: str | os.PathLike, tag: str | None = None, *, verify: bool = True) -> CheckpointReader:
-    """Open a checkpoint for reading; see :func:`resolve_checkpoint_dir` for ``path`` and ``tag``. A directory
-    written by DeepSpeed's ``save_checkpoint`` opens as a ``DeepSpeedReader`` (same interface)."""
-    from shardtrain.checkpoint.deepspeed_reader import find_deepspeed_dir, open_deepspeed_checkpoint
+    """Open a checkpoint for reading; see :func:`resolve_checkpoint_dir` for ``path`` and ``tag``."""
+    from shardtrain.checkpoint.deepspeed_reader import DeepSpeedReader, find_deepspeed_dir  # DeepSpeed's own saves
 
-    ds_dir = find_deepspeed_dir(path, tag)
-    if ds_dir is not None:
-        return open_deepspeed_checkpoint(ds_dir)
+    if (ds_dir := find_deepspeed_dir(path, tag)) is not None:
+        return DeepSpeedReader(ds_dir)  # type: ignore[return-value]  # the same reading interface
     ckpt = resolve_checkpoint_dir(path, tag)
     text = _read_text(ckpt / MANIFEST_NAME)
     return CheckpointReader(ckpt, Manifest.from_json(text, str(ckpt / MANIFEST_NAME)), verify=verify)
