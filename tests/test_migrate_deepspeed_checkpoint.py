@@ -22,7 +22,7 @@ from ds_helpers import SAVE_AT, STEPS, case_name, resume, write_deepspeed_checkp
 from shardtrain.checkpoint.reader import open_checkpoint
 from shardtrain.cli import main
 from shardtrain.errors import CheckpointError, UnsafePickleError
-from shardtrain.testing import run_distributed
+from shardtrain.testing import DistributedFailure, run_distributed
 
 DEFAULT_CASES = [(1, "fp32"), (3, "fp32"), (2, "bf16")]
 SOAK_CASES = [(0, "fp32"), (2, "fp32"), (1, "bf16"), (3, "bf16")]
@@ -135,6 +135,20 @@ def test_unknown_class_is_refused_by_name(ds_checkpoints, tmp_path):
     optim.write_bytes((bad / tag / "mp_rank_00_model_states.pt").read_bytes()[:100])
     with pytest.raises(CheckpointError, match=r"zero_pp_rank_1_mp_rank_00_optim_states\.pt.*damaged"):
         open_checkpoint(bad)
+
+
+def test_deepspeed_scheduler_state_into_a_torch_scheduler_is_refused(ds_checkpoints, tmp_path):
+    """DeepSpeed's own schedulers save ``{'last_batch_iteration': k}``; a torch scheduler would take that dict
+    silently (``__dict__.update``) and keep its own position, so the load refuses it, naming what to do."""
+    root, _ = ds_checkpoints
+    ckpt = tmp_path / "warmup"
+    shutil.copytree(root / case_name(1, "fp32"), ckpt)
+    states = ckpt / (ckpt / "latest").read_text().strip() / "mp_rank_00_model_states.pt"
+    data = torch.load(states, weights_only=False)  # our own test file: rewritten as a WarmupLR run would save it
+    data["lr_scheduler"] = {"last_batch_iteration": SAVE_AT - 1}
+    torch.save(data, states)
+    with pytest.raises(DistributedFailure, match=r"saved by a DeepSpeed scheduler.*LambdaLR cannot take"):
+        run_distributed(resume, 1, str(tmp_path), "warmup", 1, "fp32", timeout=300)
 
 
 def test_cli_inspect_and_consolidate(ds_checkpoints, tmp_path, capsys):
