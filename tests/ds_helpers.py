@@ -75,8 +75,11 @@ def _global_mean(value: float) -> float:
     return float(t) / dist.get_world_size()
 
 
-def _train(call, steps: range) -> list[float]:
-    rank, world = dist.get_rank(), dist.get_world_size()
+def _train(call, steps: range, dp: int | None = None, dp_rank: int | None = None) -> list[float]:
+    """The loss of each step; rank ``dp_rank`` of ``dp`` data-parallel ranks (default: every rank) trains on its
+    rows of the global batch (the ranks of a tensor-parallel group on the same rows)."""
+    world = dp or dist.get_world_size()
+    rank = dist.get_rank() if dp_rank is None else dp_rank
     rows = ROWS // world
     losses = []
     for s in steps:
@@ -131,21 +134,25 @@ def write_deepspeed_checkpoints(root: str, cases: list[tuple[int, str]]) -> dict
     return out
 
 
-def resume(root: str, name: str, stage: int, dtype: str, load_optimizer_states: bool = True) -> dict:
-    """On every rank: a shardtrain engine (another seed) loads ``root/name`` and trains the steps after the save."""
+def resume(root: str, name: str, stage: int, dtype: str, load_optimizer_states: bool = True, tp: int = 1) -> dict:
+    """On every rank: a shardtrain engine (another seed) loads ``root/name`` and trains the steps after the save.
+    With ``tp`` > 1, ``fc`` is split over tensor-parallel groups of ``tp`` ranks (its output dimension)."""
     import shardtrain
 
     model = DSNet(seed=1)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=WD)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+    dp = dist.get_world_size() // tp
     config = {
-        "train_micro_batch_size_per_gpu": ROWS // dist.get_world_size(),
+        "train_micro_batch_size_per_gpu": ROWS // dp,
         "gradient_clipping": CLIP,
         "zero_optimization": {"stage": stage},
+        "tensor_parallel": {"size": tp},
     }
     if dtype != "fp32":
         config[dtype] = {"enabled": True}
-    engine = shardtrain.initialize(model, config=config, optimizer=opt, lr_scheduler=sched)
+    tp_plan = {"fc": "colwise_gather_output"} if tp > 1 else None
+    engine = shardtrain.initialize(model, config=config, optimizer=opt, lr_scheduler=sched, tp_plan=tp_plan)
     import warnings
 
     with warnings.catch_warnings():
@@ -158,7 +165,7 @@ def resume(root: str, name: str, stage: int, dtype: str, load_optimizer_states: 
         engine.step()
         return float(loss.detach().float())
 
-    losses = _train(step, range(SAVE_AT, STEPS))
+    losses = _train(step, range(SAVE_AT, STEPS), dp, engine.topology.dp_rank)
     return {
         "losses": losses,
         "client_state": client,

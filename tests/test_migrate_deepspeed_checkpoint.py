@@ -98,6 +98,15 @@ def test_resume_equals_deepspeed_continuation(ds_checkpoints, stage, dtype, load
     assert torch.equal(results[0]["client_state"]["ids"], torch.arange(4))
 
 
+def test_resume_into_tensor_parallel_layout(ds_checkpoints):
+    """A DeepSpeed ZeRO-3 checkpoint into tensor parallelism 2 x data parallelism 2 at ZeRO-1: each rank reads
+    the ZeRO fragments of its tensor-parallel block of ``fc``."""
+    root, runs = ds_checkpoints
+    name = case_name(3, "fp32")
+    got = run_distributed(resume, 4, str(root), name, 1, "fp32", True, 2, timeout=300)[0]["losses"]
+    assert got == pytest.approx(runs[name]["after"], rel=RTOL)
+
+
 def test_fresh_optimizer_fails_the_tolerance(ds_checkpoints):
     """The comparison above can tell: the same weights with a fresh optimizer miss it by far."""
     root, runs = ds_checkpoints
