@@ -180,3 +180,90 @@ def zero_to_fp32(path: str) -> dict[str, torch.Tensor]:
 
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         return get_fp32_state_dict_from_zero_checkpoint(path)
+
+
+# -- tensor parallelism: DeepSpeed AutoTP (mp_rank_XX files) -------------------------------------------------------
+TP_SAVE_AT, TP_STEPS = 2, 4
+
+
+def tiny_llama(seed: int = 0) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=16,
+        attn_implementation="eager",
+    )
+    return LlamaForCausalLM(cfg)
+
+
+def llama_batches() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 64, (2, 8), generator=g) for _ in range(TP_STEPS)]
+
+
+def write_autotp_checkpoint(root: str) -> dict:
+    """DeepSpeed AutoTP over 2 ranks (tensor parallel 2, data parallel 1, ZeRO-1): train, save, continue."""
+    import deepspeed
+
+    model = tiny_llama()
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_clipping": CLIP,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD, "torch_adam": True}},
+        "zero_optimization": {"stage": 1},
+        "tensor_parallel": {"autotp_size": 2},
+        "steps_per_print": 10**6,
+    }
+    with contextlib.redirect_stdout(io.StringIO()):
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    losses = []
+    for x in llama_batches()[:TP_SAVE_AT]:
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    engine.save_checkpoint(root)
+    after = []
+    for x in llama_batches()[TP_SAVE_AT:]:
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        after.append(float(loss.detach()))
+    return {"before": losses, "after": after}
+
+
+def resume_llama(root: str, stage: int) -> list[float]:
+    """A shardtrain engine (data parallel only, another seed) loads the AutoTP checkpoint and goes on; every rank
+    sees the whole batch rows split between them."""
+    import shardtrain
+
+    model = tiny_llama(seed=1)
+    world = dist.get_world_size()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    config = {
+        "train_micro_batch_size_per_gpu": 2 // world,
+        "gradient_clipping": CLIP,
+        "zero_optimization": {"stage": stage},
+    }
+    engine = shardtrain.initialize(model, config=config, optimizer=opt)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine.load_checkpoint(root)
+    rank, rows = dist.get_rank(), 2 // world
+    losses = []
+    for x in llama_batches()[TP_SAVE_AT:]:
+        mine = x[rank * rows : (rank + 1) * rows]
+        loss = engine(input_ids=mine, labels=mine).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(_global_mean(float(loss.detach())))
+    return losses

@@ -56,6 +56,8 @@ from shardtrain.checkpoint.deepspeed_pickle import LossScalerState, load_deepspe
 from shardtrain.checkpoint.format import (
     DTYPE_NAMES,
     FORMAT_VERSION,
+    BlockFlatSlice,
+    BlockSlice,
     FileEntry,
     FlatSlice,
     Manifest,
@@ -180,12 +182,8 @@ class DeepSpeedReader:
         d = self.path
         model_files = _model_files(d)
         mp_ranks = sorted({int(_MODEL_FILE.match(f).group(2)) for f in model_files})
-        if mp_ranks != [0]:
-            raise CheckpointError(
-                f"{d}: a DeepSpeed checkpoint with tensor parallelism (model-states files of mp ranks {mp_ranks}); "
-                "DeepSpeed does not record how each parameter was split, so it cannot be resharded here: convert "
-                "it with DeepSpeed's ds_to_universal (or consolidate it with the training code) first"
-            )
+        if mp_ranks != list(range(len(mp_ranks))):
+            raise CheckpointError(f"{d}: model-states files of tensor-parallel ranks {mp_ranks}: some are missing")
         z3 = [f for f in model_files if f.startswith("zero_pp_rank_")]
         main_name = "zero_pp_rank_0_mp_rank_00_model_states.pt" if z3 else "mp_rank_00_model_states.pt"
         main = self._file(main_name)
@@ -193,14 +191,24 @@ class DeepSpeedReader:
         for key in ("module", "global_steps"):
             if key not in main:
                 raise CheckpointError(f"{where}: has no {key!r}; not a DeepSpeed model-states file")
-        optim_files: dict[int, str] = {}
+        optim_files: dict[int, dict[int, str]] = {m: {} for m in mp_ranks}  # tp rank -> dp rank -> file
         for p in d.glob("*_optim_states.pt"):
             m = _OPTIM_FILE.match(p.name)
-            if m and int(m.group(3)) == 0:
-                optim_files[int(m.group(2))] = p.name
-        self.optim_files = [optim_files[r] for r in sorted(optim_files)]
-        if sorted(optim_files) != list(range(len(optim_files))):
-            raise CheckpointError(f"{d}: optimizer files of ranks {sorted(optim_files)}: some are missing")
+            if m and int(m.group(3)) in optim_files:
+                optim_files[int(m.group(3))][int(m.group(2))] = p.name
+        for m, files in optim_files.items():
+            if sorted(files) != list(range(len(files))) or len(files) != len(optim_files[0]):
+                raise CheckpointError(
+                    f"{d}: optimizer files of data-parallel ranks {sorted(files)} for tensor-parallel rank {m}: "
+                    "some are missing"
+                )
+        self.optim_files = [optim_files[0][r] for r in sorted(optim_files[0])]
+        blocks = self._tp_blocks(main, 0) if len(mp_ranks) > 1 else {}
+        if blocks and not self.optim_files:
+            raise CheckpointError(
+                f"{d}: a tensor-parallel DeepSpeed checkpoint without ZeRO optimizer files (stage 0); only stages 1 "
+                "and 2 are read with tensor parallelism"
+            )
         module = main["module"]
         if not isinstance(module, dict):
             raise CheckpointError(f"{where}: 'module' is a {type(module).__name__}, not a state dict")
@@ -213,7 +221,11 @@ class DeepSpeedReader:
         kinds: dict[str, str] = {}
 
         if self.optim_files:
-            stage, world = self._zero_pieces(main, tensors, shapes, dtypes, groups, kinds)
+            stage, world = self._zero_pieces(main, tensors, shapes, dtypes, groups, kinds, blocks=blocks)
+            for m in mp_ranks[1:]:
+                files = [optim_files[m][r] for r in sorted(optim_files[m])]
+                other = self._file(f"mp_rank_{m:02d}_model_states.pt")
+                self._zero_pieces(other, tensors, shapes, dtypes, groups, kinds, m, files, self._tp_blocks(other, m))
         else:
             stage, world = 0, int(main.get("dp_world_size") or 1)
             shared.update(self._stage0_pieces(main, module, buffers, tensors, shapes, dtypes, groups, kinds))
@@ -223,6 +235,11 @@ class DeepSpeedReader:
         for name, value in module.items():
             if name in shapes or name in shared:
                 continue
+            if blocks.get(name, (None,))[0] is not None:
+                raise CheckpointError(
+                    f"{where}: parameter {name!r} is split by tensor parallelism but not stepped by the optimizer "
+                    "(frozen); such parameters are not read from tensor-parallel DeepSpeed checkpoints"
+                )
             if name in frozen_shapes:
                 shape = tuple(frozen_shapes[name])
                 if stage == 3:
@@ -286,11 +303,11 @@ class DeepSpeedReader:
         for f in sorted(used):
             rank = int((re.search(r"zero_pp_rank_(\d+)", f) or [0, 0])[1])
             files[f] = FileEntry(f, rank, (d / f).stat().st_size)
-        self._objects = self._make_objects(main, groups, kinds, stage, world)
+        self._objects = self._make_objects(main, groups, kinds, stage, world, len(mp_ranks))
         return Manifest(
             version=FORMAT_VERSION,
             tag=d.name,
-            world_size=world,
+            world_size=world * len(mp_ranks),
             tensors=entries,
             files=files,
             objects={k: ObjectRecord(k, "json") for k in self._objects},
@@ -298,17 +315,25 @@ class DeepSpeedReader:
 
     _optim_shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]
 
-    def _zero_pieces(self, main, tensors, shapes, dtypes, groups, kinds) -> tuple[int, int]:
-        """Pieces of the trainable parameters and their optimizer state at stages 1-3."""
-        self._optim_shapes = {}
-        first = self._file(self.optim_files[0])
-        osd = _dig(first, ("optimizer_state_dict",), str(self.path / self.optim_files[0]))
+    def _zero_pieces(
+        self, main, tensors, shapes, dtypes, groups, kinds, mp_rank: int = 0, optim_files=None, blocks=None
+    ) -> tuple[int, int]:
+        """Pieces of the trainable parameters and their optimizer state at stages 1-3, from the files of tensor
+        parallel rank ``mp_rank`` (``main`` is its model-states file). ``blocks``: parameter name -> (the
+        tensor-parallel block this rank holds, or None when replicated; the logical shape), for ``mp_rank_XX``
+        checkpoints ([Note: DeepSpeed tensor parallelism])."""
+        blocks = blocks or {}
+        optim_files = optim_files if optim_files is not None else self.optim_files
+        if mp_rank == 0:
+            self._optim_shapes = {}
+        first = self._file(optim_files[0])
+        osd = _dig(first, ("optimizer_state_dict",), str(self.path / optim_files[0]))
         stage = int(osd.get("zero_stage", -1))
         world = osd.get("partition_count")
         world = max(world) if isinstance(world, list) else world
-        if world != len(self.optim_files):
+        if world != len(optim_files):
             raise CheckpointError(
-                f"{self.path}: the optimizer state was partitioned over {world} ranks but {len(self.optim_files)} "
+                f"{self.path}: the optimizer state was partitioned over {world} ranks but {len(optim_files)} "
                 "optimizer files are present; the checkpoint is incomplete (a rank did not save?)"
             )
         param_shapes = main.get("param_shapes")
@@ -333,11 +358,11 @@ class DeepSpeedReader:
                 ),
             )
         else:
-            raise CheckpointError(f"{self.path}: unknown ZeRO stage {stage!r} in {self.optim_files[0]}")
-        base = _dig(first, state_keys, str(self.path / self.optim_files[0]))
+            raise CheckpointError(f"{self.path}: unknown ZeRO stage {stage!r} in {optim_files[0]}")
+        base = _dig(first, state_keys, str(self.path / optim_files[0]))
         if not isinstance(base, dict) or "param_groups" not in base:
             raise CheckpointError(
-                f"{self.path / self.optim_files[0]}: the optimizer state is not a torch optimizer state dict (the "
+                f"{self.path / optim_files[0]}: the optimizer state is not a torch optimizer state dict (the "
                 "'elastic' layout of some DeepSpeed releases); this reader does not know it: load the checkpoint "
                 "into DeepSpeed and save it again with elastic_checkpoint off"
             )
@@ -346,9 +371,10 @@ class DeepSpeedReader:
         for g, group_shapes in enumerate(param_shapes):
             names = list(group_shapes)
             state_index = saved_groups[g]["params"][0]
-            groups.append({**{k: v for k, v in saved_groups[g].items() if k != "params"}, "params": names})
+            if mp_rank == 0:  # the same groups and names on every tensor-parallel rank
+                groups.append({**{k: v for k, v in saved_groups[g].items() if k != "params"}, "params": names})
             lengths = [
-                self._tensor(_Source(f, (*masters, g), 0)).numel() for f in self.optim_files
+                self._tensor(_Source(f, (*masters, g), 0)).numel() for f in optim_files
             ]  # each rank's part of the group
             state0 = base["state"].get(state_index, {})
             elementwise = {k for k, v in state0.items() if torch.is_tensor(v) and v.dim() > 0}
@@ -362,7 +388,9 @@ class DeepSpeedReader:
             for i, (name, shape) in enumerate(group_shapes.items()):
                 shape = tuple(shape)
                 n = math.prod(shape)
-                shapes[name], dtypes[name] = shape, self._tensor(_Source(self.optim_files[0], (*masters, g), 0)).dtype
+                block, logical = blocks.get(name, (None, shape))
+                replica = mp_rank > 0 and block is None  # replicated over tensor parallelism: rank 0's copy
+                shapes[name], dtypes[name] = logical, self._tensor(_Source(optim_files[0], (*masters, g), 0)).dtype
                 spans = []  # (rank, offset in the rank's tensor, FlatSlice of the parameter)
                 if stage == 3:
                     per = -(-n // world)
@@ -374,18 +402,24 @@ class DeepSpeedReader:
                         if hi > lo:
                             spans.append((r, lo - starts[r], FlatSlice(lo - offset, hi - lo)))
                     offset += n + (paddings[g][i] if paddings is not None else 0)
+                if block is not None:  # ZeRO fragments of this rank's block
+                    spans = [(r, at, BlockFlatSlice(block, w.start, w.length)) for r, at, w in spans]
+                if replica:
+                    continue
                 for r, at, where in spans:
-                    f = self.optim_files[r]
+                    f = optim_files[r]
                     self._piece(tensors, f"model/{name}", f, (*masters, g), at, where)
                     for k in elementwise:
                         self._piece(tensors, f"optim/{name}/{k}", f, (*state_keys, "state", state_index, k), at, where)
                 for k in elementwise:
-                    self._optim_shapes[f"optim/{name}/{k}"] = (shape, state0[k].dtype)
+                    self._optim_shapes[f"optim/{name}/{k}"] = (logical, state0[k].dtype)
+                if mp_rank > 0:
+                    continue
                 for k in scalar:
                     self._piece(
                         tensors,
                         f"optim/{name}/{k}",
-                        self.optim_files[0],
+                        optim_files[0],
                         (*state_keys, "state", state_index, k),
                         0,
                         FlatSlice(0, 1),
@@ -404,6 +438,33 @@ class DeepSpeedReader:
                     f"{used}; the checkpoint is damaged or of a layout this reader does not know"
                 )
         return stage, world
+
+    def _tp_blocks(self, main: dict, mp_rank: int) -> dict[str, tuple[BlockSlice | None, tuple[int, ...]]]:
+        """[Note: DeepSpeed tensor parallelism]
+        AutoTP records, in the model-states file's ``universal_checkpoint_info``, an ``affine_map``: per parameter
+        (a regex of its name) the logical shape and, per tensor-parallel rank, the boxes of the logical tensor its
+        shard holds. A shard that is one box, block ``i`` of ``n`` equal blocks along one dimension, becomes a
+        ``BlockSlice``; a shard equal to the whole tensor is replicated. Anything else (fused sub-parameters,
+        padded vocabularies, several boxes) is refused, naming the parameter. ``main``: the model-states file of
+        tensor-parallel rank ``mp_rank``."""
+        info = main.get("universal_checkpoint_info") or {}
+        amap = (info.get("affine_map") or {}).get("params") if isinstance(info, dict) else None
+        where = str(self.path)
+        if not isinstance(amap, dict):
+            raise CheckpointError(
+                f"{where}: a DeepSpeed checkpoint with tensor parallelism (mp_rank_XX files) that records no "
+                "'affine_map' of how each parameter was split (written by Megatron-DeepSpeed or an older "
+                "DeepSpeed); convert it with DeepSpeed's ds_to_universal first"
+            )
+        patterns = [(re.compile(k), v) for k, v in amap.items()]
+        out: dict[str, tuple[BlockSlice | None, tuple[int, ...]]] = {}
+        for group in main.get("param_shapes") or []:
+            for name, local in group.items():
+                entry = next((v for pat, v in patterns if pat.fullmatch(name)), None)
+                if entry is None:
+                    raise CheckpointError(f"{where}: the tensor-parallel map has no entry for parameter {name!r}")
+                out[name] = _block_of(name, entry, mp_rank, tuple(local), where)
+        return out
 
     def _stage0_pieces(self, main, module, buffers, tensors, shapes, dtypes, groups, kinds) -> dict[str, str]:
         """Stage 0: weights from ``module``; the optimizer's parameters matched to the module's in order (no names
@@ -516,7 +577,9 @@ class DeepSpeedReader:
                 out[i] = shape
         return out
 
-    def _make_objects(self, main: dict, groups: list, kinds: dict, stage: int, world: int) -> dict[str, Any]:
+    def _make_objects(
+        self, main: dict, groups: list, kinds: dict, stage: int, world: int, tp: int = 1
+    ) -> dict[str, Any]:
         config = main.get("ds_config") if isinstance(main.get("ds_config"), dict) else {}
         gas = int(config.get("gradient_accumulation_steps") or 1) if isinstance(config, dict) else 1
         steps = int(main.get("global_steps", 0))
@@ -528,9 +591,9 @@ class DeepSpeedReader:
                 "global_samples": int(main.get("global_samples", 0)),
             },
             "engine/topology": {
-                "world_size": world,
+                "world_size": world * tp,
                 "dp": world,
-                "tp": 1,
+                "tp": tp,
                 "zero_stage": stage,
                 "format": "deepspeed",
                 "ds_version": str(main.get("ds_version")),
@@ -658,6 +721,35 @@ class DeepSpeedReader:
                 if progress is not None:
                     progress(piece.slice.piece_shape(entry.global_shape)[0] * entry.torch_dtype.itemsize)
         return problems
+
+
+def _block_of(
+    name: str, entry: dict, rank: int, local: tuple[int, ...], where: str
+) -> tuple[BlockSlice | None, tuple[int, ...]]:
+    """(the block rank ``rank`` holds, or None when its shard is the whole tensor; the logical shape) from one
+    parameter's entry of an AutoTP affine map."""
+    logical = tuple(entry["logical_shape"])
+    ranks = entry["ranks"]
+    mine = ranks.get(rank, ranks.get(str(rank)))
+    refuse = f"{where}: parameter {name!r}: its tensor-parallel split"
+    if mine is None:
+        raise CheckpointError(f"{refuse} names no shard for rank {rank}")
+    pieces = mine["pieces"]
+    if len(pieces) != 1:
+        raise CheckpointError(f"{refuse} is {len(pieces)} boxes (fused sub-parameters), which is not read here")
+    piece = pieces[0]
+    shape = tuple(piece["shape"])
+    (src, src_strides), (dst, _) = piece["source"], piece["dest"]
+    contiguous = [math.prod(logical[i + 1 :]) for i in range(len(logical))]
+    if shape != local or dst != 0 or list(src_strides) != contiguous:
+        raise CheckpointError(f"{refuse} is not one block of the tensor (box {shape} at {src}); not read here")
+    if shape == logical:
+        return None, logical
+    dims = [i for i in range(len(logical)) if shape[i] != logical[i]]
+    if len(dims) != 1 or logical[dims[0]] % shape[dims[0]] or src % (shape[dims[0]] * contiguous[dims[0]]):
+        raise CheckpointError(f"{refuse} (box {shape} at {src} of {logical}) is not one of equal blocks")
+    d = dims[0]
+    return BlockSlice(d, src // (shape[d] * contiguous[d]), logical[d] // shape[d]), logical
 
 
 def _match_in_order(
