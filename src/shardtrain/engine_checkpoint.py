@@ -334,6 +334,7 @@ def _load(state: TrainingState, load_dir: str | Path, tag: str | None, load_opti
         for group, saved in group_matches:
             group.update({k: v for k, v in saved.items() if k != "params"})
         if state.lr_scheduler is not None and objects.get("engine/scheduler") is not None:
+            _check_scheduler_form(state.lr_scheduler, objects["engine/scheduler"], reader)
             state.lr_scheduler.load_state_dict(objects["engine/scheduler"])
     if state.scaler is not None and objects.get("engine/scaler") is not None:
         state.scaler.load_state_dict(objects["engine/scaler"])
@@ -355,6 +356,21 @@ def _load(state: TrainingState, load_dir: str | Path, tag: str | None, load_opti
             stacklevel=4,
         )
     return objects.get("client_state", {})
+
+
+def _check_scheduler_form(scheduler: Any, saved: Any, reader: CheckpointReader) -> None:
+    """A DeepSpeed scheduler's state (``{'last_batch_iteration': k}``, from a DeepSpeed checkpoint) loads only into
+    shardtrain's DeepSpeed-named schedulers: a torch scheduler's ``load_state_dict`` would take it without error
+    and without effect."""
+    if not (isinstance(saved, dict) and set(saved) == {"last_batch_iteration"}):
+        return
+    if not type(scheduler).__module__.startswith("shardtrain."):
+        raise CheckpointError(
+            f"{reader.path}: the LR scheduler state was saved by a DeepSpeed scheduler (last_batch_iteration="
+            f"{saved['last_batch_iteration']}), which a {type(scheduler).__name__} cannot take; build the scheduler "
+            "from the config's 'scheduler' section (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle) as the "
+            "DeepSpeed run did, or load with load_optimizer_states=False"
+        )
 
 
 def _load_optimizer_state(state: TrainingState, reader: CheckpointReader, entry_name) -> None:

@@ -1,7 +1,8 @@
 """``shardtrain checkpoint inspect DIR [--verify]`` and ``shardtrain checkpoint consolidate DIR OUT [...]``.
 
-``DIR`` is a save directory (the checkpoint ``latest`` names, or ``--tag``) or one checkpoint directory. Exit status:
-0 on success, 1 when ``--verify`` found damage, 2 for bad input (missing or unreadable checkpoint).
+``DIR`` is a save directory (the checkpoint ``latest`` names, or ``--tag``) or one checkpoint directory, of
+shardtrain or of DeepSpeed (``save_checkpoint``'s directories are read as they are, see ``deepspeed_reader.py``).
+Exit status: 0 on success, 1 when ``--verify`` found damage, 2 for bad input (missing or unreadable checkpoint).
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ def inspect(args: argparse.Namespace) -> int:
         print(f"shardtrain checkpoint: error: {err}", file=sys.stderr)
         return 2
     m = reader.manifest
-    print(f"checkpoint {reader.path} (format version {m.version})")
+    foreign = getattr(reader, "format_name", None)  # a DeepSpeed directory has no format version of ours
+    print(f"checkpoint {reader.path} ({foreign or f'format version {m.version}'})")
     print(f"tag: {m.tag}   saved by {m.world_size} rank(s)   files: {len(m.files)}")
     try:
         objects = reader.objects
@@ -87,6 +89,12 @@ def inspect(args: argparse.Namespace) -> int:
     for key in ("step", "topology"):
         if key in objects:
             print(f"{key}: {objects[key]}")
+    topology = objects.get("engine/topology") or {}
+    if topology.get("format") == "deepspeed":  # read through DeepSpeedReader (see deepspeed_reader.py)
+        print(
+            f"written by DeepSpeed {topology.get('ds_version')}: ZeRO stage {topology.get('zero_stage')}, "
+            f"{topology.get('dp')} data-parallel rank(s); counters {objects.get('engine/counters')}"
+        )
     print(f"global objects: {', '.join(sorted(m.objects)) or '-'}")
     per_rank = sorted({k for objs in m.rank_objects.values() for k in objs})
     print(f"per-rank objects: {', '.join(per_rank) or '-'}")
@@ -108,7 +116,10 @@ def inspect(args: argparse.Namespace) -> int:
         for p in problems:
             print(f"  {p}")
         return 1
-    print("verify: all files and checksums OK")
+    if foreign:
+        print("verify: every file opened and every piece found (DeepSpeed's files carry no checksums)")
+    else:
+        print("verify: all files and checksums OK")
     return 0
 
 

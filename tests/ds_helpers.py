@@ -1,0 +1,269 @@
+"""Real DeepSpeed checkpoints for the migration tests, and the shardtrain run that resumes them.
+
+:func:`write_deepspeed_checkpoints` trains a small model with DeepSpeed itself (CPU accelerator, gloo, the ranks of
+``run_distributed``) at the given ZeRO stages and precisions, saves a checkpoint after :data:`SAVE_AT` steps and
+keeps training to :data:`STEPS`: the losses after the save are DeepSpeed's own continuation from that checkpoint
+(the same engine going on; its resume at the same layout is exact). :func:`resume` loads a checkpoint into a
+shardtrain engine of any world size and stage, built from another seed so that every value must come from the
+checkpoint, and trains the same steps.
+
+The model has what real models have: a tied pair (embedding and LM head), a frozen parameter, a persistent buffer,
+and parameters of several shapes. No 0-dim parameter: DeepSpeed's broadcast at initialize fails on one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+from pathlib import Path
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported anywhere in this process
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB, DIM, SEQ, ROWS = 13, 8, 5, 6  # 6 rows: 3 per rank at DeepSpeed's world 2, and 6, 3, 2 at worlds 1-3
+SAVE_AT, STEPS = 3, 6
+LR, WD, CLIP = 1e-2, 0.1, 1.0
+
+
+def lr_lambda(step: int) -> float:
+    """A warm-up, so that the scheduler state matters after the resume."""
+    return min(1.0, (step + 1) / 5)
+
+
+class DSNet(nn.Module):
+    def __init__(self, seed: int = 0, tied: bool = True) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.fc = nn.Linear(DIM, DIM)
+        self.frozen = nn.Parameter(torch.randn(DIM, DIM) * 0.3, requires_grad=False)
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        if tied:
+            self.head.weight = self.embed.weight
+        self.scale = nn.Parameter(torch.tensor([1.0 + seed]))
+        self.register_buffer("mix", torch.randn(3, DIM))
+        with torch.no_grad():
+            self.norm.weight.uniform_(0.5, 1.5)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        h = h + torch.tanh(self.fc(h) @ self.frozen.to(h.dtype))
+        h = self.norm(h) + self.mix.mean(0).to(h.dtype)
+        logits = self.head(h) * self.scale
+        return F.cross_entropy(logits.float().reshape(-1, VOCAB), y.reshape(-1))
+
+
+def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for _ in range(STEPS):
+        x = torch.randint(0, VOCAB, (ROWS, SEQ), generator=g)
+        out.append((x, torch.roll(x, -1, 1)))
+    return out
+
+
+def _global_mean(value: float) -> float:
+    """The loss of the global batch: every rank's micro-batch has the same number of rows."""
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t) / dist.get_world_size()
+
+
+def _train(call, steps: range, dp: int | None = None, dp_rank: int | None = None) -> list[float]:
+    """The loss of each step; rank ``dp_rank`` of ``dp`` data-parallel ranks (default: every rank) trains on its
+    rows of the global batch (the ranks of a tensor-parallel group on the same rows)."""
+    world = dp or dist.get_world_size()
+    rank = dist.get_rank() if dp_rank is None else dp_rank
+    rows = ROWS // world
+    losses = []
+    for s in steps:
+        x, y = (t[rank * rows : (rank + 1) * rows] for t in batches()[s])
+        losses.append(_global_mean(call(x, y)))
+    return losses
+
+
+def case_name(stage: int, dtype: str) -> str:
+    return f"ds_stage{stage}_{dtype}"
+
+
+def write_deepspeed_checkpoints(root: str, cases: list[tuple[int, str]]) -> dict[str, dict]:
+    """On every rank: train, save and continue with DeepSpeed for each ``(stage, dtype)``; returns per case the
+    global losses before and after the save."""
+    import deepspeed
+
+    out = {}
+    for stage, dtype in cases:
+        model = DSNet(seed=0)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        config = {
+            "train_micro_batch_size_per_gpu": ROWS // dist.get_world_size(),
+            "gradient_accumulation_steps": 1,
+            "gradient_clipping": CLIP,  # DeepSpeed's default is 1.0, shardtrain's 0: both explicit
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD, "torch_adam": True}},
+            "zero_optimization": {"stage": stage},
+            "steps_per_print": 10**6,
+        }
+        if dtype != "fp32":
+            config[dtype] = {"enabled": True}
+        with contextlib.redirect_stdout(io.StringIO()):
+            engine, opt, _, _ = deepspeed.initialize(
+                model=model,
+                model_parameters=trainable,
+                config=config,
+                lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda),
+            )
+
+        def step(x, y, engine=engine):
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            return float(loss.detach().float())
+
+        before = _train(step, range(SAVE_AT))
+        name = case_name(stage, dtype)
+        engine.save_checkpoint(str(Path(root) / name), client_state={"epoch": 3, "note": "hi", "ids": torch.arange(4)})
+        after = _train(step, range(SAVE_AT, STEPS))
+        out[name] = {"before": before, "after": after}
+        del engine, opt
+    return out
+
+
+def resume(root: str, name: str, stage: int, dtype: str, load_optimizer_states: bool = True, tp: int = 1) -> dict:
+    """On every rank: a shardtrain engine (another seed) loads ``root/name`` and trains the steps after the save.
+    With ``tp`` > 1, ``fc`` is split over tensor-parallel groups of ``tp`` ranks (its output dimension)."""
+    import shardtrain
+
+    model = DSNet(seed=1)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=WD)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+    dp = dist.get_world_size() // tp
+    config = {
+        "train_micro_batch_size_per_gpu": ROWS // dp,
+        "gradient_clipping": CLIP,
+        "zero_optimization": {"stage": stage},
+        "tensor_parallel": {"size": tp},
+    }
+    if dtype != "fp32":
+        config[dtype] = {"enabled": True}
+    tp_plan = {"fc": "colwise_gather_output"} if tp > 1 else None
+    engine = shardtrain.initialize(model, config=config, optimizer=opt, lr_scheduler=sched, tp_plan=tp_plan)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "per-rank RNG states are not restored": DeepSpeed saves none
+        client = engine.load_checkpoint(str(Path(root) / name), load_optimizer_states=load_optimizer_states)
+
+    def step(x, y):
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        return float(loss.detach().float())
+
+    losses = _train(step, range(SAVE_AT, STEPS), dp, engine.topology.dp_rank)
+    return {
+        "losses": losses,
+        "client_state": client,
+        "global_step": engine.global_step,
+        "global_samples": engine.global_samples,
+    }
+
+
+def zero_to_fp32(path: str) -> dict[str, torch.Tensor]:
+    """DeepSpeed's own consolidation of a checkpoint directory (quietly)."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        return get_fp32_state_dict_from_zero_checkpoint(path)
+
+
+# -- tensor parallelism: DeepSpeed AutoTP (mp_rank_XX files) -------------------------------------------------------
+TP_SAVE_AT, TP_STEPS = 2, 4
+
+
+def tiny_llama(seed: int = 0) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=16,
+        attn_implementation="eager",
+    )
+    return LlamaForCausalLM(cfg)
+
+
+def llama_batches() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 64, (2, 8), generator=g) for _ in range(TP_STEPS)]
+
+
+def write_autotp_checkpoint(root: str) -> dict:
+    """DeepSpeed AutoTP over 2 ranks (tensor parallel 2, data parallel 1, ZeRO-1): train, save, continue."""
+    import deepspeed
+
+    model = tiny_llama()
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_clipping": CLIP,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD, "torch_adam": True}},
+        "zero_optimization": {"stage": 1},
+        "tensor_parallel": {"autotp_size": 2},
+        "steps_per_print": 10**6,
+    }
+    with contextlib.redirect_stdout(io.StringIO()):
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    losses = []
+    for x in llama_batches()[:TP_SAVE_AT]:
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    engine.save_checkpoint(root)
+    after = []
+    for x in llama_batches()[TP_SAVE_AT:]:
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        after.append(float(loss.detach()))
+    return {"before": losses, "after": after}
+
+
+def resume_llama(root: str, stage: int) -> list[float]:
+    """A shardtrain engine (data parallel only, another seed) loads the AutoTP checkpoint and goes on; every rank
+    sees the whole batch rows split between them."""
+    import shardtrain
+
+    model = tiny_llama(seed=1)
+    world = dist.get_world_size()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    config = {
+        "train_micro_batch_size_per_gpu": 2 // world,
+        "gradient_clipping": CLIP,
+        "zero_optimization": {"stage": stage},
+    }
+    engine = shardtrain.initialize(model, config=config, optimizer=opt)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine.load_checkpoint(root)
+    rank, rows = dist.get_rank(), 2 // world
+    losses = []
+    for x in llama_batches()[TP_SAVE_AT:]:
+        mine = x[rank * rows : (rank + 1) * rows]
+        loss = engine(input_ids=mine, labels=mine).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(_global_mean(float(loss.detach())))
+    return losses
