@@ -129,7 +129,7 @@ class MemoryEstimate:
             f"model: {self.model}, {self.parameters / 1e6:,.2f}M parameters",
             f"layout: {lay.describe()}",
             f"per rank (rank 0 of {lay.world}; dp {lay.dp}, ZeRO shard group {lay.shard_group}):",
-            f"  {"component":<66} {'where':<7} {'bytes':>14}",
+            f"  {'component':<66} {'where':<7} {'bytes':>14}",
         ]
         for r in self.rows:
             if r.nbytes or not r.transient:
