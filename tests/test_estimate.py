@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import functools
 import gc
+import json
 import tempfile
+from dataclasses import replace
 
 import pytest
 import torch
@@ -21,7 +23,9 @@ import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 import shardtrain
-from shardtrain.estimate import Layout, PeakMeter, estimate_memory
+from shardtrain.cli import main as cli_main
+from shardtrain.errors import ConfigError, ShardtrainError
+from shardtrain.estimate import Layout, PeakMeter, estimate_memory, fitting_layouts, parse_bytes
 from shardtrain.models.gpt import GPT, GPTConfig
 from shardtrain.tensor_parallel import GPT_TP_PLAN
 from shardtrain.testing import run_distributed
@@ -144,3 +148,97 @@ def test_model_state_is_exact_and_peak_within_10_percent(name):
     assert est.model_state() == got["state"], (name, est.model_state(), got["state"])
     predicted, peak = est.memory_peak, got["peak"]
     assert abs(predicted - peak) <= 0.10 * peak, f"{name}: predicted {predicted}, measured {peak}\n{est.format()}"
+
+
+def test_hybrid_sharding_shards_within_the_group_and_reads_the_deepspeed_key():
+    """``mics_shard_size: S`` shards model state over groups of S ranks (the layout being built for issue 22 item 2):
+    a rank of world 4 in groups of 2 holds what a rank of world 2 holds."""
+    base = Layout(2, stage=3, micro_batch=1, seq_len=16)
+    cfg = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "mics_shard_size": 2}}
+    hybrid = estimate_memory(tiny_gpt, cfg, world_size=4, seq_len=16, device_type="cpu", activations=False)
+    assert hybrid.layout.shard_size == 2 and hybrid.layout.shard_group == 2
+    plain2 = estimate_memory(tiny_gpt, cfg, layout=base, device_type="cpu", activations=False)
+    plain4 = estimate_memory(tiny_gpt, cfg, layout=replace(base, world=4), device_type="cpu", activations=False)
+    assert hybrid.model_state() == plain2.model_state()
+    assert plain4.model_state()["optimizer"] < hybrid.model_state()["optimizer"]
+    with pytest.raises(ConfigError, match="mics_shard_size 3 must divide the data-parallel size 4"):
+        estimate_memory(tiny_gpt, cfg, layout=replace(base, world=4, shard_size=3), device_type="cpu")
+
+
+def test_bad_layouts_and_models_are_refused_by_name():
+    with pytest.raises(ConfigError, match=r"tensor_parallel\.size 2 must divide the world size 3"):
+        estimate_memory(tiny_gpt, layout=Layout(3, tp=2, seq_len=16), device_type="cpu")
+    with pytest.raises(ShardtrainError, match="neither an existing path"):
+        estimate_memory("no/such/config.json", world_size=1)
+    with pytest.raises(ShardtrainError, match="has no callable 'nope'"):
+        estimate_memory("shardtrain.models.gpt:nope", world_size=1)
+    with pytest.raises(ShardtrainError, match="not a built model"):
+        estimate_memory(tiny_gpt(), world_size=1)
+    with pytest.raises(ShardtrainError, match="not a size"):
+        parse_bytes("lots")
+    assert parse_bytes("16GiB") == 16 * 2**30 and parse_bytes("80GB") == 80 * 10**9 and parse_bytes("512MiB") == 2**29
+
+
+def test_budget_lists_the_layouts_that_fit_fewest_ranks_then_least_memory():
+    cfg = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
+    common = {"seq_len": 16, "device_type": "cpu", "tp_plan": GPT_TP_PLAN}
+    budget = estimate_memory(tiny_gpt, cfg, layout=Layout(2, stage=2, seq_len=16), **common).peak["device"]
+    largest = estimate_memory(tiny_gpt, cfg, layout=Layout(1, stage=0, seq_len=16), **common)
+    assert largest.peak["device"] > budget
+    fits = fitting_layouts(tiny_gpt, budget, cfg, worlds=(1, 2), offload=False, **common)
+    assert fits and all(e.peak["device"] <= budget for e in fits)
+    described = [e.layout.describe() for e in fits]
+    assert Layout(2, stage=2, seq_len=16).describe() in described
+    assert largest.layout.describe() not in described
+    assert any(e.layout.tp == 2 for e in fits)  # tensor-parallel layouts are tried (with the plan given)
+    keys = [(e.layout.world, e.peak["device"]) for e in fits]
+    assert keys == sorted(keys)
+
+
+def _cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = cli_main(["estimate", *argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_cli_help_lists_the_options(capsys):
+    with pytest.raises(SystemExit) as done:
+        cli_main(["estimate", "--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    for option in ("--budget", "--world", "--stage", "--tp", "--mics-shard-size", "--offload-optimizer", "--seq-len"):
+        assert option in text
+
+
+def test_cli_estimates_a_hugging_face_config_and_a_factory(tmp_path, capsys):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf = LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    hf.save_pretrained(tmp_path)
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}))
+    code, out, _ = _cli(capsys, str(tmp_path), "--config", str(config), "--world", "2", "--seq-len", "32", "--json")
+    assert code == 0
+    report = json.loads(out)
+    assert report["parameters"] == sum(p.numel() for p in LlamaForCausalLM(hf).parameters())
+    assert report["layout"]["stage"] == 2 and report["layout"]["dtype"] == "bf16"  # from the config file
+    api = estimate_memory(tmp_path, config, world_size=2, seq_len=32, activations=False)
+    state_rows = {(r.component, r.where): r.nbytes for r in api.rows}
+    assert all(state_rows[r["component"], r["where"]] == r["nbytes"] for r in report["rows"] if not r["transient"])
+    # a factory, as a table; options override the config file
+    code, out, _ = _cli(capsys, "test_estimate:tiny_gpt", "--config", str(config), "--stage", "3", "--seq-len", "16")
+    assert code == 0 and "stage 3" in out and "optimizer state" in out and "peak: device" in out
+    code, out, _ = _cli(
+        capsys, "test_estimate:tiny_gpt", "--budget", "1KiB", "--worlds", "1", "--no-offload", "--seq-len", "16"
+    )
+    assert code == 1 and "no layout" in out
+    code, _, err = _cli(capsys, "test_estimate:tiny_gpt", "--world", "3", "--tp", "2", "--seq-len", "16")
+    assert code == 2 and "must divide the world size 3" in err

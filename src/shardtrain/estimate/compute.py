@@ -28,6 +28,7 @@ releases it). What is not counted here is added by the planner: optimizer-offloa
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -231,8 +232,12 @@ class _Gathers:
 
 def _checkpoint_units(model: nn.Module, unit_classes: list[str] | None) -> None:
     """Activation checkpointing of every block (the modules ZeRO-3 would make units), non-reentrant."""
-    if hasattr(model, "gradient_checkpointing_enable") and getattr(model, "supports_gradient_checkpointing", False):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if getattr(model, "supports_gradient_checkpointing", False):  # transformers: its own, as users enable it
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         return
     for _, m in find_unit_modules(model, unit_classes):
         m.forward = functools.partial(checkpoint, m.forward, use_reentrant=False)
@@ -296,7 +301,9 @@ def measure_compute(
             gathers = _Gathers(model, blocks, root, prefetch_numel)
         tracker = MemTracker()
         tracker.track_external(model)
-        with tracker:
+        with tracker, warnings.catch_warnings():
+            # MemTracker looks for tensors in every module output, and says so for each None it finds
+            warnings.filterwarnings("ignore", "Expected a tensor or a traceable wrapper-subclass", UserWarning)
             base = _total(tracker.get_tracker_snapshot("current"))
             args, kwargs = source.make_batch(micro_batch, seq_len)
             loss = loss_of(model(*args, **kwargs))

@@ -287,6 +287,7 @@ def estimate_memory(
     optimizer: str | None = None,
     device_type: str = "cuda",
     tp_plan: Any = None,
+    activations: bool = True,
     **overrides: Any,
 ) -> MemoryEstimate:
     """Bytes per rank of training ``model`` with ``config`` (see the module docstring).
@@ -296,6 +297,9 @@ def estimate_memory(
     fields of :class:`Layout`: ``stage``, ``tp``, ``shard_size``, ``offload_optimizer``, ``offload_param``,
     ``dtype``, ``micro_batch``) replaces what it says. ``device_type``: ``"cuda"`` plans for accelerators (optimizer
     offload to ``cpu`` moves state to the host), ``"cpu"`` for a machine without one (everything is host memory).
+    ``activations=False``: model state only (no fake forward and backward), as DeepSpeed's estimators.
+    ``tp_plan``: the tensor-parallel plan ``initialize`` would get (default: the factory module's ``tp_plan``, or a
+    Hugging Face model's own).
     """
     source = resolve_source(model)
     raw = read_config(config)
@@ -304,12 +308,21 @@ def estimate_memory(
             raise ConfigError("estimate: give world_size (the number of ranks)")
         layout = layout_from_config(raw, world_size, seq_len, checkpointing)
     layout = replace(layout, **overrides) if overrides else layout
-    return _estimate(source, raw, layout, optimizer, device_type, tp_plan)
+    return _estimate(source, raw, layout, optimizer, device_type, tp_plan, {}, activations)
 
 
 def _estimate(
-    source: ModelSource, raw: Mapping[str, Any], layout: Layout, optimizer: str | None, device_type: str, tp_plan: Any
+    source: ModelSource,
+    raw: Mapping[str, Any],
+    layout: Layout,
+    optimizer: str | None,
+    device_type: str,
+    tp_plan: Any,
+    cache: dict,
+    activations: bool = True,
 ) -> MemoryEstimate:
+    """One layout's estimate; ``cache`` keeps what layouts share (fake models per tensor-parallel size, the
+    parameter count, fake runs whose inputs are the same) across the calls of one search."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     _check_layout(layout)
@@ -318,31 +331,41 @@ def _estimate(
     precision = policy_from_config(cfg)
     compute = precision.compute_dtype
     moments, steps = _optimizer_kind(cfg, optimizer)
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        fake = build_fake(source, layout.tp, torch.float32, tp_plan)
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        whole = source.build()
-    n_params = sum(p.numel() for p in whole.parameters())
-    del whole
+    for tp in {1, layout.tp}:
+        if ("fake", tp) not in cache:
+            with FakeTensorMode(allow_non_fake_inputs=True):
+                cache["fake", tp] = build_fake(source, tp, torch.float32, tp_plan)
+    fake = cache["fake", layout.tp]
+    n_params = sum(p.numel() for p in cache["fake", 1].parameters())
     st = rank_state(fake, zcfg, layout.shard_group, 0, compute, moments, steps, device_type)
     buffers = sum(b.numel() * (compute if b.dtype == torch.float32 else b.dtype).itemsize for b in fake.buffers())
     reduce = precision.reduce_dtype if precision.mixed else None
-    comp = measure_compute(
-        source,
-        tp=layout.tp,
-        compute=compute,
-        micro_batch=layout.micro_batch,
-        seq_len=layout.seq_len,
-        stage=layout.stage,
-        buckets=st.buckets,
-        bucket_names=st.bucket_names,
-        reduce_dtype=reduce,
-        checkpointing=layout.checkpointing,
-        unit_classes=zcfg.stage3_unit_classes,
-        tp_plan=tp_plan,
-        units=[(u.name, u.nbytes, u.numel) for u in st.units] or None,
-        prefetch_numel=zcfg.stage3_prefetch_bucket_size,
-    )
+    units = [(u.name, u.nbytes, u.numel) for u in st.units]
+    staged = [(b.padded_numel, b.shard_numel, len(b.slots), b.requires_grad) for b in st.buckets]
+    key = (layout.tp, compute, layout.micro_batch, layout.seq_len, layout.checkpointing, reduce)
+    key += (min(layout.stage, 2), tuple(staged) if layout.stage >= 2 else None, tuple(units))
+    key += (zcfg.stage3_prefetch_bucket_size,)
+    if not activations:
+        comp = ComputePeak(0, 0, 0, 0, 0, 0)
+    elif ("compute", key) in cache:
+        comp = cache["compute", key]
+    else:
+        comp = cache["compute", key] = measure_compute(
+            source,
+            tp=layout.tp,
+            compute=compute,
+            micro_batch=layout.micro_batch,
+            seq_len=layout.seq_len,
+            stage=layout.stage,
+            buckets=st.buckets,
+            bucket_names=st.bucket_names,
+            reduce_dtype=reduce,
+            checkpointing=layout.checkpointing,
+            unit_classes=zcfg.stage3_unit_classes,
+            tp_plan=tp_plan,
+            units=units or None,
+            prefetch_numel=zcfg.stage3_prefetch_bucket_size,
+        )
     est = MemoryEstimate(source.name, layout, n_params, device_type, state=st, compute=comp)
     host = "host" if device_type == "cuda" else "device"
     rows = [
@@ -363,8 +386,9 @@ def _estimate(
     rows.append(Row("buffers", "device", buffers))
     if comp.gathered:
         rows.append(Row("gathered units at most (root + current + prefetched)", "device", comp.gathered, True, "in"))
-    what = "activations, temporaries" + (", gathered units" if comp.gathered else "")
-    rows.append(Row(f"{what} (forward/backward peak)", "device", comp.peak, True))
+    if activations:
+        what = "activations, temporaries" + (", gathered units" if comp.gathered else "")
+        rows.append(Row(f"{what} (forward/backward peak)", "device", comp.peak, True))
     # the optimizer step: torch's single-tensor Adam makes one fragment-sized temporary at a time (its denominator)
     largest = max((f.length for b in st.buckets if b.requires_grad for f in b.fragments), default=0)
     if layout.stage == 0:
@@ -433,10 +457,10 @@ def fitting_layouts(
     raw = read_config(config)
     worlds = list(worlds)
     base = replace(layout_from_config(raw, worlds[0], seq_len, checkpointing), **overrides)
-    fits = []
+    fits, cache = [], {}
     for layout in candidate_layouts(worlds, base, offload=offload):
         try:
-            est = _estimate(source, raw, layout, optimizer, device_type, tp_plan)
+            est = _estimate(source, raw, layout, optimizer, device_type, tp_plan, cache)
         except (LayoutError, ConfigError):
             continue
         if est.peak["device"] <= budget:

@@ -12,15 +12,16 @@ cuts parameters in place). It comes from
 * an ``nn.Module`` class or a zero-argument callable, through the API.
 
 The batch: a causal language model's ``input_ids`` and ``labels`` (``[micro_batch, seq_len]`` token ids) for a
-Hugging Face model (its output's ``.loss`` is backpropagated); ``(idx, targets)`` positionally for any other model,
-whose output is the loss when it is a scalar, otherwise summed (say so with ``estimate_batch`` when that is not how
-the model is called).
+Hugging Face model (with ``use_cache=False``, as in training; its output's ``.loss`` is backpropagated);
+``(idx, targets)`` positionally for any other model, whose output is the loss when it is a scalar, otherwise summed
+(say so with ``estimate_batch`` when that is not how the model is called).
 """
 
 from __future__ import annotations
 
 import importlib
 import json
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,8 +52,8 @@ class ModelSource:
             return self.batch(micro_batch, seq_len)
         vocab = self.vocab_size or 2
         ids = torch.randint(0, vocab, (micro_batch, seq_len))
-        if self.hf:
-            return (), {"input_ids": ids, "labels": ids}
+        if self.hf:  # training: no key/value cache
+            return (), {"input_ids": ids, "labels": ids, "use_cache": False}
         return (ids, torch.randint(0, vocab, (micro_batch, seq_len))), {}
 
 
@@ -89,7 +90,7 @@ def resolve_source(spec: str | Path | nn.Module | Callable[[], nn.Module] | Mode
     path = Path(text)
     if path.exists():
         return _from_hf_config(path)
-    if ":" in text and not path.suffix:
+    if re.fullmatch(r"[\w.]+:[\w.]+", text):
         module_name, _, attr = text.partition(":")
         try:
             module = importlib.import_module(module_name)
