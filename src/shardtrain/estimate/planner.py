@@ -132,7 +132,7 @@ class MemoryEstimate:
             f"  {'component':<66} {'where':<7} {'bytes':>14}",
         ]
         for r in self.rows:
-            if r.nbytes or not r.transient:
+            if r.nbytes or (r.where != "nvme" and not r.transient):
                 tag = " (included below)" if r.note == "in" else " (transient)" if r.transient else ""
                 lines.append(f"  {r.component + tag:<66} {r.where:<7} {fmt_bytes(r.nbytes):>14}")
         peak = self.peak
@@ -248,7 +248,7 @@ def layout_from_config(raw: Mapping[str, Any], world: int, seq_len: int, checkpo
     )
 
 
-def _check_layout(layout: Layout) -> None:
+def _check_layout(layout: Layout, device_type: str) -> None:
     if layout.world < 1 or layout.tp < 1 or layout.world % layout.tp:
         raise ConfigError(
             f"tensor_parallel.size {layout.tp} must divide the world size {layout.world} (dp = world / tp)"
@@ -260,6 +260,12 @@ def _check_layout(layout: Layout) -> None:
         )
     if layout.dtype not in _DTYPES:
         raise ConfigError(f"dtype {layout.dtype!r}: use one of {', '.join(_DTYPES)}")
+    if layout.offload_param != "none" and device_type == "cuda":
+        raise ConfigError(
+            f"offload_param {layout.offload_param!r} on accelerators: initialize refuses it (parameter offload is "
+            "built for CPU-only machines, docs/offload.md), so there is nothing to estimate; offload the optimizer "
+            "instead, or estimate for --device cpu"
+        )
 
 
 # -- the estimate ----------------------------------------------------------------------------------------
@@ -325,7 +331,7 @@ def _estimate(
     parameter count, fake runs whose inputs are the same) across the calls of one search."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    _check_layout(layout)
+    _check_layout(layout, device_type)
     cfg = layout_config(raw, layout)
     zcfg = cfg.zero_optimization
     precision = policy_from_config(cfg)
@@ -408,6 +414,7 @@ def candidate_layouts(
     stages: Iterable[int] = (0, 1, 2, 3),
     tps: Iterable[int] | None = None,
     offload: bool = True,
+    param_offload: bool = True,
 ) -> list[Layout]:
     """Every (world, stage, tp, offload) combination around ``base`` (dtype, batch, checkpointing kept)."""
     out = []
@@ -419,7 +426,7 @@ def candidate_layouts(
                 options = [("none", "none")]
                 if offload and stage >= 1:
                     options += [("cpu", "none"), ("nvme", "none")]
-                if offload and stage == 3:
+                if offload and stage == 3 and param_offload:
                     options.append(("nvme", "nvme"))
                 for opt, par in options:
                     out.append(
@@ -458,7 +465,7 @@ def fitting_layouts(
     worlds = list(worlds)
     base = replace(layout_from_config(raw, worlds[0], seq_len, checkpointing), **overrides)
     fits, cache = [], {}
-    for layout in candidate_layouts(worlds, base, offload=offload):
+    for layout in candidate_layouts(worlds, base, offload=offload, param_offload=device_type != "cuda"):
         try:
             est = _estimate(source, raw, layout, optimizer, device_type, tp_plan, cache)
         except (LayoutError, ConfigError):
