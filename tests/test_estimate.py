@@ -225,7 +225,8 @@ def test_cli_estimates_a_hugging_face_config_and_a_factory(tmp_path, capsys):
     hf.save_pretrained(tmp_path)
     config = tmp_path / "ds.json"
     config.write_text(json.dumps({"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}))
-    code, out, _ = _cli(capsys, str(tmp_path), "--config", str(config), "--world", "2", "--seq-len", "32", "--json")
+    argv = [str(tmp_path), "--config", str(config), "--world", "2", "--seq-len", "32", "--json", "--state-only"]
+    code, out, _ = _cli(capsys, *argv)
     assert code == 0
     report = json.loads(out)
     assert report["parameters"] == sum(p.numel() for p in LlamaForCausalLM(hf).parameters())

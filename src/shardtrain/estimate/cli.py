@@ -69,6 +69,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --budget: world sizes to try, comma-separated (default: --world, else 1,2,4,8)",
     )
     parser.add_argument("--no-offload", action="store_true", help="with --budget: leave offload layouts out")
+    parser.add_argument(
+        "--state-only",
+        action="store_true",
+        help="model state only (parameters, gradients, optimizer): no fake forward/backward, as DeepSpeed's estimator",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.set_defaults(func=run)
 
@@ -112,7 +117,14 @@ def _run(args: argparse.Namespace) -> int:
             raise ShardtrainError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if args.budget is None:
         layout = replace(layout_from_config(raw, args.world or 1, args.seq_len, args.checkpointing), **_overrides(args))
-        est = estimate_memory(args.model, raw, layout=layout, optimizer=args.optimizer, device_type=args.device)
+        est = estimate_memory(
+            args.model,
+            raw,
+            layout=layout,
+            optimizer=args.optimizer,
+            device_type=args.device,
+            activations=not args.state_only,
+        )
         print(json.dumps(_as_json(est), indent=1) if args.json else est.format())
         return 0
     budget = parse_bytes(args.budget)
@@ -135,6 +147,7 @@ def _run(args: argparse.Namespace) -> int:
         optimizer=args.optimizer,
         device_type=args.device,
         offload=not args.no_offload,
+        activations=not args.state_only,
         **{k: v for k, v in _overrides(args).items() if k in ("dtype", "micro_batch")},
     )
     if args.json:

@@ -225,8 +225,10 @@ def layout_from_config(raw: Mapping[str, Any], world: int, seq_len: int, checkpo
     dtype = "bf16" if (raw.get("bf16") or {}).get("enabled") is True else "fp32"
     dtype = "fp16" if (raw.get("fp16") or {}).get("enabled") is True else dtype
     micro = raw.get("train_micro_batch_size_per_gpu")
-    if not isinstance(micro, int):
-        micro = 1
+    if not isinstance(micro, int):  # DeepSpeed's rule: the other two determine it; none gives 1
+        tb, gas = raw.get("train_batch_size"), raw.get("gradient_accumulation_steps") or 1
+        dp = max(world // int(tp), 1)
+        micro = tb // (gas * dp) if isinstance(tb, int) and isinstance(gas, int) and tb >= gas * dp else 1
     shard = zero.get("mics_shard_size")
     if zero.get("zero_hpz_partition_size") not in (None, 0, 1):
         raise ConfigError(
@@ -455,6 +457,7 @@ def fitting_layouts(
     device_type: str = "cuda",
     offload: bool = True,
     tp_plan: Any = None,
+    activations: bool = True,
     **overrides: Any,
 ) -> list[MemoryEstimate]:
     """The layouts whose peak device memory per rank is at most ``budget`` bytes, fewest ranks first, then least
@@ -467,7 +470,7 @@ def fitting_layouts(
     fits, cache = [], {}
     for layout in candidate_layouts(worlds, base, offload=offload, param_offload=device_type != "cuda"):
         try:
-            est = _estimate(source, raw, layout, optimizer, device_type, tp_plan, cache)
+            est = _estimate(source, raw, layout, optimizer, device_type, tp_plan, cache, activations)
         except (LayoutError, ConfigError):
             continue
         if est.peak["device"] <= budget:
