@@ -28,6 +28,7 @@ releases it). What is not counted here is added by the planner: optimizer-offloa
 from __future__ import annotations
 
 import functools
+import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -272,6 +273,8 @@ def measure_compute(
         model = build_fake(source, tp, compute, tp_plan)
         if checkpointing:
             _checkpoint_units(model, unit_classes)
+        if not source.hf and source.batch is None and _is_transformers_model(model):
+            source.hf = True  # a factory returning a transformers model: call it as one
         if source.vocab_size is None and source.batch is None:
             emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
             source.vocab_size = emb.num_embeddings if emb is not None else 2
@@ -327,6 +330,11 @@ def measure_compute(
         staging=staging.most if staging is not None else 0,
         gathered=gathers.most if gathers is not None else 0,
     )
+
+
+def _is_transformers_model(model: nn.Module) -> bool:
+    transformers = sys.modules.get("transformers")  # imported by the factory if the model is one
+    return transformers is not None and isinstance(model, transformers.PreTrainedModel)
 
 
 def _staged(staging: _Staging, name: str, p: torch.Tensor) -> None:
