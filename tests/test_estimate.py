@@ -1,13 +1,11 @@
 """The memory planner against the engine: model state exactly, the peak within 10% of the measured one.
 
-"Measured" is :class:`shardtrain.estimate.PeakMeter`: torch's profiler records every allocation and free of torch's
-CPU allocator from before the model is built, so the running sum is the bytes of tensors alive in the process;
-the peak is its maximum during the sixth training step (optimizer state exists, ZeRO-3's orders are recorded and
-prefetch runs, the optimizer swapper's buffers have each held a sub-group), less what was alive before this
-layout's model was built. Memory outside torch's allocator (the interpreter, gloo's buffers, mapped swap-file pages)
-is not counted, by the meter or the planner (docs/estimate.md).
-The optimizer swapper's buffers are allocated on its I/O threads, which the profiler does not follow; the swapper's
-own count of them (``held_bytes``) is added.
+"Measured" (docs/estimate.md): the bytes of tensors alive when the sixth training step starts (optimizer state
+exists, ZeRO-3's orders are recorded and prefetch runs, the optimizer swapper's buffers have each held a sub-group),
+counted over every storage reachable from Python, less the same count before this layout's model was built; plus the
+most the step adds to that, from torch's profiler, which records every allocation and free of torch's CPU allocator
+during the step (:class:`shardtrain.estimate.PeakMeter`). Memory outside torch's allocator (the interpreter, gloo's
+buffers, mapped swap-file pages) is not counted, by the meter or the planner.
 """
 
 from __future__ import annotations
@@ -16,6 +14,7 @@ import functools
 import gc
 import json
 import tempfile
+from contextlib import nullcontext
 from dataclasses import replace
 
 import pytest
@@ -128,7 +127,7 @@ def _train_and_measure(cases: list[tuple[str, Layout, dict]], nvme: str) -> dict
     try:
         for name, layout, extra in cases:
             gc.collect()
-            with meter.window(f"before:{name}"):
+            with meter.window(f"before:{name}", scan=True):
                 pass
             model = MODELS["llama" if name.startswith("llama") else "gpt"]()
             if layout.checkpointing:
@@ -142,31 +141,22 @@ def _train_and_measure(cases: list[tuple[str, Layout, dict]], nvme: str) -> dict
             rows = torch.Generator().manual_seed(engine.topology.dp_rank)
             for step in range(STEPS):
                 x = torch.randint(0, VOCAB, (layout.micro_batch, layout.seq_len), generator=rows)
-                with meter.window(name) if step == STEPS - 1 else _nothing():
+                with meter.window(name, scan=True) if step == STEPS - 1 else nullcontext():
                     loss = _loss(engine, name, x)
                     engine.backward(loss)
                     engine.step()
                     del loss
-            # the swap buffers are allocated on the swapper's I/O threads, which the profiler does not follow: the
-            # swapper's own count of the bytes its buffers hold is added (they stay allocated between steps)
-            offload = engine._optimizer.offload
-            swap = offload.held_bytes() if offload is not None and offload.offloaded else 0
-            out[name] = {"state": engine.state_bytes(), "rank": rank, "swap_buffers": swap}
+            # parameter shards in swap files are tensors over mapped files: reachable, but not torch's memory
+            mapped = engine._param_offload.mapped_bytes() if engine._param_offload is not None else 0
+            out[name] = {"state": engine.state_bytes(), "rank": rank, "mapped": mapped}
             engine.close()
             del engine, model
     finally:
         meter.stop()
-    for name in out:
-        out[name]["peak"] = meter.peak(name) - meter.start_level(f"before:{name}") + out[name]["swap_buffers"]
+    for name in out:  # what the step added, on what was alive when it started (above what was there before)
+        live = meter.live[name] - out[name]["mapped"] - meter.live[f"before:{name}"]
+        out[name]["peak"] = meter.rise(name) + live
     return out
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc) -> None:
-        return None
 
 
 @functools.cache

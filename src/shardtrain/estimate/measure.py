@@ -14,10 +14,12 @@ every layout of one program; the planner predicts tensors.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 _PREFIX = "shardtrain.estimate.window:"
@@ -31,9 +33,13 @@ class PeakMeter:
         self._prof.__enter__()
         self._events: list[tuple[int, int]] | None = None
         self._windows: dict[str, list[tuple[int, int]]] = {}
+        self.live: dict[str, int] = {}
+        """Per window opened with ``scan=True``: :func:`live_tensor_bytes` when it opened."""
 
     @contextmanager
-    def window(self, name: str) -> Iterator[None]:
+    def window(self, name: str, scan: bool = False) -> Iterator[None]:
+        if scan:
+            self.live[name] = live_tensor_bytes()
         with record_function(_PREFIX + name):
             yield
 
@@ -67,6 +73,34 @@ class PeakMeter:
 
     def peak(self, name: str) -> int:
         return self._levels(name)[1]
+
+    def rise(self, name: str) -> int:
+        """Most bytes the window ``name`` added to what was alive when it opened."""
+        start, peak = self._levels(name)
+        return peak - start
+
+
+def live_tensor_bytes() -> int:
+    """Bytes of the distinct CPU storages of every tensor reachable from Python objects (after a collection).
+
+    Between training steps everything the engine keeps is reachable so (parameters and their flat buffers, gradient
+    buffers, optimizer state, fp32 masters, unit shards, swap buffers). It is what the running sum should be there;
+    unlike the running sum it does not drift when a tensor made here is freed on a thread the profiler does not
+    follow (a backend's worker dropping the last reference), whose free is never recorded."""
+    gc.collect()
+    sizes: dict[int, int] = {}
+    # type(), not isinstance(): some module objects warn when their __class__ is read; guarded ZeRO-3 parameters
+    # refuse data access outside a forward unless torch-function subclass handling is off
+    with torch._C.DisableTorchFunctionSubclass():
+        for obj in gc.get_objects():
+            if issubclass(type(obj), torch.Tensor) and obj.device.type == "cpu" and not obj.is_meta:
+                try:
+                    storage = obj.untyped_storage()
+                except (RuntimeError, NotImplementedError):  # tensors without a plain storage (sparse, subclasses)
+                    continue
+                if storage.data_ptr():
+                    sizes[storage.data_ptr()] = storage.nbytes()
+    return sum(sizes.values())
 
 
 def measure_peak(fn: Callable[[PeakMeter], Any]) -> tuple[Any, PeakMeter]:
