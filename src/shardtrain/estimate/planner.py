@@ -392,6 +392,8 @@ def _estimate(
     if opt.get("offload_buffers"):
         rows.append(Row("optimizer swap buffers", host, opt["offload_buffers"]))
     rows.append(Row("buffers", "device", buffers))
+    if activations:
+        rows.append(Row("activations saved for backward (end of forward)", "device", comp.activations, True, "in"))
     if comp.gathered:
         rows.append(Row("gathered units at most (root + current + prefetched)", "device", comp.gathered, True, "in"))
     if activations:

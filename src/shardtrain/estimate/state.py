@@ -177,18 +177,12 @@ def rank_state(
         in_mem = [i for g in groups if not g.offloaded for i in g.members]
         opt["nvme"] = sum(masters_per[i] + moments_per[i] for i in on_disk)
         opt["host" if device_type == "cuda" else "device"] = sum(masters_per[i] + moments_per[i] for i in in_mem)
-        # buffers: ``buffer_count`` of them, taken from a FIFO queue by the offloaded sub-groups in order (read ahead,
-        # returned once written back) and each grown to the largest sub-group it held. With G sub-groups and B
-        # buffers, sub-group k of step n gets buffer (n*G + k) mod B: unless B divides G every buffer eventually holds
-        # the largest sub-group; if it does, buffer j only ever holds sub-groups j, j+B, ... (state files are
-        # ALIGN-ed in a buffer)
+        # buffers: ``buffer_count`` of them, taken from a FIFO queue by the offloaded sub-groups (read ahead, given
+        # back once written, in whatever order the I/O threads finish) and each grown to the largest sub-group it
+        # held: over many steps each ends up the size of the largest sub-group (state files ALIGN-ed in it)
         keys = moments + (1 if mixed else 0)
         sizes = [sum(keys * (-(-4 * stepped[i] // ALIGN) * ALIGN) for i in g.members) for g in groups if g.offloaded]
-        count = zcfg.offload_optimizer.buffer_count
-        if sizes and len(sizes) % count == 0:
-            opt["offload_buffers"] = sum(max(sizes[j::count]) for j in range(count))
-        else:
-            opt["offload_buffers"] = count * max(sizes, default=0)
+        opt["offload_buffers"] = zcfg.offload_optimizer.buffer_count * max(sizes, default=0)
     elif opt_dev == "cpu" and device_type == "cuda":
         # host masters: fp32 copies of the fragments, in fp32 training too; state made on the host
         opt["host"] = sum(4 * n for n in stepped) + sum(moments_per)
