@@ -61,7 +61,6 @@ MODELS = {"gpt": tiny_gpt, "llama": tiny_llama}
 # with "llama" is the Hugging Face model, the others the project's GPT
 CASES = [
     ("stage0", Layout(1, stage=0, micro_batch=MICRO, seq_len=SEQ), {}),
-    ("stage2", Layout(2, stage=2, micro_batch=MICRO, seq_len=SEQ), {}),
     ("stage3", Layout(2, stage=3, micro_batch=MICRO, seq_len=SEQ), {}),
     ("tp2-stage1-bf16", Layout(2, stage=1, tp=2, dtype="bf16", micro_batch=MICRO, seq_len=SEQ), {}),
     (
@@ -69,11 +68,12 @@ CASES = [
         Layout(2, stage=3, offload_optimizer="nvme", offload_param="nvme", micro_batch=MICRO, seq_len=SEQ),
         {"sub_group_size": 20_000, "offload_param": {"max_in_cpu": 0}},
     ),
-    ("stage1-cpu-bf16", Layout(2, stage=1, offload_optimizer="cpu", dtype="bf16", micro_batch=MICRO, seq_len=SEQ), {}),
     ("stage3-bf16", Layout(3, stage=3, dtype="bf16", micro_batch=MICRO, seq_len=SEQ), {}),
     ("stage2-checkpointing", Layout(3, stage=2, micro_batch=MICRO, seq_len=SEQ, checkpointing=True), {}),
 ]
 SOAK_CASES = [
+    ("stage2", Layout(2, stage=2, micro_batch=MICRO, seq_len=SEQ), {}),
+    ("stage1-cpu-bf16", Layout(2, stage=1, offload_optimizer="cpu", dtype="bf16", micro_batch=MICRO, seq_len=SEQ), {}),
     ("llama-stage3-bf16", Layout(2, stage=3, dtype="bf16", micro_batch=MICRO, seq_len=SEQ), {}),
     ("llama-tp2-stage2", Layout(2, stage=2, tp=2, micro_batch=MICRO, seq_len=SEQ), {}),
     ("llama-stage2-checkpointing", Layout(3, stage=2, micro_batch=MICRO, seq_len=SEQ, checkpointing=True), {}),
