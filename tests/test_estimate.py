@@ -213,7 +213,22 @@ def test_hybrid_sharding_shards_within_the_group_and_reads_the_deepspeed_key():
         estimate_memory(tiny_gpt, cfg, layout=replace(base, world=4, shard_size=3), device_type="cpu")
 
 
+class ReadsValues(torch.nn.Module):
+    """A forward that branches on a tensor's value: it cannot run on fake tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        y = self.lin(torch.ones(idx.shape[0], 4)).sum()
+        return y if y.item() > 0 else -y
+
+
 def test_bad_layouts_and_models_are_refused_by_name():
+    with pytest.raises(ShardtrainError, match=r"cannot run on fake tensors.*--state-only"):
+        estimate_memory(ReadsValues, world_size=1, seq_len=4, device_type="cpu")
+    assert estimate_memory(ReadsValues, world_size=1, seq_len=4, device_type="cpu", activations=False).parameters == 20
     with pytest.raises(ConfigError, match=r"tensor_parallel\.size 2 must divide the world size 3"):
         estimate_memory(tiny_gpt, layout=Layout(3, tp=2, seq_len=16), device_type="cpu")
     with pytest.raises(ShardtrainError, match="neither an existing path"):

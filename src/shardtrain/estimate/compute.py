@@ -38,6 +38,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from shardtrain.errors import ShardtrainError
 from shardtrain.estimate.source import ModelSource, loss_of
 from shardtrain.zero.layout import Bucket
 from shardtrain.zero.units import find_unit_modules
@@ -265,7 +266,12 @@ def measure_compute(
 
     ``units``: stage 3, ``(name, gathered bytes, elements)`` of each unit in the layout's order (last block first,
     ``<root>`` last), whose gathers are replayed by module hooks."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+        FakeTensorMode,
+        UnsupportedOperatorException,
+    )
     from torch.distributed._tools.mem_tracker import MemTracker
 
     mixed = compute != FP32
@@ -309,9 +315,15 @@ def measure_compute(
             warnings.filterwarnings("ignore", "Expected a tensor or a traceable wrapper-subclass", UserWarning)
             base = _total(tracker.get_tracker_snapshot("current"))
             args, kwargs = source.make_batch(micro_batch, seq_len)
-            loss = loss_of(model(*args, **kwargs))
-            after_forward = _total(tracker.get_tracker_snapshot("current"))
-            loss.backward()
+            try:
+                loss = loss_of(model(*args, **kwargs))
+                after_forward = _total(tracker.get_tracker_snapshot("current"))
+                loss.backward()
+            except (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException) as err:
+                raise ShardtrainError(
+                    f"estimate: {source.name} cannot run on fake tensors ({type(err).__name__}: {err}): its forward "
+                    "reads tensor values. Estimate the model state alone (activations=False, --state-only)"
+                ) from err
             if staging is not None:
                 staging.finish(loss.device)
             if gathers is not None:

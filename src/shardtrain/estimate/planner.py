@@ -185,7 +185,10 @@ def read_config(config: Config | Mapping[str, Any] | str | Path | None) -> dict[
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
     text = path.read_text()
-    data = yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else json.loads(text)
+    try:
+        data = yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else json.loads(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as err:
+        raise ConfigError(f"config file {str(path)!r} cannot be read: {err}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top")
     return data
