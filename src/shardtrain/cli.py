@@ -40,6 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     cfg = sub.add_parser("config", help="check DeepSpeed config files: what is supported, ignored or refused")
     config_check.add_arguments(cfg)
+
+    from shardtrain.estimate import cli as estimate_cli
+
+    est = sub.add_parser("estimate", help="memory per rank for a model and layout, or the layouts that fit a budget")
+    estimate_cli.add_arguments(est)
     return parser
 
 

@@ -1,0 +1,164 @@
+"""``shardtrain estimate``: one layout's memory per rank, or the layouts that fit a budget (``--budget``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, replace
+
+from shardtrain.errors import ShardtrainError
+from shardtrain.estimate.planner import (
+    MemoryEstimate,
+    estimate_memory,
+    fitting_layouts,
+    fmt_bytes,
+    layout_from_config,
+    parse_bytes,
+    read_config,
+)
+
+EPILOG = """examples:
+  shardtrain estimate meta-llama/config.json --world 8 --stage 3 --dtype bf16 --micro-batch 1 --seq-len 4096
+  shardtrain estimate ./my_model_dir --config ds_config.json --world 16 --checkpointing
+  shardtrain estimate mypkg.models:build --world 4 --budget 16GiB --seq-len 1024
+
+MODEL is a Hugging Face config.json (or a directory holding one; no weights are read) or a factory
+'package.module:function' returning an nn.Module (the module may define estimate_batch(micro_batch, seq_len) ->
+(args, kwargs) and tp_plan). Values from --config (a DeepSpeed-style JSON/YAML file) are used where no option
+overrides them. Numbers are per rank, for rank 0 (the one holding the most optimizer state). The model is built on
+fake tensors: nothing is allocated, and activations are measured by running one micro-batch's forward and backward on
+them. See docs/estimate.md for what is counted.
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Memory per rank (parameters, gradients, optimizer state, gathered units, buffers, activations; device, "
+        "host and nvme) of training a model in one layout, or with --budget the layouts that fit."
+    )
+    parser.epilog = EPILOG
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("model", help="Hugging Face config.json or model directory, or 'package.module:function'")
+    parser.add_argument("--config", help="DeepSpeed-style config file (JSON or YAML) the layout starts from")
+    parser.add_argument("--world", type=int, help="number of ranks (default 1; with --budget see --worlds)")
+    parser.add_argument("--stage", type=int, choices=(0, 1, 2, 3), help="ZeRO stage")
+    parser.add_argument("--tp", type=int, help="tensor-parallel size")
+    parser.add_argument(
+        "--mics-shard-size",
+        type=int,
+        help="hybrid sharding: shard within groups of this many data-parallel ranks, replicate across groups",
+    )
+    parser.add_argument("--offload-optimizer", choices=("none", "cpu", "nvme"), help="where optimizer state lives")
+    parser.add_argument("--offload-param", choices=("none", "cpu", "nvme"), help="stage 3: where parameter shards live")
+    parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="compute dtype (bf16/fp16: mixed precision)")
+    parser.add_argument("--micro-batch", type=int, help="sequences per rank and micro-step")
+    parser.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
+    parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing of every block")
+    parser.add_argument("--optimizer", choices=("adamw", "adam", "sgd"), help="default: the config's, else AdamW")
+    parser.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="plan for accelerators (default; cpu offload moves state to the host) or a CPU-only machine",
+    )
+    parser.add_argument("--budget", help="device memory per rank (e.g. 16GiB, 80GB): list the layouts that fit")
+    parser.add_argument(
+        "--worlds",
+        default=None,
+        help="with --budget: world sizes to try, comma-separated (default: --world, else 1,2,4,8)",
+    )
+    parser.add_argument("--no-offload", action="store_true", help="with --budget: leave offload layouts out")
+    parser.add_argument(
+        "--state-only",
+        action="store_true",
+        help="model state only (parameters, gradients, optimizer): no fake forward/backward, as DeepSpeed's estimator",
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.set_defaults(func=run)
+
+
+def _overrides(args: argparse.Namespace) -> dict:
+    pairs = {
+        "stage": args.stage,
+        "tp": args.tp,
+        "shard_size": args.mics_shard_size,
+        "offload_optimizer": args.offload_optimizer,
+        "offload_param": args.offload_param,
+        "dtype": args.dtype,
+        "micro_batch": args.micro_batch,
+    }
+    return {k: v for k, v in pairs.items() if v is not None}
+
+
+def _as_json(est: MemoryEstimate) -> dict:
+    return {
+        "model": est.model,
+        "parameters": est.parameters,
+        "layout": asdict(est.layout),
+        "rows": [asdict(r) for r in est.rows],
+        "peak": est.peak,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except ShardtrainError as err:
+        print(f"shardtrain estimate: {err}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    raw = read_config(args.config)
+    for name in ("world", "micro_batch", "tp", "mics_shard_size", "seq_len"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ShardtrainError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if args.budget is None:
+        layout = replace(layout_from_config(raw, args.world or 1, args.seq_len, args.checkpointing), **_overrides(args))
+        est = estimate_memory(
+            args.model,
+            raw,
+            layout=layout,
+            optimizer=args.optimizer,
+            device_type=args.device,
+            activations=not args.state_only,
+        )
+        print(json.dumps(_as_json(est), indent=1) if args.json else est.format())
+        return 0
+    budget = parse_bytes(args.budget)
+    if args.worlds:
+        try:
+            worlds = [int(w) for w in args.worlds.split(",")]
+        except ValueError:
+            raise ShardtrainError(
+                f"--worlds {args.worlds!r}: give world sizes separated by commas, e.g. 1,2,4,8"
+            ) from None
+    else:
+        worlds = [args.world] if args.world else [1, 2, 4, 8]
+    fits = fitting_layouts(
+        args.model,
+        budget,
+        raw,
+        worlds=worlds,
+        seq_len=args.seq_len,
+        checkpointing=args.checkpointing,
+        optimizer=args.optimizer,
+        device_type=args.device,
+        offload=not args.no_offload,
+        activations=not args.state_only,
+        **{k: v for k, v in _overrides(args).items() if k in ("dtype", "micro_batch")},
+    )
+    if args.json:
+        print(json.dumps([_as_json(e) for e in fits], indent=1))
+        return 0 if fits else 1
+    if not fits:
+        print(f"no layout with world sizes {worlds} fits {fmt_bytes(budget)} of device memory per rank")
+        return 1
+    print(f"layouts that fit {fmt_bytes(budget)} of device memory per rank, fewest ranks first, then least memory:")
+    print(f"  {'device':>11} {'host':>11} {'nvme':>11}  layout")
+    for e in fits:
+        sizes = " ".join(f"{fmt_bytes(e.peak[where]):>11}" for where in ("device", "host", "nvme"))
+        print(f"  {sizes}  {e.layout.describe()}")
+    return 0

@@ -1,0 +1,361 @@
+"""Activations and temporaries of one forward and backward, measured on fake tensors.
+
+The model is built under torch's :class:`FakeTensorMode` (no storage anywhere), split for tensor parallelism by
+:func:`shardtrain.tensor_parallel.parallelize` over a communicator that only knows its size (collectives on fake
+tensors have nothing to move; a gather returns a tensor of the gathered shape), cast to the compute dtype as the
+engine casts it, and run forward and backward on one micro-batch under torch's own
+:class:`torch.distributed._tools.mem_tracker.MemTracker`, which follows every storage an operator creates or frees
+(resizes included). Its peak, less what existed before the forward (parameters, buffers, the gradient buffers
+that are model state), is what training adds to the model state: the activations autograd saves, the loss and its
+inputs, gradients of activations, and each parameter gradient until the engine takes it.
+
+The engine's gradient path is replayed around that run, because its buffers are alive at the same time as the
+activations ([Note: gradient storage per stage] in ``zero/reducer.py``):
+
+* stages 0-1 in fp32: ``param.grad`` views a persistent flat buffer (model state), so autograd accumulates into it;
+* stages 0-1 in mixed precision: the compute-dtype gradient is added into the fp32 buffer and dropped;
+* stages 2-3: each gradient is copied into its bucket's staging buffer (``padded_numel`` elements in the
+  reduction dtype, made at the bucket's first gradient) and dropped; a complete bucket is launched in bucket order
+  with its reduce-scatter output, and the reduction before it finished then (its staging freed): at most two
+  buckets' staging buffers are alive, as in the reducer.
+
+At stage 3 the units' full buffers are replayed too (their parameters exist whole in this run and are counted as
+model state; the replay allocates each unit's gathered bytes when the engine gathers it and frees them when it
+releases it). What is not counted here is added by the planner: optimizer-offload buffers, and the optimizer step
+(element-wise state exists already; its temporaries are one fragment at a time).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from shardtrain.errors import ShardtrainError
+from shardtrain.estimate.source import ModelSource, loss_of
+from shardtrain.zero.layout import Bucket
+from shardtrain.zero.units import find_unit_modules
+
+FP32 = torch.float32
+
+
+class _Done:
+    def wait(self) -> None:
+        return None
+
+
+class ShapeOnlyComm:
+    """What tensor-parallel layers ask of a :class:`~shardtrain.comm.Communicator`, for fake tensors: the group's
+    size and this rank; sums and maxima leave the tensor as it is, a gather concatenates ``size`` copies."""
+
+    def __init__(self, size: int, rank: int = 0) -> None:
+        self.size, self.rank = size, rank
+
+    def all_reduce(self, t: torch.Tensor, op: str = "sum", *, what: str, async_op: bool = False) -> Any:
+        return _Done() if async_op else None
+
+    def all_gather_dim(self, inp: torch.Tensor, dim: int, *, what: str) -> torch.Tensor:
+        return torch.cat([inp] * self.size, dim=dim)
+
+    def all_gather_object(self, obj: Any, *, what: str) -> list[Any]:
+        return [obj] * self.size
+
+
+@dataclass(frozen=True)
+class ComputePeak:
+    """Bytes above the model state during one micro-step's forward and backward."""
+
+    activations: int
+    """Saved for backward at the end of forward (with the loss and the batch)."""
+    peak: int
+    """The most at any time of forward and backward, everything below included."""
+    peak_activations: int
+    peak_temporaries: int
+    """At the peak: what forward made that is still alive, and what backward made (gradients, staging)."""
+    staging: int
+    """Stages 2-3: most bytes of gradient staging buffers alive at once."""
+    gathered: int
+    """Stage 3: most bytes of units gathered at once (included in ``peak``)."""
+
+
+def build_fake(source: ModelSource, tp: int, compute: torch.dtype, tp_plan: Any = None) -> nn.Module:
+    """The model on fake tensors, split for ``tp`` and cast to ``compute`` as the engine does. Call inside the
+    :class:`FakeTensorMode` the tensors are to live in."""
+    model = source.build()
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"estimate: the model factory {source.name!r} returned {type(model).__name__}, not a module")
+    if tp > 1:
+        from shardtrain.tensor_parallel import parallelize
+        from shardtrain.tensor_parallel.rng import RegionRNG
+
+        plan = tp_plan if tp_plan is not None else source.tp_plan
+        parallelize(model, plan, ShapeOnlyComm(tp), check_replicated_grads=False)
+        for m in model.modules():  # random-stream forks move no memory, and read a drawn value (none on fakes)
+            rng = getattr(m, "rng", None)
+            if isinstance(rng, RegionRNG):
+                rng.tp_size = 1
+    if compute != FP32:
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dtype == FP32:
+                    p.data = p.data.to(compute)
+            for m in model.modules():
+                for name, buf in m._buffers.items():
+                    if buf is not None and buf.dtype == FP32:
+                        m._buffers[name] = buf.to(compute)
+    return model
+
+
+class _Staging:
+    """The reducer's staging lifecycle at stages 2-3 (see the module docstring), on fake tensors."""
+
+    def __init__(self, buckets: list[Bucket], names: list[list[str]], wire: Callable[[Bucket], torch.dtype]) -> None:
+        self.buckets = [b for b in buckets if b.requires_grad]
+        self.wire = wire
+        self.slot_of: dict[str, tuple[int, int]] = {}
+        for pos, b in enumerate(self.buckets):
+            for i, n in enumerate(names[buckets.index(b)]):
+                self.slot_of[n] = (pos, i)
+        self.got: list[set[int]] = [set() for _ in self.buckets]
+        self.staging: dict[int, torch.Tensor] = {}
+        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.next = 0
+        self.most = 0
+
+    def grad(self, name: str, p: torch.Tensor) -> None:
+        pos, i = self.slot_of[name]
+        b = self.buckets[pos]
+        buf = self.staging.get(pos)
+        if buf is None:
+            buf = self.staging[pos] = torch.empty(b.padded_numel, dtype=self.wire(b), device=p.device)
+        slot = b.slots[i]
+        buf[slot.offset : slot.offset + slot.numel].copy_(p.grad.reshape(-1))
+        p.grad = None
+        self.most = max(self.most, self._alive())
+        self.got[pos].add(i)
+        while self.next < len(self.buckets) and len(self.got[self.next]) == len(self.buckets[self.next].slots):
+            self._launch(self.next, p.device)
+            self.next += 1
+
+    def _alive(self) -> int:
+        tensors = [*self.staging.values(), *(t for pair in self.pending for t in pair)]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def _launch(self, pos: int, device: torch.device) -> None:
+        b = self.buckets[pos]
+        inp = self.staging.pop(pos, None)
+        if inp is None:
+            inp = torch.zeros(b.padded_numel, dtype=self.wire(b), device=device)
+        self.pending.append((inp.new_empty(b.shard_numel), inp))
+        self.most = max(self.most, self._alive())
+        while len(self.pending) > 1:
+            self.pending.pop(0)
+
+    def finish(self, device: torch.device) -> None:
+        while self.next < len(self.buckets):
+            self._launch(self.next, device)
+            self.next += 1
+        self.pending.clear()
+        self.staging.clear()
+
+
+class _Gathers:
+    """ZeRO-3's gathered units on fake tensors ([Note: unit lifecycle], [Note: kept after forward]): a unit's full
+    buffers exist from its gather to its release, the root unit from the root's forward to the end of backward,
+    the next unit of the order is gathered ahead of use (prefetch), and the last unit of forward stays for
+    backward. Backward's need for a unit is seen by its module's backward hooks (the engine sees it when autograd
+    unpacks a saved weight: the same moment, within one operator)."""
+
+    def __init__(self, model: nn.Module, units: list[tuple[nn.Module, int, int]], root: int, prefetch: int) -> None:
+        self.units, self.root_bytes, self.prefetch = units, root, prefetch
+        self.alive: dict[int, torch.Tensor] = {}
+        self.root: torch.Tensor | None = None
+        self.backward = False
+        self.most = 0  # most gathered bytes at once
+        self.handles = [
+            model.register_forward_pre_hook(self._root_pre),
+            model.register_forward_hook(self._root_post),
+        ]
+        for i, (m, _, _) in enumerate(units):
+            self.handles += [
+                m.register_forward_pre_hook(functools.partial(self._pre, i)),
+                m.register_forward_hook(functools.partial(self._post, i)),
+                m.register_full_backward_pre_hook(functools.partial(self._bwd_pre, i)),
+                m.register_full_backward_hook(functools.partial(self._bwd_post, i)),
+            ]
+
+    def _gather(self, i: int) -> None:
+        if 0 <= i < len(self.units) and i not in self.alive:
+            self.alive[i] = torch.empty(self.units[i][1], dtype=torch.uint8)
+            self.most = max(self.most, self.root_bytes + sum(self.units[j][1] for j in self.alive))
+
+    def _ahead(self, i: int) -> None:
+        if 0 <= i < len(self.units) and self.prefetch > 0 and self.units[i][2] <= self.prefetch:
+            self._gather(i)
+
+    def _root_pre(self, module, args) -> None:
+        if self.root is None:
+            self.root = torch.empty(self.root_bytes, dtype=torch.uint8)
+        self._ahead(0)
+
+    def _root_post(self, module, args, output) -> None:
+        for i in [i for i in self.alive if i != len(self.units) - 1]:
+            del self.alive[i]
+
+    def _pre(self, i: int, module, args) -> None:
+        self._gather(i)
+        self._ahead(i - 1 if self.backward else i + 1)
+
+    def _post(self, i: int, module, args, output) -> None:
+        if not self.backward and i != len(self.units) - 1:
+            self.alive.pop(i, None)
+
+    def _bwd_pre(self, i: int, module, grad_output) -> None:
+        self.backward = True
+        self._gather(i)
+        self._ahead(i - 1)
+
+    def _bwd_post(self, i: int, module, grad_input, grad_output) -> None:
+        self.alive.pop(i, None)
+
+    def finish(self) -> None:
+        self.alive.clear()
+        self.root = None
+        for h in self.handles:
+            h.remove()
+
+
+def _checkpoint_units(model: nn.Module, unit_classes: list[str] | None) -> None:
+    """Activation checkpointing of every block (the modules ZeRO-3 would make units), non-reentrant."""
+    if getattr(model, "supports_gradient_checkpointing", False):  # transformers: its own, as users enable it
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        return
+    for _, m in find_unit_modules(model, unit_classes):
+        m.forward = functools.partial(checkpoint, m.forward, use_reentrant=False)
+
+
+def measure_compute(
+    source: ModelSource,
+    *,
+    tp: int,
+    compute: torch.dtype,
+    micro_batch: int,
+    seq_len: int,
+    stage: int,
+    buckets: list[Bucket],
+    bucket_names: list[list[str]],
+    reduce_dtype: torch.dtype | None,
+    checkpointing: bool = False,
+    unit_classes: list[str] | None = None,
+    tp_plan: Any = None,
+    units: list[tuple[str, int, int]] | None = None,
+    prefetch_numel: int = 0,
+) -> ComputePeak:
+    """Forward and backward of one micro-batch on fake tensors under ``MemTracker`` (see the module docstring).
+
+    ``units``: stage 3, ``(name, gathered bytes, elements)`` of each unit in the layout's order (last block first,
+    ``<root>`` last), whose gathers are replayed by module hooks."""
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+        FakeTensorMode,
+        UnsupportedOperatorException,
+    )
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    mixed = compute != FP32
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = build_fake(source, tp, compute, tp_plan)
+        if checkpointing:
+            _checkpoint_units(model, unit_classes)
+        if not source.hf and source.batch is None and _is_transformers_model(model):
+            source.hf = True  # a factory returning a transformers model: call it as one
+        if source.vocab_size is None and source.batch is None:
+            emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+            source.vocab_size = emb.num_embeddings if emb is not None else 2
+        params = {}
+        for n, p in model.named_parameters():
+            params.setdefault(id(p), (n, p))
+        handles = []
+        staging = None
+        if stage >= 2:
+            staging = _Staging(buckets, bucket_names, lambda b: reduce_dtype or b.dtype)
+            for n, p in params.values():
+                if p.requires_grad:
+                    handles.append(p.register_post_accumulate_grad_hook(functools.partial(_staged, staging, n)))
+        else:
+            for _, p in params.values():
+                if not p.requires_grad:
+                    continue
+                if mixed:  # added into the fp32 flat buffer (model state), then dropped
+                    handles.append(p.register_post_accumulate_grad_hook(_drop_grad))
+                else:  # a view of the persistent flat buffer: accumulated in place
+                    p.grad = torch.zeros_like(p)
+        gathers = None
+        if units:
+            modules = dict(model.named_modules())
+            blocks = [(modules[n], b, k) for n, b, k in units[::-1] if n != "<root>"]
+            root = sum(b for n, b, _ in units if n == "<root>")
+            gathers = _Gathers(model, blocks, root, prefetch_numel)
+        tracker = MemTracker()
+        tracker.track_external(model)
+        with tracker, warnings.catch_warnings():
+            # MemTracker looks for tensors in every module output, and says so for each None it finds
+            warnings.filterwarnings("ignore", "Expected a tensor or a traceable wrapper-subclass", UserWarning)
+            base = _total(tracker.get_tracker_snapshot("current"))
+            args, kwargs = source.make_batch(micro_batch, seq_len)
+            try:
+                loss = loss_of(model(*args, **kwargs))
+                after_forward = _total(tracker.get_tracker_snapshot("current"))
+                loss.backward()
+            except (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException) as err:
+                raise ShardtrainError(
+                    f"estimate: {source.name} cannot run on fake tensors ({type(err).__name__}: {err}): its forward "
+                    "reads tensor values. Estimate the model state alone (activations=False, --state-only)"
+                ) from err
+            if staging is not None:
+                staging.finish(loss.device)
+            if gathers is not None:
+                gathers.finish()
+            del loss, args, kwargs
+        peak = tracker.get_tracker_snapshot("peak")
+        for h in handles:
+            h.remove()
+    snap = next(iter(peak.values()), {})
+    by_kind = {str(k.value) if hasattr(k, "value") else str(k): v for k, v in snap.items()}
+    return ComputePeak(
+        activations=after_forward - base,
+        peak=_total(peak) - base,
+        peak_activations=by_kind.get("Activation", 0),
+        peak_temporaries=by_kind.get("Temp", 0),
+        staging=staging.most if staging is not None else 0,
+        gathered=gathers.most if gathers is not None else 0,
+    )
+
+
+def _is_transformers_model(model: nn.Module) -> bool:
+    transformers = sys.modules.get("transformers")  # imported by the factory if the model is one
+    return transformers is not None and isinstance(model, transformers.PreTrainedModel)
+
+
+def _staged(staging: _Staging, name: str, p: torch.Tensor) -> None:
+    staging.grad(name, p)
+
+
+def _drop_grad(p: torch.Tensor) -> None:
+    p.grad = None
+
+
+def _total(snapshot: dict) -> int:
+    return sum(dev.get("Total", 0) for dev in snapshot.values())

@@ -1,0 +1,483 @@
+"""``estimate_memory``: one layout's bytes per rank; ``fitting_layouts``: the layouts that fit a budget.
+
+A layout is what a config decides about memory: world size, ZeRO stage, tensor-parallel size, the ZeRO shard group
+(hybrid sharding: ``zero_optimization.mics_shard_size``), optimizer and parameter offload, compute dtype,
+micro-batch, sequence length and activation checkpointing. Model state comes from the engine's layout code
+(:mod:`.state`), activations and temporaries from a fake-tensor run (:mod:`.compute`). A rank's peak is::
+
+    model state in memory + buffers + offload buffers
+      + max(forward/backward peak above the state + stage-3 gathered units, optimizer-step temporaries)
+
+Rank 0 is reported: every ZeRO shard but the last rank's holds ``padded / N`` elements, the last rank also holds the
+padding, so rank 0 holds the most optimizer state (padding is never stepped) and the same of everything else.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from shardtrain.config import Config, load_config
+from shardtrain.errors import ConfigError, LayoutError, ShardtrainError
+from shardtrain.estimate.compute import ComputePeak, build_fake, measure_compute
+from shardtrain.estimate.source import ModelSource, resolve_source
+from shardtrain.estimate.state import RankState, rank_state
+from shardtrain.precision import policy_from_config
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+HYBRID_KEYS = ("mics_shard_size", "zero_hpz_partition_size")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What decides one rank's memory (a config's memory-relevant keys, and the batch shape)."""
+
+    world: int
+    stage: int = 0
+    tp: int = 1
+    shard_size: int | None = None
+    """Ranks a ZeRO shard group spans (hybrid sharding); None: the whole data-parallel group."""
+    offload_optimizer: str = "none"
+    offload_param: str = "none"
+    dtype: str = "fp32"
+    micro_batch: int = 1
+    seq_len: int = 2048
+    checkpointing: bool = False
+
+    @property
+    def dp(self) -> int:
+        return self.world // self.tp
+
+    @property
+    def shard_group(self) -> int:
+        return self.shard_size or self.dp
+
+    def describe(self) -> str:
+        parts = [f"world {self.world}", f"stage {self.stage}", f"tp {self.tp}"]
+        if self.shard_size and self.shard_size != self.dp:
+            parts.append(f"shard {self.shard_size} x replicate {self.dp // self.shard_size}")
+        if self.offload_optimizer != "none":
+            parts.append(f"optimizer->{self.offload_optimizer}")
+        if self.offload_param != "none":
+            parts.append(f"params->{self.offload_param}")
+        parts += [self.dtype, f"micro-batch {self.micro_batch} x seq {self.seq_len}"]
+        if self.checkpointing:
+            parts.append("checkpointing")
+        return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class Row:
+    component: str
+    where: str  # device, host or nvme
+    nbytes: int
+    transient: bool = False
+    note: str = ""
+    """``step``: alive during the optimizer step only; ``in``: already part of the forward/backward peak row."""
+
+
+@dataclass
+class MemoryEstimate:
+    """One rank's memory in one layout (rank 0: see the module docstring)."""
+
+    model: str
+    layout: Layout
+    parameters: int
+    """Distinct parameters of the whole model (a tied weight counts once), before any split."""
+    device_type: str
+    rows: list[Row] = field(default_factory=list)
+    state: RankState | None = None
+    compute: ComputePeak | None = None
+
+    def total(self, where: str, transient: bool = True) -> int:
+        return sum(r.nbytes for r in self.rows if r.where == where and (transient or not r.transient))
+
+    @property
+    def peak(self) -> dict[str, int]:
+        """Peak bytes per place: permanent rows plus the largest transient phase (rows are not all alive at once:
+        the peak is the state plus the larger of the forward/backward and the optimizer-step transients)."""
+        out = {}
+        for where in ("device", "host", "nvme"):
+            permanent = self.total(where, transient=False)
+            fwd_bwd = sum(r.nbytes for r in self.rows if r.where == where and r.transient and not r.note)
+            step = sum(r.nbytes for r in self.rows if r.where == where and r.transient and r.note == "step")
+            out[where] = permanent + max(fwd_bwd, step)
+        return out
+
+    @property
+    def memory_peak(self) -> int:
+        """Device and host bytes together (on a machine without accelerator both are the process's memory)."""
+        return self.peak["device"] + self.peak["host"]
+
+    def model_state(self) -> dict[str, int]:
+        """In-memory parameter, gradient and optimizer bytes, as :meth:`Engine.state_bytes` counts them."""
+        assert self.state is not None
+        st = self.state
+        opt = sum(v for k, v in st.optimizer.items() if k not in ("nvme", "offload_buffers"))
+        return {"params": st.params.get("device", 0), "grads": st.grads["device"], "optimizer": opt}
+
+    def format(self) -> str:
+        lay = self.layout
+        lines = [
+            f"model: {self.model}, {self.parameters / 1e6:,.2f}M parameters",
+            f"layout: {lay.describe()}",
+            f"per rank (rank 0 of {lay.world}; dp {lay.dp}, ZeRO shard group {lay.shard_group}):",
+            f"  {'component':<66} {'where':<7} {'bytes':>14}",
+        ]
+        for r in self.rows:
+            if r.nbytes or (r.where != "nvme" and not r.transient):
+                tag = " (included below)" if r.note == "in" else " (transient)" if r.transient else ""
+                lines.append(f"  {r.component + tag:<66} {r.where:<7} {fmt_bytes(r.nbytes):>14}")
+        peak = self.peak
+        lines.append(
+            f"  peak: device {fmt_bytes(peak['device'])}, host {fmt_bytes(peak['host'])}, "
+            f"nvme {fmt_bytes(peak['nvme'])}"
+        )
+        return "\n".join(lines)
+
+
+def fmt_bytes(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def parse_bytes(text: str) -> int:
+    """``16GiB``, ``16GB`` (10^9), ``512MiB``, ``1.5e9`` -> bytes."""
+    s = text.strip().replace(" ", "")
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+    units |= {"tb": 10**12, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40, "b": 1}
+    for suffix in sorted(units, key=len, reverse=True):
+        if s.lower().endswith(suffix):
+            number, scale = s[: -len(suffix)], units[suffix]
+            break
+    else:
+        number, scale = s, 1
+    try:
+        value = float(number)
+    except ValueError:
+        raise ShardtrainError(f"budget {text!r} is not a size; write e.g. 16GiB, 80GB or 512MiB") from None
+    if value <= 0:
+        raise ShardtrainError(f"budget {text!r} must be positive")
+    return int(value * scale)
+
+
+# -- configs -------------------------------------------------------------------------------------------
+
+
+def read_config(config: Config | Mapping[str, Any] | str | Path | None) -> dict[str, Any]:
+    """A config as a plain dict (a file read as JSON or YAML)."""
+    if config is None:
+        return {}
+    if isinstance(config, Config):
+        return config.model_dump(exclude_unset=True)
+    if isinstance(config, Mapping):
+        return copy.deepcopy(dict(config))
+    path = Path(config)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    text = path.read_text()
+    try:
+        data = yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else json.loads(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as err:
+        raise ConfigError(f"config file {str(path)!r} cannot be read: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top")
+    return data
+
+
+def layout_config(raw: Mapping[str, Any], layout: Layout) -> Config:
+    """``raw`` with the layout's keys written in, validated as ``initialize`` would (hybrid keys taken out)."""
+    data = copy.deepcopy(dict(raw))
+    zero = dict(data.get("zero_optimization") or {})
+    for key in HYBRID_KEYS:
+        zero.pop(key, None)
+    zero["stage"] = layout.stage
+    for section, device in (("offload_optimizer", layout.offload_optimizer), ("offload_param", layout.offload_param)):
+        sub = dict(zero.get(section) or {})
+        sub["device"] = device
+        if device == "nvme" and not sub.get("nvme_path"):
+            sub["nvme_path"] = "/nvme"  # never written: the planner only needs to know the state is in files
+        zero[section] = sub
+    data["zero_optimization"] = zero
+    tp = dict(data.get("tensor_parallel") or {})
+    tp.pop("autotp_size", None)
+    tp["size"] = layout.tp
+    data["tensor_parallel"] = tp
+    data["bf16"] = {**dict(data.get("bf16") or {}), "enabled": layout.dtype == "bf16"}
+    data["fp16"] = {**dict(data.get("fp16") or {}), "enabled": layout.dtype == "fp16"}
+    data["train_micro_batch_size_per_gpu"] = layout.micro_batch
+    data.pop("train_batch_size", None)
+    data.pop("gradient_accumulation_steps", None)
+    return load_config(data)
+
+
+def layout_from_config(raw: Mapping[str, Any], world: int, seq_len: int, checkpointing: bool = False) -> Layout:
+    """The layout a DeepSpeed-style config describes at ``world`` ranks."""
+    zero = raw.get("zero_optimization") or {}
+    tpc = raw.get("tensor_parallel") or {}
+    tp = tpc.get("size") or tpc.get("autotp_size") or 1
+    dtype = "bf16" if (raw.get("bf16") or {}).get("enabled") is True else "fp32"
+    dtype = "fp16" if (raw.get("fp16") or {}).get("enabled") is True else dtype
+    micro = raw.get("train_micro_batch_size_per_gpu")
+    if not isinstance(micro, int):  # DeepSpeed's rule: the other two determine it; none gives 1
+        tb, gas = raw.get("train_batch_size"), raw.get("gradient_accumulation_steps") or 1
+        dp = max(world // int(tp), 1)
+        micro = tb // (gas * dp) if isinstance(tb, int) and isinstance(gas, int) and tb >= gas * dp else 1
+    shard = zero.get("mics_shard_size")
+    if zero.get("zero_hpz_partition_size") not in (None, 0, 1):
+        raise ConfigError(
+            "zero_optimization.zero_hpz_partition_size is not modelled by the planner yet (hpZ keeps a second, "
+            "node-local copy of the parameter shards); estimate with mics_shard_size, which shards everything within "
+            "groups of that size"
+        )
+    return Layout(
+        world=world,
+        stage=int(zero.get("stage", 0)),
+        tp=int(tp),
+        shard_size=int(shard) if shard not in (None, -1, 0) else None,
+        offload_optimizer=(zero.get("offload_optimizer") or {}).get("device") or "none",
+        offload_param=(zero.get("offload_param") or {}).get("device") or "none",
+        dtype=dtype,
+        micro_batch=micro,
+        seq_len=seq_len,
+        checkpointing=checkpointing,
+    )
+
+
+def _check_layout(layout: Layout, device_type: str) -> None:
+    if layout.world < 1 or layout.tp < 1 or layout.world % layout.tp:
+        raise ConfigError(
+            f"tensor_parallel.size {layout.tp} must divide the world size {layout.world} (dp = world / tp)"
+        )
+    if layout.shard_size is not None and (layout.shard_size < 1 or layout.dp % layout.shard_size):
+        raise ConfigError(
+            f"zero_optimization.mics_shard_size {layout.shard_size} must divide the data-parallel size {layout.dp} "
+            f"(world {layout.world} / tp {layout.tp}): groups of that many ranks each hold one copy"
+        )
+    if layout.dtype not in _DTYPES:
+        raise ConfigError(f"dtype {layout.dtype!r}: use one of {', '.join(_DTYPES)}")
+    if layout.offload_param != "none" and device_type == "cuda":
+        raise ConfigError(
+            f"offload_param {layout.offload_param!r} on accelerators: initialize refuses it (parameter offload is "
+            "built for CPU-only machines, docs/offload.md), so there is nothing to estimate; offload the optimizer "
+            "instead, or estimate for --device cpu"
+        )
+
+
+# -- the estimate ----------------------------------------------------------------------------------------
+
+
+def _optimizer_kind(cfg: Config, optimizer: str | None) -> tuple[int, bool]:
+    """(element-wise state tensors per parameter, whether a per-parameter ``step`` tensor is kept)."""
+    kind = (optimizer or (cfg.optimizer.type if cfg.optimizer else "adamw")).lower()
+    if kind in ("adam", "adamw"):
+        return 2, True
+    if kind == "sgd":
+        momentum = cfg.optimizer.params.get("momentum", 0) if cfg.optimizer and optimizer is None else 0
+        return (1 if momentum else 0), False
+    raise ConfigError(f"optimizer {kind!r}: the planner knows Adam, AdamW and SGD")
+
+
+def estimate_memory(
+    model: Any,
+    config: Config | Mapping[str, Any] | str | Path | None = None,
+    *,
+    world_size: int | None = None,
+    layout: Layout | None = None,
+    seq_len: int = 2048,
+    checkpointing: bool = False,
+    optimizer: str | None = None,
+    device_type: str = "cuda",
+    tp_plan: Any = None,
+    activations: bool = True,
+    **overrides: Any,
+) -> MemoryEstimate:
+    """Bytes per rank of training ``model`` with ``config`` (see the module docstring).
+
+    ``model``: a Hugging Face config path, ``"module:function"``, a zero-argument callable or a
+    :class:`ModelSource`. ``config``: a DeepSpeed-style dict or file; ``layout`` (or the keyword ``overrides``,
+    fields of :class:`Layout`: ``stage``, ``tp``, ``shard_size``, ``offload_optimizer``, ``offload_param``,
+    ``dtype``, ``micro_batch``) replaces what it says. ``device_type``: ``"cuda"`` plans for accelerators (optimizer
+    offload to ``cpu`` moves state to the host), ``"cpu"`` for a machine without one (everything is host memory).
+    ``activations=False``: model state only (no fake forward and backward), as DeepSpeed's estimators.
+    ``tp_plan``: the tensor-parallel plan ``initialize`` would get (default: the factory module's ``tp_plan``, or a
+    Hugging Face model's own).
+    """
+    source = resolve_source(model)
+    raw = read_config(config)
+    if layout is None:
+        if world_size is None:
+            raise ConfigError("estimate: give world_size (the number of ranks)")
+        layout = layout_from_config(raw, world_size, seq_len, checkpointing)
+    layout = replace(layout, **overrides) if overrides else layout
+    return _estimate(source, raw, layout, optimizer, device_type, tp_plan, {}, activations)
+
+
+def _estimate(
+    source: ModelSource,
+    raw: Mapping[str, Any],
+    layout: Layout,
+    optimizer: str | None,
+    device_type: str,
+    tp_plan: Any,
+    cache: dict,
+    activations: bool = True,
+) -> MemoryEstimate:
+    """One layout's estimate; ``cache`` keeps what layouts share (fake models per tensor-parallel size, the
+    parameter count, fake runs whose inputs are the same) across the calls of one search."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    _check_layout(layout, device_type)
+    cfg = layout_config(raw, layout)
+    zcfg = cfg.zero_optimization
+    precision = policy_from_config(cfg)
+    compute = precision.compute_dtype
+    moments, steps = _optimizer_kind(cfg, optimizer)
+    for tp in {1, layout.tp}:
+        if ("fake", tp) not in cache:
+            with FakeTensorMode(allow_non_fake_inputs=True):
+                cache["fake", tp] = build_fake(source, tp, torch.float32, tp_plan)
+    fake = cache["fake", layout.tp]
+    n_params = sum(p.numel() for p in cache["fake", 1].parameters())
+    st = rank_state(fake, zcfg, layout.shard_group, 0, compute, moments, steps, device_type)
+    buffers = sum(b.numel() * (compute if b.dtype == torch.float32 else b.dtype).itemsize for b in fake.buffers())
+    reduce = precision.reduce_dtype if precision.mixed else None
+    units = [(u.name, u.nbytes, u.numel) for u in st.units]
+    staged = [(b.padded_numel, b.shard_numel, len(b.slots), b.requires_grad) for b in st.buckets]
+    key = (layout.tp, compute, layout.micro_batch, layout.seq_len, layout.checkpointing, reduce)
+    key += (min(layout.stage, 2), tuple(staged) if layout.stage >= 2 else None, tuple(units))
+    key += (zcfg.stage3_prefetch_bucket_size,)
+    if not activations:
+        comp = ComputePeak(0, 0, 0, 0, 0, 0)
+    elif ("compute", key) in cache:
+        comp = cache["compute", key]
+    else:
+        comp = cache["compute", key] = measure_compute(
+            source,
+            tp=layout.tp,
+            compute=compute,
+            micro_batch=layout.micro_batch,
+            seq_len=layout.seq_len,
+            stage=layout.stage,
+            buckets=st.buckets,
+            bucket_names=st.bucket_names,
+            reduce_dtype=reduce,
+            checkpointing=layout.checkpointing,
+            unit_classes=zcfg.stage3_unit_classes,
+            tp_plan=tp_plan,
+            units=units or None,
+            prefetch_numel=zcfg.stage3_prefetch_bucket_size,
+        )
+    est = MemoryEstimate(source.name, layout, n_params, device_type, state=st, compute=comp)
+    host = "host" if device_type == "cuda" else "device"
+    rows = [
+        Row("parameters", "device", st.params.get("device", 0)),
+        Row("parameters in swap files", "nvme", st.params.get("nvme", 0)),
+        Row("gradients", "device", st.grads["device"]),
+    ]
+    opt = st.optimizer
+    if "device" in opt:
+        rows.append(Row("optimizer state (fp32 masters + moments)", "device", opt["device"]))
+    if "host" in opt:
+        rows.append(Row("optimizer state (fp32 masters + moments)", "host", opt["host"]))
+    if "nvme" in opt:
+        rows.append(Row("optimizer state in swap files", "nvme", opt["nvme"]))
+    rows.append(Row("optimizer step counters", host if opt.get("host") else "device", opt.get("steps", 0)))
+    if opt.get("offload_buffers"):
+        rows.append(Row("optimizer swap buffers", host, opt["offload_buffers"]))
+    rows.append(Row("buffers", "device", buffers))
+    if activations:
+        rows.append(Row("activations saved for backward (end of forward)", "device", comp.activations, True, "in"))
+    if comp.gathered:
+        rows.append(Row("gathered units at most (root + current + prefetched)", "device", comp.gathered, True, "in"))
+    if activations:
+        what = "activations, temporaries" + (", gathered units" if comp.gathered else "")
+        rows.append(Row(f"{what} (forward/backward peak)", "device", comp.peak, True))
+    # the optimizer step: torch's single-tensor Adam makes one fragment-sized temporary at a time (its denominator)
+    largest = max((f.length for b in st.buckets if b.requires_grad for f in b.fragments), default=0)
+    if layout.stage == 0:
+        largest = max((s.numel for b in st.buckets if b.requires_grad for s in b.slots), default=0)
+    rows.append(Row("optimizer step temporaries", host if opt.get("host") else "device", 4 * largest, True, "step"))
+    est.rows = rows
+    return est
+
+
+# -- budgets -----------------------------------------------------------------------------------------------
+
+
+def candidate_layouts(
+    worlds: Iterable[int],
+    base: Layout,
+    *,
+    stages: Iterable[int] = (0, 1, 2, 3),
+    tps: Iterable[int] | None = None,
+    offload: bool = True,
+    param_offload: bool = True,
+) -> list[Layout]:
+    """Every (world, stage, tp, offload) combination around ``base`` (dtype, batch, checkpointing kept)."""
+    out = []
+    for world in worlds:
+        for tp in tps or [t for t in range(1, world + 1) if world % t == 0]:
+            if world % tp:
+                continue
+            for stage in stages:
+                options = [("none", "none")]
+                if offload and stage >= 1:
+                    options += [("cpu", "none"), ("nvme", "none")]
+                if offload and stage == 3 and param_offload:
+                    options.append(("nvme", "nvme"))
+                for opt, par in options:
+                    out.append(
+                        replace(
+                            base,
+                            world=world,
+                            tp=tp,
+                            stage=stage,
+                            offload_optimizer=opt,
+                            offload_param=par,
+                            shard_size=None,
+                        )
+                    )
+    return out
+
+
+def fitting_layouts(
+    model: Any,
+    budget: int,
+    config: Config | Mapping[str, Any] | str | Path | None = None,
+    *,
+    worlds: Iterable[int] = (1, 2, 4, 8),
+    seq_len: int = 2048,
+    checkpointing: bool = False,
+    optimizer: str | None = None,
+    device_type: str = "cuda",
+    offload: bool = True,
+    tp_plan: Any = None,
+    activations: bool = True,
+    **overrides: Any,
+) -> list[MemoryEstimate]:
+    """The layouts whose peak device memory per rank is at most ``budget`` bytes, fewest ranks first, then least
+    device memory (a layout the model cannot take, e.g. a tensor-parallel size that does not divide its heads, is
+    left out)."""
+    source = resolve_source(model)
+    raw = read_config(config)
+    worlds = list(worlds)
+    base = replace(layout_from_config(raw, worlds[0], seq_len, checkpointing), **overrides)
+    fits, cache = [], {}
+    for layout in candidate_layouts(worlds, base, offload=offload, param_offload=device_type != "cuda"):
+        try:
+            est = _estimate(source, raw, layout, optimizer, device_type, tp_plan, cache, activations)
+        except (LayoutError, ConfigError):
+            continue
+        if est.peak["device"] <= budget:
+            fits.append(est)
+    return sorted(fits, key=lambda e: (e.layout.world, e.peak["device"]))

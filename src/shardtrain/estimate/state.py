@@ -1,0 +1,198 @@
+"""Model-state bytes of one rank, laid out by the engine's own layout code on parameters without storage.
+
+The planner does what ``build_layout`` does (``zero/build.py``), with the same functions: units from
+:func:`~shardtrain.zero.units.find_unit_modules` and :func:`~shardtrain.zero.units.assign_parameters`, buckets
+from :func:`~shardtrain.zero.layout.group_by_size` and :func:`~shardtrain.zero.layout.build_buckets` (so padding
+to a multiple of the shard group and each rank's fragments are the engine's), on ``meta`` stand-ins of the
+(tensor-parallel local) parameters. Then it counts what :meth:`Engine.state_bytes` counts:
+
+* parameters: full flat buffers at stages 0-2, unit shards plus whole persistent parameters at stage 3, frozen
+  parameters outside buckets, in the compute dtype; less unit shards in parameter swap files (``nvme``);
+* gradients: a full fp32 (accumulation dtype) buffer per bucket at stages 0-1, one shard per bucket at 2-3;
+* optimizer: fp32 masters of this rank's fragments under mixed precision, the optimizer's element-wise state of
+  them (Adam: two moments; SGD with momentum: one) and Adam's 0-dim ``step`` per parameter; what optimizer
+  offload keeps in swap files or host memory is reported where it lives.
+
+Stage 3 also gives each unit's gathered size, which :mod:`.compute` replays.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from shardtrain.config import ZeroConfig
+from shardtrain.zero.layout import Bucket, build_buckets, group_by_size
+from shardtrain.zero.offload import make_sub_groups
+from shardtrain.zero.policy import ZeroPolicy
+from shardtrain.zero.swap import ALIGN
+from shardtrain.zero.units import assign_parameters, find_unit_modules
+
+FP32 = torch.float32
+
+
+@dataclass
+class UnitSize:
+    name: str
+    nbytes: int  # its full (gathered) flat buffers in the compute dtype
+    numel: int
+    root: bool
+
+
+@dataclass
+class RankState:
+    """One rank's permanent bytes, each where it lives (``device``, ``host`` or ``nvme``)."""
+
+    params: dict[str, int] = field(default_factory=dict)
+    grads: dict[str, int] = field(default_factory=dict)
+    optimizer: dict[str, int] = field(default_factory=dict)
+    """Keys ``masters``, ``moments``, ``steps`` (each ``where:kind``) and ``offload_buffers``."""
+    units: list[UnitSize] = field(default_factory=list)
+    buckets: list[Bucket] = field(default_factory=list)
+    """Stand-in buckets (meta parameters) in the engine's order, trainable and frozen."""
+    bucket_names: list[list[str]] = field(default_factory=list)
+
+
+def _stand_ins(model: nn.Module) -> dict[int, nn.Parameter]:
+    """A storage-less copy of every distinct parameter (the layout code re-points their ``.data``)."""
+    out: dict[int, nn.Parameter] = {}
+    for p in model.parameters():
+        if id(p) not in out:
+            out[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
+    return out
+
+
+def plan_buckets(
+    model: nn.Module, zcfg: ZeroConfig, world: int, rank: int
+) -> tuple[list[Bucket], list[tuple[str, list[int]]], list[tuple[str, nn.Parameter]]]:
+    """The engine's buckets (stand-ins), stage-3 units as (name, bucket indices) and the parameters held whole."""
+    policy = ZeroPolicy.for_stage(zcfg.stage)
+    proxy = _stand_ins(model)
+
+    def swap(items: list[tuple[str, nn.Parameter]]) -> list[tuple[str, nn.Parameter]]:
+        return [(n, proxy[id(p)]) for n, p in items]
+
+    units: list[tuple[str, list[int]]] = []
+    if policy.shard_parameters:  # as zero/build.py's _plan_units
+        unit_modules = find_unit_modules(model, zcfg.stage3_unit_classes)
+        groups = [swap(g) for g in assign_parameters(model, unit_modules)]
+        threshold = zcfg.stage3_param_persistence_threshold
+        persistent = [(n, p) for g in groups for n, p in g if p.numel() < threshold and p.requires_grad]
+        named = [*[n for n, _ in unit_modules[::-1]], "<root>"]
+        params_of = [*groups[:-1][::-1], groups[-1]]
+        buckets: list[Bucket] = []
+        for name, params in zip(named, params_of):
+            by_kind: dict[tuple[torch.dtype, bool], list[tuple[str, nn.Parameter]]] = {}
+            for n, p in params:
+                if p.numel() >= threshold:
+                    by_kind.setdefault((p.dtype, p.requires_grad), []).append((n, p))
+            if not by_kind:
+                continue
+            made = build_buckets(list(by_kind.values()), world, rank, first_index=len(buckets))
+            for b in made:
+                b.gather_after_step = False
+            units.append((name, [b.index for b in made]))
+            buckets += made
+        buckets += build_buckets(
+            group_by_size(persistent, zcfg.reduce_bucket_size), world, rank, first_index=len(buckets)
+        )
+    else:
+        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        buckets = build_buckets(group_by_size(swap(trainable), zcfg.reduce_bucket_size), world, rank)
+    bucketed = {id(s.param) for b in buckets for s in b.slots}
+    whole = [(n, proxy[id(p)]) for n, p in model.named_parameters() if id(proxy[id(p)]) not in bucketed]
+    return buckets, units, whole
+
+
+def _itemsize(dtype: torch.dtype, compute: torch.dtype) -> int:
+    """Bytes per element once the engine casts fp32 tensors to the compute dtype (mixed precision)."""
+    return (compute if dtype == FP32 else dtype).itemsize
+
+
+def rank_state(
+    model: nn.Module,
+    zcfg: ZeroConfig,
+    world: int,
+    rank: int,
+    compute: torch.dtype,
+    moments: int,
+    step_scalars: bool,
+    device_type: str,
+) -> RankState:
+    """Bytes of one rank whose ZeRO shard group has ``world`` ranks and which is ``rank`` in it."""
+    policy = ZeroPolicy.for_stage(zcfg.stage)
+    mixed = compute != FP32
+    buckets, units, whole = plan_buckets(model, zcfg, world, rank)
+    st = RankState(buckets=buckets, bucket_names=[[s.name for s in b.slots] for b in buckets])
+    opt_dev, par_dev = zcfg.offload_optimizer.device, zcfg.offload_param.device
+
+    # parameters (Engine.state_bytes)
+    unit_of = {i: name for name, idx in units for i in idx}
+    resident, mapped = 0, 0
+    kept = 0
+    unit_shards = {name: sum(buckets[i].shard_numel for i in idx) for name, idx in units}
+    mapped_units = set()
+    if par_dev == "nvme":  # the first units (layout order) stay in memory up to max_in_cpu elements
+        for name, _ in units:
+            if kept + unit_shards[name] <= zcfg.offload_param.max_in_cpu:
+                kept += unit_shards[name]
+            else:
+                mapped_units.add(name)
+    for b in buckets:
+        size = _itemsize(b.dtype, compute)
+        n = b.padded_numel if b.gather_after_step else b.shard_numel
+        if unit_of.get(b.index) in mapped_units:
+            mapped += n * size
+        else:
+            resident += n * size
+    resident += sum(p.numel() * _itemsize(p.dtype, compute) for _, p in whole)
+    st.params = {"device": resident, "nvme": mapped}
+
+    # gradients (GradientReducer)
+    grads = 0
+    for b in buckets:
+        if not b.requires_grad:
+            continue
+        acc = 4 if _itemsize(b.dtype, compute) < 4 else _itemsize(b.dtype, compute)
+        grads += (b.shard_numel if policy.shard_gradients else b.padded_numel) * acc
+    st.grads = {"device": grads}
+
+    # optimizer (ShardedOptimizer.state_bytes and zero/offload.py)
+    stepped = [
+        f.length if policy.shard_optimizer_state else s.numel
+        for b in buckets
+        if b.requires_grad
+        for s, f in zip(b.slots, b.fragments)
+    ]
+    n_params = len(stepped)
+    masters_per = [4 * n if mixed else 0 for n in stepped]
+    moments_per = [4 * moments * n for n in stepped]
+    steps = 4 * n_params if step_scalars else 0
+    opt: dict[str, int] = {}
+    if opt_dev == "nvme":
+        groups = make_sub_groups(stepped, zcfg.sub_group_size, zcfg.offload_optimizer.ratio)
+        on_disk = [i for g in groups if g.offloaded for i in g.members]
+        in_mem = [i for g in groups if not g.offloaded for i in g.members]
+        opt["nvme"] = sum(masters_per[i] + moments_per[i] for i in on_disk)
+        opt["host" if device_type == "cuda" else "device"] = sum(masters_per[i] + moments_per[i] for i in in_mem)
+        # buffers: ``buffer_count`` of them, taken from a FIFO queue by the offloaded sub-groups (read ahead, given
+        # back once written, in whatever order the I/O threads finish) and each grown to the largest sub-group it
+        # held: over many steps each ends up the size of the largest sub-group (state files ALIGN-ed in it)
+        keys = moments + (1 if mixed else 0)
+        sizes = [sum(keys * (-(-4 * stepped[i] // ALIGN) * ALIGN) for i in g.members) for g in groups if g.offloaded]
+        opt["offload_buffers"] = zcfg.offload_optimizer.buffer_count * max(sizes, default=0)
+    elif opt_dev == "cpu" and device_type == "cuda":
+        # host masters: fp32 copies of the fragments, in fp32 training too; state made on the host
+        opt["host"] = sum(4 * n for n in stepped) + sum(moments_per)
+    else:  # in memory (on a CPU-only machine 'cpu' offload is where the state already is)
+        opt["device"] = sum(masters_per) + sum(moments_per)
+    opt["steps"] = steps
+    st.optimizer = opt
+
+    # stage 3: gathered units
+    for name, idx in units:
+        nbytes = sum(buckets[i].padded_numel * _itemsize(buckets[i].dtype, compute) for i in idx)
+        st.units.append(UnitSize(name, nbytes, sum(buckets[i].padded_numel for i in idx), name == "<root>"))
+    return st
