@@ -122,8 +122,14 @@ class CheckpointReader:
         shape = piece.slice.piece_shape(entry.global_shape)
         whole = (0, numel(shape))
         check = self.verify_reads or elems == whole
+        # a copier into host memory of the stored dtype can take long segments read straight into the result
+        direct = (
+            sink.direct
+            if isinstance(sink, SegmentCopier) and sink.out.device.type == "cpu" and sink.out.dtype == entry.torch_dtype
+            else None
+        )
         try:
-            crc = stream_tensor(path, piece.key, entry.torch_dtype, shape, whole if check else elems, sink)
+            crc = stream_tensor(path, piece.key, entry.torch_dtype, shape, whole if check else elems, sink, direct)
         except CheckpointError as err:
             raise CheckpointError(f"{err} (reading tensor {entry.name!r})") from None
         except OSError as err:

@@ -164,14 +164,41 @@ class SegmentCopier:
     Per chunk: the segments it touches are found by binary search; the first and last (clipped by the chunk) are
     copied as slices; the ones between, when they are regular (equal lengths, constant steps in the chunk and in
     ``out``, e.g. the rows of a column block), as one strided view, otherwise with one gather and one scatter.
-    Memory: index tensors of at most one chunk, and only on the irregular path."""
+    Memory: index tensors of at most one chunk, and only on the irregular path.
+
+    :meth:`direct` lets ``stream_tensor`` read long segments straight into ``out`` instead (no chunk buffer, no
+    copy): the common reads (a ZeRO fragment, a whole tensor, a row block) are one segment per piece."""
 
     _FEW = 4  # segments copied one by one below this
+    DIRECT_MIN_BYTES = 1 << 20  # shorter segments go through the chunk buffer: one read per segment would cost more
 
     def __init__(self, out: torch.Tensor, segments: Segments) -> None:
         self.out = out
         self.seg = segments
         self.piece_end = segments.piece_start + segments.length
+        self._bytes: memoryview | None = None
+
+    def direct(self, offset: int, n: int) -> tuple[int, memoryview | None]:
+        """For ``stream_tensor``: how many of the next ``n`` elements (from ``offset`` in the piece) to read next,
+        and the bytes of ``out`` to read them into, or ``None`` for the chunk buffer (then passed to this sink).
+
+        Only valid when ``out`` is in host memory with the stored dtype (the caller checks). A chunk that would run
+        into a long segment is cut at its start, so that the segment is read directly from its first element."""
+        i = int(torch.searchsorted(self.piece_end, offset, right=True))  # first segment ending after offset
+        if i == self.seg.count:
+            return n, None
+        start, end = int(self.seg.piece_start[i]), int(self.piece_end[i])
+        size = self.out.element_size()
+        if start > offset:  # a gap (elements only read for the checksum) before segment i
+            long = (end - start) * size >= self.DIRECT_MIN_BYTES
+            return (min(n, start - offset) if long else n), None
+        m = min(n, end - offset)
+        if m < n and m * size < self.DIRECT_MIN_BYTES:
+            return n, None
+        if self._bytes is None:
+            self._bytes = memoryview(self.out.view(torch.uint8).numpy())
+        t = int(self.seg.target_start[i]) + offset - start
+        return m, self._bytes[t * size : (t + m) * size]
 
     def __call__(self, offset: int, chunk: torch.Tensor) -> None:
         end = offset + chunk.numel()
