@@ -34,10 +34,11 @@ def ckpt(tmp_path_factory):
     return d
 
 
-@pytest.fixture
-def paths(monkeypatch):
+@pytest.fixture(params=[8, 0], ids=["segments-as-lists", "segments-as-tensors"])
+def paths(monkeypatch, request):
     """Counts chunks read directly and through the buffer; small chunks and a small direct threshold (in elements
-    of a few bytes) so that the tiny tensors take every path: direct, buffered, chunks cut at a segment start."""
+    of a few bytes) so that the tiny tensors take every path: direct, buffered, chunks cut at a segment start,
+    direct reads of a segment in several chunks; the copier's segments as lists and as tensors."""
     seen = {"direct": 0, "buffered": 0}
     original = SegmentCopier.direct
 
@@ -48,7 +49,9 @@ def paths(monkeypatch):
 
     monkeypatch.setattr(SegmentCopier, "direct", counting)
     monkeypatch.setattr(SegmentCopier, "DIRECT_MIN_BYTES", 24)
+    monkeypatch.setattr(SegmentCopier, "_LISTS", request.param)
     monkeypatch.setattr(safetensors_io, "_CHUNK", 28)
+    monkeypatch.setattr(safetensors_io, "_DIRECT_CHUNK", 36)
     return seen
 
 

@@ -171,17 +171,29 @@ class CheckpointReader:
         except CheckpointError as err:
             raise CheckpointError(f"tensor {entry.name!r}: cannot read {slice}: {err}") from None
         out = torch.empty(slice.piece_shape(shape), dtype=dtype or entry.torch_dtype)
-        target = slice.run_table(shape)
-        if target.count == 0:
+        if out.numel() == 0:
             return out
         flat = out.view(-1)
+        target = None  # run table, built only when a piece needs it
         for piece in entry.pieces:
-            segments = intersect(target, piece.slice.run_table(shape))
-            if segments.count == 0:
-                continue
-            first = int(segments.piece_start[0])
-            last = int(segments.piece_start[-1] + segments.length[-1])
-            self._stream_piece(entry, piece, (first, last), SegmentCopier(flat, segments))
+            stored = piece.slice
+            if isinstance(slice, FlatSlice) and isinstance(stored, FlatSlice):
+                # one run each (a ZeRO fragment read by a flat range): plain integers, no run tables
+                lo = max(slice.start, stored.start)
+                hi = min(slice.start + slice.length, stored.start + stored.length)
+                if hi <= lo:
+                    continue
+                copier = SegmentCopier.one_run(flat, lo - slice.start, lo - stored.start, hi - lo)
+                first, last = lo - stored.start, hi - stored.start
+            else:
+                target = slice.run_table(shape) if target is None else target
+                segments = intersect(target, stored.run_table(shape))
+                if segments.count == 0:
+                    continue
+                copier = SegmentCopier(flat, segments)
+                first = int(segments.piece_start[0])
+                last = int(segments.piece_start[-1] + segments.length[-1])
+            self._stream_piece(entry, piece, (first, last), copier)
         return out
 
     # -- objects ----------------------------------------------------------------------------------
