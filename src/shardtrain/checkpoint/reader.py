@@ -160,9 +160,12 @@ class CheckpointReader:
         rank of another layout owns, whatever layout the checkpoint was saved at (any mix of slice kinds).
 
         Only stored pieces sharing elements with ``slice`` are read, each once, sequentially in chunks of a few MiB
-        (whole when verifying its checksum). The element map of each piece is computed from the runs of both slices
-        as tensors, and each chunk is copied into the result with strided views or one gather (``runs.py``), never
-        a Python step per run. Memory: the result, one chunk, the run tables. ``dtype`` converts while copying.
+        (whole when verifying its checksum), and every byte read is checksummed right after its read, once. Long
+        contiguous segments (a ZeRO fragment, a whole tensor, a row block: one per piece) are read straight into the
+        result; the rest goes through one chunk buffer and is copied into the result with strided views or one
+        gather (``runs.py``), never a Python step per run. The element map of each piece is computed from the runs
+        of both slices as tensors, or with plain integers for a flat range of a flat piece. Memory: the result, one
+        chunk, the run tables. ``dtype`` converts while copying (never read directly).
         """
         entry = self.manifest.resolve(name)
         shape = entry.global_shape

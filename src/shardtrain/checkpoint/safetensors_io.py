@@ -41,7 +41,6 @@ ST_DTYPES = {
 _MAX_HEADER = 100 << 20
 _CHUNK = 4 << 20  # read, write and checksum in pieces that fit the CPU cache
 _DIRECT_CHUNK = 16 << 20  # reads straight into a result: no buffer to bound, fewer and larger requests
-_READ_AHEAD = 0  # bytes beyond the current read announced to the kernel (POSIX_FADV_WILLNEED); 0: its own readahead
 
 
 @lru_cache(maxsize=64)
@@ -105,17 +104,9 @@ def stream_tensor(
     buf: torch.Tensor | None = None  # allocated on first use: direct reads need none
     running = 0
     with open(path, "rb", buffering=0) as f:
-        first = data_start + begin + a * size
-        f.seek(first)
-        announced = first
+        f.seek(data_start + begin + a * size)
         offset = a
         while offset < b:
-            if _READ_AHEAD:
-                pos = data_start + begin + offset * size
-                stop = min(data_start + begin + b * size, pos + _READ_AHEAD)
-                if stop - announced >= _READ_AHEAD // 2:
-                    os.posix_fadvise(f.fileno(), announced, stop - announced, os.POSIX_FADV_WILLNEED)
-                    announced = stop
             n, into = direct(offset, min(per_direct, b - offset)) if direct else (b - offset, None)
             buffered = into is None
             if into is None:
