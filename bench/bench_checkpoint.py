@@ -15,12 +15,16 @@ per rank). Measured in the same run, on the same directory:
 * ``shardtrain checkpoint consolidate`` of the checkpoint in a fresh process: time and peak RSS growth (``VmHWM``
   after resetting it via ``/proc/self/clear_refs``), against twice the largest tensor;
 * time training is blocked by an engine's save, synchronous against ``async_save=True``, in the same run
-  (``--blocked-rounds``; ``--blocked-only`` runs this part alone): see :func:`_blocked_rank`.
+  (``--blocked-rounds``; ``--blocked-only`` runs this part alone): see :func:`_blocked_rank`;
+* ``--load-only``: the load against a raw parallel read of the same files, paired per round (see
+  :func:`_load_rank`); the page cache is checked to hold none of the files' pages before every timed read.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import mmap
 import os
 import platform
 import shutil
@@ -53,6 +57,36 @@ def drop_cache(path: Path) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+
+
+def resident_bytes(path: Path) -> int:
+    """Bytes of the files under ``path`` held in the page cache (``mincore`` over a shared read-only mapping, as
+    util-linux's ``fincore`` does): proof that a timed read starts cold."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    page, total = mmap.PAGESIZE, 0
+    for f in [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file()):
+        size = f.stat().st_size
+        if size == 0:
+            continue
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            if addr in (None, ctypes.c_void_p(-1).value):
+                raise OSError(ctypes.get_errno(), f"mmap of {f} failed")
+            try:
+                vec = (ctypes.c_ubyte * (-(-size // page)))()
+                if libc.mincore(addr, size, vec) != 0:
+                    raise OSError(ctypes.get_errno(), f"mincore of {f} failed")
+                total += sum(b & 1 for b in vec) * page
+            finally:
+                libc.munmap(addr, size)
+        finally:
+            os.close(fd)
+    return total
 
 
 def settle(seconds: float) -> None:
@@ -130,6 +164,92 @@ def _ours(comm: Communicator, path: Path, pieces: list[SavePiece], out: dict[str
             while f.readinto(buf if not fresh else bytearray(BLOCK)):
                 pass
         out[key] = time.perf_counter() - t0
+
+
+def _load_rank(root: str, world: int, numel_per_tensor: int, rounds: int, settle_s: float) -> list[dict[str, float]]:
+    """One checkpoint saved once; per round, three timed reads of it by every rank at once, in an order that
+    rotates and reverses from round to round: the shardtrain load of this rank's fragments (``reader.read``,
+    checksums verified, fresh result tensors), and the raw read of this rank's file of the same checkpoint
+    (sequential ``readinto`` of 64 MiB blocks) into one reused buffer and into freshly allocated memory.
+
+    Before each timed read every rank's files are evicted from the page cache (``fsync`` then
+    ``posix_fadvise(DONTNEED)``, which needs no privileges) and ``resident_bytes`` checks that none of their pages
+    is left; so every method starts from the same cold cache. Each records its wall and CPU (user + system) time."""
+    comm = Communicator(dist.group.WORLD, 600.0)
+    rank, path = comm.rank, Path(root) / "load"
+    pieces = _local_state(rank, world, numel_per_tensor)
+    save(path, "step1", comm, pieces)
+    ckpt = path / "step1"
+    mine = ckpt / f"rank{rank:05d}.safetensors"
+
+    loaded: list[torch.Tensor] = []
+
+    def load() -> None:
+        reader = open_checkpoint(path)
+        loaded[:] = [reader.read(p.name, (p.slice.start, p.slice.start + p.slice.length)) for p in pieces]
+
+    def raw(fresh: bool) -> None:
+        buf = bytearray(BLOCK)
+        with open(mine, "rb", buffering=0) as f:
+            while f.readinto(buf if not fresh else bytearray(BLOCK)):
+                pass
+
+    methods = {"load": load, "raw": lambda: raw(False), "raw_fresh": lambda: raw(True)}
+    names = list(methods)
+    results = []
+    for k in range(rounds):
+        order = names[k % 3 :] + names[: k % 3]
+        order = order[::-1] if (k // 3) % 2 else order
+        out: dict[str, float] = {"bytes": mine.stat().st_size, "round": k}
+        for name in order:
+            settle(settle_s)
+            comm.barrier(what="bench: before dropping the cache")
+            if rank == 0:
+                drop_cache(path)
+            comm.barrier(what="bench: cache dropped")
+            out[f"{name}_resident"] = resident_bytes(ckpt)  # every rank's files: all must be cold
+            comm.barrier(what="bench: before timed read")
+            t0, c0 = time.perf_counter(), time.process_time()
+            methods[name]()
+            out[f"{name}_s"], out[f"{name}_cpu_s"] = time.perf_counter() - t0, time.process_time() - c0
+            if loaded:  # the load is right (checked outside the timed region), and its tensors are freed
+                assert all(torch.equal(a, p.tensor) for a, p in zip(loaded, pieces))
+                loaded.clear()
+        results.append(out)
+    comm.barrier(what="bench: load rounds done")
+    return results
+
+
+def _report_load(per_rank: list[list[dict[str, float]]], world: int, gb: float) -> None:
+    rounds = len(per_rank[0])
+    med = statistics.median
+
+    def agg(key: str, k: int) -> float:  # all ranks' bytes over the slowest rank's time
+        return gb / max(r[k][f"{key}_s"] for r in per_rank)
+
+    resident = max(r[k][f"{m}_resident"] for r in per_rank for k in range(rounds) for m in ("load", "raw", "raw_fresh"))
+    print(
+        f"\nload against a raw parallel read of the same files ({gb:.2f} GB, world {world}, each rank its own file; "
+        f"aggregate = all bytes / slowest rank; median of {rounds} rounds; page-cache bytes of the checkpoint's "
+        f"files before any timed read, at most: {resident})"
+    )
+    print("| method | load GB/s (aggregate) | CPU s per rank (median) | shardtrain load / this, paired per round |")
+    print("|---|---|---|---|")
+    for key, name in (
+        ("load", "shardtrain load (fresh tensors, checksums verified)"),
+        ("raw", "raw read of the same files, into one reused buffer"),
+        ("raw_fresh", "raw read of the same files, into fresh memory"),
+    ):
+        rate = med(agg(key, k) for k in range(rounds))
+        cpu = med(r[k][f"{key}_cpu_s"] for r in per_rank for k in range(rounds))
+        paired = [agg("load", k) / agg(key, k) for k in range(rounds)]
+        q = statistics.quantiles(paired, n=4) if rounds > 1 else [paired[0]] * 3
+        ratio = "-" if key == "load" else f"**{med(paired):.2f}** [{q[0]:.2f}, {q[2]:.2f}]"
+        print(f"| {name} | {rate:.2f} | {cpu:.3f} | {ratio} |")
+    print(
+        "per round, aggregate GB/s load / raw / raw fresh: "
+        + "; ".join(f"{agg('load', k):.2f}/{agg('raw', k):.2f}/{agg('raw_fresh', k):.2f}" for k in range(rounds))
+    )
 
 
 def _dcp(
@@ -319,21 +439,27 @@ def main() -> None:
     ap.add_argument("--blocked-rounds", type=int, default=4, help="rounds of the blocked-time part (default 4)")
     ap.add_argument("--blocked-steps", type=int, default=3, help="steps timed after each save (default 3)")
     ap.add_argument("--blocked-only", action="store_true", help="run only the blocked-time part")
+    ap.add_argument("--load-only", action="store_true", help="run only the load against a raw read of the same files")
+    ap.add_argument("--load-rounds", type=int, default=12, help="rounds of the --load-only part (default 12)")
     args = ap.parse_args()
     root = Path(args.dir)
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}")
+    numel_per_tensor = int(args.size_gb * 1e9 / 4 / N_TENSORS) // (args.world * 1024) * (args.world * 1024)
+    total = numel_per_tensor * N_TENSORS * 4
+    gb = total / 1e9
+    if args.load_only:
+        load_args = (args.world, numel_per_tensor, args.load_rounds, args.settle)
+        _report_load(run_distributed(_load_rank, args.world, str(root), *load_args, timeout=3000.0), args.world, gb)
+        shutil.rmtree(root, ignore_errors=True)
+        return
     blocked_args = (args.blocked_mb, args.blocked_rounds, args.blocked_steps, args.settle)
     blocked = run_distributed(_blocked_rank, args.world, str(root / "engine"), *blocked_args, timeout=3000.0)
     _report_blocked(blocked, args.world)
     if args.blocked_only:
         shutil.rmtree(root, ignore_errors=True)
         return
-    numel_per_tensor = int(args.size_gb * 1e9 / 4 / N_TENSORS) // (args.world * 1024) * (args.world * 1024)
-    total = numel_per_tensor * N_TENSORS * 4
-    gb = total / 1e9
-
     per_round = run_distributed(
         _bench_rank, args.world, str(root), args.world, numel_per_tensor, args.rounds, args.settle, timeout=3000.0
     )

@@ -133,8 +133,14 @@ class CheckpointReader:
         shape = piece.slice.piece_shape(entry.global_shape)
         whole = (0, numel(shape))
         check = self.verify_reads or elems == whole
+        # a copier into host memory of the stored dtype can take long segments read straight into the result
+        direct = (
+            sink.direct
+            if isinstance(sink, SegmentCopier) and sink.out.device.type == "cpu" and sink.out.dtype == entry.torch_dtype
+            else None
+        )
         try:
-            crc = stream_tensor(path, piece.key, entry.torch_dtype, shape, whole if check else elems, sink)
+            crc = stream_tensor(path, piece.key, entry.torch_dtype, shape, whole if check else elems, sink, direct)
         except CheckpointError as err:
             raise CheckpointError(f"{err} (reading tensor {entry.name!r})") from None
         except OSError as err:
@@ -165,9 +171,12 @@ class CheckpointReader:
         rank of another layout owns, whatever layout the checkpoint was saved at (any mix of slice kinds).
 
         Only stored pieces sharing elements with ``slice`` are read, each once, sequentially in chunks of a few MiB
-        (whole when verifying its checksum). The element map of each piece is computed from the runs of both slices
-        as tensors, and each chunk is copied into the result with strided views or one gather (``runs.py``), never
-        a Python step per run. Memory: the result, one chunk, the run tables. ``dtype`` converts while copying.
+        (whole when verifying its checksum), and every byte read is checksummed right after its read, once. Long
+        contiguous segments (a ZeRO fragment, a whole tensor, a row block: one per piece) are read straight into the
+        result; the rest goes through one chunk buffer and is copied into the result with strided views or one
+        gather (``runs.py``), never a Python step per run. The element map of each piece is computed from the runs
+        of both slices as tensors, or with plain integers for a flat range of a flat piece. Memory: the result, one
+        chunk, the run tables. ``dtype`` converts while copying (never read directly).
         """
         entry = self.manifest.resolve(name)
         shape = entry.global_shape
@@ -176,17 +185,29 @@ class CheckpointReader:
         except CheckpointError as err:
             raise CheckpointError(f"tensor {entry.name!r}: cannot read {slice}: {err}") from None
         out = torch.empty(slice.piece_shape(shape), dtype=dtype or entry.torch_dtype)
-        target = slice.run_table(shape)
-        if target.count == 0:
+        if out.numel() == 0:
             return out
         flat = out.view(-1)
+        target = None  # run table, built only when a piece needs it
         for piece in entry.pieces:
-            segments = intersect(target, piece.slice.run_table(shape))
-            if segments.count == 0:
-                continue
-            first = int(segments.piece_start[0])
-            last = int(segments.piece_start[-1] + segments.length[-1])
-            self._stream_piece(entry, piece, (first, last), SegmentCopier(flat, segments))
+            stored = piece.slice
+            if isinstance(slice, FlatSlice) and isinstance(stored, FlatSlice):
+                # one run each (a ZeRO fragment read by a flat range): plain integers, no run tables
+                lo = max(slice.start, stored.start)
+                hi = min(slice.start + slice.length, stored.start + stored.length)
+                if hi <= lo:
+                    continue
+                copier = SegmentCopier.one_run(flat, lo - slice.start, lo - stored.start, hi - lo)
+                first, last = lo - stored.start, hi - stored.start
+            else:
+                target = slice.run_table(shape) if target is None else target
+                segments = intersect(target, stored.run_table(shape))
+                if segments.count == 0:
+                    continue
+                copier = SegmentCopier(flat, segments)
+                first = int(segments.piece_start[0])
+                last = int(segments.piece_start[-1] + segments.length[-1])
+            self._stream_piece(entry, piece, (first, last), copier)
         return out
 
     # -- objects ----------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ run), and copies are strided views or one gather per chunk of a stored piece (no
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, bisect_right
 from typing import NamedTuple
 
 import torch
@@ -164,17 +165,76 @@ class SegmentCopier:
     Per chunk: the segments it touches are found by binary search; the first and last (clipped by the chunk) are
     copied as slices; the ones between, when they are regular (equal lengths, constant steps in the chunk and in
     ``out``, e.g. the rows of a column block), as one strided view, otherwise with one gather and one scatter.
-    Memory: index tensors of at most one chunk, and only on the irregular path."""
+    Memory: index tensors of at most one chunk, and only on the irregular path.
+
+    :meth:`direct` lets ``stream_tensor`` read long segments straight into ``out`` instead (no chunk buffer, no
+    copy): the common reads (a ZeRO fragment, a whole tensor, a row block) are one segment per piece."""
 
     _FEW = 4  # segments copied one by one below this
+    _LISTS = 8  # up to this many segments are also kept as Python lists: tensor ops cost more than they save
+    DIRECT_MIN_BYTES = 1 << 20  # shorter segments go through the chunk buffer: one read per segment would cost more
 
     def __init__(self, out: torch.Tensor, segments: Segments) -> None:
         self.out = out
         self.seg = segments
         self.piece_end = segments.piece_start + segments.length
+        self._bytes: memoryview | None = None
+        self._lists: tuple[list[int], list[int], list[int]] | None = None
+        if segments.count <= self._LISTS:
+            self._lists = (segments.target_start.tolist(), segments.piece_start.tolist(), self.piece_end.tolist())
+
+    @classmethod
+    def one_run(cls, out: torch.Tensor, target_start: int, piece_start: int, length: int) -> SegmentCopier:
+        """``out[target_start + i] = piece[piece_start + i]`` for ``i < length``, without building tensors: a flat
+        range read from a flat piece (a ZeRO fragment), where tensor ops per read would cost more than the copy of
+        a small fragment."""
+        self = cls.__new__(cls)
+        self.out, self._bytes = out, None
+        self._lists = ([target_start], [piece_start], [piece_start + length])
+        return self
+
+    def _segment(self, i: int) -> tuple[int, int, int]:
+        """(target start, piece start, piece end) of segment ``i``."""
+        if self._lists is not None:
+            return self._lists[0][i], self._lists[1][i], self._lists[2][i]
+        return int(self.seg.target_start[i]), int(self.seg.piece_start[i]), int(self.piece_end[i])
+
+    def _first_ending_after(self, offset: int) -> int:
+        if self._lists is not None:
+            return bisect_right(self._lists[2], offset)
+        return int(torch.searchsorted(self.piece_end, offset, right=True))
+
+    def direct(self, offset: int, n: int) -> tuple[int, memoryview | None]:
+        """For ``stream_tensor``: how many of the next ``n`` elements (from ``offset`` in the piece) to read next,
+        and the bytes of ``out`` to read them into, or ``None`` for the chunk buffer (then passed to this sink).
+
+        Only valid when ``out`` is in host memory with the stored dtype (the caller checks). A chunk that would run
+        into a long segment is cut at its start, so that the segment is read directly from its first element."""
+        i = self._first_ending_after(offset)
+        if i == (len(self._lists[2]) if self._lists is not None else self.seg.count):
+            return n, None
+        t, start, end = self._segment(i)
+        size = self.out.element_size()
+        if start > offset:  # a gap (elements only read for the checksum) before segment i
+            long = (end - start) * size >= self.DIRECT_MIN_BYTES
+            return (min(n, start - offset) if long else n), None
+        m = min(n, end - offset)
+        if m < n and m * size < self.DIRECT_MIN_BYTES:
+            return n, None
+        if self._bytes is None:
+            self._bytes = memoryview(self.out.view(torch.uint8).numpy())
+        t += offset - start
+        return m, self._bytes[t * size : (t + m) * size]
 
     def __call__(self, offset: int, chunk: torch.Tensor) -> None:
         end = offset + chunk.numel()
+        if self._lists is not None:
+            targets, starts, ends = self._lists
+            for i in range(bisect_right(ends, offset), bisect_left(starts, end)):
+                p = max(starts[i], offset)
+                ti, ni = targets[i] + p - starts[i], min(ends[i], end) - p
+                self.out[ti : ti + ni].copy_(chunk[p - offset : p - offset + ni])
+            return
         lo = int(torch.searchsorted(self.piece_end, offset, right=True))
         hi = int(torch.searchsorted(self.seg.piece_start, end))
         if lo >= hi:

@@ -40,6 +40,7 @@ ST_DTYPES = {
 }
 _MAX_HEADER = 100 << 20
 _CHUNK = 4 << 20  # read, write and checksum in pieces that fit the CPU cache
+_DIRECT_CHUNK = 16 << 20  # reads straight into a result: no buffer to bound, fewer and larger requests
 
 
 @lru_cache(maxsize=64)
@@ -73,11 +74,16 @@ def stream_tensor(
     shape: tuple[int, ...],
     elems: tuple[int, int],
     sink: Callable[[int, torch.Tensor], None],
+    direct: Callable[[int, int], tuple[int, memoryview | None]] | None = None,
 ) -> int:
     """Read elements ``[a, b)`` of tensor ``key`` (checked against ``dtype`` and ``shape``) sequentially, in chunks
-    of a few MiB through one reused buffer; ``sink(offset, chunk)`` gets each chunk (a 1-D view valid only during
-    the call; ``offset`` counts elements from the start of the tensor). Returns the CRC-32 of the bytes read,
-    computed while each chunk is in the CPU cache. Memory: one chunk, whatever the tensor size."""
+    of a few MiB; returns the CRC-32 of the bytes read, computed on each chunk right after it is read (while it is
+    in the CPU cache: every byte is read from the file and checksummed once).
+
+    Each chunk goes where ``direct(offset, n)`` says: it returns how many of the next ``n`` elements to read and
+    the bytes to read them into (the caller's result: no buffer, no copy), or ``None``: then they are read into one
+    reused buffer and ``sink(offset, chunk)`` gets them (a 1-D view valid only during the call; ``offset`` counts
+    elements from the start of the tensor). Without ``direct`` every chunk goes to ``sink``. Memory: one chunk."""
     data_start, header = read_header(path)
     info = header.get(key)
     if not isinstance(info, dict):
@@ -93,22 +99,32 @@ def stream_tensor(
     if end - begin != numel * dtype.itemsize or data_start + end > path.stat().st_size:
         raise CheckpointError(f"{path}: data offsets of {key!r} do not fit its shape or the file")
     a, b = elems
-    per_chunk = max(1, _CHUNK // dtype.itemsize)
-    buf = torch.empty(min(per_chunk, b - a), dtype=dtype)
-    view = memoryview(buf.view(torch.uint8).numpy()).cast("B")
+    size = dtype.itemsize
+    per_chunk, per_direct = max(1, _CHUNK // size), max(1, _DIRECT_CHUNK // size)
+    buf: torch.Tensor | None = None  # allocated on first use: direct reads need none
     running = 0
     with open(path, "rb", buffering=0) as f:
-        f.seek(data_start + begin + a * dtype.itemsize)
-        for offset in range(a, b, per_chunk):
-            n = min(per_chunk, b - offset)
-            nbytes, got = n * dtype.itemsize, 0
-            while got < nbytes:
-                r = f.readinto(view[got:nbytes])
+        f.seek(data_start + begin + a * size)
+        offset = a
+        while offset < b:
+            n, into = direct(offset, min(per_direct, b - offset)) if direct else (b - offset, None)
+            buffered = into is None
+            if into is None:
+                n = min(n, per_chunk)
+                if buf is None:
+                    buf = torch.empty(min(per_chunk, b - a), dtype=dtype)
+                    scratch = memoryview(buf.view(torch.uint8).numpy())
+                into = scratch[: n * size]
+            got = 0
+            while got < len(into):
+                r = f.readinto(into[got:])
                 if not r:
                     raise CheckpointError(f"{path}: ends inside tensor {key!r}")
                 got += r
-            running = zlib.crc32(view[:nbytes], running)
-            sink(offset, buf[:n])
+            running = zlib.crc32(into, running)
+            if buffered:
+                sink(offset, buf[:n])
+            offset += n
     return running
 
 
