@@ -227,3 +227,23 @@ def test_the_dcp_tutorials_app_state_layout(tmp_path):
     assert objects["engine/counters"] == {"global_step": 4}
     assert torch.equal(reader.read("model/tok.weight"), sd["tok.weight"])
     assert torch.equal(reader.read("optim/head.weight/exp_avg", (5, 9)), torch.full((4,), 0.5))
+
+
+def test_inspect_lists_a_dcp_directory(tmp_path, capsys):
+    """``shardtrain checkpoint inspect`` names a DCP directory, lists its tensors with their chunks, and
+    ``--verify`` reads them; a truncated data file is reported, not a traceback."""
+    from shardtrain.cli import main
+
+    sd = make_model(0).state_dict()
+    save_plain(sd, tmp_path / "ckpt")
+    with pytest.warns(UserWarning, match="RNG states"):
+        assert main(["checkpoint", "inspect", str(tmp_path / "ckpt"), "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert "torch DCP" in out and f"tensors: {len(sd)}," in out
+    assert "model/head.weight" in out and "1 chunk(s)" in out and "verify: every tensor read whole" in out
+    data = next((tmp_path / "ckpt").glob("*.distcp"))
+    data.write_bytes(data.read_bytes()[:1000])
+    with pytest.warns(UserWarning, match="RNG states"):
+        assert main(["checkpoint", "inspect", str(tmp_path / "ckpt"), "--verify"]) == 1
+    out = capsys.readouterr().out
+    assert "problem(s)" in out and "Traceback" not in out

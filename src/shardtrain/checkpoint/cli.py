@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections import Counter
+from typing import Any
 
 from tqdm import tqdm
 
@@ -75,8 +76,10 @@ def inspect(args: argparse.Namespace) -> int:
         print(f"shardtrain checkpoint: error: {err}", file=sys.stderr)
         return 2
     m = reader.manifest
-    foreign = getattr(reader, "format_name", None)  # a DeepSpeed directory has no format version of ours
+    foreign = getattr(reader, "format_name", None)  # DeepSpeed and DCP directories have no format version of ours
     print(f"checkpoint {reader.path} ({foreign or f'format version {m.version}'})")
+    if not hasattr(m, "files"):  # a DCP checkpoint: tensors as boxes of chunks, no files or objects of ours
+        return _inspect_chunked(reader, args.verify)
     print(f"tag: {m.tag}   saved by {m.world_size} rank(s)   files: {len(m.files)}")
     try:
         objects = reader.objects
@@ -120,6 +123,32 @@ def inspect(args: argparse.Namespace) -> int:
         print("verify: every file opened and every piece found (DeepSpeed's files carry no checksums)")
     else:
         print("verify: all files and checksums OK")
+    return 0
+
+
+def _inspect_chunked(reader: Any, verify: bool) -> int:
+    """``inspect`` of a torch DCP directory: each tensor with the chunks (boxes of the global tensor) it is in."""
+    m = reader.manifest
+    print(f"tag: {m.tag}   saved by {m.world_size} rank(s)")
+    objects = reader.objects
+    print(f"objects: {', '.join(sorted(objects)) or '-'}")
+    total = sum(e.nbytes for e in m.tensors.values())
+    print(f"tensors: {len(m.tensors)}, {_human(total)}")
+    width = max(len(n) for n in m.tensors) if m.tensors else 4
+    for name, e in m.tensors.items():
+        shape = "x".join(map(str, e.global_shape)) or "scalar"
+        alias = f"  (also {', '.join(e.aliases)})" if e.aliases else ""
+        print(f"  {name:<{width}}  {e.dtype:<9} {shape:<16} {_human(e.nbytes):>10}  {len(e.chunks)} chunk(s){alias}")
+    if not verify:
+        return 0
+    with tqdm(total=total, unit="B", unit_scale=True, desc="verify", file=sys.stderr) as bar:
+        problems = reader.verify(bar.update)
+    if problems:
+        print(f"verify: {len(problems)} problem(s)")
+        for p in problems:
+            print(f"  {p}")
+        return 1
+    print("verify: every tensor read whole (DCP files carry no checksums)")
     return 0
 
 

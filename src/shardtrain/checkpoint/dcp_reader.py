@@ -95,6 +95,8 @@ class _Planner(LoadPlanner):
 class DcpReader:
     """Reads the tensors and objects of one DCP checkpoint directory (see the module docstring)."""
 
+    format_name = "torch DCP (FSDP2, torchtitan)"  # for `shardtrain checkpoint inspect`
+
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self.verify_reads = False  # DCP stores no checksums
