@@ -62,8 +62,8 @@ def test_loads_dict_json_yaml_and_object(tmp_path):
         ),
         ({"scheduler": {"type": "WarmupCosineLR", "params": {}}}, ["scheduler.params.total_num_steps", "required"]),
         (
-            {"optimizer": {"type": "Adam", "params": {"bias_correction": False}}},
-            ["optimizer.params.bias_correction: false is not supported", "bias"],
+            {"optimizer": {"type": "Adam", "params": {"bias_correction": "false"}}},
+            ["optimizer.params.bias_correction: expected true or false", "got 'false'"],
         ),
         (
             {"optimizer": {"type": "Adam", "params": {"max_grad_norm": 1.0}}, "gradient_clipping": 0.5},

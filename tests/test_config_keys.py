@@ -253,6 +253,22 @@ def _optimizer_type(tmp: Path) -> None:
     assert d_sgd.abs().max() < 0.005
 
 
+@effect("optimizer.params.bias_correction")
+def _bias_correction(tmp: Path) -> None:
+    from shardtrain.optimizers import DeepSpeedAdam
+
+    def adam(bias_correction: bool) -> dict:
+        params = {"lr": 0.01, "weight_decay": 0.0, "bias_correction": bias_correction}
+        return {"optimizer": {"type": "Adam", "params": params}}
+
+    assert type(_engine(adam(False), optimizer=None).optimizer) is DeepSpeedAdam
+    # first step: corrected moments move each parameter by about lr; raw ones by lr (1 - beta1) / sqrt(1 - beta2)
+    corrected = _update(adam(True), optimizer=None)
+    raw = _update(adam(False), optimizer=None)
+    assert corrected.abs().max() == pytest.approx(0.01, rel=1e-3)
+    assert raw.abs().max() == pytest.approx(0.01 * 0.1 / 0.001**0.5, rel=1e-3)
+
+
 @effect("optimizer.params")
 def _optimizer_params(tmp: Path) -> None:
     slow = _update({"optimizer": {"type": "SGD", "params": {"lr": 0.05}}}, optimizer=None)
@@ -1055,6 +1071,7 @@ MODE_EXAMPLES: list[tuple[str, dict]] = [
     ),
     (_Z + "offload_optimizer.ratio", {"zero_optimization": {"stage": 1, "offload_optimizer": {"ratio": 0.5}}}),
     (_Z + "offload_param.device", {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}),
+    (_Z + "offload_param.device", {"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}),
     (_Z + "offload_param.nvme_path", {"zero_optimization": {"stage": 3, "offload_param": {"nvme_path": "/x"}}}),
     (_Z + "offload_param.max_in_cpu", {"zero_optimization": {"stage": 3, "offload_param": {"max_in_cpu": 0}}}),
     (_Z + "offload_param.buffer_count", {"zero_optimization": {"stage": 3, "offload_param": {"buffer_count": 2}}}),
@@ -1093,6 +1110,23 @@ def test_config_check_names_keys_without_effect_in_the_given_combination(path, c
     assert main(["config", "check", str(file)]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith(f"  no effect  {path}: ")]
     assert len(lines) == 1, lines
+
+
+def _offload_param_below_stage_3(where: str) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+    base = {"zero_optimization": {"stage": 2}}
+    offload = {"device": "nvme", "nvme_path": where, "max_in_cpu": 0}
+    given = {"zero_optimization": {"stage": 2, "offload_param": offload}}
+    return _update(base, steps=2), _update(given, steps=2), [str(p) for p in Path(where).rglob("*")]
+
+
+def test_offload_param_below_stage_3_is_ignored_as_deepspeed_ignores_it(tmp_path):
+    ((plain, given, files),) = run_distributed(_offload_param_below_stage_3, 1, str(tmp_path), timeout=120)
+    assert plain.abs().max() > 0
+    assert torch.equal(plain, given)
+    assert files == []  # no swap directory either
+    report = inspect_config({"zero_optimization": {"stage": 1, "offload_param": {"device": "cpu"}}})
+    (note,) = [n for n in report.no_effect if "offload_param" in n]
+    assert note.startswith(_Z + "offload_param.device: no effect at ZeRO stages 0-2: ")
 
 
 def test_keys_in_a_mode_where_they_act_are_not_reported():

@@ -35,6 +35,7 @@ from shardtrain.config_deepspeed import (
     unknown_key_message,
 )
 from shardtrain.errors import ConfigError
+from shardtrain.optimizers import DeepSpeedAdam
 
 
 def _integral(v: Any) -> Any:
@@ -93,7 +94,8 @@ class OffloadOptimizerConfig(_OffloadSection):
 
 
 class OffloadParamConfig(_OffloadSection):
-    """DeepSpeed's ``offload_param`` (stage 3): parameter shards of units in host memory or in files."""
+    """DeepSpeed's ``offload_param`` (stage 3): parameter shards of units in host memory or in files. Below stage 3
+    it has no effect (as in DeepSpeed): the validated config says device ``none``."""
 
     buffer_count: Count = 5
     """Device ``nvme``: units read ahead of their gather at most (the next read waits until one is gathered)."""
@@ -134,10 +136,10 @@ class ZeroConfig(_Section):
                 "optimizer state is offloaded per rank's shard); set stage >= 1 or device 'none'"
             )
         if self.offload_param.device != "none" and self.stage != 3:
-            raise ValueError(
-                f"offload_param.device {self.offload_param.device!r} needs ZeRO stage 3 (only stage 3 shards "
-                f"parameters; stage is {self.stage}); set stage 3 or device 'none'"
-            )
+            # DeepSpeed hands offload_param to stage 3 only and ignores it below (it has no parameter shards to
+            # offload there): dropped the same way, its keys still marked given so that `config check` names it
+            dropped = self.offload_param.model_copy(update={"device": "none"})
+            object.__setattr__(self, "offload_param", dropped)
         if self.mics_shard_size == 0 or self.mics_shard_size < -1:
             raise ValueError(
                 f"mics_shard_size {self.mics_shard_size} is not a group size: give a number of data-parallel ranks "
@@ -378,8 +380,10 @@ def optimizer_class_and_kwargs(
     """Map a DeepSpeed optimizer section onto a torch optimizer class and keyword arguments.
 
     As in DeepSpeed, ``type: Adam`` has ``adam_w_mode: true`` by default, i.e. decoupled weight decay
-    (torch's AdamW); ``adam_w_mode: false`` gives torch's Adam (L2 penalty). ``allow_auto``: check the other
-    values of a section that still has ``"auto"`` ones (``load_config``); otherwise ``"auto"`` is an error.
+    (torch's AdamW); ``adam_w_mode: false`` gives torch's Adam (L2 penalty). ``bias_correction: false`` (DeepSpeed's
+    fused Adam argument) gives :class:`shardtrain.optimizers.DeepSpeedAdam` in the same weight-decay mode.
+    ``allow_auto``: check the other values of a section that still has ``"auto"`` ones (``load_config``); otherwise
+    ``"auto"`` is an error.
     """
     kind = cfg.type.lower()
     if kind not in _OPTIMIZERS:
@@ -393,9 +397,16 @@ def optimizer_class_and_kwargs(
     params = {k: v for k, v in cfg.params.items() if not is_auto(v)}
     if kind in ("adam", "adamw"):  # DeepSpeed reads adam_w_mode for both; AdamW is AdamW whatever it says
         adam_w_mode = params.pop("adam_w_mode", True)
-        if not isinstance(adam_w_mode, bool):
-            raise ConfigError(f"optimizer.params.adam_w_mode: expected true or false, got {adam_w_mode!r}")
-        cls = torch.optim.AdamW if adam_w_mode or kind == "adamw" else torch.optim.Adam
+        bias_correction = params.pop("bias_correction", True)
+        for key, flag in (("adam_w_mode", adam_w_mode), ("bias_correction", bias_correction)):
+            if not isinstance(flag, bool):
+                raise ConfigError(f"optimizer.params.{key}: expected true or false, got {flag!r}")
+        decoupled = adam_w_mode or kind == "adamw"
+        if bias_correction:
+            cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+        else:  # torch's Adam always corrects the moments' bias: DeepSpeed's fused update without it
+            cls = DeepSpeedAdam
+            params.update(bias_correction=False, adam_w_mode=decoupled)
     else:
         cls = _OPTIMIZERS[kind]
     signature = inspect.signature(cls).parameters

@@ -168,11 +168,12 @@ RULES: tuple[Rule, ...] = (
         "always torch's",
         check=StrictBool,
     ),
-    _only(
+    _supported(
         "optimizer.params.bias_correction",
-        True,
-        "DeepSpeed's fused Adam/Lamb argument; torch's Adam always corrects the moments' bias (`false` is not "
-        "supported)",
+        "bool, `true`",
+        "DeepSpeed's fused/CPU Adam argument (`Adam`, `AdamW`): `false` steps with the moments as they are, "
+        "`lr * m / (sqrt(v) + eps)`, with `shardtrain.optimizers.DeepSpeedAdam` (the weight decay as `adam_w_mode` "
+        "says); `true` is torch's Adam/AdamW",
     ),
     _supported(
         "optimizer.params.max_grad_norm",
@@ -214,7 +215,8 @@ RULES: tuple[Rule, ...] = (
         "zero_allow_untested_optimizer",
         "bool, `false`",
         "accept at stages 1-3 an optimizer not known to be element-wise; by default only SGD, Adam, AdamW, "
-        "Adamax, NAdam, RAdam, Adagrad, Adadelta, RMSprop, ASGD and their subclasses that keep their "
+        "Adamax, NAdam, RAdam, Adagrad, Adadelta, RMSprop, ASGD, shardtrain's DeepSpeedAdam and their subclasses "
+        "that keep their "
         "`step` are (ZeRO steps 1-D fragments: Adafactor, Muon, LBFGS, SparseAdam would be wrong); stage 0 "
         "accepts any optimizer",
     ),
@@ -330,10 +332,27 @@ RULES: tuple[Rule, ...] = (
         )
         for key in ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale")
     ),
-    _only("bf16.bf16_master_weights_and_grads", False, "master weights and gradients are always fp32"),
-    _only("bf16.bf16_optimizer_states", False, "optimizer state is always fp32"),
+    _only(
+        "bf16.bf16_master_weights_and_grads",
+        False,
+        "DeepSpeed's ZeRO (stages 1-3) then keeps the stepped weights and the reduced gradients in bf16, with no "
+        "fp32 copy; here master weights and gradients are always fp32 (`true` is not supported: drop it; the fp32 "
+        "masters cost 4 bytes per parameter, divided over the ranks by ZeRO stage 1 and up)",
+    ),
+    _only(
+        "bf16.bf16_optimizer_states",
+        False,
+        "DeepSpeed then keeps Adam's moments in bf16 as well (it needs `bf16_master_weights_and_grads`); here "
+        "optimizer state is always fp32 (`true` is not supported: drop it, or offload the state with "
+        "`offload_optimizer`)",
+    ),
     _disabled("amp", "apex AMP is not supported; use the `bf16` or `fp16` section"),
-    _disabled("torch_autocast", "torch.autocast is not applied by the engine; use the `bf16` or `fp16` section"),
+    _disabled(
+        "torch_autocast",
+        "DeepSpeed's mode of fp32 weights with the forward under `torch.autocast` (per-op casts) and the gradients "
+        "of `lower_precision_safe_modules` reduced in the autocast dtype is not built; use the `bf16` or `fp16` "
+        "section (weights cast to that dtype, fp32 masters), or call `torch.autocast` in your own forward",
+    ),
     Rule(
         "data_types",
         Kind.REFUSED_VALUE,
@@ -469,7 +488,12 @@ RULES: tuple[Rule, ...] = (
         "number",
         "the CPU step uses torch's optimizers and torch's threads",
     ),
-    _supported(_Z + "offload_param", "section", "stage 3: parameter shards in host memory or in files"),
+    _supported(
+        _Z + "offload_param",
+        "section",
+        "stage 3: parameter shards in host memory or in files (below stage 3 DeepSpeed ignores it, and so does "
+        "shardtrain)",
+    ),
     _supported(
         _Z + "offload_param.device",
         '`"none"`, `"cpu"`, `"nvme"`; none',
@@ -919,6 +943,12 @@ NO_EFFECT_WHEN: tuple[NoEffectWhen, ...] = (
             lambda c: _optimizer_offload(c) == "none",
         )
         for key in ("pin_memory", "ratio")
+    ),
+    NoEffectWhen(
+        _Z + "offload_param.device",
+        "at ZeRO stages 0-2",
+        "only stage 3 shards parameters; DeepSpeed hands `offload_param` to stage 3 alone and ignores it below",
+        lambda c: _zero_stage(c) != 3,
     ),
     NoEffectWhen(
         _Z + "offload_param.device",

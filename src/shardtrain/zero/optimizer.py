@@ -35,6 +35,7 @@ from torch import nn
 
 from shardtrain.comm import Communicator
 from shardtrain.errors import OptimizerError
+from shardtrain.optimizers import DeepSpeedAdam
 from shardtrain.zero.layout import Bucket
 from shardtrain.zero.policy import ZeroPolicy
 from shardtrain.zero.reducer import GradientReducer
@@ -296,6 +297,7 @@ ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.Adadelta,
     torch.optim.RMSprop,
     torch.optim.ASGD,
+    DeepSpeedAdam,
 )
 """Optimizers whose update is element-wise: they may step 1-D fragments (see [Note: element-wise optimizers])."""
 
