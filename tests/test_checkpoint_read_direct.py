@@ -122,3 +122,20 @@ def test_corruption_fails_the_read(ckpt, tmp_path, paths, element, read_range, v
     got = open_checkpoint(copy, verify=False).read("m", read_range)
     want = MAT.reshape(-1)[read_range[0] : read_range[1]]
     assert torch.equal(got, want) == verify_only
+
+
+def test_read_into_a_given_tensor(ckpt, paths):
+    """``out=``: the values land in the caller's tensor (the engine reads weights into place), bitwise what a read
+    into a new tensor gives, across fragment boundaries; a tensor of the wrong shape, dtype or layout is refused
+    before anything is read."""
+    reader = open_checkpoint(ckpt)
+    out = torch.full((60,), -1.0)
+    got = reader.read("m", (30, 90), out=out)
+    assert got is out and torch.equal(out, MAT.reshape(-1)[30:90])
+    whole = torch.empty(12, 10)
+    assert reader.read("m", out=whole) is whole and torch.equal(whole, MAT)
+    block = torch.empty(12, 5)
+    assert torch.equal(reader.read_slice("m", BlockSlice(1, 1, 2), out=block), MAT[:, 5:])
+    for bad in (torch.empty(59), torch.empty(60, dtype=torch.float64), torch.empty(120)[::2]):
+        with pytest.raises(ValueError, match="expected a contiguous host tensor of shape"):
+            reader.read("m", (30, 90), out=bad)

@@ -327,7 +327,14 @@ def _load(state: TrainingState, load_dir: str | Path, tag: str | None, load_opti
             continue
         lo, hi = dest.needed_range()
         if hi > lo:
-            dest.write_slice(reader.read(name, (lo, hi)), lo)
+            direct = None
+            if isinstance(reader, CheckpointReader):  # ours reads into place; DeepSpeed's and DCP's make tensors
+                direct = dest.readable_target(lo, hi, manifest.resolve(name).torch_dtype)
+            if direct is not None:  # read straight into the parameter or master, then copy to the other targets
+                values = reader.read(name, (lo, hi), out=direct.detach().view(-1))
+            else:
+                values = reader.read(name, (lo, hi))
+            dest.write_slice(values, lo)
 
     if load_optimizer_states:
         _load_optimizer_state(state, reader, entry_name)

@@ -152,21 +152,31 @@ class CheckpointReader:
             )
 
     def read(
-        self, name: str, flat_range: tuple[int, int] | None = None, *, dtype: torch.dtype | None = None
+        self,
+        name: str,
+        flat_range: tuple[int, int] | None = None,
+        *,
+        dtype: torch.dtype | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Tensor ``name`` (or an alias), whole in its global shape, or elements ``[a, b)`` of it flattened (1-D).
 
-        The same as :meth:`read_slice` with ``FlatSlice(a, b - a)`` (reshaped to the global shape when whole).
+        The same as :meth:`read_slice` with ``FlatSlice(a, b - a)`` (reshaped to the global shape when whole);
+        ``out``: a contiguous host tensor of ``b - a`` elements to read into.
         """
         entry = self.manifest.resolve(name)
         total = entry.numel
         a, b = (0, total) if flat_range is None else flat_range
         if not (0 <= a <= b <= total):
             raise CheckpointError(f"tensor {entry.name!r}: range [{a}, {b}) is outside its {total} elements")
-        out = self.read_slice(name, FlatSlice(a, b - a), dtype=dtype)
-        return out.reshape(entry.global_shape) if flat_range is None else out
+        result = self.read_slice(name, FlatSlice(a, b - a), dtype=dtype, out=None if out is None else out.view(-1))
+        if out is not None:
+            return out
+        return result.reshape(entry.global_shape) if flat_range is None else result
 
-    def read_slice(self, name: str, slice: Slice, *, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def read_slice(
+        self, name: str, slice: Slice, *, dtype: torch.dtype | None = None, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The part ``slice`` of tensor ``name`` (or an alias), of shape ``slice.piece_shape(global shape)``: what a
         rank of another layout owns, whatever layout the checkpoint was saved at (any mix of slice kinds).
 
@@ -177,6 +187,9 @@ class CheckpointReader:
         gather (``runs.py``), never a Python step per run. The element map of each piece is computed from the runs
         of both slices as tensors, or with plain integers for a flat range of a flat piece. Memory: the result, one
         chunk, the run tables. ``dtype`` converts while copying (never read directly).
+
+        ``out``: read into this contiguous host tensor of the result's shape and dtype instead of a new one (the
+        engine reads weights straight into their place: no allocation, no page faults of new memory, no copy).
         """
         entry = self.manifest.resolve(name)
         shape = entry.global_shape
@@ -184,7 +197,14 @@ class CheckpointReader:
             slice.validate(shape)
         except CheckpointError as err:
             raise CheckpointError(f"tensor {entry.name!r}: cannot read {slice}: {err}") from None
-        out = torch.empty(slice.piece_shape(shape), dtype=dtype or entry.torch_dtype)
+        want = (tuple(slice.piece_shape(shape)), dtype or entry.torch_dtype)
+        if out is None:
+            out = torch.empty(want[0], dtype=want[1])
+        elif (tuple(out.shape), out.dtype) != want or out.device.type != "cpu" or not out.is_contiguous():
+            raise ValueError(
+                f"read_slice({entry.name!r}, out=...): expected a contiguous host tensor of shape {want[0]} and "
+                f"dtype {want[1]}, got shape {tuple(out.shape)}, dtype {out.dtype} on {out.device}"
+            )
         if out.numel() == 0:
             return out
         flat = out.view(-1)

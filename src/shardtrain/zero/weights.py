@@ -59,10 +59,26 @@ class Destination:
         """Write this rank's tensor-parallel block (read as such from a checkpoint)."""
         self._write(block.reshape(-1), 0)
 
+    def readable_target(self, first: int, last: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """A target that elements ``[first, last)`` of the flattened tensor can be read straight into: a host
+        tensor of that dtype, contiguous, covering exactly that range (None when there is none: read, then write)."""
+        if self.block is not None:
+            return None
+        for target, start in self.targets:
+            if (
+                start == first
+                and target.numel() == last - first
+                and target.dtype == dtype
+                and target.device.type == "cpu"
+                and target.is_contiguous()
+            ):
+                return target
+        return None
+
     def _write(self, flat_values: torch.Tensor, first: int) -> None:
         with torch.no_grad():
             for target, start in self.targets:
-                if target.numel():
+                if target.numel() and target.data_ptr() != flat_values.data_ptr():  # not the one read into
                     a = start - first
                     target.copy_(flat_values[a : a + target.numel()].view(target.shape))
 
