@@ -1,0 +1,173 @@
+"""Ulysses attention: each rank attends its share of the heads over the whole sequence.
+
+Attention is plugged in from outside the model: a transformers model through its attention interface
+(``AttentionInterface.register`` and ``config._attn_implementation``, so the model's code is not edited), the
+project's GPT through its ``attention`` method. Around the model's own attention function (sdpa, eager, ...) the
+query, key and value go through one all-to-all each (``[b, h, s/P, d] -> [b, h/P, s, d]``) and the output through
+the reverse one. After the exchange a rank holds whole sequences, so the attention function's ordinary causal
+attention is the global one, with no mask to rewrite.
+
+[Note: key/value heads under Ulysses]
+A rank keeps query heads ``[r * h/P, (r + 1) * h/P)``. With grouped-query attention (``kv`` key/value heads, each
+serving ``g = h/kv`` consecutive query heads) the key/value heads those query heads read are ``[r * kv/P, ...)``
+when ``P`` divides ``kv``: splitting them the same way keeps each query head with its key/value head. When it does
+not (``kv < P`` included), each key/value head is first repeated ``k`` times (``k`` the smallest divisor of ``g``
+with ``P | kv * k``): still a valid grouped layout, ``g / k`` query heads per key/value head, at ``k`` times the
+key/value bytes. ``h`` itself must divide by ``P``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardtrain.comm import Communicator
+from shardtrain.errors import ConfigError
+from shardtrain.sequence_parallel.all_to_all import all_to_all
+
+
+def kv_repeats(heads: int, kv_heads: int, p: int) -> int:
+    """How many times each key/value head is repeated before the exchange (see [Note: key/value heads under
+    Ulysses])."""
+    if heads % p:
+        raise ConfigError(
+            f"sequence_parallel_size {p} does not divide the {heads} attention heads: Ulysses gives each rank of a "
+            f"sequence-parallel group heads / size heads; choose a size that divides {heads}"
+        )
+    if heads % kv_heads:
+        raise ConfigError(f"{heads} query heads are not a multiple of the {kv_heads} key/value heads")
+    group = heads // kv_heads
+    return next(k for k in range(1, group + 1) if group % k == 0 and (kv_heads * k) % p == 0)
+
+
+def ulysses(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    comm: Communicator,
+    attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    what: str,
+) -> torch.Tensor:
+    """``query [b, h, s/P, d]``, ``key``/``value [b, kv, s/P, d]`` (this rank's slice of the sequence) ->
+    ``attend(q [b, h/P, s, d], k, v [b, kv'/P, s, d])``, which returns ``[b, s, h/P, d]``, -> ``[b, s/P, h, d]``."""
+    k = kv_repeats(query.shape[1], key.shape[1], comm.size)
+    if k > 1:
+        key, value = key.repeat_interleave(k, dim=1), value.repeat_interleave(k, dim=1)
+    q, key, value = (all_to_all(t, comm, 1, 2, f"the {n} of {what}") for t, n in zip((query, key, value), "qkv"))
+    out = attend(q, key, value)  # [b, s, h/P, d]
+    return all_to_all(out, comm, 1, 2, f"the output of {what}")  # [b, s/P, h, d]
+
+
+# -- transformers models ---------------------------------------------------------------------------------------------
+class _HeadsView:
+    """The attention module as the inner attention function sees it after the exchange: ``num_key_value_groups``
+    is the ratio of the heads this rank holds (transformers' sdpa and eager read it to repeat key/value heads)."""
+
+    def __init__(self, module: nn.Module, groups: int) -> None:
+        self._module, self.num_key_value_groups = module, groups
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+
+_counter = itertools.count()
+
+
+def install_hf(model: nn.Module, comm: Communicator) -> str:
+    """Route ``model``'s attention through Ulysses around its current implementation; returns the registered
+    name. transformers builds no mask for a name it has no mask function for: the attention is then causal
+    (the module's ``is_causal``), which after the exchange is the global causal mask; padding masks are refused
+    before the forward (:mod:`shardtrain.sequence_parallel.inputs`)."""
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    config = model.config
+    inner_name = config._attn_implementation or "sdpa"
+    if inner_name.startswith("shardtrain_ulysses"):
+        raise ConfigError(f"{type(model).__name__} already runs Ulysses attention: initialize it once")
+    if "flash" in inner_name or "flex" in inner_name or "paged" in inner_name:
+        raise ConfigError(
+            f"attn_implementation {inner_name!r} under sequence parallelism is not built yet; load the model with "
+            "attn_implementation='sdpa' or 'eager'"
+        )
+    inner = ALL_ATTENTION_FUNCTIONS.get_interface(inner_name, None)
+    if inner is None:  # "eager": the model's own function, which transformers keeps per model
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        inner = sdpa_attention_forward if inner_name == "sdpa" else _eager_of(model)
+
+    def attention(module, query, key, value, attention_mask, *, dropout=0.0, scaling=None, **kwargs):
+        if kwargs.get("sliding_window") is not None:
+            raise ConfigError(
+                f"{type(module).__name__} uses sliding-window attention, which sequence parallelism does not build "
+                "yet (the window would have to be re-applied after the all-to-all)"
+            )
+        kwargs.pop("is_causal", None)
+
+        def attend(q, k, v):
+            view = _HeadsView(module, q.shape[1] // k.shape[1])
+            out, _ = inner(view, q, k, v, None, dropout=dropout, scaling=scaling, **kwargs)
+            return out
+
+        return ulysses(
+            query, key, value, comm, attend, f"{type(module).__name__} {getattr(module, 'layer_idx', '')}"
+        ), None
+
+    name = f"shardtrain_ulysses_{next(_counter)}_{inner_name}"
+    AttentionInterface.register(name, attention)
+    config._attn_implementation = name
+    return name
+
+
+def _eager_of(model: nn.Module) -> Callable:
+    import importlib
+
+    module = importlib.import_module(type(model).__module__)
+    fn = getattr(module, "eager_attention_forward", None)
+    if fn is None:
+        raise ConfigError(
+            f"{type(model).__name__}: no eager attention function found; load it with attn_implementation='sdpa'"
+        )
+    return fn
+
+
+# -- the project's GPT -----------------------------------------------------------------------------------------------
+def install_gpt(model: nn.Module, comm: Communicator) -> int:
+    """Replace each ``CausalSelfAttention.attention`` of the project's GPT by its Ulysses form; returns how many."""
+    from shardtrain.models.gpt import CausalSelfAttention
+
+    count = 0
+    for name, m in model.named_modules():
+        if isinstance(m, CausalSelfAttention):
+            inner = m.attention  # the bound method: [b, h, s, d] x3 -> [b, h, s, d]
+
+            def attend(q, k, v, inner=inner):
+                return inner(q, k, v).transpose(1, 2)  # [b, s, h/P, d]
+
+            def attention(q, k, v, attend=attend, name=name):
+                return ulysses(q, k, v, comm, attend, repr(name)).transpose(1, 2)  # [b, h, s/P, d]
+
+            m.attention = attention
+            count += 1
+    return count
+
+
+def install(model: nn.Module, comm: Communicator) -> None:
+    """Ulysses attention in ``model``: a transformers model or the project's GPT; anything else is refused."""
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "_attn_implementation"):
+        install_hf(model, comm)
+        return
+    if install_gpt(model, comm):
+        return
+    raise ConfigError(
+        f"sequence_parallel_size > 1 needs to reach the attention of {type(model).__name__}: built for transformers "
+        "models (through their attention interface) and shardtrain's GPT; another model is not supported yet"
+    )
+
+
+__all__ = ["install", "install_gpt", "install_hf", "kv_repeats", "ulysses"]
