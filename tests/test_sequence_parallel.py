@@ -71,7 +71,7 @@ def _reference(case: str, dp: int, dtype: torch.dtype) -> dict:
     model = _model(case, dtype)
     init = {k: v.clone() for k, v in model.state_dict().items()}
     opt = _optimizer(model)
-    losses = []
+    losses, norms = [], []
     batches = _batches(dp)
     for step in range(STEPS):
         total = 0.0
@@ -87,11 +87,11 @@ def _reference(case: str, dp: int, dtype: torch.dtype) -> dict:
             )
             (loss / GAS).backward()
             total += loss.item() / GAS
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
         opt.step()
         opt.zero_grad()
         losses.append(total)
-    return {"losses": losses, "params": model.state_dict(), "init": init}
+    return {"losses": losses, "norms": norms, "params": model.state_dict(), "init": init}
 
 
 def _run(case: str, sp: int, stage: int) -> dict:
@@ -107,7 +107,7 @@ def _run(case: str, sp: int, stage: int) -> dict:
     topo = engine.topology
     batches = _batches(topo.dp)
     rows = slice(topo.dp_rank * ROWS, (topo.dp_rank + 1) * ROWS)
-    losses = []
+    losses, norms = [], []
     for step in range(STEPS):
         total = 0.0
         for m in range(GAS):
@@ -117,9 +117,11 @@ def _run(case: str, sp: int, stage: int) -> dict:
             engine.step()
             total += loss.item() / GAS
         losses.append(total)
+        norms.append(engine.get_global_grad_norm())
     stats = engine.comm_stats()
     return {
         "losses": losses,
+        "norms": norms,
         "params": engine.full_state_dict(),
         "axes": (topo.dp, topo.dp_rank, topo.sp, topo.sp_rank),
         "all_to_all": stats,
@@ -141,6 +143,9 @@ def test_parity_with_one_process(case, world, sp, stage):
     losses = [sum(r["losses"][s] for r in results[::sp]) / dp for s in range(STEPS)]
     for s, (got, want) in enumerate(zip(losses, ref["losses"])):
         assert abs(got - want) <= 1e-5 * abs(want), f"step {s}: loss {got} vs one process {want}"
+    for r in results:  # the gradient: summed over the sequence-parallel ranks, averaged over the data-parallel ones
+        for s, (got, want) in enumerate(zip(r["norms"], ref["norms"])):
+            assert abs(got - want) <= 1e-4 * want, f"step {s}: gradient norm {got} vs one process {want}"
     assert_params_near(results[0]["params"], ref["params"], ref["init"], exact=exact["params"], require_moved=True)
 
 
