@@ -118,7 +118,7 @@ def _run(case: str, sp: int, stage: int) -> dict:
             total += loss.item() / GAS
         losses.append(total)
         norms.append(engine.get_global_grad_norm())
-    stats = engine.comm_stats()
+    stats = engine._sp.comm.stats()["all_to_all"]  # the sequence-parallel group's exchanges
     return {
         "losses": losses,
         "norms": norms,
@@ -143,6 +143,13 @@ def test_parity_with_one_process(case, world, sp, stage):
     losses = [sum(r["losses"][s] for r in results[::sp]) / dp for s in range(STEPS)]
     for s, (got, want) in enumerate(zip(losses, ref["losses"])):
         assert abs(got - want) <= 1e-5 * abs(want), f"step {s}: loss {got} vs one process {want}"
+    # the all-to-all bytes per rank (docs/sequence-parallel.md): per layer and micro-step, q, k, v and the output
+    # each way, each sending (P-1)/P of its [b, heads, S/P, d] input; GQA's key/value heads after their repeat
+    heads, kv, head_dim, layers = 6, (6 if case == "gpt" else 2 * kv_repeats(6, 2, sp)), 8, 2
+    per_call = [ROWS * n * (SEQ // sp) * head_dim * 4 * (sp - 1) // sp for n in (heads, kv, kv, heads)]
+    for r in results:
+        assert r["all_to_all"]["calls"] == 8 * layers * STEPS * GAS
+        assert r["all_to_all"]["bytes"] == 2 * layers * STEPS * GAS * sum(per_call)
     for r in results:  # the gradient: summed over the sequence-parallel ranks, averaged over the data-parallel ones
         for s, (got, want) in enumerate(zip(r["norms"], ref["norms"])):
             assert abs(got - want) <= 1e-4 * want, f"step {s}: gradient norm {got} vs one process {want}"
