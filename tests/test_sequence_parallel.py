@@ -37,7 +37,7 @@ def _model(case: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
             num_key_value_heads=2,  # GQA: split at P = 2, repeated at P = 3 (fewer key/value heads than ranks)
             max_position_embeddings=SEQ,
             tie_word_embeddings=False,
-            attn_implementation="sdpa",
+            attn_implementation="eager" if case == "llama_eager" else "sdpa",
         )
         model = transformers.LlamaForCausalLM(cfg)
     return model.to(dtype)
@@ -157,7 +157,32 @@ def test_parity_with_one_process(case, world, sp, stage):
 
 
 @pytest.mark.soak
-def test_parity_data_and_sequence_parallel():
+@pytest.mark.parametrize(
+    ("case", "world", "sp", "stage"), [("llama_eager", 2, 2, 1), ("llama_eager", 3, 3, 3), ("gpt", 2, 2, 2)]
+)
+def test_parity_more_cases(case, world, sp, stage):
+    """transformers' eager attention (the causal mask made after the exchange), and ZeRO-2."""
+    test_parity_with_one_process(case, world, sp, stage)
+
+
+@pytest.mark.parametrize("case", ["gpt", "llama", "llama_eager"])
+def test_attention_is_the_models_own_around_the_exchange(case):
+    """Ulysses installed over a group of one (the exchanges are identities, so no process group is needed): any
+    difference is the attention itself, its causal mask or the key/value heads the inner function sees."""
+    from types import SimpleNamespace
+
+    from shardtrain.sequence_parallel import install_ulysses
+
+    x = torch.randint(0, VOCAB, (ROWS, SEQ), generator=torch.Generator().manual_seed(3))
+    plain, wrapped = _model(case), _model(case)
+    install_ulysses(wrapped, SimpleNamespace(size=1))
+    if case == "gpt":
+        want, got = plain(x), wrapped(x)
+    else:
+        want, got = plain(input_ids=x).logits, wrapped(input_ids=x).logits
+        assert wrapped.config._attn_implementation.startswith("shardtrain_ulysses")
+    assert (got - want).abs().max().item() <= 1e-6
+
     """(dp 2, sp 2) at world 4: ZeRO-3 shards over all 4 ranks, each pair shares its rows' sequences."""
     test_parity_with_one_process("llama", 4, 2, 3)
 

@@ -83,22 +83,20 @@ def install_hf(model: nn.Module, comm: Communicator) -> str:
     (the module's ``is_causal``), which after the exchange is the global causal mask; padding masks are refused
     before the forward (:mod:`shardtrain.sequence_parallel.inputs`)."""
     from transformers import AttentionInterface
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     config = model.config
     inner_name = config._attn_implementation or "sdpa"
     if inner_name.startswith("shardtrain_ulysses"):
         raise ConfigError(f"{type(model).__name__} already runs Ulysses attention: initialize it once")
-    if "flash" in inner_name or "flex" in inner_name or "paged" in inner_name:
+    if inner_name == "sdpa":
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward as inner
+    elif inner_name == "eager":
+        inner = _eager_of(model)
+    else:
         raise ConfigError(
             f"attn_implementation {inner_name!r} under sequence parallelism is not built yet; load the model with "
             "attn_implementation='sdpa' or 'eager'"
         )
-    inner = ALL_ATTENTION_FUNCTIONS.get_interface(inner_name, None)
-    if inner is None:  # "eager": the model's own function, which transformers keeps per model
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        inner = sdpa_attention_forward if inner_name == "sdpa" else _eager_of(model)
 
     def attention(module, query, key, value, attention_mask, *, dropout=0.0, scaling=None, **kwargs):
         if kwargs.get("sliding_window") is not None:
@@ -106,21 +104,29 @@ def install_hf(model: nn.Module, comm: Communicator) -> str:
                 f"{type(module).__name__} uses sliding-window attention, which sequence parallelism does not build "
                 "yet (the window would have to be re-applied after the all-to-all)"
             )
-        kwargs.pop("is_causal", None)
+        kwargs.pop("is_causal", None)  # the module's own is_causal decides, as without sequence parallelism
 
         def attend(q, k, v):
             view = _HeadsView(module, q.shape[1] // k.shape[1])
-            out, _ = inner(view, q, k, v, None, dropout=dropout, scaling=scaling, **kwargs)
+            # sdpa makes the causal mask itself from the module's is_causal (no mask given); eager only adds one
+            mask = _causal_mask(q) if inner_name == "eager" and getattr(module, "is_causal", True) else None
+            out, _ = inner(view, q, k, v, mask, dropout=dropout, scaling=scaling, **kwargs)
             return out
 
-        return ulysses(
-            query, key, value, comm, attend, f"{type(module).__name__} {getattr(module, 'layer_idx', '')}"
-        ), None
+        what = f"{type(module).__name__} {getattr(module, 'layer_idx', '')}".strip()
+        return ulysses(query, key, value, comm, attend, what), None
 
     name = f"shardtrain_ulysses_{next(_counter)}_{inner_name}"
     AttentionInterface.register(name, attention)
     config._attn_implementation = name
     return name
+
+
+def _causal_mask(q: torch.Tensor) -> torch.Tensor:
+    """The additive causal mask ``[1, 1, s, s]`` of the whole sequence, in ``q``'s dtype."""
+    s = q.shape[2]
+    future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+    return torch.zeros(s, s, dtype=q.dtype, device=q.device).masked_fill(future, torch.finfo(q.dtype).min)[None, None]
 
 
 def _eager_of(model: nn.Module) -> Callable:
