@@ -84,13 +84,16 @@ class SequenceSplitter:
             targets = kwargs["targets"]
         elif len(args) > 1 and torch.is_tensor(args[1]) and not args[1].is_floating_point():
             targets = args[1]
-        if self._takes_position_ids and kwargs.get("position_ids") is None:
+        positions = kwargs.get("position_ids")
+        if torch.is_tensor(positions) and positions.dim() == 1:  # [S]: one row for all, split like the others
+            kwargs["position_ids"] = positions[None]
+        if self._takes_position_ids and positions is None:
             first = next(t for t in (*args, *kwargs.values()) if torch.is_tensor(t) and t.dim() >= 2)
             kwargs["position_ids"] = torch.arange(length, device=first.device).expand(first.shape[0], length)
         args = tuple(self._slice(a) for a in args)
         kwargs = {k: self._slice(v) for k, v in kwargs.items()}
         self._counts = self._count(targets, length)
-        if "labels" in kwargs:  # a sum over this slice divided by its count: 0, not NaN, for a slice of padding
+        if self._hf_labels:  # a sum over this slice divided by its count: 0, not NaN, for a slice of padding
             kwargs["num_items_in_batch"] = max(self._counts[0], 1)
         return args, kwargs
 

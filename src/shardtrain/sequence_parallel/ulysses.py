@@ -79,12 +79,16 @@ _counter = itertools.count()
 
 def install_hf(model: nn.Module, comm: Communicator) -> str:
     """Route ``model``'s attention through Ulysses around its current implementation; returns the registered
-    name. transformers builds no mask for a name it has no mask function for: the attention is then causal
-    (the module's ``is_causal``), which after the exchange is the global causal mask; padding masks are refused
-    before the forward (:mod:`shardtrain.sequence_parallel.inputs`)."""
+    name. transformers builds no mask for a name it has no mask function for: after the exchange a rank holds whole
+    sequences, so sdpa's own causal attention (the module's ``is_causal``) is the global one, and eager attention is
+    given the whole sequence's causal mask; padding masks are refused before the forward
+    (:mod:`shardtrain.sequence_parallel.inputs`)."""
     from transformers import AttentionInterface
 
     config = model.config
+    heads = getattr(config, "num_attention_heads", None)
+    if isinstance(heads, int):  # refused at initialize rather than at the first forward
+        kv_repeats(heads, getattr(config, "num_key_value_heads", None) or heads, comm.size)
     inner_name = config._attn_implementation or "sdpa"
     if inner_name.startswith("shardtrain_ulysses"):
         raise ConfigError(f"{type(model).__name__} already runs Ulysses attention: initialize it once")
@@ -149,6 +153,7 @@ def install_gpt(model: nn.Module, comm: Communicator) -> int:
     count = 0
     for name, m in model.named_modules():
         if isinstance(m, CausalSelfAttention):
+            kv_repeats(m.n_head, m.n_head, comm.size)  # refused at initialize rather than at the first forward
             inner = m.attention  # the bound method: [b, h, s, d] x3 -> [b, h, s, d]
 
             def attend(q, k, v, inner=inner):
