@@ -289,3 +289,74 @@ def test_a_checkpoint_saved_under_sequence_parallelism_loads_without_it(tmp_path
         assert torch.equal(loaded["loaded"][k], v), k
     assert abs(loaded["next_loss"] - saved["next_loss"]) <= 1e-5 * saved["next_loss"]
     assert_params_near(loaded["after"], saved["after"], saved["saved"], require_moved=True)
+
+
+def _bf16_reference(case: str) -> dict:
+    """One process, bf16 compute with fp32 masters (as tests/test_mixed_precision.py's reference)."""
+    model = _model(case)
+    opt = _optimizer(model)
+    params = [p for g in opt.param_groups for p in g["params"]]
+    masters = {p: p.detach().clone() for p in params}
+    for g in opt.param_groups:
+        g["params"] = [masters[p] for p in g["params"]]
+    model.to(torch.bfloat16)
+    batches, losses, norms = _batches(1), [], []
+    for step in range(STEPS):
+        total = 0.0
+        for m in range(GAS):
+            x, labels = batches[step * GAS + m]
+            loss = _loss(case, model, x, labels)
+            (loss / GAS).backward()
+            for p in params:
+                masters[p].grad = p.grad.float() + (masters[p].grad if masters[p].grad is not None else 0)
+                p.grad = None
+            total += loss.item() / GAS
+        norms.append(float(torch.nn.utils.clip_grad_norm_(list(masters.values()), 1.0)))
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for p in params:
+                p.copy_(masters[p])
+        losses.append(total)
+    return {"losses": losses, "norms": norms, "params": {n: p.detach().float() for n, p in model.named_parameters()}}
+
+
+def _bf16_run(case: str, sp: int, stage: int) -> dict:
+    model = _model(case)
+    config = {
+        "train_micro_batch_size_per_gpu": ROWS,
+        "gradient_accumulation_steps": GAS,
+        "gradient_clipping": 1.0,
+        "bf16": {"enabled": True},
+        "sequence_parallel_size": sp,
+        "zero_optimization": {"stage": stage},
+    }
+    engine = shardtrain.initialize(model, config=config, optimizer=_optimizer(model))
+    batches, losses, norms = _batches(1), [], []
+    for step in range(STEPS):
+        total = 0.0
+        for m in range(GAS):
+            x, labels = batches[step * GAS + m]
+            loss = _loss(case, engine, x, labels)
+            engine.backward(loss)
+            engine.step()
+            total += loss.item() / GAS
+        losses.append(total)
+        norms.append(engine.get_global_grad_norm())
+    full = engine.full_state_dict()
+    return {"losses": losses, "norms": norms, "params": {n: v.float() for n, v in full.items()} if full else None}
+
+
+@pytest.mark.soak
+@pytest.mark.parametrize(("case", "sp", "stage"), [("gpt", 2, 2), ("llama", 3, 3)])
+def test_bf16_parity(case, sp, stage):
+    """bf16 compute, fp32 masters, at the mixed-precision bar of tests/test_mixed_precision.py."""
+    ref = _bf16_reference(case)
+    results = run_distributed(_bf16_run, sp, case, sp, stage, init_process_group=False)
+    for s in range(STEPS):
+        assert abs(results[0]["losses"][s] - ref["losses"][s]) <= 1e-3 * ref["losses"][s], s
+        assert abs(results[0]["norms"][s] - ref["norms"][s]) <= 2e-2 * ref["norms"][s], s
+    init = _model(case).state_dict()
+    err = sum((results[0]["params"][n] - want).abs().sum().item() for n, want in ref["params"].items())
+    moved = sum((want - init[n].to(torch.bfloat16).float()).abs().sum().item() for n, want in ref["params"].items())
+    assert err <= 0.1 * moved, (err, moved)
