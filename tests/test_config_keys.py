@@ -64,6 +64,7 @@ TWO_RANKS = (
     "desync_check",
     "collective_timeout_s",
     _Z + "mics_shard_size",
+    "sequence_parallel_size",
 )
 """Keys shown by the world-2 run (:func:`_two_ranks`)."""
 
@@ -991,6 +992,12 @@ def _two_ranks(timeout_s: float) -> dict[str, Any]:
             {b.world for b in engine.layout.buckets},
             "replicate" in grads and grads["replicate"]["all_reduce"]["calls"] > 0,
         )
+    # sequence_parallel_size 2: both ranks share one sequence (one data-parallel rank), each attends half the heads
+    # of the whole sequence after an all-to-all of q, k, v and one of the output per layer, and back in backward
+    engine = _engine({"sequence_parallel_size": 2, **timeout})
+    loss = _micro_step(engine)
+    calls = engine._sp.comm.stats()["all_to_all"]["calls"]
+    out["sequence_parallel_size"] = (engine.topology.sp, engine.topology.dp, engine.topology.sp_rank, calls, loss)
     # a rank that skips a micro-step: with the desync check both ranks fail at once, naming where each one is
     engine = _engine({"zero_optimization": {"stage": 2}, **timeout})
     _micro_step(engine)
@@ -1034,6 +1041,11 @@ def test_keys_that_need_two_ranks():
         assert r["phase_exchanges"] is False  # desync_check false: nothing is exchanged before each call
         # mics_shard_size 1: 2 replicas of 1-rank shards, gradients all-reduced across them; -1: one group of 2
         assert r["mics 1"] == (2, {1}, True) and r["mics -1"] == (1, {2}, False), (r["mics 1"], r["mics -1"])
+    # sequence_parallel_size 2: sp ranks 0 and 1 of one group, 4 all-to-alls per layer each way (2 layers), and
+    # the loss of the whole sequence on both
+    layers = 2
+    assert [r["sequence_parallel_size"][:4] for r in results] == [(2, 1, 0, 8 * layers), (2, 1, 1, 8 * layers)]
+    assert results[0]["sequence_parallel_size"][4] == results[1]["sequence_parallel_size"][4]
     # collective_timeout_s: the lone reduction fails after that many seconds, naming it
     message, waited = results[0]["timeout"], results[0]["timeout_s"]
     assert f"collective timeout {timeout_s:g}s" in message, message

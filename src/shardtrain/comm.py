@@ -335,6 +335,16 @@ class Communicator:
         self.all_gather(stacked.view(-1), inp.contiguous().view(-1), what=what)
         return torch.cat(stacked.unbind(0), dim=dim)  # [..., N * inp.shape[dim], ...]
 
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, *, what: str) -> None:
+        """Chunk ``j`` of ``inp`` (dim 0, ``size`` equal chunks) goes to rank ``j``; chunk ``i`` of ``out`` comes from
+        rank ``i``. Counted as ``S * (N-1)/N`` with ``S`` the bytes of ``inp`` (what each rank sends to its peers)."""
+        n = self.size
+        self._count("all_to_all", inp.numel() * inp.element_size() * (n - 1) // n)
+        if n == 1:
+            out.copy_(inp)
+            return
+        self._run("all_to_all", what, lambda a: dist.all_to_all_single(out, inp, group=self.group, async_op=a), False)
+
     def broadcast(self, t: torch.Tensor, src: int = 0, *, what: str) -> None:
         """Broadcast from group rank ``src``."""
         n = self.size

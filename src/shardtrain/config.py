@@ -317,6 +317,9 @@ class Config(_Section):
     scheduler: SchedulerConfig | None = None
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
+    sequence_parallel_size: Count = 1
+    """Ulysses sequence parallelism: ranks sharing one sequence, each holding 1/size of it (DeepSpeed's key;
+    docs/sequence-parallel.md)."""
     graph: GraphConfig = Field(default_factory=GraphConfig)
     bf16: BF16Config = Field(default_factory=BF16Config)
     fp16: FP16Config = Field(default_factory=FP16Config)

@@ -235,7 +235,7 @@ RULES: tuple[Rule, ...] = (
     _no_effect(
         "seq_parallel_communication_data_type",
         "string",
-        "there is no sequence parallelism here",
+        "the sequence-parallel all-to-alls run in the compute dtype",
         check=StrictStr,
     ),
     _only(
@@ -741,6 +741,12 @@ RULES: tuple[Rule, ...] = (
         "ranks each layer is split across (Megatron-style, adjacent ranks); data-parallel size = world / size",
     ),
     _supported("tensor_parallel.autotp_size", "int ≥ 1", "DeepSpeed's name for `tensor_parallel.size`"),
+    _supported(
+        "sequence_parallel_size",
+        "int ≥ 1, `1`",
+        "Ulysses sequence parallelism: ranks sharing each sequence (all-to-all of the heads); data-parallel size = "
+        "world / size: docs/sequence-parallel.md",
+    ),
     _disabled("expert_parallel", "expert parallelism (AutoEP) is not supported"),
     _disabled("hybrid_engine", "the RLHF hybrid engine is not supported"),
     _no_effect(

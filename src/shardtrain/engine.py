@@ -45,6 +45,7 @@ from shardtrain.mesh import Topology, init_topology
 from shardtrain.monitor import StepMetrics, TrainingMonitor, check_monitor_packages
 from shardtrain.precision import LossScaler, check_parameter_dtypes, policy_from_config
 from shardtrain.schedulers import build_scheduler
+from shardtrain.sequence_parallel import SequenceSplitter, install_ulysses, refuse_unbuilt_sequence_parallel
 from shardtrain.tensor_parallel import assemble_blocks, check_same_batch, parallelize
 from shardtrain.tensor_parallel.parallelize import check_replicated_gradients
 from shardtrain.zero.build import build_layout
@@ -109,6 +110,12 @@ class Engine:
         # every rank: checkpoint protocols, agreement checks, and the gradient norm on a (dp, tp) mesh
         self.world_comm = self._dp_comm if topology.tp == 1 else Communicator(topology.world_group, topology.timeout_s)
         self.tp_comm = tp_comm  # tensor-parallel layers' collectives (None without tensor parallelism)
+        # sequence parallelism: the sp group's all-to-alls, and the split of every forward's inputs
+        self._sp = (
+            SequenceSplitter(module, Communicator(topology.sp_group, topology.timeout_s)) if topology.sp > 1 else None
+        )
+        if self._sp is not None:
+            install_ulysses(module, self._sp.comm)
         # every rank says where it is before each call that communicates ([Note: phase agreement]); its own
         # Communicator over the world group, so that comm_stats() keeps only the traffic of the ZeRO formulas
         self._phase_check = PhaseCheck(
@@ -284,14 +291,17 @@ class Engine:
             args = cast_inputs_half(args)
         if self._graph is not None and self._graph.sharded is not None:
             return self._graph_forward(args, kwargs)
-        if self._units is not None or self.tp_comm is not None:  # forward communicates: gathers, tp reductions
+        if self._units is not None or self.tp_comm is not None or self._sp is not None:  # forward communicates
             self._agree("forward")
         if not self._batch_checked:  # every rank of a tensor-parallel group must get the same batch
             check_same_batch(args, kwargs, self.tp_comm, self.topology.host_tp_group)
             self._batch_checked = True
+        if self._sp is not None:  # this rank's slice of the sequence; the loss returned is the whole sequence's
+            args, kwargs = self._sp.split(args, kwargs)
         self.monitor.count_tokens(args, kwargs)  # tokens/s (see [Note: monitor metrics])
         with self.monitor.timed("forward"), self._graph_collectives("forward"):  # timed: rank 0's breakdown
-            return (self._graph or self.module)(*args, **kwargs)
+            out = (self._graph or self.module)(*args, **kwargs)
+        return self._sp.combine(out) if self._sp is not None else out
 
     def _graph_forward(self, args: tuple, kwargs: dict) -> Any:
         """Graph mode at ZeRO-3: the gathers are collectives inside the graph, so every rank must run the same
@@ -692,6 +702,7 @@ def initialize(
         tp=cfg.tensor_parallel.degree,
         timeout_s=cfg.collective_timeout_s,
         shard_size=cfg.zero_optimization.mics_shard_size,
+        sp=cfg.sequence_parallel_size,
     )
     # "auto" values are resolved before the model is touched
     cfg = resolve_auto(cfg, dp=topology.dp, model=model, auto_values=auto_values)
@@ -759,6 +770,7 @@ def _refuse_unbuilt(cfg: Config, topology: Topology, model: nn.Module) -> None:
         )
     if zcfg.stage == 3 and zcfg.stage3_unit_classes:
         find_unit_modules(model, zcfg.stage3_unit_classes)  # names the classes the model does not have
+    refuse_unbuilt_sequence_parallel(cfg)
 
 
 def _prepare_offload(zcfg: Any, topology: Topology, world: Communicator) -> dict[str, ScratchDir]:

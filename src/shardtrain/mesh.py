@@ -192,6 +192,11 @@ class Groups:
     """Hybrid sharding: the ``S`` ranks this rank shards state with (None: ZeRO shards over the whole ``dp`` axis)."""
     replicate: dist.ProcessGroup | None = None
     """Hybrid sharding: the ranks holding the same shard in the other groups (None without hybrid sharding)."""
+    sp: dist.ProcessGroup | None = None
+    """Sequence parallelism: the ``sp`` adjacent ranks that share one sequence (None without it)."""
+    dp_sp: dist.ProcessGroup | None = None
+    """Sequence parallelism: the ``dp * sp`` ranks ZeRO shards over (None without it; see [Note: the sequence
+    axis])."""
 
 
 def make_groups(
@@ -202,13 +207,24 @@ def make_groups(
     world_group: dist.ProcessGroup,
     new_group: Callable[[list[int], str | None], dist.ProcessGroup],
     shard_size: int | None = None,
+    sp: int = 1,
 ) -> tuple[Groups, Groups]:
     """The engine's groups and their host-side twins (see [Note: the engine's groups]).
 
     ``world_group``: the group over every rank with the configured timeout; ``new_group(ranks, backend)`` creates
     one (``backend`` None: the default group's). Every rank calls ``new_group`` for every group, in the same order
     (group creation is collective). ``shard_size``: hybrid sharding's group size ``S`` (see [Note: the hybrid
-    mesh]); None or the whole data-parallel size: no shard and replicate groups. Returns ``(main, host)``."""
+    mesh]); None or the whole data-parallel size: no shard and replicate groups. ``sp``: the sequence-parallel
+    size (see [Note: the sequence axis]). Returns ``(main, host)``."""
+    if sp > 1:
+        dp = world // (tp * sp)
+        partitions = {  # rank = (dp_rank * sp + sp_rank) * tp + tp_rank
+            "dp": [[(d * sp + s) * tp + t for d in range(dp)] for s in range(sp) for t in range(tp)],
+            "tp": [[(d * sp + s) * tp + t for t in range(tp)] for d in range(dp) for s in range(sp)],
+            "sp": [[(d * sp + s) * tp + t for s in range(sp)] for d in range(dp) for t in range(tp)],
+            "dp_sp": [[i * tp + t for i in range(dp * sp)] for t in range(tp)],  # ZeRO's ranks: same tp block
+        }
+        return _groups_of(partitions, rank, world, backend, world_group, new_group)
     dp = world // tp
     partitions = {
         "dp": [[d * tp + t for d in range(dp)] for t in range(tp)],  # ranks holding the same tp block
@@ -222,7 +238,17 @@ def make_groups(
         partitions["replicate"] = [
             [((r * s) + i) * tp + t for r in range(replicas)] for i in range(s) for t in range(tp)
         ]  # the same shard index in every replica
+    return _groups_of(partitions, rank, world, backend, world_group, new_group)
 
+
+def _groups_of(
+    partitions: dict[str, list[list[int]]],
+    rank: int,
+    world: int,
+    backend: str,
+    world_group: dist.ProcessGroup,
+    new_group: Callable[[list[int], str | None], dist.ProcessGroup],
+) -> tuple[Groups, Groups]:
     def groups(whole: dist.ProcessGroup, backend: str | None) -> Groups:
         mine = {}
         for axis, partition in partitions.items():
@@ -265,6 +291,16 @@ class Topology:
     arithmetic are the same with and without hybrid sharding. The ``dp`` group (every replica and shard) remains
     for what must reach all data-parallel ranks: the initial broadcast, the gradient norm, ``gathered`` with a
     ``modifier_rank``.
+
+    [Note: the sequence axis]
+    With ``sequence_parallel_size: P`` (Ulysses, docs/sequence-parallel.md) the mesh is ``(dp, sp, tp)``:
+    ``world = dp * sp * tp`` and ``rank = (dp_rank * sp + sp_rank) * tp + tp_rank``, so the ``P`` ranks sharing one
+    sequence are adjacent (their all-to-alls stay inside a node). ``dp`` and ``dp_rank`` stay the axis along which
+    batches differ: the ranks of one sequence-parallel group are given the same batch and each keeps its slice of
+    the sequence. ZeRO shards over the ``dp * sp`` ranks holding the same tensor-parallel block, as DeepSpeed does
+    (its "sequence data parallel" group): every one of them holds a full replica of the parameters' gradients for
+    its tokens, so the gradient reduction spans them all (see ``shardtrain.sequence_parallel.loss`` for why an
+    average over ``dp * sp`` is the right one). Not built together with hybrid sharding.
     """
 
     rank: int
@@ -279,6 +315,8 @@ class Topology:
     tp: int = 1
     replicas: int = 1
     """Hybrid sharding: copies of the sharded state (``dp // mics_shard_size``); 1 without it."""
+    sp: int = 1
+    """Sequence parallelism: ranks sharing one sequence (``sequence_parallel_size``); 1 without it."""
 
     @property
     def hybrid(self) -> bool:
@@ -291,7 +329,17 @@ class Topology:
     @property
     def dp_rank(self) -> int:
         """This rank's index along the axis batches differ on (``replica_rank * shard_size + shard_rank``)."""
-        return self.rank // self.tp
+        return self.rank // (self.tp * self.sp)
+
+    @property
+    def sp_rank(self) -> int:
+        """This rank's index in its sequence-parallel group: which slice of the sequence it holds."""
+        return (self.rank // self.tp) % self.sp
+
+    @property
+    def sp_group(self) -> dist.ProcessGroup | None:
+        """None without sequence parallelism."""
+        return self.groups.sp
 
     @property
     def tp_group(self) -> dist.ProcessGroup:
@@ -303,12 +351,13 @@ class Topology:
 
     @property
     def shard_size(self) -> int:
-        """Ranks ZeRO shards state over: ``mics_shard_size``, or the whole data-parallel size."""
-        return self.dp // self.replicas
+        """Ranks ZeRO shards state over: ``mics_shard_size``, or the whole data-parallel size (times the
+        sequence-parallel size, see [Note: the sequence axis])."""
+        return self.dp * self.sp // self.replicas
 
     @property
     def shard_rank(self) -> int:
-        return self.dp_rank % self.shard_size
+        return (self.rank // self.tp) % self.shard_size
 
     @property
     def replica_rank(self) -> int:
@@ -316,6 +365,8 @@ class Topology:
 
     @property
     def shard_group(self) -> dist.ProcessGroup:
+        if self.groups.dp_sp is not None:  # see [Note: the sequence axis]
+            return self.groups.dp_sp
         return self.groups.shard if self.groups.shard is not None else self.groups.dp
 
     @property
@@ -325,6 +376,8 @@ class Topology:
 
     @property
     def host_shard_group(self) -> dist.ProcessGroup:
+        if self.host_groups.dp_sp is not None:
+            return self.host_groups.dp_sp
         return self.host_groups.shard if self.host_groups.shard is not None else self.host_groups.dp
 
     @property
@@ -345,11 +398,14 @@ class Topology:
         return self.host_groups.tp
 
 
-def init_topology(tp: int = 1, timeout_s: float = 1800.0, shard_size: int = -1) -> Topology:
+def init_topology(tp: int = 1, timeout_s: float = 1800.0, shard_size: int = -1, sp: int = 1) -> Topology:
     """Create (or adopt) the process group and the ``(dp, tp)`` device mesh (``(replicate, shard, tp)`` with
-    ``shard_size``, the config's ``mics_shard_size``; -1: no hybrid sharding), and check the layout is possible."""
+    ``shard_size``, the config's ``mics_shard_size``; -1: no hybrid sharding; ``(dp, sp, tp)`` with ``sp``, the
+    config's ``sequence_parallel_size``), and check the layout is possible."""
     created = ensure_process_group(timeout_s)
     world = dist.get_world_size()
+    if sp != 1:
+        return _init_sequence_topology(tp, timeout_s, shard_size, sp, created, world)
     if tp < 1 or world % tp:
         raise LayoutError(
             f"tensor_parallel.size {tp} does not divide the {world} processes of this job: the data-parallel size "
@@ -398,4 +454,56 @@ def init_topology(tp: int = 1, timeout_s: float = 1800.0, shard_size: int = -1) 
         host_groups=host_groups,
         tp=tp,
         replicas=replicas,
+    )
+
+
+def _init_sequence_topology(tp: int, timeout_s: float, shard_size: int, sp: int, created: bool, world: int) -> Topology:
+    """The ``(dp, sp, tp)`` mesh of [Note: the sequence axis]; what is not built with it is refused by name."""
+    if sp < 1 or world % sp:
+        raise LayoutError(
+            f"sequence_parallel_size {sp} does not divide the {world} processes of this job: the data-parallel size "
+            f"is world / sequence_parallel_size, so choose one of {[d for d in range(1, world + 1) if world % d == 0]}"
+        )
+    if tp != 1:
+        raise LayoutError(
+            f"sequence_parallel_size {sp} with tensor_parallel.size {tp}: sequence and tensor parallelism on one "
+            "mesh are not built yet (the all-to-all would have to trade the heads a tensor-parallel rank holds, "
+            "not the model's); use one of them (docs/sequence-parallel.md)"
+        )
+    if shard_size != -1:
+        raise LayoutError(
+            f"sequence_parallel_size {sp} with zero_optimization.mics_shard_size {shard_size}: hybrid sharding "
+            "together with sequence parallelism is not built yet; remove mics_shard_size (ZeRO then shards over "
+            "all data- and sequence-parallel ranks, docs/sequence-parallel.md)"
+        )
+    dp = world // sp
+    device = pick_device()
+    backend = str(dist.get_backend())
+    if device.type == "cuda" and "nccl" not in backend:
+        raise LayoutError(f"the process group uses {backend!r} but tensors live on CUDA; initialize it with 'nccl'.")
+    timeout = datetime.timedelta(seconds=timeout_s)
+
+    def new_group(ranks: list[int], backend: str | None) -> dist.ProcessGroup:
+        return dist.new_group(ranks, timeout=timeout, backend=backend)
+
+    whole = dist.group.WORLD
+    if not created and _timeout_s(whole, device) != timeout_s:  # the user's group, with another timeout
+        whole = new_group(list(range(world)), None)
+    groups, host_groups = make_groups(dist.get_rank(), world, tp, backend, whole, new_group, sp=sp)
+    ranks = torch.arange(world).view(dp, sp, tp)
+    mesh = DeviceMesh.from_group(
+        [groups.dp, groups.sp, groups.tp], device.type, mesh=ranks, mesh_dim_names=("dp", "sp", "tp")
+    )
+    return Topology(
+        rank=dist.get_rank(),
+        world_size=world,
+        dp=dp,
+        device=device,
+        backend=backend,
+        mesh=mesh,
+        timeout_s=timeout_s,
+        groups=groups,
+        host_groups=host_groups,
+        tp=tp,
+        sp=sp,
     )

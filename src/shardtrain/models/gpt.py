@@ -40,10 +40,13 @@ class CausalSelfAttention(nn.Module):
         b, t, d = x.shape
         q, k, v = self.qkv(x).chunk(3, dim=-1)  # 3 x [b, t, d] (fewer heads if the projection holds fewer)
         q, k, v = (z.view(b, t, -1, d // self.n_head).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )  # [b, h, t, d/h]
+        y = self.attention(q, k, v)  # [b, h, t, d/h]
         return self.proj(y.transpose(1, 2).reshape(b, t, -1))
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of ``[b, h, t, d/h]`` queries, keys and values; sequence parallelism replaces it on the
+        instance (:func:`shardtrain.sequence_parallel.ulysses.install_gpt`)."""
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
 
 
 class Block(nn.Module):
@@ -92,10 +95,14 @@ class GPT(nn.Module):
         if isinstance(m, nn.Linear) and m.bias is not None:
             nn.init.zeros_(m.bias)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        """Logits ``[b, t, vocab]``, or the mean cross-entropy loss when ``targets`` is given."""
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, position_ids: torch.Tensor | None = None):
+        """Logits ``[b, t, vocab]``, or the mean cross-entropy loss when ``targets`` is given. ``position_ids``
+        (``[b, t]`` or ``[t]``; default ``0..t-1``): the tokens' positions in their sequence, which differ from
+        ``0..t-1`` when the sequence is split (sequence parallelism)."""
         t = idx.shape[1]
-        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
+        if position_ids is None:
+            position_ids = torch.arange(t, device=idx.device)
+        x = self.tok(idx) + self.pos(position_ids)
         for block in self.blocks:
             x = block(x)
         logits = self.head(self.ln_f(x))

@@ -1,0 +1,31 @@
+"""Ulysses sequence parallelism (``sequence_parallel_size``; docs/sequence-parallel.md).
+
+    all_to_all.py  the all-to-all trading a sequence split for a head split, and the loss's sum, as autograd Functions
+    ulysses.py     attention around the exchange; plugged into transformers models and the project's GPT
+    inputs.py      what the engine does to a forward's inputs (split, shifted labels, positions) and its loss
+
+The mesh axis is in :mod:`shardtrain.mesh` ([Note: the sequence axis]).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shardtrain.errors import ConfigError
+from shardtrain.sequence_parallel.inputs import SequenceSplitter
+from shardtrain.sequence_parallel.ulysses import install as install_ulysses
+from shardtrain.sequence_parallel.ulysses import kv_repeats, ulysses
+
+__all__ = ["SequenceSplitter", "install_ulysses", "kv_repeats", "refuse_unbuilt_sequence_parallel", "ulysses"]
+
+
+def refuse_unbuilt_sequence_parallel(cfg: Any) -> None:
+    """What this slice of sequence parallelism does not build, refused by name before the model is touched (the
+    mesh refuses tensor parallelism and hybrid sharding with it)."""
+    if cfg.sequence_parallel_size == 1:
+        return
+    if cfg.graph.enabled:
+        raise ConfigError(
+            f"graph.enabled with sequence_parallel_size {cfg.sequence_parallel_size}: the Ulysses all-to-alls do not "
+            "run in captured graphs yet; turn graph mode off (docs/sequence-parallel.md)"
+        )

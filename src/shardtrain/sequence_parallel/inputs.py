@@ -1,0 +1,174 @@
+"""What the engine does to a forward's inputs and output under sequence parallelism.
+
+Every rank of a sequence-parallel group is given the same whole batch (as under tensor parallelism) and keeps its
+slice of the sequence, ``[r * S/P, (r + 1) * S/P)`` for sp rank ``r``:
+
+* every tensor argument with at least two dimensions, positional or keyword, is split along dimension 1 (the
+  sequence): ``input_ids``, ``labels``, ``position_ids``, ``inputs_embeds`` ``[b, S, ...]``, the project's GPT's
+  ``idx`` and ``targets``. They must all have the same length ``S`` there, divisible by ``P``. Tensors of fewer
+  dimensions and other values are passed unchanged.
+* ``labels`` (keyword; transformers' convention: the model shifts them) are shifted over the whole sequence first,
+  as DeepSpeed ALST's ``shift_labels``, and handed to the model as ``shift_labels`` (and ``labels``), so that the
+  target of a slice's last token, the first token of the next slice, is not lost at the boundary. Positional
+  targets (the project's GPT) are already aligned with their tokens and are split as they are.
+* ``position_ids``: when the model's ``forward`` takes them and none are given, ``0..S-1`` is made before the
+  split, so rotary and learned position embeddings see global positions.
+* ``attention_mask`` ``[b, S]``: only all ones is accepted, and it is dropped (attention after the all-to-all is
+  causal over the whole sequence). Padding is refused: pad sequences at the end instead, labels -100.
+
+[Note: the loss over a sequence-parallel group]
+The model computes, on each rank, the mean loss over the real targets (not -100) of its slice. The engine returns
+``L = sum_r n_r * mean_r / N`` (``n_r`` real targets on rank ``r``, ``N`` their sum): the mean over the whole
+sequence's real tokens, not a mean of the ranks' means. The sum over the group is an all-reduce whose backward is
+the all-reduce of the gradients (every rank backpropagates the same ``L``), so rank ``r``'s parameters receive
+``P * n_r/N * d mean_r`` and ZeRO's average over the ``dp * P`` ranks of its group ([Note: the sequence axis] in
+:mod:`shardtrain.mesh`) gives, per data-parallel rank, ``sum_r n_r/N * d mean_r = dL``, averaged over ``dp``: the
+gradient of one process on the same batch.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardtrain.comm import Communicator
+from shardtrain.errors import ConfigError, RankMismatchError
+from shardtrain.sequence_parallel.all_to_all import sum_over_group
+
+IGNORE = -100
+
+
+class SequenceSplitter:
+    """Splits the inputs of each forward and combines its loss (see the module's docstring)."""
+
+    def __init__(self, module: nn.Module, comm: Communicator) -> None:
+        self.comm = comm
+        self.size, self.rank = comm.size, comm.rank
+        try:
+            params = inspect.signature(module.forward).parameters
+        except (TypeError, ValueError):
+            params = {}
+        self._takes_position_ids = "position_ids" in params
+        self._checked = False
+        self._counts: tuple[int, int] | None = None  # (this rank's real targets, the group's)
+
+    def split(self, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+        kwargs = dict(kwargs)
+        if not self._checked:  # one sequence per group: the ranks must agree on it
+            self._check_same_batch(args, kwargs)
+            self._checked = True
+        if "num_items_in_batch" in kwargs:
+            raise ConfigError(
+                "num_items_in_batch with sequence_parallel_size > 1 is not built: the engine normalises the loss "
+                "over the real tokens of each sequence-parallel group itself; do not pass it"
+            )
+        length = self._length(args, kwargs)
+        mask = kwargs.pop("attention_mask", None)
+        if torch.is_tensor(mask) and not bool(mask.all()):
+            raise ConfigError(
+                "attention_mask with padding (zeros) under sequence parallelism is not built: pad sequences at the "
+                "end (causal attention keeps the pad tokens from the real ones) with labels -100, and pass no mask "
+                "or an all-ones one"
+            )
+        targets: torch.Tensor | None = None
+        labels = kwargs.get("labels")
+        self._hf_labels = torch.is_tensor(labels)
+        if torch.is_tensor(labels):
+            shifted = torch.full_like(labels, IGNORE)
+            shifted[:, :-1] = labels[:, 1:]  # the target of token i is token i + 1, across slice boundaries
+            kwargs["labels"] = kwargs["shift_labels"] = targets = shifted
+        elif "targets" in kwargs and torch.is_tensor(kwargs["targets"]):
+            targets = kwargs["targets"]
+        elif len(args) > 1 and torch.is_tensor(args[1]) and not args[1].is_floating_point():
+            targets = args[1]
+        positions = kwargs.get("position_ids")
+        if torch.is_tensor(positions) and positions.dim() == 1:  # [S]: one row for all, split like the others
+            kwargs["position_ids"] = positions[None]
+        if self._takes_position_ids and positions is None:
+            first = next(t for t in (*args, *kwargs.values()) if torch.is_tensor(t) and t.dim() >= 2)
+            kwargs["position_ids"] = torch.arange(length, device=first.device).expand(first.shape[0], length)
+        args = tuple(self._slice(a) for a in args)
+        kwargs = {k: self._slice(v) for k, v in kwargs.items()}
+        self._counts = self._count(targets, length)
+        if self._hf_labels:  # a sum over this slice divided by its count: 0, not NaN, for a slice of padding
+            kwargs["num_items_in_batch"] = max(self._counts[0], 1)
+        return args, kwargs
+
+    def _length(self, args: tuple, kwargs: dict[str, Any]) -> int:
+        lengths = {
+            name: t.shape[1]
+            for name, t in [*((f"argument {i}", a) for i, a in enumerate(args)), *kwargs.items()]
+            if torch.is_tensor(t) and t.dim() >= 2
+        }
+        if not lengths:
+            raise ConfigError(
+                "sequence_parallel_size > 1 but no input has a sequence dimension: pass tensors [batch, seq, ...]"
+            )
+        if len(set(lengths.values())) > 1:
+            raise ConfigError(
+                f"inputs with different sequence lengths (dimension 1) under sequence parallelism: {lengths}; every "
+                "tensor of two or more dimensions is split along dimension 1"
+            )
+        length = next(iter(lengths.values()))
+        if length % self.size:
+            raise ConfigError(
+                f"sequence length {length} is not divisible by sequence_parallel_size {self.size}: each rank holds "
+                f"an equal slice. Pad every sequence at the end to a multiple of {self.size} (labels -100 there; "
+                "causal attention keeps the pad tokens from the real ones)"
+            )
+        return length
+
+    def _slice(self, v: Any) -> Any:
+        if not torch.is_tensor(v) or v.dim() < 2:
+            return v
+        per = v.shape[1] // self.size
+        return v.narrow(1, self.rank * per, per).contiguous()  # models .view() their inputs
+
+    def _count(self, targets: torch.Tensor | None, length: int) -> tuple[int, int]:
+        if targets is None:  # no targets known: the slices weigh the same
+            mine = length // self.size
+        else:
+            mine = int((self._slice(targets) != IGNORE).sum())
+        every = torch.tensor([mine], dtype=torch.int64, device=targets.device if targets is not None else "cpu")
+        counts = self.comm.all_gather_dim(every, 0, what="the real-token counts of a sequence-parallel group")
+        counts = [int(c) for c in counts]
+        if not self._hf_labels and 0 in counts and sum(counts):
+            # the model's mean over a slice without a real target is 0/0 (NaN), which no weight of 0 removes
+            raise ConfigError(
+                f"sequence-parallel ranks {[r for r, c in enumerate(counts) if c == 0]} got a slice whose targets "
+                "are all -100: the model's mean loss over it is undefined. Pass transformers-style `labels=` (the "
+                "engine then has the model divide by its own count) or batches with real targets in every slice"
+            )
+        return mine, sum(counts)
+
+    def combine(self, output: Any) -> Any:
+        """The whole sequence's loss in place of this slice's (a scalar output, or an output's ``loss``); other
+        outputs (logits) are this rank's slice."""
+        mine, total = self._counts
+        if torch.is_tensor(output) and output.dim() == 0:
+            return self._whole(output, mine, total)
+        loss = getattr(output, "loss", None)
+        if torch.is_tensor(loss) and loss.dim() == 0:
+            output.loss = self._whole(loss, mine, total)
+        return output
+
+    def _whole(self, loss: torch.Tensor, mine: int, total: int) -> torch.Tensor:
+        if total == 0:
+            raise ConfigError("a batch with no target that is not -100: there is no loss to average")
+        return sum_over_group(loss * mine, self.comm, "the loss of a sequence-parallel group") / total
+
+    def _check_same_batch(self, args: tuple, kwargs: dict[str, Any]) -> None:
+        from shardtrain.tensor_parallel.batch_check import batch_digest
+
+        every = self.comm.all_gather_object(batch_digest(args, kwargs), what="sequence-parallel batch check")
+        differ = [r for r, d in enumerate(every) if d != every[0]]
+        if differ:
+            raise RankMismatchError(
+                f"the ranks of a sequence-parallel group must all get the same whole batch (the engine splits the "
+                f"sequence), but sp ranks {differ} got inputs different from sp rank 0. Shard the data over the "
+                "data-parallel ranks only (DistributedSampler(num_replicas=engine.topology.dp, "
+                "rank=engine.topology.dp_rank))"
+            )

@@ -1,0 +1,184 @@
+"""Ulysses attention: each rank attends its share of the heads over the whole sequence.
+
+Attention is plugged in from outside the model: a transformers model through its attention interface
+(``AttentionInterface.register`` and ``config._attn_implementation``, so the model's code is not edited), the
+project's GPT through its ``attention`` method. Around the model's own attention function (sdpa, eager, ...) the
+query, key and value go through one all-to-all each (``[b, h, s/P, d] -> [b, h/P, s, d]``) and the output through
+the reverse one. After the exchange a rank holds whole sequences, so the attention function's ordinary causal
+attention is the global one, with no mask to rewrite.
+
+[Note: key/value heads under Ulysses]
+A rank keeps query heads ``[r * h/P, (r + 1) * h/P)``. With grouped-query attention (``kv`` key/value heads, each
+serving ``g = h/kv`` consecutive query heads) the key/value heads those query heads read are ``[r * kv/P, ...)``
+when ``P`` divides ``kv``: splitting them the same way keeps each query head with its key/value head. When it does
+not (``kv < P`` included), each key/value head is first repeated ``k`` times (``k`` the smallest divisor of ``g``
+with ``P | kv * k``): still a valid grouped layout, ``g / k`` query heads per key/value head, at ``k`` times the
+key/value bytes. ``h`` itself must divide by ``P``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardtrain.comm import Communicator
+from shardtrain.errors import ConfigError
+from shardtrain.sequence_parallel.all_to_all import all_to_all
+
+
+def kv_repeats(heads: int, kv_heads: int, p: int) -> int:
+    """How many times each key/value head is repeated before the exchange (see [Note: key/value heads under
+    Ulysses])."""
+    if heads % p:
+        raise ConfigError(
+            f"sequence_parallel_size {p} does not divide the {heads} attention heads: Ulysses gives each rank of a "
+            f"sequence-parallel group heads / size heads; choose a size that divides {heads}"
+        )
+    if heads % kv_heads:
+        raise ConfigError(f"{heads} query heads are not a multiple of the {kv_heads} key/value heads")
+    group = heads // kv_heads
+    return next(k for k in range(1, group + 1) if group % k == 0 and (kv_heads * k) % p == 0)
+
+
+def ulysses(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    comm: Communicator,
+    attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    what: str,
+) -> torch.Tensor:
+    """``query [b, h, s/P, d]``, ``key``/``value [b, kv, s/P, d]`` (this rank's slice of the sequence) ->
+    ``attend(q [b, h/P, s, d], k, v [b, kv'/P, s, d])``, which returns ``[b, s, h/P, d]``, -> ``[b, s/P, h, d]``."""
+    k = kv_repeats(query.shape[1], key.shape[1], comm.size)
+    if k > 1:
+        key, value = key.repeat_interleave(k, dim=1), value.repeat_interleave(k, dim=1)
+    q, key, value = (all_to_all(t, comm, 1, 2, f"the {n} of {what}") for t, n in zip((query, key, value), "qkv"))
+    out = attend(q, key, value)  # [b, s, h/P, d]
+    return all_to_all(out, comm, 1, 2, f"the output of {what}")  # [b, s/P, h, d]
+
+
+# -- transformers models ---------------------------------------------------------------------------------------------
+class _HeadsView:
+    """The attention module as the inner attention function sees it after the exchange: ``num_key_value_groups``
+    is the ratio of the heads this rank holds (transformers' sdpa and eager read it to repeat key/value heads)."""
+
+    def __init__(self, module: nn.Module, groups: int) -> None:
+        self._module, self.num_key_value_groups = module, groups
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+
+_counter = itertools.count()
+
+
+def install_hf(model: nn.Module, comm: Communicator) -> str:
+    """Route ``model``'s attention through Ulysses around its current implementation; returns the registered
+    name. transformers builds no mask for a name it has no mask function for: after the exchange a rank holds whole
+    sequences, so sdpa's own causal attention (the module's ``is_causal``) is the global one, and eager attention is
+    given the whole sequence's causal mask; padding masks are refused before the forward
+    (:mod:`shardtrain.sequence_parallel.inputs`)."""
+    from transformers import AttentionInterface
+
+    config = model.config
+    heads = getattr(config, "num_attention_heads", None)
+    if isinstance(heads, int):  # refused at initialize rather than at the first forward
+        kv_repeats(heads, getattr(config, "num_key_value_heads", None) or heads, comm.size)
+    inner_name = config._attn_implementation or "sdpa"
+    if inner_name.startswith("shardtrain_ulysses"):
+        raise ConfigError(f"{type(model).__name__} already runs Ulysses attention: initialize it once")
+    if inner_name == "sdpa":
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward as inner
+    elif inner_name == "eager":
+        inner = _eager_of(model)
+    else:
+        raise ConfigError(
+            f"attn_implementation {inner_name!r} under sequence parallelism is not built yet; load the model with "
+            "attn_implementation='sdpa' or 'eager'"
+        )
+
+    def attention(module, query, key, value, attention_mask, *, dropout=0.0, scaling=None, **kwargs):
+        if kwargs.get("sliding_window") is not None:
+            raise ConfigError(
+                f"{type(module).__name__} uses sliding-window attention, which sequence parallelism does not build "
+                "yet (the window would have to be re-applied after the all-to-all)"
+            )
+        kwargs.pop("is_causal", None)  # the module's own is_causal decides, as without sequence parallelism
+
+        def attend(q, k, v):
+            view = _HeadsView(module, q.shape[1] // k.shape[1])
+            # sdpa makes the causal mask itself from the module's is_causal (no mask given); eager only adds one
+            mask = _causal_mask(q) if inner_name == "eager" and getattr(module, "is_causal", True) else None
+            out, _ = inner(view, q, k, v, mask, dropout=dropout, scaling=scaling, **kwargs)
+            return out
+
+        what = f"{type(module).__name__} {getattr(module, 'layer_idx', '')}".strip()
+        return ulysses(query, key, value, comm, attend, what), None
+
+    name = f"shardtrain_ulysses_{next(_counter)}_{inner_name}"
+    AttentionInterface.register(name, attention)
+    config._attn_implementation = name
+    return name
+
+
+def _causal_mask(q: torch.Tensor) -> torch.Tensor:
+    """The additive causal mask ``[1, 1, s, s]`` of the whole sequence, in ``q``'s dtype."""
+    s = q.shape[2]
+    future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+    return torch.zeros(s, s, dtype=q.dtype, device=q.device).masked_fill(future, torch.finfo(q.dtype).min)[None, None]
+
+
+def _eager_of(model: nn.Module) -> Callable:
+    import importlib
+
+    module = importlib.import_module(type(model).__module__)
+    fn = getattr(module, "eager_attention_forward", None)
+    if fn is None:
+        raise ConfigError(
+            f"{type(model).__name__}: no eager attention function found; load it with attn_implementation='sdpa'"
+        )
+    return fn
+
+
+# -- the project's GPT -----------------------------------------------------------------------------------------------
+def install_gpt(model: nn.Module, comm: Communicator) -> int:
+    """Replace each ``CausalSelfAttention.attention`` of the project's GPT by its Ulysses form; returns how many."""
+    from shardtrain.models.gpt import CausalSelfAttention
+
+    count = 0
+    for name, m in model.named_modules():
+        if isinstance(m, CausalSelfAttention):
+            kv_repeats(m.n_head, m.n_head, comm.size)  # refused at initialize rather than at the first forward
+            inner = m.attention  # the bound method: [b, h, s, d] x3 -> [b, h, s, d]
+
+            def attend(q, k, v, inner=inner):
+                return inner(q, k, v).transpose(1, 2)  # [b, s, h/P, d]
+
+            def attention(q, k, v, attend=attend, name=name):
+                return ulysses(q, k, v, comm, attend, repr(name)).transpose(1, 2)  # [b, h, s/P, d]
+
+            m.attention = attention
+            count += 1
+    return count
+
+
+def install(model: nn.Module, comm: Communicator) -> None:
+    """Ulysses attention in ``model``: a transformers model or the project's GPT; anything else is refused."""
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "_attn_implementation"):
+        install_hf(model, comm)
+        return
+    if install_gpt(model, comm):
+        return
+    raise ConfigError(
+        f"sequence_parallel_size > 1 needs to reach the attention of {type(model).__name__}: built for transformers "
+        "models (through their attention interface) and shardtrain's GPT; another model is not supported yet"
+    )
+
+
+__all__ = ["install", "install_gpt", "install_hf", "kv_repeats", "ulysses"]
