@@ -23,6 +23,7 @@ from torch import nn
 
 from shardtrain.comm import Communicator
 from shardtrain.config import ZeroConfig
+from shardtrain.zero.guarded import guard_of
 from shardtrain.zero.init import construction_runtime, is_under_construction
 from shardtrain.zero.layout import Bucket, ParamRecord, ShardLayout, build_buckets, group_by_size
 from shardtrain.zero.policy import ZeroPolicy
@@ -118,12 +119,24 @@ def _plan_units(
             b.shard = b.flat_param[lo:hi].clone()
             b.gather_after_step = False
             b.flat_param.untyped_storage().resize_(0)
+        _retire_construction([p for _, p in params if is_under_construction(p)])
         index += len(buckets)
         specs.append((name, m, buckets))
     built = [p for p in module.parameters() if is_under_construction(p)]
     if built:
         construction_runtime(built[0]).settle()
     return specs, persistent
+
+
+def _retire_construction(params: list[nn.Parameter]) -> None:
+    """Free the construction chunks of parameters just laid out into a unit (their values are in its shard now):
+    kept until ``initialize`` ends, every rank would hold its part of the model twice at its peak."""
+    if not params:
+        return
+    construction_runtime(params[0]).settle()  # the last one touched is whole: take its chunk back first
+    for p in params:
+        for b in guard_of(p).unit.buckets:
+            b.shard = b.shard.new_empty(0)
 
 
 def _sync_initial_state(module: nn.Module, buckets: list[Bucket], comm: Communicator) -> None:

@@ -46,7 +46,11 @@ decides residency is explicit: the unit runtime calls ``before_gather`` just bef
 issued, prefetches included, so in the recorded gather order (``MADV_WILLNEED``: the kernel starts reading
 the shard while earlier units compute), and ``after_gather`` once it has completed (``MADV_DONTNEED``: the
 pages leave the process; a changed page stays in the page cache until written back, nothing is lost). After
-the optimizer step the updated shards leave the same way. Units stay in ordinary memory, in unit order, while
+the optimizer step the updated shards leave the same way, one sub-group at a time: when a sub-group has been
+stepped, the pages of its tensors that lie in a mapped shard (fp32 fragments, or the compute-dtype fragments
+its masters refreshed) are dropped at once (:func:`release_mapped`), so a step holds one sub-group's pages of
+the shards, not every page it has touched (which, in fp32 training, would be the rank's whole shard: as much
+memory as the parameters the offload was meant to keep out). Units stay in ordinary memory, in unit order, while
 they fit in ``max_in_cpu`` elements. ``buffer_count`` bounds the read-ahead: at most that many units' shards
 are asked for ahead of use (advised and not yet gathered); the read-ahead of a unit past that waits for one of
 them to be gathered, and a unit gathered before its turn is read by its all-gather touching the pages.
@@ -56,10 +60,13 @@ Swap directories, files, the page-cache policy and :class:`OffloadError` are in 
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import mmap
 import os
 import queue
 import threading
+import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -282,6 +289,8 @@ class OptimizerOffload:
                 for i in group.members:
                     if self.fragments[i].numel():
                         self.fragments[i].copy_(self.stepped[i].view_as(self.fragments[i]))
+        # parameter offload: the pages of this sub-group's shards leave memory now, not after the whole step
+        release_mapped([self.stepped[i] for i in members] + [self.fragments[i] for i in members if self.fragments])
 
     def _park(self, i: int) -> None:
         """An offloaded master holds no memory between steps (same tensor object: the optimizer keys on it)."""
@@ -557,12 +566,29 @@ def ineffective_offload_keys(zcfg: Any, device_type: str) -> list[str]:
 # -- parameter offload (stage 3) ---------------------------------------------------------------------
 
 
+_PARAM_OFFLOADS: weakref.WeakSet = weakref.WeakSet()  # live ParamOffloads, whose mappings release_mapped knows
+PAGE = mmap.PAGESIZE
+
+
+def release_mapped(tensors: list[torch.Tensor]) -> int:
+    """Drop from this process the pages of ``tensors`` that lie in a parameter swap file's mapping (see [Note:
+    parameter offload]); changed pages stay in the page cache until the kernel writes them back. A page shared
+    with a neighbouring tensor is dropped too: its next use reads it again from the page cache. Tensors in
+    ordinary memory are left alone. Returns the bytes of mapping advised."""
+    released = 0
+    for offload in list(_PARAM_OFFLOADS):
+        for t in tensors:
+            nbytes = t.numel() * t.element_size()
+            if nbytes:
+                released += offload.release_range(t.data_ptr(), nbytes)
+    return released
+
+
 class ParamOffload:
     """Stage-3 unit shards kept in files (see [Note: parameter offload]): each unit bucket's ``shard`` becomes
     a tensor over a shared mapping of its own preallocated file."""
 
     def __init__(self, units: list, scratch: ScratchDir, rank: int, max_in_cpu: int, buffer_count: int = 5) -> None:
-        import mmap
 
         self.rank, self.scratch, self.buffer_count = rank, scratch, buffer_count
         self._maps: dict[int, tuple[mmap.mmap, int]] = {}  # bucket index -> (mapping, bytes)
@@ -570,6 +596,7 @@ class ParamOffload:
         self._ahead: list[int] = []  # units read ahead and not gathered yet: at most buffer_count
         self._waiting: deque = deque()  # units whose read-ahead waits for one of those to be gathered
         self.most_ahead = 0  # the most units read ahead at once (tests read it)
+        self._bases: list[tuple[int, int]] = []  # sorted (address, bucket index) of every mapping
         kept = 0
         for unit in units:  # the first units up to max_in_cpu elements stay in memory
             numel = sum(b.shard.numel() for b in unit.buckets)
@@ -579,9 +606,9 @@ class ParamOffload:
             self.mapped_units.add(unit.index)
             for b in unit.buckets:
                 self._map_bucket(b)
+        _PARAM_OFFLOADS.add(self)
 
     def _map_bucket(self, b) -> None:
-        import mmap
 
         path = self.scratch.path / f"param-{b.index}.bin"
         nbytes = b.shard.numel() * b.shard.element_size()
@@ -603,7 +630,24 @@ class ParamOffload:
         shard.copy_(b.shard)
         b.shard = shard
         self._maps[b.index] = (mapping, nbytes)
+        bisect.insort(self._bases, (shard.data_ptr(), b.index))
         mapping.madvise(mmap.MADV_DONTNEED)
+
+    def release_range(self, address: int, nbytes: int) -> int:
+        """``MADV_DONTNEED`` on the whole pages of ``[address, address + nbytes)`` that lie in one of this
+        object's mappings (a tensor is a view of one bucket's shard at most); the bytes advised."""
+        k = bisect.bisect_right(self._bases, (address, float("inf"))) - 1
+        if k < 0:
+            return 0
+        base, index = self._bases[k]
+        mapping, size = self._maps[index]
+        start, end = address - base, min(address - base + nbytes, size)
+        if start >= size or end <= 0:
+            return 0
+        start = start // PAGE * PAGE  # madvise needs a page-aligned start; a shared edge page is read again
+        end = min(-(-end // PAGE) * PAGE, size)
+        mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
+        return end - start
 
     def _advise(self, unit, advice: int) -> None:
         for b in unit.buckets:
@@ -613,7 +657,6 @@ class ParamOffload:
     def will_need(self, unit) -> None:
         """Before a gather (called in gather order, prefetches included): start reading the unit's shards, if
         fewer than ``buffer_count`` units are being read ahead; else once one of them has been gathered."""
-        import mmap
 
         if unit.index not in self.mapped_units or unit.index in self._ahead:
             return
@@ -627,7 +670,6 @@ class ParamOffload:
     def done_with(self, units) -> None:
         """The shards leave this process's memory (written back by the kernel when changed; read again on use);
         read-ahead that waited for a buffer starts."""
-        import mmap
 
         for unit in units:
             if unit.index in self._ahead:
