@@ -421,20 +421,7 @@ def init_topology(tp: int = 1, timeout_s: float = 1800.0, shard_size: int = -1, 
             f"replicated across the groups, so choose one of {divisors} (or -1 to shard over all {dp})"
         )
     replicas = dp // shard
-    device = pick_device()
-    backend = str(dist.get_backend())
-    if device.type == "cuda" and "nccl" not in backend:
-        # A user-created gloo group with CUDA tensors would fail deep inside the first collective.
-        raise LayoutError(f"the process group uses {backend!r} but tensors live on CUDA; initialize it with 'nccl'.")
-    timeout = datetime.timedelta(seconds=timeout_s)
-
-    def new_group(ranks: list[int], backend: str | None) -> dist.ProcessGroup:
-        return dist.new_group(ranks, timeout=timeout, backend=backend)
-
-    whole = dist.group.WORLD
-    if not created and _timeout_s(whole, device) != timeout_s:  # the user's group, with another timeout
-        whole = new_group(list(range(world)), None)
-    groups, host_groups = make_groups(dist.get_rank(), world, tp, backend, whole, new_group, shard)
+    device, backend, groups, host_groups = _make_mesh_groups(world, tp, timeout_s, created, shard_size=shard)
     if replicas > 1:  # see [Note: the hybrid mesh]
         ranks = torch.arange(world).view(replicas, shard, tp)
         axes = [groups.replicate, groups.shard, groups.tp]
@@ -457,6 +444,28 @@ def init_topology(tp: int = 1, timeout_s: float = 1800.0, shard_size: int = -1, 
     )
 
 
+def _make_mesh_groups(
+    world: int, tp: int, timeout_s: float, created: bool, **axes: int
+) -> tuple[torch.device, str, Groups, Groups]:
+    """The device, the backend, and the mesh's groups and their host twins (``axes``: ``make_groups``' hybrid
+    ``shard_size`` or sequence-parallel ``sp``), every group with the collective timeout."""
+    device = pick_device()
+    backend = str(dist.get_backend())
+    if device.type == "cuda" and "nccl" not in backend:
+        # A user-created gloo group with CUDA tensors would fail deep inside the first collective.
+        raise LayoutError(f"the process group uses {backend!r} but tensors live on CUDA; initialize it with 'nccl'.")
+    timeout = datetime.timedelta(seconds=timeout_s)
+
+    def new_group(ranks: list[int], backend: str | None) -> dist.ProcessGroup:
+        return dist.new_group(ranks, timeout=timeout, backend=backend)
+
+    whole = dist.group.WORLD
+    if not created and _timeout_s(whole, device) != timeout_s:  # the user's group, with another timeout
+        whole = new_group(list(range(world)), None)
+    groups, host_groups = make_groups(dist.get_rank(), world, tp, backend, whole, new_group, **axes)
+    return device, backend, groups, host_groups
+
+
 def _init_sequence_topology(tp: int, timeout_s: float, shard_size: int, sp: int, created: bool, world: int) -> Topology:
     """The ``(dp, sp, tp)`` mesh of [Note: the sequence axis]; what is not built with it is refused by name."""
     if sp < 1 or world % sp:
@@ -477,19 +486,7 @@ def _init_sequence_topology(tp: int, timeout_s: float, shard_size: int, sp: int,
             "all data- and sequence-parallel ranks, docs/sequence-parallel.md)"
         )
     dp = world // sp
-    device = pick_device()
-    backend = str(dist.get_backend())
-    if device.type == "cuda" and "nccl" not in backend:
-        raise LayoutError(f"the process group uses {backend!r} but tensors live on CUDA; initialize it with 'nccl'.")
-    timeout = datetime.timedelta(seconds=timeout_s)
-
-    def new_group(ranks: list[int], backend: str | None) -> dist.ProcessGroup:
-        return dist.new_group(ranks, timeout=timeout, backend=backend)
-
-    whole = dist.group.WORLD
-    if not created and _timeout_s(whole, device) != timeout_s:  # the user's group, with another timeout
-        whole = new_group(list(range(world)), None)
-    groups, host_groups = make_groups(dist.get_rank(), world, tp, backend, whole, new_group, sp=sp)
+    device, backend, groups, host_groups = _make_mesh_groups(world, tp, timeout_s, created, sp=sp)
     ranks = torch.arange(world).view(dp, sp, tp)
     mesh = DeviceMesh.from_group(
         [groups.dp, groups.sp, groups.tp], device.type, mesh=ranks, mesh_dim_names=("dp", "sp", "tp")
