@@ -112,6 +112,13 @@ def inspect(args: argparse.Namespace) -> int:
         print(f"  {name:<{width}}  {e.dtype:<9} {shape:<16} {_human(e.nbytes):>10}  {pieces:<11} {layout}{alias}")
     if not args.verify:
         return 0
+    if foreign:
+        return _verify(reader, total, "every file opened and every piece found (DeepSpeed's files carry no checksums)")
+    return _verify(reader, total, "all files and checksums OK")
+
+
+def _verify(reader: Any, total: int, ok: str) -> int:
+    """``inspect --verify``: read everything with a progress bar; 1 and every problem, or 0 and ``ok``."""
     with tqdm(total=total, unit="B", unit_scale=True, desc="verify", file=sys.stderr) as bar:
         problems = reader.verify(bar.update)
     if problems:
@@ -119,10 +126,7 @@ def inspect(args: argparse.Namespace) -> int:
         for p in problems:
             print(f"  {p}")
         return 1
-    if foreign:
-        print("verify: every file opened and every piece found (DeepSpeed's files carry no checksums)")
-    else:
-        print("verify: all files and checksums OK")
+    print(f"verify: {ok}")
     return 0
 
 
@@ -141,15 +145,7 @@ def _inspect_chunked(reader: Any, verify: bool) -> int:
         print(f"  {name:<{width}}  {e.dtype:<9} {shape:<16} {_human(e.nbytes):>10}  {len(e.chunks)} chunk(s){alias}")
     if not verify:
         return 0
-    with tqdm(total=total, unit="B", unit_scale=True, desc="verify", file=sys.stderr) as bar:
-        problems = reader.verify(bar.update)
-    if problems:
-        print(f"verify: {len(problems)} problem(s)")
-        for p in problems:
-            print(f"  {p}")
-        return 1
-    print("verify: every tensor read whole (DCP files carry no checksums)")
-    return 0
+    return _verify(reader, total, "every tensor read whole (DCP files carry no checksums)")
 
 
 def consolidate_cmd(args: argparse.Namespace) -> int:
