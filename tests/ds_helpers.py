@@ -267,3 +267,117 @@ def resume_llama(root: str, stage: int) -> list[float]:
         engine.step()
         losses.append(_global_mean(float(loss.detach())))
     return losses
+
+
+# -- fp16: DeepSpeed's CPU accelerator refuses it; the writing ranks are told it is supported -----------------------
+FP16_SAVE_AT, FP16_STEPS = 5, 10
+# 2**20 overflows the first steps (the scaled loss's gradients pass fp16's 65504); a window of 2 and a hysteresis
+# of 2 make the allowance, the clean-step count and the growth all change within these few steps.
+FP16 = {"enabled": True, "initial_scale_power": 13, "loss_scale_window": 2, "hysteresis": 2, "min_loss_scale": 1}
+FP16_STAGE = 2
+
+
+def _allow_fp16_on_cpu() -> None:
+    """DeepSpeed's ``initialize`` refuses fp16 when the accelerator says it lacks it (the CPU accelerator asks
+    oneDNN, which says no on most CPUs); torch's CPU kernels for this model's fp16 ops exist, so say yes. Only in
+    the DeepSpeed-writing ranks (a subprocess each)."""
+    from deepspeed.accelerator import get_accelerator
+
+    get_accelerator().is_fp16_supported = lambda: True  # supported_dtypes() asks this too
+
+
+def _fp16_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(11)
+    out = []
+    for _ in range(FP16_STEPS):
+        x = torch.randint(0, VOCAB, (ROWS, SEQ), generator=g)
+        out.append((x, torch.roll(x, -1, 1)))
+    return out
+
+
+def _train_fp16(call, steps: range, dp: int, dp_rank: int) -> tuple[list[float], list[tuple[float, int]]]:
+    """The global loss per step, and (the loss scale, the count of skipped steps) after each step."""
+    rows = ROWS // dp
+    losses, scales = [], []
+    for s in steps:
+        x, y = (t[dp_rank * rows : (dp_rank + 1) * rows] for t in _fp16_batches()[s])
+        loss, scale, skipped = call(x, y)
+        losses.append(_global_mean(loss))
+        scales.append((scale, skipped))
+    return losses, scales
+
+
+def write_fp16_checkpoint(root: str) -> dict:
+    """On every rank (world 2): DeepSpeed ZeRO-2 fp16 with dynamic loss scaling trains, saves after
+    :data:`FP16_SAVE_AT` steps and goes on; returns the losses and DeepSpeed's ``cur_scale`` after each step."""
+    import deepspeed
+
+    _allow_fp16_on_cpu()
+    model = DSNet(seed=0)
+    config = {
+        "train_micro_batch_size_per_gpu": ROWS // dist.get_world_size(),
+        "gradient_clipping": CLIP,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD, "torch_adam": True}},
+        "zero_optimization": {"stage": FP16_STAGE},
+        "fp16": FP16,
+        "steps_per_print": 10**6,
+    }
+    with contextlib.redirect_stdout(io.StringIO()):
+        engine, *_ = deepspeed.initialize(
+            model=model,
+            model_parameters=[p for p in model.parameters() if p.requires_grad],
+            config=config,
+            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda),
+        )
+
+    def step(x, y):
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        return float(loss.detach().float()), float(engine.optimizer.cur_scale), engine.skipped_steps
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    before, scales_before = _train_fp16(step, range(FP16_SAVE_AT), world, rank)
+    engine.save_checkpoint(root)
+    after, scales_after = _train_fp16(step, range(FP16_SAVE_AT, FP16_STEPS), world, rank)
+    skipped = engine.skipped_steps
+    return {
+        "before": before,
+        "after": after,
+        "scales_before": scales_before,
+        "scales": scales_after,
+        "skipped": skipped,
+    }
+
+
+def resume_fp16(root: str, stage: int) -> dict:
+    """On every rank: a shardtrain fp16 engine (another seed, the same ``fp16`` section) loads the DeepSpeed fp16
+    checkpoint and trains the steps after the save; the losses and ``engine.loss_scale`` after each step."""
+    import warnings
+
+    import shardtrain
+
+    model = DSNet(seed=1)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=WD)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+    dp = dist.get_world_size()
+    config = {
+        "train_micro_batch_size_per_gpu": ROWS // dp,
+        "gradient_clipping": CLIP,
+        "zero_optimization": {"stage": stage},
+        "fp16": FP16,
+    }
+    engine = shardtrain.initialize(model, config=config, optimizer=opt, lr_scheduler=sched)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine.load_checkpoint(root)
+    loaded_scale = engine.loss_scale
+
+    def step(x, y):
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        return float(loss.detach().float()), engine.loss_scale, engine.skipped_steps
+
+    losses, scales = _train_fp16(step, range(FP16_SAVE_AT, FP16_STEPS), dp, engine.topology.dp_rank)
+    return {"losses": losses, "scales": scales, "loaded_scale": loaded_scale}

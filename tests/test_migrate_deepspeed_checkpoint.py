@@ -7,6 +7,9 @@ The checkpoints are written once per module (``ds_checkpoints``). Tolerance of t
 A shardtrain engine that loads the same weights with a fresh optimizer (``load_optimizer_states=False``) is off by
 about 1e-2 on the second step after the resume (asserted below), so the comparison tells whether the moments,
 step counts and the scheduler state were carried over.
+
+fp16: a real DeepSpeed fp16 checkpoint (its CPU accelerator told fp16 is supported, in the writing ranks only);
+the loss scale after every step of the resumed run equals DeepSpeed's continuation's.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from safetensors.torch import load_file
 
 from ds_helpers import (
     CLIP,
+    FP16,
+    FP16_STEPS,
     LR,
     SAVE_AT,
     STEPS,
@@ -28,15 +33,19 @@ from ds_helpers import (
     case_name,
     llama_batches,
     resume,
+    resume_fp16,
     resume_llama,
     tiny_llama,
     write_autotp_checkpoint,
     write_deepspeed_checkpoints,
+    write_fp16_checkpoint,
     zero_to_fp32,
 )
+from shardtrain.checkpoint.deepspeed_format import loss_scaler_from_deepspeed
 from shardtrain.checkpoint.reader import open_checkpoint
 from shardtrain.cli import main
 from shardtrain.errors import CheckpointError, UnsafePickleError
+from shardtrain.precision import LossScaler
 from shardtrain.testing import DistributedFailure, run_distributed
 
 DEFAULT_CASES = [(1, "fp32"), (3, "fp32"), (2, "bf16")]
@@ -250,3 +259,83 @@ def test_tensor_parallel_checkpoint_resumes(autotp_checkpoint):
     root, runs = autotp_checkpoint
     got = run_distributed(resume_llama, 2, str(root), 2, timeout=300)
     assert got[0] == pytest.approx(runs["after"], rel=RTOL)
+
+
+# -- fp16 ---------------------------------------------------------------------------------------------------------
+# fp16 losses: one fp16 rounding step (2**-11 relative); the two systems' fp16 forward passes differ by about 5e-5
+FP16_RTOL = 2**-11
+
+
+@pytest.fixture(scope="module")
+def ds_fp16_checkpoint(tmp_path_factory):
+    """A real DeepSpeed ZeRO-2 fp16 checkpoint (the CPU accelerator told fp16 is supported, in the writing ranks
+    only) whose loss scaler has just used up its hysteresis allowance on an overflow, and DeepSpeed's continuation."""
+    root = tmp_path_factory.mktemp("deepspeed_fp16") / "ds_stage2_fp16"
+    run = run_distributed(write_fp16_checkpoint, 2, str(root), timeout=300)[0]
+    # the recipe exercised the scaler before the save and after it: overflows, a growth, a halving
+    before = [s for s, _ in run["scales_before"]]
+    after = [s for s, _ in run["scales"]]
+    assert run["scales_before"][-1][1] >= 2 and max(before) > before[0], run
+    assert min(after) < before[-1] and after[-1] > min(after) and run["skipped"] < FP16_STEPS, run
+    return root, run
+
+
+def test_fp16_weights_are_bitwise_zero_to_fp32(ds_fp16_checkpoint):
+    root, run = ds_fp16_checkpoint
+    _assert_bitwise_zero_to_fp32(root)
+    # the case where counting one clean step too many shows: saved on an overflow that used up the allowance
+    scaler = open_checkpoint(root).objects["engine/scaler"]
+    assert scaler["scale"] == run["scales_before"][-1][0]
+    assert scaler["allowance"] < FP16["hysteresis"] and scaler["clean_steps"] == 0, scaler
+
+
+@pytest.mark.parametrize("stage", [2, 1])
+def test_fp16_resume_continues_deepspeed_loss_scale_and_losses(ds_fp16_checkpoint, stage):
+    """At DeepSpeed's layout (world 2: whether a step overflows depends on each rank's fp16 gradients, so on the
+    rows it holds), the loss scale after every step, the skipped steps and the losses equal DeepSpeed's own
+    continuation; the growth after the save's overflow comes at the same step."""
+    root, run = ds_fp16_checkpoint
+    got = run_distributed(resume_fp16, 2, str(root), stage, timeout=300)[0]
+    assert got["loaded_scale"] == run["scales_before"][-1][0]
+    assert got["scales"] == run["scales"], (got["scales"], run["scales"])
+    assert got["losses"] == pytest.approx(run["after"], rel=FP16_RTOL), (got["losses"], run["after"])
+
+
+@pytest.mark.parametrize("window,hysteresis", [(FP16["loss_scale_window"], FP16["hysteresis"]), (3, 1), (1, 3)])
+def test_loss_scaler_follows_deepspeed_and_resumes_from_any_state(monkeypatch, window, hysteresis):
+    """Step by step against DeepSpeed's own ``DynamicLossScaler`` on a random overflow sequence; and at every
+    step, DeepSpeed's state translated into a fresh ``LossScaler`` goes on exactly as DeepSpeed does."""
+    from deepspeed.runtime.fp16 import loss_scaler
+
+    monkeypatch.setattr(loss_scaler.dist, "get_rank", lambda *a, **k: 0)  # it only picks the rank that logs
+    power = 40  # far from the minimum scale: the sequence below never reaches it
+
+    def deepspeed_scaler():
+        return loss_scaler.DynamicLossScaler(
+            init_scale=2.0**power,
+            scale_window=window,
+            min_scale=1,
+            delayed_shift=hysteresis,
+            consecutive_hysteresis=False,
+            raise_error_at_min_scale=True,
+            dtype=torch.half,
+        )
+
+    def ours():
+        return LossScaler(0, power, window, hysteresis, 1)
+
+    g = torch.Generator().manual_seed(3)
+    overflows = (torch.rand(60, generator=g) < 0.3).tolist()
+    ds, st = deepspeed_scaler(), ours()
+    for k, overflow in enumerate(overflows):
+        ds.update_scale(overflow)
+        st.update(overflow)
+        assert st.scale == ds.cur_scale, k
+        resumed, reference = ours(), deepspeed_scaler()
+        resumed.load_state_dict(loss_scaler_from_deepspeed(vars(ds)))
+        reference.__dict__.update(vars(ds))
+        for j, later in enumerate(overflows[k + 1 : k + 12]):
+            reference.update_scale(later)
+            resumed.update(later)
+            assert resumed.scale == reference.cur_scale, (k, j)
+    assert ds.cur_scale != 2.0**power  # the sequence moved the scale

@@ -179,8 +179,9 @@ def test_fp16_overflow_skips_the_step_on_every_rank(stage, world):
     for r in results:
         # the step with the planted inf was skipped everywhere, and only that one
         assert r["skipped"] == [0, 0, 1, 1, 1, 1, 1, 1, 1]
-        # dynamic scale: 256, halved by the overflow (hysteresis 1), doubled after 3 clean steps, again after 3
-        assert r["scales"] == [256, 256, 128, 128, 128, 256, 256, 256, 512]
+        # dynamic scale: 256, halved by the overflow (hysteresis 1), doubled on the clean step that follows 3 clean
+        # steps (DeepSpeed's DynamicLossScaler gives the same sequence)
+        assert r["scales"] == [256, 256, 128, 128, 128, 128, 256, 256, 256]
         assert all(torch.isfinite(torch.tensor(r["losses"])))
         for a, b in zip(r["masters_before"], r["masters_after"]):
             assert torch.equal(a, b)  # fp32 masters bitwise unchanged across the skip
@@ -202,9 +203,10 @@ def test_dynamic_scaler_hysteresis_and_growth():
     for overflow in [True, True, False, False, True, False, False, False]:
         s.update(overflow)
         seq.append(s.scale)
-    # first overflow uses the allowance, second halves; 2 clean steps double (allowance restored);
-    # the next overflow is absorbed by the allowance; 2 clean doubles
-    assert seq == [16, 8, 8, 16, 16, 16, 32, 32]
+    # first overflow uses the allowance, second halves; the allowance is restored only by a growth, so the
+    # overflow after 2 clean steps halves again; the clean step after 2 clean steps doubles (as DeepSpeed's
+    # DynamicLossScaler does, checked in test_migrate_deepspeed_checkpoint.py)
+    assert seq == [16, 8, 8, 8, 4, 4, 4, 8]
     static = LossScaler(static_scale=128.0)
     static.update(True)
     assert static.scale == 128.0 and not static.dynamic

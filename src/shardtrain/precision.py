@@ -96,9 +96,11 @@ class LossScaler:
 
     Dynamic: the scale starts at ``2**initial_scale_power``. An overflow (inf/nan in any rank's gradients)
     skips the step; the scale halves once ``hysteresis`` overflows have been seen since the last clean
-    window (the first ``hysteresis - 1`` overflows only use up the allowance). After ``loss_scale_window``
-    consecutive clean steps the scale doubles and the allowance is restored. An overflow at
-    ``min_loss_scale`` raises: training cannot make progress in fp16 from there.
+    window (the first ``hysteresis - 1`` overflows only use up the allowance). A clean step that follows a
+    positive multiple of ``loss_scale_window`` consecutive clean steps doubles the scale and restores the
+    allowance: the first growth after the start or an overflow comes on clean step ``window + 1``, the next ones
+    every ``window`` clean steps (DeepSpeed's ``DynamicLossScaler``, checked step by step against it). An overflow
+    at ``min_loss_scale`` raises: training cannot make progress in fp16 from there.
     """
 
     def __init__(
@@ -127,10 +129,12 @@ class LossScaler:
         if not self.dynamic:
             return
         if not overflow:
-            self._clean_steps += 1
-            if self._clean_steps % self.window == 0:
+            # the clean steps *before* this one decide, as in DeepSpeed (its "stable interval"); counting this one
+            # too would grow one step early after every overflow and diverge from a resumed DeepSpeed run
+            if self._clean_steps > 0 and self._clean_steps % self.window == 0:
                 self.scale *= 2.0
                 self._allowance = self.hysteresis
+            self._clean_steps += 1
             return
         self._clean_steps = 0
         if self._allowance > 1:

@@ -619,13 +619,20 @@ class DeepSpeedLayout:
             state = main.get("optimizer") or {}
         if "cur_scale" not in state:
             return None
-        cur_iter, last = state.get("cur_iter", 0), state.get("last_overflow_iter", -1)
-        return {
-            "scale": float(state["cur_scale"]),
-            "allowance": int(state.get("cur_hysteresis", state.get("delayed_shift", 1)) or 1),
-            # DeepSpeed counts iterations since the last overflow; ours counts clean steps
-            "clean_steps": max(0, int(cur_iter) - int(last if last is not None else -1) - 1),
-        }
+        return loss_scaler_from_deepspeed(state)
+
+
+def loss_scaler_from_deepspeed(state: dict) -> dict:
+    """DeepSpeed's ``DynamicLossScaler`` attributes (or the engine's ``optimizer`` dict of a stage-0 fp16 run) as
+    our ``LossScaler.state_dict()``: the scale, the hysteresis allowance left, and the clean steps since the last
+    overflow (DeepSpeed keeps the step counter and the step of the last overflow, -1 before any; the difference
+    less one is its "stable interval", which is what our count means)."""
+    cur_iter, last = state.get("cur_iter", 0), state.get("last_overflow_iter", -1)
+    return {
+        "scale": float(state["cur_scale"]),
+        "allowance": int(state.get("cur_hysteresis", state.get("delayed_shift", 1)) or 1),
+        "clean_steps": max(0, int(cur_iter) - int(last if last is not None else -1) - 1),
+    }
 
 
 def _block_of(
