@@ -274,7 +274,11 @@ RULES: tuple[Rule, ...] = (
     ),
     _supported("fp16.loss_scale", "float ≥ 0, `0`", "`0` = dynamic scaling; a positive value is a static scale"),
     _supported("fp16.initial_scale_power", "int 0-64, `16`", "dynamic scaling starts at 2^this"),
-    _supported("fp16.loss_scale_window", "int ≥ 1, `1000`", "clean steps after which the scale doubles"),
+    _supported(
+        "fp16.loss_scale_window",
+        "int ≥ 1, `1000`",
+        "clean steps after which the scale doubles (on the next clean step, as DeepSpeed counts)",
+    ),
     _supported(
         "fp16.hysteresis",
         "int ≥ 1, `2`",
