@@ -457,8 +457,9 @@ def _initial_power(tmp: Path) -> None:
 
 @effect("fp16.loss_scale_window")
 def _window(tmp: Path) -> None:
-    assert _scales({"initial_scale_power": 4, "loss_scale_window": 2}, [False, False]) == [16.0, 16.0, 32.0]
-    assert _scales({"initial_scale_power": 4, "loss_scale_window": 3}, [False, False]) == [16.0, 16.0, 16.0]
+    # as DeepSpeed counts: the scale doubles on the clean step that follows `loss_scale_window` clean steps
+    assert _scales({"initial_scale_power": 4, "loss_scale_window": 2}, [False] * 3) == [16.0, 16.0, 16.0, 32.0]
+    assert _scales({"initial_scale_power": 4, "loss_scale_window": 3}, [False] * 3) == [16.0, 16.0, 16.0, 16.0]
 
 
 @effect("fp16.hysteresis")
