@@ -455,10 +455,19 @@ def shardtrain_sft_run(
 
 
 def make_dpo_trainer(
-    out_dir: str, *, shardtrain_config: dict | None, batch: int, gas: int, steps: int, rows: int, **arg_changes: Any
+    out_dir: str,
+    *,
+    shardtrain_config: dict | None,
+    batch: int,
+    gas: int,
+    steps: int,
+    rows: int,
+    lora: bool = False,
+    **arg_changes: Any,
 ):
     """trl.DPOTrainer (``shardtrain_config`` None) or ShardtrainDPOTrainer over a fresh tiny Llama, with a separate
-    reference model that differs from it (another seed), so the reference's log-probabilities weigh from step 1."""
+    reference model that differs from it (another seed), so the reference's log-probabilities weigh from step 1;
+    ``lora``: a LoRA adapter (peft_config) and no reference model (TRL disables the adapter for the reference)."""
     from trl import DPOConfig, DPOTrainer
 
     args = DPOConfig(
@@ -469,13 +478,18 @@ def make_dpo_trainer(
         save_strategy="no",
         **{**TRL_SETTINGS, **arg_changes},
     )
-    kwargs = {
+    kwargs: dict[str, Any] = {
         "model": tiny_llama(),
-        "ref_model": tiny_llama(seed=1),
         "args": args,
         "train_dataset": dpo_data(rows),
         "processing_class": word_tokenizer(),
     }
+    if lora:
+        from peft import LoraConfig
+
+        kwargs["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    else:
+        kwargs["ref_model"] = tiny_llama(seed=1)
     if shardtrain_config is None:
         return DPOTrainer(**kwargs)
     from shardtrain.integrations.trl_trainers import ShardtrainDPOTrainer
@@ -483,23 +497,29 @@ def make_dpo_trainer(
     return ShardtrainDPOTrainer(**kwargs, shardtrain_config=shardtrain_config)
 
 
-def plain_dpo_run(out_dir: str, batch: int, gas: int, steps: int, rows: int) -> dict[str, Any]:
+def plain_dpo_run(out_dir: str, batch: int, gas: int, steps: int, rows: int, lora: bool = False) -> dict[str, Any]:
     """The reference: trl.DPOTrainer in one process."""
-    trainer = make_dpo_trainer(out_dir, shardtrain_config=None, batch=batch, gas=gas, steps=steps, rows=rows)
+    trainer = make_dpo_trainer(out_dir, shardtrain_config=None, batch=batch, gas=gas, steps=steps, rows=rows, lora=lora)
     trainer.train()
     weights = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
     return {"logs": trl_logs(trainer, DPO_METRICS), "weights": weights}
 
 
-def shardtrain_dpo_run(out_dir: str, batch: int, gas: int, steps: int, rows: int) -> dict[str, Any]:
+def shardtrain_dpo_run(out_dir: str, batch: int, gas: int, steps: int, rows: int, lora: bool = False) -> dict[str, Any]:
     """ShardtrainDPOTrainer at ZeRO-3 with a separate reference model; what this rank holds of the reference; the
-    refusal of sync_ref_model at stage 3."""
+    refusal of sync_ref_model at stage 3. ``lora``: with a LoRA adapter and no reference model instead."""
     import os
 
     from shardtrain.errors import ConfigError
 
     common = {"shardtrain_config": DS_CONFIG, "batch": batch, "gas": gas, "steps": steps, "rows": rows}
-    trainer = make_dpo_trainer(os.path.join(out_dir, "dpo"), **common)
+    trainer = make_dpo_trainer(os.path.join(out_dir, "dpo"), lora=lora, **common)
+    if lora:  # nothing to prepare: the reference is the model with its adapter disabled
+        assert trainer.ref_model is None and trainer.shardtrain_frozen_models == []
+        trainer.train()
+        weights = trainer.shardtrain_engine.full_state_dict()
+        trainer.shardtrain_engine.close()
+        return {"logs": trl_logs(trainer, DPO_METRICS), "weights": weights}
     ((ref, units),) = trainer.shardtrain_frozen_models
     assert ref is trainer.ref_model
     trainer.train()

@@ -121,3 +121,38 @@ def test_dpo_zero3_world2_sharded_reference_equals_plain_dpo(tmp_path):
     assert reference["states"] == {"sharded"} and not reference["requires_grad"]
 
     assert "sync_ref_model" in rank0["sync_refused"] and "stage 1 or 2" in rank0["sync_refused"]
+
+
+@pytest.mark.soak
+def test_dpo_lora_without_reference_model_equals_plain_dpo(tmp_path):
+    """DPO on a peft model: no reference model, TRL disables the adapter for the reference forward (on the engine's
+    module, outside the engine's forward)."""
+    ref = run_distributed(
+        cases.plain_dpo_run, 1, str(tmp_path / "ref"), 4, 2, STEPS, ROWS, True, init_process_group=False, timeout=300
+    )[0]
+    rank0 = run_distributed(cases.shardtrain_dpo_run, 2, str(tmp_path / "st"), 2, 2, STEPS, ROWS, True, timeout=400)[0]
+    # rewards are differences of nearly equal log-probabilities here (the adapter starts at zero): compared absolutely
+    what = "LoRA DPO: ShardtrainDPOTrainer vs DPOTrainer"
+    _assert_logs_equal(rank0["logs"], ref["logs"], cases.DPO_METRICS, what, skip=cases.DPO_METRICS)
+    for got, want in zip(rank0["logs"], ref["logs"], strict=True):
+        for name, a, b in zip(cases.DPO_METRICS, got[4:], want[4:], strict=True):
+            assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), f"step {got[0]}: {name} {a!r} vs {b!r}"
+    assert rank0["weights"].keys() == ref["weights"].keys()
+    lora_b = [k for k in ref["weights"] if "lora_B" in k]
+    assert lora_b and all(ref["weights"][k].abs().max() > 0 for k in lora_b), "the adapter must have trained"
+    for name, value in rank0["weights"].items():
+        torch.testing.assert_close(value, ref["weights"][name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.soak
+def test_sft_world3_equals_plain_sft(tmp_path):
+    """SFT at an odd world size: 3 ranks x 1 row against one process x 3 rows (15 rows: 5 micro-batches an epoch)."""
+    rows = 15
+    ref = run_distributed(
+        cases.plain_sft_run, 1, str(tmp_path / "ref"), 3, 2, STEPS, rows, init_process_group=False, timeout=300
+    )[0]
+    args = (str(tmp_path / "st"), 1, 2, STEPS, rows, SAVE_AT, str(tmp_path / "final"), str(tmp_path / "adapter"))
+    rank0 = run_distributed(cases.shardtrain_sft_run, 3, *args, timeout=600)[0]
+    _assert_logs_equal(rank0["logs"], ref["logs"], cases.SFT_METRICS, "world 3: ShardtrainSFTTrainer vs SFTTrainer")
+    init = cases.tiny_llama().state_dict()
+    assert_params_near(rank0["weights"], ref["weights"], init, require_moved=True, what="world 3, after SFT: ")

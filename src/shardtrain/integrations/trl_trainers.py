@@ -19,10 +19,14 @@ What TRL does differently under DeepSpeed, and what it gets here instead:
   same config: sharded at ZeRO-3, whole below) and ``accelerator.prepare_model(ref_model, evaluation_mode=True)``
   without; the mixin answers the latter as the former (:func:`~shardtrain.integrations.hf_trainer.shard_frozen_model`).
   With a peft model there is no reference model (the adapter is disabled for the reference forward).
-* ``sync_ref_model`` copies the trained weights into the reference model between steps; at ZeRO-3 both are sharded
-  and TRL gathers them with DeepSpeed's ``GatheredParameters``: refused here at stage 3 (it works below).
-* Options TRL sets only when ``args.deepspeed_plugin`` is ZeRO-3 (peft's ``autocast_adapter_dtype=False``, reentrant
-  gradient checkpointing with peft) work around DeepSpeed bugs that shardtrain does not have.
+* ``sync_ref_model`` copies the trained weights into the reference model after steps; at ZeRO-3 both are sharded
+  and TRL gathers them with DeepSpeed's ``GatheredParameters``: refused here at stage 3 (not refused below, where
+  both models are whole; untested).
+* Options TRL sets only when ``args.deepspeed_plugin`` is ZeRO-3 work around DeepSpeed issues and are not set here:
+  peft's ``autocast_adapter_dtype=False`` (DeepSpeed gathers a unit into a buffer of one dtype; shardtrain's units
+  keep a bucket per dtype, and under a bf16 section the engine casts fp32 adapters to bf16 over fp32 masters anyway)
+  and reentrant gradient checkpointing with peft. Neither bf16 LoRA nor gradient checkpointing with peft is tested
+  here.
 """
 
 from __future__ import annotations
