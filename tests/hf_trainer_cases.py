@@ -532,6 +532,20 @@ def shardtrain_dpo_run(out_dir: str, batch: int, gas: int, steps: int, rows: int
         "states": {u.state.value for u in units.units},
         "requires_grad": any(p.requires_grad for p in ref.parameters()),
     }
+    # below stage 3 the reference model stays whole on every rank (DeepSpeed gives it stage 0), frozen, in eval mode
+    stage2 = make_dpo_trainer(
+        os.path.join(out_dir, "stage2"), **{**common, "shardtrain_config": ds_config(zero_optimization={"stage": 2})}
+    )
+    ((ref2, units2),) = stage2.shardtrain_frozen_models
+    reference["stage2"] = {
+        "units": units2,
+        "types": {type(p).__name__ for p in ref2.parameters()},
+        "requires_grad": any(p.requires_grad for p in ref2.parameters()),
+        "training": ref2.training,
+        "equal": all(
+            torch.equal(a, b) for a, b in zip(ref2.state_dict().values(), tiny_llama(seed=1).state_dict().values())
+        ),
+    }
     try:
         make_dpo_trainer(os.path.join(out_dir, "sync"), sync_ref_model=True, **common)
     except ConfigError as err:

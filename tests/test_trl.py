@@ -119,6 +119,8 @@ def test_dpo_zero3_world2_sharded_reference_equals_plain_dpo(tmp_path):
     assert reference["held"] <= reference["numel"] // 2 + 64, reference
     assert reference["gathers"] == [7] * len(reference["gathers"]) and len(reference["gathers"]) == 3, reference
     assert reference["states"] == {"sharded"} and not reference["requires_grad"]
+    whole = reference["stage2"]
+    assert whole == {"units": None, "types": {"Parameter"}, "requires_grad": False, "training": False, "equal": True}
 
     assert "sync_ref_model" in rank0["sync_refused"] and "stage 1 or 2" in rank0["sync_refused"]
 
