@@ -292,3 +292,269 @@ def single_rank_checks(out_dir: str) -> dict[str, Any]:
         "messages": refusals(os.path.join(out_dir, "refusals")),
         "best": best_model_run(os.path.join(out_dir, "best")),
     }
+
+
+# -- TRL (tests/test_trl.py): SFTTrainer and DPOTrainer on a word-level tokenizer and text made here --------------
+
+
+def word_tokenizer():
+    """A word-level tokenizer over the tiny Llama's vocabulary ("w2" ... "w63"; 0 pads, 1 ends), built in memory."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, VOCAB)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
+
+
+def _words(g: torch.Generator, lo: int, hi: int) -> str:
+    n = int(torch.randint(lo, hi, (1,), generator=g))
+    return " ".join(f"w{int(i)}" for i in torch.randint(2, VOCAB, (n,), generator=g))
+
+
+def sft_data(rows: int, seed: int = 1):
+    """Texts of 3 to 14 words: SFTTrainer tokenizes them, adds the end token and pads each batch (so the ranks'
+    micro-batches hold different numbers of tokens, which the loss must weigh as one process does)."""
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(seed)
+    return Dataset.from_dict({"text": [_words(g, 3, 15) for _ in range(rows)]})
+
+
+def dpo_data(rows: int, seed: int = 1):
+    """Preference rows: a prompt, a chosen and a rejected completion of different lengths (completions start with a
+    space: TRL joins prompt and completion as text)."""
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(seed)
+    data: dict[str, list[str]] = {"prompt": [], "chosen": [], "rejected": []}
+    for _ in range(rows):
+        data["prompt"].append(_words(g, 2, 6))
+        data["chosen"].append(" " + _words(g, 2, 8))
+        data["rejected"].append(" " + _words(g, 2, 8))
+    return Dataset.from_dict(data)
+
+
+TRL_SETTINGS = {
+    # TRL's configs default to bf16=True; shardtrain's bf16 is DeepSpeed's (parameters cast, fp32 masters), the plain
+    # trainer's is autocast: fp32 is where the two must agree to rounding
+    "bf16": False,
+    "learning_rate": 5e-3,
+    "warmup_steps": 2,
+    "weight_decay": 0.01,
+    "max_grad_norm": 0.5,
+    "logging_steps": 1,
+    "report_to": "none",
+    "disable_tqdm": True,
+    "seed": 0,
+    "use_cpu": True,
+    "dataloader_num_workers": 0,
+}
+
+# what TRL logs per step besides the loss, compared between the runs
+SFT_METRICS = ("num_tokens", "mean_token_accuracy", "entropy")
+DPO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
+
+
+def make_sft_trainer(
+    out_dir: str,
+    *,
+    shardtrain_config: dict | None,
+    batch: int,
+    gas: int,
+    steps: int,
+    rows: int,
+    save_steps: int | None = None,
+    lora: bool = False,
+):
+    """trl.SFTTrainer (``shardtrain_config`` None) or ShardtrainSFTTrainer over a fresh tiny Llama."""
+    from trl import SFTConfig, SFTTrainer
+
+    args = SFTConfig(
+        output_dir=out_dir,
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=gas,
+        max_steps=steps,
+        save_strategy="steps" if save_steps else "no",
+        save_steps=save_steps or 500,
+        max_length=SEQ,
+        **TRL_SETTINGS,
+    )
+    kwargs: dict[str, Any] = {
+        "model": tiny_llama(),
+        "args": args,
+        "train_dataset": sft_data(rows),
+        "processing_class": word_tokenizer(),
+    }
+    if lora:
+        from peft import LoraConfig
+
+        kwargs["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    if shardtrain_config is None:
+        return SFTTrainer(**kwargs)
+    from shardtrain.integrations.trl_trainers import ShardtrainSFTTrainer
+
+    return ShardtrainSFTTrainer(**kwargs, shardtrain_config=shardtrain_config)
+
+
+def trl_logs(trainer, metrics: tuple[str, ...]) -> list[tuple]:
+    """(step, loss, grad_norm, learning_rate, *metrics) of every logged step."""
+    return [
+        (h["step"], h["loss"], h["grad_norm"], h["learning_rate"], *(h[m] for m in metrics))
+        for h in trainer.state.log_history
+        if "loss" in h
+    ]
+
+
+def plain_sft_run(out_dir: str, batch: int, gas: int, steps: int, rows: int) -> dict[str, Any]:
+    """The reference: trl.SFTTrainer in one process."""
+    trainer = make_sft_trainer(out_dir, shardtrain_config=None, batch=batch, gas=gas, steps=steps, rows=rows)
+    trainer.train()
+    weights = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    return {"logs": trl_logs(trainer, SFT_METRICS), "weights": weights}
+
+
+def shardtrain_sft_run(
+    out_dir: str, batch: int, gas: int, steps: int, rows: int, save_steps: int, final_dir: str, adapter_dir: str
+) -> dict[str, Any]:
+    """ShardtrainSFTTrainer at ZeRO-3: train saving every ``save_steps``, save_model to ``final_dir``; a second
+    trainer (fresh model) resumes from the first checkpoint; a LoRA run (peft_config) saves its adapter."""
+    import os
+
+    common = {"shardtrain_config": DS_CONFIG, "batch": batch, "gas": gas, "steps": steps, "rows": rows}
+    trainer = make_sft_trainer(os.path.join(out_dir, "first"), save_steps=save_steps, **common)
+    trainer.train()
+    engine = trainer.shardtrain_engine
+    trainer.save_model(final_dir)
+    weights = engine.full_state_dict()
+    stage = engine.stage
+    engine.close()
+
+    resumed = make_sft_trainer(os.path.join(out_dir, "resumed"), **common)
+    resumed.train(resume_from_checkpoint=os.path.join(out_dir, "first", f"checkpoint-{save_steps}"))
+    resumed_weights = resumed.shardtrain_engine.full_state_dict()
+    adam_steps = {int(s["step"]) for s in resumed.shardtrain_engine.optimizer.state.values()}
+    resumed.shardtrain_engine.close()
+
+    lora = make_sft_trainer(os.path.join(out_dir, "lora"), lora=True, **{**common, "steps": 2})
+    lora.train()
+    lora.save_model(adapter_dir)
+    lora_state = lora.shardtrain_engine.full_state_dict()  # rank 0's; None on the others
+    lora_weights = {k: v for k, v in (lora_state or {}).items() if "lora_" in k}
+    lora.shardtrain_engine.close()
+    return {
+        "logs": trl_logs(trainer, SFT_METRICS),
+        "weights": weights,
+        "stage": stage,
+        "resumed_logs": trl_logs(resumed, SFT_METRICS),
+        "resumed_weights": resumed_weights,
+        "resumed_adam_step": adam_steps.pop() if len(adam_steps) == 1 else adam_steps,
+        "lora_weights": lora_weights,
+    }
+
+
+def make_dpo_trainer(
+    out_dir: str,
+    *,
+    shardtrain_config: dict | None,
+    batch: int,
+    gas: int,
+    steps: int,
+    rows: int,
+    lora: bool = False,
+    **arg_changes: Any,
+):
+    """trl.DPOTrainer (``shardtrain_config`` None) or ShardtrainDPOTrainer over a fresh tiny Llama, with a separate
+    reference model that differs from it (another seed), so the reference's log-probabilities weigh from step 1;
+    ``lora``: a LoRA adapter (peft_config) and no reference model (TRL disables the adapter for the reference)."""
+    from trl import DPOConfig, DPOTrainer
+
+    args = DPOConfig(
+        output_dir=out_dir,
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=gas,
+        max_steps=steps,
+        save_strategy="no",
+        **{**TRL_SETTINGS, **arg_changes},
+    )
+    kwargs: dict[str, Any] = {
+        "model": tiny_llama(),
+        "args": args,
+        "train_dataset": dpo_data(rows),
+        "processing_class": word_tokenizer(),
+    }
+    if lora:
+        from peft import LoraConfig
+
+        kwargs["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    else:
+        kwargs["ref_model"] = tiny_llama(seed=1)
+    if shardtrain_config is None:
+        return DPOTrainer(**kwargs)
+    from shardtrain.integrations.trl_trainers import ShardtrainDPOTrainer
+
+    return ShardtrainDPOTrainer(**kwargs, shardtrain_config=shardtrain_config)
+
+
+def plain_dpo_run(out_dir: str, batch: int, gas: int, steps: int, rows: int, lora: bool = False) -> dict[str, Any]:
+    """The reference: trl.DPOTrainer in one process."""
+    trainer = make_dpo_trainer(out_dir, shardtrain_config=None, batch=batch, gas=gas, steps=steps, rows=rows, lora=lora)
+    trainer.train()
+    weights = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    return {"logs": trl_logs(trainer, DPO_METRICS), "weights": weights}
+
+
+def shardtrain_dpo_run(out_dir: str, batch: int, gas: int, steps: int, rows: int, lora: bool = False) -> dict[str, Any]:
+    """ShardtrainDPOTrainer at ZeRO-3 with a separate reference model; what this rank holds of the reference; the
+    refusal of sync_ref_model at stage 3. ``lora``: with a LoRA adapter and no reference model instead."""
+    import os
+
+    from shardtrain.errors import ConfigError
+
+    common = {"shardtrain_config": DS_CONFIG, "batch": batch, "gas": gas, "steps": steps, "rows": rows}
+    trainer = make_dpo_trainer(os.path.join(out_dir, "dpo"), lora=lora, **common)
+    if lora:  # nothing to prepare: the reference is the model with its adapter disabled
+        assert trainer.ref_model is None and trainer.shardtrain_frozen_models == []
+        trainer.train()
+        weights = trainer.shardtrain_engine.full_state_dict()
+        trainer.shardtrain_engine.close()
+        return {"logs": trl_logs(trainer, DPO_METRICS), "weights": weights}
+    ((ref, units),) = trainer.shardtrain_frozen_models
+    assert ref is trainer.ref_model
+    trainer.train()
+    weights = trainer.shardtrain_engine.full_state_dict()
+    trainer.shardtrain_engine.close()
+    reference = {
+        "numel": sum(p.numel() for p in ref.parameters()),
+        "held": sum(b.shard.numel() for u in units.units for b in u.buckets),
+        "gathers": [u.gathers for u in units.units],
+        "states": {u.state.value for u in units.units},
+        "requires_grad": any(p.requires_grad for p in ref.parameters()),
+    }
+    # below stage 3 the reference model stays whole on every rank (DeepSpeed gives it stage 0), frozen, in eval mode
+    stage2 = make_dpo_trainer(
+        os.path.join(out_dir, "stage2"), **{**common, "shardtrain_config": ds_config(zero_optimization={"stage": 2})}
+    )
+    ((ref2, units2),) = stage2.shardtrain_frozen_models
+    reference["stage2"] = {
+        "units": units2,
+        "types": {type(p).__name__ for p in ref2.parameters()},
+        "requires_grad": any(p.requires_grad for p in ref2.parameters()),
+        "training": ref2.training,
+        "equal": all(
+            torch.equal(a, b) for a, b in zip(ref2.state_dict().values(), tiny_llama(seed=1).state_dict().values())
+        ),
+    }
+    try:
+        make_dpo_trainer(os.path.join(out_dir, "sync"), sync_ref_model=True, **common)
+    except ConfigError as err:
+        sync_refused = str(err)
+    else:
+        raise AssertionError("sync_ref_model=True at ZeRO-3 was not refused")
+    return {
+        "logs": trl_logs(trainer, DPO_METRICS),
+        "weights": weights,
+        "reference": reference,
+        "sync_refused": sync_refused,
+    }

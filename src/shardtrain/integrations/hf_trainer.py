@@ -33,6 +33,11 @@ checkpoint rotation); shardtrain replaces what accelerate would do with DeepSpee
   world size or stage), and the Trainer restores its own state and skips the data already seen.
 * ``save_model`` gathers the full weights (``engine.full_state_dict``, one unit at a time) and rank 0 writes them
   with ``save_pretrained``: a directory ``from_pretrained`` opens; for a peft model, the adapter.
+* A second model the subclass only runs forward (TRL's reference models, teachers, reward models) goes to
+  ``accelerator.prepare_model(model, evaluation_mode=True)`` when DeepSpeed is off, where TRL would call its
+  ``prepare_deepspeed`` with DeepSpeed on. Both are answered as ``prepare_deepspeed`` answers them: the model is cast to
+  the config's compute dtype, put in eval mode and, at ZeRO-3, sharded into units of its own like the trained model
+  (:func:`shard_frozen_model`); below stage 3 it stays whole on every rank (DeepSpeed gives it stage 0).
 """
 
 from __future__ import annotations
@@ -45,13 +50,19 @@ import torch
 from torch import nn
 
 import shardtrain
+from shardtrain.comm import Communicator
 from shardtrain.config import Config, load_config
+from shardtrain.config_auto import resolve_auto
 from shardtrain.engine import Engine
 from shardtrain.errors import ConfigError, ShardtrainError
+from shardtrain.mesh import init_topology
+from shardtrain.precision import policy_from_config
+from shardtrain.zero.build import build_layout
+from shardtrain.zero.unit_runtime import ParameterUnits
 
 log = logging.getLogger("shardtrain")
 
-__all__ = ["ShardtrainTrainer", "ShardtrainTrainerMixin", "auto_values_from_args"]
+__all__ = ["ShardtrainTrainer", "ShardtrainTrainerMixin", "auto_values_from_args", "shard_frozen_model"]
 
 # transformers versions this integration is tested with (tests/test_hf_trainer.py): it overrides a few of the
 # Trainer's private methods, which may change in another major version.
@@ -103,6 +114,58 @@ def _check_precision(cfg: Config, precision: str) -> None:
 def is_engine_checkpoint(path: str | Path) -> bool:
     """Whether ``path`` (a Trainer ``checkpoint-N`` directory) holds an engine checkpoint (a ``latest`` file)."""
     return (Path(path) / "latest").is_file()
+
+
+def shard_frozen_model(model: nn.Module, config: Config, auto_values: dict[str, Any]) -> ParameterUnits | None:
+    """Prepare ``model``, which is only ever run forward (a reference model), as DeepSpeed's inference engine over the
+    same config would: its parameters are frozen and cast to the config's compute dtype (bf16/fp16 sections), it is
+    moved to the device and put in eval mode, and at ZeRO-3 its parameters are laid out into units of its own, sharded
+    over the data-parallel ranks and gathered around each forward as the trained model's are. Below stage 3 it stays
+    whole on every rank (DeepSpeed gives such a model stage 0). Collective: every rank calls it with the same model.
+    Returns the ZeRO-3 runtime (its units record shards and gathers), or None when nothing was sharded."""
+    _check_precision(config, auto_values["precision"])
+    data = config.model_dump(exclude_unset=True)
+    # as TRL's prepare_deepspeed: a model that is never stepped takes no optimizer, scheduler nor optimizer offload
+    data.pop("optimizer", None)
+    data.pop("scheduler", None)
+    data.get("zero_optimization", {}).pop("offload_optimizer", None)
+    cfg = load_config(data)
+    if cfg.sequence_parallel_size != 1:
+        raise ConfigError(
+            f"a second model run forward only (a reference model) is not supported with sequence_parallel_size="
+            f"{cfg.sequence_parallel_size}; use precompute_ref_log_probs=True or a peft model (its reference is the "
+            "model with the adapter disabled)"
+        )
+    topology = init_topology(tp=1, timeout_s=cfg.collective_timeout_s, shard_size=cfg.zero_optimization.mics_shard_size)
+    cfg = resolve_auto(cfg, dp=topology.dp, model=model, auto_values=auto_values)
+    policy = policy_from_config(cfg)
+    model.requires_grad_(False)  # never trained: nothing is reduced and no gradient is kept for it
+    with torch.no_grad():
+        for p in model.parameters():
+            if policy.casts(p):
+                p.data = p.data.to(policy.compute_dtype)
+        for m in model.modules():
+            for name, buf in m._buffers.items():
+                if buf is not None and policy.casts(buf):
+                    m._buffers[name] = buf.to(policy.compute_dtype)
+    model.to(topology.device)
+    model.eval()
+    zcfg = cfg.zero_optimization
+    if zcfg.stage != 3:
+        return None
+    comm = Communicator(topology.shard_group, topology.timeout_s)
+    dp_comm = Communicator(topology.dp_group, topology.timeout_s) if topology.hybrid else comm
+    layout = build_layout(model, zcfg, comm, dp_comm=dp_comm)  # rank 0's values, this rank's shards cut
+    if not layout.units:  # every parameter under stage3_param_persistence_threshold: all stay whole
+        return None
+    return ParameterUnits(
+        model,
+        layout.units,
+        comm,
+        zcfg.stage3_prefetch_bucket_size,
+        zcfg.stage3_gather_check,
+        check_group=topology.host_shard_group,
+    )
 
 
 class _EngineModule(nn.Module):
@@ -210,6 +273,17 @@ class _EngineAccelerator:
         norm = engine.get_global_grad_norm()
         return torch.tensor(norm) if norm is not None else None
 
+    def prepare_model(
+        self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
+    ) -> nn.Module:
+        trainer = self._trainer
+        if evaluation_mode and model is not trainer.model and not isinstance(model, _EngineModule):
+            # a second model a subclass only runs forward (TRL's reference model, ...): as DeepSpeed prepares it
+            return trainer._shardtrain_prepare_frozen(model)
+        return self._accelerator.prepare_model(
+            model, device_placement=device_placement, evaluation_mode=evaluation_mode
+        )
+
     def unwrap_model(self, model: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
         if isinstance(model, _EngineModule):
             model = model.module
@@ -235,6 +309,9 @@ class ShardtrainTrainerMixin:
         self._shardtrain_step_skipped = False
         self._shardtrain_module: _EngineModule | None = None
         self._shardtrain_scheduler: _EngineScheduler | None = None
+        # models prepared with accelerator.prepare_model(..., evaluation_mode=True) and their ZeRO-3 runtimes (None
+        # where nothing is sharded), see shard_frozen_model
+        self.shardtrain_frozen_models: list[tuple[nn.Module, ParameterUnits | None]] = []
         super().__init__(*args, **kwargs)
         self._shardtrain_refuse_unsupported()
 
@@ -243,10 +320,27 @@ class ShardtrainTrainerMixin:
         super().create_accelerator_and_postprocess()
         self.accelerator = _EngineAccelerator(self.accelerator, self)
 
+    def _shardtrain_prepare_frozen(self, model: nn.Module) -> nn.Module:
+        """See :func:`shard_frozen_model`; the "auto" values are the arguments' (the step count only matters to a
+        scheduler, which such a model does not get)."""
+        values = auto_values_from_args(self.args, max(1, self.args.max_steps))
+        units = shard_frozen_model(model, self.shardtrain_config, values)
+        self.shardtrain_frozen_models.append((model, units))
+        log.info(
+            "ShardtrainTrainer: %s prepared for forward only (%s)",
+            type(model).__name__,
+            f"ZeRO-3, {len(units.units)} units" if units is not None else "whole on every rank",
+        )
+        return model
+
+    def _shardtrain_problems(self) -> list[str]:
+        """What a subclass refuses besides the Trainer's arguments (see _shardtrain_refuse_unsupported)."""
+        return []
+
     def _shardtrain_refuse_unsupported(self) -> None:
         """TrainingArguments that would be silently wrong or ignored on shardtrain, refused by name."""
         args, cfg = self.args, self.shardtrain_config
-        problems = []
+        problems = self._shardtrain_problems()
         if args.deepspeed:
             problems.append(
                 "TrainingArguments(deepspeed=...) turns on DeepSpeed itself; pass the config as "
