@@ -260,13 +260,15 @@ def test_bf16_tiled_training_is_near_untiled():
 # -- sequence parallelism and ZeRO-3 ---------------------------------------------------------------------------------
 def _sp_run(case: str, sp: int) -> dict:
     zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 2000}
-    return _engine_run(case, {"sequence_parallel_size": sp, "zero_optimization": zero, **_TILED})
+    # the Llama under activation checkpointing: the tiled MLP re-run inside a checkpointed block at ZeRO-3
+    return _engine_run(case, {"sequence_parallel_size": sp, "zero_optimization": zero, **_TILED}, case == "llama")
 
 
 @pytest.mark.parametrize(("case", "world"), [("gpt", 2), ("gpt", 3), pytest.param("llama", 2, marks=pytest.mark.soak)])
 def test_tiled_under_sequence_parallelism_and_zero3_matches_one_untiled_process(case, world):
     """Each rank tiles its slice of the sequence; the loss is the whole sequence's mean over its real tokens (the
-    slices hold different counts); ZeRO-3 gathers the head (tied to the embedding) and the MLPs for the recompute."""
+    slices hold different counts); ZeRO-3 gathers the head (tied to the embedding) and the MLPs for the recompute;
+    the Llama (soak) under activation checkpointing."""
     results = run_distributed(_sp_run, world, case, world, init_process_group=False)
     ref, exact = _reference(case), _reference(case, torch.float64)
     for r in results:
@@ -300,3 +302,24 @@ def test_refusals():
         enable_tiled_mlp_compute(model)
     with pytest.raises(ConfigError, match="tiled_logits_loss_shards"):
         shardtrain.load_config({"tiled_logits_loss_shards": 0})
+
+
+def test_transformers_loss_tiled_in_training_whole_in_evaluation():
+    """In training mode with labels the forward returns the tiled loss and no logits; in evaluation it is the
+    model's own forward (logits included), with the same loss; a model that transforms its logits is refused."""
+    model = _llama()
+    x, y = _batches(ROWS)[0]
+    labels = _hf_labels(x, y)
+    want = model(input_ids=x, labels=labels)
+    enable_tiled_logits_loss(model, shards=5)
+    got = model(input_ids=x, labels=labels)
+    assert got.logits is None and abs(got.loss.item() - want.loss.item()) <= 1e-6 * want.loss.item()
+    shifted = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], 1)  # ALST's shift_labels
+    assert abs(model(input_ids=x, shift_labels=shifted).loss.item() - want.loss.item()) <= 1e-6 * want.loss.item()
+    model.eval()
+    evaluated = model(input_ids=x, labels=labels)
+    assert evaluated.logits is not None and torch.allclose(evaluated.loss, want.loss)
+    capped = _llama()
+    capped.config.final_logit_softcapping = 30.0
+    with pytest.raises(ConfigError, match="final_logit_softcapping"):
+        enable_tiled_logits_loss(capped)
