@@ -37,7 +37,8 @@ VOCAB, SEQ, ROWS, STEPS = 64, 12, 2, 2
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got.double() - want.double()).abs().max() / want.double().abs().max().clamp_min(1e-30))
+    got, want = got.detach().double(), want.detach().double()
+    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
 
 
 # -- the Functions ---------------------------------------------------------------------------------------------------

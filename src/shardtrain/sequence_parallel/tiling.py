@@ -173,14 +173,16 @@ class TiledMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, fn, module, x, shards, compute_params, *params):
         ctx.fn, ctx.module, ctx.shards = fn, module, shards
-        ctx.save_for_backward(x, *params)
+        ctx.params = params  # the objects the recompute's graph holds: what its gradients are taken against
+        ctx.save_for_backward(x, *params)  # saved too, so that ZeRO-3 gathers their unit for backward
         with torch.no_grad():
             out = torch.cat([fn(module, tile) for tile in x.chunk(shards, dim=-2)], dim=-2)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, *params = ctx.saved_tensors
+        x, *_ = ctx.saved_tensors  # unpacking the parameters gathers them under ZeRO-3
+        params = ctx.params
         wanted = [p for p, need in zip(params, ctx.needs_input_grad[5:]) if need]
         grad_x = torch.zeros_like(x) if ctx.needs_input_grad[2] else None
         grads = [torch.zeros_like(p, dtype=torch.float32) for p in wanted]
