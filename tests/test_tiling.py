@@ -295,6 +295,10 @@ def test_refusals():
     dropped.mlp = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.1))
     with pytest.raises(ConfigError, match="dropout"):
         enable_tiled_mlp_compute(dropped)
+    replaced = _gpt()
+    replaced.loss = torch.nn.Identity()  # as tensor parallelism's vocabulary-parallel loss replaces it
+    with pytest.raises(ConfigError, match="head or loss was replaced"):
+        enable_tiled_logits_loss(replaced)
     enable_tiled_logits_loss(model)
     with pytest.raises(ConfigError, match="tiled already"):
         enable_tiled_logits_loss(model)
