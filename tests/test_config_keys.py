@@ -869,6 +869,55 @@ def _seed(tmp: Path) -> None:
     assert draws(8) != seeded
 
 
+def _vocab_and_mlp_products(config: dict) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]], float]:
+    """One micro-step of the GPT: the shapes of the matrix products whose outputs are logits (``VOCAB`` wide) or
+    MLP intermediates (``4 d`` wide), in forward and backward, and the loss."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    wide: dict[int, list[tuple[int, ...]]] = {VOCAB: [], 128: []}
+
+    class Products(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm) and out.shape[-1] in wide:
+                wide[out.shape[-1]].append(tuple(out.shape))
+            return out
+
+    engine = _engine(config)  # d_model 32: the MLP's intermediate is 128 wide
+    with Products():
+        loss = _micro_step(engine)
+    return wide[VOCAB], wide[128], loss
+
+
+@effect("tiled_logits_loss", "tiled_logits_loss_shards")
+def _tiled_logits_loss(tmp: Path) -> None:
+    # untiled: the logits of all 2 x 16 tokens at once; tiled: in tiles, the largest of 32 / shards tokens, the
+    # forward's tiles recomputed in backward; the same loss
+    whole, _, untiled = _vocab_and_mlp_products({})
+    assert max(s[0] for s in whole) == 2 * SEQ
+    for shards, tile in ((None, 2 * SEQ), (4, 8)):  # the default: fp32 logits in tiles of 1 GiB, one tile here
+        config = {"tiled_logits_loss": True, **({"tiled_logits_loss_shards": shards} if shards else {})}
+        tiled, _, loss = _vocab_and_mlp_products(config)
+        assert sorted({s[0] for s in tiled}) == [tile] and len(tiled) == 2 * (2 * SEQ // tile), tiled
+        assert abs(loss - untiled) <= 1e-6 * abs(untiled)
+
+
+@effect("tiled_mlp_compute", "tiled_mlp_shards")
+def _tiled_mlp_compute(tmp: Path) -> None:
+    # per block, 128-wide products: untiled, the intermediate [32 tokens, 128] in forward, its gradient and the
+    # second weight's gradient ([d, 4d] = [32, 128]) in backward; tiled, the intermediate once more per tile in
+    # backward (the recompute), and with 4 tiles of the 16 tokens the token products are [2 rows x 4, 128], the
+    # weight's gradient one [32, 128] per tile
+    _, whole, untiled = _vocab_and_mlp_products({})
+    assert whole == [(2 * SEQ, 128)] * 3 * 2, whole
+    _, tiled, loss = _vocab_and_mlp_products({"tiled_mlp_compute": True})  # ALST's ceil(16 / 32): 1 tile
+    assert tiled == [(2 * SEQ, 128)] * 4 * 2, tiled
+    assert abs(loss - untiled) <= 1e-6 * abs(untiled)
+    _, tiled, loss = _vocab_and_mlp_products({"tiled_mlp_compute": True, "tiled_mlp_shards": 4})
+    assert sorted(tiled) == sorted([(8, 128)] * 3 * 4 * 2 + [(32, 128)] * 4 * 2), tiled  # weight grads per tile
+    assert abs(loss - untiled) <= 1e-6 * abs(untiled)
+
+
 @effect("graph.enabled")
 def _graph_enabled(tmp: Path) -> None:
     off = shardtrain.initialize(_Tiny(), config={"train_micro_batch_size_per_gpu": 2}, optimizer=_sgd())
@@ -1102,6 +1151,8 @@ MODE_EXAMPLES: list[tuple[str, dict]] = [
     ),
     ("gradient_predivide_factor", {"prescale_gradients": True, "gradient_predivide_factor": 2.0}),
     ("fp16.auto_cast", {"fp16": {"auto_cast": True}}),
+    ("tiled_logits_loss_shards", {"tiled_logits_loss_shards": 4}),
+    ("tiled_mlp_shards", {"tiled_mlp_shards": 4}),
     ("graph.strict", {"graph": {"strict": True}}),
     ("graph.cache_size", {"graph": {"cache_size": 2}}),
     ("graph.compiler", {"graph": {"compiler": "inductor"}}),

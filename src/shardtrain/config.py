@@ -320,6 +320,15 @@ class Config(_Section):
     sequence_parallel_size: Count = 1
     """Ulysses sequence parallelism: ranks sharing one sequence, each holding 1/size of it (DeepSpeed's key;
     docs/sequence-parallel.md)."""
+    tiled_logits_loss: bool = False
+    """ALST's tiled loss (shardtrain key): the causal-LM cross-entropy computed over tiles of the tokens, each tile's
+    logits recomputed in backward, so the whole logits never exist (docs/sequence-parallel.md)."""
+    tiled_logits_loss_shards: Count | None = None
+    """Tiles of the tiled loss; default ALST's: the fp32 logits in tiles of at most 1 GiB."""
+    tiled_mlp_compute: bool = False
+    """ALST's tiled MLP (ArcticTraining's key): every MLP run over tiles of the tokens, recomputed in backward."""
+    tiled_mlp_shards: Count | None = None
+    """Tiles of the tiled MLP; default ALST's: ``ceil(tokens / hidden size)``."""
     graph: GraphConfig = Field(default_factory=GraphConfig)
     bf16: BF16Config = Field(default_factory=BF16Config)
     fp16: FP16Config = Field(default_factory=FP16Config)

@@ -851,6 +851,26 @@ RULES: tuple[Rule, ...] = (
         "step, micro-step; one 32-byte all-gather per rank), so that a rank that takes an extra micro-step, skips "
         "`step()` or calls `full_state_dict()` alone fails at once on every rank, naming each; `false` saves it",
     ),
+    _supported(
+        "tiled_logits_loss",
+        "bool, `false`",
+        "shardtrain key (ALST's `TiledFusedLogitsLoss`): the causal-LM loss over tiles of the tokens, each tile's "
+        "logits recomputed in backward, so the whole logits never exist: docs/sequence-parallel.md",
+    ),
+    _supported(
+        "tiled_logits_loss_shards",
+        "int ≥ 1, ALST's default",
+        "tiles of the tiled loss (default: fp32 logits in tiles of at most 1 GiB)",
+    ),
+    _supported(
+        "tiled_mlp_compute",
+        "bool, `false`",
+        "ArcticTraining's key (ALST's `TiledMLP`): every MLP over tiles of the tokens, recomputed in backward: "
+        "docs/sequence-parallel.md",
+    ),
+    _supported(
+        "tiled_mlp_shards", "int ≥ 1, ALST's default", "tiles of the tiled MLP (default: `ceil(tokens / hidden size)`)"
+    ),
     _supported("graph", "section", "shardtrain key: graph mode, captured per input schema: docs/graph-mode.md"),
     _supported("graph.enabled", "bool, `false`", "run the forward and backward as captured graphs"),
     _supported("graph.strict", "bool, `false`", "a construct that cannot be captured is an error, not a fallback"),
@@ -1019,6 +1039,18 @@ NO_EFFECT_WHEN: tuple[NoEffectWhen, ...] = (
             ("wandb", ("group", "team", "project")),
         )
         for key in keys
+    ),
+    NoEffectWhen(
+        "tiled_logits_loss_shards",
+        "without `tiled_logits_loss: true`",
+        "the loss is not tiled",
+        lambda c: not c.tiled_logits_loss,
+    ),
+    NoEffectWhen(
+        "tiled_mlp_shards",
+        "without `tiled_mlp_compute: true`",
+        "the MLP is not tiled",
+        lambda c: not c.tiled_mlp_compute,
     ),
     *(
         NoEffectWhen(

@@ -46,6 +46,7 @@ from shardtrain.monitor import StepMetrics, TrainingMonitor, check_monitor_packa
 from shardtrain.precision import LossScaler, check_parameter_dtypes, policy_from_config
 from shardtrain.schedulers import build_scheduler
 from shardtrain.sequence_parallel import SequenceSplitter, install_ulysses, refuse_unbuilt_sequence_parallel
+from shardtrain.sequence_parallel.tiling import install as install_tiling
 from shardtrain.tensor_parallel import assemble_blocks, check_same_batch, parallelize
 from shardtrain.tensor_parallel.parallelize import check_replicated_gradients
 from shardtrain.zero.build import build_layout
@@ -116,6 +117,7 @@ class Engine:
         )
         if self._sp is not None:
             install_ulysses(module, self._sp.comm)
+        install_tiling(module, config)  # ALST's tiled loss and MLP, when configured
         # every rank says where it is before each call that communicates ([Note: phase agreement]); its own
         # Communicator over the world group, so that comm_stats() keeps only the traffic of the ZeRO formulas
         self._phase_check = PhaseCheck(

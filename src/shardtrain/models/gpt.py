@@ -105,10 +105,16 @@ class GPT(nn.Module):
         x = self.tok(idx) + self.pos(position_ids)
         for block in self.blocks:
             x = block(x)
-        logits = self.head(self.ln_f(x))
+        h = self.ln_f(x)
         if targets is None:
-            return logits
-        return self.loss(logits, targets)
+            return self.head(h)
+        return self.head_loss(h, targets)
+
+    def head_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The loss of the final hidden states ``h [b, t, d]``: the head's logits, then :attr:`loss`. The tiled loss
+        replaces it on the instance, so that the logits never exist whole
+        (:func:`shardtrain.sequence_parallel.tiling.enable_tiled_logits_loss`)."""
+        return self.loss(self.head(h), targets)
 
 
 def num_parameters(model: nn.Module) -> int:
