@@ -115,7 +115,7 @@ class Engine:
             SequenceSplitter(module, Communicator(topology.sp_group, topology.timeout_s)) if topology.sp > 1 else None
         )
         if self._sp is not None:
-            install_ulysses(module, self._sp.comm)
+            install_ulysses(module, self._sp.comm, tp=topology.tp)
         # every rank says where it is before each call that communicates ([Note: phase agreement]); its own
         # Communicator over the world group, so that comm_stats() keeps only the traffic of the ZeRO formulas
         self._phase_check = PhaseCheck(
@@ -216,7 +216,7 @@ class Engine:
         if topology.tp > 1:
             split = frozenset(id(r.param) for r in self.layout.records if r.tp_split)
             tp_norm = TensorParallelNorm(
-                self.world_comm, split, topology.dp_rank, topology.tp_rank, replica_rank=topology.replica_rank
+                self.world_comm, split, topology.zero_rank, topology.tp_rank, replica_rank=topology.replica_rank
             )
         self._optimizer = ShardedOptimizer(
             optimizer,
