@@ -243,7 +243,11 @@ def test_what_is_not_built_is_refused_by_name():
         ]
         assert "num_items_in_batch" in r["num_items_in_batch"], r["num_items_in_batch"]
         assert r["different batches"].startswith(RankMismatchError.__name__), r["different batches"]
-        assert "sp ranks [1]" in r["different batches"]
+        assert (
+            "but sp rank 1 (global rank 1) got inputs different from sp rank 0 (global rank 0)"
+            in (r["different batches"])
+        ), r["different batches"]
+        assert "input kwargs['input_ids'] (torch.int64 [2, 12]) holds different values" in r["different batches"]
 
 
 def _save_then_train(case: str, sp: int, path: str) -> dict:

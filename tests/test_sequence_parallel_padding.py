@@ -23,7 +23,8 @@ STEPS, GAS, PAD_ID = 2, 2, 0
 def padded_batches(packed: bool = False) -> list[dict[str, torch.Tensor]]:
     """``input_ids``, ``attention_mask`` and ``labels`` (the tokens' own ids, transformers shifts them) of each
     micro-step. Row 0 is right-padded, row 1 left-padded, by 3 to 6 tokens. ``packed``: no mask, but row 0 holds two
-    sequences told apart by ``position_ids`` restarting at 0 (transformers' packed format)."""
+    sequences told apart by ``position_ids`` restarting at 0 (transformers' packed format), every other micro-step
+    with ``use_cache=False`` (only then does transformers keep them apart)."""
     g = torch.Generator().manual_seed(11)
     out = []
     for _ in range(STEPS * GAS):
@@ -34,7 +35,9 @@ def padded_batches(packed: bool = False) -> list[dict[str, torch.Tensor]]:
             positions[0, cut:] = torch.arange(SEQ - cut)
             labels = x.clone()
             labels[0, cut] = -100  # a new sequence's first token is no target of the previous one
-            out.append({"input_ids": x, "position_ids": positions, "labels": labels})
+            # without a cache transformers isolates the packed sequences; with one (use_cache's default) it does not
+            cache = {"use_cache": False} if len(out) % 2 == 0 else {}
+            out.append({"input_ids": x, "position_ids": positions, "labels": labels, **cache})
             continue
         mask = torch.ones_like(x)
         right, left = (int(n) for n in torch.randint(3, 7, (2,), generator=g))

@@ -122,6 +122,7 @@ class Engine:
             Communicator(topology.host_world_group, topology.timeout_s) if config.desync_check else None,
             topology.tp,
             topology.device,
+            sp=topology.sp,
         )
         zcfg = config.zero_optimization
         self.train_batch_size, self.micro_batch_size, self.gradient_accumulation_steps = resolve_batch_sizes(

@@ -20,14 +20,14 @@ After the all-to-all a rank holds whole sequences (for its heads), so the attent
 mask, not a slice's. For a transformers model the engine builds it once per forward, before the split, with
 transformers' own ``create_causal_mask`` on the whole batch: the given 2-D padding mask (right or left padding),
 the position ids (sequences packed in one row, told apart by positions restarting, as transformers does when no
-mask is given) and the causal rule, as the model would for one process. The result, ``[b, 1, S, S]`` booleans, is
-passed to the model as its ``attention_mask``: a 4-D mask goes through the model's mask preparation unchanged, and
-reaches the Ulysses attention, which hands it to the inner attention after the exchange (eager attention gets it as
-the additive mask eager uses). Where transformers would use sdpa's own causal path (no padding, nothing packed) it
-is None and no ``S x S`` mask is made. Positions: the model's own default (``0..S-1``, also for left padding, as
-transformers does) unless given; each slice gets its part. The loss counts real targets only (labels -100 at the
-padding), summed over the whole sequence. A model other than a transformers one takes no mask: all ones is dropped,
-padding refused.
+mask is given and the forward makes no key/value cache: ``use_cache=False``) and the causal rule, as the model
+would for one process. The result, ``[b, 1, S, S]`` booleans, is passed to the model as its ``attention_mask``: a
+4-D mask goes through the model's mask preparation unchanged, and reaches the Ulysses attention, which hands it to
+the inner attention after the exchange (eager attention gets it as the additive mask eager uses). Where
+transformers would use sdpa's own causal path (no padding, nothing packed) it is None and no ``S x S`` mask is
+made. Positions: the model's own default (``0..S-1``, also for left padding, as transformers does) unless given;
+each slice gets its part. The loss counts real targets only (labels -100 at the padding), summed over the whole
+sequence. A model other than a transformers one takes no mask: all ones is dropped, padding refused.
 
 [Note: the loss over a sequence-parallel group]
 The model computes, on each rank, the mean loss over the real targets (not -100) of its slice. The engine returns
@@ -100,7 +100,11 @@ class SequenceSplitter:
         config = getattr(module, "config", None)  # a transformers model: its own mask rules (whole_sequence_mask)
         self._hf_config = config if config is not None and hasattr(config, "_attn_implementation") else None
         self._model_name = type(module).__name__
+        self._module = module
         self._checked = False
+        self._global_ranks = (
+            torch.distributed.get_process_group_ranks(comm.group) if comm.size > 1 else [comm.global_rank]
+        )
         self._counts: tuple[int, int] | None = None  # (this rank's real targets, the group's)
 
     def split(self, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
@@ -132,18 +136,18 @@ class SequenceSplitter:
         first = next(t for t in (*args, *kwargs.values()) if torch.is_tensor(t) and t.dim() >= 2)
         if self._takes_position_ids and positions is None:
             kwargs["position_ids"] = torch.arange(length, device=first.device).expand(first.shape[0], length)
-        whole_mask = self._whole_mask(mask, kwargs.get("position_ids"), first, length)
+        whole_mask = self._whole_mask(mask, kwargs.get("position_ids"), first, length, kwargs)
         args = tuple(self._slice(a) for a in args)
         kwargs = {k: self._slice(v) for k, v in kwargs.items()}
         if whole_mask is not None:
             kwargs["attention_mask"] = whole_mask
-        self._counts = self._count(targets, length)
+        self._counts = self._count(targets, length, tuple(first.shape[:2]), first.device)
         if self._hf_labels:  # a sum over this slice divided by its count: 0, not NaN, for a slice of padding
             kwargs["num_items_in_batch"] = max(self._counts[0], 1)
         return args, kwargs
 
     def _whole_mask(
-        self, mask: Any, positions: torch.Tensor | None, first: torch.Tensor, length: int
+        self, mask: Any, positions: torch.Tensor | None, first: torch.Tensor, length: int, kwargs: dict[str, Any]
     ) -> torch.Tensor | None:
         """The mask of the whole sequence ``[b, 1, S, S]`` the attention gets after the exchange, None where plain
         causal attention is it (see [Note: masks under Ulysses])."""
@@ -178,7 +182,20 @@ class SequenceSplitter:
             return None  # all ones, for a model that takes none: causal attention is already the whole mask
         if mask is not None and mask.dim() == 4:
             return mask
+        if positions is not None and self._uses_cache(kwargs):
+            positions = None  # transformers tells packed sequences apart only without a cache: neither do we
         return whole_sequence_mask(self._hf_config, mask, positions, first.shape[0], length, first.device)
+
+    def _uses_cache(self, kwargs: dict[str, Any]) -> bool:
+        """Whether the transformers model will make (or was given) a key/value cache in this forward, as its
+        ``use_cache`` default says (the config's, off under gradient checkpointing in training)."""
+        if kwargs.get("past_key_values") is not None:
+            return True
+        use_cache = kwargs.get("use_cache")
+        if use_cache is None:
+            use_cache = getattr(self._hf_config, "use_cache", False)
+        checkpointing = any(getattr(m, "gradient_checkpointing", False) for m in self._module.modules())
+        return bool(use_cache) and not (checkpointing and self._module.training)
 
     def _length(self, args: tuple, kwargs: dict[str, Any]) -> int:
         lengths = {
@@ -210,14 +227,28 @@ class SequenceSplitter:
         per = v.shape[1] // self.size
         return v.narrow(1, self.rank * per, per).contiguous()  # models .view() their inputs
 
-    def _count(self, targets: torch.Tensor | None, length: int) -> tuple[int, int]:
+    def _count(
+        self, targets: torch.Tensor | None, length: int, shape: tuple[int, int], device: torch.device
+    ) -> tuple[int, int]:
+        """(this slice's real targets, the whole sequence's), exchanged with the batch's shape: ranks of one group
+        given batches of different shapes (the first forward's digest check passed) are refused here, at every
+        forward, before the all-to-alls would pair pieces of different sizes."""
         if targets is None:  # no targets known: the slices weigh the same
             mine = length // self.size
         else:
             mine = int((self._slice(targets) != IGNORE).sum())
-        every = torch.tensor([mine], dtype=torch.int64, device=targets.device if targets is not None else "cpu")
-        counts = self.comm.all_gather_dim(every, 0, what="the real-token counts of a sequence-parallel group")
-        counts = [int(c) for c in counts]
+        every = torch.tensor([mine, *shape], dtype=torch.int64, device=device)
+        rows = self.comm.all_gather_dim(every[None], 0, what="the real-token counts of a sequence-parallel group")
+        rows = rows.tolist()
+        shapes = [tuple(r[1:]) for r in rows]
+        if any(sh != shapes[0] for sh in shapes):
+            raise RankMismatchError(
+                "the ranks of a sequence-parallel group were given batches of different shapes at this forward: "
+                + ", ".join(f"{self._who(r)}: [rows, seq] {list(sh)}" for r, sh in enumerate(shapes))
+                + ". Every rank of a group must get the same whole batch (the engine splits the sequence); shard "
+                "the data over the data-parallel ranks only"
+            )
+        counts = [int(r[0]) for r in rows]
         if not self._hf_labels and 0 in counts and sum(counts):
             # the model's mean over a slice without a real target is 0/0 (NaN), which no weight of 0 removes
             raise ConfigError(
@@ -243,7 +274,12 @@ class SequenceSplitter:
             raise ConfigError("a batch with no target that is not -100: there is no loss to average")
         return sum_over_group(loss * mine, self.comm, "the loss of a sequence-parallel group") / total
 
+    def _who(self, sp_rank: int) -> str:
+        return f"sp rank {sp_rank} (global rank {self._global_ranks[sp_rank]})"
+
     def _check_same_batch(self, args: tuple, kwargs: dict[str, Any]) -> None:
+        """At the first forward: the whole inputs of every rank of the group, digested (one object all-gather over
+        the group, which only its ranks join: another group's ranks, fed correctly, go on)."""
         from shardtrain.tensor_parallel.batch_check import batch_digest
 
         every = self.comm.all_gather_object(batch_digest(args, kwargs), what="sequence-parallel batch check")
@@ -251,7 +287,19 @@ class SequenceSplitter:
         if differ:
             raise RankMismatchError(
                 f"the ranks of a sequence-parallel group must all get the same whole batch (the engine splits the "
-                f"sequence), but sp ranks {differ} got inputs different from sp rank 0. Shard the data over the "
-                "data-parallel ranks only (DistributedSampler(num_replicas=engine.topology.dp, "
-                "rank=engine.topology.dp_rank))"
+                f"sequence), but {', '.join(self._who(r) for r in differ)} got inputs different from "
+                f"{self._who(0)} (its group: global ranks {self._global_ranks}): "
+                f"{_first_difference(every[0], every[differ[0]], differ[0])}. Shard the data over the data-parallel "
+                "ranks only: the ranks of a group share engine.topology.dp_rank "
+                "(DistributedSampler(num_replicas=engine.topology.dp, rank=engine.topology.dp_rank))"
             )
+
+
+def _first_difference(a: list, b: list, rank: int) -> str:
+    """Where two :func:`batch_digest` lists part: the first input whose dtype, shape or values differ."""
+    for x, y in zip(a, b):
+        if x[:3] != y[:3]:
+            return f"input {x[0]} is {x[1]} {list(x[2])} on sp rank 0 but {y[1]} {list(y[2])} on sp rank {rank}"
+        if x != y:
+            return f"input {x[0]} ({x[1]} {list(x[2])}) holds different values on sp rank 0 and sp rank {rank}"
+    return f"sp rank 0 passed {len(a)} tensors, sp rank {rank} {len(b)}"
