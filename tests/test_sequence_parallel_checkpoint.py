@@ -69,15 +69,15 @@ def check_resumes(tmp_path, saved_at: tuple[int, int, int], loaded_at: tuple[int
     assert_params_near(loaded["after"], saved["after"], saved["saved"], require_moved=True)
 
 
-def test_saved_at_sp2_tp2_loads_at_sp3(tmp_path):
-    """(sp 2, tp 2, ZeRO-3) -> (sp 3, tp 1, ZeRO-1): another sequence split, the tensor-parallel blocks joined."""
-    check_resumes(tmp_path, (2, 2, 3), (3, 1, 1))
+def test_saved_at_sp2_tp2_loads_into_one_process(tmp_path):
+    """(sp 2, tp 2, ZeRO-3) -> one process (ZeRO-2): the sequence split gone, the tensor-parallel blocks joined."""
+    check_resumes(tmp_path, (2, 2, 3), (1, 1, 2))
 
 
 @pytest.mark.soak
 @pytest.mark.parametrize(
-    ("saved_at", "loaded_at"), [((2, 2, 3), (1, 1, 2)), ((3, 1, 3), (2, 2, 1)), ((2, 1, 2), (1, 2, 3))]
+    ("saved_at", "loaded_at"), [((2, 2, 3), (3, 1, 1)), ((3, 1, 3), (2, 2, 1)), ((2, 1, 2), (1, 2, 3))]
 )
 def test_sequence_and_tensor_layouts_change_across_a_checkpoint(tmp_path, saved_at, loaded_at):
-    """To one process; from sp 3 to sp 2 x tp 2; from sp 2 to tp 2 without sequence parallelism."""
+    """From sp 2 x tp 2 to sp 3; from sp 3 to sp 2 x tp 2; from sp 2 to tp 2 without sequence parallelism."""
     check_resumes(tmp_path, saved_at, loaded_at)

@@ -196,6 +196,21 @@ def test_sp_with_hybrid_sharding_parity():
         assert r["coords"][4:] == (rank // 2, rank % 2)  # replica rank, shard rank
 
 
+@pytest.mark.soak
+@pytest.mark.parametrize(
+    ("case", "dp", "sp", "tp", "stage", "mics"),
+    [("gpt", 1, 2, 2, 2, 1), ("llama", 2, 2, 1, 1, 1), ("gpt", 2, 3, 1, 3, 3), ("llama", 1, 3, 2, 3, 1)],
+)
+def test_sp_with_hybrid_sharding_more_cases(case, dp, sp, tp, stage, mics):
+    """Shard groups smaller than an sp group (mics_shard_size 1: whole state on each rank, replicated over the sp
+    ranks), with tensor parallelism, and at sp 3 (world 6)."""
+    results = check_parity(case, sp=sp, tp=tp, stage=stage, mics=mics, dp=dp)
+    for rank, r in enumerate(results):
+        zero_rank = rank // tp
+        assert r["coords"][3:] == (zero_rank, zero_rank // mics, zero_rank % mics)
+        assert len(r["groups"]["shard"]) == mics and len(r["groups"]["replicate"]) == dp * sp // mics
+
+
 def _groups_of_every_rank(dp: int, sp: int, tp: int, shard: int | None) -> list:
     world = dp * sp * tp
     return [

@@ -182,8 +182,10 @@ class SequenceSplitter:
             return None  # all ones, for a model that takes none: causal attention is already the whole mask
         if mask is not None and mask.dim() == 4:
             return mask
-        if positions is not None and self._uses_cache(kwargs):
-            positions = None  # transformers tells packed sequences apart only without a cache: neither do we
+        if mask is None and positions is not None and self._uses_cache(kwargs):
+            # transformers tells sequences packed in a row apart (by their positions) only without a padding mask
+            # and without a cache: neither do we
+            positions = None
         return whole_sequence_mask(self._hf_config, mask, positions, first.shape[0], length, first.device)
 
     def _uses_cache(self, kwargs: dict[str, Any]) -> bool:
