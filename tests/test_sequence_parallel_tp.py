@@ -189,7 +189,7 @@ def test_sp_with_tp_more_cases(case, dp, sp, tp, stage):
 def test_sp_with_hybrid_sharding_parity():
     """(dp 2, sp 2) at world 4 with mics_shard_size 2: ZeRO-3 shards within the two sp ranks of each dp rank and
     replicates across the dp ranks (shard groups of dp x sp's adjacent ranks, as without sequence parallelism)."""
-    results = check_parity("llama", sp=2, tp=1, stage=3, mics=2, dp=2)
+    results = check_parity("gpt", sp=2, tp=1, stage=3, mics=2, dp=2)
     for rank, r in enumerate(results):
         assert r["groups"]["shard"] == [rank // 2 * 2, rank // 2 * 2 + 1]
         assert r["groups"]["replicate"] == [rank % 2, rank % 2 + 2]
