@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import shardtrain
 from shardtrain.errors import ConfigError, LayoutError, ShardtrainError
@@ -123,7 +124,6 @@ def train(case: str, sp: int, tp: int, stage: int, mics: int = -1) -> dict:
             total += loss.item() / GAS
         losses.append(total)
         norms.append(engine.get_global_grad_norm())
-    import torch.distributed as dist
 
     def ranks(group):
         return None if group is None else dist.get_process_group_ranks(group)
@@ -150,6 +150,11 @@ def check_parity(case: str, sp: int, tp: int, stage: int, mics: int = -1, dp: in
     for rank, r in enumerate(results):  # rank = (dp_rank * sp + sp_rank) * tp + tp_rank
         d, s, t = rank // (sp * tp), (rank // tp) % sp, rank % tp
         assert r["coords"][:4] == (d, s, t, d * sp + s), (rank, r["coords"])
+        assert r["groups"]["dp"] == [(other * sp + s) * tp + t for other in range(dp)]
+        assert r["groups"]["sp"] == [(d * sp + other) * tp + t for other in range(sp)]
+        assert r["groups"]["tp"] == [(d * sp + s) * tp + other for other in range(tp)]
+        if mics == -1:  # ZeRO: every dp and sp rank holding this tp block
+            assert r["groups"]["shard"] == [i * tp + t for i in range(dp * sp)]
     ref = reference(case, dp)
     exact = reference(case, dp, torch.float64)
     for r in results:  # every rank of a (sp, tp) block returns the whole sequences' loss of its rows
