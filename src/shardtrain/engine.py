@@ -116,7 +116,7 @@ class Engine:
             SequenceSplitter(module, Communicator(topology.sp_group, topology.timeout_s)) if topology.sp > 1 else None
         )
         if self._sp is not None:
-            install_ulysses(module, self._sp.comm)
+            install_ulysses(module, self._sp.comm, tp=topology.tp)
         install_tiling(module, config)  # ALST's tiled loss and MLP, when configured
         # every rank says where it is before each call that communicates ([Note: phase agreement]); its own
         # Communicator over the world group, so that comm_stats() keeps only the traffic of the ZeRO formulas
@@ -124,6 +124,7 @@ class Engine:
             Communicator(topology.host_world_group, topology.timeout_s) if config.desync_check else None,
             topology.tp,
             topology.device,
+            sp=topology.sp,
         )
         zcfg = config.zero_optimization
         self.train_batch_size, self.micro_batch_size, self.gradient_accumulation_steps = resolve_batch_sizes(
@@ -218,7 +219,7 @@ class Engine:
         if topology.tp > 1:
             split = frozenset(id(r.param) for r in self.layout.records if r.tp_split)
             tp_norm = TensorParallelNorm(
-                self.world_comm, split, topology.dp_rank, topology.tp_rank, replica_rank=topology.replica_rank
+                self.world_comm, split, topology.zero_rank, topology.tp_rank, replica_rank=topology.replica_rank
             )
         self._optimizer = ShardedOptimizer(
             optimizer,

@@ -216,25 +216,22 @@ def make_groups(
     (group creation is collective). ``shard_size``: hybrid sharding's group size ``S`` (see [Note: the hybrid
     mesh]); None or the whole data-parallel size: no shard and replicate groups. ``sp``: the sequence-parallel
     size (see [Note: the sequence axis]). Returns ``(main, host)``."""
-    if sp > 1:
-        dp = world // (tp * sp)
-        partitions = {  # rank = (dp_rank * sp + sp_rank) * tp + tp_rank
-            "dp": [[(d * sp + s) * tp + t for d in range(dp)] for s in range(sp) for t in range(tp)],
-            "tp": [[(d * sp + s) * tp + t for t in range(tp)] for d in range(dp) for s in range(sp)],
-            "sp": [[(d * sp + s) * tp + t for s in range(sp)] for d in range(dp) for t in range(tp)],
-            "dp_sp": [[i * tp + t for i in range(dp * sp)] for t in range(tp)],  # ZeRO's ranks: same tp block
-        }
-        return _groups_of(partitions, rank, world, backend, world_group, new_group)
-    dp = world // tp
+    dp = world // (tp * sp)
+    # rank = (dp_rank * sp + sp_rank) * tp + tp_rank = zero_rank * tp + tp_rank, zero_rank = dp_rank * sp + sp_rank:
+    # the index among the dp * sp ranks holding the same tensor-parallel block, over which ZeRO shards
+    zero = dp * sp
     partitions = {
-        "dp": [[d * tp + t for d in range(dp)] for t in range(tp)],  # ranks holding the same tp block
-        "tp": [[d * tp + t for t in range(tp)] for d in range(dp)],  # tp adjacent ranks
+        "dp": [[(d * sp + s) * tp + t for d in range(dp)] for s in range(sp) for t in range(tp)],  # same sp, tp
+        "tp": [[i * tp + t for t in range(tp)] for i in range(zero)],  # tp adjacent ranks
     }
-    if shard_size is not None and shard_size != dp:
-        s, replicas = shard_size, dp // shard_size
+    if sp > 1:
+        partitions["sp"] = [[(d * sp + s) * tp + t for s in range(sp)] for d in range(dp) for t in range(tp)]
+        partitions["dp_sp"] = [[i * tp + t for i in range(zero)] for t in range(tp)]  # ZeRO's ranks: same tp block
+    if shard_size is not None and shard_size != zero:
+        s, replicas = shard_size, zero // shard_size
         partitions["shard"] = [
             [((r * s) + i) * tp + t for i in range(s)] for r in range(replicas) for t in range(tp)
-        ]  # S adjacent data-parallel ranks of one replica, same tp block
+        ]  # S adjacent ranks of ZeRO's axis in one replica, same tp block
         partitions["replicate"] = [
             [((r * s) + i) * tp + t for r in range(replicas)] for i in range(s) for t in range(tp)
         ]  # the same shard index in every replica
@@ -274,7 +271,8 @@ def _timeout_s(group: dist.ProcessGroup, device: torch.device) -> float | None:
 @dataclass(frozen=True)
 class Topology:
     """The parallel layout of this job, validated once: a 2-D ``(dp, tp)`` device mesh, or with hybrid sharding a
-    3-D ``(replicate, shard, tp)`` one (see [Note: the hybrid mesh]).
+    3-D ``(replicate, shard, tp)`` one (see [Note: the hybrid mesh]), or with sequence parallelism a 3-D ``(dp, sp,
+    tp)`` one, hybrid sharding's groups then beside it (see [Note: the sequence axis]).
 
     Tensor-parallel groups are ``tp`` adjacent ranks (``rank = dp_rank * tp + tp_rank``), so that on a
     multi-GPU node a layer's all-reduces stay inside the node; ZeRO shards over the ``dp`` axis only (over its
@@ -299,8 +297,16 @@ class Topology:
     batches differ: the ranks of one sequence-parallel group are given the same batch and each keeps its slice of
     the sequence. ZeRO shards over the ``dp * sp`` ranks holding the same tensor-parallel block, as DeepSpeed does
     (its "sequence data parallel" group): every one of them holds a full replica of the parameters' gradients for
-    its tokens, so the gradient reduction spans them all (see ``shardtrain.sequence_parallel.loss`` for why an
-    average over ``dp * sp`` is the right one). Not built together with hybrid sharding.
+    its tokens, so the gradient reduction spans them all (see [Note: the loss over a sequence-parallel group] in
+    ``shardtrain.sequence_parallel.inputs`` for why an average over ``dp * sp`` is the right one). ``zero_rank =
+    dp_rank * sp + sp_rank`` is a rank's index on that axis, and ``dp_group`` is that group (every rank holding the same
+    tensor-parallel block), which the initial broadcast and the deferred construction must reach. With tensor
+    parallelism the sp group of a rank holds the same heads ([Note: Ulysses under tensor parallelism]). Hybrid
+    sharding (``mics_shard_size: S``) cuts the ``dp * sp`` axis as it cuts ``dp`` without sequence parallelism:
+    shard groups of ``S`` adjacent ``zero_rank`` s (ZeRO state sharded within), replicate groups of the same shard
+    index in each of the ``dp * sp / S`` replicas; ``S`` must divide ``dp * sp``. The gradient is still averaged
+    over all ``dp * sp`` ranks (reduce-scatter in the shard, all-reduce across replicas), as without hybrid
+    sharding.
     """
 
     rank: int
@@ -324,12 +330,22 @@ class Topology:
 
     @property
     def dp_group(self) -> dist.ProcessGroup:
-        return self.groups.dp
+        """Every rank holding this rank's tensor-parallel block and training on other tokens: the ``dp`` axis, times
+        the ``sp`` axis under sequence parallelism (what the initial broadcast, the deferred construction and, with
+        hybrid sharding, the gradient norm must reach; see [Note: the sequence axis])."""
+        return self.groups.dp_sp if self.groups.dp_sp is not None else self.groups.dp
 
     @property
     def dp_rank(self) -> int:
         """This rank's index along the axis batches differ on (``replica_rank * shard_size + shard_rank``)."""
         return self.rank // (self.tp * self.sp)
+
+    @property
+    def zero_rank(self) -> int:
+        """This rank's index among the ``dp * sp`` ranks holding its tensor-parallel block (``dp_rank * sp +
+        sp_rank``; ``dp_rank`` without sequence parallelism): the axis ZeRO shards over, hybrid sharding's
+        ``replica_rank * shard_size + shard_rank``."""
+        return self.rank // self.tp
 
     @property
     def sp_rank(self) -> int:
@@ -361,13 +377,13 @@ class Topology:
 
     @property
     def replica_rank(self) -> int:
-        return self.dp_rank // self.shard_size
+        return (self.rank // self.tp) // self.shard_size
 
     @property
     def shard_group(self) -> dist.ProcessGroup:
-        if self.groups.dp_sp is not None:  # see [Note: the sequence axis]
-            return self.groups.dp_sp
-        return self.groups.shard if self.groups.shard is not None else self.groups.dp
+        if self.groups.shard is not None:
+            return self.groups.shard
+        return self.dp_group  # dp, times sp under sequence parallelism (see [Note: the sequence axis])
 
     @property
     def replicate_group(self) -> dist.ProcessGroup | None:
@@ -376,9 +392,9 @@ class Topology:
 
     @property
     def host_shard_group(self) -> dist.ProcessGroup:
-        if self.host_groups.dp_sp is not None:
-            return self.host_groups.dp_sp
-        return self.host_groups.shard if self.host_groups.shard is not None else self.host_groups.dp
+        if self.host_groups.shard is not None:
+            return self.host_groups.shard
+        return self.host_dp_group
 
     @property
     def world_group(self) -> dist.ProcessGroup:
@@ -391,7 +407,7 @@ class Topology:
 
     @property
     def host_dp_group(self) -> dist.ProcessGroup:
-        return self.host_groups.dp
+        return self.host_groups.dp_sp if self.host_groups.dp_sp is not None else self.host_groups.dp
 
     @property
     def host_tp_group(self) -> dist.ProcessGroup:
@@ -467,26 +483,33 @@ def _make_mesh_groups(
 
 
 def _init_sequence_topology(tp: int, timeout_s: float, shard_size: int, sp: int, created: bool, world: int) -> Topology:
-    """The ``(dp, sp, tp)`` mesh of [Note: the sequence axis]; what is not built with it is refused by name."""
-    if sp < 1 or world % sp:
+    """The ``(dp, sp, tp)`` mesh of [Note: the sequence axis], with hybrid sharding's groups over its ``dp * sp``
+    ranks when ``shard_size`` is not -1."""
+    if tp < 1 or world % tp:
         raise LayoutError(
-            f"sequence_parallel_size {sp} does not divide the {world} processes of this job: the data-parallel size "
-            f"is world / sequence_parallel_size, so choose one of {[d for d in range(1, world + 1) if world % d == 0]}"
+            f"tensor_parallel.size {tp} does not divide the {world} processes of this job; choose one of "
+            f"{[d for d in range(1, world + 1) if world % d == 0]}"
         )
-    if tp != 1:
+    if sp < 1 or world % (sp * tp):
+        sizes = [d for d in range(1, world // tp + 1) if world % (d * tp) == 0]
         raise LayoutError(
-            f"sequence_parallel_size {sp} with tensor_parallel.size {tp}: sequence and tensor parallelism on one "
-            "mesh are not built yet (the all-to-all would have to trade the heads a tensor-parallel rank holds, "
-            "not the model's); use one of them (docs/sequence-parallel.md)"
+            f"sequence_parallel_size {sp} does not divide the {world} processes of this job"
+            + (f" (with tensor_parallel.size {tp}: {world // tp} ranks per tensor-parallel block)" if tp != 1 else "")
+            + ": the data-parallel size is world / (sequence_parallel_size * tensor_parallel.size), so choose one of "
+            f"{sizes}"
         )
-    if shard_size != -1:
+    dp = world // (sp * tp)
+    zero = dp * sp
+    shard = zero if shard_size == -1 else shard_size
+    if shard < 1 or zero % shard:
+        divisors = [d for d in range(1, zero + 1) if zero % d == 0]
         raise LayoutError(
-            f"sequence_parallel_size {sp} with zero_optimization.mics_shard_size {shard_size}: hybrid sharding "
-            "together with sequence parallelism is not built yet; remove mics_shard_size (ZeRO then shards over "
-            "all data- and sequence-parallel ranks, docs/sequence-parallel.md)"
+            f"zero_optimization.mics_shard_size {shard_size} does not divide the {zero} ranks ZeRO shards over "
+            f"(data-parallel size {dp} x sequence_parallel_size {sp}): under sequence parallelism state is sharded "
+            f"over the data- and sequence-parallel ranks together, within groups of mics_shard_size and replicated "
+            f"across the groups, so choose one of {divisors} (or -1 to shard over all {zero})"
         )
-    dp = world // sp
-    device, backend, groups, host_groups = _make_mesh_groups(world, tp, timeout_s, created, sp=sp)
+    device, backend, groups, host_groups = _make_mesh_groups(world, tp, timeout_s, created, sp=sp, shard_size=shard)
     ranks = torch.arange(world).view(dp, sp, tp)
     mesh = DeviceMesh.from_group(
         [groups.dp, groups.sp, groups.tp], device.type, mesh=ranks, mesh_dim_names=("dp", "sp", "tp")
@@ -502,5 +525,6 @@ def _init_sequence_topology(tp: int, timeout_s: float, shard_size: int, sp: int,
         groups=groups,
         host_groups=host_groups,
         tp=tp,
+        replicas=zero // shard,
         sp=sp,
     )

@@ -20,8 +20,8 @@ __all__ = ["SequenceSplitter", "install_ulysses", "kv_repeats", "refuse_unbuilt_
 
 
 def refuse_unbuilt_sequence_parallel(cfg: Any) -> None:
-    """What this slice of sequence parallelism does not build, refused by name before the model is touched (the
-    mesh refuses tensor parallelism and hybrid sharding with it)."""
+    """What sequence parallelism does not build yet, refused by name before the model is touched (tensor
+    parallelism and hybrid sharding compose with it on one mesh, :mod:`shardtrain.mesh`)."""
     if cfg.sequence_parallel_size == 1:
         return
     if cfg.graph.enabled:

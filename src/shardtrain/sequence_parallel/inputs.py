@@ -13,8 +13,21 @@ slice of the sequence, ``[r * S/P, (r + 1) * S/P)`` for sp rank ``r``:
   targets (the project's GPT) are already aligned with their tokens and are split as they are.
 * ``position_ids``: when the model's ``forward`` takes them and none are given, ``0..S-1`` is made before the
   split, so rotary and learned position embeddings see global positions.
-* ``attention_mask`` ``[b, S]``: only all ones is accepted, and it is dropped (attention after the all-to-all is
-  causal over the whole sequence). Padding is refused: pad sequences at the end instead, labels -100.
+* ``attention_mask`` ``[b, S]`` is not split: see [Note: masks under Ulysses].
+
+[Note: masks under Ulysses]
+After the all-to-all a rank holds whole sequences (for its heads), so the attention must see the whole sequence's
+mask, not a slice's. For a transformers model the engine builds it once per forward, before the split, with
+transformers' own ``create_causal_mask`` on the whole batch: the given 2-D padding mask (right or left padding),
+the position ids (sequences packed in one row, told apart by positions restarting, as transformers does when no
+mask is given and the forward makes no key/value cache: ``use_cache=False``) and the causal rule, as the model
+would for one process. The result, ``[b, 1, S, S]`` booleans, is passed to the model as its ``attention_mask``: a
+4-D mask goes through the model's mask preparation unchanged, and reaches the Ulysses attention, which hands it to
+the inner attention after the exchange (eager attention gets it as the additive mask eager uses). Where
+transformers would use sdpa's own causal path (no padding, nothing packed) it is None and no ``S x S`` mask is
+made. Positions: the model's own default (``0..S-1``, also for left padding, as transformers does) unless given;
+each slice gets its part. The loss counts real targets only (labels -100 at the padding), summed over the whole
+sequence. A model other than a transformers one takes no mask: all ones is dropped, padding refused.
 
 [Note: the loss over a sequence-parallel group]
 The model computes, on each rank, the mean loss over the real targets (not -100) of its slice. The engine returns
@@ -41,6 +54,38 @@ from shardtrain.sequence_parallel.all_to_all import sum_over_group
 IGNORE = -100
 
 
+class _ConfigWithSdpa:
+    """A transformers config as its mask functions see it, with sdpa's (boolean) mask rules: after
+    :func:`~shardtrain.sequence_parallel.ulysses.install_hf` the model's own attention name has none."""
+
+    _attn_implementation = "sdpa"
+
+    def __init__(self, config: Any) -> None:
+        self._config = config
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._config, name)
+
+
+def whole_sequence_mask(
+    config: Any, mask: torch.Tensor | None, positions: torch.Tensor | None, batch: int, length: int, device: Any
+) -> torch.Tensor | None:
+    """transformers' own boolean mask ``[b, 1, S, S]`` for the whole sequence (causal, padding, sequences packed by
+    position ids), or None where its sdpa path uses plain causal attention (see [Note: masks under Ulysses])."""
+    from transformers.masking_utils import create_causal_mask
+
+    shape_only = torch.empty(batch, length, 0, device=device)  # read for its batch, length, dtype and device
+    if positions is not None and positions.dim() == 2 and positions.shape[0] not in (1, batch):
+        raise ConfigError(f"position_ids of shape {tuple(positions.shape)} for a batch of {batch}")
+    return create_causal_mask(
+        config=_ConfigWithSdpa(config),
+        inputs_embeds=shape_only,
+        attention_mask=mask,
+        past_key_values=None,
+        position_ids=positions,
+    )
+
+
 class SequenceSplitter:
     """Splits the inputs of each forward and combines its loss (see the module's docstring)."""
 
@@ -52,7 +97,14 @@ class SequenceSplitter:
         except (TypeError, ValueError):
             params = {}
         self._takes_position_ids = "position_ids" in params
+        config = getattr(module, "config", None)  # a transformers model: its own mask rules (whole_sequence_mask)
+        self._hf_config = config if config is not None and hasattr(config, "_attn_implementation") else None
+        self._model_name = type(module).__name__
+        self._module = module
         self._checked = False
+        self._global_ranks = (
+            torch.distributed.get_process_group_ranks(comm.group) if comm.size > 1 else [comm.global_rank]
+        )
         self._counts: tuple[int, int] | None = None  # (this rank's real targets, the group's)
 
     def split(self, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
@@ -65,14 +117,8 @@ class SequenceSplitter:
                 "num_items_in_batch with sequence_parallel_size > 1 is not built: the engine normalises the loss "
                 "over the real tokens of each sequence-parallel group itself; do not pass it"
             )
+        mask = kwargs.pop("attention_mask", None)  # whole-sequence: not split (see [Note: masks under Ulysses])
         length = self._length(args, kwargs)
-        mask = kwargs.pop("attention_mask", None)
-        if torch.is_tensor(mask) and not bool(mask.all()):
-            raise ConfigError(
-                "attention_mask with padding (zeros) under sequence parallelism is not built: pad sequences at the "
-                "end (causal attention keeps the pad tokens from the real ones) with labels -100, and pass no mask "
-                "or an all-ones one"
-            )
         targets: torch.Tensor | None = None
         labels = kwargs.get("labels")
         self._hf_labels = torch.is_tensor(labels)
@@ -87,15 +133,71 @@ class SequenceSplitter:
         positions = kwargs.get("position_ids")
         if torch.is_tensor(positions) and positions.dim() == 1:  # [S]: one row for all, split like the others
             kwargs["position_ids"] = positions[None]
+        first = next(t for t in (*args, *kwargs.values()) if torch.is_tensor(t) and t.dim() >= 2)
         if self._takes_position_ids and positions is None:
-            first = next(t for t in (*args, *kwargs.values()) if torch.is_tensor(t) and t.dim() >= 2)
             kwargs["position_ids"] = torch.arange(length, device=first.device).expand(first.shape[0], length)
+        whole_mask = self._whole_mask(mask, kwargs.get("position_ids"), first, length, kwargs)
         args = tuple(self._slice(a) for a in args)
         kwargs = {k: self._slice(v) for k, v in kwargs.items()}
-        self._counts = self._count(targets, length)
+        if whole_mask is not None:
+            kwargs["attention_mask"] = whole_mask
+        self._counts = self._count(targets, length, tuple(first.shape[:2]), first.device)
         if self._hf_labels:  # a sum over this slice divided by its count: 0, not NaN, for a slice of padding
             kwargs["num_items_in_batch"] = max(self._counts[0], 1)
         return args, kwargs
+
+    def _whole_mask(
+        self, mask: Any, positions: torch.Tensor | None, first: torch.Tensor, length: int, kwargs: dict[str, Any]
+    ) -> torch.Tensor | None:
+        """The mask of the whole sequence ``[b, 1, S, S]`` the attention gets after the exchange, None where plain
+        causal attention is it (see [Note: masks under Ulysses])."""
+        if mask is None:
+            padded = False
+        elif not torch.is_tensor(mask) or mask.dim() not in (2, 4):
+            raise ConfigError(
+                f"attention_mask under sequence parallelism must be a [batch, seq] padding mask (or a [batch, 1, seq, "
+                f"seq] one); got {mask if not torch.is_tensor(mask) else f'a tensor of shape {tuple(mask.shape)}'}"
+            )
+        elif mask.dim() == 4:
+            if mask.shape[1] != 1 or tuple(mask.shape[2:]) != (length, length):
+                raise ConfigError(
+                    f"a 4-D attention_mask of shape {tuple(mask.shape)} under sequence parallelism: only [batch, 1, "
+                    f"{length}, {length}] (one mask for every head, over the whole sequence) is built"
+                )
+            padded = True
+        else:
+            if mask.shape[1] != length:
+                raise ConfigError(
+                    f"attention_mask of shape {tuple(mask.shape)} does not cover the {length} tokens of the inputs"
+                )
+            padded = not bool(mask.all())
+        if self._hf_config is None:
+            if padded:
+                raise ConfigError(
+                    f"an attention_mask with padding under sequence parallelism is built for transformers models "
+                    f"(whose mask rules the engine applies to the whole sequence); {self._model_name} is not one: "
+                    "pad sequences at the end (causal attention keeps the pad tokens from the real ones) with "
+                    "targets -100, and pass no mask"
+                )
+            return None  # all ones, for a model that takes none: causal attention is already the whole mask
+        if mask is not None and mask.dim() == 4:
+            return mask
+        if mask is None and positions is not None and self._uses_cache(kwargs):
+            # transformers tells sequences packed in a row apart (by their positions) only without a padding mask
+            # and without a cache: neither do we
+            positions = None
+        return whole_sequence_mask(self._hf_config, mask, positions, first.shape[0], length, first.device)
+
+    def _uses_cache(self, kwargs: dict[str, Any]) -> bool:
+        """Whether the transformers model will make (or was given) a key/value cache in this forward, as its
+        ``use_cache`` default says (the config's, off under gradient checkpointing in training)."""
+        if kwargs.get("past_key_values") is not None:
+            return True
+        use_cache = kwargs.get("use_cache")
+        if use_cache is None:
+            use_cache = getattr(self._hf_config, "use_cache", False)
+        checkpointing = any(getattr(m, "gradient_checkpointing", False) for m in self._module.modules())
+        return bool(use_cache) and not (checkpointing and self._module.training)
 
     def _length(self, args: tuple, kwargs: dict[str, Any]) -> int:
         lengths = {
@@ -127,14 +229,28 @@ class SequenceSplitter:
         per = v.shape[1] // self.size
         return v.narrow(1, self.rank * per, per).contiguous()  # models .view() their inputs
 
-    def _count(self, targets: torch.Tensor | None, length: int) -> tuple[int, int]:
+    def _count(
+        self, targets: torch.Tensor | None, length: int, shape: tuple[int, int], device: torch.device
+    ) -> tuple[int, int]:
+        """(this slice's real targets, the whole sequence's), exchanged with the batch's shape: ranks of one group
+        given batches of different shapes (the first forward's digest check passed) are refused here, at every
+        forward, before the all-to-alls would pair pieces of different sizes."""
         if targets is None:  # no targets known: the slices weigh the same
             mine = length // self.size
         else:
             mine = int((self._slice(targets) != IGNORE).sum())
-        every = torch.tensor([mine], dtype=torch.int64, device=targets.device if targets is not None else "cpu")
-        counts = self.comm.all_gather_dim(every, 0, what="the real-token counts of a sequence-parallel group")
-        counts = [int(c) for c in counts]
+        every = torch.tensor([mine, *shape], dtype=torch.int64, device=device)
+        rows = self.comm.all_gather_dim(every[None], 0, what="the real-token counts of a sequence-parallel group")
+        rows = rows.tolist()
+        shapes = [tuple(r[1:]) for r in rows]
+        if any(sh != shapes[0] for sh in shapes):
+            raise RankMismatchError(
+                "the ranks of a sequence-parallel group were given batches of different shapes at this forward: "
+                + ", ".join(f"{self._who(r)}: [rows, seq] {list(sh)}" for r, sh in enumerate(shapes))
+                + ". Every rank of a group must get the same whole batch (the engine splits the sequence); shard "
+                "the data over the data-parallel ranks only"
+            )
+        counts = [int(r[0]) for r in rows]
         if not self._hf_labels and 0 in counts and sum(counts):
             # the model's mean over a slice without a real target is 0/0 (NaN), which no weight of 0 removes
             raise ConfigError(
@@ -160,7 +276,12 @@ class SequenceSplitter:
             raise ConfigError("a batch with no target that is not -100: there is no loss to average")
         return sum_over_group(loss * mine, self.comm, "the loss of a sequence-parallel group") / total
 
+    def _who(self, sp_rank: int) -> str:
+        return f"sp rank {sp_rank} (global rank {self._global_ranks[sp_rank]})"
+
     def _check_same_batch(self, args: tuple, kwargs: dict[str, Any]) -> None:
+        """At the first forward: the whole inputs of every rank of the group, digested (one object all-gather over
+        the group, which only its ranks join: another group's ranks, fed correctly, go on)."""
         from shardtrain.tensor_parallel.batch_check import batch_digest
 
         every = self.comm.all_gather_object(batch_digest(args, kwargs), what="sequence-parallel batch check")
@@ -168,7 +289,19 @@ class SequenceSplitter:
         if differ:
             raise RankMismatchError(
                 f"the ranks of a sequence-parallel group must all get the same whole batch (the engine splits the "
-                f"sequence), but sp ranks {differ} got inputs different from sp rank 0. Shard the data over the "
-                "data-parallel ranks only (DistributedSampler(num_replicas=engine.topology.dp, "
-                "rank=engine.topology.dp_rank))"
+                f"sequence), but {', '.join(self._who(r) for r in differ)} got inputs different from "
+                f"{self._who(0)} (its group: global ranks {self._global_ranks}): "
+                f"{_first_difference(every[0], every[differ[0]], differ[0])}. Shard the data over the data-parallel "
+                "ranks only: the ranks of a group share engine.topology.dp_rank "
+                "(DistributedSampler(num_replicas=engine.topology.dp, rank=engine.topology.dp_rank))"
             )
+
+
+def _first_difference(a: list, b: list, rank: int) -> str:
+    """Where two :func:`batch_digest` lists part: the first input whose dtype, shape or values differ."""
+    for x, y in zip(a, b):
+        if x[:3] != y[:3]:
+            return f"input {x[0]} is {x[1]} {list(x[2])} on sp rank 0 but {y[1]} {list(y[2])} on sp rank {rank}"
+        if x != y:
+            return f"input {x[0]} ({x[1]} {list(x[2])}) holds different values on sp rank 0 and sp rank {rank}"
+    return f"sp rank 0 passed {len(a)} tensors, sp rank {rank} {len(b)}"

@@ -14,6 +14,16 @@ when ``P`` divides ``kv``: splitting them the same way keeps each query head wit
 not (``kv < P`` included), each key/value head is first repeated ``k`` times (``k`` the smallest divisor of ``g``
 with ``P | kv * k``): still a valid grouped layout, ``g / k`` query heads per key/value head, at ``k`` times the
 key/value bytes. ``h`` itself must divide by ``P``.
+
+[Note: Ulysses under tensor parallelism]
+With tensor parallelism the q/k/v projections are column-parallel (Megatron): tp rank ``t`` holds query heads
+``[t * h/tp, (t + 1) * h/tp)`` and the key/value heads they read, for its tokens' slice of the sequence, and its
+attention sees only those. Ulysses then runs inside each tensor-parallel rank's heads: the sp group of a rank is the
+ranks with the same tp rank (and dp rank), which hold the same heads for the other slices, and the all-to-all trades
+the sequence split for a split of those ``h/tp`` local heads. Everything above applies with ``h/tp`` and ``kv/tp``
+in place of ``h`` and ``kv``: ``P`` must divide ``h/tp``, and key/value heads fewer than ``P`` per tp rank are
+repeated. Nothing else changes: the output projection (row-parallel) sums the tp ranks' heads per token as without
+sequence parallelism, on each rank's slice of the sequence.
 """
 
 from __future__ import annotations
@@ -30,15 +40,19 @@ from shardtrain.errors import ConfigError
 from shardtrain.sequence_parallel.all_to_all import all_to_all
 
 
-def kv_repeats(heads: int, kv_heads: int, p: int) -> int:
+def kv_repeats(heads: int, kv_heads: int, p: int, tp: int = 1) -> int:
     """How many times each key/value head is repeated before the exchange (see [Note: key/value heads under
-    Ulysses])."""
+    Ulysses]). ``heads``, ``kv_heads``: those one tensor-parallel rank holds (the model's at ``tp`` 1)."""
     if heads % p:
+        held = f"the {heads} attention heads"
+        if tp > 1:
+            held += f" a tensor-parallel rank holds ({heads * tp} / tensor_parallel.size {tp})"
         raise ConfigError(
-            f"sequence_parallel_size {p} does not divide the {heads} attention heads: Ulysses gives each rank of a "
-            f"sequence-parallel group heads / size heads; choose a size that divides {heads}"
+            f"sequence_parallel_size {p} does not divide {held}: Ulysses gives each rank of a sequence-parallel "
+            f"group heads / size of them; choose a sequence_parallel_size that divides {heads}"
+            + (" (or another tensor_parallel.size)" if tp > 1 else "")
         )
-    if heads % kv_heads:
+    if kv_heads < 1 or heads % kv_heads:
         raise ConfigError(f"{heads} query heads are not a multiple of the {kv_heads} key/value heads")
     group = heads // kv_heads
     return next(k for k in range(1, group + 1) if group % k == 0 and (kv_heads * k) % p == 0)
@@ -77,18 +91,21 @@ class _HeadsView:
 _counter = itertools.count()
 
 
-def install_hf(model: nn.Module, comm: Communicator) -> str:
+def install_hf(model: nn.Module, comm: Communicator, tp: int = 1) -> str:
     """Route ``model``'s attention through Ulysses around its current implementation; returns the registered
-    name. transformers builds no mask for a name it has no mask function for: after the exchange a rank holds whole
-    sequences, so sdpa's own causal attention (the module's ``is_causal``) is the global one, and eager attention is
-    given the whole sequence's causal mask; padding masks are refused before the forward
-    (:mod:`shardtrain.sequence_parallel.inputs`)."""
+    name. ``tp``: the tensor-parallel size (each rank holds ``1/tp`` of the heads, [Note: Ulysses under tensor
+    parallelism]). transformers builds no mask for a name it has no mask function for: after the exchange a rank
+    holds whole sequences, so sdpa's own causal attention (the module's ``is_causal``) is the global one, and eager
+    attention is given the whole sequence's causal mask. A padding (or packing) mask reaches it as the whole
+    sequence's ``[b, 1, S, S]`` mask the engine built before the split ([Note: masks under Ulysses] in
+    :mod:`shardtrain.sequence_parallel.inputs`)."""
     from transformers import AttentionInterface
 
     config = model.config
     heads = getattr(config, "num_attention_heads", None)
     if isinstance(heads, int):  # refused at initialize rather than at the first forward
-        kv_repeats(heads, getattr(config, "num_key_value_heads", None) or heads, comm.size)
+        kv = getattr(config, "num_key_value_heads", None) or heads
+        kv_repeats(heads // tp, max(kv // tp, 1), comm.size, tp)
     inner_name = config._attn_implementation or "sdpa"
     if inner_name.startswith("shardtrain_ulysses"):
         raise ConfigError(f"{type(model).__name__} already runs Ulysses attention: initialize it once")
@@ -112,8 +129,12 @@ def install_hf(model: nn.Module, comm: Communicator) -> str:
 
         def attend(q, k, v):
             view = _HeadsView(module, q.shape[1] // k.shape[1])
-            # sdpa makes the causal mask itself from the module's is_causal (no mask given); eager only adds one
-            mask = _causal_mask(q) if inner_name == "eager" and getattr(module, "is_causal", True) else None
+            if attention_mask is not None:  # the whole sequence's, built before the split
+                mask = _whole_mask_for(attention_mask, q, inner_name)
+            elif inner_name == "eager" and getattr(module, "is_causal", True):
+                mask = _causal_mask(q)  # sdpa makes the causal mask itself (no mask given); eager only adds one
+            else:
+                mask = None
             out, _ = inner(view, q, k, v, mask, dropout=dropout, scaling=scaling, **kwargs)
             return out
 
@@ -133,6 +154,21 @@ def _causal_mask(q: torch.Tensor) -> torch.Tensor:
     return torch.zeros(s, s, dtype=q.dtype, device=q.device).masked_fill(future, torch.finfo(q.dtype).min)[None, None]
 
 
+def _whole_mask_for(mask: torch.Tensor, q: torch.Tensor, inner_name: str) -> torch.Tensor:
+    """The whole sequence's mask ``[b, 1, S, S]`` as the inner attention takes it: booleans for sdpa, the additive
+    form (0 or the dtype's minimum, as transformers' ``eager_mask``) for eager."""
+    s = q.shape[2]
+    if mask.dim() != 4 or tuple(mask.shape[-2:]) != (s, s):
+        raise ConfigError(
+            f"the attention mask reaching Ulysses attention has shape {tuple(mask.shape)}, not the whole sequence's "
+            f"[batch, 1, {s}, {s}]: pass the model's attention_mask to the engine (which builds the whole mask), not a "
+            "mask made for a slice"
+        )
+    if inner_name == "eager" and mask.dtype == torch.bool:
+        return torch.where(mask, torch.zeros((), dtype=q.dtype, device=q.device), torch.finfo(q.dtype).min)
+    return mask
+
+
 def _eager_of(model: nn.Module) -> Callable:
     import importlib
 
@@ -146,14 +182,15 @@ def _eager_of(model: nn.Module) -> Callable:
 
 
 # -- the project's GPT -----------------------------------------------------------------------------------------------
-def install_gpt(model: nn.Module, comm: Communicator) -> int:
+def install_gpt(model: nn.Module, comm: Communicator, tp: int = 1) -> int:
     """Replace each ``CausalSelfAttention.attention`` of the project's GPT by its Ulysses form; returns how many."""
     from shardtrain.models.gpt import CausalSelfAttention
 
     count = 0
     for name, m in model.named_modules():
         if isinstance(m, CausalSelfAttention):
-            kv_repeats(m.n_head, m.n_head, comm.size)  # refused at initialize rather than at the first forward
+            # refused at initialize rather than at the first forward
+            kv_repeats(m.n_head // tp, m.n_head // tp, comm.size, tp)
             inner = m.attention  # the bound method: [b, h, s, d] x3 -> [b, h, s, d]
 
             def attend(q, k, v, inner=inner):
@@ -167,13 +204,14 @@ def install_gpt(model: nn.Module, comm: Communicator) -> int:
     return count
 
 
-def install(model: nn.Module, comm: Communicator) -> None:
-    """Ulysses attention in ``model``: a transformers model or the project's GPT; anything else is refused."""
+def install(model: nn.Module, comm: Communicator, tp: int = 1) -> None:
+    """Ulysses attention in ``model``: a transformers model or the project's GPT; anything else is refused.
+    ``tp``: the tensor-parallel size the model was already split with."""
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "_attn_implementation"):
-        install_hf(model, comm)
+        install_hf(model, comm, tp)
         return
-    if install_gpt(model, comm):
+    if install_gpt(model, comm, tp):
         return
     raise ConfigError(
         f"sequence_parallel_size > 1 needs to reach the attention of {type(model).__name__}: built for transformers "
