@@ -2,7 +2,9 @@
 
     all_to_all.py  the all-to-all trading a sequence split for a head split, and the loss's sum, as autograd Functions
     ulysses.py     attention around the exchange; plugged into transformers models and the project's GPT
-    inputs.py      what the engine does to a forward's inputs (split, shifted labels, positions) and its loss
+    inputs.py      what the engine does to a forward's inputs (split, shifted labels, positions, masks) and its loss
+    tiling.py      ALST's tiled loss and tiled MLP (``tiled_logits_loss``, ``tiled_mlp_compute``), with or without
+                   sequence parallelism
 
 The mesh axis is in :mod:`shardtrain.mesh` ([Note: the sequence axis]).
 """
