@@ -5,8 +5,8 @@ What each file holds and the manifest it becomes: [Note: DeepSpeed checkpoints a
 
 Reading: every file is opened through :func:`~shardtrain.checkpoint.deepspeed_pickle.load_deepspeed_file`
 (allow-listed, memory-mapped) and kept open; a read copies only the elements asked for, so a rank's memory grows by
-the tensors it asks for. Tensor-parallel checkpoints (``mp_rank_01`` and up) are read where AutoTP recorded how
-each parameter was split ([Note: DeepSpeed tensor parallelism]).
+the tensors it asks for. Tensor-parallel checkpoints (``mp_rank_01`` and up, ZeRO stages 0-3) are read where
+AutoTP recorded how each parameter was split ([Note: DeepSpeed tensor parallelism]).
 """
 
 from __future__ import annotations
