@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from shardtrain.checkpoint.deepspeed_format import DeepSpeedLayout, _Source, find_deepspeed_dir
-from shardtrain.checkpoint.format import FlatSlice, Piece, Slice, TensorEntry, numel
+from shardtrain.checkpoint.format import FlatSlice, Piece, Slice, TensorEntry, numel, slice_destination
 from shardtrain.checkpoint.runs import SegmentCopier, intersect
 from shardtrain.errors import CheckpointError
 
@@ -87,11 +87,7 @@ class DeepSpeedReader(DeepSpeedLayout):
         files (only the pieces that share elements with it, only those elements)."""
         entry = self.manifest.resolve(name)
         shape = entry.global_shape
-        try:
-            slice.validate(shape)
-        except CheckpointError as err:
-            raise CheckpointError(f"tensor {entry.name!r}: cannot read {slice}: {err}") from None
-        out = torch.empty(slice.piece_shape(shape), dtype=dtype or entry.torch_dtype)
+        out = slice_destination(entry, slice, dtype)
         target = slice.run_table(shape)
         if target.count == 0:
             return out
