@@ -6,7 +6,9 @@ What DeepSpeed writes (checked here, [Note: DeepSpeed stage 0 with TP] and [Note
 ``deepspeed_format.py``): at stage 0 one ``mp_rank_<tp>_model_states.pt`` per tensor-parallel rank, each a whole
 stage-0 file of that rank's shards (``param_shapes`` is None); at stage 3 one ``zero_pp_rank_<dp>_mp_rank_<tp>``
 model-states and optimizer file per rank, each tensor-parallel rank's shards partitioned over the data-parallel
-ranks as without tensor parallelism. Every model-states file records the ``affine_map`` of the split.
+ranks as without tensor parallelism. Every model-states file records the ``affine_map`` of the split. Two
+parameters are frozen, one split (a column-parallel weight) and one replicated (the embedding): each tensor-parallel
+rank's files hold its block of a split one; their truth is the model's initial values.
 
 The truth for the weights and moments read: at stage 3, DeepSpeed's own reassembly (``ds_to_universal``, which
 merges the tensor-parallel slices), bitwise; at stage 0, which ``ds_to_universal`` does not read, the shards each
@@ -22,6 +24,7 @@ import torch
 from safetensors.torch import load_file
 
 from ds_helpers import (
+    AUTOTP_FROZEN,
     TP_SAVE_AT,
     TP_STEPS,
     autotp_name,
@@ -65,6 +68,15 @@ def _assert_bitwise(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).contiguous().view(torch.uint8)), what
 
 
+def _assert_frozen_are_initial(reader) -> None:
+    """The frozen parameters (one split by tensor parallelism, one replicated) are the model's initial values,
+    whole, and have no optimizer state."""
+    initial = dict(tiny_llama().named_parameters())
+    for name in AUTOTP_FROZEN:
+        _assert_bitwise(reader.read(f"model/{name}"), initial[name].detach(), name)
+        assert f"optim/{name}/exp_avg" not in reader.manifest.tensors
+
+
 def test_stage3_weights_and_moments_are_deepspeeds_own(autotp_checkpoints, tmp_path):
     root, _ = autotp_checkpoints
     ckpt = root / autotp_name(3)
@@ -73,7 +85,8 @@ def test_stage3_weights_and_moments_are_deepspeeds_own(autotp_checkpoints, tmp_p
     assert (topology["tp"], topology["dp"], topology["zero_stage"]) == (2, 1, 3)
     tag = (ckpt / "latest").read_text().strip()
     ref = ds_to_universal(str(ckpt / tag), str(tmp_path / "universal"))
-    assert set(ref) == set(_logical_shapes())
+    assert set(ref) == set(_logical_shapes()) - set(AUTOTP_FROZEN)
+    _assert_frozen_are_initial(reader)
     for name, states in ref.items():
         _assert_bitwise(reader.read(f"model/{name}"), states["fp32"], name)
         for k in ("exp_avg", "exp_avg_sq"):
@@ -97,12 +110,16 @@ def test_stage0_weights_and_moments_are_the_engines_shards(autotp_checkpoints):
     reader = open_checkpoint(root / name)
     topology = reader.objects["engine/topology"]
     assert (topology["tp"], topology["dp"], topology["zero_stage"]) == (2, 1, 0)
+    _assert_frozen_are_initial(reader)
     by_tp = sorted((r[name] for r in runs if r[name]["dp_rank"] == 0), key=lambda r: r["tp_rank"])
     for pname, shape in _logical_shapes().items():
         for kind, key in (("param", f"model/{pname}"), ("exp_avg", f"optim/{pname}/exp_avg")):
+            if kind == "exp_avg" and pname in AUTOTP_FROZEN:
+                continue
             want = _side_by_side([r["shards"][kind][pname] for r in by_tp], shape)
             _assert_bitwise(reader.read(key), want, key)
-        assert reader.read(f"optim/{pname}/step").item() == TP_SAVE_AT
+        if pname not in AUTOTP_FROZEN:
+            assert reader.read(f"optim/{pname}/step").item() == TP_SAVE_AT
     # each split parameter is read from both ranks' files, a replicated one from rank 0's
     lm_head = reader.manifest.resolve("model/lm_head.weight").pieces
     assert sorted(p.file for p in lm_head) == ["mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"]
@@ -117,7 +134,7 @@ def test_objects_carry_over(autotp_checkpoints, stage):
     assert objects["engine/counters"]["global_step"] == TP_SAVE_AT
     assert objects["engine/scheduler"]["last_epoch"] == TP_SAVE_AT  # the torch LambdaLR's own state dict
     assert objects["client_state"]["epoch"] == 3 and torch.equal(objects["client_state"]["ids"], torch.arange(4))
-    assert [len(g["params"]) for g in objects["optimizer/param_groups"]] == [len(_logical_shapes())]
+    assert [len(g["params"]) for g in objects["optimizer/param_groups"]] == [len(_logical_shapes()) - 2]
 
 
 def test_resume_at_data_parallel_3_equals_deepspeed_continuation(autotp_checkpoints):
@@ -232,3 +249,21 @@ def test_soak_bf16(autotp_bf16_checkpoints, tmp_path):
         assert open_checkpoint(root / name).read("model/lm_head.weight").dtype == torch.float32
         got = run_distributed(resume_autotp, world, str(root), name, load_stage, 1, True, "bf16", timeout=300)[0]
         assert got["losses"] == pytest.approx(runs[0][name]["after"], rel=2e-3), (got["losses"], runs[0][name])
+
+
+@pytest.fixture(scope="module")
+def autotp_stage12_checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("autotp12")
+    return root, run_distributed(write_autotp_checkpoints, 2, str(root), [1, 2], timeout=600)
+
+
+@pytest.mark.soak
+@pytest.mark.parametrize("stage", [1, 2])
+def test_soak_stage12_frozen_split_parameter(autotp_stage12_checkpoints, stage):
+    """Stages 1-2 keep a frozen parameter in each tensor-parallel rank's module (1) or ``frozen_param_fragments``
+    (2): a split one is put together from both ranks (it was read as rank 0's shard, of the wrong shape)."""
+    root, runs = autotp_stage12_checkpoints
+    name = autotp_name(stage)
+    _assert_frozen_are_initial(open_checkpoint(root / name))
+    got = run_distributed(resume_autotp, 3, str(root), name, 3, timeout=300)[0]["losses"]
+    assert got == pytest.approx(runs[0][name]["after"], rel=RTOL)

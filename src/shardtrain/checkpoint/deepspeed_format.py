@@ -197,7 +197,9 @@ class DeepSpeedLayout:
                     "some are missing"
                 )
         self.optim_files = [optim_files[0][r] for r in sorted(optim_files[0])]
-        blocks = self._tp_blocks(main, 0) if len(mp_ranks) > 1 else {}
+        # per tensor-parallel rank: parameter name -> (its block there, or None when replicated; the logical shape)
+        all_blocks = {m: self._tp_blocks(self._file(self._model_name(m)), m) for m in mp_ranks} if mp_ranks[1:] else {}
+        blocks = all_blocks.get(0, {})
         module = main["module"]
         if not isinstance(module, dict):
             raise CheckpointError(f"{where}: 'module' is a {type(module).__name__}, not a state dict")
@@ -214,56 +216,43 @@ class DeepSpeedLayout:
             for m in mp_ranks[1:]:
                 files = [optim_files[m][r] for r in sorted(optim_files[m])]
                 other = self._file(self._model_name(m))
-                self._zero_pieces(other, tensors, shapes, dtypes, groups, kinds, m, files, self._tp_blocks(other, m))
+                self._zero_pieces(other, tensors, shapes, dtypes, groups, kinds, m, files, all_blocks[m])
         else:
             stage, world = 0, int(main.get("dp_world_size") or 1)
             self._optim_shapes = {}
             for m in mp_ranks:  # every tensor-parallel rank's module and optimizer: [Note: DeepSpeed stage 0 with TP]
                 other = main if m == 0 else self._file(self._model_name(m))
-                found = self._stage0_pieces(
-                    other, tensors, shapes, dtypes, groups, kinds, m, self._tp_blocks(other, m) if m else blocks
-                )
+                found = self._stage0_pieces(other, tensors, shapes, dtypes, groups, kinds, m, all_blocks.get(m))
                 if m == 0:
                     shared.update(found)
         self.stage = stage
-        # everything not stepped by the optimizer: buffers and frozen parameters
+        # everything not stepped by the optimizer: buffers and frozen parameters. A frozen parameter that tensor
+        # parallelism splits is in every tensor-parallel rank's files, each holding its block.
         frozen_shapes = main.get("frozen_param_shapes") or {}
         for name, value in module.items():
             if name in shapes or name in shared:
                 continue
-            if blocks.get(name, (None,))[0] is not None:
-                raise CheckpointError(
-                    f"{where}: parameter {name!r} is split by tensor parallelism but not stepped by the optimizer "
-                    "(frozen, or a stage 0 optimizer whose parameters could not be matched to the module's); such "
-                    "parameters are not read from tensor-parallel DeepSpeed checkpoints"
-                )
+            block, logical = blocks.get(name, (None, None))
+            tp_ranks = mp_ranks if block is not None else [0]
             if name in frozen_shapes:
-                shape = tuple(frozen_shapes[name])
-                if stage == 3:
-                    n, per = math.prod(shape), -(-math.prod(shape) // world)
-                    for r in range(world):
-                        length = max(0, min(per, n - r * per))
-                        file = f"zero_pp_rank_{r}_mp_rank_00_model_states.pt"
+                local = tuple(frozen_shapes[name])
+                n = math.prod(local)
+                per = -(-n // world)
+                for m in tp_ranks:
+                    if stage == 3:  # each data-parallel rank's fragment, as a trainable parameter's
+                        spans = [
+                            (self._model_name(m, r), FlatSlice(r * per, max(0, min(per, n - r * per))))
+                            for r in range(world)
+                        ]
+                    else:
+                        spans = [(self._model_name(m), FlatSlice(0, n))]
+                    mine = all_blocks[m][name][0] if block is not None else None
+                    for file, w in spans:
                         self._piece(
-                            tensors,
-                            f"model/{name}",
-                            file,
-                            ("frozen_param_fragments", name),
-                            0,
-                            FlatSlice(r * per, length),
+                            tensors, f"model/{name}", file, ("frozen_param_fragments", name), 0, _within(mine, w)
                         )
-                    dtypes[name] = self._tensor(_Source(main_name, ("frozen_param_fragments", name), 0)).dtype
-                else:
-                    self._piece(
-                        tensors,
-                        f"model/{name}",
-                        main_name,
-                        ("frozen_param_fragments", name),
-                        0,
-                        FlatSlice(0, math.prod(shape)),
-                    )
-                    dtypes[name] = self._tensor(_Source(main_name, ("frozen_param_fragments", name), 0)).dtype
-                shapes[name] = shape
+                dtypes[name] = self._tensor(_Source(main_name, ("frozen_param_fragments", name), 0)).dtype
+                shapes[name] = logical or local
                 continue
             if not torch.is_tensor(value):
                 raise CheckpointError(f"{where}: module entry {name!r} is a {type(value).__name__}, not a tensor")
@@ -272,10 +261,19 @@ class DeepSpeedLayout:
                     f"{where}: parameter {name!r} is neither in the optimizer's partitions nor saved as a frozen "
                     "parameter (saved with exclude_frozen_parameters=True?); it cannot be loaded from this checkpoint"
                 )
-            shapes[name] = tuple(value.shape)
+            shapes[name] = logical or tuple(value.shape)
             # buffers come back in fp32, as zero_to_fp32 gives them
             dtypes[name] = torch.float32 if name in buffers and value.is_floating_point() else value.dtype
-            self._piece(tensors, f"model/{name}", main_name, ("module", name), 0, FlatSlice(0, value.numel()))
+            for m in tp_ranks:
+                mine = all_blocks[m][name][0] if block is not None else None
+                self._piece(
+                    tensors,
+                    f"model/{name}",
+                    self._model_name(m),
+                    ("module", name),
+                    0,
+                    _within(mine, FlatSlice(0, value.numel())),
+                )
         aliases: dict[str, list[str]] = {}
         for alias, target in shared.items():
             if f"model/{target}" in tensors and f"model/{alias}" not in tensors:
@@ -456,13 +454,22 @@ class DeepSpeedLayout:
                 "DeepSpeed); convert it with DeepSpeed's ds_to_universal first"
             )
         patterns = [(re.compile(k), v) for k, v in amap.items()]
-        param_shapes = main.get("param_shapes")
-        if isinstance(param_shapes, list):
-            local_shapes = {name: tuple(shape) for group in param_shapes for name, shape in group.items()}
-        else:  # stage 0 saves no param_shapes: the module holds every parameter's shard whole
-            buffers = set(main.get("buffer_names") or ())
-            module = main.get("module") or {}
-            local_shapes = {n: tuple(t.shape) for n, t in module.items() if n not in buffers and torch.is_tensor(t)}
+        # every parameter's shard shape: the optimizer's (param_shapes; stage 0 saves none), the frozen ones'
+        # (frozen_param_shapes, stages 2-3), and the module's (stages 0-1 hold every shard whole there; at stage 3
+        # its entries are empty placeholders). Tied aliases are not parameters of their own.
+        local_shapes: dict[str, tuple[int, ...]] = {}
+        for group in main.get("param_shapes") or []:
+            local_shapes.update((name, tuple(shape)) for name, shape in group.items())
+        local_shapes.update((n, tuple(s)) for n, s in (main.get("frozen_param_shapes") or {}).items())
+        skip = set(main.get("buffer_names") or ()) | set(main.get("shared_params") or {})
+        seen: set[tuple] = set()
+        for name, t in (main.get("module") or {}).items():
+            if name in skip or not torch.is_tensor(t) or t.numel() == 0:
+                continue
+            ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+            if ident not in seen and name not in local_shapes:  # a second name of the same tensor: tied (stage 0)
+                local_shapes[name] = tuple(t.shape)
+            seen.add(ident)
         out: dict[str, tuple[BlockSlice | None, tuple[int, ...]]] = {}
         for name, local in local_shapes.items():
             entry = next((v for pat, v in patterns if pat.fullmatch(name)), None)
@@ -698,6 +705,12 @@ def _block_of(
         raise CheckpointError(f"{refuse} (box {shape} at {src} of {logical}) is not one of equal blocks")
     d = dims[0]
     return BlockSlice(d, src // (shape[d] * contiguous[d]), logical[d] // shape[d]), logical
+
+
+def _within(block: BlockSlice | None, where: FlatSlice) -> Slice:
+    """``where``, a flat range of a tensor-parallel rank's shard, as a slice of the logical tensor: the same range
+    of block ``block`` (None: the shard is the whole tensor)."""
+    return where if block is None else BlockFlatSlice(block, where.start, where.length)
 
 
 def _match_in_order(
