@@ -13,8 +13,8 @@ rank's files hold its block of a split one; their truth is the model's initial v
 The truth for the weights and moments read: at stage 3, DeepSpeed's own reassembly (``ds_to_universal``, which
 merges the tensor-parallel slices), bitwise; at stage 0, which ``ds_to_universal`` does not read, the shards each
 DeepSpeed rank's engine held when it saved, put side by side, bitwise. Losses after the resume: within 1e-5
-relative of DeepSpeed's continuation; a fresh optimizer (the same weights) misses that by 40 times on the second
-step.
+relative of DeepSpeed's continuation (the one-process resume of stage 0 meets it exactly); a fresh optimizer (the
+same weights) misses it by about 90 times on the second step.
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def test_resume_at_data_parallel_3_equals_deepspeed_continuation(autotp_checkpoi
 def test_resume_in_one_process_equals_deepspeed_continuation_and_a_fresh_optimizer_does_not(autotp_checkpoints):
     """Stage 0, tensor parallel 2, into one process at stage 0. The comparison can tell: the same weights with a
     fresh optimizer and scheduler meet the first loss after the resume (no optimizer state touches it) and miss
-    the second by about 4e-4 relative, 40 times the tolerance."""
+    the second by about 9e-4 relative, 90 times the tolerance."""
     root, runs = autotp_checkpoints
     name = autotp_name(0)
     want = runs[0][name]["after"]
@@ -158,7 +158,7 @@ def test_resume_in_one_process_equals_deepspeed_continuation_and_a_fresh_optimiz
     assert got["losses"] == pytest.approx(want, rel=RTOL), (got["losses"], want)
     assert got["global_step"] == TP_STEPS and torch.equal(got["client_state"]["ids"], torch.arange(4))
     assert fresh["losses"][0] == pytest.approx(want[0], rel=RTOL)  # the weights are right
-    assert abs(fresh["losses"][1] - want[1]) / want[1] > 20 * RTOL, (fresh["losses"], want)
+    assert abs(fresh["losses"][1] - want[1]) / want[1] > 40 * RTOL, (fresh["losses"], want)
 
 
 @pytest.mark.parametrize("stage", [0, 3])
