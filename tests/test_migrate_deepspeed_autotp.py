@@ -165,13 +165,17 @@ def test_resume_in_one_process_equals_deepspeed_continuation_and_a_fresh_optimiz
 def test_cli_inspect_and_consolidate(autotp_checkpoints, stage, tmp_path, capsys):
     root, _ = autotp_checkpoints
     src = root / autotp_name(stage)
-    assert main(["checkpoint", "inspect", str(src)]) == 0
+    assert main(["checkpoint", "inspect", str(src), "--verify"]) == 0
     out = capsys.readouterr().out
     assert "model/lm_head.weight" in out and "optim/model.layers.0.mlp.down_proj.weight/exp_avg" in out
+    assert "every piece found" in out
+    reader = open_checkpoint(src)
+    done: list[int] = []
+    assert reader.verify(done.append) == []
+    assert sum(done) == sum(e.nbytes for e in reader.manifest.tensors.values())  # progress counts every byte
     dest = tmp_path / "out"
     assert main(["checkpoint", "consolidate", str(src), str(dest), "--no-progress"]) == 0
     written = load_file(dest / "model.safetensors")
-    reader = open_checkpoint(src)
     shapes = _logical_shapes()
     assert set(written) == set(shapes)
     for name, t in written.items():
