@@ -381,3 +381,175 @@ def resume_fp16(root: str, stage: int) -> dict:
 
     losses, scales = _train_fp16(step, range(FP16_SAVE_AT, FP16_STEPS), dp, engine.topology.dp_rank)
     return {"losses": losses, "scales": scales, "loaded_scale": loaded_scale}
+
+
+# -- DeepSpeed AutoTP at every ZeRO stage (tensor parallel x data parallel), and its resume ---------------------------
+AUTOTP_ROWS = 6  # the global batch: 6, 3, 2 rows per data-parallel rank at 1, 2, 3 of them
+
+
+def autotp_batches() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(0, 64, (AUTOTP_ROWS, 8), generator=g) for _ in range(TP_STEPS)]
+
+
+def autotp_name(stage: int, dtype: str = "fp32") -> str:
+    return f"autotp_stage{stage}_{dtype}"
+
+
+def _llama_steps(call, steps: range, dp: int, dp_rank: int) -> list[float]:
+    """The global loss of each step; data-parallel rank ``dp_rank`` of ``dp`` takes its rows of the global batch
+    (the ranks of one tensor-parallel group take the same rows)."""
+    rows = AUTOTP_ROWS // dp
+    losses = []
+    for x in autotp_batches()[steps.start : steps.stop]:
+        mine = x[dp_rank * rows : (dp_rank + 1) * rows]
+        # every rank of a data-parallel rank's tensor-parallel group has its loss: the mean over all ranks is
+        # the mean over data-parallel ranks
+        losses.append(_global_mean(call(mine)))
+    return losses
+
+
+# frozen in the AutoTP tests: a column-parallel weight (split) and the embedding (replicated); their shapes keep
+# a stage-0 checkpoint's optimizer parameters matchable to the module's (a frozen LayerNorm weight would not)
+AUTOTP_FROZEN = ("model.layers.0.self_attn.q_proj.weight", "model.embed_tokens.weight")
+
+
+def _freeze(model: nn.Module, frozen: tuple[str, ...]) -> list[nn.Parameter]:
+    for name in frozen:
+        model.get_parameter(name).requires_grad_(False)
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def write_autotp_checkpoints(
+    root: str, stages: list[int], tp: int = 2, dtype: str = "fp32", frozen: tuple[str, ...] = AUTOTP_FROZEN
+) -> dict:
+    """On every rank: DeepSpeed AutoTP (``tp`` ranks per tensor-parallel group, the world's other factor data
+    parallel) at each ZeRO stage of ``stages``: train :data:`TP_SAVE_AT` steps with a warm-up LambdaLR, save to
+    ``root/autotp_stage<s>_<dtype>`` with a client state, and go on to :data:`TP_STEPS`; the parameters named in
+    ``frozen`` are not trained. Returns per stage the
+    global losses before and after the save and, for this rank, its tensor-parallel rank and the shards its engine
+    held at the save (parameters and ``exp_avg``, cloned; fp32 stage 0 only, where the optimizer steps the module's
+    own parameters)."""
+    import deepspeed
+
+    world = dist.get_world_size()
+    dp, dp_rank, tp_rank = world // tp, dist.get_rank() // tp, dist.get_rank() % tp  # DeepSpeed's (dp, tp) mesh
+    out = {}
+    for stage in stages:
+        model = tiny_llama()
+        trainable = _freeze(model, frozen)
+        config = {
+            "train_micro_batch_size_per_gpu": AUTOTP_ROWS // dp,
+            "gradient_clipping": CLIP,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD, "torch_adam": True}},
+            "zero_optimization": {"stage": stage},
+            "tensor_parallel": {"autotp_size": tp},
+            "steps_per_print": 10**6,
+        }
+        if dtype != "fp32":
+            config[dtype] = {"enabled": True}
+        with contextlib.redirect_stdout(io.StringIO()):
+            engine, *_ = deepspeed.initialize(
+                model=model,
+                model_parameters=trainable,
+                config=config,
+                lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda),
+            )
+
+        def step(x, engine=engine):
+            loss = engine(input_ids=x, labels=x).loss
+            engine.backward(loss)
+            engine.step()
+            return float(loss.detach().float())
+
+        before = _llama_steps(step, range(TP_SAVE_AT), dp, dp_rank)
+        name = autotp_name(stage, dtype)
+        engine.save_checkpoint(str(Path(root) / name), client_state={"epoch": 3, "ids": torch.arange(4)})
+        shards: dict[str, dict[str, torch.Tensor]] = {"param": {}, "exp_avg": {}}
+        if stage == 0 and dtype == "fp32":
+            state = engine.optimizer.state
+            for pname, p in engine.module.named_parameters():
+                shards["param"][pname] = p.detach().clone()
+                if p.requires_grad:
+                    shards["exp_avg"][pname] = state[p]["exp_avg"].clone()
+        after = _llama_steps(step, range(TP_SAVE_AT, TP_STEPS), dp, dp_rank)
+        out[name] = {"before": before, "after": after, "tp_rank": tp_rank, "dp_rank": dp_rank, "shards": shards}
+        del engine
+    return out
+
+
+def resume_autotp(
+    root: str,
+    name: str,
+    stage: int,
+    tp: int = 1,
+    load_optimizer_states: bool = True,
+    dtype: str = "fp32",
+    frozen: tuple[str, ...] = AUTOTP_FROZEN,
+) -> dict:
+    """On every rank: a shardtrain engine (another seed; tensor parallel ``tp`` with the model's own plan, data
+    parallel over the rest; ``dtype`` fp32 or bf16) loads the AutoTP checkpoint ``root/name`` and trains the steps
+    after the save (``frozen``: as the DeepSpeed run froze them)."""
+    import warnings
+
+    import shardtrain
+
+    model = tiny_llama(seed=1)
+    opt = torch.optim.AdamW(_freeze(model, frozen), lr=LR, weight_decay=WD)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+    dp = dist.get_world_size() // tp
+    config = {
+        "train_micro_batch_size_per_gpu": AUTOTP_ROWS // dp,
+        "gradient_clipping": CLIP,
+        "zero_optimization": {"stage": stage},
+        "tensor_parallel": {"size": tp},
+    }
+    if dtype != "fp32":
+        config[dtype] = {"enabled": True}
+    engine = shardtrain.initialize(model, config=config, optimizer=opt, lr_scheduler=sched)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "per-rank RNG states are not restored": DeepSpeed saves none
+        client = engine.load_checkpoint(str(Path(root) / name), load_optimizer_states=load_optimizer_states)
+
+    def step(x):
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        return float(loss.detach().float())
+
+    losses = _llama_steps(step, range(TP_SAVE_AT, TP_STEPS), dp, engine.topology.dp_rank)
+    return {"losses": losses, "client_state": client, "global_step": engine.global_step, "lr": engine.get_lr()}
+
+
+def ds_to_universal(tag_dir: str, out: str) -> dict[str, dict[str, torch.Tensor]]:
+    """DeepSpeed's own reassembly of a ZeRO checkpoint, tensor parallelism included (``ds_to_universal``, in this
+    process: one worker each): per parameter name, its whole ``fp32`` master and optimizer states."""
+    from argparse import Namespace
+
+    from deepspeed.checkpoint import ds_to_universal as convert
+
+    args = Namespace(
+        input_folder=tag_dir,
+        output_folder=out,
+        num_extract_workers=1,
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        # its strict check asserts that every name pattern of the tensor-parallel map was used, which a frozen
+        # parameter's pattern is not (frozen parameters have no optimizer fragments to merge)
+        strict=False,
+        inject_missing_state=False,
+    )
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        convert.main(args)
+    result: dict[str, dict[str, torch.Tensor]] = {}
+    for param_dir in sorted(p for p in (Path(out) / "zero").iterdir() if p.is_dir()):  # and optimizer_state.pt
+        result[param_dir.name] = {
+            f.stem: torch.load(f, map_location="cpu", weights_only=False)["param"] for f in param_dir.glob("*.pt")
+        }
+    return result
+
+
+def resume_autotp_with_and_without_optimizer(root: str, name: str, stage: int) -> tuple[dict, dict]:
+    """:func:`resume_autotp` (data parallel only) twice in the same processes: with the optimizer and scheduler
+    states, then with the weights alone (a fresh optimizer and scheduler)."""
+    return resume_autotp(root, name, stage), resume_autotp(root, name, stage, 1, False)

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
 from shardtrain.checkpoint.dcp_format import DcpContents, DcpTensorEntry, interpret, load_metadata
-from shardtrain.checkpoint.format import FlatSlice, Slice, check_coverage
+from shardtrain.checkpoint.format import FlatSlice, Slice, check_coverage, slice_destination
 from shardtrain.checkpoint.runs import RunTable, SegmentCopier, intersect
 from shardtrain.errors import CheckpointError
 
@@ -131,11 +131,7 @@ class DcpReader:
 
     def _read_slice(self, entry: DcpTensorEntry, slice: Slice, dtype: torch.dtype | None) -> torch.Tensor:
         shape = entry.global_shape
-        try:
-            slice.validate(shape)
-        except CheckpointError as err:
-            raise CheckpointError(f"tensor {entry.name!r}: cannot read {slice}: {err}") from None
-        out = torch.empty(slice.piece_shape(shape), dtype=dtype or entry.torch_dtype)
+        out = slice_destination(entry, slice, dtype)
         target = slice.run_table(shape)
         if target.count == 0:
             return out

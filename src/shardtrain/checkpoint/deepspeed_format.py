@@ -19,6 +19,10 @@ unchanged on it. What DeepSpeed writes, and the piece each part becomes:
 * stage 0: the model-states file's ``module`` holds the weights and ``optimizer`` the optimizer's state dict (with
   bf16/fp16, a wrapper holding the fp32 masters per parameter, ``fp32_groups``, or per group, ``fp32_groups_flat``);
   no parameter names are saved with it, so the optimizer's parameters are matched to the module's in order;
+* tensor parallelism (AutoTP): each tensor-parallel rank ``t`` writes the files above for its own shards, named
+  ``mp_rank_<t>`` (``zero_pp_rank_<r>_mp_rank_<t>`` at stages 1-3), with the same layout inside; a split parameter
+  is then the pieces of every rank's files, each inside that rank's block ([Note: DeepSpeed tensor parallelism],
+  [Note: DeepSpeed stage 0 with TP]);
 * everywhere: buffers (``buffer_names``) from ``module`` (fp32 like ``zero_to_fp32``), frozen parameters from
   ``frozen_param_fragments`` (stages 2-3) or ``module`` (stages 0-1), tied parameters from ``shared_params`` (an
   alias of the entry holding the data).
@@ -174,8 +178,8 @@ class DeepSpeedLayout:
         mp_ranks = sorted({int(_MODEL_FILE.match(f).group(2)) for f in model_files})
         if mp_ranks != list(range(len(mp_ranks))):
             raise CheckpointError(f"{d}: model-states files of tensor-parallel ranks {mp_ranks}: some are missing")
-        z3 = [f for f in model_files if f.startswith("zero_pp_rank_")]
-        main_name = "zero_pp_rank_0_mp_rank_00_model_states.pt" if z3 else "mp_rank_00_model_states.pt"
+        self._z3_names = any(f.startswith("zero_pp_rank_") for f in model_files)
+        main_name = self._model_name(0)
         main = self._file(main_name)
         where = str(d / main_name)
         for key in ("module", "global_steps"):
@@ -193,12 +197,9 @@ class DeepSpeedLayout:
                     "some are missing"
                 )
         self.optim_files = [optim_files[0][r] for r in sorted(optim_files[0])]
-        blocks = self._tp_blocks(main, 0) if len(mp_ranks) > 1 else {}
-        if blocks and not self.optim_files:
-            raise CheckpointError(
-                f"{d}: a tensor-parallel DeepSpeed checkpoint without ZeRO optimizer files (stage 0); only stages 1 "
-                "and 2 are read with tensor parallelism"
-            )
+        # per tensor-parallel rank: parameter name -> (its block there, or None when replicated; the logical shape)
+        all_blocks = {m: self._tp_blocks(self._file(self._model_name(m)), m) for m in mp_ranks} if mp_ranks[1:] else {}
+        blocks = all_blocks.get(0, {})
         module = main["module"]
         if not isinstance(module, dict):
             raise CheckpointError(f"{where}: 'module' is a {type(module).__name__}, not a state dict")
@@ -214,49 +215,44 @@ class DeepSpeedLayout:
             stage, world = self._zero_pieces(main, tensors, shapes, dtypes, groups, kinds, blocks=blocks)
             for m in mp_ranks[1:]:
                 files = [optim_files[m][r] for r in sorted(optim_files[m])]
-                other = self._file(f"mp_rank_{m:02d}_model_states.pt")
-                self._zero_pieces(other, tensors, shapes, dtypes, groups, kinds, m, files, self._tp_blocks(other, m))
+                other = self._file(self._model_name(m))
+                self._zero_pieces(other, tensors, shapes, dtypes, groups, kinds, m, files, all_blocks[m])
         else:
             stage, world = 0, int(main.get("dp_world_size") or 1)
-            shared.update(self._stage0_pieces(main, module, buffers, tensors, shapes, dtypes, groups, kinds))
+            self._optim_shapes = {}
+            for m in mp_ranks:  # every tensor-parallel rank's module and optimizer: [Note: DeepSpeed stage 0 with TP]
+                other = main if m == 0 else self._file(self._model_name(m))
+                found = self._stage0_pieces(other, tensors, shapes, dtypes, groups, kinds, m, all_blocks.get(m))
+                if m == 0:
+                    shared.update(found)
         self.stage = stage
-        # everything not stepped by the optimizer: buffers and frozen parameters
+        # everything not stepped by the optimizer: buffers and frozen parameters. A frozen parameter that tensor
+        # parallelism splits is in every tensor-parallel rank's files, each holding its block.
         frozen_shapes = main.get("frozen_param_shapes") or {}
         for name, value in module.items():
             if name in shapes or name in shared:
                 continue
-            if blocks.get(name, (None,))[0] is not None:
-                raise CheckpointError(
-                    f"{where}: parameter {name!r} is split by tensor parallelism but not stepped by the optimizer "
-                    "(frozen); such parameters are not read from tensor-parallel DeepSpeed checkpoints"
-                )
+            block, logical = blocks.get(name, (None, None))
+            tp_ranks = mp_ranks if block is not None else [0]
             if name in frozen_shapes:
-                shape = tuple(frozen_shapes[name])
-                if stage == 3:
-                    n, per = math.prod(shape), -(-math.prod(shape) // world)
-                    for r in range(world):
-                        length = max(0, min(per, n - r * per))
-                        file = f"zero_pp_rank_{r}_mp_rank_00_model_states.pt"
+                local = tuple(frozen_shapes[name])
+                n = math.prod(local)
+                per = -(-n // world)
+                for m in tp_ranks:
+                    if stage == 3:  # each data-parallel rank's fragment, as a trainable parameter's
+                        spans = [
+                            (self._model_name(m, r), FlatSlice(r * per, max(0, min(per, n - r * per))))
+                            for r in range(world)
+                        ]
+                    else:
+                        spans = [(self._model_name(m), FlatSlice(0, n))]
+                    mine = all_blocks[m][name][0] if block is not None else None
+                    for file, w in spans:
                         self._piece(
-                            tensors,
-                            f"model/{name}",
-                            file,
-                            ("frozen_param_fragments", name),
-                            0,
-                            FlatSlice(r * per, length),
+                            tensors, f"model/{name}", file, ("frozen_param_fragments", name), 0, _within(mine, w)
                         )
-                    dtypes[name] = self._tensor(_Source(main_name, ("frozen_param_fragments", name), 0)).dtype
-                else:
-                    self._piece(
-                        tensors,
-                        f"model/{name}",
-                        main_name,
-                        ("frozen_param_fragments", name),
-                        0,
-                        FlatSlice(0, math.prod(shape)),
-                    )
-                    dtypes[name] = self._tensor(_Source(main_name, ("frozen_param_fragments", name), 0)).dtype
-                shapes[name] = shape
+                dtypes[name] = self._tensor(_Source(main_name, ("frozen_param_fragments", name), 0)).dtype
+                shapes[name] = logical or local
                 continue
             if not torch.is_tensor(value):
                 raise CheckpointError(f"{where}: module entry {name!r} is a {type(value).__name__}, not a tensor")
@@ -265,10 +261,19 @@ class DeepSpeedLayout:
                     f"{where}: parameter {name!r} is neither in the optimizer's partitions nor saved as a frozen "
                     "parameter (saved with exclude_frozen_parameters=True?); it cannot be loaded from this checkpoint"
                 )
-            shapes[name] = tuple(value.shape)
+            shapes[name] = logical or tuple(value.shape)
             # buffers come back in fp32, as zero_to_fp32 gives them
             dtypes[name] = torch.float32 if name in buffers and value.is_floating_point() else value.dtype
-            self._piece(tensors, f"model/{name}", main_name, ("module", name), 0, FlatSlice(0, value.numel()))
+            for m in tp_ranks:
+                mine = all_blocks[m][name][0] if block is not None else None
+                self._piece(
+                    tensors,
+                    f"model/{name}",
+                    self._model_name(m),
+                    ("module", name),
+                    0,
+                    _within(mine, FlatSlice(0, value.numel())),
+                )
         aliases: dict[str, list[str]] = {}
         for alias, target in shared.items():
             if f"model/{target}" in tensors and f"model/{alias}" not in tensors:
@@ -291,8 +296,10 @@ class DeepSpeedLayout:
         files = {}
         used = {p.file for e in entries.values() for p in e.pieces} | {main_name}
         for f in sorted(used):
-            rank = int((re.search(r"zero_pp_rank_(\d+)", f) or [0, 0])[1])
-            files[f] = FileEntry(f, rank, (d / f).stat().st_size)
+            # the rank that wrote it: DeepSpeed's mesh is (data parallel, tensor parallel), tensor parallel innermost
+            dp_rank = int((re.search(r"zero_pp_rank_(\d+)", f) or [0, 0])[1])
+            tp_rank = int((re.search(r"mp_rank_(\d+)", f) or [0, 0])[1])
+            files[f] = FileEntry(f, dp_rank * len(mp_ranks) + tp_rank, (d / f).stat().st_size)
         self._objects = self._make_objects(main, groups, kinds, stage, world, len(mp_ranks))
         return Manifest(
             version=FORMAT_VERSION,
@@ -447,20 +454,57 @@ class DeepSpeedLayout:
                 "DeepSpeed); convert it with DeepSpeed's ds_to_universal first"
             )
         patterns = [(re.compile(k), v) for k, v in amap.items()]
-        out: dict[str, tuple[BlockSlice | None, tuple[int, ...]]] = {}
+        # every parameter's shard shape: the optimizer's (param_shapes; stage 0 saves none), the frozen ones'
+        # (frozen_param_shapes, stages 2-3), and the module's (stages 0-1 hold every shard whole there; at stage 3
+        # its entries are empty placeholders). Tied aliases are not parameters of their own.
+        local_shapes: dict[str, tuple[int, ...]] = {}
         for group in main.get("param_shapes") or []:
-            for name, local in group.items():
-                entry = next((v for pat, v in patterns if pat.fullmatch(name)), None)
-                if entry is None:
-                    raise CheckpointError(f"{where}: the tensor-parallel map has no entry for parameter {name!r}")
-                out[name] = _block_of(name, entry, mp_rank, tuple(local), where)
+            local_shapes.update((name, tuple(shape)) for name, shape in group.items())
+        local_shapes.update((n, tuple(s)) for n, s in (main.get("frozen_param_shapes") or {}).items())
+        skip = set(main.get("buffer_names") or ()) | set(main.get("shared_params") or {})
+        seen: set[tuple] = set()
+        for name, t in (main.get("module") or {}).items():
+            if name in skip or not torch.is_tensor(t) or t.numel() == 0:
+                continue
+            ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+            if ident not in seen and name not in local_shapes:  # a second name of the same tensor: tied (stage 0)
+                local_shapes[name] = tuple(t.shape)
+            seen.add(ident)
+        out: dict[str, tuple[BlockSlice | None, tuple[int, ...]]] = {}
+        for name, local in local_shapes.items():
+            entry = next((v for pat, v in patterns if pat.fullmatch(name)), None)
+            if entry is None:
+                raise CheckpointError(f"{where}: the tensor-parallel map has no entry for parameter {name!r}")
+            out[name] = _block_of(name, entry, mp_rank, local, where)
         return out
 
-    def _stage0_pieces(self, main, module, buffers, tensors, shapes, dtypes, groups, kinds) -> dict[str, str]:
+    def _model_name(self, mp_rank: int, dp_rank: int = 0) -> str:
+        """The model-states file of a tensor-parallel rank: one per data-parallel rank at stage 3
+        (``zero_pp_rank_<dp>_mp_rank_<tp>``), one per tensor-parallel rank otherwise (``mp_rank_<tp>``)."""
+        if self._z3_names:
+            return f"zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_model_states.pt"
+        return f"mp_rank_{mp_rank:02d}_model_states.pt"
+
+    def _stage0_pieces(
+        self, main, tensors, shapes, dtypes, groups, kinds, mp_rank: int = 0, blocks=None
+    ) -> dict[str, str]:
         """Stage 0: weights from ``module``; the optimizer's parameters matched to the module's in order (no names
-        are saved). Returns the tied pairs found (alias -> name), which stage 0 does not record either."""
-        self._optim_shapes = {}
-        where = str(self.path / "mp_rank_00_model_states.pt")
+        are saved). Returns the tied pairs found (alias -> name), which stage 0 does not record either.
+
+        [Note: DeepSpeed stage 0 with TP]
+        With AutoTP every tensor-parallel rank writes a whole stage-0 file of its own (``mp_rank_<tp>``, written by
+        its first data-parallel rank): ``module`` holds its shards, ``optimizer`` the optimizer over them (and the
+        fp32 masters of a bf16/fp16 run), in the same parameter order on every rank. ``main`` is rank
+        ``mp_rank``'s file and ``blocks`` its blocks ([Note: DeepSpeed tensor parallelism]): a split parameter and
+        its element-wise states are one ``BlockSlice`` piece per rank; replicated ones, scalar states and the
+        param groups are read from rank 0."""
+        blocks = blocks or {}
+        file = self._model_name(mp_rank)
+        where = str(self.path / file)
+        module = main["module"]
+        if not isinstance(module, dict):
+            raise CheckpointError(f"{where}: 'module' is a {type(module).__name__}, not a state dict")
+        buffers = set(main.get("buffer_names") or ())
         shared: dict[str, str] = {}
         params: list[str] = []
         seen: dict[tuple, str] = {}
@@ -474,7 +518,7 @@ class DeepSpeedLayout:
             seen[ident] = name
             params.append(name)
         opt = main.get("optimizer")
-        if opt is None:
+        if opt is None or (mp_rank > 0 and not groups):  # rank 0 offered no optimizer state: neither do the others
             return shared
         if "optimizer_state_dict" in opt:  # bf16 / fp16 wrapper: fp32 masters beside the torch state dict
             inner = opt["optimizer_state_dict"]
@@ -484,6 +528,11 @@ class DeepSpeedLayout:
         saved_groups = inner["param_groups"]
         ids = [i for g in saved_groups for i in g["params"]]
         name_of = _match_in_order(ids, params, self._stage0_shapes(opt, inner, saved_groups), module)
+        if name_of is None and mp_rank > 0:
+            raise CheckpointError(
+                f"{where}: the optimizer's parameters of tensor-parallel rank {mp_rank} cannot be matched to its "
+                "module's as rank 0's were; the checkpoint is damaged or of a layout this reader does not know"
+            )
         if name_of is None:  # the match is not unique: the weights still load, the optimizer state does not
             warnings.warn(
                 f"{where}: a ZeRO stage 0 checkpoint's optimizer holds {len(ids)} of the model's {len(params)} "
@@ -493,15 +542,24 @@ class DeepSpeedLayout:
             )
             return shared
         for g, group in enumerate(saved_groups):
-            groups.append(
-                {**{k: v for k, v in group.items() if k != "params"}, "params": [name_of[i] for i in group["params"]]}
-            )
+            if mp_rank == 0:
+                groups.append(
+                    {
+                        **{k: v for k, v in group.items() if k != "params"},
+                        "params": [name_of[i] for i in group["params"]],
+                    }
+                )
             flat_offset = 0
             for j, i in enumerate(group["params"]):
                 name = name_of[i]
                 value = module[name]
                 shape, n = tuple(value.shape), value.numel()
-                shapes[name] = shape
+                block, logical = blocks.get(name, (None, shape))
+                at, flat_offset = flat_offset, flat_offset + n
+                if mp_rank > 0 and block is None:  # replicated over tensor parallelism: rank 0's copy
+                    continue
+                whole = block if block is not None else FlatSlice(0, n)
+                shapes[name] = logical
                 if "fp32_groups" in opt:  # one fp32 master per parameter
                     master = opt["fp32_groups"][g][j]
                     if tuple(master.shape) != shape:
@@ -509,45 +567,30 @@ class DeepSpeedLayout:
                             f"{where}: the optimizer's parameter {i} has shape {tuple(master.shape)}, the model's "
                             f"{name!r} {shape}; load it with load_optimizer_states=False"
                         )
-                    self._piece(
-                        tensors,
-                        f"model/{name}",
-                        "mp_rank_00_model_states.pt",
-                        ("optimizer", "fp32_groups", g, j),
-                        0,
-                        FlatSlice(0, n),
-                    )
+                    self._piece(tensors, f"model/{name}", file, ("optimizer", "fp32_groups", g, j), 0, whole)
                     dtypes[name] = master.dtype
                 elif "fp32_groups_flat" in opt:
-                    self._piece(
-                        tensors,
-                        f"model/{name}",
-                        "mp_rank_00_model_states.pt",
-                        ("optimizer", "fp32_groups_flat", g),
-                        flat_offset,
-                        FlatSlice(0, n),
-                    )
+                    self._piece(tensors, f"model/{name}", file, ("optimizer", "fp32_groups_flat", g), at, whole)
                     dtypes[name] = opt["fp32_groups_flat"][g].dtype
-                    flat_offset += n
                 else:
-                    self._piece(
-                        tensors, f"model/{name}", "mp_rank_00_model_states.pt", ("module", name), 0, FlatSlice(0, n)
-                    )
+                    self._piece(tensors, f"model/{name}", file, ("module", name), 0, whole)
                     dtypes[name] = value.dtype
                 for k, v in inner["state"].get(i, {}).items():
                     if not torch.is_tensor(v):
                         continue
                     kind = "scalar" if v.dim() == 0 else "elementwise"
+                    if kind == "scalar" and mp_rank > 0:
+                        continue
                     kinds[k] = kind
                     self._piece(
                         tensors,
                         f"optim/{name}/{k}",
-                        "mp_rank_00_model_states.pt",
+                        file,
                         (*prefix, "state", i, k),
                         0,
-                        FlatSlice(0, max(1, v.numel()) if kind == "scalar" else n),
+                        FlatSlice(0, max(1, v.numel())) if kind == "scalar" else whole,
                     )
-                    self._optim_shapes[f"optim/{name}/{k}"] = (() if kind == "scalar" else shape, v.dtype)
+                    self._optim_shapes[f"optim/{name}/{k}"] = (() if kind == "scalar" else logical, v.dtype)
         return shared
 
     @staticmethod
@@ -662,6 +705,12 @@ def _block_of(
         raise CheckpointError(f"{refuse} (box {shape} at {src} of {logical}) is not one of equal blocks")
     d = dims[0]
     return BlockSlice(d, src // (shape[d] * contiguous[d]), logical[d] // shape[d]), logical
+
+
+def _within(block: BlockSlice | None, where: FlatSlice) -> Slice:
+    """``where``, a flat range of a tensor-parallel rank's shard, as a slice of the logical tensor: the same range
+    of block ``block`` (None: the shard is the whole tensor)."""
+    return where if block is None else BlockFlatSlice(block, where.start, where.length)
 
 
 def _match_in_order(

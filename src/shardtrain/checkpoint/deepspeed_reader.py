@@ -5,8 +5,8 @@ What each file holds and the manifest it becomes: [Note: DeepSpeed checkpoints a
 
 Reading: every file is opened through :func:`~shardtrain.checkpoint.deepspeed_pickle.load_deepspeed_file`
 (allow-listed, memory-mapped) and kept open; a read copies only the elements asked for, so a rank's memory grows by
-the tensors it asks for. Tensor-parallel checkpoints (``mp_rank_01`` and up) are read where AutoTP recorded how
-each parameter was split ([Note: DeepSpeed tensor parallelism]).
+the tensors it asks for. Tensor-parallel checkpoints (``mp_rank_01`` and up, ZeRO stages 0-3) are read where
+AutoTP recorded how each parameter was split ([Note: DeepSpeed tensor parallelism]).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from shardtrain.checkpoint.deepspeed_format import DeepSpeedLayout, _Source, find_deepspeed_dir
-from shardtrain.checkpoint.format import FlatSlice, Piece, Slice, TensorEntry, numel
+from shardtrain.checkpoint.format import FlatSlice, Piece, Slice, TensorEntry, numel, slice_destination
 from shardtrain.checkpoint.runs import SegmentCopier, intersect
 from shardtrain.errors import CheckpointError
 
@@ -87,11 +87,7 @@ class DeepSpeedReader(DeepSpeedLayout):
         files (only the pieces that share elements with it, only those elements)."""
         entry = self.manifest.resolve(name)
         shape = entry.global_shape
-        try:
-            slice.validate(shape)
-        except CheckpointError as err:
-            raise CheckpointError(f"tensor {entry.name!r}: cannot read {slice}: {err}") from None
-        out = torch.empty(slice.piece_shape(shape), dtype=dtype or entry.torch_dtype)
+        out = slice_destination(entry, slice, dtype)
         target = slice.run_table(shape)
         if target.count == 0:
             return out
@@ -111,16 +107,10 @@ class DeepSpeedReader(DeepSpeedLayout):
         problems: list[str] = []
         for entry in self.manifest.tensors.values():
             for piece in entry.pieces:
-                try:
-                    n = piece.slice.piece_shape(entry.global_shape)[0]
+                try:  # opens the file and checks that the piece's elements lie inside its tensor
                     self._stream_piece(entry, piece, (0, 0), lambda o, c: None)
-                    src = self._sources[piece.key]
-                    if src.offset + n > self._tensor(src).numel():
-                        raise CheckpointError(
-                            f"{self.path / src.file}: tensor {entry.name!r} needs elements up to {src.offset + n}"
-                        )
                 except CheckpointError as err:
                     problems.append(str(err))
-                if progress is not None:
-                    progress(piece.slice.piece_shape(entry.global_shape)[0] * entry.torch_dtype.itemsize)
+                if progress is not None:  # a tensor-parallel block's elements, not its first dimension's
+                    progress(numel(piece.slice.piece_shape(entry.global_shape)) * entry.torch_dtype.itemsize)
         return problems

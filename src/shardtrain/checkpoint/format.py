@@ -18,7 +18,7 @@ import math
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -331,6 +331,40 @@ def check_coverage(name: str, shape: tuple[int, ...], slices: list[Slice]) -> No
         )
     after = f"; the piece before it is {slices[a]}" if a >= 0 else ""
     raise CheckpointError(f"tensor {name!r}: elements [{first}, {end}) are in no stored piece ({where}{after})")
+
+
+class DescribedTensor(Protocol):
+    """What :func:`slice_destination` needs of a tensor entry (ours, or a DCP or DeepSpeed reader's)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def global_shape(self) -> tuple[int, ...]: ...
+    @property
+    def torch_dtype(self) -> torch.dtype: ...
+
+
+def slice_destination(
+    entry: DescribedTensor, slice: Slice, dtype: torch.dtype | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The tensor a ``read_slice`` of ``slice`` of ``entry`` fills, checked before any byte is read (the preamble
+    every reader shares): ``slice`` must fit the entry's global shape (else a ``CheckpointError`` naming the
+    tensor); ``out``, when given, must be a contiguous host tensor of the slice's shape and of ``dtype`` (default:
+    the entry's), else a new one of those is allocated."""
+    shape = entry.global_shape
+    try:
+        slice.validate(shape)
+    except CheckpointError as err:
+        raise CheckpointError(f"tensor {entry.name!r}: cannot read {slice}: {err}") from None
+    want = (tuple(slice.piece_shape(shape)), dtype or entry.torch_dtype)
+    if out is None:
+        return torch.empty(want[0], dtype=want[1])
+    if (tuple(out.shape), out.dtype) != want or out.device.type != "cpu" or not out.is_contiguous():
+        raise ValueError(
+            f"read_slice({entry.name!r}, out=...): expected a contiguous host tensor of shape {want[0]} and "
+            f"dtype {want[1]}, got shape {tuple(out.shape)}, dtype {out.dtype} on {out.device}"
+        )
+    return out
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from shardtrain.checkpoint.format import (
     TensorEntry,
     crc32_of_bytes,
     numel,
+    slice_destination,
 )
 from shardtrain.checkpoint.objects import decode, decode_tensor_file, load_v1_pickle
 from shardtrain.checkpoint.runs import SegmentCopier, intersect
@@ -193,18 +194,7 @@ class CheckpointReader:
         """
         entry = self.manifest.resolve(name)
         shape = entry.global_shape
-        try:
-            slice.validate(shape)
-        except CheckpointError as err:
-            raise CheckpointError(f"tensor {entry.name!r}: cannot read {slice}: {err}") from None
-        want = (tuple(slice.piece_shape(shape)), dtype or entry.torch_dtype)
-        if out is None:
-            out = torch.empty(want[0], dtype=want[1])
-        elif (tuple(out.shape), out.dtype) != want or out.device.type != "cpu" or not out.is_contiguous():
-            raise ValueError(
-                f"read_slice({entry.name!r}, out=...): expected a contiguous host tensor of shape {want[0]} and "
-                f"dtype {want[1]}, got shape {tuple(out.shape)}, dtype {out.dtype} on {out.device}"
-            )
+        out = slice_destination(entry, slice, dtype, out)
         if out.numel() == 0:
             return out
         flat = out.view(-1)
