@@ -124,6 +124,7 @@ class ShardedUnits:
         shard_grad: Callable[[Bucket], torch.Tensor],
         overlap: bool = True,
     ) -> None:
+        self.comm = comm  # the graphs' collectives are counted in its stats() (see GraphTraffic)
         runtime = units[0].runtime if units else None
         self.settings = Settings(runtime.prefetch_numel if runtime is not None else 0, overlap)
         if runtime is not None and not runtime.gather_check:
@@ -404,9 +405,9 @@ def _most_gathered(graph: fx.Graph) -> int:
 class InductorPasses:
     """Steps 1 and 2 of [Note: ZeRO-3 as graph operations] as Inductor's custom passes (``joint_custom_pre_pass``
     before the partitioner, ``post_grad_custom_post_pass`` on the forward and backward graphs it compiles);
-    ``report(which, scheduled)`` is told what each scheduled graph holds."""
+    ``report(which, scheduled, graph)`` is told what each scheduled graph holds."""
 
-    def __init__(self, report: Callable[[str, Scheduled], None], settings: Settings = Settings()) -> None:
+    def __init__(self, report: Callable[[str, Scheduled, fx.Graph], None], settings: Settings = Settings()) -> None:
         from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
         uuid = get_hash_for_files((__file__,))
@@ -420,7 +421,7 @@ class InductorPasses:
 
         class Schedule(CustomGraphPass):
             def __call__(self, graph: fx.Graph) -> None:
-                report("backward" if is_backward(graph) else "forward", schedule_graph(graph, settings))
+                report("backward" if is_backward(graph) else "forward", schedule_graph(graph, settings), graph)
 
             def uuid(self) -> bytes:
                 return uuid
