@@ -405,25 +405,32 @@ class Communicator:
         full = torch.ops._c10d_functional.all_gather_into_tensor(shard, self.size, self.group.group_name)
         return torch.ops._c10d_functional.wait_tensor(full)
 
-    def graph_reduce_scatter_avg(self, full: torch.Tensor) -> torch.Tensor:
+    def graph_reduce_scatter_avg(self, full: torch.Tensor, predivide: float | None = None) -> torch.Tensor:
         """This rank's chunk of the average of every rank's ``full`` (traceable; see [Note: collectives in
-        graphs])."""
+        graphs]). ``predivide`` (``prescale_gradients`` / ``gradient_predivide_factor``, as the eager reducer takes
+        it): ``full`` is multiplied by ``1/predivide`` before a summing reduction and the result by
+        ``predivide/N``, in the same dtype and order as eager, so that the same fp16 sums stay finite."""
         n = self.size
         if n == 1:
             return full
         name = self.group.group_name
+        if predivide is not None and predivide != 1:
+            full = full * (1.0 / predivide)  # the reciprocal, as the eager reducer (and DeepSpeed): the same rounding
         if self.reduce_scatter_impl != "pairwise":
-            op = graph_reduce_op(self.backend)
+            op = graph_reduce_op(self.backend) if predivide is None else "sum"
             out = torch.ops._c10d_functional.reduce_scatter_tensor(full, op, n, name)
             out = torch.ops._c10d_functional.wait_tensor(out)
-            return out if op == "avg" else out / n
-        chunk = full.numel() // n
-        parts = torch.ops._c10d_functional.all_to_all_single(full, [chunk] * n, [chunk] * n, name)
-        parts = torch.ops._c10d_functional.wait_tensor(parts).view(n, chunk)
-        out = parts[0] + parts[1]
-        for k in range(2, n):
-            out = out + parts[k]
-        return out / n
+        else:
+            chunk = full.numel() // n
+            parts = torch.ops._c10d_functional.all_to_all_single(full, [chunk] * n, [chunk] * n, name)
+            parts = torch.ops._c10d_functional.wait_tensor(parts).view(n, chunk)
+            out = parts[0] + parts[1]
+            for k in range(2, n):
+                out = out + parts[k]
+            op = "sum"
+        if predivide is not None:
+            return out * (predivide / n) if predivide != n else out
+        return out if op == "avg" else out / n
 
     def graph_counts(self, graph: torch.fx.Graph) -> tuple[tuple[str, int, int], ...]:
         """``(kind, bytes, sent)`` of every collective over this group that ``graph`` issues (see [Note: counting

@@ -74,6 +74,7 @@ class BucketSpec:
     shapes: tuple[tuple[int, ...], ...]
     wire_dtype: torch.dtype  # gradients are reduced in it
     comm: Communicator
+    predivide: float | None = None  # prescale_gradients / gradient_predivide_factor, as the eager reducer's
 
 
 @torch._dynamo.assume_constant_result
@@ -105,7 +106,7 @@ class _GatherUnit(torch.autograd.Function):
         flat = [g.reshape(-1).to(spec.wire_dtype) for g in grads]
         if len(sizes) > len(grads):  # the padding up to a multiple of the data-parallel size
             flat.append(flat[0].new_zeros(sizes[-1]))
-        reduced = spec.comm.graph_reduce_scatter_avg(torch.cat(flat))
+        reduced = spec.comm.graph_reduce_scatter_avg(torch.cat(flat), spec.predivide)
         return None, reduced.to(ctx.sink_dtype), None
 
 
@@ -114,7 +115,7 @@ class ShardedUnits:
 
     ``shard_grad(bucket)`` is the reducer's fp32 gradient shard of a trainable bucket: the sink's ``.grad``;
     ``overlap`` is ``zero_optimization.overlap_comm`` (the prefetch budget is the unit runtime's, see
-    :class:`Settings`)."""
+    :class:`Settings`); ``predivide`` is the reducer's (``prescale_gradients`` / ``gradient_predivide_factor``)."""
 
     def __init__(
         self,
@@ -123,6 +124,7 @@ class ShardedUnits:
         wire_dtype: Callable[[Bucket], torch.dtype],
         shard_grad: Callable[[Bucket], torch.Tensor],
         overlap: bool = True,
+        predivide: float | None = None,
     ) -> None:
         self.comm = comm  # the graphs' collectives are counted in its stats() (see GraphTraffic)
         runtime = units[0].runtime if units else None
@@ -156,6 +158,7 @@ class ShardedUnits:
                         shapes=tuple(tuple(s.shape) for s in b.slots),
                         wire_dtype=wire_dtype(b),
                         comm=comm,
+                        predivide=predivide,
                     )
                 )
         # fp32 leaves whose gradient is the bucket's reduced gradient; no storage of their own (stride 0)
