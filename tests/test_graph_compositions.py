@@ -10,6 +10,7 @@ and summation order (docs/graph-mode.md), so any difference is a bug, not roundi
 from __future__ import annotations
 
 import math
+import shutil
 
 import pytest
 import torch
@@ -323,3 +324,33 @@ def test_graph_zero3_collectives_are_counted_in_comm_stats():
                 less = {"calls": CASE.gas * len(kept), "bytes": CASE.gas * sum(kept)}
                 less["sent"] = less["bytes"]
                 assert e["all_gather"] == {k: gathers[k] - less[k] for k in gathers}, (step, e, gathers, less)
+
+
+def _counted_by(compiler: str) -> list[dict]:
+    import os
+
+    os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"  # no pool of compile workers for a few kernels
+    # compile for real: a graph loaded from Inductor's caches is not scheduled nor counted again (docs/graph-mode.md)
+    torch._inductor.config.fx_graph_cache = False
+    torch._functorch.config.enable_autograd_cache = False
+    case = Case(gas=1, steps=2)
+    model = make_model(case)
+    config = {**config_for(case, 3, 1), "graph": {"enabled": True, "strict": True, "compiler": compiler}}
+    engine = shardtrain.initialize(model, config=config, optimizer=make_optimizer(model, case.lr))
+    lo, hi = engine.topology.dp_rank * case.micro, (engine.topology.dp_rank + 1) * case.micro
+    stats = []
+    for x, y in global_batches(case, engine.topology.dp):
+        engine.backward(forward_engine(engine, x[lo:hi], y[lo:hi]))
+        engine.step()
+        stats.append(engine.comm_stats(reset=True))
+    return stats
+
+
+@pytest.mark.soak
+@pytest.mark.skipif(shutil.which("g++") is None, reason="Inductor on the CPU needs a C++ compiler")
+def test_inductor_graphs_count_the_same_collectives():
+    """Inductor's graphs are counted from its post-grad graphs (the passes of [Note: ZeRO-3 as graph operations]):
+    every step's ``comm_stats()`` is the ``aot_eager`` graphs'."""
+    want = run_distributed(_counted_by, 2, "aot_eager", timeout=900)[0]
+    got = run_distributed(_counted_by, 2, "inductor", timeout=900)[0]
+    assert got == want and want[0]["all_gather"]["calls"] > 0, (got, want)
