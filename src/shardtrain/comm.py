@@ -60,6 +60,7 @@ import torch.distributed as dist
 
 from shardtrain import comm_failure
 from shardtrain.errors import CollectiveError, CollectiveTimeoutError, PeerLostError
+from shardtrain.tree import iter_tensors
 
 # torch 2.13 renamed the flat-tensor collectives; keep working on the older names too.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -188,6 +189,19 @@ class Communicator:
         for c in self._counts.values():
             c.wait_s = 0.0
 
+    def _gather_traffic(self, out_bytes: int) -> tuple[int, int]:
+        """(bytes, sent) of an all-gather whose result has ``out_bytes``: the ring's, on every backend."""
+        n = self.size
+        nbytes = out_bytes * (n - 1) // n
+        return nbytes, nbytes
+
+    def _reduce_scatter_traffic(self, in_bytes: int, pairwise: bool) -> tuple[int, int]:
+        """(bytes, sent) of a reduce-scatter of ``in_bytes``: gloo's own moves an all-reduce's bytes (see [Note:
+        bytes on the wire]), the pairwise exchange and NCCL the convention's."""
+        n = self.size
+        nbytes = in_bytes * (n - 1) // n
+        return nbytes, nbytes if pairwise or self.backend != "gloo" else 2 * nbytes
+
     def _count(self, kind: str, nbytes: int, sent: int | None = None) -> None:
         c = self._counts[kind]
         c.calls += 1
@@ -263,10 +277,8 @@ class Communicator:
 
         ``inp`` must not change until the collective completes (it is sent from in place)."""
         n = self.size
-        nbytes = inp.numel() * inp.element_size() * (n - 1) // n
         pairwise = n > 1 and self.reduce_scatter_impl == "pairwise"
-        # gloo's own reduce-scatter is an all-reduce on the wire (see [Note: bytes on the wire])
-        self._count("reduce_scatter", nbytes, nbytes if pairwise or self.backend != "gloo" else 2 * nbytes)
+        self._count("reduce_scatter", *self._reduce_scatter_traffic(inp.numel() * inp.element_size(), pairwise))
         if n == 1:
             out.copy_(inp)
             return Handle(self, None, "reduce_scatter", what) if async_op else None
@@ -313,7 +325,7 @@ class Communicator:
         ``kind`` is the name the bytes are counted under (e.g. ``gather_check`` for ZeRO-3's unit-id check,
         so that parameter traffic stays comparable with the formulas)."""
         n = self.size
-        self._count(kind, out.numel() * out.element_size() * (n - 1) // n)
+        self._count(kind, *self._gather_traffic(out.numel() * out.element_size()))
         if n == 1:
             if out.data_ptr() != inp.data_ptr():
                 out.copy_(inp)
@@ -374,8 +386,18 @@ class Communicator:
     # elsewhere the backend's reduce-scatter, averaging on the wire where the backend can (NCCL's ``avg``, what eager
     # passes as ``ReduceOp.AVG``: a sum of fp16 gradients can overflow where their average does not, so summing
     # and dividing afterwards would skip steps eager mode takes), summing and dividing where it cannot (see
-    # :func:`graph_reduce_op`). They are not counted in ``stats()`` (a graph runs them without Python) and fail
-    # with the backend's own error after the process group's timeout.
+    # :func:`graph_reduce_op`). They fail with the backend's own error after the process group's timeout.
+    #
+    # [Note: counting a graph's collectives]
+    # A captured graph runs its collectives without passing through the methods above, so they are counted per
+    # graph run instead: when a graph is compiled, :meth:`graph_counts` reads its collectives over this group
+    # from its nodes (the tensors' sizes are the graph's own, static for the shards), and :class:`GraphTraffic`
+    # adds them to ``stats()`` each time the forward graph returns and each time its backward graph has run (a
+    # post-hook on the compiled function's backward node, which autograd calls in Python). The bytes follow the
+    # same formulas as the eager calls (:meth:`_gather_traffic`, :meth:`_reduce_scatter_traffic`): a graph's
+    # all-gather of a unit counts as ``all_gather`` and its reduction (the pairwise exchange's all-to-all, or the
+    # backend's reduce-scatter) as one ``reduce_scatter``, so ``comm_stats()`` compares across modes. Their
+    # ``wait_s`` is not measured (the waits are graph operations).
     def graph_all_gather(self, shard: torch.Tensor) -> torch.Tensor:
         """Every rank's ``shard`` concatenated (traceable; see [Note: collectives in graphs])."""
         if self.size == 1:
@@ -383,25 +405,54 @@ class Communicator:
         full = torch.ops._c10d_functional.all_gather_into_tensor(shard, self.size, self.group.group_name)
         return torch.ops._c10d_functional.wait_tensor(full)
 
-    def graph_reduce_scatter_avg(self, full: torch.Tensor) -> torch.Tensor:
+    def graph_reduce_scatter_avg(self, full: torch.Tensor, predivide: float | None = None) -> torch.Tensor:
         """This rank's chunk of the average of every rank's ``full`` (traceable; see [Note: collectives in
-        graphs])."""
+        graphs]). ``predivide`` (``prescale_gradients`` / ``gradient_predivide_factor``, as the eager reducer takes
+        it): ``full`` is multiplied by ``1/predivide`` before a summing reduction and the result by
+        ``predivide/N``, in the same dtype and order as eager, so that the same fp16 sums stay finite."""
         n = self.size
         if n == 1:
             return full
         name = self.group.group_name
+        if predivide is not None and predivide != 1:
+            full = full * (1.0 / predivide)  # the reciprocal, as the eager reducer (and DeepSpeed): the same rounding
         if self.reduce_scatter_impl != "pairwise":
-            op = graph_reduce_op(self.backend)
+            op = graph_reduce_op(self.backend) if predivide is None else "sum"
             out = torch.ops._c10d_functional.reduce_scatter_tensor(full, op, n, name)
             out = torch.ops._c10d_functional.wait_tensor(out)
-            return out if op == "avg" else out / n
-        chunk = full.numel() // n
-        parts = torch.ops._c10d_functional.all_to_all_single(full, [chunk] * n, [chunk] * n, name)
-        parts = torch.ops._c10d_functional.wait_tensor(parts).view(n, chunk)
-        out = parts[0] + parts[1]
-        for k in range(2, n):
-            out = out + parts[k]
-        return out / n
+        else:
+            chunk = full.numel() // n
+            parts = torch.ops._c10d_functional.all_to_all_single(full, [chunk] * n, [chunk] * n, name)
+            parts = torch.ops._c10d_functional.wait_tensor(parts).view(n, chunk)
+            out = parts[0] + parts[1]
+            for k in range(2, n):
+                out = out + parts[k]
+            op = "sum"
+        if predivide is not None:
+            return out * (predivide / n) if predivide != n else out
+        return out if op == "avg" else out / n
+
+    def graph_counts(self, graph: torch.fx.Graph) -> tuple[tuple[str, int, int], ...]:
+        """``(kind, bytes, sent)`` of every collective over this group that ``graph`` issues (see [Note: counting
+        a graph's collectives])."""
+        counts = []
+        for node in graph.nodes:
+            target = _GRAPH_COLLECTIVES.get(node.target) if node.op == "call_function" else None
+            if target is None or node.args[-1] != self.group.group_name:
+                continue
+            kind, counted = target
+            val = (node if counted == "output" else node.args[0]).meta.get("val")
+            nbytes = int(val.numel()) * val.element_size()
+            if kind == "all_gather":
+                counts.append((kind, *self._gather_traffic(nbytes)))
+            else:  # the all-to-all of the pairwise reduce-scatter, or the backend's reduce-scatter
+                counts.append((kind, *self._reduce_scatter_traffic(nbytes, counted == "pairwise")))
+        return tuple(counts)
+
+    def count_graph(self, counts: tuple[tuple[str, int, int], ...]) -> None:
+        """One run of a graph holding the collectives ``counts`` (from :meth:`graph_counts`)."""
+        for kind, nbytes, sent in counts:
+            self._count(kind, nbytes, sent)
 
     def all_gather_object(self, obj: Any, *, what: str) -> list[Any]:
         """Small Python objects from every rank (consistency checks, not tensors)."""
@@ -416,3 +467,50 @@ class Communicator:
             raise self.describe_failure("all_gather_object", what, err, started=started) from err
         self._completed()
         return out
+
+
+# graph op -> (kind counted, what its bytes are read from: "output" (the gathered buffer), "pairwise" or "input")
+_GRAPH_COLLECTIVES = {
+    torch.ops._c10d_functional.all_gather_into_tensor.default: ("all_gather", "output"),
+    torch.ops._c10d_functional.all_to_all_single.default: ("reduce_scatter", "pairwise"),
+    torch.ops._c10d_functional.reduce_scatter_tensor.default: ("reduce_scatter", "input"),
+}
+
+
+class GraphTraffic:
+    """The collectives of one captured forward graph and its backward, counted in ``comm``'s ``stats()`` each time
+    they run (see [Note: counting a graph's collectives])."""
+
+    def __init__(self, comm: Communicator) -> None:
+        self.comm = comm
+        self.graphs: dict[str, tuple[tuple[str, int, int], ...]] = {}  # "forward" / "backward" -> counts
+
+    def compiled(self, which: str, graph: torch.fx.Graph) -> None:
+        """The ``which`` graph ("forward" or "backward") was compiled (again: a re-trace holds the same
+        collectives, the last one compiled is the one that runs)."""
+        self.graphs[which] = self.comm.graph_counts(graph)
+
+    def forward_ran(self, outputs: Any) -> None:
+        """The forward graph returned ``outputs``: count it, and its backward when autograd runs that."""
+        self.comm.count_graph(self.graphs.get("forward", ()))
+        if torch.is_grad_enabled():
+            for node in _compiled_backward_nodes(outputs):
+                # read when it runs: a backward AOT autograd compiles lazily is compiled during that run
+                node.register_hook(lambda *_: self.comm.count_graph(self.graphs.get("backward", ())))
+
+
+def _compiled_backward_nodes(outputs: Any) -> list[Any]:
+    """The backward nodes of the compiled functions that produced the tensors in ``outputs`` (nested), reached
+    through the views autograd may put after them."""
+    found, seen = [], set()
+    stack = [t.grad_fn for _, t in iter_tensors(outputs) if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if node.name() == "CompiledFunctionBackward":
+            found.append(node)
+        elif "View" in node.name() or "AsStrided" in node.name() or "Alias" in node.name():
+            stack.extend(n for n, _ in node.next_functions)
+    return found

@@ -359,7 +359,12 @@ class Engine:
         self._reducer.hand_over([b for u in self._units.units for b in u.buckets if b.requires_grad])
         wire = self.precision.reduce_dtype if self.precision.mixed else None
         return ShardedUnits(
-            self._units.units, self.comm, lambda b: wire or b.dtype, self._reducer.shard_grad, self._reducer.overlap
+            self._units.units,
+            self.comm,
+            lambda b: wire or b.dtype,
+            self._reducer.shard_grad,
+            self._reducer.overlap,
+            predivide=self._reducer.predivide,
         )
 
     @contextmanager

@@ -44,6 +44,7 @@ import torch
 import torch._dynamo
 from torch import nn
 
+from shardtrain.comm import GraphTraffic
 from shardtrain.eager import EAGER_BY_DESIGN
 from shardtrain.errors import GraphCaptureError
 from shardtrain.graph.schema import Schema, differences, schema_of
@@ -107,6 +108,7 @@ class _Entry:
     compiled_graphs: int = 0
     graphs: list[tuple[str, torch.fx.GraphModule]] = field(default_factory=list)
     """("forward" or "backward", graph module) as they run, after our passes (``aot_eager``; for inspection)."""
+    traffic: GraphTraffic | None = None  # ZeRO-3: the graphs' collectives, counted in comm_stats() as they run
 
 
 class CapturedModule:
@@ -175,6 +177,8 @@ class CapturedModule:
         self.stats.reasons.update(reasons)
         log.info("capturing %s (graph %d): %s", self.name, self.stats.captures, "; ".join(reasons))
         entry = _Entry(schema, run=lambda *a: None)
+        if self.sharded is not None:
+            entry.traffic = GraphTraffic(self.sharded.comm)
         eager = self._eager
         fn = types.FunctionType(eager.__code__.replace(), eager.__globals__, "captured_" + self.name)
         # not fullgraph=True even when strict: shardtrain.eager's intended splits must stay allowed; strict is
@@ -191,7 +195,8 @@ class CapturedModule:
         from torch._dynamo.backends.common import aot_autograd
         from torch._functorch.aot_autograd import make_boxed_func
 
-        def report(which: str, done: Scheduled) -> None:
+        def report(which: str, done: Scheduled, graph: torch.fx.Graph) -> None:
+            entry.traffic.compiled(which, graph)
             self.stats.most_gathered = max(self.stats.most_gathered, done.most_gathered)
             self.stats.collectives.update(
                 {f"{which} all-gathers": done.all_gathers, f"{which} reduce-scatters": done.reduce_scatters}
@@ -205,7 +210,7 @@ class CapturedModule:
 
         def run_as_captured(gm: torch.fx.GraphModule, example_inputs: list, which: str = "forward") -> Callable:
             if self.sharded is not None:  # prefetch, release and reduction order (step 2 of the note)
-                report(which, schedule(gm, self.sharded.settings))
+                report(which, schedule(gm, self.sharded.settings), gm.graph)
             entry.graphs.append((which, gm))
             return make_boxed_func(gm.forward)
 
@@ -256,6 +261,8 @@ class CapturedModule:
             self._fall_back(f"{_construct(err)}; this input schema runs eagerly")
             entry.run = self._eager  # eager from now on, for this schema (an eager error is the model's own)
             return self._call(entry.run, args, kwargs)
+        if entry.traffic is not None:
+            entry.traffic.forward_ran(out)
         # Dynamo split the graph and ran a part eagerly; shardtrain.eager's splits (debug hooks, tensor-parallel
         # collectives) are intended
         new = sorted(_graph_breaks() - breaks)

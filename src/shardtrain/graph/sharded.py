@@ -74,6 +74,7 @@ class BucketSpec:
     shapes: tuple[tuple[int, ...], ...]
     wire_dtype: torch.dtype  # gradients are reduced in it
     comm: Communicator
+    predivide: float | None = None  # prescale_gradients / gradient_predivide_factor, as the eager reducer's
 
 
 @torch._dynamo.assume_constant_result
@@ -105,7 +106,7 @@ class _GatherUnit(torch.autograd.Function):
         flat = [g.reshape(-1).to(spec.wire_dtype) for g in grads]
         if len(sizes) > len(grads):  # the padding up to a multiple of the data-parallel size
             flat.append(flat[0].new_zeros(sizes[-1]))
-        reduced = spec.comm.graph_reduce_scatter_avg(torch.cat(flat))
+        reduced = spec.comm.graph_reduce_scatter_avg(torch.cat(flat), spec.predivide)
         return None, reduced.to(ctx.sink_dtype), None
 
 
@@ -114,7 +115,7 @@ class ShardedUnits:
 
     ``shard_grad(bucket)`` is the reducer's fp32 gradient shard of a trainable bucket: the sink's ``.grad``;
     ``overlap`` is ``zero_optimization.overlap_comm`` (the prefetch budget is the unit runtime's, see
-    :class:`Settings`)."""
+    :class:`Settings`); ``predivide`` is the reducer's (``prescale_gradients`` / ``gradient_predivide_factor``)."""
 
     def __init__(
         self,
@@ -123,7 +124,9 @@ class ShardedUnits:
         wire_dtype: Callable[[Bucket], torch.dtype],
         shard_grad: Callable[[Bucket], torch.Tensor],
         overlap: bool = True,
+        predivide: float | None = None,
     ) -> None:
+        self.comm = comm  # the graphs' collectives are counted in its stats() (see GraphTraffic)
         runtime = units[0].runtime if units else None
         self.settings = Settings(runtime.prefetch_numel if runtime is not None else 0, overlap)
         if runtime is not None and not runtime.gather_check:
@@ -155,6 +158,7 @@ class ShardedUnits:
                         shapes=tuple(tuple(s.shape) for s in b.slots),
                         wire_dtype=wire_dtype(b),
                         comm=comm,
+                        predivide=predivide,
                     )
                 )
         # fp32 leaves whose gradient is the bucket's reduced gradient; no storage of their own (stride 0)
@@ -404,9 +408,9 @@ def _most_gathered(graph: fx.Graph) -> int:
 class InductorPasses:
     """Steps 1 and 2 of [Note: ZeRO-3 as graph operations] as Inductor's custom passes (``joint_custom_pre_pass``
     before the partitioner, ``post_grad_custom_post_pass`` on the forward and backward graphs it compiles);
-    ``report(which, scheduled)`` is told what each scheduled graph holds."""
+    ``report(which, scheduled, graph)`` is told what each scheduled graph holds."""
 
-    def __init__(self, report: Callable[[str, Scheduled], None], settings: Settings = Settings()) -> None:
+    def __init__(self, report: Callable[[str, Scheduled, fx.Graph], None], settings: Settings = Settings()) -> None:
         from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
         uuid = get_hash_for_files((__file__,))
@@ -420,7 +424,7 @@ class InductorPasses:
 
         class Schedule(CustomGraphPass):
             def __call__(self, graph: fx.Graph) -> None:
-                report("backward" if is_backward(graph) else "forward", schedule_graph(graph, settings))
+                report("backward" if is_backward(graph) else "forward", schedule_graph(graph, settings), graph)
 
             def uuid(self) -> bytes:
                 return uuid

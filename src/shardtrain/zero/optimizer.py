@@ -194,6 +194,11 @@ class ShardedOptimizer:
         """(stepped tensor, fragment, its reduced gradient) for every trainable parameter."""
         triples = []
         for key, (t, b, i) in self._frag.items():
+            # frozen since initialize (requires_grad_(False)): not stepped, as torch.optim skips a parameter without a
+            # gradient; its zero gradient would let AdamW decay it and move it by its moments
+            if not b.slots[i].param.requires_grad:
+                triples.append((self._stepped[key], t, None))
+                continue
             if not self.sharded:
                 g = self.reducer.param_grad(b, i)
             else:
@@ -220,7 +225,8 @@ class ShardedOptimizer:
             local_sq = torch.zeros((), device=self.buckets[0].shard.device if self.buckets else "cpu")
         local_sq = local_sq.to(torch.float32)
         if self.tp_norm is not None:
-            local_sq = self.tp_norm.global_square(list(self._frag), grads, self.sharded, self.reducer)
+            keys = [k for k, (_, _, g) in zip(self._frag, triples) if g is not None]  # aligned with grads
+            local_sq = self.tp_norm.global_square(keys, grads, self.sharded, self.reducer)
         elif self.sharded and self.reducer.sharded_grads:
             # fragments are disjoint: the squares add up across ranks; the reducer's "gradients completed in
             # another order" flag rides along (see [Note: collective order])
