@@ -17,10 +17,10 @@ Prints the median step time of each variant, its ratio of medians to DDP and the
 per-iteration ratios to DDP's step of the same iteration ("paired"), a per-phase breakdown (forward, including the
 waits for the last step's all-gathers; backward including the reductions it waits for; step including norm,
 optimizer and, with ``:sync``, the all-gather; each phase the slowest rank's), the time the engine spent blocked in
-collectives, the median per-iteration ratio of CPU time (all ranks' threads, gloo's included; other jobs on the
-machine disturb it much less than wall time), communication bytes per step (from engine.comm_stats(): the
-bus-bandwidth convention and the bytes actually sent) and, from separate fresh processes per variant,
-the peak RSS per rank.
+collectives (and of it in parameter all-gathers, ``AG wait``: what the overlap did not hide; at stage 3 the units'
+too), the median per-iteration ratio of CPU time (all ranks' threads, gloo's included; other jobs on the machine
+disturb it much less than wall time), communication bytes per step (from engine.comm_stats(): the bus-bandwidth
+convention and the bytes actually sent) and, from separate fresh processes per variant, the peak RSS per rank.
 
 Shapes (``--shape``):
 * ``bench``: the project's benchmark GPT: d_model 256, 11 layers (``--layers``), vocab 8192, tied embeddings,
@@ -153,6 +153,7 @@ def timing_body(
     times: dict[str, list[float]] = {v: [] for v in variants}
     phases: dict[str, list[list[float]]] = {v: [] for v in variants}  # [forward, backward, step] per timed step
     waits: dict[str, list[float]] = {v: [] for v in variants}
+    gather_waits: dict[str, list[float]] = {v: [] for v in variants}  # the part blocked in parameter all-gathers
     cpus: dict[str, list[float]] = {v: [] for v in variants}
     comm: dict[str, dict] = {}
     losses: dict[str, list[float]] = {v: [] for v in variants}
@@ -189,7 +190,9 @@ def timing_body(
                     cpus[v].append(float(cpu))
                     phases[v].append(spans[:-1].tolist())
                     if engine is not None:
-                        waits[v].append(sum(engine.comm.wait_seconds().values()) / run)
+                        blocked = engine.comm.wait_seconds()
+                        waits[v].append(sum(blocked.values()) / run)
+                        gather_waits[v].append(blocked.get("all_gather", 0.0) / run)
                 if engine is not None:
                     comm[v] = {
                         kind: {key: c[key] / run for key in ("calls", "bytes", "sent")}
@@ -208,6 +211,7 @@ def timing_body(
         "cpus": cpus,
         "phases": phases,
         "waits": waits,
+        "gather_waits": gather_waits,
         "comm": comm,
         "states": states,
         "losses": losses,
@@ -336,7 +340,7 @@ def main() -> None:
     ddp = statistics.median(times["ddp"])
     header = (
         f"{'variant':15} {'median step':>11} {'ratio':>6} {'paired [q1, q3]':>22} {'fwd':>6} {'bwd':>6} {'step':>6}"
-        f" {'coll.wait':>9} {'CPU paired':>10} {'peak RSS':>9} {'state':>10}"
+        f" {'coll.wait':>9} {'AG wait':>8} {'CPU paired':>10} {'peak RSS':>9} {'state':>10}"
     )
     print(f"\n{header}  bytes/step: bus convention (sent on the wire)")
     for v in variants:
@@ -345,6 +349,8 @@ def main() -> None:
         cpu_ratio = _quartiles([a / b for a, b in zip(result["cpus"][v], result["cpus"]["ddp"])])[1]
         fwd, bwd, stp = (statistics.median(p[i] for p in result["phases"][v]) * 1000 for i in range(3))
         wait = f"{statistics.median(result['waits'][v]) * 1000:7.0f}ms" if result["waits"][v] else f"{'-':>9}"
+        gwait = result["gather_waits"][v]
+        gwait = f"{statistics.median(gwait) * 1000:6.0f}ms" if gwait else f"{'-':>8}"
         comm = result["comm"].get(v)
         if v == "fsdp2":
             comm_text = f"~{3 * 4 * n * (world - 1) / world / 2**20:.1f} MiB (computed: 3P(N-1)/N)"
@@ -359,7 +365,7 @@ def main() -> None:
         rss_text = f"{rss[v] / 2**20:5.0f} MiB" if v in rss else f"{'-':>9}"
         print(
             f"{v:15} {med * 1000:9.0f}ms {med / ddp:5.3f}x {q2:6.3f}x [{q1:.3f}, {q3:.3f}] {fwd:4.0f}ms {bwd:4.0f}ms"
-            f" {stp:4.0f}ms {wait} {cpu_ratio:9.3f}x {rss_text} {state_text}  {comm_text}"
+            f" {stp:4.0f}ms {wait} {gwait} {cpu_ratio:9.3f}x {rss_text} {state_text}  {comm_text}"
         )
     print(
         "\nloss after the timed steps, per repeat: "
