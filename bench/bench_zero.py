@@ -367,6 +367,10 @@ def main() -> None:
             f"{v:15} {med * 1000:9.0f}ms {med / ddp:5.3f}x {q2:6.3f}x [{q1:.3f}, {q3:.3f}] {fwd:4.0f}ms {bwd:4.0f}ms"
             f" {stp:4.0f}ms {wait} {gwait} {cpu_ratio:9.3f}x {rss_text} {state_text}  {comm_text}"
         )
+    for v in variants:  # the overlap against the same stage gathering at the step, iteration by iteration
+        if f"{v}:sync" in times:
+            q1, q2, q3 = _quartiles([a / b for a, b in zip(times[v], times[f"{v}:sync"])])
+            print(f"{v} / {v}:sync paired: {q2:.3f}x [{q1:.3f}, {q3:.3f}]")
     print(
         "\nloss after the timed steps, per repeat: "
         + "; ".join(f"{v} {', '.join(f'{x:.6f}' for x in result['losses'][v])}" for v in variants)
