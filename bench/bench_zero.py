@@ -6,16 +6,21 @@
     python bench/bench_zero.py --variants ddp,stage0,stage3,fsdp2
     python bench/bench_zero.py --memory-scaling          # stage 3 at world 1, 2, 4 on a ~50M-parameter GPT
     python bench/bench_zero.py --variants ddp,stage2,stage2:bf16,stage3,stage3:bf16 --layers 2 --steps 3
+    python bench/bench_zero.py --shape gpt2-10m --variants ddp,stage1,stage1:sync,stage2,stage2:sync,stage3 --run 3
 
-Every rank builds the same GPT once per variant. Each iteration runs one training step of each variant, in
-a rotating order; a step's time is the slowest rank's. Prints the median step time of each variant, its
-ratio of medians to DDP and the median (with quartiles) of the per-iteration ratios to DDP's step of the same
-iteration ("paired"), a per-phase breakdown (forward, backward including the reductions it waits for, step
-including norm, optimizer and all-gather; each phase the slowest rank's), the time the engine spent blocked in
-collectives, the median per-iteration ratio of CPU time (all ranks' threads, gloo's included; other jobs on the
-machine disturb it much less than wall time), communication bytes per step (from engine.comm_stats(): the
-bus-bandwidth convention and the bytes actually sent) and, from separate fresh processes per variant,
-the peak RSS per rank.
+Every rank builds the same GPT once per variant. Each iteration runs ``--run`` consecutive training steps of each
+variant, in a rotating order, and waits for what the engine left in flight (ZeRO-1/2's all-gathers after the step
+are waited for where the next forward needs them, [Note: gathers after the step]; the wait is timed, so no variant
+hides work behind another's steps); a step's time is the slowest rank's time of the run divided by ``--run``.
+``stageN:sync`` waits for those all-gathers at the end of each step, as before the overlap (the same numbers).
+Prints the median step time of each variant, its ratio of medians to DDP and the median (with quartiles) of the
+per-iteration ratios to DDP's step of the same iteration ("paired"), a per-phase breakdown (forward, including the
+waits for the last step's all-gathers; backward including the reductions it waits for; step including norm,
+optimizer and, with ``:sync``, the all-gather; each phase the slowest rank's), the time the engine spent blocked in
+collectives (and of it in parameter all-gathers, ``AG wait``: what the overlap did not hide; at stage 3 the units'
+too), the median per-iteration ratio of CPU time (all ranks' threads, gloo's included; other jobs on the machine
+disturb it much less than wall time), communication bytes per step (from engine.comm_stats(): the bus-bandwidth
+convention and the bytes actually sent) and, from separate fresh processes per variant, the peak RSS per rank.
 
 Shapes (``--shape``):
 * ``bench``: the project's benchmark GPT: d_model 256, 11 layers (``--layers``), vocab 8192, tied embeddings,
@@ -112,6 +117,9 @@ def build(variant: str, shape: Shape):
     engine = shardtrain.initialize(model, config=config, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4))
     if "backend-rs" in flags:  # the backend's own reduce-scatter (gloo: an all-reduce on the wire)
         engine.comm.reduce_scatter_impl = "backend"
+    gathers = getattr(engine._optimizer, "gathers", None)  # absent before the overlap: always synchronous
+    if "sync" in flags and gathers is not None:
+        gathers.overlap = False
 
     def engine_step(x, y, marks):
         loss = engine(x, y)
@@ -123,18 +131,29 @@ def build(variant: str, shape: Shape):
     return engine_step, engine, engine
 
 
+def settle(engine) -> None:
+    """Wait for what a step left in flight (the all-gathers after a ZeRO-1/2 step; nothing in older versions)."""
+    wait = getattr(getattr(engine, "_optimizer", None), "wait_gathers", None)
+    if wait is not None:
+        wait()
+
+
 def batch(shape: Shape, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     x = torch.randint(0, shape.gpt.vocab_size, (shape.micro_batch, shape.gpt.seq_len), generator=g)
     return x, torch.roll(x, -1, 1)
 
 
-def timing_body(variants: list[str], steps: int, warmup: int, repeats: int, shape: Shape, profile: str) -> dict:
-    """``repeats`` rounds of (``warmup`` untimed + ``steps`` timed) iterations; every variant is rebuilt per round."""
+def timing_body(
+    variants: list[str], steps: int, warmup: int, repeats: int, shape: Shape, profile: str, run: int = 1
+) -> dict:
+    """``repeats`` rounds of (``warmup`` untimed + ``steps`` timed) iterations; every variant is rebuilt per round.
+    An iteration times ``run`` consecutive steps of each variant and the wait for what they left in flight."""
     rank = dist.get_rank()
     times: dict[str, list[float]] = {v: [] for v in variants}
     phases: dict[str, list[list[float]]] = {v: [] for v in variants}  # [forward, backward, step] per timed step
     waits: dict[str, list[float]] = {v: [] for v in variants}
+    gather_waits: dict[str, list[float]] = {v: [] for v in variants}  # the part blocked in parameter all-gathers
     cpus: dict[str, list[float]] = {v: [] for v in variants}
     comm: dict[str, dict] = {}
     losses: dict[str, list[float]] = {v: [] for v in variants}
@@ -143,7 +162,7 @@ def timing_body(variants: list[str], steps: int, warmup: int, repeats: int, shap
         for it in range(warmup + steps):
             k = (it + repeat) % len(variants)
             order = variants[k:] + variants[:k]  # rotate so no variant always runs first
-            x, y = batch(shape, seed=1000 * it + rank)
+            batches = [batch(shape, seed=1000 * it + 10 * j + rank) for j in range(run)]
             for v in order:
                 step, engine, _ = runners[v]
                 if engine is not None:
@@ -151,12 +170,19 @@ def timing_body(variants: list[str], steps: int, warmup: int, repeats: int, shap
                     engine.comm.reset_wait_seconds()
                 dist.barrier()
                 cpu0 = time.process_time()
-                marks = [time.perf_counter()]
-                step(x, y, marks)
-                marks.append(time.perf_counter())
-                cpu = torch.tensor([time.process_time() - cpu0], dtype=torch.float64)
+                start = time.perf_counter()
+                spans = torch.zeros(4, dtype=torch.float64)  # forward, backward, step (summed over the run), all
+                for x, y in batches:
+                    marks = [time.perf_counter()]
+                    step(x, y, marks)
+                    marks.append(time.perf_counter())
+                    spans[:3] += torch.tensor([b - a for a, b in itertools.pairwise(marks)], dtype=torch.float64)
+                if engine is not None:
+                    settle(engine)
+                spans[3] = time.perf_counter() - start
+                spans /= run
+                cpu = torch.tensor([(time.process_time() - cpu0) / run], dtype=torch.float64)
                 # each phase and the whole step as the slowest rank saw them
-                spans = torch.tensor([b - a for a, b in itertools.pairwise(marks)] + [marks[-1] - marks[0]])
                 dist.all_reduce(spans, op=dist.ReduceOp.MAX)
                 dist.all_reduce(cpu)  # CPU seconds of all ranks' threads (gloo's included)
                 if it >= warmup:
@@ -164,9 +190,14 @@ def timing_body(variants: list[str], steps: int, warmup: int, repeats: int, shap
                     cpus[v].append(float(cpu))
                     phases[v].append(spans[:-1].tolist())
                     if engine is not None:
-                        waits[v].append(sum(engine.comm.wait_seconds().values()))
+                        blocked = engine.comm.wait_seconds()
+                        waits[v].append(sum(blocked.values()) / run)
+                        gather_waits[v].append(blocked.get("all_gather", 0.0) / run)
                 if engine is not None:
-                    comm[v] = engine.comm_stats()
+                    comm[v] = {
+                        kind: {key: c[key] / run for key in ("calls", "bytes", "sent")}
+                        for kind, c in engine.comm_stats().items()
+                    }
         # the loss of one more step of every variant on the same batch: they must agree
         x, y = batch(shape, seed=7 + rank)
         for v in variants:
@@ -180,6 +211,7 @@ def timing_body(variants: list[str], steps: int, warmup: int, repeats: int, shap
         "cpus": cpus,
         "phases": phases,
         "waits": waits,
+        "gather_waits": gather_waits,
         "comm": comm,
         "states": states,
         "losses": losses,
@@ -266,6 +298,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=1, help="rounds, each building every variant anew")
+    parser.add_argument("--run", type=int, default=3, help="consecutive steps of a variant per timed sample")
     parser.add_argument("--layers", type=int, default=11, help="layers of the bench shape")
     parser.add_argument("--profile", default="", help="folder for one torch.profiler trace per variant and rank")
     parser.add_argument("--no-rss", action="store_true", help="skip the peak-RSS processes")
@@ -282,7 +315,8 @@ def main() -> None:
     n = num_parameters(GPT(shape.gpt))
     print(
         f"# bench_zero --shape {args.shape}: {n / 1e6:.2f}M-parameter GPT, fp32 AdamW, world {world} (gloo, "
-        f"1 thread/rank), micro-batch {shape.micro_batch}x{shape.gpt.seq_len}, {args.repeats} x {args.steps} steps"
+        f"1 thread/rank), micro-batch {shape.micro_batch}x{shape.gpt.seq_len}, {args.repeats} x {args.steps} samples"
+        f" of {args.run} consecutive steps"
     )
     print(f"# machine: {platform.machine()}, {torch.get_num_threads()} cores, torch {torch.__version__}")
     print(f"# command: python {' '.join(sys.argv)}")
@@ -295,6 +329,7 @@ def main() -> None:
         args.repeats,
         shape,
         args.profile,
+        args.run,
         timeout=3600,
         threads=1,
     )[0]
@@ -305,7 +340,7 @@ def main() -> None:
     ddp = statistics.median(times["ddp"])
     header = (
         f"{'variant':15} {'median step':>11} {'ratio':>6} {'paired [q1, q3]':>22} {'fwd':>6} {'bwd':>6} {'step':>6}"
-        f" {'coll.wait':>9} {'CPU paired':>10} {'peak RSS':>9} {'state':>10}"
+        f" {'coll.wait':>9} {'AG wait':>8} {'CPU paired':>10} {'peak RSS':>9} {'state':>10}"
     )
     print(f"\n{header}  bytes/step: bus convention (sent on the wire)")
     for v in variants:
@@ -314,6 +349,8 @@ def main() -> None:
         cpu_ratio = _quartiles([a / b for a, b in zip(result["cpus"][v], result["cpus"]["ddp"])])[1]
         fwd, bwd, stp = (statistics.median(p[i] for p in result["phases"][v]) * 1000 for i in range(3))
         wait = f"{statistics.median(result['waits'][v]) * 1000:7.0f}ms" if result["waits"][v] else f"{'-':>9}"
+        gwait = result["gather_waits"][v]
+        gwait = f"{statistics.median(gwait) * 1000:6.0f}ms" if gwait else f"{'-':>8}"
         comm = result["comm"].get(v)
         if v == "fsdp2":
             comm_text = f"~{3 * 4 * n * (world - 1) / world / 2**20:.1f} MiB (computed: 3P(N-1)/N)"
@@ -321,15 +358,19 @@ def main() -> None:
             comm_text = f"all_reduce {2 * 4 * n * (world - 1) / world / 2**20:.1f} MiB (computed: 2P(N-1)/N)"
         else:
             comm_text = ", ".join(
-                f"{k} {c['bytes'] / 2**20:.1f} ({c['sent'] / 2**20:.1f}) MiB/{c['calls']}" for k, c in comm.items()
+                f"{k} {c['bytes'] / 2**20:.1f} ({c['sent'] / 2**20:.1f}) MiB/{c['calls']:g}" for k, c in comm.items()
             )
         state = result["states"].get(v)
         state_text = f"{sum(state.values()) / 2**20:6.1f} MiB" if state else f"{16 * n / 2**20:6.1f} MiB"
         rss_text = f"{rss[v] / 2**20:5.0f} MiB" if v in rss else f"{'-':>9}"
         print(
             f"{v:15} {med * 1000:9.0f}ms {med / ddp:5.3f}x {q2:6.3f}x [{q1:.3f}, {q3:.3f}] {fwd:4.0f}ms {bwd:4.0f}ms"
-            f" {stp:4.0f}ms {wait} {cpu_ratio:9.3f}x {rss_text} {state_text}  {comm_text}"
+            f" {stp:4.0f}ms {wait} {gwait} {cpu_ratio:9.3f}x {rss_text} {state_text}  {comm_text}"
         )
+    for v in variants:  # the overlap against the same stage gathering at the step, iteration by iteration
+        if f"{v}:sync" in times:
+            q1, q2, q3 = _quartiles([a / b for a, b in zip(times[v], times[f"{v}:sync"])])
+            print(f"{v} / {v}:sync paired: {q2:.3f}x [{q1:.3f}, {q3:.3f}]")
     print(
         "\nloss after the timed steps, per repeat: "
         + "; ".join(f"{v} {', '.join(f'{x:.6f}' for x in result['losses'][v])}" for v in variants)

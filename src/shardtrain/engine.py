@@ -233,6 +233,7 @@ class Engine:
             tp_norm=tp_norm,
             dp_comm=self._dp_comm,
             replica_rank=topology.replica_rank,
+            overlap_gathers=not config.graph.enabled,  # a captured graph must see plain parameters
         )
         if offload.device != "none":
             self._optimizer.attach_offload(
@@ -447,6 +448,7 @@ class Engine:
             if saver is not None:
                 saver.close()
             self._reducer.remove_hooks()
+            self._optimizer.gathers.remove_hooks()
             if self._units is not None:
                 self._units.remove_hooks()
             self.monitor.close()
@@ -466,6 +468,8 @@ class Engine:
     def _agree(self, call: str, micro_steps: int | None = None) -> None:
         """[Note: phase agreement]: fail on every rank, naming each, unless all ranks are entering ``call`` at the
         same step."""
+        if call not in ("forward", "backward"):  # it reads or writes shards: see [Note: gathers after the step]
+            self._optimizer.wait_gathers()
         self._phase_check(call, self.global_step, self.micro_steps if micro_steps is None else micro_steps)
 
     # -- inspection --------------------------------------------------------------------------------

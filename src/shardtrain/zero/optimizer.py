@@ -39,6 +39,7 @@ from shardtrain.optimizers import DeepSpeedAdam
 from shardtrain.zero.layout import Bucket
 from shardtrain.zero.policy import ZeroPolicy
 from shardtrain.zero.reducer import GradientReducer
+from shardtrain.zero.step_gather import ParameterGathers
 
 if TYPE_CHECKING:
     from shardtrain.zero.offload import OptimizerOffload
@@ -93,9 +94,12 @@ class ShardedOptimizer:
         tp_norm: TensorParallelNorm | None = None,
         dp_comm: Communicator | None = None,
         replica_rank: int = 0,
+        overlap_gathers: bool = True,
     ) -> None:
         """``comm``: the group the buckets are sharded over; with hybrid sharding (``dp_comm``: every data-parallel
-        rank, ``replica_rank``: this rank's replica) the shard group."""
+        rank, ``replica_rank``: this rank's replica) the shard group. ``overlap_gathers``: the all-gathers after a
+        step are waited for where the parameters are next needed ([Note: gathers after the step]); False (graph
+        mode) waits at the end of the step."""
         self.optimizer, self.buckets, self.reducer = optimizer, buckets, reducer
         self.tp_norm = tp_norm  # with tensor parallelism: how the squared norm is summed (see the class)
         self.comm, self.allgather_bucket_numel = comm, allgather_bucket_numel
@@ -104,6 +108,10 @@ class ShardedOptimizer:
         self.norm_comm = dp_comm if dp_comm is not None else comm
         self.norm_weight = 1.0 if replica_rank == 0 else 0.0
         self.sharded = policy.shard_optimizer_state  # steps fragments (else whole parameters)
+        # the all-gathers of the updated chunks after each step (stages 1-3: the buckets gathered after a step)
+        self.gathers = ParameterGathers(
+            buckets if self.sharded else [], comm, allgather_bucket_numel, module, overlap_gathers
+        )
         # (fragment tensor, bucket, slot index) for every trainable parameter, keyed by the parameter
         self._frag: dict[int, tuple[torch.Tensor, Bucket, int]] = {}
         for b in buckets:
@@ -213,6 +221,7 @@ class ShardedOptimizer:
         Returns (norm of the unscaled gradients before clipping, whether the step was skipped). With a loss
         scale, a non-finite norm on any rank (it is all-reduced, so every rank sees the same) skips the step
         and leaves parameters, masters and optimizer state untouched."""
+        self.gathers.wait_all("step")  # the chunks stepped below are the input of the last step's gathers
         triples = self._fragment_grads()
         # the optimizer sees the stepped tensors' dtype (fp32 masters): upcast compute-dtype gradients
         grads = [g if g.dtype == s.dtype else g.to(s.dtype) for s, _, g in triples if g is not None]
@@ -266,21 +275,13 @@ class ShardedOptimizer:
                         t.copy_(s)  # blocking: the host masters change at the next step
                 else:
                     torch._foreach_copy_(frags, masters)
-        if self.sharded:
-            self._all_gather_params()
+        # every rank's updated chunks into the full flat buffers, waited for where they are next needed
+        self.gathers.launch()
         return total_norm, False
 
-    def _all_gather_params(self) -> None:
-        """Every rank's updated chunks into the full flat buffers, at most ``allgather_bucket_numel``
-        elements in flight."""
-        in_flight: list[tuple[int, object]] = []
-        for b in (b for b in self.buckets if b.gather_after_step):
-            while in_flight and sum(n for n, _ in in_flight) + b.padded_numel > self.allgather_bucket_numel:
-                in_flight.pop(0)[1].wait()
-            h = self.comm.all_gather(b.flat_param, b.shard, what=f"parameter bucket {b.index}", async_op=True)
-            in_flight.append((b.padded_numel, h))
-        for _, h in in_flight:
-            h.wait()
+    def wait_gathers(self) -> None:
+        """Wait for the all-gathers of the last step still in flight (before reading or writing shards)."""
+        self.gathers.wait_all("engine")
 
     def state_bytes(self) -> int:
         """Optimizer state plus fp32 masters (when they are separate from the parameters)."""
