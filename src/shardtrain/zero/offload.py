@@ -322,7 +322,9 @@ class OptimizerOffload:
         ):
             return
         self.grads = GradOffload(self, optimizer)
-        reducer.grad_offload = self.grads
+        # weakly: the reducer's gradient hooks can outlive an engine dropped without close(), and must not keep
+        # its swap directory (owned through this object) from being removed when it is collected
+        reducer.grad_offload = weakref.proxy(self.grads)
 
     # -- the step --
     def step(
@@ -725,7 +727,7 @@ class GradOffload:
         if float(both[1]) >= _FAILED:
             errors = optimizer.norm_comm.all_gather_object(self._error, what="gradient swap outcome")
             self._error = None
-            raise OffloadError("offloaded gradients failed: " + "; ".join(e for e in errors if e is not None))
+            raise OffloadError("offloaded optimizer step failed: " + "; ".join(e for e in errors if e is not None))
         local_sq = both[0]
         reducer.settle_order(bool(both[1] > 0))
         total_norm = float(local_sq.sqrt())
