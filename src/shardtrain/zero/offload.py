@@ -580,7 +580,12 @@ class GradOffload:
             (positions[b.index], b.fragments[j].shard_offset, b.fragments[j].length, j)
             for _, b, j in optimizer._frag.values()
         ]
-        self.on_disk: set[int] = set()  # bucket positions whose gradient shard is in its file
+        # every bucket's gradient shard is in its file from now on: the reducer's zeroed in-memory shards (as much
+        # memory as the rank's fp32 parameters) are freed before the first forward, not at each first reduction
+        self.dtypes = [g.dtype for g in self.reducer.shard_grads]
+        self.on_disk: set[int] = set(range(len(self.dtypes)))  # bucket positions whose gradient shard is in its file
+        for position, dtype in enumerate(self.dtypes):
+            self.reducer.shard_grads[position] = torch.empty(0, dtype=dtype)
         self._norms: dict[int, list[torch.Tensor | None]] = {}  # position -> each fragment's gradient norm
         self._writes: deque[Future] = deque()
         self._error: str | None = None  # the first I/O failure since the last step (raised there, on every rank)
@@ -623,11 +628,7 @@ class GradOffload:
         holds). ``boundary``: the last micro-step: each fragment's norm is taken now, while it is in memory.
         Never raises (a failure on one rank would leave the others waiting in backward's next collective): the
         step reports it on every rank."""
-        grads = self.reducer.shard_grads
-        dtype = grads[position].dtype
-        if position not in self.on_disk:  # the in-memory shard is given up for good
-            self.on_disk.add(position)
-            grads[position] = torch.empty(0, dtype=dtype)
+        dtype = self.dtypes[position]
         if bucket.shard_numel == 0:
             return
         if fresh:
@@ -643,6 +644,15 @@ class GradOffload:
         if boundary:
             self._norms[position] = self._fragment_norms(bucket, g)
         self._write(position, g)
+
+    def keep_in_memory(self, positions: list[int]) -> None:
+        """The reducer's hook when graph mode takes over these buckets' reductions (it adds into the in-memory
+        shards itself): they get their zeroed in-memory shards back and never go to files."""
+        for position in positions:
+            if position in self.on_disk:
+                self.on_disk.discard(position)
+                numel = self.reducer.buckets[position].shard_numel
+                self.reducer.shard_grads[position] = torch.zeros(numel, dtype=self.dtypes[position])
 
     @staticmethod
     def _fragment_norms(bucket: Bucket, g: torch.Tensor) -> list[torch.Tensor | None]:

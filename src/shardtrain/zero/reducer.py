@@ -150,6 +150,8 @@ class GradientReducer:
         other buckets (stage 3's persistent parameters) are reduced as before."""
         self._external = frozenset(self._position[b.index] for b in buckets)
         self.launch_order = [p for p in self.launch_order if p not in self._external]
+        if self.grad_offload is not None:  # those shards are added into here, by the graph: not in files
+            self.grad_offload.keep_in_memory(sorted(self._external))
 
     @staticmethod
     def _grad_view(flat: torch.Tensor, s: ParamSlot) -> torch.Tensor:
