@@ -11,15 +11,11 @@ Files written here are read back with ``safetensors`` itself in the tests.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import struct
-import sys
-import threading
 import zlib
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -71,80 +67,6 @@ def read_header(path: Path) -> tuple[int, dict[str, Any]]:
     return _read_header_cached(str(path), st.st_size, st.st_mtime_ns)
 
 
-# [Note: direct reads into new memory]
-# A read into a freshly allocated result takes a page fault per 4 KiB page inside ``readinto`` (the kernel zeroes
-# and maps each page on its first touch): with the CRC-32 that was the CPU separating a load into new tensors
-# from a raw read into a reused buffer. Two things bring it closer: (1) before each direct read the target range is
-# populated with one ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14+; elsewhere, or on failure, the faults happen
-# as before): the same zeroed pages without a fault each; on memory already mapped (a read into place) it only
-# walks the page tables; (2) the CRC-32 of a direct chunk runs on a helper thread (zlib releases the GIL) while
-# the next chunk is read, in chunk order; its result is awaited before returning and before the chunk buffer,
-# which the next read overwrites, is used. Nothing changes in what is read or checked.
-_MADV_POPULATE_WRITE = 23
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-_populate_ok = sys.platform.startswith("linux")
-_libc = None
-_crc_pool: ThreadPoolExecutor | None = None
-_crc_lock = threading.Lock()
-_DEFER_MIN = 1 << 20  # bytes: shorter direct reads are populated by faults and checksummed inline
-
-
-def _populate(into: memoryview) -> None:
-    """Map the pages of ``into`` (writable) in one call; best effort (see [Note: direct reads into new memory])."""
-    global _populate_ok, _libc
-    if not _populate_ok or len(into) < _DEFER_MIN:
-        return
-    try:
-        if _libc is None:
-            _libc = ctypes.CDLL(None, use_errno=True)
-            _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        address = ctypes.addressof(ctypes.c_char.from_buffer(into))
-        start = address // _PAGE * _PAGE
-        end = -(-(address + len(into)) // _PAGE) * _PAGE
-        if _libc.madvise(start, end - start, _MADV_POPULATE_WRITE) != 0:
-            _populate_ok = False  # an older kernel (EINVAL): fall back to faults for the rest of the process
-    except (OSError, AttributeError, TypeError, ValueError):
-        _populate_ok = False
-
-
-def _crc_executor() -> ThreadPoolExecutor:
-    global _crc_pool
-    with _crc_lock:
-        if _crc_pool is None:
-            _crc_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardtrain-crc")
-        return _crc_pool
-
-
-class _RunningCrc:
-    """The CRC-32 of the chunks in order, the direct ones computed on the helper thread."""
-
-    def __init__(self) -> None:
-        self.value = 0
-        self.pending: Future | None = None
-
-    def _add(self, data: memoryview) -> None:
-        self.value = zlib.crc32(data, self.value)
-
-    def add(self, data: memoryview, later: bool) -> None:
-        if later and len(data) >= _DEFER_MIN:
-            previous = self.pending
-            self.pending = _crc_executor().submit(self._after, previous, data)
-        else:
-            self.wait()
-            self._add(data)
-
-    def _after(self, previous: Future | None, data: memoryview) -> None:
-        if previous is not None:
-            previous.result()
-        self._add(data)
-
-    def wait(self) -> int:
-        if self.pending is not None:
-            pending, self.pending = self.pending, None
-            pending.result()
-        return self.value
-
-
 def stream_tensor(
     path: Path,
     key: str,
@@ -179,20 +101,10 @@ def stream_tensor(
     a, b = elems
     size = dtype.itemsize
     per_chunk, per_direct = max(1, _CHUNK // size), max(1, _DIRECT_CHUNK // size)
-    running = _RunningCrc()
-    try:
-        _stream(f"{path}", key, size, data_start + begin, (a, b), sink, direct, running, per_chunk, per_direct, dtype)
-    finally:
-        crc = running.wait()
-    return crc
-
-
-def _stream(path, key, size, base, elems, sink, direct, running, per_chunk, per_direct, dtype) -> None:
-    """The read loop of :func:`stream_tensor`."""
-    a, b = elems
     buf: torch.Tensor | None = None  # allocated on first use: direct reads need none
+    running = 0
     with open(path, "rb", buffering=0) as f:
-        f.seek(base + a * size)
+        f.seek(data_start + begin + a * size)
         offset = a
         while offset < b:
             n, into = direct(offset, min(per_direct, b - offset)) if direct else (b - offset, None)
@@ -203,19 +115,17 @@ def _stream(path, key, size, base, elems, sink, direct, running, per_chunk, per_
                     buf = torch.empty(min(per_chunk, b - a), dtype=dtype)
                     scratch = memoryview(buf.view(torch.uint8).numpy())
                 into = scratch[: n * size]
-                running.wait()  # the helper thread is done with what it reads before the buffer is reused
-            else:
-                _populate(into)
             got = 0
             while got < len(into):
                 r = f.readinto(into[got:])
                 if not r:
                     raise CheckpointError(f"{path}: ends inside tensor {key!r}")
                 got += r
-            running.add(into, later=not buffered)
+            running = zlib.crc32(into, running)
             if buffered:
                 sink(offset, buf[:n])
             offset += n
+    return running
 
 
 def write_streaming(
