@@ -190,9 +190,18 @@ def train(args: argparse.Namespace, offload: bool) -> dict:
     opt = engine._optimizer.offload
     if opt is not None and opt.files is not None:
         out["swap_buffers_peak"] = opt.peak_held_bytes
-    # bytes in the swap directories: parameter shards (param-*.bin) and optimizer state (the rest)
+    if opt is not None and opt.grads is not None:  # gradient shards in swap files (see [Note: gradient offload])
+        out["grad_in_flight_peak"] = opt.grads.peak_bytes
+    out["grad_bytes_in_memory"] = engine._reducer.grad_bytes()
+    if engine._param_offload is not None:  # parameter shards read into buffers for their gathers, one call each
+        out["param_reads"] = (engine._param_offload.reads, engine._param_offload.bytes_read)
+    # bytes in the swap directories: parameter shards (param-*.bin), gradient shards (*.grad.bin), optimizer state
     files = [f for s in engine._scratch.values() for f in s.path.iterdir() if f.suffix == ".bin"]
-    out["optimizer_on_disk"] = sum(f.stat().st_size for f in files if not f.name.startswith("param-"))
+    grads = [f for f in files if f.name.endswith(".grad.bin")]
+    out["grads_on_disk"] = sum(f.stat().st_size for f in grads)
+    out["optimizer_on_disk"] = sum(
+        f.stat().st_size for f in files if not f.name.startswith("param-") and f not in grads
+    )
     if args.parity:
         out["weights"] = engine.full_state_dict()
     engine.close()
@@ -313,9 +322,15 @@ def main() -> None:
     )
     print(
         f"on disk per rank: parameters {r0['params_on_disk'] / GiB:.2f} GiB, optimizer state "
-        f"{r0.get('optimizer_on_disk', 0) / GiB:.2f} GiB; swap buffers held at most "
-        f"{r0.get('swap_buffers_peak', 0) / GiB:.2f} GiB"
+        f"{r0.get('optimizer_on_disk', 0) / GiB:.2f} GiB, fp32 gradients {r0['grads_on_disk'] / GiB:.2f} GiB; "
+        f"swap buffers (state + gradients of the sub-groups in flight) held at most "
+        f"{r0.get('swap_buffers_peak', 0) / GiB:.2f} GiB; gradients on their way to their files at most "
+        f"{r0.get('grad_in_flight_peak', 0) / GiB:.2f} GiB; gradient shards in memory after training "
+        f"{r0['grad_bytes_in_memory'] / GiB:.2f} GiB"
     )
+    if "param_reads" in r0:
+        reads, nread = r0["param_reads"]
+        print(f"parameter shards read for gathers (rank 0): {reads} reads, {nread / GiB:.2f} GiB, one call each")
     print(
         f"peak RSS per rank: {', '.join(f'{b / GiB:.2f}' for b in per_rank)} GiB; sum {sum(per_rank) / GiB:.2f} GiB "
         f"= {sum(per_rank) / ram:.1%} of RAM (limit 75%); both ranks at the same moment (sampled) "

@@ -67,6 +67,8 @@ def train(
         "resident": resident,
         "scratch": [str(s.path) for s in engine._scratch.values()],
     }
+    out["grad_bytes"] = engine._reducer.grad_bytes()  # gradient shards in memory after the last step
+    out["grads_on_disk"] = sorted(offload.grads.on_disk) if offload is not None and offload.grads else []
     if offload is not None:
         out["groups"] = len(offload.groups)
         out["peak"] = offload.peak_held_bytes
@@ -78,6 +80,7 @@ def train(
         out["unit_numels"] = [sum(b.shard.numel() for b in u.buckets) for u in engine._units.units]
         out["mapped_bytes"] = engine._param_offload.mapped_bytes()
         out["most_ahead"] = engine._param_offload.most_ahead
+        out["param_reads"] = engine._param_offload.reads
     engine.close()
     out["scratch_left"] = [p for p in out["scratch"] if Path(p).exists()]
     return out
@@ -104,7 +107,11 @@ def test_nvme_offload_is_bitwise_in_memory_training(stage, world, tmp_path):
     offloaded = run_distributed(train, world, recipe, stage, world, nvme)
     _bitwise_equal(offloaded, plain)
     assert_parity(offloaded, reference(recipe, world))
-    for r in offloaded:
+    for r, p in zip(offloaded, plain):
+        if stage >= 2:  # the gradient shards went to files too: none left in memory ([Note: gradient offload])
+            assert r["grad_bytes"] == 0 < p["grad_bytes"] and r["grads_on_disk"], (r["grad_bytes"], p["grad_bytes"])
+        else:  # stage 1 keeps full gradient buffers (reduce-scatter into place): not offloaded
+            assert r["grads_on_disk"] == [] and r["grad_bytes"] == p["grad_bytes"]
         assert r["groups"] > 3  # several sub-groups were swapped in and out
         assert r["saved_files"] > 0
         # between steps no element-wise state is resident: Adam's step counts only (8 bytes per tensor)
@@ -138,6 +145,8 @@ def test_nvme_offload_under_mixed_precision_is_bitwise_in_memory_training(precis
     _bitwise_equal(offloaded, plain)
     for r, q in zip(offloaded, plain):  # the fp32 masters went to the files with the moments
         assert max(r["resident"]) < 0.05 * max(q["resident"])
+        # and the fp32 gradient shards (fp16: their norms taken after unscaling, from the files once more)
+        assert r["grad_bytes"] == 0 < q["grad_bytes"] and r["grads_on_disk"]
 
 
 def test_cpu_offload_on_a_cpu_machine_is_in_memory_training(tmp_path):
@@ -161,6 +170,7 @@ def test_ratio_offloads_the_first_sub_groups_only(tmp_path):
     offloaded = run_distributed(train, 2, recipe, 2, 2, half)
     _bitwise_equal(offloaded, plain)
     for r, p in zip(offloaded, plain):
+        assert r["grad_bytes"] == 0 and r["grads_on_disk"]  # resident sub-groups read their gradients too
         kept = r["resident"][-1] / p["resident"][-1]
         assert 0.3 < kept < 0.7, kept  # about half the state stays resident
 
@@ -200,8 +210,11 @@ def train_wide(nvme_path: str | None, steps: int = 2) -> dict:
     offload = engine._optimizer.offload
     if offload is not None:
         files = offload.files
+        # a sub-group's buffer holds its state and, read with it, its gradients (see [Note: gradient offload])
+        grads = offload.grads is not None
         sizes = {
             g.index: sum(files.path(i, k).stat().st_size for i in g.members for k in offload._saved.get(i, {}))
+            + grads * sum(offload.shapes[i].numel() * 4 for i in g.members)
             for g in offload.groups
         }
         out |= {
@@ -209,7 +222,7 @@ def train_wide(nvme_path: str | None, steps: int = 2) -> dict:
             "held": offload.held_bytes(),
             "group_bytes": max(sizes.values()),
             "total_bytes": sum(sizes.values()),
-            "regions": max(sum(len(offload._saved.get(i, {})) for i in g.members) for g in offload.groups),
+            "regions": max(sum(len(offload._saved.get(i, {})) + grads for i in g.members) for g in offload.groups),
             "buffer_count": offload.buffer_count,
         }
     engine.close()
@@ -516,27 +529,33 @@ class _Unit:
         self.index, self.buckets = index, [_Bucket(index, numel)]
 
 
-def test_parameter_offload_buffer_count_bounds_the_units_read_ahead(tmp_path, monkeypatch):
-    """``offload_param.buffer_count``: at most that many units are read ahead (``MADV_WILLNEED``) and not yet
-    gathered; the next one's read-ahead starts when one of them has been gathered."""
-    import mmap
-
+def test_parameter_offload_reads_each_shard_once_into_a_buffer_for_at_most_buffer_count_units(tmp_path):
+    """Before its gather a unit's shard is read from its file with one read into a buffer that the all-gather sends
+    from (its values, not the mapping's pages: see [Note: parameter offload]); at most ``buffer_count`` units hold
+    one, a further unit is gathered from its mapping; once gathered, the shard is the mapping again."""
     from shardtrain.zero.offload import ParamOffload
     from shardtrain.zero.swap import ScratchDir
 
-    advised: list[tuple[int, int]] = []
-    real = ParamOffload._advise
-    monkeypatch.setattr(ParamOffload, "_advise", lambda self, u, a: (advised.append((u.index, a)), real(self, u, a)))
-    units = [_Unit(i, 1000) for i in range(5)]
+    units = [_Unit(i, 1000) for i in range(4)]
+    values = [u.buckets[0].shard.clone() for u in units]
     scratch = ScratchDir(tmp_path, 0, "zero_optimization.offload_param")
     offload = ParamOffload(units, scratch, 0, max_in_cpu=0, buffer_count=2)
-    for u in units[:4]:  # the runtime asks for four units ahead of use
+    mapped = [u.buckets[0].shard for u in units]
+    mapped[1][5] = 7.0  # a change through the mapping (the optimizer step's way) is what the next read sees
+    values[1][5] = 7.0
+    for u in units[:3]:  # the runtime asks for three units ahead of their gathers
         offload.will_need(u)
-    assert [i for i, a in advised if a == mmap.MADV_WILLNEED] == [0, 1]
-    offload.done_with([units[0]])  # unit 0 gathered: unit 2's read-ahead starts
-    assert [i for i, a in advised if a == mmap.MADV_WILLNEED] == [0, 1, 2]
+    for k in (0, 1):  # read into new memory, equal to the file's (and the mapping's) values
+        shard = units[k].buckets[0].shard
+        assert shard.data_ptr() != mapped[k].data_ptr() and torch.equal(shard, values[k])
+    assert units[2].buckets[0].shard is mapped[2]  # past buffer_count: gathered from the mapping
+    assert offload.reads == 2 and offload.bytes_read == 2 * 4000
+    offload.done_with([units[0]])  # unit 0 gathered: its shard is the mapping again, a buffer is free
+    assert units[0].buckets[0].shard is mapped[0]
+    offload.will_need(units[3])
+    assert units[3].buckets[0].shard is not mapped[3] and torch.equal(units[3].buckets[0].shard, values[3])
     offload.done_with(units)
-    assert offload.most_ahead == 2
+    assert all(u.buckets[0].shard is m for u, m in zip(units, mapped)) and offload.most_ahead == 2
     scratch.remove()
 
 
@@ -546,4 +565,4 @@ def test_parameter_offload_with_one_buffer_is_bitwise_in_memory_training(tmp_pat
     plain = run_distributed(train, 2, recipe, 3, 2)
     offloaded = run_distributed(train, 2, recipe, 3, 2, one)
     _bitwise_equal(offloaded, plain)
-    assert all(r["most_ahead"] == 1 for r in offloaded)
+    assert all(r["most_ahead"] == 1 and r["param_reads"] > 0 for r in offloaded)

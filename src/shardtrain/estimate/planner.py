@@ -348,7 +348,10 @@ def _estimate(
                 cache["fake", tp] = build_fake(source, tp, torch.float32, tp_plan)
     fake = cache["fake", layout.tp]
     n_params = sum(p.numel() for p in cache["fake", 1].parameters())
-    st = rank_state(fake, zcfg, layout.shard_group, 0, compute, moments, steps, device_type)
+    # gradient shards in swap files: as zero/offload.py's OptimizerOffload.offload_gradients decides
+    grads_in_files = zcfg.offload_optimizer.device == "nvme" and zcfg.stage >= 2 and device_type == "cpu"
+    grads_in_files = grads_in_files and layout.tp == 1 and layout.shard_group == layout.dp
+    st = rank_state(fake, zcfg, layout.shard_group, 0, compute, moments, steps, device_type, grads_in_files)
     buffers = sum(b.numel() * (compute if b.dtype == torch.float32 else b.dtype).itemsize for b in fake.buffers())
     reduce = precision.reduce_dtype if precision.mixed else None
     units = [(u.name, u.nbytes, u.numel) for u in st.units]
@@ -384,6 +387,8 @@ def _estimate(
         Row("parameters in swap files", "nvme", st.params.get("nvme", 0)),
         Row("gradients", "device", st.grads["device"]),
     ]
+    if st.grads.get("nvme"):
+        rows.append(Row("gradients in swap files", "nvme", st.grads["nvme"]))
     opt = st.optimizer
     if "device" in opt:
         rows.append(Row("optimizer state (fp32 masters + moments)", "device", opt["device"]))

@@ -120,8 +120,10 @@ def rank_state(
     moments: int,
     step_scalars: bool,
     device_type: str,
+    grads_in_files: bool = False,
 ) -> RankState:
-    """Bytes of one rank whose ZeRO shard group has ``world`` ranks and which is ``rank`` in it."""
+    """Bytes of one rank whose ZeRO shard group has ``world`` ranks and which is ``rank`` in it; ``grads_in_files``:
+    the gradient shards are in swap files (``GradOffload`` in zero/offload.py; the caller knows tp and hybrid)."""
     policy = ZeroPolicy.for_stage(zcfg.stage)
     mixed = compute != FP32
     buckets, units, whole = plan_buckets(model, zcfg, world, rank)
@@ -157,7 +159,7 @@ def rank_state(
             continue
         acc = 4 if _itemsize(b.dtype, compute) < 4 else _itemsize(b.dtype, compute)
         grads += (b.shard_numel if policy.shard_gradients else b.padded_numel) * acc
-    st.grads = {"device": grads}
+    st.grads = {"device": 0, "nvme": grads} if grads_in_files else {"device": grads}
 
     # optimizer (ShardedOptimizer.state_bytes and zero/offload.py)
     stepped = [
@@ -177,12 +179,11 @@ def rank_state(
         in_mem = [i for g in groups if not g.offloaded for i in g.members]
         opt["nvme"] = sum(masters_per[i] + moments_per[i] for i in on_disk)
         opt["host" if device_type == "cuda" else "device"] = sum(masters_per[i] + moments_per[i] for i in in_mem)
-        # buffers: ``buffer_count`` of them, taken from a FIFO queue by the offloaded sub-groups (read ahead, given
-        # back once written, in whatever order the I/O threads finish) and each grown to the largest sub-group it
-        # held: over many steps each ends up the size of the largest sub-group (state files ALIGN-ed in it)
-        keys = moments + (1 if mixed else 0)
+        # buffers: ``buffer_count`` of them, each sized to the sub-group it holds (state files, and the gradients
+        # when they are in files, each ALIGN-ed in it): at most the ``buffer_count`` largest sub-groups at once
+        keys = moments + (1 if mixed else 0) + (1 if grads_in_files else 0)
         sizes = [sum(keys * (-(-4 * stepped[i] // ALIGN) * ALIGN) for i in g.members) for g in groups if g.offloaded]
-        opt["offload_buffers"] = zcfg.offload_optimizer.buffer_count * max(sizes, default=0)
+        opt["offload_buffers"] = sum(sorted(sizes)[-zcfg.offload_optimizer.buffer_count :])
     elif opt_dev == "cpu" and device_type == "cuda":
         # host masters: fp32 copies of the fragments, in fp32 training too; state made on the host
         opt["host"] = sum(4 * n for n in stepped) + sum(moments_per)

@@ -20,7 +20,10 @@ only while it is read or written (see [Note: bounded descriptors] in :mod:`shard
 of ``buffer_count`` byte buffers holds sub-groups in memory: while sub-group i is stepped, reads of the
 next sub-groups (as many as free buffers allow) and the write-back of the previous ones run on a small
 thread pool (``os.preadv`` / ``os.pwritev`` release the GIL). A buffer is reused only after its write has
-finished, so the element-wise optimizer state in memory never exceeds ``buffer_count`` sub-groups. The
+finished, so the element-wise optimizer state in memory never exceeds ``buffer_count`` sub-groups. A buffer
+fits the sub-group it holds: it is reused for one that needs at most ``FRAME_SLACK`` less, else replaced by one
+of the exact size (buffers that only grew each became as large as the largest sub-group: with sub-groups of
+very different sizes, ``buffer_count`` times the largest instead of the sub-groups in flight). The
 exception is a tensor's first step: the optimizer creates its state itself (zeros, in its own memory), which
 is written from there and dropped; on that step one more sub-group can be in memory. Every rank agrees on
 the outcome of the step (one small object all-gather) so that a full disk on one rank raises on all ranks,
@@ -41,19 +44,41 @@ At stage 3 with ``offload_param: {device: nvme}`` each unit bucket's shard (this
 flat parameters, in the compute dtype) becomes a tensor over a shared memory mapping of its own file,
 preallocated with ``posix_fallocate`` (a full disk fails at ``initialize``, never later as a SIGBUS). Every
 reader and writer of ``bucket.shard`` (the all-gather, the optimizer's fragments, weight loading,
-checkpoints) works unchanged on it: pages are read when touched and written back by the kernel. What
-decides residency is explicit: the unit runtime calls ``before_gather`` just before a unit's all-gather is
-issued, prefetches included, so in the recorded gather order (``MADV_WILLNEED``: the kernel starts reading
-the shard while earlier units compute), and ``after_gather`` once it has completed (``MADV_DONTNEED``: the
-pages leave the process; a changed page stays in the page cache until written back, nothing is lost). After
-the optimizer step the updated shards leave the same way, one sub-group at a time: when a sub-group has been
-stepped, the pages of its tensors that lie in a mapped shard (fp32 fragments, or the compute-dtype fragments
-its masters refreshed) are dropped at once (:func:`release_mapped`), so a step holds one sub-group's pages of
-the shards, not every page it has touched (which, in fp32 training, would be the rank's whole shard: as much
-memory as the parameters the offload was meant to keep out). Units stay in ordinary memory, in unit order, while
-they fit in ``max_in_cpu`` elements. ``buffer_count`` bounds the read-ahead: at most that many units' shards
-are asked for ahead of use (advised and not yet gathered); the read-ahead of a unit past that waits for one of
-them to be gathered, and a unit gathered before its turn is read by its all-gather touching the pages.
+checkpoints) works unchanged on it: pages are read when touched and written back by the kernel. The gathers
+do not touch the mapping: the unit runtime calls ``before_gather`` just before a unit's all-gather is issued
+(prefetches included), which reads each of the unit's shards from its file with one positional read into a new
+buffer and points ``bucket.shard`` at it, so the all-gather sends from it; ``after_gather``, once the all-gather
+has completed, points ``bucket.shard`` back at the mapping and frees the buffer. The file and the mapping are
+one page cache, so the read sees every change made through the mapping. (Touching the mapping instead read the
+shard by page faults, a few pages per fault: ~55 MB/s on the 2.48B-parameter benchmark against 1774 MB/s for
+one read of the same bytes.) At most ``buffer_count`` units hold a read buffer at once; a unit gathered past
+that (a deep prefetch) is read through its mapping as before (``MADV_WILLNEED``, then page faults). The optimizer
+step updates the shards in place through the mapping; the pages leave the process one sub-group at a time:
+when a sub-group has been stepped, the pages of its tensors that lie in a mapped shard (fp32 fragments, or the
+compute-dtype fragments its masters refreshed) are dropped at once (:func:`release_mapped`, ``MADV_DONTNEED``:
+a changed page stays in the page cache until written back, nothing is lost), so a step holds one sub-group's
+pages of the shards, not every page it has touched (which, in fp32 training, would be the rank's whole shard: as
+much memory as the parameters the offload was meant to keep out). Units stay in ordinary memory, in unit order,
+while they fit in ``max_in_cpu`` elements.
+
+[Note: gradient offload]
+At stages 2-3 the reducer keeps, per bucket, this rank's fp32 gradient shard for the whole step: as much memory
+as the rank's fp32 parameters. With the optimizer state in files (``device: nvme``) the shards go to files too,
+as DeepSpeed's ZeRO-Infinity swaps gradient partitions out: when a bucket's reduce-scatter completes, the reducer
+hands its result to :meth:`GradOffload.fold`, which writes it to ``bucket<i>.grad.bin`` on the I/O pool (one
+write in flight: the next bucket's reduction overlaps it) and gives up the bucket's in-memory shard; a later
+micro-step of the same step reads the file, adds (the in-memory ``add_``) and writes it back. At the last
+micro-step each fragment's norm is taken from the result while it is in memory. The step
+(:meth:`GradOffload.step`, which :meth:`ShardedOptimizer.step` hands over to) is the in-memory step's arithmetic
+in the same order: the squared global norm from the same per-fragment norms (under a loss scale the unscaled
+norms need the unscaled gradients: each bucket's file is read once more for them, one bucket at a time), the
+same all-reduce (which also carries this rank's I/O failure, so every rank raises), the clip coefficient; then
+each sub-group's gradients are read into its swap buffer with its optimizer state, unscaled and clipped there
+(the same multiplications) and stepped. So the numbers are bitwise those of in-memory gradients, and a rank holds
+one bucket's reduced gradient on its way to the file and ``buffer_count`` sub-groups of gradients with their state.
+Where it is not built the gradients stay in memory: on CUDA (the shards are on the GPU), with tensor parallelism
+or hybrid sharding (their norm and replica all-reduce read the shards), and buckets whose reduction graph mode
+took over.
 
 Swap directories, files, the page-cache policy and :class:`OffloadError` are in :mod:`shardtrain.zero.swap`.
 """
@@ -62,6 +87,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import math
 import mmap
 import os
 import queue
@@ -70,14 +96,35 @@ import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from shardtrain.comm import Communicator
-from shardtrain.zero.swap import ALIGN, OffloadError, ScratchDir, SwapFiles, on_every_rank, prepare_scratch
+from shardtrain.zero.swap import (
+    ALIGN,
+    DROP_BYTES,
+    GRAD,
+    OffloadError,
+    ScratchDir,
+    SwapFiles,
+    on_every_rank,
+    prepare_scratch,
+)
 
-__all__ = ["OffloadError", "OptimizerOffload", "ParamOffload", "ScratchDir", "on_every_rank", "prepare_scratch"]
+if TYPE_CHECKING:
+    from shardtrain.zero.layout import Bucket
+    from shardtrain.zero.optimizer import ShardedOptimizer
+
+__all__ = [
+    "GradOffload",
+    "OffloadError",
+    "OptimizerOffload",
+    "ParamOffload",
+    "ScratchDir",
+    "on_every_rank",
+    "prepare_scratch",
+]
 
 # -- sub-groups ------------------------------------------------------------------------------------
 
@@ -119,6 +166,9 @@ def make_sub_groups(numels: list[int], size: int, ratio: float = 1.0) -> list[Su
 # -- the offloaded optimizer step ------------------------------------------------------------------
 
 
+FRAME_SLACK = 1 / 8  # a buffer is reused for a sub-group needing at most this much less than it holds
+
+
 @dataclass
 class _Frame:
     """One reusable byte buffer holding a sub-group's element-wise state while it is read, stepped, written."""
@@ -126,7 +176,11 @@ class _Frame:
     data: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.uint8))
 
     def ensure(self, nbytes: int, pin: bool) -> None:
-        if self.data.numel() < nbytes:
+        """Hold ``nbytes``: the buffer is kept when it is large enough and not more than ``FRAME_SLACK`` larger,
+        else replaced by one of exactly ``nbytes`` (see [Note: swap pipeline]: a buffer that only grew would make
+        every one of them as large as the largest sub-group)."""
+        have = self.data.numel()
+        if have < nbytes or have > nbytes * (1 + FRAME_SLACK):
             self.data = torch.empty(0, dtype=torch.uint8)  # free the old one before allocating the new one
             self.data = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
 
@@ -179,6 +233,7 @@ class OptimizerOffload:
         for _ in range(buffer_count):
             self._frames.put(_Frame())
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="shardtrain-swap") if files else None
+        self.grads: GradOffload | None = None  # gradient shards in swap files too (see offload_gradients)
         self._held_lock = threading.Lock()
         self._busy_bytes = 0  # bytes of buffers taken out of the pool
         self._extra_bytes = 0  # state the optimizer created itself, on its way to the files
@@ -251,16 +306,44 @@ class OptimizerOffload:
         else:
             self.optimizer.state.pop(stepped, None)
 
+    def offload_gradients(self, optimizer: ShardedOptimizer) -> None:
+        """Keep the gradient shards of ``optimizer``'s reducer in swap files too, where that is built (see [Note:
+        gradient offload]): state in files (``nvme``), gradients sharded (stages 2-3) and accumulated in the dtype
+        stepped, on the host, no tensor parallelism and no hybrid sharding. Else gradients stay in memory."""
+        reducer = optimizer.reducer
+        if (
+            self.files is None
+            or not (optimizer.sharded and reducer.sharded_grads)
+            or optimizer.tp_norm is not None
+            or reducer.replicate is not None
+            or reducer.device.type != "cpu"
+            or any(g.dtype != s.dtype for g, s in zip(reducer.shard_grads, self.stepped))
+            or any(s.dtype != torch.float32 for s in self.stepped)
+        ):
+            return
+        self.grads = GradOffload(self, optimizer)
+        # weakly: the reducer's gradient hooks can outlive an engine dropped without close(), and must not keep
+        # its swap directory (owned through this object) from being removed when it is collected
+        reducer.grad_offload = weakref.proxy(self.grads)
+
     # -- the step --
-    def step(self, grads: list[torch.Tensor | None]) -> None:
-        """Step every sub-group with ``grads[i]`` as the gradient of ``stepped[i]`` (None: not stepped)."""
+    def step(
+        self,
+        grads: list[torch.Tensor | None],
+        on_disk: frozenset[int] = frozenset(),
+        transform: Any = None,
+    ) -> None:
+        """Step every sub-group with ``grads[i]`` as the gradient of ``stepped[i]`` (None: not stepped). Members in
+        ``on_disk`` have their gradient in a swap file instead (see [Note: gradient offload]): it is read with the
+        sub-group's state and ``transform(list of gradients)`` (unscale, clip) applied in place before the step."""
+        grads = list(grads)
         if self.files is None:
             for g in self.groups:
                 self._step_group(g, grads)
             return
         error = None
         try:
-            self._pipelined_step(grads)
+            self._pipelined_step(grads, on_disk, transform)
         except Exception as err:  # shared with every rank below
             error = str(err) if isinstance(err, OffloadError) else f"{type(err).__name__}: {err}"
             cause = err
@@ -320,8 +403,14 @@ class OptimizerOffload:
             self._busy_bytes -= frame.data.untyped_storage().nbytes()
         self._frames.put(frame)
 
-    def _read_group(self, group: SubGroup, frame: _Frame) -> dict[int, dict[str, torch.Tensor]]:
+    def _read_group(
+        self, group: SubGroup, frame: _Frame, on_disk: frozenset[int] = frozenset()
+    ) -> dict[int, dict[str, torch.Tensor]]:
         regions, nbytes = self._regions(group)
+        for i in group.members:  # gradients in swap files come in the same buffer, after the state
+            if i in on_disk and self.shapes[i].numel():
+                regions.append((i, GRAD, torch.float32, nbytes))
+                nbytes += -(-self.shapes[i].numel() * 4 // ALIGN) * ALIGN
         with self._held_lock:
             self._busy_bytes -= frame.data.untyped_storage().nbytes()
             frame.ensure(nbytes, self.pin)
@@ -331,7 +420,10 @@ class OptimizerOffload:
         for i, key, dtype, offset in regions:
             n = self.shapes[i].numel()
             view = frame.data[offset : offset + n * dtype.itemsize].view(dtype).view(self.shapes[i])
-            self.files.read(i, key, view)
+            if key == GRAD:
+                self.grads.read(i, view.view(-1))
+            else:
+                self.files.read(i, key, view)
             views.setdefault(i, {})[key] = view
         return views
 
@@ -370,7 +462,9 @@ class OptimizerOffload:
             with self._held_lock:
                 self._extra_bytes -= nbytes
 
-    def _pipelined_step(self, grads: list[torch.Tensor | None]) -> None:
+    def _pipelined_step(
+        self, grads: list[torch.Tensor | None], on_disk: frozenset[int] = frozenset(), transform: Any = None
+    ) -> None:
         offloaded = [g for g in self.groups if g.offloaded]
         reads: dict[int, tuple[_Frame, Future]] = {}
         writes: list[Future] = []
@@ -383,7 +477,7 @@ class OptimizerOffload:
             frame = self._take_frame(block)
             if frame is None:
                 return False
-            reads[issued] = (frame, self._pool.submit(self._read_group, offloaded[issued], frame))
+            reads[issued] = (frame, self._pool.submit(self._read_group, offloaded[issued], frame, on_disk))
             issued += 1
             return True
 
@@ -392,7 +486,14 @@ class OptimizerOffload:
                 pass
             for g in self.groups:  # resident sub-groups step while the first reads run
                 if not g.offloaded:
+                    loaded = [i for i in g.members if i in on_disk]
+                    for i in loaded:  # their gradients are read here, one sub-group at a time
+                        grads[i] = self.grads.load(i).view(self.shapes[i])
+                    if transform is not None:
+                        transform([grads[i] for i in loaded if grads[i].numel()])
                     self._step_group(g, grads)
+                    for i in loaded:
+                        grads[i] = None
             for k, group in enumerate(offloaded):
                 while issued <= k:
                     issue(block=True)
@@ -402,7 +503,13 @@ class OptimizerOffload:
                 except BaseException:
                     self._give_frame(frame)
                     raise
+                read_grads, read_members = [], []
                 for i, state in views.items():
+                    g = state.pop(GRAD, None)
+                    if g is not None:
+                        grads[i] = g
+                        read_grads.append(g)
+                        read_members.append(i)
                     master = state.pop(MASTER, None)
                     if master is not None:
                         self.stepped[i].set_(master)
@@ -410,8 +517,12 @@ class OptimizerOffload:
                         self.optimizer.state.setdefault(self.stepped[i], {}).update(state)
                 try:
                     try:
+                        if transform is not None and read_grads:
+                            transform(read_grads)
                         self._step_group(group, grads)
                     finally:
+                        for i in read_members:  # the buffer is written back and reused: no reference stays
+                            grads[i] = None
                         out = {i: self._detach_state(i) for i in group.members}
                         if self.holds_masters:
                             for i in group.members:
@@ -451,6 +562,208 @@ class OptimizerOffload:
             self.files.close()
         while not self._frames.empty():
             self._frames.get_nowait().data = torch.empty(0, dtype=torch.uint8)
+
+
+# -- gradients in swap files ----------------------------------------------------------------------
+
+
+class GradOffload:
+    """The reducer's fp32 gradient shards in swap files, one per bucket, read back one sub-group at a time with
+    the optimizer state (see [Note: gradient offload])."""
+
+    def __init__(self, offload: OptimizerOffload, optimizer: ShardedOptimizer) -> None:
+        self.offload, self.reducer, self.files = offload, optimizer.reducer, offload.files
+        positions = {b.index: k for k, b in enumerate(self.reducer.buckets)}
+        # member (index into the stepped tensors) -> (bucket position, element offset in its shard, length,
+        # fragment index); the wrapper lists its fragments bucket by bucket, slot by slot
+        self.where = [
+            (positions[b.index], b.fragments[j].shard_offset, b.fragments[j].length, j)
+            for _, b, j in optimizer._frag.values()
+        ]
+        # every bucket's gradient shard is in its file from now on: the reducer's zeroed in-memory shards (as much
+        # memory as the rank's fp32 parameters) are freed before the first forward, not at each first reduction
+        self.dtypes = [g.dtype for g in self.reducer.shard_grads]
+        self.on_disk: set[int] = set(range(len(self.dtypes)))  # bucket positions whose gradient shard is in its file
+        for position, dtype in enumerate(self.dtypes):
+            self.reducer.shard_grads[position] = torch.empty(0, dtype=dtype)
+        self._norms: dict[int, list[torch.Tensor | None]] = {}  # position -> each fragment's gradient norm
+        self._writes: deque[Future] = deque()
+        self._error: str | None = None  # the first I/O failure since the last step (raised there, on every rank)
+        self.bytes_in_flight = 0  # gradient bytes in memory on their way to or from the files
+        self.peak_bytes = 0  # the most of them at once (tests read it)
+        self._lock = threading.Lock()
+
+    def _name(self, position: int) -> str:
+        return f"bucket{self.reducer.buckets[position].index}"
+
+    def _count(self, nbytes: int) -> None:
+        with self._lock:
+            self.bytes_in_flight += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.bytes_in_flight)
+
+    def _wait(self, keep: int = 0) -> None:
+        """Wait until at most ``keep`` writes are in flight; a failure is kept for the step to report."""
+        while len(self._writes) > keep:
+            try:
+                self._writes.popleft().result()
+            except OffloadError as err:
+                self._error = self._error or str(err)
+
+    def _write(self, position: int, g: torch.Tensor) -> None:
+        nbytes = g.numel() * g.element_size()
+        self._count(nbytes)
+
+        def write() -> None:
+            try:
+                self.files.write(self._name(position), GRAD, g)
+            finally:
+                self._count(-nbytes)
+
+        self._wait(keep=0)  # one shard on its way at a time: the next bucket's reduction overlaps it
+        self._writes.append(self.offload._pool.submit(write))
+
+    def fold(self, position: int, bucket: Bucket, out: torch.Tensor, fresh: bool, boundary: bool) -> None:
+        """The reducer's hook: ``out``, this rank's reduced gradient of ``bucket`` for one micro-step, goes to the
+        bucket's file (``fresh``: the first micro-step since the gradients were zeroed, else added to what the file
+        holds). ``boundary``: the last micro-step: each fragment's norm is taken now, while it is in memory.
+        Never raises (a failure on one rank would leave the others waiting in backward's next collective): the
+        step reports it on every rank."""
+        dtype = self.dtypes[position]
+        if bucket.shard_numel == 0:
+            return
+        if fresh:
+            g = out if out.dtype == dtype else out.to(dtype)
+        else:  # gradient accumulation: what earlier micro-steps left, plus this one (the in-memory add_)
+            self._wait()
+            g = torch.empty(bucket.shard_numel, dtype=dtype)
+            try:
+                self.files.read(self._name(position), GRAD, g)
+            except OffloadError as err:
+                self._error = self._error or str(err)
+            g.add_(out)
+        if boundary:
+            self._norms[position] = self._fragment_norms(bucket, g)
+        self._write(position, g)
+
+    def keep_in_memory(self, positions: list[int]) -> None:
+        """The reducer's hook when graph mode takes over these buckets' reductions (it adds into the in-memory
+        shards itself): they get their zeroed in-memory shards back and never go to files."""
+        for position in positions:
+            if position in self.on_disk:
+                self.on_disk.discard(position)
+                numel = self.reducer.buckets[position].shard_numel
+                self.reducer.shard_grads[position] = torch.zeros(numel, dtype=self.dtypes[position])
+
+    @staticmethod
+    def _fragment_norms(bucket: Bucket, g: torch.Tensor) -> list[torch.Tensor | None]:
+        """Each fragment's norm as the in-memory step takes it (``torch._foreach_norm``, tensor by tensor)."""
+        parts = [g[f.shard_offset : f.shard_offset + f.length] for f in bucket.fragments if f.length]
+        norms = iter(torch._foreach_norm(parts) if parts else [])
+        return [next(norms) if f.length else None for f in bucket.fragments]
+
+    def read(self, member: int, out: torch.Tensor) -> None:
+        """Member ``member``'s gradient into ``out`` (1-D): zeros when no backward ran since they were zeroed."""
+        position, offset, _, _ = self.where[member]
+        if self.reducer._fresh_shard:
+            out.zero_()
+            return
+        self.files.read(self._name(position), GRAD, out, offset * out.element_size())
+
+    def load(self, member: int) -> torch.Tensor:
+        """Member ``member``'s gradient in new memory (a sub-group whose state stays in memory)."""
+        out = torch.empty(self.where[member][2], dtype=torch.float32)
+        self.read(member, out)
+        return out
+
+    def _reread_norms(self, position: int, scale: float) -> list[torch.Tensor | None]:
+        """Fragment norms of the unscaled gradients (a loss scale): the shard is read once more for them."""
+        bucket = self.reducer.buckets[position]
+        g = torch.empty(bucket.shard_numel, dtype=torch.float32)
+        self.files.read(self._name(position), GRAD, g)
+        parts = [g[f.shard_offset : f.shard_offset + f.length] for f in bucket.fragments if f.length]
+        if parts:
+            torch._foreach_mul_(parts, scale)
+        return self._fragment_norms(bucket, g)
+
+    def step(self, optimizer: ShardedOptimizer, max_norm: float, loss_scale: float | None) -> tuple[float, bool]:
+        """:meth:`ShardedOptimizer.step` with the gradients in files: the same unscaling, norm, clipping and
+        update, element for element, on gradients read one sub-group at a time."""
+        self._wait()
+        reducer, zero = self.reducer, self.reducer._fresh_shard
+        inv = 1.0 / loss_scale if loss_scale is not None and loss_scale != 1.0 else None
+        grads: list[torch.Tensor | None] = []
+        on_disk = set()
+        for i, (position, offset, n, _) in enumerate(self.where):
+            if position not in self.on_disk:  # never reduced here (graph mode hands some buckets over)
+                grads.append(reducer.shard_grads[position][offset : offset + n])
+            elif n:
+                grads.append(None)
+                on_disk.add(i)
+            else:  # an empty fragment is stepped like any other (its scalar state counts the step)
+                grads.append(torch.empty(0, dtype=torch.float32))
+        in_memory = [g for g in grads if g is not None and g.numel()]
+        if inv is not None and in_memory:
+            torch._foreach_mul_(in_memory, inv)
+        norms, reread = [], {}
+        try:
+            for i, (position, _, n, j) in enumerate(self.where):
+                if not n:
+                    continue
+                if i not in on_disk:
+                    norms.append(torch._foreach_norm([grads[i]])[0])
+                elif zero:
+                    norms.append(torch.zeros((), dtype=torch.float32))
+                elif inv is None:
+                    norms.append(self._norms[position][j])
+                else:
+                    if position not in reread:
+                        reread = {position: self._reread_norms(position, inv)}  # one bucket held at a time
+                    norms.append(reread[position][j])
+        except OffloadError as err:
+            self._error = self._error or str(err)
+            norms = [torch.zeros((), dtype=torch.float32)]
+        reread.clear()
+        self._norms.clear()
+        # the sum of squares over every rank, as the in-memory step (same values, same order), with the
+        # reducer's order flag and this rank's I/O failure on the same all-reduce
+        if norms:
+            local_sq = torch.linalg.vector_norm(torch.stack(norms)) ** 2
+        else:
+            local_sq = torch.zeros(())
+        local_sq = local_sq.to(torch.float32)
+        flag = float(reducer.order_departed) + (_FAILED if self._error is not None else 0.0)
+        both = torch.stack([local_sq * optimizer.norm_weight, local_sq.new_tensor(flag)])
+        optimizer.norm_comm.all_reduce(both, "sum", what="squared gradient norm")
+        if float(both[1]) >= _FAILED:
+            errors = optimizer.norm_comm.all_gather_object(self._error, what="gradient swap outcome")
+            self._error = None
+            raise OffloadError("offloaded optimizer step failed: " + "; ".join(e for e in errors if e is not None))
+        local_sq = both[0]
+        reducer.settle_order(bool(both[1] > 0))
+        total_norm = float(local_sq.sqrt())
+        if loss_scale is not None and not math.isfinite(total_norm):
+            return total_norm, True
+        coef = None
+        if max_norm > 0 and any(n for _, _, n, _ in self.where):
+            coef = torch.clamp(max_norm / (local_sq.sqrt() + 1e-6), max=1.0)
+            if in_memory:
+                torch._foreach_mul_(in_memory, coef)
+
+        def transform(read: list[torch.Tensor]) -> None:
+            if inv is not None:
+                torch._foreach_mul_(read, inv)
+            if coef is not None:
+                torch._foreach_mul_(read, coef)
+
+        self.offload.step(grads, frozenset(on_disk), transform)
+        optimizer.gathers.launch()  # every rank's updated chunks, waited for where they are next needed
+        return total_norm, False
+
+    def close(self) -> None:
+        self._wait()
+
+
+_FAILED = float(1 << 20)  # added to the order flag of the norm's all-reduce by a rank whose gradient I/O failed
 
 
 # -- wiring ----------------------------------------------------------------------------------------
@@ -593,9 +906,10 @@ class ParamOffload:
         self.rank, self.scratch, self.buffer_count = rank, scratch, buffer_count
         self._maps: dict[int, tuple[mmap.mmap, int]] = {}  # bucket index -> (mapping, bytes)
         self.mapped_units: set[int] = set()
-        self._ahead: list[int] = []  # units read ahead and not gathered yet: at most buffer_count
-        self._waiting: deque = deque()  # units whose read-ahead waits for one of those to be gathered
-        self.most_ahead = 0  # the most units read ahead at once (tests read it)
+        self._held: dict[int, list[tuple[Any, torch.Tensor]]] = {}  # unit -> (bucket, its mapped shard) read
+        self.most_ahead = 0  # the most units held in read buffers at once (tests read it)
+        self.reads = 0  # shards read into a buffer with one call each (tests and the benchmark read these)
+        self.bytes_read = 0
         self._bases: list[tuple[int, int]] = []  # sorted (address, bucket index) of every mapping
         kept = 0
         for unit in units:  # the first units up to max_in_cpu elements stay in memory
@@ -654,30 +968,60 @@ class ParamOffload:
             if b.index in self._maps:
                 self._maps[b.index][0].madvise(advice)
 
-    def will_need(self, unit) -> None:
-        """Before a gather (called in gather order, prefetches included): start reading the unit's shards, if
-        fewer than ``buffer_count`` units are being read ahead; else once one of them has been gathered."""
+    def _read_shard(self, b) -> torch.Tensor:
+        """Bucket ``b``'s shard from its file into new memory, with one positional read (see [Note: parameter
+        offload]): the disk's sequential speed, where touching the mapping read it by page faults."""
+        path = self.scratch.path / f"param-{b.index}.bin"
+        out = torch.empty_like(b.shard)
+        data = memoryview(out.view(torch.uint8).numpy())
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                done = 0
+                while done < len(data):
+                    n = os.preadv(fd, [data[done:]], done)
+                    if n <= 0:
+                        raise OSError(0, f"the file ends after {done} of {len(data)} bytes")
+                    done += n
+                if done >= DROP_BYTES:  # see [Note: page cache] in shardtrain.zero.swap
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        except OSError as err:
+            raise OffloadError(
+                f"rank {self.rank}: reading parameters from {str(path)!r} failed: {err.strerror or err}"
+            ) from None
+        self.reads += 1
+        self.bytes_read += done
+        return out
 
-        if unit.index not in self.mapped_units or unit.index in self._ahead:
+    def will_need(self, unit) -> None:
+        """Just before a unit's all-gather is issued (in gather order, prefetches included): read its shards into
+        buffers that the all-gather sends from, while fewer than ``buffer_count`` units hold one; a unit past that
+        is gathered from its mapping (read by page faults) and its buffer-less shard asked for (``WILLNEED``)."""
+
+        if unit.index not in self.mapped_units or unit.index in self._held:
             return
-        if len(self._ahead) >= self.buffer_count:
-            self._waiting.append(unit)
+        if len(self._held) >= self.buffer_count:
+            self._advise(unit, mmap.MADV_WILLNEED)
             return
-        self._ahead.append(unit.index)
-        self.most_ahead = max(self.most_ahead, len(self._ahead))
-        self._advise(unit, mmap.MADV_WILLNEED)
+        held = []
+        for b in unit.buckets:
+            if b.index in self._maps:
+                held.append((b, b.shard))
+                b.shard = self._read_shard(b)
+        self._held[unit.index] = held
+        self.most_ahead = max(self.most_ahead, len(self._held))
 
     def done_with(self, units) -> None:
-        """The shards leave this process's memory (written back by the kernel when changed; read again on use);
-        read-ahead that waited for a buffer starts."""
+        """Once gathered (or after the optimizer step, every unit): a read buffer is freed, the bucket's shard is
+        its mapping again, and the mapping's pages leave this process (written back by the kernel when changed;
+        read again on use)."""
 
         for unit in units:
-            if unit.index in self._ahead:
-                self._ahead.remove(unit.index)
-            self._waiting = deque(u for u in self._waiting if u.index != unit.index)
+            for b, mapped in self._held.pop(unit.index, []):
+                b.shard = mapped
             self._advise(unit, mmap.MADV_DONTNEED)
-        while self._waiting and len(self._ahead) < self.buffer_count:
-            self.will_need(self._waiting.popleft())
 
     def mapped_bytes(self) -> int:
         return sum(n for _, n in self._maps.values())

@@ -146,6 +146,7 @@ class ShardedOptimizer:
     def attach_offload(self, offload: OptimizerOffload) -> None:
         """Step through ``offload`` from now on; it steps :meth:`stepped_tensors` in sub-groups."""
         self.offload = offload
+        offload.offload_gradients(self)  # with state in files, the gradient shards go there too where built
 
     def stepped_tensors(self) -> list[torch.Tensor]:
         """What the optimizer steps, one per trainable parameter, in the order gradients are handed over."""
@@ -222,6 +223,8 @@ class ShardedOptimizer:
         scale, a non-finite norm on any rank (it is all-reduced, so every rank sees the same) skips the step
         and leaves parameters, masters and optimizer state untouched."""
         self.gathers.wait_all("step")  # the chunks stepped below are the input of the last step's gathers
+        if self.offload is not None and self.offload.grads is not None:  # gradients in swap files
+            return self.offload.grads.step(self, max_norm, loss_scale)
         triples = self._fragment_grads()
         # the optimizer sees the stepped tensors' dtype (fp32 masters): upcast compute-dtype gradients
         grads = [g if g.dtype == s.dtype else g.to(s.dtype) for s, _, g in triples if g is not None]

@@ -142,6 +142,7 @@ class GradientReducer:
                         self._hooks.append(s.param.register_hook(partial(_tp_sum, tp_comm, s.name)))
         self._proposal: list[int] | None = None
         self._external: frozenset[int] = frozenset()
+        self.grad_offload = None  # stages 2-3: a GradOffload keeps the gradient shards in swap files
 
     def hand_over(self, buckets: list[Bucket]) -> None:
         """The gradients of ``buckets`` arrive reduced from elsewhere, added into :meth:`shard_grad` (graph-mode
@@ -149,6 +150,8 @@ class GradientReducer:
         other buckets (stage 3's persistent parameters) are reduced as before."""
         self._external = frozenset(self._position[b.index] for b in buckets)
         self.launch_order = [p for p in self.launch_order if p not in self._external]
+        if self.grad_offload is not None:  # those shards are added into here, by the graph: not in files
+            self.grad_offload.keep_in_memory(sorted(self._external))
 
     @staticmethod
     def _grad_view(flat: torch.Tensor, s: ParamSlot) -> torch.Tensor:
@@ -286,6 +289,8 @@ class GradientReducer:
         elif self.mode == "reduce_scatter":
             lo, hi = p.bucket.shard_range
             self.full_grads[position][lo:hi].copy_(p.out)
+        elif self.grad_offload is not None:  # to its swap file ([Note: gradient offload] in zero/offload.py)
+            self.grad_offload.fold(position, p.bucket, p.out, self._fresh_shard, self._boundary)
         elif self._fresh_shard:
             self.shard_grads[position].copy_(p.out)
         else:

@@ -252,6 +252,13 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
 
 
+GRAD = "grad"  # the file key of a gradient shard (see [Note: gradient offload] in shardtrain.zero.offload)
+
+
+def _what(key: str) -> str:
+    return "gradients" if key == GRAD else "optimizer state"
+
+
 class SwapFiles:
     """One file per (stepped tensor, state key) in a scratch directory, opened only for each read or write (see
     [Note: bounded descriptors]); errors name the file."""
@@ -262,11 +269,11 @@ class SwapFiles:
         self.bytes_read = self.bytes_written = 0  # since construction (benchmarks report the bandwidth)
         self.open_now = self.most_open = 0  # descriptors open at once (tests read the most)
 
-    def path(self, member: int, key: str) -> Path:
+    def path(self, member: int | str, key: str) -> Path:
         return self.scratch.path / f"{member}.{key}.bin"
 
     @contextlib.contextmanager
-    def _open(self, member: int, key: str, flags: int) -> Any:
+    def _open(self, member: int | str, key: str, flags: int) -> Any:
         fd = os.open(self.path(member, key), flags | os.O_CLOEXEC, 0o600)
         with self._lock:
             self.open_now += 1
@@ -278,7 +285,7 @@ class SwapFiles:
                 self.open_now -= 1
             os.close(fd)
 
-    def write(self, member: int, key: str, t: torch.Tensor) -> None:
+    def write(self, member: int | str, key: str, t: torch.Tensor) -> None:
         data = _bytes_of(t.detach().contiguous())
         if not len(data):
             return  # an empty fragment has no file
@@ -297,11 +304,12 @@ class SwapFiles:
                 self.bytes_written += done
         except OSError as err:
             raise OffloadError(
-                f"rank {self.rank}: writing optimizer state to {str(self.path(member, key))!r} failed: "
+                f"rank {self.rank}: writing {_what(key)} to {str(self.path(member, key))!r} failed: "
                 f"{err.strerror or err}"
             ) from None
 
-    def read(self, member: int, key: str, out: torch.Tensor) -> None:
+    def read(self, member: int | str, key: str, out: torch.Tensor, offset: int = 0) -> None:
+        """Fill ``out`` from the file's bytes at ``offset`` on."""
         data = _bytes_of(out)
         if not len(data):
             return
@@ -309,7 +317,7 @@ class SwapFiles:
             with self._open(member, key, os.O_RDONLY) as fd:
                 done = 0
                 while done < len(data):
-                    n = _read_at(fd, data[done:], done)
+                    n = _read_at(fd, data[done:], offset + done)
                     if n <= 0:
                         raise OSError(0, f"the file ends after {done} of {len(data)} bytes")
                     done += n
@@ -319,7 +327,7 @@ class SwapFiles:
                 self.bytes_read += done
         except OSError as err:
             raise OffloadError(
-                f"rank {self.rank}: reading optimizer state from {str(self.path(member, key))!r} failed: "
+                f"rank {self.rank}: reading {_what(key)} from {str(self.path(member, key))!r} failed: "
                 f"{err.strerror or err}"
             ) from None
 
