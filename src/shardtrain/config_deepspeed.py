@@ -382,7 +382,9 @@ RULES: tuple[Rule, ...] = (
         _Z + "reduce_bucket_size",
         "int ≥ 0 (`5e8` accepted), `5e8`",
         "elements per gradient bucket and parameter layout unit (0: one parameter per bucket); at stage 3 it groups "
-        "the persistent parameters only (each unit is a bucket of its own)",
+        "the persistent parameters only (each unit is a bucket of its own). At stages 1-2 the default (DeepSpeed's) "
+        "puts a small model in one bucket, whose reduction cannot overlap backward: ~25 MB worth of elements (DDP's "
+        "bucket) overlaps (docs/benchmarks.md)",
         auto="hidden_size²",
     ),
     _supported(
