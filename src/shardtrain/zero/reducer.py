@@ -146,9 +146,15 @@ class GradientReducer:
     def hand_over(self, buckets: list[Bucket]) -> None:
         """The gradients of ``buckets`` arrive reduced from elsewhere, added into :meth:`shard_grad` (graph-mode
         ZeRO-3: the captured backward graph reduce-scatters the units); they are never launched here, and the
-        other buckets (stage 3's persistent parameters) are reduced as before."""
-        self._external = frozenset(self._position[b.index] for b in buckets)
-        self.launch_order = [p for p in self.launch_order if p not in self._external]
+        other buckets (stage 3's persistent parameters) are reduced as before. Called again before each backward
+        (``[]``: a backward that follows only eager calls of the module reduces every bucket here); buckets taken
+        back return to their place in bucket order."""
+        external = frozenset(self._position[b.index] for b in buckets)
+        order = [p for p in self.launch_order if p not in external]
+        for p in sorted(set(range(len(self.buckets))) - external - set(order)):
+            later = [i for i, q in enumerate(order) if q > p]
+            order.insert(later[0] if later else len(order), p)
+        self.launch_order, self._external = order, external
 
     @staticmethod
     def _grad_view(flat: torch.Tensor, s: ParamSlot) -> torch.Tensor:
@@ -177,6 +183,12 @@ class GradientReducer:
                     "engine.backward(loss) instead of loss.backward() so gradients are reduced across ranks"
                 )
             bucket = self.buckets[position]
+            if position in self._external:  # its gradient is reduced by the captured graph this backward
+                raise ShardtrainError(
+                    f"gradient of {slot.name!r} from an eager call of the module in a backward that also runs a "
+                    "captured graph's (graph-mode ZeRO-3 reduces the units' gradients inside that graph): call "
+                    "engine.backward() on the loss of engine(...) and on the loss of engine.module(...) separately"
+                )
             if self._active() and position in self._launched:
                 # its bucket's collective is already in flight: this gradient would be lost or race with it
                 raise ShardtrainError(
