@@ -7,7 +7,9 @@ micro-steps per optimizer step: a step through ``engine(...)``; a parameter froz
 and unfrozen; ``engine.module(...)`` without gradients, then a whole step through ``engine.module(...)`` (forward,
 ``engine.backward``, ``engine.step``); ``engine.gathered()`` read, and changed with ``modifier_rank``; an eval
 forward under ``torch.no_grad``; a checkpoint saved, one more step, the checkpoint loaded and the same step again;
-debug subscribers. Every loss and the full parameters after every phase are compared between the modes.
+debug subscribers. Every loss and the full parameters after every phase are compared between the modes. Last, the
+loss of ``engine(...)`` plus the loss of ``engine.module(...)`` in one backward: eager mode trains; graph mode, whose
+graph reduces the units' gradients itself, refuses it naming a parameter.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch.distributed as dist
 
 import shardtrain
 from shardtrain.debug import StatisticsSubscriber, SubscriberManager
-from shardtrain.errors import GraphCaptureError
+from shardtrain.errors import GraphCaptureError, ShardtrainError
 from shardtrain.testing import run_distributed
 from tp_cases import Case, config_for, global_batches, make_model
 
@@ -81,8 +83,14 @@ def _battery(graph: bool, out: str) -> dict:
         subscribed = str(err)
     manager.unsubscribe(engine)
     step("unsubscribed", 5)
+    x, y = batches[5 * CASE.gas]
+    try:  # the loss of engine(...) and of engine.module(...) in one backward
+        engine.backward(forward(engine, x[lo:hi], y[lo:hi]) + forward(engine.module, x[lo:hi], y[lo:hi]))
+        mixed = "trained"
+    except ShardtrainError as err:
+        mixed = str(err)
     dist.barrier()
-    return {"losses": losses, "params": params, "subscribed": subscribed, "mode": engine.mode}
+    return {"losses": losses, "params": params, "subscribed": subscribed, "mixed": mixed, "mode": engine.mode}
 
 
 def test_eager_and_graph_mode_give_the_same_results_at_zero3(tmp_path):
@@ -111,3 +119,7 @@ def test_eager_and_graph_mode_give_the_same_results_at_zero3(tmp_path):
     assert all(isinstance(r["subscribed"], float) for r in eager), [r["subscribed"] for r in eager]
     for r in graph:
         assert r["subscribed"].startswith("cannot capture GPT as one graph at ZeRO stage 3: a debug hook"), r
+    assert all(r["mixed"] == "trained" for r in eager), [r["mixed"] for r in eager]
+    for r in graph:
+        assert r["mixed"].startswith("gradient of '"), r
+        assert "call engine.backward() on the loss of engine(...) and on the loss of engine.module(...)" in r["mixed"]

@@ -201,6 +201,7 @@ class Engine:
             if saver is not None:
                 saver.close()
             self._reducer.remove_hooks()
+            self._runtime.release()  # units a forward without backward kept gathered: their memory back
             self._runtime.close()
             self.monitor.close()
             if self._optimizer.offload is not None:  # swap files are scratch: removed with their directory
@@ -449,6 +450,15 @@ def initialize(
     refuse_unbuilt(cfg, topology, model)
     check_monitor_packages(cfg)  # an enabled tensorboard/wandb monitor without its package
     check_parameter_dtypes(model, policy_from_config(cfg))  # a bf16 model without a bf16 section, ...
+    if not any(p.requires_grad for p in model.parameters()):
+        raise OptimizerError(
+            f"{type(model).__name__} has no trainable parameters (none with requires_grad=True): nothing to train"
+        )
+    # the optimizer and scheduler are refused, or built, before the model is touched: moving it to its device, the
+    # tensor-parallel split and deferred construction keep every parameter object the optimizer holds
+    opt = build_optimizer(model, cfg, optimizer)
+    check_optimizer(opt, model, cfg.zero_optimization.stage, cfg.zero_allow_untested_optimizer)
+    scheduler = build_lr_scheduler(cfg, opt, lr_scheduler)
     if cfg.seed is not None:
         random.seed(cfg.seed)
         np.random.seed(cfg.seed)
@@ -478,14 +488,7 @@ def initialize(
         materialize_deferred(model, placements, dp_comm, topology.tp_rank, topology.tp, topology.device)
         if tp_comm is not None:
             check_replicated_gradients(model, placements, tp_comm)
-    # everything that can be refused is checked before the model is touched (hooks, flat storage)
-    if not any(p.requires_grad for p in model.parameters()):
-        raise OptimizerError(
-            f"{type(model).__name__} has no trainable parameters (none with requires_grad=True): nothing to train"
-        )
-    opt = build_optimizer(model, cfg, optimizer)
-    check_optimizer(opt, model, cfg.zero_optimization.stage, cfg.zero_allow_untested_optimizer)
-    scheduler = build_lr_scheduler(cfg, opt, lr_scheduler)
+    # from here on only resources can fail (a full disk, a lost peer): see shardtrain.engine_build
     return Engine(model, cfg, topology, opt, scheduler, build_parts(model, cfg, topology, opt, placements, tp_comm))
 
 

@@ -12,7 +12,7 @@ forward/backward pair). We use ``torch.compile`` with our own backend:
   reducer's gradient hooks (which fire on the parameters' accumulation, outside the graph) behave as in eager;
 * what cannot be captured still runs (eagerly, between graphs), which is the fallback the user is told about, and
   ``strict`` turns it into an error (every split TorchDynamo reports, except the intended ones of
-  :mod:`shardtrain.eager`: debug hooks, tensor-parallel collectives);
+  :mod:`shardtrain.between_graphs`: debug hooks, tensor-parallel collectives);
 * the backend sees every graph before it runs (``GraphModule`` + example inputs): the place for our passes;
 * nested inputs and outputs (dicts, dataclasses, namedtuples, ``ModelOutput``) are traced through by Dynamo itself,
   so outputs come back in the module's own structure, non-tensor leaves as they were.
@@ -44,7 +44,7 @@ import torch
 import torch._dynamo
 from torch import nn
 
-from shardtrain.eager import EAGER_BY_DESIGN
+from shardtrain.between_graphs import SPLIT_BY_DESIGN
 from shardtrain.errors import GraphCaptureError
 from shardtrain.graph.schema import Schema, differences, schema_of
 from shardtrain.graph.sharded import (
@@ -178,7 +178,7 @@ class CapturedModule:
         entry = _Entry(schema, run=lambda *a: None)
         function = self._function
         fn = types.FunctionType(function.__code__.replace(), function.__globals__, "captured_" + self.name)
-        # not fullgraph=True even when strict: shardtrain.eager's intended splits must stay allowed; strict is
+        # not fullgraph=True even when strict: shardtrain.between_graphs' intended splits must stay allowed; strict is
         # enforced in _run on the splits Dynamo reports. At ZeRO stage 3 every split is refused before anything
         # runs (see [Note: no split at ZeRO stage 3])
         entry.run = torch.compile(fn, backend=self._backend(entry), dynamic=True, fullgraph=self.units is not None)
@@ -255,10 +255,10 @@ class CapturedModule:
             self._fall_back(f"{_construct(err)}; this input schema runs eagerly")
             entry.run = self._function  # eager from now on, for this schema (an eager error is the model's own)
             return self._call(entry.run, args, kwargs)
-        # Dynamo split the graph and ran a part eagerly; shardtrain.eager's splits (debug hooks, tensor-parallel
+        # Dynamo split the graph and ran a part eagerly; shardtrain.between_graphs' splits (debug hooks, tensor-parallel
         # collectives) are intended
         new = sorted(_graph_breaks() - breaks)
-        unexpected = [_condensed(r) for r in new if EAGER_BY_DESIGN not in r]
+        unexpected = [_condensed(r) for r in new if SPLIT_BY_DESIGN not in r]
         if unexpected and self.strict:
             self._entries.pop(entry.schema, None)
             raise GraphCaptureError(self._strict_message("; ".join(unexpected)))
@@ -316,10 +316,10 @@ def _construct(err: BaseException) -> str:
     text = str(err)
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
     head = lines[0] if lines else type(err).__name__
-    intended = re.search(r"\(reason: (shardtrain [^()]*) " + re.escape(EAGER_BY_DESIGN) + r"\)", text)
+    intended = re.search(r"\(reason: (shardtrain [^()]*) " + re.escape(SPLIT_BY_DESIGN) + r"\)", text)
     if intended:
         head = f"a {intended.group(1).removeprefix('shardtrain ')} (shardtrain runs it eagerly, between graphs)"
-    ours = ("shardtrain/graph/", "shardtrain/eager.py")
+    ours = ("shardtrain/graph/", "shardtrain/between_graphs.py")
     where = [line for line in lines if line.startswith("File ") and not any(o in line for o in ours)]
     return f"{head} (at {where[-1]})" if where else head
 

@@ -109,7 +109,7 @@ class GraphRuntime(Runtime):
 
     def forward(self, call: Call) -> Any:
         if self.inputs is not None:
-            self.eager.release_all()  # units an eager call of the module left gathered: the graph reads the shards
+            self.eager.release()  # units an eager call of the module left gathered: the graph reads the shards
             self._captured_with_grad |= torch.is_grad_enabled()
         return self.captured.run(call.key, call.args, call.kwargs)
 
@@ -127,6 +127,9 @@ class GraphRuntime(Runtime):
         if self._eager_backward:
             self.eager.end_backward()
         self._captured_with_grad = self._eager_backward = False
+
+    def release(self) -> None:
+        self.eager.release()
 
     def gathered(self, params: list[nn.Parameter]) -> AbstractContextManager[list[Unit]]:
         return self.eager.gathered(params)

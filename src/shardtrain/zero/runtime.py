@@ -9,6 +9,7 @@ Around every step the engine asks the same five things, whatever the mode and th
 * ``begin_backward()`` / ``end_backward()``: around ``loss.backward()`` (stage 3: gather units again as backward
   needs them, release them once their gradients are in);
 * ``gathered(params)``: full parameters outside a forward (``engine.gathered``, ``full_state_dict``);
+* ``release()``: release what a forward that no backward followed left gathered;
 * ``close()``: remove what was installed on the module.
 
 :class:`~shardtrain.zero.unit_runtime.EagerRuntime` runs the module op by op, with module hooks around each unit
@@ -18,7 +19,7 @@ the gathers and reduce-scatters are graph operations ([Note: ZeRO-3 as graph ope
 cannot hold: a direct call of the module (``engine.module(x)``, generation, a metric computed outside
 ``engine(...)``) runs through the eager unit hooks, which are inert while a graph is traced, and
 ``gathered(params)`` is the same code in both modes. So a feature that works in eager mode works in graph mode, or
-``initialize`` refuses the combination with its reason (``_refuse_unbuilt`` in :mod:`shardtrain.engine_build`).
+``initialize`` refuses the combination with its reason (``refuse_unbuilt`` in :mod:`shardtrain.engine_build`).
 ``tests/test_runtime_modes.py`` runs one battery in both modes and compares the results.
 """
 
@@ -80,6 +81,10 @@ class Runtime(ABC):
     @abstractmethod
     def gathered(self, params: list[nn.Parameter]) -> AbstractContextManager[list[Unit]]:
         """Gather the units holding ``params`` for the block (collective), release them after; yields those units."""
+
+    def release(self) -> None:  # noqa: B027 - nothing is kept below stage 3
+        """Release every unit still gathered (a forward with gradients that no backward followed keeps some, see
+        [Note: kept after forward]); the next forward would release them itself."""
 
     def collectives(self, call: str) -> AbstractContextManager[None]:
         """Around a forward or backward: turns a failure of a collective the runtime issued into the engine's

@@ -499,8 +499,7 @@ class EagerRuntime(Runtime):
                 if was[u.index] is UnitState.SHARDED:
                     self._release(u)
 
-    def release_all(self) -> None:
-        """Release every gathered unit (what a forward that no backward followed left gathered)."""
+    def release(self) -> None:
         for u in self.units:
             if u.state is not UnitState.SHARDED:
                 self._release(u)
