@@ -117,7 +117,8 @@ class CapturedModule:
     an error instead of a warning and an eager fallback (with ``units``, always an error: see [Note: no split at
     ZeRO stage 3]); ``compiler`` is ``"aot_eager"`` or ``"inductor"``;
     ``units`` (the engine's, at ZeRO stage 3) runs the module on parameters gathered inside the graph (see
-    [Note: ZeRO-3 as graph operations]).
+    [Note: ZeRO-3 as graph operations]); ``own_hooks``: handle ids of the engine's own module hooks, left out of
+    the schema (see :func:`~shardtrain.graph.schema.schema_of`).
     """
 
     def __init__(
@@ -128,13 +129,14 @@ class CapturedModule:
         cache_size: int = 8,
         compiler: str = "aot_eager",
         units: UnitInputs | None = None,
+        own_hooks: frozenset[int] = frozenset(),
     ):
         if compiler not in COMPILERS:
             raise ValueError(f"graph compiler must be one of {', '.join(COMPILERS)}, got {compiler!r}")
         if cache_size < 1:
             raise ValueError(f"graph cache_size must be at least 1, got {cache_size}")
         self.module, self.strict, self.cache_size, self.compiler = module, strict, cache_size, compiler
-        self.units = units
+        self.units, self.own_hooks = units, own_hooks
         self._function = call_module if units is None else call_on_gathered  # what each entry compiles a copy of
         self.name = type(module).__name__
         self._entries: OrderedDict[Schema, _Entry] = OrderedDict()
@@ -142,10 +144,12 @@ class CapturedModule:
         self.stats = GraphStats()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.run(schema_of(self.module, args, kwargs), args, kwargs)
+        return self.run(self.schema(args, kwargs), args, kwargs)
 
     def schema(self, args: tuple, kwargs: dict) -> Schema:
         """The schema of a call (what :meth:`run` takes)."""
+        if self.own_hooks:
+            return schema_of(self.module, args, kwargs, self.own_hooks)
         return schema_of(self.module, args, kwargs)
 
     def run(self, schema: Schema, args: tuple, kwargs: dict) -> Any:

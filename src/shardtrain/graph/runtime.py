@@ -73,7 +73,12 @@ class GraphRuntime(Runtime):
             )
             reducer.hand_over(self._graph_buckets)
         self.captured = CapturedModule(
-            module, strict=strict, cache_size=cache_size, compiler=compiler, units=self.inputs
+            module,
+            strict=strict,
+            cache_size=cache_size,
+            compiler=compiler,
+            units=self.inputs,
+            own_hooks=eager.hook_ids,  # a user's hook is part of the schema; these never change
         )
         self._captured_with_grad = False  # a captured forward recorded gradients since the last backward
         self._eager_backward = False

@@ -185,6 +185,11 @@ class EagerRuntime(Runtime):
     def forward(self, call: Call) -> Any:
         return self.root(*call.args, **call.kwargs)
 
+    @property
+    def hook_ids(self) -> frozenset[int]:
+        """The ids of the module hooks this runtime installed."""
+        return frozenset(h.id for h in self._hooks)
+
     def index_storages(self) -> None:
         """Map each unit's full-buffer storage to the unit; again whenever buffers are re-created (a cast to the
         compute dtype makes new ones)."""
