@@ -29,7 +29,7 @@ Columns of the table:
 * ``RSS/rank``: peak RSS of the larger rank in a fresh pair of processes running 3 steps of that variant alone.
 * ``gathers``: ZeRO-3 units gathered at once at the worst point: ``graph_stats()["most_gathered"]`` for graph
   variants (the schedule pass's count; ``?`` when Inductor's cache served the compiled graph and the pass did
-  not run), ``engine._units.max_gathered`` for eager ZeRO-3; ``-`` where nothing is gathered per unit.
+  not run), ``engine._runtime.max_gathered`` for eager ZeRO-3; ``-`` where nothing is gathered per unit.
 * ``captures/reuses``: the graph cache's counts.
 Two more tables give the paired ratios of step time and of CPU time: the median, with quartiles, of per-iteration
 ratios to each reference's step of the same iteration (steadier than the ratio of medians when the machine's
@@ -134,11 +134,11 @@ def _timed(runner: Runner, x: torch.Tensor, y: torch.Tensor) -> list[float]:
 def gathers_in_flight(variant: str, runner: Runner) -> str:
     """See the module docstring's ``gathers`` column."""
     engine = runner.engine
-    if engine is None or engine._units is None:
+    if engine is None or not engine._runtime.units:
         return "-"
     stats = engine.graph_stats()
     if stats is None:
-        return str(engine._units.max_gathered)
+        return str(engine._runtime.max_gathered)
     return str(stats["most_gathered"]) if stats["collectives"] else "?"
 
 

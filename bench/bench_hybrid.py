@@ -61,7 +61,7 @@ def formulas(engine, stage: int, gas: int) -> dict[str, int]:
     trainable = layout.trainable_buckets
     shard: dict[str, int] = {}
     if stage == 3:
-        units = layout.units  # backward order: the last block first, the root last; both stay gathered
+        units = layout.unit_buckets  # backward order: the last block first, the root last; both stay gathered
         kept = {id(units[0][1]), id(units[-1][1])}
         forward = sum(_ring(b.padded_numel * FP32, s) for _, _, bs in units for b in bs)
         backward = sum(_ring(b.padded_numel * FP32, s) for _, m, bs in units if id(m) not in kept for b in bs)

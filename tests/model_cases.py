@@ -193,11 +193,11 @@ def engine_run(case: str, stage: int, steps: int = 4, zero: dict | None = None) 
             engine.step()
             losses.append(loss.item())
             norms.append(engine.get_global_grad_norm())
-            if engine._units is not None:
-                gathers.append([u.gathers for u in engine._units.units])
+            if engine._runtime.units:
+                gathers.append([u.gathers for u in engine._runtime.units])
     full = engine.full_state_dict()
     names = {n for n, p in model.named_parameters() if p.requires_grad}
-    units = engine._units
+    units = engine._runtime if engine._runtime.units else None
     return {
         "losses": losses,
         "norms": norms,

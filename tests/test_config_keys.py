@@ -503,7 +503,7 @@ def _stage(tmp: Path) -> None:
         x, y = _batch()
         engine.backward(engine(x, y))
         held = all(p.grad is not None for p in engine.module.parameters())
-        return held, len(engine.layout.units)
+        return held, len(engine.layout.unit_buckets)
 
     # stages 0-1 keep whole gradients in .grad, stages 2-3 free them into sharded buffers; stage 3 makes units
     assert grads_after_backward(0) == (True, 0)
@@ -663,7 +663,7 @@ def _param_buffer_count(tmp: Path) -> None:
         engine = _engine({"zero_optimization": {**_STAGE3, "offload_param": offload}})
         _micro_step(engine)
         # ask for every unit ahead of its gather (as a deep prefetch would): the offload reads `count` of them
-        units = engine._units.units
+        units = engine._runtime.units
         for u in units:
             engine._param_offload.will_need(u)
         engine._param_offload.done_with(units)
@@ -679,7 +679,7 @@ def _param_max_in_cpu(tmp: Path) -> None:
 
     def mapped(max_in_cpu: int, where: Path) -> tuple[int, int]:
         engine = _engine({"zero_optimization": {**_STAGE3, "offload_param": _nvme(where, max_in_cpu=max_in_cpu)}})
-        return len(engine._param_offload.mapped_units), len(engine.layout.units)
+        return len(engine._param_offload.mapped_units), len(engine.layout.unit_buckets)
 
     everything, units = mapped(0, tmp / "a")
     assert everything == units > 1
@@ -703,7 +703,7 @@ def _prefetch(tmp: Path) -> None:
         engine = _engine({"zero_optimization": zero})
         for _ in range(2):  # the first step records the order, the second prefetches along it
             _micro_step(engine)
-        return sum(u.prefetches for u in engine._units.units)
+        return sum(u.prefetches for u in engine._runtime.units)
 
     assert prefetches(None) > 0
     assert prefetches(0) == 0
@@ -713,7 +713,7 @@ def _prefetch(tmp: Path) -> None:
 def _unit_classes(tmp: Path) -> None:
     def names(classes: list[str] | None) -> list[str]:
         zero = {**_STAGE3, **({} if classes is None else {"stage3_unit_classes": classes})}
-        return [name for name, _, _ in _engine({"zero_optimization": zero}).layout.units]
+        return [name for name, _, _ in _engine({"zero_optimization": zero}).layout.unit_buckets]
 
     assert {"blocks.0", "blocks.1"} <= set(names(None))
     assert {"blocks.0.attn", "blocks.1.attn"} <= set(names(["CausalSelfAttention"]))

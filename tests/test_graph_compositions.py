@@ -117,7 +117,7 @@ def engine_run(options: dict, graph: bool) -> dict:
     out["graph_breaks"] = dict(torch._dynamo.utils.counters["graph_break"])
     out["units"] = [
         (name, module is engine.module, [(b.padded_numel, b.requires_grad, b.flat_param.element_size()) for b in bs])
-        for name, module, bs in engine.layout.units
+        for name, module, bs in engine.layout.unit_buckets
     ]
     engine.close()
     return out

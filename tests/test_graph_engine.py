@@ -38,7 +38,7 @@ def graph_run(case: Case, stage: int, tp: int = 1, persistence_threshold: int = 
     )
     batches = global_batches(case, engine.topology.dp)
     losses, norms = train(engine, case, batches, range(case.steps))
-    buckets = [b for _, _, bs in engine.layout.units for b in bs]
+    buckets = [b for _, _, bs in engine.layout.unit_buckets for b in bs]
     x, y = batches[0]
     lo, hi = engine.topology.dp_rank * case.micro, (engine.topology.dp_rank + 1) * case.micro
     engine.eval()

@@ -173,7 +173,7 @@ def _inductor_lazy_backward() -> dict:
     loss = forward_engine(engine, x, x)
     before = dict(engine.graph_stats()["collectives"])
     engine.backward(loss)
-    buckets = [b for _, _, bs in engine.layout.units for b in bs]
+    buckets = [b for _, _, bs in engine.layout.unit_buckets for b in bs]
     return {
         "before": before,
         "after": engine.graph_stats()["collectives"],
@@ -228,8 +228,8 @@ def _schedule_run(zero: dict) -> dict:
     for x, y in batches:
         engine.backward(forward_engine(engine, x[lo:hi], y[lo:hi]))
         engine.step()
-    live = {which: most_live_gathers(gm) for which, gm in engine._graph.graphs()}
-    return {"graph": engine.graph_stats(), "live": live, "units": len(engine.layout.units),
+    live = {which: most_live_gathers(gm) for which, gm in engine._runtime.captured.graphs()}
+    return {"graph": engine.graph_stats(), "live": live, "units": len(engine.layout.unit_buckets),
             "params": engine.full_state_dict()}  # fmt: skip
 
 

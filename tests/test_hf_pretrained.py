@@ -54,7 +54,7 @@ def _train(kind: str, src: str, ckpt: str, stage: int) -> dict:
         config={"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": zero},
         optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2),
     )
-    sharded = engine._units is not None and all(len(u.buckets) > 0 for u in engine._units.units)
+    sharded = bool(engine._runtime.units) and all(len(u.buckets) > 0 for u in engine._runtime.units)
     loaded = engine.full_state_dict()
     g = torch.Generator().manual_seed(dist.get_rank())
     for _ in range(STEPS):

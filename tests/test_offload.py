@@ -77,7 +77,7 @@ def train(
         out["bytes_written"] = offload.files.bytes_written if offload.files is not None else 0
     if engine._param_offload is not None:  # which units' shards went to files, and each unit's shard size
         out["mapped_units"] = sorted(engine._param_offload.mapped_units)
-        out["unit_numels"] = [sum(b.shard.numel() for b in u.buckets) for u in engine._units.units]
+        out["unit_numels"] = [sum(b.shard.numel() for b in u.buckets) for u in engine._runtime.units]
         out["mapped_bytes"] = engine._param_offload.mapped_bytes()
         out["most_ahead"] = engine._param_offload.most_ahead
         out["param_reads"] = engine._param_offload.reads

@@ -47,14 +47,14 @@ def run(nvme: str) -> dict:
     optimizer.register_step_post_hook(lambda *_: seen.append(mapped_param_rss()))  # once per sub-group
     offload = engine._param_offload
     from_mapping: list[bool] = []  # per all-gather of a unit: does it send from the mapped file?
-    real = engine._units.comm.all_gather
+    real = engine._runtime.comm.all_gather
 
     def spy(out, inp, *args, **kwargs):
         if kwargs.get("kind") != "gather_check":  # the runtime's unit-id check is gathered first
             from_mapping.append(any(b <= inp.data_ptr() < b + offload._maps[i][1] for b, i in offload._bases))
         return real(out, inp, *args, **kwargs)
 
-    engine._units.comm.all_gather = spy
+    engine._runtime.comm.all_gather = spy
     x = torch.randn(2, WIDTH, generator=torch.Generator().manual_seed(1))
     losses = []
     for _ in range(2):

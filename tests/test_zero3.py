@@ -41,7 +41,7 @@ def _one_step_comm() -> dict:
     config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3, **NO_PERSIST}}
     engine = shardtrain.initialize(model, config=config, optimizer=make_optimizer(model, Recipe()))
     held = []
-    count = lambda *_: held.append(sum(u.state is not UnitState.SHARDED for u in engine._units.units))  # noqa: E731
+    count = lambda *_: held.append(sum(u.state is not UnitState.SHARDED for u in engine._runtime.units))  # noqa: E731
     for block in model.blocks:
         block.register_forward_hook(count)
         block.register_full_backward_hook(count)
@@ -52,7 +52,7 @@ def _one_step_comm() -> dict:
     held.clear()
     engine.backward(engine(x, y))
     engine.step()
-    units = engine._units.units
+    units = engine._runtime.units
     return {
         "comm": engine.comm_stats(),
         "padded": sum(u.numel for u in units),
@@ -157,7 +157,7 @@ def _eval_and_no_grad() -> dict:
     engine.train()
     engine.backward(engine(x, y))
     engine.step()
-    return {"no_grad": float(a), "eval": float(b), "held": [u.state for u in engine._units.units]}
+    return {"no_grad": float(a), "eval": float(b), "held": [u.state for u in engine._runtime.units]}
 
 
 def test_forward_without_backward():
@@ -212,7 +212,7 @@ def _steady_training() -> dict:
             engine.step()
     return {
         "warnings": [str(w.message) for w in caught if "unit order" in str(w.message)],
-        "prefetches": {u.name: u.prefetches for u in engine._units.units},
+        "prefetches": {u.name: u.prefetches for u in engine._runtime.units},
     }
 
 

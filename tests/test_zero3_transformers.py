@@ -91,7 +91,7 @@ def _train(world: int, stage: int = 3) -> dict:
             total += out.loss.item() / GAS
         losses.append(total)
         norms.append(engine.get_global_grad_norm())
-    units = [u.name for u in engine._units.units] if stage == 3 else []
+    units = [u.name for u in engine._runtime.units] if stage == 3 else []
     return {"losses": losses, "norms": norms, "state": engine.full_state_dict(), "units": units}
 
 

@@ -58,9 +58,17 @@ from shardtrain.checkpoint.writer import stage
 from shardtrain.comm import Communicator
 from shardtrain.errors import CheckpointError
 from shardtrain.hf_config import hf_config_objects
+from shardtrain.tensor_parallel import assemble_blocks
 from shardtrain.zero.layout import ParamRecord, ShardLayout
 from shardtrain.zero.optimizer import ShardedOptimizer
-from shardtrain.zero.weights import state_tensors, weight_destinations
+from shardtrain.zero.runtime import Runtime
+from shardtrain.zero.weights import (
+    load_safetensors,
+    load_state_dict_from_rank0,
+    safetensors_files,
+    state_tensors,
+    weight_destinations,
+)
 
 COUNTERS = ("global_step", "micro_steps", "skipped_steps", "global_samples")
 
@@ -518,3 +526,52 @@ def _match_param_groups(
 def _list(names: list[str], limit: int = 6) -> str:
     shown = ", ".join(repr(n) for n in names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+# -- full (unsharded) weights ----------------------------------------------------------------------------------------
+
+
+def full_state_dict(
+    state: TrainingState,
+    runtime: Runtime,
+    tp_comm: Communicator | None,
+    rank: int,
+    dp_rank: int,
+    device: torch.device,
+) -> dict[str, torch.Tensor] | None:
+    """``Engine.full_state_dict``: the full model state dict on global rank 0 (CPU copies), None elsewhere. Units are
+    gathered one at a time; tensor-parallel blocks of dp rank 0's group are joined over ``tp_comm``."""
+    rank0 = dp_rank == 0
+    copies: dict[int, torch.Tensor] = {}
+    for unit in runtime.units:
+        with runtime.gathered([s.param for b in unit.buckets for s in b.slots]):
+            for b in unit.buckets:
+                for s in b.slots:
+                    if rank0:
+                        copies[id(s.param)] = s.param.detach().to("cpu", copy=True)
+    if rank0 and tp_comm is not None:
+        for r in state.layout.records:
+            if r.tp_split:
+                local = copies[id(r.param)] if id(r.param) in copies else r.param.detach()
+                copies[id(r.param)] = _join_blocks(tp_comm, local.to(device), r).cpu()
+    if rank != 0:
+        return None
+    module_state = state.module.state_dict(keep_vars=True)
+    return {k: copies[id(v)] if id(v) in copies else v.detach().to("cpu", copy=True) for k, v in module_state.items()}
+
+
+def _join_blocks(tp_comm: Communicator, local: torch.Tensor, record: ParamRecord) -> torch.Tensor:
+    """The full tensor from every tp rank's block (collective over the tensor-parallel group)."""
+    t = tp_comm.size
+    everyone = local.new_empty(t * local.numel())
+    tp_comm.all_gather(everyone, local.reshape(-1).contiguous(), what=f"blocks of {record.name!r}")
+    return assemble_blocks(everyone.view(t, *local.shape).unbind(0), record.tp)
+
+
+def load_full_weights(state: TrainingState, source: Any, strict: bool) -> None:
+    """``Engine.load_full_state_dict``: each rank keeps what it holds (see :mod:`shardtrain.zero.weights`)."""
+    dests = weight_destinations(state.module, state.layout, state.optimizer)
+    if isinstance(source, (str, Path, list, tuple)):
+        load_safetensors(dests, safetensors_files(source), strict)
+    else:
+        load_state_dict_from_rank0(dests, source, state.comm, strict)  # global rank 0's dict

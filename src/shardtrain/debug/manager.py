@@ -19,7 +19,7 @@ Graph mode
     (:mod:`shardtrain.graph`) TorchDynamo does not trace them but splits the captured graph where they are called
     and runs them eagerly on the real activations, so statistics, replaced outputs and gradient hooks are those of
     eager mode. The split costs speed while subscribers are attached, not correctness; the split points are
-    expected, so graph mode does not warn about them (:mod:`shardtrain.eager`).
+    expected, so graph mode does not warn about them (:mod:`shardtrain.between_graphs`).
 
 Hooks and parameters
     The hooks read inputs and outputs only. They never touch parameters and put no tensor hook on a parameter or
@@ -37,17 +37,17 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from shardtrain.between_graphs import between_graphs
 from shardtrain.debug.subscriber import Subscriber
-from shardtrain.eager import eager
 from shardtrain.tree import iter_tensors
 
 # Attachments whose root forward is running, innermost last; inspect_activation reports to the innermost.
 _RUNNING: list[_Attachment] = []
 
 
-def _eager(fn: Any) -> Any:
+def _between_graphs(fn: Any) -> Any:
     """``fn`` run eagerly even inside a captured graph (see "Graph mode" above)."""
-    return eager("debug hook")(fn)
+    return between_graphs("debug hook")(fn)
 
 
 class SubscriberManager:
@@ -99,7 +99,7 @@ def inspect_activation(name: str, tensor: torch.Tensor) -> torch.Tensor:
     return _inspect(name, tensor)
 
 
-@_eager
+@_between_graphs
 def _inspect(name: str, tensor: torch.Tensor) -> torch.Tensor:
     if not isinstance(name, str) or not name:
         raise ValueError(f"inspect_activation needs a non-empty string name, got {name!r}")
@@ -127,10 +127,10 @@ class _Attachment:
         self.active: list[Subscriber] = []
         self._child_handles: list[RemovableHandle] = []
         self._root_handles = [
-            root.register_forward_pre_hook(_eager(self._root_pre), with_kwargs=True, prepend=True),
-            root.register_forward_hook(_eager(self._root_post)),
+            root.register_forward_pre_hook(_between_graphs(self._root_pre), with_kwargs=True, prepend=True),
+            root.register_forward_hook(_between_graphs(self._root_post)),
             # runs even when the forward raises, so inspect_activation never reports to a forward that is over
-            root.register_forward_hook(_eager(self._leave), always_call=True),
+            root.register_forward_hook(_between_graphs(self._leave), always_call=True),
         ]
 
     def detach(self) -> None:
@@ -183,9 +183,11 @@ class _Attachment:
             if module is self.root:
                 continue
             self._child_handles.append(
-                module.register_forward_pre_hook(_eager(functools.partial(self._pre, name)), with_kwargs=True)
+                module.register_forward_pre_hook(_between_graphs(functools.partial(self._pre, name)), with_kwargs=True)
             )
-            self._child_handles.append(module.register_forward_hook(_eager(functools.partial(self._post, name))))
+            self._child_handles.append(
+                module.register_forward_hook(_between_graphs(functools.partial(self._post, name)))
+            )
 
     def _pre(self, name: str, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         changed = False

@@ -12,7 +12,7 @@ forward/backward pair). We use ``torch.compile`` with our own backend:
   reducer's gradient hooks (which fire on the parameters' accumulation, outside the graph) behave as in eager;
 * what cannot be captured still runs (eagerly, between graphs), which is the fallback the user is told about, and
   ``strict`` turns it into an error (every split TorchDynamo reports, except the intended ones of
-  :mod:`shardtrain.eager`: debug hooks, tensor-parallel collectives);
+  :mod:`shardtrain.between_graphs`: debug hooks, tensor-parallel collectives);
 * the backend sees every graph before it runs (``GraphModule`` + example inputs): the place for our passes;
 * nested inputs and outputs (dicts, dataclasses, namedtuples, ``ModelOutput``) are traced through by Dynamo itself,
   so outputs come back in the module's own structure, non-tensor leaves as they were.
@@ -44,17 +44,17 @@ import torch
 import torch._dynamo
 from torch import nn
 
+from shardtrain.between_graphs import SPLIT_BY_DESIGN
 from shardtrain.comm import GraphTraffic
-from shardtrain.eager import EAGER_BY_DESIGN
 from shardtrain.errors import GraphCaptureError
 from shardtrain.graph.schema import Schema, differences, schema_of
 from shardtrain.graph.sharded import (
     InductorPasses,
     Scheduled,
-    ShardedUnits,
+    UnitInputs,
+    call_on_gathered,
     recompute_gathers,
     schedule,
-    sharded_trampoline,
 )
 
 log = logging.getLogger("shardtrain.graph")
@@ -62,7 +62,8 @@ log = logging.getLogger("shardtrain.graph")
 COMPILERS = ("aot_eager", "inductor")
 
 
-def _trampoline(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+def call_module(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+    """The function graph mode captures (a fresh copy of its code per cache entry, see the note above)."""
     return module(*args, **kwargs)
 
 
@@ -115,10 +116,11 @@ class CapturedModule:
     """``module`` run through graphs captured per input schema; call it like the module.
 
     ``cache_size`` graphs are kept (least recently used evicted); ``strict`` makes anything that cannot be captured
-    an error instead of a warning and an eager fallback (with ``sharded``, always an error: see [Note: no split at
+    an error instead of a warning and an eager fallback (with ``units``, always an error: see [Note: no split at
     ZeRO stage 3]); ``compiler`` is ``"aot_eager"`` or ``"inductor"``;
-    ``sharded`` (the engine's, at ZeRO stage 3) runs the module on parameters gathered inside the graph (see
-    [Note: ZeRO-3 as graph operations]).
+    ``units`` (the engine's, at ZeRO stage 3) runs the module on parameters gathered inside the graph (see
+    [Note: ZeRO-3 as graph operations]); ``own_hooks``: handle ids of the engine's own module hooks, left out of
+    the schema (see :func:`~shardtrain.graph.schema.schema_of`).
     """
 
     def __init__(
@@ -128,25 +130,28 @@ class CapturedModule:
         strict: bool = False,
         cache_size: int = 8,
         compiler: str = "aot_eager",
-        sharded: ShardedUnits | None = None,
+        units: UnitInputs | None = None,
+        own_hooks: frozenset[int] = frozenset(),
     ):
         if compiler not in COMPILERS:
             raise ValueError(f"graph compiler must be one of {', '.join(COMPILERS)}, got {compiler!r}")
         if cache_size < 1:
             raise ValueError(f"graph cache_size must be at least 1, got {cache_size}")
         self.module, self.strict, self.cache_size, self.compiler = module, strict, cache_size, compiler
-        self.sharded = sharded
-        self._eager = _trampoline if sharded is None else sharded_trampoline
+        self.units, self.own_hooks = units, own_hooks
+        self._function = call_module if units is None else call_on_gathered  # what each entry compiles a copy of
         self.name = type(module).__name__
         self._entries: OrderedDict[Schema, _Entry] = OrderedDict()
         self._last: Schema | None = None
         self.stats = GraphStats()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.run(schema_of(self.module, args, kwargs), args, kwargs)
+        return self.run(self.schema(args, kwargs), args, kwargs)
 
     def schema(self, args: tuple, kwargs: dict) -> Schema:
         """The schema of a call (what :meth:`run` takes)."""
+        if self.own_hooks:
+            return schema_of(self.module, args, kwargs, self.own_hooks)
         return schema_of(self.module, args, kwargs)
 
     def run(self, schema: Schema, args: tuple, kwargs: dict) -> Any:
@@ -177,14 +182,14 @@ class CapturedModule:
         self.stats.reasons.update(reasons)
         log.info("capturing %s (graph %d): %s", self.name, self.stats.captures, "; ".join(reasons))
         entry = _Entry(schema, run=lambda *a: None)
-        if self.sharded is not None:
-            entry.traffic = GraphTraffic(self.sharded.comm)
-        eager = self._eager
-        fn = types.FunctionType(eager.__code__.replace(), eager.__globals__, "captured_" + self.name)
-        # not fullgraph=True even when strict: shardtrain.eager's intended splits must stay allowed; strict is
+        if self.units is not None:
+            entry.traffic = GraphTraffic(self.units.comm)
+        function = self._function
+        fn = types.FunctionType(function.__code__.replace(), function.__globals__, "captured_" + self.name)
+        # not fullgraph=True even when strict: shardtrain.between_graphs' intended splits must stay allowed; strict is
         # enforced in _run on the splits Dynamo reports. At ZeRO stage 3 every split is refused before anything
         # runs (see [Note: no split at ZeRO stage 3])
-        entry.run = torch.compile(fn, backend=self._backend(entry), dynamic=True, fullgraph=self.sharded is not None)
+        entry.run = torch.compile(fn, backend=self._backend(entry), dynamic=True, fullgraph=self.units is not None)
         self._entries[schema] = entry
         while len(self._entries) > self.cache_size:
             self._entries.popitem(last=False)
@@ -209,15 +214,15 @@ class CapturedModule:
             )
 
         def run_as_captured(gm: torch.fx.GraphModule, example_inputs: list, which: str = "forward") -> Callable:
-            if self.sharded is not None:  # prefetch, release and reduction order (step 2 of the note)
-                report(which, schedule(gm, self.sharded.settings), gm.graph)
+            if self.units is not None:  # prefetch, release and reduction order (step 2 of the note)
+                report(which, schedule(gm, self.units.settings), gm.graph)
             entry.graphs.append((which, gm))
             return make_boxed_func(gm.forward)
 
         def partition(joint: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
             from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 
-            if self.sharded is None:
+            if self.units is None:
                 return default_partition(joint, joint_inputs, **kwargs)
             recompute_gathers(joint.graph)  # step 1 of the note
             return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
@@ -234,14 +239,12 @@ class CapturedModule:
             if self.compiler == "inductor":
                 from torch._inductor.compile_fx import compile_fx
 
-                if self.sharded is None:
+                if self.units is None:
                     return compile_fx(gm, example_inputs)
                 # config_patches, not a config.patch block around the call: AOT autograd compiles a backward that
                 # saves no symbolic size lazily, at its first run, outside any block here; compile_fx patches its
                 # inner compiler too, so that backward gets the passes as well
-                return compile_fx(
-                    gm, example_inputs, config_patches=InductorPasses(report, self.sharded.settings).config
-                )
+                return compile_fx(gm, example_inputs, config_patches=InductorPasses(report, self.units.settings).config)
             return aot(gm, example_inputs)
 
         return backend
@@ -252,21 +255,21 @@ class CapturedModule:
         try:
             out = self._call(entry.run, args, kwargs)
         except torch._dynamo.exc.TorchDynamoException as err:  # tracing refused the forward as a whole
-            if self.sharded is not None:
+            if self.units is not None:
                 self._entries.pop(entry.schema, None)
                 raise GraphCaptureError(self._sharded_message(_construct(err))) from None
             if self.strict:
                 self._entries.pop(entry.schema, None)
                 raise GraphCaptureError(self._strict_message(_construct(err))) from None
             self._fall_back(f"{_construct(err)}; this input schema runs eagerly")
-            entry.run = self._eager  # eager from now on, for this schema (an eager error is the model's own)
+            entry.run = self._function  # eager from now on, for this schema (an eager error is the model's own)
             return self._call(entry.run, args, kwargs)
         if entry.traffic is not None:
             entry.traffic.forward_ran(out)
-        # Dynamo split the graph and ran a part eagerly; shardtrain.eager's splits (debug hooks, tensor-parallel
+        # Dynamo split the graph and ran a part eagerly; shardtrain.between_graphs' splits (debug hooks, tensor-parallel
         # collectives) are intended
         new = sorted(_graph_breaks() - breaks)
-        unexpected = [_condensed(r) for r in new if EAGER_BY_DESIGN not in r]
+        unexpected = [_condensed(r) for r in new if SPLIT_BY_DESIGN not in r]
         if unexpected and self.strict:
             self._entries.pop(entry.schema, None)
             raise GraphCaptureError(self._strict_message("; ".join(unexpected)))
@@ -278,11 +281,11 @@ class CapturedModule:
         return out
 
     def _call(self, run: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        if self.sharded is None:
+        if self.units is None:
             return run(self.module, args, kwargs)
-        shards, sinks = self.sharded.inputs()
-        with self.sharded.detached():
-            return run(self.module, self.sharded, shards, sinks, args, kwargs)
+        shards, sinks = self.units.inputs()
+        with self.units.detached():
+            return run(self.module, self.units, shards, sinks, args, kwargs)
 
     def _strict_message(self, construct: str) -> str:
         return (
@@ -324,10 +327,10 @@ def _construct(err: BaseException) -> str:
     text = str(err)
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
     head = lines[0] if lines else type(err).__name__
-    intended = re.search(r"\(reason: (shardtrain [^()]*) " + re.escape(EAGER_BY_DESIGN) + r"\)", text)
+    intended = re.search(r"\(reason: (shardtrain [^()]*) " + re.escape(SPLIT_BY_DESIGN) + r"\)", text)
     if intended:
         head = f"a {intended.group(1).removeprefix('shardtrain ')} (shardtrain runs it eagerly, between graphs)"
-    ours = ("shardtrain/graph/", "shardtrain/eager.py")
+    ours = ("shardtrain/graph/", "shardtrain/between_graphs.py")
     where = [line for line in lines if line.startswith("File ") and not any(o in line for o in ours)]
     return f"{head} (at {where[-1]})" if where else head
 

@@ -19,7 +19,9 @@ flipped bool input). The schema is those facts, taken from the call itself:
 * the module hooks (forward pre-hooks, forward hooks, backward pre-hooks and backward hooks of every submodule,
   and the global ones), by handle: TorchDynamo traces the hooks present at capture into the graph and, by default
   (``skip_nnmodule_hook_guards``), does not guard on them, so a hook added later would silently never run and a
-  removed one would keep running.
+  removed one would keep running. The engine's own hooks (eager ZeRO-3's unit hooks, which graph mode keeps for
+  direct calls of the module and which do nothing while a graph is traced) are left out: they never change, and a
+  schema holds what the user can change.
 
 Two schemas are compared field by field, so a re-capture is logged with the reasons (``input 'attention_mask':
 dtype int64 -> bool``) instead of "cache miss". Leaves are walked like :mod:`shardtrain.tree` walks tensors (torch's
@@ -162,7 +164,9 @@ def bind_arguments(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, An
     return named
 
 
-def schema_of(module: nn.Module, args: tuple, kwargs: dict) -> Schema:
+def schema_of(module: nn.Module, args: tuple, kwargs: dict, own_hooks: frozenset[int] = frozenset()) -> Schema:
+    """``own_hooks``: handle ids of hooks the engine installed itself and never changes (eager ZeRO-3's unit hooks,
+    inert while a graph is traced): not part of the schema, which holds the user's."""
     leaves: list[tuple[str, Leaf]] = []
     for name, value in bind_arguments(module, args, kwargs).items():
         for path, leaf in iter_leaves(value):
@@ -178,7 +182,8 @@ def schema_of(module: nn.Module, args: tuple, kwargs: dict) -> Schema:
     for n, m in module.named_modules():
         if n and m.training != root:
             modes.append((n, m.training))
-        hooks.append((n, _hook_ids(m._forward_pre_hooks, m._forward_hooks, m._backward_pre_hooks, m._backward_hooks)))
+        kinds = (m._forward_pre_hooks, m._forward_hooks, m._backward_pre_hooks, m._backward_hooks)
+        hooks.append((n, _hook_ids(*kinds, skip=own_hooks)))
     trainable = frozenset(n for n, p in module.named_parameters(remove_duplicate=False) if p.requires_grad)
     hooks = [(n, ids) for n, ids in hooks if any(ids)]
     return Schema(tuple(leaves), tuple(modes), trainable, _context(), tuple(hooks))
@@ -192,8 +197,8 @@ _GLOBAL_HOOKS = (
 )
 
 
-def _hook_ids(*kinds: dict) -> tuple[tuple[int, ...], ...]:
-    return tuple(tuple(kind) for kind in kinds)
+def _hook_ids(*kinds: dict, skip: frozenset[int] = frozenset()) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(i for i in kind if i not in skip) for kind in kinds)
 
 
 def _context() -> tuple[tuple[str, Any], ...]:

@@ -49,7 +49,6 @@ AOT autograd adds the contributions of a parameter used twice (tied embeddings),
 from __future__ import annotations
 
 import operator
-import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -110,38 +109,31 @@ class _GatherUnit(torch.autograd.Function):
         return None, reduced.to(ctx.sink_dtype), None
 
 
-class ShardedUnits:
+class UnitInputs:
     """The ZeRO-3 units of an engine as inputs of the captured graph (see [Note: ZeRO-3 as graph operations]).
 
     ``shard_grad(bucket)`` is the reducer's fp32 gradient shard of a trainable bucket: the sink's ``.grad``;
-    ``overlap`` is ``zero_optimization.overlap_comm`` (the prefetch budget is the unit runtime's, see
+    ``prefetch_numel`` and ``overlap`` are ``stage3_prefetch_bucket_size`` and ``overlap_comm`` (see
     :class:`Settings`); ``predivide`` is the reducer's (``prescale_gradients`` / ``gradient_predivide_factor``)."""
 
     def __init__(
         self,
+        root: nn.Module,
         units: list[Unit],
         comm: Communicator,
         wire_dtype: Callable[[Bucket], torch.dtype],
         shard_grad: Callable[[Bucket], torch.Tensor],
+        prefetch_numel: int,
         overlap: bool = True,
         predivide: float | None = None,
     ) -> None:
         self.comm = comm  # the graphs' collectives are counted in its stats() (see GraphTraffic)
-        runtime = units[0].runtime if units else None
-        self.settings = Settings(runtime.prefetch_numel if runtime is not None else 0, overlap)
-        if runtime is not None and not runtime.gather_check:
-            warnings.warn(
-                "zero_optimization.stage3_gather_check: false has no effect in graph mode: the captured graph issues "
-                "its gathers without a per-gather check, and the ranks' unit order is checked once per forward by "
-                "the desync check, which compares the input schemas (desync_check)",
-                stacklevel=3,
-            )
+        self.settings = Settings(prefetch_numel, overlap)
         self.buckets: list[Bucket] = [b for u in units for b in u.buckets]
         index = {id(s.param): (i, k) for i, b in enumerate(self.buckets) for k, s in enumerate(b.slots)}
         # every place a unit parameter is registered (a tied parameter has several): (module, attribute, name, slot)
-        root = units[0].runtime.root if units else None
         self._places: list[tuple[nn.Module, str, str, tuple[int, int]]] = []
-        for prefix, m in root.named_modules(remove_duplicate=False) if root is not None else ():
+        for prefix, m in root.named_modules(remove_duplicate=False):
             for attr, p in m._parameters.items():
                 if p is not None and id(p) in index:
                     self._places.append((m, attr, f"{prefix}.{attr}" if prefix else attr, index[id(p)]))
@@ -211,8 +203,8 @@ class ShardedUnits:
         return {name: views[i][k] for _, _, name, (i, k) in self._places}
 
 
-def sharded_trampoline(module: nn.Module, units: ShardedUnits, shards: list, sinks: list, args: tuple, kwargs: dict):
-    """The function graph mode captures at ZeRO stage 3 (one copy per cache entry, like ``_trampoline``)."""
+def call_on_gathered(module: nn.Module, units: UnitInputs, shards: list, sinks: list, args: tuple, kwargs: dict):
+    """The function graph mode captures at ZeRO stage 3 (one copy per cache entry, like ``call_module``)."""
     return torch.func.functional_call(module, units.parameters(shards, sinks), args, kwargs, tie_weights=False)
 
 

@@ -58,7 +58,7 @@ from shardtrain.errors import ConfigError, ShardtrainError
 from shardtrain.mesh import init_topology
 from shardtrain.precision import policy_from_config
 from shardtrain.zero.build import build_layout
-from shardtrain.zero.unit_runtime import ParameterUnits
+from shardtrain.zero.unit_runtime import EagerRuntime
 
 log = logging.getLogger("shardtrain")
 
@@ -116,7 +116,7 @@ def is_engine_checkpoint(path: str | Path) -> bool:
     return (Path(path) / "latest").is_file()
 
 
-def shard_frozen_model(model: nn.Module, config: Config, auto_values: dict[str, Any]) -> ParameterUnits | None:
+def shard_frozen_model(model: nn.Module, config: Config, auto_values: dict[str, Any]) -> EagerRuntime | None:
     """Prepare ``model``, which is only ever run forward (a reference model), as DeepSpeed's inference engine over the
     same config would: its parameters are frozen and cast to the config's compute dtype (bf16/fp16 sections), it is
     moved to the device and put in eval mode, and at ZeRO-3 its parameters are laid out into units of its own, sharded
@@ -156,11 +156,11 @@ def shard_frozen_model(model: nn.Module, config: Config, auto_values: dict[str, 
     comm = Communicator(topology.shard_group, topology.timeout_s)
     dp_comm = Communicator(topology.dp_group, topology.timeout_s) if topology.hybrid else comm
     layout = build_layout(model, zcfg, comm, dp_comm=dp_comm)  # rank 0's values, this rank's shards cut
-    if not layout.units:  # every parameter under stage3_param_persistence_threshold: all stay whole
+    if not layout.unit_buckets:  # every parameter under stage3_param_persistence_threshold: all stay whole
         return None
-    return ParameterUnits(
+    return EagerRuntime(
         model,
-        layout.units,
+        layout.unit_buckets,
         comm,
         zcfg.stage3_prefetch_bucket_size,
         zcfg.stage3_gather_check,
@@ -311,7 +311,7 @@ class ShardtrainTrainerMixin:
         self._shardtrain_scheduler: _EngineScheduler | None = None
         # models prepared with accelerator.prepare_model(..., evaluation_mode=True) and their ZeRO-3 runtimes (None
         # where nothing is sharded), see shard_frozen_model
-        self.shardtrain_frozen_models: list[tuple[nn.Module, ParameterUnits | None]] = []
+        self.shardtrain_frozen_models: list[tuple[nn.Module, EagerRuntime | None]] = []
         super().__init__(*args, **kwargs)
         self._shardtrain_refuse_unsupported()
 

@@ -18,16 +18,16 @@ rank whose computation used only its block produces a partial gradient, and ``f`
 gradients. Conversely the gradient of a gathered activation is replicated, so its backward just keeps this
 rank's block.
 
-In graph mode the four primitives run eagerly between the pieces of the captured graph (:mod:`shardtrain.eager`):
-their collectives go through c10d work handles, which a graph cannot hold.
+In graph mode the four primitives run eagerly between the pieces of the captured graph
+(:mod:`shardtrain.between_graphs`): their collectives go through c10d work handles, which a graph cannot hold.
 """
 
 from __future__ import annotations
 
 import torch
 
+from shardtrain.between_graphs import between_graphs
 from shardtrain.comm import Communicator
-from shardtrain.eager import eager
 
 
 class _CopyToRegion(torch.autograd.Function):
@@ -98,25 +98,25 @@ def _block_of_last_dim(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     return x.narrow(-1, comm.rank * per, per).contiguous()
 
 
-@eager("tensor-parallel collective")
+@between_graphs("tensor-parallel collective")
 def copy_to_tp_region(x: torch.Tensor, comm: Communicator, what: str = "") -> torch.Tensor:
     """``f``: identity; in backward the partial input gradients of the ranks are summed."""
     return _CopyToRegion.apply(x, comm, what)
 
 
-@eager("tensor-parallel collective")
+@between_graphs("tensor-parallel collective")
 def reduce_from_tp_region(x: torch.Tensor, comm: Communicator, what: str = "") -> torch.Tensor:
     """``g``: the sum over ranks of the partial results ``x``; the gradient passes through unchanged."""
     return _ReduceFromRegion.apply(x, comm, what)
 
 
-@eager("tensor-parallel collective")
+@between_graphs("tensor-parallel collective")
 def gather_from_tp_region(x: torch.Tensor, comm: Communicator, what: str = "") -> torch.Tensor:
     """Every rank's block of the last dimension, concatenated in rank order."""
     return _GatherFromRegion.apply(x, comm, what)
 
 
-@eager("tensor-parallel collective")
+@between_graphs("tensor-parallel collective")
 def scatter_to_tp_region(x: torch.Tensor, comm: Communicator, what: str = "") -> torch.Tensor:
     """This rank's block of the last dimension of the replicated ``x``."""
     return _ScatterToRegion.apply(x, comm, what)

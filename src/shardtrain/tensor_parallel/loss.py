@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from shardtrain.between_graphs import between_graphs
 from shardtrain.comm import Communicator
-from shardtrain.eager import eager
 from shardtrain.errors import LayoutError
 from shardtrain.tensor_parallel.rng import RegionRNG
 
@@ -67,7 +67,7 @@ def vocab_parallel_cross_entropy(
     return losses.sum() / (flat_targets != ignore_index).sum()
 
 
-@eager("vocab-parallel cross-entropy")  # its all-reduces: between graph pieces in graph mode
+@between_graphs("vocab-parallel cross-entropy")  # its all-reduces: between graph pieces in graph mode
 def _vocab_parallel_losses(logits: torch.Tensor, targets: torch.Tensor, comm: Communicator, ignore_index: int):
     return _VocabParallelCrossEntropy.apply(logits, targets, comm, ignore_index)
 

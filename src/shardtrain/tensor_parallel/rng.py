@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from shardtrain.eager import eager
+from shardtrain.between_graphs import between_graphs
 
 _GOLDEN = 0x9E3779B97F4A7C15  # odd: (rank + 1) * _GOLDEN is distinct modulo 2**63 for every rank
 _MASK63 = (1 << 63) - 1
@@ -49,7 +49,7 @@ class RegionRNG:
         """Whether a region is open (the default generators are forked)."""
         return self._resume is not None
 
-    @eager("tensor-parallel RNG fork")  # generator states cannot be held in a captured graph
+    @between_graphs("tensor-parallel RNG fork")  # generator states cannot be held in a captured graph
     def enter(self) -> None:
         """Open a region (no-op if one is open already, or for a group of one)."""
         if self._resume is not None or self.tp_size == 1:
@@ -64,7 +64,7 @@ class RegionRNG:
         for i, g in enumerate(generators):
             g.manual_seed((seed + i) & _MASK63)
 
-    @eager("tensor-parallel RNG fork")
+    @between_graphs("tensor-parallel RNG fork")
     def exit(self) -> None:
         """Close the open region, if any: the default generators continue as if it never was."""
         if self._resume is None:

@@ -25,7 +25,7 @@ from shardtrain.comm import Communicator
 from shardtrain.config import ZeroConfig
 from shardtrain.zero.guarded import guard_of
 from shardtrain.zero.init import construction_runtime, is_under_construction
-from shardtrain.zero.layout import Bucket, ParamRecord, ShardLayout, build_buckets, group_by_size
+from shardtrain.zero.layout import Bucket, ParamRecord, ShardLayout, UnitBuckets, build_buckets, group_by_size
 from shardtrain.zero.policy import ZeroPolicy
 from shardtrain.zero.units import assign_parameters, find_unit_modules
 from shardtrain.zero.weights import state_tensors
@@ -51,10 +51,10 @@ def build_layout(
     sync = dp_comm if dp_comm is not None else comm
     replicas = sync.size // comm.size
     _finish_construction(module, policy, zcfg.stage3_param_persistence_threshold)
-    units: list[tuple[str, nn.Module, list[Bucket]]] = []
+    units: list[UnitBuckets] = []
     if policy.shard_parameters:
         units, persistent = _plan_units(module, zcfg, comm, sync)
-        buckets = [b for _, _, bs in units for b in bs]
+        buckets = [b for u in units for b in u.buckets]
         buckets += build_buckets(
             group_by_size(persistent, zcfg.reduce_bucket_size), comm.size, comm.rank, first_index=len(buckets)
         )
@@ -90,8 +90,8 @@ def _finish_construction(module: nn.Module, policy: ZeroPolicy, threshold: int) 
 
 def _plan_units(
     module: nn.Module, zcfg: ZeroConfig, comm: Communicator, sync: Communicator
-) -> tuple[list[tuple[str, nn.Module, list[Bucket]]], list[tuple[str, nn.Parameter]]]:
-    """Stage 3: (unit name, module, buckets) in expected backward order, and the persistent parameters.
+) -> tuple[list[UnitBuckets], list[tuple[str, nn.Parameter]]]:
+    """Stage 3: each unit's buckets in expected backward order, and the persistent parameters.
 
     Units are ordered last block first and the root last, the order their gradients complete in backward,
     because reductions are launched in bucket order (see [Note: collective order])."""
@@ -102,7 +102,7 @@ def _plan_units(
     persistent = [(n, p) for g in groups for n, p in g if p.numel() < threshold and p.requires_grad]
     named = [*unit_modules[::-1], ("<root>", module)]
     params_of = [*groups[:-1][::-1], groups[-1]]
-    specs: list[tuple[str, nn.Module, list[Bucket]]] = []
+    specs: list[UnitBuckets] = []
     index = 0
     for (name, m), params in zip(named, params_of):
         by_kind: dict[tuple[torch.dtype, bool], list[tuple[str, nn.Parameter]]] = {}
@@ -121,7 +121,7 @@ def _plan_units(
             b.flat_param.untyped_storage().resize_(0)
         _retire_construction([p for _, p in params if is_under_construction(p)])
         index += len(buckets)
-        specs.append((name, m, buckets))
+        specs.append(UnitBuckets(name, m, buckets))
     built = [p for p in module.parameters() if is_under_construction(p)]
     if built:
         construction_runtime(built[0]).settle()

@@ -23,7 +23,7 @@ re-gather refills the very storage autograd saved for backward.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -196,12 +196,21 @@ class ParamRecord:
         return self.tp is not None and self.tp.dim is not None
 
 
+class UnitBuckets(NamedTuple):
+    """Where one ZeRO-3 unit's parameters live: its name (``<root>`` for the root's), its module and its buckets (one
+    per dtype and trainability). The runtime makes a :class:`~shardtrain.zero.units.Unit` of it."""
+
+    name: str
+    module: nn.Module
+    buckets: list[Bucket]
+
+
 @dataclass(eq=False)
 class ShardLayout:
     """[Note: the layout]
     Where every parameter lives, built once from (model, ZeRO config, dp communicator, tp placements) by
     :func:`shardtrain.zero.build.build_layout` before any other part of the engine, and read by the gradient
-    reducer (``buckets``), the optimizer wrapper (fragments), the ZeRO-3 runtime (``units``), weight loading and
+    reducer (``buckets``), the optimizer wrapper (fragments), the ZeRO-3 runtime (``unit_buckets``), weight loading and
     the checkpoint code (``records``). Nothing is set on the parameters themselves: a parameter's record is found
     with :meth:`record_of`.
     """
@@ -211,8 +220,8 @@ class ShardLayout:
     """Data-parallel ranks (batches differ along them): with hybrid sharding ``replicas`` x the shard group size."""
     dp_rank: int
     buckets: list[Bucket]
-    units: list[tuple[str, nn.Module, list[Bucket]]]
-    """ZeRO-3 units (name, module, buckets) in expected backward order; empty below stage 3."""
+    unit_buckets: list[UnitBuckets]
+    """Each ZeRO-3 unit's buckets, in expected backward order; empty below stage 3."""
     records: list[ParamRecord]
     """Every parameter once, in ``named_parameters()`` order."""
     tp: int = 1

@@ -147,11 +147,17 @@ class GradientReducer:
     def hand_over(self, buckets: list[Bucket]) -> None:
         """The gradients of ``buckets`` arrive reduced from elsewhere, added into :meth:`shard_grad` (graph-mode
         ZeRO-3: the captured backward graph reduce-scatters the units); they are never launched here, and the
-        other buckets (stage 3's persistent parameters) are reduced as before."""
-        self._external = frozenset(self._position[b.index] for b in buckets)
-        self.launch_order = [p for p in self.launch_order if p not in self._external]
-        if self.grad_offload is not None:  # those shards are added into here, by the graph: not in files
-            self.grad_offload.keep_in_memory(sorted(self._external))
+        other buckets (stage 3's persistent parameters) are reduced as before. Called again before each backward
+        (``[]``: a backward that follows only eager calls of the module reduces every bucket here); buckets taken
+        back return to their place in bucket order."""
+        external = frozenset(self._position[b.index] for b in buckets)
+        order = [p for p in self.launch_order if p not in external]
+        for p in sorted(set(range(len(self.buckets))) - external - set(order)):
+            later = [i for i, q in enumerate(order) if q > p]
+            order.insert(later[0] if later else len(order), p)
+        self.launch_order, self._external = order, external
+        if self.grad_offload is not None:  # those shards are added into here, by the graph: not in files (for good)
+            self.grad_offload.keep_in_memory(sorted(external))
 
     @staticmethod
     def _grad_view(flat: torch.Tensor, s: ParamSlot) -> torch.Tensor:
@@ -180,6 +186,12 @@ class GradientReducer:
                     "engine.backward(loss) instead of loss.backward() so gradients are reduced across ranks"
                 )
             bucket = self.buckets[position]
+            if position in self._external:  # its gradient is reduced by the captured graph this backward
+                raise ShardtrainError(
+                    f"gradient of {slot.name!r} from an eager call of the module in a backward that also runs a "
+                    "captured graph's (graph-mode ZeRO-3 reduces the units' gradients inside that graph): call "
+                    "engine.backward() on the loss of engine(...) and on the loss of engine.module(...) separately"
+                )
             if self._active() and position in self._launched:
                 # its bucket's collective is already in flight: this gradient would be lost or race with it
                 raise ShardtrainError(
@@ -289,7 +301,9 @@ class GradientReducer:
         elif self.mode == "reduce_scatter":
             lo, hi = p.bucket.shard_range
             self.full_grads[position][lo:hi].copy_(p.out)
-        elif self.grad_offload is not None:  # to its swap file ([Note: gradient offload] in zero/offload.py)
+        elif self.grad_offload is not None and position in self.grad_offload.on_disk:
+            # to its swap file ([Note: gradient offload] in zero/offload.py); a bucket graph mode once reduced stays
+            # in memory, also when a backward that followed only direct module calls reduces it here
             self.grad_offload.fold(position, p.bucket, p.out, self._fresh_shard, self._boundary)
         elif self._fresh_shard:
             self.shard_grads[position].copy_(p.out)

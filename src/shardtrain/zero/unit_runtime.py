@@ -1,4 +1,6 @@
-"""The ZeRO-3 runtime: gathers, releases and prefetches units around forward and backward.
+"""The eager runtime: the module runs op by op; at ZeRO stage 3 module hooks gather, release and prefetch units
+around forward and backward (the graph runtime's counterpart is :mod:`shardtrain.graph.runtime`; the interface both
+implement is :mod:`shardtrain.zero.runtime`).
 
 [Note: gathering for backward]
 Backward needs a unit's parameters exactly when autograd reads a tensor it saved in forward that aliases the
@@ -53,6 +55,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -62,7 +65,8 @@ from shardtrain.comm import Communicator, Handle
 from shardtrain.errors import RankMismatchError, ShardtrainError
 from shardtrain.mesh import exchanges_on_host
 from shardtrain.zero.guarded import ShardedParameter, guard, guard_of
-from shardtrain.zero.layout import Bucket
+from shardtrain.zero.layout import Bucket, UnitBuckets
+from shardtrain.zero.runtime import Call, Runtime
 from shardtrain.zero.units import Unit, UnitState
 
 
@@ -87,7 +91,7 @@ class _Saved:
 class _SavedTensorHooks:
     """The pack/unpack pair of [Note: gathering for backward], chained to the hooks active when pushed."""
 
-    def __init__(self, runtime: ParameterUnits) -> None:
+    def __init__(self, runtime: EagerRuntime) -> None:
         self.runtime = runtime
         self.outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
         self.context = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
@@ -108,16 +112,19 @@ class _SavedTensorHooks:
         return self.outer[1](packed) if self.outer is not None else packed
 
 
-class ParameterUnits:
-    """Runs the [Note: unit lifecycle] for a root module and its units."""
+class EagerRuntime(Runtime):
+    """The module run op by op; at stage 3 the [Note: unit lifecycle] of its units, run by module hooks (none are
+    installed below stage 3, where ``units`` is empty)."""
+
+    mode = "eager"
 
     def __init__(
         self,
         root: nn.Module,
-        units: list[tuple[str, nn.Module, list[Bucket]]],
+        units: list[UnitBuckets],
         comm: Communicator,
-        prefetch_numel: int,
-        gather_check: bool,
+        prefetch_numel: int = 0,
+        gather_check: bool = False,
         check_group: dist.ProcessGroup | None = None,
     ) -> None:
         """``check_group``: the host-side group of ``comm``'s ranks, for [Note: unit order check] (None: ``comm``'s
@@ -128,12 +135,12 @@ class ParameterUnits:
         # comm, so that its calls stay in engine.comm_stats() (under NCCL they are counted apart)
         same = check_group is None or check_group is comm.group
         self.check_comm = comm if same or not gather_check else Communicator(check_group, comm.timeout_s)
-        self.units: list[Unit] = []
+        self._units: list[Unit] = []
         self._unit_of_bucket: dict[int, Unit] = {}
         self.unit_of_storage: dict[int, Unit] = {}  # the full buffers' storages (stable across resizes)
         for index, (name, module, buckets) in enumerate(units):
             unit = Unit(index, name, module, buckets, runtime=self)
-            self.units.append(unit)
+            self._units.append(unit)
             for b in buckets:  # shards were cut by the engine while planning (one unit at a time)
                 self._unit_of_bucket[b.index] = unit
                 for s in b.slots:
@@ -155,10 +162,13 @@ class ParameterUnits:
         self.before_gather: Callable[[Unit], None] | None = None
         self.after_gather: Callable[[Unit], None] | None = None
         self._bwd_gathered: list[Unit] = []  # units gathered for this backward, in the order they were needed
+        self.forwards_with_grad = 0  # root forwards that recorded gradients since the last backward (graph runtime)
         by_module: dict[int, list[Unit]] = {}
         for u in self.units:
             by_module.setdefault(id(u.module), []).append(u)
         self._hooks = []
+        if not self.units:  # below stage 3: the module runs as it is
+            return
         for u in self.units:
             if u.module is root:
                 continue
@@ -167,6 +177,18 @@ class ParameterUnits:
         root_units = by_module.get(id(root), [])
         self._hooks.append(root.register_forward_pre_hook(partial(self._root_pre_forward, root_units)))
         self._hooks.append(root.register_forward_hook(partial(self._root_post_forward, root_units), always_call=True))
+
+    @property
+    def units(self) -> list[Unit]:
+        return self._units
+
+    def forward(self, call: Call) -> Any:
+        return self.root(*call.args, **call.kwargs)
+
+    @property
+    def hook_ids(self) -> frozenset[int]:
+        """The ids of the module hooks this runtime installed."""
+        return frozenset(h.id for h in self._hooks)
 
     def index_storages(self) -> None:
         """Map each unit's full-buffer storage to the unit; again whenever buffers are re-created (a cast to the
@@ -325,7 +347,12 @@ class ParameterUnits:
         if hooks is not None:
             hooks.context.__exit__(None, None, None)
 
+    # Every hook returns at once while TorchDynamo traces the module: the graph runtime gathers inside the graph and
+    # keeps these hooks for direct calls of the module (see [Note: one runtime, two implementations]); traced, the
+    # test is a constant and the hook leaves nothing in the graph.
     def _root_pre_forward(self, root_units: list[Unit], module, args) -> None:
+        if torch.compiler.is_compiling():
+            return
         self._forward_depth += 1
         self._push_saved_hooks()
         if self._in_backward:  # re-run by an activation checkpoint of the whole model
@@ -333,6 +360,7 @@ class ParameterUnits:
                 self._need_in_backward(u, "root forward re-run in backward")
             return
         self._fwd_now, self._order_ok = [], True
+        self.forwards_with_grad += torch.is_grad_enabled()
         for u in self.units:  # kept by a forward that no backward followed: the shards may have changed since
             if u.state is not UnitState.SHARDED:
                 self._release(u)
@@ -342,6 +370,8 @@ class ParameterUnits:
             self._prefetch(self._fwd_order, -1, "forward prefetch")
 
     def _root_post_forward(self, root_units: list[Unit], module, args, output):
+        if torch.compiler.is_compiling():
+            return output
         self._forward_depth -= 1
         self._pop_saved_hooks()
         if self._in_backward:
@@ -361,6 +391,8 @@ class ParameterUnits:
         return [*root_units, self.units[self._fwd_order[-1]]]
 
     def _pre_forward(self, unit: Unit, module, args) -> None:
+        if torch.compiler.is_compiling():
+            return
         self._forward_depth += 1
         self._push_saved_hooks()
         if self._in_backward:  # re-run by an activation checkpoint: its backward follows at once
@@ -372,6 +404,8 @@ class ParameterUnits:
             self._prefetch(self._fwd_order, len(self._fwd_now) - 1, "forward prefetch")
 
     def _post_forward(self, unit: Unit, module, args, output):
+        if torch.compiler.is_compiling():
+            return output
         self._forward_depth -= 1
         self._pop_saved_hooks()
         if self._in_backward:  # in backward the unit stays until its gradients are in
@@ -426,6 +460,8 @@ class ParameterUnits:
                 self._release(u)
 
     def begin_backward(self) -> None:
+        if not self.units:
+            return
         self._in_backward = True
         self._bwd_now, self._order_ok = [], True
         self._bwd_gathered = []
@@ -436,6 +472,7 @@ class ParameterUnits:
 
     def end_backward(self) -> None:
         self._in_backward = False
+        self.forwards_with_grad = 0
         if self._bwd_order is None:
             self._bwd_order = list(self._bwd_now)
         for u in self.units:
@@ -449,7 +486,13 @@ class ParameterUnits:
         return [u for u in self.units if id(u) in wanted]
 
     @contextmanager
-    def gathered(self, units: list[Unit]) -> Iterator[None]:
+    def gathered(self, params: list[nn.Parameter]) -> Iterator[list[Unit]]:
+        units = self.units_of(params)
+        with self.gathered_units(units):
+            yield units
+
+    @contextmanager
+    def gathered_units(self, units: list[Unit]) -> Iterator[None]:
         """Gather ``units`` (collective: every rank must enter) and release them on exit."""
         was = {u.index: u.state for u in units}
         for u in units:
@@ -461,7 +504,12 @@ class ParameterUnits:
                 if was[u.index] is UnitState.SHARDED:
                     self._release(u)
 
-    def remove_hooks(self) -> None:
+    def release(self) -> None:
+        for u in self.units:
+            if u.state is not UnitState.SHARDED:
+                self._release(u)
+
+    def close(self) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()

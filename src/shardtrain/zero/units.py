@@ -42,7 +42,7 @@ class Unit:
     name: str
     module: nn.Module
     buckets: list[Bucket]
-    runtime: Any = field(repr=False)  # ParameterUnits, or zero.Init's construction runtime
+    runtime: Any = field(repr=False)  # EagerRuntime, or zero.Init's ConstructionRuntime
     state: UnitState = UnitState.GATHERED
     pending: list[Handle] = field(default_factory=list)
     check: tuple[torch.Tensor, Handle] | None = None  # the unit-id exchange of the gather in flight
