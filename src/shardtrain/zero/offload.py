@@ -114,7 +114,9 @@ from shardtrain.zero.swap import (
 
 if TYPE_CHECKING:
     from shardtrain.zero.layout import Bucket
-    from shardtrain.zero.optimizer import ShardedOptimizer
+
+# ``optimizer: Any`` below is a zero.optimizer.ShardedOptimizer: not imported, not even for typing, because that
+# module imports this one (tests/test_architecture.py keeps the package free of import cycles)
 
 __all__ = [
     "GradOffload",
@@ -306,7 +308,7 @@ class OptimizerOffload:
         else:
             self.optimizer.state.pop(stepped, None)
 
-    def offload_gradients(self, optimizer: ShardedOptimizer) -> None:
+    def offload_gradients(self, optimizer: Any) -> None:
         """Keep the gradient shards of ``optimizer``'s reducer in swap files too, where that is built (see [Note:
         gradient offload]): state in files (``nvme``), gradients sharded (stages 2-3) and accumulated in the dtype
         stepped, on the host, no tensor parallelism and no hybrid sharding. Else gradients stay in memory."""
@@ -571,7 +573,7 @@ class GradOffload:
     """The reducer's fp32 gradient shards in swap files, one per bucket, read back one sub-group at a time with
     the optimizer state (see [Note: gradient offload])."""
 
-    def __init__(self, offload: OptimizerOffload, optimizer: ShardedOptimizer) -> None:
+    def __init__(self, offload: OptimizerOffload, optimizer: Any) -> None:
         self.offload, self.reducer, self.files = offload, optimizer.reducer, offload.files
         positions = {b.index: k for k, b in enumerate(self.reducer.buckets)}
         # member (index into the stepped tensors) -> (bucket position, element offset in its shard, length,
@@ -685,7 +687,7 @@ class GradOffload:
             torch._foreach_mul_(parts, scale)
         return self._fragment_norms(bucket, g)
 
-    def step(self, optimizer: ShardedOptimizer, max_norm: float, loss_scale: float | None) -> tuple[float, bool]:
+    def step(self, optimizer: Any, max_norm: float, loss_scale: float | None) -> tuple[float, bool]:
         """:meth:`ShardedOptimizer.step` with the gradients in files: the same unscaling, norm, clipping and
         update, element for element, on gradients read one sub-group at a time."""
         self._wait()
