@@ -95,6 +95,9 @@ class Engine:
         self._grad_norm: float | None = None
         self._batch_checked = self.tp_comm is None
         self._async_saver: AsyncSaver | None = None  # made by the first asynchronous save_checkpoint
+        # parameters frozen when the buckets and the optimizer state were built: unfreezing one later is refused
+        # at the next step (it would never be reduced nor stepped: a silent wrong result)
+        self._frozen_at_initialize = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
 
     @property
     def stage(self) -> int:
@@ -163,6 +166,7 @@ class Engine:
         self.micro_steps += 1
         if not boundary:
             return
+        self._refuse_unfrozen()
         if self.policy.stage > 0 or self.tp_comm is not None:  # stage 0 steps without a collective
             self._agree("step", micro_steps=self.micro_steps - 1)  # where backward() was, not one ahead
         with self.monitor.timed("step"):
@@ -172,6 +176,16 @@ class Engine:
         self.monitor.end_optimizer_step(
             StepMetrics(self.global_step, self.global_samples, self.get_lr()[0], self._grad_norm, self.loss_scale)
         )
+
+    def _refuse_unfrozen(self) -> None:
+        unfrozen = [n for n, p in self._frozen_at_initialize if p.requires_grad]
+        if unfrozen:
+            names = ", ".join(unfrozen[:5]) + (f" and {len(unfrozen) - 5} more" if len(unfrozen) > 5 else "")
+            raise OptimizerError(
+                f"{names}: frozen (requires_grad=False) when initialize built the gradient buckets and the optimizer "
+                "state, and unfrozen since; such a parameter would never be reduced nor stepped. Make it trainable "
+                "before initialize (and freeze it after, if it should start frozen: freezing later is supported)"
+            )
 
     def _optimizer_step(self) -> None:
         scale = self.scaler.scale if self.scaler is not None else None

@@ -1,0 +1,45 @@
+"""A parameter frozen when ``initialize`` ran and unfrozen later is refused at the next step, naming it: the gradient
+buckets and the optimizer state were built without it, so it would never be reduced nor stepped (before, it trained
+silently as if still frozen). Freezing after ``initialize`` and unfreezing again is supported
+(tests/test_runtime_modes.py)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import shardtrain
+from shardtrain.errors import OptimizerError
+from shardtrain.testing import run_distributed
+
+
+def _unfreeze_after_initialize(stage: int) -> dict:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    model[0].weight.requires_grad_(False)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage}}
+    engine = shardtrain.initialize(model, config, optimizer)
+    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(1))
+    out = {}
+    try:
+        engine.backward(engine(x).square().mean())
+        engine.step()  # frozen as at initialize: fine
+        model[0].weight.requires_grad_(True)
+        engine.backward(engine(x).square().mean())
+        try:
+            engine.step()
+        except OptimizerError as err:
+            out["error"] = str(err)
+        out["steps"] = engine.global_step
+    finally:
+        engine.close()
+    return out
+
+
+def test_a_parameter_unfrozen_after_initialize_is_refused_at_the_step():
+    for stage in (0, 3):
+        for r in run_distributed(_unfreeze_after_initialize, 2, stage):
+            assert r["steps"] == 1, (stage, r)
+            assert "0.weight: frozen (requires_grad=False) when initialize built" in r.get("error", ""), (stage, r)
+            assert "Make it trainable before initialize" in r["error"]
