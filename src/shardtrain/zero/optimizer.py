@@ -256,7 +256,16 @@ class ShardedOptimizer:
             coef = torch.clamp(max_norm / (local_sq.sqrt() + 1e-6), max=1.0)
             torch._foreach_mul_(nonempty, coef)
         if not self.sharded and self.masters is None:  # fp32 stage 0: the parameters hold their gradients
-            self.optimizer.step()
+            # frozen since initialize: hidden from the optimizer for this step, as torch.optim skips a parameter
+            # without a gradient (their .grad is a view of the reducer's zeroed buffer)
+            frozen = [(s, s.grad) for s, _, g in triples if g is None and s.grad is not None]
+            for s, _ in frozen:
+                s.grad = None
+            try:
+                self.optimizer.step()
+            finally:
+                for s, grad in frozen:
+                    s.grad = grad
             return total_norm, False
         stepped = [s for s, _, g in triples if g is not None]
         if self.offload is not None:  # one sub-group at a time (see [Note: sub-group stepping])
