@@ -282,26 +282,17 @@ class SequenceSplitter:
     def _check_same_batch(self, args: tuple, kwargs: dict[str, Any]) -> None:
         """At the first forward: the whole inputs of every rank of the group, digested (one object all-gather over
         the group, which only its ranks join: another group's ranks, fed correctly, go on)."""
-        from shardtrain.tensor_parallel.batch_check import batch_digest
+        from shardtrain.tensor_parallel.batch_check import batch_digest, first_difference
 
         every = self.comm.all_gather_object(batch_digest(args, kwargs), what="sequence-parallel batch check")
         differ = [r for r, d in enumerate(every) if d != every[0]]
         if differ:
+            where = first_difference(every[0], every[differ[0]], "sp rank 0", f"sp rank {differ[0]}")
             raise RankMismatchError(
                 f"the ranks of a sequence-parallel group must all get the same whole batch (the engine splits the "
                 f"sequence), but {', '.join(self._who(r) for r in differ)} got inputs different from "
                 f"{self._who(0)} (its group: global ranks {self._global_ranks}): "
-                f"{_first_difference(every[0], every[differ[0]], differ[0])}. Shard the data over the data-parallel "
+                f"{where}. Shard the data over the data-parallel "
                 "ranks only: the ranks of a group share engine.topology.dp_rank "
                 "(DistributedSampler(num_replicas=engine.topology.dp, rank=engine.topology.dp_rank))"
             )
-
-
-def _first_difference(a: list, b: list, rank: int) -> str:
-    """Where two :func:`batch_digest` lists part: the first input whose dtype, shape or values differ."""
-    for x, y in zip(a, b):
-        if x[:3] != y[:3]:
-            return f"input {x[0]} is {x[1]} {list(x[2])} on sp rank 0 but {y[1]} {list(y[2])} on sp rank {rank}"
-        if x != y:
-            return f"input {x[0]} ({x[1]} {list(x[2])}) holds different values on sp rank 0 and sp rank {rank}"
-    return f"sp rank 0 passed {len(a)} tensors, sp rank {rank} {len(b)}"

@@ -73,7 +73,7 @@ def check_same_batch(
     if not differ:
         return
     first = next(r for r, _ in differ)
-    where = _first_difference(reference, every[first][1])
+    where = first_difference(reference, every[first][1], "tp rank 0", f"tp rank {first}")
     ranks = ", ".join(f"tp rank {r} (global rank {g})" for r, g in differ)
     raise RankMismatchError(
         f"the ranks of a tensor-parallel group must all get the same batch, but {ranks} got inputs different "
@@ -82,10 +82,12 @@ def check_same_batch(
     )
 
 
-def _first_difference(a: list, b: list) -> str:
+def first_difference(a: list, b: list, first: str, other: str) -> str:
+    """Where two :func:`batch_digest` lists part (``a`` from rank ``first``, ``b`` from ``other``): the first input
+    whose dtype, shape or values differ."""
     for x, y in zip(a, b):
         if x[:3] != y[:3]:
-            return f"input {x[0]} is {x[1]} {list(x[2])} on rank 0 but {y[1]} {list(y[2])} there"
+            return f"input {x[0]} is {x[1]} {list(x[2])} on {first} but {y[1]} {list(y[2])} on {other}"
         if x != y:
-            return f"input {x[0]} ({x[1]} {list(x[2])}) holds different values"
-    return f"rank 0 passed {len(a)} tensors, the other {len(b)}"
+            return f"input {x[0]} ({x[1]} {list(x[2])}) holds different values on {first} and {other}"
+    return f"{first} passed {len(a)} tensors, {other} {len(b)}"
