@@ -27,6 +27,7 @@ import torch.distributed as dist
 import shardtrain
 from shardtrain.config import load_config
 from shardtrain.errors import ConfigError, LayoutError
+from shardtrain.estimate import estimate_memory
 from shardtrain.testing import run_distributed
 
 from parity import Recipe, assert_parity, global_micro_batches, make_model, make_optimizer, reference_run, train_step
@@ -41,9 +42,8 @@ def reference(recipe: Recipe, world: int) -> dict:
     return reference_run(recipe, world)
 
 
-def _engine(recipe: Recipe, hpz: int):
-    model = make_model(recipe)
-    config = {
+def _config(recipe: Recipe, hpz: int) -> dict:
+    return {
         "train_micro_batch_size_per_gpu": recipe.micro,
         "gradient_accumulation_steps": recipe.gas,
         "gradient_clipping": recipe.clip,
@@ -55,6 +55,11 @@ def _engine(recipe: Recipe, hpz: int):
             "zero_hpz_partition_size": hpz,
         },
     }
+
+
+def _engine(recipe: Recipe, hpz: int):
+    model = make_model(recipe)
+    config = _config(recipe, hpz)
     return shardtrain.initialize(model, config=config, optimizer=make_optimizer(model, recipe)), model
 
 
@@ -203,6 +208,25 @@ def test_hpz_holds_the_released_units_secondary_shards_until_backward(world4):
         # every backward gather of a released unit came from the secondary shards: both blocks in the first
         # micro-step, then the first block (the last one stays gathered) in each of the other three
         assert hpz["served"] == 2 + (RECIPE.gas * RECIPE.steps - 1)
+
+
+def test_the_planner_models_the_secondary_shards(world4):
+    """The estimate's hpZ row is the most secondary-shard bytes a rank held (the first step's: every unit but the
+    root), and nothing else changes: the state is plain ZeRO-3's."""
+    config = _config(RECIPE, 2)
+    hpz = estimate_memory(lambda: make_model(RECIPE), config, world_size=4, device_type="cpu", activations=False)
+    plain = estimate_memory(
+        lambda: make_model(RECIPE), _config(RECIPE, 1), world_size=4, device_type="cpu", activations=False
+    )
+    (row,) = [r for r in hpz.rows if r.component.startswith("hpZ secondary shards")]
+    assert row.transient and row.where == "device"
+    assert row.nbytes == world4[0][1]["first_max_held"]
+    assert [r for r in hpz.rows if r is not row] == plain.rows
+    assert hpz.layout.hpz == 2 and "hpZ 2" in hpz.format()
+    with pytest.raises(ConfigError, match="zero_hpz_partition_size 3 must divide the data-parallel size 4"):
+        estimate_memory(
+            lambda: make_model(RECIPE), _config(RECIPE, 3), world_size=4, device_type="cpu", activations=False
+        )
 
 
 def _zero(**extra) -> dict:
