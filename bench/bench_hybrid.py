@@ -1,5 +1,5 @@
-"""Hybrid sharding: the bytes that cross group boundaries per step, measured against the formulas and against plain
-ZeRO at the same world size.
+"""Hybrid sharding (MiCS) and ZeRO++ hpZ: the bytes that cross group boundaries per step, measured against the
+formulas and against plain ZeRO at the same world size.
 
     python bench/bench_hybrid.py [--world 4] [--shard 2] [--stages 1,2,3] [--steps 3] [--gas 1,2] [--layers 4]
 
@@ -22,8 +22,13 @@ data-parallel size, ``S`` the shard group, ``R = N/S`` replicas, ``k`` micro-ste
 * gradient norm: an all-reduce of two fp32 values over every data-parallel rank (stages 2-3), of one within the
   group at stage 1.
 
-Plain ZeRO is the same with ``S = N`` and no replicas. The step time is printed too, for scale only: on one machine's
-loopback a "node boundary" costs nothing, so the time says nothing about a real network.
+Plain ZeRO is the same with ``S = N`` and no replicas. At stage 3 the run adds ZeRO++ hpZ with
+``zero_hpz_partition_size`` = ``--shard`` (``H``): everything as plain ZeRO-3 over all ``N`` ranks (so it crosses the
+nodes), except the backward gathers of the units released after forward, which move ``sum B (H-1)/H`` within the
+node from the secondary shards ([Note: secondary shards] in ``src/shardtrain/zero/hpz.py``); the most
+secondary-shard bytes a rank held at once after the warm-up step is printed beside the state (the released units'
+bytes over ``H``). The step time is printed too, for scale only: on one machine's loopback a "node boundary" costs
+nothing, so the time says nothing about a real network.
 """
 
 from __future__ import annotations
@@ -57,15 +62,20 @@ def _ring(nbytes: int, n: int, factor: int = 1) -> int:
 def formulas(engine, stage: int, gas: int) -> dict[str, int]:
     """Bytes per rank and optimizer step by group, from the layout (see the module docstring)."""
     topo, layout = engine.topology, engine.layout
-    s, r, n = topo.shard_size, topo.replicas, topo.dp
+    s, r, n, h = topo.shard_size, topo.replicas, topo.dp, topo.hpz_size
     trainable = layout.trainable_buckets
     shard: dict[str, int] = {}
+    hpz = 0
     if stage == 3:
         units = layout.unit_buckets  # backward order: the last block first, the root last; both stay gathered
         kept = {id(units[0][1]), id(units[-1][1])}
         forward = sum(_ring(b.padded_numel * FP32, s) for _, _, bs in units for b in bs)
-        backward = sum(_ring(b.padded_numel * FP32, s) for _, m, bs in units if id(m) not in kept for b in bs)
-        shard["all_gather"] = gas * (forward + backward)
+        released = [b.padded_numel * FP32 for _, m, bs in units if id(m) not in kept for b in bs]
+        if h > 1:  # hpZ: the backward gathers move within the hpZ group, from the secondary shards
+            shard["all_gather"] = gas * forward
+            hpz = gas * sum(_ring(nbytes, h) for nbytes in released)
+        else:
+            shard["all_gather"] = gas * (forward + sum(_ring(nbytes, s) for nbytes in released))
     else:
         shard["all_gather"] = sum(_ring(b.padded_numel * FP32, s) for b in trainable)
     reductions = 1 if stage == 1 else gas
@@ -79,6 +89,8 @@ def formulas(engine, stage: int, gas: int) -> dict[str, int]:
             out["shard"] += norm
     else:
         out["shard"] += norm
+    if hpz:
+        out["hpz"] = hpz
     return out
 
 
@@ -90,7 +102,8 @@ def _body(world: int, shard: int, stages: list[int], gases: list[int], steps: in
     rows = []
     for stage in stages:
         for gas in gases:
-            for size in (-1, shard):
+            # (mics_shard_size, zero_hpz_partition_size): plain, MiCS, and at stage 3 hpZ
+            for size, hpz in [(-1, 1), (shard, 1)] + ([(-1, shard)] if stage == 3 else []):
                 model = _model(layers)
                 config = {
                     "train_micro_batch_size_per_gpu": 2,
@@ -100,6 +113,7 @@ def _body(world: int, shard: int, stages: list[int], gases: list[int], steps: in
                     "zero_optimization": {
                         "stage": stage,
                         "mics_shard_size": size,
+                        "zero_hpz_partition_size": hpz,
                         "stage3_param_persistence_threshold": 0,
                         "stage3_gather_check": False,
                         "reduce_bucket_size": 2_000_000,
@@ -118,6 +132,8 @@ def _body(world: int, shard: int, stages: list[int], gases: list[int], steps: in
                     elapsed = torch.tensor([time.perf_counter() - started])
                     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
                     stats = engine.comm_stats(reset=True, by_group=True)
+                    if engine._runtime.hpz is not None and not step:  # the warm-up releases the last unit too
+                        engine._runtime.hpz.max_held_bytes = 0
                     if step:
                         per_step.append({group: _bytes(s) for group, s in stats.items()})
                         times.append(float(elapsed))
@@ -129,6 +145,8 @@ def _body(world: int, shard: int, stages: list[int], gases: list[int], steps: in
                         "gas": gas,
                         "shard": engine.topology.shard_size,
                         "replicas": engine.topology.replicas,
+                        "hpz": engine.topology.hpz_size,
+                        "secondary": engine._runtime.hpz.max_held_bytes if engine._runtime.hpz is not None else 0,
                         "measured": measured,
                         "formula": formulas(engine, stage, gas),
                         "step_s": statistics.median(times),
@@ -141,9 +159,21 @@ def _body(world: int, shard: int, stages: list[int], gases: list[int], steps: in
 
 
 def crossing(row: dict) -> int:
-    """Bytes of the groups that span more than one node (see the module docstring)."""
+    """Bytes of the groups that span more than one node (see the module docstring): everything but the shard groups of
+    hybrid sharding and the hpZ groups."""
     spans = {"replicate", "dp"} if row["replicas"] > 1 else {"shard"}
     return sum(v for k, v in row["measured"].items() if k in spans)
+
+
+def inside(row: dict) -> int:
+    """Bytes of the groups that stay in a node."""
+    return sum(v for k, v in row["measured"].items() if k == "hpz" or (k == "shard" and row["replicas"] > 1))
+
+
+def _name(row: dict) -> str:
+    if row["replicas"] > 1:
+        return f"{row['replicas']} x shard {row['shard']}"
+    return f"hpZ {row['hpz']}" if row["hpz"] > 1 else "plain ZeRO"
 
 
 def main() -> None:
@@ -167,36 +197,31 @@ def main() -> None:
     )
     print(
         "| stage | micro-steps | layout | in-node bytes | cross-node bytes | cross-node vs plain | state bytes/rank | "
-        "step s |"
+        "hpZ secondary bytes (max) | step s |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     mismatches = []
     for stage in stages:
         for gas in gases:
-            plain, hybrid = (
-                next(r for r in rank0 if (r["stage"], r["gas"]) == (stage, gas) and (r["replicas"] > 1) == h)
-                for h in (False, True)
-            )
-            for row in (plain, hybrid):
+            rows = [r for r in rank0 if (r["stage"], r["gas"]) == (stage, gas)]
+            plain = next(r for r in rows if _name(r) == "plain ZeRO")
+            for row in rows:
                 for rank in range(a.world):  # every rank measures its own; all must match their formulas
                     mine = next(
-                        r
-                        for r in results[rank]
-                        if (r["stage"], r["gas"], r["replicas"]) == (stage, gas, row["replicas"])
+                        r for r in results[rank] if (r["stage"], r["gas"], _name(r)) == (stage, gas, _name(row))
                     )
                     if mine["measured"] != mine["formula"]:
-                        mismatches.append((rank, stage, gas, mine["replicas"], mine["measured"], mine["formula"]))
-                inside = sum(v for k, v in row["measured"].items() if k == "shard") if row["replicas"] > 1 else 0
-                layout = "plain ZeRO" if row["replicas"] == 1 else f"{row['replicas']} x shard {row['shard']}"
+                        mismatches.append((rank, stage, gas, _name(mine), mine["measured"], mine["formula"]))
                 ratio = crossing(row) / crossing(plain)
                 state = sum(row["state"].values())
+                secondary = f"{row['secondary']:,}" if row["hpz"] > 1 else "-"
                 print(
-                    f"| {stage} | {gas} | {layout} | {inside:,} | {crossing(row):,} | {ratio:.3f}x | {state:,} | "
-                    f"{row['step_s']:.3f} |"
+                    f"| {stage} | {gas} | {_name(row)} | {inside(row):,} | {crossing(row):,} | {ratio:.3f}x | "
+                    f"{state:,} | {secondary} | {row['step_s']:.3f} |"
                 )
     if mismatches:
         for m in mismatches:
-            print(f"MISMATCH rank {m[0]} stage {m[1]} gas {m[2]} replicas {m[3]}: measured {m[4]} formula {m[5]}")
+            print(f"MISMATCH rank {m[0]} stage {m[1]} gas {m[2]} {m[3]}: measured {m[4]} formula {m[5]}")
         raise SystemExit(1)
     print("# every rank's measured bytes equal the formulas, per group")
 

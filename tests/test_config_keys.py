@@ -67,6 +67,8 @@ TWO_RANKS = (
     "sequence_parallel_size",
 )
 """Keys shown by the world-2 run (:func:`_two_ranks`)."""
+FOUR_RANKS = (_Z + "zero_hpz_partition_size",)
+"""Keys shown by the world-4 run (:func:`_four_ranks`): an hpZ group must be smaller than the data-parallel size."""
 
 
 class Skip(Exception):
@@ -1003,7 +1005,7 @@ def world_1_outcomes(tmp_path_factory) -> dict[str, tuple[str, str]]:
 
 
 def test_every_supported_key_has_an_effect_check():
-    checked = set(EFFECTS) | set(TWO_RANKS)
+    checked = set(EFFECTS) | set(TWO_RANKS) | set(FOUR_RANKS)
     missing = [k for k in KEYS if k not in checked]
     assert not missing, f"supported keys without a check of their effect: {missing}"
     assert checked <= set(KEYS), f"checks of keys the table does not call supported: {checked - set(KEYS)}"
@@ -1102,6 +1104,28 @@ def test_keys_that_need_two_ranks():
     assert timeout_s * 0.5 <= waited < timeout_s * 3
 
 
+def _four_ranks() -> dict[str, Any]:
+    """World 4, stage 3: one micro-step's parameter all-gathers by group, without and with hpZ groups of 2."""
+    out = {}
+    for size in (1, 2):
+        engine = _engine({"zero_optimization": {**_STAGE3, "zero_hpz_partition_size": size}})
+        _micro_step(engine)
+        by_group = engine.comm_stats(by_group=True)
+        out[size] = {g: s["all_gather"]["bytes"] for g, s in by_group.items() if "all_gather" in s}
+        engine.close()
+    return out
+
+
+def test_keys_that_need_four_ranks():
+    for r in run_distributed(_four_ranks, 4, timeout=240):
+        # zero_hpz_partition_size 2: the backward re-gathers (here the first block's) move within groups of 2 ranks
+        # instead of over all 4; the forward gathers do not change
+        plain, hpz = r[1], r[2]
+        assert set(plain) == {"shard"} and set(hpz) == {"shard", "hpz"}, r
+        moved_out = plain["shard"] - hpz["shard"]  # the backward gathers' bytes over 4 ranks: 3/4 of their size
+        assert moved_out > 0 and hpz["hpz"] == moved_out * 4 // 3 // 2, r  # the same bytes over 2 ranks: 1/2
+
+
 # -- the modes without effect: config check names them --------------------------------------------------------------
 
 # for each entry of NO_EFFECT_WHEN: a config that gives the key in that mode
@@ -1134,6 +1158,7 @@ MODE_EXAMPLES: list[tuple[str, dict]] = [
     (_Z + "offload_optimizer.ratio", {"zero_optimization": {"stage": 1, "offload_optimizer": {"ratio": 0.5}}}),
     (_Z + "offload_param.device", {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}),
     (_Z + "offload_param.device", {"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}),
+    (_Z + "zero_hpz_partition_size", {"zero_optimization": {"stage": 2, "zero_hpz_partition_size": 2}}),
     (_Z + "offload_param.nvme_path", {"zero_optimization": {"stage": 3, "offload_param": {"nvme_path": "/x"}}}),
     (_Z + "offload_param.max_in_cpu", {"zero_optimization": {"stage": 3, "offload_param": {"max_in_cpu": 0}}}),
     (_Z + "offload_param.buffer_count", {"zero_optimization": {"stage": 3, "offload_param": {"buffer_count": 2}}}),

@@ -127,6 +127,10 @@ class ZeroConfig(_Section):
     """Hybrid sharding (DeepSpeed's MiCS key): shard parameters, gradients and optimizer state within groups of this
     many adjacent data-parallel ranks and replicate them across groups (-1: one group of every data-parallel rank);
     see docs/hybrid-sharding.md."""
+    zero_hpz_partition_size: Size = 1
+    """ZeRO++ hpZ (stage 3): after a unit's forward gather each rank keeps its share of the unit within groups of
+    this many adjacent data-parallel ranks, and backward re-gathers the unit there; 0 or 1: off (as in DeepSpeed);
+    see docs/hybrid-sharding.md."""
 
     @model_validator(mode="after")
     def _offload_stages(self) -> ZeroConfig:
@@ -149,6 +153,13 @@ class ZeroConfig(_Section):
             raise ValueError(
                 f"mics_shard_size {self.mics_shard_size} shards state within groups of ranks, but ZeRO stage 0 "
                 "shards nothing; set stage 1, 2 or 3, or remove mics_shard_size"
+            )
+        if self.zero_hpz_partition_size > 1 and self.mics_shard_size != -1 and self.stage == 3:
+            raise ValueError(
+                f"zero_hpz_partition_size {self.zero_hpz_partition_size} with mics_shard_size {self.mics_shard_size}: "
+                "the two are alternatives (hpZ keeps state sharded over every rank and a second copy of the "
+                "parameters within a node; MiCS shards everything within the group), and hpZ over MiCS groups is "
+                "not built; keep one of them"
             )
         return self
 

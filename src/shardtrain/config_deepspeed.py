@@ -623,14 +623,14 @@ RULES: tuple[Rule, ...] = (
     _not_supported(_Z + "leaf_module", "use `zero_optimization.stage3_unit_classes` to choose units"),
     _only(_Z + "legacy_stage1", False, "there is one stage-1 implementation"),
     _only(_Z + "pipeline_loading_checkpoint", False, "there is no pipeline parallelism"),
-    _no_effect(
+    _supported(
         _Z + "zero_hpz_partition_size",
-        "int ≥ 0",
-        "ZeRO++ hpZ keeps a second copy of the parameters partitioned within a node, to gather them there in "
-        "backward, while gradients and optimizer state stay sharded over every rank: the same values, fewer "
-        "inter-node bytes; " + _ZERO_PP_SAME + ". For gathers that stay inside a node use `mics_shard_size` "
-        "(optimizer state is then replicated across the groups)",
-        check=int,
+        "int ≥ 0, `1`",
+        "ZeRO++ hpZ (stage 3): each rank keeps its slice of a unit's gathered parameters within groups of this many "
+        "adjacent data-parallel ranks (one node) from the unit's forward to its backward, which gathers the unit "
+        "there instead of over every rank; gradients and optimizer state stay sharded over every rank, the values "
+        "are plain ZeRO-3's; must divide the data-parallel size; 0 or 1: off; not with `mics_shard_size`, tensor or "
+        "sequence parallelism, `offload_param` or graph mode (docs/hybrid-sharding.md)",
     ),
     *(
         _no_effect(
@@ -975,6 +975,12 @@ NO_EFFECT_WHEN: tuple[NoEffectWhen, ...] = (
             lambda c: _optimizer_offload(c) == "none",
         )
         for key in ("pin_memory", "ratio")
+    ),
+    NoEffectWhen(
+        _Z + "zero_hpz_partition_size",
+        "at ZeRO stages 0-2",
+        "only stage 3 gathers parameters for backward; DeepSpeed ignores it below stage 3 too",
+        lambda c: _zero_stage(c) != 3,
     ),
     NoEffectWhen(
         _Z + "offload_param.device",

@@ -81,6 +81,7 @@ class Engine:
         )
         comms = parts.comms
         self.comm, self.replica_comm, self._dp_comm = comms.shard, comms.replica, comms.dp
+        self._hpz_comm = comms.hpz
         self.world_comm, self.tp_comm = comms.world, comms.tp
         self._sp, self._phase_check, self._scratch = parts.sp, parts.phase_check, parts.scratch
         self.layout, self.policy = parts.layout, parts.layout.policy
@@ -274,7 +275,8 @@ class Engine:
         """Calls and bytes per collective kind since the last reset (see :mod:`shardtrain.comm`), of ZeRO's groups
         added up. ``by_group``: per group instead, ``{"shard": ...}``, and with hybrid sharding ``"replicate"``
         (the gradient all-reduce across replicas) and ``"dp"`` (every data-parallel rank: the gradient norm, the
-        order exchange); the bytes of the last two are the ones that leave a shard group."""
+        order exchange); the bytes of the last two are the ones that leave a shard group; with ZeRO++ hpZ ``"hpz"``
+        (backward gathers from secondary shards, inside an hpZ group)."""
         comms = self._zero_comms()
         per_group = {name: comm.stats() for name, comm in comms.items()}
         if reset:
@@ -284,8 +286,9 @@ class Engine:
 
     def _zero_comms(self) -> dict[str, Communicator]:
         """ZeRO's communicators by group name (see :meth:`comm_stats`)."""
+        hpz = {} if self._hpz_comm is None else {"hpz": self._hpz_comm}  # ZeRO++ hpZ's backward gathers
         if self.replica_comm is None:
-            return {"shard": self.comm}
+            return {"shard": self.comm, **hpz}
         return {"shard": self.comm, "replicate": self.replica_comm, "dp": self._dp_comm}
 
     def state_bytes(self) -> dict[str, int]:
@@ -458,6 +461,7 @@ def initialize(
         timeout_s=cfg.collective_timeout_s,
         shard_size=cfg.zero_optimization.mics_shard_size,
         sp=cfg.sequence_parallel_size,
+        hpz_size=cfg.zero_optimization.zero_hpz_partition_size if cfg.zero_optimization.stage == 3 else 1,
     )
     # "auto" values are resolved before the model is touched
     cfg = resolve_auto(cfg, dp=topology.dp, model=model, auto_values=auto_values)

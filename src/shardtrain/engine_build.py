@@ -44,6 +44,7 @@ from shardtrain.schedulers import build_scheduler
 from shardtrain.sequence_parallel import SequenceSplitter, install_ulysses, refuse_unbuilt_sequence_parallel
 from shardtrain.sequence_parallel.tiling import install as install_tiling
 from shardtrain.zero.build import build_layout
+from shardtrain.zero.hpz import SecondaryShards, refuse_unbuilt_hpz
 from shardtrain.zero.init import is_under_construction
 from shardtrain.zero.layout import ShardLayout, cast_bucket
 from shardtrain.zero.offload import (
@@ -76,6 +77,7 @@ class Comms:
     dp: Communicator  # every data-parallel rank (``shard`` itself without hybrid sharding)
     world: Communicator  # every rank: checkpoint protocols, agreement checks, the gradient norm on a (dp, tp) mesh
     tp: Communicator | None  # tensor-parallel layers' collectives (None without tensor parallelism)
+    hpz: Communicator | None = None  # ZeRO++ hpZ at stage 3: backward gathers within a node (None without it)
 
 
 @dataclass(frozen=True)
@@ -103,7 +105,8 @@ def make_comms(topology: Topology, tp_comm: Communicator | None) -> Comms:
     replica = Communicator(topology.replicate_group, topology.timeout_s) if topology.hybrid else None
     dp = Communicator(topology.dp_group, topology.timeout_s) if topology.hybrid else shard
     world = dp if topology.tp == 1 else Communicator(topology.world_group, topology.timeout_s)
-    return Comms(shard, replica, dp, world, tp_comm)
+    hpz = Communicator(topology.hpz_group, topology.timeout_s) if topology.hpz_group is not None else None
+    return Comms(shard, replica, dp, world, tp_comm, hpz)
 
 
 def build_parts(
@@ -165,6 +168,8 @@ def _build(
         zcfg.stage3_gather_check,
         check_group=topology.host_shard_group,
     )
+    if comms.hpz is not None and eager.units:  # see [Note: secondary shards]
+        eager.hpz = SecondaryShards(comms.hpz)
     precision = policy_from_config(config)
     masters = None
     trainable = layout.trainable_buckets  # frozen buckets (stage-3 units) are never reduced nor stepped
@@ -251,7 +256,7 @@ def _build(
     runtime = _runtime(module, config, eager, comms.shard, reducer, precision)
     # metrics, monitors (TensorBoard/CSV/wandb) and wall-clock breakdown: rank 0 only, never communicates
     monitor = TrainingMonitor(config, topology.rank, topology.device, topology.dp)
-    for comm in (comms.shard, comms.replica, comms.dp):  # comm_stats() counts from here
+    for comm in (comms.shard, comms.replica, comms.dp, comms.hpz):  # comm_stats() counts from here
         if comm is not None:
             comm.reset_stats()
     return Parts(
@@ -334,6 +339,7 @@ def refuse_unbuilt(cfg: Config, topology: Topology, model: nn.Module) -> None:
     if zcfg.stage == 3 and zcfg.stage3_unit_classes:
         find_unit_modules(model, zcfg.stage3_unit_classes)  # names the classes the model does not have
     refuse_unbuilt_sequence_parallel(cfg)
+    refuse_unbuilt_hpz(cfg, topology)  # ZeRO++ hpZ with tensor/sequence parallelism, offload_param or graph mode
 
 
 def _prepare_offload(zcfg: Any, topology: Topology, world: Communicator) -> dict[str, ScratchDir]:

@@ -197,6 +197,9 @@ class Groups:
     dp_sp: dist.ProcessGroup | None = None
     """Sequence parallelism: the ``dp * sp`` ranks ZeRO shards over (None without it; see [Note: the sequence
     axis])."""
+    hpz: dist.ProcessGroup | None = None
+    """ZeRO++ hpZ: the ``H`` adjacent data-parallel ranks that re-gather units for backward from their secondary
+    shards (None without hpZ; see [Note: secondary shards] in :mod:`shardtrain.zero.hpz`)."""
 
 
 def make_groups(
@@ -208,6 +211,7 @@ def make_groups(
     new_group: Callable[[list[int], str | None], dist.ProcessGroup],
     shard_size: int | None = None,
     sp: int = 1,
+    hpz_size: int = 1,
 ) -> tuple[Groups, Groups]:
     """The engine's groups and their host-side twins (see [Note: the engine's groups]).
 
@@ -215,7 +219,8 @@ def make_groups(
     one (``backend`` None: the default group's). Every rank calls ``new_group`` for every group, in the same order
     (group creation is collective). ``shard_size``: hybrid sharding's group size ``S`` (see [Note: the hybrid
     mesh]); None or the whole data-parallel size: no shard and replicate groups. ``sp``: the sequence-parallel
-    size (see [Note: the sequence axis]). Returns ``(main, host)``."""
+    size (see [Note: the sequence axis]). ``hpz_size``: ZeRO++ hpZ's group size ``H`` (1 or the whole axis: no hpZ
+    group). Returns ``(main, host)``."""
     dp = world // (tp * sp)
     # rank = (dp_rank * sp + sp_rank) * tp + tp_rank = zero_rank * tp + tp_rank, zero_rank = dp_rank * sp + sp_rank:
     # the index among the dp * sp ranks holding the same tensor-parallel block, over which ZeRO shards
@@ -235,6 +240,10 @@ def make_groups(
         partitions["replicate"] = [
             [((r * s) + i) * tp + t for r in range(replicas)] for i in range(s) for t in range(tp)
         ]  # the same shard index in every replica
+    if 1 < hpz_size < zero:  # H adjacent ranks of ZeRO's axis, same tp block: one node when H * tp GPUs fit in it
+        partitions["hpz"] = [
+            [((g * hpz_size) + i) * tp + t for i in range(hpz_size)] for g in range(zero // hpz_size) for t in range(tp)
+        ]
     return _groups_of(partitions, rank, world, backend, world_group, new_group)
 
 
@@ -323,6 +332,13 @@ class Topology:
     """Hybrid sharding: copies of the sharded state (``dp // mics_shard_size``); 1 without it."""
     sp: int = 1
     """Sequence parallelism: ranks sharing one sequence (``sequence_parallel_size``); 1 without it."""
+    hpz_size: int = 1
+    """ZeRO++ hpZ: ranks of a secondary-shard group (``zero_hpz_partition_size``); 1 without hpZ."""
+
+    @property
+    def hpz_group(self) -> dist.ProcessGroup | None:
+        """ZeRO++ hpZ's group of ``hpz_size`` adjacent data-parallel ranks; None without hpZ."""
+        return self.groups.hpz
 
     @property
     def hybrid(self) -> bool:
@@ -414,10 +430,14 @@ class Topology:
         return self.host_groups.tp
 
 
-def init_topology(tp: int = 1, timeout_s: float = 1800.0, shard_size: int = -1, sp: int = 1) -> Topology:
+def init_topology(
+    tp: int = 1, timeout_s: float = 1800.0, shard_size: int = -1, sp: int = 1, hpz_size: int = 1
+) -> Topology:
     """Create (or adopt) the process group and the ``(dp, tp)`` device mesh (``(replicate, shard, tp)`` with
     ``shard_size``, the config's ``mics_shard_size``; -1: no hybrid sharding; ``(dp, sp, tp)`` with ``sp``, the
-    config's ``sequence_parallel_size``), and check the layout is possible."""
+    config's ``sequence_parallel_size``), and check the layout is possible. ``hpz_size``: the config's
+    ``zero_hpz_partition_size`` at stage 3 (0 or 1: off), checked and given its group here without tensor or sequence
+    parallelism and hybrid sharding (``initialize`` refuses those combinations by name afterwards)."""
     created = ensure_process_group(timeout_s)
     world = dist.get_world_size()
     if sp != 1:
@@ -437,7 +457,10 @@ def init_topology(tp: int = 1, timeout_s: float = 1800.0, shard_size: int = -1, 
             f"replicated across the groups, so choose one of {divisors} (or -1 to shard over all {dp})"
         )
     replicas = dp // shard
-    device, backend, groups, host_groups = _make_mesh_groups(world, tp, timeout_s, created, shard_size=shard)
+    hpz = _hpz_size(hpz_size, dp, world) if tp == 1 and replicas == 1 else 1
+    device, backend, groups, host_groups = _make_mesh_groups(
+        world, tp, timeout_s, created, shard_size=shard, hpz_size=hpz
+    )
     if replicas > 1:  # see [Note: the hybrid mesh]
         ranks = torch.arange(world).view(replicas, shard, tp)
         axes = [groups.replicate, groups.shard, groups.tp]
@@ -457,7 +480,23 @@ def init_topology(tp: int = 1, timeout_s: float = 1800.0, shard_size: int = -1, 
         host_groups=host_groups,
         tp=tp,
         replicas=replicas,
+        hpz_size=hpz,
     )
+
+
+def _hpz_size(hpz_size: int, dp: int, world: int) -> int:
+    """ZeRO++ hpZ's group size in effect: 1 when off (0 or 1, as in DeepSpeed) or when it spans every data-parallel
+    rank (the secondary shard would be the whole group's gather: plain ZeRO-3)."""
+    if hpz_size <= 1:
+        return 1
+    if dp % hpz_size:
+        divisors = [d for d in range(1, dp + 1) if dp % d == 0]
+        raise LayoutError(
+            f"zero_optimization.zero_hpz_partition_size {hpz_size} does not divide the data-parallel size {dp} (world "
+            f"{world}): each group of that many adjacent ranks keeps a secondary copy of the parameter shards, so "
+            f"choose one of {divisors} (the ranks of one node), or 1 to turn hpZ off"
+        )
+    return hpz_size if hpz_size < dp else 1
 
 
 def _make_mesh_groups(

@@ -1,7 +1,8 @@
 """``estimate_memory``: one layout's bytes per rank; ``fitting_layouts``: the layouts that fit a budget.
 
 A layout is what a config decides about memory: world size, ZeRO stage, tensor-parallel size, the ZeRO shard group
-(hybrid sharding: ``zero_optimization.mics_shard_size``), optimizer and parameter offload, compute dtype,
+(hybrid sharding: ``zero_optimization.mics_shard_size``), ZeRO++ hpZ's group (``zero_hpz_partition_size``: the
+secondary shards, a transient of forward and backward), optimizer and parameter offload, compute dtype,
 micro-batch, sequence length and activation checkpointing. Model state comes from the engine's layout code
 (:mod:`.state`), activations and temporaries from a fake-tensor run (:mod:`.compute`). A rank's peak is::
 
@@ -44,6 +45,9 @@ class Layout:
     tp: int = 1
     shard_size: int | None = None
     """Ranks a ZeRO shard group spans (hybrid sharding); None: the whole data-parallel group."""
+    hpz: int = 1
+    """ZeRO++ hpZ's group size (stage 3): each rank holds its 1/hpz share of the units released after forward until
+    their backward; 1: off."""
     offload_optimizer: str = "none"
     offload_param: str = "none"
     dtype: str = "fp32"
@@ -63,6 +67,8 @@ class Layout:
         parts = [f"world {self.world}", f"stage {self.stage}", f"tp {self.tp}"]
         if self.shard_size and self.shard_size != self.dp:
             parts.append(f"shard {self.shard_size} x replicate {self.dp // self.shard_size}")
+        if 1 < self.hpz < self.dp and self.stage == 3:
+            parts.append(f"hpZ {self.hpz}")
         if self.offload_optimizer != "none":
             parts.append(f"optimizer->{self.offload_optimizer}")
         if self.offload_param != "none":
@@ -233,17 +239,13 @@ def layout_from_config(raw: Mapping[str, Any], world: int, seq_len: int, checkpo
         dp = max(world // int(tp), 1)
         micro = tb // (gas * dp) if isinstance(tb, int) and isinstance(gas, int) and tb >= gas * dp else 1
     shard = zero.get("mics_shard_size")
-    if zero.get("zero_hpz_partition_size") not in (None, 0, 1):
-        raise ConfigError(
-            "zero_optimization.zero_hpz_partition_size is not modelled by the planner yet (hpZ keeps a second, "
-            "node-local copy of the parameter shards); estimate with mics_shard_size, which shards everything within "
-            "groups of that size"
-        )
+    hpz = zero.get("zero_hpz_partition_size")
     return Layout(
         world=world,
         stage=int(zero.get("stage", 0)),
         tp=int(tp),
         shard_size=int(shard) if shard not in (None, -1, 0) else None,
+        hpz=int(hpz) if isinstance(hpz, int) and hpz > 1 else 1,
         offload_optimizer=(zero.get("offload_optimizer") or {}).get("device") or "none",
         offload_param=(zero.get("offload_param") or {}).get("device") or "none",
         dtype=dtype,
@@ -263,6 +265,17 @@ def _check_layout(layout: Layout, device_type: str) -> None:
             f"zero_optimization.mics_shard_size {layout.shard_size} must divide the data-parallel size {layout.dp} "
             f"(world {layout.world} / tp {layout.tp}): groups of that many ranks each hold one copy"
         )
+    if layout.hpz > 1 and layout.stage == 3:  # as initialize decides (mesh.py, zero/hpz.py)
+        if layout.dp % layout.hpz:
+            raise ConfigError(
+                f"zero_optimization.zero_hpz_partition_size {layout.hpz} must divide the data-parallel size "
+                f"{layout.dp} (world {layout.world} / tp {layout.tp})"
+            )
+        if layout.hpz < layout.dp and (layout.shard_size or layout.tp > 1 or layout.offload_param != "none"):
+            raise ConfigError(
+                f"zero_optimization.zero_hpz_partition_size {layout.hpz} with mics_shard_size, tensor parallelism or "
+                "offload_param: initialize refuses the combination (not built), so there is nothing to estimate"
+            )
     if layout.dtype not in _DTYPES:
         raise ConfigError(f"dtype {layout.dtype!r}: use one of {', '.join(_DTYPES)}")
     if layout.offload_param != "none" and device_type == "cuda":
@@ -404,9 +417,19 @@ def _estimate(
         rows.append(Row("activations saved for backward (end of forward)", "device", comp.activations, True, "in"))
     if comp.gathered:
         rows.append(Row("gathered units at most (root + current + prefetched)", "device", comp.gathered, True, "in"))
-    if activations:
-        what = "activations, temporaries" + (", gathered units" if comp.gathered else "")
-        rows.append(Row(f"{what} (forward/backward peak)", "device", comp.peak, True))
+    if layout.stage == 3 and 1 < layout.hpz < layout.dp:
+        # [Note: secondary shards]: at the end of a forward, 1/H of every unit it released, alive until each unit's
+        # backward: all but the root (the first forward, before the unit order is recorded, releases the last block
+        # too; later ones keep it gathered); counted beside the forward/backward peak
+        released = sum(u.nbytes for u in st.units if not u.root)
+        rows.append(
+            Row(
+                f"hpZ secondary shards at most (units but the root / {layout.hpz})",
+                "device",
+                released // layout.hpz,
+                True,
+            )
+        )
     # the optimizer step: torch's single-tensor Adam makes one fragment-sized temporary at a time (its denominator)
     largest = max((f.length for b in st.buckets if b.requires_grad for f in b.fragments), default=0)
     if layout.stage == 0:

@@ -65,6 +65,7 @@ from shardtrain.comm import Communicator, Handle
 from shardtrain.errors import RankMismatchError, ShardtrainError
 from shardtrain.mesh import exchanges_on_host
 from shardtrain.zero.guarded import ShardedParameter, guard, guard_of
+from shardtrain.zero.hpz import SecondaryShards
 from shardtrain.zero.layout import Bucket, UnitBuckets
 from shardtrain.zero.runtime import Call, Runtime
 from shardtrain.zero.units import Unit, UnitState
@@ -161,6 +162,7 @@ class EagerRuntime(Runtime):
         # so in gather order) and once it has completed (the shard may leave memory again)
         self.before_gather: Callable[[Unit], None] | None = None
         self.after_gather: Callable[[Unit], None] | None = None
+        self.hpz: SecondaryShards | None = None  # ZeRO++ hpZ: backward gathers in the node ([Note: secondary shards])
         self._bwd_gathered: list[Unit] = []  # units gathered for this backward, in the order they were needed
         self.forwards_with_grad = 0  # root forwards that recorded gradients since the last backward (graph runtime)
         by_module: dict[int, list[Unit]] = {}
@@ -241,11 +243,16 @@ class EagerRuntime(Runtime):
             self._verify(unit)
         if self.before_gather is not None:
             self.before_gather(unit)
-        for b in unit.buckets:
+        secondary = self._in_backward and self.hpz is not None and self.hpz.usable(unit)
+        for i, b in enumerate(unit.buckets):
             b.flat_param.untyped_storage().resize_(b.padded_numel * b.flat_param.element_size())
             with torch.autograd._unsafe_preserve_version_counter(b.flat_param):
                 unit.pending.append(
-                    self.comm.all_gather(b.flat_param, b.shard, what=f"parameters of unit {unit.name!r}", async_op=True)
+                    self.hpz.all_gather(unit, i)
+                    if secondary
+                    else self.comm.all_gather(
+                        b.flat_param, b.shard, what=f"parameters of unit {unit.name!r}", async_op=True
+                    )
                 )
         unit.state = UnitState.GATHERING
         unit.gathers += 1
@@ -261,9 +268,14 @@ class EagerRuntime(Runtime):
         if self.after_gather is not None:
             self.after_gather(unit)
 
-    def _release(self, unit: Unit) -> None:
+    def _release(self, unit: Unit, keep_secondary: bool = False) -> None:
+        """``keep_secondary``: a forward that records gradients releases it (hpZ keeps a secondary shard)."""
         if unit.state is UnitState.GATHERING:
             self._wait(unit)
+        if self.hpz is not None and keep_secondary and unit.state is UnitState.GATHERED:
+            self.hpz.keep(unit)
+        elif self.hpz is not None:
+            self.hpz.drop(unit)
         for b in unit.buckets:
             b.flat_param.untyped_storage().resize_(0)
         unit.state = UnitState.SHARDED
@@ -364,6 +376,8 @@ class EagerRuntime(Runtime):
         for u in self.units:  # kept by a forward that no backward followed: the shards may have changed since
             if u.state is not UnitState.SHARDED:
                 self._release(u)
+        if self.hpz is not None:  # this forward cuts them again
+            self.hpz.drop_all()
         for u in root_units:
             self._gather(u, "root forward")
         if self._fwd_order and self.prefetch_numel > 0:
@@ -381,7 +395,7 @@ class EagerRuntime(Runtime):
         keep = self._kept_for_backward(root_units)
         for u in self.units:  # on-demand and any prefetched-but-unused unit; the root unless kept
             if u.state is not UnitState.SHARDED and u not in keep:
-                self._release(u)
+                self._release(u, keep_secondary=torch.is_grad_enabled())
         return output
 
     def _kept_for_backward(self, root_units: list[Unit]) -> list[Unit]:
@@ -412,7 +426,7 @@ class EagerRuntime(Runtime):
             return output
         last = self._fwd_order is not None and len(self._fwd_now) == len(self._fwd_order)
         if not (last and self._order_ok and torch.is_grad_enabled() and unit.index == self._fwd_order[-1]):
-            self._release(unit)  # else kept for backward (see [Note: kept after forward])
+            self._release(unit, keep_secondary=torch.is_grad_enabled())  # else kept (see [Note: kept after forward])
         return output
 
     # -- backward --------------------------------------------------------------------------------------
@@ -479,6 +493,8 @@ class EagerRuntime(Runtime):
             u.last_unpack = None
             if u.state is not UnitState.SHARDED:
                 self._release(u)
+        if self.hpz is not None:  # units whose saved tensors this backward never reached
+            self.hpz.drop_all()
 
     # -- access outside forward ------------------------------------------------------------------------
     def units_of(self, params: list[nn.Parameter]) -> list[Unit]:
