@@ -6,6 +6,7 @@ loss / accumulation_steps, ``clip_grad_norm_`` and the same optimizer param grou
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -109,22 +110,54 @@ def reference_run(recipe: Recipe, world: int) -> dict:
 
 def _reference(recipe: Recipe, world: int, dtype: torch.dtype) -> dict:
     model = make_model(recipe).to(dtype)
-    init = {k: v.clone() for k, v in model.state_dict().items()}
-    opt = make_optimizer(model, recipe)
     batches = global_micro_batches(recipe, world)
+
+    def loss(model: nn.Module, i: int) -> torch.Tensor:
+        return model(*batches[i])
+
+    return train_one_process(model, make_optimizer(model, recipe), loss, recipe.steps, recipe.gas, recipe.clip)
+
+
+MicroLoss = Callable[[nn.Module, int], torch.Tensor]
+"""``loss(model, i)``: the loss of micro-step ``i`` (counted from the start of the run) on ``model``, the one-process
+model or an engine."""
+
+
+def train_one_process(
+    model: nn.Module, optimizer: torch.optim.Optimizer, loss: MicroLoss, steps: int, gas: int, clip: float
+) -> dict:
+    """The recipe every engine run must reproduce, in one process: ``steps`` optimizer steps of ``gas`` micro-steps
+    each backpropagating ``loss / gas``, then ``clip_grad_norm_`` at ``clip``, the step and ``zero_grad``. Returns
+    each step's mean loss and gradient norm, the final state dict (``params``) and the initial one (``init``)."""
+    init = {k: v.clone() for k, v in model.state_dict().items()}
     losses, norms = [], []
-    for step in range(recipe.steps):
-        step_loss = 0.0
-        for m in range(recipe.gas):
-            x, y = batches[step * recipe.gas + m]
-            loss = model(x, y)
-            (loss / recipe.gas).backward()
-            step_loss += loss.item() / recipe.gas
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.clip)))
-        opt.step()
-        opt.zero_grad()
-        losses.append(step_loss)
+    for step in range(steps):
+        total = 0.0
+        for m in range(gas):
+            value = loss(model, step * gas + m)
+            (value / gas).backward()
+            total += value.item() / gas
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(total)
     return {"losses": losses, "norms": norms, "params": model.state_dict(), "init": init}
+
+
+def train_engine(engine: shardtrain.Engine, loss: MicroLoss, steps: int, gas: int) -> dict:
+    """The engine's side of :func:`train_one_process` on this rank: ``loss(engine, i)``, ``engine.backward`` and
+    ``engine.step`` every micro-step. Returns this rank's mean loss and the global gradient norm of each step."""
+    losses, norms = [], []
+    for step in range(steps):
+        total = 0.0
+        for m in range(gas):
+            value = loss(engine, step * gas + m)
+            engine.backward(value)
+            engine.step()
+            total += value.item() / gas
+        losses.append(total)
+        norms.append(engine.get_global_grad_norm())
+    return {"losses": losses, "norms": norms}
 
 
 def train_step(engine, recipe: Recipe, batches: list, step: int, rank: int) -> float:
