@@ -100,19 +100,26 @@ def global_micro_batches(recipe: Recipe, world: int) -> list[tuple[torch.Tensor,
     return out
 
 
-def reference_run(recipe: Recipe, world: int) -> dict:
+BeforeMicro = Callable[[nn.Module, int, int], None]
+"""Called as ``before_micro(model, step, micro)`` before each micro-step's forward, on the reference model and on the
+engine's module alike (to freeze or unfreeze a parameter there, say)."""
+
+
+def reference_run(recipe: Recipe, world: int, before_micro: BeforeMicro | None = None) -> dict:
     """One process, the global batch: fp32 losses, grad norms and parameters, and the float64 run's parameters
     (``exact``, see [Note: parity bounds])."""
-    ref = _reference(recipe, world, torch.float32)
-    ref["exact"] = _reference(recipe, world, torch.float64)["params"]
+    ref = _reference(recipe, world, torch.float32, before_micro)
+    ref["exact"] = _reference(recipe, world, torch.float64, before_micro)["params"]
     return ref
 
 
-def _reference(recipe: Recipe, world: int, dtype: torch.dtype) -> dict:
+def _reference(recipe: Recipe, world: int, dtype: torch.dtype, before_micro: BeforeMicro | None = None) -> dict:
     model = make_model(recipe).to(dtype)
     batches = global_micro_batches(recipe, world)
 
     def loss(model: nn.Module, i: int) -> torch.Tensor:
+        if before_micro is not None:
+            before_micro(model, i // recipe.gas, i % recipe.gas)
         return model(*batches[i])
 
     return train_one_process(model, make_optimizer(model, recipe), loss, recipe.steps, recipe.gas, recipe.clip)
@@ -160,13 +167,17 @@ def train_engine(engine: shardtrain.Engine, loss: MicroLoss, steps: int, gas: in
     return {"losses": losses, "norms": norms}
 
 
-def train_step(engine, recipe: Recipe, batches: list, step: int, rank: int) -> float:
+def train_step(
+    engine, recipe: Recipe, batches: list, step: int, rank: int, before_micro: BeforeMicro | None = None
+) -> float:
     """Optimizer step ``step``: its ``recipe.gas`` micro-steps on this rank's rows of the global batches; returns
     this rank's mean loss over them."""
     lo, hi = rank * recipe.micro, (rank + 1) * recipe.micro
     total = 0.0
     for m in range(recipe.gas):
         x, y = batches[step * recipe.gas + m]
+        if before_micro is not None:
+            before_micro(engine.module, step, m)
         loss = engine(x[lo:hi], y[lo:hi])
         engine.backward(loss)
         engine.step()
@@ -181,6 +192,7 @@ def engine_run(
     bucket: int = 2000,
     zero_extra: dict | None = None,
     extra: dict | None = None,
+    before_micro: BeforeMicro | None = None,
 ) -> dict:
     """Runs on every rank; returns this rank's local losses, the grad norms and rank 0's final state."""
     import torch.distributed as dist
@@ -203,7 +215,7 @@ def engine_run(
     batches = global_micro_batches(recipe, world)
     losses, norms, comm = [], [], []
     for step in range(recipe.steps):
-        losses.append(train_step(engine, recipe, batches, step, rank))
+        losses.append(train_step(engine, recipe, batches, step, rank, before_micro))
         norms.append(engine.get_global_grad_norm())
         comm.append(engine.comm_stats(reset=True))
     return {
