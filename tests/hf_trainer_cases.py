@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+from functools import partial
 from typing import Any
 
 import torch
@@ -85,6 +86,34 @@ class TokenData(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
+# What every run here sets, plain or shardtrain, Trainer or TRL
+SETTINGS = {
+    "learning_rate": 5e-3,
+    "warmup_steps": 2,
+    "weight_decay": 0.01,
+    "max_grad_norm": 0.5,  # small enough to clip on some steps: the engine's clipping is compared too
+    "logging_steps": 1,
+    "report_to": "none",
+    "disable_tqdm": True,
+    "seed": 0,
+    "use_cpu": True,
+    "dataloader_num_workers": 0,
+    # optim: the default, adamw_torch_fused (torch's fused AdamW kernel, on the engine's flat fragments)
+}
+
+
+def schedule(out_dir: str, batch: int, gas: int, steps: int, save_steps: int | None = None) -> dict[str, Any]:
+    """The training arguments of a run's batches, length and checkpoints (none without ``save_steps``)."""
+    return {
+        "output_dir": out_dir,
+        "per_device_train_batch_size": batch,
+        "gradient_accumulation_steps": gas,
+        "max_steps": steps,
+        "save_strategy": "steps" if save_steps else "no",
+        "save_steps": save_steps or 500,
+    }
+
+
 def make_trainer(
     out_dir: str,
     *,
@@ -100,30 +129,8 @@ def make_trainer(
     """A Trainer (``shardtrain_config`` None) or a ShardtrainTrainer over a fresh tiny Llama."""
     from transformers import Trainer, TrainingArguments
 
-    settings = {
-        "learning_rate": 5e-3,
-        "warmup_steps": 2,
-        "weight_decay": 0.01,
-        "max_grad_norm": 0.5,  # small enough to clip on some steps: the engine's clipping is compared too
-        "logging_steps": 1,
-        "report_to": "none",
-        "disable_tqdm": True,
-        "seed": 0,
-        "use_cpu": True,
-        "dataloader_num_workers": 0,
-        # optim: the default, adamw_torch_fused (torch's fused AdamW kernel, on the engine's flat fragments)
-        "per_device_eval_batch_size": 2,
-    }
-    settings.update(arg_changes)
-    args = TrainingArguments(
-        output_dir=out_dir,
-        per_device_train_batch_size=batch,
-        gradient_accumulation_steps=gas,
-        max_steps=steps,
-        save_strategy="steps" if save_steps else "no",
-        save_steps=save_steps or 500,
-        **settings,
-    )
+    settings = {**SETTINGS, "per_device_eval_batch_size": 2, **arg_changes}
+    args = TrainingArguments(**schedule(out_dir, batch, gas, steps, save_steps), **settings)
     model = tiny_llama()
     if lora:
         from peft import LoraConfig, get_peft_model
@@ -147,9 +154,14 @@ def step_logs(trainer) -> list[tuple[int, float, float, float]]:
 def plain_run(out_dir: str, batch: int, gas: int, steps: int, rows: int, **arg_changes: Any) -> dict[str, Any]:
     """The reference: the plain Trainer in one process."""
     trainer = make_trainer(out_dir, shardtrain_config=None, batch=batch, gas=gas, steps=steps, rows=rows, **arg_changes)
-    trainer.train()
-    weights = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    weights = trained_weights(trainer)
     return {"logs": step_logs(trainer), "weights": weights, "eval_loss": trainer.evaluate()["eval_loss"]}
+
+
+def trained_weights(trainer) -> dict[str, torch.Tensor]:
+    """Train a plain trainer (one process) and copy its model's weights."""
+    trainer.train()
+    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
 
 
 def shardtrain_run(
@@ -182,20 +194,25 @@ def shardtrain_run(
     first_logs = step_logs(trainer)
     eval_loss = trainer.evaluate()["eval_loss"]  # through the engine's forward, ZeRO-3 units gathered
     engine.close()
+    resumed = resume_first_checkpoint(make_trainer, out_dir, save_steps, common, step_logs)
+    return {"logs": first_logs, "weights": weights, "eval_loss": eval_loss, "state": state, **resumed}
 
-    resumed = make_trainer(os.path.join(out_dir, "resumed"), **common)
-    checkpoint = os.path.join(out_dir, "first", f"checkpoint-{save_steps}")
-    resumed.train(resume_from_checkpoint=checkpoint)
-    resumed_weights = resumed.shardtrain_engine.full_state_dict()
-    adam_steps = {int(s["step"]) for s in resumed.shardtrain_engine.optimizer.state.values()}
-    resumed.shardtrain_engine.close()
+
+def resume_first_checkpoint(make, out_dir: str, save_steps: int, common: dict, logs) -> dict[str, Any]:
+    """A second shardtrain trainer, ``make(out_dir/resumed, **common)`` (a fresh model), resumes from the first
+    run's checkpoint at ``save_steps`` (in out_dir/first) and trains to the same end: its ``logs(trainer)``, weights
+    and the optimizer's step count (one number when every parameter's state agrees)."""
+    import os
+
+    resumed = make(os.path.join(out_dir, "resumed"), **common)
+    resumed.train(resume_from_checkpoint=os.path.join(out_dir, "first", f"checkpoint-{save_steps}"))
+    engine = resumed.shardtrain_engine
+    weights = engine.full_state_dict()
+    adam_steps = {int(s["step"]) for s in engine.optimizer.state.values()}
+    engine.close()
     return {
-        "logs": first_logs,
-        "weights": weights,
-        "eval_loss": eval_loss,
-        "state": state,
-        "resumed_logs": step_logs(resumed),
-        "resumed_weights": resumed_weights,
+        "resumed_logs": logs(resumed),
+        "resumed_weights": weights,
         "resumed_adam_step": adam_steps.pop() if len(adam_steps) == 1 else adam_steps,
     }
 
@@ -336,28 +353,17 @@ def dpo_data(rows: int, seed: int = 1):
     return Dataset.from_dict(data)
 
 
-TRL_SETTINGS = {
-    # TRL's configs default to bf16=True; shardtrain's bf16 is DeepSpeed's (parameters cast, fp32 masters), the plain
-    # trainer's is autocast: fp32 is where the two must agree to rounding
-    "bf16": False,
-    "learning_rate": 5e-3,
-    "warmup_steps": 2,
-    "weight_decay": 0.01,
-    "max_grad_norm": 0.5,
-    "logging_steps": 1,
-    "report_to": "none",
-    "disable_tqdm": True,
-    "seed": 0,
-    "use_cpu": True,
-    "dataloader_num_workers": 0,
-}
+# TRL's configs default to bf16=True; shardtrain's bf16 is DeepSpeed's (parameters cast, fp32 masters), the plain
+# trainer's is autocast: fp32 is where the two must agree to rounding
+TRL_SETTINGS = {**SETTINGS, "bf16": False}
 
 # what TRL logs per step besides the loss, compared between the runs
 SFT_METRICS = ("num_tokens", "mean_token_accuracy", "entropy")
 DPO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
 
 
-def make_sft_trainer(
+def make_trl_trainer(
+    kind: str,
     out_dir: str,
     *,
     shardtrain_config: dict | None,
@@ -367,35 +373,38 @@ def make_sft_trainer(
     rows: int,
     save_steps: int | None = None,
     lora: bool = False,
+    **arg_changes: Any,
 ):
-    """trl.SFTTrainer (``shardtrain_config`` None) or ShardtrainSFTTrainer over a fresh tiny Llama."""
-    from trl import SFTConfig, SFTTrainer
+    """trl.SFTTrainer (``kind`` "sft") or trl.DPOTrainer ("dpo"), with ``shardtrain_config`` None, else its shardtrain
+    subclass, over a fresh tiny Llama; ``lora``: a LoRA adapter (peft_config). DPO has a separate reference model that
+    differs from it (another seed), so the reference's log-probabilities weigh from step 1, except with ``lora`` (TRL
+    disables the adapter for the reference)."""
+    import trl
 
-    args = SFTConfig(
-        output_dir=out_dir,
-        per_device_train_batch_size=batch,
-        gradient_accumulation_steps=gas,
-        max_steps=steps,
-        save_strategy="steps" if save_steps else "no",
-        save_steps=save_steps or 500,
-        max_length=SEQ,
-        **TRL_SETTINGS,
-    )
+    schedule_args = schedule(out_dir, batch, gas, steps, save_steps)
+    if kind == "sft":
+        name, data = "SFTTrainer", sft_data(rows)
+        args = trl.SFTConfig(**schedule_args, max_length=SEQ, **{**TRL_SETTINGS, **arg_changes})
+    else:
+        name, data = "DPOTrainer", dpo_data(rows)
+        args = trl.DPOConfig(**schedule_args, **{**TRL_SETTINGS, **arg_changes})
     kwargs: dict[str, Any] = {
         "model": tiny_llama(),
         "args": args,
-        "train_dataset": sft_data(rows),
+        "train_dataset": data,
         "processing_class": word_tokenizer(),
     }
     if lora:
         from peft import LoraConfig
 
         kwargs["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    elif kind == "dpo":
+        kwargs["ref_model"] = tiny_llama(seed=1)
     if shardtrain_config is None:
-        return SFTTrainer(**kwargs)
-    from shardtrain.integrations.trl_trainers import ShardtrainSFTTrainer
+        return getattr(trl, name)(**kwargs)
+    from shardtrain.integrations import trl_trainers
 
-    return ShardtrainSFTTrainer(**kwargs, shardtrain_config=shardtrain_config)
+    return getattr(trl_trainers, f"Shardtrain{name}")(**kwargs, shardtrain_config=shardtrain_config)
 
 
 def trl_logs(trainer, metrics: tuple[str, ...]) -> list[tuple]:
@@ -409,10 +418,8 @@ def trl_logs(trainer, metrics: tuple[str, ...]) -> list[tuple]:
 
 def plain_sft_run(out_dir: str, batch: int, gas: int, steps: int, rows: int) -> dict[str, Any]:
     """The reference: trl.SFTTrainer in one process."""
-    trainer = make_sft_trainer(out_dir, shardtrain_config=None, batch=batch, gas=gas, steps=steps, rows=rows)
-    trainer.train()
-    weights = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
-    return {"logs": trl_logs(trainer, SFT_METRICS), "weights": weights}
+    trainer = make_trl_trainer("sft", out_dir, shardtrain_config=None, batch=batch, gas=gas, steps=steps, rows=rows)
+    return {"weights": trained_weights(trainer), "logs": trl_logs(trainer, SFT_METRICS)}
 
 
 def shardtrain_sft_run(
@@ -423,21 +430,17 @@ def shardtrain_sft_run(
     import os
 
     common = {"shardtrain_config": DS_CONFIG, "batch": batch, "gas": gas, "steps": steps, "rows": rows}
-    trainer = make_sft_trainer(os.path.join(out_dir, "first"), save_steps=save_steps, **common)
+    make = partial(make_trl_trainer, "sft")
+    trainer = make(os.path.join(out_dir, "first"), save_steps=save_steps, **common)
     trainer.train()
     engine = trainer.shardtrain_engine
     trainer.save_model(final_dir)
     weights = engine.full_state_dict()
     stage = engine.stage
     engine.close()
+    resumed = resume_first_checkpoint(make, out_dir, save_steps, common, partial(trl_logs, metrics=SFT_METRICS))
 
-    resumed = make_sft_trainer(os.path.join(out_dir, "resumed"), **common)
-    resumed.train(resume_from_checkpoint=os.path.join(out_dir, "first", f"checkpoint-{save_steps}"))
-    resumed_weights = resumed.shardtrain_engine.full_state_dict()
-    adam_steps = {int(s["step"]) for s in resumed.shardtrain_engine.optimizer.state.values()}
-    resumed.shardtrain_engine.close()
-
-    lora = make_sft_trainer(os.path.join(out_dir, "lora"), lora=True, **{**common, "steps": 2})
+    lora = make(os.path.join(out_dir, "lora"), lora=True, **{**common, "steps": 2})
     lora.train()
     lora.save_model(adapter_dir)
     lora_state = lora.shardtrain_engine.full_state_dict()  # rank 0's; None on the others
@@ -447,62 +450,16 @@ def shardtrain_sft_run(
         "logs": trl_logs(trainer, SFT_METRICS),
         "weights": weights,
         "stage": stage,
-        "resumed_logs": trl_logs(resumed, SFT_METRICS),
-        "resumed_weights": resumed_weights,
-        "resumed_adam_step": adam_steps.pop() if len(adam_steps) == 1 else adam_steps,
+        **resumed,
         "lora_weights": lora_weights,
     }
 
 
-def make_dpo_trainer(
-    out_dir: str,
-    *,
-    shardtrain_config: dict | None,
-    batch: int,
-    gas: int,
-    steps: int,
-    rows: int,
-    lora: bool = False,
-    **arg_changes: Any,
-):
-    """trl.DPOTrainer (``shardtrain_config`` None) or ShardtrainDPOTrainer over a fresh tiny Llama, with a separate
-    reference model that differs from it (another seed), so the reference's log-probabilities weigh from step 1;
-    ``lora``: a LoRA adapter (peft_config) and no reference model (TRL disables the adapter for the reference)."""
-    from trl import DPOConfig, DPOTrainer
-
-    args = DPOConfig(
-        output_dir=out_dir,
-        per_device_train_batch_size=batch,
-        gradient_accumulation_steps=gas,
-        max_steps=steps,
-        save_strategy="no",
-        **{**TRL_SETTINGS, **arg_changes},
-    )
-    kwargs: dict[str, Any] = {
-        "model": tiny_llama(),
-        "args": args,
-        "train_dataset": dpo_data(rows),
-        "processing_class": word_tokenizer(),
-    }
-    if lora:
-        from peft import LoraConfig
-
-        kwargs["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
-    else:
-        kwargs["ref_model"] = tiny_llama(seed=1)
-    if shardtrain_config is None:
-        return DPOTrainer(**kwargs)
-    from shardtrain.integrations.trl_trainers import ShardtrainDPOTrainer
-
-    return ShardtrainDPOTrainer(**kwargs, shardtrain_config=shardtrain_config)
-
-
 def plain_dpo_run(out_dir: str, batch: int, gas: int, steps: int, rows: int, lora: bool = False) -> dict[str, Any]:
     """The reference: trl.DPOTrainer in one process."""
-    trainer = make_dpo_trainer(out_dir, shardtrain_config=None, batch=batch, gas=gas, steps=steps, rows=rows, lora=lora)
-    trainer.train()
-    weights = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
-    return {"logs": trl_logs(trainer, DPO_METRICS), "weights": weights}
+    common = {"shardtrain_config": None, "batch": batch, "gas": gas, "steps": steps, "rows": rows, "lora": lora}
+    trainer = make_trl_trainer("dpo", out_dir, **common)
+    return {"weights": trained_weights(trainer), "logs": trl_logs(trainer, DPO_METRICS)}
 
 
 def shardtrain_dpo_run(out_dir: str, batch: int, gas: int, steps: int, rows: int, lora: bool = False) -> dict[str, Any]:
@@ -513,7 +470,7 @@ def shardtrain_dpo_run(out_dir: str, batch: int, gas: int, steps: int, rows: int
     from shardtrain.errors import ConfigError
 
     common = {"shardtrain_config": DS_CONFIG, "batch": batch, "gas": gas, "steps": steps, "rows": rows}
-    trainer = make_dpo_trainer(os.path.join(out_dir, "dpo"), lora=lora, **common)
+    trainer = make_trl_trainer("dpo", os.path.join(out_dir, "dpo"), lora=lora, **common)
     if lora:  # nothing to prepare: the reference is the model with its adapter disabled
         assert trainer.ref_model is None and trainer.shardtrain_frozen_models == []
         trainer.train()
@@ -533,8 +490,10 @@ def shardtrain_dpo_run(out_dir: str, batch: int, gas: int, steps: int, rows: int
         "requires_grad": any(p.requires_grad for p in ref.parameters()),
     }
     # below stage 3 the reference model stays whole on every rank (DeepSpeed gives it stage 0), frozen, in eval mode
-    stage2 = make_dpo_trainer(
-        os.path.join(out_dir, "stage2"), **{**common, "shardtrain_config": ds_config(zero_optimization={"stage": 2})}
+    stage2 = make_trl_trainer(
+        "dpo",
+        os.path.join(out_dir, "stage2"),
+        **{**common, "shardtrain_config": ds_config(zero_optimization={"stage": 2})},
     )
     ((ref2, units2),) = stage2.shardtrain_frozen_models
     reference["stage2"] = {
@@ -547,7 +506,7 @@ def shardtrain_dpo_run(out_dir: str, batch: int, gas: int, steps: int, rows: int
         ),
     }
     try:
-        make_dpo_trainer(os.path.join(out_dir, "sync"), sync_ref_model=True, **common)
+        make_trl_trainer("dpo", os.path.join(out_dir, "sync"), sync_ref_model=True, **common)
     except ConfigError as err:
         sync_refused = str(err)
     else:

@@ -6,6 +6,7 @@ loss / accumulation_steps, ``clip_grad_norm_`` and the same optimizer param grou
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -99,41 +100,84 @@ def global_micro_batches(recipe: Recipe, world: int) -> list[tuple[torch.Tensor,
     return out
 
 
-def reference_run(recipe: Recipe, world: int) -> dict:
+BeforeMicro = Callable[[nn.Module, int, int], None]
+"""Called as ``before_micro(model, step, micro)`` before each micro-step's forward, on the reference model and on the
+engine's module alike (to freeze or unfreeze a parameter there, say)."""
+
+
+def reference_run(recipe: Recipe, world: int, before_micro: BeforeMicro | None = None) -> dict:
     """One process, the global batch: fp32 losses, grad norms and parameters, and the float64 run's parameters
     (``exact``, see [Note: parity bounds])."""
-    ref = _reference(recipe, world, torch.float32)
-    ref["exact"] = _reference(recipe, world, torch.float64)["params"]
+    ref = _reference(recipe, world, torch.float32, before_micro)
+    ref["exact"] = _reference(recipe, world, torch.float64, before_micro)["params"]
     return ref
 
 
-def _reference(recipe: Recipe, world: int, dtype: torch.dtype) -> dict:
+def _reference(recipe: Recipe, world: int, dtype: torch.dtype, before_micro: BeforeMicro | None = None) -> dict:
     model = make_model(recipe).to(dtype)
-    init = {k: v.clone() for k, v in model.state_dict().items()}
-    opt = make_optimizer(model, recipe)
     batches = global_micro_batches(recipe, world)
+
+    def loss(model: nn.Module, i: int) -> torch.Tensor:
+        if before_micro is not None:
+            before_micro(model, i // recipe.gas, i % recipe.gas)
+        return model(*batches[i])
+
+    return train_one_process(model, make_optimizer(model, recipe), loss, recipe.steps, recipe.gas, recipe.clip)
+
+
+MicroLoss = Callable[[nn.Module, int], torch.Tensor]
+"""``loss(model, i)``: the loss of micro-step ``i`` (counted from the start of the run) on ``model``, the one-process
+model or an engine."""
+
+
+def train_one_process(
+    model: nn.Module, optimizer: torch.optim.Optimizer, loss: MicroLoss, steps: int, gas: int, clip: float
+) -> dict:
+    """The recipe every engine run must reproduce, in one process: ``steps`` optimizer steps of ``gas`` micro-steps
+    each backpropagating ``loss / gas``, then ``clip_grad_norm_`` at ``clip``, the step and ``zero_grad``. Returns
+    each step's mean loss and gradient norm, the final state dict (``params``) and the initial one (``init``)."""
+    init = {k: v.clone() for k, v in model.state_dict().items()}
     losses, norms = [], []
-    for step in range(recipe.steps):
-        step_loss = 0.0
-        for m in range(recipe.gas):
-            x, y = batches[step * recipe.gas + m]
-            loss = model(x, y)
-            (loss / recipe.gas).backward()
-            step_loss += loss.item() / recipe.gas
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.clip)))
-        opt.step()
-        opt.zero_grad()
-        losses.append(step_loss)
+    for step in range(steps):
+        total = 0.0
+        for m in range(gas):
+            value = loss(model, step * gas + m)
+            (value / gas).backward()
+            total += value.item() / gas
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(total)
     return {"losses": losses, "norms": norms, "params": model.state_dict(), "init": init}
 
 
-def train_step(engine, recipe: Recipe, batches: list, step: int, rank: int) -> float:
+def train_engine(engine: shardtrain.Engine, loss: MicroLoss, steps: int, gas: int) -> dict:
+    """The engine's side of :func:`train_one_process` on this rank: ``loss(engine, i)``, ``engine.backward`` and
+    ``engine.step`` every micro-step. Returns this rank's mean loss and the global gradient norm of each step."""
+    losses, norms = [], []
+    for step in range(steps):
+        total = 0.0
+        for m in range(gas):
+            value = loss(engine, step * gas + m)
+            engine.backward(value)
+            engine.step()
+            total += value.item() / gas
+        losses.append(total)
+        norms.append(engine.get_global_grad_norm())
+    return {"losses": losses, "norms": norms}
+
+
+def train_step(
+    engine, recipe: Recipe, batches: list, step: int, rank: int, before_micro: BeforeMicro | None = None
+) -> float:
     """Optimizer step ``step``: its ``recipe.gas`` micro-steps on this rank's rows of the global batches; returns
     this rank's mean loss over them."""
     lo, hi = rank * recipe.micro, (rank + 1) * recipe.micro
     total = 0.0
     for m in range(recipe.gas):
         x, y = batches[step * recipe.gas + m]
+        if before_micro is not None:
+            before_micro(engine.module, step, m)
         loss = engine(x[lo:hi], y[lo:hi])
         engine.backward(loss)
         engine.step()
@@ -148,6 +192,7 @@ def engine_run(
     bucket: int = 2000,
     zero_extra: dict | None = None,
     extra: dict | None = None,
+    before_micro: BeforeMicro | None = None,
 ) -> dict:
     """Runs on every rank; returns this rank's local losses, the grad norms and rank 0's final state."""
     import torch.distributed as dist
@@ -170,7 +215,7 @@ def engine_run(
     batches = global_micro_batches(recipe, world)
     losses, norms, comm = [], [], []
     for step in range(recipe.steps):
-        losses.append(train_step(engine, recipe, batches, step, rank))
+        losses.append(train_step(engine, recipe, batches, step, rank, before_micro))
         norms.append(engine.get_global_grad_norm())
         comm.append(engine.comm_stats(reset=True))
     return {

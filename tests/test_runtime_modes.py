@@ -4,12 +4,13 @@ refuses it clearly before anything runs.
 
 The battery, world 2, plain SGD (a wrongly scaled or missing gradient moves a parameter by exactly that much), two
 micro-steps per optimizer step: a step through ``engine(...)``; a parameter frozen after ``initialize`` for one step
-and unfrozen; ``engine.module(...)`` without gradients, then a whole step through ``engine.module(...)`` (forward,
-``engine.backward``, ``engine.step``); ``engine.gathered()`` read, and changed with ``modifier_rank``; an eval
-forward under ``torch.no_grad``; a checkpoint saved, one more step, the checkpoint loaded and the same step again;
-debug subscribers. Every loss and the full parameters after every phase are compared between the modes. Last, the
-loss of ``engine(...)`` plus the loss of ``engine.module(...)`` in one backward: eager mode trains; graph mode, whose
-graph reduces the units' gradients itself, refuses it naming a parameter.
+and unfrozen; the same parameter frozen between the two micro-steps of a step; ``engine.module(...)`` without
+gradients, then a whole step through ``engine.module(...)`` (forward, ``engine.backward``, ``engine.step``);
+``engine.gathered()`` read, and changed with ``modifier_rank``; an eval forward under ``torch.no_grad``; a checkpoint
+saved, one more step, the checkpoint loaded and the same step again; debug subscribers. Every loss and the full
+parameters after every phase are compared between the modes. Last, the loss of ``engine(...)`` plus the loss of
+``engine.module(...)`` in one backward: eager mode trains; graph mode, whose graph reduces the units' gradients
+itself, refuses it naming a parameter.
 """
 
 from __future__ import annotations
@@ -40,8 +41,10 @@ def _battery(graph: bool, out: str) -> dict:
     losses: dict[str, list[float]] = {}
     params: dict[str, dict | None] = {}
 
-    def step(name: str, index: int, through=engine) -> None:
+    def step(name: str, index: int, through=engine, trains_at=None) -> None:
         for m in range(CASE.gas):
+            if trains_at is not None:
+                weight.requires_grad_(trains_at(m))
             x, y = batches[index * CASE.gas + m]
             loss = forward(through, x[lo:hi], y[lo:hi])
             engine.backward(loss)
@@ -49,12 +52,14 @@ def _battery(graph: bool, out: str) -> dict:
             losses.setdefault(name, []).append(loss.item())
         params[name] = engine.full_state_dict()
 
-    step("engine", 0)
     weight = dict(model.named_parameters())[FROZEN]
+    step("engine", 0)
     weight.requires_grad_(False)
     step("frozen", 1)
     weight.requires_grad_(True)
     step("unfrozen", 2)
+    step("frozen within a step", 3, trains_at=lambda micro: micro == 0)
+    weight.requires_grad_(True)
     x, y = batches[0]
     with torch.no_grad():
         losses["module no_grad"] = [forward(engine.module, x[lo:hi], y[lo:hi]).item()]
@@ -110,10 +115,12 @@ def test_eager_and_graph_mode_give_the_same_results_at_zero3(tmp_path):
     for phase, want in e.items():
         for k, v in want.items():
             torch.testing.assert_close(g[phase][k], v, rtol=1e-6, atol=1e-7, msg=f"{phase}: {k}")
-    # the battery did what it says: the frozen parameter kept its value, the step after loading repeated the
-    # step after saving, the modified weight was halved on every rank
+    # the battery did what it says: the frozen parameter kept its value, the one frozen within a step took the
+    # gradient of its first micro-step, the step after loading repeated the step after saving, the modified weight
+    # was halved on every rank
     assert torch.equal(e["frozen"][FROZEN], e["engine"][FROZEN])
     assert not torch.equal(e["unfrozen"][FROZEN], e["frozen"][FROZEN])
+    assert not torch.equal(e["frozen within a step"][FROZEN], e["unfrozen"][FROZEN])
     for k, v in e["after save"].items():
         assert torch.equal(e["after load"][k], v), k
     half = e["module"]["blocks.1.mlp.0.weight"] * 0.5

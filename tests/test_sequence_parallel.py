@@ -16,7 +16,7 @@ from shardtrain.models.gpt import GPT, GPTConfig
 from shardtrain.sequence_parallel import kv_repeats
 from shardtrain.testing import run_distributed
 
-from parity import assert_params_near
+from parity import assert_params_near, train_engine, train_one_process
 
 VOCAB, SEQ, ROWS, STEPS, GAS = 64, 12, 2, 3, 2
 
@@ -68,30 +68,14 @@ def _optimizer(model) -> torch.optim.Optimizer:
 
 
 def _reference(case: str, dp: int, dtype: torch.dtype) -> dict:
-    model = _model(case, dtype)
-    init = {k: v.clone() for k, v in model.state_dict().items()}
-    opt = _optimizer(model)
-    losses, norms = [], []
-    batches = _batches(dp)
-    for step in range(STEPS):
-        total = 0.0
-        for m in range(GAS):
-            x, labels = batches[step * GAS + m]
-            # data parallel: the mean of each data-parallel rank's rows' loss
-            loss = (
-                sum(
-                    _loss(case, model, x[d * ROWS : (d + 1) * ROWS], labels[d * ROWS : (d + 1) * ROWS])
-                    for d in range(dp)
-                )
-                / dp
-            )
-            (loss / GAS).backward()
-            total += loss.item() / GAS
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
-        opt.step()
-        opt.zero_grad()
-        losses.append(total)
-    return {"losses": losses, "norms": norms, "params": model.state_dict(), "init": init}
+    model, batches = _model(case, dtype), _batches(dp)
+
+    def loss(model, i: int) -> torch.Tensor:  # data parallel: the mean of each data-parallel rank's rows' loss
+        x, labels = batches[i]
+        rows = [slice(d * ROWS, (d + 1) * ROWS) for d in range(dp)]
+        return sum(_loss(case, model, x[r], labels[r]) for r in rows) / dp
+
+    return train_one_process(model, _optimizer(model), loss, STEPS, GAS, 1.0)
 
 
 def _run(case: str, sp: int, stage: int) -> dict:
@@ -107,21 +91,15 @@ def _run(case: str, sp: int, stage: int) -> dict:
     topo = engine.topology
     batches = _batches(topo.dp)
     rows = slice(topo.dp_rank * ROWS, (topo.dp_rank + 1) * ROWS)
-    losses, norms = [], []
-    for step in range(STEPS):
-        total = 0.0
-        for m in range(GAS):
-            x, labels = batches[step * GAS + m]
-            loss = _loss(case, engine, x[rows], labels[rows])  # every rank of the sp group: the whole sequences
-            engine.backward(loss)
-            engine.step()
-            total += loss.item() / GAS
-        losses.append(total)
-        norms.append(engine.get_global_grad_norm())
+
+    def loss(engine, i: int) -> torch.Tensor:  # every rank of the sp group: the whole sequences
+        x, labels = batches[i]
+        return _loss(case, engine, x[rows], labels[rows])
+
+    run = train_engine(engine, loss, STEPS, GAS)
     stats = engine._sp.comm.stats()["all_to_all"]  # the sequence-parallel group's exchanges
     return {
-        "losses": losses,
-        "norms": norms,
+        **run,
         "params": engine.full_state_dict(),
         "axes": (topo.dp, topo.dp_rank, topo.sp, topo.sp_rank),
         "all_to_all": stats,
@@ -339,19 +317,10 @@ def _bf16_run(case: str, sp: int, stage: int) -> dict:
         "zero_optimization": {"stage": stage},
     }
     engine = shardtrain.initialize(model, config=config, optimizer=_optimizer(model))
-    batches, losses, norms = _batches(1), [], []
-    for step in range(STEPS):
-        total = 0.0
-        for m in range(GAS):
-            x, labels = batches[step * GAS + m]
-            loss = _loss(case, engine, x, labels)
-            engine.backward(loss)
-            engine.step()
-            total += loss.item() / GAS
-        losses.append(total)
-        norms.append(engine.get_global_grad_norm())
+    batches = _batches(1)
+    run = train_engine(engine, lambda engine, i: _loss(case, engine, *batches[i]), STEPS, GAS)
     full = engine.full_state_dict()
-    return {"losses": losses, "norms": norms, "params": {n: v.float() for n, v in full.items()} if full else None}
+    return {**run, "params": {n: v.float() for n, v in full.items()} if full else None}
 
 
 @pytest.mark.soak

@@ -15,7 +15,7 @@ import shardtrain
 from shardtrain.testing import run_distributed
 from test_sequence_parallel_tp import ROWS, SEQ, VOCAB, model_of, optimizer_of
 
-from parity import assert_params_near
+from parity import assert_params_near, train_engine, train_one_process
 
 STEPS, GAS, PAD_ID = 2, 2, 0
 
@@ -49,20 +49,8 @@ def padded_batches(packed: bool = False) -> list[dict[str, torch.Tensor]]:
 
 
 def reference(attn: str, packed: bool, dtype: torch.dtype = torch.float32) -> dict:
-    model = model_of("llama", dtype, attn=attn)
-    init = {k: v.clone() for k, v in model.state_dict().items()}
-    opt, data, losses, norms = optimizer_of(model), padded_batches(packed), [], []
-    for step in range(STEPS):
-        total = 0.0
-        for m in range(GAS):
-            loss = model(**data[step * GAS + m]).loss
-            (loss / GAS).backward()
-            total += loss.item() / GAS
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
-        opt.step()
-        opt.zero_grad()
-        losses.append(total)
-    return {"losses": losses, "norms": norms, "params": model.state_dict(), "init": init}
+    model, data = model_of("llama", dtype, attn=attn), padded_batches(packed)
+    return train_one_process(model, optimizer_of(model), lambda model, i: model(**data[i]).loss, STEPS, GAS, 1.0)
 
 
 def train(attn: str, packed: bool, sp: int, tp: int, stage: int) -> dict:
@@ -76,17 +64,9 @@ def train(attn: str, packed: bool, sp: int, tp: int, stage: int) -> dict:
         "zero_optimization": {"stage": stage},
     }
     engine = shardtrain.initialize(model, config=config, optimizer=optimizer_of(model))
-    data, losses, norms = padded_batches(packed), [], []
-    for step in range(STEPS):
-        total = 0.0
-        for m in range(GAS):
-            loss = engine(**data[step * GAS + m]).loss
-            engine.backward(loss)
-            engine.step()
-            total += loss.item() / GAS
-        losses.append(total)
-        norms.append(engine.get_global_grad_norm())
-    return {"losses": losses, "norms": norms, "params": engine.full_state_dict()}
+    data = padded_batches(packed)
+    run = train_engine(engine, lambda engine, i: engine(**data[i]).loss, STEPS, GAS)
+    return {**run, "params": engine.full_state_dict()}
 
 
 def check_padded_parity(attn: str, sp: int, tp: int = 1, stage: int = 1, packed: bool = False) -> None:

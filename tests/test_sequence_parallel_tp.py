@@ -18,7 +18,7 @@ from shardtrain.mesh import make_groups
 from shardtrain.models.gpt import GPT, GPTConfig
 from shardtrain.testing import run_distributed
 
-from parity import assert_params_near
+from parity import assert_params_near, train_engine, train_one_process
 
 VOCAB, SEQ, ROWS, STEPS, GAS = 64, 12, 2, 2, 2
 HEADS, KV_HEADS, HEAD_DIM = 12, 2, 4
@@ -79,23 +79,14 @@ def optimizer_of(model) -> torch.optim.Optimizer:
 
 def reference(case: str, dp: int, dtype: torch.dtype = torch.float32) -> dict:
     """One process on the global batch: the mean of the data-parallel ranks' row losses, clipped at 1."""
-    model = model_of(case, dtype)
-    init = {k: v.clone() for k, v in model.state_dict().items()}
-    opt = optimizer_of(model)
-    losses, norms, data = [], [], batches(dp)
-    for step in range(STEPS):
-        total = 0.0
-        for m in range(GAS):
-            x, y = data[step * GAS + m]
-            rows = [slice(d * ROWS, (d + 1) * ROWS) for d in range(dp)]
-            loss = sum(loss_of(case, model, x[r], y[r]) for r in rows) / dp
-            (loss / GAS).backward()
-            total += loss.item() / GAS
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
-        opt.step()
-        opt.zero_grad()
-        losses.append(total)
-    return {"losses": losses, "norms": norms, "params": model.state_dict(), "init": init}
+    model, data = model_of(case, dtype), batches(dp)
+
+    def loss(model, i: int) -> torch.Tensor:
+        x, y = data[i]
+        rows = [slice(d * ROWS, (d + 1) * ROWS) for d in range(dp)]
+        return sum(loss_of(case, model, x[r], y[r]) for r in rows) / dp
+
+    return train_one_process(model, optimizer_of(model), loss, STEPS, GAS, 1.0)
 
 
 def train(case: str, sp: int, tp: int, stage: int, mics: int = -1) -> dict:
@@ -113,24 +104,18 @@ def train(case: str, sp: int, tp: int, stage: int, mics: int = -1) -> dict:
     engine = shardtrain.initialize(model, config=config, optimizer=optimizer_of(model), tp_plan=plan_of(case))
     topo = engine.topology
     data, rows = batches(topo.dp), slice(topo.dp_rank * ROWS, (topo.dp_rank + 1) * ROWS)
-    losses, norms = [], []
-    for _ in range(STEPS):
-        total = 0.0
-        for _ in range(GAS):
-            x, y = data.pop(0)
-            loss = loss_of(case, engine, x[rows], y[rows])  # every rank of the sp and tp groups: the same rows
-            engine.backward(loss)
-            engine.step()
-            total += loss.item() / GAS
-        losses.append(total)
-        norms.append(engine.get_global_grad_norm())
+
+    def loss(engine, i: int) -> torch.Tensor:  # every rank of the sp and tp groups: the same rows
+        x, y = data[i]
+        return loss_of(case, engine, x[rows], y[rows])
+
+    run = train_engine(engine, loss, STEPS, GAS)
 
     def ranks(group):
         return None if group is None else dist.get_process_group_ranks(group)
 
     return {
-        "losses": losses,
-        "norms": norms,
+        **run,
         "params": engine.full_state_dict(),
         "coords": (topo.dp_rank, topo.sp_rank, topo.tp_rank, topo.zero_rank, topo.replica_rank, topo.shard_rank),
         "groups": {

@@ -695,8 +695,11 @@ class GradOffload:
         inv = 1.0 / loss_scale if loss_scale is not None and loss_scale != 1.0 else None
         grads: list[torch.Tensor | None] = []
         on_disk = set()
+        stepped = optimizer.stepped_now()
         for i, (position, offset, n, _) in enumerate(self.where):
-            if position not in self.on_disk:  # never reduced here (graph mode hands some buckets over)
+            if not stepped[i]:  # frozen for this whole step: not stepped, its zero gradient not read nor counted
+                grads.append(None)
+            elif position not in self.on_disk:  # never reduced here (graph mode hands some buckets over)
                 grads.append(reducer.shard_grads[position][offset : offset + n])
             elif n:
                 grads.append(None)
@@ -709,7 +712,7 @@ class GradOffload:
         norms, reread = [], {}
         try:
             for i, (position, _, n, j) in enumerate(self.where):
-                if not n:
+                if not n or not stepped[i]:
                     continue
                 if i not in on_disk:
                     norms.append(torch._foreach_norm([grads[i]])[0])

@@ -21,6 +21,21 @@ subclass changing defaults keeps the base update); anything else is refused unle
 ``zero_allow_untested_optimizer: true``. Stage 0 steps whole parameters: every optimizer is accepted.
 Rprop is element-wise but not listed: its sign-based step turns rounding noise in gradients that are zero
 up to rounding (attention key biases) into full steps, so its parity with one process cannot be tested.
+
+[Note: parameters frozen after initialize]
+A parameter frozen after ``initialize`` (``requires_grad_(False)``) keeps its bucket slot and its optimizer state.
+torch.optim steps a parameter whose ``.grad`` is set, and one process sets it at every backward the parameter
+requires grad in, until ``zero_grad``. So the step updates a parameter if it required grad at some
+``engine.backward`` since the gradients were last zeroed (:meth:`GradientReducer.has_gradient`):
+* frozen in the middle of an accumulation window, it gets what its earlier micro-steps accumulated (one process,
+  FSDP2, and DeepSpeed at stages 1 and 2 do the same; DeepSpeed drops it at stage 3);
+* frozen for a whole window, it is not stepped: AdamW neither decays it nor moves it by its moments (DeepSpeed's
+  flat partitions do both);
+* unfrozen in the middle of a window, it gets the gradients of the micro-steps from then on.
+``requires_grad`` is read at each backward, and the training loop sets it alike on every rank. Which slots received
+a gradient on this rank is not used: a parameter one rank's batch did not reach would then be stepped in some ranks'
+fragments and not in others'. For the same reason a trainable parameter no forward used is stepped with a zero
+gradient, as DeepSpeed steps it.
 """
 
 from __future__ import annotations
@@ -152,6 +167,11 @@ class ShardedOptimizer:
         """What the optimizer steps, one per trainable parameter, in the order gradients are handed over."""
         return list(self._stepped.values())
 
+    def stepped_now(self) -> list[bool]:
+        """Per :meth:`stepped_tensors`, whether the next step updates it: False for a parameter frozen at every
+        backward since the last step (see [Note: parameters frozen after initialize])."""
+        return [self.reducer.has_gradient(b.slots[i].param) for _, b, i in self._frag.values()]
+
     def stepped_fragments(self) -> list[torch.Tensor]:
         """The fragment (or whole parameter) of each of :meth:`stepped_tensors`, in the same order."""
         return [t for t, _, _ in self._frag.values()]
@@ -202,10 +222,10 @@ class ShardedOptimizer:
     def _fragment_grads(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """(stepped tensor, fragment, its reduced gradient) for every trainable parameter."""
         triples = []
-        for key, (t, b, i) in self._frag.items():
-            # frozen since initialize (requires_grad_(False)): not stepped, as torch.optim skips a parameter without a
-            # gradient; its zero gradient would let AdamW decay it and move it by its moments
-            if not b.slots[i].param.requires_grad:
+        for (key, (t, b, i)), stepped in zip(self._frag.items(), self.stepped_now()):
+            # frozen at every backward since the last step: not stepped (see [Note: parameters frozen after
+            # initialize]); its zero gradient would let AdamW decay it and move it by its moments
+            if not stepped:
                 triples.append((self._stepped[key], t, None))
                 continue
             if not self.sharded:
@@ -256,8 +276,8 @@ class ShardedOptimizer:
             coef = torch.clamp(max_norm / (local_sq.sqrt() + 1e-6), max=1.0)
             torch._foreach_mul_(nonempty, coef)
         if not self.sharded and self.masters is None:  # fp32 stage 0: the parameters hold their gradients
-            # frozen since initialize: hidden from the optimizer for this step, as torch.optim skips a parameter
-            # without a gradient (their .grad is a view of the reducer's zeroed buffer)
+            # frozen for this whole step: hidden from the optimizer, as torch.optim skips a parameter without a
+            # gradient (their .grad is a view of the reducer's zeroed buffer)
             frozen = [(s, s.grad) for s, _, g in triples if g is None and s.grad is not None]
             for s, _ in frozen:
                 s.grad = None

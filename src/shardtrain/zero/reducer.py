@@ -111,6 +111,9 @@ class GradientReducer:
         self._observed: list[int] = []  # positions in the order they became ready this backward
         self.order_departed = False  # the observed order differed from launch_order since the last step
         self._got: list[set[int]] = [set() for _ in buckets]  # slots that have a gradient this backward
+        # ids of the parameters that required grad at a backward since the gradients were zeroed: the ones the step
+        # updates (see [Note: parameters frozen after initialize] in zero/optimizer.py)
+        self._trained: set[int] = set()
         self._next = 0  # index into launch_order
         self._launched: set[int] = set()
         self._pending: list[_Pending] = []
@@ -166,6 +169,7 @@ class GradientReducer:
     # -- backward --------------------------------------------------------------------------------
     def begin_backward(self, boundary: bool) -> None:
         self._in_backward, self._boundary = True, boundary
+        self._trained.update(id(s.param) for b in self.buckets for s in b.slots if s.param.requires_grad)
         self._got = [set() for _ in self.buckets]
         self._observed = []
         self._launched = set()
@@ -373,7 +377,13 @@ class GradientReducer:
         """The (reduced, at stage 0) full gradient of slot ``i`` of bucket ``b``, shaped like the parameter."""
         return self._grad_view(self.full_grads[self._position[b.index]], b.slots[i])
 
+    def has_gradient(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` required grad at a backward since the gradients were last zeroed: where torch.optim
+        would find its ``.grad`` set (see [Note: parameters frozen after initialize] in zero/optimizer.py)."""
+        return id(param) in self._trained
+
     def zero_grads(self) -> None:
+        self._trained.clear()
         for g in self.full_grads:
             g.zero_()
         if self.full_grads and not self._alias:
