@@ -131,6 +131,14 @@ def check(world: int, case: Case = CASE, dropout: bool = False) -> list[dict]:
     assert_parity(graph, reference_run(case, dp), what)
     for r in results:
         assert_one_graph(r["graph"], case)
+        if dp > 1:  # the passes found ZeRO's gathers and reductions, and only those (not tensor parallelism's)
+            buckets = r["graph"]["unit_buckets"]
+            assert r["graph"]["graph"]["collectives"] == {
+                "forward all-gathers": buckets,
+                "forward reduce-scatters": 0,
+                "backward all-gathers": buckets,
+                "backward reduce-scatters": buckets,
+            }, r["graph"]["graph"]
     return results
 
 
@@ -159,16 +167,11 @@ def test_graph_zero3_with_tensor_parallelism_dp2():
     results = check(4)
     for r in results:
         graph, eager = r["graph"], r["eager"]
-        buckets = graph["unit_buckets"]
-        assert graph["graph"]["collectives"] == {
-            "forward all-gathers": buckets,
-            "forward reduce-scatters": 0,
-            "backward all-gathers": buckets,
-            "backward reduce-scatters": buckets,
-        }, graph["graph"]
         assert_tp_counts(graph, eager)
         for step, (g, e) in enumerate(zip(graph["comm"], eager["comm"], strict=True)):
-            assert g["reduce_scatter"] == e["reduce_scatter"] and g["all_reduce"] == e["all_reduce"], (step, g, e)
+            # the all-gathers differ by what eager keeps gathered on purpose (test_graph_compositions.py says how)
+            assert g.keys() == e.keys() == {"all_gather", "reduce_scatter"}, (step, g, e)
+            assert g["reduce_scatter"] == e["reduce_scatter"], (step, g, e)
 
 
 @pytest.mark.soak
@@ -185,3 +188,12 @@ def test_graph_zero3_with_tensor_parallelism_sgd_world4():
     the wrong group, would show) at dp 2 x tp 2 on a Hugging Face Llama (vocab-parallel embedding, an LM head that
     gathers its output: the tensor-parallel all-gather in the graph, which the passes leave alone)."""
     check(4, sgd_case(model="llama", steps=2, gas=1))
+
+
+@pytest.mark.soak
+def test_graph_zero3_with_tensor_parallelism_odd_dp():
+    """World 6 = dp 3 x tp 2: an odd data-parallel group (units padded to a multiple of 3, the pairwise reduce-scatter
+    over three ranks summed in rank order) under tensor parallelism."""
+    results = check(6)
+    for r in results:
+        assert_tp_counts(r["graph"], r["eager"])
