@@ -19,11 +19,6 @@ CASES = {
         {"graph": {"enabled": True}},
         "graph.enabled with ZeRO stage 3: offload_param to nvme does not run in graph mode yet",
     ),
-    "graph stage 3 with tensor parallelism": (
-        {"stage": 3, "stage3_param_persistence_threshold": 0, "offload_optimizer": NVME},
-        {"graph": {"enabled": True}, "tensor_parallel": {"size": 2}},
-        "graph.enabled with ZeRO stage 3: tensor parallelism does not run in graph mode yet",
-    ),
     "a unit class the model does not have": (
         {"stage": 3, "stage3_unit_classes": ["DecoderLayer"], "offload_param": NVME},
         {},

@@ -123,23 +123,6 @@ def test_graph_mode_bf16(stage):
         assert_zero3_in_graph(results[0])
 
 
-def _refused(config: dict) -> str:
-    from shardtrain.tensor_parallel import GPT_TP_PLAN
-
-    model = make_model(Case())
-    with pytest.raises(ConfigError) as err:
-        shardtrain.initialize(model, config=config, optimizer=make_optimizer(model, 1e-3), tp_plan=GPT_TP_PLAN)
-    return str(err.value)
-
-
-def test_zero3_with_tensor_parallelism_is_refused_in_graph_mode():
-    for msg in run_distributed(_refused, 2, {**config_for(Case(), 3, 2), "graph": {"enabled": True}}):
-        assert msg == (
-            "graph.enabled with ZeRO stage 3: tensor parallelism does not run in graph mode yet; turn graph mode off, "
-            "or use stage 0-2 with it"
-        ), msg
-
-
 def test_zero3_graph_with_persistent_parameters():
     """Parameters under the persistence threshold (biases, norms) stay whole outside the units: their gradients are
     reduced by the eager reducer's hooks, the units' by the graph, in the same backward."""

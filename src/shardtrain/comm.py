@@ -396,14 +396,32 @@ class Communicator:
     # post-hook on the compiled function's backward node, which autograd calls in Python). The bytes follow the
     # same formulas as the eager calls (:meth:`_gather_traffic`, :meth:`_reduce_scatter_traffic`): a graph's
     # all-gather of a unit counts as ``all_gather`` and its reduction (the pairwise exchange's all-to-all, or the
-    # backend's reduce-scatter) as one ``reduce_scatter``, so ``comm_stats()`` compares across modes. Their
-    # ``wait_s`` is not measured (the waits are graph operations).
+    # backend's reduce-scatter) as one ``reduce_scatter``, so ``comm_stats()`` compares across modes. With tensor
+    # parallelism at stage 3 the tensor-parallel all-reduces and gathers are in the graph too ([Note: one graph, no
+    # splits] in :mod:`shardtrain.between_graphs`): counted the same way in the tensor-parallel communicator's
+    # ``stats()``, as its eager calls are. Their ``wait_s`` is not measured (the waits are graph operations).
     def graph_all_gather(self, shard: torch.Tensor) -> torch.Tensor:
         """Every rank's ``shard`` concatenated (traceable; see [Note: collectives in graphs])."""
         if self.size == 1:
             return shard
         full = torch.ops._c10d_functional.all_gather_into_tensor(shard, self.size, self.group.group_name)
         return torch.ops._c10d_functional.wait_tensor(full)
+
+    def graph_all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """The reduction of every rank's ``t`` (a new tensor; traceable, see [Note: collectives in graphs])."""
+        if self.size == 1:
+            return t
+        out = torch.ops._c10d_functional.all_reduce(t.contiguous(), op, self.group.group_name)
+        return torch.ops._c10d_functional.wait_tensor(out)
+
+    def graph_all_gather_dim(self, inp: torch.Tensor, dim: int) -> torch.Tensor:
+        """:meth:`all_gather_dim` traceable (see [Note: collectives in graphs]): every rank's ``inp`` concatenated
+        along ``dim`` in rank order."""
+        if self.size == 1:
+            return inp
+        dim = dim % inp.dim()
+        stacked = self.graph_all_gather(inp.contiguous())  # [N * inp.shape[0], ...]: rank r's inp at block r
+        return torch.cat(stacked.chunk(self.size, 0), dim=dim)
 
     def graph_reduce_scatter_avg(self, full: torch.Tensor, predivide: float | None = None) -> torch.Tensor:
         """This rank's chunk of the average of every rank's ``full`` (traceable; see [Note: collectives in
@@ -445,6 +463,9 @@ class Communicator:
             nbytes = int(val.numel()) * val.element_size()
             if kind == "all_gather":
                 counts.append((kind, *self._gather_traffic(nbytes)))
+            elif kind == "all_reduce":  # tensor parallelism's, in one graph at ZeRO stage 3: as all_reduce() counts
+                ring = 2 * nbytes * (self.size - 1) // self.size
+                counts.append((kind, ring, ring))
             else:  # the all-to-all of the pairwise reduce-scatter, or the backend's reduce-scatter
                 counts.append((kind, *self._reduce_scatter_traffic(nbytes, counted == "pairwise")))
         return tuple(counts)
@@ -474,29 +495,35 @@ _GRAPH_COLLECTIVES = {
     torch.ops._c10d_functional.all_gather_into_tensor.default: ("all_gather", "output"),
     torch.ops._c10d_functional.all_to_all_single.default: ("reduce_scatter", "pairwise"),
     torch.ops._c10d_functional.reduce_scatter_tensor.default: ("reduce_scatter", "input"),
+    torch.ops._c10d_functional.all_reduce.default: ("all_reduce", "input"),  # tensor parallelism's (one graph)
 }
 
 
 class GraphTraffic:
-    """The collectives of one captured forward graph and its backward, counted in ``comm``'s ``stats()`` each time
-    they run (see [Note: counting a graph's collectives])."""
+    """The collectives of one captured forward graph and its backward, counted in the ``stats()`` of the
+    communicator of their group (ZeRO's, and tensor parallelism's at stage 3) each time they run (see [Note:
+    counting a graph's collectives])."""
 
-    def __init__(self, comm: Communicator) -> None:
-        self.comm = comm
-        self.graphs: dict[str, tuple[tuple[str, int, int], ...]] = {}  # "forward" / "backward" -> counts
+    def __init__(self, *comms: Communicator) -> None:
+        self.comms = comms
+        self.graphs: dict[str, list[tuple[Communicator, tuple[tuple[str, int, int], ...]]]] = {}  # which -> counts
 
     def compiled(self, which: str, graph: torch.fx.Graph) -> None:
         """The ``which`` graph ("forward" or "backward") was compiled (again: a re-trace holds the same
         collectives, the last one compiled is the one that runs)."""
-        self.graphs[which] = self.comm.graph_counts(graph)
+        self.graphs[which] = [(comm, comm.graph_counts(graph)) for comm in self.comms]
+
+    def _count(self, which: str) -> None:
+        for comm, counts in self.graphs.get(which, ()):
+            comm.count_graph(counts)
 
     def forward_ran(self, outputs: Any) -> None:
         """The forward graph returned ``outputs``: count it, and its backward when autograd runs that."""
-        self.comm.count_graph(self.graphs.get("forward", ()))
+        self._count("forward")
         if torch.is_grad_enabled():
             for node in _compiled_backward_nodes(outputs):
                 # read when it runs: a backward AOT autograd compiles lazily is compiled during that run
-                node.register_hook(lambda *_: self.comm.count_graph(self.graphs.get("backward", ())))
+                node.register_hook(lambda *_: self._count("backward"))
 
 
 def _compiled_backward_nodes(outputs: Any) -> list[Any]:

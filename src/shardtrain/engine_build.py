@@ -253,7 +253,8 @@ def _build(
                 fragments=sharded_optimizer.stepped_fragments() if masters is not None else None,
             )
         )
-    runtime = _runtime(module, config, eager, comms.shard, reducer, precision)
+    tp_partial = (tp_comm, partial_grads) if tp_comm is not None else None
+    runtime = _runtime(module, config, eager, comms.shard, reducer, precision, tp_partial)
     # metrics, monitors (TensorBoard/CSV/wandb) and wall-clock breakdown: rank 0 only, never communicates
     monitor = TrainingMonitor(config, topology.rank, topology.device, topology.dp)
     for comm in (comms.shard, comms.replica, comms.dp, comms.hpz):  # comm_stats() counts from here
@@ -282,6 +283,7 @@ def _runtime(
     comm: Communicator,
     reducer: GradientReducer,
     precision: PrecisionPolicy,
+    tp_partial: tuple[Communicator, frozenset[int]] | None,
 ) -> Runtime:
     """The eager runtime, or with ``graph.enabled`` the graph runtime around it."""
     gcfg = config.graph
@@ -298,6 +300,7 @@ def _runtime(
         cache_size=gcfg.cache_size,
         compiler=gcfg.compiler,
         wire_dtype=precision.reduce_dtype if precision.mixed else None,
+        tp_partial=tp_partial,
     )
 
 
@@ -330,10 +333,10 @@ def refuse_unbuilt(cfg: Config, topology: Topology, model: nn.Module) -> None:
             "offload_optimizer (optimizer state, and fp32 masters, in host memory or on disk) and set "
             "offload_param.device to 'none' (docs/offload.md)"
         )
-    if cfg.graph.enabled and zcfg.stage == 3 and (param.device == "nvme" or topology.tp > 1):
+    if cfg.graph.enabled and zcfg.stage == 3 and param.device == "nvme":
         raise ConfigError(
             "graph.enabled with ZeRO stage 3: "
-            + ("offload_param to nvme" if param.device == "nvme" else "tensor parallelism")
+            + "offload_param to nvme"
             + " does not run in graph mode yet; turn graph mode off, or use stage 0-2 with it"
         )
     if zcfg.stage == 3 and zcfg.stage3_unit_classes:

@@ -183,7 +183,7 @@ class CapturedModule:
         log.info("capturing %s (graph %d): %s", self.name, self.stats.captures, "; ".join(reasons))
         entry = _Entry(schema, run=lambda *a: None)
         if self.units is not None:
-            entry.traffic = GraphTraffic(self.units.comm)
+            entry.traffic = GraphTraffic(*self.units.comms)
         function = self._function
         fn = types.FunctionType(function.__code__.replace(), function.__globals__, "captured_" + self.name)
         # not fullgraph=True even when strict: shardtrain.between_graphs' intended splits must stay allowed; strict is
@@ -224,7 +224,7 @@ class CapturedModule:
 
             if self.units is None:
                 return default_partition(joint, joint_inputs, **kwargs)
-            recompute_gathers(joint.graph)  # step 1 of the note
+            recompute_gathers(joint.graph, self.units.settings)  # step 1 of the note
             return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
         aot = aot_autograd(
@@ -257,6 +257,8 @@ class CapturedModule:
         except torch._dynamo.exc.TorchDynamoException as err:  # tracing refused the forward as a whole
             if self.units is not None:
                 self._entries.pop(entry.schema, None)
+                if isinstance(getattr(err, "inner_exception", None), GraphCaptureError):  # a pass of ours refused it
+                    raise err.inner_exception from None
                 raise GraphCaptureError(self._sharded_message(_construct(err))) from None
             if self.strict:
                 self._entries.pop(entry.schema, None)

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from shardtrain import comm_failure
+from shardtrain.between_graphs import one_graph
 from shardtrain.comm import Communicator
 from shardtrain.graph.captured import CapturedModule
 from shardtrain.graph.schema import Schema, differences
@@ -48,9 +49,11 @@ class GraphRuntime(Runtime):
         cache_size: int,
         compiler: str,
         wire_dtype: torch.dtype | None,
+        tp_partial: tuple[Communicator, frozenset[int]] | None = None,
     ) -> None:
         """``eager``: the eager runtime over the same units (kept for direct calls of the module and for
-        ``gathered``); ``wire_dtype``: the dtype gradients are reduced in (None: each bucket's own)."""
+        ``gathered``); ``wire_dtype``: the dtype gradients are reduced in (None: each bucket's own); ``tp_partial``:
+        with tensor parallelism, its communicator and the ids of the parameters whose gradients it sums."""
         self.eager, self.comm, self.reducer = eager, comm, reducer
         self.inputs: UnitInputs | None = None
         self._graph_buckets = [b for u in eager.units for b in u.buckets if b.requires_grad]
@@ -71,6 +74,7 @@ class GraphRuntime(Runtime):
                 eager.prefetch_numel,
                 reducer.overlap,
                 predivide=reducer.predivide,
+                tp_partial=tp_partial,
             )
             reducer.hand_over(self._graph_buckets)
         self.captured = CapturedModule(
@@ -117,6 +121,8 @@ class GraphRuntime(Runtime):
         if self.inputs is not None:
             self.eager.release()  # units an eager call of the module left gathered: the graph reads the shards
             self._captured_with_grad |= torch.is_grad_enabled()
+            with one_graph():  # tensor-parallel collectives traced into the one graph ([Note: one graph, no splits])
+                return self.captured.run(call.key, call.args, call.kwargs)
         return self.captured.run(call.key, call.args, call.kwargs)
 
     def begin_backward(self) -> None:

@@ -59,6 +59,7 @@ from torch import fx, nn
 from torch.utils.checkpoint import CheckpointPolicy
 
 from shardtrain.comm import Communicator
+from shardtrain.errors import GraphCaptureError
 from shardtrain.zero.layout import Bucket
 from shardtrain.zero.units import Unit
 
@@ -74,6 +75,10 @@ class BucketSpec:
     wire_dtype: torch.dtype  # gradients are reduced in it
     comm: Communicator
     predivide: float | None = None  # prescale_gradients / gradient_predivide_factor, as the eager reducer's
+    # tensor parallelism: per parameter whether its gradient is a partial sum over the tensor-parallel group
+    # (``TPPlacement.partial_grad``), summed over ``tp_comm`` before the reduction, as the eager reducer's hook does
+    tp_partial: tuple[bool, ...] = ()
+    tp_comm: Communicator | None = None
 
 
 @torch._dynamo.assume_constant_result
@@ -102,6 +107,8 @@ class _GatherUnit(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[None, torch.Tensor, None]:
         spec: BucketSpec = ctx.spec
         sizes, _ = _layout_of(spec)
+        if any(spec.tp_partial):
+            grads = tuple(spec.tp_comm.graph_all_reduce(g) if p else g for g, p in zip(grads, spec.tp_partial))
         flat = [g.reshape(-1).to(spec.wire_dtype) for g in grads]
         if len(sizes) > len(grads):  # the padding up to a multiple of the data-parallel size
             flat.append(flat[0].new_zeros(sizes[-1]))
@@ -114,7 +121,9 @@ class UnitInputs:
 
     ``shard_grad(bucket)`` is the reducer's fp32 gradient shard of a trainable bucket: the sink's ``.grad``;
     ``prefetch_numel`` and ``overlap`` are ``stage3_prefetch_bucket_size`` and ``overlap_comm`` (see
-    :class:`Settings`); ``predivide`` is the reducer's (``prescale_gradients`` / ``gradient_predivide_factor``)."""
+    :class:`Settings`); ``predivide`` is the reducer's (``prescale_gradients`` / ``gradient_predivide_factor``);
+    ``tp_partial``: with tensor parallelism, the tensor-parallel communicator and the ids of the parameters whose
+    gradients are partial sums over it (the graphs' tensor-parallel collectives are counted in its stats())."""
 
     def __init__(
         self,
@@ -126,9 +135,19 @@ class UnitInputs:
         prefetch_numel: int,
         overlap: bool = True,
         predivide: float | None = None,
+        tp_partial: tuple[Communicator, frozenset[int]] | None = None,
     ) -> None:
-        self.comm = comm  # the graphs' collectives are counted in its stats() (see GraphTraffic)
-        self.settings = Settings(prefetch_numel, overlap)
+        self.comm = comm
+        tp_comm, partial = tp_partial if tp_partial is not None else (None, frozenset())
+        # the graphs' collectives are counted in these communicators' stats() (see GraphTraffic)
+        self.comms = (comm,) if tp_comm is None or tp_comm.size == 1 else (comm, tp_comm)
+        # only ZeRO's all-gathers are re-gathered in backward and scheduled, never tensor parallelism's
+        self.settings = Settings(
+            prefetch_numel,
+            overlap,
+            group=comm.group.group_name if comm.size > 1 else "",
+            tensor_parallel=len(self.comms) > 1,
+        )
         self.buckets: list[Bucket] = [b for u in units for b in u.buckets]
         index = {id(s.param): (i, k) for i, b in enumerate(self.buckets) for k, s in enumerate(b.slots)}
         # every place a unit parameter is registered (a tied parameter has several): (module, attribute, name, slot)
@@ -151,6 +170,8 @@ class UnitInputs:
                         wire_dtype=wire_dtype(b),
                         comm=comm,
                         predivide=predivide,
+                        tp_partial=tuple(id(s.param) in partial for s in b.slots) if partial else (),
+                        tp_comm=tp_comm,
                     )
                 )
         # fp32 leaves whose gradient is the bucket's reduced gradient; no storage of their own (stride 0)
@@ -235,6 +256,11 @@ def _op_name(node: fx.Node) -> str:
     return getattr(getattr(node.target, "overloadpacket", None), "__name__", "")
 
 
+def _is_unit_gather(node: fx.Node, group: str | None) -> bool:
+    """An all-gather of a unit over ZeRO's group ``group`` (None: every all-gather), not a tensor-parallel one."""
+    return node.target is _AG and (group is None or node.args[-1] == group)
+
+
 def _gather_group(start: fx.Node) -> list[fx.Node]:
     """An all-gather, its wait and every view taken of the gathered buffer (not the ops that compute with it)."""
     group, stack = [start], [start]
@@ -247,10 +273,12 @@ def _gather_group(start: fx.Node) -> list[fx.Node]:
     return group
 
 
-def recompute_gathers(joint: fx.Graph) -> None:
-    """Step 1 of [Note: ZeRO-3 as graph operations]: re-gather in backward instead of saving gathered values."""
+def recompute_gathers(joint: fx.Graph, settings: Settings | None = None) -> None:
+    """Step 1 of [Note: ZeRO-3 as graph operations]: re-gather in backward instead of saving gathered values (the
+    units' gathers over ``settings.group``; a tensor-parallel gather's output is an activation, saved as such)."""
+    group = settings.group if settings is not None else None
     for node in list(joint.nodes):
-        if node.target is _AG:
+        if _is_unit_gather(node, group):
             for member in _gather_group(node):
                 member.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
                 member.meta["ac_graph_id"] = 0
@@ -278,6 +306,11 @@ class Settings:
 
     prefetch_numel: int = 2**62
     overlap: bool = True
+    # the process group of ZeRO's collectives (its name): with tensor parallelism the graph also holds all-gathers
+    # and all-reduces over the tensor-parallel group, which the passes leave where they are. None: every one
+    group: str | None = None
+    # tensor parallelism in the one graph: a forward that draws random numbers is refused (see refuse_random)
+    tensor_parallel: bool = False
 
 
 def schedule(gm: fx.GraphModule, settings: Settings = Settings()) -> Scheduled:
@@ -293,7 +326,9 @@ def is_backward(graph: fx.Graph) -> bool:
 
 def schedule_graph(graph: fx.Graph, settings: Settings = Settings()) -> Scheduled:
     """Step 2 of [Note: ZeRO-3 as graph operations] on one graph."""
-    groups = [_gather_group(n) for n in graph.nodes if n.target is _AG]
+    if settings.tensor_parallel and not is_backward(graph):
+        refuse_random(graph)
+    groups = [_gather_group(n) for n in graph.nodes if _is_unit_gather(n, settings.group)]
     order = {n: i for i, n in enumerate(graph.nodes)}
 
     def first_use(group: list[fx.Node]) -> fx.Node:
@@ -321,7 +356,43 @@ def schedule_graph(graph: fx.Graph, settings: Settings = Settings()) -> Schedule
         _schedule_reductions(graph)
     graph.lint()
     reductions = sum(1 for n in graph.nodes if n.target in _RS)
-    return Scheduled(len(groups), reductions, _most_gathered(graph), *_overlapping(graph))
+    return Scheduled(
+        len(groups), reductions, _most_gathered(graph, settings.group), *_overlapping(graph, settings.group)
+    )
+
+
+def refuse_random(graph: fx.Graph) -> None:
+    """A forward with tensor parallelism may not draw random numbers (dropout): inside a tensor-parallel region each
+    rank must draw from its own stream ([Note: tensor-parallel RNG]), a fork of the generator that a graph cannot
+    hold, so the graph would draw the same mask on every rank where eager mode draws different ones. The regions'
+    own draw (the stream outside regions advancing as in eager mode) is allowed."""
+    for node in graph.nodes:
+        if not _draws_random(node):
+            continue
+        frames = [line.strip() for line in (node.meta.get("stack_trace") or "").splitlines()]
+        frames = [line for line in frames if line.startswith("File ")]
+        if frames and "shardtrain/tensor_parallel/rng.py" in frames[-1]:
+            continue
+        where = f" ({frames[-1]})" if frames else ""
+        raise GraphCaptureError(
+            f"graph-mode ZeRO-3 with tensor parallelism: the forward draws random numbers ({node.target}{where}, "
+            "dropout?); inside a tensor-parallel region every rank must draw from its own random stream, which one "
+            "graph cannot hold (it would draw the same mask on every tensor-parallel rank). Set the dropout "
+            "probabilities to 0 (or train in eval mode), or turn graph mode off: eager ZeRO-3 forks the generator "
+            "per tensor-parallel rank"
+        )
+
+
+def _draws_random(node: fx.Node) -> bool:
+    """Whether an operation of the graph draws random numbers: an op PyTorch tags as seeded, unless its dropout
+    probability is 0 or it does not train (attention kernels are tagged whatever their ``dropout_p``)."""
+    if node.op != "call_function" or torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
+        return False
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return True
+    values = {a.name: v for a, v in zip(schema.arguments, node.args)} | dict(node.kwargs)
+    return not (any(values.get(name) == 0 for name in ("dropout_p", "p")) or values.get("train") is False)
 
 
 def _gathered_numel(node: fx.Node) -> int:
@@ -329,14 +400,14 @@ def _gathered_numel(node: fx.Node) -> int:
     return val.numel() if isinstance(val, torch.Tensor) else 0
 
 
-def _overlapping(graph: fx.Graph) -> tuple[int, int]:
+def _overlapping(graph: fx.Graph, group: str | None) -> tuple[int, int]:
     """(all-gathers, reduce-scatters) with an operation that is none of theirs between issue and wait: prefetched
     gathers, reductions overlapped with compute."""
     nodes = list(graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     counts = {True: 0, False: 0}
     for n in nodes:
-        if n.target is _AG or n.target in _RS:
+        if _is_unit_gather(n, group) or n.target in _RS:
             waits = [u for u in n.users if u.target is _WAIT]
             if waits:
                 between = nodes[index[n] + 1 : index[waits[0]]]
@@ -383,16 +454,15 @@ def _schedule_reductions(graph: fx.Graph) -> None:
         order = {n: i for i, n in enumerate(graph.nodes)}
 
 
-def _most_gathered(graph: fx.Graph) -> int:
+def _most_gathered(graph: fx.Graph, group: str | None) -> int:
     """Most all-gathers issued and not yet dead at one point of the graph's program order."""
     nodes = list(graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     lifetimes = []
     for n in nodes:
-        if n.target is _AG:
-            group = _gather_group(n)
-            members = set(group)
-            last = max((index[u] for m in group for u in m.users if u not in members), default=index[n])
+        if _is_unit_gather(n, group):
+            members = set(_gather_group(n))
+            last = max((index[u] for m in members for u in m.users if u not in members), default=index[n])
             lifetimes.append((index[n], last))
     return max((sum(1 for a, b in lifetimes if a <= i <= b) for i in range(len(nodes))), default=0)
 
@@ -409,7 +479,7 @@ class InductorPasses:
 
         class Recompute(CustomGraphPass):
             def __call__(self, graph: fx.Graph) -> None:
-                recompute_gathers(graph)
+                recompute_gathers(graph, settings)
 
             def uuid(self) -> bytes:
                 return uuid

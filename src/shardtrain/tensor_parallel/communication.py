@@ -18,8 +18,12 @@ rank whose computation used only its block produces a partial gradient, and ``f`
 gradients. Conversely the gradient of a gathered activation is replicated, so its backward just keeps this
 rank's block.
 
-In graph mode the four primitives run eagerly between the pieces of the captured graph
-(:mod:`shardtrain.between_graphs`): their collectives go through c10d work handles, which a graph cannot hold.
+In graph mode at ZeRO stages 0-2 the four primitives run eagerly between the pieces of the captured graph
+(:mod:`shardtrain.between_graphs`): their collectives go through c10d work handles, which a graph cannot hold. At
+stage 3 the forward is one graph, which cannot be split ([Note: one graph, no splits]): there they are traced, their
+collectives the communicator's functional ones (``graph_all_reduce``, ``graph_all_gather_dim``; see [Note:
+collectives in graphs] in :mod:`shardtrain.comm`), chosen by ``torch.compiler.is_compiling()`` in forward and in
+backward alike. The same bytes move, in the same reduction order: the results are eager's, bitwise.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ class _CopyToRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # [*, h] partial per rank -> [*, h] summed
+        if torch.compiler.is_compiling():
+            return ctx.comm.graph_all_reduce(grad), None, None
         grad = grad.contiguous().clone()
         ctx.comm.all_reduce(grad, what=f"the input gradient of {_layer(ctx.what)} (Megatron's f, backward)")
         return grad, None, None
@@ -50,6 +56,8 @@ class _ReduceFromRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, comm: Communicator, what: str) -> torch.Tensor:  # [*, h] partial -> summed
+        if torch.compiler.is_compiling():
+            return comm.graph_all_reduce(x)
         out = x.contiguous().clone()  # x may be saved by another op: never reduce it in place
         comm.all_reduce(out, what=f"the output of {_layer(what)} (Megatron's g, forward)")
         return out
@@ -65,6 +73,8 @@ class _GatherFromRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, comm: Communicator, what: str) -> torch.Tensor:  # [*, h/N] -> [*, h]
         ctx.comm = comm
+        if torch.compiler.is_compiling():
+            return comm.graph_all_gather_dim(x, -1)
         return comm.all_gather_dim(x, -1, what=f"the output blocks of {_layer(what)} (tensor-parallel gather, forward)")
 
     @staticmethod
@@ -82,6 +92,8 @@ class _ScatterToRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # [*, h/N] -> [*, h]
+        if torch.compiler.is_compiling():
+            return ctx.comm.graph_all_gather_dim(grad, -1), None, None
         what = f"the input-gradient blocks of {_layer(ctx.what)} (tensor-parallel scatter, backward)"
         return ctx.comm.all_gather_dim(grad, -1, what=what), None, None
 
@@ -98,25 +110,25 @@ def _block_of_last_dim(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     return x.narrow(-1, comm.rank * per, per).contiguous()
 
 
-@between_graphs("tensor-parallel collective")
+@between_graphs("tensor-parallel collective", traced_in_one_graph=True)
 def copy_to_tp_region(x: torch.Tensor, comm: Communicator, what: str = "") -> torch.Tensor:
     """``f``: identity; in backward the partial input gradients of the ranks are summed."""
     return _CopyToRegion.apply(x, comm, what)
 
 
-@between_graphs("tensor-parallel collective")
+@between_graphs("tensor-parallel collective", traced_in_one_graph=True)
 def reduce_from_tp_region(x: torch.Tensor, comm: Communicator, what: str = "") -> torch.Tensor:
     """``g``: the sum over ranks of the partial results ``x``; the gradient passes through unchanged."""
     return _ReduceFromRegion.apply(x, comm, what)
 
 
-@between_graphs("tensor-parallel collective")
+@between_graphs("tensor-parallel collective", traced_in_one_graph=True)
 def gather_from_tp_region(x: torch.Tensor, comm: Communicator, what: str = "") -> torch.Tensor:
     """Every rank's block of the last dimension, concatenated in rank order."""
     return _GatherFromRegion.apply(x, comm, what)
 
 
-@between_graphs("tensor-parallel collective")
+@between_graphs("tensor-parallel collective", traced_in_one_graph=True)
 def scatter_to_tp_region(x: torch.Tensor, comm: Communicator, what: str = "") -> torch.Tensor:
     """This rank's block of the last dimension of the replicated ``x``."""
     return _ScatterToRegion.apply(x, comm, what)

@@ -27,7 +27,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         per = logits.shape[-1]
         start = comm.rank * per
         row_max = logits.max(dim=-1).values  # [T]
-        comm.all_reduce(row_max, "max", what="vocab-parallel cross-entropy max")
+        if torch.compiler.is_compiling():  # traced into the one graph of ZeRO stage 3 (see .communication)
+            row_max = comm.graph_all_reduce(row_max, "max")
+        else:
+            comm.all_reduce(row_max, "max", what="vocab-parallel cross-entropy max")
         shifted = logits - row_max.unsqueeze(-1)  # [T, V/N], <= 0 for numerical safety
         valid = targets != ignore_index  # [T]
         mine = valid & (targets >= start) & (targets < start + per)  # [T] target on this rank
@@ -35,7 +38,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         target_logit = shifted.gather(-1, local_targets.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)  # [T]
         exp = shifted.exp()  # [T, V/N]
         sums = torch.stack([exp.sum(dim=-1), target_logit])  # [2, T]
-        comm.all_reduce(sums, what="vocab-parallel cross-entropy sums")
+        if torch.compiler.is_compiling():
+            sums = comm.graph_all_reduce(sums)
+        else:
+            comm.all_reduce(sums, what="vocab-parallel cross-entropy sums")
         sum_exp, target_logit = sums[0], sums[1]
         loss = (sum_exp.log() - target_logit).masked_fill(~valid, 0.0)  # [T]
         softmax = exp.div_(sum_exp.unsqueeze(-1))  # [T, V/N], this rank's block of the softmax
@@ -67,7 +73,8 @@ def vocab_parallel_cross_entropy(
     return losses.sum() / (flat_targets != ignore_index).sum()
 
 
-@between_graphs("vocab-parallel cross-entropy")  # its all-reduces: between graph pieces in graph mode
+# its all-reduces: between graph pieces in graph mode, traced at ZeRO stage 3 ([Note: one graph, no splits])
+@between_graphs("vocab-parallel cross-entropy", traced_in_one_graph=True)
 def _vocab_parallel_losses(logits: torch.Tensor, targets: torch.Tensor, comm: Communicator, ignore_index: int):
     return _VocabParallelCrossEntropy.apply(logits, targets, comm, ignore_index)
 

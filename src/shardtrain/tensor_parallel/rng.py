@@ -24,6 +24,12 @@ from the restored default state, forks to the same seed and reproduces the same 
 is open (the model's forward hooks close any region at both ends of the forward), so a checkpoint never needs
 more than the default generator states. With a group of one the fork is skipped entirely, so tensor-parallel
 size 1 draws exactly the numbers of the unparallelized model.
+
+In graph mode at ZeRO stages 0-2 ``enter()`` and ``exit()`` run between the pieces of the captured graph. At stage 3
+the forward is one graph ([Note: one graph, no splits] in :mod:`shardtrain.between_graphs`), which can hold no
+generator state: there ``enter()`` traces only its one draw from the default CPU generator (the stream outside
+regions advances exactly as in eager mode), and no random operation may run inside a region (graph mode refuses a
+graph that draws random numbers with tensor parallelism: ``shardtrain.graph.sharded.refuse_random``).
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ class RegionRNG:
 
     def __init__(self, tp_rank: int, tp_size: int) -> None:
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        self._traced_inside = False  # a region open in the graph being traced (one graph at ZeRO stage 3)
+        self._draw = torch.zeros(1, dtype=torch.int64)  # where a traced enter() puts its draw (a graph must use it)
         # the generator states to restore on exit (one per forked generator), None outside a region
         self._resume: list[tuple[torch.Generator, torch.Tensor]] | None = None
 
@@ -49,10 +57,16 @@ class RegionRNG:
         """Whether a region is open (the default generators are forked)."""
         return self._resume is not None
 
-    @between_graphs("tensor-parallel RNG fork")  # generator states cannot be held in a captured graph
+    # generator states cannot be held in a captured graph
+    @between_graphs("tensor-parallel RNG fork", traced_in_one_graph=True)
     def enter(self) -> None:
         """Open a region (no-op if one is open already, or for a group of one)."""
         if self._resume is not None or self.tp_size == 1:
+            return
+        if torch.compiler.is_compiling():  # one graph: the draw only (see the note)
+            if not self._traced_inside:
+                self._traced_inside = True
+                self._draw.copy_(torch.randint(0, 1 << 62, (1,), device="cpu"))
             return
         cpu = torch.default_generator
         base = int(torch.randint(0, 1 << 62, (1,), generator=cpu).item())  # the one identical draw
@@ -64,9 +78,12 @@ class RegionRNG:
         for i, g in enumerate(generators):
             g.manual_seed((seed + i) & _MASK63)
 
-    @between_graphs("tensor-parallel RNG fork")
+    @between_graphs("tensor-parallel RNG fork", traced_in_one_graph=True)
     def exit(self) -> None:
         """Close the open region, if any: the default generators continue as if it never was."""
+        if torch.compiler.is_compiling():
+            self._traced_inside = False
+            return
         if self._resume is None:
             return
         for g, state in self._resume:
