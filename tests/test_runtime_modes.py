@@ -125,11 +125,11 @@ def test_eager_and_graph_mode_give_the_same_results_at_zero3(tmp_path):
         assert torch.equal(e["after load"][k], v), k
     half = e["module"]["blocks.1.mlp.0.weight"] * 0.5
     assert torch.equal(e["gathered modified"]["blocks.1.mlp.0.weight"], half)
-    # debug subscribers: eager ZeRO-3 runs with them; graph-mode ZeRO-3 refuses them before anything runs, naming
-    # the hook (issue 23 item 3 builds them per unit), and the run goes on unchanged once they are removed
-    assert all(isinstance(r["subscribed"], float) for r in eager), [r["subscribed"] for r in eager]
-    for r in graph:
-        assert r["subscribed"].startswith("cannot capture GPT as one graph at ZeRO stage 3: a debug hook"), r
+    # debug subscribers: both modes run with them (graph-mode ZeRO-3 computes their statistics inside the graph,
+    # tests/test_graph_debug.py), with the same loss, and the run goes on unchanged once they are removed
+    for e, g in zip(eager, graph):
+        assert isinstance(e["subscribed"], float) and isinstance(g["subscribed"], float), (e, g)
+        torch.testing.assert_close(g["subscribed"], e["subscribed"], rtol=1e-6, atol=0)
     assert all(r["mixed"] == "trained" for r in eager), [r["mixed"] for r in eager]
     for r in graph:
         assert r["mixed"].startswith("gradient of '"), r

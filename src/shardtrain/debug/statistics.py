@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardtrain.debug.stats import tensor_stats
+from shardtrain.debug.stats import stats_from_summary, summary_tensors, tensor_stats
 from shardtrain.debug.subscriber import Subscriber
 from shardtrain.tree import iter_tensors
 
@@ -118,12 +118,31 @@ class StatisticsSubscriber(Subscriber):
         if self.is_active(step):
             self._record(step, "backward", name, path, grad)
 
+    # graph mode at ZeRO stage 3: the same statistics, computed inside the captured graph
+    def summarize(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        return summary_tensors(tensor)
+
+    def record_summary(
+        self,
+        step: int,
+        direction: str,
+        name: str,
+        path: str,
+        shape: list[int],
+        dtype: torch.dtype,
+        summary: list[torch.Tensor],
+    ) -> None:
+        self._write(step, direction, name, path, stats_from_summary(shape, dtype, summary))
+
     # -- files ---------------------------------------------------------------------------------------
     def _record(self, step: int, direction: str, name: str, path: str, tensor: torch.Tensor) -> None:
+        self._write(step, direction, name, path, tensor_stats(tensor))
+
+    def _write(self, step: int, direction: str, name: str, path: str, stats: dict[str, Any]) -> None:
         key = (direction, name, path)
         calls = self._calls[step]
         record = {"seq": self._seq[step], "dir": direction, "name": name, "output": path, "call": calls[key]}
-        record.update(tensor_stats(tensor))
+        record.update(stats)
         calls[key] += 1
         self._seq[step] += 1
         self._file.write(self.rank_dir, step, json.dumps(record) + "\n")

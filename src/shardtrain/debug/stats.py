@@ -108,3 +108,77 @@ class _Accumulator:
                 "norm": math.sqrt(self.sumsq),
             }
         return {**moments, **self.counts}
+
+
+# -- the same statistics inside a captured graph ---------------------------------------------------------------
+# Graph mode at ZeRO stage 3 cannot stop inside the forward to read values (see [Note: statistics inside the graph]
+# in shardtrain.debug.traced): there the statistics are computed by torch operations alone, traced into the graph,
+# and turned into the dict above on the host once the graph ran. The definitions are the ones above; the
+# differences are of method only: the whole tensor at once (the graph holds no Python loop over chunks), and the
+# finite elements selected with ``where`` on every call (no host sync to decide whether masking is needed).
+_SUMMARY = ("n", "mean", "m2", "sumsq", "min", "max", "nan", "inf", "zero", "pos", "neg")
+
+
+def summary_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """:func:`tensor_stats`'s numbers of ``t`` as tensors, computed without a host sync or a branch on values (so
+    they can be traced into a graph): a float64 vector in the order of ``_SUMMARY``, and for integer tensors a
+    second one, int64, with the exact extremes. Empty for tensors that get no statistics (complex, meta, sparse)."""
+    if t.requires_grad:  # (not for a gradient: TorchDynamo traces a backward in a mode where detach is banned)
+        t = t.detach()
+    # (a traced backward may not read layout, and tensors inside a graph are strided)
+    if t.is_complex() or t.is_meta or (not torch.compiler.is_compiling() and t.layout != torch.strided):
+        return []
+    flat = t.reshape(-1)
+    numel = flat.numel()
+    if numel == 0:  # sizes 0 and 1 are never symbolic in a trace: this branch is decided when tracing
+        return [torch.zeros(len(_SUMMARY), dtype=torch.float64, device=t.device)]
+    x = flat.to(torch.float64)
+    nonzero, pos = torch.count_nonzero(flat), (flat > 0).sum()
+    if t.is_floating_point():
+        finite = torch.isfinite(flat)
+        nan, inf = torch.isnan(flat).sum(), torch.isinf(flat).sum()
+        n = finite.sum()
+        kept = torch.where(finite, x, 0.0)
+        mean = kept.sum() / n.clamp(min=1)
+        centered = torch.where(finite, x - mean, 0.0)  # two-pass M2, as above
+        lo = torch.where(finite, x, math.inf).amin()
+        hi = torch.where(finite, x, -math.inf).amax()
+    else:
+        nan = inf = torch.zeros((), dtype=torch.int64, device=t.device)
+        n = torch.full((), numel, dtype=torch.int64, device=t.device)
+        kept = x
+        mean = x.mean()
+        centered = x - mean
+        lo, hi = torch.aminmax(x)
+    counts = [n, nan, inf, numel - nonzero, pos, nonzero - pos - nan]
+    moments = [mean, torch.dot(centered, centered), torch.dot(kept, kept), lo, hi]
+    f64 = [c.to(torch.float64) for c in counts]
+    vector = torch.stack([f64[0], *moments, *f64[1:]])  # the order of _SUMMARY
+    if t.is_floating_point() or t.dtype == torch.bool:
+        return [vector]
+    return [vector, torch.stack(list(torch.aminmax(flat))).to(torch.int64)]
+
+
+def stats_from_summary(shape: list[int], dtype: torch.dtype, values: list[torch.Tensor]) -> dict[str, Any]:
+    """The dict :func:`tensor_stats` returns, from what :func:`summary_tensors` computed for a tensor of ``shape``
+    and ``dtype``."""
+    numel = math.prod(shape)
+    out: dict[str, Any] = {"shape": list(shape), "dtype": str(dtype).removeprefix("torch."), "numel": numel}
+    if not values:
+        return out
+    numbers = dict(zip(_SUMMARY, values[0].tolist()))
+    n = int(numbers["n"])
+    counts = {key: int(numbers[key]) for key in ("nan", "inf", "zero", "pos", "neg")}
+    if numel == 0 or n == 0:
+        return {**out, **dict.fromkeys(("min", "max", "mean", "std", "norm")), **counts}
+    lo, hi = numbers["min"], numbers["max"]
+    if len(values) > 1:  # integers: exact extremes
+        lo, hi = values[1].tolist()
+    moments = {
+        "min": lo,
+        "max": hi,
+        "mean": numbers["mean"],
+        "std": math.sqrt(max(numbers["m2"], 0.0) / n),
+        "norm": math.sqrt(numbers["sumsq"]),
+    }
+    return {**out, **moments, **counts}

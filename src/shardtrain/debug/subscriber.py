@@ -7,6 +7,16 @@ returning ``None`` keeps the value. With several subscribers, each sees what the
 
 Callbacks never receive parameters and must not assume they are materialized: under ZeRO stage 3 they are gathered
 by other hooks around the same forward.
+
+Graph mode at ZeRO stage 3
+    There the forward cannot stop to run Python on the activations (see [Note: statistics inside the graph] in
+    :mod:`shardtrain.debug.traced`), so the callbacks above are not called. A subscriber that defines
+    :meth:`Subscriber.summarize` (torch operations on a tensor, traced into the captured graph) and
+    :meth:`Subscriber.record_summary` (what to do with the result on the host) is called through those instead,
+    for every tensor ``post_forward``, ``inspect`` and ``output_grad`` would have seen; one that does not (or that
+    overrides ``pre_forward`` or ``post_root_forward``, which replace inputs and outputs) is refused at the first
+    forward with a :class:`~shardtrain.errors.GraphCaptureError` naming it. :class:`StatisticsSubscriber` defines
+    both and records the same files in both modes.
 """
 
 from __future__ import annotations
@@ -49,3 +59,34 @@ class Subscriber:
     def post_root_forward(self, step: int, name: str, module: nn.Module, outputs: Any) -> Any | None:
         """After the root module's forward (after its own ``post_forward``); may replace the outputs."""
         return None
+
+    # -- graph mode at ZeRO stage 3 (see the module docstring) ----------------------------------------
+    def summarize(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """A module output, an ``inspect_activation`` tensor or a gradient, reduced to tensors by torch operations
+        alone: no ``.item()``, no Python branch on values, no I/O (this runs while the graph is traced)."""
+        raise NotImplementedError
+
+    def record_summary(
+        self,
+        step: int,
+        direction: str,
+        name: str,
+        path: str,
+        shape: list[int],
+        dtype: torch.dtype,
+        summary: list[torch.Tensor],
+    ) -> None:
+        """On the host, once the graph computed it: ``summary`` is what :meth:`summarize` returned for the tensor
+        of ``shape`` and ``dtype`` at ``path`` in the outputs of module ``name`` (``direction``: ``"forward"``, or
+        ``"backward"`` for its gradient), at ``step``; called only at steps where :meth:`is_active`."""
+        raise NotImplementedError
+
+    def traceable(self) -> bool:
+        """Whether graph mode at ZeRO stage 3 can call this subscriber (see the module docstring)."""
+        cls = type(self)
+        return (
+            cls.summarize is not Subscriber.summarize
+            and cls.record_summary is not Subscriber.record_summary
+            and cls.pre_forward is Subscriber.pre_forward
+            and cls.post_root_forward is Subscriber.post_root_forward
+        )

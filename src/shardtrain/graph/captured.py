@@ -46,6 +46,7 @@ from torch import nn
 
 from shardtrain.between_graphs import SPLIT_BY_DESIGN
 from shardtrain.comm import GraphTraffic
+from shardtrain.debug.manager import prepare_traced, traced_call
 from shardtrain.errors import GraphCaptureError
 from shardtrain.graph.schema import Schema, differences, schema_of
 from shardtrain.graph.sharded import (
@@ -150,6 +151,8 @@ class CapturedModule:
 
     def schema(self, args: tuple, kwargs: dict) -> Schema:
         """The schema of a call (what :meth:`run` takes)."""
+        if self.units is not None:  # subscribers' per-module hooks for this step first: the schema holds them
+            prepare_traced(self.module)
         if self.own_hooks:
             return schema_of(self.module, args, kwargs, self.own_hooks)
         return schema_of(self.module, args, kwargs)
@@ -286,7 +289,8 @@ class CapturedModule:
         if self.units is None:
             return run(self.module, args, kwargs)
         shards, sinks = self.units.inputs()
-        with self.units.detached():
+        # debug subscribers' hooks are traced into the graph ([Note: statistics inside the graph] in debug/traced.py)
+        with traced_call(self.module), self.units.detached():
             return run(self.module, self.units, shards, sinks, args, kwargs)
 
     def _strict_message(self, construct: str) -> str:
@@ -300,8 +304,7 @@ class CapturedModule:
             f"cannot capture {self.name} as one graph at ZeRO stage 3: {construct}. Graph mode gathers the units "
             "inside the graph, so this cannot run as a split between two graphs; run eagerly, it would gather "
             "every unit at once and keep them until backward (the whole model on every rank). Change the model "
-            "(or remove the hook, or the debug subscribers), or turn graph mode off: eager ZeRO-3 gathers unit by "
-            "unit around it"
+            "(or remove the hook), or turn graph mode off: eager ZeRO-3 gathers unit by unit around it"
         )
 
     def _fall_back(self, reason: str) -> None:

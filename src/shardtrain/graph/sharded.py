@@ -35,11 +35,12 @@ three steps of ours make the result behave like ZeRO-3 rather than like a model 
 
 [Note: no split at ZeRO stage 3]
 Every gather is issued before ``functional_call`` enters its parameter swap, a context manager TorchDynamo cannot
-split. A construct it cannot trace inside the model (``.item()`` control flow, a ``torch.compiler.disable`` hook,
-a debug subscriber) therefore cannot become a split between two graphs: TorchDynamo would run the whole forward
-eagerly, every unit gathered up front and kept until backward, the whole model on every rank. So the stage-3
-forward is compiled with ``fullgraph=True`` and such a construct is a ``GraphCaptureError`` naming it, raised
-while tracing (before any gather ran), whatever ``graph.strict`` says.
+split. A construct it cannot trace inside the model (``.item()`` control flow, a ``torch.compiler.disable`` hook)
+therefore cannot become a split between two graphs: TorchDynamo would run the whole forward eagerly, every unit
+gathered up front and kept until backward, the whole model on every rank. So the stage-3 forward is compiled with
+``fullgraph=True`` and such a construct is a ``GraphCaptureError`` naming it, raised while tracing (before any
+gather ran), whatever ``graph.strict`` says. Debug subscribers are traced into the graph instead (see [Note:
+statistics inside the graph] in :mod:`shardtrain.debug.traced`).
 
 The numbers are eager ZeRO-3's: the same shards gathered, the same gradients reduced with the same algorithm
 and summation order (the wire dtype of mixed precision included); what can differ is the order in which
