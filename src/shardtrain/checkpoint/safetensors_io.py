@@ -87,9 +87,9 @@ _UNCACHED_MIN = 1 << 20
 _thread_buffers = threading.local()  # each reader thread's block-aligned buffer, kept for its next read
 
 
-def _resident_pages(fd: int, start: int, length: int) -> bytes | None:
-    """One byte per page of ``[start, start + length)`` (``start`` page-aligned) of the file, odd where the page
-    is in the page cache (``mincore`` of a read-only mapping, which reads nothing); ``None`` where not possible."""
+@lru_cache(maxsize=1)
+def _libc() -> Any:
+    """The C library's ``mmap``, ``munmap`` and ``mincore`` (``None`` where they cannot be loaded)."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.mmap.restype = ctypes.c_void_p
@@ -97,6 +97,15 @@ def _resident_pages(fd: int, start: int, length: int) -> bytes | None:
         libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
         libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
     except (OSError, AttributeError):
+        return None
+    return libc
+
+
+def _resident_pages(fd: int, start: int, length: int) -> bytes | None:
+    """One byte per page of ``[start, start + length)`` (``start`` page-aligned) of the file, odd where the page
+    is in the page cache (``mincore`` of a read-only mapping, which reads nothing); ``None`` where not possible."""
+    libc = _libc()
+    if libc is None:
         return None
     addr = libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, start)
     if addr in (None, ctypes.c_void_p(-1).value):
@@ -115,7 +124,8 @@ class _Uncached:
     def __init__(self, path: Path, fd: int, start: int, end: int) -> None:
         self.fd: int | None = None
         self.base = start - start % mmap.PAGESIZE
-        resident = _resident_pages(fd, self.base, end - self.base) if hasattr(os, "O_DIRECT") and end > start else None
+        long = hasattr(os, "O_DIRECT") and end - start >= _UNCACHED_MIN  # shorter reads never go around the cache
+        resident = _resident_pages(fd, self.base, end - self.base) if long else None
         if resident is None:
             return
         try:
