@@ -52,6 +52,7 @@ _DIRECT_CHUNK = 16 << 20  # reads straight into a result: no buffer to bound, fe
 # result and checksums; here one waits for the disk, another faults in its part of the result, and the calling
 # thread checksums the chunk before.
 _READERS = 2
+_HAS_PREADV = hasattr(os, "preadv")
 _pool: tuple[int, ThreadPoolExecutor] | None = None
 
 
@@ -67,7 +68,11 @@ def _pread_into(fd: int, into: memoryview, pos: int) -> int:
     """Fill ``into`` from file offset ``pos``; returns the bytes read (fewer only at the end of the file)."""
     got = 0
     while got < len(into):
-        r = os.preadv(fd, [into[got:]], pos + got)
+        if _HAS_PREADV:
+            r = os.preadv(fd, [into[got:]], pos + got)
+        else:  # macOS before 11: only the calling thread reads this descriptor there (no O_DIRECT, no reader threads)
+            os.lseek(fd, pos + got, os.SEEK_SET)
+            r = os.readv(fd, [into[got:]])
         if not r:
             break
         got += r
@@ -124,7 +129,8 @@ class _Uncached:
     def __init__(self, path: Path, fd: int, start: int, end: int) -> None:
         self.fd: int | None = None
         self.base = start - start % mmap.PAGESIZE
-        long = hasattr(os, "O_DIRECT") and end - start >= _UNCACHED_MIN  # shorter reads never go around the cache
+        # shorter reads never go around the cache: no mapping, no descriptor for them
+        long = hasattr(os, "O_DIRECT") and _HAS_PREADV and end - start >= _UNCACHED_MIN
         resident = _resident_pages(fd, self.base, end - self.base) if long else None
         if resident is None:
             return
@@ -244,7 +250,11 @@ def stream_tensor(
     Each chunk goes where ``direct(offset, n)`` says: it returns how many of the next ``n`` elements to read and
     the bytes to read them into (the caller's result: no buffer, no copy), or ``None``: then they are read into one
     reused buffer and ``sink(offset, chunk)`` gets them (a 1-D view valid only during the call; ``offset`` counts
-    elements from the start of the tensor). Without ``direct`` every chunk goes to ``sink``. Memory: one chunk."""
+    elements from the start of the tensor). Without ``direct`` every chunk goes to ``sink``. Memory: one chunk.
+
+    Direct chunks of a range none of whose pages is cached are read around the page cache (``_Uncached``: O_DIRECT,
+    on up to ``_READERS`` reader threads, checksummed in file order by the calling thread); every reader thread is
+    done with the result before this returns or raises."""
     data_start, header = read_header(path)
     info = header.get(key)
     if not isinstance(info, dict):
