@@ -33,6 +33,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -167,10 +168,12 @@ def _ours(comm: Communicator, path: Path, pieces: list[SavePiece], out: dict[str
 
 
 def _load_rank(root: str, world: int, numel_per_tensor: int, rounds: int, settle_s: float) -> list[dict[str, float]]:
-    """One checkpoint saved once; per round, three timed reads of it by every rank at once, in an order that
+    """One checkpoint saved once; per round, five timed reads of it by every rank at once, in an order that
     rotates and reverses from round to round: the shardtrain load of this rank's fragments (``reader.read``,
-    checksums verified, fresh result tensors), and the raw read of this rank's file of the same checkpoint
-    (sequential ``readinto`` of 64 MiB blocks) into one reused buffer and into freshly allocated memory.
+    checksums verified) into fresh result tensors and into tensors allocated before the rounds, and the raw read of
+    this rank's file of the same checkpoint (sequential ``readinto`` of 64 MiB blocks: the reference) into one
+    reused buffer and into freshly allocated memory; and, shown beside the reference, the same file read with the
+    load's own I/O (O_DIRECT, two threads).
 
     Before each timed read every rank's files are evicted from the page cache (``fsync`` then
     ``posix_fadvise(DONTNEED)``, which needs no privileges) and ``resident_bytes`` checks that none of their pages
@@ -202,12 +205,36 @@ def _load_rank(root: str, world: int, numel_per_tensor: int, rounds: int, settle
             while f.readinto(buf if not fresh else bytearray(BLOCK)):
                 pass
 
-    methods = {"load": load, "load_into": load_into, "raw": lambda: raw(False), "raw_fresh": lambda: raw(True)}
+    def raw_direct() -> None:
+        """Not the goal's reference, shown beside it: the file read with the loader's own I/O (O_DIRECT, two reader
+        threads, 16 MiB requests), each thread into its own reused block-aligned buffer."""
+        fd = os.open(mine, os.O_RDONLY | os.O_DIRECT)
+        size, chunk = mine.stat().st_size, 16 << 20
+        try:
+            with ThreadPoolExecutor(2) as pool:
+                halves = [(chunk * i, mmap.mmap(-1, chunk)) for i in range(2)]
+
+                def reader(first: int, buf: mmap.mmap) -> None:
+                    for pos in range(first, size // 4096 * 4096, 2 * chunk):
+                        os.preadv(fd, [memoryview(buf)[: min(chunk, size // 4096 * 4096 - pos)]], pos)
+
+                for f in [pool.submit(reader, first, buf) for first, buf in halves]:
+                    f.result()
+        finally:
+            os.close(fd)
+
+    methods = {
+        "load": load,
+        "load_into": load_into,
+        "raw": lambda: raw(False),
+        "raw_fresh": lambda: raw(True),
+        "raw_direct": raw_direct,
+    }
     names = list(methods)
     results = []
     for k in range(rounds):
-        order = names[k % 4 :] + names[: k % 4]
-        order = order[::-1] if (k // 4) % 2 else order
+        order = names[k % len(names) :] + names[: k % len(names)]
+        order = order[::-1] if (k // len(names)) % 2 else order
         out: dict[str, float] = {"bytes": mine.stat().st_size, "round": k}
         for name in order:
             settle(settle_s)
@@ -237,7 +264,7 @@ def _report_load(per_rank: list[list[dict[str, float]]], world: int, gb: float) 
     def agg(key: str, k: int) -> float:  # all ranks' bytes over the slowest rank's time
         return gb / max(r[k][f"{key}_s"] for r in per_rank)
 
-    methods = ("load", "load_into", "raw", "raw_fresh")
+    methods = ("load", "load_into", "raw", "raw_fresh", "raw_direct")
     resident = max(r[k][f"{m}_resident"] for r in per_rank for k in range(rounds) for m in methods)
     print(
         f"\nload against a raw parallel read of the same files ({gb:.2f} GB, world {world}, each rank its own file; "
@@ -254,6 +281,7 @@ def _report_load(per_rank: list[list[dict[str, float]]], world: int, gb: float) 
         ("load_into", "shardtrain load into existing tensors (as the engine loads weights)"),
         ("raw", "raw read of the same files, into one reused buffer"),
         ("raw_fresh", "raw read of the same files, into fresh memory"),
+        ("raw_direct", "(not the reference) the same files read as the load reads: O_DIRECT, 2 threads"),
     ):
         rate = med(agg(key, k) for k in range(rounds))
         cpu = med(r[k][f"{key}_cpu_s"] for r in per_rank for k in range(rounds))
@@ -264,7 +292,7 @@ def _report_load(per_rank: list[list[dict[str, float]]], world: int, gb: float) 
             cells.append("-" if key == loader else f"**{med(paired):.2f}** [{q[0]:.2f}, {q[2]:.2f}]")
         print(f"| {name} | {rate:.2f} | {cpu:.3f} | {cells[0]} | {cells[1]} |")
     print(
-        "per round, aggregate GB/s load / in place / raw / raw fresh: "
+        "per round, aggregate GB/s load / in place / raw / raw fresh / raw O_DIRECT: "
         + "; ".join("/".join(f"{agg(m, k):.2f}" for m in methods) for k in range(rounds))
     )
 
