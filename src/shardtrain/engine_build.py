@@ -248,7 +248,7 @@ def _build(
                 fragments=sharded_optimizer.stepped_fragments() if masters is not None else None,
             )
         )
-    runtime = _runtime(module, config, eager, comms.shard, reducer, precision)
+    runtime = _runtime(module, config, eager, comms.shard, reducer, precision, param_offload)
     # metrics, monitors (TensorBoard/CSV/wandb) and wall-clock breakdown: rank 0 only, never communicates
     monitor = TrainingMonitor(config, topology.rank, topology.device, topology.dp)
     for comm in (comms.shard, comms.replica, comms.dp):  # comm_stats() counts from here
@@ -277,6 +277,7 @@ def _runtime(
     comm: Communicator,
     reducer: GradientReducer,
     precision: PrecisionPolicy,
+    param_offload: ParamOffload | None = None,
 ) -> Runtime:
     """The eager runtime, or with ``graph.enabled`` the graph runtime around it."""
     gcfg = config.graph
@@ -293,6 +294,7 @@ def _runtime(
         cache_size=gcfg.cache_size,
         compiler=gcfg.compiler,
         wire_dtype=precision.reduce_dtype if precision.mixed else None,
+        param_offload=param_offload,
     )
 
 
@@ -325,11 +327,10 @@ def refuse_unbuilt(cfg: Config, topology: Topology, model: nn.Module) -> None:
             "offload_optimizer (optimizer state, and fp32 masters, in host memory or on disk) and set "
             "offload_param.device to 'none' (docs/offload.md)"
         )
-    if cfg.graph.enabled and zcfg.stage == 3 and (param.device == "nvme" or topology.tp > 1):
+    if cfg.graph.enabled and zcfg.stage == 3 and topology.tp > 1:
         raise ConfigError(
-            "graph.enabled with ZeRO stage 3: "
-            + ("offload_param to nvme" if param.device == "nvme" else "tensor parallelism")
-            + " does not run in graph mode yet; turn graph mode off, or use stage 0-2 with it"
+            "graph.enabled with ZeRO stage 3: tensor parallelism does not run in graph mode yet; turn graph mode "
+            "off, or use stage 0-2 with it"
         )
     if zcfg.stage == 3 and zcfg.stage3_unit_classes:
         find_unit_modules(model, zcfg.stage3_unit_classes)  # names the classes the model does not have
