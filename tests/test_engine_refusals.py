@@ -14,11 +14,6 @@ from shardtrain.testing import run_distributed
 
 NVME = {"device": "nvme", "nvme_path": "<tmp>"}
 CASES = {
-    "graph stage 3 with parameter offload": (
-        {"stage": 3, "stage3_param_persistence_threshold": 0, "offload_param": NVME, "offload_optimizer": NVME},
-        {"graph": {"enabled": True}},
-        "graph.enabled with ZeRO stage 3: offload_param to nvme does not run in graph mode yet",
-    ),
     "a unit class the model does not have": (
         {"stage": 3, "stage3_unit_classes": ["DecoderLayer"], "offload_param": NVME},
         {},

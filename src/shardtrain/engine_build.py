@@ -254,7 +254,7 @@ def _build(
             )
         )
     tp_partial = (tp_comm, partial_grads) if tp_comm is not None else None
-    runtime = _runtime(module, config, eager, comms.shard, reducer, precision, tp_partial)
+    runtime = _runtime(module, config, eager, comms.shard, reducer, precision, tp_partial, param_offload)
     # metrics, monitors (TensorBoard/CSV/wandb) and wall-clock breakdown: rank 0 only, never communicates
     monitor = TrainingMonitor(config, topology.rank, topology.device, topology.dp)
     for comm in (comms.shard, comms.replica, comms.dp, comms.hpz):  # comm_stats() counts from here
@@ -284,6 +284,7 @@ def _runtime(
     reducer: GradientReducer,
     precision: PrecisionPolicy,
     tp_partial: tuple[Communicator, frozenset[int]] | None,
+    param_offload: ParamOffload | None = None,
 ) -> Runtime:
     """The eager runtime, or with ``graph.enabled`` the graph runtime around it."""
     gcfg = config.graph
@@ -301,6 +302,7 @@ def _runtime(
         compiler=gcfg.compiler,
         wire_dtype=precision.reduce_dtype if precision.mixed else None,
         tp_partial=tp_partial,
+        param_offload=param_offload,
     )
 
 
@@ -332,12 +334,6 @@ def refuse_unbuilt(cfg: Config, topology: Topology, model: nn.Module) -> None:
             f"zero_optimization.offload_param.device {param.device!r} is not built on CUDA yet; use "
             "offload_optimizer (optimizer state, and fp32 masters, in host memory or on disk) and set "
             "offload_param.device to 'none' (docs/offload.md)"
-        )
-    if cfg.graph.enabled and zcfg.stage == 3 and param.device == "nvme":
-        raise ConfigError(
-            "graph.enabled with ZeRO stage 3: "
-            + "offload_param to nvme"
-            + " does not run in graph mode yet; turn graph mode off, or use stage 0-2 with it"
         )
     if zcfg.stage == 3 and zcfg.stage3_unit_classes:
         find_unit_modules(model, zcfg.stage3_unit_classes)  # names the classes the model does not have

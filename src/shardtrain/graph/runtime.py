@@ -27,6 +27,8 @@ from shardtrain.comm import Communicator
 from shardtrain.graph.captured import CapturedModule
 from shardtrain.graph.schema import Schema, differences
 from shardtrain.graph.sharded import UnitInputs
+from shardtrain.graph.swapped import SwappedShards
+from shardtrain.zero.offload import ParamOffload
 from shardtrain.zero.reducer import GradientReducer
 from shardtrain.zero.runtime import Call, Runtime
 from shardtrain.zero.unit_runtime import EagerRuntime
@@ -50,12 +52,16 @@ class GraphRuntime(Runtime):
         compiler: str,
         wire_dtype: torch.dtype | None,
         tp_partial: tuple[Communicator, frozenset[int]] | None = None,
+        param_offload: ParamOffload | None = None,
     ) -> None:
         """``eager``: the eager runtime over the same units (kept for direct calls of the module and for
         ``gathered``); ``wire_dtype``: the dtype gradients are reduced in (None: each bucket's own); ``tp_partial``:
-        with tensor parallelism, its communicator and the ids of the parameters whose gradients it sums."""
+        with tensor parallelism, its communicator and the ids of the parameters whose gradients it sums;
+        ``param_offload``: the units' shards in swap files, which the graphs read (see [Note: swapped shards in
+        graphs])."""
         self.eager, self.comm, self.reducer = eager, comm, reducer
         self.inputs: UnitInputs | None = None
+        self.swapped = SwappedShards(param_offload, eager.units) if param_offload is not None else None
         self._graph_buckets = [b for u in eager.units for b in u.buckets if b.requires_grad]
         if eager.units:
             if not eager.gather_check:
@@ -75,6 +81,7 @@ class GraphRuntime(Runtime):
                 reducer.overlap,
                 predivide=reducer.predivide,
                 tp_partial=tp_partial,
+                swapped=self.swapped.bucket_indices if self.swapped is not None else frozenset(),
             )
             reducer.hand_over(self._graph_buckets)
         self.captured = CapturedModule(

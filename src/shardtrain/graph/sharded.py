@@ -27,6 +27,8 @@ three steps of ours make the result behave like ZeRO-3 rather than like a model 
    of a reduce-scatter is waited for when the next one is issued: one reduction in flight, as the eager reducer.
    The schedule follows ``stage3_prefetch_bucket_size`` and ``overlap_comm`` as eager ZeRO-3 does (see
    :class:`Settings`).
+   A unit whose shard is in a swap file (``offload_param`` to nvme) is first read by an operation of the graph;
+   both steps treat that read as part of the unit's gather (see [Note: swapped shards in graphs]).
 3. **Gradients** land in the reducer's fp32 gradient shards: each trainable bucket has a *sink*, an fp32 leaf
    tensor that the gather function takes as an input and ignores in forward; its gradient is the reduce-scattered
    gradient of the bucket, and the sink's ``.grad`` is the reducer's shard buffer itself, so autograd accumulates
@@ -61,6 +63,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from shardtrain.comm import Communicator
 from shardtrain.errors import GraphCaptureError
+from shardtrain.graph.swapped import read_shard
 from shardtrain.zero.layout import Bucket
 from shardtrain.zero.units import Unit
 
@@ -80,6 +83,7 @@ class BucketSpec:
     # (``TPPlacement.partial_grad``), summed over ``tp_comm`` before the reduction, as the eager reducer's hook does
     tp_partial: tuple[bool, ...] = ()
     tp_comm: Communicator | None = None
+    swapped: bool = False  # the shard is in a swap file: the graph reads it (see [Note: swapped shards in graphs])
 
 
 @torch._dynamo.assume_constant_result
@@ -137,6 +141,7 @@ class UnitInputs:
         overlap: bool = True,
         predivide: float | None = None,
         tp_partial: tuple[Communicator, frozenset[int]] | None = None,
+        swapped: frozenset[int] = frozenset(),
     ) -> None:
         self.comm = comm
         tp_comm, partial = tp_partial if tp_partial is not None else (None, frozenset())
@@ -148,6 +153,7 @@ class UnitInputs:
             overlap,
             group=comm.group.group_name if comm.size > 1 else "",
             tensor_parallel=len(self.comms) > 1,
+            swapped=bool(swapped),
         )
         self.buckets: list[Bucket] = [b for u in units for b in u.buckets]
         index = {id(s.param): (i, k) for i, b in enumerate(self.buckets) for k, s in enumerate(b.slots)}
@@ -173,6 +179,7 @@ class UnitInputs:
                         predivide=predivide,
                         tp_partial=tuple(id(s.param) in partial for s in b.slots) if partial else (),
                         tp_comm=tp_comm,
+                        swapped=b.index in swapped,
                     )
                 )
         # fp32 leaves whose gradient is the bucket's reduced gradient; no storage of their own (stride 0)
@@ -217,6 +224,8 @@ class UnitInputs:
         gradient (the schema holds the trainable set, so freezing captures a new graph that reads this again)."""
         views: list[tuple[torch.Tensor, ...]] = []
         for spec, shard, sink, trains in zip(self.specs, shards, sinks, self.trainable):
+            if spec.swapped:
+                shard = read_shard(shard)
             if sink is None or not torch.is_grad_enabled() or not any(trains):
                 views.append(_views(spec.comm.graph_all_gather(shard), spec))
             else:
@@ -234,6 +243,7 @@ def call_on_gathered(module: nn.Module, units: UnitInputs, shards: list, sinks: 
 _AG = torch.ops._c10d_functional.all_gather_into_tensor.default
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
 _RS = (torch.ops._c10d_functional.all_to_all_single.default, torch.ops._c10d_functional.reduce_scatter_tensor.default)
+_READ = torch.ops.shardtrain.read_swapped_shard.default
 
 
 def _is_view(node: fx.Node) -> bool:
@@ -262,13 +272,31 @@ def _is_unit_gather(node: fx.Node, group: str | None) -> bool:
     return node.target is _AG and (group is None or node.args[-1] == group)
 
 
+def _gather_starts(graph: fx.Graph, group: str | None) -> list[fx.Node]:
+    """Each unit's gather: its all-gather over ZeRO's group ``group``, or at data-parallel size 1 (no all-gather) the
+    read of its swapped shard."""
+    return [
+        n
+        for n in graph.nodes
+        if _is_unit_gather(n, group) or (n.target is _READ and not any(u.target is _AG for u in n.users))
+    ]
+
+
+def _read_into(start: fx.Node) -> fx.Node | None:
+    """The read of a swapped shard that an all-gather sends (see [Note: swapped shards in graphs]), if any."""
+    source = start.args[0] if start.target is _AG else None
+    return source if isinstance(source, fx.Node) and source.target is _READ else None
+
+
 def _gather_group(start: fx.Node) -> list[fx.Node]:
-    """An all-gather, its wait and every view taken of the gathered buffer (not the ops that compute with it)."""
+    """An all-gather, its wait and every view taken of the gathered buffer (not the ops that compute with it); or a
+    swapped shard's read that is a gather itself (data-parallel size 1) and its views."""
     group, stack = [start], [start]
     while stack:
         node = stack.pop()
         for user in node.users:
-            if user not in group and (user.target is _WAIT or (node is not start and _is_view(user))):
+            gathered = node is not start or start.target is _READ  # an all-gather's own users are its waits
+            if user not in group and (user.target is _WAIT or (gathered and _is_view(user))):
                 group.append(user)
                 stack.append(user)
     return group
@@ -277,12 +305,11 @@ def _gather_group(start: fx.Node) -> list[fx.Node]:
 def recompute_gathers(joint: fx.Graph, settings: Settings | None = None) -> None:
     """Step 1 of [Note: ZeRO-3 as graph operations]: re-gather in backward instead of saving gathered values (the
     units' gathers over ``settings.group``; a tensor-parallel gather's output is an activation, saved as such)."""
-    group = settings.group if settings is not None else None
-    for node in list(joint.nodes):
-        if _is_unit_gather(node, group):
-            for member in _gather_group(node):
-                member.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-                member.meta["ac_graph_id"] = 0
+    for node in _gather_starts(joint, settings.group if settings is not None else None):
+        read = _read_into(node)  # read again from the swap file in backward too, not kept from forward
+        for member in [read, *_gather_group(node)] if read is not None else _gather_group(node):
+            member.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            member.meta["ac_graph_id"] = 0
 
 
 @dataclass(frozen=True)
@@ -312,6 +339,7 @@ class Settings:
     group: str | None = None
     # tensor parallelism in the one graph: a forward that draws random numbers is refused (see refuse_random)
     tensor_parallel: bool = False
+    swapped: bool = False  # shards read from swap files: Inductor must keep the reads where the schedule put them
 
 
 def schedule(gm: fx.GraphModule, settings: Settings = Settings()) -> Scheduled:
@@ -329,7 +357,7 @@ def schedule_graph(graph: fx.Graph, settings: Settings = Settings()) -> Schedule
     """Step 2 of [Note: ZeRO-3 as graph operations] on one graph."""
     if settings.tensor_parallel and not is_backward(graph):
         refuse_random(graph)
-    groups = [_gather_group(n) for n in graph.nodes if _is_unit_gather(n, settings.group)]
+    groups = [_gather_group(n) for n in _gather_starts(graph, settings.group)]
     order = {n: i for i, n in enumerate(graph.nodes)}
 
     def first_use(group: list[fx.Node]) -> fx.Node:
@@ -350,16 +378,18 @@ def schedule_graph(graph: fx.Graph, settings: Settings = Settings()) -> Schedule
     # admits it; else right before its own wait
     for previous, (_, group) in zip([None, *placed], placed):
         if previous is not None and _gathered_numel(group[0]) <= settings.prefetch_numel:
-            next(m for m in previous[1] if m.target is _WAIT).append(group[0])
+            _ready(previous[1]).append(group[0])
         else:
-            next(m for m in group if m.target is _WAIT).prepend(group[0])
+            _ready(group).prepend(group[0])
+        read = _read_into(group[0])
+        if read is not None:  # the shard's read right before the all-gather that sends it (one unit ahead)
+            group[0].prepend(read)
     if settings.overlap:
         _schedule_reductions(graph)
     graph.lint()
     reductions = sum(1 for n in graph.nodes if n.target in _RS)
-    return Scheduled(
-        len(groups), reductions, _most_gathered(graph, settings.group), *_overlapping(graph, settings.group)
-    )
+    gathers = sum(1 for g in groups if g[0].target is _AG)
+    return Scheduled(gathers, reductions, _most_gathered(graph, settings.group), *_overlapping(graph, settings.group))
 
 
 def refuse_random(graph: fx.Graph) -> None:
@@ -394,6 +424,16 @@ def _draws_random(node: fx.Node) -> bool:
         return True
     values = {a.name: v for a, v in zip(schema.arguments, node.args)} | dict(node.kwargs)
     return not (any(values.get(name) == 0 for name in ("dropout_p", "p")) or values.get("train") is False)
+
+
+def _ready(group: list[fx.Node]) -> fx.Node:
+    """Where a gathered unit's data is first needed: its all-gather's wait, or (a read at data-parallel size 1) the
+    first view of what it read."""
+    wait = next((m for m in group if m.target is _WAIT), None)
+    if wait is not None:
+        return wait
+    views = set(group[1:])
+    return next(n for n in group[0].graph.nodes if n in views)
 
 
 def _gathered_numel(node: fx.Node) -> int:
@@ -493,3 +533,7 @@ class InductorPasses:
                 return uuid
 
         self.config = {"joint_custom_pre_pass": Recompute(), "post_grad_custom_post_pass": Schedule()}
+        if settings.swapped:
+            # measured (world 2, 3 units): Inductor's reordering for peak memory moved every read of a swapped shard
+            # before the first unit's compute, all shards held at once; without it the reads stay one unit ahead
+            self.config["reorder_for_peak_memory"] = False

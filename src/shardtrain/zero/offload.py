@@ -973,7 +973,7 @@ class ParamOffload:
             if b.index in self._maps:
                 self._maps[b.index][0].madvise(advice)
 
-    def _read_shard(self, b) -> torch.Tensor:
+    def read_shard(self, b) -> torch.Tensor:
         """Bucket ``b``'s shard from its file into new memory, with one positional read (see [Note: parameter
         offload]): the disk's sequential speed, where touching the mapping read it by page faults."""
         path = self.scratch.path / f"param-{b.index}.bin"
@@ -1014,7 +1014,7 @@ class ParamOffload:
         for b in unit.buckets:
             if b.index in self._maps:
                 held.append((b, b.shard))
-                b.shard = self._read_shard(b)
+                b.shard = self.read_shard(b)
         self._held[unit.index] = held
         self.most_ahead = max(self.most_ahead, len(self._held))
 
