@@ -20,6 +20,7 @@ from tp_cases import (
     Case,
     assert_parity,
     config_for,
+    forward_engine,
     global_batches,
     make_model,
     make_optimizer,
@@ -29,7 +30,7 @@ from tp_cases import (
     train,
 )
 
-CASE = Case(steps=2, gas=1)
+CASE = Case(steps=3, gas=1)  # the graph captured at the second step, reused at the third
 
 
 def _engine(case: Case, graph: bool):
@@ -77,7 +78,8 @@ def both_modes(case: Case, dropout: bool = False) -> dict:
 
 def refused_dropout(case: Case) -> str:
     """The error of a training forward with dropout inside the attention, a tensor-parallel region (its heads are
-    split): graph mode cannot fork the random stream per tp rank there ([Note: tensor-parallel RNG])."""
+    split), at the graph's capture: graph mode cannot fork the random stream per tp rank there ([Note:
+    tensor-parallel RNG])."""
     from shardtrain.models.gpt import GPT, GPTConfig
     from shardtrain.tensor_parallel import GPT_TP_PLAN
     from tp_cases import SEQ, VOCAB
@@ -87,6 +89,10 @@ def refused_dropout(case: Case) -> str:
     config = {**config_for(case, 3, 2), "graph": {"enabled": True}}
     engine = shardtrain.initialize(model, config=config, optimizer=make_optimizer(model, case.lr), tp_plan=GPT_TP_PLAN)
     x, y = global_batches(case, engine.topology.dp)[0]
+    # the first training step runs eagerly, for the check of replicated gradients (the last test): its forward forks
+    # the random stream per tp rank as eager mode does; the second forward captures the graph
+    engine.backward(forward_engine(engine, x[: case.micro], y[: case.micro]))
+    engine.step()
     with pytest.raises(GraphCaptureError) as err:
         engine(x[: case.micro], y[: case.micro])
     engine.close()
@@ -103,23 +109,22 @@ def assert_bitwise(graph: dict, eager: dict, what: str) -> None:
 
 
 def assert_one_graph(r: dict, case: Case) -> None:
-    """No split, no fallback, no re-trace: one capture for the whole run."""
+    """No split, no fallback, no re-trace: one capture for the whole run, at the second micro-step (the first runs
+    eagerly, for the one-time check of replicated gradients: see the last test)."""
     assert r["graph_breaks"] == {}, r["graph_breaks"]
     stats = r["graph"]
-    assert stats["captures"] == 1 and stats["reuses"] == case.steps * case.gas - 1, stats
+    assert stats["captures"] == 1 and stats["reuses"] == case.steps * case.gas - 2, stats
     assert stats["fallbacks"] == [] and stats["guard_recaptures"] == 0, stats
 
 
 def assert_tp_counts(graph: dict, eager: dict) -> None:
     """Every step the same tensor-parallel all-reduces, calls, bytes and bytes sent, in both modes. Beside them only
-    the first step's object exchanges: the same-batch check of the first forward in both modes, and in eager mode
-    the one-time comparison of the replicated parameters' gradients (its hooks are on the parameters, which the
-    graph's backward does not reach: docs/graph-mode.md)."""
+    the first step's object exchanges, in both modes: the same-batch check of the first forward and the one-time
+    comparison of the replicated parameters' gradients (graph mode runs that step eagerly: docs/graph-mode.md)."""
     for step, (g, e) in enumerate(zip(graph["tp_comm"], eager["tp_comm"], strict=True)):
-        assert g["all_reduce"]["calls"] > 0 and g["all_reduce"] == e["all_reduce"], (step, g, e)
-        assert g.keys() == e.keys() == ({"all_reduce", "all_gather_object"} if step == 0 else {"all_reduce"}), (g, e)
-    assert graph["tp_comm"][0]["all_gather_object"]["calls"] == 1, graph["tp_comm"][0]
-    assert eager["tp_comm"][0]["all_gather_object"]["calls"] == 2, eager["tp_comm"][0]
+        assert g["all_reduce"]["calls"] > 0 and g == e, (step, g, e)
+        assert g.keys() == ({"all_reduce", "all_gather_object"} if step == 0 else {"all_reduce"}), (step, g)
+    assert graph["tp_comm"][0]["all_gather_object"]["calls"] == 2, graph["tp_comm"][0]
 
 
 def check(world: int, case: Case = CASE, dropout: bool = False) -> list[dict]:
@@ -146,7 +151,8 @@ def test_graph_zero3_with_tensor_parallelism_dp1():
     """World 2 = dp 1 x tp 2: the units are whole on each tp rank (a dp group of one: no gather in the graph), every
     collective in the graph is tensor parallelism's. Also: ``tp_comm.stats()`` counts the graphs' all-reduces as eager
     counts its calls, bytes and bytes sent, every step; so does ``comm_stats()`` (ZeRO's groups). And a GPT with
-    dropout in its attention is refused at its first forward, naming the random operation and what to do."""
+    dropout in its attention is refused at the capture of its graph (the second training forward), naming the random
+    operation and what to do."""
     results = check(2, dropout=True)
     for r in results:
         graph, eager = r["graph"], r["eager"]
@@ -197,3 +203,47 @@ def test_graph_zero3_with_tensor_parallelism_odd_dp():
     results = check(6)
     for r in results:
         assert_tp_counts(r["graph"], r["eager"])
+
+
+def _unmarked_norms(graph: bool) -> tuple[str | None, list[str]]:
+    """Qwen3 with its own plan minus ``replicated_with_grad_allreduce`` on the per-head q/k norms (their gradients are
+    partial sums over the tp ranks), plus a replicated parameter no forward uses, at ZeRO stage 3: the first
+    backward's error (None: trained on) and the warnings ``initialize`` and that step gave."""
+    import warnings
+
+    from shardtrain.errors import LayoutError
+    from shardtrain.tensor_parallel import hf_tp_plan
+
+    case = Case(model="qwen3", steps=1, gas=1)
+    model = make_model(case)
+    model.model.layers[1].mlp.unused = torch.nn.Parameter(torch.ones(4))
+    plan = {k: v for k, v in hf_tp_plan(model).items() if not k.endswith("_norm")}
+    config = {**config_for(case, 3, 2), "graph": {"enabled": graph, "strict": True}}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine = shardtrain.initialize(model, config=config, optimizer=make_optimizer(model, case.lr), tp_plan=plan)
+        x, y = global_batches(case, 1)[0]
+        try:
+            engine.backward(forward_engine(engine, x[: case.micro], y[: case.micro]))
+            error = None
+        except LayoutError as err:
+            error = str(err)
+    engine.close()
+    return error, [str(w.message) for w in caught]
+
+
+def _unmarked_norms_both() -> tuple:
+    return _unmarked_norms(True), _unmarked_norms(False)
+
+
+def test_graph_mode_refuses_a_missing_partial_grad_mark_as_eager_does():
+    """The one-time check of replicated gradients hooks the parameters, which the graph's backward does not reach at
+    ZeRO stage 3: graph mode runs the first training step eagerly while the check waits on unit parameters, so a plan
+    missing a ``replicated_with_grad_allreduce`` mark raises there the error eager mode raises (the same message: the
+    same gradients) instead of training on, silently wrong. A parameter that got no gradient in that step is named in
+    a warning: graph mode will not check it."""
+    for (graph, graph_warnings), (eager, _) in run_distributed(_unmarked_norms_both, 2):
+        assert eager is not None and "model.layers.1.self_attn.k_norm.weight" in eager, eager
+        assert graph == eager, f"graph mode: {graph!r}\neager: {eager!r}"
+        unchecked = [w for w in graph_warnings if "model.layers.1.mlp.unused" in w]
+        assert len(unchecked) == 1 and "not checked" in unchecked[0], graph_warnings

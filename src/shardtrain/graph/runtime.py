@@ -7,7 +7,9 @@ operations]); the gradient reducer is told, before each backward, which buckets 
 runtime stays inside for everything a graph does not hold: its unit hooks stay on the module, inert while a graph is
 traced, so a direct call of the module (``engine.module(x)``) gathers unit by unit as in eager mode, and a backward
 that follows only such calls is run by the eager runtime and reduced by the reducer's hooks, as in eager mode;
-``gathered()`` is the eager runtime's.
+``gathered()`` is the eager runtime's. While the one-time check of replicated gradients with tensor parallelism waits
+on unit parameters ([Note: replicated gradients across tensor-parallel ranks]), the training forward runs eagerly too:
+the check hooks the parameters, and the graph's backward reaches none of the units'.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from shardtrain.graph.captured import CapturedModule
 from shardtrain.graph.schema import Schema, differences
 from shardtrain.graph.sharded import UnitInputs
 from shardtrain.graph.swapped import SwappedShards
+from shardtrain.tensor_parallel.grad_check import unchecked
 from shardtrain.zero.offload import ParamOffload
 from shardtrain.zero.reducer import GradientReducer
 from shardtrain.zero.runtime import Call, Runtime
@@ -94,10 +97,15 @@ class GraphRuntime(Runtime):
         )
         self._captured_with_grad = False  # a captured forward recorded gradients since the last backward
         self._eager_backward = False
+        # the same on every rank (the check hooks the same parameters everywhere): graph and eager collectives differ
+        self._check_eagerly = bool(self.inputs is not None and unchecked(self._unit_params()))
 
     @property
     def units(self) -> list[Unit]:
         return self.eager.units
+
+    def _unit_params(self) -> list[nn.Parameter]:
+        return [s.param for u in self.eager.units for b in u.buckets for s in b.slots]
 
     def prepare(self, args: tuple, kwargs: dict) -> Call:
         schema = self.captured.schema(args, kwargs)
@@ -126,6 +134,8 @@ class GraphRuntime(Runtime):
 
     def forward(self, call: Call) -> Any:
         if self.inputs is not None:
+            if self._check_eagerly and torch.is_grad_enabled():  # bitwise the graph's numbers (tests/test_graph_tp.py)
+                return self.eager.forward(call)
             self.eager.release()  # units an eager call of the module left gathered: the graph reads the shards
             self._captured_with_grad |= torch.is_grad_enabled()
             with one_graph():  # tensor-parallel collectives traced into the one graph ([Note: one graph, no splits])
@@ -145,6 +155,17 @@ class GraphRuntime(Runtime):
     def end_backward(self) -> None:
         if self._eager_backward:
             self.eager.end_backward()
+        if self._check_eagerly and self._eager_backward:  # checked what got a gradient; the graph checks nothing
+            self._check_eagerly = False
+            if names := unchecked(self._unit_params()):
+                warnings.warn(
+                    f"the replicated parameters {names} got no gradient in the first backward, which graph mode ran "
+                    "eagerly to compare the replicated parameters' gradients across the tensor-parallel ranks: they "
+                    "are not checked (the graph's backward reaches no hook on them), so a missing "
+                    "'replicated_with_grad_allreduce' on them in the tensor-parallel plan would go unnoticed. Check "
+                    "the plan with a run in eager mode (graph.enabled: false) that trains them.",
+                    stacklevel=2,
+                )
         self._captured_with_grad = self._eager_backward = False
 
     def release(self) -> None:

@@ -20,23 +20,36 @@ estimates ||g_r - g_0||; rounding differences (on CUDA some kernels accumulate i
 below ``max(1e-3, 8 eps)`` of the gradient's norm, a partial gradient is far above it. Each parameter's hook is
 removed once the parameter is checked: later steps cost nothing. A parameter that gets no gradient in the first
 backward is checked the first time it gets one.
+
+Graph-mode ZeRO-3 computes the gradients of the units' parameters inside its graph, where no parameter hook fires:
+while the check waits on such parameters (:func:`unchecked`) the graph runtime runs the training forward and
+backward eagerly, so the check sees what eager mode sees and raises the same error (``graph/runtime.py``).
 """
 
 from __future__ import annotations
 
 import math
 import re
+import weakref
+from collections.abc import Iterable
 from functools import partial
 
 import torch
 from torch import nn
 from torch.autograd import Variable
+from torch.utils.weak import WeakIdKeyDictionary
 
 from shardtrain.comm import Communicator
 from shardtrain.errors import LayoutError
 
 _PROJECTIONS = 4
 _SEED = 20_241_117  # any constant: every rank must draw the same projection vectors
+_WAITING = WeakIdKeyDictionary()  # parameter -> its name, while a check's hook waits for its first gradient
+
+
+def unchecked(params: Iterable[nn.Parameter]) -> list[str]:
+    """The names of those of ``params`` whose gradient a :class:`ReplicatedGradCheck` has not compared yet."""
+    return [name for p in params if (name := _WAITING.get(p)) is not None]
 
 
 class ReplicatedGradCheck:
@@ -50,6 +63,9 @@ class ReplicatedGradCheck:
         self._sketches: dict[str, torch.Tensor] = {}  # this backward's, [norm, rtol, projections...] float64
         self._queued = False
         self._handles = {name: p.register_hook(partial(self._record, name)) for name, (p, _) in params.items()}
+        self._params = {name: weakref.ref(p) for name, (p, _) in params.items()}
+        for name, (p, _) in params.items():
+            _WAITING[p] = name
 
     def _record(self, name: str, grad: torch.Tensor) -> None:
         sketch = _sketch(grad)
@@ -68,6 +84,8 @@ class ReplicatedGradCheck:
         self._sketches.clear()
         for name in names:
             self._handles.pop(name).remove()
+            if (p := self._params.pop(name)()) is not None:
+                _WAITING.pop(p, None)
         everyone = self.comm.all_gather_object(
             dict(zip(names, values)), what="sketches of replicated parameters' gradients"
         )
