@@ -29,6 +29,7 @@ from tp_cases import (
     global_batches,
     make_model,
     make_optimizer,
+    plan_for,
     reference_run,
     sgd_case,
 )
@@ -41,8 +42,10 @@ SGD = sgd_case(steps=2, gas=2)  # SGD without clipping: a gradient off by any fa
 ADAMW = Case(steps=2, gas=2)  # AdamW with clipping
 
 
-def _config(case: Case, graph: bool, path: str | None, param: str = "nvme", optimizer: bool = False) -> dict:
-    config = {**config_for(case, 3, 1), "graph": {"enabled": graph, "strict": True}}
+def _config(
+    case: Case, graph: bool, path: str | None, param: str = "nvme", optimizer: bool = False, tp: int = 1
+) -> dict:
+    config = {**config_for(case, 3, tp), "graph": {"enabled": graph, "strict": True}}
     zero = config["zero_optimization"]
     if param == "nvme":
         zero["offload_param"] = {"device": "nvme", "nvme_path": path, "max_in_cpu": 0}  # every unit in a file
@@ -58,7 +61,10 @@ def _train(case: Case, config: dict) -> dict:
     """Train ``case`` on this rank's rows; per micro-step, the most shard buffers the graph held at once in forward
     and in backward, and how many were still held between the two."""
     model = make_model(case)
-    engine = shardtrain.initialize(model, config=config, optimizer=make_optimizer(model, case.lr, case.optimizer))
+    tp_plan = plan_for(case) if config["tensor_parallel"]["size"] > 1 else None
+    engine = shardtrain.initialize(
+        model, config=config, optimizer=make_optimizer(model, case.lr, case.optimizer), tp_plan=tp_plan
+    )
     swapped = getattr(engine._runtime, "swapped", None)
     offload = engine._param_offload
     batches = global_batches(case, engine.topology.dp)
@@ -110,6 +116,16 @@ def graph_and_eager(case: Case, path: str, optimizer: bool = False, extra: str =
         out["graph cpu"] = _train(case, _config(case, True, None, param="cpu"))
     if extra == "up front":
         out["up front"] = read_up_front(path)
+    dist.barrier()
+    return out
+
+
+def graph_and_eager_tp(case: Case, path: str, dp: int, tp: int) -> dict:
+    """Graph mode and eager mode with nvme parameter offload and tensor parallelism, on this rank."""
+    out = {
+        "graph": _train(case, _config(case, True, path, tp=tp)),
+        "eager": _train(case, _config(case, False, path, tp=tp)),
+    }
     dist.barrier()
     return out
 
@@ -189,6 +205,19 @@ def test_graph_zero3_with_nvme_parameter_offload_at_world_1(tmp_path):
     _assert_matches([r], ADAMW, 1, "graph ZeRO-3, offload_param nvme, world 1")
     _assert_bitwise(r["graph cpu"], r["graph"], "graph ZeRO-3, offload_param cpu vs nvme, world 1")
     assert r["graph cpu"]["graph_reads"] == 0
+
+
+@pytest.mark.soak
+@pytest.mark.parametrize("dp", [1, 2])
+def test_graph_zero3_with_nvme_parameter_offload_and_tensor_parallelism(tmp_path, dp):
+    """The two graph-mode compositions together (each unit's tp fragment read from its swap file inside the graph
+    that also holds the tensor-parallel collectives): bitwise eager with the same layout, each shard read once per
+    gather, within rounding of one process."""
+    results = run_distributed(graph_and_eager_tp, dp * 2, SGD, str(tmp_path), dp, 2, timeout=900)
+    for r in results:
+        _assert_bitwise(r["graph"], r["eager"], f"graph ZeRO-3, offload_param nvme, dp {dp} x tp 2 vs eager")
+        _assert_read_per_gather(r["graph"], SGD, MOST_HELD[dp > 1])
+    assert_parity(results[0]["graph"], reference_run(SGD, dp), f"graph ZeRO-3, offload_param nvme, dp {dp} x tp 2")
 
 
 # -- memory: how many shards are held at once ----------------------------------------------------------------
