@@ -56,8 +56,9 @@ the recorded order, if sharded and within the prefetch budget) is exchanged at o
 for when that gather is issued, a unit's compute later, by which time the other ranks have issued theirs. The ids
 are still compared before the data collective is issued. Such an exchange is a commitment every rank on the same
 path made: a rank whose next gather is another unit first verifies the committed exchange, issues the committed
-gather (the unit is released as any unused prefetch) and then checks its own unit, so its collectives pair with
-those of a rank that gathers the committed unit; unit ids of different gathers are never compared with each other.
+gather, waits for it and releases the unit (so no more units are whole than with a prefetch; a departure from the
+recorded order costs one unit's gather), and then checks its own unit, so its collectives pair with those of a
+rank that gathers the committed unit; unit ids of different gathers are never compared with each other.
 Only the gathers a step starts from (the root's and the first prefetch of forward and of backward) wait for the
 exchange at once.
 """
@@ -266,8 +267,9 @@ class EagerRuntime(Runtime):
         if announced is None or announced is unit:
             return
         self._verify(announced)
-        if announced.state is UnitState.SHARDED:
+        if announced.state is UnitState.SHARDED:  # released at once: never more units whole than a prefetch holds
             self._issue(announced)
+            self._release(announced)
 
     def _issue(self, unit: Unit) -> None:
         """Issue ``unit``'s all-gather (checked already)."""
