@@ -27,7 +27,8 @@ convention and the bytes actually sent) and, from separate fresh processes per v
 warm-up steps (variants interleaved): the process's CPU time (user + system, every thread: ``getrusage``), the main
 thread's (``time.thread_time``; the rest is gloo's threads), the time blocked per collective kind and the number of
 collectives (``engine.comm_stats()``); then from one step under ``torch.profiler`` (rank 0): ATen operators
-dispatched, ``aten::copy_`` calls and the bytes they wrote, and CPU allocations (count and bytes). ``stage3:graph``
+dispatched, ``aten::copy_`` calls and the bytes they wrote, and the operators that allocated (their outputs: count
+and bytes). ``stage3:graph``
 and ``stage3:inductor`` run graph mode (``graph.compiler`` ``aot_eager`` or ``inductor``; captured in the warm-up).
 
 Shapes (``--shape``):
@@ -296,11 +297,10 @@ def counts_body(variants: list[str], steps: int, shape: Shape) -> dict:
                 settle(engine)
         aten = copies = copied = allocs = allocated = 0
         for e in prof.events():
-            if e.name == "[memory]":
-                if e.cpu_memory_usage > 0:
-                    allocs, allocated = allocs + 1, allocated + e.cpu_memory_usage
-            elif e.name.startswith("aten::"):
+            if e.name.startswith("aten::"):
                 aten += 1
+                if e.self_cpu_memory_usage > 0:  # what the operator itself left allocated: its outputs
+                    allocs, allocated = allocs + 1, allocated + e.self_cpu_memory_usage
                 if e.name == "aten::copy_" and e.input_shapes and e.input_shapes[0]:
                     item = torch.empty((), dtype=_DTYPES.get(e.input_dtypes[0], torch.float32)).element_size()
                     copies, copied = copies + 1, copied + item * int(torch.Size(e.input_shapes[0]).numel())
@@ -316,7 +316,7 @@ _DTYPES = {"float": torch.float32, "c10::BFloat16": torch.bfloat16, "c10::Half":
 def print_counts(variants: list[str], results: list[dict]) -> None:
     print(
         f"\n{'variant':16} {'CPU/step r0, r1':>16} {'main thread':>12} {'other threads':>13} {'blocked':>8}"
-        f" {'ATen ops':>8} {'copy_ (MiB)':>13} {'allocs (MiB)':>15}  collectives per step"
+        f" {'ATen ops':>8} {'copy_ (MiB)':>13} {'allocating (MiB)':>17}  collectives per step"
     )
     for v in variants:
         cpu = [statistics.median(r[v]["cpu"]) * 1000 for r in results]
@@ -327,7 +327,7 @@ def print_counts(variants: list[str], results: list[dict]) -> None:
         print(
             f"{v:16} {cpu[0]:6.0f}, {cpu[1]:5.0f}ms {main[0]:10.0f}ms {cpu[0] - main[0]:11.0f}ms {blocked}"
             f" {r0['aten']:8d} {r0['copies']:5d} ({r0['copied'] / 2**20:5.1f})"
-            f" {r0['allocs']:6d} ({r0['allocated'] / 2**20:6.1f})"
+            f" {r0['allocs']:8d} ({r0['allocated'] / 2**20:6.1f})"
             f"  {calls}"
         )
         if r0["blocked"]:
