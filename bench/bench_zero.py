@@ -404,10 +404,12 @@ def main() -> None:
     shape = make_shape(args.shape, args.layers)
     world = 2
     n = num_parameters(GPT(shape.gpt))
+    samples = f"{args.repeats} x {args.steps} samples of {args.run} consecutive steps"
+    if args.counts:
+        samples = f"counts over {args.counts} steps per variant after 2 warm-up steps"
     print(
         f"# bench_zero --shape {args.shape}: {n / 1e6:.2f}M-parameter GPT, fp32 AdamW, world {world} (gloo, "
-        f"1 thread/rank), micro-batch {shape.micro_batch}x{shape.gpt.seq_len}, {args.repeats} x {args.steps} samples"
-        f" of {args.run} consecutive steps"
+        f"1 thread/rank), micro-batch {shape.micro_batch}x{shape.gpt.seq_len}, {samples}"
     )
     print(f"# machine: {platform.machine()}, {torch.get_num_threads()} cores, torch {torch.__version__}")
     print(f"# command: python {' '.join(sys.argv)}")
