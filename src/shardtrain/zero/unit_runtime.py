@@ -40,12 +40,13 @@ collective is issued, so ranks that took different paths fail with the unit each
 of mixing up buffers, hanging, or aborting inside the backend (gloo aborts on all-gathers of different
 sizes). It must complete first: a check that only looked back (compared the ids once per step, or after the
 gather was issued) would come after the mismatched gathers it is meant to prevent, which is exactly when gloo
-aborts and NCCL hangs or mixes buffers. So it makes every gather, prefetches included, wait for the other ranks to
-reach the same point; its cost is measured in docs/benchmarks.md. The ids are CPU tensors exchanged over the
-data-parallel axis's host-side group (``Topology.host_dp_group``, gloo; see [Note: the engine's groups] in
-:mod:`shardtrain.mesh`), so on CUDA the check waits for the other ranks' hosts only, never for the kernels queued on
-the device: reading an NCCL result back would wait for every queued gather and reduce-scatter, and a prefetch
-issued behind it would no longer overlap anything. The host keeps running ahead of the device as without the check.
+aborts and NCCL hangs or mixes buffers. So no gather is issued before the other ranks have announced the same
+unit (for prefetches, one unit ahead: below); its cost is measured in docs/benchmarks.md. The ids are CPU
+tensors exchanged over the data-parallel axis's host-side group (``Topology.host_dp_group``, gloo; see [Note: the
+engine's groups] in :mod:`shardtrain.mesh`), so on CUDA the check waits for the other ranks' hosts only, never for
+the kernels queued on the device: reading an NCCL result back would wait for every queued gather and
+reduce-scatter, and a prefetch issued behind it would no longer overlap anything. The host keeps running ahead of
+the device as without the check.
 Turn it off with ``stage3_gather_check: false`` once a model is known to run the same path on every rank.
 
 A gather that waits for the other ranks' ids at the moment it is needed makes every gather a rendezvous: on the
@@ -59,8 +60,8 @@ path made: a rank whose next gather is another unit first verifies the committed
 gather, waits for it and releases the unit (so no more units are whole than with a prefetch; a departure from the
 recorded order costs one unit's gather), and then checks its own unit, so its collectives pair with those of a
 rank that gathers the committed unit; unit ids of different gathers are never compared with each other.
-Only the gathers a step starts from (the root's and the first prefetch of forward and of backward) wait for the
-exchange at once.
+Only the gathers a pass starts from (the root's, the first prefetch of forward and of backward) and gathers on
+demand (order departures, parameters used outside their unit, ``engine.gathered``) wait for the exchange at once.
 """
 
 from __future__ import annotations
