@@ -2,12 +2,14 @@
 survive a noisy machine.
 
     python bench/bench_graph.py [--steps 8] [--layers 11] [--variants ddp,fsdp2,stage2,...] [--no-rss]
+    python bench/bench_graph.py --shape gpt2-10m --variants ddp,stage3,stage3:graph,stage3:inductor --steps 8
     python bench/bench_graph.py --variants ddp,stage3,stage3:graph --profile stage3,stage3:graph
     TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 python bench/bench_graph.py   # cold Inductor: every pass runs, slow capture
 
-Every rank builds the same GPT (the model of bench/bench_zero.py: vocab 8192, d_model 256, sequence 128, tied
-embeddings, micro-batch 8 per rank), fp32 AdamW (lr 1e-4) and gradient clipping 1.0 once per variant, and runs
-it once (graph variants capture here) and once more; the capture time is the first step minus the second. Then
+Every rank builds the same GPT (``--shape``, those of bench/bench_zero.py: ``bench``, the default, vocab 8192,
+d_model 256, sequence 128, tied embeddings, micro-batch 8 per rank; ``gpt2-10m``, issue 15's 10.6M GPT-2), fp32
+AdamW (lr 1e-4) and gradient clipping 1.0 once per variant, and runs it once (graph variants capture here) and
+once more; the capture time is the first step minus the second. Then
 each iteration runs one training step of each variant in a rotating order, all on the same batch; a step's time
 (and each phase's) is the slowest rank's. The default ``--variants`` is the whole comparison of issue 12 (on the
 loaded 2-core machine about 9 minutes at 8 steps, 10 at 16, peak-RSS processes included).
@@ -25,8 +27,19 @@ Columns of the table:
   the re-gathers), and optimizer step (norm, clipping, AdamW, and at ZeRO-1/2 the all-gather of updated shards).
 * ``CPU``: median CPU seconds of a step, both ranks' processes summed (all threads; gloo does not spin while it
   waits, so this is work done, much less disturbed by other jobs on the machine than wall time).
-* ``capture``: first step minus second step (graph variants; Inductor's on-disk cache makes it vary).
+* ``capture``: first step minus second step (graph variants; Inductor's on-disk cache makes it vary), wall time and
+  CPU time (both ranks' processes, every thread: what load disturbs less).
 * ``RSS/rank``: peak RSS of the larger rank in a fresh pair of processes running 3 steps of that variant alone.
+  A second table breaks it down (rank 0, ``rss_phases``): ``start`` (interpreter, torch and shardtrain imported),
+  ``compile stack`` (graph variants: what importing TorchDynamo, AOT autograd, Inductor and their dependencies
+  adds, imported before the model is built so that it is counted apart; the capture imports them anyway),
+  ``built`` (model, engine, optimizer), ``1st step peak`` (the capture's peak for graph variants), ``peak`` (the
+  whole run), and after the last step: ``live`` (RSS after ``gc.collect()`` and glibc's ``malloc_trim(0)``, what is
+  really held: optimizer state, shards, the compiled graphs and the compiler's state) and ``allocator`` (RSS before
+  the trim minus after: memory freed but kept by the allocator); ``Python heap`` is the growth in pymalloc blocks
+  since ``built`` (Python objects: Dynamo's and the graphs' state), ``modules`` the modules imported since then, and
+  ``saved`` the bytes autograd saved for backward in one more step (distinct storages: activations, and the
+  gathered parameters the graph keeps for backward).
 * ``gathers``: ZeRO-3 units gathered at once at the worst point: ``graph_stats()["most_gathered"]`` for graph
   variants (the schedule pass's count; ``?`` when Inductor's cache served the compiled graph and the pass did
   not run), ``engine._runtime.max_gathered`` for eager ZeRO-3; ``-`` where nothing is gathered per unit.
@@ -44,6 +57,9 @@ the wall time no operator accounts for (Python), then the operators with the mos
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
+import gc
 import itertools
 import platform
 import resource
@@ -58,17 +74,14 @@ import torch
 import torch.distributed as dist
 
 import shardtrain
-from bench_zero import torch_baseline
-from shardtrain.models.gpt import GPT, GPTConfig, num_parameters
+from bench_zero import Shape, batch, make_shape, torch_baseline
+from shardtrain.models.gpt import GPT, num_parameters
 from shardtrain.testing import run_distributed
 
-MICRO_BATCH = 8
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c")) if sys.platform.startswith("linux") else None
+
 ALL_VARIANTS = "ddp,fsdp2,stage2,stage2:graph,stage2:inductor,stage3,stage3:graph,stage3:inductor"
 REFERENCES = ("ddp", "fsdp2", "stage2", "stage3")
-
-
-def gpt_config(layers: int) -> GPTConfig:
-    return GPTConfig(vocab_size=8192, seq_len=128, d_model=256, n_layer=layers, n_head=8, tie_embeddings=True)
 
 
 @dataclass
@@ -80,16 +93,16 @@ class Runner:
     engine: Any = None
 
 
-def build(variant: str, layers: int) -> Runner:
+def build(variant: str, shape: Shape) -> Runner:
     torch.manual_seed(0)
-    model = GPT(gpt_config(layers))
+    model = GPT(shape.gpt)
     if variant in ("ddp", "fsdp2"):
         return Runner(torch_baseline(variant, model)[0])
     stage, _, mode = variant.partition(":")
     if not stage.startswith("stage") or mode not in ("", "graph", "inductor"):
         raise SystemExit(f"unknown variant {variant!r}: use ddp, fsdp2, stageN, stageN:graph or stageN:inductor")
     config = {
-        "train_micro_batch_size_per_gpu": MICRO_BATCH,
+        "train_micro_batch_size_per_gpu": shape.micro_batch,
         "gradient_clipping": 1.0,
         # DDP's default bucket is 25 MB; ours is counted in elements
         "zero_optimization": {"stage": int(stage.removeprefix("stage")), "reduce_bucket_size": 25_000_000 // 4},
@@ -106,13 +119,6 @@ def build(variant: str, layers: int) -> Runner:
         engine.step()
 
     return Runner(engine_step, engine)
-
-
-def batch(layers: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    cfg = gpt_config(layers)
-    x = torch.randint(0, cfg.vocab_size, (MICRO_BATCH, cfg.seq_len), generator=g)
-    return x, torch.roll(x, -1, 1)
 
 
 def _timed(runner: Runner, x: torch.Tensor, y: torch.Tensor) -> list[float]:
@@ -142,22 +148,23 @@ def gathers_in_flight(variant: str, runner: Runner) -> str:
     return str(stats["most_gathered"]) if stats["collectives"] else "?"
 
 
-def timing_body(variants: list[str], steps: int, layers: int, profile: list[str], profile_steps: int) -> dict:
+def timing_body(variants: list[str], steps: int, shape: Shape, profile: list[str], profile_steps: int) -> dict:
     rank = dist.get_rank()
-    runners = {v: build(v, layers) for v in variants}
-    first = {v: _timed(runners[v], *batch(layers, seed=rank))[3] for v in variants}  # captures happen here
-    second = {v: _timed(runners[v], *batch(layers, seed=7 + rank))[3] for v in variants}
+    runners = {v: build(v, shape) for v in variants}
+    first = {v: _timed(runners[v], *batch(shape, seed=rank)) for v in variants}  # captures happen here
+    second = {v: _timed(runners[v], *batch(shape, seed=7 + rank)) for v in variants}
     phases: dict[str, list[list[float]]] = {v: [] for v in variants}
     for it in range(steps):
         k = it % len(variants)
-        x, y = batch(layers, seed=1000 * it + rank)
+        x, y = batch(shape, seed=1000 * it + rank)
         for v in variants[k:] + variants[:k]:  # rotate so no variant always runs first
             phases[v].append(_timed(runners[v], x, y))
-    profiles = {v: _profile(runners[v], layers, profile_steps) for v in profile}
+    profiles = {v: _profile(runners[v], shape, profile_steps) for v in profile}
     graph = {v: r.engine.graph_stats() for v, r in runners.items() if r.engine is not None and r.engine.graph_stats()}
     return {
         "phases": phases,
-        "capture": {v: first[v] - second[v] for v in variants},
+        "capture": {v: first[v][3] - second[v][3] for v in variants},
+        "capture_cpu": {v: first[v][4] - second[v][4] for v in variants},
         "graph": graph,
         "gathers": {v: gathers_in_flight(v, r) for v, r in runners.items()},
         "profiles": profiles,
@@ -168,7 +175,7 @@ _COMM_WORDS = ("wait", "c10d", "gloo", "all_gather", "allgather", "reduce_scatte
                "all_reduce", "barrier", "nccl")  # fmt: skip
 
 
-def _profile(runner: Runner, layers: int, steps: int) -> dict[str, Any]:
+def _profile(runner: Runner, shape: Shape, steps: int) -> dict[str, Any]:
     """``steps`` steps under torch.profiler, every number per step. Self CPU time summed per kind of operator on
     this rank's threads: ``comm`` (blocked in or issuing collectives), ``aten`` (other ATen operators: the
     compute), ``other`` (recorded scopes' own time: autograd and compiled-graph wrappers); ``unrecorded`` is the
@@ -177,7 +184,7 @@ def _profile(runner: Runner, layers: int, steps: int) -> dict[str, Any]:
     engine measured blocked in its own (eager) collectives, which the ``c10d::`` ops of ``comm`` mostly cover."""
     from torch.profiler import ProfilerActivity, profile
 
-    x, y = batch(layers, seed=99 + dist.get_rank())
+    x, y = batch(shape, seed=99 + dist.get_rank())
     if runner.engine is not None:
         runner.engine.comm.reset_wait_seconds()
     dist.barrier()
@@ -203,11 +210,64 @@ def _profile(runner: Runner, layers: int, steps: int) -> dict[str, Any]:
     return {"wall": wall, **kinds, "unrecorded": unrecorded, "engine_wait": engine_wait, "top": top[:12]}
 
 
-def rss_body(variant: str, steps: int, layers: int) -> int:
-    runner = build(variant, layers)
+def _status() -> dict[str, int]:
+    """VmRSS and VmHWM (the peak so far) of this process, in bytes."""
+    with open("/proc/self/status") as f:
+        fields = (line.partition(":") for line in f)
+        return {k: int(v.split()[0]) * 1024 for k, _, v in fields if k in ("VmRSS", "VmHWM")}
+
+
+def _trimmed_rss() -> int:
+    """RSS once garbage is collected and glibc has returned the free memory it can (``malloc_trim``)."""
+    gc.collect()
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+    return _status()["VmRSS"]
+
+
+def _saved_bytes(runner: Runner, x: torch.Tensor, y: torch.Tensor) -> int:
+    """Bytes of the distinct storages autograd saves for backward during one step (packed by a saved-tensor hook
+    around the whole step; the eager ZeRO-3 runtime chains its own hooks to it)."""
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        try:
+            storage = t.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+        except (RuntimeError, NotImplementedError):  # no plain storage (a subclass): not counted
+            pass
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        runner.step(x, y, [])
+    return sum(storages.values())
+
+
+def rss_phases(variant: str, steps: int, shape: Shape) -> dict[str, int]:
+    """The peak RSS of ``steps`` steps of ``variant`` in this fresh process, broken down (see the module docstring's
+    ``RSS/rank``; bytes, block and module counts). Nothing is trimmed before the peak is read."""
+    out = {"start": _status()["VmRSS"], "compile stack": 0}
+    if ":" in variant:  # what the capture imports anyway, here so that it is measured apart
+        before = _status()["VmRSS"]
+        import torch._dynamo
+        import torch._functorch.partitioners
+        import torch._inductor.compile_fx  # noqa: F401
+
+        out["compile stack"] = _status()["VmRSS"] - before
+    runner = build(variant, shape)
+    out["built"], blocks, modules = _status()["VmRSS"], sys.getallocatedblocks(), len(sys.modules)
     for i in range(steps):
-        runner.step(*batch(layers, seed=i), [])
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        runner.step(*batch(shape, seed=i), [])
+        if i == 0:
+            out["1st step peak"] = _status()["VmHWM"]
+    out["peak"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    held = _status()["VmRSS"]
+    out["live"] = _trimmed_rss()
+    out["allocator"] = held - out["live"]
+    out["python blocks"] = sys.getallocatedblocks() - blocks
+    out["modules"] = len(sys.modules) - modules
+    out["saved"] = _saved_bytes(runner, *batch(shape, seed=steps))
+    return out
 
 
 def _quartiles(values: list[float]) -> tuple[float, float, float]:
@@ -217,11 +277,21 @@ def _quartiles(values: list[float]) -> tuple[float, float, float]:
     return q1, q2, q3
 
 
+def _print_rss_phases(phases: dict[str, dict[str, int]]) -> None:
+    mib = ("start", "compile stack", "built", "1st step peak", "peak", "live", "allocator", "saved")
+    print("\npeak RSS broken down (rank 0, MiB; see the module docstring):")
+    print(f"{'variant':16}" + "".join(f" {k:>13}" for k in mib) + f" {'Python heap':>13} {'modules':>8}")
+    for v, p in phases.items():
+        cells = "".join(f" {p[k] / 2**20:13.0f}" for k in mib)
+        print(f"{v:16}{cells} {p['python blocks']:>+11d}bl {p['modules']:>+8d}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variants", default=ALL_VARIANTS, help="comma-separated")
     parser.add_argument("--steps", type=int, default=8, help="timed steps per variant")
-    parser.add_argument("--layers", type=int, default=11)
+    parser.add_argument("--shape", default="bench", help="bench (default) or gpt2-10m, as in bench_zero.py")
+    parser.add_argument("--layers", type=int, default=11, help="layers of the bench shape")
     parser.add_argument("--no-rss", action="store_true", help="skip the fresh-process peak RSS runs")
     parser.add_argument("--profile", default="", help="comma-separated variants to profile on rank 0")
     parser.add_argument("--profile-steps", type=int, default=3, help="steps per profiled variant")
@@ -230,32 +300,38 @@ def main() -> None:
     profile = [v for v in args.profile.split(",") if v]
     if unknown := [v for v in profile if v not in variants]:
         raise SystemExit(f"--profile names variants not in --variants: {', '.join(unknown)}")
-    n = num_parameters(GPT(gpt_config(args.layers)))
-    print(f"# bench_graph: {n / 1e6:.1f}M-parameter GPT, fp32 AdamW, world 2 (gloo, 1 thread/rank), micro-batch 8x128")
+    shape = make_shape(args.shape, args.layers)
+    n = num_parameters(GPT(shape.gpt))
+    print(
+        f"# bench_graph --shape {args.shape}: {n / 1e6:.1f}M-parameter GPT, fp32 AdamW, world 2 (gloo, 1 thread/rank), "
+        f"micro-batch {shape.micro_batch}x{shape.gpt.seq_len}"
+    )
     print(f"# machine: {platform.machine()}, {torch.get_num_threads()} cores, torch {torch.__version__}")
     print(f"# command: python {' '.join(sys.argv)}", flush=True)
     started = time.perf_counter()
     result = run_distributed(
-        timing_body, 2, variants, args.steps, args.layers, profile, args.profile_steps, timeout=3600, threads=1
+        timing_body, 2, variants, args.steps, shape, profile, args.profile_steps, timeout=3600, threads=1
     )[0]
-    rss = {}
+    rss, phases = {}, {}
     if not args.no_rss:
-        rss = {v: max(run_distributed(rss_body, 2, v, 3, args.layers, timeout=1800, threads=1)) for v in variants}
+        for v in variants:
+            ranks = run_distributed(rss_phases, 2, v, 3, shape, timeout=1800, threads=1)
+            rss[v], phases[v] = max(r["peak"] for r in ranks), ranks[0]
     times = {v: [p[3] for p in ps] for v, ps in result["phases"].items()}
     cpus = {v: [p[4] for p in ps] for v, ps in result["phases"].items()}
     med = {v: statistics.median(t) for v, t in times.items()}
     refs = [r for r in REFERENCES if r in med]
     cols = "".join(f" {'/ ' + r:>8}" for r in refs)
     print(
-        f"\n{'variant':16} {'median step [q1-q3]':>22}{cols} {'fwd':>6} {'bwd':>6} {'opt':>6} {'CPU':>6} {'capture':>8}"
-        f" {'RSS/rank':>9} {'gathers':>7}  captures/reuses"
+        f"\n{'variant':16} {'median step [q1-q3]':>22}{cols} {'fwd':>6} {'bwd':>6} {'opt':>6} {'CPU':>6}"
+        f" {'capture (CPU)':>14} {'RSS/rank':>9} {'gathers':>7}  captures/reuses"
     )
     for v in variants:
         q1, _, q3 = _quartiles(times[v])
         spread = f"{med[v] * 1000:.0f}ms [{q1 * 1000:.0f}-{q3 * 1000:.0f}]"
         ratios = "".join(f" {med[v] / med[r]:7.3f}x" for r in refs)
         fwd, bwd, opt = (statistics.median(p[i] for p in result["phases"][v]) * 1000 for i in range(3))
-        capture = f"{result['capture'][v]:7.1f}s" if ":" in v else f"{'-':>8}"
+        capture = f"{result['capture'][v]:5.1f}s ({result['capture_cpu'][v]:5.1f})" if ":" in v else f"{'-':>14}"
         mem = f"{rss[v] / 2**20:5.0f} MiB" if rss else f"{'-':>9}"
         g = result["graph"].get(v)
         counts = f"{g['captures']}/{g['reuses']}" if g else "-"
@@ -264,6 +340,8 @@ def main() -> None:
             f" {capture} {mem}"
             f" {result['gathers'][v]:>7}  {counts}"
         )
+    if phases:
+        _print_rss_phases(phases)
     for what, values in (("step time", times), ("CPU time", cpus)):
         print(f"\npaired {what} ratios, median [q1-q3] of per-iteration ratios:")
         print(f"{'variant':16}" + "".join(f" {'/ ' + r:>21}" for r in refs))

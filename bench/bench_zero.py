@@ -7,6 +7,7 @@
     python bench/bench_zero.py --memory-scaling          # stage 3 at world 1, 2, 4 on a ~50M-parameter GPT
     python bench/bench_zero.py --variants ddp,stage2,stage2:bf16,stage3,stage3:bf16 --layers 2 --steps 3
     python bench/bench_zero.py --shape gpt2-10m --variants ddp,stage1,stage1:sync,stage2,stage2:sync,stage3 --run 3
+    python bench/bench_zero.py --shape gpt2-10m --variants ddp,stage3,stage3-nocheck,stage3:graph --counts 6
 
 Every rank builds the same GPT once per variant. Each iteration runs ``--run`` consecutive training steps of each
 variant, in a rotating order, and waits for what the engine left in flight (ZeRO-1/2's all-gathers after the step
@@ -22,6 +23,14 @@ too), the median per-iteration ratio of CPU time (all ranks' threads, gloo's inc
 disturb it much less than wall time), communication bytes per step (from engine.comm_stats(): the bus-bandwidth
 convention and the bytes actually sent) and, from separate fresh processes per variant, the peak RSS per rank.
 
+``--counts N`` measures instead what load disturbs little, per step and rank, over N steps of each variant after 2
+warm-up steps (variants interleaved): the process's CPU time (user + system, every thread: ``getrusage``), the main
+thread's (``time.thread_time``; the rest is gloo's threads), the time blocked per collective kind and the number of
+collectives (``engine.comm_stats()``); then from one step under ``torch.profiler`` (rank 0): ATen operators
+dispatched, ``aten::copy_`` calls and the bytes they wrote, and the operators that allocated (their outputs: count
+and bytes). ``stage3:graph``
+and ``stage3:inductor`` run graph mode (``graph.compiler`` ``aot_eager`` or ``inductor``; captured in the warm-up).
+
 Shapes (``--shape``):
 * ``bench``: the project's benchmark GPT: d_model 256, 11 layers (``--layers``), vocab 8192, tied embeddings,
   sequence 128, micro-batch 8, exact GELU.
@@ -32,6 +41,7 @@ Shapes (``--shape``):
 from __future__ import annotations
 
 import argparse
+import collections
 import itertools
 import platform
 import resource
@@ -114,6 +124,8 @@ def build(variant: str, shape: Shape):
         config["bf16"] = {"enabled": True}
     if name == "stage3-nocheck":  # what the unit-order check costs
         config["zero_optimization"]["stage3_gather_check"] = False
+    if "graph" in flags or "inductor" in flags:
+        config["graph"] = {"enabled": True, "compiler": "inductor" if "inductor" in flags else "aot_eager"}
     engine = shardtrain.initialize(model, config=config, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4))
     if "backend-rs" in flags:  # the backend's own reduce-scatter (gloo: an all-reduce on the wire)
         engine.comm.reduce_scatter_impl = "backend"
@@ -246,6 +258,84 @@ def _profile(runners: dict, shape: Shape, folder: str) -> None:
             print(f"\n## profile {v} (rank 0, one step)\n{table}", flush=True)
 
 
+def _process_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def counts_body(variants: list[str], steps: int, shape: Shape) -> dict:
+    """See ``--counts`` in the module docstring: per variant, lists over steps (CPU) and one profiled step's counts."""
+    from torch.profiler import ProfilerActivity, profile
+
+    rank = dist.get_rank()
+    runners = {v: build(v, shape) for v in variants}
+    out: dict[str, dict] = {v: {"cpu": [], "main": [], "blocked": collections.Counter()} for v in variants}
+    for it in range(2 + steps):
+        k = it % len(variants)
+        for v in variants[k:] + variants[:k]:
+            step, engine, _ = runners[v]
+            if engine is not None:
+                engine.comm_stats(reset=True)
+                engine.comm.reset_wait_seconds()
+            dist.barrier()
+            cpu0, main0 = _process_cpu(), time.thread_time()
+            step(*batch(shape, seed=1000 * it + rank), [])
+            if engine is not None:
+                settle(engine)
+            if it >= 2:
+                out[v]["cpu"].append(_process_cpu() - cpu0)
+                out[v]["main"].append(time.thread_time() - main0)
+                if engine is not None:
+                    out[v]["blocked"].update(engine.comm.wait_seconds())
+                    out[v]["calls"] = {kind: c["calls"] for kind, c in engine.comm_stats().items()}
+    for v in variants:
+        step, engine, _ = runners[v]
+        dist.barrier()
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True, profile_memory=True) as prof:
+            step(*batch(shape, seed=99 + rank), [])
+            if engine is not None:
+                settle(engine)
+        aten = copies = copied = allocs = allocated = 0
+        for e in prof.events():
+            if e.name.startswith("aten::"):
+                aten += 1
+                if e.self_cpu_memory_usage > 0:  # what the operator itself left allocated: its outputs
+                    allocs, allocated = allocs + 1, allocated + e.self_cpu_memory_usage
+                if e.name == "aten::copy_" and e.input_shapes and e.input_shapes[0]:
+                    item = torch.empty((), dtype=_DTYPES.get(e.input_dtypes[0], torch.float32)).element_size()
+                    copies, copied = copies + 1, copied + item * int(torch.Size(e.input_shapes[0]).numel())
+        out[v].update(aten=aten, copies=copies, copied=copied, allocs=allocs, allocated=allocated)
+        out[v]["blocked"] = {kind: s / steps for kind, s in out[v]["blocked"].items()}
+    return out
+
+
+_DTYPES = {"float": torch.float32, "c10::BFloat16": torch.bfloat16, "c10::Half": torch.float16, "double": torch.float64,
+           "long int": torch.int64, "int": torch.int32, "bool": torch.bool}  # fmt: skip
+
+
+def print_counts(variants: list[str], results: list[dict]) -> None:
+    print(
+        f"\n{'variant':16} {'CPU/step r0, r1':>16} {'main thread':>12} {'other threads':>13} {'blocked':>8}"
+        f" {'ATen ops':>8} {'copy_ (MiB)':>13} {'allocating (MiB)':>17}  collectives per step"
+    )
+    for v in variants:
+        cpu = [statistics.median(r[v]["cpu"]) * 1000 for r in results]
+        main = [statistics.median(r[v]["main"]) * 1000 for r in results]
+        r0 = results[0][v]
+        blocked = f"{sum(r0['blocked'].values()) * 1000:6.0f}ms" if r0["blocked"] else f"{'-':>8}"
+        calls = ", ".join(f"{k} {c}" for k, c in r0.get("calls", {}).items()) or "(DDP: its own all-reduces)"
+        print(
+            f"{v:16} {cpu[0]:6.0f}, {cpu[1]:5.0f}ms {main[0]:10.0f}ms {cpu[0] - main[0]:11.0f}ms {blocked}"
+            f" {r0['aten']:8d} {r0['copies']:5d} ({r0['copied'] / 2**20:5.1f})"
+            f" {r0['allocs']:8d} ({r0['allocated'] / 2**20:6.1f})"
+            f"  {calls}"
+        )
+        if r0["blocked"]:
+            print(
+                f"{'':16}   blocked per kind: " + ", ".join(f"{k} {s * 1000:.0f}ms" for k, s in r0["blocked"].items())
+            )
+
+
 def shape_name_of(shape: Shape) -> str:
     return "gpt2-10m" if shape.gpt.seq_len == 256 else "bench"
 
@@ -303,6 +393,7 @@ def main() -> None:
     parser.add_argument("--profile", default="", help="folder for one torch.profiler trace per variant and rank")
     parser.add_argument("--no-rss", action="store_true", help="skip the peak-RSS processes")
     parser.add_argument("--memory-scaling", action="store_true")
+    parser.add_argument("--counts", type=int, default=0, help="steps of CPU time and counts per variant (no timing)")
     args = parser.parse_args()
     if args.memory_scaling:
         memory_scaling()
@@ -313,13 +404,20 @@ def main() -> None:
     shape = make_shape(args.shape, args.layers)
     world = 2
     n = num_parameters(GPT(shape.gpt))
+    samples = f"{args.repeats} x {args.steps} samples of {args.run} consecutive steps"
+    if args.counts:
+        samples = f"counts over {args.counts} steps per variant after 2 warm-up steps"
     print(
         f"# bench_zero --shape {args.shape}: {n / 1e6:.2f}M-parameter GPT, fp32 AdamW, world {world} (gloo, "
-        f"1 thread/rank), micro-batch {shape.micro_batch}x{shape.gpt.seq_len}, {args.repeats} x {args.steps} samples"
-        f" of {args.run} consecutive steps"
+        f"1 thread/rank), micro-batch {shape.micro_batch}x{shape.gpt.seq_len}, {samples}"
     )
     print(f"# machine: {platform.machine()}, {torch.get_num_threads()} cores, torch {torch.__version__}")
     print(f"# command: python {' '.join(sys.argv)}")
+    if args.counts:
+        print_counts(
+            variants, run_distributed(counts_body, world, variants, args.counts, shape, timeout=3600, threads=1)
+        )
+        return
     result = run_distributed(
         timing_body,
         world,

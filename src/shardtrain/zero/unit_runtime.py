@@ -40,13 +40,28 @@ collective is issued, so ranks that took different paths fail with the unit each
 of mixing up buffers, hanging, or aborting inside the backend (gloo aborts on all-gathers of different
 sizes). It must complete first: a check that only looked back (compared the ids once per step, or after the
 gather was issued) would come after the mismatched gathers it is meant to prevent, which is exactly when gloo
-aborts and NCCL hangs or mixes buffers. So it makes every gather, prefetches included, wait for the other ranks to
-reach the same point; its cost is measured in docs/benchmarks.md. The ids are CPU tensors exchanged over the
-data-parallel axis's host-side group (``Topology.host_dp_group``, gloo; see [Note: the engine's groups] in
-:mod:`shardtrain.mesh`), so on CUDA the check waits for the other ranks' hosts only, never for the kernels queued on
-the device: reading an NCCL result back would wait for every queued gather and reduce-scatter, and a prefetch
-issued behind it would no longer overlap anything. The host keeps running ahead of the device as without the check.
+aborts and NCCL hangs or mixes buffers. So no gather is issued before the other ranks have announced the same
+unit (for prefetches, one unit ahead: below); its cost is measured in docs/benchmarks.md. The ids are CPU
+tensors exchanged over the data-parallel axis's host-side group (``Topology.host_dp_group``, gloo; see [Note: the
+engine's groups] in :mod:`shardtrain.mesh`), so on CUDA the check waits for the other ranks' hosts only, never for
+the kernels queued on the device: reading an NCCL result back would wait for every queued gather and
+reduce-scatter, and a prefetch issued behind it would no longer overlap anything. The host keeps running ahead of
+the device as without the check.
 Turn it off with ``stage3_gather_check: false`` once a model is known to run the same path on every rank.
+
+A gather that waits for the other ranks' ids at the moment it is needed makes every gather a rendezvous: on the
+10.6M GPT-2 of docs/benchmarks.md the check cost eager ZeRO-3 7% of its step on a quiet machine (1.087x DDP with
+it, 1.013x without), all of it waiting, none of it work. So the exchange for a prefetch is issued one unit ahead:
+when a prefetch's gather is issued, the id of the unit the next prefetch will gather (the next distinct unit of
+the recorded order, if sharded and within the prefetch budget) is exchanged at once, asynchronously, and waited
+for when that gather is issued, a unit's compute later, by which time the other ranks have issued theirs. The ids
+are still compared before the data collective is issued. Such an exchange is a commitment every rank on the same
+path made: a rank whose next gather is another unit first verifies the committed exchange, issues the committed
+gather, waits for it and releases the unit (so no more units are whole than with a prefetch; a departure from the
+recorded order costs one unit's gather), and then checks its own unit, so its collectives pair with those of a
+rank that gathers the committed unit; unit ids of different gathers are never compared with each other.
+Only the gathers a pass starts from (the root's, the first prefetch of forward and of backward) and gathers on
+demand (order departures, parameters used outside their unit, ``engine.gathered``) wait for the exchange at once.
 """
 
 from __future__ import annotations
@@ -158,6 +173,7 @@ class EagerRuntime(Runtime):
         self._order_ok = True
         self._warned = False
         self.max_gathered = 0  # most units gathered at once (tests read it)
+        self._announced: Unit | None = None  # its unit-id exchange was issued ahead (see [Note: unit order check])
         # parameter offload (zero/offload.py): told before a unit's all-gather is issued (prefetches included,
         # so in gather order) and once it has completed (the shard may leave memory again)
         self.before_gather: Callable[[Unit], None] | None = None
@@ -235,12 +251,31 @@ class EagerRuntime(Runtime):
             return
         if unit.state is UnitState.GATHERED:
             return
-        unit.why = why
-        unit.check = self._start_check(unit)
+        self._honour_announcement(unit)
+        if unit.check is None:
+            unit.why = why
+            unit.check = self._start_check(unit)
         if unit.check is not None:
             # verified before the data is issued: all-gathers of different sizes on different ranks would
             # abort the process inside the backend instead of failing with the units' names
             self._verify(unit)
+        self._issue(unit)
+        if not async_op:
+            self._wait(unit)
+
+    def _honour_announcement(self, unit: Unit) -> None:
+        """Before ``unit``'s gather: an exchange issued ahead for another unit is verified and its gather issued
+        first (see [Note: unit order check])."""
+        announced, self._announced = self._announced, None
+        if announced is None or announced is unit:
+            return
+        self._verify(announced)
+        if announced.state is UnitState.SHARDED:  # released at once: never more units whole than a prefetch holds
+            self._issue(announced)
+            self._release(announced)
+
+    def _issue(self, unit: Unit) -> None:
+        """Issue ``unit``'s all-gather (checked already)."""
         if self.before_gather is not None:
             self.before_gather(unit)
         secondary = self._in_backward and self.hpz is not None and self.hpz.usable(unit)
@@ -257,8 +292,6 @@ class EagerRuntime(Runtime):
         unit.state = UnitState.GATHERING
         unit.gathers += 1
         self.max_gathered = max(self.max_gathered, sum(u.state is not UnitState.SHARDED for u in self.units))
-        if not async_op:
-            self._wait(unit)
 
     def _wait(self, unit: Unit) -> None:
         for h in unit.pending:
@@ -324,12 +357,27 @@ class EagerRuntime(Runtime):
         One unit ahead keeps at most the current and the prefetched unit whole (plus the root unit), and
         is enough to hide a gather behind one unit's compute."""
         current = recorded[position] if position >= 0 else None
-        for index in recorded[position + 1 :]:
-            unit = self.units[index]
+        for k in range(position + 1, len(recorded)):
+            unit = self.units[recorded[k]]
             if unit.state is UnitState.SHARDED and unit.numel <= self.prefetch_numel:
                 self._gather(unit, why, async_op=True)
                 unit.prefetches += 1
-            if index != current:  # the next distinct unit decides; do not look further
+                self._announce(recorded, k, why)
+            if recorded[k] != current:  # the next distinct unit decides; do not look further
+                return
+
+    def _announce(self, recorded: list[int], position: int, why: str) -> None:
+        """Issue the unit-id exchange of the gather the next prefetch will issue (that after ``recorded[position]``),
+        one unit ahead of it (see [Note: unit order check])."""
+        if not self.gather_check or self._announced is not None:
+            return
+        for index in recorded[position + 1 :]:
+            if index != recorded[position]:
+                unit = self.units[index]
+                if unit.state is UnitState.SHARDED and unit.numel <= self.prefetch_numel and unit.check is None:
+                    unit.why = f"{why}, checked one unit ahead"
+                    unit.check = self._start_check(unit)
+                    self._announced = unit
                 return
 
     # -- forward hooks ---------------------------------------------------------------------------------

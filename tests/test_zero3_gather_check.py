@@ -1,0 +1,112 @@
+"""ZeRO-3's unit-order check issued one unit ahead for prefetches ([Note: unit order check] in zero/unit_runtime.py):
+the exchange is not waited for at the moment of the gather, it still precedes every data gather, and a rank whose
+path departs from the committed unit still pairs its collectives with the other ranks'."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import shardtrain
+from shardtrain.comm import Communicator, Handle
+from shardtrain.errors import RankMismatchError
+from shardtrain.models.gpt import GPT, GPTConfig
+from shardtrain.testing import run_distributed
+
+from parity import Recipe, make_optimizer
+
+LAYERS = 4
+
+
+def _events(check: bool) -> dict:
+    """Collectives issued, unit-id exchanges waited for and blocks computed, in order, during the third step."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layer=LAYERS, n_head=4))
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_gather_check": check}
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": zero}
+    engine = shardtrain.initialize(model, config=config, optimizer=make_optimizer(model, Recipe()))
+    events: list[tuple[str, str]] = []
+    all_gather, wait = Communicator.all_gather, Handle.wait
+
+    def spy_all_gather(self, out, inp, *, what, async_op=False, kind="all_gather"):
+        if kind in ("all_gather", "gather_check"):
+            events.append((kind, what.split("'")[1]))
+        return all_gather(self, out, inp, what=what, async_op=async_op, kind=kind)
+
+    def spy_wait(self):
+        if self.kind == "gather_check" and self._work is not None:
+            events.append(("check waited", self.what.split("'")[1]))
+        return wait(self)
+
+    # compute markers: registered after the runtime's hooks, so they run after its gathers and prefetches; a block's
+    # backward pre-hook runs before autograd unpacks what the block saved (which gathers for backward)
+    model.tok.register_forward_pre_hook(lambda *_: events.append(("compute", "tok")))
+    for i, block in enumerate(model.blocks):
+        block.register_forward_pre_hook(lambda *_, i=i: events.append(("compute", f"blocks.{i}")))
+        block.register_full_backward_pre_hook(lambda *_, i=i: events.append(("compute", f"blocks.{i} backward")))
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(dist.get_rank()))
+    y = torch.roll(x, -1, 1)
+    losses = []
+    for step in range(3):
+        if step == 2:
+            Communicator.all_gather, Handle.wait = spy_all_gather, spy_wait
+        try:
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+        finally:
+            Communicator.all_gather, Handle.wait = all_gather, wait
+        losses.append(float(loss))
+    return {"events": events, "losses": losses, "gathers": sum(u.gathers for u in engine._runtime.units)}
+
+
+def test_prefetch_checks_are_issued_one_unit_ahead_and_still_precede_their_gathers():
+    on, off = run_distributed(_events, 2, True), run_distributed(_events, 2, False)
+    assert on[0]["losses"] == off[0]["losses"]  # the check moves no number
+    assert on[0]["gathers"] == off[0]["gathers"]
+    for r in on:
+        events = r["events"]
+        gathers = [(i, unit) for i, (kind, unit) in enumerate(events) if kind == "all_gather"]
+        checks = [(i, unit) for i, (kind, unit) in enumerate(events) if kind == "gather_check"]
+        # one exchange per data gather, each issued and waited for before its gather, in the same order
+        assert [u for _, u in checks] == [u for _, u in gathers], events
+        assert all(c < g for (c, _), (g, _) in zip(checks, gathers)), events
+        waited = [i for i, (kind, _) in enumerate(events) if kind == "check waited"]
+        assert len(waited) == len(gathers) and all(c < w < g for (c, _), w, (g, _) in zip(checks, waited, gathers))
+        # a prefetch's exchange is issued a block's compute before it is waited for; only the gathers a pass starts
+        # from (the root, the first prefetch of forward and of backward) wait at once
+        ahead = [u for (c, u), w in zip(checks, waited) if any(k == "compute" for k, _ in events[c:w])]
+        assert ahead == ["blocks.1", "blocks.2", "blocks.3", "blocks.1", "blocks.0"], events  # forward, backward
+        at_once = [u for (c, u), w in zip(checks, waited) if w == c + 1]
+        assert at_once == ["<root>", "blocks.0", "blocks.2"], events  # root, forward's first, backward's first
+
+
+def _departs_from_the_committed_unit(rank_departs: int) -> str:
+    """Steady training, then one rank runs its blocks in reverse order: its first block is not the one whose
+    exchange was issued ahead. Both ranks must fail at once with the units named, not hang or abort in gloo."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layer=LAYERS, n_head=4))
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0}
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": zero, "collective_timeout_s": 20}
+    engine = shardtrain.initialize(model, config=config, optimizer=make_optimizer(model, Recipe()))
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(dist.get_rank()))
+    y = torch.roll(x, -1, 1)
+    for _ in range(2):
+        engine.backward(engine(x, y))
+        engine.step()
+    if dist.get_rank() == rank_departs:
+        model.blocks = torch.nn.ModuleList(list(model.blocks)[::-1])
+    try:
+        engine.backward(engine(x, y))
+        engine.step()
+    except RankMismatchError as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.parametrize("rank_departs", [0, 1])
+def test_a_rank_departing_from_the_committed_unit_fails_naming_both_units(rank_departs):
+    for message in run_distributed(_departs_from_the_committed_unit, 2, rank_departs, timeout=120):
+        assert "ranks are gathering different ZeRO-3 units" in message, message
+        # the departing rank first honoured the committed gather of blocks.1, then checked its own blocks.3 against
+        # the exchange the other rank had issued ahead for blocks.2
+        assert f"rank {rank_departs}: 'blocks.3'" in message and f"rank {1 - rank_departs}: 'blocks.2'" in message
