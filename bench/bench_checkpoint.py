@@ -42,22 +42,10 @@ import torch.distributed as dist
 import shardtrain
 from shardtrain.checkpoint import FlatSlice, SavePiece, open_checkpoint, save
 from shardtrain.comm import Communicator
-from shardtrain.testing import run_distributed
+from shardtrain.testing import drop_cache, run_distributed
 
 N_TENSORS = 16
 BLOCK = 64 << 20
-
-
-def drop_cache(path: Path) -> None:
-    """Evict a file (or every file under a directory) from the page cache; its pages are clean after fsync."""
-    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
-    for f in files:
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def resident_bytes(path: Path) -> int:

@@ -15,6 +15,7 @@ import torch
 
 from shardtrain.checkpoint import FlatSlice, SavePiece, open_checkpoint, safetensors_io, save
 from shardtrain.errors import CheckpointError
+from shardtrain.testing import drop_cache
 
 _gen = torch.Generator().manual_seed(5)
 # 1.5 Mi float32 in 3 uneven ZeRO fragments (none starts on a block boundary of its file), a bf16 vector in 2
@@ -38,17 +39,6 @@ def ckpt(tmp_path_factory):
     return d
 
 
-def _evict(directory):
-    """Out of the page cache (as a new process after a reboot would find it): fsync, then drop the clean pages."""
-    for f in directory.rglob("*.safetensors"):
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 @pytest.fixture
 def uncached(monkeypatch):
     """Counts reads around the page cache; chunks of 256 KiB and a 64 KiB minimum, so that each fragment is
@@ -67,7 +57,7 @@ def uncached(monkeypatch):
 
 
 def _cold_reader(directory):
-    _evict(directory)
+    drop_cache(directory)
     reader = open_checkpoint(directory)
     path = reader.path / reader.entry("w").pieces[0].file
     fd = os.open(path, os.O_RDONLY)

@@ -30,6 +30,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 _CTX = mp.get_context("forkserver")
@@ -209,3 +210,15 @@ def run_ranks(
             )
         )
     return outcomes
+
+
+def drop_cache(path: Path) -> None:
+    """Evict a file (or every file under a directory) from the page cache; its pages are clean after fsync."""
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
