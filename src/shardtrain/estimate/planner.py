@@ -417,6 +417,9 @@ def _estimate(
         rows.append(Row("activations saved for backward (end of forward)", "device", comp.activations, True, "in"))
     if comp.gathered:
         rows.append(Row("gathered units at most (root + current + prefetched)", "device", comp.gathered, True, "in"))
+    if activations:
+        what = "activations, temporaries" + (", gathered units" if comp.gathered else "")
+        rows.append(Row(f"{what} (forward/backward peak)", "device", comp.peak, True))
     if layout.stage == 3 and 1 < layout.hpz < layout.dp:
         # [Note: secondary shards]: at the end of a forward, 1/H of every unit it released, alive until each unit's
         # backward: all but the root (the first forward, before the unit order is recorded, releases the last block
