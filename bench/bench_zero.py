@@ -263,13 +263,20 @@ def _process_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def _minor_faults() -> int:
+    """Minor page faults of this process so far: first touches of memory the kernel has to zero and map."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def counts_body(variants: list[str], steps: int, shape: Shape) -> dict:
     """See ``--counts`` in the module docstring: per variant, lists over steps (CPU) and one profiled step's counts."""
     from torch.profiler import ProfilerActivity, profile
 
     rank = dist.get_rank()
     runners = {v: build(v, shape) for v in variants}
-    out: dict[str, dict] = {v: {"cpu": [], "main": [], "blocked": collections.Counter()} for v in variants}
+    out: dict[str, dict] = {
+        v: {"cpu": [], "main": [], "faults": [], "blocked": collections.Counter()} for v in variants
+    }
     for it in range(2 + steps):
         k = it % len(variants)
         for v in variants[k:] + variants[:k]:
@@ -278,13 +285,14 @@ def counts_body(variants: list[str], steps: int, shape: Shape) -> dict:
                 engine.comm_stats(reset=True)
                 engine.comm.reset_wait_seconds()
             dist.barrier()
-            cpu0, main0 = _process_cpu(), time.thread_time()
+            cpu0, main0, faults0 = _process_cpu(), time.thread_time(), _minor_faults()
             step(*batch(shape, seed=1000 * it + rank), [])
             if engine is not None:
                 settle(engine)
             if it >= 2:
                 out[v]["cpu"].append(_process_cpu() - cpu0)
                 out[v]["main"].append(time.thread_time() - main0)
+                out[v]["faults"].append(_minor_faults() - faults0)
                 if engine is not None:
                     out[v]["blocked"].update(engine.comm.wait_seconds())
                     out[v]["calls"] = {kind: c["calls"] for kind, c in engine.comm_stats().items()}
@@ -316,17 +324,18 @@ _DTYPES = {"float": torch.float32, "c10::BFloat16": torch.bfloat16, "c10::Half":
 def print_counts(variants: list[str], results: list[dict]) -> None:
     print(
         f"\n{'variant':16} {'CPU/step r0, r1':>16} {'main thread':>12} {'other threads':>13} {'blocked':>8}"
-        f" {'ATen ops':>8} {'copy_ (MiB)':>13} {'allocating (MiB)':>17}  collectives per step"
+        f" {'faults':>8} {'ATen ops':>8} {'copy_ (MiB)':>13} {'allocating (MiB)':>17}  collectives per step"
     )
     for v in variants:
         cpu = [statistics.median(r[v]["cpu"]) * 1000 for r in results]
         main = [statistics.median(r[v]["main"]) * 1000 for r in results]
+        faults = [statistics.median(r[v]["faults"]) for r in results]
         r0 = results[0][v]
         blocked = f"{sum(r0['blocked'].values()) * 1000:6.0f}ms" if r0["blocked"] else f"{'-':>8}"
         calls = ", ".join(f"{k} {c}" for k, c in r0.get("calls", {}).items()) or "(DDP: its own all-reduces)"
         print(
             f"{v:16} {cpu[0]:6.0f}, {cpu[1]:5.0f}ms {main[0]:10.0f}ms {cpu[0] - main[0]:11.0f}ms {blocked}"
-            f" {r0['aten']:8d} {r0['copies']:5d} ({r0['copied'] / 2**20:5.1f})"
+            f" {faults[0]:8.0f} {r0['aten']:8d} {r0['copies']:5d} ({r0['copied'] / 2**20:5.1f})"
             f" {r0['allocs']:8d} ({r0['allocated'] / 2**20:6.1f})"
             f"  {calls}"
         )

@@ -152,3 +152,21 @@ def test_block_runs_locate_the_piece(dim, count, stride):
             assert torch.equal(flat_g[gs : gs + n], flat_p[ps : ps + n])
             covered += n
         assert covered == piece.numel()
+
+
+@pytest.mark.parametrize("size", [0, 1, 7, 4096, 65537, (3 << 20) + 5])
+def test_checksums_are_zlibs_crc32(size):
+    """Checkpoints written before the checksum moved to ISA-L (and by other tools) carry zlib's CRC-32: the values,
+    chained over chunks as the reader computes them, must be zlib's bit for bit."""
+    import zlib
+
+    from shardtrain.checkpoint.format import crc32, crc32_of, crc32_of_bytes
+
+    data = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(size))
+    raw = data.numpy().tobytes()
+    assert crc32_of_bytes(raw) == f"crc32:{zlib.crc32(raw):08x}"
+    assert crc32_of(data) == crc32_of_bytes(raw)
+    running = 0
+    for start in range(0, size, 1000):
+        running = crc32(memoryview(raw)[start : start + 1000], running)
+    assert running == zlib.crc32(raw)

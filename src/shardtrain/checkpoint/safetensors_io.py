@@ -18,7 +18,6 @@ import mmap
 import os
 import struct
 import threading
-import zlib
 from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -28,6 +27,7 @@ from typing import Any
 
 import torch
 
+from shardtrain.checkpoint.format import crc32
 from shardtrain.errors import CheckpointError
 
 ST_DTYPES = {
@@ -285,7 +285,7 @@ def stream_tensor(
         future, into = pending.popleft()
         if future.result() != len(into):
             raise ends_inside()
-        running = zlib.crc32(into, running)
+        running = crc32(into, running)
 
     fd = os.open(path, os.O_RDONLY)
     uncached: _Uncached | None = None
@@ -317,7 +317,7 @@ def stream_tensor(
             # interleave the kernel's sequential readahead)
             if _pread_into(fd, into, pos) != len(into):
                 raise ends_inside()
-            running = zlib.crc32(into, running)
+            running = crc32(into, running)
             if buffered:
                 sink(offset, buf[:n])
             pos += n * size
