@@ -30,7 +30,8 @@ Columns of the table:
   waits, so this is work done, much less disturbed by other jobs on the machine than wall time).
 * ``capture``: first step minus second step (graph variants; Inductor's on-disk cache makes it vary), wall time and
   CPU time (both ranks' processes, every thread: what load disturbs less).
-* ``RSS/rank``: peak RSS of the larger rank in a fresh pair of processes running 3 steps of that variant alone.
+* ``RSS/rank``: peak RSS of the larger rank in a fresh pair of processes running ``--rss-steps`` (3) steps of that
+  variant alone.
   A second table breaks it down (rank 0, ``rss_phases``): ``start`` (interpreter, torch and shardtrain imported),
   ``compile stack`` (graph variants: what importing AOT autograd and its partitioners adds, and for
   ``:inductor`` Inductor's ``compile_fx``, imported before the model is built so that it is counted apart; the
