@@ -4,6 +4,7 @@ survive a noisy machine.
     python bench/bench_graph.py [--steps 8] [--layers 11] [--variants ddp,fsdp2,stage2,...] [--no-rss]
     python bench/bench_graph.py --shape gpt2-10m --variants ddp,stage3,stage3:graph,stage3:inductor --steps 8
     python bench/bench_graph.py --variants ddp,stage3,stage3:graph --profile stage3,stage3:graph
+    python bench/bench_graph.py --shape gpt2-10m --gpt n_layer=16,d_model=512 --variants stage3,stage3:graph --rss-only
     TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 python bench/bench_graph.py   # cold Inductor: every pass runs, slow capture
 
 Every rank builds the same GPT (``--shape``, those of bench/bench_zero.py: ``bench``, the default, vocab 8192,
@@ -29,10 +30,12 @@ Columns of the table:
   waits, so this is work done, much less disturbed by other jobs on the machine than wall time).
 * ``capture``: first step minus second step (graph variants; Inductor's on-disk cache makes it vary), wall time and
   CPU time (both ranks' processes, every thread: what load disturbs less).
-* ``RSS/rank``: peak RSS of the larger rank in a fresh pair of processes running 3 steps of that variant alone.
+* ``RSS/rank``: peak RSS of the larger rank in a fresh pair of processes running ``--rss-steps`` (3) steps of that
+  variant alone.
   A second table breaks it down (rank 0, ``rss_phases``): ``start`` (interpreter, torch and shardtrain imported),
-  ``compile stack`` (graph variants: what importing TorchDynamo, AOT autograd, Inductor and their dependencies
-  adds, imported before the model is built so that it is counted apart; the capture imports them anyway),
+  ``compile stack`` (graph variants: what importing AOT autograd and its partitioners adds, and for
+  ``:inductor`` Inductor's ``compile_fx``, imported before the model is built so that it is counted apart; the
+  capture imports them anyway; TorchDynamo is in ``start``: importing shardtrain imports it),
   ``built`` (model, engine, optimizer), ``1st step peak`` (the capture's peak for graph variants), ``peak`` (the
   whole run), and after the last step: ``live`` (RSS after ``gc.collect()`` and glibc's ``malloc_trim(0)``, what is
   really held: optimizer state, shards, the compiled graphs and the compiler's state) and ``allocator`` (RSS before
@@ -47,6 +50,11 @@ Columns of the table:
 Two more tables give the paired ratios of step time and of CPU time: the median, with quartiles, of per-iteration
 ratios to each reference's step of the same iteration (steadier than the ratio of medians when the machine's
 load changes during a run).
+
+``--gpt key=value,...`` changes the shape's GPTConfig (``n_layer=16,d_model=512``: a larger model, to tell a
+fixed cost of graph mode from one that grows with the model). ``--rss-only`` skips the timed loop and prints the
+peak RSS runs alone (``--rss-steps`` steps each, 3 by default): both ranks' peaks, their ratio to eager ZeRO-3's
+(``stage3``, when it runs) and the breakdown.
 
 ``--profile V1,V2``: after the timed loop, ``--profile-steps`` (3) more steps of each named variant under
 ``torch.profiler`` on rank 0; prints where the time of a step went: in collectives (``wait_tensor`` of graph
@@ -67,7 +75,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -249,9 +257,11 @@ def rss_phases(variant: str, steps: int, shape: Shape) -> dict[str, int]:
     out = {"start": _status()["VmRSS"], "compile stack": 0}
     if ":" in variant:  # what the capture imports anyway, here so that it is measured apart
         before = _status()["VmRSS"]
-        import torch._dynamo
+        import torch._dynamo.backends.common  # AOT autograd
         import torch._functorch.partitioners
-        import torch._inductor.compile_fx  # noqa: F401
+
+        if variant.endswith(":inductor"):  # aot_eager never imports it (tests/test_graph_memory.py)
+            import torch._inductor.compile_fx  # noqa: F401
 
         out["compile stack"] = _status()["VmRSS"] - before
     runner = build(variant, shape)
@@ -286,13 +296,42 @@ def _print_rss_phases(phases: dict[str, dict[str, int]]) -> None:
         print(f"{v:16}{cells} {p['python blocks']:>+11d}bl {p['modules']:>+8d}")
 
 
+def with_changes(shape: Shape, changes: str) -> Shape:
+    """``shape`` with its GPTConfig's fields set from ``changes`` (``"n_layer=16,d_model=512"``)."""
+    if not changes:
+        return shape
+    known = {f.name: f.type for f in fields(shape.gpt)}
+    values = {}
+    for item in changes.split(","):
+        key, eq, value = item.partition("=")
+        if not eq or key not in known:
+            raise SystemExit(f"--gpt {item!r}: give key=value with a GPTConfig field: {', '.join(known)}")
+        old = getattr(shape.gpt, key)
+        values[key] = value.lower() in ("1", "true") if isinstance(old, bool) else type(old)(value)
+    return replace(shape, gpt=replace(shape.gpt, **values))
+
+
+def _print_rss_only(ranks: dict[str, list[dict[str, int]]]) -> None:
+    """Both ranks' peaks and their ratios to eager ZeRO-3's (same rank), then rank 0's breakdown."""
+    ref = ranks.get("stage3")
+    print(f"\n{'variant':16} {'peak rank 0':>12} {'peak rank 1':>12} {'/ stage3 (0, 1)':>16} {'live rank 0':>12}")
+    for v, rs in ranks.items():
+        ratio = "/".join(f"{r['peak'] / q['peak']:.3f}" for r, q in zip(rs, ref)) if ref else "-"
+        peaks = "".join(f" {r['peak'] / 2**20:8.0f} MiB" for r in rs)
+        print(f"{v:16}{peaks} {ratio:>16} {rs[0]['live'] / 2**20:8.0f} MiB")
+    _print_rss_phases({v: rs[0] for v, rs in ranks.items()})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variants", default=ALL_VARIANTS, help="comma-separated")
     parser.add_argument("--steps", type=int, default=8, help="timed steps per variant")
     parser.add_argument("--shape", default="bench", help="bench (default) or gpt2-10m, as in bench_zero.py")
     parser.add_argument("--layers", type=int, default=11, help="layers of the bench shape")
+    parser.add_argument("--gpt", default="", help="GPTConfig changes, e.g. n_layer=16,d_model=512")
     parser.add_argument("--no-rss", action="store_true", help="skip the fresh-process peak RSS runs")
+    parser.add_argument("--rss-only", action="store_true", help="only the fresh-process peak RSS runs")
+    parser.add_argument("--rss-steps", type=int, default=3, help="steps of each peak RSS run")
     parser.add_argument("--profile", default="", help="comma-separated variants to profile on rank 0")
     parser.add_argument("--profile-steps", type=int, default=3, help="steps per profiled variant")
     args = parser.parse_args()
@@ -300,7 +339,9 @@ def main() -> None:
     profile = [v for v in args.profile.split(",") if v]
     if unknown := [v for v in profile if v not in variants]:
         raise SystemExit(f"--profile names variants not in --variants: {', '.join(unknown)}")
-    shape = make_shape(args.shape, args.layers)
+    if args.no_rss and args.rss_only:
+        raise SystemExit("--no-rss and --rss-only leave nothing to run: give one of them")
+    shape = with_changes(make_shape(args.shape, args.layers), args.gpt)
     n = num_parameters(GPT(shape.gpt))
     print(
         f"# bench_graph --shape {args.shape}: {n / 1e6:.1f}M-parameter GPT, fp32 AdamW, world 2 (gloo, 1 thread/rank), "
@@ -309,13 +350,19 @@ def main() -> None:
     print(f"# machine: {platform.machine()}, {torch.get_num_threads()} cores, torch {torch.__version__}")
     print(f"# command: python {' '.join(sys.argv)}", flush=True)
     started = time.perf_counter()
+    if args.rss_only:
+        _print_rss_only(
+            {v: run_distributed(rss_phases, 2, v, args.rss_steps, shape, timeout=1800, threads=1) for v in variants}
+        )
+        print(f"\n# total {time.perf_counter() - started:.0f} s")
+        return
     result = run_distributed(
         timing_body, 2, variants, args.steps, shape, profile, args.profile_steps, timeout=3600, threads=1
     )[0]
     rss, phases = {}, {}
     if not args.no_rss:
         for v in variants:
-            ranks = run_distributed(rss_phases, 2, v, 3, shape, timeout=1800, threads=1)
+            ranks = run_distributed(rss_phases, 2, v, args.rss_steps, shape, timeout=1800, threads=1)
             rss[v], phases[v] = max(r["peak"] for r in ranks), ranks[0]
     times = {v: [p[3] for p in ps] for v, ps in result["phases"].items()}
     cpus = {v: [p[4] for p in ps] for v, ps in result["phases"].items()}

@@ -201,7 +201,7 @@ class CapturedModule:
 
     def _backend(self, entry: _Entry) -> Callable:
         from torch._dynamo.backends.common import aot_autograd
-        from torch._functorch.aot_autograd import make_boxed_func
+        from torch.fx.graph import _BoxedCodeGen
 
         def report(which: str, done: Scheduled, graph: torch.fx.Graph) -> None:
             entry.traffic.compiled(which, graph)
@@ -217,10 +217,23 @@ class CapturedModule:
             )
 
         def run_as_captured(gm: torch.fx.GraphModule, example_inputs: list, which: str = "forward") -> Callable:
+            # The boxed calling convention as torch's own aot_eager has it: the generated code takes AOT autograd's
+            # argument list and empties it, so each input is freed after its last use. A wrapper that unpacks the
+            # list (make_boxed_func) keeps it whole until the graph returns: every tensor saved for backward alive
+            # until the backward ends, where eager autograd frees each after the node that uses it
+            gm.graph.set_codegen(_BoxedCodeGen())
             if self.units is not None:  # prefetch, release and reduction order (step 2 of the note)
-                report(which, schedule(gm, self.units.settings), gm.graph)
+                report(which, schedule(gm, self.units.settings), gm.graph)  # recompiles gm
+            else:
+                gm.recompile()
             entry.graphs.append((which, gm))
-            return make_boxed_func(gm.forward)
+            forward = gm.forward
+
+            def run(args: list) -> Any:
+                return forward(args)
+
+            run._boxed_call = True  # AOT autograd hands it the list and lets it be emptied
+            return run
 
         def partition(joint: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
             from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
@@ -228,7 +241,13 @@ class CapturedModule:
             if self.units is None:
                 return default_partition(joint, joint_inputs, **kwargs)
             recompute_gathers(joint.graph, self.units.settings)  # step 1 of the note
-            return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+            # Without the min-cut partitioner's common-subexpression pass: it imports Inductor's pattern matcher
+            # and its lowerings (182 modules, 25 MiB of RSS per rank that nothing else in aot_eager needs, see
+            # docs/graph-memory.md). What it would merge, a computation the model repeats, eager runs twice too:
+            # the graphs compute what the model's code does, as eager ZeRO-3 and default_partition (stages 0-2)
+            # do; on the GPT models it merged nothing (the same 549 forward and 942 backward nodes either way)
+            with torch._functorch.config.patch(cse=False):
+                return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
         aot = aot_autograd(
             fw_compiler=run_as_captured,
