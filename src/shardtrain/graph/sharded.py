@@ -60,10 +60,17 @@ forward uses last (the operations that do not depend on a tangent are the forwar
 last unit hook to run. As in eager mode nothing is kept when no other unit runs in forward (a model whose root is
 its only unit), and every bucket of a kept unit is kept (frozen ones too). A joint graph whose gathers do not
 match the buckets (a gather left out by the trace) keeps nothing: every unit is re-gathered, correct and slower.
-Memory: the root and the last unit whole from forward to backward, as in eager mode; the root is whole during the
-forward anyway (embedding first, head last), so at most three units (root, current, prefetched) stay gathered at
-once. For ``offload_param`` nvme the read of a kept unit's shard is not marked either: backward neither reads it
-again nor gathers it.
+
+Their gathers are left unmarked, not marked to be saved: the partitioner saves what backward reads of them (the
+collective itself is never recomputed). So a kept unit that backward does not read at all (a root holding only an
+embedding, whose gradient needs the indices, not the weight) is freed after forward, where eager holds it until
+its gradients are in; it is not gathered again either way. Memory: at most the root and the last unit whole from
+forward to backward, as in eager mode; the root is whole during the forward anyway (embedding first, head last),
+so at most three units (root, current, prefetched) are gathered at once. The backward graph's inputs saved of a
+kept unit carry its name in their meta (``KEPT``), which :func:`schedule` reads: the backward's first re-gather is
+issued at its start, while the kept units' backward runs (as eager prefetches it), and ``most_gathered`` counts
+the kept units until their last use. For ``offload_param`` nvme the read of a kept unit's shard is not marked
+either: backward neither reads it again nor gathers it.
 
 The numbers are eager ZeRO-3's: the same shards gathered, the same gradients reduced with the same algorithm
 and summation order (the wire dtype of mixed precision included); what can differ is the order in which
@@ -446,10 +453,17 @@ def schedule_graph(graph: fx.Graph, settings: Settings = Settings()) -> Schedule
         for member in sorted(group[1:], key=order.__getitem__):
             use.prepend(member)
     # each all-gather issued when the previous unit's data has arrived (one unit ahead), if the prefetch budget
-    # admits it; else right before its own wait
+    # admits it; else right before its own wait. A backward that starts on units kept from forward issues its first
+    # all-gather at its start, while their backward runs (eager ZeRO-3 prefetches it when the first kept unit is
+    # needed in backward)
+    inputs = [n for n in graph.nodes if n.op == "placeholder"]
+    starts_on_kept = is_backward(graph) and any(KEPT in n.meta for n in inputs)
     for previous, (_, group) in zip([None, *placed], placed):
-        if previous is not None and _gathered_numel(group[0]) <= settings.prefetch_numel:
+        fits = _gathered_numel(group[0]) <= settings.prefetch_numel
+        if previous is not None and fits:
             _ready(previous[1]).append(group[0])
+        elif previous is None and starts_on_kept and fits and group[0].target is _AG:  # a read alone overlaps nothing
+            inputs[-1].append(group[0])
         else:
             _ready(group).prepend(group[0])
         read = _read_into(group[0])
