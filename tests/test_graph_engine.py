@@ -1,7 +1,7 @@
 """Graph mode in the engine: ZeRO stages 0-3 train like one process on the same global batch, one capture for the
 whole run, on the project's GPT and on a Hugging Face Llama; bf16, gradient accumulation and tensor parallelism
 included. At stage 3 the gathers and reduce-scatters are operations of the captured graphs, the backward re-gathers
-instead of keeping units, and the numbers are eager ZeRO-3's."""
+every unit but the two eager ZeRO-3 keeps (the root and the last block), and the numbers are eager ZeRO-3's."""
 
 from __future__ import annotations
 
@@ -37,8 +37,16 @@ def graph_run(case: Case, stage: int, tp: int = 1, persistence_threshold: int = 
         model, config=config, optimizer=make_optimizer(model, case.lr), tp_plan=plan_for(case) if tp > 1 else None
     )
     batches = global_batches(case, engine.topology.dp)
+    engine.comm_stats(reset=True)
     losses, norms = train(engine, case, batches, range(case.steps))
+    gathered = engine.comm_stats(reset=True).get("all_gather")
     buckets = [b for _, _, bs in engine.layout.unit_buckets for b in bs]
+    # what eager ZeRO-3 keeps from forward to backward: the root unit and the last block of the forward
+    stack = {"gpt": "blocks", "llama": "model.layers"}[case.model]
+    kept = {"<root>", f"{stack}.{len(engine.module.get_submodule(stack)) - 1}"}
+    dp = engine.topology.dp
+    persistent = [b.padded_numel * b.flat_param.element_size() * (dp - 1) // dp for b in engine.layout.buckets
+                  if b.gather_after_step]  # fmt: skip
     x, y = batches[0]
     lo, hi = engine.topology.dp_rank * case.micro, (engine.topology.dp_rank + 1) * case.micro
     engine.eval()
@@ -50,6 +58,16 @@ def graph_run(case: Case, stage: int, tp: int = 1, persistence_threshold: int = 
         "params": engine.full_state_dict(),
         "graph": engine.graph_stats(),
         "buckets": (len(buckets), sum(b.requires_grad for b in buckets)),
+        # per bucket: its unit, whether that is kept, and the bytes of one all-gather (the convention's: (N-1)/N)
+        "gathers": [
+            (name, name in kept, b.padded_numel * b.flat_param.element_size() * (dp - 1) // dp)
+            for name, _, bs in engine.layout.unit_buckets
+            for b in bs
+        ],
+        "all_gather": gathered,
+        "micro_steps": case.steps * case.gas,
+        # persistent parameters (under the threshold) are gathered after each optimizer step, as at stage 2
+        "after_step": case.steps * persistent,
         "eval": (evaluated, x[lo:hi], y[lo:hi]),
     }
 
@@ -90,17 +108,26 @@ def test_graph_mode_trains_like_one_process(model, stage, world):
 
 
 def assert_zero3_in_graph(r: dict) -> None:
-    """Every unit bucket is gathered in the forward graph and again in the backward graph (nothing kept between
-    them), every trainable bucket reduce-scattered in the backward graph, and at most three units are gathered at
-    once (the root, whose embedding comes first and head last, the current and the prefetched unit)."""
+    """Every unit bucket is gathered in the forward graph, and again in the backward graph unless its unit is one of
+    the two eager ZeRO-3 keeps from forward to backward (the root and the last block, [Note: kept after forward]);
+    every trainable bucket is reduce-scattered in the backward graph; at most three units are gathered at once (the
+    root, whose embedding comes first and head last, the current and the prefetched unit). Every training
+    micro-step's all-gathers move eager ZeRO-3's bytes: ``2P - (root + last block)`` times ``(N-1)/N``, per rank (and
+    each optimizer step gathers the persistent parameters, if any, as eager ZeRO-3 does)."""
     buckets, trainable = r["buckets"]
+    kept = [size for _, is_kept, size in r["gathers"] if is_kept]
+    assert len({name for name, is_kept, _ in r["gathers"] if is_kept}) == 2 and len(kept) < buckets, r["gathers"]
     assert r["graph"]["collectives"] == {
         "forward all-gathers": 2 * buckets,  # training and eval
         "forward reduce-scatters": 0,
-        "backward all-gathers": buckets,
+        "backward all-gathers": buckets - len(kept),
         "backward reduce-scatters": trainable,
-    }, (r["graph"], buckets, trainable)
+    }, (r["graph"], buckets, trainable, len(kept))
     assert 2 <= r["graph"]["most_gathered"] <= 3, r["graph"]
+    every = sum(size for _, _, size in r["gathers"])
+    want = {"calls": r["micro_steps"] * (2 * buckets - len(kept)), "bytes": r["micro_steps"] * (2 * every - sum(kept))}
+    want = {"calls": want["calls"] + len(r["after_step"]), "bytes": want["bytes"] + sum(r["after_step"])}
+    assert r["all_gather"] == {**want, "sent": want["bytes"]}, (r["all_gather"], want)
 
 
 @pytest.mark.parametrize(("model", "stage"), [("gpt", 2), ("llama", 1)])
@@ -135,18 +162,26 @@ def test_zero3_graph_with_persistent_parameters():
 def eager_zero3_run(case: Case) -> dict:
     model = make_model(case)
     engine = shardtrain.initialize(model, config=config_for(case, 3, 1), optimizer=make_optimizer(model, case.lr))
+    engine.comm_stats(reset=True)
     losses, norms = train(engine, case, global_batches(case, engine.topology.dp), range(case.steps))
-    return {"losses": losses, "norms": norms, "params": engine.full_state_dict()}
+    gathered = engine.comm_stats(reset=True)["all_gather"]
+    return {"losses": losses, "norms": norms, "params": engine.full_state_dict(), "all_gather": gathered}
 
 
 def test_zero3_graph_equals_eager_zero3():
     """Same shards, same gradients, same reduction algorithm and order as eager ZeRO-3: the same losses, gradient
     norms and parameters, bitwise, at world 3 (this Llama's embeddings are untied, so no gradient is the sum of two
-    uses, which AOT autograd may add in another order). World 2 is bitwise too (checked by hand, not kept: time)."""
+    uses, which AOT autograd may add in another order), and the same all-gather bytes from the second micro-step on.
+    World 2 is bitwise too (checked by hand, not kept: time)."""
     case = Case(model="llama")
     graph = run_distributed(graph_run, 3, case, 3, timeout=600)[0]
     eager = run_distributed(eager_zero3_run, 3, case, timeout=600)[0]
     assert_zero3_in_graph(graph)
+    # the same bytes as eager, but for eager's first forward: not knowing the order yet, it releases the last block
+    # and gathers it again in backward
+    last = [size for name, kept, size in graph["gathers"] if kept and name != "<root>"]
+    assert eager["all_gather"]["calls"] == graph["all_gather"]["calls"] + len(last), (eager, graph["all_gather"])
+    assert eager["all_gather"]["bytes"] == graph["all_gather"]["bytes"] + sum(last), (eager, graph["all_gather"])
     assert graph["losses"] == eager["losses"] and graph["norms"] == eager["norms"]
     for k, want in eager["params"].items():
         assert torch.equal(graph["params"][k], want), k

@@ -16,9 +16,12 @@ three steps of ours make the result behave like ZeRO-3 rather than like a model 
 1. **Release** (the partitioner). A gathered parameter that backward needs (a weight saved by a matmul) would be
    saved from forward to backward, so every unit would stay gathered in between. Before AOT autograd splits the
    joint graph, :func:`recompute_gathers` marks each all-gather, its wait and the views taken of its output
-   ``MUST_RECOMPUTE``: the partitioner saves the shard instead and re-gathers the unit in backward.
+   ``MUST_RECOMPUTE``: the partitioner saves the shard instead and re-gathers the unit in backward. Two units are
+   left unmarked, the ones eager ZeRO-3 keeps gathered from forward to backward ([Note: kept after forward] in
+   :mod:`shardtrain.zero.unit_runtime`): the root unit and the last unit of the forward order (see [Note: kept
+   in the graph]). Their gathered buffers are saved for backward, which does not gather them again.
    Releasing is then the graph's own liveness: the generated code drops each value after its last use, so a
-   unit's full buffer is freed right after the last operation that reads it.
+   unit's full buffer is freed right after the last operation that reads it (a kept unit's, in backward).
 2. **Prefetch and order** (:func:`schedule`, run on the forward and the backward graph). Dynamo traces all
    gathers first (they come before the module call); the pass moves each unit's wait and views to just before
    their first use and issues the unit's all-gather one unit ahead (when the previous unit's data has arrived),
@@ -43,6 +46,31 @@ gathered up front and kept until backward, the whole model on every rank. So the
 ``fullgraph=True`` and such a construct is a ``GraphCaptureError`` naming it, raised while tracing (before any
 gather ran), whatever ``graph.strict`` says. Debug subscribers are traced into the graph instead (see [Note:
 statistics inside the graph] in :mod:`shardtrain.debug.traced`).
+
+[Note: kept in the graph]
+Eager ZeRO-3 leaves the root unit and the last unit of its recorded forward order gathered for the backward that
+follows; re-gathering them would move their bytes once more for nothing (the root is 40% of the parameters of the
+10.6M GPT-2 of docs/benchmarks.md). The graph keeps the same two, so that a step moves the same bytes in both modes
+and holds the same units between forward and backward. In the joint graph a unit has no name, so
+:func:`recompute_gathers` finds them from what :class:`UnitInputs` knows: it traces one gather per bucket, in the
+order of its buckets (``Settings.buckets``: each bucket's unit and gathered size), so the k-th gather of ZeRO's
+group in the joint graph is bucket k's, which the sizes confirm. The root unit is the one whose module is the
+engine's module; the last unit of the forward order is, of the other units, the one whose gathered parameters the
+forward uses last (the operations that do not depend on a tangent are the forward's): what eager records as the
+last unit hook to run. As in eager mode nothing is kept when no other unit runs in forward (a model whose root is
+its only unit), and every bucket of a kept unit is kept (frozen ones too). A joint graph whose gathers do not
+match the buckets (a gather left out by the trace) keeps nothing: every unit is re-gathered, correct and slower.
+
+Their gathers are left unmarked, not marked to be saved: the partitioner saves what backward reads of them (the
+collective itself is never recomputed). So a kept unit that backward does not read at all (a root holding only an
+embedding, whose gradient needs the indices, not the weight) is freed after forward, where eager holds it until
+its gradients are in; it is not gathered again either way. Memory: at most the root and the last unit whole from
+forward to backward, as in eager mode; the root is whole during the forward anyway (embedding first, head last),
+so at most three units (root, current, prefetched) are gathered at once. The backward graph's inputs saved of a
+kept unit carry its name in their meta (``KEPT``), which :func:`schedule` reads: the backward's first re-gather is
+issued at its start, while the kept units' backward runs (as eager prefetches it), and ``most_gathered`` counts
+the kept units until their last use. For ``offload_param`` nvme the read of a kept unit's shard is not marked
+either: backward neither reads it again nor gathers it.
 
 The numbers are eager ZeRO-3's: the same shards gathered, the same gradients reduced with the same algorithm
 and summation order (the wire dtype of mixed precision included); what can differ is the order in which
@@ -154,6 +182,9 @@ class UnitInputs:
             group=comm.group.group_name if comm.size > 1 else "",
             tensor_parallel=len(self.comms) > 1,
             swapped=bool(swapped),
+            # one gather per bucket in this order (parameters()): how the joint graph's gathers are told apart
+            buckets=tuple((u.name, b.padded_numel) for u in units for b in u.buckets),
+            root=next((u.name for u in units if u.module is root), None),
         )
         self.buckets: list[Bucket] = [b for u in units for b in u.buckets]
         index = {id(s.param): (i, k) for i, b in enumerate(self.buckets) for k, s in enumerate(b.slots)}
@@ -304,12 +335,55 @@ def _gather_group(start: fx.Node) -> list[fx.Node]:
 
 def recompute_gathers(joint: fx.Graph, settings: Settings | None = None) -> None:
     """Step 1 of [Note: ZeRO-3 as graph operations]: re-gather in backward instead of saving gathered values (the
-    units' gathers over ``settings.group``; a tensor-parallel gather's output is an activation, saved as such)."""
-    for node in _gather_starts(joint, settings.group if settings is not None else None):
+    units' gathers over ``settings.group``; a tensor-parallel gather's output is an activation, saved as such), except
+    the units eager ZeRO-3 keeps from forward to backward (see [Note: kept in the graph])."""
+    starts = _gather_starts(joint, settings.group if settings is not None else None)
+    kept = kept_gathers(joint, starts, settings)
+    for k, node in enumerate(starts):
+        if node in kept:  # saved for backward: neither read again nor gathered again there
+            for member in _gather_group(node):  # the backward graph's inputs share the meta (see _most_gathered)
+                member.meta[KEPT] = (kept[node], k)
+            continue
         read = _read_into(node)  # read again from the swap file in backward too, not kept from forward
         for member in [read, *_gather_group(node)] if read is not None else _gather_group(node):
             member.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
             member.meta["ac_graph_id"] = 0
+
+
+# node meta: (unit name, bucket) of the gathered buffer a node is (or views), kept from forward to backward
+KEPT = "shardtrain_kept_unit"
+
+
+def kept_gathers(joint: fx.Graph, starts: list[fx.Node], settings: Settings | None) -> dict[fx.Node, str]:
+    """The gathers of the units eager ZeRO-3 keeps from forward to backward, the root unit and the last unit of the
+    forward order, among the joint graph's ``starts``, with their unit's name (see [Note: kept in the graph]); none if
+    they cannot be told."""
+    if settings is None or not settings.buckets or len(starts) != len(settings.buckets):
+        return {}
+    if any(_gathered_numel(n) != numel for n, (_, numel) in zip(starts, settings.buckets)):
+        return {}
+    backward = _depends_on_tangents(joint)
+    order = {n: i for i, n in enumerate(joint.nodes)}
+    last_use: dict[str, int] = {}  # per unit, the position of the forward's last operation on its parameters
+    for start, (unit, _) in zip(starts, settings.buckets):
+        group = set(_gather_group(start))
+        uses = [order[u] for m in group for u in m.users if u not in group and u not in backward and u.op != "output"]
+        if uses:
+            last_use[unit] = max(last_use.get(unit, -1), *uses)
+    others = [u for u in last_use if u != settings.root]
+    if not others:  # eager ZeRO-3 keeps nothing when no unit but the root runs in forward
+        return {}
+    keep = {settings.root, max(others, key=last_use.__getitem__)}
+    return {start: unit for start, (unit, _) in zip(starts, settings.buckets) if unit in keep}
+
+
+def _depends_on_tangents(graph: fx.Graph) -> set[fx.Node]:
+    """The joint graph's backward: every node that depends on a tangent (the gradient of an output)."""
+    found = {n for n in graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")}
+    for node in graph.nodes:  # topological order: a node's inputs come before it
+        if node not in found and any(a in found for a in node.all_input_nodes):
+            found.add(node)
+    return found
 
 
 @dataclass(frozen=True)
@@ -340,6 +414,10 @@ class Settings:
     # tensor parallelism in the one graph: a forward that draws random numbers is refused (see refuse_random)
     tensor_parallel: bool = False
     swapped: bool = False  # shards read from swap files: Inductor must keep the reads where the schedule put them
+    # per bucket, in the order the graph gathers them: its unit's name and its gathered size; and the root unit's
+    # name (None: no root unit). What tells the kept units apart in the joint graph ([Note: kept in the graph])
+    buckets: tuple[tuple[str, int], ...] = ()
+    root: str | None = None
 
 
 def schedule(gm: fx.GraphModule, settings: Settings = Settings()) -> Scheduled:
@@ -375,10 +453,17 @@ def schedule_graph(graph: fx.Graph, settings: Settings = Settings()) -> Schedule
         for member in sorted(group[1:], key=order.__getitem__):
             use.prepend(member)
     # each all-gather issued when the previous unit's data has arrived (one unit ahead), if the prefetch budget
-    # admits it; else right before its own wait
+    # admits it; else right before its own wait. A backward that starts on units kept from forward issues its first
+    # all-gather at its start, while their backward runs (eager ZeRO-3 prefetches it when the first kept unit is
+    # needed in backward)
+    inputs = [n for n in graph.nodes if n.op == "placeholder"]
+    starts_on_kept = is_backward(graph) and any(KEPT in n.meta for n in inputs)
     for previous, (_, group) in zip([None, *placed], placed):
-        if previous is not None and _gathered_numel(group[0]) <= settings.prefetch_numel:
+        fits = _gathered_numel(group[0]) <= settings.prefetch_numel
+        if previous is not None and fits:
             _ready(previous[1]).append(group[0])
+        elif previous is None and starts_on_kept and fits and group[0].target is _AG:  # a read alone overlaps nothing
+            inputs[-1].append(group[0])
         else:
             _ready(group).prepend(group[0])
         read = _read_into(group[0])
@@ -496,7 +581,8 @@ def _schedule_reductions(graph: fx.Graph) -> None:
 
 
 def _most_gathered(graph: fx.Graph, group: str | None) -> int:
-    """Most all-gathers issued and not yet dead at one point of the graph's program order."""
+    """Most units gathered at one point of the graph's program order: all-gathers issued and not yet dead, and in
+    backward the units kept from forward (inputs of the graph) until their last use."""
     nodes = list(graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     lifetimes = []
@@ -505,6 +591,12 @@ def _most_gathered(graph: fx.Graph, group: str | None) -> int:
             members = set(_gather_group(n))
             last = max((index[u] for m in members for u in m.users if u not in members), default=index[n])
             lifetimes.append((index[n], last))
+    kept: dict[tuple[str, int], int] = {}  # the forward's kept buffers are its outputs: to its end, counted above
+    for n in nodes:
+        if n.op == "placeholder" and KEPT in n.meta:
+            last = max((index[u] for u in n.users), default=index[n])
+            kept[n.meta[KEPT]] = max(kept.get(n.meta[KEPT], 0), last)
+    lifetimes.extend((0, last) for last in kept.values())
     return max((sum(1 for a, b in lifetimes if a <= i <= b) for i in range(len(nodes))), default=0)
 
 

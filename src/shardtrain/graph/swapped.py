@@ -13,7 +13,8 @@ operation whose value is a copy of its input, read from the swap file the input 
 one page cache, so the read sees every update made through the mapping). Its input, the mapping, costs no memory; its
 output is the buffer the all-gather sends from. Two passes of :mod:`shardtrain.graph.sharded` treat it as part of
 the gather it feeds: the partitioner must recompute it (backward reads the file again before its re-gather instead
-of keeping the buffer from forward to backward), and the schedule issues it right before that all-gather, one unit
+of keeping the buffer from forward to backward; not for the two units kept gathered, which backward neither reads
+nor gathers: [Note: kept in the graph]), and the schedule issues it right before that all-gather, one unit
 ahead of the unit's use like the gather itself. The generated code drops the buffer after its last use (the
 all-gather), so at most the current and the prefetched unit hold one: what eager ZeRO-3 and DeepSpeed's
 ZeRO-Infinity do. (At data-parallel size 1 there is no all-gather: the buffer is the gathered unit itself, read and
