@@ -304,7 +304,10 @@ def peer_lost_text(err: BaseException) -> bool:
 def backend_error(err: BaseException) -> bool:
     """Does ``err`` come from the communication backend (a gloo source location, NCCL, a broken connection)?"""
     text = str(err)
-    return bool(_GLOO_PATH.search(text)) or "NCCL" in text or peer_lost_text(err)
+    # gloo closes a connection when an operation on it times out; another operation in flight on it (in a graph, an
+    # all-gather issued ahead while a reduce-scatter is waited for) then fails with a message without a location
+    closed = "timeout caused pair closure" in text
+    return bool(_GLOO_PATH.search(text)) or "NCCL" in text or closed or peer_lost_text(err)
 
 
 def api_call() -> str | None:

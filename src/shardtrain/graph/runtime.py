@@ -37,11 +37,6 @@ from shardtrain.zero.runtime import Call, Runtime
 from shardtrain.zero.unit_runtime import EagerRuntime
 from shardtrain.zero.units import Unit
 
-# gloo closes a connection when an operation on it times out; another operation of the graph in flight on it (an
-# all-gather issued ahead while a reduce-scatter is waited for) then fails with this message, which has no source
-# location for comm_failure.backend_error to recognise
-_GLOO_PAIR_CLOSED = "timeout caused pair closure"
-
 
 class GraphRuntime(Runtime):
     """The module run through graphs captured per input schema; at stage 3 ZeRO-3 inside them."""
@@ -190,7 +185,7 @@ class GraphRuntime(Runtime):
         try:
             yield
         except RuntimeError as err:
-            if not (comm_failure.backend_error(err) or _GLOO_PAIR_CLOSED in str(err)):
+            if not comm_failure.backend_error(err):
                 raise
             what = f"ZeRO-3 units in the captured {call} graph"
             raise self.comm.describe_failure("a gather or reduce-scatter", what, err, started=started) from err
