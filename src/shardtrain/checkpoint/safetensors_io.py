@@ -17,7 +17,6 @@ import json
 import mmap
 import os
 import struct
-import threading
 from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -79,17 +78,16 @@ def _pread_into(fd: int, into: memoryview, pos: int) -> int:
     return got
 
 
-# Reads that bypass the page cache (O_DIRECT). A buffered read of a cold file takes new memory for the page cache
-# (on a virtual machine whose host reclaims freed guest memory, each new page costs a fault on the host too), and a
-# read into a new result takes the result's as well; reading from the disk straight into the result takes only the
-# result's, and into a tensor given to read into (or any memory out of phase with the file), through one reused
-# buffer per reader thread, none. Only where no byte of the range is cached (a cached file is served from memory by
-# a buffered read) and the read is long. The file offset, length and address of an O_DIRECT request must be whole
-# blocks (512 B or 4 KiB): ``empty_at_phase`` in ``format.py`` places a new result at its file position's offset
-# within a block, so that it can be read into directly.
+# Reads that bypass the page cache (O_DIRECT), for new results only. A buffered read of a cold file takes new memory
+# for the page cache (on a virtual machine whose host reclaims freed guest memory, each new page costs a fault on
+# the host too), and a read into a new result takes the result's as well; reading from the disk straight into the
+# result takes only the result's. Only where no byte of the range is cached (a cached file is served from memory by
+# a buffered read), the read is long, and the result is in phase with the file: the file offset, length and address
+# of an O_DIRECT request must be whole blocks (512 B or 4 KiB), and ``empty_at_phase`` in ``format.py`` places a new
+# result at its file position's offset within a block, so that it can be read into directly. A tensor given to read
+# into takes no new memory of the process either way, and is read through the page cache (``_Uncached.usable``).
 _BLOCK = 4096
 _UNCACHED_MIN = 1 << 20
-_thread_buffers = threading.local()  # each reader thread's block-aligned buffer, kept for its next read
 
 
 @lru_cache(maxsize=1)
@@ -141,23 +139,25 @@ class _Uncached:
         self.resident = resident
 
     def usable(self, into: memoryview, pos: int) -> bool:
-        """Whether ``into`` (``len(into)`` bytes from file position ``pos``) is long and none of it was cached."""
+        """Whether ``into`` (``len(into)`` bytes from file position ``pos``) is long, in phase with the file (at
+        ``pos``'s offset within a block, as ``empty_at_phase`` places a new result) and none of it was cached.
+        Memory out of phase (a tensor given to read into: the engine's weights and masters) is read through the
+        page cache: there a buffered read, with the kernel's readahead, measured 1.5-2.2x faster than O_DIRECT
+        into a reused aligned buffer and a copy (docs/benchmarks-loadspeed.md, stop 30), and it takes no new
+        memory of the process either."""
         lo, hi = pos - pos % _BLOCK, pos + len(into)
         if self.fd is None or len(into) < _UNCACHED_MIN:
+            return False
+        if (ctypes.addressof(ctypes.c_char.from_buffer(into)) - pos) % _BLOCK:
             return False
         page = mmap.PAGESIZE
         return not self.resident[(lo - self.base) // page : -(-(hi - self.base) // page)].strip(b"\0")
 
     def read(self, buffered_fd: int, into: memoryview, pos: int) -> int:
-        """Like ``_pread_into``. Into a result placed in phase with the file (``empty_at_phase``) the whole blocks
-        go straight from the disk and the unaligned head and tail through the page cache; into any other memory
-        (a tensor given to read into, a result filled from several pieces) the blocks are read into this thread's
-        reused block-aligned buffer and copied (no new memory, neither the page cache's nor a buffer's)."""
-        address = ctypes.addressof(ctypes.c_char.from_buffer(into))
+        """Like ``_pread_into``, into a result placed in phase with the file (``usable``): the whole blocks go
+        straight from the disk into it, the unaligned head and tail (under a block each) through the page cache."""
         try:
-            if (address - pos) % _BLOCK == 0:
-                return self._read_in_phase(buffered_fd, into, pos)
-            return self._read_through(address, into, pos)
+            return self._read_in_phase(buffered_fd, into, pos)
         except OSError as err:  # a device with larger blocks than assumed: read it through the page cache
             if err.errno != errno.EINVAL:
                 raise
@@ -172,28 +172,6 @@ class _Uncached:
         if middle < tail - head:
             return head + middle
         return tail + _pread_into(buffered_fd, into[tail:], pos + tail)
-
-    def _read_through(self, address: int, into: memoryview, pos: int) -> int:
-        lo = pos - pos % _BLOCK
-        span = -(-(pos + len(into) - lo) // _BLOCK) * _BLOCK
-        bounce = getattr(_thread_buffers, "block", None)
-        if bounce is None or len(bounce) < span:
-            if bounce is not None:
-                bounce.close()
-            bounce = _thread_buffers.block = mmap.mmap(-1, max(span, _DIRECT_CHUNK + 2 * _BLOCK))
-        view = memoryview(bounce)
-        try:
-            need, got = pos + len(into) - lo, 0
-            while got < need:  # whole blocks, except at the end of the file (the last request then)
-                r = os.preadv(self.fd, [view[got:span]], lo + got)
-                if not r:
-                    break
-                got += r
-            n = max(0, min(len(into), got - (pos - lo)))
-            ctypes.memmove(address, ctypes.addressof(ctypes.c_char.from_buffer(view)) + (pos - lo), n)
-        finally:
-            view.release()
-        return n
 
     def close(self) -> None:
         if self.fd is not None:
