@@ -161,7 +161,7 @@ def _load_rank(root: str, world: int, numel_per_tensor: int, rounds: int, settle
     checksums verified) into fresh result tensors and into tensors allocated before the rounds, and the raw read of
     this rank's file of the same checkpoint (sequential ``readinto`` of 64 MiB blocks: the reference) into one
     reused buffer and into freshly allocated memory; and, shown beside the reference, the same file read with the
-    load's own I/O (O_DIRECT, two threads).
+    page cache bypassed (O_DIRECT, two threads: how the load read new results up to stop 30).
 
     Before each timed read every rank's files are evicted from the page cache (``fsync`` then
     ``posix_fadvise(DONTNEED)``, which needs no privileges) and ``resident_bytes`` checks that none of their pages
@@ -194,7 +194,7 @@ def _load_rank(root: str, world: int, numel_per_tensor: int, rounds: int, settle
                 pass
 
     def raw_direct() -> None:
-        """Not the goal's reference, shown beside it: the file read with the loader's own I/O (O_DIRECT, two reader
+        """Not the goal's reference, shown beside it: the file read around the page cache (O_DIRECT, two reader
         threads, 16 MiB requests), each thread into its own reused block-aligned buffer."""
         fd = os.open(mine, os.O_RDONLY | os.O_DIRECT)
         size, chunk = mine.stat().st_size, 16 << 20
@@ -269,7 +269,7 @@ def _report_load(per_rank: list[list[dict[str, float]]], world: int, gb: float) 
         ("load_into", "shardtrain load into existing tensors (as the engine loads weights)"),
         ("raw", "raw read of the same files, into one reused buffer"),
         ("raw_fresh", "raw read of the same files, into fresh memory"),
-        ("raw_direct", "(not the reference) the same files read as the load reads: O_DIRECT, 2 threads"),
+        ("raw_direct", "(not the reference) the same files read around the page cache: O_DIRECT, 2 threads"),
     ):
         rate = med(agg(key, k) for k in range(rounds))
         cpu = med(r[k][f"{key}_cpu_s"] for r in per_rank for k in range(rounds))

@@ -353,32 +353,16 @@ class DescribedTensor(Protocol):
     def torch_dtype(self) -> torch.dtype: ...
 
 
-def empty_at_phase(shape: tuple[int, ...], dtype: torch.dtype, phase: int) -> torch.Tensor:
-    """A new contiguous tensor whose first byte's address is ``phase`` modulo 4096 (a view into a block 4 KiB
-    larger), so that a file read from position ``phase`` on can go around the page cache straight into it
-    (``_Uncached`` in ``safetensors_io.py``). Small tensors, or a phase that is not a multiple of the element size,
-    get a plain ``torch.empty``."""
-    nbytes = numel(shape) * dtype.itemsize
-    if nbytes < (1 << 20) or phase % dtype.itemsize:
-        return torch.empty(shape, dtype=dtype)
-    block = torch.empty(nbytes + 4096, dtype=torch.uint8)
-    skip = (phase - block.data_ptr()) % 4096
-    if skip % dtype.itemsize:  # the allocator's alignment is a multiple of every element size; never taken
-        return torch.empty(shape, dtype=dtype)
-    return block[skip : skip + nbytes].view(dtype).view(shape)
-
-
 def slice_destination(
     entry: DescribedTensor,
     slice: Slice,
     dtype: torch.dtype | None = None,
     out: torch.Tensor | None = None,
-    phase: int | None = None,
 ) -> torch.Tensor:
     """The tensor a ``read_slice`` of ``slice`` of ``entry`` fills, checked before any byte is read (the preamble
     every reader shares): ``slice`` must fit the entry's global shape (else a ``CheckpointError`` naming the
     tensor); ``out``, when given, must be a contiguous host tensor of the slice's shape and of ``dtype`` (default:
-    the entry's), else a new one of those is allocated (at ``phase``, when given: :func:`empty_at_phase`)."""
+    the entry's), else a new one of those is allocated."""
     shape = entry.global_shape
     try:
         slice.validate(shape)
@@ -386,7 +370,7 @@ def slice_destination(
         raise CheckpointError(f"tensor {entry.name!r}: cannot read {slice}: {err}") from None
     want = (tuple(slice.piece_shape(shape)), dtype or entry.torch_dtype)
     if out is None:
-        return torch.empty(want[0], dtype=want[1]) if phase is None else empty_at_phase(*want, phase)
+        return torch.empty(want[0], dtype=want[1])
     if (tuple(out.shape), out.dtype) != want or out.device.type != "cpu" or not out.is_contiguous():
         raise ValueError(
             f"read_slice({entry.name!r}, out=...): expected a contiguous host tensor of shape {want[0]} and "

@@ -38,7 +38,7 @@ from shardtrain.checkpoint.format import (
 )
 from shardtrain.checkpoint.objects import decode, decode_tensor_file, load_v1_pickle
 from shardtrain.checkpoint.runs import SegmentCopier, intersect
-from shardtrain.checkpoint.safetensors_io import data_position, stream_tensor
+from shardtrain.checkpoint.safetensors_io import stream_tensor
 from shardtrain.errors import CheckpointError
 
 
@@ -194,8 +194,7 @@ class CheckpointReader:
         """
         entry = self.manifest.resolve(name)
         shape = entry.global_shape
-        phase = self._phase(entry, slice) if out is None and dtype in (None, entry.torch_dtype) else None
-        out = slice_destination(entry, slice, dtype, out, phase)
+        out = slice_destination(entry, slice, dtype, out)
         if out.numel() == 0:
             return out
         flat = out.view(-1)
@@ -220,19 +219,6 @@ class CheckpointReader:
                 last = int(segments.piece_start[-1] + segments.length[-1])
             self._stream_piece(entry, piece, (first, last), copier)
         return out
-
-    def _phase(self, entry: TensorEntry, slice: Slice) -> int | None:
-        """The file position the first element of a flat read comes from, when one flat piece holds it (a ZeRO
-        fragment, a whole tensor): a new result placed at that phase can be read around the page cache."""
-        if not isinstance(slice, FlatSlice):
-            return None
-        for piece in entry.pieces:
-            stored = piece.slice
-            if isinstance(stored, FlatSlice) and stored.start <= slice.start < stored.start + stored.length:
-                position = data_position(self.path / piece.file, piece.key)
-                skipped = (slice.start - stored.start) * entry.torch_dtype.itemsize
-                return None if position is None else position + skipped
-        return None
 
     # -- objects ----------------------------------------------------------------------------------
     def _object_file(self, file: str, encoding: str, key: str, cached: bool = True) -> dict[str, Any]:
