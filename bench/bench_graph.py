@@ -18,8 +18,10 @@ loaded 2-core machine about 9 minutes at 8 steps, 10 at 16, peak-RSS processes i
 Variants: ``ddp`` (torch DistributedDataParallel); ``fsdp2`` (torch ``fully_shard`` on every block and the root,
 its defaults: parameters resharded after forward and gathered again in backward); ``stageN``
 (shardtrain eager, ZeRO stage N); ``stageN:graph`` (captured, graphs run as traced: ``aot_eager``);
-``stageN:inductor`` (captured and compiled by Inductor). Stage 3 runs with DeepSpeed's defaults (persistence
-threshold 1e5 elements: biases and norms stay whole and are reduced like stage 2's, in eager and graph mode alike).
+``stageN:inductor`` (captured and compiled by Inductor); either with ``-static`` (``stage3:graph-static``):
+graphs specialized on the input sizes (``graph.dynamic_shapes: false``). Stage 3 runs with DeepSpeed's defaults
+(persistence threshold 1e5 elements: biases and norms stay whole and are reduced like stage 2's, in eager and
+graph mode alike).
 
 Columns of the table:
 * ``median step [q1-q3]``: median step time over the timed iterations, with its quartiles.
@@ -107,8 +109,12 @@ def build(variant: str, shape: Shape) -> Runner:
     if variant in ("ddp", "fsdp2"):
         return Runner(torch_baseline(variant, model)[0])
     stage, _, mode = variant.partition(":")
-    if not stage.startswith("stage") or mode not in ("", "graph", "inductor"):
-        raise SystemExit(f"unknown variant {variant!r}: use ddp, fsdp2, stageN, stageN:graph or stageN:inductor")
+    mode, static = mode.removesuffix("-static"), mode.endswith("-static")
+    if not stage.startswith("stage") or mode not in ("", "graph", "inductor") or (static and not mode):
+        raise SystemExit(
+            f"unknown variant {variant!r}: use ddp, fsdp2, stageN, stageN:graph or stageN:inductor "
+            "(the last two with -static: graph.dynamic_shapes false)"
+        )
     config = {
         "train_micro_batch_size_per_gpu": shape.micro_batch,
         "gradient_clipping": 1.0,
@@ -116,7 +122,8 @@ def build(variant: str, shape: Shape) -> Runner:
         "zero_optimization": {"stage": int(stage.removeprefix("stage")), "reduce_bucket_size": 25_000_000 // 4},
     }
     if mode:
-        config["graph"] = {"enabled": True, "compiler": "inductor" if mode == "inductor" else "aot_eager"}
+        compiler = "inductor" if mode == "inductor" else "aot_eager"
+        config["graph"] = {"enabled": True, "compiler": compiler, "dynamic_shapes": not static}
     engine = shardtrain.initialize(model, config=config, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4))
 
     def engine_step(x, y, marks):

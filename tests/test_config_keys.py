@@ -953,6 +953,20 @@ def _graph_cache_size(tmp: Path) -> None:
     assert stats(2) == (2, 0)
 
 
+@effect("graph.dynamic_shapes")
+def _graph_dynamic_shapes(tmp: Path) -> None:
+    def captures(dynamic: bool) -> int:
+        engine = _graph_engine({"dynamic_shapes": dynamic})
+        for batch in (2, 3):  # one input schema with dynamic sizes, two with static ones
+            x, y = torch.randn(batch, 4), torch.randn(batch, 1)
+            engine.backward(engine(x, y))
+            engine.step()
+        return engine.graph_stats()["captures"]
+
+    assert captures(True) == 1
+    assert captures(False) == 2
+
+
 @effect("graph.compiler")
 def _graph_compiler(tmp: Path) -> None:
     # Inductor would compile C++ here for a minute (the graph tests run it); what the key chooses is whether each
@@ -1181,6 +1195,7 @@ MODE_EXAMPLES: list[tuple[str, dict]] = [
     ("graph.strict", {"graph": {"strict": True}}),
     ("graph.cache_size", {"graph": {"cache_size": 2}}),
     ("graph.compiler", {"graph": {"compiler": "inductor"}}),
+    ("graph.dynamic_shapes", {"graph": {"dynamic_shapes": False}}),
 ]
 
 

@@ -194,6 +194,9 @@ class GraphConfig(_Section):
     """Captured graphs kept (one per input schema); the least recently used is evicted."""
     compiler: Literal["aot_eager", "inductor"] = "aot_eager"
     """How captured graphs run: as traced (exact eager numerics) or compiled by Inductor (fused kernels)."""
+    dynamic_shapes: bool = True
+    """Graphs generic in the inputs' sizes (a new batch size or sequence length reuses the graph); ``False``: one
+    graph per set of sizes, specialized on them (less memory and capture work for fixed-shape training)."""
 
 
 class BF16Config(_Section):

@@ -882,6 +882,11 @@ RULES: tuple[Rule, ...] = (
         '`"aot_eager"` or `"inductor"`, `"aot_eager"`',
         "run the captured graphs as traced (eager numerics) or compiled by Inductor",
     ),
+    _supported(
+        "graph.dynamic_shapes",
+        "bool, `true`",
+        "graphs generic in the inputs' sizes; `false`: one graph per set of sizes, specialized on them",
+    ),
 )
 
 RULES_BY_PATH: dict[str, Rule] = {r.path: r for r in RULES}
@@ -1064,7 +1069,7 @@ NO_EFFECT_WHEN: tuple[NoEffectWhen, ...] = (
         NoEffectWhen(
             f"graph.{key}", "without `graph.enabled: true`", "graph mode is off", lambda c: not c.graph.enabled
         )
-        for key in ("strict", "cache_size", "compiler")
+        for key in ("strict", "cache_size", "compiler", "dynamic_shapes")
     ),
 )
 

@@ -300,6 +300,7 @@ def _runtime(
         strict=gcfg.strict,
         cache_size=gcfg.cache_size,
         compiler=gcfg.compiler,
+        dynamic_shapes=gcfg.dynamic_shapes,
         wire_dtype=precision.reduce_dtype if precision.mixed else None,
         tp_partial=tp_partial,
         param_offload=param_offload,

@@ -54,6 +54,7 @@ class GraphRuntime(Runtime):
         cache_size: int,
         compiler: str,
         wire_dtype: torch.dtype | None,
+        dynamic_shapes: bool = True,
         tp_partial: tuple[Communicator, frozenset[int]] | None = None,
         param_offload: ParamOffload | None = None,
     ) -> None:
@@ -92,6 +93,7 @@ class GraphRuntime(Runtime):
             strict=strict,
             cache_size=cache_size,
             compiler=compiler,
+            dynamic_shapes=dynamic_shapes,
             units=self.inputs,
             own_hooks=eager.hook_ids,  # a user's hook is part of the schema; these never change
         )

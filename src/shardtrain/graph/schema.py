@@ -8,8 +8,10 @@ flipped bool input). The schema is those facts, taken from the call itself:
 
 * the call's structure, flattened: every leaf named by its path from the bound argument name (``attention_mask``,
   ``batch['labels']``, ``cfg.scale``), positional arguments named by the parameter of ``forward`` they bind to;
-* for each tensor leaf: dtype, rank (number of dimensions), device and requires_grad; never the sizes: dimension
-  sizes are dynamic, so a new batch size or sequence length reuses the graph;
+* for each tensor leaf: dtype, rank (number of dimensions), device and requires_grad; the sizes only with
+  static shapes (``graph.dynamic_shapes: false``): by default dimension sizes are dynamic, so a new batch size or
+  sequence length reuses the graph, while a static graph is specialized on its sizes and a new size is a new
+  schema (a capture whose reason names the input and both shapes);
 * for every other leaf (bool, int, float, str, None, enums, dtypes, other Python values): its type and value; the
   trace branched on them or baked them in;
 * the module's mode (``train()`` / ``eval()``, anywhere in the tree: dropout and batch norm trace differently);
@@ -45,15 +47,18 @@ from shardtrain.tree import iter_leaves
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """The facts about a tensor input a trace depends on (its sizes are dynamic)."""
+    """The facts about a tensor input a trace depends on (``shape`` only for a static trace: else ``None``, the
+    sizes are dynamic)."""
 
     dtype: torch.dtype
     ndim: int
     device: str
     requires_grad: bool
+    shape: tuple[int, ...] | None = None
 
     def describe(self) -> str:
-        return f"tensor {str(self.dtype).removeprefix('torch.')}, rank {self.ndim}, {self.device}"
+        sizes = "" if self.shape is None else f" {list(self.shape)}"
+        return f"tensor {str(self.dtype).removeprefix('torch.')}, rank {self.ndim}{sizes}, {self.device}"
 
 
 @dataclass(frozen=True)
@@ -109,7 +114,8 @@ _PLAIN = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.
 
 def _portable(spec: Leaf) -> Leaf:
     if isinstance(spec, TensorSpec):
-        return replace(spec, device=torch.device(spec.device).type)
+        # sizes may differ between ranks (an uneven last batch) with the same collectives: never compared across ranks
+        return replace(spec, device=torch.device(spec.device).type, shape=None)
     if isinstance(spec.value, torch.device):
         return ValueSpec(spec.type_name, torch.device(spec.value.type))
     if isinstance(spec.value, _PLAIN):
@@ -164,15 +170,19 @@ def bind_arguments(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, An
     return named
 
 
-def schema_of(module: nn.Module, args: tuple, kwargs: dict, own_hooks: frozenset[int] = frozenset()) -> Schema:
+def schema_of(
+    module: nn.Module, args: tuple, kwargs: dict, own_hooks: frozenset[int] = frozenset(), sizes: bool = False
+) -> Schema:
     """``own_hooks``: handle ids of hooks the engine installed itself and never changes (eager ZeRO-3's unit hooks,
-    inert while a graph is traced): not part of the schema, which holds the user's."""
+    inert while a graph is traced): not part of the schema, which holds the user's. ``sizes``: tensor sizes are
+    part of the schema (static shapes)."""
     leaves: list[tuple[str, Leaf]] = []
     for name, value in bind_arguments(module, args, kwargs).items():
         for path, leaf in iter_leaves(value):
             full = name + path
             if isinstance(leaf, torch.Tensor):
-                spec: Leaf = TensorSpec(leaf.dtype, leaf.dim(), str(leaf.device), leaf.requires_grad)
+                shape = tuple(leaf.shape) if sizes else None
+                spec: Leaf = TensorSpec(leaf.dtype, leaf.dim(), str(leaf.device), leaf.requires_grad, shape)
             else:
                 spec = _value_spec(leaf)
             leaves.append((full, spec))
@@ -268,6 +278,8 @@ def _leaf_change(was: Leaf, now: Leaf) -> str:
             parts.append(f"device {was.device} -> {now.device}")
         if was.requires_grad != now.requires_grad:
             parts.append(f"requires_grad {was.requires_grad} -> {now.requires_grad}")
+        if was.shape != now.shape and was.ndim == now.ndim:
+            parts.append(f"shape {list(was.shape or ())} -> {list(now.shape or ())} (static shapes)")
         return ", ".join(parts)
     if isinstance(was, ValueSpec) and isinstance(now, ValueSpec) and was.type_name == now.type_name:
         return f"value {was.value!r} -> {now.value!r}"
