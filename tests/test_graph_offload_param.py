@@ -25,6 +25,7 @@ from tp_cases import (
     VOCAB,
     Case,
     assert_parity,
+    captured_sizes,
     config_for,
     forward_engine,
     global_batches,
@@ -44,9 +45,15 @@ ADAMW = Case(steps=2, gas=2)  # AdamW with clipping
 
 
 def _config(
-    case: Case, graph: bool, path: str | None, param: str = "nvme", optimizer: bool = False, tp: int = 1
+    case: Case,
+    graph: bool,
+    path: str | None,
+    param: str = "nvme",
+    optimizer: bool = False,
+    tp: int = 1,
+    dynamic_shapes: bool = True,
 ) -> dict:
-    config = {**config_for(case, 3, tp), "graph": {"enabled": graph, "strict": True}}
+    config = {**config_for(case, 3, tp), "graph": {"enabled": graph, "strict": True, "dynamic_shapes": dynamic_shapes}}
     zero = config["zero_optimization"]
     if param == "nvme":
         zero["offload_param"] = {"device": "nvme", "nvme_path": path, "max_in_cpu": 0}  # every unit in a file
@@ -117,6 +124,7 @@ def _train(case: Case, config: dict) -> dict:
         "graph_reads": swapped.reads if swapped is not None else 0,
     }
     out["params"] = engine.full_state_dict()
+    out["graphs"], out["symbolic sizes"] = captured_sizes(engine)
     scratch = [s.path for s in engine._scratch.values()]
     engine.close()
     out["scratch_left"] = [str(p) for p in scratch if p.exists()]

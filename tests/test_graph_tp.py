@@ -19,6 +19,7 @@ from shardtrain.testing import run_distributed
 from tp_cases import (
     Case,
     assert_parity,
+    captured_sizes,
     config_for,
     forward_engine,
     global_batches,
@@ -33,8 +34,8 @@ from tp_cases import (
 CASE = Case(steps=3, gas=1)  # the graph captured at the second step, reused at the third
 
 
-def _engine(case: Case, graph: bool):
-    config = {**config_for(case, 3, 2), "graph": {"enabled": graph, "strict": True}}
+def _engine(case: Case, graph: bool, dynamic_shapes: bool = True):
+    config = {**config_for(case, 3, 2), "graph": {"enabled": graph, "strict": True, "dynamic_shapes": dynamic_shapes}}
     # graph mode has no per-gather unit-order check (the desync check compares the schemas): off in both modes, so
     # that comm_stats() holds the same kinds
     config["zero_optimization"]["stage3_gather_check"] = False
@@ -44,11 +45,11 @@ def _engine(case: Case, graph: bool):
     )
 
 
-def run(case: Case, graph: bool) -> dict:
+def run(case: Case, graph: bool, dynamic_shapes: bool = True) -> dict:
     """This rank's run: losses and grad norms, ZeRO's and tensor parallelism's collectives per step, rank 0's full
-    parameters, the graph statistics."""
+    parameters, the graph statistics (graphs generic in the inputs' sizes unless ``dynamic_shapes`` is false)."""
     torch._dynamo.utils.counters.clear()
-    engine = _engine(case, graph)
+    engine = _engine(case, graph, dynamic_shapes)
     engine.comm_stats(reset=True)
     engine.tp_comm.reset_stats()
     batches = global_batches(case, engine.topology.dp)
@@ -62,6 +63,7 @@ def run(case: Case, graph: bool) -> dict:
         engine.tp_comm.reset_stats()
     out["params"] = engine.full_state_dict()
     out["graph"] = engine.graph_stats()
+    out["graphs"], out["symbolic sizes"] = captured_sizes(engine)
     out["graph_breaks"] = dict(torch._dynamo.utils.counters["graph_break"])
     out["unit_buckets"] = sum(len(bs) for _, _, bs in engine.layout.unit_buckets)
     # the buckets of the units kept from forward to backward in both modes: the root and the last block
@@ -140,6 +142,7 @@ def check(world: int, case: Case = CASE, dropout: bool = False) -> list[dict]:
     assert_parity(graph, reference_run(case, dp), what)
     for r in results:
         assert_one_graph(r["graph"], case)
+        assert r["graph"]["graphs"] == 2 and r["graph"]["symbolic sizes"] > 0, r["graph"]  # generic in the sizes
         if dp > 1:  # the passes found ZeRO's gathers and reductions, and only those (not tensor parallelism's)
             buckets, kept = r["graph"]["unit_buckets"], r["graph"]["kept_buckets"]
             assert 2 <= kept < buckets, (kept, buckets)

@@ -299,3 +299,18 @@ def _assert_bf16_parity(result: dict, ref: dict, what: str) -> None:
     err = sum((final[k].float() - w.float()).abs().sum().item() for k, w in ref["params"].items())
     moved = sum((w.float() - ref["init"][k].bfloat16().float()).abs().sum().item() for k, w in ref["params"].items())
     assert err <= 0.1 * moved, f"{what}: total parameter error {err:.3g} vs total distance moved {moved:.3g}"
+
+
+def captured_sizes(engine) -> tuple[int, int]:
+    """The engine's captured graphs of the last schema (graph mode, ``aot_eager``; 0 in eager mode) and their nodes
+    whose value has a symbolic size: none when the graphs are specialized on the inputs' sizes
+    (``graph.dynamic_shapes: false``)."""
+    captured = getattr(engine._runtime, "captured", None)
+    graphs = captured.graphs() if captured is not None else []
+    symbolic = 0
+    for _, gm in graphs:
+        for node in gm.graph.nodes:
+            val = node.meta.get("val")
+            shape = val.shape if isinstance(val, torch.Tensor) else ()
+            symbolic += isinstance(val, torch.SymInt) or any(not isinstance(d, int) for d in shape)
+    return len(graphs), symbolic
