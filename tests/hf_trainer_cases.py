@@ -124,9 +124,12 @@ def make_trainer(
     save_steps: int | None = None,
     lora: bool = False,
     rows: int = 48,
+    deepspeed_scheduler: dict | None = None,
     **arg_changes: Any,
 ):
-    """A Trainer (``shardtrain_config`` None) or a ShardtrainTrainer over a fresh tiny Llama."""
+    """A Trainer (``shardtrain_config`` None) or a ShardtrainTrainer over a fresh tiny Llama. ``deepspeed_scheduler``
+    (the Trainer only): a config's ``scheduler`` section whose schedule DeepSpeed's own class runs, on the Trainer's
+    optimizer, instead of the Trainer's ``lr_scheduler_type`` (see :func:`deepspeed_scheduler_trainer`)."""
     from transformers import Trainer, TrainingArguments
 
     settings = {**SETTINGS, "per_device_eval_batch_size": 2, **arg_changes}
@@ -138,10 +141,40 @@ def make_trainer(
         model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
     data = {"train_dataset": TokenData(rows), "eval_dataset": TokenData(8, seed=2)}
     if shardtrain_config is None:
-        return Trainer(model=model, args=args, **data)
+        cls = Trainer if deepspeed_scheduler is None else deepspeed_scheduler_trainer(deepspeed_scheduler)
+        return cls(model=model, args=args, **data)
     from shardtrain.integrations.hf_trainer import ShardtrainTrainer
 
     return ShardtrainTrainer(model=model, args=args, shardtrain_config=shardtrain_config, **data)
+
+
+def deepspeed_scheduler_trainer(section: dict):
+    """A Trainer class whose scheduler is DeepSpeed's own (``deepspeed.runtime.lr_schedules``), built from ``section``
+    with its "auto" values filled as the Trainer's DeepSpeed integration fills them: what a user of the Trainer with
+    DeepSpeed and that config section gets. DeepSpeed's schedulers set the first lr when built and count steps from
+    there, one step behind torch's (see [Note: DeepSpeed's step count] in shardtrain.schedulers)."""
+    import os
+
+    from transformers import Trainer
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported: no GPU probing
+    from deepspeed.runtime import lr_schedules
+
+    class DeepSpeedSchedulerTrainer(Trainer):
+        def create_scheduler(self, num_training_steps: int, optimizer=None):
+            if self.lr_scheduler is None:
+                auto = {
+                    "warmup_min_lr": 0.0,
+                    "warmup_max_lr": self.args.learning_rate,
+                    "warmup_num_steps": max(1, self.args.get_warmup_steps(num_training_steps)),
+                    "total_num_steps": num_training_steps,
+                }
+                params = {k: auto[k] if v == "auto" else v for k, v in section["params"].items()}
+                cls = getattr(lr_schedules, section["type"])
+                self.lr_scheduler = cls(optimizer if optimizer is not None else self.optimizer, **params)
+            return self.lr_scheduler
+
+    return DeepSpeedSchedulerTrainer
 
 
 def step_logs(trainer) -> list[tuple[int, float, float, float]]:
