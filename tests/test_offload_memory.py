@@ -254,3 +254,36 @@ def test_swap_buffers_hold_the_sub_groups_in_flight_not_buffer_count_times_the_l
     bound = sum(sizes[-count:]) * (1 + 1 / 8)
     assert r["peak"] <= bound < count * sizes[-1], (r["peak"], bound, sizes)
     assert max(r["held"]) >= sizes[-1]  # the accounting sees the large sub-group's buffer
+
+
+def one_group(nvme: str) -> dict:
+    """DeepSpeed's default ``sub_group_size`` (1e9) on a small model: the whole shard is one sub-group, stepped
+    through ``buffer_count`` (4) buffers over several steps."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 64), nn.Linear(64, 64), nn.Linear(64, 8))
+    zero = {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "buffer_count": 4}}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    engine = shardtrain.initialize(model, {"train_micro_batch_size_per_gpu": 2, "zero_optimization": zero}, optimizer)
+    offload = engine._optimizer.offload
+    held = []
+    optimizer.register_step_post_hook(lambda *_: held.append(offload.held_bytes()))
+    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(1))
+    for _ in range(6):
+        engine.backward(engine(x).square().mean())
+        engine.step()
+    regions = 2 + (getattr(offload, "grads", None) is not None)  # Adam's moments and (offloaded) the gradient
+    size = sum(-(-offload.shapes[i].numel() * 4 // 4096) * 4096 * regions for g in offload.groups for i in g.members)
+    out = {"groups": len(offload.groups), "held": held, "peak": offload.peak_held_bytes, "size": size}
+    engine.close()
+    return out
+
+
+def test_fewer_sub_groups_than_swap_buffers_allocate_one_buffer_per_sub_group(tmp_path):
+    """One sub-group, four buffers, six steps: one buffer holds the sub-group, step after step. The pool was first
+    in, first out: each of the first four steps took a buffer not yet allocated, and from the fourth step on four
+    copies of the sub-group's size stayed in memory (the planner, which counts the ``buffer_count`` largest
+    sub-groups, predicted a third of the measured peak for a 0.22M-parameter GPT at world 3)."""
+    for r in run_distributed(one_group, 2, str(tmp_path)):
+        assert r["groups"] == 1 and r["size"] > 0, r
+        assert r["peak"] <= r["size"] * (1 + 1 / 8), r
+        assert all(0 < h <= r["size"] * (1 + 1 / 8) for h in r["held"]), r

@@ -23,7 +23,8 @@ thread pool (``os.preadv`` / ``os.pwritev`` release the GIL). A buffer is reused
 finished, so the element-wise optimizer state in memory never exceeds ``buffer_count`` sub-groups. A buffer
 fits the sub-group it holds: it is reused for one that needs at most ``FRAME_SLACK`` less, else replaced by one
 of the exact size (buffers that only grew each became as large as the largest sub-group: with sub-groups of
-very different sizes, ``buffer_count`` times the largest instead of the sub-groups in flight). The
+very different sizes, ``buffer_count`` times the largest instead of the sub-groups in flight). The pool is last
+in, first out, so with fewer sub-groups than buffers only as many buffers as sub-groups are ever allocated. The
 exception is a tensor's first step: the optimizer creates its state itself (zeros, in its own memory), which
 is written from there and dropped; on that step one more sub-group can be in memory. Every rank agrees on
 the outcome of the step (one small object all-gather) so that a full disk on one rank raises on all ranks,
@@ -231,7 +232,11 @@ class OptimizerOffload:
         self._group_of = {i: g for g in groups for i in g.members}
         # element-wise state on disk: member -> {key: dtype}
         self._saved: dict[int, dict[str, torch.dtype]] = {}
-        self._frames: queue.Queue[_Frame] = queue.Queue()
+        # last in, first out: the buffer given back last is taken first, so buffers the pipeline never needs at once
+        # are never allocated. With fewer sub-groups than buffers (one sub-group with DeepSpeed's default
+        # sub_group_size on a model of under 1e9 parameters per rank), first in, first out took a fresh buffer on
+        # each of ``buffer_count`` steps and ended with that many copies of the sub-group's state in memory
+        self._frames: queue.LifoQueue[_Frame] = queue.LifoQueue()
         for _ in range(buffer_count):
             self._frames.put(_Frame())
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="shardtrain-swap") if files else None
