@@ -16,11 +16,14 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import torch.distributed as dist
 
-from reliability_helpers import arm, check_rank_death
+from reliability_helpers import arm, check_rank_death, die
 from resume_helpers import make_engine, train
 from shardtrain import comm_failure
+from shardtrain.comm import Communicator
+from shardtrain.errors import PeerLostError
 from shardtrain.testing import run_ranks
 from tp_cases import Case, build_engine, forward_engine, global_batches
 
@@ -90,6 +93,85 @@ def test_survivors_name_the_killed_rank_tensor_parallel_full_matrix(tmp_path, st
 def test_survivors_name_the_killed_rank_full_matrix(tmp_path, stage, point, world, victim):
     outcomes = run_ranks(_train_until_killed, world, stage, victim, point, str(tmp_path), timeout=60)
     check_rank_death(outcomes, victim)
+
+
+def _train_until_killed_logging(stage: int, victim: int, point: str, root: str) -> None:
+    """:func:`_train_until_killed`, writing to ``root/rank<r>.json`` each reduction this rank launched, each send it
+    posted and each failure it met, in order."""
+    events: list[list] = []
+    isend, reduce_scatter, describe = dist.isend, Communicator.reduce_scatter, Communicator.describe_failure
+
+    def logged_isend(tensor, dst, group=None, tag=0):
+        events.append(["send", tag, tensor.numel()])
+        return isend(tensor, dst, group=group, tag=tag)
+
+    def logged_reduce_scatter(self, out, inp, op="sum", *, what, async_op=False):
+        events.append(["launch", what])
+        return reduce_scatter(self, out, inp, op, what=what, async_op=async_op)
+
+    def logged_describe(self, kind, what, err, **kwargs):
+        events.append(["failed", what])
+        return describe(self, kind, what, err, **kwargs)
+
+    dist.isend, Communicator.reduce_scatter, Communicator.describe_failure = (
+        logged_isend,
+        logged_reduce_scatter,
+        logged_describe,
+    )
+    try:
+        _train_until_killed(stage, victim, point, root)
+    finally:
+        with open(os.path.join(root, f"rank{dist.get_rank()}.json"), "w") as f:
+            json.dump(events, f)
+
+
+def test_no_collective_after_a_failed_one(tmp_path):
+    """ZeRO-2, world 3, rank 1 killed in backward (the case of [Note: no collective after a failure] in
+    shardtrain.comm): once a reduction failed, a survivor issued one more from the end of backward (the bucket
+    whose launch raised, again, under the next tag), which the other survivor, failed one bucket apart, could take
+    for another bucket's: gloo then aborted it (SIGABRT, "op.preamble.length <= op.nbytes") about one run in two.
+    Now nothing is launched or sent after a rank's first failure."""
+    outcomes = run_ranks(_train_until_killed_logging, 3, 2, 1, "backward", str(tmp_path), timeout=60)
+    check_rank_death(outcomes, 1)
+    for rank in (0, 2):
+        events = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        first = next(i for i, e in enumerate(events) if e[0] == "failed")
+        after = [e for e in events[first:] if e[0] != "failed"]
+        assert not after, (rank, events[first - 4 :])
+
+
+def _lose_the_peer_then_call_again() -> str:
+    comm = Communicator(dist.group.WORLD, 60.0)
+    t = torch.ones(6)
+    comm.all_reduce(t, what="a first all-reduce")  # both ranks registered and known
+    if dist.get_rank() == 1:
+        die()
+    with pytest.raises(PeerLostError) as first:
+        comm.all_reduce(t, what="the all-reduce that fails")
+    dist.isend = dist.irecv = dist.all_reduce = dist.all_gather_object = None  # nothing below may reach gloo
+    refused = []
+    for call in (
+        lambda: comm.reduce_scatter(torch.empty(3), t, what="a reduce-scatter", async_op=True),
+        lambda: comm.all_reduce(t, what="an all-reduce"),
+        lambda: comm.all_gather_object(1, what="an object"),
+    ):
+        with pytest.raises(PeerLostError) as err:
+            call()
+        refused.append(str(err.value))
+    return str(first.value), refused
+
+
+def test_a_group_whose_collective_failed_issues_no_other():
+    """[Note: no collective after a failure]: every later collective of the group raises at once, with the first
+    failure's class and text (naming the lost rank), and reaches no backend call."""
+    outcome = run_ranks(_lose_the_peer_then_call_again, 2, timeout=60)[0]
+    assert outcome.error is None, outcome.error
+    first, refused = outcome.value
+    assert "rank 1 (pid " in first and "is gone: killed" in first, first
+    for text, what in zip(refused, ["reduce_scatter of a reduce-scatter", "all_reduce of an all-reduce",
+                                    "all_gather_object of an object"]):  # fmt: skip
+        assert text.startswith(f"rank 0: {what} not issued, since an earlier collective of this group failed"), text
+        assert text.endswith(first.removeprefix("rank 0: ")), text
 
 
 def test_survey_classifies_every_rank_and_ignores_an_earlier_attempts_keys(monkeypatch):

@@ -162,6 +162,9 @@ class Communicator:
         self.reduce_scatter_impl = reduce_scatter_impl
         self._ranks = dist.get_process_group_ranks(group) if self.size > 1 else [self.global_rank]
         self._tag = 0  # send/recv tag of the next pairwise reduce-scatter: calls in flight never match each other
+        # the first failure of a collective on this group; none is issued after it (see [Note: no collective after
+        # a failure])
+        self.failure: CollectiveError | None = None
         self._counts: dict[str, CollectiveCount] = defaultdict(CollectiveCount)
         # so that a failing peer can tell whether this process is gone, and this one whether a peer is
         self._peers_unread = 3 if self.size > 1 else 0  # reads of the peers' entries left to try
@@ -236,9 +239,34 @@ class Communicator:
             )
         call = comm_failure.api_call()
         where = f", in {call}" if call else ""
-        return cls(
+        error = cls(
             f"rank {self.global_rank}: {kind} of {what} {head}{where}: {others}. Group of {self.size} "
             f"(global ranks {ranks}). {dist.get_backend(self.group)}: {comm_failure.backend_text(err)}"
+        )
+        if self.failure is None:
+            self.failure = error
+        return error
+
+    # [Note: no collective after a failure]
+    # Once a collective on this group has failed here, this rank's sequence of collectives on it is no longer the
+    # other ranks': a survivor may have failed one collective earlier or later than this one, or completed what
+    # failed here. Under gloo two operations meet by tag alone (the pairwise reduce-scatter's send/recv tag, the
+    # group's collective counter otherwise), so a collective issued now can meet a *different* one of a surviving
+    # peer; when their sizes differ, gloo's transport thread throws outside any call ("op.preamble.length <=
+    # op.nbytes ... collective mismatch") and the process dies of SIGABRT instead of raising the error that names
+    # the lost rank. Seen with ZeRO-2, world 3, a rank killed in backward: the two survivors failed in different
+    # buckets' waits, each then launched one more bucket from end_backward, and one received the other's 88-byte
+    # chunk of bucket 1 where it expected its 32-byte chunk of bucket 0. Nothing can complete on a group whose
+    # peer is gone or out of step anyway, so every later collective raises at once, of the first failure's class
+    # and with its text (which names the lost rank); in-flight ones still fail through their own wait.
+    def _refuse_after_failure(self, kind: str, what: str) -> None:
+        if self.failure is None:
+            return
+        me = f"rank {self.global_rank}: "
+        first = str(self.failure).removeprefix(me)
+        raise type(self.failure)(
+            f"{me}{kind} of {what} not issued, since an earlier collective of this group failed (see [Note: no "
+            f"collective after a failure] in shardtrain.comm): {first}"
         )
 
     def _completed(self) -> None:
@@ -248,6 +276,7 @@ class Communicator:
             self._peers_unread = 0 if comm_failure.remember(peers) else self._peers_unread - 1
 
     def _run(self, kind: str, what: str, fn, async_op: bool) -> Handle | None:
+        self._refuse_after_failure(kind, what)
         started = time.monotonic()
         try:
             work = fn(async_op)
@@ -295,6 +324,7 @@ class Communicator:
         """See [Note: bytes on the wire]."""
         if op not in ("sum", "avg"):
             raise ValueError(f"pairwise reduce-scatter supports op 'sum' or 'avg', got {op!r}")
+        self._refuse_after_failure("reduce_scatter", what)
         n, me = self.size, self.rank
         chunks = inp.view(n, -1)  # [N, S/N]: chunk j goes to rank j
         received = inp.new_empty((n - 1, chunks.shape[1]))
@@ -480,6 +510,7 @@ class Communicator:
         self._count("all_gather_object", len(pickle.dumps(obj)) if self.size > 1 else 0)
         if self.size == 1:
             return [obj]
+        self._refuse_after_failure("all_gather_object", what)
         out: list[Any] = [None] * self.size
         started = time.monotonic()
         try:

@@ -148,13 +148,15 @@ class Engine:
     def _backward(self, loss: torch.Tensor, divisor: int) -> None:
         self._reducer.begin_backward(self.is_gradient_accumulation_boundary())
         self._runtime.begin_backward()
+        unwinding = True
         try:
             if self.scaler is not None:  # fp16: scale in fp32 (the scaled loss may not fit fp16)
                 loss = loss.float() * self.scaler.scale
             with self._runtime.collectives("backward"):
                 (loss / divisor if divisor != 1 else loss).backward()
+            unwinding = False
         finally:
-            self._reducer.end_backward()
+            self._reducer.end_backward(unwinding)
             self._runtime.end_backward()
 
     def step(self, tokens: int | None = None) -> None:

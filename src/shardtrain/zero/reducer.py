@@ -242,8 +242,8 @@ class GradientReducer:
         while self._next < len(order) and len(self._got[order[self._next]]) == len(
             self.buckets[order[self._next]].slots
         ):
-            self._launch(order[self._next])
-            self._next += 1
+            self._next += 1  # first: see end_backward
+            self._launch(order[self._next - 1])
 
     def _wire_dtype(self, b: Bucket) -> torch.dtype:
         return self.reduce_dtype or b.dtype
@@ -326,12 +326,22 @@ class GradientReducer:
         handle = self.replicate.all_reduce(tmp, "avg", what=what, async_op=True)
         self._replica_pending.append((handle, grad, tmp))
 
-    def end_backward(self) -> None:
-        """Launch what is left in order and wait for every reduction of this backward."""
+    def end_backward(self, unwinding: bool = False) -> None:
+        """Launch what is left in order and wait for every reduction of this backward.
+
+        ``unwinding``: backward raised. If a collective of these groups failed, that failure is what backward is
+        raising: nothing more is launched nor waited for, see [Note: no collective after a failure] in
+        :mod:`shardtrain.comm` (any other error still reduces what is left, so that the peers' collectives
+        complete). A bucket counts as launched before its ``_launch`` returns: the launch issues the collective,
+        then may raise from waiting for an older one; launching it again here sent its chunks a second time under
+        the next tag, where a surviving peer expected another bucket's."""
+        if unwinding and self._failed():
+            self._reset_backward()
+            return
         if self._active():
             while self._next < len(self.launch_order):
-                self._launch(self.launch_order[self._next])
                 self._next += 1
+                self._launch(self.launch_order[self._next - 1])
         for p in self._pending:
             self._finish(p)
         if self.replicate is not None and self._boundary:
@@ -348,6 +358,14 @@ class GradientReducer:
             if complete and self._observed != self.launch_order:
                 self.order_departed = True
                 self._proposal = list(self._observed)
+        self._reset_backward()
+
+    def _failed(self) -> bool:
+        comms = (self.comm, self.replicate, self.order_comm)
+        return any(c is not None and c.failure is not None for c in comms)
+
+    def _reset_backward(self) -> None:
+        self._replica_pending.clear()
         self._pending.clear()
         self._staging.clear()
         self._in_backward = False
