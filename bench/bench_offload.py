@@ -98,7 +98,10 @@ def train(layers: int, d_model: int, steps: int, zero: dict) -> dict:
         "written": statistics.median(t[3] for t in times),
         "state_bytes": engine.state_bytes(),
         "peak_held": offload.peak_held_bytes if offload is not None and files else 0,
-        "offloaded_bytes": sum(files.path(i, k).stat().st_size for i, keys in offload._saved.items() for k in keys)
+        # an empty fragment (a rank's share of padding only) has no file
+        "offloaded_bytes": sum(
+            p.stat().st_size for i, keys in offload._saved.items() for k in keys if (p := files.path(i, k)).exists()
+        )
         if files
         else 0,
     }

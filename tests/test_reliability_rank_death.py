@@ -140,7 +140,7 @@ def test_no_collective_after_a_failed_one(tmp_path):
         assert not after, (rank, events[first - 4 :])
 
 
-def _lose_the_peer_then_call_again() -> str:
+def _lose_the_peer_then_call_again() -> tuple[str, list[str]]:
     comm = Communicator(dist.group.WORLD, 60.0)
     t = torch.ones(6)
     comm.all_reduce(t, what="a first all-reduce")  # both ranks registered and known
