@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml constraints.txt
 	@touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/torchrun --standalone --nproc_per_node=2 -m shardtrain.demo
+	$(BIN)/torchrun --standalone --nproc_per_node=2 -m shardtrain.cli.demo
 
 test: $(STAMP)
 	$(BIN)/ruff check .

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 import shardtrain
 from shardtrain.checkpoint import FlatSlice, SavePiece, open_checkpoint, save
-from shardtrain.comm import Communicator
+from shardtrain.distributed.communicator import Communicator
 from shardtrain.testing import drop_cache, run_distributed
 
 N_TENSORS = 16

@@ -1,5 +1,5 @@
 """Reduce-scatter on gloo: the backend's own against the pairwise exchange of ``Communicator`` (see [Note: bytes
-on the wire] in shardtrain.comm), with an all-gather and an all-reduce of the same size for scale.
+on the wire] in shardtrain.distributed.communicator), with an all-gather and an all-reduce of the same size for scale.
 
     python bench/bench_comm.py [--worlds 2,3] [--sizes-mib 1,6,24] [--reps 15]
 
@@ -20,7 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from shardtrain.comm import Communicator
+from shardtrain.distributed.communicator import Communicator
 from shardtrain.testing import run_distributed
 
 KINDS = ("rs-backend", "rs-pairwise", "all_gather", "all_reduce")

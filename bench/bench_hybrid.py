@@ -8,9 +8,9 @@ meant to be nodes). A collective's bytes cross a node boundary when its group sp
 ZeRO every collective is over all data-parallel ranks, so all of them do; with hybrid sharding the shard group's
 gathers and reduce-scatters stay inside a node and only the replicate group's gradient all-reduce and the small
 exchanges over every data-parallel rank (gradient norm, launch order) leave it. Bytes are ``engine.comm_stats(
-by_group=True)``'s, in the bus-bandwidth convention of :mod:`shardtrain.comm` (what one rank sends in a ring), per
-rank and optimizer step after a warm-up step; ``stage3_gather_check`` is off so that the counts are parameter and
-gradient traffic only.
+by_group=True)``'s, in the bus-bandwidth convention of :mod:`shardtrain.distributed.communicator` (what one rank sends
+in a ring), per rank and optimizer step after a warm-up step; ``stage3_gather_check`` is off so that the counts are
+parameter and gradient traffic only.
 
 Formulas, per rank and optimizer step, from the layout's padded bucket sizes (``B``: a bucket's bytes, ``N`` the
 data-parallel size, ``S`` the shard group, ``R = N/S`` replicas, ``k`` micro-steps per step):
@@ -55,7 +55,8 @@ def _model(layers: int) -> GPT:
 
 
 def _ring(nbytes: int, n: int, factor: int = 1) -> int:
-    """One collective's bytes in the convention of shardtrain.comm (rounded down as the Communicator does)."""
+    """One collective's bytes in the convention of shardtrain.distributed.communicator (rounded down as the
+    Communicator does)."""
     return factor * nbytes * (n - 1) // n
 
 

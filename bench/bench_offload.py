@@ -48,7 +48,7 @@ def gpt(layers: int, d_model: int) -> GPT:
 
 def raw_disk(path: str, mib: int) -> dict:
     """Write then read ``mib`` MiB with the swapper's file code (synced, dropped from the cache)."""
-    from shardtrain.zero.swap import ScratchDir, SwapFiles
+    from shardtrain.offload.swap import ScratchDir, SwapFiles
 
     scratch = ScratchDir(path, dist.get_rank(), "bench")
     files = SwapFiles(scratch, dist.get_rank())

@@ -37,8 +37,8 @@ from pathlib import Path
 import torch
 
 import shardtrain
-from shardtrain.data import MarkovCorpus
 from shardtrain.models.gpt import GPT, GPTConfig
+from shardtrain.models.markov import MarkovCorpus
 
 MODEL = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layer=2, n_head=2)
 

@@ -15,7 +15,7 @@ from torch import nn
 import shardtrain
 from shardtrain.checkpoint import FlatSlice, SavePiece, save
 from shardtrain.checkpoint.consolidate import OPTIMIZER_LAYOUT_KEY
-from shardtrain.comm import Communicator
+from shardtrain.distributed.communicator import Communicator
 
 
 class TinyLM(nn.Module):

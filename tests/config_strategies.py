@@ -1,5 +1,5 @@
 """Hypothesis strategies for DeepSpeed-style configs, valid and invalid: every key shardtrain knows (its own and every
-DeepSpeed key of :data:`shardtrain.config_deepspeed.RULES`, aliases included), near-miss spellings, unknown keys,
+DeepSpeed key of :data:`shardtrain.config.deepspeed_keys.RULES`, aliases included), near-miss spellings, unknown keys,
 and for each key either a plausible value or anything (wrong types, out of range, ``"auto"``, NaN, nesting)."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from shardtrain.config import Config
-from shardtrain.config_auto import AUTO_VALUE_KEYS
-from shardtrain.config_deepspeed import ALIASES, RULES_BY_PATH
+from shardtrain.config.auto import AUTO_VALUE_KEYS
+from shardtrain.config.deepspeed_keys import ALIASES, RULES_BY_PATH
+from shardtrain.config.schema import Config
 
 
 def _model_paths(model, prefix: str = "") -> list[str]:

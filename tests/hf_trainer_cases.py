@@ -152,7 +152,7 @@ def deepspeed_scheduler_trainer(section: dict):
     """A Trainer class whose scheduler is DeepSpeed's own (``deepspeed.runtime.lr_schedules``), built from ``section``
     with its "auto" values filled as the Trainer's DeepSpeed integration fills them: what a user of the Trainer with
     DeepSpeed and that config section gets. DeepSpeed's schedulers set the first lr when built and count steps from
-    there, one step behind torch's (see [Note: DeepSpeed's step count] in shardtrain.schedulers)."""
+    there, one step behind torch's (see [Note: DeepSpeed's step count] in shardtrain.optim.schedulers)."""
     import os
 
     from transformers import Trainer

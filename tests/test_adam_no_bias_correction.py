@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import shardtrain
-from shardtrain.config import load_config, optimizer_class_and_kwargs
+from shardtrain.config.schema import load_config, optimizer_class_and_kwargs
 from shardtrain.errors import ConfigError
-from shardtrain.optimizers import DeepSpeedAdam
+from shardtrain.optim.adam import DeepSpeedAdam
 from shardtrain.testing import run_distributed
 
 from parity import Recipe, assert_parity, global_micro_batches, make_model, train_step

@@ -1,5 +1,12 @@
-"""The package's import graph has no cycle: a module that needs another's type takes a small record instead of the
-other module's class (issue 23: the monitor took the whole engine, and the two imported each other)."""
+"""The package's structure, checked from its imports: which package may import which (``ALLOWED``), no import
+cycle, and a docstring saying what each package owns.
+
+A module's *room* is the longest key of ``ALLOWED`` that names it or a package holding it (``shardtrain.zero.layout``
+is a room of its own; ``shardtrain.zero.reducer`` belongs to ``shardtrain.zero``). An import is allowed inside a room,
+or to a room its row lists; a room carved out of a package is open to whoever may import the package, and to the
+package itself. Imports at module level count, ``if TYPE_CHECKING:`` blocks included (a dependency in
+types is still one); imports inside functions are deliberate late imports and do not count.
+"""
 
 import ast
 from pathlib import Path
@@ -8,6 +15,75 @@ import shardtrain
 
 PACKAGE = Path(shardtrain.__file__).parent
 
+LEAVES = {"shardtrain.errors", "shardtrain.tree", "shardtrain.between_graphs", "shardtrain.models"}
+
+# Top to bottom, as docs/architecture.md draws them. Each row: what the room may import besides the leaves.
+ALLOWED: dict[str, set[str]] = {
+    "shardtrain.__main__": {"shardtrain.cli"},
+    "shardtrain.cli": {
+        "shardtrain",
+        "shardtrain.checkpoint",
+        "shardtrain.config",
+        "shardtrain.debug",
+        "shardtrain.estimate",
+    },
+    # the public names of compat modules (they replace themselves with them)
+    "shardtrain.deepspeed": {"shardtrain.compat"},
+    "shardtrain.integrations": {"shardtrain.compat"},
+    # the package's own __init__: the public names
+    "shardtrain": {"shardtrain.compat", "shardtrain.config", "shardtrain.engine"},
+    "shardtrain.compat": {
+        "shardtrain.engine",
+        "shardtrain.checkpoint",
+        "shardtrain.zero",
+        "shardtrain.config",
+        "shardtrain.distributed",
+    },
+    "shardtrain.engine": {
+        "shardtrain.graph",
+        "shardtrain.checkpoint",
+        "shardtrain.sequence_parallel",
+        "shardtrain.tensor_parallel",
+        "shardtrain.zero",
+        "shardtrain.offload",
+        "shardtrain.optim",
+        "shardtrain.config",
+        "shardtrain.distributed",
+    },
+    "shardtrain.estimate": {"shardtrain.tensor_parallel", "shardtrain.zero", "shardtrain.offload", "shardtrain.config"},
+    "shardtrain.graph": {
+        "shardtrain.debug",
+        "shardtrain.tensor_parallel",
+        "shardtrain.zero",
+        "shardtrain.offload",
+        "shardtrain.distributed",
+    },
+    "shardtrain.debug": set(),
+    "shardtrain.checkpoint": {"shardtrain.distributed"},
+    "shardtrain.sequence_parallel": {"shardtrain.tensor_parallel", "shardtrain.distributed"},
+    "shardtrain.tensor_parallel": {"shardtrain.distributed"},
+    "shardtrain.zero": {
+        "shardtrain.zero.layout",
+        "shardtrain.zero.policy",
+        "shardtrain.offload",
+        "shardtrain.optim",
+        "shardtrain.config",
+        "shardtrain.distributed",
+    },
+    # offload reads the layout's buckets (the plain data every part reads); the rest of zero is above it
+    "shardtrain.offload": {"shardtrain.zero.layout", "shardtrain.distributed"},
+    "shardtrain.zero.layout": {"shardtrain.zero.policy"},
+    "shardtrain.zero.policy": set(),
+    # the LR schedulers take the config's validated scheduler sections
+    "shardtrain.optim": {"shardtrain.config"},
+    # the config maps an optimizer section onto a class, DeepSpeedAdam included
+    "shardtrain.config": {"shardtrain.optim.adam"},
+    "shardtrain.optim.adam": set(),
+    "shardtrain.distributed": set(),
+    "shardtrain.testing": set(),
+    **{leaf: set() for leaf in LEAVES},
+}
+
 
 def _module_name(path: Path) -> str:
     parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
@@ -15,18 +91,17 @@ def _module_name(path: Path) -> str:
 
 
 def _imports(tree: ast.Module, modules: set[str]) -> set[str]:
-    """Modules imported at module level, ``if TYPE_CHECKING:`` blocks included (a cycle in types is still one);
-    imports inside functions are deliberate late imports and are not counted. ``from pkg import sub`` names the
+    """Modules imported at module level, ``if TYPE_CHECKING:`` blocks included; ``from pkg import sub`` names the
     submodule ``pkg.sub`` when there is one (a package's ``__init__`` importing its own submodules is no cycle)."""
     found, todo = set(), list(tree.body)
     while todo:
         node = todo.pop()
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("shardtrain."):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "shardtrain":
             for alias in node.names:
                 sub = f"{node.module}.{alias.name}"
                 found.add(sub if sub in modules else node.module)
         elif isinstance(node, ast.Import):
-            found |= {a.name for a in node.names if a.name.startswith("shardtrain.")}
+            found |= {a.name for a in node.names if a.name.split(".")[0] == "shardtrain"}
         elif isinstance(node, ast.If | ast.Try):
             todo += node.body + node.orelse + getattr(node, "handlers", []) + getattr(node, "finalbody", [])
         elif isinstance(node, ast.ExceptHandler):
@@ -34,9 +109,59 @@ def _imports(tree: ast.Module, modules: set[str]) -> set[str]:
     return found
 
 
-def test_no_import_cycles():
+def _graph() -> dict[str, set[str]]:
     files = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
-    graph = {m: _imports(ast.parse(p.read_text()), set(files)) - {m} for m, p in files.items()}
+    return {m: _imports(ast.parse(p.read_text()), set(files)) - {m} for m, p in files.items()}
+
+
+def _room(module: str) -> str:
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in ALLOWED and (n > 1 or module == "shardtrain"):
+            return ".".join(parts[:n])
+    raise AssertionError(f"{module} is in no room of ALLOWED: add a row for it")
+
+
+def test_imports_follow_the_table():
+    graph = _graph()
+    wrong = []
+    for module, deps in sorted(graph.items()):
+        room = _room(module)
+        for dep in sorted(deps):
+            target = _room(dep)
+            if not any(target == a or target.startswith(a + ".") for a in {room} | ALLOWED[room] | LEAVES):
+                wrong.append(f"{module} -> {dep} ({room} may not import {target})")
+    assert len(graph) > 40  # the walk saw the package
+    assert not wrong, "imports the table does not allow:\n" + "\n".join(wrong)
+
+
+def test_every_row_is_a_room_and_every_room_is_used():
+    """No stale row: each key names a module or package that exists, and each listed target is a row."""
+    graph = _graph()
+    for room, targets in ALLOWED.items():
+        assert any(m == room or m.startswith(room + ".") for m in graph), f"{room} is not in the package"
+        assert targets <= set(ALLOWED), f"{room} lists unknown rooms: {targets - set(ALLOWED)}"
+
+
+def test_the_table_is_layered():
+    """The table itself has no cycle between rooms, so it is a stack of layers."""
+    state: dict[str, str] = {}
+
+    def visit(room: str, stack: list[str]) -> None:
+        state[room] = "open"
+        for dep in sorted(ALLOWED[room]):
+            assert state.get(dep) != "open", "the table has a cycle: " + " -> ".join([*stack, dep])
+            if dep not in state:
+                visit(dep, [*stack, dep])
+        state[room] = "done"
+
+    for room in ALLOWED:
+        if room not in state:
+            visit(room, [room])
+
+
+def test_no_import_cycles():
+    graph = _graph()
     cycles = []
     state: dict[str, str] = {}
 
@@ -52,5 +177,13 @@ def test_no_import_cycles():
     for module in sorted(graph):
         if module not in state:
             visit(module, [module])
-    assert len(graph) > 40  # the walk saw the package
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_every_package_says_what_it_owns():
+    missing = [
+        str(init.relative_to(PACKAGE.parent))
+        for init in sorted(PACKAGE.rglob("__init__.py"))
+        if not ast.get_docstring(ast.parse(init.read_text()))
+    ]
+    assert not missing, f"packages without a docstring: {missing}"

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from resume_helpers import exact_resume, make_engine
-from shardtrain.mesh import ensure_process_group
+from shardtrain.distributed.mesh import ensure_process_group
 from shardtrain.testing import run_distributed
 
 pytestmark = pytest.mark.skipif(

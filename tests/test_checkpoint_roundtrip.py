@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from checkpoint_helpers import named_params, save_engine_like, trained_model, zero_ranges
 from shardtrain.checkpoint import BlockSlice, FlatSlice, SavePiece, open_checkpoint, save
-from shardtrain.comm import Communicator
+from shardtrain.distributed.communicator import Communicator
 from shardtrain.errors import CheckpointError
 from shardtrain.testing import DistributedFailure, run_distributed
 

@@ -28,7 +28,7 @@ from shardtrain.checkpoint import (
 from shardtrain.checkpoint.consolidate import OPTIMIZER_LAYOUT_KEY, consolidate
 from shardtrain.checkpoint.format import Slice, check_coverage, slice_from_json
 from shardtrain.cli import main
-from shardtrain.comm import Communicator
+from shardtrain.distributed.communicator import Communicator
 from shardtrain.errors import CheckpointError
 from shardtrain.testing import run_distributed
 

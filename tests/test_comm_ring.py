@@ -1,10 +1,10 @@
 """The reduce-scatter ``Communicator`` uses on gloo: exact results and the bytes it really puts on the wire.
 
-See [Note: bytes on the wire] in ``shardtrain.comm``. The results are compared with a sum computed here from
-every rank's input (each rank rebuilds all inputs from their seeds) in rank order, which is the order the
-pairwise exchange promises, so they must match bit for bit. The bytes are read from the loopback interface's
-transmit counter in ``/proc/net/dev`` around each collective: whatever else runs on the machine can only add
-bytes, so the smallest of a few trials is the collective's own traffic.
+See [Note: bytes on the wire] in ``shardtrain.distributed.communicator``. The results are compared with a sum computed
+here from every rank's input (each rank rebuilds all inputs from their seeds) in rank order, which is the order the
+pairwise exchange promises, so they must match bit for bit. The bytes are read from the loopback interface's transmit
+counter in ``/proc/net/dev`` around each collective: whatever else runs on the machine can only add bytes, so the
+smallest of a few trials is the collective's own traffic.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardtrain.comm import Communicator
+from shardtrain.distributed.communicator import Communicator
 from shardtrain.testing import run_distributed
 
 WIRE_NUMEL = 6 * 2**20  # 24 MiB of fp32: TCP/IP headers (~3%) and stray traffic stay small beside it

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from shardtrain.config import load_config
-from shardtrain.config_auto import resolve_auto
+from shardtrain.config.auto import resolve_auto
+from shardtrain.config.schema import load_config
 from shardtrain.errors import ConfigError
 from shardtrain.testing import run_distributed
 

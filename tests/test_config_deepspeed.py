@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from shardtrain.config import Config, inspect_config, load_config
-from shardtrain.config_deepspeed import ALIASES, RULES, RULES_BY_PATH, Kind, markdown_table
+from shardtrain.config.deepspeed_keys import ALIASES, RULES, RULES_BY_PATH, Kind, markdown_table
+from shardtrain.config.schema import Config, inspect_config, load_config
 from shardtrain.errors import ConfigError
 
 DOC = Path(__file__).parent.parent / "docs" / "config.md"
@@ -31,7 +31,7 @@ def test_doc_table_is_the_code_table():
     doc = DOC.read_text()
     start = doc.index("| key | classification |")
     end = doc.index("<!-- end of key table -->")
-    assert doc[start:end] == markdown_table(), "regenerate the table: python -m shardtrain.config_deepspeed"
+    assert doc[start:end] == markdown_table(), "regenerate the table: python -m shardtrain.config.deepspeed_keys"
 
 
 def test_supported_rules_are_exactly_the_config_fields():

@@ -1,11 +1,11 @@
 """Every key the config table calls supported has an effect: this file walks the table and shows it, key by key.
 
-For each supported key of :data:`shardtrain.config_deepspeed.RULES` (sections aside: a section's effect is its keys')
-one check below builds engines that differ only in that key, in a mode where the key has an effect, and asserts what
-changes: the update applied, the buckets laid out, the collectives issued, the files written, the lines logged. The
-modes where a key has no effect are :data:`~shardtrain.config_deepspeed.NO_EFFECT_WHEN`'s; the second half checks that
-``shardtrain config check`` names each of them for a config that combines them. A key added to the table as supported
-without a check here, or a check without its key, fails :func:`test_every_supported_key_has_an_effect_check`.
+For each supported key of :data:`shardtrain.config.deepspeed_keys.RULES` (sections aside: a section's effect is its
+keys') one check below builds engines that differ only in that key, in a mode where the key has an effect, and asserts
+what changes: the update applied, the buckets laid out, the collectives issued, the files written, the lines logged. The
+modes where a key has no effect are :data:`~shardtrain.config.deepspeed_keys.NO_EFFECT_WHEN`'s; the second half checks
+that ``shardtrain config check`` names each of them for a config that combines them. A key added to the table as
+supported without a check here, or a check without its key, fails :func:`test_every_supported_key_has_an_effect_check`.
 
 Checks are cheap: world 1, run together in one worker process (each key is still its own test), and one world-2 run
 for what needs two ranks (tensor parallelism, the desync check, the collective timeout).
@@ -32,8 +32,8 @@ from torch import nn
 
 import shardtrain
 from shardtrain.cli import main
-from shardtrain.config import inspect_config
-from shardtrain.config_deepspeed import NO_EFFECT_WHEN, RULES, Kind
+from shardtrain.config.deepspeed_keys import NO_EFFECT_WHEN, RULES, Kind
+from shardtrain.config.schema import inspect_config
 from shardtrain.errors import (
     CollectiveTimeoutError,
     ConfigError,
@@ -258,7 +258,7 @@ def _optimizer_type(tmp: Path) -> None:
 
 @effect("optimizer.params.bias_correction")
 def _bias_correction(tmp: Path) -> None:
-    from shardtrain.optimizers import DeepSpeedAdam
+    from shardtrain.optim.adam import DeepSpeedAdam
 
     def adam(bias_correction: bool) -> dict:
         params = {"lr": 0.01, "weight_decay": 0.0, "bias_correction": bias_correction}

@@ -15,7 +15,7 @@ import inspect
 import pytest
 import torch
 
-from shardtrain.config import gradient_predivide, load_config
+from shardtrain.config.schema import gradient_predivide, load_config
 from shardtrain.testing import run_distributed
 
 from parity import Recipe, assert_parity, engine_run, reference_run
@@ -25,7 +25,7 @@ RECIPE = Recipe(optimizer="sgd", steps=2, gas=2)
 
 def _recorded(keys: dict, world: int) -> dict:
     """The factor ``keys`` ask for, and what each gradient bucket reduction sends (filled as training runs)."""
-    from shardtrain.comm import Communicator
+    from shardtrain.distributed.communicator import Communicator
 
     factor = gradient_predivide(load_config(keys), world)
     sent: list[tuple[str, torch.Tensor]] = []  # (op, input) of each gradient-bucket collective, in order

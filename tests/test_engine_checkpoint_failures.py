@@ -13,7 +13,7 @@ import pytest
 import torch.distributed as dist
 
 import shardtrain.checkpoint.writer as writer
-import shardtrain.engine_checkpoint as engine_checkpoint
+import shardtrain.engine.training_state as engine_checkpoint
 from resume_helpers import differences, make_engine, snapshot, train
 from shardtrain.errors import CheckpointError
 from shardtrain.testing import run_distributed

@@ -1,6 +1,6 @@
 """The collectives graph-mode ZeRO-3 traces into its graphs (see [Note: collectives in graphs] in
-``shardtrain.comm``): the reduce-scatter averages on the wire where the backend can, as eager mode does, so that
-fp16 gradients whose sum overflows but whose average does not are reduced to the same finite values."""
+``shardtrain.distributed.communicator``): the reduce-scatter averages on the wire where the backend can, as eager mode
+does, so that fp16 gradients whose sum overflows but whose average does not are reduced to the same finite values."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from shardtrain.comm import Communicator, graph_reduce_op
+from shardtrain.distributed.communicator import Communicator, graph_reduce_op
 from shardtrain.testing import run_distributed
 
 

@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 
 import shardtrain
-from shardtrain.config import load_config
-from shardtrain.precision import LossScaler
+from shardtrain.config.schema import load_config
 from shardtrain.testing import run_distributed
+from shardtrain.zero.precision import LossScaler
 from tp_cases import (
     Case,
     assert_params_parity,

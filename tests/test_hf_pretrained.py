@@ -116,7 +116,7 @@ def test_bad_pretrained_directories_are_named(tmp_path):
 
 
 def test_plain_module_checkpoint_has_no_hf_config():
-    from shardtrain.hf import hf_config_objects
+    from shardtrain.compat.hf_pretrained import hf_config_objects
 
     assert hf_config_objects(torch.nn.Linear(2, 2)) == {}
     objects = hf_config_objects(transformers.GPT2LMHeadModel(hf_config("gpt2")))

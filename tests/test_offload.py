@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import shardtrain
-from shardtrain.config import inspect_config
+from shardtrain.config.schema import inspect_config
 from shardtrain.testing import run_distributed
 
 from parity import (
@@ -431,7 +431,7 @@ def test_state_made_at_construction_follows_the_stepped_tensor_to_its_device():
     optimizer steps a master on the host: the offload moves such state to the stepped tensor's device. Here the
     stepped tensor is on ``meta`` and the state on the CPU, the same logic in the other direction (the CUDA run is
     in test_offload_cuda.py)."""
-    from shardtrain.zero.offload import OptimizerOffload, make_sub_groups
+    from shardtrain.offload.optimizer_state import OptimizerOffload, make_sub_groups
 
     p = torch.nn.Parameter(torch.ones(3))
     optimizer = torch.optim.Adagrad([p], initial_accumulator_value=0.5)
@@ -447,7 +447,7 @@ def test_state_made_at_construction_follows_the_stepped_tensor_to_its_device():
 
 
 def test_pack_blocks_lays_fragments_out_in_few_aligned_blocks():
-    from shardtrain.zero.offload import pack_blocks
+    from shardtrain.offload.optimizer_state import pack_blocks
 
     nbytes = [40, 4, 0, 100, 300, 12, 8]
     sizes, where = pack_blocks(nbytes, breaks={5}, block=256, align=64)
@@ -464,7 +464,7 @@ def test_host_masters_are_views_into_a_few_blocks_and_ratio_keeps_the_rest_in_pl
     """On CUDA the host masters were pinned one allocation per fragment; now a few blocks (one per sub-group at
     least). With ``ratio`` < 1 (``device: cpu``) only the first sub-groups get host masters, the others are
     stepped where they are. The layout is device-independent; here the "device" fragments are CPU tensors."""
-    from shardtrain.zero.offload import host_masters
+    from shardtrain.offload.optimizer_state import host_masters
 
     torch.manual_seed(0)
     fragments = {k: torch.randn(n) for k, n in enumerate([100, 50, 150, 100, 200, 100, 100])}
@@ -533,8 +533,8 @@ def test_parameter_offload_reads_each_shard_once_into_a_buffer_for_at_most_buffe
     """Before its gather a unit's shard is read from its file with one read into a buffer that the all-gather sends
     from (its values, not the mapping's pages: see [Note: parameter offload]); at most ``buffer_count`` units hold
     one, a further unit is gathered from its mapping; once gathered, the shard is the mapping again."""
-    from shardtrain.zero.offload import ParamOffload
-    from shardtrain.zero.swap import ScratchDir
+    from shardtrain.offload.parameters import ParamOffload
+    from shardtrain.offload.swap import ScratchDir
 
     units = [_Unit(i, 1000) for i in range(4)]
     values = [u.buckets[0].shard.clone() for u in units]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import shardtrain
-from shardtrain.mesh import ensure_process_group
+from shardtrain.distributed.mesh import ensure_process_group
 from shardtrain.testing import run_distributed
 
 from parity import Recipe, global_micro_batches, make_model, make_optimizer

@@ -156,7 +156,7 @@ def grad_peak(nvme: str, offload_grads: bool) -> dict:
     import gc
 
     from shardtrain.models.gpt import GPT, GPTConfig
-    from shardtrain.zero.offload import OptimizerOffload
+    from shardtrain.offload.optimizer_state import OptimizerOffload
 
     libc = ctypes.CDLL("libc.so.6")
     libc.mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD: freed blocks of 64 KiB or more go back to the kernel

@@ -18,10 +18,10 @@ import pytest
 import torch
 
 import shardtrain
-from shardtrain import comm_failure
+from shardtrain.distributed import failure
+from shardtrain.offload import parameters as param_offload
+from shardtrain.offload import swap as swap_module
 from shardtrain.testing import DistributedFailure, run_distributed
-from shardtrain.zero import offload as offload_module
-from shardtrain.zero import swap as swap_module
 
 NOSPACE = os.strerror(errno.ENOSPC)
 
@@ -117,7 +117,7 @@ def full_disk_step(nvme_path: str, fail_rank: int | None, room: int) -> str:
     start = time.monotonic()
     try:
         _step(engine)
-    except offload_module.OffloadError as err:
+    except swap_module.OffloadError as err:
         return f"{time.monotonic() - start:.1f}s {err}"
     finally:
         engine.close()
@@ -160,7 +160,7 @@ def _fake_scratch(root: Path, name: str, record: dict | None, lock: bool = True)
 def test_stale_directory_of_a_killed_run_is_cleared_and_never_read(tmp_path):
     host = socket.gethostname().replace("-", "_")
     dead = _dead_pid()
-    record = {**comm_failure.process_record(), "pid": dead, "started": "1"}
+    record = {**failure.process_record(), "pid": dead, "started": "1"}
     stale = _fake_scratch(tmp_path, f"{host}-{dead}-rank0-abc123", record)
     (stale / "0.exp_avg.bin").write_bytes(b"\x7f" * 4096)  # garbage that must never be read as state
     # killed between making the directory and locking it (no lock, no record): cleared once it is old
@@ -169,7 +169,7 @@ def test_stale_directory_of_a_killed_run_is_cleared_and_never_read(tmp_path):
     os.utime(no_marker, (old, old))
     just_made = _fake_scratch(tmp_path, f"{host}-{dead}-rank2-ghi789", None)  # a run starting now, not locked yet
     # without a lock file (a file system without flock) the record decides: this live process's
-    live = _fake_scratch(tmp_path, f"{host}-{os.getpid()}-rank0-live00", comm_failure.process_record(), lock=False)
+    live = _fake_scratch(tmp_path, f"{host}-{os.getpid()}-rank0-live00", failure.process_record(), lock=False)
     other_host = _fake_scratch(tmp_path, f"elsewhere-{dead}-rank0-xyz789", {**record, "host": "elsewhere"})
     scratch = run_distributed(init_only, 1, str(tmp_path), timeout=60)[0]
     assert not stale.exists() and not no_marker.exists()
@@ -233,7 +233,7 @@ def test_a_live_run_in_another_pid_namespace_keeps_its_directory(tmp_path):
             run_distributed(init_only, 1, str(tmp_path), timeout=60)
             assert (theirs / "0.exp_avg.bin").read_bytes() == bytes(4096)
         # the record alone would have judged it dead on this machine had it carried this namespace
-        assert comm_failure.process_alive({**record, "machine": comm_failure._machine_id()}) is False
+        assert failure.process_alive({**record, "machine": failure._machine_id()}) is False
     finally:
         holder.stdin.close()
         holder.wait(timeout=30)
@@ -244,14 +244,14 @@ def test_a_live_run_in_another_pid_namespace_keeps_its_directory(tmp_path):
 def test_liveness_tells_another_pid_namespace_from_a_dead_process():
     """One liveness check for swap directories and the collective-failure survey: a pid of another machine or pid
     namespace cannot be judged here (None), a gone or reused pid here is dead, this process is alive."""
-    me = comm_failure.process_record()
-    assert comm_failure.process_alive(me) is True
+    me = failure.process_record()
+    assert failure.process_alive(me) is True
     dead = {**me, "pid": _dead_pid()}
-    assert comm_failure.process_alive(dead) is False
-    assert comm_failure.process_alive({**me, "started": "1"}) is False  # the pid was reused by a later process
+    assert failure.process_alive(dead) is False
+    assert failure.process_alive({**me, "started": "1"}) is False  # the pid was reused by a later process
     other_namespace = {**dead, "machine": me["machine"] + "-other"}
-    assert comm_failure.process_alive(other_namespace) is None
-    assert comm_failure.process_alive({k: v for k, v in dead.items() if k != "machine"}) is None
+    assert failure.process_alive(other_namespace) is None
+    assert failure.process_alive({k: v for k, v in dead.items() if k != "machine"}) is None
 
 
 def test_a_garbage_collected_scratch_directory_is_removed(tmp_path):
@@ -306,13 +306,13 @@ def param_files_fail(nvme_path: str, fail_rank: int) -> str:
         def full(fd, offset, length):
             raise OSError(errno.ENOSPC, NOSPACE)
 
-        offload_module.os.posix_fallocate = full
+        param_offload.os.posix_fallocate = full
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
     param = {"device": "nvme", "nvme_path": nvme_path, "max_in_cpu": 0}
     zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "offload_param": param}
     try:
         shardtrain.initialize(model, {"zero_optimization": zero}, torch.optim.AdamW(model.parameters()))
-    except offload_module.OffloadError as err:
+    except swap_module.OffloadError as err:
         return str(err)
     return "no error"
 

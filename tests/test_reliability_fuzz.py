@@ -33,8 +33,8 @@ from torch import nn
 
 import shardtrain
 from config_strategies import KNOWN_PATHS, anything, auto_values, configs
-from shardtrain.config import inspect_config, load_config
-from shardtrain.config_deepspeed import ALIASES
+from shardtrain.config.deepspeed_keys import ALIASES
+from shardtrain.config.schema import inspect_config, load_config
 from shardtrain.errors import CheckpointError, ConfigError, ShardtrainError
 from shardtrain.testing import run_distributed
 
@@ -95,7 +95,7 @@ def test_what_the_fuzz_found_is_a_config_error(config, expected):
 
 
 def test_auto_values_must_be_a_dict():
-    from shardtrain.config_auto import resolve_auto
+    from shardtrain.config.auto import resolve_auto
 
     with pytest.raises(ConfigError, match="auto_values must be a dict"):
         resolve_auto(load_config({}), dp=1, auto_values=[("lr", 1.0)])

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 import shardtrain
-from shardtrain import mesh
-from shardtrain.comm import Communicator
+from shardtrain.distributed import mesh
+from shardtrain.distributed.communicator import Communicator
 from shardtrain.errors import CollectiveTimeoutError, RankMismatchError
 from shardtrain.tensor_parallel.batch_check import batch_digest
 from shardtrain.testing import run_ranks

@@ -21,8 +21,8 @@ import torch.distributed as dist
 
 from reliability_helpers import arm, check_rank_death, die
 from resume_helpers import make_engine, train
-from shardtrain import comm_failure
-from shardtrain.comm import Communicator
+from shardtrain.distributed import failure
+from shardtrain.distributed.communicator import Communicator
 from shardtrain.errors import PeerLostError
 from shardtrain.testing import run_ranks
 from tp_cases import Case, build_engine, forward_engine, global_batches
@@ -127,10 +127,10 @@ def _train_until_killed_logging(stage: int, victim: int, point: str, root: str) 
 
 def test_no_collective_after_a_failed_one(tmp_path):
     """ZeRO-2, world 3, rank 1 killed in backward (the case of [Note: no collective after a failure] in
-    shardtrain.comm): once a reduction failed, a survivor issued one more from the end of backward (the bucket
-    whose launch raised, again, under the next tag), which the other survivor, failed one bucket apart, could take
-    for another bucket's: gloo then aborted it (SIGABRT, "op.preamble.length <= op.nbytes") about one run in two.
-    Now nothing is launched or sent after a rank's first failure."""
+    shardtrain.distributed.communicator): once a reduction failed, a survivor issued one more from the end of backward
+    (the bucket whose launch raised, again, under the next tag), which the other survivor, failed one bucket apart,
+    could take for another bucket's: gloo then aborted it (SIGABRT, "op.preamble.length <= op.nbytes") about one run in
+    two. Now nothing is launched or sent after a rank's first failure."""
     outcomes = run_ranks(_train_until_killed_logging, 3, 2, 1, "backward", str(tmp_path), timeout=60)
     check_rank_death(outcomes, 1)
     for rank in (0, 2):
@@ -177,12 +177,12 @@ def test_a_group_whose_collective_failed_issues_no_other():
 def test_survey_classifies_every_rank_and_ignores_an_earlier_attempts_keys(monkeypatch):
     """The classification of [Note: naming the rank that vanished], on a store filled by hand."""
     store = dist.HashStore()
-    monkeypatch.setattr(comm_failure, "_default_store", lambda: store)
-    monkeypatch.setattr(comm_failure, "_surveys", {})
-    monkeypatch.setattr(comm_failure, "REPORT_WAIT_S", 0.3)
+    monkeypatch.setattr(failure, "_default_store", lambda: store)
+    monkeypatch.setattr(failure, "_surveys", {})
+    monkeypatch.setattr(failure, "REPORT_WAIT_S", 0.3)
     exited = subprocess.Popen([sys.executable, "-c", ""])
     exited.wait()
-    here, alive = comm_failure._machine_id(), os.getppid()
+    here, alive = failure._machine_id(), os.getppid()
 
     def register(rank: int, pid: int, machine: str = here, host: str = "this-host") -> None:
         store.set(f"shardtrain/proc/{rank}", json.dumps({"host": host, "machine": machine, "pid": pid}))
@@ -193,12 +193,12 @@ def test_survey_classifies_every_rank_and_ignores_an_earlier_attempts_keys(monke
     register(3, alive)
     store.set("shardtrain/failed/3", "4194304")  # a failure key left by the previous attempt's process: ignored
     register(4, 1, machine="elsewhere", host="node-b")  # another machine, no report
-    survey = comm_failure.survey(0, [1, 2, 3, 4, 5])  # rank 5 never registered
+    survey = failure.survey(0, [1, 2, 3, 4, 5])  # rank 5 never registered
     assert survey.gone == [(1, f"pid {exited.pid} on this-host")]
     assert survey.reported == [2]
     assert survey.alive == [(3, f"pid {alive} on this-host")]
     assert survey.silent == [(4, "node-b"), (5, "unknown host")]
-    lost, text = comm_failure.explain(survey)
+    lost, text = failure.explain(survey)
     assert lost and text.startswith(f"rank 1 (pid {exited.pid} on this-host) is gone: killed")
     assert store.get("shardtrain/failed/0").decode() == str(os.getpid())  # rank 0 reported its own failure
 
@@ -213,16 +213,16 @@ class _GoneStore:
 
 
 def test_without_the_store_the_peers_read_earlier_still_tell_who_is_gone(monkeypatch):
-    monkeypatch.setattr(comm_failure, "_default_store", lambda: _GoneStore())
-    monkeypatch.setattr(comm_failure, "_surveys", {})
+    monkeypatch.setattr(failure, "_default_store", lambda: _GoneStore())
+    monkeypatch.setattr(failure, "_surveys", {})
     exited = subprocess.Popen([sys.executable, "-c", ""])
     exited.wait()
-    here = comm_failure._machine_id()
+    here = failure._machine_id()
     known = {r: {"host": "h", "machine": here, "pid": pid} for r, pid in ((1, exited.pid), (2, os.getppid()))}
-    monkeypatch.setattr(comm_failure, "_known", known)
-    survey = comm_failure.survey(0, [1, 2])
+    monkeypatch.setattr(failure, "_known", known)
+    survey = failure.survey(0, [1, 2])
     assert survey.store_error == "DistNetworkError: Broken pipe"
     assert survey.gone == [(1, f"pid {exited.pid} on h")] and survey.alive == [(2, f"pid {os.getppid()} on h")]
-    lost, text = comm_failure.explain(survey)
+    lost, text = failure.explain(survey)
     assert lost and "the rendezvous store no longer answers (DistNetworkError: Broken pipe)" in text
     assert f"rank 1 (pid {exited.pid} on h) is gone: killed" in text

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from reliability_helpers import check_rank_death
-from shardtrain.data import MarkovCorpus
+from shardtrain.models.markov import MarkovCorpus
 from shardtrain.testing import run_distributed, run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]

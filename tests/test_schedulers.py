@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 
-from shardtrain.config import SchedulerConfig
-from shardtrain.schedulers import LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR, build_scheduler
+from shardtrain.config.schema import SchedulerConfig
+from shardtrain.optim.schedulers import LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR, build_scheduler
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported: no GPU probing
 

@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 import shardtrain
+from shardtrain.distributed.mesh import make_groups
 from shardtrain.errors import ConfigError, LayoutError, ShardtrainError
-from shardtrain.mesh import make_groups
 from shardtrain.models.gpt import GPT, GPTConfig
 from shardtrain.testing import run_distributed
 

@@ -250,7 +250,7 @@ def test_init_refuses_eager_sharding_with_tensor_parallelism():
 
 
 def test_global_flat_index_inverts_shard_block():
-    from shardtrain.tensor_parallel.placement import TPPlacement, global_flat_index, shard_block
+    from shardtrain.distributed.placement import TPPlacement, global_flat_index, shard_block
 
     for shape, dim, stride, size in [((12, 6), 0, 3, 2), ((4, 12, 3), 1, 2, 3), ((8,), 0, 1, 4), ((6, 8), 1, 2, 2)]:
         whole = torch.arange(torch.Size(shape).numel()).view(shape)
@@ -264,7 +264,7 @@ def test_global_flat_index_inverts_shard_block():
 def test_recorded_initializations_replay_on_blocks():
     """What Init(deferred) records is replayed with the distributions asked for, and a block computed on its own
     (a fused weight split with stride 3 over 3 ranks) equals that block of the whole tensor."""
-    from shardtrain.tensor_parallel.placement import TPPlacement, shard_block
+    from shardtrain.distributed.placement import TPPlacement, shard_block
     from shardtrain.zero.init import _RECIPES, chunk_values
 
     class Inits(nn.Module):

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
-from shardtrain.comm import Communicator
+from shardtrain.distributed.communicator import Communicator
 from shardtrain.errors import RankMismatchError
 from shardtrain.tensor_parallel import (
     ColumnParallelLinear,

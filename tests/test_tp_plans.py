@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardtrain.comm import Communicator
+from shardtrain.distributed.communicator import Communicator
 from shardtrain.errors import LayoutError
 from shardtrain.models.gpt import GPT, GPTConfig
 from shardtrain.tensor_parallel import (

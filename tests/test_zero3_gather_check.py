@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import shardtrain
-from shardtrain.comm import Communicator, Handle
+from shardtrain.distributed.communicator import Communicator, Handle
 from shardtrain.errors import RankMismatchError
 from shardtrain.models.gpt import GPT, GPTConfig
 from shardtrain.testing import run_distributed

@@ -107,7 +107,7 @@ def test_memory_bounds_when_the_block_order_reverses(stage):
 
 
 def _reverse_bounds(stage: int) -> dict:
-    import shardtrain.engine as engine_module
+    import shardtrain.engine.engine as engine_module
 
     per_step = []
     original = engine_module.Engine.step

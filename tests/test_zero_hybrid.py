@@ -24,7 +24,7 @@ import torch.distributed as dist
 import shardtrain
 import tp_cases
 from shardtrain.checkpoint import open_checkpoint
-from shardtrain.config import load_config
+from shardtrain.config.schema import load_config
 from shardtrain.errors import ConfigError, LayoutError
 from shardtrain.testing import run_distributed
 

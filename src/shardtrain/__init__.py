@@ -1,7 +1,8 @@
 """shardtrain: ZeRO sharded data-parallel training for PyTorch, with convergence debugging."""
 
-from shardtrain.config import Config, load_config
-from shardtrain.engine import Engine, initialize
+from shardtrain.compat.hf_pretrained import from_pretrained
+from shardtrain.config.schema import Config, load_config
+from shardtrain.engine.engine import Engine, initialize
 from shardtrain.errors import (
     CollectiveError,
     CollectiveTimeoutError,
@@ -14,7 +15,6 @@ from shardtrain.errors import (
     RankMismatchError,
     ShardtrainError,
 )
-from shardtrain.hf import from_pretrained
 
 __version__ = "0.1.0"
 

@@ -11,9 +11,9 @@ about these intended splits. Outside a capture the wrapper costs one ``torch.com
 At ZeRO stage 3 graph mode captures the forward as one graph (``fullgraph``: a split there would run the whole
 forward eagerly, every unit gathered), so a split is an error. The functions marked ``traced_in_one_graph`` (the
 tensor-parallel collectives and RNG forks) have a traceable form for that case (functional collectives, see [Note:
-collectives in graphs] in :mod:`shardtrain.comm`): while :func:`one_graph` is active (the graph runtime enters it
-around a stage-3 call), they are traced into the graph instead of splitting it; they pick their traceable form
-with ``torch.compiler.is_compiling()``. Debug hooks have none and still split (refused at stage 3).
+collectives in graphs] in :mod:`shardtrain.distributed.communicator`): while :func:`one_graph` is active (the graph
+runtime enters it around a stage-3 call), they are traced into the graph instead of splitting it; they pick their
+traceable form with ``torch.compiler.is_compiling()``. Debug hooks have none and still split (refused at stage 3).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@
 * :mod:`~shardtrain.checkpoint.reader`: :func:`open_checkpoint`, reads of whole tensors, element ranges or any slice;
 * :mod:`~shardtrain.checkpoint.runs`: the element maps between slices (run tables, vectorized);
 * :mod:`~shardtrain.checkpoint.consolidate`: Hugging Face-style safetensors (and optimizer state dict) output;
-* :mod:`~shardtrain.checkpoint.cli`: ``shardtrain checkpoint inspect|consolidate``.
+* :mod:`~shardtrain.cli.checkpoint`: ``shardtrain checkpoint inspect|consolidate``.
 """
 
 from shardtrain.checkpoint.format import (

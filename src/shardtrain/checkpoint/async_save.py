@@ -48,7 +48,7 @@ import weakref
 import torch.distributed as dist
 
 from shardtrain.checkpoint.writer import SaveResult, StagedSave, commit
-from shardtrain.comm import Communicator
+from shardtrain.distributed.communicator import Communicator
 
 log = logging.getLogger("shardtrain")
 

@@ -44,7 +44,8 @@ OPTIM_PREFIX = "optim/"
 # hyperparameters plus "params": the parameter names (without "model/") in the order the group holds them.
 # Optimizer state of parameter P is stored as tensors "optim/P/<state key>" (e.g. exp_avg, exp_avg_sq, step).
 OPTIMIZER_LAYOUT_KEY = "optimizer/param_groups"
-# Written by the engine for transformers models (shardtrain.hf); the checkpoint layer only copies the text.
+# Written by the engine for transformers models (shardtrain.compat.hf_pretrained); the checkpoint layer only copies the
+# text.
 HF_CONFIG_KEY = "hf/config"
 HF_GENERATION_CONFIG_KEY = "hf/generation_config"
 

@@ -78,14 +78,17 @@ def _read_text(path: Path) -> str:
 def open_checkpoint(path: str | os.PathLike, tag: str | None = None, *, verify: bool = True) -> CheckpointReader:
     """Open a checkpoint for reading; see :func:`resolve_checkpoint_dir` for ``path`` and ``tag``."""
     # checkpoints written by other systems, read through the same interface (each finder returns None for ours)
-    from shardtrain.checkpoint.deepspeed_reader import DeepSpeedReader, find_deepspeed_dir  # DeepSpeed's own saves
+    from shardtrain.checkpoint.foreign.deepspeed_reader import (  # DeepSpeed's own saves
+        DeepSpeedReader,
+        find_deepspeed_dir,
+    )
 
     if (ds_dir := find_deepspeed_dir(path, tag)) is not None:
         return DeepSpeedReader(ds_dir)  # type: ignore[return-value]  # the same reading interface
-    from shardtrain.checkpoint.dcp_format import find_dcp_checkpoint  # torch DCP (FSDP2, torchtitan)
+    from shardtrain.checkpoint.foreign.dcp_format import find_dcp_checkpoint  # torch DCP (FSDP2, torchtitan)
 
     if (dcp_dir := find_dcp_checkpoint(path, tag)) is not None:
-        from shardtrain.checkpoint.dcp_reader import DcpReader
+        from shardtrain.checkpoint.foreign.dcp_reader import DcpReader
 
         return DcpReader(dcp_dir)  # type: ignore[return-value]  # the same reading interface
     ckpt = resolve_checkpoint_dir(path, tag)

@@ -55,7 +55,7 @@ from shardtrain.checkpoint.format import (
 from shardtrain.checkpoint.objects import TaggedEncoder, encode_tensor_file
 from shardtrain.checkpoint.plan import piece_keys, plan_pieces, rank_file, tensor_entries
 from shardtrain.checkpoint.safetensors_io import write_streaming
-from shardtrain.comm import Communicator
+from shardtrain.distributed.communicator import Communicator
 from shardtrain.errors import CheckpointError
 
 TMP_PREFIX = ".tmp-"

@@ -52,8 +52,9 @@ class _Done:
 
 
 class ShapeOnlyComm:
-    """What tensor-parallel layers ask of a :class:`~shardtrain.comm.Communicator`, for fake tensors: the group's
-    size and this rank; sums and maxima leave the tensor as it is, a gather concatenates ``size`` copies."""
+    """What tensor-parallel layers ask of a :class:`~shardtrain.distributed.communicator.Communicator`, for fake
+    tensors: the group's size and this rank; sums and maxima leave the tensor as it is, a gather concatenates ``size``
+    copies."""
 
     def __init__(self, size: int, rank: int = 0) -> None:
         self.size, self.rank = size, rank

@@ -25,12 +25,12 @@ from typing import Any
 import torch
 import yaml
 
-from shardtrain.config import Config, load_config
+from shardtrain.config.schema import Config, load_config
 from shardtrain.errors import ConfigError, LayoutError, ShardtrainError
 from shardtrain.estimate.compute import ComputePeak, build_fake, measure_compute
 from shardtrain.estimate.source import ModelSource, resolve_source
 from shardtrain.estimate.state import RankState, rank_state
-from shardtrain.precision import policy_from_config
+from shardtrain.zero.precision import policy_from_config
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 HYBRID_KEYS = ("mics_shard_size", "zero_hpz_partition_size")

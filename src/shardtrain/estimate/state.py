@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from shardtrain.config import ZeroConfig
+from shardtrain.config.schema import ZeroConfig
+from shardtrain.offload.optimizer_state import make_sub_groups
+from shardtrain.offload.swap import ALIGN
 from shardtrain.zero.layout import Bucket, build_buckets, group_by_size
-from shardtrain.zero.offload import make_sub_groups
 from shardtrain.zero.policy import ZeroPolicy
-from shardtrain.zero.swap import ALIGN
 from shardtrain.zero.units import assign_parameters, find_unit_modules
 
 FP32 = torch.float32

@@ -45,8 +45,8 @@ import torch._dynamo
 from torch import nn
 
 from shardtrain.between_graphs import SPLIT_BY_DESIGN
-from shardtrain.comm import GraphTraffic
 from shardtrain.debug.manager import prepare_traced, traced_call
+from shardtrain.distributed.communicator import GraphTraffic
 from shardtrain.errors import GraphCaptureError
 from shardtrain.graph.schema import Schema, differences, schema_of
 from shardtrain.graph.sharded import (

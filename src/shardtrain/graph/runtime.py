@@ -23,15 +23,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardtrain import comm_failure
 from shardtrain.between_graphs import one_graph
-from shardtrain.comm import Communicator
+from shardtrain.distributed import failure
+from shardtrain.distributed.communicator import Communicator
 from shardtrain.graph.captured import CapturedModule
 from shardtrain.graph.schema import Schema, differences
 from shardtrain.graph.sharded import UnitInputs
 from shardtrain.graph.swapped import SwappedShards
+from shardtrain.offload.parameters import ParamOffload
 from shardtrain.tensor_parallel.grad_check import unchecked
-from shardtrain.zero.offload import ParamOffload
 from shardtrain.zero.reducer import GradientReducer
 from shardtrain.zero.runtime import Call, Runtime
 from shardtrain.zero.unit_runtime import EagerRuntime
@@ -187,7 +187,7 @@ class GraphRuntime(Runtime):
         try:
             yield
         except RuntimeError as err:
-            if not comm_failure.backend_error(err):
+            if not failure.backend_error(err):
                 raise
             what = f"ZeRO-3 units in the captured {call} graph"
             raise self.comm.describe_failure("a gather or reduce-scatter", what, err, started=started) from err

@@ -9,8 +9,8 @@ on the parameters: none of that can be traced. In graph mode the engine's forwar
 
 where ``gather`` is an autograd function whose forward is an all-gather of the unit's flat shard and whose
 backward is the reduce-scatter (average over the data-parallel ranks) of the unit's flat gradient, both
-functional collectives (see [Note: collectives in graphs] in :mod:`shardtrain.comm`). TorchDynamo and AOT
-autograd then trace every gather into the forward graph and every reduce-scatter into the backward graph, and
+functional collectives (see [Note: collectives in graphs] in :mod:`shardtrain.distributed.communicator`). TorchDynamo
+and AOT autograd then trace every gather into the forward graph and every reduce-scatter into the backward graph, and
 three steps of ours make the result behave like ZeRO-3 rather than like a model held whole:
 
 1. **Release** (the partitioner). A gathered parameter that backward needs (a weight saved by a matmul) would be
@@ -89,7 +89,7 @@ import torch
 from torch import fx, nn
 from torch.utils.checkpoint import CheckpointPolicy
 
-from shardtrain.comm import Communicator
+from shardtrain.distributed.communicator import Communicator
 from shardtrain.errors import GraphCaptureError
 from shardtrain.graph.swapped import read_shard
 from shardtrain.zero.layout import Bucket

@@ -2,10 +2,10 @@
 
 [Note: swapped shards in graphs]
 With ``offload_param: {device: nvme}`` a unit bucket's ``shard`` is a tensor over a shared mapping of its swap file
-([Note: parameter offload] in :mod:`shardtrain.zero.offload`). Eager ZeRO-3 reads it with one positional read into a
-new buffer just before the unit's all-gather and frees the buffer once the gather is done. A captured graph takes the
-shards as inputs, and handing it the mappings would let the all-gather read them by page faults (a few pages per
-fault, ~30x slower than one read) and leave every page it touched in the process until the next optimizer step: by
+([Note: parameter offload] in :mod:`shardtrain.offload.parameters`). Eager ZeRO-3 reads it with one positional
+read into a new buffer just before the unit's all-gather and frees the buffer once the gather is done. A captured graph
+takes the shards as inputs, and handing it the mappings would let the all-gather read them by page faults (a few pages
+per fault, ~30x slower than one read) and leave every page it touched in the process until the next optimizer step: by
 the end of the forward every unit's shard would be resident.
 
 So the graph reads the shard itself: :func:`read_shard` (``shardtrain::read_swapped_shard``) is an opaque custom
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from shardtrain.zero.offload import ParamOffload
+from shardtrain.offload.parameters import ParamOffload
 
 _OWNERS: weakref.WeakSet = weakref.WeakSet()  # live SwappedShards; the operation finds a mapping's owner among them
 

@@ -1,1 +1,2 @@
-"""Adapters from other training front ends to the shardtrain engine (imported on use: each needs its framework)."""
+"""Public names of the Trainer adapters, which live in :mod:`shardtrain.compat`: ``shardtrain.integrations.hf_trainer``
+and ``shardtrain.integrations.trl_trainers`` (each imported on use: each needs its framework)."""

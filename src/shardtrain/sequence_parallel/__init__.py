@@ -6,7 +6,7 @@
     tiling.py      ALST's tiled loss and tiled MLP (``tiled_logits_loss``, ``tiled_mlp_compute``), with or without
                    sequence parallelism
 
-The mesh axis is in :mod:`shardtrain.mesh` ([Note: the sequence axis]).
+The mesh axis is in :mod:`shardtrain.distributed.mesh` ([Note: the sequence axis]).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ __all__ = ["SequenceSplitter", "install_ulysses", "kv_repeats", "refuse_unbuilt_
 
 def refuse_unbuilt_sequence_parallel(cfg: Any) -> None:
     """What sequence parallelism does not build yet, refused by name before the model is touched (tensor
-    parallelism and hybrid sharding compose with it on one mesh, :mod:`shardtrain.mesh`)."""
+    parallelism and hybrid sharding compose with it on one mesh, :mod:`shardtrain.distributed.mesh`)."""
     if cfg.sequence_parallel_size == 1:
         return
     if cfg.graph.enabled:

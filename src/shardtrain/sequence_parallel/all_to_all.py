@@ -4,15 +4,16 @@ Jacobs et al., "DeepSpeed Ulysses" (2023): before attention each rank of a seque
 of 1/P of the sequence; one all-to-all gives it 1/P of the heads over the whole sequence, the attention of a head
 needs nothing else, and a second all-to-all brings the output back to the sequence split. The exchange is a
 permutation of the pieces of one tensor, so its backward is the reverse exchange of the gradient (the same
-all-to-all with the two dimensions swapped). Every collective goes through the :class:`~shardtrain.comm.Communicator`
-passed in, which counts its bytes (``all_to_all`` in ``comm_stats()``).
+all-to-all with the two dimensions swapped). Every collective goes through the
+:class:`~shardtrain.distributed.communicator.Communicator` passed in, which counts its bytes (``all_to_all`` in
+``comm_stats()``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from shardtrain.comm import Communicator
+from shardtrain.distributed.communicator import Communicator
 
 
 def _exchange(x: torch.Tensor, comm: Communicator, scatter_dim: int, gather_dim: int, what: str) -> torch.Tensor:

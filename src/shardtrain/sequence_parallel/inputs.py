@@ -35,8 +35,8 @@ The model computes, on each rank, the mean loss over the real targets (not -100)
 sequence's real tokens, not a mean of the ranks' means. The sum over the group is an all-reduce whose backward is
 the all-reduce of the gradients (every rank backpropagates the same ``L``), so rank ``r``'s parameters receive
 ``P * n_r/N * d mean_r`` and ZeRO's average over the ``dp * P`` ranks of its group ([Note: the sequence axis] in
-:mod:`shardtrain.mesh`) gives, per data-parallel rank, ``sum_r n_r/N * d mean_r = dL``, averaged over ``dp``: the
-gradient of one process on the same batch.
+:mod:`shardtrain.distributed.mesh`) gives, per data-parallel rank, ``sum_r n_r/N * d mean_r = dL``, averaged over
+``dp``: the gradient of one process on the same batch.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardtrain.comm import Communicator
+from shardtrain.distributed.communicator import Communicator
 from shardtrain.errors import ConfigError, RankMismatchError
 from shardtrain.sequence_parallel.all_to_all import sum_over_group
 

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardtrain.comm import Communicator
+from shardtrain.distributed.communicator import Communicator
 from shardtrain.errors import ConfigError
 from shardtrain.sequence_parallel.all_to_all import all_to_all
 

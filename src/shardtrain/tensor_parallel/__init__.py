@@ -17,6 +17,7 @@ Files, lower ones never importing higher ones::
 See docs/tensor-parallel.md.
 """
 
+from shardtrain.distributed.placement import ParameterSharder, TPPlacement, assemble_blocks, shard_block
 from shardtrain.tensor_parallel.batch_check import check_same_batch
 from shardtrain.tensor_parallel.communication import (
     copy_to_tp_region,
@@ -28,7 +29,6 @@ from shardtrain.tensor_parallel.embedding import HiddenParallelEmbedding, VocabP
 from shardtrain.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from shardtrain.tensor_parallel.loss import VocabParallelCrossEntropy, vocab_parallel_cross_entropy
 from shardtrain.tensor_parallel.parallelize import parallelize, sum_partial_gradients
-from shardtrain.tensor_parallel.placement import ParameterSharder, TPPlacement, assemble_blocks, shard_block
 from shardtrain.tensor_parallel.plans import GPT2_TP_PLAN, GPT_TP_PLAN, TPPlan, hf_tp_plan
 from shardtrain.tensor_parallel.rng import RegionRNG
 from shardtrain.tensor_parallel.styles import STYLES, TPStyle, packed_colwise, packed_rowwise

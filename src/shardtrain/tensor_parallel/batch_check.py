@@ -5,7 +5,8 @@ different batches (a data loader sharded over every rank instead of over the dat
 common mistake that produces no error, only a model that trains badly. :func:`check_same_batch` costs one pass
 over the inputs, one device-to-host copy per device holding inputs (of two integers per tensor), and one small
 object all-gather over the tensor-parallel ranks' host-side group (gloo: see [Note: the engine's groups] in
-:mod:`shardtrain.mesh`), so that the exchange adds no device round trip; the engine calls it at the first step.
+:mod:`shardtrain.distributed.mesh`), so that the exchange adds no device round trip; the engine calls it at the first
+step.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardtrain.comm import Communicator
+from shardtrain.distributed.communicator import Communicator
 from shardtrain.errors import RankMismatchError
 from shardtrain.tree import iter_tensors
 

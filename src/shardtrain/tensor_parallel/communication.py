@@ -5,7 +5,7 @@ all-reduce in backward) in front of a column-parallel layer and ``g`` (all-reduc
 backward) after a row-parallel layer. Gathering a split activation along its last dimension and its mirror,
 scattering a replicated one, complete the set (Megatron-Core ``tensor_parallel/mappings.py``).
 
-Every collective goes through the :class:`~shardtrain.comm.Communicator` passed in (no process-group
+Every collective goes through the :class:`~shardtrain.distributed.communicator.Communicator` passed in (no process-group
 globals), which counts its bytes. ``what`` is the layer's module name; the error of a failed collective says which
 primitive of which layer it was, in forward or backward (e.g. ``all_reduce of the input gradient of
 'blocks.1.mlp.0' (Megatron's f, backward) failed ...``).
@@ -22,8 +22,8 @@ In graph mode at ZeRO stages 0-2 the four primitives run eagerly between the pie
 (:mod:`shardtrain.between_graphs`): their collectives go through c10d work handles, which a graph cannot hold. At
 stage 3 the forward is one graph, which cannot be split ([Note: one graph, no splits]): there they are traced, their
 collectives the communicator's functional ones (``graph_all_reduce``, ``graph_all_gather_dim``; see [Note:
-collectives in graphs] in :mod:`shardtrain.comm`), chosen by ``torch.compiler.is_compiling()`` in forward and in
-backward alike. The same bytes move, in the same reduction order: the results are eager's, bitwise.
+collectives in graphs] in :mod:`shardtrain.distributed.communicator`), chosen by ``torch.compiler.is_compiling()`` in
+forward and in backward alike. The same bytes move, in the same reduction order: the results are eager's, bitwise.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from shardtrain.between_graphs import between_graphs
-from shardtrain.comm import Communicator
+from shardtrain.distributed.communicator import Communicator
 
 
 class _CopyToRegion(torch.autograd.Function):

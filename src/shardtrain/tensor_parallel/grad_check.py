@@ -39,7 +39,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils.weak import WeakIdKeyDictionary
 
-from shardtrain.comm import Communicator
+from shardtrain.distributed.communicator import Communicator
 from shardtrain.errors import LayoutError
 
 _PROJECTIONS = 4

@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardtrain.comm import Communicator
+from shardtrain.distributed.communicator import Communicator
+from shardtrain.distributed.placement import ParameterSharder, ShapeOf, TPPlacement, own_shape
 from shardtrain.errors import LayoutError
 from shardtrain.tensor_parallel.communication import (
     copy_to_tp_region,
@@ -33,7 +34,6 @@ from shardtrain.tensor_parallel.communication import (
     reduce_from_tp_region,
     scatter_to_tp_region,
 )
-from shardtrain.tensor_parallel.placement import ParameterSharder, ShapeOf, TPPlacement, own_shape
 from shardtrain.tensor_parallel.rng import RegionRNG
 
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from shardtrain.between_graphs import between_graphs
-from shardtrain.comm import Communicator
+from shardtrain.distributed.communicator import Communicator
 from shardtrain.errors import LayoutError
 from shardtrain.tensor_parallel.rng import RegionRNG
 

@@ -28,14 +28,14 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from shardtrain.comm import Communicator
+from shardtrain.distributed.communicator import Communicator
+from shardtrain.distributed.placement import ParameterSharder, TPPlacement
 from shardtrain.errors import LayoutError
 from shardtrain.tensor_parallel.communication import copy_to_tp_region, reduce_from_tp_region
 from shardtrain.tensor_parallel.embedding import HiddenParallelEmbedding, VocabParallelEmbedding
 from shardtrain.tensor_parallel.grad_check import ReplicatedGradCheck
 from shardtrain.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from shardtrain.tensor_parallel.loss import VocabParallelCrossEntropy
-from shardtrain.tensor_parallel.placement import ParameterSharder, TPPlacement
 from shardtrain.tensor_parallel.planning import (
     check_heads,
     check_tied,

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from torch import nn
 
+from shardtrain.distributed.placement import TPPlacement
 from shardtrain.errors import LayoutError
 from shardtrain.tensor_parallel.embedding import HiddenParallelEmbedding, VocabParallelEmbedding
 from shardtrain.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from shardtrain.tensor_parallel.placement import TPPlacement
 from shardtrain.tensor_parallel.plans import TPPlan, matches
 from shardtrain.tensor_parallel.styles import TPStyle
 

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardtrain.comm import Communicator
-from shardtrain.config import ZeroConfig
+from shardtrain.config.schema import ZeroConfig
+from shardtrain.distributed.communicator import Communicator
 from shardtrain.zero.guarded import guard_of
 from shardtrain.zero.init import construction_runtime, is_under_construction
 from shardtrain.zero.layout import Bucket, ParamRecord, ShardLayout, UnitBuckets, build_buckets, group_by_size
@@ -45,8 +45,8 @@ def build_layout(
 
     ``tp_placements``: how tensor parallelism split each parameter, by its name (absent: not split). ``dp_comm``:
     with hybrid sharding, every data-parallel rank (``comm`` is then this rank's shard group, see [Note: the hybrid
-    mesh] in :mod:`shardtrain.mesh`): rank 0's values are broadcast over it, so that every replica starts from them;
-    None: ``comm`` is the whole data-parallel group."""
+    mesh] in :mod:`shardtrain.distributed.mesh`): rank 0's values are broadcast over it, so that every replica starts
+    from them; None: ``comm`` is the whole data-parallel group."""
     policy = ZeroPolicy.for_stage(zcfg.stage)
     sync = dp_comm if dp_comm is not None else comm
     replicas = sync.size // comm.size

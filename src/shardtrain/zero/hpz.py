@@ -32,12 +32,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from shardtrain.comm import Communicator, Handle
+from shardtrain.distributed.communicator import Communicator, Handle
 from shardtrain.errors import ConfigError
 
 if TYPE_CHECKING:
-    from shardtrain.config import Config
-    from shardtrain.mesh import Topology
+    from shardtrain.config.schema import Config
+    from shardtrain.distributed.mesh import Topology
     from shardtrain.zero.layout import Bucket
     from shardtrain.zero.units import Unit
 

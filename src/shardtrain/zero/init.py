@@ -69,11 +69,11 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from shardtrain.comm import Communicator
-from shardtrain.config import Config, load_config
+from shardtrain.config.schema import Config, load_config
+from shardtrain.distributed.communicator import Communicator
+from shardtrain.distributed.mesh import ensure_process_group, pick_device
+from shardtrain.distributed.placement import global_flat_index
 from shardtrain.errors import ConfigError
-from shardtrain.mesh import ensure_process_group, pick_device
-from shardtrain.tensor_parallel.placement import global_flat_index
 from shardtrain.zero.guarded import ShardedParameter, guard, guard_of, unguard
 from shardtrain.zero.layout import Bucket, ParamSlot, _fragment, build_buckets
 from shardtrain.zero.units import Unit, UnitState
@@ -580,7 +580,7 @@ class Init:
 
     ``Init()`` shards each parameter over the world as it is built ([Note: sharded construction]).
     ``Init(config)`` with ``tensor_parallel.size`` > 1 (the config ``initialize`` gets: a dict, a path or a
-    :class:`~shardtrain.config.Config`, as DeepSpeed's ``zero.Init(config_dict_or_path=...)``), or
+    :class:`~shardtrain.config.schema.Config`, as DeepSpeed's ``zero.Init(config_dict_or_path=...)``), or
     ``Init(deferred=True)``, builds the parameters on ``meta`` and writes down their initialization;
     ``initialize`` (with the tensor-parallel plan) then makes each rank's chunk of its block directly
     ([Note: deferred construction])::

@@ -48,16 +48,16 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from shardtrain.comm import Communicator
+from shardtrain.distributed.communicator import Communicator
 from shardtrain.errors import OptimizerError
-from shardtrain.optimizers import DeepSpeedAdam
+from shardtrain.optim.adam import DeepSpeedAdam
 from shardtrain.zero.layout import Bucket
 from shardtrain.zero.policy import ZeroPolicy
 from shardtrain.zero.reducer import GradientReducer
 from shardtrain.zero.step_gather import ParameterGathers
 
 if TYPE_CHECKING:
-    from shardtrain.zero.offload import OptimizerOffload
+    from shardtrain.offload.optimizer_state import OptimizerOffload
 
 
 @dataclass(frozen=True)

@@ -37,18 +37,17 @@ different paths keep the previous order, which is always safe. With hybrid shard
 span every data-parallel rank (``order_comm``), since the replicas' all-reduces must come in one order too.
 
 [Note: hybrid gradient reduction]
-With hybrid sharding (``mics_shard_size``, [Note: the hybrid mesh] in :mod:`shardtrain.mesh`) ``comm`` is the shard
-group: each bucket is reduce-scattered (averaged) within it exactly as above. At the accumulation boundary, once a
-bucket's gradient shard is complete, it is all-reduced (averaged) across the replicas (``replicate``), launched as
-soon as the bucket's reduce-scatter has been folded in, so it overlaps the rest of backward, and waited for at the
-end of backward. Micro-steps before the boundary reduce within the group only, as DeepSpeed's MiCS does: the bytes
-that leave a group per optimizer step are one all-reduce of a shard, ``2 * (P/S) * (R-1)/R``, whatever the
-accumulation. The all-reduce runs in the wire dtype (``communication_data_type``, else the bucket's), from the fp32
-accumulation: with one micro-step that is the reduce-scatter's own result, exactly representable, so nothing is rounded
-beyond the two reductions themselves. The average of group averages is the average over all ``R * S`` ranks
-(``prescale_gradients``' factors apply within the group, the replica average after). Buckets whose gradients the
-captured graph reduced (graph-mode ZeRO-3, :meth:`GradientReducer.hand_over`) are all-reduced the same way after
-backward.
+With hybrid sharding (``mics_shard_size``, [Note: the hybrid mesh] in :mod:`shardtrain.distributed.mesh`) ``comm`` is
+the shard group: each bucket is reduce-scattered (averaged) within it exactly as above. At the accumulation boundary,
+once a bucket's gradient shard is complete, it is all-reduced (averaged) across the replicas (``replicate``), launched
+as soon as the bucket's reduce-scatter has been folded in, so it overlaps the rest of backward, and waited for at the
+end of backward. Micro-steps before the boundary reduce within the group only, as DeepSpeed's MiCS does: the bytes that
+leave a group per optimizer step are one all-reduce of a shard, ``2 * (P/S) * (R-1)/R``, whatever the accumulation. The
+all-reduce runs in the wire dtype (``communication_data_type``, else the bucket's), from the fp32 accumulation: with one
+micro-step that is the reduce-scatter's own result, exactly representable, so nothing is rounded beyond the two
+reductions themselves. The average of group averages is the average over all ``R * S`` ranks (``prescale_gradients``'
+factors apply within the group, the replica average after). Buckets whose gradients the captured graph reduced
+(graph-mode ZeRO-3, :meth:`GradientReducer.hand_over`) are all-reduced the same way after backward.
 """
 
 from __future__ import annotations
@@ -59,7 +58,7 @@ from functools import partial
 
 import torch
 
-from shardtrain.comm import Communicator, Handle
+from shardtrain.distributed.communicator import Communicator, Handle
 from shardtrain.errors import ShardtrainError
 from shardtrain.zero.layout import Bucket, ParamSlot
 from shardtrain.zero.policy import ZeroPolicy
@@ -331,10 +330,10 @@ class GradientReducer:
 
         ``unwinding``: backward raised. If a collective of these groups failed, that failure is what backward is
         raising: nothing more is launched nor waited for, see [Note: no collective after a failure] in
-        :mod:`shardtrain.comm` (any other error still reduces what is left, so that the peers' collectives
-        complete). A bucket counts as launched before its ``_launch`` returns: the launch issues the collective,
-        then may raise from waiting for an older one; launching it again here sent its chunks a second time under
-        the next tag, where a surviving peer expected another bucket's."""
+        :mod:`shardtrain.distributed.communicator` (any other error still reduces what is left, so that the peers'
+        collectives complete). A bucket counts as launched before its ``_launch`` returns: the launch issues the
+        collective, then may raise from waiting for an older one; launching it again here sent its chunks a second time
+        under the next tag, where a surviving peer expected another bucket's."""
         if unwinding and self._failed():
             self._reset_backward()
             return

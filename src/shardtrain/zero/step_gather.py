@@ -36,7 +36,7 @@ from collections import Counter
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from shardtrain.comm import Communicator, Handle
+from shardtrain.distributed.communicator import Communicator, Handle
 from shardtrain.zero.guarded import _METADATA, _op_name
 from shardtrain.zero.layout import Bucket
 

@@ -43,11 +43,11 @@ gather was issued) would come after the mismatched gathers it is meant to preven
 aborts and NCCL hangs or mixes buffers. So no gather is issued before the other ranks have announced the same
 unit (for prefetches, one unit ahead: below); its cost is measured in docs/benchmarks.md. The ids are CPU
 tensors exchanged over the data-parallel axis's host-side group (``Topology.host_dp_group``, gloo; see [Note: the
-engine's groups] in :mod:`shardtrain.mesh`), so on CUDA the check waits for the other ranks' hosts only, never for
-the kernels queued on the device: reading an NCCL result back would wait for every queued gather and
-reduce-scatter, and a prefetch issued behind it would no longer overlap anything. The host keeps running ahead of
-the device as without the check.
-Turn it off with ``stage3_gather_check: false`` once a model is known to run the same path on every rank.
+engine's groups] in :mod:`shardtrain.distributed.mesh`), so on CUDA the check waits for the other ranks' hosts only,
+never for the kernels queued on the device: reading an NCCL result back would wait for every queued gather and
+reduce-scatter, and a prefetch issued behind it would no longer overlap anything. The host keeps running ahead of the
+device as without the check. Turn it off with ``stage3_gather_check: false`` once a model is known to run the same path
+on every rank.
 
 A gather that waits for the other ranks' ids at the moment it is needed makes every gather a rendezvous: on the
 10.6M GPT-2 of docs/benchmarks.md the check cost eager ZeRO-3 7% of its step on a quiet machine (1.087x DDP with
@@ -76,9 +76,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardtrain.comm import Communicator, Handle
+from shardtrain.distributed.communicator import Communicator, Handle
+from shardtrain.distributed.mesh import exchanges_on_host
 from shardtrain.errors import RankMismatchError, ShardtrainError
-from shardtrain.mesh import exchanges_on_host
 from shardtrain.zero.guarded import ShardedParameter, guard, guard_of
 from shardtrain.zero.hpz import SecondaryShards
 from shardtrain.zero.layout import Bucket, UnitBuckets

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardtrain.comm import Handle
+from shardtrain.distributed.communicator import Handle
 from shardtrain.errors import ConfigError
 from shardtrain.zero.layout import Bucket
 

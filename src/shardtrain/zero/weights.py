@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors import safe_open
 
-from shardtrain.comm import Communicator
+from shardtrain.distributed.communicator import Communicator
+from shardtrain.distributed.placement import shard_block
 from shardtrain.errors import ShardtrainError
-from shardtrain.tensor_parallel.placement import shard_block
 
 if TYPE_CHECKING:
     from shardtrain.zero.layout import ShardLayout

@@ -1,0 +1,754 @@
+"""The layout of a checkpoint directory written by DeepSpeed's ``save_checkpoint``, as a manifest of ours.
+
+[Note: DeepSpeed checkpoints as a manifest]
+:class:`~shardtrain.checkpoint.foreign.deepspeed_reader.DeepSpeedReader` offers what
+:class:`~shardtrain.checkpoint.reader.CheckpointReader` offers (a :class:`~shardtrain.checkpoint.format.Manifest`
+of logical tensors ``model/<name>`` and ``optim/<name>/<key>`` with their pieces, ``read``/``read_slice`` of any
+element range or slice, the global ``objects``), so the engine's any-layout load and the consolidation run
+unchanged on it. What DeepSpeed writes, and the piece each part becomes:
+
+* stages 1-2: each rank's ``*zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` holds, per param group, the rank's
+  contiguous partition of the group's flat fp32 masters (``single_partition_of_fp32_groups``) and the optimizer
+  state of that partition (``base_optimizer_state``). The group's flat tensor is its parameters in ``param_shapes``
+  order, each followed by its ``param_alignment_paddings``; the partitions concatenated give it (the padding at the
+  end of the last one is not saved). A parameter is therefore a few ``FlatSlice`` pieces, one per partition it
+  overlaps, exactly the elements ``zero_to_fp32`` takes from the concatenation;
+* stage 3: rank ``r`` holds elements ``[r * ceil(n / N), (r + 1) * ceil(n / N))`` of every parameter (padding
+  past ``n``), one after the other in its group's ``fp32_flat_groups`` tensor; frozen parameters alike in each
+  rank's model-states file (``frozen_param_fragments``);
+* stage 0: the model-states file's ``module`` holds the weights and ``optimizer`` the optimizer's state dict (with
+  bf16/fp16, a wrapper holding the fp32 masters per parameter, ``fp32_groups``, or per group, ``fp32_groups_flat``);
+  no parameter names are saved with it, so the optimizer's parameters are matched to the module's in order;
+* tensor parallelism (AutoTP): each tensor-parallel rank ``t`` writes the files above for its own shards, named
+  ``mp_rank_<t>`` (``zero_pp_rank_<r>_mp_rank_<t>`` at stages 1-3), with the same layout inside; a split parameter
+  is then the pieces of every rank's files, each inside that rank's block ([Note: DeepSpeed tensor parallelism],
+  [Note: DeepSpeed stage 0 with TP]);
+* everywhere: buffers (``buffer_names``) from ``module`` (fp32 like ``zero_to_fp32``), frozen parameters from
+  ``frozen_param_fragments`` (stages 2-3) or ``module`` (stages 0-1), tied parameters from ``shared_params`` (an
+  alias of the entry holding the data).
+
+Weights are the fp32 masters wherever DeepSpeed keeps them, so a tensor read here is bitwise what
+``zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint`` gives. Scalar optimizer states (``step``) exist once
+per param group; every parameter of the group gets it.
+
+Objects: ``engine/counters`` (global steps, samples, skipped steps), ``engine/scheduler`` (the saved
+``lr_scheduler`` dict, passed through), ``engine/scaler`` (an fp16 run's loss scaler, translated), ``client_state``
+(the top-level keys of the model-states file that DeepSpeed did not write itself), ``optimizer/param_groups``,
+``optimizer/state_kinds``, ``engine/topology`` and, when the save directory holds a Hugging Face ``config.json``
+(the Trainer writes one next to ``latest``), ``hf/config``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardtrain.checkpoint.foreign.deepspeed_pickle import LossScalerState, load_deepspeed_file
+from shardtrain.checkpoint.format import (
+    DTYPE_NAMES,
+    FORMAT_VERSION,
+    BlockFlatSlice,
+    BlockSlice,
+    FileEntry,
+    FlatSlice,
+    Manifest,
+    ObjectRecord,
+    Piece,
+    Slice,
+    TensorEntry,
+)
+from shardtrain.errors import CheckpointError
+
+LATEST = "latest"
+_MODEL_FILE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
+_OPTIM_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+# top-level keys of a model-states file that DeepSpeed writes itself; every other key is the client state
+DEEPSPEED_KEYS = frozenset(
+    {
+        "module",
+        "buffer_names",
+        "optimizer",
+        "param_shapes",
+        "frozen_param_shapes",
+        "shared_params",
+        "frozen_param_fragments",
+        "lr_scheduler",
+        "data_sampler",
+        "random_ltd",
+        "skipped_steps",
+        "global_steps",
+        "global_samples",
+        "dp_world_size",
+        "mp_world_size",
+        "ds_config",
+        "ds_version",
+        "checkpoint_parallel_dimensions",
+        "universal_checkpoint_info",
+        "num_experts",
+        "ds_autoep_layers",
+        "autoep_layers",
+    }
+)
+
+
+def _model_files(d: Path) -> list[str]:
+    return sorted(p.name for p in d.glob("*_model_states.pt") if _MODEL_FILE.match(p.name))
+
+
+def find_deepspeed_dir(path: str | os.PathLike, tag: str | None = None) -> Path | None:
+    """The tag directory if ``path`` (with ``tag``, or the tag ``latest`` names) is a DeepSpeed checkpoint, else
+    None (then it is not one: ours, or nothing)."""
+    path = Path(path)
+    if not path.is_dir():
+        return None
+    if tag is None and _model_files(path):
+        return path
+    if tag is None:
+        latest = path / LATEST
+        if not latest.is_file():
+            return None
+        try:
+            tag = latest.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError):
+            return None
+    ckpt = path / tag
+    return ckpt if ckpt.is_dir() and _model_files(ckpt) else None
+
+
+@dataclass(frozen=True)
+class _Source:
+    """Where a piece's elements are: ``file``, the keys from the top of its dict down to a tensor, and the
+    element of that (flattened) tensor the piece starts at."""
+
+    file: str
+    keys: tuple
+    offset: int
+
+
+def _dig(data: Any, keys: tuple, where: str) -> Any:
+    for k in keys:
+        try:
+            data = data[k]
+        except (KeyError, IndexError, TypeError):
+            raise CheckpointError(f"{where}: has no {'/'.join(map(str, keys))}; the file is damaged") from None
+    return data
+
+
+class DeepSpeedLayout:
+    """Builds the manifest of a DeepSpeed checkpoint (``_build``) and resolves its pieces to the tensors in the
+    files (``_tensor``). The reading interface is
+    :class:`~shardtrain.checkpoint.foreign.deepspeed_reader.DeepSpeedReader`."""
+
+    path: Path
+    optim_files: list[str]
+    _files: dict[str, dict[str, Any]]
+    _sources: dict[str, _Source]
+    _objects: dict[str, Any]
+
+    # -- files ------------------------------------------------------------------------------------
+    def _file(self, name: str) -> dict[str, Any]:
+        if name not in self._files:
+            self._files[name] = load_deepspeed_file(self.path / name)
+        return self._files[name]
+
+    def _tensor(self, src: _Source) -> torch.Tensor:
+        t = _dig(self._file(src.file), src.keys, str(self.path / src.file))
+        if not torch.is_tensor(t):
+            raise CheckpointError(
+                f"{self.path / src.file}: {'/'.join(map(str, src.keys))} is a {type(t).__name__}, not a tensor"
+            )
+        return t
+
+    def _piece(self, tensors: dict, name: str, file: str, keys: tuple, offset: int, where: Slice) -> None:
+        key = f"{file}:{'/'.join(map(str, keys))}@{offset}"
+        self._sources[key] = _Source(file, keys, offset)
+        tensors.setdefault(name, []).append(Piece(file, key, where, "none"))
+
+    # -- the manifest -----------------------------------------------------------------------------
+    def _build(self) -> Manifest:
+        d = self.path
+        model_files = _model_files(d)
+        mp_ranks = sorted({int(_MODEL_FILE.match(f).group(2)) for f in model_files})
+        if mp_ranks != list(range(len(mp_ranks))):
+            raise CheckpointError(f"{d}: model-states files of tensor-parallel ranks {mp_ranks}: some are missing")
+        self._z3_names = any(f.startswith("zero_pp_rank_") for f in model_files)
+        main_name = self._model_name(0)
+        main = self._file(main_name)
+        where = str(d / main_name)
+        for key in ("module", "global_steps"):
+            if key not in main:
+                raise CheckpointError(f"{where}: has no {key!r}; not a DeepSpeed model-states file")
+        optim_files: dict[int, dict[int, str]] = {m: {} for m in mp_ranks}  # tp rank -> dp rank -> file
+        for p in d.glob("*_optim_states.pt"):
+            m = _OPTIM_FILE.match(p.name)
+            if m and int(m.group(3)) in optim_files:
+                optim_files[int(m.group(3))][int(m.group(2))] = p.name
+        for m, files in optim_files.items():
+            if sorted(files) != list(range(len(files))) or len(files) != len(optim_files[0]):
+                raise CheckpointError(
+                    f"{d}: optimizer files of data-parallel ranks {sorted(files)} for tensor-parallel rank {m}: "
+                    "some are missing"
+                )
+        self.optim_files = [optim_files[0][r] for r in sorted(optim_files[0])]
+        # per tensor-parallel rank: parameter name -> (its block there, or None when replicated; the logical shape)
+        all_blocks = {m: self._tp_blocks(self._file(self._model_name(m)), m) for m in mp_ranks} if mp_ranks[1:] else {}
+        blocks = all_blocks.get(0, {})
+        module = main["module"]
+        if not isinstance(module, dict):
+            raise CheckpointError(f"{where}: 'module' is a {type(module).__name__}, not a state dict")
+        buffers = set(main.get("buffer_names") or ())
+        shared = dict(main.get("shared_params") or {})  # alias -> name holding the data
+        tensors: dict[str, list[Piece]] = {}
+        shapes: dict[str, tuple[int, ...]] = {}
+        dtypes: dict[str, torch.dtype] = {}
+        groups: list[dict] = []
+        kinds: dict[str, str] = {}
+
+        if self.optim_files:
+            stage, world = self._zero_pieces(main, tensors, shapes, dtypes, groups, kinds, blocks=blocks)
+            for m in mp_ranks[1:]:
+                files = [optim_files[m][r] for r in sorted(optim_files[m])]
+                other = self._file(self._model_name(m))
+                self._zero_pieces(other, tensors, shapes, dtypes, groups, kinds, m, files, all_blocks[m])
+        else:
+            stage, world = 0, int(main.get("dp_world_size") or 1)
+            self._optim_shapes = {}
+            for m in mp_ranks:  # every tensor-parallel rank's module and optimizer: [Note: DeepSpeed stage 0 with TP]
+                other = main if m == 0 else self._file(self._model_name(m))
+                found = self._stage0_pieces(other, tensors, shapes, dtypes, groups, kinds, m, all_blocks.get(m))
+                if m == 0:
+                    shared.update(found)
+        self.stage = stage
+        # everything not stepped by the optimizer: buffers and frozen parameters. A frozen parameter that tensor
+        # parallelism splits is in every tensor-parallel rank's files, each holding its block.
+        frozen_shapes = main.get("frozen_param_shapes") or {}
+        for name, value in module.items():
+            if name in shapes or name in shared:
+                continue
+            block, logical = blocks.get(name, (None, None))
+            tp_ranks = mp_ranks if block is not None else [0]
+            if name in frozen_shapes:
+                local = tuple(frozen_shapes[name])
+                n = math.prod(local)
+                per = -(-n // world)
+                for m in tp_ranks:
+                    if stage == 3:  # each data-parallel rank's fragment, as a trainable parameter's
+                        spans = [
+                            (self._model_name(m, r), FlatSlice(r * per, max(0, min(per, n - r * per))))
+                            for r in range(world)
+                        ]
+                    else:
+                        spans = [(self._model_name(m), FlatSlice(0, n))]
+                    mine = all_blocks[m][name][0] if block is not None else None
+                    for file, w in spans:
+                        self._piece(
+                            tensors, f"model/{name}", file, ("frozen_param_fragments", name), 0, _within(mine, w)
+                        )
+                dtypes[name] = self._tensor(_Source(main_name, ("frozen_param_fragments", name), 0)).dtype
+                shapes[name] = logical or local
+                continue
+            if not torch.is_tensor(value):
+                raise CheckpointError(f"{where}: module entry {name!r} is a {type(value).__name__}, not a tensor")
+            if stage == 3 and name not in buffers:
+                raise CheckpointError(
+                    f"{where}: parameter {name!r} is neither in the optimizer's partitions nor saved as a frozen "
+                    "parameter (saved with exclude_frozen_parameters=True?); it cannot be loaded from this checkpoint"
+                )
+            shapes[name] = logical or tuple(value.shape)
+            # buffers come back in fp32, as zero_to_fp32 gives them
+            dtypes[name] = torch.float32 if name in buffers and value.is_floating_point() else value.dtype
+            for m in tp_ranks:
+                mine = all_blocks[m][name][0] if block is not None else None
+                self._piece(
+                    tensors,
+                    f"model/{name}",
+                    self._model_name(m),
+                    ("module", name),
+                    0,
+                    _within(mine, FlatSlice(0, value.numel())),
+                )
+        aliases: dict[str, list[str]] = {}
+        for alias, target in shared.items():
+            if f"model/{target}" in tensors and f"model/{alias}" not in tensors:
+                aliases.setdefault(f"model/{target}", []).append(f"model/{alias}")
+        entries = {}
+        for name, pieces in tensors.items():
+            base = name.removeprefix("model/").removeprefix("optim/")
+            if name.startswith("optim/"):
+                shape, dtype = self._optim_shapes[name]
+            else:
+                shape, dtype = shapes[base], dtypes[base]
+            if dtype not in DTYPE_NAMES:
+                raise CheckpointError(f"{d}: tensor {name!r} has dtype {dtype}, which cannot be read here")
+            try:
+                entries[name] = TensorEntry(
+                    name, shape, DTYPE_NAMES[dtype], tuple(pieces), tuple(aliases.get(name, ()))
+                )
+            except CheckpointError as err:
+                raise CheckpointError(f"{d}: {err}; the checkpoint is damaged or of an unknown layout") from None
+        files = {}
+        used = {p.file for e in entries.values() for p in e.pieces} | {main_name}
+        for f in sorted(used):
+            # the rank that wrote it: DeepSpeed's mesh is (data parallel, tensor parallel), tensor parallel innermost
+            dp_rank = int((re.search(r"zero_pp_rank_(\d+)", f) or [0, 0])[1])
+            tp_rank = int((re.search(r"mp_rank_(\d+)", f) or [0, 0])[1])
+            files[f] = FileEntry(f, dp_rank * len(mp_ranks) + tp_rank, (d / f).stat().st_size)
+        self._objects = self._make_objects(main, groups, kinds, stage, world, len(mp_ranks))
+        return Manifest(
+            version=FORMAT_VERSION,
+            tag=d.name,
+            world_size=world * len(mp_ranks),
+            tensors=entries,
+            files=files,
+            objects={k: ObjectRecord(k, "json") for k in self._objects},
+        )
+
+    _optim_shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+    def _zero_pieces(
+        self, main, tensors, shapes, dtypes, groups, kinds, mp_rank: int = 0, optim_files=None, blocks=None
+    ) -> tuple[int, int]:
+        """Pieces of the trainable parameters and their optimizer state at stages 1-3, from the files of tensor
+        parallel rank ``mp_rank`` (``main`` is its model-states file). ``blocks``: parameter name -> (the
+        tensor-parallel block this rank holds, or None when replicated; the logical shape), for ``mp_rank_XX``
+        checkpoints ([Note: DeepSpeed tensor parallelism])."""
+        blocks = blocks or {}
+        optim_files = optim_files if optim_files is not None else self.optim_files
+        if mp_rank == 0:
+            self._optim_shapes = {}
+        first = self._file(optim_files[0])
+        osd = _dig(first, ("optimizer_state_dict",), str(self.path / optim_files[0]))
+        stage = int(osd.get("zero_stage", -1))
+        world = osd.get("partition_count")
+        world = max(world) if isinstance(world, list) else world
+        if world != len(optim_files):
+            raise CheckpointError(
+                f"{self.path}: the optimizer state was partitioned over {world} ranks but {len(optim_files)} "
+                "optimizer files are present; the checkpoint is incomplete (a rank did not save?)"
+            )
+        param_shapes = main.get("param_shapes")
+        if not isinstance(param_shapes, list):
+            raise CheckpointError(
+                f"{self.path}: the model-states file has no 'param_shapes'; the checkpoint is damaged"
+            )
+        if stage in (1, 2):
+            masters, state_keys = (
+                ("optimizer_state_dict", "single_partition_of_fp32_groups"),
+                (
+                    "optimizer_state_dict",
+                    "base_optimizer_state",
+                ),
+            )
+        elif stage == 3:
+            masters, state_keys = (
+                ("optimizer_state_dict", "fp32_flat_groups"),
+                (
+                    "optimizer_state_dict",
+                    "optimizer_state_dict",
+                ),
+            )
+        else:
+            raise CheckpointError(f"{self.path}: unknown ZeRO stage {stage!r} in {optim_files[0]}")
+        base = _dig(first, state_keys, str(self.path / optim_files[0]))
+        if not isinstance(base, dict) or "param_groups" not in base:
+            raise CheckpointError(
+                f"{self.path / optim_files[0]}: the optimizer state is not a torch optimizer state dict (the "
+                "'elastic' layout of some DeepSpeed releases); this reader does not know it: load the checkpoint "
+                "into DeepSpeed and save it again with elastic_checkpoint off"
+            )
+        saved_groups = base["param_groups"]
+        paddings = osd.get("param_alignment_paddings")
+        for g, group_shapes in enumerate(param_shapes):
+            names = list(group_shapes)
+            state_index = saved_groups[g]["params"][0]
+            if mp_rank == 0:  # the same groups and names on every tensor-parallel rank
+                groups.append({**{k: v for k, v in saved_groups[g].items() if k != "params"}, "params": names})
+            lengths = [
+                self._tensor(_Source(f, (*masters, g), 0)).numel() for f in optim_files
+            ]  # each rank's part of the group
+            state0 = base["state"].get(state_index, {})
+            elementwise = {k for k, v in state0.items() if torch.is_tensor(v) and v.dim() > 0}
+            scalar = {k for k, v in state0.items() if torch.is_tensor(v) and v.dim() == 0}
+            for k in elementwise:
+                kinds[k] = "elementwise"
+            for k in scalar:
+                kinds[k] = "scalar"
+            offset = 0  # stages 1-2: in the group's flat tensor; stage 3: in each rank's part
+            starts = [sum(lengths[:r]) for r in range(world)]
+            for i, (name, shape) in enumerate(group_shapes.items()):
+                shape = tuple(shape)
+                n = math.prod(shape)
+                block, logical = blocks.get(name, (None, shape))
+                replica = mp_rank > 0 and block is None  # replicated over tensor parallelism: rank 0's copy
+                shapes[name], dtypes[name] = logical, self._tensor(_Source(optim_files[0], (*masters, g), 0)).dtype
+                spans = []  # (rank, offset in the rank's tensor, FlatSlice of the parameter)
+                if stage == 3:
+                    per = -(-n // world)
+                    spans = [(r, offset, FlatSlice(r * per, max(0, min(per, n - r * per)))) for r in range(world)]
+                    offset += per
+                else:
+                    for r in range(world):
+                        lo, hi = max(offset, starts[r]), min(offset + n, starts[r] + lengths[r])
+                        if hi > lo:
+                            spans.append((r, lo - starts[r], FlatSlice(lo - offset, hi - lo)))
+                    offset += n + (paddings[g][i] if paddings is not None else 0)
+                if block is not None:  # ZeRO fragments of this rank's block
+                    spans = [(r, at, BlockFlatSlice(block, w.start, w.length)) for r, at, w in spans]
+                if replica:
+                    continue
+                for r, at, where in spans:
+                    f = optim_files[r]
+                    self._piece(tensors, f"model/{name}", f, (*masters, g), at, where)
+                    for k in elementwise:
+                        self._piece(tensors, f"optim/{name}/{k}", f, (*state_keys, "state", state_index, k), at, where)
+                for k in elementwise:
+                    self._optim_shapes[f"optim/{name}/{k}"] = (logical, state0[k].dtype)
+                if mp_rank > 0:
+                    continue
+                for k in scalar:
+                    self._piece(
+                        tensors,
+                        f"optim/{name}/{k}",
+                        optim_files[0],
+                        (*state_keys, "state", state_index, k),
+                        0,
+                        FlatSlice(0, 1),
+                    )
+                    self._optim_shapes[f"optim/{name}/{k}"] = ((), state0[k].dtype)
+            if stage == 3:
+                have, used = lengths[0], offset
+                mismatch = any(n != offset for n in lengths)
+            else:  # the end of the group is padded to a multiple of 2N (zero_to_fp32 checks the same)
+                align = 2 * world
+                have, used = sum(lengths), offset
+                mismatch = -(-have // align) != -(-used // align)
+            if mismatch:
+                raise CheckpointError(
+                    f"{self.path}: param group {g}: the parameters need {have} elements, the saved partitions hold "
+                    f"{used}; the checkpoint is damaged or of a layout this reader does not know"
+                )
+        return stage, world
+
+    def _tp_blocks(self, main: dict, mp_rank: int) -> dict[str, tuple[BlockSlice | None, tuple[int, ...]]]:
+        """[Note: DeepSpeed tensor parallelism]
+        AutoTP records, in the model-states file's ``universal_checkpoint_info``, an ``affine_map``: per parameter
+        (a regex of its name) the logical shape and, per tensor-parallel rank, the boxes of the logical tensor its
+        shard holds. A shard that is one box, block ``i`` of ``n`` equal blocks along one dimension, becomes a
+        ``BlockSlice``; a shard equal to the whole tensor is replicated. Anything else (fused sub-parameters,
+        padded vocabularies, several boxes) is refused, naming the parameter. ``main``: the model-states file of
+        tensor-parallel rank ``mp_rank``."""
+        info = main.get("universal_checkpoint_info") or {}
+        amap = (info.get("affine_map") or {}).get("params") if isinstance(info, dict) else None
+        where = str(self.path)
+        if not isinstance(amap, dict):
+            raise CheckpointError(
+                f"{where}: a DeepSpeed checkpoint with tensor parallelism (mp_rank_XX files) that records no "
+                "'affine_map' of how each parameter was split (written by Megatron-DeepSpeed or an older "
+                "DeepSpeed); convert it with DeepSpeed's ds_to_universal first"
+            )
+        patterns = [(re.compile(k), v) for k, v in amap.items()]
+        # every parameter's shard shape: the optimizer's (param_shapes; stage 0 saves none), the frozen ones'
+        # (frozen_param_shapes, stages 2-3), and the module's (stages 0-1 hold every shard whole there; at stage 3
+        # its entries are empty placeholders). Tied aliases are not parameters of their own.
+        local_shapes: dict[str, tuple[int, ...]] = {}
+        for group in main.get("param_shapes") or []:
+            local_shapes.update((name, tuple(shape)) for name, shape in group.items())
+        local_shapes.update((n, tuple(s)) for n, s in (main.get("frozen_param_shapes") or {}).items())
+        skip = set(main.get("buffer_names") or ()) | set(main.get("shared_params") or {})
+        seen: set[tuple] = set()
+        for name, t in (main.get("module") or {}).items():
+            if name in skip or not torch.is_tensor(t) or t.numel() == 0:
+                continue
+            ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+            if ident not in seen and name not in local_shapes:  # a second name of the same tensor: tied (stage 0)
+                local_shapes[name] = tuple(t.shape)
+            seen.add(ident)
+        out: dict[str, tuple[BlockSlice | None, tuple[int, ...]]] = {}
+        for name, local in local_shapes.items():
+            entry = next((v for pat, v in patterns if pat.fullmatch(name)), None)
+            if entry is None:
+                raise CheckpointError(f"{where}: the tensor-parallel map has no entry for parameter {name!r}")
+            out[name] = _block_of(name, entry, mp_rank, local, where)
+        return out
+
+    def _model_name(self, mp_rank: int, dp_rank: int = 0) -> str:
+        """The model-states file of a tensor-parallel rank: one per data-parallel rank at stage 3
+        (``zero_pp_rank_<dp>_mp_rank_<tp>``), one per tensor-parallel rank otherwise (``mp_rank_<tp>``)."""
+        if self._z3_names:
+            return f"zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_model_states.pt"
+        return f"mp_rank_{mp_rank:02d}_model_states.pt"
+
+    def _stage0_pieces(
+        self, main, tensors, shapes, dtypes, groups, kinds, mp_rank: int = 0, blocks=None
+    ) -> dict[str, str]:
+        """Stage 0: weights from ``module``; the optimizer's parameters matched to the module's in order (no names
+        are saved). Returns the tied pairs found (alias -> name), which stage 0 does not record either.
+
+        [Note: DeepSpeed stage 0 with TP]
+        With AutoTP every tensor-parallel rank writes a whole stage-0 file of its own (``mp_rank_<tp>``, written by
+        its first data-parallel rank): ``module`` holds its shards, ``optimizer`` the optimizer over them (and the
+        fp32 masters of a bf16/fp16 run), in the same parameter order on every rank. ``main`` is rank
+        ``mp_rank``'s file and ``blocks`` its blocks ([Note: DeepSpeed tensor parallelism]): a split parameter and
+        its element-wise states are one ``BlockSlice`` piece per rank; replicated ones, scalar states and the
+        param groups are read from rank 0."""
+        blocks = blocks or {}
+        file = self._model_name(mp_rank)
+        where = str(self.path / file)
+        module = main["module"]
+        if not isinstance(module, dict):
+            raise CheckpointError(f"{where}: 'module' is a {type(module).__name__}, not a state dict")
+        buffers = set(main.get("buffer_names") or ())
+        shared: dict[str, str] = {}
+        params: list[str] = []
+        seen: dict[tuple, str] = {}
+        for name, t in module.items():
+            if name in buffers or not torch.is_tensor(t):
+                continue
+            ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+            if ident in seen and t.numel() > 0:
+                shared[name] = seen[ident]
+                continue
+            seen[ident] = name
+            params.append(name)
+        opt = main.get("optimizer")
+        if opt is None or (mp_rank > 0 and not groups):  # rank 0 offered no optimizer state: neither do the others
+            return shared
+        if "optimizer_state_dict" in opt:  # bf16 / fp16 wrapper: fp32 masters beside the torch state dict
+            inner = opt["optimizer_state_dict"]
+            prefix: tuple = ("optimizer", "optimizer_state_dict")
+        else:
+            inner, prefix = opt, ("optimizer",)
+        saved_groups = inner["param_groups"]
+        ids = [i for g in saved_groups for i in g["params"]]
+        name_of = _match_in_order(ids, params, self._stage0_shapes(opt, inner, saved_groups), module)
+        if name_of is None and mp_rank > 0:
+            raise CheckpointError(
+                f"{where}: the optimizer's parameters of tensor-parallel rank {mp_rank} cannot be matched to its "
+                "module's as rank 0's were; the checkpoint is damaged or of a layout this reader does not know"
+            )
+        if name_of is None:  # the match is not unique: the weights still load, the optimizer state does not
+            warnings.warn(
+                f"{where}: a ZeRO stage 0 checkpoint's optimizer holds {len(ids)} of the model's {len(params)} "
+                "parameters and saves no names; which ones cannot be told from their shapes, so its optimizer "
+                "state is not offered (load with load_optimizer_states=False)",
+                stacklevel=2,
+            )
+            return shared
+        for g, group in enumerate(saved_groups):
+            if mp_rank == 0:
+                groups.append(
+                    {
+                        **{k: v for k, v in group.items() if k != "params"},
+                        "params": [name_of[i] for i in group["params"]],
+                    }
+                )
+            flat_offset = 0
+            for j, i in enumerate(group["params"]):
+                name = name_of[i]
+                value = module[name]
+                shape, n = tuple(value.shape), value.numel()
+                block, logical = blocks.get(name, (None, shape))
+                at, flat_offset = flat_offset, flat_offset + n
+                if mp_rank > 0 and block is None:  # replicated over tensor parallelism: rank 0's copy
+                    continue
+                whole = block if block is not None else FlatSlice(0, n)
+                shapes[name] = logical
+                if "fp32_groups" in opt:  # one fp32 master per parameter
+                    master = opt["fp32_groups"][g][j]
+                    if tuple(master.shape) != shape:
+                        raise CheckpointError(
+                            f"{where}: the optimizer's parameter {i} has shape {tuple(master.shape)}, the model's "
+                            f"{name!r} {shape}; load it with load_optimizer_states=False"
+                        )
+                    self._piece(tensors, f"model/{name}", file, ("optimizer", "fp32_groups", g, j), 0, whole)
+                    dtypes[name] = master.dtype
+                elif "fp32_groups_flat" in opt:
+                    self._piece(tensors, f"model/{name}", file, ("optimizer", "fp32_groups_flat", g), at, whole)
+                    dtypes[name] = opt["fp32_groups_flat"][g].dtype
+                else:
+                    self._piece(tensors, f"model/{name}", file, ("module", name), 0, whole)
+                    dtypes[name] = value.dtype
+                for k, v in inner["state"].get(i, {}).items():
+                    if not torch.is_tensor(v):
+                        continue
+                    kind = "scalar" if v.dim() == 0 else "elementwise"
+                    if kind == "scalar" and mp_rank > 0:
+                        continue
+                    kinds[k] = kind
+                    self._piece(
+                        tensors,
+                        f"optim/{name}/{k}",
+                        file,
+                        (*prefix, "state", i, k),
+                        0,
+                        FlatSlice(0, max(1, v.numel())) if kind == "scalar" else whole,
+                    )
+                    self._optim_shapes[f"optim/{name}/{k}"] = (() if kind == "scalar" else logical, v.dtype)
+        return shared
+
+    @staticmethod
+    def _stage0_shapes(opt: dict, inner: dict, saved_groups: list) -> dict[int, tuple[int, ...] | None]:
+        """The shape of each optimizer parameter where the checkpoint shows it (its fp32 master or an element-wise
+        state), else None."""
+        out: dict[int, tuple[int, ...] | None] = {}
+        for g, group in enumerate(saved_groups):
+            for j, i in enumerate(group["params"]):
+                shape = None
+                if "fp32_groups" in opt:
+                    shape = tuple(opt["fp32_groups"][g][j].shape)
+                else:
+                    for v in inner["state"].get(i, {}).values():
+                        if torch.is_tensor(v) and v.dim() > 0:
+                            shape = tuple(v.shape)
+                out[i] = shape
+        return out
+
+    def _make_objects(
+        self, main: dict, groups: list, kinds: dict, stage: int, world: int, tp: int = 1
+    ) -> dict[str, Any]:
+        config = main.get("ds_config") if isinstance(main.get("ds_config"), dict) else {}
+        gas = int(config.get("gradient_accumulation_steps") or 1) if isinstance(config, dict) else 1
+        steps = int(main.get("global_steps", 0))
+        objects: dict[str, Any] = {
+            "engine/counters": {
+                "global_step": steps,
+                "micro_steps": steps * gas,
+                "skipped_steps": int(main.get("skipped_steps", 0)),
+                "global_samples": int(main.get("global_samples", 0)),
+            },
+            "engine/topology": {
+                "world_size": world * tp,
+                "dp": world,
+                "tp": tp,
+                "zero_stage": stage,
+                "format": "deepspeed",
+                "ds_version": str(main.get("ds_version")),
+            },
+            "engine/scheduler": main.get("lr_scheduler"),
+            "engine/scaler": self._scaler(main, config),
+            "client_state": {k: _detach(v) for k, v in main.items() if k not in DEEPSPEED_KEYS},
+            "optimizer/param_groups": groups or None,  # None: no optimizer state to offer
+            "optimizer/state_kinds": dict(sorted(kinds.items())),
+        }
+        for key, fname in (("hf/config", "config.json"), ("hf/generation_config", "generation_config.json")):
+            for d in (self.path.parent, self.path):
+                if (d / fname).is_file():
+                    text = (d / fname).read_text(encoding="utf-8")
+                    try:
+                        json.loads(text)
+                    except json.JSONDecodeError as err:
+                        raise CheckpointError(f"{d / fname}: not valid JSON ({err})") from None
+                    objects[key] = text
+                    break
+        return objects
+
+    def _scaler(self, main: dict, config: dict) -> dict | None:
+        """An fp16 run's loss scaler as our ``LossScaler.state_dict()``; None otherwise (bf16 and fp32 runs save a
+        static scale of 1, which must not replace the scale of an fp16 engine)."""
+        fp16 = config.get("fp16") if isinstance(config, dict) else None
+        if not (isinstance(fp16, dict) and fp16.get("enabled")):
+            return None
+        if self.optim_files:
+            s = self._file(self.optim_files[0])["optimizer_state_dict"].get("loss_scaler")
+            state = vars(s) if isinstance(s, LossScalerState) else {}
+        else:
+            state = main.get("optimizer") or {}
+        if "cur_scale" not in state:
+            return None
+        return loss_scaler_from_deepspeed(state)
+
+
+def loss_scaler_from_deepspeed(state: dict) -> dict:
+    """DeepSpeed's ``DynamicLossScaler`` attributes (or the engine's ``optimizer`` dict of a stage-0 fp16 run) as
+    our ``LossScaler.state_dict()``: the scale, the hysteresis allowance left, and the clean steps since the last
+    overflow (DeepSpeed keeps the step counter and the step of the last overflow, -1 before any; the difference
+    less one is its "stable interval", which is what our count means)."""
+    cur_iter, last = state.get("cur_iter", 0), state.get("last_overflow_iter", -1)
+    return {
+        "scale": float(state["cur_scale"]),
+        "allowance": int(state.get("cur_hysteresis", state.get("delayed_shift", 1)) or 1),
+        "clean_steps": max(0, int(cur_iter) - int(last if last is not None else -1) - 1),
+    }
+
+
+def _block_of(
+    name: str, entry: dict, rank: int, local: tuple[int, ...], where: str
+) -> tuple[BlockSlice | None, tuple[int, ...]]:
+    """(the block rank ``rank`` holds, or None when its shard is the whole tensor; the logical shape) from one
+    parameter's entry of an AutoTP affine map."""
+    logical = tuple(entry["logical_shape"])
+    ranks = entry["ranks"]
+    mine = ranks.get(rank, ranks.get(str(rank)))
+    refuse = f"{where}: parameter {name!r}: its tensor-parallel split"
+    if mine is None:
+        raise CheckpointError(f"{refuse} names no shard for rank {rank}")
+    pieces = mine["pieces"]
+    if len(pieces) != 1:
+        raise CheckpointError(f"{refuse} is {len(pieces)} boxes (fused sub-parameters), which is not read here")
+    piece = pieces[0]
+    shape = tuple(piece["shape"])
+    (src, src_strides), (dst, _) = piece["source"], piece["dest"]
+    contiguous = [math.prod(logical[i + 1 :]) for i in range(len(logical))]
+    if shape != local or dst != 0 or list(src_strides) != contiguous:
+        raise CheckpointError(f"{refuse} is not one block of the tensor (box {shape} at {src}); not read here")
+    if shape == logical:
+        return None, logical
+    dims = [i for i in range(len(logical)) if shape[i] != logical[i]]
+    if len(dims) != 1 or logical[dims[0]] % shape[dims[0]] or src % (shape[dims[0]] * contiguous[dims[0]]):
+        raise CheckpointError(f"{refuse} (box {shape} at {src} of {logical}) is not one of equal blocks")
+    d = dims[0]
+    return BlockSlice(d, src // (shape[d] * contiguous[d]), logical[d] // shape[d]), logical
+
+
+def _within(block: BlockSlice | None, where: FlatSlice) -> Slice:
+    """``where``, a flat range of a tensor-parallel rank's shard, as a slice of the logical tensor: the same range
+    of block ``block`` (None: the shard is the whole tensor)."""
+    return where if block is None else BlockFlatSlice(block, where.start, where.length)
+
+
+def _match_in_order(
+    ids: list[int], params: list[str], shapes: dict[int, tuple[int, ...] | None], module: dict
+) -> dict[int, str] | None:
+    """Pair the optimizer's parameters (in order) with a subsequence of the module's parameters of the same shapes;
+    None unless exactly one such pairing exists (the leftmost and the rightmost pairings agree)."""
+    if len(ids) == len(params):
+        ok = all(shapes[i] is None or shapes[i] == tuple(module[n].shape) for i, n in zip(ids, params))
+        return dict(zip(ids, params)) if ok else None
+    if any(shapes[i] is None for i in ids):
+        return None
+
+    def greedy(order_ids: list[int], order_params: list[str]) -> list[str] | None:
+        out, k = [], 0
+        for i in order_ids:
+            while k < len(order_params) and tuple(module[order_params[k]].shape) != shapes[i]:
+                k += 1
+            if k == len(order_params):
+                return None
+            out.append(order_params[k])
+            k += 1
+        return out
+
+    left = greedy(ids, params)
+    right = greedy(ids[::-1], params[::-1])
+    if left is None or right is None or left != right[::-1]:
+        return None
+    return dict(zip(ids, left))
+
+
+def _detach(v: Any) -> Any:
+    """A client-state value with its tensors copied out of the memory-mapped file."""
+    if torch.is_tensor(v):
+        return v.clone()
+    if isinstance(v, dict):
+        return {k: _detach(x) for k, x in v.items()}
+    if type(v) in (list, tuple):
+        return type(v)(_detach(x) for x in v)
+    return v

@@ -1,0 +1,211 @@
+"""DeepSpeed's training API on shardtrain: ``import shardtrain.deepspeed as deepspeed`` runs a DeepSpeed script.
+
+    import shardtrain.compat.deepspeed as deepspeed     # was: import deepspeed
+
+    parser = deepspeed.add_config_arguments(argparse.ArgumentParser())
+    args = parser.parse_args()
+    deepspeed.init_distributed()
+    with deepspeed.zero.Init(config_dict_or_path=args.deepspeed_config, enabled=stage == 3):
+        model = Model()
+    engine, optimizer, loader, scheduler = deepspeed.initialize(args=args, model=model,
+                                                                model_parameters=model.parameters(),
+                                                                training_data=dataset)
+    for batch in loader:
+        loss = engine(batch)
+        engine.backward(loss)
+        engine.step()
+
+The config is the same DeepSpeed JSON (read by :func:`shardtrain.config.schema.load_config`); the optimizer and the LR
+scheduler are built from its sections as DeepSpeed builds them. Names of DeepSpeed's API that are not provided raise
+:class:`~shardtrain.deepspeed.unsupported.NotProvidedError` naming them (docs/migration-deepspeed.md lists both).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
+
+from shardtrain.compat.deepspeed import zero
+from shardtrain.compat.deepspeed.engine import DeepSpeedEngine
+from shardtrain.compat.deepspeed.unsupported import NotProvidedError, not_provided
+from shardtrain.config.schema import load_config, optimizer_class_and_kwargs
+from shardtrain.distributed.mesh import backend_for, ensure_process_group, pick_device
+from shardtrain.engine import Engine
+from shardtrain.engine import initialize as initialize_engine
+
+__all__ = [
+    "DeepSpeedEngine",
+    "NotProvidedError",
+    "add_config_arguments",
+    "init_distributed",
+    "initialize",
+    "zero",
+]
+
+ConfigArg = Mapping[str, Any] | str | os.PathLike | None
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """DeepSpeed's command-line flags: ``--deepspeed``, ``--deepspeed_config PATH`` (and the old ``--deepscale``
+    names); returns ``parser``."""
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
+    group.add_argument("--deepspeed", default=False, action="store_true", help="enable DeepSpeed (always on here)")
+    group.add_argument("--deepspeed_config", default=None, type=str, help="DeepSpeed JSON configuration file")
+    group.add_argument("--deepscale", default=False, action="store_true", help=argparse.SUPPRESS)
+    group.add_argument("--deepscale_config", default=None, type=str, help=argparse.SUPPRESS)
+    return parser
+
+
+def init_distributed(
+    dist_backend: str | None = None,
+    auto_mpi_discovery: bool = True,
+    distributed_port: int = 29500,
+    verbose: bool = True,
+    timeout: datetime.timedelta | None = None,
+    init_method: str | None = None,
+    dist_init_required: bool | None = None,
+    config: Any = None,
+    rank: int = -1,
+    world_size: int = -1,
+) -> None:
+    """Join the default process group from torchrun's environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+    ``MASTER_PORT``), unless one exists. ``dist_backend``: DeepSpeed's names (``nccl``, ``gloo``) or None for the
+    device's (NCCL on CUDA, gloo on the CPU)."""
+    if dist.is_initialized():
+        return
+    if dist_init_required is False:
+        raise ValueError("init_distributed(dist_init_required=False) but no process group exists: create one first")
+    if (
+        init_method is not None
+        or rank != -1
+        or world_size != -1
+        or (dist_backend not in (None, backend_for(pick_device())))
+    ):
+        # an explicit rendezvous: torch's own call, with DeepSpeed's arguments
+        os.environ.setdefault("MASTER_PORT", str(distributed_port))
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        kwargs: dict[str, Any] = {"backend": dist_backend or backend_for(pick_device()), "init_method": init_method}
+        if rank != -1 or world_size != -1:
+            kwargs.update(rank=rank, world_size=world_size)
+        if timeout is not None:
+            kwargs["timeout"] = timeout
+        dist.init_process_group(**kwargs)
+        return
+    ensure_process_group(timeout.total_seconds() if timeout is not None else 1800.0)
+
+
+def _raw_config(config: ConfigArg) -> dict[str, Any]:
+    """The config as written (for the keys only this module reads, e.g. ``dataloader_drop_last``)."""
+    if config is None:
+        return {}
+    if isinstance(config, Mapping):
+        return dict(config)
+    return json.loads(Path(config).read_text())
+
+
+def initialize(
+    args: Any = None,
+    model: nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | Callable | None = None,
+    model_parameters: Iterable[Any] | None = None,
+    training_data: Dataset | None = None,
+    lr_scheduler: Any = None,
+    mpu: Any = None,
+    dist_init_required: bool | None = None,
+    collate_fn: Callable | None = None,
+    config: ConfigArg = None,
+    config_params: ConfigArg = None,
+) -> tuple[DeepSpeedEngine, torch.optim.Optimizer, DataLoader | None, Any]:
+    """DeepSpeed's ``initialize``: returns ``(engine, optimizer, training_dataloader, lr_scheduler)``.
+
+    The config comes from ``config`` (a dict or a JSON path), ``config_params`` (its old name) or
+    ``args.deepspeed_config``; giving it two ways is an error, as in DeepSpeed. With an ``optimizer`` section the
+    optimizer is built over ``model_parameters`` (param groups kept; default: the model's trainable parameters);
+    with a ``scheduler`` section the scheduler is built on it. ``training_data``: a map-style dataset, batched by
+    ``train_micro_batch_size_per_gpu`` over a ``DistributedSampler`` as DeepSpeed's loader does."""
+    if model is None:
+        raise ValueError("deepspeed.initialize: model is required")
+    if mpu is not None:
+        raise not_provided(
+            "deepspeed.initialize(mpu=...)",
+            "tensor parallelism is shardtrain's own: set tensor_parallel.size in the config (docs/tensor-parallel.md)",
+        )
+    if config is not None and config_params is not None:
+        raise ValueError("deepspeed.initialize: pass config or config_params, not both")
+    config = config if config is not None else config_params
+    from_args = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
+    if from_args is not None and config is not None:
+        raise ValueError(
+            "deepspeed.initialize: a config was given both in args.deepspeed_config and as config=...; keep one"
+        )
+    config = config if config is not None else from_args
+    if config is None:
+        raise ValueError(
+            "deepspeed.initialize: no config: pass config=<dict or JSON path> or args with --deepspeed_config"
+        )
+    if dist_init_required is False and not dist.is_initialized():
+        raise ValueError("deepspeed.initialize(dist_init_required=False) but no process group exists: create one first")
+    cfg = load_config(config)  # initialize() joins the process group (with the config's timeout) if needed
+    built_optimizer = optimizer
+    if optimizer is None and cfg.optimizer is not None and model_parameters is not None:
+        # DeepSpeed builds the config's optimizer over model_parameters (which may be param groups)
+        cls, kwargs = optimizer_class_and_kwargs(cfg.optimizer)
+        groups = list(model_parameters)
+        built_optimizer = cls(groups, **kwargs)
+        cfg = cfg.model_copy(update={"optimizer": None})
+    elif callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer) and model_parameters is not None:
+        groups = list(model_parameters)
+        built_optimizer = lambda _params: optimizer(groups)  # noqa: E731  DeepSpeed calls it with model_parameters
+    engine = initialize_engine(model, config=cfg, optimizer=built_optimizer, lr_scheduler=lr_scheduler)
+    zero.register_engine(engine)
+    loader = None
+    if training_data is not None:
+        loader = _data_loader(engine, training_data, collate_fn, _raw_config(config).get("dataloader_drop_last", False))
+    adapter = DeepSpeedEngine(engine, loader)
+    return adapter, engine.optimizer, loader, engine.lr_scheduler
+
+
+def _data_loader(engine: Engine, data: Dataset, collate_fn: Callable | None, drop_last: bool) -> DataLoader:
+    """DeepSpeed's training loader: micro-batches of this data-parallel rank's share (``DistributedSampler``,
+    shuffled with its default seed, the same order every epoch as DeepSpeed does not call ``set_epoch``); read in
+    the main process, where DeepSpeed starts two workers (the same batches)."""
+    if isinstance(data, IterableDataset) or not hasattr(data, "__len__"):
+        raise not_provided(
+            "deepspeed.initialize(training_data=<an iterable dataset>)",
+            "pass a map-style Dataset, or build your own DataLoader and leave training_data out",
+        )
+    topo = engine.topology
+    sampler = DistributedSampler(data, num_replicas=topo.dp, rank=topo.dp_rank)
+    return DataLoader(
+        data,
+        batch_size=engine.micro_batch_size,
+        sampler=sampler,
+        collate_fn=collate_fn,
+        drop_last=drop_last,
+        pin_memory=engine.device.type == "cuda",
+    )
+
+
+def __getattr__(name: str) -> Any:
+    if name.startswith("__"):
+        raise AttributeError(f"module 'shardtrain.deepspeed' has no attribute {name!r}")
+    instead = {
+        "comm": "use torch.distributed",
+        "checkpointing": "use torch.utils.checkpoint for activation checkpointing",
+        "ops": "DeepSpeed's fused kernels are not provided: the config's Adam/AdamW are torch's (torch_adam)",
+        "pipe": "pipeline parallelism is not built",
+        "moe": "mixture-of-experts layers are not built",
+        "init_inference": "inference engines are not built: use the model directly",
+        "accelerator": "shardtrain picks the local CUDA device, else the CPU",
+    }.get(name, "")
+    raise not_provided(f"deepspeed.{name}", instead)

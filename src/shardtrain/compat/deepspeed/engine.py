@@ -1,0 +1,253 @@
+"""``DeepSpeedEngine``: DeepSpeed's engine API over a shardtrain :class:`~shardtrain.engine.engine.Engine`.
+
+An adapter rather than more methods on ``Engine``: some names mean different things in the two APIs
+(``Engine.train_batch_size`` is an int, DeepSpeed's ``train_batch_size()`` a method; DeepSpeed's
+``load_checkpoint`` returns a ``(path, client_state)`` pair, ours the client state). The shardtrain engine stays
+reachable as ``engine.shardtrain_engine``.
+
+[Note: DeepSpeed's step protocol]
+A DeepSpeed script calls ``backward`` and ``step`` after every micro-batch; ``step`` applies the optimizer and the
+LR scheduler only at an accumulation boundary (``(micro_steps + 1) % gradient_accumulation_steps == 0``), and
+``global_steps`` / ``global_samples`` count optimizer steps and the samples they consumed. shardtrain's ``Engine``
+follows the same protocol (see ``shardtrain/engine.py``), so each call maps onto one call of it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardtrain.checkpoint.format import LATEST_NAME, MANIFEST_NAME
+from shardtrain.compat.deepspeed.unsupported import not_provided
+from shardtrain.engine.engine import Engine
+
+log = logging.getLogger("shardtrain")
+
+
+class DeepSpeedEngine:
+    """What DeepSpeed scripts call on the engine ``deepspeed.initialize`` returns; anything else of DeepSpeed's
+    engine raises :class:`~shardtrain.deepspeed.unsupported.NotProvidedError` naming it."""
+
+    def __init__(self, engine: Engine, training_dataloader: Any = None) -> None:
+        self.shardtrain_engine = engine
+        self.module: nn.Module = engine.module
+        self.training_dataloader = training_dataloader
+        self._step_applied = False
+
+    # -- the training loop -------------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.shardtrain_engine(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.shardtrain_engine(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backpropagate ``loss / gradient_accumulation_steps`` (``loss`` as given with ``scale_wrt_gas=False``);
+        returns ``loss`` as DeepSpeed does."""
+        if retain_graph:
+            raise not_provided("engine.backward(retain_graph=True)", "run forward again for a second backward")
+        self.shardtrain_engine.backward(loss, scale_wrt_gas=scale_wrt_gas)
+        return loss
+
+    def step(self, lr_kwargs: dict | None = None) -> None:
+        """Call after every micro-batch; see [Note: DeepSpeed's step protocol]."""
+        if lr_kwargs:
+            raise not_provided("engine.step(lr_kwargs=...)", "the LR scheduler steps without arguments")
+        engine = self.shardtrain_engine
+        boundary, skipped = engine.is_gradient_accumulation_boundary(), engine.skipped_steps
+        engine.step()
+        self._step_applied = boundary and engine.skipped_steps == skipped
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return self.shardtrain_engine.is_gradient_accumulation_boundary()
+
+    def zero_grad(self) -> None:
+        """Clear the gradients accumulated since the last optimizer step (the engine also clears them after each
+        step, so a call right after ``step()`` changes nothing)."""
+        self.shardtrain_engine._reducer.zero_grads()
+
+    def train(self, mode: bool = True) -> DeepSpeedEngine:
+        self.shardtrain_engine.train(mode)
+        return self
+
+    def eval(self) -> DeepSpeedEngine:
+        self.shardtrain_engine.eval()
+        return self
+
+    # -- counters and settings ---------------------------------------------------------------------
+    @property
+    def global_steps(self) -> int:
+        return self.shardtrain_engine.global_step
+
+    @property
+    def global_samples(self) -> int:
+        return self.shardtrain_engine.global_samples
+
+    @property
+    def micro_steps(self) -> int:
+        return self.shardtrain_engine.micro_steps
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.shardtrain_engine.skipped_steps
+
+    def was_step_applied(self) -> bool:
+        """Whether the last ``step()`` stepped the optimizer (False off a boundary, or when fp16 skipped it)."""
+        return self._step_applied
+
+    def train_batch_size(self) -> int:
+        return self.shardtrain_engine.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.shardtrain_engine.micro_batch_size
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.shardtrain_engine.gradient_accumulation_steps
+
+    def gradient_clipping(self) -> float:
+        return self.shardtrain_engine.config.gradient_clipping
+
+    def zero_optimization_stage(self) -> int:
+        return self.shardtrain_engine.stage
+
+    def get_lr(self) -> list[float]:
+        return self.shardtrain_engine.get_lr()
+
+    def get_global_grad_norm(self) -> float | None:
+        return self.shardtrain_engine.get_global_grad_norm()
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.shardtrain_engine.optimizer
+
+    @property
+    def lr_scheduler(self) -> Any:
+        return self.shardtrain_engine.lr_scheduler
+
+    @property
+    def device(self) -> torch.device:
+        return self.shardtrain_engine.device
+
+    @property
+    def local_rank(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", "0"))
+
+    @property
+    def global_rank(self) -> int:
+        return self.shardtrain_engine.topology.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.shardtrain_engine.topology.world_size
+
+    @property
+    def dp_world_size(self) -> int:
+        return self.shardtrain_engine.topology.dp
+
+    def parameters(self, recurse: bool = True):
+        return self.module.parameters(recurse)
+
+    def named_parameters(self, *args: Any, **kwargs: Any):
+        return self.module.named_parameters(*args, **kwargs)
+
+    # -- checkpoints -------------------------------------------------------------------------------
+    def save_checkpoint(
+        self,
+        save_dir: str | os.PathLike,
+        tag: str | None = None,
+        client_state: dict | None = None,
+        save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
+    ) -> bool:
+        """Collective. Written in shardtrain's format (loadable at any world size and stage); ``latest`` is always
+        updated, last, once every rank's part is complete."""
+        if not save_latest:
+            raise not_provided(
+                "engine.save_checkpoint(save_latest=False)",
+                "`latest` is how a crash-safe save publishes a complete checkpoint; pass a tag to load_checkpoint "
+                "to load another one",
+            )
+        if exclude_frozen_parameters:
+            raise not_provided("engine.save_checkpoint(exclude_frozen_parameters=True)", "frozen ones are saved too")
+        self.shardtrain_engine.save_checkpoint(
+            save_dir, tag=None if tag is None else str(tag), client_state=client_state
+        )
+        return True
+
+    def load_checkpoint(
+        self,
+        load_dir: str | os.PathLike,
+        tag: str | None = None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+        custom_load_fn: Any = None,
+    ) -> tuple[str | None, dict | None]:
+        """Collective. Returns ``(checkpoint directory, client_state)``; ``(None, None)`` when ``load_dir`` holds no
+        ``latest`` and no tag is given (DeepSpeed's answer for "nothing to resume from", with a warning).
+        ``load_module_only``: the weights only; counters, optimizer and scheduler stay as they are."""
+        if not load_module_strict:
+            raise not_provided(
+                "engine.load_checkpoint(load_module_strict=False)",
+                "checkpoints load strictly; to load some weights only, use "
+                "engine.shardtrain_engine.load_full_state_dict(state_dict, strict=False)",
+            )
+        if custom_load_fn is not None:
+            raise not_provided("engine.load_checkpoint(custom_load_fn=...)")
+        load_dir = Path(load_dir)
+        if tag is None and not (load_dir / LATEST_NAME).is_file() and not (load_dir / MANIFEST_NAME).is_file():
+            log.warning("Unable to find latest file at %s, if trying to load latest checkpoint please pass a tag "
+                        "or save one first", load_dir / LATEST_NAME)  # fmt: skip
+            return None, None
+        engine = self.shardtrain_engine
+        kept_counters = {
+            k: getattr(engine, k) for k in ("global_step", "micro_steps", "skipped_steps", "global_samples")
+        }
+        scheduler = engine.lr_scheduler
+        kept_scheduler = scheduler.state_dict() if scheduler is not None else None
+        kept_lrs = [g["lr"] for g in engine.optimizer.param_groups]
+        client_state = engine.load_checkpoint(
+            load_dir,
+            tag=None if tag is None else str(tag),
+            load_optimizer_states=load_optimizer_states and not load_module_only,
+        )
+        if load_module_only:
+            for k, v in kept_counters.items():
+                setattr(engine, k, v)
+        if scheduler is not None and (load_module_only or not load_lr_scheduler_states):
+            scheduler.load_state_dict(kept_scheduler)
+            for g, lr in zip(engine.optimizer.param_groups, kept_lrs):
+                g["lr"] = lr
+        if tag is None and not (load_dir / MANIFEST_NAME).is_file():
+            tag = (load_dir / LATEST_NAME).read_text(encoding="utf-8").strip()
+        path = load_dir / tag if tag is not None else load_dir
+        return str(path), client_state
+
+    # -- everything else of DeepSpeed's engine -----------------------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name == "shardtrain_engine":  # copy/pickle probes; construction not finished
+            raise AttributeError(name)
+        instead = _ENGINE_INSTEAD.get(
+            name, "the shardtrain engine underneath is engine.shardtrain_engine (its methods: shardtrain/engine.py)"
+        )
+        raise not_provided(f"DeepSpeedEngine.{name}", instead)
+
+
+_FULL_WEIGHTS = (
+    "take engine.shardtrain_engine.full_state_dict() (collective; the full weights on rank 0) and save it, or "
+    "consolidate a checkpoint with `shardtrain checkpoint consolidate`"
+)
+_ENGINE_INSTEAD = {
+    "save_16bit_model": _FULL_WEIGHTS,
+    "save_fp16_model": _FULL_WEIGHTS,
+    "state_dict": _FULL_WEIGHTS + "; engine.module.state_dict() at stages 0-2",
+    "set_train_batch_size": "set train_batch_size or gradient_accumulation_steps in the config",
+    "set_gradient_accumulation_boundary": "step() after every micro-batch decides the boundary",
+    "compile": "call torch.compile on the model yourself, or turn on the config's graph mode (docs/graph-mode.md)",
+}

@@ -1,0 +1,574 @@
+"""The only module that calls ``torch.distributed`` collectives.
+
+Every collective goes through a :class:`Communicator`, which
+
+* counts calls and bytes per collective kind (``engine.comm_stats()`` reads them; tests assert them);
+* turns a failure into an error that names this rank, what it was waiting for and where it was called from, instead
+  of a bare gloo/NCCL traceback: :class:`PeerLostError` naming the rank whose process is gone (see [Note: naming the
+  rank that vanished] in :mod:`shardtrain.distributed.failure`), :class:`CollectiveTimeoutError` only when the
+  collective really waited for the configured timeout, :class:`CollectiveError` otherwise.
+
+Bytes are counted with the bus-bandwidth convention of nccl-tests, i.e. what one rank sends over the
+wire for a ring algorithm, with ``S`` the size of the full (unsharded) tensor and ``N`` the group size:
+
+================  ====================
+all_reduce        ``2 * S * (N-1)/N``
+all_gather        ``S * (N-1)/N``
+reduce_scatter    ``S * (N-1)/N``
+broadcast         ``S`` (0 when N == 1)
+================  ====================
+
+With this convention one ZeRO-3 step moves ``3 * P * (N-1)/N`` bytes and a DDP step ``2 * P * (N-1)/N``,
+the figures the ZeRO paper uses. Counts are exact integers when ``S`` divides by ``N`` (ZeRO buffers are
+padded so that it does); otherwise they are rounded down.
+
+Beside ``bytes`` (the convention above, the same whatever the backend does), ``stats()`` reports ``sent``: the
+bytes the collective really puts on the wire, per rank (the group's total divided by ``N``; for the symmetric
+algorithms used here each rank sends that much). See [Note: bytes on the wire].
+
+[Note: bytes on the wire]
+Backends do not all move the convention's bytes. Measured on loopback (``/proc/net/dev``, world 2 and 3; the test
+``tests/test_comm_ring.py`` repeats the measurement): gloo's all-gather moves ``S * (N-1)/N`` per rank and its
+all-reduce ``2 * S * (N-1)/N`` as the convention says, but its ``reduce_scatter_tensor`` moves an all-reduce's
+bytes, ``2 * S * (N-1)/N``, twice the theoretical bytes; a ZeRO-3 step would move
+4P instead of 3P, stages 1-2 3P instead of 2P. So on gloo the reduce-scatter is ours (``reduce_scatter_impl ==
+"pairwise"``): each rank sends chunk ``j`` of its input straight to rank ``j`` (``isend``) and receives the ``N-1``
+peers' copies of its own chunk (``irecv``), all posted at once, so the transfers run on gloo's transport threads
+while the caller computes; ``wait()`` adds the ``N`` chunks up in rank order (rank 0's + rank 1's + ...), the same
+order on every rank and every step, so the result is deterministic. Every rank sends exactly ``S * (N-1)/N``
+bytes. A ring would send the same bytes in ``N-1`` dependent rounds, each needing a reduction before the next
+send, which an asynchronous handle cannot do without a thread of its own; the pairwise exchange has one round,
+which is what matters at the small group sizes gloo is used for (each rank talks to its ``N-1`` peers at once, the
+all-to-all pattern, fine on loopback and a few hosts). ``bench/bench_comm.py`` measures both against each other:
+on loopback the pairwise exchange took 0.35-0.6x the time of gloo's reduce-scatter from 1 to 24 MiB at world 2
+and 3, about an all-gather's time (docs/benchmarks.md, issue 15), so ``"auto"`` picks it for gloo and leaves
+NCCL's own reduce-scatter alone. ``sent`` is what the pairwise exchange really sends for ours, and the factor
+measured on loopback for gloo's collectives (its broadcast: ``S * (N-1)/N`` per rank on average); for NCCL it is
+the convention, NCCL's ring algorithms' bytes (not measured here: no GPU).
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardtrain.distributed import failure
+from shardtrain.errors import CollectiveError, CollectiveTimeoutError, PeerLostError
+from shardtrain.tree import iter_tensors
+
+# torch 2.13 renamed the flat-tensor collectives; keep working on the older names too.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX}
+
+
+@dataclass
+class CollectiveCount:
+    calls: int = 0
+    bytes: int = 0  # the bus-bandwidth convention (module docstring)
+    sent: int = 0  # what this rank put on the wire (see [Note: bytes on the wire])
+    wait_s: float = 0.0  # time this process was blocked in the collectives (synchronous ones: all of it)
+
+
+class Handle:
+    """An in-flight collective; ``wait()`` re-raises failures with the rank and what was awaited."""
+
+    def __init__(self, comm: Communicator, work: Any, kind: str, what: str, started: float | None = None) -> None:
+        self._comm, self._work, self.kind, self.what = comm, work, kind, what
+        self.started = time.monotonic() if started is None else started
+
+    def wait(self) -> None:
+        if self._work is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            self._wait_work()
+        except RuntimeError as err:
+            raise self._comm.describe_failure(self.kind, self.what, err, started=self.started) from err
+        finally:
+            self._work = None
+            self._comm._counts[self.kind].wait_s += time.perf_counter() - t0
+
+    def _wait_work(self) -> None:
+        self._work.wait()
+
+
+# backends whose reduce-scatter takes ReduceOp.AVG (gloo's does not; NCCL's has since NCCL 2.10)
+_AVG_BACKENDS = frozenset({"nccl"})
+
+
+def graph_reduce_op(backend: str) -> str:
+    """The reduce op of a graph's backend reduce-scatter on ``backend`` (see [Note: collectives in graphs]):
+    ``"avg"`` where the backend averages on the wire, else ``"sum"`` (the caller divides by the group size)."""
+    return "avg" if backend in _AVG_BACKENDS else "sum"
+
+
+class _PairwiseHandle(Handle):
+    """The pairwise reduce-scatter of [Note: bytes on the wire]: waits for every transfer, then adds the ``N``
+    chunks in rank order into ``out``."""
+
+    def __init__(self, comm: Communicator, works: list, parts: list[torch.Tensor], out: torch.Tensor, op: str,
+                 what: str, started: float) -> None:  # fmt: skip
+        super().__init__(comm, works, "reduce_scatter", what, started)
+        self._parts, self._out, self._op = parts, out, op
+
+    def _wait_work(self) -> None:
+        for w in self._work:
+            w.wait()
+        parts, out = self._parts, self._out
+        self._parts = []
+        torch.add(parts[0], parts[1], out=out)
+        for part in parts[2:]:
+            out.add_(part)
+        if self._op == "avg":
+            out.div_(len(parts))
+
+
+def merge_stats(*stats: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    """Several communicators' :meth:`Communicator.stats` added up per collective kind (what one rank sent over all
+    of their groups; hybrid sharding's groups, for instance)."""
+    total: dict[str, dict[str, int]] = {}
+    for one in stats:
+        for kind, counts in one.items():
+            into = total.setdefault(kind, {"calls": 0, "bytes": 0, "sent": 0})
+            for k, v in counts.items():
+                into[k] += v
+    return dict(sorted(total.items()))
+
+
+class Communicator:
+    """Collectives over one process group, counted and guarded."""
+
+    def __init__(self, group: dist.ProcessGroup, timeout_s: float, reduce_scatter_impl: str = "auto") -> None:
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.global_rank = dist.get_rank()
+        self.timeout_s = timeout_s
+        self.backend = dist.get_backend(group) if self.size > 1 else ""
+        if reduce_scatter_impl == "auto":  # see [Note: bytes on the wire]
+            reduce_scatter_impl = "pairwise" if self.backend == "gloo" else "backend"
+        if reduce_scatter_impl not in ("pairwise", "backend"):
+            raise ValueError(
+                f"reduce_scatter_impl must be 'auto', 'pairwise' or 'backend', got {reduce_scatter_impl!r}"
+            )
+        self.reduce_scatter_impl = reduce_scatter_impl
+        self._ranks = dist.get_process_group_ranks(group) if self.size > 1 else [self.global_rank]
+        self._tag = 0  # send/recv tag of the next pairwise reduce-scatter: calls in flight never match each other
+        # the first failure of a collective on this group; none is issued after it (see [Note: no collective after
+        # a failure])
+        self.failure: CollectiveError | None = None
+        self._counts: dict[str, CollectiveCount] = defaultdict(CollectiveCount)
+        # so that a failing peer can tell whether this process is gone, and this one whether a peer is
+        self._peers_unread = 3 if self.size > 1 else 0  # reads of the peers' entries left to try
+        if self.size > 1:
+            failure.register(self.global_rank)
+
+    # -- accounting -------------------------------------------------------------------------------
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Per collective kind: ``calls``, ``bytes`` (the bus-bandwidth convention) and ``sent`` (bytes this rank
+        put on the wire, see [Note: bytes on the wire])."""
+        return {
+            k: {"calls": v.calls, "bytes": v.bytes, "sent": v.sent} for k, v in sorted(self._counts.items()) if v.calls
+        }
+
+    def wait_seconds(self) -> dict[str, float]:
+        """Per collective kind, seconds this process spent blocked waiting for it since the last reset: all of a
+        synchronous collective, the part of an asynchronous one that computation did not hide."""
+        return {k: v.wait_s for k, v in sorted(self._counts.items()) if v.wait_s}
+
+    def reset_stats(self) -> None:
+        for c in self._counts.values():
+            c.calls, c.bytes, c.sent = 0, 0, 0
+
+    def reset_wait_seconds(self) -> None:
+        for c in self._counts.values():
+            c.wait_s = 0.0
+
+    def _gather_traffic(self, out_bytes: int) -> tuple[int, int]:
+        """(bytes, sent) of an all-gather whose result has ``out_bytes``: the ring's, on every backend."""
+        n = self.size
+        nbytes = out_bytes * (n - 1) // n
+        return nbytes, nbytes
+
+    def _reduce_scatter_traffic(self, in_bytes: int, pairwise: bool) -> tuple[int, int]:
+        """(bytes, sent) of a reduce-scatter of ``in_bytes``: gloo's own moves an all-reduce's bytes (see [Note:
+        bytes on the wire]), the pairwise exchange and NCCL the convention's."""
+        n = self.size
+        nbytes = in_bytes * (n - 1) // n
+        return nbytes, nbytes if pairwise or self.backend != "gloo" else 2 * nbytes
+
+    def _count(self, kind: str, nbytes: int, sent: int | None = None) -> None:
+        c = self._counts[kind]
+        c.calls += 1
+        c.bytes += nbytes
+        c.sent += nbytes if sent is None else sent
+
+    def describe_failure(
+        self, kind: str, what: str, err: BaseException, *, started: float | None = None
+    ) -> CollectiveError:
+        """The error for a failed collective (``started``: when it was launched, ``time.monotonic()``).
+
+        Asks which of the other ranks are gone (see [Note: naming the rank that vanished]): a
+        :class:`PeerLostError` names them; a :class:`CollectiveTimeoutError` is returned only when the collective
+        waited for the configured timeout; any other failure is a :class:`CollectiveError`."""
+        elapsed = time.monotonic() - started if started is not None else None
+        timed_out = elapsed is not None and elapsed >= failure.TIMEOUT_FRACTION * self.timeout_s
+        ranks = dist.get_process_group_ranks(self.group) if self.size > 1 else [self.global_rank]
+        peers = [r for r in ranks if r != self.global_rank]
+        survey = failure.survey(self.global_rank, peers)
+        lost, others = failure.explain(survey)
+        lost = lost or (not timed_out and failure.peer_lost_text(err) and not survey.alive)
+        took = f" after {elapsed:.2f} s" if elapsed is not None else ""
+        head = f"failed{took}"
+        cls: type[CollectiveError] = PeerLostError if lost else CollectiveError
+        if timed_out:
+            head = f"timed out{took} (collective timeout {self.timeout_s:g}s)"
+            cls = CollectiveTimeoutError
+        if not others:
+            others = (
+                f"a peer of rank {self.global_rank} in this group is gone or took a different code path; check the "
+                "other ranks' output"
+            )
+        call = failure.api_call()
+        where = f", in {call}" if call else ""
+        error = cls(
+            f"rank {self.global_rank}: {kind} of {what} {head}{where}: {others}. Group of {self.size} "
+            f"(global ranks {ranks}). {dist.get_backend(self.group)}: {failure.backend_text(err)}"
+        )
+        if self.failure is None:
+            self.failure = error
+        return error
+
+    # [Note: no collective after a failure]
+    # Once a collective on this group has failed here, this rank's sequence of collectives on it is no longer the
+    # other ranks': a survivor may have failed one collective earlier or later than this one, or completed what
+    # failed here. Under gloo two operations meet by tag alone (the pairwise reduce-scatter's send/recv tag, the
+    # group's collective counter otherwise), so a collective issued now can meet a *different* one of a surviving
+    # peer; when their sizes differ, gloo's transport thread throws outside any call ("op.preamble.length <=
+    # op.nbytes ... collective mismatch") and the process dies of SIGABRT instead of raising the error that names
+    # the lost rank. Seen with ZeRO-2, world 3, a rank killed in backward: the two survivors failed in different
+    # buckets' waits, each then launched one more bucket from end_backward, and one received the other's 88-byte
+    # chunk of bucket 1 where it expected its 32-byte chunk of bucket 0. Nothing can complete on a group whose
+    # peer is gone or out of step anyway, so every later collective raises at once, of the first failure's class
+    # and with its text (which names the lost rank); in-flight ones still fail through their own wait.
+    def _refuse_after_failure(self, kind: str, what: str) -> None:
+        if self.failure is None:
+            return
+        me = f"rank {self.global_rank}: "
+        first = str(self.failure).removeprefix(me)
+        raise type(self.failure)(
+            f"{me}{kind} of {what} not issued, since an earlier collective of this group failed (see [Note: no "
+            f"collective after a failure] in shardtrain.distributed.communicator): {first}"
+        )
+
+    def _completed(self) -> None:
+        """After a synchronous collective: every peer has registered; read their entries (a few tries at most)."""
+        if self._peers_unread:
+            peers = [r for r in dist.get_process_group_ranks(self.group) if r != self.global_rank]
+            self._peers_unread = 0 if failure.remember(peers) else self._peers_unread - 1
+
+    def _run(self, kind: str, what: str, fn, async_op: bool) -> Handle | None:
+        self._refuse_after_failure(kind, what)
+        started = time.monotonic()
+        try:
+            work = fn(async_op)
+        except RuntimeError as err:
+            raise self.describe_failure(kind, what, err, started=started) from err
+        handle = Handle(self, work, kind, what, started)
+        if async_op:
+            return handle
+        handle.wait()
+        self._completed()
+        return None
+
+    # -- collectives ------------------------------------------------------------------------------
+    def all_reduce(self, t: torch.Tensor, op: str = "sum", *, what: str, async_op: bool = False):
+        n = self.size
+        self._count("all_reduce", 2 * t.numel() * t.element_size() * (n - 1) // n)  # ring: sent as counted
+        if n == 1:
+            return Handle(self, None, "all_reduce", what) if async_op else None
+        return self._run(
+            "all_reduce", what, lambda a: dist.all_reduce(t, op=_OPS[op], group=self.group, async_op=a), async_op
+        )
+
+    def reduce_scatter(
+        self, out: torch.Tensor, inp: torch.Tensor, op: str = "sum", *, what: str, async_op: bool = False
+    ):
+        """``inp`` holds ``size`` equal chunks; chunk ``rank`` of the reduction lands in ``out``.
+
+        ``inp`` must not change until the collective completes (it is sent from in place)."""
+        n = self.size
+        pairwise = n > 1 and self.reduce_scatter_impl == "pairwise"
+        self._count("reduce_scatter", *self._reduce_scatter_traffic(inp.numel() * inp.element_size(), pairwise))
+        if n == 1:
+            out.copy_(inp)
+            return Handle(self, None, "reduce_scatter", what) if async_op else None
+        if pairwise:
+            return self._reduce_scatter_pairwise(out, inp, op, what, async_op)
+        return self._run(
+            "reduce_scatter",
+            what,
+            lambda a: _reduce_scatter_flat(out, inp, op=_OPS[op], group=self.group, async_op=a),
+            async_op,
+        )
+
+    def _reduce_scatter_pairwise(self, out: torch.Tensor, inp: torch.Tensor, op: str, what: str, async_op: bool):
+        """See [Note: bytes on the wire]."""
+        if op not in ("sum", "avg"):
+            raise ValueError(f"pairwise reduce-scatter supports op 'sum' or 'avg', got {op!r}")
+        self._refuse_after_failure("reduce_scatter", what)
+        n, me = self.size, self.rank
+        chunks = inp.view(n, -1)  # [N, S/N]: chunk j goes to rank j
+        received = inp.new_empty((n - 1, chunks.shape[1]))
+        tag, self._tag = self._tag, (self._tag + 1) % (1 << 30)
+        parts: list[torch.Tensor] = [chunks[me]] * n  # by source rank; own chunk in place
+        started = time.monotonic()
+        works = []
+        try:
+            for k in range(1, n):
+                to, frm = (me + k) % n, (me - k) % n
+                parts[frm] = received[k - 1]
+                works.append(dist.irecv(received[k - 1], src=self._ranks[frm], group=self.group, tag=tag))
+                works.append(dist.isend(chunks[to], dst=self._ranks[to], group=self.group, tag=tag))
+        except RuntimeError as err:
+            raise self.describe_failure("reduce_scatter", what, err, started=started) from err
+        handle = _PairwiseHandle(self, works, parts, out, op, what, started)
+        if async_op:
+            return handle
+        handle.wait()
+        self._completed()
+        return None
+
+    def all_gather(
+        self, out: torch.Tensor, inp: torch.Tensor, *, what: str, async_op: bool = False, kind: str = "all_gather"
+    ):
+        """Concatenate every rank's ``inp`` into ``out``; ``inp`` may be this rank's chunk of ``out``.
+
+        ``kind`` is the name the bytes are counted under (e.g. ``gather_check`` for ZeRO-3's unit-id check,
+        so that parameter traffic stays comparable with the formulas)."""
+        n = self.size
+        self._count(kind, *self._gather_traffic(out.numel() * out.element_size()))
+        if n == 1:
+            if out.data_ptr() != inp.data_ptr():
+                out.copy_(inp)
+            return Handle(self, None, kind, what) if async_op else None
+        return self._run(
+            kind,
+            what,
+            lambda a: _all_gather_flat(out, inp, group=self.group, async_op=a),
+            async_op,
+        )
+
+    def all_gather_dim(self, inp: torch.Tensor, dim: int, *, what: str) -> torch.Tensor:
+        """Every rank's ``inp`` concatenated along ``dim``, in rank order (a new tensor).
+
+        ``inp`` must have the same shape on every rank. Counted as one ``all_gather`` of the result (the
+        tensor-parallel "gather from the region" is this call with ``dim=-1``)."""
+        dim = dim % inp.dim()
+        stacked = torch.empty((self.size, *inp.shape), dtype=inp.dtype, device=inp.device)  # [N, *inp.shape]
+        self.all_gather(stacked.view(-1), inp.contiguous().view(-1), what=what)
+        return torch.cat(stacked.unbind(0), dim=dim)  # [..., N * inp.shape[dim], ...]
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, *, what: str) -> None:
+        """Chunk ``j`` of ``inp`` (dim 0, ``size`` equal chunks) goes to rank ``j``; chunk ``i`` of ``out`` comes from
+        rank ``i``. Counted as ``S * (N-1)/N`` with ``S`` the bytes of ``inp`` (what each rank sends to its peers)."""
+        n = self.size
+        self._count("all_to_all", inp.numel() * inp.element_size() * (n - 1) // n)
+        if n == 1:
+            out.copy_(inp)
+            return
+        self._run("all_to_all", what, lambda a: dist.all_to_all_single(out, inp, group=self.group, async_op=a), False)
+
+    def broadcast(self, t: torch.Tensor, src: int = 0, *, what: str) -> None:
+        """Broadcast from group rank ``src``."""
+        n = self.size
+        # sent: the group sends S to each of the N-1 others, on average S * (N-1)/N per rank
+        self._count(
+            "broadcast", t.numel() * t.element_size() if n > 1 else 0, t.numel() * t.element_size() * (n - 1) // n
+        )
+        if n == 1:
+            return
+        global_src = dist.get_global_rank(self.group, src)
+        self._run("broadcast", what, lambda a: dist.broadcast(t, src=global_src, group=self.group, async_op=a), False)
+
+    def barrier(self, *, what: str) -> None:
+        """Wait until every rank of the group has arrived (counted, no bytes)."""
+        self._count("barrier", 0)
+        if self.size == 1:
+            return
+        self._run("barrier", what, lambda a: dist.barrier(group=self.group, async_op=a), False)
+
+    # -- collectives inside captured graphs ---------------------------------------------------------
+    # [Note: collectives in graphs]
+    # Graph-mode ZeRO-3 (shardtrain.graph.sharded) traces its gathers and reductions into the graph, so they are
+    # PyTorch's functional collectives (``_c10d_functional``: an op that issues the collective and returns its
+    # output, and ``wait_tensor``), which TorchDynamo and AOT autograd trace as graph nodes and a pass can move.
+    # The reduce-scatter keeps the algorithm chosen above: on gloo the pairwise exchange is an all-to-all of
+    # the ``N`` chunks followed by the same rank-order sum as ``_PairwiseHandle`` (bitwise the eager result);
+    # elsewhere the backend's reduce-scatter, averaging on the wire where the backend can (NCCL's ``avg``, what eager
+    # passes as ``ReduceOp.AVG``: a sum of fp16 gradients can overflow where their average does not, so summing
+    # and dividing afterwards would skip steps eager mode takes), summing and dividing where it cannot (see
+    # :func:`graph_reduce_op`). They fail with the backend's own error after the process group's timeout.
+    #
+    # [Note: counting a graph's collectives]
+    # A captured graph runs its collectives without passing through the methods above, so they are counted per
+    # graph run instead: when a graph is compiled, :meth:`graph_counts` reads its collectives over this group
+    # from its nodes (the tensors' sizes are the graph's own, static for the shards), and :class:`GraphTraffic`
+    # adds them to ``stats()`` each time the forward graph returns and each time its backward graph has run (a
+    # post-hook on the compiled function's backward node, which autograd calls in Python). The bytes follow the
+    # same formulas as the eager calls (:meth:`_gather_traffic`, :meth:`_reduce_scatter_traffic`): a graph's
+    # all-gather of a unit counts as ``all_gather`` and its reduction (the pairwise exchange's all-to-all, or the
+    # backend's reduce-scatter) as one ``reduce_scatter``, so ``comm_stats()`` compares across modes. With tensor
+    # parallelism at stage 3 the tensor-parallel all-reduces and gathers are in the graph too ([Note: one graph, no
+    # splits] in :mod:`shardtrain.between_graphs`): counted the same way in the tensor-parallel communicator's
+    # ``stats()``, as its eager calls are. Their ``wait_s`` is not measured (the waits are graph operations).
+    def graph_all_gather(self, shard: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``shard`` concatenated (traceable; see [Note: collectives in graphs])."""
+        if self.size == 1:
+            return shard
+        full = torch.ops._c10d_functional.all_gather_into_tensor(shard, self.size, self.group.group_name)
+        return torch.ops._c10d_functional.wait_tensor(full)
+
+    def graph_all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """The reduction of every rank's ``t`` (a new tensor; traceable, see [Note: collectives in graphs])."""
+        if self.size == 1:
+            return t
+        out = torch.ops._c10d_functional.all_reduce(t.contiguous(), op, self.group.group_name)
+        return torch.ops._c10d_functional.wait_tensor(out)
+
+    def graph_all_gather_dim(self, inp: torch.Tensor, dim: int) -> torch.Tensor:
+        """:meth:`all_gather_dim` traceable (see [Note: collectives in graphs]): every rank's ``inp`` concatenated
+        along ``dim`` in rank order."""
+        if self.size == 1:
+            return inp
+        dim = dim % inp.dim()
+        stacked = self.graph_all_gather(inp.contiguous())  # [N * inp.shape[0], ...]: rank r's inp at block r
+        return torch.cat(stacked.chunk(self.size, 0), dim=dim)
+
+    def graph_reduce_scatter_avg(self, full: torch.Tensor, predivide: float | None = None) -> torch.Tensor:
+        """This rank's chunk of the average of every rank's ``full`` (traceable; see [Note: collectives in
+        graphs]). ``predivide`` (``prescale_gradients`` / ``gradient_predivide_factor``, as the eager reducer takes
+        it): ``full`` is multiplied by ``1/predivide`` before a summing reduction and the result by
+        ``predivide/N``, in the same dtype and order as eager, so that the same fp16 sums stay finite."""
+        n = self.size
+        if n == 1:
+            return full
+        name = self.group.group_name
+        if predivide is not None and predivide != 1:
+            full = full * (1.0 / predivide)  # the reciprocal, as the eager reducer (and DeepSpeed): the same rounding
+        if self.reduce_scatter_impl != "pairwise":
+            op = graph_reduce_op(self.backend) if predivide is None else "sum"
+            out = torch.ops._c10d_functional.reduce_scatter_tensor(full, op, n, name)
+            out = torch.ops._c10d_functional.wait_tensor(out)
+        else:
+            chunk = full.numel() // n
+            parts = torch.ops._c10d_functional.all_to_all_single(full, [chunk] * n, [chunk] * n, name)
+            parts = torch.ops._c10d_functional.wait_tensor(parts).view(n, chunk)
+            out = parts[0] + parts[1]
+            for k in range(2, n):
+                out = out + parts[k]
+            op = "sum"
+        if predivide is not None:
+            return out * (predivide / n) if predivide != n else out
+        return out if op == "avg" else out / n
+
+    def graph_counts(self, graph: torch.fx.Graph) -> tuple[tuple[str, int, int], ...]:
+        """``(kind, bytes, sent)`` of every collective over this group that ``graph`` issues (see [Note: counting
+        a graph's collectives])."""
+        counts = []
+        for node in graph.nodes:
+            target = _GRAPH_COLLECTIVES.get(node.target) if node.op == "call_function" else None
+            if target is None or node.args[-1] != self.group.group_name:
+                continue
+            kind, counted = target
+            val = (node if counted == "output" else node.args[0]).meta.get("val")
+            nbytes = int(val.numel()) * val.element_size()
+            if kind == "all_gather":
+                counts.append((kind, *self._gather_traffic(nbytes)))
+            elif kind == "all_reduce":  # tensor parallelism's, in one graph at ZeRO stage 3: as all_reduce() counts
+                ring = 2 * nbytes * (self.size - 1) // self.size
+                counts.append((kind, ring, ring))
+            else:  # the all-to-all of the pairwise reduce-scatter, or the backend's reduce-scatter
+                counts.append((kind, *self._reduce_scatter_traffic(nbytes, counted == "pairwise")))
+        return tuple(counts)
+
+    def count_graph(self, counts: tuple[tuple[str, int, int], ...]) -> None:
+        """One run of a graph holding the collectives ``counts`` (from :meth:`graph_counts`)."""
+        for kind, nbytes, sent in counts:
+            self._count(kind, nbytes, sent)
+
+    def all_gather_object(self, obj: Any, *, what: str) -> list[Any]:
+        """Small Python objects from every rank (consistency checks, not tensors)."""
+        self._count("all_gather_object", len(pickle.dumps(obj)) if self.size > 1 else 0)
+        if self.size == 1:
+            return [obj]
+        self._refuse_after_failure("all_gather_object", what)
+        out: list[Any] = [None] * self.size
+        started = time.monotonic()
+        try:
+            dist.all_gather_object(out, obj, group=self.group)
+        except RuntimeError as err:
+            raise self.describe_failure("all_gather_object", what, err, started=started) from err
+        self._completed()
+        return out
+
+
+# graph op -> (kind counted, what its bytes are read from: "output" (the gathered buffer), "pairwise" or "input")
+_GRAPH_COLLECTIVES = {
+    torch.ops._c10d_functional.all_gather_into_tensor.default: ("all_gather", "output"),
+    torch.ops._c10d_functional.all_to_all_single.default: ("reduce_scatter", "pairwise"),
+    torch.ops._c10d_functional.reduce_scatter_tensor.default: ("reduce_scatter", "input"),
+    torch.ops._c10d_functional.all_reduce.default: ("all_reduce", "input"),  # tensor parallelism's (one graph)
+}
+
+
+class GraphTraffic:
+    """The collectives of one captured forward graph and its backward, counted in the ``stats()`` of the
+    communicator of their group (ZeRO's, and tensor parallelism's at stage 3) each time they run (see [Note:
+    counting a graph's collectives])."""
+
+    def __init__(self, *comms: Communicator) -> None:
+        self.comms = comms
+        self.graphs: dict[str, list[tuple[Communicator, tuple[tuple[str, int, int], ...]]]] = {}  # which -> counts
+
+    def compiled(self, which: str, graph: torch.fx.Graph) -> None:
+        """The ``which`` graph ("forward" or "backward") was compiled (again: a re-trace holds the same
+        collectives, the last one compiled is the one that runs)."""
+        self.graphs[which] = [(comm, comm.graph_counts(graph)) for comm in self.comms]
+
+    def _count(self, which: str) -> None:
+        for comm, counts in self.graphs.get(which, ()):
+            comm.count_graph(counts)
+
+    def forward_ran(self, outputs: Any) -> None:
+        """The forward graph returned ``outputs``: count it, and its backward when autograd runs that."""
+        self._count("forward")
+        if torch.is_grad_enabled():
+            for node in _compiled_backward_nodes(outputs):
+                # read when it runs: a backward AOT autograd compiles lazily is compiled during that run
+                node.register_hook(lambda *_: self._count("backward"))
+
+
+def _compiled_backward_nodes(outputs: Any) -> list[Any]:
+    """The backward nodes of the compiled functions that produced the tensors in ``outputs`` (nested), reached
+    through the views autograd may put after them."""
+    found, seen = [], set()
+    stack = [t.grad_fn for _, t in iter_tensors(outputs) if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if node.name() == "CompiledFunctionBackward":
+            found.append(node)
+        elif "View" in node.name() or "AsStrided" in node.name() or "Alias" in node.name():
+            stack.extend(n for n, _ in node.next_functions)
+    return found

@@ -1,0 +1,194 @@
+"""Phase agreement: before an engine call's first collective, every rank says where it is in training.
+
+[Note: phase agreement]
+A data-parallel job is correct only while every rank makes the same engine calls in the same order. A rank that
+runs one extra micro-step, skips ``step()`` or calls ``full_state_dict()`` alone issues a different collective than
+its peers, and what happens then depends on luck: gloo waits for the collective timeout (30 minutes by default),
+pairs two collectives of equal size and returns a silently wrong sum, or aborts the process when the sizes differ.
+ZeRO-3's unit-order check ([Note: unit order check]) covers gathers only, over the data-parallel axis.
+
+So every engine call that communicates (``forward`` at ZeRO-3 or with tensor parallelism, ``backward`` on every
+micro-step, ``step`` at an accumulation boundary (not at stage 0 without tensor parallelism: there it issues no
+collective, and the next ``backward``'s check sees its micro-step count), ``gathered`` when it gathers or broadcasts,
+``full_state_dict``, ``load_full_state_dict``, ``save_checkpoint``, ``load_checkpoint``) starts with one
+all-gather over the whole world of a fixed-size descriptor: (marker, call, global step, micro-step, detail). Because
+*every* call that issues a collective starts with this one, the first collective two diverging ranks issue is
+always the check on both, of the same size, on the same group: it completes, both ranks see the disagreement, and
+every rank raises :class:`~shardtrain.errors.RankMismatchError` with the same message naming each rank and what it
+was doing. The check must complete before the call's own collectives are issued, so it is synchronous.
+
+Why the descriptor holds the micro-step count and not only the call: an extra micro-step, or a skipped ``step()``
+between two non-boundary micro-steps, issues the same sequence of calls as a correct run, shifted; only the counts
+tell. ``backward`` is checked on every micro-step (also at stages 0 and 1, where a non-boundary backward does not
+communicate) so that a rank accumulating one micro-batch too many is caught within that optimizer step, not
+after it has mixed the extra gradient into the update. An extra micro-step (forward, backward and step) on one rank
+shifts that rank's accumulation boundaries by one and nothing else: its calls look like its peers' until they stop
+training, at a ``save_checkpoint`` or ``full_state_dict``, where the check catches it. Until then each of its
+optimizer steps combined other micro-batches than its peers' did, which no comparison of calls can see.
+
+Why a Communicator of its own (over the world's ranks, as ``engine.world_comm``): its calls are counted apart,
+so ``engine.comm_stats()`` still holds only the traffic the ZeRO formulas describe.
+
+Why on the host: the descriptor is a CPU tensor exchanged over the host-side world group
+(``Topology.host_world_group``: the world group itself under gloo, a gloo group over the same ranks under NCCL; see
+[Note: the engine's groups] in :mod:`shardtrain.distributed.mesh`). So the check never touches the device: an NCCL
+all-gather would need the descriptor copied to the GPU and the result copied back, and that copy waits for every kernel
+queued before it (the backward's reduce-scatters, a prefetched gather), stalling the overlap that keeps the GPU busy. On
+the host it waits only for the other ranks' Python to reach the same call. It still completes before the call's own
+collectives are issued, which is what makes it the first collective of diverging ranks.
+
+Costs: one all-gather of ``5 * 8 * world`` bytes on the host per checked call: per micro-step one at stage 0,
+two at stages 1-2 (one off the accumulation boundary), three at stage 3 or with tensor parallelism. Each is also a
+point where every rank's host waits for the slowest. ``bench/bench_desync.py`` measures both (see
+docs/reliability.md); ``desync_check: false`` removes it.
+
+What it cannot catch: a rank that calls nothing at all (it sleeps, or waits in a collective of its own, such as a
+user's ``dist.barrier()``): the lone rank's check then waits for ``collective_timeout_s`` and fails with a
+:class:`~shardtrain.errors.CollectiveTimeoutError` whose message says what this rank was doing; if the peer has
+exited instead, with a :class:`~shardtrain.errors.PeerLostError` naming it. A model called directly
+(``engine.module(x)``) at ZeRO-3 bypasses ``forward`` and only meets the unit-order check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from shardtrain.distributed.communicator import Communicator
+from shardtrain.distributed.mesh import exchanges_on_host
+from shardtrain.errors import RankMismatchError
+
+CALLS = (
+    "forward",
+    "backward",
+    "step",
+    "gathered",
+    "full_state_dict",
+    "load_full_state_dict",
+    "save_checkpoint",
+    "load_checkpoint",
+)
+"""The engine calls that are checked; a call's index is its code in the descriptor."""
+TRAINING_CALLS = frozenset({"forward", "backward", "step"})
+_MARKER = 0x53_48_44_53_59_4E_43  # "SHDSYNC": a descriptor, not another collective's payload
+_FIELDS = 5  # marker, call, global step, micro-step, detail (graph-mode ZeRO-3: the input schema's fingerprint)
+
+
+@dataclass(frozen=True)
+class Phase:
+    """Where one rank is: the engine call it is entering, ``engine.global_step`` and ``engine.micro_steps``."""
+
+    call: str
+    global_step: int
+    micro_step: int
+    detail: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.call}() at global step {self.global_step}, micro step {self.micro_step}"
+
+
+class PhaseCheck:
+    """The check of [Note: phase agreement] over ``comm`` (the whole world; a host-side group, see the note);
+    ``comm=None`` disables it."""
+
+    def __init__(self, comm: Communicator | None, tp: int, device: torch.device, sp: int = 1) -> None:
+        self.comm = comm if comm is not None and comm.size > 1 else None
+        self.tp, self.sp = tp, sp
+        # the descriptor's device: the CPU over a host-side group; a device group (NCCL) needs it on the device
+        on_host = self.comm is None or exchanges_on_host(self.comm.backend)
+        self.device = torch.device("cpu") if on_host else device
+
+    def __call__(
+        self, call: str, global_step: int, micro_step: int, detail: int = 0, explain: Callable[[], str] | None = None
+    ) -> None:
+        """``detail``: a further fact every rank must agree on (a fingerprint below 2**63); when the ranks agree on
+        the rest but not on it, ``explain()`` (collective: every rank calls it) says how they differ."""
+        if self.comm is None:
+            return
+        phase = Phase(call, global_step, micro_step, detail)
+        mine = torch.tensor(
+            [_MARKER, CALLS.index(call), global_step, micro_step, detail], dtype=torch.int64, device=self.device
+        )
+        everyone = mine.new_empty(self.comm.size * _FIELDS)
+        self.comm.all_gather(everyone, mine, what=f"this rank's position ({phase})", kind="desync_check")
+        rows = everyone.view(self.comm.size, _FIELDS).tolist()  # a CPU tensor over a host-side group: no device sync
+        if all(row == rows[0] for row in rows):
+            return
+        if explain is not None and all(row[:4] == rows[0][:4] for row in rows):
+            raise RankMismatchError(explain())
+        raise RankMismatchError(self.message([_decode(row) for row in rows]))
+
+    def name(self, rank: int) -> str:
+        """The rank and its mesh coordinates (rank = (dp_rank * sp + sp_rank) * tp + tp_rank,
+        shardtrain.distributed.mesh)."""
+        if self.tp == 1 and self.sp == 1:
+            return f"rank {rank}"
+        block, tp_rank = divmod(rank, self.tp)
+        dp_rank, sp_rank = divmod(block, self.sp)
+        axes = [f"dp {dp_rank}"] + [f"sp {sp_rank}"] * (self.sp > 1) + [f"tp {tp_rank}"] * (self.tp > 1)
+        return f"rank {rank} ({', '.join(axes)})"
+
+    def names(self, ranks: list[int]) -> str:
+        return ", ".join(self.name(r) for r in ranks)
+
+    def message(self, phases: list[Phase | None]) -> str:
+        """The same text on every rank: each group of ranks and where it is, then what the pattern suggests."""
+        groups: dict[Phase | None, list[int]] = {}
+        for r, p in enumerate(phases):
+            groups.setdefault(p, []).append(r)
+        where = "; ".join(
+            f"{self.names(rs)} in {p}"
+            if p is not None
+            else f"{self.names(rs)} in another collective (not a desync check: a call the check does not cover)"
+            for p, rs in groups.items()
+        )
+        hints = self._hints({p: rs for p, rs in groups.items() if p is not None})
+        return (
+            f"ranks are at different points of training (desync): {where}. {''.join(h + ' ' for h in hints)}Every rank "
+            "must make "
+            "the same engine calls in the same order: forward, backward and step for each micro-batch, and "
+            "full_state_dict(), save_checkpoint(), load_checkpoint() on every rank (see [Note: phase agreement]; "
+            "desync_check: false turns this check off)."
+        )
+
+    def _hints(self, groups: dict[Phase, list[int]]) -> list[str]:
+        hints: list[str] = []
+        calls = {p.call for p in groups}
+        for call in sorted(calls - TRAINING_CALLS, key=CALLS.index):
+            callers = sorted(r for p, rs in groups.items() if p.call == call for r in rs)
+            others = sorted(r for p, rs in groups.items() if p.call != call for r in rs)
+            hints.append(f"{call}() is collective: {self.names(callers)} called it and {self.names(others)} did not.")
+        steps = [p for p in groups if p.call == "step"]
+        for p in groups:
+            if p.call in ("forward", "backward") and any(s.micro_step == p.micro_step for s in steps):
+                hints.append(
+                    f"{self.names(groups[p])} called {p.call}() where the others step(): a skipped step() after "
+                    "the previous backward()?"
+                )
+        training = sorted(r for p, rs in groups.items() if p.call in TRAINING_CALLS for r in rs)
+        if training and len(training) < sum(len(rs) for rs in groups.values()):
+            hints.append(
+                f"{self.names(training)} {'is' if len(training) == 1 else 'are'} still training: more micro-steps "
+                "there than on the others (an extra micro-step?), or the others called the collective early."
+            )
+        micro = {p.micro_step for p in groups}
+        if len(micro) > 1:
+            lo, hi = min(micro), max(micro)
+            ahead = sorted(r for p, rs in groups.items() if p.micro_step == hi for r in rs)
+            behind = sorted(r for p, rs in groups.items() if p.micro_step == lo for r in rs)
+            n = hi - lo
+            hints.append(
+                f"{self.names(ahead)} took {n} micro-step{'s' if n > 1 else ''} more than {self.names(behind)}: an "
+                f"extra micro-step on {'those' if len(ahead) > 1 else 'that'} rank{'s' if len(ahead) > 1 else ''}, "
+                "or a skipped step() on the others."
+            )
+        return hints
+
+
+def _decode(row: list[int]) -> Phase | None:
+    marker, code, global_step, micro_step, detail = row
+    if marker != _MARKER or not 0 <= code < len(CALLS):
+        return None
+    return Phase(CALLS[code], global_step, micro_step, detail)

@@ -1,0 +1,366 @@
+"""Why a collective failed: which rank is gone, whether a timeout really fired, and where this rank was.
+
+[Note: naming the rank that vanished]
+When a rank is killed (the OOM killer, SIGKILL, a node going down) the kernel closes its sockets and gloo fails the
+survivors' next collective within milliseconds with "Connection reset by peer [127.0.0.1]:48284". That address is a
+listening socket, not a rank (on one host every rank has the same IP), and under a ring algorithm the failing
+connection is often to another survivor that has already given up, not to the dead rank. So the rendezvous store,
+which every rank can reach, is used instead:
+
+1. when a :class:`~shardtrain.distributed.communicator.Communicator` is built, this rank writes
+``shardtrain/proc/<global rank>`` =
+   (host name, machine id, pid); no collective, one store round trip. Once its first collectives complete (every
+   peer has registered by then) it reads the others' entries, so that it can still tell which processes are gone
+   when the store's host has exited;
+2. when one of its collectives fails, it first writes ``shardtrain/failed/<global rank>`` = its pid (so that the
+   others know it was alive when the failure happened, even if it exits right after), then classifies every other
+   rank of the group: *reported* (it wrote its failure key), *gone* (its process, on this machine, no longer exists
+   or is a zombie), *alive* (its process exists but did not report: it is on another code path or busy), or
+   *silent* (on another machine and no report). A key holding another pid than the registered one is left from an
+   earlier attempt (torchrun's agent keeps its store across restarts) and is ignored;
+3. it polls until every other rank has reported or is gone: the survivors usually fail within milliseconds of
+   each other, and a killed process closes its sockets a moment before it leaves the process table. It waits at
+   most :data:`SETTLE_S` for a rank of this machine that is alive (it may be blocked in a collective with this rank,
+   which no gloo call unblocks but this process's exit), and at most :data:`REPORT_WAIT_S` for other machines;
+4. it writes ``shardtrain/surveyed/<global rank>`` and waits (at most as long) until the ranks that reported have
+   written theirs: the process that hosts the store must not exit, taking the store with it, before the slower
+   survivors have asked.
+
+When the store itself cannot be reached, the process that hosts it is gone: rank 0 when the process group was
+initialized from ``MASTER_ADDR``/``MASTER_PORT`` by the ranks themselves, the torchrun agent of the first node when
+torchrun hosts it. The survey costs nothing until a collective fails.
+
+A failure is a timeout only when the collective waited for at least the configured timeout (``elapsed >=
+TIMEOUT_FRACTION * timeout``): a dead peer found in 0.02 s is not called a timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import torch.distributed as dist
+
+REPORT_WAIT_S = 3.0
+"""How long a failing rank waits for ranks on other machines to report the same failure."""
+SETTLE_S = 0.5
+"""How long it waits for a rank on this machine whose process exists to report: such a rank may be blocked in a
+collective with this one until this process exits, so a long wait would only delay both."""
+TIMEOUT_FRACTION = 0.9
+"""A collective that failed after this fraction of its timeout counts as timed out."""
+
+_PROC_KEY = "shardtrain/proc/{}"
+_FAILED_KEY = "shardtrain/failed/{}"
+_SURVEYED_KEY = "shardtrain/surveyed/{}"
+_PACKAGE = Path(__file__).resolve().parents[1]  # the shardtrain package
+# package files that call the API like a user (relative to the package)
+_LAUNCHERS = {"testing.py", "cli/__init__.py", "cli/demo.py", "__main__.py"}
+
+
+# -- liveness: one answer, for the failure survey here and for swap directories (shardtrain.offload.swap) -------------
+
+
+def _machine_id() -> str:
+    """The same string for every process that shares this process table (host, boot, pid namespace): two
+    containers with the same host name (host networking) but their own pid namespaces differ here."""
+    parts = [socket.gethostname()]
+    try:
+        parts.append(Path("/proc/sys/kernel/random/boot_id").read_text().strip())
+        parts.append(os.readlink("/proc/self/ns/pid"))
+    except OSError:
+        pass
+    return "|".join(parts)
+
+
+def process_start(pid: int) -> str | None:
+    """The start time of ``pid`` (field 22 of /proc/<pid>/stat), to tell a reused pid from the original."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def process_record() -> dict[str, Any]:
+    """This process as :func:`process_alive` can judge it later, from any process: host, machine, pid, start."""
+    pid = os.getpid()
+    return {"host": socket.gethostname(), "machine": _machine_id(), "pid": pid, "started": process_start(pid)}
+
+
+def process_alive(record: dict[str, Any]) -> bool | None:
+    """Whether the process ``record`` names (see :func:`process_record`) still runs: True or False when it ran on
+    this machine (same host, boot and pid namespace), None when that cannot be told from here (another machine,
+    or a record without its machine). A pid is only meaningful inside its own pid namespace: without this check a
+    process in another container of the same host name looks gone."""
+    if record.get("machine") != _machine_id():
+        return None
+    try:
+        pid = int(record["pid"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    if pid <= 0 or _process_gone(pid):
+        return False
+    started, now = record.get("started"), process_start(pid)
+    return started is None or now is None or now == started  # a different start time: the pid was reused
+
+
+def _process_gone(pid: int) -> bool:
+    """True when ``pid`` no longer exists on this machine or is a zombie (exited, not yet reaped)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X", "x")
+    except FileNotFoundError:
+        return True
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+
+
+def _default_store() -> Any | None:
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # not initialized, or an older/newer torch without it: the survey is skipped
+        return None
+
+
+def register(global_rank: int) -> None:
+    """Step 1 of the Note: make this rank's process findable by the others. Never raises."""
+    store = _default_store()
+    if store is None:
+        return
+    me = process_record()
+    with contextlib.suppress(Exception):  # a store that refuses it only costs the survey its answers
+        store.set(_PROC_KEY.format(global_rank), json.dumps(me))
+
+
+_known: dict[int, dict] = {}
+"""Peers' registrations read once their first collective with this rank completed (step 1b of the Note)."""
+
+
+def remember(peers: list[int]) -> bool:
+    """Read the registrations of ``peers`` not read yet; True when every one is known. Never raises."""
+    store = _default_store()
+    if store is None:
+        return True
+    try:
+        for r in peers:
+            if r not in _known and store.check([_PROC_KEY.format(r)]):
+                _known[r] = json.loads(store.get(_PROC_KEY.format(r)))
+    except Exception:
+        return True
+    return all(r in _known for r in peers)
+
+
+@dataclass
+class Survey:
+    """What a failing rank learnt about the other ranks of its group (step 2 of the Note)."""
+
+    reported: list[int] = field(default_factory=list)
+    gone: list[tuple[int, str]] = field(default_factory=list)  # (rank, "pid 123 on host")
+    alive: list[tuple[int, str]] = field(default_factory=list)
+    silent: list[tuple[int, str]] = field(default_factory=list)  # (rank, host or "unknown host")
+    store_error: str | None = None
+
+
+_surveys: dict[tuple[int, tuple[int, ...]], Survey] = {}
+"""Surveys already made, by (store, peers): once a collective failed, the process group is broken and the next
+collective fails for the same reason (e.g. the reductions still in flight when backward unwinds)."""
+
+
+def any_failed() -> bool:
+    """Whether a collective of this process has failed (its groups are broken)."""
+    return bool(_surveys)
+
+
+def survey(global_rank: int, peers: list[int]) -> Survey:
+    """Report this rank's failure and classify ``peers`` (global ranks); see the Note. Never raises."""
+    store = _default_store()
+    if store is None:
+        return Survey(silent=[(r, "unknown host") for r in peers])
+    key = (id(store), tuple(peers))
+    if key not in _surveys:
+        _surveys[key] = _survey(store, global_rank, peers)
+    return _surveys[key]
+
+
+def _survey(store: Any, global_rank: int, peers: list[int]) -> Survey:
+    out = Survey()
+    procs: dict[int, dict] = {r: _known[r] for r in peers if r in _known}
+    status: dict[int, str] = {}
+
+    def lost_store(err: Exception) -> None:
+        out.store_error = f"{type(err).__name__}: {_first_line(str(err))}"
+
+    try:
+        store.set(_FAILED_KEY.format(global_rank), str(os.getpid()))
+    except Exception as err:
+        lost_store(err)
+    start = time.monotonic()
+    while True:
+        for r in peers:
+            if status.get(r) in ("reported", "gone"):
+                continue
+            if out.store_error is None:
+                try:
+                    if r not in procs and store.check([_PROC_KEY.format(r)]):
+                        procs[r] = json.loads(store.get(_PROC_KEY.format(r)))
+                    if _written_by(store, _FAILED_KEY.format(r), procs.get(r)):
+                        status[r] = "reported"
+                        continue
+                except Exception as err:  # the store went away while we asked: its host is gone
+                    lost_store(err)
+            alive = process_alive(procs[r]) if r in procs else None  # None: another machine
+            if alive is not None:
+                status[r] = "alive" if alive else "gone"
+        waited = time.monotonic() - start
+        pending = [r for r in peers if status.get(r) not in ("reported", "gone")]
+        if not pending or out.store_error is not None or waited >= REPORT_WAIT_S:
+            break
+        if waited >= SETTLE_S and all(status.get(r) == "alive" for r in pending):
+            break  # an alive rank may be blocked in a collective with this one: waiting longer would hold it there
+        time.sleep(0.02)
+    if out.store_error is None:  # step 4: stay until the others have asked too, in case this process hosts the store
+        _linger(store, global_rank, {r: procs.get(r) for r in peers if status.get(r) == "reported"})
+
+    def where(r: int) -> str:
+        info = procs.get(r)
+        return f"pid {info['pid']} on {info['host']}" if info else "unknown host"
+
+    for r in peers:
+        s = status.get(r)
+        if s == "reported":
+            out.reported.append(r)
+        elif s == "gone":
+            out.gone.append((r, where(r)))
+        elif s == "alive":
+            out.alive.append((r, where(r)))
+        elif out.store_error is None:
+            out.silent.append((r, procs[r]["host"] if procs.get(r) else "unknown host"))
+    return out
+
+
+def _written_by(store: Any, key: str, info: dict | None) -> bool:
+    """Does ``key`` exist and was it written by the process ``info`` registered? A torchrun agent keeps its store
+    across restarts, so a key may be left from the previous attempt, by a process that no longer exists."""
+    if not store.check([key]):
+        return False
+    return info is None or store.get(key).decode() == str(info.get("pid"))
+
+
+def _linger(store: Any, global_rank: int, reported: dict[int, dict | None]) -> None:
+    """Mark this rank's survey done; wait (at most :data:`REPORT_WAIT_S`) until the ranks that reported are done."""
+    start = time.monotonic()
+    try:
+        store.set(_SURVEYED_KEY.format(global_rank), str(os.getpid()))
+        while time.monotonic() - start < REPORT_WAIT_S:
+            if all(_written_by(store, _SURVEYED_KEY.format(r), info) for r, info in reported.items()):
+                return
+            time.sleep(0.02)
+    except Exception:
+        pass
+
+
+def store_host() -> str:
+    """Who hosts the rendezvous store, for the message when it cannot be reached."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return "the torchrun agent of the first node (node rank 0)"
+    return "rank 0, which hosts it (killed, e.g. by the OOM killer, or exited)"
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else text
+
+
+_GLOO_PATH = re.compile(r"\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*")
+
+
+def backend_text(err: BaseException) -> str:
+    """The backend's message without its source location and boilerplate (the full text stays the cause)."""
+    text = _GLOO_PATH.sub("", _first_line(str(err)))
+    return text.split(". This is typically caused", 1)[0].strip()
+
+
+def peer_lost_text(err: BaseException) -> bool:
+    """Does the backend's message say that a connection to a peer broke?"""
+    text = str(err).lower()
+    return any(
+        s in text
+        for s in ("connection reset", "connection closed", "broken pipe", "connection refused", "closed by peer")
+    )
+
+
+def backend_error(err: BaseException) -> bool:
+    """Does ``err`` come from the communication backend (a gloo source location, NCCL, a broken connection)?"""
+    text = str(err)
+    # gloo closes a connection when an operation on it times out; another operation in flight on it (in a graph, an
+    # all-gather issued ahead while a reduce-scatter is waited for) then fails with a message without a location
+    closed = "timeout caused pair closure" in text
+    return bool(_GLOO_PATH.search(text)) or "NCCL" in text or closed or peer_lost_text(err)
+
+
+def api_call() -> str | None:
+    """Where this rank was: the outermost shardtrain call on the stack and the user's line that made it, e.g.
+    ``Engine.backward (called from train.py:57)``; None when no such frame is found."""
+    frame: FrameType | None = sys._getframe(1)
+    stack: list[FrameType] = []
+    while frame is not None:
+        stack.append(frame)
+        frame = frame.f_back
+    for i in range(len(stack) - 1, -1, -1):  # outermost first
+        path = stack[i].f_code.co_filename
+        if not path.startswith(f"{_PACKAGE}{os.sep}") or Path(path).relative_to(_PACKAGE).as_posix() in _LAUNCHERS:
+            continue
+        f = stack[i]
+        if f.f_code.co_name == "__call__" and i > 0 and stack[i - 1].f_code.co_filename == path:
+            f = stack[i - 1]  # engine(...) -> Engine.forward
+        owner = f.f_locals.get("self")
+        name = f"{type(owner).__name__}.{f.f_code.co_name}" if owner is not None else f.f_code.co_name
+        caller = stack[i + 1] if i + 1 < len(stack) else None
+        if caller is None:
+            return name
+        return f"{name} (called from {os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno})"
+    return None
+
+
+def _ranks(items: list[tuple[int, str]]) -> str:
+    return ", ".join(f"rank {r} ({w})" for r, w in items)
+
+
+def explain(s: Survey) -> tuple[bool, str]:
+    """(a peer is known to be gone, the sentences that say what is known of the other ranks)."""
+    parts: list[str] = []
+    lost = False
+    if s.store_error is not None:
+        lost = True
+        parts.append(
+            f"the rendezvous store no longer answers ({s.store_error}), so the process hosting it is gone: "
+            f"{store_host()}"
+        )
+    if s.gone:
+        lost = True
+        verb = "is" if len(s.gone) == 1 else "are"
+        parts.append(
+            f"{_ranks(s.gone)} {verb} gone: killed (the OOM killer, SIGKILL) or exited before completing this "
+            "collective; its own output, torchrun's summary or the kernel log (dmesg) says which"
+        )
+    if s.silent:
+        parts.append(f"{_ranks(s.silent)} did not answer within {REPORT_WAIT_S:g} s: gone, or hung")
+    if s.alive:
+        parts.append(f"{_ranks(s.alive)} is alive and did not fail with it: it is on another code path, or busy")
+    if s.reported:
+        parts.append(f"rank(s) {s.reported} failed in the same way")
+    return lost, "; ".join(parts)

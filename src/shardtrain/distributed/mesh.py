@@ -1,0 +1,569 @@
+"""Process topology: who we are, which device and backend we use, and the data- and tensor-parallel groups.
+
+A :class:`Topology` is built once by :func:`init_topology` and passed explicitly to everything that
+communicates. There are no process-group globals in shardtrain.
+
+Three ways to start are supported:
+
+* the user already called ``torch.distributed.init_process_group``: we use that group's ranks and store, and create
+  the engine's own groups with ``collective_timeout_s`` where the user's timeout differs (see [Note: the engine's
+  groups]);
+* launched by ``torchrun`` (``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` set): we initialize from the env, over a store
+  of this attempt's own when torchrun shares its store with the workers (see [Note: restarts under torchrun]);
+* a plain ``python train.py``: we initialize a one-process group on a free local port, so the same code
+  path runs everywhere.
+
+[Note: the engine's groups]
+Every collective the engine issues runs on a group of its own topology: the world, the ``dp`` axis and the ``tp``
+axis. Each is created with ``collective_timeout_s`` (``new_group`` otherwise gives gloo and NCCL groups 30 minutes,
+whatever the default group's timeout). The default group itself is used for the world axis (and for an axis that
+spans the world) only when its timeout is the configured one: always when shardtrain created it; when the user
+created it beforehand with another timeout, the engine's world group is a new group over the same ranks, so that a
+stuck peer still fails the engine's collectives after ``collective_timeout_s`` (the user's own collectives keep the
+user's timeout).
+
+Beside them, each axis has a *host-side* group (``host_world_group``, ``host_dp_group``, ``host_tp_group``) for the
+small agreement checks (the desync check, the unit-order check, the tensor-parallel batch check): their payload lives
+in CPU tensors and is exchanged over gloo, so that on CUDA a check never waits for the kernels queued before it (a
+device-to-host copy of an NCCL result would). Where the main backend already exchanges CPU tensors (gloo, or a
+backend string naming gloo for the CPU) the host-side groups are the main ones; under NCCL they are gloo groups over
+the same ranks, created once here (:func:`make_groups`).
+
+[Note: restarts under torchrun]
+Since PyTorch 2.4 torchrun's c10d rendezvous shares its TCP store with the workers (``TORCHELASTIC_USE_AGENT_STORE``
+is ``True``; ``MASTER_ADDR``/``MASTER_PORT`` name the agent's store) and keeps that store across restarts. A
+process group initialized from the environment writes its addresses under the same keys at every attempt, so after
+a restart a worker may read an address of the previous, dead attempt before its peer has overwritten it: gloo then
+fails with ``connectFullMesh failed ... Connection refused`` on every restarted attempt (NCCL reads a stale unique
+id), pytorch/pytorch#135712. A key prefix from ``TORCHELASTIC_RESTART_COUNT`` would not do: each agent counts its
+own restarts, and the agents of a multi-node job do not always agree (pytorch/pytorch#108158). So under a shared
+store rank 0 starts a TCP store of its own on a free port for this attempt and publishes ``<host> <port> <token>``
+under :data:`_ATTEMPT_STORE_KEY` of the agent's store (``host``: rank 0's address on the way to the agent's store,
+which may run on another node; ``token``: random, also written into rank 0's store); the other ranks read that key
+and connect, and use the store only if it holds the same token: a key left by the previous attempt
+names a port where nothing listens any more (connection refused) or another store (another token), and they read
+the key again until rank 0 of this attempt has written it. The process group then starts on a store that holds
+nothing from an earlier attempt, as with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, which a user no longer needs to
+set. As without a shared store, rank 0 hosts the store (the failure survey names rank 0 when the store stops answering).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import datetime
+import os
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from shardtrain.distributed import failure
+from shardtrain.errors import LayoutError, ShardtrainError
+
+_ATTEMPT_STORE_KEY = "shardtrain/attempt_store"
+"""In torchrun's shared store: ``<port> <token>`` of this attempt's store, hosted by rank 0 (see [Note: restarts
+under torchrun])."""
+_TOKEN_KEY = "shardtrain/attempt_token"
+_PROBE_S = 2.0
+"""How long a rank tries to connect to the port a key names before reading the key again: a dead attempt's port
+refuses at once, a live store accepts at once."""
+
+
+def pick_device() -> torch.device:
+    """CUDA device of this local rank when CUDA is available, else the CPU."""
+    if torch.cuda.is_available():
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def exchanges_on_host(backend: str) -> bool:
+    """Whether a group of ``backend`` (``dist.get_backend``'s string) exchanges CPU tensors: gloo, or a per-device
+    backend such as ``"cpu:gloo,cuda:nccl"``. Such a group is its own host-side group ([Note: the engine's
+    groups])."""
+    return "gloo" in backend
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ensure_process_group(timeout_s: float) -> bool:
+    """Initialize the default process group if nobody has; returns True when this call created it."""
+    if dist.is_initialized():
+        return False
+    device = pick_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        # A plain single-process run: no launcher set the rendezvous variables.
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("LOCAL_RANK", "0")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):  # see [Note: restarts under torchrun]
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        store = attempt_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), rank, world, timeout)
+        dist.init_process_group(backend=backend_for(device), store=store, rank=rank, world_size=world, timeout=timeout)
+    else:
+        dist.init_process_group(backend=backend_for(device), timeout=timeout)
+    atexit.register(_destroy_own_process_group)
+    return True
+
+
+def attempt_store(addr: str, port: int, rank: int, world: int, timeout: datetime.timedelta) -> dist.Store:
+    """A store of this attempt only, found through the shared store at ``addr:port`` (see [Note: restarts under
+    torchrun])."""
+    shared = dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)
+    if rank == 0:
+        own = dist.TCPStore(addr, 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
+        token = uuid.uuid4().hex
+        own.set(_TOKEN_KEY, token)
+        # rank 0 need not run on the agent store's node (multi-node): publish the address it is reached at, the
+        # local end of a connection to that store (the interface the other nodes' traffic to it takes too)
+        with socket.create_connection((addr, port), timeout=_PROBE_S) as probe_socket:
+            host = probe_socket.getsockname()[0]
+        shared.set(_ATTEMPT_STORE_KEY, f"{host} {own.port} {token}")
+        return own
+    deadline = time.monotonic() + timeout.total_seconds()
+    probe = datetime.timedelta(seconds=_PROBE_S)
+    while True:
+        host, own_port, token = shared.get(_ATTEMPT_STORE_KEY).decode().split()
+        # a dead attempt's port refuses: asked with a plain socket first, since a store client that cannot connect
+        # logs a C++ traceback at every retry
+        if _listening(host, int(own_port)):
+            with contextlib.suppress(RuntimeError):  # not a store, or it went away: read the key again
+                own = dist.TCPStore(host, int(own_port), world, is_master=False, timeout=probe, wait_for_workers=False)
+                if own.check([_TOKEN_KEY]) and own.get(_TOKEN_KEY).decode() == token:
+                    own.set_timeout(timeout)
+                    return own
+        if time.monotonic() > deadline:
+            raise ShardtrainError(
+                f"rank {rank}: rank 0's store for this attempt could not be reached within {timeout.total_seconds():g}"
+                f" s: torchrun's store at {addr}:{port} names {host}:{own_port}, which does not answer with the "
+                "token rank 0 wrote. Is rank 0 running? (see [Note: restarts under torchrun] in shardtrain/mesh.py)"
+            )
+        time.sleep(0.05)
+
+
+def _listening(addr: str, port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection((addr, port), timeout=_PROBE_S):
+        return True
+    return False
+
+
+def _destroy_own_process_group() -> None:
+    """Destroy the process group this module created, while the interpreter is still whole.
+
+    A gloo group left to the interpreter's finalization may still own work objects holding tensors; freeing them
+    then takes the GIL of a half-torn-down interpreter and the process dies with SIGABRT ("terminate called without
+    an active exception") after the script has finished, which torchrun reports as a failed job. Destroying a gloo
+    group is local (no collective). After a collective failed the group is left alone: the process is failing anyway,
+    and NCCL's teardown of a group whose peers are gone may wait for them."""
+    if failure.any_failed():
+        return
+    with contextlib.suppress(Exception):  # already destroyed by the user
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@dataclass(frozen=True)
+class Groups:
+    """This rank's group on each axis of the topology."""
+
+    world: dist.ProcessGroup
+    dp: dist.ProcessGroup
+    tp: dist.ProcessGroup
+    shard: dist.ProcessGroup | None = None
+    """Hybrid sharding: the ``S`` ranks this rank shards state with (None: ZeRO shards over the whole ``dp`` axis)."""
+    replicate: dist.ProcessGroup | None = None
+    """Hybrid sharding: the ranks holding the same shard in the other groups (None without hybrid sharding)."""
+    sp: dist.ProcessGroup | None = None
+    """Sequence parallelism: the ``sp`` adjacent ranks that share one sequence (None without it)."""
+    dp_sp: dist.ProcessGroup | None = None
+    """Sequence parallelism: the ``dp * sp`` ranks ZeRO shards over (None without it; see [Note: the sequence
+    axis])."""
+    hpz: dist.ProcessGroup | None = None
+    """ZeRO++ hpZ: the ``H`` adjacent data-parallel ranks that re-gather units for backward from their secondary
+    shards (None without hpZ; see [Note: secondary shards] in :mod:`shardtrain.zero.hpz`)."""
+
+
+def make_groups(
+    rank: int,
+    world: int,
+    tp: int,
+    backend: str,
+    world_group: dist.ProcessGroup,
+    new_group: Callable[[list[int], str | None], dist.ProcessGroup],
+    shard_size: int | None = None,
+    sp: int = 1,
+    hpz_size: int = 1,
+) -> tuple[Groups, Groups]:
+    """The engine's groups and their host-side twins (see [Note: the engine's groups]).
+
+    ``world_group``: the group over every rank with the configured timeout; ``new_group(ranks, backend)`` creates
+    one (``backend`` None: the default group's). Every rank calls ``new_group`` for every group, in the same order
+    (group creation is collective). ``shard_size``: hybrid sharding's group size ``S`` (see [Note: the hybrid
+    mesh]); None or the whole data-parallel size: no shard and replicate groups. ``sp``: the sequence-parallel
+    size (see [Note: the sequence axis]). ``hpz_size``: ZeRO++ hpZ's group size ``H`` (1 or the whole axis: no hpZ
+    group). Returns ``(main, host)``."""
+    dp = world // (tp * sp)
+    # rank = (dp_rank * sp + sp_rank) * tp + tp_rank = zero_rank * tp + tp_rank, zero_rank = dp_rank * sp + sp_rank:
+    # the index among the dp * sp ranks holding the same tensor-parallel block, over which ZeRO shards
+    zero = dp * sp
+    partitions = {
+        "dp": [[(d * sp + s) * tp + t for d in range(dp)] for s in range(sp) for t in range(tp)],  # same sp, tp
+        "tp": [[i * tp + t for t in range(tp)] for i in range(zero)],  # tp adjacent ranks
+    }
+    if sp > 1:
+        partitions["sp"] = [[(d * sp + s) * tp + t for s in range(sp)] for d in range(dp) for t in range(tp)]
+        partitions["dp_sp"] = [[i * tp + t for i in range(zero)] for t in range(tp)]  # ZeRO's ranks: same tp block
+    if shard_size is not None and shard_size != zero:
+        s, replicas = shard_size, zero // shard_size
+        partitions["shard"] = [
+            [((r * s) + i) * tp + t for i in range(s)] for r in range(replicas) for t in range(tp)
+        ]  # S adjacent ranks of ZeRO's axis in one replica, same tp block
+        partitions["replicate"] = [
+            [((r * s) + i) * tp + t for r in range(replicas)] for i in range(s) for t in range(tp)
+        ]  # the same shard index in every replica
+    if 1 < hpz_size < zero:  # H adjacent ranks of ZeRO's axis, same tp block: one node when H * tp GPUs fit in it
+        partitions["hpz"] = [
+            [((g * hpz_size) + i) * tp + t for i in range(hpz_size)] for g in range(zero // hpz_size) for t in range(tp)
+        ]
+    return _groups_of(partitions, rank, world, backend, world_group, new_group)
+
+
+def _groups_of(
+    partitions: dict[str, list[list[int]]],
+    rank: int,
+    world: int,
+    backend: str,
+    world_group: dist.ProcessGroup,
+    new_group: Callable[[list[int], str | None], dist.ProcessGroup],
+) -> tuple[Groups, Groups]:
+    def groups(whole: dist.ProcessGroup, backend: str | None) -> Groups:
+        mine = {}
+        for axis, partition in partitions.items():
+            for ranks in partition:
+                group = whole if len(ranks) == world else new_group(ranks, backend)
+                if rank in ranks:
+                    mine[axis] = group
+        return Groups(world=whole, **mine)
+
+    main = groups(world_group, None)
+    if exchanges_on_host(backend):
+        return main, main
+    return main, groups(new_group(list(range(world)), "gloo"), "gloo")
+
+
+def _timeout_s(group: dist.ProcessGroup, device: torch.device) -> float | None:
+    """The timeout ``group`` was created with, when its backend says."""
+    with contextlib.suppress(Exception):
+        return group._get_backend(device).options._timeout.total_seconds()
+    return None
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The parallel layout of this job, validated once: a 2-D ``(dp, tp)`` device mesh, or with hybrid sharding a
+    3-D ``(replicate, shard, tp)`` one (see [Note: the hybrid mesh]), or with sequence parallelism a 3-D ``(dp, sp,
+    tp)`` one, hybrid sharding's groups then beside it (see [Note: the sequence axis]).
+
+    Tensor-parallel groups are ``tp`` adjacent ranks (``rank = dp_rank * tp + tp_rank``), so that on a
+    multi-GPU node a layer's all-reduces stay inside the node; ZeRO shards over the ``dp`` axis only (over its
+    ``shard`` part with hybrid sharding), i.e. across the tensor-parallel groups, between ranks holding the same
+    tensor-parallel block.
+
+    [Note: the hybrid mesh]
+    With ``zero_optimization.mics_shard_size: S`` the data-parallel axis is split in two: ``dp = replicas * S`` and
+    ``dp_rank = replica_rank * S + shard_rank``, so a shard group is ``S`` adjacent data-parallel ranks (``S * tp``
+    adjacent global ranks: one node when ``S * tp`` GPUs fit in it), and the replicate group of a rank is the rank
+    with the same shard index (and tp rank) in every other replica. ZeRO shards parameters, gradients and optimizer
+    state over the ``shard`` axis; the ``replicate`` axis holds copies. ``dp`` and ``dp_rank`` stay the axis along
+    which batches differ (every rank of the data-parallel axis gets its own rows), so scripts and batch-size
+    arithmetic are the same with and without hybrid sharding. The ``dp`` group (every replica and shard) remains
+    for what must reach all data-parallel ranks: the initial broadcast, the gradient norm, ``gathered`` with a
+    ``modifier_rank``.
+
+    [Note: the sequence axis]
+    With ``sequence_parallel_size: P`` (Ulysses, docs/sequence-parallel.md) the mesh is ``(dp, sp, tp)``:
+    ``world = dp * sp * tp`` and ``rank = (dp_rank * sp + sp_rank) * tp + tp_rank``, so the ``P`` ranks sharing one
+    sequence are adjacent (their all-to-alls stay inside a node). ``dp`` and ``dp_rank`` stay the axis along which
+    batches differ: the ranks of one sequence-parallel group are given the same batch and each keeps its slice of
+    the sequence. ZeRO shards over the ``dp * sp`` ranks holding the same tensor-parallel block, as DeepSpeed does
+    (its "sequence data parallel" group): every one of them holds a full replica of the parameters' gradients for
+    its tokens, so the gradient reduction spans them all (see [Note: the loss over a sequence-parallel group] in
+    ``shardtrain.sequence_parallel.inputs`` for why an average over ``dp * sp`` is the right one). ``zero_rank =
+    dp_rank * sp + sp_rank`` is a rank's index on that axis, and ``dp_group`` is that group (every rank holding the same
+    tensor-parallel block), which the initial broadcast and the deferred construction must reach. With tensor
+    parallelism the sp group of a rank holds the same heads ([Note: Ulysses under tensor parallelism]). Hybrid
+    sharding (``mics_shard_size: S``) cuts the ``dp * sp`` axis as it cuts ``dp`` without sequence parallelism:
+    shard groups of ``S`` adjacent ``zero_rank`` s (ZeRO state sharded within), replicate groups of the same shard
+    index in each of the ``dp * sp / S`` replicas; ``S`` must divide ``dp * sp``. The gradient is still averaged
+    over all ``dp * sp`` ranks (reduce-scatter in the shard, all-reduce across replicas), as without hybrid
+    sharding.
+    """
+
+    rank: int
+    world_size: int
+    dp: int
+    device: torch.device
+    backend: str
+    mesh: DeviceMesh
+    timeout_s: float
+    groups: Groups
+    host_groups: Groups
+    tp: int = 1
+    replicas: int = 1
+    """Hybrid sharding: copies of the sharded state (``dp // mics_shard_size``); 1 without it."""
+    sp: int = 1
+    """Sequence parallelism: ranks sharing one sequence (``sequence_parallel_size``); 1 without it."""
+    hpz_size: int = 1
+    """ZeRO++ hpZ: ranks of a secondary-shard group (``zero_hpz_partition_size``); 1 without hpZ."""
+
+    @property
+    def hpz_group(self) -> dist.ProcessGroup | None:
+        """ZeRO++ hpZ's group of ``hpz_size`` adjacent data-parallel ranks; None without hpZ."""
+        return self.groups.hpz
+
+    @property
+    def hybrid(self) -> bool:
+        return self.replicas > 1
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        """Every rank holding this rank's tensor-parallel block and training on other tokens: the ``dp`` axis, times
+        the ``sp`` axis under sequence parallelism (what the initial broadcast, the deferred construction and, with
+        hybrid sharding, the gradient norm must reach; see [Note: the sequence axis])."""
+        return self.groups.dp_sp if self.groups.dp_sp is not None else self.groups.dp
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's index along the axis batches differ on (``replica_rank * shard_size + shard_rank``)."""
+        return self.rank // (self.tp * self.sp)
+
+    @property
+    def zero_rank(self) -> int:
+        """This rank's index among the ``dp * sp`` ranks holding its tensor-parallel block (``dp_rank * sp +
+        sp_rank``; ``dp_rank`` without sequence parallelism): the axis ZeRO shards over, hybrid sharding's
+        ``replica_rank * shard_size + shard_rank``."""
+        return self.rank // self.tp
+
+    @property
+    def sp_rank(self) -> int:
+        """This rank's index in its sequence-parallel group: which slice of the sequence it holds."""
+        return (self.rank // self.tp) % self.sp
+
+    @property
+    def sp_group(self) -> dist.ProcessGroup | None:
+        """None without sequence parallelism."""
+        return self.groups.sp
+
+    @property
+    def tp_group(self) -> dist.ProcessGroup:
+        return self.mesh.get_group("tp")
+
+    @property
+    def tp_rank(self) -> int:
+        return self.mesh.get_local_rank("tp")
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks ZeRO shards state over: ``mics_shard_size``, or the whole data-parallel size (times the
+        sequence-parallel size, see [Note: the sequence axis])."""
+        return self.dp * self.sp // self.replicas
+
+    @property
+    def shard_rank(self) -> int:
+        return (self.rank // self.tp) % self.shard_size
+
+    @property
+    def replica_rank(self) -> int:
+        return (self.rank // self.tp) // self.shard_size
+
+    @property
+    def shard_group(self) -> dist.ProcessGroup:
+        if self.groups.shard is not None:
+            return self.groups.shard
+        return self.dp_group  # dp, times sp under sequence parallelism (see [Note: the sequence axis])
+
+    @property
+    def replicate_group(self) -> dist.ProcessGroup | None:
+        """None without hybrid sharding."""
+        return self.groups.replicate
+
+    @property
+    def host_shard_group(self) -> dist.ProcessGroup:
+        if self.host_groups.shard is not None:
+            return self.host_groups.shard
+        return self.host_dp_group
+
+    @property
+    def world_group(self) -> dist.ProcessGroup:
+        return self.groups.world
+
+    @property
+    def host_world_group(self) -> dist.ProcessGroup:
+        """Every rank, exchanging CPU tensors (see [Note: the engine's groups])."""
+        return self.host_groups.world
+
+    @property
+    def host_dp_group(self) -> dist.ProcessGroup:
+        return self.host_groups.dp_sp if self.host_groups.dp_sp is not None else self.host_groups.dp
+
+    @property
+    def host_tp_group(self) -> dist.ProcessGroup:
+        return self.host_groups.tp
+
+
+def init_topology(
+    tp: int = 1, timeout_s: float = 1800.0, shard_size: int = -1, sp: int = 1, hpz_size: int = 1
+) -> Topology:
+    """Create (or adopt) the process group and the ``(dp, tp)`` device mesh (``(replicate, shard, tp)`` with
+    ``shard_size``, the config's ``mics_shard_size``; -1: no hybrid sharding; ``(dp, sp, tp)`` with ``sp``, the
+    config's ``sequence_parallel_size``), and check the layout is possible. ``hpz_size``: the config's
+    ``zero_hpz_partition_size`` at stage 3 (0 or 1: off), checked and given its group here without tensor or sequence
+    parallelism and hybrid sharding (``initialize`` refuses those combinations by name afterwards)."""
+    created = ensure_process_group(timeout_s)
+    world = dist.get_world_size()
+    if sp != 1:
+        return _init_sequence_topology(tp, timeout_s, shard_size, sp, created, world)
+    if tp < 1 or world % tp:
+        raise LayoutError(
+            f"tensor_parallel.size {tp} does not divide the {world} processes of this job: the data-parallel size "
+            f"is world / tensor_parallel.size, so choose one of {[d for d in range(1, world + 1) if world % d == 0]}"
+        )
+    dp = world // tp
+    shard = dp if shard_size == -1 else shard_size
+    if shard < 1 or dp % shard:
+        divisors = [d for d in range(1, dp + 1) if dp % d == 0]
+        raise LayoutError(
+            f"zero_optimization.mics_shard_size {shard_size} does not divide the data-parallel size {dp} (world "
+            f"{world} / tensor_parallel.size {tp}): state is sharded within groups of mics_shard_size ranks and "
+            f"replicated across the groups, so choose one of {divisors} (or -1 to shard over all {dp})"
+        )
+    replicas = dp // shard
+    hpz = _hpz_size(hpz_size, dp, world) if tp == 1 and replicas == 1 else 1
+    device, backend, groups, host_groups = _make_mesh_groups(
+        world, tp, timeout_s, created, shard_size=shard, hpz_size=hpz
+    )
+    if replicas > 1:  # see [Note: the hybrid mesh]
+        ranks = torch.arange(world).view(replicas, shard, tp)
+        axes = [groups.replicate, groups.shard, groups.tp]
+        mesh = DeviceMesh.from_group(axes, device.type, mesh=ranks, mesh_dim_names=("replicate", "shard", "tp"))
+    else:
+        ranks = torch.arange(world).view(dp, tp)
+        mesh = DeviceMesh.from_group([groups.dp, groups.tp], device.type, mesh=ranks, mesh_dim_names=("dp", "tp"))
+    return Topology(
+        rank=dist.get_rank(),
+        world_size=world,
+        dp=dp,
+        device=device,
+        backend=backend,
+        mesh=mesh,
+        timeout_s=timeout_s,
+        groups=groups,
+        host_groups=host_groups,
+        tp=tp,
+        replicas=replicas,
+        hpz_size=hpz,
+    )
+
+
+def _hpz_size(hpz_size: int, dp: int, world: int) -> int:
+    """ZeRO++ hpZ's group size in effect: 1 when off (0 or 1, as in DeepSpeed) or when it spans every data-parallel
+    rank (the secondary shard would be the whole group's gather: plain ZeRO-3)."""
+    if hpz_size <= 1:
+        return 1
+    if dp % hpz_size:
+        divisors = [d for d in range(1, dp + 1) if dp % d == 0]
+        raise LayoutError(
+            f"zero_optimization.zero_hpz_partition_size {hpz_size} does not divide the data-parallel size {dp} (world "
+            f"{world}): each group of that many adjacent ranks keeps a secondary copy of the parameter shards, so "
+            f"choose one of {divisors} (the ranks of one node), or 1 to turn hpZ off"
+        )
+    return hpz_size if hpz_size < dp else 1
+
+
+def _make_mesh_groups(
+    world: int, tp: int, timeout_s: float, created: bool, **axes: int
+) -> tuple[torch.device, str, Groups, Groups]:
+    """The device, the backend, and the mesh's groups and their host twins (``axes``: ``make_groups``' hybrid
+    ``shard_size`` or sequence-parallel ``sp``), every group with the collective timeout."""
+    device = pick_device()
+    backend = str(dist.get_backend())
+    if device.type == "cuda" and "nccl" not in backend:
+        # A user-created gloo group with CUDA tensors would fail deep inside the first collective.
+        raise LayoutError(f"the process group uses {backend!r} but tensors live on CUDA; initialize it with 'nccl'.")
+    timeout = datetime.timedelta(seconds=timeout_s)
+
+    def new_group(ranks: list[int], backend: str | None) -> dist.ProcessGroup:
+        return dist.new_group(ranks, timeout=timeout, backend=backend)
+
+    whole = dist.group.WORLD
+    if not created and _timeout_s(whole, device) != timeout_s:  # the user's group, with another timeout
+        whole = new_group(list(range(world)), None)
+    groups, host_groups = make_groups(dist.get_rank(), world, tp, backend, whole, new_group, **axes)
+    return device, backend, groups, host_groups
+
+
+def _init_sequence_topology(tp: int, timeout_s: float, shard_size: int, sp: int, created: bool, world: int) -> Topology:
+    """The ``(dp, sp, tp)`` mesh of [Note: the sequence axis], with hybrid sharding's groups over its ``dp * sp``
+    ranks when ``shard_size`` is not -1."""
+    if tp < 1 or world % tp:
+        raise LayoutError(
+            f"tensor_parallel.size {tp} does not divide the {world} processes of this job; choose one of "
+            f"{[d for d in range(1, world + 1) if world % d == 0]}"
+        )
+    if sp < 1 or world % (sp * tp):
+        sizes = [d for d in range(1, world // tp + 1) if world % (d * tp) == 0]
+        raise LayoutError(
+            f"sequence_parallel_size {sp} does not divide the {world} processes of this job"
+            + (f" (with tensor_parallel.size {tp}: {world // tp} ranks per tensor-parallel block)" if tp != 1 else "")
+            + ": the data-parallel size is world / (sequence_parallel_size * tensor_parallel.size), so choose one of "
+            f"{sizes}"
+        )
+    dp = world // (sp * tp)
+    zero = dp * sp
+    shard = zero if shard_size == -1 else shard_size
+    if shard < 1 or zero % shard:
+        divisors = [d for d in range(1, zero + 1) if zero % d == 0]
+        raise LayoutError(
+            f"zero_optimization.mics_shard_size {shard_size} does not divide the {zero} ranks ZeRO shards over "
+            f"(data-parallel size {dp} x sequence_parallel_size {sp}): under sequence parallelism state is sharded "
+            f"over the data- and sequence-parallel ranks together, within groups of mics_shard_size and replicated "
+            f"across the groups, so choose one of {divisors} (or -1 to shard over all {zero})"
+        )
+    device, backend, groups, host_groups = _make_mesh_groups(world, tp, timeout_s, created, sp=sp, shard_size=shard)
+    ranks = torch.arange(world).view(dp, sp, tp)
+    mesh = DeviceMesh.from_group(
+        [groups.dp, groups.sp, groups.tp], device.type, mesh=ranks, mesh_dim_names=("dp", "sp", "tp")
+    )
+    return Topology(
+        rank=dist.get_rank(),
+        world_size=world,
+        dp=dp,
+        device=device,
+        backend=backend,
+        mesh=mesh,
+        timeout_s=timeout_s,
+        groups=groups,
+        host_groups=host_groups,
+        tp=tp,
+        replicas=zero // shard,
+        sp=sp,
+    )

@@ -1,0 +1,434 @@
+"""How an :class:`~shardtrain.engine.engine.Engine` is put together.
+
+``initialize`` (``engine.py``) checks what the user passed, places the model and splits it for tensor parallelism;
+:func:`build_parts` then makes the engine's parts, in the order each needs the ones before it:
+
+====================  ==========================================================================================
+communicators         ZeRO's groups, tensor/sequence parallelism, the desync check (no collective yet)
+refusals              ranks agreeing on config and model (a collective), swap directories checked on every rank
+layout                where every parameter lives (``zero/build.py``); from here on the model is changed
+precision             fp32 masters of each fragment, then parameters and buffers cast to the compute dtype
+parameter offload     stage-3 shards in swap files (``offload_param.device: nvme``)
+reducer               gradient hooks and reductions per bucket
+optimizer             the user's optimizer over this rank's fragments, optimizer offload
+runtime               eager or graph ([Note: one runtime, two implementations] in ``zero/runtime.py``)
+monitor               metrics on rank 0
+====================  ==========================================================================================
+
+Every refusal a user can cause happens before the layout, so a refused ``initialize`` leaves the model as it was
+(``initialize`` refuses its own before the tensor-parallel split). What can fail after it is a resource (a full
+disk, a peer lost); the swap directories made for offload are then removed again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
+
+from shardtrain.config.schema import Config, gradient_predivide, optimizer_class_and_kwargs
+from shardtrain.distributed.communicator import Communicator
+from shardtrain.distributed.desync import PhaseCheck
+from shardtrain.distributed.mesh import Topology
+from shardtrain.engine.monitor import TrainingMonitor
+from shardtrain.errors import ConfigError, OptimizerError, RankMismatchError
+from shardtrain.offload.optimizer_state import build_optimizer_offload, host_masters, ineffective_offload_keys
+from shardtrain.offload.parameters import ParamOffload
+from shardtrain.offload.swap import ScratchDir, on_every_rank, prepare_scratch
+from shardtrain.optim.schedulers import build_scheduler
+from shardtrain.sequence_parallel import SequenceSplitter, install_ulysses, refuse_unbuilt_sequence_parallel
+from shardtrain.sequence_parallel.tiling import install as install_tiling
+from shardtrain.zero.build import build_layout
+from shardtrain.zero.hpz import SecondaryShards, refuse_unbuilt_hpz
+from shardtrain.zero.init import is_under_construction
+from shardtrain.zero.layout import ShardLayout, cast_bucket
+from shardtrain.zero.optimizer import ShardedOptimizer, TensorParallelNorm, make_masters
+from shardtrain.zero.precision import LossScaler, PrecisionPolicy, policy_from_config
+from shardtrain.zero.reducer import GradientReducer
+from shardtrain.zero.runtime import Runtime
+from shardtrain.zero.unit_runtime import EagerRuntime
+from shardtrain.zero.units import find_unit_modules
+
+log = logging.getLogger("shardtrain")
+
+OptimizerArg = torch.optim.Optimizer | Callable[[Any], torch.optim.Optimizer] | None
+SchedulerArg = LRScheduler | Callable[[torch.optim.Optimizer], LRScheduler] | None
+
+
+@dataclass(frozen=True)
+class Comms:
+    """The engine's communicators (see the table in docs/architecture.md)."""
+
+    shard: Communicator  # ZeRO's collectives: the dp axis, or its shard groups with hybrid sharding
+    replica: Communicator | None  # hybrid sharding: the gradient shards' all-reduce across replicas
+    dp: Communicator  # every data-parallel rank (``shard`` itself without hybrid sharding)
+    world: Communicator  # every rank: checkpoint protocols, agreement checks, the gradient norm on a (dp, tp) mesh
+    tp: Communicator | None  # tensor-parallel layers' collectives (None without tensor parallelism)
+    hpz: Communicator | None = None  # ZeRO++ hpZ at stage 3: backward gathers within a node (None without it)
+
+
+@dataclass(frozen=True)
+class Parts:
+    """What :func:`build_parts` returns; the engine holds each under the same name."""
+
+    comms: Comms
+    sp: SequenceSplitter | None  # sequence parallelism: the sp group's all-to-alls and the split of the inputs
+    phase_check: PhaseCheck  # [Note: phase agreement]
+    scratch: dict[str, ScratchDir]  # offload's swap directories by config section
+    layout: ShardLayout
+    precision: PrecisionPolicy
+    scaler: LossScaler | None
+    param_offload: ParamOffload | None
+    reducer: GradientReducer
+    optimizer: ShardedOptimizer
+    runtime: Runtime
+    monitor: TrainingMonitor
+
+
+def make_comms(topology: Topology, tp_comm: Communicator | None) -> Comms:
+    shard = Communicator(topology.shard_group, topology.timeout_s)
+    # see [Note: the hybrid mesh] in shardtrain/mesh.py: gradient shards are all-reduced across the replicas and
+    # what must reach every data-parallel rank goes over the dp axis
+    replica = Communicator(topology.replicate_group, topology.timeout_s) if topology.hybrid else None
+    dp = Communicator(topology.dp_group, topology.timeout_s) if topology.hybrid else shard
+    world = dp if topology.tp == 1 else Communicator(topology.world_group, topology.timeout_s)
+    hpz = Communicator(topology.hpz_group, topology.timeout_s) if topology.hpz_group is not None else None
+    return Comms(shard, replica, dp, world, tp_comm, hpz)
+
+
+def build_parts(
+    module: nn.Module,
+    config: Config,
+    topology: Topology,
+    optimizer: torch.optim.Optimizer,
+    tp_placements: Mapping[str, Any] | None,
+    tp_comm: Communicator | None,
+) -> Parts:
+    """The engine's parts, in the order of the module docstring. Collective."""
+    comms = make_comms(topology, tp_comm)
+    # every rank says where it is before each call that communicates ([Note: phase agreement]); its own
+    # Communicator over the world group, so that comm_stats() keeps only the traffic of the ZeRO formulas
+    phase_check = PhaseCheck(
+        Communicator(topology.host_world_group, topology.timeout_s) if config.desync_check else None,
+        topology.tp,
+        topology.device,
+        sp=topology.sp,
+    )
+    _check_ranks_agree(comms.world, module, config)
+    # swap directories are checked on every rank before the model is touched (see docs/offload.md); a failure
+    # of the rest of the construction (a full disk, a peer lost) leaves none behind
+    scratch = _prepare_offload(config.zero_optimization, topology, comms.world)
+    try:
+        return _build(module, config, topology, optimizer, tp_placements, comms, phase_check, scratch)
+    except BaseException:
+        for s in scratch.values():
+            s.remove()
+        raise
+
+
+def _build(
+    module: nn.Module,
+    config: Config,
+    topology: Topology,
+    optimizer: torch.optim.Optimizer,
+    tp_placements: Mapping[str, Any] | None,
+    comms: Comms,
+    phase_check: PhaseCheck,
+    scratch: dict[str, ScratchDir],
+) -> Parts:
+    zcfg = config.zero_optimization
+    sp = None
+    if topology.sp > 1:
+        sp = SequenceSplitter(module, Communicator(topology.sp_group, topology.timeout_s))
+        install_ulysses(module, sp.comm, tp=topology.tp)
+    install_tiling(module, config)  # ALST's tiled loss and MLP, when configured
+    # where every parameter lives (see [Note: the layout]); built before anything else touches the model
+    layout = build_layout(
+        module, zcfg, comms.shard, tp_placements, tp=topology.tp, tp_rank=topology.tp_rank, dp_comm=comms.dp
+    )
+    policy = layout.policy
+    eager = EagerRuntime(
+        module,
+        layout.unit_buckets,
+        comms.shard,
+        zcfg.stage3_prefetch_bucket_size,
+        zcfg.stage3_gather_check,
+        check_group=topology.host_shard_group,
+    )
+    if comms.hpz is not None and eager.units:  # see [Note: secondary shards]
+        eager.hpz = SecondaryShards(comms.hpz)
+    precision = policy_from_config(config)
+    masters = None
+    trainable = layout.trainable_buckets  # frozen buckets (stage-3 units) are never reduced nor stepped
+    if precision.mixed:  # masters from the fp32 values, then compute-dtype parameters
+        masters = make_masters(trainable, policy)
+        _cast_to_compute_dtype(module, layout, precision)
+        eager.index_storages()  # the cast made new full buffers
+    param_offload: ParamOffload | None = None
+    if zcfg.offload_param.device == "nvme" and eager.units:  # shards into mapped files
+        param_offload = on_every_rank(
+            comms.world,
+            "parameter swap files",
+            lambda: ParamOffload(
+                eager.units,
+                scratch["offload_param"],
+                topology.rank,
+                zcfg.offload_param.max_in_cpu,
+                zcfg.offload_param.buffer_count,
+            ),
+        )
+        eager.before_gather = param_offload.will_need
+        eager.after_gather = lambda unit: param_offload.done_with([unit])
+    offload = zcfg.offload_optimizer
+    if offload.device != "none" and topology.device.type == "cuda":  # the step runs on the host
+        fragments = {id(s.param): s.param.detach() for b in trainable for s in b.slots}
+        if policy.shard_optimizer_state:
+            fragments = {
+                id(s.param): b.shard[f.shard_offset : f.shard_offset + f.length]
+                for b in trainable
+                for s, f in zip(b.slots, b.fragments)
+            }
+        ratio = offload.ratio if offload.device == "cpu" else 1.0  # nvme: resident sub-groups stay on the host
+        masters = host_masters(masters, fragments, offload.pin_memory, zcfg.sub_group_size, ratio)
+    partial_grads = frozenset(id(r.param) for r in layout.records if r.tp is not None and r.tp.partial_grad)
+    tp_comm = comms.tp
+    reducer = GradientReducer(
+        trainable,
+        policy,
+        comms.shard,
+        zcfg.overlap_comm,
+        on_grad_ready=eager.on_grad_ready if eager.units else None,
+        reduce_dtype=precision.reduce_dtype if precision.mixed else None,
+        tp_partial=(tp_comm, partial_grads) if partial_grads and tp_comm is not None else None,
+        predivide=gradient_predivide(config, topology.shard_size),
+        replicate=comms.replica,
+        order_comm=comms.dp,
+    )
+    tp_norm = None
+    if topology.tp > 1:
+        split = frozenset(id(r.param) for r in layout.records if r.tp_split)
+        tp_norm = TensorParallelNorm(
+            comms.world, split, topology.zero_rank, topology.tp_rank, replica_rank=topology.replica_rank
+        )
+    sharded_optimizer = ShardedOptimizer(
+        optimizer,
+        module,
+        trainable,
+        reducer,
+        policy,
+        comms.shard,
+        zcfg.allgather_bucket_size,
+        masters=masters,
+        tp_norm=tp_norm,
+        dp_comm=comms.dp,
+        replica_rank=topology.replica_rank,
+        overlap_gathers=not config.graph.enabled,  # a captured graph must see plain parameters
+    )
+    if offload.device != "none":
+        sharded_optimizer.attach_offload(
+            build_optimizer_offload(
+                optimizer,
+                sharded_optimizer.stepped_tensors(),
+                offload.device,
+                zcfg.sub_group_size,
+                offload.buffer_count,
+                offload.ratio,
+                offload.pin_memory,
+                scratch.get("offload_optimizer"),
+                topology.rank,
+                comms.world,
+                fragments=sharded_optimizer.stepped_fragments() if masters is not None else None,
+            )
+        )
+    tp_partial = (tp_comm, partial_grads) if tp_comm is not None else None
+    runtime = _runtime(module, config, eager, comms.shard, reducer, precision, tp_partial, param_offload)
+    # metrics, monitors (TensorBoard/CSV/wandb) and wall-clock breakdown: rank 0 only, never communicates
+    monitor = TrainingMonitor(config, topology.rank, topology.device, topology.dp)
+    for comm in (comms.shard, comms.replica, comms.dp, comms.hpz):  # comm_stats() counts from here
+        if comm is not None:
+            comm.reset_stats()
+    return Parts(
+        comms,
+        sp,
+        phase_check,
+        scratch,
+        layout,
+        precision,
+        LossScaler.from_config(config),
+        param_offload,
+        reducer,
+        sharded_optimizer,
+        runtime,
+        monitor,
+    )
+
+
+def _runtime(
+    module: nn.Module,
+    config: Config,
+    eager: EagerRuntime,
+    comm: Communicator,
+    reducer: GradientReducer,
+    precision: PrecisionPolicy,
+    tp_partial: tuple[Communicator, frozenset[int]] | None,
+    param_offload: ParamOffload | None = None,
+) -> Runtime:
+    """The eager runtime, or with ``graph.enabled`` the graph runtime around it."""
+    gcfg = config.graph
+    if not gcfg.enabled:
+        return eager
+    from shardtrain.graph.runtime import GraphRuntime  # imports TorchDynamo: only when graph mode is on
+
+    return GraphRuntime(
+        module,
+        eager,
+        comm,
+        reducer,
+        strict=gcfg.strict,
+        cache_size=gcfg.cache_size,
+        compiler=gcfg.compiler,
+        dynamic_shapes=gcfg.dynamic_shapes,
+        wire_dtype=precision.reduce_dtype if precision.mixed else None,
+        tp_partial=tp_partial,
+        param_offload=param_offload,
+    )
+
+
+def _cast_to_compute_dtype(module: nn.Module, layout: ShardLayout, policy: PrecisionPolicy) -> None:
+    """See [Note: mixed precision]: buckets, other fp32 parameters and floating buffers."""
+    for b in layout.buckets:
+        if b.dtype == torch.float32:
+            cast_bucket(b, policy.compute_dtype)
+    with torch.no_grad():
+        for p in module.parameters():
+            record = layout.record_of(p)
+            if (record is None or record.bucket is None) and policy.casts(p):
+                p.data = p.data.to(policy.compute_dtype)
+        for m in module.modules():
+            for name, buf in m._buffers.items():
+                if buf is not None and policy.casts(buf):
+                    m._buffers[name] = buf.to(policy.compute_dtype)
+
+
+# -- what initialize() checks and builds before the parts -----------------------------------------------------------
+
+
+def refuse_unbuilt(cfg: Config, topology: Topology, model: nn.Module) -> None:
+    """Combinations that are not built, refused before the model, its parameters or the disk are touched."""
+    zcfg = cfg.zero_optimization
+    param = zcfg.offload_param
+    if param.device != "none" and topology.device.type == "cuda":
+        raise ConfigError(
+            f"zero_optimization.offload_param.device {param.device!r} is not built on CUDA yet; use "
+            "offload_optimizer (optimizer state, and fp32 masters, in host memory or on disk) and set "
+            "offload_param.device to 'none' (docs/offload.md)"
+        )
+    if zcfg.stage == 3 and zcfg.stage3_unit_classes:
+        find_unit_modules(model, zcfg.stage3_unit_classes)  # names the classes the model does not have
+    refuse_unbuilt_sequence_parallel(cfg)
+    refuse_unbuilt_hpz(cfg, topology)  # ZeRO++ hpZ with tensor/sequence parallelism, offload_param or graph mode
+
+
+def _prepare_offload(zcfg: Any, topology: Topology, world: Communicator) -> dict[str, ScratchDir]:
+    """Each rank's swap directories (device ``nvme``), checked on every rank; offload keys that cannot act here are
+    logged."""
+    for note in ineffective_offload_keys(zcfg, topology.device.type):
+        log.warning(note)
+    param = zcfg.offload_param
+    scratch = {}
+    if param.device == "nvme":
+        scratch["offload_param"] = prepare_scratch(
+            param.nvme_path, topology.rank, "zero_optimization.offload_param", world
+        )
+    off = zcfg.offload_optimizer
+    if off.device == "nvme":
+        scratch["offload_optimizer"] = prepare_scratch(
+            off.nvme_path, topology.rank, "zero_optimization.offload_optimizer", world
+        )
+    return scratch
+
+
+def refuse_sharded_construction(model: nn.Module) -> None:
+    if any(is_under_construction(p) for p in model.parameters()):
+        raise ConfigError(
+            "a model built under shardtrain.zero.Init() (sharded over the world as it was built) cannot be split "
+            "by tensor parallelism: build it under shardtrain.zero.Init(config) with the same config, whose "
+            "tensor_parallel section makes each rank build only its blocks (docs/sharded-construction.md)"
+        )
+
+
+def broadcast_model(model: nn.Module, world: Communicator) -> None:
+    """Every rank starts from rank 0's full model before tensor parallelism cuts each rank's blocks (the
+    data-parallel broadcast after the split only reaches ranks holding the same block)."""
+    with torch.no_grad():
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            world.broadcast(t.data, 0, what=f"initial value of {name!r} before the tensor-parallel split")
+
+
+def build_optimizer(model: nn.Module, cfg: Config, optimizer: OptimizerArg) -> torch.optim.Optimizer:
+    if optimizer is not None and cfg.optimizer is not None:
+        raise ConfigError(
+            "an optimizer was passed to initialize() and the config has an 'optimizer' section; keep one of them"
+        )
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+    if callable(optimizer):
+        built = optimizer(model.parameters())
+        if not isinstance(built, torch.optim.Optimizer):
+            raise OptimizerError(f"the optimizer callable returned {type(built).__name__}, not a torch optimizer")
+        return built
+    if optimizer is not None:
+        raise OptimizerError(f"optimizer must be a torch.optim.Optimizer or a callable, got {type(optimizer).__name__}")
+    if cfg.optimizer is None:
+        raise ConfigError("no optimizer: pass initialize(optimizer=...) or add an 'optimizer' section to the config")
+    cls, kwargs = optimizer_class_and_kwargs(cfg.optimizer)
+    return cls([p for p in model.parameters() if p.requires_grad], **kwargs)
+
+
+def build_lr_scheduler(cfg: Config, opt: torch.optim.Optimizer, lr_scheduler: SchedulerArg) -> LRScheduler | None:
+    if lr_scheduler is not None and cfg.scheduler is not None:
+        raise ConfigError(
+            "an lr_scheduler was passed to initialize() and the config has a 'scheduler' section; keep one of them"
+        )
+    if isinstance(lr_scheduler, LRScheduler):
+        if lr_scheduler.optimizer is not opt:
+            raise OptimizerError(
+                "lr_scheduler was built on a different optimizer than the one passed to initialize(); "
+                "build it on that optimizer, or pass a callable optimizer -> scheduler"
+            )
+        return lr_scheduler
+    if callable(lr_scheduler):
+        built = lr_scheduler(opt)
+        if not isinstance(built, LRScheduler):
+            raise OptimizerError(f"the lr_scheduler callable returned {type(built).__name__}, not a torch LRScheduler")
+        return built
+    if lr_scheduler is not None:
+        raise OptimizerError(f"lr_scheduler must be an LRScheduler or a callable, got {type(lr_scheduler).__name__}")
+    if cfg.scheduler is not None:
+        return build_scheduler(cfg.scheduler, opt)
+    return None
+
+
+def _check_ranks_agree(comm: Communicator, module: nn.Module, cfg: Config) -> None:
+    """Fail at once, naming ranks, if ranks got different configs or models (instead of hanging later)."""
+    structure = [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in module.named_parameters()]
+    mine = {
+        "config": hashlib.sha256(cfg.model_dump_json().encode()).hexdigest()[:16],
+        "model": hashlib.sha256(json.dumps(structure).encode()).hexdigest()[:16],
+    }
+    everyone = comm.all_gather_object(mine, what="config and model fingerprints")
+    for key in ("config", "model"):
+        values = [e[key] for e in everyone]
+        if len(set(values)) > 1:
+            groups: dict[str, list[int]] = {}
+            for r, v in enumerate(values):
+                groups.setdefault(v, []).append(r)
+            detail = "; ".join(f"ranks {rs} have {v}" for v, rs in groups.items())
+            raise RankMismatchError(f"ranks disagree on the {key} passed to initialize(): {detail}")

@@ -1,0 +1,521 @@
+"""``initialize`` and the :class:`Engine` a training loop drives (forward, backward, step).
+
+Protocol of one optimizer step with ``gradient_accumulation_steps = k``::
+
+    for micro in range(k):
+        loss = engine(batch)        # the module's forward
+        engine.backward(loss)       # loss / k; reductions overlap backward (all stages: the last micro-step;
+                                    # stage 2: every micro-step)
+        engine.step()               # steps optimizer and scheduler only after the k-th micro-step
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable, Iterable, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
+
+from shardtrain.checkpoint.async_save import AsyncSaver
+from shardtrain.config.auto import resolve_auto
+from shardtrain.config.schema import Config, cast_inputs_half, load_config, resolve_batch_sizes
+from shardtrain.distributed.communicator import Communicator, merge_stats
+from shardtrain.distributed.mesh import Topology, init_topology
+from shardtrain.engine.build import (
+    OptimizerArg,
+    Parts,
+    SchedulerArg,
+    broadcast_model,
+    build_lr_scheduler,
+    build_optimizer,
+    build_parts,
+    refuse_sharded_construction,
+    refuse_unbuilt,
+)
+from shardtrain.engine.monitor import StepMetrics, check_monitor_packages
+from shardtrain.engine.training_state import (
+    COUNTERS,
+    TrainingState,
+    full_state_dict,
+    load_engine,
+    load_full_weights,
+    save_engine,
+)
+from shardtrain.errors import LayoutError, OptimizerError
+from shardtrain.tensor_parallel import check_same_batch, parallelize
+from shardtrain.tensor_parallel.parallelize import check_replicated_gradients
+from shardtrain.zero.init import is_deferred, materialize_deferred, record_initialization
+from shardtrain.zero.optimizer import check_optimizer
+from shardtrain.zero.precision import check_parameter_dtypes, policy_from_config
+
+log = logging.getLogger("shardtrain")
+
+__all__ = ["Engine", "OptimizerArg", "SchedulerArg", "initialize"]
+
+
+class Engine:
+    """Trains ``module`` data-parallel with ZeRO; build it with :func:`initialize`.
+
+    Its parts come from :func:`shardtrain.engine.build.build_parts`; around each step it asks its runtime (eager or
+    graph, [Note: one runtime, two implementations]) to run the forward and to prepare and finish the backward."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        config: Config,
+        topology: Topology,
+        optimizer: torch.optim.Optimizer,
+        lr_scheduler: LRScheduler | None,
+        parts: Parts,
+    ) -> None:
+        self.module, self.config, self.topology = module, config, topology
+        self.train_batch_size, self.micro_batch_size, self.gradient_accumulation_steps = resolve_batch_sizes(
+            config, topology.dp
+        )
+        comms = parts.comms
+        self.comm, self.replica_comm, self._dp_comm = comms.shard, comms.replica, comms.dp
+        self._hpz_comm = comms.hpz
+        self.world_comm, self.tp_comm = comms.world, comms.tp
+        self._sp, self._phase_check, self._scratch = parts.sp, parts.phase_check, parts.scratch
+        self.layout, self.policy = parts.layout, parts.layout.policy
+        self.precision, self.scaler = parts.precision, parts.scaler
+        self._param_offload, self._reducer, self._optimizer = parts.param_offload, parts.reducer, parts.optimizer
+        self._runtime, self.monitor = parts.runtime, parts.monitor
+        self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
+        self.global_step = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self.global_samples = 0  # DeepSpeed's x-axis for monitors: train_batch_size per optimizer step
+        self._grad_norm: float | None = None
+        self._batch_checked = self.tp_comm is None
+        self._async_saver: AsyncSaver | None = None  # made by the first asynchronous save_checkpoint
+        # parameters frozen when the buckets and the optimizer state were built: unfreezing one later is refused
+        # at the next step (it would never be reduced nor stepped: a silent wrong result)
+        self._frozen_at_initialize = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
+
+    @property
+    def stage(self) -> int:
+        """The ZeRO stage (what it shards is ``engine.policy``)."""
+        return self.policy.stage
+
+    @property
+    def mode(self) -> str:
+        """``"eager"`` or ``"graph"`` (``graph.enabled``), chosen once by :func:`initialize`."""
+        return self._runtime.mode
+
+    # -- the training loop -------------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.config.fp16.enabled is True and self.config.fp16.auto_cast:  # DeepSpeed: positional inputs only
+            args = cast_inputs_half(args)
+        call = self._runtime.prepare(args, kwargs)
+        if self._runtime.forward_communicates or self.tp_comm is not None or self._sp is not None:
+            self._agree("forward", detail=call.detail, explain=call.explain)
+        if not self._batch_checked:  # every rank of a tensor-parallel group must get the same batch
+            check_same_batch(args, kwargs, self.tp_comm, self.topology.host_tp_group)
+            self._batch_checked = True
+        if self._sp is not None:  # this rank's slice of the sequence; the loss returned is the whole sequence's
+            call = self._runtime.prepare(*self._sp.split(args, kwargs))  # (graph mode refuses sequence parallelism)
+        self.monitor.count_tokens(call.args, call.kwargs)  # tokens/s (see [Note: monitor metrics])
+        with self.monitor.timed("forward"), self._runtime.collectives("forward"):  # timed: rank 0's breakdown
+            out = self._runtime.forward(call)
+        return self._sp.combine(out) if self._sp is not None else out
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+
+    def backward(self, loss: torch.Tensor, *, scale_wrt_gas: bool = True) -> None:
+        """Backpropagate ``loss / gradient_accumulation_steps`` and reduce gradients across ranks.
+
+        ``scale_wrt_gas=False`` (DeepSpeed's argument): the loss is already divided for accumulation (as the Hugging
+        Face Trainer's is), so it is backpropagated as given."""
+        if not torch.is_tensor(loss) or loss.numel() != 1:
+            raise ValueError(f"engine.backward expects a scalar loss tensor, got {_describe(loss)}")
+        self._agree("backward")  # every micro-step: see [Note: phase agreement] for why
+        self.monitor.record_loss(loss)  # the train_loss metric (rank 0)
+        with self.monitor.timed("backward"):
+            self._backward(loss, self.gradient_accumulation_steps if scale_wrt_gas else 1)
+
+    def _backward(self, loss: torch.Tensor, divisor: int) -> None:
+        self._reducer.begin_backward(self.is_gradient_accumulation_boundary())
+        self._runtime.begin_backward()
+        unwinding = True
+        try:
+            if self.scaler is not None:  # fp16: scale in fp32 (the scaled loss may not fit fp16)
+                loss = loss.float() * self.scaler.scale
+            with self._runtime.collectives("backward"):
+                (loss / divisor if divisor != 1 else loss).backward()
+            unwinding = False
+        finally:
+            self._reducer.end_backward(unwinding)
+            self._runtime.end_backward()
+
+    def step(self, tokens: int | None = None) -> None:
+        """At an accumulation boundary: clip, step optimizer and scheduler, clear gradients.
+
+        ``tokens``: this rank's tokens in the micro-batch just processed, for the ``tokens_per_second`` metric;
+        by default rank 0 counts the elements of the first integer tensor passed to ``engine(...)``."""
+        self.monitor.end_micro_step(tokens)
+        boundary = self.is_gradient_accumulation_boundary()
+        self.micro_steps += 1
+        if not boundary:
+            return
+        self._refuse_unfrozen()
+        if self.policy.stage > 0 or self.tp_comm is not None:  # stage 0 steps without a collective
+            self._agree("step", micro_steps=self.micro_steps - 1)  # where backward() was, not one ahead
+        with self.monitor.timed("step"):
+            self._optimizer_step()
+        self.global_samples += self.train_batch_size
+        # at every steps_per_print-th step: log and write metrics
+        self.monitor.end_optimizer_step(
+            StepMetrics(self.global_step, self.global_samples, self.get_lr()[0], self._grad_norm, self.loss_scale)
+        )
+
+    def _refuse_unfrozen(self) -> None:
+        unfrozen = [n for n, p in self._frozen_at_initialize if p.requires_grad]
+        if unfrozen:
+            names = ", ".join(unfrozen[:5]) + (f" and {len(unfrozen) - 5} more" if len(unfrozen) > 5 else "")
+            raise OptimizerError(
+                f"{names}: frozen (requires_grad=False) when initialize built the gradient buckets and the optimizer "
+                "state, and unfrozen since; such a parameter would never be reduced nor stepped. Make it trainable "
+                "before initialize (and freeze it after, if it should start frozen: freezing later is supported)"
+            )
+
+    def _optimizer_step(self) -> None:
+        scale = self.scaler.scale if self.scaler is not None else None
+        self._grad_norm, skipped = self._optimizer.step(self.config.gradient_clipping, scale)
+        if self._param_offload is not None:  # updated shards leave memory (the kernel writes them back)
+            self._param_offload.done_with(self._runtime.units)
+        if self.scaler is not None:
+            self.scaler.update(overflow=skipped)
+        if skipped:  # parameters, masters, optimizer state and the scheduler stay as they were
+            self.skipped_steps += 1
+            log.info("step %d skipped: gradient overflow, loss scale now %g", self.global_step + 1, self.loss_scale)
+        elif self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self._reducer.zero_grads()
+        self.global_step += 1
+
+    def close(self) -> None:
+        """Remove every hook the engine installed (gradient hooks, ZeRO-3 module hooks) and flush and close the
+        monitors' files (TensorBoard, wandb run). Not collective; safe to call more than once. ZeRO-3 parameters
+        stay sharded: take ``full_state_dict()`` first if the module is used afterwards. Waits for an asynchronous
+        checkpoint save in flight and raises its failure, after the rest of the clean-up."""
+        saver = self._async_saver
+        try:
+            if saver is not None:
+                saver.wait()
+        finally:
+            if saver is not None:
+                saver.close()
+            self._reducer.remove_hooks()
+            self._optimizer.gathers.remove_hooks()
+            self._runtime.release()  # units a forward without backward kept gathered: their memory back
+            self._runtime.close()
+            self.monitor.close()
+            if self._optimizer.offload is not None:  # swap files are scratch: removed with their directory
+                self._optimizer.offload.close()
+            for scratch in self._scratch.values():
+                scratch.remove()
+
+    def train(self, mode: bool = True) -> Engine:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> Engine:
+        self.module.eval()
+        return self
+
+    def _agree(
+        self,
+        call: str,
+        micro_steps: int | None = None,
+        detail: int = 0,
+        explain: Callable[..., str] | None = None,
+    ) -> None:
+        """[Note: phase agreement]: fail on every rank, naming each, unless all ranks are entering ``call`` at the
+        same step (and agree on ``detail``; ``explain(comm, global_step, micro_step)`` says how they do not)."""
+        if call not in ("forward", "backward"):  # it reads or writes shards: see [Note: gathers after the step]
+            self._optimizer.wait_gathers()
+        micro = self.micro_steps if micro_steps is None else micro_steps
+        why = None if explain is None else lambda: explain(self._phase_check.comm, self.global_step, micro)
+        self._phase_check(call, self.global_step, micro, detail, why)
+
+    # -- inspection --------------------------------------------------------------------------------
+    @property
+    def loss_scale(self) -> float:
+        """Current fp16 loss scale (1.0 without fp16)."""
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model lives (CUDA device of this local rank, or the CPU); move batches here."""
+        return self.topology.device
+
+    def get_global_grad_norm(self) -> float | None:
+        """Global gradient norm of the last optimizer step, before clipping; the same on every rank."""
+        return self._grad_norm
+
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def graph_stats(self) -> dict[str, Any] | None:
+        """Graph mode's captures, reuses, evictions and the reasons of every capture (None when graph mode is off);
+        see :class:`shardtrain.graph.GraphStats`."""
+        return self._runtime.graph_stats()
+
+    def comm_stats(self, reset: bool = False, by_group: bool = False) -> dict[str, dict]:
+        """Calls and bytes per collective kind since the last reset (see :mod:`shardtrain.distributed.communicator`),
+        of ZeRO's groups added up. ``by_group``: per group instead, ``{"shard": ...}``, and with hybrid sharding
+        ``"replicate"`` (the gradient all-reduce across replicas) and ``"dp"`` (every data-parallel rank: the gradient
+        norm, the order exchange); the bytes of the last two are the ones that leave a shard group; with ZeRO++ hpZ
+        ``"hpz"`` (backward gathers from secondary shards, inside an hpZ group)."""
+        comms = self._zero_comms()
+        per_group = {name: comm.stats() for name, comm in comms.items()}
+        if reset:
+            for comm in comms.values():
+                comm.reset_stats()
+        return per_group if by_group else merge_stats(*per_group.values())
+
+    def _zero_comms(self) -> dict[str, Communicator]:
+        """ZeRO's communicators by group name (see :meth:`comm_stats`)."""
+        hpz = {} if self._hpz_comm is None else {"hpz": self._hpz_comm}  # ZeRO++ hpZ's backward gathers
+        if self.replica_comm is None:
+            return {"shard": self.comm, **hpz}
+        return {"shard": self.comm, "replicate": self.replica_comm, "dp": self._dp_comm}
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds for parameters, gradients and optimizer state (incl. ZeRO padding).
+
+        Parameters: the permanent copies (full flat buffers at stages 0-2; shards of units plus persistent
+        and frozen parameters at stage 3, less shards offloaded to files). Transient buffers (gathered units,
+        stage-2/3 gradient staging) are not state and not counted."""
+        buckets = self.layout.buckets
+        params = sum(
+            (b.flat_param if b.gather_after_step else b.shard).numel() * b.shard.element_size() for b in buckets
+        )
+        params += sum(r.param.numel() * r.param.element_size() for r in self.layout.records if r.bucket is None)
+        if self._param_offload is not None:  # shards in their swap files are not held (see docs/offload.md)
+            params -= self._param_offload.mapped_bytes()
+        return {"params": params, "grads": self._reducer.grad_bytes(), "optimizer": self._optimizer.state_bytes()}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The full model state dict on rank 0 (CPU copies; tied parameters under every name), None elsewhere.
+
+        Collective: every rank must call it (at stages 0-2 without tensor parallelism only the desync check of
+        [Note: phase agreement] communicates, so that a script right at stage 0 is right at stage 3). Units are
+        gathered one at a time, so no rank holds more than one unit's full parameters besides the CPU copies on
+        rank 0."""
+        self._agree("full_state_dict")
+        t = self.topology
+        return full_state_dict(self._training_state(), self._runtime, self.tp_comm, t.rank, t.dp_rank, t.device)
+
+    def save_checkpoint(
+        self,
+        save_dir: str | Path,
+        tag: str | None = None,
+        client_state: dict | None = None,
+        *,
+        async_save: bool | None = None,
+    ) -> Path:
+        """Save a sharded checkpoint ``save_dir/tag`` (default tag ``global_step{N}``); collective.
+
+        Every rank writes its own part in parallel; the save is crash-safe and ``save_dir/latest`` names the
+        newest complete checkpoint (see docs/checkpoint-format.md and [Note: engine checkpoint contents]).
+
+        ``async_save=True``: return once every rank holds a host copy of what it saves; the files are written and
+        ``latest`` moved in the background, and training may go on meanwhile ([Note: asynchronous checkpoints] in
+        ``checkpoint/async_save.py``). The next ``save_checkpoint`` and ``close()`` wait for it and raise its
+        failure. The default is the config's ``checkpoint.writer.decoupled`` (DeepSpeed's key, ``false``). Returns
+        the checkpoint's path either way."""
+        self._agree("save_checkpoint")
+        if self._async_saver is not None:  # one save in flight at most; a failure of the previous one is raised here
+            self._async_saver.wait()
+        if async_save is None:
+            async_save = self.config.checkpoint.writer.decoupled
+        if async_save and self._async_saver is None:
+            self._async_saver = AsyncSaver()
+        saver = self._async_saver if async_save else None
+        tag = tag or f"global_step{self.global_step}"
+        return save_engine(self._training_state(), save_dir, tag, client_state, saver)
+
+    def load_checkpoint(self, load_dir: str | Path, tag: str | None = None, load_optimizer_states: bool = True) -> dict:
+        """Restore a checkpoint saved in any layout (ranks, stage); returns its ``client_state``. Collective.
+
+        Without ``tag`` the one ``load_dir/latest`` names is loaded. ``load_optimizer_states=False`` loads the
+        model weights (masters included) and the loss scale only."""
+        self._agree("load_checkpoint")
+        if self._async_saver is not None:  # a save in flight is what `latest` will name: load it, not the one before
+            self._async_saver.wait()
+        state = self._training_state()
+        client_state = load_engine(state, load_dir, tag, load_optimizer_states)
+        self.global_step = state.counters.get("global_step", 0)
+        self.micro_steps = state.counters.get("micro_steps", 0)
+        self.skipped_steps = state.counters.get("skipped_steps", 0)
+        # checkpoints older than the monitors: DeepSpeed's own fallback
+        self.global_samples = state.counters.get("global_samples", self.global_step * self.train_batch_size)
+        return client_state
+
+    def _training_state(self) -> TrainingState:
+        """What the checkpoint code reads and restores (see :mod:`shardtrain.engine.training_state`)."""
+        return TrainingState(
+            module=self.module,
+            layout=self.layout,
+            optimizer=self._optimizer,
+            comm=self.world_comm,
+            lr_scheduler=self.lr_scheduler,
+            scaler=self.scaler,
+            counters={k: getattr(self, k) for k in COUNTERS},
+            run={
+                "compute_dtype": str(self.precision.compute_dtype).removeprefix("torch."),
+                "gradient_accumulation_steps": self.gradient_accumulation_steps,
+            },
+        )
+
+    def load_full_state_dict(
+        self,
+        source: Mapping[str, torch.Tensor] | str | Path | list[str | Path] | None,
+        strict: bool = True,
+    ) -> None:
+        """Load full (unsharded) weights; each rank keeps only what it holds. Collective.
+
+        ``source`` is either a state dict on rank 0 (other ranks pass ``None``), or, on every rank, the same
+        safetensors file(s) or a directory with ``model.safetensors`` / ``model.safetensors.index.json``.
+        Tied parameters may appear under any of their names. With ``strict``, missing or unexpected names
+        are an error. Peak memory: a rank's fragments plus one tensor (see :mod:`shardtrain.zero.weights`).
+        """
+        self._agree("load_full_state_dict")
+        load_full_weights(self._training_state(), source, strict)
+
+    @contextmanager
+    def gathered(self, target: nn.Module | nn.Parameter | Iterable[nn.Parameter], modifier_rank: int | None = None):
+        """Full parameters of ``target`` inside the block (collective: every rank must enter).
+
+        With ``modifier_rank=r``, the values rank ``r`` holds at the end of the block are copied to every
+        rank and into the sharded state (the masters the optimizer steps), so changes made there persist.
+        """
+        if isinstance(target, nn.Module):
+            params = list(target.parameters())
+        elif isinstance(target, torch.Tensor):
+            params = [target]
+        else:
+            params = list(target)
+        if self._runtime.units or modifier_rank is not None:  # it gathers or broadcasts
+            self._agree("gathered")
+        with self._runtime.gathered(params) as units:
+            yield
+            if modifier_rank is not None:
+                if not 0 <= modifier_rank < self.topology.dp:
+                    raise ValueError(
+                        f"modifier_rank {modifier_rank} is not a rank of this job (0..{self.topology.dp - 1})"
+                    )
+                with torch.no_grad():
+                    for p in params:
+                        self._dp_comm.broadcast(p.data, modifier_rank, what="parameters changed in engine.gathered()")
+                    for unit in units:
+                        for b in unit.buckets:
+                            lo, hi = b.shard_range
+                            b.shard.copy_(b.flat_param[lo:hi])
+                    self._optimizer.refresh_masters(params)
+
+
+# -- initialize -------------------------------------------------------------------------------------
+
+
+def initialize(
+    model: nn.Module,
+    config: Config | Mapping[str, Any] | str | Path | None = None,
+    optimizer: OptimizerArg = None,
+    lr_scheduler: SchedulerArg = None,
+    *,
+    auto_values: Mapping[str, Any] | None = None,
+    tp_plan: Mapping[str, str] | None = None,
+) -> Engine:
+    """Wrap ``model`` for sharded data-parallel training and return the :class:`Engine`.
+
+    ``optimizer``: a ``torch.optim.Optimizer`` built over ``model.parameters()`` (its param groups and
+    hyperparameters are kept), a callable ``params -> Optimizer`` (called with the model's parameters), or
+    None when the config has an ``optimizer`` section. ``lr_scheduler``: a scheduler built on that optimizer,
+    a callable ``optimizer -> scheduler``, or None (the config's ``scheduler`` section, if any, is used).
+    ``auto_values``: what config values written ``"auto"`` are resolved from, as Hugging Face's Trainer
+    does (``lr``, ``betas``, ``eps``, ``weight_decay``, ``gradient_clipping``, ``train_micro_batch_size_per_gpu``,
+    ``gradient_accumulation_steps``, ``train_batch_size``, ``warmup_min_lr``, ``warmup_num_steps``,
+    ``total_num_steps``, ``precision``, ``hidden_size``; see :mod:`shardtrain.config.auto`). The resolved
+    config is logged once (rank 0) and kept as ``engine.config``.
+    ``tp_plan``: with ``tensor_parallel.size`` > 1, module-name patterns -> Hugging Face tensor-parallel styles
+    (``colwise``, ``rowwise``, ...; see docs/tensor-parallel.md). Without it a transformers model uses its own
+    plan (``config.base_model_tp_plan`` and the head's ``_tp_plan``).
+    """
+    cfg = load_config(config)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"initialize() expects an nn.Module, got {type(model).__name__}")
+    topology = init_topology(
+        tp=cfg.tensor_parallel.degree,
+        timeout_s=cfg.collective_timeout_s,
+        shard_size=cfg.zero_optimization.mics_shard_size,
+        sp=cfg.sequence_parallel_size,
+        hpz_size=cfg.zero_optimization.zero_hpz_partition_size if cfg.zero_optimization.stage == 3 else 1,
+    )
+    # "auto" values are resolved before the model is touched
+    cfg = resolve_auto(cfg, dp=topology.dp, model=model, auto_values=auto_values)
+    if topology.rank == 0:
+        log.info("shardtrain config: %s", cfg.model_dump_json(exclude_unset=True))
+    resolve_batch_sizes(cfg, topology.dp)  # fail on batch-size mistakes before touching the model
+    refuse_unbuilt(cfg, topology, model)
+    check_monitor_packages(cfg)  # an enabled tensorboard/wandb monitor without its package
+    check_parameter_dtypes(model, policy_from_config(cfg))  # a bf16 model without a bf16 section, ...
+    if not any(p.requires_grad for p in model.parameters()):
+        raise OptimizerError(
+            f"{type(model).__name__} has no trainable parameters (none with requires_grad=True): nothing to train"
+        )
+    # the optimizer and scheduler are refused, or built, before the model is touched: moving it to its device, the
+    # tensor-parallel split and deferred construction keep every parameter object the optimizer holds
+    opt = build_optimizer(model, cfg, optimizer)
+    check_optimizer(opt, model, cfg.zero_optimization.stage, cfg.zero_allow_untested_optimizer)
+    scheduler = build_lr_scheduler(cfg, opt, lr_scheduler)
+    if cfg.seed is not None:
+        random.seed(cfg.seed)
+        np.random.seed(cfg.seed)
+        torch.manual_seed(cfg.seed)
+    # built under zero.Init(config) with tensor parallelism, or on meta: its parameters are made below as chunks
+    deferred = is_deferred(model)
+    if deferred:
+        record_initialization(model)  # reset_parameters() of a model built on meta without Init, before the split
+    if not deferred and any(t.device != topology.device for t in (*model.parameters(), *model.buffers())):
+        model.to(topology.device)
+    tp_comm, placements = None, None
+    if topology.tp > 1:  # split the layers before anything is laid out or built over the parameters
+        tp_comm = Communicator(topology.tp_group, topology.timeout_s)
+        if not deferred:  # deferred values are the same on every rank by construction: nothing to broadcast
+            refuse_sharded_construction(model)
+            broadcast_model(model, Communicator(topology.world_group, topology.timeout_s))
+        # a plan given at size 1 splits nothing: same script. A deferred model's gradient check needs real parameters
+        placements = parallelize(model, tp_plan, tp_comm, check_replicated_grads=not deferred)
+        if not any(p.is_split for p in placements.values()):
+            raise LayoutError(
+                f"tensor_parallel.size is {topology.tp} but the tensor-parallel plan splits no parameter of "
+                f"{type(model).__name__}: its patterns match none of the model's module names (a model wrapped in "
+                "another module has longer names; pass initialize(tp_plan=...) with the full names)"
+            )
+    if deferred:  # each rank's data-parallel chunk of its tensor-parallel block, and nothing more
+        dp_comm = Communicator(topology.dp_group, topology.timeout_s)
+        materialize_deferred(model, placements, dp_comm, topology.tp_rank, topology.tp, topology.device)
+        if tp_comm is not None:
+            check_replicated_gradients(model, placements, tp_comm)
+    # from here on only resources can fail (a full disk, a lost peer): see shardtrain.engine.build
+    return Engine(model, cfg, topology, opt, scheduler, build_parts(model, cfg, topology, opt, placements, tp_comm))
+
+
+def _describe(x: Any) -> str:
+    if torch.is_tensor(x):
+        return f"a tensor of shape {tuple(x.shape)}"
+    return type(x).__name__

@@ -1,0 +1,625 @@
+"""Optimizer state in host memory or in swap files, stepped one sub-group at a time (DeepSpeed's ZeRO-Offload
+and ZeRO-Infinity for the optimizer).
+
+[Note: sub-group stepping]
+A rank's stepped tensors (its fp32 fragments, or their masters under mixed precision; see [Note: optimizer
+fragments]) are cut, in the order the optimizer wrapper lists them, into *sub-groups* of about
+``sub_group_size`` elements; a fragment is never split, so one larger than that is a sub-group of its own.
+The user's optimizer steps one sub-group at a time: only that sub-group's tensors carry a ``.grad`` when
+``optimizer.step()`` is called, and torch's optimizers skip a tensor without one. The update of an element
+depends on that element's gradient and state alone (see [Note: element-wise optimizers]) and torch's CPU
+optimizers loop over tensors, so the values are bitwise those of one call over every tensor. Per-tensor
+scalar state (``step``) stays in ``optimizer.state``; element-wise state (``exp_avg``, ``exp_avg_sq``,
+``momentum_buffer``, ...) of an offloaded sub-group is in ``optimizer.state`` only while that sub-group is
+stepped. ``ratio`` < 1 offloads the first sub-groups holding that fraction of the elements; the others keep
+their state resident, as without offload. Step hooks registered on the optimizer run once per sub-group.
+
+[Note: swap pipeline]
+With ``device: nvme`` each (stepped tensor, state key) has one file in the rank's scratch directory, opened
+only while it is read or written (see [Note: bounded descriptors] in :mod:`shardtrain.offload.swap`). A pool
+of ``buffer_count`` byte buffers holds sub-groups in memory: while sub-group i is stepped, reads of the
+next sub-groups (as many as free buffers allow) and the write-back of the previous ones run on a small
+thread pool (``os.preadv`` / ``os.pwritev`` release the GIL). A buffer is reused only after its write has
+finished, so the element-wise optimizer state in memory never exceeds ``buffer_count`` sub-groups. A buffer
+fits the sub-group it holds: it is reused for one that needs at most ``FRAME_SLACK`` less, else replaced by one
+of the exact size (buffers that only grew each became as large as the largest sub-group: with sub-groups of
+very different sizes, ``buffer_count`` times the largest instead of the sub-groups in flight). The pool is last
+in, first out, so with fewer sub-groups than buffers only as many buffers as sub-groups are ever allocated. The
+exception is a tensor's first step: the optimizer creates its state itself (zeros, in its own memory), which
+is written from there and dropped; on that step one more sub-group can be in memory. Every rank agrees on
+the outcome of the step (one small object all-gather) so that a full disk on one rank raises on all ranks,
+naming the rank and the file, instead of the others waiting for a collective that never comes.
+
+[Note: offloaded masters]
+Under mixed precision the optimizer steps separate fp32 masters; with ``nvme`` they go to the files too (key
+``master``), so a rank keeps neither its 4 bytes of master nor its 8 of Adam moments per element. The master
+stays the same tensor object (``optimizer.state`` and the param groups are keyed on it); between steps its
+storage is an empty one (``Tensor.set_``), during its sub-group's step a view of the buffer, and right after
+that step it refreshes the compute-dtype fragment. What reads or writes a master between steps (loading
+full weights, ``engine.gathered(modifier_rank=...)``, checkpoints) gets its file mapped shared
+(:meth:`OptimizerOffload.master_view`): pages are read and written where they are, never the whole state.
+In fp32 training the stepped tensor is the parameter's own fragment, which is not optimizer state and stays.
+
+Swap directories, files, the page-cache policy and :class:`OffloadError` are in :mod:`shardtrain.offload.swap`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from shardtrain.distributed.communicator import Communicator
+from shardtrain.offload.swap import (
+    ALIGN,
+    GRAD,
+    OffloadError,
+    ScratchDir,
+    SwapFiles,
+)
+
+if TYPE_CHECKING:
+    pass
+from shardtrain.offload.gradients import GradOffload
+from shardtrain.offload.parameters import release_mapped
+
+# ``optimizer: Any`` below is a zero.optimizer.ShardedOptimizer: not imported, not even for typing, because that
+# module imports this one (tests/test_architecture.py keeps the package free of import cycles)
+
+
+# -- sub-groups ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SubGroup:
+    """Consecutive stepped tensors (indices into the wrapper's list) stepped together."""
+
+    index: int
+    members: tuple[int, ...]
+    numel: int
+    offloaded: bool
+
+
+def make_sub_groups(numels: list[int], size: int, ratio: float = 1.0) -> list[SubGroup]:
+    """Cut tensors of ``numels`` elements, in order, into sub-groups of at most ``size`` elements (a larger
+    tensor alone); the first ones holding ``ratio`` of all elements are offloaded."""
+    groups: list[list[int]] = []
+    current: list[int] = []
+    count = 0
+    for i, n in enumerate(numels):
+        if current and count + n > max(size, 1):
+            groups.append(current)
+            current, count = [], 0
+        current.append(i)
+        count += n
+    if current:
+        groups.append(current)
+    total = sum(numels)
+    out, offloaded_so_far = [], 0
+    for gi, members in enumerate(groups):
+        n = sum(numels[i] for i in members)
+        offloaded = ratio >= 1.0 or offloaded_so_far + n <= ratio * total
+        offloaded_so_far += n if offloaded else 0
+        out.append(SubGroup(gi, tuple(members), n, offloaded))
+    return out
+
+
+# -- the offloaded optimizer step ------------------------------------------------------------------
+
+
+FRAME_SLACK = 1 / 8  # a buffer is reused for a sub-group needing at most this much less than it holds
+
+
+@dataclass
+class _Frame:
+    """One reusable byte buffer holding a sub-group's element-wise state while it is read, stepped, written."""
+
+    data: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.uint8))
+
+    def ensure(self, nbytes: int, pin: bool) -> None:
+        """Hold ``nbytes``: the buffer is kept when it is large enough and not more than ``FRAME_SLACK`` larger,
+        else replaced by one of exactly ``nbytes`` (see [Note: swap pipeline]: a buffer that only grew would make
+        every one of them as large as the largest sub-group)."""
+        have = self.data.numel()
+        if have < nbytes or have > nbytes * (1 + FRAME_SLACK):
+            self.data = torch.empty(0, dtype=torch.uint8)  # free the old one before allocating the new one
+            self.data = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+
+
+def _elementwise(v: Any, shape: torch.Size) -> bool:
+    return torch.is_tensor(v) and v.dim() > 0 and v.shape == shape
+
+
+def follow_device(state: dict[str, Any] | None, stepped: torch.Tensor) -> None:
+    """Move ``state``'s element-wise tensors to ``stepped``'s device, in place. State an optimizer made at its
+    construction (Adagrad's ``sum``) was made where the parameter was, the GPU, and cut into fragments there;
+    with offload the optimizer steps a host master, and the swap files read and write host memory."""
+    for k, v in (state or {}).items():
+        if _elementwise(v, stepped.shape) and v.device != stepped.device:
+            state[k] = v.to(stepped.device)
+
+
+MASTER = "master"  # the file key of an offloaded fp32 master (see [Note: offloaded masters])
+
+
+class OptimizerOffload:
+    """Steps ``optimizer`` one sub-group at a time over ``stepped`` (see [Note: sub-group stepping]); with
+    ``files``, element-wise state of offloaded sub-groups lives in them (see [Note: swap pipeline])."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        stepped: list[torch.Tensor],
+        groups: list[SubGroup],
+        files: SwapFiles | None,
+        buffer_count: int,
+        world: Communicator,
+        pin_memory: bool = False,
+        fragments: list[torch.Tensor] | None = None,
+    ) -> None:
+        self.optimizer, self.stepped, self.groups, self.files = optimizer, stepped, groups, files
+        self.shapes = [t.shape for t in stepped]  # an offloaded master is empty between steps
+        # mixed precision: the compute-dtype fragment each stepped fp32 master refreshes after its step
+        self.fragments = fragments
+        self.holds_masters = fragments is not None and files is not None
+        self.world, self.pin = world, pin_memory and torch.cuda.is_available()
+        self.buffer_count = buffer_count
+        self._index = {id(s): i for i, s in enumerate(stepped)}
+        for s in stepped:
+            follow_device(optimizer.state.get(s), s)
+        self._group_of = {i: g for g in groups for i in g.members}
+        # element-wise state on disk: member -> {key: dtype}
+        self._saved: dict[int, dict[str, torch.dtype]] = {}
+        # last in, first out: the buffer given back last is taken first, so buffers the pipeline never needs at once
+        # are never allocated. With fewer sub-groups than buffers (one sub-group with DeepSpeed's default
+        # sub_group_size on a model of under 1e9 parameters per rank), first in, first out took a fresh buffer on
+        # each of ``buffer_count`` steps and ended with that many copies of the sub-group's state in memory
+        self._frames: queue.LifoQueue[_Frame] = queue.LifoQueue()
+        for _ in range(buffer_count):
+            self._frames.put(_Frame())
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="shardtrain-swap") if files else None
+        self.grads: GradOffload | None = None  # gradient shards in swap files too (see offload_gradients)
+        self._held_lock = threading.Lock()
+        self._busy_bytes = 0  # bytes of buffers taken out of the pool
+        self._extra_bytes = 0  # state the optimizer created itself, on its way to the files
+        self.peak_held_bytes = 0
+        """Most bytes of element-wise state this object held in memory at once (buffers + first-step state)."""
+        if files is not None:  # state made at construction (Adagrad's ``sum``) goes to the files at once
+            for g in groups:
+                if g.offloaded:
+                    for i in g.members:
+                        self._write_new(i, self._detach_state(i))
+                        if self.holds_masters:
+                            self._write_new(i, {MASTER: stepped[i].detach()})
+                            self._park(i)
+
+    # -- accounting (read by tests and the benchmark) --
+    def held_bytes(self) -> int:
+        """Bytes of the buffers allocated now plus first-step state not yet written: what is in memory."""
+        frames = sum(f.data.untyped_storage().nbytes() for f in list(self._frames.queue))
+        return frames + self._busy_bytes + self._extra_bytes
+
+    def _note_peak(self) -> None:
+        with self._held_lock:
+            self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes())
+
+    @property
+    def offloaded(self) -> bool:
+        return self.files is not None
+
+    def is_offloaded(self, stepped: torch.Tensor) -> bool:
+        i = self._index.get(id(stepped))
+        return self.files is not None and i is not None and self._group_of[i].offloaded
+
+    # -- state access for checkpoints --
+    def state_of(self, stepped: torch.Tensor) -> dict[str, Any]:
+        """The full optimizer state of one stepped tensor: element-wise state of an offloaded one mapped from
+        its files (read page by page as it is used)."""
+        state = dict(self.optimizer.state.get(stepped, {}))
+        if self.is_offloaded(stepped):
+            i = self._index[id(stepped)]
+            for key, dtype in self._saved.get(i, {}).items():
+                if key != MASTER:
+                    state[key] = self.files.mapped(i, key, dtype, self.shapes[i].numel()).view(self.shapes[i])
+        return state
+
+    def master_view(self, stepped: torch.Tensor) -> torch.Tensor:
+        """What ``stepped`` holds: itself, or for an offloaded master its file mapped shared (reads fetch pages,
+        writes go to the file)."""
+        if not (self.holds_masters and self.is_offloaded(stepped)):
+            return stepped
+        i = self._index[id(stepped)]
+        return self.files.mapped(i, MASTER, torch.float32, self.shapes[i].numel(), shared=True).view(self.shapes[i])
+
+    def set_state(self, stepped: torch.Tensor, state: dict[str, Any]) -> None:
+        """Replace the optimizer state of one stepped tensor; element-wise state of an offloaded one goes to its
+        files at once and is not kept."""
+        if not self.is_offloaded(stepped):
+            if state:
+                self.optimizer.state[stepped] = state
+            else:
+                self.optimizer.state.pop(stepped, None)
+            return
+        i = self._index[id(stepped)]
+        elementwise = {k: v for k, v in state.items() if _elementwise(v, self.shapes[i])}
+        scalars = {k: v for k, v in state.items() if k not in elementwise}
+        master = self._saved.get(i, {}).get(MASTER)
+        self._saved[i] = {MASTER: master} if master is not None else {}
+        self._write_new(i, elementwise)
+        if scalars:
+            self.optimizer.state[stepped] = scalars
+        else:
+            self.optimizer.state.pop(stepped, None)
+
+    def offload_gradients(self, optimizer: Any) -> None:
+        """Keep the gradient shards of ``optimizer``'s reducer in swap files too, where that is built (see [Note:
+        gradient offload]): state in files (``nvme``), gradients sharded (stages 2-3) and accumulated in the dtype
+        stepped, on the host, no tensor parallelism and no hybrid sharding. Else gradients stay in memory."""
+        reducer = optimizer.reducer
+        if (
+            self.files is None
+            or not (optimizer.sharded and reducer.sharded_grads)
+            or optimizer.tp_norm is not None
+            or reducer.replicate is not None
+            or reducer.device.type != "cpu"
+            or any(g.dtype != s.dtype for g, s in zip(reducer.shard_grads, self.stepped))
+            or any(s.dtype != torch.float32 for s in self.stepped)
+        ):
+            return
+        self.grads = GradOffload(self, optimizer)
+        # weakly: the reducer's gradient hooks can outlive an engine dropped without close(), and must not keep
+        # its swap directory (owned through this object) from being removed when it is collected
+        reducer.grad_offload = weakref.proxy(self.grads)
+
+    # -- the step --
+    def step(
+        self,
+        grads: list[torch.Tensor | None],
+        on_disk: frozenset[int] = frozenset(),
+        transform: Any = None,
+    ) -> None:
+        """Step every sub-group with ``grads[i]`` as the gradient of ``stepped[i]`` (None: not stepped). Members in
+        ``on_disk`` have their gradient in a swap file instead (see [Note: gradient offload]): it is read with the
+        sub-group's state and ``transform(list of gradients)`` (unscale, clip) applied in place before the step."""
+        grads = list(grads)
+        if self.files is None:
+            for g in self.groups:
+                self._step_group(g, grads)
+            return
+        error = None
+        try:
+            self._pipelined_step(grads, on_disk, transform)
+        except Exception as err:  # shared with every rank below
+            error = str(err) if isinstance(err, OffloadError) else f"{type(err).__name__}: {err}"
+            cause = err
+        outcomes = self.world.all_gather_object(error, what="offloaded optimizer step outcome")
+        failed = [e for e in outcomes if e is not None]
+        if failed:
+            message = "offloaded optimizer step failed: " + "; ".join(failed)
+            if error is not None:
+                raise OffloadError(message) from cause
+            raise OffloadError(message)
+
+    def _step_group(self, group: SubGroup, grads: list[torch.Tensor | None]) -> None:
+        members = [i for i in group.members if grads[i] is not None]
+        host = [grads[i].to(self.stepped[i].device, non_blocking=True) for i in members]  # CUDA: to the host
+        if any(g.device != grads[i].device for g, i in zip(host, members)) and torch.cuda.is_available():
+            torch.cuda.current_stream().synchronize()  # device-to-host copies done before the CPU reads them
+        for i, g in zip(members, host):
+            self.stepped[i].grad = g
+        try:
+            self.optimizer.step()
+        finally:
+            for i in members:
+                self.stepped[i].grad = None
+        if self.holds_masters:  # refresh the compute-dtype fragments while the masters are in memory
+            with torch.no_grad():
+                for i in group.members:
+                    if self.fragments[i].numel():
+                        self.fragments[i].copy_(self.stepped[i].view_as(self.fragments[i]))
+        # parameter offload: the pages of this sub-group's shards leave memory now, not after the whole step
+        release_mapped([self.stepped[i] for i in members] + [self.fragments[i] for i in members if self.fragments])
+
+    def _park(self, i: int) -> None:
+        """An offloaded master holds no memory between steps (same tensor object: the optimizer keys on it)."""
+        self.stepped[i].set_(torch.empty(0, dtype=self.stepped[i].dtype, device=self.stepped[i].device))
+
+    def _regions(self, group: SubGroup) -> tuple[list[tuple[int, str, torch.dtype, int]], int]:
+        """(member, key, dtype, byte offset) of every saved element-wise state of ``group``, and the bytes."""
+        regions, offset = [], 0
+        for i in group.members:
+            for key, dtype in sorted(self._saved.get(i, {}).items()):
+                regions.append((i, key, dtype, offset))
+                nbytes = self.shapes[i].numel() * dtype.itemsize
+                offset += -(-nbytes // ALIGN) * ALIGN
+        return regions, offset
+
+    def _take_frame(self, block: bool) -> _Frame | None:
+        try:
+            frame = self._frames.get(block=block)
+        except queue.Empty:
+            return None
+        with self._held_lock:
+            self._busy_bytes += frame.data.untyped_storage().nbytes()
+        return frame
+
+    def _give_frame(self, frame: _Frame) -> None:
+        with self._held_lock:
+            self._busy_bytes -= frame.data.untyped_storage().nbytes()
+        self._frames.put(frame)
+
+    def _read_group(
+        self, group: SubGroup, frame: _Frame, on_disk: frozenset[int] = frozenset()
+    ) -> dict[int, dict[str, torch.Tensor]]:
+        regions, nbytes = self._regions(group)
+        for i in group.members:  # gradients in swap files come in the same buffer, after the state
+            if i in on_disk and self.shapes[i].numel():
+                regions.append((i, GRAD, torch.float32, nbytes))
+                nbytes += -(-self.shapes[i].numel() * 4 // ALIGN) * ALIGN
+        with self._held_lock:
+            self._busy_bytes -= frame.data.untyped_storage().nbytes()
+            frame.ensure(nbytes, self.pin)
+            self._busy_bytes += frame.data.untyped_storage().nbytes()
+        self._note_peak()
+        views: dict[int, dict[str, torch.Tensor]] = {}
+        for i, key, dtype, offset in regions:
+            n = self.shapes[i].numel()
+            view = frame.data[offset : offset + n * dtype.itemsize].view(dtype).view(self.shapes[i])
+            if key == GRAD:
+                self.grads.read(i, view.view(-1))
+            else:
+                self.files.read(i, key, view)
+            views.setdefault(i, {})[key] = view
+        return views
+
+    def _write_group(self, group: SubGroup, frame: _Frame, out: dict[int, dict[str, torch.Tensor]]) -> None:
+        try:
+            for i, state in out.items():
+                for key, t in state.items():
+                    self.files.write(i, key, t)
+        finally:
+            self._give_frame(frame)
+
+    def _detach_state(self, i: int) -> dict[str, torch.Tensor]:
+        """Remove and return the element-wise state of ``stepped[i]`` from the optimizer."""
+        s = self.stepped[i]
+        state = self.optimizer.state.get(s)
+        if not state:
+            return {}
+        out = {k: v for k, v in state.items() if _elementwise(v, self.shapes[i])}
+        for k in out:
+            del state[k]
+        if not state:
+            del self.optimizer.state[s]
+        return out
+
+    def _write_new(self, i: int, state: dict[str, torch.Tensor]) -> None:
+        """State that is not in a buffer (made by the optimizer, or loaded): written at once, then dropped."""
+        nbytes = sum(t.numel() * t.element_size() for t in state.values())
+        with self._held_lock:
+            self._extra_bytes += nbytes
+        self._note_peak()
+        try:
+            for key, t in state.items():
+                self.files.write(i, key, t)
+                self._saved.setdefault(i, {})[key] = t.dtype
+        finally:
+            with self._held_lock:
+                self._extra_bytes -= nbytes
+
+    def _pipelined_step(
+        self, grads: list[torch.Tensor | None], on_disk: frozenset[int] = frozenset(), transform: Any = None
+    ) -> None:
+        offloaded = [g for g in self.groups if g.offloaded]
+        reads: dict[int, tuple[_Frame, Future]] = {}
+        writes: list[Future] = []
+        issued = 0
+
+        def issue(block: bool) -> bool:
+            nonlocal issued
+            if issued >= len(offloaded):
+                return False
+            frame = self._take_frame(block)
+            if frame is None:
+                return False
+            reads[issued] = (frame, self._pool.submit(self._read_group, offloaded[issued], frame, on_disk))
+            issued += 1
+            return True
+
+        try:
+            while issue(block=False):  # read ahead while buffers are free
+                pass
+            for g in self.groups:  # resident sub-groups step while the first reads run
+                if not g.offloaded:
+                    loaded = [i for i in g.members if i in on_disk]
+                    for i in loaded:  # their gradients are read here, one sub-group at a time
+                        grads[i] = self.grads.load(i).view(self.shapes[i])
+                    if transform is not None:
+                        transform([grads[i] for i in loaded if grads[i].numel()])
+                    self._step_group(g, grads)
+                    for i in loaded:
+                        grads[i] = None
+            for k, group in enumerate(offloaded):
+                while issued <= k:
+                    issue(block=True)
+                frame, future = reads.pop(k)
+                try:
+                    views = future.result()
+                except BaseException:
+                    self._give_frame(frame)
+                    raise
+                read_grads, read_members = [], []
+                for i, state in views.items():
+                    g = state.pop(GRAD, None)
+                    if g is not None:
+                        grads[i] = g
+                        read_grads.append(g)
+                        read_members.append(i)
+                    master = state.pop(MASTER, None)
+                    if master is not None:
+                        self.stepped[i].set_(master)
+                    if state:
+                        self.optimizer.state.setdefault(self.stepped[i], {}).update(state)
+                try:
+                    try:
+                        if transform is not None and read_grads:
+                            transform(read_grads)
+                        self._step_group(group, grads)
+                    finally:
+                        for i in read_members:  # the buffer is written back and reused: no reference stays
+                            grads[i] = None
+                        out = {i: self._detach_state(i) for i in group.members}
+                        if self.holds_masters:
+                            for i in group.members:
+                                out[i][MASTER] = self.stepped[i].detach()
+                                views.setdefault(i, {})[MASTER] = out[i][MASTER]
+                                self._park(i)
+                    # state the optimizer created on this step (not in the buffer) is written from where it is
+                    for i, state in out.items():
+                        fresh = {key: t for key, t in state.items() if key not in views.get(i, {})}
+                        for key in fresh:
+                            del state[key]
+                        if fresh:
+                            self._write_new(i, fresh)
+                except BaseException:
+                    self._give_frame(frame)
+                    raise
+                writes.append(self._pool.submit(self._write_group, group, frame, out))
+                while issue(block=False):
+                    pass
+            for w in writes:
+                w.result()
+        finally:  # on failure: no thread may still fill a buffer after this returns
+            for frame, future in reads.values():
+                with contextlib.suppress(BaseException):
+                    future.result()
+                self._give_frame(frame)
+            for w in writes:
+                with contextlib.suppress(BaseException):
+                    w.result()
+
+    def close(self) -> None:
+        """Stop the I/O threads, close the files (the scratch directory is removed by its owner)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        if self.files is not None:
+            self.files.close()
+        while not self._frames.empty():
+            self._frames.get_nowait().data = torch.empty(0, dtype=torch.uint8)
+
+
+# -- wiring ----------------------------------------------------------------------------------------
+
+
+PIN_BLOCK = 1 << 28  # bytes: host masters are views into blocks of at most this size (a larger one alone)
+HOST_ALIGN = 64  # bytes: each view starts on a cache line
+
+
+def pack_blocks(
+    nbytes: list[int], breaks: set[int] = frozenset(), block: int = PIN_BLOCK, align: int = HOST_ALIGN
+) -> tuple[list[int], list[tuple[int, int]]]:
+    """Lay tensors of ``nbytes`` bytes out, in order, in blocks of at most ``block`` bytes (a tensor larger than
+    that in a block of its own), each at an ``align``-ed offset, starting a new block at each index in ``breaks``:
+    the size of every block, and (block, byte offset) of every tensor."""
+    sizes: list[int] = []
+    where: list[tuple[int, int]] = []
+    used = block  # no open block yet
+    for i, n in enumerate(nbytes):
+        start = -(-used // align) * align
+        if i in breaks or not sizes or start + n > block:
+            sizes.append(0)
+            start = 0
+        where.append((len(sizes) - 1, start))
+        used = start + n
+        sizes[-1] = max(sizes[-1], used)
+    return sizes, where
+
+
+def host_masters(
+    masters: dict[int, torch.Tensor] | None,
+    fragments: dict[int, torch.Tensor],
+    pin: bool,
+    sub_group_size: int | None = None,
+    ratio: float = 1.0,
+) -> dict[int, torch.Tensor]:
+    """fp32 masters in host memory for a CUDA run whose optimizer state is offloaded: the step runs on the CPU
+    (see docs/offload.md). ``fragments``: the fp32 fragments in the order they are stepped, used when there are no
+    separate masters. ``ratio`` < 1 (``device: cpu``, DeepSpeed's partial offload): only the sub-groups of the
+    first ``ratio`` of the elements go to the host, the others stay where they are and step on the GPU (their
+    state is made there). The host copies are views into a few large blocks, one per sub-group at least (so that a
+    sub-group whose masters leave memory frees its blocks), pinned with ``pin``: pinned memory allocated per
+    fragment would cost one call into the CUDA driver and a power-of-two rounding per fragment."""
+    source = masters if masters is not None else fragments
+    keys = list(fragments)
+    numels = [source[k].numel() for k in keys]
+    groups = make_sub_groups(numels, sub_group_size or max(sum(numels), 1), ratio)
+    to_host = [i for g in groups if g.offloaded for i in g.members]
+    breaks = {g.members[0] for g in groups}
+    sizes, where = pack_blocks([numels[i] * 4 for i in to_host], {j for j, i in enumerate(to_host) if i in breaks})
+    pin = pin and torch.cuda.is_available()
+    blocks = [torch.empty(n, dtype=torch.uint8, device="cpu", pin_memory=pin) for n in sizes]
+    out = {k: source[k] for k in keys}  # not offloaded (ratio): the master, or the fp32 fragment itself
+    for j, i in enumerate(to_host):
+        t = source[keys[i]]
+        b, offset = where[j]
+        host = blocks[b][offset : offset + numels[i] * 4].view(torch.float32).view(t.shape)
+        host.copy_(t)
+        out[keys[i]] = host
+    return out
+
+
+def build_optimizer_offload(
+    optimizer: torch.optim.Optimizer,
+    stepped: list[torch.Tensor],
+    device: str,
+    sub_group_size: int,
+    buffer_count: int,
+    ratio: float,
+    pin_memory: bool,
+    scratch: ScratchDir | None,
+    rank: int,
+    world: Communicator,
+    fragments: list[torch.Tensor] | None = None,
+) -> OptimizerOffload:
+    """Sub-groups over ``stepped`` and, with ``device == "nvme"``, swap files in ``scratch``; ``fragments``: with
+    separate fp32 masters, the compute-dtype fragment of each (the masters are then offloaded too)."""
+    groups = make_sub_groups([s.numel() for s in stepped], sub_group_size, ratio if device == "nvme" else 0.0)
+    files = SwapFiles(scratch, rank) if device == "nvme" and scratch is not None else None
+    return OptimizerOffload(optimizer, stepped, groups, files, buffer_count, world, pin_memory, fragments)
+
+
+def ineffective_offload_keys(zcfg: Any, device_type: str) -> list[str]:
+    """One sentence per offload key the user set that can have no effect in this configuration on a machine
+    whose devices are ``device_type`` (the engine logs them as warnings at ``initialize``): what was set, why it
+    does nothing here, what to do instead."""
+    opt, param = zcfg.offload_optimizer, zcfg.offload_param
+    prefix, notes = "zero_optimization.", []
+    if opt.device == "cpu" and opt.ratio < 1 and device_type != "cuda":
+        notes.append(
+            f"{prefix}offload_optimizer.ratio {opt.ratio} has no effect with device 'cpu' on a machine without a "
+            "GPU: the ratio splits the step between the host and the GPU, and here all optimizer state is in host "
+            "memory anyway; remove it, or use device 'nvme' (ratio: the share of the state kept in files)"
+        )
+    if opt.device != "none" and opt.pin_memory and device_type != "cuda":
+        notes.append(
+            f"{prefix}offload_optimizer.pin_memory has no effect on a machine without a GPU: page-locked host "
+            "memory only speeds copies to and from a GPU; remove it"
+        )
+    if opt.device == "cpu" and "buffer_count" in opt.model_fields_set:
+        notes.append(
+            f"{prefix}offload_optimizer.buffer_count has no effect with device 'cpu': it counts the buffers that "
+            "swap files are read into (device 'nvme'); remove it"
+        )
+    if param.device == "cpu" and "buffer_count" in param.model_fields_set:
+        notes.append(
+            f"{prefix}offload_param.buffer_count has no effect with device 'cpu': it bounds the units read ahead "
+            "from their swap files (device 'nvme'); remove it"
+        )
+    return notes

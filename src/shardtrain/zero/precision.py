@@ -1,0 +1,154 @@
+"""Mixed precision: which dtype computes, which reduces, which the optimizer sees; and the loss scaler.
+
+[Note: mixed precision]
+With ``bf16`` or ``fp16`` enabled, the module's parameters (flat buffers, see [Note: bucket layout]),
+frozen parameters and floating buffers are cast to the compute dtype after the layout is built. Each rank
+keeps fp32 *master* copies of its fragments, made from the original fp32 values before the cast; the
+optimizer (and its state) sees only the masters. After each step the compute-dtype fragments are refreshed
+from the masters, then gathered as usual.
+
+Gradients are produced in the compute dtype and accumulated in fp32: each is added into the fp32 gradient
+buffer of its bucket (stages 0-1, full size) or staged and reduce-scattered into an fp32 shard (stages
+2-3), then freed. That is what shardtrain keeps for gradient accumulation: 2 bytes per parameter more than
+compute-dtype gradient buffers (stage 1: 2 + 4 + 12/N bytes per parameter, stage 2: 2 + 16/N, stage 3:
+18/N, instead of the 4 + 12/N, 2 + 14/N and 16/N of the ZeRO paper's accounting), in exchange for exact
+accumulation over micro-steps and fp32 gradients ready for the masters without another copy.
+Reductions across ranks run in ``communication_data_type`` (default fp32: the average of N ranks'
+gradients is formed in fp32, at twice the bytes of a bf16 reduction; ``"bf16"``/``"fp16"`` halves the
+bytes and sums in low precision).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from shardtrain.config.schema import Config
+from shardtrain.errors import ConfigError, ShardtrainError
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    compute_dtype: torch.dtype = torch.float32
+    reduce_dtype: torch.dtype = torch.float32
+    master_dtype: torch.dtype = torch.float32
+
+    @property
+    def mixed(self) -> bool:
+        return self.compute_dtype != self.master_dtype
+
+    def casts(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` (a parameter or buffer) is cast to the compute dtype: fp32 floating tensors only."""
+        return self.mixed and t.dtype == torch.float32
+
+
+def policy_from_config(cfg: Config) -> PrecisionPolicy:
+    if cfg.bf16.enabled:
+        compute = torch.bfloat16
+    elif cfg.fp16.enabled:
+        compute = torch.float16
+    else:
+        compute = torch.float32
+    reduce = _DTYPES[cfg.communication_data_type] if cfg.communication_data_type else torch.float32
+    return PrecisionPolicy(compute_dtype=compute, reduce_dtype=reduce)
+
+
+def check_parameter_dtypes(model: nn.Module, policy: PrecisionPolicy) -> None:
+    """Refuse trainable parameters in a dtype the policy does not train correctly, before the model is touched.
+
+    The flat buffers, gradient reductions and optimizer are built for fp32 parameters, or, under mixed
+    precision, for parameters that are fp32 (cast by shardtrain after its fp32 masters are taken) or
+    already in the compute dtype (the masters are then made from those values), and fp64 without mixed
+    precision. Any other dtype would
+    train silently wrong: a bf16 model without a ``bf16`` section used to take no-op steps. Frozen
+    parameters may have any dtype (a bf16 base model under LoRA adapters): they are never stepped."""
+    allowed = {torch.float32, policy.compute_dtype}
+    if not policy.mixed:  # fp64 trains as it is: its gradients accumulate in fp64 and alias the flat buffers
+        allowed.add(torch.float64)
+    wrong: dict[torch.dtype, list[str]] = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad and p.dtype not in allowed:
+            wrong.setdefault(p.dtype, []).append(name)
+    if not wrong:
+        return
+    dtype, names = next(iter(wrong.items()))
+    shown = ", ".join(names[:5]) + (f" (+{len(names) - 5} more)" if len(names) > 5 else "")
+    short = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype)
+    if policy.mixed:
+        fix = f"cast the model to torch.float32 (or {policy.compute_dtype}, the compute dtype of this config)"
+    elif short is not None:
+        fix = f'keep the model in torch.float32 and set "{short}": {{"enabled": true}} in the config'
+    else:
+        fix = "keep the model in torch.float32"
+    raise ConfigError(
+        f"trainable parameter(s) {shown} have dtype {dtype}, but this config computes in "
+        f"{policy.compute_dtype}; {fix}. shardtrain keeps the fp32 master weights itself and casts the "
+        "model to the compute dtype after taking them, so the model should stay fp32"
+    )
+
+
+class LossScaler:
+    """Static or dynamic loss scaling for fp16, with DeepSpeed's semantics.
+
+    Dynamic: the scale starts at ``2**initial_scale_power``. An overflow (inf/nan in any rank's gradients)
+    skips the step; the scale halves once ``hysteresis`` overflows have been seen since the last clean
+    window (the first ``hysteresis - 1`` overflows only use up the allowance). A clean step that follows a
+    positive multiple of ``loss_scale_window`` consecutive clean steps doubles the scale and restores the
+    allowance: the first growth after the start or an overflow comes on clean step ``window + 1``, the next ones
+    every ``window`` clean steps (DeepSpeed's ``DynamicLossScaler``, checked step by step against it). An overflow
+    at ``min_loss_scale`` raises: training cannot make progress in fp16 from there.
+    """
+
+    def __init__(
+        self,
+        static_scale: float = 0.0,
+        initial_scale_power: int = 16,
+        window: int = 1000,
+        hysteresis: int = 2,
+        min_scale: float = 1.0,
+    ) -> None:
+        self.dynamic = static_scale == 0
+        self.scale = float(2**initial_scale_power) if self.dynamic else float(static_scale)
+        self.window, self.hysteresis, self.min_scale = window, hysteresis, min_scale
+        self._allowance = hysteresis
+        self._clean_steps = 0
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> LossScaler | None:
+        if not cfg.fp16.enabled:
+            return None
+        f = cfg.fp16
+        return cls(f.loss_scale, f.initial_scale_power, f.loss_scale_window, f.hysteresis, f.min_loss_scale)
+
+    def update(self, overflow: bool) -> None:
+        """Account one optimizer step (skipped when ``overflow``)."""
+        if not self.dynamic:
+            return
+        if not overflow:
+            # the clean steps *before* this one decide, as in DeepSpeed (its "stable interval"); counting this one
+            # too would grow one step early after every overflow and diverge from a resumed DeepSpeed run
+            if self._clean_steps > 0 and self._clean_steps % self.window == 0:
+                self.scale *= 2.0
+                self._allowance = self.hysteresis
+            self._clean_steps += 1
+            return
+        self._clean_steps = 0
+        if self._allowance > 1:
+            self._allowance -= 1
+            return
+        if self.scale <= self.min_scale:
+            raise ShardtrainError(
+                f"fp16 gradients overflow even at the minimum loss scale ({self.min_scale:g}); the model "
+                "diverged or needs bf16 / fp32 (or lower fp16.min_loss_scale)"
+            )
+        self.scale = max(self.scale / 2.0, self.min_scale)
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "allowance": self._allowance, "clean_steps": self._clean_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale, self._allowance, self._clean_steps = state["scale"], state["allowance"], state["clean_steps"]
