@@ -267,7 +267,7 @@ def rss_phases(variant: str, steps: int, shape: Shape) -> dict[str, int]:
         import torch._dynamo.backends.common  # AOT autograd
         import torch._functorch.partitioners
 
-        if variant.endswith(":inductor"):  # aot_eager never imports it (tests/test_graph_memory.py)
+        if variant.endswith(":inductor"):  # aot_eager never imports it (tests/graph/test_graph_memory.py)
             import torch._inductor.compile_fx  # noqa: F401
 
         out["compile stack"] = _status()["VmRSS"] - before

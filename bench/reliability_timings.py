@@ -20,7 +20,10 @@ from pathlib import Path
 
 import torch
 
+# the tests' helpers, and the test modules whose scenarios this times
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "engine"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "reliability"))
 
 from reliability_helpers import check_rank_death
 from shardtrain.testing import run_distributed, run_ranks

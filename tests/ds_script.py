@@ -1,5 +1,5 @@
 """A training script written against DeepSpeed's API only; ``run(module_name, ...)`` imports ``deepspeed`` or
-``shardtrain.deepspeed`` under the name ``deepspeed`` and runs it unchanged (tests/test_deepspeed_shim.py runs it
+``shardtrain.deepspeed`` under the name ``deepspeed`` and runs it unchanged (tests/compat/test_deepspeed_shim.py runs it
 both ways, on 2 or 3 ranks).
 
 Per ZeRO stage it: builds the model (under ``zero.Init`` at stage 3), changes one weight at the last rank inside

@@ -1,5 +1,5 @@
-"""What tests/test_hf_trainer.py runs on each rank: a tiny Llama trained by the plain ``transformers.Trainer`` or by
-``ShardtrainTrainer`` on the same data, seed and global batch."""
+"""What tests/compat/test_hf_trainer.py runs on each rank: a tiny Llama trained by the plain ``transformers.Trainer``
+or by ``ShardtrainTrainer`` on the same data, seed and global batch."""
 
 from __future__ import annotations
 
@@ -344,7 +344,7 @@ def single_rank_checks(out_dir: str) -> dict[str, Any]:
     }
 
 
-# -- TRL (tests/test_trl.py): SFTTrainer and DPOTrainer on a word-level tokenizer and text made here --------------
+# -- TRL (tests/compat/test_trl.py): SFTTrainer and DPOTrainer on a word-level tokenizer and text made here ------------
 
 
 def word_tokenizer():

@@ -1,11 +1,17 @@
-"""Shared pieces of the reliability tests: killing a rank at a chosen point, and what every survivor must show."""
+"""Shared pieces of the reliability tests: killing a rank at a chosen point, what every survivor must show, and a
+disk that fills up (:class:`FullDisk`)."""
 
 from __future__ import annotations
 
+import builtins
+import errno
+import io
 import os
 import re
 import signal
+from pathlib import Path
 
+from shardtrain.checkpoint import durable, safetensors_io, writer
 from shardtrain.checkpoint.durable import KILL_ENV
 from shardtrain.testing import RankOutcome
 
@@ -80,3 +86,67 @@ def check_rank_death(outcomes: list[RankOutcome], victim: int, tp: int = 1) -> d
         assert seconds < SURVIVOR_LIMIT_S, (o.rank, seconds)
         out[o.rank] = (seconds, message)
     return out
+
+
+# -- a disk that fills up --------------------------------------------------------------------------------------------
+
+NOSPACE = f"[Errno {errno.ENOSPC}] {os.strerror(errno.ENOSPC)}"
+
+
+class FullDisk:
+    """Files opened for writing (whose name passes ``which``) take ``room`` more bytes in all, then every write fails
+    with ENOSPC, as on a disk that fills up; with ``at_fsync`` the writes succeed and the fsync fails instead (as on
+    NFS or a thin-provisioned volume, where the space runs out when the data is written back)."""
+
+    def __init__(self, room: int, which=lambda name: True, at_fsync: bool = False) -> None:
+        self.room, self.which, self.at_fsync = room, which, at_fsync
+        self._fsync = os.fsync
+
+    def open(self, file, mode="r", *args, **kwargs):
+        f = builtins.open(file, mode, *args, **kwargs)  # noqa: SIM115 (returned to the caller, who closes it)
+        if not set(mode) & set("wax+") or not self.which(Path(file).name):
+            return f
+        return _Filling(f, self)
+
+    def fsync(self, fd: int) -> None:
+        if self.at_fsync:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self._fsync(fd)
+
+    def __enter__(self) -> FullDisk:
+        for module in (safetensors_io, durable, writer):
+            module.open = self.open  # module globals shadow the builtin
+        if self.at_fsync:
+            os.fsync = self.fsync
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for module in (safetensors_io, durable, writer):
+            del module.open
+        os.fsync = self._fsync
+
+
+class _Filling:
+    def __init__(self, f, disk: FullDisk) -> None:
+        self._f, self._disk = f, disk
+
+    def write(self, data) -> int:
+        """A raw file (``buffering=0``) writes what fits and says so (a short write), then fails; a buffered or
+        text file writes everything or raises."""
+        n = len(data) if isinstance(data, str) else len(memoryview(data).cast("B"))
+        take = min(n, self._disk.room)
+        if take < n and (take == 0 or not isinstance(self._f, io.RawIOBase)):
+            self._f.write(data[:take])
+            self._disk.room -= take
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # a kernel write error: no file name
+        self._disk.room -= take
+        return self._f.write(data[:take])
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._f.close()
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)

@@ -258,7 +258,7 @@ def assert_parity(
     SGD (``what`` says "sgd") within ``SGD_MOVED_FRAC``: its update is linear in the gradient, so only rounding
     separates the runs, and a tensor whose gradient is off by a factor moves by that factor.
     bf16 (rounding of bf16 gradients differs with the summation order): losses within 1e-3, norms 2e-2, total
-    parameter error under a tenth of the total distance moved (the bar of tests/test_mixed_precision.py)."""
+    parameter error under a tenth of the total distance moved (the bar of tests/zero/test_mixed_precision.py)."""
     if "bf16" in what:
         return _assert_bf16_parity(result, ref, what)
     for s, (a, b) in enumerate(zip(result["losses"], ref["losses"])):

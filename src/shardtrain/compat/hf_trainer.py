@@ -64,7 +64,7 @@ log = logging.getLogger("shardtrain")
 
 __all__ = ["ShardtrainTrainer", "ShardtrainTrainerMixin", "auto_values_from_args", "shard_frozen_model"]
 
-# transformers versions this integration is tested with (tests/test_hf_trainer.py): it overrides a few of the
+# transformers versions this integration is tested with (tests/compat/test_hf_trainer.py): it overrides a few of the
 # Trainer's private methods, which may change in another major version.
 TESTED_TRANSFORMERS = ">=5.23,<6"
 

@@ -37,7 +37,7 @@ from shardtrain.compat.hf_trainer import ShardtrainTrainerMixin
 
 __all__ = ["ShardtrainDPOTrainer", "ShardtrainSFTTrainer"]
 
-# TRL versions this module is tested with (tests/test_trl.py): TRL's trainers are subclasses whose private paths
+# TRL versions this module is tested with (tests/compat/test_trl.py): TRL's trainers are subclasses whose private paths
 # (prepare_model for the reference model, the fused LM head) change between major versions.
 TESTED_TRL = ">=1.16,<2"
 

@@ -11,11 +11,11 @@ One table (:data:`RULES`) says for each key of DeepSpeed's config reference whet
 A supported key may still do nothing in some combinations (``stage3_*`` keys below stage 3, an ``nvme_path`` without
 ``device: nvme``, a monitor's path with the monitor off): :data:`NO_EFFECT_WHEN` lists those modes, the docs table
 says them in the key's row and :func:`no_effect_here` names, for one config, the keys it gives that do nothing there
-(``shardtrain config check`` prints them). ``tests/test_config_keys.py`` shows every supported key's effect.
+(``shardtrain config check`` prints them). ``tests/config/test_config_keys.py`` shows every supported key's effect.
 
 :func:`classify` walks a raw config dict with that table before pydantic validates it, and returns the dict that
 pydantic sees (aliases renamed, no-effect keys removed) with every problem found, not only the first.
-``docs/config.md`` holds :func:`markdown_table`'s output; ``tests/test_config_deepspeed.py`` keeps them equal
+``docs/config.md`` holds :func:`markdown_table`'s output; ``tests/config/test_config_deepspeed.py`` keeps them equal
 (regenerate with ``python -m shardtrain.config.deepspeed_keys``).
 """
 

@@ -28,23 +28,22 @@ algorithms used here each rank sends that much). See [Note: bytes on the wire].
 
 [Note: bytes on the wire]
 Backends do not all move the convention's bytes. Measured on loopback (``/proc/net/dev``, world 2 and 3; the test
-``tests/test_comm_ring.py`` repeats the measurement): gloo's all-gather moves ``S * (N-1)/N`` per rank and its
-all-reduce ``2 * S * (N-1)/N`` as the convention says, but its ``reduce_scatter_tensor`` moves an all-reduce's
-bytes, ``2 * S * (N-1)/N``, twice the theoretical bytes; a ZeRO-3 step would move
-4P instead of 3P, stages 1-2 3P instead of 2P. So on gloo the reduce-scatter is ours (``reduce_scatter_impl ==
-"pairwise"``): each rank sends chunk ``j`` of its input straight to rank ``j`` (``isend``) and receives the ``N-1``
-peers' copies of its own chunk (``irecv``), all posted at once, so the transfers run on gloo's transport threads
-while the caller computes; ``wait()`` adds the ``N`` chunks up in rank order (rank 0's + rank 1's + ...), the same
-order on every rank and every step, so the result is deterministic. Every rank sends exactly ``S * (N-1)/N``
-bytes. A ring would send the same bytes in ``N-1`` dependent rounds, each needing a reduction before the next
-send, which an asynchronous handle cannot do without a thread of its own; the pairwise exchange has one round,
-which is what matters at the small group sizes gloo is used for (each rank talks to its ``N-1`` peers at once, the
-all-to-all pattern, fine on loopback and a few hosts). ``bench/bench_comm.py`` measures both against each other:
-on loopback the pairwise exchange took 0.35-0.6x the time of gloo's reduce-scatter from 1 to 24 MiB at world 2
-and 3, about an all-gather's time (docs/benchmarks.md, issue 15), so ``"auto"`` picks it for gloo and leaves
-NCCL's own reduce-scatter alone. ``sent`` is what the pairwise exchange really sends for ours, and the factor
-measured on loopback for gloo's collectives (its broadcast: ``S * (N-1)/N`` per rank on average); for NCCL it is
-the convention, NCCL's ring algorithms' bytes (not measured here: no GPU).
+``tests/distributed/test_comm_ring.py`` repeats the measurement): gloo's all-gather moves ``S * (N-1)/N`` per rank and
+its all-reduce ``2 * S * (N-1)/N`` as the convention says, but its ``reduce_scatter_tensor`` moves an all-reduce's
+bytes, ``2 * S * (N-1)/N``, twice the theoretical bytes; a ZeRO-3 step would move 4P instead of 3P, stages 1-2 3P
+instead of 2P. So on gloo the reduce-scatter is ours (``reduce_scatter_impl == "pairwise"``): each rank sends chunk
+``j`` of its input straight to rank ``j`` (``isend``) and receives the ``N-1`` peers' copies of its own chunk
+(``irecv``), all posted at once, so the transfers run on gloo's transport threads while the caller computes; ``wait()``
+adds the ``N`` chunks up in rank order (rank 0's + rank 1's + ...), the same order on every rank and every step, so the
+result is deterministic. Every rank sends exactly ``S * (N-1)/N`` bytes. A ring would send the same bytes in ``N-1``
+dependent rounds, each needing a reduction before the next send, which an asynchronous handle cannot do without a thread
+of its own; the pairwise exchange has one round, which is what matters at the small group sizes gloo is used for (each
+rank talks to its ``N-1`` peers at once, the all-to-all pattern, fine on loopback and a few hosts).
+``bench/bench_comm.py`` measures both against each other: on loopback the pairwise exchange took 0.35-0.6x the time of
+gloo's reduce-scatter from 1 to 24 MiB at world 2 and 3, about an all-gather's time (docs/benchmarks.md, issue 15), so
+``"auto"`` picks it for gloo and leaves NCCL's own reduce-scatter alone. ``sent`` is what the pairwise exchange really
+sends for ours, and the factor measured on loopback for gloo's collectives (its broadcast: ``S * (N-1)/N`` per rank on
+average); for NCCL it is the convention, NCCL's ring algorithms' bytes (not measured here: no GPU).
 """
 
 from __future__ import annotations

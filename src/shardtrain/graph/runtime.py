@@ -136,7 +136,8 @@ class GraphRuntime(Runtime):
 
     def forward(self, call: Call) -> Any:
         if self.inputs is not None:
-            if self._check_eagerly and torch.is_grad_enabled():  # bitwise the graph's numbers (tests/test_graph_tp.py)
+            # eagerly: bitwise the graph's numbers (tests/graph/test_graph_tp.py)
+            if self._check_eagerly and torch.is_grad_enabled():
                 return self.eager.forward(call)
             self.eager.release()  # units an eager call of the module left gathered: the graph reads the shards
             self._captured_with_grad |= torch.is_grad_enabled()

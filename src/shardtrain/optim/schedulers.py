@@ -7,7 +7,7 @@ step, so the lr of step ``k`` is their formula at ``last_batch_iteration == k - 
 when built (WarmupLR, WarmupDecayLR: ``warmup_min_lr``, and step 1 too, the formula's value at iteration 0;
 WarmupCosineLR: 0; OneCycle: ``cycle_min_lr``; LRRangeTest: ``lr_range_test_min_lr``). Every scheduler here
 evaluates DeepSpeed's formula at ``last_epoch - 1`` for that reason, so that every step's lr is DeepSpeed's;
-``tests/test_schedulers.py`` compares them with DeepSpeed's own classes step by step.
+``tests/optim/test_schedulers.py`` compares them with DeepSpeed's own classes step by step.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ cannot hold: a direct call of the module (``engine.module(x)``, generation, a me
 ``engine(...)``) runs through the eager unit hooks, which are inert while a graph is traced, and
 ``gathered(params)`` is the same code in both modes. So a feature that works in eager mode works in graph mode, or
 ``initialize`` refuses the combination with its reason (``refuse_unbuilt`` in :mod:`shardtrain.engine.build`).
-``tests/test_runtime_modes.py`` runs one battery in both modes and compares the results.
+``tests/engine/test_runtime_modes.py`` runs one battery in both modes and compares the results.
 """
 
 from __future__ import annotations

@@ -277,7 +277,7 @@ def test_a_checkpoint_saved_under_sequence_parallelism_loads_without_it(tmp_path
 
 
 def _bf16_reference(case: str) -> dict:
-    """One process, bf16 compute with fp32 masters (as tests/test_mixed_precision.py's reference)."""
+    """One process, bf16 compute with fp32 masters (as tests/zero/test_mixed_precision.py's reference)."""
     model = _model(case)
     opt = _optimizer(model)
     params = [p for g in opt.param_groups for p in g["params"]]
@@ -326,7 +326,7 @@ def _bf16_run(case: str, sp: int, stage: int) -> dict:
 @pytest.mark.soak
 @pytest.mark.parametrize(("case", "sp", "stage"), [("gpt", 2, 2), ("llama", 3, 3)])
 def test_bf16_parity(case, sp, stage):
-    """bf16 compute, fp32 masters, at the mixed-precision bar of tests/test_mixed_precision.py."""
+    """bf16 compute, fp32 masters, at the mixed-precision bar of tests/zero/test_mixed_precision.py."""
     ref = _bf16_reference(case)
     results = run_distributed(_bf16_run, sp, case, sp, stage, init_process_group=False)
     for s in range(STEPS):

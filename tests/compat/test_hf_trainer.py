@@ -182,7 +182,7 @@ def test_example_trains_resumes_and_saves(tmp_path):
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), os.environ.get("PYTHONPATH", "")])}
     env["OMP_NUM_THREADS"] = "1"
     out = tmp_path / "run"

@@ -2,9 +2,10 @@
 within seconds naming it (not after the 1800 s collective timeout); ``latest`` names a complete checkpoint that
 verifies; the next run loads it, resumes exactly, and its first save removes what the killed one left.
 
-The single-process test (tests/test_checkpoint_crash.py) checks what is on disk at every point; this one checks that
-the other ranks are not left waiting, whichever rank dies where. Points reached only by rank 0 (inside the prepare
-and publish steps) kill rank 0, the host of the rendezvous store here; the others kill another rank each time."""
+The single-process test (tests/checkpoint/test_checkpoint_crash.py) checks what is on disk at every point; this one
+checks that the other ranks are not left waiting, whichever rank dies where. Points reached only by rank 0 (inside the
+prepare and publish steps) kill rank 0, the host of the rendezvous store here; the others kill another rank each
+time."""
 
 from __future__ import annotations
 

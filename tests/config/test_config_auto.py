@@ -14,7 +14,7 @@ from shardtrain.config.schema import load_config
 from shardtrain.errors import ConfigError
 from shardtrain.testing import run_distributed
 
-CORPUS = Path(__file__).parent / "data" / "ds_configs"
+CORPUS = Path(__file__).parents[1] / "data" / "ds_configs"
 BATCH_AUTO = {
     "train_batch_size": "auto",
     "train_micro_batch_size_per_gpu": "auto",

@@ -16,7 +16,7 @@ from shardtrain.checkpoint import open_checkpoint
 
 transformers = pytest.importorskip("transformers")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(config: Path, out: Path, steps: int) -> str:

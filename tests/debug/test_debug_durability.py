@@ -23,7 +23,7 @@ from debug_models import Net
 from shardtrain.cli import main
 from shardtrain.debug import StatisticsSubscriber, SubscriberManager
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs" / "debugging.md"
 UNSUBSCRIBE = "manager.unsubscribe(model)"
 PRINT = '    print(f"step {step}: loss {loss.item():.6f}")\n'

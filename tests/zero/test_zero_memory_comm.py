@@ -56,7 +56,8 @@ def test_comm_bytes_per_step_match_formulas(world):
     assert s2["reduce_scatter"]["calls"] == gas * s1["reduce_scatter"]["calls"]
     assert s2["all_gather"]["bytes"] == ring(p)
     # on the wire (gloo): the reduce-scatter is the pairwise exchange, which sends the theoretical bytes, not
-    # gloo's own, which sends an all-reduce's (see [Note: bytes on the wire]; tests/test_comm_ring.py measures it)
+    # gloo's own, which sends an all-reduce's (see [Note: bytes on the wire]; tests/distributed/test_comm_ring.py
+    # measures it)
     for s in (s0, s1, s2):
         assert all(c["sent"] == c["bytes"] for c in s.values()), s
     # bucketing: more than one collective per kind for this bucket size

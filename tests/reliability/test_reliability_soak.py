@@ -9,7 +9,7 @@ other layout into exactly the weights the run had when it saved it; the final pa
 
 Marked ``soak`` (excluded by default; 7.6 minutes on the shared 2-CPU VM)::
 
-    PYTHONPATH=src:tests python -m pytest -m soak -s tests/test_reliability_soak.py
+    PYTHONPATH=src:tests python -m pytest -m soak -s tests/reliability/test_reliability_soak.py
 
 ``SHARDTRAIN_SOAK_STEPS`` scales the run down (e.g. 400 for a quick look at the harness: saves, kills and loads
 keep their proportions). The figures are printed and written to ``soak-summary.json`` in the test's directory;
@@ -36,7 +36,7 @@ from reliability_helpers import check_rank_death
 from shardtrain.models.markov import MarkovCorpus
 from shardtrain.testing import run_distributed, run_ranks
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))  # the model, config and data of the elastic-restart example
 
 import elastic_train  # noqa: E402

@@ -9,7 +9,7 @@ import pytest
 
 from shardtrain.cli import main
 
-CORPUS = Path(__file__).parent / "data" / "ds_configs"
+CORPUS = Path(__file__).parents[1] / "data" / "ds_configs"
 
 
 def _expected() -> dict[str, set[str] | None]:
@@ -50,7 +50,7 @@ def test_config_check_classifies_real_configs(name, capsys):
 
 def test_cli_over_whole_corpus_reports_without_traceback():
     files = sorted(str(p) for p in CORPUS.glob("*.json"))
-    src = str(Path(__file__).parent.parent / "src")
+    src = str(Path(__file__).parents[2] / "src")
     run = subprocess.run(
         [sys.executable, "-m", "shardtrain", "config", "check", "--world-size", "2", *files],
         capture_output=True,

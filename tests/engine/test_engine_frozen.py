@@ -3,7 +3,7 @@
 A parameter frozen when ``initialize`` ran and unfrozen later is refused at the next step, naming it: the gradient
 buckets and the optimizer state were built without it, so it would never be reduced nor stepped (before, it trained
 silently as if still frozen). Freezing after ``initialize`` and unfreezing again is supported, between steps
-(here and tests/test_runtime_modes.py) and between the micro-steps of one step, as one process does it ([Note:
+(here and tests/engine/test_runtime_modes.py) and between the micro-steps of one step, as one process does it ([Note:
 parameters frozen after initialize] in zero/optimizer.py)."""
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ def test_a_parameter_frozen_within_a_step_gets_the_gradients_accumulated_before(
 @pytest.mark.soak
 def test_a_parameter_frozen_within_a_step_in_graph_mode_zero3():
     """The same in graph-mode ZeRO-3 (a new graph for each trainable set), and bitwise-close to eager ZeRO-3 (the
-    default run checks graph mode against eager in tests/test_runtime_modes.py's battery)."""
+    default run checks graph mode against eager in tests/engine/test_runtime_modes.py's battery)."""
     graph = {"graph": {"enabled": True, "strict": True}}
     runs = _check_frozen_within_steps({"eager": (3, {}), "graph": (3, graph)})["runs"]
     for k, v in runs["eager"]["params"].items():

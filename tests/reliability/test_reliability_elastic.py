@@ -17,7 +17,7 @@ import pytest
 
 from shardtrain.testing import run_distributed
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))  # the reference run imports the example's train()
 
 import elastic_train  # noqa: E402

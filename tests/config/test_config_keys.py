@@ -52,9 +52,11 @@ SECTIONS = {r.path for r in RULES if r.kind is Kind.SUPPORTED and r.values == "s
 KEYS = [p for p in SUPPORTED if p not in SECTIONS]
 
 # Keys whose effect in one mode is shown elsewhere: graph mode at stage 3, where `stage3_prefetch_bucket_size` and
-# `overlap_comm` act on the captured graphs' schedule (tests/test_graph_zero3.py::test_the_schedule_follows_prefetch_
+# `overlap_comm` act on the captured graphs' schedule
+# (tests/graph/test_graph_zero3.py::test_the_schedule_follows_prefetch_
 # and_overlap_and_its_peak_is_measured_from_the_graphs; `stage3_gather_check` has none there, see NO_EFFECT_WHEN), and
-# `collective_timeout_s` for a process group the user made before initialize (tests/test_reliability_groups.py).
+# `collective_timeout_s` for a process group the user made before initialize
+# (tests/reliability/test_reliability_groups.py).
 
 EFFECTS: dict[str, Callable[[Path], None]] = {}
 """key -> check, run at world 1 with a scratch directory of its own."""

@@ -1,6 +1,6 @@
 """Two torchrun agents on this machine as two nodes (``--nnodes 2 --node-rank 0/1``, static rendezvous on localhost)
 train at ZeRO-3 and checkpoint; the checkpoint verifies and the losses are those of the same job on one node.
-(Resuming under torchrun is tests/test_reliability_elastic.py; one launch here keeps the test short.)"""
+(Resuming under torchrun is tests/reliability/test_reliability_elastic.py; one launch here keeps the test short.)"""
 
 from __future__ import annotations
 

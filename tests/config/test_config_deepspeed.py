@@ -9,7 +9,7 @@ from shardtrain.config.deepspeed_keys import ALIASES, RULES, RULES_BY_PATH, Kind
 from shardtrain.config.schema import Config, inspect_config, load_config
 from shardtrain.errors import ConfigError
 
-DOC = Path(__file__).parent.parent / "docs" / "config.md"
+DOC = Path(__file__).parents[2] / "docs" / "config.md"
 
 
 def _field_paths(model: type[BaseModel], prefix: str = "") -> set[str]:

@@ -2,11 +2,11 @@
 stage and with tensor parallelism (tp=2: forward and backward then hold the tensor-parallel all-reduces and
 all-gathers too; world 2, and world 4 = dp 2 x tp 2): every survivor stops within seconds with a PeerLostError that
 names the killed rank and what the survivor was doing, without calling it a timeout, and no process is left behind.
-A rank killed in save_checkpoint is tests/test_reliability_save_crash.py (every point of the save, every stage,
-worlds 2 and 3; with tensor parallelism: one point here).
+A rank killed in save_checkpoint is tests/reliability/test_reliability_save_crash.py (every point of the save, every
+stage, worlds 2 and 3; with tensor parallelism: one point here).
 
 The full matrices (every stage, point, world and killed rank, save included) are marked ``soak``: ``pytest -m
-soak tests/test_reliability_rank_death.py``."""
+soak tests/reliability/test_reliability_rank_death.py``."""
 
 from __future__ import annotations
 

@@ -126,7 +126,7 @@ def test_eager_and_graph_mode_give_the_same_results_at_zero3(tmp_path):
     half = e["module"]["blocks.1.mlp.0.weight"] * 0.5
     assert torch.equal(e["gathered modified"]["blocks.1.mlp.0.weight"], half)
     # debug subscribers: both modes run with them (graph-mode ZeRO-3 computes their statistics inside the graph,
-    # tests/test_graph_debug.py), with the same loss, and the run goes on unchanged once they are removed
+    # tests/graph/test_graph_debug.py), with the same loss, and the run goes on unchanged once they are removed
     for e, g in zip(eager, graph):
         assert isinstance(e["subscribed"], float) and isinstance(g["subscribed"], float), (e, g)
         torch.testing.assert_close(g["subscribed"], e["subscribed"], rtol=1e-6, atol=0)
