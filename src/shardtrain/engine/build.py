@@ -1,6 +1,6 @@
 """How an :class:`~shardtrain.engine.engine.Engine` is put together.
 
-``initialize`` (``engine.py``) checks what the user passed, places the model and splits it for tensor parallelism;
+``initialize`` (:mod:`.engine`) checks what the user passed, places the model and splits it for tensor parallelism;
 :func:`build_parts` then makes the engine's parts, in the order each needs the ones before it:
 
 ====================  ==========================================================================================

@@ -265,7 +265,7 @@ def _check_layout(layout: Layout, device_type: str) -> None:
             f"zero_optimization.mics_shard_size {layout.shard_size} must divide the data-parallel size {layout.dp} "
             f"(world {layout.world} / tp {layout.tp}): groups of that many ranks each hold one copy"
         )
-    if layout.hpz > 1 and layout.stage == 3:  # as initialize decides (mesh.py, zero/hpz.py)
+    if layout.hpz > 1 and layout.stage == 3:  # as initialize decides (distributed/mesh.py, zero/hpz.py)
         if layout.dp % layout.hpz:
             raise ConfigError(
                 f"zero_optimization.zero_hpz_partition_size {layout.hpz} must divide the data-parallel size "
@@ -361,7 +361,7 @@ def _estimate(
                 cache["fake", tp] = build_fake(source, tp, torch.float32, tp_plan)
     fake = cache["fake", layout.tp]
     n_params = sum(p.numel() for p in cache["fake", 1].parameters())
-    # gradient shards in swap files: as zero/offload.py's OptimizerOffload.offload_gradients decides
+    # gradient shards in swap files: as offload/optimizer_state.py's OptimizerOffload.offload_gradients decides
     grads_in_files = zcfg.offload_optimizer.device == "nvme" and zcfg.stage >= 2 and device_type == "cpu"
     grads_in_files = grads_in_files and layout.tp == 1 and layout.shard_group == layout.dp
     st = rank_state(fake, zcfg, layout.shard_group, 0, compute, moments, steps, device_type, grads_in_files)

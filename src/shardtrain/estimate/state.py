@@ -123,7 +123,7 @@ def rank_state(
     grads_in_files: bool = False,
 ) -> RankState:
     """Bytes of one rank whose ZeRO shard group has ``world`` ranks and which is ``rank`` in it; ``grads_in_files``:
-    the gradient shards are in swap files (``GradOffload`` in zero/offload.py; the caller knows tp and hybrid)."""
+    the gradient shards are in swap files (``GradOffload`` in offload/gradients.py; the caller knows tp and hybrid)."""
     policy = ZeroPolicy.for_stage(zcfg.stage)
     mixed = compute != FP32
     buckets, units, whole = plan_buckets(model, zcfg, world, rank)
@@ -161,7 +161,7 @@ def rank_state(
         grads += (b.shard_numel if policy.shard_gradients else b.padded_numel) * acc
     st.grads = {"device": 0, "nvme": grads} if grads_in_files else {"device": grads}
 
-    # optimizer (ShardedOptimizer.state_bytes and zero/offload.py)
+    # optimizer (ShardedOptimizer.state_bytes and offload/optimizer_state.py)
     stepped = [
         f.length if policy.shard_optimizer_state else s.numel
         for b in buckets

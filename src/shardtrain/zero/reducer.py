@@ -305,8 +305,8 @@ class GradientReducer:
             lo, hi = p.bucket.shard_range
             self.full_grads[position][lo:hi].copy_(p.out)
         elif self.grad_offload is not None and position in self.grad_offload.on_disk:
-            # to its swap file ([Note: gradient offload] in zero/offload.py); a bucket graph mode once reduced stays
-            # in memory, also when a backward that followed only direct module calls reduces it here
+            # to its swap file ([Note: gradient offload] in offload/gradients.py); a bucket graph mode once reduced
+            # stays in memory, also when a backward that followed only direct module calls reduces it here
             self.grad_offload.fold(position, p.bucket, p.out, self._fresh_shard, self._boundary)
         elif self._fresh_shard:
             self.shard_grads[position].copy_(p.out)

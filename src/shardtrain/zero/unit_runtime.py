@@ -174,7 +174,7 @@ class EagerRuntime(Runtime):
         self._warned = False
         self.max_gathered = 0  # most units gathered at once (tests read it)
         self._announced: Unit | None = None  # its unit-id exchange was issued ahead (see [Note: unit order check])
-        # parameter offload (zero/offload.py): told before a unit's all-gather is issued (prefetches included,
+        # parameter offload (offload/parameters.py): told before a unit's all-gather is issued (prefetches included,
         # so in gather order) and once it has completed (the shard may leave memory again)
         self.before_gather: Callable[[Unit], None] | None = None
         self.after_gather: Callable[[Unit], None] | None = None
