@@ -59,7 +59,10 @@ def _worker(
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
     )
+    if init_pg:  # the group is gloo's: the engine must train on the CPU, on a machine with a GPU too
+        os.environ.setdefault("SHARDTRAIN_DEVICE", "cpu")
     torch.set_num_threads(threads)
     try:
         if init_pg:

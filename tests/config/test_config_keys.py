@@ -38,6 +38,7 @@ from shardtrain.errors import (
     CollectiveTimeoutError,
     ConfigError,
     GraphCaptureError,
+    LayoutError,
     OptimizerError,
     RankMismatchError,
     ShardtrainError,
@@ -871,6 +872,25 @@ def _seed(tmp: Path) -> None:
     seeded = (random.random(), float(np.random.rand()), float(torch.rand(())))
     assert draws(7) == seeded
     assert draws(8) != seeded
+
+
+@effect("device")
+def _device(tmp: Path) -> None:
+    from unittest import mock
+
+    # a machine with a GPU, as this process sees it, under the harness's gloo group
+    with (
+        mock.patch.object(torch.cuda, "is_available", lambda: True),
+        mock.patch.object(torch.cuda, "device_count", lambda: 1),
+        mock.patch.dict(os.environ, {"SHARDTRAIN_DEVICE": ""}),
+    ):
+        engine = _engine({"device": "cpu"})
+        assert engine.device == torch.device("cpu")
+        _micro_step(engine)
+        with pytest.raises(LayoutError, match=r"uses 'gloo' but this rank's device is cuda:0"):
+            _engine({})  # "auto" with a GPU in sight: CUDA, which the CPU group cannot carry
+    with pytest.raises(LayoutError, match="sees no CUDA device"):
+        _engine({"device": "cuda"})
 
 
 def _vocab_and_mlp_products(config: dict) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]], float]:

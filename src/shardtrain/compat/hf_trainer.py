@@ -136,7 +136,9 @@ def shard_frozen_model(model: nn.Module, config: Config, auto_values: dict[str, 
             f"{cfg.sequence_parallel_size}; use precompute_ref_log_probs=True or a peft model (its reference is the "
             "model with the adapter disabled)"
         )
-    topology = init_topology(tp=1, timeout_s=cfg.collective_timeout_s, shard_size=cfg.zero_optimization.mics_shard_size)
+    topology = init_topology(
+        tp=1, timeout_s=cfg.collective_timeout_s, shard_size=cfg.zero_optimization.mics_shard_size, device=cfg.device
+    )
     cfg = resolve_auto(cfg, dp=topology.dp, model=model, auto_values=auto_values)
     policy = policy_from_config(cfg)
     model.requires_grad_(False)  # never trained: nothing is reduced and no gradient is kept for it

@@ -842,6 +842,13 @@ RULES: tuple[Rule, ...] = (
     # -- shardtrain's own keys -------------------------------------------------------------------
     _supported("seed", "int", "shardtrain key: seeds python, numpy and torch at `initialize`"),
     _supported(
+        "device",
+        'string, `"auto"`',
+        'shardtrain key: where the engine trains, `"cpu"` or `"cuda"`; `"auto"` defers to the '
+        "`SHARDTRAIN_DEVICE` environment variable (as DeepSpeed's `DS_ACCELERATOR`), then to CUDA when available. "
+        'A CUDA rank takes device `LOCAL_RANK`: docs/architecture.md, "Devices"',
+    ),
+    _supported(
         "collective_timeout_s",
         "float > 0, `1800`",
         "shardtrain key: seconds before a collective fails with a named error",

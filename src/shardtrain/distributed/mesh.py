@@ -29,6 +29,17 @@ device-to-host copy of an NCCL result would). Where the main backend already exc
 backend string naming gloo for the CPU) the host-side groups are the main ones; under NCCL they are gloo groups over
 the same ranks, created once here (:func:`make_groups`).
 
+[Note: choosing the device]
+The config's ``device`` (``"auto"``, ``"cpu"`` or ``"cuda"``) chooses; at ``"auto"`` the environment variable
+``SHARDTRAIN_DEVICE`` does (as DeepSpeed's ``DS_ACCELERATOR``: a GPU machine runs a CPU job, or the CPU test suite,
+with ``SHARDTRAIN_DEVICE=cpu``), and without it CUDA when this process sees a device. A CUDA rank takes the device
+``LOCAL_RANK`` of those it sees, or the only one it sees (a launcher that hides the others, as SLURM's
+``--gpus-per-task=1``); more ranks on a node than devices is an error that says so before any collective, and two
+ranks that end up on one device are named at ``init_topology`` (an exchange of host names and device UUIDs) rather
+than by NCCL's first collective. The device is made current (``torch.cuda.set_device``) whoever created the process
+group, and a group shardtrain creates is bound to it (``device_id``), so NCCL's communicator is made eagerly on the
+right device. The CPU picks gloo, CUDA NCCL; a CUDA device with a user's gloo group is refused by name.
+
 [Note: restarts under torchrun]
 Since PyTorch 2.4 torchrun's c10d rendezvous shares its TCP store with the workers (``TORCHELASTIC_USE_AGENT_STORE``
 is ``True``; ``MASTER_ADDR``/``MASTER_PORT`` name the agent's store) and keeps that store across restarts. A
@@ -75,12 +86,70 @@ _PROBE_S = 2.0
 refuses at once, a live store accepts at once."""
 
 
-def pick_device() -> torch.device:
-    """CUDA device of this local rank when CUDA is available, else the CPU."""
-    if torch.cuda.is_available():
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
-    return torch.device("cpu")
+DEVICE_ENV = "SHARDTRAIN_DEVICE"
+"""The environment variable that chooses the device when the config does not (as DeepSpeed's ``DS_ACCELERATOR``)."""
+DEVICES = ("auto", "cpu", "cuda")
+"""The device settings: ``auto`` is CUDA when this process sees a CUDA device, else the CPU."""
+
+
+def pick_device(setting: str = "auto") -> torch.device:
+    """This rank's device (see [Note: choosing the device]): ``setting`` is the config's ``device``; ``"auto"``
+    defers to :data:`DEVICE_ENV`, then to whether CUDA is available."""
+    source = "the config's device"
+    if setting == "auto" and os.environ.get(DEVICE_ENV):
+        setting, source = os.environ[DEVICE_ENV], DEVICE_ENV
+    if setting not in DEVICES:
+        raise ShardtrainError(f"{source} is {setting!r}; choose one of {', '.join(map(repr, DEVICES))}")
+    if setting == "cpu" or (setting == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise LayoutError(
+            f"{source} is 'cuda' but this process sees no CUDA device (torch {torch.__version__}, CUDA build "
+            f"{torch.version.cuda}); set it to 'cpu' or 'auto'"
+        )
+    return torch.device("cuda", local_device_index())
+
+
+def local_device_index() -> int:
+    """The CUDA device of this local rank: ``LOCAL_RANK`` among the devices this process sees, or the only one it
+    sees (a launcher that gives each process its own device, as SLURM's ``--gpus-per-task=1``)."""
+    count = torch.cuda.device_count()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(local_rank + 1)))
+    if count == 1 or local_world <= count:
+        return 0 if count == 1 else local_rank
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    raise LayoutError(
+        f"this node runs {local_world} ranks (LOCAL_WORLD_SIZE) but each process sees {count} CUDA devices"
+        + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else "")
+        + f": one rank per device, so start at most {count} processes per node (torchrun --nproc-per-node "
+        f"{count}), or set {DEVICE_ENV}=cpu to train on the CPU"
+    )
+
+
+def shared_devices(records: list[tuple[str, str]]) -> dict[tuple[str, str], list[int]]:
+    """``(host, device uuid)`` of every rank -> the ranks on that device, where more than one rank is."""
+    ranks: dict[tuple[str, str], list[int]] = {}
+    for rank, record in enumerate(records):
+        ranks.setdefault(record, []).append(rank)
+    return {record: rs for record, rs in ranks.items() if len(rs) > 1}
+
+
+def _check_one_rank_per_device(device: torch.device, host_group: dist.ProcessGroup) -> None:
+    """Two ranks on one GPU fail inside NCCL's first collective with its own words; name them here instead."""
+    if device.type != "cuda" or dist.get_world_size() == 1:
+        return
+    mine = (socket.gethostname(), str(torch.cuda.get_device_properties(device).uuid))
+    records: list = [None] * dist.get_world_size()
+    dist.all_gather_object(records, mine, group=host_group)
+    shared = shared_devices([tuple(r) for r in records])
+    if shared:
+        (host, uuid_), ranks = next(iter(shared.items()))
+        raise LayoutError(
+            f"ranks {ranks} run on one CUDA device ({uuid_} on {host}): NCCL needs one device per rank; give each "
+            "process its own device (CUDA_VISIBLE_DEVICES, or torchrun's LOCAL_RANK with --nproc-per-node at most "
+            "the node's devices)"
+        )
 
 
 def backend_for(device: torch.device) -> str:
@@ -100,11 +169,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def ensure_process_group(timeout_s: float) -> bool:
-    """Initialize the default process group if nobody has; returns True when this call created it."""
+def ensure_process_group(timeout_s: float, device: torch.device | None = None) -> bool:
+    """Initialize the default process group if nobody has; returns True when this call created it. ``device``
+    (default :func:`pick_device`'s) chooses the backend; a CUDA device is bound to the group (``device_id``)."""
     if dist.is_initialized():
         return False
-    device = pick_device()
+    device = device if device is not None else pick_device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
@@ -115,12 +185,16 @@ def ensure_process_group(timeout_s: float) -> bool:
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("LOCAL_RANK", "0")
     timeout = datetime.timedelta(seconds=timeout_s)
+    # device_id: NCCL's communicator is created now, on this rank's device, not lazily on whichever is current
+    kwargs: dict = {"backend": backend_for(device), "timeout": timeout}
+    if device.type == "cuda":
+        kwargs["device_id"] = device
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):  # see [Note: restarts under torchrun]
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         store = attempt_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), rank, world, timeout)
-        dist.init_process_group(backend=backend_for(device), store=store, rank=rank, world_size=world, timeout=timeout)
+        dist.init_process_group(store=store, rank=rank, world_size=world, **kwargs)
     else:
-        dist.init_process_group(backend=backend_for(device), timeout=timeout)
+        dist.init_process_group(**kwargs)
     atexit.register(_destroy_own_process_group)
     return True
 
@@ -431,17 +505,19 @@ class Topology:
 
 
 def init_topology(
-    tp: int = 1, timeout_s: float = 1800.0, shard_size: int = -1, sp: int = 1, hpz_size: int = 1
+    tp: int = 1, timeout_s: float = 1800.0, shard_size: int = -1, sp: int = 1, hpz_size: int = 1, device: str = "auto"
 ) -> Topology:
     """Create (or adopt) the process group and the ``(dp, tp)`` device mesh (``(replicate, shard, tp)`` with
     ``shard_size``, the config's ``mics_shard_size``; -1: no hybrid sharding; ``(dp, sp, tp)`` with ``sp``, the
     config's ``sequence_parallel_size``), and check the layout is possible. ``hpz_size``: the config's
     ``zero_hpz_partition_size`` at stage 3 (0 or 1: off), checked and given its group here without tensor or sequence
-    parallelism and hybrid sharding (``initialize`` refuses those combinations by name afterwards)."""
-    created = ensure_process_group(timeout_s)
+    parallelism and hybrid sharding (``initialize`` refuses those combinations by name afterwards). ``device``: the
+    config's ``device`` (:func:`pick_device`)."""
+    dev = pick_device(device)
+    created = ensure_process_group(timeout_s, dev)
     world = dist.get_world_size()
     if sp != 1:
-        return _init_sequence_topology(tp, timeout_s, shard_size, sp, created, world)
+        return _init_sequence_topology(tp, timeout_s, shard_size, sp, created, world, dev)
     if tp < 1 or world % tp:
         raise LayoutError(
             f"tensor_parallel.size {tp} does not divide the {world} processes of this job: the data-parallel size "
@@ -459,7 +535,7 @@ def init_topology(
     replicas = dp // shard
     hpz = _hpz_size(hpz_size, dp, world) if tp == 1 and replicas == 1 else 1
     device, backend, groups, host_groups = _make_mesh_groups(
-        world, tp, timeout_s, created, shard_size=shard, hpz_size=hpz
+        dev, world, tp, timeout_s, created, shard_size=shard, hpz_size=hpz
     )
     if replicas > 1:  # see [Note: the hybrid mesh]
         ranks = torch.arange(world).view(replicas, shard, tp)
@@ -500,15 +576,20 @@ def _hpz_size(hpz_size: int, dp: int, world: int) -> int:
 
 
 def _make_mesh_groups(
-    world: int, tp: int, timeout_s: float, created: bool, **axes: int
+    device: torch.device, world: int, tp: int, timeout_s: float, created: bool, **axes: int
 ) -> tuple[torch.device, str, Groups, Groups]:
     """The device, the backend, and the mesh's groups and their host twins (``axes``: ``make_groups``' hybrid
     ``shard_size`` or sequence-parallel ``sp``), every group with the collective timeout."""
-    device = pick_device()
     backend = str(dist.get_backend())
     if device.type == "cuda" and "nccl" not in backend:
         # A user-created gloo group with CUDA tensors would fail deep inside the first collective.
-        raise LayoutError(f"the process group uses {backend!r} but tensors live on CUDA; initialize it with 'nccl'.")
+        raise LayoutError(
+            f"the process group uses {backend!r} but this rank's device is {device} (the config's device or "
+            f"{DEVICE_ENV} 'auto' picks CUDA when it is available); initialize the group with 'nccl', or set the "
+            f'config\'s "device": "cpu" or {DEVICE_ENV}=cpu to train on the CPU'
+        )
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # whoever created the group: object collectives and barriers use the current
     timeout = datetime.timedelta(seconds=timeout_s)
 
     def new_group(ranks: list[int], backend: str | None) -> dist.ProcessGroup:
@@ -518,10 +599,13 @@ def _make_mesh_groups(
     if not created and _timeout_s(whole, device) != timeout_s:  # the user's group, with another timeout
         whole = new_group(list(range(world)), None)
     groups, host_groups = make_groups(dist.get_rank(), world, tp, backend, whole, new_group, **axes)
+    _check_one_rank_per_device(device, host_groups.world)
     return device, backend, groups, host_groups
 
 
-def _init_sequence_topology(tp: int, timeout_s: float, shard_size: int, sp: int, created: bool, world: int) -> Topology:
+def _init_sequence_topology(
+    tp: int, timeout_s: float, shard_size: int, sp: int, created: bool, world: int, device: torch.device
+) -> Topology:
     """The ``(dp, sp, tp)`` mesh of [Note: the sequence axis], with hybrid sharding's groups over its ``dp * sp``
     ranks when ``shard_size`` is not -1."""
     if tp < 1 or world % tp:
@@ -548,7 +632,9 @@ def _init_sequence_topology(tp: int, timeout_s: float, shard_size: int, sp: int,
             f"over the data- and sequence-parallel ranks together, within groups of mics_shard_size and replicated "
             f"across the groups, so choose one of {divisors} (or -1 to shard over all {zero})"
         )
-    device, backend, groups, host_groups = _make_mesh_groups(world, tp, timeout_s, created, sp=sp, shard_size=shard)
+    device, backend, groups, host_groups = _make_mesh_groups(
+        device, world, tp, timeout_s, created, sp=sp, shard_size=shard
+    )
     ranks = torch.arange(world).view(dp, sp, tp)
     mesh = DeviceMesh.from_group(
         [groups.dp, groups.sp, groups.tp], device.type, mesh=ranks, mesh_dim_names=("dp", "sp", "tp")

@@ -240,7 +240,7 @@ def _build(
                 zcfg.sub_group_size,
                 offload.buffer_count,
                 offload.ratio,
-                offload.pin_memory,
+                offload.pin_memory and topology.device.type == "cuda",  # pinning would make a CUDA context
                 scratch.get("offload_optimizer"),
                 topology.rank,
                 comms.world,

@@ -464,6 +464,7 @@ def initialize(
         shard_size=cfg.zero_optimization.mics_shard_size,
         sp=cfg.sequence_parallel_size,
         hpz_size=cfg.zero_optimization.zero_hpz_partition_size if cfg.zero_optimization.stage == 3 else 1,
+        device=cfg.device,
     )
     # "auto" values are resolved before the model is touched
     cfg = resolve_auto(cfg, dp=topology.dp, model=model, auto_values=auto_values)

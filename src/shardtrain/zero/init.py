@@ -612,6 +612,7 @@ class Init:
                 "cannot be cut into tensor-parallel blocks afterwards; leave deferred unset"
             )
         self.timeout_s = timeout_s if timeout_s is not None else cfg.collective_timeout_s
+        self.device = cfg.device
         self.seed = seed
         self._patched: list[tuple[type, object]] = []
         self._device_ctx: torch.device | None = None
@@ -620,12 +621,12 @@ class Init:
         self._built: list[weakref.ref] = []
 
     def __enter__(self) -> Init:
-        self._device_ctx = pick_device()
+        self._device_ctx = pick_device(self.device)
         if self.deferred:
             self._enter_deferred()
         else:
-            ensure_process_group(self.timeout_s)
-            self.runtime = ConstructionRuntime(Communicator(dist.group.WORLD, self.timeout_s))
+            ensure_process_group(self.timeout_s, self._device_ctx)
+            self.runtime = ConstructionRuntime(Communicator(dist.group.WORLD, self.timeout_s), self._device_ctx)
             for cls in _module_classes()[1:]:  # nn.Module.__init__ itself registers no parameter
                 if "__init__" in cls.__dict__:
                     original = cls.__dict__["__init__"]

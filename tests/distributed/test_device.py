@@ -1,0 +1,152 @@
+"""Choosing the device ([Note: choosing the device]): the config's ``device``, ``SHARDTRAIN_DEVICE``, ``LOCAL_RANK``
+on a node's GPUs, the NCCL group's binding and the ranks that share a GPU. CUDA is faked where the choice is made:
+these run on a machine without one."""
+
+from __future__ import annotations
+
+import types
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import shardtrain
+from shardtrain.distributed import mesh
+from shardtrain.distributed.mesh import DEVICE_ENV, local_device_index, pick_device, shared_devices
+from shardtrain.errors import LayoutError, ShardtrainError
+from shardtrain.testing import run_distributed
+
+
+@pytest.fixture
+def gpus(monkeypatch: pytest.MonkeyPatch):
+    """A node whose processes each see ``n`` CUDA devices (``gpus(n)``), with no device setting in the environment."""
+
+    def see(n: int) -> None:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+
+    monkeypatch.delenv(DEVICE_ENV, raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    return see
+
+
+def test_auto_is_cuda_when_available_and_the_cpu_otherwise(gpus, monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    gpus(0)
+    assert pick_device() == torch.device("cpu")
+    gpus(2)
+    assert pick_device() == torch.device("cuda", 0)
+
+
+def test_the_environment_decides_at_auto_and_the_config_over_it(gpus, monkeypatch):
+    gpus(2)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv(DEVICE_ENV, "cpu")
+    assert pick_device("auto") == torch.device("cpu")
+    assert pick_device("cuda") == torch.device("cuda", 1)  # the config's explicit value wins
+    monkeypatch.setenv(DEVICE_ENV, "cuda")
+    assert pick_device("cpu") == torch.device("cpu")
+    assert pick_device("auto") == torch.device("cuda", 1)
+
+
+def test_unknown_settings_and_cuda_without_a_device_are_named(gpus, monkeypatch):
+    gpus(0)
+    monkeypatch.setenv(DEVICE_ENV, "gpu")
+    with pytest.raises(ShardtrainError, match=r"SHARDTRAIN_DEVICE is 'gpu'; choose one of 'auto', 'cpu', 'cuda'"):
+        pick_device()
+    with pytest.raises(ShardtrainError, match=r"the config's device is 'tpu'"):
+        pick_device("tpu")
+    monkeypatch.delenv(DEVICE_ENV)
+    with pytest.raises(LayoutError, match=r"device is 'cuda' but this process sees no CUDA device"):
+        pick_device("cuda")
+
+
+def test_a_rank_takes_its_local_rank_or_the_only_device_it_sees(gpus, monkeypatch):
+    gpus(4)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    for local_rank in range(4):
+        monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+        assert local_device_index() == local_rank
+    gpus(1)  # SLURM's --gpus-per-task=1: each process sees its own device as cuda:0
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert pick_device() == torch.device("cuda", 0)
+
+
+def test_more_ranks_on_a_node_than_devices_fails_on_every_rank_before_any_collective(gpus, monkeypatch):
+    gpus(2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    for local_rank in range(4):  # ranks 0 and 1 too: they would otherwise wait for the others in the first collective
+        monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+        with pytest.raises(LayoutError) as err:
+            local_device_index()
+        assert "runs 4 ranks (LOCAL_WORLD_SIZE) but each process sees 2 CUDA devices" in str(err.value)
+        assert "CUDA_VISIBLE_DEVICES=0,1" in str(err.value) and "--nproc-per-node 2" in str(err.value)
+
+
+def test_a_created_nccl_group_is_bound_to_the_device(monkeypatch):
+    calls: dict = {}
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda **kw: calls.update(kw))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.setdefault("current", d))
+    monkeypatch.setattr(mesh.atexit, "register", lambda fn: None)
+    for key, value in dict(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="1").items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    assert mesh.ensure_process_group(60.0, torch.device("cuda", 3))
+    assert calls["backend"] == "nccl" and calls["device_id"] == torch.device("cuda", 3)
+    assert calls["current"] == torch.device("cuda", 3)
+    calls.clear()
+    assert mesh.ensure_process_group(60.0, torch.device("cpu"))
+    assert calls["backend"] == "gloo" and "device_id" not in calls and "current" not in calls
+
+
+def _groups_on_cuda() -> str:
+    with pytest.raises(LayoutError) as err:
+        mesh._make_mesh_groups(torch.device("cuda", 0), 2, 1, 60.0, False)
+    return str(err.value)
+
+
+def test_a_users_gloo_group_with_a_cuda_device_names_the_setting_that_fixes_it():
+    (message, _) = run_distributed(_groups_on_cuda, 2)
+    assert "uses 'gloo' but this rank's device is cuda:0" in message
+    assert "SHARDTRAIN_DEVICE=cpu" in message and '"device": "cpu"' in message
+
+
+def test_shared_devices_are_the_records_of_more_than_one_rank():
+    records = [("a", "u0"), ("a", "u1"), ("b", "u0"), ("a", "u1"), ("a", "u1")]
+    assert shared_devices(records) == {("a", "u1"): [1, 3, 4]}  # same uuid on two hosts: two devices
+    assert shared_devices([("a", "u0"), ("a", "u1")]) == {}
+
+
+def _two_ranks_on(uuids: list[str]) -> str | None:
+    uuid = uuids[dist.get_rank()]
+    with mock.patch.object(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(uuid=uuid)):
+        try:
+            mesh._check_one_rank_per_device(torch.device("cuda", 0), dist.group.WORLD)
+        except LayoutError as e:
+            return str(e)
+    return None
+
+
+def test_ranks_that_share_a_gpu_are_named_on_every_rank():
+    shared = run_distributed(_two_ranks_on, 3, ["GPU-1", "GPU-1", "GPU-2"])
+    assert all(m is not None and "ranks [0, 1] run on one CUDA device (GPU-1" in m for m in shared)
+    assert run_distributed(_two_ranks_on, 2, ["GPU-1", "GPU-2"]) == [None, None]
+
+
+def test_the_engine_trains_where_the_config_says(gpus, monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    model = torch.nn.Linear(4, 4)
+    config = {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**6, "device": "cpu"}
+    gpus(1)  # a machine with a GPU: "cpu" keeps the engine there
+    engine = shardtrain.initialize(model, config=config, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    assert engine.device == torch.device("cpu")
+    loss = engine(torch.ones(1, 4)).sum()
+    engine.backward(loss)
+    engine.step()
+    gpus(0)
+    with pytest.raises(LayoutError, match="sees no CUDA device"):
+        shardtrain.initialize(model, config={**config, "device": "cuda"}, optimizer=lambda p: torch.optim.SGD(p))
