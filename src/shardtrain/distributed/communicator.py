@@ -44,10 +44,18 @@ gloo's reduce-scatter from 1 to 24 MiB at world 2 and 3, about an all-gather's t
 ``"auto"`` picks it for gloo and leaves NCCL's own reduce-scatter alone. ``sent`` is what the pairwise exchange really
 sends for ours, and the factor measured on loopback for gloo's collectives (its broadcast: ``S * (N-1)/N`` per rank on
 average); for NCCL it is the convention, NCCL's ring algorithms' bytes (not measured here: no GPU).
+
+[Note: a group of one]
+A group of one rank has nothing to exchange: its collectives are copies (or nothing) and are counted with 0 bytes.
+With ``SHARDTRAIN_FORCE_COLLECTIVES=1`` they are issued to the backend all the same, asynchronously where the caller
+asks, waited for through the same :class:`Handle`: a one-GPU machine then runs NCCL's streams, the waits and the
+buffer frees that follow them, which a world-1 run otherwise never reaches (``bench/gpu_validate.py``'s ``:nccl``
+variants). The results are the same; the steps are slower by the backend's launches.
 """
 
 from __future__ import annotations
 
+import os
 import pickle
 import time
 from collections import defaultdict
@@ -64,6 +72,9 @@ from shardtrain.tree import iter_tensors
 # torch 2.13 renamed the flat-tensor collectives; keep working on the older names too.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+FORCE_ENV = "SHARDTRAIN_FORCE_COLLECTIVES"
+"""Set to ``1``: a group of one issues its collectives too (see [Note: a group of one])."""
 
 _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX}
 
@@ -151,7 +162,9 @@ class Communicator:
         self.rank = dist.get_rank(group)
         self.global_rank = dist.get_rank()
         self.timeout_s = timeout_s
-        self.backend = dist.get_backend(group) if self.size > 1 else ""
+        # a group of one skips its collectives, unless FORCE_ENV asks to issue them (see [Note: a group of one])
+        self.alone = self.size == 1 and os.environ.get(FORCE_ENV, "") != "1"
+        self.backend = dist.get_backend(group) if not self.alone else ""
         if reduce_scatter_impl == "auto":  # see [Note: bytes on the wire]
             reduce_scatter_impl = "pairwise" if self.backend == "gloo" else "backend"
         if reduce_scatter_impl not in ("pairwise", "backend"):
@@ -159,7 +172,7 @@ class Communicator:
                 f"reduce_scatter_impl must be 'auto', 'pairwise' or 'backend', got {reduce_scatter_impl!r}"
             )
         self.reduce_scatter_impl = reduce_scatter_impl
-        self._ranks = dist.get_process_group_ranks(group) if self.size > 1 else [self.global_rank]
+        self._ranks = dist.get_process_group_ranks(group) if not self.alone else [self.global_rank]
         self._tag = 0  # send/recv tag of the next pairwise reduce-scatter: calls in flight never match each other
         # the first failure of a collective on this group; none is issued after it (see [Note: no collective after
         # a failure])
@@ -292,7 +305,7 @@ class Communicator:
     def all_reduce(self, t: torch.Tensor, op: str = "sum", *, what: str, async_op: bool = False):
         n = self.size
         self._count("all_reduce", 2 * t.numel() * t.element_size() * (n - 1) // n)  # ring: sent as counted
-        if n == 1:
+        if self.alone:
             return Handle(self, None, "all_reduce", what) if async_op else None
         return self._run(
             "all_reduce", what, lambda a: dist.all_reduce(t, op=_OPS[op], group=self.group, async_op=a), async_op
@@ -304,10 +317,9 @@ class Communicator:
         """``inp`` holds ``size`` equal chunks; chunk ``rank`` of the reduction lands in ``out``.
 
         ``inp`` must not change until the collective completes (it is sent from in place)."""
-        n = self.size
-        pairwise = n > 1 and self.reduce_scatter_impl == "pairwise"
+        pairwise = self.size > 1 and self.reduce_scatter_impl == "pairwise"  # one rank: the backend's own
         self._count("reduce_scatter", *self._reduce_scatter_traffic(inp.numel() * inp.element_size(), pairwise))
-        if n == 1:
+        if self.alone:
             out.copy_(inp)
             return Handle(self, None, "reduce_scatter", what) if async_op else None
         if pairwise:
@@ -353,9 +365,8 @@ class Communicator:
 
         ``kind`` is the name the bytes are counted under (e.g. ``gather_check`` for ZeRO-3's unit-id check,
         so that parameter traffic stays comparable with the formulas)."""
-        n = self.size
         self._count(kind, *self._gather_traffic(out.numel() * out.element_size()))
-        if n == 1:
+        if self.alone:
             if out.data_ptr() != inp.data_ptr():
                 out.copy_(inp)
             return Handle(self, None, kind, what) if async_op else None
@@ -381,7 +392,7 @@ class Communicator:
         rank ``i``. Counted as ``S * (N-1)/N`` with ``S`` the bytes of ``inp`` (what each rank sends to its peers)."""
         n = self.size
         self._count("all_to_all", inp.numel() * inp.element_size() * (n - 1) // n)
-        if n == 1:
+        if self.alone:
             out.copy_(inp)
             return
         self._run("all_to_all", what, lambda a: dist.all_to_all_single(out, inp, group=self.group, async_op=a), False)
@@ -393,7 +404,7 @@ class Communicator:
         self._count(
             "broadcast", t.numel() * t.element_size() if n > 1 else 0, t.numel() * t.element_size() * (n - 1) // n
         )
-        if n == 1:
+        if self.alone:
             return
         global_src = dist.get_global_rank(self.group, src)
         self._run("broadcast", what, lambda a: dist.broadcast(t, src=global_src, group=self.group, async_op=a), False)
@@ -401,7 +412,7 @@ class Communicator:
     def barrier(self, *, what: str) -> None:
         """Wait until every rank of the group has arrived (counted, no bytes)."""
         self._count("barrier", 0)
-        if self.size == 1:
+        if self.alone:
             return
         self._run("barrier", what, lambda a: dist.barrier(group=self.group, async_op=a), False)
 
@@ -431,14 +442,14 @@ class Communicator:
     # ``stats()``, as its eager calls are. Their ``wait_s`` is not measured (the waits are graph operations).
     def graph_all_gather(self, shard: torch.Tensor) -> torch.Tensor:
         """Every rank's ``shard`` concatenated (traceable; see [Note: collectives in graphs])."""
-        if self.size == 1:
+        if self.alone:
             return shard
         full = torch.ops._c10d_functional.all_gather_into_tensor(shard, self.size, self.group.group_name)
         return torch.ops._c10d_functional.wait_tensor(full)
 
     def graph_all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """The reduction of every rank's ``t`` (a new tensor; traceable, see [Note: collectives in graphs])."""
-        if self.size == 1:
+        if self.alone:
             return t
         out = torch.ops._c10d_functional.all_reduce(t.contiguous(), op, self.group.group_name)
         return torch.ops._c10d_functional.wait_tensor(out)
@@ -446,7 +457,7 @@ class Communicator:
     def graph_all_gather_dim(self, inp: torch.Tensor, dim: int) -> torch.Tensor:
         """:meth:`all_gather_dim` traceable (see [Note: collectives in graphs]): every rank's ``inp`` concatenated
         along ``dim`` in rank order."""
-        if self.size == 1:
+        if self.alone:
             return inp
         dim = dim % inp.dim()
         stacked = self.graph_all_gather(inp.contiguous())  # [N * inp.shape[0], ...]: rank r's inp at block r
@@ -458,7 +469,7 @@ class Communicator:
         it): ``full`` is multiplied by ``1/predivide`` before a summing reduction and the result by
         ``predivide/N``, in the same dtype and order as eager, so that the same fp16 sums stay finite."""
         n = self.size
-        if n == 1:
+        if self.alone:
             return full
         name = self.group.group_name
         if predivide is not None and predivide != 1:
@@ -507,7 +518,7 @@ class Communicator:
     def all_gather_object(self, obj: Any, *, what: str) -> list[Any]:
         """Small Python objects from every rank (consistency checks, not tensors)."""
         self._count("all_gather_object", len(pickle.dumps(obj)) if self.size > 1 else 0)
-        if self.size == 1:
+        if self.alone:
             return [obj]
         self._refuse_after_failure("all_gather_object", what)
         out: list[Any] = [None] * self.size

@@ -174,12 +174,12 @@ class UnitInputs:
         self.comm = comm
         tp_comm, partial = tp_partial if tp_partial is not None else (None, frozenset())
         # the graphs' collectives are counted in these communicators' stats() (see GraphTraffic)
-        self.comms = (comm,) if tp_comm is None or tp_comm.size == 1 else (comm, tp_comm)
+        self.comms = (comm,) if tp_comm is None or tp_comm.alone else (comm, tp_comm)
         # only ZeRO's all-gathers are re-gathered in backward and scheduled, never tensor parallelism's
         self.settings = Settings(
             prefetch_numel,
             overlap,
-            group=comm.group.group_name if comm.size > 1 else "",
+            group=comm.group.group_name if not comm.alone else "",
             tensor_parallel=len(self.comms) > 1,
             swapped=bool(swapped),
             # one gather per bucket in this order (parameters()): how the joint graph's gathers are told apart

@@ -1,0 +1,461 @@
+"""The one-GPU validation (issue 33): plain PyTorch against the engine, variant by variant, at world 1.
+
+    python bench/gpu_validate.py                       # a ~1.3B GPT, bf16, sequence 2048, on this rank's GPU
+    python bench/gpu_validate.py --variants plain,stage2,stage3 --steps 5
+    python bench/gpu_validate.py --tiny                # a tiny GPT on the CPU
+    python bench/gpu_validate.py --tiny --in-process   # the same, every variant in one process (the test suite's)
+    python bench/gpu_validate.py --json results.json   # the table as JSON too
+
+Variants (``--variants``, comma-separated; default all):
+* ``plain``: plain PyTorch, the reference. fp32 parameters, bf16 autocast, fused AdamW, clipping at 1.0.
+  Nothing from shardtrain.
+* ``stage0`` to ``stage3``: the engine at that ZeRO stage, bf16, the same AdamW and clipping.
+* ``stage3:inductor``: graph mode at stage 3 with ``graph.compiler`` ``inductor``. The capture and compile are in
+  the warm-up steps, whose time is printed apart.
+* ``stage2:offload``, ``stage3:offload``: the optimizer's state and step in host memory (``offload_optimizer``
+  ``cpu``, pinned on CUDA).
+* ``stage2:nccl``, ``stage3:nccl``: every collective issued although the group has one rank
+  (``SHARDTRAIN_FORCE_COLLECTIVES=1``, [Note: a group of one]). On a GPU this runs NCCL's streams, the waits and the
+  buffer frees after them. On the CPU the group is gloo's.
+
+Each variant runs in a process of its own (its memory, process group, compiled graphs and peak counters; a crash
+costs that variant only). Every variant starts from the same initial weights (seeded), trains on the same batches,
+and runs ``--warmup`` steps, then one counted step, then ``--steps`` timed steps. The counted step counts host
+synchronizations:
+* on CUDA, the operations ``torch.cuda.set_sync_debug_mode`` reports, plus calls to ``synchronize``;
+* on the CPU, the operations that would synchronize on a GPU (``aten._local_scalar_dense``, behind ``.item()`` and
+  ``bool()``; ``nonzero``; ``equal``), seen by a dispatch mode.
+
+Each variant prints:
+* its step time, and the ratio of that time to ``plain``'s;
+* host syncs per step;
+* CPU seconds per wall second over the timed steps (``getrusage``: every thread of the process);
+* peak allocated and reserved GPU memory, against ``shardtrain estimate``'s device peak for that layout;
+* TFLOP/s and MFU. Model FLOPs per step are counted once with ``torch.utils.flop_counter`` on ``plain``'s forward
+  and backward. The device's peak is known for common GPUs, or given with ``--peak-tflops``.
+
+Each engine variant's losses are compared with ``plain``'s (``--loss-rtol``: bf16 compute against bf16 autocast),
+and with ``stage0``'s (``--engine-rtol``). On a mismatch the script exits with status 1, naming the variant and the
+step. ``plain`` is timed first and last; the printed drift between the two is the noise the ratios carry.
+docs/benchmarks-gpu.md has the device command and the results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
+
+import shardtrain
+from shardtrain.distributed.communicator import FORCE_ENV
+from shardtrain.distributed.mesh import pick_device
+from shardtrain.estimate import estimate_memory, fmt_bytes
+from shardtrain.models.gpt import GPT, GPTConfig, num_parameters
+
+VARIANTS = (
+    "plain",
+    "stage0",
+    "stage1",
+    "stage2",
+    "stage3",
+    "stage3:inductor",
+    "stage2:offload",
+    "stage3:offload",
+    "stage2:nccl",
+    "stage3:nccl",
+)
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "GH200": 989.0, "A100": 312.0, "A800": 312.0}
+"""Dense bf16 tensor-core peaks (the vendor's figures, without sparsity), by a word of the device's name."""
+LR, BETAS, EPS, WEIGHT_DECAY, CLIP = 3e-4, (0.9, 0.95), 1e-8, 0.1, 1.0
+
+
+@dataclass
+class Result:
+    variant: str
+    step_s: float
+    warmup_s: float
+    syncs_per_step: float | None
+    cpu_per_wall: float
+    peak_allocated: int | None
+    peak_reserved: int | None
+    estimate: int | None
+    losses: list[float] = field(default_factory=list)
+
+
+def shape(args: argparse.Namespace) -> tuple[GPTConfig, int]:
+    if args.tiny:
+        return GPTConfig(vocab_size=256, seq_len=32, d_model=64, n_layer=2, n_head=4), 2
+    cfg = GPTConfig(
+        vocab_size=32000, seq_len=args.seq, d_model=args.d_model, n_layer=args.layers, n_head=args.d_model // 128
+    )
+    return cfg, args.micro_batch
+
+
+def batches(cfg: GPTConfig, micro_batch: int, n: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1234)
+    out = []
+    for _ in range(n):
+        x = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_len), generator=g)
+        out.append((x.to(device), torch.roll(x, -1, dims=1).to(device)))
+    return out
+
+
+def build(cfg: GPTConfig, device: torch.device) -> GPT:
+    torch.manual_seed(0)
+    with device:
+        return GPT(cfg)
+
+
+def engine_config(variant: str, micro_batch: int, device: torch.device) -> dict[str, Any]:
+    stage = int(variant.split(":")[0].removeprefix("stage"))
+    zero: dict[str, Any] = {"stage": stage}
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": CLIP,
+        "bf16": {"enabled": True},
+        "steps_per_print": 10**9,
+        "zero_optimization": zero,
+    }
+    if variant.endswith(":offload"):
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": device.type == "cuda"}
+    if variant.endswith(":inductor"):
+        config["graph"] = {"enabled": True, "compiler": "inductor", "dynamic_shapes": False}
+    return config
+
+
+def adamw(params: Any) -> torch.optim.Optimizer:
+    """Fused on the CPU too: the unfused step reads each parameter's step count on the host (``.item()``), which
+    would hide the engine's own host synchronizations in the CPU count."""
+    return torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, fused=True)
+
+
+class Plain:
+    """The reference: a training step as a PyTorch user writes it."""
+
+    def __init__(self, cfg: GPTConfig, device: torch.device) -> None:
+        self.model = build(cfg, device)
+        self.opt = adamw(self.model.parameters())
+        self.device = device
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(self.device.type, dtype=torch.bfloat16):
+            loss = self.model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), CLIP)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+
+class OnEngine:
+    def __init__(self, variant: str, cfg: GPTConfig, micro_batch: int, device: torch.device) -> None:
+        config = engine_config(variant, micro_batch, device)
+        forced = variant.endswith(":nccl")
+        if forced:  # read when the engine's communicators are made
+            os.environ[FORCE_ENV] = "1"
+        try:
+            self.engine = shardtrain.initialize(build(cfg, device), config=config, optimizer=adamw)
+        finally:
+            os.environ.pop(FORCE_ENV, None)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = self.engine(x, y)
+        self.engine.backward(loss)
+        self.engine.step()
+        return loss.detach()
+
+
+_SYNCING = {"aten::_local_scalar_dense", "aten::nonzero", "aten::equal", "aten::is_nonzero"}
+
+
+class _CountSyncs(TorchDispatchMode):
+    """Operations that wait for a GPU's results on the host, as dispatched on the CPU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.name in _SYNCING:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_syncs(step: Any, batch: tuple[torch.Tensor, torch.Tensor], device: torch.device, graph: bool) -> int | None:
+    """Host synchronizations in one call of ``step`` (None: not countable here, a graph on the CPU)."""
+    if device.type != "cuda":
+        if graph:  # a dispatch mode around compiled code would run it differently
+            step(*batch)
+            return None
+        with _CountSyncs() as mode:
+            step(*batch)
+        return mode.count
+    explicit = [0]
+    patched = [(torch.cuda, "synchronize"), (torch.cuda.Stream, "synchronize"), (torch.cuda.Event, "synchronize")]
+    originals = [getattr(owner, name) for owner, name in patched]
+
+    def counting(original: Any) -> Any:
+        def call(*a: Any, **k: Any) -> Any:
+            explicit[0] += 1
+            return original(*a, **k)
+
+        return call
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for (owner, name), original in zip(patched, originals):
+            setattr(owner, name, counting(original))
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step(*batch)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            for (owner, name), original in zip(patched, originals):
+                setattr(owner, name, original)
+    torch.cuda.synchronize()
+    flagged = [w for w in caught if "synchroniz" in str(w.message).lower()]
+    return len(flagged) + explicit[0]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def cpu_seconds() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def run_variant(
+    variant: str, cfg: GPTConfig, micro_batch: int, device: torch.device, args: argparse.Namespace, data: list
+) -> Result:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    runner: Plain | OnEngine = Plain(cfg, device) if variant == "plain" else OnEngine(variant, cfg, micro_batch, device)
+    losses: list[torch.Tensor] = []
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        losses.append(runner.step(x, y))
+
+    it = iter(data)
+    started = time.perf_counter()
+    for _ in range(args.warmup):
+        step(*next(it))
+    sync(device)
+    warmup_s = time.perf_counter() - started
+    syncs = count_syncs(step, next(it), device, graph=variant.endswith(":inductor"))
+    sync(device)
+    cpu0, wall0 = cpu_seconds(), time.perf_counter()
+    for _ in range(args.steps):
+        step(*next(it))
+    sync(device)
+    wall = time.perf_counter() - wall0
+    cpu = cpu_seconds() - cpu0
+    estimate = None
+    if variant != "plain":
+        est = estimate_memory(
+            lambda: GPT(cfg),
+            engine_config(variant, micro_batch, device),
+            world_size=1,
+            seq_len=cfg.seq_len,
+            device_type=device.type,
+        )
+        estimate = est.peak["device"]
+    result = Result(
+        variant=variant,
+        step_s=wall / args.steps,
+        warmup_s=warmup_s,
+        syncs_per_step=syncs,
+        cpu_per_wall=cpu / wall,
+        peak_allocated=torch.cuda.max_memory_allocated() if device.type == "cuda" else None,
+        peak_reserved=torch.cuda.max_memory_reserved() if device.type == "cuda" else None,
+        estimate=estimate,
+        losses=[float(v) for v in losses],  # read once, after the timing
+    )
+    return result
+
+
+def flops_per_step(cfg: GPTConfig, micro_batch: int, device: torch.device) -> int:
+    plain = Plain(cfg, device)
+    (x, y) = batches(cfg, micro_batch, 1, device)[0]
+    with FlopCounterMode(display=False) as counter:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = plain.model(x, y)
+        loss.backward()
+    del plain
+    return counter.get_total_flops()
+
+
+def write_json(
+    path: str, info: dict[str, Any], results: dict[str, Result], last: Result | None, problems: list
+) -> None:
+    body = {
+        **info,
+        "torch": torch.__version__,
+        "plain_drift": last.step_s / results["plain"].step_s if last is not None and "plain" in results else None,
+        "results": [asdict(r) for r in results.values()],
+        "problems": problems,
+    }
+    Path(path).write_text(json.dumps(body, indent=1))
+
+
+def peak_tflops(name: str, given: float | None) -> float | None:
+    """The dense bf16 peak of the device called ``name`` (``"CPU"``: none)."""
+    if given is not None:
+        return given
+    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name.split() or f"{k} " in name), None)
+
+
+def check_losses(results: dict[str, Result], args: argparse.Namespace) -> list[str]:
+    """Each mismatch, named: an engine variant against plain PyTorch, and against stage 0."""
+    problems = []
+    for name, r in results.items():
+        refs = [("plain", args.loss_rtol)] + ([("stage0", args.engine_rtol)] if name not in ("plain", "stage0") else [])
+        for ref, rtol in refs:
+            if name == ref or ref not in results:
+                continue
+            for step, (a, b) in enumerate(zip(r.losses, results[ref].losses)):
+                if not abs(a - b) <= rtol * abs(b):
+                    problems.append(f"{name}: loss {a:.5f} at step {step}, {ref} {b:.5f} (rtol {rtol:g})")
+                    break
+    return problems
+
+
+def child(args: argparse.Namespace, variant: str) -> dict[str, Any]:
+    """One variant in this process: its :class:`Result`, the device's name and, for ``plain``, the FLOPs per step."""
+    device = pick_device()  # SHARDTRAIN_DEVICE, then CUDA when available; world 1: LOCAL_RANK 0
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    cfg, micro_batch = shape(args)
+    flops = flops_per_step(cfg, micro_batch, device) if variant == "plain" else None
+    data = batches(cfg, micro_batch, args.warmup + 1 + args.steps, device)
+    result = run_variant(variant, cfg, micro_batch, device, args, data)
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    return {"result": asdict(result), "flops": flops, "device": where}
+
+
+def spawn(argv: list[str], variant: str, args: argparse.Namespace) -> tuple[Result | None, dict[str, Any], str]:
+    """``variant`` in a fresh process: its memory, process group, compiled graphs and peak counters are its own,
+    and a crash costs that variant only (``--in-process``: in this one, for the tiny model)."""
+    if args.in_process:
+        got = child(args, variant)
+        return Result(**got.pop("result")), got, ""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        done = subprocess.run([sys.executable, __file__, *argv, "--only", variant, "--result", out])
+        if done.returncode != 0 or not os.path.exists(out):
+            return None, {}, f"{variant}: the run failed (exit {done.returncode}); its output is above"
+        got = json.loads(Path(out).read_text())
+    return Result(**got.pop("result")), got, ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--tiny", action="store_true", help="a tiny GPT on the CPU (the test suite's run)")
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--d-model", type=int, default=2048)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--peak-tflops", type=float, default=None, help="the device's dense bf16 peak (default: known GPUs)")
+    p.add_argument("--loss-rtol", type=float, default=3e-2, help="engine against plain (bf16 against autocast)")
+    p.add_argument("--engine-rtol", type=float, default=1e-2, help="engine variants against stage0")
+    p.add_argument("--json", default=None, help="write the results here too, after each variant")
+    p.add_argument("--in-process", action="store_true", help="every variant in this process (the test suite's)")
+    p.add_argument("--only", default=None, help=argparse.SUPPRESS)  # a child's variant
+    p.add_argument("--result", default=None, help=argparse.SUPPRESS)  # where a child writes its result
+    args = p.parse_args(argv)
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        p.error(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
+    if args.tiny:
+        os.environ.setdefault("SHARDTRAIN_DEVICE", "cpu")
+        args.warmup, args.steps = min(args.warmup, 2), min(args.steps, 3)
+    if args.only:
+        Path(args.result).write_text(json.dumps(child(args, args.only)))
+        return 0
+    cfg, micro_batch = shape(args)
+    order = ["plain"] + [v for v in variants if v != "plain"] + ["plain"]  # plain again at the end: the drift
+    results: dict[str, Result] = {}
+    failures: list[str] = []
+    info: dict[str, Any] = {}
+    last: Result | None = None
+    for k, v in enumerate(order):
+        result, got, failed = spawn(argv, v, args)
+        if failed:
+            failures.append(failed)
+            if v == "plain" and k == 0:
+                break  # nothing to compare with
+            continue
+        if k == len(order) - 1:
+            last = result
+        else:
+            results[v] = result
+            info.update({key: value for key, value in got.items() if value is not None})
+        print(f"  {v}: {result.step_s * 1e3:.1f} ms/step", flush=True)
+        if args.json:
+            write_json(args.json, info, results, last, failures)
+    if "plain" not in results:
+        print("\n".join(failures), file=sys.stderr)
+        return 1
+    flops, where = info["flops"], info["device"]
+    peak = peak_tflops(where, args.peak_tflops)
+    print(
+        f"{where}, torch {torch.__version__}; GPT {num_parameters(build(cfg, torch.device('meta'))) / 1e6:,.1f}M "
+        f"parameters, {cfg.n_layer} layers, d_model {cfg.d_model}, micro-batch {micro_batch} x sequence "
+        f"{cfg.seq_len}; {flops / 1e12:.2f} TFLOP per step; {args.warmup} warm-up + 1 counted + {args.steps} timed"
+    )
+    base = results["plain"].step_s
+    if last is not None:
+        print(f"plain again at the end: {last.step_s / base:.3f}x the first plain run (the noise in the ratios)")
+    head = (
+        f"{'variant':<16} {'ms/step':>9} {'x plain':>8} {'warm-up s':>9} {'syncs':>6} {'cpu/wall':>8} "
+        f"{'peak alloc':>11} {'reserved':>11} {'estimate':>11} {'TFLOP/s':>8} {'MFU':>6}"
+    )
+    print(head)
+    for v, r in results.items():
+        tflops = flops / r.step_s / 1e12
+        print(
+            f"{v:<16} {r.step_s * 1e3:>9.1f} {r.step_s / base:>8.3f} {r.warmup_s:>9.1f} "
+            f"{'-' if r.syncs_per_step is None else r.syncs_per_step:>6} {r.cpu_per_wall:>8.2f} "
+            f"{fmt_bytes(r.peak_allocated) if r.peak_allocated is not None else '-':>11} "
+            f"{fmt_bytes(r.peak_reserved) if r.peak_reserved is not None else '-':>11} "
+            f"{fmt_bytes(r.estimate) if r.estimate is not None else '-':>11} {tflops:>8.2f} "
+            f"{f'{tflops / peak:.1%}' if peak else '-':>6}"
+        )
+    problems = check_losses(results, args) + failures
+    if args.json:
+        write_json(args.json, {**info, "peak_tflops": peak}, results, last, problems)
+    for problem in problems:
+        print(f"LOSS MISMATCH: {problem}", file=sys.stderr)
+    print("losses: every variant within tolerance" if not problems else f"{len(problems)} problems")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(BrokenPipeError):
+        sys.exit(main())

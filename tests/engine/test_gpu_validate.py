@@ -1,0 +1,113 @@
+"""``bench/gpu_validate.py --tiny``: the one-GPU validation runs on the CPU (every variant, the loss check, the
+counts), so that the command a GPU session runs first is known to work before device time is spent on it."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardtrain.distributed import communicator
+from shardtrain.distributed.communicator import FORCE_ENV, Communicator
+from shardtrain.testing import run_distributed
+
+SCRIPT = Path(__file__).parents[2] / "bench" / "gpu_validate.py"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("gpu_validate", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_tiny_run_trains_every_variant_to_plain_pytorchs_losses(tmp_path):
+    out = tmp_path / "results.json"
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--tiny", "--in-process", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    results = json.loads(out.read_text())
+    by_name = {r["variant"]: r for r in results["results"]}
+    assert list(by_name) == list(_module().VARIANTS)
+    assert results["problems"] == [] and "every variant within tolerance" in done.stdout
+    assert results["flops"] > 0
+    for name, r in by_name.items():
+        assert len(r["losses"]) == 2 + 1 + 3 and all(torch.isfinite(torch.tensor(r["losses"])))
+        assert r["step_s"] > 0 and r["cpu_per_wall"] > 0
+        assert (r["syncs_per_step"] is None) == (name == "stage3:inductor")  # no dispatch mode around a graph
+        assert (r["estimate"] is None) == (name == "plain")
+    assert by_name["plain"]["syncs_per_step"] == 0  # fused AdamW, clipping without reading the norm
+
+
+def test_each_variant_runs_in_a_process_of_its_own(tmp_path):
+    out = tmp_path / "results.json"
+    argv = ["--tiny", "--variants", "plain,stage3:nccl", "--steps", "1", "--warmup", "1", "--json", str(out)]
+    done = subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    results = json.loads(out.read_text())
+    assert [r["variant"] for r in results["results"]] == ["plain", "stage3:nccl"]
+    assert results["plain_drift"] > 0 and results["device"] == "CPU" and results["problems"] == []
+    assert "plain again at the end" in done.stdout
+
+
+def test_a_loss_that_leaves_the_tolerance_is_named_with_its_step():
+    module = _module()
+    args = module.argparse.Namespace(loss_rtol=1e-2, engine_rtol=1e-3)
+
+    def result(name, losses):
+        return module.Result(name, 1.0, 0.0, 0, 1.0, None, None, None, losses)
+
+    results = {
+        "plain": result("plain", [5.0, 4.0, 3.0]),
+        "stage0": result("stage0", [5.0, 4.01, 3.0]),
+        "stage3": result("stage3", [5.0, 4.01, 3.05]),
+    }
+    assert module.check_losses(results, args) == [
+        "stage3: loss 3.05000 at step 2, plain 3.00000 (rtol 0.01)",
+        "stage3: loss 3.05000 at step 2, stage0 3.00000 (rtol 0.001)",
+    ]
+    results["stage0"].losses[2] = float("nan")
+    assert module.check_losses(results, args)[0].startswith("stage0: loss nan at step 2")
+
+
+def _collectives_of_one(force: bool) -> tuple[int, list[float]]:
+    """Calls that reach the backend from a group of one, and what an all-reduce and a reduce-scatter leave."""
+    import os
+
+    if force:
+        os.environ[FORCE_ENV] = "1"
+    calls = [0]
+    for name in ("_all_gather_flat", "_reduce_scatter_flat"):
+        original = getattr(communicator, name)
+
+        def counted(*a, _original=original, **k):
+            calls[0] += 1
+            return _original(*a, **k)
+
+        setattr(communicator, name, counted)
+    comm = Communicator(dist.group.WORLD, 60.0)
+    t = torch.arange(4.0)
+    comm.all_reduce(t, what="test")
+    out = torch.empty(4)
+    comm.reduce_scatter(out, torch.arange(4.0) * 2, what="test", async_op=True).wait()
+    gathered = torch.empty(4)
+    comm.all_gather(gathered, torch.arange(4.0) + 1, what="test", async_op=True).wait()
+    return calls[0], t.tolist() + out.tolist() + gathered.tolist()
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_a_group_of_one_issues_its_collectives_when_forced_with_the_same_results(force):
+    ((calls, values),) = run_distributed(_collectives_of_one, 1, force)
+    assert calls == (2 if force else 0)
+    assert values == [0.0, 1.0, 2.0, 3.0] + [0.0, 2.0, 4.0, 6.0] + [1.0, 2.0, 3.0, 4.0]
