@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
-from shardtrain.config.schema import Config, gradient_predivide, optimizer_class_and_kwargs
+from shardtrain.config.schema import Config, ZeroConfig, gradient_predivide, optimizer_class_and_kwargs
 from shardtrain.distributed.communicator import Communicator
 from shardtrain.distributed.desync import PhaseCheck
 from shardtrain.distributed.mesh import Topology
@@ -45,7 +45,7 @@ from shardtrain.offload.swap import ScratchDir, on_every_rank, prepare_scratch
 from shardtrain.optim.schedulers import build_scheduler
 from shardtrain.sequence_parallel import SequenceSplitter, install_ulysses, refuse_unbuilt_sequence_parallel
 from shardtrain.sequence_parallel.tiling import install as install_tiling
-from shardtrain.zero.build import build_layout
+from shardtrain.zero.build import build_layout, laid_out_whole
 from shardtrain.zero.hpz import SecondaryShards, refuse_unbuilt_hpz
 from shardtrain.zero.init import is_under_construction
 from shardtrain.zero.layout import ShardLayout, cast_bucket
@@ -151,7 +151,14 @@ def _build(
     install_tiling(module, config)  # ALST's tiled loss and MLP, when configured
     # where every parameter lives (see [Note: the layout]); built before anything else touches the model
     layout = build_layout(
-        module, zcfg, comms.shard, tp_placements, tp=topology.tp, tp_rank=topology.tp_rank, dp_comm=comms.dp
+        module,
+        zcfg,
+        comms.shard,
+        tp_placements,
+        tp=topology.tp,
+        tp_rank=topology.tp_rank,
+        dp_comm=comms.dp,
+        device=topology.device,
     )
     policy = layout.policy
     eager = EagerRuntime(
@@ -299,6 +306,52 @@ def _runtime(
         tp_partial=tp_partial,
         param_offload=param_offload,
     )
+
+
+def move_whole_parts(model: nn.Module, zcfg: ZeroConfig, topology: Topology) -> None:
+    """Move to the engine's device what stays whole there; at stage 3 the units' parameters stay where they are
+    until :func:`~shardtrain.zero.build.build_layout` copies them into their unit, one unit at a time.
+
+    [Note: stage 3 from the host]
+    A model built on the host without ``zero.Init`` (or on another device) used to be moved whole to the device
+    before it was sharded, so ``initialize``'s device peak was the whole model even at stage 3, where a model that
+    only fits sharded runs out of memory while ``shardtrain estimate`` says it fits. Now, at stage 3, only the
+    buffers and the parameters below ``stage3_param_persistence_threshold`` are moved first. Each unit's parameters
+    are copied into the unit's flat buffer, made on the device (``build_buckets(device=...)``), when the unit is laid
+    out. The buffer then holds rank 0's values (broadcast), this rank's shard is cut from it, and it is freed before
+    the next unit. The device peak of ``initialize`` is the shards laid out so far plus one unit; the host keeps
+    each parameter until its unit is laid out. With tensor parallelism the model is still moved whole: the
+    tensor-parallel split runs before the layout, on the device.
+    """
+    device = topology.device
+    tensors = [*model.parameters(), *model.buffers()] if topology.tp > 1 else laid_out_whole(model, zcfg)
+    if all(t.device == device for t in tensors):
+        return
+    if len(tensors) == len([*model.parameters(), *model.buffers()]):
+        model.to(device)
+        return
+    moving = {id(t) for t in tensors if t.device != device}
+    with torch.no_grad():
+        for m in model.modules():
+            for p in m._parameters.values():
+                if p is not None and id(p) in moving:
+                    _move_parameter(p, device)
+            for name, buf in m._buffers.items():
+                if buf is not None and id(buf) in moving:
+                    m._buffers[name] = buf.to(device)
+
+
+def _move_parameter(p: nn.Parameter, device: torch.device) -> None:
+    """``p`` on ``device``, the same object (the optimizer holds it), as ``nn.Module.to`` moves it."""
+    moved = p.data.to(device)
+    grad = p.grad.to(device) if p.grad is not None else None
+    if torch._has_compatible_shallow_copy_type(p.data, moved):
+        p.data = moved
+    else:  # a device whose tensors are of another kind (as nn.Module._apply does): swap, keeping the attributes
+        attributes = dict(p.__dict__)
+        torch.utils.swap_tensors(p, nn.Parameter(moved, requires_grad=p.requires_grad))
+        p.__dict__.update(attributes)
+    p.grad = grad
 
 
 def _cast_to_compute_dtype(module: nn.Module, layout: ShardLayout, policy: PrecisionPolicy) -> None:

@@ -36,6 +36,7 @@ from shardtrain.engine.build import (
     build_lr_scheduler,
     build_optimizer,
     build_parts,
+    move_whole_parts,
     refuse_sharded_construction,
     refuse_unbuilt,
 )
@@ -491,8 +492,8 @@ def initialize(
     deferred = is_deferred(model)
     if deferred:
         record_initialization(model)  # reset_parameters() of a model built on meta without Init, before the split
-    if not deferred and any(t.device != topology.device for t in (*model.parameters(), *model.buffers())):
-        model.to(topology.device)
+    if not deferred:
+        move_whole_parts(model, cfg.zero_optimization, topology)
     tp_comm, placements = None, None
     if topology.tp > 1:  # split the layers before anything is laid out or built over the parameters
         tp_comm = Communicator(topology.tp_group, topology.timeout_s)

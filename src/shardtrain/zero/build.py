@@ -40,20 +40,22 @@ def build_layout(
     tp: int = 1,
     tp_rank: int = 0,
     dp_comm: Communicator | None = None,
+    device: torch.device | None = None,
 ) -> ShardLayout:
     """Lay ``module``'s parameters out over the group of ``comm`` (see the module docstring).
 
     ``tp_placements``: how tensor parallelism split each parameter, by its name (absent: not split). ``dp_comm``:
     with hybrid sharding, every data-parallel rank (``comm`` is then this rank's shard group, see [Note: the hybrid
     mesh] in :mod:`shardtrain.distributed.mesh`): rank 0's values are broadcast over it, so that every replica starts
-    from them; None: ``comm`` is the whole data-parallel group."""
+    from them; None: ``comm`` is the whole data-parallel group. ``device``: where stage-3 units are laid out, their
+    parameters copied there unit by unit from wherever they are (see [Note: stage 3 from the host])."""
     policy = ZeroPolicy.for_stage(zcfg.stage)
     sync = dp_comm if dp_comm is not None else comm
     replicas = sync.size // comm.size
     _finish_construction(module, policy, zcfg.stage3_param_persistence_threshold)
     units: list[UnitBuckets] = []
     if policy.shard_parameters:
-        units, persistent = _plan_units(module, zcfg, comm, sync)
+        units, persistent = _plan_units(module, zcfg, comm, sync, device)
         buckets = [b for u in units for b in u.buckets]
         buckets += build_buckets(
             group_by_size(persistent, zcfg.reduce_bucket_size), comm.size, comm.rank, first_index=len(buckets)
@@ -89,7 +91,7 @@ def _finish_construction(module: nn.Module, policy: ZeroPolicy, threshold: int) 
 
 
 def _plan_units(
-    module: nn.Module, zcfg: ZeroConfig, comm: Communicator, sync: Communicator
+    module: nn.Module, zcfg: ZeroConfig, comm: Communicator, sync: Communicator, device: torch.device | None = None
 ) -> tuple[list[UnitBuckets], list[tuple[str, nn.Parameter]]]:
     """Stage 3: each unit's buckets in expected backward order, and the persistent parameters.
 
@@ -112,7 +114,7 @@ def _plan_units(
         if not by_kind:
             continue
         # one unit at a time: its full buffer exists only until rank 0's values are in and the shard is cut
-        buckets = build_buckets(list(by_kind.values()), comm.size, comm.rank, first_index=index)
+        buckets = build_buckets(list(by_kind.values()), comm.size, comm.rank, first_index=index, device=device)
         for b in buckets:
             sync.broadcast(b.flat_param, 0, what=f"initial parameters of unit {name!r}")
             lo, hi = b.shard_range
@@ -126,6 +128,16 @@ def _plan_units(
     if built:
         construction_runtime(built[0]).settle()
     return specs, persistent
+
+
+def laid_out_whole(module: nn.Module, zcfg: ZeroConfig) -> list[torch.Tensor]:
+    """The tensors that stay whole on their device: every parameter and buffer below stage 3; at stage 3 the
+    buffers and the parameters below the persistence threshold, the others going into units (see [Note: stage 3
+    from the host])."""
+    buffers = list(module.buffers())
+    if not ZeroPolicy.for_stage(zcfg.stage).shard_parameters:
+        return [*module.parameters(), *buffers]
+    return [p for p in module.parameters() if p.numel() < zcfg.stage3_param_persistence_threshold] + buffers
 
 
 def _retire_construction(params: list[nn.Parameter]) -> None:

@@ -112,12 +112,19 @@ def group_by_size(
 
 
 def build_buckets(
-    groups: list[list[tuple[str, nn.Parameter]]], world: int, rank: int, first_index: int = 0, own_shard: bool = False
+    groups: list[list[tuple[str, nn.Parameter]]],
+    world: int,
+    rank: int,
+    first_index: int = 0,
+    own_shard: bool = False,
+    device: torch.device | None = None,
 ) -> list[Bucket]:
     """One flat bucket per group (one dtype each); each parameter is pointed at its slice.
 
     Each Parameter must appear once overall (tied parameters under their first name). With ``own_shard``
-    the rank's chunk is copied into storage of its own (stage-3 units).
+    the rank's chunk is copied into storage of its own (stage-3 units). ``device``: where the flat buffer is made
+    (default the first parameter's): parameters elsewhere are copied in, so that a model on the host reaches the
+    device one bucket at a time (see [Note: stage 3 from the host]).
     """
     buckets = []
     for index, items in enumerate(groups, start=first_index):
@@ -126,7 +133,7 @@ def build_buckets(
         first = items[0][1]
         if any(p.dtype != first.dtype or p.requires_grad != first.requires_grad for _, p in items):
             raise ValueError("a bucket holds parameters of one dtype, all trainable or all frozen")
-        flat = torch.zeros(padded, dtype=first.dtype, device=first.device)
+        flat = torch.zeros(padded, dtype=first.dtype, device=device if device is not None else first.device)
         slots, offset = [], 0
         for name, p in items:
             n = p.numel()
