@@ -888,7 +888,7 @@ def _device(tmp: Path) -> None:
         assert engine.device == torch.device("cpu")
         _micro_step(engine)
         with pytest.raises(LayoutError, match=r"uses 'gloo' but this rank's device is cuda:0"):
-            _engine({})  # "auto" with a GPU in sight: CUDA, which the CPU group cannot carry
+            _engine({})  # unset, with a GPU in sight: CUDA, which the CPU group cannot carry
     with pytest.raises(LayoutError, match="sees no CUDA device"):
         _engine({"device": "cuda"})
 

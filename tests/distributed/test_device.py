@@ -32,7 +32,7 @@ def gpus(monkeypatch: pytest.MonkeyPatch):
     return see
 
 
-def test_auto_is_cuda_when_available_and_the_cpu_otherwise(gpus, monkeypatch):
+def test_unset_is_cuda_when_available_and_the_cpu_otherwise(gpus, monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "0")
     gpus(0)
     assert pick_device() == torch.device("cpu")
@@ -40,21 +40,21 @@ def test_auto_is_cuda_when_available_and_the_cpu_otherwise(gpus, monkeypatch):
     assert pick_device() == torch.device("cuda", 0)
 
 
-def test_the_environment_decides_at_auto_and_the_config_over_it(gpus, monkeypatch):
+def test_the_environment_decides_when_the_config_does_not(gpus, monkeypatch):
     gpus(2)
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setenv(DEVICE_ENV, "cpu")
-    assert pick_device("auto") == torch.device("cpu")
+    assert pick_device(None) == torch.device("cpu")
     assert pick_device("cuda") == torch.device("cuda", 1)  # the config's explicit value wins
     monkeypatch.setenv(DEVICE_ENV, "cuda")
     assert pick_device("cpu") == torch.device("cpu")
-    assert pick_device("auto") == torch.device("cuda", 1)
+    assert pick_device(None) == torch.device("cuda", 1)
 
 
 def test_unknown_settings_and_cuda_without_a_device_are_named(gpus, monkeypatch):
     gpus(0)
     monkeypatch.setenv(DEVICE_ENV, "gpu")
-    with pytest.raises(ShardtrainError, match=r"SHARDTRAIN_DEVICE is 'gpu'; choose one of 'auto', 'cpu', 'cuda'"):
+    with pytest.raises(ShardtrainError, match=r"SHARDTRAIN_DEVICE is 'gpu'; choose one of 'cpu', 'cuda'"):
         pick_device()
     with pytest.raises(ShardtrainError, match=r"the config's device is 'tpu'"):
         pick_device("tpu")

@@ -843,9 +843,9 @@ RULES: tuple[Rule, ...] = (
     _supported("seed", "int", "shardtrain key: seeds python, numpy and torch at `initialize`"),
     _supported(
         "device",
-        'string, `"auto"`',
-        'shardtrain key: where the engine trains, `"cpu"` or `"cuda"`; `"auto"` defers to the '
-        "`SHARDTRAIN_DEVICE` environment variable (as DeepSpeed's `DS_ACCELERATOR`), then to CUDA when available. "
+        '`"cpu"` or `"cuda"`, unset',
+        "shardtrain key: where the engine trains; unset, the `SHARDTRAIN_DEVICE` environment variable decides (as "
+        "DeepSpeed's `DS_ACCELERATOR`), then CUDA when available. "
         'A CUDA rank takes device `LOCAL_RANK`: docs/architecture.md, "Devices"',
     ),
     _supported(

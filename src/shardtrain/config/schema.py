@@ -364,9 +364,9 @@ class Config(_Section):
     """numpy's seeds are 0 to 2**32 - 1."""
     zero_allow_untested_optimizer: bool = False
     """Accept at stages 1-3 an optimizer not known to be element-wise (see [Note: element-wise optimizers])."""
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    """shardtrain's own key: where the engine trains; ``auto`` defers to ``SHARDTRAIN_DEVICE``, then to CUDA when
-    available (see [Note: choosing the device])."""
+    device: Literal["cpu", "cuda"] | None = None
+    """shardtrain's own key: where the engine trains; unset, ``SHARDTRAIN_DEVICE`` decides, then CUDA when available
+    (see [Note: choosing the device])."""
     collective_timeout_s: float = Field(default=1800.0, gt=0)
     """shardtrain's own key: seconds a collective may wait before failing with a named error."""
     desync_check: bool = True

@@ -30,8 +30,8 @@ backend string naming gloo for the CPU) the host-side groups are the main ones; 
 the same ranks, created once here (:func:`make_groups`).
 
 [Note: choosing the device]
-The config's ``device`` (``"auto"``, ``"cpu"`` or ``"cuda"``) chooses; at ``"auto"`` the environment variable
-``SHARDTRAIN_DEVICE`` does (as DeepSpeed's ``DS_ACCELERATOR``: a GPU machine runs a CPU job, or the CPU test suite,
+The config's ``device`` (``"cpu"`` or ``"cuda"``) chooses; unset, the environment variable ``SHARDTRAIN_DEVICE``
+does (as DeepSpeed's ``DS_ACCELERATOR``: a GPU machine runs a CPU job, or the CPU test suite,
 with ``SHARDTRAIN_DEVICE=cpu``), and without it CUDA when this process sees a device. A CUDA rank takes the device
 ``LOCAL_RANK`` of those it sees, or the only one it sees (a launcher that hides the others, as SLURM's
 ``--gpus-per-task=1``); more ranks on a node than devices is an error that says so before any collective, and two
@@ -88,19 +88,19 @@ refuses at once, a live store accepts at once."""
 
 DEVICE_ENV = "SHARDTRAIN_DEVICE"
 """The environment variable that chooses the device when the config does not (as DeepSpeed's ``DS_ACCELERATOR``)."""
-DEVICES = ("auto", "cpu", "cuda")
-"""The device settings: ``auto`` is CUDA when this process sees a CUDA device, else the CPU."""
+DEVICES = ("cpu", "cuda")
+"""The device settings; unset, CUDA when this process sees a CUDA device, else the CPU."""
 
 
-def pick_device(setting: str = "auto") -> torch.device:
-    """This rank's device (see [Note: choosing the device]): ``setting`` is the config's ``device``; ``"auto"``
+def pick_device(setting: str | None = None) -> torch.device:
+    """This rank's device (see [Note: choosing the device]): ``setting`` is the config's ``device``; unset, it
     defers to :data:`DEVICE_ENV`, then to whether CUDA is available."""
     source = "the config's device"
-    if setting == "auto" and os.environ.get(DEVICE_ENV):
+    if setting is None and os.environ.get(DEVICE_ENV):
         setting, source = os.environ[DEVICE_ENV], DEVICE_ENV
-    if setting not in DEVICES:
+    if setting is not None and setting not in DEVICES:
         raise ShardtrainError(f"{source} is {setting!r}; choose one of {', '.join(map(repr, DEVICES))}")
-    if setting == "cpu" or (setting == "auto" and not torch.cuda.is_available()):
+    if setting == "cpu" or (setting is None and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise LayoutError(
@@ -505,7 +505,12 @@ class Topology:
 
 
 def init_topology(
-    tp: int = 1, timeout_s: float = 1800.0, shard_size: int = -1, sp: int = 1, hpz_size: int = 1, device: str = "auto"
+    tp: int = 1,
+    timeout_s: float = 1800.0,
+    shard_size: int = -1,
+    sp: int = 1,
+    hpz_size: int = 1,
+    device: str | None = None,
 ) -> Topology:
     """Create (or adopt) the process group and the ``(dp, tp)`` device mesh (``(replicate, shard, tp)`` with
     ``shard_size``, the config's ``mics_shard_size``; -1: no hybrid sharding; ``(dp, sp, tp)`` with ``sp``, the
@@ -584,8 +589,8 @@ def _make_mesh_groups(
     if device.type == "cuda" and "nccl" not in backend:
         # A user-created gloo group with CUDA tensors would fail deep inside the first collective.
         raise LayoutError(
-            f"the process group uses {backend!r} but this rank's device is {device} (the config's device or "
-            f"{DEVICE_ENV} 'auto' picks CUDA when it is available); initialize the group with 'nccl', or set the "
+            f"the process group uses {backend!r} but this rank's device is {device} (without the config's device "
+            f"or {DEVICE_ENV}, CUDA when it is available); initialize the group with 'nccl', or set the "
             f'config\'s "device": "cpu" or {DEVICE_ENV}=cpu to train on the CPU'
         )
     if device.type == "cuda":
