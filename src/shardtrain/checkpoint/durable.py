@@ -28,9 +28,9 @@ CRASH_POINTS = (
     "manifest_torn",
     "manifest_written",
     "tmp_synced",
-    "renamed",
-    "latest_torn",
+    "latest_torn",  # the journal (latest.tmp): from its fsync on, the save is committed
     "latest_tmp_written",
+    "renamed",
     "latest_renamed",
     "done",
 )
@@ -74,20 +74,3 @@ def write_object_file(path: Path, rank: int, data: bytes) -> FileEntry:
         f.flush()
         os.fsync(f.fileno())
     return FileEntry(path.name, rank, len(data), crc32_of_bytes(data))
-
-
-def write_atomically(path: Path, data: bytes, torn_point: str, written_point: str) -> None:
-    """Write ``path`` via ``path.tmp`` + fsync + rename + fsync of the directory; a failed write leaves no
-    ``path.tmp`` behind."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with naming(tmp), open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    crash_point(torn_point, tmp)
-    crash_point(written_point)
-    os.replace(tmp, path)
