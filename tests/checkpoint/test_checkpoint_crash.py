@@ -141,7 +141,7 @@ def test_the_killed_saves_tag_can_be_saved_again(tmp_path, point):
     assert (tmp_path / "latest").read_text() == "b\n"
     _assert_holds_model_of(open_checkpoint(tmp_path), 3)
     _assert_holds_model_of(open_checkpoint(tmp_path, "a"), 1)
-    with pytest.raises(CheckpointError, match="already exists .*another point of training"):
+    with pytest.raises(CheckpointError, match=r"already exists .*another point of training"):
         save_engine_like(str(tmp_path), "b", 2, seed=4, same_save={"step": 3})
 
 
