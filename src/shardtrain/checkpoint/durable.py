@@ -15,8 +15,10 @@ from pathlib import Path
 
 from shardtrain.checkpoint.format import FileEntry, crc32_of_bytes
 
-# Test hook: the process that reaches the named point of the protocol kills itself with SIGKILL. Only the crash-safety
-# tests set it; the points are listed in protocol order.
+# Test hook: the process that reaches the named point of the protocol kills itself with SIGKILL; ``<point>:<n>``: the
+# n-th time it reaches it (a later save's, whichever thread runs it: an asynchronous save's commit may still be
+# running when the next save is armed). Only the crash-safety tests and examples/elastic_train.py set it; the points
+# are listed in protocol order.
 KILL_ENV = "SHARDTRAIN_CHECKPOINT_KILL_AT"
 CRASH_POINTS = (
     "start",
@@ -36,8 +38,15 @@ CRASH_POINTS = (
 )
 
 
+_reached: dict[str, int] = {}  # how many times this process reached each point (for ``<point>:<n>``)
+
+
 def crash_point(name: str, path: Path | None = None) -> None:
-    if os.environ.get(KILL_ENV) != name:
+    point, _, nth = os.environ.get(KILL_ENV, "").partition(":")
+    if point != name:
+        return
+    _reached[name] = _reached.get(name, 0) + 1
+    if nth and _reached[name] != int(nth):
         return
     if path is not None:  # a torn write: the file holds only its first half when the process dies
         with open(path, "r+b") as f:
