@@ -19,7 +19,11 @@ group on a store of its own, so a restarted attempt never reads the addresses of
 restarts under torchrun] in ``src/shardtrain/mesh.py``).
 
 ``--kill-rank R --kill-at-step S`` shows it: rank R kills itself with SIGKILL after step S on the first attempt only
-(``TORCHELASTIC_RESTART_COUNT`` is 0), as the OOM killer would. ``--hold-rank R --hold-at-step S --pid-file F`` lets
+(``TORCHELASTIC_RESTART_COUNT`` is 0), as the OOM killer would; with ``--kill-at-save POINT`` it dies inside the
+save of step S instead, at that point of the save protocol (one of ``CRASH_POINTS`` in
+``src/shardtrain/checkpoint/durable.py``, e.g. ``renamed``: the checkpoint directory is in place, ``latest`` not
+moved yet). ``--async-save`` writes the checkpoints in the background (``save_checkpoint(async_save=True)``).
+``--hold-rank R --hold-at-step S --pid-file F`` lets
 something outside kill it instead: on the first attempt rank R writes its pid to F after step S and waits there (its
 peers wait for it in the next step's collectives) until it is killed, e.g. ``kill -9 $(cat F)``. ``--loss-log FILE``
 appends one JSON line per step (rank 0): attempt, step, loss, time.
@@ -37,6 +41,7 @@ from pathlib import Path
 import torch
 
 import shardtrain
+from shardtrain.checkpoint.durable import CRASH_POINTS, KILL_ENV
 from shardtrain.models.gpt import GPT, GPTConfig
 from shardtrain.models.markov import MarkovCorpus
 
@@ -75,6 +80,8 @@ def train(
     hold_rank: int | None = None,
     hold_at_step: int | None = None,
     pid_file: str | None = None,
+    kill_at_save: str | None = None,
+    async_save: bool = False,
 ) -> list[tuple[int, float]]:
     """Train until ``steps`` optimizer steps in total, resuming from ``ckpt_dir/latest`` when it exists. Returns
     (step, loss) of the steps this call trained."""
@@ -85,10 +92,13 @@ def train(
         engine.load_checkpoint(ckpt_dir)
         if rank == 0:
             print(f"attempt {attempt}: resumed from {ckpt_dir} at step {engine.global_step}", flush=True)
+    if attempt == 0 and rank == kill_rank and kill_at_save:  # the save protocol's test hook: die in the n-th save
+        saves = sum(1 for s in range(engine.global_step + 1, kill_at_step + 1) if s % save_every == 0)
+        os.environ[KILL_ENV] = f"{kill_at_save}:{saves}"
     corpus = MarkovCorpus(MODEL.vocab_size, seed=seed)
     losses = []
     while engine.global_step < steps:
-        if attempt == 0 and rank == kill_rank and engine.global_step == kill_at_step:
+        if attempt == 0 and rank == kill_rank and engine.global_step == kill_at_step and kill_at_save is None:
             os.kill(os.getpid(), signal.SIGKILL)
         if attempt == 0 and rank == hold_rank and engine.global_step == hold_at_step:
             hold(pid_file)
@@ -102,7 +112,7 @@ def train(
                 line = {"attempt": attempt, "step": engine.global_step, "loss": loss.item(), "time": time.time()}
                 f.write(json.dumps(line) + "\n")
         if engine.global_step % save_every == 0:
-            engine.save_checkpoint(ckpt_dir)
+            engine.save_checkpoint(ckpt_dir, async_save=async_save)
     return losses
 
 
@@ -128,6 +138,8 @@ def main() -> None:
     parser.add_argument("--hold-rank", type=int, help="this rank waits to be killed from outside, first attempt")
     parser.add_argument("--hold-at-step", type=int, help="... after this many optimizer steps")
     parser.add_argument("--pid-file", help="... having written its pid here")
+    parser.add_argument("--kill-at-save", choices=CRASH_POINTS, help="... inside the save of that step, there")
+    parser.add_argument("--async-save", action="store_true", help="save_checkpoint(async_save=True)")
     parser.add_argument("--loss-log", help="rank 0 appends one JSON line per step here")
     args = parser.parse_args()
     if args.hold_rank is not None and (args.hold_at_step is None or args.pid_file is None):
@@ -144,6 +156,8 @@ def main() -> None:
         hold_rank=args.hold_rank,
         hold_at_step=args.hold_at_step,
         pid_file=args.pid_file,
+        kill_at_save=args.kill_at_save,
+        async_save=args.async_save,
     )
     if losses and int(os.environ.get("RANK", "0")) == 0:
         print(f"step {losses[-1][0]}: loss {losses[-1][1]:.4f}", flush=True)

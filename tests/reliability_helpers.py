@@ -11,7 +11,7 @@ import re
 import signal
 from pathlib import Path
 
-from shardtrain.checkpoint import durable, safetensors_io, writer
+from shardtrain.checkpoint import durable, latest, safetensors_io, writer
 from shardtrain.checkpoint.durable import KILL_ENV
 from shardtrain.testing import RankOutcome
 
@@ -114,14 +114,14 @@ class FullDisk:
         self._fsync(fd)
 
     def __enter__(self) -> FullDisk:
-        for module in (safetensors_io, durable, writer):
+        for module in (safetensors_io, durable, writer, latest):
             module.open = self.open  # module globals shadow the builtin
         if self.at_fsync:
             os.fsync = self.fsync
         return self
 
     def __exit__(self, *exc) -> None:
-        for module in (safetensors_io, durable, writer):
+        for module in (safetensors_io, durable, writer, latest):
             del module.open
         os.fsync = self._fsync
 

@@ -25,12 +25,13 @@ PHASES = {
     "prepare": ["start", "tmp_created"],
     "write files": ["tensor_file_torn", "tensor_file_written", "objects_written", "files_synced"],
     "write manifest": ["manifest_torn", "manifest_written", "tmp_synced"],
-    "rename": ["renamed", "latest_torn", "latest_tmp_written"],
+    "commit and rename": ["latest_torn", "latest_tmp_written", "renamed"],
     "published": ["latest_renamed", "done"],
 }
 RANK0_ONLY = {"tmp_created", "manifest_torn", "manifest_written", "tmp_synced", "renamed", "latest_torn"}
 RANK0_ONLY |= {"latest_tmp_written", "latest_renamed", "done"}
 PUBLISHED = {"latest_renamed", "done"}  # ``latest`` names the new checkpoint
+COMMITTED = {"latest_tmp_written", "renamed", *PUBLISHED}  # the next load publishes it ([Note: the publish journal])
 
 # Every phase at both world sizes, every point once: (world, point, killed rank, ZeRO stage)
 CASES: dict[int, list[tuple[str, int, int]]] = {2: [], 3: []}
@@ -56,7 +57,7 @@ def _resume(cases: list[tuple[str, int, int, str]]) -> list[str]:
     step, trains one more step equally, and saves (which removes the leftovers of the killed save)."""
     problems = []
     for point, _, stage, root in cases:
-        step = 3 if point in PUBLISHED else 2
+        step = 3 if point in COMMITTED else 2
         straight = make_engine(0, stage, "adamw")
         train(straight, range(step))
         fresh = make_engine(1, stage, "adamw")

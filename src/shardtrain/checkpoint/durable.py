@@ -15,8 +15,10 @@ from pathlib import Path
 
 from shardtrain.checkpoint.format import FileEntry, crc32_of_bytes
 
-# Test hook: the process that reaches the named point of the protocol kills itself with SIGKILL. Only the crash-safety
-# tests set it; the points are listed in protocol order.
+# Test hook: the process that reaches the named point of the protocol kills itself with SIGKILL; ``<point>:<n>``: the
+# n-th time it reaches it (a later save's, whichever thread runs it: an asynchronous save's commit may still be
+# running when the next save is armed). Only the crash-safety tests and examples/elastic_train.py set it; the points
+# are listed in protocol order.
 KILL_ENV = "SHARDTRAIN_CHECKPOINT_KILL_AT"
 CRASH_POINTS = (
     "start",
@@ -28,16 +30,23 @@ CRASH_POINTS = (
     "manifest_torn",
     "manifest_written",
     "tmp_synced",
-    "renamed",
-    "latest_torn",
+    "latest_torn",  # the journal (latest.tmp): from its fsync on, the save is committed
     "latest_tmp_written",
+    "renamed",
     "latest_renamed",
     "done",
 )
 
 
+_reached: dict[str, int] = {}  # how many times this process reached each point (for ``<point>:<n>``)
+
+
 def crash_point(name: str, path: Path | None = None) -> None:
-    if os.environ.get(KILL_ENV) != name:
+    point, _, nth = os.environ.get(KILL_ENV, "").partition(":")
+    if point != name:
+        return
+    _reached[name] = _reached.get(name, 0) + 1
+    if nth and _reached[name] != int(nth):
         return
     if path is not None:  # a torn write: the file holds only its first half when the process dies
         with open(path, "r+b") as f:
@@ -74,20 +83,3 @@ def write_object_file(path: Path, rank: int, data: bytes) -> FileEntry:
         f.flush()
         os.fsync(f.fileno())
     return FileEntry(path.name, rank, len(data), crc32_of_bytes(data))
-
-
-def write_atomically(path: Path, data: bytes, torn_point: str, written_point: str) -> None:
-    """Write ``path`` via ``path.tmp`` + fsync + rename + fsync of the directory; a failed write leaves no
-    ``path.tmp`` behind."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with naming(tmp), open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    crash_point(torn_point, tmp)
-    crash_point(written_point)
-    os.replace(tmp, path)

@@ -36,6 +36,7 @@ from shardtrain.checkpoint.format import (
     numel,
     slice_destination,
 )
+from shardtrain.checkpoint.latest import JOURNAL_NAME, read_latest
 from shardtrain.checkpoint.objects import decode, decode_tensor_file, load_v1_pickle
 from shardtrain.checkpoint.runs import SegmentCopier, intersect
 from shardtrain.checkpoint.safetensors_io import stream_tensor
@@ -51,13 +52,15 @@ def resolve_checkpoint_dir(path: str | os.PathLike, tag: str | None = None) -> P
         raise CheckpointError(f"{path} is not a directory")
     if tag is None:
         latest = path / LATEST_NAME
-        if not latest.is_file():
+        tag = read_latest(path)  # [Note: latest names a tag inside the save directory] (latest.py)
+        if tag is None:
+            journal = " (latest.tmp: a save was interrupted; a load through the engine finishes it)"
             raise CheckpointError(
                 f"no complete checkpoint in {path}: {LATEST_NAME!r} does not exist (a save that never finished "
-                "leaves none); pass a tag to open a specific checkpoint"
+                f"leaves none{journal if (path / JOURNAL_NAME).exists() else ''}); pass a tag to open a specific "
+                "checkpoint"
             )
-        tag = _read_text(latest).strip()
-        if not tag or not (path / tag / MANIFEST_NAME).is_file():
+        if not (path / tag / MANIFEST_NAME).is_file():
             raise CheckpointError(f"{latest} names checkpoint {tag!r}, which has no {MANIFEST_NAME}")
     ckpt = path / tag
     if not (ckpt / MANIFEST_NAME).is_file():

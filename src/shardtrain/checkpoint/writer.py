@@ -3,8 +3,9 @@
 Protocol (every rank calls :func:`save` with the same ``save_dir`` and ``tag``; ``docs/checkpoint-format.md`` has
 the full argument):
 
-1. rank 0 validates the tag, refuses an existing one unless ``overwrite``, removes leftovers of crashed saves
-   (``.tmp-*``, ``.trash-*``, ``latest.tmp``) and creates ``.tmp-<tag>``;
+1. rank 0 validates the tag, finishes a publish a crash interrupted (``latest.recover``), refuses an existing tag
+   unless ``overwrite`` or it may be replaced (:func:`_replaceable`), removes leftovers of crashed saves (``.tmp-*``,
+   ``.trash-*``) and creates ``.tmp-<tag>``;
 2. one ``all_gather_object`` shares the piece descriptors (and rank 0's outcome of step 1); every rank then computes
    the same plan: which rank stores each replicated piece (the lowest that holds it), whether shapes and dtypes
    agree, whether the pieces cover every tensor exactly once;
@@ -12,8 +13,9 @@ the full argument):
    ``rank<r>.objects.safetensors`` (the tensors and arrays its per-rank objects hold, if any: [Note: checkpoint
    objects]), rank 0 also ``objects.safetensors`` for the global objects; each file is fsynced; a second gather
    shares sizes and checksums, and every rank checks that replicas agree;
-4. rank 0 writes ``manifest.json`` (fsync), fsyncs the directory, renames it to ``<tag>`` and fsyncs ``save_dir``;
-   then writes ``latest.tmp``, fsyncs it, renames it over ``latest`` and fsyncs ``save_dir`` again;
+4. rank 0 writes ``manifest.json`` (fsync) and fsyncs the directory; writes ``latest.tmp`` naming the tag, fsyncs it
+   and ``save_dir`` (the save is committed); renames the directory to ``<tag>`` (an existing one aside first),
+   renames ``latest.tmp`` over ``latest`` and fsyncs ``save_dir`` ([Note: the publish journal] in ``latest.py``);
 5. a third gather returns rank 0's outcome, so that every rank returns (or raises) only once the checkpoint is
    complete.
 
@@ -27,7 +29,9 @@ thread ([Note: asynchronous checkpoints] in ``async_save.py``).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -39,7 +43,7 @@ from typing import Any
 
 import torch
 
-from shardtrain.checkpoint.durable import crash_point, fsync_path, naming, write_atomically, write_object_file
+from shardtrain.checkpoint.durable import crash_point, fsync_path, naming, write_object_file
 from shardtrain.checkpoint.format import (
     FORMAT_VERSION,
     LATEST_NAME,
@@ -52,14 +56,24 @@ from shardtrain.checkpoint.format import (
     crc32_of,
     dtype_name,
 )
+from shardtrain.checkpoint.latest import (
+    JOURNAL_NAME,
+    TMP_PREFIX,
+    TRASH_PREFIX,
+    complete_checkpoint_problem,
+    finish_publish,
+    read_latest,
+    recover,
+    write_journal,
+)
 from shardtrain.checkpoint.objects import TaggedEncoder, encode_tensor_file
 from shardtrain.checkpoint.plan import piece_keys, plan_pieces, rank_file, tensor_entries
 from shardtrain.checkpoint.safetensors_io import write_streaming
 from shardtrain.distributed.communicator import Communicator
 from shardtrain.errors import CheckpointError
 
-TMP_PREFIX = ".tmp-"
-TRASH_PREFIX = ".trash-"
+log = logging.getLogger("shardtrain")
+
 _TAG_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.=-]*")
 
 
@@ -107,28 +121,69 @@ class SaveResult:
 
 
 def check_tag(tag: str) -> None:
-    if not isinstance(tag, str) or not _TAG_RE.fullmatch(tag) or tag in (LATEST_NAME, MANIFEST_NAME):
+    if not isinstance(tag, str) or not _TAG_RE.fullmatch(tag) or tag in (LATEST_NAME, MANIFEST_NAME, JOURNAL_NAME):
         raise CheckpointError(
             f"checkpoint tag {tag!r} is not allowed: use letters, digits, '_', '.', '=', '-', not starting with "
-            f"'.' or '-', and not {LATEST_NAME!r}"
+            f"'.' or '-', and not {LATEST_NAME!r} or {JOURNAL_NAME!r}"
         )
 
 
-def _prepare(save_dir: Path, tag: str, overwrite: bool) -> str | None:
+_OUR_FILE_RE = re.compile(r"manifest\.json|objects\.(safetensors|pkl)|rank\d{5}(\.objects)?\.(safetensors|pkl)")
+
+
+def _replaceable(final: Path, same_save: dict[str, Any] | None) -> str | None:
+    """Whether the existing checkpoint directory ``final`` may be replaced by this save (None) or why not.
+
+    [Note: saving a tag that exists]
+    A save never silently destroys a checkpoint, but a restarted job must be able to save again. Replaced, always
+    through a complete new copy first ([Note: the publish journal]): ``final`` when it is complete and holds the
+    global objects ``same_save`` (the engine passes its step counters: the same save, done again by a run that
+    resumed from an earlier checkpoint, as DeepSpeed and torch DCP overwrite a step's directory); or when it is
+    incomplete (no manifest, or one that does not parse or whose files are missing) and holds nothing but the files
+    a checkpoint of ours holds, so that it could never load. Refused: a complete checkpoint of another step (a tag
+    the user reuses: the message says how to replace it), and a directory with other files (not ours, e.g.
+    DeepSpeed's)."""
+    if final.is_symlink() or not final.is_dir():
+        return "and is not a checkpoint directory"
+    problem = complete_checkpoint_problem(final)
+    if problem is None:
+        if same_save is not None:
+            text = (final / MANIFEST_NAME).read_text(encoding="utf-8")
+            objects = Manifest.from_json(text, str(final / MANIFEST_NAME)).objects
+            held = {k: objects[k].value if k in objects and objects[k].encoding == "json" else None for k in same_save}
+            if held == same_save:
+                return None
+            return f" (a complete checkpoint of another point of training: {held}, this save is at {same_save})"
+        return ""
+    others = sorted(p.name for p in final.iterdir() if not (_OUR_FILE_RE.fullmatch(p.name) and p.is_file()))
+    if others:
+        return f" and is not a shardtrain checkpoint (it holds {', '.join(others[:5])})"
+    return None
+
+
+def _prepare(save_dir: Path, tag: str, overwrite: bool, same_save: dict[str, Any] | None = None) -> str | None:
     """Rank 0, step 1. Returns an error message instead of raising (it travels to the other ranks)."""
     try:
         check_tag(tag)
         save_dir.mkdir(parents=True, exist_ok=True)
-        if (save_dir / tag).exists() and not overwrite:
-            return (
-                f"checkpoint {save_dir / tag} already exists; choose another tag, delete it, "
-                "or pass overwrite=True to replace it"
-            )
-        for leftover in save_dir.iterdir():
+        for line in recover(save_dir):
+            log.warning("checkpoint directory %s: %s", save_dir, line)
+        final = save_dir / tag
+        if os.path.lexists(final) and not overwrite:
+            why = _replaceable(final, same_save)
+            if why is not None:
+                return (
+                    f"checkpoint {final} already exists{why}; choose another tag, delete it, "
+                    "or pass overwrite=True to replace it"
+                )
+            kind = "incomplete" if complete_checkpoint_problem(final) else "saved at the same step by an earlier run"
+            log.warning("checkpoint %s exists (%s): it is replaced once the new one is complete", final, kind)
+        for leftover in save_dir.iterdir():  # after recover(): what is left was never committed
             if leftover.name.startswith((TMP_PREFIX, TRASH_PREFIX)):
-                shutil.rmtree(leftover, ignore_errors=True)
-            elif leftover.name == LATEST_NAME + ".tmp":
-                leftover.unlink()
+                if leftover.is_dir() and not leftover.is_symlink():
+                    shutil.rmtree(leftover, ignore_errors=True)
+                else:
+                    leftover.unlink()
         tmp = save_dir / (TMP_PREFIX + tag)
         tmp.mkdir()  # no fsync of save_dir needed: nothing relies on .tmp-<tag> surviving a crash
     except CheckpointError as err:
@@ -237,31 +292,20 @@ def _publish(save_dir: Path, tag: str, manifest: Manifest) -> None:
     crash_point("manifest_written")
     fsync_path(tmp)
     crash_point("tmp_synced")
-    final = save_dir / tag
-    if final.exists():  # overwrite=True: the old copy is moved aside, then removed once the new one is in place
-        trash = save_dir / (TRASH_PREFIX + tag)
-        os.replace(final, trash)
-        os.replace(tmp, final)
-        fsync_path(save_dir)
-        shutil.rmtree(trash)
-    else:
-        os.replace(tmp, final)
-    crash_point("renamed")
-    fsync_path(save_dir)
-    latest = save_dir / LATEST_NAME
-    write_atomically(latest, tag.encode() + b"\n", "latest_torn", "latest_tmp_written")
-    crash_point("latest_renamed")
-    fsync_path(save_dir)
+    write_journal(save_dir, tag)  # committed: a crash from here on is finished by the next load or save
+    finish_publish(save_dir, tag)  # an existing <tag> is replaced only now: the new copy is complete and durable
 
 
 def _latest_state(save_dir: Path, tag: str) -> str:
     """After a failed publish: whether the new checkpoint is in place and what ``latest`` names."""
     try:
-        latest = (save_dir / LATEST_NAME).read_text().strip()
-    except OSError:
+        latest = read_latest(save_dir)
+    except CheckpointError:
         latest = None
     if latest == tag:
         return f"{LATEST_NAME!r} names it"
+    if (save_dir / JOURNAL_NAME).exists():
+        return f"{save_dir / JOURNAL_NAME} commits it: the next load or save of {save_dir} publishes it"
     state = f"{save_dir / tag} is complete but " if (save_dir / tag / MANIFEST_NAME).is_file() else ""
     return state + (f"{LATEST_NAME!r} still names {latest!r}" if latest else f"there is no {LATEST_NAME!r}")
 
@@ -337,6 +381,7 @@ def stage(
     global_objects: dict[str, Any] | None = None,
     aliases: dict[str, str] | None = None,
     overwrite: bool = False,
+    same_save: dict[str, Any] | None = None,
     failure: str | None = None,
     snapshot: bool = False,
 ) -> StagedSave:
@@ -351,7 +396,7 @@ def stage(
     def gather(obj: Any, what: str) -> list[Any]:
         return comm.all_gather_object(obj, what=what) if comm is not None else [obj]
 
-    prep_error = _prepare(save_dir, tag, overwrite) if rank == 0 else None
+    prep_error = _prepare(save_dir, tag, overwrite, same_save) if rank == 0 else None
     local_error, descs = failure, []
     if local_error is None:
         try:
@@ -444,6 +489,9 @@ def commit(staged: StagedSave, comm: Communicator | None) -> SaveResult:
         try:
             _publish(save_dir, tag, manifest)
         except Exception as err:
+            # committed or not, leave a state the message describes: finish or drop the journal now
+            with contextlib.suppress(Exception):
+                recover(save_dir)
             publish_error = f"{_describe(err)}; {_latest_state(save_dir, tag)}"
         crash_point("done")
     _raise_failures([gather(publish_error, "checkpoint published")[0]], "publishing", save_dir, tag, rank)
@@ -460,6 +508,7 @@ def save(
     global_objects: dict[str, Any] | None = None,
     aliases: dict[str, str] | None = None,
     overwrite: bool = False,
+    same_save: dict[str, Any] | None = None,
     failure: str | None = None,
 ) -> SaveResult:
     """Save one checkpoint ``save_dir/tag`` collectively; every rank of ``comm`` calls this (``None``: one process).
@@ -468,9 +517,11 @@ def save(
     ``global_objects``: objects shared by all ranks (only rank 0's are written). Objects may hold the types of
     [Note: checkpoint objects] (plain data, tensors, numpy arrays); anything else fails the save before any file
     is written. ``aliases``: ``{alias: name}`` extra names of a tensor (tied weights), given on rank 0. An existing
-    tag is refused unless ``overwrite``. Returns when the checkpoint is complete and ``latest`` names it. Pieces may
-    live on any device; they are copied to host memory first (this rank's pieces are held there until its file is
-    written).
+    tag is refused unless ``overwrite``, or it is incomplete, or it holds the global objects ``same_save`` (inline
+    JSON values, e.g. step counters: the same save done again by a restarted run; [Note: saving a tag that
+    exists]); it is replaced only once the new checkpoint is complete and committed. Returns when the checkpoint
+    is complete and ``latest`` names it. Pieces may live on any device; they are copied to host memory first (this
+    rank's pieces are held there until its file is written).
 
     ``failure``: this rank could not prepare its part (e.g. collecting its pieces raised); the save is abandoned
     on every rank with this message at the first gather. Any exception a rank meets during the save is carried the
@@ -489,6 +540,7 @@ def save(
         global_objects=global_objects,
         aliases=aliases,
         overwrite=overwrite,
+        same_save=same_save,
         failure=failure,
     )
     return commit(staged, comm)

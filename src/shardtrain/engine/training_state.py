@@ -40,6 +40,7 @@ timeout. A failed save publishes nothing: ``latest`` still names the previous ch
 
 from __future__ import annotations
 
+import logging
 import random
 import warnings
 from dataclasses import dataclass
@@ -52,8 +53,9 @@ from torch import nn
 
 from shardtrain.checkpoint import FlatSlice, SavePiece, open_checkpoint, save
 from shardtrain.checkpoint.async_save import AsyncSaver
-from shardtrain.checkpoint.format import BlockFlatSlice, BlockSlice, numel
+from shardtrain.checkpoint.format import MANIFEST_NAME, BlockFlatSlice, BlockSlice, numel
 from shardtrain.checkpoint.hf_config import hf_config_objects
+from shardtrain.checkpoint.latest import recover
 from shardtrain.checkpoint.reader import CheckpointReader
 from shardtrain.checkpoint.writer import stage
 from shardtrain.distributed.communicator import Communicator
@@ -69,6 +71,8 @@ from shardtrain.zero.weights import (
     state_tensors,
     weight_destinations,
 )
+
+log = logging.getLogger("shardtrain")
 
 COUNTERS = ("global_step", "micro_steps", "skipped_steps", "global_samples")
 
@@ -240,6 +244,8 @@ def save_engine(
     snapshot is taken and the plan agreed, and ``saver`` writes and publishes in the background ([Note:
     asynchronous checkpoints]); the caller must have waited for its previous save."""
     failure, pieces, aliases, global_objects, rng = None, [], {}, {}, {}
+    # the same save done again (a restarted run reaching a step it had saved): the tag is replaced, safely
+    same_save = {"engine/counters": {k: state.counters[k] for k in COUNTERS}}
     try:
         pieces, aliases, optimizer_objects = collect_pieces(state)
         global_objects = {
@@ -265,7 +271,13 @@ def save_engine(
         }
     except Exception as err:  # the save is abandoned on every rank (see the Note)
         failure = f"collecting what to save: {_describe_failure(err)}"
-    what = {"rank_objects": {"rng": rng}, "global_objects": global_objects, "aliases": aliases, "failure": failure}
+    what = {
+        "rank_objects": {"rng": rng},
+        "global_objects": global_objects,
+        "aliases": aliases,
+        "failure": failure,
+        "same_save": same_save,
+    }
     if saver is None:
         return save(save_dir, tag, state.comm, pieces, **what).path
     commit_comm = saver.commit_comm(state.comm)  # collective the first time: before anything can fail alone
@@ -280,6 +292,7 @@ def load_engine(state: TrainingState, load_dir: str | Path, tag: str | None, loa
 
     A rank reads only what it needs, so a damaged file may fail on one rank only: the outcome is shared,
     and every rank raises the failing ranks' messages (see [Note: checkpoint failures are collective])."""
+    _recover(state, load_dir)
     error, client_state = None, {}
     try:
         client_state = _load(state, load_dir, tag, load_optimizer_states)
@@ -295,6 +308,24 @@ def load_engine(state: TrainingState, load_dir: str | Path, tag: str | None, loa
             raise CheckpointError(message) from cause
         raise CheckpointError(message)
     return client_state
+
+
+def _recover(state: TrainingState, load_dir: str | Path) -> None:
+    """Rank 0 finishes a save that a crash interrupted after it was committed (or drops one that never was) before
+    any rank reads ``latest``: a resumed run loads the newest complete checkpoint ([Note: the publish journal] in
+    ``checkpoint/latest.py``). Collective (one gather); writes nothing when nothing was interrupted."""
+    error = None
+    if state.comm.rank == 0:
+        try:
+            path = Path(load_dir)
+            if path.is_dir() and not (path / MANIFEST_NAME).is_file():
+                for line in recover(path):
+                    log.warning("checkpoint directory %s: %s", path, line)
+        except Exception as err:
+            error = f"finishing an interrupted save: {_describe_failure(err)}"
+    outcome = state.comm.all_gather_object(error, what="checkpoint recovery")[0]
+    if outcome is not None:
+        raise CheckpointError(f"rank 0 failed to load checkpoint {load_dir}: {outcome}")
 
 
 def _load(state: TrainingState, load_dir: str | Path, tag: str | None, load_optimizer_states: bool) -> dict:

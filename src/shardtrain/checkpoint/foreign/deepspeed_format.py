@@ -65,6 +65,7 @@ from shardtrain.checkpoint.format import (
     Slice,
     TensorEntry,
 )
+from shardtrain.checkpoint.latest import read_latest
 from shardtrain.errors import CheckpointError
 
 LATEST = "latest"
@@ -112,12 +113,11 @@ def find_deepspeed_dir(path: str | os.PathLike, tag: str | None = None) -> Path 
     if tag is None and _model_files(path):
         return path
     if tag is None:
-        latest = path / LATEST
-        if not latest.is_file():
-            return None
-        try:
-            tag = latest.read_text(encoding="utf-8").strip()
-        except (OSError, UnicodeDecodeError):
+        try:  # confined to ``path``: [Note: latest names a tag inside the save directory] in checkpoint/latest.py
+            tag = read_latest(path)
+        except CheckpointError:
+            return None  # not followed; our own reader then refuses it by name
+        if tag is None:
             return None
     ckpt = path / tag
     return ckpt if ckpt.is_dir() and _model_files(ckpt) else None

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from shardtrain.checkpoint.format import LATEST_NAME, MANIFEST_NAME
+from shardtrain.checkpoint.latest import read_latest
 from shardtrain.compat.deepspeed.unsupported import not_provided
 from shardtrain.engine.engine import Engine
 
@@ -225,7 +226,7 @@ class DeepSpeedEngine:
             for g, lr in zip(engine.optimizer.param_groups, kept_lrs):
                 g["lr"] = lr
         if tag is None and not (load_dir / MANIFEST_NAME).is_file():
-            tag = (load_dir / LATEST_NAME).read_text(encoding="utf-8").strip()
+            tag = read_latest(load_dir)  # what the engine loaded: confined to load_dir
         path = load_dir / tag if tag is not None else load_dir
         return str(path), client_state
 
