@@ -183,7 +183,7 @@ def _parse_record(line: str, rank: int, step: int, at: str) -> Record:
         if value is not None and not _is_value(value):
             raise CompareError(f"{at}: field {name!r} must be a number or null, got {_shown(value)}")
     shape = data.get("shape")
-    if shape is not None and not (isinstance(shape, list) and all(_is_count(n) for n in shape)):
+    if "shape" in data and not (isinstance(shape, list) and all(_is_count(n) for n in shape)):
         raise CompareError(f"{at}: field 'shape' must be a list of whole numbers >= 0, got {_shown(shape)}")
     if "dtype" in data and not isinstance(data["dtype"], str):
         raise CompareError(f"{at}: field 'dtype' must be a string, got {_shown(data['dtype'])}")
