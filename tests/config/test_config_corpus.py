@@ -43,7 +43,7 @@ def test_config_check_classifies_real_configs(name, capsys):
         assert out.splitlines()[0].endswith(": ok")
         assert not problems
     else:
-        assert status == 1, out
+        assert status == 2, out
         assert problems == expected, out
     assert "Traceback" not in out and "pydantic" not in out.lower() and "validation error" not in out
 
@@ -58,6 +58,9 @@ def test_cli_over_whole_corpus_reports_without_traceback():
         env={"PYTHONPATH": src, "PATH": "/usr/bin:/bin"},
         timeout=120,
     )
-    assert run.returncode == 1  # some are refused
+    assert run.returncode == 2  # some are refused
     assert "Traceback" not in run.stdout + run.stderr
-    assert sum(line.endswith(": ok") for line in run.stdout.splitlines()) == sum(v is None for v in EXPECTED.values())
+    oks = {Path(line.removesuffix(": ok")).name for line in run.stdout.splitlines() if line.endswith(": ok")}
+    # usable on its own, but its tensor_parallel.size 4 does not fit 2 ranks
+    assert "tensor_parallel.size 4 does not divide the 2 processes" in run.stdout
+    assert oks == {name for name, v in EXPECTED.items() if v is None} - {"dsexamples__ds_config.json"}

@@ -173,5 +173,5 @@ def test_a_lone_call_no_peer_answers_ends_at_the_collective_timeout():
         "after "
     ), message
     assert "(collective timeout 2s), in Engine.full_state_dict" in message
-    assert "rank 0 (pid " in message and "is alive and did not fail with it" in message
+    assert "rank 0 (pid " in message and "is alive and had not reported a failure" in message
     assert time.monotonic() - started < 30

@@ -3,15 +3,17 @@
 For each file: ``ok``, or every problem with its key path; then the keys without effect (accepted without effect,
 or supported but doing nothing in the combination the file gives: see
 :data:`shardtrain.config.deepspeed_keys.NO_EFFECT_WHEN`) and the ``"auto"`` values ``initialize`` will resolve (and from
-what). ``--world-size`` also checks the batch sizes against that many data-parallel ranks. Exit status: 0 when every
-file is usable, 1 otherwise.
+what). ``--world-size N`` also checks the layout at N ranks as ``initialize`` would (``tensor_parallel.size``,
+``sequence_parallel_size``, ``mics_shard_size``, ``zero_hpz_partition_size``) and the batch sizes against the
+data-parallel size it gives, N / (tp x sp). Exit status: 0 when every file is usable, 2 otherwise (bad input, as
+every ``shardtrain`` command).
 """
 
 from __future__ import annotations
 
 import argparse
 
-from shardtrain.config.schema import inspect_config, resolve_batch_sizes
+from shardtrain.config.schema import check_layout, inspect_config, resolve_batch_sizes
 from shardtrain.errors import ConfigError
 
 
@@ -19,7 +21,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="config_command", required=True)
     check = sub.add_parser("check", help="report, per file, what shardtrain does with each DeepSpeed key")
     check.add_argument("files", nargs="+", metavar="FILE", help="DeepSpeed config files (.json, .yaml)")
-    check.add_argument("--world-size", type=int, help="also check batch sizes against N data-parallel ranks")
+    check.add_argument(
+        "--world-size", type=int, help="also check the layout and the batch sizes at N ranks (dp = N / (tp x sp))"
+    )
     check.add_argument("--quiet", "-q", action="store_true", help="print only the verdict and the problems")
     check.set_defaults(func=check_files)
 
@@ -31,11 +35,12 @@ def check_file(path: str, world_size: int | None = None) -> tuple[bool, list[str
     if report.config is not None and world_size is not None:
         cfg = report.config
         batch_keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
-        if not any(k in report.autos for k in batch_keys):  # "auto" batch sizes are derived to fit
-            try:
-                resolve_batch_sizes(cfg, world_size)
-            except ConfigError as err:
-                problems.append(f"{err} (world size {world_size})")
+        try:
+            dp = check_layout(cfg, world_size)
+            if not any(k in report.autos for k in batch_keys):  # "auto" batch sizes are derived to fit
+                resolve_batch_sizes(cfg, dp)
+        except ConfigError as err:
+            problems.append(f"{err} (world size {world_size})")
     lines = [f"{path}: ok" if not problems else f"{path}: {len(problems)} problem(s)"]
     lines += [f"  error  {p}" for p in problems]
     lines += [f"  no effect  {n}" for n in report.no_effect]
@@ -54,4 +59,4 @@ def check_files(args: argparse.Namespace) -> int:
         if args.quiet:
             lines = [line for line in lines if not line.startswith(("  no effect", '  "auto"'))]
         print("\n".join(lines))
-    return 0 if all_ok else 1
+    return 0 if all_ok else 2

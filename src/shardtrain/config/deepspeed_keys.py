@@ -850,7 +850,7 @@ RULES: tuple[Rule, ...] = (
     ),
     _supported(
         "collective_timeout_s",
-        "float > 0, `1800`",
+        "float from 0.001 to 1e9, `1800`",
         "shardtrain key: seconds before a collective fails with a named error",
     ),
     _supported(

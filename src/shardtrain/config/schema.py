@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from stat import S_ISREG
 from typing import Annotated, Any, Literal
 
 import torch
@@ -52,12 +55,25 @@ def _stage(v: Any) -> Any:
     return int(v) if isinstance(v, str) and v in ("0", "1", "2", "3") else v
 
 
-Count = Annotated[int, BeforeValidator(_integral), Field(strict=True, ge=1)]
-Size = Annotated[int, BeforeValidator(_integral), Field(strict=True, ge=0)]
+# [Note: bounded config values]
+# A value `config check` accepts must not fail later inside torch: whole numbers are sizes and counts that reach
+# torch as int64 (a tensor's numel, a bucket), so they stay below 2**63; floats are finite everywhere (Infinity and
+# NaN parse from JSON and YAML, and an infinite or NaN factor, rate or scale is never meaningful);
+# collective_timeout_s is bounded by what a process group takes (MIN_TIMEOUT_S, MAX_TIMEOUT_S).
+INT64_MAX = 2**63 - 1
+MIN_TIMEOUT_S = 0.001
+"""Below 1 ms torch rounds the timeout to 0 ms: every wait, the store connection first, fails at once."""
+MAX_TIMEOUT_S = 1e9
+"""About 31.7 years. torch's store client adds the timeout to a steady clock in int64 nanoseconds, which overflows
+near 9.2e9 s (``init_process_group`` then fails with "timed out after ...ms", or a gloo enforce for larger values;
+above 8.64e13 s ``datetime.timedelta`` itself overflows); 1e9 stays well inside."""
+
+Count = Annotated[int, BeforeValidator(_integral), Field(strict=True, ge=1, le=INT64_MAX)]
+Size = Annotated[int, BeforeValidator(_integral), Field(strict=True, ge=0, le=INT64_MAX)]
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
 
 
 def _device(v: Any) -> Any:
@@ -123,7 +139,7 @@ class ZeroConfig(_Section):
     """With optimizer offload: the optimizer steps this rank's fragments in sub-groups of about this many elements."""
     offload_optimizer: OffloadOptimizerConfig = Field(default_factory=OffloadOptimizerConfig)
     offload_param: OffloadParamConfig = Field(default_factory=OffloadParamConfig)
-    mics_shard_size: Annotated[int, BeforeValidator(_integral), Field(strict=True)] = -1
+    mics_shard_size: Annotated[int, BeforeValidator(_integral), Field(strict=True, le=INT64_MAX)] = -1
     """Hybrid sharding (DeepSpeed's MiCS key): shard parameters, gradients and optimizer state within groups of this
     many adjacent data-parallel ranks and replicate them across groups (-1: one group of every data-parallel rank);
     see docs/hybrid-sharding.md."""
@@ -367,11 +383,22 @@ class Config(_Section):
     device: Literal["cpu", "cuda"] | None = None
     """shardtrain's own key: where the engine trains; unset, ``SHARDTRAIN_DEVICE`` decides, then CUDA when available
     (see [Note: choosing the device])."""
-    collective_timeout_s: float = Field(default=1800.0, gt=0)
-    """shardtrain's own key: seconds a collective may wait before failing with a named error."""
+    collective_timeout_s: float = Field(default=1800.0, ge=MIN_TIMEOUT_S, le=MAX_TIMEOUT_S)
+    """shardtrain's own key: seconds a collective may wait before failing with a named error; from 0.001 (1 ms) to
+    1e9 (about 31.7 years; torch's process group overflows near 9.2e9), see [Note: bounded config values]."""
     desync_check: bool = True
     """shardtrain's own key: ranks exchange where they are before every engine call that communicates, so that a
     rank that diverges fails at once on every rank, naming each (see [Note: phase agreement])."""
+
+    @model_validator(mode="after")
+    def _sequence_parallel_graph(self) -> Config:
+        # refused here as well as at initialize (shardtrain.sequence_parallel) so that `config check` says it
+        if self.sequence_parallel_size != 1 and self.graph.enabled:
+            raise ValueError(
+                f"graph.enabled with sequence_parallel_size {self.sequence_parallel_size}: the Ulysses all-to-alls do "
+                "not run in captured graphs yet; turn graph mode off (docs/sequence-parallel.md)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _precision(self) -> Config:
@@ -450,9 +477,11 @@ def optimizer_class_and_kwargs(
             raise ConfigError(f"optimizer.params.{key}: expected true or false, got {value!r}")
         if _is_number(default) and not _is_number(value):
             raise ConfigError(f"optimizer.params.{key}: expected a number, got {value!r}")
+        if _is_number(value) and not math.isfinite(value):  # see [Note: bounded config values]
+            raise ConfigError(f"optimizer.params.{key}: expected a finite number, got {value!r}")
     if "betas" in params:
         betas = params["betas"]
-        if not isinstance(betas, (list, tuple)) or len(betas) != 2 or not all(_is_number(b) for b in betas):
+        if not isinstance(betas, (list, tuple)) or len(betas) != 2 or not all(_is_finite(b) for b in betas):
             raise ConfigError(f"optimizer.params.betas: expected two numbers [beta1, beta2], got {betas!r}")
         params["betas"] = tuple(betas)
     try:  # let torch validate values (negative lr, betas out of range) on a throwaway tensor
@@ -464,6 +493,10 @@ def optimizer_class_and_kwargs(
 
 def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _is_finite(v: Any) -> bool:
+    return _is_number(v) and math.isfinite(v)
 
 
 def scheduler_params(cfg: SchedulerConfig, allow_auto: bool = False) -> _Section | None:
@@ -564,21 +597,42 @@ def _validate(clean: Mapping[str, Any], found: Findings) -> ConfigReport:
     return ConfigReport(None if problems else cfg, problems, no_effect, dict(found.autos))
 
 
+MAX_CONFIG_BYTES = 64 << 20
+"""A DeepSpeed config is a few kilobytes; a larger file is not one (and is not read whole)."""
+
+
 def _read_file(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist")
-    text = path.read_text()
+    """The mapping in a .json/.yaml file; any file a user can hand in that is not one is a ConfigError naming it."""
+    name = str(path)
+    if path.suffix not in (".json", ".yaml", ".yml"):
+        raise ConfigError(f"config file {name!r}: unknown extension; use .json, .yaml or .yml")
     try:
-        if path.suffix in (".yaml", ".yml"):
-            data = yaml.safe_load(text)
-        elif path.suffix == ".json":
-            data = json.loads(text)
-        else:
-            raise ConfigError(f"config file {str(path)!r}: unknown extension; use .json, .yaml or .yml")
-    except (json.JSONDecodeError, yaml.YAMLError) as err:
-        raise ConfigError(f"config file {str(path)!r} is not valid {path.suffix[1:].upper()}: {err}") from None
+        # O_NONBLOCK: a FIFO opens at once and is refused below instead of blocking until a writer comes
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        raise ConfigError(f"config file {name!r} does not exist") from None
+    except OSError as err:
+        raise ConfigError(f"config file {name!r} cannot be read: {err.strerror}") from None
+    if not S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ConfigError(f"config file {name!r} is not a regular file (a directory, a FIFO, a device)")
+    with os.fdopen(fd, "rb") as f:
+        raw = f.read(MAX_CONFIG_BYTES + 1)
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"config file {name!r} is larger than {MAX_CONFIG_BYTES >> 20} MiB: not a config")
+    try:
+        text = raw.decode("utf-8-sig")  # a byte-order mark, as some editors write, is not content
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"config file {name!r} is not UTF-8 text ({err.reason} at byte {err.start})") from None
+    kind = path.suffix[1:].upper().replace("YML", "YAML")
+    try:
+        data = yaml.safe_load(text) if kind == "YAML" else json.loads(text)
+    except RecursionError:
+        raise ConfigError(f"config file {name!r} is not valid {kind}: nested too deeply") from None
+    except (ValueError, yaml.YAMLError) as err:
+        raise ConfigError(f"config file {name!r} is not valid {kind}: {err}") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top, got {type(data).__name__}")
+        raise ConfigError(f"config file {name!r} must hold a mapping at the top, got {type(data).__name__}")
     return data
 
 
@@ -616,6 +670,67 @@ def gradient_predivide(cfg: Config, dp: int) -> float | None:
     if cfg.gradient_predivide_factor != 1:
         return cfg.gradient_predivide_factor
     return None
+
+
+def check_layout(cfg: Config, world: int) -> int:
+    """The data-parallel size of ``cfg`` at ``world`` ranks, ``world / (tensor_parallel.size x
+    sequence_parallel_size)``; :class:`ConfigError` for a layout ``initialize`` would refuse there, with its words.
+
+    The same rules as :func:`shardtrain.distributed.mesh.init_topology` (which needs a process group; this is for
+    ``config check --world-size``, which has none) and :func:`shardtrain.zero.hpz.refuse_unbuilt_hpz`;
+    ``tests/config/test_config_layout.py`` holds the two to the same verdicts."""
+    tp, sp, zcfg = cfg.tensor_parallel.degree, cfg.sequence_parallel_size, cfg.zero_optimization
+    if world % tp:
+        raise ConfigError(
+            f"tensor_parallel.size {tp} does not divide the {world} processes of this job: the data-parallel size "
+            f"is world / tensor_parallel.size, so choose one of {_divisors(world)}"
+        )
+    if world % (sp * tp):
+        sizes = [d for d in range(1, world // tp + 1) if world % (d * tp) == 0]
+        raise ConfigError(
+            f"sequence_parallel_size {sp} does not divide the {world} processes of this job"
+            + (f" (with tensor_parallel.size {tp}: {world // tp} ranks per tensor-parallel block)" if tp != 1 else "")
+            + ": the data-parallel size is world / (sequence_parallel_size * tensor_parallel.size), so choose one of "
+            f"{sizes}"
+        )
+    dp = world // (sp * tp)
+    zero = dp * sp  # the ranks ZeRO shards over
+    shard = zero if zcfg.mics_shard_size == -1 else zcfg.mics_shard_size
+    if zero % shard:
+        raise ConfigError(
+            f"zero_optimization.mics_shard_size {zcfg.mics_shard_size} does not divide the {zero} ranks ZeRO shards "
+            f"over (world {world} / (tensor_parallel.size {tp} x sequence_parallel_size {sp})): state is sharded "
+            f"within groups of mics_shard_size ranks and replicated across the groups, so choose one of "
+            f"{_divisors(zero)} (or -1 to shard over all {zero})"
+        )
+    hpz = zcfg.zero_hpz_partition_size
+    if zcfg.stage == 3 and hpz > 1 and tp == 1 and sp == 1 and shard == dp and dp % hpz:
+        raise ConfigError(
+            f"zero_optimization.zero_hpz_partition_size {hpz} does not divide the data-parallel size {dp} (world "
+            f"{world}): each group of that many adjacent ranks keeps a secondary copy of the parameter shards, so "
+            f"choose one of {_divisors(dp)} (the ranks of one node), or 1 to turn hpZ off"
+        )
+    if zcfg.stage == 3 and hpz > 1 and hpz != zero:
+        what = None
+        if tp > 1:
+            what = f"tensor parallelism (tensor_parallel.size {tp})"
+        elif sp > 1:
+            what = f"sequence parallelism (sequence_parallel_size {sp})"
+        elif zcfg.offload_param.device != "none":
+            what = f"offload_param.device {zcfg.offload_param.device!r}"
+        elif cfg.graph.enabled:
+            what = "graph mode (graph.enabled)"
+        if what is not None:
+            raise ConfigError(
+                f"zero_optimization.zero_hpz_partition_size {hpz} (ZeRO++ hpZ) with {what} is not built; remove "
+                "zero_hpz_partition_size (plain ZeRO-3: the same values, backward gathers over every data-parallel "
+                "rank) or turn the other feature off (docs/hybrid-sharding.md)"
+            )
+    return dp
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def resolve_batch_sizes(cfg: Config, dp: int) -> tuple[int, int, int]:

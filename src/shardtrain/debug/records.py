@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from stat import S_ISDIR, S_ISREG
 from typing import Any
 
 from shardtrain.debug.stats import STAT_FIELDS
@@ -40,7 +42,7 @@ Key = tuple[int, int, str, str, str, int]  # rank, step, dir, name, output, call
 
 
 class CompareError(ValueError):
-    """A run directory cannot be compared (missing, empty, unreadable); the message says which and why."""
+    """A run directory cannot be compared (missing, empty, unreadable, damaged); the message says which and why."""
 
 
 @dataclass(frozen=True)
@@ -70,8 +72,20 @@ def describe_key(key: Key) -> str:
 
 
 def load_run(path: str | Path) -> dict[Key, Record]:
-    """All records under ``path``: a StatisticsSubscriber output directory (``rank_<r>`` inside) or one rank_ dir."""
+    """All records under ``path``: a StatisticsSubscriber output directory (``rank_<r>`` inside) or one rank_ dir.
+
+    Every damaged input is a :class:`CompareError` naming the file (and the line and field where there is one): a
+    step file that is not a regular file (a directory, a FIFO: refused before it is read, so nothing blocks), an
+    empty one, bytes that are not UTF-8, a line that is not a JSON object, a field of the wrong type or range, a
+    record given twice. See [Note: what a record may hold]."""
     root = Path(path)
+    try:
+        return _load_run(root)
+    except OSError as err:  # an unreadable directory, a symlink loop, a file that vanished
+        raise CompareError(f"cannot read {str(root)!r}: {err}") from err
+
+
+def _load_run(root: Path) -> dict[Key, Record]:
     if not root.exists():
         raise CompareError(f"run directory {str(root)!r} does not exist")
     if not root.is_dir():
@@ -81,11 +95,12 @@ def load_run(path: str | Path) -> dict[Key, Record]:
         m = _RANK_DIR.match(root.name)
         rank_dirs = {int(m.group(1)) if m else 0: root}
     records: dict[Key, Record] = {}
+    where: dict[Key, str] = {}  # key -> "file:line" of its first record, to name both places of a duplicate
     for rank, rank_dir in sorted(rank_dirs.items()):
         for file in sorted(rank_dir.iterdir()):
             m = _STEP_FILE.match(file.name)
             if m:
-                _read_step_file(file, rank, int(m.group(1)), records)
+                _read_step_file(file, rank, int(m.group(1)), records, where)
     if not records:
         raise CompareError(
             f"no statistics records under {str(root)!r}: expected rank_<r>/step_<n>.jsonl files written by "
@@ -94,17 +109,103 @@ def load_run(path: str | Path) -> dict[Key, Record]:
     return records
 
 
-def _read_step_file(file: Path, rank: int, step: int, into: dict[Key, Record]) -> None:
-    with open(file, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+# [Note: what a record may hold]
+# A record line is a JSON object written by StatisticsSubscriber: "dir", "name", "output" strings; "seq", "call"
+# and "numel" whole numbers >= 0; the statistics numbers (a whole number or a float; null for the five value
+# statistics of a tensor without finite elements, see shardtrain.debug.stats), the counts whole numbers >= 0;
+# "shape" a list of whole numbers >= 0 and "dtype" a string when present. Whole numbers are bounded by 2**64
+# (uint64's extremes are the largest a tensor holds) so that the arithmetic of the comparison stays in floats, and
+# value statistics are never NaN (NaN elements are counted, not averaged). Anything else is damage (a torn copy,
+# an edited file, another tool's output) and is refused by file, line and field: exit 2, never a verdict.
+_MAX_LINE = 1 << 20  # bytes; a record is a few hundred
+_MAX_INT = 1 << 64
+_STRINGS = ("dir", "name", "output")
+_COUNTS = ("seq", "call", "numel", "nan", "inf", "zero", "pos", "neg")
+
+
+def _read_step_file(file: Path, rank: int, step: int, into: dict[Key, Record], where: dict[Key, str]) -> None:
+    try:
+        fd = os.open(file, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO opens at once, refused below
+    except OSError as err:  # a symlink loop, no permission
+        raise CompareError(f"cannot read step file {str(file)!r}: {err.strerror}") from err
+    mode = os.fstat(fd).st_mode
+    if not S_ISREG(mode):
+        os.close(fd)
+        kind = "a directory" if S_ISDIR(mode) else "not a regular file"
+        raise CompareError(f"step file {str(file)!r} is {kind}; a step file is a StatisticsSubscriber's .jsonl")
+    with os.fdopen(fd, "rb") as f:
+        count = 0
+        for lineno, raw in enumerate(iter(lambda: f.readline(_MAX_LINE + 1), b""), 1):
+            if len(raw) > _MAX_LINE:
+                raise CompareError(f"{file}:{lineno}: line longer than {_MAX_LINE} bytes; not a statistics record")
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise CompareError(f"{file}:{lineno}: not UTF-8 text ({err.reason} at byte {err.start})") from None
             if not line.strip():
                 continue
-            try:
-                data = json.loads(line)
-                key = (rank, step, data["dir"], data["name"], data["output"], int(data["call"]))
-                into[key] = Record(key, int(data["seq"]), data)
-            except (ValueError, KeyError, TypeError) as err:
-                raise CompareError(f"{file}:{lineno}: not a statistics record ({err})") from err
+            record = _parse_record(line, rank, step, f"{file}:{lineno}")
+            if record.key in into:
+                raise CompareError(
+                    f"{file}:{lineno}: the record {describe_key(record.key)} (step {step}) is also at "
+                    f"{where[record.key]}; a run records each once (two copies of one run in one directory?)"
+                )
+            into[record.key] = record
+            where[record.key] = f"{file}:{lineno}"
+            count += 1
+    if not count:
+        raise CompareError(
+            f"step file {str(file)!r} holds no record: a step file is written with its first record, so an empty "
+            "one is damaged (truncated or made by hand)"
+        )
+
+
+def _parse_record(line: str, rank: int, step: int, at: str) -> Record:
+    try:
+        data = json.loads(line)
+    except RecursionError:
+        raise CompareError(f"{at}: not a statistics record (JSON nested too deeply)") from None
+    except ValueError as err:
+        raise CompareError(f"{at}: not a statistics record ({err})") from None
+    if not isinstance(data, dict):
+        raise CompareError(f"{at}: not a statistics record (a JSON {type(data).__name__}, not an object)")
+    for name in (*_STRINGS, "seq", "call"):
+        if name not in data:
+            raise CompareError(f"{at}: not a statistics record (no {name!r} field)")
+    for name in _STRINGS:
+        if not isinstance(data[name], str):
+            raise CompareError(f"{at}: field {name!r} must be a string, got {_shown(data[name])}")
+    for name in _COUNTS:
+        if name in data and not _is_count(data[name]):
+            raise CompareError(f"{at}: field {name!r} must be a whole number >= 0, got {_shown(data[name])}")
+    for name in _VALUE_STATS:
+        value = data.get(name)
+        if value is not None and not _is_value(value):
+            raise CompareError(f"{at}: field {name!r} must be a number or null, got {_shown(value)}")
+    shape = data.get("shape")
+    if "shape" in data and not (isinstance(shape, list) and all(_is_count(n) for n in shape)):
+        raise CompareError(f"{at}: field 'shape' must be a list of whole numbers >= 0, got {_shown(shape)}")
+    if "dtype" in data and not isinstance(data["dtype"], str):
+        raise CompareError(f"{at}: field 'dtype' must be a string, got {_shown(data['dtype'])}")
+    key = (rank, step, data["dir"], data["name"], data["output"], data["call"])
+    return Record(key, data["seq"], data)
+
+
+def _is_count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < _MAX_INT
+
+
+def _is_value(x: Any) -> bool:
+    if isinstance(x, bool):
+        return False
+    if isinstance(x, int):
+        return -_MAX_INT <= x <= _MAX_INT
+    return isinstance(x, float) and not math.isnan(x)
+
+
+def _shown(x: Any) -> str:
+    text = json.dumps(x) if not isinstance(x, str) else repr(x)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 @dataclass(frozen=True)

@@ -12,12 +12,16 @@ which every rank can reach, is used instead:
    (host name, machine id, pid); no collective, one store round trip. Once its first collectives complete (every
    peer has registered by then) it reads the others' entries, so that it can still tell which processes are gone
    when the store's host has exited;
-2. when one of its collectives fails, it first writes ``shardtrain/failed/<global rank>`` = its pid (so that the
-   others know it was alive when the failure happened, even if it exits right after), then classifies every other
-   rank of the group: *reported* (it wrote its failure key), *gone* (its process, on this machine, no longer exists
-   or is a zombie), *alive* (its process exists but did not report: it is on another code path or busy), or
-   *silent* (on another machine and no report). A key holding another pid than the registered one is left from an
-   earlier attempt (torchrun's agent keeps its store across restarts) and is ignored;
+2. when one of its collectives fails, it first writes ``shardtrain/failed/<global rank>`` = its pid and the time
+   (so that the others know it was alive when the failure happened, even if it exits right after, and when), then
+   classifies every other rank of the group: *reported* (it wrote its failure key), *gone* (its process, on this
+   machine, no longer exists or is a zombie; or another rank recorded it gone, below), *alive* (its process exists
+   but did not report: it is on another code path or busy), *unknown* (its process exists but the store went away
+   before it could report: it may be failing too), or *silent* (on another machine and no report). A rank it finds
+   gone it records as ``shardtrain/gone/<rank>`` = (its own rank, the time), so that the others learn it by the
+   store's record, including ranks on other machines and ranks that see the process table only after more ranks
+   have exited. A key holding another pid than the registered one is left from an earlier attempt (torchrun's agent
+   keeps its store across restarts) and is ignored;
 3. it polls until every other rank has reported or is gone: the survivors usually fail within milliseconds of
    each other, and a killed process closes its sockets a moment before it leaves the process table. It waits at
    most :data:`SETTLE_S` for a rank of this machine that is alive (it may be blocked in a collective with this rank,
@@ -26,9 +30,16 @@ which every rank can reach, is used instead:
    written theirs: the process that hosts the store must not exit, taking the store with it, before the slower
    survivors have asked.
 
-When the store itself cannot be reached, the process that hosts it is gone: rank 0 when the process group was
-initialized from ``MASTER_ADDR``/``MASTER_PORT`` by the ranks themselves, the torchrun agent of the first node when
-torchrun hosts it. The survey costs nothing until a collective fails.
+Who failed first is told by the store's record: the earliest of the gone records and failure keys. That matters
+when rank 0, which hosts the store, is among the dead: rank 2 killed, rank 0 fails, records rank 2 gone and exits
+after step 4, and rank 1, when its process table shows ranks 0 and 2 both gone, still reads that rank 2 went first.
+
+When the store itself cannot be reached, the process that hosts it is gone: rank 0 whenever shardtrain created the
+process group (under torchrun too: rank 0 hosts each attempt's store, [Note: restarts under torchrun] in
+``shardtrain.distributed.mesh``) or the ranks initialized it from ``MASTER_ADDR``/``MASTER_PORT``; the torchrun agent
+of the first node only when the user's group uses the agent's store itself. What was read before it went away is
+kept; a rank whose process still runs is then *unknown*, never "did not fail" (at world 3 with rank 0 killed, rank 2
+fails a few ms after rank 1 asks). The survey costs nothing until a collective fails.
 
 A failure is a timeout only when the collective waited for at least the configured timeout (``elapsed >=
 TIMEOUT_FRACTION * timeout``): a dead peer found in 0.02 s is not called a timeout.
@@ -60,6 +71,7 @@ TIMEOUT_FRACTION = 0.9
 
 _PROC_KEY = "shardtrain/proc/{}"
 _FAILED_KEY = "shardtrain/failed/{}"
+_GONE_KEY = "shardtrain/gone/{}"
 _SURVEYED_KEY = "shardtrain/surveyed/{}"
 _PACKAGE = Path(__file__).resolve().parents[1]  # the shardtrain package
 # package files that call the API like a user (relative to the package)
@@ -172,8 +184,22 @@ class Survey:
     reported: list[int] = field(default_factory=list)
     gone: list[tuple[int, str]] = field(default_factory=list)  # (rank, "pid 123 on host")
     alive: list[tuple[int, str]] = field(default_factory=list)
+    unknown: list[tuple[int, str]] = field(default_factory=list)  # alive when the store went away
     silent: list[tuple[int, str]] = field(default_factory=list)  # (rank, host or "unknown host")
     store_error: str | None = None
+    waited_s: float = 0.0
+    """How long the survey waited for the others to report."""
+    events: dict[int, tuple[float, str]] = field(default_factory=dict)
+    """The store's record, by rank: (wall time, "reported its failure" or "was found gone by rank N")."""
+
+    def first(self) -> tuple[int, str] | None:
+        """The rank that failed first by the store's record, and how it is known; None without such a record. A rank
+        found gone comes before every rank that reported a failure: it died without reporting, and its loss is what
+        made the others' collectives fail (it is found only after they failed, so its time is later)."""
+        if not self.events:
+            return None
+        rank, (_, how) = min(self.events.items(), key=lambda e: ("found it gone" not in e[1][1], e[1][0], e[0]))
+        return rank, how
 
 
 _surveys: dict[tuple[int, tuple[int, ...]], Survey] = {}
@@ -206,7 +232,7 @@ def _survey(store: Any, global_rank: int, peers: list[int]) -> Survey:
         out.store_error = f"{type(err).__name__}: {_first_line(str(err))}"
 
     try:
-        store.set(_FAILED_KEY.format(global_rank), str(os.getpid()))
+        store.set(_FAILED_KEY.format(global_rank), f"{os.getpid()} {time.time():.6f}")
     except Exception as err:
         lost_store(err)
     start = time.monotonic()
@@ -218,14 +244,23 @@ def _survey(store: Any, global_rank: int, peers: list[int]) -> Survey:
                 try:
                     if r not in procs and store.check([_PROC_KEY.format(r)]):
                         procs[r] = json.loads(store.get(_PROC_KEY.format(r)))
-                    if _written_by(store, _FAILED_KEY.format(r), procs.get(r)):
+                    when = _written_by(store, _FAILED_KEY.format(r), procs.get(r))
+                    if when is not None:
                         status[r] = "reported"
+                        out.events[r] = (when, "reported its failure")
+                        continue
+                    found = _gone_record(store, r, procs.get(r))
+                    if found is not None:
+                        status[r] = "gone"
+                        out.events[r] = (found[1], f"rank {found[0]} found it gone")
                         continue
                 except Exception as err:  # the store went away while we asked: its host is gone
                     lost_store(err)
             alive = process_alive(procs[r]) if r in procs else None  # None: another machine
             if alive is not None:
                 status[r] = "alive" if alive else "gone"
+                if not alive and out.store_error is None:
+                    _record_gone(store, r, procs[r], global_rank, out)
         waited = time.monotonic() - start
         pending = [r for r in peers if status.get(r) not in ("reported", "gone")]
         if not pending or out.store_error is not None or waited >= REPORT_WAIT_S:
@@ -233,6 +268,7 @@ def _survey(store: Any, global_rank: int, peers: list[int]) -> Survey:
         if waited >= SETTLE_S and all(status.get(r) == "alive" for r in pending):
             break  # an alive rank may be blocked in a collective with this one: waiting longer would hold it there
         time.sleep(0.02)
+    out.waited_s = time.monotonic() - start
     if out.store_error is None:  # step 4: stay until the others have asked too, in case this process hosts the store
         _linger(store, global_rank, {r: procs.get(r) for r in peers if status.get(r) == "reported"})
 
@@ -246,6 +282,8 @@ def _survey(store: Any, global_rank: int, peers: list[int]) -> Survey:
             out.reported.append(r)
         elif s == "gone":
             out.gone.append((r, where(r)))
+        elif s == "alive" and out.store_error is not None:
+            out.unknown.append((r, where(r)))
         elif s == "alive":
             out.alive.append((r, where(r)))
         elif out.store_error is None:
@@ -253,12 +291,40 @@ def _survey(store: Any, global_rank: int, peers: list[int]) -> Survey:
     return out
 
 
-def _written_by(store: Any, key: str, info: dict | None) -> bool:
-    """Does ``key`` exist and was it written by the process ``info`` registered? A torchrun agent keeps its store
-    across restarts, so a key may be left from the previous attempt, by a process that no longer exists."""
+def _written_by(store: Any, key: str, info: dict | None) -> float | None:
+    """When ``key`` was written (wall time; 0.0 when it does not say), if it exists and was written by the process
+    ``info`` registered; None otherwise. A torchrun agent keeps its store across restarts, so a key may be left from
+    the previous attempt, by a process that no longer exists. The value is "pid" or "pid time"."""
     if not store.check([key]):
-        return False
-    return info is None or store.get(key).decode() == str(info.get("pid"))
+        return None
+    pid, _, when = store.get(key).decode().partition(" ")
+    if info is not None and pid != str(info.get("pid")):
+        return None
+    try:
+        return float(when) if when else 0.0
+    except ValueError:
+        return 0.0
+
+
+def _gone_record(store: Any, rank: int, info: dict | None) -> tuple[int, float] | None:
+    """(the rank that found ``rank`` gone, when) from the store, or None; a record naming another pid than the one
+    ``info`` registered is left from an earlier attempt and ignored."""
+    key = _GONE_KEY.format(rank)
+    if not store.check([key]):
+        return None
+    record = json.loads(store.get(key))
+    if info is not None and record.get("pid") != info.get("pid"):
+        return None
+    return int(record["by"]), float(record["time"])
+
+
+def _record_gone(store: Any, rank: int, info: dict, global_rank: int, out: Survey) -> None:
+    """Step 2: tell the others, by the store, that this rank found ``rank`` gone (the first finder's record stays)."""
+    now = time.time()
+    out.events.setdefault(rank, (now, f"rank {global_rank} found it gone"))
+    record = json.dumps({"by": global_rank, "time": now, "pid": info.get("pid")})
+    with contextlib.suppress(Exception):
+        store.compare_set(_GONE_KEY.format(rank), "", record)
 
 
 def _linger(store: Any, global_rank: int, reported: dict[int, dict | None]) -> None:
@@ -267,18 +333,34 @@ def _linger(store: Any, global_rank: int, reported: dict[int, dict | None]) -> N
     try:
         store.set(_SURVEYED_KEY.format(global_rank), str(os.getpid()))
         while time.monotonic() - start < REPORT_WAIT_S:
-            if all(_written_by(store, _SURVEYED_KEY.format(r), info) for r, info in reported.items()):
+            if all(_written_by(store, _SURVEYED_KEY.format(r), info) is not None for r, info in reported.items()):
                 return
             time.sleep(0.02)
     except Exception:
         pass
 
 
-def store_host() -> str:
-    """Who hosts the rendezvous store, for the message when it cannot be reached."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+def store_host(store: Any | None = None) -> str:
+    """Who hosts the rendezvous store (default: the process group's), for the message when it cannot be reached.
+
+    Under torchrun shardtrain's own group uses rank 0's store of the attempt, not the agent's
+    (:func:`shardtrain.distributed.mesh.attempt_store`): the agent hosts it only when its port is the agent's
+    ``MASTER_PORT`` (a group the user initialized from the environment)."""
+    store = _default_store() if store is None else store
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and _port(store) == os.environ.get("MASTER_PORT"):
         return "the torchrun agent of the first node (node rank 0)"
     return "rank 0, which hosts it (killed, e.g. by the OOM killer, or exited)"
+
+
+def _port(store: Any) -> str | None:
+    """The TCP port of ``store`` (under its prefixes), or None."""
+    for _ in range(8):
+        if hasattr(store, "port"):
+            return str(store.port)
+        store = getattr(store, "underlying_store", None)
+        if store is None:
+            return None
+    return None
 
 
 def _first_line(text: str) -> str:
@@ -360,7 +442,18 @@ def explain(s: Survey) -> tuple[bool, str]:
     if s.silent:
         parts.append(f"{_ranks(s.silent)} did not answer within {REPORT_WAIT_S:g} s: gone, or hung")
     if s.alive:
-        parts.append(f"{_ranks(s.alive)} is alive and did not fail with it: it is on another code path, or busy")
+        parts.append(
+            f"{_ranks(s.alive)} is alive and had not reported a failure {s.waited_s:.2f} s after this one: it is on "
+            "another code path, or busy"
+        )
+    if s.unknown:
+        parts.append(
+            f"{_ranks(s.unknown)} still ran when the store went away, so whether it failed too cannot be told here"
+        )
     if s.reported:
         parts.append(f"rank(s) {s.reported} failed in the same way")
+    first = s.first()
+    if first is not None and (len(s.events) > 1 or len(s.gone) > 1):
+        rank, how = first
+        parts.append(f"by the store's record rank {rank} failed first ({how})")
     return lost, "; ".join(parts)
