@@ -12,6 +12,9 @@ Variants (``--variants``, comma-separated; default all):
 * ``stage0`` to ``stage3``: the engine at that ZeRO stage, bf16, the same AdamW and clipping.
 * ``stage3:inductor``: graph mode at stage 3 with ``graph.compiler`` ``inductor``. The capture and compile are in
   the warm-up steps, whose time is printed apart.
+* ``stage3:host``: stage 3 with the model built on the host, without ``zero.Init``: ``initialize`` lays it out on
+  the device unit by unit ([Note: stage 3 from the host]); its ``init peak`` is the shards plus one unit, not the
+  model.
 * ``stage2:offload``, ``stage3:offload``: the optimizer's state and step in host memory (``offload_optimizer``
   ``cpu``, pinned on CUDA).
 * ``stage2:nccl``, ``stage3:nccl``: every collective issued although the group has one rank
@@ -30,7 +33,8 @@ Each variant prints:
 * its step time, and the ratio of that time to ``plain``'s;
 * host syncs per step;
 * CPU seconds per wall second over the timed steps (``getrusage``: every thread of the process);
-* peak allocated and reserved GPU memory, against ``shardtrain estimate``'s device peak for that layout;
+* peak allocated and reserved GPU memory, against ``shardtrain estimate``'s device peak for that layout, and the
+  peak allocated by the end of ``initialize`` (``init peak``);
 * TFLOP/s and MFU. Model FLOPs per step are counted once with ``torch.utils.flop_counter`` on ``plain``'s forward
   and backward. The device's peak is known for common GPUs, or given with ``--peak-tflops``.
 
@@ -64,6 +68,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import shardtrain
 from shardtrain.distributed.communicator import FORCE_ENV
 from shardtrain.distributed.mesh import pick_device
+from shardtrain.engine.monitor import known_peak_tflops
 from shardtrain.estimate import estimate_memory, fmt_bytes
 from shardtrain.models.gpt import GPT, GPTConfig, num_parameters
 
@@ -74,13 +79,12 @@ VARIANTS = (
     "stage2",
     "stage3",
     "stage3:inductor",
+    "stage3:host",
     "stage2:offload",
     "stage3:offload",
     "stage2:nccl",
     "stage3:nccl",
 )
-PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "GH200": 989.0, "A100": 312.0, "A800": 312.0}
-"""Dense bf16 tensor-core peaks (the vendor's figures, without sparsity), by a word of the device's name."""
 LR, BETAS, EPS, WEIGHT_DECAY, CLIP = 3e-4, (0.9, 0.95), 1e-8, 0.1, 1.0
 
 
@@ -93,6 +97,7 @@ class Result:
     cpu_per_wall: float
     peak_allocated: int | None
     peak_reserved: int | None
+    init_peak_allocated: int | None
     estimate: int | None
     losses: list[float] = field(default_factory=list)
 
@@ -170,7 +175,8 @@ class OnEngine:
         if forced:  # read when the engine's communicators are made
             os.environ[FORCE_ENV] = "1"
         try:
-            self.engine = shardtrain.initialize(build(cfg, device), config=config, optimizer=adamw)
+            model = build(cfg, torch.device("cpu") if variant.endswith(":host") else device)
+            self.engine = shardtrain.initialize(model, config=config, optimizer=adamw)
         finally:
             os.environ.pop(FORCE_ENV, None)
 
@@ -252,6 +258,7 @@ def run_variant(
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     runner: Plain | OnEngine = Plain(cfg, device) if variant == "plain" else OnEngine(variant, cfg, micro_batch, device)
+    init_peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
     losses: list[torch.Tensor] = []
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
@@ -289,6 +296,7 @@ def run_variant(
         cpu_per_wall=cpu / wall,
         peak_allocated=torch.cuda.max_memory_allocated() if device.type == "cuda" else None,
         peak_reserved=torch.cuda.max_memory_reserved() if device.type == "cuda" else None,
+        init_peak_allocated=init_peak,
         estimate=estimate,
         losses=[float(v) for v in losses],  # read once, after the timing
     )
@@ -320,10 +328,8 @@ def write_json(
 
 
 def peak_tflops(name: str, given: float | None) -> float | None:
-    """The dense bf16 peak of the device called ``name`` (``"CPU"``: none)."""
-    if given is not None:
-        return given
-    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name.split() or f"{k} " in name), None)
+    """The dense bf16 peak of the device called ``name`` (``"CPU"``: none), as the monitor's MFU takes it."""
+    return given if given is not None else known_peak_tflops(name)
 
 
 def check_losses(results: dict[str, Result], args: argparse.Namespace) -> list[str]:
@@ -434,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"plain again at the end: {last.step_s / base:.3f}x the first plain run (the noise in the ratios)")
     head = (
         f"{'variant':<16} {'ms/step':>9} {'x plain':>8} {'warm-up s':>9} {'syncs':>6} {'cpu/wall':>8} "
-        f"{'peak alloc':>11} {'reserved':>11} {'estimate':>11} {'TFLOP/s':>8} {'MFU':>6}"
+        f"{'peak alloc':>11} {'reserved':>11} {'estimate':>11} {'init peak':>11} {'TFLOP/s':>8} {'MFU':>6}"
     )
     print(head)
     for v, r in results.items():
@@ -444,7 +450,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{'-' if r.syncs_per_step is None else r.syncs_per_step:>6} {r.cpu_per_wall:>8.2f} "
             f"{fmt_bytes(r.peak_allocated) if r.peak_allocated is not None else '-':>11} "
             f"{fmt_bytes(r.peak_reserved) if r.peak_reserved is not None else '-':>11} "
-            f"{fmt_bytes(r.estimate) if r.estimate is not None else '-':>11} {tflops:>8.2f} "
+            f"{fmt_bytes(r.estimate) if r.estimate is not None else '-':>11} "
+            f"{fmt_bytes(r.init_peak_allocated) if r.init_peak_allocated is not None else '-':>11} {tflops:>8.2f} "
             f"{f'{tflops / peak:.1%}' if peak else '-':>6}"
         )
     problems = check_losses(results, args) + failures

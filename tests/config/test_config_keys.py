@@ -854,6 +854,99 @@ def _wandb_project(tmp: Path) -> None:
     assert _wandb_run({"project": "p1"}, tmp).project == "p1"
 
 
+def _profiled(section: dict, tmp: Path, steps: int = 3) -> tuple[shardtrain.Engine, str]:
+    """``steps`` optimizer steps of two micro-steps with the flops profiler ``section``, printing every step: the
+    engine and what it logged (with a CSV monitor in ``tmp``)."""
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda r: records.append(r.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("shardtrain")
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        engine = _engine(
+            {
+                "gradient_accumulation_steps": 2,
+                "steps_per_print": 1,
+                "csv_monitor": {"enabled": True, "output_path": str(tmp), "job_name": "job"},
+                "flops_profiler": section,
+            }
+        )
+        for _ in range(2 * steps):
+            _micro_step(engine)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    return engine, "\n".join(records)
+
+
+def _forward_flops() -> int:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        _gpt()(*_batch())
+    return counter.get_total_flops()
+
+
+@effect("flops_profiler.enabled")
+def _flops_enabled(tmp: Path) -> None:
+    engine, logged = _profiled({"enabled": True}, tmp)
+    assert engine.monitor.forward_flops == 2 * _forward_flops()  # the step's two micro-steps, rank 0's batch
+    assert "flops profiler, step 2" in logged and "TFLOP/s per rank" in logged
+    rows = (tmp / "job" / "Train_Samples_tflops_per_rank.csv").read_text().splitlines()
+    assert rows[0] == "step,tflops_per_rank" and len(rows) == 1 + 2 and float(rows[1].split(",")[1]) > 0
+    engine, logged = _profiled({"enabled": False}, tmp / "off")
+    assert engine.monitor.forward_flops is None and "flops profiler" not in logged
+
+
+@effect("flops_profiler.profile_step")
+def _flops_profile_step(tmp: Path) -> None:
+    engine, logged = _profiled({"enabled": True, "profile_step": 2}, tmp, steps=2)
+    assert engine.monitor.forward_flops is None  # counted during step 3
+    engine, logged = _profiled({"enabled": True, "profile_step": 2}, tmp / "3", steps=3)
+    assert engine.monitor.forward_flops == 2 * _forward_flops() and "flops profiler, step 3" in logged
+
+
+@effect("flops_profiler.module_depth")
+def _flops_module_depth(tmp: Path) -> None:
+    _, shallow = _profiled({"enabled": True, "module_depth": 1}, tmp, steps=2)
+    _, deep = _profiled({"enabled": True, "module_depth": 2}, tmp / "2", steps=2)
+    assert "  GPT " in shallow and "GPT.head" not in shallow and "GPT.head" in deep
+
+
+@effect("flops_profiler.detailed")
+def _flops_detailed(tmp: Path) -> None:
+    _, detailed = _profiled({"enabled": True}, tmp, steps=2)
+    _, brief = _profiled({"enabled": True, "detailed": False}, tmp / "brief", steps=2)
+    assert "GFLOP   share" in detailed and "GFLOP   share" not in brief and "flops profiler" in brief
+
+
+@effect("flops_profiler.output_file")
+def _flops_output_file(tmp: Path) -> None:
+    report = tmp / "flops.txt"
+    _, logged = _profiled({"enabled": True, "output_file": str(report)}, tmp, steps=2)
+    assert "flops profiler, step 2" in report.read_text() and "flops profiler" not in logged
+
+
+@effect("flops_profiler.recompute_fwd_factor")
+def _flops_recompute(tmp: Path) -> None:
+    engine, logged = _profiled({"enabled": True, "recompute_fwd_factor": 0.5}, tmp, steps=2)
+    hardware = 3.5 * engine.monitor.forward_flops / 1e9
+    assert f"hardware FLOPs (3.5 x forward) {hardware:,.3f} GFLOP" in logged
+    assert engine.monitor.throughput(1000.0)["tflops_per_rank"] == 3 * engine.monitor.forward_flops / 1e12
+
+
+@effect("flops_profiler.peak_tflops")
+def _flops_peak(tmp: Path) -> None:
+    engine, logged = _profiled({"enabled": True, "peak_tflops": 1e-3}, tmp, steps=3)
+    rates = engine.monitor.throughput(1000.0)
+    assert rates["mfu"] == pytest.approx(rates["tflops_per_rank"] / 1e-3) and "MFU" in logged
+    assert (tmp / "job" / "Train_Samples_mfu.csv").is_file()
+    engine, logged = _profiled({"enabled": True}, tmp / "none", steps=3)
+    assert "mfu" not in engine.monitor.throughput(1000.0) and "MFU" not in logged  # no peak known on the CPU
+
+
 # -- shardtrain's own keys -------------------------------------------------------------------------------------------
 
 
@@ -1209,6 +1302,17 @@ MODE_EXAMPLES: list[tuple[str, dict]] = [
             ("wandb", ("group", "team", "project")),
         )
         for key in keys
+    ),
+    *(
+        (f"flops_profiler.{key}", {"flops_profiler": {key: value}})
+        for key, value in (
+            ("profile_step", 2),
+            ("module_depth", 1),
+            ("detailed", False),
+            ("output_file", "x"),
+            ("recompute_fwd_factor", 0.5),
+            ("peak_tflops", 100.0),
+        )
     ),
     ("gradient_predivide_factor", {"prescale_gradients": True, "gradient_predivide_factor": 2.0}),
     ("fp16.auto_cast", {"fp16": {"auto_cast": True}}),

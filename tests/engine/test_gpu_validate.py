@@ -66,7 +66,7 @@ def test_a_loss_that_leaves_the_tolerance_is_named_with_its_step():
     args = module.argparse.Namespace(loss_rtol=1e-2, engine_rtol=1e-3)
 
     def result(name, losses):
-        return module.Result(name, 1.0, 0.0, 0, 1.0, None, None, None, losses)
+        return module.Result(name, 1.0, 0.0, 0, 1.0, None, None, None, None, losses)
 
     results = {
         "plain": result("plain", [5.0, 4.0, 3.0]),

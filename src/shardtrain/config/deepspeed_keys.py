@@ -724,7 +724,37 @@ RULES: tuple[Rule, ...] = (
         "not read by DeepSpeed either (monitors are the top-level `tensorboard`, `csv_monitor`, `wandb`)",
         check=dict,
     ),
-    _disabled("flops_profiler", "not built; use `torch.profiler`"),
+    _supported(
+        "flops_profiler",
+        "section",
+        'model FLOPs counted once, TFLOP/s per rank and MFU in the monitor: docs/benchmarks-gpu.md, "MFU"',
+    ),
+    _supported("flops_profiler.enabled", "bool, `false`", "count at `profile_step`, then report TFLOP/s and MFU"),
+    _supported(
+        "flops_profiler.profile_step",
+        "int ≥ 0, `1`",
+        "the optimizer step whose forwards rank 0 counts (with `torch.utils.flop_counter`), after that many steps",
+    ),
+    _supported("flops_profiler.module_depth", "int ≥ -1, `-1`", "depth of the report's per-module table; -1: all"),
+    _no_effect(
+        "flops_profiler.top_modules",
+        "int ≥ 1",
+        "the per-module table lists every module to `module_depth`",
+        check=int,
+    ),
+    _supported("flops_profiler.detailed", "bool, `true`", "write the per-module table in the report"),
+    _supported("flops_profiler.output_file", "string", "write the report to this file instead of the log"),
+    _supported(
+        "flops_profiler.recompute_fwd_factor",
+        "float in [0, 1], `0`",
+        "share of the forward recomputed in backward: hardware TFLOP/s count `(3 + factor) x` the forward's FLOPs, "
+        "model TFLOP/s and MFU `3 x`",
+    ),
+    _supported(
+        "flops_profiler.peak_tflops",
+        "float > 0",
+        "shardtrain key: the device's peak TFLOP/s for MFU (default: the dense 16-bit peak of known GPUs)",
+    ),
     _no_effect(
         "timers",
         "section",
@@ -1045,6 +1075,15 @@ NO_EFFECT_WHEN: tuple[NoEffectWhen, ...] = (
         "without `fp16.enabled: true`",
         "inputs are cast to fp16 for fp16 compute only",
         lambda c: c.fp16.enabled is False,
+    ),
+    *(
+        NoEffectWhen(
+            f"flops_profiler.{key}",
+            "without `flops_profiler.enabled: true`",
+            "the flops profiler is off",
+            lambda c: not c.flops_profiler.enabled,
+        )
+        for key in ("profile_step", "module_depth", "detailed", "output_file", "recompute_fwd_factor", "peak_tflops")
     ),
     *(
         NoEffectWhen(

@@ -307,6 +307,26 @@ class OneCycleParams(_Section):
     decay_mom_rate: float = Field(default=0.0, ge=0)
 
 
+class FlopsProfilerConfig(_Section):
+    """DeepSpeed's flops profiler: rank 0 counts the model's forward FLOPs at one step (``torch.utils.flop_counter``)
+    and the monitor turns them into TFLOP/s per rank and MFU (see [Note: model FLOPs and MFU])."""
+
+    enabled: bool = False
+    profile_step: Size = 1
+    """The optimizer step whose forwards are counted (DeepSpeed's: after ``profile_step`` steps)."""
+    module_depth: Annotated[int, Field(ge=-1, le=INT64_MAX)] = -1
+    """Depth of the per-module table in the report; -1: every level."""
+    detailed: bool = True
+    """Write the per-module table in the report."""
+    output_file: str | None = None
+    """Write the report to this file instead of the log."""
+    recompute_fwd_factor: Annotated[float, Field(ge=0, le=1)] = 0.0
+    """Share of the forward recomputed in backward (activation checkpointing): hardware FLOPs are
+    ``(3 + factor) x forward``, model FLOPs stay ``3 x forward``."""
+    peak_tflops: Annotated[float, Field(gt=0, le=1e9)] | None = None
+    """shardtrain's own key: the device's peak TFLOP/s for MFU; default the dense 16-bit peak of known GPUs."""
+
+
 class MonitorConfig(_Section):
     """DeepSpeed's ``tensorboard`` and ``csv_monitor`` sections (written by :mod:`shardtrain.engine.monitor`)."""
 
@@ -375,6 +395,7 @@ class Config(_Section):
     tensorboard: MonitorConfig = Field(default_factory=MonitorConfig)
     csv_monitor: MonitorConfig = Field(default_factory=MonitorConfig)
     wandb: WandbConfig = Field(default_factory=WandbConfig)
+    flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     seed: Annotated[int, Field(ge=0, lt=2**32)] | None = None
     """numpy's seeds are 0 to 2**32 - 1."""
@@ -397,6 +418,15 @@ class Config(_Section):
             raise ValueError(
                 f"graph.enabled with sequence_parallel_size {self.sequence_parallel_size}: the Ulysses all-to-alls do "
                 "not run in captured graphs yet; turn graph mode off (docs/sequence-parallel.md)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _flops_profiler_graph(self) -> Config:
+        if self.flops_profiler.enabled and self.graph.enabled:
+            raise ValueError(
+                "flops_profiler.enabled with graph.enabled: the FLOP counter is a dispatch mode, which captured graphs "
+                "do not run under; profile the same model and batch with graph mode off (the FLOPs are the same)"
             )
         return self
 

@@ -127,7 +127,11 @@ class Engine:
         if self._sp is not None:  # this rank's slice of the sequence; the loss returned is the whole sequence's
             call = self._runtime.prepare(*self._sp.split(args, kwargs))  # (graph mode refuses sequence parallelism)
         self.monitor.count_tokens(call.args, call.kwargs)  # tokens/s (see [Note: monitor metrics])
-        with self.monitor.timed("forward"), self._runtime.collectives("forward"):  # timed: rank 0's breakdown
+        with (
+            self.monitor.timed("forward"),  # rank 0's breakdown
+            self.monitor.counting_flops(self.global_step),  # the flops profiler's step (rank 0)
+            self._runtime.collectives("forward"),
+        ):
             out = self._runtime.forward(call)
         return self._sp.combine(out) if self._sp is not None else out
 

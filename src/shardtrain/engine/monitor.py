@@ -21,6 +21,24 @@ Every ``steps_per_print`` optimizer steps, rank 0 writes (x-axis: samples seen, 
   names): milliseconds spent in ``engine.forward``, ``engine.backward`` (summed over the step's micro-steps) and
   ``engine.step`` (the optimizer step), also logged on logger ``shardtrain``.
 
+* with ``flops_profiler.enabled``, after its profile step: ``Train/Samples/tflops_per_rank`` (model TFLOP/s of this
+  rank) and ``Train/Samples/mfu`` (of the device's peak, when it is known); see [Note: model FLOPs and MFU].
+
+[Note: model FLOPs and MFU]
+With ``flops_profiler.enabled``, rank 0 counts the FLOPs of every forward of optimizer step ``profile_step + 1``
+(after ``profile_step`` steps, as DeepSpeed's profiler) with ``torch.utils.flop_counter.FlopCounterMode``: the
+operators that run, matrix products and attention, on this rank's share of the work (its micro-batches, its
+tensor-parallel blocks). The backward costs twice the forward, so a step's model FLOPs are ``3 x`` the counted
+forward FLOPs; with activation checkpointing the hardware runs ``(3 + recompute_fwd_factor) x`` (DeepSpeed's
+factor), which is reported beside them but never enters MFU. Counting once is enough: the shapes of a training
+step do not change, and counting every step would slow every step down (the profile step itself is slower, and its
+time is not used). At every later print step, model TFLOP/s per rank = model FLOPs / step time, and MFU = that /
+the device's peak (``flops_profiler.peak_tflops``, or the dense 16-bit tensor-core peak of a known GPU for bf16 and
+fp16 compute; none is assumed for fp32 compute or the CPU, and MFU is then not written). Nothing here synchronizes:
+the FLOPs are a Python integer and the step time is the one the monitor already measures. The report at the
+profile step (the log, or ``output_file``) gives the forward FLOPs, the step's model and hardware FLOPs and, with
+``detailed``, the per-module table to ``module_depth``.
+
 Names with ``/`` are TensorBoard tags as they stand; the CSV monitor writes one file per metric,
 ``<output_path>/<job_name>/Train_Samples_train_loss.csv`` with header ``step,train_loss`` and rows
 ``<samples>,<value>``, as DeepSpeed's ``csvMonitor`` does (the header is written only when the file is new, so a
@@ -40,6 +58,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from shardtrain.config.schema import Config, MonitorConfig, WandbConfig
 from shardtrain.errors import ConfigError
@@ -48,6 +67,15 @@ from shardtrain.tree import iter_tensors
 log = logging.getLogger("shardtrain")
 
 Event = tuple[str, float, int]  # (metric name, value, samples seen)
+
+DENSE_16BIT_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "GH200": 989.0, "A100": 312.0, "A800": 312.0}
+"""Dense bf16/fp16 tensor-core peaks (the vendor's figures, without sparsity), by a word of the device's name."""
+
+
+def known_peak_tflops(device_name: str) -> float | None:
+    """The dense 16-bit peak of the GPU called ``device_name`` (``torch.cuda.get_device_name``), if known."""
+    words = device_name.replace("-", " ").split()
+    return next((v for k, v in DENSE_16BIT_PEAK_TFLOPS.items() if k in words), None)
 
 
 @dataclass(frozen=True)
@@ -152,6 +180,15 @@ class TrainingMonitor:
         self._reset_step()
         self._step_start: float | None = None
         self._closed = False
+        self.flops = config.flops_profiler
+        self._counted_forward = 0  # FLOPs of the profile step's forwards so far
+        self._table = ""
+        self.forward_flops: int | None = None
+        """Forward FLOPs of one optimizer step on this rank, once counted (rank 0)."""
+        self.peak_tflops = self.flops.peak_tflops
+        sixteen_bit = config.bf16.enabled is True or config.fp16.enabled is True
+        if self.peak_tflops is None and device.type == "cuda" and sixteen_bit:
+            self.peak_tflops = known_peak_tflops(torch.cuda.get_device_name(device))
 
     def _reset_step(self) -> None:
         self._loss_sum: torch.Tensor | None = None
@@ -179,6 +216,20 @@ class TrainingMonitor:
                 torch.cuda.synchronize(self._device)
             self._ms[phase] += (time.perf_counter() - start) * 1e3
 
+    @contextmanager
+    def counting_flops(self, global_step: int) -> Iterator[None]:
+        """Count the block's FLOPs when it is a forward of the profile step (rank 0; see [Note: model FLOPs and
+        MFU])."""
+        if not (self.rank0 and self.flops.enabled and global_step == self.flops.profile_step):
+            yield
+            return
+        depth = self.flops.module_depth if self.flops.module_depth >= 0 else 999
+        with FlopCounterMode(display=False, depth=depth) as counter:
+            yield
+        self._counted_forward += counter.get_total_flops()
+        if self.flops.detailed and not self._table:
+            self._table = _module_table(counter.get_flop_counts(), depth)
+
     def count_tokens(self, args: tuple, kwargs: Mapping[str, Any]) -> None:
         if self.rank0:
             t = _first_integer_tensor([*args, *kwargs.values()])
@@ -203,6 +254,9 @@ class TrainingMonitor:
         if not self.rank0:
             return
         now = time.perf_counter()
+        if self._counted_forward and step.global_step == self.flops.profile_step + 1:
+            self.forward_flops, self._counted_forward = self._counted_forward, 0
+            self._report_flops(step.global_step)
         if step.global_step % self.steps_per_print == 0:
             step_ms = (now - self._step_start) * 1e3 if self._step_start is not None else float("nan")
             loss = float(self._loss_sum) / self._losses if self._loss_sum is not None else float("nan")
@@ -210,9 +264,41 @@ class TrainingMonitor:
         self._reset_step()
         self._step_start = now  # the next iteration starts now: its data loading counts towards its time
 
+    def _report_flops(self, global_step: int) -> None:
+        forward = self.forward_flops or 0
+        hardware = (3 + self.flops.recompute_fwd_factor) * forward
+        lines = [
+            f"flops profiler, step {global_step} (rank 0): forward {forward / 1e9:,.3f} GFLOP per optimizer step; "
+            f"model FLOPs (3 x forward) {3 * forward / 1e9:,.3f} GFLOP, hardware FLOPs "
+            f"({3 + self.flops.recompute_fwd_factor:g} x forward) {hardware / 1e9:,.3f} GFLOP; TFLOP/s per rank"
+            + (f" and MFU (of {self.peak_tflops:g} TFLOP/s)" if self.peak_tflops else "")
+            + f" in the monitor from step {global_step + 1} on"
+        ]
+        if self._table:
+            lines.append(self._table)
+        report = "\n".join(lines)
+        if self.flops.output_file:
+            Path(self.flops.output_file).write_text(report + "\n")
+        else:
+            log.info("%s", report)
+
+    def throughput(self, step_ms: float) -> dict[str, float]:
+        """Model TFLOP/s of this rank and MFU over a step of ``step_ms``, once the FLOPs are counted."""
+        if self.forward_flops is None or not step_ms > 0:
+            return {}
+        tflops = 3 * self.forward_flops / (step_ms / 1e3) / 1e12
+        out = {"tflops_per_rank": tflops}
+        if self.peak_tflops:
+            out["mfu"] = tflops / self.peak_tflops
+        return out
+
     def write_metrics(self, step: StepMetrics, loss: float, step_ms: float) -> None:
         lr, norm = step.lr, step.grad_norm
         log.info("step %d: loss %.4f, lr %.3g, grad norm %.4g", step.global_step, loss, lr, norm)
+        rates = self.throughput(step_ms)
+        if rates:
+            mfu = f", MFU {rates['mfu']:.1%}" if "mfu" in rates else ""
+            log.info("step %d: %.3g TFLOP/s per rank%s", step.global_step, rates["tflops_per_rank"], mfu)
         if self.breakdown:
             log.info(
                 "step %d: forward %.2f ms, backward %.2f ms, step %.2f ms",
@@ -231,6 +317,7 @@ class TrainingMonitor:
             "loss_scale": step.loss_scale,
             "step_time_ms": step_ms,
             "tokens_per_second": tokens_per_s,
+            **rates,
         }
         if self.breakdown:
             values |= {f"elapsed_time_ms_{phase}": ms for phase, ms in self._ms.items()}
@@ -245,6 +332,19 @@ class TrainingMonitor:
         self._closed = True
         for w in self.writers:
             w.close()
+
+
+def _module_table(counts: Mapping[str, Mapping[Any, int]], depth: int) -> str:
+    """One line per module to ``depth`` (``FlopCounterMode.get_flop_counts()``: ``Global`` and dotted module names),
+    with its forward GFLOP and share of the whole."""
+    total = sum(counts.get("Global", {}).values()) or 1
+    lines = [f"  {'module':<60} {'GFLOP':>12} {'share':>7}"]
+    for name, ops in counts.items():
+        if name != "Global" and name.count(".") >= depth:
+            continue
+        flops = sum(ops.values())
+        lines.append(f"  {name:<60} {flops / 1e9:>12,.4f} {flops / total:>7.1%}")
+    return "\n".join(lines)
 
 
 def _first_integer_tensor(values: list[Any]) -> torch.Tensor | None:
