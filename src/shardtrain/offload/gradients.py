@@ -8,14 +8,14 @@ as DeepSpeed's ZeRO-Infinity swaps gradient partitions out: when a bucket's redu
 hands its result to :meth:`GradOffload.fold`, which writes it to ``bucket<i>.grad.bin`` on the I/O pool (one
 write in flight: the next bucket's reduction overlaps it) and gives up the bucket's in-memory shard; a later
 micro-step of the same step reads the file, adds (the in-memory ``add_``) and writes it back. At the last
-micro-step each fragment's norm is taken from the result while it is in memory. The step
-(:meth:`GradOffload.step`, which :meth:`ShardedOptimizer.step` hands over to) is the in-memory step's arithmetic
-in the same order: the squared global norm from the same per-fragment norms (under a loss scale the unscaled
-norms need the unscaled gradients: each bucket's file is read once more for them, one bucket at a time), the
-same all-reduce (which also carries this rank's I/O failure, so every rank raises), the clip coefficient; then
-each sub-group's gradients are read into its swap buffer with its optimizer state, unscaled and clipped there
-(the same multiplications) and stepped. So the numbers are bitwise those of in-memory gradients, and a rank holds
-one bucket's reduced gradient on its way to the file and ``buffer_count`` sub-groups of gradients with their state.
+micro-step each fragment's norm is taken from the result while it is in memory. The step is the in-memory step
+([Note: the one step] in :mod:`shardtrain.zero.optimizer`), with these gradients *deferred*: their norms are the
+per-fragment norms taken here (under a loss scale the unscaled norms need the unscaled gradients: each bucket's
+file is read once more for them, one bucket at a time), this rank's I/O failure rides on the norm's all-reduce (so
+every rank raises), and each sub-group's gradients are read into its swap buffer with its optimizer state,
+unscaled and clipped there (the same multiplications) and stepped. So the numbers are bitwise those of in-memory
+gradients, and a rank holds one bucket's reduced gradient on its way to the file and ``buffer_count`` sub-groups of
+gradients with their state.
 Where it is not built the gradients stay in memory: on CUDA (the shards are on the GPU), with tensor parallelism
 or hybrid sharding (their norm and replica all-reduce read the shards), and buckets whose reduction graph mode
 took over.
@@ -24,7 +24,6 @@ took over.
 
 from __future__ import annotations
 
-import math
 import threading
 from collections import deque
 from concurrent.futures import Future
@@ -59,7 +58,7 @@ class GradOffload:
         # fragment index); the wrapper lists its fragments bucket by bucket, slot by slot
         self.where = [
             (positions[b.index], b.fragments[j].shard_offset, b.fragments[j].length, j)
-            for _, b, j in optimizer._frag.values()
+            for b, j in optimizer.fragment_places()
         ]
         # every bucket's gradient shard is in its file from now on: the reducer's zeroed in-memory shards (as much
         # memory as the rank's fp32 parameters) are freed before the first forward, not at each first reduction
@@ -145,7 +144,7 @@ class GradOffload:
     def read(self, member: int, out: torch.Tensor) -> None:
         """Member ``member``'s gradient into ``out`` (1-D): zeros when no backward ran since they were zeroed."""
         position, offset, _, _ = self.where[member]
-        if self.reducer._fresh_shard:
+        if self.reducer.grads_zeroed:
             out.zero_()
             return
         self.files.read(self._name(position), GRAD, out, offset * out.element_size())
@@ -166,85 +165,56 @@ class GradOffload:
             torch._foreach_mul_(parts, scale)
         return self._fragment_norms(bucket, g)
 
-    def step(self, optimizer: Any, max_norm: float, loss_scale: float | None) -> tuple[float, bool]:
-        """:meth:`ShardedOptimizer.step` with the gradients in files: the same unscaling, norm, clipping and
-        update, element for element, on gradients read one sub-group at a time."""
+    # -- what the one step asks of swapped gradients ([Note: the one step] in shardtrain.zero.optimizer) --
+    @property
+    def failed(self) -> bool:
+        return self._error is not None
+
+    def collect(self, stepped: list[bool]) -> tuple[list[torch.Tensor | None], frozenset[int]]:
+        """Per stepped tensor: its gradient in memory (a bucket graph mode reduces, or an empty fragment), or None
+        (frozen for this step, or in its file: deferred, read with the sub-group's state)."""
         self._wait()
-        reducer, zero = self.reducer, self.reducer._fresh_shard
-        inv = 1.0 / loss_scale if loss_scale is not None and loss_scale != 1.0 else None
         grads: list[torch.Tensor | None] = []
         on_disk = set()
-        stepped = optimizer.stepped_now()
         for i, (position, offset, n, _) in enumerate(self.where):
             if not stepped[i]:  # frozen for this whole step: not stepped, its zero gradient not read nor counted
                 grads.append(None)
             elif position not in self.on_disk:  # never reduced here (graph mode hands some buckets over)
-                grads.append(reducer.shard_grads[position][offset : offset + n])
+                grads.append(self.reducer.shard_grads[position][offset : offset + n])
             elif n:
                 grads.append(None)
                 on_disk.add(i)
             else:  # an empty fragment is stepped like any other (its scalar state counts the step)
                 grads.append(torch.empty(0, dtype=torch.float32))
-        in_memory = [g for g in grads if g is not None and g.numel()]
-        if inv is not None and in_memory:
-            torch._foreach_mul_(in_memory, inv)
-        norms, reread = [], {}
+        return grads, frozenset(on_disk)
+
+    def deferred_norms(self, deferred: frozenset[int], inv_scale: float | None) -> dict[int, torch.Tensor]:
+        """Each deferred member's norm: taken at the last micro-step's write (``fold``), or, under a loss scale,
+        from the unscaled gradients read once more (one bucket held at a time). An I/O failure is kept for the
+        norm's all-reduce to report on every rank (the norms are then zeros: the step raises)."""
+        norms: dict[int, torch.Tensor] = {}
+        reread: dict[int, list[torch.Tensor | None]] = {}
         try:
-            for i, (position, _, n, j) in enumerate(self.where):
-                if not n or not stepped[i]:
-                    continue
-                if i not in on_disk:
-                    norms.append(torch._foreach_norm([grads[i]])[0])
-                elif zero:
-                    norms.append(torch.zeros((), dtype=torch.float32))
-                elif inv is None:
-                    norms.append(self._norms[position][j])
+            for i in sorted(deferred):
+                position, _, _, j = self.where[i]
+                if self.reducer.grads_zeroed:
+                    norms[i] = torch.zeros((), dtype=torch.float32)
+                elif inv_scale is None:
+                    norms[i] = self._norms[position][j]
                 else:
                     if position not in reread:
-                        reread = {position: self._reread_norms(position, inv)}  # one bucket held at a time
-                    norms.append(reread[position][j])
+                        reread = {position: self._reread_norms(position, inv_scale)}
+                    norms[i] = reread[position][j]
         except OffloadError as err:
             self._error = self._error or str(err)
-            norms = [torch.zeros((), dtype=torch.float32)]
-        reread.clear()
+            norms = {i: torch.zeros((), dtype=torch.float32) for i in deferred}
         self._norms.clear()
-        # the sum of squares over every rank, as the in-memory step (same values, same order), with the
-        # reducer's order flag and this rank's I/O failure on the same all-reduce
-        if norms:
-            local_sq = torch.linalg.vector_norm(torch.stack(norms)) ** 2
-        else:
-            local_sq = torch.zeros(())
-        local_sq = local_sq.to(torch.float32)
-        flag = float(reducer.order_departed) + (_FAILED if self._error is not None else 0.0)
-        both = torch.stack([local_sq * optimizer.norm_weight, local_sq.new_tensor(flag)])
-        optimizer.norm_comm.all_reduce(both, "sum", what="squared gradient norm")
-        if float(both[1]) >= _FAILED:
-            errors = optimizer.norm_comm.all_gather_object(self._error, what="gradient swap outcome")
-            self._error = None
-            raise OffloadError("offloaded optimizer step failed: " + "; ".join(e for e in errors if e is not None))
-        local_sq = both[0]
-        reducer.settle_order(bool(both[1] > 0))
-        total_norm = float(local_sq.sqrt())
-        if loss_scale is not None and not math.isfinite(total_norm):
-            return total_norm, True
-        coef = None
-        if max_norm > 0 and any(n for _, _, n, _ in self.where):
-            coef = torch.clamp(max_norm / (local_sq.sqrt() + 1e-6), max=1.0)
-            if in_memory:
-                torch._foreach_mul_(in_memory, coef)
+        return norms
 
-        def transform(read: list[torch.Tensor]) -> None:
-            if inv is not None:
-                torch._foreach_mul_(read, inv)
-            if coef is not None:
-                torch._foreach_mul_(read, coef)
-
-        self.offload.step(grads, frozenset(on_disk), transform)
-        optimizer.gathers.launch()  # every rank's updated chunks, waited for where they are next needed
-        return total_norm, False
+    def raise_failure(self, comm: Any) -> None:
+        errors = comm.all_gather_object(self._error, what="gradient swap outcome")
+        self._error = None
+        raise OffloadError("offloaded optimizer step failed: " + "; ".join(e for e in errors if e is not None))
 
     def close(self) -> None:
         self._wait()
-
-
-_FAILED = float(1 << 20)  # added to the order flag of the norm's all-reduce by a rank whose gradient I/O failed

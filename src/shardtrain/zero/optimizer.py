@@ -43,7 +43,7 @@ from __future__ import annotations
 import inspect
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
@@ -58,6 +58,26 @@ from shardtrain.zero.step_gather import ParameterGathers
 
 if TYPE_CHECKING:
     from shardtrain.offload.optimizer_state import OptimizerOffload
+
+IO_FAILED = float(1 << 20)
+"""Added to the order flag of the norm's all-reduce by a rank whose gradient I/O failed: every rank raises."""
+
+
+class SwappedGradients(Protocol):
+    """Gradients that live outside memory until the stepper reads them ([Note: gradient offload]): what the one
+    step needs of them ([Note: the one step])."""
+
+    failed: bool
+    """This rank's I/O failed since the last step."""
+
+    def collect(self, stepped: list[bool]) -> tuple[list[torch.Tensor | None], frozenset[int]]:
+        """Per stepped tensor its gradient in memory, or None (not stepped now, or deferred: in the set)."""
+
+    def deferred_norms(self, deferred: frozenset[int], inv_scale: float | None) -> dict[int, torch.Tensor]:
+        """The norm of each deferred member's (unscaled) gradient."""
+
+    def raise_failure(self, comm: Communicator) -> None:
+        """Some rank's I/O failed: raise on every rank, naming what failed."""
 
 
 @dataclass(frozen=True)
@@ -195,6 +215,10 @@ class ShardedOptimizer:
         else:
             self.optimizer.state.pop(stepped, None)
 
+    def fragment_places(self) -> list[tuple[Bucket, int]]:
+        """(bucket, slot index) of each of :meth:`stepped_tensors`, in the same order."""
+        return [(b, i) for _, b, i in self._frag.values()]
+
     def fragment_of(self, p: torch.Tensor) -> tuple[torch.Tensor, Bucket, int] | None:
         """(fragment tensor, bucket, slot index) of a trainable parameter; None for anything else."""
         return self._frag.get(id(p))
@@ -237,44 +261,107 @@ class ShardedOptimizer:
         return triples
 
     def step(self, max_norm: float, loss_scale: float | None = None) -> tuple[float, bool]:
-        """Unscale, clip by the global norm, step, refresh and re-gather parameters.
+        """Unscale, clip by the global norm, step, refresh and re-gather parameters (see [Note: the one step]).
 
         Returns (norm of the unscaled gradients before clipping, whether the step was skipped). With a loss
         scale, a non-finite norm on any rank (it is all-reduced, so every rank sees the same) skips the step
-        and leaves parameters, masters and optimizer state untouched."""
+        and leaves parameters, masters and optimizer state untouched.
+
+        [Note: the one step]
+        Every step takes the same path, whatever holds the gradients: (1) the gradients of the tensors stepped now,
+        in memory, or *deferred* to the stepper when they are in swap files (a :class:`SwappedGradients`, [Note:
+        gradient offload]); (2) the in-memory ones unscaled; (3) each member's norm (the deferred ones from their
+        source), the squared global norm summed once over the ranks, with the reducer's order flag and the
+        source's I/O failure on the same all-reduce; (4) the overflow decision; (5) one clip coefficient,
+        applied to the in-memory gradients now and to the deferred ones as they are read; (6) the update: the
+        whole optimizer at once, or one sub-group at a time with offloaded state; (7) the compute-dtype fragments
+        refreshed from the masters and the all-gathers launched. The arithmetic is in one order, so the numbers
+        are bitwise the same wherever the gradients were."""
         self.gathers.wait_all("step")  # the chunks stepped below are the input of the last step's gathers
-        if self.offload is not None and self.offload.grads is not None:  # gradients in swap files
-            return self.offload.grads.step(self, max_norm, loss_scale)
-        triples = self._fragment_grads()
-        # the optimizer sees the stepped tensors' dtype (fp32 masters): upcast compute-dtype gradients
-        grads = [g if g.dtype == s.dtype else g.to(s.dtype) for s, _, g in triples if g is not None]
-        nonempty = [g for g in grads if g.numel() > 0]
-        if loss_scale is not None and loss_scale != 1.0 and nonempty:
-            torch._foreach_mul_(nonempty, 1.0 / loss_scale)
-        if nonempty:
-            local_sq = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(nonempty))) ** 2
+        swapped = self.offload.grads if self.offload is not None else None
+        triples = self._fragment_grads() if swapped is None else []
+        if swapped is None:  # the optimizer sees the stepped tensors' dtype (fp32 masters): upcast
+            grads = [None if g is None else g if g.dtype == s.dtype else g.to(s.dtype) for s, _, g in triples]
+            deferred: frozenset[int] = frozenset()
         else:
-            local_sq = torch.zeros((), device=self.buckets[0].shard.device if self.buckets else "cpu")
-        local_sq = local_sq.to(torch.float32)
-        if self.tp_norm is not None:
-            keys = [k for k, (_, _, g) in zip(self._frag, triples) if g is not None]  # aligned with grads
-            local_sq = self.tp_norm.global_square(keys, grads, self.sharded, self.reducer)
-        elif self.sharded and self.reducer.sharded_grads:
-            # fragments are disjoint: the squares add up across ranks; the reducer's "gradients completed in
-            # another order" flag rides along (see [Note: collective order])
-            both = torch.stack([local_sq * self.norm_weight, local_sq.new_tensor(float(self.reducer.order_departed))])
-            self.norm_comm.all_reduce(both, "sum", what="squared gradient norm")
-            local_sq = both[0]
-            self.reducer.settle_order(bool(both[1] > 0))
-        elif self.sharded:  # a shard group's fragments cover every parameter once: enough for the norm
-            self.comm.all_reduce(local_sq, "sum", what="squared gradient norm")
+            grads, deferred = swapped.collect(self.stepped_now())
+        in_memory = [g for g in grads if g is not None and g.numel()]
+        inv = 1.0 / loss_scale if loss_scale is not None and loss_scale != 1.0 else None
+        if inv is not None and in_memory:
+            torch._foreach_mul_(in_memory, inv)
+        local_sq = self._local_square(grads, in_memory, deferred, swapped, inv)
+        local_sq = self._global_square(local_sq, grads, swapped)
         total_norm = float(local_sq.sqrt())
         if loss_scale is not None and not math.isfinite(total_norm):
             return total_norm, True
-        if max_norm > 0 and nonempty:
+        coef = None
+        if max_norm > 0 and (in_memory or deferred):
             # identical to torch.nn.utils.clip_grad_norm_: scale by max_norm/(norm+1e-6), never up
             coef = torch.clamp(max_norm / (local_sq.sqrt() + 1e-6), max=1.0)
-            torch._foreach_mul_(nonempty, coef)
+            if in_memory:
+                torch._foreach_mul_(in_memory, coef)
+        self._update(grads, deferred, triples, inv, coef)
+        # every rank's updated chunks into the full flat buffers, waited for where they are next needed
+        self.gathers.launch()
+        return total_norm, False
+
+    def _local_square(
+        self,
+        grads: list[torch.Tensor | None],
+        in_memory: list[torch.Tensor],
+        deferred: frozenset[int],
+        swapped: SwappedGradients | None,
+        inv: float | None,
+    ) -> torch.Tensor:
+        """This rank's squared gradient norm: each member's norm in member order, deferred ones from ``swapped``."""
+        if self.tp_norm is not None:  # its own sums over the mesh (gradients are never swapped with it)
+            return torch.zeros(())
+        memory_norms = iter(torch._foreach_norm(in_memory) if in_memory else [])
+        from_files = swapped.deferred_norms(deferred, inv) if swapped is not None else {}
+        norms = []
+        for i, g in enumerate(grads):
+            if i in deferred:
+                norms.append(from_files[i])
+            elif g is not None and g.numel():
+                norms.append(next(memory_norms))
+        if not norms:
+            device = self.buckets[0].shard.device if self.buckets else "cpu"
+            return torch.zeros((), device=device)
+        return (torch.linalg.vector_norm(torch.stack(norms)) ** 2).to(torch.float32)
+
+    def _global_square(
+        self, local_sq: torch.Tensor, grads: list[torch.Tensor | None], swapped: SwappedGradients | None
+    ) -> torch.Tensor:
+        """The squared norm over every rank, from one all-reduce that also carries the reducer's order flag (see
+        [Note: collective order]) and the swapped gradients' I/O failure."""
+        if self.tp_norm is not None:
+            keys = [k for k, g in zip(self._frag, grads) if g is not None]
+            present = [g for g in grads if g is not None]
+            return self.tp_norm.global_square(keys, present, self.sharded, self.reducer)
+        if self.sharded and self.reducer.sharded_grads:
+            # fragments are disjoint: the squares add up across ranks
+            flag = float(self.reducer.order_departed)
+            if swapped is not None and swapped.failed:
+                flag += IO_FAILED
+            both = torch.stack([local_sq * self.norm_weight, local_sq.new_tensor(flag)])
+            self.norm_comm.all_reduce(both, "sum", what="squared gradient norm")
+            if swapped is not None and float(both[1]) >= IO_FAILED:
+                swapped.raise_failure(self.norm_comm)
+            self.reducer.settle_order(bool(both[1] > 0))
+            return both[0]
+        if self.sharded:  # a shard group's fragments cover every parameter once: enough for the norm
+            self.comm.all_reduce(local_sq, "sum", what="squared gradient norm")
+        return local_sq
+
+    def _update(
+        self,
+        grads: list[torch.Tensor | None],
+        deferred: frozenset[int],
+        triples: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
+        inv: float | None,
+        coef: torch.Tensor | None,
+    ) -> None:
+        """Step (6) and (7) of [Note: the one step]."""
         if not self.sharded and self.masters is None:  # fp32 stage 0: the parameters hold their gradients
             # frozen for this whole step: hidden from the optimizer, as torch.optim skips a parameter without a
             # gradient (their .grad is a view of the reducer's zeroed buffer)
@@ -286,30 +373,33 @@ class ShardedOptimizer:
             finally:
                 for s, grad in frozen:
                     s.grad = grad
-            return total_norm, False
-        stepped = [s for s, _, g in triples if g is not None]
+            return
         if self.offload is not None:  # one sub-group at a time (see [Note: sub-group stepping])
-            upcast = iter(grads)
-            self.offload.step([next(upcast) if g is not None else None for _, _, g in triples])
+
+            def transform(read: list[torch.Tensor]) -> None:  # the deferred gradients, as they are read
+                if inv is not None:
+                    torch._foreach_mul_(read, inv)
+                if coef is not None:
+                    torch._foreach_mul_(read, coef)
+
+            self.offload.step(grads, deferred, transform if deferred else None)
         else:
-            for s, g in zip(stepped, grads):
+            stepped = [s for s, _, g in triples if g is not None]
+            for s, g in zip(stepped, (g for g in grads if g is not None)):
                 s.grad = g
             self.optimizer.step()
             for s in stepped:
                 s.grad = None
         if self.masters is not None and not (self.offload is not None and self.offload.holds_masters):
             # refresh the compute-dtype fragments from the fp32 masters (offloaded ones refreshed as stepped)
-            frags = [t for s, t, _ in triples if t.numel()]
-            masters = [s for s, t, _ in triples if t.numel()]
+            frags = [t for s, t in zip(self._stepped.values(), self.stepped_fragments()) if t.numel()]
+            masters = [s for s, t in zip(self._stepped.values(), self.stepped_fragments()) if t.numel()]
             with torch.no_grad():
                 if frags and frags[0].device != masters[0].device:  # masters offloaded to the host
                     for t, s in zip(frags, masters):
                         t.copy_(s)  # blocking: the host masters change at the next step
                 else:
                     torch._foreach_copy_(frags, masters)
-        # every rank's updated chunks into the full flat buffers, waited for where they are next needed
-        self.gathers.launch()
-        return total_norm, False
 
     def wait_gathers(self) -> None:
         """Wait for the all-gathers of the last step still in flight (before reading or writing shards)."""

@@ -102,7 +102,7 @@ class GradientReducer:
         self._on_grad_ready = on_grad_ready
         self._in_backward = False
         self._boundary = False
-        self._fresh_shard = True  # stages 2-3: the gradient shards hold nothing yet this step
+        self._fresh_shard = True  # stages 2-3: the gradient shards hold nothing yet this step (see grads_zeroed)
         self._position = {b.index: i for i, b in enumerate(buckets)}
         self.launch_order: list[int] = list(
             range(len(buckets))
@@ -393,6 +393,11 @@ class GradientReducer:
     def param_grad(self, b: Bucket, i: int) -> torch.Tensor:
         """The (reduced, at stage 0) full gradient of slot ``i`` of bucket ``b``, shaped like the parameter."""
         return self._grad_view(self.full_grads[self._position[b.index]], b.slots[i])
+
+    @property
+    def grads_zeroed(self) -> bool:
+        """Stages 2-3: no reduction has reached the gradient shards since they were zeroed (they hold zeros)."""
+        return self._fresh_shard
 
     def has_gradient(self, param: torch.Tensor) -> bool:
         """Whether ``param`` required grad at a backward since the gradients were last zeroed: where torch.optim
