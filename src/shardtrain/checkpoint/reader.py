@@ -26,6 +26,7 @@ import torch
 from shardtrain.checkpoint.format import (
     LATEST_NAME,
     MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
     FlatSlice,
     Manifest,
     ObjectRecord,
@@ -37,8 +38,9 @@ from shardtrain.checkpoint.format import (
     slice_destination,
 )
 from shardtrain.checkpoint.latest import JOURNAL_NAME, read_latest
+from shardtrain.checkpoint.member_files import confined_path, read_regular, stat_regular
 from shardtrain.checkpoint.objects import decode, decode_tensor_file, load_v1_pickle
-from shardtrain.checkpoint.runs import SegmentCopier, intersect
+from shardtrain.checkpoint.runs import SegmentCopier, Segments, intersect
 from shardtrain.checkpoint.safetensors_io import stream_tensor
 from shardtrain.errors import CheckpointError
 
@@ -95,8 +97,21 @@ def open_checkpoint(path: str | os.PathLike, tag: str | None = None, *, verify: 
 
         return DcpReader(dcp_dir)  # type: ignore[return-value]  # the same reading interface
     ckpt = resolve_checkpoint_dir(path, tag)
-    text = _read_text(ckpt / MANIFEST_NAME)
-    return CheckpointReader(ckpt, Manifest.from_json(text, str(ckpt / MANIFEST_NAME)), verify=verify)
+    return CheckpointReader(ckpt, read_manifest(ckpt), verify=verify)
+
+
+def read_manifest(ckpt: Path) -> Manifest:
+    """The manifest of checkpoint directory ``ckpt``: a regular file inside it, read without blocking, of at most
+    ``MAX_MANIFEST_BYTES`` ([Note: checkpoint member files] in ``member_files.py``)."""
+    path = confined_path(ckpt, MANIFEST_NAME, "the manifest")
+    data = read_regular(path, "the manifest", MAX_MANIFEST_BYTES)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise CheckpointError(
+            f"{path}: not UTF-8 text ({err.reason} at byte {err.start}); the file is damaged"
+        ) from None
+    return Manifest.from_json(text, str(path))
 
 
 class CheckpointReader:
@@ -115,15 +130,13 @@ class CheckpointReader:
         return self.manifest.resolve(name)
 
     def _check_file(self, file: str, what: str) -> Path:
-        """``what`` names the tensor or object the file is needed for (it goes into the error)."""
-        path = self.path / file
+        """``what`` names the tensor or object the file is needed for (it goes into the error). The file must be a
+        regular file inside the checkpoint ([Note: checkpoint member files]) of the size the manifest records."""
         if file in self._sizes_checked:
-            return path
+            return self.path / file
+        path = confined_path(self.path, file, what)
         want = self.manifest.files[file].size
-        try:
-            size = path.stat().st_size
-        except FileNotFoundError:
-            raise CheckpointError(f"{path}: file is missing (needed for {what})") from None
+        size = stat_regular(path, what).st_size
         if size != want:
             raise CheckpointError(
                 f"{path}: file has {size} bytes, the manifest says {want} (truncated or replaced; needed for {what})"
@@ -200,10 +213,13 @@ class CheckpointReader:
         """
         entry = self.manifest.resolve(name)
         shape = entry.global_shape
-        out = slice_destination(entry, slice, dtype, out)
-        if out.numel() == 0:
-            return out
-        flat = out.view(-1)
+        try:
+            slice.validate(shape)
+        except CheckpointError as err:
+            raise CheckpointError(f"tensor {entry.name!r}: cannot read {slice}: {err}") from None
+        # which elements each stored piece gives; its files are checked before the result is allocated, so that a
+        # manifest claiming more than the files hold fails by name rather than by allocating it
+        plan: list[tuple[Piece, tuple[int, int, int] | Segments]] = []
         target = None  # run table, built only when a piece needs it
         for piece in entry.pieces:
             stored = piece.slice
@@ -211,18 +227,28 @@ class CheckpointReader:
                 # one run each (a ZeRO fragment read by a flat range): plain integers, no run tables
                 lo = max(slice.start, stored.start)
                 hi = min(slice.start + slice.length, stored.start + stored.length)
-                if hi <= lo:
-                    continue
-                copier = SegmentCopier.one_run(flat, lo - slice.start, lo - stored.start, hi - lo)
-                first, last = lo - stored.start, hi - stored.start
+                if hi > lo:
+                    plan.append((piece, (lo - slice.start, lo - stored.start, hi - lo)))
             else:
                 target = slice.run_table(shape) if target is None else target
                 segments = intersect(target, stored.run_table(shape))
-                if segments.count == 0:
-                    continue
-                copier = SegmentCopier(flat, segments)
-                first = int(segments.piece_start[0])
-                last = int(segments.piece_start[-1] + segments.length[-1])
+                if segments.count:
+                    plan.append((piece, segments))
+        for piece, _ in plan:
+            self._check_file(piece.file, f"tensor {entry.name!r}")
+        out = slice_destination(entry, slice, dtype, out)
+        if out.numel() == 0:
+            return out
+        flat = out.view(-1)
+        for piece, where in plan:
+            if isinstance(where, Segments):
+                copier = SegmentCopier(flat, where)
+                first = int(where.piece_start[0])
+                last = int(where.piece_start[-1] + where.length[-1])
+            else:
+                target_start, piece_start, length = where
+                copier = SegmentCopier.one_run(flat, target_start, piece_start, length)
+                first, last = piece_start, piece_start + length
             self._stream_piece(entry, piece, (first, last), copier)
         return out
 
@@ -233,7 +259,7 @@ class CheckpointReader:
         if cached and (file, encoding) in self._object_files:
             return self._object_files[(file, encoding)]
         path = self._check_file(file, f"object {key!r}")
-        data = path.read_bytes()
+        data = read_regular(path, f"object {key!r}", self.manifest.files[file].size)
         want = self.manifest.files[file].checksum
         if want is not None and crc32_of_bytes(data) != want:
             raise CheckpointError(f"{path}: checksum mismatch (object {key!r}); the file is corrupted")
