@@ -341,3 +341,39 @@ def test_manifest_that_is_not_a_regular_file_is_refused_by_the_reader(ckpt):
     (ckpt.parent / "elsewhere.json").write_text("{}")
     with pytest.raises(CheckpointError, match="outside the checkpoint directory"):
         read_manifest(ckpt / TAG)
+
+
+# -- shapes checked against the files and each other ----------------------------------------------------------
+def _transpose(ckpt, name):
+    m = _manifest(ckpt)
+    m["tensors"][name]["shape"] = m["tensors"][name]["shape"][::-1]
+    _write_manifest(ckpt, m)
+
+
+def test_transposed_shape_of_flat_pieces_fails_verify_and_consolidate(ckpt, tmp_path, capsys):
+    """ZeRO fragments are stored 1-D: the element count matches, and the parameter's optimizer states tell."""
+    _transpose(ckpt, "model/block.weight")  # (36, 12) -> (12, 36), same 432 elements
+    problems = open_checkpoint(ckpt).verify()
+    assert problems and all("'model/block.weight'" in p and "[12, 36]" in p for p in problems), problems
+    code, _ = _cli(capsys, "inspect", "--verify", ckpt)
+    assert code == 1
+    code, err = _cli(capsys, "consolidate", "--no-progress", ckpt, tmp_path / "out")
+    assert code == 2 and "'model/block.weight'" in err and "nothing was written" in err, err
+    assert not list((tmp_path / "out").iterdir())
+
+
+def test_transposed_shape_of_block_pieces_fails_verify_and_consolidate(tmp_path, capsys):
+    """Tensor-parallel blocks are stored in their shape: the safetensors header contradicts the manifest."""
+    import torch
+
+    from shardtrain.checkpoint import BlockSlice, SavePiece, save
+
+    w = torch.arange(24.0).reshape(4, 6)
+    pieces = [SavePiece("model/w", (4, 6), BlockSlice(0, i, 2), w[2 * i : 2 * i + 2]) for i in range(2)]
+    save(tmp_path / "s", TAG, None, pieces)
+    _transpose(tmp_path / "s", "model/w")  # (6, 4): blocks of (3, 4), the files hold (2, 6)
+    problems = open_checkpoint(tmp_path / "s").verify()
+    assert len(problems) == 2 and all("[2, 6] in the file's header" in p and "[3, 4]" in p for p in problems)
+    code, err = _cli(capsys, "consolidate", "--no-progress", tmp_path / "s", tmp_path / "out")
+    assert code == 2 and "'model/w'" in err and FILE in err, err
+    assert not list((tmp_path / "out").iterdir())  # refused before the output file was begun

@@ -36,12 +36,13 @@ from shardtrain.checkpoint.format import (
     crc32_of_bytes,
     numel,
     slice_destination,
+    state_shape_problems,
 )
 from shardtrain.checkpoint.latest import JOURNAL_NAME, read_latest
 from shardtrain.checkpoint.member_files import confined_path, read_regular, stat_regular
 from shardtrain.checkpoint.objects import decode, decode_tensor_file, load_v1_pickle
 from shardtrain.checkpoint.runs import SegmentCopier, Segments, intersect
-from shardtrain.checkpoint.safetensors_io import stream_tensor
+from shardtrain.checkpoint.safetensors_io import header_entry, read_header, stream_tensor
 from shardtrain.errors import CheckpointError
 
 
@@ -143,6 +144,20 @@ class CheckpointReader:
             )
         self._sizes_checked.add(file)
         return path
+
+    def check_pieces(self, name: str) -> None:
+        """Without reading data: every file tensor ``name`` is stored in exists as a regular file inside the
+        checkpoint with its recorded size, and each piece's key has the dtype and shape the manifest gives it in
+        its file's safetensors header (one cached header parse per file)."""
+        entry = self.manifest.resolve(name)
+        for piece in entry.pieces:
+            what = f"tensor {entry.name!r}"
+            path = self._check_file(piece.file, what)
+            try:
+                _, header = read_header(path, what)
+                header_entry(path, header, piece.key, entry.torch_dtype, piece.slice.piece_shape(entry.global_shape))
+            except CheckpointError as err:
+                raise CheckpointError(f"{err} (tensor {entry.name!r})") from None
 
     def _stream_piece(
         self, entry: TensorEntry, piece: Piece, elems: tuple[int, int], sink: Callable[[int, torch.Tensor], None]
@@ -299,9 +314,20 @@ class CheckpointReader:
         return self._decode(self.manifest.rank_objects.get(rank, {}))
 
     # -- full check -------------------------------------------------------------------------------
+    def shape_problems(self) -> list[str]:
+        """Shapes of the manifest that disagree with each other (``format.state_shape_problems``): a permuted
+        shape of a tensor stored in flat pieces, which no file can contradict. One message per tensor."""
+        try:
+            kinds = self.objects.get("optimizer/state_kinds")
+        except CheckpointError:  # an unreadable object file is reported by verify on its own
+            kinds = None
+        return [f"{self.path / MANIFEST_NAME}: {p}" for p in state_shape_problems(self.manifest, kinds)]
+
     def verify(self, progress: Callable[[int], None] | None = None) -> list[str]:
-        """Check every file's size and every checksum; returns one message per problem (empty: all good)."""
-        problems: list[str] = []
+        """Check every file's size and every checksum, each piece's dtype and shape against its file's safetensors
+        header, and the shapes of the manifest against each other; returns one message per problem (empty: all
+        good)."""
+        problems: list[str] = self.shape_problems()
         saved, self.verify_reads = self.verify_reads, True
         try:
             records = [*self.manifest.objects.values()]

@@ -175,6 +175,22 @@ def read_header(path: Path, what: str = "its header") -> tuple[int, dict[str, Te
         os.close(fd)
 
 
+def header_entry(
+    path: Path, header: dict[str, TensorInfo], key: str, dtype: torch.dtype, shape: tuple[int, ...]
+) -> TensorInfo:
+    """The entry ``key`` of a validated header, which must have ``dtype`` and ``shape`` (what the manifest says);
+    its offsets then hold exactly those bytes, inside the file."""
+    info = header.get(key)
+    if info is None:
+        raise CheckpointError(f"{path}: has no tensor {key!r}")
+    if info.dtype != ST_DTYPES[dtype] or info.shape != tuple(shape):
+        raise CheckpointError(
+            f"{path}: {key!r} is {info.dtype} {list(info.shape)} in the file's header, the manifest says "
+            f"{ST_DTYPES[dtype]} {list(shape)}"
+        )
+    return info
+
+
 def stream_tensor(
     path: Path,
     key: str,
@@ -199,16 +215,7 @@ def stream_tensor(
     fd, st = open_regular(path, f"tensor {key!r}")
     try:
         data_start, header = _header_of(path, fd, st)
-        info = header.get(key)
-        if info is None:
-            raise CheckpointError(f"{path}: has no tensor {key!r}")
-        stored_dtype, stored_shape, begin, _ = info
-        # the header was validated: its offsets hold exactly its shape and dtype, inside the file
-        if stored_dtype != ST_DTYPES[dtype] or stored_shape != tuple(shape):
-            raise CheckpointError(
-                f"{path}: {key!r} is {stored_dtype} {list(stored_shape)} in the file's header, the manifest says "
-                f"{ST_DTYPES[dtype]} {list(shape)}"
-            )
+        begin = header_entry(path, header, key, dtype, shape).begin
         a, b = elems
         size = dtype.itemsize
         per_chunk, per_direct = max(1, _CHUNK // size), max(1, _DIRECT_CHUNK // size)
