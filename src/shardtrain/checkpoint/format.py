@@ -400,16 +400,18 @@ def _short(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def state_shape_problems(manifest: Manifest, state_kinds: Any = None) -> list[str]:
+def state_shape_problems(manifest: Manifest, state_kinds: Any = None) -> dict[str, str]:
     """Tensors whose shape disagrees with another tensor's that must have the same: an element-wise optimizer state
     ``optim/<P>/<k>`` and its parameter ``model/<P>`` (the naming convention of ``docs/checkpoint-format.md``).
 
     A flat piece is stored 1-D, so its safetensors header cannot tell a manifest whose shape was permuted (the same
     element count) from the one that was saved; this cross-check can, unless every such tensor was changed alike.
     ``state_kinds``: the global object ``optimizer/state_kinds`` (``{key: "elementwise" | "scalar"}``); without it a
-    state of the parameter's element count but another shape (both at least 1-D) is the disagreement."""
+    state of the parameter's element count but another shape (both at least 1-D) is the disagreement.
+
+    Returns the message by tensor name (the state's and its parameter's: both are suspect)."""
     kinds = state_kinds if isinstance(state_kinds, dict) else {}
-    problems = []
+    problems: dict[str, str] = {}
     for name, entry in manifest.tensors.items():
         if not name.startswith("optim/"):
             continue
@@ -422,11 +424,13 @@ def state_shape_problems(manifest: Manifest, state_kinds: Any = None) -> list[st
         else:
             wrong = entry.numel == model.numel and min(len(entry.global_shape), len(model.global_shape)) >= 1
         if wrong:
-            problems.append(
+            message = (
                 f"tensor {name!r} has shape {list(entry.global_shape)}, its parameter {model.name!r} "
                 f"{list(model.global_shape)}; an element-wise state has its parameter's shape (the manifest is "
                 "damaged)"
             )
+            problems[name] = message
+            problems.setdefault(model.name, message)
     return problems
 
 

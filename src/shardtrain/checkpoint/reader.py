@@ -125,6 +125,21 @@ class CheckpointReader:
         self._sizes_checked: set[str] = set()
         self._objects: dict[str, Any] | None = None
         self._object_files: dict[tuple[str, str], dict[str, Any]] = {}
+        # tensors whose shape disagrees with another's (format.state_shape_problems), from the manifest alone: a
+        # read of one is refused, verify and consolidate report them
+        kinds = manifest.objects.get("optimizer/state_kinds")
+        kinds_value = kinds.value if kinds is not None and kinds.encoding == "json" else None
+        self._shape_problems = state_shape_problems(manifest, kinds_value)
+
+    def _resolve(self, name: str) -> TensorEntry:
+        """The entry of tensor ``name`` (or an alias), refused by name when its shape disagrees with another's."""
+        try:
+            entry = self.manifest.resolve(name)
+        except CheckpointError as err:
+            raise CheckpointError(f"{self.path}: {err}") from None
+        if entry.name in self._shape_problems:
+            raise CheckpointError(f"{self.path / MANIFEST_NAME}: {self._shape_problems[entry.name]}")
+        return entry
 
     # -- tensors ----------------------------------------------------------------------------------
     def entry(self, name: str) -> TensorEntry:
@@ -149,7 +164,7 @@ class CheckpointReader:
         """Without reading data: every file tensor ``name`` is stored in exists as a regular file inside the
         checkpoint with its recorded size, and each piece's key has the dtype and shape the manifest gives it in
         its file's safetensors header (one cached header parse per file)."""
-        entry = self.manifest.resolve(name)
+        entry = self._resolve(name)
         for piece in entry.pieces:
             what = f"tensor {entry.name!r}"
             path = self._check_file(piece.file, what)
@@ -199,7 +214,7 @@ class CheckpointReader:
         The same as :meth:`read_slice` with ``FlatSlice(a, b - a)`` (reshaped to the global shape when whole);
         ``out``: a contiguous host tensor of ``b - a`` elements to read into.
         """
-        entry = self.manifest.resolve(name)
+        entry = self._resolve(name)
         total = entry.numel
         a, b = (0, total) if flat_range is None else flat_range
         if not (0 <= a <= b <= total):
@@ -226,7 +241,7 @@ class CheckpointReader:
         ``out``: read into this contiguous host tensor of the result's shape and dtype instead of a new one (the
         engine reads weights straight into their place: no allocation, no page faults of new memory, no copy).
         """
-        entry = self.manifest.resolve(name)
+        entry = self._resolve(name)
         shape = entry.global_shape
         try:
             slice.validate(shape)
@@ -317,11 +332,7 @@ class CheckpointReader:
     def shape_problems(self) -> list[str]:
         """Shapes of the manifest that disagree with each other (``format.state_shape_problems``): a permuted
         shape of a tensor stored in flat pieces, which no file can contradict. One message per tensor."""
-        try:
-            kinds = self.objects.get("optimizer/state_kinds")
-        except CheckpointError:  # an unreadable object file is reported by verify on its own
-            kinds = None
-        return [f"{self.path / MANIFEST_NAME}: {p}" for p in state_shape_problems(self.manifest, kinds)]
+        return [f"{self.path / MANIFEST_NAME}: {p}" for p in dict.fromkeys(self._shape_problems.values())]
 
     def verify(self, progress: Callable[[int], None] | None = None) -> list[str]:
         """Check every file's size and every checksum, each piece's dtype and shape against its file's safetensors

@@ -185,8 +185,8 @@ def header_entry(
         raise CheckpointError(f"{path}: has no tensor {key!r}")
     if info.dtype != ST_DTYPES[dtype] or info.shape != tuple(shape):
         raise CheckpointError(
-            f"{path}: {key!r} is {info.dtype} {list(info.shape)} in the file's header, the manifest says "
-            f"{ST_DTYPES[dtype]} {list(shape)}"
+            f"{path}: {key!r} is {info.dtype!r} {list(info.shape)} in the file's header, the manifest says "
+            f"{ST_DTYPES[dtype]!r} {list(shape)}"
         )
     return info
 
