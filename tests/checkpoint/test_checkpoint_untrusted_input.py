@@ -377,3 +377,39 @@ def test_transposed_shape_of_block_pieces_fails_verify_and_consolidate(tmp_path,
     code, err = _cli(capsys, "consolidate", "--no-progress", tmp_path / "s", tmp_path / "out")
     assert code == 2 and "'model/w'" in err and FILE in err, err
     assert not list((tmp_path / "out").iterdir())  # refused before the output file was begun
+
+
+# -- a collective load ------------------------------------------------------------------------------------------
+def _load_with_fifo(root: str) -> tuple[float, str]:
+    import time
+
+    import torch.distributed as dist
+
+    from resume_helpers import make_engine, train
+
+    engine = make_engine(0, 2, "adamw")
+    train(engine, range(1))
+    engine.save_checkpoint(root, tag="t")
+    dist.barrier()
+    if dist.get_rank() == 1:  # only this rank's file: rank 0 may read nothing from it
+        victim = f"{root}/t/rank00001.safetensors"
+        os.unlink(victim)
+        os.mkfifo(victim)
+    dist.barrier()
+    start = time.monotonic()
+    try:
+        engine.load_checkpoint(root)
+    except CheckpointError as err:
+        return time.monotonic() - start, str(err)
+    return time.monotonic() - start, "no error"
+
+
+def test_fifo_in_a_multi_rank_load_fails_on_every_rank_at_once(tmp_path):
+    """A FIFO used to block the rank opening it, and the others waited for the collective timeout (1,800 s): now
+    the rank refuses it by stat, and every rank raises its message in the outcome exchange."""
+    from shardtrain.testing import run_distributed
+
+    results = run_distributed(_load_with_fifo, 2, str(tmp_path), timeout=120)
+    for elapsed, message in results:
+        assert "rank00001.safetensors: is a FIFO, not a regular file" in message, message
+        assert elapsed < 20, elapsed
