@@ -71,16 +71,6 @@ def resolve_checkpoint_dir(path: str | os.PathLike, tag: str | None = None) -> P
     return ckpt
 
 
-def _read_text(path: Path) -> str:
-    """A small text file of the checkpoint; damage (bytes that are not UTF-8) is an error naming it."""
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as err:
-        raise CheckpointError(
-            f"{path}: not UTF-8 text ({err.reason} at byte {err.start}); the file is damaged"
-        ) from None
-
-
 def open_checkpoint(path: str | os.PathLike, tag: str | None = None, *, verify: bool = True) -> CheckpointReader:
     """Open a checkpoint for reading; see :func:`resolve_checkpoint_dir` for ``path`` and ``tag``."""
     # checkpoints written by other systems, read through the same interface (each finder returns None for ours)
