@@ -118,6 +118,12 @@ def consolidate(
             tied[alias.removeprefix(MODEL_PREFIX)] = name[len(MODEL_PREFIX) :]
     if not outs:
         raise CheckpointError(f"{reader.path}: no model tensors (names starting with {MODEL_PREFIX!r}) to consolidate")
+    # a shape that disagrees with its optimizer state would be written as it is: refused before anything is written
+    if problems := getattr(reader, "shape_problems", list)():
+        raise CheckpointError(f"{problems[0]}; nothing was written")
+    if isinstance(reader, CheckpointReader):  # every file and header checked before the first byte is written
+        for o in outs:
+            reader.check_pieces(o.entry.name)
     shards = _shards(outs, max_shard_size)
     total = sum(o.nbytes for o in outs)
     meta = {"format": "pt"}

@@ -30,6 +30,14 @@ FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 MANIFEST_NAME = "manifest.json"
 LATEST_NAME = "latest"
+# Bounds on what a manifest may claim, so that a damaged or hostile one is refused before anything is computed from
+# it: dimensions per tensor, bytes per tensor (keeps element arithmetic inside int64), runs per tensor (the run
+# tables of its pieces, built by the coverage check: 24 bytes each; a column block of an (R, C) matrix is R runs), and
+# the manifest file itself.
+MAX_DIMS = 64
+MAX_TENSOR_BYTES = 1 << 60
+MAX_RUNS_PER_TENSOR = 1 << 26
+MAX_MANIFEST_BYTES = 1 << 30
 
 # Names in the manifest are torch's dtype names without the "torch." prefix.
 DTYPES: dict[str, torch.dtype] = {
@@ -96,6 +104,27 @@ def _check(cond: bool, msg: str) -> None:
         raise CheckpointError(msg)
 
 
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def member_name_problem(name: Any) -> str | None:
+    """Why ``name`` cannot name a file of a checkpoint, or ``None``: it must be a normalised relative path inside
+    the checkpoint directory (``rank00000.safetensors``; [Note: checkpoint member files] in ``member_files.py``)."""
+    if not isinstance(name, str) or not name:
+        return "is not a non-empty string"
+    if "\x00" in name:
+        return "holds a NUL character"
+    if name.startswith("/"):
+        return "is an absolute path"
+    parts = name.split("/")
+    if ".." in parts:
+        return "has a '..' component"
+    if any(part in ("", ".") for part in parts):
+        return "is not a normalised path (an empty or '.' component)"
+    return None
+
+
 @dataclass(frozen=True)
 class FlatSlice:
     """Elements ``[start, start + length)`` of the flattened global tensor, stored as a 1-D piece (ZeRO)."""
@@ -105,7 +134,7 @@ class FlatSlice:
 
     def __post_init__(self) -> None:
         _check(
-            isinstance(self.start, int) and isinstance(self.length, int) and self.start >= 0 and self.length >= 0,
+            _is_int(self.start) and _is_int(self.length) and self.start >= 0 and self.length >= 0,
             f"FlatSlice needs integers start >= 0 and length >= 0, got start={self.start!r} length={self.length!r}",
         )
 
@@ -143,7 +172,7 @@ class BlockSlice:
     stride: int = 1
 
     def __post_init__(self) -> None:
-        ok = all(isinstance(v, int) for v in (self.dim, self.index, self.count, self.stride))
+        ok = all(_is_int(v) for v in (self.dim, self.index, self.count, self.stride))
         _check(
             ok and self.dim >= 0 and self.count >= 1 and 0 <= self.index < self.count and self.stride >= 1,
             f"BlockSlice needs dim >= 0, count >= 1, 0 <= index < count, stride >= 1; got {self}",
@@ -192,7 +221,7 @@ class BlockFlatSlice:
             f"BlockFlatSlice needs a BlockSlice as its block, got {self.block!r}",
         )
         _check(
-            isinstance(self.start, int) and isinstance(self.length, int) and self.start >= 0 and self.length >= 0,
+            _is_int(self.start) and _is_int(self.length) and self.start >= 0 and self.length >= 0,
             f"BlockFlatSlice needs integers start >= 0 and length >= 0, got start={self.start!r} "
             f"length={self.length!r}",
         )
@@ -260,6 +289,15 @@ class Piece:
     slice: Slice
     checksum: str
 
+    def __post_init__(self) -> None:
+        problem = member_name_problem(self.file)
+        _check(
+            problem is None,
+            f"piece {self.key!r}: file {self.file!r} {problem}; a piece names a file inside the checkpoint directory",
+        )
+        _check(isinstance(self.key, str), f"piece key {self.key!r} is not a string")
+        _check(isinstance(self.checksum, str), f"piece {self.key!r}: checksum {self.checksum!r} is not a string")
+
     def to_json(self) -> dict[str, Any]:
         return {"file": self.file, "key": self.key, "slice": self.slice.to_json(), "checksum": self.checksum}
 
@@ -279,17 +317,34 @@ class TensorEntry:
     aliases: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        _check(bool(self.name), "a tensor entry needs a non-empty name")
+        _check(isinstance(self.name, str) and bool(self.name), "a tensor entry needs a non-empty name")
         _check(
-            all(isinstance(s, int) and s >= 0 for s in self.global_shape),
-            f"tensor {self.name!r}: shape must be non-negative integers, got {self.global_shape}",
+            len(self.global_shape) <= MAX_DIMS and all(_is_int(s) and s >= 0 for s in self.global_shape),
+            f"tensor {self.name!r}: field 'shape' must be at most {MAX_DIMS} non-negative integers, got "
+            f"{_short(self.global_shape)}",
         )
-        _check(self.dtype in DTYPES, f"tensor {self.name!r}: unknown dtype {self.dtype!r}; known: {sorted(DTYPES)}")
+        _check(
+            isinstance(self.dtype, str) and self.dtype in DTYPES,
+            f"tensor {self.name!r}: unknown dtype {_short(self.dtype)}; known: {sorted(DTYPES)}",
+        )
+        _check(
+            self.nbytes <= MAX_TENSOR_BYTES,
+            f"tensor {self.name!r}: field 'shape' {list(self.global_shape)} of {self.dtype} is {self.nbytes} bytes, "
+            f"more than the {MAX_TENSOR_BYTES} a checkpoint tensor may hold",
+        )
+        runs = 0
         for p in self.pieces:
             try:
                 p.slice.validate(self.global_shape)
             except CheckpointError as err:
                 raise CheckpointError(f"tensor {self.name!r}, piece {p.key!r} in {p.file}: {err}") from None
+            runs += run_count(p.slice, self.global_shape)
+        # the coverage check builds every piece's run table: bounded before it is built
+        _check(
+            runs <= MAX_RUNS_PER_TENSOR,
+            f"tensor {self.name!r}: its pieces are {runs} runs of elements, more than the {MAX_RUNS_PER_TENSOR} "
+            "a tensor may have",
+        )
         check_coverage(self.name, self.global_shape, [p.slice for p in self.pieces])
 
     @property
@@ -313,13 +368,70 @@ class TensorEntry:
 
     @staticmethod
     def from_json(name: str, d: dict[str, Any]) -> TensorEntry:
-        return TensorEntry(
-            name,
-            tuple(d["shape"]),
-            d["dtype"],
-            tuple(Piece.from_json(p) for p in d["pieces"]),
-            tuple(d.get("aliases", ())),
-        )
+        for key in ("shape", "pieces", "aliases"):
+            _check(
+                isinstance(d.get(key, []), list),
+                f"tensor {name!r}: field {key!r} is {_short(d.get(key))}, not a list",
+            )
+        pieces = []
+        for i, p in enumerate(d["pieces"]):
+            try:
+                pieces.append(Piece.from_json(p))
+            except (KeyError, TypeError, ValueError, AttributeError) as err:
+                raise CheckpointError(
+                    f"tensor {name!r}: piece {i} is malformed ({type(err).__name__}: {err})"
+                ) from None
+            except CheckpointError as err:
+                raise CheckpointError(f"tensor {name!r}: {err}") from None
+        return TensorEntry(name, tuple(d["shape"]), d["dtype"], tuple(pieces), tuple(d.get("aliases", ())))
+
+
+def run_count(slice: Slice, shape: tuple[int, ...]) -> int:
+    """How many runs ``slice.run_table(shape)`` has at most, without building it (``slice`` valid for ``shape``)."""
+    if isinstance(slice, FlatSlice):
+        return 1
+    block = slice.block if isinstance(slice, BlockFlatSlice) else slice
+    return math.prod(shape[: block.dim]) * block.stride
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for messages about values read from a damaged file."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def state_shape_problems(manifest: Manifest, state_kinds: Any = None) -> dict[str, str]:
+    """Tensors whose shape disagrees with another tensor's that must have the same: an element-wise optimizer state
+    ``optim/<P>/<k>`` and its parameter ``model/<P>`` (the naming convention of ``docs/checkpoint-format.md``).
+
+    A flat piece is stored 1-D, so its safetensors header cannot tell a manifest whose shape was permuted (the same
+    element count) from the one that was saved; this cross-check can, unless every such tensor was changed alike.
+    ``state_kinds``: the global object ``optimizer/state_kinds`` (``{key: "elementwise" | "scalar"}``); without it a
+    state of the parameter's element count but another shape (both at least 1-D) is the disagreement.
+
+    Returns the message by tensor name (the state's and its parameter's: both are suspect)."""
+    kinds = state_kinds if isinstance(state_kinds, dict) else {}
+    problems: dict[str, str] = {}
+    for name, entry in manifest.tensors.items():
+        if not name.startswith("optim/"):
+            continue
+        param, _, key = name[len("optim/") :].rpartition("/")
+        model = manifest.tensors.get(f"model/{param}")
+        if model is None or entry.global_shape == model.global_shape:
+            continue
+        if key in kinds:
+            wrong = kinds[key] == "elementwise"
+        else:
+            wrong = entry.numel == model.numel and min(len(entry.global_shape), len(model.global_shape)) >= 1
+        if wrong:
+            message = (
+                f"tensor {name!r} has shape {list(entry.global_shape)}, its parameter {model.name!r} "
+                f"{list(model.global_shape)}; an element-wise state has its parameter's shape (the manifest is "
+                "damaged)"
+            )
+            problems[name] = message
+            problems.setdefault(model.name, message)
+    return problems
 
 
 def check_coverage(name: str, shape: tuple[int, ...], slices: list[Slice]) -> None:
@@ -388,6 +500,19 @@ class FileEntry:
     size: int
     checksum: str | None = None
 
+    def __post_init__(self) -> None:
+        problem = member_name_problem(self.name)
+        _check(problem is None, f"file name {_short(self.name)} {problem}; files are named inside the checkpoint")
+        _check(_is_int(self.rank) and self.rank >= 0, f"file {self.name!r}: rank {_short(self.rank)} is not a rank")
+        _check(
+            _is_int(self.size) and 0 <= self.size <= MAX_TENSOR_BYTES,
+            f"file {self.name!r}: size {_short(self.size)} is not a number of bytes",
+        )
+        _check(
+            self.checksum is None or isinstance(self.checksum, str),
+            f"file {self.name!r}: checksum {_short(self.checksum)} is not a string",
+        )
+
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {"rank": self.rank, "size": self.size}
         if self.checksum is not None:
@@ -443,14 +568,26 @@ class Manifest:
 
     def __post_init__(self) -> None:
         _check(self.version in READABLE_VERSIONS, _unsupported_version(self.version))
-        _check(self.world_size >= 1, f"world_size must be >= 1, got {self.world_size}")
+        _check(
+            _is_int(self.world_size) and self.world_size >= 1, f"world_size must be >= 1, got {_short(self.world_size)}"
+        )
+        _check(isinstance(self.tag, str), f"tag {_short(self.tag)} is not a string")
         names: dict[str, str] = {}
         for entry in self.tensors.values():
             for n in (entry.name, *entry.aliases):
+                _check(isinstance(n, str), f"tensor {entry.name!r}: alias {_short(n)} is not a string")
                 _check(n not in names, f"tensor name {n!r} is used twice (by {names.get(n)!r} and {entry.name!r})")
                 names[n] = entry.name
             for p in entry.pieces:
                 _check(p.file in self.files, f"tensor {entry.name!r}: piece file {p.file!r} is not in the file list")
+                # a piece larger than its file: refused before a read would allocate room for it
+                nbytes = numel(p.slice.piece_shape(entry.global_shape)) * entry.torch_dtype.itemsize
+                _check(
+                    nbytes <= self.files[p.file].size,
+                    f"tensor {entry.name!r}: piece {p.key!r} ({p.slice} of shape {list(entry.global_shape)}, "
+                    f"{entry.dtype}) is {nbytes} bytes, more than its file {p.file!r} holds "
+                    f"({self.files[p.file].size} bytes)",
+                )
         for records in (self.objects, *self.rank_objects.values()):
             for rec in records.values():
                 _check(
@@ -485,27 +622,44 @@ class Manifest:
     def from_json(text: str, source: str = MANIFEST_NAME) -> Manifest:
         try:
             d = json.loads(text)
-        except json.JSONDecodeError as err:
+        except RecursionError:  # nesting deeper than the interpreter's recursion limit (about 1000)
+            raise CheckpointError(f"{source}: JSON nested too deeply; the checkpoint is damaged") from None
+        except ValueError as err:  # JSONDecodeError, or an integer of more than 4300 digits
             raise CheckpointError(f"{source}: not valid JSON ({err}); the checkpoint is damaged") from None
         if not isinstance(d, dict) or d.get("format") != "shardtrain-checkpoint":
             raise CheckpointError(f"{source}: not a shardtrain checkpoint manifest")
         version = d.get("version")
-        if version not in READABLE_VERSIONS:
+        if not _is_int(version) or version not in READABLE_VERSIONS:
             raise CheckpointError(f"{source}: {_unsupported_version(version)}")
+        where = "the manifest"
         try:
-            return Manifest(
-                version=version,
-                tag=d["tag"],
-                world_size=d["world_size"],
-                tensors={n: TensorEntry.from_json(n, t) for n, t in d["tensors"].items()},
-                files={n: FileEntry(n, f["rank"], f["size"], f.get("checksum")) for n, f in d["files"].items()},
-                objects={k: ObjectRecord.from_json(k, o) for k, o in d["objects"].items()},
-                rank_objects={
-                    int(r): {k: ObjectRecord.from_json(k, o) for k, o in objs.items()}
-                    for r, objs in d["rank_objects"].items()
-                },
-            )
+            tensors = {}
+            for n, t in _section(d, "tensors").items():
+                where = f"tensor {n!r}"
+                tensors[n] = TensorEntry.from_json(n, t)
+            files = {}
+            for n, f in _section(d, "files").items():
+                where = f"file {n!r}"
+                files[n] = FileEntry(n, f["rank"], f["size"], f.get("checksum"))
+            objects = {}
+            for k, o in _section(d, "objects").items():
+                where = f"object {k!r}"
+                objects[k] = ObjectRecord.from_json(k, o)
+            rank_objects = {}
+            for r, objs in _section(d, "rank_objects").items():
+                where = f"rank_objects {r!r}"
+                rank_objects[int(r)] = {k: ObjectRecord.from_json(k, o) for k, o in _section({r: objs}, r).items()}
+            where = "the manifest"
+            return Manifest(version, d["tag"], d["world_size"], tensors, files, objects, rank_objects)
         except CheckpointError as err:  # a record that failed its own validation: name the file
             raise CheckpointError(f"{source}: {err}") from None
-        except (KeyError, TypeError, ValueError, AttributeError) as err:  # a section of the wrong type
-            raise CheckpointError(f"{source}: malformed manifest ({type(err).__name__}: {err})") from None
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError) as err:  # wrong type
+            raise CheckpointError(f"{source}: malformed manifest: {where} ({type(err).__name__}: {err})") from None
+
+
+def _section(d: Any, key: str) -> dict[str, Any]:
+    """``d[key]``, which must be a JSON object."""
+    value = d[key]
+    if not isinstance(value, dict):
+        raise CheckpointError(f"field {key!r} is {_short(value)}, not an object")
+    return value

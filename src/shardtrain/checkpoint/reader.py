@@ -26,6 +26,7 @@ import torch
 from shardtrain.checkpoint.format import (
     LATEST_NAME,
     MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
     FlatSlice,
     Manifest,
     ObjectRecord,
@@ -35,11 +36,13 @@ from shardtrain.checkpoint.format import (
     crc32_of_bytes,
     numel,
     slice_destination,
+    state_shape_problems,
 )
 from shardtrain.checkpoint.latest import JOURNAL_NAME, read_latest
+from shardtrain.checkpoint.member_files import confined_path, read_regular, stat_regular
 from shardtrain.checkpoint.objects import decode, decode_tensor_file, load_v1_pickle
-from shardtrain.checkpoint.runs import SegmentCopier, intersect
-from shardtrain.checkpoint.safetensors_io import stream_tensor
+from shardtrain.checkpoint.runs import SegmentCopier, Segments, intersect
+from shardtrain.checkpoint.safetensors_io import header_entry, read_header, stream_tensor
 from shardtrain.errors import CheckpointError
 
 
@@ -68,16 +71,6 @@ def resolve_checkpoint_dir(path: str | os.PathLike, tag: str | None = None) -> P
     return ckpt
 
 
-def _read_text(path: Path) -> str:
-    """A small text file of the checkpoint; damage (bytes that are not UTF-8) is an error naming it."""
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as err:
-        raise CheckpointError(
-            f"{path}: not UTF-8 text ({err.reason} at byte {err.start}); the file is damaged"
-        ) from None
-
-
 def open_checkpoint(path: str | os.PathLike, tag: str | None = None, *, verify: bool = True) -> CheckpointReader:
     """Open a checkpoint for reading; see :func:`resolve_checkpoint_dir` for ``path`` and ``tag``."""
     # checkpoints written by other systems, read through the same interface (each finder returns None for ours)
@@ -95,8 +88,21 @@ def open_checkpoint(path: str | os.PathLike, tag: str | None = None, *, verify: 
 
         return DcpReader(dcp_dir)  # type: ignore[return-value]  # the same reading interface
     ckpt = resolve_checkpoint_dir(path, tag)
-    text = _read_text(ckpt / MANIFEST_NAME)
-    return CheckpointReader(ckpt, Manifest.from_json(text, str(ckpt / MANIFEST_NAME)), verify=verify)
+    return CheckpointReader(ckpt, read_manifest(ckpt), verify=verify)
+
+
+def read_manifest(ckpt: Path) -> Manifest:
+    """The manifest of checkpoint directory ``ckpt``: a regular file inside it, read without blocking, of at most
+    ``MAX_MANIFEST_BYTES`` ([Note: checkpoint member files] in ``member_files.py``)."""
+    path = confined_path(ckpt, MANIFEST_NAME, "the manifest")
+    data = read_regular(path, "the manifest", MAX_MANIFEST_BYTES)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise CheckpointError(
+            f"{path}: not UTF-8 text ({err.reason} at byte {err.start}); the file is damaged"
+        ) from None
+    return Manifest.from_json(text, str(path))
 
 
 class CheckpointReader:
@@ -109,27 +115,54 @@ class CheckpointReader:
         self._sizes_checked: set[str] = set()
         self._objects: dict[str, Any] | None = None
         self._object_files: dict[tuple[str, str], dict[str, Any]] = {}
+        # tensors whose shape disagrees with another's (format.state_shape_problems), from the manifest alone: a
+        # read of one is refused, verify and consolidate report them
+        kinds = manifest.objects.get("optimizer/state_kinds")
+        kinds_value = kinds.value if kinds is not None and kinds.encoding == "json" else None
+        self._shape_problems = state_shape_problems(manifest, kinds_value)
+
+    def _resolve(self, name: str) -> TensorEntry:
+        """The entry of tensor ``name`` (or an alias), refused by name when its shape disagrees with another's."""
+        try:
+            entry = self.manifest.resolve(name)
+        except CheckpointError as err:
+            raise CheckpointError(f"{self.path}: {err}") from None
+        if entry.name in self._shape_problems:
+            raise CheckpointError(f"{self.path / MANIFEST_NAME}: {self._shape_problems[entry.name]}")
+        return entry
 
     # -- tensors ----------------------------------------------------------------------------------
     def entry(self, name: str) -> TensorEntry:
         return self.manifest.resolve(name)
 
     def _check_file(self, file: str, what: str) -> Path:
-        """``what`` names the tensor or object the file is needed for (it goes into the error)."""
-        path = self.path / file
+        """``what`` names the tensor or object the file is needed for (it goes into the error). The file must be a
+        regular file inside the checkpoint ([Note: checkpoint member files]) of the size the manifest records."""
         if file in self._sizes_checked:
-            return path
+            return self.path / file
+        path = confined_path(self.path, file, what)
         want = self.manifest.files[file].size
-        try:
-            size = path.stat().st_size
-        except FileNotFoundError:
-            raise CheckpointError(f"{path}: file is missing (needed for {what})") from None
+        size = stat_regular(path, what).st_size
         if size != want:
             raise CheckpointError(
                 f"{path}: file has {size} bytes, the manifest says {want} (truncated or replaced; needed for {what})"
             )
         self._sizes_checked.add(file)
         return path
+
+    def check_pieces(self, name: str) -> None:
+        """Without reading data: every file tensor ``name`` is stored in exists as a regular file inside the
+        checkpoint with its recorded size, and each piece's key has the dtype and shape the manifest gives it in
+        its file's safetensors header (one cached header parse per file)."""
+        entry = self._resolve(name)
+        for piece in entry.pieces:
+            what = f"tensor {entry.name!r}"
+            path = self._check_file(piece.file, what)
+            try:
+                _, header = read_header(path, what)
+                header_entry(path, header, piece.key, entry.torch_dtype, piece.slice.piece_shape(entry.global_shape))
+            except CheckpointError as err:
+                raise CheckpointError(f"{err} (tensor {entry.name!r})") from None
 
     def _stream_piece(
         self, entry: TensorEntry, piece: Piece, elems: tuple[int, int], sink: Callable[[int, torch.Tensor], None]
@@ -171,7 +204,7 @@ class CheckpointReader:
         The same as :meth:`read_slice` with ``FlatSlice(a, b - a)`` (reshaped to the global shape when whole);
         ``out``: a contiguous host tensor of ``b - a`` elements to read into.
         """
-        entry = self.manifest.resolve(name)
+        entry = self._resolve(name)
         total = entry.numel
         a, b = (0, total) if flat_range is None else flat_range
         if not (0 <= a <= b <= total):
@@ -198,12 +231,15 @@ class CheckpointReader:
         ``out``: read into this contiguous host tensor of the result's shape and dtype instead of a new one (the
         engine reads weights straight into their place: no allocation, no page faults of new memory, no copy).
         """
-        entry = self.manifest.resolve(name)
+        entry = self._resolve(name)
         shape = entry.global_shape
-        out = slice_destination(entry, slice, dtype, out)
-        if out.numel() == 0:
-            return out
-        flat = out.view(-1)
+        try:
+            slice.validate(shape)
+        except CheckpointError as err:
+            raise CheckpointError(f"tensor {entry.name!r}: cannot read {slice}: {err}") from None
+        # which elements each stored piece gives; its files are checked before the result is allocated, so that a
+        # manifest claiming more than the files hold fails by name rather than by allocating it
+        plan: list[tuple[Piece, tuple[int, int, int] | Segments]] = []
         target = None  # run table, built only when a piece needs it
         for piece in entry.pieces:
             stored = piece.slice
@@ -211,18 +247,28 @@ class CheckpointReader:
                 # one run each (a ZeRO fragment read by a flat range): plain integers, no run tables
                 lo = max(slice.start, stored.start)
                 hi = min(slice.start + slice.length, stored.start + stored.length)
-                if hi <= lo:
-                    continue
-                copier = SegmentCopier.one_run(flat, lo - slice.start, lo - stored.start, hi - lo)
-                first, last = lo - stored.start, hi - stored.start
+                if hi > lo:
+                    plan.append((piece, (lo - slice.start, lo - stored.start, hi - lo)))
             else:
                 target = slice.run_table(shape) if target is None else target
                 segments = intersect(target, stored.run_table(shape))
-                if segments.count == 0:
-                    continue
-                copier = SegmentCopier(flat, segments)
-                first = int(segments.piece_start[0])
-                last = int(segments.piece_start[-1] + segments.length[-1])
+                if segments.count:
+                    plan.append((piece, segments))
+        for piece, _ in plan:
+            self._check_file(piece.file, f"tensor {entry.name!r}")
+        out = slice_destination(entry, slice, dtype, out)
+        if out.numel() == 0:
+            return out
+        flat = out.view(-1)
+        for piece, where in plan:
+            if isinstance(where, Segments):
+                copier = SegmentCopier(flat, where)
+                first = int(where.piece_start[0])
+                last = int(where.piece_start[-1] + where.length[-1])
+            else:
+                target_start, piece_start, length = where
+                copier = SegmentCopier.one_run(flat, target_start, piece_start, length)
+                first, last = piece_start, piece_start + length
             self._stream_piece(entry, piece, (first, last), copier)
         return out
 
@@ -233,7 +279,7 @@ class CheckpointReader:
         if cached and (file, encoding) in self._object_files:
             return self._object_files[(file, encoding)]
         path = self._check_file(file, f"object {key!r}")
-        data = path.read_bytes()
+        data = read_regular(path, f"object {key!r}", self.manifest.files[file].size)
         want = self.manifest.files[file].checksum
         if want is not None and crc32_of_bytes(data) != want:
             raise CheckpointError(f"{path}: checksum mismatch (object {key!r}); the file is corrupted")
@@ -273,9 +319,16 @@ class CheckpointReader:
         return self._decode(self.manifest.rank_objects.get(rank, {}))
 
     # -- full check -------------------------------------------------------------------------------
+    def shape_problems(self) -> list[str]:
+        """Shapes of the manifest that disagree with each other (``format.state_shape_problems``): a permuted
+        shape of a tensor stored in flat pieces, which no file can contradict. One message per tensor."""
+        return [f"{self.path / MANIFEST_NAME}: {p}" for p in dict.fromkeys(self._shape_problems.values())]
+
     def verify(self, progress: Callable[[int], None] | None = None) -> list[str]:
-        """Check every file's size and every checksum; returns one message per problem (empty: all good)."""
-        problems: list[str] = []
+        """Check every file's size and every checksum, each piece's dtype and shape against its file's safetensors
+        header, and the shapes of the manifest against each other; returns one message per problem (empty: all
+        good)."""
+        problems: list[str] = self.shape_problems()
         saved, self.verify_reads = self.verify_reads, True
         try:
             records = [*self.manifest.objects.values()]

@@ -14,14 +14,15 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from shardtrain.checkpoint.format import crc32
+from shardtrain.checkpoint.format import MAX_DIMS, crc32
+from shardtrain.checkpoint.member_files import open_regular
 from shardtrain.errors import CheckpointError
 
 ST_DTYPES = {
@@ -38,6 +39,7 @@ ST_DTYPES = {
     torch.float8_e4m3fn: "F8_E4M3",
     torch.float8_e5m2: "F8_E5M2",
 }
+ST_ITEMSIZE = {name: dtype.itemsize for dtype, name in ST_DTYPES.items()}
 _MAX_HEADER = 100 << 20
 _CHUNK = 4 << 20  # read, write and checksum in pieces that fit the CPU cache
 _DIRECT_CHUNK = 16 << 20  # reads straight into a result: no buffer to bound, fewer and larger requests
@@ -59,28 +61,134 @@ def _pread_into(fd: int, into: memoryview, pos: int) -> int:
     return got
 
 
-@lru_cache(maxsize=64)
-def _read_header_cached(path: str, size: int, mtime_ns: int) -> tuple[int, dict[str, Any]]:
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) < 8:
-            raise CheckpointError(f"{path}: too short for a safetensors file ({size} bytes)")
-        (n,) = struct.unpack("<Q", raw)
-        if n > _MAX_HEADER or 8 + n > size:
-            raise CheckpointError(f"{path}: safetensors header length {n} does not fit the file ({size} bytes)")
-        try:
-            header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise CheckpointError(f"{path}: damaged safetensors header ({err})") from None
+class TensorInfo(NamedTuple):
+    """One validated entry of a safetensors header; offsets count from the start of the data section."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+def _is_count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def validate_header(path: Path | str, header: Any, data_size: int) -> dict[str, TensorInfo]:
+    """The entries of a parsed safetensors header, checked as the ``safetensors`` package checks them
+    (``Metadata::validate``): each names a dtype (a string), a shape (a list of non-negative integers) and
+    ``data_offsets`` (two integers ``0 <= begin <= end``) whose length is the shape times the dtype's size (for the
+    dtypes this project stores), inside the data section, no two overlapping. The error names the file, the key and
+    the field. (The package itself is not used to parse it because it opens the file by name again, see
+    ``docs/checkpoint-format.md``.)"""
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: damaged safetensors header (not a JSON object)")
-    return 8 + n, header
+    out: dict[str, TensorInfo] = {}
+    for key, info in header.items():
+        if key == "__metadata__":
+            if not isinstance(info, dict):
+                raise CheckpointError(f"{path}: damaged safetensors header: '__metadata__' is not an object")
+            continue
+        where = f"{path}: damaged safetensors header: tensor {key!r}"
+        if not isinstance(info, dict):
+            raise CheckpointError(f"{where} is not an object")
+        dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if not isinstance(dtype, str):
+            raise CheckpointError(f"{where}: field 'dtype' is {_short(dtype)}, not a string")
+        if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(_is_count(d) for d in shape):
+            raise CheckpointError(
+                f"{where}: field 'shape' is {_short(shape)}, not a list of at most {MAX_DIMS} non-negative integers"
+            )
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)):
+            raise CheckpointError(f"{where}: field 'data_offsets' is {_short(offsets)}, not two non-negative integers")
+        begin, end = offsets
+        if begin > end or end > data_size:
+            raise CheckpointError(
+                f"{where}: field 'data_offsets' [{begin}, {end}) is not a range inside the {data_size} bytes of data"
+            )
+        if dtype in ST_ITEMSIZE:
+            nbytes = ST_ITEMSIZE[dtype]
+            for d in shape:
+                nbytes *= d
+            if nbytes != end - begin:
+                raise CheckpointError(
+                    f"{where}: field 'data_offsets' [{begin}, {end}) holds {end - begin} bytes, its shape {shape} "
+                    f"of {dtype} needs {nbytes}"
+                )
+        out[key] = TensorInfo(dtype, tuple(shape), begin, end)
+    previous_end, previous = 0, None
+    for key, info in sorted(out.items(), key=lambda kv: (kv[1].begin, kv[1].end)):
+        if info.begin < previous_end:
+            raise CheckpointError(
+                f"{path}: damaged safetensors header: tensors {previous!r} and {key!r} overlap in 'data_offsets'"
+            )
+        if info.end > info.begin:  # empty tensors occupy no bytes
+            previous_end, previous = info.end, key
+    return out
 
 
-def read_header(path: Path) -> tuple[int, dict[str, Any]]:
-    """(offset of the data section, header dict) of a safetensors file; cached while the file is unchanged."""
-    st = path.stat()
-    return _read_header_cached(str(path), st.st_size, st.st_mtime_ns)
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# validated headers by (path, device, inode, size, mtime): a file is parsed once while it is unchanged
+_HEADERS: OrderedDict[tuple, tuple[int, dict[str, TensorInfo]]] = OrderedDict()
+_HEADERS_KEPT = 64
+
+
+def _header_of(path: Path, fd: int, st: os.stat_result) -> tuple[int, dict[str, TensorInfo]]:
+    """(offset of the data section, validated header) of the open file ``fd``."""
+    cache_key = (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    if (hit := _HEADERS.get(cache_key)) is not None:
+        return hit
+    size = st.st_size
+    raw = os.pread(fd, 8, 0)
+    if len(raw) < 8:
+        raise CheckpointError(f"{path}: too short for a safetensors file ({size} bytes)")
+    (n,) = struct.unpack("<Q", raw)
+    if n > _MAX_HEADER or 8 + n > size:
+        raise CheckpointError(f"{path}: safetensors header length {n} does not fit the file ({size} bytes)")
+    text = bytearray(n)
+    if _pread_into(fd, memoryview(text), 8) != n:
+        raise CheckpointError(f"{path}: ends inside its safetensors header")
+    try:
+        header = json.loads(text)
+    except RecursionError:
+        raise CheckpointError(f"{path}: damaged safetensors header (JSON nested too deeply)") from None
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError, an integer of more than 4300 digits
+        raise CheckpointError(f"{path}: damaged safetensors header ({err})") from None
+    result = 8 + n, validate_header(path, header, size - 8 - n)
+    _HEADERS[cache_key] = result
+    while len(_HEADERS) > _HEADERS_KEPT:
+        _HEADERS.popitem(last=False)
+    return result
+
+
+def read_header(path: Path, what: str = "its header") -> tuple[int, dict[str, TensorInfo]]:
+    """(offset of the data section, validated header) of a safetensors file (a regular file, opened without
+    blocking: ``member_files.open_regular``); cached while the file is unchanged."""
+    fd, st = open_regular(path, what)
+    try:
+        return _header_of(path, fd, st)
+    finally:
+        os.close(fd)
+
+
+def header_entry(
+    path: Path, header: dict[str, TensorInfo], key: str, dtype: torch.dtype, shape: tuple[int, ...]
+) -> TensorInfo:
+    """The entry ``key`` of a validated header, which must have ``dtype`` and ``shape`` (what the manifest says);
+    its offsets then hold exactly those bytes, inside the file."""
+    info = header.get(key)
+    if info is None:
+        raise CheckpointError(f"{path}: has no tensor {key!r}")
+    if info.dtype != ST_DTYPES[dtype] or info.shape != tuple(shape):
+        raise CheckpointError(
+            f"{path}: {key!r} is {info.dtype!r} {list(info.shape)} in the file's header, the manifest says "
+            f"{ST_DTYPES[dtype]!r} {list(shape)}"
+        )
+    return info
 
 
 def stream_tensor(
@@ -104,27 +212,15 @@ def stream_tensor(
     Every read goes through the page cache, on the calling thread, in file order (the kernel's readahead keeps the
     disk busy while the chunk before is checksummed). Reading around the cache (O_DIRECT, reader threads) was
     measured slower here once the checksum became cheap: docs/benchmarks-loadspeed.md, "Stop 30"."""
-    data_start, header = read_header(path)
-    info = header.get(key)
-    if not isinstance(info, dict):
-        raise CheckpointError(f"{path}: has no tensor {key!r}")
-    numel = 1
-    for s in shape:
-        numel *= s
-    begin, end = info.get("data_offsets", (0, -1))
-    if info.get("dtype") != ST_DTYPES[dtype] or list(info.get("shape", ())) != list(shape):
-        raise CheckpointError(
-            f"{path}: {key!r} is {info.get('dtype')} {info.get('shape')}, expected {ST_DTYPES[dtype]} {list(shape)}"
-        )
-    if end - begin != numel * dtype.itemsize or data_start + end > path.stat().st_size:
-        raise CheckpointError(f"{path}: data offsets of {key!r} do not fit its shape or the file")
-    a, b = elems
-    size = dtype.itemsize
-    per_chunk, per_direct = max(1, _CHUNK // size), max(1, _DIRECT_CHUNK // size)
-    buf: torch.Tensor | None = None  # allocated on first use: direct reads need none
-    running = 0
-    fd = os.open(path, os.O_RDONLY)
+    fd, st = open_regular(path, f"tensor {key!r}")
     try:
+        data_start, header = _header_of(path, fd, st)
+        begin = header_entry(path, header, key, dtype, shape).begin
+        a, b = elems
+        size = dtype.itemsize
+        per_chunk, per_direct = max(1, _CHUNK // size), max(1, _DIRECT_CHUNK // size)
+        buf: torch.Tensor | None = None  # allocated on first use: direct reads need none
+        running = 0
         pos = data_start + begin + a * size
         offset = a
         while offset < b:

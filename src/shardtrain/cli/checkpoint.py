@@ -2,20 +2,24 @@
 
 ``DIR`` is a save directory (the checkpoint ``latest`` names, or ``--tag``) or one checkpoint directory, of
 shardtrain or of DeepSpeed (``save_checkpoint``'s directories are read as they are, see ``deepspeed_reader.py``).
-Exit status: 0 on success, 1 when ``--verify`` found damage, 2 for bad input (missing or unreadable checkpoint).
+Exit status: 0 on success, 1 when ``--verify`` found damage, 2 for bad input (missing or unreadable checkpoint, a
+malformed manifest or header, a file that is not a regular file inside the checkpoint, an output that cannot be
+written), with one line naming the file and what is wrong.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from tqdm import tqdm
 
 from shardtrain.checkpoint.format import BlockFlatSlice, BlockSlice, FlatSlice, TensorEntry
-from shardtrain.errors import CheckpointError, UnsafePickleError
+from shardtrain.errors import CheckpointError, ShardtrainError, UnsafePickleError
 
 
 def _human(n: float) -> str:
@@ -55,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ins.add_argument("dir", help="save directory (uses 'latest') or checkpoint directory")
     ins.add_argument("--tag", help="checkpoint tag inside DIR (default: the one 'latest' names)")
     ins.add_argument("--verify", action="store_true", help="read every piece and compare its checksum")
-    ins.set_defaults(func=inspect)
+    ins.set_defaults(func=_bad_input_is_2(inspect))
     con = sub.add_parser("consolidate", help="write Hugging Face-style safetensors (and optionally optimizer state)")
     con.add_argument("dir", help="save directory (uses 'latest') or checkpoint directory")
     con.add_argument("out", help="output directory")
@@ -64,7 +68,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     con.add_argument("--max-shard-size", default="2GB", help="largest output file, e.g. 2GB, 500MB (default 2GB)")
     con.add_argument("--optimizer", action="store_true", help="also write optimizer.pt (a torch optimizer state dict)")
     con.add_argument("--no-progress", action="store_true", help="no progress bar")
-    con.set_defaults(func=consolidate_cmd)
+    con.set_defaults(func=_bad_input_is_2(consolidate_cmd))
+
+
+def _bad_input_is_2(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """``command``, with shardtrain's named errors and OS errors (which name their path) as one line and exit
+    status 2: the documented code for bad input, never a traceback with 1 (CI reads 1 as "damage found")."""
+
+    @functools.wraps(command)
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return command(args)
+        except (ShardtrainError, OSError) as err:
+            # one line: characters from a damaged file (a newline, a carriage return) are shown escaped
+            text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(err))
+            print(f"shardtrain checkpoint: error: {text}", file=sys.stderr)
+            return 2
+
+    return run
 
 
 def inspect(args: argparse.Namespace) -> int:
