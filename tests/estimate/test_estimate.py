@@ -328,8 +328,8 @@ def test_fast_path_gives_the_reference_bytes(name):
         assert _bytes_of(fast) == _bytes_of(estimate_memory(model, cfg, layout=layout, fast=False, **common))
     budget = estimate_memory(model, cfg, layout=Layout(2, stage=2, seq_len=16), **common).peak["device"]
     for limit in (budget, 2**40):  # some layouts over the budget by their state alone; none
-        fast = fitting_layouts(model, limit, cfg, worlds=(1, 2), **common)
-        reference = fitting_layouts(model, limit, cfg, worlds=(1, 2), fast=False, **common)
+        fast = fitting_layouts(model, limit, cfg, worlds=(2,), **common)
+        reference = fitting_layouts(model, limit, cfg, worlds=(2,), fast=False, **common)
         assert [_bytes_of(e) for e in fast] == [_bytes_of(e) for e in reference] and fast
 
 
