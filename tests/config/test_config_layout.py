@@ -123,3 +123,17 @@ def test_check_layout_agrees_with_init_topology(monkeypatch, world):
                     assert _layout_verdict(cfg, world) == expected, (world, tp, sp, mics, hpz)
                     agreed += 1
     assert agreed == 3 * 3 * (3 + 3)
+
+
+def test_config_check_device_says_what_initialize_refuses_there(tmp_path, capsys):
+    """Hugging Face's standard ZeRO-3 offload config: usable on a CPU-only machine, refused on CUDA (``offload_param``
+    is not built there), as ``initialize`` would refuse it; without ``--device`` nothing is said of devices."""
+    path = tmp_path / "ds.json"
+    zero = {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}
+    path.write_text(json.dumps({"zero_optimization": zero, "train_micro_batch_size_per_gpu": 1}))
+    assert main(["config", "check", str(path), "-q"]) == 0
+    assert main(["config", "check", str(path), "-q", "--device", "cpu"]) == 0
+    capsys.readouterr()
+    assert main(["config", "check", str(path), "-q", "--device", "cuda"]) == 2
+    out = capsys.readouterr().out
+    assert "offload_param.device 'cpu' is not built on CUDA" in out and "initialize refuses it" in out

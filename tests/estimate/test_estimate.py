@@ -306,3 +306,39 @@ def test_cli_estimates_a_hugging_face_config_and_a_factory(tmp_path, capsys):
     assert code == 1 and "no layout" in out
     code, _, err = _cli(capsys, "test_estimate:tiny_gpt", "--world", "3", "--tp", "2", "--seq-len", "16")
     assert code == 2 and "must divide the world size 3" in err
+
+
+def _bytes_of(est) -> tuple:
+    return est.layout, est.rows, est.compute, est.peak
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_fast_path_gives_the_reference_bytes(name):
+    """The fast path (fake models reused between runs, only the whole-process peak tracked, layouts whose state alone
+    is over the budget not run) gives the bytes of the reference path (torch's ``MemTracker`` as it is, a model built
+    per run, every layout run), layout by layout, and the same layouts fit."""
+    model, plan = (tiny_llama, None) if name == "llama" else (tiny_gpt, GPT_TP_PLAN)
+    cfg = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
+    common = {"seq_len": 16, "device_type": "cpu", "tp_plan": plan}
+    for layout in (
+        Layout(2, stage=3, dtype="bf16", micro_batch=2, seq_len=16),
+        Layout(2, stage=1, tp=2, seq_len=16, checkpointing=True),
+    ):
+        fast = estimate_memory(model, cfg, layout=layout, **common)
+        assert _bytes_of(fast) == _bytes_of(estimate_memory(model, cfg, layout=layout, fast=False, **common))
+    budget = estimate_memory(model, cfg, layout=Layout(2, stage=2, seq_len=16), **common).peak["device"]
+    for limit in (budget, 2**40):  # some layouts over the budget by their state alone; none
+        fast = fitting_layouts(model, limit, cfg, worlds=(2,), **common)
+        reference = fitting_layouts(model, limit, cfg, worlds=(2,), fast=False, **common)
+        assert [_bytes_of(e) for e in fast] == [_bytes_of(e) for e in reference] and fast
+
+
+def test_progress_bar_shows_the_layouts_tried(monkeypatch, capsys):
+    from shardtrain.estimate import planner
+
+    monkeypatch.setattr(planner, "PROGRESS_DELAY_S", 0)
+    cfg = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
+    fitting_layouts(tiny_gpt, 2**40, cfg, worlds=(1,), seq_len=16, device_type="cpu", offload=False, progress=True)
+    assert "layouts:" in capsys.readouterr().err  # e.g. "layouts:  75%|...| 3/4 [...]"
+    estimate_memory(tiny_gpt, cfg, world_size=1, seq_len=16, device_type="cpu", progress=True)
+    assert "step/s" in capsys.readouterr().err  # the fake run: blocks forward, then parameter gradients

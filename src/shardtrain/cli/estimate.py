@@ -124,6 +124,7 @@ def _run(args: argparse.Namespace) -> int:
             optimizer=args.optimizer,
             device_type=args.device,
             activations=not args.state_only,
+            progress=None,  # a bar on stderr, on a terminal only
         )
         print(json.dumps(_as_json(est), indent=1) if args.json else est.format())
         return 0
@@ -148,6 +149,7 @@ def _run(args: argparse.Namespace) -> int:
         device_type=args.device,
         offload=not args.no_offload,
         activations=not args.state_only,
+        progress=None,
         **{k: v for k, v in _overrides(args).items() if k in ("dtype", "micro_batch")},
     )
     if args.json:

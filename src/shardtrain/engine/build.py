@@ -373,16 +373,21 @@ def _cast_to_compute_dtype(module: nn.Module, layout: ShardLayout, policy: Preci
 # -- what initialize() checks and builds before the parts -----------------------------------------------------------
 
 
-def refuse_unbuilt(cfg: Config, topology: Topology, model: nn.Module) -> None:
-    """Combinations that are not built, refused before the model, its parameters or the disk are touched."""
-    zcfg = cfg.zero_optimization
-    param = zcfg.offload_param
-    if param.device != "none" and topology.device.type == "cuda":
+def refuse_on_device(cfg: Config, device_type: str) -> None:
+    """What is not built on devices of ``device_type`` (``config check --device`` asks the same)."""
+    param = cfg.zero_optimization.offload_param
+    if param.device != "none" and device_type == "cuda":
         raise ConfigError(
             f"zero_optimization.offload_param.device {param.device!r} is not built on CUDA yet; use "
             "offload_optimizer (optimizer state, and fp32 masters, in host memory or on disk) and set "
             "offload_param.device to 'none' (docs/offload.md)"
         )
+
+
+def refuse_unbuilt(cfg: Config, topology: Topology, model: nn.Module) -> None:
+    """Combinations that are not built, refused before the model, its parameters or the disk are touched."""
+    zcfg = cfg.zero_optimization
+    refuse_on_device(cfg, topology.device.type)
     if zcfg.stage == 3 and zcfg.stage3_unit_classes:
         find_unit_modules(model, zcfg.stage3_unit_classes)  # names the classes the model does not have
     refuse_unbuilt_sequence_parallel(cfg)

@@ -262,11 +262,18 @@ def measure_compute(
     tp_plan: Any = None,
     units: list[tuple[str, int, int]] | None = None,
     prefetch_numel: int = 0,
+    module_peaks: bool = False,
+    models: dict | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> ComputePeak:
     """Forward and backward of one micro-batch on fake tensors under ``MemTracker`` (see the module docstring).
 
     ``units``: stage 3, ``(name, gathered bytes, elements)`` of each unit in the layout's order (last block first,
-    ``<root>`` last), whose gathers are replayed by module hooks."""
+    ``<root>`` last), whose gathers are replayed by module hooks. ``module_peaks``: run torch's ``MemTracker`` as it
+    is (it also keeps each module's peak; slower, the same bytes: the reference the fast path is tested against).
+    ``models``: fake models built by earlier calls, by (tp, compute dtype, checkpointing), reused and added to (each
+    run leaves its model as it found it: hooks removed, no gradients). ``progress(done, total)``: called as blocks run
+    forward and parameters get their gradients (hooks that allocate nothing)."""
     from torch._subclasses.fake_tensor import (
         DataDependentOutputException,
         DynamicOutputShapeException,
@@ -276,10 +283,16 @@ def measure_compute(
     from torch.distributed._tools.mem_tracker import MemTracker
 
     mixed = compute != FP32
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        model = build_fake(source, tp, compute, tp_plan)
-        if checkpointing:
-            _checkpoint_units(model, unit_classes)
+    key = (tp, compute, checkpointing, tuple(unit_classes or ()) if checkpointing else None)
+    if models is not None and key in models:
+        mode, model = models.pop(key)  # put back only after a run that finished (hooks removed, grads dropped)
+    else:
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with mode:
+            model = build_fake(source, tp, compute, tp_plan)
+            if checkpointing:
+                _checkpoint_units(model, unit_classes)
+    with mode:
         if not source.hf and source.batch is None and _is_transformers_model(model):
             source.hf = True  # a factory returning a transformers model: call it as one
         if source.vocab_size is None and source.batch is None:
@@ -303,13 +316,15 @@ def measure_compute(
                     handles.append(p.register_post_accumulate_grad_hook(_drop_grad))
                 else:  # a view of the persistent flat buffer: accumulated in place
                     p.grad = torch.zeros_like(p)
+        if progress is not None:
+            handles += _progress_hooks(model, params, unit_classes, progress)
         gathers = None
         if units:
             modules = dict(model.named_modules())
             blocks = [(modules[n], b, k) for n, b, k in units[::-1] if n != "<root>"]
             root = sum(b for n, b, _ in units if n == "<root>")
             gathers = _Gathers(model, blocks, root, prefetch_numel)
-        tracker = MemTracker()
+        tracker = MemTracker() if module_peaks else _peak_only_tracker()
         tracker.track_external(model)
         with tracker, warnings.catch_warnings():
             # MemTracker looks for tensors in every module output, and says so for each None it finds
@@ -333,6 +348,10 @@ def measure_compute(
         peak = tracker.get_tracker_snapshot("peak")
         for h in handles:
             h.remove()
+        for _, p in params.values():
+            p.grad = None
+    if models is not None:
+        models[key] = (mode, model)
     snap = next(iter(peak.values()), {})
     by_kind = {str(k.value) if hasattr(k, "value") else str(k): v for k, v in snap.items()}
     return ComputePeak(
@@ -343,6 +362,43 @@ def measure_compute(
         staging=staging.most if staging is not None else 0,
         gathered=gathers.most if gathers is not None else 0,
     )
+
+
+def _progress_hooks(
+    model: nn.Module, params: dict, unit_classes: list[str] | None, progress: Callable[[int, int], None]
+) -> list[Any]:
+    """Hooks calling ``progress(done, total)``: one step per block's first forward, one per parameter gradient."""
+    blocks = [m for _, m in find_unit_modules(model, unit_classes)]
+    trainable = [p for _, p in params.values() if p.requires_grad]
+    total, seen = len(blocks) + len(trainable), set()
+
+    def tick(key: Any, *_: Any) -> None:
+        if key not in seen:
+            seen.add(key)
+            progress(len(seen), total)
+
+    handles = [m.register_forward_pre_hook(functools.partial(tick, id(m))) for m in blocks]
+    return handles + [p.register_post_accumulate_grad_hook(functools.partial(tick, id(p))) for p in trainable]
+
+
+def _peak_only_tracker() -> Any:
+    """torch's ``MemTracker``, keeping only the whole-process peak.
+
+    After every operator ``MemTracker._update_peak_stats`` also walks every module it has seen to update per-module
+    peaks, which this planner never reads: that walk is O(modules) per operator, so O(layers^2) per run, and took
+    three quarters of an 8B model's estimate. The whole-process part is the same code as torch's."""
+    from copy import deepcopy
+
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class PeakOnlyTracker(MemTracker):
+        def _update_peak_stats(self, peak_state: Any) -> None:
+            for dev, dev_snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(dev, 0) < dev_snap["Total"]:
+                    self._peak_mem[dev] = dev_snap["Total"]
+                    self._peak_mem_snap[dev] = deepcopy(dev_snap)
+
+    return PeakOnlyTracker()
 
 
 def _is_transformers_model(model: nn.Module) -> bool:

@@ -312,6 +312,8 @@ def estimate_memory(
     device_type: str = "cuda",
     tp_plan: Any = None,
     activations: bool = True,
+    fast: bool = True,
+    progress: bool | None = False,
     **overrides: Any,
 ) -> MemoryEstimate:
     """Bytes per rank of training ``model`` with ``config`` (see the module docstring).
@@ -323,7 +325,9 @@ def estimate_memory(
     offload to ``cpu`` moves state to the host), ``"cpu"`` for a machine without one (everything is host memory).
     ``activations=False``: model state only (no fake forward and backward), as DeepSpeed's estimators.
     ``tp_plan``: the tensor-parallel plan ``initialize`` would get (default: the factory module's ``tp_plan``, or a
-    Hugging Face model's own).
+    Hugging Face model's own). ``fast=False``: torch's ``MemTracker`` as it is (per-module peaks too; the same bytes,
+    slower: the reference the fast path is tested against). ``progress``: a progress bar on stderr when the run takes
+    more than :data:`PROGRESS_DELAY_S` (None: only on a terminal).
     """
     source = resolve_source(model)
     raw = read_config(config)
@@ -332,7 +336,11 @@ def estimate_memory(
             raise ConfigError("estimate: give world_size (the number of ranks)")
         layout = layout_from_config(raw, world_size, seq_len, checkpointing)
     layout = replace(layout, **overrides) if overrides else layout
-    return _estimate(source, raw, layout, optimizer, device_type, tp_plan, {}, activations)
+    cache: dict = {"fast": fast}
+    with _bar(progress, 1, "estimate", "layout") as bar:
+        cache["ticker"] = _ticker(bar)
+        est = _estimate(source, raw, layout, optimizer, device_type, tp_plan, cache, activations)
+    return est
 
 
 def _estimate(
@@ -346,7 +354,9 @@ def _estimate(
     activations: bool = True,
 ) -> MemoryEstimate:
     """One layout's estimate; ``cache`` keeps what layouts share (fake models per tensor-parallel size, the
-    parameter count, fake runs whose inputs are the same) across the calls of one search."""
+    parameter count, fake runs whose inputs are the same) across the calls of one search, and says whether to run
+    fast (``"fast"``: reuse fake models between runs, track the whole-process peak only) and where the fake run's
+    progress goes (``"ticker"``)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     _check_layout(layout, device_type)
@@ -357,8 +367,11 @@ def _estimate(
     moments, steps = _optimizer_kind(cfg, optimizer)
     for tp in {1, layout.tp}:
         if ("fake", tp) not in cache:
-            with FakeTensorMode(allow_non_fake_inputs=True):
+            mode = FakeTensorMode(allow_non_fake_inputs=True)
+            with mode:
                 cache["fake", tp] = build_fake(source, tp, torch.float32, tp_plan)
+            if cache.get("fast", True):  # an fp32 run without checkpointing needs this very model: build it once
+                cache.setdefault("models", {})[tp, torch.float32, False, None] = (mode, cache["fake", tp])
     fake = cache["fake", layout.tp]
     n_params = sum(p.numel() for p in cache["fake", 1].parameters())
     # gradient shards in swap files: as offload/optimizer_state.py's OptimizerOffload.offload_gradients decides
@@ -370,7 +383,8 @@ def _estimate(
     units = [(u.name, u.nbytes, u.numel) for u in st.units]
     staged = [(b.padded_numel, b.shard_numel, len(b.slots), b.requires_grad) for b in st.buckets]
     key = (layout.tp, compute, layout.micro_batch, layout.seq_len, layout.checkpointing, reduce)
-    key += (min(layout.stage, 2), tuple(staged) if layout.stage >= 2 else None, tuple(units))
+    # stages 0 and 1 run the same replay (a gradient kept in its flat buffer); 2 stages its buckets, 3 also gathers
+    key += (max(layout.stage, 1), tuple(staged) if layout.stage >= 2 else None, tuple(units))
     key += (zcfg.stage3_prefetch_bucket_size,)
     if not activations:
         comp = ComputePeak(0, 0, 0, 0, 0, 0)
@@ -392,6 +406,9 @@ def _estimate(
             tp_plan=tp_plan,
             units=units or None,
             prefetch_numel=zcfg.stage3_prefetch_bucket_size,
+            module_peaks=not cache.get("fast", True),
+            models=cache.setdefault("models", {}) if cache.get("fast", True) else None,
+            progress=cache.get("ticker"),
         )
     est = MemoryEstimate(source.name, layout, n_params, device_type, state=st, compute=comp)
     host = "host" if device_type == "cuda" else "device"
@@ -494,21 +511,60 @@ def fitting_layouts(
     offload: bool = True,
     tp_plan: Any = None,
     activations: bool = True,
+    fast: bool = True,
+    progress: bool | None = False,
     **overrides: Any,
 ) -> list[MemoryEstimate]:
     """The layouts whose peak device memory per rank is at most ``budget`` bytes, fewest ranks first, then least
     device memory (a layout the model cannot take, e.g. a tensor-parallel size that does not divide its heads, is
-    left out)."""
+    left out).
+
+    ``fast`` (see :func:`estimate_memory`) also skips the fake run of a layout whose model state alone is over the
+    budget: its peak is at least that (the peak is the state plus the larger transient phase), so it cannot fit
+    either way. ``progress``: a bar of the layouts tried, as :func:`estimate_memory`'s.
+    """
     source = resolve_source(model)
     raw = read_config(config)
     worlds = list(worlds)
     base = replace(layout_from_config(raw, worlds[0], seq_len, checkpointing), **overrides)
-    fits, cache = [], {}
-    for layout in candidate_layouts(worlds, base, offload=offload, param_offload=device_type != "cuda"):
-        try:
-            est = _estimate(source, raw, layout, optimizer, device_type, tp_plan, cache, activations)
-        except (LayoutError, ConfigError):
-            continue
-        if est.peak["device"] <= budget:
-            fits.append(est)
+    fits, cache = [], {"fast": fast}
+    layouts = candidate_layouts(worlds, base, offload=offload, param_offload=device_type != "cuda")
+    with _bar(progress, len(layouts), "layouts", "layout") as bar:
+        for layout in layouts:
+            bar.set_postfix_str(layout.describe(), refresh=False)
+            try:
+                if fast and activations:
+                    state = _estimate(source, raw, layout, optimizer, device_type, tp_plan, cache, False)
+                    if state.peak["device"] > budget:
+                        continue
+                est = _estimate(source, raw, layout, optimizer, device_type, tp_plan, cache, activations)
+            except (LayoutError, ConfigError):
+                continue
+            finally:
+                bar.update()
+            if est.peak["device"] <= budget:
+                fits.append(est)
     return sorted(fits, key=lambda e: (e.layout.world, e.peak["device"]))
+
+
+PROGRESS_DELAY_S = 2.0
+"""A progress bar appears only once a search or an estimate has run this long (tqdm's ``delay``)."""
+
+
+def _ticker(bar: Any) -> Any:
+    """``progress(done, total)`` for :func:`measure_compute` moving a one-layout bar (None: no bar shown)."""
+    if bar.disable:
+        return None
+
+    def progress(done: int, total: int) -> None:
+        bar.total, bar.unit = total, "step"
+        bar.update(done - bar.n)
+
+    return progress
+
+
+def _bar(progress: bool | None, total: int, desc: str, unit: str) -> Any:
+    from tqdm import tqdm
+
+    disable = None if progress is None else not progress  # None: tqdm shows it on a terminal only
+    return tqdm(total=total, desc=desc, unit=unit, delay=PROGRESS_DELAY_S, disable=disable, leave=False)
