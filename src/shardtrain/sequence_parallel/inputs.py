@@ -55,7 +55,8 @@ from torch import nn
 from shardtrain.distributed.communicator import Communicator
 from shardtrain.errors import ConfigError, RankMismatchError
 from shardtrain.sequence_parallel.all_to_all import sum_over_group
-from shardtrain.sequence_parallel.model_kinds import attention_is_causal, is_causal_lm, refuse_unservable
+from shardtrain.sequence_parallel.model_kinds import attention_is_causal, is_causal_lm, refuse_unservable, unwrapped
+from shardtrain.sequence_parallel.router_loss import install as install_router_loss
 
 IGNORE = -100
 
@@ -118,6 +119,8 @@ class SequenceSplitter:
         # what the model's loss and attention do with the sequence ([Note: what the engine assumes of a model's loss])
         self._shift_labels = self._hf_config is not None and is_causal_lm(module)
         self._causal = self._hf_config is None or attention_is_causal(module)
+        # a mixture of experts' load-balancing loss over the whole sequence ([Note: the router's loss under Ulysses])
+        self._router_loss = install_router_loss(module, unwrapped(module), comm) if self._hf_config else None
         self._model_name = type(module).__name__
         self._module = module
         self._checked = False
@@ -163,6 +166,8 @@ class SequenceSplitter:
         if self._takes_position_ids and positions is None:
             kwargs["position_ids"] = torch.arange(length, device=first.device).expand(first.shape[0], length)
         whole_mask = self._whole_mask(mask, kwargs.get("position_ids"), first, length, kwargs)
+        if self._router_loss is not None:
+            self._router_loss.record((first.shape[0], length), mask)
         args = tuple(self._slice(a) for a in args)
         kwargs = {k: self._slice(v) for k, v in kwargs.items()}
         if whole_mask is not None:
