@@ -3,6 +3,8 @@
     all_to_all.py  the all-to-all trading a sequence split for a head split, and the loss's sum, as autograd Functions
     ulysses.py     attention around the exchange; plugged into transformers models and the project's GPT
     inputs.py      what the engine does to a forward's inputs (split, shifted labels, positions, masks) and its loss
+    model_kinds.py what a model does with the sequence (shifts its labels? causal attention?) and what is refused
+    router_loss.py a mixture of experts' load-balancing loss over the whole sequence
     tiling.py      ALST's tiled loss and tiled MLP (``tiled_logits_loss``, ``tiled_mlp_compute``), with or without
                    sequence parallelism
 

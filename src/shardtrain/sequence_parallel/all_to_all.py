@@ -70,3 +70,25 @@ class _SumOverGroup(torch.autograd.Function):
 
 def sum_over_group(x: torch.Tensor, comm: Communicator, what: str) -> torch.Tensor:
     return _SumOverGroup.apply(x, comm, what) if comm.size > 1 else x
+
+
+class _GatherOverGroup(torch.autograd.Function):
+    """All-gather along ``dim`` in forward (every rank's slice, in rank order); in backward the sum over the group
+    of the gradients of the whole tensor, narrowed to this rank's slice: every rank computes a loss of the gathered
+    tensor and backpropagates it, so a slice's gradient is the sum of what every rank's loss sends it."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Communicator, dim: int, what: str) -> torch.Tensor:
+        ctx.comm, ctx.dim, ctx.what, ctx.size = comm, dim, what, x.shape[dim]
+        return comm.all_gather_dim(x, dim, what=f"{what} (forward)")
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        ctx.comm.all_reduce(grad, what=f"the gradient of {ctx.what} (backward)")
+        return grad.narrow(ctx.dim, ctx.comm.rank * ctx.size, ctx.size), None, None, None
+
+
+def gather_over_group(x: torch.Tensor, comm: Communicator, dim: int, what: str) -> torch.Tensor:
+    """Every rank's ``x`` concatenated along ``dim`` in rank order, differentiable (see ``_GatherOverGroup``)."""
+    return _GatherOverGroup.apply(x, comm, dim % x.dim(), what) if comm.size > 1 else x

@@ -7,10 +7,12 @@ slice of the sequence, ``[r * S/P, (r + 1) * S/P)`` for sp rank ``r``:
   sequence): ``input_ids``, ``labels``, ``position_ids``, ``inputs_embeds`` ``[b, S, ...]``, the project's GPT's
   ``idx`` and ``targets``. They must all have the same length ``S`` there, divisible by ``P``. Tensors of fewer
   dimensions and other values are passed unchanged.
-* ``labels`` (keyword; transformers' convention: the model shifts them) are shifted over the whole sequence first,
-  as DeepSpeed ALST's ``shift_labels``, and handed to the model as ``shift_labels`` (and ``labels``), so that the
-  target of a slice's last token, the first token of the next slice, is not lost at the boundary. Positional
-  targets (the project's GPT) are already aligned with their tokens and are split as they are.
+* ``labels`` (keyword) of a causal LM (which shifts them itself) are shifted over the whole sequence first, as
+  DeepSpeed ALST's ``shift_labels``, and handed to the model as ``shift_labels`` (and ``labels``), so that the
+  target of a slice's last token, the first token of the next slice, is not lost at the boundary. Those of any
+  other per-token head (a masked LM, token classification) are split as they are; heads that pool the sequence are
+  refused ([Note: what the engine assumes of a model's loss] in :mod:`shardtrain.sequence_parallel.model_kinds`).
+  Positional targets (the project's GPT) are already aligned with their tokens and are split as they are.
 * ``position_ids``: when the model's ``forward`` takes them and none are given, ``0..S-1`` is made before the
   split, so rotary and learned position embeddings see global positions.
 * ``attention_mask`` ``[b, S]`` is not split: see [Note: masks under Ulysses].
@@ -21,10 +23,13 @@ mask, not a slice's. For a transformers model the engine builds it once per forw
 transformers' own ``create_causal_mask`` on the whole batch: the given 2-D padding mask (right or left padding),
 the position ids (sequences packed in one row, told apart by positions restarting, as transformers does when no
 mask is given and the forward makes no key/value cache: ``use_cache=False``) and the causal rule, as the model
-would for one process. The result, ``[b, 1, S, S]`` booleans, is passed to the model as its ``attention_mask``: a
-4-D mask goes through the model's mask preparation unchanged, and reaches the Ulysses attention, which hands it to
-the inner attention after the exchange (eager attention gets it as the additive mask eager uses). Where
-transformers would use sdpa's own causal path (no padding, nothing packed) it is None and no ``S x S`` mask is
+would for one process. For a model whose attention is bidirectional (BERT and other encoders) it is
+``create_bidirectional_mask`` of the padding mask, as such a model builds its own. The result, ``[b, 1, S, S]``
+booleans, is passed to the model as its ``attention_mask``: a 4-D mask goes through the model's mask preparation
+unchanged (for every layer type), and reaches the Ulysses attention, which hands it to the inner attention after the
+exchange (eager attention gets it as the additive mask eager uses), a sliding-window layer's with its window applied
+there ([Note: sliding windows under Ulysses] in :mod:`shardtrain.sequence_parallel.ulysses`). Where transformers
+would use sdpa's own causal (or unmasked) path (no padding, nothing packed) it is None and no ``S x S`` mask is
 made. Positions: the model's own default (``0..S-1``, also for left padding, as transformers does) unless given;
 each slice gets its part. The loss counts real targets only (labels -100 at the padding), summed over the whole
 sequence. A model other than a transformers one takes no mask: all ones is dropped, padding refused.
@@ -50,6 +55,8 @@ from torch import nn
 from shardtrain.distributed.communicator import Communicator
 from shardtrain.errors import ConfigError, RankMismatchError
 from shardtrain.sequence_parallel.all_to_all import sum_over_group
+from shardtrain.sequence_parallel.model_kinds import attention_is_causal, is_causal_lm, refuse_unservable, unwrapped
+from shardtrain.sequence_parallel.router_loss import install as install_router_loss
 
 IGNORE = -100
 
@@ -68,13 +75,22 @@ class _ConfigWithSdpa:
 
 
 def whole_sequence_mask(
-    config: Any, mask: torch.Tensor | None, positions: torch.Tensor | None, batch: int, length: int, device: Any
+    config: Any,
+    mask: torch.Tensor | None,
+    positions: torch.Tensor | None,
+    batch: int,
+    length: int,
+    device: Any,
+    causal: bool = True,
 ) -> torch.Tensor | None:
     """transformers' own boolean mask ``[b, 1, S, S]`` for the whole sequence (causal, padding, sequences packed by
-    position ids), or None where its sdpa path uses plain causal attention (see [Note: masks under Ulysses])."""
-    from transformers.masking_utils import create_causal_mask
+    position ids; bidirectional with padding for ``causal=False``), or None where its sdpa path uses plain causal
+    (or unmasked) attention (see [Note: masks under Ulysses])."""
+    from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 
     shape_only = torch.empty(batch, length, 0, device=device)  # read for its batch, length, dtype and device
+    if not causal:
+        return create_bidirectional_mask(config=_ConfigWithSdpa(config), inputs_embeds=shape_only, attention_mask=mask)
     if positions is not None and positions.dim() == 2 and positions.shape[0] not in (1, batch):
         raise ConfigError(f"position_ids of shape {tuple(positions.shape)} for a batch of {batch}")
     return create_causal_mask(
@@ -99,6 +115,12 @@ class SequenceSplitter:
         self._takes_position_ids = "position_ids" in params
         config = getattr(module, "config", None)  # a transformers model: its own mask rules (whole_sequence_mask)
         self._hf_config = config if config is not None and hasattr(config, "_attn_implementation") else None
+        refuse_unservable(module)
+        # what the model's loss and attention do with the sequence ([Note: what the engine assumes of a model's loss])
+        self._shift_labels = self._hf_config is not None and is_causal_lm(module)
+        self._causal = self._hf_config is None or attention_is_causal(module)
+        # a mixture of experts' load-balancing loss over the whole sequence ([Note: the router's loss under Ulysses])
+        self._router_loss = install_router_loss(module, unwrapped(module), comm) if self._hf_config else None
         self._model_name = type(module).__name__
         self._module = module
         self._checked = False
@@ -122,10 +144,17 @@ class SequenceSplitter:
         targets: torch.Tensor | None = None
         labels = kwargs.get("labels")
         self._hf_labels = torch.is_tensor(labels)
-        if torch.is_tensor(labels):
+        if torch.is_tensor(labels) and labels.dim() < 2:
+            raise ConfigError(
+                f"labels of shape {tuple(labels.shape)} under sequence parallelism: one label per sequence needs the "
+                "whole sequence's output, which no rank holds; per-token labels [batch, seq] only"
+            )
+        if torch.is_tensor(labels) and self._shift_labels:
             shifted = torch.full_like(labels, IGNORE)
             shifted[:, :-1] = labels[:, 1:]  # the target of token i is token i + 1, across slice boundaries
             kwargs["labels"] = kwargs["shift_labels"] = targets = shifted
+        elif torch.is_tensor(labels):  # a masked LM, token classification: token i's target is label i
+            targets = labels
         elif "targets" in kwargs and torch.is_tensor(kwargs["targets"]):
             targets = kwargs["targets"]
         elif len(args) > 1 and torch.is_tensor(args[1]) and not args[1].is_floating_point():
@@ -137,6 +166,8 @@ class SequenceSplitter:
         if self._takes_position_ids and positions is None:
             kwargs["position_ids"] = torch.arange(length, device=first.device).expand(first.shape[0], length)
         whole_mask = self._whole_mask(mask, kwargs.get("position_ids"), first, length, kwargs)
+        if self._router_loss is not None:
+            self._router_loss.record((first.shape[0], length), mask)
         args = tuple(self._slice(a) for a in args)
         kwargs = {k: self._slice(v) for k, v in kwargs.items()}
         if whole_mask is not None:
@@ -186,7 +217,9 @@ class SequenceSplitter:
             # transformers tells sequences packed in a row apart (by their positions) only without a padding mask
             # and without a cache: neither do we
             positions = None
-        return whole_sequence_mask(self._hf_config, mask, positions, first.shape[0], length, first.device)
+        return whole_sequence_mask(
+            self._hf_config, mask, positions, first.shape[0], length, first.device, causal=self._causal
+        )
 
     def _uses_cache(self, kwargs: dict[str, Any]) -> bool:
         """Whether the transformers model will make (or was given) a key/value cache in this forward, as its
@@ -274,6 +307,10 @@ class SequenceSplitter:
     def _whole(self, loss: torch.Tensor, mine: int, total: int) -> torch.Tensor:
         if total == 0:
             raise ConfigError("a batch with no target that is not -100: there is no loss to average")
+        if mine == 0:
+            # a model that ignores num_items_in_batch (BERT's masked LM: a plain mean) returns 0/0 for a slice of
+            # -100s; its weight is 0, and nan_to_num's gradient there is 0, so the slice adds nothing either way
+            loss = torch.nan_to_num(loss, nan=0.0)
         return sum_over_group(loss * mine, self.comm, "the loss of a sequence-parallel group") / total
 
     def _who(self, sp_rank: int) -> str:

@@ -5,7 +5,16 @@ Attention is plugged in from outside the model: a transformers model through its
 project's GPT through its ``attention`` method. Around the model's own attention function (sdpa, eager, ...) the
 query, key and value go through one all-to-all each (``[b, h, s/P, d] -> [b, h/P, s, d]``) and the output through
 the reverse one. After the exchange a rank holds whole sequences, so the attention function's ordinary causal
-attention is the global one, with no mask to rewrite.
+(or, for an encoder, bidirectional) attention is the global one, with no mask to rewrite.
+
+[Note: sliding windows under Ulysses]
+A sliding-window layer (Mistral's ``sliding_window``, Gemma2/3's local layers) gets its window from its mask, which
+transformers builds per layer type; under Ulysses the model is handed one whole-sequence mask (or none) for every
+layer ([Note: masks under Ulysses] in :mod:`shardtrain.sequence_parallel.inputs`). The attention module passes its
+window to the attention function (``sliding_window=``, None on a full layer), so after the exchange, where a rank
+holds the whole sequence for its heads, the window is intersected with that mask as transformers defines it: key
+``j`` visible from query ``i`` when ``j > i - window`` (and ``j <= i``) for causal attention, ``|i - j| <= window``
+for bidirectional. The window costs an ``S x S`` mask where plain causal attention needs none.
 
 [Note: key/value heads under Ulysses]
 A rank keeps query heads ``[r * h/P, (r + 1) * h/P)``. With grouped-query attention (``kv`` key/value heads, each
@@ -120,21 +129,19 @@ def install_hf(model: nn.Module, comm: Communicator, tp: int = 1) -> str:
         )
 
     def attention(module, query, key, value, attention_mask, *, dropout=0.0, scaling=None, **kwargs):
-        if kwargs.get("sliding_window") is not None:
-            raise ConfigError(
-                f"{type(module).__name__} uses sliding-window attention, which sequence parallelism does not build "
-                "yet (the window would have to be re-applied after the all-to-all)"
-            )
         kwargs.pop("is_causal", None)  # the module's own is_causal decides, as without sequence parallelism
+        window = kwargs.get("sliding_window")  # None on a full-attention layer
+        causal = getattr(module, "is_causal", True)
 
         def attend(q, k, v):
             view = _HeadsView(module, q.shape[1] // k.shape[1])
-            if attention_mask is not None:  # the whole sequence's, built before the split
-                mask = _whole_mask_for(attention_mask, q, inner_name)
-            elif inner_name == "eager" and getattr(module, "is_causal", True):
+            mask = attention_mask  # the whole sequence's, built before the split
+            if window is not None:  # see [Note: sliding windows under Ulysses]
+                mask = _with_window(mask, q, window, causal)
+            if mask is not None:
+                mask = _whole_mask_for(mask, q, inner_name)
+            elif inner_name == "eager" and causal:
                 mask = _causal_mask(q)  # sdpa makes the causal mask itself (no mask given); eager only adds one
-            else:
-                mask = None
             out, _ = inner(view, q, k, v, mask, dropout=dropout, scaling=scaling, **kwargs)
             return out
 
@@ -152,6 +159,21 @@ def _causal_mask(q: torch.Tensor) -> torch.Tensor:
     s = q.shape[2]
     future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
     return torch.zeros(s, s, dtype=q.dtype, device=q.device).masked_fill(future, torch.finfo(q.dtype).min)[None, None]
+
+
+def _with_window(mask: torch.Tensor | None, q: torch.Tensor, window: int, causal: bool) -> torch.Tensor:
+    """``mask`` (the whole sequence's, boolean or additive; None: plain causal or bidirectional attention) with
+    the sliding window of [Note: sliding windows under Ulysses], ``[b or 1, 1, S, S]``."""
+    s = q.shape[2]
+    i = torch.arange(s, device=q.device)[:, None]  # query
+    j = torch.arange(s, device=q.device)[None, :]  # key
+    band = ((j > i - window) & (j <= i)) if causal else ((i - j).abs() <= window)
+    band = band[None, None]
+    if mask is None:
+        return band
+    if mask.dtype == torch.bool:
+        return mask & band
+    return mask.masked_fill(~band, torch.finfo(mask.dtype).min)
 
 
 def _whole_mask_for(mask: torch.Tensor, q: torch.Tensor, inner_name: str) -> torch.Tensor:

@@ -1,0 +1,123 @@
+"""What a model does with the sequence, as the engine must know it to split one: its labels, its attention, its
+inputs.
+
+[Note: what the engine assumes of a model's loss]
+The engine splits every ``[b, S, ...]`` input along the sequence and combines the slices' losses ([Note: the loss
+over a sequence-parallel group] in :mod:`shardtrain.sequence_parallel.inputs`). That is right only for a loss that
+is a mean over tokens, each token's term needing only its own position's output. How the labels reach a token
+depends on the head:
+
+* a causal LM (transformers' ``*ForCausalLM``, a class of its causal-LM mapping such as ``GPT2LMHeadModel`` or
+  ``BertLMHeadModel``) shifts its ``labels`` itself, so the target of a slice's last token lies in the next slice:
+  the engine shifts them over the whole sequence first and passes ``shift_labels``;
+* every other per-token head (masked LM, token classification) compares token ``i`` with label ``i``: the labels
+  are split as they are;
+* a head that reads one pooled token or compares positions across the sequence (sequence classification, question
+  answering, multiple choice, next-sentence prediction) would get a different pooled token on every rank: refused.
+
+Its attention: causal where the model's attention modules say so (``is_causal``, which transformers' sdpa reads),
+bidirectional where they all say not (BERT and other encoders): the whole sequence's padding mask is then
+transformers' ``create_bidirectional_mask``, not ``create_causal_mask``.
+
+Its inputs: the engine cuts dimension 1 of what the model is given. An encoder-decoder has two sequences of
+different lengths and cross-attention between them; a vision or audio model makes its sequence (patches, frames)
+inside the model, so its inputs' dimension 1 is channels or features. Neither is built yet: both refused by name.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from shardtrain.errors import ConfigError
+
+# transformers' auto mappings whose heads read a pooled token or positions across the sequence
+_POOLED_MAPPINGS = (
+    "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
+    "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES",
+    "MODEL_FOR_MULTIPLE_CHOICE_MAPPING_NAMES",
+    "MODEL_FOR_NEXT_SENTENCE_PREDICTION_MAPPING_NAMES",
+)
+_POOLED_SUFFIXES = (
+    "ForSequenceClassification",
+    "ForQuestionAnswering",
+    "ForMultipleChoice",
+    "ForNextSentencePrediction",
+)
+_NOT_TOKENS = ("pixel_values", "pixel_values_videos", "input_features", "input_values")
+
+
+def unwrapped(model: nn.Module) -> nn.Module:
+    """The transformers model inside a peft wrapper (``get_base_model``), else ``model``."""
+    base = getattr(model, "get_base_model", None)
+    return base() if callable(base) else model
+
+
+def _class_names(mapping: str) -> set[str]:
+    from transformers.models.auto import modeling_auto
+
+    names: set[str] = set()
+    for value in getattr(modeling_auto, mapping, {}).values():
+        names.update((value,) if isinstance(value, str) else value)
+    return names
+
+
+def _lineage(model: nn.Module) -> list[str]:
+    return [c.__name__ for c in type(model).__mro__]
+
+
+def is_causal_lm(model: nn.Module) -> bool:
+    """Whether ``model`` (a transformers one) shifts its ``labels`` as a causal LM does (see [Note: what the engine
+    assumes of a model's loss])."""
+    causal = _class_names("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES")
+    return any(name in causal or name.endswith("ForCausalLM") for name in _lineage(unwrapped(model)))
+
+
+def attention_is_causal(model: nn.Module) -> bool:
+    """Whether the model's self-attention is causal: its attention modules' ``is_causal`` (what transformers' sdpa
+    and the model's own mask read); a model none of whose modules says is taken as causal if it is a causal LM or
+    its config says ``is_decoder``, else as bidirectional."""
+    model = unwrapped(model)
+    flags = {m.is_causal for m in model.modules() if isinstance(getattr(m, "is_causal", None), bool)}
+    if len(flags) == 1:
+        return flags.pop()
+    config = getattr(model, "config", None)
+    if getattr(config, "is_causal", None) is False:
+        return False
+    return bool(flags) or is_causal_lm(model) or bool(getattr(config, "is_decoder", False))
+
+
+def refuse_unservable(model: nn.Module) -> None:
+    """A transformers model whose sequence the engine cannot split, refused by name at initialize (see [Note: what
+    the engine assumes of a model's loss])."""
+    model = unwrapped(model)
+    config = getattr(model, "config", None)
+    name = type(model).__name__
+    if config is None or not hasattr(config, "_attn_implementation"):
+        return
+    if getattr(config, "is_encoder_decoder", False):
+        raise ConfigError(
+            f"{name} is an encoder-decoder model: sequence parallelism is not built for it yet (the engine splits one "
+            "sequence, but the encoder's and the decoder's have different lengths and the decoder's cross-attention "
+            "reads the whole encoder output); train it without sequence_parallel_size"
+        )
+    main_input = getattr(model, "main_input_name", "input_ids")
+    if main_input in _NOT_TOKENS:
+        raise ConfigError(
+            f"{name} takes {main_input}: its sequence (image patches or audio frames) is made inside the model, so "
+            f"the engine cannot split it on the inputs (dimension 1 of {main_input} is channels or features, not "
+            "tokens); sequence parallelism is not built for vision or audio models yet"
+        )
+    pooled = set().union(*(_class_names(m) for m in _POOLED_MAPPINGS))
+    if any(n in pooled or n.endswith(_POOLED_SUFFIXES) for n in _lineage(model)):
+        raise ConfigError(
+            f"{name}'s head reads one pooled token or compares positions across the whole sequence; under sequence "
+            "parallelism each rank holds a slice of it, so its output and loss would be a slice's, not the "
+            "sequence's. Not built: sequence parallelism serves per-token heads (causal LM, masked LM, token "
+            "classification)"
+        )
+    flags = {m.is_causal for m in model.modules() if isinstance(getattr(m, "is_causal", None), bool)}
+    if len(flags) > 1:
+        raise ConfigError(
+            f"{name} mixes causal and bidirectional attention (cross-attention or a decoder over an encoder): "
+            "sequence parallelism builds one kind of self-attention per model; not built yet"
+        )
