@@ -581,3 +581,8 @@ def resume_autotp_with_and_without_optimizer(root: str, name: str, stage: int) -
     """:func:`resume_autotp` (data parallel only) twice in the same processes: with the optimizer and scheduler
     states, then with the weights alone (a fresh optimizer and scheduler)."""
     return resume_autotp(root, name, stage), resume_autotp(root, name, stage, 1, False)
+
+
+def resume_each(root: str, cases: list[tuple[str, int]]) -> list[dict]:
+    """:func:`resume` (fp32) of each ``(checkpoint name, loading stage)`` in turn, in the same processes."""
+    return [resume(root, name, stage, "fp32") for name, stage in cases]
