@@ -7,11 +7,15 @@ a CPU build of the same class, JIT-compiled on first use: about 100 s once on a 
 ([Note: DeepSpeed's step counts] in ``deepspeed_format.py``). Before the reader took the int, such a checkpoint
 loaded its moments without ``step`` and the first ``engine.step()`` failed with ``KeyError: 'step'``.
 
-Real DeepSpeed (world 2) writes FusedAdam checkpoints at ZeRO stages 1, 2 and 3; each resumes in shardtrain at
-world 3 and world 1 at other stages, and the losses equal DeepSpeed's continuation within 1e-5 relative (a fresh
-optimizer misses by about 1e-2: ``test_migrate_deepspeed_checkpoint.py``). A checkpoint without its step counts
-fails ``inspect --verify`` and is refused at load by name. Under ``-m soak``: DeepSpeedCPUAdam with offload at
-stages 1-3, a client torch AdamW at stages 0, 1 and 3, FusedAdam at stage 0 and in bf16.
+Real DeepSpeed (world 2) writes FusedAdam checkpoints at ZeRO stages 0-3; each resumes in shardtrain at world 3
+(stages 1 and 3 also at world 1) at another stage, and the losses equal DeepSpeed's continuation within 1e-5
+relative (a fresh optimizer misses by about 1e-2: ``test_migrate_deepspeed_checkpoint.py``). A checkpoint without
+its step counts fails ``inspect --verify`` and is refused at load by name. Under ``-m soak``: DeepSpeedCPUAdam
+with offload at stages 1-3, a client torch AdamW at stages 0, 1 and 3, FusedAdam in bf16.
+
+Stage 0 is in the default run because FusedAdam's stage-0 state is peculiar: it steps a whole param group with the
+count of the last parameter it visits and increments only that one's ``step`` (the others stay 0), which a reader
+taking each parameter's own count gets wrong by 3e-2 on the second step after the resume.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from shardtrain.cli import main
 from shardtrain.testing import DistributedFailure, run_distributed
 
 RTOL = 1e-5
-FUSED_STAGES = (1, 2, 3)
+FUSED_STAGES = (0, 1, 2, 3)
 
 
 def _write(root, cases, optimizer):
@@ -85,7 +89,7 @@ def test_fused_adam_step_is_read(fused, stage):
 def test_fused_adam_resumes_at_other_layouts(fused, world):
     """Every writing stage into another stage, at world 3 and at world 1: losses equal DeepSpeed's continuation."""
     root, runs = fused
-    loads = {3: [(1, 2), (2, 3), (3, 1)], 1: [(3, 0), (1, 3)]}[world]
+    loads = {3: [(0, 3), (1, 2), (2, 3), (3, 1)], 1: [(3, 0), (1, 3)]}[world]
     cases = [(case_name(s, "fp32", "fused"), load) for s, load in loads]
     results = run_distributed(resume_each, world, str(root), cases, timeout=300)[0]
     for (name, _), got in zip(cases, results):
@@ -136,7 +140,6 @@ def test_missing_step_fails_verify_and_is_refused_by_name(fused, tmp_path, capsy
 SOAK = [
     ("cpu_offload", [(1, "fp32"), (2, "fp32"), (3, "fp32")], {3: [(1, 3), (2, 1), (3, 2)], 1: [(3, 0), (1, 2)]}),
     ("client", [(0, "fp32"), (1, "fp32"), (3, "fp32")], {3: [(0, 2), (1, 3), (3, 1)], 1: [(3, 0), (0, 3)]}),
-    ("fused", [(0, "fp32")], {3: [(0, 3)], 2: [(0, 1)]}),
 ]
 
 

@@ -41,7 +41,10 @@ Which optimizer DeepSpeed built decides how its step count is saved (DeepSpeed 0
 * ``FusedAdam`` (the config's ``Adam``/``AdamW`` without offload; with ``DS_ACCELERATOR=cpu`` a CPU build of the
   same class) and ``DeepSpeedCPUAdam`` (with ``offload_optimizer``): ``state[i]['step']``, a Python int. FusedAdam
   also keeps ``param_groups[g]['step']``, 0 since DeepSpeed 0.9; older releases counted there and kept no
-  per-parameter step, so a group's count is taken when the state has none (and it is positive);
+  per-parameter step, so a group's count is taken when the state has none (and it is positive). FusedAdam steps a
+  whole group with one count, the last parameter's ``state['step']``, and increments only that one: at stages 1-3
+  a group (or stage-3 sub-group) is one flat tensor, so its count is right; at stage 0 the other parameters of a
+  group keep 0, and every parameter gets the group's largest count;
 * the "elastic" stage 1-2 layout keeps it in ``base_optimizer_state_step`` (that layout is not read here).
 
 A number becomes a float32 scalar ``optim/<name>/step``, torch's form, so the target optimizer (torch's Adam
@@ -567,6 +570,7 @@ class DeepSpeedLayout:
         for g, group in enumerate(saved_groups):
             if mp_rank == 0:
                 groups.append({**_hyperparameters(group), "params": [name_of[i] for i in group["params"]]})
+            counter = _fused_adam_counter(inner["state"], group)
             flat_offset = 0
             for j, i in enumerate(group["params"]):
                 name = name_of[i]
@@ -603,6 +607,8 @@ class DeepSpeedLayout:
                 if mp_rank > 0:  # scalars: rank 0's
                     continue
                 for k, (keys, dtype, number) in _scalar_states(param_state, group, i, g).items():
+                    if k == "step" and counter is not None:
+                        keys = ("state", counter, "step")
                     kinds[k] = "scalar"
                     self._piece(tensors, f"optim/{name}/{k}", file, (*prefix, *keys), 0, FlatSlice(0, 1), number)
                     self._optim_shapes[f"optim/{name}/{k}"] = ((), dtype)
@@ -783,6 +789,18 @@ def _scalar_states(state: dict, group: dict, index: int, g: int) -> dict[str, tu
     if "step" not in out and moments and _is_count(count) and count > 0:  # FusedAdam before DeepSpeed 0.9
         out["step"] = (("param_groups", g, "step"), torch.float32, True)
     return out
+
+
+def _fused_adam_counter(state: dict, group: dict) -> int | None:
+    """Stage 0 with FusedAdam (whose param groups have a ``step``, and whose per-parameter steps are numbers): the
+    saved parameter whose ``step`` is the group's count, else None. FusedAdam updates every parameter of a group
+    with one count, that of the last parameter it visits, and increments only that one's ``state['step']``; the
+    others keep the count they started with. The largest is the count every parameter was stepped with
+    ([Note: DeepSpeed's step counts])."""
+    if not _is_count(group.get("step")):
+        return None
+    counts = {i: state[i]["step"] for i in group["params"] if _is_count(state.get(i, {}).get("step"))}
+    return max(counts, key=counts.__getitem__) if counts else None
 
 
 def _detach(v: Any) -> Any:
