@@ -21,7 +21,9 @@ _ADAM_NEEDS = frozenset({"step", "exp_avg", "exp_avg_sq"})
 
 def optimizer_state_problems(manifest: Manifest, objects: dict[str, Any]) -> list[str]:
     """One message per optimizer state key that some parameters lack (empty: a resume finds what it needs)."""
-    groups = objects.get(PARAM_GROUPS_KEY)
+    # not .get: a DCP reader's objects explain a missing key by raising, and a checkpoint without optimizer state
+    # is no problem here
+    groups = objects[PARAM_GROUPS_KEY] if PARAM_GROUPS_KEY in objects else None
     if not isinstance(groups, list):
         return []  # no optimizer state offered: nothing to resume from
     saved: dict[str, set[str]] = {}
