@@ -22,10 +22,10 @@ _ADAM_NEEDS = frozenset({"step", "exp_avg", "exp_avg_sq"})
 def optimizer_state_problems(manifest: Manifest, objects: dict[str, Any]) -> list[str]:
     """One message per optimizer state key that some parameters lack (empty: a resume finds what it needs)."""
     # not .get: a DCP reader's objects explain a missing key by raising, and a checkpoint without optimizer state
-    # is no problem here
-    groups = objects[PARAM_GROUPS_KEY] if PARAM_GROUPS_KEY in objects else None
-    if not isinstance(groups, list):
-        return []  # no optimizer state offered: nothing to resume from
+    # is no problem here (nothing to resume from)
+    if PARAM_GROUPS_KEY not in objects or not isinstance(objects[PARAM_GROUPS_KEY], list):
+        return []
+    groups = objects[PARAM_GROUPS_KEY]
     saved: dict[str, set[str]] = {}
     for name in manifest.tensors:
         if name.startswith("optim/"):
