@@ -88,13 +88,40 @@ def _train(call, steps: range, dp: int | None = None, dp_rank: int | None = None
     return losses
 
 
-def case_name(stage: int, dtype: str) -> str:
-    return f"ds_stage{stage}_{dtype}"
+# Which optimizer DeepSpeed builds, and how its ``step`` is saved ([Note: DeepSpeed's step counts] in
+# deepspeed_format.py): "torch_adam" the config's AdamW with ``torch_adam: true`` (torch's AdamW, a tensor step);
+# "fused" the config's AdamW as most scripts write it (DeepSpeed's FusedAdam, built for the CPU accelerator: a
+# C++ extension JIT-compiled on first use, about 100 s on a 2-core machine, cached in ~/.cache/torch_extensions;
+# an int step); "cpu_offload" the same with ``offload_optimizer`` (DeepSpeedCPUAdam, an int step); "client" a
+# torch AdamW passed to ``initialize``.
+OPTIMIZERS = ("torch_adam", "fused", "cpu_offload", "client")
 
 
-def write_deepspeed_checkpoints(root: str, cases: list[tuple[int, str]]) -> dict[str, dict]:
-    """On every rank: train, save and continue with DeepSpeed for each ``(stage, dtype)``; returns per case the
-    global losses before and after the save."""
+def case_name(stage: int, dtype: str, optimizer: str = "torch_adam") -> str:
+    return f"ds_stage{stage}_{dtype}" + ("" if optimizer == "torch_adam" else f"_{optimizer}")
+
+
+def _deepspeed_optimizer(optimizer: str, config: dict, trainable: list) -> torch.optim.Optimizer | None:
+    """Sets ``config``'s optimizer section for ``optimizer`` (one of :data:`OPTIMIZERS`); returns the client
+    optimizer to pass to ``initialize``, if any."""
+    params = {"lr": LR, "weight_decay": WD}
+    if optimizer == "client":
+        return torch.optim.AdamW(trainable, **params)
+    if optimizer == "torch_adam":
+        params["torch_adam"] = True
+    elif optimizer == "cpu_offload":
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    elif optimizer != "fused":
+        raise ValueError(optimizer)
+    config["optimizer"] = {"type": "AdamW", "params": params}
+    return None
+
+
+def write_deepspeed_checkpoints(
+    root: str, cases: list[tuple[int, str]], optimizer: str = "torch_adam"
+) -> dict[str, dict]:
+    """On every rank: train, save and continue with DeepSpeed for each ``(stage, dtype)``, its optimizer built as
+    ``optimizer`` says (:data:`OPTIMIZERS`); returns per case the global losses before and after the save."""
     import deepspeed
 
     out = {}
@@ -105,16 +132,17 @@ def write_deepspeed_checkpoints(root: str, cases: list[tuple[int, str]]) -> dict
             "train_micro_batch_size_per_gpu": ROWS // dist.get_world_size(),
             "gradient_accumulation_steps": 1,
             "gradient_clipping": CLIP,  # DeepSpeed's default is 1.0, shardtrain's 0: both explicit
-            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD, "torch_adam": True}},
             "zero_optimization": {"stage": stage},
             "steps_per_print": 10**6,
         }
+        client = _deepspeed_optimizer(optimizer, config, trainable)
         if dtype != "fp32":
             config[dtype] = {"enabled": True}
         with contextlib.redirect_stdout(io.StringIO()):
             engine, opt, _, _ = deepspeed.initialize(
                 model=model,
                 model_parameters=trainable,
+                optimizer=client,
                 config=config,
                 lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda),
             )
@@ -126,7 +154,7 @@ def write_deepspeed_checkpoints(root: str, cases: list[tuple[int, str]]) -> dict
             return float(loss.detach().float())
 
         before = _train(step, range(SAVE_AT))
-        name = case_name(stage, dtype)
+        name = case_name(stage, dtype, optimizer)
         engine.save_checkpoint(str(Path(root) / name), client_state={"epoch": 3, "note": "hi", "ids": torch.arange(4)})
         after = _train(step, range(SAVE_AT, STEPS))
         out[name] = {"before": before, "after": after}
@@ -553,3 +581,8 @@ def resume_autotp_with_and_without_optimizer(root: str, name: str, stage: int) -
     """:func:`resume_autotp` (data parallel only) twice in the same processes: with the optimizer and scheduler
     states, then with the weights alone (a fresh optimizer and scheduler)."""
     return resume_autotp(root, name, stage), resume_autotp(root, name, stage, 1, False)
+
+
+def resume_each(root: str, cases: list[tuple[str, int]]) -> list[dict]:
+    """:func:`resume` (fp32) of each ``(checkpoint name, loading stage)`` in turn, in the same processes."""
+    return [resume(root, name, stage, "fp32") for name, stage in cases]

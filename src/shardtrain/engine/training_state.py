@@ -59,6 +59,7 @@ from shardtrain.checkpoint.latest import recover
 from shardtrain.checkpoint.reader import CheckpointReader
 from shardtrain.checkpoint.writer import stage
 from shardtrain.distributed.communicator import Communicator
+from shardtrain.engine.optimizer_needs import state_keys_needed
 from shardtrain.errors import CheckpointError
 from shardtrain.tensor_parallel import assemble_blocks
 from shardtrain.zero.layout import ParamRecord, ShardLayout
@@ -356,6 +357,7 @@ def _load(state: TrainingState, load_dir: str | Path, tag: str | None, load_opti
             )
     if load_optimizer_states:
         group_matches = _match_param_groups(state, objects.get(PARAM_GROUPS_KEY), reader)
+        _check_state_keys(state, reader, entry_name)
 
     for dest in dests:
         name = entry_name(dest.names, "model/")
@@ -424,11 +426,7 @@ def _load_optimizer_state(state: TrainingState, reader: CheckpointReader, entry_
     manifest, opt = reader.manifest, state.optimizer
     sharded = state.layout.policy.shard_optimizer_state
     saved_kinds = reader.objects.get(STATE_KINDS_KEY)  # absent in checkpoints written before it existed
-    by_param: dict[str, dict[str, str]] = {}
-    for tensor_name in manifest.tensors:
-        if tensor_name.startswith("optim/"):
-            param, _, key = tensor_name.removeprefix("optim/").rpartition("/")
-            by_param.setdefault(param, {})[key] = tensor_name
+    by_param = _optim_entries(manifest)
     group_of = {id(p): g for g in opt.optimizer.param_groups for p in g["params"]}
     new_state: dict[torch.Tensor, dict[str, Any]] = {}
     streamed = opt.offload is not None and opt.offload.offloaded  # to the swap files, one tensor at a time
@@ -465,6 +463,44 @@ def _load_optimizer_state(state: TrainingState, reader: CheckpointReader, entry_
                 new_state[stepped] = param_state
     for stepped, param_state in new_state.items():  # like Optimizer.load_state_dict: the checkpoint's replaces all
         opt.set_state(stepped, param_state)
+
+
+def _optim_entries(manifest) -> dict[str, dict[str, str]]:
+    """Parameter name -> state key -> the tensor ``optim/<name>/<key>``."""
+    by_param: dict[str, dict[str, str]] = {}
+    for tensor_name in manifest.tensors:
+        if tensor_name.startswith("optim/"):
+            param, _, key = tensor_name.removeprefix("optim/").rpartition("/")
+            by_param.setdefault(param, {})[key] = tensor_name
+    return by_param
+
+
+def _check_state_keys(state: TrainingState, reader: CheckpointReader, entry_name) -> None:
+    """Refuse, before anything is loaded, a checkpoint holding some optimizer state of a parameter but not every key
+    this engine's optimizer needs for it (a DeepSpeed checkpoint without its step counts, or one written by another
+    optimizer): torch's optimizers would fail at the first ``step()`` (``KeyError: 'step'``). A parameter without
+    any saved state starts fresh, as in torch."""
+    opt = state.optimizer.optimizer
+    needed = state_keys_needed(opt)
+    group_index = {id(p): gi for gi, g in enumerate(opt.param_groups) for p in g["params"]}
+    by_param = _optim_entries(reader.manifest)
+    with torch._C.DisableTorchFunctionSubclass():
+        for names, t in state_tensors(state.module):
+            stepped = _stepped(state, t) if state.optimizer.fragment_of(t) is not None else None
+            if stepped is None or id(stepped) not in group_index:
+                continue
+            keys = needed[group_index[id(stepped)]]
+            base = entry_name(names, "model/").removeprefix("model/")
+            saved = set(by_param.get(base, {}))
+            if keys is None or not saved or keys <= saved:
+                continue
+            raise CheckpointError(
+                f"{reader.path}: the optimizer state of {base!r} holds {sorted(saved)} but not "
+                f"{sorted(keys - saved)}, which {type(opt).__name__} needs to go on from it (a checkpoint whose "
+                "optimizer saved no step count, or one written by another optimizer); build the optimizer the run "
+                "that saved it used, or load with load_optimizer_states=False to keep the weights and start the "
+                "optimizer afresh"
+            )
 
 
 def _read_local(

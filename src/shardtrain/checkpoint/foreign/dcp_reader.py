@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 
 from shardtrain.checkpoint.foreign.dcp_format import DcpContents, DcpTensorEntry, interpret, load_metadata
 from shardtrain.checkpoint.format import FlatSlice, Slice, check_coverage, slice_destination
+from shardtrain.checkpoint.resume_needs import optimizer_state_problems
 from shardtrain.checkpoint.runs import RunTable, SegmentCopier, intersect
 from shardtrain.errors import CheckpointError
 
@@ -291,7 +292,8 @@ class DcpReader:
 
     # -- full check -------------------------------------------------------------------------------
     def verify(self, progress: Callable[[int], None] | None = None) -> list[str]:
-        """Read every chunk and value once; one message per problem (empty: all good)."""
+        """Read every chunk and value once, and check that the optimizer state holds what a resume needs
+        (``resume_needs.py``); one message per problem (empty: all good)."""
         problems = []
         for entry in self.contents.tensors_by_key.values():
             try:
@@ -306,6 +308,10 @@ class DcpReader:
                 self._read_values([key])
             except CheckpointError as err:
                 problems.append(str(err))
+        try:
+            problems += optimizer_state_problems(self.manifest, self.objects)
+        except CheckpointError as err:
+            problems.append(str(err))
         return problems
 
 

@@ -29,7 +29,27 @@ unchanged on it. What DeepSpeed writes, and the piece each part becomes:
 
 Weights are the fp32 masters wherever DeepSpeed keeps them, so a tensor read here is bitwise what
 ``zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint`` gives. Scalar optimizer states (``step``) exist once
-per param group; every parameter of the group gets it.
+per param group; every parameter of the group gets it ([Note: DeepSpeed's step counts]).
+
+[Note: DeepSpeed's step counts]
+Which optimizer DeepSpeed built decides how its step count is saved (DeepSpeed 0.19's ``ops/adam`` and
+``runtime/engine.py``); the optimizer state dict is ``base_optimizer_state`` (stages 1-2), ``optimizer_state_dict``
+(stage 3) or ``optimizer`` (stage 0) as above:
+
+* torch's Adam/AdamW (``torch_adam: true``) and a torch optimizer passed to ``initialize``: ``state[i]['step']``,
+  a 0-dim float32 tensor;
+* ``FusedAdam`` (the config's ``Adam``/``AdamW`` without offload; with ``DS_ACCELERATOR=cpu`` a CPU build of the
+  same class) and ``DeepSpeedCPUAdam`` (with ``offload_optimizer``): ``state[i]['step']``, a Python int. FusedAdam
+  also keeps ``param_groups[g]['step']``, 0 since DeepSpeed 0.9; older releases counted there and kept no
+  per-parameter step, so a group's count is taken when the state has none (and it is positive). FusedAdam steps a
+  whole group with one count, the last parameter's ``state['step']``, and increments only that one: at stages 1-3
+  a group (or stage-3 sub-group) is one flat tensor, so its count is right; at stage 0 the other parameters of a
+  group keep 0, and every parameter gets the group's largest count;
+* the "elastic" stage 1-2 layout keeps it in ``base_optimizer_state_step`` (that layout is not read here).
+
+A number becomes a float32 scalar ``optim/<name>/step``, torch's form, so the target optimizer (torch's Adam
+family or shardtrain's ``DeepSpeedAdam``) takes it as if it had counted the steps itself. A group's ``step`` is an
+optimizer state, not a hyperparameter: it is not passed on with the group's ``lr`` and others.
 
 Objects: ``engine/counters`` (global steps, samples, skipped steps), ``engine/scheduler`` (the saved
 ``lr_scheduler`` dict, passed through), ``engine/scaler`` (an fp16 run's loss scaler, translated), ``client_state``
@@ -42,6 +62,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
 import re
 import warnings
@@ -131,6 +152,7 @@ class _Source:
     file: str
     keys: tuple
     offset: int
+    number: bool = False  # a Python number in the pickle (a step count: [Note: DeepSpeed's step counts])
 
 
 def _dig(data: Any, keys: tuple, where: str) -> Any:
@@ -161,15 +183,23 @@ class DeepSpeedLayout:
 
     def _tensor(self, src: _Source) -> torch.Tensor:
         t = _dig(self._file(src.file), src.keys, str(self.path / src.file))
+        if src.number:
+            if not _is_count(t):
+                raise CheckpointError(
+                    f"{self.path / src.file}: {'/'.join(map(str, src.keys))} is a {type(t).__name__}, not a step count"
+                )
+            return torch.tensor([float(t)], dtype=torch.float32)
         if not torch.is_tensor(t):
             raise CheckpointError(
                 f"{self.path / src.file}: {'/'.join(map(str, src.keys))} is a {type(t).__name__}, not a tensor"
             )
         return t
 
-    def _piece(self, tensors: dict, name: str, file: str, keys: tuple, offset: int, where: Slice) -> None:
+    def _piece(
+        self, tensors: dict, name: str, file: str, keys: tuple, offset: int, where: Slice, number: bool = False
+    ) -> None:
         key = f"{file}:{'/'.join(map(str, keys))}@{offset}"
-        self._sources[key] = _Source(file, keys, offset)
+        self._sources[key] = _Source(file, keys, offset, number)
         tensors.setdefault(name, []).append(Piece(file, key, where, "none"))
 
     # -- the manifest -----------------------------------------------------------------------------
@@ -370,13 +400,13 @@ class DeepSpeedLayout:
             names = list(group_shapes)
             state_index = saved_groups[g]["params"][0]
             if mp_rank == 0:  # the same groups and names on every tensor-parallel rank
-                groups.append({**{k: v for k, v in saved_groups[g].items() if k != "params"}, "params": names})
+                groups.append({**_hyperparameters(saved_groups[g]), "params": names})
             lengths = [
                 self._tensor(_Source(f, (*masters, g), 0)).numel() for f in optim_files
             ]  # each rank's part of the group
             state0 = base["state"].get(state_index, {})
             elementwise = {k for k, v in state0.items() if torch.is_tensor(v) and v.dim() > 0}
-            scalar = {k for k, v in state0.items() if torch.is_tensor(v) and v.dim() == 0}
+            scalar = _scalar_states(state0, saved_groups[g], state_index, g)
             for k in elementwise:
                 kinds[k] = "elementwise"
             for k in scalar:
@@ -413,16 +443,11 @@ class DeepSpeedLayout:
                     self._optim_shapes[f"optim/{name}/{k}"] = (logical, state0[k].dtype)
                 if mp_rank > 0:
                     continue
-                for k in scalar:
+                for k, (keys, dtype, number) in scalar.items():
                     self._piece(
-                        tensors,
-                        f"optim/{name}/{k}",
-                        optim_files[0],
-                        (*state_keys, "state", state_index, k),
-                        0,
-                        FlatSlice(0, 1),
+                        tensors, f"optim/{name}/{k}", optim_files[0], (*state_keys, *keys), 0, FlatSlice(0, 1), number
                     )
-                    self._optim_shapes[f"optim/{name}/{k}"] = ((), state0[k].dtype)
+                    self._optim_shapes[f"optim/{name}/{k}"] = ((), dtype)
             if stage == 3:
                 have, used = lengths[0], offset
                 mismatch = any(n != offset for n in lengths)
@@ -544,12 +569,8 @@ class DeepSpeedLayout:
             return shared
         for g, group in enumerate(saved_groups):
             if mp_rank == 0:
-                groups.append(
-                    {
-                        **{k: v for k, v in group.items() if k != "params"},
-                        "params": [name_of[i] for i in group["params"]],
-                    }
-                )
+                groups.append({**_hyperparameters(group), "params": [name_of[i] for i in group["params"]]})
+            counter = _fused_adam_counter(inner["state"], group)
             flat_offset = 0
             for j, i in enumerate(group["params"]):
                 name = name_of[i]
@@ -576,22 +597,21 @@ class DeepSpeedLayout:
                 else:
                     self._piece(tensors, f"model/{name}", file, ("module", name), 0, whole)
                     dtypes[name] = value.dtype
-                for k, v in inner["state"].get(i, {}).items():
-                    if not torch.is_tensor(v):
+                param_state = inner["state"].get(i, {})
+                for k, v in param_state.items():
+                    if not torch.is_tensor(v) or v.dim() == 0:
                         continue
-                    kind = "scalar" if v.dim() == 0 else "elementwise"
-                    if kind == "scalar" and mp_rank > 0:
-                        continue
-                    kinds[k] = kind
-                    self._piece(
-                        tensors,
-                        f"optim/{name}/{k}",
-                        file,
-                        (*prefix, "state", i, k),
-                        0,
-                        FlatSlice(0, max(1, v.numel())) if kind == "scalar" else whole,
-                    )
-                    self._optim_shapes[f"optim/{name}/{k}"] = (() if kind == "scalar" else logical, v.dtype)
+                    kinds[k] = "elementwise"
+                    self._piece(tensors, f"optim/{name}/{k}", file, (*prefix, "state", i, k), 0, whole)
+                    self._optim_shapes[f"optim/{name}/{k}"] = (logical, v.dtype)
+                if mp_rank > 0:  # scalars: rank 0's
+                    continue
+                for k, (keys, dtype, number) in _scalar_states(param_state, group, i, g).items():
+                    if k == "step" and counter is not None:
+                        keys = ("state", counter, "step")
+                    kinds[k] = "scalar"
+                    self._piece(tensors, f"optim/{name}/{k}", file, (*prefix, *keys), 0, FlatSlice(0, 1), number)
+                    self._optim_shapes[f"optim/{name}/{k}"] = ((), dtype)
         return shared
 
     @staticmethod
@@ -741,6 +761,46 @@ def _match_in_order(
     if left is None or right is None or left != right[::-1]:
         return None
     return dict(zip(ids, left))
+
+
+def _is_count(v: Any) -> bool:
+    """A step count saved as a Python (or numpy) number, not a bool."""
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+def _hyperparameters(group: dict) -> dict:
+    """A saved param group's hyperparameters: FusedAdam's group ``step`` is a step count, read as a state
+    ([Note: DeepSpeed's step counts])."""
+    return {k: v for k, v in group.items() if k not in ("params", "step")}
+
+
+def _scalar_states(state: dict, group: dict, index: int, g: int) -> dict[str, tuple[tuple, torch.dtype, bool]]:
+    """The scalar optimizer states of saved parameter ``index`` of param group ``g``: key -> (the keys leading to
+    it from the optimizer state dict, its dtype as read, whether it is a Python number). See [Note: DeepSpeed's
+    step counts]."""
+    out: dict[str, tuple[tuple, torch.dtype, bool]] = {}
+    for k, v in state.items():
+        if torch.is_tensor(v) and v.dim() == 0:
+            out[k] = (("state", index, k), v.dtype, False)
+        elif k == "step" and _is_count(v):
+            out[k] = (("state", index, k), torch.float32, True)
+    moments = any(torch.is_tensor(v) and v.dim() > 0 for v in state.values())
+    count = group.get("step")
+    if "step" not in out and moments and _is_count(count) and count > 0:  # FusedAdam before DeepSpeed 0.9
+        out["step"] = (("param_groups", g, "step"), torch.float32, True)
+    return out
+
+
+def _fused_adam_counter(state: dict, group: dict) -> int | None:
+    """Stage 0 with FusedAdam (whose param groups have a ``step``, and whose per-parameter steps are numbers): the
+    saved parameter whose ``step`` is the group's count, else None. FusedAdam updates every parameter of a group
+    with one count, that of the last parameter it visits, and increments only that one's ``state['step']``; the
+    others keep the count they started with. The largest is the count every parameter was stepped with
+    ([Note: DeepSpeed's step counts])."""
+    if not _is_count(group.get("step")):
+        return None
+    counts = {i: state[i]["step"] for i in group["params"] if _is_count(state.get(i, {}).get("step"))}
+    return max(counts, key=counts.__getitem__) if counts else None
 
 
 def _detach(v: Any) -> Any:

@@ -19,6 +19,7 @@ import torch
 
 from shardtrain.checkpoint.foreign.deepspeed_format import DeepSpeedLayout, _Source, find_deepspeed_dir
 from shardtrain.checkpoint.format import FlatSlice, Piece, Slice, TensorEntry, numel, slice_destination
+from shardtrain.checkpoint.resume_needs import optimizer_state_problems
 from shardtrain.checkpoint.runs import SegmentCopier, intersect
 from shardtrain.errors import CheckpointError
 
@@ -102,8 +103,9 @@ class DeepSpeedReader(DeepSpeedLayout):
         return out
 
     def verify(self, progress: Callable[[int], None] | None = None) -> list[str]:
-        """Open every file (through the allow-list) and check that every piece lies inside its tensor; DeepSpeed
-        writes no checksums, so the values themselves cannot be checked."""
+        """Open every file (through the allow-list), check that every piece lies inside its tensor and that the
+        optimizer state holds what a resume needs (``resume_needs.py``: Adam's step counts with its moments);
+        DeepSpeed writes no checksums, so the values themselves cannot be checked."""
         problems: list[str] = []
         for entry in self.manifest.tensors.values():
             for piece in entry.pieces:
@@ -113,4 +115,4 @@ class DeepSpeedReader(DeepSpeedLayout):
                     problems.append(str(err))
                 if progress is not None:  # a tensor-parallel block's elements, not its first dimension's
                     progress(numel(piece.slice.piece_shape(entry.global_shape)) * entry.torch_dtype.itemsize)
-        return problems
+        return problems + optimizer_state_problems(self.manifest, self.objects)
