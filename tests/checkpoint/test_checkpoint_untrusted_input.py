@@ -379,6 +379,29 @@ def test_transposed_shape_of_block_pieces_fails_verify_and_consolidate(tmp_path,
     assert not list((tmp_path / "out").iterdir())  # refused before the output file was begun
 
 
+def test_a_flat_piece_without_optimizer_state_is_contradicted_by_the_shape_its_file_records(tmp_path, capsys):
+    """A buffer stored flat, or a parameter permuted together with every state: only the global shape the writer
+    recorded in the file (``safetensors_io.GLOBAL_SHAPES_KEY``) contradicts the edited manifest."""
+    import torch
+
+    from shardtrain.checkpoint import FlatSlice, SavePiece, save
+
+    b = torch.arange(24.0).reshape(4, 6)
+    pieces = [
+        SavePiece("model/buffer", (4, 6), FlatSlice(12 * i, 12), b.reshape(-1)[12 * i : 12 * i + 12]) for i in (0, 1)
+    ]
+    save(tmp_path / "s", TAG, None, pieces)
+    assert open_checkpoint(tmp_path / "s").verify() == []
+    _transpose(tmp_path / "s", "model/buffer")  # (6, 4): the same 24 elements
+    problems = open_checkpoint(tmp_path / "s").verify()
+    assert problems and all("a piece of a tensor of shape [4, 6] as written" in p and "[6, 4]" in p for p in problems)
+    with pytest.raises(CheckpointError, match=r"shape \[4, 6\] as written, the manifest says \[6, 4\]"):
+        open_checkpoint(tmp_path / "s").read("model/buffer")
+    code, err = _cli(capsys, "consolidate", "--no-progress", tmp_path / "s", tmp_path / "out")
+    assert code == 2 and "'model/buffer'" in err, err
+    assert not list((tmp_path / "out").iterdir())
+
+
 # -- a collective load ------------------------------------------------------------------------------------------
 def _load_with_fifo(root: str) -> tuple[float, str]:
     import time

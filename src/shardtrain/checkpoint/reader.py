@@ -160,7 +160,8 @@ class CheckpointReader:
             path = self._check_file(piece.file, what)
             try:
                 _, header = read_header(path, what)
-                header_entry(path, header, piece.key, entry.torch_dtype, piece.slice.piece_shape(entry.global_shape))
+                shape = piece.slice.piece_shape(entry.global_shape)
+                header_entry(path, header, piece.key, entry.torch_dtype, shape, entry.global_shape)
             except CheckpointError as err:
                 raise CheckpointError(f"{err} (tensor {entry.name!r})") from None
 
@@ -180,7 +181,9 @@ class CheckpointReader:
             else None
         )
         try:
-            crc = stream_tensor(path, piece.key, entry.torch_dtype, shape, whole if check else elems, sink, direct)
+            crc = stream_tensor(
+                path, piece.key, entry.torch_dtype, shape, whole if check else elems, sink, direct, entry.global_shape
+            )
         except CheckpointError as err:
             raise CheckpointError(f"{err} (reading tensor {entry.name!r})") from None
         except OSError as err:

@@ -61,13 +61,21 @@ def _pread_into(fd: int, into: memoryview, pos: int) -> int:
     return got
 
 
+GLOBAL_SHAPES_KEY = "shardtrain.global_shapes"
+"""In a tensor file's ``__metadata__``: JSON of each piece's key -> the shape of the whole tensor it is a piece of.
+A piece stored flat (1-D) says nothing of that shape by itself; with it, a manifest whose shape was permuted (the
+same element count) is contradicted by the file. Files written before it have none and are read as before."""
+
+
 class TensorInfo(NamedTuple):
-    """One validated entry of a safetensors header; offsets count from the start of the data section."""
+    """One validated entry of a safetensors header; offsets count from the start of the data section.
+    ``global_shape``: the whole tensor's shape the writer recorded for this piece (:data:`GLOBAL_SHAPES_KEY`)."""
 
     dtype: str
     shape: tuple[int, ...]
     begin: int
     end: int
+    global_shape: tuple[int, ...] | None = None
 
 
 def _is_count(v: Any) -> bool:
@@ -84,10 +92,9 @@ def validate_header(path: Path | str, header: Any, data_size: int) -> dict[str, 
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: damaged safetensors header (not a JSON object)")
     out: dict[str, TensorInfo] = {}
+    global_shapes = _global_shapes(path, header.get("__metadata__", {}))
     for key, info in header.items():
         if key == "__metadata__":
-            if not isinstance(info, dict):
-                raise CheckpointError(f"{path}: damaged safetensors header: '__metadata__' is not an object")
             continue
         where = f"{path}: damaged safetensors header: tensor {key!r}"
         if not isinstance(info, dict):
@@ -115,7 +122,7 @@ def validate_header(path: Path | str, header: Any, data_size: int) -> dict[str, 
                     f"{where}: field 'data_offsets' [{begin}, {end}) holds {end - begin} bytes, its shape {shape} "
                     f"of {dtype} needs {nbytes}"
                 )
-        out[key] = TensorInfo(dtype, tuple(shape), begin, end)
+        out[key] = TensorInfo(dtype, tuple(shape), begin, end, global_shapes.get(key))
     previous_end, previous = 0, None
     for key, info in sorted(out.items(), key=lambda kv: (kv[1].begin, kv[1].end)):
         if info.begin < previous_end:
@@ -125,6 +132,25 @@ def validate_header(path: Path | str, header: Any, data_size: int) -> dict[str, 
         if info.end > info.begin:  # empty tensors occupy no bytes
             previous_end, previous = info.end, key
     return out
+
+
+def _global_shapes(path: Path | str, metadata: Any) -> dict[str, tuple[int, ...]]:
+    """The :data:`GLOBAL_SHAPES_KEY` record of a header's ``__metadata__`` (empty when there is none)."""
+    if not isinstance(metadata, dict):
+        raise CheckpointError(f"{path}: damaged safetensors header: '__metadata__' is not an object")
+    text = metadata.get(GLOBAL_SHAPES_KEY)
+    if text is None:
+        return {}
+    where = f"{path}: damaged safetensors header: __metadata__ {GLOBAL_SHAPES_KEY!r}"
+    try:
+        shapes = json.loads(text) if isinstance(text, str) else None
+    except (RecursionError, ValueError):
+        shapes = None
+    if not isinstance(shapes, dict) or not all(
+        isinstance(s, list) and len(s) <= MAX_DIMS and all(_is_count(d) for d in s) for s in shapes.values()
+    ):
+        raise CheckpointError(f"{where} is not an object of shapes (lists of non-negative integers)")
+    return {key: tuple(s) for key, s in shapes.items()}
 
 
 def _short(value: Any, limit: int = 60) -> str:
@@ -176,10 +202,16 @@ def read_header(path: Path, what: str = "its header") -> tuple[int, dict[str, Te
 
 
 def header_entry(
-    path: Path, header: dict[str, TensorInfo], key: str, dtype: torch.dtype, shape: tuple[int, ...]
+    path: Path,
+    header: dict[str, TensorInfo],
+    key: str,
+    dtype: torch.dtype,
+    shape: tuple[int, ...],
+    global_shape: tuple[int, ...] | None = None,
 ) -> TensorInfo:
-    """The entry ``key`` of a validated header, which must have ``dtype`` and ``shape`` (what the manifest says);
-    its offsets then hold exactly those bytes, inside the file."""
+    """The entry ``key`` of a validated header, which must have ``dtype`` and ``shape`` (what the manifest says),
+    and be a piece of a tensor of ``global_shape`` where the writer recorded one; its offsets then hold exactly those
+    bytes, inside the file."""
     info = header.get(key)
     if info is None:
         raise CheckpointError(f"{path}: has no tensor {key!r}")
@@ -187,6 +219,11 @@ def header_entry(
         raise CheckpointError(
             f"{path}: {key!r} is {info.dtype!r} {list(info.shape)} in the file's header, the manifest says "
             f"{ST_DTYPES[dtype]!r} {list(shape)}"
+        )
+    if global_shape is not None and info.global_shape is not None and info.global_shape != tuple(global_shape):
+        raise CheckpointError(
+            f"{path}: {key!r} is a piece of a tensor of shape {list(info.global_shape)} as written, the manifest "
+            f"says {list(global_shape)}"
         )
     return info
 
@@ -199,6 +236,7 @@ def stream_tensor(
     elems: tuple[int, int],
     sink: Callable[[int, torch.Tensor], None],
     direct: Callable[[int, int], tuple[int, memoryview | None]] | None = None,
+    global_shape: tuple[int, ...] | None = None,
 ) -> int:
     """Read elements ``[a, b)`` of tensor ``key`` (checked against ``dtype`` and ``shape``) sequentially, in chunks
     of a few MiB; returns the CRC-32 of the bytes read, computed on each chunk right after it is read (while it is
@@ -215,7 +253,7 @@ def stream_tensor(
     fd, st = open_regular(path, f"tensor {key!r}")
     try:
         data_start, header = _header_of(path, fd, st)
-        begin = header_entry(path, header, key, dtype, shape).begin
+        begin = header_entry(path, header, key, dtype, shape, global_shape).begin
         a, b = elems
         size = dtype.itemsize
         per_chunk, per_direct = max(1, _CHUNK // size), max(1, _DIRECT_CHUNK // size)

@@ -68,7 +68,7 @@ from shardtrain.checkpoint.latest import (
 )
 from shardtrain.checkpoint.objects import TaggedEncoder, encode_tensor_file
 from shardtrain.checkpoint.plan import piece_keys, plan_pieces, rank_file, tensor_entries
-from shardtrain.checkpoint.safetensors_io import write_streaming
+from shardtrain.checkpoint.safetensors_io import GLOBAL_SHAPES_KEY, write_streaming
 from shardtrain.distributed.communicator import Communicator
 from shardtrain.errors import CheckpointError
 
@@ -240,7 +240,9 @@ def _write_rank_files(
         tensors = [_stored(p) for p, _ in mine]
         specs = [(key, t.dtype, tuple(t.shape)) for (_, key), t in zip(mine, tensors)]
         with naming(path):
-            write_streaming(path, specs, tensors.__getitem__, {"format": "pt"}, via_partial=False, fsync=False)
+            shapes = json.dumps({key: list(p.global_shape) for p, key in mine}, separators=(",", ":"))
+            metadata = {"format": "pt", GLOBAL_SHAPES_KEY: shapes}  # see GLOBAL_SHAPES_KEY: flat pieces' shapes
+            write_streaming(path, specs, tensors.__getitem__, metadata, via_partial=False, fsync=False)
         crash_point("tensor_file_torn", path)
         crash_point("tensor_file_written")
         # The checksums are computed while the kernel writes the file back: fsync waits on the disk, crc32 on the
