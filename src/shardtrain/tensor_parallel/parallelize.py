@@ -9,10 +9,13 @@ The order, each step finishing before the next starts so that an impossible plan
 2. *Check*: each split is computed as a :class:`~.placement.TPPlacement` and checked -- dimensions divisible by
    tp x stride, whole attention heads per rank, a tied parameter split the same way by every module using it,
    ``local_*`` styles inside a ``gather``/``all_reduce`` module, ``per_rank_attributes`` divisible.
+   A module that computes something of its own (Gemma's scaled embedding) is kept and parallelized around its
+   forward when the split provably commutes with it, and refused by name otherwise ([Note: a plan keeps a
+   module's meaning], :mod:`.meaning`).
 3. *Apply*: parameters are cut in place (the same ``nn.Parameter`` objects), matched modules are replaced by
-   the tensor-parallel layers in every parent holding them, ``gather``/``all_reduce`` modules get their
-   input/output hooks, per-rank attributes are divided, and the root module gets the hooks that close any open
-   RNG region at both ends of its forward ([Note: tensor-parallel RNG]).
+   the tensor-parallel layers in every parent holding them (kept ones get hooks instead), ``gather``/``all_reduce``
+   modules get their input/output hooks, per-rank attributes are divided, and the root module gets the hooks that
+   close any open RNG region at both ends of its forward ([Note: tensor-parallel RNG]).
 
 The result maps every ``model.named_parameters()`` name to its placement. Parameters marked ``partial_grad``
 need their gradients summed over the tensor-parallel group after backward: :func:`sum_partial_gradients` (or the
@@ -32,10 +35,16 @@ from shardtrain.distributed.communicator import Communicator
 from shardtrain.distributed.placement import ParameterSharder, TPPlacement
 from shardtrain.errors import LayoutError
 from shardtrain.tensor_parallel.communication import copy_to_tp_region, reduce_from_tp_region
-from shardtrain.tensor_parallel.embedding import HiddenParallelEmbedding, VocabParallelEmbedding
+from shardtrain.tensor_parallel.embedding import (
+    HiddenParallelEmbedding,
+    KeptEmbeddingParallel,
+    VocabParallelEmbedding,
+    kept_parallel,
+)
 from shardtrain.tensor_parallel.grad_check import ReplicatedGradCheck
 from shardtrain.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from shardtrain.tensor_parallel.loss import VocabParallelCrossEntropy
+from shardtrain.tensor_parallel.meaning import keeps_module
 from shardtrain.tensor_parallel.planning import (
     check_heads,
     check_tied,
@@ -90,7 +99,7 @@ def parallelize(
     size = tp_comm.size
     modules = dict(model.named_modules())
     for name, module in modules.items():
-        if isinstance(module, _TP_MODULES):
+        if isinstance(module, _TP_MODULES) or kept_parallel(module):
             raise LayoutError(
                 f"{type(model).__name__} is already tensor-parallel ({name} is a {type(module).__name__}); "
                 "parallelize a model once."
@@ -99,9 +108,12 @@ def parallelize(
 
     # -- check: every placement, before anything changes
     planned: dict[int, tuple[TPPlacement, str]] = {}  # id(param) -> (placement, first qualified name)
+    kept: set[str] = set()  # split in place around their own forward ([Note: a plan keeps a module's meaning])
     for name, style in module_styles.items():
         for pname, placement in module_placements(modules[name], style, name).items():
             plan_param(planned, getattr(modules[name], pname), placement, f"{name}.{pname}", size)
+        if keeps_module(modules[name], style, name, size):
+            kept.add(name)
         if style.layer in ("column", "row"):
             check_heads(name, modules, style, size)
         if not style.communicate and style.layer in ("column", "row") and not in_region(name, module_styles):
@@ -128,6 +140,10 @@ def parallelize(
     sharder = ParameterSharder(tp_comm.rank, size)
     parents = _parents(model)
     for name, style in module_styles.items():
+        if name in kept:
+            vocab = style.layer == "vocab_embedding"
+            KeptEmbeddingParallel.install(modules[name], tp_comm, vocab=vocab, rng=rng, sharder=sharder, name=name)
+            continue
         replacement = _build(modules[name], style, tp_comm, rng, sharder, name)
         if replacement is not None:
             for parent, attr in parents[id(modules[name])]:
