@@ -119,3 +119,22 @@ def test_config_check_exits_2_for_an_unusable_file_from_the_command_line(tmp_pat
         [sys.executable, "-m", "shardtrain", "config", "check", str(path)], capture_output=True, text=True
     )
     assert done.returncode == 2 and "Traceback" not in done.stderr and "collective_timeout_s" in done.stdout
+
+
+def test_a_yaml_config_that_expands_is_refused_quickly_and_aliases_still_work(tmp_path):
+    """The "billion laughs": twelve levels of nine aliases would be 9**12 nodes for every later walk of the config."""
+    import time
+
+    lines = ['a0: &a0 ["x"]'] + [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 13)]
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text("\n".join(lines) + "\n")
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match=r"bomb.yaml.*is not valid YAML: more than 100 aliases"):
+        load_config(bomb)
+    assert time.monotonic() - started < 5
+    fine = tmp_path / "fine.yaml"
+    fine.write_text("base: &z {stage: 2}\nzero_optimization: *z\ntrain_micro_batch_size_per_gpu: 1\n")
+    with pytest.raises(ConfigError, match="base"):  # the alias resolves; the anchor's own key is unknown
+        load_config(fine)
+    fine.write_text("zero_optimization: &z {stage: 2}\ntrain_micro_batch_size_per_gpu: 1\n")
+    assert load_config(fine).zero_optimization.stage == 2

@@ -631,6 +631,26 @@ MAX_CONFIG_BYTES = 64 << 20
 """A DeepSpeed config is a few kilobytes; a larger file is not one (and is not read whole)."""
 
 
+MAX_YAML_ALIASES = 100
+"""Aliases (``*name``) a YAML config may hold. A few nested anchors expand to billions of nodes (the "billion laughs"
+document), which every later walk of the config would visit; a real config uses a handful."""
+
+
+class _BoundedYamlLoader(yaml.SafeLoader):
+    """``yaml.safe_load``'s loader, refusing a document with more than :data:`MAX_YAML_ALIASES` aliases."""
+
+    aliases = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            self.aliases += 1
+            if self.aliases > MAX_YAML_ALIASES:
+                raise yaml.YAMLError(
+                    f"more than {MAX_YAML_ALIASES} aliases (*name): a document that expands, not a config"
+                )
+        return super().compose_node(parent, index)
+
+
 def _read_file(path: Path) -> dict[str, Any]:
     """The mapping in a .json/.yaml file; any file a user can hand in that is not one is a ConfigError naming it."""
     name = str(path)
@@ -656,7 +676,7 @@ def _read_file(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config file {name!r} is not UTF-8 text ({err.reason} at byte {err.start})") from None
     kind = path.suffix[1:].upper().replace("YML", "YAML")
     try:
-        data = yaml.safe_load(text) if kind == "YAML" else json.loads(text)
+        data = yaml.load(text, Loader=_BoundedYamlLoader) if kind == "YAML" else json.loads(text)  # a safe loader
     except RecursionError:
         raise ConfigError(f"config file {name!r} is not valid {kind}: nested too deeply") from None
     except (ValueError, yaml.YAMLError) as err:
