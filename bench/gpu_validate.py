@@ -398,6 +398,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         p.error(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
+    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        os.environ.pop(key, None)  # world 1 of its own, also when started from a distributed job's environment
     if args.tiny:
         os.environ.setdefault("SHARDTRAIN_DEVICE", "cpu")
         args.warmup, args.steps = min(args.warmup, 2), min(args.steps, 3)

@@ -137,16 +137,28 @@ def test_ranks_that_share_a_gpu_are_named_on_every_rank():
     assert run_distributed(_two_ranks_on, 2, ["GPU-1", "GPU-2"]) == [None, None]
 
 
-def test_the_engine_trains_where_the_config_says(gpus, monkeypatch):
-    monkeypatch.setenv("LOCAL_RANK", "0")
+def _engine_where_the_config_says() -> tuple[str, str]:
+    """In a worker (a process group made in the test process would leak its rendezvous variables into every process
+    the later tests start): a machine that sees one GPU, no device setting in the environment."""
+    import os
+
     model = torch.nn.Linear(4, 4)
     config = {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**6, "device": "cpu"}
-    gpus(1)  # a machine with a GPU: "cpu" keeps the engine there
-    engine = shardtrain.initialize(model, config=config, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
-    assert engine.device == torch.device("cpu")
-    loss = engine(torch.ones(1, 4)).sum()
-    engine.backward(loss)
-    engine.step()
-    gpus(0)
-    with pytest.raises(LayoutError, match="sees no CUDA device"):
+    with (
+        mock.patch.dict(os.environ, {DEVICE_ENV: ""}),
+        mock.patch.object(torch.cuda, "is_available", lambda: True),
+        mock.patch.object(torch.cuda, "device_count", lambda: 1),
+    ):
+        engine = shardtrain.initialize(model, config=config, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+        loss = engine(torch.ones(1, 4)).sum()
+        engine.backward(loss)
+        engine.step()
+    with pytest.raises(LayoutError) as err:
         shardtrain.initialize(model, config={**config, "device": "cuda"}, optimizer=lambda p: torch.optim.SGD(p))
+    return str(engine.device), str(err.value)
+
+
+def test_the_engine_trains_where_the_config_says():
+    ((device, refused),) = run_distributed(_engine_where_the_config_says, 1)
+    assert device == "cpu"  # a machine with a GPU: "cpu" keeps the engine there
+    assert "sees no CUDA device" in refused
