@@ -112,7 +112,7 @@ def _shim_api(workdir: str) -> dict:
     rank = dist.get_rank()
     out = {}
     # the module: names of DeepSpeed's API that are not provided
-    _raises(lambda: deepspeed.comm, "deepspeed.comm", "torch.distributed")
+    _raises(lambda: deepspeed.comm.reduce_scatter_coalesced, "deepspeed.comm.reduce_scatter_coalesced", "torch.dist")
     _raises(lambda: deepspeed.zero.TiledLinear, "deepspeed.zero.TiledLinear")
     out["hasattr"] = hasattr(deepspeed, "pipe"), hasattr(deepspeed, "initialize")
     _raises(lambda: deepspeed.zero.Init(remote_device="nvme"), "deepspeed.zero.Init(remote_device=...)")
@@ -134,7 +134,7 @@ def _shim_api(workdir: str) -> dict:
     )
     assert loader is None and optimizer is engine.optimizer and scheduler is engine.lr_scheduler
     assert isinstance(engine, deepspeed.DeepSpeedEngine) and engine.zero_optimization_stage() == 3
-    _raises(lambda: engine.save_16bit_model, "DeepSpeedEngine.save_16bit_model", "full_state_dict()")
+    _raises(lambda: engine.save_fp16_model, "DeepSpeedEngine.save_fp16_model", "save_16bit_model()")
     _raises(lambda: engine.no_such_method, "DeepSpeedEngine.no_such_method", "engine.shardtrain_engine")
     _raises(lambda: engine.backward(torch.ones(()), retain_graph=True), "retain_graph=True")
     _raises(lambda: engine.step(lr_kwargs={"x": 1}), "lr_kwargs")

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
-from shardtrain.compat.deepspeed import zero
+from shardtrain.compat.deepspeed import accelerator, comm, zero  # noqa: F401  deepspeed.comm, .accelerator
 from shardtrain.compat.deepspeed.engine import DeepSpeedEngine
 from shardtrain.compat.deepspeed.unsupported import NotProvidedError, not_provided
 from shardtrain.config.schema import load_config, optimizer_class_and_kwargs
@@ -64,6 +64,10 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     group.add_argument("--deepscale", default=False, action="store_true", help=argparse.SUPPRESS)
     group.add_argument("--deepscale_config", default=None, type=str, help=argparse.SUPPRESS)
     return parser
+
+
+__version__ = "0.19.8"
+"""The DeepSpeed release whose API this module follows (scripts compare it to pick code paths)."""
 
 
 def init_distributed(
@@ -171,7 +175,7 @@ def initialize(
     loader = None
     if training_data is not None:
         loader = _data_loader(engine, training_data, collate_fn, _raw_config(config).get("dataloader_drop_last", False))
-    adapter = DeepSpeedEngine(engine, loader)
+    adapter = DeepSpeedEngine(engine, loader, config)
     return adapter, engine.optimizer, loader, engine.lr_scheduler
 
 
@@ -200,12 +204,10 @@ def __getattr__(name: str) -> Any:
     if name.startswith("__"):
         raise AttributeError(f"module 'shardtrain.deepspeed' has no attribute {name!r}")
     instead = {
-        "comm": "use torch.distributed",
         "checkpointing": "use torch.utils.checkpoint for activation checkpointing",
         "ops": "DeepSpeed's fused kernels are not provided: the config's Adam/AdamW are torch's (torch_adam)",
         "pipe": "pipeline parallelism is not built",
         "moe": "mixture-of-experts layers are not built",
         "init_inference": "inference engines are not built: use the model directly",
-        "accelerator": "shardtrain picks the local CUDA device, else the CPU",
     }.get(name, "")
     raise not_provided(f"deepspeed.{name}", instead)

@@ -34,10 +34,12 @@ class DeepSpeedEngine:
     """What DeepSpeed scripts call on the engine ``deepspeed.initialize`` returns; anything else of DeepSpeed's
     engine raises :class:`~shardtrain.deepspeed.unsupported.NotProvidedError` naming it."""
 
-    def __init__(self, engine: Engine, training_dataloader: Any = None) -> None:
+    def __init__(self, engine: Engine, training_dataloader: Any = None, config: Any = None) -> None:
         self.shardtrain_engine = engine
         self.module: nn.Module = engine.module
         self.training_dataloader = training_dataloader
+        self.config = config
+        """The config as ``deepspeed.initialize`` was given it (a dict or a path), as DeepSpeed's ``engine.config``."""
         self._step_applied = False
 
     # -- the training loop -------------------------------------------------------------------------
@@ -230,6 +232,57 @@ class DeepSpeedEngine:
         path = load_dir / tag if tag is not None else load_dir
         return str(path), client_state
 
+    # -- the config's answers ------------------------------------------------------------------------
+    def fp16_enabled(self) -> bool:
+        return self.shardtrain_engine.config.fp16.enabled is True
+
+    def bfloat16_enabled(self) -> bool:
+        return self.shardtrain_engine.config.bf16.enabled is True
+
+    bf16_enabled = bfloat16_enabled  # the name scripts often guess
+
+    def zero_optimization(self) -> bool:
+        """Whether ZeRO is on (stage 1-3), as DeepSpeed's ``zero_enabled``."""
+        return self.zero_optimization_stage() > 0
+
+    def loss_scale(self) -> float:
+        """The config's ``fp16.loss_scale`` (0: dynamic), as DeepSpeed's ``loss_scale()``; the scale in use is
+        ``engine.shardtrain_engine.loss_scale``."""
+        return float(self.shardtrain_engine.config.fp16.loss_scale)
+
+    def close(self) -> None:
+        """Release what the engine holds (monitors, swap files, background saves); a second call does nothing."""
+        self.shardtrain_engine.close()
+
+    destroy = close  # DeepSpeed's name
+
+    def save_16bit_model(
+        self,
+        save_dir: str | os.PathLike,
+        save_filename: str = "pytorch_model.bin",
+        exclude_frozen_parameters: bool = False,
+    ) -> bool:
+        """The model's weights, whole, in their training dtype, to ``save_dir/save_filename`` on rank 0 (collective:
+        every rank calls it). ``.safetensors`` writes safetensors, anything else ``torch.save``'s format, as DeepSpeed
+        and ``from_pretrained`` read it. Unlike DeepSpeed at stage 3, no ``stage3_gather_16bit_weights_on_model_save``
+        is needed: the weights are gathered one tensor at a time. Returns True."""
+        state = self.shardtrain_engine.full_state_dict()  # collective; the full weights on rank 0
+        if state is None:
+            return True
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+            state = {k: v for k, v in state.items() if k not in frozen}
+        path = Path(save_dir) / save_filename
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.suffix == ".safetensors":
+            from safetensors.torch import save_file
+
+            save_file({k: v.contiguous() for k, v in state.items()}, str(path))
+        else:
+            torch.save(state, path)
+        log.info("saved the model's weights to %s (step %d)", path, self.shardtrain_engine.global_step)
+        return True
+
     # -- everything else of DeepSpeed's engine -----------------------------------------------------
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or name == "shardtrain_engine":  # copy/pickle probes; construction not finished
@@ -245,8 +298,7 @@ _FULL_WEIGHTS = (
     "consolidate a checkpoint with `shardtrain checkpoint consolidate`"
 )
 _ENGINE_INSTEAD = {
-    "save_16bit_model": _FULL_WEIGHTS,
-    "save_fp16_model": _FULL_WEIGHTS,
+    "save_fp16_model": _FULL_WEIGHTS + "; or save_16bit_model()",
     "state_dict": _FULL_WEIGHTS + "; engine.module.state_dict() at stages 0-2",
     "set_train_batch_size": "set train_batch_size or gradient_accumulation_steps in the config",
     "set_gradient_accumulation_boundary": "step() after every micro-batch decides the boundary",

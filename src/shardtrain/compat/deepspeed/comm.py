@@ -1,0 +1,115 @@
+"""``deepspeed.comm``: DeepSpeed's communication API, which is ``torch.distributed`` with DeepSpeed's signatures.
+
+DeepSpeed's functions take ``torch.distributed``'s arguments plus its profiling ones (``prof``, ``log_name``,
+``debug``), which only feed DeepSpeed's communication logger; here they are accepted and have no effect (the
+engine's own traffic is in ``engine.comm_stats()``). Every call goes to the default process group unless a
+``group`` is given, as in DeepSpeed. A name this module does not provide raises
+:class:`~shardtrain.compat.deepspeed.unsupported.NotProvidedError` naming it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardtrain.compat.deepspeed.unsupported import not_provided
+
+ReduceOp = dist.ReduceOp
+
+
+def init_distributed(*args: Any, **kwargs: Any) -> None:
+    """``deepspeed.init_distributed`` (the same function as ``deepspeed.init_distributed``)."""
+    from shardtrain.compat.deepspeed import init_distributed as join
+
+    join(*args, **kwargs)
+
+
+def is_initialized() -> bool:
+    return dist.is_initialized()
+
+
+def is_available() -> bool:
+    return dist.is_available()
+
+
+def get_rank(group: Any = None) -> int:
+    return dist.get_rank(group)
+
+
+def get_world_size(group: Any = None) -> int:
+    return dist.get_world_size(group)
+
+
+def get_local_rank() -> int:
+    """This process's rank on its node (``LOCAL_RANK``, 0 without a launcher), as DeepSpeed reads it."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def get_global_rank(group: Any = None, group_rank: int = 0) -> int:
+    return dist.get_global_rank(group if group is not None else dist.group.WORLD, group_rank)
+
+
+def get_world_group() -> Any:
+    return dist.group.WORLD
+
+
+def new_group(ranks: list[int] | None = None, **kwargs: Any) -> Any:
+    return dist.new_group(ranks, **kwargs)
+
+
+def barrier(group: Any = None, async_op: bool = False, device_ids: Any = None, **profiling: Any) -> Any:
+    return dist.barrier(group=group, async_op=async_op, device_ids=device_ids)
+
+
+def all_reduce(
+    tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False, **profiling: Any
+) -> Any:
+    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False, **profiling: Any) -> Any:
+    return dist.broadcast(tensor, src, group=group, async_op=async_op)
+
+
+def all_gather(
+    tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any = None, async_op: bool = False, **profiling: Any
+) -> Any:
+    return dist.all_gather(tensor_list, tensor, group=group, async_op=async_op)
+
+
+def all_gather_into_tensor(
+    output_tensor: torch.Tensor, tensor: torch.Tensor, group: Any = None, async_op: bool = False, **profiling: Any
+) -> Any:
+    return dist.all_gather_into_tensor(output_tensor, tensor, group=group, async_op=async_op)
+
+
+def reduce_scatter_tensor(
+    output_tensor: torch.Tensor,
+    tensor: torch.Tensor,
+    op: Any = ReduceOp.SUM,
+    group: Any = None,
+    async_op: bool = False,
+    **profiling: Any,
+) -> Any:
+    return dist.reduce_scatter_tensor(output_tensor, tensor, op=op, group=group, async_op=async_op)
+
+
+def all_gather_object(object_list: list[Any], obj: Any, group: Any = None) -> None:
+    dist.all_gather_object(object_list, obj, group=group)
+
+
+def broadcast_object_list(object_list: list[Any], src: int, group: Any = None, device: Any = None) -> None:
+    dist.broadcast_object_list(object_list, src, group=group, device=device)
+
+
+def destroy_process_group(group: Any = None) -> None:
+    dist.destroy_process_group(group)
+
+
+def __getattr__(name: str) -> Any:
+    if name.startswith("__"):
+        raise AttributeError(f"module 'deepspeed.comm' has no attribute {name!r}")
+    raise not_provided(f"deepspeed.comm.{name}", f"use torch.distributed.{name}")
