@@ -10,6 +10,7 @@ import os
 import re
 import signal
 from pathlib import Path
+from typing import Any
 
 from shardtrain.checkpoint import durable, latest, safetensors_io, writer
 from shardtrain.checkpoint.durable import KILL_ENV
@@ -150,3 +151,25 @@ class _Filling:
 
     def __getattr__(self, name):
         return getattr(self._f, name)
+
+
+def walk_and_set(doc: Any, walk: list[int], delete: bool, value: Any) -> Any:
+    """``doc`` (parsed JSON, changed in place) with the value at the path ``walk`` chooses (an index per level, taken
+    modulo the keys in sorted order or the list's length) deleted from its dict or replaced by ``value``; ``value``
+    itself when the walk stops at the top. The fuzz harnesses' mutation of a manifest, a header or a config."""
+    parent, key, node = None, None, doc
+    for i in walk:
+        if isinstance(node, dict) and node:
+            k: Any = sorted(node)[i % len(node)]
+        elif isinstance(node, list) and node:
+            k = i % len(node)
+        else:
+            break
+        parent, key, node = node, k, node[k]
+    if parent is None:
+        return value
+    if delete and isinstance(parent, dict):
+        del parent[key]
+    else:
+        parent[key] = value
+    return doc

@@ -32,6 +32,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
+from reliability_helpers import walk_and_set
 from shardtrain.checkpoint import BlockFlatSlice, BlockSlice, FlatSlice, SavePiece, open_checkpoint, save
 from shardtrain.checkpoint.consolidate import consolidate
 from shardtrain.cli import main as cli_main
@@ -140,25 +141,6 @@ examples_of = st.lists(operations, min_size=1, max_size=3)
 
 
 # -- applying it ------------------------------------------------------------------------------------------------
-def _walk_and_set(doc: Any, walk: list[int], delete: bool, value: Any) -> Any:
-    parent, key, node = None, None, doc
-    for i in walk:
-        if isinstance(node, dict) and node:
-            k: Any = sorted(node)[i % len(node)]
-        elif isinstance(node, list) and node:
-            k = i % len(node)
-        else:
-            break
-        parent, key, node = node, k, node[k]
-    if parent is None:
-        return value
-    if delete and isinstance(parent, dict):
-        del parent[key]
-    else:
-        parent[key] = value
-    return doc
-
-
 def _split_header(raw: bytes) -> tuple[Any, bytes] | None:
     try:
         (n,) = struct.unpack("<Q", raw[:8])
@@ -174,13 +156,13 @@ def _materialize(ckpt: Path, outside: Path, ops: list) -> None:
         kind, *args = op
         manifest = _split_manifest(files.get("manifest.json"))
         if kind == "manifest" and manifest is not None:
-            files["manifest.json"] = json.dumps(_walk_and_set(manifest, *args)).encode()
+            files["manifest.json"] = json.dumps(walk_and_set(manifest, *args)).encode()
         elif kind == "header" and "rank00000.safetensors" in files:
             walk, delete, value, record_size = args
             parsed = _split_header(files["rank00000.safetensors"])
             if parsed is None:
                 continue
-            text = json.dumps(_walk_and_set(parsed[0], walk, delete, value)).encode()
+            text = json.dumps(walk_and_set(parsed[0], walk, delete, value)).encode()
             text += b" " * (-len(text) % 8)
             files["rank00000.safetensors"] = struct.pack("<Q", len(text)) + text + parsed[1]
             if record_size and isinstance(manifest, dict):

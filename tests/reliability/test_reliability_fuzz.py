@@ -33,6 +33,7 @@ from torch import nn
 
 import shardtrain
 from config_strategies import KNOWN_PATHS, anything, auto_values, configs
+from reliability_helpers import walk_and_set
 from shardtrain.config.deepspeed_keys import ALIASES
 from shardtrain.config.schema import inspect_config, load_config
 from shardtrain.errors import CheckpointError, ConfigError, ShardtrainError
@@ -289,21 +290,7 @@ def _mutate(document: Any, mutations: list) -> bytes:
     """``document`` with values deleted or replaced at paths chosen by ``walk`` (an index per level)."""
     doc = json.loads(json.dumps(document))
     for walk, delete, value in mutations:
-        parent, key, node = None, None, doc
-        for i in walk:
-            if isinstance(node, dict) and node:
-                k: Any = sorted(node)[i % len(node)]
-            elif isinstance(node, list) and node:
-                k = i % len(node)
-            else:
-                break
-            parent, key, node = node, k, node[k]
-        if parent is None:
-            doc = value
-        elif delete and isinstance(parent, dict):
-            del parent[key]
-        else:
-            parent[key] = value
+        doc = walk_and_set(doc, walk, delete, value)
     return json.dumps(doc).encode()
 
 

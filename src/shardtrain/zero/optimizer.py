@@ -392,8 +392,8 @@ class ShardedOptimizer:
                 s.grad = None
         if self.masters is not None and not (self.offload is not None and self.offload.holds_masters):
             # refresh the compute-dtype fragments from the fp32 masters (offloaded ones refreshed as stepped)
-            frags = [t for s, t in zip(self._stepped.values(), self.stepped_fragments()) if t.numel()]
-            masters = [s for s, t in zip(self._stepped.values(), self.stepped_fragments()) if t.numel()]
+            pairs = [(t, m) for (t, _, _), m in zip(self._frag.values(), self._stepped.values()) if t.numel()]
+            frags, masters = [t for t, _ in pairs], [m for _, m in pairs]
             with torch.no_grad():
                 if frags and frags[0].device != masters[0].device:  # masters offloaded to the host
                     for t, s in zip(frags, masters):
