@@ -47,6 +47,7 @@ docs/benchmarks-gpu.md has the device command and the results.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import gc
 import json
@@ -56,6 +57,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -100,6 +102,7 @@ class Result:
     init_peak_allocated: int | None
     estimate: int | None
     losses: list[float] = field(default_factory=list)
+    sync_sites: dict[str, int] = field(default_factory=dict)  # where the counted step synchronized: file:line -> n
 
 
 def shape(args: argparse.Namespace) -> tuple[GPTConfig, int]:
@@ -190,35 +193,46 @@ class OnEngine:
 _SYNCING = {"aten::_local_scalar_dense", "aten::nonzero", "aten::equal", "aten::is_nonzero"}
 
 
+def _caller() -> str:
+    """The innermost frame of the stack outside torch and this file: the code that asked for the synchronization."""
+    for frame in reversed(traceback.extract_stack()):
+        if f"{os.sep}torch{os.sep}" not in frame.filename and frame.filename != __file__:
+            return f"{frame.filename}:{frame.lineno}"
+    return "?"
+
+
 class _CountSyncs(TorchDispatchMode):
     """Operations that wait for a GPU's results on the host, as dispatched on the CPU."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.count = 0
+        self.sites: collections.Counter[str] = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func._schema.name in _SYNCING:
-            self.count += 1
+            self.sites[_caller()] += 1
         return func(*args, **(kwargs or {}))
 
 
-def count_syncs(step: Any, batch: tuple[torch.Tensor, torch.Tensor], device: torch.device, graph: bool) -> int | None:
-    """Host synchronizations in one call of ``step`` (None: not countable here, a graph on the CPU)."""
+def count_syncs(
+    step: Any, batch: tuple[torch.Tensor, torch.Tensor], device: torch.device, graph: bool
+) -> tuple[int | None, dict[str, int]]:
+    """Host synchronizations in one call of ``step`` (None: not countable here, a graph on the CPU), and where each
+    was asked for (file:line, the innermost frame outside torch), so that a count above zero names its sources."""
     if device.type != "cuda":
         if graph:  # a dispatch mode around compiled code would run it differently
             step(*batch)
-            return None
+            return None, {}
         with _CountSyncs() as mode:
             step(*batch)
-        return mode.count
-    explicit = [0]
+        return sum(mode.sites.values()), dict(mode.sites)
+    explicit: collections.Counter[str] = collections.Counter()
     patched = [(torch.cuda, "synchronize"), (torch.cuda.Stream, "synchronize"), (torch.cuda.Event, "synchronize")]
     originals = [getattr(owner, name) for owner, name in patched]
 
     def counting(original: Any) -> Any:
         def call(*a: Any, **k: Any) -> Any:
-            explicit[0] += 1
+            explicit[_caller()] += 1
             return original(*a, **k)
 
         return call
@@ -236,8 +250,10 @@ def count_syncs(step: Any, batch: tuple[torch.Tensor, torch.Tensor], device: tor
             for (owner, name), original in zip(patched, originals):
                 setattr(owner, name, original)
     torch.cuda.synchronize()
-    flagged = [w for w in caught if "synchroniz" in str(w.message).lower()]
-    return len(flagged) + explicit[0]
+    sites = explicit + collections.Counter(
+        f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message).lower()
+    )
+    return sum(sites.values()), dict(sites)
 
 
 def sync(device: torch.device) -> None:
@@ -270,7 +286,7 @@ def run_variant(
         step(*next(it))
     sync(device)
     warmup_s = time.perf_counter() - started
-    syncs = count_syncs(step, next(it), device, graph=variant.endswith(":inductor"))
+    syncs, sync_sites = count_syncs(step, next(it), device, graph=variant.endswith(":inductor"))
     sync(device)
     cpu0, wall0 = cpu_seconds(), time.perf_counter()
     for _ in range(args.steps):
@@ -293,6 +309,7 @@ def run_variant(
         step_s=wall / args.steps,
         warmup_s=warmup_s,
         syncs_per_step=syncs,
+        sync_sites=sync_sites,
         cpu_per_wall=cpu / wall,
         peak_allocated=torch.cuda.max_memory_allocated() if device.type == "cuda" else None,
         peak_reserved=torch.cuda.max_memory_reserved() if device.type == "cuda" else None,
@@ -456,6 +473,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{fmt_bytes(r.init_peak_allocated) if r.init_peak_allocated is not None else '-':>11} {tflops:>8.2f} "
             f"{f'{tflops / peak:.1%}' if peak else '-':>6}"
         )
+    for v, r in results.items():
+        for site, n in sorted(r.sync_sites.items()):
+            print(f"  {v} synchronizes at {site} (x{n})")
     problems = check_losses(results, args) + failures
     if args.json:
         write_json(args.json, {**info, "peak_tflops": peak}, results, last, problems)

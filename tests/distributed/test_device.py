@@ -153,7 +153,7 @@ def _engine_where_the_config_says() -> tuple[str, str]:
         loss = engine(torch.ones(1, 4)).sum()
         engine.backward(loss)
         engine.step()
-    with pytest.raises(LayoutError) as err:
+    with pytest.raises(LayoutError) as err, mock.patch.object(torch.cuda, "is_available", lambda: False):
         shardtrain.initialize(model, config={**config, "device": "cuda"}, optimizer=lambda p: torch.optim.SGD(p))
     return str(engine.device), str(err.value)
 

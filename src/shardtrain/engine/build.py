@@ -195,13 +195,14 @@ def _build(
         eager.after_gather = lambda unit: param_offload.done_with([unit])
     offload = zcfg.offload_optimizer
     if offload.device != "none" and topology.device.type == "cuda":  # the step runs on the host
-        fragments = {id(s.param): s.param.detach() for b in trainable for s in b.slots}
-        if policy.shard_optimizer_state:
+        if policy.shard_optimizer_state:  # the shard's slices (at stage 3 the parameters themselves are not there)
             fragments = {
                 id(s.param): b.shard[f.shard_offset : f.shard_offset + f.length]
                 for b in trainable
                 for s, f in zip(b.slots, b.fragments)
             }
+        else:
+            fragments = {id(s.param): s.param.detach() for b in trainable for s in b.slots}
         ratio = offload.ratio if offload.device == "cpu" else 1.0  # nvme: resident sub-groups stay on the host
         masters = host_masters(masters, fragments, offload.pin_memory, zcfg.sub_group_size, ratio)
     partial_grads = frozenset(id(r.param) for r in layout.records if r.tp is not None and r.tp.partial_grad)

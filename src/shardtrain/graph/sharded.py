@@ -96,9 +96,14 @@ from shardtrain.zero.layout import Bucket
 from shardtrain.zero.units import Unit
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False)
 class BucketSpec:
-    """What the graph needs to know of one unit bucket: the names, sizes and shapes of its parameters."""
+    """What the graph needs to know of one unit bucket: the names, sizes and shapes of its parameters.
+
+    Never changed after construction. The graph reads it from closures only, never as an argument: TorchDynamo
+    before 2.13 can neither rebuild a frozen dataclass passed to an autograd Function nor take a plain one as a
+    constant (both seen with torch 2.11 on an H200), so :func:`_gather_function` closes over it and ``layout`` is a
+    function of no arguments."""
 
     unit: str
     names: tuple[str, ...]
@@ -113,40 +118,45 @@ class BucketSpec:
     tp_comm: Communicator | None = None
     swapped: bool = False  # the shard is in a swap file: the graph reads it (see [Note: swapped shards in graphs])
 
+    def __post_init__(self) -> None:
+        sizes, shapes = self.sizes, self.shapes
 
-@torch._dynamo.assume_constant_result
-def _layout_of(spec: BucketSpec) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
-    """The bucket's sizes and shapes as constants of the graph (``dynamic=True`` would trace them as symbols)."""
-    return spec.sizes, spec.shapes
+        def layout() -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
+            return sizes, shapes
+
+        # the sizes and shapes as constants of the graph (``dynamic=True`` would trace them as symbols)
+        self.layout = torch._dynamo.assume_constant_result(layout)
 
 
 def _views(full: torch.Tensor, spec: BucketSpec) -> tuple[torch.Tensor, ...]:
-    sizes, shapes = _layout_of(spec)
+    sizes, shapes = spec.layout()
     pieces = torch.split(full, sizes)
     return tuple(piece.view(shape) for piece, shape in zip(pieces, shapes))
 
 
-class _GatherUnit(torch.autograd.Function):
-    """Forward: all-gather a bucket's shard into its parameters. Backward: reduce-scatter (average) the bucket's
-    gradient into the sink's gradient (see [Note: ZeRO-3 as graph operations])."""
+def _gather_function(spec: BucketSpec) -> type[torch.autograd.Function]:
+    """One bucket's gather as an autograd Function closing over its spec. Forward: all-gather the bucket's shard into
+    its parameters. Backward: reduce-scatter (average) the bucket's gradient into the sink's gradient (see
+    [Note: ZeRO-3 as graph operations])."""
 
-    @staticmethod
-    def forward(ctx: Any, shard: torch.Tensor, sink: torch.Tensor, spec: BucketSpec) -> tuple[torch.Tensor, ...]:
-        ctx.spec = spec
-        ctx.sink_dtype = sink.dtype
-        return _views(spec.comm.graph_all_gather(shard), spec)
+    class GatherUnit(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, shard: torch.Tensor, sink: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            ctx.sink_dtype = sink.dtype
+            return _views(spec.comm.graph_all_gather(shard), spec)
 
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[None, torch.Tensor, None]:
-        spec: BucketSpec = ctx.spec
-        sizes, _ = _layout_of(spec)
-        if any(spec.tp_partial):
-            grads = tuple(spec.tp_comm.graph_all_reduce(g) if p else g for g, p in zip(grads, spec.tp_partial))
-        flat = [g.reshape(-1).to(spec.wire_dtype) for g in grads]
-        if len(sizes) > len(grads):  # the padding up to a multiple of the data-parallel size
-            flat.append(flat[0].new_zeros(sizes[-1]))
-        reduced = spec.comm.graph_reduce_scatter_avg(torch.cat(flat), spec.predivide)
-        return None, reduced.to(ctx.sink_dtype), None
+        @staticmethod
+        def backward(ctx: Any, *grads: torch.Tensor) -> tuple[None, torch.Tensor]:
+            sizes, _ = spec.layout()
+            if any(spec.tp_partial):
+                grads = tuple(spec.tp_comm.graph_all_reduce(g) if p else g for g, p in zip(grads, spec.tp_partial))
+            flat = [g.reshape(-1).to(spec.wire_dtype) for g in grads]
+            if len(sizes) > len(grads):  # the padding up to a multiple of the data-parallel size
+                flat.append(flat[0].new_zeros(sizes[-1]))
+            reduced = spec.comm.graph_reduce_scatter_avg(torch.cat(flat), spec.predivide)
+            return None, reduced.to(ctx.sink_dtype)
+
+    return GatherUnit
 
 
 class UnitInputs:
@@ -213,6 +223,7 @@ class UnitInputs:
                         swapped=b.index in swapped,
                     )
                 )
+        self.gathers = [_gather_function(spec) for spec in self.specs]
         # fp32 leaves whose gradient is the bucket's reduced gradient; no storage of their own (stride 0)
         self.sinks: list[torch.Tensor | None] = [
             shard_grad(b).new_zeros(()).expand(b.shard_numel).requires_grad_() if b.requires_grad else None
@@ -254,13 +265,13 @@ class UnitInputs:
         to it, so its part of the reduced gradient is zero, what eager ZeRO-3 reduces for a parameter that got no
         gradient (the schema holds the trainable set, so freezing captures a new graph that reads this again)."""
         views: list[tuple[torch.Tensor, ...]] = []
-        for spec, shard, sink, trains in zip(self.specs, shards, sinks, self.trainable):
+        for spec, gather, shard, sink, trains in zip(self.specs, self.gathers, shards, sinks, self.trainable):
             if spec.swapped:
                 shard = read_shard(shard)
             if sink is None or not torch.is_grad_enabled() or not any(trains):
                 views.append(_views(spec.comm.graph_all_gather(shard), spec))
             else:
-                gathered = _GatherUnit.apply(shard, sink, spec)
+                gathered = gather.apply(shard, sink)
                 views.append(tuple(v if t else v.detach() for v, t in zip(gathered, trains)))
         return {name: views[i][k] for _, _, name, (i, k) in self._places}
 
