@@ -16,9 +16,9 @@ _RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
 
 @pytest.fixture(autouse=True)
 def _rendezvous_stays_in_its_test():
-    """A process group made in the test process (``initialize`` without a launcher sets ``MASTER_PORT`` and its
-    friends, and its store keeps that port) must not hand those variables to the processes later tests start: they
-    would rendezvous on a port that is taken (EADDRINUSE)."""
+    """A test that sets the rendezvous variables (or calls something that does, such as the DeepSpeed shim's
+    ``init_distributed`` with an explicit port) must not hand them to the processes later tests start: they would
+    rendezvous on a port that is taken (EADDRINUSE). ``initialize`` without a launcher sets none of them."""
     before = {k: os.environ.get(k) for k in _RENDEZVOUS}
     yield
     for key, value in before.items():

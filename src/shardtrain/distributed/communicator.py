@@ -65,7 +65,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardtrain.distributed import failure
+from shardtrain.distributed import failure, watchdog
 from shardtrain.errors import CollectiveError, CollectiveTimeoutError, PeerLostError
 from shardtrain.tree import iter_tensors
 
@@ -182,6 +182,9 @@ class Communicator:
         self._peers_unread = 3 if self.size > 1 else 0  # reads of the peers' entries left to try
         if self.size > 1:
             failure.register(self.global_rank)
+        # a backend whose wait() does not block the host: a thread names its failures (see [Note: failures under
+        # NCCL] in shardtrain.distributed.watchdog)
+        self._watchdog = watchdog.watchdog() if not self.alone and not watchdog.blocks_host(self.backend) else None
 
     # -- accounting -------------------------------------------------------------------------------
     def stats(self) -> dict[str, dict[str, int]]:
@@ -287,13 +290,21 @@ class Communicator:
             peers = [r for r in dist.get_process_group_ranks(self.group) if r != self.global_rank]
             self._peers_unread = 0 if failure.remember(peers) else self._peers_unread - 1
 
+    def peers(self) -> list[int]:
+        """The other ranks of this group (global ranks)."""
+        return [r for r in self._ranks if r != self.global_rank]
+
     def _run(self, kind: str, what: str, fn, async_op: bool) -> Handle | None:
         self._refuse_after_failure(kind, what)
         started = time.monotonic()
         try:
-            work = fn(async_op)
+            # under the watchdog a synchronous collective is issued asynchronously too, so that its Work can be
+            # watched; the wait below is the one the backend's synchronous call makes
+            work = fn(async_op or self._watchdog is not None)
         except RuntimeError as err:
             raise self.describe_failure(kind, what, err, started=started) from err
+        if self._watchdog is not None and work is not None:
+            self._watchdog.track(work, self, kind, what, started)
         handle = Handle(self, work, kind, what, started)
         if async_op:
             return handle

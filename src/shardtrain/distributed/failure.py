@@ -291,6 +291,30 @@ def _survey(store: Any, global_rank: int, peers: list[int]) -> Survey:
     return out
 
 
+def peer_down(global_rank: int, peers: list[int]) -> str | None:
+    """A sentence naming a peer (global rank) known to be down, or None: it reported a failure, a rank recorded it
+    gone, or its process on this machine is gone. Reads the store only, writes nothing and never raises: the NCCL
+    watchdog's probe of a collective that is taking long ([Note: failures under NCCL] in
+    :mod:`shardtrain.distributed.watchdog`)."""
+    store = _default_store()
+    if store is None:
+        return None
+    remember(peers)
+    for r in peers:
+        info = _known.get(r)
+        try:
+            if _written_by(store, _FAILED_KEY.format(r), info) is not None:
+                return f"rank {r} reported a failure"
+            found = _gone_record(store, r, info)
+            if found is not None:
+                return f"rank {r} is gone (found by rank {found[0]})"
+        except Exception as err:  # the store's host is gone: rank 0, or the agent
+            return f"the store no longer answers ({type(err).__name__}): its host, {store_host(store)}, is gone"
+        if info is not None and process_alive(info) is False:
+            return f"rank {r} is gone (pid {info['pid']} on {info['host']})"
+    return None
+
+
 def _written_by(store: Any, key: str, info: dict | None) -> float | None:
     """When ``key`` was written (wall time; 0.0 when it does not say), if it exists and was written by the process
     ``info`` registered; None otherwise. A torchrun agent keeps its store across restarts, so a key may be left from

@@ -75,6 +75,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from shardtrain.distributed import failure
+from shardtrain.distributed.watchdog import backend_margin_s
 from shardtrain.errors import LayoutError, ShardtrainError
 
 _ATTEMPT_STORE_KEY = "shardtrain/attempt_store"
@@ -163,12 +164,6 @@ def exchanges_on_host(backend: str) -> bool:
     return "gloo" in backend
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def ensure_process_group(timeout_s: float, device: torch.device | None = None) -> bool:
     """Initialize the default process group if nobody has; returns True when this call created it. ``device``
     (default :func:`pick_device`'s) chooses the backend; a CUDA device is bound to the group (``device_id``)."""
@@ -177,19 +172,16 @@ def ensure_process_group(timeout_s: float, device: torch.device | None = None) -
     device = device if device is not None else pick_device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        # A plain single-process run: no launcher set the rendezvous variables.
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
-        os.environ.setdefault("LOCAL_RANK", "0")
-    timeout = datetime.timedelta(seconds=timeout_s)
+    timeout = datetime.timedelta(seconds=backend_timeout_s(timeout_s, device))
     # device_id: NCCL's communicator is created now, on this rank's device, not lazily on whichever is current
     kwargs: dict = {"backend": backend_for(device), "timeout": timeout}
     if device.type == "cuda":
         kwargs["device_id"] = device
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):  # see [Note: restarts under torchrun]
+    if _single_process_run():
+        # No launcher: a group of one whose store lives in this process. Nothing goes into os.environ, so a process
+        # this one starts later (a launcher, a test's workers) does not inherit a taken MASTER_PORT.
+        dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+    elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):  # see [Note: restarts under torchrun]
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         store = attempt_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), rank, world, timeout)
         dist.init_process_group(store=store, rank=rank, world_size=world, **kwargs)
@@ -197,6 +189,28 @@ def ensure_process_group(timeout_s: float, device: torch.device | None = None) -
         dist.init_process_group(**kwargs)
     atexit.register(_destroy_own_process_group)
     return True
+
+
+def backend_timeout_s(timeout_s: float, device: torch.device) -> float:
+    """The timeout a group that shardtrain creates gives its backend: ``collective_timeout_s``, plus a margin on a
+    device backend, whose own watchdog is then the backstop behind shardtrain's ([Note: failures under NCCL] in
+    :mod:`shardtrain.distributed.watchdog`)."""
+    return timeout_s + backend_margin_s(timeout_s) if device.type == "cuda" else timeout_s
+
+
+def _single_process_run() -> bool:
+    """Whether no launcher set the rendezvous variables (``RANK`` and ``WORLD_SIZE``): a plain ``python script.py``.
+    Only one of them set is a launch that lost the other, refused by name rather than guessed."""
+    rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+    if rank is None and world is None:
+        return True
+    if rank is None or world is None:
+        missing, present = ("RANK", f"WORLD_SIZE={world}") if rank is None else ("WORLD_SIZE", f"RANK={rank}")
+        raise LayoutError(
+            f"the environment sets {present} but not {missing}: a launcher sets both (torchrun does), a single "
+            f"process sets neither; set {missing} or unset the other"
+        )
+    return False
 
 
 def attempt_store(addr: str, port: int, rank: int, world: int, timeout: datetime.timedelta) -> dist.Store:
@@ -595,13 +609,16 @@ def _make_mesh_groups(
         )
     if device.type == "cuda":
         torch.cuda.set_device(device)  # whoever created the group: object collectives and barriers use the current
-    timeout = datetime.timedelta(seconds=timeout_s)
+    timeout = datetime.timedelta(seconds=backend_timeout_s(timeout_s, device))
 
     def new_group(ranks: list[int], backend: str | None) -> dist.ProcessGroup:
-        return dist.new_group(ranks, timeout=timeout, backend=backend)
+        # the host twins (gloo) block the host, so their own timeout is the configured one
+        own = datetime.timedelta(seconds=timeout_s) if backend == "gloo" else timeout
+        return dist.new_group(ranks, timeout=own, backend=backend)
 
     whole = dist.group.WORLD
-    if not created and _timeout_s(whole, device) != timeout_s:  # the user's group, with another timeout
+    # the user's group, with another timeout (theirs equal to collective_timeout_s, without the margin, will do)
+    if not created and _timeout_s(whole, device) not in (timeout_s, timeout.total_seconds()):
         whole = new_group(list(range(world)), None)
     groups, host_groups = make_groups(dist.get_rank(), world, tp, backend, whole, new_group, **axes)
     _check_one_rank_per_device(device, host_groups.world)
