@@ -20,7 +20,7 @@ from shardtrain.distributed import failure, watchdog
 from shardtrain.distributed.communicator import Communicator
 from shardtrain.distributed.mesh import backend_timeout_s
 from shardtrain.errors import CollectiveTimeoutError, PeerLostError
-from shardtrain.testing import run_ranks
+from shardtrain.testing import run_distributed, run_ranks
 
 
 class FakeWork:
@@ -212,3 +212,40 @@ def test_survivors_name_the_dead_rank_within_the_probe(world, victim):
         else:
             assert f"rank {victim} (pid" in o.value and "is gone: killed" in o.value, o.value
         assert CollectiveTimeoutError.__name__ not in o.value
+
+
+def _communicator_under_the_watchdog() -> tuple[list[float], int, int, list[str]]:
+    """A gloo group of two treated as a device backend: every collective goes through the watchdog's queue, the
+    synchronous ones issued asynchronously and waited, and the results are what gloo computes."""
+    reports: list[str] = []
+    dog = watchdog.Watchdog(failure.peer_down, reports.append, poll_s=0.05, probe_s=0.1)
+    tracked: list[str] = []
+    original = dog.track
+
+    def track(work, issuer, kind, what, started):
+        tracked.append(kind)
+        original(work, issuer, kind, what, started)
+
+    dog.track = track
+    blocks, make = watchdog.blocks_host, watchdog.watchdog
+    watchdog.blocks_host, watchdog.watchdog = (lambda backend: False), (lambda: dog)
+    try:
+        comm = Communicator(dist.group.WORLD, timeout_s=60.0)
+    finally:
+        watchdog.blocks_host, watchdog.watchdog = blocks, make
+    t = torch.full((4,), float(dist.get_rank() + 1))
+    comm.all_reduce(t, what="a sum")
+    out = torch.empty(8)
+    comm.all_gather(out, t, what="a gather", async_op=True).wait()
+    comm.broadcast(t, src=1, what="a broadcast")
+    comm.barrier(what="the end")
+    time.sleep(0.5)  # several polls: nothing pending, nothing reported
+    pending = dog.pending()
+    dog.stop()
+    return [*t.tolist(), *out.tolist()], len(tracked), pending, reports
+
+
+def test_a_watched_communicator_computes_what_gloo_does_and_holds_nothing_after_the_waits():
+    for values, tracked, pending, reports in run_distributed(_communicator_under_the_watchdog, 2):
+        assert values == [3.0] * 4 + [3.0] * 8  # 1 + 2 summed, gathered twice, rank 1's broadcast
+        assert tracked == 4 and pending == 0 and reports == []
