@@ -1,7 +1,7 @@
-"""Shared pieces of the parity tests: models, data, the single-process reference and the engine run.
+"""Shared pieces of the parity tests: the GPT recipes they train, their data, and their one-process and engine runs.
 
-The reference follows the exact recipe the engine must reproduce: the same global batch per micro-step,
-loss / accumulation_steps, ``clip_grad_norm_`` and the same optimizer param groups.
+The harness itself (the one-process recipe, the engine's side of it, ``assert_parity`` and [Note: parity bounds]) is
+:mod:`shardtrain.testing.parity`, which users prove their own models with; this module adds the suite's GPT variants.
 """
 
 from __future__ import annotations
@@ -14,6 +14,15 @@ from torch import nn
 
 import shardtrain
 from shardtrain.models.gpt import GPT, GPTConfig
+from shardtrain.testing.parity import (  # noqa: F401  (the tests import the harness from here too)
+    EXACT_FACTOR,
+    PARAM_TOL,
+    MicroLoss,
+    assert_params_near,
+    assert_parity,
+    train_engine,
+    train_one_process,
+)
 
 VOCAB, SEQ = 64, 16
 
@@ -125,48 +134,6 @@ def _reference(recipe: Recipe, world: int, dtype: torch.dtype, before_micro: Bef
     return train_one_process(model, make_optimizer(model, recipe), loss, recipe.steps, recipe.gas, recipe.clip)
 
 
-MicroLoss = Callable[[nn.Module, int], torch.Tensor]
-"""``loss(model, i)``: the loss of micro-step ``i`` (counted from the start of the run) on ``model``, the one-process
-model or an engine."""
-
-
-def train_one_process(
-    model: nn.Module, optimizer: torch.optim.Optimizer, loss: MicroLoss, steps: int, gas: int, clip: float
-) -> dict:
-    """The recipe every engine run must reproduce, in one process: ``steps`` optimizer steps of ``gas`` micro-steps
-    each backpropagating ``loss / gas``, then ``clip_grad_norm_`` at ``clip``, the step and ``zero_grad``. Returns
-    each step's mean loss and gradient norm, the final state dict (``params``) and the initial one (``init``)."""
-    init = {k: v.clone() for k, v in model.state_dict().items()}
-    losses, norms = [], []
-    for step in range(steps):
-        total = 0.0
-        for m in range(gas):
-            value = loss(model, step * gas + m)
-            (value / gas).backward()
-            total += value.item() / gas
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(total)
-    return {"losses": losses, "norms": norms, "params": model.state_dict(), "init": init}
-
-
-def train_engine(engine: shardtrain.Engine, loss: MicroLoss, steps: int, gas: int) -> dict:
-    """The engine's side of :func:`train_one_process` on this rank: ``loss(engine, i)``, ``engine.backward`` and
-    ``engine.step`` every micro-step. Returns this rank's mean loss and the global gradient norm of each step."""
-    losses, norms = [], []
-    for step in range(steps):
-        total = 0.0
-        for m in range(gas):
-            value = loss(engine, step * gas + m)
-            engine.backward(value)
-            engine.step()
-            total += value.item() / gas
-        losses.append(total)
-        norms.append(engine.get_global_grad_norm())
-    return {"losses": losses, "norms": norms}
-
-
 def train_step(
     engine, recipe: Recipe, batches: list, step: int, rank: int, before_micro: BeforeMicro | None = None
 ) -> float:
@@ -226,58 +193,3 @@ def engine_run(
         "state_bytes": engine.state_bytes(),
         "global_step": engine.global_step,
     }
-
-
-def assert_parity(results: list[dict], ref: dict, loss_rtol: float = 1e-5, norm_rtol: float = 1e-4) -> None:
-    world = len(results)
-    losses = [sum(r["losses"][s] for r in results) / world for s in range(len(ref["losses"]))]
-    for s, (a, b) in enumerate(zip(losses, ref["losses"])):
-        assert abs(a - b) <= loss_rtol * abs(b), f"step {s}: loss {a} vs reference {b}"
-    for r in results:  # the norm is global: identical on every rank
-        for s, (a, b) in enumerate(zip(r["norms"], ref["norms"])):
-            assert abs(a - b) <= norm_rtol * abs(b), f"step {s}: grad norm {a} vs reference {b}"
-    assert_params_near(results[0]["params"], ref["params"], ref["init"], exact=ref.get("exact"))
-
-
-PARAM_TOL = 1e-3
-EXACT_FACTOR = 4.0
-"""[Note: parity bounds] A distributed run sums gradients in another order than one process, so fp32 results differ
-by rounding, and an adaptive optimizer (Adam's ``m / sqrt(v)``) turns the rounding of a gradient that is zero in exact
-arithmetic (the key bias of attention: softmax ignores a constant added to every score) into full-size steps in a
-direction rounding chose. How far such a tensor lands from the reference is one machine's summation order (BLAS
-kernels, thread count), not the numerics: a bound on the largest element failed on another machine of the same kind.
-So each tensor passes if either
-- its error is at most ``PARAM_TOL`` of the L2 distance the reference moved it (every tensor whose gradient carries
-  signal), or
-- it is no farther from the exact result (the same training in float64) than ``EXACT_FACTOR`` times the one-process
-  fp32 reference is: the run is as accurate as single-process training, whatever rounding did.
-A wrongly scaled or missing gradient contribution moves a tensor away from both by a fraction of its distance moved
-comparable to 1, hundreds of times either bound (the SGD cases, which do not normalise gradients, show it best)."""
-
-
-def assert_params_near(
-    got: dict,
-    want: dict,
-    init: dict,
-    tol: float = PARAM_TOL,
-    exact: dict | None = None,
-    what: str = "",
-    require_moved: bool = False,
-) -> None:
-    """Every tensor of ``want`` (the fp32 reference) is in ``got``, within the bounds of [Note: parity bounds]
-    (``exact``: the float64 reference's tensors; without it only the first bound applies)."""
-    assert got.keys() == want.keys(), (sorted(got.keys() ^ want.keys()), what)
-    for k, w in want.items():
-        w, g = w.double(), got[k].double()
-        moved = (w - init[k].double()).norm().item()
-        assert moved > 0 or not require_moved, f"{what}{k} did not move in the reference: the check proves nothing"
-        err = (g - w).norm().item()
-        if err <= tol * moved + 1e-7:
-            continue
-        assert exact is not None, f"{what}{k}: error {err:.3g} vs distance moved {moved:.3g} (L2)"
-        fp32_err = (w - exact[k]).norm().item()
-        got_err = (g - exact[k]).norm().item()
-        assert got_err <= EXACT_FACTOR * fp32_err, (
-            f"{what}{k}: error {err:.3g} vs distance moved {moved:.3g} (L2), and {got_err:.3g} from the float64 run "
-            f"where one fp32 process is {fp32_err:.3g} from it"
-        )

@@ -75,7 +75,7 @@ _GONE_KEY = "shardtrain/gone/{}"
 _SURVEYED_KEY = "shardtrain/surveyed/{}"
 _PACKAGE = Path(__file__).resolve().parents[1]  # the shardtrain package
 # package files that call the API like a user (relative to the package)
-_LAUNCHERS = {"testing.py", "cli/__init__.py", "cli/demo.py", "__main__.py"}
+_LAUNCHERS = {"testing/__init__.py", "testing/parity.py", "cli/__init__.py", "cli/demo.py", "__main__.py"}
 
 
 # -- liveness: one answer, for the failure survey here and for swap directories (shardtrain.offload.swap) -------------

@@ -1,0 +1,86 @@
+"""The public parity harness (``shardtrain.testing.parity``) on a model of the user's own: it passes a correct run at
+worlds 1, 2 and 3, and it fails, naming the step, a run whose loss is not what the recipe says."""
+
+import pytest
+import torch
+from torch import nn
+
+from shardtrain.testing.parity import Recipe, assert_parity, check_parity, reference_run
+
+ROWS, STEPS, GAS = 12, 3, 2  # 12 rows split over 1, 2 and 3 ranks
+
+
+class Regressor(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU())
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return Regressor()
+
+
+def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(ROWS, 16, generator=g), torch.randn(ROWS, 4, generator=g)) for _ in range(STEPS * GAS)]
+
+
+def mean_loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y)
+
+
+def summed_loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """Not a mean over rows: a rank's sum is a fraction of the whole batch's, so no engine can match it."""
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y, reduction="sum")
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_correct_run_passes_at_worlds_1_2_and_3(stage):
+    recipe = Recipe(make_model, make_optimizer, batches, mean_loss, gas=GAS, clip=0.5,
+                    config={"zero_optimization": {"stage": stage}})  # fmt: skip
+    results = check_parity(recipe, worlds=(1, 2, 3))
+    assert sorted(results) == [1, 2, 3] and [len(r) for r in results.values()] == [1, 2, 3]
+    for ranks in results.values():
+        assert all(len(r["losses"]) == STEPS for r in ranks)
+    # the check is not vacuous: every parameter moved, and losses fell
+    ref = reference_run(recipe)
+    assert all((ref["params"][k] - ref["init"][k]).norm() > 0 for k in ref["params"])
+    assert ref["losses"][-1] < ref["losses"][0]
+
+
+def test_a_loss_that_is_not_a_mean_over_rows_fails_with_its_step():
+    recipe = Recipe(make_model, make_optimizer, batches, summed_loss, gas=GAS, clip=0.0,
+                    config={"zero_optimization": {"stage": 2}})  # fmt: skip
+    with pytest.raises(AssertionError) as err:
+        check_parity(recipe, worlds=(2,))
+    assert str(err.value).startswith("world 2: step 0: loss")
+
+
+def test_results_that_drift_are_named_by_step_and_tensor():
+    recipe = Recipe(make_model, make_optimizer, batches, mean_loss, gas=GAS, clip=0.5)
+    ref = reference_run(recipe)
+    good = {"losses": list(ref["losses"]), "norms": list(ref["norms"]), "params": dict(ref["params"])}
+    assert_parity([good], ref)
+    with pytest.raises(AssertionError, match="step 2: grad norm"):
+        assert_parity([{**good, "norms": [*ref["norms"][:2], ref["norms"][2] * 1.01]}], ref)
+    moved = dict(ref["params"])
+    moved["head.bias"] = moved["head.bias"] + 0.05
+    with pytest.raises(AssertionError, match=r"head\.bias: error"):
+        assert_parity([{**good, "params": moved}], ref)
+
+
+def test_rows_that_do_not_split_over_the_ranks_are_refused():
+    recipe = Recipe(make_model, make_optimizer, batches, mean_loss)
+    with pytest.raises(ValueError, match="12 rows does not split over 5 ranks"):
+        recipe.engine_config(5)
