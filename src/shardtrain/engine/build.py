@@ -43,7 +43,13 @@ from shardtrain.offload.optimizer_state import build_optimizer_offload, host_mas
 from shardtrain.offload.parameters import ParamOffload
 from shardtrain.offload.swap import ScratchDir, on_every_rank, prepare_scratch
 from shardtrain.optim.schedulers import build_scheduler
-from shardtrain.sequence_parallel import SequenceSplitter, install_ulysses, refuse_unbuilt_sequence_parallel
+from shardtrain.sequence_parallel import (
+    PatchSplitter,
+    SequenceSplitter,
+    install_ulysses,
+    make_splitter,
+    refuse_unbuilt_sequence_parallel,
+)
 from shardtrain.sequence_parallel.tiling import install as install_tiling
 from shardtrain.zero.build import build_layout, laid_out_whole
 from shardtrain.zero.hpz import SecondaryShards, refuse_unbuilt_hpz
@@ -79,7 +85,7 @@ class Parts:
     """What :func:`build_parts` returns; the engine holds each under the same name."""
 
     comms: Comms
-    sp: SequenceSplitter | None  # sequence parallelism: the sp group's all-to-alls and the split of the inputs
+    sp: SequenceSplitter | PatchSplitter | None  # sequence parallelism: the all-to-alls and the split of the sequence
     phase_check: PhaseCheck  # [Note: phase agreement]
     scratch: dict[str, ScratchDir]  # offload's swap directories by config section
     layout: ShardLayout
@@ -146,8 +152,8 @@ def _build(
     zcfg = config.zero_optimization
     sp = None
     if topology.sp > 1:
-        sp = SequenceSplitter(module, Communicator(topology.sp_group, topology.timeout_s))
-        install_ulysses(module, sp.comm, tp=topology.tp)
+        sp = make_splitter(module, Communicator(topology.sp_group, topology.timeout_s))
+        install_ulysses(module, sp.comm, tp=topology.tp, key_limit=getattr(sp, "key_limit", None))
     install_tiling(module, config)  # ALST's tiled loss and MLP, when configured
     # where every parameter lives (see [Note: the layout]); built before anything else touches the model
     layout = build_layout(

@@ -3,6 +3,7 @@
     all_to_all.py  the all-to-all trading a sequence split for a head split, and the loss's sum, as autograd Functions
     ulysses.py     attention around the exchange; plugged into transformers models and the project's GPT
     inputs.py      what the engine does to a forward's inputs (split, shifted labels, positions, masks) and its loss
+    vision.py      a vision transformer's patch sequence, split after its embeddings and gathered before its norm
     model_kinds.py what a model does with the sequence (shifts its labels? causal attention?) and what is refused
     router_loss.py a mixture of experts' load-balancing loss over the whole sequence
     tiling.py      ALST's tiled loss and tiled MLP (``tiled_logits_loss``, ``tiled_mlp_compute``), with or without
@@ -15,12 +16,30 @@ from __future__ import annotations
 
 from typing import Any
 
+from torch import nn
+
+from shardtrain.distributed.communicator import Communicator
 from shardtrain.errors import ConfigError
 from shardtrain.sequence_parallel.inputs import SequenceSplitter
 from shardtrain.sequence_parallel.ulysses import install as install_ulysses
 from shardtrain.sequence_parallel.ulysses import kv_repeats, ulysses
+from shardtrain.sequence_parallel.vision import PatchSplitter, is_vision
 
-__all__ = ["SequenceSplitter", "install_ulysses", "kv_repeats", "refuse_unbuilt_sequence_parallel", "ulysses"]
+__all__ = [
+    "PatchSplitter",
+    "SequenceSplitter",
+    "install_ulysses",
+    "kv_repeats",
+    "make_splitter",
+    "refuse_unbuilt_sequence_parallel",
+    "ulysses",
+]
+
+
+def make_splitter(module: nn.Module, comm: Communicator) -> SequenceSplitter | PatchSplitter:
+    """What splits a forward's sequence over ``comm``'s group: the inputs (tokens), or a vision transformer's patches
+    after its embeddings ([Note: vision transformers under Ulysses] in :mod:`shardtrain.sequence_parallel.vision`)."""
+    return PatchSplitter(module, comm) if is_vision(module) else SequenceSplitter(module, comm)
 
 
 def refuse_unbuilt_sequence_parallel(cfg: Any) -> None:

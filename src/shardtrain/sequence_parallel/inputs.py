@@ -123,17 +123,12 @@ class SequenceSplitter:
         self._router_loss = install_router_loss(module, unwrapped(module), comm) if self._hf_config else None
         self._model_name = type(module).__name__
         self._module = module
-        self._checked = False
-        self._global_ranks = (
-            torch.distributed.get_process_group_ranks(comm.group) if comm.size > 1 else [comm.global_rank]
-        )
+        self._batch_check = BatchCheck(comm)
         self._counts: tuple[int, int] | None = None  # (this rank's real targets, the group's)
 
     def split(self, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
         kwargs = dict(kwargs)
-        if not self._checked:  # one sequence per group: the ranks must agree on it
-            self._check_same_batch(args, kwargs)
-            self._checked = True
+        self._batch_check(args, kwargs)  # one sequence per group: the ranks must agree on it (first forward)
         if "num_items_in_batch" in kwargs:
             raise ConfigError(
                 "num_items_in_batch with sequence_parallel_size > 1 is not built: the engine normalises the loss "
@@ -314,11 +309,26 @@ class SequenceSplitter:
         return sum_over_group(loss * mine, self.comm, "the loss of a sequence-parallel group") / total
 
     def _who(self, sp_rank: int) -> str:
-        return f"sp rank {sp_rank} (global rank {self._global_ranks[sp_rank]})"
+        return self._batch_check.who(sp_rank)
 
-    def _check_same_batch(self, args: tuple, kwargs: dict[str, Any]) -> None:
-        """At the first forward: the whole inputs of every rank of the group, digested (one object all-gather over
-        the group, which only its ranks join: another group's ranks, fed correctly, go on)."""
+
+class BatchCheck:
+    """At the first forward: the whole inputs of every rank of a sequence-parallel group, digested (one object
+    all-gather over the group, which only its ranks join: another group's ranks, fed correctly, go on)."""
+
+    def __init__(self, comm: Communicator) -> None:
+        self.comm = comm
+        self.done = False
+        self.global_ranks = (
+            torch.distributed.get_process_group_ranks(comm.group) if comm.size > 1 else [comm.global_rank]
+        )
+
+    def who(self, sp_rank: int) -> str:
+        return f"sp rank {sp_rank} (global rank {self.global_ranks[sp_rank]})"
+
+    def __call__(self, args: tuple, kwargs: dict[str, Any]) -> None:
+        if self.done:
+            return
         from shardtrain.tensor_parallel.batch_check import batch_digest, first_difference
 
         every = self.comm.all_gather_object(batch_digest(args, kwargs), what="sequence-parallel batch check")
@@ -327,9 +337,10 @@ class SequenceSplitter:
             where = first_difference(every[0], every[differ[0]], "sp rank 0", f"sp rank {differ[0]}")
             raise RankMismatchError(
                 f"the ranks of a sequence-parallel group must all get the same whole batch (the engine splits the "
-                f"sequence), but {', '.join(self._who(r) for r in differ)} got inputs different from "
-                f"{self._who(0)} (its group: global ranks {self._global_ranks}): "
+                f"sequence), but {', '.join(self.who(r) for r in differ)} got inputs different from "
+                f"{self.who(0)} (its group: global ranks {self.global_ranks}): "
                 f"{where}. Shard the data over the data-parallel "
                 "ranks only: the ranks of a group share engine.topology.dp_rank "
                 "(DistributedSampler(num_replicas=engine.topology.dp, rank=engine.topology.dp_rank))"
             )
+        self.done = True

@@ -20,8 +20,11 @@ bidirectional where they all say not (BERT and other encoders): the whole sequen
 transformers' ``create_bidirectional_mask``, not ``create_causal_mask``.
 
 Its inputs: the engine cuts dimension 1 of what the model is given. An encoder-decoder has two sequences of
-different lengths and cross-attention between them; a vision or audio model makes its sequence (patches, frames)
-inside the model, so its inputs' dimension 1 is channels or features. Neither is built yet: both refused by name.
+different lengths and cross-attention between them: not built yet, refused by name. A vision transformer makes its
+sequence (patches) inside the model, so its inputs' dimension 1 is channels: it is split after its embeddings instead
+([Note: vision transformers under Ulysses] in :mod:`shardtrain.sequence_parallel.vision`), and never reaches these
+rules. An audio or video model makes its frames inside the model too, with convolutions over neighbouring ones:
+refused by name.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ _POOLED_SUFFIXES = (
     "ForMultipleChoice",
     "ForNextSentencePrediction",
 )
-_NOT_TOKENS = ("pixel_values", "pixel_values_videos", "input_features", "input_values")
+_NOT_TOKENS = ("pixel_values_videos", "input_features", "input_values")  # pixel_values: see vision.py
 
 
 def unwrapped(model: nn.Module) -> nn.Module:
@@ -103,9 +106,10 @@ def refuse_unservable(model: nn.Module) -> None:
     main_input = getattr(model, "main_input_name", "input_ids")
     if main_input in _NOT_TOKENS:
         raise ConfigError(
-            f"{name} takes {main_input}: its sequence (image patches or audio frames) is made inside the model, so "
-            f"the engine cannot split it on the inputs (dimension 1 of {main_input} is channels or features, not "
-            "tokens); sequence parallelism is not built for vision or audio models yet"
+            f"{name} takes {main_input}: its sequence (video or audio frames) is made inside the model, so the "
+            f"engine cannot split it on the inputs (dimension 1 of {main_input} is frames, channels or features, not "
+            "tokens); sequence parallelism is built for vision transformers on images, not for video or audio "
+            "models yet"
         )
     pooled = set().union(*(_class_names(m) for m in _POOLED_MAPPINGS))
     if any(n in pooled or n.endswith(_POOLED_SUFFIXES) for n in _lineage(model)):
