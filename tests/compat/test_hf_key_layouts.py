@@ -273,3 +273,50 @@ def test_base_model_checkpoint_into_a_head_model(tmp_path):
     got, want = engine.full_state_dict(), reference("mixtral", tmp_path)
     del got["lm_head.weight"], want["lm_head.weight"]
     assert_same(got, want, "base model into a head model")
+
+
+def _load_blocks(kind: str, path: str, config: dict) -> dict:
+    """``from_pretrained`` on this rank, with the shapes of every tensor-parallel block it read."""
+    import shardtrain.zero.weights as weights
+
+    original, blocks = weights._read_block, []
+
+    def recording(part, block):
+        values = original(part, block)
+        blocks.append((tuple(part.get_shape()), tuple(values.shape)))
+        return values
+
+    weights._read_block = recording
+    try:
+        engine = shardtrain.from_pretrained(auto_class(kind), path, config, optimizer=_sgd)
+    finally:
+        weights._read_block = original
+    out = {"state": engine.full_state_dict(), "blocks": blocks, "topology": engine.topology.replicas}
+    engine.close()
+    return out
+
+
+TP_HYBRID = [
+    ("gpt_neox", 2, {"tensor_parallel": {"size": 2}, "zero_optimization": {"stage": 3}}),
+    ("mixtral", 4, {"zero_optimization": {"stage": 3, "mics_shard_size": 2}}),
+]
+
+
+@pytest.mark.parametrize(("kind", "world", "config"), TP_HYBRID, ids=["gpt_neox-tp2-zero3", "mixtral-hybrid-2x2"])
+def test_hub_layouts_under_tp_and_hybrid_sharding(kind, world, config, tmp_path):
+    """GPT-NeoX's older layout (``embed_out``) at tp 2 under ZeRO-3: each split tensor, the renamed head included, is
+    read as this rank's block only. Mixtral's older per-expert layout under hybrid sharding (2 replicas of 2 shards).
+    Both load exactly what transformers' from_pretrained loads."""
+    write_checkpoint(kind, "older", tmp_path)
+    config = {"train_micro_batch_size_per_gpu": 1, **config}
+    config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    results = run_distributed(_load_blocks, world, kind, str(tmp_path), config, timeout=600)
+    assert_same(results[0]["state"], reference(kind, tmp_path), f"{kind} at world {world}")
+    if kind == "gpt_neox":
+        head = (hf_config(kind).vocab_size, hf_config(kind).hidden_size)
+        for r in results:
+            assert (head, (head[0] // 2, head[1])) in r["blocks"], r["blocks"]  # embed_out, read as lm_head's block
+            for whole, block in r["blocks"]:
+                assert torch.Size(block).numel() * 2 == torch.Size(whole).numel(), (whole, block)
+    else:
+        assert results[0]["topology"] == 2
