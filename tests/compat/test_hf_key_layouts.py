@@ -120,6 +120,10 @@ def write_checkpoint(kind: str, layout: str, path) -> None:
     if layout == "save_pretrained":
         model.save_pretrained(path)
         return
+    if layout == "model_names":  # what `shardtrain checkpoint consolidate` writes: the model's own (fused) names
+        model.config.save_pretrained(path)
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path / "model.safetensors"))
+        return
     model.config.save_pretrained(path)
     state = older_state(kind, model.state_dict())
     assert state.keys() != model.state_dict().keys()
@@ -151,7 +155,7 @@ def _sgd(params):
     return torch.optim.SGD(params, lr=0.1)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", [*LAYOUTS, "model_names"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_hub_layout_loads_as_transformers_loads_it(kind, layout, tmp_path):
     """World 1: every parameter and buffer equals transformers' from_pretrained of the same folder, bit for bit."""
@@ -320,3 +324,20 @@ def test_hub_layouts_under_tp_and_hybrid_sharding(kind, world, config, tmp_path)
                 assert torch.Size(block).numel() * 2 == torch.Size(whole).numel(), (whole, block)
     else:
         assert results[0]["topology"] == 2
+
+
+def test_a_conversion_that_cannot_run_is_named(tmp_path):
+    """An older Mixtral folder that lost one expert's w3: the converter cannot concatenate 4 gate and 3 up tensors.
+    Every rank finds it on the headers alone, before anything is read, and the error names the tensor and the
+    operations."""
+    from safetensors.torch import load_file
+
+    write_checkpoint("mixtral", "older", tmp_path)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    lost = "model.layers.1.block_sparse_moe.experts.2.w3.weight"
+    file = tmp_path / index["weight_map"].pop(lost)
+    save_file({k: v for k, v in load_file(str(file)).items() if k != lost}, str(file), metadata={"format": "pt"})
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    match = r"'model\.layers\.1\.mlp\.experts\.gate_up_proj': transformers' conversion \(MergeModulelist, Concat"
+    with pytest.raises(ShardtrainError, match=match):
+        shardtrain.from_pretrained(transformers.AutoModelForCausalLM, tmp_path, _config(0), optimizer=_sgd)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardtrain.errors import ShardtrainError
 from shardtrain.zero.weights import Conversion, KeyMap, KeyMapper, Loader, TensorHeader
 
 __all__ = ["hf_key_mapper"]
@@ -88,7 +89,15 @@ def _conversion(
     def on_meta(key: str) -> Loader:
         return lambda: torch.empty(headers[key].shape, dtype=headers[key].dtype, device="meta")
 
-    shapes = {name: tuple(t.shape) for name, t in run({p: [on_meta(k) for k in ks] for p, ks in keys.items()}).items()}
+    try:  # on every rank alike, before anything is read or written
+        made = run({p: [on_meta(k) for k in ks] for p, ks in keys.items()})
+    except Exception as err:
+        stored = ", ".join(f"{len(ks)} x {p!r}" for p, ks in keys.items())
+        raise ShardtrainError(
+            f"{first!r}: transformers' conversion ({', '.join(type(op).__name__ for op in converter.operations)}) "
+            f"cannot make it from the checkpoint's {stored} (first {next(iter(keys.values()))[0]!r}): {err}"
+        ) from err
+    shapes = {name: tuple(t.shape) for name, t in made.items()}
     ops = converter.operations
     stacked = (  # [Note: converted rows]: entry i of each list makes row i, and later operations keep rows apart
         len(ops) > 0

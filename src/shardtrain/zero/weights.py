@@ -326,9 +326,7 @@ def load_safetensors(
 def _load_converted(group: list[_Picked], headers: Mapping[str, TensorHeader]) -> None:
     """Load the model tensors one :class:`Conversion` makes ([Note: converted rows])."""
     conv = group[0].conversion
-    needed = [
-        p for p in group if (any(t.numel() for t, _ in p.dest.targets) if p.dest.block else p.dest.needed_range()[1])
-    ]
+    needed = [p for p in group if _holds_any(p.dest)]
     if not needed:
         return
     if _rows_readable(conv) and len(group) == 1 and needed[0].dest.block is None:
@@ -343,6 +341,14 @@ def _load_converted(group: list[_Picked], headers: Mapping[str, TensorHeader]) -
     made = conv.run({pattern: [_loader(headers[k].file, k) for k in keys] for pattern, keys in conv.sources})
     for p in needed:
         p.dest.write_slice(made[p.name].reshape(-1), 0)
+
+
+def _holds_any(dest: Destination) -> bool:
+    """Whether this rank keeps any element of the tensor (of its tensor-parallel block, or of its range)."""
+    if dest.block is not None:
+        return any(t.numel() for t, _ in dest.targets)
+    lo, hi = dest.needed_range()
+    return lo < hi
 
 
 def _rows_readable(conv: Conversion) -> bool:
@@ -443,7 +449,8 @@ def _report(missing: list[str], unexpected: Mapping[str, str], by: str, strict: 
         raise ShardtrainError(
             f"weights do not match the model (missing: {_listed(missing)}; unexpected: {_listed(renamed)}): the "
             f"checkpoint likely holds the missing weights under other names, {unmapped}. Load it with the model "
-            "class that saved it, or a transformers version whose conversion knows this layout"
+            "class that saved it, with a transformers version whose conversion knows this layout, or map the names "
+            "yourself (from_pretrained's key_mapping)"
         )
     if missing:
         raise ShardtrainError(
