@@ -341,3 +341,32 @@ def test_a_conversion_that_cannot_run_is_named(tmp_path):
     match = r"'model\.layers\.1\.mlp\.experts\.gate_up_proj': transformers' conversion \(MergeModulelist, Concat"
     with pytest.raises(ShardtrainError, match=match):
         shardtrain.from_pretrained(transformers.AutoModelForCausalLM, tmp_path, _config(0), optimizer=_sgd)
+
+
+def test_keys_the_model_class_ignores(tmp_path, caplog):
+    """What transformers' own loading drops without a word loads here too, with the names logged: stale
+    ``attention.bias`` / ``attention.masked_bias`` buffers in an old GPT-NeoX folder (the class's
+    ``_keys_to_ignore_on_load_unexpected``); and a head the class lets a checkpoint lack
+    (``_keys_to_ignore_on_load_missing``) keeps its initial value with a warning naming it, even with strict."""
+    from safetensors.torch import load_file
+
+    write_checkpoint("gpt_neox", "save_pretrained", tmp_path)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    stale = {
+        "gpt_neox.layers.0.attention.bias": torch.ones(1, 1, 16, 16),
+        "gpt_neox.layers.1.attention.masked_bias": torch.tensor(-1e9),
+    }
+    save_file({**state, **stale}, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with caplog.at_level("INFO", logger="shardtrain"):
+        engine = shardtrain.from_pretrained(auto_class("gpt_neox"), tmp_path, _config(0), optimizer=_sgd)
+    assert_same(engine.full_state_dict(), reference("gpt_neox", tmp_path), "gpt_neox with stale buffers")
+    logged = " ".join(r.getMessage() for r in caplog.records)
+    assert "says to ignore them: gpt_neox.layers.0.attention.bias, gpt_neox.layers.1.attention.masked_bias" in logged
+
+    class HeadOptional(transformers.GPTNeoXForCausalLM):
+        _keys_to_ignore_on_load_missing = (r"lm_head",)
+
+    del state["embed_out.weight"]
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.warns(UserWarning, match=r"1 model tensor\(s\) are not in the checkpoint, .* lm_head\.weight$"):
+        shardtrain.from_pretrained(HeadOptional, tmp_path, _config(0), optimizer=_sgd)

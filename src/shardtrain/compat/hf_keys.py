@@ -67,8 +67,34 @@ def _key_map(model: Any, headers: Mapping[str, TensorHeader], key_mapping: Mappi
             keys.setdefault(pattern, []).append(key)
 
     converted = tuple(_conversion(model, first, c, keys, headers) for first, (c, keys) in groups.items())
+    may_miss, ignored = _ignored_by_the_class(model, names, unmapped)
+    unmapped = {k: v for k, v in unmapped.items() if k not in ignored}
     by = f"transformers {_version()}'s conversion for {type(model).__name__}"
-    return KeyMap(renamed=renamed, converted=converted, unmapped=unmapped, by=by)
+    return KeyMap(renamed, converted, unmapped, ignored=ignored, may_miss=may_miss, by=by)
+
+
+def _ignored_by_the_class(
+    model: Any, names: Mapping[str, bool], unmapped: Mapping[str, str]
+) -> tuple[frozenset[str], dict[str, str]]:
+    """What transformers' own ``_adjust_missing_and_unexpected_keys`` drops from its report: model names the class
+    lets a checkpoint lack (``_keys_to_ignore_on_load_missing``), and stored keys it ignores
+    (``_keys_to_ignore_on_load_unexpected``, stale ``rotary_emb.inv_freq`` and ``position_ids`` buffers)."""
+    adjust = getattr(model, "_adjust_missing_and_unexpected_keys", None)
+    if adjust is None:
+        return frozenset(), {}
+    from transformers.utils.loading_report import LoadStateDictInfo
+
+    info = LoadStateDictInfo(
+        missing_keys=set(names),
+        unexpected_keys=set(unmapped.values()),
+        mismatched_keys=set(),
+        error_msgs=[],
+        conversion_errors={},
+        skipped_pp_keys=set(),
+    )
+    adjust(info)
+    ignored = {k: v for k, v in unmapped.items() if v not in info.unexpected_keys}
+    return frozenset(set(names) - info.missing_keys), ignored
 
 
 def _conversion(

@@ -20,6 +20,7 @@ checkpoint keys are renamed and per-expert tensors are stacked into one fused te
 from __future__ import annotations
 
 import json
+import logging
 import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -37,6 +38,8 @@ from shardtrain.errors import ShardtrainError
 if TYPE_CHECKING:
     from shardtrain.zero.layout import ShardLayout
     from shardtrain.zero.optimizer import ShardedOptimizer
+
+log = logging.getLogger("shardtrain")
 
 
 @dataclass
@@ -193,11 +196,16 @@ class KeyMap:
 
     ``renamed``: model name -> the checkpoint key holding it as is. ``converted``: model tensors made by a
     :class:`Conversion`. ``unmapped``: checkpoint key -> the name the mapping gave it, a name the model does not have.
-    ``by``: who mapped them, for messages (e.g. transformers' conversion for ``MixtralForCausalLM``)."""
+    ``ignored``: likewise, for keys the model's class says to ignore (stale buffers such as ``attention.bias``):
+    not loaded, logged. ``may_miss``: model names the class lets a checkpoint lack: they keep their initial values
+    with a warning, even with ``strict``. ``by``: who mapped them, for messages (e.g. transformers' conversion for
+    ``MixtralForCausalLM``)."""
 
     renamed: Mapping[str, str]
     converted: tuple[Conversion, ...] = ()
     unmapped: Mapping[str, str] = field(default_factory=dict)
+    ignored: Mapping[str, str] = field(default_factory=dict)
+    may_miss: frozenset[str] = frozenset()
     by: str = ""
 
     @classmethod
@@ -421,6 +429,16 @@ def _match(dests: list[Destination], keys: KeyMap, strict: bool) -> list[_Picked
     unexpected = {k: k for k in keys.renamed.values() if k not in used}
     unexpected.update({k: k for conv in keys.converted for k in conv.keys if k not in used})
     unexpected.update(keys.unmapped)
+    if keys.ignored:
+        log.info("load_full_state_dict: not loaded, as %s says to ignore them: %s", keys.by, ", ".join(keys.ignored))
+    allowed = [n for n in missing if n in keys.may_miss]
+    if allowed:
+        warnings.warn(
+            f"load_full_state_dict: {len(allowed)} model tensor(s) are not in the checkpoint, which {keys.by} allows; "
+            f"they keep their initial values: {_listed(allowed, None)}",
+            stacklevel=4,
+        )
+    missing = [n for n in missing if n not in keys.may_miss]
     if missing or unexpected:
         _report(missing, unexpected, keys.by, strict)
     return picked
