@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from shardtrain.checkpoint.hf_config import hf_config_objects
+from shardtrain.compat.hf_keys import hf_key_mapper
 from shardtrain.config.schema import Config, load_config
 from shardtrain.engine.engine import Engine, OptimizerArg, SchedulerArg, initialize
 from shardtrain.errors import ShardtrainError
@@ -64,6 +65,7 @@ def from_pretrained(
     strict: bool = True,
     model_kwargs: Mapping[str, Any] | None = None,
     tp_plan: Mapping[str, Any] | None = None,
+    key_mapping: Mapping[str, str] | None = None,
 ) -> Engine:
     """Build ``model_cls`` from the pretrained directory ``path``, wrap it with :func:`initialize` and load its weights.
 
@@ -75,11 +77,17 @@ def from_pretrained(
     (docs/sharded-construction.md). Tied weights are loaded once, under any of their names.
     ``generation_config.json`` is loaded when present.
 
+    Keys are read as transformers' own ``from_pretrained`` reads them (:mod:`shardtrain.compat.hf_keys`): its
+    renamings (``embed_out`` -> ``lm_head``, ViT's ``encoder.layer``, ``block_sparse_moe``), its ``base_model_prefix``
+    handling and its converters (per-expert ``experts.N.w1`` tensors stacked into one fused tensor, each rank reading
+    only the experts it holds). ``key_mapping``: as transformers' argument (regex -> replacement, applied first).
+
     ``dtype``: the parameters' dtype (HF's ``torch_dtype``/``dtype``); stored values are cast to it. Keep the default
     float32 with ``bf16``/``fp16`` in the config: shardtrain makes fp32 masters and casts the compute copy itself.
-    ``strict``: missing or unexpected weights are an error naming them. ``model_kwargs`` go to ``from_config`` (e.g.
-    ``attn_implementation="sdpa"``). ``tp_plan``: as for :func:`~shardtrain.initialize` (default: the model's own
-    plan). Returns the engine; the model is ``engine.module``.
+    ``strict``: missing or unexpected weights are an error naming them; with ``strict=False`` a warning names every
+    weight that keeps its initial value and every stored tensor left unloaded. ``model_kwargs`` go to
+    ``from_config`` (e.g. ``attn_implementation="sdpa"``). ``tp_plan``: as for :func:`~shardtrain.initialize`
+    (default: the model's own plan). Returns the engine; the model is ``engine.module``.
     """
     path = Path(path)
     _check_pretrained_dir(path)  # before any collective: every rank sees the same files and fails alike
@@ -97,5 +105,5 @@ def from_pretrained(
     if (path / "generation_config.json").is_file() and getattr(model, "can_generate", lambda: False)():
         model.generation_config = GenerationConfig.from_pretrained(str(path))
     engine = initialize(model, config=cfg, optimizer=optimizer, lr_scheduler=lr_scheduler, tp_plan=tp_plan)
-    engine.load_full_state_dict(path, strict=strict)
+    engine.load_full_state_dict(path, strict=strict, key_map=hf_key_mapper(model, key_mapping))
     return engine

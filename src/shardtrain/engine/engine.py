@@ -55,6 +55,7 @@ from shardtrain.tensor_parallel.parallelize import check_replicated_gradients
 from shardtrain.zero.init import is_deferred, materialize_deferred, record_initialization
 from shardtrain.zero.optimizer import check_optimizer
 from shardtrain.zero.precision import check_parameter_dtypes, policy_from_config
+from shardtrain.zero.weights import KeyMapper
 
 log = logging.getLogger("shardtrain")
 
@@ -390,16 +391,20 @@ class Engine:
         self,
         source: Mapping[str, torch.Tensor] | str | Path | list[str | Path] | None,
         strict: bool = True,
+        *,
+        key_map: KeyMapper | None = None,
     ) -> None:
         """Load full (unsharded) weights; each rank keeps only what it holds. Collective.
 
         ``source`` is either a state dict on rank 0 (other ranks pass ``None``), or, on every rank, the same
         safetensors file(s) or a directory with ``model.safetensors`` / ``model.safetensors.index.json``.
         Tied parameters may appear under any of their names. With ``strict``, missing or unexpected names
-        are an error. Peak memory: a rank's fragments plus one tensor (see :mod:`shardtrain.zero.weights`).
+        are an error; without, a warning names them. Peak memory: a rank's fragments plus one tensor (see
+        :mod:`shardtrain.zero.weights`). ``key_map`` (files only): how the files' keys become the model's names
+        (default: they are); :func:`shardtrain.from_pretrained` passes transformers' own key conversion.
         """
         self._agree("load_full_state_dict")
-        load_full_weights(self._training_state(), source, strict)
+        load_full_weights(self._training_state(), source, strict, key_map)
 
     @contextmanager
     def gathered(self, target: nn.Module | nn.Parameter | Iterable[nn.Parameter], modifier_rank: int | None = None):

@@ -66,6 +66,7 @@ from shardtrain.zero.layout import ParamRecord, ShardLayout
 from shardtrain.zero.optimizer import ShardedOptimizer
 from shardtrain.zero.runtime import Runtime
 from shardtrain.zero.weights import (
+    KeyMapper,
     load_safetensors,
     load_state_dict_from_rank0,
     safetensors_files,
@@ -635,10 +636,12 @@ def _join_blocks(tp_comm: Communicator, local: torch.Tensor, record: ParamRecord
     return assemble_blocks(everyone.view(t, *local.shape).unbind(0), record.tp)
 
 
-def load_full_weights(state: TrainingState, source: Any, strict: bool) -> None:
+def load_full_weights(state: TrainingState, source: Any, strict: bool, key_map: KeyMapper | None = None) -> None:
     """``Engine.load_full_state_dict``: each rank keeps what it holds (see :mod:`shardtrain.zero.weights`)."""
     dests = weight_destinations(state.module, state.layout, state.optimizer)
     if isinstance(source, (str, Path, list, tuple)):
-        load_safetensors(dests, safetensors_files(source), strict)
+        load_safetensors(dests, safetensors_files(source), strict, key_map)
+    elif key_map is not None:
+        raise TypeError("load_full_state_dict: key_map maps the keys of safetensors files; pass a path, not a dict")
     else:
         load_state_dict_from_rank0(dests, source, state.comm, strict)  # global rank 0's dict

@@ -11,14 +11,20 @@ Two sources:
 
 Each parameter is written through a :class:`Destination` that knows whether this rank holds it whole
 (stages 0-2, persistent, frozen, buffers) or only a fragment of it (stage-3 units).
+
+Which checkpoint tensors make which model tensor is a :class:`KeyMap`: by default each key is the model name it
+names; a layer above may pass another (``compat.hf_keys`` builds one from transformers' own key conversion, where
+checkpoint keys are renamed and per-expert tensors are stacked into one fused tensor, [Note: converted rows]).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +38,8 @@ from shardtrain.errors import ShardtrainError
 if TYPE_CHECKING:
     from shardtrain.zero.layout import ShardLayout
     from shardtrain.zero.optimizer import ShardedOptimizer
+
+log = logging.getLogger("shardtrain")
 
 
 @dataclass
@@ -146,6 +154,70 @@ def state_tensors(module: torch.nn.Module) -> list[tuple[list[str], torch.Tensor
     return list(grouped.values())
 
 
+# -- which checkpoint tensors make which model tensor ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorHeader:
+    """One checkpoint tensor as its file's header describes it (nothing read)."""
+
+    file: Path
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+Loader = Callable[[], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Conversion:
+    """Model tensors made from several checkpoint tensors by a conversion's operations (transformers stacks the
+    per-expert ``experts.N.w1`` / ``experts.N.w3`` tensors and concatenates them into one ``experts.gate_up_proj``).
+
+    ``sources``: per source pattern, its checkpoint keys in the order the conversion takes them. ``run`` turns one
+    loader per key (the same patterns, each list in that order, possibly a run of it) into tensors by model name.
+    ``shapes``: the model names it makes and their shapes (found by running it on ``meta`` tensors).
+    ``stacked``: row ``i`` of the one tensor it makes comes from entry ``i`` of each pattern's list only, so rows
+    ``[r0, r1)`` are made from entries ``[r0, r1)`` ([Note: converted rows])."""
+
+    sources: tuple[tuple[str, tuple[str, ...]], ...]
+    run: Callable[[Mapping[str, Sequence[Loader]]], Mapping[str, torch.Tensor]]
+    shapes: Mapping[str, tuple[int, ...]]
+    stacked: bool = False
+
+    @property
+    def keys(self) -> list[str]:
+        return [k for _, keys in self.sources for k in keys]
+
+
+@dataclass(frozen=True)
+class KeyMap:
+    """How a checkpoint's keys become the model's names: plain data, the same on every rank.
+
+    ``renamed``: model name -> the checkpoint key holding it as is. ``converted``: model tensors made by a
+    :class:`Conversion`. ``unmapped``: checkpoint key -> the name the mapping gave it, a name the model does not have.
+    ``ignored``: likewise, for keys the model's class says to ignore (stale buffers such as ``attention.bias``):
+    not loaded, logged. ``may_miss``: model names the class lets a checkpoint lack: they keep their initial values
+    with a warning, even with ``strict``. ``by``: who mapped them, for messages (e.g. transformers' conversion for
+    ``MixtralForCausalLM``)."""
+
+    renamed: Mapping[str, str]
+    converted: tuple[Conversion, ...] = ()
+    unmapped: Mapping[str, str] = field(default_factory=dict)
+    ignored: Mapping[str, str] = field(default_factory=dict)
+    may_miss: frozenset[str] = frozenset()
+    by: str = ""
+
+    @classmethod
+    def identity(cls, keys: Sequence[str]) -> KeyMap:
+        """Each checkpoint key is the model name it names."""
+        return cls(renamed={k: k for k in keys})
+
+
+KeyMapper = Callable[[Mapping[str, TensorHeader]], KeyMap]
+"""Builds the :class:`KeyMap` from the checkpoint's tensor headers (``compat.hf_keys.hf_key_mapper`` is one)."""
+
+
 def load_state_dict_from_rank0(
     dests: list[Destination], state: Mapping[str, torch.Tensor] | None, comm: Communicator, strict: bool
 ) -> None:
@@ -154,10 +226,11 @@ def load_state_dict_from_rank0(
     # every rank learns rank 0's keys and shapes, so that every rank takes the same decisions (no hang)
     shapes = {k: tuple(v.shape) for k, v in state.items()} if comm.rank == 0 and state is not None else None
     shapes = comm.all_gather_object(shapes, what="state-dict keys and shapes from rank 0")[0]
-    picked = _match(dests, set(shapes), strict)
-    for dest, key in picked:
-        _check_shape(key, shapes[key], dest, "the state dict")
-    for dest, key in picked:
+    picked = _match(dests, KeyMap.identity(list(shapes)), strict)
+    for p in picked:
+        _check_shape(p.key, shapes[p.key], p.dest, "the state dict")
+    for p in picked:
+        dest, key = p.dest, p.key
         if comm.rank == 0:
             buf = state[key].detach().to(device=dest.device, dtype=dest.dtype, copy=True).contiguous()
         else:
@@ -189,29 +262,118 @@ def safetensors_files(path: str | Path | list[str | Path]) -> list[Path]:
     return [path]
 
 
-def load_safetensors(dests: list[Destination], files: list[Path], strict: bool) -> None:
-    where: dict[str, Path] = {}
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def checkpoint_headers(files: list[Path]) -> dict[str, TensorHeader]:
+    """Every tensor of the files, from their headers: where it is, its shape and dtype."""
+    headers = {}
     for f in files:
         with safe_open(str(f), framework="pt") as handle:
             for key in handle.keys():  # noqa: SIM118 (safe_open has keys(), not iteration)
-                where[key] = f
-    picked = _match(dests, set(where), strict)
-    for dest, key in picked:  # every rank checks every shape (headers only) before anything is written
-        with safe_open(str(where[key]), framework="pt") as handle:
-            _check_shape(key, tuple(handle.get_slice(key).get_shape()), dest, where[key].name)
-    for dest, key in picked:
+                part = handle.get_slice(key)
+                dtype = _SAFETENSORS_DTYPES.get(part.get_dtype(), torch.float32)  # others: only meta runs see it
+                headers[key] = TensorHeader(f, tuple(part.get_shape()), dtype)
+    return headers
+
+
+def load_safetensors(
+    dests: list[Destination], files: list[Path], strict: bool, key_map: KeyMapper | None = None
+) -> None:
+    headers = checkpoint_headers(files)
+    keys = key_map(headers) if key_map is not None else KeyMap.identity(list(headers))
+    picked = _match(dests, keys, strict)
+    for p in picked:  # every rank checks every shape (headers only) before anything is written
+        if p.conversion is None:
+            _check_shape(p.key, headers[p.key].shape, p.dest, headers[p.key].file.name)
+        else:
+            made_from = f"the checkpoint (made from {p.conversion.keys[0]} ...)"
+            _check_shape(p.name, p.conversion.shapes[p.name], p.dest, made_from)
+    groups: dict[int, list[_Picked]] = {}
+    for p in picked:
+        if p.conversion is not None:
+            groups.setdefault(id(p.conversion), []).append(p)
+            continue
+        dest, key, where = p.dest, p.key, headers[p.key].file
         if dest.block is not None:  # split by tensor parallelism: read this rank's block only
             if any(t.numel() for t, _ in dest.targets):
-                with safe_open(str(where[key]), framework="pt") as handle:
+                with safe_open(str(where), framework="pt") as handle:
                     dest.write_block(_read_block(handle.get_slice(key), dest.block))
             continue
         lo, hi = dest.needed_range()
         if lo == hi:
             continue
-        with safe_open(str(where[key]), framework="pt") as handle:
+        with safe_open(str(where), framework="pt") as handle:
             part = handle.get_slice(key)
             values, first = _read_rows(part, tuple(part.get_shape()), lo, hi)
         dest.write_slice(values.reshape(-1), first)
+    for group in groups.values():
+        _load_converted(group, headers)
+
+
+# [Note: converted rows]
+# A conversion that stacks one tensor per expert (transformers' MergeModulelist(dim=0), then operations on the
+# other dimensions only, such as Concatenate(dim=1)) makes row i of the fused tensor from expert i's tensors alone.
+# A rank that holds elements [lo, hi) of the flattened fused tensor (a stage-3 fragment) therefore reads the experts
+# of the rows covering them, and runs the conversion, transformers' own operations, on those experts only: no rank
+# reads every expert. Any other conversion reads all its sources, runs once, and each destination keeps its part
+# (a tensor-parallel block is cut from the whole), one converted tensor at a time.
+
+
+def _load_converted(group: list[_Picked], headers: Mapping[str, TensorHeader]) -> None:
+    """Load the model tensors one :class:`Conversion` makes ([Note: converted rows])."""
+    conv = group[0].conversion
+    needed = [p for p in group if _holds_any(p.dest)]
+    if not needed:
+        return
+    if _rows_readable(conv) and len(group) == 1 and needed[0].dest.block is None:
+        p = needed[0]
+        shape = conv.shapes[p.name]
+        lo, hi = p.dest.needed_range()
+        row = max(1, math.prod(shape[1:]))
+        r0, r1 = lo // row, -(-hi // row)
+        loaders = {pattern: [_loader(headers[k].file, k) for k in keys[r0:r1]] for pattern, keys in conv.sources}
+        p.dest.write_slice(conv.run(loaders)[p.name].reshape(-1), r0 * row)
+        return
+    made = conv.run({pattern: [_loader(headers[k].file, k) for k in keys] for pattern, keys in conv.sources})
+    for p in needed:
+        p.dest.write_slice(made[p.name].reshape(-1), 0)
+
+
+def _holds_any(dest: Destination) -> bool:
+    """Whether this rank keeps any element of the tensor (of its tensor-parallel block, or of its range)."""
+    if dest.block is not None:
+        return any(t.numel() for t, _ in dest.targets)
+    lo, hi = dest.needed_range()
+    return lo < hi
+
+
+def _rows_readable(conv: Conversion) -> bool:
+    """Whether rows of the converted tensor can be made from the matching entries alone (``stacked``, one tensor
+    made, as many rows as each pattern has entries)."""
+    if not conv.stacked or len(conv.shapes) != 1:
+        return False
+    (shape,) = conv.shapes.values()
+    return len(shape) > 0 and all(len(keys) == shape[0] for _, keys in conv.sources)
+
+
+def _loader(file: Path, key: str) -> Loader:
+    def load() -> torch.Tensor:
+        with safe_open(str(file), framework="pt") as handle:
+            return handle.get_tensor(key)
+
+    return load
 
 
 def _read_block(part, block: TPBlock) -> torch.Tensor:
@@ -237,23 +399,89 @@ def _read_rows(part, shape: tuple[int, ...], lo: int, hi: int) -> tuple[torch.Te
     return part[r0:r1].reshape(-1), r0 * row
 
 
-def _match(dests: list[Destination], keys: set[str], strict: bool) -> list[tuple[Destination, str]]:
+@dataclass(frozen=True)
+class _Picked:
+    """A model tensor and where its values come from: the checkpoint ``key`` holding it as is, or a conversion."""
+
+    dest: Destination
+    name: str  # the model name it is loaded under
+    key: str = ""
+    conversion: Conversion | None = None
+
+
+def _match(dests: list[Destination], keys: KeyMap, strict: bool) -> list[_Picked]:
+    made = {name: conv for conv in keys.converted for name in conv.shapes}
     picked, missing, used = [], [], set()
     for dest in dests:
-        key = next((n for n in dest.names if n in keys), None)
-        if key is None:
+        name = next((n for n in dest.names if n in keys.renamed or n in made), None)
+        if name is None:
             missing.append(dest.names[0])
             continue
-        used.update(n for n in dest.names if n in keys)
-        picked.append((dest, key))
-    unexpected = sorted(keys - used)
-    if strict and (missing or unexpected):
+        for n in dest.names:  # a tied tensor consumes the checkpoint tensors of each of its names
+            if n in keys.renamed:
+                used.add(keys.renamed[n])
+            if n in made:
+                used.update(made[n].keys)
+        if name in keys.renamed:
+            picked.append(_Picked(dest, name, key=keys.renamed[name]))
+        else:
+            picked.append(_Picked(dest, name, conversion=made[name]))
+    unexpected = {k: k for k in keys.renamed.values() if k not in used}
+    unexpected.update({k: k for conv in keys.converted for k in conv.keys if k not in used})
+    unexpected.update(keys.unmapped)
+    if keys.ignored:
+        log.info("load_full_state_dict: not loaded, as %s says to ignore them: %s", keys.by, ", ".join(keys.ignored))
+    allowed = [n for n in missing if n in keys.may_miss]
+    if allowed:
+        warnings.warn(
+            f"load_full_state_dict: {len(allowed)} model tensor(s) are not in the checkpoint, which {keys.by} allows; "
+            f"they keep their initial values: {_listed(allowed, None)}",
+            stacklevel=4,
+        )
+    missing = [n for n in missing if n not in keys.may_miss]
+    if missing or unexpected:
+        _report(missing, unexpected, keys.by, strict)
+    return picked
+
+
+def _listed(names: Sequence[str], limit: int | None = 8) -> str:
+    shown = names if limit is None else names[:limit]
+    more = f" ... ({len(names)} in all)" if limit is not None and len(names) > limit else ""
+    return ", ".join(shown) + more
+
+
+def _report(missing: list[str], unexpected: Mapping[str, str], by: str, strict: bool) -> None:
+    """What a checkpoint and a model disagree on, never silently ([Note: no silent initial values])."""
+    renamed = [k if v == k else f"{k} (mapped to {v})" for k, v in sorted(unexpected.items())]
+    unmapped = f"which {by} could not map" if by else "and no key conversion was given"
+    under = f" under {by}" if by else ""
+    if not strict:
         parts = []
         if missing:
-            parts.append(f"missing: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+            parts.append(f"{len(missing)} model tensor(s) keep their initial values: {_listed(missing, None)}")
         if unexpected:
-            parts.append(f"unexpected: {', '.join(unexpected[:8])}{' ...' if len(unexpected) > 8 else ''}")
+            parts.append(f"{len(unexpected)} checkpoint tensor(s) are not loaded: {_listed(renamed, None)}")
+        warnings.warn(f"load_full_state_dict(strict=False): {'; '.join(parts)}", stacklevel=4)
+        return
+    if missing and unexpected:
         raise ShardtrainError(
-            f"weights do not match the model ({'; '.join(parts)}); pass strict=False to load the rest"
+            f"weights do not match the model (missing: {_listed(missing)}; unexpected: {_listed(renamed)}): the "
+            f"checkpoint likely holds the missing weights under other names, {unmapped}. Load it with the model "
+            "class that saved it, with a transformers version whose conversion knows this layout, or map the names "
+            "yourself (from_pretrained's key_mapping)"
         )
-    return picked
+    if missing:
+        raise ShardtrainError(
+            f"weights do not match the model (missing: {_listed(missing)}): the checkpoint holds no tensor under "
+            "another name either; pass strict=False to load the rest and train these from their initial values"
+        )
+    raise ShardtrainError(
+        f"weights do not match the model (unexpected: {_listed(renamed)}): the model has no tensor of that "
+        f"name{under}; pass strict=False to load the rest and leave these out"
+    )
+
+
+# [Note: no silent initial values]
+# A model tensor that no checkpoint tensor maps to keeps the value it was built with (random, for a model built
+# from its config). With strict (the default) that is an error; with strict=False a warning names every such tensor
+# and every checkpoint tensor left unloaded, so that a router or head trained from scratch is never a surprise.
