@@ -1,0 +1,200 @@
+"""Consolidating a peft run writes what its users load: the merged model ``from_pretrained`` opens (the default,
+``--merge-adapters``) or the adapters ``PeftModel.from_pretrained`` opens (``--adapters-only``). Before, the
+``PeftModel``'s own tensor names were written beside ``config.json`` and ``from_pretrained`` returned a random
+model. Each output is compared with peft doing the same in one process on the trained model."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from model_cases import BUILDERS, MICRO, _llama, batches, optimizer
+from shardtrain.checkpoint import FlatSlice, SavePiece, open_checkpoint, save
+from shardtrain.checkpoint.consolidate import consolidate
+from shardtrain.checkpoint.hf_config import hf_config_objects
+from shardtrain.cli import main
+from shardtrain.errors import CheckpointError
+from shardtrain.testing import run_distributed
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+NO_PERSIST = {"stage3_param_persistence_threshold": 0}
+PROBE = torch.arange(2 * 12).reshape(2, 12) % 64  # token ids: the tiny models' vocabulary is 64
+
+
+def _train_and_save(save_dir: str, steps: int = 3) -> dict | None:
+    """On each rank: LoRA on the tiny Llama at ZeRO-3, a few steps, ``save_checkpoint``; rank 0 returns the full
+    trained state dict (the ``PeftModel``'s names)."""
+    import torch.distributed as dist
+
+    import shardtrain
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = BUILDERS["llama_lora"]()
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": 3, "reduce_bucket_size": 3000, **NO_PERSIST},
+    }
+    engine = shardtrain.initialize(model, config=config, optimizer=optimizer(model))
+    for x in batches(world, steps):
+        x = x[rank * MICRO : (rank + 1) * MICRO]
+        engine.backward(engine(input_ids=x, labels=x).loss)
+        engine.step()
+    engine.save_checkpoint(save_dir)
+    return engine.full_state_dict()
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"world{w}")
+def run(request, tmp_path_factory):
+    """(checkpoint directory, the trained PeftModel rebuilt in one process from the engine's full state dict)."""
+    save_dir = tmp_path_factory.mktemp(f"lora_world{request.param}")
+    state = run_distributed(_train_and_save, request.param, str(save_dir))[0]
+    model = BUILDERS["llama_lora"]()
+    model.load_state_dict(state, strict=True)
+    return save_dir, model.eval()
+
+
+def _logits(model: torch.nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=PROBE).logits
+
+
+def test_merged_output_is_what_merge_and_unload_gives(run, tmp_path):
+    save_dir, trained = run
+    assert main(["checkpoint", "consolidate", str(save_dir), str(tmp_path), "--no-progress"]) == 0
+    merged, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert type(merged).__name__ == "LlamaForCausalLM"
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    want = copy.deepcopy(trained).merge_and_unload()
+    got_state, want_state = merged.state_dict(), want.state_dict()
+    assert got_state.keys() == want_state.keys()
+    for name, t in want_state.items():
+        torch.testing.assert_close(got_state[name], t, rtol=0, atol=0, msg=name)
+    torch.testing.assert_close(_logits(merged.eval()), _logits(trained), rtol=1e-5, atol=1e-5)
+    # the same with the flag said out loud
+    assert (
+        main(["checkpoint", "consolidate", str(save_dir), str(tmp_path / "b"), "--merge-adapters", "--no-progress"])
+        == 0
+    )
+    assert json.loads((tmp_path / "b" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+
+
+def test_adapters_only_is_what_save_pretrained_writes(run, tmp_path):
+    save_dir, trained = run
+    assert (
+        main(["checkpoint", "consolidate", str(save_dir), str(tmp_path / "a"), "--adapters-only", "--no-progress"]) == 0
+    )
+    trained.save_pretrained(tmp_path / "peft")
+    from safetensors.torch import load_file
+
+    got, want = (
+        load_file(tmp_path / "a" / "adapter_model.safetensors"),
+        load_file(tmp_path / "peft" / "adapter_model.safetensors"),
+    )
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert not (tmp_path / "a" / "config.json").exists()
+    got_cfg = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
+    want_cfg = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert {k: sorted(v) if isinstance(v, list) else v for k, v in got_cfg.items()} == {
+        k: sorted(v) if isinstance(v, list) else v for k, v in want_cfg.items()
+    }
+    base = _llama()  # the frozen base as the run started
+    loaded = peft.PeftModel.from_pretrained(base, tmp_path / "a").eval()
+    torch.testing.assert_close(_logits(loaded), _logits(trained), rtol=0, atol=0)
+
+
+def _save_in_one_process(model: torch.nn.Module, save_dir) -> None:
+    """The model's state saved as the engine names it (first state-dict name; tied names as aliases), with the
+    objects the engine records for a transformers model (and a peft model's adapters)."""
+    pieces, aliases, first = [], {}, {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) in first:
+            aliases[f"model/{name}"] = f"model/{first[id(t)]}"
+            continue
+        first[id(t)] = name
+        flat = t.detach().reshape(-1).clone()
+        pieces.append(SavePiece(f"model/{name}", tuple(t.shape), FlatSlice(0, flat.numel()), flat))
+    save(save_dir, "t", None, pieces, global_objects=hf_config_objects(model), aliases=aliases)
+
+
+def _gpt2(peft_config: peft.PeftConfig) -> torch.nn.Module:
+    """A tiny GPT-2 (tied embeddings, ``Conv1D`` layers) with ``peft_config``, its adapters moved off their start."""
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4)
+    torch.manual_seed(0)
+    model = peft.get_peft_model(transformers.GPT2LMHeadModel(config), peft_config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.05)
+    return model.eval()
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        {"fan_in_fan_out": True, "modules_to_save": ["ln_f"]},
+        {"fan_in_fan_out": True, "use_dora": True, "lora_dropout": 0.0},
+    ],
+    ids=["lora_conv1d_modules_to_save", "dora"],
+)
+def test_gpt2_merged_and_adapters_only(kind, tmp_path):
+    """GPT-2's ``Conv1D`` (weights stored transposed), tied embeddings, a module trained whole
+    (``modules_to_save``) and DoRA: each merged by peft's own code, layer by layer."""
+    trained = _gpt2(peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_proj"], **kind))
+    _save_in_one_process(trained, tmp_path / "run")
+    files = consolidate(open_checkpoint(tmp_path / "run"), tmp_path / "merged", progress=False)
+    assert {f.name for f in files} == {"model.safetensors", "config.json", "generation_config.json"}
+    merged, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    want = copy.deepcopy(trained).merge_and_unload().state_dict()
+    got = merged.state_dict()
+    assert got.keys() == want.keys()
+    for name, t in want.items():
+        torch.testing.assert_close(got[name], t, rtol=0, atol=0, msg=name)
+    torch.testing.assert_close(_logits(merged.eval()), _logits(trained), rtol=1e-5, atol=1e-5)
+
+    consolidate(open_checkpoint(tmp_path / "run"), tmp_path / "adapters", adapters_only=True, progress=False)
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4)
+    torch.manual_seed(0)
+    loaded = peft.PeftModel.from_pretrained(transformers.GPT2LMHeadModel(config), tmp_path / "adapters").eval()
+    torch.testing.assert_close(_logits(loaded), _logits(trained), rtol=0, atol=0)
+
+
+def test_prompt_tuning_is_refused_merged_and_written_as_adapters(tmp_path):
+    """Prompt tuning adds virtual tokens, not weights: merging is refused by name, ``--adapters-only`` writes
+    what ``save_pretrained`` writes (the prompt embeddings)."""
+    trained = _gpt2(peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3))
+    _save_in_one_process(trained, tmp_path / "run")
+    with pytest.raises(CheckpointError, match=r"PROMPT_TUNING.*cannot be merged.*--adapters-only"):
+        consolidate(open_checkpoint(tmp_path / "run"), tmp_path / "merged", progress=False)
+    assert not (tmp_path / "merged").exists()
+    consolidate(open_checkpoint(tmp_path / "run"), tmp_path / "adapters", adapters_only=True, progress=False)
+    trained.save_pretrained(tmp_path / "peft")
+    from safetensors.torch import load_file
+
+    got, want = (
+        load_file(tmp_path / "adapters" / "adapter_model.safetensors"),
+        load_file(tmp_path / "peft" / "adapter_model.safetensors"),
+    )
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_refusals_by_name(tmp_path, capsys):
+    """Both flags at once; either flag on a checkpoint without adapters: exit status 2, one line, nothing written."""
+    trained = _gpt2(peft.LoraConfig(r=2, target_modules=["c_attn"], fan_in_fan_out=True))
+    _save_in_one_process(trained, tmp_path / "peft_run")
+    args = ["checkpoint", "consolidate", str(tmp_path / "peft_run"), str(tmp_path / "o"), "--no-progress"]
+    assert main([*args, "--merge-adapters", "--adapters-only"]) == 2
+    assert "--merge-adapters and --adapters-only exclude each other" in capsys.readouterr().err
+    _save_in_one_process(torch.nn.Linear(3, 2), tmp_path / "plain")
+    for flag in ("--adapters-only", "--merge-adapters"):
+        args = ["checkpoint", "consolidate", str(tmp_path / "plain"), str(tmp_path / "o"), "--no-progress", flag]
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert f"{flag} needs a peft run" in err and "no peft adapters" in err, err
+    assert not (tmp_path / "o").exists()
