@@ -198,3 +198,36 @@ def test_refusals_by_name(tmp_path, capsys):
         err = capsys.readouterr().err
         assert f"{flag} needs a peft run" in err and "no peft adapters" in err, err
     assert not (tmp_path / "o").exists()
+
+
+def test_two_adapters_merge_the_active_one_and_write_both(tmp_path):
+    """As peft does: ``merge_and_unload`` merges the active adapter; ``save_pretrained`` writes ``default`` in the
+    directory and any other adapter in a folder of its name."""
+    trained = _gpt2(peft.LoraConfig(r=2, target_modules=["c_attn"], fan_in_fan_out=True))
+    trained.add_adapter("second", peft.LoraConfig(r=3, target_modules=["c_attn", "c_proj"], fan_in_fan_out=True))
+    with torch.no_grad():
+        for n, p in trained.named_parameters():
+            if ".second." in n:
+                p.add_(torch.randn_like(p) * 0.05)
+    trained.set_adapter("second")
+    _save_in_one_process(trained, tmp_path / "run")
+    consolidate(open_checkpoint(tmp_path / "run"), tmp_path / "merged", progress=False)
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    want = copy.deepcopy(trained).merge_and_unload().state_dict()
+    assert all(torch.equal(merged.state_dict()[k], t) for k, t in want.items())
+
+    files = consolidate(open_checkpoint(tmp_path / "run"), tmp_path / "a", adapters_only=True, progress=False)
+    assert sorted(str(f.relative_to(tmp_path / "a")) for f in files) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "second/adapter_config.json",
+        "second/adapter_model.safetensors",
+    ]
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4)
+    torch.manual_seed(0)
+    loaded = peft.PeftModel.from_pretrained(transformers.GPT2LMHeadModel(config), tmp_path / "a")
+    loaded.load_adapter(tmp_path / "a" / "second", adapter_name="second")
+    for name in ("default", "second"):
+        loaded.set_adapter(name)
+        trained.set_adapter(name)
+        torch.testing.assert_close(_logits(loaded.eval()), _logits(trained), rtol=0, atol=0)
