@@ -18,6 +18,9 @@ A checkpoint of a Hugging Face ``transformers`` model carries its configuration 
 ``dtype`` set to the dtype of the written weights) and ``generation_config.json``, so that
 ``AutoModelForCausalLM.from_pretrained(out_dir)`` opens the output with no other step.
 
+A peft run (global object :data:`PEFT_CONFIG_KEY`) is written merged or as adapters, never under the
+``PeftModel``'s own names (see ``peft_consolidate.py``).
+
 With ``optimizer=True`` a ``torch.optim.Optimizer.state_dict()`` is also written (``optimizer.pt``). It needs the
 global object :data:`OPTIMIZER_LAYOUT_KEY` (see there); ``torch.save`` holds this dict in memory, so this part is
 not streamed.
