@@ -157,6 +157,12 @@ def test_gpt2_merged_and_adapters_only(kind, tmp_path):
     for name, t in want.items():
         torch.testing.assert_close(got[name], t, rtol=0, atol=0, msg=name)
     torch.testing.assert_close(_logits(merged.eval()), _logits(trained), rtol=1e-5, atol=1e-5)
+    # --dtype and --max-shard-size apply to the merged model as to any other
+    reader = open_checkpoint(tmp_path / "run")
+    files = consolidate(reader, tmp_path / "bf16", dtype=torch.bfloat16, max_shard_size=20_000, progress=False)
+    assert len([f for f in files if f.name.startswith("model-")]) > 2
+    small = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.bfloat16).state_dict()
+    assert all(torch.equal(small[name], t.to(torch.bfloat16)) for name, t in want.items())
 
     consolidate(open_checkpoint(tmp_path / "run"), tmp_path / "adapters", adapters_only=True, progress=False)
     config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4)

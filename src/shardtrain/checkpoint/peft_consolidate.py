@@ -113,7 +113,8 @@ def merged_outputs(
             continue
         path = group_of.get(name)
         if path is None:
-            outs.append((_strip(reader, name), entry.global_shape, convert(entry.torch_dtype), _reader(reader, entry)))
+            target = convert(entry.torch_dtype)
+            outs.append((_strip(reader, name), entry.global_shape, target, _reader(reader, entry, target)))
             continue
         if path in done:
             continue
@@ -141,8 +142,8 @@ def _strip(reader: CheckpointReader, name: str) -> str:
     return name[len(PEFT_PREFIX) :]
 
 
-def _reader(reader: CheckpointReader, entry: TensorEntry) -> Callable[[], torch.Tensor]:
-    return lambda: reader.read(entry.name)
+def _reader(reader: CheckpointReader, entry: TensorEntry, dtype: torch.dtype) -> Callable[[], torch.Tensor]:
+    return lambda: reader.read(entry.name, dtype=dtype)
 
 
 def _peft_modules(model: Any) -> dict[str, nn.Module]:
@@ -236,7 +237,7 @@ def adapter_outputs(
         name = source.get(id(t))
         if name in by_name:
             entry = by_name[name]
-            outs.append((out_name, entry.global_shape, entry.torch_dtype, _reader(reader, entry)))
+            outs.append((out_name, entry.global_shape, entry.torch_dtype, _reader(reader, entry, entry.torch_dtype)))
         elif not t.is_meta:  # computed by peft from tensors read above
             outs.append((out_name, tuple(t.shape), t.dtype, lambda t=t: t.detach().contiguous()))
         else:
