@@ -254,7 +254,7 @@ _RSS_SCRIPT = textwrap.dedent(
     reader = open_checkpoint(sys.argv[1])
     # transformers and peft import their modules lazily: one meta model built first, so that the imports are not
     # counted as what consolidation holds
-    adapters, active = peft_consolidate.peft_configs(reader, reader.objects[PEFT_CONFIG_KEY])
+    adapters, active, _ = peft_consolidate.peft_configs(reader, reader.objects[PEFT_CONFIG_KEY])
     peft_consolidate.meta_peft_model(reader, reader.objects[HF_CONFIG_KEY], adapters, active)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the peak resident set size (VmHWM) to the current one
@@ -280,3 +280,42 @@ def test_merging_holds_one_layer_at_a_time(tmp_path):
     script = [sys.executable, "-c", _RSS_SCRIPT, str(tmp_path / "run"), str(tmp_path / "o")]
     growth = int(subprocess.run(script, capture_output=True, text=True, check=True).stdout)
     assert total > 100e6 and growth < total / 4, f"peak RSS grew by {growth / 2**20:.0f} MiB of {total / 2**20:.0f}"
+
+
+def test_adapters_added_with_transformers_add_adapter(tmp_path):
+    """transformers' own ``add_adapter`` (no ``PeftModel`` around the model, so no ``base_model.model.`` in the
+    names): merged as peft merges the adapter transformers saves; ``--adapters-only`` writes what transformers'
+    ``save_pretrained`` writes (peft's format), and ``load_adapter`` opens it."""
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4)
+    torch.manual_seed(0)
+    trained = transformers.GPT2LMHeadModel(config)
+    trained.add_adapter(peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_proj"], fan_in_fan_out=True))
+    with torch.no_grad():
+        for n, p in trained.named_parameters():
+            if "lora_" in n:
+                p.add_(torch.randn_like(p) * 0.05)
+    trained.eval()
+    _save_in_one_process(trained, tmp_path / "run")
+    trained.save_pretrained(tmp_path / "hf")
+
+    consolidate(open_checkpoint(tmp_path / "run"), tmp_path / "merged", progress=False)
+    merged, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    torch.manual_seed(0)
+    want = peft.PeftModel.from_pretrained(transformers.GPT2LMHeadModel(config), tmp_path / "hf").merge_and_unload()
+    got, want_state = merged.state_dict(), want.state_dict()
+    assert got.keys() == want_state.keys() and all(torch.equal(got[k], t) for k, t in want_state.items())
+    torch.testing.assert_close(_logits(merged.eval()), _logits(trained), rtol=1e-5, atol=1e-5)
+
+    consolidate(open_checkpoint(tmp_path / "run"), tmp_path / "a", adapters_only=True, progress=False)
+    from safetensors.torch import load_file
+
+    got, want = (
+        load_file(tmp_path / "a" / "adapter_model.safetensors"),
+        load_file(tmp_path / "hf" / "adapter_model.safetensors"),
+    )
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    torch.manual_seed(0)
+    loaded = transformers.GPT2LMHeadModel(config)
+    loaded.load_adapter(str(tmp_path / "a"))
+    torch.testing.assert_close(_logits(loaded.eval()), _logits(trained), rtol=0, atol=0)

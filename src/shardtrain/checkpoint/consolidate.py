@@ -136,11 +136,11 @@ def consolidate(
     if peft_text is not None:
         from shardtrain.checkpoint import peft_consolidate as pc
 
-        adapters, active = pc.peft_configs(reader, peft_text)
+        adapters, active, prefix = pc.peft_configs(reader, peft_text)
         model = pc.meta_peft_model(reader, reader.objects.get(HF_CONFIG_KEY), adapters, active)
         if adapters_only:
-            return _write_adapters(reader, out_dir, model, adapters, progress)
-        outs = [_Out(name, shape, t, load) for name, shape, t, load in pc.merged_outputs(reader, model, dtype)]
+            return _write_adapters(reader, out_dir, model, prefix, adapters, progress)
+        outs = [_Out(*o) for o in pc.merged_outputs(reader, model, prefix, dtype)]
         names = {o.name for o in outs}
         for name, entry in reader.manifest.tensors.items():
             for alias in entry.aliases:
@@ -209,7 +209,9 @@ def _write_model(
     return written
 
 
-def _write_adapters(reader: CheckpointReader, out_dir: Path, model: Any, adapters: dict, progress: bool) -> list[Path]:
+def _write_adapters(
+    reader: CheckpointReader, out_dir: Path, model: Any, prefix: str, adapters: dict, progress: bool
+) -> list[Path]:
     """What ``PeftModel.save_pretrained`` writes: per adapter ``adapter_model.safetensors`` and
     ``adapter_config.json``, the adapter named ``default`` in ``out_dir``, any other in ``out_dir/<name>``. The
     tensors keep the dtype they were trained in; ``--dtype`` and ``--max-shard-size`` do not apply (peft writes one
@@ -219,7 +221,7 @@ def _write_adapters(reader: CheckpointReader, out_dir: Path, model: Any, adapter
     _check_before_writing(reader)
     written: list[Path] = []
     for name, config in adapters.items():
-        outs = [_Out(*o) for o in pc.adapter_outputs(reader, model, name)]
+        outs = [_Out(*o) for o in pc.adapter_outputs(reader, model, prefix, name)]
         target = out_dir if name == "default" else out_dir / name
         target.mkdir(parents=True, exist_ok=True)
         written += _write_model(target, outs, {}, None, progress, "adapter_model")

@@ -35,16 +35,19 @@ from shardtrain.checkpoint.reader import CheckpointReader
 from shardtrain.errors import CheckpointError
 
 PEFT_PREFIX = "base_model.model."
+# (output name, shape, dtype, load: the tensor, whole, in that dtype)
+Output = tuple[str, tuple[int, ...], torch.dtype, Callable[[], torch.Tensor]]
 
 
-def peft_configs(reader: CheckpointReader, text: str) -> tuple[dict[str, dict], list[str]]:
-    """The adapters' configs (name -> adapter_config.json content) and the active adapters' names."""
+def peft_configs(reader: CheckpointReader, text: str) -> tuple[dict[str, dict], list[str], str]:
+    """The adapters' configs (name -> adapter_config.json content), the active adapters' names, and the prefix of
+    the checkpoint's names (``base_model.model.`` for a ``PeftModel``, nothing after transformers' ``add_adapter``)."""
     try:
         data = json.loads(text)
-        adapters, active = data["adapters"], data["active_adapters"]
-    except (ValueError, TypeError, KeyError):
+        adapters, active, prefix = data["adapters"], data["active_adapters"], data.get("prefix", PEFT_PREFIX)
+    except (ValueError, TypeError, KeyError, AttributeError):
         raise CheckpointError(f"{reader.path}: the peft config object is not what shardtrain writes") from None
-    return adapters, active
+    return adapters, active, prefix
 
 
 def meta_peft_model(reader: CheckpointReader, hf_config_text: str | None, adapters: dict, active: list[str]) -> Any:
@@ -78,10 +81,8 @@ def meta_peft_model(reader: CheckpointReader, hf_config_text: str | None, adapte
     return model
 
 
-def merged_outputs(
-    reader: CheckpointReader, model: Any, dtype: torch.dtype | None
-) -> list[tuple[str, tuple[int, ...], torch.dtype, Callable[[], torch.Tensor]]]:
-    """(output name, shape, dtype, load) for every tensor of the merged model, in the manifest's order.
+def merged_outputs(reader: CheckpointReader, model: Any, prefix: str, dtype: torch.dtype | None) -> list[Output]:
+    """Every tensor of the merged model, in the manifest's order; ``prefix`` as :func:`peft_configs` gives it.
 
     See [Note: merging one layer at a time]. ``dtype`` converts floating-point tensors, as elsewhere."""
     if any(cfg.is_prompt_learning for cfg in model.peft_config.values()):
@@ -95,13 +96,13 @@ def merged_outputs(
         model.base_model._check_merge_allowed()  # peft's own refusals (e.g. an adapter type that cannot merge)
     except (ValueError, NotImplementedError, AttributeError) as err:
         raise CheckpointError(f"{reader.path}: peft cannot merge these adapters: {err}; nothing was written") from None
-    by_name = _model_entries(reader)
+    by_name = _model_entries(reader, prefix)
     groups = _peft_modules(model)
     group_of: dict[str, str] = {}  # checkpoint name -> the peft module it belongs to
     for path, module in groups.items():
-        for entry in _inputs(module, path, by_name, reader).values():
-            group_of[entry.name.removeprefix("model/")] = path
-    outs: list[tuple[str, tuple[int, ...], torch.dtype, Callable[[], torch.Tensor]]] = []
+        for key in _inputs(module, path, by_name, reader):
+            group_of[f"{path}.{key}"] = path
+    outs: list[Output] = []
     done: set[str] = set()
     cache: dict[str, dict[str, torch.Tensor]] = {}
 
@@ -109,7 +110,7 @@ def merged_outputs(
         return dtype if dtype is not None and t.is_floating_point else t
 
     for name, entry in by_name.items():
-        if entry.name != f"model/{name}":  # an alias: written once, under its primary name
+        if name != _peft_name(entry.name, prefix):  # an alias: written once, under its primary name
             continue
         path = group_of.get(name)
         if path is None:
@@ -127,13 +128,19 @@ def merged_outputs(
     return outs
 
 
-def _model_entries(reader: CheckpointReader) -> dict[str, TensorEntry]:
-    """Every model tensor's state-dict name (``model/`` removed), primary names first, then aliases."""
+def _model_entries(reader: CheckpointReader, prefix: str) -> dict[str, TensorEntry]:
+    """Every model tensor by its name in the ``PeftModel`` (``model/`` removed, ``prefix`` replaced by
+    ``base_model.model.``), primary names first, then aliases."""
     model = [e for e in reader.manifest.tensors.values() if e.name.startswith("model/")]
-    by_name = {e.name.removeprefix("model/"): e for e in model}
+    by_name = {_peft_name(e.name, prefix): e for e in model}
     for e in model:
-        by_name |= {a.removeprefix("model/"): e for a in e.aliases}
+        by_name |= {_peft_name(a, prefix): e for a in e.aliases}
     return by_name
+
+
+def _peft_name(name: str, prefix: str) -> str:
+    name = name.removeprefix("model/")
+    return PEFT_PREFIX + name[len(prefix) :] if name.startswith(prefix) else name
 
 
 def _strip(reader: CheckpointReader, name: str) -> str:
@@ -211,9 +218,7 @@ def _merged(
     return load
 
 
-def adapter_outputs(
-    reader: CheckpointReader, model: Any, adapter: str
-) -> list[tuple[str, tuple[int, ...], torch.dtype, Callable[[], torch.Tensor]]]:
+def adapter_outputs(reader: CheckpointReader, model: Any, prefix: str, adapter: str) -> list[Output]:
     """The tensors ``PeftModel.save_pretrained`` writes for ``adapter``, named as it names them.
 
     peft's ``get_peft_model_state_dict`` is given the meta model's state dict, so it picks and renames the
@@ -222,7 +227,7 @@ def adapter_outputs(
     is given its tensors from the checkpoint first, and what peft computes from them is written as it is."""
     from peft import get_peft_model_state_dict
 
-    by_name = _model_entries(reader)
+    by_name = _model_entries(reader, prefix)
     if model.peft_config[adapter].is_prompt_learning:
         encoder = model.prompt_encoder[adapter]
         path = f"prompt_encoder.{adapter}"
