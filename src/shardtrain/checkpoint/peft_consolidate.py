@@ -98,7 +98,7 @@ def merged_outputs(reader: CheckpointReader, model: Any, prefix: str, dtype: tor
         raise CheckpointError(f"{reader.path}: peft cannot merge these adapters: {err}; nothing was written") from None
     by_name = _model_entries(reader, prefix)
     groups = _peft_modules(model)
-    group_of: dict[str, str] = {}  # checkpoint name -> the peft module it belongs to
+    group_of: dict[str, str] = {}  # tensor name in the PeftModel -> the peft module it belongs to
     for path, module in groups.items():
         for key in _inputs(module, path, by_name, reader):
             group_of[f"{path}.{key}"] = path
