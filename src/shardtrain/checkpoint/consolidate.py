@@ -18,6 +18,9 @@ A checkpoint of a Hugging Face ``transformers`` model carries its configuration 
 ``dtype`` set to the dtype of the written weights) and ``generation_config.json``, so that
 ``AutoModelForCausalLM.from_pretrained(out_dir)`` opens the output with no other step.
 
+A peft run (global object :data:`PEFT_CONFIG_KEY`) is written merged or as adapters, never under the
+``PeftModel``'s own names (see ``peft_consolidate.py``).
+
 With ``optimizer=True`` a ``torch.optim.Optimizer.state_dict()`` is also written (``optimizer.pt``). It needs the
 global object :data:`OPTIMIZER_LAYOUT_KEY` (see there); ``torch.save`` holds this dict in memory, so this part is
 not streamed.
@@ -25,15 +28,18 @@ not streamed.
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
 
-from shardtrain.checkpoint.format import TensorEntry
 from shardtrain.checkpoint.reader import CheckpointReader
 from shardtrain.checkpoint.safetensors_io import write_streaming
 from shardtrain.errors import CheckpointError
@@ -48,6 +54,8 @@ OPTIMIZER_LAYOUT_KEY = "optimizer/param_groups"
 # text.
 HF_CONFIG_KEY = "hf/config"
 HF_GENERATION_CONFIG_KEY = "hf/generation_config"
+# A peft model's adapters: JSON text, see [Note: a peft run in a checkpoint] in hf_config.py.
+PEFT_CONFIG_KEY = "hf/peft_config"
 
 DTYPE_CHOICES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -72,12 +80,13 @@ def parse_size(text: str) -> int:
 @dataclass(frozen=True)
 class _Out:
     name: str  # name in the output file
-    entry: TensorEntry
+    shape: tuple[int, ...]
     dtype: torch.dtype
+    load: Callable[[], torch.Tensor]  # the tensor, whole, in ``dtype``
 
     @property
     def nbytes(self) -> int:
-        return self.entry.numel * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def _shards(outs: list[_Out], max_bytes: int | None) -> list[list[_Out]]:
@@ -100,30 +109,78 @@ def consolidate(
     max_shard_size: int | None = None,
     optimizer: bool = False,
     progress: bool = True,
+    merge_adapters: bool = False,
+    adapters_only: bool = False,
 ) -> list[Path]:
     """Write the model (and with ``optimizer`` the optimizer state dict) of ``reader``'s checkpoint to ``out_dir``.
 
     ``dtype`` converts floating-point tensors (others keep theirs). Returns the files written.
+
+    A peft run (one with :data:`PEFT_CONFIG_KEY`) is written as its users load it, never as the ``PeftModel``'s own
+    tensor names, which ``from_pretrained`` would not find (it would return a random model): merged, the adapters
+    folded into the base weights by peft (the default, or ``merge_adapters``), or with ``adapters_only`` the
+    adapters as ``PeftModel.save_pretrained`` writes them. See ``peft_consolidate.py``.
     """
+    peft_text = reader.objects.get(PEFT_CONFIG_KEY) if hasattr(reader, "objects") else None
+    if merge_adapters and adapters_only:
+        raise CheckpointError("--merge-adapters and --adapters-only exclude each other: choose one output")
+    if peft_text is None and (merge_adapters or adapters_only):
+        flag = "--adapters-only" if adapters_only else "--merge-adapters"
+        raise CheckpointError(
+            f"{reader.path}: {flag} needs a peft run, and this checkpoint has no peft adapters (no "
+            f"{PEFT_CONFIG_KEY!r} object); consolidate it without {flag}"
+        )
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     outs = []
     tied: dict[str, str] = {}
-    for name, entry in reader.manifest.tensors.items():
-        if not name.startswith(MODEL_PREFIX):
-            continue
-        target = dtype if dtype is not None and entry.torch_dtype.is_floating_point else entry.torch_dtype
-        outs.append(_Out(name[len(MODEL_PREFIX) :], entry, target))
-        for alias in entry.aliases:
-            tied[alias.removeprefix(MODEL_PREFIX)] = name[len(MODEL_PREFIX) :]
+    if peft_text is not None:
+        from shardtrain.checkpoint import peft_consolidate as pc
+
+        adapters, active, prefix = pc.peft_configs(reader, peft_text)
+        model = pc.meta_peft_model(reader, reader.objects.get(HF_CONFIG_KEY), adapters, active)
+        if adapters_only:
+            return _write_adapters(reader, out_dir, model, prefix, adapters, progress)
+        outs = [_Out(*o) for o in pc.merged_outputs(reader, model, prefix, dtype)]
+        names = {o.name for o in outs}
+        for name, entry in reader.manifest.tensors.items():
+            for alias in entry.aliases:
+                short = alias.removeprefix(MODEL_PREFIX).removeprefix(pc.PEFT_PREFIX)
+                if short not in names and name.removeprefix(MODEL_PREFIX).removeprefix(pc.PEFT_PREFIX) in names:
+                    tied[short] = name.removeprefix(MODEL_PREFIX).removeprefix(pc.PEFT_PREFIX)
+    else:
+        for name, entry in reader.manifest.tensors.items():
+            if not name.startswith(MODEL_PREFIX):
+                continue
+            target = dtype if dtype is not None and entry.torch_dtype.is_floating_point else entry.torch_dtype
+            load = functools.partial(reader.read, name, dtype=target)
+            outs.append(_Out(name[len(MODEL_PREFIX) :], entry.global_shape, target, load))
+            for alias in entry.aliases:
+                tied[alias.removeprefix(MODEL_PREFIX)] = name[len(MODEL_PREFIX) :]
     if not outs:
         raise CheckpointError(f"{reader.path}: no model tensors (names starting with {MODEL_PREFIX!r}) to consolidate")
+    _check_before_writing(reader)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = _write_model(out_dir, outs, tied, max_shard_size, progress, "model")
+    written += _write_hf_configs(reader, out_dir, next((o.dtype for o in outs if o.dtype.is_floating_point), None))
+    if optimizer:
+        written.append(_write_optimizer(reader, out_dir / "optimizer.pt"))
+    return written
+
+
+def _check_before_writing(reader: CheckpointReader) -> None:
     # a shape that disagrees with its optimizer state would be written as it is: refused before anything is written
     if problems := getattr(reader, "shape_problems", list)():
         raise CheckpointError(f"{problems[0]}; nothing was written")
     if isinstance(reader, CheckpointReader):  # every file and header checked before the first byte is written
-        for o in outs:
-            reader.check_pieces(o.entry.name)
+        for name in reader.manifest.tensors:
+            if name.startswith(MODEL_PREFIX):
+                reader.check_pieces(name)
+
+
+def _write_model(
+    out_dir: Path, outs: list[_Out], tied: dict[str, str], max_shard_size: int | None, progress: bool, stem: str
+) -> list[Path]:
+    """``<stem>.safetensors``, or shards of at most ``max_shard_size`` bytes and their index."""
     shards = _shards(outs, max_shard_size)
     total = sum(o.nbytes for o in outs)
     meta = {"format": "pt"}
@@ -132,11 +189,12 @@ def consolidate(
     written: list[Path] = []
     with tqdm(total=total, unit="B", unit_scale=True, desc="consolidate", disable=not progress) as bar:
         for i, shard in enumerate(shards):
-            fname = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            part = f"-{i + 1:05d}-of-{len(shards):05d}" if len(shards) > 1 else ""
+            fname = f"{stem}{part}.safetensors"
             write_streaming(
                 out_dir / fname,
-                [(o.name, o.dtype, o.entry.global_shape) for o in shard],
-                lambda i, shard=shard: reader.read(shard[i].entry.name, dtype=shard[i].dtype),
+                [(o.name, o.dtype, o.shape) for o in shard],
+                lambda i, shard=shard: shard[i].load(),
                 meta,
                 bar.update,
             )
@@ -146,11 +204,30 @@ def consolidate(
             "metadata": {"total_size": total},
             "weight_map": {o.name: written[i].name for i, shard in enumerate(shards) for o in shard},
         }
-        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-        written.append(out_dir / "model.safetensors.index.json")
-    written += _write_hf_configs(reader, out_dir, next((o.dtype for o in outs if o.dtype.is_floating_point), None))
-    if optimizer:
-        written.append(_write_optimizer(reader, out_dir / "optimizer.pt"))
+        (out_dir / f"{stem}.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        written.append(out_dir / f"{stem}.safetensors.index.json")
+    return written
+
+
+def _write_adapters(
+    reader: CheckpointReader, out_dir: Path, model: Any, prefix: str, adapters: dict, progress: bool
+) -> list[Path]:
+    """What ``PeftModel.save_pretrained`` writes: per adapter ``adapter_model.safetensors`` and
+    ``adapter_config.json``, the adapter named ``default`` in ``out_dir``, any other in ``out_dir/<name>``. The
+    tensors keep the dtype they were trained in; ``--dtype`` and ``--max-shard-size`` do not apply (peft writes one
+    file)."""
+    from shardtrain.checkpoint import peft_consolidate as pc
+
+    _check_before_writing(reader)
+    written: list[Path] = []
+    for name, config in adapters.items():
+        outs = [_Out(*o) for o in pc.adapter_outputs(reader, model, prefix, name)]
+        target = out_dir if name == "default" else out_dir / name
+        target.mkdir(parents=True, exist_ok=True)
+        written += _write_model(target, outs, {}, None, progress, "adapter_model")
+        # as PeftConfig.save_pretrained writes it
+        (target / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+        written.append(target / "adapter_config.json")
     return written
 
 

@@ -67,6 +67,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     con.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="convert floating-point tensors")
     con.add_argument("--max-shard-size", default="2GB", help="largest output file, e.g. 2GB, 500MB (default 2GB)")
     con.add_argument("--optimizer", action="store_true", help="also write optimizer.pt (a torch optimizer state dict)")
+    con.add_argument(
+        "--merge-adapters",
+        action="store_true",
+        help="peft run: fold the adapters into the base weights (the default for a peft run)",
+    )
+    con.add_argument(
+        "--adapters-only",
+        action="store_true",
+        help="peft run: write only the adapters, as PeftModel.save_pretrained does",
+    )
     con.add_argument("--no-progress", action="store_true", help="no progress bar")
     con.set_defaults(func=_bad_input_is_2(consolidate_cmd))
 
@@ -182,6 +192,8 @@ def consolidate_cmd(args: argparse.Namespace) -> int:
             max_shard_size=parse_size(args.max_shard_size),
             optimizer=args.optimizer,
             progress=not args.no_progress,
+            merge_adapters=args.merge_adapters,
+            adapters_only=args.adapters_only,
         )
     except CheckpointError as err:
         print(f"shardtrain checkpoint: error: {err}", file=sys.stderr)
