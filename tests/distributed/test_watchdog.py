@@ -38,12 +38,14 @@ class FakeIssuer:
         self.timeout_s = timeout_s
         self.global_rank = 0
         self.described: list[tuple[str, str, str, float | None]] = []
+        self.frames: list = []
 
     def peers(self) -> list[int]:
         return [1, 2]
 
-    def describe_failure(self, kind, what, err, *, started=None):
+    def describe_failure(self, kind, what, err, *, started=None, frame=None):
         self.described.append((kind, what, str(err), started))
+        self.frames.append(frame)
         return PeerLostError(f"rank 0: {kind} of {what} failed: {err}")
 
 
@@ -65,10 +67,18 @@ def _watchdog(down: str | None = None):
     return watchdog.Watchdog(peer_down, reports.append, clock, poll_s=3600.0, probe_s=10.0), clock, reports, asked
 
 
-def test_device_backends_are_watched_and_host_blocking_ones_are_not():
+def test_device_backends_are_watched_and_host_blocking_ones_are_not(monkeypatch):
     assert watchdog.blocks_host("gloo") and watchdog.blocks_host("")
     assert not watchdog.blocks_host("nccl")
     assert not watchdog.blocks_host("cpu:gloo,cuda:nccl")  # device tensors go to NCCL
+    assert watchdog.ends_process()
+    monkeypatch.setenv("TORCH_NCCL_BLOCKING_WAIT", "1")  # wait() blocks the host and raises: named as on gloo
+    assert watchdog.blocks_host("nccl")
+    monkeypatch.delenv("TORCH_NCCL_BLOCKING_WAIT")
+    monkeypatch.setenv(watchdog.OFF_ENV, "0")
+    assert watchdog.blocks_host("nccl")
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")  # the user keeps the process: reported, not ended
+    assert not watchdog.ends_process()
     assert backend_timeout_s(600.0, torch.device("cpu")) == 600.0
     assert backend_timeout_s(600.0, torch.device("cuda", 0)) == 630.0  # NCCL's watchdog fires after ours
     assert backend_timeout_s(1800.0, torch.device("cuda", 0)) == 1890.0
@@ -140,6 +150,13 @@ def test_the_thread_reports_and_a_stopped_watchdog_serves_the_next_engine():
     while not reports and time.monotonic() < deadline:
         time.sleep(0.01)
     assert len(reports) == 1 and "rank 1 reported a failure" in reports[0]
+    # where the rank was is read from the main thread's stack (this test), not the watchdog thread's
+    frame, names = issuer.frames[0], set()
+    while frame is not None:
+        names.add(frame.f_code.co_name)
+        frame = frame.f_back
+    assert "test_the_thread_reports_and_a_stopped_watchdog_serves_the_next_engine" in names, names
+    assert "_run" not in names
     dog.stop()
     dog.stop()  # idempotent
     assert dog.pending() == 0
@@ -215,8 +232,9 @@ def test_survivors_name_the_dead_rank_within_the_probe(world, victim):
 
 
 def _communicator_under_the_watchdog() -> tuple[list[float], int, int, list[str]]:
-    """A gloo group of two treated as a device backend: every collective goes through the watchdog's queue, the
-    synchronous ones issued asynchronously and waited, and the results are what gloo computes."""
+    """A gloo group of two treated as a device backend: the asynchronous collective's Work goes through the
+    watchdog's queue (a synchronous one is watched by a CUDA event, none on the CPU), and the results are what gloo
+    computes."""
     reports: list[str] = []
     dog = watchdog.Watchdog(failure.peer_down, reports.append, poll_s=0.05, probe_s=0.1)
     tracked: list[str] = []
@@ -248,4 +266,4 @@ def _communicator_under_the_watchdog() -> tuple[list[float], int, int, list[str]
 def test_a_watched_communicator_computes_what_gloo_does_and_holds_nothing_after_the_waits():
     for values, tracked, pending, reports in run_distributed(_communicator_under_the_watchdog, 2):
         assert values == [3.0] * 4 + [3.0] * 8  # 1 + 2 summed, gathered twice, rank 1's broadcast
-        assert tracked == 4 and pending == 0 and reports == []
+        assert tracked == 1 and pending == 0 and reports == []  # the all_gather's Work

@@ -141,6 +141,14 @@ class _PairwiseHandle(Handle):
             out.div_(len(parts))
 
 
+def _backend_timeout_s(group: dist.ProcessGroup) -> float | None:
+    """The timeout ``group``'s CUDA backend was created with (NCCL's watchdog fires at it), when it says."""
+    try:
+        return group._get_backend(torch.device("cuda")).options._timeout.total_seconds()
+    except Exception:
+        return None
+
+
 def merge_stats(*stats: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
     """Several communicators' :meth:`Communicator.stats` added up per collective kind (what one rank sent over all
     of their groups; hybrid sharding's groups, for instance)."""
@@ -185,6 +193,14 @@ class Communicator:
         # a backend whose wait() does not block the host: a thread names its failures (see [Note: failures under
         # NCCL] in shardtrain.distributed.watchdog)
         self._watchdog = watchdog.watchdog() if not self.alone and not watchdog.blocks_host(self.backend) else None
+        # when the watchdog calls a collective timed out: the configured timeout, or earlier when the group's own
+        # (NCCL's watchdog, a group the user created) would fire first
+        self.watch_timeout_s = timeout_s
+        if self._watchdog is not None:
+            backend_s = _backend_timeout_s(group)
+            if backend_s is not None:
+                early = max(backend_s - watchdog.backend_margin_s(backend_s) / 2, 0.5 * backend_s)
+                self.watch_timeout_s = min(timeout_s, early)
 
     # -- accounting -------------------------------------------------------------------------------
     def stats(self) -> dict[str, dict[str, int]]:
@@ -227,13 +243,14 @@ class Communicator:
         c.sent += nbytes if sent is None else sent
 
     def describe_failure(
-        self, kind: str, what: str, err: BaseException, *, started: float | None = None
+        self, kind: str, what: str, err: BaseException, *, started: float | None = None, frame: Any = None
     ) -> CollectiveError:
         """The error for a failed collective (``started``: when it was launched, ``time.monotonic()``).
 
         Asks which of the other ranks are gone (see [Note: naming the rank that vanished]): a
         :class:`PeerLostError` names them; a :class:`CollectiveTimeoutError` is returned only when the collective
-        waited for the configured timeout; any other failure is a :class:`CollectiveError`."""
+        waited for the configured timeout; any other failure is a :class:`CollectiveError`. ``frame``: where to read
+        the call that was waiting from (the watchdog passes the main thread's; default this thread's)."""
         elapsed = time.monotonic() - started if started is not None else None
         timed_out = elapsed is not None and elapsed >= failure.TIMEOUT_FRACTION * self.timeout_s
         ranks = dist.get_process_group_ranks(self.group) if self.size > 1 else [self.global_rank]
@@ -252,7 +269,7 @@ class Communicator:
                 f"a peer of rank {self.global_rank} in this group is gone or took a different code path; check the "
                 "other ranks' output"
             )
-        call = failure.api_call()
+        call = failure.api_call(frame)
         where = f", in {call}" if call else ""
         error = cls(
             f"rank {self.global_rank}: {kind} of {what} {head}{where}: {others}. Group of {self.size} "
@@ -298,13 +315,15 @@ class Communicator:
         self._refuse_after_failure(kind, what)
         started = time.monotonic()
         try:
-            # under the watchdog a synchronous collective is issued asynchronously too, so that its Work can be
-            # watched; the wait below is the one the backend's synchronous call makes
-            work = fn(async_op or self._watchdog is not None)
+            work = fn(async_op)
         except RuntimeError as err:
             raise self.describe_failure(kind, what, err, started=started) from err
-        if self._watchdog is not None and work is not None:
-            self._watchdog.track(work, self, kind, what, started)
+        if self._watchdog is not None:
+            # an asynchronous collective's Work, or for a synchronous one (issued as the backend issues it, on the
+            # current stream) an event recorded after it on that stream
+            watched = work if work is not None else watchdog.stream_marker()
+            if watched is not None:
+                self._watchdog.track(watched, self, kind, what, started)
         handle = Handle(self, work, kind, what, started)
         if async_op:
             return handle

@@ -418,10 +418,11 @@ def backend_error(err: BaseException) -> bool:
     return bool(_GLOO_PATH.search(text)) or "NCCL" in text or closed or peer_lost_text(err)
 
 
-def api_call() -> str | None:
+def api_call(frame: FrameType | None = None) -> str | None:
     """Where this rank was: the outermost shardtrain call on the stack and the user's line that made it, e.g.
-    ``Engine.backward (called from train.py:57)``; None when no such frame is found."""
-    frame: FrameType | None = sys._getframe(1)
+    ``Engine.backward (called from train.py:57)``; None when no such frame is found. ``frame``: the innermost frame
+    of the stack to read (default: the caller's; the NCCL watchdog passes the main thread's)."""
+    frame = frame if frame is not None else sys._getframe(1)
     stack: list[FrameType] = []
     while frame is not None:
         stack.append(frame)

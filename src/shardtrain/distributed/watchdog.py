@@ -20,20 +20,33 @@ the oldest collective that has not completed, every :data:`POLL_S`:
    ends the wait at once: :class:`~shardtrain.errors.PeerLostError`.
 2. At the collective timeout (``collective_timeout_s``) it is a :class:`~shardtrain.errors.CollectiveTimeoutError`.
 
-In both cases the thread makes the survey and the message of the gloo path (``Communicator.describe_failure``):
-it writes this rank's failure to the store, so the other ranks' watchdogs find it at their next probe and name the
-same lost rank. It prints the message to stderr and ends the process with :data:`EXIT_CODE` (``os._exit``). That is
-what NCCL's watchdog would do a moment later, but with the message first. The main thread cannot be made to raise:
-it may be blocked inside CUDA, waiting for the very kernel that waits for the lost peer.
+In both cases the thread makes the survey and the message of the gloo path (``Communicator.describe_failure``),
+with the main thread's stack for where the rank was: it writes this rank's failure to the store, so the other
+ranks' watchdogs find it at their next probe and name the same lost rank. It prints the message and every thread's
+stack to stderr and ends the process with :data:`EXIT_CODE` (``os._exit``: no atexit handler runs). That is what
+NCCL's watchdog would do a moment later, but with the message first. Nothing is raised in Python: the main thread
+may be blocked inside CUDA, waiting for the very kernel that waits for the lost peer. With
+``TORCH_NCCL_ASYNC_ERROR_HANDLING`` 0 or 2 (keep the process) it reports and does not exit; with
+``TORCH_NCCL_BLOCKING_WAIT=1`` (``wait()`` blocks the host and raises) or ``SHARDTRAIN_WATCHDOG=0`` there is no
+watchdog.
+
+What is watched: an asynchronous collective's ``Work``; for a synchronous one, issued as the backend issues it (on
+the current stream), an event recorded after it. Object collectives (``all_gather_object``) and point-to-point
+exchanges are not watched.
 
 Completed collectives leave the watchdog's queue at the next ``track`` or poll. A ``Work`` keeps its tensors
 alive until it is released, so the queue must not hold finished ones: it holds about as many as the host runs ahead
 of the GPU.
 
 NCCL's watchdog stays as the backstop. The NCCL groups that shardtrain creates get a backend timeout of
-``collective_timeout_s`` plus :func:`backend_margin_s`, so this watchdog reports first. A group the user created with a
-timeout of exactly ``collective_timeout_s`` gets no margin. Then the two watchdogs race, and the process ends either
-way.
+``collective_timeout_s`` plus :func:`backend_margin_s`, so this watchdog reports first. On a group the user created
+with a timeout of ``collective_timeout_s`` or less, this watchdog calls the timeout half a margin before the group's
+own (``Communicator.watch_timeout_s``).
+
+Known limits: the probe reads the store through the process group's own client, so a store host that vanished
+without closing its connections blocks the probe for the store's timeout; each rank probes every peer's keys, a
+load that grows with the square of the group; and a store host (rank 0) that decides first exits after a short
+linger, so a rank that probes later may name rank 0 as the lost one.
 
 Not covered: collectives inside captured graphs (functional collectives have no ``Work``), whose hang ends at NCCL's
 timeout as before. None of this has run on NCCL with a lost peer on this project's machines. The thread's decisions
@@ -45,6 +58,7 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
+import faulthandler
 import os
 import sys
 import threading
@@ -65,12 +79,49 @@ EXIT_CODE = 1
 _DEVICE_BACKENDS = ("nccl", "xccl", "hccl")
 
 
+OFF_ENV = "SHARDTRAIN_WATCHDOG"
+"""Set to ``0``: no watchdog thread; NCCL's own error handling alone, as without shardtrain."""
+
+
 def blocks_host(backend: str) -> bool:
     """Whether ``wait()`` on a collective of ``backend`` (``dist.get_backend``'s string) blocks the host until it
     completes (gloo) or only the device's stream (NCCL and other device backends; a group of ``"cpu:gloo,cuda:nccl"``
     sends device tensors to NCCL). The watchdog serves the latter; host tensors on a mixed group complete before
-    their wait returns, so watching them costs one queue entry each."""
+    their wait returns, so watching them costs one queue entry each. With ``TORCH_NCCL_BLOCKING_WAIT=1`` NCCL's
+    ``wait()`` blocks the host and raises at the timeout, which the Communicator names as on gloo; with
+    ``SHARDTRAIN_WATCHDOG=0`` the user has turned the watchdog off."""
+    if os.environ.get(OFF_ENV) == "0" or os.environ.get("TORCH_NCCL_BLOCKING_WAIT") in ("1", "true", "True"):
+        return True
     return not any(name in backend for name in _DEVICE_BACKENDS)
+
+
+def ends_process() -> bool:
+    """Whether a failure the watchdog names ends the process, as NCCL's own error handling would
+    (``TORCH_NCCL_ASYNC_ERROR_HANDLING`` unset, 1 or 3). With 0 or 2 the user asked NCCL not to kill the process
+    (an in-process restart, say): the watchdog then reports and leaves it running."""
+    return os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3") not in ("0", "2")
+
+
+class _StreamMarker:
+    """A synchronous collective as the watchdog watches it: an event recorded on the current stream after it."""
+
+    def __init__(self, event: Any) -> None:
+        self._event = event
+
+    def is_completed(self) -> bool:
+        return bool(self._event.query())
+
+
+def stream_marker() -> _StreamMarker | None:
+    """An event after the work queued so far on the current CUDA stream (None without CUDA): what a synchronous NCCL
+    collective's completion is watched by. It keeps no tensor alive."""
+    import torch
+
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return _StreamMarker(event)
 
 
 def backend_margin_s(timeout_s: float) -> float:
@@ -91,7 +142,9 @@ class Issuer(Protocol):
 
     def peers(self) -> list[int]: ...
 
-    def describe_failure(self, kind: str, what: str, err: BaseException, *, started: float | None = None) -> Any: ...
+    def describe_failure(
+        self, kind: str, what: str, err: BaseException, *, started: float | None = None, frame: Any = None
+    ) -> Any: ...
 
 
 @dataclass
@@ -131,9 +184,12 @@ class Watchdog:
         with self._lock:
             self._drop_completed()
             self._queue.append(Pending(work, issuer, kind, what, started))
-            if self._thread is None:
+            if self._thread is None or not self._thread.is_alive():
                 self._stop.clear()  # a watchdog stopped at close() serves the next engine
-                self._thread = threading.Thread(target=self._run, name="shardtrain-watchdog", daemon=True)
+                device = _current_cuda_device()
+                self._thread = threading.Thread(
+                    target=self._run, args=(device,), name="shardtrain-watchdog", daemon=True
+                )
                 self._thread.start()
 
     def pending(self) -> int:
@@ -144,9 +200,12 @@ class Watchdog:
     def stop(self) -> None:
         """End the thread and forget what is pending (idempotent; :func:`stop_watchdog` at exit)."""
         self._stop.set()
-        thread, self._thread = self._thread, None
+        thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=5 * self._poll_s)
+        if thread is not None and not thread.is_alive():
+            self._thread = None
+        # else still in a store call: kept, so that no second thread starts before it has ended
         with self._lock:
             self._queue.clear()
 
@@ -156,7 +215,11 @@ class Watchdog:
         while self._queue and _completed(self._queue[0].work):
             self._queue.popleft()
 
-    def _run(self) -> None:
+    def _run(self, device: int | None) -> None:
+        if device is not None:  # a new thread's current device is 0: event queries would make a context there
+            import torch
+
+            torch.cuda.set_device(device)
         while not self._stop.wait(self._poll_s):
             with contextlib.suppress(Exception):  # the thread must outlive a store or a driver that failed once
                 if self.check() is not None:
@@ -179,12 +242,16 @@ class Watchdog:
             down = self._peer_down(issuer.global_rank, issuer.peers())
             if down is not None:
                 cause = f"not completed after {waited:.1f} s, and the rendezvous store says {down}"
-        if cause is None and waited >= issuer.timeout_s:
+        if cause is None and waited >= getattr(issuer, "watch_timeout_s", issuer.timeout_s):
             cause = f"not completed after {waited:.1f} s (watchdog)"
         if cause is None:
             return None
-        # the error the gloo path raises, with the started time that makes it a timeout or not (see describe_failure)
-        error = issuer.describe_failure(oldest.kind, oldest.what, RuntimeError(cause), started=oldest.started)
+        # the error the gloo path raises, with the started time that makes it a timeout or not (see describe_failure),
+        # and the main thread's stack for where the rank was (this thread's says nothing)
+        main = sys._current_frames().get(threading.main_thread().ident)
+        error = issuer.describe_failure(
+            oldest.kind, oldest.what, RuntimeError(cause), started=oldest.started, frame=main
+        )
         message = f"{type(error).__name__}: {error}"
         self.fired = message
         self._report(message)
@@ -199,10 +266,21 @@ def _completed(work: Work) -> bool:
 
 
 def _print_and_exit(message: str) -> None:
+    """Report on stderr, with every thread's stack (where the main thread was stuck), and end the process unless
+    NCCL's error handling was told to keep it (:func:`ends_process`)."""
     with contextlib.suppress(Exception):
         sys.stderr.write(f"shardtrain watchdog, see [Note: failures under NCCL]: {message}\n")
         sys.stderr.flush()
-    os._exit(EXIT_CODE)
+        faulthandler.dump_traceback(all_threads=True)
+        sys.stdout.flush()
+    if ends_process():
+        os._exit(EXIT_CODE)
+
+
+def _current_cuda_device() -> int | None:
+    import torch
+
+    return torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
 
 
 _watchdog: Watchdog | None = None
