@@ -80,7 +80,30 @@ def test_results_that_drift_are_named_by_step_and_tensor():
         assert_parity([{**good, "params": moved}], ref)
 
 
-def test_rows_that_do_not_split_over_the_ranks_are_refused():
+def test_recipes_the_harness_cannot_split_are_refused():
     recipe = Recipe(make_model, make_optimizer, batches, mean_loss)
     with pytest.raises(ValueError, match="12 rows does not split over 5 ranks"):
         recipe.engine_config(5)
+    with pytest.raises(ValueError, match="6 micro-batches are not a whole number of steps of gas 4"):
+        _ = Recipe(make_model, make_optimizer, batches, mean_loss, gas=4).steps
+    shared = Recipe(make_model, make_optimizer, batches, mean_loss, config={"sequence_parallel_size": 2})
+    with pytest.raises(ValueError, match="data-parallel ranks only"):
+        shared.engine_config(2)
+
+
+def test_the_documented_example_runs_as_a_script(tmp_path):
+    """docs/parity.md's example, written to a file and run as a user would (the ranks import it)."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "parity.md").read_text()
+    code = re.search(r"```python\n(.*?)```", doc, re.S).group(1)
+    script = tmp_path / "my_check.py"
+    script.write_text(
+        "import torch\nfrom torch import nn\n\n\nclass MyModel(nn.Sequential):\n    def __init__(self):\n"
+        "        super().__init__(nn.Linear(16, 8), nn.GELU(), nn.Linear(8, 4))\n\n\n" + code
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr

@@ -22,13 +22,17 @@ parameters::
         x, y = batch
         return torch.nn.functional.mse_loss(model(x), y)
 
-    recipe = Recipe(make_model, make_optimizer, batches, loss, gas=2, clip=1.0,
-                    config={"zero_optimization": {"stage": 3}})
-    check_parity(recipe, worlds=(1, 2, 3))  # raises AssertionError naming the step or the tensor that differs
+    if __name__ == "__main__":            # the ranks import this file: start them from the main module only
+        recipe = Recipe(make_model, make_optimizer, batches, loss, gas=2, clip=1.0,
+                        config={"zero_optimization": {"stage": 3}})
+        check_parity(recipe, worlds=(1, 2, 3))  # raises AssertionError naming the step or the tensor that differs
 
 The reference follows the recipe the engine must reproduce: ``gas`` micro-steps each backpropagating ``loss / gas``,
 ``clip_grad_norm_`` at ``clip``, the optimizer's step. A loss must be a mean over the micro-batch's rows, and the rows
-must split evenly over the ranks (``rows = micro x world``). The parameters are compared within the bounds of [Note:
+must split evenly over the ranks (``rows = micro x world``). The callables must live in an importable module (not a
+notebook cell, not a lambda), and ``batches()`` must return the same tensors at every call: each rank calls it. The
+harness splits rows over data-parallel ranks only: configs with tensor or sequence parallelism, whose ranks share
+rows, are refused (the suite's own tests cover those). The parameters are compared within the bounds of [Note:
 parity bounds]; the float64 run of the reference is what they fall back on.
 """
 
@@ -67,9 +71,18 @@ class Recipe:
 
     @property
     def steps(self) -> int:
-        return len(self.batches()) // self.gas
+        n = len(self.batches())
+        if n % self.gas:
+            raise ValueError(f"{n} micro-batches are not a whole number of steps of gas {self.gas}")
+        return n // self.gas
 
     def engine_config(self, world: int) -> dict[str, Any]:
+        shared = [k for k in ("tensor_parallel", "sequence_parallel_size") if k in self.config]
+        if shared:
+            raise ValueError(
+                f"the parity harness splits rows over data-parallel ranks only; {shared} in the config make ranks "
+                "share rows (the suite's tests/tp_cases.py and tests/sequence_parallel/ check those)"
+            )
         rows = self.batches()[0][0].shape[0]
         if rows % world:
             raise ValueError(f"a micro-batch of {rows} rows does not split over {world} ranks")
