@@ -69,7 +69,7 @@ def _reference(case: str, dp: int, dtype: torch.dtype) -> dict:
     return train_one_process(model, _optimizer(model), loss, STEPS, GAS, 1.0)
 
 
-def _run(case: str, sp: int, stage: int, checkpointing: bool) -> dict:
+def _run(case: str, sp: int, stage: int, checkpointing: bool, augmented: bool = False) -> dict:
     model = _model(case)
     if checkpointing:  # the attention runs again in backward: the padding must stay hidden there too
         model.gradient_checkpointing_enable()
@@ -88,12 +88,19 @@ def _run(case: str, sp: int, stage: int, checkpointing: bool) -> dict:
     topo = engine.topology
     batches = _batches(case, topo.dp, torch.float32)
     rows = slice(topo.dp_rank * ROWS, (topo.dp_rank + 1) * ROWS)
-    run = train_engine(engine, lambda engine, i: engine(**_rows(batches[i], rows)).loss, STEPS, GAS)
+
+    def loss(engine, i: int) -> torch.Tensor:
+        batch = _rows(batches[i], rows)
+        if augmented and i and torch.distributed.get_rank() % sp:  # an augmentation drawn per rank
+            batch["pixel_values"] = batch["pixel_values"] + 1.0
+        return engine(**batch).loss
+
+    run = train_engine(engine, loss, STEPS, GAS)
     return {**run, "params": engine.full_state_dict(), "tokens": sorted(set(seen))}
 
 
-def _check_parity(case: str, world: int, sp: int, stage: int, checkpointing: bool = False) -> None:
-    results = run_distributed(_run, world, case, sp, stage, checkpointing, init_process_group=False)
+def _check_parity(case: str, world: int, sp: int, stage: int, checkpointing: bool = False, augmented=False) -> None:
+    results = run_distributed(_run, world, case, sp, stage, checkpointing, augmented, init_process_group=False)
     dp = world // sp
     tokens = (IMAGE // PATCH) ** 2 + (2 if case == "deit" else 1)  # the class token, and DeiT's distillation token
     assert all(r["tokens"] == [-(-tokens // sp)] for r in results), [r["tokens"] for r in results]
@@ -117,8 +124,10 @@ def _check_parity(case: str, world: int, sp: int, stage: int, checkpointing: boo
 )
 def test_parity_with_one_process(case, world, sp, stage, checkpointing):
     """The class token's head and every patch's head; 17 tokens padded to 18 at sp 2 and 3; eager attention under
-    activation checkpointing (the padding hidden when the attention runs again in backward)."""
-    _check_parity(case, world, sp, stage, checkpointing)
+    activation checkpointing (the padding dropped when the attention runs again in backward). From the second
+    micro-step on, the ranks other than sp rank 0 are given a differently augmented image: the group trains on sp
+    rank 0's, as one process does."""
+    _check_parity(case, world, sp, stage, checkpointing, augmented=True)
 
 
 @pytest.mark.soak
@@ -149,3 +158,10 @@ def test_vision_models_that_are_not_a_plain_patch_sequence_are_refused_by_name()
     with pytest.raises(ShardtrainError) as err:
         make_splitter(audio, comm)
     assert "Wav2Vec2ForCTC takes input_values" in str(err.value) and "audio" in str(err.value)
+    tiny = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16, image_size=8)
+    video = transformers.VideoMAEForVideoClassification(transformers.VideoMAEConfig(**tiny, patch_size=4, num_frames=2))
+    with pytest.raises(ShardtrainError, match="VideoMAEForVideoClassification is a video model"):
+        make_splitter(video, comm)
+    dino = transformers.Dinov2Model(transformers.Dinov2Config(**tiny, patch_size=4, drop_path_rate=0.1))
+    with pytest.raises(ShardtrainError, match=r"Dinov2Model has drop_path_rate 0\.1"):
+        make_splitter(dino, comm)

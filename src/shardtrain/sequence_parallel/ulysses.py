@@ -101,7 +101,7 @@ _counter = itertools.count()
 
 
 def install_hf(
-    model: nn.Module, comm: Communicator, tp: int = 1, key_limit: Callable[[], int | None] | None = None
+    model: nn.Module, comm: Communicator, tp: int = 1, key_limit: Callable[[int], int | None] | None = None
 ) -> str:
     """Route ``model``'s attention through Ulysses around its current implementation; returns the registered
     name. ``tp``: the tensor-parallel size (each rank holds ``1/tp`` of the heads, [Note: Ulysses under tensor
@@ -109,9 +109,9 @@ def install_hf(
     holds whole sequences, so sdpa's own causal attention (the module's ``is_causal``) is the global one, and eager
     attention is given the whole sequence's causal mask. A padding (or packing) mask reaches it as the whole
     sequence's ``[b, 1, S, S]`` mask the engine built before the split ([Note: masks under Ulysses] in
-    :mod:`shardtrain.sequence_parallel.inputs`). ``key_limit``: how many keys of the whole sequence are real when the
-    sequence was padded inside the model (None: all of them), [Note: vision transformers under Ulysses] in
-    :mod:`shardtrain.sequence_parallel.vision`."""
+    :mod:`shardtrain.sequence_parallel.inputs`). ``key_limit(S)``: how many keys of a whole sequence of ``S`` are real
+    when the sequence was padded inside the model (None: all of them); the others are dropped from the keys and
+    values, [Note: vision transformers under Ulysses] in :mod:`shardtrain.sequence_parallel.vision`."""
     from transformers import AttentionInterface
 
     config = model.config
@@ -142,9 +142,10 @@ def install_hf(
             mask = attention_mask  # the whole sequence's, built before the split
             if window is not None:  # see [Note: sliding windows under Ulysses]
                 mask = _with_window(mask, q, window, causal)
-            limit = key_limit() if key_limit is not None else None
-            if limit is not None:  # padding made inside the model: hidden from every query
-                mask = _with_key_limit(mask, q, limit)
+            limit = key_limit(k.shape[2]) if key_limit is not None else None
+            if limit is not None:  # padding made inside the model: dropped from the keys (no mask, flash stays)
+                k, v = k[:, :, :limit], v[:, :, :limit]
+                mask = mask[..., :limit] if mask is not None else None
             if mask is not None:
                 mask = _whole_mask_for(mask, q, inner_name)
             elif inner_name == "eager" and causal:
@@ -181,18 +182,6 @@ def _with_window(mask: torch.Tensor | None, q: torch.Tensor, window: int, causal
     if mask.dtype == torch.bool:
         return mask & band
     return mask.masked_fill(~band, torch.finfo(mask.dtype).min)
-
-
-def _with_key_limit(mask: torch.Tensor | None, q: torch.Tensor, limit: int) -> torch.Tensor:
-    """``mask`` (None: unmasked bidirectional attention) with keys ``limit`` and after hidden, ``[b or 1, 1, S, S]``.
-    Every query keeps the real keys, so no row is all masked (a padded query's output is dropped later)."""
-    s = q.shape[2]
-    real = (torch.arange(s, device=q.device) < limit)[None, None, None, :].expand(1, 1, s, s)
-    if mask is None:
-        return real
-    if mask.dtype == torch.bool:
-        return mask & real
-    return mask.masked_fill(~real, torch.finfo(mask.dtype).min)
 
 
 def _whole_mask_for(mask: torch.Tensor, q: torch.Tensor, inner_name: str) -> torch.Tensor:
@@ -246,7 +235,7 @@ def install_gpt(model: nn.Module, comm: Communicator, tp: int = 1) -> int:
 
 
 def install(
-    model: nn.Module, comm: Communicator, tp: int = 1, key_limit: Callable[[], int | None] | None = None
+    model: nn.Module, comm: Communicator, tp: int = 1, key_limit: Callable[[int], int | None] | None = None
 ) -> None:
     """Ulysses attention in ``model``: a transformers model or the project's GPT; anything else is refused.
     ``tp``: the tensor-parallel size the model was already split with; ``key_limit``: see :func:`install_hf`."""

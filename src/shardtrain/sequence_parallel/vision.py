@@ -9,8 +9,8 @@ padded at the end to ``S'``, the next multiple of ``P`` (197 tokens at ``P`` 2 b
 
 - **The encoder** runs on the slices. Its attention goes through Ulysses
   (:func:`shardtrain.sequence_parallel.ulysses.install_hf`). After the exchange a rank holds the whole padded
-  sequence for its heads. The padded keys are hidden from every query: ``key_limit`` gives the real length ``S``.
-  Attention is bidirectional, so a padded token changes no real token's output.
+  sequence for its heads. The padded keys are dropped: ``key_limit`` gives the real length ``S``. Attention is
+  bidirectional, so a padded token changes no real token's output.
 - **Before the final norm** (``layernorm``, a forward pre-hook) the slices are gathered into the whole sequence and
   the padding is dropped. From there every rank computes the same thing on the whole sequence: the norm, the
   pooler, the head and its loss, whether the head reads the class token (classification) or every patch (masked
@@ -23,10 +23,20 @@ padded at the end to ``S'``, the next multiple of ``P`` (197 tokens at ``P`` 2 b
   rank, and the average keeps it. The loss is returned as the model computed it, the same on every rank of the
   group.
 
+- **The inputs** are checked to be the same on every rank of the group at the first forward, as for tokens, and
+  from then on broadcast from sp rank 0: augmentations drawn per rank would otherwise embed a different image on
+  each rank. Dropout is drawn per rank (on its slice, and in the replicated head), as under data parallelism;
+  stochastic depth (``drop_path_rate``) would drop a sample's branch in some slices only, and is refused.
+- **The padding** is dropped from the keys after the exchange (``key_limit``, looked up by the padded length, so a
+  backbone run twice per forward at two resolutions keeps each one's, also when checkpointing recomputes them). A
+  model whose attention does not go through transformers' attention interface is refused at its first forward:
+  no Ulysses call happened between the split and the gather.
+
 Built for transformers models whose base model (``base_model_prefix``) has an ``embeddings`` module that returns the
-sequence and a ``layernorm`` applied to the encoder's output. Others taking ``pixel_values`` are refused by name,
-and so are audio models (``input_features``, ``input_values``), whose frames are made by convolutions that see
-neighbouring frames.
+sequence and a ``layernorm`` applied to the encoder's output (tested: ViT, DeiT). Others taking ``pixel_values``
+are refused by name, and so are video models (a ``num_frames`` in their config: ViViT, VideoMAE, TimeSformer) and
+audio models (``input_features``, ``input_values``), whose frames are made by convolutions that see neighbouring
+frames.
 """
 
 from __future__ import annotations
@@ -50,9 +60,28 @@ def is_vision(model: nn.Module) -> bool:
     return getattr(unwrapped(model), "main_input_name", None) in VISION_INPUTS
 
 
+def _refuse_unshared_randomness(model: nn.Module) -> None:
+    """Stochastic depth (``drop_path_rate``) drops a sample's residual branch: drawn on each rank apart, a sample
+    would keep the branch in some slices and drop it in others, which is no model's computation. Refused by name."""
+    config = getattr(unwrapped(model), "config", None)
+    rate = getattr(config, "drop_path_rate", 0.0) or 0.0
+    if rate > 0:
+        raise ConfigError(
+            f"{type(unwrapped(model)).__name__} has drop_path_rate {rate}: under sequence parallelism each rank "
+            "would drop a sample's residual branch for its own slice of the patches, not for the whole sample. "
+            "Set drop_path_rate to 0, or train without sequence_parallel_size"
+        )
+
+
 def _parts(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     """The base model's ``embeddings`` and final ``layernorm``, or a refusal naming what is missing."""
     outer = unwrapped(model)
+    if getattr(getattr(outer, "config", None), "num_frames", None):
+        raise ConfigError(
+            f"{type(outer).__name__} is a video model: its patches are cut from frames in time too (tubelets), and "
+            "sequence parallelism is built for vision transformers on images, not for video models yet. Train it "
+            "without sequence_parallel_size"
+        )
     base = getattr(outer, getattr(outer, "base_model_prefix", ""), None) or outer
     embeddings, norm = getattr(base, "embeddings", None), getattr(base, "layernorm", None)
     if not isinstance(embeddings, nn.Module) or not isinstance(norm, nn.Module):
@@ -75,21 +104,46 @@ class PatchSplitter:
         self.comm = comm
         self.size, self.rank = comm.size, comm.rank
         embeddings, norm = _parts(module)
+        _refuse_unshared_randomness(module)
+        self._model_name = type(unwrapped(module)).__name__
         self._batch_check = BatchCheck(comm)
-        # the real and the padded length of the last forward's sequence: kept until the next one, since
-        # activation checkpointing runs the attention again in backward
-        self._length: int | None = None
-        self._padded = 0
-        self._split_pending = False  # between the split of a forward and its gather
+        # the real length of each padded length split in this micro-step's forwards: kept until the next forward,
+        # since activation checkpointing runs the attention again in backward (a backbone called twice per forward,
+        # multi-crop, has one entry per resolution)
+        self._real: dict[int, int] = {}
+        self._length = 0  # the real length of the sequence between a split and its gather
+        self._split_pending = False
+        self._attended = 0  # Ulysses attention calls since the last split: none means the model bypassed it
         self.hooks = [embeddings.register_forward_hook(self._split), norm.register_forward_pre_hook(self._gather)]
 
-    def key_limit(self) -> int | None:
-        """How many keys are real after the exchange (the padding is hidden from the queries); None: no padding."""
-        return self._length if self._length is not None and self._padded != self._length else None
+    def key_limit(self, padded: int) -> int | None:
+        """How many of ``padded`` keys are real after the exchange (the padding is dropped from the keys); None: no
+        padding. Called by the Ulysses attention at every call."""
+        self._attended += 1
+        real = self._real.get(padded)
+        return real if real is not None and real != padded else None
 
     def split(self, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+        """The inputs, as sp rank 0 has them: checked the same on every rank at the first forward, and from then on
+        broadcast from sp rank 0 (image augmentations drawn per rank would otherwise embed a different image on each
+        rank of the group, and each slice would be a different image's)."""
         self._batch_check(args, kwargs)
-        return args, kwargs
+        self._real = {}
+        if self.size == 1:
+            return args, kwargs
+        return tuple(self._from_rank0(a) for a in args), {k: self._from_rank0(v) for k, v in kwargs.items()}
+
+    def _from_rank0(self, value: Any) -> Any:
+        if not torch.is_tensor(value):
+            return value
+        mine = value.detach().clone().contiguous()  # the caller's tensor is left as it was
+        self.comm.broadcast(mine, 0, what="the inputs of a sequence-parallel group (from sp rank 0)")
+        return mine
+
+    def remove_hooks(self) -> None:
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
 
     def combine(self, output: Any) -> Any:
         return output  # every rank of the group computed the whole sequence's loss
@@ -103,14 +157,29 @@ class PatchSplitter:
             )
         length = output.shape[1]
         per = -(-length // self.size)
-        self._length, self._padded, self._split_pending = length, per * self.size, True
-        if self._padded > length:
-            output = nn.functional.pad(output, (0, 0, 0, self._padded - length))
+        padded = per * self.size
+        if self._real.get(padded, length) != length:
+            raise ConfigError(
+                f"{self._model_name} embedded sequences of {self._real[padded]} and {length} tokens in one forward, "
+                f"which both pad to {padded} at sequence_parallel_size {self.size}: the attention could not tell "
+                "their padding apart. Give the crops sizes that pad to different lengths, or train without "
+                "sequence_parallel_size"
+            )
+        self._real[padded] = length
+        self._length, self._split_pending, self._attended = length, True, 0
+        if padded > length:
+            output = nn.functional.pad(output, (0, 0, 0, padded - length))
         return output.narrow(1, self.rank * per, per)
 
     def _gather(self, module: nn.Module, args: tuple) -> tuple:
         if not self._split_pending:  # the norm called outside a forward of the whole model
             return args
         self._split_pending = False
+        if not self._attended:
+            raise ConfigError(
+                f"{self._model_name}'s attention did not go through the Ulysses exchange (it does not call "
+                "transformers' attention interface): each rank would attend within its slice only. Sequence "
+                "parallelism is not built for it; train it without sequence_parallel_size"
+            )
         whole = gather_over_group(args[0].contiguous(), self.comm, 1, "the patch sequence before the final norm")
         return (whole[:, : self._length], *args[1:])
