@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
-from shardtrain.compat.deepspeed import accelerator, comm, zero  # noqa: F401  deepspeed.comm, .accelerator
+from shardtrain.compat.deepspeed import accelerator, checkpoint, comm, utils, zero  # noqa: F401  deepspeed.comm, ...
 from shardtrain.compat.deepspeed.engine import DeepSpeedEngine
 from shardtrain.compat.deepspeed.unsupported import NotProvidedError, not_provided
 from shardtrain.config.schema import load_config, optimizer_class_and_kwargs
