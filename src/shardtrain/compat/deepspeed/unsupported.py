@@ -17,4 +17,6 @@ class NotProvidedError(ShardtrainError, AttributeError):
 def not_provided(what: str, instead: str = "") -> NotProvidedError:
     """``what``: DeepSpeed's name as a script writes it (``deepspeed.comm``, ``engine.save_16bit_model()``)."""
     hint = f"; {instead}" if instead else ""
-    return NotProvidedError(f"{what} is not provided by shardtrain.deepspeed{hint} (what is provided: {DOCS})")
+    error = NotProvidedError(f"{what} is not provided by shardtrain.deepspeed{hint} (what is provided: {DOCS})")
+    error.instead = instead  # what to do instead, alone (the docs' table of DeepSpeed's names shows it)
+    return error

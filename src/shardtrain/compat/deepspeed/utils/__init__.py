@@ -164,8 +164,8 @@ class RepeatingLoader:
 
 
 _LOCAL = (
-    "DeepSpeed defines it for ZeRO-3 partitions only; use the safe_get_full_*/safe_set_full_* function of the same "
-    "name (the whole tensor), or engine.shardtrain_engine's optimizer fragments"
+    "DeepSpeed defines it for ZeRO-3 partitions only; use its safe_get_full_* / safe_set_full_* counterpart "
+    "(the whole tensor, on every rank)"
 )
 _INSTEAD = {
     **{
