@@ -217,6 +217,25 @@ def test_refused_names_say_what_to_use(name):
     assert refused.value.instead, f"{name} is refused without saying what to use instead"
 
 
+@pytest.mark.parametrize(
+    ("statement", "instead"),
+    [
+        ("from shardtrain.deepspeed.ops.adam import DeepSpeedCPUAdam", "fused kernels"),
+        ("from shardtrain.deepspeed.utils import groups", "topology"),
+        ("from shardtrain.deepspeed import DeepSpeedConfig", "load_config"),
+        ("from shardtrain.deepspeed.runtime.zero.partition_parameters import ZeroParamStatus", "GatheredParameters"),
+        ("import shardtrain.deepspeed.pipe", "pipeline"),
+    ],
+)
+def test_importing_a_refused_name_says_what_to_use(statement, instead):
+    """Python's own messages ("No module named", "cannot import name") would drop the hint: an ImportError that keeps
+    it, so that `except ImportError` fallbacks in scripts still work."""
+    with pytest.raises(ModuleNotFoundError, match=r"is not provided by shardtrain\.deepspeed") as refused:
+        exec(statement)
+    assert instead in str(refused.value)
+    exec("from shardtrain.deepspeed.utils import logger, zero_to_fp32")  # real names import as before
+
+
 def test_every_working_name_is_called_at_zero3(tmp_path):
     results = run_distributed(_call_all, 2, str(tmp_path))
     for rank, r in enumerate(results):

@@ -38,11 +38,13 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDa
 from shardtrain.compat.deepspeed import accelerator, checkpoint, comm, utils, zero  # noqa: F401  deepspeed.comm, ...
 from shardtrain.compat.deepspeed.accelerator import get_accelerator  # noqa: F401  `from deepspeed import ...`
 from shardtrain.compat.deepspeed.engine import DeepSpeedEngine
-from shardtrain.compat.deepspeed.unsupported import NotProvidedError, not_provided
+from shardtrain.compat.deepspeed.unsupported import NotProvidedError, install_refused_imports, not_provided
 from shardtrain.config.schema import load_config, optimizer_class_and_kwargs
 from shardtrain.distributed.mesh import backend_for, ensure_process_group, pick_device
 from shardtrain.engine import Engine
 from shardtrain.engine import initialize as initialize_engine
+
+install_refused_imports()  # `from deepspeed.ops.adam import X` says what to use instead (see RefusedImports)
 
 __all__ = [
     "DeepSpeedEngine",

@@ -19,7 +19,6 @@ equal and calls every name that works.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
@@ -173,10 +172,14 @@ def resolve(name: str) -> Any:
     for part in rest.split("."):
         try:
             obj = getattr(obj, part)
-        except NotProvidedError:
-            if not hasattr(obj, "__path__") or importlib.util.find_spec(f"{obj.__name__}.{part}") is None:
+        except NotProvidedError as refused:
+            if not hasattr(obj, "__path__"):
                 raise
-            obj = importlib.import_module(f"{obj.__name__}.{part}")  # a submodule not imported yet
+            try:
+                obj = importlib.import_module(f"{obj.__name__}.{part}")  # a submodule not imported yet
+            except ModuleNotFoundError:
+                raise refused from None
+
     return obj
 
 
