@@ -198,6 +198,9 @@ def test_docs_table_is_generated_from_the_list():
     table = re.search(r"<!-- api-surface:start -->\n(.*?)\n<!-- api-surface:end -->", doc, re.S)
     assert table is not None, "docs/migration-deepspeed.md lost its api-surface markers"
     assert table.group(1) == markdown_table(), "regenerate with: python -m shardtrain.compat.deepspeed.surface"
+    working = sum(status(row.name) is None for row in SURFACE)
+    counts = f"{len(SURFACE)} names, {working} work with DeepSpeed's meaning, {len(SURFACE) - working} are refused"
+    assert counts in " ".join(doc.split()), f"the counts above the table should read: {counts}"
 
 
 def test_list_has_each_name_once_and_every_working_name_is_called():
