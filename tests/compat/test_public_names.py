@@ -15,6 +15,8 @@ import pytest
         ("shardtrain.deepspeed.zero", "shardtrain.compat.deepspeed.zero"),
         ("shardtrain.deepspeed.engine", "shardtrain.compat.deepspeed.engine"),
         ("shardtrain.deepspeed.unsupported", "shardtrain.compat.deepspeed.unsupported"),
+        ("shardtrain.deepspeed.utils.zero_to_fp32", "shardtrain.compat.deepspeed.utils.zero_to_fp32"),
+        ("shardtrain.deepspeed.checkpoint.utils", "shardtrain.compat.deepspeed.checkpoint.utils"),
         ("shardtrain.integrations.hf_trainer", "shardtrain.compat.hf_trainer"),
         ("shardtrain.integrations.trl_trainers", "shardtrain.compat.trl_trainers"),
     ],

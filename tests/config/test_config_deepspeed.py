@@ -89,6 +89,46 @@ def test_accepted_without_effect(config, path):
     assert load_config(config) == report.config
 
 
+# DeepSpeed's diagnostics, turned on as these configs do: DeepSpeed 0.19.8 accepts each (its parser is run on them in
+# tests/config/test_config_corpus.py); here each is accepted without effect, with a warning saying what to use.
+@pytest.mark.parametrize(
+    ("config", "instead"),
+    [
+        ({"autotuning": {"enabled": True, "fast": True, "arg_mappings": {}}}, "shardtrain estimate"),
+        ({"comms_logger": {"enabled": True, "verbose": False, "prof_all": True}}, "engine.comm_stats()"),
+        ({"memory_breakdown": True}, "engine.state_bytes()"),
+        ({"dump_state": True}, "engine.config"),
+        ({"comet": {"enabled": True, "project": "p"}}, "tensorboard"),
+    ],
+)
+def test_diagnostics_turned_on_are_accepted_with_a_warning(config, instead, caplog):
+    path = next(iter(config))
+    report = inspect_config(config)
+    assert report.ok, report.problems
+    assert len(report.warnings) == 1 and report.warnings[0].startswith(f"{path}: accepted without effect")
+    assert instead in report.warnings[0]
+    with caplog.at_level("WARNING", logger="shardtrain"):
+        assert load_config(config) == report.config
+    assert any(instead in r.getMessage() for r in caplog.records)
+    off = {path: False} if isinstance(config[path], bool) else {path: {**config[path], "enabled": False}}
+    assert inspect_config(off).warnings == []
+
+
+def test_min_loss_scale_zero_is_no_floor():
+    """DeepSpeed runs ``fp16.min_loss_scale: 0`` (Megatron-DeepSpeed's scripts write it): the scale halves at every
+    overflow, with no floor."""
+    from shardtrain.zero.precision import LossScaler
+
+    cfg = load_config({"fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 2, "min_loss_scale": 0,
+                                "hysteresis": 1}})  # fmt: skip
+    scaler = LossScaler.from_config(cfg)
+    for _ in range(5):
+        scaler.update(overflow=True)
+    assert scaler.scale == 2.0**-3
+    with pytest.raises(ConfigError, match="min_loss_scale"):
+        load_config({"fp16": {"enabled": True, "min_loss_scale": -1}})
+
+
 @pytest.mark.parametrize(
     ("config", "fragments"),
     [
@@ -111,7 +151,6 @@ def test_accepted_without_effect(config, path):
             {"flops_profiler": {"enabled": True}, "graph": {"enabled": True}},
             ["flops_profiler.enabled with graph.enabled", "graph mode off"],
         ),
-        ({"comms_logger": {"enabled": True}}, ["comms_logger: enabled: true", "engine.comm_stats()"]),
         ({"tensor_parallel": {"size": 2, "autotp_size": 4}}, ["tensor_parallel", "disagree"]),
         ({"zero_optimization": {"sub_group_size": "big"}}, ["zero_optimization.sub_group_size", "valid integer"]),
         ({"zero_allow_untested_optimizer": "yes"}, ["zero_allow_untested_optimizer", "valid boolean"]),

@@ -60,6 +60,7 @@ def check_file(path: str, world_size: int | None = None, device: str | None = No
             problems.append(f"{err} (world size {world_size})")
     lines = [f"{path}: ok" if not problems else f"{path}: {len(problems)} problem(s)"]
     lines += [f"  error  {p}" for p in problems]
+    lines += [f"  warning  {w}" for w in report.warnings]
     lines += [f"  no effect  {n}" for n in no_effect]
     lines += [f'  "auto"  {key}: resolved at initialize from {source}' for key, source in report.autos.items()]
     return not problems, lines

@@ -15,5 +15,6 @@ def expose(public: str, real: str) -> ModuleType:
     gives the same module objects (no module runs twice, ``isinstance`` and ``monkeypatch`` see one class)."""
     module = importlib.import_module(real)
     for info in pkgutil.iter_modules(getattr(module, "__path__", [])):
-        sys.modules[f"{public}.{info.name}"] = importlib.import_module(f"{real}.{info.name}")
+        # subpackages too (``deepspeed.utils.zero_to_fp32``), at every depth
+        sys.modules[f"{public}.{info.name}"] = expose(f"{public}.{info.name}", f"{real}.{info.name}")
     return module

@@ -65,6 +65,8 @@ class Rule:
     """Where ``"auto"`` is resolved from at ``initialize``; empty: ``"auto"`` is an error."""
     shown: Callable[[Any], str] | None = None
     """Refused value: the part of a refused section that asked for it, for the message."""
+    warn_when: Callable[[Any], bool] | None = None
+    """No effect, diagnostic: the values that turn the diagnostic on, accepted with a warning (``note``)."""
 
 
 def _whole(v: Any) -> Any:
@@ -105,6 +107,22 @@ def _disabled(path: str, note: str) -> Rule:
         check=dict,
         accept=lambda v: v.get("enabled", False) is False,
         shown=lambda v: f"enabled: {_describe(v.get('enabled'))}",
+    )
+
+
+def _diagnostic(path: str, note: str) -> Rule:
+    """A diagnostic DeepSpeed has and shardtrain does not (a section with ``enabled``, or a bool): accepted without
+    effect; turned on, it is accepted with a warning saying what to use instead (``note``). It changes no number of
+    the training, so a config that asks for it still trains as DeepSpeed trains it."""
+    if path in ("memory_breakdown", "dump_state"):
+        return Rule(path, Kind.NO_EFFECT, note, "bool; `true` warns", check=StrictBool, warn_when=lambda v: v is True)
+    return Rule(
+        path,
+        Kind.NO_EFFECT,
+        note,
+        "section; `enabled: true` warns",
+        check=dict,
+        warn_when=lambda v: v.get("enabled", False) is True,
     )
 
 
@@ -284,7 +302,11 @@ RULES: tuple[Rule, ...] = (
         "int ≥ 1, `2`",
         "overflows absorbed before the scale halves (restored after a clean window)",
     ),
-    _supported("fp16.min_loss_scale", "float > 0, `1`", "an overflow at this scale raises an error"),
+    _supported(
+        "fp16.min_loss_scale",
+        "float ≥ 0, `1`",
+        "the scale never halves below it, and an overflow at it raises an error; 0 (as DeepSpeed takes it): no floor",
+    ),
     _supported(
         "fp16.auto_cast",
         "bool, `false`",
@@ -681,8 +703,16 @@ RULES: tuple[Rule, ...] = (
         "bool, `false`",
         "log forward/backward/step wall-clock times every `steps_per_print` steps (rank 0)",
     ),
-    _only("dump_state", False, "the engine state is not printed at start"),
-    _only("memory_breakdown", False, "not built; use `engine.state_bytes()`"),
+    _diagnostic(
+        "dump_state",
+        "the engine state is not printed at start: the resolved config is logged once by `initialize`, and "
+        "`engine.config` holds it",
+    ),
+    _diagnostic(
+        "memory_breakdown",
+        "DeepSpeed's memory report is not built: `engine.state_bytes()` gives each rank's parameter, gradient and "
+        "optimizer bytes",
+    ),
     *(
         rule
         for monitor in ("tensorboard", "csv_monitor")
@@ -698,8 +728,11 @@ RULES: tuple[Rule, ...] = (
     _supported("wandb.group", "string", "W&B group"),
     _supported("wandb.team", "string", "W&B team (entity)"),
     _supported("wandb.project", "string, `deepspeed`", "W&B project"),
-    _disabled("comet", "the Comet monitor is not built; use `tensorboard`, `csv_monitor` or `wandb`"),
-    _disabled("comms_logger", "not built; use `engine.comm_stats()`"),
+    _diagnostic("comet", "the Comet monitor is not built: use `tensorboard`, `csv_monitor` or `wandb`"),
+    _diagnostic(
+        "comms_logger",
+        "DeepSpeed's communication logger is not built: `engine.comm_stats()` counts each collective's calls and bytes",
+    ),
     _no_effect(
         "comms_config",
         "section",
@@ -792,7 +825,11 @@ RULES: tuple[Rule, ...] = (
         "(`offload_*.buffer_count` sets what is in flight)",
         check=dict,
     ),
-    _disabled("autotuning", "not supported; tune batch and bucket sizes by hand"),
+    _diagnostic(
+        "autotuning",
+        "DeepSpeed's autotuner (its launcher's `--autotuning` trial runs) is not built: size batches and buckets with "
+        "`shardtrain estimate` and by hand; the config trains with the batch sizes it gives",
+    ),
     _disabled("elasticity", "elastic batch sizes are not supported; give the batch sizes"),
     _not_supported("compression_training", "model compression is not supported"),
     _not_supported("weight_quantization", "weight quantization is not supported"),
@@ -1212,6 +1249,8 @@ class Findings:
     """path -> where it is resolved from."""
     renamed: dict[str, str] = field(default_factory=dict)
     """canonical path -> the alias the config wrote it as (messages name what the user wrote)."""
+    warnings: list[str] = field(default_factory=list)
+    """Diagnostics the config turns on that are not built (``path: what to use instead``); logged at load."""
 
     def as_written(self, line: str) -> str:
         """``line`` (``path: message``) with a renamed path given back its written spelling."""
@@ -1261,6 +1300,8 @@ def _apply_rule(rule: Rule, value: Any, found: Findings) -> None:
         )
         return
     found.no_effect.append(f"{path}: {rule.note}")
+    if rule.warn_when is not None and rule.warn_when(value):
+        found.warnings.append(f"{path}: accepted without effect: {rule.note}")
 
 
 def _known_here(prefix: str, model: type[BaseModel] | None) -> list[str]:
@@ -1403,6 +1444,8 @@ def markdown_table() -> str:
         kind = r.kind.value
         if r.kind is Kind.REFUSED_VALUE:
             kind = f"refused value (accepted, no effect: {r.values})"
+        if r.warn_when is not None:
+            kind = "accepted, no effect (a warning when on)"
         values = "" if r.kind is Kind.REFUSED_VALUE else r.values
         auto = f' `"auto"`: {r.auto}.' if r.auto else ""
         modes = "".join(f" No effect {n.condition}: {n.reason}." for n in NO_EFFECT_WHEN if n.path == r.path)

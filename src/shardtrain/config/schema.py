@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 import math
 import os
 from collections.abc import Mapping
@@ -40,6 +41,8 @@ from shardtrain.config.deepspeed_keys import (
 from shardtrain.errors import ConfigError
 from shardtrain.optim.adam import DeepSpeedAdam
 
+log = logging.getLogger("shardtrain")
+
 
 def _integral(v: Any) -> Any:
     """DeepSpeed configs write sizes as ``5e8``; accept integral floats as ints, refuse 1.5 and "5"."""
@@ -61,6 +64,7 @@ def _stage(v: Any) -> Any:
 # NaN parse from JSON and YAML, and an infinite or NaN factor, rate or scale is never meaningful);
 # collective_timeout_s is bounded by what a process group takes (MIN_TIMEOUT_S, MAX_TIMEOUT_S).
 INT64_MAX = 2**63 - 1
+
 MIN_TIMEOUT_S = 0.001
 """Below 1 ms torch rounds the timeout to 0 ms: every wait, the store connection first, fails at once."""
 MAX_TIMEOUT_S = 1e9
@@ -226,7 +230,7 @@ class FP16Config(_Section):
     initial_scale_power: int = Field(default=16, ge=0, le=64)
     loss_scale_window: Count = 1000
     hysteresis: Count = 2
-    min_loss_scale: float = Field(default=1.0, gt=0)
+    min_loss_scale: float = Field(default=1.0, ge=0)
     auto_cast: bool = False
     """Cast the floating tensors among ``forward``'s positional arguments to fp16 (:func:`cast_inputs_half`)."""
 
@@ -569,6 +573,8 @@ class ConfigReport:
     """``key.path: why``, for keys accepted without effect."""
     autos: dict[str, str] = field(default_factory=dict)
     """key path -> what ``initialize`` resolves that ``"auto"`` from."""
+    warnings: list[str] = field(default_factory=list)
+    """``key.path: what to use instead``, for diagnostics the config turns on that are not built (accepted)."""
 
     @property
     def ok(self) -> bool:
@@ -584,6 +590,8 @@ def load_config(source: Config | Mapping[str, Any] | str | Path | None) -> Confi
     report = inspect_config(source)
     if report.problems:
         raise ConfigError("invalid config:\n  " + "\n  ".join(report.problems))
+    for line in report.warnings:
+        log.warning("config: %s", line)
     assert report.config is not None
     return report.config
 
@@ -624,7 +632,7 @@ def _validate(clean: Mapping[str, Any], found: Findings) -> ConfigReport:
     no_effect = list(found.no_effect)
     if cfg is not None:  # supported keys that do nothing in the combination this config gives
         no_effect += [found.as_written(line) for line in no_effect_here(cfg)]
-    return ConfigReport(None if problems else cfg, problems, no_effect, dict(found.autos))
+    return ConfigReport(None if problems else cfg, problems, no_effect, dict(found.autos), list(found.warnings))
 
 
 MAX_CONFIG_BYTES = 64 << 20

@@ -35,13 +35,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
-from shardtrain.compat.deepspeed import accelerator, comm, zero  # noqa: F401  deepspeed.comm, .accelerator
+from shardtrain.compat.deepspeed import accelerator, checkpoint, comm, utils, zero  # noqa: F401  deepspeed.comm, ...
+from shardtrain.compat.deepspeed.accelerator import get_accelerator  # noqa: F401  `from deepspeed import ...`
 from shardtrain.compat.deepspeed.engine import DeepSpeedEngine
-from shardtrain.compat.deepspeed.unsupported import NotProvidedError, not_provided
+from shardtrain.compat.deepspeed.unsupported import NotProvidedError, install_refused_imports, not_provided
 from shardtrain.config.schema import load_config, optimizer_class_and_kwargs
 from shardtrain.distributed.mesh import backend_for, ensure_process_group, pick_device
 from shardtrain.engine import Engine
 from shardtrain.engine import initialize as initialize_engine
+
+install_refused_imports()  # `from deepspeed.ops.adam import X` says what to use instead (see RefusedImports)
 
 __all__ = [
     "DeepSpeedEngine",
@@ -209,5 +212,15 @@ def __getattr__(name: str) -> Any:
         "pipe": "pipeline parallelism is not built",
         "moe": "mixture-of-experts layers are not built",
         "init_inference": "inference engines are not built: use the model directly",
+        "runtime": "DeepSpeed's internals are not provided: the engine is deepspeed.DeepSpeedEngine, the schedulers "
+        "are built from the config's scheduler section, the ZeRO-3 state of a parameter is shardtrain's own "
+        "(gather with deepspeed.zero.GatheredParameters)",
+        "tp_model_init": "tensor parallelism is set in the config: tensor_parallel.size (docs/tensor-parallel.md)",
+        "module_inject": "kernel injection is not built: use the model as it is",
+        "replace_transformer_layer": "kernel injection is not built: use the model as it is",
+        "DeepSpeedTransformerLayer": "DeepSpeed's fused transformer kernels are not provided: use the model's layers",
+        "DeepSpeedTransformerConfig": "DeepSpeed's fused transformer kernels are not provided: use the model's layers",
+        "DeepSpeedConfig": "read a config with shardtrain.config.load_config (validated, with DeepSpeed's keys)",
+        "launcher": "launch with torchrun (docs/migration-deepspeed.md)",
     }.get(name, "")
     raise not_provided(f"deepspeed.{name}", instead)

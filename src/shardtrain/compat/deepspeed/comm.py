@@ -97,6 +97,23 @@ def reduce_scatter_tensor(
     return dist.reduce_scatter_tensor(output_tensor, tensor, op=op, group=group, async_op=async_op)
 
 
+def reduce(
+    tensor: torch.Tensor, dst: int, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False, **profiling: Any
+) -> Any:
+    return dist.reduce(tensor, dst, op=op, group=group, async_op=async_op)
+
+
+def gather(
+    tensor: torch.Tensor,
+    gather_list: list[torch.Tensor] | None = None,
+    dst: int = 0,
+    group: Any = None,
+    async_op: bool = False,
+    **profiling: Any,
+) -> Any:
+    return dist.gather(tensor, gather_list, dst, group=group, async_op=async_op)
+
+
 def all_gather_object(object_list: list[Any], obj: Any, group: Any = None) -> None:
     dist.all_gather_object(object_list, obj, group=group)
 

@@ -69,6 +69,20 @@ class DeepSpeedEngine:
     def is_gradient_accumulation_boundary(self) -> bool:
         return self.shardtrain_engine.is_gradient_accumulation_boundary()
 
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """DeepSpeed lets a script declare the boundary (accelerate does before every backward); here the engine
+        counts micro-steps against ``gradient_accumulation_steps``, so a declaration that agrees with the count is
+        accepted and one that does not is refused (the config's ``gradient_accumulation_steps`` is then not the
+        script's)."""
+        counted = self.shardtrain_engine.is_gradient_accumulation_boundary()
+        if bool(is_boundary) != counted:
+            raise not_provided(
+                f"engine.set_gradient_accumulation_boundary({bool(is_boundary)}) at micro-step "
+                f"{self.shardtrain_engine.micro_steps}, where the count of gradient_accumulation_steps "
+                f"({self.shardtrain_engine.gradient_accumulation_steps}) says {counted}",
+                "set the config's gradient_accumulation_steps to the number of micro-batches the script accumulates",
+            )
+
     def zero_grad(self) -> None:
         """Clear the gradients accumulated since the last optimizer step (the engine also clears them after each
         step, so a call right after ``step()`` changes nothing)."""
@@ -250,6 +264,24 @@ class DeepSpeedEngine:
         ``engine.shardtrain_engine.loss_scale``."""
         return float(self.shardtrain_engine.config.fp16.loss_scale)
 
+    def wall_clock_breakdown(self) -> bool:
+        return self.shardtrain_engine.config.wall_clock_breakdown
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """True: ``save_16bit_model`` and ``_zero3_consolidated_16bit_state_dict`` gather the full weights at every
+        stage (DeepSpeed answers its config's ``stage3_gather_16bit_weights_on_model_save``, false by default, and
+        does not gather them without it)."""
+        return True
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
+        """The full weights in their training dtype on rank 0 (host copies), None on the other ranks; collective.
+        (A private name of DeepSpeed that accelerate and transformers call to save a ZeRO-3 model.)"""
+        state = self.shardtrain_engine.full_state_dict()
+        if state is not None and exclude_frozen_parameters:
+            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+            state = {k: v for k, v in state.items() if k not in frozen}
+        return state
+
     def close(self) -> None:
         """Release what the engine holds (monitors, swap files, background saves); a second call does nothing."""
         self.shardtrain_engine.close()
@@ -301,6 +333,9 @@ _ENGINE_INSTEAD = {
     "save_fp16_model": _FULL_WEIGHTS + "; or save_16bit_model()",
     "state_dict": _FULL_WEIGHTS + "; engine.module.state_dict() at stages 0-2",
     "set_train_batch_size": "set train_batch_size or gradient_accumulation_steps in the config",
-    "set_gradient_accumulation_boundary": "step() after every micro-batch decides the boundary",
+    "offload_states": "offload is configured: zero_optimization.offload_optimizer / offload_param",
+    "reload_states": "offload is configured: zero_optimization.offload_optimizer / offload_param",
+    "train_batch": "pipeline parallelism is not built: run forward, backward and step per micro-batch",
+    "eval_batch": "pipeline parallelism is not built: call the engine on the batch under torch.no_grad()",
     "compile": "call torch.compile on the model yourself, or turn on the config's graph mode (docs/graph-mode.md)",
 }

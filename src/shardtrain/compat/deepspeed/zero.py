@@ -124,6 +124,23 @@ def _owner(params: list[nn.Parameter]) -> Engine | None:
     return owners.pop() if owners else None
 
 
+def engine_of(param: nn.Parameter) -> Engine | None:
+    """The engine built by ``shardtrain.deepspeed.initialize`` whose model holds ``param``; None if none does."""
+    return _owner([param])
+
+
+def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
+    """``deepspeed.zero.register_external_parameter``: accepted, nothing to do. DeepSpeed needs it for a parameter
+    that one module's forward uses but another module owns; here a stage-3 parameter used outside its unit is
+    gathered on demand (its guard, :mod:`shardtrain.zero.guarded`), and every parameter is whole at stages 0-2."""
+    if not isinstance(parameter, torch.Tensor):
+        raise TypeError(f"register_external_parameter: expected a parameter, got {type(parameter).__name__}")
+
+
+def unregister_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
+    """``deepspeed.zero.unregister_external_parameter``: accepted, nothing to do (see register_external_parameter)."""
+
+
 class GatheredParameters:
     """``deepspeed.zero.GatheredParameters(params, modifier_rank=None)``: inside the block every rank holds the full
     ``params``; with ``modifier_rank=r`` the values rank ``r`` leaves there at the end reach every rank's shard.
@@ -187,4 +204,7 @@ class GatheredParameters:
 def __getattr__(name: str) -> Any:
     if name.startswith("__"):
         raise AttributeError(f"module 'shardtrain.deepspeed.zero' has no attribute {name!r}")
-    raise not_provided(f"deepspeed.zero.{name}", "shardtrain.deepspeed.zero provides Init and GatheredParameters")
+    raise not_provided(
+        f"deepspeed.zero.{name}",
+        "shardtrain.deepspeed.zero provides Init, GatheredParameters and register_external_parameter",
+    )
