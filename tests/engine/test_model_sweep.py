@@ -2,7 +2,7 @@
 against one process: ZeRO-3, and tensor or sequence parallelism where the model allows (``tests/model_sweep.py``).
 
 * The default run trains a slice (``model_sweep.DEFAULT_SLICE``: Llama, GPT-2, Qwen2, Gemma 2, GPT-NeoX, Mixtral,
-  BERT, T5, BART) in all three modes; each mode must end as :data:`EXPECTED` says (a refusal by its reason).
+  GPT-OSS, BERT, T5, BART) in all three modes; each mode must end as :data:`EXPECTED` says (a refusal by its reason).
 * A learning rate 0.1% off on the engine's side is a mismatch: the comparison is not vacuous.
 * Gemma 2 and Gemma 3 under ZeRO-3 with tensor parallelism 2: at world 2 (one data-parallel rank) and at world 4
   (two, so ZeRO shards each tensor-parallel block over them).

@@ -33,6 +33,13 @@ the sequence split for a split of those ``h/tp`` local heads. Everything above a
 in place of ``h`` and ``kv``: ``P`` must divide ``h/tp``, and key/value heads fewer than ``P`` per tp rank are
 repeated. Nothing else changes: the output projection (row-parallel) sums the tp ranks' heads per token as without
 sequence parallelism, on each rank's slice of the sequence.
+
+[Note: attention sinks]
+GPT-OSS and Flint learn one sink logit per query head (``module.sinks``, ``[h]``), which their attention function
+reads from the module (eager) or as ``s_aux``. After the exchange a rank holds query heads ``[r * h/P, (r + 1) *
+h/P)``, so it is handed those heads' sinks: the slice, taken inside autograd, so that each rank's gradient lands on
+its heads' entries and the sum over the group (ZeRO reduces over data x sequence ranks) is the whole sequence's.
+Under tensor parallelism the module holds its tp rank's heads' sinks already, and the same slice applies.
 """
 
 from __future__ import annotations
@@ -133,8 +140,20 @@ def install_hf(model: nn.Module, comm: Communicator, tp: int = 1) -> str:
         window = kwargs.get("sliding_window")  # None on a full-attention layer
         causal = getattr(module, "is_causal", True)
 
+        heads = query.shape[1]  # this rank's heads before the exchange: the model's (or a tp rank's)
+        sinks = getattr(module, "sinks", None)
+        if torch.is_tensor(sinks) and sinks.dim() == 1 and sinks.shape[0] == heads:  # see [Note: attention sinks]
+            per = heads // comm.size
+            sinks = sinks[comm.rank * per : (comm.rank + 1) * per]
+            if "s_aux" in kwargs:
+                kwargs["s_aux"] = sinks
+        else:
+            sinks = None
+
         def attend(q, k, v):
             view = _HeadsView(module, q.shape[1] // k.shape[1])
+            if sinks is not None:
+                view.sinks = sinks
             mask = attention_mask  # the whole sequence's, built before the split
             if window is not None:  # see [Note: sliding windows under Ulysses]
                 mask = _with_window(mask, q, window, causal)
