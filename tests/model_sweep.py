@@ -196,13 +196,22 @@ def _message(err: BaseException) -> str:
     return " ".join("".join(traceback.format_exception_only(err)).split())[:600]
 
 
-def run_rows(rows: list[tuple[str, str]], modes: tuple[str, ...] = MODES, engine_lr: float = LR) -> dict:
+def run_rows(
+    rows: list[tuple[str, str]], modes: tuple[str, ...] = MODES, engine_lr: float = LR, journal: str | None = None
+) -> dict:
     """On each rank of a job (world 2 unless a test says otherwise): ``{"category/model_type": {"build": ...,
     mode: (status, detail)}}`` on rank 0 (other ranks return their partial view).
 
     Stops early, leaving the remaining rows out, when the ranks no longer agree (a failure on one rank that left the
     other in a collective): the caller runs the rest in a fresh job. ``engine_lr``: the engine's learning rate (the
-    reference's is :data:`LR`): a test sets another to see that the comparison catches it."""
+    reference's is :data:`LR`): a test sets another to see that the comparison catches it. ``journal``: a file rank
+    0 appends each finished row to (one JSON line), so that a crash loses no finished row."""
+    import datetime
+    import os
+
+    if not dist.is_initialized():  # rank 0 trains the references alone meanwhile: minutes for a slow model
+        os.environ.setdefault("SHARDTRAIN_DEVICE", "cpu")
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=1800))
     out: dict[str, dict] = {}
     rank = dist.get_rank()
     for category, model_type in rows:
@@ -250,6 +259,9 @@ def run_rows(rows: list[tuple[str, str]], modes: tuple[str, ...] = MODES, engine
         if rank == 0:  # progress, for the long runs
             statuses = {m: v[0] for m, v in row.items() if isinstance(v, tuple)}
             print(f"model_sweep: {key} {statuses} {row['seconds']} s", file=sys.stderr, flush=True)
+            if journal is not None:
+                with open(journal, "a") as f:
+                    f.write(json.dumps([key, row], default=str) + "\n")
     return out
 
 
@@ -286,19 +298,30 @@ def _run_mode(category: str, model_type: str, mode: str, refs: dict, lr: float) 
 
 
 def run_batch(rows: list[tuple[str, str]], modes: tuple[str, ...] = MODES, timeout: float = 3600) -> dict:
-    """Every row, in as many world-2 jobs as it takes (a job stops at the first row the ranks disagree on)."""
+    """Every row, in as many world-2 jobs as it takes. A job stops at the first row the ranks disagree on; a job
+    that crashes (a rank killed) is charged to the row it was running: the first one its journal (rank 0 writes
+    each finished row there) does not list."""
+    import tempfile
+
     from shardtrain.testing import DistributedFailure, run_distributed
 
     out: dict[str, dict] = {}
     todo = list(rows)
     while todo:
-        try:
-            got = run_distributed(run_rows, WORLD, todo, modes, timeout=timeout)[0]
-        except DistributedFailure as err:  # a whole job lost (a crash): the first row is charged with it
-            category, model_type = todo[0]
-            got = {f"{category}/{model_type}": {"build": ("ok", ""), "note": f"the job failed: {str(err)[-400:]}"}}
-            for mode in modes:
-                got[f"{category}/{model_type}"][mode] = ("failed", "the job running this row crashed")
+        with tempfile.NamedTemporaryFile("r", suffix=".jsonl") as journal:
+            try:
+                args = (run_rows, WORLD, todo, modes, LR, journal.name)
+                got = run_distributed(*args, timeout=timeout, init_process_group=False)[0]
+            except DistributedFailure as err:
+                got = {}
+                for line in journal.read().splitlines():
+                    key, row = json.loads(line)
+                    got[key] = row
+                category, model_type = next(r for r in todo if f"{r[0]}/{r[1]}" not in got)
+                crash = " ".join(str(err).split())[-300:]
+                got[f"{category}/{model_type}"] = {"build": ("ok", ""), "note": f"the job crashed: {crash}"}
+                for mode in modes:
+                    got[f"{category}/{model_type}"][mode] = ("failed", f"a rank crashed running this row: {crash}")
         out.update(got)
         todo = [r for r in todo if f"{r[0]}/{r[1]}" not in out]
     return out

@@ -240,6 +240,7 @@ def test_what_is_not_built_is_refused_by_its_real_reason():
         "vit": _refusal(lambda: transformers.ViTForImageClassification(vit)),
         "pooled": _refusal(lambda: transformers.BertForSequenceClassification(bert)),
         "positions": _refusal(lambda: transformers.BigBirdPegasusForCausalLM(pegasus)),
+        "mamba": _refusal(lambda: transformers.MambaForCausalLM(transformers.MambaConfig(vocab_size=VOCAB, **tiny))),
     }
     assert "T5ForConditionalGeneration is an encoder-decoder model" in got["t5"], got["t5"]
     assert "different lengths" in got["t5"] and "causal" not in got["t5"], got["t5"]
@@ -247,4 +248,5 @@ def test_what_is_not_built_is_refused_by_its_real_reason():
     assert "channels" in got["vit"] and "sequence length" not in got["vit"], got["vit"]
     assert "BertForSequenceClassification's head reads one pooled token" in got["pooled"], got["pooled"]
     assert "BigBirdPegasusForCausalLM's forward takes no position_ids" in got["positions"], got["positions"]
+    assert "MambaForCausalLM mixes its sequence outside attention" in got["mamba"], got["mamba"]
     assert _refusal(lambda: _model("bert")) == "no error"

@@ -19,6 +19,10 @@ Its attention: causal where the model's attention modules say so (``is_causal``,
 bidirectional where they all say not (BERT and other encoders): the whole sequence's padding mask is then
 transformers' ``create_bidirectional_mask``, not ``create_causal_mask``.
 
+Its sequence mixing: attention only. A state-space, recurrent, linear-attention or convolution layer (Mamba,
+Falcon-H1's hybrid layers, RWKV, LFM2's short convolutions) would run on a rank's slice alone: refused by name
+(Falcon-H1 trained 3e-5 off in loss in three steps, silently, before).
+
 Its positions: the engine makes the whole sequence's ``position_ids`` before the split. A model whose forward takes
 none numbers the tokens of its slice from 0 (BigBirdPegasus' causal LM did: 1% off in loss in three steps, silently):
 refused by name.
@@ -31,6 +35,7 @@ inside the model, so its inputs' dimension 1 is channels or features. Neither is
 from __future__ import annotations
 
 import inspect
+import re
 
 from torch import nn
 
@@ -49,6 +54,8 @@ _POOLED_SUFFIXES = (
     "ForMultipleChoice",
     "ForNextSentencePrediction",
 )
+# layers that carry state along the sequence outside attention (Mamba, linear attention, RWKV, short convolutions, ...)
+_SEQUENCE_MIXERS = re.compile(r"Mamba|Mixer|LinearAttention|DeltaNet|ShortConv|Rwkv|xLSTM|Lstm|Recurrent|SSM|Retention")
 _NOT_TOKENS = ("pixel_values", "pixel_values_videos", "input_features", "input_values")
 
 
@@ -92,6 +99,10 @@ def attention_is_causal(model: nn.Module) -> bool:
     return bool(flags) or is_causal_lm(model) or bool(getattr(config, "is_decoder", False))
 
 
+def _mixes_sequence(module: nn.Module) -> bool:
+    return isinstance(module, nn.Conv1d) or bool(_SEQUENCE_MIXERS.search(type(module).__name__))
+
+
 def refuse_unservable(model: nn.Module) -> None:
     """A transformers model whose sequence the engine cannot split, refused by name at initialize (see [Note: what
     the engine assumes of a model's loss])."""
@@ -126,6 +137,20 @@ def refuse_unservable(model: nn.Module) -> None:
         raise ConfigError(
             f"{name} mixes causal and bidirectional attention (cross-attention or a decoder over an encoder): "
             "sequence parallelism builds one kind of self-attention per model; not built yet"
+        )
+    mixers = sorted(
+        {
+            type(m).__name__
+            for m in model.modules()
+            if isinstance(m, nn.Conv1d) or _SEQUENCE_MIXERS.search(type(m).__name__)
+        }
+    )
+    if mixers:
+        raise ConfigError(
+            f"{name} mixes its sequence outside attention ({', '.join(mixers[:4])}: a state-space, recurrent, linear-"
+            "attention or convolution layer): Ulysses gives each rank the whole sequence inside attention only, so "
+            "such a layer would run on this rank's slice alone and carry nothing across the slices. Not built: train "
+            "it without sequence_parallel_size"
         )
     try:
         takes_positions = "position_ids" in inspect.signature(model.forward).parameters
