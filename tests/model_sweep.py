@@ -50,7 +50,7 @@ from tp_arch_cases import TINY, arch_mismatches
 
 VOCAB, SEQ, ROWS, STEPS, LR = TINY["vocab_size"], 8, 2, 3, 0.1
 WORLD = 2
-MAX_PARAMS = 10_000_000  # sub-configs (vision, audio towers) keep their full sizes: those are not run
+MAX_PARAMS = 15_000_000  # sub-configs (vision, audio towers) keep their full sizes: those are not run
 MODES = ("zero3", "tp", "sp")
 # mode -> (tensor_parallel.size, sequence_parallel_size); the data-parallel size is what the world leaves
 MODE_SIZES = {"zero3": (1, 1), "tp": (2, 1), "sp": (1, 2)}
@@ -75,6 +75,15 @@ SWEEP_TINY = dict(
     n_positions=64,
     max_position_embeddings=64,
 )
+
+# Where one config class names a size otherwise, or checks sizes against each other (None: leave the key out)
+PER_MODEL: dict[str, dict] = {
+    "gptj": {"rotary_dim": 8},
+    "gpt_neo": {"attention_types": [[["global", "local"], 1]]},
+    "falcon": {"head_dim": None},  # a property of the config: hidden / heads
+    "longcat_flash": {"qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8, "kv_lora_rank": 16},
+    "youtu": {"qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8, "kv_lora_rank": 16},
+}
 
 # The default run's slice: one of each family the engine must get right (rows, categories).
 DEFAULT_SLICE = (
@@ -111,7 +120,10 @@ def build(category: str, model_type: str, dtype: torch.dtype = torch.float32) ->
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
-    config = getattr(transformers, CONFIG_MAPPING_NAMES[model_type])(**SWEEP_TINY)
+    sizes = {**SWEEP_TINY, **PER_MODEL.get(model_type, {})}
+    config = getattr(transformers, CONFIG_MAPPING_NAMES[model_type])(
+        **{k: v for k, v in sizes.items() if v is not None}
+    )
     model_class = getattr(transformers, mappings()[category][model_type])
     torch.manual_seed(0)
     model = model_class._from_config(config, attn_implementation="eager")
