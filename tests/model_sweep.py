@@ -350,7 +350,7 @@ def main(argv: list[str]) -> None:
     run.add_argument("--start", type=int, default=0)
     run.add_argument("--count", type=int, default=10_000)
     run.add_argument("--modes", default=",".join(MODES))
-    write = sub.add_parser("write", help="put the measured rows into the table of a page (docs/models.md)")
+    write = sub.add_parser("write", help="put the measured rows (batch files, journals) into docs/models.md's table")
     write.add_argument("--doc", required=True)
     write.add_argument("parts", nargs="+")
     args = parser.parse_args(argv)
@@ -365,7 +365,10 @@ def main(argv: list[str]) -> None:
         for pattern in args.parts:
             for path in sorted(glob.glob(pattern)):
                 with open(path) as f:
-                    rows.update(json.load(f)["rows"])
+                    if path.endswith(".jsonl"):  # a journal of a batch still running: its finished rows
+                        rows.update(json.loads(line) for line in f if line.strip())
+                    else:
+                        rows.update(json.load(f)["rows"])
         write_doc(args.doc, rows)
 
 
