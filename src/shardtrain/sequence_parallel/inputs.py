@@ -49,6 +49,7 @@ the all-reduce of the gradients (every rank backpropagates the same ``L``), so r
 from __future__ import annotations
 
 import inspect
+import sys
 from typing import Any
 
 import torch
@@ -109,15 +110,21 @@ def _own_position_maker(module: nn.Module):
     ``create_position_ids_from_input_ids``: ``padding_idx + 1`` on, padding kept at ``padding_idx``), a function of
     a forward's (args, kwargs) giving the whole sequence's position ids as that model makes them; else None."""
     for sub in module.modules():
-        make = getattr(sub, "create_position_ids_from_input_ids", None)
         padding_idx = getattr(sub, "padding_idx", None)
-        if callable(make) and isinstance(padding_idx, int):
+        if not isinstance(padding_idx, int) or isinstance(sub, nn.Embedding):
+            continue
+        # a method of the embeddings (RoBERTa), or a function of their module (ESM)
+        make = getattr(sub, "create_position_ids_from_input_ids", None)
+        if make is None and isinstance(getattr(sub, "position_embeddings", None), nn.Embedding):
+            make = getattr(sys.modules.get(type(sub).__module__), "create_position_ids_from_input_ids", None)
+        if callable(make):
 
-            def own(args: tuple, kwargs: dict[str, Any], sub=sub, padding_idx=padding_idx) -> torch.Tensor:
+            def own(args: tuple, kwargs: dict[str, Any], make=make, padding_idx=padding_idx) -> torch.Tensor:
                 ids = kwargs.get("input_ids", args[0] if args else None)
-                if torch.is_tensor(ids):
-                    return sub.create_position_ids_from_input_ids(ids, padding_idx)
-                return sub.create_position_ids_from_inputs_embeds(kwargs["inputs_embeds"], padding_idx)
+                if not torch.is_tensor(ids):  # from embeddings: padding_idx + 1 on, as both make them
+                    embeds = kwargs["inputs_embeds"]
+                    ids = torch.full(embeds.shape[:2], padding_idx + 1, device=embeds.device)
+                return make(ids, padding_idx)
 
             return own
     return None

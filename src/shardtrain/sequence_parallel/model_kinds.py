@@ -152,6 +152,12 @@ def refuse_unservable(model: nn.Module) -> None:
             "such a layer would run on this rank's slice alone and carry nothing across the slices. Not built: train "
             "it without sequence_parallel_size"
         )
+    if any(getattr(m, "token_dropout", False) is True for m in model.modules()):
+        raise ConfigError(
+            f"{name} uses token dropout (ESM): its embeddings scale every sequence by the share of mask tokens in it, "
+            "which each rank would count in its slice alone. Not built: train it without sequence_parallel_size, or "
+            "with token_dropout=False in its config"
+        )
     try:
         takes_positions = "position_ids" in inspect.signature(model.forward).parameters
     except (TypeError, ValueError):  # no signature to read: the model's own business
