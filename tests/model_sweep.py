@@ -83,6 +83,9 @@ PER_MODEL: dict[str, dict] = {
     "falcon": {"head_dim": None},  # a property of the config: hidden / heads
     "longcat_flash": {"qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8, "kv_lora_rank": 16},
     "youtu": {"qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8, "kv_lora_rank": 16},
+    "mamba2": {"num_heads": 12, "head_dim": 8, "n_groups": 1},  # heads x head_dim = expand x hidden
+    "bamba": {"mamba_n_heads": 12, "mamba_d_head": 8, "mamba_n_groups": 1},
+    "granitemoehybrid": {"mamba_n_heads": 12, "mamba_d_head": 8, "mamba_n_groups": 1},
 }
 
 # The default run's slice: one of each family the engine must get right (rows, categories).
