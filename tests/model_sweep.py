@@ -86,6 +86,15 @@ PER_MODEL: dict[str, dict] = {
     "mamba2": {"num_heads": 12, "head_dim": 8, "n_groups": 1},  # heads x head_dim = expand x hidden
     "bamba": {"mamba_n_heads": 12, "mamba_d_head": 8, "mamba_n_groups": 1},
     "granitemoehybrid": {"mamba_n_heads": 12, "mamba_d_head": 8, "mamba_n_groups": 1},
+    # per-layer inputs (a second embedding over the whole vocabulary) and no layers reading another's cache
+    "gemma3n_text": {
+        "num_kv_shared_layers": 0,
+        "vocab_size_per_layer_input": 96,
+        "hidden_size_per_layer_input": 8,
+        "laurel_rank": 8,
+        "altup_num_inputs": 2,
+    },
+    "gemma4_text": {"num_kv_shared_layers": 0, "vocab_size_per_layer_input": 96, "hidden_size_per_layer_input": 8},
 }
 
 # The default run's slice: one of each family the engine must get right (rows, categories).
