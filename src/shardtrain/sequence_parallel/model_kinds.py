@@ -55,7 +55,9 @@ _POOLED_SUFFIXES = (
     "ForNextSentencePrediction",
 )
 # layers that carry state along the sequence outside attention (Mamba, linear attention, RWKV, short convolutions, ...)
-_SEQUENCE_MIXERS = re.compile(r"Mamba|Mixer|LinearAttention|DeltaNet|ShortConv|Rwkv|xLSTM|Lstm|Recurrent|SSM|Retention")
+_SEQUENCE_MIXERS = re.compile(
+    r"Mamba|Mixer|LinearAttention|LightningAttention|DeltaNet|ShortConv|Rwkv|xLSTM|Lstm|Recurrent|SSM|Retention"
+)
 _NOT_TOKENS = ("pixel_values", "pixel_values_videos", "input_features", "input_values")
 
 
