@@ -39,7 +39,9 @@ GPT-OSS and Flint learn one sink logit per query head (``module.sinks``, ``[h]``
 reads from the module (eager) or as ``s_aux``. After the exchange a rank holds query heads ``[r * h/P, (r + 1) *
 h/P)``, so it is handed those heads' sinks: the slice, taken inside autograd, so that each rank's gradient lands on
 its heads' entries and the sum over the group (ZeRO reduces over data x sequence ranks) is the whole sequence's.
-Under tensor parallelism the module holds its tp rank's heads' sinks already, and the same slice applies.
+Under tensor parallelism the slice is taken of the sinks the module holds when they are one per head it holds (a
+plan that splits them with the heads); that combination is not tested yet (the sweep's models have 6 heads: tp 2 x
+sp 2 does not divide them).
 """
 
 from __future__ import annotations
