@@ -362,12 +362,15 @@ def main(argv: list[str]) -> None:
     run.add_argument("--start", type=int, default=0)
     run.add_argument("--count", type=int, default=10_000)
     run.add_argument("--modes", default=",".join(MODES))
+    run.add_argument("--rows", help="category/model_type,... (instead of --start and --count)")
     write = sub.add_parser("write", help="put the measured rows (batch files, journals) into docs/models.md's table")
     write.add_argument("--doc", required=True)
     write.add_argument("parts", nargs="+")
     args = parser.parse_args(argv)
     if args.command == "run":
         rows = registered_rows()[args.start : args.start + args.count]
+        if args.rows:
+            rows = [tuple(row.split("/", 1)) for row in args.rows.split(",")]
         started = time.monotonic()
         out = run_batch(rows, tuple(args.modes.split(",")))
         with open(args.out, "w") as f:
