@@ -160,7 +160,7 @@ def install_hf(model: nn.Module, comm: Communicator, tp: int = 1) -> str:
             if window is not None:  # see [Note: sliding windows under Ulysses]
                 mask = _with_window(mask, q, window, causal)
             if mask is not None:
-                mask = _whole_mask_for(mask, q, inner_name)
+                mask = _whole_mask_for(mask, q, inner_name, what)
             elif inner_name == "eager" and causal:
                 mask = _causal_mask(q)  # sdpa makes the causal mask itself (no mask given); eager only adds one
             out, _ = inner(view, q, k, v, mask, dropout=dropout, scaling=scaling, **kwargs)
@@ -197,10 +197,17 @@ def _with_window(mask: torch.Tensor | None, q: torch.Tensor, window: int, causal
     return mask.masked_fill(~band, torch.finfo(mask.dtype).min)
 
 
-def _whole_mask_for(mask: torch.Tensor, q: torch.Tensor, inner_name: str) -> torch.Tensor:
+def _whole_mask_for(mask: torch.Tensor, q: torch.Tensor, inner_name: str, what: str = "") -> torch.Tensor:
     """The whole sequence's mask ``[b, 1, S, S]`` as the inner attention takes it: booleans for sdpa, the additive
     form (0 or the dtype's minimum, as transformers' ``eager_mask``) for eager."""
     s = q.shape[2]
+    if mask.dim() == 4 and mask.shape[1] > 1 and tuple(mask.shape[-2:]) != (s, s):
+        raise ConfigError(
+            f"{what or 'the attention'} makes a mask of its own, one per head ({tuple(mask.shape)}), from its slice "
+            "of the sequence (Doge's dynamic mask does): sequence parallelism gives attention the whole sequence "
+            "only after the exchange, so that mask cannot be the whole sequence's. Not built: train this model "
+            "without sequence_parallel_size"
+        )
     if mask.dim() != 4 or tuple(mask.shape[-2:]) != (s, s):
         raise ConfigError(
             f"the attention mask reaching Ulysses attention has shape {tuple(mask.shape)}, not the whole sequence's "
