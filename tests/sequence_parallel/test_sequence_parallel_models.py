@@ -37,6 +37,15 @@ def _model(case: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
             attn_implementation="eager" if case == "bert_eager" else "sdpa",
         )
         model = transformers.BertForMaskedLM(cfg)
+    elif case == "roberta":  # numbers its positions from padding_idx + 1, not 0: the engine must do as it does
+        cfg = transformers.RobertaConfig(
+            **common,
+            intermediate_size=64,
+            max_position_embeddings=SEQ + 2,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
+        model = transformers.RobertaForMaskedLM(cfg)
     elif case in ("mixtral", "qwen2_moe"):
         moe = dict(
             **common,
@@ -88,6 +97,10 @@ def _model(case: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     return model.to(dtype)
 
 
+def _masked(case: str) -> bool:
+    return case.startswith(("bert", "roberta"))
+
+
 def _batches(dp: int, masked_lm: bool) -> list[dict[str, torch.Tensor]]:
     """Keyword inputs of each micro-step, ``ROWS * dp`` rows: the last row of every data-parallel rank padded at
     the end (mask 0, labels -100). A masked LM's labels: 15% of the tokens, the rest -100 (slices with no real
@@ -114,7 +127,7 @@ def _rows(batch: dict[str, torch.Tensor], rows: slice) -> dict[str, torch.Tensor
 
 
 def _reference(case: str, dp: int, dtype: torch.dtype) -> dict:
-    model, batches = _model(case, dtype), _batches(dp, case.startswith("bert"))
+    model, batches = _model(case, dtype), _batches(dp, _masked(case))
     model.train()
 
     def loss(model, i: int) -> torch.Tensor:  # data parallel: the mean of each data-parallel rank's rows' loss
@@ -135,7 +148,7 @@ def _run(case: str, sp: int, stage: int) -> dict:
     }
     engine = shardtrain.initialize(model, config=config, optimizer=_optimizer(model))
     topo = engine.topology
-    batches = _batches(topo.dp, case.startswith("bert"))
+    batches = _batches(topo.dp, _masked(case))
     rows = slice(topo.dp_rank * ROWS, (topo.dp_rank + 1) * ROWS)
     run = train_engine(engine, lambda engine, i: engine(**_rows(batches[i], rows)).loss, STEPS, GAS)
     return {**run, "params": engine.full_state_dict()}
@@ -156,11 +169,12 @@ def _check_parity(case: str, world: int, sp: int, stage: int) -> None:
 
 @pytest.mark.parametrize(
     ("case", "world", "sp", "stage"),
-    [("bert", 2, 2, 3), ("mixtral", 2, 2, 3), ("mistral_window", 2, 2, 1)],
+    [("bert", 2, 2, 3), ("roberta", 2, 2, 3), ("mixtral", 2, 2, 3), ("mistral_window", 2, 2, 1)],
 )
 def test_parity_with_one_process(case, world, sp, stage):
-    """A masked LM (labels not shifted, bidirectional attention and padding mask), a mixture of experts whose
-    load-balancing loss is the whole sequence's, and sliding-window attention applied after the exchange."""
+    """A masked LM (labels not shifted, bidirectional attention and padding mask; RoBERTa's positions its own), a
+    mixture of experts whose load-balancing loss is the whole sequence's, and sliding-window attention applied after
+    the exchange."""
     _check_parity(case, world, sp, stage)
 
 
@@ -189,7 +203,7 @@ def test_attention_is_the_models_own_around_the_exchange(case):
     pad[1, -3:] = 0
     plain, wrapped = _model(case).eval(), _model(case).eval()
     causal = attention_is_causal(wrapped)
-    assert causal is not case.startswith("bert")
+    assert causal is not _masked(case)
     install_ulysses(wrapped, SimpleNamespace(size=1))
     for mask in (None, pad):
         whole = whole_sequence_mask(wrapped.config, mask, None, ROWS, SEQ, "cpu", causal=causal)  # as the engine
@@ -218,10 +232,15 @@ def test_what_is_not_built_is_refused_by_its_real_reason():
     t5 = transformers.T5Config(vocab_size=VOCAB, d_model=32, d_ff=32, d_kv=16, num_heads=2, num_layers=1)
     vit = transformers.ViTConfig(**tiny, num_hidden_layers=1, image_size=8, patch_size=4)
     bert = transformers.BertConfig(vocab_size=VOCAB, num_hidden_layers=1, **tiny)
+    pegasus = transformers.BigBirdPegasusConfig(
+        vocab_size=VOCAB, d_model=32, decoder_layers=1, decoder_attention_heads=2, decoder_ffn_dim=32
+    )
     got = {
         "t5": _refusal(lambda: transformers.T5ForConditionalGeneration(t5)),
         "vit": _refusal(lambda: transformers.ViTForImageClassification(vit)),
         "pooled": _refusal(lambda: transformers.BertForSequenceClassification(bert)),
+        "positions": _refusal(lambda: transformers.BigBirdPegasusForCausalLM(pegasus)),
+        "mamba": _refusal(lambda: transformers.MambaForCausalLM(transformers.MambaConfig(vocab_size=VOCAB, **tiny))),
     }
     assert "T5ForConditionalGeneration is an encoder-decoder model" in got["t5"], got["t5"]
     assert "different lengths" in got["t5"] and "causal" not in got["t5"], got["t5"]
@@ -234,4 +253,6 @@ def test_what_is_not_built_is_refused_by_its_real_reason():
     assert isinstance(make_splitter(transformers.ViTForImageClassification(vit), comm), PatchSplitter)
     assert got["vit"] == "no error"  # the token rules have nothing to refuse in it either
     assert "BertForSequenceClassification's head reads one pooled token" in got["pooled"], got["pooled"]
+    assert "BigBirdPegasusForCausalLM's forward takes no position_ids" in got["positions"], got["positions"]
+    assert "MambaForCausalLM mixes its sequence outside attention" in got["mamba"], got["mamba"]
     assert _refusal(lambda: _model("bert")) == "no error"

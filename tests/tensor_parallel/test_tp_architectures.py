@@ -24,7 +24,7 @@ from torch import nn
 
 from shardtrain.errors import LayoutError
 from shardtrain.tensor_parallel import parallelize
-from tp_arch_cases import DEFAULT_SLICE, planned_architectures, run_architectures
+from tp_arch_cases import DEFAULT_SLICE, build, planned_architectures, run_architectures
 
 EXPECTED = {"mixtral": "refused"}  # its experts' style, moe_tp_experts, is refused by name
 
@@ -93,7 +93,18 @@ class _Net(nn.Module):
         return self.up(self.emb(ids))
 
 
-def _refusal(model: nn.Module, plan: dict) -> str:
+@pytest.mark.parametrize(
+    ("model_type", "reason"),
+    [("doge", "dt_proj rowwise"), ("esmc", "a norm over all heads cannot be computed")],
+)
+def test_own_plans_that_change_their_model_are_refused_by_name(model_type, reason):
+    """Doge and ESMC pass every check of ``parallelize`` and then fail inside torch with a shape error: they are
+    refused by name before anything changes ([Note: plans that change their model])."""
+    message = _refusal(build(model_type), None)
+    assert f"({model_type}): its own tensor-parallel plan cannot keep" in message and reason in message, message
+
+
+def _refusal(model: nn.Module, plan: dict | None) -> str:
     before = {n: p.clone() for n, p in model.named_parameters()}
     with pytest.raises(LayoutError) as err:
         parallelize(model, plan, _comm(), check_replicated_grads=False)

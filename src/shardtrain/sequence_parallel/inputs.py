@@ -13,8 +13,10 @@ slice of the sequence, ``[r * S/P, (r + 1) * S/P)`` for sp rank ``r``:
   other per-token head (a masked LM, token classification) are split as they are; heads that pool the sequence are
   refused ([Note: what the engine assumes of a model's loss] in :mod:`shardtrain.sequence_parallel.model_kinds`).
   Positional targets (the project's GPT) are already aligned with their tokens and are split as they are.
-* ``position_ids``: when the model's ``forward`` takes them and none are given, ``0..S-1`` is made before the
-  split, so rotary and learned position embeddings see global positions.
+* ``position_ids``: when the model's ``forward`` takes them and none are given, the whole sequence's are made before
+  the split, so rotary and learned position embeddings see global positions: ``0..S-1``, or what the model makes
+  itself where it makes others (RoBERTa and its kin number tokens from ``padding_idx + 1``, skipping padding:
+  their embeddings' ``create_position_ids_from_input_ids``, as transformers calls it).
 * ``attention_mask`` ``[b, S]`` is not split: see [Note: masks under Ulysses].
 
 [Note: masks under Ulysses]
@@ -47,6 +49,7 @@ the all-reduce of the gradients (every rank backpropagates the same ``L``), so r
 from __future__ import annotations
 
 import inspect
+import sys
 from typing import Any
 
 import torch
@@ -102,6 +105,31 @@ def whole_sequence_mask(
     )
 
 
+def _own_position_maker(module: nn.Module):
+    """For a transformers model whose embeddings number positions their own way when given none (RoBERTa's
+    ``create_position_ids_from_input_ids``: ``padding_idx + 1`` on, padding kept at ``padding_idx``), a function of
+    a forward's (args, kwargs) giving the whole sequence's position ids as that model makes them; else None."""
+    for sub in module.modules():
+        padding_idx = getattr(sub, "padding_idx", None)
+        if not isinstance(padding_idx, int) or isinstance(sub, nn.Embedding):
+            continue
+        # a method of the embeddings (RoBERTa), or a function of their module (ESM)
+        make = getattr(sub, "create_position_ids_from_input_ids", None)
+        if make is None and isinstance(getattr(sub, "position_embeddings", None), nn.Embedding):
+            make = getattr(sys.modules.get(type(sub).__module__), "create_position_ids_from_input_ids", None)
+        if callable(make):
+
+            def own(args: tuple, kwargs: dict[str, Any], make=make, padding_idx=padding_idx) -> torch.Tensor:
+                ids = kwargs.get("input_ids", args[0] if args else None)
+                if not torch.is_tensor(ids):  # from embeddings: padding_idx + 1 on, as both make them
+                    embeds = kwargs["inputs_embeds"]
+                    ids = torch.full(embeds.shape[:2], padding_idx + 1, device=embeds.device)
+                return make(ids, padding_idx)
+
+            return own
+    return None
+
+
 class SequenceSplitter:
     """Splits the inputs of each forward and combines its loss (see the module's docstring)."""
 
@@ -113,6 +141,7 @@ class SequenceSplitter:
         except (TypeError, ValueError):
             params = {}
         self._takes_position_ids = "position_ids" in params
+        self._own_positions = _own_position_maker(module)
         config = getattr(module, "config", None)  # a transformers model: its own mask rules (whole_sequence_mask)
         self._hf_config = config if config is not None and hasattr(config, "_attn_implementation") else None
         refuse_unservable(module)
@@ -158,9 +187,15 @@ class SequenceSplitter:
         if torch.is_tensor(positions) and positions.dim() == 1:  # [S]: one row for all, split like the others
             kwargs["position_ids"] = positions[None]
         first = next(t for t in (*args, *kwargs.values()) if torch.is_tensor(t) and t.dim() >= 2)
-        if self._takes_position_ids and positions is None:
-            kwargs["position_ids"] = torch.arange(length, device=first.device).expand(first.shape[0], length)
-        whole_mask = self._whole_mask(mask, kwargs.get("position_ids"), first, length, kwargs)
+        mask_positions = kwargs.get("position_ids")
+        if self._takes_position_ids and positions is None and self._own_positions is not None:
+            # the model's own numbering of the whole sequence; it builds its mask without positions
+            kwargs["position_ids"] = self._own_positions(args, kwargs)
+        elif self._takes_position_ids and positions is None:
+            kwargs["position_ids"] = mask_positions = torch.arange(length, device=first.device).expand(
+                first.shape[0], length
+            )
+        whole_mask = self._whole_mask(mask, mask_positions, first, length, kwargs)
         if self._router_loss is not None:
             self._router_loss.record((first.shape[0], length), mask)
         args = tuple(self._slice(a) for a in args)

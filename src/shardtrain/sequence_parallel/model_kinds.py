@@ -19,6 +19,14 @@ Its attention: causal where the model's attention modules say so (``is_causal``,
 bidirectional where they all say not (BERT and other encoders): the whole sequence's padding mask is then
 transformers' ``create_bidirectional_mask``, not ``create_causal_mask``.
 
+Its sequence mixing: attention only. A state-space, recurrent, linear-attention or convolution layer (Mamba,
+Falcon-H1's hybrid layers, RWKV, LFM2's short convolutions) would run on a rank's slice alone: refused by name
+(Falcon-H1 trained 3e-5 off in loss in three steps, silently, before).
+
+Its positions: the engine makes the whole sequence's ``position_ids`` before the split. A model whose forward takes
+none numbers the tokens of its slice from 0 (BigBirdPegasus' causal LM did: 1% off in loss in three steps, silently):
+refused by name.
+
 Its inputs: the engine cuts dimension 1 of what the model is given. An encoder-decoder has two sequences of
 different lengths and cross-attention between them: not built yet, refused by name. A vision transformer makes its
 sequence (patches) inside the model, so its inputs' dimension 1 is channels: it is split after its embeddings instead
@@ -28,6 +36,9 @@ refused by name.
 """
 
 from __future__ import annotations
+
+import inspect
+import re
 
 from torch import nn
 
@@ -45,6 +56,10 @@ _POOLED_SUFFIXES = (
     "ForQuestionAnswering",
     "ForMultipleChoice",
     "ForNextSentencePrediction",
+)
+# layers that carry state along the sequence outside attention (Mamba, linear attention, RWKV, short convolutions, ...)
+_SEQUENCE_MIXERS = re.compile(
+    r"Mamba|Mixer|LinearAttention|LightningAttention|DeltaNet|ShortConv|Rwkv|xLSTM|Lstm|Recurrent|SSM|Retention"
 )
 _NOT_TOKENS = ("pixel_values_videos", "input_features", "input_values")  # pixel_values: see vision.py
 
@@ -89,6 +104,10 @@ def attention_is_causal(model: nn.Module) -> bool:
     return bool(flags) or is_causal_lm(model) or bool(getattr(config, "is_decoder", False))
 
 
+def _mixes_sequence(module: nn.Module) -> bool:
+    return isinstance(module, nn.Conv1d) or bool(_SEQUENCE_MIXERS.search(type(module).__name__))
+
+
 def refuse_unservable(model: nn.Module) -> None:
     """A transformers model whose sequence the engine cannot split, refused by name at initialize (see [Note: what
     the engine assumes of a model's loss])."""
@@ -124,4 +143,35 @@ def refuse_unservable(model: nn.Module) -> None:
         raise ConfigError(
             f"{name} mixes causal and bidirectional attention (cross-attention or a decoder over an encoder): "
             "sequence parallelism builds one kind of self-attention per model; not built yet"
+        )
+    mixers = sorted(
+        {
+            type(m).__name__
+            for m in model.modules()
+            if isinstance(m, nn.Conv1d) or _SEQUENCE_MIXERS.search(type(m).__name__)
+        }
+    )
+    if mixers:
+        raise ConfigError(
+            f"{name} mixes its sequence outside attention ({', '.join(mixers[:4])}: a state-space, recurrent, linear-"
+            "attention or convolution layer): Ulysses gives each rank the whole sequence inside attention only, so "
+            "such a layer would run on this rank's slice alone and carry nothing across the slices. Not built: train "
+            "it without sequence_parallel_size"
+        )
+    if any(getattr(m, "token_dropout", False) is True for m in model.modules()):
+        raise ConfigError(
+            f"{name} uses token dropout (ESM): its embeddings scale every sequence by the share of mask tokens in it, "
+            "which each rank would count in its slice alone. Not built: train it without sequence_parallel_size, or "
+            "with token_dropout=False in its config"
+        )
+    try:
+        takes_positions = "position_ids" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # no signature to read: the model's own business
+        takes_positions = True
+    if not takes_positions:
+        raise ConfigError(
+            f"{name}'s forward takes no position_ids: it numbers the tokens it is given from 0 (its position "
+            "embeddings come from the input's length), and under sequence parallelism each rank is given a slice, so "
+            "every slice after the first would get the first slice's positions. Not built: train it without "
+            "sequence_parallel_size"
         )

@@ -33,6 +33,15 @@ the sequence split for a split of those ``h/tp`` local heads. Everything above a
 in place of ``h`` and ``kv``: ``P`` must divide ``h/tp``, and key/value heads fewer than ``P`` per tp rank are
 repeated. Nothing else changes: the output projection (row-parallel) sums the tp ranks' heads per token as without
 sequence parallelism, on each rank's slice of the sequence.
+
+[Note: attention sinks]
+GPT-OSS and Flint learn one sink logit per query head (``module.sinks``, ``[h]``), which their attention function
+reads from the module (eager) or as ``s_aux``. After the exchange a rank holds query heads ``[r * h/P, (r + 1) *
+h/P)``, so it is handed those heads' sinks: the slice, taken inside autograd, so that each rank's gradient lands on
+its heads' entries and the sum over the group (ZeRO reduces over data x sequence ranks) is the whole sequence's.
+Under tensor parallelism the slice is taken of the sinks the module holds when they are one per head it holds (a
+plan that splits them with the heads); that combination is not tested yet (the sweep's models have 6 heads: tp 2 x
+sp 2 does not divide them).
 """
 
 from __future__ import annotations
@@ -137,19 +146,31 @@ def install_hf(
         window = kwargs.get("sliding_window")  # None on a full-attention layer
         causal = getattr(module, "is_causal", True)
 
+        heads = query.shape[1]  # this rank's heads before the exchange: the model's (or a tp rank's)
+        sinks = getattr(module, "sinks", None)
+        if torch.is_tensor(sinks) and sinks.dim() == 1 and sinks.shape[0] == heads:  # see [Note: attention sinks]
+            per = heads // comm.size
+            sinks = sinks[comm.rank * per : (comm.rank + 1) * per]
+            if "s_aux" in kwargs:
+                kwargs["s_aux"] = sinks
+        else:
+            sinks = None
+
         def attend(q, k, v):
             view = _HeadsView(module, q.shape[1] // k.shape[1])
+            if sinks is not None:
+                view.sinks = sinks
             mask = attention_mask  # the whole sequence's, built before the split
             if window is not None:  # see [Note: sliding windows under Ulysses]
                 mask = _with_window(mask, q, window, causal)
+            if mask is not None:
+                mask = _whole_mask_for(mask, q, inner_name, what)
+            elif inner_name == "eager" and causal:
+                mask = _causal_mask(q)  # sdpa makes the causal mask itself (no mask given); eager only adds one
             limit = key_limit(k.shape[2]) if key_limit is not None else None
             if limit is not None:  # padding made inside the model: dropped from the keys (no mask, flash stays)
                 k, v = k[:, :, :limit], v[:, :, :limit]
                 mask = mask[..., :limit] if mask is not None else None
-            if mask is not None:
-                mask = _whole_mask_for(mask, q, inner_name)
-            elif inner_name == "eager" and causal:
-                mask = _causal_mask(q)  # sdpa makes the causal mask itself (no mask given); eager only adds one
             out, _ = inner(view, q, k, v, mask, dropout=dropout, scaling=scaling, **kwargs)
             return out
 
@@ -184,10 +205,17 @@ def _with_window(mask: torch.Tensor | None, q: torch.Tensor, window: int, causal
     return mask.masked_fill(~band, torch.finfo(mask.dtype).min)
 
 
-def _whole_mask_for(mask: torch.Tensor, q: torch.Tensor, inner_name: str) -> torch.Tensor:
+def _whole_mask_for(mask: torch.Tensor, q: torch.Tensor, inner_name: str, what: str = "") -> torch.Tensor:
     """The whole sequence's mask ``[b, 1, S, S]`` as the inner attention takes it: booleans for sdpa, the additive
     form (0 or the dtype's minimum, as transformers' ``eager_mask``) for eager."""
     s = q.shape[2]
+    if mask.dim() == 4 and mask.shape[1] > 1 and tuple(mask.shape[-2:]) != (s, s):
+        raise ConfigError(
+            f"{what or 'the attention'} makes a mask of its own, one per head ({tuple(mask.shape)}), from its slice "
+            "of the sequence (Doge's dynamic mask does): sequence parallelism gives attention the whole sequence "
+            "only after the exchange, so that mask cannot be the whole sequence's. Not built: train this model "
+            "without sequence_parallel_size"
+        )
     if mask.dim() != 4 or tuple(mask.shape[-2:]) != (s, s):
         raise ConfigError(
             f"the attention mask reaching Ulysses attention has shape {tuple(mask.shape)}, not the whole sequence's "

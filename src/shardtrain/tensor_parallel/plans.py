@@ -62,6 +62,27 @@ def best_match(patterns: Mapping[str, object], name: str) -> str | None:
     return best[0]
 
 
+# [Note: plans that change their model]
+# A few plans that transformers ships split a module whose output a later, unsplit computation reads whole. The
+# split itself is legal (every check of parallelize passes), and the forward then fails deep inside torch with a
+# shape error, or would compute something else. They are refused by the architecture's name, with the reason, when
+# the model's own plan is used; an explicit plan is the user's to choose.
+OWN_PLANS_REFUSED: Mapping[str, str] = MappingProxyType(
+    {
+        "doge": (
+            "its plan splits the attention's key/value heads (k_proj/v_proj colwise) but makes dt_proj rowwise, so "
+            "every rank computes the dynamic mask gate of *every* key/value head and DogeAttention adds it to the "
+            "scores of this rank's heads only: the forward fails on a head-count mismatch"
+        ),
+        "esmc": (
+            "its attention normalizes the query and key projections with one LayerNorm over the full hidden width "
+            "(q_norm, k_norm: all heads together), and its plan splits q_proj/k_proj colwise: a rank holds only its "
+            "heads' columns, and a norm over all heads cannot be computed from them"
+        ),
+    }
+)
+
+
 def hf_tp_plan(model: nn.Module) -> dict[str, str]:
     """The plan a Hugging Face model declares for itself, resolved as ``transformers`` 5.x resolves it.
 
@@ -69,9 +90,17 @@ def hf_tp_plan(model: nn.Module) -> dict[str, str]:
     empty and the base model has an ``embed_tokens`` embedding, that embedding is vocab-parallel
     (``embedding_rowwise``) unless the plan names it. A model with a head (``LlamaForCausalLM``) prefixes that
     plan with the base model's attribute (``base_model_prefix``: ``model.``) and adds its class's
-    ``_tp_plan`` (``{"lm_head": "colwise_gather_output"}``). Raises :class:`LayoutError` if the model has none.
+    ``_tp_plan`` (``{"lm_head": "colwise_gather_output"}``). Raises :class:`LayoutError` if the model has none,
+    or if its plan is one of :data:`OWN_PLANS_REFUSED` ([Note: plans that change their model]).
     """
     config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type in OWN_PLANS_REFUSED:
+        raise LayoutError(
+            f"{type(model).__name__} ({model_type}): its own tensor-parallel plan cannot keep the model's meaning: "
+            f"{OWN_PLANS_REFUSED[model_type]}. Train it without tensor_parallel.size, or pass a plan of your own "
+            "that leaves those modules replicated (initialize(tp_plan=...))."
+        )
     prefix_attr = getattr(model, "base_model_prefix", "") or ""
     base = getattr(model, prefix_attr, None) if prefix_attr else None
     if not isinstance(base, nn.Module) or base is model:

@@ -1,0 +1,463 @@
+"""Every causal LM, masked LM and seq2seq architecture that ``transformers`` registers, built tiny and random, trained
+under the engine at world 2 against one process: the cases of ``tests/engine/test_model_sweep.py`` and the table of
+docs/models.md.
+
+A *row* is (category, model type): ``decoder-only`` rows come from ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``,
+``encoder-only`` from ``MODEL_FOR_MASKED_LM_MAPPING_NAMES``, ``encoder-decoder`` from
+``MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES`` (BART is in all three: three rows, three classes). Each row is built
+from one tiny config (:data:`TINY`: the tensor-parallel sweep's sizes, ``tests/tp_arch_cases.py``, plus the names
+encoder-decoder configs use) with the mapping's class, seeded, in eval mode (no dropout: the two runs compute the same
+function).
+
+Each row runs in three modes, each a ``shardtrain.initialize`` at world 2 with ZeRO stage 3 (persistence threshold 0:
+every parameter is sharded):
+
+* ``zero3``: two data-parallel ranks, each on its half of the global batch;
+* ``tp``: ``tensor_parallel.size`` 2 with the model's own plan (the whole batch on both ranks);
+* ``sp``: ``sequence_parallel_size`` 2 (Ulysses; ZeRO shards over the two ranks).
+
+The reference is the same training in one process: the loss of a step is the mean of each data-parallel rank's rows'
+loss (what data parallelism computes, aux losses included), SGD without clipping (a gradient off by any factor shows
+in the parameters), three steps. A float64 run of the same reference calibrates the bounds
+(``tp_arch_cases.arch_mismatches``). Each mode's outcome is one of
+
+* ``match``: losses and every final parameter compared and agreed;
+* ``refused``: the engine raised a :class:`~shardtrain.errors.ShardtrainError`, its message is the reason;
+* ``failed``: another exception, loud (the message is kept);
+* ``mismatch``: trained and disagreed: a failure of the sweep, never a row of the table;
+* ``not buildable``: the tiny model does not build or train in one process (a row, not a mode: it says nothing about
+  the engine).
+
+Run a batch from the command line (what produced docs/models.md)::
+
+    PYTHONPATH=src:tests python tests/model_sweep.py run --out /tmp/sweep/part-0.json --start 0 --count 40
+    PYTHONPATH=src:tests python tests/model_sweep.py write --doc docs/models.md /tmp/sweep/part-*.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tp_arch_cases import TINY, arch_mismatches
+
+VOCAB, SEQ, ROWS, STEPS, LR = TINY["vocab_size"], 8, 2, 3, 0.1
+WORLD = 2
+MAX_PARAMS = 15_000_000  # sub-configs (vision, audio towers) keep their full sizes: those are not run
+MODES = ("zero3", "tp", "sp")
+# mode -> (tensor_parallel.size, sequence_parallel_size); the data-parallel size is what the world leaves
+MODE_SIZES = {"zero3": (1, 1), "tp": (2, 1), "sp": (1, 2)}
+GLOBAL_ROWS = ROWS * WORLD  # one global batch for every mode and world
+
+# The encoder-decoder and older configs name their sizes otherwise; unknown keys are kept as plain attributes.
+SWEEP_TINY = dict(
+    TINY,
+    d_model=48,
+    d_ff=96,
+    d_kv=8,
+    num_layers=2,
+    num_decoder_layers=2,
+    num_heads=6,
+    encoder_layers=2,
+    decoder_layers=2,
+    encoder_ffn_dim=96,
+    decoder_ffn_dim=96,
+    encoder_attention_heads=6,
+    decoder_attention_heads=6,
+    decoder_start_token_id=0,
+    n_positions=64,
+    max_position_embeddings=64,
+)
+
+# Where one config class names a size otherwise, or checks sizes against each other (None: leave the key out)
+PER_MODEL: dict[str, dict] = {
+    "gptj": {"rotary_dim": 8},
+    "gpt_neo": {"attention_types": [[["global", "local"], 1]]},
+    "falcon": {"head_dim": None},  # a property of the config: hidden / heads
+    "longcat_flash": {"qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8, "kv_lora_rank": 16},
+    "youtu": {"qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8, "kv_lora_rank": 16},
+    "mamba2": {"num_heads": 12, "head_dim": 8, "n_groups": 1},  # heads x head_dim = expand x hidden
+    "bamba": {"mamba_n_heads": 12, "mamba_d_head": 8, "mamba_n_groups": 1},
+    "granitemoehybrid": {"mamba_n_heads": 12, "mamba_d_head": 8, "mamba_n_groups": 1},
+    # per-layer inputs (a second embedding over the whole vocabulary) and no layers reading another's cache
+    "gemma3n_text": {
+        "num_kv_shared_layers": 0,
+        "vocab_size_per_layer_input": 96,
+        "hidden_size_per_layer_input": 8,
+        "laurel_rank": 8,
+        "altup_num_inputs": 2,
+    },
+    "gemma4_text": {"num_kv_shared_layers": 0, "vocab_size_per_layer_input": 96, "hidden_size_per_layer_input": 8},
+}
+
+# The default run's slice: one of each family the engine must get right (rows, categories).
+DEFAULT_SLICE = (
+    ("decoder-only", "llama"),
+    ("decoder-only", "gpt2"),
+    ("decoder-only", "qwen2"),
+    ("decoder-only", "gemma2"),
+    ("decoder-only", "gpt_neox"),
+    ("decoder-only", "mixtral"),
+    ("decoder-only", "gpt_oss"),  # attention sinks, one per head
+    ("encoder-only", "bert"),
+    ("encoder-decoder", "t5"),
+    ("encoder-decoder", "bart"),
+)
+
+
+def mappings() -> dict[str, dict[str, str]]:
+    from transformers.models.auto import modeling_auto as auto
+
+    return {
+        "decoder-only": dict(auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES),
+        "encoder-only": dict(auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES),
+        "encoder-decoder": dict(auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES),
+    }
+
+
+def registered_rows() -> list[tuple[str, str]]:
+    """Every (category, model type) row, in registry order within each category."""
+    return [(category, model_type) for category, names in mappings().items() for model_type in names]
+
+
+def build(category: str, model_type: str, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The tiny random model of the row (the same on every call: seeded)."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    sizes = {**SWEEP_TINY, **PER_MODEL.get(model_type, {})}
+    config = getattr(transformers, CONFIG_MAPPING_NAMES[model_type])(
+        **{k: v for k, v in sizes.items() if v is not None}
+    )
+    model_class = getattr(transformers, mappings()[category][model_type])
+    torch.manual_seed(0)
+    model = model_class._from_config(config, attn_implementation="eager")
+    return model.to(dtype).eval()
+
+
+def batch(rows: int) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (rows, SEQ), generator=torch.Generator().manual_seed(7))
+
+
+def loss_of(model, ids: torch.Tensor) -> torch.Tensor:
+    """The model's own loss on ``labels=ids`` (a causal LM shifts them, a masked LM predicts every token, a seq2seq
+    model's decoder reads them shifted right)."""
+    return model(input_ids=ids, labels=ids, use_cache=False).loss
+
+
+def reference(category: str, model_type: str, dp: int, dtype: torch.dtype) -> dict:
+    """One process: each step's loss is the mean over the ``dp`` data-parallel ranks' rows of their loss."""
+    model = build(category, model_type, dtype)
+    ids = batch(GLOBAL_ROWS)
+    parts = [ids[d * len(ids) // dp : (d + 1) * len(ids) // dp] for d in range(dp)]
+    init = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for _ in range(STEPS):
+        loss = sum(loss_of(model, part) for part in parts) / dp
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {
+        "losses": losses,
+        "params": {n: p.detach().float().clone() for n, p in model.named_parameters()},
+        "init": init,
+    }
+
+
+def data_parallel_size(mode: str, world: int) -> int:
+    tp, sp = MODE_SIZES[mode]
+    return world // (tp * sp)
+
+
+def engine_config(mode: str, world: int = WORLD) -> dict:
+    tp, sp = MODE_SIZES[mode]
+    return {
+        "train_micro_batch_size_per_gpu": GLOBAL_ROWS // data_parallel_size(mode, world),
+        "tensor_parallel": {"size": tp},
+        "sequence_parallel_size": sp,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "collective_timeout_s": 60,
+    }
+
+
+def engine_run(category: str, model_type: str, mode: str, lr: float = LR) -> dict | None:
+    """On every rank: the engine's training; rank 0 gets the losses (mean over data-parallel ranks) and the full
+    final parameters, other ranks None."""
+    import shardtrain
+
+    model = build(category, model_type)
+    config = engine_config(mode, dist.get_world_size())
+    engine = shardtrain.initialize(model, config=config, optimizer=torch.optim.SGD(model.parameters(), lr=lr))
+    topo = engine.topology
+    ids = batch(GLOBAL_ROWS)
+    ids = ids[topo.dp_rank * len(ids) // topo.dp : (topo.dp_rank + 1) * len(ids) // topo.dp]
+    losses = []
+    for _ in range(STEPS):
+        loss = loss_of(engine, ids)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, (topo.dp_rank, topo.sp_rank, topo.tp_rank, losses))
+    state = engine.full_state_dict()
+    if dist.get_rank() != 0:
+        return None
+    first = {dp: l for dp, sp, tp, l in per_rank if sp == 0 and tp == 0}  # noqa: E741
+    losses = [sum(first[d][s] for d in first) / len(first) for s in range(STEPS)]
+    return {"losses": losses, "params": state}
+
+
+def _message(err: BaseException) -> str:
+    return " ".join("".join(traceback.format_exception_only(err)).split())[:600]
+
+
+def run_rows(
+    rows: list[tuple[str, str]], modes: tuple[str, ...] = MODES, engine_lr: float = LR, journal: str | None = None
+) -> dict:
+    """On each rank of a job (world 2 unless a test says otherwise): ``{"category/model_type": {"build": ...,
+    mode: (status, detail)}}`` on rank 0 (other ranks return their partial view).
+
+    Stops early, leaving the remaining rows out, when the ranks no longer agree (a failure on one rank that left the
+    other in a collective): the caller runs the rest in a fresh job. ``engine_lr``: the engine's learning rate (the
+    reference's is :data:`LR`): a test sets another to see that the comparison catches it. ``journal``: a file rank
+    0 appends each finished row to (one JSON line), so that a crash loses no finished row."""
+    import datetime
+    import os
+
+    if not dist.is_initialized():  # rank 0 trains the references alone meanwhile: minutes for a slow model
+        os.environ.setdefault("SHARDTRAIN_DEVICE", "cpu")
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=1800))
+    out: dict[str, dict] = {}
+    rank = dist.get_rank()
+    for category, model_type in rows:
+        key = f"{category}/{model_type}"
+        warnings.simplefilter("ignore")
+        started = time.monotonic()
+        row: dict = {}
+        try:
+            with torch.device("meta"):  # counted before any memory is spent on it
+                size = sum(p.numel() for p in build(category, model_type).parameters())
+            if size > MAX_PARAMS:
+                raise ValueError(f"the tiny config still builds {size / 1e6:.0f}M parameters")
+            refs = {}
+            if rank == 0:
+                for dp in sorted({data_parallel_size(m, dist.get_world_size()) for m in modes}):
+                    refs[dp] = reference(category, model_type, dp, torch.float32)
+                    try:
+                        exact = reference(category, model_type, dp, torch.float64)
+                    except Exception:  # some kernels have no float64: the fp32 bounds alone
+                        exact = refs[dp]
+                    refs[dp]["exact"] = exact
+            row["build"] = ("ok", f"{size / 1e6:.2f}M parameters")
+        except Exception as err:  # the tiny config, not the engine
+            row["build"] = ("not buildable", _message(err))
+        # only rank 0 trains the reference: every rank takes the first failure, or none enters the engine
+        builds = [None] * dist.get_world_size()
+        dist.all_gather_object(builds, row["build"])
+        row["build"] = next((b for b in builds if b[0] != "ok"), builds[0])
+        if row["build"][0] == "ok":
+            for mode in modes:
+                row[mode] = _run_mode(category, model_type, mode, refs, engine_lr)
+        row["seconds"] = round(time.monotonic() - started, 1)
+        try:  # the ranks still agree: the next row may run in this job
+            views = [None] * dist.get_world_size()
+            trained = ("match", "mismatch", "ran")  # rank 0 compares, the others only train
+            outcome = {m: "trained" if v[0] in trained else v[0] for m, v in row.items() if isinstance(v, tuple)}
+            dist.all_gather_object(views, outcome)
+        except Exception as err:
+            row.setdefault("note", f"the ranks stopped agreeing after this row: {_message(err)}")
+            out[key] = row
+            break
+        if any(v != views[0] for v in views):
+            row["note"] = f"the ranks saw different outcomes: {views}"
+        out[key] = row
+        if rank == 0:  # progress, for the long runs
+            statuses = {m: v[0] for m, v in row.items() if isinstance(v, tuple)}
+            print(f"model_sweep: {key} {statuses} {row['seconds']} s", file=sys.stderr, flush=True)
+            if journal is not None:
+                with open(journal, "a") as f:
+                    f.write(json.dumps([key, row], default=str) + "\n")
+    return out
+
+
+def _run_mode(category: str, model_type: str, mode: str, refs: dict, lr: float) -> tuple[str, object]:
+    from shardtrain.errors import ShardtrainError
+
+    try:
+        got = engine_run(category, model_type, mode, lr)
+    except ShardtrainError as err:
+        return ("refused", f"{type(err).__name__}: {str(err)[:600]}")
+    except Exception as err:
+        return ("failed", _message(err))
+    if got is None:  # not rank 0: rank 0 compares
+        return ("ran", None)
+    ref = refs[data_parallel_size(mode, dist.get_world_size())]
+    names = list(ref["params"])
+    missing = [n for n in names if n not in got["params"]]
+    if missing:
+        return ("mismatch", [f"{n}: not in the engine's full state dict" for n in missing[:5]])
+    result = {
+        "losses": got["losses"],
+        "ref_losses": ref["losses"],
+        "exact_losses": ref["exact"]["losses"],
+        "params": {n: got["params"][n].float() for n in names},
+        "ref_params": ref["params"],
+        "exact_params": ref["exact"]["params"],
+        "init": ref["init"],
+    }
+    problems = arch_mismatches(result)
+    return ("mismatch", problems) if problems else ("match", None)
+
+
+# -- the command line: batches in fresh jobs, then the table
+
+
+def run_batch(rows: list[tuple[str, str]], modes: tuple[str, ...] = MODES, timeout: float = 3600) -> dict:
+    """Every row, in as many world-2 jobs as it takes. A job stops at the first row the ranks disagree on; a job
+    that crashes (a rank killed) is charged to the row it was running: the first one its journal (rank 0 writes
+    each finished row there) does not list."""
+    import tempfile
+
+    from shardtrain.testing import DistributedFailure, run_distributed
+
+    out: dict[str, dict] = {}
+    todo = list(rows)
+    while todo:
+        with tempfile.NamedTemporaryFile("r", suffix=".jsonl") as journal:
+            try:
+                args = (run_rows, WORLD, todo, modes, LR, journal.name)
+                got = run_distributed(*args, timeout=timeout, init_process_group=False)[0]
+            except DistributedFailure as err:
+                got = {}
+                for line in journal.read().splitlines():
+                    key, row = json.loads(line)
+                    got[key] = row
+                category, model_type = next(r for r in todo if f"{r[0]}/{r[1]}" not in got)
+                crash = " ".join(str(err).split())[-300:]
+                got[f"{category}/{model_type}"] = {"build": ("ok", ""), "note": f"the job crashed: {crash}"}
+                for mode in modes:
+                    got[f"{category}/{model_type}"][mode] = ("failed", f"a rank crashed running this row: {crash}")
+        out.update(got)
+        todo = [r for r in todo if f"{r[0]}/{r[1]}" not in out]
+    return out
+
+
+def main(argv: list[str]) -> None:
+    import argparse
+    import glob
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run")
+    run.add_argument("--out", required=True)
+    run.add_argument("--start", type=int, default=0)
+    run.add_argument("--count", type=int, default=10_000)
+    run.add_argument("--modes", default=",".join(MODES))
+    run.add_argument("--rows", help="category/model_type,... (instead of --start and --count)")
+    write = sub.add_parser("write", help="put the measured rows (batch files, journals) into docs/models.md's table")
+    write.add_argument("--doc", required=True)
+    write.add_argument("parts", nargs="+")
+    args = parser.parse_args(argv)
+    if args.command == "run":
+        rows = registered_rows()[args.start : args.start + args.count]
+        if args.rows:
+            rows = [tuple(row.split("/", 1)) for row in args.rows.split(",")]
+        started = time.monotonic()
+        out = run_batch(rows, tuple(args.modes.split(",")))
+        with open(args.out, "w") as f:
+            json.dump({"seconds": round(time.monotonic() - started), "rows": out}, f, indent=1, default=str)
+    else:
+        rows: dict = {}
+        for pattern in args.parts:
+            for path in sorted(glob.glob(pattern)):
+                with open(path) as f:
+                    if path.endswith(".jsonl"):  # a journal of a batch still running: its finished rows
+                        rows.update(json.loads(line) for line in f if line.strip())
+                    else:
+                        rows.update(json.load(f)["rows"])
+        write_doc(args.doc, rows)
+
+
+BEGIN, END = "<!-- sweep table: begin -->", "<!-- sweep table: end -->"
+
+
+def write_doc(path: str, measured: dict) -> None:
+    """Replace what lies between :data:`BEGIN` and :data:`END` in ``path`` with the counts and the table."""
+    with open(path) as f:
+        text = f.read()
+    head, rest = text.split(BEGIN)
+    _, tail = rest.split(END)
+    with open(path, "w") as f:
+        f.write(head + BEGIN + "\n" + render_counts(measured) + "\n" + render_table(measured) + END + tail)
+
+
+def counts(measured: dict) -> dict[str, dict[str, dict[str, int]]]:
+    """category -> mode -> outcome -> rows (``not buildable`` and ``not yet measured`` counted in every mode)."""
+    out: dict = {}
+    for category, model_type in registered_rows():
+        row = measured.get(f"{category}/{model_type}")
+        for mode in MODES:
+            if row is None:
+                what = "not yet measured"
+            elif row["build"][0] != "ok":
+                what = "not buildable"
+            else:
+                what = row.get(mode, ("not run",))[0]
+            per = out.setdefault(category, {}).setdefault(mode, {})
+            per[what] = per.get(what, 0) + 1
+    return out
+
+
+def render_counts(measured: dict) -> str:
+    lines = ["| category | rows | mode | match | refused | failed | mismatch | not buildable | not yet measured |"]
+    lines.append("|---|---|---|---|---|---|---|---|---|")
+    for category, modes in counts(measured).items():
+        for mode, per in modes.items():
+            cells = [per.get(k, 0) for k in ("match", "refused", "failed", "mismatch", "not buildable")]
+            cells.append(per.get("not yet measured", 0))
+            lines.append(f"| {category} | {sum(per.values())} | {mode} | " + " | ".join(map(str, cells)) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def render_table(measured: dict) -> str:
+    """The rows of docs/models.md's table, one per registered row: measured or marked not measured."""
+    lines = ["| category | model type | zero3 | tp | sp |", "|---|---|---|---|---|"]
+    for category, model_type in registered_rows():
+        row = measured.get(f"{category}/{model_type}")
+        if row is None:
+            cells = ["not yet measured"] * 3
+        elif row["build"][0] != "ok":
+            cells = [f"not buildable: {_cell(row['build'][1])}", "", ""]
+        else:
+            cells = [_outcome(row.get(mode)) for mode in MODES]
+        lines.append(f"| {category} | {model_type} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _outcome(value) -> str:
+    if value is None:
+        return "not run"
+    status, detail = value
+    if status == "match":
+        return "match"
+    if status == "mismatch":
+        return "**MISMATCH**: " + _cell("; ".join(detail)[:200])
+    return f"{status}: {_cell(str(detail))}"
+
+
+def _cell(text: str, limit: int = 160) -> str:
+    text = " ".join(str(text).split()).replace("|", "/")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
