@@ -161,6 +161,30 @@ def _build(
         device=topology.device,
     )
     policy = layout.policy
+    precision = policy_from_config(config)
+    masters = None
+    trainable = layout.trainable_buckets  # frozen buckets (stage-3 units) are never reduced nor stepped
+    if precision.mixed:  # masters from the fp32 values, then compute-dtype parameters
+        masters = make_masters(trainable, policy)
+        _cast_to_compute_dtype(module, layout, precision)
+    # the gather service's two collaborators, built before the runtime that hands them to it ([Note: one gather
+    # service] in zero/gather.py), after the cast: the swap files hold the compute-dtype shards
+    param_offload: ParamOffload | None = None
+    if zcfg.offload_param.device == "nvme" and layout.unit_buckets:  # shards into mapped files
+        param_offload = on_every_rank(
+            comms.world,
+            "parameter swap files",
+            lambda: ParamOffload(
+                layout.unit_buckets,
+                scratch["offload_param"],
+                topology.rank,
+                zcfg.offload_param.max_in_cpu,
+                zcfg.offload_param.buffer_count,
+            ),
+        )
+    secondary = None
+    if comms.hpz is not None and layout.unit_buckets:  # see [Note: secondary shards]
+        secondary = SecondaryShards(comms.hpz)
     eager = EagerRuntime(
         module,
         layout.unit_buckets,
@@ -168,31 +192,9 @@ def _build(
         zcfg.stage3_prefetch_bucket_size,
         zcfg.stage3_gather_check,
         check_group=topology.host_shard_group,
+        secondary=secondary,
+        source=param_offload,
     )
-    if comms.hpz is not None and eager.units:  # see [Note: secondary shards]
-        eager.hpz = SecondaryShards(comms.hpz)
-    precision = policy_from_config(config)
-    masters = None
-    trainable = layout.trainable_buckets  # frozen buckets (stage-3 units) are never reduced nor stepped
-    if precision.mixed:  # masters from the fp32 values, then compute-dtype parameters
-        masters = make_masters(trainable, policy)
-        _cast_to_compute_dtype(module, layout, precision)
-        eager.index_storages()  # the cast made new full buffers
-    param_offload: ParamOffload | None = None
-    if zcfg.offload_param.device == "nvme" and eager.units:  # shards into mapped files
-        param_offload = on_every_rank(
-            comms.world,
-            "parameter swap files",
-            lambda: ParamOffload(
-                eager.units,
-                scratch["offload_param"],
-                topology.rank,
-                zcfg.offload_param.max_in_cpu,
-                zcfg.offload_param.buffer_count,
-            ),
-        )
-        eager.before_gather = param_offload.will_need
-        eager.after_gather = lambda unit: param_offload.done_with([unit])
     offload = zcfg.offload_optimizer
     if offload.device != "none" and topology.device.type == "cuda":  # the step runs on the host
         if policy.shard_optimizer_state:  # the shard's slices (at stage 3 the parameters themselves are not there)
