@@ -39,7 +39,12 @@ from shardtrain.distributed.desync import PhaseCheck
 from shardtrain.distributed.mesh import Topology
 from shardtrain.engine.monitor import TrainingMonitor
 from shardtrain.errors import ConfigError, OptimizerError, RankMismatchError
-from shardtrain.offload.optimizer_state import build_optimizer_offload, host_masters, ineffective_offload_keys
+from shardtrain.offload.optimizer_state import (
+    OptimizerOffload,
+    build_optimizer_offload,
+    host_masters,
+    ineffective_offload_keys,
+)
 from shardtrain.offload.parameters import ParamOffload
 from shardtrain.offload.swap import ScratchDir, on_every_rank, prepare_scratch
 from shardtrain.optim.schedulers import build_scheduler
@@ -227,6 +232,24 @@ def _build(
         tp_norm = TensorParallelNorm(
             comms.world, split, topology.zero_rank, topology.tp_rank, replica_rank=topology.replica_rank
         )
+    make_offload = None
+    if offload.device != "none":
+
+        def make_offload(stepped: list[torch.Tensor], fragments: list[torch.Tensor] | None) -> OptimizerOffload:
+            return build_optimizer_offload(
+                optimizer,
+                stepped,
+                offload.device,
+                zcfg.sub_group_size,
+                offload.buffer_count,
+                offload.ratio,
+                offload.pin_memory and topology.device.type == "cuda",  # pinning would make a CUDA context
+                scratch.get("offload_optimizer"),
+                topology.rank,
+                comms.world,
+                fragments=fragments,
+            )
+
     sharded_optimizer = ShardedOptimizer(
         optimizer,
         module,
@@ -240,23 +263,8 @@ def _build(
         dp_comm=comms.dp,
         replica_rank=topology.replica_rank,
         overlap_gathers=not config.graph.enabled,  # a captured graph must see plain parameters
+        make_offload=make_offload,
     )
-    if offload.device != "none":
-        sharded_optimizer.attach_offload(
-            build_optimizer_offload(
-                optimizer,
-                sharded_optimizer.stepped_tensors(),
-                offload.device,
-                zcfg.sub_group_size,
-                offload.buffer_count,
-                offload.ratio,
-                offload.pin_memory and topology.device.type == "cuda",  # pinning would make a CUDA context
-                scratch.get("offload_optimizer"),
-                topology.rank,
-                comms.world,
-                fragments=sharded_optimizer.stepped_fragments() if masters is not None else None,
-            )
-        )
     tp_partial = (tp_comm, partial_grads) if tp_comm is not None else None
     runtime = _runtime(module, config, eager, comms.shard, reducer, precision, tp_partial, param_offload)
     # metrics, monitors (TensorBoard/CSV/wandb) and wall-clock breakdown: rank 0 only, never communicates
