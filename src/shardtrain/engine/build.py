@@ -9,11 +9,16 @@ refusals              ranks agreeing on config and model (a collective), swap di
 layout                where every parameter lives (``zero/build.py``); from here on the model is changed
 precision             fp32 masters of each fragment, then parameters and buffers cast to the compute dtype
 parameter offload     stage-3 shards in swap files (``offload_param.device: nvme``)
+eager runtime         the units and their hooks, with the gather service that the parameter offload and hpZ's
+                      secondary shards are handed to ([Note: one gather service] in ``zero/gather.py``)
 reducer               gradient hooks and reductions per bucket
-optimizer             the user's optimizer over this rank's fragments, optimizer offload
+optimizer             the user's optimizer over this rank's fragments, made with its optimizer offload
 runtime               eager or graph ([Note: one runtime, two implementations] in ``zero/runtime.py``)
 monitor               metrics on rank 0
 ====================  ==========================================================================================
+
+Each part is handed the parts it uses when it is made; none is attached afterwards (the one exception, the gradient
+files set on the reducer when the optimizer makes its offload, is explained in docs/architecture.md).
 
 Every refusal a user can cause happens before the layout, so a refused ``initialize`` leaves the model as it was
 (``initialize`` refuses its own before the tensor-parallel split). What can fail after it is a resource (a full
