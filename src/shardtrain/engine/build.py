@@ -9,11 +9,16 @@ refusals              ranks agreeing on config and model (a collective), swap di
 layout                where every parameter lives (``zero/build.py``); from here on the model is changed
 precision             fp32 masters of each fragment, then parameters and buffers cast to the compute dtype
 parameter offload     stage-3 shards in swap files (``offload_param.device: nvme``)
+eager runtime         the units and their hooks, with the gather service that the parameter offload and hpZ's
+                      secondary shards are handed to ([Note: one gather service] in ``zero/gather.py``)
 reducer               gradient hooks and reductions per bucket
-optimizer             the user's optimizer over this rank's fragments, optimizer offload
+optimizer             the user's optimizer over this rank's fragments, made with its optimizer offload
 runtime               eager or graph ([Note: one runtime, two implementations] in ``zero/runtime.py``)
 monitor               metrics on rank 0
 ====================  ==========================================================================================
+
+Each part is handed the parts it uses when it is made; none is attached afterwards (the one exception, the gradient
+files set on the reducer when the optimizer makes its offload, is explained in docs/architecture.md).
 
 Every refusal a user can cause happens before the layout, so a refused ``initialize`` leaves the model as it was
 (``initialize`` refuses its own before the tensor-parallel split). What can fail after it is a resource (a full
@@ -39,7 +44,12 @@ from shardtrain.distributed.desync import PhaseCheck
 from shardtrain.distributed.mesh import Topology
 from shardtrain.engine.monitor import TrainingMonitor
 from shardtrain.errors import ConfigError, OptimizerError, RankMismatchError
-from shardtrain.offload.optimizer_state import build_optimizer_offload, host_masters, ineffective_offload_keys
+from shardtrain.offload.optimizer_state import (
+    OptimizerOffload,
+    build_optimizer_offload,
+    host_masters,
+    ineffective_offload_keys,
+)
 from shardtrain.offload.parameters import ParamOffload
 from shardtrain.offload.swap import ScratchDir, on_every_rank, prepare_scratch
 from shardtrain.optim.schedulers import build_scheduler
@@ -167,6 +177,30 @@ def _build(
         device=topology.device,
     )
     policy = layout.policy
+    precision = policy_from_config(config)
+    masters = None
+    trainable = layout.trainable_buckets  # frozen buckets (stage-3 units) are never reduced nor stepped
+    if precision.mixed:  # masters from the fp32 values, then compute-dtype parameters
+        masters = make_masters(trainable, policy)
+        _cast_to_compute_dtype(module, layout, precision)
+    # the gather service's two collaborators, built before the runtime that hands them to it ([Note: one gather
+    # service] in zero/gather.py), after the cast: the swap files hold the compute-dtype shards
+    param_offload: ParamOffload | None = None
+    if zcfg.offload_param.device == "nvme" and layout.unit_buckets:  # shards into mapped files
+        param_offload = on_every_rank(
+            comms.world,
+            "parameter swap files",
+            lambda: ParamOffload(
+                layout.unit_buckets,
+                scratch["offload_param"],
+                topology.rank,
+                zcfg.offload_param.max_in_cpu,
+                zcfg.offload_param.buffer_count,
+            ),
+        )
+    secondary = None
+    if comms.hpz is not None and layout.unit_buckets:  # see [Note: secondary shards]
+        secondary = SecondaryShards(comms.hpz)
     eager = EagerRuntime(
         module,
         layout.unit_buckets,
@@ -174,31 +208,9 @@ def _build(
         zcfg.stage3_prefetch_bucket_size,
         zcfg.stage3_gather_check,
         check_group=topology.host_shard_group,
+        secondary=secondary,
+        source=param_offload,
     )
-    if comms.hpz is not None and eager.units:  # see [Note: secondary shards]
-        eager.hpz = SecondaryShards(comms.hpz)
-    precision = policy_from_config(config)
-    masters = None
-    trainable = layout.trainable_buckets  # frozen buckets (stage-3 units) are never reduced nor stepped
-    if precision.mixed:  # masters from the fp32 values, then compute-dtype parameters
-        masters = make_masters(trainable, policy)
-        _cast_to_compute_dtype(module, layout, precision)
-        eager.index_storages()  # the cast made new full buffers
-    param_offload: ParamOffload | None = None
-    if zcfg.offload_param.device == "nvme" and eager.units:  # shards into mapped files
-        param_offload = on_every_rank(
-            comms.world,
-            "parameter swap files",
-            lambda: ParamOffload(
-                eager.units,
-                scratch["offload_param"],
-                topology.rank,
-                zcfg.offload_param.max_in_cpu,
-                zcfg.offload_param.buffer_count,
-            ),
-        )
-        eager.before_gather = param_offload.will_need
-        eager.after_gather = lambda unit: param_offload.done_with([unit])
     offload = zcfg.offload_optimizer
     if offload.device != "none" and topology.device.type == "cuda":  # the step runs on the host
         if policy.shard_optimizer_state:  # the shard's slices (at stage 3 the parameters themselves are not there)
@@ -231,6 +243,24 @@ def _build(
         tp_norm = TensorParallelNorm(
             comms.world, split, topology.zero_rank, topology.tp_rank, replica_rank=topology.replica_rank
         )
+    make_offload = None
+    if offload.device != "none":
+
+        def make_offload(stepped: list[torch.Tensor], fragments: list[torch.Tensor] | None) -> OptimizerOffload:
+            return build_optimizer_offload(
+                optimizer,
+                stepped,
+                offload.device,
+                zcfg.sub_group_size,
+                offload.buffer_count,
+                offload.ratio,
+                offload.pin_memory and topology.device.type == "cuda",  # pinning would make a CUDA context
+                scratch.get("offload_optimizer"),
+                topology.rank,
+                comms.world,
+                fragments=fragments,
+            )
+
     sharded_optimizer = ShardedOptimizer(
         optimizer,
         module,
@@ -244,23 +274,8 @@ def _build(
         dp_comm=comms.dp,
         replica_rank=topology.replica_rank,
         overlap_gathers=not config.graph.enabled,  # a captured graph must see plain parameters
+        make_offload=make_offload,
     )
-    if offload.device != "none":
-        sharded_optimizer.attach_offload(
-            build_optimizer_offload(
-                optimizer,
-                sharded_optimizer.stepped_tensors(),
-                offload.device,
-                zcfg.sub_group_size,
-                offload.buffer_count,
-                offload.ratio,
-                offload.pin_memory and topology.device.type == "cuda",  # pinning would make a CUDA context
-                scratch.get("offload_optimizer"),
-                topology.rank,
-                comms.world,
-                fragments=sharded_optimizer.stepped_fragments() if masters is not None else None,
-            )
-        )
     tp_partial = (tp_comm, partial_grads) if tp_comm is not None else None
     runtime = _runtime(module, config, eager, comms.shard, reducer, precision, tp_partial, param_offload)
     # metrics, monitors (TensorBoard/CSV/wandb) and wall-clock breakdown: rank 0 only, never communicates

@@ -7,10 +7,11 @@ flat parameters, in the compute dtype) becomes a tensor over a shared memory map
 preallocated with ``posix_fallocate`` (a full disk fails at ``initialize``, never later as a SIGBUS). Every
 reader and writer of ``bucket.shard`` (the all-gather, the optimizer's fragments, weight loading,
 checkpoints) works unchanged on it: pages are read when touched and written back by the kernel. The gathers
-do not touch the mapping: the unit runtime calls ``before_gather`` just before a unit's all-gather is issued
-(prefetches included), which reads each of the unit's shards from its file with one positional read into a new
-buffer and points ``bucket.shard`` at it, so the all-gather sends from it; ``after_gather``, once the all-gather
-has completed, points ``bucket.shard`` back at the mapping and frees the buffer. The file and the mapping are
+do not touch the mapping: the gather service (it holds this object as its shard source, [Note: one gather service]
+in :mod:`shardtrain.zero.gather`) calls ``will_need`` just before a unit's all-gather is issued (prefetches
+included), which reads each of the unit's shards from its file with one positional read into a new buffer and
+points ``bucket.shard`` at it, so the all-gather sends from it; ``done_with``, once the all-gather has completed,
+points ``bucket.shard`` back at the mapping and frees the buffer. The file and the mapping are
 one page cache, so the read sees every change made through the mapping. (Touching the mapping instead read the
 shard by page faults, a few pages per fault: ~55 MB/s on the 2.48B-parameter benchmark against 1774 MB/s for
 one read of the same bytes.) At most ``buffer_count`` units hold a read buffer at once; a unit gathered past
@@ -72,6 +73,9 @@ class ParamOffload:
     a tensor over a shared mapping of its own preallocated file."""
 
     def __init__(self, units: list, scratch: ScratchDir, rank: int, max_in_cpu: int, buffer_count: int = 5) -> None:
+        """``units``: in unit order (a unit's index is its position), each with its ``buckets``: the layout's
+        ``unit_buckets``, since this object is made before the unit runtime, which is handed it as its shards'
+        source ([Note: one gather service] in :mod:`shardtrain.zero.gather`)."""
 
         self.rank, self.scratch, self.buffer_count = rank, scratch, buffer_count
         self._maps: dict[int, tuple[mmap.mmap, int]] = {}  # bucket index -> (mapping, bytes)
@@ -82,12 +86,12 @@ class ParamOffload:
         self.bytes_read = 0
         self._bases: list[tuple[int, int]] = []  # sorted (address, bucket index) of every mapping
         kept = 0
-        for unit in units:  # the first units up to max_in_cpu elements stay in memory
+        for index, unit in enumerate(units):  # the first units up to max_in_cpu elements stay in memory
             numel = sum(b.shard.numel() for b in unit.buckets)
             if kept + numel <= max_in_cpu:
                 kept += numel
                 continue
-            self.mapped_units.add(unit.index)
+            self.mapped_units.add(index)
             for b in unit.buckets:
                 self._map_bucket(b)
         _PARAM_OFFLOADS.add(self)

@@ -59,6 +59,17 @@ from shardtrain.zero.step_gather import ParameterGathers
 if TYPE_CHECKING:
     from shardtrain.offload.optimizer_state import OptimizerOffload
 
+
+class MakeOffload(Protocol):
+    """How :class:`ShardedOptimizer` gets its optimizer offload: called once, at the end of its construction, with
+    what it steps (:meth:`~ShardedOptimizer.stepped_tensors`, after the optimizer's initial state moved to them) and,
+    with separate fp32 masters, the compute-dtype fragment of each (else None). The offload is made from those, so it
+    cannot exist before the wrapper; a factory handed in at construction keeps it from being attached afterwards
+    (``engine/build.py`` binds the configuration)."""
+
+    def __call__(self, stepped: list[torch.Tensor], fragments: list[torch.Tensor] | None) -> OptimizerOffload: ...
+
+
 IO_FAILED = float(1 << 20)
 """Added to the order flag of the norm's all-reduce by a rank whose gradient I/O failed: every rank raises."""
 
@@ -130,11 +141,13 @@ class ShardedOptimizer:
         dp_comm: Communicator | None = None,
         replica_rank: int = 0,
         overlap_gathers: bool = True,
+        make_offload: MakeOffload | None = None,
     ) -> None:
         """``comm``: the group the buckets are sharded over; with hybrid sharding (``dp_comm``: every data-parallel
         rank, ``replica_rank``: this rank's replica) the shard group. ``overlap_gathers``: the all-gathers after a
         step are waited for where the parameters are next needed ([Note: gathers after the step]); False (graph
-        mode) waits at the end of the step."""
+        mode) waits at the end of the step. ``make_offload``: optimizer state offloaded (see :data:`MakeOffload`; None:
+        the optimizer steps every tensor at once, in memory)."""
         self.optimizer, self.buckets, self.reducer = optimizer, buckets, reducer
         self.tp_norm = tp_norm  # with tensor parallelism: how the squared norm is summed (see the class)
         self.comm, self.allgather_bucket_numel = comm, allgather_bucket_numel
@@ -156,12 +169,17 @@ class ShardedOptimizer:
         # what the optimizer steps: fp32 masters under mixed precision (see [Note: mixed precision]), else
         # the fragments themselves
         self.masters = masters
-        self.offload: OptimizerOffload | None = None  # sub-group stepping with offloaded state (attach_offload)
         self._stepped = {k: (masters[k] if masters is not None else t) for k, (t, _, _) in self._frag.items()}
         if self.sharded or masters is not None:
             self._move_initial_state()
             for group in optimizer.param_groups:
                 group["params"] = [self._stepped.get(id(p), p) for p in group["params"]]
+        # sub-group stepping with offloaded state, made from the tensors stepped (after the state moved to them)
+        self.offload: OptimizerOffload | None = None
+        if make_offload is not None:
+            fragments = self.stepped_fragments() if masters is not None else None
+            self.offload = make_offload(self.stepped_tensors(), fragments)
+            self.offload.offload_gradients(self)  # with state in files, the gradient shards go there too where built
 
     def _move_initial_state(self) -> None:
         """State an optimizer made at construction (Adagrad's ``sum`` and ``step``) follows the tensors it
@@ -177,11 +195,6 @@ class ShardedOptimizer:
                     v = piece.to(device=stepped.device, dtype=stepped.dtype, copy=True).view_as(stepped)
                 new[k] = v
             self.optimizer.state[stepped] = new
-
-    def attach_offload(self, offload: OptimizerOffload) -> None:
-        """Step through ``offload`` from now on; it steps :meth:`stepped_tensors` in sub-groups."""
-        self.offload = offload
-        offload.offload_gradients(self)  # with state in files, the gradient shards go there too where built
 
     def stepped_tensors(self) -> list[torch.Tensor]:
         """What the optimizer steps, one per trainable parameter, in the order gradients are handed over."""

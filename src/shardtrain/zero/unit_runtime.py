@@ -67,7 +67,7 @@ demand (order departures, parameters used outside their unit, ``engine.gathered`
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
 from typing import Any
@@ -76,9 +76,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardtrain.distributed.communicator import Communicator, Handle
-from shardtrain.distributed.mesh import exchanges_on_host
-from shardtrain.errors import RankMismatchError, ShardtrainError
+from shardtrain.distributed.communicator import Communicator
+from shardtrain.errors import ShardtrainError
+from shardtrain.zero.gather import ShardSource, UnitGathers
 from shardtrain.zero.guarded import ShardedParameter, guard, guard_of
 from shardtrain.zero.hpz import SecondaryShards
 from shardtrain.zero.layout import Bucket, UnitBuckets
@@ -142,15 +142,14 @@ class EagerRuntime(Runtime):
         prefetch_numel: int = 0,
         gather_check: bool = False,
         check_group: dist.ProcessGroup | None = None,
+        secondary: SecondaryShards | None = None,
+        source: ShardSource | None = None,
     ) -> None:
         """``check_group``: the host-side group of ``comm``'s ranks, for [Note: unit order check] (None: ``comm``'s
-        own group)."""
+        own group); ``secondary``: ZeRO++ hpZ's secondary shards ([Note: secondary shards]); ``source``: where the
+        shards are read from before a gather (parameter offload). The last three go to the gather service."""
         self.root, self.comm = root, comm
         self.prefetch_numel, self.gather_check = prefetch_numel, gather_check
-        # the unit-order check's exchange: over the host-side group; when that is comm's own group (gloo), with
-        # comm, so that its calls stay in engine.comm_stats() (under NCCL they are counted apart)
-        same = check_group is None or check_group is comm.group
-        self.check_comm = comm if same or not gather_check else Communicator(check_group, comm.timeout_s)
         self._units: list[Unit] = []
         self._unit_of_bucket: dict[int, Unit] = {}
         self.unit_of_storage: dict[int, Unit] = {}  # the full buffers' storages (stable across resizes)
@@ -163,8 +162,9 @@ class EagerRuntime(Runtime):
                     guard(s.param, s.name, unit)
             unit.state = UnitState.SHARDED
         self.index_storages()
+        # every gather and release of a unit, its state and the unit-order check ([Note: one gather service])
+        self.gathers = UnitGathers(self._units, comm, gather_check, check_group, secondary, source)
         self._forward_depth = 0  # unit or root forwards running (parameters may be gathered on demand)
-        self._in_backward = False
         self._pushed: list[_SavedTensorHooks | None] = []  # per running forward hook, what it pushed
         self._fwd_order: list[int] | None = None  # recorded on the first forward (see [Note: unit lifecycle])
         self._bwd_order: list[int] | None = None
@@ -172,13 +172,6 @@ class EagerRuntime(Runtime):
         self._bwd_now: list[int] = []
         self._order_ok = True
         self._warned = False
-        self.max_gathered = 0  # most units gathered at once (tests read it)
-        self._announced: Unit | None = None  # its unit-id exchange was issued ahead (see [Note: unit order check])
-        # parameter offload (offload/parameters.py): told before a unit's all-gather is issued (prefetches included,
-        # so in gather order) and once it has completed (the shard may leave memory again)
-        self.before_gather: Callable[[Unit], None] | None = None
-        self.after_gather: Callable[[Unit], None] | None = None
-        self.hpz: SecondaryShards | None = None  # ZeRO++ hpZ: backward gathers in the node ([Note: secondary shards])
         self._bwd_gathered: list[Unit] = []  # units gathered for this backward, in the order they were needed
         self.forwards_with_grad = 0  # root forwards that recorded gradients since the last backward (graph runtime)
         by_module: dict[int, list[Unit]] = {}
@@ -213,118 +206,37 @@ class EagerRuntime(Runtime):
         compute dtype makes new ones)."""
         self.unit_of_storage = {b.flat_param.untyped_storage()._cdata: u for u in self.units for b in u.buckets}
 
-    # -- gather / release ------------------------------------------------------------------------------
-    def _start_check(self, unit: Unit) -> tuple[torch.Tensor, Handle] | None:
-        """Issue the unit-id exchange of [Note: unit order check]: on the host over a host-side group."""
-        if not self.gather_check:
-            return None
-        comm = self.check_comm
-        device = "cpu" if comm.size == 1 or exchanges_on_host(comm.backend) else unit.buckets[0].shard.device
-        mine = torch.tensor([unit.index], dtype=torch.int64, device=device)
-        everyone = mine.new_empty(comm.size)
-        what = f"unit-order check before gathering {unit.name!r}"
-        return everyone, comm.all_gather(everyone, mine, what=what, kind="gather_check", async_op=True)
+    # -- gather / release: the gather service ([Note: one gather service] in zero/gather.py) ---------------
+    @property
+    def _in_backward(self) -> bool:
+        return self.gathers.backward
 
-    def _verify(self, unit: Unit) -> None:
-        everyone, handle = unit.check
-        unit.check = None
-        handle.wait()
-        ids = everyone.tolist()  # a CPU tensor over a host-side group: no device sync
-        if len(set(ids)) > 1:
-            per_rank = ", ".join(f"rank {r}: {self._unit_name(i)}" for r, i in enumerate(ids))
-            raise RankMismatchError(
-                f"ranks are gathering different ZeRO-3 units at the same point ({unit.why}): {per_rank}. "
-                "Every rank must run the same sequence of forward and backward passes (same modules, same "
-                "number of calls)."
-            )
+    @_in_backward.setter
+    def _in_backward(self, value: bool) -> None:
+        self.gathers.backward = value
 
-    def _unit_name(self, index: int) -> str:
-        if 0 <= index < len(self.units):
-            return repr(self.units[index].name)
-        # the exchange met another rank's collective of the same size (desync_check off): its data is not an id
-        return f"no unit (received {index}: that rank was in another collective)"
+    @property
+    def hpz(self) -> SecondaryShards | None:
+        """ZeRO++ hpZ's secondary shards, which backward gathers read ([Note: secondary shards]); None without."""
+        return self.gathers.secondary
 
-    def _gather(self, unit: Unit, why: str, async_op: bool = False) -> None:
-        if unit.state is UnitState.GATHERING:
-            if not async_op:
-                self._wait(unit)
-            return
-        if unit.state is UnitState.GATHERED:
-            return
-        self._honour_announcement(unit)
-        if unit.check is None:
-            unit.why = why
-            unit.check = self._start_check(unit)
-        if unit.check is not None:
-            # verified before the data is issued: all-gathers of different sizes on different ranks would
-            # abort the process inside the backend instead of failing with the units' names
-            self._verify(unit)
-        self._issue(unit)
-        if not async_op:
-            self._wait(unit)
-
-    def _honour_announcement(self, unit: Unit) -> None:
-        """Before ``unit``'s gather: an exchange issued ahead for another unit is verified and its gather issued
-        first (see [Note: unit order check])."""
-        announced, self._announced = self._announced, None
-        if announced is None or announced is unit:
-            return
-        self._verify(announced)
-        if announced.state is UnitState.SHARDED:  # released at once: never more units whole than a prefetch holds
-            self._issue(announced)
-            self._release(announced)
-
-    def _issue(self, unit: Unit) -> None:
-        """Issue ``unit``'s all-gather (checked already)."""
-        if self.before_gather is not None:
-            self.before_gather(unit)
-        secondary = self._in_backward and self.hpz is not None and self.hpz.usable(unit)
-        for i, b in enumerate(unit.buckets):
-            b.flat_param.untyped_storage().resize_(b.padded_numel * b.flat_param.element_size())
-            with torch.autograd._unsafe_preserve_version_counter(b.flat_param):
-                unit.pending.append(
-                    self.hpz.all_gather(unit, i)
-                    if secondary
-                    else self.comm.all_gather(
-                        b.flat_param, b.shard, what=f"parameters of unit {unit.name!r}", async_op=True
-                    )
-                )
-        unit.state = UnitState.GATHERING
-        unit.gathers += 1
-        self.max_gathered = max(self.max_gathered, sum(u.state is not UnitState.SHARDED for u in self.units))
-
-    def _wait(self, unit: Unit) -> None:
-        for h in unit.pending:
-            h.wait()
-        unit.pending.clear()
-        unit.state = UnitState.GATHERED
-        if self.after_gather is not None:
-            self.after_gather(unit)
-
-    def _release(self, unit: Unit, keep_secondary: bool = False) -> None:
-        """``keep_secondary``: a forward that records gradients releases it (hpZ keeps a secondary shard)."""
-        if unit.state is UnitState.GATHERING:
-            self._wait(unit)
-        if self.hpz is not None and keep_secondary and unit.state is UnitState.GATHERED:
-            self.hpz.keep(unit)
-        elif self.hpz is not None:
-            self.hpz.drop(unit)
-        for b in unit.buckets:
-            b.flat_param.untyped_storage().resize_(0)
-        unit.state = UnitState.SHARDED
+    @property
+    def max_gathered(self) -> int:
+        """The most units gathered at once (tests read it)."""
+        return self.gathers.max_gathered
 
     def touch(self, p: ShardedParameter) -> None:
         """A sharded parameter's data is being used: gather on demand in forward or backward, else refuse."""
         g = guard_of(p)
         unit = g.unit
         if unit.state is UnitState.GATHERING:
-            self._wait(unit)
+            self.gathers.wait(unit)
             return
         if self._in_backward:  # a forward re-run by an activation checkpoint that bypasses module hooks
             self._need_in_backward(unit, f"parameter {g.name!r} used in backward")
             return
         if self._forward_depth > 0:  # a parameter used outside its unit
-            self._gather(unit, f"parameter {g.name!r} used outside its unit")
+            self.gathers.gather(unit, f"parameter {g.name!r} used outside its unit")
             return
         raise ShardtrainError(
             f"parameter {g.name!r} is partitioned by ZeRO stage 3 and not gathered here. Read it inside "
@@ -360,7 +272,7 @@ class EagerRuntime(Runtime):
         for k in range(position + 1, len(recorded)):
             unit = self.units[recorded[k]]
             if unit.state is UnitState.SHARDED and unit.numel <= self.prefetch_numel:
-                self._gather(unit, why, async_op=True)
+                self.gathers.gather(unit, why, async_op=True)
                 unit.prefetches += 1
                 self._announce(recorded, k, why)
             if recorded[k] != current:  # the next distinct unit decides; do not look further
@@ -369,15 +281,13 @@ class EagerRuntime(Runtime):
     def _announce(self, recorded: list[int], position: int, why: str) -> None:
         """Issue the unit-id exchange of the gather the next prefetch will issue (that after ``recorded[position]``),
         one unit ahead of it (see [Note: unit order check])."""
-        if not self.gather_check or self._announced is not None:
+        if not self.gathers.can_announce:
             return
         for index in recorded[position + 1 :]:
             if index != recorded[position]:
                 unit = self.units[index]
                 if unit.state is UnitState.SHARDED and unit.numel <= self.prefetch_numel and unit.check is None:
-                    unit.why = f"{why}, checked one unit ahead"
-                    unit.check = self._start_check(unit)
-                    self._announced = unit
+                    self.gathers.announce(unit, f"{why}, checked one unit ahead")
                 return
 
     # -- forward hooks ---------------------------------------------------------------------------------
@@ -421,13 +331,11 @@ class EagerRuntime(Runtime):
             return
         self._fwd_now, self._order_ok = [], True
         self.forwards_with_grad += torch.is_grad_enabled()
-        for u in self.units:  # kept by a forward that no backward followed: the shards may have changed since
-            if u.state is not UnitState.SHARDED:
-                self._release(u)
-        if self.hpz is not None:  # this forward cuts them again
-            self.hpz.drop_all()
+        # kept by a forward that no backward followed: the shards may have changed since
+        self.gathers.release_all()
+        self.gathers.drop_secondaries()  # this forward cuts them again
         for u in root_units:
-            self._gather(u, "root forward")
+            self.gathers.gather(u, "root forward")
         if self._fwd_order and self.prefetch_numel > 0:
             self._prefetch(self._fwd_order, -1, "forward prefetch")
 
@@ -441,9 +349,8 @@ class EagerRuntime(Runtime):
         if self._fwd_order is None:
             self._fwd_order = list(self._fwd_now)
         keep = self._kept_for_backward(root_units)
-        for u in self.units:  # on-demand and any prefetched-but-unused unit; the root unless kept
-            if u.state is not UnitState.SHARDED and u not in keep:
-                self._release(u, keep_secondary=torch.is_grad_enabled())
+        # on-demand and any prefetched-but-unused unit; the root unless kept
+        self.gathers.release_all(keep, keep_secondary=torch.is_grad_enabled())
         return output
 
     def _kept_for_backward(self, root_units: list[Unit]) -> list[Unit]:
@@ -461,7 +368,7 @@ class EagerRuntime(Runtime):
             self._need_in_backward(unit, "forward re-run in backward (activation checkpointing)")
             return
         in_order = self._record(self._fwd_now, self._fwd_order, unit.index)
-        self._gather(unit, "forward")
+        self.gathers.gather(unit, "forward")
         if in_order and self.prefetch_numel > 0:
             self._prefetch(self._fwd_order, len(self._fwd_now) - 1, "forward prefetch")
 
@@ -474,7 +381,8 @@ class EagerRuntime(Runtime):
             return output
         last = self._fwd_order is not None and len(self._fwd_now) == len(self._fwd_order)
         if not (last and self._order_ok and torch.is_grad_enabled() and unit.index == self._fwd_order[-1]):
-            self._release(unit, keep_secondary=torch.is_grad_enabled())  # else kept (see [Note: kept after forward])
+            # else kept (see [Note: kept after forward])
+            self.gathers.release(unit, keep_secondary=torch.is_grad_enabled())
         return output
 
     # -- backward --------------------------------------------------------------------------------------
@@ -484,11 +392,11 @@ class EagerRuntime(Runtime):
             self._bwd_gathered.append(unit)
             # recorded whether it is sharded or already being prefetched: the order is what is checked
             in_order = self._record(self._bwd_now, self._bwd_order, unit.index)
-            self._gather(unit, why)
+            self.gathers.gather(unit, why)
             if in_order and self.prefetch_numel > 0:
                 self._prefetch(self._bwd_order, len(self._bwd_now) - 1, "backward prefetch")
         else:
-            self._gather(unit, why)
+            self.gathers.gather(unit, why)
 
     def on_unpack(self, saved: _Saved) -> None:
         """Autograd is about to use a tensor aliasing ``saved.unit``'s storage (see [Note: gathering for
@@ -501,7 +409,7 @@ class EagerRuntime(Runtime):
             self._release_finished(node)
             self._need_in_backward(unit, "backward")
         else:  # autograd.grad or backward outside engine.backward(): gather, released by the next forward
-            self._gather(unit, "backward outside engine.backward()")
+            self.gathers.gather(unit, "backward outside engine.backward()")
 
     def on_grad_ready(self, bucket: Bucket) -> None:
         """A trainable parameter of ``bucket`` has its gradient (called by the gradient reducer)."""
@@ -519,7 +427,7 @@ class EagerRuntime(Runtime):
                 and u.saved <= 0
                 and (u.last_unpack is None or u.last_unpack is not node)
             ):
-                self._release(u)
+                self.gathers.release(u)
 
     def begin_backward(self) -> None:
         if not self.units:
@@ -539,10 +447,8 @@ class EagerRuntime(Runtime):
             self._bwd_order = list(self._bwd_now)
         for u in self.units:
             u.last_unpack = None
-            if u.state is not UnitState.SHARDED:
-                self._release(u)
-        if self.hpz is not None:  # units whose saved tensors this backward never reached
-            self.hpz.drop_all()
+        self.gathers.release_all()
+        self.gathers.drop_secondaries()  # units whose saved tensors this backward never reached
 
     # -- access outside forward ------------------------------------------------------------------------
     def units_of(self, params: list[nn.Parameter]) -> list[Unit]:
@@ -551,27 +457,13 @@ class EagerRuntime(Runtime):
 
     @contextmanager
     def gathered(self, params: list[nn.Parameter]) -> Iterator[list[Unit]]:
+        """The units of ``params``, gathered through the gather service (collective: every rank must enter)."""
         units = self.units_of(params)
-        with self.gathered_units(units):
+        with self.gathers.gathered(units):
             yield units
 
-    @contextmanager
-    def gathered_units(self, units: list[Unit]) -> Iterator[None]:
-        """Gather ``units`` (collective: every rank must enter) and release them on exit."""
-        was = {u.index: u.state for u in units}
-        for u in units:
-            self._gather(u, "engine.gathered()")
-        try:
-            yield
-        finally:
-            for u in units:
-                if was[u.index] is UnitState.SHARDED:
-                    self._release(u)
-
     def release(self) -> None:
-        for u in self.units:
-            if u.state is not UnitState.SHARDED:
-                self._release(u)
+        self.gathers.release_all()
 
     def close(self) -> None:
         for h in self._hooks:

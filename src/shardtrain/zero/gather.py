@@ -1,0 +1,213 @@
+"""The one gather service of ZeRO stage 3: every host-side gather and release of a unit goes through
+:class:`UnitGathers`.
+
+[Note: one gather service]
+A unit is gathered for forward and backward by the eager runtime's hooks, on demand when a parameter is used
+outside its unit, and by ``engine.gathered(...)``, which ``full_state_dict``, ``save_16bit_model``, the DeepSpeed
+shim's ``GatheredParameters`` and the graph runtime's ``gathered`` all use. Each of them used to reach the same
+private methods of the eager runtime, and the two collaborators of a gather (ZeRO++ hpZ's secondary shards, and the
+parameter offload's swap files, which must be read before the all-gather sends from them) were attributes set on
+the runtime after it was built. They are now one object, built with its collaborators, that owns a unit's state
+(``SHARDED`` / ``GATHERING`` / ``GATHERED``), its in-flight collectives and the unit-order check ([Note: unit order
+check] in :mod:`shardtrain.zero.unit_runtime`). Its interface is four calls: ``gather(unit, why)`` (optionally
+asynchronous, waited for by ``wait``), ``release(unit)``, ``release_all()`` and the context manager
+``gathered(units)`` (gather on entry, release on exit what was sharded before). The eager runtime decides *when*
+(hooks, prefetch, the recorded order); this object decides *how*, and is the only one that issues a unit's
+all-gather or frees its full buffer. Graph mode's gathers are operations inside the captured graph; they read the
+same units (``GraphRuntime`` builds its bucket specs from ``eager.units``), and what a graph leaves is released here.
+
+Gathers that are not a unit's stay where they are, each with its own reason: zero.Init's construction-time gathers
+(:mod:`shardtrain.zero.init`, before any unit runtime exists) and the all-gathers of updated chunks after an
+optimizer step at stages 1-2 (:mod:`shardtrain.zero.step_gather`, buckets, not units).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from shardtrain.distributed.communicator import Communicator, Handle
+from shardtrain.distributed.mesh import exchanges_on_host
+from shardtrain.errors import RankMismatchError
+from shardtrain.zero.hpz import SecondaryShards
+from shardtrain.zero.units import Unit, UnitState
+
+
+class ShardSource(Protocol):
+    """Where a unit's shards live when not in ordinary memory (parameter offload's swap files,
+    :class:`~shardtrain.offload.parameters.ParamOffload`): told before a unit's all-gather is issued (prefetches
+    included, so in gather order) and once it has completed, when the shard may leave memory again."""
+
+    def will_need(self, unit: Unit) -> None: ...
+
+    def done_with(self, units: Iterable[Unit]) -> None: ...
+
+
+class UnitGathers:
+    """See [Note: one gather service]."""
+
+    def __init__(
+        self,
+        units: list[Unit],
+        comm: Communicator,
+        gather_check: bool = False,
+        check_group: dist.ProcessGroup | None = None,
+        secondary: SecondaryShards | None = None,
+        source: ShardSource | None = None,
+    ) -> None:
+        """``comm``: the group the units are sharded over; ``check_group``: the host-side group of ``comm``'s ranks,
+        for [Note: unit order check] (None: ``comm``'s own group); ``secondary``: ZeRO++ hpZ's secondary shards,
+        which backward gathers read ([Note: secondary shards]); ``source``: the shards' swap files."""
+        self.units, self.comm, self.gather_check = units, comm, gather_check
+        self.secondary, self.source = secondary, source
+        # the unit-order check's exchange: over the host-side group; when that is comm's own group (gloo), with
+        # comm, so that its calls stay in engine.comm_stats() (under NCCL they are counted apart)
+        same = check_group is None or check_group is comm.group
+        self.check_comm = comm if same or not gather_check else Communicator(check_group, comm.timeout_s)
+        self.announced: Unit | None = None  # its unit-id exchange was issued ahead (see [Note: unit order check])
+        self.backward = False  # the runtime is in backward: gathers read hpZ's secondary shards where fresh
+        self.max_gathered = 0  # most units gathered at once (tests read it)
+
+    # -- the unit-order check ---------------------------------------------------------------------------
+    def _start_check(self, unit: Unit) -> tuple[torch.Tensor, Handle] | None:
+        """Issue the unit-id exchange of [Note: unit order check]: on the host over a host-side group."""
+        if not self.gather_check:
+            return None
+        comm = self.check_comm
+        device = "cpu" if comm.size == 1 or exchanges_on_host(comm.backend) else unit.buckets[0].shard.device
+        mine = torch.tensor([unit.index], dtype=torch.int64, device=device)
+        everyone = mine.new_empty(comm.size)
+        what = f"unit-order check before gathering {unit.name!r}"
+        return everyone, comm.all_gather(everyone, mine, what=what, kind="gather_check", async_op=True)
+
+    def _verify(self, unit: Unit) -> None:
+        everyone, handle = unit.check
+        unit.check = None
+        handle.wait()
+        ids = everyone.tolist()  # a CPU tensor over a host-side group: no device sync
+        if len(set(ids)) > 1:
+            per_rank = ", ".join(f"rank {r}: {self._unit_name(i)}" for r, i in enumerate(ids))
+            raise RankMismatchError(
+                f"ranks are gathering different ZeRO-3 units at the same point ({unit.why}): {per_rank}. "
+                "Every rank must run the same sequence of forward and backward passes (same modules, same "
+                "number of calls)."
+            )
+
+    def _unit_name(self, index: int) -> str:
+        if 0 <= index < len(self.units):
+            return repr(self.units[index].name)
+        # the exchange met another rank's collective of the same size (desync_check off): its data is not an id
+        return f"no unit (received {index}: that rank was in another collective)"
+
+    @property
+    def can_announce(self) -> bool:
+        """Whether an exchange may be issued ahead now (checks on, none issued ahead and not yet honoured)."""
+        return self.gather_check and self.announced is None
+
+    def announce(self, unit: Unit, why: str) -> None:
+        """Issue ``unit``'s unit-id exchange now, ahead of its gather (see [Note: unit order check])."""
+        unit.why = why
+        unit.check = self._start_check(unit)
+        self.announced = unit
+
+    def _honour_announcement(self, unit: Unit) -> None:
+        """Before ``unit``'s gather: an exchange issued ahead for another unit is verified and its gather issued
+        first (see [Note: unit order check])."""
+        announced, self.announced = self.announced, None
+        if announced is None or announced is unit:
+            return
+        self._verify(announced)
+        if announced.state is UnitState.SHARDED:  # released at once: never more units whole than a prefetch holds
+            self._issue(announced)
+            self.release(announced)
+
+    # -- gather / release --------------------------------------------------------------------------------
+    def gather(self, unit: Unit, why: str, async_op: bool = False) -> None:
+        """Make ``unit`` whole (collective over ``comm``); ``async_op``: issue only (:meth:`wait` completes it)."""
+        if unit.state is UnitState.GATHERING:
+            if not async_op:
+                self.wait(unit)
+            return
+        if unit.state is UnitState.GATHERED:
+            return
+        self._honour_announcement(unit)
+        if unit.check is None:
+            unit.why = why
+            unit.check = self._start_check(unit)
+        if unit.check is not None:
+            # verified before the data is issued: all-gathers of different sizes on different ranks would
+            # abort the process inside the backend instead of failing with the units' names
+            self._verify(unit)
+        self._issue(unit)
+        if not async_op:
+            self.wait(unit)
+
+    def _issue(self, unit: Unit) -> None:
+        """Issue ``unit``'s all-gather (checked already)."""
+        if self.source is not None:
+            self.source.will_need(unit)
+        secondary = self.backward and self.secondary is not None and self.secondary.usable(unit)
+        for i, b in enumerate(unit.buckets):
+            b.flat_param.untyped_storage().resize_(b.padded_numel * b.flat_param.element_size())
+            with torch.autograd._unsafe_preserve_version_counter(b.flat_param):
+                unit.pending.append(
+                    self.secondary.all_gather(unit, i)
+                    if secondary
+                    else self.comm.all_gather(
+                        b.flat_param, b.shard, what=f"parameters of unit {unit.name!r}", async_op=True
+                    )
+                )
+        unit.state = UnitState.GATHERING
+        unit.gathers += 1
+        self.max_gathered = max(self.max_gathered, sum(u.state is not UnitState.SHARDED for u in self.units))
+
+    def wait(self, unit: Unit) -> None:
+        """Complete ``unit``'s gather in flight."""
+        for h in unit.pending:
+            h.wait()
+        unit.pending.clear()
+        unit.state = UnitState.GATHERED
+        if self.source is not None:
+            self.source.done_with([unit])
+
+    def release(self, unit: Unit, keep_secondary: bool = False) -> None:
+        """Free ``unit``'s full buffer; ``keep_secondary``: a forward that records gradients releases it (hpZ keeps
+        a secondary shard for its backward)."""
+        if unit.state is UnitState.GATHERING:
+            self.wait(unit)
+        if self.secondary is not None and keep_secondary and unit.state is UnitState.GATHERED:
+            self.secondary.keep(unit)
+        elif self.secondary is not None:
+            self.secondary.drop(unit)
+        for b in unit.buckets:
+            b.flat_param.untyped_storage().resize_(0)
+        unit.state = UnitState.SHARDED
+
+    def release_all(self, keep: Iterable[Unit] = (), keep_secondary: bool = False) -> None:
+        """Release every unit not sharded, but those in ``keep``."""
+        kept = {id(u) for u in keep}
+        for u in self.units:
+            if u.state is not UnitState.SHARDED and id(u) not in kept:
+                self.release(u, keep_secondary)
+
+    def drop_secondaries(self) -> None:
+        """Forget every hpZ secondary shard (a new forward cuts them again; the end of backward)."""
+        if self.secondary is not None:
+            self.secondary.drop_all()
+
+    @contextmanager
+    def gathered(self, units: list[Unit], why: str = "engine.gathered()") -> Iterator[None]:
+        """Gather ``units`` (collective: every rank must enter) and release on exit those that were sharded."""
+        was = {u.index: u.state for u in units}
+        for u in units:
+            self.gather(u, why)
+        try:
+            yield
+        finally:
+            for u in units:
+                if was[u.index] is UnitState.SHARDED:
+                    self.release(u)
