@@ -165,3 +165,18 @@ def test_vision_models_that_are_not_a_plain_patch_sequence_are_refused_by_name()
     dino = transformers.Dinov2Model(transformers.Dinov2Config(**tiny, patch_size=4, drop_path_rate=0.1))
     with pytest.raises(ShardtrainError, match=r"Dinov2Model has drop_path_rate 0\.1"):
         make_splitter(dino, comm)
+
+
+def _closed_engine_leaves_no_hooks() -> tuple[int, int]:
+    model = _model("vit")
+    config = {"train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": 2, "zero_optimization": {"stage": 1}}
+    engine = shardtrain.initialize(model, config=config, optimizer=_optimizer(model))
+    embeddings, norm = model.vit.embeddings, model.vit.layernorm
+    before = len(embeddings._forward_hooks) + len(norm._forward_pre_hooks)
+    engine.close()
+    return before, len(embeddings._forward_hooks) + len(norm._forward_pre_hooks)
+
+
+def test_close_removes_the_patch_split_hooks():
+    for before, after in run_distributed(_closed_engine_leaves_no_hooks, 2, init_process_group=False):
+        assert before >= 2 and after == 0  # the split and gather hooks, and every other hook the engine made

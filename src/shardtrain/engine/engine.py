@@ -28,6 +28,7 @@ from shardtrain.config.auto import resolve_auto
 from shardtrain.config.schema import Config, cast_inputs_half, load_config, resolve_batch_sizes
 from shardtrain.distributed.communicator import Communicator, merge_stats
 from shardtrain.distributed.mesh import Topology, init_topology
+from shardtrain.distributed.watchdog import stop_watchdog
 from shardtrain.engine.build import (
     OptimizerArg,
     Parts,
@@ -212,10 +213,11 @@ class Engine:
         self.global_step += 1
 
     def close(self) -> None:
-        """Remove every hook the engine installed (gradient hooks, ZeRO-3 module hooks) and flush and close the
-        monitors' files (TensorBoard, wandb run). Not collective; safe to call more than once. ZeRO-3 parameters
-        stay sharded: take ``full_state_dict()`` first if the module is used afterwards. Waits for an asynchronous
-        checkpoint save in flight and raises its failure, after the rest of the clean-up."""
+        """Remove every hook the engine installed (gradient hooks, ZeRO-3 module hooks, a vision model's patch
+        split), stop the NCCL watchdog's thread, and flush and close the monitors' files (TensorBoard, wandb run).
+        Not collective; safe to call more than once. ZeRO-3 parameters stay sharded: take ``full_state_dict()``
+        first if the module is used afterwards. Waits for an asynchronous checkpoint save in flight and raises its
+        failure, after the rest of the clean-up."""
         saver = self._async_saver
         try:
             if saver is not None:
@@ -225,6 +227,9 @@ class Engine:
                 saver.close()
             self._reducer.remove_hooks()
             self._optimizer.gathers.remove_hooks()
+            if self._sp is not None and hasattr(self._sp, "remove_hooks"):  # a vision model's patch split
+                self._sp.remove_hooks()
+            stop_watchdog()  # the NCCL watchdog's thread; the next engine's first collective starts it again
             self._runtime.release()  # units a forward without backward kept gathered: their memory back
             self._runtime.close()
             self.monitor.close()
