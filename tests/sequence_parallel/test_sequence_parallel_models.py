@@ -16,8 +16,9 @@ import torch
 import shardtrain
 from shardtrain.errors import ShardtrainError
 from shardtrain.testing import run_distributed
+from sp_cases import adamw, dp_reference, rows_of
 
-from parity import assert_params_near, train_engine, train_one_process
+from parity import assert_params_near, train_engine
 
 VOCAB, SEQ, ROWS, STEPS, GAS = 64, 12, 2, 2, 2
 
@@ -118,23 +119,8 @@ def _batches(dp: int, masked_lm: bool) -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def _optimizer(model) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
-
-
-def _rows(batch: dict[str, torch.Tensor], rows: slice) -> dict[str, torch.Tensor]:
-    return {k: v[rows] for k, v in batch.items()}
-
-
 def _reference(case: str, dp: int, dtype: torch.dtype) -> dict:
-    model, batches = _model(case, dtype), _batches(dp, _masked(case))
-    model.train()
-
-    def loss(model, i: int) -> torch.Tensor:  # data parallel: the mean of each data-parallel rank's rows' loss
-        parts = [slice(d * ROWS, (d + 1) * ROWS) for d in range(dp)]
-        return sum(model(**_rows(batches[i], r)).loss for r in parts) / dp
-
-    return train_one_process(model, _optimizer(model), loss, STEPS, GAS, 1.0)
+    return dp_reference(_model(case, dtype), _batches(dp, _masked(case)), dp, ROWS, STEPS, GAS)
 
 
 def _run(case: str, sp: int, stage: int) -> dict:
@@ -146,11 +132,11 @@ def _run(case: str, sp: int, stage: int) -> dict:
         "sequence_parallel_size": sp,
         "zero_optimization": {"stage": stage},
     }
-    engine = shardtrain.initialize(model, config=config, optimizer=_optimizer(model))
+    engine = shardtrain.initialize(model, config=config, optimizer=adamw(model))
     topo = engine.topology
     batches = _batches(topo.dp, _masked(case))
     rows = slice(topo.dp_rank * ROWS, (topo.dp_rank + 1) * ROWS)
-    run = train_engine(engine, lambda engine, i: engine(**_rows(batches[i], rows)).loss, STEPS, GAS)
+    run = train_engine(engine, lambda engine, i: engine(**rows_of(batches[i], rows)).loss, STEPS, GAS)
     return {**run, "params": engine.full_state_dict()}
 
 

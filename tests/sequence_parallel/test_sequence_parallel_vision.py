@@ -11,8 +11,9 @@ import torch
 import shardtrain
 from shardtrain.errors import ShardtrainError
 from shardtrain.testing import run_distributed
+from sp_cases import adamw, dp_reference, rows_of
 
-from parity import assert_params_near, train_engine, train_one_process
+from parity import assert_params_near, train_engine
 
 IMAGE, PATCH, ROWS, STEPS, GAS = 16, 4, 2, 2, 2  # 16 patches + the class token: 17, padded at sp 2 and 3
 
@@ -50,23 +51,8 @@ def _batches(case: str, dp: int, dtype: torch.dtype) -> list[dict[str, torch.Ten
     return out
 
 
-def _optimizer(model) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
-
-
-def _rows(batch: dict[str, torch.Tensor], rows: slice) -> dict[str, torch.Tensor]:
-    return {k: v[rows] for k, v in batch.items()}
-
-
 def _reference(case: str, dp: int, dtype: torch.dtype) -> dict:
-    model, batches = _model(case, dtype), _batches(case, dp, dtype)
-    model.train()
-
-    def loss(model, i: int) -> torch.Tensor:  # data parallel: the mean of each data-parallel rank's rows' loss
-        parts = [slice(d * ROWS, (d + 1) * ROWS) for d in range(dp)]
-        return sum(model(**_rows(batches[i], r)).loss for r in parts) / dp
-
-    return train_one_process(model, _optimizer(model), loss, STEPS, GAS, 1.0)
+    return dp_reference(_model(case, dtype), _batches(case, dp, dtype), dp, ROWS, STEPS, GAS)
 
 
 def _run(case: str, sp: int, stage: int, checkpointing: bool, augmented: bool = False) -> dict:
@@ -80,7 +66,7 @@ def _run(case: str, sp: int, stage: int, checkpointing: bool, augmented: bool = 
         "sequence_parallel_size": sp,
         "zero_optimization": {"stage": stage},
     }
-    engine = shardtrain.initialize(model, config=config, optimizer=_optimizer(model))
+    engine = shardtrain.initialize(model, config=config, optimizer=adamw(model))
     seen: list[int] = []  # the tokens each encoder layer is given: this rank's slice, not the whole sequence
     for m in model.modules():
         if type(m).__name__.endswith("Layer"):
@@ -90,7 +76,7 @@ def _run(case: str, sp: int, stage: int, checkpointing: bool, augmented: bool = 
     rows = slice(topo.dp_rank * ROWS, (topo.dp_rank + 1) * ROWS)
 
     def loss(engine, i: int) -> torch.Tensor:
-        batch = _rows(batches[i], rows)
+        batch = rows_of(batches[i], rows)
         if augmented and i and torch.distributed.get_rank() % sp:  # an augmentation drawn per rank
             batch["pixel_values"] = batch["pixel_values"] + 1.0
         return engine(**batch).loss
@@ -170,7 +156,7 @@ def test_vision_models_that_are_not_a_plain_patch_sequence_are_refused_by_name()
 def _closed_engine_leaves_no_hooks() -> tuple[int, int]:
     model = _model("vit")
     config = {"train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": 2, "zero_optimization": {"stage": 1}}
-    engine = shardtrain.initialize(model, config=config, optimizer=_optimizer(model))
+    engine = shardtrain.initialize(model, config=config, optimizer=adamw(model))
     embeddings, norm = model.vit.embeddings, model.vit.layernorm
     before = len(embeddings._forward_hooks) + len(norm._forward_pre_hooks)
     engine.close()
