@@ -17,6 +17,8 @@ Variants (``--variants``, comma-separated; default all):
   model.
 * ``stage2:offload``, ``stage3:offload``: the optimizer's state and step in host memory (``offload_optimizer``
   ``cpu``, pinned on CUDA).
+* ``stage2:fp16``, ``stage3:fp16``: fp16 with dynamic loss scaling instead of bf16; the fused AdamW skips an
+  overflowing step in its kernel, so the overflow never has to be read during the step.
 * ``stage2:nccl``, ``stage3:nccl``: every collective issued although the group has one rank
   (``SHARDTRAIN_FORCE_COLLECTIVES=1``, [Note: a group of one]). On a GPU this runs NCCL's streams, the waits and the
   buffer frees after them. On the CPU the group is gloo's.
@@ -28,6 +30,8 @@ synchronizations:
 * on CUDA, the operations ``torch.cuda.set_sync_debug_mode`` reports, plus calls to ``synchronize``;
 * on the CPU, the operations that would synchronize on a GPU (``aten._local_scalar_dense``, behind ``.item()`` and
   ``bool()``; ``nonzero``; ``equal``), seen by a dispatch mode.
+Each is named by its operation and the line that asked for it ([Note: counting host synchronizations] in
+:mod:`shardtrain.testing.syncs`).
 
 Each variant prints:
 * its step time, and the ratio of that time to ``plain``'s;
@@ -47,7 +51,6 @@ docs/benchmarks-gpu.md has the device command and the results.
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
 import gc
 import json
@@ -57,14 +60,11 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
-import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 import shardtrain
@@ -73,6 +73,7 @@ from shardtrain.distributed.mesh import pick_device
 from shardtrain.engine.monitor import known_peak_tflops
 from shardtrain.estimate import estimate_memory, fmt_bytes
 from shardtrain.models.gpt import GPT, GPTConfig, num_parameters
+from shardtrain.testing.syncs import count_host_syncs
 
 VARIANTS = (
     "plain",
@@ -86,6 +87,8 @@ VARIANTS = (
     "stage3:offload",
     "stage2:nccl",
     "stage3:nccl",
+    "stage2:fp16",
+    "stage3:fp16",
 )
 LR, BETAS, EPS, WEIGHT_DECAY, CLIP = 3e-4, (0.9, 0.95), 1e-8, 0.1, 1.0
 
@@ -144,6 +147,9 @@ def engine_config(variant: str, micro_batch: int, device: torch.device) -> dict[
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": device.type == "cuda"}
     if variant.endswith(":inductor"):
         config["graph"] = {"enabled": True, "compiler": "inductor", "dynamic_shapes": False}
+    if variant.endswith(":fp16"):  # dynamic loss scaling; the fused AdamW skips an overflow in its kernel
+        del config["bf16"]
+        config["fp16"] = {"enabled": True, "initial_scale_power": 16}
     return config
 
 
@@ -190,70 +196,18 @@ class OnEngine:
         return loss.detach()
 
 
-_SYNCING = {"aten::_local_scalar_dense", "aten::nonzero", "aten::equal", "aten::is_nonzero"}
-
-
-def _caller() -> str:
-    """The innermost frame of the stack outside torch and this file: the code that asked for the synchronization."""
-    for frame in reversed(traceback.extract_stack()):
-        if f"{os.sep}torch{os.sep}" not in frame.filename and frame.filename != __file__:
-            return f"{frame.filename}:{frame.lineno}"
-    return "?"
-
-
-class _CountSyncs(TorchDispatchMode):
-    """Operations that wait for a GPU's results on the host, as dispatched on the CPU."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.sites: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func._schema.name in _SYNCING:
-            self.sites[_caller()] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def count_syncs(
     step: Any, batch: tuple[torch.Tensor, torch.Tensor], device: torch.device, graph: bool
 ) -> tuple[int | None, dict[str, int]]:
     """Host synchronizations in one call of ``step`` (None: not countable here, a graph on the CPU), and where each
-    was asked for (file:line, the innermost frame outside torch), so that a count above zero names its sources."""
-    if device.type != "cuda":
-        if graph:  # a dispatch mode around compiled code would run it differently
-            step(*batch)
-            return None, {}
-        with _CountSyncs() as mode:
-            step(*batch)
-        return sum(mode.sites.values()), dict(mode.sites)
-    explicit: collections.Counter[str] = collections.Counter()
-    patched = [(torch.cuda, "synchronize"), (torch.cuda.Stream, "synchronize"), (torch.cuda.Event, "synchronize")]
-    originals = [getattr(owner, name) for owner, name in patched]
-
-    def counting(original: Any) -> Any:
-        def call(*a: Any, **k: Any) -> Any:
-            explicit[_caller()] += 1
-            return original(*a, **k)
-
-        return call
-
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for (owner, name), original in zip(patched, originals):
-            setattr(owner, name, counting(original))
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            step(*batch)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-            for (owner, name), original in zip(patched, originals):
-                setattr(owner, name, original)
-    torch.cuda.synchronize()
-    sites = explicit + collections.Counter(
-        f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message).lower()
-    )
-    return sum(sites.values()), dict(sites)
+    was asked for (the operation and the innermost frame outside torch and this file), see [Note: counting host
+    synchronizations] in :mod:`shardtrain.testing.syncs`."""
+    if device.type != "cuda" and graph:  # a dispatch mode around compiled code would run it differently
+        step(*batch)
+        return None, {}
+    with count_host_syncs(device, skip=(__file__,)) as count:
+        step(*batch)
+    return count.total, dict(count.sites)
 
 
 def sync(device: torch.device) -> None:

@@ -47,11 +47,10 @@ def test_the_tiny_run_trains_every_variant_to_plain_pytorchs_losses(tmp_path):
         assert r["step_s"] > 0 and r["cpu_per_wall"] > 0
         assert (r["syncs_per_step"] is None) == (name == "stage3:inductor")  # no dispatch mode around a graph
         assert (r["estimate"] is None) == (name == "plain")
-    assert by_name["plain"]["syncs_per_step"] == 0  # fused AdamW, clipping without reading the norm
-    for r in by_name.values():  # every counted synchronization is named by the line that asked for it
-        assert sum(r["sync_sites"].values()) == (r["syncs_per_step"] or 0)
-    assert any("shardtrain" in site for site in by_name["stage2"]["sync_sites"])
-    assert "stage2 synchronizes at" in done.stdout
+    for name, r in by_name.items():  # fused AdamW, clipping without reading the norm; the engine's step the same
+        assert sum(r["sync_sites"].values()) == (r["syncs_per_step"] or 0)  # each named by the line that asked
+        assert r["syncs_per_step"] in (0, None), (name, r["sync_sites"])
+    assert "synchronizes at" not in done.stdout
 
 
 def test_each_variant_runs_in_a_process_of_its_own(tmp_path):

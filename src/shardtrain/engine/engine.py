@@ -11,10 +11,12 @@ Protocol of one optimizer step with ``gradient_accumulation_steps = k``::
 
 from __future__ import annotations
 
+import copy
 import logging
 import random
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +55,7 @@ from shardtrain.engine.training_state import (
 from shardtrain.errors import LayoutError, OptimizerError
 from shardtrain.tensor_parallel import check_same_batch, parallelize
 from shardtrain.tensor_parallel.parallelize import check_replicated_gradients
+from shardtrain.zero.host_read import HostRead
 from shardtrain.zero.init import is_deferred, materialize_deferred, record_initialization
 from shardtrain.zero.optimizer import check_optimizer
 from shardtrain.zero.precision import check_parameter_dtypes, policy_from_config
@@ -61,6 +64,15 @@ from shardtrain.zero.weights import KeyMapper
 log = logging.getLogger("shardtrain")
 
 __all__ = ["Engine", "OptimizerArg", "SchedulerArg", "initialize"]
+
+
+@dataclass
+class _PendingOverflow:
+    """An fp16 step whose overflow was decided on the device (see [Note: an overflow learned a step later])."""
+
+    flags: HostRead  # (overflowed, overflowed at the minimum scale)
+    step: int  # its global step, 1-based
+    scheduler: tuple[dict, list[dict]] | None  # the scheduler's state and hyperparameters before it stepped
 
 
 class Engine:
@@ -91,12 +103,14 @@ class Engine:
         self.precision, self.scaler = parts.precision, parts.scaler
         self._param_offload, self._reducer, self._optimizer = parts.param_offload, parts.reducer, parts.optimizer
         self._runtime, self.monitor = parts.runtime, parts.monitor
-        self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
+        self.optimizer, self._lr_scheduler = optimizer, lr_scheduler
         self.global_step = 0
         self.micro_steps = 0
-        self.skipped_steps = 0
+        self._skipped_steps = 0
+        self._skipped_at: set[int] = set()  # the global steps (1-based) that were skipped
         self.global_samples = 0  # DeepSpeed's x-axis for monitors: train_batch_size per optimizer step
-        self._grad_norm: float | None = None
+        self._grad_norm: torch.Tensor | None = None  # on the device: read when asked for
+        self._pending: _PendingOverflow | None = None  # the last fp16 step's overflow, on its way to the host
         self._batch_checked = self.tp_comm is None
         self._async_saver: AsyncSaver | None = None  # made by the first asynchronous save_checkpoint
         # parameters frozen when the buckets and the optimizer state were built: unfreezing one later is refused
@@ -157,8 +171,8 @@ class Engine:
         self._runtime.begin_backward()
         unwinding = True
         try:
-            if self.scaler is not None:  # fp16: scale in fp32 (the scaled loss may not fit fp16)
-                loss = loss.float() * self.scaler.scale
+            if self.scaler is not None:  # fp16: scale in fp32 (the scaled loss may not fit fp16), on the device
+                loss = loss.float() * self.scaler.scale_tensor.to(torch.float32)
             with self._runtime.collectives("backward"):
                 (loss / divisor if divisor != 1 else loss).backward()
             unwinding = False
@@ -182,10 +196,10 @@ class Engine:
         with self.monitor.timed("step"):
             self._optimizer_step()
         self.global_samples += self.train_batch_size
-        # at every steps_per_print-th step: log and write metrics
-        self.monitor.end_optimizer_step(
-            StepMetrics(self.global_step, self.global_samples, self.get_lr()[0], self._grad_norm, self.loss_scale)
-        )
+        # at every steps_per_print-th step: log and write metrics (the monitor reads the tensors only then)
+        scale = self.scaler.scale_tensor if self.scaler is not None else 1.0
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.monitor.end_optimizer_step(StepMetrics(self.global_step, self.global_samples, lr, self._grad_norm, scale))
 
     def _refuse_unfrozen(self) -> None:
         unfrozen = [n for n, p in self._frozen_at_initialize if p.requires_grad]
@@ -198,19 +212,85 @@ class Engine:
             )
 
     def _optimizer_step(self) -> None:
-        scale = self.scaler.scale if self.scaler is not None else None
+        self._settle_overflow()  # the last step's: before this step reads the learning rate
+        scale = self.scaler.scale_tensor if self.scaler is not None else None
         self._grad_norm, skipped = self._optimizer.step(self.config.gradient_clipping, scale)
         if self._param_offload is not None:  # updated shards leave memory (the kernel writes them back)
             self._param_offload.done_with(self._runtime.units)
-        if self.scaler is not None:
-            self.scaler.update(overflow=skipped)
-        if skipped:  # parameters, masters, optimizer state and the scheduler stay as they were
-            self.skipped_steps += 1
-            log.info("step %d skipped: gradient overflow, loss scale now %g", self.global_step + 1, self.loss_scale)
-        elif self.lr_scheduler is not None:
-            self.lr_scheduler.step()
+        if torch.is_tensor(skipped):  # decided on the device: see [Note: an overflow learned a step later]
+            at_minimum = self.scaler.update(skipped)
+            flags = skipped.reshape(1) if at_minimum is None else torch.stack([skipped, at_minimum])
+            self._pending = _PendingOverflow(HostRead(flags), self.global_step + 1, self._scheduler_snapshot())
+            if self._lr_scheduler is not None:
+                self._lr_scheduler.step()
+        else:
+            if self.scaler is not None:
+                self.scaler.update(overflow=skipped)
+            if skipped:  # parameters, masters, optimizer state and the scheduler stay as they were
+                self._count_skip(self.global_step + 1)
+            elif self._lr_scheduler is not None:
+                self._lr_scheduler.step()
         self._reducer.zero_grads()
         self.global_step += 1
+
+    def _scheduler_snapshot(self) -> tuple[dict, list[dict]] | None:
+        """The scheduler's state and its optimizer's hyperparameters, to be put back if the step overflowed."""
+        if self._lr_scheduler is None:
+            return None
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self._lr_scheduler.optimizer.param_groups]
+        return copy.deepcopy(self._lr_scheduler.state_dict()), copy.deepcopy(groups)
+
+    def _settle_overflow(self) -> None:
+        """[Note: an overflow learned a step later]
+        With fp16 and an optimizer that skips in its own kernel (torch's fused Adam, AdamW, SGD), a step that
+        overflows is skipped on the device: parameters, masters and optimizer state stay as they were, and the loss
+        scaler backs off, without the host waiting to learn it. The host learns it at the next step, or when it asks
+        (``skipped_steps``, the scheduler through ``engine.lr_scheduler``, ``get_lr``, a checkpoint), from a copy made
+        at the step (see [Note: reading device values a step later] in :mod:`shardtrain.zero.host_read`). Meanwhile
+        the scheduler has stepped as if the step were applied; an overflow puts its state and the learning rates
+        back, before the next step reads them, so every step uses the learning rate DeepSpeed's would (its scheduler
+        does not step on an overflow). An overflow at the minimum scale raises then, a step late. Other optimizers
+        read the overflow on the host before their update (one synchronization per step)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        overflow, *at_minimum = pending.flags.values()
+        if not overflow:
+            return
+        if pending.scheduler is not None:
+            state, groups = pending.scheduler
+            self._lr_scheduler.load_state_dict(state)
+            for group, saved in zip(self._lr_scheduler.optimizer.param_groups, groups):
+                group.update(saved)
+        self._count_skip(pending.step)
+        if at_minimum and at_minimum[0]:
+            raise self.scaler.min_scale_error()
+
+    def _count_skip(self, step: int) -> None:
+        self._skipped_steps += 1
+        self._skipped_at.add(step)
+        log.info("step %d skipped: gradient overflow, loss scale now %g", step, self.loss_scale)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped for an fp16 overflow (see [Note: an overflow learned a step later])."""
+        self._settle_overflow()
+        return self._skipped_steps
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._settle_overflow()
+        self._skipped_steps = value
+
+    def step_was_skipped(self, step: int) -> bool:
+        """Whether optimizer step ``step`` (``global_step`` after it) was skipped for an fp16 overflow."""
+        self._settle_overflow()
+        return step in self._skipped_at
+
+    @property
+    def lr_scheduler(self) -> LRScheduler | None:
+        self._settle_overflow()  # a pending overflow puts the scheduler back first
+        return self._lr_scheduler
 
     def close(self) -> None:
         """Remove every hook the engine installed (gradient hooks, ZeRO-3 module hooks, a vision model's patch
@@ -273,10 +353,12 @@ class Engine:
         return self.topology.device
 
     def get_global_grad_norm(self) -> float | None:
-        """Global gradient norm of the last optimizer step, before clipping; the same on every rank."""
-        return self._grad_norm
+        """Global gradient norm of the last optimizer step, before clipping; the same on every rank. The step keeps
+        it on the device: reading it here waits for the step (see [Note: reading device values a step later])."""
+        return float(self._grad_norm) if self._grad_norm is not None else None
 
     def get_lr(self) -> list[float]:
+        self._settle_overflow()
         return [g["lr"] for g in self.optimizer.param_groups]
 
     def graph_stats(self) -> dict[str, Any] | None:
@@ -495,7 +577,7 @@ def initialize(
         )
     # the optimizer and scheduler are refused, or built, before the model is touched: moving it to its device, the
     # tensor-parallel split and deferred construction keep every parameter object the optimizer holds
-    opt = build_optimizer(model, cfg, optimizer)
+    opt = build_optimizer(model, cfg, optimizer, topology.device)
     check_optimizer(opt, model, cfg.zero_optimization.stage, cfg.zero_allow_untested_optimizer)
     scheduler = build_lr_scheduler(cfg, opt, lr_scheduler)
     if cfg.seed is not None:

@@ -86,8 +86,10 @@ class StepMetrics:
     global_step: int
     global_samples: int
     lr: float  # the first param group's, after the step
-    grad_norm: float | None  # before clipping; None when the step computed none
-    loss_scale: float
+    # before clipping; None when the step computed none. The engine hands the device tensors over as they are: the
+    # monitor reads them on the host only at a print step (see [Note: reading device values a step later])
+    grad_norm: float | torch.Tensor | None
+    loss_scale: float | torch.Tensor
 
 
 def check_monitor_packages(config: Config) -> None:
@@ -293,7 +295,7 @@ class TrainingMonitor:
         return out
 
     def write_metrics(self, step: StepMetrics, loss: float, step_ms: float) -> None:
-        lr, norm = step.lr, step.grad_norm
+        lr, norm = step.lr, float(step.grad_norm) if step.grad_norm is not None else None
         log.info("step %d: loss %.4f, lr %.3g, grad norm %.4g", step.global_step, loss, lr, norm)
         rates = self.throughput(step_ms)
         if rates:
@@ -314,7 +316,7 @@ class TrainingMonitor:
             "train_loss": loss,
             "lr": lr,
             "grad_norm": norm if norm is not None else float("nan"),
-            "loss_scale": step.loss_scale,
+            "loss_scale": float(step.loss_scale),
             "step_time_ms": step_ms,
             "tokens_per_second": tokens_per_s,
             **rates,

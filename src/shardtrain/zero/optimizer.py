@@ -41,7 +41,6 @@ gradient, as DeepSpeed steps it.
 from __future__ import annotations
 
 import inspect
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -116,11 +115,11 @@ class TensorParallelNorm:
         split = square([g for k, g in zip(keys, grads) if k in self.split and g.numel()])
         replicated = square([g for k, g in zip(keys, grads) if k not in self.split and g.numel()])
         owner = 1.0 if (sharded and self.replica_rank == 0) or self.dp_rank == 0 else 0.0
-        flag = float(reducer.order_departed)
-        parts = torch.stack([split * owner, replicated * owner * float(self.tp_rank == 0), split.new_tensor(flag)])
+        flag = torch.full_like(split, float(reducer.order_departed))  # a fill: no copy from the host
+        parts = torch.stack([split * owner, replicated * owner * float(self.tp_rank == 0), flag])
         self.world.all_reduce(parts, "sum", what="squared gradient norm (data x tensor parallel)")
         if reducer.sharded_grads:
-            reducer.settle_order(bool(parts[2] > 0))
+            reducer.settle_order_later(parts[2])
         return parts[0] + parts[1]
 
 
@@ -273,12 +272,19 @@ class ShardedOptimizer:
             triples.append((self._stepped[key], t, g))
         return triples
 
-    def step(self, max_norm: float, loss_scale: float | None = None) -> tuple[float, bool]:
+    def step(
+        self, max_norm: float, loss_scale: torch.Tensor | float | None = None
+    ) -> tuple[torch.Tensor, bool | torch.Tensor]:
         """Unscale, clip by the global norm, step, refresh and re-gather parameters (see [Note: the one step]).
 
-        Returns (norm of the unscaled gradients before clipping, whether the step was skipped). With a loss
-        scale, a non-finite norm on any rank (it is all-reduced, so every rank sees the same) skips the step
-        and leaves parameters, masters and optimizer state untouched.
+        Returns (the norm of the unscaled gradients before clipping, a scalar tensor on the device; whether the
+        step was skipped). Without a loss scale no step is skipped (``False``). With one, a non-finite norm on any
+        rank (it is all-reduced, so every rank sees the same) skips the step and leaves parameters, masters and
+        optimizer state untouched. Where the optimizer can skip in its own kernel (torch's fused optimizers take
+        ``found_inf`` as they take it from ``torch.amp.GradScaler``) and the gradients are in memory, the skip is
+        decided on the device and returned as a boolean tensor, read by nobody during the step (see [Note:
+        reading device values a step later]); otherwise the host reads the norm first (one synchronization) and
+        returns a bool.
 
         [Note: the one step]
         Every step takes the same path, whatever holds the gradients: (1) the gradients of the tensors stepped now,
@@ -299,24 +305,42 @@ class ShardedOptimizer:
         else:
             grads, deferred = swapped.collect(self.stepped_now())
         in_memory = [g for g in grads if g is not None and g.numel()]
-        inv = 1.0 / loss_scale if loss_scale is not None and loss_scale != 1.0 else None
+        on_device = swapped is None and self.offload is None
+        inv = self._inverse(loss_scale, on_device)
         if inv is not None and in_memory:
             torch._foreach_mul_(in_memory, inv)
         local_sq = self._local_square(grads, in_memory, deferred, swapped, inv)
         local_sq = self._global_square(local_sq, grads, swapped)
-        total_norm = float(local_sq.sqrt())
-        if loss_scale is not None and not math.isfinite(total_norm):
-            return total_norm, True
+        total_norm = local_sq.sqrt()
+        found_inf = None
+        if loss_scale is not None:
+            overflow = ~torch.isfinite(local_sq)
+            if not (on_device and getattr(self.optimizer, "_step_supports_amp_scaling", False)):
+                if bool(overflow):  # decided on the host: one synchronization
+                    return total_norm, True
+            else:
+                found_inf = overflow
         coef = None
         if max_norm > 0 and (in_memory or deferred):
             # identical to torch.nn.utils.clip_grad_norm_: scale by max_norm/(norm+1e-6), never up
             coef = torch.clamp(max_norm / (local_sq.sqrt() + 1e-6), max=1.0)
             if in_memory:
                 torch._foreach_mul_(in_memory, coef)
-        self._update(grads, deferred, triples, inv, coef)
+        self._update(grads, deferred, triples, inv, coef, found_inf)
         # every rank's updated chunks into the full flat buffers, waited for where they are next needed
         self.gathers.launch()
-        return total_norm, False
+        return total_norm, found_inf if found_inf is not None else False
+
+    @staticmethod
+    def _inverse(loss_scale: torch.Tensor | float | None, on_device: bool) -> torch.Tensor | float | None:
+        """What the gradients are multiplied by to unscale them: ``1 / loss_scale`` rounded to fp32 as a scalar
+        argument is (a device tensor when the gradients are in memory, a float when they are read from the host)."""
+        if loss_scale is None:
+            return None
+        if not torch.is_tensor(loss_scale):
+            return 1.0 / loss_scale if loss_scale != 1.0 else None
+        inv = (1.0 / loss_scale).to(torch.float32)
+        return inv if on_device else float(inv)
 
     def _local_square(
         self,
@@ -356,11 +380,14 @@ class ShardedOptimizer:
             flag = float(self.reducer.order_departed)
             if swapped is not None and swapped.failed:
                 flag += IO_FAILED
-            both = torch.stack([local_sq * self.norm_weight, local_sq.new_tensor(flag)])
+            both = torch.stack([local_sq * self.norm_weight, torch.full_like(local_sq, flag)])  # a fill, no copy
             self.norm_comm.all_reduce(both, "sum", what="squared gradient norm")
-            if swapped is not None and float(both[1]) >= IO_FAILED:
-                swapped.raise_failure(self.norm_comm)
-            self.reducer.settle_order(bool(both[1] > 0))
+            if swapped is not None:  # read now: a failed read of the gradient files stops this step
+                if float(both[1]) >= IO_FAILED:
+                    swapped.raise_failure(self.norm_comm)
+                self.reducer.settle_order(bool(both[1] > 0))
+            else:  # see [Note: reading device values a step later]
+                self.reducer.settle_order_later(both[1])
             return both[0]
         if self.sharded:  # a shard group's fragments cover every parameter once: enough for the norm
             self.comm.all_reduce(local_sq, "sum", what="squared gradient norm")
@@ -371,10 +398,30 @@ class ShardedOptimizer:
         grads: list[torch.Tensor | None],
         deferred: frozenset[int],
         triples: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
-        inv: float | None,
+        inv: torch.Tensor | float | None,
+        coef: torch.Tensor | None,
+        found_inf: torch.Tensor | None = None,
+    ) -> None:
+        """Step (6) and (7) of [Note: the one step]. ``found_inf``: the optimizer's kernel skips the update when it
+        is true (its own state untouched), as under ``torch.amp.GradScaler``."""
+        if found_inf is None:
+            self._step_optimizer(grads, deferred, triples, inv, coef)
+        else:
+            self.optimizer.grad_scale, self.optimizer.found_inf = None, found_inf.to(torch.float32)
+            try:
+                self._step_optimizer(grads, deferred, triples, inv, coef)
+            finally:
+                del self.optimizer.grad_scale, self.optimizer.found_inf
+        self._refresh_fragments()
+
+    def _step_optimizer(
+        self,
+        grads: list[torch.Tensor | None],
+        deferred: frozenset[int],
+        triples: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
+        inv: torch.Tensor | float | None,
         coef: torch.Tensor | None,
     ) -> None:
-        """Step (6) and (7) of [Note: the one step]."""
         if not self.sharded and self.masters is None:  # fp32 stage 0: the parameters hold their gradients
             # frozen for this whole step: hidden from the optimizer, as torch.optim skips a parameter without a
             # gradient (their .grad is a view of the reducer's zeroed buffer)
@@ -403,6 +450,8 @@ class ShardedOptimizer:
             self.optimizer.step()
             for s in stepped:
                 s.grad = None
+
+    def _refresh_fragments(self) -> None:
         if self.masters is not None and not (self.offload is not None and self.offload.holds_masters):
             # refresh the compute-dtype fragments from the fp32 masters (offloaded ones refreshed as stepped)
             pairs = [(t, m) for (t, _, _), m in zip(self._frag.values(), self._stepped.values()) if t.numel()]

@@ -30,9 +30,10 @@ the buckets before it in that order, and buckets no rank used are launched at th
 gradients. The order starts as bucket index order (the layout already follows reverse registration order).
 At stages 2-3, where a waiting bucket holds a staging buffer, each rank also records the order in which its
 buckets actually became ready; when it departs from ``launch_order`` on any rank (known for free: the flag
-rides on the gradient-norm all-reduce of the step), the ranks exchange their observed orders once and adopt
-them if all agree. A model whose gradients complete in another order than its layout (blocks run in
-reverse, parameters used in an unusual order) therefore waits only until the next step; ranks that take
+rides on the gradient-norm all-reduce of the step, and is read on the host at the next step, see [Note: reading
+device values a step later] in :mod:`shardtrain.zero.host_read`), the ranks exchange their observed orders once and
+adopt them if all agree. A model whose gradients complete in another order than its layout (blocks run in
+reverse, parameters used in an unusual order) therefore waits only until the step after next; ranks that take
 different paths keep the previous order, which is always safe. With hybrid sharding the flag and the exchange
 span every data-parallel rank (``order_comm``), since the replicas' all-reduces must come in one order too.
 
@@ -60,6 +61,7 @@ import torch
 
 from shardtrain.distributed.communicator import Communicator, Handle
 from shardtrain.errors import ShardtrainError
+from shardtrain.zero.host_read import HostRead
 from shardtrain.zero.layout import Bucket, ParamSlot
 from shardtrain.zero.policy import ZeroPolicy
 
@@ -109,6 +111,9 @@ class GradientReducer:
         )  # positions in ``buckets``; see [Note: collective order]
         self._observed: list[int] = []  # positions in the order they became ready this backward
         self.order_departed = False  # the observed order differed from launch_order since the last step
+        # the last step's all-reduced order flag on its way to the host, and how many order exchanges preceded it
+        self._order_read: tuple[HostRead, int] | None = None
+        self._exchanges = 0  # order exchanges so far (collective: the same on every rank)
         self._got: list[set[int]] = [set() for _ in buckets]  # slots that have a gradient this backward
         # ids of the parameters that required grad at a backward since the gradients were zeroed: the ones the step
         # updates (see [Note: parameters frozen after initialize] in zero/optimizer.py)
@@ -369,6 +374,18 @@ class GradientReducer:
         self._staging.clear()
         self._in_backward = False
 
+    def settle_order_later(self, departed: torch.Tensor) -> None:
+        """``departed``: this step's flag, all-reduced over the ranks (non-zero: a rank departed), still on the
+        device. It is settled at the next step, and the last step's flag now (see [Note: reading device values a
+        step later]): every rank reads the same value at the same step, so the exchange stays collective. A flag
+        raised before the last exchange describes the order that exchange replaced: it is dropped, not exchanged
+        again (on NCCL each exchange is an object all-gather, which synchronizes)."""
+        previous, self._order_read = self._order_read, (HostRead(departed), self._exchanges)
+        if previous is not None:
+            flag, exchanges = previous
+            if exchanges == self._exchanges:
+                self.settle_order(flag.values()[0] > 0)
+
     def settle_order(self, departed_anywhere: bool) -> None:
         """At a step, after the ranks learned whether any of them saw gradients complete in another order than
         ``launch_order`` (see [Note: collective order]): if so, exchange the observed orders and adopt them when
@@ -376,6 +393,7 @@ class GradientReducer:
         if not departed_anywhere:
             return
         mine = self._proposal if self.order_departed else None
+        self._exchanges += 1
         everyone = self.order_comm.all_gather_object(mine, what="observed gradient order")
         if all(o is not None and o == everyone[0] for o in everyone):
             self.launch_order = list(everyone[0])

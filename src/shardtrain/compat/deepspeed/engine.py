@@ -40,7 +40,7 @@ class DeepSpeedEngine:
         self.training_dataloader = training_dataloader
         self.config = config
         """The config as ``deepspeed.initialize`` was given it (a dict or a path), as DeepSpeed's ``engine.config``."""
-        self._step_applied = False
+        self._stepped_at: int | None = None  # the global step the last step() ended, if it was a boundary
 
     # -- the training loop -------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -62,9 +62,10 @@ class DeepSpeedEngine:
         if lr_kwargs:
             raise not_provided("engine.step(lr_kwargs=...)", "the LR scheduler steps without arguments")
         engine = self.shardtrain_engine
-        boundary, skipped = engine.is_gradient_accumulation_boundary(), engine.skipped_steps
+        boundary = engine.is_gradient_accumulation_boundary()
         engine.step()
-        self._step_applied = boundary and engine.skipped_steps == skipped
+        # read when asked: an fp16 overflow may be learned a step later (see [Note: an overflow learned a step later])
+        self._stepped_at = engine.global_step if boundary else None
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return self.shardtrain_engine.is_gradient_accumulation_boundary()
@@ -115,7 +116,8 @@ class DeepSpeedEngine:
 
     def was_step_applied(self) -> bool:
         """Whether the last ``step()`` stepped the optimizer (False off a boundary, or when fp16 skipped it)."""
-        return self._step_applied
+        at = self._stepped_at
+        return at is not None and not self.shardtrain_engine.step_was_skipped(at)
 
     def train_batch_size(self) -> int:
         return self.shardtrain_engine.train_batch_size
