@@ -118,10 +118,34 @@ def refuse_unservable(model: nn.Module) -> None:
         return
     if getattr(config, "is_encoder_decoder", False):
         raise ConfigError(
-            f"{name} is an encoder-decoder model: sequence parallelism is not built for it yet (the engine splits one "
-            "sequence, but the encoder's and the decoder's have different lengths and the decoder's cross-attention "
-            "reads the whole encoder output); train it without sequence_parallel_size"
+            f"{name} is an encoder-decoder model: its two sequences (of different lengths) are split by "
+            "shardtrain.sequence_parallel.Seq2SeqSplitter (make_splitter picks it), not by the one-sequence splitter"
         )
+    refuse_unservable_common(model)
+    flags = {m.is_causal for m in model.modules() if isinstance(getattr(m, "is_causal", None), bool)}
+    if len(flags) > 1:
+        raise ConfigError(
+            f"{name} mixes causal and bidirectional attention (cross-attention or a decoder over an encoder): "
+            "sequence parallelism builds one kind of self-attention per model; not built yet"
+        )
+    try:
+        takes_positions = "position_ids" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # no signature to read: the model's own business
+        takes_positions = True
+    if not takes_positions:
+        raise ConfigError(
+            f"{name}'s forward takes no position_ids: it numbers the tokens it is given from 0 (its position "
+            "embeddings come from the input's length), and under sequence parallelism each rank is given a slice, so "
+            "every slice after the first would get the first slice's positions. Not built: train it without "
+            "sequence_parallel_size"
+        )
+
+
+def refuse_unservable_common(model: nn.Module) -> None:
+    """What no splitter serves, one sequence or two: inputs that are not tokens (audio, video), heads that pool the
+    sequence, sequence mixing outside attention, token dropout (see [Note: what the engine assumes of a model's
+    loss])."""
+    name = type(model).__name__
     main_input = getattr(model, "main_input_name", "input_ids")
     if main_input in _NOT_TOKENS:
         raise ConfigError(
@@ -137,12 +161,6 @@ def refuse_unservable(model: nn.Module) -> None:
             "parallelism each rank holds a slice of it, so its output and loss would be a slice's, not the "
             "sequence's. Not built: sequence parallelism serves per-token heads (causal LM, masked LM, token "
             "classification)"
-        )
-    flags = {m.is_causal for m in model.modules() if isinstance(getattr(m, "is_causal", None), bool)}
-    if len(flags) > 1:
-        raise ConfigError(
-            f"{name} mixes causal and bidirectional attention (cross-attention or a decoder over an encoder): "
-            "sequence parallelism builds one kind of self-attention per model; not built yet"
         )
     mixers = sorted(
         {
@@ -163,15 +181,4 @@ def refuse_unservable(model: nn.Module) -> None:
             f"{name} uses token dropout (ESM): its embeddings scale every sequence by the share of mask tokens in it, "
             "which each rank would count in its slice alone. Not built: train it without sequence_parallel_size, or "
             "with token_dropout=False in its config"
-        )
-    try:
-        takes_positions = "position_ids" in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):  # no signature to read: the model's own business
-        takes_positions = True
-    if not takes_positions:
-        raise ConfigError(
-            f"{name}'s forward takes no position_ids: it numbers the tokens it is given from 0 (its position "
-            "embeddings come from the input's length), and under sequence parallelism each rank is given a slice, so "
-            "every slice after the first would get the first slice's positions. Not built: train it without "
-            "sequence_parallel_size"
         )
