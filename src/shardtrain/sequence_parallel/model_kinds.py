@@ -19,20 +19,23 @@ Its attention: causal where the model's attention modules say so (``is_causal``,
 bidirectional where they all say not (BERT and other encoders): the whole sequence's padding mask is then
 transformers' ``create_bidirectional_mask``, not ``create_causal_mask``.
 
-Its sequence mixing: attention only. A state-space, recurrent, linear-attention or convolution layer (Mamba,
-Falcon-H1's hybrid layers, RWKV, LFM2's short convolutions) would run on a rank's slice alone: refused by name
-(Falcon-H1 trained 3e-5 off in loss in three steps, silently, before).
+Its sequence mixing: attention only, all of it inside the attention function Ulysses wraps. A sparse attention whose
+indexer picks each query's keys before that function, from the tokens its module is given (DeepSeek sparse
+attention's lightning indexer: AXK2, HY-V4), would choose among a slice's tokens: refused by name. A state-space,
+recurrent, linear-attention or convolution layer (Mamba, Falcon-H1's hybrid layers, RWKV, LFM2's short convolutions)
+would run on a rank's slice alone: refused by name (Falcon-H1 trained 3e-5 off in loss in three steps, silently).
 
 Its positions: the engine makes the whole sequence's ``position_ids`` before the split. A model whose forward takes
 none numbers the tokens of its slice from 0 (BigBirdPegasus' causal LM did: 1% off in loss in three steps, silently):
 refused by name.
 
 Its inputs: the engine cuts dimension 1 of what the model is given. An encoder-decoder has two sequences of
-different lengths and cross-attention between them: not built yet, refused by name. A vision transformer makes its
-sequence (patches) inside the model, so its inputs' dimension 1 is channels: it is split after its embeddings instead
-([Note: vision transformers under Ulysses] in :mod:`shardtrain.sequence_parallel.vision`), and never reaches these
-rules. An audio or video model makes its frames inside the model too, with convolutions over neighbouring ones:
-refused by name.
+different lengths and cross-attention between them: it has a splitter of its own ([Note: encoder-decoder models under
+Ulysses] in :mod:`shardtrain.sequence_parallel.seq2seq`), which applies the rules here that do not assume one
+sequence. A vision transformer makes its sequence (patches) inside the model, so its inputs' dimension 1 is channels:
+it is split after its embeddings instead ([Note: vision transformers under Ulysses] in
+:mod:`shardtrain.sequence_parallel.vision`), and never reaches these rules. An audio or video model makes its frames
+inside the model too, with convolutions over neighbouring ones: refused by name.
 """
 
 from __future__ import annotations
@@ -175,6 +178,15 @@ def refuse_unservable_common(model: nn.Module) -> None:
             "attention or convolution layer): Ulysses gives each rank the whole sequence inside attention only, so "
             "such a layer would run on this rank's slice alone and carry nothing across the slices. Not built: train "
             "it without sequence_parallel_size"
+        )
+    indexers = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith("Indexer")})
+    if indexers:
+        raise ConfigError(
+            f"{name} uses sparse attention with a lightning indexer ({indexers[0]}, DeepSeek sparse attention): inside "
+            "its attention module, before the attention function that Ulysses wraps, the indexer scores the tokens "
+            "it is given and picks the keys each query attends, from the attention mask of those tokens. Under "
+            "sequence parallelism it would be given this rank's slice: it would choose among the slice's tokens only, "
+            "from a slice's mask. Not built: train it without sequence_parallel_size"
         )
     if any(getattr(m, "token_dropout", False) is True for m in model.modules()):
         raise ConfigError(

@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import sys
 from typing import Any
 
 import torch
@@ -83,7 +84,7 @@ ENCODER_INPUTS = ("input_ids", "inputs_embeds", "attention_mask")
 DECODER_INPUTS = ("decoder_input_ids", "decoder_inputs_embeds", "labels", "decoder_attention_mask")
 _ROLES = ("encoder", "decoder", "cross")
 # experts and their routers: a load-balancing or z-loss term computed per slice would not be the sequence's
-_EXPERTS = re.compile(r"Router|Experts|SparseMLP|SparseTop|MoE|Moe")
+_EXPERTS = re.compile(r"Router|Experts|SparseMLP")
 
 
 def is_encoder_decoder(model: nn.Module) -> bool:
@@ -108,6 +109,15 @@ def _offsettable(positions: Any) -> bool:
     except (TypeError, ValueError):
         return False
     return len(params) >= 3 and params[1] == "past_key_values_length" and params[2] == "position_ids"
+
+
+def _takes_start_token(shift: Any) -> bool:
+    """Whether ``shift`` is BART's ``shift_tokens_right(input_ids, pad_token_id, decoder_start_token_id)``."""
+    try:
+        params = list(inspect.signature(shift).parameters)
+    except (TypeError, ValueError):
+        return False
+    return params == ["input_ids", "pad_token_id", "decoder_start_token_id"]
 
 
 class Seq2SeqSplitter:
@@ -303,11 +313,19 @@ class Seq2SeqSplitter:
                 "decoder_input_ids (the model would otherwise make the decoder's inputs from its slice of input_ids)"
             )
         prepare = getattr(self._model, "prepare_decoder_input_ids_from_labels", None)
+        shift = getattr(sys.modules.get(type(self._model).__module__), "shift_tokens_right", None)
+        if prepare is None and callable(shift) and _takes_start_token(shift):  # Blenderbot: what its forward calls
+            config = self._model.config
+
+            def prepare(labels: torch.Tensor) -> torch.Tensor:
+                return shift(labels, config.pad_token_id, config.decoder_start_token_id)
+
         if not torch.is_tensor(labels) or labels.dim() != 2 or prepare is None:
             raise ConfigError(
                 f"labels {tuple(labels.shape) if torch.is_tensor(labels) else type(labels).__name__} without "
                 f"decoder_input_ids for {self._model_name} under sequence parallelism: per-token labels [batch, "
-                "seq] of a model with prepare_decoder_input_ids_from_labels, or pass decoder_input_ids"
+                "seq] of a model that makes its decoder inputs from them as the engine can (its "
+                "prepare_decoder_input_ids_from_labels or its module's shift_tokens_right), or pass decoder_input_ids"
             )
         named["decoder_input_ids"] = prepare(labels)  # shifted right over the whole sequence, before the split
 
