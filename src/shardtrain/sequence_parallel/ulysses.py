@@ -175,11 +175,9 @@ def install_hf(
         causal = getattr(module, "is_causal", True)
 
         heads = query.shape[1]  # this rank's heads before the exchange: the model's (or a tp rank's)
-        per = heads // comm.size
-        mine = slice(comm.rank * per, (comm.rank + 1) * per)  # the heads this rank attends after the exchange
         sinks = getattr(module, "sinks", None)
         if torch.is_tensor(sinks) and sinks.dim() == 1 and sinks.shape[0] == heads:  # see [Note: attention sinks]
-            sinks = sinks[mine]
+            sinks = sinks[_heads_after_exchange(heads, comm)]
             if "s_aux" in kwargs:
                 kwargs["s_aux"] = sinks
         else:
@@ -194,6 +192,7 @@ def install_hf(
                 mask = attention_mask  # the whole sequence's, built before the split
             else:  # the model's own mask and bias are its slices': replaced by the whole sequences'
                 mask = whole_inputs.whole_mask(module)
+                mine = _heads_after_exchange(heads, comm)
                 bias = whole_inputs.whole_position_bias(module, mine, q.shape[2], k.shape[2])
                 if bias is not None or "position_bias" in extra:
                     extra["position_bias"] = bias
@@ -222,6 +221,12 @@ def install_hf(
             if sub is not config and getattr(sub, "_attn_implementation", None) == inner_name:
                 sub._attn_implementation = name
     return name
+
+
+def _heads_after_exchange(heads: int, comm: Communicator) -> slice:
+    """The heads (of the ``heads`` a rank holds before the exchange) this rank attends after it."""
+    per = heads // comm.size
+    return slice(comm.rank * per, (comm.rank + 1) * per)
 
 
 def _causal_mask(q: torch.Tensor) -> torch.Tensor:
