@@ -422,10 +422,13 @@ class Seq2SeqSplitter:
         positions = (given + self.rank * length).clamp(max=max(self._real[stack] - 1, 0))
         return args[:2], {**kwargs, "position_ids": positions}
 
-    def whole_mask(self, module: nn.Module) -> torch.Tensor | None:
+    def whole_mask(self, module: nn.Module, device: torch.device) -> torch.Tensor | None:
         role = self._role(module)
         self._attended.add(role)
-        return self._masks.get(role)
+        mask = self._masks.get(role)
+        if mask is not None and mask.device != device:  # built where the inputs were given: moved once a forward
+            mask = self._masks[role] = mask.to(device)
+        return mask
 
     def whole_position_bias(self, module: nn.Module, heads: slice, queries: int, keys: int) -> torch.Tensor | None:
         owner = self._bias_owners.get(module)

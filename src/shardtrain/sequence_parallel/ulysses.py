@@ -114,9 +114,9 @@ class WholeAttentionInputs(Protocol):
     cross-attention) is given after the exchange instead of the mask and position bias the model made for its
     slices: [Note: encoder-decoder models under Ulysses] in :mod:`shardtrain.sequence_parallel.seq2seq`."""
 
-    def whole_mask(self, module: nn.Module) -> torch.Tensor | None:
-        """The whole sequences' mask ``[b, 1, S_q, S_k]`` for ``module``'s attention, None: none (plain causal or
-        unmasked attention)."""
+    def whole_mask(self, module: nn.Module, device: torch.device) -> torch.Tensor | None:
+        """The whole sequences' mask ``[b, 1, S_q, S_k]`` for ``module``'s attention, on ``device``; None: none
+        (plain causal or unmasked attention)."""
         ...
 
     def whole_position_bias(self, module: nn.Module, heads: slice, queries: int, keys: int) -> torch.Tensor | None:
@@ -191,7 +191,7 @@ def install_hf(
             if whole_inputs is None:
                 mask = attention_mask  # the whole sequence's, built before the split
             else:  # the model's own mask and bias are its slices': replaced by the whole sequences'
-                mask = whole_inputs.whole_mask(module)
+                mask = whole_inputs.whole_mask(module, q.device)
                 mine = _heads_after_exchange(heads, comm)
                 bias = whole_inputs.whole_position_bias(module, mine, q.shape[2], k.shape[2])
                 if bias is not None or "position_bias" in extra:
