@@ -189,3 +189,12 @@ def test_encoder_decoders_it_cannot_serve_are_refused_by_their_real_reason():
     assert "no encoder" in got["led"] and "attention interface" in got["led"], got["led"]
     for build in (lambda: _model("t5"), lambda: _model("bart")):
         assert _refusal(build) == "no error"
+    # a decoder whose heads the group does not divide, refused at initialize rather than at the first exchange
+    from types import SimpleNamespace
+
+    from shardtrain.sequence_parallel import make_splitter
+
+    heads = {**seq2seq, "d_model": 48, "encoder_attention_heads": 6, "decoder_attention_heads": 4}
+    odd = transformers.BartForConditionalGeneration(transformers.BartConfig(**heads))
+    with pytest.raises(ShardtrainError, match="sequence_parallel_size 3 does not divide the 4 attention heads"):
+        make_splitter(odd, SimpleNamespace(size=3, rank=0, global_rank=0))

@@ -79,6 +79,7 @@ from shardtrain.sequence_parallel.inputs import (
     whole_sequence_mask,
 )
 from shardtrain.sequence_parallel.model_kinds import refuse_unservable_common, unwrapped
+from shardtrain.sequence_parallel.ulysses import kv_repeats
 
 ENCODER_INPUTS = ("input_ids", "inputs_embeds", "attention_mask")
 DECODER_INPUTS = ("decoder_input_ids", "decoder_inputs_embeds", "labels", "decoder_attention_mask")
@@ -137,6 +138,10 @@ class Seq2SeqSplitter:
                 "sequence parallelism would be each slice's, not the sequence's, and it is built for decoder-only "
                 "models only. Not built: train it without sequence_parallel_size"
             )
+        for key in ("encoder_attention_heads", "decoder_attention_heads", "num_heads"):  # refused before a forward
+            heads = getattr(model.config, key, None)
+            if isinstance(heads, int):
+                kv_repeats(heads, heads, self.size)
         self._model = model
         self._encoder, self._decoder = model.get_encoder(), model.get_decoder()
         if self._encoder is model or self._decoder is model:
