@@ -23,14 +23,8 @@ EXPECTED = {
     ("decoder-only", "gpt2"): {"tp": ("refused", "declares no tensor-parallel plan")},
     ("decoder-only", "mixtral"): {"tp": ("refused", "moe_tp_experts")},
     ("encoder-only", "bert"): {"tp": ("refused", "declares no tensor-parallel plan")},
-    ("encoder-decoder", "t5"): {
-        "tp": ("refused", "declares no tensor-parallel plan"),
-        "sp": ("refused", "is an encoder-decoder model"),
-    },
-    ("encoder-decoder", "bart"): {
-        "tp": ("refused", "declares no tensor-parallel plan"),
-        "sp": ("refused", "is an encoder-decoder model"),
-    },
+    ("encoder-decoder", "t5"): {"tp": ("refused", "declares no tensor-parallel plan")},
+    ("encoder-decoder", "bart"): {"tp": ("refused", "declares no tensor-parallel plan")},
 }
 
 

@@ -227,16 +227,29 @@ def test_what_is_not_built_is_refused_by_its_real_reason():
         "positions": _refusal(lambda: transformers.BigBirdPegasusForCausalLM(pegasus)),
         "mamba": _refusal(lambda: transformers.MambaForCausalLM(transformers.MambaConfig(vocab_size=VOCAB, **tiny))),
     }
+    # an encoder-decoder has a splitter of its own (tests/sequence_parallel/test_sequence_parallel_seq2seq.py), and a
+    # vision transformer is split after its embeddings (tests/sequence_parallel/test_sequence_parallel_vision.py)
     assert "T5ForConditionalGeneration is an encoder-decoder model" in got["t5"], got["t5"]
-    assert "different lengths" in got["t5"] and "causal" not in got["t5"], got["t5"]
-    # a vision transformer is split after its embeddings (tests/sequence_parallel/test_sequence_parallel_vision.py)
+    assert "Seq2SeqSplitter" in got["t5"] and "causal" not in got["t5"], got["t5"]
     from types import SimpleNamespace
 
-    from shardtrain.sequence_parallel import PatchSplitter, make_splitter
+    from shardtrain.sequence_parallel import PatchSplitter, Seq2SeqSplitter, make_splitter
 
     comm = SimpleNamespace(size=1, rank=0, global_rank=0)
+    assert isinstance(make_splitter(transformers.T5ForConditionalGeneration(t5), comm), Seq2SeqSplitter)
     assert isinstance(make_splitter(transformers.ViTForImageClassification(vit), comm), PatchSplitter)
     assert "BertForSequenceClassification's head reads one pooled token" in got["pooled"], got["pooled"]
     assert "BigBirdPegasusForCausalLM's forward takes no position_ids" in got["positions"], got["positions"]
     assert "MambaForCausalLM mixes its sequence outside attention" in got["mamba"], got["mamba"]
     assert _refusal(lambda: _model("bert")) == "no error"
+
+
+@pytest.mark.parametrize(("model_type", "indexer"), [("axk2", "AXK2Indexer"), ("hy_v4", "HYV4Indexer")])
+def test_sparse_attention_with_an_indexer_is_refused_by_name(model_type, indexer):
+    """DeepSeek sparse attention's lightning indexer picks each query's keys inside the attention module, before the
+    attention function the exchange wraps: on a slice it would pick among the slice's tokens."""
+    from model_sweep import build
+
+    message = _refusal(lambda: build("decoder-only", model_type))
+    assert f"uses sparse attention with a lightning indexer ({indexer}" in message, message
+    assert "this rank's slice" in message, message

@@ -55,6 +55,7 @@ from shardtrain.offload.swap import ScratchDir, on_every_rank, prepare_scratch
 from shardtrain.optim.schedulers import build_scheduler
 from shardtrain.sequence_parallel import (
     PatchSplitter,
+    Seq2SeqSplitter,
     SequenceSplitter,
     install_ulysses,
     make_splitter,
@@ -95,7 +96,8 @@ class Parts:
     """What :func:`build_parts` returns; the engine holds each under the same name."""
 
     comms: Comms
-    sp: SequenceSplitter | PatchSplitter | None  # sequence parallelism: the all-to-alls and the split of the sequence
+    # sequence parallelism: the all-to-alls and the split of the sequence (or of an encoder-decoder's two)
+    sp: SequenceSplitter | PatchSplitter | Seq2SeqSplitter | None
     phase_check: PhaseCheck  # [Note: phase agreement]
     scratch: dict[str, ScratchDir]  # offload's swap directories by config section
     layout: ShardLayout
@@ -163,7 +165,13 @@ def _build(
     sp = None
     if topology.sp > 1:
         sp = make_splitter(module, Communicator(topology.sp_group, topology.timeout_s))
-        install_ulysses(module, sp.comm, tp=topology.tp, key_limit=getattr(sp, "key_limit", None))
+        install_ulysses(
+            module,
+            sp.comm,
+            tp=topology.tp,
+            key_limit=getattr(sp, "key_limit", None),
+            whole_inputs=getattr(sp, "whole_inputs", None),
+        )
     install_tiling(module, config)  # ALST's tiled loss and MLP, when configured
     # where every parameter lives (see [Note: the layout]); built before anything else touches the model
     layout = build_layout(

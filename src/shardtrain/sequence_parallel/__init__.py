@@ -3,6 +3,7 @@
     all_to_all.py  the all-to-all trading a sequence split for a head split, and the loss's sum, as autograd Functions
     ulysses.py     attention around the exchange; plugged into transformers models and the project's GPT
     inputs.py      what the engine does to a forward's inputs (split, shifted labels, positions, masks) and its loss
+    seq2seq.py     an encoder-decoder model's two sequences, split; its cross-attention through the same exchange
     vision.py      a vision transformer's patch sequence, split after its embeddings and gathered before its norm
     model_kinds.py what a model does with the sequence (shifts its labels? causal attention?) and what is refused
     router_loss.py a mixture of experts' load-balancing loss over the whole sequence
@@ -21,12 +22,14 @@ from torch import nn
 from shardtrain.distributed.communicator import Communicator
 from shardtrain.errors import ConfigError
 from shardtrain.sequence_parallel.inputs import SequenceSplitter
+from shardtrain.sequence_parallel.seq2seq import Seq2SeqSplitter, is_encoder_decoder
 from shardtrain.sequence_parallel.ulysses import install as install_ulysses
 from shardtrain.sequence_parallel.ulysses import kv_repeats, ulysses
 from shardtrain.sequence_parallel.vision import PatchSplitter, is_vision
 
 __all__ = [
     "PatchSplitter",
+    "Seq2SeqSplitter",
     "SequenceSplitter",
     "install_ulysses",
     "kv_repeats",
@@ -36,10 +39,16 @@ __all__ = [
 ]
 
 
-def make_splitter(module: nn.Module, comm: Communicator) -> SequenceSplitter | PatchSplitter:
-    """What splits a forward's sequence over ``comm``'s group: the inputs (tokens), or a vision transformer's patches
-    after its embeddings ([Note: vision transformers under Ulysses] in :mod:`shardtrain.sequence_parallel.vision`)."""
-    return PatchSplitter(module, comm) if is_vision(module) else SequenceSplitter(module, comm)
+def make_splitter(module: nn.Module, comm: Communicator) -> SequenceSplitter | PatchSplitter | Seq2SeqSplitter:
+    """What splits a forward's sequence over ``comm``'s group: the inputs (tokens), a vision transformer's patches
+    after its embeddings ([Note: vision transformers under Ulysses] in :mod:`shardtrain.sequence_parallel.vision`),
+    or an encoder-decoder model's two sequences ([Note: encoder-decoder models under Ulysses] in
+    :mod:`shardtrain.sequence_parallel.seq2seq`)."""
+    if is_vision(module):
+        return PatchSplitter(module, comm)
+    if is_encoder_decoder(module):
+        return Seq2SeqSplitter(module, comm)
+    return SequenceSplitter(module, comm)
 
 
 def refuse_unbuilt_sequence_parallel(cfg: Any) -> None:

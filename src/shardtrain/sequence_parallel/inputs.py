@@ -105,6 +105,34 @@ def whole_sequence_mask(
     )
 
 
+def whole_cross_mask(
+    config: Any, mask: torch.Tensor | None, batch: int, queries: int, keys: int, device: Any
+) -> torch.Tensor | None:
+    """transformers' own boolean cross-attention mask ``[b, 1, S_q, S_k]`` (every query sees every key that ``mask``,
+    the keys' ``[b, S_k]`` padding mask, keeps), or None where there is no padding (an encoder-decoder model's
+    cross-attention, [Note: encoder-decoder models under Ulysses] in :mod:`shardtrain.sequence_parallel.seq2seq`)."""
+    from transformers.masking_utils import create_bidirectional_mask
+
+    return create_bidirectional_mask(
+        config=_ConfigWithSdpa(config),
+        inputs_embeds=torch.empty(batch, queries, 0, device=device),
+        attention_mask=mask,
+        encoder_hidden_states=torch.empty(batch, keys, 0, device=device),
+    )
+
+
+def loss_over_group(loss: torch.Tensor, mine: int, total: int, comm: Communicator) -> torch.Tensor:
+    """The whole sequence's mean loss from this slice's mean over its ``mine`` real targets (``total`` over the group):
+    [Note: the loss over a sequence-parallel group]."""
+    if total == 0:
+        raise ConfigError("a batch with no target that is not -100: there is no loss to average")
+    if mine == 0:
+        # a model that ignores num_items_in_batch (BERT's masked LM: a plain mean) returns 0/0 for a slice of
+        # -100s; its weight is 0, and nan_to_num's gradient there is 0, so the slice adds nothing either way
+        loss = torch.nan_to_num(loss, nan=0.0)
+    return sum_over_group(loss * mine, comm, "the loss of a sequence-parallel group") / total
+
+
 def _own_position_maker(module: nn.Module):
     """For a transformers model whose embeddings number positions their own way when given none (RoBERTa's
     ``create_position_ids_from_input_ids``: ``padding_idx + 1`` on, padding kept at ``padding_idx``), a function of
@@ -335,13 +363,7 @@ class SequenceSplitter:
         return output
 
     def _whole(self, loss: torch.Tensor, mine: int, total: int) -> torch.Tensor:
-        if total == 0:
-            raise ConfigError("a batch with no target that is not -100: there is no loss to average")
-        if mine == 0:
-            # a model that ignores num_items_in_batch (BERT's masked LM: a plain mean) returns 0/0 for a slice of
-            # -100s; its weight is 0, and nan_to_num's gradient there is 0, so the slice adds nothing either way
-            loss = torch.nan_to_num(loss, nan=0.0)
-        return sum_over_group(loss * mine, self.comm, "the loss of a sequence-parallel group") / total
+        return loss_over_group(loss, mine, total, self.comm)
 
     def _who(self, sp_rank: int) -> str:
         return self._batch_check.who(sp_rank)

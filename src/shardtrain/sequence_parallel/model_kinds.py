@@ -19,20 +19,23 @@ Its attention: causal where the model's attention modules say so (``is_causal``,
 bidirectional where they all say not (BERT and other encoders): the whole sequence's padding mask is then
 transformers' ``create_bidirectional_mask``, not ``create_causal_mask``.
 
-Its sequence mixing: attention only. A state-space, recurrent, linear-attention or convolution layer (Mamba,
-Falcon-H1's hybrid layers, RWKV, LFM2's short convolutions) would run on a rank's slice alone: refused by name
-(Falcon-H1 trained 3e-5 off in loss in three steps, silently, before).
+Its sequence mixing: attention only, all of it inside the attention function Ulysses wraps. A sparse attention whose
+indexer picks each query's keys before that function, from the tokens its module is given (DeepSeek sparse
+attention's lightning indexer: AXK2, HY-V4), would choose among a slice's tokens: refused by name. A state-space,
+recurrent, linear-attention or convolution layer (Mamba, Falcon-H1's hybrid layers, RWKV, LFM2's short convolutions)
+would run on a rank's slice alone: refused by name (Falcon-H1 trained 3e-5 off in loss in three steps, silently).
 
 Its positions: the engine makes the whole sequence's ``position_ids`` before the split. A model whose forward takes
 none numbers the tokens of its slice from 0 (BigBirdPegasus' causal LM did: 1% off in loss in three steps, silently):
 refused by name.
 
 Its inputs: the engine cuts dimension 1 of what the model is given. An encoder-decoder has two sequences of
-different lengths and cross-attention between them: not built yet, refused by name. A vision transformer makes its
-sequence (patches) inside the model, so its inputs' dimension 1 is channels: it is split after its embeddings instead
-([Note: vision transformers under Ulysses] in :mod:`shardtrain.sequence_parallel.vision`), and never reaches these
-rules. An audio or video model makes its frames inside the model too, with convolutions over neighbouring ones:
-refused by name.
+different lengths and cross-attention between them: it has a splitter of its own ([Note: encoder-decoder models under
+Ulysses] in :mod:`shardtrain.sequence_parallel.seq2seq`), which applies the rules here that do not assume one
+sequence. A vision transformer makes its sequence (patches) inside the model, so its inputs' dimension 1 is channels:
+it is split after its embeddings instead ([Note: vision transformers under Ulysses] in
+:mod:`shardtrain.sequence_parallel.vision`), and never reaches these rules. An audio or video model makes its frames
+inside the model too, with convolutions over neighbouring ones: refused by name.
 """
 
 from __future__ import annotations
@@ -118,10 +121,34 @@ def refuse_unservable(model: nn.Module) -> None:
         return
     if getattr(config, "is_encoder_decoder", False):
         raise ConfigError(
-            f"{name} is an encoder-decoder model: sequence parallelism is not built for it yet (the engine splits one "
-            "sequence, but the encoder's and the decoder's have different lengths and the decoder's cross-attention "
-            "reads the whole encoder output); train it without sequence_parallel_size"
+            f"{name} is an encoder-decoder model: its two sequences (of different lengths) are split by "
+            "shardtrain.sequence_parallel.Seq2SeqSplitter (make_splitter picks it), not by the one-sequence splitter"
         )
+    refuse_unservable_common(model)
+    flags = {m.is_causal for m in model.modules() if isinstance(getattr(m, "is_causal", None), bool)}
+    if len(flags) > 1:
+        raise ConfigError(
+            f"{name} mixes causal and bidirectional attention (cross-attention or a decoder over an encoder): "
+            "sequence parallelism builds one kind of self-attention per model; not built yet"
+        )
+    try:
+        takes_positions = "position_ids" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # no signature to read: the model's own business
+        takes_positions = True
+    if not takes_positions:
+        raise ConfigError(
+            f"{name}'s forward takes no position_ids: it numbers the tokens it is given from 0 (its position "
+            "embeddings come from the input's length), and under sequence parallelism each rank is given a slice, so "
+            "every slice after the first would get the first slice's positions. Not built: train it without "
+            "sequence_parallel_size"
+        )
+
+
+def refuse_unservable_common(model: nn.Module) -> None:
+    """What no splitter serves, one sequence or two: inputs that are not tokens (audio, video), heads that pool the
+    sequence, sequence mixing outside attention, token dropout (see [Note: what the engine assumes of a model's
+    loss])."""
+    name = type(model).__name__
     main_input = getattr(model, "main_input_name", "input_ids")
     if main_input in _NOT_TOKENS:
         raise ConfigError(
@@ -138,12 +165,6 @@ def refuse_unservable(model: nn.Module) -> None:
             "sequence's. Not built: sequence parallelism serves per-token heads (causal LM, masked LM, token "
             "classification)"
         )
-    flags = {m.is_causal for m in model.modules() if isinstance(getattr(m, "is_causal", None), bool)}
-    if len(flags) > 1:
-        raise ConfigError(
-            f"{name} mixes causal and bidirectional attention (cross-attention or a decoder over an encoder): "
-            "sequence parallelism builds one kind of self-attention per model; not built yet"
-        )
     mixers = sorted(
         {
             type(m).__name__
@@ -158,20 +179,18 @@ def refuse_unservable(model: nn.Module) -> None:
             "such a layer would run on this rank's slice alone and carry nothing across the slices. Not built: train "
             "it without sequence_parallel_size"
         )
+    indexers = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith("Indexer")})
+    if indexers:
+        raise ConfigError(
+            f"{name} uses sparse attention with a lightning indexer ({indexers[0]}, DeepSeek sparse attention): inside "
+            "its attention module, before the attention function that Ulysses wraps, the indexer scores the tokens "
+            "it is given and picks the keys each query attends, from the attention mask of those tokens. Under "
+            "sequence parallelism it would be given this rank's slice: it would choose among the slice's tokens only, "
+            "from a slice's mask. Not built: train it without sequence_parallel_size"
+        )
     if any(getattr(m, "token_dropout", False) is True for m in model.modules()):
         raise ConfigError(
             f"{name} uses token dropout (ESM): its embeddings scale every sequence by the share of mask tokens in it, "
             "which each rank would count in its slice alone. Not built: train it without sequence_parallel_size, or "
             "with token_dropout=False in its config"
-        )
-    try:
-        takes_positions = "position_ids" in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):  # no signature to read: the model's own business
-        takes_positions = True
-    if not takes_positions:
-        raise ConfigError(
-            f"{name}'s forward takes no position_ids: it numbers the tokens it is given from 0 (its position "
-            "embeddings come from the input's length), and under sequence parallelism each rank is given a slice, so "
-            "every slice after the first would get the first slice's positions. Not built: train it without "
-            "sequence_parallel_size"
         )

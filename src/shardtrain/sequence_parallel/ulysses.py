@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -109,8 +109,28 @@ class _HeadsView:
 _counter = itertools.count()
 
 
+class WholeAttentionInputs(Protocol):
+    """What the attention of a model with several kinds of attention (an encoder-decoder's encoder, decoder and
+    cross-attention) is given after the exchange instead of the mask and position bias the model made for its
+    slices: [Note: encoder-decoder models under Ulysses] in :mod:`shardtrain.sequence_parallel.seq2seq`."""
+
+    def whole_mask(self, module: nn.Module, device: torch.device) -> torch.Tensor | None:
+        """The whole sequences' mask ``[b, 1, S_q, S_k]`` for ``module``'s attention, on ``device``; None: none
+        (plain causal or unmasked attention)."""
+        ...
+
+    def whole_position_bias(self, module: nn.Module, heads: slice, queries: int, keys: int) -> torch.Tensor | None:
+        """The additive position bias ``[1, h/P, S_q, S_k]`` of this rank's ``heads`` (a relative position bias,
+        T5's), None: none."""
+        ...
+
+
 def install_hf(
-    model: nn.Module, comm: Communicator, tp: int = 1, key_limit: Callable[[int], int | None] | None = None
+    model: nn.Module,
+    comm: Communicator,
+    tp: int = 1,
+    key_limit: Callable[[int], int | None] | None = None,
+    whole_inputs: WholeAttentionInputs | None = None,
 ) -> str:
     """Route ``model``'s attention through Ulysses around its current implementation; returns the registered
     name. ``tp``: the tensor-parallel size (each rank holds ``1/tp`` of the heads, [Note: Ulysses under tensor
@@ -120,9 +140,17 @@ def install_hf(
     sequence's ``[b, 1, S, S]`` mask the engine built before the split ([Note: masks under Ulysses] in
     :mod:`shardtrain.sequence_parallel.inputs`). ``key_limit(S)``: how many keys of a whole sequence of ``S`` are real
     when the sequence was padded inside the model (None: all of them); the others are dropped from the keys and
-    values, [Note: vision transformers under Ulysses] in :mod:`shardtrain.sequence_parallel.vision`."""
+    values, [Note: vision transformers under Ulysses] in :mod:`shardtrain.sequence_parallel.vision`.
+    ``whole_inputs``: where the whole sequences' masks and position biases come from instead (an encoder-decoder
+    model's, :class:`WholeAttentionInputs`)."""
     from transformers import AttentionInterface
 
+    if whole_inputs is not None and tp > 1:
+        raise ConfigError(
+            f"{type(model).__name__}: sequence parallelism for an encoder-decoder model with tensor_parallel.size "
+            f"{tp} is not built (each rank's heads would be a tensor-parallel rank's share, which the encoder-decoder "
+            "position bias does not slice yet); use one of the two"
+        )
     config = model.config
     heads = getattr(config, "num_attention_heads", None)
     if isinstance(heads, int):  # refused at initialize rather than at the first forward
@@ -149,8 +177,7 @@ def install_hf(
         heads = query.shape[1]  # this rank's heads before the exchange: the model's (or a tp rank's)
         sinks = getattr(module, "sinks", None)
         if torch.is_tensor(sinks) and sinks.dim() == 1 and sinks.shape[0] == heads:  # see [Note: attention sinks]
-            per = heads // comm.size
-            sinks = sinks[comm.rank * per : (comm.rank + 1) * per]
+            sinks = sinks[_heads_after_exchange(heads, comm)]
             if "s_aux" in kwargs:
                 kwargs["s_aux"] = sinks
         else:
@@ -160,18 +187,26 @@ def install_hf(
             view = _HeadsView(module, q.shape[1] // k.shape[1])
             if sinks is not None:
                 view.sinks = sinks
-            mask = attention_mask  # the whole sequence's, built before the split
+            extra = dict(kwargs)
+            if whole_inputs is None:
+                mask = attention_mask  # the whole sequence's, built before the split
+            else:  # the model's own mask and bias are its slices': replaced by the whole sequences'
+                mask = whole_inputs.whole_mask(module, q.device)
+                mine = _heads_after_exchange(heads, comm)
+                bias = whole_inputs.whole_position_bias(module, mine, q.shape[2], k.shape[2])
+                if bias is not None or "position_bias" in extra:
+                    extra["position_bias"] = bias
             if window is not None:  # see [Note: sliding windows under Ulysses]
                 mask = _with_window(mask, q, window, causal)
             if mask is not None:
-                mask = _whole_mask_for(mask, q, inner_name, what)
+                mask = _whole_mask_for(mask, q, inner_name, what, k)
             elif inner_name == "eager" and causal:
                 mask = _causal_mask(q)  # sdpa makes the causal mask itself (no mask given); eager only adds one
             limit = key_limit(k.shape[2]) if key_limit is not None else None
             if limit is not None:  # padding made inside the model: dropped from the keys (no mask, flash stays)
                 k, v = k[:, :, :limit], v[:, :, :limit]
                 mask = mask[..., :limit] if mask is not None else None
-            out, _ = inner(view, q, k, v, mask, dropout=dropout, scaling=scaling, **kwargs)
+            out, _ = inner(view, q, k, v, mask, dropout=dropout, scaling=scaling, **extra)
             return out
 
         what = f"{type(module).__name__} {getattr(module, 'layer_idx', '')}".strip()
@@ -180,7 +215,18 @@ def install_hf(
     name = f"shardtrain_ulysses_{next(_counter)}_{inner_name}"
     AttentionInterface.register(name, attention)
     config._attn_implementation = name
+    if whole_inputs is not None:  # an encoder-decoder's stacks read copies of the config (T5's): each one too
+        for m in model.modules():
+            sub = getattr(m, "config", None)
+            if sub is not config and getattr(sub, "_attn_implementation", None) == inner_name:
+                sub._attn_implementation = name
     return name
+
+
+def _heads_after_exchange(heads: int, comm: Communicator) -> slice:
+    """The heads (of the ``heads`` a rank holds before the exchange) this rank attends after it."""
+    per = heads // comm.size
+    return slice(comm.rank * per, (comm.rank + 1) * per)
 
 
 def _causal_mask(q: torch.Tensor) -> torch.Tensor:
@@ -205,22 +251,26 @@ def _with_window(mask: torch.Tensor | None, q: torch.Tensor, window: int, causal
     return mask.masked_fill(~band, torch.finfo(mask.dtype).min)
 
 
-def _whole_mask_for(mask: torch.Tensor, q: torch.Tensor, inner_name: str, what: str = "") -> torch.Tensor:
-    """The whole sequence's mask ``[b, 1, S, S]`` as the inner attention takes it: booleans for sdpa, the additive
-    form (0 or the dtype's minimum, as transformers' ``eager_mask``) for eager."""
+def _whole_mask_for(
+    mask: torch.Tensor, q: torch.Tensor, inner_name: str, what: str = "", k: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The whole sequence's mask ``[b, 1, S_q, S_k]`` (``S_k`` the keys' length, ``S_q`` but for cross-attention) as
+    the inner attention takes it: booleans for sdpa, the additive form (0 or the dtype's minimum, as transformers'
+    ``eager_mask``) for eager."""
     s = q.shape[2]
-    if mask.dim() == 4 and mask.shape[1] > 1 and tuple(mask.shape[-2:]) != (s, s):
+    sk = k.shape[2] if k is not None else s
+    if mask.dim() == 4 and mask.shape[1] > 1 and tuple(mask.shape[-2:]) != (s, sk):
         raise ConfigError(
             f"{what or 'the attention'} makes a mask of its own, one per head ({tuple(mask.shape)}), from its slice "
             "of the sequence (Doge's dynamic mask does): sequence parallelism gives attention the whole sequence "
             "only after the exchange, so that mask cannot be the whole sequence's. Not built: train this model "
             "without sequence_parallel_size"
         )
-    if mask.dim() != 4 or tuple(mask.shape[-2:]) != (s, s):
+    if mask.dim() != 4 or tuple(mask.shape[-2:]) != (s, sk):
         raise ConfigError(
             f"the attention mask reaching Ulysses attention has shape {tuple(mask.shape)}, not the whole sequence's "
-            f"[batch, 1, {s}, {s}]: pass the model's attention_mask to the engine (which builds the whole mask), not a "
-            "mask made for a slice"
+            f"[batch, 1, {s}, {sk}]: pass the model's attention_mask to the engine (which builds the whole mask), "
+            "not a mask made for a slice"
         )
     if inner_name == "eager" and mask.dtype == torch.bool:
         return torch.where(mask, torch.zeros((), dtype=q.dtype, device=q.device), torch.finfo(q.dtype).min)
@@ -263,13 +313,18 @@ def install_gpt(model: nn.Module, comm: Communicator, tp: int = 1) -> int:
 
 
 def install(
-    model: nn.Module, comm: Communicator, tp: int = 1, key_limit: Callable[[int], int | None] | None = None
+    model: nn.Module,
+    comm: Communicator,
+    tp: int = 1,
+    key_limit: Callable[[int], int | None] | None = None,
+    whole_inputs: WholeAttentionInputs | None = None,
 ) -> None:
     """Ulysses attention in ``model``: a transformers model or the project's GPT; anything else is refused.
-    ``tp``: the tensor-parallel size the model was already split with; ``key_limit``: see :func:`install_hf`."""
+    ``tp``: the tensor-parallel size the model was already split with; ``key_limit``, ``whole_inputs``: see
+    :func:`install_hf`."""
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "_attn_implementation"):
-        install_hf(model, comm, tp, key_limit)
+        install_hf(model, comm, tp, key_limit, whole_inputs)
         return
     if install_gpt(model, comm, tp):
         return
@@ -279,4 +334,4 @@ def install(
     )
 
 
-__all__ = ["install", "install_gpt", "install_hf", "kv_repeats", "ulysses"]
+__all__ = ["WholeAttentionInputs", "install", "install_gpt", "install_hf", "kv_repeats", "ulysses"]
