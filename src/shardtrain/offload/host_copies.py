@@ -19,12 +19,14 @@ the update on the CPU, the updated parameters back. Done one after another, the 
   backward (no boundary backward since the last step, graph mode's own reductions, hybrid sharding's replica
   all-reduce that ends backward) is copied at the step, from the step's own (unscaled, clipped) gradients, all such
   copies issued before the first sub-group steps and each sub-group waiting for its own.
-* **Parameters back, per sub-group.** After sub-group k steps, its updated values go into pinned buffers in the
-  compute dtype (a bf16 fragment gets its fp32 master rounded on the CPU, as ``copy_`` rounds; an fp32 fragment is
-  sent from its pinned master directly) and are copied to the GPU fragments non-blocking on a second side stream
-  (``h2d``), whose event is kept per sub-group. A buffer is rewritten (the master by the next step of its
-  sub-group, the compute-dtype buffer by the next refresh) only after the host waited for that event, which in a
-  steady run completed long before. At the end of the step the compute stream waits for both side streams, before
+* **Parameters back, per sub-group.** After sub-group k steps, its updated fp32 masters are copied to the GPU
+  non-blocking on a second side stream (``h2d``), straight from their pinned blocks, and rounded to the compute
+  dtype there (a bf16 fragment gets the rounding ``copy_`` does on the CPU; on the 1.3B GPT of
+  docs/benchmarks-gpu.md that rounding took 170 ms of the CPU per step); the stream's event is kept per sub-group.
+  Masters that are not page-locked (``pin_memory`` false) or live in swap buffers (``nvme``) go through a pinned
+  buffer in the compute dtype instead, rounded on the CPU. A master or buffer is rewritten (by the next step of its
+  sub-group, or the next refresh) only after the host waited for that event, which in a steady run completed long
+  before. At the end of the step the compute stream waits for both side streams, before
   the all-gathers of the updated chunks are launched.
 
 No step calls ``synchronize`` on a stream or the device: the host waits for a sub-group's copy events and, once per
@@ -128,7 +130,8 @@ class CopyStreams(Protocol):
         """Copy device ``src`` into host ``dst`` on the ``d2h`` stream once ``after`` has completed."""
 
     def to_device(self, dst: torch.Tensor, src: torch.Tensor, after: Any) -> None:
-        """Copy host ``src`` into device ``dst`` on the ``h2d`` stream once ``after`` has completed."""
+        """Copy host ``src`` into device ``dst`` on the ``h2d`` stream once ``after`` has completed, rounding to
+        ``dst``'s dtype on the device."""
 
     def record(self, stream: str) -> Any:
         """An event recorded on side stream ``stream`` (``"d2h"`` or ``"h2d"``) now."""
@@ -169,7 +172,12 @@ class CudaStreams:
         stream = self.streams["h2d"]
         stream.wait_event(after)
         with torch.cuda.stream(stream):
-            dst.copy_(src, non_blocking=True)
+            if src.dtype == dst.dtype:
+                dst.copy_(src, non_blocking=True)
+            else:  # rounded to the compute dtype on the GPU (copy_ across both would round on the CPU, blocking)
+                staged = torch.empty(src.shape, dtype=src.dtype, device=dst.device)  # freed in this stream's order
+                staged.copy_(src, non_blocking=True)
+                dst.copy_(staged)
         dst.record_stream(stream)
 
     def record(self, stream: str) -> torch.cuda.Event:
@@ -224,8 +232,8 @@ class HostCopies:
         fragments: list[torch.Tensor],
         direct: list[bool],
     ) -> None:
-        """``direct[i]``: the fragment is sent back from the master itself (same dtype, page-locked, not a swap
-        buffer); else through a compute-dtype buffer."""
+        """``direct[i]``: the fragment is sent back from the master itself (page-locked, not a swap buffer); else
+        through a compute-dtype buffer."""
         self.streams, self.reducer, self.where, self.host = streams, reducer, where, host
         self.stepped, self.fragments = stepped, fragments
         spans: dict[int, list[int]] = {}

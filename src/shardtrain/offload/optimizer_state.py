@@ -285,10 +285,8 @@ class OptimizerOffload:
         host = [s.device.type == "cpu" for s in self.stepped]
         if not any(host):
             return
-        direct = [  # fp32 fragments go back from their page-locked masters themselves
-            f.dtype == s.dtype and not self.holds_masters and (not self.streams.pins or s.is_pinned())
-            for s, f in zip(self.stepped, self.fragments)
-        ]
+        # fragments go back from their page-locked masters themselves (rounded on the device)
+        direct = [not self.holds_masters and (not self.streams.pins or s.is_pinned()) for s in self.stepped]
         self.copies = HostCopies(self.streams, reducer, where, host, self.stepped, self.fragments, direct)
         reducer.host_copies = self.copies
 
