@@ -35,6 +35,12 @@ def _train_on_cuda(zero_extra: dict | None, precision: str, optimizer: str = "ad
     on_host = [t for t in opt.stepped_tensors() if t.device.type == "cpu" and t.numel()]
     pinned = all(t.is_pinned() for t in on_host) if on_host else None
     blocks = len({t.untyped_storage().data_ptr() for t in on_host})  # allocations the host masters live in
+    copies = opt.offload.copies if opt.offload is not None else None
+
+    def host_buffers() -> list[int]:
+        return [g.data_ptr() for g in copies.grads if g.numel()] + [s.data_ptr() for s in copies.sources.values()]
+
+    buffers = host_buffers() if copies is not None else []
     losses = []
     for step in range(recipe.steps):
         x, y = global_micro_batches(recipe, 1)[step]
@@ -42,6 +48,9 @@ def _train_on_cuda(zero_extra: dict | None, precision: str, optimizer: str = "ad
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
+    reused = copies is not None and host_buffers() == buffers
+    copy_blocks = copies.grad_arena.blocks + copies.back_arena.blocks if copies is not None else []
+    copies_pinned = copies is not None and all(b.is_pinned() for b in copy_blocks)
     state_devices = {v.device.type for st in opt.optimizer.state.values() for v in st.values() if v.dim() > 0}
     params = {k: v.float() for k, v in engine.full_state_dict().items()}
     engine.close()
@@ -54,6 +63,9 @@ def _train_on_cuda(zero_extra: dict | None, precision: str, optimizer: str = "ad
         "pinned": pinned,
         "blocks": blocks,
         "host_masters": len(on_host),
+        "copies": copies is not None,
+        "reused": reused,
+        "copies_pinned": copies_pinned,
     }
 
 
@@ -87,6 +99,8 @@ def test_cpu_offload_steps_on_the_host_and_matches_gpu_training(precision, tmp_p
     assert offloaded["state"] == {"cpu"}
     # pin_memory: page-locked host masters, in one block (one sub-group of < 256 MiB), not one per fragment
     assert offloaded["pinned"] is True and offloaded["blocks"] == 1 < offloaded["host_masters"]
+    # the overlapped copies ([Note: overlapped offload]): page-locked host buffers, the same ones every step
+    assert offloaded["copies"] and offloaded["reused"] and offloaded["copies_pinned"]
     # the same forward and backward on the GPU; only the fp32 optimizer step runs on the CPU instead (rounding)
     for a, b in zip(offloaded["losses"], on_gpu["losses"]):
         assert abs(a - b) <= 1e-3 * abs(b)
@@ -115,3 +129,27 @@ def test_cpu_offload_ratio_steps_the_first_sub_groups_on_the_host_and_the_rest_o
     partial = run_distributed(_train_on_cuda, 1, half, "bf16", init_process_group=False, timeout=300)[0]
     assert partial["stepped"] == {"cpu", "cuda"} and partial["state"] == {"cpu", "cuda"}
     _assert_close_relative_to_training(partial, on_gpu, 1e-2)
+
+
+def test_host_blocks_are_page_locked_at_their_exact_size_outside_the_caching_allocator():
+    """A host block is registered with CUDA at its size: CUDA's caching host allocator (which would round these
+    bytes up to 2**25 and keep them) does not hold it; non-blocking copies into it complete on their event."""
+    from shardtrain.offload.host_copies import host_block
+
+    def cached() -> int:
+        stats = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
+        return stats.get("reserved_bytes.all.current", stats.get("allocated_bytes.all.current", 0))
+
+    n = (1 << 24) + 4096
+    before = cached()
+    block = host_block(n, pin=True)
+    assert block.is_pinned() and block.numel() == n
+    assert cached() == before
+    values = torch.randn(n // 4, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        block.view(torch.float32).copy_(values, non_blocking=True)
+    event = stream.record_event()
+    event.synchronize()
+    assert torch.equal(block.view(torch.float32), values.cpu())

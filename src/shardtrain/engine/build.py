@@ -44,6 +44,7 @@ from shardtrain.distributed.desync import PhaseCheck
 from shardtrain.distributed.mesh import Topology
 from shardtrain.engine.monitor import TrainingMonitor
 from shardtrain.errors import ConfigError, OptimizerError, RankMismatchError
+from shardtrain.offload import host_copies
 from shardtrain.offload.optimizer_state import (
     OptimizerOffload,
     build_optimizer_offload,
@@ -220,7 +221,8 @@ def _build(
         source=param_offload,
     )
     offload = zcfg.offload_optimizer
-    if offload.device != "none" and topology.device.type == "cuda":  # the step runs on the host
+    streams = host_copies.copy_streams(topology.device) if offload.device != "none" else None
+    if streams is not None:  # a device run: the step runs on the host (see [Note: overlapped offload])
         if policy.shard_optimizer_state:  # the shard's slices (at stage 3 the parameters themselves are not there)
             fragments = {
                 id(s.param): b.shard[f.shard_offset : f.shard_offset + f.length]
@@ -267,6 +269,7 @@ def _build(
                 topology.rank,
                 comms.world,
                 fragments=fragments,
+                streams=streams,
             )
 
     sharded_optimizer = ShardedOptimizer(

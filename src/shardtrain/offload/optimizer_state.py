@@ -67,6 +67,7 @@ from shardtrain.offload.swap import (
 if TYPE_CHECKING:
     pass
 from shardtrain.offload.gradients import GradOffload
+from shardtrain.offload.host_copies import CopyStreams, HostCopies, host_block, pack_blocks
 from shardtrain.offload.parameters import release_mapped
 
 # ``optimizer: Any`` below is a zero.optimizer.ShardedOptimizer: not imported, not even for typing, because that
@@ -162,7 +163,10 @@ class OptimizerOffload:
         world: Communicator,
         pin_memory: bool = False,
         fragments: list[torch.Tensor] | None = None,
+        streams: CopyStreams | None = None,
     ) -> None:
+        """``streams``: a run whose fragments are on a device and whose masters are on the host (CUDA): the copies
+        between them overlap the GPU (see [Note: overlapped offload] in :mod:`shardtrain.offload.host_copies`)."""
         self.optimizer, self.stepped, self.groups, self.files = optimizer, stepped, groups, files
         self.shapes = [t.shape for t in stepped]  # an offloaded master is empty between steps
         # mixed precision: the compute-dtype fragment each stepped fp32 master refreshes after its step
@@ -185,6 +189,9 @@ class OptimizerOffload:
             self._frames.put(_Frame())
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="shardtrain-swap") if files else None
         self.grads: GradOffload | None = None  # gradient shards in swap files too (see offload_gradients)
+        self.streams = streams
+        self.copies: HostCopies | None = None  # gradients to the host and parameters back (see offload_gradients)
+        self._copied_after = None  # the compute-stream event of this step that copies back wait for
         self._held_lock = threading.Lock()
         self._busy_bytes = 0  # bytes of buffers taken out of the pool
         self._extra_bytes = 0  # state the optimizer created itself, on its way to the files
@@ -258,6 +265,38 @@ class OptimizerOffload:
             self.optimizer.state.pop(stepped, None)
 
     def offload_gradients(self, optimizer: Any) -> None:
+        """On a device whose optimizer steps host masters (``streams``), copy the reducer's gradient shards to pinned
+        host buffers as they are reduced and the updated parameters back as sub-groups step ([Note: overlapped
+        offload] in :mod:`shardtrain.offload.host_copies`). Else keep the gradient shards"""
+        if self.streams is not None:
+            self._attach_copies(optimizer)
+            return
+        self._offload_gradients(optimizer)
+
+    def _attach_copies(self, optimizer: Any) -> None:
+        if self.fragments is None:  # no separate masters: nothing is stepped on the host
+            return
+        reducer = optimizer.reducer
+        positions = {b.index: k for k, b in enumerate(reducer.buckets)}
+        where = [
+            (positions[b.index], b.fragments[j].shard_offset, b.fragments[j].length)
+            for b, j in optimizer.fragment_places()
+        ]
+        host = [s.device.type == "cpu" for s in self.stepped]
+        if not any(host):
+            return
+        # fragments go back from their page-locked masters themselves (rounded on the device)
+        direct = [not self.holds_masters and (not self.streams.pins or s.is_pinned()) for s in self.stepped]
+        self.copies = HostCopies(self.streams, reducer, where, host, self.stepped, self.fragments, direct)
+        reducer.host_copies = self.copies
+
+    def on_host(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """A device scalar (the clip coefficient) on the host, for the host-stepped gradients; else ``t``."""
+        if t is None or self.copies is None or t.device.type == "cpu":
+            return t
+        return self.streams.host_scalar(t)
+
+    def _offload_gradients(self, optimizer: Any) -> None:
         """Keep the gradient shards of ``optimizer``'s reducer in swap files too, where that is built (see [Note:
         gradient offload]): state in files (``nvme``), gradients sharded (stages 2-3) and accumulated in the dtype
         stepped, on the host, no tensor parallelism and no hybrid sharding. Else gradients stay in memory."""
@@ -288,10 +327,19 @@ class OptimizerOffload:
         ``on_disk`` have their gradient in a swap file instead (see [Note: gradient offload]): it is read with the
         sub-group's state and ``transform(list of gradients)`` (unscale, clip) applied in place before the step."""
         grads = list(grads)
-        if self.files is None:
-            for g in self.groups:
-                self._step_group(g, grads)
-            return
+        if self.copies is not None:  # the buckets backward did not copy, from the step's gradients
+            self._copied_after = self.copies.prepare(grads)
+        try:
+            if self.files is None:
+                for g in self.groups:
+                    self._step_group(g, grads, transform)
+                return
+            self._files_step(grads, on_disk, transform)
+        finally:
+            if self.copies is not None:  # the all-gathers and the next forward see every copy back
+                self.copies.finish()
+
+    def _files_step(self, grads: list[torch.Tensor | None], on_disk: frozenset[int], transform: Any) -> None:
         error = None
         try:
             self._pipelined_step(grads, on_disk, transform)
@@ -306,8 +354,11 @@ class OptimizerOffload:
                 raise OffloadError(message) from cause
             raise OffloadError(message)
 
-    def _step_group(self, group: SubGroup, grads: list[torch.Tensor | None]) -> None:
+    def _step_group(self, group: SubGroup, grads: list[torch.Tensor | None], transform: Any = None) -> None:
         members = [i for i in group.members if grads[i] is not None]
+        if self.copies is not None and self.copies.covers(group.members):
+            self._step_host_group(group, members, transform)
+            return
         host = [grads[i].to(self.stepped[i].device, non_blocking=True) for i in members]  # CUDA: to the host
         if any(g.device != grads[i].device for g, i in zip(host, members)) and torch.cuda.is_available():
             torch.cuda.current_stream().synchronize()  # device-to-host copies done before the CPU reads them
@@ -325,6 +376,23 @@ class OptimizerOffload:
                         self.fragments[i].copy_(self.stepped[i].view_as(self.fragments[i]))
         # parameter offload: the pages of this sub-group's shards leave memory now, not after the whole step
         release_mapped([self.stepped[i] for i in members] + [self.fragments[i] for i in members if self.fragments])
+
+    def _step_host_group(self, group: SubGroup, members: list[int], transform: Any) -> None:
+        """A sub-group stepped on the host with overlapped copies (see [Note: overlapped offload]): wait for its
+        buckets' gradient copies only, unscale and clip the raw ones (``transform``), step, send the values back."""
+        copies = self.copies
+        host, raw = copies.host_grads(members)
+        if transform is not None and raw:
+            transform(raw)
+        copies.before_step(group.members)  # its masters and copy-back buffers are free to be rewritten
+        for i, g in zip(members, host):
+            self.stepped[i].grad = g
+        try:
+            self.optimizer.step()
+        finally:
+            for i in members:
+                self.stepped[i].grad = None
+        copies.send_back(group.members, self._copied_after)
 
     def _park(self, i: int) -> None:
         """An offloaded master holds no memory between steps (same tensor object: the optimizer keys on it)."""
@@ -440,9 +508,9 @@ class OptimizerOffload:
                     loaded = [i for i in g.members if i in on_disk]
                     for i in loaded:  # their gradients are read here, one sub-group at a time
                         grads[i] = self.grads.load(i).view(self.shapes[i])
-                    if transform is not None:
+                    if transform is not None and self.copies is None:
                         transform([grads[i] for i in loaded if grads[i].numel()])
-                    self._step_group(g, grads)
+                    self._step_group(g, grads, transform)
                     for i in loaded:
                         grads[i] = None
             for k, group in enumerate(offloaded):
@@ -470,7 +538,7 @@ class OptimizerOffload:
                     try:
                         if transform is not None and read_grads:
                             transform(read_grads)
-                        self._step_group(group, grads)
+                        self._step_group(group, grads, transform)
                     finally:
                         for i in read_members:  # the buffer is written back and reused: no reference stays
                             grads[i] = None
@@ -518,30 +586,6 @@ class OptimizerOffload:
 # -- wiring ----------------------------------------------------------------------------------------
 
 
-PIN_BLOCK = 1 << 28  # bytes: host masters are views into blocks of at most this size (a larger one alone)
-HOST_ALIGN = 64  # bytes: each view starts on a cache line
-
-
-def pack_blocks(
-    nbytes: list[int], breaks: set[int] = frozenset(), block: int = PIN_BLOCK, align: int = HOST_ALIGN
-) -> tuple[list[int], list[tuple[int, int]]]:
-    """Lay tensors of ``nbytes`` bytes out, in order, in blocks of at most ``block`` bytes (a tensor larger than
-    that in a block of its own), each at an ``align``-ed offset, starting a new block at each index in ``breaks``:
-    the size of every block, and (block, byte offset) of every tensor."""
-    sizes: list[int] = []
-    where: list[tuple[int, int]] = []
-    used = block  # no open block yet
-    for i, n in enumerate(nbytes):
-        start = -(-used // align) * align
-        if i in breaks or not sizes or start + n > block:
-            sizes.append(0)
-            start = 0
-        where.append((len(sizes) - 1, start))
-        used = start + n
-        sizes[-1] = max(sizes[-1], used)
-    return sizes, where
-
-
 def host_masters(
     masters: dict[int, torch.Tensor] | None,
     fragments: dict[int, torch.Tensor],
@@ -563,8 +607,7 @@ def host_masters(
     to_host = [i for g in groups if g.offloaded for i in g.members]
     breaks = {g.members[0] for g in groups}
     sizes, where = pack_blocks([numels[i] * 4 for i in to_host], {j for j, i in enumerate(to_host) if i in breaks})
-    pin = pin and torch.cuda.is_available()
-    blocks = [torch.empty(n, dtype=torch.uint8, device="cpu", pin_memory=pin) for n in sizes]
+    blocks = [host_block(n, pin) for n in sizes]  # pinned at their exact size (see [Note: overlapped offload])
     out = {k: source[k] for k in keys}  # not offloaded (ratio): the master, or the fp32 fragment itself
     for j, i in enumerate(to_host):
         t = source[keys[i]]
@@ -587,12 +630,14 @@ def build_optimizer_offload(
     rank: int,
     world: Communicator,
     fragments: list[torch.Tensor] | None = None,
+    streams: CopyStreams | None = None,
 ) -> OptimizerOffload:
     """Sub-groups over ``stepped`` and, with ``device == "nvme"``, swap files in ``scratch``; ``fragments``: with
-    separate fp32 masters, the compute-dtype fragment of each (the masters are then offloaded too)."""
+    separate fp32 masters, the compute-dtype fragment of each (the masters are then offloaded too); ``streams``: the
+    copy streams of a CUDA run (see [Note: overlapped offload])."""
     groups = make_sub_groups([s.numel() for s in stepped], sub_group_size, ratio if device == "nvme" else 0.0)
     files = SwapFiles(scratch, rank) if device == "nvme" and scratch is not None else None
-    return OptimizerOffload(optimizer, stepped, groups, files, buffer_count, world, pin_memory, fragments)
+    return OptimizerOffload(optimizer, stepped, groups, files, buffer_count, world, pin_memory, fragments, streams)
 
 
 def ineffective_offload_keys(zcfg: Any, device_type: str) -> list[str]:

@@ -435,14 +435,18 @@ class ShardedOptimizer:
                     s.grad = grad
             return
         if self.offload is not None:  # one sub-group at a time (see [Note: sub-group stepping])
+            # host-stepped gradients copied in backward are raw: unscaled and clipped on the host, by the same factors
+            # ([Note: overlapped offload] in offload/host_copies.py); the coefficient is read once for them
+            host_coef = self.offload.on_host(coef)
 
-            def transform(read: list[torch.Tensor]) -> None:  # the deferred gradients, as they are read
+            def transform(read: list[torch.Tensor]) -> None:  # the deferred or host-copied gradients, as they are read
                 if inv is not None:
                     torch._foreach_mul_(read, inv)
                 if coef is not None:
-                    torch._foreach_mul_(read, coef)
+                    torch._foreach_mul_(read, host_coef if read[0].device == host_coef.device else coef)
 
-            self.offload.step(grads, deferred, transform if deferred else None)
+            copied = self.offload.copies is not None
+            self.offload.step(grads, deferred, transform if deferred or copied else None)
         else:
             stepped = [s for s, _, g in triples if g is not None]
             for s, g in zip(stepped, (g for g in grads if g is not None)):
@@ -453,15 +457,21 @@ class ShardedOptimizer:
 
     def _refresh_fragments(self) -> None:
         if self.masters is not None and not (self.offload is not None and self.offload.holds_masters):
-            # refresh the compute-dtype fragments from the fp32 masters (offloaded ones refreshed as stepped)
-            pairs = [(t, m) for (t, _, _), m in zip(self._frag.values(), self._stepped.values()) if t.numel()]
-            frags, masters = [t for t, _ in pairs], [m for _, m in pairs]
+            # refresh the compute-dtype fragments from the fp32 masters (offloaded ones refreshed as stepped, host
+            # masters sent back as their sub-groups stepped: [Note: overlapped offload] in offload/host_copies.py)
+            sent = self.offload.copies.host if self.offload is not None and self.offload.copies is not None else None
+            pairs = [
+                (t, m)
+                for k, ((t, _, _), m) in enumerate(zip(self._frag.values(), self._stepped.values()))
+                if t.numel() and not (sent is not None and sent[k])
+            ]
+            same = [(t, m) for t, m in pairs if t.device == m.device]
             with torch.no_grad():
-                if frags and frags[0].device != masters[0].device:  # masters offloaded to the host
-                    for t, s in zip(frags, masters):
-                        t.copy_(s)  # blocking: the host masters change at the next step
-                else:
-                    torch._foreach_copy_(frags, masters)
+                if same:
+                    torch._foreach_copy_([t for t, _ in same], [m for _, m in same])
+                for t, m in pairs:
+                    if t.device != m.device:  # host masters without copy streams
+                        t.copy_(m)  # blocking: the host masters change at the next step
 
     def wait_gathers(self) -> None:
         """Wait for the all-gathers of the last step still in flight (before reading or writing shards)."""

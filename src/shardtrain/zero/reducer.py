@@ -150,6 +150,9 @@ class GradientReducer:
         self._proposal: list[int] | None = None
         self._external: frozenset[int] = frozenset()
         self.grad_offload = None  # stages 2-3: a GradOffload keeps the gradient shards in swap files
+        # CUDA with the optimizer stepped on the host: a HostCopies copies each complete gradient shard to the host at
+        # the boundary ([Note: overlapped offload] in offload/host_copies.py)
+        self.host_copies = None
 
     def hand_over(self, buckets: list[Bucket]) -> None:
         """The gradients of ``buckets`` arrive reduced from elsewhere, added into :meth:`shard_grad` (graph-mode
@@ -178,6 +181,8 @@ class GradientReducer:
         self._observed = []
         self._launched = set()
         self._next = 0
+        if self.host_copies is not None:  # this backward changes the shards: the host copies are stale
+            self.host_copies.invalidate()
 
     def _active(self) -> bool:
         """Whether this backward reduces (stages 2-3 every micro-step, stages 0-1 at the boundary)."""
@@ -317,6 +322,8 @@ class GradientReducer:
             self.shard_grads[position].copy_(p.out)
         else:
             self.shard_grads[position].add_(p.out)
+        if self.host_copies is not None and self._boundary and self.replicate is None:  # complete: to the host
+            self.host_copies.bucket_reduced(position)
         if self.replicate is not None and self._boundary:
             self._launch_replica(p.bucket)
 
@@ -356,6 +363,8 @@ class GradientReducer:
                 if tmp is not grad:
                     grad.copy_(tmp)
         self._replica_pending.clear()
+        if self.host_copies is not None and self._boundary:  # complete only now (replicas), or already copied
+            self.host_copies.backward_done([p for p in range(len(self.buckets)) if p not in self._external])
         if self.sharded_grads and self._active():
             self._fresh_shard = False
             complete = len(self._observed) == len(self.buckets) - len(self._external)
@@ -435,6 +444,8 @@ class GradientReducer:
         for g in self.shard_grads:
             g.zero_()
         self._fresh_shard = True
+        if self.host_copies is not None:
+            self.host_copies.invalidate()
 
     def grad_bytes(self) -> int:
         return sum(g.numel() * g.element_size() for g in self.full_grads + self.shard_grads)
