@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import sys
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -382,21 +383,89 @@ def _progress_hooks(
 
 
 def _peak_only_tracker() -> Any:
-    """torch's ``MemTracker``, keeping only the whole-process peak.
+    """torch's ``MemTracker``, keeping only the whole-process peak ([Note: the lean tracker]).
 
-    After every operator ``MemTracker._update_peak_stats`` also walks every module it has seen to update per-module
-    peaks, which this planner never reads: that walk is O(modules) per operator, so O(layers^2) per run, and took
-    three quarters of an 8B model's estimate. The whole-process part is the same code as torch's."""
-    from copy import deepcopy
+    [Note: the lean tracker]
+    ``MemTracker`` keeps, besides the whole-process peak the planner reads, per-module statistics it never reads:
+    after every operator ``_update_peak_stats`` walks every module seen so far (O(modules) per operator, O(layers^2)
+    per run), and every module hook deep-copies the current snapshot. This subclass drops those and keeps every step
+    that moves a byte or a category: the same storages are tracked with the same reference types at the same
+    moments (operator outputs, module parameters, buffers, inputs and outputs, gradient hooks, resizes), and the
+    peak is sampled after every operator as torch samples it, so the peak and its breakdown are torch's. Operator
+    outputs that are a tensor or a flat tuple or list are walked without ``tree_map_only``, and the snapshot at a
+    new peak is a plain copy of a dict of integers; anything else takes torch's own path.
+    ``test_fast_path_gives_the_reference_bytes`` compares it with ``MemTracker`` as it is."""
+    from torch._guards import active_fake_mode
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType, _ModState
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+    from torch.utils._pytree import tree_map_only
 
-    from torch.distributed._tools.mem_tracker import MemTracker
+    wait_tensor = torch.ops._c10d_functional.wait_tensor.default
 
     class PeakOnlyTracker(MemTracker):
         def _update_peak_stats(self, peak_state: Any) -> None:
             for dev, dev_snap in self._curr_mem_snap.items():
-                if self._peak_mem.get(dev, 0) < dev_snap["Total"]:
-                    self._peak_mem[dev] = dev_snap["Total"]
-                    self._peak_mem_snap[dev] = deepcopy(dev_snap)
+                if self._peak_mem.get(dev, 0) < dev_snap[_TOTAL_KEY]:
+                    self._peak_mem[dev] = dev_snap[_TOTAL_KEY]
+                    self._peak_mem_snap[dev] = dict(dev_snap)  # integers by reference type: a copy is a deep copy
+
+        def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
+            # MemTracker's hook without its per-module statistics (its sums of inputs and outputs only read what
+            # is tracked): the same tracking and the same refusals
+            if module not in self.memory_tracking:
+                self._track_module_params_and_buffers(module, install_grad_hooks=True)
+                self.memory_tracking[module] = True
+            elif self._mod_tracker.is_bw:
+                if self._ac_mod is None:
+                    self._ac_mod = weakref.ref(module)
+                    self._in_ac = True
+            else:
+                name = self._mod_tracker.get_known_fqn(module)
+                parents = set(self._mod_tracker.parents) - {name}
+                if len(parents) == 1 and "Global" in parents:
+                    raise NotImplementedError("MemTracker tracks one iteration: a second forward of the root")
+
+        def _post_fw_hook(self, module: nn.Module, inputs: Any, outputs: Any) -> None:
+            if self._mod_tracker.is_bw and self._ac_mod is not None and self._ac_mod() is module:
+                self._ac_mod = None
+                self._in_ac = False
+
+        def _pre_bw_hook(self, module: nn.Module, args: Any) -> None:
+            return None
+
+        def _post_bw_hook(self, module: nn.Module, args: Any) -> None:
+            return None
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if DTensor in types:
+                return NotImplemented
+            if func is wait_tensor and active_fake_mode():
+                res = args[0]
+            else:
+                res = func(*args, **kwargs or {})
+            if active_fake_mode() is self._fake_mode_on_entry:
+                if self._in_opt:
+                    reftype = _MemRefType.OPT
+                elif self._mod_tracker.is_bw and not self._in_ac:
+                    reftype = _MemRefType.TEMP
+                else:
+                    reftype = _MemRefType.ACT
+                if isinstance(res, torch.Tensor) and not is_traceable_wrapper_subclass(res):
+                    self._track(reftype, res)
+                elif type(res) in (tuple, list) and all(
+                    x is None or type(x) in (int, float, bool) or _plain(x) for x in res
+                ):
+                    for x in res:
+                        if isinstance(x, torch.Tensor):
+                            self._track(reftype, x)
+                else:
+                    tree_map_only(torch.Tensor, functools.partial(self._track, reftype), res)
+                self._update_peak_stats(_ModState.PEAK_BW if self._mod_tracker.is_bw else _ModState.PEAK_FW)
+            return res
+
+    def _plain(x: Any) -> bool:
+        return isinstance(x, torch.Tensor) and not is_traceable_wrapper_subclass(x)
 
     return PeakOnlyTracker()
 
