@@ -1,16 +1,18 @@
 """``shardtrain estimate`` on Llama-3-8B's shape: one layout, and a budget search over every layout of 8 ranks, timed
-on this tree and on a reference checkout (the code before the speed-up), each in its own interpreter.
+on this tree and on a reference checkout (the code before a speed-up), each in its own interpreter.
 
     python bench/bench_estimate.py [--base ../wt-est-base] [--layers 32] [--budget 80GiB] [--dtype fp32]
-                                   [--skip-base-search]
+                                   [--jobs 1,2] [--skip-base-search]
 
 The model is a ``LlamaConfig`` with Llama-3-8B's sizes (hidden 4096, 32 layers, 32 heads, 8 key/value heads,
 intermediate 14336, vocabulary 128256), written to a temporary directory and read as ``shardtrain estimate`` reads a
 ``config.json``: no weights exist anywhere. One layout: world 8, ZeRO-3, bf16, micro-batch 1 x 2048 tokens. The
 search: ``fitting_layouts(..., worlds=(8,))``, what ``shardtrain estimate CONFIG --budget 80GiB --worlds 8`` runs
 (tensor-parallel sizes 1, 2, 4, 8, stages 0-3, optimizer offload none/cpu/nvme). Each timing includes building the
-fake models, not the interpreter's start or imports. Both trees must give the same bytes: the script compares the
-peaks it prints and says whether they agree.
+fake models, not the interpreter's start or imports. The search runs once per ``--jobs`` value on this tree
+(``workers``: processes its fake runs are spread over; a tree without the argument runs in one process), with wall
+and CPU seconds (this process and its workers). Every run must give the same answer: the script compares each
+layout's rows (component, place, bytes) and fake-run peaks with the reference's and says whether they agree.
 """
 
 from __future__ import annotations
@@ -27,25 +29,30 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 CHILD = """
-import json, sys, time
+import dataclasses, inspect, json, os, sys, time
 from shardtrain.estimate import Layout, estimate_memory, fitting_layouts, parse_bytes
-path, what, budget, dtype = sys.argv[1:5]
+path, what, budget, dtype, jobs = sys.argv[1:6]
 import transformers  # imported before the clock starts, as the CLI has by then
-t = time.perf_counter()
+def cpu():
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+t, c = time.perf_counter(), cpu()
 if what == "one":
-    est = estimate_memory(path, layout=Layout(8, stage=3, dtype="bf16", seq_len=2048))
-    peaks = {est.layout.describe(): est.peak}
+    ests = [estimate_memory(path, layout=Layout(8, stage=3, dtype="bf16", seq_len=2048))]
 else:
-    fits = fitting_layouts(path, parse_bytes(budget), worlds=(8,), dtype=dtype)
-    peaks = {e.layout.describe(): e.peak for e in fits}
-print(json.dumps({"seconds": time.perf_counter() - t, "peaks": peaks}))
+    kw = {"workers": int(jobs)} if "workers" in inspect.signature(fitting_layouts).parameters else {}
+    ests = fitting_layouts(path, parse_bytes(budget), worlds=(8,), dtype=dtype, **kw)
+seconds, cpu_seconds = time.perf_counter() - t, cpu() - c
+answer = [[e.layout.describe(), [dataclasses.astuple(r) for r in e.rows], dataclasses.astuple(e.compute), e.peak]
+          for e in ests]
+print(json.dumps({"seconds": seconds, "cpu": cpu_seconds, "answer": answer}))
 """
 
 
-def timed(src: Path, config_dir: str, what: str, budget: str, dtype: str) -> dict:
+def timed(src: Path, config_dir: str, what: str, budget: str, dtype: str, jobs: int = 1) -> dict:
     env = {**os.environ, "PYTHONPATH": str(src)}
     out = subprocess.run(
-        [sys.executable, "-c", CHILD, config_dir, what, budget, dtype],
+        [sys.executable, "-c", CHILD, config_dir, what, budget, dtype, str(jobs)],
         env=env,
         check=True,
         capture_output=True,
@@ -61,6 +68,7 @@ def main() -> None:
     parser.add_argument("--budget", default="80GiB")
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="the search's compute dtype")
     parser.add_argument("--skip-base-search", action="store_true", help="the reference search takes minutes")
+    parser.add_argument("--jobs", default="1,2", help="worker counts the search runs with on this tree")
     args = parser.parse_args()
     from transformers import LlamaConfig
 
@@ -75,20 +83,28 @@ def main() -> None:
     )
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
     print(f"python {platform.python_version()}, {sys.executable}")
-    trees = {"after": ROOT / "src", "before": Path(args.base) / "src"}
+    base = Path(args.base) / "src"
+    jobs = [int(j) for j in args.jobs.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         cfg.save_pretrained(tmp)
-        for what, label in (("one", "one layout (world 8, stage 3, bf16)"), ("search", "budget search, world 8")):
+        runs = [("one", "one layout (world 8, stage 3, bf16)", [("before", base, 1), ("after", ROOT / "src", 1)])]
+        search = [("before", base, 1)] if not args.skip_base_search else []
+        search += [(f"after, {j} worker(s)", ROOT / "src", j) for j in jobs]
+        runs.append(("search", f"budget search {args.budget}, world 8, {args.dtype}", search))
+        for what, label, trees in runs:
             results = {}
-            for tree, src in trees.items():
-                if tree == "before" and what == "search" and args.skip_base_search:
-                    continue
-                results[tree] = timed(src, tmp, what, args.budget, args.dtype)
-                print(f"{label}: {tree}: {results[tree]['seconds']:.1f} s, {len(results[tree]['peaks'])} layout(s)")
-            if len(results) == 2:
-                same = results["before"]["peaks"] == results["after"]["peaks"]
-                ratio = results["before"]["seconds"] / results["after"]["seconds"]
-                print(f"{label}: before / after = {ratio:.1f}x; same bytes: {same}")
+            for tree, src, j in trees:
+                results[tree] = r = timed(src, tmp, what, args.budget, args.dtype, j)
+                print(
+                    f"{label}: {tree}: {r['seconds']:.1f} s wall, {r['cpu']:.1f} s CPU, {len(r['answer'])} layout(s), "
+                    f"load average {os.getloadavg()[0]:.1f}"
+                )
+            first = next(iter(results))
+            for tree, r in results.items():
+                if tree != first:
+                    same = r["answer"] == results[first]["answer"]
+                    ratio = results[first]["seconds"] / r["seconds"]
+                    print(f"{label}: {first} / {tree} = {ratio:.2f}x wall; the same answer: {same}")
 
 
 if __name__ == "__main__":

@@ -333,6 +333,25 @@ def test_fast_path_gives_the_reference_bytes(name):
         assert [_bytes_of(e) for e in fast] == [_bytes_of(e) for e in reference] and fast
 
 
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_search_in_workers_gives_the_answer_of_one_process_and_of_the_reference(name):
+    """The fake runs of a search spread over forked workers ([Note: fake runs in workers]) give, layout by layout,
+    the rows and peaks of the same search in one process and of the reference path (torch's ``MemTracker`` as it
+    is, a run per layout), at world sizes 3 and 4 (tensor-parallel sizes 1-4, stages 0-3, offload), in fp32 and
+    bf16 (mixed precision drops each gradient after its accumulation)."""
+    model, plan = (tiny_llama, None) if name == "llama" else (tiny_gpt, GPT_TP_PLAN)
+    cfg = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
+    common = {"seq_len": 16, "device_type": "cpu", "tp_plan": plan}
+    for dtype, worlds in (("fp32", (3, 4)), ("bf16", (4,))):
+        search = functools.partial(fitting_layouts, model, 2**40, cfg, worlds=worlds, dtype=dtype, **common)
+        alone, spread = search(), search(workers=2)
+        assert len(alone) > 10 and {1, 2} <= {e.layout.tp for e in alone}  # tp 3 divides no head count here
+        assert [_bytes_of(e) for e in spread] == [_bytes_of(e) for e in alone]
+        assert [_bytes_of(e) for e in search(fast=False)] == [_bytes_of(e) for e in alone]
+    with pytest.raises(ShardtrainError, match="workers must be at least 1"):
+        fitting_layouts(model, 2**40, cfg, worlds=(1,), workers=0, **common)
+
+
 def test_progress_bar_shows_the_layouts_tried(monkeypatch, capsys):
     from shardtrain.estimate import planner
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import asdict, replace
 
@@ -70,6 +71,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-offload", action="store_true", help="with --budget: leave offload layouts out")
     parser.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="with --budget: processes the fake runs are spread over (default: the CPUs this process may use)",
+    )
+    parser.add_argument(
         "--state-only",
         action="store_true",
         help="model state only (parameters, gradients, optimizer): no fake forward/backward, as DeepSpeed's estimator",
@@ -101,6 +108,12 @@ def _as_json(est: MemoryEstimate) -> dict:
     }
 
 
+def _usable_cpus() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         return _run(args)
@@ -111,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     raw = read_config(args.config)
-    for name in ("world", "micro_batch", "tp", "mics_shard_size", "seq_len"):
+    for name in ("world", "micro_batch", "tp", "mics_shard_size", "seq_len", "jobs"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ShardtrainError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
@@ -150,6 +163,7 @@ def _run(args: argparse.Namespace) -> int:
         offload=not args.no_offload,
         activations=not args.state_only,
         progress=None,
+        workers=args.jobs or _usable_cpus(),
         **{k: v for k, v in _overrides(args).items() if k in ("dtype", "micro_batch")},
     )
     if args.json:

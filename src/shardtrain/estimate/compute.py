@@ -278,21 +278,16 @@ def measure_compute(
     from torch._subclasses.fake_tensor import (
         DataDependentOutputException,
         DynamicOutputShapeException,
-        FakeTensorMode,
         UnsupportedOperatorException,
     )
     from torch.distributed._tools.mem_tracker import MemTracker
 
     mixed = compute != FP32
-    key = (tp, compute, checkpointing, tuple(unit_classes or ()) if checkpointing else None)
+    key = _model_key(tp, compute, checkpointing, unit_classes)
     if models is not None and key in models:
         mode, model = models.pop(key)  # put back only after a run that finished (hooks removed, grads dropped)
     else:
-        mode = FakeTensorMode(allow_non_fake_inputs=True)
-        with mode:
-            model = build_fake(source, tp, compute, tp_plan)
-            if checkpointing:
-                _checkpoint_units(model, unit_classes)
+        mode, model = _build_run_model(source, tp, compute, checkpointing, unit_classes, tp_plan)
     with mode:
         if not source.hf and source.batch is None and _is_transformers_model(model):
             source.hf = True  # a factory returning a transformers model: call it as one
@@ -363,6 +358,45 @@ def measure_compute(
         staging=staging.most if staging is not None else 0,
         gathered=gathers.most if gathers is not None else 0,
     )
+
+
+def prepare_models(
+    source: ModelSource,
+    *,
+    tp: int,
+    compute: torch.dtype,
+    checkpointing: bool,
+    unit_classes: list[str] | None,
+    tp_plan: Any,
+    models: dict | None,
+) -> None:
+    """Build into ``models`` the fake model a :func:`measure_compute` call with these arguments reuses (nothing when
+    it is there already, or ``models`` is None)."""
+    key = _model_key(tp, compute, checkpointing, unit_classes)
+    if models is not None and key not in models:
+        models[key] = _build_run_model(source, tp, compute, checkpointing, unit_classes, tp_plan)
+
+
+def _model_key(tp: int, compute: torch.dtype, checkpointing: bool, unit_classes: list[str] | None) -> tuple:
+    return (tp, compute, checkpointing, tuple(unit_classes or ()) if checkpointing else None)
+
+
+def _build_run_model(
+    source: ModelSource,
+    tp: int,
+    compute: torch.dtype,
+    checkpointing: bool,
+    unit_classes: list[str] | None,
+    tp_plan: Any,
+) -> tuple[Any, nn.Module]:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        model = build_fake(source, tp, compute, tp_plan)
+        if checkpointing:
+            _checkpoint_units(model, unit_classes)
+    return mode, model
 
 
 def _progress_hooks(

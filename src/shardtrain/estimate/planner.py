@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -27,7 +27,7 @@ import yaml
 
 from shardtrain.config.schema import Config, load_config
 from shardtrain.errors import ConfigError, LayoutError, ShardtrainError
-from shardtrain.estimate.compute import ComputePeak, build_fake, measure_compute
+from shardtrain.estimate.compute import ComputePeak, build_fake, measure_compute, prepare_models
 from shardtrain.estimate.source import ModelSource, resolve_source
 from shardtrain.estimate.state import RankState, rank_state
 from shardtrain.zero.precision import policy_from_config
@@ -343,6 +343,22 @@ def estimate_memory(
     return est
 
 
+@dataclass
+class _Prepared:
+    """One layout's model state and what its fake run needs (``key``: layouts with equal keys share one run)."""
+
+    layout: Layout
+    state: RankState
+    parameters: int
+    buffers: int
+    key: tuple
+    run: dict[str, Any]
+    """:func:`measure_compute`'s keyword arguments."""
+
+
+NO_COMPUTE = ComputePeak(0, 0, 0, 0, 0, 0)
+
+
 def _estimate(
     source: ModelSource,
     raw: Mapping[str, Any],
@@ -357,6 +373,26 @@ def _estimate(
     parameter count, fake runs whose inputs are the same) across the calls of one search, and says whether to run
     fast (``"fast"``: reuse fake models between runs, track the whole-process peak only) and where the fake run's
     progress goes (``"ticker"``)."""
+    prep = _prepare(source, raw, layout, optimizer, device_type, tp_plan, cache)
+    if not activations:
+        comp = NO_COMPUTE
+    elif ("compute", prep.key) in cache:
+        comp = cache["compute", prep.key]
+    else:
+        comp = cache["compute", prep.key] = measure_compute(**prep.run, progress=cache.get("ticker"))
+    return _assemble(source, prep, comp, device_type, activations)
+
+
+def _prepare(
+    source: ModelSource,
+    raw: Mapping[str, Any],
+    layout: Layout,
+    optimizer: str | None,
+    device_type: str,
+    tp_plan: Any,
+    cache: dict,
+) -> _Prepared:
+    """The layout's model state (from the engine's layout code) and the fake run it needs, not run yet."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     _check_layout(layout, device_type)
@@ -386,30 +422,32 @@ def _estimate(
     # stages 0 and 1 run the same replay (a gradient kept in its flat buffer); 2 stages its buckets, 3 also gathers
     key += (max(layout.stage, 1), tuple(staged) if layout.stage >= 2 else None, tuple(units))
     key += (zcfg.stage3_prefetch_bucket_size,)
-    if not activations:
-        comp = ComputePeak(0, 0, 0, 0, 0, 0)
-    elif ("compute", key) in cache:
-        comp = cache["compute", key]
-    else:
-        comp = cache["compute", key] = measure_compute(
-            source,
-            tp=layout.tp,
-            compute=compute,
-            micro_batch=layout.micro_batch,
-            seq_len=layout.seq_len,
-            stage=layout.stage,
-            buckets=st.buckets,
-            bucket_names=st.bucket_names,
-            reduce_dtype=reduce,
-            checkpointing=layout.checkpointing,
-            unit_classes=zcfg.stage3_unit_classes,
-            tp_plan=tp_plan,
-            units=units or None,
-            prefetch_numel=zcfg.stage3_prefetch_bucket_size,
-            module_peaks=not cache.get("fast", True),
-            models=cache.setdefault("models", {}) if cache.get("fast", True) else None,
-            progress=cache.get("ticker"),
-        )
+    run = {
+        "source": source,
+        "tp": layout.tp,
+        "compute": compute,
+        "micro_batch": layout.micro_batch,
+        "seq_len": layout.seq_len,
+        "stage": layout.stage,
+        "buckets": st.buckets,
+        "bucket_names": st.bucket_names,
+        "reduce_dtype": reduce,
+        "checkpointing": layout.checkpointing,
+        "unit_classes": zcfg.stage3_unit_classes,
+        "tp_plan": tp_plan,
+        "units": units or None,
+        "prefetch_numel": zcfg.stage3_prefetch_bucket_size,
+        "module_peaks": not cache.get("fast", True),
+        "models": cache.setdefault("models", {}) if cache.get("fast", True) else None,
+    }
+    return _Prepared(layout, st, n_params, buffers, key, run)
+
+
+def _assemble(
+    source: ModelSource, prep: _Prepared, comp: ComputePeak, device_type: str, activations: bool
+) -> MemoryEstimate:
+    """The estimate's rows from the layout's state and its fake run's peak (``NO_COMPUTE``: state only)."""
+    layout, st, n_params, buffers = prep.layout, prep.state, prep.parameters, prep.buffers
     est = MemoryEstimate(source.name, layout, n_params, device_type, state=st, compute=comp)
     host = "host" if device_type == "cuda" else "device"
     rows = [
@@ -513,6 +551,7 @@ def fitting_layouts(
     activations: bool = True,
     fast: bool = True,
     progress: bool | None = False,
+    workers: int = 1,
     **overrides: Any,
 ) -> list[MemoryEstimate]:
     """The layouts whose peak device memory per rank is at most ``budget`` bytes, fewest ranks first, then least
@@ -521,30 +560,125 @@ def fitting_layouts(
 
     ``fast`` (see :func:`estimate_memory`) also skips the fake run of a layout whose model state alone is over the
     budget: its peak is at least that (the peak is the state plus the larger transient phase), so it cannot fit
-    either way. ``progress``: a bar of the layouts tried, as :func:`estimate_memory`'s.
+    either way. ``workers``: processes the distinct fake runs are spread over ([Note: fake runs in workers]); 1: all
+    in this process. ``progress``: a bar of the layouts done, as :func:`estimate_memory`'s.
     """
+    if workers < 1:
+        raise ShardtrainError(f"workers must be at least 1, got {workers}")
     source = resolve_source(model)
     raw = read_config(config)
     worlds = list(worlds)
     base = replace(layout_from_config(raw, worlds[0], seq_len, checkpointing), **overrides)
-    fits, cache = [], {"fast": fast}
+    cache: dict = {"fast": fast}
     layouts = candidate_layouts(worlds, base, offload=offload, param_offload=device_type != "cuda")
+    prepared: list[tuple[_Prepared, ComputePeak | None]] = []  # None: waits for its fake run
+    waiting: dict[tuple, list[_Prepared]] = {}
     with _bar(progress, len(layouts), "layouts", "layout") as bar:
-        for layout in layouts:
-            bar.set_postfix_str(layout.describe(), refresh=False)
+        for layout in layouts:  # model state first (fast); the fake runs after, one per distinct key
             try:
-                if fast and activations:
-                    state = _estimate(source, raw, layout, optimizer, device_type, tp_plan, cache, False)
-                    if state.peak["device"] > budget:
-                        continue
-                est = _estimate(source, raw, layout, optimizer, device_type, tp_plan, cache, activations)
+                prep = _prepare(source, raw, layout, optimizer, device_type, tp_plan, cache)
             except (LayoutError, ConfigError):
-                continue
-            finally:
                 bar.update()
-            if est.peak["device"] <= budget:
-                fits.append(est)
+                continue
+            state_only = _assemble(source, prep, NO_COMPUTE, device_type, False)
+            if not activations or (fast and state_only.peak["device"] > budget):
+                bar.update()
+                if not activations:
+                    prepared.append((prep, NO_COMPUTE))
+                continue
+            prepared.append((prep, None))
+            waiting.setdefault(prep.key, []).append(prep)
+        runs: dict[tuple, ComputePeak | None] = {}
+        for key, comp in measure_runs({key: group[0].run for key, group in waiting.items()}, workers):
+            runs[key] = comp
+            bar.set_postfix_str(waiting[key][0].layout.describe(), refresh=False)
+            bar.update(len(waiting[key]))
+    fits = []
+    for prep, comp in prepared:
+        comp = comp if comp is not None else runs[prep.key]
+        if comp is None:  # the fake run refused the layout (LayoutError, ConfigError)
+            continue
+        est = _assemble(source, prep, comp, device_type, activations)
+        if est.peak["device"] <= budget:
+            fits.append(est)
     return sorted(fits, key=lambda e: (e.layout.world, e.peak["device"]))
+
+
+_RUNS: list[dict[str, Any]] = []
+"""The fake runs a pool of forked workers reads ([Note: fake runs in workers])."""
+
+
+def measure_runs(runs: Mapping[tuple, dict[str, Any]], workers: int = 1) -> Iterator[tuple[tuple, ComputePeak | None]]:
+    """``(key, peak)`` of each fake run (:func:`measure_compute`'s keyword arguments by key), as they finish;
+    ``None`` for a run that refused its layout (a :class:`LayoutError` or :class:`ConfigError`).
+
+    [Note: fake runs in workers]
+    The distinct fake runs of a search share nothing but their inputs, and each is seconds of Python (fake-tensor
+    dispatch): with ``workers > 1`` they run in that many forked processes (a fork copies the fake models already
+    built, so no worker imports or builds again), and their peaks, plain integers, come back. The models every run
+    needs are built here first. Forking is used only where it is safe: on Linux (fork is the default start method
+    there), and while this process has not initialised CUDA (a CUDA context does not survive a fork); elsewhere the
+    runs go one after another in this process. A worker that dies (killed for memory) is reported as the error it
+    is, never waited for. The answers are the same either way: each run is the same function of the same inputs.
+    """
+    keys = list(runs)
+    workers = min(workers, len(keys))
+    if workers > 1 and _can_fork():
+        for run in runs.values():  # each worker finds its models built
+            prepare_models(**{k: run[k] for k in ("source", "tp", "compute", "checkpointing", "unit_classes")},
+                           tp_plan=run["tp_plan"], models=run["models"])  # fmt: skip
+        yield from _measure_in_workers(keys, runs, workers)
+        return
+    for key in keys:
+        yield key, _measure_or_refuse(runs[key])
+
+
+def _measure_or_refuse(run: dict[str, Any]) -> ComputePeak | None:
+    try:
+        return measure_compute(**run)
+    except (LayoutError, ConfigError):
+        return None
+
+
+def _measure_index(i: int) -> ComputePeak | None:
+    torch.set_num_threads(1)  # fake tensors compute nothing; one thread per worker
+    return _measure_or_refuse(_RUNS[i])
+
+
+def _can_fork() -> bool:
+    import multiprocessing
+    import sys
+
+    return (
+        sys.platform.startswith("linux")
+        and "fork" in multiprocessing.get_all_start_methods()
+        and not (torch.cuda.is_available() and torch.cuda.is_initialized())
+    )
+
+
+def _measure_in_workers(
+    keys: list[tuple], runs: Mapping[tuple, dict[str, Any]], workers: int
+) -> Iterator[tuple[tuple, ComputePeak | None]]:
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+    from concurrent.futures.process import BrokenProcessPool
+
+    global _RUNS
+    _RUNS = [runs[k] for k in keys]
+    try:
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+            futures = {pool.submit(_measure_index, i): keys[i] for i in range(len(keys))}
+            for future in as_completed(futures):
+                try:
+                    comp = future.result()
+                except BrokenProcessPool as err:
+                    raise ShardtrainError(
+                        f"estimate: a worker of the search died ({err}); the machine may be out of memory: "
+                        "run with fewer workers (--jobs 1 runs the search in this process)"
+                    ) from None
+                yield futures[future], comp
+    finally:
+        _RUNS = []
 
 
 PROGRESS_DELAY_S = 2.0
