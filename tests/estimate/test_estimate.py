@@ -269,8 +269,9 @@ def test_cli_help_lists_the_options(capsys):
         cli_main(["estimate", "--help"])
     assert done.value.code == 0
     text = capsys.readouterr().out
-    for option in ("--budget", "--world", "--stage", "--tp", "--mics-shard-size", "--offload-optimizer", "--seq-len"):
+    for option in ("--budget", "--worlds", "--jobs", "--world", "--stage", "--tp", "--mics-shard-size", "--seq-len"):
         assert option in text
+    assert "--offload-optimizer" in text
 
 
 def test_cli_estimates_a_hugging_face_config_and_a_factory(tmp_path, capsys):
@@ -350,6 +351,32 @@ def test_search_in_workers_gives_the_answer_of_one_process_and_of_the_reference(
         assert [_bytes_of(e) for e in search(fast=False)] == [_bytes_of(e) for e in alone]
     with pytest.raises(ShardtrainError, match="workers must be at least 1"):
         fitting_layouts(model, 2**40, cfg, worlds=(1,), workers=0, **common)
+
+
+def _worker_dies(i):
+    import os
+
+    os._exit(3)
+
+
+def _worker_hangs(i):
+    import time
+
+    time.sleep(60)
+
+
+def test_search_workers_that_die_or_hang_are_reported_not_waited_for(monkeypatch):
+    from shardtrain.estimate import planner
+
+    cfg = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
+    search = functools.partial(fitting_layouts, tiny_gpt, 2**40, cfg, worlds=(2,), seq_len=16, device_type="cpu")
+    monkeypatch.setattr(planner, "_measure_index", _worker_dies)  # forked workers see the patched module
+    with pytest.raises(ShardtrainError, match="a worker of the search died"):
+        search(workers=2)
+    monkeypatch.setattr(planner, "_measure_index", _worker_hangs)
+    monkeypatch.setattr(planner, "RUN_TIMEOUT_S", 1.0)
+    with pytest.raises(ShardtrainError, match=r"no fake run of the search finished in 1 s"):
+        search(workers=2)
 
 
 def test_progress_bar_shows_the_layouts_tried(monkeypatch, capsys):

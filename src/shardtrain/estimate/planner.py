@@ -656,19 +656,32 @@ def _can_fork() -> bool:
     )
 
 
+RUN_TIMEOUT_S = 900.0
+"""A search in workers gives up when no fake run has finished for this long (one run of a 400B-parameter model's
+shape takes well under a minute; a worker stuck for this long is not coming back)."""
+
+
 def _measure_in_workers(
     keys: list[tuple], runs: Mapping[tuple, dict[str, Any]], workers: int
 ) -> Iterator[tuple[tuple, ComputePeak | None]]:
     import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor, as_completed
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
     from concurrent.futures.process import BrokenProcessPool
 
     global _RUNS
     _RUNS = [runs[k] for k in keys]
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
+    pending: dict = {}
     try:
-        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
-            futures = {pool.submit(_measure_index, i): keys[i] for i in range(len(keys))}
-            for future in as_completed(futures):
+        pending = {pool.submit(_measure_index, i): keys[i] for i in range(len(keys))}
+        while pending:
+            done, _ = wait(pending, timeout=RUN_TIMEOUT_S, return_when=FIRST_COMPLETED)
+            if not done:
+                raise ShardtrainError(
+                    f"estimate: no fake run of the search finished in {RUN_TIMEOUT_S:.0f} s in {workers} worker "
+                    "processes; run it in this process with --jobs 1 (workers=1)"
+                )
+            for future in done:
                 try:
                     comp = future.result()
                 except BrokenProcessPool as err:
@@ -676,9 +689,14 @@ def _measure_in_workers(
                         f"estimate: a worker of the search died ({err}); the machine may be out of memory: "
                         "run with fewer workers (--jobs 1 runs the search in this process)"
                     ) from None
-                yield futures[future], comp
+                yield pending.pop(future), comp
     finally:
         _RUNS = []
+        processes = getattr(pool, "_processes", None) or {}
+        for process in list(processes.values()) if pending else []:  # given up on: stop them rather than wait
+            if process.is_alive():
+                process.kill()
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 PROGRESS_DELAY_S = 2.0
