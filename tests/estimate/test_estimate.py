@@ -334,21 +334,26 @@ def test_fast_path_gives_the_reference_bytes(name):
         assert [_bytes_of(e) for e in fast] == [_bytes_of(e) for e in reference] and fast
 
 
-@pytest.mark.parametrize("name", ["gpt", "llama"])
-def test_search_in_workers_gives_the_answer_of_one_process_and_of_the_reference(name):
+@pytest.mark.parametrize(
+    ("name", "dtype", "worlds"), [("gpt", "fp32", (3, 4)), ("gpt", "bf16", (4,)), ("llama", "fp32", (4,))]
+)
+def test_search_in_workers_gives_the_answer_of_one_process_and_of_the_reference(name, dtype, worlds):
     """The fake runs of a search spread over forked workers ([Note: fake runs in workers]) give, layout by layout,
     the rows and peaks of the same search in one process and of the reference path (torch's ``MemTracker`` as it
-    is, a run per layout), at world sizes 3 and 4 (tensor-parallel sizes 1-4, stages 0-3, offload), in fp32 and
-    bf16 (mixed precision drops each gradient after its accumulation)."""
+    is, a run per layout): every tensor-parallel size and stage with offload at world sizes 3 and 4, in fp32 and bf16
+    (mixed precision drops each gradient after its accumulation); under a budget, the layouts that fit."""
     model, plan = (tiny_llama, None) if name == "llama" else (tiny_gpt, GPT_TP_PLAN)
     cfg = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
     common = {"seq_len": 16, "device_type": "cpu", "tp_plan": plan}
-    for dtype, worlds in (("fp32", (3, 4)), ("bf16", (4,))):
-        search = functools.partial(fitting_layouts, model, 2**40, cfg, worlds=worlds, dtype=dtype, **common)
-        alone, spread = search(), search(workers=2)
-        assert len(alone) > 10 and {1, 2} <= {e.layout.tp for e in alone}  # tp 3 divides no head count here
-        assert [_bytes_of(e) for e in spread] == [_bytes_of(e) for e in alone]
-        assert [_bytes_of(e) for e in search(fast=False)] == [_bytes_of(e) for e in alone]
+    search = functools.partial(fitting_layouts, model, 2**40, cfg, worlds=worlds, dtype=dtype, **common)
+    alone, spread = search(), search(workers=2)
+    assert len(alone) > 10 and {1, 2} <= {e.layout.tp for e in alone}  # tp 3 divides no head count here
+    assert [_bytes_of(e) for e in spread] == [_bytes_of(e) for e in alone]
+    assert [_bytes_of(e) for e in search(fast=False)] == [_bytes_of(e) for e in alone]
+    # a budget half of them fit: the layouts of the unbounded search under it, in the same order
+    budget = sorted(e.peak["device"] for e in alone)[len(alone) // 2]
+    tight = fitting_layouts(model, budget, cfg, worlds=worlds, dtype=dtype, workers=2, **common)
+    assert [_bytes_of(e) for e in tight] == [_bytes_of(e) for e in alone if e.peak["device"] <= budget]
     with pytest.raises(ShardtrainError, match="workers must be at least 1"):
         fitting_layouts(model, 2**40, cfg, worlds=(1,), workers=0, **common)
 
