@@ -625,8 +625,8 @@ def measure_runs(runs: Mapping[tuple, dict[str, Any]], workers: int = 1) -> Iter
     workers = min(workers, len(keys))
     if workers > 1 and _can_fork():
         for run in runs.values():  # each worker finds its models built
-            prepare_models(**{k: run[k] for k in ("source", "tp", "compute", "checkpointing", "unit_classes")},
-                           tp_plan=run["tp_plan"], models=run["models"])  # fmt: skip
+            model_args = ("source", "tp", "compute", "checkpointing", "unit_classes", "tp_plan", "models")
+            prepare_models(**{k: run[k] for k in model_args})
         yield from _measure_in_workers(keys, runs, workers)
         return
     for key in keys:
