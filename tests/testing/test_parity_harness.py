@@ -88,7 +88,9 @@ def test_recipes_the_harness_cannot_split_are_refused():
         _ = Recipe(make_model, make_optimizer, batches, mean_loss, gas=4).steps
     shared = Recipe(make_model, make_optimizer, batches, mean_loss, config={"sequence_parallel_size": 2})
     with pytest.raises(ValueError, match=r"tensor_parallel\.size 1 x sequence_parallel_size 2 does not divide the 3"):
-        shared.engine_config(3)
+        shared.data_parallel(3)
+    with pytest.raises(ValueError, match="does not divide the 3"):
+        check_parity(shared, worlds=(3,))  # before any rank starts
     with pytest.raises(ValueError, match=r"12 rows does not split over 5 ranks \(the data-parallel ranks of 10\)"):
         shared.engine_config(10)
 

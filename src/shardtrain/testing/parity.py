@@ -120,16 +120,23 @@ class Recipe:
 
     def data_parallel(self, world: int) -> int:
         """The data-parallel ranks of ``world`` processes under the config's tensor and sequence parallelism."""
-        tp = (self.config.get("tensor_parallel") or {}).get("size", 1)
-        sp = self.config.get("sequence_parallel_size", 1)
-        if world % (tp * sp):
+        if world % self._model_parallel():
+            tp = (self.config.get("tensor_parallel") or {}).get("size", 1)
+            sp = self.config.get("sequence_parallel_size", 1)
             raise ValueError(
                 f"tensor_parallel.size {tp} x sequence_parallel_size {sp} does not divide the {world} ranks"
             )
-        return world // (tp * sp)
+        return world // self._model_parallel()
+
+    def _model_parallel(self) -> int:
+        """The ranks that share rows: tensor x sequence parallel."""
+        tp = (self.config.get("tensor_parallel") or {}).get("size", 1)
+        return tp * self.config.get("sequence_parallel_size", 1)
 
     def engine_config(self, world: int) -> dict[str, Any]:
-        dp = self.data_parallel(world)
+        """The engine's config at ``world`` processes. A layout that does not divide ``world`` is left for
+        ``initialize`` to refuse by name (:meth:`data_parallel` refuses it here)."""
+        dp = max(world // self._model_parallel(), 1)
         if self.rows % dp:
             of = f" (the data-parallel ranks of {world})" if dp != world else ""
             raise ValueError(f"a micro-batch of {self.rows} rows does not split over {dp} ranks{of}")
@@ -315,10 +322,11 @@ def check_parity(
     ranks' results by world size."""
     from shardtrain.testing import run_distributed
 
+    dps = {world: recipe.data_parallel(world) for world in worlds}  # a layout that does not fit: before any rank
     refs: dict[int, dict] = {}
     results = {}
     for world in worlds:
-        dp = recipe.data_parallel(world) if recipe.per_rank_loss else 1  # the reference depends on dp only then
+        dp = dps[world] if recipe.per_rank_loss else 1  # the reference depends on dp only then
         if dp not in refs:
             refs[dp] = reference_run(recipe, dp)
         results[world] = run_distributed(engine_run, world, recipe)
