@@ -11,6 +11,7 @@ returns (gloo's internal buffers, the Python heap), which is not tensor data.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from contextlib import nullcontext
 
@@ -27,6 +28,7 @@ from shardtrain.errors import ConfigError
 from shardtrain.models.gpt import GPT, GPTConfig
 from shardtrain.tensor_parallel import GPT_TP_PLAN
 from shardtrain.testing import run_distributed
+from shardtrain.testing.parity import reference_run
 from tp_cases import Case, assert_parity, config_for, train
 
 
@@ -120,19 +122,16 @@ def make_optimizer_of(params, case: Case) -> torch.optim.Optimizer:
 
 
 def _reference_from(case: Case, init: dict, dp: int, build=None) -> dict:
-    """tp_cases' single-process reference, started from ``init`` (the engine's initial weights)."""
-    original = tp_cases.make_model
+    """tp_cases' single-process reference (the parity harness's), started from ``init`` (the engine's initial
+    weights)."""
 
-    def from_init(c, seed=0):
-        model = build() if build is not None else original(c)
+    def from_init() -> nn.Module:
+        model = build() if build is not None else tp_cases.make_model(case)
         model.load_state_dict(init)
         return model
 
-    tp_cases.make_model = from_init
-    try:
-        return tp_cases.reference_run(case, dp)
-    finally:
-        tp_cases.make_model = original
+    recipe = dataclasses.replace(tp_cases.recipe(case, dp), make_model=from_init)
+    return reference_run(recipe, bf16=case.dtype == "bf16", exact=False)
 
 
 def test_zero3_with_tp_built_sharded_trains_at_parity_in_a_fraction_of_the_memory():
