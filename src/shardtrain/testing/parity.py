@@ -114,29 +114,26 @@ class Recipe:
     @property
     def rows(self) -> int:
         """The rows of a global micro-batch."""
-        first = self.batches()[0]
-        tensors = [v for v in (first.values() if isinstance(first, Mapping) else first) if torch.is_tensor(v)]
-        return tensors[0].shape[0]
+        return _rows_in(self.batches()[0])
+
+    def _sharing(self) -> tuple[int, int]:
+        """``(tp, sp)``: the config's tensor- and sequence-parallel sizes, whose ranks share rows."""
+        return (self.config.get("tensor_parallel") or {}).get("size", 1), self.config.get("sequence_parallel_size", 1)
 
     def data_parallel(self, world: int) -> int:
         """The data-parallel ranks of ``world`` processes under the config's tensor and sequence parallelism."""
-        if world % self._model_parallel():
-            tp = (self.config.get("tensor_parallel") or {}).get("size", 1)
-            sp = self.config.get("sequence_parallel_size", 1)
+        tp, sp = self._sharing()
+        if world % (tp * sp):
             raise ValueError(
                 f"tensor_parallel.size {tp} x sequence_parallel_size {sp} does not divide the {world} ranks"
             )
-        return world // self._model_parallel()
-
-    def _model_parallel(self) -> int:
-        """The ranks that share rows: tensor x sequence parallel."""
-        tp = (self.config.get("tensor_parallel") or {}).get("size", 1)
-        return tp * self.config.get("sequence_parallel_size", 1)
+        return world // (tp * sp)
 
     def engine_config(self, world: int) -> dict[str, Any]:
         """The engine's config at ``world`` processes. A layout that does not divide ``world`` is left for
         ``initialize`` to refuse by name (:meth:`data_parallel` refuses it here)."""
-        dp = max(world // self._model_parallel(), 1)
+        tp, sp = self._sharing()
+        dp = max(world // (tp * sp), 1)
         if self.rows % dp:
             of = f" (the data-parallel ranks of {world})" if dp != world else ""
             raise ValueError(f"a micro-batch of {self.rows} rows does not split over {dp} ranks{of}")
@@ -149,7 +146,7 @@ class Recipe:
 
     def rows_of(self, batch: Batch, dp_rank: int, dp: int) -> Batch:
         """Data-parallel rank ``dp_rank``'s rows of ``batch`` (of ``dp`` equal parts)."""
-        n = self.rows // dp
+        n = _rows_in(batch) // dp
         part = slice(dp_rank * n, (dp_rank + 1) * n)
         if isinstance(batch, Mapping):
             return {k: v[part] if torch.is_tensor(v) else v for k, v in batch.items()}
@@ -160,6 +157,11 @@ class Recipe:
         if not self.per_rank_loss:
             return self.loss(model, batch)
         return sum(self.loss(model, self.rows_of(batch, d, dp)) for d in range(dp)) / dp
+
+
+def _rows_in(batch: Batch) -> int:
+    tensors = [v for v in (batch.values() if isinstance(batch, Mapping) else batch) if torch.is_tensor(v)]
+    return tensors[0].shape[0]
 
 
 def train_one_process(
