@@ -193,7 +193,8 @@ def config_for(case: Case, stage: int, tp: int) -> dict:
 
 
 def build_engine(case: Case, stage: int, tp: int, seed: int = 0):
-    return parity.build_engine(recipe(case, dist.get_world_size() // tp, stage=stage, tp=tp, seed=seed))
+    dp = max(dist.get_world_size() // tp, 1)  # a tp size that does not divide the world: initialize refuses it
+    return parity.build_engine(recipe(case, dp, stage=stage, tp=tp, seed=seed))
 
 
 def train(engine, case: Case, batches, steps: range) -> tuple[list[float], list[float]]:
