@@ -1,30 +1,27 @@
 """Shared pieces of the sequence-parallel parity tests whose batches are keyword dicts (transformers models): the
-optimizer, a data-parallel rank's rows, and the one-process reference over the data-parallel ranks' rows."""
+optimizer, the loss, and their parity-harness recipe (:class:`shardtrain.testing.parity.Recipe`), whose reference
+is one process on the whole batches with each micro-step's loss the mean of each data-parallel rank's rows' loss."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from parity import train_one_process
+from shardtrain.testing.parity import Recipe
 
 
 def adamw(model) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
 
 
-def rows_of(batch: dict[str, torch.Tensor], rows: slice) -> dict[str, torch.Tensor]:
-    return {k: v[rows] for k, v in batch.items()}
+def keyword_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The model's own loss on keyword inputs (a model, or an engine)."""
+    return model(**batch).loss
 
 
-def dp_reference(
-    model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], dp: int, rows: int, steps: int, gas: int
-) -> dict:
-    """One process on the whole batches: each micro-step's loss is the mean of each data-parallel rank's rows' loss,
-    as the engine's data-parallel average makes it; AdamW, clipping at 1.0."""
-    model.train()
-
-    def loss(model, i: int) -> torch.Tensor:
-        parts = [slice(d * rows, (d + 1) * rows) for d in range(dp)]
-        return sum(model(**rows_of(batches[i], r)).loss for r in parts) / dp
-
-    return train_one_process(model, adamw(model), loss, steps, gas, 1.0)
+def keyword_recipe(make_model: Callable, batches: Callable, gas: int, config: dict) -> Recipe:
+    """AdamW, clipping at 1.0, the model's own loss, and the per-rank loss of [Note: the layout a recipe describes]
+    (the ranks' rows hold different numbers of real tokens). ``make_model`` and ``batches`` must be importable
+    (``functools.partial`` of module-level functions): the ranks are fresh processes."""
+    return Recipe(make_model, adamw, batches, keyword_loss, gas=gas, clip=1.0, config=config, per_rank_loss=True)

@@ -7,9 +7,10 @@ the model is the architecture's causal LM, else its masked LM, else its base mod
 refuses these sizes is *unbuildable here*, which says nothing about tensor parallelism.
 
 :func:`run_architectures` runs on every rank of a ``run_distributed`` job: the reference trains a copy of the model
-in this process on the whole batch; the tensor-parallel model (``parallelize`` with no plan argument: the model's
-own) trains on the same batch over the group. SGD without clipping, so a gradient off by any factor shows in the
-parameters ([tests/tp_cases.py] explains why AdamW would not see it). Each architecture comes back as
+in this process on the whole batch (the parity harness's ``train_one_process``); the tensor-parallel model
+(``parallelize`` with no plan argument: the model's own) trains on the same batch over the group. SGD without
+clipping, so a gradient off by any factor shows in the parameters ([tests/tp_cases.py] explains why AdamW would not
+see it). Each architecture comes back as
 ``("match" | "refused" | "failed" | "unbuildable", detail)``; "match" means losses and final parameters were compared
 and agreed (``assert_arch_parity`` checks the numbers again on the test's side).
 """
@@ -23,6 +24,8 @@ import warnings
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from shardtrain.testing.parity import train_one_process
 
 VOCAB, SEQ, BATCH, STEPS, LR = 96, 8, 2, 3, 0.1
 MAX_PARAMS = 5_000_000  # "the cheap ones": larger tiny models are not run
@@ -109,15 +112,24 @@ def loss_of(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return (hidden @ direction).square().mean()
 
 
-def _train(model: nn.Module, ids: torch.Tensor, steps: int, after_backward=None) -> list[float]:
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.SGD(params, lr=LR)
+def _sgd(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+
+
+def _reference(model: nn.Module, ids: torch.Tensor, steps: int) -> list[float]:
+    """The parity harness's one-process recipe on the whole batch: SGD, one micro-step, no clipping."""
+    return train_one_process(model, _sgd(model), lambda m, i: loss_of(m, ids), steps, 1, 0.0)["losses"]
+
+
+def _train(model: nn.Module, ids: torch.Tensor, steps: int, after_backward) -> list[float]:
+    """The tensor-parallel model's side of :func:`_reference`: ``after_backward`` sums the partial gradients of its
+    replicated parameters over the group before each step."""
+    opt = _sgd(model)
     losses = []
     for _ in range(steps):
         loss = loss_of(model, ids)
         loss.backward()
-        if after_backward is not None:
-            after_backward()
+        after_backward()
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
@@ -153,13 +165,13 @@ def run_architectures(model_types: list[str], steps: int = STEPS) -> dict[str, t
             out[model_type] = ("refused", str(err))
             continue
         try:
-            ref_losses = _train(ref, ids, steps)
+            ref_losses = _reference(ref, ids, steps)
         except Exception as err:  # the tiny model does not train in one process either
             out[model_type] = ("unbuildable", f"{type(err).__name__}: {str(err).splitlines()[0][:200]}")
             continue
         exact = build(model_type).double()  # the same seed: the same initial values
         try:
-            exact_losses = _train(exact, ids, steps)
+            exact_losses = _reference(exact, ids, steps)
         except Exception:  # some kernels have no float64 (grouped matmul): the fp32 bounds alone
             exact_losses, exact = ref_losses, ref
         try:

@@ -1,9 +1,10 @@
-"""Tensor parallelism composed with ZeRO, run through the engine: the models, the single-process reference and the
+"""Tensor parallelism composed with ZeRO, run through the engine: the models, their parity-harness recipes and the
 per-rank body the tests in ``test_tp_engine.py`` spawn.
 
-Every rank of a tensor-parallel group gets its data-parallel rank's rows of the global batch; the reference is one
+A :class:`Case` becomes a :class:`shardtrain.testing.parity.Recipe` (:func:`recipe`): every rank of a
+tensor-parallel group gets its data-parallel rank's rows of the global batch, and the reference is the harness's one
 process training the same model on the whole global batch with the same recipe (loss / accumulation steps,
-``clip_grad_norm_``, AdamW or SGD with two param groups).
+``clip_grad_norm_``, AdamW or SGD with two param groups; bf16 with fp32 masters).
 
 AdamW is blind to a wrongly scaled gradient: its update ``m / sqrt(v)`` does not change when a tensor's gradient is
 doubled (a gradient summed twice, or one rank's share only on two ranks). SGD's update is the gradient itself, so
@@ -13,14 +14,15 @@ to a tight bound relative to the distance it moved.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-import shardtrain
 from shardtrain.models.gpt import GPT, GPTConfig
+from shardtrain.testing import parity
 
 VOCAB, SEQ = 64, 16
 
@@ -100,7 +102,13 @@ def loss_of(out, targets: torch.Tensor) -> torch.Tensor:
 
 
 def forward(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return loss_of(model(x, y), y) if isinstance(model, GPT) else loss_of(model(input_ids=x), y)
+    """The loss of ``model`` (a model, or an engine) on ``(x, y)``."""
+    gpt = isinstance(getattr(model, "module", model), GPT)
+    return loss_of(model(x, y), y) if gpt else loss_of(model(input_ids=x), y)
+
+
+def batch_loss(model, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return forward(model, *batch)
 
 
 def plan_for(case: Case):
@@ -139,48 +147,33 @@ def global_batches(case: Case, dp: int, steps: int | None = None) -> list[tuple[
     return out
 
 
+def recipe(case: Case, dp: int, steps: int | None = None, stage: int = 1, tp: int = 1, seed: int = 0) -> parity.Recipe:
+    """``case`` as the harness's recipe for ``dp`` data-parallel ranks (the rows of its global batches) at ZeRO
+    ``stage`` and ``tensor_parallel.size`` ``tp`` (what the engine is given; the reference reads neither)."""
+    layout = {k: v for k, v in config_for(case, stage, tp).items() if k not in _RECIPE_KEYS}
+    return parity.Recipe(
+        make_model=functools.partial(make_model, case, seed),
+        make_optimizer=functools.partial(_optimizer_of, case),
+        batches=functools.partial(global_batches, case, dp, steps),
+        loss=batch_loss,
+        gas=case.gas,
+        clip=case.clip,
+        config=layout,
+        tp_plan=plan_for(case),
+    )
+
+
+_RECIPE_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping")
+
+
+def _optimizer_of(case: Case, model: nn.Module) -> torch.optim.Optimizer:
+    return make_optimizer(model, case.lr, case.optimizer)
+
+
 def reference_run(case: Case, dp: int, steps: int | None = None) -> dict:
-    """One process, the whole global batch. bf16 as the engine does it: bf16 compute, fp32 masters made from the
-    fp32 init, gradients summed in fp32 over micro-steps, AdamW on the masters, bf16 parameters refreshed."""
-    steps = steps or case.steps
-    model = make_model(case)
-    init = {k: v.clone() for k, v in model.state_dict().items()}
-    batches = global_batches(case, dp, steps)
-    opt = make_optimizer(model, case.lr, case.optimizer)
-    params = [p for g in opt.param_groups for p in g["params"]]
-    bf16 = case.dtype == "bf16"
-    masters = {p: p.detach().clone() for p in params} if bf16 else {p: p for p in params}
-    if bf16:
-        for g in opt.param_groups:
-            g["params"] = [masters[p] for p in g["params"]]
-        model.to(torch.bfloat16)
-    losses, norms = [], []
-    for step in range(steps):
-        step_loss = 0.0
-        for m in range(case.gas):
-            x, y = batches[step * case.gas + m]
-            loss = forward(model, x, y)
-            (loss / case.gas).backward()
-            if bf16:
-                for p in params:
-                    masters[p].grad = p.grad.float() + (masters[p].grad if masters[p].grad is not None else 0)
-                    p.grad = None
-            step_loss += loss.item() / case.gas
-        clip = case.clip if case.clip > 0 else float("inf")  # 0: no clipping, as in the config
-        norms.append(float(torch.nn.utils.clip_grad_norm_(list(masters.values()), clip)))
-        opt.step()
-        opt.zero_grad()
-        if bf16:
-            with torch.no_grad():
-                for p in params:
-                    p.copy_(masters[p])
-        losses.append(step_loss)
-    return {
-        "losses": losses,
-        "norms": norms,
-        "params": model.state_dict(),
-        "init": init,
-    }
+    """The harness's one process on the whole global batch (bf16 as the engine does it: bf16 compute, fp32 masters
+    made from the fp32 init, gradients summed in fp32 over micro-steps, the optimizer on the masters)."""
+    return parity.reference_run(recipe(case, dp, steps), bf16=case.dtype == "bf16", exact=False)
 
 
 def config_for(case: Case, stage: int, tp: int) -> dict:
@@ -200,13 +193,8 @@ def config_for(case: Case, stage: int, tp: int) -> dict:
 
 
 def build_engine(case: Case, stage: int, tp: int, seed: int = 0):
-    model = make_model(case, seed)
-    return shardtrain.initialize(
-        model,
-        config=config_for(case, stage, tp),
-        optimizer=make_optimizer(model, case.lr, case.optimizer),
-        tp_plan=plan_for(case),
-    )
+    dp = max(dist.get_world_size() // tp, 1)  # a tp size that does not divide the world: initialize refuses it
+    return parity.build_engine(recipe(case, dp, stage=stage, tp=tp, seed=seed))
 
 
 def train(engine, case: Case, batches, steps: range) -> tuple[list[float], list[float]]:
@@ -229,7 +217,7 @@ def train(engine, case: Case, batches, steps: range) -> tuple[list[float], list[
 
 
 def forward_engine(engine, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return loss_of(engine(x, y), y) if isinstance(engine.module, GPT) else loss_of(engine(input_ids=x), y)
+    return forward(engine, x, y)
 
 
 def run_cases(cases: list[tuple[Case, int, int]]) -> list[dict]:

@@ -7,6 +7,8 @@ of the ranks' means (instead of the mean over the whole sequence's real tokens) 
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -15,8 +17,7 @@ from shardtrain.errors import ConfigError, RankMismatchError, ShardtrainError
 from shardtrain.models.gpt import GPT, GPTConfig
 from shardtrain.sequence_parallel import kv_repeats
 from shardtrain.testing import run_distributed
-
-from parity import assert_params_near, train_engine, train_one_process
+from shardtrain.testing.parity import Recipe, assert_params_near, engine_run, reference_run
 
 VOCAB, SEQ, ROWS, STEPS, GAS = 64, 12, 2, 3, 2
 
@@ -67,43 +68,30 @@ def _optimizer(model) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
 
 
-def _reference(case: str, dp: int, dtype: torch.dtype) -> dict:
-    model, batches = _model(case, dtype), _batches(dp)
-
-    def loss(model, i: int) -> torch.Tensor:  # data parallel: the mean of each data-parallel rank's rows' loss
-        x, labels = batches[i]
-        rows = [slice(d * ROWS, (d + 1) * ROWS) for d in range(dp)]
-        return sum(_loss(case, model, x[r], labels[r]) for r in rows) / dp
-
-    return train_one_process(model, _optimizer(model), loss, STEPS, GAS, 1.0)
+def _batch_loss(case: str, model, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return _loss(case, model, *batch)
 
 
-def _run(case: str, sp: int, stage: int) -> dict:
-    model = _model(case)
-    config = {
-        "train_micro_batch_size_per_gpu": ROWS,
-        "gradient_accumulation_steps": GAS,
-        "gradient_clipping": 1.0,
-        "sequence_parallel_size": sp,
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000, "allgather_bucket_size": 2000},
-    }
-    engine = shardtrain.initialize(model, config=config, optimizer=_optimizer(model))
+def _recipe(case: str, sp: int, dp: int, stage: int, config: dict | None = None) -> Recipe:
+    """``case`` at ``sequence_parallel_size`` ``sp`` and ZeRO ``stage`` on batches of ``dp`` data-parallel ranks' rows:
+    AdamW, clipping at 1, the reference's loss the mean of the data-parallel ranks' (their rows hold different
+    numbers of real targets)."""
+    return Recipe(
+        make_model=partial(_model, case),
+        make_optimizer=_optimizer,
+        batches=partial(_batches, dp),
+        loss=partial(_batch_loss, case),
+        gas=GAS,
+        clip=1.0,
+        config={"sequence_parallel_size": sp, "zero_optimization": {"stage": stage}, **(config or {})},
+        per_rank_loss=True,
+    )
+
+
+def _inspect(engine) -> dict:
     topo = engine.topology
-    batches = _batches(topo.dp)
-    rows = slice(topo.dp_rank * ROWS, (topo.dp_rank + 1) * ROWS)
-
-    def loss(engine, i: int) -> torch.Tensor:  # every rank of the sp group: the whole sequences
-        x, labels = batches[i]
-        return _loss(case, engine, x[rows], labels[rows])
-
-    run = train_engine(engine, loss, STEPS, GAS)
     stats = engine._sp.comm.stats()["all_to_all"]  # the sequence-parallel group's exchanges
-    return {
-        **run,
-        "params": engine.full_state_dict(),
-        "axes": (topo.dp, topo.dp_rank, topo.sp, topo.sp_rank),
-        "all_to_all": stats,
-    }
+    return {"axes": (topo.dp, topo.dp_rank, topo.sp, topo.sp_rank), "all_to_all": stats}
 
 
 @pytest.mark.parametrize(
@@ -111,10 +99,12 @@ def _run(case: str, sp: int, stage: int) -> dict:
     [("gpt", 2, 2, 0), ("llama", 2, 2, 3), ("llama", 3, 3, 1), ("gpt", 3, 3, 3)],
 )
 def test_parity_with_one_process(case, world, sp, stage):
-    results = run_distributed(_run, world, case, sp, stage, init_process_group=False)
     dp = world // sp
+    buckets = {"reduce_bucket_size": 2000, "allgather_bucket_size": 2000}
+    recipe = _recipe(case, sp, dp, stage, {"zero_optimization": {"stage": stage, **buckets}})
+    results = run_distributed(engine_run, world, recipe, _inspect, init_process_group=False)
     assert [r["axes"] for r in results] == [(dp, r // sp, sp, r % sp) for r in range(world)]
-    ref, exact = _reference(case, dp, torch.float32), _reference(case, dp, torch.float64)
+    ref = reference_run(recipe, dp)
     for d in range(dp):  # the loss is the whole sequence's: the same on every rank of a group
         group = [r["losses"] for r in results[d * sp : (d + 1) * sp]]
         assert all(g == group[0] for g in group), group
@@ -131,15 +121,16 @@ def test_parity_with_one_process(case, world, sp, stage):
     for r in results:  # the gradient: summed over the sequence-parallel ranks, averaged over the data-parallel ones
         for s, (got, want) in enumerate(zip(r["norms"], ref["norms"])):
             assert abs(got - want) <= 1e-4 * want, f"step {s}: gradient norm {got} vs one process {want}"
-    assert_params_near(results[0]["params"], ref["params"], ref["init"], exact=exact["params"], require_moved=True)
+    assert_params_near(results[0]["params"], ref["params"], ref["init"], exact=ref["exact"], require_moved=True)
 
 
-@pytest.mark.soak
 @pytest.mark.parametrize(
-    ("case", "world", "sp", "stage"), [("llama_eager", 2, 2, 1), ("llama_eager", 3, 3, 3), ("gpt", 2, 2, 2)]
+    ("case", "world", "sp", "stage"),
+    [pytest.param("llama_eager", 2, 2, 1, marks=pytest.mark.soak)]
+    + [pytest.param("llama_eager", 3, 3, 3, marks=pytest.mark.soak), ("gpt", 2, 2, 2)],
 )
 def test_parity_more_cases(case, world, sp, stage):
-    """transformers' eager attention (the causal mask made after the exchange), and ZeRO-2."""
+    """transformers' eager attention (the causal mask made after the exchange; the slower cases, soak), and ZeRO-2."""
     test_parity_with_one_process(case, world, sp, stage)
 
 
@@ -276,59 +267,17 @@ def test_a_checkpoint_saved_under_sequence_parallelism_loads_without_it(tmp_path
     assert_params_near(loaded["after"], saved["after"], saved["saved"], require_moved=True)
 
 
-def _bf16_reference(case: str) -> dict:
-    """One process, bf16 compute with fp32 masters (as tests/zero/test_mixed_precision.py's reference)."""
-    model = _model(case)
-    opt = _optimizer(model)
-    params = [p for g in opt.param_groups for p in g["params"]]
-    masters = {p: p.detach().clone() for p in params}
-    for g in opt.param_groups:
-        g["params"] = [masters[p] for p in g["params"]]
-    model.to(torch.bfloat16)
-    batches, losses, norms = _batches(1), [], []
-    for step in range(STEPS):
-        total = 0.0
-        for m in range(GAS):
-            x, labels = batches[step * GAS + m]
-            loss = _loss(case, model, x, labels)
-            (loss / GAS).backward()
-            for p in params:
-                masters[p].grad = p.grad.float() + (masters[p].grad if masters[p].grad is not None else 0)
-                p.grad = None
-            total += loss.item() / GAS
-        norms.append(float(torch.nn.utils.clip_grad_norm_(list(masters.values()), 1.0)))
-        opt.step()
-        opt.zero_grad()
-        with torch.no_grad():
-            for p in params:
-                p.copy_(masters[p])
-        losses.append(total)
-    return {"losses": losses, "norms": norms, "params": {n: p.detach().float() for n, p in model.named_parameters()}}
+def _bf16_run(recipe: Recipe) -> dict:
+    run = engine_run(recipe)
+    return {**run, "params": {n: v.float() for n, v in run["params"].items()} if run["params"] else None}
 
 
-def _bf16_run(case: str, sp: int, stage: int) -> dict:
-    model = _model(case)
-    config = {
-        "train_micro_batch_size_per_gpu": ROWS,
-        "gradient_accumulation_steps": GAS,
-        "gradient_clipping": 1.0,
-        "bf16": {"enabled": True},
-        "sequence_parallel_size": sp,
-        "zero_optimization": {"stage": stage},
-    }
-    engine = shardtrain.initialize(model, config=config, optimizer=_optimizer(model))
-    batches = _batches(1)
-    run = train_engine(engine, lambda engine, i: _loss(case, engine, *batches[i]), STEPS, GAS)
-    full = engine.full_state_dict()
-    return {**run, "params": {n: v.float() for n, v in full.items()} if full else None}
-
-
-@pytest.mark.soak
-@pytest.mark.parametrize(("case", "sp", "stage"), [("gpt", 2, 2), ("llama", 3, 3)])
+@pytest.mark.parametrize(("case", "sp", "stage"), [("gpt", 2, 2), pytest.param("llama", 3, 3, marks=pytest.mark.soak)])
 def test_bf16_parity(case, sp, stage):
     """bf16 compute, fp32 masters, at the mixed-precision bar of tests/zero/test_mixed_precision.py."""
-    ref = _bf16_reference(case)
-    results = run_distributed(_bf16_run, sp, case, sp, stage, init_process_group=False)
+    recipe = _recipe(case, sp, 1, stage, {"bf16": {"enabled": True}})
+    ref = reference_run(recipe, bf16=True)  # bf16 compute with fp32 masters, as tests/zero/test_mixed_precision.py's
+    results = run_distributed(_bf16_run, sp, recipe, init_process_group=False)
     for s in range(STEPS):
         assert abs(results[0]["losses"][s] - ref["losses"][s]) <= 1e-3 * ref["losses"][s], s
         assert abs(results[0]["norms"][s] - ref["norms"][s]) <= 2e-2 * ref["norms"][s], s

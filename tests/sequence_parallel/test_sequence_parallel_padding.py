@@ -8,14 +8,14 @@ for left padding too, as transformers makes them); the loss is the mean over the
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
-import shardtrain
 from shardtrain.testing import run_distributed
+from shardtrain.testing.parity import Recipe, assert_params_near, engine_run, reference_run
 from test_sequence_parallel_tp import ROWS, SEQ, VOCAB, model_of, optimizer_of
-
-from parity import assert_params_near, train_engine, train_one_process
 
 STEPS, GAS, PAD_ID = 2, 2, 0
 
@@ -48,37 +48,35 @@ def padded_batches(packed: bool = False) -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def reference(attn: str, packed: bool, dtype: torch.dtype = torch.float32) -> dict:
-    model, data = model_of("llama", dtype, attn=attn), padded_batches(packed)
-    return train_one_process(model, optimizer_of(model), lambda model, i: model(**data[i]).loss, STEPS, GAS, 1.0)
+def keyword_loss(model, batch: dict) -> torch.Tensor:
+    return model(**batch).loss
 
 
-def train(attn: str, packed: bool, sp: int, tp: int, stage: int) -> dict:
-    model = model_of("llama", attn=attn)
-    config = {
-        "train_micro_batch_size_per_gpu": ROWS,
-        "gradient_accumulation_steps": GAS,
-        "gradient_clipping": 1.0,
-        "sequence_parallel_size": sp,
-        "tensor_parallel": {"size": tp},
-        "zero_optimization": {"stage": stage},
-    }
-    engine = shardtrain.initialize(model, config=config, optimizer=optimizer_of(model))
-    data = padded_batches(packed)
-    run = train_engine(engine, lambda engine, i: engine(**data[i]).loss, STEPS, GAS)
-    return {**run, "params": engine.full_state_dict()}
+def recipe(attn: str, packed: bool, sp: int, tp: int, stage: int) -> Recipe:
+    """The Llama with ``attn`` on :func:`padded_batches` (whole rows on every rank: one data-parallel rank), AdamW,
+    clipping at 1."""
+    return Recipe(
+        make_model=partial(model_of, "llama", attn=attn),
+        make_optimizer=optimizer_of,
+        batches=partial(padded_batches, packed),
+        loss=keyword_loss,
+        gas=GAS,
+        clip=1.0,
+        config={"sequence_parallel_size": sp, "tensor_parallel": {"size": tp}, "zero_optimization": {"stage": stage}},
+    )
 
 
 def check_padded_parity(attn: str, sp: int, tp: int = 1, stage: int = 1, packed: bool = False) -> None:
-    results = run_distributed(train, sp * tp, attn, packed, sp, tp, stage, init_process_group=False)
-    ref, exact = reference(attn, packed), reference(attn, packed, torch.float64)
+    parity = recipe(attn, packed, sp, tp, stage)
+    results = run_distributed(engine_run, sp * tp, parity, init_process_group=False)
+    ref = reference_run(parity)
     for r in results:
         for step in range(STEPS):
             got, want = r["losses"][step], ref["losses"][step]
             assert abs(got - want) <= 1e-5 * want, f"step {step}: loss {got} vs one process {want}"
             got, want = r["norms"][step], ref["norms"][step]
             assert abs(got - want) <= 1e-4 * want, f"step {step}: gradient norm {got} vs one process {want}"
-    assert_params_near(results[0]["params"], ref["params"], ref["init"], exact=exact["params"], require_moved=True)
+    assert_params_near(results[0]["params"], ref["params"], ref["init"], exact=ref["exact"], require_moved=True)
 
 
 def test_padded_batch_parity():

@@ -11,15 +11,15 @@ labels (shifted right over the whole sequence). 6 heads: sequence-parallel group
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
-import shardtrain
 from shardtrain.errors import ShardtrainError
 from shardtrain.testing import run_distributed
-from sp_cases import adamw, dp_reference, rows_of
-
-from parity import assert_params_near, train_engine
+from shardtrain.testing.parity import Recipe, assert_params_near, engine_run, reference_run
+from sp_cases import keyword_recipe
 
 VOCAB, ENC, DEC, ROWS, STEPS, GAS = 64, 11, 7, 2, 2, 2
 
@@ -95,32 +95,22 @@ def _batches(dp: int) -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def _reference(case: str, dp: int, dtype: torch.dtype) -> dict:
-    return dp_reference(_model(case, dtype), _batches(dp), dp, ROWS, STEPS, GAS)
+def _recipe(case: str, sp: int, stage: int, dp: int) -> Recipe:
+    """``case`` at ``sequence_parallel_size`` ``sp`` and ZeRO ``stage``, on batches of ``dp`` data-parallel ranks'
+    rows."""
+    config = {"sequence_parallel_size": sp, "zero_optimization": {"stage": stage}}
+    return keyword_recipe(partial(_model, case), partial(_batches, dp), GAS, config)
 
 
-def _run(case: str, sp: int, stage: int) -> dict:
-    model = _model(case)
-    config = {
-        "train_micro_batch_size_per_gpu": ROWS,
-        "gradient_accumulation_steps": GAS,
-        "gradient_clipping": 1.0,
-        "sequence_parallel_size": sp,
-        "zero_optimization": {"stage": stage},
-    }
-    engine = shardtrain.initialize(model, config=config, optimizer=adamw(model))
-    topo = engine.topology
-    batches = _batches(topo.dp)
-    rows = slice(topo.dp_rank * ROWS, (topo.dp_rank + 1) * ROWS)
-    run = train_engine(engine, lambda engine, i: engine(**rows_of(batches[i], rows)).loss, STEPS, GAS)
-    exchanges = engine._sp.comm.stats()["all_to_all"]["calls"]  # the sequence-parallel group's
-    return {**run, "params": engine.full_state_dict(), "all_to_all": exchanges}
+def _exchanges(engine) -> dict:
+    return {"all_to_all": engine._sp.comm.stats()["all_to_all"]["calls"]}  # the sequence-parallel group's
 
 
 def _check_parity(case: str, world: int, sp: int, stage: int) -> None:
-    results = run_distributed(_run, world, case, sp, stage, init_process_group=False)
     dp = world // sp
-    ref, exact = _reference(case, dp, torch.float32), _reference(case, dp, torch.float64)
+    recipe = _recipe(case, sp, stage, dp)
+    results = run_distributed(engine_run, world, recipe, _exchanges, init_process_group=False)
+    ref = reference_run(recipe, dp)
     losses = [sum(r["losses"][s] for r in results[::sp]) / dp for s in range(STEPS)]
     for s, (got, want) in enumerate(zip(losses, ref["losses"])):
         assert abs(got - want) <= 1e-5 * abs(want), f"step {s}: loss {got} vs one process {want}"
@@ -133,7 +123,7 @@ def _check_parity(case: str, world: int, sp: int, stage: int) -> None:
         assert r["all_to_all"] == 4 * 6 * passes * STEPS * GAS, r["all_to_all"]
     buffers = {name for name, _ in _model(case).named_buffers()}  # BART's final_logits_bias: never trained
     got, want = ({k: v for k, v in d.items() if k not in buffers} for d in (results[0]["params"], ref["params"]))
-    assert_params_near(got, want, ref["init"], exact=exact["params"], require_moved=True)
+    assert_params_near(got, want, ref["init"], exact=ref["exact"], require_moved=True)
 
 
 @pytest.mark.parametrize(("case", "world", "sp", "stage"), [("t5", 2, 2, 3), ("bart", 3, 3, 3)])

@@ -5,15 +5,17 @@ masked image modelling (a head on every patch), DeiT's two extra tokens; worlds 
 
 from __future__ import annotations
 
+import dataclasses
+from functools import partial
+
 import pytest
 import torch
 
 import shardtrain
 from shardtrain.errors import ShardtrainError
 from shardtrain.testing import run_distributed
-from sp_cases import adamw, dp_reference, rows_of
-
-from parity import assert_params_near, train_engine
+from shardtrain.testing.parity import Recipe, assert_params_near, build_engine, reference_run, train_rows
+from sp_cases import adamw, keyword_recipe
 
 IMAGE, PATCH, ROWS, STEPS, GAS = 16, 4, 2, 2, 2  # 16 patches + the class token: 17, padded at sp 2 and 3
 
@@ -51,46 +53,48 @@ def _batches(case: str, dp: int, dtype: torch.dtype) -> list[dict[str, torch.Ten
     return out
 
 
-def _reference(case: str, dp: int, dtype: torch.dtype) -> dict:
-    return dp_reference(_model(case, dtype), _batches(case, dp, dtype), dp, ROWS, STEPS, GAS)
+def _recipe(case: str, sp: int, stage: int, dp: int) -> Recipe:
+    """``case`` at ``sequence_parallel_size`` ``sp`` and ZeRO ``stage``, on batches of ``dp`` data-parallel ranks'
+    rows (fp32 images: the float64 reference casts them)."""
+    config = {"sequence_parallel_size": sp, "zero_optimization": {"stage": stage}}
+    return keyword_recipe(partial(_model, case), partial(_batches, case, dp, torch.float32), GAS, config)
 
 
-def _run(case: str, sp: int, stage: int, checkpointing: bool, augmented: bool = False) -> dict:
+def _checkpointed(case: str) -> torch.nn.Module:
+    """``case`` under activation checkpointing: the attention runs again in backward, where the padding must stay
+    hidden too."""
     model = _model(case)
-    if checkpointing:  # the attention runs again in backward: the padding must stay hidden there too
-        model.gradient_checkpointing_enable()
-    config = {
-        "train_micro_batch_size_per_gpu": ROWS,
-        "gradient_accumulation_steps": GAS,
-        "gradient_clipping": 1.0,
-        "sequence_parallel_size": sp,
-        "zero_optimization": {"stage": stage},
-    }
-    engine = shardtrain.initialize(model, config=config, optimizer=adamw(model))
+    model.gradient_checkpointing_enable()
+    return model
+
+
+def _run(recipe: Recipe, case: str, checkpointing: bool, augmented: bool = False) -> dict:
+    if checkpointing:  # the engine's model only: the reference does not recompute
+        recipe = dataclasses.replace(recipe, make_model=partial(_checkpointed, case))
+    engine = build_engine(recipe)
+    model = engine.module
     seen: list[int] = []  # the tokens each encoder layer is given: this rank's slice, not the whole sequence
     for m in model.modules():
         if type(m).__name__.endswith("Layer"):
             m.register_forward_pre_hook(lambda mod, args, kwargs: seen.append(args[0].shape[1]), with_kwargs=True)
-    topo = engine.topology
-    batches = _batches(case, topo.dp, torch.float32)
-    rows = slice(topo.dp_rank * ROWS, (topo.dp_rank + 1) * ROWS)
+    sp = engine.topology.sp
 
-    def loss(engine, i: int) -> torch.Tensor:
-        batch = rows_of(batches[i], rows)
+    def loss(engine, batch: dict[str, torch.Tensor], i: int) -> torch.Tensor:
         if augmented and i and torch.distributed.get_rank() % sp:  # an augmentation drawn per rank
-            batch["pixel_values"] = batch["pixel_values"] + 1.0
+            batch = {**batch, "pixel_values": batch["pixel_values"] + 1.0}
         return engine(**batch).loss
 
-    run = train_engine(engine, loss, STEPS, GAS)
+    run = train_rows(engine, recipe, loss)
     return {**run, "params": engine.full_state_dict(), "tokens": sorted(set(seen))}
 
 
 def _check_parity(case: str, world: int, sp: int, stage: int, checkpointing: bool = False, augmented=False) -> None:
-    results = run_distributed(_run, world, case, sp, stage, checkpointing, augmented, init_process_group=False)
     dp = world // sp
+    recipe = _recipe(case, sp, stage, dp)
+    results = run_distributed(_run, world, recipe, case, checkpointing, augmented, init_process_group=False)
     tokens = (IMAGE // PATCH) ** 2 + (2 if case == "deit" else 1)  # the class token, and DeiT's distillation token
     assert all(r["tokens"] == [-(-tokens // sp)] for r in results), [r["tokens"] for r in results]
-    ref, exact = _reference(case, dp, torch.float32), _reference(case, dp, torch.float64)
+    ref = reference_run(recipe, dp)
     for r in results:  # every rank of a group computes the whole loss
         for s, (got, want) in enumerate(zip(r["losses"], ref["losses"])):
             if dp == 1:
@@ -101,7 +105,7 @@ def _check_parity(case: str, world: int, sp: int, stage: int, checkpointing: boo
     for r in results:
         for s, (got, want) in enumerate(zip(r["norms"], ref["norms"])):
             assert abs(got - want) <= 1e-4 * want, f"step {s}: gradient norm {got} vs one process {want}"
-    assert_params_near(results[0]["params"], ref["params"], ref["init"], exact=exact["params"], require_moved=True)
+    assert_params_near(results[0]["params"], ref["params"], ref["init"], exact=ref["exact"], require_moved=True)
 
 
 @pytest.mark.parametrize(

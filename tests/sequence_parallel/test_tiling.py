@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from functools import partial
 
 import pytest
 import torch
@@ -30,8 +31,7 @@ from shardtrain.sequence_parallel.tiling import (
     tiled_mlp,
 )
 from shardtrain.testing import run_distributed
-
-from parity import assert_params_near
+from shardtrain.testing.parity import Recipe, assert_params_near, reference_run
 
 VOCAB, SEQ, ROWS, STEPS = 64, 12, 2, 2
 
@@ -200,24 +200,28 @@ def _loss(case: str, model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 _TILED = {"tiled_logits_loss": True, "tiled_logits_loss_shards": 3, "tiled_mlp_compute": True, "tiled_mlp_shards": 5}
 
 
-def _reference(case: str, dtype: torch.dtype = torch.float32) -> dict:
-    """One process, untiled, plain torch: the whole batch's mean loss."""
-    model = (_gpt() if case == "gpt" else _llama()).to(dtype)
-    init = {k: v.clone() for k, v in model.state_dict().items()}
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
-    losses = []
-    for x, y in _batches(ROWS):
-        loss = _loss(case, model, x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return {"losses": losses, "params": model.state_dict(), "init": init}
+def _untiled(case: str):
+    return _gpt() if case == "gpt" else _llama()
+
+
+def _adamw(model) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+
+
+def _batch_loss(case: str, model, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return _loss(case, model, *batch)
+
+
+def _reference(case: str) -> dict:
+    """One process, untiled, plain torch (the parity harness's reference): the whole batch's mean loss, one
+    micro-step per step, no clipping; the float64 run's parameters as ``exact``."""
+    recipe = Recipe(partial(_untiled, case), _adamw, partial(_batches, ROWS), partial(_batch_loss, case))
+    return reference_run(recipe)
 
 
 def _engine_run(case: str, config: dict, checkpointing: bool = False) -> dict:
     model = _gpt() if case == "gpt" else _llama(checkpointing)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    opt = _adamw(model)
     engine = shardtrain.initialize(
         model, config={"train_micro_batch_size_per_gpu": ROWS, "steps_per_print": 10**6, **config}, optimizer=opt
     )
@@ -248,12 +252,12 @@ def _hf_labels(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def test_tiled_training_matches_untiled_on_one_process(case, checkpointing):
     """Tied embeddings (the head's weight is the embedding's: both gradients add up), 3 loss tiles and 5 MLP tiles
     of 12 tokens, the Llama under transformers' activation checkpointing."""
-    ref, exact = _reference(case), _reference(case, torch.float64)
+    ref = _reference(case)
     got = _engine_run(case, _TILED, checkpointing)
     for s, (g, w) in enumerate(zip(got["losses"], ref["losses"])):
         assert abs(g - w) <= 1e-6 * abs(w), f"step {s}: tiled {g} vs untiled {w}"
     assert_params_near(
-        got["params"], ref["params"], ref["init"], exact=exact["params"], what=f"{case} tiled: ", require_moved=True
+        got["params"], ref["params"], ref["init"], exact=ref["exact"], what=f"{case} tiled: ", require_moved=True
     )
 
 
@@ -279,11 +283,11 @@ def test_tiled_under_sequence_parallelism_and_zero3_matches_one_untiled_process(
     slices hold different counts); ZeRO-3 gathers the head (tied to the embedding) and the MLPs for the recompute;
     the Llama (soak) under activation checkpointing."""
     results = run_distributed(_sp_run, world, case, world, init_process_group=False)
-    ref, exact = _reference(case), _reference(case, torch.float64)
+    ref = _reference(case)
     for r in results:
         for s, (g, w) in enumerate(zip(r["losses"], ref["losses"])):
             assert abs(g - w) <= 1e-5 * abs(w), f"step {s}: {g} vs one process {w}"
-    assert_params_near(results[0]["params"], ref["params"], ref["init"], exact=exact["params"], what=f"sp {world}: ")
+    assert_params_near(results[0]["params"], ref["params"], ref["init"], exact=ref["exact"], what=f"sp {world}: ")
 
 
 # -- what is refused -------------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ returns (gloo's internal buffers, the Python heap), which is not tensor data.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from contextlib import nullcontext
 
@@ -27,6 +28,7 @@ from shardtrain.errors import ConfigError
 from shardtrain.models.gpt import GPT, GPTConfig
 from shardtrain.tensor_parallel import GPT_TP_PLAN
 from shardtrain.testing import run_distributed
+from shardtrain.testing.parity import reference_run
 from tp_cases import Case, assert_parity, config_for, train
 
 
@@ -120,19 +122,16 @@ def make_optimizer_of(params, case: Case) -> torch.optim.Optimizer:
 
 
 def _reference_from(case: Case, init: dict, dp: int, build=None) -> dict:
-    """tp_cases' single-process reference, started from ``init`` (the engine's initial weights)."""
-    original = tp_cases.make_model
+    """tp_cases' single-process reference (the parity harness's), started from ``init`` (the engine's initial
+    weights)."""
 
-    def from_init(c, seed=0):
-        model = build() if build is not None else original(c)
+    def from_init() -> nn.Module:
+        model = build() if build is not None else tp_cases.make_model(case)
         model.load_state_dict(init)
         return model
 
-    tp_cases.make_model = from_init
-    try:
-        return tp_cases.reference_run(case, dp)
-    finally:
-        tp_cases.make_model = original
+    recipe = dataclasses.replace(tp_cases.recipe(case, dp), make_model=from_init)
+    return reference_run(recipe, bf16=case.dtype == "bf16", exact=False)
 
 
 def test_zero3_with_tp_built_sharded_trains_at_parity_in_a_fraction_of_the_memory():
@@ -140,7 +139,7 @@ def test_zero3_with_tp_built_sharded_trains_at_parity_in_a_fraction_of_the_memor
     started from the same weights, and no rank's live tensor bytes ever exceed its own shards (parameters, and the
     gradient shard ZeRO-3 allocates at initialize) plus one transformer block; building the model normally does."""
     case = Case(steps=3)
-    results = run_distributed(_gpt_parity_and_memory, 4, case, timeout=600)
+    results = run_distributed(_gpt_parity_and_memory, 4, case)
     r0 = results[0]
     ref = _reference_from(case, r0["init"], dp=2)
     assert_parity(r0, ref, "gpt zero3 dp2 x tp2 built sharded")
@@ -221,7 +220,7 @@ def _one_process_values(build, seed: int) -> dict:
 
 def test_odd_world_tp3_from_meta_trains_at_parity_and_init_is_layout_independent():
     case = Case(steps=3)
-    results = run_distributed(_odd, 3, case, timeout=600)
+    results = run_distributed(_odd, 3, case)
     r0 = results[0]
     ref = _reference_from(case, r0["init"], dp=1, build=lambda: GPT(ODD_GPT))
     assert_parity(r0, ref, "gpt tp3 from meta")
@@ -347,7 +346,7 @@ def test_from_pretrained_under_tp_reads_only_each_ranks_blocks(tmp_path):
     saved = tp_cases.make_model(case, seed=3)
     saved.save_pretrained(str(tmp_path))
     want = {k: v.clone() for k, v in saved.state_dict().items()}
-    results = run_distributed(_pretrained, 2, str(tmp_path), case, timeout=600)
+    results = run_distributed(_pretrained, 2, str(tmp_path), case)
     r0 = results[0]
     assert r0["init"].keys() == want.keys()
     for k, v in want.items():
@@ -385,5 +384,5 @@ def test_hf_models_built_sharded_at_dp2_tp2(model, stage):
     built under zero.Init(config) at world 4 = dp 2 x tp 2, train at parity with one process from the same weights."""
     pytest.importorskip("transformers")
     case = Case(model=model, steps=3)
-    r0 = run_distributed(_hf_built_sharded, 4, case, stage, 2, timeout=600)[0]
+    r0 = run_distributed(_hf_built_sharded, 4, case, stage, 2)[0]
     assert_parity(r0, _reference_from(case, r0["init"], dp=2), f"{model} stage {stage} dp2 x tp2 built sharded")

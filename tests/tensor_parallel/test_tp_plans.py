@@ -508,3 +508,16 @@ def test_plan_errors(world):
         assert errors["llama"].startswith("model.layers.0.self_attn.q_proj.weight: dimension 0"), errors["llama"]
     else:
         assert errors["llama"] is None
+
+
+def test_a_plan_survives_pickling():
+    """A plan goes to fresh processes (a parity recipe's ``tp_plan``, an argument of ``run_distributed``): pickled
+    and loaded, it is the same plan, still read-only."""
+    import pickle
+
+    for plan in (GPT_TP_PLAN, GPT2_TP_PLAN):
+        copied = pickle.loads(pickle.dumps(plan))
+        assert copied == plan and dict(copied.styles) == dict(plan.styles)
+        assert dict(copied.per_rank_attributes) == dict(plan.per_rank_attributes)
+        with pytest.raises(TypeError):
+            copied.styles["head"] = "rowwise"

@@ -87,8 +87,43 @@ def test_recipes_the_harness_cannot_split_are_refused():
     with pytest.raises(ValueError, match="6 micro-batches are not a whole number of steps of gas 4"):
         _ = Recipe(make_model, make_optimizer, batches, mean_loss, gas=4).steps
     shared = Recipe(make_model, make_optimizer, batches, mean_loss, config={"sequence_parallel_size": 2})
-    with pytest.raises(ValueError, match="data-parallel ranks only"):
-        shared.engine_config(2)
+    with pytest.raises(ValueError, match=r"tensor_parallel\.size 1 x sequence_parallel_size 2 does not divide the 3"):
+        shared.data_parallel(3)
+    with pytest.raises(ValueError, match="does not divide the 3"):
+        check_parity(shared, worlds=(3,))  # before any rank starts
+    with pytest.raises(ValueError, match=r"12 rows does not split over 5 ranks \(the data-parallel ranks of 10\)"):
+        shared.engine_config(10)
+
+
+def test_a_layout_maps_ranks_to_rows():
+    """[Note: the layout a recipe describes]: rows split over the data-parallel ranks only, keyword batches too, and
+    the reference's loss the whole batch's unless the recipe asks for the ranks' mean."""
+    layout = {"tensor_parallel": {"size": 2}, "sequence_parallel_size": 3}
+    recipe = Recipe(make_model, make_optimizer, batches, mean_loss, gas=GAS, config=layout)
+    assert recipe.data_parallel(12) == 2
+    assert recipe.engine_config(12)["train_micro_batch_size_per_gpu"] == ROWS // 2
+    assert recipe.engine_config(6)["train_micro_batch_size_per_gpu"] == ROWS
+    x, y = batches()[0]
+    part = recipe.rows_of((x, y), 1, 3)
+    assert torch.equal(part[0], x[4:8]) and torch.equal(part[1], y[4:8])
+    keywords = recipe.rows_of({"x": x, "flag": False}, 2, 3)
+    assert torch.equal(keywords["x"], x[8:]) and keywords["flag"] is False
+    model = make_model()
+    whole = mean_loss(model, (x, y))
+    assert torch.equal(recipe.reference_loss(model, (x, y), 3), whole)
+    summed = Recipe(make_model, make_optimizer, batches, summed_loss, per_rank_loss=True)
+    ranks = sum(summed_loss(model, (x[r], y[r])) for r in (slice(0, 6), slice(6, 12))) / 2
+    assert torch.allclose(summed.reference_loss(model, (x, y), 2), ranks)
+    assert not torch.allclose(ranks, summed_loss(model, (x, y)))
+
+
+def test_a_tensor_parallel_run_passes_at_worlds_2_and_4():
+    """The regressor's hidden layers split column- then row-wise over 2 ranks, at dp 1 and dp 2."""
+    layout = {"tensor_parallel": {"size": 2}, "zero_optimization": {"stage": 1}}
+    plan = {"body.0": "colwise", "body.2": "rowwise"}
+    recipe = Recipe(make_model, make_optimizer, batches, mean_loss, gas=GAS, clip=0.5, config=layout, tp_plan=plan)
+    results = check_parity(recipe, worlds=(2, 4))
+    assert [len(r) for r in results.values()] == [2, 4]
 
 
 def test_the_documented_example_runs_as_a_script(tmp_path):

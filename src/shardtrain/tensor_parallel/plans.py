@@ -37,6 +37,10 @@ class TPPlan:
         object.__setattr__(self, "styles", MappingProxyType(dict(self.styles)))
         object.__setattr__(self, "per_rank_attributes", MappingProxyType(dict(self.per_rank_attributes)))
 
+    def __reduce__(self):
+        """Picklable (a read-only mapping is not): a plan travels to fresh processes, as a parity recipe's does."""
+        return (type(self), (dict(self.styles), dict(self.per_rank_attributes)))
+
 
 def as_plan(plan: Mapping[str, str | TPStyle] | TPPlan) -> TPPlan:
     return plan if isinstance(plan, TPPlan) else TPPlan(styles=plan)

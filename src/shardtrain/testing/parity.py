@@ -14,7 +14,7 @@ parameters::
     def make_optimizer(model):
         return torch.optim.AdamW(model.parameters(), lr=1e-3)
 
-    def batches():                         # the global micro-batches, rows = micro x world
+    def batches():                         # the global micro-batches, rows = micro x data-parallel ranks
         g = torch.Generator().manual_seed(1)
         return [(torch.randn(12, 16, generator=g), torch.randn(12, 4, generator=g)) for _ in range(8)]
 
@@ -28,17 +28,38 @@ parameters::
         check_parity(recipe, worlds=(1, 2, 3))  # raises AssertionError naming the step or the tensor that differs
 
 The reference follows the recipe the engine must reproduce: ``gas`` micro-steps each backpropagating ``loss / gas``,
-``clip_grad_norm_`` at ``clip``, the optimizer's step. A loss must be a mean over the micro-batch's rows, and the rows
-must split evenly over the ranks (``rows = micro x world``). The callables must live in an importable module (not a
-notebook cell, not a lambda), and ``batches()`` must return the same tensors at every call: each rank calls it. The
-harness splits rows over data-parallel ranks only: configs with tensor or sequence parallelism, whose ranks share
-rows, are refused (the suite's own tests cover those). The parameters are compared within the bounds of [Note:
-parity bounds]; the float64 run of the reference is what they fall back on.
+``clip_grad_norm_`` at ``clip``, the optimizer's step. A loss must be a mean over the micro-batch's rows (or the recipe
+says ``per_rank_loss``, see [Note: the layout a recipe describes]), and the rows must split evenly over the
+data-parallel ranks. The callables must live in an importable module (not a notebook cell, not a lambda), and
+``batches()`` must return the same tensors at every call: each rank calls it. Configs with tensor or sequence
+parallelism are described too ([Note: the layout a recipe describes]). The parameters are compared within the bounds
+of [Note: parity bounds]; the float64 run of the reference is what they fall back on.
+
+[Note: the layout a recipe describes]
+The reference is always the same model in one process, trained on the whole global micro-batches with the same
+optimizer. What the config's layout changes is which rows a rank is given and how its results map back to that run:
+- *Rows.* ``world = dp * sp * tp`` (``sequence_parallel_size``, ``tensor_parallel.size``; hybrid sharding splits
+  ``dp`` further without changing it). The rows of a micro-batch are split over the ``dp`` data-parallel ranks in
+  order (``engine.topology.dp_rank``); the ``sp * tp`` ranks of one data-parallel rank are all given the same rows,
+  whole sequences included: the engine cuts the sequence (Ulysses) and the weights (the recipe's ``tp_plan``) itself.
+- *Losses.* Every rank of a data-parallel rank's block returns the loss of its rows, the whole sequences' loss, so
+  the mean over all ranks is the mean over the data-parallel ranks, which :func:`assert_parity` compares with the
+  reference's loss. The engine averages gradients over data-parallel ranks. So the reference's loss of a
+  micro-batch is the whole micro-batch's loss (what a user means), which a mean over rows matches; with
+  ``per_rank_loss`` it is the mean of the data-parallel ranks' losses on their rows. A mean over real tokens (labels
+  of -100 ignored) needs that: the ranks hold different numbers of real tokens, so the mean of their means is
+  another loss than the whole batch's mean, and it is the one the engine trains on.
+- *Parameters.* ``engine.full_state_dict()`` joins each tensor's tensor-parallel blocks (a fused weight with its
+  stride) and ZeRO fragments into the full tensor on rank 0: the same names and shapes as the reference's
+  ``state_dict()``.
+- *Precision.* With ``bf16`` the reference computes in bf16 and steps fp32 masters made from the fp32 initial
+  weights, gradients summed in fp32 over the micro-steps, as the engine does (:func:`train_one_process_bf16`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import os
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,22 +73,36 @@ MicroLoss = Callable[[nn.Module, int], torch.Tensor]
 model or an engine."""
 
 
+Batch = tuple[torch.Tensor, ...] | Mapping[str, Any]
+"""A micro-batch: a tuple of tensors, or the keyword inputs of a model; dimension 0 of every tensor is the rows (a
+keyword's value that is not a tensor is given to every rank as it is)."""
+
+
 @dataclass(frozen=True)
 class Recipe:
     """One training run to prove: what :func:`check_parity` runs in one process and on every rank. The callables
-    must be importable (defined at module level): each rank is a fresh process."""
+    must be importable (defined at module level, or ``functools.partial`` of such): each rank is a fresh process."""
 
     make_model: Callable[[], nn.Module]
     """A new model, the same weights every call (seed inside)."""
     make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]
-    batches: Callable[[], Sequence[tuple[torch.Tensor, ...]]]
-    """The global micro-batches, ``steps * gas`` of them; dimension 0 of each tensor is the rows, split over ranks."""
-    loss: Callable[[nn.Module, tuple[torch.Tensor, ...]], torch.Tensor]
-    """The mean loss of ``model`` on a micro-batch (the whole one in the reference, a rank's rows on a rank)."""
+    batches: Callable[[], Sequence[Batch]]
+    """The global micro-batches, ``steps * gas`` of them; dimension 0 of each tensor is the rows, split over the
+    data-parallel ranks."""
+    loss: Callable[[nn.Module, Batch], torch.Tensor]
+    """The mean loss of ``model`` (the one-process model, or an engine) on a micro-batch: the whole one in the
+    reference, a data-parallel rank's rows on a rank."""
     gas: int = 1
     clip: float = 0.0
     config: dict[str, Any] = field(default_factory=dict)
-    """The engine's config, without the batch sizes and the clipping, which the recipe sets."""
+    """The engine's config, without the batch sizes and the clipping, which the recipe sets. Its
+    ``tensor_parallel.size`` and ``sequence_parallel_size`` say the layout ([Note: the layout a recipe
+    describes])."""
+    tp_plan: Any = None
+    """``initialize``'s ``tp_plan`` under tensor parallelism (None: a transformers model's own plan)."""
+    per_rank_loss: bool = False
+    """The reference's loss of a micro-batch is the mean of the data-parallel ranks' losses on their rows instead of
+    the whole micro-batch's ([Note: the layout a recipe describes])."""
 
     @property
     def steps(self) -> int:
@@ -76,22 +111,57 @@ class Recipe:
             raise ValueError(f"{n} micro-batches are not a whole number of steps of gas {self.gas}")
         return n // self.gas
 
-    def engine_config(self, world: int) -> dict[str, Any]:
-        shared = [k for k in ("tensor_parallel", "sequence_parallel_size") if k in self.config]
-        if shared:
+    @property
+    def rows(self) -> int:
+        """The rows of a global micro-batch."""
+        return _rows_in(self.batches()[0])
+
+    def _sharing(self) -> tuple[int, int]:
+        """``(tp, sp)``: the config's tensor- and sequence-parallel sizes, whose ranks share rows."""
+        return (self.config.get("tensor_parallel") or {}).get("size", 1), self.config.get("sequence_parallel_size", 1)
+
+    def data_parallel(self, world: int) -> int:
+        """The data-parallel ranks of ``world`` processes under the config's tensor and sequence parallelism."""
+        tp, sp = self._sharing()
+        if world % (tp * sp):
             raise ValueError(
-                f"the parity harness splits rows over data-parallel ranks only; {shared} in the config make ranks "
-                "share rows (the suite's tests/tp_cases.py and tests/sequence_parallel/ check those)"
+                f"tensor_parallel.size {tp} x sequence_parallel_size {sp} does not divide the {world} ranks"
             )
-        rows = self.batches()[0][0].shape[0]
-        if rows % world:
-            raise ValueError(f"a micro-batch of {rows} rows does not split over {world} ranks")
+        return world // (tp * sp)
+
+    def engine_config(self, world: int) -> dict[str, Any]:
+        """The engine's config at ``world`` processes. A layout that does not divide ``world`` is left for
+        ``initialize`` to refuse by name (:meth:`data_parallel` refuses it here)."""
+        tp, sp = self._sharing()
+        dp = max(world // (tp * sp), 1)
+        if self.rows % dp:
+            of = f" (the data-parallel ranks of {world})" if dp != world else ""
+            raise ValueError(f"a micro-batch of {self.rows} rows does not split over {dp} ranks{of}")
         return {
             **self.config,
-            "train_micro_batch_size_per_gpu": rows // world,
+            "train_micro_batch_size_per_gpu": self.rows // dp,
             "gradient_accumulation_steps": self.gas,
             "gradient_clipping": self.clip,
         }
+
+    def rows_of(self, batch: Batch, dp_rank: int, dp: int) -> Batch:
+        """Data-parallel rank ``dp_rank``'s rows of ``batch`` (of ``dp`` equal parts)."""
+        n = _rows_in(batch) // dp
+        part = slice(dp_rank * n, (dp_rank + 1) * n)
+        if isinstance(batch, Mapping):
+            return {k: v[part] if torch.is_tensor(v) else v for k, v in batch.items()}
+        return tuple(t[part] for t in batch)
+
+    def reference_loss(self, model: nn.Module, batch: Batch, dp: int) -> torch.Tensor:
+        """The loss the reference backpropagates for ``batch`` when the engine has ``dp`` data-parallel ranks."""
+        if not self.per_rank_loss:
+            return self.loss(model, batch)
+        return sum(self.loss(model, self.rows_of(batch, d, dp)) for d in range(dp)) / dp
+
+
+def _rows_in(batch: Batch) -> int:
+    tensors = [v for v in (batch.values() if isinstance(batch, Mapping) else batch) if torch.is_tensor(v)]
+    return tensors[0].shape[0]
 
 
 def train_one_process(
@@ -132,56 +202,138 @@ def train_engine(engine: shardtrain.Engine, loss: MicroLoss, steps: int, gas: in
     return {"losses": losses, "norms": norms}
 
 
-def reference_run(recipe: Recipe) -> dict:
-    """The recipe in one process on the whole global batches: fp32 losses, norms and parameters, and the float64
-    run's parameters (``exact``, see [Note: parity bounds])."""
+def train_one_process_bf16(
+    model: nn.Module, optimizer: torch.optim.Optimizer, loss: MicroLoss, steps: int, gas: int, clip: float
+) -> dict:
+    """:func:`train_one_process` in mixed precision, as the engine's ``bf16`` does it: fp32 masters made from the fp32
+    model, bf16 compute, each micro-step's gradients summed into the masters in fp32, clipping and the optimizer on
+    the masters, then the bf16 parameters refreshed from them. ``model`` must be fp32; ``init`` is its fp32 state,
+    ``params`` the final bf16 one."""
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    masters = {p: p.detach().clone() for p in params}
+    for g in optimizer.param_groups:
+        g["params"] = [masters[p] for p in g["params"]]
+    model.to(torch.bfloat16)
+    losses, norms = [], []
+    for step in range(steps):
+        total = 0.0
+        for m in range(gas):
+            value = loss(model, step * gas + m)
+            (value / gas).backward()
+            for p in params:
+                masters[p].grad = p.grad.float() + (masters[p].grad if masters[p].grad is not None else 0)
+                p.grad = None
+            total += value.item() / gas
+        norms.append(float(torch.nn.utils.clip_grad_norm_(list(masters.values()), clip if clip > 0 else float("inf"))))
+        optimizer.step()
+        optimizer.zero_grad()
+        with torch.no_grad():
+            for p in params:
+                p.copy_(masters[p])
+        losses.append(total)
+    return {"losses": losses, "norms": norms, "params": model.state_dict(), "init": init}
+
+
+def reference_run(recipe: Recipe, dp: int = 1, bf16: bool = False, exact: bool = True) -> dict:
+    """The recipe in one process on the whole global batches, for an engine of ``dp`` data-parallel ranks (which
+    only ``per_rank_loss`` reads): fp32 losses, norms and parameters, and the float64 run's parameters (``exact``,
+    see [Note: parity bounds]; ``exact=False`` skips that run). ``bf16``: the mixed-precision run of
+    :func:`train_one_process_bf16` instead, without a float64 one."""
     batches = recipe.batches()
 
     def run(dtype: torch.dtype) -> dict:
         model = recipe.make_model().to(dtype)
 
         def loss(m: nn.Module, i: int) -> torch.Tensor:
-            return recipe.loss(m, tuple(t.to(dtype) if t.is_floating_point() else t for t in batches[i]))
+            return recipe.reference_loss(m, _cast(batches[i], dtype), dp)
 
         return train_one_process(model, recipe.make_optimizer(model), loss, recipe.steps, recipe.gas, recipe.clip)
 
+    if bf16:
+        model = recipe.make_model()
+
+        def mixed_loss(m: nn.Module, i: int) -> torch.Tensor:
+            return recipe.reference_loss(m, batches[i], dp)
+
+        return train_one_process_bf16(
+            model, recipe.make_optimizer(model), mixed_loss, recipe.steps, recipe.gas, recipe.clip
+        )
     ref = run(torch.float32)
-    ref["exact"] = run(torch.float64)["params"]
+    if exact:
+        ref["exact"] = run(torch.float64)["params"]
     return ref
 
 
-def engine_run(recipe: Recipe) -> dict:
-    """The recipe on this rank (inside :func:`shardtrain.testing.run_distributed`): its rows of every micro-batch.
-    Returns its losses, the global norms and the full final parameters."""
+def _cast(batch: Batch, dtype: torch.dtype) -> Batch:
+    """``batch``'s floating-point tensors in ``dtype`` (a float64 reference computes on float64 inputs)."""
+
+    def cast(v: Any) -> Any:
+        return v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v
+
+    if isinstance(batch, Mapping):
+        return {k: cast(v) for k, v in batch.items()}
+    return tuple(cast(t) for t in batch)
+
+
+def _world() -> int:
+    """This job's processes; before ``initialize`` has made the process group, the launcher's ``WORLD_SIZE``."""
     import torch.distributed as dist
 
-    rank, world = dist.get_rank(), dist.get_world_size()
+    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def build_engine(recipe: Recipe) -> shardtrain.Engine:
+    """The recipe's engine on this rank: its model, optimizer, ``tp_plan`` and config for this job's world size."""
     model = recipe.make_model()
-    engine = shardtrain.initialize(model, config=recipe.engine_config(world), optimizer=recipe.make_optimizer(model))
-    batches = recipe.batches()
+    return shardtrain.initialize(
+        model, config=recipe.engine_config(_world()), optimizer=recipe.make_optimizer(model), tp_plan=recipe.tp_plan
+    )
 
-    def loss(e: nn.Module, i: int) -> torch.Tensor:
-        rows = batches[i][0].shape[0] // world
-        return recipe.loss(e, tuple(t[rank * rows : (rank + 1) * rows] for t in batches[i]))
 
-    out = train_engine(engine, loss, recipe.steps, recipe.gas)
+def engine_run(recipe: Recipe, inspect: Callable[[shardtrain.Engine], dict] | None = None) -> dict:
+    """The recipe on this rank (inside :func:`shardtrain.testing.run_distributed`): its data-parallel rank's rows of
+    every micro-batch ([Note: the layout a recipe describes]). Returns its losses, the global norms, the full final
+    parameters (rank 0; None elsewhere) and what ``inspect(engine)`` returns after training (counters, groups), then
+    closes the engine."""
+    engine = build_engine(recipe)
+    out = train_rows(engine, recipe)
     out["params"] = engine.full_state_dict()
+    if inspect is not None:
+        out.update(inspect(engine))
+    engine.close()
     return out
+
+
+def train_rows(engine: shardtrain.Engine, recipe: Recipe, loss: Callable | None = None) -> dict:
+    """:func:`train_engine` on this rank's rows of the recipe's batches; ``loss(engine, batch, i)`` instead of the
+    recipe's where a rank does more than compute it (``i`` counts micro-steps from the start)."""
+    topo, batches = engine.topology, recipe.batches()
+
+    def micro(e: nn.Module, i: int) -> torch.Tensor:
+        rows = recipe.rows_of(batches[i], topo.dp_rank, topo.dp)
+        return recipe.loss(e, rows) if loss is None else loss(e, rows, i)
+
+    return train_engine(engine, micro, recipe.steps, recipe.gas)
 
 
 def check_parity(
     recipe: Recipe, worlds: Sequence[int] = (1, 2, 3), loss_rtol: float = 1e-5, norm_rtol: float = 1e-4
 ) -> dict[int, list[dict]]:
-    """:func:`engine_run` at each world size against one :func:`reference_run`, by :func:`assert_parity`. Returns
-    the ranks' results by world size."""
+    """:func:`engine_run` at each world size against :func:`reference_run`, by :func:`assert_parity`. Returns the
+    ranks' results by world size."""
     from shardtrain.testing import run_distributed
 
-    ref = reference_run(recipe)
+    dps = {world: recipe.data_parallel(world) for world in worlds}  # a layout that does not fit: before any rank
+    refs: dict[int, dict] = {}
     results = {}
     for world in worlds:
+        dp = dps[world] if recipe.per_rank_loss else 1  # the reference depends on dp only then
+        if dp not in refs:
+            refs[dp] = reference_run(recipe, dp)
         results[world] = run_distributed(engine_run, world, recipe)
         try:
-            assert_parity(results[world], ref, loss_rtol, norm_rtol)
+            assert_parity(results[world], refs[dp], loss_rtol, norm_rtol)
         except AssertionError as err:
             raise AssertionError(f"world {world}: {err}") from None
     return results
