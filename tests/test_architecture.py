@@ -189,3 +189,14 @@ def test_every_package_says_what_it_owns():
         if not ast.get_docstring(ast.parse(init.read_text()))
     ]
     assert not missing, f"packages without a docstring: {missing}"
+
+
+def test_class_names_are_unique():
+    """One meaning per name (issue 34): no two classes of the package share a name; a public name that must repeat
+    another's (``deepspeed.zero.Init``) is an alias of a class named apart."""
+    where: dict[str, list[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef):
+                where.setdefault(node.name, []).append(str(path.relative_to(PACKAGE)))
+    assert {name: files for name, files in where.items() if len(files) > 1} == {}

@@ -33,7 +33,7 @@ def register_engine(engine: Engine) -> None:
     _ENGINES.add(engine)
 
 
-class Init:
+class DeepSpeedInit:
     """``deepspeed.zero.Init``: build a model with its parameters sharded over the ranks as they are created.
 
     ``enabled=False`` builds it normally. ``config_dict_or_path`` / ``config`` goes to shardtrain's ``zero.Init``:
@@ -86,7 +86,7 @@ class Init:
         self.enabled = enabled
         self._inner = _ShardedInit(source) if enabled else None
 
-    def __enter__(self) -> Init:
+    def __enter__(self) -> DeepSpeedInit:
         if self._inner is not None:
             self._inner.__enter__()
         return self
@@ -94,6 +94,10 @@ class Init:
     def __exit__(self, *exc: Any) -> None:
         if self._inner is not None:
             self._inner.__exit__(*exc)
+
+
+Init = DeepSpeedInit
+"""The name scripts write (``deepspeed.zero.Init``); the class is named apart from :class:`shardtrain.zero.Init`."""
 
 
 def _as_list(params: nn.Parameter | Iterable[nn.Parameter]) -> list[nn.Parameter]:
