@@ -54,8 +54,8 @@ which may run on another node; ``token``: random, also written into rank 0's sto
 and connect, and use the store only if it holds the same token: a key left by the previous attempt
 names a port where nothing listens any more (connection refused) or another store (another token), and they read
 the key again until rank 0 of this attempt has written it. The process group then starts on a store that holds
-nothing from an earlier attempt, as with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, which a user no longer needs to
-set. As without a shared store, rank 0 hosts the store (the failure survey names rank 0 when the store stops answering).
+nothing from an earlier attempt, as with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, which a user need not set. As without
+a shared store, rank 0 hosts the store (the failure survey names rank 0 when the store stops answering).
 """
 
 from __future__ import annotations

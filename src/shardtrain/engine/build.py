@@ -346,10 +346,10 @@ def move_whole_parts(model: nn.Module, zcfg: ZeroConfig, topology: Topology) -> 
     until :func:`~shardtrain.zero.build.build_layout` copies them into their unit, one unit at a time.
 
     [Note: stage 3 from the host]
-    A model built on the host without ``zero.Init`` (or on another device) used to be moved whole to the device
-    before it was sharded, so ``initialize``'s device peak was the whole model even at stage 3, where a model that
-    only fits sharded runs out of memory while ``shardtrain estimate`` says it fits. Now, at stage 3, only the
-    buffers and the parameters below ``stage3_param_persistence_threshold`` are moved first. Each unit's parameters
+    A model built on the host without ``zero.Init`` (or on another device) is not moved whole to the device before
+    it is sharded: at stage 3 the device peak of ``initialize`` would be the whole model, and a model that only fits
+    sharded would run out of memory while ``shardtrain estimate`` says it fits. At stage 3 only the buffers and the
+    parameters below ``stage3_param_persistence_threshold`` are moved first. Each unit's parameters
     are copied into the unit's flat buffer, made on the device (``build_buckets(device=...)``), when the unit is laid
     out. The buffer then holds rank 0's values (broadcast), this rank's shard is cut from it, and it is freed before
     the next unit. The device peak of ``initialize`` is the shards laid out so far plus one unit; the host keeps

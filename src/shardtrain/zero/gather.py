@@ -4,10 +4,9 @@
 [Note: one gather service]
 A unit is gathered for forward and backward by the eager runtime's hooks, on demand when a parameter is used
 outside its unit, and by ``engine.gathered(...)``, which ``full_state_dict``, ``save_16bit_model``, the DeepSpeed
-shim's ``GatheredParameters`` and the graph runtime's ``gathered`` all use. Each of them used to reach the same
-private methods of the eager runtime, and the two collaborators of a gather (ZeRO++ hpZ's secondary shards, and the
-parameter offload's swap files, which must be read before the all-gather sends from them) were attributes set on
-the runtime after it was built. They are now one object, built with its collaborators, that owns a unit's state
+shim's ``GatheredParameters`` and the graph runtime's ``gathered`` all use. They all go through one object, built
+with the two collaborators of a gather (ZeRO++ hpZ's secondary shards, and the parameter offload's swap files, which
+must be read before the all-gather sends from them), that owns a unit's state
 (``SHARDED`` / ``GATHERING`` / ``GATHERED``), its in-flight collectives and the unit-order check ([Note: unit order
 check] in :mod:`shardtrain.zero.unit_runtime`). Its interface is four calls: ``gather(unit, why)`` (optionally
 asynchronous, waited for by ``wait``), ``release(unit)``, ``release_all()`` and the context manager

@@ -64,7 +64,8 @@ def check_parameter_dtypes(model: nn.Module, policy: PrecisionPolicy) -> None:
     precision, for parameters that are fp32 (cast by shardtrain after its fp32 masters are taken) or
     already in the compute dtype (the masters are then made from those values), and fp64 without mixed
     precision. Any other dtype would
-    train silently wrong: a bf16 model without a ``bf16`` section used to take no-op steps. Frozen
+    train silently wrong (a bf16 model without a ``bf16`` section would take steps too small to change its
+    bf16 values). Frozen
     parameters may have any dtype (a bf16 base model under LoRA adapters): they are never stepped."""
     allowed = {torch.float32, policy.compute_dtype}
     if not policy.mixed:  # fp64 trains as it is: its gradients accumulate in fp64 and alias the flat buffers
