@@ -60,6 +60,7 @@ import pickle
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 import torch
@@ -76,7 +77,24 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 FORCE_ENV = "SHARDTRAIN_FORCE_COLLECTIVES"
 """Set to ``1``: a group of one issues its collectives too (see [Note: a group of one])."""
 
-_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX}
+
+class Reduce(StrEnum):
+    """The reduction of a reducing collective: the one vocabulary every caller of the communicator uses. Its values
+    are the names torch's functional collectives take (``_c10d_functional.all_reduce(t, "sum", group)``)."""
+
+    SUM = "sum"
+    AVG = "avg"
+    MAX = "max"
+
+
+_OPS = {Reduce.SUM: dist.ReduceOp.SUM, Reduce.AVG: dist.ReduceOp.AVG, Reduce.MAX: dist.ReduceOp.MAX}
+
+
+def _reduction(op: Reduce | str) -> Reduce:
+    try:
+        return Reduce(op)
+    except ValueError:
+        raise ValueError(f"unknown reduction {op!r}: one of {', '.join(r.value for r in Reduce)}") from None
 
 
 @dataclass
@@ -114,17 +132,17 @@ class Handle:
 _AVG_BACKENDS = frozenset({"nccl"})
 
 
-def graph_reduce_op(backend: str) -> str:
+def graph_reduce_op(backend: str) -> Reduce:
     """The reduce op of a graph's backend reduce-scatter on ``backend`` (see [Note: collectives in graphs]):
-    ``"avg"`` where the backend averages on the wire, else ``"sum"`` (the caller divides by the group size)."""
-    return "avg" if backend in _AVG_BACKENDS else "sum"
+    ``AVG`` where the backend averages on the wire, else ``SUM`` (the caller divides by the group size)."""
+    return Reduce.AVG if backend in _AVG_BACKENDS else Reduce.SUM
 
 
 class _PairwiseHandle(Handle):
     """The pairwise reduce-scatter of [Note: bytes on the wire]: waits for every transfer, then adds the ``N``
     chunks in rank order into ``out``."""
 
-    def __init__(self, comm: Communicator, works: list, parts: list[torch.Tensor], out: torch.Tensor, op: str,
+    def __init__(self, comm: Communicator, works: list, parts: list[torch.Tensor], out: torch.Tensor, op: Reduce,
                  what: str, started: float) -> None:  # fmt: skip
         super().__init__(comm, works, "reduce_scatter", what, started)
         self._parts, self._out, self._op = parts, out, op
@@ -137,7 +155,7 @@ class _PairwiseHandle(Handle):
         torch.add(parts[0], parts[1], out=out)
         for part in parts[2:]:
             out.add_(part)
-        if self._op == "avg":
+        if self._op == Reduce.AVG:
             out.div_(len(parts))
 
 
@@ -332,17 +350,20 @@ class Communicator:
         return None
 
     # -- collectives ------------------------------------------------------------------------------
-    def all_reduce(self, t: torch.Tensor, op: str = "sum", *, what: str, async_op: bool = False):
+    def all_reduce(self, t: torch.Tensor, op: Reduce = Reduce.SUM, *, what: str, async_op: bool = False):
         n = self.size
         self._count("all_reduce", 2 * t.numel() * t.element_size() * (n - 1) // n)  # ring: sent as counted
         if self.alone:
             return Handle(self, None, "all_reduce", what) if async_op else None
         return self._run(
-            "all_reduce", what, lambda a: dist.all_reduce(t, op=_OPS[op], group=self.group, async_op=a), async_op
+            "all_reduce",
+            what,
+            lambda a: dist.all_reduce(t, op=_OPS[_reduction(op)], group=self.group, async_op=a),
+            async_op,
         )
 
     def reduce_scatter(
-        self, out: torch.Tensor, inp: torch.Tensor, op: str = "sum", *, what: str, async_op: bool = False
+        self, out: torch.Tensor, inp: torch.Tensor, op: Reduce = Reduce.SUM, *, what: str, async_op: bool = False
     ):
         """``inp`` holds ``size`` equal chunks; chunk ``rank`` of the reduction lands in ``out``.
 
@@ -353,18 +374,18 @@ class Communicator:
             out.copy_(inp)
             return Handle(self, None, "reduce_scatter", what) if async_op else None
         if pairwise:
-            return self._reduce_scatter_pairwise(out, inp, op, what, async_op)
+            return self._reduce_scatter_pairwise(out, inp, _reduction(op), what, async_op)
         return self._run(
             "reduce_scatter",
             what,
-            lambda a: _reduce_scatter_flat(out, inp, op=_OPS[op], group=self.group, async_op=a),
+            lambda a: _reduce_scatter_flat(out, inp, op=_OPS[_reduction(op)], group=self.group, async_op=a),
             async_op,
         )
 
-    def _reduce_scatter_pairwise(self, out: torch.Tensor, inp: torch.Tensor, op: str, what: str, async_op: bool):
+    def _reduce_scatter_pairwise(self, out: torch.Tensor, inp: torch.Tensor, op: Reduce, what: str, async_op: bool):
         """See [Note: bytes on the wire]."""
-        if op not in ("sum", "avg"):
-            raise ValueError(f"pairwise reduce-scatter supports op 'sum' or 'avg', got {op!r}")
+        if op not in (Reduce.SUM, Reduce.AVG):
+            raise ValueError(f"pairwise reduce-scatter supports SUM or AVG, got {op!r}")
         self._refuse_after_failure("reduce_scatter", what)
         n, me = self.size, self.rank
         chunks = inp.view(n, -1)  # [N, S/N]: chunk j goes to rank j
@@ -477,11 +498,11 @@ class Communicator:
         full = torch.ops._c10d_functional.all_gather_into_tensor(shard, self.size, self.group.group_name)
         return torch.ops._c10d_functional.wait_tensor(full)
 
-    def graph_all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    def graph_all_reduce(self, t: torch.Tensor, op: Reduce = Reduce.SUM) -> torch.Tensor:
         """The reduction of every rank's ``t`` (a new tensor; traceable, see [Note: collectives in graphs])."""
         if self.alone:
             return t
-        out = torch.ops._c10d_functional.all_reduce(t.contiguous(), op, self.group.group_name)
+        out = torch.ops._c10d_functional.all_reduce(t.contiguous(), op.value, self.group.group_name)
         return torch.ops._c10d_functional.wait_tensor(out)
 
     def graph_all_gather_dim(self, inp: torch.Tensor, dim: int) -> torch.Tensor:
@@ -505,8 +526,8 @@ class Communicator:
         if predivide is not None and predivide != 1:
             full = full * (1.0 / predivide)  # the reciprocal, as the eager reducer (and DeepSpeed): the same rounding
         if self.reduce_scatter_impl != "pairwise":
-            op = graph_reduce_op(self.backend) if predivide is None else "sum"
-            out = torch.ops._c10d_functional.reduce_scatter_tensor(full, op, n, name)
+            op = graph_reduce_op(self.backend) if predivide is None else Reduce.SUM
+            out = torch.ops._c10d_functional.reduce_scatter_tensor(full, op.value, n, name)
             out = torch.ops._c10d_functional.wait_tensor(out)
         else:
             chunk = full.numel() // n
@@ -515,10 +536,10 @@ class Communicator:
             out = parts[0] + parts[1]
             for k in range(2, n):
                 out = out + parts[k]
-            op = "sum"
+            op = Reduce.SUM
         if predivide is not None:
             return out * (predivide / n) if predivide != n else out
-        return out if op == "avg" else out / n
+        return out if op == Reduce.AVG else out / n
 
     def graph_counts(self, graph: torch.fx.Graph) -> tuple[tuple[str, int, int], ...]:
         """``(kind, bytes, sent)`` of every collective over this group that ``graph`` issues (see [Note: counting

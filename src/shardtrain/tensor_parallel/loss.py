@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from shardtrain.between_graphs import between_graphs
-from shardtrain.distributed.communicator import Communicator
+from shardtrain.distributed.communicator import Communicator, Reduce
 from shardtrain.errors import LayoutError
 from shardtrain.tensor_parallel.rng import RegionRNG
 
@@ -28,9 +28,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         start = comm.rank * per
         row_max = logits.max(dim=-1).values  # [T]
         if torch.compiler.is_compiling():  # traced into the one graph of ZeRO stage 3 (see .communication)
-            row_max = comm.graph_all_reduce(row_max, "max")
+            row_max = comm.graph_all_reduce(row_max, Reduce.MAX)
         else:
-            comm.all_reduce(row_max, "max", what="vocab-parallel cross-entropy max")
+            comm.all_reduce(row_max, Reduce.MAX, what="vocab-parallel cross-entropy max")
         shifted = logits - row_max.unsqueeze(-1)  # [T, V/N], <= 0 for numerical safety
         valid = targets != ignore_index  # [T]
         mine = valid & (targets >= start) & (targets < start + per)  # [T] target on this rank

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch import nn
 
-from shardtrain.distributed.communicator import Communicator
+from shardtrain.distributed.communicator import Communicator, Reduce
 from shardtrain.errors import OptimizerError
 from shardtrain.optim.adam import DeepSpeedAdam
 from shardtrain.zero.layout import Bucket
@@ -117,7 +117,7 @@ class TensorParallelNorm:
         owner = 1.0 if (sharded and self.replica_rank == 0) or self.dp_rank == 0 else 0.0
         flag = torch.full_like(split, float(reducer.order_departed))  # a fill: no copy from the host
         parts = torch.stack([split * owner, replicated * owner * float(self.tp_rank == 0), flag])
-        self.world.all_reduce(parts, "sum", what="squared gradient norm (data x tensor parallel)")
+        self.world.all_reduce(parts, Reduce.SUM, what="squared gradient norm (data x tensor parallel)")
         if reducer.sharded_grads:
             reducer.settle_order_later(parts[2])
         return parts[0] + parts[1]
@@ -381,7 +381,7 @@ class ShardedOptimizer:
             if swapped is not None and swapped.failed:
                 flag += IO_FAILED
             both = torch.stack([local_sq * self.norm_weight, torch.full_like(local_sq, flag)])  # a fill, no copy
-            self.norm_comm.all_reduce(both, "sum", what="squared gradient norm")
+            self.norm_comm.all_reduce(both, Reduce.SUM, what="squared gradient norm")
             if swapped is not None:  # read now: a failed read of the gradient files stops this step
                 if float(both[1]) >= IO_FAILED:
                     swapped.raise_failure(self.norm_comm)
@@ -390,7 +390,7 @@ class ShardedOptimizer:
                 self.reducer.settle_order_later(both[1])
             return both[0]
         if self.sharded:  # a shard group's fragments cover every parameter once: enough for the norm
-            self.comm.all_reduce(local_sq, "sum", what="squared gradient norm")
+            self.comm.all_reduce(local_sq, Reduce.SUM, what="squared gradient norm")
         return local_sq
 
     def _update(

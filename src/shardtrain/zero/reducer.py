@@ -59,7 +59,7 @@ from functools import partial
 
 import torch
 
-from shardtrain.distributed.communicator import Communicator, Handle
+from shardtrain.distributed.communicator import Communicator, Handle, Reduce
 from shardtrain.errors import ShardtrainError
 from shardtrain.zero.host_read import HostRead
 from shardtrain.zero.layout import Bucket, ParamSlot
@@ -94,7 +94,7 @@ class GradientReducer:
         self.replicate = replicate if replicate is not None and replicate.size > 1 else None
         self.order_comm = order_comm if order_comm is not None else comm
         self._replica_pending: list[tuple[Handle, torch.Tensor, torch.Tensor]] = []
-        # None: reductions average ("avg"). Else DeepSpeed's prescale_gradients / gradient_predivide_factor: each
+        # None: reductions average (AVG). Else DeepSpeed's prescale_gradients / gradient_predivide_factor: each
         # bucket is multiplied by 1/predivide, summed, then by predivide/N (see config.gradient_predivide)
         self.predivide = predivide
         self.device = buckets[0].shard.device if buckets else torch.device("cpu")
@@ -262,7 +262,7 @@ class GradientReducer:
         self._launched.add(position)
         what = f"gradient bucket {b.index} ({b.numel} elements)"
         wire = self._wire_dtype(b)
-        op = "avg" if self.predivide is None else "sum"
+        op = Reduce.AVG if self.predivide is None else Reduce.SUM
         if self.mode == "all_reduce":
             buf = self.full_grads[position]
             tmp = buf if buf.dtype == wire else buf.to(wire)  # reduced in the wire dtype, written back after
@@ -334,7 +334,7 @@ class GradientReducer:
         wire = self._wire_dtype(b)
         tmp = grad if grad.dtype == wire else grad.to(wire)
         what = f"gradient shard of bucket {b.index} across replicas"
-        handle = self.replicate.all_reduce(tmp, "avg", what=what, async_op=True)
+        handle = self.replicate.all_reduce(tmp, Reduce.AVG, what=what, async_op=True)
         self._replica_pending.append((handle, grad, tmp))
 
     def end_backward(self, unwinding: bool = False) -> None:
@@ -458,7 +458,7 @@ class GradientReducer:
 
 def _tp_sum(tp_comm: Communicator, name: str, grad: torch.Tensor) -> torch.Tensor:
     out = grad.clone()
-    tp_comm.all_reduce(out, "sum", what=f"tensor-parallel partial gradient of {name!r}")
+    tp_comm.all_reduce(out, Reduce.SUM, what=f"tensor-parallel partial gradient of {name!r}")
     return out
 
 

@@ -21,6 +21,7 @@ from torch import nn
 
 from shardtrain.compat.deepspeed.unsupported import not_provided
 from shardtrain.compat.deepspeed.zero import engine_of
+from shardtrain.distributed.communicator import Reduce
 
 logger = logging.getLogger("shardtrain")
 """DeepSpeed's ``deepspeed.utils.logger``: here shardtrain's logger (``transformers`` sets its level)."""
@@ -69,7 +70,7 @@ def safe_get_full_optimizer_state(param: nn.Parameter, optim_state_key: str) -> 
     value = opt.state_of(stepped).get(optim_state_key)
     has = torch.tensor([float(torch.is_tensor(value) and value.numel() == length)])
     if opt.sharded:  # every rank takes the same branch: some ranks own no element of a small parameter
-        opt.comm.all_reduce(has, op="max", what=f"safe_get_full_optimizer_state {optim_state_key!r} present")
+        opt.comm.all_reduce(has, op=Reduce.MAX, what=f"safe_get_full_optimizer_state {optim_state_key!r} present")
     if has.item() == 0:
         return None
     if not (torch.is_tensor(value) and value.numel() == length):
