@@ -36,6 +36,7 @@ Run a batch from the command line (what produced docs/models.md)::
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 import time
@@ -76,6 +77,8 @@ SWEEP_TINY = dict(
     max_position_embeddings=64,
 )
 
+MLA = {"qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8, "kv_lora_rank": 16, "q_lora_rank": 16}
+
 # Where one config class names a size otherwise, or checks sizes against each other (None: leave the key out)
 PER_MODEL: dict[str, dict] = {
     "gptj": {"rotary_dim": 8},
@@ -95,6 +98,41 @@ PER_MODEL: dict[str, dict] = {
         "altup_num_inputs": 2,
     },
     "gemma4_text": {"num_kv_shared_layers": 0, "vocab_size_per_layer_input": 96, "hidden_size_per_layer_input": 8},
+    # multi-head latent attention at these sizes, and experts in 2 groups of 2 (the default 8 groups leave none)
+    **{
+        key: {**MLA, "head_dim": None, "n_group": 2, "topk_group": 1}
+        for key in ("deepseek_v3", "axk1", "bailing_hybrid")
+    },
+    "dbrx": {  # its own size names, and sub-configs for attention (which must name its rope_theta) and experts
+        "d_model": 48,
+        "n_heads": 6,
+        "n_layers": 2,
+        "max_seq_len": 64,
+        "attn_config": {"kv_n_heads": 6, "rope_theta": 10000.0, "clip_qkv": 8.0},
+        "ffn_config": {"hidden_size": 48, "ffn_hidden_size": 96, "moe_num_experts": 4, "moe_top_k": 2},
+    },
+    # sliding-window layers have twice the key/value heads: 3 (6 there) keeps them within the 6 query heads; a
+    # rotated share of the head that is a whole number of pairs
+    "mimo_v2_flash": {
+        "num_key_value_heads": 3,
+        "v_head_dim": 8,
+        "rope_parameters": {
+            key: {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+            for key in ("full_attention", "sliding_attention")
+        },
+    },
+    "codegen": {"num_attention_heads": 4, "rotary_dim": 4},  # its attention splits heads over 4 fused blocks
+    # the default names no rope for its layer type
+    "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},  # no default layer types
+    "zamba": {"layers_block_type": ["mamba", "hybrid"], "n_mamba_heads": 2},  # the default pattern needs 6 layers
+    "zamba2": {"layers_block_type": ["mamba", "hybrid"], "n_mamba_heads": 12},
+    "zaya": {"num_experts_per_tok": 1},  # the only routing it supports
+}
+
+# What a model needs after it is built and before it runs (X-MOD: which language's adapter its layers use)
+AFTER_BUILD = {
+    "xmod": lambda model: model.set_default_language(model.config.languages[0]),
 }
 
 # The default run's slice: one of each family the engine must get right (rows, categories).
@@ -132,13 +170,15 @@ def build(category: str, model_type: str, dtype: torch.dtype = torch.float32) ->
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
-    sizes = {**SWEEP_TINY, **PER_MODEL.get(model_type, {})}
-    config = getattr(transformers, CONFIG_MAPPING_NAMES[model_type])(
-        **{k: v for k, v in sizes.items() if v is not None}
-    )
+    sizes = copy.deepcopy({**SWEEP_TINY, **PER_MODEL.get(model_type, {})})  # configs may edit nested dicts
     model_class = getattr(transformers, mappings()[category][model_type])
+    config_class = getattr(transformers, CONFIG_MAPPING_NAMES[model_type])
+    if model_class.config_class in config_class.sub_configs.values():
+        config_class = model_class.config_class  # [Note: a causal LM over a composite config]
+    config = config_class(**{k: v for k, v in sizes.items() if v is not None})
     torch.manual_seed(0)
     model = model_class._from_config(config, attn_implementation="eager")
+    AFTER_BUILD.get(model_type, lambda m: None)(model)
     return model.to(dtype).eval()
 
 
