@@ -77,6 +77,7 @@ SWEEP_TINY = dict(
     max_position_embeddings=64,
 )
 
+VISION = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
 MLA = {"qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8, "kv_lora_rank": 16, "q_lora_rank": 16}
 
 # Where one config class names a size otherwise, or checks sizes against each other (None: leave the key out)
@@ -128,6 +129,56 @@ PER_MODEL: dict[str, dict] = {
     "zamba": {"layers_block_type": ["mamba", "hybrid"], "n_mamba_heads": 2},  # the default pattern needs 6 layers
     "zamba2": {"layers_block_type": ["mamba", "hybrid"], "n_mamba_heads": 12},
     "zaya": {"num_experts_per_tok": 1},  # the only routing it supports
+    # sparse attention's indexer (DeepSeek-V3.2's DSA) at these sizes, choosing 4 of the 8 tokens
+    **{
+        key: {**MLA, "index_head_dim": 16, "index_n_heads": 2, "index_topk": 4, **extra}
+        for key, extra in (
+            ("deepseek_v32", {"n_group": 2, "topk_group": 1}),
+            ("glm_moe_dsa", {}),
+            ("dots3_note_text", {"shared_experts_intermediate_size": 48}),
+        )
+    },
+    "xlnet": {"max_position_embeddings": None, "d_head": 8},  # no position limit; d_head is not derived
+    # Composite configs: the sizes above go to the language model (``text_config``, see ``build``); each tower
+    # that the text-only batch does not run is built small, since a sub-config keeps its full size otherwise.
+    "gemma3": {
+        "text_config": {"model_type": "gemma3_text"},
+        "mm_tokens_per_image": 4,
+        "vision_config": {"model_type": "siglip_vision_model", **VISION, "image_size": 16, "patch_size": 4},
+    },
+    "gemma4": {
+        "text_config": {"num_kv_shared_layers": 0, "vocab_size_per_layer_input": 96, "hidden_size_per_layer_input": 8},
+        "vision_config": {**VISION, "num_key_value_heads": 2, "head_dim": 8, "position_embedding_size": 64},
+        "audio_config": {**VISION, "subsampling_conv_channels": [8, 4], "output_proj_dims": 16},
+    },
+    "gemma4_unified": {
+        "text_config": {},
+        "vision_config": {"mm_embed_dim": 16, "mm_posemb_size": 16, "output_proj_dims": 48},
+        "audio_config": {"audio_embed_dim": 16},
+    },
+    "phi4_multimodal": {
+        "vision_config": {**VISION, "image_size": 28, "patch_size": 14, "crop_size": 28},
+        "audio_config": {
+            **VISION,
+            "num_blocks": 1,
+            "ext_pw_out_channel": 16,
+            "depthwise_separable_out_channel": 16,
+            "nemo_conv_channels": 16,
+        },
+    },
+    "got_ocr2": {
+        "text_config": {"model_type": "qwen2"},
+        "vision_config": {
+            **VISION,
+            "output_channels": 16,
+            "image_size": 64,
+            "patch_size": 16,
+            "window_size": 2,
+            "global_attn_indexes": [0],
+            "mlp_dim": 32,
+        },
+    },
+    "moss_transcribe_diarize": {"text_config": {"model_type": "qwen3"}, "audio_config": VISION},
 }
 
 # What a model needs after it is built and before it runs (X-MOD: which language's adapter its layers use)
@@ -175,6 +226,8 @@ def build(category: str, model_type: str, dtype: torch.dtype = torch.float32) ->
     config_class = getattr(transformers, CONFIG_MAPPING_NAMES[model_type])
     if model_class.config_class in config_class.sub_configs.values():
         config_class = model_class.config_class  # [Note: a causal LM over a composite config]
+    if "text_config" in config_class.sub_configs:  # a composite config: the sizes are its language model's
+        sizes["text_config"] = {**SWEEP_TINY, **sizes.get("text_config", {})}
     config = config_class(**{k: v for k, v in sizes.items() if v is not None})
     torch.manual_seed(0)
     model = model_class._from_config(config, attn_implementation="eager")
