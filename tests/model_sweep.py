@@ -136,9 +136,54 @@ PER_MODEL: dict[str, dict] = {
             ("deepseek_v32", {"n_group": 2, "topk_group": 1}),
             ("glm_moe_dsa", {}),
             ("dots3_note_text", {"shared_experts_intermediate_size": 48}),
+            ("dots3_note", {"shared_experts_intermediate_size": 48}),  # its causal LM takes the text config
         )
     },
     "xlnet": {"max_position_embeddings": None, "d_head": 8},  # no position limit; d_head is not derived
+    # its encoder and decoder depths are its own keys (num_hidden_layers and decoder_layers refuse to be set)
+    "prophetnet": {
+        "num_hidden_layers": None,
+        "decoder_layers": None,
+        "num_encoder_layers": 2,
+        "num_decoder_layers": 2,
+        "ngram": 2,
+    },
+    **{key: {"num_codebooks": 1} for key in ("musicgen", "musicgen_melody")},  # see LABELS
+    # local and LSH attention in chunks of 4 tokens, axial positions 2 x 4 = the batch's 8 tokens (which training
+    # requires), a fixed hash seed (the same buckets in every run) and no dropout (it trains in train mode)
+    "reformer": {
+        "is_decoder": True,
+        "attn_layers": ["local", "lsh"],
+        "local_attn_chunk_length": 4,
+        "lsh_attn_chunk_length": 4,
+        "num_buckets": 2,
+        "num_hashes": 1,
+        "hash_seed": 0,
+        "axial_pos_shape": [2, 4],
+        "axial_pos_embds_dim": [16, 32],
+        "attention_head_size": 8,
+        "feed_forward_size": 96,
+        "max_position_embeddings": None,
+        "hidden_dropout_prob": 0.0,
+        "local_attention_probs_dropout_prob": 0.0,
+        "lsh_attention_probs_dropout_prob": 0.0,
+    },
+    # byte-level: a small patcher, local encoder and decoder around the global transformer, and 64 hash buckets
+    # for 2 byte-group sizes (the default 500,002 buckets for 6 sizes are 48M parameters)
+    "blt": {
+        "encoder_hash_byte_group_vocab": 64,
+        "encoder_hash_byte_group_size": [3, 4],
+        "patcher_config": {**VISION, "vocab_size": 260},
+        "encoder_config": {**VISION, "hidden_size_global": 48},
+        "decoder_config": {**VISION, "hidden_size_global": 48},
+        "global_config": {
+            **VISION,
+            "hidden_size": 48,
+            "num_attention_heads": 6,
+            "num_hidden_layers": 2,
+            "intermediate_size": 96,
+        },
+    },
     # Composite configs: the sizes above go to the language model (``text_config``, see ``build``); each tower
     # that the text-only batch does not run is built small, since a sub-config keeps its full size otherwise.
     "gemma3": {
@@ -181,9 +226,19 @@ PER_MODEL: dict[str, dict] = {
     "moss_transcribe_diarize": {"text_config": {"model_type": "qwen3"}, "audio_config": VISION},
 }
 
-# What a model needs after it is built and before it runs (X-MOD: which language's adapter its layers use)
+# What a model needs after it is built and before it runs
 AFTER_BUILD = {
-    "xmod": lambda model: model.set_default_language(model.config.languages[0]),
+    "xmod": lambda model: model.set_default_language(model.config.languages[0]),  # which language's adapters
+    # Reformer's reversible layers refuse a backward pass in eval mode; its dropouts are 0 (PER_MODEL), so train
+    # mode computes the same function on every run
+    "reformer": lambda model: model.train(),
+}
+
+# Labels of another shape than the token ids: MusicGen's decoder reads (rows x codebooks, tokens) and predicts
+# (rows, tokens, codebooks), one codebook here
+LABELS = {
+    "musicgen": lambda ids: ids.unsqueeze(-1),
+    "musicgen_melody": lambda ids: ids.unsqueeze(-1),
 }
 
 # The default run's slice: one of each family the engine must get right (rows, categories).
@@ -231,18 +286,20 @@ def build(category: str, model_type: str, dtype: torch.dtype = torch.float32) ->
     config = config_class(**{k: v for k, v in sizes.items() if v is not None})
     torch.manual_seed(0)
     model = model_class._from_config(config, attn_implementation="eager")
+    model = model.to(dtype).eval()
     AFTER_BUILD.get(model_type, lambda m: None)(model)
-    return model.to(dtype).eval()
+    return model
 
 
 def batch(rows: int) -> torch.Tensor:
     return torch.randint(3, VOCAB, (rows, SEQ), generator=torch.Generator().manual_seed(7))
 
 
-def loss_of(model, ids: torch.Tensor) -> torch.Tensor:
+def loss_of(model, ids: torch.Tensor, model_type: str = "") -> torch.Tensor:
     """The model's own loss on ``labels=ids`` (a causal LM shifts them, a masked LM predicts every token, a seq2seq
-    model's decoder reads them shifted right)."""
-    return model(input_ids=ids, labels=ids, use_cache=False).loss
+    model's decoder reads them shifted right; :data:`LABELS` where a model's labels have another shape)."""
+    labels = LABELS.get(model_type, lambda ids: ids)(ids)
+    return model(input_ids=ids, labels=labels, use_cache=False).loss
 
 
 def reference(category: str, model_type: str, dp: int, dtype: torch.dtype) -> dict:
@@ -254,7 +311,7 @@ def reference(category: str, model_type: str, dp: int, dtype: torch.dtype) -> di
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
     for _ in range(STEPS):
-        loss = sum(loss_of(model, part) for part in parts) / dp
+        loss = sum(loss_of(model, part, model_type) for part in parts) / dp
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -295,7 +352,7 @@ def engine_run(category: str, model_type: str, mode: str, lr: float = LR) -> dic
     ids = ids[topo.dp_rank * len(ids) // topo.dp : (topo.dp_rank + 1) * len(ids) // topo.dp]
     losses = []
     for _ in range(STEPS):
-        loss = loss_of(engine, ids)
+        loss = loss_of(engine, ids, model_type)
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
