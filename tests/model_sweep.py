@@ -224,6 +224,7 @@ PER_MODEL: dict[str, dict] = {
         },
     },
     "moss_transcribe_diarize": {"text_config": {"model_type": "qwen3"}, "audio_config": VISION},
+    "git": {"vision_config": {**VISION, "image_size": 32, "patch_size": 16}},  # 5 image tokens before the text
 }
 
 # What a model needs after it is built and before it runs
@@ -232,6 +233,12 @@ AFTER_BUILD = {
     # Reformer's reversible layers refuse a backward pass in eval mode; its dropouts are 0 (PER_MODEL), so train
     # mode computes the same function on every run
     "reformer": lambda model: model.train(),
+}
+
+# Inputs besides the token ids, for the global batch's rows (seeded): GIT's loss skips the image's tokens, so it
+# trains on an image and its caption
+EXTRA_INPUTS = {
+    "git": lambda: {"pixel_values": torch.randn(GLOBAL_ROWS, 3, 32, 32, generator=torch.Generator().manual_seed(8))},
 }
 
 # Labels of another shape than the token ids: MusicGen's decoder reads (rows x codebooks, tokens) and predicts
@@ -295,23 +302,27 @@ def batch(rows: int) -> torch.Tensor:
     return torch.randint(3, VOCAB, (rows, SEQ), generator=torch.Generator().manual_seed(7))
 
 
-def loss_of(model, ids: torch.Tensor, model_type: str = "") -> torch.Tensor:
+def loss_of(
+    model, ids: torch.Tensor, model_type: str = "", rows: slice = slice(None), dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """The model's own loss on ``labels=ids`` (a causal LM shifts them, a masked LM predicts every token, a seq2seq
-    model's decoder reads them shifted right; :data:`LABELS` where a model's labels have another shape)."""
+    model's decoder reads them shifted right; :data:`LABELS` where a model's labels have another shape). ``rows``:
+    which rows of the global batch ``ids`` are, for the inputs of :data:`EXTRA_INPUTS` (in ``dtype``)."""
     labels = LABELS.get(model_type, lambda ids: ids)(ids)
-    return model(input_ids=ids, labels=labels, use_cache=False).loss
+    extra = {k: v[rows].to(dtype) for k, v in EXTRA_INPUTS.get(model_type, dict)().items()}
+    return model(input_ids=ids, labels=labels, use_cache=False, **extra).loss
 
 
 def reference(category: str, model_type: str, dp: int, dtype: torch.dtype) -> dict:
     """One process: each step's loss is the mean over the ``dp`` data-parallel ranks' rows of their loss."""
     model = build(category, model_type, dtype)
     ids = batch(GLOBAL_ROWS)
-    parts = [ids[d * len(ids) // dp : (d + 1) * len(ids) // dp] for d in range(dp)]
+    parts = [slice(d * len(ids) // dp, (d + 1) * len(ids) // dp) for d in range(dp)]
     init = {n: p.detach().float().clone() for n, p in model.named_parameters()}
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
     for _ in range(STEPS):
-        loss = sum(loss_of(model, part, model_type) for part in parts) / dp
+        loss = sum(loss_of(model, ids[part], model_type, part, dtype) for part in parts) / dp
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -349,10 +360,11 @@ def engine_run(category: str, model_type: str, mode: str, lr: float = LR) -> dic
     engine = shardtrain.initialize(model, config=config, optimizer=torch.optim.SGD(model.parameters(), lr=lr))
     topo = engine.topology
     ids = batch(GLOBAL_ROWS)
-    ids = ids[topo.dp_rank * len(ids) // topo.dp : (topo.dp_rank + 1) * len(ids) // topo.dp]
+    rows = slice(topo.dp_rank * len(ids) // topo.dp, (topo.dp_rank + 1) * len(ids) // topo.dp)
+    ids = ids[rows]
     losses = []
     for _ in range(STEPS):
-        loss = loss_of(engine, ids, model_type)
+        loss = loss_of(engine, ids, model_type, rows)
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
