@@ -37,6 +37,7 @@ Run a batch from the command line (what produced docs/models.md)::
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import sys
 import time
@@ -227,6 +228,26 @@ PER_MODEL: dict[str, dict] = {
     "git": {"vision_config": {**VISION, "image_size": 32, "patch_size": 16}},  # 5 image tokens before the text
 }
 
+# Registered causal LMs that do not train on a batch of token ids: draft models for speculative decoding, whose
+# forward takes the main model's ``inputs_embeds`` and ``shared_kv_states``, ignores ``input_ids`` and has no labels
+# (their configs also require every layer to read the main model's key/value cache)
+NOT_TRAINABLE = {
+    model_type: (
+        f"{model_type} is a draft model for speculative decoding: its forward takes the main model's inputs_embeds "
+        "and shared_kv_states, ignores input_ids and computes no loss (no labels argument)"
+    )
+    for model_type in ("gemma4_assistant", "gemma4_unified_assistant")
+}
+
+# A package a model's tower needs that this environment lacks: (package, why)
+REQUIRES = {
+    "gemma3n": (
+        "timm",
+        "Gemma 3n's vision tower is timm's MobileNetV5 (TimmWrapperModel); neither timm nor the torchvision it "
+        "imports is installed beside the pinned local torch wheel",
+    ),
+}
+
 # What a model needs after it is built and before it runs
 AFTER_BUILD = {
     "xmod": lambda model: model.set_default_language(model.config.languages[0]),  # which language's adapters
@@ -283,6 +304,10 @@ def build(category: str, model_type: str, dtype: torch.dtype = torch.float32) ->
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
+    if model_type in NOT_TRAINABLE:
+        raise ValueError(NOT_TRAINABLE[model_type])
+    if model_type in REQUIRES and importlib.util.find_spec(REQUIRES[model_type][0]) is None:
+        raise ImportError(f"{REQUIRES[model_type][0]} is not installed: {REQUIRES[model_type][1]}")
     sizes = copy.deepcopy({**SWEEP_TINY, **PER_MODEL.get(model_type, {})})  # configs may edit nested dicts
     model_class = getattr(transformers, mappings()[category][model_type])
     config_class = getattr(transformers, CONFIG_MAPPING_NAMES[model_type])
