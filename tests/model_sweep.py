@@ -153,7 +153,6 @@ PER_MODEL: dict[str, dict] = {
     # local and LSH attention in chunks of 4 tokens, axial positions 2 x 4 = the batch's 8 tokens (which training
     # requires), a fixed hash seed (the same buckets in every run) and no dropout (it trains in train mode)
     "reformer": {
-        "is_decoder": True,
         "attn_layers": ["local", "lsh"],
         "local_attn_chunk_length": 4,
         "lsh_attn_chunk_length": 4,
@@ -227,6 +226,9 @@ PER_MODEL: dict[str, dict] = {
     "moss_transcribe_diarize": {"text_config": {"model_type": "qwen3"}, "audio_config": VISION},
     "git": {"vision_config": {**VISION, "image_size": 32, "patch_size": 16}},  # 5 image tokens before the text
 }
+
+# Keys for one row only: Reformer's causal LM requires a decoder config, its masked LM refuses one
+PER_ROW: dict[tuple[str, str], dict] = {("decoder-only", "reformer"): {"is_decoder": True}}
 
 # Registered causal LMs that do not train on a batch of token ids: draft models for speculative decoding, whose
 # forward takes the main model's ``inputs_embeds`` and ``shared_kv_states``, ignores ``input_ids`` and has no labels
@@ -308,7 +310,8 @@ def build(category: str, model_type: str, dtype: torch.dtype = torch.float32) ->
         raise ValueError(NOT_TRAINABLE[model_type])
     if model_type in REQUIRES and importlib.util.find_spec(REQUIRES[model_type][0]) is None:
         raise ImportError(f"{REQUIRES[model_type][0]} is not installed: {REQUIRES[model_type][1]}")
-    sizes = copy.deepcopy({**SWEEP_TINY, **PER_MODEL.get(model_type, {})})  # configs may edit nested dicts
+    sizes = {**SWEEP_TINY, **PER_MODEL.get(model_type, {}), **PER_ROW.get((category, model_type), {})}
+    sizes = copy.deepcopy(sizes)  # configs may edit nested dicts
     model_class = getattr(transformers, mappings()[category][model_type])
     config_class = getattr(transformers, CONFIG_MAPPING_NAMES[model_type])
     if model_class.config_class in config_class.sub_configs.values():
