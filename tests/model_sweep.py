@@ -6,8 +6,10 @@ A *row* is (category, model type): ``decoder-only`` rows come from ``MODEL_FOR_C
 ``encoder-only`` from ``MODEL_FOR_MASKED_LM_MAPPING_NAMES``, ``encoder-decoder`` from
 ``MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES`` (BART is in all three: three rows, three classes). Each row is built
 from one tiny config (:data:`TINY`: the tensor-parallel sweep's sizes, ``tests/tp_arch_cases.py``, plus the names
-encoder-decoder configs use) with the mapping's class, seeded, in eval mode (no dropout: the two runs compute the same
-function).
+encoder-decoder configs use; :data:`PER_MODEL` and :data:`PER_ROW`: a config's own keys and its towers' sizes) with
+the mapping's class, seeded, in eval mode (no dropout: the two runs compute the same function; Reformer trains in
+train mode with its dropouts 0, :data:`AFTER_BUILD`). :data:`LABELS` and :data:`EXTRA_INPUTS`: what a model's loss
+needs besides ``labels=input_ids``.
 
 Each row runs in three modes, each a ``shardtrain.initialize`` at world 2 with ZeRO stage 3 (persistence threshold 0:
 every parameter is sharded):
@@ -302,7 +304,15 @@ def registered_rows() -> list[tuple[str, str]]:
 
 
 def build(category: str, model_type: str, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """The tiny random model of the row (the same on every call: seeded)."""
+    """The tiny random model of the row (the same on every call: seeded).
+
+    [Note: a causal LM over a composite config]
+    A model type's registered config may be composite (a language model with vision or audio towers) while the
+    mapping's class takes only one of its sub-configs (``Qwen3_5ForCausalLM`` takes ``Qwen3_5TextConfig``,
+    ``MusicgenForCausalLM`` its decoder's): that sub-config is built from the sizes, as transformers' auto class
+    hands such a class ``config.get_text_config()``. A class that takes the composite config gets the sizes as its
+    ``text_config`` (its towers as ``PER_MODEL`` sizes them). A row of :data:`NOT_TRAINABLE`, or one whose tower
+    needs a package that is not installed (:data:`REQUIRES`), raises its reason: the row is not buildable."""
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
@@ -315,8 +325,8 @@ def build(category: str, model_type: str, dtype: torch.dtype = torch.float32) ->
     model_class = getattr(transformers, mappings()[category][model_type])
     config_class = getattr(transformers, CONFIG_MAPPING_NAMES[model_type])
     if model_class.config_class in config_class.sub_configs.values():
-        config_class = model_class.config_class  # [Note: a causal LM over a composite config]
-    if "text_config" in config_class.sub_configs:  # a composite config: the sizes are its language model's
+        config_class = model_class.config_class  # see the note above
+    if "text_config" in config_class.sub_configs:
         sizes["text_config"] = {**SWEEP_TINY, **sizes.get("text_config", {})}
     config = config_class(**{k: v for k, v in sizes.items() if v is not None})
     torch.manual_seed(0)
