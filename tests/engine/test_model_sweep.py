@@ -59,11 +59,11 @@ def test_a_learning_rate_off_by_a_thousandth_is_a_mismatch():
     assert status == "mismatch" and detail, (status, detail)
 
 
-# A row of each way the sweep builds a model beyond sizes: the class's own text config of a composite one (Qwen3.5),
+# A row of each way the sweep builds a model beyond sizes: the class's own text config of a composite one (Llama 4),
 # a vision tower built small (Gemma 3), extra inputs (GIT's image), labels of another shape (MusicGen's codebooks),
 # train mode (Reformer's reversible layers)
 BUILT_BEYOND_SIZES = [
-    ("decoder-only", "qwen3_5"),
+    ("decoder-only", "llama4"),
     ("decoder-only", "gemma3"),
     ("decoder-only", "git"),
     ("decoder-only", "musicgen"),
