@@ -6,8 +6,10 @@ A *row* is (category, model type): ``decoder-only`` rows come from ``MODEL_FOR_C
 ``encoder-only`` from ``MODEL_FOR_MASKED_LM_MAPPING_NAMES``, ``encoder-decoder`` from
 ``MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES`` (BART is in all three: three rows, three classes). Each row is built
 from one tiny config (:data:`TINY`: the tensor-parallel sweep's sizes, ``tests/tp_arch_cases.py``, plus the names
-encoder-decoder configs use) with the mapping's class, seeded, in eval mode (no dropout: the two runs compute the same
-function).
+encoder-decoder configs use; :data:`PER_MODEL` and :data:`PER_ROW`: a config's own keys and its towers' sizes) with
+the mapping's class, seeded, in eval mode (no dropout: the two runs compute the same function; Reformer trains in
+train mode with its dropouts 0, :data:`AFTER_BUILD`). :data:`LABELS` and :data:`EXTRA_INPUTS`: what a model's loss
+needs besides ``labels=input_ids``.
 
 Each row runs in three modes, each a ``shardtrain.initialize`` at world 2 with ZeRO stage 3 (persistence threshold 0:
 every parameter is sharded):
@@ -36,6 +38,8 @@ Run a batch from the command line (what produced docs/models.md)::
 
 from __future__ import annotations
 
+import copy
+import importlib.util
 import json
 import sys
 import time
@@ -76,6 +80,9 @@ SWEEP_TINY = dict(
     max_position_embeddings=64,
 )
 
+VISION = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
+MLA = {"qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8, "kv_lora_rank": 16, "q_lora_rank": 16}
+
 # Where one config class names a size otherwise, or checks sizes against each other (None: leave the key out)
 PER_MODEL: dict[str, dict] = {
     "gptj": {"rotary_dim": 8},
@@ -95,6 +102,175 @@ PER_MODEL: dict[str, dict] = {
         "altup_num_inputs": 2,
     },
     "gemma4_text": {"num_kv_shared_layers": 0, "vocab_size_per_layer_input": 96, "hidden_size_per_layer_input": 8},
+    # multi-head latent attention at these sizes, and experts in 2 groups of 2 (the default 8 groups leave none)
+    **{
+        key: {**MLA, "head_dim": None, "n_group": 2, "topk_group": 1}
+        for key in ("deepseek_v3", "axk1", "bailing_hybrid")
+    },
+    "dbrx": {  # its own size names, and sub-configs for attention (which must name its rope_theta) and experts
+        "d_model": 48,
+        "n_heads": 6,
+        "n_layers": 2,
+        "max_seq_len": 64,
+        "attn_config": {"kv_n_heads": 6, "rope_theta": 10000.0, "clip_qkv": 8.0},
+        "ffn_config": {"hidden_size": 48, "ffn_hidden_size": 96, "moe_num_experts": 4, "moe_top_k": 2},
+    },
+    # sliding-window layers have twice the key/value heads: 3 (6 there) keeps them within the 6 query heads; a
+    # rotated share of the head that is a whole number of pairs
+    "mimo_v2_flash": {
+        "num_key_value_heads": 3,
+        "v_head_dim": 8,
+        "rope_parameters": {
+            key: {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+            for key in ("full_attention", "sliding_attention")
+        },
+    },
+    "codegen": {"num_attention_heads": 4, "rotary_dim": 4},  # its attention splits heads over 4 fused blocks
+    # the default names no rope for its layer type
+    "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},  # no default layer types
+    "zamba": {"layers_block_type": ["mamba", "hybrid"], "n_mamba_heads": 2},  # the default pattern needs 6 layers
+    "zamba2": {"layers_block_type": ["mamba", "hybrid"], "n_mamba_heads": 12},
+    "zaya": {"num_experts_per_tok": 1},  # the only routing it supports
+    # sparse attention's indexer (DeepSeek-V3.2's DSA) at these sizes, choosing 4 of the 8 tokens
+    **{
+        key: {**MLA, "index_head_dim": 16, "index_n_heads": 2, "index_topk": 4, **extra}
+        for key, extra in (
+            ("deepseek_v32", {"n_group": 2, "topk_group": 1}),
+            ("glm_moe_dsa", {}),
+            ("dots3_note_text", {"shared_experts_intermediate_size": 48}),
+            ("dots3_note", {"shared_experts_intermediate_size": 48}),  # its causal LM takes the text config
+        )
+    },
+    "xlnet": {"max_position_embeddings": None, "d_head": 8},  # no position limit; d_head is not derived
+    # its encoder and decoder depths are its own keys (num_hidden_layers and decoder_layers refuse to be set)
+    "prophetnet": {
+        "num_hidden_layers": None,
+        "decoder_layers": None,
+        "num_encoder_layers": 2,
+        "num_decoder_layers": 2,
+        "ngram": 2,
+    },
+    **{key: {"num_codebooks": 1} for key in ("musicgen", "musicgen_melody")},  # see LABELS
+    # local and LSH attention in chunks of 4 tokens, axial positions 2 x 4 = the batch's 8 tokens (which training
+    # requires), a fixed hash seed (the same buckets in every run) and no dropout (it trains in train mode)
+    "reformer": {
+        "attn_layers": ["local", "lsh"],
+        "local_attn_chunk_length": 4,
+        "lsh_attn_chunk_length": 4,
+        "num_buckets": 2,
+        "num_hashes": 1,
+        "hash_seed": 0,
+        "axial_pos_shape": [2, 4],
+        "axial_pos_embds_dim": [16, 32],
+        "attention_head_size": 8,
+        "feed_forward_size": 96,
+        "max_position_embeddings": None,
+        "hidden_dropout_prob": 0.0,
+        "local_attention_probs_dropout_prob": 0.0,
+        "lsh_attention_probs_dropout_prob": 0.0,
+    },
+    # byte-level: a small patcher, local encoder and decoder around the global transformer, and 64 hash buckets
+    # for 2 byte-group sizes (the default 500,002 buckets for 6 sizes are 48M parameters)
+    "blt": {
+        "encoder_hash_byte_group_vocab": 64,
+        "encoder_hash_byte_group_size": [3, 4],
+        "patcher_config": {**VISION, "vocab_size": 260},
+        "encoder_config": {**VISION, "hidden_size_global": 48},
+        "decoder_config": {**VISION, "hidden_size_global": 48},
+        "global_config": {
+            **VISION,
+            "hidden_size": 48,
+            "num_attention_heads": 6,
+            "num_hidden_layers": 2,
+            "intermediate_size": 96,
+        },
+    },
+    # Composite configs: the sizes above go to the language model (``text_config``, see ``build``); each tower
+    # that the text-only batch does not run is built small, since a sub-config keeps its full size otherwise.
+    "gemma3": {
+        "text_config": {"model_type": "gemma3_text"},
+        "mm_tokens_per_image": 4,
+        "vision_config": {"model_type": "siglip_vision_model", **VISION, "image_size": 16, "patch_size": 4},
+    },
+    "gemma4": {
+        "text_config": {"num_kv_shared_layers": 0, "vocab_size_per_layer_input": 96, "hidden_size_per_layer_input": 8},
+        "vision_config": {**VISION, "num_key_value_heads": 2, "head_dim": 8, "position_embedding_size": 64},
+        "audio_config": {**VISION, "subsampling_conv_channels": [8, 4], "output_proj_dims": 16},
+    },
+    "gemma4_unified": {
+        "text_config": {},
+        "vision_config": {"mm_embed_dim": 16, "mm_posemb_size": 16, "output_proj_dims": 48},
+        "audio_config": {"audio_embed_dim": 16},
+    },
+    "phi4_multimodal": {
+        "vision_config": {**VISION, "image_size": 28, "patch_size": 14, "crop_size": 28},
+        "audio_config": {
+            **VISION,
+            "num_blocks": 1,
+            "ext_pw_out_channel": 16,
+            "depthwise_separable_out_channel": 16,
+            "nemo_conv_channels": 16,
+        },
+    },
+    "got_ocr2": {
+        "text_config": {"model_type": "qwen2"},
+        "vision_config": {
+            **VISION,
+            "output_channels": 16,
+            "image_size": 64,
+            "patch_size": 16,
+            "window_size": 2,
+            "global_attn_indexes": [0],
+            "mlp_dim": 32,
+        },
+    },
+    "moss_transcribe_diarize": {"text_config": {"model_type": "qwen3"}, "audio_config": VISION},
+    "git": {"vision_config": {**VISION, "image_size": 32, "patch_size": 16}},  # 5 image tokens before the text
+}
+
+# Keys for one row only: Reformer's causal LM requires a decoder config, its masked LM refuses one
+PER_ROW: dict[tuple[str, str], dict] = {("decoder-only", "reformer"): {"is_decoder": True}}
+
+# Registered causal LMs that do not train on a batch of token ids: draft models for speculative decoding, whose
+# forward takes the main model's ``inputs_embeds`` and ``shared_kv_states``, ignores ``input_ids`` and has no labels
+# (their configs also require every layer to read the main model's key/value cache)
+NOT_TRAINABLE = {
+    model_type: (
+        f"{model_type} is a draft model for speculative decoding: its forward takes the main model's inputs_embeds "
+        "and shared_kv_states, ignores input_ids and computes no loss (no labels argument)"
+    )
+    for model_type in ("gemma4_assistant", "gemma4_unified_assistant")
+}
+
+# A package a model's tower needs that this environment lacks: (package, why)
+REQUIRES = {
+    "gemma3n": (
+        "timm",
+        "Gemma 3n's vision tower is timm's MobileNetV5 (TimmWrapperModel); neither timm nor the torchvision it "
+        "imports is installed beside the pinned local torch wheel",
+    ),
+}
+
+# What a model needs after it is built and before it runs
+AFTER_BUILD = {
+    "xmod": lambda model: model.set_default_language(model.config.languages[0]),  # which language's adapters
+    # Reformer's reversible layers refuse a backward pass in eval mode; its dropouts are 0 (PER_MODEL), so train
+    # mode computes the same function on every run
+    "reformer": lambda model: model.train(),
+}
+
+# Inputs besides the token ids, for the global batch's rows (seeded): GIT's loss skips the image's tokens, so it
+# trains on an image and its caption
+EXTRA_INPUTS = {
+    "git": lambda: {"pixel_values": torch.randn(GLOBAL_ROWS, 3, 32, 32, generator=torch.Generator().manual_seed(8))},
+}
+
+# Labels of another shape than the token ids: MusicGen's decoder reads (rows x codebooks, tokens) and predicts
+# (rows, tokens, codebooks), one codebook here
+LABELS = {
+    "musicgen": lambda ids: ids.unsqueeze(-1),
+    "musicgen_melody": lambda ids: ids.unsqueeze(-1),
 }
 
 # The default run's slice: one of each family the engine must get right (rows, categories).
@@ -128,40 +304,63 @@ def registered_rows() -> list[tuple[str, str]]:
 
 
 def build(category: str, model_type: str, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """The tiny random model of the row (the same on every call: seeded)."""
+    """The tiny random model of the row (the same on every call: seeded).
+
+    [Note: a causal LM over a composite config]
+    A model type's registered config may be composite (a language model with vision or audio towers) while the
+    mapping's class takes only one of its sub-configs (``Qwen3_5ForCausalLM`` takes ``Qwen3_5TextConfig``,
+    ``MusicgenForCausalLM`` its decoder's): that sub-config is built from the sizes, as transformers' auto class
+    hands such a class ``config.get_text_config()``. A class that takes the composite config gets the sizes as its
+    ``text_config`` (its towers as ``PER_MODEL`` sizes them). A row of :data:`NOT_TRAINABLE`, or one whose tower
+    needs a package that is not installed (:data:`REQUIRES`), raises its reason: the row is not buildable."""
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
-    sizes = {**SWEEP_TINY, **PER_MODEL.get(model_type, {})}
-    config = getattr(transformers, CONFIG_MAPPING_NAMES[model_type])(
-        **{k: v for k, v in sizes.items() if v is not None}
-    )
+    if model_type in NOT_TRAINABLE:
+        raise ValueError(NOT_TRAINABLE[model_type])
+    if model_type in REQUIRES and importlib.util.find_spec(REQUIRES[model_type][0]) is None:
+        raise ImportError(f"{REQUIRES[model_type][0]} is not installed: {REQUIRES[model_type][1]}")
+    sizes = {**SWEEP_TINY, **PER_MODEL.get(model_type, {}), **PER_ROW.get((category, model_type), {})}
+    sizes = copy.deepcopy(sizes)  # configs may edit nested dicts
     model_class = getattr(transformers, mappings()[category][model_type])
+    config_class = getattr(transformers, CONFIG_MAPPING_NAMES[model_type])
+    if model_class.config_class in config_class.sub_configs.values():
+        config_class = model_class.config_class  # see the note above
+    if "text_config" in config_class.sub_configs:
+        sizes["text_config"] = {**SWEEP_TINY, **sizes.get("text_config", {})}
+    config = config_class(**{k: v for k, v in sizes.items() if v is not None})
     torch.manual_seed(0)
     model = model_class._from_config(config, attn_implementation="eager")
-    return model.to(dtype).eval()
+    model = model.to(dtype).eval()
+    AFTER_BUILD.get(model_type, lambda m: None)(model)
+    return model
 
 
 def batch(rows: int) -> torch.Tensor:
     return torch.randint(3, VOCAB, (rows, SEQ), generator=torch.Generator().manual_seed(7))
 
 
-def loss_of(model, ids: torch.Tensor) -> torch.Tensor:
+def loss_of(
+    model, ids: torch.Tensor, model_type: str = "", rows: slice = slice(None), dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """The model's own loss on ``labels=ids`` (a causal LM shifts them, a masked LM predicts every token, a seq2seq
-    model's decoder reads them shifted right)."""
-    return model(input_ids=ids, labels=ids, use_cache=False).loss
+    model's decoder reads them shifted right; :data:`LABELS` where a model's labels have another shape). ``rows``:
+    which rows of the global batch ``ids`` are, for the inputs of :data:`EXTRA_INPUTS` (in ``dtype``)."""
+    labels = LABELS.get(model_type, lambda ids: ids)(ids)
+    extra = {k: v[rows].to(dtype) for k, v in EXTRA_INPUTS.get(model_type, dict)().items()}
+    return model(input_ids=ids, labels=labels, use_cache=False, **extra).loss
 
 
 def reference(category: str, model_type: str, dp: int, dtype: torch.dtype) -> dict:
     """One process: each step's loss is the mean over the ``dp`` data-parallel ranks' rows of their loss."""
     model = build(category, model_type, dtype)
     ids = batch(GLOBAL_ROWS)
-    parts = [ids[d * len(ids) // dp : (d + 1) * len(ids) // dp] for d in range(dp)]
+    parts = [slice(d * len(ids) // dp, (d + 1) * len(ids) // dp) for d in range(dp)]
     init = {n: p.detach().float().clone() for n, p in model.named_parameters()}
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
     for _ in range(STEPS):
-        loss = sum(loss_of(model, part) for part in parts) / dp
+        loss = sum(loss_of(model, ids[part], model_type, part, dtype) for part in parts) / dp
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -199,10 +398,11 @@ def engine_run(category: str, model_type: str, mode: str, lr: float = LR) -> dic
     engine = shardtrain.initialize(model, config=config, optimizer=torch.optim.SGD(model.parameters(), lr=lr))
     topo = engine.topology
     ids = batch(GLOBAL_ROWS)
-    ids = ids[topo.dp_rank * len(ids) // topo.dp : (topo.dp_rank + 1) * len(ids) // topo.dp]
+    rows = slice(topo.dp_rank * len(ids) // topo.dp, (topo.dp_rank + 1) * len(ids) // topo.dp)
+    ids = ids[rows]
     losses = []
     for _ in range(STEPS):
-        loss = loss_of(engine, ids)
+        loss = loss_of(engine, ids, model_type, rows)
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())

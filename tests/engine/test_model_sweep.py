@@ -3,7 +3,9 @@ against one process: ZeRO-3, and tensor or sequence parallelism where the model 
 
 * The default run trains a slice (``model_sweep.DEFAULT_SLICE``: Llama, GPT-2, Qwen2, Gemma 2, GPT-NeoX, Mixtral,
   GPT-OSS, BERT, T5, BART) in all three modes; each mode must end as :data:`EXPECTED` says (a refusal by its reason).
-* A learning rate 0.1% off on the engine's side is a mismatch: the comparison is not vacuous.
+* A learning rate 0.1% off on the engine's side is a mismatch: the comparison is not vacuous (also for GIT's extra
+  image input and Reformer's train mode).
+* A row of each way the sweep builds a model beyond its sizes (``BUILT_BEYOND_SIZES``) matches at ZeRO-3.
 * Gemma 2 and Gemma 3 under ZeRO-3 with tensor parallelism 2: at world 2 (one data-parallel rank) and at world 4
   (two, so ZeRO shards each tensor-parallel block over them).
 * ``-m soak`` runs every registered row, writes docs/models.md, and fails on any mismatch.
@@ -28,7 +30,7 @@ EXPECTED = {
 }
 
 
-MIN_DECODER_MATCHES = 151  # decoder-only rows matching at ZeRO-3 in docs/models.md's table (every one that builds)
+MIN_DECODER_MATCHES = 186  # decoder-only rows matching at ZeRO-3 in docs/models.md's table (every one that builds)
 
 
 @functools.cache
@@ -54,6 +56,39 @@ def test_a_learning_rate_off_by_a_thousandth_is_a_mismatch():
 
     got = run_distributed(run_rows, 2, [("decoder-only", "llama")], ("zero3",), LR * 1.001, timeout=300)[0]
     status, detail = got["decoder-only/llama"]["zero3"]
+    assert status == "mismatch" and detail, (status, detail)
+
+
+# A row of each way the sweep builds a model beyond sizes: the class's own text config of a composite one (Llama 4),
+# a vision tower built small (Gemma 3), extra inputs (GIT's image), labels of another shape (MusicGen's codebooks),
+# train mode (Reformer's reversible layers)
+BUILT_BEYOND_SIZES = [
+    ("decoder-only", "llama4"),
+    ("decoder-only", "gemma3"),
+    ("decoder-only", "git"),
+    ("decoder-only", "musicgen"),
+    ("decoder-only", "reformer"),
+]
+
+
+def test_models_built_beyond_sizes_match_one_process_at_zero3():
+    from shardtrain.testing import run_distributed
+
+    got = run_distributed(run_rows, 2, BUILT_BEYOND_SIZES, ("zero3",), timeout=600)[0]
+    assert {k: (v["build"][0], v["zero3"]) for k, v in got.items()} == {
+        f"{c}/{m}": ("ok", ("match", None)) for c, m in BUILT_BEYOND_SIZES
+    }, got
+
+
+@pytest.mark.parametrize("model_type", ["git", "reformer"])
+def test_an_engine_learning_rate_off_by_a_thousandth_is_a_mismatch_for_extra_inputs_and_train_mode(model_type):
+    """GIT's image and Reformer's train mode (hash buckets from a fixed seed) leave the comparison as sharp as for
+    Llama."""
+    from shardtrain.testing import run_distributed
+
+    rows = [("decoder-only", model_type)]
+    got = run_distributed(run_rows, 2, rows, ("zero3",), LR * 1.001, timeout=300)[0]
+    status, detail = got[f"decoder-only/{model_type}"]["zero3"]
     assert status == "mismatch" and detail, (status, detail)
 
 
