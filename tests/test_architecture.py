@@ -62,6 +62,7 @@ ALLOWED: dict[str, set[str]] = {
     "shardtrain.checkpoint": {"shardtrain.distributed"},
     "shardtrain.sequence_parallel": {"shardtrain.tensor_parallel", "shardtrain.distributed"},
     "shardtrain.tensor_parallel": {"shardtrain.distributed"},
+    "shardtrain.expert_parallel": {"shardtrain.distributed"},
     "shardtrain.zero": {
         "shardtrain.zero.layout",
         "shardtrain.zero.policy",
