@@ -40,6 +40,7 @@ ALLOWED: dict[str, set[str]] = {
         "shardtrain.distributed",
     },
     "shardtrain.engine": {
+        "shardtrain.expert_parallel",
         "shardtrain.graph",
         "shardtrain.checkpoint",
         "shardtrain.sequence_parallel",

@@ -816,7 +816,14 @@ RULES: tuple[Rule, ...] = (
         "Ulysses sequence parallelism: ranks sharing each sequence (all-to-all of the heads); data-parallel size = "
         "world / size: docs/sequence-parallel.md",
     ),
-    _disabled("expert_parallel", "expert parallelism (AutoEP) is not supported"),
+    _supported(
+        "expert_parallel_size",
+        "int ≥ 1, `1`",
+        "expert parallelism (DeepSpeed-MoE's `ep_size`, one size for every MoE layer): ranks of an expert group, each "
+        "holding num_experts / size experts of a transformers MoE model; it must divide the data-parallel size: "
+        "docs/expert-parallel.md",
+    ),
+    _disabled("expert_parallel", "AutoEP's section is not read; use `expert_parallel_size` (docs/expert-parallel.md)"),
     _disabled("hybrid_engine", "the RLHF hybrid engine is not supported"),
     _no_effect(
         "aio",

@@ -88,7 +88,8 @@ def shard_experts(experts: nn.Module, comm: Communicator, name: str = "experts")
         p = getattr(experts, w)
         if p.dim() < 2 or p.shape[0] != n:
             raise ConfigError(f"{name}.{w} of shape {tuple(p.shape)} is not one row per expert ({n} experts)")
-        setattr(experts, w, nn.Parameter(p.detach()[first : first + local].clone(), requires_grad=p.requires_grad))
+        # the same Parameter object: an optimizer built over the model before the split keeps stepping it
+        p.data = p.detach()[first : first + local].clone()
     experts.num_experts = local
     experts.expert_range = (first, first + local)  # global ids of the experts held here
     inner = experts.forward  # the module's own forward, over the local experts
