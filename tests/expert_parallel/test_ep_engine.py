@@ -104,6 +104,8 @@ def _train(kind: str, experts: int, ep: int, stage: int, steps: int, gas: int, c
     hooks = [g.register_forward_hook(lambda _m, _i, out: routed.append(out[2].flatten())) for g in gates]
     batches = global_batches(world, steps * gas)
     losses, norms, aux = [], [], []
+    engine.comm_stats(reset=True)
+    first = {}  # the expert group's all-to-all bytes of the first micro-step (the routing recorded below)
     for step in range(steps):
         total = 0.0
         for m in range(gas):
@@ -113,6 +115,8 @@ def _train(kind: str, experts: int, ep: int, stage: int, steps: int, gas: int, c
             engine.backward(loss)
             engine.step()
             total += loss.item() / gas
+            if not first:
+                first = engine.comm_stats(by_group=True).get("ep", {"all_to_all": {"bytes": 0}})
         losses.append(total)
         norms.append(engine.get_global_grad_norm())
     for h in hooks:
@@ -121,6 +125,7 @@ def _train(kind: str, experts: int, ep: int, stage: int, steps: int, gas: int, c
     held = {n: m.expert_range for n, m in model.named_modules() if hasattr(m, "expert_range")}
     state = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
     out = {"losses": losses, "norms": norms, "aux": aux, "counts": counts, "held": held, "state": state}
+    out["first_ep_bytes"] = first["all_to_all"]["bytes"]
     if ep > 1:
         for call in (lambda: engine.save_checkpoint("/nonexistent-ep-dir"), engine.full_state_dict):
             try:
@@ -257,6 +262,23 @@ def test_an_expert_that_gets_no_token_from_a_rank(world2):
     starved = [(rank, layer, row.index(0)) for rank, c in enumerate(counts) for layer, row in enumerate(c) if 0 in row]
     assert starved, counts
     assert all(sum(row) == MICRO * SEQ * 2 for c in counts for row in c)  # top-2: no token dropped
+
+
+def test_the_expert_exchange_sends_the_bytes_of_the_formula(world2):
+    # docs/expert-parallel.md: per MoE layer, 8 (E - 1) bytes of counts, the rows a rank sends to other ranks' experts
+    # (H floats and one int64 id each) and, back, the outputs of the rows it received; backward the same two
+    # exchanges of H floats reversed. The routing is the first forward's, recorded on each rank.
+    ep, hidden = 2, 16
+    counts = [r[0][0]["counts"] for r in world2]
+    held = [r[0][0]["held"]["model.layers.0.mlp.experts"] for r in world2]
+    for rank, r in enumerate(world2):
+        expected = 0
+        for layer in range(len(counts[rank])):
+            mine = range(*held[rank])
+            sent = sum(n for e, n in enumerate(counts[rank][layer]) if e not in mine)
+            received = sum(counts[other][layer][e] for other in range(ep) if other != rank for e in mine)
+            expected += 8 * (ep - 1) + sent * 8 + 2 * (sent + received) * hidden * 4
+        assert r[0][0]["first_ep_bytes"] == expected, (rank, r[0][0]["first_ep_bytes"], expected)
 
 
 def test_experts_are_split_over_the_expert_group(world2, world3):

@@ -864,7 +864,8 @@ RULES: tuple[Rule, ...] = (
     _no_effect(
         "use_data_before_expert_parallelism",
         "bool",
-        "there is no expert parallelism",
+        "orders DeepSpeed-MoE's token exchange around its own MoE layer; `expert_parallel_size` exchanges tokens in "
+        "the transformers experts module, in expert order (docs/expert-parallel.md)",
         check=StrictBool,
     ),
     _only("graph_harvesting", False, "CUDA graphs are not captured by the engine"),
