@@ -83,7 +83,17 @@ def reference(kind: str, experts: int, world: int, steps: int, gas: int, clip: f
     return {"losses": losses, "norms": norms, "aux": aux, "params": model.state_dict(), "init": init}
 
 
-def _train(kind: str, experts: int, ep: int, stage: int, steps: int, gas: int, clip: float, bf16: bool) -> dict:
+def _train(
+    kind: str,
+    experts: int,
+    ep: int,
+    stage: int,
+    steps: int,
+    gas: int,
+    clip: float,
+    bf16: bool,
+    extra: dict | None = None,
+) -> dict:
     """This rank's run: its rows of every global micro-batch. Returns its losses, load-balancing losses, the global
     norms, the tokens each expert got from this rank per layer, its state dict and the experts it holds."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -97,6 +107,7 @@ def _train(kind: str, experts: int, ep: int, stage: int, steps: int, gas: int, c
         "expert_parallel_size": ep,
         "bf16": {"enabled": bf16},
         "collective_timeout_s": 120.0,
+        **(extra or {}),
     }
     engine = shardtrain.initialize(model, config=config, optimizer=opt)
     routed: list[torch.Tensor] = []
@@ -206,11 +217,14 @@ def _assert_parity(results: list[dict], ref: dict, ep: int, bf16: bool, what: st
         assert err <= 5e-3 * moved, f"{what}: {k}: error {err:.3g} vs distance moved {moved:.3g}"
 
 
-# (kind, experts, ep, stage, steps, gas, clip, bf16)
+# (kind, experts, ep, stage, steps, gas, clip, bf16[, more config])
 WORLD2 = [
     ("mixtral", 8, 2, 1, 3, 2, 0.5, False),  # clipping, gradient accumulation
     ("mixtral", 8, 2, 0, 2, 1, 0.0, False),  # stage 0: the norm sums expert squares over the expert group
     ("mixtral", 8, 2, 2, 2, 1, 0.5, True),  # bf16 with clipping
+    # DeepSpeed's prescaling: divided by the factor before the sums, the rest of each group's average after
+    ("mixtral", 8, 2, 2, 2, 1, 0.0, False, {"gradient_predivide_factor": 4.0}),
+    ("mixtral", 8, 2, 1, 2, 1, 0.0, False, {"prescale_gradients": True}),
 ]
 WORLD3 = [
     ("qwen3_moe", 6, 3, 2, 3, 1, 0.5, False),  # 6 experts over 3 ranks
@@ -235,7 +249,7 @@ def world3():
 
 def _check_cases(runs: list, cases: list[tuple]) -> None:
     for i, case in enumerate(cases):
-        kind, experts, ep, stage, steps, gas, clip, bf16 = case
+        kind, experts, ep, stage, steps, gas, clip, bf16 = case[:8]
         results = [r[0][i] for r in runs]
         ref = reference(kind, experts, len(runs), steps, gas, clip, bf16)
         _assert_parity(results, ref, ep, bf16, f"{kind} ep {ep} stage {stage}{' bf16' if bf16 else ''}")
