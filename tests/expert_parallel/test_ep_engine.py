@@ -150,7 +150,29 @@ def _train(
 
 def _runs(world: int, cases: list[tuple]) -> list[list[dict]]:
     """Every case on the same ranks (one start of the processes): each rank's results, by case."""
-    return [[_train(*case) for case in cases], [_refusals(world)]]
+    return [[_train(*case) for case in cases], [_refusals(world), _frozen_experts(world)]]
+
+
+def _frozen_experts(world: int) -> dict:
+    """A model whose first layer's experts are frozen: each rank's slice of them after initialize and two steps
+    (world 2 only)."""
+    if world != 2:
+        return {}
+    model = make_model("mixtral", 8)
+    for p in model.model.layers[0].mlp.experts.parameters():
+        p.requires_grad_(False)
+    config = {"train_micro_batch_size_per_gpu": MICRO, "expert_parallel_size": world, "collective_timeout_s": 120.0}
+    engine = shardtrain.initialize(model, config=config, optimizer=torch.optim.AdamW(model.parameters(), lr=LR))
+    ids = global_batches(world, 2)
+    for batch in ids:
+        rows = batch[dist.get_rank() * MICRO : (dist.get_rank() + 1) * MICRO]
+        engine.backward(_forward(engine, rows)[0])
+        engine.step()
+    experts = model.model.layers[0].mlp.experts
+    out = {"range": experts.expert_range, "frozen": {n: p.detach().clone() for n, p in experts.named_parameters()}}
+    out["trained"] = model.model.layers[1].mlp.experts.gate_up_proj.detach().clone()
+    engine.close()
+    return out
 
 
 def _refusals(world: int) -> dict:
@@ -312,3 +334,16 @@ def test_a_model_without_experts_and_an_indivisible_expert_count_are_refused(wor
     assert "has no experts module" in world2[0][1][0]["dense model"]
     message = world3[0][1][0]["experts not divisible"]
     assert "has 4 experts (num_experts), which do not split over expert_parallel_size (ep_size) 3" in message
+
+
+def test_frozen_experts_keep_each_rank_s_own_experts(world2):
+    # frozen expert parameters are outside every bucket: each rank keeps its own slice of rank 0's model, never
+    # another rank's experts of the same shape
+    whole = make_model("mixtral", 8)
+    want = dict(whole.model.layers[0].mlp.experts.named_parameters())
+    init = whole.model.layers[1].mlp.experts.gate_up_proj.detach()
+    for r in world2:
+        first, last = r[1][1]["range"]
+        for name, t in r[1][1]["frozen"].items():
+            assert torch.equal(t, want[name].detach()[first:last]), name
+        assert not torch.equal(r[1][1]["trained"], init[first:last])  # the trainable ones moved

@@ -137,7 +137,8 @@ class Engine:
         if self.config.fp16.enabled is True and self.config.fp16.auto_cast:  # DeepSpeed: positional inputs only
             args = cast_inputs_half(args)
         call = self._runtime.prepare(args, kwargs)
-        if self._runtime.forward_communicates or self.tp_comm is not None or self._sp is not None:
+        communicates = self.tp_comm is not None or self._sp is not None or bool(self._expert_comms)
+        if self._runtime.forward_communicates or communicates:
             self._agree("forward", detail=call.detail, explain=call.explain)
         if not self._batch_checked:  # every rank of a tensor-parallel group must get the same batch
             check_same_batch(args, kwargs, self.tp_comm, self.topology.host_tp_group)

@@ -74,7 +74,7 @@ def build_layout(
             for b in build_buckets(grouped, expert_comm.size, expert_comm.rank, first_index=len(buckets)):
                 b.expert = True
                 buckets.append(b)
-    _sync_initial_state(module, buckets, sync, experts[1] if experts is not None else None)
+    _sync_initial_state(module, buckets, sync, experts)
     where = {id(s.param): (b, i) for b in buckets for i, s in enumerate(b.slots)}
     placements = dict(tp_placements or {})
     records = []
@@ -163,17 +163,23 @@ def _retire_construction(params: list[nn.Parameter]) -> None:
 
 
 def _sync_initial_state(
-    module: nn.Module, buckets: list[Bucket], comm: Communicator, expert_comm: Communicator | None = None
+    module: nn.Module,
+    buckets: list[Bucket],
+    comm: Communicator,
+    experts: tuple[frozenset[int], Communicator] | None = None,
 ) -> None:
-    """Every rank starts from rank 0's parameters and buffers (as DDP does); expert buckets from the first rank of
-    their expert-data-parallel group (``expert_comm``), which holds the same experts."""
+    """Every rank starts from rank 0's parameters and buffers (as DDP does); expert parameters, trainable or frozen,
+    from the first rank of their expert-data-parallel group (``experts``: their ids and that group), which holds the
+    same experts: the other ranks of ``comm`` hold other experts of the same shape."""
+    expert_ids, expert_comm = experts if experts is not None else (frozenset(), comm)
     for b in buckets:
         if b.gather_after_step:  # stage-3 units were synchronized while they were built
-            over = expert_comm if b.expert and expert_comm is not None else comm
+            over = expert_comm if b.expert else comm
             over.broadcast(b.flat_param, 0, what=f"initial parameters of bucket {b.index}")
     bucketed = {id(s.param) for b in buckets for s in b.slots}
     for name, p in module.named_parameters():
         if id(p) not in bucketed:
-            comm.broadcast(p.data, 0, what=f"initial value of frozen parameter {name!r}")
+            over = expert_comm if id(p) in expert_ids else comm
+            over.broadcast(p.data, 0, what=f"initial value of frozen parameter {name!r}")
     for name, buf in module.named_buffers():
         comm.broadcast(buf, 0, what=f"initial value of buffer {name!r}")
