@@ -40,6 +40,7 @@ ALLOWED: dict[str, set[str]] = {
         "shardtrain.distributed",
     },
     "shardtrain.engine": {
+        "shardtrain.expert_parallel",
         "shardtrain.graph",
         "shardtrain.checkpoint",
         "shardtrain.sequence_parallel",
@@ -62,6 +63,7 @@ ALLOWED: dict[str, set[str]] = {
     "shardtrain.checkpoint": {"shardtrain.distributed"},
     "shardtrain.sequence_parallel": {"shardtrain.tensor_parallel", "shardtrain.distributed"},
     "shardtrain.tensor_parallel": {"shardtrain.distributed"},
+    "shardtrain.expert_parallel": {"shardtrain.distributed"},
     "shardtrain.zero": {
         "shardtrain.zero.layout",
         "shardtrain.zero.policy",

@@ -68,6 +68,7 @@ TWO_RANKS = (
     "collective_timeout_s",
     _Z + "mics_shard_size",
     "sequence_parallel_size",
+    "expert_parallel_size",
 )
 """Keys shown by the world-2 run (:func:`_two_ranks`)."""
 FOUR_RANKS = (_Z + "zero_hpz_partition_size",)
@@ -117,6 +118,18 @@ def _engine(config: dict, model: nn.Module | None = None, optimizer: Any = "sgd"
     if optimizer == "sgd":
         optimizer = None if "optimizer" in config else _sgd()
     return shardtrain.initialize(model if model is not None else _gpt(), config=config, optimizer=optimizer, **kwargs)
+
+
+def _mixtral() -> nn.Module:
+    """A tiny random Mixtral (4 experts, top-2): the model expert_parallel_size splits."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        vocab_size=16, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, attn_implementation="eager",
+    )  # fmt: skip
+    return transformers.MixtralForCausalLM(config)
 
 
 def _micro_step(engine: shardtrain.Engine, batch: tuple | None = None) -> float:
@@ -1179,6 +1192,14 @@ def _two_ranks(timeout_s: float) -> dict[str, Any]:
     loss = _micro_step(engine)
     calls = engine._sp.comm.stats()["all_to_all"]["calls"]
     out["sequence_parallel_size"] = (engine.topology.sp, engine.topology.dp, engine.topology.sp_rank, calls, loss)
+    # expert_parallel_size 2: each rank holds 2 of a tiny Mixtral's 4 experts and sends tokens to the other's
+    engine = _engine({"expert_parallel_size": 2, **timeout}, model=_mixtral())
+    engine.backward(engine(input_ids=torch.arange(6).view(1, 6), labels=torch.arange(6).view(1, 6)).loss)
+    engine.step()
+    experts = engine.module.model.layers[0].mlp.experts
+    exchanged = engine.comm_stats(by_group=True)["ep"]["all_to_all"]["calls"]
+    shape = tuple(experts.gate_up_proj.shape)
+    out["expert_parallel_size"] = (engine.topology.ep, experts.expert_range, shape, exchanged)
     # a rank that skips a micro-step: with the desync check both ranks fail at once, naming where each one is
     engine = _engine({"zero_optimization": {"stage": 2}, **timeout})
     _micro_step(engine)
@@ -1227,6 +1248,9 @@ def test_keys_that_need_two_ranks():
     layers = 2
     assert [r["sequence_parallel_size"][:4] for r in results] == [(2, 1, 0, 8 * layers), (2, 1, 1, 8 * layers)]
     assert results[0]["sequence_parallel_size"][4] == results[1]["sequence_parallel_size"][4]
+    # expert_parallel_size 2: experts [0, 2) and [2, 4) of each MoE layer, the token exchange through the ep group
+    assert [r["expert_parallel_size"][:3] for r in results] == [(2, (0, 2), (2, 48, 16)), (2, (2, 4), (2, 48, 16))]
+    assert all(r["expert_parallel_size"][3] > 0 for r in results)
     # collective_timeout_s: the lone reduction fails after that many seconds, naming it
     message, waited = results[0]["timeout"], results[0]["timeout_s"]
     assert f"collective timeout {timeout_s:g}s" in message, message

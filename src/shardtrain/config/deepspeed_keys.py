@@ -816,7 +816,14 @@ RULES: tuple[Rule, ...] = (
         "Ulysses sequence parallelism: ranks sharing each sequence (all-to-all of the heads); data-parallel size = "
         "world / size: docs/sequence-parallel.md",
     ),
-    _disabled("expert_parallel", "expert parallelism (AutoEP) is not supported"),
+    _supported(
+        "expert_parallel_size",
+        "int ≥ 1, `1`",
+        "expert parallelism (DeepSpeed-MoE's `ep_size`, one size for every MoE layer): ranks of an expert group, each "
+        "holding num_experts / size experts of a transformers MoE model; it must divide the data-parallel size: "
+        "docs/expert-parallel.md",
+    ),
+    _disabled("expert_parallel", "AutoEP's section is not read; use `expert_parallel_size` (docs/expert-parallel.md)"),
     _disabled("hybrid_engine", "the RLHF hybrid engine is not supported"),
     _no_effect(
         "aio",
@@ -857,7 +864,8 @@ RULES: tuple[Rule, ...] = (
     _no_effect(
         "use_data_before_expert_parallelism",
         "bool",
-        "there is no expert parallelism",
+        "orders DeepSpeed-MoE's token exchange around its own MoE layer; `expert_parallel_size` exchanges tokens in "
+        "the transformers experts module, in expert order (docs/expert-parallel.md)",
         check=StrictBool,
     ),
     _only("graph_harvesting", False, "CUDA graphs are not captured by the engine"),

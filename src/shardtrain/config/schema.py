@@ -375,6 +375,9 @@ class Config(_Section):
     sequence_parallel_size: Count = 1
     """Ulysses sequence parallelism: ranks sharing one sequence, each holding 1/size of it (DeepSpeed's key;
     docs/sequence-parallel.md)."""
+    expert_parallel_size: Count = 1
+    """Expert parallelism: ranks of one expert group, each holding num_experts / size whole experts of every MoE layer
+    (DeepSpeed-MoE's ``ep_size``, one size for every layer; docs/expert-parallel.md)."""
     tiled_logits_loss: bool = False
     """ALST's tiled loss (shardtrain key): the causal-LM cross-entropy computed over tiles of the tokens, each tile's
     logits recomputed in backward, so the whole logits never exist (docs/sequence-parallel.md)."""
@@ -761,6 +764,7 @@ def check_layout(cfg: Config, world: int) -> int:
             f"within groups of mics_shard_size ranks and replicated across the groups, so choose one of "
             f"{_divisors(zero)} (or -1 to shard over all {zero})"
         )
+    check_expert_layout(cfg, dp)
     hpz = zcfg.zero_hpz_partition_size
     if zcfg.stage == 3 and hpz > 1 and tp == 1 and sp == 1 and shard == dp and dp % hpz:
         raise ConfigError(
@@ -785,6 +789,35 @@ def check_layout(cfg: Config, world: int) -> int:
                 "rank) or turn the other feature off (docs/hybrid-sharding.md)"
             )
     return dp
+
+
+def check_expert_layout(cfg: Config, dp: int) -> None:
+    """:class:`ConfigError` for an ``expert_parallel_size`` that does not fit ``dp`` data-parallel ranks, or a
+    combination expert parallelism is not built with (see docs/expert-parallel.md)."""
+    ep, zcfg = cfg.expert_parallel_size, cfg.zero_optimization
+    if ep == 1:
+        return
+    if dp % ep:
+        raise ConfigError(
+            f"expert_parallel_size (ep_size) {ep} does not divide the data-parallel size {dp}: the ranks of an expert "
+            f"group are data-parallel ranks, and the ranks holding the same experts are dp / ep_size of them, so "
+            f"choose one of {_divisors(dp)}"
+        )
+    refused = [
+        (cfg.tensor_parallel.degree > 1, f"tensor parallelism (tensor_parallel.size {cfg.tensor_parallel.degree})"),
+        (cfg.sequence_parallel_size > 1, f"sequence parallelism (sequence_parallel_size {cfg.sequence_parallel_size})"),
+        (zcfg.stage == 3, "ZeRO stage 3 (expert parameters are laid out in buckets of their own at stages 0-2)"),
+        (zcfg.mics_shard_size != -1, f"hybrid sharding (zero_optimization.mics_shard_size {zcfg.mics_shard_size})"),
+        (zcfg.offload_optimizer.device != "none", f"offload_optimizer.device {zcfg.offload_optimizer.device!r}"),
+        (zcfg.offload_param.device != "none", f"offload_param.device {zcfg.offload_param.device!r}"),
+        (bool(cfg.graph.enabled), "graph mode (graph.enabled)"),
+    ]
+    for hit, what in refused:
+        if hit:
+            raise ConfigError(
+                f"expert_parallel_size (ep_size) {ep} with {what} is not built; set expert_parallel_size to 1 or turn "
+                "the other feature off (docs/expert-parallel.md)"
+            )
 
 
 def _divisors(n: int) -> list[int]:

@@ -448,6 +448,25 @@ class Communicator:
             return
         self._run("all_to_all", what, lambda a: dist.all_to_all_single(out, inp, group=self.group, async_op=a), False)
 
+    def all_to_all_v(
+        self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int], *, what: str
+    ) -> None:
+        """Rows ``in_splits[j]`` of ``inp`` (dim 0, in rank order) go to rank ``j``; ``out`` receives ``out_splits[i]``
+        rows from rank ``i``, in rank order. Every rank's ``in_splits[j]`` must be rank ``j``'s ``out_splits`` entry
+        for it (exchange the counts first). Counted as the bytes this rank sends to its peers."""
+        row = inp[0].numel() * inp.element_size() if inp.shape[0] else 0
+        sent = (sum(in_splits) - in_splits[self.rank]) * row
+        self._count("all_to_all", sent)
+        if self.alone:
+            out.copy_(inp)
+            return
+        self._run(
+            "all_to_all",
+            what,
+            lambda a: dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group, async_op=a),
+            False,
+        )
+
     def broadcast(self, t: torch.Tensor, src: int = 0, *, what: str) -> None:
         """Broadcast from group rank ``src``."""
         n = self.size

@@ -285,6 +285,12 @@ class Groups:
     dp_sp: dist.ProcessGroup | None = None
     """Sequence parallelism: the ``dp * sp`` ranks ZeRO shards over (None without it; see [Note: the sequence
     axis])."""
+    ep: dist.ProcessGroup | None = None
+    """Expert parallelism: the ``E`` adjacent data-parallel ranks holding different experts (None without it; see
+    [Note: the expert axis])."""
+    edp: dist.ProcessGroup | None = None
+    """Expert parallelism: the ``dp / E`` ranks holding the same experts, which their gradients are reduced over
+    (None without expert parallelism)."""
     hpz: dist.ProcessGroup | None = None
     """ZeRO++ hpZ: the ``H`` adjacent data-parallel ranks that re-gather units for backward from their secondary
     shards (None without hpZ; see [Note: secondary shards] in :mod:`shardtrain.zero.hpz`)."""
@@ -300,6 +306,7 @@ def make_groups(
     shard_size: int | None = None,
     sp: int = 1,
     hpz_size: int = 1,
+    ep: int = 1,
 ) -> tuple[Groups, Groups]:
     """The engine's groups and their host-side twins (see [Note: the engine's groups]).
 
@@ -308,7 +315,8 @@ def make_groups(
     (group creation is collective). ``shard_size``: hybrid sharding's group size ``S`` (see [Note: the hybrid
     mesh]); None or the whole data-parallel size: no shard and replicate groups. ``sp``: the sequence-parallel
     size (see [Note: the sequence axis]). ``hpz_size``: ZeRO++ hpZ's group size ``H`` (1 or the whole axis: no hpZ
-    group). Returns ``(main, host)``."""
+    group). ``ep``: the expert-parallel size (see [Note: the expert axis]; only on a ``(dp, tp)`` mesh with
+    ``tp == 1``). Returns ``(main, host)``."""
     dp = world // (tp * sp)
     # rank = (dp_rank * sp + sp_rank) * tp + tp_rank = zero_rank * tp + tp_rank, zero_rank = dp_rank * sp + sp_rank:
     # the index among the dp * sp ranks holding the same tensor-parallel block, over which ZeRO shards
@@ -332,6 +340,9 @@ def make_groups(
         partitions["hpz"] = [
             [((g * hpz_size) + i) * tp + t for i in range(hpz_size)] for g in range(zero // hpz_size) for t in range(tp)
         ]
+    if ep > 1:  # see [Note: the expert axis]
+        partitions["ep"] = [[g * ep + e for e in range(ep)] for g in range(dp // ep)]
+        partitions["edp"] = [[g * ep + e for g in range(dp // ep)] for e in range(ep)]
     return _groups_of(partitions, rank, world, backend, world_group, new_group)
 
 
@@ -404,6 +415,14 @@ class Topology:
     index in each of the ``dp * sp / S`` replicas; ``S`` must divide ``dp * sp``. The gradient is still averaged
     over all ``dp * sp`` ranks (reduce-scatter in the shard, all-reduce across replicas), as without hybrid
     sharding.
+
+    [Note: the expert axis]
+    With ``expert_parallel_size: E`` (docs/expert-parallel.md) the data-parallel axis is cut as DeepSpeed-MoE cuts
+    it: ``dp_rank = edp_rank * E + ep_rank``. An expert group is ``E`` adjacent data-parallel ranks (their
+    all-to-alls stay inside a node when ``E`` GPUs fit in it), each holding ``num_experts / E`` whole experts of every
+    MoE layer; the expert-data-parallel group of a rank is the ``dp / E`` ranks with the same ``ep_rank``, which hold
+    the same experts and reduce their gradients together. Batches still differ along the whole ``dp`` axis, and
+    dense parameters are reduced over it. Built on a ``(dp, tp)`` mesh with ``tp == 1`` and without hybrid sharding.
     """
 
     rank: int
@@ -422,11 +441,28 @@ class Topology:
     """Sequence parallelism: ranks sharing one sequence (``sequence_parallel_size``); 1 without it."""
     hpz_size: int = 1
     """ZeRO++ hpZ: ranks of a secondary-shard group (``zero_hpz_partition_size``); 1 without hpZ."""
+    ep: int = 1
+    """The expert-parallel size ``E`` (see [Note: the expert axis]); 1 without expert parallelism."""
 
     @property
     def hpz_group(self) -> dist.ProcessGroup | None:
         """ZeRO++ hpZ's group of ``hpz_size`` adjacent data-parallel ranks; None without hpZ."""
         return self.groups.hpz
+
+    @property
+    def ep_rank(self) -> int:
+        """This rank's index in its expert group: it holds experts ``[ep_rank * n/E, (ep_rank + 1) * n/E)``."""
+        return self.dp_rank % self.ep
+
+    @property
+    def ep_group(self) -> dist.ProcessGroup | None:
+        """The ``E`` ranks holding different experts, which exchange tokens (None without expert parallelism)."""
+        return self.groups.ep
+
+    @property
+    def edp_group(self) -> dist.ProcessGroup | None:
+        """The ``dp / E`` ranks holding the same experts (None without expert parallelism)."""
+        return self.groups.edp
 
     @property
     def hybrid(self) -> bool:
@@ -525,16 +561,25 @@ def init_topology(
     sp: int = 1,
     hpz_size: int = 1,
     device: str | None = None,
+    ep: int = 1,
 ) -> Topology:
     """Create (or adopt) the process group and the ``(dp, tp)`` device mesh (``(replicate, shard, tp)`` with
     ``shard_size``, the config's ``mics_shard_size``; -1: no hybrid sharding; ``(dp, sp, tp)`` with ``sp``, the
     config's ``sequence_parallel_size``), and check the layout is possible. ``hpz_size``: the config's
     ``zero_hpz_partition_size`` at stage 3 (0 or 1: off), checked and given its group here without tensor or sequence
     parallelism and hybrid sharding (``initialize`` refuses those combinations by name afterwards). ``device``: the
-    config's ``device`` (:func:`pick_device`)."""
+    config's ``device`` (:func:`pick_device`). ``ep``: the config's ``expert_parallel_size`` (see [Note: the expert
+    axis]), checked against the data-parallel size here; the combinations it is not built with are refused by
+    ``initialize``."""
     dev = pick_device(device)
     created = ensure_process_group(timeout_s, dev)
     world = dist.get_world_size()
+    if ep != 1 and (sp != 1 or tp != 1 or shard_size != -1):
+        raise LayoutError(
+            f"expert_parallel_size (ep_size) {ep} with tensor parallelism, sequence parallelism or hybrid sharding "
+            "(mics_shard_size) is not built; set expert_parallel_size to 1 or turn the other feature off "
+            "(docs/expert-parallel.md)"
+        )
     if sp != 1:
         return _init_sequence_topology(tp, timeout_s, shard_size, sp, created, world, dev)
     if tp < 1 or world % tp:
@@ -552,14 +597,24 @@ def init_topology(
             f"replicated across the groups, so choose one of {divisors} (or -1 to shard over all {dp})"
         )
     replicas = dp // shard
+    if ep < 1 or dp % ep:
+        raise LayoutError(
+            f"expert_parallel_size (ep_size) {ep} does not divide the data-parallel size {dp} (world {world}): the "
+            f"ranks of an expert group are data-parallel ranks, and the ranks holding the same experts are dp / "
+            f"ep_size of them, so choose one of {[d for d in range(1, dp + 1) if dp % d == 0]}"
+        )
     hpz = _hpz_size(hpz_size, dp, world) if tp == 1 and replicas == 1 else 1
     device, backend, groups, host_groups = _make_mesh_groups(
-        dev, world, tp, timeout_s, created, shard_size=shard, hpz_size=hpz
+        dev, world, tp, timeout_s, created, shard_size=shard, hpz_size=hpz, ep=ep
     )
     if replicas > 1:  # see [Note: the hybrid mesh]
         ranks = torch.arange(world).view(replicas, shard, tp)
         axes = [groups.replicate, groups.shard, groups.tp]
         mesh = DeviceMesh.from_group(axes, device.type, mesh=ranks, mesh_dim_names=("replicate", "shard", "tp"))
+    elif ep > 1:  # see [Note: the expert axis]: (edp, ep) cut the dp axis, tp is 1
+        ranks = torch.arange(world).view(dp // ep, ep, tp)
+        axes = [groups.edp, groups.ep, groups.tp]
+        mesh = DeviceMesh.from_group(axes, device.type, mesh=ranks, mesh_dim_names=("edp", "ep", "tp"))
     else:
         ranks = torch.arange(world).view(dp, tp)
         mesh = DeviceMesh.from_group([groups.dp, groups.tp], device.type, mesh=ranks, mesh_dim_names=("dp", "tp"))
@@ -576,6 +631,7 @@ def init_topology(
         tp=tp,
         replicas=replicas,
         hpz_size=hpz,
+        ep=ep,
     )
 
 

@@ -38,7 +38,13 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
-from shardtrain.config.schema import Config, ZeroConfig, gradient_predivide, optimizer_class_and_kwargs
+from shardtrain.config.schema import (
+    Config,
+    ZeroConfig,
+    check_expert_layout,
+    gradient_predivide,
+    optimizer_class_and_kwargs,
+)
 from shardtrain.distributed.communicator import Communicator
 from shardtrain.distributed.desync import PhaseCheck
 from shardtrain.distributed.mesh import Topology
@@ -90,6 +96,8 @@ class Comms:
     world: Communicator  # every rank: checkpoint protocols, agreement checks, the gradient norm on a (dp, tp) mesh
     tp: Communicator | None  # tensor-parallel layers' collectives (None without tensor parallelism)
     hpz: Communicator | None = None  # ZeRO++ hpZ at stage 3: backward gathers within a node (None without it)
+    ep: Communicator | None = None  # expert parallelism: the expert group's token exchange (None without it)
+    edp: Communicator | None = None  # expert parallelism: the ranks holding the same experts, their buckets' group
 
 
 @dataclass(frozen=True)
@@ -111,7 +119,7 @@ class Parts:
     monitor: TrainingMonitor
 
 
-def make_comms(topology: Topology, tp_comm: Communicator | None) -> Comms:
+def make_comms(topology: Topology, tp_comm: Communicator | None, ep_comm: Communicator | None = None) -> Comms:
     shard = Communicator(topology.shard_group, topology.timeout_s)
     # see [Note: the hybrid mesh] in shardtrain/mesh.py: gradient shards are all-reduced across the replicas and
     # what must reach every data-parallel rank goes over the dp axis
@@ -119,7 +127,11 @@ def make_comms(topology: Topology, tp_comm: Communicator | None) -> Comms:
     dp = Communicator(topology.dp_group, topology.timeout_s) if topology.hybrid else shard
     world = dp if topology.tp == 1 else Communicator(topology.world_group, topology.timeout_s)
     hpz = Communicator(topology.hpz_group, topology.timeout_s) if topology.hpz_group is not None else None
-    return Comms(shard, replica, dp, world, tp_comm, hpz)
+    ep = edp = None
+    if topology.ep > 1:  # see [Note: the expert axis] in shardtrain/distributed/mesh.py
+        ep = ep_comm if ep_comm is not None else Communicator(topology.ep_group, topology.timeout_s)
+        edp = Communicator(topology.edp_group, topology.timeout_s)
+    return Comms(shard, replica, dp, world, tp_comm, hpz, ep, edp)
 
 
 def build_parts(
@@ -129,9 +141,12 @@ def build_parts(
     optimizer: torch.optim.Optimizer,
     tp_placements: Mapping[str, Any] | None,
     tp_comm: Communicator | None,
+    experts: tuple[frozenset[int], Communicator] | None = None,
 ) -> Parts:
-    """The engine's parts, in the order of the module docstring. Collective."""
-    comms = make_comms(topology, tp_comm)
+    """The engine's parts, in the order of the module docstring. Collective. ``experts``: under expert parallelism,
+    the ids of the expert parameters and the expert group's communicator (the one their token exchange uses)."""
+    comms = make_comms(topology, tp_comm, experts[1] if experts is not None else None)
+    expert_ids = experts[0] if experts is not None else frozenset()
     # every rank says where it is before each call that communicates ([Note: phase agreement]); its own
     # Communicator over the world group, so that comm_stats() keeps only the traffic of the ZeRO formulas
     phase_check = PhaseCheck(
@@ -145,7 +160,7 @@ def build_parts(
     # of the rest of the construction (a full disk, a peer lost) leaves none behind
     scratch = _prepare_offload(config.zero_optimization, topology, comms.world)
     try:
-        return _build(module, config, topology, optimizer, tp_placements, comms, phase_check, scratch)
+        return _build(module, config, topology, optimizer, tp_placements, comms, phase_check, scratch, expert_ids)
     except BaseException:
         for s in scratch.values():
             s.remove()
@@ -161,6 +176,7 @@ def _build(
     comms: Comms,
     phase_check: PhaseCheck,
     scratch: dict[str, ScratchDir],
+    expert_ids: frozenset[int] = frozenset(),
 ) -> Parts:
     zcfg = config.zero_optimization
     sp = None
@@ -184,6 +200,7 @@ def _build(
         tp_rank=topology.tp_rank,
         dp_comm=comms.dp,
         device=topology.device,
+        experts=(expert_ids, comms.edp) if comms.edp is not None else None,
     )
     policy = layout.policy
     precision = policy_from_config(config)
@@ -246,6 +263,7 @@ def _build(
         predivide=gradient_predivide(config, topology.shard_size),
         replicate=comms.replica,
         order_comm=comms.dp,
+        experts=(comms.edp, topology.ep) if comms.edp is not None else None,
     )
     tp_norm = None
     if topology.tp > 1:
@@ -286,12 +304,13 @@ def _build(
         replica_rank=topology.replica_rank,
         overlap_gathers=not config.graph.enabled,  # a captured graph must see plain parameters
         make_offload=make_offload,
+        experts=(comms.edp, comms.ep) if comms.edp is not None and comms.ep is not None else None,
     )
     tp_partial = (tp_comm, partial_grads) if tp_comm is not None else None
     runtime = _runtime(module, config, eager, comms.shard, reducer, precision, tp_partial, param_offload)
     # metrics, monitors (TensorBoard/CSV/wandb) and wall-clock breakdown: rank 0 only, never communicates
     monitor = TrainingMonitor(config, topology.rank, topology.device, topology.dp)
-    for comm in (comms.shard, comms.replica, comms.dp, comms.hpz):  # comm_stats() counts from here
+    for comm in (comms.shard, comms.replica, comms.dp, comms.hpz, comms.ep, comms.edp):  # comm_stats() counts from here
         if comm is not None:
             comm.reset_stats()
     return Parts(
@@ -424,6 +443,7 @@ def refuse_unbuilt(cfg: Config, topology: Topology, model: nn.Module) -> None:
     if zcfg.stage == 3 and zcfg.stage3_unit_classes:
         find_unit_modules(model, zcfg.stage3_unit_classes)  # names the classes the model does not have
     refuse_unbuilt_sequence_parallel(cfg)
+    check_expert_layout(cfg, topology.dp)  # expert parallelism with what it is not built with
     refuse_unbuilt_hpz(cfg, topology)  # ZeRO++ hpZ with tensor/sequence parallelism, offload_param or graph mode
 
 
@@ -455,12 +475,12 @@ def refuse_sharded_construction(model: nn.Module) -> None:
         )
 
 
-def broadcast_model(model: nn.Module, world: Communicator) -> None:
-    """Every rank starts from rank 0's full model before tensor parallelism cuts each rank's blocks (the
+def broadcast_model(model: nn.Module, world: Communicator, split: str = "tensor-parallel") -> None:
+    """Every rank starts from rank 0's full model before tensor (or expert) parallelism cuts each rank's blocks (the
     data-parallel broadcast after the split only reaches ranks holding the same block)."""
     with torch.no_grad():
         for name, t in [*model.named_parameters(), *model.named_buffers()]:
-            world.broadcast(t.data, 0, what=f"initial value of {name!r} before the tensor-parallel split")
+            world.broadcast(t.data, 0, what=f"initial value of {name!r} before the {split} split")
 
 
 FUSED_ON_CUDA = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)

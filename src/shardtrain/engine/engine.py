@@ -52,7 +52,8 @@ from shardtrain.engine.training_state import (
     load_full_weights,
     save_engine,
 )
-from shardtrain.errors import LayoutError, OptimizerError
+from shardtrain.errors import ConfigError, LayoutError, OptimizerError
+from shardtrain.expert_parallel import install_expert_parallel, refuse_split_experts_checkpoint
 from shardtrain.tensor_parallel import check_same_batch, parallelize
 from shardtrain.tensor_parallel.parallelize import check_replicated_gradients
 from shardtrain.zero.host_read import HostRead
@@ -97,6 +98,7 @@ class Engine:
         comms = parts.comms
         self.comm, self.replica_comm, self._dp_comm = comms.shard, comms.replica, comms.dp
         self._hpz_comm = comms.hpz
+        self._expert_comms = {"ep": comms.ep, "edp": comms.edp} if comms.ep is not None else {}
         self.world_comm, self.tp_comm = comms.world, comms.tp
         self._sp, self._phase_check, self._scratch = parts.sp, parts.phase_check, parts.scratch
         self.layout, self.policy = parts.layout, parts.layout.policy
@@ -135,7 +137,8 @@ class Engine:
         if self.config.fp16.enabled is True and self.config.fp16.auto_cast:  # DeepSpeed: positional inputs only
             args = cast_inputs_half(args)
         call = self._runtime.prepare(args, kwargs)
-        if self._runtime.forward_communicates or self.tp_comm is not None or self._sp is not None:
+        communicates = self.tp_comm is not None or self._sp is not None or bool(self._expert_comms)
+        if self._runtime.forward_communicates or communicates:
             self._agree("forward", detail=call.detail, explain=call.explain)
         if not self._batch_checked:  # every rank of a tensor-parallel group must get the same batch
             check_same_batch(args, kwargs, self.tp_comm, self.topology.host_tp_group)
@@ -371,7 +374,8 @@ class Engine:
         of ZeRO's groups added up. ``by_group``: per group instead, ``{"shard": ...}``, and with hybrid sharding
         ``"replicate"`` (the gradient all-reduce across replicas) and ``"dp"`` (every data-parallel rank: the gradient
         norm, the order exchange); the bytes of the last two are the ones that leave a shard group; with ZeRO++ hpZ
-        ``"hpz"`` (backward gathers from secondary shards, inside an hpZ group)."""
+        ``"hpz"`` (backward gathers from secondary shards, inside an hpZ group); with expert parallelism ``"ep"`` (the
+        token exchange of the expert group) and ``"edp"`` (the expert buckets' reductions and gathers)."""
         comms = self._zero_comms()
         per_group = {name: comm.stats() for name, comm in comms.items()}
         if reset:
@@ -383,7 +387,7 @@ class Engine:
         """ZeRO's communicators by group name (see :meth:`comm_stats`)."""
         hpz = {} if self._hpz_comm is None else {"hpz": self._hpz_comm}  # ZeRO++ hpZ's backward gathers
         if self.replica_comm is None:
-            return {"shard": self.comm, **hpz}
+            return {"shard": self.comm, **hpz, **self._expert_comms}
         return {"shard": self.comm, "replicate": self.replica_comm, "dp": self._dp_comm}
 
     def state_bytes(self) -> dict[str, int]:
@@ -408,6 +412,7 @@ class Engine:
         [Note: phase agreement] communicates, so that a script right at stage 0 is right at stage 3). Units are
         gathered one at a time, so no rank holds more than one unit's full parameters besides the CPU copies on
         rank 0."""
+        refuse_split_experts_checkpoint(self.topology.ep, "full_state_dict()")  # the same verdict on every rank
         self._agree("full_state_dict")
         t = self.topology
         return full_state_dict(self._training_state(), self._runtime, self.tp_comm, t.rank, t.dp_rank, t.device)
@@ -430,6 +435,7 @@ class Engine:
         ``checkpoint/async_save.py``). The next ``save_checkpoint`` and ``close()`` wait for it and raise its
         failure. The default is the config's ``checkpoint.writer.decoupled`` (DeepSpeed's key, ``false``). Returns
         the checkpoint's path either way."""
+        refuse_split_experts_checkpoint(self.topology.ep, "save_checkpoint")  # the same verdict on every rank
         self._agree("save_checkpoint")
         if self._async_saver is not None:  # one save in flight at most; a failure of the previous one is raised here
             self._async_saver.wait()
@@ -446,6 +452,7 @@ class Engine:
 
         Without ``tag`` the one ``load_dir/latest`` names is loaded. ``load_optimizer_states=False`` loads the
         model weights (masters included) and the loss scale only."""
+        refuse_split_experts_checkpoint(self.topology.ep, "load_checkpoint")  # the same verdict on every rank
         self._agree("load_checkpoint")
         if self._async_saver is not None:  # a save in flight is what `latest` will name: load it, not the one before
             self._async_saver.wait()
@@ -562,6 +569,7 @@ def initialize(
         sp=cfg.sequence_parallel_size,
         hpz_size=cfg.zero_optimization.zero_hpz_partition_size if cfg.zero_optimization.stage == 3 else 1,
         device=cfg.device,
+        ep=cfg.expert_parallel_size,
     )
     # "auto" values are resolved before the model is touched
     cfg = resolve_auto(cfg, dp=topology.dp, model=model, auto_values=auto_values)
@@ -604,13 +612,24 @@ def initialize(
                 f"{type(model).__name__}: its patterns match none of the model's module names (a model wrapped in "
                 "another module has longer names; pass initialize(tp_plan=...) with the full names)"
             )
+    experts = None
+    if topology.ep > 1:  # each rank keeps its experts of rank 0's model (see [Note: the expert axis])
+        if deferred:
+            raise ConfigError(
+                f"expert_parallel_size (ep_size) {topology.ep} with a model built under shardtrain.zero.Init() or on "
+                "meta is not built; build the model in memory (docs/expert-parallel.md)"
+            )
+        ep_comm = Communicator(topology.ep_group, topology.timeout_s)
+        broadcast_model(model, Communicator(topology.dp_group, topology.timeout_s), split="expert-parallel")
+        experts = (install_expert_parallel(model, ep_comm), ep_comm)
     if deferred:  # each rank's data-parallel chunk of its tensor-parallel block, and nothing more
         dp_comm = Communicator(topology.dp_group, topology.timeout_s)
         materialize_deferred(model, placements, dp_comm, topology.tp_rank, topology.tp, topology.device)
         if tp_comm is not None:
             check_replicated_gradients(model, placements, tp_comm)
     # from here on only resources can fail (a full disk, a lost peer): see shardtrain.engine.build
-    return Engine(model, cfg, topology, opt, scheduler, build_parts(model, cfg, topology, opt, placements, tp_comm))
+    parts = build_parts(model, cfg, topology, opt, placements, tp_comm, experts)
+    return Engine(model, cfg, topology, opt, scheduler, parts)
 
 
 def _describe(x: Any) -> str:

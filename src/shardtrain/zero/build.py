@@ -41,6 +41,7 @@ def build_layout(
     tp_rank: int = 0,
     dp_comm: Communicator | None = None,
     device: torch.device | None = None,
+    experts: tuple[frozenset[int], Communicator] | None = None,
 ) -> ShardLayout:
     """Lay ``module``'s parameters out over the group of ``comm`` (see the module docstring).
 
@@ -48,7 +49,9 @@ def build_layout(
     with hybrid sharding, every data-parallel rank (``comm`` is then this rank's shard group, see [Note: the hybrid
     mesh] in :mod:`shardtrain.distributed.mesh`): rank 0's values are broadcast over it, so that every replica starts
     from them; None: ``comm`` is the whole data-parallel group. ``device``: where stage-3 units are laid out, their
-    parameters copied there unit by unit from wherever they are (see [Note: stage 3 from the host])."""
+    parameters copied there unit by unit from wherever they are (see [Note: stage 3 from the host]). ``experts``:
+    under expert parallelism, the ids of the expert parameters and the expert-data-parallel group they are laid out
+    over (see [Note: expert buckets]; stages 0-2)."""
     policy = ZeroPolicy.for_stage(zcfg.stage)
     sync = dp_comm if dp_comm is not None else comm
     replicas = sync.size // comm.size
@@ -62,8 +65,16 @@ def build_layout(
         )
     else:
         trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        buckets = build_buckets(group_by_size(trainable, zcfg.reduce_bucket_size), comm.size, comm.rank)
-    _sync_initial_state(module, buckets, sync)
+        expert_ids, expert_comm = experts if experts is not None else (frozenset(), comm)
+        dense = [(n, p) for n, p in trainable if id(p) not in expert_ids]
+        buckets = build_buckets(group_by_size(dense, zcfg.reduce_bucket_size), comm.size, comm.rank)
+        if expert_ids:  # see [Note: expert buckets]
+            moe = [(n, p) for n, p in trainable if id(p) in expert_ids]
+            grouped = group_by_size(moe, zcfg.reduce_bucket_size)
+            for b in build_buckets(grouped, expert_comm.size, expert_comm.rank, first_index=len(buckets)):
+                b.expert = True
+                buckets.append(b)
+    _sync_initial_state(module, buckets, sync, experts)
     where = {id(s.param): (b, i) for b in buckets for i, s in enumerate(b.slots)}
     placements = dict(tp_placements or {})
     records = []
@@ -151,14 +162,24 @@ def _retire_construction(params: list[nn.Parameter]) -> None:
             b.shard = b.shard.new_empty(0)
 
 
-def _sync_initial_state(module: nn.Module, buckets: list[Bucket], comm: Communicator) -> None:
-    """Every rank starts from rank 0's parameters and buffers (as DDP does)."""
+def _sync_initial_state(
+    module: nn.Module,
+    buckets: list[Bucket],
+    comm: Communicator,
+    experts: tuple[frozenset[int], Communicator] | None = None,
+) -> None:
+    """Every rank starts from rank 0's parameters and buffers (as DDP does); expert parameters, trainable or frozen,
+    from the first rank of their expert-data-parallel group (``experts``: their ids and that group), which holds the
+    same experts: the other ranks of ``comm`` hold other experts of the same shape."""
+    expert_ids, expert_comm = experts if experts is not None else (frozenset(), comm)
     for b in buckets:
         if b.gather_after_step:  # stage-3 units were synchronized while they were built
-            comm.broadcast(b.flat_param, 0, what=f"initial parameters of bucket {b.index}")
+            over = expert_comm if b.expert else comm
+            over.broadcast(b.flat_param, 0, what=f"initial parameters of bucket {b.index}")
     bucketed = {id(s.param) for b in buckets for s in b.slots}
     for name, p in module.named_parameters():
         if id(p) not in bucketed:
-            comm.broadcast(p.data, 0, what=f"initial value of frozen parameter {name!r}")
+            over = expert_comm if id(p) in expert_ids else comm
+            over.broadcast(p.data, 0, what=f"initial value of frozen parameter {name!r}")
     for name, buf in module.named_buffers():
         comm.broadcast(buf, 0, what=f"initial value of buffer {name!r}")

@@ -15,6 +15,15 @@ Each module parameter's storage is redirected to its place in the flat buffer, s
 
 Padding elements are zero in parameters and gradients and are never handed to the optimizer.
 
+[Note: expert buckets]
+Under expert parallelism (``expert_parallel_size: E``, [Note: the expert axis] in :mod:`shardtrain.distributed.mesh`)
+the expert parameters, which differ between the ranks of an expert group, are laid out in buckets of their own, as
+DeepSpeed-MoE does: padded to, and sharded over, the ``dp / E`` ranks holding the same experts, reduced and
+gathered over that group; dense parameters keep buckets over the whole data-parallel axis. An expert bucket's
+gradient is the average over its group divided by ``E`` (see [Note: tokens to their experts]). Fragments stay
+disjoint across every data-parallel rank, so the sum of their squares over the ``dp`` group counts each expert
+and dense gradient once.
+
 At stage 3 a bucket is a *unit* (see :mod:`shardtrain.zero.units`): ``shard`` gets storage of its own
 and the full flat buffer's storage is freed between uses; parameters stay views of the full buffer, so a
 re-gather refills the very storage autograd saved for backward.
@@ -72,6 +81,9 @@ class Bucket:
     """Whether the optimizer step is followed by an all-gather (False for stage-3 units: gathered on use)."""
     requires_grad: bool = True
     """Trainable parameters; a frozen bucket (stage-3 units only) is gathered with its unit, never reduced."""
+    expert: bool = False
+    """Expert parameters under expert parallelism: ``world`` and ``rank`` are the expert-data-parallel group's, and
+    the bucket is reduced and gathered over that group (see [Note: expert buckets])."""
 
     @property
     def shard_numel(self) -> int:

@@ -141,12 +141,16 @@ class ShardedOptimizer:
         replica_rank: int = 0,
         overlap_gathers: bool = True,
         make_offload: MakeOffload | None = None,
+        experts: tuple[Communicator, Communicator] | None = None,
     ) -> None:
         """``comm``: the group the buckets are sharded over; with hybrid sharding (``dp_comm``: every data-parallel
         rank, ``replica_rank``: this rank's replica) the shard group. ``overlap_gathers``: the all-gathers after a
         step are waited for where the parameters are next needed ([Note: gathers after the step]); False (graph
         mode) waits at the end of the step. ``make_offload``: optimizer state offloaded (see :data:`MakeOffload`; None:
-        the optimizer steps every tensor at once, in memory)."""
+        the optimizer steps every tensor at once, in memory). ``experts``: under expert parallelism, the
+        expert-data-parallel group the expert buckets are gathered over and the expert group whose ranks hold
+        different experts (the norm at stage 0 sums their expert squares; see [Note: expert buckets] in
+        zero/layout.py)."""
         self.optimizer, self.buckets, self.reducer = optimizer, buckets, reducer
         self.tp_norm = tp_norm  # with tensor parallelism: how the squared norm is summed (see the class)
         self.comm, self.allgather_bucket_numel = comm, allgather_bucket_numel
@@ -156,8 +160,14 @@ class ShardedOptimizer:
         self.norm_weight = 1.0 if replica_rank == 0 else 0.0
         self.sharded = policy.shard_optimizer_state  # steps fragments (else whole parameters)
         # the all-gathers of the updated chunks after each step (stages 1-3: the buckets gathered after a step)
+        self.expert_comm, self.expert_group = experts if experts is not None else (None, None)
         self.gathers = ParameterGathers(
-            buckets if self.sharded else [], comm, allgather_bucket_numel, module, overlap_gathers
+            buckets if self.sharded else [],
+            comm,
+            allgather_bucket_numel,
+            module,
+            overlap_gathers,
+            expert_comm=self.expert_comm,
         )
         # (fragment tensor, bucket, slot index) for every trainable parameter, keyed by the parameter
         self._frag: dict[int, tuple[torch.Tensor, Bucket, int]] = {}
@@ -309,8 +319,11 @@ class ShardedOptimizer:
         inv = self._inverse(loss_scale, on_device)
         if inv is not None and in_memory:
             torch._foreach_mul_(in_memory, inv)
-        local_sq = self._local_square(grads, in_memory, deferred, swapped, inv)
-        local_sq = self._global_square(local_sq, grads, swapped)
+        if self.expert_group is not None and not self.sharded:
+            local_sq = self._dense_and_expert_square(grads)
+        else:
+            local_sq = self._local_square(grads, in_memory, deferred, swapped, inv)
+            local_sq = self._global_square(local_sq, grads, swapped)
         total_norm = local_sq.sqrt()
         found_inf = None
         if loss_scale is not None:
@@ -365,6 +378,22 @@ class ShardedOptimizer:
             device = self.buckets[0].shard.device if self.buckets else "cpu"
             return torch.zeros((), device=device)
         return (torch.linalg.vector_norm(torch.stack(norms)) ** 2).to(torch.float32)
+
+    def _dense_and_expert_square(self, grads: list[torch.Tensor | None]) -> torch.Tensor:
+        """Stage 0 under expert parallelism: every rank holds every gradient it reduced, the dense ones the same on
+        every rank, the expert ones of other experts on each rank of its expert group; the squared norm is the
+        dense square plus the expert squares summed over the expert group (each gradient counted once)."""
+        expert = [b.expert for _, b, _ in self._frag.values()]
+        dense_grads = [None if e else g for g, e in zip(grads, expert)]
+        expert_grads = [g if e else None for g, e in zip(grads, expert)]
+
+        def square(gs: list[torch.Tensor | None]) -> torch.Tensor:
+            present = [g for g in gs if g is not None and g.numel()]
+            return self._local_square(gs, present, frozenset(), None, None)
+
+        moe = square(expert_grads)
+        self.expert_group.all_reduce(moe, "sum", what="squared expert gradient norm")
+        return square(dense_grads) + moe
 
     def _global_square(
         self, local_sq: torch.Tensor, grads: list[torch.Tensor | None], swapped: SwappedGradients | None

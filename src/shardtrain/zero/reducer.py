@@ -87,10 +87,14 @@ class GradientReducer:
         predivide: float | None = None,
         replicate: Communicator | None = None,
         order_comm: Communicator | None = None,
+        experts: tuple[Communicator, int] | None = None,
     ) -> None:
         """``replicate``: hybrid sharding's replicate group (see [Note: hybrid gradient reduction]); ``order_comm``:
-        the ranks that must agree on the launch order (every data-parallel rank; default ``comm``)."""
+        the ranks that must agree on the launch order (every data-parallel rank; default ``comm``). ``experts``:
+        under expert parallelism, the expert-data-parallel group the expert buckets are reduced over and the
+        expert-parallel size ``E`` their average is divided by (see [Note: expert buckets] in zero/layout.py)."""
         self.buckets, self.comm, self.overlap = buckets, comm, overlap
+        self.expert_comm, self.expert_groups = experts if experts is not None else (None, 1)
         self.replicate = replicate if replicate is not None and replicate.size > 1 else None
         self.order_comm = order_comm if order_comm is not None else comm
         self._replica_pending: list[tuple[Handle, torch.Tensor, torch.Tensor]] = []
@@ -257,8 +261,12 @@ class GradientReducer:
     def _wire_dtype(self, b: Bucket) -> torch.dtype:
         return self.reduce_dtype or b.dtype
 
+    def _comm_of(self, b: Bucket) -> Communicator:
+        return self.expert_comm if b.expert and self.expert_comm is not None else self.comm
+
     def _launch(self, position: int) -> None:
         b = self.buckets[position]
+        comm = self._comm_of(b)
         self._launched.add(position)
         what = f"gradient bucket {b.index} ({b.numel} elements)"
         wire = self._wire_dtype(b)
@@ -267,7 +275,7 @@ class GradientReducer:
             buf = self.full_grads[position]
             tmp = buf if buf.dtype == wire else buf.to(wire)  # reduced in the wire dtype, written back after
             self._prescale(tmp)  # in place: the buffer receives the reduced values anyway
-            handle = self.comm.all_reduce(tmp, op, what=what, async_op=True)
+            handle = comm.all_reduce(tmp, op, what=what, async_op=True)
             self._pending.append(_Pending(b, handle, None if tmp is buf else tmp, tmp))
         else:
             if self.mode == "reduce_scatter":
@@ -286,7 +294,7 @@ class GradientReducer:
                     inp[b.numel :].zero_()
             self._prescale(inp)
             out = inp.new_empty(b.shard_numel)
-            handle = self.comm.reduce_scatter(out, inp, op, what=what, async_op=True)
+            handle = comm.reduce_scatter(out, inp, op, what=what, async_op=True)
             self._pending.append(_Pending(b, handle, out, inp))
         # Older reductions had a whole bucket's backward to finish: fold them in now, so that their
         # full-size staging buffers do not outlive the next bucket (at most one stays in flight).
@@ -297,18 +305,22 @@ class GradientReducer:
         if self.predivide is not None and self.predivide != 1:
             t.mul_(1.0 / self.predivide)  # DeepSpeed multiplies by the reciprocal: the same rounding
 
-    def _postscale(self, t: torch.Tensor) -> None:
-        if self.predivide is not None and self.predivide != self.comm.size:
-            t.mul_(self.predivide / self.comm.size)
+    def _postscale(self, t: torch.Tensor, b: Bucket) -> None:
+        size = self._comm_of(b).size
+        factor = 1.0 if self.predivide is None else self.predivide / size
+        if b.expert:  # each rank's expert gradient sums every rank of its expert group's losses
+            factor /= self.expert_groups
+        if factor != 1.0:
+            t.mul_(factor)
 
     def _finish(self, p: _Pending) -> None:
         assert p.handle is not None
         p.handle.wait()
         position = self._position[p.bucket.index]
         if p.out is None:  # reduced in place in the gradient buffer
-            self._postscale(self.full_grads[position])
+            self._postscale(self.full_grads[position], p.bucket)
             return
-        self._postscale(p.out)
+        self._postscale(p.out, p.bucket)
         if self.mode == "all_reduce":
             self.full_grads[position].copy_(p.out)
         elif self.mode == "reduce_scatter":
@@ -374,7 +386,7 @@ class GradientReducer:
         self._reset_backward()
 
     def _failed(self) -> bool:
-        comms = (self.comm, self.replicate, self.order_comm)
+        comms = (self.comm, self.replicate, self.order_comm, self.expert_comm)
         return any(c is not None and c.failure is not None for c in comms)
 
     def _reset_backward(self) -> None:

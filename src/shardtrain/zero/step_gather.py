@@ -86,11 +86,19 @@ class ParameterGathers:
     """Issues the all-gathers after a step and waits for each bucket where it is needed (see the module note)."""
 
     def __init__(
-        self, buckets: list[Bucket], comm: Communicator, in_flight_numel: int, root: nn.Module, overlap: bool
+        self,
+        buckets: list[Bucket],
+        comm: Communicator,
+        in_flight_numel: int,
+        root: nn.Module,
+        overlap: bool,
+        expert_comm: Communicator | None = None,
     ) -> None:
         """``buckets``: the trainable buckets (those with ``gather_after_step`` are gathered); ``overlap``: False
-        waits for every gather at the end of the step (graph mode)."""
+        waits for every gather at the end of the step (graph mode). ``expert_comm``: the group expert buckets are
+        gathered over (see [Note: expert buckets] in zero/layout.py)."""
         self.comm, self.in_flight_numel = comm, in_flight_numel
+        self.expert_comm = expert_comm
         # the order the next forward needs them in: the last bucket holds the first registered parameters
         self.buckets = sorted((b for b in buckets if b.gather_after_step), key=lambda b: -b.index)
         self.overlap = overlap  # benchmarks switch it off to compare; graph mode builds it off
@@ -117,7 +125,8 @@ class ParameterGathers:
         for b in self.buckets:
             while in_flight and sum(n for n, _, _ in in_flight) + b.padded_numel > self.in_flight_numel:
                 in_flight.pop(0)[2].wait()
-            h = self.comm.all_gather(b.flat_param, b.shard, what=f"parameter bucket {b.index}", async_op=True)
+            comm = self.expert_comm if b.expert and self.expert_comm is not None else self.comm
+            h = comm.all_gather(b.flat_param, b.shard, what=f"parameter bucket {b.index}", async_op=True)
             in_flight.append((b.padded_numel, b, h))
         for _, b, h in in_flight:
             if self.overlap and b.index in self._deferrable:

@@ -1,0 +1,130 @@
+"""Expert parallelism's token exchange: a mixture-of-experts layer whose experts are split over the ranks of a group.
+
+[Note: tokens to their experts]
+Each rank of an expert-parallel group of ``E`` ranks holds ``n / E`` whole experts of every MoE layer (rank ``r``:
+experts ``[r * n/E, (r + 1) * n/E)``) and its own tokens. The router, the shared experts and every dense parameter
+are as in one process. A layer's forward, given this rank's tokens ``x [T, H]``, their experts ``idx [T, k]`` and
+their routing weights ``w [T, k]`` (what transformers hands its experts module):
+
+1. The ``T * k`` (token, expert) pairs are sorted by expert, stably, so each destination rank's rows are contiguous
+   and in expert order.
+2. The count of rows for each rank is exchanged (an all-to-all of ``E`` integers). This is the one host
+   synchronization of the layer: the sizes of the next exchange must be known on the host.
+3. The rows, and their experts' local indices, go to the ranks holding those experts (an all-to-all with variable
+   sizes).
+4. Each rank runs its experts on what it received, through the experts module's own forward: the same code path
+   as one process, eager, ``grouped_mm`` or ``batched_mm``, over the local experts' weights. It passes a weight of
+   1 per row.
+5. The outputs go back by the reverse exchange. Each row is multiplied by its routing weight and added into its
+   token's output in expert order, which is the order transformers' eager loop adds them.
+
+Backward is the same exchanges reversed: :class:`_AllToAllV`'s gradient is the all-to-all with the sizes swapped.
+No token is dropped (no capacity factor): a rank receives what the router sends it, and an expert that receives no
+token contributes nothing.
+
+The gradient of an expert's weights is the sum over every rank's tokens routed to it, of each rank's own loss.
+Data parallelism averages the ranks' losses. So the expert gradients must be divided by the group size ``E`` and
+averaged over the ranks holding the same experts, while dense gradients are averaged over the whole data-parallel
+axis. That is the engine's part when it shards experts; this module computes what one layer computes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardtrain.distributed.communicator import Communicator
+from shardtrain.errors import ConfigError
+
+
+class _AllToAllV(torch.autograd.Function):
+    """Rows to ranks with variable sizes; backward sends the gradients back with the sizes swapped."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Communicator, out_splits: list[int], in_splits: list[int],
+                what: str) -> torch.Tensor:  # fmt: skip
+        ctx.comm, ctx.out_splits, ctx.in_splits, ctx.what = comm, out_splits, in_splits, what
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        comm.all_to_all_v(out, x.contiguous(), out_splits, in_splits, what=what)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        back = grad.new_empty((sum(ctx.in_splits), *grad.shape[1:]))
+        ctx.comm.all_to_all_v(
+            back, grad.contiguous(), ctx.in_splits, ctx.out_splits, what=f"the gradient of {ctx.what}"
+        )
+        return back, None, None, None, None
+
+
+def all_to_all_v(x: torch.Tensor, comm: Communicator, out_splits: list[int], in_splits: list[int], what: str):
+    """Differentiable :meth:`Communicator.all_to_all_v` returning the received rows."""
+    return _AllToAllV.apply(x, comm, out_splits, in_splits, what)
+
+
+_EXPERT_WEIGHTS = ("gate_up_proj", "down_proj", "up_proj", "gate_up_proj_bias", "down_proj_bias", "up_proj_bias")
+
+
+def shard_experts(experts: nn.Module, comm: Communicator, name: str = "experts") -> None:
+    """Keep this rank's experts of a transformers experts module (3-D weights ``[n, ...]``, one row per expert) and
+    route its forward through :func:`dispatch` (see [Note: tokens to their experts]). In place."""
+    n = getattr(experts, "num_experts", None)
+    if not isinstance(n, int):
+        raise ConfigError(f"{name} ({type(experts).__name__}) has no num_experts: not a transformers experts module")
+    if n % comm.size:
+        raise ConfigError(
+            f"{name} has {n} experts, which do not split over an expert-parallel group of {comm.size}: each rank "
+            f"holds whole experts, n / expert_parallel_size of them; choose a size that divides {n}"
+        )
+    local = n // comm.size
+    first = comm.rank * local
+    held = [w for w in _EXPERT_WEIGHTS if isinstance(getattr(experts, w, None), nn.Parameter)]
+    if not held:
+        raise ConfigError(f"{name} ({type(experts).__name__}) has none of the expert weights {_EXPERT_WEIGHTS}")
+    for w in held:
+        p = getattr(experts, w)
+        if p.dim() < 2 or p.shape[0] != n:
+            raise ConfigError(f"{name}.{w} of shape {tuple(p.shape)} is not one row per expert ({n} experts)")
+        # the same Parameter object: an optimizer built over the model before the split keeps stepping it
+        p.data = p.detach()[first : first + local].clone()
+    experts.num_experts = local
+    experts.expert_range = (first, first + local)  # global ids of the experts held here
+    inner = experts.forward  # the module's own forward, over the local experts
+
+    def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        return dispatch(hidden_states, top_k_index, top_k_weights, inner, comm, n, name)
+
+    experts.forward = forward
+
+
+def dispatch(
+    x: torch.Tensor,
+    idx: torch.Tensor,
+    weights: torch.Tensor,
+    local_experts: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    comm: Communicator,
+    num_experts: int,
+    what: str = "experts",
+) -> torch.Tensor:
+    """``x [T, H]`` through the experts ``idx [T, k]`` chose, weighted by ``weights [T, k]``, the experts split over
+    ``comm``'s ranks (see [Note: tokens to their experts]). ``local_experts(rows, local_idx [R, 1], ones [R, 1])`` is
+    the experts module's own forward over this rank's experts."""
+    k = idx.shape[1]
+    per_rank = num_experts // comm.size
+    flat = idx.reshape(-1)  # [T * k], pair p is token p // k's expert
+    order = torch.argsort(flat, stable=True)
+    experts_sorted = flat[order]
+    counts = torch.bincount(experts_sorted // per_rank, minlength=comm.size)
+    sizes = torch.empty_like(counts)
+    comm.all_to_all(sizes, counts, what=f"the token counts of {what}")
+    send, recv = counts.tolist(), sizes.tolist()  # the host must know the sizes of the exchange
+    rows = x[order // k]  # [T * k, H], by expert
+    received = all_to_all_v(rows, comm, recv, send, f"the tokens of {what}")
+    local_ids = all_to_all_v((experts_sorted % per_rank)[:, None], comm, recv, send, f"the expert ids of {what}")
+    out = local_experts(received, local_ids, torch.ones_like(local_ids, dtype=x.dtype))
+    back = all_to_all_v(out, comm, send, recv, f"the outputs of {what}")  # [T * k, H], by expert
+    back = back * weights.reshape(-1)[order, None].to(back.dtype)
+    return torch.zeros_like(x).index_add(0, order // k, back.to(x.dtype))

@@ -1,0 +1,349 @@
+"""Expert parallelism in the engine (``expert_parallel_size``): tiny random Mixtral and Qwen3-MoE models trained
+against one process on the same global batch (losses with the load-balancing loss, each rank's load-balancing loss,
+global gradient norms, final parameters), at ep 2 (world 2), ep 3 with 6 experts (world 3), ep 1 x dp 3, ep 2 x dp 2
+(world 4, soak); ZeRO stages 0-2, clipping, bf16, a routing where an expert gets no token from some rank; and the
+layouts and features it is not built with, refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import shardtrain
+from shardtrain.errors import ConfigError
+from shardtrain.testing import run_distributed
+
+MICRO, SEQ, VOCAB, LR = 1, 6, 32, 1e-2
+
+
+def make_model(kind: str, experts: int):
+    import transformers
+
+    torch.manual_seed(0)
+    shared = dict(
+        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.1, initializer_range=0.2,
+        max_position_embeddings=32, tie_word_embeddings=False, attn_implementation="eager",
+    )  # fmt: skip
+    if kind == "mixtral":
+        cfg = transformers.MixtralConfig(intermediate_size=24, num_local_experts=experts, **shared)
+        return transformers.MixtralForCausalLM(cfg)
+    cfg = transformers.Qwen3MoeConfig(
+        intermediate_size=24, moe_intermediate_size=12, num_experts=experts, decoder_sparse_step=1, head_dim=4,
+        norm_topk_prob=True, **shared,
+    )  # fmt: skip
+    return transformers.Qwen3MoeForCausalLM(cfg)
+
+
+def global_batches(world: int, n: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB, (MICRO * world, SEQ), generator=g) for _ in range(n)]
+
+
+def _forward(model, ids: torch.Tensor):
+    out = model(input_ids=ids, labels=ids)
+    return out.loss, out.aux_loss
+
+
+def reference(kind: str, experts: int, world: int, steps: int, gas: int, clip: float, bf16: bool) -> dict:
+    """One process, the whole global batch: each micro-step's loss is the mean of the losses of the ranks' rows (the
+    load-balancing loss is over a rank's tokens, as in data parallelism without experts). bf16 as the engine does
+    it: bf16 compute, fp32 masters, gradients summed in fp32."""
+    model = make_model(kind, experts)
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    params = list(model.parameters())
+    masters = {p: p.detach().clone() for p in params} if bf16 else {p: p for p in params}
+    opt = torch.optim.AdamW(list(masters.values()), lr=LR)
+    if bf16:
+        model.to(torch.bfloat16)
+    batches = global_batches(world, steps * gas)
+    losses, norms, aux = [], [], []
+    for step in range(steps):
+        total = 0.0
+        for m in range(gas):
+            ids = batches[step * gas + m]
+            parts = [_forward(model, ids[r * MICRO : (r + 1) * MICRO]) for r in range(world)]
+            loss = sum(p[0] for p in parts) / world
+            aux.append([float(p[1].detach()) for p in parts])
+            (loss / gas).backward()
+            if bf16:
+                for p in params:
+                    masters[p].grad = p.grad.float() + (masters[p].grad if masters[p].grad is not None else 0)
+                    p.grad = None
+            total += loss.item() / gas
+        norms.append(float(torch.nn.utils.clip_grad_norm_(list(masters.values()), clip if clip > 0 else float("inf"))))
+        opt.step()
+        opt.zero_grad()
+        if bf16:
+            with torch.no_grad():
+                for p in params:
+                    p.copy_(masters[p])
+        losses.append(total)
+    return {"losses": losses, "norms": norms, "aux": aux, "params": model.state_dict(), "init": init}
+
+
+def _train(
+    kind: str,
+    experts: int,
+    ep: int,
+    stage: int,
+    steps: int,
+    gas: int,
+    clip: float,
+    bf16: bool,
+    extra: dict | None = None,
+) -> dict:
+    """This rank's run: its rows of every global micro-batch. Returns its losses, load-balancing losses, the global
+    norms, the tokens each expert got from this rank per layer, its state dict and the experts it holds."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_model(kind, experts)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": clip,
+        "zero_optimization": {"stage": stage},
+        "expert_parallel_size": ep,
+        "bf16": {"enabled": bf16},
+        "collective_timeout_s": 120.0,
+        **(extra or {}),
+    }
+    engine = shardtrain.initialize(model, config=config, optimizer=opt)
+    routed: list[torch.Tensor] = []
+    gates = [m for n, m in model.named_modules() if n.endswith("mlp.gate")]
+    hooks = [g.register_forward_hook(lambda _m, _i, out: routed.append(out[2].flatten())) for g in gates]
+    batches = global_batches(world, steps * gas)
+    losses, norms, aux = [], [], []
+    engine.comm_stats(reset=True)
+    first = {}  # the expert group's all-to-all bytes of the first micro-step (the routing recorded below)
+    for step in range(steps):
+        total = 0.0
+        for m in range(gas):
+            ids = batches[step * gas + m][rank * MICRO : (rank + 1) * MICRO]
+            loss, a = _forward(engine, ids)
+            aux.append(float(a.detach()))
+            engine.backward(loss)
+            engine.step()
+            total += loss.item() / gas
+            if not first:
+                first = engine.comm_stats(by_group=True).get("ep", {"all_to_all": {"bytes": 0}})
+        losses.append(total)
+        norms.append(engine.get_global_grad_norm())
+    for h in hooks:
+        h.remove()
+    counts = [torch.bincount(r, minlength=experts).tolist() for r in routed[: len(gates)]]  # the first forward
+    held = {n: m.expert_range for n, m in model.named_modules() if hasattr(m, "expert_range")}
+    state = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+    out = {"losses": losses, "norms": norms, "aux": aux, "counts": counts, "held": held, "state": state}
+    out["first_ep_bytes"] = first["all_to_all"]["bytes"]
+    if ep > 1:
+        for call in (lambda: engine.save_checkpoint("/nonexistent-ep-dir"), engine.full_state_dict):
+            try:
+                call()
+                out.setdefault("refused", []).append(None)
+            except ConfigError as err:
+                out.setdefault("refused", []).append(str(err))
+    engine.close()
+    return out
+
+
+def _runs(world: int, cases: list[tuple]) -> list[list[dict]]:
+    """Every case on the same ranks (one start of the processes): each rank's results, by case."""
+    return [[_train(*case) for case in cases], [_refusals(world), _frozen_experts(world)]]
+
+
+def _frozen_experts(world: int) -> dict:
+    """A model whose first layer's experts are frozen: each rank's slice of them after initialize and two steps
+    (world 2 only)."""
+    if world != 2:
+        return {}
+    model = make_model("mixtral", 8)
+    for p in model.model.layers[0].mlp.experts.parameters():
+        p.requires_grad_(False)
+    config = {"train_micro_batch_size_per_gpu": MICRO, "expert_parallel_size": world, "collective_timeout_s": 120.0}
+    engine = shardtrain.initialize(model, config=config, optimizer=torch.optim.AdamW(model.parameters(), lr=LR))
+    ids = global_batches(world, 2)
+    for batch in ids:
+        rows = batch[dist.get_rank() * MICRO : (dist.get_rank() + 1) * MICRO]
+        engine.backward(_forward(engine, rows)[0])
+        engine.step()
+    experts = model.model.layers[0].mlp.experts
+    out = {"range": experts.expert_range, "frozen": {n: p.detach().clone() for n, p in experts.named_parameters()}}
+    out["trained"] = model.model.layers[1].mlp.experts.gate_up_proj.detach().clone()
+    engine.close()
+    return out
+
+
+def _refusals(world: int) -> dict:
+    """What is refused at initialize, by its words."""
+    out = {}
+    for name, build in {
+        "dense model": lambda: torch.nn.Linear(4, 4),
+        "experts not divisible": lambda: make_model("mixtral", 4) if world == 3 else None,
+    }.items():
+        model = build()
+        if model is None:
+            continue
+        try:
+            shardtrain.initialize(
+                model,
+                config={"train_micro_batch_size_per_gpu": 1, "expert_parallel_size": world},
+                optimizer=torch.optim.AdamW(model.parameters()),
+            )
+            out[name] = None
+        except ConfigError as err:
+            out[name] = str(err)
+    return out
+
+
+def _gather(results: list[dict], ep: int, key: str = "state") -> dict:
+    """The full state dict from the ranks of the first expert group: expert weights concatenated in expert order."""
+    full = dict(results[0][key])
+    for name, (first, _) in results[0]["held"].items():
+        assert first == 0
+        for k in [k for k in full if k.startswith(name + ".")]:
+            parts = [r[key][k] for r in results[:ep]]
+            assert [r["held"][name][0] for r in results[:ep]] == [i * parts[0].shape[0] for i in range(ep)]
+            full[k] = torch.cat(parts)
+    return full
+
+
+def _assert_parity(results: list[dict], ref: dict, ep: int, bf16: bool, what: str) -> None:
+    world = len(results)
+    loss_rtol, norm_rtol = (1e-3, 2e-2) if bf16 else (2e-5, 1e-4)
+    for s, b in enumerate(ref["losses"]):
+        a = sum(r["losses"][s] for r in results) / world
+        assert abs(a - b) <= loss_rtol * abs(b), f"{what}: step {s}: loss {a} vs reference {b}"
+    for r in results:
+        for s, (a, b) in enumerate(zip(r["norms"], ref["norms"])):
+            assert abs(a - b) <= norm_rtol * abs(b), f"{what}: step {s}: grad norm {a} vs reference {b}"
+    for rank, r in enumerate(results):  # each rank's load-balancing loss is one process's on its tokens
+        for i, (a, b) in enumerate(zip(r["aux"], ref["aux"])):
+            # in bf16, once the runs' parameters differ by rounding, a token near a tie between two experts may pick
+            # another one: the load-balancing loss counts tokens, so it moves by more than the cross-entropy does
+            rtol = loss_rtol if i == 0 or not bf16 else 1e-2
+            assert abs(a - b[rank]) <= rtol * abs(b[rank]), f"{what}: micro-step {i} rank {rank}: aux {a} vs {b}"
+    full = _gather(results, ep)
+    assert full.keys() == ref["params"].keys(), what
+    if bf16:  # bf16 rounding differs with the summation order: the bar of tests/zero/test_mixed_precision.py
+        err = sum((full[k] - w.float()).abs().sum().item() for k, w in ref["params"].items())
+        init = ref["init"]
+        moved = sum((w.float() - init[k].bfloat16().float()).abs().sum().item() for k, w in ref["params"].items())
+        assert err <= 0.1 * moved, f"{what}: total parameter error {err:.3g} vs total distance moved {moved:.3g}"
+        return
+    for k, w in ref["params"].items():
+        moved = (w - ref["init"][k]).norm().item()
+        err = (full[k] - w).norm().item()
+        assert moved > 0, f"{what}: {k} did not move: the check proves nothing"
+        assert err <= 5e-3 * moved, f"{what}: {k}: error {err:.3g} vs distance moved {moved:.3g}"
+
+
+# (kind, experts, ep, stage, steps, gas, clip, bf16[, more config])
+WORLD2 = [
+    ("mixtral", 8, 2, 1, 3, 2, 0.5, False),  # clipping, gradient accumulation
+    ("mixtral", 8, 2, 0, 2, 1, 0.0, False),  # stage 0: the norm sums expert squares over the expert group
+    ("mixtral", 8, 2, 2, 2, 1, 0.5, True),  # bf16 with clipping
+    # DeepSpeed's prescaling: divided by the factor before the sums, the rest of each group's average after
+    ("mixtral", 8, 2, 2, 2, 1, 0.0, False, {"gradient_predivide_factor": 4.0}),
+    ("mixtral", 8, 2, 1, 2, 1, 0.0, False, {"prescale_gradients": True}),
+]
+WORLD3 = [
+    ("qwen3_moe", 6, 3, 2, 3, 1, 0.5, False),  # 6 experts over 3 ranks
+    ("qwen3_moe", 6, 1, 2, 2, 1, 0.0, False),  # ep 1 x dp 3: plain data parallelism, experts whole
+]
+WORLD4 = [
+    ("mixtral", 8, 2, 2, 2, 2, 0.5, False),  # ep 2 x dp 2: expert buckets over 2 ranks, dense over 4
+    ("mixtral", 8, 2, 0, 2, 1, 0.5, False),
+    ("mixtral", 8, 4, 1, 2, 1, 0.5, False),
+]
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return run_distributed(_runs, 2, 2, WORLD2, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def world3():
+    return run_distributed(_runs, 3, 3, WORLD3, timeout=300)
+
+
+def _check_cases(runs: list, cases: list[tuple]) -> None:
+    for i, case in enumerate(cases):
+        kind, experts, ep, stage, steps, gas, clip, bf16 = case[:8]
+        results = [r[0][i] for r in runs]
+        ref = reference(kind, experts, len(runs), steps, gas, clip, bf16)
+        _assert_parity(results, ref, ep, bf16, f"{kind} ep {ep} stage {stage}{' bf16' if bf16 else ''}")
+
+
+def test_ep2_trains_like_one_process(world2):
+    _check_cases(world2, WORLD2)
+
+
+def test_ep3_with_six_experts_and_ep1_train_like_one_process(world3):
+    _check_cases(world3, WORLD3)
+
+
+@pytest.mark.soak
+def test_ep_with_data_parallel_replicas_trains_like_one_process():
+    runs = run_distributed(_runs, 4, 4, WORLD4, timeout=600)
+    _check_cases(runs, WORLD4)
+
+
+def test_an_expert_that_gets_no_token_from_a_rank(world2):
+    # the routing of the first forward, on each rank: some expert of some layer gets none of a rank's tokens, and
+    # the parity above holds with it
+    counts = [r[0][0]["counts"] for r in world2]
+    starved = [(rank, layer, row.index(0)) for rank, c in enumerate(counts) for layer, row in enumerate(c) if 0 in row]
+    assert starved, counts
+    assert all(sum(row) == MICRO * SEQ * 2 for c in counts for row in c)  # top-2: no token dropped
+
+
+def test_the_expert_exchange_sends_the_bytes_of_the_formula(world2):
+    # docs/expert-parallel.md: per MoE layer, 8 (E - 1) bytes of counts, the rows a rank sends to other ranks' experts
+    # (H floats and one int64 id each) and, back, the outputs of the rows it received; backward the same two
+    # exchanges of H floats reversed. The routing is the first forward's, recorded on each rank.
+    ep, hidden = 2, 16
+    counts = [r[0][0]["counts"] for r in world2]
+    held = [r[0][0]["held"]["model.layers.0.mlp.experts"] for r in world2]
+    for rank, r in enumerate(world2):
+        expected = 0
+        for layer in range(len(counts[rank])):
+            mine = range(*held[rank])
+            sent = sum(n for e, n in enumerate(counts[rank][layer]) if e not in mine)
+            received = sum(counts[other][layer][e] for other in range(ep) if other != rank for e in mine)
+            expected += 8 * (ep - 1) + sent * 8 + 2 * (sent + received) * hidden * 4
+        assert r[0][0]["first_ep_bytes"] == expected, (rank, r[0][0]["first_ep_bytes"], expected)
+
+
+def test_experts_are_split_over_the_expert_group(world2, world3):
+    assert [r[0][0]["held"]["model.layers.0.mlp.experts"] for r in world2] == [(0, 4), (4, 8)]
+    assert [r[0][0]["held"]["model.layers.1.mlp.experts"] for r in world3] == [(0, 2), (2, 4), (4, 6)]
+    assert all(r[0][1]["held"] == {} for r in world3)  # ep 1: nothing split
+
+
+def test_checkpoints_and_full_state_dict_are_refused_under_expert_parallelism(world2):
+    refused = world2[0][0][0]["refused"]
+    assert len(refused) == 2 and all(r is not None for r in refused), refused
+    assert "save_checkpoint with expert_parallel_size (ep_size) 2 is not built" in refused[0]
+    assert "full_state_dict() with expert_parallel_size (ep_size) 2 is not built" in refused[1]
+
+
+def test_a_model_without_experts_and_an_indivisible_expert_count_are_refused(world2, world3):
+    assert "has no experts module" in world2[0][1][0]["dense model"]
+    message = world3[0][1][0]["experts not divisible"]
+    assert "has 4 experts (num_experts), which do not split over expert_parallel_size (ep_size) 3" in message
+
+
+def test_frozen_experts_keep_each_rank_s_own_experts(world2):
+    # frozen expert parameters are outside every bucket: each rank keeps its own slice of rank 0's model, never
+    # another rank's experts of the same shape
+    whole = make_model("mixtral", 8)
+    want = dict(whole.model.layers[0].mlp.experts.named_parameters())
+    init = whole.model.layers[1].mlp.experts.gate_up_proj.detach()
+    for r in world2:
+        first, last = r[1][1]["range"]
+        for name, t in r[1][1]["frozen"].items():
+            assert torch.equal(t, want[name].detach()[first:last]), name
+        assert not torch.equal(r[1][1]["trained"], init[first:last])  # the trainable ones moved

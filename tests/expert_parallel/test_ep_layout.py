@@ -1,0 +1,65 @@
+"""The expert axis of the mesh and the config key: which ranks form an expert group and an expert-data-parallel
+group ([Note: the expert axis]), and the layouts and features ``expert_parallel_size`` is not built with, refused by
+name before any process group exists."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardtrain.config.schema import check_layout, load_config
+from shardtrain.distributed.mesh import make_groups
+from shardtrain.errors import ConfigError
+
+
+def _partitions(world: int, ep: int) -> dict[int, dict[str, list[int]]]:
+    """Each rank's groups on every axis, from make_groups with groups recorded as their rank lists."""
+    out = {}
+    for rank in range(world):
+        main, _ = make_groups(rank, world, 1, "gloo", "world", lambda ranks, backend: ranks, ep=ep)
+        out[rank] = {axis: getattr(main, axis) for axis in ("dp", "ep", "edp")}
+    return out
+
+
+def test_expert_groups_are_adjacent_ranks_and_expert_data_parallel_groups_stride_over_them():
+    groups = _partitions(4, 2)
+    assert [groups[r]["ep"] for r in range(4)] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [groups[r]["edp"] for r in range(4)] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert all(groups[r]["dp"] == "world" for r in range(4))  # dense parameters: the whole data-parallel axis
+    six = _partitions(6, 3)
+    assert six[4]["ep"] == [3, 4, 5] and six[4]["edp"] == [1, 4]
+
+
+def test_an_expert_group_of_every_rank_leaves_one_rank_per_expert_data_parallel_group():
+    groups = _partitions(3, 3)
+    assert [groups[r]["ep"] for r in range(3)] == ["world"] * 3
+    assert [groups[r]["edp"] for r in range(3)] == [[0], [1], [2]]
+
+
+def test_without_expert_parallelism_there_is_no_expert_group():
+    assert _partitions(2, 1)[0]["ep"] is None and _partitions(2, 1)[0]["edp"] is None
+
+
+@pytest.mark.parametrize(
+    "config, world, words",
+    [
+        ({"expert_parallel_size": 3}, 4, "expert_parallel_size (ep_size) 3 does not divide the data-parallel size 4"),
+        ({"expert_parallel_size": 2, "tensor_parallel": {"size": 2}}, 4, "with tensor parallelism"),
+        ({"expert_parallel_size": 2, "sequence_parallel_size": 2}, 4, "with sequence parallelism"),
+        ({"expert_parallel_size": 2, "zero_optimization": {"stage": 3}}, 2, "with ZeRO stage 3"),
+        (
+            {"expert_parallel_size": 2, "zero_optimization": {"stage": 2, "mics_shard_size": 1}},
+            2,
+            "with hybrid sharding",
+        ),
+        (
+            {"expert_parallel_size": 2, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
+            2,
+            "offload_optimizer.device 'cpu'",
+        ),
+        ({"expert_parallel_size": 2, "graph": {"enabled": True}}, 2, "with graph mode"),
+    ],
+)
+def test_layouts_expert_parallelism_is_not_built_for_are_refused_by_name(config, world, words):
+    with pytest.raises(ConfigError, match="ep_size") as err:
+        check_layout(load_config(config), world)
+    assert words in str(err.value)
