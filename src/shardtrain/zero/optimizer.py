@@ -392,7 +392,7 @@ class ShardedOptimizer:
             return self._local_square(gs, present, frozenset(), None, None)
 
         moe = square(expert_grads)
-        self.expert_group.all_reduce(moe, "sum", what="squared expert gradient norm")
+        self.expert_group.all_reduce(moe, Reduce.SUM, what="squared expert gradient norm")
         return square(dense_grads) + moe
 
     def _global_square(
