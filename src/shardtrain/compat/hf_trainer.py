@@ -271,9 +271,8 @@ class _EngineAccelerator:
         if engine is None:
             return self._accelerator.clip_grad_norm_(parameters, max_norm, norm_type)
         # the engine clipped at gradient_clipping in its step (run by backward at the boundary): its norm, before
-        # clipping, as clip_grad_norm_ returns it
-        norm = engine.get_global_grad_norm()
-        return torch.tensor(norm) if norm is not None else None
+        # clipping, as clip_grad_norm_ returns it, a tensor on the device that the Trainer reads when it logs
+        return engine.get_global_grad_norm(as_tensor=True)
 
     def prepare_model(
         self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False

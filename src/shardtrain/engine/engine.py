@@ -355,10 +355,13 @@ class Engine:
         """Where the model lives (CUDA device of this local rank, or the CPU); move batches here."""
         return self.topology.device
 
-    def get_global_grad_norm(self) -> float | None:
+    def get_global_grad_norm(self, *, as_tensor: bool = False) -> float | torch.Tensor | None:
         """Global gradient norm of the last optimizer step, before clipping; the same on every rank. The step keeps
-        it on the device: reading it here waits for the step (see [Note: reading device values a step later])."""
-        return float(self._grad_norm) if self._grad_norm is not None else None
+        it on the device: reading it here waits for the step (see [Note: reading device values a step later]).
+        ``as_tensor``: the scalar tensor on the device instead, read by nobody yet."""
+        if self._grad_norm is None:
+            return None
+        return self._grad_norm if as_tensor else float(self._grad_norm)
 
     def get_lr(self) -> list[float]:
         self._settle_overflow()
