@@ -167,6 +167,11 @@ def check(world: int, cases: list[tuple[str, set[str], set[str]]]) -> None:
             for step, (g, e) in enumerate(zip(graph["comm"], eager["comm"], strict=True)):
                 assert g["all_gather"] == want, (what, step, g["all_gather"], want)
                 assert g["reduce_scatter"] == e["reduce_scatter"] and g["reduce_scatter"]["calls"] == len(sizes)
+                if step == 1 and "all_gather_object" in e:
+                    # eager's order exchange for a reversed block order: at the second step, where the first
+                    # step's order flag is read (see [Note: reading device values a step later]); the rest is equal
+                    assert e["all_gather_object"]["calls"] == 1, (what, e)
+                    e = {k: v for k, v in e.items() if k != "all_gather_object"}
                 if step >= 1:
                     assert e == g, (what, step, e, g)
             assert graph["graph"]["collectives"]["backward all-gathers"] == len(regathered), graph["graph"]

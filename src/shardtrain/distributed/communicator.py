@@ -385,7 +385,7 @@ class Communicator:
     def _reduce_scatter_pairwise(self, out: torch.Tensor, inp: torch.Tensor, op: Reduce, what: str, async_op: bool):
         """See [Note: bytes on the wire]."""
         if op not in (Reduce.SUM, Reduce.AVG):
-            raise ValueError(f"pairwise reduce-scatter supports SUM or AVG, got {op!r}")
+            raise ValueError(f"pairwise reduce-scatter supports op 'sum' or 'avg', got {op.value!r}")
         self._refuse_after_failure("reduce_scatter", what)
         n, me = self.size, self.rank
         chunks = inp.view(n, -1)  # [N, S/N]: chunk j goes to rank j
