@@ -269,6 +269,16 @@ def _destroy_own_process_group() -> None:
             dist.destroy_process_group()
 
 
+def destroy_own_groups(topology: Topology) -> None:
+    """Destroy the groups ``topology`` created (``Topology.own_groups``), newest first; local, not collective. Left
+    alone after a collective failed, as :func:`_destroy_own_process_group` leaves the default group."""
+    if failure.any_failed() or not dist.is_initialized():
+        return
+    for group in reversed(topology.own_groups):
+        with contextlib.suppress(Exception):  # already destroyed (by the user, or with the default group)
+            dist.destroy_process_group(group)
+
+
 @dataclass(frozen=True)
 class Groups:
     """This rank's group on each axis of the topology."""
@@ -422,6 +432,10 @@ class Topology:
     """Sequence parallelism: ranks sharing one sequence (``sequence_parallel_size``); 1 without it."""
     hpz_size: int = 1
     """ZeRO++ hpZ: ranks of a secondary-shard group (``zero_hpz_partition_size``); 1 without hpZ."""
+    own_groups: tuple[dist.ProcessGroup, ...] = ()
+    """The groups :func:`init_topology` created for this topology (``new_group``), in creation order: what
+    :func:`destroy_own_groups` destroys. Never the default group, which its creator destroys (see [Note: what the
+    engine starts and who joins it] in :mod:`shardtrain.engine.shutdown`)."""
 
     @property
     def hpz_group(self) -> dist.ProcessGroup | None:
@@ -553,7 +567,7 @@ def init_topology(
         )
     replicas = dp // shard
     hpz = _hpz_size(hpz_size, dp, world) if tp == 1 and replicas == 1 else 1
-    device, backend, groups, host_groups = _make_mesh_groups(
+    device, backend, groups, host_groups, own = _make_mesh_groups(
         dev, world, tp, timeout_s, created, shard_size=shard, hpz_size=hpz
     )
     if replicas > 1:  # see [Note: the hybrid mesh]
@@ -576,6 +590,7 @@ def init_topology(
         tp=tp,
         replicas=replicas,
         hpz_size=hpz,
+        own_groups=own,
     )
 
 
@@ -596,9 +611,10 @@ def _hpz_size(hpz_size: int, dp: int, world: int) -> int:
 
 def _make_mesh_groups(
     device: torch.device, world: int, tp: int, timeout_s: float, created: bool, **axes: int
-) -> tuple[torch.device, str, Groups, Groups]:
-    """The device, the backend, and the mesh's groups and their host twins (``axes``: ``make_groups``' hybrid
-    ``shard_size`` or sequence-parallel ``sp``), every group with the collective timeout."""
+) -> tuple[torch.device, str, Groups, Groups, tuple[dist.ProcessGroup, ...]]:
+    """The device, the backend, the mesh's groups and their host twins (``axes``: ``make_groups``' hybrid
+    ``shard_size`` or sequence-parallel ``sp``), every group with the collective timeout, and the groups created
+    here (``Topology.own_groups``)."""
     backend = str(dist.get_backend())
     if device.type == "cuda" and "nccl" not in backend:
         # A user-created gloo group with CUDA tensors would fail deep inside the first collective.
@@ -611,10 +627,15 @@ def _make_mesh_groups(
         torch.cuda.set_device(device)  # whoever created the group: object collectives and barriers use the current
     timeout = datetime.timedelta(seconds=backend_timeout_s(timeout_s, device))
 
+    made: list[dist.ProcessGroup] = []
+
     def new_group(ranks: list[int], backend: str | None) -> dist.ProcessGroup:
         # the host twins (gloo) block the host, so their own timeout is the configured one
         own = datetime.timedelta(seconds=timeout_s) if backend == "gloo" else timeout
-        return dist.new_group(ranks, timeout=own, backend=backend)
+        group = dist.new_group(ranks, timeout=own, backend=backend)
+        if group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER:  # a group this rank is in
+            made.append(group)
+        return group
 
     whole = dist.group.WORLD
     # the user's group, with another timeout (theirs equal to collective_timeout_s, without the margin, will do)
@@ -622,7 +643,7 @@ def _make_mesh_groups(
         whole = new_group(list(range(world)), None)
     groups, host_groups = make_groups(dist.get_rank(), world, tp, backend, whole, new_group, **axes)
     _check_one_rank_per_device(device, host_groups.world)
-    return device, backend, groups, host_groups
+    return device, backend, groups, host_groups, tuple(made)
 
 
 def _init_sequence_topology(
@@ -654,7 +675,7 @@ def _init_sequence_topology(
             f"over the data- and sequence-parallel ranks together, within groups of mics_shard_size and replicated "
             f"across the groups, so choose one of {divisors} (or -1 to shard over all {zero})"
         )
-    device, backend, groups, host_groups = _make_mesh_groups(
+    device, backend, groups, host_groups, own = _make_mesh_groups(
         device, world, tp, timeout_s, created, sp=sp, shard_size=shard
     )
     ranks = torch.arange(world).view(dp, sp, tp)
@@ -674,4 +695,5 @@ def _init_sequence_topology(
         tp=tp,
         replicas=zero // shard,
         sp=sp,
+        own_groups=own,
     )

@@ -1,0 +1,109 @@
+"""A clean exit: every engine still open is closed at interpreter exit, while the interpreter is whole.
+
+[Note: what the engine starts and who joins it]
+What an engine starts beside the training thread, and what stops it (``Engine.close()`` does all of it, once; the
+exit hook of this module calls ``close()`` for every engine nobody closed):
+
+* process groups (``distributed/mesh.py``): ``init_topology`` creates the engine's groups with ``new_group`` (each
+  axis, the host-side gloo twins under NCCL, a world group of its own when the user's default group has another
+  timeout; ``Topology.own_groups``). Each gloo group runs two worker threads (``pt_gloo_runloop``) and a TCP loop;
+  an NCCL group its watchdog. ``close()`` waits for the collectives still in flight (the parameter all-gathers the
+  last step launched, a ZeRO-3 unit-order exchange issued ahead) and then destroys these groups
+  (``destroy_own_groups``). The default group is its creator's: when shardtrain created it (``ensure_process_group``)
+  ``mesh._destroy_own_process_group`` destroys it at exit; when the Hugging Face Trainer did (accelerate, from
+  ``TrainingArguments``), ``ShardtrainTrainer.end()`` and its exit hook do; a user's own group is the user's to
+  destroy, as PyTorch documents (``destroy_process_group`` at the end of the script).
+* under torchrun, rank 0's TCP store of the attempt (``attempt_store``, a ``pt_tcpstore_uv`` thread): owned by the
+  default group's store, it goes with the default group;
+* the asynchronous checkpoint save (``checkpoint/async_save.py``): one non-daemon thread per save in flight, joined
+  by the next ``save_checkpoint`` and by ``close()`` (and by the interpreter before the exit hooks run), and a gloo
+  group of its own, destroyed by ``close()``; the fsync thread of each file written (``writer.py``), joined before
+  the write returns;
+* optimizer state offloaded to swap files (``offload/optimizer_state.py``): a pool of two I/O threads
+  (``shardtrain-swap``), shut down with ``wait=True`` by ``close()``; the swap directory is removed by ``close()``,
+  else by a ``weakref.finalize`` at exit (``offload/swap.py``);
+* monitors (``engine/monitor.py``): TensorBoard's writer thread and a wandb run, closed by ``close()``.
+
+The engine starts no process (data loader workers are the data loader's; ``shardtrain.testing`` is test tooling).
+
+Why at exit, and why before the interpreter tears down: ``terminate called without an active exception`` (SIGABRT
+after the script has finished; torchrun then reports a finished job as failed) is a gloo worker thread that still
+held the last reference to a collective's work object when the interpreter started to finalize. Releasing it frees
+tensors that have a Python object, which needs the GIL; a thread that asks for the GIL of a finalizing interpreter
+is ended with ``pthread_exit``, whose unwinding through a ``noexcept`` destructor calls ``std::terminate``
+(pytorch/pytorch#190489; the upstream fix, an exit hook in ``init_process_group``, was withdrawn, #179291). It takes
+a collective in the last moments before exit, so it is rare (3 of 14 Trainer runs in the issue; 1 in 20 exits of
+a four-group gloo script here), and destroying the groups before finalization, after their work is waited for,
+leaves no worker holding anything. The hook is registered when the first engine is built, after the process group
+exists, so it runs before ``mesh._destroy_own_process_group`` (exit hooks run last-registered first): engines first,
+then the default group.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import weakref
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+
+from shardtrain.distributed import failure
+
+if TYPE_CHECKING:
+    from shardtrain.engine.engine import Engine
+
+log = logging.getLogger("shardtrain")
+
+_open: weakref.WeakSet[Engine] = weakref.WeakSet()
+"""Engines built and not closed yet: closed by :func:`close_open_engines` at exit."""
+_registered = False
+
+
+def track(engine: Engine) -> None:
+    """Close ``engine`` at interpreter exit unless it was closed before (see [Note: what the engine starts and who
+    joins it])."""
+    global _registered
+    if not _registered:
+        atexit.register(close_open_engines)
+        _registered = True
+    _open.add(engine)
+
+
+def closed(engine: Engine) -> None:
+    """``engine.close()`` ran: nothing is left for the exit hook."""
+    _open.discard(engine)
+
+
+def close_open_engines() -> None:
+    """Close every engine still open; a failure is logged, not raised (the process is exiting, and one engine's
+    failure must not keep the others open)."""
+    for engine in list(_open):
+        try:
+            engine.close()
+        except BaseException as err:
+            log.error("closing the engine at exit failed: %s", err)
+
+
+def end_at_exit() -> None:
+    """At interpreter exit, close every open engine and then destroy the default process group: what
+    ``Trainer.end()`` does, for a ``ShardtrainTrainer`` whose script never calls it (the Trainer's arguments created
+    the group, through accelerate; see [Note: what the engine starts and who joins it]). Registered once; after the
+    engines' own hook, so it runs first."""
+    global _end_registered
+    if not _end_registered:
+        atexit.register(_end)
+        _end_registered = True
+
+
+_end_registered = False
+
+
+def _end() -> None:
+    close_open_engines()
+    if failure.any_failed():  # as mesh._destroy_own_process_group: a broken NCCL group may wait for its peers
+        return
+    with contextlib.suppress(Exception):  # destroyed already (Trainer.end(), the user)
+        if dist.is_initialized():
+            dist.destroy_process_group()
