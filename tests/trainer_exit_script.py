@@ -1,0 +1,77 @@
+"""One rank of the run that aborted at exit (issue 37 item 4): ``ShardtrainTrainer`` trains a tiny GPT-2 or Llama
+(from a config, nothing downloaded) for a few steps, saves a checkpoint and the model, and the script ends without
+``trainer.end()`` or ``destroy_process_group``, as most scripts do. Run by tests/compat/test_hf_trainer_exit.py under
+torchrun-style variables, one process per rank::
+
+    python tests/trainer_exit_script.py gpt2 OUTPUT_DIR
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, TrainingArguments
+
+from shardtrain.compat.hf_trainer import ShardtrainTrainer
+
+VOCAB, SEQ = 64, 16
+
+
+class TokenRows(torch.utils.data.Dataset):
+    def __init__(self, rows: int = 24) -> None:
+        self.ids = torch.randint(0, VOCAB, (rows, SEQ), generator=torch.Generator().manual_seed(1))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def model_config(kind: str):
+    if kind == "gpt2":
+        return GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=4)
+    return LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+    )
+
+
+def main(kind: str, out: str) -> None:
+    torch.manual_seed(0)  # every rank builds the same weights
+    model = AutoModelForCausalLM.from_config(model_config(kind))
+    args = TrainingArguments(
+        output_dir=out,
+        per_device_train_batch_size=2,
+        max_steps=3,
+        save_strategy="steps",
+        save_steps=2,
+        logging_steps=1,
+        report_to="none",
+        disable_tqdm=True,
+        use_cpu=True,
+        dataloader_num_workers=0,
+    )
+    config = {
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        # persistence threshold 0: every block is a ZeRO-3 unit, so gathers, prefetches and their checks run
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    }
+    trainer = ShardtrainTrainer(model=model, args=args, train_dataset=TokenRows(), shardtrain_config=config)
+    trainer.train()
+    trainer.save_model(f"{out}/final")  # the last collective, moments before the interpreter exits
+    if trainer.is_world_process_zero():
+        print(f"trained {trainer.state.global_step} steps", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
