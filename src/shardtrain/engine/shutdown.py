@@ -36,7 +36,8 @@ a collective in the last moments before exit, so it is rare (3 of 14 Trainer run
 a four-group gloo script here), and destroying the groups before finalization, after their work is waited for,
 leaves no worker holding anything. The hook is registered when the first engine is built, after the process group
 exists, so it runs before ``mesh._destroy_own_process_group`` (exit hooks run last-registered first): engines first,
-then the default group.
+then the default group. A failing process (a collective failed, or the script ended with an uncaught exception)
+closes nothing at exit: its collectives in flight may never be matched, and it must exit rather than wait for them.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import sys
 import weakref
 from typing import TYPE_CHECKING
 
@@ -78,7 +80,11 @@ def closed(engine: Engine) -> None:
 
 def close_open_engines() -> None:
     """Close every engine still open; a failure is logged, not raised (the process is exiting, and one engine's
-    failure must not keep the others open)."""
+    failure must not keep the others open). Nothing is done when the script is failing: its collectives in flight
+    may never be matched by the other ranks, and waiting for them would hold a failed rank for the whole collective
+    timeout instead of letting it exit."""
+    if failing():
+        return
     for engine in list(_open):
         try:
             engine.close()
@@ -100,10 +106,17 @@ def end_at_exit() -> None:
 _end_registered = False
 
 
+def failing() -> bool:
+    """Whether the process is exiting because of a failure: a collective failed (its groups are broken; NCCL's
+    teardown may wait for the peers that are gone), or the script ended with an uncaught exception (which sets
+    ``sys.last_value`` before the exit hooks run)."""
+    return failure.any_failed() or getattr(sys, "last_value", None) is not None
+
+
 def _end() -> None:
-    close_open_engines()
-    if failure.any_failed():  # as mesh._destroy_own_process_group: a broken NCCL group may wait for its peers
+    if failing():  # as mesh._destroy_own_process_group
         return
+    close_open_engines()
     with contextlib.suppress(Exception):  # destroyed already (Trainer.end(), the user)
         if dist.is_initialized():
             dist.destroy_process_group()
