@@ -8,9 +8,11 @@ torchrun-style variables, one process per rank::
 
 from __future__ import annotations
 
+import atexit
 import sys
 
 import torch
+import torch.distributed as dist
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, TrainingArguments
 
 from shardtrain.compat.hf_trainer import ShardtrainTrainer
@@ -43,7 +45,15 @@ def model_config(kind: str):
     )
 
 
+def report_at_exit() -> None:
+    """Registered before shardtrain's exit hooks, so it runs after them: what they left."""
+    from shardtrain.engine import shutdown
+
+    print(f"at exit: open engines {len(shutdown._open)}, process group {dist.is_initialized()}", flush=True)
+
+
 def main(kind: str, out: str) -> None:
+    atexit.register(report_at_exit)
     torch.manual_seed(0)  # every rank builds the same weights
     model = AutoModelForCausalLM.from_config(model_config(kind))
     args = TrainingArguments(

@@ -71,6 +71,8 @@ def test_a_trainer_script_exits_cleanly_at_world_2(kind, tmp_path):
     results = exit_once(kind, 2, tmp_path)
     assert not bad_exits(results), "\n".join(bad_exits(results))
     assert "trained 3 steps" in results[0][1]
+    for _, out in results:  # closed and destroyed by shardtrain's exit hooks, though the script called neither
+        assert "at exit: open engines 0, process group False" in out, out[-3000:]
     assert (tmp_path / "checkpoint-2" / "latest").is_file()
     assert (tmp_path / "final" / "config.json").is_file()
 
