@@ -3,7 +3,9 @@
 ``trainer.end()`` or ``destroy_process_group``, as most scripts do. Run by tests/compat/test_hf_trainer_exit.py under
 torchrun-style variables, one process per rank::
 
-    python tests/trainer_exit_script.py gpt2 OUTPUT_DIR
+    python tests/trainer_exit_script.py gpt2 OUTPUT_DIR [end]
+
+With ``end`` the script ends with ``trainer.end()``, as transformers documents.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ def report_at_exit() -> None:
     print(f"at exit: open engines {len(shutdown._open)}, process group {dist.is_initialized()}", flush=True)
 
 
-def main(kind: str, out: str) -> None:
+def main(kind: str, out: str, end: bool = False) -> None:
     atexit.register(report_at_exit)
     torch.manual_seed(0)  # every rank builds the same weights
     model = AutoModelForCausalLM.from_config(model_config(kind))
@@ -81,7 +83,9 @@ def main(kind: str, out: str) -> None:
     trainer.save_model(f"{out}/final")  # the last collective, moments before the interpreter exits
     if trainer.is_world_process_zero():
         print(f"trained {trainer.state.global_step} steps", flush=True)
+    if end:
+        trainer.end()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], end=sys.argv[3:] == ["end"])

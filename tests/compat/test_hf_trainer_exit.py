@@ -3,8 +3,8 @@ with status 0 on every rank, never with ``terminate called without an active exc
 done, which torchrun reports as a failed job; seen in 3 of 14 GPT-2 runs at world 2). The cause and what joins what:
 [Note: what the engine starts and who joins it] in ``shardtrain/engine/shutdown.py``.
 
-The default run exits the case that aborted (GPT-2, world 2) and Llama once each. The soak exits
-``SHARDTRAIN_EXIT_SOAK`` times (default 250) per world (2, 3) and model (GPT-2, Llama), 1,000 exits in all::
+The default run exits the case that aborted (GPT-2, world 2, no ``end()``) and Llama ending with ``end()``. The soak
+exits ``SHARDTRAIN_EXIT_SOAK`` times (default 250) per world (2, 3) and model (GPT-2, Llama), 1,000 exits in all::
 
     SHARDTRAIN_EXIT_SOAK=250 PYTHONPATH=src python -m pytest -m soak -s tests/compat/test_hf_trainer_exit.py
 """
@@ -35,7 +35,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def exit_once(kind: str, world: int, out: Path) -> list[tuple[int, str]]:
+def exit_once(kind: str, world: int, out: Path, *extra: str) -> list[tuple[int, str]]:
     """Run the script on ``world`` ranks (one process each, torchrun's variables); each rank's status and output."""
     port = _free_port()
     base = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
@@ -43,7 +43,7 @@ def exit_once(kind: str, world: int, out: Path) -> list[tuple[int, str]]:
     base.update(LOCAL_WORLD_SIZE=str(world))
     procs = [
         subprocess.Popen(
-            [sys.executable, str(SCRIPT), kind, str(out)],
+            [sys.executable, str(SCRIPT), kind, str(out), *extra],
             env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -66,9 +66,10 @@ def bad_exits(results: list[tuple[int, str]]) -> list[str]:
     return [f"rank {r}: status {rc}\n{out[-3000:]}" for r, (rc, out) in enumerate(results) if rc != 0 or ABORT in out]
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
-def test_a_trainer_script_exits_cleanly_at_world_2(kind, tmp_path):
-    results = exit_once(kind, 2, tmp_path)
+@pytest.mark.parametrize(("kind", "extra"), [("gpt2", ()), ("llama", ("end",))])
+def test_a_trainer_script_exits_cleanly_at_world_2(kind, extra, tmp_path):
+    """GPT-2: the script ends without ``end()`` (the exit hooks close); Llama: with ``trainer.end()``."""
+    results = exit_once(kind, 2, tmp_path, *extra)
     assert not bad_exits(results), "\n".join(bad_exits(results))
     assert "trained 3 steps" in results[0][1]
     for _, out in results:  # closed and destroyed by shardtrain's exit hooks, though the script called neither
