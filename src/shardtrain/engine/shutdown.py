@@ -32,10 +32,13 @@ held the last reference to a collective's work object when the interpreter start
 tensors that have a Python object, which needs the GIL; a thread that asks for the GIL of a finalizing interpreter
 is ended with ``pthread_exit``, whose unwinding through a ``noexcept`` destructor calls ``std::terminate``
 (pytorch/pytorch#190489; the upstream fix, an exit hook in ``init_process_group``, was withdrawn, #179291). It takes
-a collective in the last moments before exit, so it is rare (3 of 14 Trainer runs in the issue; 1 in 20 exits of
-a four-group gloo script here), and destroying the groups before finalization, after their work is waited for,
-leaves no worker holding anything. The hook is registered when the first engine is built, after the process group
-exists, so it runs before ``mesh._destroy_own_process_group`` (exit hooks run last-registered first): engines first,
+a collective in the last moments before exit, so it is rare (3 of 14 Trainer runs in the issue; measured here:
+docs/reliability.md). So the collectives in flight are waited for and the groups destroyed while the interpreter is
+whole: a worker that waits for the GIL gets it while the main thread waits (``Work.wait`` releases it) instead of at
+teardown. A gloo group's worker threads themselves are joined by its destructor, when the last reference to the
+group goes, which for the groups the engine uses is when the engine is garbage; until then they wait on an empty
+queue, holding no work. The hook is registered when the first engine is built, after the process group exists, so it
+runs before ``mesh._destroy_own_process_group`` (exit hooks run last-registered first): engines first,
 then the default group. A failing process (a collective failed, or the script ended with an uncaught exception)
 closes nothing at exit: its collectives in flight may never be matched, and it must exit rather than wait for them.
 """
