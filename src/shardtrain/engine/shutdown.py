@@ -50,16 +50,20 @@ import contextlib
 import logging
 import sys
 import weakref
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch.distributed as dist
 
 from shardtrain.distributed import failure
 
-if TYPE_CHECKING:
-    from shardtrain.engine.engine import Engine
-
 log = logging.getLogger("shardtrain")
+
+
+class Engine(Protocol):
+    """What this module needs of an engine (``engine.py`` imports this module, not the other way round)."""
+
+    def close(self) -> None: ...
+
 
 _open: weakref.WeakSet[Engine] = weakref.WeakSet()
 """Engines built and not closed yet: closed by :func:`close_open_engines` at exit."""
