@@ -35,7 +35,8 @@ is ended with ``pthread_exit``, whose unwinding through a ``noexcept`` destructo
 a collective in the last moments before exit, so it is rare (3 of 14 Trainer runs in the issue; measured here:
 docs/reliability.md). So the collectives in flight are waited for and the groups destroyed while the interpreter is
 whole: a worker that waits for the GIL gets it while the main thread waits (``Work.wait`` releases it) instead of at
-teardown. A gloo group's worker threads themselves are joined by its destructor, when the last reference to the
+teardown. This did not remove the abort (2 in 167 Trainer rank exits after it, docs/reliability.md): a gloo
+group's worker threads are joined only by its destructor, when the last reference to the
 group goes, which for the groups the engine uses is when the engine is garbage; until then they wait on an empty
 queue, holding no work. The hook is registered when the first engine is built, after the process group exists, so it
 runs before ``mesh._destroy_own_process_group`` (exit hooks run last-registered first): engines first,
