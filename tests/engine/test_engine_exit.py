@@ -4,12 +4,14 @@ tests/compat/test_hf_trainer_exit.py."""
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import subprocess
 import sys
 import textwrap
 import threading
+import weakref
 from pathlib import Path
 
 import torch
@@ -17,6 +19,8 @@ import torch.distributed as dist
 from torch import nn
 
 import shardtrain
+from shardtrain.distributed.gloo_threads import gloo_workers
+from shardtrain.distributed.mesh import ensure_process_group
 from shardtrain.engine import shutdown
 from shardtrain.testing import run_distributed
 
@@ -38,6 +42,9 @@ def _config(swap: str) -> dict:
 
 def _close_stops_everything(tmp: str) -> dict:
     before = set(threading.enumerate())
+    ensure_process_group(60.0, torch.device("cpu"))
+    dist.barrier()  # the default group's backend starts its workers on its first collective
+    workers_before = len(gloo_workers())  # the default group's
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
     engine = shardtrain.initialize(model, _config(tmp))
@@ -48,14 +55,29 @@ def _close_stops_everything(tmp: str) -> dict:
     started = sorted(t.name for t in set(threading.enumerate()) - before)
     own = engine.topology.own_groups
     saver_group = engine._async_saver._comm.group
+    refs = [weakref.ref(g) for g in (*own, saver_group)]
+    workers_open = len(gloo_workers())
     engine.close()
     engine.close()  # a second call does nothing
     pg_map = dist.distributed_c10d._world.pg_map
+    own_destroyed = all(g not in pg_map for g in own) and saver_group not in pg_map
+    n_own = len(own)
+    del own, saver_group
+    gc.collect()
+    try:
+        engine.comm.all_reduce(torch.ones(1), what="after close")
+        refused = ""
+    except shardtrain.ShardtrainError as err:
+        refused = str(err)
     return {
         "started": started,
         "left": sorted(t.name for t in set(threading.enumerate()) - before if t.is_alive()),
-        "own": len(own),
-        "own_destroyed": all(g not in pg_map for g in own) and saver_group not in pg_map,
+        "own": n_own,
+        "own_destroyed": own_destroyed,
+        # freed while the engine object is still alive: no reference left, so their gloo workers were joined
+        "alive": sum(r() is not None for r in refs),
+        "workers": (workers_before, workers_open, len(gloo_workers())),
+        "refused": refused,
         "open": engine in shutdown._open,
         "latest": (Path(tmp) / "ckpt" / "latest").read_text().strip(),
     }
@@ -66,6 +88,10 @@ def test_close_joins_the_threads_and_destroys_the_groups_the_engine_started(tmp_
         assert any(n.startswith("shardtrain-swap") for n in r["started"]), r  # the test saw them run
         assert r["left"] == [], r  # no thread the engine started survives close()
         assert r["own"] > 0 and r["own_destroyed"], r
+        assert r["alive"] == 0, r  # every group the engine created is freed by close()
+        before, opened, after = r["workers"]
+        assert opened > before and after == before, r  # their worker threads are joined
+        assert "released by engine.close()" in r["refused"], r
         assert not r["open"] and r["latest"] == "global_step2", r
 
 

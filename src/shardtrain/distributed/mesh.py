@@ -20,7 +20,11 @@ whatever the default group's timeout). The default group itself is used for the 
 spans the world) only when its timeout is the configured one: always when shardtrain created it; when the user
 created it beforehand with another timeout, the engine's world group is a new group over the same ranks, so that a
 stuck peer still fails the engine's collectives after ``collective_timeout_s`` (the user's own collectives keep the
-user's timeout).
+user's timeout). On the CPU (gloo) a default group created by the user or a launcher (the Hugging Face Trainer's,
+through accelerate) is never used by the engine, whatever its timeout: the engine frees every group it uses at
+``close()``, which joins their gloo worker threads (see [Note: what the engine starts and who joins it] in
+:mod:`shardtrain.engine.shutdown`), and the default group is held by others (DeepSpeed's ``deepspeed.comm``, imported
+by transformers once the group exists, keeps it in the defaults of its ``barrier``).
 
 Beside them, each axis has a *host-side* group (``host_world_group``, ``host_dp_group``, ``host_tp_group``) for the
 small agreement checks (the desync check, the unit-order check, the tensor-parallel batch check): their payload lives
@@ -277,6 +281,23 @@ def destroy_own_groups(topology: Topology) -> None:
     for group in reversed(topology.own_groups):
         with contextlib.suppress(Exception):  # already destroyed (by the user, or with the default group)
             dist.destroy_process_group(group)
+
+
+def release_groups(topology: Topology) -> None:
+    """Drop ``topology``'s references to its process groups (its axes, their host twins, ``own_groups`` and the
+    device mesh's registry), once :func:`destroy_own_groups` has run: with no reference left a group is freed, and
+    its gloo worker threads joined, while the interpreter is whole (see [Note: what the engine starts and who joins
+    it] in :mod:`shardtrain.engine.shutdown`). The topology's groups read None afterwards. Left alone after a
+    collective failed: freeing a group waits for the work its threads still run."""
+    if failure.any_failed():
+        return
+    gone = Groups(world=None, dp=None, tp=None)  # type: ignore[arg-type]
+    object.__setattr__(topology, "groups", gone)
+    object.__setattr__(topology, "host_groups", gone)
+    object.__setattr__(topology, "own_groups", ())
+    registry = getattr(topology.mesh, "_pg_registry", None)
+    if isinstance(registry, dict):
+        registry.clear()
 
 
 @dataclass(frozen=True)
@@ -638,8 +659,9 @@ def _make_mesh_groups(
         return group
 
     whole = dist.group.WORLD
-    # the user's group, with another timeout (theirs equal to collective_timeout_s, without the margin, will do)
-    if not created and _timeout_s(whole, device) not in (timeout_s, timeout.total_seconds()):
+    # the user's group, with another timeout (theirs equal to collective_timeout_s, without the margin, will do), or
+    # a gloo one: the engine frees its gloo groups at close(), which a group others still hold cannot be
+    if not created and (device.type != "cuda" or _timeout_s(whole, device) not in (timeout_s, timeout.total_seconds())):
         whole = new_group(list(range(world)), None)
     groups, host_groups = make_groups(dist.get_rank(), world, tp, backend, whole, new_group, **axes)
     _check_one_rank_per_device(device, host_groups.world)

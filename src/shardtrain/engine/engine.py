@@ -29,8 +29,8 @@ from shardtrain.checkpoint.async_save import AsyncSaver
 from shardtrain.config.auto import resolve_auto
 from shardtrain.config.schema import Config, cast_inputs_half, load_config, resolve_batch_sizes
 from shardtrain.distributed import failure
-from shardtrain.distributed.communicator import Communicator, merge_stats
-from shardtrain.distributed.mesh import Topology, destroy_own_groups, init_topology
+from shardtrain.distributed.communicator import Communicator, collecting, merge_stats
+from shardtrain.distributed.mesh import Topology, destroy_own_groups, init_topology, release_groups
 from shardtrain.distributed.watchdog import stop_watchdog
 from shardtrain.engine import shutdown
 from shardtrain.engine.build import (
@@ -116,6 +116,7 @@ class Engine:
         self._batch_checked = self.tp_comm is None
         self._async_saver: AsyncSaver | None = None  # made by the first asynchronous save_checkpoint
         self._closed = False
+        self._comms: list[Communicator] = []  # every communicator built for this engine (initialize sets it)
         # parameters frozen when the buckets and the optimizer state were built: unfreezing one later is refused
         # at the next step (it would never be reduced nor stepped: a silent wrong result)
         self._frozen_at_initialize = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
@@ -330,6 +331,12 @@ class Engine:
             for scratch in self._scratch.values():
                 scratch.remove()
             destroy_own_groups(self.topology)
+            # the last references to the groups: a destroyed group is freed, its gloo worker threads joined, now
+            # and not at interpreter teardown (see [Note: what the engine starts and who joins it])
+            if not failure.any_failed():
+                for comm in self._comms:
+                    comm.release()
+                release_groups(self.topology)
 
     def train(self, mode: bool = True) -> Engine:
         self.module.train(mode)
@@ -568,6 +575,20 @@ def initialize(
     cfg = load_config(config)
     if not isinstance(model, nn.Module):
         raise TypeError(f"initialize() expects an nn.Module, got {type(model).__name__}")
+    with collecting() as comms:  # released by close(): see [Note: what the engine starts and who joins it]
+        engine = _build(model, cfg, optimizer, lr_scheduler, auto_values, tp_plan)
+    engine._comms = comms
+    return engine
+
+
+def _build(
+    model: nn.Module,
+    cfg: Config,
+    optimizer: OptimizerArg,
+    lr_scheduler: SchedulerArg,
+    auto_values: Mapping[str, Any] | None,
+    tp_plan: Mapping[str, str] | None,
+) -> Engine:
     topology = init_topology(
         tp=cfg.tensor_parallel.degree,
         timeout_s=cfg.collective_timeout_s,

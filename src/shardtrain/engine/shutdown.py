@@ -56,8 +56,18 @@ from typing import Protocol
 import torch.distributed as dist
 
 from shardtrain.distributed import failure
+from shardtrain.distributed.gloo_threads import settle_gloo_workers
 
 log = logging.getLogger("shardtrain")
+
+
+def _settle_at_exit() -> None:
+    if not settle_gloo_workers():
+        log.warning("gloo worker threads were still busy at exit after 2 s")
+
+
+# registered on import, before every other exit hook of shardtrain, so it runs after them: the last one
+atexit.register(_settle_at_exit)
 
 
 class Engine(Protocol):
