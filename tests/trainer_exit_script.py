@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import sys
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -47,11 +48,24 @@ def model_config(kind: str):
     )
 
 
+ENGINE_GROUPS: list[weakref.ref] = []
+"""The process groups the engine created, weakly: each must be freed by the time the interpreter finalizes."""
+
+
 def report_at_exit() -> None:
-    """Registered before shardtrain's exit hooks, so it runs after them: what they left."""
+    """Registered before shardtrain's engine-closing hooks (those are registered when the Trainer is built), so it
+    runs after them: what they left. A group still alive
+    here keeps gloo worker threads into the interpreter's finalization, where they abort the process ([Note: gloo
+    workers that outlive the engine] in shardtrain/distributed/gloo_threads.py)."""
+    import gc
+
+    from shardtrain.distributed.gloo_threads import gloo_workers
     from shardtrain.engine import shutdown
 
+    gc.collect()
+    alive = sum(ref() is not None for ref in ENGINE_GROUPS)
     print(f"at exit: open engines {len(shutdown._open)}, process group {dist.is_initialized()}", flush=True)
+    print(f"at exit: engine groups alive {alive} of {len(ENGINE_GROUPS)}, gloo workers {len(gloo_workers())}")
 
 
 def main(kind: str, out: str, end: bool = False) -> None:
@@ -83,6 +97,7 @@ def main(kind: str, out: str, end: bool = False) -> None:
     trainer.save_model(f"{out}/final")  # the last collective, moments before the interpreter exits
     if trainer.is_world_process_zero():
         print(f"trained {trainer.state.global_step} steps", flush=True)
+    ENGINE_GROUPS.extend(weakref.ref(g) for g in trainer.shardtrain_engine.topology.own_groups)
     if end:
         trainer.end()
 

@@ -3,8 +3,8 @@ with status 0 on every rank, never with ``terminate called without an active exc
 done, which torchrun reports as a failed job; seen in 3 of 14 GPT-2 runs at world 2). The cause and what joins what:
 [Note: what the engine starts and who joins it] in ``shardtrain/engine/shutdown.py``.
 
-The default run exits the case that aborted (GPT-2, world 2, no ``end()``) and Llama ending with ``end()``. The soak
-exits ``SHARDTRAIN_EXIT_SOAK`` times (default 250) per world (2, 3) and model (GPT-2, Llama), 1,000 exits in all::
+The default run exits the case that aborted (GPT-2, world 2, no ``end()``). The soak exits ``SHARDTRAIN_EXIT_SOAK``
+times (default 250) per world (2, 3) and model (GPT-2 without ``end()``, Llama with it), 1,000 exits in all::
 
     SHARDTRAIN_EXIT_SOAK=250 PYTHONPATH=src python -m pytest -m soak -s tests/compat/test_hf_trainer_exit.py
 """
@@ -12,6 +12,7 @@ exits ``SHARDTRAIN_EXIT_SOAK`` times (default 250) per world (2, 3) and model (G
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -66,11 +67,24 @@ def bad_exits(results: list[tuple[int, str]]) -> list[str]:
     return [f"rank {r}: status {rc}\n{out[-3000:]}" for r, (rc, out) in enumerate(results) if rc != 0 or ABORT in out]
 
 
-@pytest.mark.parametrize(("kind", "extra"), [("gpt2", ()), ("llama", ("end",))])
-def test_a_trainer_script_exits_cleanly_at_world_2(kind, extra, tmp_path):
-    """GPT-2: the script ends without ``end()`` (the exit hooks close); Llama: with ``trainer.end()``."""
-    results = exit_once(kind, 2, tmp_path, *extra)
-    assert not bad_exits(results), "\n".join(bad_exits(results))
+def clean_exit_problems(results: list[tuple[int, str]]) -> list[str]:
+    """What went wrong in one exit: a rank that aborted or failed, or an engine group still alive after the exit
+    hooks (its gloo workers would reach the interpreter's finalization: the cause of the abort)."""
+    problems = bad_exits(results)
+    for r, (_, out) in enumerate(results):
+        freed = re.search(r"at exit: engine groups alive 0 of (\d+)", out)
+        if freed is None or int(freed.group(1)) == 0:
+            problems.append(f"rank {r}: engine groups not all freed at exit\n{out[-3000:]}")
+    return problems
+
+
+def test_the_aborting_trainer_script_exits_cleanly(tmp_path):
+    """The case that aborted: GPT-2, world 2, the script ends without ``end()`` (the exit hooks close). Beside the
+    exit status, which the race made wrong only now and then, what the abort needs is checked on every run: no group
+    the engine created may be alive when the interpreter finalizes."""
+    results = exit_once("gpt2", 2, tmp_path)
+    problems = clean_exit_problems(results)
+    assert not problems, "\n".join(problems)
     assert "trained 3 steps" in results[0][1]
     for _, out in results:  # closed and destroyed by shardtrain's exit hooks, though the script called neither
         assert "at exit: open engines 0, process group False" in out, out[-3000:]
@@ -86,7 +100,8 @@ def test_soak_trainer_exits(kind, world, tmp_path):
     failures, t0 = [], time.monotonic()
     for i in range(SOAK_EXITS):
         out = tmp_path / str(i)
-        failures += [f"exit {i}, {f}" for f in bad_exits(exit_once(kind, world, out))]
+        extra = ("end",) if kind == "llama" else ()  # Llama's scripts end with trainer.end(), GPT-2's without
+        failures += [f"exit {i}, {f}" for f in clean_exit_problems(exit_once(kind, world, out, *extra))]
         shutil.rmtree(out, ignore_errors=True)
     took = time.monotonic() - t0
     print(f"{kind} world {world}: {SOAK_EXITS} exits x {world} ranks, {len(failures)} bad, {took:.0f} s")
