@@ -5,14 +5,19 @@ What an engine starts beside the training thread, and what stops it (``Engine.cl
 exit hook of this module calls ``close()`` for every engine nobody closed):
 
 * process groups (``distributed/mesh.py``): ``init_topology`` creates the engine's groups with ``new_group`` (each
-  axis, the host-side gloo twins under NCCL, a world group of its own when the user's default group has another
-  timeout; ``Topology.own_groups``). Each gloo group runs two worker threads (``pt_gloo_runloop``) and a TCP loop;
-  an NCCL group its watchdog. ``close()`` waits for the collectives still in flight (the parameter all-gathers the
-  last step launched, a ZeRO-3 unit-order exchange issued ahead) and then destroys these groups
-  (``destroy_own_groups``). The default group is its creator's: when shardtrain created it (``ensure_process_group``)
-  ``mesh._destroy_own_process_group`` destroys it at exit; when the Hugging Face Trainer did (accelerate, from
-  ``TrainingArguments``), ``ShardtrainTrainer.end()`` and its exit hook do; a user's own group is the user's to
-  destroy, as PyTorch documents (``destroy_process_group`` at the end of the script).
+  axis, the host-side gloo twins under NCCL, a world group of its own when the default group is not shardtrain's and
+  the job runs on the CPU or the group has another timeout; ``Topology.own_groups``). Each gloo group runs two worker
+  threads (``pt_gloo_runloop``) and a TCP loop; an NCCL group its watchdog. ``close()`` waits for the collectives
+  still in flight (the parameter all-gathers the last step launched, a ZeRO-3 unit-order exchange issued ahead),
+  destroys these groups (``destroy_own_groups``; for NCCL this joins the watchdog) and then drops every reference the
+  engine holds to a group: each communicator built for it (``Communicator.release``; they refuse a collective
+  afterwards) and the topology's groups and device mesh (``release_groups``). A gloo group's workers are joined only
+  by its destructor, so only this frees them while the interpreter is whole (see [Note: gloo workers that outlive
+  the engine] in :mod:`shardtrain.distributed.gloo_threads`). The default group is its creator's: when shardtrain
+  created it (``ensure_process_group``) ``mesh._destroy_own_process_group`` destroys it at exit; when the Hugging
+  Face Trainer did (accelerate, from ``TrainingArguments``), ``ShardtrainTrainer.end()`` and its exit hook do; a
+  user's own group is the user's to destroy, as PyTorch documents (``destroy_process_group`` at the end of the
+  script).
 * under torchrun, rank 0's TCP store of the attempt (``attempt_store``, a ``pt_tcpstore_uv`` thread): owned by the
   default group's store, it goes with the default group;
 * the asynchronous checkpoint save (``checkpoint/async_save.py``): one non-daemon thread per save in flight, joined
@@ -27,21 +32,17 @@ exit hook of this module calls ``close()`` for every engine nobody closed):
 The engine starts no process (data loader workers are the data loader's; ``shardtrain.testing`` is test tooling).
 
 Why at exit, and why before the interpreter tears down: ``terminate called without an active exception`` (SIGABRT
-after the script has finished; torchrun then reports a finished job as failed) is a gloo worker thread that still
-held the last reference to a collective's work object when the interpreter started to finalize. Releasing it frees
-tensors that have a Python object, which needs the GIL; a thread that asks for the GIL of a finalizing interpreter
-is ended with ``pthread_exit``, whose unwinding through a ``noexcept`` destructor calls ``std::terminate``
-(pytorch/pytorch#190489; the upstream fix, an exit hook in ``init_process_group``, was withdrawn, #179291). It takes
-a collective in the last moments before exit, so it is rare (3 of 14 Trainer runs in the issue; measured here:
-docs/reliability.md). So the collectives in flight are waited for and the groups destroyed while the interpreter is
-whole: a worker that waits for the GIL gets it while the main thread waits (``Work.wait`` releases it) instead of at
-teardown. This did not remove the abort (2 in 167 Trainer rank exits after it, docs/reliability.md): a gloo
-group's worker threads are joined only by its destructor, when the last reference to the
-group goes, which for the groups the engine uses is when the engine is garbage; until then they wait on an empty
-queue, holding no work. The hook is registered when the first engine is built, after the process group exists, so it
-runs before ``mesh._destroy_own_process_group`` (exit hooks run last-registered first): engines first,
-then the default group. A failing process (a collective failed, or the script ended with an uncaught exception)
-closes nothing at exit: its collectives in flight may never be matched, and it must exit rather than wait for them.
+after the script has finished; torchrun then reports a finished job as failed) is a gloo worker thread that drops
+the last reference to a completed collective's work object after the interpreter has started to finalize; the core
+dumps and the mechanism are in [Note: gloo workers that outlive the engine]. Destroying a group is not enough: its
+workers live as long as the Python object does, and before ``close()`` dropped the engine's references they reached
+the finalization (2 aborts in 167 Trainer rank exits with destroyed but referenced groups; docs/reliability.md).
+The hook is registered when the first engine is built, after the process group exists, so it runs before
+``mesh._destroy_own_process_group`` (exit hooks run last-registered first): engines first, then the default group;
+the hook this module registers on import runs after both, last, and waits until the gloo workers of groups that
+others keep alive are idle (``settle_gloo_workers``). A failing process (a collective failed, or the script ended
+with an uncaught exception) closes nothing at exit: its collectives in flight may never be matched, and it must exit
+rather than wait for them.
 """
 
 from __future__ import annotations
