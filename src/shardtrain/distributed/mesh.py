@@ -71,6 +71,7 @@ import os
 import socket
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -191,8 +192,18 @@ def ensure_process_group(timeout_s: float, device: torch.device | None = None) -
         dist.init_process_group(store=store, rank=rank, world_size=world, **kwargs)
     else:
         dist.init_process_group(**kwargs)
+    global _own_default
+    _own_default = weakref.ref(dist.group.WORLD)
     atexit.register(_destroy_own_process_group)
     return True
+
+
+_own_default: weakref.ref | None = None
+"""The default group :func:`ensure_process_group` created, weakly (None: not shardtrain's)."""
+
+
+def _default_is_own() -> bool:
+    return _own_default is not None and _own_default() is dist.group.WORLD
 
 
 def backend_timeout_s(timeout_s: float, device: torch.device) -> float:
@@ -661,7 +672,9 @@ def _make_mesh_groups(
     whole = dist.group.WORLD
     # the user's group, with another timeout (theirs equal to collective_timeout_s, without the margin, will do), or
     # a gloo one: the engine frees its gloo groups at close(), which a group others still hold cannot be
-    if not created and (device.type != "cuda" or _timeout_s(whole, device) not in (timeout_s, timeout.total_seconds())):
+    if not (created or _default_is_own()) and (
+        device.type != "cuda" or _timeout_s(whole, device) not in (timeout_s, timeout.total_seconds())
+    ):
         whole = new_group(list(range(world)), None)
     groups, host_groups = make_groups(dist.get_rank(), world, tp, backend, whole, new_group, **axes)
     _check_one_rank_per_device(device, host_groups.world)
