@@ -96,8 +96,9 @@ def test_close_joins_the_threads_and_destroys_the_groups_the_engine_started(tmp_
 
 
 SCRIPT = """
-import atexit, sys, threading, torch, torch.distributed as dist
+import atexit, gc, sys, threading, torch, torch.distributed as dist
 import shardtrain
+from shardtrain.distributed.gloo_threads import gloo_workers
 from shardtrain.engine import shutdown
 
 seen = {}
@@ -107,6 +108,9 @@ def report():  # registered before shardtrain's exit hooks, so it runs after the
     left = [t.name for t in threading.enumerate() if t.name.startswith("shardtrain")]
     destroyed = all(g not in pg_map for g in seen["own"])
     print(f"at exit: open={len(shutdown._open)} threads={left} destroyed={destroyed} pg={dist.is_initialized()}")
+    seen.clear()
+    gc.collect()
+    print(f"at exit: gloo workers {len(gloo_workers())}")  # every group freed, the default one too
 
 atexit.register(report)
 torch.manual_seed(0)
@@ -145,4 +149,5 @@ def test_an_engine_nobody_closed_is_closed_at_exit(tmp_path):
     for p, out in zip(procs, outputs):
         assert p.returncode == 0 and "terminate called" not in out, out[-3000:]
         assert "at exit: open=0 threads=[] destroyed=True pg=False" in out, out[-3000:]
+        assert "at exit: gloo workers 0" in out, out[-3000:]
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "global_step2"
