@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 import shardtrain
-from shardtrain.distributed.gloo_threads import gloo_workers
+from shardtrain.distributed.gloo_threads import gloo_workers, settle_gloo_workers
 from shardtrain.distributed.mesh import ensure_process_group
 from shardtrain.engine import shutdown
 from shardtrain.testing import run_distributed
@@ -57,6 +57,7 @@ def _close_stops_everything(tmp: str) -> dict:
     saver_group = engine._async_saver._comm.group
     refs = [weakref.ref(g) for g in (*own, saver_group)]
     workers_open = len(gloo_workers())
+    settled = settle_gloo_workers()  # the last exit hook's wait: every worker idle, the GIL released meanwhile
     engine.close()
     engine.close()  # a second call does nothing
     pg_map = dist.distributed_c10d._world.pg_map
@@ -78,6 +79,7 @@ def _close_stops_everything(tmp: str) -> dict:
         "alive": sum(r() is not None for r in refs),
         "workers": (workers_before, workers_open, len(gloo_workers())),
         "refused": refused,
+        "settled": settled,
         "open": engine in shutdown._open,
         "latest": (Path(tmp) / "ckpt" / "latest").read_text().strip(),
     }
@@ -92,6 +94,7 @@ def test_close_joins_the_threads_and_destroys_the_groups_the_engine_started(tmp_
         before, opened, after = r["workers"]
         assert opened > before and after == before, r  # their worker threads are joined
         assert "released by engine.close()" in r["refused"], r
+        assert r["settled"], r
         assert not r["open"] and r["latest"] == "global_step2", r
 
 
