@@ -9,10 +9,10 @@ has that object released too, which takes the GIL (``c10::TensorImpl::decref_pyo
 ``ConcretePyInterpreterVTable::decref`` -> ``pybind11::gil_scoped_acquire``). If the interpreter is finalizing by
 then, CPython 3.11 ends the thread with ``pthread_exit`` (``take_gil`` -> ``PyThread_exit_thread``), whose forced
 unwinding reaches a ``noexcept`` destructor (``~AsyncAllgatherWork``) and calls ``std::terminate``: the process dies
-with ``terminate called without an active exception`` (SIGABRT) after the script has finished. The core dumps of
-the aborts measured in docs/reliability.md all show that stack, from a plain gloo script without shardtrain as from
-the Trainer's. It needs the worker to be descheduled between completing the work and dropping it until the main
-thread has started finalizing: rare, and more likely on a loaded machine.
+with ``terminate called without an active exception`` (SIGABRT) after the script has finished. The 8 core dumps of
+a plain gloo script's aborts (docs/reliability.md) all show that stack (one a step further on: the worker got the GIL,
+released it in ``THPVariable_clear`` and asked again). It needs the worker to be descheduled between completing the
+work and dropping it until the main thread has started finalizing: rare, and more likely on a loaded machine.
 
 Only the destructor of a group joins its workers, when the last reference to it goes (gloo's ``shutdown()`` does
 nothing, and ``destroy_process_group`` only removes the group from torch's registries). ``engine.close()`` therefore
