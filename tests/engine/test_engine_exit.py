@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import weakref
 from pathlib import Path
 
@@ -40,11 +41,22 @@ def _config(swap: str) -> dict:
     }
 
 
+def _started_workers() -> int:
+    """The gloo workers, once each has named itself (a thread takes its name a moment after it starts; a group
+    has two)."""
+    deadline = time.monotonic() + 10
+    while (n := len(gloo_workers())) % 2 or n == 0:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    return n
+
+
 def _close_stops_everything(tmp: str) -> dict:
     before = set(threading.enumerate())
     ensure_process_group(60.0, torch.device("cpu"))
     dist.barrier()  # the default group's backend starts its workers on its first collective
-    workers_before = len(gloo_workers())  # the default group's
+    workers_before = _started_workers()  # the default group's
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
     engine = shardtrain.initialize(model, _config(tmp))

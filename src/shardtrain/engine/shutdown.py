@@ -71,18 +71,18 @@ def _settle_at_exit() -> None:
 atexit.register(_settle_at_exit)
 
 
-class Engine(Protocol):
+class Closable(Protocol):
     """What this module needs of an engine (``engine.py`` imports this module, not the other way round)."""
 
     def close(self) -> None: ...
 
 
-_open: weakref.WeakSet[Engine] = weakref.WeakSet()
+_open: weakref.WeakSet[Closable] = weakref.WeakSet()
 """Engines built and not closed yet: closed by :func:`close_open_engines` at exit."""
 _registered = False
 
 
-def track(engine: Engine) -> None:
+def track(engine: Closable) -> None:
     """Close ``engine`` at interpreter exit unless it was closed before (see [Note: what the engine starts and who
     joins it])."""
     global _registered
@@ -92,7 +92,7 @@ def track(engine: Engine) -> None:
     _open.add(engine)
 
 
-def closed(engine: Engine) -> None:
+def closed(engine: Closable) -> None:
     """``engine.close()`` ran: nothing is left for the exit hook."""
     _open.discard(engine)
 
