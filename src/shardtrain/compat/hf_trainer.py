@@ -53,7 +53,7 @@ from shardtrain.config.auto import resolve_auto
 from shardtrain.config.schema import Config, load_config
 from shardtrain.distributed.communicator import Communicator
 from shardtrain.distributed.mesh import init_topology
-from shardtrain.engine import initialize
+from shardtrain.engine import initialize, shutdown
 from shardtrain.engine.engine import Engine
 from shardtrain.errors import ConfigError, ShardtrainError
 from shardtrain.zero.build import build_layout
@@ -421,6 +421,7 @@ class ShardtrainTrainerMixin:
 
         engine = initialize(self.model, self.shardtrain_config, optimizer, scheduler, auto_values=values)
         self.shardtrain_engine = engine
+        shutdown.end_at_exit()  # the script may never call end(): see [Note: what the engine starts and who joins it]
         self._shardtrain_module = _EngineModule(engine)
         self._shardtrain_scheduler = _EngineScheduler(engine)
         self.optimizer = _EngineOptimizer(engine)
@@ -463,6 +464,14 @@ class ShardtrainTrainerMixin:
         if boundary:
             self._shardtrain_step_skipped = engine.skipped_steps > skipped_before
             self._shardtrain_scheduler.last_step_lr = lr
+
+    def end(self) -> None:
+        """Close the engine (its threads and process groups), then the Trainer's ``end()`` (trackers, and the process
+        group the Trainer's arguments created). Call it once, at the very end of the script, as ``Trainer.end()``;
+        without it the same happens at interpreter exit ([Note: what the engine starts and who joins it])."""
+        if self.shardtrain_engine is not None:
+            self.shardtrain_engine.close()
+        super().end()
 
     # -- saving and resuming --------------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:

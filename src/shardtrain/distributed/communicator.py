@@ -59,6 +59,8 @@ import os
 import pickle
 import time
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -67,7 +69,7 @@ import torch
 import torch.distributed as dist
 
 from shardtrain.distributed import failure, watchdog
-from shardtrain.errors import CollectiveError, CollectiveTimeoutError, PeerLostError
+from shardtrain.errors import CollectiveError, CollectiveTimeoutError, PeerLostError, ShardtrainError
 from shardtrain.tree import iter_tensors
 
 # torch 2.13 renamed the flat-tensor collectives; keep working on the older names too.
@@ -179,11 +181,29 @@ def merge_stats(*stats: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
     return dict(sorted(total.items()))
 
 
+_collectors: list[list[Communicator]] = []
+"""The lists :func:`collecting` fills, innermost last."""
+
+
+@contextmanager
+def collecting() -> Iterator[list[Communicator]]:
+    """Every :class:`Communicator` built inside the block, in a list: what an engine releases at ``close()`` (see
+    [Note: what the engine starts and who joins it] in :mod:`shardtrain.engine.shutdown`)."""
+    made: list[Communicator] = []
+    _collectors.append(made)
+    try:
+        yield made
+    finally:
+        _collectors.remove(made)
+
+
 class Communicator:
     """Collectives over one process group, counted and guarded."""
 
     def __init__(self, group: dist.ProcessGroup, timeout_s: float, reduce_scatter_impl: str = "auto") -> None:
-        self.group = group
+        self._group: dist.ProcessGroup | None = group
+        if _collectors:
+            _collectors[-1].append(self)
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.global_rank = dist.get_rank()
@@ -240,6 +260,22 @@ class Communicator:
     def reset_wait_seconds(self) -> None:
         for c in self._counts.values():
             c.wait_s = 0.0
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        """The process group; gone after :meth:`release`."""
+        if self._group is None:
+            raise ShardtrainError(
+                "this communicator's process group was released by engine.close(): a closed engine issues no "
+                "collective (build a new engine with shardtrain.initialize)"
+            )
+        return self._group
+
+    def release(self) -> None:
+        """Drop the reference to the process group, so that a destroyed group is freed (and its gloo worker
+        threads joined) now rather than at interpreter teardown; any later collective raises. Local, not
+        collective; see [Note: what the engine starts and who joins it] in :mod:`shardtrain.engine.shutdown`."""
+        self._group = None
 
     def _gather_traffic(self, out_bytes: int) -> tuple[int, int]:
         """(bytes, sent) of an all-gather whose result has ``out_bytes``: the ring's, on every backend."""

@@ -20,7 +20,11 @@ whatever the default group's timeout). The default group itself is used for the 
 spans the world) only when its timeout is the configured one: always when shardtrain created it; when the user
 created it beforehand with another timeout, the engine's world group is a new group over the same ranks, so that a
 stuck peer still fails the engine's collectives after ``collective_timeout_s`` (the user's own collectives keep the
-user's timeout).
+user's timeout). On the CPU (gloo) a default group created by the user or a launcher (the Hugging Face Trainer's,
+through accelerate) is never used by the engine, whatever its timeout: the engine frees every group it uses at
+``close()``, which joins their gloo worker threads (see [Note: what the engine starts and who joins it] in
+:mod:`shardtrain.engine.shutdown`), and the default group is held by others (DeepSpeed's ``deepspeed.comm``, imported
+by transformers once the group exists, keeps it in the defaults of its ``barrier``).
 
 Beside them, each axis has a *host-side* group (``host_world_group``, ``host_dp_group``, ``host_tp_group``) for the
 small agreement checks (the desync check, the unit-order check, the tensor-parallel batch check): their payload lives
@@ -67,6 +71,7 @@ import os
 import socket
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -187,8 +192,18 @@ def ensure_process_group(timeout_s: float, device: torch.device | None = None) -
         dist.init_process_group(store=store, rank=rank, world_size=world, **kwargs)
     else:
         dist.init_process_group(**kwargs)
+    global _own_default
+    _own_default = weakref.ref(dist.group.WORLD)
     atexit.register(_destroy_own_process_group)
     return True
+
+
+_own_default: weakref.ref | None = None
+"""The default group :func:`ensure_process_group` created, weakly (None: not shardtrain's)."""
+
+
+def _default_is_own() -> bool:
+    return _own_default is not None and _own_default() is dist.group.WORLD
 
 
 def backend_timeout_s(timeout_s: float, device: torch.device) -> float:
@@ -267,6 +282,33 @@ def _destroy_own_process_group() -> None:
     with contextlib.suppress(Exception):  # already destroyed by the user
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def destroy_own_groups(topology: Topology) -> None:
+    """Destroy the groups ``topology`` created (``Topology.own_groups``), newest first; local, not collective. Left
+    alone after a collective failed, as :func:`_destroy_own_process_group` leaves the default group."""
+    if failure.any_failed() or not dist.is_initialized():
+        return
+    for group in reversed(topology.own_groups):
+        with contextlib.suppress(Exception):  # already destroyed (by the user, or with the default group)
+            dist.destroy_process_group(group)
+
+
+def release_groups(topology: Topology) -> None:
+    """Drop ``topology``'s references to its process groups (its axes, their host twins, ``own_groups`` and the
+    device mesh's registry), once :func:`destroy_own_groups` has run: with no reference left a group is freed, and
+    its gloo worker threads joined, while the interpreter is whole (see [Note: what the engine starts and who joins
+    it] in :mod:`shardtrain.engine.shutdown`). The topology's groups read None afterwards. Left alone after a
+    collective failed: freeing a group waits for the work its threads still run."""
+    if failure.any_failed():
+        return
+    gone = Groups(world=None, dp=None, tp=None)  # type: ignore[arg-type]
+    object.__setattr__(topology, "groups", gone)
+    object.__setattr__(topology, "host_groups", gone)
+    object.__setattr__(topology, "own_groups", ())
+    registry = getattr(topology.mesh, "_pg_registry", None)
+    if isinstance(registry, dict):
+        registry.clear()
 
 
 @dataclass(frozen=True)
@@ -443,6 +485,10 @@ class Topology:
     """ZeRO++ hpZ: ranks of a secondary-shard group (``zero_hpz_partition_size``); 1 without hpZ."""
     ep: int = 1
     """The expert-parallel size ``E`` (see [Note: the expert axis]); 1 without expert parallelism."""
+    own_groups: tuple[dist.ProcessGroup, ...] = ()
+    """The groups :func:`init_topology` created for this topology (``new_group``), in creation order: what
+    :func:`destroy_own_groups` destroys. Never the default group, which its creator destroys (see [Note: what the
+    engine starts and who joins it] in :mod:`shardtrain.engine.shutdown`)."""
 
     @property
     def hpz_group(self) -> dist.ProcessGroup | None:
@@ -604,7 +650,7 @@ def init_topology(
             f"ep_size of them, so choose one of {[d for d in range(1, dp + 1) if dp % d == 0]}"
         )
     hpz = _hpz_size(hpz_size, dp, world) if tp == 1 and replicas == 1 else 1
-    device, backend, groups, host_groups = _make_mesh_groups(
+    device, backend, groups, host_groups, own = _make_mesh_groups(
         dev, world, tp, timeout_s, created, shard_size=shard, hpz_size=hpz, ep=ep
     )
     if replicas > 1:  # see [Note: the hybrid mesh]
@@ -632,6 +678,7 @@ def init_topology(
         replicas=replicas,
         hpz_size=hpz,
         ep=ep,
+        own_groups=own,
     )
 
 
@@ -652,9 +699,10 @@ def _hpz_size(hpz_size: int, dp: int, world: int) -> int:
 
 def _make_mesh_groups(
     device: torch.device, world: int, tp: int, timeout_s: float, created: bool, **axes: int
-) -> tuple[torch.device, str, Groups, Groups]:
-    """The device, the backend, and the mesh's groups and their host twins (``axes``: ``make_groups``' hybrid
-    ``shard_size`` or sequence-parallel ``sp``), every group with the collective timeout."""
+) -> tuple[torch.device, str, Groups, Groups, tuple[dist.ProcessGroup, ...]]:
+    """The device, the backend, the mesh's groups and their host twins (``axes``: ``make_groups``' hybrid
+    ``shard_size`` or sequence-parallel ``sp``), every group with the collective timeout, and the groups created
+    here (``Topology.own_groups``)."""
     backend = str(dist.get_backend())
     if device.type == "cuda" and "nccl" not in backend:
         # A user-created gloo group with CUDA tensors would fail deep inside the first collective.
@@ -667,18 +715,26 @@ def _make_mesh_groups(
         torch.cuda.set_device(device)  # whoever created the group: object collectives and barriers use the current
     timeout = datetime.timedelta(seconds=backend_timeout_s(timeout_s, device))
 
+    made: list[dist.ProcessGroup] = []
+
     def new_group(ranks: list[int], backend: str | None) -> dist.ProcessGroup:
         # the host twins (gloo) block the host, so their own timeout is the configured one
         own = datetime.timedelta(seconds=timeout_s) if backend == "gloo" else timeout
-        return dist.new_group(ranks, timeout=own, backend=backend)
+        group = dist.new_group(ranks, timeout=own, backend=backend)
+        if group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER:  # a group this rank is in
+            made.append(group)
+        return group
 
     whole = dist.group.WORLD
-    # the user's group, with another timeout (theirs equal to collective_timeout_s, without the margin, will do)
-    if not created and _timeout_s(whole, device) not in (timeout_s, timeout.total_seconds()):
+    # the user's group, with another timeout (theirs equal to collective_timeout_s, without the margin, will do), or
+    # a gloo one: the engine frees its gloo groups at close(), which a group others still hold cannot be
+    if not (created or _default_is_own()) and (
+        device.type != "cuda" or _timeout_s(whole, device) not in (timeout_s, timeout.total_seconds())
+    ):
         whole = new_group(list(range(world)), None)
     groups, host_groups = make_groups(dist.get_rank(), world, tp, backend, whole, new_group, **axes)
     _check_one_rank_per_device(device, host_groups.world)
-    return device, backend, groups, host_groups
+    return device, backend, groups, host_groups, tuple(made)
 
 
 def _init_sequence_topology(
@@ -710,7 +766,7 @@ def _init_sequence_topology(
             f"over the data- and sequence-parallel ranks together, within groups of mics_shard_size and replicated "
             f"across the groups, so choose one of {divisors} (or -1 to shard over all {zero})"
         )
-    device, backend, groups, host_groups = _make_mesh_groups(
+    device, backend, groups, host_groups, own = _make_mesh_groups(
         device, world, tp, timeout_s, created, sp=sp, shard_size=shard
     )
     ranks = torch.arange(world).view(dp, sp, tp)
@@ -730,4 +786,5 @@ def _init_sequence_topology(
         tp=tp,
         replicas=zero // shard,
         sp=sp,
+        own_groups=own,
     )

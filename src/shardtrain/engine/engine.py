@@ -28,9 +28,11 @@ from torch.optim.lr_scheduler import LRScheduler
 from shardtrain.checkpoint.async_save import AsyncSaver
 from shardtrain.config.auto import resolve_auto
 from shardtrain.config.schema import Config, cast_inputs_half, load_config, resolve_batch_sizes
-from shardtrain.distributed.communicator import Communicator, merge_stats
-from shardtrain.distributed.mesh import Topology, init_topology
+from shardtrain.distributed import failure
+from shardtrain.distributed.communicator import Communicator, collecting, merge_stats
+from shardtrain.distributed.mesh import Topology, destroy_own_groups, init_topology, release_groups
 from shardtrain.distributed.watchdog import stop_watchdog
+from shardtrain.engine import shutdown
 from shardtrain.engine.build import (
     OptimizerArg,
     Parts,
@@ -115,9 +117,12 @@ class Engine:
         self._pending: _PendingOverflow | None = None  # the last fp16 step's overflow, on its way to the host
         self._batch_checked = self.tp_comm is None
         self._async_saver: AsyncSaver | None = None  # made by the first asynchronous save_checkpoint
+        self._closed = False
+        self._comms: list[Communicator] = []  # every communicator built for this engine (initialize sets it)
         # parameters frozen when the buckets and the optimizer state were built: unfreezing one later is refused
         # at the next step (it would never be reduced nor stepped: a silent wrong result)
         self._frozen_at_initialize = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
+        shutdown.track(self)  # closed at interpreter exit unless close() ran
 
     @property
     def stage(self) -> int:
@@ -297,10 +302,16 @@ class Engine:
 
     def close(self) -> None:
         """Remove every hook the engine installed (gradient hooks, ZeRO-3 module hooks, a vision model's patch
-        split), stop the NCCL watchdog's thread, and flush and close the monitors' files (TensorBoard, wandb run).
-        Not collective; safe to call more than once. ZeRO-3 parameters stay sharded: take ``full_state_dict()``
-        first if the module is used afterwards. Waits for an asynchronous checkpoint save in flight and raises its
-        failure, after the rest of the clean-up."""
+        split), stop the NCCL watchdog's thread, flush and close the monitors' files (TensorBoard, wandb run), stop
+        the offload I/O threads, and destroy the process groups the engine created, once the collectives still in
+        flight are complete ([Note: what the engine starts and who joins it] in ``engine/shutdown.py``). Not
+        collective; a second call does nothing, and an engine nobody closed is closed at interpreter exit. ZeRO-3
+        parameters stay sharded: take ``full_state_dict()`` first if the module is used afterwards. Waits for an
+        asynchronous checkpoint save in flight and raises its failure, after the rest of the clean-up."""
+        if self._closed:
+            return
+        self._closed = True
+        shutdown.closed(self)
         saver = self._async_saver
         try:
             if saver is not None:
@@ -308,18 +319,27 @@ class Engine:
         finally:
             if saver is not None:
                 saver.close()
+            if not failure.any_failed():  # a broken group's work is not waited for (see destroy_own_groups)
+                self._optimizer.wait_gathers()  # the last step's parameter all-gathers
             self._reducer.remove_hooks()
             self._optimizer.gathers.remove_hooks()
             if self._sp is not None and hasattr(self._sp, "remove_hooks"):  # a vision model's patch split
                 self._sp.remove_hooks()
             stop_watchdog()  # the NCCL watchdog's thread; the next engine's first collective starts it again
             self._runtime.release()  # units a forward without backward kept gathered: their memory back
-            self._runtime.close()
+            self._runtime.close()  # waits for a ZeRO-3 unit-order exchange issued ahead
             self.monitor.close()
             if self._optimizer.offload is not None:  # swap files are scratch: removed with their directory
                 self._optimizer.offload.close()
             for scratch in self._scratch.values():
                 scratch.remove()
+            destroy_own_groups(self.topology)
+            # the last references to the groups: a destroyed group is freed, its gloo worker threads joined, now
+            # and not at interpreter teardown (see [Note: what the engine starts and who joins it])
+            if not failure.any_failed():
+                for comm in self._comms:
+                    comm.release()
+                release_groups(self.topology)
 
     def train(self, mode: bool = True) -> Engine:
         self.module.train(mode)
@@ -565,6 +585,20 @@ def initialize(
     cfg = load_config(config)
     if not isinstance(model, nn.Module):
         raise TypeError(f"initialize() expects an nn.Module, got {type(model).__name__}")
+    with collecting() as comms:  # released by close(): see [Note: what the engine starts and who joins it]
+        engine = _build(model, cfg, optimizer, lr_scheduler, auto_values, tp_plan)
+    engine._comms = comms
+    return engine
+
+
+def _build(
+    model: nn.Module,
+    cfg: Config,
+    optimizer: OptimizerArg,
+    lr_scheduler: SchedulerArg,
+    auto_values: Mapping[str, Any] | None,
+    tp_plan: Mapping[str, str] | None,
+) -> Engine:
     topology = init_topology(
         tp=cfg.tensor_parallel.degree,
         timeout_s=cfg.collective_timeout_s,

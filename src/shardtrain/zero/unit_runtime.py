@@ -76,6 +76,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardtrain.distributed import failure
 from shardtrain.distributed.communicator import Communicator
 from shardtrain.errors import ShardtrainError
 from shardtrain.zero.gather import ShardSource, UnitGathers
@@ -466,6 +467,13 @@ class EagerRuntime(Runtime):
         self.gathers.release_all()
 
     def close(self) -> None:
+        # an exchange issued ahead (see [Note: unit order check]) may still be in flight: its group's worker thread
+        # must not hold it when the groups are destroyed (see [Note: what the engine starts and who joins it])
+        for u in self.units:
+            if u.check is not None and not failure.any_failed():
+                u.check[1].wait()
+            u.check = None
+        self.gathers.announced = None
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
