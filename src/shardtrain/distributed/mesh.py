@@ -193,7 +193,8 @@ def ensure_process_group(timeout_s: float, device: torch.device | None = None) -
     else:
         dist.init_process_group(**kwargs)
     global _own_default
-    _own_default = weakref.ref(dist.group.WORLD)
+    world = dist.group.WORLD
+    _own_default = weakref.ref(world) if world is not None else None  # None: a stand-in init made no group
     atexit.register(_destroy_own_process_group)
     return True
 
