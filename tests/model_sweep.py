@@ -565,6 +565,9 @@ def main(argv: list[str]) -> None:
     run.add_argument("--rows", help="category/model_type,... (instead of --start and --count)")
     write = sub.add_parser("write", help="put the measured rows (batch files, journals) into docs/models.md's table")
     write.add_argument("--doc", required=True)
+    write.add_argument(
+        "--over-table", action="store_true", help="keep the doc's other rows as its table has them (a partial re-run)"
+    )
     write.add_argument("parts", nargs="+")
     args = parser.parse_args(argv)
     if args.command == "run":
@@ -576,7 +579,7 @@ def main(argv: list[str]) -> None:
         with open(args.out, "w") as f:
             json.dump({"seconds": round(time.monotonic() - started), "rows": out}, f, indent=1, default=str)
     else:
-        rows: dict = {}
+        rows: dict = read_table(args.doc) if args.over_table else {}
         for pattern in args.parts:
             for path in sorted(glob.glob(pattern)):
                 with open(path) as f:
@@ -598,6 +601,32 @@ def write_doc(path: str, measured: dict) -> None:
     _, tail = rest.split(END)
     with open(path, "w") as f:
         f.write(head + BEGIN + "\n" + render_counts(measured) + "\n" + render_table(measured) + END + tail)
+
+
+def read_table(path: str) -> dict:
+    """The rows of ``path``'s table as :func:`write_doc` takes them (details as the cells hold them, already cut to
+    a cell's length): what a partial re-run is written over, so that ``write_doc(path, read_table(path))`` leaves the
+    file as it is."""
+    with open(path) as f:
+        table = f.read().split(BEGIN)[1].split(END)[0]
+    measured: dict = {}
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 5 or cells[0] in ("category", "---") or cells[2] == "not yet measured":
+            continue
+        category, model_type, *modes = cells
+        if modes[0].startswith("not buildable: "):
+            measured[f"{category}/{model_type}"] = {
+                "build": ("not buildable", modes[0].removeprefix("not buildable: "))
+            }
+            continue
+        row: dict = {"build": ("ok", "")}
+        for mode, cell in zip(MODES, modes):
+            if cell != "not run":
+                status, _, detail = cell.partition(": ")
+                row[mode] = (status, detail)
+        measured[f"{category}/{model_type}"] = row
+    return measured
 
 
 def counts(measured: dict) -> dict[str, dict[str, dict[str, int]]]:

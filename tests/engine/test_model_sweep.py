@@ -14,11 +14,12 @@ against one process: ZeRO-3, and tensor or sequence parallelism where the model 
 from __future__ import annotations
 
 import functools
+import re
 from pathlib import Path
 
 import pytest
 
-from model_sweep import DEFAULT_SLICE, LR, MODES, registered_rows, run_batch, run_rows, write_doc
+from model_sweep import DEFAULT_SLICE, LR, MODES, read_table, registered_rows, run_batch, run_rows, write_doc
 
 # (category, model type) -> mode -> (status, a phrase of the refusal); absent: "match"
 EXPECTED = {
@@ -120,3 +121,22 @@ def test_every_registered_architecture():
     decoders = [row for key, row in outcomes.items() if key.startswith("decoder-only/")]
     matched = sum(row.get("zero3", ("",))[0] == "match" for row in decoders)
     assert matched >= MIN_DECODER_MATCHES, (matched, len(decoders))
+
+
+def test_a_partial_rerun_keeps_the_other_rows_as_the_table_has_them(tmp_path):
+    """``write --over-table``: the doc's table read back and written again is the same file, and a re-run row replaces
+    its own line only."""
+    doc = tmp_path / "models.md"
+    original = (Path(__file__).parents[2] / "docs" / "models.md").read_text()
+    doc.write_text(original)
+    rows = read_table(str(doc))
+    assert len(rows) == len(registered_rows())
+    write_doc(str(doc), rows)
+    assert doc.read_text() == original
+    key = next(k for k, r in rows.items() if r["build"][0] == "ok")
+    write_doc(str(doc), {**rows, key: {"build": ("ok", ""), **dict.fromkeys(MODES, ("refused", "a test's reason"))}})
+    changed = [(a, b) for a, b in zip(original.splitlines(), doc.read_text().splitlines()) if a != b]
+    category, model_type = key.split("/", 1)
+    assert any(f"| {category} | {model_type} | refused: a test's reason |" in b for _, b in changed)
+    counts_line = re.compile(r"\| [a-z-]+ \| \d+ \| (zero3|tp|sp) \|")  # the counts above the table
+    assert all(f"| {category} | {model_type} |" in b or counts_line.match(b) for _, b in changed), changed
