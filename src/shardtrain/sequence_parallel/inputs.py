@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -330,18 +331,7 @@ class SequenceSplitter:
             mine = length // self.size
         else:
             mine = int((self._slice(targets) != IGNORE).sum())
-        every = torch.tensor([mine, *shape], dtype=torch.int64, device=device)
-        rows = self.comm.all_gather_dim(every[None], 0, what="the real-token counts of a sequence-parallel group")
-        rows = rows.tolist()
-        shapes = [tuple(r[1:]) for r in rows]
-        if any(sh != shapes[0] for sh in shapes):
-            raise RankMismatchError(
-                "the ranks of a sequence-parallel group were given batches of different shapes at this forward: "
-                + ", ".join(f"{self._who(r)}: [rows, seq] {list(sh)}" for r, sh in enumerate(shapes))
-                + ". Every rank of a group must get the same whole batch (the engine splits the sequence); shard "
-                "the data over the data-parallel ranks only"
-            )
-        counts = [int(r[0]) for r in rows]
+        counts = exchange_counts(self.comm, mine, shape, device, self._who, "rows, seq", "sequence")
         if not self._hf_labels and 0 in counts and sum(counts):
             # the model's mean over a slice without a real target is 0/0 (NaN), which no weight of 0 removes
             raise ConfigError(
@@ -401,3 +391,28 @@ class BatchCheck:
                 "(DistributedSampler(num_replicas=engine.topology.dp, rank=engine.topology.dp_rank))"
             )
         self.done = True
+
+
+def exchange_counts(
+    comm: Communicator,
+    mine: int,
+    shape: tuple[int, ...],
+    device: torch.device,
+    who: Callable[[int], str],
+    dims: str,
+    sequences: str,
+) -> list[int]:
+    """Every rank's count of real targets in its slice, exchanged with the shape of its batch (``dims`` names the
+    shape's entries, ``sequences`` what the engine splits): ranks of one group given batches of different shapes are
+    refused here, at every forward, before the all-to-alls would pair pieces of different sizes."""
+    every = torch.tensor([mine, *shape], dtype=torch.int64, device=device)
+    rows = comm.all_gather_dim(every[None], 0, what="the real-token counts of a sequence-parallel group").tolist()
+    shapes = [tuple(r[1:]) for r in rows]
+    if any(sh != shapes[0] for sh in shapes):
+        raise RankMismatchError(
+            "the ranks of a sequence-parallel group were given batches of different shapes at this forward: "
+            + ", ".join(f"{who(r)}: [{dims}] {list(sh)}" for r, sh in enumerate(shapes))
+            + f". Every rank of a group must get the same whole batch (the engine splits the {sequences}); shard "
+            "the data over the data-parallel ranks only"
+        )
+    return [int(r[0]) for r in rows]

@@ -70,10 +70,11 @@ import torch
 from torch import nn
 
 from shardtrain.distributed.communicator import Communicator
-from shardtrain.errors import ConfigError, RankMismatchError
+from shardtrain.errors import ConfigError
 from shardtrain.sequence_parallel.inputs import (
     IGNORE,
     BatchCheck,
+    exchange_counts,
     loss_over_group,
     whole_cross_mask,
     whole_sequence_mask,
@@ -398,21 +399,8 @@ class Seq2SeqSplitter:
         batches of different shapes are refused at every forward, before the all-to-alls pair pieces of different
         sizes."""
         mine = int((self._slice(labels) != IGNORE).sum()) if torch.is_tensor(labels) else length // self.size
-        every = torch.tensor([mine, *shape], dtype=torch.int64, device=device)
-        rows = self.comm.all_gather_dim(every[None], 0, what="the real-token counts of a sequence-parallel group")
-        rows = rows.tolist()
-        shapes = [tuple(r[1:]) for r in rows]
-        if any(sh != shapes[0] for sh in shapes):
-            raise RankMismatchError(
-                "the ranks of a sequence-parallel group were given batches of different shapes at this forward: "
-                + ", ".join(
-                    f"{self._batch_check.who(r)}: [rows, encoder seq, decoder seq] {list(sh)}"
-                    for r, sh in enumerate(shapes)
-                )
-                + ". Every rank of a group must get the same whole batch (the engine splits the sequences); shard "
-                "the data over the data-parallel ranks only"
-            )
-        return mine, sum(int(r[0]) for r in rows)
+        who, dims = self._batch_check.who, "rows, encoder seq, decoder seq"
+        return mine, sum(exchange_counts(self.comm, mine, shape, device, who, dims, "sequences"))
 
     def _offset_positions(self, stack: str, module: nn.Module, args: tuple, kwargs: dict[str, Any]):
         """``embed_positions``' pre-hook: this slice's positions in the whole sequence (see the module's Note)."""
