@@ -354,6 +354,16 @@ class OptimizerOffload:
                 raise OffloadError(message) from cause
             raise OffloadError(message)
 
+    def _step_members(self, members: list[int], grads: list[torch.Tensor]) -> None:
+        """The optimizer's step over ``members`` alone, with ``grads`` as their gradients (the others have none)."""
+        for i, g in zip(members, grads):
+            self.stepped[i].grad = g
+        try:
+            self.optimizer.step()
+        finally:
+            for i in members:
+                self.stepped[i].grad = None
+
     def _step_group(self, group: SubGroup, grads: list[torch.Tensor | None], transform: Any = None) -> None:
         members = [i for i in group.members if grads[i] is not None]
         if self.copies is not None and self.copies.covers(group.members):
@@ -362,13 +372,7 @@ class OptimizerOffload:
         host = [grads[i].to(self.stepped[i].device, non_blocking=True) for i in members]  # CUDA: to the host
         if any(g.device != grads[i].device for g, i in zip(host, members)) and torch.cuda.is_available():
             torch.cuda.current_stream().synchronize()  # device-to-host copies done before the CPU reads them
-        for i, g in zip(members, host):
-            self.stepped[i].grad = g
-        try:
-            self.optimizer.step()
-        finally:
-            for i in members:
-                self.stepped[i].grad = None
+        self._step_members(members, host)
         if self.holds_masters:  # refresh the compute-dtype fragments while the masters are in memory
             with torch.no_grad():
                 for i in group.members:
@@ -385,13 +389,7 @@ class OptimizerOffload:
         if transform is not None and raw:
             transform(raw)
         copies.before_step(group.members)  # its masters and copy-back buffers are free to be rewritten
-        for i, g in zip(members, host):
-            self.stepped[i].grad = g
-        try:
-            self.optimizer.step()
-        finally:
-            for i in members:
-                self.stepped[i].grad = None
+        self._step_members(members, host)
         copies.send_back(group.members, self._copied_after)
 
     def _park(self, i: int) -> None:
