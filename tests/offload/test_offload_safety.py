@@ -373,7 +373,7 @@ def test_nvme_swap_of_3000_parameters_runs_under_ulimit_n_256(tmp_path):
     params, bytes_read, most_open = map(int, run.stdout.split())
     assert params == 3000
     assert bytes_read >= 2 * 3000 * 4 * 4 * 2  # two moments of every parameter read back at steps 2 and 3
-    assert most_open <= 2  # one per I/O thread
+    assert most_open <= 3  # one per thread that touches the files: two I/O threads and the training thread
     assert list(tmp_path.iterdir()) == []
 
 

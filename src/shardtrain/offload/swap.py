@@ -30,10 +30,11 @@ as the writer goes) and loading writes it into fresh files.
 
 [Note: bounded descriptors]
 A rank has one swap file per (stepped tensor, state key): a bf16 Llama-70B has ~723 parameters x 3 keys. The
-files are opened for each read or write and closed after it, so a rank holds at most one descriptor per I/O
-thread (two) whatever the model, never one per file (which ran into the usual limit of 1024 descriptors); an
-empty fragment (a rank that owns no element of a tensor) has no file at all. An ``open`` costs microseconds
-against the read or write of a tensor's state.
+files are opened for each read or write and closed after it, so a rank holds at most one descriptor per thread
+that touches them, whatever the model: the two I/O threads, and the training thread, which writes offloaded
+gradients and the state the optimizer makes at its first step. Never one per file (which ran into the usual limit
+of 1024 descriptors). An empty fragment (a rank that owns no element of a tensor) has no file at all. An ``open``
+costs microseconds against the read or write of a tensor's state.
 """
 
 from __future__ import annotations
