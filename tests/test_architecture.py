@@ -51,7 +51,13 @@ ALLOWED: dict[str, set[str]] = {
         "shardtrain.config",
         "shardtrain.distributed",
     },
-    "shardtrain.estimate": {"shardtrain.tensor_parallel", "shardtrain.zero", "shardtrain.offload", "shardtrain.config"},
+    "shardtrain.estimate": {
+        "shardtrain.tensor_parallel",
+        "shardtrain.expert_parallel",
+        "shardtrain.zero",
+        "shardtrain.offload",
+        "shardtrain.config",
+    },
     "shardtrain.graph": {
         "shardtrain.debug",
         "shardtrain.tensor_parallel",

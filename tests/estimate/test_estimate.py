@@ -55,10 +55,41 @@ def tiny_llama():
     return LlamaForCausalLM(cfg)
 
 
-MODELS = {"gpt": tiny_gpt, "llama": tiny_llama}
+def tiny_mixtral(experts: int = 8):
+    """``experts`` experts, top-2 routing, the load-balancing loss on: the model expert parallelism splits."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    cfg = MixtralConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=experts,
+        num_experts_per_tok=2,
+        output_router_logits=True,
+        max_position_embeddings=SEQ,
+        tie_word_embeddings=False,
+    )
+    return MixtralForCausalLM(cfg)
+
+
+MODELS = {"gpt": tiny_gpt, "llama": tiny_llama, "mixtral": tiny_mixtral, "mixtral6": functools.partial(tiny_mixtral, 6)}
+
+
+def model_of(name: str):
+    """The factory of a case: the model its name starts with (before the first ``-``), else the project's GPT."""
+    return MODELS.get(name.split("-")[0], tiny_gpt)
+
+
+def is_hf(name: str) -> bool:
+    return name.split("-")[0] in MODELS and name.split("-")[0] != "gpt"
+
 
 # (name, layout, config beyond the layout's keys); every layout is run by the engine and estimated; a name starting
-# with "llama" is the Hugging Face model, the others the project's GPT
+# with "llama" or "mixtral" is that Hugging Face model (mixtral6: with 6 experts), the others the project's GPT
 CASES = [
     ("stage0", Layout(1, stage=0, micro_batch=MICRO, seq_len=SEQ), {}),
     ("stage3", Layout(2, stage=3, micro_batch=MICRO, seq_len=SEQ), {}),
@@ -70,6 +101,7 @@ CASES = [
     ),
     ("stage3-bf16", Layout(3, stage=3, dtype="bf16", micro_batch=MICRO, seq_len=SEQ), {}),
     ("stage2-checkpointing", Layout(3, stage=2, micro_batch=MICRO, seq_len=SEQ, checkpointing=True), {}),
+    ("mixtral-ep2-stage2", Layout(2, stage=2, ep=2, micro_batch=MICRO, seq_len=SEQ), {}),
 ]
 SOAK_CASES = [
     ("stage2", Layout(2, stage=2, micro_batch=MICRO, seq_len=SEQ), {}),
@@ -87,6 +119,12 @@ SOAK_CASES = [
         Layout(3, stage=3, offload_optimizer="nvme", dtype="bf16", micro_batch=MICRO, seq_len=SEQ),
         {},
     ),
+    ("mixtral-stage2", Layout(2, stage=2, micro_batch=MICRO, seq_len=SEQ), {}),
+    ("mixtral-ep2-stage1-bf16", Layout(2, stage=1, ep=2, dtype="bf16", micro_batch=MICRO, seq_len=SEQ), {}),
+    ("mixtral-ep2-stage0", Layout(2, stage=0, ep=2, micro_batch=MICRO, seq_len=SEQ), {}),
+    ("mixtral6-ep3-stage2", Layout(3, stage=2, ep=3, micro_batch=MICRO, seq_len=SEQ), {}),
+    ("mixtral-ep2-dp2-stage2", Layout(4, stage=2, ep=2, micro_batch=MICRO, seq_len=SEQ), {}),
+    ("mixtral-ep4-stage2", Layout(4, stage=2, ep=4, micro_batch=MICRO, seq_len=SEQ), {}),
 ]
 
 
@@ -102,6 +140,7 @@ def config_of(layout: Layout, zero_extra: dict, nvme: str | None = None) -> dict
         "zero_optimization": zero,
         "tensor_parallel": {"size": layout.tp},
         "bf16": {"enabled": layout.dtype == "bf16"},
+        "expert_parallel_size": layout.ep,
         "desync_check": False,
     }
 
@@ -115,7 +154,7 @@ def _checkpointed_blocks(model) -> None:
 
 
 def _loss(engine, name: str, x: torch.Tensor) -> torch.Tensor:
-    if name.startswith("llama"):
+    if is_hf(name):
         return engine(input_ids=x, labels=x, use_cache=False).loss
     return engine(x, torch.roll(x, -1, dims=1))
 
@@ -129,14 +168,14 @@ def _train_and_measure(cases: list[tuple[str, Layout, dict]], nvme: str) -> dict
             gc.collect()
             with meter.window(f"before:{name}", scan=True):
                 pass
-            model = MODELS["llama" if name.startswith("llama") else "gpt"]()
+            model = model_of(name)()
             if layout.checkpointing:
                 _checkpointed_blocks(model)
             engine = shardtrain.initialize(
                 model,
                 config_of(layout, extra, nvme),
                 torch.optim.AdamW(model.parameters(), lr=1e-3),
-                tp_plan=GPT_TP_PLAN if layout.tp > 1 and not name.startswith("llama") else None,
+                tp_plan=GPT_TP_PLAN if layout.tp > 1 and not is_hf(name) else None,
             )
             rows = torch.Generator().manual_seed(engine.topology.dp_rank)
             for step in range(STEPS):
@@ -174,8 +213,7 @@ def measured(soak: bool = False) -> dict:
 @functools.cache
 def estimated(name: str):
     _, layout, extra = next(c for c in CASES + SOAK_CASES if c[0] == name)
-    llama = name.startswith("llama")
-    model, plan = (tiny_llama, None) if llama else (tiny_gpt, GPT_TP_PLAN)
+    model, plan = model_of(name), None if is_hf(name) else GPT_TP_PLAN
     est = estimate_memory(model, config_of(layout, extra), layout=layout, device_type="cpu", tp_plan=plan)
     return est
 
@@ -211,6 +249,45 @@ def test_hybrid_sharding_shards_within_the_group_and_reads_the_deepspeed_key():
     assert plain4.model_state()["optimizer"] < hybrid.model_state()["optimizer"]
     with pytest.raises(ConfigError, match="mics_shard_size 3 must divide the data-parallel size 4"):
         estimate_memory(tiny_gpt, cfg, layout=replace(base, world=4, shard_size=3), device_type="cpu")
+
+
+def test_expert_parallelism_holds_the_rank_s_experts_and_is_searched_where_the_model_has_experts():
+    """Under ``expert_parallel_size: E`` a rank holds ``num_experts / E`` experts of every MoE layer, sharded over the
+    ``dp / E`` ranks holding the same experts, and the dense parameters sharded over all ``dp`` (the engine's own
+    layout, compared with a run by the cases above). The search tries every E that divides the experts and ``dp``
+    where the model has experts, only where ``initialize`` builds it; what it refuses, the estimate refuses in its
+    words."""
+    model = tiny_mixtral()
+    expert = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    dense = sum(p.numel() for n, p in model.named_parameters() if ".experts." not in n)
+    common = {"seq_len": 16, "device_type": "cpu", "activations": False}
+    cfg = {"zero_optimization": {"stage": 2}}
+
+    def optimizer_elements(world: int, ep: int) -> float:  # fp32 AdamW: 8 bytes of moments per element stepped
+        layout = Layout(world, stage=2, ep=ep, seq_len=16)
+        return estimate_memory(tiny_mixtral, cfg, layout=layout, **common).state.optimizer["device"] / 8
+
+    # rank 0's fragments: ceil(padded / group) of the dense buckets over dp, of the expert buckets over dp / E
+    assert optimizer_elements(4, 1) == pytest.approx((dense + expert) / 4, abs=8)
+    assert optimizer_elements(4, 2) == pytest.approx(dense / 4 + expert / 2 / 2, abs=8)
+    assert optimizer_elements(4, 4) == pytest.approx(dense / 4 + expert / 4, abs=8)
+    fits = fitting_layouts(tiny_mixtral, 2**40, cfg, worlds=(2, 4), offload=False, **common)
+    eps = {(e.layout.world, e.layout.stage, e.layout.ep) for e in fits if e.layout.ep > 1}
+    assert eps == {(w, s, e) for w in (2, 4) for s in (0, 1, 2) for e in (2, 4) if e <= w}
+    assert all(e.layout.tp == 1 and e.layout.offload_optimizer == "none" for e in fits if e.layout.ep > 1)
+    assert "ep 4" in next(e for e in fits if e.layout.ep == 4).layout.describe()
+    dense_fits = fitting_layouts(tiny_gpt, 2**40, cfg, worlds=(2,), offload=False, **common)
+    assert dense_fits and all(e.layout.ep == 1 for e in dense_fits)
+    refusals = [
+        (tiny_mixtral, Layout(4, stage=3, ep=2), "ep_size\\) 2 with ZeRO stage 3.*is not built"),
+        (tiny_mixtral, Layout(4, stage=2, ep=3), "does not divide the data-parallel size 4"),
+        (functools.partial(tiny_mixtral, 6), Layout(4, stage=2, ep=4), "has 6 experts.*ep_size\\) 4"),
+        (tiny_mixtral, Layout(2, stage=2, tp=2, ep=2), "does not divide the data-parallel size 1"),
+        (tiny_gpt, Layout(2, stage=2, ep=2), "GPT has no experts module"),
+    ]
+    for model_fn, layout, message in refusals:
+        with pytest.raises(ConfigError, match=message):
+            estimate_memory(model_fn, cfg, layout=replace(layout, seq_len=16), **common)
 
 
 class ReadsValues(torch.nn.Module):
@@ -269,7 +346,17 @@ def test_cli_help_lists_the_options(capsys):
         cli_main(["estimate", "--help"])
     assert done.value.code == 0
     text = capsys.readouterr().out
-    for option in ("--budget", "--worlds", "--jobs", "--world", "--stage", "--tp", "--mics-shard-size", "--seq-len"):
+    for option in (
+        "--budget",
+        "--worlds",
+        "--jobs",
+        "--world",
+        "--stage",
+        "--tp",
+        "--mics-shard-size",
+        "--ep",
+        "--seq-len",
+    ):
         assert option in text
     assert "--offload-optimizer" in text
 
@@ -307,6 +394,45 @@ def test_cli_estimates_a_hugging_face_config_and_a_factory(tmp_path, capsys):
     assert code == 1 and "no layout" in out
     code, _, err = _cli(capsys, "test_estimate:tiny_gpt", "--world", "3", "--tp", "2", "--seq-len", "16")
     assert code == 2 and "must divide the world size 3" in err
+
+
+def test_cli_ep_option_and_the_config_key(tmp_path, capsys):
+    from transformers import MixtralConfig
+
+    MixtralConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        max_position_embeddings=64,
+    ).save_pretrained(tmp_path)
+    argv = [str(tmp_path), "--world", "4", "--stage", "2", "--seq-len", "16", "--json", "--state-only"]
+    reports = {}
+    for ep in (1, 4):
+        code, out, _ = _cli(capsys, *argv, "--ep", str(ep))
+        assert code == 0
+        reports[ep] = json.loads(out)
+        assert reports[ep]["layout"]["ep"] == ep
+
+    def row(ep: int, component: str) -> int:
+        return next(r["nbytes"] for r in reports[ep]["rows"] if r["component"].startswith(component))
+
+    # at stage 2 each rank keeps its parameters whole: with ep 4 one expert of the 4; its optimizer state is a
+    # quarter of the experts either way (ZeRO shards over 4 ranks, or one whole expert over dp / ep = 1)
+    assert row(4, "parameters") < row(1, "parameters")
+    assert row(4, "optimizer state") == row(1, "optimizer state")
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"expert_parallel_size": 2, "zero_optimization": {"stage": 1}}))
+    code, out, _ = _cli(capsys, str(tmp_path), "--config", str(config), "--world", "2", "--seq-len", "16", "--json",
+                        "--state-only")  # fmt: skip
+    assert code == 0 and json.loads(out)["layout"]["ep"] == 2 and json.loads(out)["layout"]["stage"] == 1
+    code, _, err = _cli(capsys, *argv, "--ep", "3")
+    assert code == 2 and "does not divide the data-parallel size 4" in err
+    code, _, err = _cli(capsys, *argv, "--ep", "0")
+    assert code == 2 and "--ep must be at least 1" in err
 
 
 def _bytes_of(est) -> tuple:

@@ -23,6 +23,7 @@ EPILOG = """examples:
   shardtrain estimate meta-llama/config.json --world 8 --stage 3 --dtype bf16 --micro-batch 1 --seq-len 4096
   shardtrain estimate ./my_model_dir --config ds_config.json --world 16 --checkpointing
   shardtrain estimate mypkg.models:build --world 4 --budget 16GiB --seq-len 1024
+  shardtrain estimate ./mixtral_dir --world 8 --stage 2 --ep 4 --dtype bf16 --seq-len 4096
 
 MODEL is a Hugging Face config.json (or a directory holding one; no weights are read) or a factory
 'package.module:function' returning an nn.Module (the module may define estimate_batch(micro_batch, seq_len) ->
@@ -49,6 +50,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--mics-shard-size",
         type=int,
         help="hybrid sharding: shard within groups of this many data-parallel ranks, replicate across groups",
+    )
+    parser.add_argument(
+        "--ep",
+        type=int,
+        help="expert-parallel size (expert_parallel_size, DeepSpeed's ep_size): each rank holds num_experts / ep "
+        "experts of every MoE layer; with --budget every size that fits the model is tried",
     )
     parser.add_argument("--offload-optimizer", choices=("none", "cpu", "nvme"), help="where optimizer state lives")
     parser.add_argument("--offload-param", choices=("none", "cpu", "nvme"), help="stage 3: where parameter shards live")
@@ -90,6 +97,7 @@ def _overrides(args: argparse.Namespace) -> dict:
         "stage": args.stage,
         "tp": args.tp,
         "shard_size": args.mics_shard_size,
+        "ep": args.ep,
         "offload_optimizer": args.offload_optimizer,
         "offload_param": args.offload_param,
         "dtype": args.dtype,
@@ -124,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     raw = read_config(args.config)
-    for name in ("world", "micro_batch", "tp", "mics_shard_size", "seq_len", "jobs"):
+    for name in ("world", "micro_batch", "tp", "mics_shard_size", "ep", "seq_len", "jobs"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ShardtrainError(f"--{name.replace('_', '-')} must be at least 1, got {value}")

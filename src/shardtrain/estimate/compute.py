@@ -40,6 +40,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from shardtrain.errors import ShardtrainError
+from shardtrain.estimate.experts import GroupedMatmulShapes, split_experts
 from shardtrain.estimate.source import ModelSource, loss_of
 from shardtrain.zero.layout import Bucket
 from shardtrain.zero.units import find_unit_modules
@@ -87,9 +88,10 @@ class ComputePeak:
     """Stage 3: most bytes of units gathered at once (included in ``peak``)."""
 
 
-def build_fake(source: ModelSource, tp: int, compute: torch.dtype, tp_plan: Any = None) -> nn.Module:
-    """The model on fake tensors, split for ``tp`` and cast to ``compute`` as the engine does. Call inside the
-    :class:`FakeTensorMode` the tensors are to live in."""
+def build_fake(source: ModelSource, tp: int, compute: torch.dtype, tp_plan: Any = None, ep: int = 1) -> nn.Module:
+    """The model on fake tensors, split for ``tp`` (and its experts for ``ep``, [Note: experts on fake tensors])
+    and cast to ``compute`` as the engine does. Call inside the :class:`FakeTensorMode` the tensors are to live
+    in."""
     model = source.build()
     if not isinstance(model, nn.Module):
         raise TypeError(f"estimate: the model factory {source.name!r} returned {type(model).__name__}, not a module")
@@ -103,6 +105,8 @@ def build_fake(source: ModelSource, tp: int, compute: torch.dtype, tp_plan: Any 
             rng = getattr(m, "rng", None)
             if isinstance(rng, RegionRNG):
                 rng.tp_size = 1
+    if ep > 1:
+        split_experts(model, ep)
     if compute != FP32:
         with torch.no_grad():
             for p in model.parameters():
@@ -261,6 +265,7 @@ def measure_compute(
     checkpointing: bool = False,
     unit_classes: list[str] | None = None,
     tp_plan: Any = None,
+    ep: int = 1,
     units: list[tuple[str, int, int]] | None = None,
     prefetch_numel: int = 0,
     module_peaks: bool = False,
@@ -283,11 +288,11 @@ def measure_compute(
     from torch.distributed._tools.mem_tracker import MemTracker
 
     mixed = compute != FP32
-    key = _model_key(tp, compute, checkpointing, unit_classes)
+    key = model_key(tp, compute, checkpointing, unit_classes, ep)
     if models is not None and key in models:
         mode, model = models.pop(key)  # put back only after a run that finished (hooks removed, grads dropped)
     else:
-        mode, model = _build_run_model(source, tp, compute, checkpointing, unit_classes, tp_plan)
+        mode, model = _build_run_model(source, tp, compute, checkpointing, unit_classes, tp_plan, ep)
     with mode:
         if not source.hf and source.batch is None and _is_transformers_model(model):
             source.hf = True  # a factory returning a transformers model: call it as one
@@ -322,7 +327,7 @@ def measure_compute(
             gathers = _Gathers(model, blocks, root, prefetch_numel)
         tracker = MemTracker() if module_peaks else _peak_only_tracker()
         tracker.track_external(model)
-        with tracker, warnings.catch_warnings():
+        with tracker, GroupedMatmulShapes(), warnings.catch_warnings():
             # MemTracker looks for tensors in every module output, and says so for each None it finds
             warnings.filterwarnings("ignore", "Expected a tensor or a traceable wrapper-subclass", UserWarning)
             base = _total(tracker.get_tracker_snapshot("current"))
@@ -369,16 +374,17 @@ def prepare_models(
     unit_classes: list[str] | None,
     tp_plan: Any,
     models: dict | None,
+    ep: int = 1,
 ) -> None:
     """Build into ``models`` the fake model a :func:`measure_compute` call with these arguments reuses (nothing when
     it is there already, or ``models`` is None)."""
-    key = _model_key(tp, compute, checkpointing, unit_classes)
+    key = model_key(tp, compute, checkpointing, unit_classes, ep)
     if models is not None and key not in models:
-        models[key] = _build_run_model(source, tp, compute, checkpointing, unit_classes, tp_plan)
+        models[key] = _build_run_model(source, tp, compute, checkpointing, unit_classes, tp_plan, ep)
 
 
-def _model_key(tp: int, compute: torch.dtype, checkpointing: bool, unit_classes: list[str] | None) -> tuple:
-    return (tp, compute, checkpointing, tuple(unit_classes or ()) if checkpointing else None)
+def model_key(tp: int, compute: torch.dtype, checkpointing: bool, unit_classes: list[str] | None, ep: int = 1) -> tuple:
+    return (tp, compute, checkpointing, tuple(unit_classes or ()) if checkpointing else None, ep)
 
 
 def _build_run_model(
@@ -388,12 +394,13 @@ def _build_run_model(
     checkpointing: bool,
     unit_classes: list[str] | None,
     tp_plan: Any,
+    ep: int = 1,
 ) -> tuple[Any, nn.Module]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
-        model = build_fake(source, tp, compute, tp_plan)
+        model = build_fake(source, tp, compute, tp_plan, ep)
         if checkpointing:
             _checkpoint_units(model, unit_classes)
     return mode, model

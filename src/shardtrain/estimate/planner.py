@@ -2,8 +2,9 @@
 
 A layout is what a config decides about memory: world size, ZeRO stage, tensor-parallel size, the ZeRO shard group
 (hybrid sharding: ``zero_optimization.mics_shard_size``), ZeRO++ hpZ's group (``zero_hpz_partition_size``: the
-secondary shards, a transient of forward and backward), optimizer and parameter offload, compute dtype,
-micro-batch, sequence length and activation checkpointing. Model state comes from the engine's layout code
+secondary shards, a transient of forward and backward), the expert-parallel size (``expert_parallel_size``: the
+experts a rank holds, [Note: experts on fake tensors] in :mod:`.experts`), optimizer and parameter offload, compute
+dtype, micro-batch, sequence length and activation checkpointing. Model state comes from the engine's layout code
 (:mod:`.state`), activations and temporaries from a fake-tensor run (:mod:`.compute`). A rank's peak is::
 
     model state in memory + buffers + offload buffers
@@ -25,9 +26,10 @@ from typing import Any
 import torch
 import yaml
 
-from shardtrain.config.schema import Config, load_config
+from shardtrain.config.schema import Config, check_expert_layout, load_config
 from shardtrain.errors import ConfigError, LayoutError, ShardtrainError
-from shardtrain.estimate.compute import ComputePeak, build_fake, measure_compute, prepare_models
+from shardtrain.estimate.compute import ComputePeak, build_fake, measure_compute, model_key, prepare_models
+from shardtrain.estimate.experts import expert_counts, split_experts
 from shardtrain.estimate.source import ModelSource, resolve_source
 from shardtrain.estimate.state import RankState, rank_state
 from shardtrain.zero.precision import policy_from_config
@@ -48,6 +50,9 @@ class Layout:
     hpz: int = 1
     """ZeRO++ hpZ's group size (stage 3): each rank holds its 1/hpz share of the units released after forward until
     their backward; 1: off."""
+    ep: int = 1
+    """Expert-parallel size (``expert_parallel_size``): each rank holds ``num_experts / ep`` experts of every MoE
+    layer, their ZeRO shards over the ``dp / ep`` ranks holding the same experts; 1: off."""
     offload_optimizer: str = "none"
     offload_param: str = "none"
     dtype: str = "fp32"
@@ -69,6 +74,8 @@ class Layout:
             parts.append(f"shard {self.shard_size} x replicate {self.dp // self.shard_size}")
         if 1 < self.hpz < self.dp and self.stage == 3:
             parts.append(f"hpZ {self.hpz}")
+        if self.ep > 1:
+            parts.append(f"ep {self.ep}")
         if self.offload_optimizer != "none":
             parts.append(f"optimizer->{self.offload_optimizer}")
         if self.offload_param != "none":
@@ -220,6 +227,7 @@ def layout_config(raw: Mapping[str, Any], layout: Layout) -> Config:
     data["tensor_parallel"] = tp
     data["bf16"] = {**dict(data.get("bf16") or {}), "enabled": layout.dtype == "bf16"}
     data["fp16"] = {**dict(data.get("fp16") or {}), "enabled": layout.dtype == "fp16"}
+    data["expert_parallel_size"] = layout.ep
     data["train_micro_batch_size_per_gpu"] = layout.micro_batch
     data.pop("train_batch_size", None)
     data.pop("gradient_accumulation_steps", None)
@@ -240,12 +248,14 @@ def layout_from_config(raw: Mapping[str, Any], world: int, seq_len: int, checkpo
         micro = tb // (gas * dp) if isinstance(tb, int) and isinstance(gas, int) and tb >= gas * dp else 1
     shard = zero.get("mics_shard_size")
     hpz = zero.get("zero_hpz_partition_size")
+    ep = raw.get("expert_parallel_size")
     return Layout(
         world=world,
         stage=int(zero.get("stage", 0)),
         tp=int(tp),
         shard_size=int(shard) if shard not in (None, -1, 0) else None,
         hpz=int(hpz) if isinstance(hpz, int) and hpz > 1 else 1,
+        ep=int(ep) if isinstance(ep, int) and ep > 1 else 1,
         offload_optimizer=(zero.get("offload_optimizer") or {}).get("device") or "none",
         offload_param=(zero.get("offload_param") or {}).get("device") or "none",
         dtype=dtype,
@@ -276,6 +286,8 @@ def _check_layout(layout: Layout, device_type: str) -> None:
                 f"zero_optimization.zero_hpz_partition_size {layout.hpz} with mics_shard_size, tensor parallelism or "
                 "offload_param: initialize refuses the combination (not built), so there is nothing to estimate"
             )
+    if layout.ep < 1:
+        raise ConfigError(f"expert_parallel_size (ep_size) must be at least 1, got {layout.ep}")
     if layout.dtype not in _DTYPES:
         raise ConfigError(f"dtype {layout.dtype!r}: use one of {', '.join(_DTYPES)}")
     if layout.offload_param != "none" and device_type == "cuda":
@@ -393,32 +405,26 @@ def _prepare(
     cache: dict,
 ) -> _Prepared:
     """The layout's model state (from the engine's layout code) and the fake run it needs, not run yet."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     _check_layout(layout, device_type)
     cfg = layout_config(raw, layout)
+    check_expert_layout(cfg, layout.dp)  # what initialize refuses under expert parallelism, in its words
     zcfg = cfg.zero_optimization
     precision = policy_from_config(cfg)
     compute = precision.compute_dtype
     moments, steps = _optimizer_kind(cfg, optimizer)
-    for tp in {1, layout.tp}:
-        if ("fake", tp) not in cache:
-            mode = FakeTensorMode(allow_non_fake_inputs=True)
-            with mode:
-                cache["fake", tp] = build_fake(source, tp, torch.float32, tp_plan)
-            if cache.get("fast", True):  # an fp32 run without checkpointing needs this very model: build it once
-                cache.setdefault("models", {})[tp, torch.float32, False, None] = (mode, cache["fake", tp])
-    fake = cache["fake", layout.tp]
-    n_params = sum(p.numel() for p in cache["fake", 1].parameters())
+    fake, experts = _fake_model(source, layout.tp, layout.ep, tp_plan, cache)
+    n_params = sum(p.numel() for p in _fake_model(source, 1, 1, tp_plan, cache)[0].parameters())
     # gradient shards in swap files: as offload/optimizer_state.py's OptimizerOffload.offload_gradients decides
     grads_in_files = zcfg.offload_optimizer.device == "nvme" and zcfg.stage >= 2 and device_type == "cpu"
     grads_in_files = grads_in_files and layout.tp == 1 and layout.shard_group == layout.dp
-    st = rank_state(fake, zcfg, layout.shard_group, 0, compute, moments, steps, device_type, grads_in_files)
+    st = rank_state(
+        fake, zcfg, layout.shard_group, 0, compute, moments, steps, device_type, grads_in_files, experts, layout.ep
+    )
     buffers = sum(b.numel() * (compute if b.dtype == torch.float32 else b.dtype).itemsize for b in fake.buffers())
     reduce = precision.reduce_dtype if precision.mixed else None
     units = [(u.name, u.nbytes, u.numel) for u in st.units]
     staged = [(b.padded_numel, b.shard_numel, len(b.slots), b.requires_grad) for b in st.buckets]
-    key = (layout.tp, compute, layout.micro_batch, layout.seq_len, layout.checkpointing, reduce)
+    key = (layout.tp, layout.ep, compute, layout.micro_batch, layout.seq_len, layout.checkpointing, reduce)
     # stages 0 and 1 run the same replay (a gradient kept in its flat buffer); 2 stages its buckets, 3 also gathers
     key += (max(layout.stage, 1), tuple(staged) if layout.stage >= 2 else None, tuple(units))
     key += (zcfg.stage3_prefetch_bucket_size,)
@@ -435,6 +441,7 @@ def _prepare(
         "checkpointing": layout.checkpointing,
         "unit_classes": zcfg.stage3_unit_classes,
         "tp_plan": tp_plan,
+        "ep": layout.ep,
         "units": units or None,
         "prefetch_numel": zcfg.stage3_prefetch_bucket_size,
         "module_peaks": not cache.get("fast", True),
@@ -508,13 +515,20 @@ def candidate_layouts(
     tps: Iterable[int] | None = None,
     offload: bool = True,
     param_offload: bool = True,
+    experts: Iterable[int] = (),
 ) -> list[Layout]:
-    """Every (world, stage, tp, offload) combination around ``base`` (dtype, batch, checkpointing kept)."""
+    """Every (world, stage, tp, offload) combination around ``base`` (dtype, batch, checkpointing kept), and for a
+    model whose experts modules hold ``experts`` experts each, every expert-parallel size that divides them all and
+    the data-parallel size (with what ``initialize`` builds it with: no tensor parallelism, no offload; the stages
+    it refuses are refused again by the estimate)."""
+    experts = list(experts)
     out = []
     for world in worlds:
         for tp in tps or [t for t in range(1, world + 1) if world % t == 0]:
             if world % tp:
                 continue
+            dp = world // tp
+            eps = [e for e in range(2, dp + 1) if dp % e == 0 and all(n % e == 0 for n in experts)] if experts else []
             for stage in stages:
                 options = [("none", "none")]
                 if offload and stage >= 1:
@@ -531,8 +545,11 @@ def candidate_layouts(
                             offload_optimizer=opt,
                             offload_param=par,
                             shard_size=None,
+                            ep=1,
                         )
                     )
+                if tp == 1:
+                    out += [replace(base, world=world, tp=1, stage=stage, shard_size=None, ep=e) for e in eps]
     return out
 
 
@@ -570,7 +587,9 @@ def fitting_layouts(
     worlds = list(worlds)
     base = replace(layout_from_config(raw, worlds[0], seq_len, checkpointing), **overrides)
     cache: dict = {"fast": fast}
-    layouts = candidate_layouts(worlds, base, offload=offload, param_offload=device_type != "cuda")
+    layouts = candidate_layouts(
+        worlds, base, offload=offload, param_offload=device_type != "cuda", experts=_expert_counts(source, cache)
+    )
     prepared: list[tuple[_Prepared, ComputePeak | None]] = []  # None: waits for its fake run
     waiting: dict[tuple, list[_Prepared]] = {}
     with _bar(progress, len(layouts), "layouts", "layout") as bar:
@@ -604,6 +623,26 @@ def fitting_layouts(
     return sorted(fits, key=lambda e: (e.layout.world, e.peak["device"]))
 
 
+def _fake_model(source: ModelSource, tp: int, ep: int, tp_plan: Any, cache: dict) -> tuple[Any, frozenset[int]]:
+    """The fp32 fake model of a (tp, ep) layout and the ids of its expert parameters, built once per search."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if ("fake", tp, ep) not in cache:
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with mode:
+            fake = build_fake(source, tp, torch.float32, tp_plan)
+            experts = split_experts(fake, ep) if ep > 1 else frozenset()
+        cache["fake", tp, ep] = (fake, experts)
+        if cache.get("fast", True):  # an fp32 run without checkpointing needs this very model: build it once
+            cache.setdefault("models", {})[model_key(tp, torch.float32, False, None, ep)] = (mode, fake)
+    return cache["fake", tp, ep]
+
+
+def _expert_counts(source: ModelSource, cache: dict) -> list[int]:
+    """``num_experts`` of every experts module of the model (empty for a dense one)."""
+    return expert_counts(_fake_model(source, 1, 1, None, cache)[0])
+
+
 _RUNS: list[dict[str, Any]] = []
 """The fake runs a pool of forked workers reads ([Note: fake runs in workers])."""
 
@@ -625,7 +664,7 @@ def measure_runs(runs: Mapping[tuple, dict[str, Any]], workers: int = 1) -> Iter
     workers = min(workers, len(keys))
     if workers > 1 and _can_fork():
         for run in runs.values():  # each worker finds its models built
-            model_args = ("source", "tp", "compute", "checkpointing", "unit_classes", "tp_plan", "models")
+            model_args = ("source", "tp", "compute", "checkpointing", "unit_classes", "tp_plan", "models", "ep")
             prepare_models(**{k: run[k] for k in model_args})
         yield from _measure_in_workers(keys, runs, workers)
         return

@@ -13,6 +13,11 @@ to a multiple of the shard group and each rank's fragments are the engine's), on
   them (Adam: two moments; SGD with momentum: one) and Adam's 0-dim ``step`` per parameter; what optimizer
   offload keeps in swap files or host memory is reported where it lives.
 
+Under expert parallelism (``expert_parallel_size: E``) the model is the rank's: ``num_experts / E`` experts of
+every MoE layer ([Note: experts on fake tensors] in :mod:`.experts`). Its expert parameters are laid out as
+``zero/build.py`` lays them out ([Note: expert buckets] in ``zero/layout.py``): in buckets of their own, padded to
+and sharded over the ``dp / E`` ranks holding the same experts; dense parameters over all ``dp`` ranks.
+
 Stage 3 also gives each unit's gathered size, which :mod:`.compute` replays.
 """
 
@@ -24,6 +29,7 @@ import torch
 from torch import nn
 
 from shardtrain.config.schema import ZeroConfig
+from shardtrain.errors import LayoutError
 from shardtrain.offload.optimizer_state import make_sub_groups
 from shardtrain.offload.swap import ALIGN
 from shardtrain.zero.layout import Bucket, build_buckets, group_by_size
@@ -65,10 +71,17 @@ def _stand_ins(model: nn.Module) -> dict[int, nn.Parameter]:
 
 
 def plan_buckets(
-    model: nn.Module, zcfg: ZeroConfig, world: int, rank: int
+    model: nn.Module, zcfg: ZeroConfig, world: int, rank: int, experts: frozenset[int] = frozenset(), ep: int = 1
 ) -> tuple[list[Bucket], list[tuple[str, list[int]]], list[tuple[str, nn.Parameter]]]:
-    """The engine's buckets (stand-ins), stage-3 units as (name, bucket indices) and the parameters held whole."""
+    """The engine's buckets (stand-ins), stage-3 units as (name, bucket indices) and the parameters held whole.
+    ``experts``: the ids of the expert parameters of a model split for expert parallelism of size ``ep``, laid
+    out over the ``world / ep`` ranks holding the same experts (this rank's index there: ``rank // ep``)."""
     policy = ZeroPolicy.for_stage(zcfg.stage)
+    if experts and policy.shard_parameters:
+        raise LayoutError(
+            "estimate: expert parallelism at ZeRO stage 3 is not modelled (expert parameters are laid out in "
+            "buckets of their own at stages 0-2); estimate stage 2, or expert_parallel_size 1"
+        )
     proxy = _stand_ins(model)
 
     def swap(items: list[tuple[str, nn.Parameter]]) -> list[tuple[str, nn.Parameter]]:
@@ -98,9 +111,16 @@ def plan_buckets(
         buckets += build_buckets(
             group_by_size(persistent, zcfg.reduce_bucket_size), world, rank, first_index=len(buckets)
         )
-    else:
+    else:  # as zero/build.py: dense buckets over the group, then the expert buckets over theirs
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        buckets = build_buckets(group_by_size(swap(trainable), zcfg.reduce_bucket_size), world, rank)
+        dense = [(n, p) for n, p in trainable if id(p) not in experts]
+        buckets = build_buckets(group_by_size(swap(dense), zcfg.reduce_bucket_size), world, rank)
+        if experts:
+            moe = [(n, p) for n, p in trainable if id(p) in experts]
+            grouped = group_by_size(swap(moe), zcfg.reduce_bucket_size)
+            for b in build_buckets(grouped, world // ep, rank // ep, first_index=len(buckets)):
+                b.expert = True
+                buckets.append(b)
     bucketed = {id(s.param) for b in buckets for s in b.slots}
     whole = [(n, proxy[id(p)]) for n, p in model.named_parameters() if id(proxy[id(p)]) not in bucketed]
     return buckets, units, whole
@@ -121,12 +141,15 @@ def rank_state(
     step_scalars: bool,
     device_type: str,
     grads_in_files: bool = False,
+    experts: frozenset[int] = frozenset(),
+    ep: int = 1,
 ) -> RankState:
     """Bytes of one rank whose ZeRO shard group has ``world`` ranks and which is ``rank`` in it; ``grads_in_files``:
-    the gradient shards are in swap files (``GradOffload`` in offload/gradients.py; the caller knows tp and hybrid)."""
+    the gradient shards are in swap files (``GradOffload`` in offload/gradients.py; the caller knows tp and hybrid).
+    ``experts``, ``ep``: expert parallelism, as :func:`plan_buckets` takes them."""
     policy = ZeroPolicy.for_stage(zcfg.stage)
     mixed = compute != FP32
-    buckets, units, whole = plan_buckets(model, zcfg, world, rank)
+    buckets, units, whole = plan_buckets(model, zcfg, world, rank, experts, ep)
     st = RankState(buckets=buckets, bucket_names=[[s.name for s in b.slots] for b in buckets])
     opt_dev, par_dev = zcfg.offload_optimizer.device, zcfg.offload_param.device
 
