@@ -32,6 +32,7 @@ import sys
 import warnings
 import weakref
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +41,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from shardtrain.errors import ShardtrainError
-from shardtrain.estimate.experts import GroupedMatmulShapes, split_experts
+from shardtrain.estimate.experts import GroupedMatmulShapes, has_experts, split_experts
 from shardtrain.estimate.source import ModelSource, loss_of
 from shardtrain.zero.layout import Bucket
 from shardtrain.zero.units import find_unit_modules
@@ -327,7 +328,9 @@ def measure_compute(
             gathers = _Gathers(model, blocks, root, prefetch_numel)
         tracker = MemTracker() if module_peaks else _peak_only_tracker()
         tracker.track_external(model)
-        with tracker, GroupedMatmulShapes(), warnings.catch_warnings():
+        # a dispatch mode costs Python time per operator: only models with experts call grouped matmuls
+        grouped = GroupedMatmulShapes() if has_experts(model) else nullcontext()
+        with tracker, grouped, warnings.catch_warnings():
             # MemTracker looks for tensors in every module output, and says so for each None it finds
             warnings.filterwarnings("ignore", "Expected a tensor or a traceable wrapper-subclass", UserWarning)
             base = _total(tracker.get_tracker_snapshot("current"))

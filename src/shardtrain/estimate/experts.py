@@ -89,6 +89,12 @@ def expert_counts(model: nn.Module) -> list[int]:
     return [m.num_experts for m in find_experts(model).values()]
 
 
+def has_experts(model: nn.Module) -> bool:
+    """Whether ``model`` has a mixture-of-experts layer (a module with an integer ``num_experts``: transformers'
+    experts modules and routers), split or not."""
+    return any(isinstance(getattr(m, "num_experts", None), int) for m in model.modules())
+
+
 class GroupedMatmulShapes(TorchDispatchMode):
     """``aten._grouped_mm`` on fake tensors of dtypes its meta kernel refuses: the output the CPU kernel makes (see
     [Note: experts on fake tensors]); everything else passes through."""
