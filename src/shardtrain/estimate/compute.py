@@ -17,11 +17,15 @@ activations ([Note: gradient storage per stage] in ``zero/reducer.py``):
 * stages 2-3: each gradient is copied into its bucket's staging buffer (``padded_numel`` elements in the
   reduction dtype, made at the bucket's first gradient) and dropped; a complete bucket is launched in bucket order
   with its reduce-scatter output, and the reduction before it finished then (its staging freed): at most two
-  buckets' staging buffers are alive, as in the reducer.
+  buckets' staging buffers are alive, as in the reducer. On gloo (``gloo``: planning for a machine without
+  accelerator) the reduce-scatter is the communicator's pairwise exchange, which also receives the group's ``N - 1``
+  other copies of this rank's chunk into a buffer alive until the reduction finishes ([Note: bytes on the wire]).
 
 At stage 3 the units' full buffers are replayed too (their parameters exist whole in this run and are counted as
 model state; the replay allocates each unit's gathered bytes when the engine gathers it and frees them when it
-releases it). What is not counted here is added by the planner: optimizer-offload buffers, and the optimizer step
+releases it). gloo's ``all_gather_into_tensor`` gathers into a temporary of the output's size and copies it out
+(measured: one unit's bytes more while the gather runs), so with ``gloo`` each gather also allocates and frees the
+unit's bytes once. What is not counted here is added by the planner: optimizer-offload buffers, and the optimizer step
 (element-wise state exists already; its temporaries are one fragment at a time).
 """
 
@@ -123,16 +127,19 @@ def build_fake(source: ModelSource, tp: int, compute: torch.dtype, tp_plan: Any 
 class _Staging:
     """The reducer's staging lifecycle at stages 2-3 (see the module docstring), on fake tensors."""
 
-    def __init__(self, buckets: list[Bucket], names: list[list[str]], wire: Callable[[Bucket], torch.dtype]) -> None:
+    def __init__(
+        self, buckets: list[Bucket], names: list[list[str]], wire: Callable[[Bucket], torch.dtype], gloo: bool
+    ) -> None:
         self.buckets = [b for b in buckets if b.requires_grad]
         self.wire = wire
+        self.gloo = gloo
         self.slot_of: dict[str, tuple[int, int]] = {}
         for pos, b in enumerate(self.buckets):
             for i, n in enumerate(names[buckets.index(b)]):
                 self.slot_of[n] = (pos, i)
         self.got: list[set[int]] = [set() for _ in self.buckets]
         self.staging: dict[int, torch.Tensor] = {}
-        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.pending: list[tuple[torch.Tensor, ...]] = []
         self.next = 0
         self.most = 0
 
@@ -160,7 +167,8 @@ class _Staging:
         inp = self.staging.pop(pos, None)
         if inp is None:
             inp = torch.zeros(b.padded_numel, dtype=self.wire(b), device=device)
-        self.pending.append((inp.new_empty(b.shard_numel), inp))
+        received = (inp.new_empty((b.world - 1) * b.shard_numel),) if self.gloo and b.world > 1 else ()
+        self.pending.append((inp.new_empty(b.shard_numel), inp, *received))
         self.most = max(self.most, self._alive())
         while len(self.pending) > 1:
             self.pending.pop(0)
@@ -180,8 +188,10 @@ class _Gathers:
     backward. Backward's need for a unit is seen by its module's backward hooks (the engine sees it when autograd
     unpacks a saved weight: the same moment, within one operator)."""
 
-    def __init__(self, model: nn.Module, units: list[tuple[nn.Module, int, int]], root: int, prefetch: int) -> None:
-        self.units, self.root_bytes, self.prefetch = units, root, prefetch
+    def __init__(
+        self, model: nn.Module, units: list[tuple[nn.Module, int, int]], root: int, prefetch: int, gloo: bool
+    ) -> None:
+        self.units, self.root_bytes, self.prefetch, self.gloo = units, root, prefetch, gloo
         self.alive: dict[int, torch.Tensor] = {}
         self.root: torch.Tensor | None = None
         self.backward = False
@@ -201,7 +211,14 @@ class _Gathers:
     def _gather(self, i: int) -> None:
         if 0 <= i < len(self.units) and i not in self.alive:
             self.alive[i] = torch.empty(self.units[i][1], dtype=torch.uint8)
+            self._landing(self.units[i][1])
             self.most = max(self.most, self.root_bytes + sum(self.units[j][1] for j in self.alive))
+
+    def _landing(self, nbytes: int) -> None:
+        """gloo's gather lands in a temporary of the output's size, freed when the gather returns (see the module
+        docstring): made and dropped at once, the tracker samples it at its peak."""
+        if self.gloo:
+            torch.empty(nbytes, dtype=torch.uint8)
 
     def _ahead(self, i: int) -> None:
         if 0 <= i < len(self.units) and self.prefetch > 0 and self.units[i][2] <= self.prefetch:
@@ -210,6 +227,7 @@ class _Gathers:
     def _root_pre(self, module, args) -> None:
         if self.root is None:
             self.root = torch.empty(self.root_bytes, dtype=torch.uint8)
+            self._landing(self.root_bytes)
         self._ahead(0)
 
     def _root_post(self, module, args, output) -> None:
@@ -267,6 +285,7 @@ def measure_compute(
     unit_classes: list[str] | None = None,
     tp_plan: Any = None,
     ep: int = 1,
+    gloo: bool = False,
     units: list[tuple[str, int, int]] | None = None,
     prefetch_numel: int = 0,
     module_peaks: bool = False,
@@ -275,9 +294,11 @@ def measure_compute(
 ) -> ComputePeak:
     """Forward and backward of one micro-batch on fake tensors under ``MemTracker`` (see the module docstring).
 
-    ``units``: stage 3, ``(name, gathered bytes, elements)`` of each unit in the layout's order (last block first,
-    ``<root>`` last), whose gathers are replayed by module hooks. ``module_peaks``: run torch's ``MemTracker`` as it
-    is (it also keeps each module's peak; slower, the same bytes: the reference the fast path is tested against).
+    ``gloo``: the collectives are gloo's (planning for a machine without accelerator), with the buffers of theirs
+    the module docstring names. ``units``: stage 3, ``(name, gathered bytes, elements)`` of each unit in the
+    layout's order (last block first, ``<root>`` last), whose gathers are replayed by module hooks.
+    ``module_peaks``: run torch's ``MemTracker`` as it is (it also keeps each module's peak; slower, the same bytes:
+    the reference the fast path is tested against).
     ``models``: fake models built by earlier calls, by (tp, compute dtype, checkpointing), reused and added to (each
     run leaves its model as it found it: hooks removed, no gradients). ``progress(done, total)``: called as blocks run
     forward and parameters get their gradients (hooks that allocate nothing)."""
@@ -306,7 +327,7 @@ def measure_compute(
         handles = []
         staging = None
         if stage >= 2:
-            staging = _Staging(buckets, bucket_names, lambda b: reduce_dtype or b.dtype)
+            staging = _Staging(buckets, bucket_names, lambda b: reduce_dtype or b.dtype, gloo)
             for n, p in params.values():
                 if p.requires_grad:
                     handles.append(p.register_post_accumulate_grad_hook(functools.partial(_staged, staging, n)))
@@ -325,7 +346,7 @@ def measure_compute(
             modules = dict(model.named_modules())
             blocks = [(modules[n], b, k) for n, b, k in units[::-1] if n != "<root>"]
             root = sum(b for n, b, _ in units if n == "<root>")
-            gathers = _Gathers(model, blocks, root, prefetch_numel)
+            gathers = _Gathers(model, blocks, root, prefetch_numel, gloo)
         tracker = MemTracker() if module_peaks else _peak_only_tracker()
         tracker.track_external(model)
         # a dispatch mode costs Python time per operator: only models with experts call grouped matmuls

@@ -427,7 +427,7 @@ def _prepare(
     key = (layout.tp, layout.ep, compute, layout.micro_batch, layout.seq_len, layout.checkpointing, reduce)
     # stages 0 and 1 run the same replay (a gradient kept in its flat buffer); 2 stages its buckets, 3 also gathers
     key += (max(layout.stage, 1), tuple(staged) if layout.stage >= 2 else None, tuple(units))
-    key += (zcfg.stage3_prefetch_bucket_size,)
+    key += (zcfg.stage3_prefetch_bucket_size, device_type == "cpu")
     run = {
         "source": source,
         "tp": layout.tp,
@@ -442,6 +442,7 @@ def _prepare(
         "unit_classes": zcfg.stage3_unit_classes,
         "tp_plan": tp_plan,
         "ep": layout.ep,
+        "gloo": device_type == "cpu",  # gloo's collectives' buffers (compute.py's module docstring)
         "units": units or None,
         "prefetch_numel": zcfg.stage3_prefetch_bucket_size,
         "module_peaks": not cache.get("fast", True),
