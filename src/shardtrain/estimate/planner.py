@@ -549,8 +549,19 @@ def candidate_layouts(
                             ep=1,
                         )
                     )
-                if tp == 1:
-                    out += [replace(base, world=world, tp=1, stage=stage, shard_size=None, ep=e) for e in eps]
+                for e in eps if tp == 1 else []:
+                    out.append(
+                        replace(
+                            base,
+                            world=world,
+                            tp=1,
+                            stage=stage,
+                            offload_optimizer="none",
+                            offload_param="none",
+                            shard_size=None,
+                            ep=e,
+                        )
+                    )
     return out
 
 
