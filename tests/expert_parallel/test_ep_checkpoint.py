@@ -1,9 +1,11 @@
 """Checkpoints across expert layouts (docs/expert-parallel.md, "Checkpoints"): a tiny random Qwen3-MoE with 6 experts
-trained at world 3 with ``expert_parallel_size`` 3 resumes bitwise at that layout and loads at world 2 with ep 2 and
-at one process (ep 1), weights and AdamW state (moments, step) carried; a save right after each load holds the same
-tensors, bit for bit, as the checkpoint it loaded; ``full_state_dict()`` gathers every expert; the consolidated
-model opens with ``from_pretrained`` with identical weights. Soak: ep 2 x dp 2 and ep 4 at world 4 (expert ZeRO
-fragments over an expert-data-parallel group of 2), loaded at ep 2 x dp 1 and saved again.
+trained at world 3 with ``expert_parallel_size`` 3 (stage 2) resumes bitwise at that layout and loads on the same ranks
+at ep 1 x dp 3 (stage 0), weights and AdamW state (moments, step) carried: the training after the load is one
+process's, and a save right after the load holds the same tensors, bit for bit, as the checkpoint it loaded.
+``full_state_dict()`` gathers every expert; the consolidated model opens with ``from_pretrained`` with identical
+weights; ``inspect --verify`` refuses a missing or doubled expert block. Soak: the same checkpoint loaded at world 2 with
+ep 2 and at one process; a Mixtral with 8 experts at world 4, ep 2 x dp 2 (the experts' ZeRO fragments, or the shares
+of a block held whole, over an expert-data-parallel group of 2), loaded at ep 4 and at ep 2 x stage 2.
 
 The global batch is the same at every layout (``ROWS`` rows split over the ranks) and the load-balancing loss is off
 (it is computed over each rank's own tokens, so it changes with the split), so the loss of a step does not depend on
@@ -111,9 +113,10 @@ def _state(engine) -> dict:
     return {k: v.clone() for k, v in full.items()} if full is not None else None
 
 
-def save_and_resume(kind: str, experts: int, ep: int, stage: int, save_dir: str) -> dict:
+def save_and_resume(kind: str, experts: int, ep: int, stage: int, save_dir: str, others: tuple = ()) -> dict:
     """Train ``BEFORE`` steps and save, then ``AFTER`` more (the unbroken run); a fresh engine from another seed loads
-    the checkpoint and trains the same ``AFTER`` steps (the resumed run)."""
+    the checkpoint and trains the same ``AFTER`` steps (the resumed run). Then, on the same ranks, each layout
+    ``(ep', stage')`` of ``others`` loads it as :func:`load_elsewhere` does."""
     engine = _engine(kind, experts, ep, stage)
     _train(engine, range(BEFORE))
     engine.save_checkpoint(save_dir, tag="a")
@@ -135,14 +138,17 @@ def save_and_resume(kind: str, experts: int, ep: int, stage: int, save_dir: str)
         "held": held,
     }
     engine.close()
+    for other_ep, other_stage in others:
+        tag = f"b_ep{other_ep}_stage{other_stage}"
+        out[tag] = load_elsewhere(kind, experts, other_ep, other_stage, save_dir, save_dir, tag)
     return out
 
 
-def load_elsewhere(kind: str, experts: int, ep: int, stage: int, load_dir: str, save_dir: str) -> dict:
-    """Load the checkpoint at this layout, save it again at once, then train ``AFTER`` steps."""
+def load_elsewhere(kind: str, experts: int, ep: int, stage: int, load_dir: str, save_dir: str, tag: str = "b") -> dict:
+    """Load the checkpoint at this layout, save it again at once (``tag``), then train ``AFTER`` steps."""
     engine = _engine(kind, experts, ep, stage, seed=5)
     engine.load_checkpoint(load_dir, tag="a")
-    engine.save_checkpoint(save_dir, tag="b")
+    engine.save_checkpoint(save_dir, tag=tag)
     losses = _mean_over_ranks(_train(engine, range(BEFORE, BEFORE + AFTER)))
     out = {"losses": losses, "final": _state(engine), "step": engine.global_step}
     engine.close()
@@ -176,13 +182,10 @@ def _check_against_reference(path: Path, tag: str, ref: dict) -> None:
 
 @pytest.fixture(scope="module")
 def ep3(tmp_path_factory) -> dict:
-    """Saved at world 3, ep 3 (6 experts, stage 2); loaded at world 2, ep 2 (stage 1) and at one process (stage 0)."""
+    """Saved at world 3, ep 3 (6 experts, stage 2); loaded on the same ranks at ep 1 x dp 3 (stage 0)."""
     root = tmp_path_factory.mktemp("ep3")
-    a, b2, b1 = (str(root / n) for n in ("a", "b2", "b1"))
-    runs = run_distributed(save_and_resume, 3, "qwen3_moe", 6, 3, 2, a, timeout=300)
-    at2 = run_distributed(load_elsewhere, 2, "qwen3_moe", 6, 2, 1, a, b2, timeout=300)
-    at1 = run_distributed(load_elsewhere, 1, "qwen3_moe", 6, 1, 0, a, b1, timeout=300)
-    return {"root": root, "runs": runs, "at2": at2, "at1": at1, "ref": reference("qwen3_moe", 6)}
+    runs = run_distributed(save_and_resume, 3, "qwen3_moe", 6, 3, 2, str(root / "a"), ((1, 0),), timeout=300)
+    return {"root": root, "runs": runs, "ref": reference("qwen3_moe", 6)}
 
 
 def test_a_run_saved_under_expert_parallelism_resumes_bitwise(ep3):
@@ -220,20 +223,50 @@ def test_the_saved_state_is_one_process_s(ep3):
         assert torch.equal(v, reader.read(f"model/{k}")), k
 
 
-@pytest.mark.parametrize("where", ["at2", "at1"])
-def test_it_loads_at_another_expert_layout_and_at_one_process(ep3, where):
-    # saved again right after the load: the same tensors, bit for bit, at the new layout
-    _same_tensors(ep3["root"] / "a", ep3["root"] / ("b2" if where == "at2" else "b1"))
-    run = ep3[where][0]
+def _check_loaded_elsewhere(saved: Path, again: Path, tag: str, run: dict, ref: dict) -> None:
+    """A load at another layout: saved again right after it, the same tensors bit for bit; the training that follows
+    is one process's (the AdamW moments and step carried: a fresh AdamW would take other steps)."""
+    _same_tensors(saved, again, "a", tag)
     assert run["step"] == BEFORE + AFTER
-    ref = ep3["ref"]
-    for a, b in zip(run["losses"], ref["losses"]):  # moments carried: a fresh AdamW would take other steps
+    for a, b in zip(run["losses"], ref["losses"], strict=True):
         assert abs(a - b) <= 2e-5 * abs(b), (run["losses"], ref["losses"])
     for k, v in ref["final"].items():
         moved = (v - ref["model"][k]).norm().item()
         assert moved > 0, k
         assert (run["final"][k] - v).norm().item() <= 5e-3 * moved, k
-    assert ep3["runs"][0]["mean"] == pytest.approx(ref["losses"], rel=2e-5)
+
+
+def test_it_loads_at_another_expert_layout(ep3):
+    assert ep3["runs"][0]["mean"] == pytest.approx(ep3["ref"]["losses"], rel=2e-5)
+    tag = "b_ep1_stage0"
+    _check_loaded_elsewhere(ep3["root"] / "a", ep3["root"] / "a", tag, ep3["runs"][0][tag], ep3["ref"])
+
+
+@pytest.mark.soak
+@pytest.mark.parametrize("world, ep, stage", [(2, 2, 1), (1, 1, 0)])
+def test_it_loads_at_world_2_ep_2_and_at_one_process(ep3, tmp_path, world, ep, stage):
+    again = tmp_path / "again"
+    run = run_distributed(load_elsewhere, world, "qwen3_moe", 6, ep, stage, str(ep3["root"] / "a"), str(again))
+    _check_loaded_elsewhere(ep3["root"] / "a", again, "b", run[0], ep3["ref"])
+
+
+@pytest.mark.soak
+@pytest.mark.parametrize("stage", [1, 0])
+def test_ep2_x_dp2_and_ep4_at_world_4(tmp_path, stage):
+    # world 4, ep 2: the experts' ZeRO fragments (stage 1) or the shares of a block held whole (stage 0) are over an
+    # expert-data-parallel group of 2; loaded at ep 4 and at ep 2 x stage 2 on the same ranks
+    ref = reference("mixtral", 8)
+    runs = run_distributed(save_and_resume, 4, "mixtral", 8, 2, stage, str(tmp_path), ((4, 1), (2, 2)), timeout=600)
+    for r in runs:
+        assert r["resumed"] == r["unbroken"]
+    _check_against_reference(tmp_path, "a", ref)
+    entry = open_checkpoint(tmp_path, "a").manifest.tensors["model/model.layers.0.mlp.experts.gate_up_proj"]
+    pieces = sorted(entry.pieces, key=lambda p: (p.slice.block.index, p.slice.start))
+    assert [p.slice.block for p in pieces] == [BlockSlice(0, i, 2) for i in (0, 0, 1, 1)]
+    assert [p.slice.length for p in pieces] == [entry.numel // 4] * 4  # halves of each block: one writer each
+    assert [p.file for p in pieces] == [f"rank{r:05d}.safetensors" for r in (0, 2, 1, 3)]  # dp_rank = edp * 2 + ep
+    for tag in ("b_ep4_stage1", "b_ep2_stage2"):
+        _check_loaded_elsewhere(tmp_path, tmp_path, tag, runs[0][tag], ref)
 
 
 def test_consolidate_writes_what_from_pretrained_opens(ep3, tmp_path):
