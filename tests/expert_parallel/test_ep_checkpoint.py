@@ -2,10 +2,11 @@
 trained at world 3 with ``expert_parallel_size`` 3 (stage 2) resumes bitwise at that layout and loads on the same ranks
 at ep 1 x dp 3 (stage 0), weights and AdamW state (moments, step) carried: the training after the load is one
 process's, and a save right after the load holds the same tensors, bit for bit, as the checkpoint it loaded.
-``full_state_dict()`` gathers every expert; the consolidated model opens with ``from_pretrained`` with identical
-weights; ``inspect --verify`` refuses a missing or doubled expert block. Soak: the same checkpoint loaded at world 2 with
-ep 2 and at one process; a Mixtral with 8 experts at world 4, ep 2 x dp 2 (the experts' ZeRO fragments, or the shares
-of a block held whole, over an expert-data-parallel group of 2), loaded at ep 4 and at ep 2 x stage 2.
+``full_state_dict()`` gathers every expert and ``load_full_state_dict`` gives each rank its own; the consolidated
+model opens with ``from_pretrained`` with identical weights; ``inspect --verify`` refuses a missing or doubled expert
+block. Soak: the same checkpoint loaded at world 2 with ep 2 and at one process; a Mixtral with 8 experts at world
+4, ep 2 x dp 2 (the experts' ZeRO fragments, or the shares of a block held whole, over an expert-data-parallel group
+of 2), loaded at ep 4 and at ep 2 x stage 2.
 
 The global batch is the same at every layout (``ROWS`` rows split over the ranks) and the load-balancing loss is off
 (it is computed over each rank's own tokens, so it changes with the split), so the loss of a step does not depend on
@@ -137,11 +138,29 @@ def save_and_resume(kind: str, experts: int, ep: int, stage: int, save_dir: str,
         "resumed_state": _state(engine),
         "held": held,
     }
+    out["full_loads"] = _full_loads(engine, saved_state, save_dir)
     engine.close()
     for other_ep, other_stage in others:
         tag = f"b_ep{other_ep}_stage{other_stage}"
         out[tag] = load_elsewhere(kind, experts, other_ep, other_stage, save_dir, save_dir, tag)
     return out
+
+
+def _full_loads(engine, full: dict | None, save_dir: str) -> list[bool]:
+    """``load_full_state_dict`` of the full model, from rank 0's dict and from a safetensors file: each rank keeps
+    its experts. Whether ``full_state_dict()`` then gives it back unchanged (rank 0), for each source."""
+    from safetensors.torch import save_file
+
+    path = Path(save_dir) / "full.safetensors"
+    if dist.get_rank() == 0:
+        save_file({k: v.contiguous() for k, v in full.items()}, str(path))
+    dist.barrier()
+    same = []
+    for source in (full if dist.get_rank() == 0 else None, str(path)):
+        engine.load_full_state_dict(source)
+        back = _state(engine)
+        same.append(back is None or all(torch.equal(back[k], v) for k, v in full.items()))
+    return same
 
 
 def load_elsewhere(kind: str, experts: int, ep: int, stage: int, load_dir: str, save_dir: str, tag: str = "b") -> dict:
@@ -210,6 +229,10 @@ def test_the_checkpoint_records_each_rank_s_experts_as_a_block(ep3):
         assert all(p.slice.start == 0 and p.slice.length == entry.numel // 3 for p in pieces)
         assert [p.file for p in pieces] == [f"rank{i:05d}.safetensors" for i in range(3)]  # each rank its own experts
     assert manifest.tensors["optim/model.layers.1.mlp.experts.down_proj/step"].global_shape == ()
+
+
+def test_load_full_state_dict_keeps_each_rank_s_experts(ep3):
+    assert [r["full_loads"] for r in ep3["runs"]] == [[True, True]] * 3
 
 
 def test_the_saved_state_is_one_process_s(ep3):
