@@ -1,12 +1,13 @@
-"""Checkpoints across expert layouts (docs/expert-parallel.md, "Checkpoints"): a tiny random Qwen3-MoE with 6 experts
-trained at world 3 with ``expert_parallel_size`` 3 (stage 2) resumes bitwise at that layout and loads on the same ranks
-at ep 1 x dp 3 (stage 0), weights and AdamW state (moments, step) carried: the training after the load is one
-process's, and a save right after the load holds the same tensors, bit for bit, as the checkpoint it loaded.
-``full_state_dict()`` gathers every expert and ``load_full_state_dict`` gives each rank its own; the consolidated
-model opens with ``from_pretrained`` with identical weights; ``inspect --verify`` refuses a missing or doubled expert
-block. Soak: the same checkpoint loaded at world 2 with ep 2 and at one process; a Mixtral with 8 experts at world
-4, ep 2 x dp 2 (the experts' ZeRO fragments, or the shares of a block held whole, over an expert-data-parallel group
-of 2), loaded at ep 4 and at ep 2 x stage 2.
+"""Checkpoints across expert layouts (docs/expert-parallel.md, "Checkpoints"): a tiny random Qwen3-MoE with 6
+experts trained at world 3 with ``expert_parallel_size`` 3 (stage 2) resumes bitwise at that layout and loads on
+the same ranks at ep 1 x dp 3 (stage 0), weights and AdamW state (moments, step) carried: the training after the
+load is one process's, and a save right after the load holds the same tensors, bit for bit, as the checkpoint it
+loaded. ``full_state_dict()`` gathers every expert, ``load_full_state_dict`` and ``from_pretrained`` (the
+per-expert files ``save_pretrained`` writes) give each rank its own; the consolidated model opens with
+``from_pretrained`` with identical weights; ``inspect --verify`` refuses a missing or doubled expert block. Soak:
+the same checkpoint loaded at world 2 with ep 2 and at one process; a Mixtral with 8 experts at world 4, ep 2 x
+dp 2 (the experts' ZeRO fragments, or the shares of a block held whole, over an expert-data-parallel group of 2),
+loaded at ep 4 and at ep 2 x stage 2.
 
 The global batch is the same at every layout (``ROWS`` rows split over the ranks) and the load-balancing loss is off
 (it is computed over each rank's own tokens, so it changes with the split), so the loss of a step does not depend on
@@ -140,6 +141,7 @@ def save_and_resume(kind: str, experts: int, ep: int, stage: int, save_dir: str,
     }
     out["full_loads"] = _full_loads(engine, saved_state, save_dir)
     engine.close()
+    out["from_pretrained"] = _from_pretrained(kind, experts, ep, stage, save_dir)
     for other_ep, other_stage in others:
         tag = f"b_ep{other_ep}_stage{other_stage}"
         out[tag] = load_elsewhere(kind, experts, other_ep, other_stage, save_dir, save_dir, tag)
@@ -161,6 +163,28 @@ def _full_loads(engine, full: dict | None, save_dir: str) -> list[bool]:
         back = _state(engine)
         same.append(back is None or all(torch.equal(back[k], v) for k, v in full.items()))
     return same
+
+
+def _from_pretrained(kind: str, experts: int, ep: int, stage: int, save_dir: str) -> bool | None:
+    """``shardtrain.from_pretrained`` of what transformers' ``save_pretrained`` writes (one tensor per expert, as on
+    the Hub) under expert parallelism: whether ``full_state_dict()`` is transformers' own ``from_pretrained`` of it
+    (rank 0; None elsewhere)."""
+    import transformers
+
+    path = Path(save_dir) / "pretrained"
+    if dist.get_rank() == 0:
+        make_model(kind, experts, seed=3).save_pretrained(path)
+    dist.barrier()
+    config = {"train_micro_batch_size_per_gpu": 1, "expert_parallel_size": ep, "zero_optimization": {"stage": stage}}
+    engine = shardtrain.from_pretrained(
+        transformers.AutoModelForCausalLM, path, config=config, optimizer=lambda p: torch.optim.AdamW(p, lr=LR)
+    )
+    full = _state(engine)
+    engine.close()
+    if full is None:
+        return None
+    want = transformers.AutoModelForCausalLM.from_pretrained(path).state_dict()
+    return full.keys() == want.keys() and all(torch.equal(full[k], v) for k, v in want.items())
 
 
 def load_elsewhere(kind: str, experts: int, ep: int, stage: int, load_dir: str, save_dir: str, tag: str = "b") -> dict:
@@ -233,6 +257,10 @@ def test_the_checkpoint_records_each_rank_s_experts_as_a_block(ep3):
 
 def test_load_full_state_dict_keeps_each_rank_s_experts(ep3):
     assert [r["full_loads"] for r in ep3["runs"]] == [[True, True]] * 3
+
+
+def test_from_pretrained_of_per_expert_files_gives_each_rank_its_experts(ep3):
+    assert [r["from_pretrained"] for r in ep3["runs"]] == [True, None, None]
 
 
 def test_the_saved_state_is_one_process_s(ep3):
