@@ -127,7 +127,13 @@ def weight_destinations(module: torch.nn.Module, layout: ShardLayout, optimizer:
             if master is not None:
                 targets.append((master.view(-1), start))
         split = layout.block_of(record)
-        if split is not None:  # [Note: split parameters]
+        if split is not None and record.ep is not None:
+            # a rank's experts are rows [index * n/E, (index + 1) * n/E) of dim 0: elements [first, first + numel /
+            # E) of the whole tensor, read as that range, so that a rank reads only its experts (from per-expert
+            # files too: [Note: converted rows])
+            first = split.index * (math.prod(record.global_shape) // split.count)
+            dests.append(Destination(names, torch.Size(record.global_shape), [(x, first + a) for x, a in targets]))
+        elif split is not None:  # [Note: split parameters]
             block = TPBlock(split.placement, split.index, split.count)
             dests.append(Destination(names, torch.Size(record.global_shape), targets, block=block))
         else:
