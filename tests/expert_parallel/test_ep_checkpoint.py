@@ -165,26 +165,39 @@ def _full_loads(engine, full: dict | None, save_dir: str) -> list[bool]:
     return same
 
 
-def _from_pretrained(kind: str, experts: int, ep: int, stage: int, save_dir: str) -> bool | None:
+def _from_pretrained(kind: str, experts: int, ep: int, stage: int, save_dir: str) -> dict:
     """``shardtrain.from_pretrained`` of what transformers' ``save_pretrained`` writes (one tensor per expert, as on
     the Hub) under expert parallelism: whether ``full_state_dict()`` is transformers' own ``from_pretrained`` of it
-    (rank 0; None elsewhere)."""
+    (rank 0; None elsewhere), and the experts whose tensors this rank read."""
     import transformers
+
+    from shardtrain.zero import weights
 
     path = Path(save_dir) / "pretrained"
     if dist.get_rank() == 0:
         make_model(kind, experts, seed=3).save_pretrained(path)
     dist.barrier()
+    read, loader = [], weights._loader
+
+    def counting_loader(file, key):  # how converted tensors (experts.N.*, stacked) are read
+        load = loader(file, key)
+        return lambda: (read.append(key), load())[1]
+
     config = {"train_micro_batch_size_per_gpu": 1, "expert_parallel_size": ep, "zero_optimization": {"stage": stage}}
-    engine = shardtrain.from_pretrained(
-        transformers.AutoModelForCausalLM, path, config=config, optimizer=lambda p: torch.optim.AdamW(p, lr=LR)
-    )
+    weights._loader = counting_loader
+    try:
+        engine = shardtrain.from_pretrained(
+            transformers.AutoModelForCausalLM, path, config=config, optimizer=lambda p: torch.optim.AdamW(p, lr=LR)
+        )
+    finally:
+        weights._loader = loader
     full = _state(engine)
     engine.close()
-    if full is None:
-        return None
-    want = transformers.AutoModelForCausalLM.from_pretrained(path).state_dict()
-    return full.keys() == want.keys() and all(torch.equal(full[k], v) for k, v in want.items())
+    out = {"experts_read": sorted({int(m[1]) for k in read if (m := re.search(r"experts\.(\d+)\.", k))}), "same": None}
+    if full is not None:
+        want = transformers.AutoModelForCausalLM.from_pretrained(path).state_dict()
+        out["same"] = full.keys() == want.keys() and all(torch.equal(full[k], v) for k, v in want.items())
+    return out
 
 
 def load_elsewhere(kind: str, experts: int, ep: int, stage: int, load_dir: str, save_dir: str, tag: str = "b") -> dict:
@@ -259,8 +272,9 @@ def test_load_full_state_dict_keeps_each_rank_s_experts(ep3):
     assert [r["full_loads"] for r in ep3["runs"]] == [[True, True]] * 3
 
 
-def test_from_pretrained_of_per_expert_files_gives_each_rank_its_experts(ep3):
-    assert [r["from_pretrained"] for r in ep3["runs"]] == [True, None, None]
+def test_from_pretrained_of_per_expert_files_reads_each_rank_s_experts_only(ep3):
+    assert [r["from_pretrained"]["same"] for r in ep3["runs"]] == [True, None, None]
+    assert [r["from_pretrained"]["experts_read"] for r in ep3["runs"]] == [[0, 1], [2, 3], [4, 5]]
 
 
 def test_the_saved_state_is_one_process_s(ep3):
