@@ -81,12 +81,13 @@ def reference(kind: str, experts: int) -> dict:
     return {**saved, "losses": losses[BEFORE:], "final": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
-def _engine(kind: str, experts: int, ep: int, stage: int, seed: int = 0):
+def _engine(kind: str, experts: int, ep: int, stage: int, seed: int = 0, bf16: bool = False):
     model = make_model(kind, experts, seed)
     config = {
         "train_micro_batch_size_per_gpu": ROWS // dist.get_world_size(),
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000},  # several buckets
         "expert_parallel_size": ep,
+        "bf16": {"enabled": bf16},
         "collective_timeout_s": 120.0,
     }
     return shardtrain.initialize(model, config=config, optimizer=torch.optim.AdamW(model.parameters(), lr=LR))
@@ -146,6 +147,22 @@ def save_and_resume(kind: str, experts: int, ep: int, stage: int, save_dir: str,
         tag = f"b_ep{other_ep}_stage{other_stage}"
         out[tag] = load_elsewhere(kind, experts, other_ep, other_stage, save_dir, save_dir, tag)
     return out
+
+
+def bf16_resume(save_dir: str) -> bool:
+    """bf16 (fp32 masters) at ep 2, stage 2: whether the resumed run's losses and full state equal the unbroken run's
+    bit for bit."""
+    engine = _engine("mixtral", 8, 2, 2, bf16=True)
+    _train(engine, range(BEFORE))
+    engine.save_checkpoint(save_dir, tag="a")
+    unbroken, unbroken_state = _train(engine, range(BEFORE, BEFORE + AFTER)), _state(engine)
+    engine.close()
+    engine = _engine("mixtral", 8, 2, 2, seed=5, bf16=True)
+    engine.load_checkpoint(save_dir, tag="a")
+    resumed, resumed_state = _train(engine, range(BEFORE, BEFORE + AFTER)), _state(engine)
+    engine.close()
+    same_state = unbroken_state is None or all(torch.equal(v, resumed_state[k]) for k, v in unbroken_state.items())
+    return resumed == unbroken and same_state
 
 
 def _full_loads(engine, full: dict | None, save_dir: str) -> list[bool]:
@@ -313,6 +330,11 @@ def test_it_loads_at_world_2_ep_2_and_at_one_process(ep3, tmp_path, world, ep, s
     again = tmp_path / "again"
     run = run_distributed(load_elsewhere, world, "qwen3_moe", 6, ep, stage, str(ep3["root"] / "a"), str(again))
     _check_loaded_elsewhere(ep3["root"] / "a", again, "b", run[0], ep3["ref"])
+
+
+@pytest.mark.soak
+def test_a_bf16_run_resumes_bitwise(tmp_path):
+    assert run_distributed(bf16_resume, 2, str(tmp_path), timeout=300) == [True, True]
 
 
 @pytest.mark.soak
