@@ -5,9 +5,9 @@ load is one process's, and a save right after the load holds the same tensors, b
 loaded. ``full_state_dict()`` gathers every expert, ``load_full_state_dict`` and ``from_pretrained`` (the
 per-expert files ``save_pretrained`` writes) give each rank its own; the consolidated model opens with
 ``from_pretrained`` with identical weights; ``inspect --verify`` refuses a missing or doubled expert block. Soak:
-the same checkpoint loaded at world 2 with ep 2 and at one process; a Mixtral with 8 experts at world 4, ep 2 x
-dp 2 (the experts' ZeRO fragments, or the shares of a block held whole, over an expert-data-parallel group of 2),
-loaded at ep 4 and at ep 2 x stage 2.
+a bf16 run at ep 2 resumes bitwise; the same checkpoint loaded at world 2 with ep 2 and at one process; a Mixtral
+with 8 experts at world 4, ep 2 x dp 2 (the experts' ZeRO fragments, or the shares of a block held whole, over an
+expert-data-parallel group of 2), loaded at ep 4 and at ep 2 x stage 2.
 
 The global batch is the same at every layout (``ROWS`` rows split over the ranks) and the load-balancing loss is off
 (it is computed over each rank's own tokens, so it changes with the split), so the loss of a step does not depend on
