@@ -194,10 +194,10 @@ def collect_pieces(state: TrainingState) -> tuple[list[SavePiece], dict[str, str
             name = names[0]
             aliases.update({f"model/{alias}": f"model/{name}" for alias in names[1:]})
             record = layout.record_of(t)
-            block = layout.block_of(record)
+            split = layout.block_of(record)
             shape = tuple(record.global_shape) if record is not None else tuple(t.shape)
             if record is None or record.bucket is None:  # a buffer or a parameter held whole outside buckets
-                pieces += _pieces(f"model/{name}", t, shape, block, None, layout)
+                pieces += _pieces(f"model/{name}", t, shape, split, None, layout)
                 continue
             bucket, f = record.bucket, record.fragment
             # a bucketed parameter, trainable or (in a stage-3 unit) frozen: whole at stage 0, else this rank's
@@ -206,7 +206,7 @@ def collect_pieces(state: TrainingState) -> tuple[list[SavePiece], dict[str, str
             stepped = _stepped(state, t)
             value = opt.readable(stepped) if stepped is not None else fragment  # an offloaded master: mapped
             span = (f.start, f.length) if sharded else None
-            pieces += _pieces(f"model/{name}", value, shape, block, span, layout)
+            pieces += _pieces(f"model/{name}", value, shape, split, span, layout)
             opt_state = opt.state_of(stepped) if stepped is not None else {}  # offloaded state: mapped files
             for k, v in opt_state.items():
                 if not torch.is_tensor(v):
@@ -221,7 +221,7 @@ def collect_pieces(state: TrainingState) -> tuple[list[SavePiece], dict[str, str
                     if layout.tp_rank == 0 or layout.tp == 1:
                         pieces.append(SavePiece(f"optim/{name}/{k}", (), FlatSlice(0, 1), v))
                 else:
-                    pieces += _pieces(f"optim/{name}/{k}", v, shape, block, span, layout)
+                    pieces += _pieces(f"optim/{name}/{k}", v, shape, split, span, layout)
         # a state seen only on 0-dim parameters stepped whole: torch's optimizers make only "step" a scalar
         for k in {k for st in opt.optimizer.state.values() for k in st if k not in kinds}:
             kinds[k] = SCALAR if k == "step" else ELEMENTWISE
