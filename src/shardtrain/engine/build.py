@@ -201,6 +201,8 @@ def _build(
         dp_comm=comms.dp,
         device=topology.device,
         experts=(expert_ids, comms.edp) if comms.edp is not None else None,
+        ep=topology.ep,
+        ep_rank=topology.ep_rank,
     )
     policy = layout.policy
     precision = policy_from_config(config)

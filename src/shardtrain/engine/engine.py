@@ -435,10 +435,13 @@ class Engine:
         [Note: phase agreement] communicates, so that a script right at stage 0 is right at stage 3). Units are
         gathered one at a time, so no rank holds more than one unit's full parameters besides the CPU copies on
         rank 0."""
-        refuse_split_experts_checkpoint(self.topology.ep, "full_state_dict()")  # the same verdict on every rank
+        refuse_split_experts_checkpoint(self.topology.ep, self.stage, "full_state_dict()")  # every rank: same verdict
         self._agree("full_state_dict")
         t = self.topology
-        return full_state_dict(self._training_state(), self._runtime, self.tp_comm, t.rank, t.dp_rank, t.device)
+        ep_comm = self._expert_comms.get("ep")
+        return full_state_dict(
+            self._training_state(), self._runtime, self.tp_comm, t.rank, t.dp_rank, t.device, ep_comm
+        )
 
     def save_checkpoint(
         self,
@@ -458,7 +461,7 @@ class Engine:
         ``checkpoint/async_save.py``). The next ``save_checkpoint`` and ``close()`` wait for it and raise its
         failure. The default is the config's ``checkpoint.writer.decoupled`` (DeepSpeed's key, ``false``). Returns
         the checkpoint's path either way."""
-        refuse_split_experts_checkpoint(self.topology.ep, "save_checkpoint")  # the same verdict on every rank
+        refuse_split_experts_checkpoint(self.topology.ep, self.stage, "save_checkpoint")  # every rank: same verdict
         self._agree("save_checkpoint")
         if self._async_saver is not None:  # one save in flight at most; a failure of the previous one is raised here
             self._async_saver.wait()
@@ -475,7 +478,7 @@ class Engine:
 
         Without ``tag`` the one ``load_dir/latest`` names is loaded. ``load_optimizer_states=False`` loads the
         model weights (masters included) and the loss scale only."""
-        refuse_split_experts_checkpoint(self.topology.ep, "load_checkpoint")  # the same verdict on every rank
+        refuse_split_experts_checkpoint(self.topology.ep, self.stage, "load_checkpoint")  # every rank: same verdict
         self._agree("load_checkpoint")
         if self._async_saver is not None:  # a save in flight is what `latest` will name: load it, not the one before
             self._async_saver.wait()

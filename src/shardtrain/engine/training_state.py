@@ -16,7 +16,10 @@ Each rank passes what it holds: its fragment at stages 1-3 (the ``FlatSlice`` of
 owns); a tensor every rank holds whole (stage 0, frozen parameters outside stage-3 units, buffers) is split
 into N contiguous slices, one written by each rank, so the writes run in parallel. A parameter that lives in
 a stage-3 unit is saved as the rank's fragment whether it is trainable or frozen; a frozen one simply has
-no optimizer state.
+no optimizer state. A parameter split by tensor or expert parallelism is recorded as this rank's block of it
+(``BlockSlice``; an expert parameter's block is its experts, rows ``[ep_rank * n/E, (ep_rank + 1) * n/E)``), its
+ZeRO fragments as fragments of the block (``BlockFlatSlice``), and a block held whole is split into shares over the
+ranks holding it ([Note: split parameters] in ``zero/layout.py``).
 
 Global objects: ``optimizer/param_groups`` (hyperparameters and parameter names per group),
 ``optimizer/state_kinds``, the scheduler and loss-scaler states, engine counters, the saving topology and
@@ -29,7 +32,8 @@ Loading reads, for each tensor, the elements this rank now needs (the whole para
 the master fragment), whatever layout saved them, so a checkpoint taken at N ranks and stage s loads at M
 ranks and stage s'. Param groups are matched by their parameters' names, not by position. Optimizer state is
 cast as ``torch.optim.Optimizer.load_state_dict`` casts it: to the dtype and device of the tensor it belongs
-to, except ``step``, which keeps its own. RNG states are restored only at the saving world size.
+to, except ``step``, which keeps its own. RNG states are restored only at the saving world size and tensor- and
+expert-parallel sizes.
 
 [Note: checkpoint failures are collective]
 A save or load may fail on one rank only (its file is damaged, its disk is full, a bug). Every exception on
@@ -62,7 +66,7 @@ from shardtrain.distributed.communicator import Communicator
 from shardtrain.engine.optimizer_needs import state_keys_needed
 from shardtrain.errors import CheckpointError
 from shardtrain.tensor_parallel import assemble_blocks
-from shardtrain.zero.layout import ParamRecord, ShardLayout
+from shardtrain.zero.layout import ParamRecord, ShardLayout, SplitBlock
 from shardtrain.zero.optimizer import ShardedOptimizer
 from shardtrain.zero.runtime import Runtime
 from shardtrain.zero.weights import (
@@ -139,27 +143,31 @@ def _names_by_tensor(state: TrainingState) -> dict[int, list[str]]:
 
 
 def _block_of(record: ParamRecord | None, layout: ShardLayout) -> BlockSlice | None:
-    """The tensor-parallel block this rank holds of a parameter split by tensor parallelism, else None."""
-    if record is None or not record.tp_split:
+    """The block this rank holds of a parameter split by tensor or expert parallelism ([Note: split parameters] in
+    ``zero/layout.py``), else None."""
+    split = layout.block_of(record)
+    if split is None:
         return None
-    return BlockSlice(record.tp.dim, layout.tp_rank, layout.tp, record.tp.stride)
+    return BlockSlice(split.placement.dim, split.index, split.count, split.placement.stride)
 
 
 def _pieces(
     name: str,
     value: torch.Tensor,
     shape: tuple[int, ...],
-    block: BlockSlice | None,
+    split: SplitBlock | None,
     fragment: tuple[int, int] | None,
     layout: ShardLayout,
 ) -> list[SavePiece]:
     """This rank's pieces of one logical tensor of global ``shape``.
 
     ``value`` is this rank's ZeRO fragment ``(start, length)`` of its (local) tensor, or, with ``fragment`` None,
-    the whole local tensor, which every data-parallel rank holds: then each writes one contiguous share, so the
-    writes run in parallel. ``block``: the tensor-parallel block the local tensor is (None: every tp rank holds
-    the same tensor, and tp rank 0's copy is written)."""
-    rank, world = layout.dp_rank, layout.dp
+    the whole local tensor, which every rank holding the same block holds (every data-parallel rank, or the
+    expert-data-parallel ranks of an expert block): then each writes one contiguous share, so the writes run in
+    parallel. ``split``: the tensor- or expert-parallel block the local tensor is (None: every tp rank holds the
+    same tensor, and tp rank 0's copy is written)."""
+    block = None if split is None else BlockSlice(split.placement.dim, split.index, split.count, split.placement.stride)
+    rank, world = (layout.dp_rank, layout.dp) if split is None else (split.replica, split.replicas)
     if block is None and layout.tp_rank != 0:
         return []
     if fragment is None:
@@ -186,10 +194,10 @@ def collect_pieces(state: TrainingState) -> tuple[list[SavePiece], dict[str, str
             name = names[0]
             aliases.update({f"model/{alias}": f"model/{name}" for alias in names[1:]})
             record = layout.record_of(t)
-            block = _block_of(record, layout)
+            split = layout.block_of(record)
             shape = tuple(record.global_shape) if record is not None else tuple(t.shape)
             if record is None or record.bucket is None:  # a buffer or a parameter held whole outside buckets
-                pieces += _pieces(f"model/{name}", t, shape, block, None, layout)
+                pieces += _pieces(f"model/{name}", t, shape, split, None, layout)
                 continue
             bucket, f = record.bucket, record.fragment
             # a bucketed parameter, trainable or (in a stage-3 unit) frozen: whole at stage 0, else this rank's
@@ -198,7 +206,7 @@ def collect_pieces(state: TrainingState) -> tuple[list[SavePiece], dict[str, str
             stepped = _stepped(state, t)
             value = opt.readable(stepped) if stepped is not None else fragment  # an offloaded master: mapped
             span = (f.start, f.length) if sharded else None
-            pieces += _pieces(f"model/{name}", value, shape, block, span, layout)
+            pieces += _pieces(f"model/{name}", value, shape, split, span, layout)
             opt_state = opt.state_of(stepped) if stepped is not None else {}  # offloaded state: mapped files
             for k, v in opt_state.items():
                 if not torch.is_tensor(v):
@@ -213,7 +221,7 @@ def collect_pieces(state: TrainingState) -> tuple[list[SavePiece], dict[str, str
                     if layout.tp_rank == 0 or layout.tp == 1:
                         pieces.append(SavePiece(f"optim/{name}/{k}", (), FlatSlice(0, 1), v))
                 else:
-                    pieces += _pieces(f"optim/{name}/{k}", v, shape, block, span, layout)
+                    pieces += _pieces(f"optim/{name}/{k}", v, shape, split, span, layout)
         # a state seen only on 0-dim parameters stepped whole: torch's optimizers make only "step" a scalar
         for k in {k for st in opt.optimizer.state.values() for k in st if k not in kinds}:
             kinds[k] = SCALAR if k == "step" else ELEMENTWISE
@@ -257,6 +265,7 @@ def save_engine(
                 "world_size": state.comm.size,
                 "dp": state.layout.dp,
                 "tp": state.layout.tp,
+                "ep": state.layout.ep,
                 "zero_stage": state.layout.policy.stage,
                 **state.run,
             },
@@ -346,7 +355,11 @@ def _load(state: TrainingState, load_dir: str | Path, tag: str | None, load_opti
 
     objects = reader.objects
     topology = objects.get("engine/topology", {})
-    same_layout = topology.get("tp", 1) == state.layout.tp and manifest.world_size == state.comm.size
+    same_layout = (topology.get("tp", 1), topology.get("ep", 1), manifest.world_size) == (
+        state.layout.tp,
+        state.layout.ep,
+        state.comm.size,
+    )
     rng = reader.rank_objects(state.comm.rank).get("rng") if same_layout else None
     # everything that can be refused without reading tensors is checked before the engine is touched
     dests = weight_destinations(state.module, state.layout, state.optimizer)
@@ -399,8 +412,9 @@ def _load(state: TrainingState, load_dir: str | Path, tag: str | None, load_opti
             random.setstate(rng["python"])
     else:
         warnings.warn(
-            f"checkpoint saved by {manifest.world_size} ranks (tensor parallel {topology.get('tp', 1)}) loaded by "
-            f"{state.comm.size} (tensor parallel {state.layout.tp}): per-rank RNG states "
+            f"checkpoint saved by {manifest.world_size} ranks (tensor parallel {topology.get('tp', 1)}, expert "
+            f"parallel {topology.get('ep', 1)}) loaded by {state.comm.size} (tensor parallel {state.layout.tp}, "
+            f"expert parallel {state.layout.ep}): per-rank RNG states "
             "are not restored",
             stacklevel=4,
         )
@@ -606,34 +620,40 @@ def full_state_dict(
     rank: int,
     dp_rank: int,
     device: torch.device,
+    ep_comm: Communicator | None = None,
 ) -> dict[str, torch.Tensor] | None:
     """``Engine.full_state_dict``: the full model state dict on global rank 0 (CPU copies), None elsewhere. Units are
-    gathered one at a time; tensor-parallel blocks of dp rank 0's group are joined over ``tp_comm``."""
-    rank0 = dp_rank == 0
+    gathered one at a time; the blocks of split parameters ([Note: split parameters] in ``zero/layout.py``) are
+    joined by the ranks of global rank 0's group: tensor-parallel blocks of dp rank 0 over ``tp_comm``, experts of
+    the first expert group (dp ranks ``0 .. E - 1``) over ``ep_comm``."""
+    layout = state.layout
+    first = dp_rank < layout.ep  # a rank whose blocks reach global rank 0 (dp rank 0 without expert parallelism)
     copies: dict[int, torch.Tensor] = {}
     for unit in runtime.units:
         with runtime.gathered([s.param for b in unit.buckets for s in b.slots]):
             for b in unit.buckets:
                 for s in b.slots:
-                    if rank0:
+                    if first:
                         copies[id(s.param)] = s.param.detach().to("cpu", copy=True)
-    if rank0 and tp_comm is not None:
-        for r in state.layout.records:
-            if r.tp_split:
+    if first:
+        for r in layout.records:
+            split = layout.block_of(r)
+            comm = None if split is None else tp_comm if r.tp_split else ep_comm
+            if comm is not None:
                 local = copies[id(r.param)] if id(r.param) in copies else r.param.detach()
-                copies[id(r.param)] = _join_blocks(tp_comm, local.to(device), r).cpu()
+                copies[id(r.param)] = _join_blocks(comm, local.to(device), r, split.placement).cpu()
     if rank != 0:
         return None
     module_state = state.module.state_dict(keep_vars=True)
     return {k: copies[id(v)] if id(v) in copies else v.detach().to("cpu", copy=True) for k, v in module_state.items()}
 
 
-def _join_blocks(tp_comm: Communicator, local: torch.Tensor, record: ParamRecord) -> torch.Tensor:
-    """The full tensor from every tp rank's block (collective over the tensor-parallel group)."""
-    t = tp_comm.size
+def _join_blocks(comm: Communicator, local: torch.Tensor, record: ParamRecord, placement: Any) -> torch.Tensor:
+    """The full tensor from every rank's block (collective over the tensor-parallel or expert group)."""
+    t = comm.size
     everyone = local.new_empty(t * local.numel())
-    tp_comm.all_gather(everyone, local.reshape(-1).contiguous(), what=f"blocks of {record.name!r}")
-    return assemble_blocks(everyone.view(t, *local.shape).unbind(0), record.tp)
+    comm.all_gather(everyone, local.reshape(-1).contiguous(), what=f"blocks of {record.name!r}")
+    return assemble_blocks(everyone.view(t, *local.shape).unbind(0), placement)
 
 
 def load_full_weights(state: TrainingState, source: Any, strict: bool, key_map: KeyMapper | None = None) -> None:

@@ -50,13 +50,14 @@ def install_expert_parallel(model: nn.Module, comm: Communicator) -> frozenset[i
     return frozenset(ids)
 
 
-def refuse_split_experts_checkpoint(ep: int, what: str) -> None:
-    """Checkpoints of a model whose experts are split are not built: refused before anything is written or read."""
-    if ep > 1:
+def refuse_split_experts_checkpoint(ep: int, stage: int, what: str) -> None:
+    """Checkpoints of a model whose experts are split are built at ZeRO stages 0-2 (each rank records which experts
+    it holds, [Note: split parameters] in ``zero/layout.py``); at stage 3 they are refused before anything is written
+    or read."""
+    if ep > 1 and stage == 3:
         raise ConfigError(
-            f"{what} with expert_parallel_size (ep_size) {ep} is not built: each rank holds other experts, and the "
-            "checkpoint format does not yet record which (checkpoints across expert layouts, issue 38 item 3); train "
-            "without expert parallelism to save, or keep the model's weights with torch.save per rank"
+            f"{what} with expert_parallel_size (ep_size) {ep} at ZeRO stage 3 is not built: the checkpoint of split "
+            "experts is built at stages 0-2 (docs/expert-parallel.md); save at stage 2, or without expert parallelism"
         )
 
 

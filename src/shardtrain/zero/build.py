@@ -23,6 +23,7 @@ from torch import nn
 
 from shardtrain.config.schema import ZeroConfig
 from shardtrain.distributed.communicator import Communicator
+from shardtrain.distributed.placement import TPPlacement
 from shardtrain.zero.guarded import guard_of
 from shardtrain.zero.init import construction_runtime, is_under_construction
 from shardtrain.zero.layout import Bucket, ParamRecord, ShardLayout, UnitBuckets, build_buckets, group_by_size
@@ -42,6 +43,8 @@ def build_layout(
     dp_comm: Communicator | None = None,
     device: torch.device | None = None,
     experts: tuple[frozenset[int], Communicator] | None = None,
+    ep: int = 1,
+    ep_rank: int = 0,
 ) -> ShardLayout:
     """Lay ``module``'s parameters out over the group of ``comm`` (see the module docstring).
 
@@ -51,7 +54,8 @@ def build_layout(
     from them; None: ``comm`` is the whole data-parallel group. ``device``: where stage-3 units are laid out, their
     parameters copied there unit by unit from wherever they are (see [Note: stage 3 from the host]). ``experts``:
     under expert parallelism, the ids of the expert parameters and the expert-data-parallel group they are laid out
-    over (see [Note: expert buckets]; stages 0-2)."""
+    over (see [Note: expert buckets]; stages 0-2), with ``ep`` and ``ep_rank`` the expert group's size and this rank's
+    index in it: their records say which experts this rank holds ([Note: split parameters] in ``zero/layout.py``)."""
     policy = ZeroPolicy.for_stage(zcfg.stage)
     sync = dp_comm if dp_comm is not None else comm
     replicas = sync.size // comm.size
@@ -77,6 +81,7 @@ def build_layout(
     _sync_initial_state(module, buckets, sync, experts)
     where = {id(s.param): (b, i) for b in buckets for i, s in enumerate(b.slots)}
     placements = dict(tp_placements or {})
+    expert_ids = experts[0] if experts is not None else frozenset()
     records = []
     for names, t in state_tensors(module):
         if not isinstance(t, nn.Parameter):
@@ -84,8 +89,15 @@ def build_layout(
         placement = next((placements[n] for n in names if n in placements), None)
         bucket, slot = where.get(id(t), (None, -1))
         shape = tuple(placement.global_shape) if placement is not None else tuple(t.shape)
-        records.append(ParamRecord(tuple(names), t, shape, placement, bucket, slot))
-    return ShardLayout(policy, sync.size, sync.rank, buckets, units, records, tp=tp, tp_rank=tp_rank, replicas=replicas)
+        split = None
+        if id(t) in expert_ids and ep > 1:  # this rank's experts, rows [ep_rank * n/E, (ep_rank + 1) * n/E)
+            shape = (shape[0] * ep, *shape[1:])
+            split = TPPlacement(0, 1, shape)
+        records.append(ParamRecord(tuple(names), t, shape, placement, bucket, slot, ep=split))
+    return ShardLayout(
+        policy, sync.size, sync.rank, buckets, units, records, tp=tp, tp_rank=tp_rank, replicas=replicas, ep=ep,
+        ep_rank=ep_rank,
+    )  # fmt: skip
 
 
 def _finish_construction(module: nn.Module, policy: ZeroPolicy, threshold: int) -> None:

@@ -188,13 +188,17 @@ class ParamRecord:
     """Every state-dict name of the parameter (a tied parameter has several; the first is canonical)."""
     param: nn.Parameter
     global_shape: tuple[int, ...]
-    """The whole tensor's shape across the tensor-parallel group (the local shape when not split)."""
+    """The whole tensor's shape across the tensor-parallel group, or across the expert group for an expert parameter
+    (every expert of the layer); the local shape when not split."""
     tp: Any = None
     """How tensor parallelism splits it (a ``TPPlacement``); None when every tp rank holds the same tensor."""
     bucket: Bucket | None = None
     """The flat bucket it lives in; None for a parameter held whole outside every bucket (frozen below stage 3,
     frozen and under the persistence threshold at stage 3)."""
     slot: int = -1
+    ep: Any = None
+    """How expert parallelism splits it (a ``TPPlacement`` on dim 0 over the expert group: rank ``ep_rank`` holds
+    experts ``[ep_rank * n/E, (ep_rank + 1) * n/E)``, [Note: split parameters]); None for a dense parameter."""
 
     @property
     def name(self) -> str:
@@ -213,6 +217,28 @@ class ParamRecord:
     @property
     def tp_split(self) -> bool:
         return self.tp is not None and self.tp.dim is not None
+
+    @property
+    def split(self) -> Any:
+        """The placement that cuts this rank's tensor out of the whole one (tensor- or expert-parallel), or None."""
+        return self.tp if self.tp_split else self.ep
+
+
+class SplitBlock(NamedTuple):
+    """[Note: split parameters]
+    A parameter is split one of two ways, each a block of the whole tensor along one dimension: by tensor
+    parallelism (``placement`` a column or row split, maybe strided, over the ``tp`` ranks) or by expert
+    parallelism (dim 0, one row per expert, over the ``E`` ranks of an expert group). Either way this rank holds
+    block ``index`` of ``count``, and the ``replicas`` ranks numbered ``replica`` among them (the data-parallel ranks,
+    or the expert-data-parallel ranks ``dp / E``) hold the same block: the checkpoint records a block and ZeRO's
+    fragments of it (``BlockFlatSlice``), weight loading reads the block, and a block held whole is written in
+    ``replicas`` shares. Nothing here depends on the ZeRO stage."""
+
+    placement: Any  # a TPPlacement: dim, stride, global_shape
+    index: int
+    count: int
+    replica: int
+    replicas: int
 
 
 class UnitBuckets(NamedTuple):
@@ -248,12 +274,26 @@ class ShardLayout:
     replicas: int = 1
     """Hybrid sharding: copies of every bucket's shards, one per group of ``dp // replicas`` ranks (each bucket's
     ``world``); 1 when the buckets are sharded over the whole data-parallel group."""
+    ep: int = 1
+    """Expert parallelism: the size ``E`` of an expert group ([Note: the expert axis]); 1 without it."""
+    ep_rank: int = 0
 
     def __post_init__(self) -> None:
         self._by_id = {id(r.param): r for r in self.records}
 
     def record_of(self, t: torch.Tensor) -> ParamRecord | None:
         return self._by_id.get(id(t))
+
+    def block_of(self, record: ParamRecord | None) -> SplitBlock | None:
+        """This rank's block of a split parameter ([Note: split parameters]), None for one held the same by every
+        rank of its tensor-parallel and expert groups."""
+        if record is None or record.split is None:
+            return None
+        if record.tp_split and record.ep is not None:
+            raise ValueError(f"{record.name!r} is split by both tensor and expert parallelism, which is not built")
+        if record.tp_split:
+            return SplitBlock(record.tp, self.tp_rank, self.tp, self.dp_rank, self.dp)
+        return SplitBlock(record.ep, self.ep_rank, self.ep, self.dp_rank // self.ep, self.dp // self.ep)
 
     @property
     def trainable_buckets(self) -> list[Bucket]:

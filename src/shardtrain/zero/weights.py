@@ -53,8 +53,8 @@ class Destination:
     shape: torch.Size
     targets: list[tuple[torch.Tensor, int]]
     block: TPBlock | None = None
-    """For a tensor split by tensor parallelism: this rank's block of it (``shape`` is the full shape; target starts
-    index the flattened block)."""
+    """For a tensor split by tensor or expert parallelism: this rank's block of it (``shape`` is the full shape;
+    target starts index the flattened block)."""
 
     def write_slice(self, flat_values: torch.Tensor, first: int) -> None:
         """Write values of the flattened tensor starting at element ``first`` (covering what we need)."""
@@ -126,8 +126,15 @@ def weight_destinations(module: torch.nn.Module, layout: ShardLayout, optimizer:
             master = optimizer.master_of(t)
             if master is not None:
                 targets.append((master.view(-1), start))
-        if record is not None and record.tp_split:
-            block = TPBlock(record.tp, layout.tp_rank, layout.tp)
+        split = layout.block_of(record)
+        if split is not None and record.ep is not None:
+            # a rank's experts are rows [index * n/E, (index + 1) * n/E) of dim 0: elements [first, first + numel /
+            # E) of the whole tensor, read as that range, so that a rank reads only its experts (from per-expert
+            # files too: [Note: converted rows])
+            first = split.index * (math.prod(record.global_shape) // split.count)
+            dests.append(Destination(names, torch.Size(record.global_shape), [(x, first + a) for x, a in targets]))
+        elif split is not None:  # [Note: split parameters]
+            block = TPBlock(split.placement, split.index, split.count)
             dests.append(Destination(names, torch.Size(record.global_shape), targets, block=block))
         else:
             dests.append(Destination(names, t.shape, targets))
@@ -136,7 +143,8 @@ def weight_destinations(module: torch.nn.Module, layout: ShardLayout, optimizer:
 
 @dataclass(frozen=True)
 class TPBlock:
-    """This rank's block (``index`` of ``count``) of a tensor split as ``placement`` says (a ``TPPlacement``)."""
+    """This rank's block (``index`` of ``count``) of a tensor split as ``placement`` says (a ``TPPlacement``): its
+    tensor-parallel block, or its experts."""
 
     placement: Any
     index: int

@@ -72,6 +72,7 @@ from typing import Any
 
 import torch
 
+from shardtrain.checkpoint.foreign.deepspeed_moe import AutoEPNames, check_expert_shapes
 from shardtrain.checkpoint.foreign.deepspeed_pickle import LossScalerState, load_deepspeed_file
 from shardtrain.checkpoint.format import (
     DTYPE_NAMES,
@@ -216,6 +217,7 @@ class DeepSpeedLayout:
         for key in ("module", "global_steps"):
             if key not in main:
                 raise CheckpointError(f"{where}: has no {key!r}; not a DeepSpeed model-states file")
+        self._autoep = AutoEPNames.of(main, d, where)  # [Note: DeepSpeed AutoEP checkpoints]
         optim_files: dict[int, dict[int, str]] = {m: {} for m in mp_ranks}  # tp rank -> dp rank -> file
         for p in d.glob("*_optim_states.pt"):
             m = _OPTIM_FILE.match(p.name)
@@ -228,6 +230,12 @@ class DeepSpeedLayout:
                     "some are missing"
                 )
         self.optim_files = [optim_files[0][r] for r in sorted(optim_files[0])]
+        if self._autoep is not None and (not self.optim_files or mp_ranks[1:]):
+            raise CheckpointError(
+                f"{d}: a DeepSpeed AutoEP checkpoint "
+                + ("with tensor parallelism" if self.optim_files else "at ZeRO stage 0 (expp_rank_*_optim_states.pt)")
+                + " is not read ([Note: DeepSpeed AutoEP checkpoints]); save the run at ZeRO stage 1 or 2"
+            )
         # per tensor-parallel rank: parameter name -> (its block there, or None when replicated; the logical shape)
         all_blocks = {m: self._tp_blocks(self._file(self._model_name(m)), m) for m in mp_ranks} if mp_ranks[1:] else {}
         blocks = all_blocks.get(0, {})
@@ -260,8 +268,9 @@ class DeepSpeedLayout:
         # everything not stepped by the optimizer: buffers and frozen parameters. A frozen parameter that tensor
         # parallelism splits is in every tensor-parallel rank's files, each holding its block.
         frozen_shapes = main.get("frozen_param_shapes") or {}
-        for name, value in module.items():
-            if name in shapes or name in shared:
+        for ds_name, value in module.items():
+            name = ds_name if self._autoep is None else self._autoep.model_name(ds_name)
+            if name is None or name in shapes or ds_name in shared:
                 continue
             block, logical = blocks.get(name, (None, None))
             tp_ranks = mp_ranks if block is not None else [0]
@@ -301,7 +310,7 @@ class DeepSpeedLayout:
                     tensors,
                     f"model/{name}",
                     self._model_name(m),
-                    ("module", name),
+                    ("module", ds_name),
                     0,
                     _within(mine, FlatSlice(0, value.numel())),
                 )
@@ -397,6 +406,16 @@ class DeepSpeedLayout:
         saved_groups = base["param_groups"]
         paddings = osd.get("param_alignment_paddings")
         for g, group_shapes in enumerate(param_shapes):
+            if self._autoep is not None and saved_groups[g].get("moe"):  # [Note: DeepSpeed AutoEP checkpoints]
+                if stage == 3:
+                    raise CheckpointError(f"{self.path}: a DeepSpeed AutoEP checkpoint at ZeRO stage 3 is not read")
+                counts = osd.get("partition_count")
+                count = counts[g] if isinstance(counts, list) else counts
+                self._expert_pieces(g, group_shapes, optim_files, count, masters, state_keys, base, paddings,
+                                    (tensors, shapes, dtypes, groups, kinds))  # fmt: skip
+                continue
+            if self._autoep is not None:  # the router under the model's name
+                group_shapes = {self._autoep.model_name(n) or n: v for n, v in group_shapes.items()}
             names = list(group_shapes)
             state_index = saved_groups[g]["params"][0]
             if mp_rank == 0:  # the same groups and names on every tensor-parallel rank
@@ -461,6 +480,68 @@ class DeepSpeedLayout:
                     f"{used}; the checkpoint is damaged or of a layout this reader does not know"
                 )
         return stage, world
+
+    def _expert_pieces(
+        self, g, group_shapes, optim_files, partitions, masters, state_keys, base, paddings, out
+    ) -> None:
+        """The pieces of the experts' param group ``g`` of a DeepSpeed AutoEP checkpoint at ZeRO stage 1-2: rank
+        ``r``'s part is partition ``r // E`` of expert group ``r % E``'s flat group, each local expert tensor a
+        slice of transformers' fused tensor ([Note: DeepSpeed AutoEP checkpoints])."""
+        tensors, shapes, dtypes, groups, kinds = out
+        ep, world = self._autoep.ep, len(optim_files)
+        where = str(self.path / optim_files[0])
+        if not isinstance(partitions, int) or partitions * ep != world:
+            raise CheckpointError(
+                f"{where}: the experts' param group {g} is partitioned over {partitions} ranks, but {world} ranks "
+                f"with ep_size {ep} hold {world // ep} copies of each expert; the checkpoint is damaged"
+            )
+        saved = base["param_groups"][g]
+        state_index = saved["params"][0]
+        state0 = base["state"].get(state_index, {})
+        elementwise = {k for k, v in state0.items() if torch.is_tensor(v) and v.dim() > 0}
+        scalar = _scalar_states(state0, saved, state_index, g)
+        kinds.update({k: "elementwise" for k in elementwise} | {k: "scalar" for k in scalar})
+        fused: list[str] = []
+        found: dict[str, dict[str, tuple[int, ...]]] = {}
+        dtype = self._tensor(_Source(optim_files[0], (*masters, g), 0)).dtype
+        for e in range(ep):
+            files = [optim_files[e + k * ep] for k in range(partitions)]  # expert group e's partitions, in order
+            lengths = [self._tensor(_Source(f, (*masters, g), 0)).numel() for f in files]
+            starts = [sum(lengths[:r]) for r in range(partitions)]
+            offset = 0
+            for i, (name, shape) in enumerate(group_shapes.items()):
+                shape = tuple(shape)
+                n = math.prod(shape)
+                x = self._autoep.expert(name, shape)
+                prefix, _, which = name.rpartition(".")
+                found.setdefault(prefix, {})[which] = shape
+                if x.name not in shapes:
+                    fused.append(x.name)
+                    shapes[x.name], dtypes[x.name] = x.global_shape, dtype
+                    for k in elementwise:
+                        self._optim_shapes[f"optim/{x.name}/{k}"] = (x.global_shape, state0[k].dtype)
+                    for k, (keys, kdtype, number) in scalar.items():
+                        self._piece(tensors, f"optim/{x.name}/{k}", optim_files[0], (*state_keys, *keys), 0,
+                                    FlatSlice(0, 1), number)  # fmt: skip
+                        self._optim_shapes[f"optim/{x.name}/{k}"] = ((), kdtype)
+                for r in range(partitions):
+                    lo, hi = max(offset, starts[r]), min(offset + n, starts[r] + lengths[r])
+                    if hi <= lo:
+                        continue
+                    piece, at = x.slice(e, lo - offset, hi - lo), lo - starts[r]
+                    self._piece(tensors, f"model/{x.name}", files[r], (*masters, g), at, piece)
+                    for k in elementwise:
+                        self._piece(tensors, f"optim/{x.name}/{k}", files[r], (*state_keys, "state", state_index, k),
+                                    at, piece)  # fmt: skip
+                offset += n + (paddings[g][i] if paddings is not None else 0)
+            have, align = sum(lengths), 2 * partitions
+            if -(-have // align) != -(-offset // align):
+                raise CheckpointError(
+                    f"{self.path}: the experts' param group {g} of expert group {e}: the parameters need {offset} "
+                    f"elements, the saved partitions hold {have}; the checkpoint is damaged"
+                )
+        check_expert_shapes(found, where)
+        groups.append({**_hyperparameters(saved), "params": fused})
 
     def _tp_blocks(self, main: dict, mp_rank: int) -> dict[str, tuple[BlockSlice | None, tuple[int, ...]]]:
         """[Note: DeepSpeed tensor parallelism]
@@ -658,6 +739,8 @@ class DeepSpeedLayout:
             "optimizer/param_groups": groups or None,  # None: no optimizer state to offer
             "optimizer/state_kinds": dict(sorted(kinds.items())),
         }
+        if self._autoep is not None:  # [Note: DeepSpeed AutoEP checkpoints]
+            objects["engine/topology"]["ep"] = self._autoep.ep
         for key, fname in (("hf/config", "config.json"), ("hf/generation_config", "generation_config.json")):
             for d in (self.path.parent, self.path):
                 if (d / fname).is_file():

@@ -45,8 +45,12 @@ def _place(param: nn.Parameter) -> tuple[Any, torch.Tensor, int, int] | None:
 
 
 def _global_shape(param: nn.Parameter) -> torch.Size:
+    """The parameter's shape across the tensor-parallel group; an expert parameter's is this rank's experts' (what
+    its fragments over the expert-data-parallel group cover)."""
     engine = engine_of(param)
     record = engine.layout.record_of(param) if engine is not None else None
+    if record is not None and record.ep is not None:
+        return torch.Size(record.ep.local_shape(engine.layout.ep))
     return torch.Size(record.global_shape) if record is not None else param.shape
 
 
