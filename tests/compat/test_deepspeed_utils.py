@@ -175,3 +175,60 @@ def test_utils_names_refused_and_clone_tensors_for_torch_save():
         _ = deepspeed.utils.safe_get_local_fp32_param
     with pytest.raises(deepspeed.NotProvidedError, match=r"deepspeed\.utils\.groups.*topology"):
         _ = deepspeed.utils.groups
+
+
+def _experts_run(stage: int, ep: int) -> dict:
+    """A tiny Mixtral under expert parallelism read through ``safe_get_full_*`` beside the same model and global
+    batch in one process (built in each rank): an expert parameter's whole tensor is this rank's experts', reduced
+    over the ranks holding the same experts, never summed with other experts."""
+    import transformers
+
+    import shardtrain.deepspeed as deepspeed
+    from shardtrain.deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+
+    def make():
+        torch.manual_seed(0)
+        cfg = transformers.MixtralConfig(
+            vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=4,
+            num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=16,
+            attn_implementation="eager", initializer_range=0.2,
+        )  # fmt: skip
+        return transformers.MixtralForCausalLM(cfg)
+
+    ids = torch.randint(0, 32, (world, 6), generator=torch.Generator().manual_seed(1))
+    one = make()
+    sum(one(input_ids=ids[r : r + 1], labels=ids[r : r + 1]).loss for r in range(world)).div(world).backward()
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "expert_parallel_size": ep,
+        "zero_optimization": {"stage": stage},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+        "steps_per_print": 10**6,
+    }
+    model = make()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    engine.backward(engine(input_ids=ids[rank : rank + 1], labels=ids[rank : rank + 1]).loss)
+    ep_rank, per = engine.shardtrain_engine.topology.ep_rank, 4 // ep
+    grads = {}
+    for (n, p), q in zip(model.named_parameters(), one.parameters(), strict=True):
+        want = q.grad[ep_rank * per : (ep_rank + 1) * per] if ".experts." in n else q.grad
+        grads[n] = (safe_get_full_grad(p), want)
+    engine.step()
+    after = {n: (safe_get_full_fp32_param(p), p.detach().clone()) for n, p in model.named_parameters()}
+    moments = {n: safe_get_full_optimizer_state(p, "exp_avg") for n, p in model.named_parameters()}
+    return {"grads": grads, "after": after, "moments": moments}
+
+
+@pytest.mark.parametrize(
+    ("stage", "world", "ep"), [(2, 2, 2), (1, 2, 2), pytest.param(2, 4, 2, marks=pytest.mark.soak)]
+)
+def test_safe_get_full_under_expert_parallelism(stage, world, ep):
+    for r in run_distributed(_experts_run, world, stage, ep):
+        assert any(".experts." in n for n in r["grads"])
+        for n, (got, want) in r["grads"].items():
+            assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-4, atol=1e-6), n
+        for n, (got, param) in r["after"].items():
+            assert torch.equal(got, param), n  # fp32 at stages 1-2: the master is the parameter after the step
+            assert r["moments"][n].shape == param.shape, n

@@ -4,8 +4,10 @@
 DeepSpeed's ``safe_get_full_fp32_param(p)`` (and ``_grad``, ``_optimizer_state``) is collective: each rank writes the
 fragment it owns of ``p`` into a zero tensor of ``p``'s shape, and an all-reduce over the ranks the fragments are
 spread across sums them into the whole tensor, on every rank. Here the fragment is the optimizer's (its fp32 master
-under mixed precision, else the fragment itself; :meth:`ShardedOptimizer.fragment_of`), the ranks are the optimizer's
-shard group, and the sum goes through shardtrain's communicator. At stage 0 every rank holds the whole tensor and
+under mixed precision, else the fragment itself; :meth:`ShardedOptimizer.fragment_of`), the ranks are its bucket's
+shard group (the optimizer's, or for an expert parameter under expert parallelism the expert-data-parallel group,
+whose ranks hold the same experts: the whole tensor is then this rank's experts', as in DeepSpeed-MoE), and the sum
+goes through shardtrain's communicator. At stage 0 every rank holds the whole tensor and
 nothing is communicated. ``safe_set_full_*`` is local: each rank copies its fragment's slice of the value given, as
 in DeepSpeed, so every rank must pass the same value. A parameter no engine steps (frozen, or of no engine built by
 ``shardtrain.deepspeed.initialize``) gives None, as a parameter without an fp32 copy does in DeepSpeed.
@@ -27,9 +29,9 @@ logger = logging.getLogger("shardtrain")
 """DeepSpeed's ``deepspeed.utils.logger``: here shardtrain's logger (``transformers`` sets its level)."""
 
 
-def _place(param: nn.Parameter) -> tuple[Any, torch.Tensor, int, int] | None:
-    """(sharded optimizer, what it steps for ``param``, first element, length) of ``param``'s fragment on this rank;
-    None for a parameter no engine steps."""
+def _place(param: nn.Parameter) -> tuple[Any, torch.Tensor, int, int, Any] | None:
+    """(sharded optimizer, what it steps for ``param``, first element, length, the communicator of the ranks the
+    fragments are spread across) of ``param``'s fragment on this rank; None for a parameter no engine steps."""
     engine = engine_of(param)
     if engine is None:
         return None
@@ -38,10 +40,11 @@ def _place(param: nn.Parameter) -> tuple[Any, torch.Tensor, int, int] | None:
     if place is None:
         return None
     _, bucket, i = place
+    comm = opt.expert_comm if bucket.expert and opt.expert_comm is not None else opt.comm
     if not opt.sharded:
-        return opt, opt.stepped_of(param), 0, param.numel()
+        return opt, opt.stepped_of(param), 0, param.numel(), comm
     f = bucket.fragments[i]
-    return opt, opt.stepped_of(param), f.start, f.length
+    return opt, opt.stepped_of(param), f.start, f.length, comm
 
 
 def _global_shape(param: nn.Parameter) -> torch.Size:
@@ -59,8 +62,9 @@ def safe_get_full_fp32_param(param: nn.Parameter) -> torch.Tensor | None:
     place = _place(param)
     if place is None:
         return None
-    opt, stepped, start, _ = place
-    return _whole_of(param, opt, opt.readable(stepped), start, f"safe_get_full_fp32_param of {tuple(param.shape)}")
+    opt, stepped, start, _, comm = place
+    what = f"safe_get_full_fp32_param of {tuple(param.shape)}"
+    return _whole_of(param, opt.sharded, comm, opt.readable(stepped), start, what)
 
 
 def safe_get_full_optimizer_state(param: nn.Parameter, optim_state_key: str) -> torch.Tensor | None:
@@ -70,16 +74,16 @@ def safe_get_full_optimizer_state(param: nn.Parameter, optim_state_key: str) -> 
     place = _place(param)
     if place is None:
         return None
-    opt, stepped, start, length = place
+    opt, stepped, start, length, comm = place
     value = opt.state_of(stepped).get(optim_state_key)
     has = torch.tensor([float(torch.is_tensor(value) and value.numel() == length)])
     if opt.sharded:  # every rank takes the same branch: some ranks own no element of a small parameter
-        opt.comm.all_reduce(has, op=Reduce.MAX, what=f"safe_get_full_optimizer_state {optim_state_key!r} present")
+        comm.all_reduce(has, op=Reduce.MAX, what=f"safe_get_full_optimizer_state {optim_state_key!r} present")
     if has.item() == 0:
         return None
     if not (torch.is_tensor(value) and value.numel() == length):
         value = torch.zeros(length, dtype=torch.float32, device=stepped.device)
-    return _whole_of(param, opt, value, start, f"safe_get_full_optimizer_state {optim_state_key!r}")
+    return _whole_of(param, opt.sharded, comm, value, start, f"safe_get_full_optimizer_state {optim_state_key!r}")
 
 
 def safe_get_full_grad(param: nn.Parameter) -> torch.Tensor | None:
@@ -89,23 +93,25 @@ def safe_get_full_grad(param: nn.Parameter) -> torch.Tensor | None:
     place = _place(param)
     if place is None:
         return None
-    opt, _, start, length = place
+    opt, _, start, length, comm = place
     _, bucket, i = opt.fragment_of(param)
     if not opt.sharded:
         grad = opt.reducer.param_grad(bucket, i)
     else:
         f = bucket.fragments[i]
         grad = opt.reducer.shard_grad(bucket)[f.shard_offset : f.shard_offset + length]
-    return _whole_of(param, opt, grad, start, f"safe_get_full_grad of {tuple(param.shape)}")
+    return _whole_of(param, opt.sharded, comm, grad, start, f"safe_get_full_grad of {tuple(param.shape)}")
 
 
-def _whole_of(param: nn.Parameter, opt: Any, fragment: torch.Tensor, start: int, what: str) -> torch.Tensor:
+def _whole_of(
+    param: nn.Parameter, sharded: bool, comm: Any, fragment: torch.Tensor, start: int, what: str
+) -> torch.Tensor:
     shape = _global_shape(param)
-    if not opt.sharded:
+    if not sharded:
         return fragment.detach().to(torch.float32, copy=True).reshape(shape)
     full = torch.zeros(shape.numel(), dtype=torch.float32, device=fragment.device)
     full[start : start + fragment.numel()] = fragment.detach().reshape(-1)
-    opt.comm.all_reduce(full, what=what)
+    comm.all_reduce(full, what=what)
     return full.reshape(shape)
 
 
@@ -123,7 +129,7 @@ def safe_set_full_fp32_param(param: nn.Parameter, value: torch.Tensor) -> None:
     place = _place(param)
     if place is None:
         return
-    opt, stepped, start, length = place
+    opt, stepped, start, length, _ = place
     with torch.no_grad():
         target = opt.readable(stepped)
         target.copy_(_fragment_of(value, param, start, length).reshape(target.shape))
@@ -140,7 +146,7 @@ def safe_set_full_optimizer_state(param: nn.Parameter, value: torch.Tensor, opti
     place = _place(param)
     if place is None:
         return
-    opt, stepped, start, length = place
+    opt, stepped, start, length, _ = place
     state = opt.state_of(stepped)
     if optim_state_key not in state:
         raise KeyError(f"safe_set_full_optimizer_state: the optimizer keeps no {optim_state_key!r} for this parameter "
