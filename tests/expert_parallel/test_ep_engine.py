@@ -119,6 +119,8 @@ def _train(
     first = {}  # the expert group's all-to-all bytes of the first micro-step (the routing recorded below)
     for step in range(steps):
         total = 0.0
+        if step == steps - 1:  # the last step's traffic by group: the unit order is recorded by now
+            engine.comm_stats(reset=True)
         for m in range(gas):
             ids = batches[step * gas + m][rank * MICRO : (rank + 1) * MICRO]
             loss, a = _forward(engine, ids)
@@ -130,13 +132,40 @@ def _train(
                 first = engine.comm_stats(by_group=True).get("ep", {"all_to_all": {"bytes": 0}})
         losses.append(total)
         norms.append(engine.get_global_grad_norm())
+    last = engine.comm_stats(by_group=True)
+    # each bucket: (expert, ranks it is sharded over, padded elements, bytes per element, gathered on use: the number
+    # of the layer its unit is, -1 for the root unit; None below stage 3 and for persistent buckets)
+    units = {b.index: u.name for u in engine._runtime.units for b in u.buckets}
+    layers = {name: int(name.rsplit(".", 1)[1]) if "layers." in name else -1 for name in units.values()}
+    geometry = [
+        (b.expert, b.world, b.padded_numel, b.shard.element_size(), layers.get(units.get(b.index)))
+        for b in engine.layout.buckets
+    ]
     for h in hooks:
         h.remove()
     counts = [torch.bincount(r, minlength=experts).tolist() for r in routed[: len(gates)]]  # the first forward
     held = {n: m.expert_range for n, m in model.named_modules() if hasattr(m, "expert_range")}
-    state = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+    with engine.gathered(model):  # stage 3: each rank's experts whole within its expert-data-parallel group
+        state = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
     out = {"losses": losses, "norms": norms, "aux": aux, "counts": counts, "held": held, "state": state}
+    out.update(last_step=last, geometry=geometry)
     out["first_ep_bytes"] = first["all_to_all"]["bytes"]
+    if ep > 1:
+        experts = model.model.layers[0].mlp.experts
+
+        def modify() -> None:
+            with engine.gathered(experts, modifier_rank=0):
+                pass
+
+        calls = [modify]
+        if stage == 3:  # checkpoints of split experts are built at stages 0-2
+            calls += [lambda: engine.save_checkpoint("/nonexistent-ep-dir"), engine.full_state_dict]
+        for call in calls:
+            try:
+                call()
+                out.setdefault("refused", []).append(None)
+            except ConfigError as err:
+                out.setdefault("refused", []).append(str(err))
     engine.close()
     return out
 
@@ -171,9 +200,15 @@ def _frozen_experts(world: int) -> dict:
 def _refusals(world: int) -> dict:
     """What is refused at initialize, by its words."""
     out = {}
+
+    def under_init():
+        with shardtrain.zero.Init():
+            return make_model("mixtral", 8)
+
     for name, build in {
         "dense model": lambda: torch.nn.Linear(4, 4),
         "experts not divisible": lambda: make_model("mixtral", 4) if world == 3 else None,
+        "built under zero.Init": under_init if world == 2 else lambda: None,
     }.items():
         model = build()
         if model is None:
@@ -181,7 +216,7 @@ def _refusals(world: int) -> dict:
         try:
             shardtrain.initialize(
                 model,
-                config={"train_micro_batch_size_per_gpu": 1, "expert_parallel_size": world},
+                config={"train_micro_batch_size_per_gpu": 1, "expert_parallel_size": world, **UNITS},
                 optimizer=torch.optim.AdamW(model.parameters()),
             )
             out[name] = None
@@ -232,6 +267,10 @@ def _assert_parity(results: list[dict], ref: dict, ep: int, bf16: bool, what: st
         assert err <= 5e-3 * moved, f"{what}: {k}: error {err:.3g} vs distance moved {moved:.3g}"
 
 
+# ZeRO-3 with every parameter in a unit (gathered on use), and with the small ones (norms, router) persistent
+UNITS = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+MIXED = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 200}}
+
 # (kind, experts, ep, stage, steps, gas, clip, bf16[, more config])
 WORLD2 = [
     ("mixtral", 8, 2, 1, 3, 2, 0.5, False),  # clipping, gradient accumulation
@@ -240,15 +279,20 @@ WORLD2 = [
     # DeepSpeed's prescaling: divided by the factor before the sums, the rest of each group's average after
     ("mixtral", 8, 2, 2, 2, 1, 0.0, False, {"gradient_predivide_factor": 4.0}),
     ("mixtral", 8, 2, 1, 2, 1, 0.0, False, {"prescale_gradients": True}),
+    ("mixtral", 8, 2, 3, 2, 2, 0.5, False, UNITS),  # stage 3: expert units of their own; clipping, accumulation
+    ("mixtral", 8, 2, 3, 2, 1, 0.5, True, MIXED),  # stage 3 in bf16, small parameters persistent
 ]
 WORLD3 = [
     ("qwen3_moe", 6, 3, 2, 3, 1, 0.5, False),  # 6 experts over 3 ranks
     ("qwen3_moe", 6, 1, 2, 2, 1, 0.0, False),  # ep 1 x dp 3: plain data parallelism, experts whole
+    ("qwen3_moe", 6, 3, 3, 2, 1, 0.5, False, UNITS),  # stage 3, 6 experts over 3 ranks
 ]
 WORLD4 = [
     ("mixtral", 8, 2, 2, 2, 2, 0.5, False),  # ep 2 x dp 2: expert buckets over 2 ranks, dense over 4
     ("mixtral", 8, 2, 0, 2, 1, 0.5, False),
     ("mixtral", 8, 4, 1, 2, 1, 0.5, False),
+    ("mixtral", 8, 2, 3, 2, 1, 0.5, False, UNITS),  # stage 3: expert units sharded over 2 ranks, dense over 4
+    ("mixtral", 8, 2, 3, 2, 2, 0.5, True, MIXED),
 ]
 
 
@@ -280,8 +324,43 @@ def test_ep3_with_six_experts_and_ep1_train_like_one_process(world3):
 
 @pytest.mark.soak
 def test_ep_with_data_parallel_replicas_trains_like_one_process():
-    runs = run_distributed(_runs, 4, 4, WORLD4, timeout=600)
+    runs = run_distributed(_runs, 4, 4, WORLD4, timeout=900)
     _check_cases(runs, WORLD4)
+    _check_stage3_traffic([r[0][3] for r in runs], ep=2, layers=2, gas=1)
+
+
+def _check_stage3_traffic(results: list[dict], ep: int, layers: int, gas: int) -> None:
+    """ZeRO-3 under expert parallelism, every parameter in a unit: each layer's expert parameters are buckets of their
+    own, sharded over the dp / ep ranks holding the same experts, dense ones over all dp ranks; the last step's
+    gathers and reduce-scatters of each group are those of its units' buckets, and nothing else (docs/expert-
+    parallel.md). Per micro-step every unit is gathered in forward and again in backward, but the last layer and the
+    root, kept gathered from forward to backward ([Note: kept after forward]), and reduce-scattered once."""
+    world = len(results)
+    for r in results:
+        geometry = r["geometry"]
+        expert = [g for g in geometry if g[0]]
+        assert len(expert) == layers and {g[1] for g in expert} == {world // ep}, geometry
+        assert {g[4] for g in expert} == set(range(layers)), geometry  # in the layers' units, none persistent
+        assert all(g[1] == world for g in geometry if not g[0]), geometry
+        for group, buckets in (("edp", expert), ("shard", [g for g in geometry if not g[0]])):
+            n = buckets[0][1]
+            ring = {g: g[2] * g[3] * (n - 1) // n for g in buckets}
+            kept = {g for g in buckets if g[4] in (layers - 1, -1)}
+            gathers = gas * sum(ring[g] * (1 if g in kept else 2) for g in buckets)
+            stats = r["last_step"].get(group, {})
+            if n == 1:  # a group of one has nothing to exchange
+                assert all(v["bytes"] == 0 for v in stats.values()), (group, stats)
+                continue
+            assert stats["all_gather"]["bytes"] == gathers, (group, stats, gathers)
+            assert stats["reduce_scatter"]["bytes"] == gas * sum(ring.values()), (group, stats)
+        assert set(r["last_step"]["edp"]) <= {"all_gather", "reduce_scatter"}, r["last_step"]["edp"]
+
+
+def test_stage3_lays_each_layer_s_experts_out_over_the_ranks_holding_them(world2, world3):
+    # at world 2 and 3 every rank of an expert group holds other experts: expert units of one rank each, their
+    # gathers and reductions local; the dense units over every rank
+    _check_stage3_traffic([r[0][5] for r in world2], ep=2, layers=2, gas=2)
+    _check_stage3_traffic([r[0][2] for r in world3], ep=3, layers=2, gas=1)
 
 
 def test_an_expert_that_gets_no_token_from_a_rank(world2):
@@ -316,8 +395,22 @@ def test_experts_are_split_over_the_expert_group(world2, world3):
     assert all(r[0][1]["held"] == {} for r in world3)  # ep 1: nothing split
 
 
+def test_modifier_rank_on_experts_and_stage3_checkpoints_are_refused(world2):
+    for case in (0, 5):  # stage 1 and stage 3
+        refused = world2[0][0][case]["refused"]
+        assert len(refused) == (3 if case == 5 else 1) and all(r is not None for r in refused), refused
+        # one rank's experts copied to every rank would overwrite the other experts of the same shape
+        assert "modifier_rank=...) with expert_parallel_size (ep_size) 2 includes expert parameters" in refused[0]
+        assert "model.layers.0.mlp.experts.gate_up_proj" in refused[0]
+    refused = world2[0][0][5]["refused"]
+    assert "save_checkpoint with expert_parallel_size (ep_size) 2 at ZeRO stage 3 is not built" in refused[1]
+    assert "full_state_dict() with expert_parallel_size (ep_size) 2 at ZeRO stage 3 is not built" in refused[2]
+
+
 def test_a_model_without_experts_and_an_indivisible_expert_count_are_refused(world2, world3):
     assert "has no experts module" in world2[0][1][0]["dense model"]
+    built = world2[0][1][0]["built under zero.Init"]
+    assert "expert_parallel_size (ep_size) 2 with a model built under shardtrain.zero.Init() or on meta" in built
     message = world3[0][1][0]["experts not divisible"]
     assert "has 4 experts (num_experts), which do not split over expert_parallel_size (ep_size) 3" in message
 

@@ -45,7 +45,11 @@ def test_without_expert_parallelism_there_is_no_expert_group():
         ({"expert_parallel_size": 3}, 4, "expert_parallel_size (ep_size) 3 does not divide the data-parallel size 4"),
         ({"expert_parallel_size": 2, "tensor_parallel": {"size": 2}}, 4, "with tensor parallelism"),
         ({"expert_parallel_size": 2, "sequence_parallel_size": 2}, 4, "with sequence parallelism"),
-        ({"expert_parallel_size": 2, "zero_optimization": {"stage": 3}}, 2, "with ZeRO stage 3"),
+        (
+            {"expert_parallel_size": 2, "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}},
+            4,
+            "with ZeRO++ hpZ (zero_optimization.zero_hpz_partition_size 2)",
+        ),
         (
             {"expert_parallel_size": 2, "zero_optimization": {"stage": 2, "mics_shard_size": 1}},
             2,

@@ -806,7 +806,10 @@ def check_expert_layout(cfg: Config, dp: int) -> None:
     refused = [
         (cfg.tensor_parallel.degree > 1, f"tensor parallelism (tensor_parallel.size {cfg.tensor_parallel.degree})"),
         (cfg.sequence_parallel_size > 1, f"sequence parallelism (sequence_parallel_size {cfg.sequence_parallel_size})"),
-        (zcfg.stage == 3, "ZeRO stage 3 (expert parameters are laid out in buckets of their own at stages 0-2)"),
+        (
+            zcfg.stage == 3 and zcfg.zero_hpz_partition_size > 1,
+            f"ZeRO++ hpZ (zero_optimization.zero_hpz_partition_size {zcfg.zero_hpz_partition_size})",
+        ),
         (zcfg.mics_shard_size != -1, f"hybrid sharding (zero_optimization.mics_shard_size {zcfg.mics_shard_size})"),
         (zcfg.offload_optimizer.device != "none", f"offload_optimizer.device {zcfg.offload_optimizer.device!r}"),
         (zcfg.offload_param.device != "none", f"offload_param.device {zcfg.offload_param.device!r}"),

@@ -238,6 +238,7 @@ def _build(
         check_group=topology.host_shard_group,
         secondary=secondary,
         source=param_offload,
+        expert_comm=comms.edp,
     )
     offload = zcfg.offload_optimizer
     streams = host_copies.copy_streams(topology.device) if offload.device != "none" else None

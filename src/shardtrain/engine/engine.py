@@ -59,7 +59,7 @@ from shardtrain.expert_parallel import install_expert_parallel, refuse_split_exp
 from shardtrain.tensor_parallel import check_same_batch, parallelize
 from shardtrain.tensor_parallel.parallelize import check_replicated_gradients
 from shardtrain.zero.host_read import HostRead
-from shardtrain.zero.init import is_deferred, materialize_deferred, record_initialization
+from shardtrain.zero.init import is_deferred, is_under_construction, materialize_deferred, record_initialization
 from shardtrain.zero.optimizer import check_optimizer
 from shardtrain.zero.precision import check_parameter_dtypes, policy_from_config
 from shardtrain.zero.weights import KeyMapper
@@ -539,6 +539,8 @@ class Engine:
             params = [target]
         else:
             params = list(target)
+        if modifier_rank is not None:
+            self._refuse_expert_modifier(params)
         if self._runtime.units or modifier_rank is not None:  # it gathers or broadcasts
             self._agree("gathered")
         with self._runtime.gathered(params) as units:
@@ -556,6 +558,21 @@ class Engine:
                             lo, hi = b.shard_range
                             b.shard.copy_(b.flat_param[lo:hi])
                     self._optimizer.refresh_masters(params)
+
+    def _refuse_expert_modifier(self, params: list[nn.Parameter]) -> None:
+        """One rank's values copied to every rank would overwrite the other ranks' experts (their expert parameters
+        have the same shapes and hold other experts): refused by name, the same verdict on every rank."""
+        if self.topology.ep == 1:
+            return
+        split = {id(p) for m in self.module.modules() if hasattr(m, "expert_range") for p in m.parameters()}
+        experts = [r.name for p in params if id(p) in split and (r := self.layout.record_of(p)) is not None]
+        if experts:
+            raise ConfigError(
+                f"engine.gathered(..., modifier_rank=...) with expert_parallel_size (ep_size) {self.topology.ep} "
+                f"includes expert parameters ({', '.join(experts[:3])}{', ...' if len(experts) > 3 else ''}): each "
+                "rank of an expert group holds other experts, so one rank's values cannot be copied to every rank; "
+                "pass only dense parameters, or change the experts on every rank without modifier_rank"
+            )
 
 
 # -- initialize -------------------------------------------------------------------------------------
@@ -654,10 +671,11 @@ def _build(
             )
     experts = None
     if topology.ep > 1:  # each rank keeps its experts of rank 0's model (see [Note: the expert axis])
-        if deferred:
+        if deferred or any(is_under_construction(p) for p in model.parameters()):
             raise ConfigError(
                 f"expert_parallel_size (ep_size) {topology.ep} with a model built under shardtrain.zero.Init() or on "
-                "meta is not built; build the model in memory (docs/expert-parallel.md)"
+                "meta is not built: each rank keeps its experts of the whole model, which sharded construction never "
+                "holds; build the model in memory (docs/expert-parallel.md)"
             )
         ep_comm = Communicator(topology.ep_group, topology.timeout_s)
         broadcast_model(model, Communicator(topology.dp_group, topology.timeout_s), split="expert-parallel")

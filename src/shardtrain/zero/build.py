@@ -54,30 +54,32 @@ def build_layout(
     from them; None: ``comm`` is the whole data-parallel group. ``device``: where stage-3 units are laid out, their
     parameters copied there unit by unit from wherever they are (see [Note: stage 3 from the host]). ``experts``:
     under expert parallelism, the ids of the expert parameters and the expert-data-parallel group they are laid out
-    over (see [Note: expert buckets]; stages 0-2), with ``ep`` and ``ep_rank`` the expert group's size and this rank's
-    index in it: their records say which experts this rank holds ([Note: split parameters] in ``zero/layout.py``)."""
+    over (see [Note: expert buckets]; at stage 3 each unit's expert parameters are buckets of their own in it), with
+    ``ep`` and ``ep_rank`` the expert group's size and this rank's index in it: their records say which experts this
+    rank holds ([Note: split parameters] in ``zero/layout.py``)."""
     policy = ZeroPolicy.for_stage(zcfg.stage)
     sync = dp_comm if dp_comm is not None else comm
     replicas = sync.size // comm.size
     _finish_construction(module, policy, zcfg.stage3_param_persistence_threshold)
+    expert_ids, expert_comm = experts if experts is not None else (frozenset(), comm)
     units: list[UnitBuckets] = []
     if policy.shard_parameters:
-        units, persistent = _plan_units(module, zcfg, comm, sync, device)
+        units, outside = _plan_units(module, zcfg, comm, sync, device, (expert_ids, expert_comm))
         buckets = [b for u in units for b in u.buckets]
-        buckets += build_buckets(
-            group_by_size(persistent, zcfg.reduce_bucket_size), comm.size, comm.rank, first_index=len(buckets)
-        )
     else:
-        trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        expert_ids, expert_comm = experts if experts is not None else (frozenset(), comm)
-        dense = [(n, p) for n, p in trainable if id(p) not in expert_ids]
-        buckets = build_buckets(group_by_size(dense, zcfg.reduce_bucket_size), comm.size, comm.rank)
-        if expert_ids:  # see [Note: expert buckets]
-            moe = [(n, p) for n, p in trainable if id(p) in expert_ids]
-            grouped = group_by_size(moe, zcfg.reduce_bucket_size)
-            for b in build_buckets(grouped, expert_comm.size, expert_comm.rank, first_index=len(buckets)):
-                b.expert = True
-                buckets.append(b)
+        outside = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        buckets = []
+    # below stage 3 every trainable parameter, at stage 3 the persistent ones: size-based buckets
+    dense = [(n, p) for n, p in outside if id(p) not in expert_ids]
+    buckets += build_buckets(
+        group_by_size(dense, zcfg.reduce_bucket_size), comm.size, comm.rank, first_index=len(buckets)
+    )
+    moe = [(n, p) for n, p in outside if id(p) in expert_ids]
+    if moe:  # see [Note: expert buckets]
+        grouped = group_by_size(moe, zcfg.reduce_bucket_size)
+        for b in build_buckets(grouped, expert_comm.size, expert_comm.rank, first_index=len(buckets)):
+            b.expert = True
+            buckets.append(b)
     _sync_initial_state(module, buckets, sync, experts)
     where = {id(s.param): (b, i) for b in buckets for i, s in enumerate(b.slots)}
     placements = dict(tp_placements or {})
@@ -114,12 +116,20 @@ def _finish_construction(module: nn.Module, policy: ZeroPolicy, threshold: int) 
 
 
 def _plan_units(
-    module: nn.Module, zcfg: ZeroConfig, comm: Communicator, sync: Communicator, device: torch.device | None = None
+    module: nn.Module,
+    zcfg: ZeroConfig,
+    comm: Communicator,
+    sync: Communicator,
+    device: torch.device | None = None,
+    experts: tuple[frozenset[int], Communicator] | None = None,
 ) -> tuple[list[UnitBuckets], list[tuple[str, nn.Parameter]]]:
     """Stage 3: each unit's buckets in expected backward order, and the persistent parameters.
 
     Units are ordered last block first and the root last, the order their gradients complete in backward,
-    because reductions are launched in bucket order (see [Note: collective order])."""
+    because reductions are launched in bucket order (see [Note: collective order]). ``experts``: the expert
+    parameters' ids and their expert-data-parallel group; a unit's expert parameters get buckets of their own in it,
+    sharded over, gathered within and reduced over that group (see [Note: expert buckets])."""
+    expert_ids, expert_comm = experts if experts is not None else (frozenset(), comm)
     unit_modules = find_unit_modules(module, zcfg.stage3_unit_classes)
     groups = assign_parameters(module, unit_modules)
     threshold = zcfg.stage3_param_persistence_threshold
@@ -130,16 +140,22 @@ def _plan_units(
     specs: list[UnitBuckets] = []
     index = 0
     for (name, m), params in zip(named, params_of):
-        by_kind: dict[tuple[torch.dtype, bool], list[tuple[str, nn.Parameter]]] = {}
-        for n, p in params:  # trainable and frozen parameters in buckets of their own
+        by_kind: dict[tuple[torch.dtype, bool, bool], list[tuple[str, nn.Parameter]]] = {}
+        for n, p in params:  # trainable and frozen, dense and expert parameters in buckets of their own
             if p.numel() >= threshold:
-                by_kind.setdefault((p.dtype, p.requires_grad), []).append((n, p))
+                by_kind.setdefault((p.dtype, p.requires_grad, id(p) in expert_ids), []).append((n, p))
         if not by_kind:
             continue
         # one unit at a time: its full buffer exists only until rank 0's values are in and the shard is cut
-        buckets = build_buckets(list(by_kind.values()), comm.size, comm.rank, first_index=index, device=device)
+        dense = [g for (_, _, moe), g in by_kind.items() if not moe]
+        moe = [g for (_, _, moe), g in by_kind.items() if moe]
+        buckets = build_buckets(dense, comm.size, comm.rank, first_index=index, device=device)
+        for b in build_buckets(moe, expert_comm.size, expert_comm.rank, first_index=index + len(dense), device=device):
+            b.expert = True
+            buckets.append(b)
         for b in buckets:
-            sync.broadcast(b.flat_param, 0, what=f"initial parameters of unit {name!r}")
+            # expert parameters from the first rank holding the same experts: the others of sync hold other experts
+            (expert_comm if b.expert else sync).broadcast(b.flat_param, 0, what=f"initial parameters of unit {name!r}")
             lo, hi = b.shard_range
             b.shard = b.flat_param[lo:hi].clone()
             b.gather_after_step = False

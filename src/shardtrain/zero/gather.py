@@ -57,11 +57,15 @@ class UnitGathers:
         check_group: dist.ProcessGroup | None = None,
         secondary: SecondaryShards | None = None,
         source: ShardSource | None = None,
+        expert_comm: Communicator | None = None,
     ) -> None:
         """``comm``: the group the units are sharded over; ``check_group``: the host-side group of ``comm``'s ranks,
         for [Note: unit order check] (None: ``comm``'s own group); ``secondary``: ZeRO++ hpZ's secondary shards,
-        which backward gathers read ([Note: secondary shards]); ``source``: the shards' swap files."""
+        which backward gathers read ([Note: secondary shards]); ``source``: the shards' swap files;
+        ``expert_comm``: under expert parallelism, the expert-data-parallel group the units' expert buckets are
+        sharded over and gathered within ([Note: expert buckets] in :mod:`shardtrain.zero.layout`)."""
         self.units, self.comm, self.gather_check = units, comm, gather_check
+        self.expert_comm = expert_comm
         self.secondary, self.source = secondary, source
         # the unit-order check's exchange: over the host-side group; when that is comm's own group (gloo), with
         # comm, so that its calls stay in engine.comm_stats() (under NCCL they are counted apart)
@@ -152,13 +156,12 @@ class UnitGathers:
         secondary = self.backward and self.secondary is not None and self.secondary.usable(unit)
         for i, b in enumerate(unit.buckets):
             b.flat_param.untyped_storage().resize_(b.padded_numel * b.flat_param.element_size())
+            comm = self.expert_comm if b.expert and self.expert_comm is not None else self.comm
             with torch.autograd._unsafe_preserve_version_counter(b.flat_param):
                 unit.pending.append(
                     self.secondary.all_gather(unit, i)
                     if secondary
-                    else self.comm.all_gather(
-                        b.flat_param, b.shard, what=f"parameters of unit {unit.name!r}", async_op=True
-                    )
+                    else comm.all_gather(b.flat_param, b.shard, what=f"parameters of unit {unit.name!r}", async_op=True)
                 )
         unit.state = UnitState.GATHERING
         unit.gathers += 1

@@ -145,10 +145,13 @@ class EagerRuntime(Runtime):
         check_group: dist.ProcessGroup | None = None,
         secondary: SecondaryShards | None = None,
         source: ShardSource | None = None,
+        expert_comm: Communicator | None = None,
     ) -> None:
         """``check_group``: the host-side group of ``comm``'s ranks, for [Note: unit order check] (None: ``comm``'s
         own group); ``secondary``: ZeRO++ hpZ's secondary shards ([Note: secondary shards]); ``source``: where the
-        shards are read from before a gather (parameter offload). The last three go to the gather service."""
+        shards are read from before a gather (parameter offload); ``expert_comm``: the group expert buckets are
+        gathered within ([Note: expert buckets] in :mod:`shardtrain.zero.layout`). The last four go to the gather
+        service."""
         self.root, self.comm = root, comm
         self.prefetch_numel, self.gather_check = prefetch_numel, gather_check
         self._units: list[Unit] = []
@@ -164,7 +167,7 @@ class EagerRuntime(Runtime):
             unit.state = UnitState.SHARDED
         self.index_storages()
         # every gather and release of a unit, its state and the unit-order check ([Note: one gather service])
-        self.gathers = UnitGathers(self._units, comm, gather_check, check_group, secondary, source)
+        self.gathers = UnitGathers(self._units, comm, gather_check, check_group, secondary, source, expert_comm)
         self._forward_depth = 0  # unit or root forwards running (parameters may be gathered on demand)
         self._pushed: list[_SavedTensorHooks | None] = []  # per running forward hook, what it pushed
         self._fwd_order: list[int] | None = None  # recorded on the first forward (see [Note: unit lifecycle])
