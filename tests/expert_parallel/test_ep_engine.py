@@ -148,7 +148,7 @@ def _train(
     with engine.gathered(model):  # stage 3: each rank's experts whole within its expert-data-parallel group
         state = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
     out = {"losses": losses, "norms": norms, "aux": aux, "counts": counts, "held": held, "state": state}
-    out.update(last_step=last, geometry=geometry)
+    out.update(last_step=last, geometry=geometry, offloaded=engine._optimizer.offload is not None)
     out["first_ep_bytes"] = first["all_to_all"]["bytes"]
     if ep > 1:
         experts = model.model.layers[0].mlp.experts
@@ -271,6 +271,26 @@ def _assert_parity(results: list[dict], ref: dict, ep: int, bf16: bool, what: st
 UNITS = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
 MIXED = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 200}}
 
+
+def offload(stage: int, device: str = "cpu", **zero) -> dict:
+    """The optimizer's state and step on the host (``offload_optimizer.device: cpu``) or in swap files (``nvme``, in
+    the directory :func:`_with_swap_dir` fills in)."""
+    section = {"device": device, **({"nvme_path": "<swap dir>"} if device == "nvme" else {})}
+    return {"zero_optimization": {"stage": stage, "offload_optimizer": section, **zero}}
+
+
+def _with_swap_dir(cases: list[tuple], path: str) -> list[tuple]:
+    """``cases`` with their swap directory (nvme offload) set to ``path``."""
+    out = []
+    for case in cases:
+        section = case[8].get("zero_optimization", {}).get("offload_optimizer", {}) if len(case) > 8 else {}
+        if section.get("device") == "nvme":
+            zero = {**case[8]["zero_optimization"], "offload_optimizer": {**section, "nvme_path": path}}
+            case = (*case[:8], {**case[8], "zero_optimization": zero})
+        out.append(case)
+    return out
+
+
 # (kind, experts, ep, stage, steps, gas, clip, bf16[, more config])
 WORLD2 = [
     ("mixtral", 8, 2, 1, 3, 2, 0.5, False),  # clipping, gradient accumulation
@@ -281,11 +301,14 @@ WORLD2 = [
     ("mixtral", 8, 2, 1, 2, 1, 0.0, False, {"prescale_gradients": True}),
     ("mixtral", 8, 2, 3, 2, 2, 0.5, False, UNITS),  # stage 3: expert units of their own; clipping, accumulation
     ("mixtral", 8, 2, 3, 2, 1, 0.5, True, MIXED),  # stage 3 in bf16, small parameters persistent
+    ("mixtral", 8, 2, 1, 2, 2, 0.5, False, offload(1)),  # optimizer offload
+    ("mixtral", 8, 2, 3, 2, 1, 0.5, True, offload(3, "nvme", stage3_param_persistence_threshold=0)),
 ]
 WORLD3 = [
     ("qwen3_moe", 6, 3, 2, 3, 1, 0.5, False),  # 6 experts over 3 ranks
     ("qwen3_moe", 6, 1, 2, 2, 1, 0.0, False),  # ep 1 x dp 3: plain data parallelism, experts whole
     ("qwen3_moe", 6, 3, 3, 2, 1, 0.5, False, UNITS),  # stage 3, 6 experts over 3 ranks
+    ("qwen3_moe", 6, 3, 2, 2, 1, 0.5, False, offload(2)),
 ]
 WORLD4 = [
     ("mixtral", 8, 2, 2, 2, 2, 0.5, False),  # ep 2 x dp 2: expert buckets over 2 ranks, dense over 4
@@ -293,12 +316,14 @@ WORLD4 = [
     ("mixtral", 8, 4, 1, 2, 1, 0.5, False),
     ("mixtral", 8, 2, 3, 2, 1, 0.5, False, UNITS),  # stage 3: expert units sharded over 2 ranks, dense over 4
     ("mixtral", 8, 2, 3, 2, 2, 0.5, True, MIXED),
+    ("mixtral", 8, 2, 2, 2, 1, 0.5, False, offload(2)),
+    ("mixtral", 8, 2, 3, 2, 1, 0.5, False, offload(3, "nvme", stage3_param_persistence_threshold=0)),
 ]
 
 
 @pytest.fixture(scope="module")
-def world2():
-    return run_distributed(_runs, 2, 2, WORLD2, timeout=300)
+def world2(tmp_path_factory):
+    return run_distributed(_runs, 2, 2, _with_swap_dir(WORLD2, str(tmp_path_factory.mktemp("swap"))), timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -310,6 +335,8 @@ def _check_cases(runs: list, cases: list[tuple]) -> None:
     for i, case in enumerate(cases):
         kind, experts, ep, stage, steps, gas, clip, bf16 = case[:8]
         results = [r[0][i] for r in runs]
+        offloaded = len(case) > 8 and "offload_optimizer" in case[8].get("zero_optimization", {})
+        assert all(r["offloaded"] == offloaded for r in results), case  # the optimizer stepped on the host
         ref = reference(kind, experts, len(runs), steps, gas, clip, bf16)
         _assert_parity(results, ref, ep, bf16, f"{kind} ep {ep} stage {stage}{' bf16' if bf16 else ''}")
 
@@ -323,8 +350,8 @@ def test_ep3_with_six_experts_and_ep1_train_like_one_process(world3):
 
 
 @pytest.mark.soak
-def test_ep_with_data_parallel_replicas_trains_like_one_process():
-    runs = run_distributed(_runs, 4, 4, WORLD4, timeout=900)
+def test_ep_with_data_parallel_replicas_trains_like_one_process(tmp_path):
+    runs = run_distributed(_runs, 4, 4, _with_swap_dir(WORLD4, str(tmp_path)), timeout=900)
     _check_cases(runs, WORLD4)
     _check_stage3_traffic([r[0][3] for r in runs], ep=2, layers=2, gas=1)
 

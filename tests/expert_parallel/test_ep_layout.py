@@ -56,9 +56,9 @@ def test_without_expert_parallelism_there_is_no_expert_group():
             "with hybrid sharding",
         ),
         (
-            {"expert_parallel_size": 2, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
+            {"expert_parallel_size": 2, "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}},
             2,
-            "offload_optimizer.device 'cpu'",
+            "offload_param.device 'cpu'",
         ),
         ({"expert_parallel_size": 2, "graph": {"enabled": True}}, 2, "with graph mode"),
     ],
