@@ -98,6 +98,10 @@ def _train(
     norms, the tokens each expert got from this rank per layer, its state dict and the experts it holds."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model = make_model(kind, experts)
+    extra = dict(extra or {})
+    if extra.pop("activation_checkpointing", False):  # transformers' own: each layer's forward again in backward
+        model.gradient_checkpointing_enable()
+        model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     config = {
         "train_micro_batch_size_per_gpu": MICRO,
@@ -107,7 +111,7 @@ def _train(
         "expert_parallel_size": ep,
         "bf16": {"enabled": bf16},
         "collective_timeout_s": 120.0,
-        **(extra or {}),
+        **extra,
     }
     engine = shardtrain.initialize(model, config=config, optimizer=opt)
     routed: list[torch.Tensor] = []
@@ -300,9 +304,12 @@ WORLD2 = [
     ("mixtral", 8, 2, 2, 2, 1, 0.0, False, {"gradient_predivide_factor": 4.0}),
     ("mixtral", 8, 2, 1, 2, 1, 0.0, False, {"prescale_gradients": True}),
     ("mixtral", 8, 2, 3, 2, 2, 0.5, False, UNITS),  # stage 3: expert units of their own; clipping, accumulation
-    ("mixtral", 8, 2, 3, 2, 1, 0.5, True, MIXED),  # stage 3 in bf16, small parameters persistent
     ("mixtral", 8, 2, 1, 2, 2, 0.5, False, offload(1)),  # optimizer offload
     ("mixtral", 8, 2, 3, 2, 1, 0.5, True, offload(3, "nvme", stage3_param_persistence_threshold=0)),
+    # transformers' gradient checkpointing: each layer's token exchange runs again in backward
+    ("mixtral", 8, 2, 2, 2, 2, 0.5, False, {"activation_checkpointing": True}),
+    # stage 3 in bf16, small parameters persistent
+    ("mixtral", 8, 2, 3, 2, 1, 0.5, True, {**MIXED, "activation_checkpointing": True}),
 ]
 WORLD3 = [
     ("qwen3_moe", 6, 3, 2, 3, 1, 0.5, False),  # 6 experts over 3 ranks
@@ -318,6 +325,7 @@ WORLD4 = [
     ("mixtral", 8, 2, 3, 2, 2, 0.5, True, MIXED),
     ("mixtral", 8, 2, 2, 2, 1, 0.5, False, offload(2)),
     ("mixtral", 8, 2, 3, 2, 1, 0.5, False, offload(3, "nvme", stage3_param_persistence_threshold=0)),
+    ("mixtral", 8, 2, 3, 2, 1, 0.5, False, {**UNITS, "activation_checkpointing": True}),
 ]
 
 
@@ -381,6 +389,16 @@ def _check_stage3_traffic(results: list[dict], ep: int, layers: int, gas: int) -
             assert stats["all_gather"]["bytes"] == gathers, (group, stats, gathers)
             assert stats["reduce_scatter"]["bytes"] == gas * sum(ring.values()), (group, stats)
         assert set(r["last_step"]["edp"]) <= {"all_gather", "reduce_scatter"}, r["last_step"]["edp"]
+
+
+def test_activation_checkpointing_runs_each_layer_s_exchange_again(world2):
+    # per MoE layer and micro-step, forward: counts, rows, expert ids, outputs back; backward: two; recomputed in
+    # backward under checkpointing, the forward's four again (the parity above holds with it)
+    layers = 2
+    for case, gas, recomputed in ((0, 2, False), (8, 2, True), (9, 1, True)):
+        for r in world2:
+            calls = r[0][case]["last_step"]["ep"]["all_to_all"]["calls"]
+            assert calls == gas * layers * (4 + 2 + (4 if recomputed else 0)), (case, calls)
 
 
 def test_stage3_lays_each_layer_s_experts_out_over_the_ranks_holding_them(world2, world3):
