@@ -322,7 +322,7 @@ WORLD4 = [
     ("mixtral", 8, 2, 0, 2, 1, 0.5, False),
     ("mixtral", 8, 4, 1, 2, 1, 0.5, False),
     ("mixtral", 8, 2, 3, 2, 1, 0.5, False, UNITS),  # stage 3: expert units sharded over 2 ranks, dense over 4
-    ("mixtral", 8, 2, 3, 2, 2, 0.5, True, MIXED),
+    ("mixtral", 8, 2, 3, 2, 1, 0.5, True, MIXED),
     ("mixtral", 8, 2, 2, 2, 1, 0.5, False, offload(2)),
     ("mixtral", 8, 2, 3, 2, 1, 0.5, False, offload(3, "nvme", stage3_param_persistence_threshold=0)),
     ("mixtral", 8, 2, 3, 2, 1, 0.5, False, {**UNITS, "activation_checkpointing": True}),

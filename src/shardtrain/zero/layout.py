@@ -19,10 +19,11 @@ Padding elements are zero in parameters and gradients and are never handed to th
 Under expert parallelism (``expert_parallel_size: E``, [Note: the expert axis] in :mod:`shardtrain.distributed.mesh`)
 the expert parameters, which differ between the ranks of an expert group, are laid out in buckets of their own, as
 DeepSpeed-MoE does: padded to, and sharded over, the ``dp / E`` ranks holding the same experts, reduced and
-gathered over that group; dense parameters keep buckets over the whole data-parallel axis. An expert bucket's
-gradient is the average over its group divided by ``E`` (see [Note: tokens to their experts]). Fragments stay
-disjoint across every data-parallel rank, so the sum of their squares over the ``dp`` group counts each expert
-and dense gradient once.
+gathered over that group; dense parameters keep buckets over the whole data-parallel axis. At stage 3 a unit's expert
+parameters are buckets of their own in that unit, gathered within the same group; persistent expert parameters get
+persistent expert buckets. An expert bucket's gradient is the average over its group divided by ``E`` (see [Note:
+tokens to their experts]). Fragments stay disjoint across every data-parallel rank, so the sum of their squares over
+the ``dp`` group counts each expert and dense gradient once.
 
 At stage 3 a bucket is a *unit* (see :mod:`shardtrain.zero.units`): ``shard`` gets storage of its own
 and the full flat buffer's storage is freed between uses; parameters stay views of the full buffer, so a
