@@ -276,6 +276,12 @@ UNITS = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold":
 MIXED = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 200}}
 
 
+def hybrid(stage: int, shard: int, **zero) -> dict:
+    """Hybrid sharding (``mics_shard_size``): dense state sharded within groups of ``shard`` ranks and replicated
+    across them; the expert buckets stay sharded over the expert-data-parallel group, never replicated."""
+    return {"zero_optimization": {"stage": stage, "mics_shard_size": shard, **zero}}
+
+
 def offload(stage: int, device: str = "cpu", **zero) -> dict:
     """The optimizer's state and step on the host (``offload_optimizer.device: cpu``) or in swap files (``nvme``, in
     the directory :func:`_with_swap_dir` fills in)."""
@@ -310,6 +316,9 @@ WORLD2 = [
     ("mixtral", 8, 2, 2, 2, 2, 0.5, False, {"activation_checkpointing": True}),
     # stage 3 in bf16, small parameters persistent
     ("mixtral", 8, 2, 3, 2, 1, 0.5, True, {**MIXED, "activation_checkpointing": True}),
+    # hybrid sharding over shard groups of one rank: the dense gradients all-reduced across the two replicas
+    ("mixtral", 8, 2, 1, 2, 2, 0.5, False, hybrid(1, 1)),
+    ("mixtral", 8, 2, 3, 2, 1, 0.5, False, hybrid(3, 1, stage3_param_persistence_threshold=0)),
 ]
 WORLD3 = [
     ("qwen3_moe", 6, 3, 2, 3, 1, 0.5, False),  # 6 experts over 3 ranks
@@ -326,6 +335,11 @@ WORLD4 = [
     ("mixtral", 8, 2, 2, 2, 1, 0.5, False, offload(2)),
     ("mixtral", 8, 2, 3, 2, 1, 0.5, False, offload(3, "nvme", stage3_param_persistence_threshold=0)),
     ("mixtral", 8, 2, 3, 2, 1, 0.5, False, {**UNITS, "activation_checkpointing": True}),
+    # hybrid sharding: shard groups {0, 1} and {2, 3}, expert-data-parallel groups {0, 2} and {1, 3}
+    ("mixtral", 8, 2, 2, 2, 2, 0.5, False, hybrid(2, 2)),
+    ("mixtral", 8, 2, 1, 2, 1, 0.5, False, hybrid(1, 2, offload_optimizer={"device": "cpu"})),
+    ("mixtral", 8, 2, 3, 2, 1, 0.5, False, hybrid(3, 2, stage3_param_persistence_threshold=0)),
+    ("mixtral", 8, 4, 3, 2, 1, 0.5, False, hybrid(3, 2, stage3_param_persistence_threshold=200)),
 ]
 
 

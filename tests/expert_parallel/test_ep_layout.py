@@ -35,6 +35,17 @@ def test_an_expert_group_of_every_rank_leaves_one_rank_per_expert_data_parallel_
     assert [groups[r]["edp"] for r in range(3)] == [[0], [1], [2]]
 
 
+def test_hybrid_sharding_keeps_the_expert_groups_beside_its_shard_and_replicate_groups():
+    groups = {}
+    for rank in range(4):
+        main, _ = make_groups(rank, 4, 1, "gloo", "world", lambda ranks, backend: ranks, shard_size=2, ep=2)
+        groups[rank] = {axis: getattr(main, axis) for axis in ("shard", "replicate", "ep", "edp")}
+    assert [groups[r]["shard"] for r in range(4)] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [groups[r]["replicate"] for r in range(4)] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert [groups[r]["ep"] for r in range(4)] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [groups[r]["edp"] for r in range(4)] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+
+
 def test_without_expert_parallelism_there_is_no_expert_group():
     assert _partitions(2, 1)[0]["ep"] is None and _partitions(2, 1)[0]["edp"] is None
 
@@ -49,11 +60,6 @@ def test_without_expert_parallelism_there_is_no_expert_group():
             {"expert_parallel_size": 2, "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}},
             4,
             "with ZeRO++ hpZ (zero_optimization.zero_hpz_partition_size 2)",
-        ),
-        (
-            {"expert_parallel_size": 2, "zero_optimization": {"stage": 2, "mics_shard_size": 1}},
-            2,
-            "with hybrid sharding",
         ),
         (
             {"expert_parallel_size": 2, "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}},

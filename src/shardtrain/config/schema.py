@@ -810,7 +810,6 @@ def check_expert_layout(cfg: Config, dp: int) -> None:
             zcfg.stage == 3 and zcfg.zero_hpz_partition_size > 1,
             f"ZeRO++ hpZ (zero_optimization.zero_hpz_partition_size {zcfg.zero_hpz_partition_size})",
         ),
-        (zcfg.mics_shard_size != -1, f"hybrid sharding (zero_optimization.mics_shard_size {zcfg.mics_shard_size})"),
         (zcfg.offload_param.device != "none", f"offload_param.device {zcfg.offload_param.device!r}"),
         (bool(cfg.graph.enabled), "graph mode (graph.enabled)"),
     ]

@@ -358,8 +358,8 @@ def make_groups(
     (group creation is collective). ``shard_size``: hybrid sharding's group size ``S`` (see [Note: the hybrid
     mesh]); None or the whole data-parallel size: no shard and replicate groups. ``sp``: the sequence-parallel
     size (see [Note: the sequence axis]). ``hpz_size``: ZeRO++ hpZ's group size ``H`` (1 or the whole axis: no hpZ
-    group). ``ep``: the expert-parallel size (see [Note: the expert axis]; only on a ``(dp, tp)`` mesh with
-    ``tp == 1``). Returns ``(main, host)``."""
+    group). ``ep``: the expert-parallel size (see [Note: the expert axis]; only with ``tp == 1`` and ``sp == 1``, with
+    or without hybrid sharding's groups). Returns ``(main, host)``."""
     dp = world // (tp * sp)
     # rank = (dp_rank * sp + sp_rank) * tp + tp_rank = zero_rank * tp + tp_rank, zero_rank = dp_rank * sp + sp_rank:
     # the index among the dp * sp ranks holding the same tensor-parallel block, over which ZeRO shards
@@ -465,7 +465,10 @@ class Topology:
     all-to-alls stay inside a node when ``E`` GPUs fit in it), each holding ``num_experts / E`` whole experts of every
     MoE layer; the expert-data-parallel group of a rank is the ``dp / E`` ranks with the same ``ep_rank``, which hold
     the same experts and reduce their gradients together. Batches still differ along the whole ``dp`` axis, and
-    dense parameters are reduced over it. Built on a ``(dp, tp)`` mesh with ``tp == 1`` and without hybrid sharding.
+    dense parameters are reduced over it. Built with ``tp == 1`` and ``sp == 1``: the mesh is ``(edp, ep, tp)``, or
+    with hybrid sharding the ``(replicate, shard, tp)`` one with the expert groups beside it. Hybrid sharding then
+    shards and replicates the dense state only; the expert buckets stay sharded over the expert-data-parallel group,
+    whose ranks hold the only copies of their experts.
     """
 
     rank: int
@@ -621,11 +624,10 @@ def init_topology(
     dev = pick_device(device)
     created = ensure_process_group(timeout_s, dev)
     world = dist.get_world_size()
-    if ep != 1 and (sp != 1 or tp != 1 or shard_size != -1):
+    if ep != 1 and (sp != 1 or tp != 1):
         raise LayoutError(
-            f"expert_parallel_size (ep_size) {ep} with tensor parallelism, sequence parallelism or hybrid sharding "
-            "(mics_shard_size) is not built; set expert_parallel_size to 1 or turn the other feature off "
-            "(docs/expert-parallel.md)"
+            f"expert_parallel_size (ep_size) {ep} with tensor parallelism or sequence parallelism is not built; set "
+            "expert_parallel_size to 1 or turn the other feature off (docs/expert-parallel.md)"
         )
     if sp != 1:
         return _init_sequence_topology(tp, timeout_s, shard_size, sp, created, world, dev)

@@ -321,6 +321,9 @@ class ShardedOptimizer:
             torch._foreach_mul_(in_memory, inv)
         if self.expert_group is not None and not self.sharded:
             local_sq = self._dense_and_expert_square(grads)
+        elif self.expert_group is not None and self.norm_comm is not self.comm:
+            local_sq = self._hybrid_expert_square(grads, deferred, swapped, inv)
+            local_sq = self._global_square(local_sq, grads, swapped, weighted=True)
         else:
             local_sq = self._local_square(grads, in_memory, deferred, swapped, inv)
             local_sq = self._global_square(local_sq, grads, swapped)
@@ -395,11 +398,37 @@ class ShardedOptimizer:
         self.expert_group.all_reduce(moe, Reduce.SUM, what="squared expert gradient norm")
         return square(dense_grads) + moe
 
+    def _hybrid_expert_square(
+        self,
+        grads: list[torch.Tensor | None],
+        deferred: frozenset[int],
+        swapped: SwappedGradients | None,
+        inv: float | None,
+    ) -> torch.Tensor:
+        """Hybrid sharding under expert parallelism: every replica holds the same dense fragments, while the expert
+        fragments, sharded over the expert-data-parallel group, are each on one rank only. The dense square counts on
+        the first replica, the expert squares on every rank, before the sum over every data-parallel rank
+        (``weighted`` in :meth:`_global_square`)."""
+        expert = [b.expert for _, b, _ in self._frag.values()]
+
+        def square(moe: bool) -> torch.Tensor:
+            gs = [g if e == moe else None for g, e in zip(grads, expert)]
+            present = [g for g in gs if g is not None and g.numel()]
+            own = frozenset(i for i in deferred if expert[i] == moe)
+            return self._local_square(gs, present, own, swapped, inv)
+
+        return square(False) * self.norm_weight + square(True)
+
     def _global_square(
-        self, local_sq: torch.Tensor, grads: list[torch.Tensor | None], swapped: SwappedGradients | None
+        self,
+        local_sq: torch.Tensor,
+        grads: list[torch.Tensor | None],
+        swapped: SwappedGradients | None,
+        weighted: bool = False,
     ) -> torch.Tensor:
         """The squared norm over every rank, from one all-reduce that also carries the reducer's order flag (see
-        [Note: collective order]) and the swapped gradients' I/O failure."""
+        [Note: collective order]) and the swapped gradients' I/O failure. ``weighted``: ``local_sq`` counts the
+        replicas' copies once already (:meth:`_hybrid_expert_square`) and is summed over every data-parallel rank."""
         if self.tp_norm is not None:
             keys = [k for k, g in zip(self._frag, grads) if g is not None]
             present = [g for g in grads if g is not None]
@@ -409,7 +438,8 @@ class ShardedOptimizer:
             flag = float(self.reducer.order_departed)
             if swapped is not None and swapped.failed:
                 flag += IO_FAILED
-            both = torch.stack([local_sq * self.norm_weight, torch.full_like(local_sq, flag)])  # a fill, no copy
+            weight = 1.0 if weighted else self.norm_weight
+            both = torch.stack([local_sq * weight, torch.full_like(local_sq, flag)])  # a fill, no copy
             self.norm_comm.all_reduce(both, Reduce.SUM, what="squared gradient norm")
             if swapped is not None:  # read now: a failed read of the gradient files stops this step
                 if float(both[1]) >= IO_FAILED:
@@ -419,7 +449,7 @@ class ShardedOptimizer:
                 self.reducer.settle_order_later(both[1])
             return both[0]
         if self.sharded:  # a shard group's fragments cover every parameter once: enough for the norm
-            self.comm.all_reduce(local_sq, Reduce.SUM, what="squared gradient norm")
+            (self.norm_comm if weighted else self.comm).all_reduce(local_sq, Reduce.SUM, what="squared gradient norm")
         return local_sq
 
     def _update(

@@ -336,7 +336,7 @@ class GradientReducer:
             self.shard_grads[position].add_(p.out)
         if self.host_copies is not None and self._boundary and self.replicate is None:  # complete: to the host
             self.host_copies.bucket_reduced(position)
-        if self.replicate is not None and self._boundary:
+        if self.replicate is not None and self._boundary and not p.bucket.expert:  # expert buckets: never replicated
             self._launch_replica(p.bucket)
 
     def _launch_replica(self, b: Bucket) -> None:
