@@ -153,6 +153,7 @@ def _train(
         state = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
     out = {"losses": losses, "norms": norms, "aux": aux, "counts": counts, "held": held, "state": state}
     out.update(last_step=last, geometry=geometry, offloaded=engine._optimizer.offload is not None)
+    out["params_in_files"] = engine._param_offload is not None  # offload_param nvme: unit shards in swap files
     out["first_ep_bytes"] = first["all_to_all"]["bytes"]
     if ep > 1:
         experts = model.model.layers[0].mlp.experts
@@ -274,6 +275,7 @@ def _assert_parity(results: list[dict], ref: dict, ep: int, bf16: bool, what: st
 # ZeRO-3 with every parameter in a unit (gathered on use), and with the small ones (norms, router) persistent
 UNITS = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
 MIXED = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 200}}
+PARAMS_NVME = {"offload_param": {"device": "nvme", "nvme_path": "<swap dir>"}}
 
 
 def hybrid(stage: int, shard: int, **zero) -> dict:
@@ -293,11 +295,11 @@ def _with_swap_dir(cases: list[tuple], path: str) -> list[tuple]:
     """``cases`` with their swap directory (nvme offload) set to ``path``."""
     out = []
     for case in cases:
-        section = case[8].get("zero_optimization", {}).get("offload_optimizer", {}) if len(case) > 8 else {}
-        if section.get("device") == "nvme":
-            zero = {**case[8]["zero_optimization"], "offload_optimizer": {**section, "nvme_path": path}}
-            case = (*case[:8], {**case[8], "zero_optimization": zero})
-        out.append(case)
+        zero = case[8].get("zero_optimization", {}) if len(case) > 8 else {}
+        for key in ("offload_optimizer", "offload_param"):
+            if zero.get(key, {}).get("device") == "nvme":
+                zero = {**zero, key: {**zero[key], "nvme_path": path}}
+        out.append((*case[:8], {**case[8], "zero_optimization": zero}) if zero else case)
     return out
 
 
@@ -311,7 +313,8 @@ WORLD2 = [
     ("mixtral", 8, 2, 1, 2, 1, 0.0, False, {"prescale_gradients": True}),
     ("mixtral", 8, 2, 3, 2, 2, 0.5, False, UNITS),  # stage 3: expert units of their own; clipping, accumulation
     ("mixtral", 8, 2, 1, 2, 2, 0.5, False, offload(1)),  # optimizer offload
-    ("mixtral", 8, 2, 3, 2, 1, 0.5, True, offload(3, "nvme", stage3_param_persistence_threshold=0)),
+    # the unit shards in swap files too (offload_param)
+    ("mixtral", 8, 2, 3, 2, 1, 0.5, True, offload(3, "nvme", stage3_param_persistence_threshold=0, **PARAMS_NVME)),
     # transformers' gradient checkpointing: each layer's token exchange runs again in backward
     ("mixtral", 8, 2, 2, 2, 2, 0.5, False, {"activation_checkpointing": True}),
     # stage 3 in bf16, small parameters persistent
@@ -333,7 +336,7 @@ WORLD4 = [
     ("mixtral", 8, 2, 3, 2, 1, 0.5, False, UNITS),  # stage 3: expert units sharded over 2 ranks, dense over 4
     ("mixtral", 8, 2, 3, 2, 1, 0.5, True, MIXED),
     ("mixtral", 8, 2, 2, 2, 1, 0.5, False, offload(2)),
-    ("mixtral", 8, 2, 3, 2, 1, 0.5, False, offload(3, "nvme", stage3_param_persistence_threshold=0)),
+    ("mixtral", 8, 2, 3, 2, 1, 0.5, False, offload(3, "nvme", stage3_param_persistence_threshold=0, **PARAMS_NVME)),
     ("mixtral", 8, 2, 3, 2, 1, 0.5, False, {**UNITS, "activation_checkpointing": True}),
     # hybrid sharding: shard groups {0, 1} and {2, 3}, expert-data-parallel groups {0, 2} and {1, 3}
     ("mixtral", 8, 2, 2, 2, 2, 0.5, False, hybrid(2, 2)),
@@ -359,6 +362,8 @@ def _check_cases(runs: list, cases: list[tuple]) -> None:
         results = [r[0][i] for r in runs]
         offloaded = len(case) > 8 and "offload_optimizer" in case[8].get("zero_optimization", {})
         assert all(r["offloaded"] == offloaded for r in results), case  # the optimizer stepped on the host
+        in_files = len(case) > 8 and "offload_param" in case[8].get("zero_optimization", {})
+        assert all(r["params_in_files"] == in_files for r in results), case
         ref = reference(kind, experts, len(runs), steps, gas, clip, bf16)
         _assert_parity(results, ref, ep, bf16, f"{kind} ep {ep} stage {stage}{' bf16' if bf16 else ''}")
 

@@ -61,11 +61,6 @@ def test_without_expert_parallelism_there_is_no_expert_group():
             4,
             "with ZeRO++ hpZ (zero_optimization.zero_hpz_partition_size 2)",
         ),
-        (
-            {"expert_parallel_size": 2, "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}},
-            2,
-            "offload_param.device 'cpu'",
-        ),
         ({"expert_parallel_size": 2, "graph": {"enabled": True}}, 2, "with graph mode"),
     ],
 )

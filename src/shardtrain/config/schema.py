@@ -810,7 +810,6 @@ def check_expert_layout(cfg: Config, dp: int) -> None:
             zcfg.stage == 3 and zcfg.zero_hpz_partition_size > 1,
             f"ZeRO++ hpZ (zero_optimization.zero_hpz_partition_size {zcfg.zero_hpz_partition_size})",
         ),
-        (zcfg.offload_param.device != "none", f"offload_param.device {zcfg.offload_param.device!r}"),
         (bool(cfg.graph.enabled), "graph mode (graph.enabled)"),
     ]
     for hit, what in refused:
