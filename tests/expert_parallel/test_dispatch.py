@@ -1,6 +1,7 @@
 """The token exchange of expert parallelism ([Note: tokens to their experts]) on transformers' own experts modules:
 each rank's output and gradients against the module in one process on every rank's tokens, at expert-parallel
-groups of 2 and 3, with the eager and grouped_mm implementations, and a routing where an expert gets no token."""
+groups of 2 and 3, with the eager and grouped_mm implementations, and a routing where an expert gets no token; in
+bf16, each rank's output bit for bit the module's on its tokens."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def _experts(n: int, implementation: str):
 
     torch.manual_seed(0)
     cfg = transformers.MixtralConfig(
-        hidden_size=HIDDEN, intermediate_size=12, num_local_experts=n, num_experts_per_tok=TOP_K,
+        hidden_size=HIDDEN, intermediate_size=16, num_local_experts=n, num_experts_per_tok=TOP_K,
         experts_implementation=implementation,
     )  # fmt: skip
     experts = transformers.models.mixtral.modeling_mixtral.MixtralExperts(cfg)
@@ -53,7 +54,13 @@ def _layer(n: int, implementation: str, starve: bool) -> dict:
     g = torch.Generator().manual_seed(7 + rank)
     (out * torch.randn(out.shape, generator=g)).sum().backward()
     grads = {k: p.grad for k, p in experts.named_parameters()}
-    return {"out": out.detach(), "x_grad": x.grad, "grads": grads, "range": experts.expert_range, "world": world}
+    half = _experts(n, implementation).bfloat16()  # fp32 routing weights, bf16 rows: the products in fp32
+    shard_experts(half, comm)
+    out16 = half(x.detach().bfloat16(), idx, w)
+    return {
+        "out": out.detach(), "x_grad": x.grad, "grads": grads, "range": experts.expert_range, "world": world,
+        "out16": out16.detach(),
+    }  # fmt: skip
 
 
 def _one_process(n: int, world: int, implementation: str, starve: bool) -> dict:
@@ -67,7 +74,14 @@ def _one_process(n: int, world: int, implementation: str, starve: bool) -> dict:
         (out * torch.randn(out.shape, generator=g)).sum().backward()
         outs.append(out.detach())
         x_grads.append(x.grad)
-    return {"outs": outs, "x_grads": x_grads, "grads": {k: p.grad for k, p in experts.named_parameters()}}
+    half = _experts(n, implementation).bfloat16()
+    outs16 = [half(x.bfloat16(), idx, w).detach() for x, idx, w in (_inputs(r, n, starve) for r in range(world))]
+    return {
+        "outs": outs,
+        "x_grads": x_grads,
+        "grads": {k: p.grad for k, p in experts.named_parameters()},
+        "outs16": outs16,
+    }
 
 
 @pytest.mark.parametrize(
@@ -79,6 +93,8 @@ def test_each_rank_computes_what_one_process_does(world, n, implementation, star
     ref = _one_process(n, world, implementation, starve)
     for rank, r in enumerate(results):
         torch.testing.assert_close(r["out"], ref["outs"][rank], rtol=1e-5, atol=1e-6)
+        # bf16: the weighted rows added up as the implementation adds them, rounded where it rounds
+        assert torch.equal(r["out16"], ref["outs16"][rank]), (rank, (r["out16"] - ref["outs16"][rank]).abs().max())
         torch.testing.assert_close(r["x_grad"], ref["x_grads"][rank], rtol=1e-5, atol=1e-6)
         lo, hi = r["range"]
         assert hi - lo == n // world

@@ -15,8 +15,11 @@ their routing weights ``w [T, k]`` (what transformers hands its experts module):
 4. Each rank runs its experts on what it received, through the experts module's own forward: the same code path
    as one process, eager, ``grouped_mm`` or ``batched_mm``, over the local experts' weights. It passes a weight of
    1 per row.
-5. The outputs go back by the reverse exchange. Each row is multiplied by its routing weight and added into its
-   token's output in expert order, which is the order transformers' eager loop adds them.
+5. The outputs go back by the reverse exchange. Each row is multiplied by its routing weight in the weights' dtype
+   (fp32 router weights: the product in fp32), as transformers does, and the rows are added up as the module's
+   implementation adds them: ``eager`` rounds each product to the activations' dtype and adds it into its token's
+   output in expert order, as its loop does; ``grouped_mm`` and ``batched_mm`` sum each token's ``k`` products in the
+   product's dtype and round once. In bf16 the two differ; each is the same, bit for bit, as one process's.
 
 Backward is the same exchanges reversed: :class:`_AllToAllV`'s gradient is the all-to-all with the sizes swapped.
 No token is dropped (no capacity factor): a rank receives what the router sends it, and an expert that receives no
@@ -95,7 +98,8 @@ def shard_experts(experts: nn.Module, comm: Communicator, name: str = "experts")
     inner = experts.forward  # the module's own forward, over the local experts
 
     def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        return dispatch(hidden_states, top_k_index, top_k_weights, inner, comm, n, name)
+        eager = getattr(getattr(experts, "config", None), "_experts_implementation", "eager") in (None, "eager")
+        return dispatch(hidden_states, top_k_index, top_k_weights, inner, comm, n, name, per_token_sum=not eager)
 
     experts.forward = forward
 
@@ -108,10 +112,12 @@ def dispatch(
     comm: Communicator,
     num_experts: int,
     what: str = "experts",
+    per_token_sum: bool = False,
 ) -> torch.Tensor:
     """``x [T, H]`` through the experts ``idx [T, k]`` chose, weighted by ``weights [T, k]``, the experts split over
     ``comm``'s ranks (see [Note: tokens to their experts]). ``local_experts(rows, local_idx [R, 1], ones [R, 1])`` is
-    the experts module's own forward over this rank's experts."""
+    the experts module's own forward over this rank's experts. ``per_token_sum``: each token's weighted rows summed
+    and rounded once (transformers' ``grouped_mm`` and ``batched_mm``); else added in expert order (``eager``)."""
     k = idx.shape[1]
     per_rank = num_experts // comm.size
     flat = idx.reshape(-1)  # [T * k], pair p is token p // k's expert
@@ -126,5 +132,8 @@ def dispatch(
     local_ids = all_to_all_v((experts_sorted % per_rank)[:, None], comm, recv, send, f"the expert ids of {what}")
     out = local_experts(received, local_ids, torch.ones_like(local_ids, dtype=x.dtype))
     back = all_to_all_v(out, comm, send, recv, f"the outputs of {what}")  # [T * k, H], by expert
-    back = back * weights.reshape(-1)[order, None].to(back.dtype)
+    back = back * weights.reshape(-1)[order, None]  # in the promoted dtype, as transformers multiplies
+    if per_token_sum:
+        pairs = torch.empty_like(back).index_copy(0, order, back)  # pair p = token p // k's p % k-th choice
+        return pairs.view(-1, k, back.shape[-1]).sum(dim=1).to(x.dtype)
     return torch.zeros_like(x).index_add(0, order // k, back.to(x.dtype))
