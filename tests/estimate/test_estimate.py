@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 import shardtrain
 from shardtrain.cli import main as cli_main
-from shardtrain.errors import ConfigError, ShardtrainError
+from shardtrain.errors import ConfigError, LayoutError, ShardtrainError
 from shardtrain.estimate import Layout, PeakMeter, estimate_memory, fitting_layouts, parse_bytes
 from shardtrain.models.gpt import GPT, GPTConfig
 from shardtrain.tensor_parallel import GPT_TP_PLAN
@@ -279,7 +279,6 @@ def test_expert_parallelism_holds_the_rank_s_experts_and_is_searched_where_the_m
     dense_fits = fitting_layouts(tiny_gpt, 2**40, cfg, worlds=(2,), offload=False, **common)
     assert dense_fits and all(e.layout.ep == 1 for e in dense_fits)
     refusals = [
-        (tiny_mixtral, Layout(4, stage=3, ep=2), "ep_size\\) 2 with ZeRO stage 3.*is not built"),
         (tiny_mixtral, Layout(4, stage=2, ep=3), "does not divide the data-parallel size 4"),
         (functools.partial(tiny_mixtral, 6), Layout(4, stage=2, ep=4), "has 6 experts.*ep_size\\) 4"),
         (tiny_mixtral, Layout(2, stage=2, tp=2, ep=2), "does not divide the data-parallel size 1"),
@@ -288,6 +287,9 @@ def test_expert_parallelism_holds_the_rank_s_experts_and_is_searched_where_the_m
     for model_fn, layout, message in refusals:
         with pytest.raises(ConfigError, match=message):
             estimate_memory(model_fn, cfg, layout=replace(layout, seq_len=16), **common)
+    # initialize builds it; the estimate does not model it yet, and says so
+    with pytest.raises(LayoutError, match="expert parallelism at ZeRO stage 3 is not modelled"):
+        estimate_memory(tiny_mixtral, cfg, layout=Layout(4, stage=3, ep=2, seq_len=16), **common)
 
 
 class ReadsValues(torch.nn.Module):

@@ -165,6 +165,9 @@ def _train(
         calls = [modify]
         if stage == 3:  # checkpoints of split experts are built at stages 0-2
             calls += [lambda: engine.save_checkpoint("/nonexistent-ep-dir"), engine.full_state_dict]
+        zero = config["zero_optimization"]
+        if stage < 3 and ("mics_shard_size" in zero or "offload_optimizer" in zero):  # nor with these
+            calls += [lambda: engine.save_checkpoint("/nonexistent-ep-dir")]
         for call in calls:
             try:
                 call()
@@ -460,6 +463,13 @@ def test_experts_are_split_over_the_expert_group(world2, world3):
     assert [r[0][0]["held"]["model.layers.0.mlp.experts"] for r in world2] == [(0, 4), (4, 8)]
     assert [r[0][0]["held"]["model.layers.1.mlp.experts"] for r in world3] == [(0, 2), (2, 4), (4, 6)]
     assert all(r[0][1]["held"] == {} for r in world3)  # ep 1: nothing split
+
+
+def test_checkpoints_with_hybrid_sharding_or_offload_are_refused(world2):
+    for case, what in ((6, "offload_optimizer.device 'cpu'"), (10, "hybrid sharding (mics_shard_size 1)")):
+        refused = world2[0][0][case]["refused"]
+        assert len(refused) == 2 and refused[1] is not None, refused
+        assert f"save_checkpoint with expert_parallel_size (ep_size) 2 and {what} is not built" in refused[1]
 
 
 def test_modifier_rank_on_experts_and_stage3_checkpoints_are_refused(world2):
