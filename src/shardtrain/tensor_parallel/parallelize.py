@@ -41,7 +41,9 @@ from shardtrain.tensor_parallel.embedding import (
     VocabParallelEmbedding,
     kept_parallel,
 )
+from shardtrain.tensor_parallel.experts import check_experts
 from shardtrain.tensor_parallel.grad_check import ReplicatedGradCheck
+from shardtrain.tensor_parallel.latent import install_latent_kv_hook, rope_width
 from shardtrain.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from shardtrain.tensor_parallel.loss import VocabParallelCrossEntropy
 from shardtrain.tensor_parallel.meaning import keeps_module
@@ -123,7 +125,7 @@ def parallelize(
             )
     for name, style in param_styles.items():
         mname, _, pname = name.rpartition(".")
-        if mname in module_styles and module_styles[mname].layer != "none":
+        if mname in module_styles and module_styles[mname].layer not in ("none", "region"):
             raise LayoutError(f"{name}: the plan styles both this parameter and its module {mname}; keep one")
         param = getattr(modules[mname], pname)
         plan_param(planned, param, parameter_placement(param, style, name), name, size)
@@ -132,6 +134,14 @@ def parallelize(
             for pname, p in modules[name].named_parameters():
                 if id(p) not in planned or planned[id(p)][0].dim is None:
                     planned[id(p)] = (TPPlacement(None, 1, tuple(p.shape), partial_grad=True), f"{name}.{pname}")
+    for name, style in module_styles.items():  # after every parameter's placement is known
+        if style.experts:
+            local = {
+                pname: planned[id(p)][0] if id(p) in planned else TPPlacement(None, 1, tuple(p.shape))
+                for pname, p in modules[name].named_parameters()
+            }
+            check_experts(modules[name], name, local, size)
+    latent = {n: rope_width(model, modules, n) for n, s in module_styles.items() if s.layer == "latent_kv"}
     check_tied(model, planned, module_styles, param_styles)
     attributes = per_rank_attributes(model, tp_plan, explicit, size)
 
@@ -150,6 +160,8 @@ def parallelize(
                 setattr(parent, attr, replacement)
         if style.layer == "region":
             _install_region_hooks(modules[name], tp_comm, rng, name)
+        if style.layer == "latent_kv":
+            install_latent_kv_hook(modules[name], tp_comm, latent[name], name)
     for name in param_styles:
         mname, _, pname = name.rpartition(".")
         param = getattr(modules[mname], pname)
