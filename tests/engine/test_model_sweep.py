@@ -25,8 +25,6 @@ from model_sweep import DEFAULT_SLICE, LR, MODES, read_table, registered_rows, r
 EXPECTED = {
     ("decoder-only", "gpt2"): {"tp": ("refused", "declares no tensor-parallel plan")},
     ("encoder-only", "bert"): {"tp": ("refused", "declares no tensor-parallel plan")},
-    ("encoder-decoder", "t5"): {"tp": ("refused", "declares no tensor-parallel plan")},
-    ("encoder-decoder", "bart"): {"tp": ("refused", "declares no tensor-parallel plan")},
 }
 
 

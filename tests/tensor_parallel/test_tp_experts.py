@@ -20,7 +20,7 @@ from torch import nn
 from shardtrain.errors import LayoutError
 from shardtrain.tensor_parallel import parallelize
 from tp_arch_cases import build
-from tp_moe_cases import outcomes
+from tp_hf_cases import outcomes
 
 
 def _check(world: int, models: tuple[str, ...], dp: int = 1, layouts: tuple | None = None) -> None:

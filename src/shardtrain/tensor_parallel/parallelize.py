@@ -56,7 +56,7 @@ from shardtrain.tensor_parallel.planning import (
     per_rank_attributes,
     plan_param,
 )
-from shardtrain.tensor_parallel.plans import TPPlan, as_plan, best_match, hf_tp_plan
+from shardtrain.tensor_parallel.plans import TPPlan, as_plan, best_match, own_plan
 from shardtrain.tensor_parallel.rng import RegionRNG
 from shardtrain.tensor_parallel.styles import TPStyle, resolve_style
 
@@ -85,7 +85,8 @@ def parallelize(
     """Apply a tensor-parallel plan to ``model`` in place, over the group of ``tp_comm``.
 
     ``plan``: name patterns -> style names (or :class:`TPStyle`), or a :class:`TPPlan`; ``None`` uses the
-    Hugging Face model's own plan (:func:`~.plans.hf_tp_plan`). Every tensor-parallel rank must call this with
+    Hugging Face model's own plan (:func:`~.plans.own_plan`: :func:`~.plans.hf_tp_plan`, else the plan shardtrain
+    ships for its model type, [Note: encoder-decoder plans]). Every tensor-parallel rank must call this with
     the same model, built from the same seed or weights: each keeps its block of the values it holds.
 
     Returns every ``model.named_parameters()`` name -> :class:`TPPlacement` (replicated ones included). Raises
@@ -97,7 +98,7 @@ def parallelize(
     ([Note: replicated gradients across tensor-parallel ranks]).
     """
     explicit = plan is not None
-    tp_plan = as_plan(plan) if explicit else TPPlan(styles=hf_tp_plan(model))
+    tp_plan = as_plan(plan) if explicit else own_plan(model)
     size = tp_comm.size
     modules = dict(model.named_modules())
     for name, module in modules.items():

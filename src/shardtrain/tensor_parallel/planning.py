@@ -72,7 +72,7 @@ def check_heads(name: str, modules: dict[str, nn.Module], style: TPStyle, size: 
     head_dim = getattr(parent, "head_dim", None)
     counted = "head_dim"
     if not isinstance(head_dim, int):
-        for attr in ("num_heads", "n_head", "num_attention_heads"):
+        for attr in ("num_heads", "n_head", "n_heads", "num_attention_heads"):
             n = getattr(parent, attr, None)
             if isinstance(n, int) and n > 0 and width % n == 0:
                 head_dim, counted = width // n, attr

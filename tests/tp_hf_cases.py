@@ -1,11 +1,12 @@
-"""Mixture-of-experts models under tensor parallelism through the engine: the parity-harness recipes of
-``tests/tensor_parallel/test_tp_experts.py``.
+"""transformers models under tensor parallelism through the engine: the parity-harness recipes of
+``tests/tensor_parallel/test_tp_experts.py``, ``test_tp_latent_attention.py`` and ``test_tp_encoder_decoder.py``.
 
-Each recipe is one of ``tp_arch_cases``' tiny transformers models (4 experts, top-2, every size divisible by 2 and
-3) with its own plan, trained by the engine at a ZeRO stage with ``tensor_parallel.size`` tp, against one process
-on the same global batches (``shardtrain.testing.parity``: each step's loss and global gradient norm, the final
-parameters). SGD without clipping: a wrongly scaled gradient of an expert (a missing or doubled sum over the
-tensor-parallel ranks) moves its parameters visibly.
+Each recipe is one of ``tp_arch_cases``' tiny transformers models (4 experts, top-2, 6 heads, every size divisible
+by 2 and 3), or a :data:`VARIANTS` model at the same sizes, with its own plan (or the one shardtrain ships for it),
+trained by the engine at a ZeRO stage with ``tensor_parallel.size`` tp, against one process on the same global
+batches (``shardtrain.testing.parity``: each step's loss and global gradient norm, the final parameters). SGD
+without clipping: a wrongly scaled gradient (a missing or doubled sum over the tensor-parallel ranks) moves its
+parameters visibly.
 """
 
 from __future__ import annotations
@@ -24,7 +25,30 @@ STEPS = 3
 # Multi-head latent attention at the tiny sizes (its defaults are DeepSeek's full ones); q_lora_rank None: the
 # query through one q_proj instead of q_a_proj -> q_a_layernorm -> q_b_proj
 MLA = {"qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8, "kv_lora_rank": 16, "q_lora_rank": 16}
-VARIANTS = {"deepseek_v2_q_proj": ("deepseek_v2", {**MLA, "q_lora_rank": None}), "deepseek_v2": ("deepseek_v2", MLA)}
+# The encoder-decoder models' names for the same sizes
+SEQ2SEQ = {
+    "d_model": 48,
+    "d_kv": 8,
+    "d_ff": 96,
+    "num_layers": 2,
+    "num_decoder_layers": 2,
+    "num_heads": 6,
+    "encoder_layers": 2,
+    "decoder_layers": 2,
+    "encoder_ffn_dim": 96,
+    "decoder_ffn_dim": 96,
+    "encoder_attention_heads": 6,
+    "decoder_attention_heads": 6,
+    "decoder_start_token_id": 0,
+}
+# name -> (model type, sizes over TINY, the auto mapping of its class)
+VARIANTS = {
+    "deepseek_v2_q_proj": ("deepseek_v2", {**MLA, "q_lora_rank": None}, "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"),
+    "deepseek_v2": ("deepseek_v2", MLA, "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"),
+    "t5": ("t5", SEQ2SEQ, "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"),
+    "t5_gated": ("t5", {**SEQ2SEQ, "feed_forward_proj": "gated-gelu"}, "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"),
+    "bart": ("bart", SEQ2SEQ, "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"),
+}
 
 
 def make_model(model_type: str, experts: str | None = None) -> torch.nn.Module:
@@ -41,13 +65,13 @@ def _make_model(model_type: str) -> torch.nn.Module:
     if model_type not in VARIANTS:
         return build(model_type)
     import transformers
+    from transformers.models.auto import modeling_auto
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    real, sizes = VARIANTS[model_type]
+    real, sizes, mapping = VARIANTS[model_type]
     config = getattr(transformers, CONFIG_MAPPING_NAMES[real])(**{**TINY, **sizes})
     torch.manual_seed(0)
-    cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[real])
+    cls = getattr(transformers, getattr(modeling_auto, mapping)[real])
     return cls._from_config(config, attn_implementation="eager").eval()
 
 
@@ -88,8 +112,10 @@ LAYOUTS = {
         ("qwen2_moe", 2, 2),
         ("deepseek_v2", 3, 2),
         ("deepseek_v2_q_proj", 1, 2),
+        ("t5", 3, 2),
+        ("bart", 1, 2),
     ],
-    3: [("mixtral", 3, 3), ("qwen2_moe", 0, 3), ("deepseek_v2", 2, 3)],
+    3: [("mixtral", 3, 3), ("qwen2_moe", 0, 3), ("deepseek_v2", 2, 3), ("t5_gated", 2, 3), ("bart", 0, 3)],
 }
 
 
