@@ -134,3 +134,24 @@ def test_undescribed_experts_on_meta_are_refused_and_described_ones_checked():
     with torch.device("meta"):
         inkling = build("inkling_text")
     assert "stride 1" in _refusal(inkling, None)
+
+
+def test_longcat_identity_experts_share_their_input_and_the_probe_needs_it():
+    """LongCat-Flash's zero-computation experts return their input on every rank; ``moe_identity_expert`` divides it
+    by the tp size so the region's sum restores it. Without that entry the probe measures the doubled identity."""
+    from shardtrain.tensor_parallel import hf_tp_plan
+
+    model = build("longcat_flash")
+    plan = {k: v for k, v in hf_tp_plan(model).items() if "identity" not in k}
+    message = _refusal(model, plan)  # leaves the model as it was
+    assert "(LongcatFlashExperts): style 'moe_tp_experts'" in message and "does not keep" in message, message
+    parallelize(model, None, _comm(), check_replicated_grads=False)
+    identity = model.model.layers[0].mlp.experts.identity_expert
+    x = torch.randn(2, 48)
+    torch.testing.assert_close(identity(x), x / 2)
+
+
+def test_an_identity_expert_outside_experts_is_refused():
+    model = nn.Sequential(nn.Identity(), nn.Linear(4, 4))
+    message = _refusal(model, {"0": "moe_identity_expert", "1": "colwise"})
+    assert "0: style 'moe_identity_expert'" in message and "no enclosing module" in message, message

@@ -46,11 +46,18 @@ from shardtrain.tensor_parallel.meaning import is_fake, probe_mode
 _TOKENS_PER_EXPERT = 3  # probe tokens: every expert sees a few, in either slot of the top-2
 
 
-def check_experts(module: nn.Module, name: str, placements: Mapping[str, TPPlacement], size: int) -> None:
+def check_experts(
+    module: nn.Module,
+    name: str,
+    placements: Mapping[str, TPPlacement],
+    size: int,
+    identities: tuple[nn.Module, ...] = (),
+) -> None:
     """Refuse ``moe_tp_experts`` on ``module`` unless the plan's split of its parameters keeps its meaning.
 
     ``placements``: every parameter of ``module`` (names relative to it, children included) -> its placement
-    under the plan ([Note: experts under tensor parallelism]).
+    under the plan ([Note: experts under tensor parallelism]). ``identities``: its children styled
+    ``moe_identity_expert`` (:func:`share_identity`), which the probe runs as they will run.
     """
     what = f"{name} ({type(module).__name__}): style 'moe_tp_experts'"
     if not any(p.is_split for p in placements.values()):
@@ -70,7 +77,15 @@ def check_experts(module: nn.Module, name: str, placements: Mapping[str, TPPlace
                 "experts out of the plan."
             )
         return
-    _probe(module, what, params, placements, size)
+    _probe(module, what, params, placements, size, identities)
+
+
+def share_identity(module: nn.Module, size: int) -> None:
+    """``moe_identity_expert``: LongCat-Flash's zero-computation experts return their input, the same on every rank,
+    and the enclosing ``moe_tp_experts`` sums the ranks' outputs; the input is divided by the tensor-parallel size
+    first, so the sum is the identity again (and each rank's share of the gradient is 1/tp, which the region's
+    **f** sums back to the whole)."""
+    module.register_forward_pre_hook(lambda _m, args: (args[0] / size, *args[1:]))
 
 
 def _check_recorded_layout(module: nn.Module, what: str, placements: Mapping[str, TPPlacement], size: int) -> bool:
@@ -129,14 +144,20 @@ def _probe(
     params: dict[str, nn.Parameter],
     placements: Mapping[str, TPPlacement],
     size: int,
+    identities: tuple[nn.Module, ...],
 ) -> None:
     args = _probe_inputs(module, what, next(iter(params.values())))
     with torch.no_grad(), probe_mode(module):
         whole = module(*args)
         parts = []
-        for rank in range(size):
-            blocks = {n: shard_block(p, placements[n], rank, size) for n, p in params.items()}
-            parts.append(functional_call(module, blocks, args))
+        shares = [m.register_forward_pre_hook(lambda _m, a: (a[0] / size, *a[1:])) for m in identities]
+        try:
+            for rank in range(size):
+                blocks = {n: shard_block(p, placements[n], rank, size) for n, p in params.items()}
+                parts.append(functional_call(module, blocks, args))
+        finally:
+            for handle in shares:
+                handle.remove()
     if not isinstance(whole, torch.Tensor) or any(p.shape != whole.shape for p in parts):
         raise LayoutError(
             f"{what}: its forward does not return one tensor of the same shape from each rank's blocks as from the "
@@ -158,14 +179,15 @@ def _probe(
 
 def _probe_inputs(module: nn.Module, what: str, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """A few tokens routed to every expert (top-2), as the module's forward takes them."""
-    experts = getattr(module, "num_experts", None)
+    experts = getattr(module, "num_experts", None) or getattr(module, "total_experts", None)  # LongCat: + identities
     hidden = getattr(module, "hidden_dim", None) or getattr(module, "hidden_size", None)
     routed = ["hidden_states", "top_k_index", "top_k_weights"]
     signature = list(inspect.signature(module.forward).parameters)
     if not isinstance(experts, int) or not isinstance(hidden, int) or signature not in (routed, ["hidden_states"]):
         raise LayoutError(
             f"{what}: shardtrain checks an experts module on a probe before splitting it, and cannot build one for "
-            f"{type(module).__name__} (it needs integer num_experts and hidden_dim attributes and a forward taking "
+            f"{type(module).__name__} (it needs integer num_experts (or total_experts) and hidden_dim (or hidden_size) "
+            "attributes and a forward taking "
             f"(hidden_states, top_k_index, top_k_weights) or (hidden_states); this one takes ({', '.join(signature)})"
             "). Leave the experts out of the plan."
         )

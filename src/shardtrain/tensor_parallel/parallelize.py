@@ -41,7 +41,7 @@ from shardtrain.tensor_parallel.embedding import (
     VocabParallelEmbedding,
     kept_parallel,
 )
-from shardtrain.tensor_parallel.experts import check_experts
+from shardtrain.tensor_parallel.experts import check_experts, share_identity
 from shardtrain.tensor_parallel.grad_check import ReplicatedGradCheck
 from shardtrain.tensor_parallel.latent import install_latent_kv_hook, rope_width
 from shardtrain.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -141,7 +141,17 @@ def parallelize(
                 pname: planned[id(p)][0] if id(p) in planned else TPPlacement(None, 1, tuple(p.shape))
                 for pname, p in modules[name].named_parameters()
             }
-            check_experts(modules[name], name, local, size)
+            inside = name + "."
+            shares = tuple(
+                modules[n] for n, s in module_styles.items() if s.layer == "identity_share" and n.startswith(inside)
+            )
+            check_experts(modules[name], name, local, size, shares)
+        if style.layer == "identity_share" and not in_region(name, module_styles, experts=True):
+            raise LayoutError(
+                f"{name}: style 'moe_identity_expert' divides an identity expert's input by the tensor-parallel size "
+                "so that an enclosing 'moe_tp_experts' module's sum over ranks restores it, but no enclosing module "
+                "has 'moe_tp_experts'. Add it, or leave this module out of the plan."
+            )
     latent = {n: rope_width(model, modules, n) for n, s in module_styles.items() if s.layer == "latent_kv"}
     check_tied(model, planned, module_styles, param_styles)
     attributes = per_rank_attributes(model, tp_plan, explicit, size)
@@ -163,6 +173,8 @@ def parallelize(
             _install_region_hooks(modules[name], tp_comm, rng, name)
         if style.layer == "latent_kv":
             install_latent_kv_hook(modules[name], tp_comm, latent[name], name)
+        if style.layer == "identity_share":
+            share_identity(modules[name], size)
     for name in param_styles:
         mname, _, pname = name.rpartition(".")
         param = getattr(modules[mname], pname)

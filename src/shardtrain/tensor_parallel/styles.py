@@ -17,7 +17,17 @@ from typing import Literal
 
 from shardtrain.errors import LayoutError
 
-Layer = Literal["column", "row", "vocab_embedding", "hidden_embedding", "vocab_loss", "region", "latent_kv", "none"]
+Layer = Literal[
+    "column",
+    "row",
+    "vocab_embedding",
+    "hidden_embedding",
+    "vocab_loss",
+    "region",
+    "latent_kv",
+    "identity_share",
+    "none",
+]
 
 
 @dataclass(frozen=True)
@@ -27,7 +37,9 @@ class TPStyle:
     ``layer``: the replacement -- ``column``/``row`` (:mod:`.layers`), ``vocab_embedding``/``hidden_embedding``
     (:mod:`.embedding`), ``vocab_loss`` (:mod:`.loss`), ``region`` (the module's output is a partial sum to
     all-reduce and its input enters the region: ``gather``/``all_reduce``), ``latent_kv`` (multi-head latent
-    attention's shared key/value projection, kept replicated: :mod:`.latent`), or ``none`` (nothing is replaced).
+    attention's shared key/value projection, kept replicated: :mod:`.latent`), ``identity_share`` (an identity
+    expert inside a fused experts region: its input divided by the tp size, :mod:`.experts`), or ``none``
+    (nothing is replaced).
     ``stride``: fused groups along the split dimension ([Note: strided blocks]).
     ``gather_output``: a column layer all-gathers its output. ``split_input``: a row layer splits a replicated
     input itself. ``communicate``: False for ``local_*``, whose communication an enclosing ``gather`` does.
@@ -81,6 +93,8 @@ STYLES: dict[str, TPStyle] = {
     "all_reduce": TPStyle("all_reduce", "region"),
     # a fused experts module whose parameters the plan splits per expert ([Note: experts under tensor parallelism])
     "moe_tp_experts": TPStyle("moe_tp_experts", "region", experts=True),
+    # an identity expert inside one: its input divided by the tp size, so that the region's sum is the identity
+    "moe_identity_expert": TPStyle("moe_identity_expert", "identity_share"),
     # multi-head latent attention's shared projection: replicated, f on its rotary key columns
     "mla_kv_a_proj": TPStyle("mla_kv_a_proj", "latent_kv"),
     # nothing to replace
@@ -95,9 +109,6 @@ STYLES: dict[str, TPStyle] = {
 # Hugging Face styles this package knows and does not implement, with the reason given to the user.
 REFUSED: dict[str, str] = {
     "sequence_parallel": "sequence parallelism (activations split on the sequence dimension) is not implemented",
-    "moe_identity_expert": (
-        "an identity expert (LongCat-Flash's zero experts) inside tensor-parallel experts is not supported"
-    ),
     "grouped_gemm": "grouped-GEMM expert kernels (expert parallelism) are not supported",
     "ep_dispatch_experts": "expert parallelism is not supported",
     "ep_router": "expert parallelism is not supported",
