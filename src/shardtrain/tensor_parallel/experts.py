@@ -153,7 +153,7 @@ def _probe(
         shares = [m.register_forward_pre_hook(lambda _m, a: (a[0] / size, *a[1:])) for m in identities]
         try:
             for rank in range(size):
-                blocks = {n: shard_block(p, placements[n], rank, size) for n, p in params.items()}
+                blocks = {n: shard_block(p, placements[n], rank, size).contiguous() for n, p in params.items()}
                 parts.append(functional_call(module, blocks, args))
         finally:
             for handle in shares:
