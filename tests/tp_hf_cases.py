@@ -128,13 +128,16 @@ def reference(model_type: str, dp: int = 1) -> dict:
     return ref
 
 
-@functools.cache
 def outcomes(world: int, dp: int = 1, layouts: tuple | None = None) -> dict[tuple[str, int, int], str | None]:
     """(model, stage, tp) -> None when it matched one process (losses, gradient norms, final parameters), else what
-    differed. ``layouts``: :data:`LAYOUTS` of ``world`` unless given."""
+    differed. ``layouts``: :data:`LAYOUTS` of ``world`` unless given. One job per distinct call, however spelled."""
+    return _outcomes(world, dp, layouts or tuple(LAYOUTS[world]))
+
+
+@functools.cache
+def _outcomes(world: int, dp: int, layouts: tuple) -> dict[tuple[str, int, int], str | None]:
     from shardtrain.testing import run_distributed
 
-    layouts = layouts or tuple(LAYOUTS[world])
     recipes = [recipe(m, stage, tp, dp) for m, stage, tp in layouts]
     results = run_distributed(run_recipes, world, recipes, timeout=300)
     out = {}
