@@ -584,10 +584,19 @@ def main(argv: list[str]) -> None:
             for path in sorted(glob.glob(pattern)):
                 with open(path) as f:
                     if path.endswith(".jsonl"):  # a journal of a batch still running: its finished rows
-                        rows.update(json.loads(line) for line in f if line.strip())
+                        merge_rows(rows, dict(json.loads(line) for line in f if line.strip()))
                     else:
-                        rows.update(json.load(f)["rows"])
+                        merge_rows(rows, json.load(f)["rows"])
         write_doc(args.doc, rows)
+
+
+def merge_rows(rows: dict, new: dict) -> None:
+    """``new``'s rows into ``rows``: a row re-run in some modes (``run --modes tp``) keeps its other modes' outcomes;
+    a row that does not build any more, or builds again, is replaced whole."""
+    for key, row in new.items():
+        old = rows.get(key)
+        same_build = old is not None and old["build"][0] == row["build"][0] == "ok"
+        rows[key] = {**old, **row} if same_build else row
 
 
 BEGIN, END = "<!-- sweep table: begin -->", "<!-- sweep table: end -->"

@@ -19,15 +19,22 @@ from pathlib import Path
 
 import pytest
 
-from model_sweep import DEFAULT_SLICE, LR, MODES, read_table, registered_rows, run_batch, run_rows, write_doc
+from model_sweep import (
+    DEFAULT_SLICE,
+    LR,
+    MODES,
+    merge_rows,
+    read_table,
+    registered_rows,
+    run_batch,
+    run_rows,
+    write_doc,
+)
 
 # (category, model type) -> mode -> (status, a phrase of the refusal); absent: "match"
 EXPECTED = {
     ("decoder-only", "gpt2"): {"tp": ("refused", "declares no tensor-parallel plan")},
-    ("decoder-only", "mixtral"): {"tp": ("refused", "moe_tp_experts")},
     ("encoder-only", "bert"): {"tp": ("refused", "declares no tensor-parallel plan")},
-    ("encoder-decoder", "t5"): {"tp": ("refused", "declares no tensor-parallel plan")},
-    ("encoder-decoder", "bart"): {"tp": ("refused", "declares no tensor-parallel plan")},
 }
 
 
@@ -140,3 +147,6 @@ def test_a_partial_rerun_keeps_the_other_rows_as_the_table_has_them(tmp_path):
     assert any(f"| {category} | {model_type} | refused: a test's reason |" in b for _, b in changed)
     counts_line = re.compile(r"\| [a-z-]+ \| \d+ \| (zero3|tp|sp) \|")  # the counts above the table
     assert all(f"| {category} | {model_type} |" in b or counts_line.match(b) for _, b in changed), changed
+    merged = dict(rows)
+    merge_rows(merged, {key: {"build": ("ok", ""), "tp": ("refused", "a re-run of tp only")}})
+    assert merged[key] == {**rows[key], "tp": ("refused", "a re-run of tp only")}  # zero3 and sp kept

@@ -3,7 +3,9 @@
 Files, lower ones never importing higher ones::
 
     parallelize.py    parallelize(model, plan, tp_comm) -> {parameter name: TPPlacement}; sum_partial_gradients
-    plans.py          TPPlan, Hugging Face's own plans (hf_tp_plan), GPT_TP_PLAN, GPT2_TP_PLAN
+    plans.py          TPPlan, Hugging Face's own plans (hf_tp_plan, own_plan), GPT_TP_PLAN, GPT2_TP_PLAN, T5/BART
+    experts.py        check_experts: a fused experts module's split keeps its meaning (moe_tp_experts)
+    latent.py         multi-head latent attention's shared key/value projection (mla_kv_a_proj)
     styles.py         the style vocabulary (Hugging Face's names) -> TPStyle
     layers.py         ColumnParallelLinear, RowParallelLinear      (from nn.Linear or transformers' Conv1D)
     embedding.py      VocabParallelEmbedding, HiddenParallelEmbedding
@@ -29,14 +31,26 @@ from shardtrain.tensor_parallel.embedding import HiddenParallelEmbedding, VocabP
 from shardtrain.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from shardtrain.tensor_parallel.loss import VocabParallelCrossEntropy, vocab_parallel_cross_entropy
 from shardtrain.tensor_parallel.parallelize import parallelize, sum_partial_gradients
-from shardtrain.tensor_parallel.plans import GPT2_TP_PLAN, GPT_TP_PLAN, TPPlan, hf_tp_plan
+from shardtrain.tensor_parallel.plans import (
+    BART_TP_PLAN,
+    GPT2_TP_PLAN,
+    GPT_TP_PLAN,
+    SHIPPED_PLANS,
+    T5_TP_PLAN,
+    TPPlan,
+    hf_tp_plan,
+    own_plan,
+)
 from shardtrain.tensor_parallel.rng import RegionRNG
 from shardtrain.tensor_parallel.styles import STYLES, TPStyle, packed_colwise, packed_rowwise
 
 __all__ = [
+    "BART_TP_PLAN",
     "GPT2_TP_PLAN",
     "GPT_TP_PLAN",
+    "SHIPPED_PLANS",
     "STYLES",
+    "T5_TP_PLAN",
     "ColumnParallelLinear",
     "HiddenParallelEmbedding",
     "ParameterSharder",
@@ -52,6 +66,7 @@ __all__ = [
     "copy_to_tp_region",
     "gather_from_tp_region",
     "hf_tp_plan",
+    "own_plan",
     "packed_colwise",
     "packed_rowwise",
     "parallelize",

@@ -105,13 +105,13 @@ def keeps_module(module: nn.Module, style: TPStyle, name: str, size: int) -> boo
 def check_kept(module: nn.Module, style: TPStyle, what: str, size: int) -> None:
     """Probe that ``module``'s own forward commutes with ``style``'s split of its table; raise if it does not."""
     weight = module.weight
-    if weight.is_meta or _is_fake(weight) or any(b.is_meta or _is_fake(b) for b in module.buffers()):
+    if weight.is_meta or is_fake(weight) or any(b.is_meta or is_fake(b) for b in module.buffers()):
         return  # nothing real to probe
     vocab, dim = weight.shape
     if (vocab if style.layer == "vocab_embedding" else dim) % size:
         return  # the divisibility check names it
     ids = _probe_ids(vocab, size, module.padding_idx, weight.device)
-    with torch.no_grad(), _probe_mode(module):
+    with torch.no_grad(), probe_mode(module):
         whole = module(ids)
         parts = []
         for rank in range(size):
@@ -171,10 +171,10 @@ def _probe_ids(vocab: int, size: int, padding_idx: int | None, device) -> torch.
 
 
 @contextmanager
-def _probe_mode(module: nn.Module):
+def probe_mode(module: nn.Module):
     """Eval mode (no dropout) and the random streams left as they were: the probe must not change the run."""
     training = module.training
-    devices = [module.weight.device] if module.weight.is_cuda else []
+    devices = sorted({p.device.index or 0 for p in module.parameters() if p.is_cuda})
     module.eval()
     try:
         with torch.random.fork_rng(devices=devices):
@@ -183,7 +183,7 @@ def _probe_mode(module: nn.Module):
         module.train(training)
 
 
-def _is_fake(t: torch.Tensor) -> bool:
+def is_fake(t: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import is_fake
 
     return is_fake(t)

@@ -41,7 +41,9 @@ from shardtrain.tensor_parallel.embedding import (
     VocabParallelEmbedding,
     kept_parallel,
 )
+from shardtrain.tensor_parallel.experts import check_experts, share_identity
 from shardtrain.tensor_parallel.grad_check import ReplicatedGradCheck
+from shardtrain.tensor_parallel.latent import install_latent_kv_hook, rope_width
 from shardtrain.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from shardtrain.tensor_parallel.loss import VocabParallelCrossEntropy
 from shardtrain.tensor_parallel.meaning import keeps_module
@@ -54,7 +56,7 @@ from shardtrain.tensor_parallel.planning import (
     per_rank_attributes,
     plan_param,
 )
-from shardtrain.tensor_parallel.plans import TPPlan, as_plan, best_match, hf_tp_plan
+from shardtrain.tensor_parallel.plans import TPPlan, as_plan, best_match, own_plan
 from shardtrain.tensor_parallel.rng import RegionRNG
 from shardtrain.tensor_parallel.styles import TPStyle, resolve_style
 
@@ -83,7 +85,8 @@ def parallelize(
     """Apply a tensor-parallel plan to ``model`` in place, over the group of ``tp_comm``.
 
     ``plan``: name patterns -> style names (or :class:`TPStyle`), or a :class:`TPPlan`; ``None`` uses the
-    Hugging Face model's own plan (:func:`~.plans.hf_tp_plan`). Every tensor-parallel rank must call this with
+    Hugging Face model's own plan (:func:`~.plans.own_plan`: :func:`~.plans.hf_tp_plan`, else the plan shardtrain
+    ships for its model type, [Note: encoder-decoder plans]). Every tensor-parallel rank must call this with
     the same model, built from the same seed or weights: each keeps its block of the values it holds.
 
     Returns every ``model.named_parameters()`` name -> :class:`TPPlacement` (replicated ones included). Raises
@@ -95,7 +98,7 @@ def parallelize(
     ([Note: replicated gradients across tensor-parallel ranks]).
     """
     explicit = plan is not None
-    tp_plan = as_plan(plan) if explicit else TPPlan(styles=hf_tp_plan(model))
+    tp_plan = as_plan(plan) if explicit else own_plan(model)
     size = tp_comm.size
     modules = dict(model.named_modules())
     for name, module in modules.items():
@@ -123,7 +126,7 @@ def parallelize(
             )
     for name, style in param_styles.items():
         mname, _, pname = name.rpartition(".")
-        if mname in module_styles and module_styles[mname].layer != "none":
+        if mname in module_styles and module_styles[mname].layer not in ("none", "region"):
             raise LayoutError(f"{name}: the plan styles both this parameter and its module {mname}; keep one")
         param = getattr(modules[mname], pname)
         plan_param(planned, param, parameter_placement(param, style, name), name, size)
@@ -132,6 +135,24 @@ def parallelize(
             for pname, p in modules[name].named_parameters():
                 if id(p) not in planned or planned[id(p)][0].dim is None:
                     planned[id(p)] = (TPPlacement(None, 1, tuple(p.shape), partial_grad=True), f"{name}.{pname}")
+    for name, style in module_styles.items():  # after every parameter's placement is known
+        if style.experts:
+            local = {
+                pname: planned[id(p)][0] if id(p) in planned else TPPlacement(None, 1, tuple(p.shape))
+                for pname, p in modules[name].named_parameters()
+            }
+            inside = name + "."
+            shares = tuple(
+                modules[n] for n, s in module_styles.items() if s.layer == "identity_share" and n.startswith(inside)
+            )
+            check_experts(modules[name], name, local, size, shares)
+        if style.layer == "identity_share" and not in_region(name, module_styles, experts=True):
+            raise LayoutError(
+                f"{name}: style 'moe_identity_expert' divides an identity expert's input by the tensor-parallel size "
+                "so that an enclosing 'moe_tp_experts' module's sum over ranks restores it, but no enclosing module "
+                "has 'moe_tp_experts'. Add it, or leave this module out of the plan."
+            )
+    latent = {n: rope_width(model, modules, n) for n, s in module_styles.items() if s.layer == "latent_kv"}
     check_tied(model, planned, module_styles, param_styles)
     attributes = per_rank_attributes(model, tp_plan, explicit, size)
 
@@ -150,6 +171,10 @@ def parallelize(
                 setattr(parent, attr, replacement)
         if style.layer == "region":
             _install_region_hooks(modules[name], tp_comm, rng, name)
+        if style.layer == "latent_kv":
+            install_latent_kv_hook(modules[name], tp_comm, latent[name], name)
+        if style.layer == "identity_share":
+            share_identity(modules[name], size)
     for name in param_styles:
         mname, _, pname = name.rpartition(".")
         param = getattr(modules[mname], pname)

@@ -72,7 +72,7 @@ def check_heads(name: str, modules: dict[str, nn.Module], style: TPStyle, size: 
     head_dim = getattr(parent, "head_dim", None)
     counted = "head_dim"
     if not isinstance(head_dim, int):
-        for attr in ("num_heads", "n_head", "num_attention_heads"):
+        for attr in ("num_heads", "n_head", "n_heads", "num_attention_heads"):
             n = getattr(parent, attr, None)
             if isinstance(n, int) and n > 0 and width % n == 0:
                 head_dim, counted = width // n, attr
@@ -88,12 +88,13 @@ def check_heads(name: str, modules: dict[str, nn.Module], style: TPStyle, size: 
         )
 
 
-def in_region(name: str, module_styles: dict[str, TPStyle]) -> bool:
-    """Whether an enclosing module of ``name`` has a ``gather``/``all_reduce`` style."""
+def in_region(name: str, module_styles: dict[str, TPStyle], experts: bool = False) -> bool:
+    """Whether an enclosing module of ``name`` has a ``gather``/``all_reduce`` style (``experts``: a
+    ``moe_tp_experts`` one)."""
     parts = name.split(".")
     for i in range(1, len(parts)):
         style = module_styles.get(".".join(parts[:i]))
-        if style is not None and style.layer == "region":
+        if style is not None and style.layer == "region" and (style.experts or not experts):
             return True
     return False
 

@@ -105,12 +105,7 @@ def hf_tp_plan(model: nn.Module) -> dict[str, str]:
             f"{OWN_PLANS_REFUSED[model_type]}. Train it without tensor_parallel.size, or pass a plan of your own "
             "that leaves those modules replicated (initialize(tp_plan=...))."
         )
-    prefix_attr = getattr(model, "base_model_prefix", "") or ""
-    base = getattr(model, prefix_attr, None) if prefix_attr else None
-    if not isinstance(base, nn.Module) or base is model:
-        base, prefix = model, ""
-    else:
-        prefix = prefix_attr + "."
+    base, prefix = _base_model(model)
     base_plan = dict(getattr(type(base), "_tp_plan", None) or {})
     base_plan.update(getattr(config, "base_model_tp_plan", None) or {})
     if base_plan and isinstance(getattr(base, "embed_tokens", None), nn.Embedding):
@@ -120,10 +115,38 @@ def hf_tp_plan(model: nn.Module) -> dict[str, str]:
     if not plan:
         raise LayoutError(
             f"{type(model).__name__} declares no tensor-parallel plan (no _tp_plan on its class, no "
-            "base_model_tp_plan in its config). Pass one: parallelize(model, plan, tp_comm), e.g. GPT2_TP_PLAN "
-            "for GPT-2, or a dict of module-name patterns to styles."
+            "base_model_tp_plan in its config) and shardtrain ships none for its model type "
+            f"({model_type!r}; shipped: {', '.join(sorted(SHIPPED_PLANS))}). Pass one: initialize(tp_plan=...) or "
+            "parallelize(model, plan, tp_comm), e.g. GPT2_TP_PLAN for GPT-2, or a dict of module-name patterns to "
+            "styles."
         )
     return plan
+
+
+def own_plan(model: nn.Module) -> TPPlan:
+    """The plan ``parallelize(model, None, ...)`` applies: the model's own (:func:`hf_tp_plan`), else the one
+    shardtrain ships for its model type (:data:`SHIPPED_PLANS`, prefixed like a base model's plan)."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    try:
+        return TPPlan(styles=hf_tp_plan(model))
+    except LayoutError:
+        if model_type not in SHIPPED_PLANS or model_type in OWN_PLANS_REFUSED:
+            raise
+    shipped = SHIPPED_PLANS[model_type]
+    _, prefix = _base_model(model)
+    return TPPlan(
+        styles={prefix + k: v for k, v in shipped.styles.items()},
+        per_rank_attributes={prefix + k: v for k, v in shipped.per_rank_attributes.items()},
+    )
+
+
+def _base_model(model: nn.Module) -> tuple[nn.Module, str]:
+    """The base model under a model with a head (``model.model``) and the prefix of its names (``"model."``)."""
+    prefix_attr = getattr(model, "base_model_prefix", "") or ""
+    base = getattr(model, prefix_attr, None) if prefix_attr else None
+    if not isinstance(base, nn.Module) or base is model:
+        return model, ""
+    return base, prefix_attr + "."
 
 
 # The project's GPT (shardtrain.models.gpt): fused Q/K/V column-parallel with stride 3, the output projection
@@ -157,4 +180,65 @@ GPT2_TP_PLAN = TPPlan(
         "lm_head": "colwise_gather_output",
     },
     per_rank_attributes={"transformer.h.*.attn": ("split_size", "num_heads")},
+)
+
+
+# [Note: encoder-decoder plans]
+# transformers declares no tensor-parallel plan for its encoder-decoder models; these are derived as its plans for
+# decoder-only models are (Llama's): each attention's query/key/value projections column-parallel (whole heads per
+# rank) and its output projection row-parallel, each MLP's input projections column-parallel and its output one
+# row-parallel, in the encoder's self-attention, the decoder's self-attention and the decoder's cross-attention
+# alike. A cross-attention's key/value projections read the encoder's output, which is replicated: their f sums its
+# gradient over the ranks, as for any column-parallel input. Embeddings, norms, positions and the head stay
+# replicated (T5 and BART tie and scale them). Patterns a configuration does not build (T5's gated wi_0/wi_1 or
+# plain wi) match nothing, as in a model's own plan.
+
+# T5 and mT5. T5Attention reshapes by -1 heads but makes a zero position bias of self.n_heads heads (a layer without
+# relative attention bias, when none is passed in: the decoder's first cross-attention), so n_heads (and inner_dim,
+# kept consistent) are divided. The relative attention bias is an embedding of [buckets, heads]: its heads (the last
+# dimension, a parameter's rowwise) are split, so each rank looks up the biases of its own heads.
+_T5_ATTENTION = {"q": "colwise", "k": "colwise", "v": "colwise", "o": "rowwise"}
+_T5_MLP = {"wi": "colwise", "wi_0": "colwise", "wi_1": "colwise", "wo": "rowwise"}
+T5_TP_PLAN = TPPlan(
+    styles={
+        **{f"encoder.block.*.layer.0.SelfAttention.{k}": v for k, v in _T5_ATTENTION.items()},
+        "encoder.block.*.layer.0.SelfAttention.relative_attention_bias.weight": "rowwise",
+        **{f"encoder.block.*.layer.1.DenseReluDense.{k}": v for k, v in _T5_MLP.items()},
+        **{f"decoder.block.*.layer.0.SelfAttention.{k}": v for k, v in _T5_ATTENTION.items()},
+        "decoder.block.*.layer.0.SelfAttention.relative_attention_bias.weight": "rowwise",
+        **{f"decoder.block.*.layer.1.EncDecAttention.{k}": v for k, v in _T5_ATTENTION.items()},
+        **{f"decoder.block.*.layer.2.DenseReluDense.{k}": v for k, v in _T5_MLP.items()},
+    },
+    per_rank_attributes={
+        "encoder.block.*.layer.0.SelfAttention": ("n_heads", "inner_dim"),
+        "decoder.block.*.layer.0.SelfAttention": ("n_heads", "inner_dim"),
+        "decoder.block.*.layer.1.EncDecAttention": ("n_heads", "inner_dim"),
+    },
+)
+
+# BART and the models built like it (mBART, PLBart, Marian, Pegasus, Blenderbot, M2M100): attention reshapes by -1
+# heads of head_dim, so nothing is divided.
+_BART_ATTENTION = {"q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "out_proj": "rowwise"}
+BART_TP_PLAN = TPPlan(
+    styles={
+        **{f"encoder.layers.*.self_attn.{k}": v for k, v in _BART_ATTENTION.items()},
+        "encoder.layers.*.fc1": "colwise",
+        "encoder.layers.*.fc2": "rowwise",
+        **{f"decoder.layers.*.self_attn.{k}": v for k, v in _BART_ATTENTION.items()},
+        **{f"decoder.layers.*.encoder_attn.{k}": v for k, v in _BART_ATTENTION.items()},
+        "decoder.layers.*.fc1": "colwise",
+        "decoder.layers.*.fc2": "rowwise",
+    }
+)
+
+# model type -> the plan shardtrain ships for it, relative to the base model (like a base_model_tp_plan)
+SHIPPED_PLANS: Mapping[str, TPPlan] = MappingProxyType(
+    {
+        "t5": T5_TP_PLAN,
+        "mt5": T5_TP_PLAN,
+        **{
+            k: BART_TP_PLAN
+            for k in ("bart", "mbart", "plbart", "marian", "pegasus", "blenderbot", "blenderbot-small", "m2m_100")
+        },
+    }
 )

@@ -6,8 +6,8 @@ model's own ``base_model_tp_plan`` works unchanged. Each name resolves to a :cla
 which layer replaces the module and how; a plan may also give a :class:`TPStyle` directly, e.g.
 ``packed_colwise(3)`` for a fused Q/K/V projection, which Hugging Face's names (stride 2 only) cannot say.
 
-Styles that need machinery this package does not have (sequence parallelism, expert parallelism, MoE kernels)
-are refused by name, with the reason, rather than silently treated as replicated.
+Styles that need machinery this package does not have (sequence parallelism, expert parallelism, grouped-GEMM
+expert kernels) are refused by name, with the reason, rather than silently treated as replicated.
 """
 
 from __future__ import annotations
@@ -17,7 +17,17 @@ from typing import Literal
 
 from shardtrain.errors import LayoutError
 
-Layer = Literal["column", "row", "vocab_embedding", "hidden_embedding", "vocab_loss", "region", "none"]
+Layer = Literal[
+    "column",
+    "row",
+    "vocab_embedding",
+    "hidden_embedding",
+    "vocab_loss",
+    "region",
+    "latent_kv",
+    "identity_share",
+    "none",
+]
 
 
 @dataclass(frozen=True)
@@ -26,11 +36,15 @@ class TPStyle:
 
     ``layer``: the replacement -- ``column``/``row`` (:mod:`.layers`), ``vocab_embedding``/``hidden_embedding``
     (:mod:`.embedding`), ``vocab_loss`` (:mod:`.loss`), ``region`` (the module's output is a partial sum to
-    all-reduce and its input enters the region: ``gather``/``all_reduce``), or ``none`` (nothing is replaced).
+    all-reduce and its input enters the region: ``gather``/``all_reduce``), ``latent_kv`` (multi-head latent
+    attention's shared key/value projection, kept replicated: :mod:`.latent`), ``identity_share`` (an identity
+    expert inside a fused experts region: its input divided by the tp size, :mod:`.experts`), or ``none``
+    (nothing is replaced).
     ``stride``: fused groups along the split dimension ([Note: strided blocks]).
     ``gather_output``: a column layer all-gathers its output. ``split_input``: a row layer splits a replicated
     input itself. ``communicate``: False for ``local_*``, whose communication an enclosing ``gather`` does.
     ``partial_grad``: the module's parameters stay replicated but their gradients are partial sums.
+    ``experts``: a ``region`` over a fused mixture-of-experts module, checked by :func:`~.experts.check_experts`.
     """
 
     name: str
@@ -40,6 +54,7 @@ class TPStyle:
     split_input: bool = False
     communicate: bool = True
     partial_grad: bool = False
+    experts: bool = False
 
     def __post_init__(self) -> None:
         if self.stride < 1:
@@ -76,6 +91,12 @@ STYLES: dict[str, TPStyle] = {
     # a module whose output is the sum over ranks of what its local_* children computed
     "gather": TPStyle("gather", "region"),
     "all_reduce": TPStyle("all_reduce", "region"),
+    # a fused experts module whose parameters the plan splits per expert ([Note: experts under tensor parallelism])
+    "moe_tp_experts": TPStyle("moe_tp_experts", "region", experts=True),
+    # an identity expert inside one: its input divided by the tp size, so that the region's sum is the identity
+    "moe_identity_expert": TPStyle("moe_identity_expert", "identity_share"),
+    # multi-head latent attention's shared projection: replicated, f on its rotary key columns
+    "mla_kv_a_proj": TPStyle("mla_kv_a_proj", "latent_kv"),
     # nothing to replace
     "replicate": TPStyle("replicate", "none"),
     "local": TPStyle("local", "none", communicate=False),
@@ -88,9 +109,6 @@ STYLES: dict[str, TPStyle] = {
 # Hugging Face styles this package knows and does not implement, with the reason given to the user.
 REFUSED: dict[str, str] = {
     "sequence_parallel": "sequence parallelism (activations split on the sequence dimension) is not implemented",
-    "mla_kv_a_proj": "multi-head latent attention's split projection is not implemented",
-    "moe_tp_experts": "mixture-of-experts layers are not supported by tensor parallelism here",
-    "moe_identity_expert": "mixture-of-experts layers are not supported by tensor parallelism here",
     "grouped_gemm": "grouped-GEMM expert kernels (expert parallelism) are not supported",
     "ep_dispatch_experts": "expert parallelism is not supported",
     "ep_router": "expert parallelism is not supported",
