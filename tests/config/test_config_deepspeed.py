@@ -39,6 +39,8 @@ def test_supported_rules_are_exactly_the_config_fields():
     fields = _field_paths(Config) | {"optimizer.type", "optimizer.params", "scheduler.type", "scheduler.params"}
     fields.add("optimizer.params.max_grad_norm")  # read as the gradient_clipping field
     fields.add("optimizer.params.bias_correction")  # read by the Adam types' optimizer choice
+    # DeepSpeed-MoE's and AutoEP's sections, read as the expert_parallel_size field ([Note: DeepSpeed's MoE keys])
+    fields |= {"moe", "moe.ep_size", "expert_parallel", "expert_parallel.enabled", "expert_parallel.autoep_size"}
     assert supported == fields
     assert len(RULES_BY_PATH) == len(RULES)  # one rule per key
     assert all(canonical in RULES_BY_PATH for canonical in ALIASES.values())

@@ -69,6 +69,9 @@ TWO_RANKS = (
     _Z + "mics_shard_size",
     "sequence_parallel_size",
     "expert_parallel_size",
+    "moe.ep_size",
+    "expert_parallel.autoep_size",
+    "expert_parallel.enabled",
 )
 """Keys shown by the world-2 run (:func:`_two_ranks`)."""
 FOUR_RANKS = (_Z + "zero_hpz_partition_size",)
@@ -1200,6 +1203,17 @@ def _two_ranks(timeout_s: float) -> dict[str, Any]:
     exchanged = engine.comm_stats(by_group=True)["ep"]["all_to_all"]["calls"]
     shape = tuple(experts.gate_up_proj.shape)
     out["expert_parallel_size"] = (engine.topology.ep, experts.expert_range, shape, exchanged)
+    # DeepSpeed-MoE's moe.ep_size and AutoEP's expert_parallel.autoep_size (with enabled: true) are the same size;
+    # AutoEP's section with enabled: false splits nothing
+    for key, section in (
+        ("moe.ep_size", {"moe": {"ep_size": 2, "drop_tokens": False}}),
+        ("expert_parallel.autoep_size", {"expert_parallel": {"enabled": True, "autoep_size": 2}}),
+        ("expert_parallel.enabled", {"expert_parallel": {"enabled": False, "autoep_size": 2}}),
+    ):
+        engine = _engine({**section, **timeout}, model=_mixtral())
+        experts = engine.module.model.layers[0].mlp.experts
+        out[key] = (engine.topology.ep, getattr(experts, "expert_range", None), tuple(experts.gate_up_proj.shape))
+        engine.close()
     # a rank that skips a micro-step: with the desync check both ranks fail at once, naming where each one is
     engine = _engine({"zero_optimization": {"stage": 2}, **timeout})
     _micro_step(engine)
@@ -1251,6 +1265,9 @@ def test_keys_that_need_two_ranks():
     # expert_parallel_size 2: experts [0, 2) and [2, 4) of each MoE layer, the token exchange through the ep group
     assert [r["expert_parallel_size"][:3] for r in results] == [(2, (0, 2), (2, 48, 16)), (2, (2, 4), (2, 48, 16))]
     assert all(r["expert_parallel_size"][3] > 0 for r in results)
+    for key in ("moe.ep_size", "expert_parallel.autoep_size"):
+        assert [r[key] for r in results] == [(2, (0, 2), (2, 48, 16)), (2, (2, 4), (2, 48, 16))], key
+    assert [r["expert_parallel.enabled"] for r in results] == [(1, None, (4, 48, 16))] * 2
     # collective_timeout_s: the lone reduction fails after that many seconds, naming it
     message, waited = results[0]["timeout"], results[0]["timeout_s"]
     assert f"collective timeout {timeout_s:g}s" in message, message

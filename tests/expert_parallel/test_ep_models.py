@@ -333,3 +333,70 @@ def test_experts_and_plans_expert_parallelism_does_not_split_are_refused_by_name
     for refused in world2["refused"]:
         assert refused[kind] is not None and words in refused[kind], refused[kind]
         assert "expert_parallel_size (ep_size) 2" in refused[kind]
+
+
+# -- DeepSpeed-MoE's and AutoEP's keys ([Note: DeepSpeed's MoE keys] in config/deepspeed_keys.py) --------------------
+
+
+def _load(extra: dict):
+    from shardtrain.config.schema import load_config
+
+    return load_config({"train_micro_batch_size_per_gpu": 1, **extra})
+
+
+@pytest.mark.parametrize(
+    "section",
+    [
+        # what DeepSpeed-MoE computes with drop_tokens false: every token to its experts, the router as it is
+        {"moe": {"enabled": True, "ep_size": 2, "drop_tokens": False, "capacity_factor": 1.25, "min_capacity": 4,
+                 "eval_capacity_factor": 2.0, "use_rts": True, "use_tutel": False, "use_residual": False,
+                 "noisy_gate_policy": None, "type": "standard", "top2_2nd_expert_sampling": False,
+                 "enable_expert_tensor_parallelism": False}},
+        # AutoEP at its defaults: the model's own routing, found from the model
+        {"expert_parallel": {"enabled": True, "autoep_size": 2, "expert_tensor_parallel_size": 1,
+                             "use_grouped_mm": True, "preset_model": "mixtral", "route_norm": None,
+                             "route_scale": 1.0, "score_apply": "auto", "score_func": "auto", "top_k": "auto",
+                             "routed_scaling_factor": "auto", "combine_impl": "weighted_sum",
+                             "num_expert_groups": None, "load_balance_coeff": None, "expert_pattern": None}},
+        {"moe": {"ep_size": 2}, "expert_parallel_size": 2},  # the same size twice
+    ],
+)  # fmt: skip
+def test_deepspeed_moe_keys_that_say_what_the_model_does_are_accepted(section):
+    assert _load(section).expert_parallel_size == 2
+
+
+def test_autoep_turned_off_splits_nothing():
+    assert _load({"expert_parallel": {"enabled": False, "autoep_size": 2}}).expert_parallel_size == 1
+
+
+@pytest.mark.parametrize(
+    ("section", "words"),
+    [
+        ({"moe": {"ep_size": 2, "capacity_factor": 1.0}}, "moe.capacity_factor: DeepSpeed-MoE drops the tokens over"),
+        ({"moe": {"min_capacity": 4, "drop_tokens": True}}, "moe.drop_tokens: true is not supported"),
+        ({"moe": {"eval_capacity_factor": 1.0}}, "add `drop_tokens: false`"),
+        ({"moe": {"noisy_gate_policy": "Jitter"}}, "moe.noisy_gate_policy: 'Jitter' is not supported"),
+        ({"moe": {"noisy_gate_policy": "RSample"}}, "which this value would change"),
+        ({"moe": {"use_residual": True}}, "moe.use_residual: true is not supported: Residual MoE"),
+        ({"moe": {"type": "residual"}}, "moe.type: 'residual' is not supported"),
+        ({"moe": {"top2_2nd_expert_sampling": True}}, "samples each token's second expert with Gumbel noise"),
+        ({"moe": {"enable_expert_tensor_parallelism": True}}, "experts split over tensor-parallel ranks"),
+        ({"moe": {"k": 2}}, "moe.k: a DeepSpeed key shardtrain does not support (the top-k is the model's own"),
+        ({"moe": {"num_experts": 8}}, "the number of experts is the model's own"),
+        ({"moe": {"enabled": False}}, "moe.enabled: false is not supported"),
+        ({"moe": {"ep_size": 2}, "expert_parallel_size": 4}, "moe.ep_size: 2 differs from expert_parallel_size 4"),
+        ({"moe": {"ep_sise": 2}}, "moe.ep_sise: unknown key 'ep_sise'; did you mean 'ep_size'?"),
+        ({"moe": 2}, "moe: expected a section"),
+        ({"expert_parallel": {"enabled": True, "top_k": 4}}, "expert_parallel.top_k: 4 is not supported"),
+        ({"expert_parallel": {"enabled": True, "score_func": "softmax"}}, "expert_parallel.score_func: 'softmax'"),
+        ({"expert_parallel": {"enabled": True, "num_limited_groups": 2}}, "expert_parallel.num_limited_groups: 2"),
+        ({"expert_parallel": {"enabled": True, "expert_pattern": "mlp.experts"}}, "a custom pattern is not read"),
+        ({"expert_parallel": {"enabled": True, "load_balance_coeff": 1e-3}}, "auxiliary-loss-free load balancing"),
+        ({"expert_parallel": {"enabled": True, "expert_tensor_parallel_size": 2}}, "Accepted (no effect): `1`"),
+        ({"expert_parallel": {"enabled": "yes"}}, "expert_parallel.enabled: expected true or false, got 'yes'"),
+    ],
+)
+def test_deepspeed_moe_keys_that_drop_tokens_or_change_routing_are_refused_by_name(section, words):
+    with pytest.raises(ConfigError) as err:
+        _load(section)
+    assert words in str(err.value), str(err.value)

@@ -133,6 +133,156 @@ def _not_supported(path: str, note: str) -> Rule:
 _ZERO_PP_SAME = "shardtrain communicates in full precision over all data-parallel ranks (the result of ZeRO without it)"
 _Z = "zero_optimization."
 
+# -- DeepSpeed-MoE's layer arguments and AutoEP's section ([Note: DeepSpeed's MoE keys]) ----------------------------
+_MODEL_ROUTES = "the routing is the model's own router's (its transformers forward), which this value would change"
+_FOUND = (
+    "the MoE layers and their experts are found from the model (its transformers expert-parallel plan and fused "
+    "experts modules, docs/expert-parallel.md); a custom pattern is not read"
+)
+_CAPACITY = (
+    "with `drop_tokens: false` DeepSpeed-MoE sizes each expert's capacity to the tokens it gets, as here (no "
+    "capacity, no token dropped); given without `drop_tokens: false` it is refused: DeepSpeed-MoE would drop the "
+    "tokens over each expert's capacity"
+)
+
+
+def _one_of(path: str, accepted: tuple[Any, ...], note: str) -> Rule:
+    """A key accepted (without effect) at the values listed, which are what the model already does."""
+    floats = [a for a in accepted if type(a) is float]
+    shown = ", ".join(f"`{json.dumps(v)}`" for v in accepted if not (type(v) is int and float(v) in floats))
+    return Rule(
+        path,
+        Kind.REFUSED_VALUE,
+        note,
+        shown,
+        accept=lambda v: any(v == a and isinstance(v, bool) == isinstance(a, bool) for a in accepted),
+    )
+
+
+_AUTOEP_PATTERN_KEYS = (
+    "moe_layer_pattern", "expert_pattern", "router_pattern", "expert_w1", "expert_w2", "expert_w3", "num_experts_attr",
+    "top_k_attr", "has_shared_experts", "shared_experts_pattern", "shared_experts_gate_pattern",
+)  # fmt: skip
+"""AutoEP's keys that tell it where the MoE layers, routers and expert weights of a model are."""
+
+_MOE_RULES: tuple[Rule, ...] = (
+    _supported(
+        "moe",
+        "section",
+        "DeepSpeed-MoE's layer arguments (those of `deepspeed.moe.layer.MoE`, as the inference config's `moe` "
+        "section has them) for a transformers MoE model: the keys that say what the model's forward already does "
+        "are accepted, the ones that would drop tokens or change its routing are refused ([Note: DeepSpeed's MoE "
+        "keys])",
+    ),
+    _only("moe.enabled", True, "the section is read when given; remove it for no expert parallelism"),
+    _supported("moe.ep_size", "int ≥ 1", "`expert_parallel_size` (DeepSpeed-MoE's name)"),
+    _only(
+        "moe.drop_tokens",
+        False,
+        "DeepSpeed-MoE's default `true` drops the tokens over each expert's capacity; the transformers model's "
+        "forward drops none, and neither does expert parallelism (dropless)",
+    ),
+    _no_effect("moe.capacity_factor", "number", _CAPACITY, check=_NUMBER),
+    _no_effect("moe.eval_capacity_factor", "number", _CAPACITY, check=_NUMBER),
+    _no_effect("moe.min_capacity", "int", _CAPACITY, check=int),
+    _no_effect(
+        "moe.use_rts",
+        "bool",
+        "random token selection chooses which tokens an expert over its capacity keeps; without a capacity none is "
+        "dropped",
+        check=StrictBool,
+    ),
+    _no_effect(
+        "moe.use_tutel",
+        "bool",
+        "Tutel's kernels for DeepSpeed-MoE's dispatch; tokens go to their experts by shardtrain's all-to-all",
+        check=StrictBool,
+    ),
+    _only(
+        "moe.use_residual",
+        False,
+        "Residual MoE (PR-MoE) adds a dense MLP and a learned mix to each MoE layer; the model's layers are as "
+        "transformers builds them",
+    ),
+    _one_of("moe.type", ("standard",), "`residual` is Residual MoE (see `moe.use_residual`)"),
+    _one_of(
+        "moe.noisy_gate_policy",
+        (None, "None"),
+        f"`Jitter` and `RSample` add noise to the router's input or logits in training: {_MODEL_ROUTES}",
+    ),
+    _only(
+        "moe.top2_2nd_expert_sampling",
+        False,
+        f"DeepSpeed-MoE's default `true` samples each token's second expert with Gumbel noise: {_MODEL_ROUTES}",
+    ),
+    _only(
+        "moe.enable_expert_tensor_parallelism",
+        False,
+        "experts split over tensor-parallel ranks are not built; each rank of an expert group holds whole experts",
+    ),
+    _not_supported("moe.k", "the top-k is the model's own: its config's `num_experts_per_tok`"),
+    _not_supported(
+        "moe.num_experts",
+        "the number of experts is the model's own: its config's `num_experts` / `num_local_experts` / "
+        "`n_routed_experts`",
+    ),
+    _not_supported("moe.moe_experts", "the number of experts is the model's own (see `moe.num_experts`)"),
+    *(
+        _not_supported(f"moe.{key}", "process groups come from the mesh: set `expert_parallel_size`")
+        for key in ("ep_group", "expert_group", "ep_mp_group")
+    ),
+    _supported(
+        "expert_parallel",
+        "section",
+        "DeepSpeed's AutoEP section: with `enabled: true`, `autoep_size` is `expert_parallel_size`; the keys that "
+        "leave the model's routing as it is are accepted, the others refused ([Note: DeepSpeed's MoE keys])",
+    ),
+    _supported("expert_parallel.enabled", "bool, `false`", "`true`: `autoep_size` sets `expert_parallel_size`"),
+    _supported(
+        "expert_parallel.autoep_size", "int ≥ 1, `1`", "`expert_parallel_size` (AutoEP's name), with `enabled: true`"
+    ),
+    _one_of(
+        "expert_parallel.expert_tensor_parallel_size",
+        (1,),
+        "experts split over tensor-parallel ranks are not built; each rank of an expert group holds whole experts",
+    ),
+    *(
+        _no_effect(f"expert_parallel.{key}", "bool", why, check=StrictBool)
+        for key, why in (
+            ("use_grouped_mm", "each rank runs its experts through the model's own experts implementation"),
+            ("disable_triton_grouped_mm", "each rank runs its experts through the model's own experts implementation"),
+            ("validate_folding_routing", "no folding of expert and tensor parallelism is built"),
+        )
+    ),
+    _no_effect("expert_parallel.preset_model", "string", _FOUND, check=StrictStr),
+    *(_one_of(f"expert_parallel.{key}", (None,), _FOUND) for key in _AUTOEP_PATTERN_KEYS),
+    *(
+        _one_of(f"expert_parallel.{key}", default, f"its default takes the model's own value; {_MODEL_ROUTES}")
+        for key, default in (
+            ("route_norm", (None,)),
+            ("route_scale", (1.0, 1)),
+            ("score_apply", ("auto",)),
+            ("num_expert_groups", (None,)),
+            ("num_limited_groups", (None,)),
+            ("score_func", ("auto",)),
+            ("top_k", ("auto",)),
+            ("routed_scaling_factor", ("auto",)),
+        )
+    ),
+    _one_of(
+        "expert_parallel.combine_impl",
+        ("auto", "weighted_sum", "legacy_bmm"),
+        "how AutoEP adds each token's weighted expert outputs; the model's own forward adds them here",
+    ),
+    _one_of(
+        "expert_parallel.load_balance_coeff",
+        (None,),
+        "auxiliary-loss-free load balancing (a routing bias AutoEP updates) is not built, as in DeepSpeed's AutoEP; "
+        "the model's own routing bias (DeepSeek-V3's `e_score_correction_bias`) is kept as it is",
+    ),
+)
+
+
 RULES: tuple[Rule, ...] = (
     # -- batch size ------------------------------------------------------------------------------
     _supported(
@@ -823,7 +973,7 @@ RULES: tuple[Rule, ...] = (
         "holding num_experts / size experts of a transformers MoE model; it must divide the data-parallel size: "
         "docs/expert-parallel.md",
     ),
-    _disabled("expert_parallel", "AutoEP's section is not read; use `expert_parallel_size` (docs/expert-parallel.md)"),
+    *_MOE_RULES,
     _disabled("hybrid_engine", "the RLHF hybrid engine is not supported"),
     _no_effect(
         "aio",
@@ -1343,7 +1493,71 @@ def classify(data: Mapping[str, Any], model: type[BaseModel], prefix: str = "") 
     out = _walk(data, model, prefix, found)
     if not prefix:
         _max_grad_norm_as_clipping(out, found)
+        _moe_sections(out, found)
     return out, found
+
+
+# [Note: DeepSpeed's MoE keys]
+# DeepSpeed users give expert parallelism in two places: the arguments of DeepSpeed-MoE's layer
+# (`deepspeed.moe.layer.MoE(ep_size=..., capacity_factor=..., drop_tokens=...)`, which the inference config's `moe`
+# section mirrors) and AutoEP's `expert_parallel` section (`enabled`, `autoep_size`, routing overrides). Both are
+# read as sections here: `moe.ep_size` and, with `enabled: true`, `expert_parallel.autoep_size` are
+# `expert_parallel_size`. The other keys describe how DeepSpeed's own MoE layer routes and drops tokens. The model
+# here is transformers', whose forward routes with its own router and drops no token, so a key is accepted (without
+# effect) where its value says the same (`drop_tokens: false`, a capacity factor with it, no noisy gate, AutoEP's
+# "auto" routing) and refused by name where it would drop tokens or route differently. DeepSpeed's default
+# `drop_tokens: true` drops tokens: a capacity key is refused unless `drop_tokens: false` is given with it.
+_EP_SIZE_KEYS = {"moe": "ep_size", "expert_parallel": "autoep_size"}
+
+
+def _moe_sections(out: dict[str, Any], found: Findings) -> None:
+    """The ``moe`` and ``expert_parallel`` sections (see [Note: DeepSpeed's MoE keys]): their keys checked, their
+    expert-parallel size written as ``expert_parallel_size``, the sections removed."""
+    for section, size_key in _EP_SIZE_KEYS.items():
+        if section not in out:
+            continue
+        value = out.pop(section)
+        if not isinstance(value, Mapping):
+            found.problems.append(f"{section}: expected a section (a mapping), got {_describe(value)}")
+            continue
+        size = None
+        for key, v in value.items():
+            path = f"{section}.{key}"
+            rule = RULES_BY_PATH.get(path)
+            if rule is None:
+                found.problems.append(unknown_key_message(path, str(key), _known_here(section, None)))
+            elif rule.kind is not Kind.SUPPORTED:
+                _apply_rule(rule, v, found)
+            elif key == size_key:
+                size = v
+            elif not isinstance(v, bool):  # expert_parallel.enabled
+                found.problems.append(f"{path}: expected true or false, got {_describe(v)}")
+        if section == "moe":
+            given = [k for k in ("capacity_factor", "eval_capacity_factor", "min_capacity") if k in value]
+            if given and value.get("drop_tokens") is not False:
+                found.problems.append(
+                    f"moe.{given[0]}: DeepSpeed-MoE drops the tokens over each expert's capacity unless "
+                    "`drop_tokens: false` is given (its default is true); the transformers model's forward drops "
+                    "none: add `drop_tokens: false` (the capacity then follows the tokens, as here) or remove the key"
+                )
+        elif value.get("enabled") is not True:  # AutoEP off: the section says nothing
+            if size is not None:
+                found.no_effect.append("expert_parallel.autoep_size: AutoEP is off (`enabled` is not true)")
+            continue
+        if size is None:
+            continue
+        if (
+            "expert_parallel_size" in out
+            and not is_auto(out["expert_parallel_size"])
+            and out["expert_parallel_size"] != size
+        ):
+            found.problems.append(
+                f"{section}.{size_key}: {_describe(size)} differs from expert_parallel_size "
+                f"{_describe(out['expert_parallel_size'])}; both set the expert-parallel size: give one of them"
+            )
+            continue
+        out["expert_parallel_size"] = size
+        found.renamed.setdefault("expert_parallel_size", f"{section}.{size_key}")
 
 
 _MAX_GRAD_NORM = "optimizer.params.max_grad_norm"

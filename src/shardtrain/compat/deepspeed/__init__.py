@@ -210,7 +210,8 @@ def __getattr__(name: str) -> Any:
         "checkpointing": "use torch.utils.checkpoint for activation checkpointing",
         "ops": "DeepSpeed's fused kernels are not provided: the config's Adam/AdamW are torch's (torch_adam)",
         "pipe": "pipeline parallelism is not built",
-        "moe": "mixture-of-experts layers are not built",
+        "moe": "DeepSpeed-MoE's layer is not provided: train a transformers MoE model with expert_parallel_size; "
+        "the config's `moe` section reads the layer's arguments (ep_size, drop_tokens, ...: docs/expert-parallel.md)",
         "init_inference": "inference engines are not built: use the model directly",
         "runtime": "DeepSpeed's internals are not provided: the engine is deepspeed.DeepSpeedEngine, the schedulers "
         "are built from the config's scheduler section, the ZeRO-3 state of a parameter is shardtrain's own "
