@@ -385,6 +385,10 @@ def test_autoep_turned_off_splits_nothing():
         ({"moe": {"num_experts": 8}}, "the number of experts is the model's own"),
         ({"moe": {"enabled": False}}, "moe.enabled: false is not supported"),
         ({"moe": {"ep_size": 2}, "expert_parallel_size": 4}, "moe.ep_size: 2 differs from expert_parallel_size 4"),
+        (
+            {"moe": {"ep_size": 2}, "expert_parallel": {"enabled": True, "autoep_size": 4}},
+            "expert_parallel.autoep_size: 4 differs from moe.ep_size 2",
+        ),
         ({"moe": {"ep_sise": 2}}, "moe.ep_sise: unknown key 'ep_sise'; did you mean 'ep_size'?"),
         ({"moe": 2}, "moe: expected a section"),
         ({"expert_parallel": {"enabled": True, "top_k": 4}}, "expert_parallel.top_k: 4 is not supported"),

@@ -1551,8 +1551,9 @@ def _moe_sections(out: dict[str, Any], found: Findings) -> None:
             and not is_auto(out["expert_parallel_size"])
             and out["expert_parallel_size"] != size
         ):
+            other = found.renamed.get("expert_parallel_size", "expert_parallel_size")
             found.problems.append(
-                f"{section}.{size_key}: {_describe(size)} differs from expert_parallel_size "
+                f"{section}.{size_key}: {_describe(size)} differs from {other} "
                 f"{_describe(out['expert_parallel_size'])}; both set the expert-parallel size: give one of them"
             )
             continue
