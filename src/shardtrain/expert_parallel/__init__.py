@@ -6,9 +6,17 @@ layer split over the ranks of an expert group, tokens sent to their experts and 
 """
 
 from shardtrain.expert_parallel.install import (
+    declared_ep_plan,
+    experts_to_split,
     find_experts,
     install_expert_parallel,
     refuse_split_experts_checkpoint,
 )
 
-__all__ = ["find_experts", "install_expert_parallel", "refuse_split_experts_checkpoint"]
+__all__ = [
+    "declared_ep_plan",
+    "experts_to_split",
+    "find_experts",
+    "install_expert_parallel",
+    "refuse_split_experts_checkpoint",
+]

@@ -154,33 +154,39 @@ def _refuse_unfused(model: nn.Module, found: dict[str, nn.Module], ep: int) -> N
             )
 
 
-def install_expert_parallel(model: nn.Module, comm: Communicator) -> frozenset[int]:
-    """Keep this rank's experts of every experts module of ``model`` and route their forward through the token
-    exchange over ``comm`` (the expert group); returns the ids of the expert parameters, which the engine reduces
-    over the expert-data-parallel group. In place; the parameter objects are kept. Which modules: [Note: which experts
-    modules are split]. Refuses a model without experts, a plan style or experts module that is not built and a
-    number of experts the group does not divide, naming the layer."""
+def experts_to_split(model: nn.Module, ep: int) -> dict[str, nn.Module]:
+    """The experts modules of ``model`` that an expert group of ``ep`` ranks splits, by name ([Note: which experts
+    modules are split]). Refuses a plan style or experts module that is not built, a model without experts and a
+    number of experts ``ep`` does not divide, naming the layer."""
     plan = declared_ep_plan(model)
     if plan:
-        experts = _planned_experts(model, plan, comm.size)
+        experts = _planned_experts(model, plan, ep)
     else:
         experts = find_experts(model)
-        _refuse_unfused(model, experts, comm.size)
+        _refuse_unfused(model, experts, ep)
     if not experts:
         raise ConfigError(
-            f"expert_parallel_size (ep_size) {comm.size} but {type(model).__name__} has no experts module (a "
+            f"expert_parallel_size (ep_size) {ep} but {type(model).__name__} has no experts module (a "
             "transformers mixture-of-experts layer's fused experts: num_experts and gate_up_proj / down_proj weights "
             "with one row per expert); set expert_parallel_size to 1 for a dense model"
         )
     for name, m in experts.items():
-        if m.num_experts % comm.size:
+        if m.num_experts % ep:
             raise ConfigError(
                 f"{name} has {m.num_experts} experts (num_experts), which do not split over expert_parallel_size "
-                f"(ep_size) {comm.size}: each rank holds num_experts / ep_size whole experts; choose a size that "
+                f"(ep_size) {ep}: each rank holds num_experts / ep_size whole experts; choose a size that "
                 f"divides {m.num_experts}"
             )
+    return experts
+
+
+def install_expert_parallel(model: nn.Module, comm: Communicator) -> frozenset[int]:
+    """Keep this rank's experts of every experts module of ``model`` that :func:`experts_to_split` names and route
+    their forward through the token exchange over ``comm`` (the expert group); returns the ids of the expert
+    parameters, which the engine reduces over the expert-data-parallel group. In place; the parameter objects are
+    kept."""
     ids = set()
-    for name, m in experts.items():
+    for name, m in experts_to_split(model, comm.size).items():
         shard_experts(m, comm, name)
         ids.update(id(p) for w in _EXPERT_WEIGHTS if isinstance(p := getattr(m, w, None), nn.Parameter))
     return frozenset(ids)
@@ -197,4 +203,10 @@ def refuse_split_experts_checkpoint(ep: int, stage: int, what: str) -> None:
         )
 
 
-__all__ = ["declared_ep_plan", "find_experts", "install_expert_parallel", "refuse_split_experts_checkpoint"]
+__all__ = [
+    "declared_ep_plan",
+    "experts_to_split",
+    "find_experts",
+    "install_expert_parallel",
+    "refuse_split_experts_checkpoint",
+]
