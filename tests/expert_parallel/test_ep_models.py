@@ -8,7 +8,8 @@
 * transformers' activation checkpointing (gradient checkpointing) under expert parallelism at ZeRO stage 2;
 * dropless: a routing bias that sends every token of every rank to one expert, which then computes all of them.
 
-ep 2 at world 2 in the default run; ep 3 (DeepSeek-V3 with 6 experts in 3 groups) at world 3 is marked soak."""
+ep 2 at world 2 in the default run; ep 3 at world 3 (DeepSeek-V3 with 6 experts in 3 groups, gpt-oss, Qwen2-MoE with
+torch's reentrant checkpointing) is marked soak."""
 
 from __future__ import annotations
 
@@ -84,10 +85,22 @@ def _forward(model, ids: torch.Tensor):
     return out.loss, (float(aux.detach()) if aux is not None else None)
 
 
+def _checkpointing(model, case: dict) -> None:
+    """transformers' activation checkpointing: ``True`` its default (torch's non-reentrant checkpoint),
+    ``"reentrant"`` torch's reentrant one."""
+    if case.get("checkpointing"):
+        kwargs = {"use_reentrant": case["checkpointing"] == "reentrant"}
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+
+
 def reference(case: dict, world: int) -> dict:
-    """One process, the whole global batch, no activation checkpointing: each micro-step's loss is the mean of the
-    losses of the ranks' rows (the load-balancing loss is over a rank's tokens, as in data parallelism)."""
+    """One process, the whole global batch: each micro-step's loss is the mean of the losses of the ranks' rows (the
+    load-balancing loss is over a rank's tokens, as in data parallelism). No activation checkpointing, except the
+    reentrant one: under it transformers' load-balancing loss does not reach the layers' parameters (the router logits
+    it captures are computed under no_grad), in one process as here, so the reference runs it too."""
     model = make_model(case["kind"], case["experts"], case.get("top_k", 2), case.get("bias", "random"))
+    if case.get("checkpointing") == "reentrant":
+        _checkpointing(model, case)
     init = {k: v.clone() for k, v in model.state_dict().items()}
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     gas, clip = case["gas"], case["clip"]
@@ -117,8 +130,7 @@ def _train(case: dict) -> dict:
     model = make_model(
         case["kind"], case["experts"], case.get("top_k", 2), case.get("bias", "random"), case.get("plan", "")
     )
-    if case.get("checkpointing"):
-        model.gradient_checkpointing_enable()
+    _checkpointing(model, case)
     config = {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": case["gas"],
@@ -243,7 +255,11 @@ WORLD2 = {
     # every token of every rank to expert 5 (top-1), held by rank 1: no capacity, no token dropped
     "dropless": _case("deepseek_v3", 2, top_k=1, bias="one"),
 }
-WORLD3 = {"deepseek_v3 ep 3": _case("deepseek_v3", 2, experts=6, ep=3, clip=0.5)}  # 6 experts in 3 groups
+WORLD3 = {
+    "deepseek_v3 ep 3": _case("deepseek_v3", 2, experts=6, ep=3, clip=0.5),  # 6 experts in 3 groups
+    "gpt_oss ep 3": _case("gpt_oss", 1, experts=6, ep=3, gas=2),
+    "qwen2_moe ep 3 reentrant": _case("qwen2_moe", 2, experts=6, ep=3, checkpointing="reentrant"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -289,10 +305,14 @@ def test_a_routing_that_sends_every_token_to_one_expert_drops_none(world2):
 
 
 @pytest.mark.soak
-def test_deepseek_v3_with_ep_3_trains_like_one_process():
-    runs = run_distributed(_runs, 3, list(WORLD3.values()), timeout=300)
-    _check([r[0] for r in runs], WORLD3["deepseek_v3 ep 3"], "deepseek_v3 ep 3")
-    assert [r[0]["held"]["model.layers.1.mlp.experts"] for r in runs] == [(0, 2), (2, 4), (4, 6)]
+def test_models_with_ep_3_train_like_one_process():
+    runs = run_distributed(_runs, 3, list(WORLD3.values()), timeout=600)
+    for i, (name, case) in enumerate(WORLD3.items()):
+        results = [r[i] for r in runs]
+        _check(results, case, name)
+        assert [sorted(r["held"].values())[0] for r in results] == [(0, 2), (2, 4), (4, 6)], name
+    reentrant = [r[2] for r in runs]  # recomputed by torch's reentrant checkpoint: each router ran twice
+    assert all(r["router_calls"] == 2 * r["routers"] for r in reentrant), [r["router_calls"] for r in reentrant]
 
 
 def test_the_model_s_expert_parallel_plan_decides_which_experts_are_split(world2):
