@@ -22,6 +22,11 @@ their routing weights ``w [T, k]`` (what transformers hands its experts module):
    product's dtype and round once. In bf16 the two differ; each is the same, bit for bit, as one process's.
 
 Backward is the same exchanges reversed: :class:`_AllToAllV`'s gradient is the all-to-all with the sizes swapped.
+Every rank of the group must take part in each backward exchange, also a rank that received no row: its experts
+module then returns a tensor outside the autograd graph (transformers' eager loop makes zeros, and an
+``autograd.Function`` whose inputs need no gradient has no backward), so the exchange would have no backward there
+while the other ranks wait for it in theirs. Its output is therefore tied, with a zero weight, to the received rows
+(or to the experts' weights when the tokens need no gradient), whenever gradients are recorded.
 No token is dropped (no capacity factor): a rank receives what the router sends it, and an expert that receives no
 token contributes nothing.
 
@@ -33,7 +38,7 @@ axis. That is the engine's part when it shards experts; this module computes wha
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -96,10 +101,13 @@ def shard_experts(experts: nn.Module, comm: Communicator, name: str = "experts")
     experts.num_experts = local
     experts.expert_range = (first, first + local)  # global ids of the experts held here
     inner = experts.forward  # the module's own forward, over the local experts
+    weights = [getattr(experts, w) for w in held]
 
     def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         eager = getattr(getattr(experts, "config", None), "_experts_implementation", "eager") in (None, "eager")
-        return dispatch(hidden_states, top_k_index, top_k_weights, inner, comm, n, name, per_token_sum=not eager)
+        return dispatch(
+            hidden_states, top_k_index, top_k_weights, inner, comm, n, name, per_token_sum=not eager, params=weights
+        )
 
     experts.forward = forward
 
@@ -113,11 +121,13 @@ def dispatch(
     num_experts: int,
     what: str = "experts",
     per_token_sum: bool = False,
+    params: Sequence[torch.Tensor] = (),
 ) -> torch.Tensor:
     """``x [T, H]`` through the experts ``idx [T, k]`` chose, weighted by ``weights [T, k]``, the experts split over
     ``comm``'s ranks (see [Note: tokens to their experts]). ``local_experts(rows, local_idx [R, 1], ones [R, 1])`` is
-    the experts module's own forward over this rank's experts. ``per_token_sum``: each token's weighted rows summed
-    and rounded once (transformers' ``grouped_mm`` and ``batched_mm``); else added in expert order (``eager``)."""
+    the experts module's own forward over this rank's experts, whose weights are ``params``. ``per_token_sum``: each
+    token's weighted rows summed and rounded once (transformers' ``grouped_mm`` and ``batched_mm``); else added in
+    expert order (``eager``)."""
     k = idx.shape[1]
     per_rank = num_experts // comm.size
     flat = idx.reshape(-1)  # [T * k], pair p is token p // k's expert
@@ -131,6 +141,10 @@ def dispatch(
     received = all_to_all_v(rows, comm, recv, send, f"the tokens of {what}")
     local_ids = all_to_all_v((experts_sorted % per_rank)[:, None], comm, recv, send, f"the expert ids of {what}")
     out = local_experts(received, local_ids, torch.ones_like(local_ids, dtype=x.dtype))
+    if torch.is_grad_enabled() and not out.requires_grad:  # no row received: see [Note: tokens to their experts]
+        anchor = received if received.requires_grad else next((p for p in params if p.requires_grad), None)
+        if anchor is not None:
+            out = out + anchor.reshape(-1)[:1].sum().to(out.dtype) * 0
     back = all_to_all_v(out, comm, send, recv, f"the outputs of {what}")  # [T * k, H], by expert
     back = back * weights.reshape(-1)[order, None]  # in the promoted dtype, as transformers multiplies
     if per_token_sum:
