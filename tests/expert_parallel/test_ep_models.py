@@ -201,7 +201,9 @@ def _unbuilt(kind: str):
         )  # fmt: skip
         return transformers.SwitchTransformersForConditionalGeneration(cfg)
     model = make_model("qwen2_moe", 4)
-    if kind == "colwise plan":  # the shape of Gemma 4's plan: a dense layer split over the expert group
+    if kind == "distributed by transformers":  # what from_pretrained(distributed_config=...) marks on the model
+        model._is_distributed_loading_by_transformers = True
+    elif kind == "colwise plan":  # the shape of Gemma 4's plan: a dense layer split over the expert group
         model.ep_plan = {**model.ep_plan, "model.layers.*.mlp.shared_expert.gate_proj": "colwise"}
     else:  # a plan that dispatches to experts whose down_proj it leaves whole
         model.ep_plan = {k: v for k, v in model.ep_plan.items() if not k.endswith("down_proj")}
@@ -352,6 +354,7 @@ def test_the_model_s_expert_parallel_plan_decides_which_experts_are_split(world2
         ("switch", "encoder.block.1.layer.1.mlp.experts is a SwitchTransformersExperts: a list of one module per"),
         ("colwise plan", "has 'model.layers.*.mlp.shared_expert.gate_proj': 'colwise', which is not built"),
         ("half plan", "dispatches tokens to model.layers.0.mlp.experts but does not split its weight down_proj"),
+        ("distributed by transformers", "Qwen2MoeForCausalLM was already distributed by transformers"),
     ],
 )
 def test_experts_and_plans_expert_parallelism_does_not_split_are_refused_by_name(kind, words):

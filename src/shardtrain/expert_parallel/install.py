@@ -157,7 +157,14 @@ def _refuse_unfused(model: nn.Module, found: dict[str, nn.Module], ep: int) -> N
 def experts_to_split(model: nn.Module, ep: int) -> dict[str, nn.Module]:
     """The experts modules of ``model`` that an expert group of ``ep`` ranks splits, by name ([Note: which experts
     modules are split]). Refuses a plan style or experts module that is not built, a model without experts and a
-    number of experts ``ep`` does not divide, naming the layer."""
+    number of experts ``ep`` does not divide, naming the layer, and a model transformers has already distributed."""
+    for name, m in model.named_modules():
+        if getattr(m, "_is_distributed_loading_by_transformers", False) is True:
+            raise ConfigError(
+                f"expert_parallel_size (ep_size) {ep}: {name or type(model).__name__} was already distributed by "
+                "transformers (from_pretrained(distributed_config=...)): its experts and weights are split its own "
+                "way; load it without distributed_config and let expert_parallel_size split it"
+            )
     plan = declared_ep_plan(model)
     if plan:
         experts = _planned_experts(model, plan, ep)
