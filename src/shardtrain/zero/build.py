@@ -150,9 +150,12 @@ def _plan_units(
         dense = [g for (_, _, moe), g in by_kind.items() if not moe]
         moe = [g for (_, _, moe), g in by_kind.items() if moe]
         buckets = build_buckets(dense, comm.size, comm.rank, first_index=index, device=device)
-        for b in build_buckets(moe, expert_comm.size, expert_comm.rank, first_index=index + len(dense), device=device):
-            b.expert = True
-            buckets.append(b)
+        if moe:  # see [Note: expert buckets]
+            for b in build_buckets(
+                moe, expert_comm.size, expert_comm.rank, first_index=index + len(dense), device=device
+            ):
+                b.expert = True
+                buckets.append(b)
         for b in buckets:
             # expert parameters from the first rank holding the same experts: the others of sync hold other experts
             (expert_comm if b.expert else sync).broadcast(b.flat_param, 0, what=f"initial parameters of unit {name!r}")
