@@ -5,8 +5,9 @@ ZeRO-Infinity for gradients).
 At stages 2-3 the reducer keeps, per bucket, this rank's fp32 gradient shard for the whole step: as much memory
 as the rank's fp32 parameters. With the optimizer state in files (``device: nvme``) the shards go to files too,
 as DeepSpeed's ZeRO-Infinity swaps gradient partitions out: when a bucket's reduce-scatter completes, the reducer
-hands its result to :meth:`GradOffload.fold`, which writes it to ``bucket<i>.grad.bin`` on the I/O pool (one
-write in flight: the next bucket's reduction overlaps it) and gives up the bucket's in-memory shard; a later
+hands its result to :meth:`GradOffload.fold`, which writes it to ``bucket<i>.grad.bin`` on an I/O thread of the
+swap files (one write in flight: the next bucket's reduction overlaps it); the reducer keeps no in-memory shard for
+such a bucket (it is handed this object at construction, see :class:`~shardtrain.zero.reducer.GradientFiles`). A later
 micro-step of the same step reads the file, adds (the in-memory ``add_``) and writes it back. At the last
 micro-step each fragment's norm is taken from the result while it is in memory. The step is the in-memory step
 ([Note: the one step] in :mod:`shardtrain.zero.optimizer`), with these gradients *deferred*: their norms are the
@@ -18,7 +19,8 @@ gradients, and a rank holds one bucket's reduced gradient on its way to the file
 gradients with their state.
 Where it is not built the gradients stay in memory: on CUDA (the shards are on the GPU), with tensor parallelism
 or hybrid sharding (their norm and replica all-reduce read the shards), and buckets whose reduction graph mode
-took over.
+took over. Whether it is built is decided before the reducer exists
+(:func:`~shardtrain.offload.optimizer_state.build_gradient_sinks`).
 
 """
 

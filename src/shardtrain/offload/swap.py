@@ -52,8 +52,9 @@ import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -212,7 +213,10 @@ class ScratchDir:
         self._finalizer()
 
 
-def on_every_rank(world: Communicator, what: str, make: Any, undo: Any = None) -> Any:
+T = TypeVar("T")
+
+
+def on_every_rank(world: Communicator, what: str, make: Callable[[], T], undo: Callable[[T], None] | None = None) -> T:
     """``make()`` on every rank; if it raises :class:`OffloadError` on any, every rank raises one error naming
     them all (after ``undo(result)`` where it succeeded) instead of the others running into a collective that
     never comes. Collective over ``world``."""
@@ -233,7 +237,7 @@ def prepare_scratch(root: str | Path, rank: int, what: str, world: Communicator)
     """Every rank makes its scratch directory; if any fails, every rank raises one error naming them all.
     Collective over ``world``."""
     return on_every_rank(
-        world, f"{what} swap directory check", lambda: ScratchDir(root, rank, what), lambda d: d.remove()
+        world, f"{what} swap directory check", partial(ScratchDir, root, rank, what), ScratchDir.remove
     )
 
 
