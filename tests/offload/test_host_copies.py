@@ -6,8 +6,6 @@ buffers are allocated once, at their exact size. The CUDA streams themselves run
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 
@@ -76,22 +74,6 @@ class DeferredStreams:
         return t.clone()
 
 
-@dataclass
-class _Bucket:
-    index: int
-
-
-class _Reducer:
-    """The part of a GradientReducer the copies read: its buckets and each one's gradient shard."""
-
-    def __init__(self, shards: list[torch.Tensor]) -> None:
-        self.buckets = [_Bucket(i) for i in range(len(shards))]
-        self.shards = shards
-
-    def shard_grad(self, b: _Bucket) -> torch.Tensor:
-        return self.shards[b.index]
-
-
 def _copies(streams: DeferredStreams, dtype: torch.dtype = torch.bfloat16):
     """Two buckets of 8 elements, two members in each (the last member of bucket 1 is stepped on the device)."""
     shards = [torch.arange(8, dtype=torch.float32) + 10 * b for b in range(2)]
@@ -100,15 +82,15 @@ def _copies(streams: DeferredStreams, dtype: torch.dtype = torch.bfloat16):
     stepped = [torch.randn(n) for _, _, n in where]
     fragments = [torch.zeros(n, dtype=dtype) for _, _, n in where]
     direct = [dtype == torch.float32] * 4
-    return HostCopies(streams, _Reducer(shards), where, host, stepped, fragments, direct), shards, stepped, fragments
+    return HostCopies(streams, where, host, stepped, fragments, direct), shards, stepped, fragments
 
 
 def test_a_sub_group_waits_for_its_own_buckets_copies_only():
     streams = DeferredStreams(join_runs=False)
     copies, shards, _, _ = _copies(streams)
     copies.invalidate()
-    copies.bucket_reduced(0)
-    copies.bucket_reduced(1)
+    copies.bucket_reduced(0, shards[0])
+    copies.bucket_reduced(1, shards[1])
     assert streams.issued["d2h"] == 2 and streams.ran["d2h"] == 0  # one copy per bucket, non-blocking
     grads, raw = copies.host_grads([0, 1])  # the sub-group of bucket 0
     assert streams.ran["d2h"] == 1  # bucket 1's copy still runs while this sub-group steps
@@ -124,7 +106,7 @@ def test_buckets_not_copied_in_backward_are_copied_at_the_step_from_its_gradient
     the step copies from its own gradients, already unscaled and clipped, so none of them is transformed again."""
     streams = DeferredStreams(join_runs=False)
     copies, shards, _, _ = _copies(streams)
-    copies.bucket_reduced(0)
+    copies.bucket_reduced(0, shards[0])
     step_grads = [torch.full((n,), float(i)) for i, n in enumerate([5, 3, 6, 2])]
     copies.prepare(step_grads)
     assert streams.issued["d2h"] == 1 + 1  # bucket 1's host member, from the step's gradient

@@ -155,13 +155,14 @@ def grad_peak(nvme: str, offload_grads: bool) -> dict:
     import ctypes
     import gc
 
+    from shardtrain.engine import build
     from shardtrain.models.gpt import GPT, GPTConfig
-    from shardtrain.offload.optimizer_state import OptimizerOffload
+    from shardtrain.offload.optimizer_state import GradientSinks
 
     libc = ctypes.CDLL("libc.so.6")
     libc.mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD: freed blocks of 64 KiB or more go back to the kernel
-    if not offload_grads:  # the same run with the gradient shards kept in memory (the code before)
-        OptimizerOffload.offload_gradients = lambda self, optimizer: None
+    if not offload_grads:  # the same run with the gradient shards kept in memory (no gradient sink; this process)
+        build.build_gradient_sinks = lambda *args, **kwargs: GradientSinks()
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=256, n_layer=8, n_head=4))
     zero = {

@@ -11,14 +11,14 @@ precision             fp32 masters of each fragment, then parameters and buffers
 parameter offload     stage-3 shards in swap files (``offload_param.device: nvme``)
 eager runtime         the units and their hooks, with the gather service that the parameter offload and hpZ's
                       secondary shards are handed to ([Note: one gather service] in ``zero/gather.py``)
-reducer               gradient hooks and reductions per bucket
+gradient sinks        where complete gradient shards go besides memory: swap files or host copies (optimizer offload)
+reducer               gradient hooks and reductions per bucket, handed the gradient sinks
 optimizer             the user's optimizer over this rank's fragments, made with its optimizer offload
 runtime               eager or graph ([Note: one runtime, two implementations] in ``zero/runtime.py``)
 monitor               metrics on rank 0
 ====================  ==========================================================================================
 
-Each part is handed the parts it uses when it is made; none is attached afterwards (the one exception, the gradient
-files set on the reducer when the optimizer makes its offload, is explained in docs/architecture.md).
+Each part is handed the parts it uses when it is made; none is attached afterwards.
 
 Every refusal a user can cause happens before the layout, so a refused ``initialize`` leaves the model as it was
 (``initialize`` refuses its own before the tensor-parallel split). What can fail after it is a resource (a full
@@ -52,13 +52,15 @@ from shardtrain.engine.monitor import TrainingMonitor
 from shardtrain.errors import ConfigError, OptimizerError, RankMismatchError
 from shardtrain.offload import host_copies
 from shardtrain.offload.optimizer_state import (
+    GradientSinks,
     OptimizerOffload,
+    build_gradient_sinks,
     build_optimizer_offload,
     host_masters,
     ineffective_offload_keys,
 )
 from shardtrain.offload.parameters import ParamOffload
-from shardtrain.offload.swap import ScratchDir, on_every_rank, prepare_scratch
+from shardtrain.offload.swap import ScratchDir, SwapFiles, on_every_rank, prepare_scratch
 from shardtrain.optim.schedulers import build_scheduler
 from shardtrain.sequence_parallel import (
     PatchSplitter,
@@ -75,7 +77,7 @@ from shardtrain.zero.init import is_under_construction
 from shardtrain.zero.layout import ShardLayout, cast_bucket
 from shardtrain.zero.optimizer import ShardedOptimizer, TensorParallelNorm, make_masters
 from shardtrain.zero.precision import LossScaler, PrecisionPolicy, policy_from_config
-from shardtrain.zero.reducer import GradientReducer
+from shardtrain.zero.reducer import GradientReducer, accumulation_dtype
 from shardtrain.zero.runtime import Runtime
 from shardtrain.zero.unit_runtime import EagerRuntime
 from shardtrain.zero.units import find_unit_modules
@@ -253,6 +255,21 @@ def _build(
             fragments = {id(s.param): s.param.detach() for b in trainable for s in b.slots}
         ratio = offload.ratio if offload.device == "cpu" else 1.0  # nvme: resident sub-groups stay on the host
         masters = host_masters(masters, fragments, offload.pin_memory, zcfg.sub_group_size, ratio)
+    # the optimizer offload's swap files, and where the reducer sends complete gradient shards: built before the
+    # reducer from the tensors the optimizer wrapper will step (the masters, else the fragments)
+    files = SwapFiles(scratch["offload_optimizer"], topology.rank) if "offload_optimizer" in scratch else None
+    sinks = GradientSinks()
+    if offload.device != "none":
+        sinks = build_gradient_sinks(
+            trainable,
+            masters,
+            files,
+            streams,
+            sharded_state=policy.shard_optimizer_state,
+            sharded_grads=policy.shard_gradients,
+            grad_dtypes=[accumulation_dtype(b.dtype) for b in trainable],
+            read_in_memory=topology.tp > 1 or (comms.replica is not None and comms.replica.size > 1),
+        )
     partial_grads = frozenset(id(r.param) for r in layout.records if r.tp is not None and r.tp.partial_grad)
     tp_comm = comms.tp
     reducer = GradientReducer(
@@ -267,6 +284,8 @@ def _build(
         replicate=comms.replica,
         order_comm=comms.dp,
         experts=(comms.edp, topology.ep) if comms.edp is not None else None,
+        grad_files=sinks.files,
+        host_copies=sinks.copies,
     )
     tp_norm = None
     if topology.tp > 1:
@@ -286,11 +305,10 @@ def _build(
                 offload.buffer_count,
                 offload.ratio,
                 offload.pin_memory and topology.device.type == "cuda",  # pinning would make a CUDA context
-                scratch.get("offload_optimizer"),
-                topology.rank,
+                files,
                 comms.world,
                 fragments=fragments,
-                streams=streams,
+                sinks=sinks,
             )
 
     sharded_optimizer = ShardedOptimizer(

@@ -92,7 +92,10 @@ class Engine:
         optimizer: torch.optim.Optimizer,
         lr_scheduler: LRScheduler | None,
         parts: Parts,
+        communicators: list[Communicator] | None = None,
     ) -> None:
+        """``communicators``: every communicator built for this engine, released at :meth:`close` (the list
+        :func:`~shardtrain.distributed.communicator.collecting` fills while ``initialize`` builds it)."""
         self.module, self.config, self.topology = module, config, topology
         self.train_batch_size, self.micro_batch_size, self.gradient_accumulation_steps = resolve_batch_sizes(
             config, topology.dp
@@ -118,7 +121,7 @@ class Engine:
         self._batch_checked = self.tp_comm is None
         self._async_saver: AsyncSaver | None = None  # made by the first asynchronous save_checkpoint
         self._closed = False
-        self._comms: list[Communicator] = []  # every communicator built for this engine (initialize sets it)
+        self._comms = communicators if communicators is not None else []
         # parameters frozen when the buckets and the optimizer state were built: unfreezing one later is refused
         # at the next step (it would never be reduced nor stepped: a silent wrong result)
         self._frozen_at_initialize = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
@@ -631,9 +634,7 @@ def initialize(
     if not isinstance(model, nn.Module):
         raise TypeError(f"initialize() expects an nn.Module, got {type(model).__name__}")
     with collecting() as comms:  # released by close(): see [Note: what the engine starts and who joins it]
-        engine = _build(model, cfg, optimizer, lr_scheduler, auto_values, tp_plan)
-    engine._comms = comms
-    return engine
+        return _build(model, cfg, optimizer, lr_scheduler, auto_values, tp_plan, comms)
 
 
 def _build(
@@ -643,6 +644,7 @@ def _build(
     lr_scheduler: SchedulerArg,
     auto_values: Mapping[str, Any] | None,
     tp_plan: Mapping[str, str] | None,
+    communicators: list[Communicator],
 ) -> Engine:
     topology = init_topology(
         tp=cfg.tensor_parallel.degree,
@@ -712,7 +714,7 @@ def _build(
             check_replicated_gradients(model, placements, tp_comm)
     # from here on only resources can fail (a full disk, a lost peer): see shardtrain.engine.build
     parts = build_parts(model, cfg, topology, opt, placements, tp_comm, experts)
-    return Engine(model, cfg, topology, opt, scheduler, parts)
+    return Engine(model, cfg, topology, opt, scheduler, parts, communicators)
 
 
 def _describe(x: Any) -> str:

@@ -414,7 +414,7 @@ def _prepare(
     moments, steps = _optimizer_kind(cfg, optimizer)
     fake, experts = _fake_model(source, layout.tp, layout.ep, tp_plan, cache)
     n_params = sum(p.numel() for p in _fake_model(source, 1, 1, tp_plan, cache)[0].parameters())
-    # gradient shards in swap files: as offload/optimizer_state.py's OptimizerOffload.offload_gradients decides
+    # gradient shards in swap files: as offload/optimizer_state.py's build_gradient_sinks decides
     grads_in_files = zcfg.offload_optimizer.device == "nvme" and zcfg.stage >= 2 and device_type == "cpu"
     grads_in_files = grads_in_files and layout.tp == 1 and layout.shard_group == layout.dp
     st = rank_state(

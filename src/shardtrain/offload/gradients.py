@@ -5,8 +5,9 @@ ZeRO-Infinity for gradients).
 At stages 2-3 the reducer keeps, per bucket, this rank's fp32 gradient shard for the whole step: as much memory
 as the rank's fp32 parameters. With the optimizer state in files (``device: nvme``) the shards go to files too,
 as DeepSpeed's ZeRO-Infinity swaps gradient partitions out: when a bucket's reduce-scatter completes, the reducer
-hands its result to :meth:`GradOffload.fold`, which writes it to ``bucket<i>.grad.bin`` on the I/O pool (one
-write in flight: the next bucket's reduction overlaps it) and gives up the bucket's in-memory shard; a later
+hands its result to :meth:`GradOffload.fold`, which writes it to ``bucket<i>.grad.bin`` on an I/O thread of the
+swap files (one write in flight: the next bucket's reduction overlaps it); the reducer keeps no in-memory shard for
+such a bucket (it is handed this object at construction, see :class:`~shardtrain.zero.reducer.GradientFiles`). A later
 micro-step of the same step reads the file, adds (the in-memory ``add_``) and writes it back. At the last
 micro-step each fragment's norm is taken from the result while it is in memory. The step is the in-memory step
 ([Note: the one step] in :mod:`shardtrain.zero.optimizer`), with these gradients *deferred*: their norms are the
@@ -18,7 +19,8 @@ gradients, and a rank holds one bucket's reduced gradient on its way to the file
 gradients with their state.
 Where it is not built the gradients stay in memory: on CUDA (the shards are on the GPU), with tensor parallelism
 or hybrid sharding (their norm and replica all-reduce read the shards), and buckets whose reduction graph mode
-took over.
+took over. Whether it is built is decided before the reducer exists
+(:func:`~shardtrain.offload.optimizer_state.build_gradient_sinks`).
 
 """
 
@@ -27,21 +29,15 @@ from __future__ import annotations
 import threading
 from collections import deque
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from shardtrain.offload.swap import (
-    GRAD,
-    OffloadError,
-)
+from shardtrain.distributed.communicator import Communicator
+from shardtrain.offload.swap import GRAD, OffloadError, SwapFiles
 
 if TYPE_CHECKING:
     from shardtrain.zero.layout import Bucket
-
-# ``optimizer: Any`` below is a zero.optimizer.ShardedOptimizer and ``offload: Any`` the OptimizerOffload that builds
-# this: not imported, not even for typing, because both modules import this one (tests/test_architecture.py keeps the
-# package free of import cycles)
 
 
 # -- gradients in swap files ----------------------------------------------------------------------
@@ -49,23 +45,17 @@ if TYPE_CHECKING:
 
 class GradOffload:
     """The reducer's fp32 gradient shards in swap files, one per bucket, read back one sub-group at a time with
-    the optimizer state (see [Note: gradient offload])."""
+    the optimizer state (see [Note: gradient offload]). Built before the reducer, which is handed it: ``buckets``
+    are the reducer's (a bucket's *position* is its index in this list), ``where[i]`` the bucket position, element
+    offset in the bucket's shard, length and fragment index of member ``i`` (the stepped tensors, in the optimizer
+    wrapper's order: :func:`~shardtrain.zero.layout.fragment_places`)."""
 
-    def __init__(self, offload: Any, optimizer: Any) -> None:
-        self.offload, self.reducer, self.files = offload, optimizer.reducer, offload.files
-        positions = {b.index: k for k, b in enumerate(self.reducer.buckets)}
-        # member (index into the stepped tensors) -> (bucket position, element offset in its shard, length,
-        # fragment index); the wrapper lists its fragments bucket by bucket, slot by slot
-        self.where = [
-            (positions[b.index], b.fragments[j].shard_offset, b.fragments[j].length, j)
-            for b, j in optimizer.fragment_places()
-        ]
-        # every bucket's gradient shard is in its file from now on: the reducer's zeroed in-memory shards (as much
-        # memory as the rank's fp32 parameters) are freed before the first forward, not at each first reduction
-        self.dtypes = [g.dtype for g in self.reducer.shard_grads]
-        self.on_disk: set[int] = set(range(len(self.dtypes)))  # bucket positions whose gradient shard is in its file
-        for position, dtype in enumerate(self.dtypes):
-            self.reducer.shard_grads[position] = torch.empty(0, dtype=dtype)
+    def __init__(self, files: SwapFiles, buckets: list[Bucket], where: list[tuple[int, int, int, int]]) -> None:
+        self.files, self.buckets, self.where = files, buckets, where
+        # every bucket's gradient shard is in its file from the start: the reducer makes no in-memory shard for them
+        # (as much memory as the rank's fp32 parameters)
+        self.on_disk: set[int] = set(range(len(buckets)))  # bucket positions whose gradient shard is in its file
+        self._zeroed = True  # no backward reached the gradients since they were zeroed (told at each step: deferred)
         self._norms: dict[int, list[torch.Tensor | None]] = {}  # position -> each fragment's gradient norm
         self._writes: deque[Future] = deque()
         self._error: str | None = None  # the first I/O failure since the last step (raised there, on every rank)
@@ -74,7 +64,7 @@ class GradOffload:
         self._lock = threading.Lock()
 
     def _name(self, position: int) -> str:
-        return f"bucket{self.reducer.buckets[position].index}"
+        return f"bucket{self.buckets[position].index}"
 
     def _count(self, nbytes: int) -> None:
         with self._lock:
@@ -100,7 +90,7 @@ class GradOffload:
                 self._count(-nbytes)
 
         self._wait(keep=0)  # one shard on its way at a time: the next bucket's reduction overlaps it
-        self._writes.append(self.offload._pool.submit(write))
+        self._writes.append(self.files.submit(write))
 
     def fold(self, position: int, bucket: Bucket, out: torch.Tensor, fresh: bool, boundary: bool) -> None:
         """The reducer's hook: ``out``, this rank's reduced gradient of ``bucket`` for one micro-step, goes to the
@@ -108,14 +98,13 @@ class GradOffload:
         holds). ``boundary``: the last micro-step: each fragment's norm is taken now, while it is in memory.
         Never raises (a failure on one rank would leave the others waiting in backward's next collective): the
         step reports it on every rank."""
-        dtype = self.dtypes[position]
         if bucket.shard_numel == 0:
             return
         if fresh:
-            g = out if out.dtype == dtype else out.to(dtype)
+            g = out if out.dtype == torch.float32 else out.to(torch.float32)
         else:  # gradient accumulation: what earlier micro-steps left, plus this one (the in-memory add_)
             self._wait()
-            g = torch.empty(bucket.shard_numel, dtype=dtype)
+            g = torch.empty(bucket.shard_numel, dtype=torch.float32)
             try:
                 self.files.read(self._name(position), GRAD, g)
             except OffloadError as err:
@@ -125,14 +114,13 @@ class GradOffload:
             self._norms[position] = self._fragment_norms(bucket, g)
         self._write(position, g)
 
-    def keep_in_memory(self, positions: list[int]) -> None:
+    def keep_in_memory(self, positions: list[int]) -> list[int]:
         """The reducer's hook when graph mode takes over these buckets' reductions (it adds into the in-memory
-        shards itself): they get their zeroed in-memory shards back and never go to files."""
-        for position in positions:
-            if position in self.on_disk:
-                self.on_disk.discard(position)
-                numel = self.reducer.buckets[position].shard_numel
-                self.reducer.shard_grads[position] = torch.zeros(numel, dtype=self.dtypes[position])
+        shards itself): they never go to files again. Returns those that were in files, which the reducer gives
+        zeroed in-memory shards."""
+        moved = [p for p in positions if p in self.on_disk]
+        self.on_disk.difference_update(moved)
+        return moved
 
     @staticmethod
     def _fragment_norms(bucket: Bucket, g: torch.Tensor) -> list[torch.Tensor | None]:
@@ -144,7 +132,7 @@ class GradOffload:
     def read(self, member: int, out: torch.Tensor) -> None:
         """Member ``member``'s gradient into ``out`` (1-D): zeros when no backward ran since they were zeroed."""
         position, offset, _, _ = self.where[member]
-        if self.reducer.grads_zeroed:
+        if self._zeroed:
             out.zero_()
             return
         self.files.read(self._name(position), GRAD, out, offset * out.element_size())
@@ -157,7 +145,7 @@ class GradOffload:
 
     def _reread_norms(self, position: int, scale: float) -> list[torch.Tensor | None]:
         """Fragment norms of the unscaled gradients (a loss scale): the shard is read once more for them."""
-        bucket = self.reducer.buckets[position]
+        bucket = self.buckets[position]
         g = torch.empty(bucket.shard_numel, dtype=torch.float32)
         self.files.read(self._name(position), GRAD, g)
         parts = [g[f.shard_offset : f.shard_offset + f.length] for f in bucket.fragments if f.length]
@@ -170,23 +158,18 @@ class GradOffload:
     def failed(self) -> bool:
         return self._error is not None
 
-    def collect(self, stepped: list[bool]) -> tuple[list[torch.Tensor | None], frozenset[int]]:
-        """Per stepped tensor: its gradient in memory (a bucket graph mode reduces, or an empty fragment), or None
-        (frozen for this step, or in its file: deferred, read with the sub-group's state)."""
+    def deferred(self, stepped: list[bool], zeroed: bool) -> frozenset[int]:
+        """The members stepped now (``stepped[i]``) whose gradient is in a file, once the writes in flight are done:
+        read with their sub-group's state. The others are in memory: a bucket graph mode reduces, or an empty
+        fragment (stepped like any other: its scalar state counts the step). ``zeroed``: no backward reached the
+        gradients since they were zeroed: this step reads them as zeros."""
         self._wait()
-        grads: list[torch.Tensor | None] = []
-        on_disk = set()
-        for i, (position, offset, n, _) in enumerate(self.where):
-            if not stepped[i]:  # frozen for this whole step: not stepped, its zero gradient not read nor counted
-                grads.append(None)
-            elif position not in self.on_disk:  # never reduced here (graph mode hands some buckets over)
-                grads.append(self.reducer.shard_grads[position][offset : offset + n])
-            elif n:
-                grads.append(None)
-                on_disk.add(i)
-            else:  # an empty fragment is stepped like any other (its scalar state counts the step)
-                grads.append(torch.empty(0, dtype=torch.float32))
-        return grads, frozenset(on_disk)
+        self._zeroed = zeroed
+        return frozenset(
+            i
+            for i, (position, _, n, _) in enumerate(self.where)
+            if stepped[i] and n and position in self.on_disk  # frozen for this whole step: not read nor counted
+        )
 
     def deferred_norms(self, deferred: frozenset[int], inv_scale: float | None) -> dict[int, torch.Tensor]:
         """Each deferred member's norm: taken at the last micro-step's write (``fold``), or, under a loss scale,
@@ -197,7 +180,7 @@ class GradOffload:
         try:
             for i in sorted(deferred):
                 position, _, _, j = self.where[i]
-                if self.reducer.grads_zeroed:
+                if self._zeroed:
                     norms[i] = torch.zeros((), dtype=torch.float32)
                 elif inv_scale is None:
                     norms[i] = self._norms[position][j]
@@ -211,7 +194,7 @@ class GradOffload:
         self._norms.clear()
         return norms
 
-    def raise_failure(self, comm: Any) -> None:
+    def raise_failure(self, comm: Communicator) -> None:
         errors = comm.all_gather_object(self._error, what="gradient swap outcome")
         self._error = None
         raise OffloadError("offloaded optimizer step failed: " + "; ".join(e for e in errors if e is not None))

@@ -219,13 +219,13 @@ class _Span:
 
 class HostCopies:
     """The gradient and parameter copies of an optimizer stepping host masters for device fragments (see [Note:
-    overlapped offload]). ``where[i]``: the bucket position, shard offset and length of member ``i``'s fragment;
-    ``host[i]``: whether member ``i`` is stepped on the host."""
+    overlapped offload]). Built before the reducer, which is handed it and calls its hooks with each complete
+    gradient shard. ``where[i]``: the bucket position (in the reducer's list), shard offset and length of member
+    ``i``'s fragment; ``host[i]``: whether member ``i`` is stepped on the host."""
 
     def __init__(
         self,
         streams: CopyStreams,
-        reducer: Any,
         where: list[tuple[int, int, int]],
         host: list[bool],
         stepped: list[torch.Tensor],
@@ -234,7 +234,7 @@ class HostCopies:
     ) -> None:
         """``direct[i]``: the fragment is sent back from the master itself (page-locked, not a swap buffer); else
         through a compute-dtype buffer."""
-        self.streams, self.reducer, self.where, self.host = streams, reducer, where, host
+        self.streams, self.where, self.host = streams, where, host
         self.stepped, self.fragments = stepped, fragments
         spans: dict[int, list[int]] = {}
         for i, (position, offset, n) in enumerate(where):
@@ -288,25 +288,30 @@ class HostCopies:
         self._event.clear()
         self._raw.clear()
 
-    def bucket_reduced(self, position: int) -> None:
-        """At the boundary: bucket ``position``'s gradient shard is complete on the compute stream; copy its span."""
+    def bucket_reduced(self, position: int, shard: torch.Tensor) -> None:
+        """At the boundary: bucket ``position``'s gradient ``shard`` is complete on the compute stream; copy its
+        span."""
         span = self.spans.get(position)
         if span is None:
             return
-        shard = self.reducer.shard_grad(self.reducer.buckets[position])
         self.streams.to_host(span.host, shard[span.lo : span.hi], self.streams.mark())
         self._event[position] = self.streams.record("d2h")
         self._raw[position] = True
 
-    def backward_done(self, positions: list[int]) -> None:
-        """The end of a boundary backward: copy these buckets (complete only now) and keep the compute stream from
-        writing a shard still being copied."""
-        for position in positions:
+    def backward_done(self, shards: dict[int, torch.Tensor]) -> None:
+        """The end of a boundary backward: copy the buckets of ``shards`` (each complete gradient shard, by bucket
+        position) not copied yet (complete only now) and keep the compute stream from writing a shard still being
+        copied."""
+        for position, shard in shards.items():
             if position not in self._event:
-                self.bucket_reduced(position)
+                self.bucket_reduced(position, shard)
         self.streams.join()
 
     # -- the step --
+    def host_scalar(self, t: torch.Tensor) -> torch.Tensor:
+        """A device scalar (the clip coefficient) on the host, for the host-stepped gradients (waits for it alone)."""
+        return self.streams.host_scalar(t)
+
     def prepare(self, grads: list[torch.Tensor | None]) -> Any:
         """Start of a step: copy the buckets not copied in backward from the step's gradients ``grads`` (already
         unscaled and clipped). Returns the compute-stream event the copies back wait for."""

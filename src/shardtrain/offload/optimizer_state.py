@@ -48,30 +48,26 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
-import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from shardtrain.distributed.communicator import Communicator
-from shardtrain.offload.swap import (
-    ALIGN,
-    GRAD,
-    OffloadError,
-    ScratchDir,
-    SwapFiles,
-)
-
-if TYPE_CHECKING:
-    pass
 from shardtrain.offload.gradients import GradOffload
 from shardtrain.offload.host_copies import CopyStreams, HostCopies, host_block, pack_blocks
 from shardtrain.offload.parameters import release_mapped
+from shardtrain.offload.swap import ALIGN, GRAD, OffloadError, SwapFiles
+from shardtrain.zero.layout import fragment_places, fragment_tensor
 
-# ``optimizer: Any`` below is a zero.optimizer.ShardedOptimizer: not imported, not even for typing, because that
-# module imports this one (tests/test_architecture.py keeps the package free of import cycles)
+if TYPE_CHECKING:
+    from shardtrain.zero.layout import Bucket
+
+Rescale = Callable[[list[torch.Tensor]], None]
+"""Unscales and clips, in place, gradients the stepper reads itself (from swap files, or host copies of raw shards)
+by the factors of the step ([Note: the one step] in :mod:`shardtrain.zero.optimizer`)."""
 
 
 # -- sub-groups ------------------------------------------------------------------------------------
@@ -163,10 +159,13 @@ class OptimizerOffload:
         world: Communicator,
         pin_memory: bool = False,
         fragments: list[torch.Tensor] | None = None,
-        streams: CopyStreams | None = None,
+        grads: GradOffload | None = None,
+        copies: HostCopies | None = None,
     ) -> None:
-        """``streams``: a run whose fragments are on a device and whose masters are on the host (CUDA): the copies
-        between them overlap the GPU (see [Note: overlapped offload] in :mod:`shardtrain.offload.host_copies`)."""
+        """``grads``: the gradient shards in swap files too (see [Note: gradient offload]); ``copies``: a run whose
+        fragments are on a device and whose masters are on the host (CUDA), the copies between them overlapping the
+        GPU (see [Note: overlapped offload] in :mod:`shardtrain.offload.host_copies`). Both are built before the
+        reducer by :func:`build_gradient_sinks`, over the same ``stepped`` and ``fragments``."""
         self.optimizer, self.stepped, self.groups, self.files = optimizer, stepped, groups, files
         self.shapes = [t.shape for t in stepped]  # an offloaded master is empty between steps
         # mixed precision: the compute-dtype fragment each stepped fp32 master refreshes after its step
@@ -187,10 +186,8 @@ class OptimizerOffload:
         self._frames: queue.LifoQueue[_Frame] = queue.LifoQueue()
         for _ in range(buffer_count):
             self._frames.put(_Frame())
-        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="shardtrain-swap") if files else None
-        self.grads: GradOffload | None = None  # gradient shards in swap files too (see offload_gradients)
-        self.streams = streams
-        self.copies: HostCopies | None = None  # gradients to the host and parameters back (see offload_gradients)
+        self.grads = grads  # gradient shards in swap files too
+        self.copies = copies  # gradients to the host and parameters back
         self._copied_after = None  # the compute-stream event of this step that copies back wait for
         self._held_lock = threading.Lock()
         self._busy_bytes = 0  # bytes of buffers taken out of the pool
@@ -264,64 +261,18 @@ class OptimizerOffload:
         else:
             self.optimizer.state.pop(stepped, None)
 
-    def offload_gradients(self, optimizer: Any) -> None:
-        """On a device whose optimizer steps host masters (``streams``), copy the reducer's gradient shards to pinned
-        host buffers as they are reduced and the updated parameters back as sub-groups step ([Note: overlapped
-        offload] in :mod:`shardtrain.offload.host_copies`). Else keep the gradient shards"""
-        if self.streams is not None:
-            self._attach_copies(optimizer)
-            return
-        self._offload_gradients(optimizer)
-
-    def _attach_copies(self, optimizer: Any) -> None:
-        if self.fragments is None:  # no separate masters: nothing is stepped on the host
-            return
-        reducer = optimizer.reducer
-        positions = {b.index: k for k, b in enumerate(reducer.buckets)}
-        where = [
-            (positions[b.index], b.fragments[j].shard_offset, b.fragments[j].length)
-            for b, j in optimizer.fragment_places()
-        ]
-        host = [s.device.type == "cpu" for s in self.stepped]
-        if not any(host):
-            return
-        # fragments go back from their page-locked masters themselves (rounded on the device)
-        direct = [not self.holds_masters and (not self.streams.pins or s.is_pinned()) for s in self.stepped]
-        self.copies = HostCopies(self.streams, reducer, where, host, self.stepped, self.fragments, direct)
-        reducer.host_copies = self.copies
-
     def on_host(self, t: torch.Tensor | None) -> torch.Tensor | None:
         """A device scalar (the clip coefficient) on the host, for the host-stepped gradients; else ``t``."""
         if t is None or self.copies is None or t.device.type == "cpu":
             return t
-        return self.streams.host_scalar(t)
-
-    def _offload_gradients(self, optimizer: Any) -> None:
-        """Keep the gradient shards of ``optimizer``'s reducer in swap files too, where that is built (see [Note:
-        gradient offload]): state in files (``nvme``), gradients sharded (stages 2-3) and accumulated in the dtype
-        stepped, on the host, no tensor parallelism and no hybrid sharding. Else gradients stay in memory."""
-        reducer = optimizer.reducer
-        if (
-            self.files is None
-            or not (optimizer.sharded and reducer.sharded_grads)
-            or optimizer.tp_norm is not None
-            or reducer.replicate is not None
-            or reducer.device.type != "cpu"
-            or any(g.dtype != s.dtype for g, s in zip(reducer.shard_grads, self.stepped))
-            or any(s.dtype != torch.float32 for s in self.stepped)
-        ):
-            return
-        self.grads = GradOffload(self, optimizer)
-        # weakly: the reducer's gradient hooks can outlive an engine dropped without close(), and must not keep
-        # its swap directory (owned through this object) from being removed when it is collected
-        reducer.grad_offload = weakref.proxy(self.grads)
+        return self.copies.host_scalar(t)
 
     # -- the step --
     def step(
         self,
         grads: list[torch.Tensor | None],
         on_disk: frozenset[int] = frozenset(),
-        transform: Any = None,
+        transform: Rescale | None = None,
     ) -> None:
         """Step every sub-group with ``grads[i]`` as the gradient of ``stepped[i]`` (None: not stepped). Members in
         ``on_disk`` have their gradient in a swap file instead (see [Note: gradient offload]): it is read with the
@@ -339,7 +290,7 @@ class OptimizerOffload:
             if self.copies is not None:  # the all-gathers and the next forward see every copy back
                 self.copies.finish()
 
-    def _files_step(self, grads: list[torch.Tensor | None], on_disk: frozenset[int], transform: Any) -> None:
+    def _files_step(self, grads: list[torch.Tensor | None], on_disk: frozenset[int], transform: Rescale | None) -> None:
         error = None
         try:
             self._pipelined_step(grads, on_disk, transform)
@@ -364,7 +315,7 @@ class OptimizerOffload:
             for i in members:
                 self.stepped[i].grad = None
 
-    def _step_group(self, group: SubGroup, grads: list[torch.Tensor | None], transform: Any = None) -> None:
+    def _step_group(self, group: SubGroup, grads: list[torch.Tensor | None], transform: Rescale | None = None) -> None:
         members = [i for i in group.members if grads[i] is not None]
         if self.copies is not None and self.copies.covers(group.members):
             self._step_host_group(group, members, transform)
@@ -381,7 +332,7 @@ class OptimizerOffload:
         # parameter offload: the pages of this sub-group's shards leave memory now, not after the whole step
         release_mapped([self.stepped[i] for i in members] + [self.fragments[i] for i in members if self.fragments])
 
-    def _step_host_group(self, group: SubGroup, members: list[int], transform: Any) -> None:
+    def _step_host_group(self, group: SubGroup, members: list[int], transform: Rescale | None) -> None:
         """A sub-group stepped on the host with overlapped copies (see [Note: overlapped offload]): wait for its
         buckets' gradient copies only, unscale and clip the raw ones (``transform``), step, send the values back."""
         copies = self.copies
@@ -480,7 +431,10 @@ class OptimizerOffload:
                 self._extra_bytes -= nbytes
 
     def _pipelined_step(
-        self, grads: list[torch.Tensor | None], on_disk: frozenset[int] = frozenset(), transform: Any = None
+        self,
+        grads: list[torch.Tensor | None],
+        on_disk: frozenset[int] = frozenset(),
+        transform: Rescale | None = None,
     ) -> None:
         offloaded = [g for g in self.groups if g.offloaded]
         reads: dict[int, tuple[_Frame, Future]] = {}
@@ -494,7 +448,7 @@ class OptimizerOffload:
             frame = self._take_frame(block)
             if frame is None:
                 return False
-            reads[issued] = (frame, self._pool.submit(self._read_group, offloaded[issued], frame, on_disk))
+            reads[issued] = (frame, self.files.submit(self._read_group, offloaded[issued], frame, on_disk))
             issued += 1
             return True
 
@@ -556,7 +510,7 @@ class OptimizerOffload:
                 except BaseException:
                     self._give_frame(frame)
                     raise
-                writes.append(self._pool.submit(self._write_group, group, frame, out))
+                writes.append(self.files.submit(self._write_group, group, frame, out))
                 while issue(block=False):
                     pass
             for w in writes:
@@ -572,9 +526,6 @@ class OptimizerOffload:
 
     def close(self) -> None:
         """Stop the I/O threads, close the files (the scratch directory is removed by its owner)."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
         if self.files is not None:
             self.files.close()
         while not self._frames.empty():
@@ -616,6 +567,65 @@ def host_masters(
     return out
 
 
+@dataclass(frozen=True)
+class GradientSinks:
+    """Where the reducer sends its complete gradient shards besides its own memory, at most one of: the gradient
+    files (``files``, [Note: gradient offload]) or, on a device whose optimizer steps host masters, the host copies
+    (``copies``, [Note: overlapped offload]). Built before the reducer, from the layout's buckets and the tensors the
+    optimizer wrapper will step, and handed to the reducer and to the optimizer offload."""
+
+    files: GradOffload | None = None
+    copies: HostCopies | None = None
+
+
+def build_gradient_sinks(
+    buckets: list[Bucket],
+    masters: dict[int, torch.Tensor] | None,
+    files: SwapFiles | None,
+    streams: CopyStreams | None,
+    *,
+    sharded_state: bool,
+    sharded_grads: bool,
+    grad_dtypes: list[torch.dtype],
+    read_in_memory: bool,
+) -> GradientSinks:
+    """The gradient sinks of the optimizer offload over the reducer's ``buckets`` (trainable, in its order). The
+    stepped tensors are the fp32 ``masters`` (by parameter id) or, without them, the fragments, in the wrapper's
+    order (:func:`~shardtrain.zero.layout.fragment_places`); ``sharded_state``: stages 1-3 (fragments are slices of
+    the shards), ``sharded_grads``: stages 2-3; ``grad_dtypes``: each bucket's gradient accumulation dtype;
+    ``read_in_memory``: tensor parallelism's norm or hybrid sharding's replica all-reduce reads the gradient shards.
+
+    With ``streams`` (CUDA) and separate masters, some of them on the host: the host copies. Else the gradient shards
+    go to swap files where that is built: state in files (``files``), gradients sharded and accumulated in the dtype
+    stepped (fp32), on the host, and not read in memory. Else gradients stay in memory (no sink)."""
+    places = fragment_places(buckets)
+    fragments = [fragment_tensor(b, i, sharded_state) for b, i in places]
+    stepped = [masters[id(b.slots[i].param)] for b, i in places] if masters is not None else fragments
+    position = {id(b): k for k, b in enumerate(buckets)}
+    # member -> (bucket position, element offset in its shard, length, fragment index)
+    where = [(position[id(b)], b.fragments[i].shard_offset, b.fragments[i].length, i) for b, i in places]
+    if streams is not None:
+        host = [s.device.type == "cpu" for s in stepped]
+        if masters is None or not any(host):  # no separate masters, or none on the host: nothing to copy
+            return GradientSinks()
+        # fragments go back from their page-locked masters themselves (rounded on the device); masters in swap
+        # buffers (files) through a compute-dtype buffer
+        direct = [files is None and (not streams.pins or s.is_pinned()) for s in stepped]
+        copies = HostCopies(streams, [w[:3] for w in where], host, stepped, fragments, direct)
+        return GradientSinks(copies=copies)
+    device = buckets[0].shard.device if buckets else torch.device("cpu")
+    if (
+        files is None
+        or not (sharded_state and sharded_grads)
+        or read_in_memory
+        or device.type != "cpu"
+        or any(d != torch.float32 for d in grad_dtypes)
+        or any(s.dtype != torch.float32 for s in stepped)
+    ):
+        return GradientSinks()
+    return GradientSinks(files=GradOffload(files, buckets, where))
+
+
 def build_optimizer_offload(
     optimizer: torch.optim.Optimizer,
     stepped: list[torch.Tensor],
@@ -624,18 +634,19 @@ def build_optimizer_offload(
     buffer_count: int,
     ratio: float,
     pin_memory: bool,
-    scratch: ScratchDir | None,
-    rank: int,
+    files: SwapFiles | None,
     world: Communicator,
     fragments: list[torch.Tensor] | None = None,
-    streams: CopyStreams | None = None,
+    sinks: GradientSinks | None = None,
 ) -> OptimizerOffload:
-    """Sub-groups over ``stepped`` and, with ``device == "nvme"``, swap files in ``scratch``; ``fragments``: with
-    separate fp32 masters, the compute-dtype fragment of each (the masters are then offloaded too); ``streams``: the
-    copy streams of a CUDA run (see [Note: overlapped offload])."""
+    """Sub-groups over ``stepped`` and, with ``device == "nvme"``, the swap ``files``; ``fragments``: with separate
+    fp32 masters, the compute-dtype fragment of each (the masters are then offloaded too); ``sinks``: the gradient
+    sinks :func:`build_gradient_sinks` made over the same tensors."""
     groups = make_sub_groups([s.numel() for s in stepped], sub_group_size, ratio if device == "nvme" else 0.0)
-    files = SwapFiles(scratch, rank) if device == "nvme" and scratch is not None else None
-    return OptimizerOffload(optimizer, stepped, groups, files, buffer_count, world, pin_memory, fragments, streams)
+    sinks = sinks if sinks is not None else GradientSinks()
+    return OptimizerOffload(
+        optimizer, stepped, groups, files, buffer_count, world, pin_memory, fragments, sinks.files, sinks.copies
+    )
 
 
 def ineffective_offload_keys(zcfg: Any, device_type: str) -> list[str]:

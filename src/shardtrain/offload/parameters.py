@@ -33,7 +33,7 @@ import bisect
 import mmap
 import os
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -44,7 +44,7 @@ from shardtrain.offload.swap import (
 )
 
 if TYPE_CHECKING:
-    pass
+    from shardtrain.zero.layout import Bucket, UnitBuckets
 
 
 # -- parameter offload (stage 3) ---------------------------------------------------------------------
@@ -72,7 +72,9 @@ class ParamOffload:
     """Stage-3 unit shards kept in files (see [Note: parameter offload]): each unit bucket's ``shard`` becomes
     a tensor over a shared mapping of its own preallocated file."""
 
-    def __init__(self, units: list, scratch: ScratchDir, rank: int, max_in_cpu: int, buffer_count: int = 5) -> None:
+    def __init__(
+        self, units: list[UnitBuckets], scratch: ScratchDir, rank: int, max_in_cpu: int, buffer_count: int = 5
+    ) -> None:
         """``units``: in unit order (a unit's index is its position), each with its ``buckets``: the layout's
         ``unit_buckets``, since this object is made before the unit runtime, which is handed it as its shards'
         source ([Note: one gather service] in :mod:`shardtrain.zero.gather`)."""
@@ -80,7 +82,7 @@ class ParamOffload:
         self.rank, self.scratch, self.buffer_count = rank, scratch, buffer_count
         self._maps: dict[int, tuple[mmap.mmap, int]] = {}  # bucket index -> (mapping, bytes)
         self.mapped_units: set[int] = set()
-        self._held: dict[int, list[tuple[Any, torch.Tensor]]] = {}  # unit -> (bucket, its mapped shard) read
+        self._held: dict[int, list[tuple[Bucket, torch.Tensor]]] = {}  # unit -> (bucket, its mapped shard) read
         self.most_ahead = 0  # the most units held in read buffers at once (tests read it)
         self.reads = 0  # shards read into a buffer with one call each (tests and the benchmark read these)
         self.bytes_read = 0
@@ -96,7 +98,7 @@ class ParamOffload:
                 self._map_bucket(b)
         _PARAM_OFFLOADS.add(self)
 
-    def _map_bucket(self, b) -> None:
+    def _map_bucket(self, b: Bucket) -> None:
 
         path = self.scratch.path / f"param-{b.index}.bin"
         nbytes = b.shard.numel() * b.shard.element_size()
@@ -142,7 +144,7 @@ class ParamOffload:
             if b.index in self._maps:
                 self._maps[b.index][0].madvise(advice)
 
-    def read_shard(self, b) -> torch.Tensor:
+    def read_shard(self, b: Bucket) -> torch.Tensor:
         """Bucket ``b``'s shard from its file into new memory, with one positional read (see [Note: parameter
         offload]): the disk's sequential speed, where touching the mapping read it by page faults."""
         path = self.scratch.path / f"param-{b.index}.bin"

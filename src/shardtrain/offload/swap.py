@@ -50,8 +50,11 @@ import tempfile
 import threading
 import time
 import weakref
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -210,7 +213,10 @@ class ScratchDir:
         self._finalizer()
 
 
-def on_every_rank(world: Communicator, what: str, make: Any, undo: Any = None) -> Any:
+T = TypeVar("T")
+
+
+def on_every_rank(world: Communicator, what: str, make: Callable[[], T], undo: Callable[[T], None] | None = None) -> T:
     """``make()`` on every rank; if it raises :class:`OffloadError` on any, every rank raises one error naming
     them all (after ``undo(result)`` where it succeeded) instead of the others running into a collective that
     never comes. Collective over ``world``."""
@@ -231,7 +237,7 @@ def prepare_scratch(root: str | Path, rank: int, what: str, world: Communicator)
     """Every rank makes its scratch directory; if any fails, every rank raises one error naming them all.
     Collective over ``world``."""
     return on_every_rank(
-        world, f"{what} swap directory check", lambda: ScratchDir(root, rank, what), lambda d: d.remove()
+        world, f"{what} swap directory check", partial(ScratchDir, root, rank, what), ScratchDir.remove
     )
 
 
@@ -262,11 +268,14 @@ def _what(key: str) -> str:
 
 class SwapFiles:
     """One file per (stepped tensor, state key) in a scratch directory, opened only for each read or write (see
-    [Note: bounded descriptors]); errors name the file."""
+    [Note: bounded descriptors]); errors name the file. Reads and writes off the training thread run on the two I/O
+    threads of :meth:`submit`."""
 
     def __init__(self, scratch: ScratchDir, rank: int) -> None:
         self.scratch, self.rank = scratch, rank
         self._lock = threading.Lock()
+        # started at the first submit; os.preadv / os.pwritev release the GIL, so they overlap the training thread
+        self._threads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="shardtrain-swap")
         self.bytes_read = self.bytes_written = 0  # since construction (benchmarks report the bandwidth)
         self.open_now = self.most_open = 0  # descriptors open at once (tests read the most)
 
@@ -339,5 +348,11 @@ class SwapFiles:
             return torch.empty(0, dtype=dtype)
         return torch.from_file(str(self.path(member, key)), shared=shared, size=numel, dtype=dtype)
 
+    def submit(self, work: Callable[..., Any], *args: Any) -> Future:
+        """Run ``work(*args)`` on one of the two I/O threads (the optimizer state's reads and write-backs, the
+        gradient shards' writes)."""
+        return self._threads.submit(work, *args)
+
     def close(self) -> None:
-        """Nothing stays open between reads and writes; kept for the callers' symmetry."""
+        """Wait for the work submitted and stop the I/O threads (no file stays open between reads and writes)."""
+        self._threads.shutdown(wait=True)

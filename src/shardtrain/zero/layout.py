@@ -181,6 +181,22 @@ def cast_bucket(b: Bucket, dtype: torch.dtype) -> None:
     b.flat_param, b.dtype = flat, dtype
 
 
+def fragment_places(buckets: list[Bucket]) -> list[tuple[Bucket, int]]:
+    """(bucket, slot index) of every slot of ``buckets``, bucket by bucket, slot by slot: the order of the tensors
+    the optimizer wrapper steps (its *members*), by which the optimizer offload's sub-groups, gradient files and host
+    copies index them."""
+    return [(b, i) for b in buckets for i in range(len(b.slots))]
+
+
+def fragment_tensor(b: Bucket, i: int, sharded: bool) -> torch.Tensor:
+    """This rank's fragment of slot ``i`` of ``b``: a view of the bucket's shard (``sharded``: stages 1-3), or the
+    parameter itself (stage 0, where whole parameters are stepped)."""
+    if not sharded:
+        return b.slots[i].param
+    f = b.fragments[i]
+    return b.shard[f.shard_offset : f.shard_offset + f.length]
+
+
 @dataclass(eq=False)
 class ParamRecord:
     """Everything the engine's parts need to know about one parameter (see [Note: the layout])."""

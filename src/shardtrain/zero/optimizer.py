@@ -50,7 +50,7 @@ from torch import nn
 from shardtrain.distributed.communicator import Communicator, Reduce
 from shardtrain.errors import OptimizerError
 from shardtrain.optim.adam import DeepSpeedAdam
-from shardtrain.zero.layout import Bucket
+from shardtrain.zero.layout import Bucket, fragment_places, fragment_tensor
 from shardtrain.zero.policy import ZeroPolicy
 from shardtrain.zero.reducer import GradientReducer
 from shardtrain.zero.step_gather import ParameterGathers
@@ -62,9 +62,10 @@ if TYPE_CHECKING:
 class MakeOffload(Protocol):
     """How :class:`ShardedOptimizer` gets its optimizer offload: called once, at the end of its construction, with
     what it steps (:meth:`~ShardedOptimizer.stepped_tensors`, after the optimizer's initial state moved to them) and,
-    with separate fp32 masters, the compute-dtype fragment of each (else None). The offload is made from those, so it
-    cannot exist before the wrapper; a factory handed in at construction keeps it from being attached afterwards
-    (``engine/build.py`` binds the configuration)."""
+    with separate fp32 masters, the compute-dtype fragment of each (else None). The offload takes over that state
+    (into its swap files), so it cannot exist before the wrapper; a factory handed in at construction keeps it from
+    being attached afterwards (``engine/build.py`` binds the configuration and the gradient sinks it built before the
+    reducer)."""
 
     def __call__(self, stepped: list[torch.Tensor], fragments: list[torch.Tensor] | None) -> OptimizerOffload: ...
 
@@ -80,8 +81,9 @@ class SwappedGradients(Protocol):
     failed: bool
     """This rank's I/O failed since the last step."""
 
-    def collect(self, stepped: list[bool]) -> tuple[list[torch.Tensor | None], frozenset[int]]:
-        """Per stepped tensor its gradient in memory, or None (not stepped now, or deferred: in the set)."""
+    def deferred(self, stepped: list[bool], zeroed: bool) -> frozenset[int]:
+        """The members stepped now (``stepped``) whose gradient is not in memory: read by the stepper. ``zeroed``: no
+        backward reached the gradients since they were zeroed."""
 
     def deferred_norms(self, deferred: frozenset[int], inv_scale: float | None) -> dict[int, torch.Tensor]:
         """The norm of each deferred member's (unscaled) gradient."""
@@ -169,12 +171,11 @@ class ShardedOptimizer:
             overlap_gathers,
             expert_comm=self.expert_comm,
         )
-        # (fragment tensor, bucket, slot index) for every trainable parameter, keyed by the parameter
-        self._frag: dict[int, tuple[torch.Tensor, Bucket, int]] = {}
-        for b in buckets:
-            for i, (slot, f) in enumerate(zip(b.slots, b.fragments)):
-                t = b.shard[f.shard_offset : f.shard_offset + f.length] if self.sharded else slot.param
-                self._frag[id(slot.param)] = (t, b, i)
+        # (fragment tensor, bucket, slot index) for every trainable parameter, keyed by the parameter, in the order
+        # the offload indexes them by (fragment_places)
+        self._frag: dict[int, tuple[torch.Tensor, Bucket, int]] = {
+            id(b.slots[i].param): (fragment_tensor(b, i, self.sharded), b, i) for b, i in fragment_places(buckets)
+        }
         # what the optimizer steps: fp32 masters under mixed precision (see [Note: mixed precision]), else
         # the fragments themselves
         self.masters = masters
@@ -188,7 +189,6 @@ class ShardedOptimizer:
         if make_offload is not None:
             fragments = self.stepped_fragments() if masters is not None else None
             self.offload = make_offload(self.stepped_tensors(), fragments)
-            self.offload.offload_gradients(self)  # with state in files, the gradient shards go there too where built
 
     def _move_initial_state(self) -> None:
         """State an optimizer made at construction (Adagrad's ``sum`` and ``step``) follows the tensors it
@@ -308,12 +308,13 @@ class ShardedOptimizer:
         are bitwise the same wherever the gradients were."""
         self.gathers.wait_all("step")  # the chunks stepped below are the input of the last step's gathers
         swapped = self.offload.grads if self.offload is not None else None
-        triples = self._fragment_grads() if swapped is None else []
-        if swapped is None:  # the optimizer sees the stepped tensors' dtype (fp32 masters): upcast
-            grads = [None if g is None else g if g.dtype == s.dtype else g.to(s.dtype) for s, _, g in triples]
-            deferred: frozenset[int] = frozenset()
-        else:
-            grads, deferred = swapped.collect(self.stepped_now())
+        triples = self._fragment_grads()
+        # the optimizer sees the stepped tensors' dtype (fp32 masters): upcast
+        grads = [None if g is None else g if g.dtype == s.dtype else g.to(s.dtype) for s, _, g in triples]
+        deferred: frozenset[int] = frozenset()
+        if swapped is not None:  # gradients in swap files are read by the stepper, with their sub-group's state
+            deferred = swapped.deferred([g is not None for g in grads], self.reducer.grads_zeroed)
+            grads = [None if i in deferred else g for i, g in enumerate(grads)]
         in_memory = [g for g in grads if g is not None and g.numel()]
         on_device = swapped is None and self.offload is None
         inv = self._inverse(loss_scale, on_device)

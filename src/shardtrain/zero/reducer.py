@@ -53,9 +53,11 @@ factors apply within the group, the replica average after). Buckets whose gradie
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import Protocol
 
 import torch
 
@@ -64,6 +66,35 @@ from shardtrain.errors import ShardtrainError
 from shardtrain.zero.host_read import HostRead
 from shardtrain.zero.layout import Bucket, ParamSlot
 from shardtrain.zero.policy import ZeroPolicy
+
+
+class GradientFiles(Protocol):
+    """Stages 2-3: gradient shards kept in swap files instead of memory between micro-steps (``GradOffload``,
+    [Note: gradient offload] in :mod:`shardtrain.offload.gradients`). Positions index the reducer's buckets."""
+
+    on_disk: set[int]
+    """The buckets whose gradient shard is in its file: the reducer keeps no in-memory shard for them."""
+
+    def fold(self, position: int, bucket: Bucket, out: torch.Tensor, fresh: bool, boundary: bool) -> None:
+        """``out``, this rank's reduced gradient of one micro-step, into the bucket's file (``fresh``: the first
+        micro-step since the gradients were zeroed; ``boundary``: the last one of the step). Never raises."""
+
+    def keep_in_memory(self, positions: list[int]) -> list[int]:
+        """These buckets' shards stay in memory from now on; returns those that were in files."""
+
+
+class ShardCopies(Protocol):
+    """CUDA with the optimizer stepped on the host: each complete gradient shard copied to the host at the
+    accumulation boundary (``HostCopies``, [Note: overlapped offload] in :mod:`shardtrain.offload.host_copies`)."""
+
+    def invalidate(self) -> None:
+        """A backward begins or the gradients are zeroed: the host copies are stale."""
+
+    def bucket_reduced(self, position: int, shard: torch.Tensor) -> None:
+        """At the boundary, bucket ``position``'s gradient ``shard`` is complete on the compute stream."""
+
+    def backward_done(self, shards: dict[int, torch.Tensor]) -> None:
+        """The end of a boundary backward: every complete gradient shard reduced here, by bucket position."""
 
 
 @dataclass
@@ -88,11 +119,16 @@ class GradientReducer:
         replicate: Communicator | None = None,
         order_comm: Communicator | None = None,
         experts: tuple[Communicator, int] | None = None,
+        grad_files: GradientFiles | None = None,
+        host_copies: ShardCopies | None = None,
     ) -> None:
         """``replicate``: hybrid sharding's replicate group (see [Note: hybrid gradient reduction]); ``order_comm``:
         the ranks that must agree on the launch order (every data-parallel rank; default ``comm``). ``experts``:
         under expert parallelism, the expert-data-parallel group the expert buckets are reduced over and the
-        expert-parallel size ``E`` their average is divided by (see [Note: expert buckets] in zero/layout.py)."""
+        expert-parallel size ``E`` their average is divided by (see [Note: expert buckets] in zero/layout.py).
+        ``grad_files``: stages 2-3, the gradient shards kept in swap files (:class:`GradientFiles`); ``host_copies``:
+        each complete gradient shard copied to the host (:class:`ShardCopies`); both built by the optimizer offload
+        before the reducer (``engine/build.py``)."""
         self.buckets, self.comm, self.overlap = buckets, comm, overlap
         self.expert_comm, self.expert_groups = experts if experts is not None else (None, 1)
         self.replicate = replicate if replicate is not None and replicate.size > 1 else None
@@ -133,7 +169,7 @@ class GradientReducer:
         if not self.sharded_grads:
             # fp32 buffers for compute-dtype parameters (exact accumulation); else param.grad aliases them
             self.full_grads = [
-                b.flat_param.new_zeros(b.padded_numel, dtype=_accumulation_dtype(b.dtype)) for b in buckets
+                b.flat_param.new_zeros(b.padded_numel, dtype=accumulation_dtype(b.dtype)) for b in buckets
             ]
             self._alias = all(g.dtype == b.dtype for b, g in zip(buckets, self.full_grads))
             if self._alias:
@@ -141,7 +177,13 @@ class GradientReducer:
                     for s in b.slots:
                         s.param.grad = self._grad_view(g, s)
         else:  # fp32 gradient shards for compute-dtype parameters: accumulation over micro-steps is exact
-            self.shard_grads = [b.shard.new_zeros(b.shard_numel, dtype=_accumulation_dtype(b.dtype)) for b in buckets]
+            in_files = grad_files.on_disk if grad_files is not None else set()
+            self.shard_grads = [
+                b.shard.new_empty(0, dtype=accumulation_dtype(b.dtype))
+                if position in in_files
+                else b.shard.new_zeros(b.shard_numel, dtype=accumulation_dtype(b.dtype))
+                for position, b in enumerate(buckets)
+            ]
         self._hooks = [
             s.param.register_post_accumulate_grad_hook(self._make_hook(b.index, s)) for b in buckets for s in b.slots
         ]
@@ -153,10 +195,10 @@ class GradientReducer:
                         self._hooks.append(s.param.register_hook(partial(_tp_sum, tp_comm, s.name)))
         self._proposal: list[int] | None = None
         self._external: frozenset[int] = frozenset()
-        self.grad_offload = None  # stages 2-3: a GradOffload keeps the gradient shards in swap files
-        # CUDA with the optimizer stepped on the host: a HostCopies copies each complete gradient shard to the host at
-        # the boundary ([Note: overlapped offload] in offload/host_copies.py)
-        self.host_copies = None
+        # weakly: the gradient hooks can outlive an engine dropped without close(), and must not keep its swap
+        # directory (owned through the files) from being removed when the engine is collected
+        self.grad_files = weakref.proxy(grad_files) if grad_files is not None else None
+        self.host_copies = host_copies
 
     def hand_over(self, buckets: list[Bucket]) -> None:
         """The gradients of ``buckets`` arrive reduced from elsewhere, added into :meth:`shard_grad` (graph-mode
@@ -170,8 +212,10 @@ class GradientReducer:
             later = [i for i, q in enumerate(order) if q > p]
             order.insert(later[0] if later else len(order), p)
         self.launch_order, self._external = order, external
-        if self.grad_offload is not None:  # those shards are added into here, by the graph: not in files (for good)
-            self.grad_offload.keep_in_memory(sorted(external))
+        if self.grad_files is not None:  # those shards are added into here, by the graph: not in files (for good)
+            for position in self.grad_files.keep_in_memory(sorted(external)):
+                b = self.buckets[position]
+                self.shard_grads[position] = b.shard.new_zeros(b.shard_numel, dtype=accumulation_dtype(b.dtype))
 
     @staticmethod
     def _grad_view(flat: torch.Tensor, s: ParamSlot) -> torch.Tensor:
@@ -326,16 +370,16 @@ class GradientReducer:
         elif self.mode == "reduce_scatter":
             lo, hi = p.bucket.shard_range
             self.full_grads[position][lo:hi].copy_(p.out)
-        elif self.grad_offload is not None and position in self.grad_offload.on_disk:
+        elif self.grad_files is not None and position in self.grad_files.on_disk:
             # to its swap file ([Note: gradient offload] in offload/gradients.py); a bucket graph mode once reduced
             # stays in memory, also when a backward that followed only direct module calls reduces it here
-            self.grad_offload.fold(position, p.bucket, p.out, self._fresh_shard, self._boundary)
+            self.grad_files.fold(position, p.bucket, p.out, self._fresh_shard, self._boundary)
         elif self._fresh_shard:
             self.shard_grads[position].copy_(p.out)
         else:
             self.shard_grads[position].add_(p.out)
         if self.host_copies is not None and self._boundary and self.replicate is None:  # complete: to the host
-            self.host_copies.bucket_reduced(position)
+            self.host_copies.bucket_reduced(position, self.shard_grad(p.bucket))
         if self.replicate is not None and self._boundary and not p.bucket.expert:  # expert buckets: never replicated
             self._launch_replica(p.bucket)
 
@@ -376,7 +420,9 @@ class GradientReducer:
                     grad.copy_(tmp)
         self._replica_pending.clear()
         if self.host_copies is not None and self._boundary:  # complete only now (replicas), or already copied
-            self.host_copies.backward_done([p for p in range(len(self.buckets)) if p not in self._external])
+            self.host_copies.backward_done(
+                {p: self.shard_grad(b) for p, b in enumerate(self.buckets) if p not in self._external}
+            )
         if self.sharded_grads and self._active():
             self._fresh_shard = False
             complete = len(self._observed) == len(self.buckets) - len(self._external)
@@ -474,5 +520,6 @@ def _tp_sum(tp_comm: Communicator, name: str, grad: torch.Tensor) -> torch.Tenso
     return out
 
 
-def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype gradients of ``dtype`` parameters are accumulated in: fp32 for the compute dtypes, else their own."""
     return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
