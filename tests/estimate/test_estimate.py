@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 import shardtrain
 from shardtrain.cli import main as cli_main
-from shardtrain.errors import ConfigError, LayoutError, ShardtrainError
+from shardtrain.errors import ConfigError, ShardtrainError
 from shardtrain.estimate import Layout, PeakMeter, estimate_memory, fitting_layouts, parse_bytes
 from shardtrain.models.gpt import GPT, GPTConfig
 from shardtrain.tensor_parallel import GPT_TP_PLAN
@@ -102,6 +102,7 @@ CASES = [
     ("stage3-bf16", Layout(3, stage=3, dtype="bf16", micro_batch=MICRO, seq_len=SEQ), {}),
     ("stage2-checkpointing", Layout(3, stage=2, micro_batch=MICRO, seq_len=SEQ, checkpointing=True), {}),
     ("mixtral-ep2-stage2", Layout(2, stage=2, ep=2, micro_batch=MICRO, seq_len=SEQ), {}),
+    ("mixtral-ep2-stage3", Layout(2, stage=3, ep=2, micro_batch=MICRO, seq_len=SEQ), {}),
 ]
 SOAK_CASES = [
     ("stage2", Layout(2, stage=2, micro_batch=MICRO, seq_len=SEQ), {}),
@@ -263,17 +264,34 @@ def test_expert_parallelism_holds_the_rank_s_experts_and_is_searched_where_the_m
     common = {"seq_len": 16, "device_type": "cpu", "activations": False}
     cfg = {"zero_optimization": {"stage": 2}}
 
-    def optimizer_elements(world: int, ep: int) -> float:  # fp32 AdamW: 8 bytes of moments per element stepped
-        layout = Layout(world, stage=2, ep=ep, seq_len=16)
-        return estimate_memory(tiny_mixtral, cfg, layout=layout, **common).state.optimizer["device"] / 8
+    def optimizer_elements(world: int, ep: int, stage: int = 2, config: dict = cfg) -> float:
+        layout = Layout(world, stage=stage, ep=ep, seq_len=16)  # fp32 AdamW: 8 bytes of moments per element stepped
+        return estimate_memory(tiny_mixtral, config, layout=layout, **common).state.optimizer["device"] / 8
 
     # rank 0's fragments: ceil(padded / group) of the dense buckets over dp, of the expert buckets over dp / E
     assert optimizer_elements(4, 1) == pytest.approx((dense + expert) / 4, abs=8)
     assert optimizer_elements(4, 2) == pytest.approx(dense / 4 + expert / 2 / 2, abs=8)
     assert optimizer_elements(4, 4) == pytest.approx(dense / 4 + expert / 4, abs=8)
+    # stage 3: the same fragments, in each unit's dense and expert buckets (threshold 0) or, for parameters held
+    # whole (the default threshold keeps all of this small model's), in the persistent buckets
+    units = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    for config in (units, {"zero_optimization": {"stage": 3}}):
+        assert optimizer_elements(4, 2, 3, config) == pytest.approx(dense / 4 + expert / 2 / 2, abs=32)
+    # hybrid sharding (shard groups of 2 at dp 4): dense state over the shard group, expert state still over the
+    # dp / E ranks holding the same experts (expert buckets are never replicated)
+    hybrid = Layout(4, stage=3, ep=2, shard_size=2, seq_len=16)
+    shards = estimate_memory(tiny_mixtral, units, layout=hybrid, **common).state.optimizer["device"] / 8
+    assert shards == pytest.approx(dense / 2 + expert / 2 / 2, abs=32)
+    stage3 = estimate_memory(tiny_mixtral, units, layout=Layout(4, stage=3, ep=2, seq_len=16), **common)
+    assert stage3.state.params["device"] / 4 == pytest.approx(dense / 4 + expert / 2 / 2, abs=32)
+    # a block's gathered buffers: its dense parameters whole, and its experts whole on the ranks holding them
+    for u in (u for u in stage3.state.units if not u.root):
+        block = dict(model.named_modules())[u.name]
+        held = sum(p.numel() / (2 if ".experts." in n else 1) for n, p in block.named_parameters())
+        assert u.numel == pytest.approx(held, abs=8) and u.nbytes == 4 * u.numel
     fits = fitting_layouts(tiny_mixtral, 2**40, cfg, worlds=(2, 4), offload=False, **common)
     eps = {(e.layout.world, e.layout.stage, e.layout.ep) for e in fits if e.layout.ep > 1}
-    assert eps == {(w, s, e) for w in (2, 4) for s in (0, 1, 2) for e in (2, 4) if e <= w}
+    assert eps == {(w, s, e) for w in (2, 4) for s in (0, 1, 2, 3) for e in (2, 4) if e <= w}
     assert all(e.layout.tp == 1 and e.layout.offload_optimizer == "none" for e in fits if e.layout.ep > 1)
     assert "ep 4" in next(e for e in fits if e.layout.ep == 4).layout.describe()
     dense_fits = fitting_layouts(tiny_gpt, 2**40, cfg, worlds=(2,), offload=False, **common)
@@ -287,9 +305,6 @@ def test_expert_parallelism_holds_the_rank_s_experts_and_is_searched_where_the_m
     for model_fn, layout, message in refusals:
         with pytest.raises(ConfigError, match=message):
             estimate_memory(model_fn, cfg, layout=replace(layout, seq_len=16), **common)
-    # initialize builds it; the estimate does not model it yet, and says so
-    with pytest.raises(LayoutError, match="expert parallelism at ZeRO stage 3 is not modelled"):
-        estimate_memory(tiny_mixtral, cfg, layout=Layout(4, stage=3, ep=2, seq_len=16), **common)
 
 
 class ReadsValues(torch.nn.Module):

@@ -418,8 +418,9 @@ def _prepare(
     grads_in_files = zcfg.offload_optimizer.device == "nvme" and zcfg.stage >= 2 and device_type == "cpu"
     grads_in_files = grads_in_files and layout.tp == 1 and layout.shard_group == layout.dp
     st = rank_state(
-        fake, zcfg, layout.shard_group, 0, compute, moments, steps, device_type, grads_in_files, experts, layout.ep
-    )
+        fake, zcfg, layout.shard_group, 0, compute, moments, steps, device_type, grads_in_files, experts, layout.ep,
+        layout.dp // layout.ep,
+    )  # fmt: skip
     buffers = sum(b.numel() * (compute if b.dtype == torch.float32 else b.dtype).itemsize for b in fake.buffers())
     reduce = precision.reduce_dtype if precision.mixed else None
     units = [(u.name, u.nbytes, u.numel) for u in st.units]
