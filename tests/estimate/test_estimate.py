@@ -246,10 +246,13 @@ def estimated(name: str):
     return est
 
 
-OVER_ESTIMATED = {"mixtral-stage3-nvme", "mixtral-ep2-stage3-nvme", "mixtral-ep2-dp2-stage3-nvme"}
-"""Cases whose peak the planner puts 12-14% above the measured one: Mixtral with its optimizer state in swap files at
-stage 3, with expert parallelism or without (``mixtral-stage3-nvme``), while the project's GPT in the same layout
-(``stage3-nvme``) is within 10%. Checked one-sided: above the measured peak, by at most 15%."""
+def swap_buffers_unknown(name: str, layout: Layout) -> bool:
+    """Whether a case's peak outside the optimizer step depends on which sub-groups the ``nvme`` swap buffers held
+    last: Mixtral's sub-groups differ in size (its fused experts against attention and norms; the project's GPT's
+    much less), with experts or without. The estimate counts the ``buffer_count`` largest, the buffers hold at least
+    the smallest ones (``RankState.offload_buffers_least``), so the measured peak may lie up to that much lower than
+    the usual tolerance allows (measured: 2-14% below the estimate in repeated runs of one case)."""
+    return name.startswith("mixtral") and layout.offload_optimizer == "nvme"
 
 
 def _check(name: str, got: dict) -> None:
@@ -257,10 +260,9 @@ def _check(name: str, got: dict) -> None:
     assert est.model_state() == got["state"], (name, est.model_state(), got["state"])
     predicted, peak = est.memory_peak, got["peak"]
     where = f"{name}: predicted {predicted}, measured {peak}\n{est.format()}"
-    if name in OVER_ESTIMATED:
-        assert peak <= predicted <= 1.15 * peak, where
-        return
-    assert abs(predicted - peak) <= 0.10 * peak, where
+    unknown = est.state.optimizer.get("offload_buffers", 0) - est.state.offload_buffers_least
+    slack = unknown if swap_buffers_unknown(name, est.layout) else 0
+    assert -0.10 * peak <= predicted - peak <= 0.10 * peak + slack, where
 
 
 @pytest.mark.parametrize("name", [c[0] for c in CASES])

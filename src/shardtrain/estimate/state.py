@@ -61,6 +61,11 @@ class RankState:
     buckets: list[Bucket] = field(default_factory=list)
     """Stand-in buckets (meta parameters) in the engine's order, trainable and frozen."""
     bucket_names: list[list[str]] = field(default_factory=list)
+    offload_buffers_least: int = 0
+    """``nvme`` optimizer offload: the bytes of the ``buffer_count`` smallest sub-groups' swap buffers. The estimate
+    counts the largest ones (``optimizer["offload_buffers"]``), which the pipeline holds in a step; between steps the
+    buffers hold the sub-groups they held last, which the timing of the writes decides: the peak outside the step
+    lies between the two ([Note: swap pipeline] in ``offload/optimizer_state.py``)."""
 
 
 def _stand_ins(model: nn.Module) -> dict[int, nn.Parameter]:
@@ -223,6 +228,9 @@ def rank_state(
         keys = moments + (1 if mixed else 0) + (1 if grads_in_files else 0)
         sizes = [sum(keys * (-(-4 * stepped[i] // ALIGN) * ALIGN) for i in g.members) for g in groups if g.offloaded]
         opt["offload_buffers"] = sum(sorted(sizes)[-zcfg.offload_optimizer.buffer_count :])
+        # the pool keeps each buffer at the size of the last sub-group it held (within FRAME_SLACK), which sub-groups
+        # those are depends on when the writes finish: between steps at least the smallest ones
+        st.offload_buffers_least = sum(sorted(sizes)[: zcfg.offload_optimizer.buffer_count])
     elif opt_dev == "cpu" and device_type == "cuda":
         # host masters: fp32 copies of the fragments, in fp32 training too; state made on the host
         opt["host"] = sum(4 * n for n in stepped) + sum(moments_per)
