@@ -5,9 +5,10 @@ collective and group, against the formulas; step time; per-rank memory against `
     python bench/bench_moe.py --no-memory --steps 3          # bytes and time only
 
 Variants: ``zeroS`` is ZeRO stage ``S`` without expert parallelism; ``epE`` is ``expert_parallel_size: E`` at ZeRO
-stage 2, ``epE:zS`` at stage ``S``. A variant ``initialize`` refuses (expert parallelism at stage 3 before it is
-built) is reported as refused, with the engine's message, and left out; the rest run. ``zero3`` is the reference of
-every ratio (it must be among the variants).
+stage 2, ``epE:zS`` at stage ``S`` (all stages 0-3 are built with expert parallelism). A variant ``initialize``
+refuses (an ``E`` that does not divide the data-parallel size or the experts) is reported as refused, with the
+engine's message, and left out; the rest run. ``zero3`` is the reference of every ratio (it must be among the
+variants).
 
 Every rank builds the same model per variant. Each iteration runs ``--run`` consecutive steps of each variant, in a
 rotating order, and waits for what the engine left in flight; a step's time is the slowest rank's time of the run
@@ -32,6 +33,10 @@ rank under balanced routing):
   ``E = N``); the token exchange ``L (4 f T k H b + f T k 8 + 8 (E-1))``: the rows to their experts and the
   outputs back, forward and backward, the rows' expert ids (int64) and the row counts (docs/expert-parallel.md,
   "What it sends").
+* expert parallelism at stage 3: the reduce-scatters as at stage 2; the all-gathers as ZeRO-3's, each over its
+  group: the dense ones ``(P_d + P_d - R - B_d) b (N-1)/N`` over all ``N`` ranks (``R`` the root's parameters, ``B_d``
+  the last block's dense ones, both kept gathered for backward), the expert ones ``(P_e + P_e - B_e) / E b (M-1)/M``
+  over the ``M`` ranks holding the same experts (``B_e`` the last block's experts); the same token exchange.
 
 Memory (skipped with ``--no-memory``): each variant again in fresh processes, ``--mem-steps`` steps, measured as
 ``tests/estimate/test_estimate.py`` measures (the model state from ``engine.state_bytes()``, the last step's peak of
@@ -104,7 +109,8 @@ def parameter_counts(shape: Shape) -> dict[str, int]:
     last = f"model.layers.{shape.layers - 1}."
     root = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("model.layers."))
     last_block = sum(p.numel() for n, p in model.named_parameters() if n.startswith(last))
-    return {"dense": dense, "expert": expert, "root": root, "last_block": last_block}
+    last_experts = sum(p.numel() for n, p in model.named_parameters() if n.startswith(last) and ".experts." in n)
+    return {"dense": dense, "expert": expert, "root": root, "last_block": last_block, "last_experts": last_experts}
 
 
 @dataclass(frozen=True)
@@ -170,11 +176,11 @@ def settle(engine) -> None:
 
 def probe(variants: list[Variant], shape: Shape) -> dict[str, str]:
     """The variants ``initialize`` refuses, with its message (the same verdict on every rank: the config check runs
-    before any collective of the engine). Only expert parallelism at stage 3 is tried (the one being built); the
-    others are built, and a failure there is the bench's."""
+    before any collective of the engine). Only the expert-parallel variants are tried (an ``E`` the world or the
+    experts do not take); the others are built, and a failure there is the bench's."""
     refused = {}
     for v in variants:
-        if v.ep == 1 or v.stage != 3:
+        if v.ep == 1:
             continue
         try:
             engine = build(v, shape)
@@ -277,6 +283,11 @@ def formulas(v: Variant, shape: Shape, world: int, counts: dict[str, int]) -> di
     exchange = shape.layers * (4 * rows * shape.hidden * FP32 + rows * 8 + 8 * (v.ep - 1))
     if v.stage == 0:
         return {"all_reduce": 2 * (dense + expert), "all_to_all": exchange}
+    if v.stage == 3:  # gathered again in backward: all but the root and the last block (no experts in the root)
+        dense_back = counts["dense"] - counts["root"] - (counts["last_block"] - counts["last_experts"])
+        expert_back = (counts["expert"] - counts["last_experts"]) / v.ep
+        gathers = dense + dense_back * FP32 * ring + expert + expert_back * FP32 * (edp - 1) / edp
+        return {"all_gather": gathers, "reduce_scatter": dense + expert, "all_to_all": exchange}
     return {"all_gather": dense + expert, "reduce_scatter": dense + expert, "all_to_all": exchange}
 
 

@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 import shardtrain
 from shardtrain.cli import main as cli_main
-from shardtrain.errors import ConfigError, LayoutError, ShardtrainError
+from shardtrain.errors import ConfigError, ShardtrainError
 from shardtrain.estimate import Layout, PeakMeter, estimate_memory, fitting_layouts, parse_bytes
 from shardtrain.models.gpt import GPT, GPTConfig
 from shardtrain.tensor_parallel import GPT_TP_PLAN
@@ -102,6 +102,12 @@ CASES = [
     ("stage3-bf16", Layout(3, stage=3, dtype="bf16", micro_batch=MICRO, seq_len=SEQ), {}),
     ("stage2-checkpointing", Layout(3, stage=2, micro_batch=MICRO, seq_len=SEQ, checkpointing=True), {}),
     ("mixtral-ep2-stage2", Layout(2, stage=2, ep=2, micro_batch=MICRO, seq_len=SEQ), {}),
+    ("mixtral-ep2-stage3", Layout(2, stage=3, ep=2, micro_batch=MICRO, seq_len=SEQ), {}),
+    (
+        "mixtral-ep2-stage3-nvme",
+        Layout(2, stage=3, ep=2, offload_optimizer="nvme", offload_param="nvme", micro_batch=MICRO, seq_len=SEQ),
+        {"sub_group_size": 20_000, "offload_param": {"max_in_cpu": 0}},
+    ),
 ]
 SOAK_CASES = [
     ("stage2", Layout(2, stage=2, micro_batch=MICRO, seq_len=SEQ), {}),
@@ -125,6 +131,28 @@ SOAK_CASES = [
     ("mixtral6-ep3-stage2", Layout(3, stage=2, ep=3, micro_batch=MICRO, seq_len=SEQ), {}),
     ("mixtral-ep2-dp2-stage2", Layout(4, stage=2, ep=2, micro_batch=MICRO, seq_len=SEQ), {}),
     ("mixtral-ep4-stage2", Layout(4, stage=2, ep=4, micro_batch=MICRO, seq_len=SEQ), {}),
+    ("mixtral-ep2-dp2-stage3", Layout(4, stage=3, ep=2, micro_batch=MICRO, seq_len=SEQ), {}),
+    ("mixtral-ep2-dp2-stage3-bf16", Layout(4, stage=3, ep=2, dtype="bf16", micro_batch=MICRO, seq_len=SEQ), {}),
+    (
+        "mixtral-ep2-stage1-cpu-bf16",
+        Layout(2, stage=1, ep=2, offload_optimizer="cpu", dtype="bf16", micro_batch=MICRO, seq_len=SEQ),
+        {},
+    ),
+    (
+        "mixtral-stage3-nvme",
+        Layout(2, stage=3, offload_optimizer="nvme", offload_param="nvme", micro_batch=MICRO, seq_len=SEQ),
+        {"sub_group_size": 20_000, "offload_param": {"max_in_cpu": 0}},
+    ),
+    (
+        "mixtral-ep2-dp2-stage2-nvme-bf16",
+        Layout(4, stage=2, ep=2, offload_optimizer="nvme", dtype="bf16", micro_batch=MICRO, seq_len=SEQ),
+        {"sub_group_size": 20_000},
+    ),
+    (
+        "mixtral-ep2-dp2-stage3-nvme",
+        Layout(4, stage=3, ep=2, offload_optimizer="nvme", micro_batch=MICRO, seq_len=SEQ),
+        {"sub_group_size": 20_000},
+    ),
 ]
 
 
@@ -218,11 +246,23 @@ def estimated(name: str):
     return est
 
 
+def swap_buffers_unknown(name: str, layout: Layout) -> bool:
+    """Whether a case's peak outside the optimizer step depends on which sub-groups the ``nvme`` swap buffers held
+    last: Mixtral's sub-groups differ in size (its fused experts against attention and norms; the project's GPT's
+    much less), with experts or without. The estimate counts the ``buffer_count`` largest, the buffers hold at least
+    the smallest ones (``RankState.offload_buffers_least``), so the measured peak may lie up to that much lower than
+    the usual tolerance allows (measured: 2-14% below the estimate in repeated runs of one case)."""
+    return name.startswith("mixtral") and layout.offload_optimizer == "nvme"
+
+
 def _check(name: str, got: dict) -> None:
     est = estimated(name)
     assert est.model_state() == got["state"], (name, est.model_state(), got["state"])
     predicted, peak = est.memory_peak, got["peak"]
-    assert abs(predicted - peak) <= 0.10 * peak, f"{name}: predicted {predicted}, measured {peak}\n{est.format()}"
+    where = f"{name}: predicted {predicted}, measured {peak}\n{est.format()}"
+    unknown = est.state.optimizer.get("offload_buffers", 0) - est.state.offload_buffers_least
+    slack = unknown if swap_buffers_unknown(name, est.layout) else 0
+    assert -0.10 * peak <= predicted - peak <= 0.10 * peak + slack, where
 
 
 @pytest.mark.parametrize("name", [c[0] for c in CASES])
@@ -263,18 +303,48 @@ def test_expert_parallelism_holds_the_rank_s_experts_and_is_searched_where_the_m
     common = {"seq_len": 16, "device_type": "cpu", "activations": False}
     cfg = {"zero_optimization": {"stage": 2}}
 
-    def optimizer_elements(world: int, ep: int) -> float:  # fp32 AdamW: 8 bytes of moments per element stepped
-        layout = Layout(world, stage=2, ep=ep, seq_len=16)
-        return estimate_memory(tiny_mixtral, cfg, layout=layout, **common).state.optimizer["device"] / 8
+    def optimizer_elements(world: int, ep: int, stage: int = 2, config: dict = cfg) -> float:
+        layout = Layout(world, stage=stage, ep=ep, seq_len=16)  # fp32 AdamW: 8 bytes of moments per element stepped
+        return estimate_memory(tiny_mixtral, config, layout=layout, **common).state.optimizer["device"] / 8
 
     # rank 0's fragments: ceil(padded / group) of the dense buckets over dp, of the expert buckets over dp / E
     assert optimizer_elements(4, 1) == pytest.approx((dense + expert) / 4, abs=8)
     assert optimizer_elements(4, 2) == pytest.approx(dense / 4 + expert / 2 / 2, abs=8)
     assert optimizer_elements(4, 4) == pytest.approx(dense / 4 + expert / 4, abs=8)
+    # stage 3: the same fragments, in each unit's dense and expert buckets (threshold 0) or, for parameters held
+    # whole (the default threshold keeps all of this small model's), in the persistent buckets
+    units = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    for config in (units, {"zero_optimization": {"stage": 3}}):
+        assert optimizer_elements(4, 2, 3, config) == pytest.approx(dense / 4 + expert / 2 / 2, abs=32)
+    # hybrid sharding (shard groups of 2 at dp 4): dense state over the shard group, expert state still over the
+    # dp / E ranks holding the same experts (expert buckets are never replicated)
+    hybrid = Layout(4, stage=3, ep=2, shard_size=2, seq_len=16)
+    shards = estimate_memory(tiny_mixtral, units, layout=hybrid, **common).state.optimizer["device"] / 8
+    assert shards == pytest.approx(dense / 2 + expert / 2 / 2, abs=32)
+    stage3 = estimate_memory(tiny_mixtral, units, layout=Layout(4, stage=3, ep=2, seq_len=16), **common)
+    assert stage3.state.params["device"] / 4 == pytest.approx(dense / 4 + expert / 2 / 2, abs=32)
+    # a block's gathered buffers: its dense parameters whole, and its experts whole on the ranks holding them
+    for u in (u for u in stage3.state.units if not u.root):
+        block = dict(model.named_modules())[u.name]
+        held = sum(p.numel() / (2 if ".experts." in n else 1) for n, p in block.named_parameters())
+        assert u.numel == pytest.approx(held, abs=8) and u.nbytes == 4 * u.numel
     fits = fitting_layouts(tiny_mixtral, 2**40, cfg, worlds=(2, 4), offload=False, **common)
     eps = {(e.layout.world, e.layout.stage, e.layout.ep) for e in fits if e.layout.ep > 1}
-    assert eps == {(w, s, e) for w in (2, 4) for s in (0, 1, 2) for e in (2, 4) if e <= w}
+    assert eps == {(w, s, e) for w in (2, 4) for s in (0, 1, 2, 3) for e in (2, 4) if e <= w}
     assert all(e.layout.tp == 1 and e.layout.offload_optimizer == "none" for e in fits if e.layout.ep > 1)
+    # with offload: the optimizer's at stages 1-3, the parameters' at stage 3, as initialize builds them with experts
+    searched = fitting_layouts(tiny_mixtral, 2**40, cfg, worlds=(4,), offload=True, **common)
+    expert_layouts = [e.layout for e in searched if e.layout.ep > 1]
+    offloads = {(lay.stage, lay.offload_optimizer, lay.offload_param) for lay in expert_layouts}
+    plain = {(s, "none", "none") for s in (0, 1, 2, 3)}
+    assert offloads == plain | {(s, o, "none") for s in (1, 2, 3) for o in ("cpu", "nvme")} | {(3, "nvme", "nvme")}
+    # on accelerators, optimizer offload to the host moves the dense and the expert fragments' state there: fp32
+    # masters and two moments, 12 bytes per element of this rank's fragments, none left on the device
+    gpu = {**common, "device_type": "cuda"}
+    for stage in (1, 2, 3):
+        layout = Layout(4, stage=stage, ep=2, offload_optimizer="cpu", dtype="bf16", seq_len=16)
+        opt = estimate_memory(tiny_mixtral, units, layout=layout, **gpu).state.optimizer
+        assert "device" not in opt and opt["host"] / 12 == pytest.approx(dense / 4 + expert / 2 / 2, abs=32)
     assert "ep 4" in next(e for e in fits if e.layout.ep == 4).layout.describe()
     dense_fits = fitting_layouts(tiny_gpt, 2**40, cfg, worlds=(2,), offload=False, **common)
     assert dense_fits and all(e.layout.ep == 1 for e in dense_fits)
@@ -287,9 +357,6 @@ def test_expert_parallelism_holds_the_rank_s_experts_and_is_searched_where_the_m
     for model_fn, layout, message in refusals:
         with pytest.raises(ConfigError, match=message):
             estimate_memory(model_fn, cfg, layout=replace(layout, seq_len=16), **common)
-    # initialize builds it; the estimate does not model it yet, and says so
-    with pytest.raises(LayoutError, match="expert parallelism at ZeRO stage 3 is not modelled"):
-        estimate_memory(tiny_mixtral, cfg, layout=Layout(4, stage=3, ep=2, seq_len=16), **common)
 
 
 class ReadsValues(torch.nn.Module):

@@ -418,8 +418,9 @@ def _prepare(
     grads_in_files = zcfg.offload_optimizer.device == "nvme" and zcfg.stage >= 2 and device_type == "cpu"
     grads_in_files = grads_in_files and layout.tp == 1 and layout.shard_group == layout.dp
     st = rank_state(
-        fake, zcfg, layout.shard_group, 0, compute, moments, steps, device_type, grads_in_files, experts, layout.ep
-    )
+        fake, zcfg, layout.shard_group, 0, compute, moments, steps, device_type, grads_in_files, experts, layout.ep,
+        layout.dp // layout.ep,
+    )  # fmt: skip
     buffers = sum(b.numel() * (compute if b.dtype == torch.float32 else b.dtype).itemsize for b in fake.buffers())
     reduce = precision.reduce_dtype if precision.mixed else None
     units = [(u.name, u.nbytes, u.numel) for u in st.units]
@@ -520,8 +521,9 @@ def candidate_layouts(
 ) -> list[Layout]:
     """Every (world, stage, tp, offload) combination around ``base`` (dtype, batch, checkpointing kept), and for a
     model whose experts modules hold ``experts`` experts each, every expert-parallel size that divides them all and
-    the data-parallel size (with what ``initialize`` builds it with: no tensor parallelism, no offload; the stages
-    it refuses are refused again by the estimate)."""
+    the data-parallel size, at every stage and offload (``initialize`` builds expert parallelism with optimizer
+    offload at stages 1-3 and parameter offload at stage 3, and the estimate lays their state out as it does), without
+    tensor parallelism (which ``initialize`` refuses with it)."""
     experts = list(experts)
     out = []
     for world in worlds:
@@ -550,18 +552,19 @@ def candidate_layouts(
                         )
                     )
                 for e in eps if tp == 1 else []:
-                    out.append(
-                        replace(
-                            base,
-                            world=world,
-                            tp=1,
-                            stage=stage,
-                            offload_optimizer="none",
-                            offload_param="none",
-                            shard_size=None,
-                            ep=e,
+                    for opt, par in options:
+                        out.append(
+                            replace(
+                                base,
+                                world=world,
+                                tp=1,
+                                stage=stage,
+                                offload_optimizer=opt,
+                                offload_param=par,
+                                shard_size=None,
+                                ep=e,
+                            )
                         )
-                    )
     return out
 
 

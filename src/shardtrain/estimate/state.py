@@ -16,9 +16,12 @@ to a multiple of the shard group and each rank's fragments are the engine's), on
 Under expert parallelism (``expert_parallel_size: E``) the model is the rank's: ``num_experts / E`` experts of
 every MoE layer ([Note: experts on fake tensors] in :mod:`.experts`). Its expert parameters are laid out as
 ``zero/build.py`` lays them out ([Note: expert buckets] in ``zero/layout.py``): in buckets of their own, padded to
-and sharded over the ``dp / E`` ranks holding the same experts; dense parameters over all ``dp`` ranks.
+and sharded over the ``dp / E`` ranks holding the same experts; dense parameters over all ``dp`` ranks. At stage 3
+each unit's expert parameters are buckets of their own in it (after its dense ones), sharded over and gathered
+within those ``dp / E`` ranks; persistent parameters (below the threshold) are held whole and reduced in buckets,
+the expert ones over the same ranks.
 
-Stage 3 also gives each unit's gathered size, which :mod:`.compute` replays.
+Stage 3 also gives each unit's gathered size (its dense and expert buffers whole), which :mod:`.compute` replays.
 """
 
 from __future__ import annotations
@@ -29,7 +32,6 @@ import torch
 from torch import nn
 
 from shardtrain.config.schema import ZeroConfig
-from shardtrain.errors import LayoutError
 from shardtrain.offload.optimizer_state import make_sub_groups
 from shardtrain.offload.swap import ALIGN
 from shardtrain.zero.layout import Bucket, build_buckets, group_by_size
@@ -59,6 +61,11 @@ class RankState:
     buckets: list[Bucket] = field(default_factory=list)
     """Stand-in buckets (meta parameters) in the engine's order, trainable and frozen."""
     bucket_names: list[list[str]] = field(default_factory=list)
+    offload_buffers_least: int = 0
+    """``nvme`` optimizer offload: the bytes of the ``buffer_count`` smallest sub-groups' swap buffers. The estimate
+    counts the largest ones (``optimizer["offload_buffers"]``), which the pipeline holds in a step; between steps the
+    buffers hold the sub-groups they held last, which the timing of the writes decides: the peak outside the step
+    lies between the two ([Note: swap pipeline] in ``offload/optimizer_state.py``)."""
 
 
 def _stand_ins(model: nn.Module) -> dict[int, nn.Parameter]:
@@ -71,56 +78,69 @@ def _stand_ins(model: nn.Module) -> dict[int, nn.Parameter]:
 
 
 def plan_buckets(
-    model: nn.Module, zcfg: ZeroConfig, world: int, rank: int, experts: frozenset[int] = frozenset(), ep: int = 1
+    model: nn.Module,
+    zcfg: ZeroConfig,
+    world: int,
+    rank: int,
+    experts: frozenset[int] = frozenset(),
+    ep: int = 1,
+    expert_world: int | None = None,
 ) -> tuple[list[Bucket], list[tuple[str, list[int]]], list[tuple[str, nn.Parameter]]]:
     """The engine's buckets (stand-ins), stage-3 units as (name, bucket indices) and the parameters held whole.
     ``experts``: the ids of the expert parameters of a model split for expert parallelism of size ``ep``, laid
-    out over the ``world / ep`` ranks holding the same experts (this rank's index there: ``rank // ep``)."""
+    out over the ``expert_world`` ranks holding the same experts (``dp / ep``; None: ``world / ep``, which it is
+    without hybrid sharding; this rank's index there: ``rank // ep``)."""
     policy = ZeroPolicy.for_stage(zcfg.stage)
-    if experts and policy.shard_parameters:
-        raise LayoutError(
-            "estimate: expert parallelism at ZeRO stage 3 is not modelled (expert parameters are laid out in "
-            "buckets of their own at stages 0-2); estimate stage 2, or expert_parallel_size 1"
-        )
     proxy = _stand_ins(model)
+    # the ranks holding this rank's experts, and its index there; with hybrid sharding too they are all dp / ep of
+    # them (expert buckets are never replicated: [Note: expert buckets] in zero/layout.py)
+    ep_world, ep_rank = (expert_world or world // ep), rank // ep
 
     def swap(items: list[tuple[str, nn.Parameter]]) -> list[tuple[str, nn.Parameter]]:
         return [(n, proxy[id(p)]) for n, p in items]
 
     units: list[tuple[str, list[int]]] = []
+    buckets: list[Bucket] = []
     if policy.shard_parameters:  # as zero/build.py's _plan_units
         unit_modules = find_unit_modules(model, zcfg.stage3_unit_classes)
-        groups = [swap(g) for g in assign_parameters(model, unit_modules)]
+        groups = assign_parameters(model, unit_modules)
         threshold = zcfg.stage3_param_persistence_threshold
-        persistent = [(n, p) for g in groups for n, p in g if p.numel() < threshold and p.requires_grad]
+        outside = [(n, p) for g in groups for n, p in g if p.numel() < threshold and p.requires_grad]
         named = [*[n for n, _ in unit_modules[::-1]], "<root>"]
         params_of = [*groups[:-1][::-1], groups[-1]]
-        buckets: list[Bucket] = []
         for name, params in zip(named, params_of):
-            by_kind: dict[tuple[torch.dtype, bool], list[tuple[str, nn.Parameter]]] = {}
+            # trainable and frozen, dense and expert parameters in buckets of their own; the expert ones after the
+            # dense ones of the unit, sharded over the ranks holding the same experts
+            by_kind: dict[tuple[torch.dtype, bool, bool], list[tuple[str, nn.Parameter]]] = {}
             for n, p in params:
                 if p.numel() >= threshold:
-                    by_kind.setdefault((p.dtype, p.requires_grad), []).append((n, p))
+                    by_kind.setdefault((p.dtype, p.requires_grad, id(p) in experts), []).append((n, p))
             if not by_kind:
                 continue
-            made = build_buckets(list(by_kind.values()), world, rank, first_index=len(buckets))
+            dense = [swap(g) for (_, _, moe), g in by_kind.items() if not moe]
+            moe = [swap(g) for (_, _, moe), g in by_kind.items() if moe]
+            made = build_buckets(dense, world, rank, first_index=len(buckets))
+            for b in build_buckets(moe, ep_world, ep_rank, first_index=len(buckets) + len(dense)):
+                b.expert = True
+                made.append(b)
             for b in made:
                 b.gather_after_step = False
             units.append((name, [b.index for b in made]))
             buckets += made
-        buckets += build_buckets(
-            group_by_size(persistent, zcfg.reduce_bucket_size), world, rank, first_index=len(buckets)
-        )
-    else:  # as zero/build.py: dense buckets over the group, then the expert buckets over theirs
-        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        dense = [(n, p) for n, p in trainable if id(p) not in experts]
-        buckets = build_buckets(group_by_size(swap(dense), zcfg.reduce_bucket_size), world, rank)
-        if experts:
-            moe = [(n, p) for n, p in trainable if id(p) in experts]
-            grouped = group_by_size(swap(moe), zcfg.reduce_bucket_size)
-            for b in build_buckets(grouped, world // ep, rank // ep, first_index=len(buckets)):
-                b.expert = True
-                buckets.append(b)
+    else:
+        outside = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    # as zero/build.py: below stage 3 every trainable parameter, at stage 3 the persistent ones: dense buckets over
+    # the group, then the expert buckets over theirs
+    dense_outside = [(n, p) for n, p in outside if id(p) not in experts]
+    buckets += build_buckets(
+        group_by_size(swap(dense_outside), zcfg.reduce_bucket_size), world, rank, first_index=len(buckets)
+    )
+    moe_outside = [(n, p) for n, p in outside if id(p) in experts]
+    if moe_outside:
+        grouped = group_by_size(swap(moe_outside), zcfg.reduce_bucket_size)
+        for b in build_buckets(grouped, ep_world, ep_rank, first_index=len(buckets)):
+            b.expert = True
+            buckets.append(b)
     bucketed = {id(s.param) for b in buckets for s in b.slots}
     whole = [(n, proxy[id(p)]) for n, p in model.named_parameters() if id(proxy[id(p)]) not in bucketed]
     return buckets, units, whole
@@ -143,13 +163,14 @@ def rank_state(
     grads_in_files: bool = False,
     experts: frozenset[int] = frozenset(),
     ep: int = 1,
+    expert_world: int | None = None,
 ) -> RankState:
     """Bytes of one rank whose ZeRO shard group has ``world`` ranks and which is ``rank`` in it; ``grads_in_files``:
     the gradient shards are in swap files (``GradOffload`` in offload/gradients.py; the caller knows tp and hybrid).
-    ``experts``, ``ep``: expert parallelism, as :func:`plan_buckets` takes them."""
+    ``experts``, ``ep``, ``expert_world``: expert parallelism, as :func:`plan_buckets` takes them."""
     policy = ZeroPolicy.for_stage(zcfg.stage)
     mixed = compute != FP32
-    buckets, units, whole = plan_buckets(model, zcfg, world, rank, experts, ep)
+    buckets, units, whole = plan_buckets(model, zcfg, world, rank, experts, ep, expert_world)
     st = RankState(buckets=buckets, bucket_names=[[s.name for s in b.slots] for b in buckets])
     opt_dev, par_dev = zcfg.offload_optimizer.device, zcfg.offload_param.device
 
@@ -207,6 +228,9 @@ def rank_state(
         keys = moments + (1 if mixed else 0) + (1 if grads_in_files else 0)
         sizes = [sum(keys * (-(-4 * stepped[i] // ALIGN) * ALIGN) for i in g.members) for g in groups if g.offloaded]
         opt["offload_buffers"] = sum(sorted(sizes)[-zcfg.offload_optimizer.buffer_count :])
+        # the pool keeps each buffer at the size of the last sub-group it held (within FRAME_SLACK), which sub-groups
+        # those are depends on when the writes finish: between steps at least the smallest ones
+        st.offload_buffers_least = sum(sorted(sizes)[: zcfg.offload_optimizer.buffer_count])
     elif opt_dev == "cpu" and device_type == "cuda":
         # host masters: fp32 copies of the fragments, in fp32 training too; state made on the host
         opt["host"] = sum(4 * n for n in stepped) + sum(moments_per)
