@@ -10,8 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardtrain.debug import stats as stats_module
 from shardtrain.debug import tensor_stats
+from shardtrain.debug import tensor_summary as stats_module
 
 FLOATS = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 INTS = [torch.int8, torch.int16, torch.int32, torch.int64]

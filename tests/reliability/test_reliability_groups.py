@@ -95,7 +95,7 @@ def _checks_over_side_groups(stage: int, tp: int) -> dict:
     engine = _engine(stage, tp)
     topo = engine.topology
     host = [topo.host_world_group, topo.host_dp_group, topo.host_tp_group]
-    main = [topo.world_group, topo.dp_group, topo.tp_group]
+    main = [topo.world_group, topo.zero_group, topo.tp_group]
     _micro(engine, 0)
     _micro(engine, 1)
     try:

@@ -156,7 +156,7 @@ def shard_frozen_model(model: nn.Module, config: Config, auto_values: dict[str, 
     if zcfg.stage != 3:
         return None
     comm = Communicator(topology.shard_group, topology.timeout_s)
-    dp_comm = Communicator(topology.dp_group, topology.timeout_s) if topology.hybrid else comm
+    dp_comm = Communicator(topology.zero_group, topology.timeout_s) if topology.hybrid else comm
     layout = build_layout(model, zcfg, comm, dp_comm=dp_comm)  # rank 0's values, this rank's shards cut
     if not layout.unit_buckets:  # every parameter under stage3_param_persistence_threshold: all stay whole
         return None

@@ -11,8 +11,8 @@ See ``docs/debugging.md`` for a walkthrough.
 
 from shardtrain.debug.manager import SubscriberManager, inspect_activation
 from shardtrain.debug.statistics import StatisticsSubscriber
-from shardtrain.debug.stats import tensor_stats
 from shardtrain.debug.subscriber import Subscriber
+from shardtrain.debug.tensor_summary import tensor_stats
 from shardtrain.tree import iter_tensors, map_tensors
 
 __all__ = [

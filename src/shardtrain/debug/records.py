@@ -29,7 +29,7 @@ from pathlib import Path
 from stat import S_ISDIR, S_ISREG
 from typing import Any
 
-from shardtrain.debug.stats import STAT_FIELDS
+from shardtrain.debug.tensor_summary import STAT_FIELDS
 
 # zero/pos/neg are recorded for reading but not compared: any value within rounding noise of 0 flips them, so two
 # runs that agree to 1e-7 can differ there by a fraction of a percent (causal attention gradients are full of such)
@@ -112,7 +112,7 @@ def _load_run(root: Path) -> dict[Key, Record]:
 # [Note: what a record may hold]
 # A record line is a JSON object written by StatisticsSubscriber: "dir", "name", "output" strings; "seq", "call"
 # and "numel" whole numbers >= 0; the statistics numbers (a whole number or a float; null for the five value
-# statistics of a tensor without finite elements, see shardtrain.debug.stats), the counts whole numbers >= 0;
+# statistics of a tensor without finite elements, see shardtrain.debug.tensor_summary), the counts whole numbers >= 0;
 # "shape" a list of whole numbers >= 0 and "dtype" a string when present. Whole numbers are bounded by 2**64
 # (uint64's extremes are the largest a tensor holds) so that the arithmetic of the comparison stays in floats, and
 # value statistics are never NaN (NaN elements are counted, not averaged). Anything else is damage (a torn copy,

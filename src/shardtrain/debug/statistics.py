@@ -25,7 +25,7 @@ One ``write`` per record costs about 1.5 us, against far more for its statistics
 
 ``name`` is the module's qualified name (``""`` for the root) or the name given to ``inspect_activation``;
 ``output`` is the path of the tensor inside the module's outputs (``""`` for a bare tensor, ``[0]``, ``['logits']``).
-The statistics are defined in :mod:`shardtrain.debug.stats` (population std, finite values only).
+The statistics are defined in :mod:`shardtrain.debug.tensor_summary` (population std, finite values only).
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardtrain.debug.stats import stats_from_summary, summary_tensors, tensor_stats
 from shardtrain.debug.subscriber import Subscriber
+from shardtrain.debug.tensor_summary import stats_from_summary, summary_tensors, tensor_stats
 from shardtrain.tree import iter_tensors
 
 

@@ -450,8 +450,8 @@ class Topology:
     (its "sequence data parallel" group): every one of them holds a full replica of the parameters' gradients for
     its tokens, so the gradient reduction spans them all (see [Note: the loss over a sequence-parallel group] in
     ``shardtrain.sequence_parallel.inputs`` for why an average over ``dp * sp`` is the right one). ``zero_rank =
-    dp_rank * sp + sp_rank`` is a rank's index on that axis, and ``dp_group`` is that group (every rank holding the same
-    tensor-parallel block), which the initial broadcast and the deferred construction must reach. With tensor
+    dp_rank * sp + sp_rank`` is a rank's index on that axis, and ``zero_group`` is that group (every rank holding the
+    same tensor-parallel block), which the initial broadcast and the deferred construction must reach. With tensor
     parallelism the sp group of a rank holds the same heads ([Note: Ulysses under tensor parallelism]). Hybrid
     sharding (``mics_shard_size: S``) cuts the ``dp * sp`` axis as it cuts ``dp`` without sequence parallelism:
     shard groups of ``S`` adjacent ``zero_rank`` s (ZeRO state sharded within), replicate groups of the same shard
@@ -519,10 +519,11 @@ class Topology:
         return self.replicas > 1
 
     @property
-    def dp_group(self) -> dist.ProcessGroup:
-        """Every rank holding this rank's tensor-parallel block and training on other tokens: the ``dp`` axis, times
-        the ``sp`` axis under sequence parallelism (what the initial broadcast, the deferred construction and, with
-        hybrid sharding, the gradient norm must reach; see [Note: the sequence axis])."""
+    def zero_group(self) -> dist.ProcessGroup:
+        """Every rank holding this rank's tensor-parallel block and training on other tokens, the axis ZeRO shards
+        over (``zero_rank`` is the index on it): the ``dp`` axis, times the ``sp`` axis under sequence parallelism
+        (what the initial broadcast, the deferred construction and, with hybrid sharding, the gradient norm must
+        reach; see [Note: the sequence axis])."""
         return self.groups.dp_sp if self.groups.dp_sp is not None else self.groups.dp
 
     @property
@@ -573,7 +574,7 @@ class Topology:
     def shard_group(self) -> dist.ProcessGroup:
         if self.groups.shard is not None:
             return self.groups.shard
-        return self.dp_group  # dp, times sp under sequence parallelism (see [Note: the sequence axis])
+        return self.zero_group  # dp, times sp under sequence parallelism (see [Note: the sequence axis])
 
     @property
     def replicate_group(self) -> dist.ProcessGroup | None:

@@ -126,7 +126,7 @@ def make_comms(topology: Topology, tp_comm: Communicator | None, ep_comm: Commun
     # see [Note: the hybrid mesh] in shardtrain/mesh.py: gradient shards are all-reduced across the replicas and
     # what must reach every data-parallel rank goes over the dp axis
     replica = Communicator(topology.replicate_group, topology.timeout_s) if topology.hybrid else None
-    dp = Communicator(topology.dp_group, topology.timeout_s) if topology.hybrid else shard
+    dp = Communicator(topology.zero_group, topology.timeout_s) if topology.hybrid else shard
     world = dp if topology.tp == 1 else Communicator(topology.world_group, topology.timeout_s)
     hpz = Communicator(topology.hpz_group, topology.timeout_s) if topology.hpz_group is not None else None
     ep = edp = None

@@ -705,10 +705,10 @@ def _build(
                 "holds; build the model in memory (docs/expert-parallel.md)"
             )
         ep_comm = Communicator(topology.ep_group, topology.timeout_s)
-        broadcast_model(model, Communicator(topology.dp_group, topology.timeout_s), split="expert-parallel")
+        broadcast_model(model, Communicator(topology.zero_group, topology.timeout_s), split="expert-parallel")
         experts = (install_expert_parallel(model, ep_comm), ep_comm)
     if deferred:  # each rank's data-parallel chunk of its tensor-parallel block, and nothing more
-        dp_comm = Communicator(topology.dp_group, topology.timeout_s)
+        dp_comm = Communicator(topology.zero_group, topology.timeout_s)
         materialize_deferred(model, placements, dp_comm, topology.tp_rank, topology.tp, topology.device)
         if tp_comm is not None:
             check_replicated_gradients(model, placements, tp_comm)

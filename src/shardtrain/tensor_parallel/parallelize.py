@@ -47,7 +47,7 @@ from shardtrain.tensor_parallel.latent import install_latent_kv_hook, rope_width
 from shardtrain.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from shardtrain.tensor_parallel.loss import VocabParallelCrossEntropy
 from shardtrain.tensor_parallel.meaning import keeps_module
-from shardtrain.tensor_parallel.planning import (
+from shardtrain.tensor_parallel.placements import (
     check_heads,
     check_tied,
     in_region,
