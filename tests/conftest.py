@@ -1,4 +1,5 @@
 import os
+import time
 
 import pytest
 
@@ -10,6 +11,27 @@ os.environ.setdefault("SHARDTRAIN_DEVICE", "cpu")
 # Nothing may be downloaded at test time: Hugging Face models are built from configs with random weights.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+_DEADLINE_MARGIN_S = 15  # time left for run_distributed to kill its ranks and report before pytest-timeout fires
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Each test's pytest-timeout, less a margin, as the deadline ``run_distributed`` and ``run_ranks`` wait until
+    at most ([Note: the caller's deadline] in ``shardtrain.testing``): a longer ``timeout=`` given to them still
+    ends with their message naming the ranks still running, not with pytest's stack dump. Module fixtures set up
+    for this test count too."""
+    from shardtrain.testing import DEADLINE_ENV
+
+    marker = item.get_closest_marker("timeout")
+    seconds = float(marker.args[0]) if marker is not None and marker.args else float(item.config.getini("timeout") or 0)
+    if seconds > 0:
+        os.environ[DEADLINE_ENV] = str(time.time() + max(seconds - _DEADLINE_MARGIN_S, 1.0))
+    try:
+        yield
+    finally:
+        os.environ.pop(DEADLINE_ENV, None)
+
 
 _RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 

@@ -278,6 +278,18 @@ def test_harness_reports_rank_traceback_and_timeouts():
     assert time.monotonic() - start < 20
 
 
+@pytest.mark.timeout(20)
+def test_harness_stops_at_the_tests_deadline_before_a_longer_timeout():
+    """Under pytest-timeout's 20 s a ``timeout=600`` could never fire: the harness stops at the deadline conftest
+    publishes (20 s less its margin, at least 1 s), names the ranks, and says which limit ended the wait."""
+    start = time.monotonic()
+    with pytest.raises(
+        DistributedFailure, match=r"rank\(s\) \[0, 1\] did not finish within \d+s \(the test's deadline"
+    ):
+        run_distributed(_hangs, 2, timeout=600)
+    assert time.monotonic() - start < 19
+
+
 class _SubclassedAdamW(torch.optim.AdamW):
     """Changes a default only: keeps AdamW's element-wise step."""
 

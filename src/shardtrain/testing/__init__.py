@@ -16,6 +16,13 @@ In pytest, parametrize over world sizes and call it from the test::
 Failure tests (a rank killed, a disk full) use :func:`run_ranks` instead: it never raises for a rank's failure,
 waits until every process has exited on its own, and returns each rank's :class:`RankOutcome` (return value or
 traceback, exit code, exit time, whether the harness had to kill it).
+
+[Note: the caller's deadline]
+A test runner that stops a test after a time of its own (pytest-timeout) would stop it before a longer
+``timeout`` given here could fire, without the message that names the ranks still running. So a runner may
+publish its deadline in ``SHARDTRAIN_TEST_DEADLINE`` (seconds since the epoch; the suite's ``conftest.py`` sets it
+for each test, a few seconds before pytest-timeout's): both functions then wait at most until then, whatever
+``timeout`` says, and say which limit ended the wait.
 """
 
 from __future__ import annotations
@@ -93,6 +100,21 @@ def _start(fn: Callable, world_size: int, args: tuple, kwargs: dict, threads: in
     return procs, results
 
 
+DEADLINE_ENV = "SHARDTRAIN_TEST_DEADLINE"
+
+
+def _bounded(timeout: float) -> tuple[float, str]:
+    """``timeout``, or less when the caller's deadline comes first (see [Note: the caller's deadline]), and how to
+    name it in a message."""
+    deadline = os.environ.get(DEADLINE_ENV)
+    if deadline is None:
+        return timeout, f"{timeout:g}s"
+    left = max(float(deadline) - time.time(), 1.0)
+    if left >= timeout:
+        return timeout, f"{timeout:g}s"
+    return left, f"{left:.0f}s (the test's deadline, before its own timeout of {timeout:g}s)"
+
+
 def run_distributed(
     fn: Callable[..., Any],
     world_size: int,
@@ -107,6 +129,7 @@ def run_distributed(
     With ``init_process_group=False`` only the torchrun-style environment (``RANK``, ``WORLD_SIZE``,
     ``MASTER_ADDR``, ``MASTER_PORT``) is set and ``fn`` (e.g. ``shardtrain.initialize``) creates the group.
     """
+    timeout, limit = _bounded(timeout)
     procs, results = _start(fn, world_size, args, kwargs, threads, init_process_group)
     outcome: dict[int, tuple[str, Any]] = {}
     deadline = time.monotonic() + timeout
@@ -137,7 +160,7 @@ def run_distributed(
     if errors or missing:
         head = f"{fn.__name__} on {world_size} rank(s): "
         if missing:
-            head += f"rank(s) {missing} did not finish within {timeout:g}s (killed). "
+            head += f"rank(s) {missing} did not finish within {limit} (killed). "
         raise DistributedFailure(head + "\n" + "\n".join(errors))
     return [pickle.loads(outcome[r][1]) for r in range(world_size)]
 
@@ -174,7 +197,8 @@ def run_ranks(
 
     Never raises for a rank's failure. Waits until every process has exited on its own; a process still running
     ``timeout`` seconds after the start is killed and reported with ``exitcode=None``, so a test can assert that no
-    process was left behind."""
+    process was left behind (or at the caller's deadline, [Note: the caller's deadline])."""
+    timeout, _ = _bounded(timeout)
     start = time.monotonic()
     procs, results = _start(fn, world_size, args, kwargs, threads, init_process_group)
     reported: dict[int, tuple[str, Any]] = {}
