@@ -25,13 +25,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "engine"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "reliability"))
 
-from reliability_helpers import check_rank_death
 from shardtrain.testing import run_distributed, run_ranks
 from test_engine_api import _rank_takes_extra_backward
 from test_reliability_disk import _disk_faults
 from test_reliability_elastic import ROOT, torchrun_env
 from test_reliability_rank_death import _train_until_killed
 from test_reliability_save_crash import _save_killed
+
+from helpers.reliability import check_rank_death
 
 
 def _rank_death(world: int, stage: int, point: str, victim: int, save: bool) -> tuple[float, float]:

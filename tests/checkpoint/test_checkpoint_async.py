@@ -16,12 +16,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from reliability_helpers import NOSPACE, FullDisk
-from resume_helpers import differences, make_engine, snapshot, train
 from shardtrain.checkpoint import open_checkpoint, writer
 from shardtrain.checkpoint.durable import KILL_ENV
 from shardtrain.errors import CheckpointError
 from shardtrain.testing import run_distributed, run_ranks
+
+from helpers.reliability import NOSPACE, FullDisk
+from helpers.resume import differences, make_engine, snapshot, train
 
 
 def _same_checkpoints(a: Path, b: Path) -> list[str]:

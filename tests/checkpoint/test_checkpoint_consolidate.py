@@ -14,12 +14,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from checkpoint_helpers import TinyLM, save_engine_like, trained_model
 from shardtrain.checkpoint import FlatSlice, SavePiece, open_checkpoint, save
 from shardtrain.checkpoint.consolidate import consolidate, parse_size
 from shardtrain.cli import main
 from shardtrain.errors import CheckpointError
 from shardtrain.testing import run_distributed
+
+from helpers.checkpoint import TinyLM, save_engine_like, trained_model
 
 
 @pytest.fixture(scope="module")

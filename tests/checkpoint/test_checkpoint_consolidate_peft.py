@@ -14,13 +14,14 @@ import textwrap
 import pytest
 import torch
 
-from model_cases import BUILDERS, MICRO, _llama, batches, optimizer
 from shardtrain.checkpoint import FlatSlice, SavePiece, open_checkpoint, save
 from shardtrain.checkpoint.consolidate import consolidate
 from shardtrain.checkpoint.hf_config import hf_config_objects
 from shardtrain.cli import main
 from shardtrain.errors import CheckpointError
 from shardtrain.testing import run_distributed
+
+from helpers.model_cases import BUILDERS, MICRO, _llama, batches, optimizer
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")

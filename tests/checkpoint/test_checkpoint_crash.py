@@ -10,10 +10,11 @@ import signal
 import pytest
 import torch
 
-from checkpoint_helpers import save_engine_like, trained_model
 from shardtrain.checkpoint import durable, latest, open_checkpoint, writer
 from shardtrain.checkpoint.durable import CRASH_POINTS, KILL_ENV
 from shardtrain.errors import CheckpointError
+
+from helpers.checkpoint import save_engine_like, trained_model
 
 # The points after which the new checkpoint is published (``latest`` renamed onto it).
 PUBLISHED = {"latest_renamed", "done"}

@@ -9,9 +9,10 @@ import os
 import pytest
 import torch
 
-from resume_helpers import exact_resume, make_engine
 from shardtrain.distributed.mesh import ensure_process_group
 from shardtrain.testing import run_distributed
+
+from helpers.resume import exact_resume, make_engine
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(),

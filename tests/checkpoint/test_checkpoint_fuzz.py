@@ -32,11 +32,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
-from reliability_helpers import walk_and_set
 from shardtrain.checkpoint import BlockFlatSlice, BlockSlice, FlatSlice, SavePiece, open_checkpoint, save
 from shardtrain.checkpoint.consolidate import consolidate
 from shardtrain.cli import main as cli_main
 from shardtrain.errors import CheckpointError
+
+from helpers.reliability import walk_and_set
 
 TAG = "t"
 FILES = ("manifest.json", "rank00000.safetensors", "objects.safetensors")

@@ -8,10 +8,11 @@ import shutil
 import pytest
 import torch
 
-from checkpoint_helpers import save_engine_like
 from shardtrain.checkpoint import FlatSlice, Manifest, open_checkpoint
 from shardtrain.checkpoint.format import BlockSlice, check_coverage
 from shardtrain.errors import CheckpointError
+
+from helpers.checkpoint import save_engine_like
 
 TAG = "global_step2"
 

@@ -9,11 +9,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from checkpoint_helpers import named_params, save_engine_like, trained_model, zero_ranges
 from shardtrain.checkpoint import BlockSlice, FlatSlice, SavePiece, open_checkpoint, save
 from shardtrain.distributed.communicator import Communicator
 from shardtrain.errors import CheckpointError
 from shardtrain.testing import DistributedFailure, run_distributed
+
+from helpers.checkpoint import named_params, save_engine_like, trained_model, zero_ranges
 
 
 @pytest.fixture(scope="module", params=[2, 3])

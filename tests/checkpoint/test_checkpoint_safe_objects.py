@@ -27,12 +27,13 @@ import torch
 import torch.distributed as dist
 import torch.storage
 
-from checkpoint_helpers import V1_FIXTURE, v1_client_state, v1_engine
 from shardtrain.checkpoint import FlatSlice, SavePiece, open_checkpoint, save
 from shardtrain.checkpoint.consolidate import consolidate
 from shardtrain.checkpoint.objects import load_v1_pickle
 from shardtrain.errors import CheckpointError, UnsafePickleError
 from shardtrain.testing import run_distributed
+
+from helpers.checkpoint import V1_FIXTURE, v1_client_state, v1_engine
 
 SYSTEM = f"{os.system.__module__}.system"  # how pickle names os.system ('posix.system' on Linux)
 

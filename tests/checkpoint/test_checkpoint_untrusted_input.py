@@ -13,11 +13,12 @@ from contextlib import contextmanager
 
 import pytest
 
-from checkpoint_helpers import save_engine_like
 from shardtrain.checkpoint import open_checkpoint
 from shardtrain.checkpoint.consolidate import consolidate
 from shardtrain.cli import main as cli_main
 from shardtrain.errors import CheckpointError
+
+from helpers.checkpoint import save_engine_like
 
 TAG = "t"
 FILE = "rank00000.safetensors"
@@ -408,7 +409,7 @@ def _load_with_fifo(root: str) -> tuple[float, str]:
 
     import torch.distributed as dist
 
-    from resume_helpers import make_engine, train
+    from helpers.resume import make_engine, train
 
     engine = make_engine(0, 2, "adamw")
     train(engine, range(1))

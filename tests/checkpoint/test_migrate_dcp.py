@@ -17,7 +17,13 @@ import pytest
 import safetensors.torch
 import torch
 
-from dcp_runs import (
+from shardtrain.checkpoint.consolidate import consolidate
+from shardtrain.checkpoint.format import BlockFlatSlice, BlockSlice, FlatSlice
+from shardtrain.checkpoint.reader import open_checkpoint
+from shardtrain.errors import CheckpointError, UnsafePickleError
+from shardtrain.testing import run_distributed
+
+from helpers.dcp_runs import (
     BOXES,
     CONTINUE,
     SAVE_AT,
@@ -28,11 +34,6 @@ from dcp_runs import (
     save_plain,
     world1_body,
 )
-from shardtrain.checkpoint.consolidate import consolidate
-from shardtrain.checkpoint.format import BlockFlatSlice, BlockSlice, FlatSlice
-from shardtrain.checkpoint.reader import open_checkpoint
-from shardtrain.errors import CheckpointError, UnsafePickleError
-from shardtrain.testing import run_distributed
 
 LOSS_RTOL = 1e-5  # fp32 runs that sum gradients in another order
 

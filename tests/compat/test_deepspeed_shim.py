@@ -1,6 +1,6 @@
 """``import shardtrain.deepspeed as deepspeed`` runs a DeepSpeed script unchanged.
 
-The same script (tests/ds_script.py, written against DeepSpeed's API only) runs with real DeepSpeed (its CPU
+The same script (tests/helpers/ds_script.py, written against DeepSpeed's API only) runs with real DeepSpeed (its CPU
 accelerator, gloo, ``torch_adam: true``) and with the shim, at each ZeRO stage: every micro-step's loss and learning
 rates, the counters, a run resumed from a checkpoint and the gathered parameters must agree. Stages 1 and 3 at world 2
 run by default (DeepSpeed, then the shim, in one pair of processes); stages 0 and 2, and world 3, under ``-m soak``.
@@ -17,8 +17,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import ds_script
 from shardtrain.testing import run_distributed
+
+from helpers import ds_script
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # inherited by the ranks: DeepSpeed's CPU accelerator, no GPU probing
 

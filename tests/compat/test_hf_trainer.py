@@ -15,10 +15,10 @@ import os
 import pytest
 import torch
 
-import hf_trainer_cases as cases
 from shardtrain.testing import run_distributed
 
-from parity import assert_params_near
+from helpers import hf_trainer_cases as cases
+from helpers.parity import assert_params_near
 
 transformers = pytest.importorskip("transformers")
 

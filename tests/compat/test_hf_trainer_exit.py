@@ -25,7 +25,7 @@ import pytest
 pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "tests" / "trainer_exit_script.py"
+SCRIPT = ROOT / "tests" / "helpers" / "trainer_exit_script.py"
 ABORT = "terminate called"
 SOAK_EXITS = int(os.environ.get("SHARDTRAIN_EXIT_SOAK", "250"))
 

@@ -23,7 +23,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ds_helpers import (
+from shardtrain.checkpoint.reader import open_checkpoint
+from shardtrain.cli import main
+from shardtrain.testing import run_distributed
+
+from helpers.ds import (
     AUTOTP_FROZEN,
     TP_SAVE_AT,
     TP_STEPS,
@@ -34,9 +38,6 @@ from ds_helpers import (
     tiny_llama,
     write_autotp_checkpoints,
 )
-from shardtrain.checkpoint.reader import open_checkpoint
-from shardtrain.cli import main
-from shardtrain.testing import run_distributed
 
 RTOL = 1e-5
 

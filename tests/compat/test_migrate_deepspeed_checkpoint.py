@@ -21,7 +21,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ds_helpers import (
+from shardtrain.checkpoint.foreign.deepspeed_format import loss_scaler_from_deepspeed
+from shardtrain.checkpoint.reader import open_checkpoint
+from shardtrain.cli import main
+from shardtrain.errors import CheckpointError, UnsafePickleError
+from shardtrain.testing import DistributedFailure, run_distributed
+from shardtrain.zero.precision import LossScaler
+
+from helpers.ds import (
     CLIP,
     FP16,
     FP16_STEPS,
@@ -41,12 +48,6 @@ from ds_helpers import (
     write_fp16_checkpoint,
     zero_to_fp32,
 )
-from shardtrain.checkpoint.foreign.deepspeed_format import loss_scaler_from_deepspeed
-from shardtrain.checkpoint.reader import open_checkpoint
-from shardtrain.cli import main
-from shardtrain.errors import CheckpointError, UnsafePickleError
-from shardtrain.testing import DistributedFailure, run_distributed
-from shardtrain.zero.precision import LossScaler
 
 DEFAULT_CASES = [(1, "fp32"), (3, "fp32"), (2, "bf16")]
 SOAK_CASES = [(0, "fp32"), (2, "fp32"), (1, "bf16"), (3, "bf16")]

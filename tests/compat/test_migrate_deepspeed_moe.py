@@ -1,6 +1,6 @@
 """DeepSpeed MoE checkpoints in ([Note: DeepSpeed AutoEP checkpoints] in ``checkpoint/foreign/deepspeed_moe.py``): a
 real DeepSpeed AutoEP checkpoint of a tiny random Mixtral (``tests/data/deepspeed_autoep``: world 4, ``autoep_size``
-2, ZeRO stage 2, written by ``tests/ds_moe_helpers.py``) reads as transformers' fused experts, bitwise what
+2, ZeRO stage 2, written by ``tests/helpers/ds_moe.py``) reads as transformers' fused experts, bitwise what
 DeepSpeed's per-expert files and optimizer partitions hold, and a shardtrain engine that loads it at another layout
 trains on as DeepSpeed's own continuation did (soak: it runs DeepSpeed too). DeepSpeed's own MoE layer and the AutoEP
 layouts not read are refused by name."""
@@ -15,11 +15,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ds_moe_helpers import DATA, LR, ROWS, SAVE_AT, STEPS, batches, tiny_mixtral, write_autoep_checkpoint
 from shardtrain.checkpoint import open_checkpoint
 from shardtrain.checkpoint.foreign.deepspeed_pickle import load_deepspeed_file
 from shardtrain.errors import CheckpointError
 from shardtrain.testing import run_distributed
+
+from helpers.ds_moe import DATA, LR, ROWS, SAVE_AT, STEPS, batches, tiny_mixtral, write_autoep_checkpoint
 
 TAG = DATA / "t"
 EP, WORLD = 2, 4

@@ -25,10 +25,11 @@ import shutil
 import pytest
 import torch
 
-from ds_helpers import SAVE_AT, STEPS, case_name, resume, resume_each, write_deepspeed_checkpoints
 from shardtrain.checkpoint.reader import open_checkpoint
 from shardtrain.cli import main
 from shardtrain.testing import DistributedFailure, run_distributed
+
+from helpers.ds import SAVE_AT, STEPS, case_name, resume, resume_each, write_deepspeed_checkpoints
 
 RTOL = 1e-5
 FUSED_STAGES = (0, 1, 2, 3)

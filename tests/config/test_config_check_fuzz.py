@@ -17,7 +17,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from config_strategies import configs
 from shardtrain.cli import main
 from shardtrain.config.schema import (
     INT64_MAX,
@@ -29,6 +28,8 @@ from shardtrain.config.schema import (
     scheduler_params,
 )
 from shardtrain.errors import ConfigError
+
+from helpers.config_strategies import configs
 
 
 def _settings(examples: int) -> settings:

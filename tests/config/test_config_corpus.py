@@ -92,10 +92,10 @@ def _ranks_per_replica(config: dict) -> int:
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_what_deepspeed_accepts_is_usable_here(name):
-    """Real DeepSpeed 0.19.8's parser, at the world size the file implies (tests/ds_config_reference.py): it accepts
+    """Real DeepSpeed 0.19.8's parser, at the world size the file implies (helpers/ds_config_reference.py): it accepts
     or refuses each file as SOURCES.md says, and every file it accepts is usable here at that size, unless SOURCES.md
     lists it as refused for a feature not built here."""
-    from ds_config_reference import deepspeed_verdict
+    from helpers.ds_config_reference import deepspeed_verdict
 
     config = json.loads((CORPUS / name).read_text())
     world, accepted, error = deepspeed_verdict(config)

@@ -18,7 +18,7 @@ import torch
 from shardtrain.config.schema import gradient_predivide, load_config
 from shardtrain.testing import run_distributed
 
-from parity import Recipe, assert_parity, engine_run, reference_run
+from helpers.parity import Recipe, assert_parity, engine_run, reference_run
 
 RECIPE = Recipe(optimizer="sgd", steps=2, gas=2)
 

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from debug_runs import ScaleOutput, train_plain
 from shardtrain.cli import main
 from shardtrain.debug.records import compare_runs, load_run
+
+from helpers.debug_runs import ScaleOutput, train_plain
 
 PLANTED = "blocks.1.mlp.0"  # the first linear layer of the second block's MLP
 

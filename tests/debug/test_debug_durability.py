@@ -19,9 +19,10 @@ from pathlib import Path
 
 import torch
 
-from debug_models import Net
 from shardtrain.cli import main
 from shardtrain.debug import StatisticsSubscriber, SubscriberManager
+
+from helpers.debug_models import Net
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs" / "debugging.md"

@@ -13,7 +13,7 @@ from shardtrain.cli import main
 from shardtrain.debug import StatisticsSubscriber, SubscriberManager
 from shardtrain.testing import run_distributed
 
-from parity import Recipe, global_micro_batches, make_model, make_optimizer
+from helpers.parity import Recipe, global_micro_batches, make_model, make_optimizer
 
 RECIPE = Recipe(steps=3, gas=2, micro=2)
 

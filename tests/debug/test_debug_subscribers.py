@@ -7,9 +7,10 @@ import json
 import pytest
 import torch
 
-from debug_models import FakeModelOutput, Net, Pair, Point, Wrapper
 from shardtrain.debug import StatisticsSubscriber, Subscriber, SubscriberManager, inspect_activation
 from shardtrain.tree import iter_tensors, map_tensors
+
+from helpers.debug_models import FakeModelOutput, Net, Pair, Point, Wrapper
 
 
 class Recorder(Subscriber):

@@ -14,7 +14,7 @@ import shardtrain
 from shardtrain.errors import CollectiveTimeoutError, ConfigError, OptimizerError, RankMismatchError, ShardtrainError
 from shardtrain.testing import DistributedFailure, run_distributed
 
-from parity import Recipe, assert_params_near, make_model, make_optimizer
+from helpers.parity import Recipe, assert_params_near, make_model, make_optimizer
 
 
 def _config_optimizer_and_scheduler(stage: int) -> dict:

@@ -13,7 +13,7 @@ from shardtrain.checkpoint.reader import open_checkpoint
 from shardtrain.errors import CheckpointError
 from shardtrain.testing import run_distributed
 
-from parity import VOCAB, Recipe, assert_params_near, make_model, make_optimizer
+from helpers.parity import VOCAB, Recipe, assert_params_near, make_model, make_optimizer
 
 GLOBAL_ROWS, SEQ, STEPS = 12, 16, 10  # 12 rows split evenly over 1, 2, 3 or 4 ranks
 

@@ -14,9 +14,10 @@ import torch.distributed as dist
 
 import shardtrain.checkpoint.writer as writer
 import shardtrain.engine.training_state as engine_checkpoint
-from resume_helpers import differences, make_engine, snapshot, train
 from shardtrain.errors import CheckpointError
 from shardtrain.testing import run_distributed
+
+from helpers.resume import differences, make_engine, snapshot, train
 
 FAST = 30.0  # seconds; the collective timeout (default 1800 s) is what a hang would cost
 

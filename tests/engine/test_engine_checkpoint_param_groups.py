@@ -11,10 +11,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from resume_helpers import ResumeNet, differences, snapshot, train
 from shardtrain import initialize
 from shardtrain.errors import CheckpointError
 from shardtrain.testing import run_distributed
+
+from helpers.resume import ResumeNet, differences, snapshot, train
 
 
 def _engine_with_groups(seed: int, groups: str, stage: int, dtype: torch.dtype = torch.float32, bf16: bool = False):

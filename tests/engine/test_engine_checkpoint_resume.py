@@ -4,8 +4,9 @@ groups: the resumed run is bitwise the uninterrupted one (losses, parameters, op
 
 import pytest
 
-from resume_helpers import exact_resume
 from shardtrain.testing import run_distributed
+
+from helpers.resume import exact_resume
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])

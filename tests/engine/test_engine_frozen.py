@@ -16,7 +16,7 @@ import shardtrain
 from shardtrain.errors import OptimizerError
 from shardtrain.testing import run_distributed
 
-from parity import Recipe, assert_params_near, engine_run, reference_run
+from helpers.parity import Recipe, assert_params_near, engine_run, reference_run
 
 
 def _unfreeze_after_initialize(stage: int) -> dict:

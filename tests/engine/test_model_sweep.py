@@ -1,5 +1,5 @@
 """Every causal LM, masked LM and seq2seq architecture transformers registers, trained under the engine at world 2
-against one process: ZeRO-3, and tensor or sequence parallelism where the model allows (``tests/model_sweep.py``).
+against one process: ZeRO-3, and tensor or sequence parallelism where the model allows (``helpers/model_sweep.py``).
 
 * The default run trains a slice (``model_sweep.DEFAULT_SLICE``: Llama, GPT-2, Qwen2, Gemma 2, GPT-NeoX, Mixtral,
   GPT-OSS, BERT, T5, BART) in all three modes; each mode must end as :data:`EXPECTED` says (a refusal by its reason).
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from model_sweep import (
+from helpers.model_sweep import (
     DEFAULT_SLICE,
     LR,
     MODES,

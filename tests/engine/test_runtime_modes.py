@@ -22,7 +22,8 @@ import shardtrain
 from shardtrain.debug import StatisticsSubscriber, SubscriberManager
 from shardtrain.errors import GraphCaptureError, ShardtrainError
 from shardtrain.testing import run_distributed
-from tp_cases import Case, config_for, global_batches, make_model
+
+from helpers.tp_cases import Case, config_for, global_batches, make_model
 
 FROZEN = "blocks.0.attn.qkv.weight"
 CASE = Case(steps=6, gas=2, clip=0.0)

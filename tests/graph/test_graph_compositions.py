@@ -20,7 +20,8 @@ import shardtrain
 from shardtrain.config.schema import load_config
 from shardtrain.testing import run_distributed
 from shardtrain.zero.precision import LossScaler
-from tp_cases import (
+
+from helpers.tp_cases import (
     Case,
     assert_params_parity,
     config_for,
@@ -198,7 +199,7 @@ def assert_reference_parity(got: dict, ref: dict, options: dict, what: str) -> N
     """The same skipped steps and loss scales as one process; then
 
     * fp32: losses within 2e-5 relative, norms 1e-4, every parameter tensor within 5e-3 of the distance it moved
-      (L2), as ``tp_cases.assert_parity``;
+      (L2), as ``helpers.tp_cases.assert_parity``;
     * fp16: losses within 2e-4, norms 5e-3 (measured: 1.5e-5 and 4.2e-4 at world 3), the total parameter error under
       2e-2 of the total distance moved (L1; measured 3.2e-3 at world 3), as the bf16 tests bound it: the ranks'
       fp16 gradients are computed on their rows and averaged in fp16, and Adam turns their rounding where the exact

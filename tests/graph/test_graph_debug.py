@@ -11,7 +11,6 @@ import torch
 
 import shardtrain
 import shardtrain.graph as graph
-from debug_models import Net
 from shardtrain.cli import main
 from shardtrain.debug import StatisticsSubscriber, Subscriber, SubscriberManager
 from shardtrain.debug.records import compare_runs, load_run
@@ -19,7 +18,9 @@ from shardtrain.errors import GraphCaptureError
 from shardtrain.models.gpt import GPT, GPTConfig
 from shardtrain.testing import run_distributed
 from test_graph_zero3 import most_live_gathers
-from tp_cases import SEQ, VOCAB, Case, config_for, global_batches, make_model, make_optimizer, train
+
+from helpers.debug_models import Net
+from helpers.tp_cases import SEQ, VOCAB, Case, config_for, global_batches, make_model, make_optimizer, train
 
 
 def _plain(out: Path, graph_mode: bool) -> dict:

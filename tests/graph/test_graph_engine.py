@@ -11,10 +11,11 @@ import pytest
 import torch
 
 import shardtrain
-from reliability_helpers import check_rank_death, die
 from shardtrain.errors import ConfigError
 from shardtrain.testing import run_distributed, run_ranks
-from tp_cases import (
+
+from helpers.reliability import check_rank_death, die
+from helpers.tp_cases import (
     Case,
     assert_parity,
     config_for,

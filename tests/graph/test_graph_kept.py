@@ -16,7 +16,8 @@ from torch import nn
 import shardtrain
 from shardtrain.testing import run_distributed
 from shardtrain.zero.units import UnitState
-from tp_cases import SEQ, VOCAB
+
+from helpers.tp_cases import SEQ, VOCAB
 
 STEPS, MICRO = 3, 2
 

@@ -11,7 +11,8 @@ import pytest
 
 import shardtrain
 from shardtrain.testing import run_distributed
-from tp_cases import Case, config_for, forward_engine, global_batches, make_model, make_optimizer
+
+from helpers.tp_cases import Case, config_for, forward_engine, global_batches, make_model, make_optimizer
 
 # what the min-cut partitioner's common-subexpression pass imports (Inductor's pattern matcher, lowerings, kernels)
 INDUCTOR_ONLY = ("torch._inductor.pattern_matcher", "torch._inductor.lowering", "torch._inductor.compile_fx")

@@ -20,7 +20,8 @@ import torch.distributed as dist
 import shardtrain
 from shardtrain.models.gpt import GPT, GPTConfig
 from shardtrain.testing import run_distributed
-from tp_cases import (
+
+from helpers.tp_cases import (
     SEQ,
     VOCAB,
     Case,

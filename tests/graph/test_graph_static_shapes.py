@@ -21,7 +21,16 @@ from test_graph_offload_param import _assert_matches, _config, _train
 from test_graph_tp import assert_bitwise, assert_one_graph
 from test_graph_tp import run as tp_run
 from test_graph_zero3 import SGD_CASE, _sgd, assert_sgd_parity, sgd_reference
-from tp_cases import assert_parity, config_for, forward_engine, global_batches, make_model, reference_run, sgd_case
+
+from helpers.tp_cases import (
+    assert_parity,
+    config_for,
+    forward_engine,
+    global_batches,
+    make_model,
+    reference_run,
+    sgd_case,
+)
 
 
 def test_a_new_size_is_a_new_static_graph_with_its_reason(caplog):

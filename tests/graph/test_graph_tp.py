@@ -16,7 +16,8 @@ import torch
 import shardtrain
 from shardtrain.errors import GraphCaptureError
 from shardtrain.testing import run_distributed
-from tp_cases import (
+
+from helpers.tp_cases import (
     Case,
     assert_parity,
     captured_sizes,
@@ -88,7 +89,8 @@ def refused_dropout(case: Case) -> str:
     tensor-parallel RNG])."""
     from shardtrain.models.gpt import GPT, GPTConfig
     from shardtrain.tensor_parallel import GPT_TP_PLAN
-    from tp_cases import SEQ, VOCAB
+
+    from helpers.tp_cases import SEQ, VOCAB
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=32, n_layer=2, n_head=4, dropout=0.1))

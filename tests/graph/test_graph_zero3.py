@@ -15,7 +15,8 @@ import shardtrain
 from shardtrain.graph import sharded
 from shardtrain.models.gpt import GPT, GPTConfig
 from shardtrain.testing import run_distributed
-from tp_cases import SEQ, VOCAB, Case, config_for, forward, forward_engine, global_batches, make_model
+
+from helpers.tp_cases import SEQ, VOCAB, Case, config_for, forward, forward_engine, global_batches, make_model
 
 FROZEN = "blocks.0.attn.qkv.weight"
 LR = 0.2

@@ -14,7 +14,7 @@ from shardtrain.offload import host_copies
 from shardtrain.offload.host_copies import HostArena, HostCopies, pack_blocks
 from shardtrain.testing import run_distributed
 
-from parity import Recipe, global_micro_batches, make_model, make_optimizer, train_step
+from helpers.parity import Recipe, global_micro_batches, make_model, make_optimizer, train_step
 
 
 class DeferredStreams:

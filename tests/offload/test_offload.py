@@ -15,7 +15,7 @@ import shardtrain
 from shardtrain.config.schema import inspect_config
 from shardtrain.testing import run_distributed
 
-from parity import (
+from helpers.parity import (
     Recipe,
     assert_parity,
     global_micro_batches,

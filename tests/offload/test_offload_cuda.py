@@ -12,7 +12,7 @@ import shardtrain
 from shardtrain.distributed.mesh import ensure_process_group
 from shardtrain.testing import run_distributed
 
-from parity import Recipe, global_micro_batches, make_model, make_optimizer
+from helpers.parity import Recipe, global_micro_batches, make_model, make_optimizer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: host offload of GPU training")
 

@@ -22,7 +22,7 @@ from shardtrain.errors import ConfigError
 from shardtrain.optim.adam import DeepSpeedAdam
 from shardtrain.testing import run_distributed
 
-from parity import Recipe, assert_parity, global_micro_batches, make_model, train_step
+from helpers.parity import Recipe, assert_parity, global_micro_batches, make_model, train_step
 
 MODES = [(bc, w) for bc in (True, False) for w in (True, False)]
 IDS = [f"bias_correction={bc}-adam_w_mode={w}" for bc, w in MODES]
@@ -222,7 +222,7 @@ def test_zero_training_matches_one_process_wide(world, adam_w_mode, zero):
 def _exact_resume(root: str, stages: list[int], dtype: str) -> list[str]:
     """resume_helpers' save / fresh engine / load / continue check, its AdamW param groups (three learning rates,
     decay on matrices only) stepped by DeepSpeedAdam without bias correction."""
-    import resume_helpers
+    from helpers import resume as resume_helpers
 
     torch_groups = resume_helpers.make_optimizer
 

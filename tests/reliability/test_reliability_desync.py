@@ -18,7 +18,8 @@ import torch.distributed as dist
 import shardtrain
 from shardtrain.errors import CollectiveTimeoutError, RankMismatchError
 from shardtrain.testing import run_ranks
-from tp_cases import Case, config_for, forward_engine, global_batches, make_model, make_optimizer, plan_for
+
+from helpers.tp_cases import Case, config_for, forward_engine, global_batches, make_model, make_optimizer, plan_for
 
 CASE = Case(gas=2, micro=2)
 TIMEOUT_S = 15  # collective timeout: a case the check misses fails in 15 s instead of 30 minutes

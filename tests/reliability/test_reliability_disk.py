@@ -21,10 +21,11 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from reliability_helpers import NOSPACE, FullDisk
-from resume_helpers import differences, make_engine, snapshot, train
 from shardtrain.errors import CheckpointError
 from shardtrain.testing import run_distributed
+
+from helpers.reliability import NOSPACE, FullDisk
+from helpers.resume import differences, make_engine, snapshot, train
 
 FAST = 30.0
 

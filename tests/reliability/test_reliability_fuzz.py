@@ -32,12 +32,13 @@ from hypothesis import strategies as st
 from torch import nn
 
 import shardtrain
-from config_strategies import KNOWN_PATHS, anything, auto_values, configs
-from reliability_helpers import walk_and_set
 from shardtrain.config.deepspeed_keys import ALIASES
 from shardtrain.config.schema import inspect_config, load_config
 from shardtrain.errors import CheckpointError, ConfigError, ShardtrainError
 from shardtrain.testing import run_distributed
+
+from helpers.config_strategies import KNOWN_PATHS, anything, auto_values, configs
+from helpers.reliability import walk_and_set
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "150"))
 FUZZ = settings(
@@ -322,7 +323,7 @@ def _materialize(case: Path, example: dict, saved: dict[str, bytes]) -> None:
 
 
 def _fuzz_load(root: str, examples: int) -> None:
-    from resume_helpers import make_engine, train
+    from helpers.resume import make_engine, train
 
     engine = make_engine(0, 2, "adamw")
     train(engine, range(1))
@@ -351,7 +352,7 @@ def test_load_checkpoint_of_any_directory_raises_checkpoint_error(tmp_path):
 
 
 def _load_damaged(root: str, damage: str) -> str:
-    from resume_helpers import make_engine
+    from helpers.resume import make_engine
 
     engine = make_engine(0, 2, "adamw")
     engine.save_checkpoint(root, tag="t")

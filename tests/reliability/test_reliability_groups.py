@@ -16,7 +16,8 @@ from shardtrain.distributed.communicator import Communicator
 from shardtrain.errors import CollectiveTimeoutError, RankMismatchError
 from shardtrain.tensor_parallel.batch_check import batch_digest
 from shardtrain.testing import run_ranks
-from tp_cases import Case, config_for, forward_engine, global_batches, make_model, make_optimizer, plan_for
+
+from helpers.tp_cases import Case, config_for, forward_engine, global_batches, make_model, make_optimizer, plan_for
 
 CASE = Case(gas=2, micro=2)
 ASLEEP_S = 25.0  # the stuck peer of the timeout test

@@ -19,13 +19,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from reliability_helpers import arm, check_rank_death, die
-from resume_helpers import make_engine, train
 from shardtrain.distributed import failure
 from shardtrain.distributed.communicator import Communicator
 from shardtrain.errors import PeerLostError
 from shardtrain.testing import run_ranks
-from tp_cases import Case, build_engine, forward_engine, global_batches
+
+from helpers.reliability import arm, check_rank_death, die
+from helpers.resume import make_engine, train
+from helpers.tp_cases import Case, build_engine, forward_engine, global_batches
 
 POINTS = ["forward", "backward", "step", "save"]
 

@@ -14,11 +14,12 @@ import os
 import pytest
 import torch.distributed as dist
 
-from reliability_helpers import arm, check_rank_death
-from resume_helpers import differences, make_engine, snapshot, train
 from shardtrain.checkpoint import open_checkpoint
 from shardtrain.checkpoint.durable import CRASH_POINTS
 from shardtrain.testing import run_distributed, run_ranks
+
+from helpers.reliability import arm, check_rank_death
+from helpers.resume import differences, make_engine, snapshot, train
 
 # The save protocol's phases (see writer.py) and their kill points.
 PHASES = {

@@ -32,9 +32,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from reliability_helpers import check_rank_death
 from shardtrain.models.markov import MarkovCorpus
 from shardtrain.testing import run_distributed, run_ranks
+
+from helpers.reliability import check_rank_death
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))  # the model, config and data of the elastic-restart example

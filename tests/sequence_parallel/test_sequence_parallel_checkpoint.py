@@ -10,7 +10,7 @@ import shardtrain
 from shardtrain.testing import run_distributed
 from test_sequence_parallel_tp import ROWS, batches, loss_of, model_of, optimizer_of, plan_of
 
-from parity import assert_params_near
+from helpers.parity import assert_params_near
 
 CASE = "gpt"  # 12 heads; under tensor parallelism its fused q/k/v is saved as strided blocks
 

@@ -18,7 +18,8 @@ import torch
 from shardtrain.errors import ShardtrainError
 from shardtrain.testing import run_distributed
 from shardtrain.testing.parity import Recipe, assert_params_near, engine_run, reference_run
-from sp_cases import keyword_recipe
+
+from helpers.sp_cases import keyword_recipe
 
 VOCAB, SEQ, ROWS, STEPS, GAS = 64, 12, 2, 2, 2
 
@@ -235,7 +236,7 @@ def test_what_is_not_built_is_refused_by_its_real_reason():
 def test_sparse_attention_with_an_indexer_is_refused_by_name(model_type, indexer):
     """DeepSeek sparse attention's lightning indexer picks each query's keys inside the attention module, before the
     attention function the exchange wraps: on a slice it would pick among the slice's tokens."""
-    from model_sweep import build
+    from helpers.model_sweep import build
 
     message = _refusal(lambda: build("decoder-only", model_type))
     assert f"uses sparse attention with a lightning indexer ({indexer}" in message, message

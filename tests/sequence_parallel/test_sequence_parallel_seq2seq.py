@@ -19,7 +19,8 @@ import torch
 from shardtrain.errors import ShardtrainError
 from shardtrain.testing import run_distributed
 from shardtrain.testing.parity import Recipe, assert_params_near, engine_run, reference_run
-from sp_cases import keyword_recipe
+
+from helpers.sp_cases import keyword_recipe
 
 VOCAB, ENC, DEC, ROWS, STEPS, GAS = 64, 11, 7, 2, 2, 2
 

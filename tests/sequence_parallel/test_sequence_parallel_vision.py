@@ -15,7 +15,8 @@ import shardtrain
 from shardtrain.errors import ShardtrainError
 from shardtrain.testing import run_distributed
 from shardtrain.testing.parity import Recipe, assert_params_near, build_engine, reference_run, train_rows
-from sp_cases import adamw, keyword_recipe
+
+from helpers.sp_cases import adamw, keyword_recipe
 
 IMAGE, PATCH, ROWS, STEPS, GAS = 16, 4, 2, 2, 2  # 16 patches + the class token: 17, padded at sp 2 and 3
 

@@ -24,7 +24,8 @@ from torch import nn
 
 from shardtrain.errors import LayoutError
 from shardtrain.tensor_parallel import parallelize
-from tp_arch_cases import DEFAULT_SLICE, build, planned_architectures, run_architectures
+
+from helpers.tp_arch_cases import DEFAULT_SLICE, build, planned_architectures, run_architectures
 
 EXPECTED: dict[str, str] = {}  # model type -> outcome other than "match"
 

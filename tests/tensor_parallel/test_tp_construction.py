@@ -23,13 +23,14 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import shardtrain
-import tp_cases
 from shardtrain.errors import ConfigError
 from shardtrain.models.gpt import GPT, GPTConfig
 from shardtrain.tensor_parallel import GPT_TP_PLAN
 from shardtrain.testing import run_distributed
 from shardtrain.testing.parity import reference_run
-from tp_cases import Case, assert_parity, config_for, train
+
+from helpers import tp_cases
+from helpers.tp_cases import Case, assert_parity, config_for, train
 
 
 class LiveBytes(TorchDispatchMode):

@@ -2,7 +2,7 @@
 
 * Through the engine against one process (losses, global gradient norms, final parameters; SGD): T5 (relative
   attention bias split by heads, the decoder's cross-attention) at tp 2 (ZeRO-3) and, with its gated feed-forward,
-  at tp 3 (ZeRO-2); BART at tp 2 (ZeRO-1) and tp 3 (ZeRO-0), in the jobs of ``tp_hf_cases.outcomes``.
+  at tp 3 (ZeRO-2); BART at tp 2 (ZeRO-1) and tp 3 (ZeRO-0), in the jobs of ``helpers.tp_hf_cases.outcomes``.
 * In one process: a shipped plan is what ``parallelize(model, None, ...)`` applies when transformers declares none
   (the cross-attention's projections split, the relative attention bias split by heads, the head counts divided),
   a model's own plan wins over it, and a model type with neither is refused naming the shipped ones.
@@ -16,8 +16,9 @@ import pytest
 
 from shardtrain.errors import LayoutError
 from shardtrain.tensor_parallel import SHIPPED_PLANS, T5_TP_PLAN, own_plan, parallelize
-from tp_arch_cases import build
-from tp_hf_cases import make_model, outcomes
+
+from helpers.tp_arch_cases import build
+from helpers.tp_hf_cases import make_model, outcomes
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 
 from shardtrain.testing import DistributedFailure, run_distributed
-from tp_cases import (
+
+from helpers.tp_cases import (
     SGD_MOVED_FRAC,
     Case,
     assert_params_parity,
@@ -169,7 +170,7 @@ def test_tp_size_must_divide_the_world():
 
 
 def _load_full(stage: int) -> bool:
-    from tp_cases import make_model
+    from helpers.tp_cases import make_model
 
     engine = build_engine(Case(), stage, 2)
     other = make_model(Case(), seed=7).state_dict()  # full tensors, on global rank 0 only
@@ -184,7 +185,8 @@ def _unmarked_norms(stages: list[int]) -> list[str | None]:
     import shardtrain
     from shardtrain.errors import LayoutError
     from shardtrain.tensor_parallel import hf_tp_plan
-    from tp_cases import config_for, make_model, make_optimizer
+
+    from helpers.tp_cases import config_for, make_model, make_optimizer
 
     case = Case(model="qwen3")
     out = []

@@ -19,8 +19,9 @@ from torch import nn
 
 from shardtrain.errors import LayoutError
 from shardtrain.tensor_parallel import parallelize
-from tp_arch_cases import build
-from tp_hf_cases import outcomes
+
+from helpers.tp_arch_cases import build
+from helpers.tp_hf_cases import outcomes
 
 
 def _check(world: int, models: tuple[str, ...], dp: int = 1, layouts: tuple | None = None) -> None:

@@ -2,7 +2,7 @@
 
 * Through the engine against one process (losses, global gradient norms, final parameters; SGD): DeepSeek-V2 with
   its own plan (latent query path ``q_a_proj -> q_b_proj``, and the plain ``q_proj`` one; its experts too) at tp 2
-  (ZeRO stages 3 and 1) and tp 3 (stage 2), in the jobs of ``tp_hf_cases.outcomes``.
+  (ZeRO stages 3 and 1) and tp 3 (stage 2), in the jobs of ``helpers.tp_hf_cases.outcomes``.
 * In one process: the style's **f** sums the gradient of the rotary key columns only (a second **f** on the latent
   columns would count them twice, after ``kv_b_proj``'s own); a model that names no ``qk_rope_head_dim`` is refused
   by name.
@@ -18,7 +18,8 @@ from torch import nn
 
 from shardtrain.errors import LayoutError
 from shardtrain.tensor_parallel import parallelize
-from tp_hf_cases import MLA, make_model, outcomes
+
+from helpers.tp_hf_cases import MLA, make_model, outcomes
 
 
 @pytest.mark.parametrize("world", [2, 3])

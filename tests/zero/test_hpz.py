@@ -30,7 +30,15 @@ from shardtrain.errors import ConfigError, LayoutError
 from shardtrain.estimate import estimate_memory
 from shardtrain.testing import run_distributed
 
-from parity import Recipe, assert_parity, global_micro_batches, make_model, make_optimizer, reference_run, train_step
+from helpers.parity import (
+    Recipe,
+    assert_parity,
+    global_micro_batches,
+    make_model,
+    make_optimizer,
+    reference_run,
+    train_step,
+)
 
 RECIPE = Recipe(steps=2, gas=2)
 BUCKET = 2000

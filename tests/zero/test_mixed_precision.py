@@ -11,7 +11,7 @@ from shardtrain.errors import ConfigError, ShardtrainError
 from shardtrain.testing import run_distributed
 from shardtrain.zero.precision import LossScaler
 
-from parity import VOCAB, Recipe, global_micro_batches, make_model, make_optimizer
+from helpers.parity import VOCAB, Recipe, global_micro_batches, make_model, make_optimizer
 
 RECIPE = Recipe(steps=10, gas=2, micro=2, clip=0.5, lr=3e-3)
 

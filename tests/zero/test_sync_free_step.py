@@ -10,7 +10,7 @@ import shardtrain
 from shardtrain.testing import run_distributed
 from shardtrain.testing.syncs import count_host_syncs
 
-from parity import Recipe, global_micro_batches, make_model
+from helpers.parity import Recipe, global_micro_batches, make_model
 
 RECIPE = Recipe(steps=4, gas=2, micro=2, clip=0.5, lr=3e-3)
 PRECISIONS = {"fp32": {}, "bf16": {"bf16": {"enabled": True}}, "fp16": {"fp16": {"enabled": True}}}

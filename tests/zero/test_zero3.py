@@ -14,7 +14,7 @@ from shardtrain.models.gpt import GPT, GPTConfig
 from shardtrain.testing import run_distributed
 from shardtrain.zero.units import UnitState
 
-from parity import Recipe, assert_parity, engine_run, make_model, make_optimizer, reference_run
+from helpers.parity import Recipe, assert_parity, engine_run, make_model, make_optimizer, reference_run
 
 NO_PERSIST = {"stage3_param_persistence_threshold": 0}
 

@@ -13,7 +13,7 @@ from shardtrain.models.gpt import GPT, GPTConfig
 from shardtrain.testing import run_distributed
 from shardtrain.zero.guarded import ShardedParameter, guard_of
 
-from parity import Recipe, assert_parity, engine_run, make_model, make_optimizer, reference_run
+from helpers.parity import Recipe, assert_parity, engine_run, make_model, make_optimizer, reference_run
 
 ZERO3 = {
     "train_micro_batch_size_per_gpu": 2,
@@ -73,7 +73,7 @@ def test_model_built_under_init_trains_with_parity():
 
 
 def _train_built_under_init(recipe: Recipe) -> dict:
-    import parity
+    from helpers import parity
 
     original = parity.make_model
 

@@ -12,7 +12,7 @@ from shardtrain.errors import RankMismatchError
 from shardtrain.models.gpt import GPT, GPTConfig
 from shardtrain.testing import run_distributed
 
-from parity import Recipe, make_optimizer
+from helpers.parity import Recipe, make_optimizer
 
 LAYERS = 4
 

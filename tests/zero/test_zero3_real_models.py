@@ -6,8 +6,9 @@ import functools
 
 import pytest
 
-from model_cases import assert_parity, engine_run, reference
 from shardtrain.testing import DistributedFailure, run_distributed
+
+from helpers.model_cases import assert_parity, engine_run, reference
 
 pytest.importorskip("transformers")
 NO_PERSIST = {"stage3_param_persistence_threshold": 0}
@@ -135,7 +136,7 @@ def test_lora_on_a_frozen_llama(world):
     assert_parity(results, ref("llama_lora", world))
     import torch
 
-    from model_cases import BUILDERS
+    from helpers.model_cases import BUILDERS
 
     model = BUILDERS["llama_lora"]()
     total = sum(p.numel() * 4 for p in model.parameters())

@@ -9,7 +9,7 @@ import torch
 import shardtrain
 from shardtrain.testing import run_distributed
 
-from parity import assert_params_near
+from helpers.parity import assert_params_near
 
 transformers = pytest.importorskip("transformers")  # a dev dependency; always installed by `make test`
 

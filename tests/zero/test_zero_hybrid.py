@@ -22,13 +22,21 @@ import torch
 import torch.distributed as dist
 
 import shardtrain
-import tp_cases
 from shardtrain.checkpoint import open_checkpoint
 from shardtrain.config.schema import load_config
 from shardtrain.errors import ConfigError, LayoutError
 from shardtrain.testing import run_distributed
 
-from parity import Recipe, assert_parity, global_micro_batches, make_model, make_optimizer, reference_run, train_step
+from helpers import tp_cases
+from helpers.parity import (
+    Recipe,
+    assert_parity,
+    global_micro_batches,
+    make_model,
+    make_optimizer,
+    reference_run,
+    train_step,
+)
 
 RECIPE = Recipe(steps=3)
 REVERSE = Recipe(model="reverse", steps=4)
@@ -295,7 +303,7 @@ def test_tensor_parallel_with_replicas(world4, index):
 
 def test_checkpoints_move_between_hybrid_and_plain_layouts(world4):
     ref = reference(RECIPE, 4)
-    from parity import assert_params_near
+    from helpers.parity import assert_params_near
 
     for key in ("hybrid_to_plain", "plain_to_hybrid"):
         assert_params_near(world4[0][key]["params"], ref["params"], ref["init"], exact=ref["exact"], what=f"{key}: ")

@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from shardtrain.testing import run_distributed
 
-from parity import Recipe, engine_run
+from helpers.parity import Recipe, engine_run
 
 
 def _run_with_layout(recipe: Recipe, stage: int, world: int, bucket: int) -> dict:
@@ -24,7 +24,7 @@ def _results(stage: int, world: int) -> dict:
 
 def _padded_param_bytes(world: int, bucket: int = 2000) -> int:
     """Bytes of the padded flat buffers for the parity model, computed independently of the engine."""
-    from parity import make_model
+    from helpers.parity import make_model
 
     model = make_model(Recipe())
     sizes = [p.numel() for p in model.parameters() if p.requires_grad][::-1]
@@ -67,7 +67,7 @@ def test_comm_bytes_per_step_match_formulas(world):
 def test_state_bytes_halve_at_world_2():
     b0, b1, b2 = (_results(stage, 2)["state_bytes"] for stage in (0, 1, 2))
     p = _padded_param_bytes(2)
-    from parity import make_model
+    from helpers.parity import make_model
 
     n_params = sum(1 for q in make_model(Recipe()).parameters() if q.requires_grad)
     step_scalars = n_params * 4  # AdamW keeps a scalar 'step' per parameter on every rank

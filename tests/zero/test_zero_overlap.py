@@ -14,7 +14,7 @@ from shardtrain.errors import RankMismatchError
 from shardtrain.testing import run_distributed
 from shardtrain.zero.step_gather import GatheringParameter
 
-from parity import Recipe, global_micro_batches, make_model, make_optimizer, train_step
+from helpers.parity import Recipe, global_micro_batches, make_model, make_optimizer, train_step
 
 
 def _engine(recipe: Recipe, stage: int, extra: dict | None = None, model: nn.Module | None = None):

@@ -7,7 +7,7 @@ import torch
 
 from shardtrain.testing import run_distributed
 
-from parity import OPTIMIZERS, Recipe, assert_parity, engine_run, reference_run
+from helpers.parity import OPTIMIZERS, Recipe, assert_parity, engine_run, reference_run
 
 
 @functools.cache

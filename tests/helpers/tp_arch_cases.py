@@ -9,7 +9,7 @@ refuses these sizes is *unbuildable here*, which says nothing about tensor paral
 :func:`run_architectures` runs on every rank of a ``run_distributed`` job: the reference trains a copy of the model
 in this process on the whole batch (the parity harness's ``train_one_process``); the tensor-parallel model
 (``parallelize`` with no plan argument: the model's own) trains on the same batch over the group. SGD without
-clipping, so a gradient off by any factor shows in the parameters ([tests/tp_cases.py] explains why AdamW would not
+clipping, so a gradient off by any factor shows in the parameters ([helpers/tp_cases.py] explains why AdamW would not
 see it). Each architecture comes back as
 ``("match" | "refused" | "failed" | "unbuildable", detail)``; "match" means losses and final parameters were compared
 and agreed (``assert_arch_parity`` checks the numbers again on the test's side).

@@ -3,7 +3,7 @@
 ``trainer.end()`` or ``destroy_process_group``, as most scripts do. Run by tests/compat/test_hf_trainer_exit.py under
 torchrun-style variables, one process per rank::
 
-    python tests/trainer_exit_script.py gpt2 OUTPUT_DIR [end]
+    python tests/helpers/trainer_exit_script.py gpt2 OUTPUT_DIR [end]
 
 With ``end`` the script ends with ``trainer.end()``, as transformers documents.
 """

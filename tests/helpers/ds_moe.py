@@ -1,6 +1,6 @@
 """DeepSpeed AutoEP checkpoints of a tiny random Mixtral, written by DeepSpeed itself (CPU accelerator, gloo):
 :func:`write_autoep_checkpoint` runs on every rank of a ``run_distributed`` job and returns the global losses before
-and after the save. ``python tests/ds_moe_helpers.py`` rewrites ``tests/data/deepspeed_autoep`` (world 4,
+and after the save. ``python tests/helpers/ds_moe.py`` rewrites ``tests/data/deepspeed_autoep`` (world 4,
 ``autoep_size`` 2, ZeRO stage 2: each expert group's param group partitioned over 2 ranks), which the default
 suite reads without running DeepSpeed ([Note: DeepSpeed AutoEP checkpoints] in
 ``checkpoint/foreign/deepspeed_moe.py``).
@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 VOCAB, SEQ, ROWS, LR, EXPERTS = 32, 6, 8, 1e-2, 4
 SAVE_AT, STEPS = 2, 4
-DATA = Path(__file__).parent / "data" / "deepspeed_autoep"
+DATA = Path(__file__).parents[1] / "data" / "deepspeed_autoep"
 
 
 def tiny_mixtral(seed: int = 0):
@@ -92,7 +92,7 @@ def write_autoep_checkpoint(save_dir: str, ep: int, stage: int) -> dict:
 
 
 def main() -> None:
-    sys.path.insert(0, str(Path(__file__).parents[1] / "src"))
+    sys.path.insert(0, str(Path(__file__).parents[2] / "src"))
     from shardtrain.testing import run_distributed
 
     tmp = DATA.with_name("deepspeed_autoep.tmp")
@@ -102,7 +102,7 @@ def main() -> None:
         script.unlink()
     (tmp / "losses.json").write_text(json.dumps(losses, indent=1) + "\n")
     (tmp / "README").write_text(
-        "Written by DeepSpeed 0.19.8 (AutoEP, autoep_size 2, ZeRO stage 2, world 4, CPU) from tests/ds_moe_helpers.py; "
+        "Written by DeepSpeed 0.19.8 (AutoEP, autoep_size 2, ZeRO stage 2, world 4, CPU) from tests/helpers/ds_moe.py; "
         "losses.json: DeepSpeed's global losses before the save and after it.\n"
     )
     shutil.rmtree(DATA, ignore_errors=True)

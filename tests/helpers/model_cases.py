@@ -17,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 import shardtrain
 from shardtrain.models.gpt import GPT, GPTConfig
 
-from parity import PARAM_TOL, assert_params_near
+from helpers.parity import PARAM_TOL, assert_params_near
 
 VOCAB, SEQ, MICRO = 64, 16, 2
 

@@ -5,7 +5,7 @@ docs/models.md.
 A *row* is (category, model type): ``decoder-only`` rows come from ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``,
 ``encoder-only`` from ``MODEL_FOR_MASKED_LM_MAPPING_NAMES``, ``encoder-decoder`` from
 ``MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES`` (BART is in all three: three rows, three classes). Each row is built
-from one tiny config (:data:`TINY`: the tensor-parallel sweep's sizes, ``tests/tp_arch_cases.py``, plus the names
+from one tiny config (:data:`TINY`: the tensor-parallel sweep's sizes, ``helpers/tp_arch_cases.py``, plus the names
 encoder-decoder configs use; :data:`PER_MODEL` and :data:`PER_ROW`: a config's own keys and its towers' sizes) with
 the mapping's class, seeded, in eval mode (no dropout: the two runs compute the same function; Reformer trains in
 train mode with its dropouts 0, :data:`AFTER_BUILD`). :data:`LABELS` and :data:`EXTRA_INPUTS`: what a model's loss
@@ -21,7 +21,7 @@ every parameter is sharded):
 The reference is the same training in one process: the loss of a step is the mean of each data-parallel rank's rows'
 loss (what data parallelism computes, aux losses included), SGD without clipping (a gradient off by any factor shows
 in the parameters), three steps. A float64 run of the same reference calibrates the bounds
-(``tp_arch_cases.arch_mismatches``). Each mode's outcome is one of
+(``helpers.tp_arch_cases.arch_mismatches``). Each mode's outcome is one of
 
 * ``match``: losses and every final parameter compared and agreed;
 * ``refused``: the engine raised a :class:`~shardtrain.errors.ShardtrainError`, its message is the reason;
@@ -32,8 +32,8 @@ in the parameters), three steps. A float64 run of the same reference calibrates 
 
 Run a batch from the command line (what produced docs/models.md)::
 
-    PYTHONPATH=src:tests python tests/model_sweep.py run --out /tmp/sweep/part-0.json --start 0 --count 40
-    PYTHONPATH=src:tests python tests/model_sweep.py write --doc docs/models.md /tmp/sweep/part-*.json
+    PYTHONPATH=src:tests python tests/helpers/model_sweep.py run --out /tmp/sweep/part-0.json --start 0 --count 40
+    PYTHONPATH=src:tests python tests/helpers/model_sweep.py write --doc docs/models.md /tmp/sweep/part-*.json
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tp_arch_cases import TINY, arch_mismatches
+from helpers.tp_arch_cases import TINY, arch_mismatches
 
 VOCAB, SEQ, ROWS, STEPS, LR = TINY["vocab_size"], 8, 2, 3, 0.1
 WORLD = 2

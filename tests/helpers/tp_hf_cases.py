@@ -17,7 +17,8 @@ import functools
 import torch
 
 from shardtrain.testing import parity
-from tp_arch_cases import BATCH, SEQ, TINY, VOCAB, build
+
+from helpers.tp_arch_cases import BATCH, SEQ, TINY, VOCAB, build
 
 STEPS = 3
 

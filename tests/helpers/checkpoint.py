@@ -128,7 +128,7 @@ def save_engine_like(save_dir: str, tag: str, world: int, seed: int, **kwargs) -
 
 # A checkpoint in format version 1 (objects that are not plain JSON pickled), written by ``save_v1_fixture`` with the
 # code of commit 51377e9 (the last to write that version), at world 2: the compatibility tests load it as it is.
-V1_FIXTURE = Path(__file__).parent / "data" / "checkpoint_v1"
+V1_FIXTURE = Path(__file__).parents[1] / "data" / "checkpoint_v1"
 
 
 def v1_engine(seed: int):
