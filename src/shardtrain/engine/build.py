@@ -74,8 +74,9 @@ from shardtrain.sequence_parallel.tiling import install as install_tiling
 from shardtrain.zero.build import build_layout, laid_out_whole
 from shardtrain.zero.hpz import SecondaryShards, refuse_unbuilt_hpz
 from shardtrain.zero.init import is_under_construction
-from shardtrain.zero.layout import ShardLayout, cast_bucket
+from shardtrain.zero.layout import Bucket, ShardLayout, cast_bucket
 from shardtrain.zero.optimizer import ShardedOptimizer, TensorParallelNorm, make_masters
+from shardtrain.zero.policy import ZeroPolicy
 from shardtrain.zero.precision import LossScaler, PrecisionPolicy, policy_from_config
 from shardtrain.zero.reducer import GradientReducer, accumulation_dtype
 from shardtrain.zero.runtime import Runtime
@@ -181,16 +182,7 @@ def _build(
     expert_ids: frozenset[int] = frozenset(),
 ) -> Parts:
     zcfg = config.zero_optimization
-    sp = None
-    if topology.sp > 1:
-        sp = make_splitter(module, Communicator(topology.sp_group, topology.timeout_s))
-        install_ulysses(
-            module,
-            sp.comm,
-            tp=topology.tp,
-            key_limit=getattr(sp, "key_limit", None),
-            whole_inputs=getattr(sp, "whole_inputs", None),
-        )
+    sp = _install_sequence_parallel(module, topology)
     install_tiling(module, config)  # ALST's tiled loss and MLP, when configured
     # where every parameter lives (see [Note: the layout]); built before anything else touches the model
     layout = build_layout(
@@ -215,19 +207,7 @@ def _build(
         _cast_to_compute_dtype(module, layout, precision)
     # the gather service's two collaborators, built before the runtime that hands them to it ([Note: one gather
     # service] in zero/gather.py), after the cast: the swap files hold the compute-dtype shards
-    param_offload: ParamOffload | None = None
-    if zcfg.offload_param.device == "nvme" and layout.unit_buckets:  # shards into mapped files
-        param_offload = on_every_rank(
-            comms.world,
-            "parameter swap files",
-            lambda: ParamOffload(
-                layout.unit_buckets,
-                scratch["offload_param"],
-                topology.rank,
-                zcfg.offload_param.max_in_cpu,
-                zcfg.offload_param.buffer_count,
-            ),
-        )
+    param_offload = _param_offload(layout, zcfg, scratch, comms.world, topology.rank)
     secondary = None
     if comms.hpz is not None and layout.unit_buckets:  # see [Note: secondary shards]
         secondary = SecondaryShards(comms.hpz)
@@ -245,16 +225,7 @@ def _build(
     offload = zcfg.offload_optimizer
     streams = host_copies.copy_streams(topology.device) if offload.device != "none" else None
     if streams is not None:  # a device run: the step runs on the host (see [Note: overlapped offload])
-        if policy.shard_optimizer_state:  # the shard's slices (at stage 3 the parameters themselves are not there)
-            fragments = {
-                id(s.param): b.shard[f.shard_offset : f.shard_offset + f.length]
-                for b in trainable
-                for s, f in zip(b.slots, b.fragments)
-            }
-        else:
-            fragments = {id(s.param): s.param.detach() for b in trainable for s in b.slots}
-        ratio = offload.ratio if offload.device == "cpu" else 1.0  # nvme: resident sub-groups stay on the host
-        masters = host_masters(masters, fragments, offload.pin_memory, zcfg.sub_group_size, ratio)
+        masters = _host_masters(masters, trainable, policy, zcfg)
     # the optimizer offload's swap files, and where the reducer sends complete gradient shards: built before the
     # reducer from the tensors the optimizer wrapper will step (the masters, else the fragments)
     files = SwapFiles(scratch["offload_optimizer"], topology.rank) if "offload_optimizer" in scratch else None
@@ -293,24 +264,7 @@ def _build(
         tp_norm = TensorParallelNorm(
             comms.world, split, topology.zero_rank, topology.tp_rank, replica_rank=topology.replica_rank
         )
-    make_offload = None
-    if offload.device != "none":
-
-        def make_offload(stepped: list[torch.Tensor], fragments: list[torch.Tensor] | None) -> OptimizerOffload:
-            return build_optimizer_offload(
-                optimizer,
-                stepped,
-                offload.device,
-                zcfg.sub_group_size,
-                offload.buffer_count,
-                offload.ratio,
-                offload.pin_memory and topology.device.type == "cuda",  # pinning would make a CUDA context
-                files,
-                comms.world,
-                fragments=fragments,
-                sinks=sinks,
-            )
-
+    make_offload = _offload_factory(optimizer, zcfg, topology, files, comms.world, sinks)
     sharded_optimizer = ShardedOptimizer(
         optimizer,
         module,
@@ -348,6 +302,91 @@ def _build(
         runtime,
         monitor,
     )
+
+
+def _install_sequence_parallel(module: nn.Module, topology: Topology) -> Any:
+    """The batch splitter of sequence parallelism, with the Ulysses exchange installed around the model's
+    attention (docs/sequence-parallel.md); None without it."""
+    if topology.sp == 1:
+        return None
+    sp = make_splitter(module, Communicator(topology.sp_group, topology.timeout_s))
+    install_ulysses(
+        module,
+        sp.comm,
+        tp=topology.tp,
+        key_limit=getattr(sp, "key_limit", None),
+        whole_inputs=getattr(sp, "whole_inputs", None),
+    )
+    return sp
+
+
+def _param_offload(
+    layout: ShardLayout, zcfg: ZeroConfig, scratch: dict[str, ScratchDir], world: Communicator, rank: int
+) -> ParamOffload | None:
+    """Stage 3's unit shards in mapped swap files (``offload_param.device: nvme``), made on every rank or on none;
+    None otherwise."""
+    if zcfg.offload_param.device != "nvme" or not layout.unit_buckets:
+        return None
+    return on_every_rank(
+        world,
+        "parameter swap files",
+        lambda: ParamOffload(
+            layout.unit_buckets,
+            scratch["offload_param"],
+            rank,
+            zcfg.offload_param.max_in_cpu,
+            zcfg.offload_param.buffer_count,
+        ),
+    )
+
+
+def _host_masters(masters: Any, trainable: list[Bucket], policy: ZeroPolicy, zcfg: ZeroConfig) -> Any:
+    """The fp32 masters on the host for a device run whose optimizer steps there (see [Note: overlapped offload]):
+    of the shard's slices when the optimizer state is sharded (at stage 3 the parameters themselves are not
+    there), else of the whole parameters."""
+    if policy.shard_optimizer_state:
+        fragments = {
+            id(s.param): b.shard[f.shard_offset : f.shard_offset + f.length]
+            for b in trainable
+            for s, f in zip(b.slots, b.fragments)
+        }
+    else:
+        fragments = {id(s.param): s.param.detach() for b in trainable for s in b.slots}
+    offload = zcfg.offload_optimizer
+    ratio = offload.ratio if offload.device == "cpu" else 1.0  # nvme: resident sub-groups stay on the host
+    return host_masters(masters, fragments, offload.pin_memory, zcfg.sub_group_size, ratio)
+
+
+def _offload_factory(
+    optimizer: torch.optim.Optimizer,
+    zcfg: ZeroConfig,
+    topology: Topology,
+    files: SwapFiles | None,
+    world: Communicator,
+    sinks: GradientSinks,
+) -> Callable[[list[torch.Tensor], list[torch.Tensor] | None], OptimizerOffload] | None:
+    """What makes the optimizer offload from the tensors :class:`ShardedOptimizer` steps (it takes the optimizer
+    state over in its constructor); None without optimizer offload."""
+    offload = zcfg.offload_optimizer
+    if offload.device == "none":
+        return None
+
+    def make_offload(stepped: list[torch.Tensor], fragments: list[torch.Tensor] | None) -> OptimizerOffload:
+        return build_optimizer_offload(
+            optimizer,
+            stepped,
+            offload.device,
+            zcfg.sub_group_size,
+            offload.buffer_count,
+            offload.ratio,
+            offload.pin_memory and topology.device.type == "cuda",  # pinning would make a CUDA context
+            files,
+            world,
+            fragments=fragments,
+            sinks=sinks,
+        )
+
+    return make_offload
 
 
 def _runtime(
