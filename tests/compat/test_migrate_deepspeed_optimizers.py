@@ -29,13 +29,22 @@ from shardtrain.checkpoint.reader import open_checkpoint
 from shardtrain.cli import main
 from shardtrain.testing import DistributedFailure, run_distributed
 
-from helpers.ds import SAVE_AT, STEPS, case_name, resume, resume_each, write_deepspeed_checkpoints
+from helpers.ds import (
+    SAVE_AT,
+    STEPS,
+    case_name,
+    clear_stale_extension_builds,
+    resume,
+    resume_each,
+    write_deepspeed_checkpoints,
+)
 
 RTOL = 1e-5
 FUSED_STAGES = (0, 1, 2, 3)
 
 
 def _write(root, cases, optimizer):
+    clear_stale_extension_builds()  # a build killed by an earlier run would make this one wait forever
     return run_distributed(write_deepspeed_checkpoints, 2, str(root), cases, optimizer, timeout=600)[0]
 
 

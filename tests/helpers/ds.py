@@ -117,6 +117,29 @@ def _deepspeed_optimizer(optimizer: str, config: dict, trainable: list) -> torch
     return None
 
 
+STALE_BUILD_S = 600  # a JIT build of DeepSpeed's CPU Adam ops takes about 100 s on 2 cores
+
+
+def clear_stale_extension_builds() -> list[str]:
+    """Remove the torch-extension build directories whose build lock is older than :data:`STALE_BUILD_S`.
+
+    DeepSpeed JIT-compiles its CPU Adam ops into ``~/.cache/torch_extensions`` under a lock file that torch's
+    ``FileBaton`` waits on without a limit. A build killed midway (a test timed out during it) leaves the lock and no
+    library, and every later build of that op waits forever. Such a directory is removed, so the next build starts
+    clean; returns the names of what was removed."""
+    import shutil
+    import time
+
+    from torch.utils.cpp_extension import get_default_build_root
+
+    removed = []
+    for lock in Path(get_default_build_root()).glob("*/*/lock"):
+        if time.time() - lock.stat().st_mtime > STALE_BUILD_S:
+            shutil.rmtree(lock.parent, ignore_errors=True)
+            removed.append(lock.parent.name)
+    return removed
+
+
 def write_deepspeed_checkpoints(
     root: str, cases: list[tuple[int, str]], optimizer: str = "torch_adam"
 ) -> dict[str, dict]:
