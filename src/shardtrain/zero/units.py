@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -36,13 +36,25 @@ class UnitState(enum.Enum):
     GATHERED = "gathered"  # full parameters are readable
 
 
+class UnitOwner(Protocol):
+    """What a unit's sharded parameters ask of the runtime that gathers and releases it: ``EagerRuntime``, or
+    ``zero.Init``'s ``ConstructionRuntime`` while the model is being built (see [Note: guarded parameters] in
+    :mod:`shardtrain.zero.guarded`)."""
+
+    def touch(self, p: nn.Parameter) -> None:
+        """``p``'s data is about to be used by an operation: gather its unit, or refuse."""
+
+    def hooks_for_op(self) -> Any:
+        """Saved-tensor hooks to push around that operation, or None."""
+
+
 @dataclass(eq=False)
 class Unit:
     index: int
     name: str
     module: nn.Module
     buckets: list[Bucket]
-    runtime: Any = field(repr=False)  # EagerRuntime, or zero.Init's ConstructionRuntime
+    runtime: UnitOwner = field(repr=False)
     state: UnitState = UnitState.GATHERED
     pending: list[Handle] = field(default_factory=list)
     check: tuple[torch.Tensor, Handle] | None = None  # the unit-id exchange of the gather in flight
