@@ -32,27 +32,14 @@ from shardtrain.errors import ConfigError
 from shardtrain.expert_parallel import refuse_split_experts_checkpoint
 from shardtrain.testing import run_distributed
 
-SEQ, VOCAB, ROWS, LR = 6, 32, 12, 1e-2
+from helpers.moe_cases import VOCAB, tiny_moe
+
+SEQ, ROWS, LR = 6, 12, 1e-2
 BEFORE, AFTER = 2, 2  # steps before the save, steps after it
 
 
 def make_model(kind: str, experts: int, seed: int = 0):
-    import transformers
-
-    torch.manual_seed(seed)
-    shared = dict(
-        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        num_experts_per_tok=2, output_router_logits=False, initializer_range=0.2, max_position_embeddings=32,
-        tie_word_embeddings=False, attn_implementation="eager",
-    )  # fmt: skip
-    if kind == "mixtral":
-        cfg = transformers.MixtralConfig(intermediate_size=24, num_local_experts=experts, **shared)
-        return transformers.MixtralForCausalLM(cfg)
-    cfg = transformers.Qwen3MoeConfig(
-        intermediate_size=24, moe_intermediate_size=12, num_experts=experts, decoder_sparse_step=1, head_dim=4,
-        norm_topk_prob=True, **shared,
-    )  # fmt: skip
-    return transformers.Qwen3MoeForCausalLM(cfg)
+    return tiny_moe(kind, experts, seed, router_logits=False)
 
 
 def batches() -> list[torch.Tensor]:

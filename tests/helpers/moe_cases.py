@@ -1,0 +1,31 @@
+"""The tiny random mixture-of-experts models the expert-parallel tests train: a Mixtral or a Qwen3-MoE with two
+layers of ``experts`` experts, top-2 routing, built from a config (nothing is downloaded)."""
+
+from __future__ import annotations
+
+import torch
+
+VOCAB = 32
+
+
+def tiny_moe(kind: str, experts: int, seed: int = 0, router_logits: bool = True):
+    """``kind`` ``"mixtral"`` or ``"qwen3_moe"``, seeded with ``seed``; ``router_logits``: the model returns its
+    router logits and adds the load-balancing loss (coefficient 0.1) to its loss."""
+    import transformers
+
+    torch.manual_seed(seed)
+    shared = dict(
+        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        num_experts_per_tok=2, output_router_logits=router_logits, initializer_range=0.2,
+        max_position_embeddings=32, tie_word_embeddings=False, attn_implementation="eager",
+    )  # fmt: skip
+    if router_logits:
+        shared["router_aux_loss_coef"] = 0.1
+    if kind == "mixtral":
+        cfg = transformers.MixtralConfig(intermediate_size=24, num_local_experts=experts, **shared)
+        return transformers.MixtralForCausalLM(cfg)
+    cfg = transformers.Qwen3MoeConfig(
+        intermediate_size=24, moe_intermediate_size=12, num_experts=experts, decoder_sparse_step=1, head_dim=4,
+        norm_topk_prob=True, **shared,
+    )  # fmt: skip
+    return transformers.Qwen3MoeForCausalLM(cfg)
