@@ -8,9 +8,10 @@ import torch
 VOCAB = 32
 
 
-def tiny_moe(kind: str, experts: int, seed: int = 0, router_logits: bool = True):
+def tiny_moe(kind: str, experts: int, seed: int = 0, router_logits: bool = True, **overrides):
     """``kind`` ``"mixtral"`` or ``"qwen3_moe"``, seeded with ``seed``; ``router_logits``: the model returns its
-    router logits and adds the load-balancing loss (coefficient 0.1) to its loss."""
+    router logits and adds the load-balancing loss (coefficient 0.1) to its loss. ``overrides``: config values
+    that replace the defaults (``num_attention_heads`` a sequence-parallel size divides, ...)."""
     import transformers
 
     torch.manual_seed(seed)
@@ -21,6 +22,7 @@ def tiny_moe(kind: str, experts: int, seed: int = 0, router_logits: bool = True)
     )  # fmt: skip
     if router_logits:
         shared["router_aux_loss_coef"] = 0.1
+    shared.update(overrides)
     if kind == "mixtral":
         cfg = transformers.MixtralConfig(intermediate_size=24, num_local_experts=experts, **shared)
         return transformers.MixtralForCausalLM(cfg)

@@ -792,20 +792,33 @@ def check_layout(cfg: Config, world: int) -> int:
 
 
 def check_expert_layout(cfg: Config, dp: int) -> None:
-    """:class:`ConfigError` for an ``expert_parallel_size`` that does not fit ``dp`` data-parallel ranks, or a
-    combination expert parallelism is not built with (see docs/expert-parallel.md)."""
+    """:class:`ConfigError` for an ``expert_parallel_size`` that does not fit ``dp`` data-parallel ranks (times the
+    sequence-parallel size under sequence parallelism), or a combination expert parallelism is not built with (see
+    docs/expert-parallel.md)."""
     ep, zcfg = cfg.expert_parallel_size, cfg.zero_optimization
+    sp, tp = cfg.sequence_parallel_size, cfg.tensor_parallel.degree
     if ep == 1:
         return
-    if dp % ep:
+    if sp > 1 and (dp * sp) % ep:  # see [Note: experts under sequence parallelism] in shardtrain/distributed/mesh.py
+        raise ConfigError(
+            f"expert_parallel_size (ep_size) {ep} does not divide the {dp * sp} ranks ZeRO shards over (data-parallel "
+            f"size {dp} x sequence_parallel_size {sp}): under sequence parallelism every one of them holds other "
+            f"tokens, an expert group is ep_size adjacent ones and the ranks holding the same experts are "
+            f"{dp * sp} / ep_size of them, so choose one of {_divisors(dp * sp)}"
+        )
+    if sp == 1 and dp % ep:
         raise ConfigError(
             f"expert_parallel_size (ep_size) {ep} does not divide the data-parallel size {dp}: the ranks of an expert "
             f"group are data-parallel ranks, and the ranks holding the same experts are dp / ep_size of them, so "
             f"choose one of {_divisors(dp)}"
         )
     refused = [
+        (
+            tp > 1 and sp > 1,
+            f"both tensor parallelism (tensor_parallel.size {tp}) and sequence parallelism "
+            f"(sequence_parallel_size {sp})",
+        ),
         (cfg.tensor_parallel.degree > 1, f"tensor parallelism (tensor_parallel.size {cfg.tensor_parallel.degree})"),
-        (cfg.sequence_parallel_size > 1, f"sequence parallelism (sequence_parallel_size {cfg.sequence_parallel_size})"),
         (
             zcfg.stage == 3 and zcfg.zero_hpz_partition_size > 1,
             f"ZeRO++ hpZ (zero_optimization.zero_hpz_partition_size {zcfg.zero_hpz_partition_size})",

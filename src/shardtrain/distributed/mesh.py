@@ -358,8 +358,9 @@ def make_groups(
     (group creation is collective). ``shard_size``: hybrid sharding's group size ``S`` (see [Note: the hybrid
     mesh]); None or the whole data-parallel size: no shard and replicate groups. ``sp``: the sequence-parallel
     size (see [Note: the sequence axis]). ``hpz_size``: ZeRO++ hpZ's group size ``H`` (1 or the whole axis: no hpZ
-    group). ``ep``: the expert-parallel size (see [Note: the expert axis]; only with ``tp == 1`` and ``sp == 1``, with
-    or without hybrid sharding's groups). Returns ``(main, host)``."""
+    group). ``ep``: the expert-parallel size (see [Note: the expert axis]; only with ``tp == 1``, with or without
+    hybrid sharding's groups, cut from the ``dp * sp`` ranks of [Note: experts under sequence parallelism] when
+    ``sp > 1``). Returns ``(main, host)``."""
     dp = world // (tp * sp)
     # rank = (dp_rank * sp + sp_rank) * tp + tp_rank = zero_rank * tp + tp_rank, zero_rank = dp_rank * sp + sp_rank:
     # the index among the dp * sp ranks holding the same tensor-parallel block, over which ZeRO shards
@@ -383,9 +384,9 @@ def make_groups(
         partitions["hpz"] = [
             [((g * hpz_size) + i) * tp + t for i in range(hpz_size)] for g in range(zero // hpz_size) for t in range(tp)
         ]
-    if ep > 1:  # see [Note: the expert axis]
-        partitions["ep"] = [[g * ep + e for e in range(ep)] for g in range(dp // ep)]
-        partitions["edp"] = [[g * ep + e for g in range(dp // ep)] for e in range(ep)]
+    if ep > 1:  # see [Note: the expert axis]; under sequence parallelism ZeRO's axis ([Note: experts under ...])
+        partitions["ep"] = [[g * ep + e for e in range(ep)] for g in range(zero // ep)]
+        partitions["edp"] = [[g * ep + e for g in range(zero // ep)] for e in range(ep)]
     return _groups_of(partitions, rank, world, backend, world_group, new_group)
 
 
@@ -465,10 +466,31 @@ class Topology:
     all-to-alls stay inside a node when ``E`` GPUs fit in it), each holding ``num_experts / E`` whole experts of every
     MoE layer; the expert-data-parallel group of a rank is the ``dp / E`` ranks with the same ``ep_rank``, which hold
     the same experts and reduce their gradients together. Batches still differ along the whole ``dp`` axis, and
-    dense parameters are reduced over it. Built with ``tp == 1`` and ``sp == 1``: the mesh is ``(edp, ep, tp)``, or
-    with hybrid sharding the ``(replicate, shard, tp)`` one with the expert groups beside it. Hybrid sharding then
-    shards and replicates the dense state only; the expert buckets stay sharded over the expert-data-parallel group,
-    whose ranks hold the only copies of their experts.
+    dense parameters are reduced over it. Built with ``tp == 1``: the mesh is ``(edp, ep, tp)``, or with hybrid
+    sharding the ``(replicate, shard, tp)`` one with the expert groups beside it, or with sequence parallelism the
+    ``(dp, sp, tp)`` one with the expert groups beside it ([Note: experts under sequence parallelism]). Hybrid
+    sharding then shards and replicates the dense state only; the expert buckets stay sharded over the
+    expert-data-parallel group, whose ranks hold the only copies of their experts.
+
+    [Note: experts under sequence parallelism]
+    With ``sequence_parallel_size: P`` as well, the expert groups are cut from ZeRO's ``dp * P`` axis, not from
+    ``dp``: ``zero_rank = edp_rank * E + ep_rank``. Every rank of that axis holds other tokens (its slice of its
+    data-parallel rank's sequences), and a MoE layer works on a rank's own tokens (only attention exchanges across
+    the sequence-parallel group), so any ``E`` of them can send each other their tokens, as DeepSpeed's Ulysses with
+    MoE does over its sequence-data-parallel group. ``E`` must divide ``dp * P``, so that the expert groups tile the
+    axis; nothing more: with ``E`` dividing ``P`` a group lies within one sequence-parallel group, with ``P``
+    dividing ``E`` it spans whole ones, and otherwise it straddles two, which changes which ranks exchange tokens,
+    not what any rank computes. (Restricting ``E`` to the ``dp`` axis would leave the ``P`` ranks of a sequence
+    holding the same experts for tokens of the same sequence, and the largest group ``dp``; restricting it to
+    ``P`` would tie the experts' split to the sequence length's.) The expert-data-parallel group is the ``dp * P /
+    E`` ranks with the same ``ep_rank``. The gradients need nothing new: under sequence parallelism rank ``r``'s
+    parameters receive ``P * n_r / N`` times the gradient of its slice's mean loss ([Note: the loss over a
+    sequence-parallel group] in ``shardtrain.sequence_parallel.inputs``) and the dense ones are averaged over the
+    ``dp * P`` ranks; a rank's expert gradient is the sum of those contributions over its expert group (the token
+    exchange's backward brings them back), so its average over the ``dp * P / E`` expert-data-parallel ranks divided
+    by ``E`` ([Note: expert buckets] in ``zero/layout.py``) is the same sum over all ``dp * P`` ranks divided by
+    ``dp * P``. Hybrid sharding's shard groups cut the same axis; the expert buckets stay over the
+    expert-data-parallel group, as without sequence parallelism. With tensor parallelism as well it is refused.
     """
 
     rank: int
@@ -501,8 +523,9 @@ class Topology:
 
     @property
     def ep_rank(self) -> int:
-        """This rank's index in its expert group: it holds experts ``[ep_rank * n/E, (ep_rank + 1) * n/E)``."""
-        return self.dp_rank % self.ep
+        """This rank's index in its expert group: it holds experts ``[ep_rank * n/E, (ep_rank + 1) * n/E)``
+        (``zero_rank % E``: ``dp_rank % E`` without sequence parallelism)."""
+        return self.zero_rank % self.ep
 
     @property
     def ep_group(self) -> dist.ProcessGroup | None:
@@ -625,13 +648,19 @@ def init_topology(
     dev = pick_device(device)
     created = ensure_process_group(timeout_s, dev)
     world = dist.get_world_size()
-    if ep != 1 and (sp != 1 or tp != 1):
+    if ep != 1 and sp != 1 and tp != 1:
         raise LayoutError(
-            f"expert_parallel_size (ep_size) {ep} with tensor parallelism or sequence parallelism is not built; set "
-            "expert_parallel_size to 1 or turn the other feature off (docs/expert-parallel.md)"
+            f"expert_parallel_size (ep_size) {ep} with both tensor parallelism (tensor_parallel.size {tp}) and "
+            f"sequence parallelism (sequence_parallel_size {sp}) is not built; turn one of the three off "
+            "(docs/expert-parallel.md)"
+        )
+    if ep != 1 and tp != 1:
+        raise LayoutError(
+            f"expert_parallel_size (ep_size) {ep} with tensor parallelism is not built; set expert_parallel_size to 1 "
+            "or turn the other feature off (docs/expert-parallel.md)"
         )
     if sp != 1:
-        return _init_sequence_topology(tp, timeout_s, shard_size, sp, created, world, dev)
+        return _init_sequence_topology(tp, timeout_s, shard_size, sp, created, world, dev, ep)
     if tp < 1 or world % tp:
         raise LayoutError(
             f"tensor_parallel.size {tp} does not divide the {world} processes of this job: the data-parallel size "
@@ -742,10 +771,18 @@ def _make_mesh_groups(
 
 
 def _init_sequence_topology(
-    tp: int, timeout_s: float, shard_size: int, sp: int, created: bool, world: int, device: torch.device
+    tp: int,
+    timeout_s: float,
+    shard_size: int,
+    sp: int,
+    created: bool,
+    world: int,
+    device: torch.device,
+    ep: int = 1,
 ) -> Topology:
     """The ``(dp, sp, tp)`` mesh of [Note: the sequence axis], with hybrid sharding's groups over its ``dp * sp``
-    ranks when ``shard_size`` is not -1."""
+    ranks when ``shard_size`` is not -1, and the expert groups cut from the same ranks when ``ep`` is not 1 ([Note:
+    experts under sequence parallelism])."""
     if tp < 1 or world % tp:
         raise LayoutError(
             f"tensor_parallel.size {tp} does not divide the {world} processes of this job; choose one of "
@@ -770,8 +807,15 @@ def _init_sequence_topology(
             f"over the data- and sequence-parallel ranks together, within groups of mics_shard_size and replicated "
             f"across the groups, so choose one of {divisors} (or -1 to shard over all {zero})"
         )
+    if ep < 1 or zero % ep:
+        raise LayoutError(
+            f"expert_parallel_size (ep_size) {ep} does not divide the {zero} ranks ZeRO shards over (data-parallel "
+            f"size {dp} x sequence_parallel_size {sp}): under sequence parallelism every one of them holds other "
+            "tokens, an expert group is ep_size adjacent ones and the ranks holding the same experts are "
+            f"{zero} / ep_size of them, so choose one of {[d for d in range(1, zero + 1) if zero % d == 0]}"
+        )
     device, backend, groups, host_groups, own = _make_mesh_groups(
-        device, world, tp, timeout_s, created, sp=sp, shard_size=shard
+        device, world, tp, timeout_s, created, sp=sp, shard_size=shard, ep=ep
     )
     ranks = torch.arange(world).view(dp, sp, tp)
     mesh = DeviceMesh.from_group(
@@ -790,5 +834,6 @@ def _init_sequence_topology(
         tp=tp,
         replicas=zero // shard,
         sp=sp,
+        ep=ep,
         own_groups=own,
     )

@@ -1,0 +1,190 @@
+"""Expert parallelism composed with sequence parallelism (``expert_parallel_size: E`` with ``sequence_parallel_size:
+P``, [Note: experts under sequence parallelism] in ``shardtrain/distributed/mesh.py``): tiny random Mixtral and
+Qwen3-MoE models trained against one process on the same global batch (losses with the load-balancing loss, each
+rank's load-balancing loss, global gradient norms, final parameters), the expert groups cut from the ``dp * P`` ranks
+ZeRO shards over; a routing where some expert gets no token from some rank; and the layouts that stay refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import shardtrain
+from shardtrain.errors import ConfigError, LayoutError
+from shardtrain.testing import run_distributed
+
+from helpers.moe_cases import VOCAB, tiny_moe
+
+MICRO, SEQ, LR = 1, 6, 1e-2
+SIX_HEADS = {"num_attention_heads": 6, "num_key_value_heads": 3}
+"""Heads a sequence-parallel size of 3 divides (Ulysses splits the heads over the group; Qwen3-MoE's heads are 4
+wide, whatever their number)."""
+
+
+def make_model(kind: str, experts: int, sp: int):
+    return tiny_moe(kind, experts, **(SIX_HEADS if sp == 3 else {}))
+
+
+def global_batches(dp: int, n: int) -> list[torch.Tensor]:
+    """``n`` global micro-batches of ``MICRO`` rows per data-parallel rank; the ranks of a sequence-parallel group
+    are given the same rows, whose sequence the engine splits."""
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB, (MICRO * dp, SEQ), generator=g) for _ in range(n)]
+
+
+def reference(kind: str, experts: int, sp: int, dp: int, steps: int, gas: int, clip: float) -> dict:
+    """One process on the whole global batch: each micro-step's loss is the mean of the data-parallel ranks' losses
+    on their rows, each with the load-balancing loss of those rows (of whole sequences, as under sequence
+    parallelism)."""
+    model = make_model(kind, experts, sp)
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    batches = global_batches(dp, steps * gas)
+    losses, norms, aux = [], [], []
+    for step in range(steps):
+        total = 0.0
+        for m in range(gas):
+            ids = batches[step * gas + m]
+            outs = [model(input_ids=r, labels=r) for r in ids.split(MICRO)]
+            loss = sum(o.loss for o in outs) / dp
+            aux.append([float(o.aux_loss.detach()) for o in outs])
+            (loss / gas).backward()
+            total += loss.item() / gas
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))))
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return {"losses": losses, "norms": norms, "aux": aux, "params": model.state_dict(), "init": init}
+
+
+def _train(kind: str, experts: int, sp: int, ep: int, stage: int, steps: int, gas: int, clip: float, extra: dict):
+    """This rank's run: its data-parallel rank's rows of every global micro-batch. Returns its losses, its
+    load-balancing losses, the global norms, the tokens each expert got from this rank in the first forward (per
+    layer), the experts it holds, its coordinates and its state dict (at stage 3 gathered within its
+    expert-data-parallel group)."""
+    model = make_model(kind, experts, sp)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    zero = {"stage": stage, **({"stage3_param_persistence_threshold": 0} if stage == 3 else {}), **extra}
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": clip,
+        "zero_optimization": zero,
+        "sequence_parallel_size": sp,
+        "expert_parallel_size": ep,
+        "collective_timeout_s": 120.0,
+    }
+    engine = shardtrain.initialize(model, config=config, optimizer=opt)
+    topo = engine.topology
+    routed: list[torch.Tensor] = []
+    gates = [m for n, m in model.named_modules() if n.endswith("mlp.gate")]
+    hooks = [g.register_forward_hook(lambda _m, _i, out: routed.append(out[2].flatten())) for g in gates]
+    batches = global_batches(topo.dp, steps * gas)
+    losses, norms, aux = [], [], []
+    for step in range(steps):
+        total = 0.0
+        for m in range(gas):
+            ids = batches[step * gas + m][topo.dp_rank * MICRO : (topo.dp_rank + 1) * MICRO]
+            out = engine(input_ids=ids, labels=ids)
+            aux.append(float(out.aux_loss.detach()))
+            engine.backward(out.loss)
+            engine.step()
+            total += out.loss.item() / gas
+        losses.append(total)
+        norms.append(engine.get_global_grad_norm())
+    for h in hooks:
+        h.remove()
+    counts = [torch.bincount(r, minlength=experts).tolist() for r in routed[: len(gates)]]  # the first forward
+    held = {n: m.expert_range for n, m in model.named_modules() if hasattr(m, "expert_range")}
+    with engine.gathered(model):  # stage 3: each rank's experts whole within its expert-data-parallel group
+        state = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+    where = {"dp_rank": topo.dp_rank, "sp_rank": topo.sp_rank, "zero_rank": topo.zero_rank, "ep_rank": topo.ep_rank}
+    where["ep_group"] = dist.get_process_group_ranks(topo.ep_group)
+    where["edp_group"] = dist.get_process_group_ranks(topo.edp_group)
+    expert_buckets = {b.world for b in engine.layout.buckets if b.expert}
+    engine.close()
+    out = {"losses": losses, "norms": norms, "aux": aux, "counts": counts, "held": held, "state": state}
+    out.update(where=where, expert_buckets=expert_buckets)
+    return out
+
+
+def _runs(cases: list[tuple]) -> list[dict]:
+    return [_train(*case) for case in cases]
+
+
+def _gather(results: list[dict], ep: int) -> dict:
+    """The full state dict from the ranks of the first expert group (ZeRO ranks ``0 .. E-1``): expert weights
+    concatenated in expert order."""
+    first = sorted((r for r in results if r["where"]["zero_rank"] < ep), key=lambda r: r["where"]["ep_rank"])
+    full = dict(first[0]["state"])
+    for name in first[0]["held"]:
+        for k in [k for k in full if k.startswith(name + ".")]:
+            full[k] = torch.cat([r["state"][k] for r in first])
+    return full
+
+
+def _assert_parity(results: list[dict], case: tuple) -> None:
+    kind, experts, sp, ep, stage, steps, gas, clip, _ = case
+    world = len(results)
+    dp = world // sp
+    what = f"{kind} dp {dp} x sp {sp}, ep {ep}, stage {stage}"
+    ref = reference(kind, experts, sp, dp, steps, gas, clip)
+    for s, b in enumerate(ref["losses"]):
+        a = sum(r["losses"][s] for r in results) / world  # every rank of a sequence returns its rows' whole loss
+        assert abs(a - b) <= 2e-5 * abs(b), f"{what}: step {s}: loss {a} vs reference {b}"
+    for r in results:
+        for s, (a, b) in enumerate(zip(r["norms"], ref["norms"])):
+            assert abs(a - b) <= 1e-4 * abs(b), f"{what}: step {s}: grad norm {a} vs reference {b}"
+        # the load-balancing loss of the whole sequence of its rows, on every rank of the sequence-parallel group
+        for i, (a, b) in enumerate(zip(r["aux"], ref["aux"])):
+            want = b[r["where"]["dp_rank"]]
+            assert abs(a - want) <= 2e-5 * abs(want), f"{what}: micro-step {i} {r['where']}: aux {a} vs {want}"
+    full = _gather(results, ep)
+    assert full.keys() == ref["params"].keys(), what
+    for k, w in ref["params"].items():
+        moved = (w - ref["init"][k]).norm().item()
+        err = (full[k] - w).norm().item()
+        assert moved > 0, f"{what}: {k} did not move: the check proves nothing"
+        assert err <= 1e-3 * moved, f"{what}: {k}: error {err:.3g} vs distance moved {moved:.3g}"
+
+
+# (kind, experts, sp, ep, stage, steps, gas, clip, more zero_optimization)
+WORLD2 = [
+    ("mixtral", 8, 2, 2, 2, 2, 2, 0.5, {}),  # dp 1 x sp 2: the expert group is the sequence-parallel group
+    ("qwen3_moe", 8, 2, 2, 3, 2, 1, 0.5, {}),
+]
+WORLD3 = [("qwen3_moe", 6, 3, 3, 2, 2, 1, 0.5, {})]  # dp 1 x sp 3, 6 experts over 3 ranks
+WORLD4 = [  # dp 2 x sp 2
+    ("mixtral", 8, 2, 2, 2, 2, 2, 0.5, {}),  # expert groups {0, 1}, {2, 3}: within a sequence group
+    ("qwen3_moe", 8, 2, 2, 3, 2, 1, 0.5, {}),
+    ("qwen3_moe", 8, 2, 4, 2, 2, 1, 0.5, {}),  # one expert group spanning both sequences: experts whole
+    ("mixtral", 8, 2, 4, 3, 2, 1, 0.5, {}),
+    ("mixtral", 8, 2, 2, 2, 2, 1, 0.5, {"mics_shard_size": 2}),  # hybrid sharding over the dp * sp ranks
+]
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return run_distributed(_runs, 2, WORLD2, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def world3():
+    return run_distributed(_runs, 3, WORLD3, timeout=300)
+
+
+def test_sp2_ep2_trains_like_one_process(world2):
+    for i, case in enumerate(WORLD2):
+        _assert_parity([r[i] for r in world2], case)
+
+
+def test_sp3_ep3_with_six_experts_trains_like_one_process(world3):
+    _assert_parity([r[0] for r in world3], WORLD3[0])
+
+
+@pytest.mark.soak
+def test_dp2_sp2_with_ep2_and_ep4_trains_like_one_process():
+    runs = run_distributed(_runs, 4, WORLD4, timeout=900)
+    for i, case in enumerate(WORLD4):
+        _assert_parity([r[i] for r in runs], case)
