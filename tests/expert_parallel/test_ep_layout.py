@@ -46,6 +46,28 @@ def test_hybrid_sharding_keeps_the_expert_groups_beside_its_shard_and_replicate_
     assert [groups[r]["edp"] for r in range(4)] == [[0, 2], [1, 3], [0, 2], [1, 3]]
 
 
+def test_under_sequence_parallelism_expert_groups_are_cut_from_the_data_and_sequence_parallel_ranks():
+    # [Note: experts under sequence parallelism]: E adjacent ranks of the dp * sp axis (zero_rank = dp_rank * sp +
+    # sp_rank), within a sequence group, spanning several, or straddling them
+    def groups(world: int, sp: int, ep: int) -> list[dict]:
+        out = []
+        for rank in range(world):
+            main, _ = make_groups(rank, world, 1, "gloo", "world", lambda ranks, backend: ranks, sp=sp, ep=ep)
+            out.append({axis: getattr(main, axis) for axis in ("sp", "dp_sp", "ep", "edp")})
+        return out
+
+    within = groups(4, 2, 2)  # dp 2 x sp 2, E 2: each expert group is a sequence-parallel group
+    assert [g["ep"] for g in within] == [g["sp"] for g in within] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [g["edp"] for g in within] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert all(g["dp_sp"] == "world" for g in within)  # dense parameters: every rank
+    spanning = groups(4, 2, 4)  # E 4: one expert group over both sequences, each expert on one rank
+    assert [g["ep"] for g in spanning] == ["world"] * 4 and [g["edp"] for g in spanning] == [[0], [1], [2], [3]]
+    straddling = groups(6, 2, 3)  # dp 3 x sp 2, E 3: sequence groups {0, 1} {2, 3} {4, 5}
+    assert [g["ep"] for g in straddling] == [[0, 1, 2]] * 3 + [[3, 4, 5]] * 3
+    assert [g["edp"] for g in straddling] == [[0, 3], [1, 4], [2, 5]] * 2
+    assert check_layout(load_config({"expert_parallel_size": 4, "sequence_parallel_size": 2}), 4) == 2
+
+
 def test_without_expert_parallelism_there_is_no_expert_group():
     assert _partitions(2, 1)[0]["ep"] is None and _partitions(2, 1)[0]["edp"] is None
 
@@ -55,7 +77,16 @@ def test_without_expert_parallelism_there_is_no_expert_group():
     [
         ({"expert_parallel_size": 3}, 4, "expert_parallel_size (ep_size) 3 does not divide the data-parallel size 4"),
         ({"expert_parallel_size": 2, "tensor_parallel": {"size": 2}}, 4, "with tensor parallelism"),
-        ({"expert_parallel_size": 2, "sequence_parallel_size": 2}, 4, "with sequence parallelism"),
+        (
+            {"expert_parallel_size": 2, "sequence_parallel_size": 2, "tensor_parallel": {"size": 2}},
+            8,
+            "with both tensor parallelism (tensor_parallel.size 2) and sequence parallelism (sequence_parallel_size 2)",
+        ),
+        (
+            {"expert_parallel_size": 3, "sequence_parallel_size": 2},
+            4,
+            "3 does not divide the 4 ranks ZeRO shards over (data-parallel size 2 x sequence_parallel_size 2)",
+        ),
         (
             {"expert_parallel_size": 2, "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}},
             4,

@@ -109,8 +109,21 @@ def _train(kind: str, experts: int, sp: int, ep: int, stage: int, steps: int, ga
     return out
 
 
-def _runs(cases: list[tuple]) -> list[dict]:
-    return [_train(*case) for case in cases]
+def _runs(cases: list[tuple]) -> list:
+    """Every case on the same ranks, then (world 2) what is refused."""
+    out = [_train(*case) for case in cases]
+    base = {"train_micro_batch_size_per_gpu": MICRO, "sequence_parallel_size": 2, "collective_timeout_s": 120.0}
+    return [out, {"ep 4": _refused({**base, "expert_parallel_size": 4})}] if dist.get_world_size() == 2 else [out]
+
+
+def _refused(config: dict) -> str | None:
+    """What ``initialize`` says of ``config`` (the tiny Mixtral), None when it builds."""
+    model = tiny_moe("mixtral", 8)
+    try:
+        shardtrain.initialize(model, config=config, optimizer=torch.optim.AdamW(model.parameters())).close()
+    except (ConfigError, LayoutError) as err:
+        return str(err)
+    return None
 
 
 def _gather(results: list[dict], ep: int) -> dict:
@@ -176,15 +189,159 @@ def world3():
 
 def test_sp2_ep2_trains_like_one_process(world2):
     for i, case in enumerate(WORLD2):
-        _assert_parity([r[i] for r in world2], case)
+        _assert_parity([r[0][i] for r in world2], case)
 
 
 def test_sp3_ep3_with_six_experts_trains_like_one_process(world3):
-    _assert_parity([r[0] for r in world3], WORLD3[0])
+    _assert_parity([r[0][0] for r in world3], WORLD3[0])
+
+
+def _check_groups(results: list[dict], experts: int, ep: int) -> None:
+    """Expert groups of ``ep`` adjacent ZeRO ranks (``zero_rank = dp_rank * sp + sp_rank``), each rank holding the
+    experts of its ``ep_rank``, and expert buckets sharded over the ``dp * sp / ep`` ranks holding the same experts."""
+    world = len(results)
+    for rank, r in enumerate(results):
+        w = r["where"]
+        assert w["zero_rank"] == rank and w["ep_rank"] == rank % ep, w  # tp 1: the ZeRO axis is the world
+        assert w["ep_group"] == list(range(rank - rank % ep, rank - rank % ep + ep)), w
+        assert w["edp_group"] == list(range(rank % ep, world, ep)), w
+        n = experts // ep
+        assert set(r["held"].values()) == {(w["ep_rank"] * n, (w["ep_rank"] + 1) * n)}, r["held"]
+        assert r["expert_buckets"] == {world // ep}, r["expert_buckets"]
+
+
+def test_expert_groups_are_cut_from_the_data_and_sequence_parallel_ranks(world2, world3):
+    _check_groups([r[0][0] for r in world2], 8, 2)
+    _check_groups([r[0][0] for r in world3], 6, 3)
+
+
+def test_an_expert_that_gets_no_token_from_a_rank(world2, world3):
+    # a rank routes its SEQ / sp tokens top-2: at most 6 of the 8 (or 6) experts get one, and the parity above holds
+    for runs, sp, experts in ((world2, 2, 8), (world3, 3, 6)):
+        counts = [r[0][0]["counts"] for r in runs]
+        assert all(len(row) == experts and sum(row) == MICRO * SEQ // sp * 2 for c in counts for row in c), counts
+        starved = [(rank, layer) for rank, c in enumerate(counts) for layer, row in enumerate(c) if 0 in row]
+        assert starved, counts
+
+
+def test_layouts_that_stay_refused_are_refused_by_name(world2):
+    refused = world2[0][1]
+    assert "expert_parallel_size (ep_size) 4 does not divide the 2 ranks ZeRO shards over" in refused["ep 4"]
 
 
 @pytest.mark.soak
 def test_dp2_sp2_with_ep2_and_ep4_trains_like_one_process():
     runs = run_distributed(_runs, 4, WORLD4, timeout=900)
     for i, case in enumerate(WORLD4):
-        _assert_parity([r[i] for r in runs], case)
+        _assert_parity([r[0][i] for r in runs], case)
+    _check_groups([r[0][0] for r in runs], 8, 2)
+    _check_groups([r[0][2] for r in runs], 8, 4)
+
+
+# -- checkpoints -----------------------------------------------------------------------------------------------------
+
+BEFORE, AFTER = 2, 2  # steps before the save, steps after it
+
+
+def _ckpt_engine(sp: int, ep: int, stage: int, seed: int = 0):
+    model = tiny_moe("mixtral", 8, seed)
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000},  # several buckets
+        "sequence_parallel_size": sp,
+        "expert_parallel_size": ep,
+        "collective_timeout_s": 120.0,
+    }
+    return shardtrain.initialize(model, config=config, optimizer=torch.optim.AdamW(model.parameters(), lr=LR))
+
+
+def _ckpt_train(engine, steps: range) -> list[float]:
+    topo = engine.topology
+    losses = []
+    for s in steps:
+        ids = global_batches(topo.dp, BEFORE + AFTER)[s][topo.dp_rank * MICRO : (topo.dp_rank + 1) * MICRO]
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _full(engine) -> dict | None:
+    full = engine.full_state_dict()
+    return {k: v.clone() for k, v in full.items()} if full is not None else None
+
+
+def save_and_resume(sp: int, ep: int, stage: int, save_dir: str, other: tuple[int, int]) -> dict:
+    """Train ``BEFORE`` steps and save, then ``AFTER`` more (the unbroken run); a fresh engine from another seed loads
+    the checkpoint and trains the same ``AFTER`` steps (the resumed run); then an engine at ``other = (ep', stage')``
+    on the same ranks loads it, takes its full state dict and trains the same steps."""
+    engine = _ckpt_engine(sp, ep, stage)
+    _ckpt_train(engine, range(BEFORE))
+    engine.save_checkpoint(save_dir, tag="a")
+    saved = _full(engine)
+    with engine.gathered(engine.module):
+        own = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    held = {n: m.expert_range for n, m in engine.module.named_modules() if hasattr(m, "expert_range")}
+    unbroken = _ckpt_train(engine, range(BEFORE, BEFORE + AFTER))
+    out = {"saved": saved, "own": own, "held": held, "zero_rank": engine.topology.zero_rank, "unbroken": unbroken}
+    out["unbroken_state"] = _full(engine)
+    engine.close()
+    engine = _ckpt_engine(sp, ep, stage, seed=5)
+    engine.load_checkpoint(save_dir, tag="a")
+    out["resumed"] = _ckpt_train(engine, range(BEFORE, BEFORE + AFTER))
+    out["resumed_state"] = _full(engine)
+    engine.close()
+    engine = _ckpt_engine(sp, *other, seed=5)
+    engine.load_checkpoint(save_dir, tag="a")
+    out["elsewhere_loaded"] = _full(engine)
+    out["elsewhere"] = _ckpt_train(engine, range(BEFORE, BEFORE + AFTER))
+    engine.close()
+    return out
+
+
+def _ckpt_reference(dp: int) -> dict:
+    """One process: the weights after ``BEFORE`` steps and the ``AFTER`` losses (each a mean over the data-parallel
+    ranks' losses on their rows)."""
+    model = tiny_moe("mixtral", 8)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    saved, losses = {}, []
+    for step, ids in enumerate(global_batches(dp, BEFORE + AFTER)):
+        if step == BEFORE:
+            saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        loss = sum(model(input_ids=r, labels=r).loss for r in ids.split(MICRO)) / dp
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"saved": saved, "losses": losses[BEFORE:]}
+
+
+def _check_checkpoint(results: list[dict], sp: int, ep: int) -> None:
+    world = len(results)
+    ref = _ckpt_reference(world // sp)
+    r0 = results[0]
+    # full_state_dict() joins the experts of the first expert group: what each of its ranks holds, in expert order
+    first = sorted((r for r in results if r["zero_rank"] < ep), key=lambda r: r["zero_rank"])
+    for k, v in r0["saved"].items():
+        name = next((n for n in r0["held"] if k.startswith(n + ".")), None)
+        want = torch.cat([r["own"][k] for r in first]) if name is not None else r0["own"][k]
+        assert torch.equal(v, want), k
+        err, moved = (v - ref["saved"][k]).norm().item(), (ref["saved"][k] - tiny_moe("mixtral", 8).state_dict()[k])
+        assert err <= 1e-3 * moved.norm().item() + 1e-7, f"{k}: the checkpoint is not one process's weights"
+    for r in results:  # resuming at the same layout is exact
+        assert r["resumed"] == r["unbroken"], (r["resumed"], r["unbroken"])
+    for k, v in r0["unbroken_state"].items():
+        assert torch.equal(v, r0["resumed_state"][k]), k
+    for k, v in r0["saved"].items():  # loaded at another layout: every tensor as saved
+        assert torch.equal(v, r0["elsewhere_loaded"][k]), k
+    for s, want in enumerate(ref["losses"]):  # and training goes on as one process's
+        for name in ("unbroken", "elsewhere"):
+            got = sum(r[name][s] for r in results) / world
+            assert abs(got - want) <= 2e-5 * abs(want), (name, s, got, want)
+
+
+def test_checkpoints_resume_exactly_and_load_at_another_expert_layout(tmp_path):
+    # dp 1 x sp 2, ep 2 at stage 2, loaded at ep 1 (stage 0) on the same ranks
+    results = run_distributed(save_and_resume, 2, 2, 2, 2, str(tmp_path), (1, 0), timeout=300)
+    _check_checkpoint(results, sp=2, ep=2)
