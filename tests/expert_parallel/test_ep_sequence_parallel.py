@@ -345,3 +345,11 @@ def test_checkpoints_resume_exactly_and_load_at_another_expert_layout(tmp_path):
     # dp 1 x sp 2, ep 2 at stage 2, loaded at ep 1 (stage 0) on the same ranks
     results = run_distributed(save_and_resume, 2, 2, 2, 2, str(tmp_path), (1, 0), timeout=300)
     _check_checkpoint(results, sp=2, ep=2)
+
+
+@pytest.mark.soak
+def test_checkpoints_of_dp2_sp2_load_at_another_expert_layout(tmp_path):
+    # dp 2 x sp 2, ep 2 at stage 1 (each expert block in ZeRO fragments over an expert-data-parallel group of 2),
+    # loaded at ep 4 (stage 2): each expert on one rank
+    results = run_distributed(save_and_resume, 4, 2, 2, 1, str(tmp_path), (4, 2), timeout=600)
+    _check_checkpoint(results, sp=2, ep=2)
