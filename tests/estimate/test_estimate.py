@@ -357,6 +357,10 @@ def test_expert_parallelism_holds_the_rank_s_experts_and_is_searched_where_the_m
     for model_fn, layout, message in refusals:
         with pytest.raises(ConfigError, match=message):
             estimate_memory(model_fn, cfg, layout=replace(layout, seq_len=16), **common)
+    # built with sequence parallelism, but the planner does not lay out a rank's slice of the sequences
+    with pytest.raises(ConfigError, match=r"ep_size\) 2 with sequence_parallel_size 2: the estimate does not model"):
+        sp = {**cfg, "sequence_parallel_size": 2}
+        estimate_memory(tiny_mixtral, sp, layout=Layout(4, stage=2, ep=2, seq_len=16), **common)
 
 
 class ReadsValues(torch.nn.Module):

@@ -301,6 +301,21 @@ def _check_layout(layout: Layout, device_type: str) -> None:
 # -- the estimate ----------------------------------------------------------------------------------------
 
 
+def refuse_experts_with_sequence_parallelism(cfg: Config, layout: Layout) -> None:
+    """Expert parallelism with sequence parallelism trains ([Note: experts under sequence parallelism] in
+    ``distributed/mesh.py``), but the planner lays a rank's activations out for whole sequences and its token
+    exchange for all of their tokens: refused by name rather than estimated as something else."""
+    sp = cfg.sequence_parallel_size
+    if layout.ep > 1 and sp > 1:
+        raise ConfigError(
+            f"expert_parallel_size (ep_size) {layout.ep} with sequence_parallel_size {sp}: the estimate does not model "
+            f"sequence parallelism (a rank's 1/{sp} of each sequence, its all-to-alls); the model state is the same "
+            f"as without it at the same world size (ZeRO and the expert groups over all {layout.dp} ranks), so "
+            "estimate with sequence_parallel_size removed (a rank then holds whole sequences: more activations than "
+            "under sequence parallelism)"
+        )
+
+
 def _optimizer_kind(cfg: Config, optimizer: str | None) -> tuple[int, bool]:
     """(element-wise state tensors per parameter, whether a per-parameter ``step`` tensor is kept)."""
     kind = (optimizer or (cfg.optimizer.type if cfg.optimizer else "adamw")).lower()
@@ -407,6 +422,7 @@ def _prepare(
     """The layout's model state (from the engine's layout code) and the fake run it needs, not run yet."""
     _check_layout(layout, device_type)
     cfg = layout_config(raw, layout)
+    refuse_experts_with_sequence_parallelism(cfg, layout)
     check_expert_layout(cfg, layout.dp)  # what initialize refuses under expert parallelism, in its words
     zcfg = cfg.zero_optimization
     precision = policy_from_config(cfg)
