@@ -109,11 +109,15 @@ def _train(kind: str, experts: int, sp: int, ep: int, stage: int, steps: int, ga
     return out
 
 
-def _runs(cases: list[tuple]) -> list:
-    """Every case on the same ranks, then (world 2) what is refused."""
+def _runs(cases: list[tuple], save_dir: str | None = None) -> list:
+    """Every case on the same ranks, then (world 2) what is refused and, with ``save_dir``, the checkpoints of
+    :func:`save_and_resume` at sp 2 x ep 2 (stage 2) loaded at ep 1 (stage 0)."""
     out = [_train(*case) for case in cases]
+    if dist.get_world_size() != 2:
+        return [out]
     base = {"train_micro_batch_size_per_gpu": MICRO, "sequence_parallel_size": 2, "collective_timeout_s": 120.0}
-    return [out, {"ep 4": _refused({**base, "expert_parallel_size": 4})}] if dist.get_world_size() == 2 else [out]
+    more = [out, {"ep 4": _refused({**base, "expert_parallel_size": 4})}]
+    return more + ([save_and_resume(2, 2, 2, save_dir, (1, 0))] if save_dir is not None else [])
 
 
 def _refused(config: dict) -> str | None:
@@ -166,6 +170,7 @@ def _assert_parity(results: list[dict], case: tuple) -> None:
 WORLD2 = [
     ("mixtral", 8, 2, 2, 2, 2, 2, 0.5, {}),  # dp 1 x sp 2: the expert group is the sequence-parallel group
     ("qwen3_moe", 8, 2, 2, 3, 2, 1, 0.5, {}),
+    ("mixtral", 8, 2, 2, 0, 2, 1, 0.5, {}),  # stage 0: the norm sums the expert squares over the expert group
 ]
 WORLD3 = [("qwen3_moe", 6, 3, 3, 2, 2, 1, 0.5, {})]  # dp 1 x sp 3, 6 experts over 3 ranks
 WORLD4 = [  # dp 2 x sp 2
@@ -174,12 +179,14 @@ WORLD4 = [  # dp 2 x sp 2
     ("qwen3_moe", 8, 2, 4, 2, 2, 1, 0.5, {}),  # one expert group spanning both sequences: experts whole
     ("mixtral", 8, 2, 4, 3, 2, 1, 0.5, {}),
     ("mixtral", 8, 2, 2, 2, 2, 1, 0.5, {"mics_shard_size": 2}),  # hybrid sharding over the dp * sp ranks
+    ("qwen3_moe", 8, 2, 2, 1, 2, 2, 0.5, {}),
+    ("qwen3_moe", 8, 2, 4, 0, 2, 1, 0.5, {}),
 ]
 
 
 @pytest.fixture(scope="module")
-def world2():
-    return run_distributed(_runs, 2, WORLD2, timeout=300)
+def world2(tmp_path_factory):
+    return run_distributed(_runs, 2, WORLD2, str(tmp_path_factory.mktemp("ckpt")), timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -341,10 +348,9 @@ def _check_checkpoint(results: list[dict], sp: int, ep: int) -> None:
             assert abs(got - want) <= 2e-5 * abs(want), (name, s, got, want)
 
 
-def test_checkpoints_resume_exactly_and_load_at_another_expert_layout(tmp_path):
+def test_checkpoints_resume_exactly_and_load_at_another_expert_layout(world2):
     # dp 1 x sp 2, ep 2 at stage 2, loaded at ep 1 (stage 0) on the same ranks
-    results = run_distributed(save_and_resume, 2, 2, 2, 2, str(tmp_path), (1, 0), timeout=300)
-    _check_checkpoint(results, sp=2, ep=2)
+    _check_checkpoint([r[2] for r in world2], sp=2, ep=2)
 
 
 @pytest.mark.soak
