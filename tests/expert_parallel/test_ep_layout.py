@@ -99,3 +99,43 @@ def test_layouts_expert_parallelism_is_not_built_for_are_refused_by_name(config,
     with pytest.raises(ConfigError, match="ep_size") as err:
         check_layout(load_config(config), world)
     assert words in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "tp, sp, ep, world, words",
+    [
+        (2, 2, 2, 8, "2 with both tensor parallelism (tensor_parallel.size 2) and sequence parallelism"),
+        (
+            1,
+            2,
+            3,
+            4,
+            "3 does not divide the 4 ranks ZeRO shards over (data-parallel size 2 x sequence_parallel_size 2)",
+        ),
+        (1, 2, 4, 4, None),  # one expert group over both sequences
+    ],
+)
+def test_init_topology_cuts_expert_groups_from_the_sequence_parallel_ranks_or_says_why_not(
+    monkeypatch, tp, sp, ep, world, words
+):
+    import torch
+
+    from shardtrain.distributed import mesh
+    from shardtrain.errors import LayoutError
+
+    monkeypatch.setattr(mesh, "pick_device", lambda device: torch.device("cpu"))
+    monkeypatch.setattr(mesh, "ensure_process_group", lambda timeout_s, device=None: False)
+    monkeypatch.setattr(mesh.dist, "get_world_size", lambda group=None: world)
+    laid = {}
+
+    def make_mesh_groups(device, world, tp, timeout_s, created, **axes):
+        laid.update(axes)
+        raise RuntimeError("laid out")  # the groups would be made next
+
+    monkeypatch.setattr(mesh, "_make_mesh_groups", make_mesh_groups)
+    with pytest.raises((LayoutError, RuntimeError)) as err:
+        mesh.init_topology(tp=tp, sp=sp, ep=ep)
+    if words is None:
+        assert laid == {"sp": sp, "shard_size": world // tp, "ep": ep}, laid
+    else:
+        assert isinstance(err.value, LayoutError) and "expert_parallel_size (ep_size) " + words in str(err.value)

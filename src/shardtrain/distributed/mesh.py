@@ -473,24 +473,23 @@ class Topology:
     expert-data-parallel group, whose ranks hold the only copies of their experts.
 
     [Note: experts under sequence parallelism]
-    With ``sequence_parallel_size: P`` as well, the expert groups are cut from ZeRO's ``dp * P`` axis, not from
-    ``dp``: ``zero_rank = edp_rank * E + ep_rank``. Every rank of that axis holds other tokens (its slice of its
-    data-parallel rank's sequences), and a MoE layer works on a rank's own tokens (only attention exchanges across
-    the sequence-parallel group), so any ``E`` of them can send each other their tokens, as DeepSpeed's Ulysses with
-    MoE does over its sequence-data-parallel group. ``E`` must divide ``dp * P``, so that the expert groups tile the
-    axis; nothing more: with ``E`` dividing ``P`` a group lies within one sequence-parallel group, with ``P``
-    dividing ``E`` it spans whole ones, and otherwise it straddles two, which changes which ranks exchange tokens,
-    not what any rank computes. (Restricting ``E`` to the ``dp`` axis would leave the ``P`` ranks of a sequence
-    holding the same experts for tokens of the same sequence, and the largest group ``dp``; restricting it to
-    ``P`` would tie the experts' split to the sequence length's.) The expert-data-parallel group is the ``dp * P /
-    E`` ranks with the same ``ep_rank``. The gradients need nothing new: under sequence parallelism rank ``r``'s
-    parameters receive ``P * n_r / N`` times the gradient of its slice's mean loss ([Note: the loss over a
-    sequence-parallel group] in ``shardtrain.sequence_parallel.inputs``) and the dense ones are averaged over the
-    ``dp * P`` ranks; a rank's expert gradient is the sum of those contributions over its expert group (the token
-    exchange's backward brings them back), so its average over the ``dp * P / E`` expert-data-parallel ranks divided
-    by ``E`` ([Note: expert buckets] in ``zero/layout.py``) is the same sum over all ``dp * P`` ranks divided by
-    ``dp * P``. Hybrid sharding's shard groups cut the same axis; the expert buckets stay over the
-    expert-data-parallel group, as without sequence parallelism. With tensor parallelism as well it is refused.
+    With ``sequence_parallel_size: P`` as well, the expert groups are cut from ZeRO's ``dp * P`` axis, not from ``dp``:
+    ``zero_rank = edp_rank * E + ep_rank``. Every rank of that axis holds other tokens (its slice of its data-parallel
+    rank's sequences), and a MoE layer works on a rank's own tokens (only attention exchanges across the
+    sequence-parallel group), so any ``E`` of them can send each other their tokens, as data-parallel ranks do. ``E``
+    must divide ``dp * P``, so that the expert groups tile the axis; nothing more: with ``E`` dividing ``P`` a group
+    lies within one sequence-parallel group, with ``P`` dividing ``E`` it spans whole ones, and otherwise it straddles
+    them, which changes which ranks exchange tokens, not what any rank computes. Groups of adjacent ranks keep the
+    exchange inside a node when ``E`` GPUs fit in it, and allow every ``E`` up to ``dp * P`` (groups cut from the ``dp``
+    axis alone would stop at ``dp``, and from the sequence-parallel group alone at ``P``). The expert-data-parallel
+    group is the ``dp * P / E`` ranks with the same ``ep_rank``. The gradients need nothing new: under sequence
+    parallelism rank ``r``'s parameters receive ``P * n_r / N`` times the gradient of its slice's mean loss ([Note: the
+    loss over a sequence-parallel group] in ``shardtrain.sequence_parallel.inputs``) and the dense ones are averaged
+    over the ``dp * P`` ranks; a rank's expert gradient is the sum of those contributions over its expert group (the
+    token exchange's backward brings them back), so its average over the ``dp * P / E`` expert-data-parallel ranks
+    divided by ``E`` ([Note: expert buckets] in ``zero/layout.py``) is the same sum over all ``dp * P`` ranks divided by
+    ``dp * P``. Hybrid sharding's shard groups cut the same axis; the expert buckets stay over the expert-data-parallel
+    group, as without sequence parallelism. With tensor parallelism as well it is refused.
     """
 
     rank: int
