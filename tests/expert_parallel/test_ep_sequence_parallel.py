@@ -64,6 +64,10 @@ def _train(kind: str, experts: int, sp: int, ep: int, stage: int, steps: int, ga
     layer), the experts it holds, its coordinates and its state dict (at stage 3 gathered within its
     expert-data-parallel group)."""
     model = make_model(kind, experts, sp)
+    extra = dict(extra)
+    if extra.pop("activation_checkpointing", False):  # transformers' own: each layer's forward again in backward
+        model.gradient_checkpointing_enable()
+        model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     zero = {"stage": stage, **({"stage3_param_persistence_threshold": 0} if stage == 3 else {}), **extra}
     config = {
@@ -181,6 +185,8 @@ WORLD4 = [  # dp 2 x sp 2
     ("mixtral", 8, 2, 2, 2, 2, 1, 0.5, {"mics_shard_size": 2}),  # hybrid sharding over the dp * sp ranks
     ("qwen3_moe", 8, 2, 2, 1, 2, 2, 0.5, {}),
     ("qwen3_moe", 8, 2, 4, 0, 2, 1, 0.5, {}),
+    ("mixtral", 8, 2, 2, 3, 2, 1, 0.5, {"activation_checkpointing": True}),  # both exchanges run again in backward
+    ("mixtral", 8, 2, 2, 2, 2, 1, 0.5, {"offload_optimizer": {"device": "cpu"}}),
 ]
 
 
