@@ -55,7 +55,7 @@ from shardtrain.engine.training_state import (
     save_engine,
 )
 from shardtrain.errors import ConfigError, LayoutError, OptimizerError
-from shardtrain.expert_parallel import install_expert_parallel, refuse_split_experts_checkpoint
+from shardtrain.expert_parallel import install_expert_parallel
 from shardtrain.tensor_parallel import check_same_batch, parallelize
 from shardtrain.tensor_parallel.parallelize import check_replicated_gradients
 from shardtrain.zero.host_read import HostRead
@@ -438,7 +438,6 @@ class Engine:
         [Note: phase agreement] communicates, so that a script right at stage 0 is right at stage 3). Units are
         gathered one at a time, so no rank holds more than one unit's full parameters besides the CPU copies on
         rank 0."""
-        refuse_split_experts_checkpoint(self.topology.ep, self.stage, "full_state_dict()")  # every rank: same verdict
         self._agree("full_state_dict")
         t = self.topology
         ep_comm = self._expert_comms.get("ep")
@@ -464,8 +463,6 @@ class Engine:
         ``checkpoint/async_save.py``). The next ``save_checkpoint`` and ``close()`` wait for it and raise its
         failure. The default is the config's ``checkpoint.writer.decoupled`` (DeepSpeed's key, ``false``). Returns
         the checkpoint's path either way."""
-        refuse_split_experts_checkpoint(self.topology.ep, self.stage, "save_checkpoint")  # every rank: same verdict
-        self._refuse_expert_checkpoint_with("save_checkpoint")
         self._agree("save_checkpoint")
         if self._async_saver is not None:  # one save in flight at most; a failure of the previous one is raised here
             self._async_saver.wait()
@@ -482,8 +479,6 @@ class Engine:
 
         Without ``tag`` the one ``load_dir/latest`` names is loaded. ``load_optimizer_states=False`` loads the
         model weights (masters included) and the loss scale only."""
-        refuse_split_experts_checkpoint(self.topology.ep, self.stage, "load_checkpoint")  # every rank: same verdict
-        self._refuse_expert_checkpoint_with("load_checkpoint")
         self._agree("load_checkpoint")
         if self._async_saver is not None:  # a save in flight is what `latest` will name: load it, not the one before
             self._async_saver.wait()
@@ -563,29 +558,6 @@ class Engine:
                             lo, hi = b.shard_range
                             b.shard.copy_(b.flat_param[lo:hi])
                     self._optimizer.refresh_masters(params)
-
-    def _refuse_expert_checkpoint_with(self, what: str) -> None:
-        """Checkpoints of split experts are built at stages 0-2 without hybrid sharding or offload; with either, the
-        expert buckets' shards (never replicated, on the host or in swap files) are not what the checkpoint's plan was
-        built and tested for: refused by name, the same verdict on every rank."""
-        zcfg = self.config.zero_optimization
-        other = [
-            name
-            for on, name in (
-                (self.topology.hybrid, f"hybrid sharding (mics_shard_size {zcfg.mics_shard_size})"),
-                (
-                    zcfg.offload_optimizer.device != "none",
-                    f"offload_optimizer.device {zcfg.offload_optimizer.device!r}",
-                ),
-            )
-            if on
-        ]
-        if self.topology.ep > 1 and other:
-            raise ConfigError(
-                f"{what} with expert_parallel_size (ep_size) {self.topology.ep} and {' and '.join(other)} is not "
-                "built: checkpoints of split experts are built without them (docs/expert-parallel.md); save a run "
-                "without them, or use full_state_dict()"
-            )
 
     def _refuse_expert_modifier(self, params: list[nn.Parameter]) -> None:
         """One rank's values copied to every rank would overwrite the other ranks' experts (their expert parameters

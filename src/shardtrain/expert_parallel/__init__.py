@@ -10,7 +10,6 @@ from shardtrain.expert_parallel.install import (
     experts_to_split,
     find_experts,
     install_expert_parallel,
-    refuse_split_experts_checkpoint,
 )
 
 __all__ = [
@@ -18,5 +17,4 @@ __all__ = [
     "experts_to_split",
     "find_experts",
     "install_expert_parallel",
-    "refuse_split_experts_checkpoint",
 ]

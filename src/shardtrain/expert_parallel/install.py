@@ -199,21 +199,9 @@ def install_expert_parallel(model: nn.Module, comm: Communicator) -> frozenset[i
     return frozenset(ids)
 
 
-def refuse_split_experts_checkpoint(ep: int, stage: int, what: str) -> None:
-    """Checkpoints of a model whose experts are split are built at ZeRO stages 0-2 (each rank records which experts
-    it holds, [Note: split parameters] in ``zero/layout.py``); at stage 3 they are refused before anything is written
-    or read."""
-    if ep > 1 and stage == 3:
-        raise ConfigError(
-            f"{what} with expert_parallel_size (ep_size) {ep} at ZeRO stage 3 is not built: the checkpoint of split "
-            "experts is built at stages 0-2 (docs/expert-parallel.md); save at stage 2, or without expert parallelism"
-        )
-
-
 __all__ = [
     "declared_ep_plan",
     "experts_to_split",
     "find_experts",
     "install_expert_parallel",
-    "refuse_split_experts_checkpoint",
 ]
