@@ -154,7 +154,7 @@ def _assert_continues(losses: list[float], after: list[float]) -> None:
 
 
 @pytest.mark.soak
-@pytest.mark.parametrize("world, ep, stage", [(2, 2, 1), (1, 1, 0)])
+@pytest.mark.parametrize("world, ep, stage", [(2, 2, 1), (2, 2, 3), (1, 1, 0)])
 def test_a_shardtrain_engine_trains_on_from_the_deepspeed_autoep_checkpoint(world, ep, stage):
     after = json.loads((DATA / "losses.json").read_text())["after"]
     _assert_continues(run_distributed(resume, world, str(DATA), ep, stage, timeout=300)[0], after)
