@@ -116,7 +116,13 @@ def test_the_stage_3_checkpoint_is_one_process_s_with_each_block_over_its_expert
     assert [r["z3"]["full_loads"] for r in world4["runs"]] == [[True, True]] * 4  # load_full_state_dict at stage 3
 
 
-def test_a_stage_3_checkpoint_loads_at_ep_4_and_at_stage_2(world4):
+def test_inspect_verify_lists_the_fragments_of_each_expert_block(world4, capsys):
+    assert main(["checkpoint", "inspect", str(world4["root"] / "z3"), "--tag", "a", "--verify"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if "layers.0.mlp.experts.gate_up_proj " in x)
+    assert "tp: dim 0, 2 blocks | zero: 2 fragments per block" in line, line
+
+
+def test_a_stage_3_checkpoint_loads_at_stage_2(world4):
     run, root = world4["runs"][0]["z3"], world4["root"] / "z3"
     assert run["mean"] == pytest.approx(world4["ref"]["losses"], rel=2e-5)
     for other in STAGE3_OTHERS:
