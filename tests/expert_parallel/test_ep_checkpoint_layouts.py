@@ -13,8 +13,9 @@ expert block is sharded over an expert-data-parallel group of two ranks.
   sharding at stage 2.
 
 A stage-2 checkpoint loading at stage 3 (world 3, ep 3) is in test_ep_checkpoint.py. Soak: optimizer offload to the
-host at stages 1 and 2 and to swap files at stage 3 (with the parameters), hybrid sharding at stages 1 and 2, and a
-save at world 3, ep 3, stage 3 with 6 experts, each loaded at other layouts (ep 4 at stage 3 among them); a stage-3
+host at stages 1 and 2 and to swap files at stage 3 (with the parameters), hybrid sharding at stages 1 and 2, a save
+at world 3, ep 3, stage 3 with 6 experts, and one at world 2, ep 2, stage 3 with hybrid sharding (shard groups of
+one rank) and the optimizer on the host, each loaded at other layouts (ep 4 at stage 3 among them); a stage-3
 checkpoint loaded at one process.
 """
 
@@ -198,6 +199,7 @@ def _with_swap(zero: dict, swap: Path) -> dict:
         (4, "mixtral", 8, 2, 1, HYBRID, ((2, 3, UNITS), (4, 1, HYBRID))),
         (4, "mixtral", 8, 2, 2, {**HYBRID, **HOST}, ((2, 2),)),
         (3, "qwen3_moe", 6, 3, 3, {**UNITS, **HOST}, ((1, 0), (3, 2))),
+        (2, "mixtral", 8, 2, 3, {**UNITS, **HOST, "mics_shard_size": 1}, ((1, 2), (2, 1, HYBRID))),
     ],
 )
 def test_offload_and_hybrid_sharding_at_each_stage(tmp_path, world, kind, experts, ep, stage, zero, others):
