@@ -365,3 +365,11 @@ def test_checkpoints_of_dp2_sp2_load_at_another_expert_layout(tmp_path):
     # loaded at ep 4 (stage 2): each expert on one rank
     results = run_distributed(save_and_resume, 4, 2, 2, 1, str(tmp_path), (4, 2), timeout=600)
     _check_checkpoint(results, sp=2, ep=2)
+
+
+@pytest.mark.soak
+def test_stage_3_checkpoints_of_sp2_x_ep2_resume_and_load_at_stage_2(tmp_path):
+    # sp 2 x ep 2 at stage 3 (the experts' units over an expert-data-parallel group of one rank), loaded at ep 1
+    # (stage 2) on the same ranks
+    results = run_distributed(save_and_resume, 2, 2, 2, 3, str(tmp_path), (1, 2), timeout=600)
+    _check_checkpoint(results, sp=2, ep=2)
