@@ -537,10 +537,12 @@ def refuse_sharded_construction(model: nn.Module) -> None:
 
 def broadcast_model(model: nn.Module, world: Communicator, split: str = "tensor-parallel") -> None:
     """Every rank starts from rank 0's full model before tensor (or expert) parallelism cuts each rank's blocks (the
-    data-parallel broadcast after the split only reaches ranks holding the same block)."""
+    data-parallel broadcast after the split only reaches ranks holding the same block). Parameters built under
+    ``zero.Init()`` are chunks of one tensor already, and stay sharded."""
     with torch.no_grad():
         for name, t in [*model.named_parameters(), *model.named_buffers()]:
-            world.broadcast(t.data, 0, what=f"initial value of {name!r} before the {split} split")
+            if not is_under_construction(t):
+                world.broadcast(t.data, 0, what=f"initial value of {name!r} before the {split} split")
 
 
 FUSED_ON_CUDA = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)

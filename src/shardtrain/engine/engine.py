@@ -59,7 +59,13 @@ from shardtrain.expert_parallel import install_expert_parallel
 from shardtrain.tensor_parallel import check_same_batch, parallelize
 from shardtrain.tensor_parallel.parallelize import check_replicated_gradients
 from shardtrain.zero.host_read import HostRead
-from shardtrain.zero.init import is_deferred, is_under_construction, materialize_deferred, record_initialization
+from shardtrain.zero.init import (
+    ExpertRows,
+    expert_rows_cut,
+    is_deferred,
+    materialize_deferred,
+    record_initialization,
+)
 from shardtrain.zero.optimizer import check_optimizer
 from shardtrain.zero.precision import check_parameter_dtypes, policy_from_config
 from shardtrain.zero.weights import KeyMapper
@@ -668,20 +674,17 @@ def _build(
                 f"{type(model).__name__}: its patterns match none of the model's module names (a model wrapped in "
                 "another module has longer names; pass initialize(tp_plan=...) with the full names)"
             )
-    experts = None
+    experts, rows = None, None
     if topology.ep > 1:  # each rank keeps its experts of rank 0's model (see [Note: the expert axis])
-        if deferred or any(is_under_construction(p) for p in model.parameters()):
-            raise ConfigError(
-                f"expert_parallel_size (ep_size) {topology.ep} with a model built under shardtrain.zero.Init() or on "
-                "meta is not built: each rank keeps its experts of the whole model, which sharded construction never "
-                "holds; build the model in memory (docs/expert-parallel.md)"
-            )
         ep_comm = Communicator(topology.ep_group, topology.timeout_s)
-        broadcast_model(model, Communicator(topology.zero_group, topology.timeout_s), split="expert-parallel")
-        experts = (install_expert_parallel(model, ep_comm), ep_comm)
-    if deferred:  # each rank's data-parallel chunk of its tensor-parallel block, and nothing more
+        edp_comm = Communicator(topology.edp_group, topology.timeout_s)
+        if not deferred:  # meta rows are cut as they are: see [Note: experts under sharded construction]
+            broadcast_model(model, Communicator(topology.zero_group, topology.timeout_s), split="expert-parallel")
+        ids = install_expert_parallel(model, ep_comm, expert_rows_cut(edp_comm))
+        experts, rows = (ids, ep_comm), ExpertRows(ids, edp_comm, topology.ep_rank, topology.ep)
+    if deferred:  # each rank's data-parallel chunk of its tensor-parallel block (or experts' rows), nothing more
         dp_comm = Communicator(topology.zero_group, topology.timeout_s)
-        materialize_deferred(model, placements, dp_comm, topology.tp_rank, topology.tp, topology.device)
+        materialize_deferred(model, placements, dp_comm, topology.tp_rank, topology.tp, topology.device, rows)
         if tp_comm is not None:
             check_replicated_gradients(model, placements, tp_comm)
     # from here on only resources can fail (a full disk, a lost peer): see shardtrain.engine.build

@@ -76,9 +76,21 @@ def all_to_all_v(x: torch.Tensor, comm: Communicator, out_splits: list[int], in_
 _EXPERT_WEIGHTS = ("gate_up_proj", "down_proj", "up_proj", "gate_up_proj_bias", "down_proj_bias", "up_proj_bias")
 
 
-def shard_experts(experts: nn.Module, comm: Communicator, name: str = "experts") -> None:
+def keep_rows(name: str, p: nn.Parameter, first: int, count: int) -> None:
+    """Keep rows ``[first, first + count)`` of ``p`` (dim 0), the same Parameter object (also on ``meta``)."""
+    p.data = p.detach()[first : first + count].clone()
+
+
+def shard_experts(
+    experts: nn.Module,
+    comm: Communicator,
+    name: str = "experts",
+    cut: Callable[[str, nn.Parameter, int, int], None] = keep_rows,
+) -> None:
     """Keep this rank's experts of a transformers experts module (3-D weights ``[n, ...]``, one row per expert) and
-    route its forward through :func:`dispatch` (see [Note: tokens to their experts]). In place."""
+    route its forward through :func:`dispatch` (see [Note: tokens to their experts]). In place. ``cut(name, p,
+    first, count)`` keeps rows ``[first, first + count)`` of the weight ``p`` named ``name``: :func:`keep_rows`, or
+    the engine's for a model under sharded construction."""
     n = getattr(experts, "num_experts", None)
     if not isinstance(n, int):
         raise ConfigError(f"{name} ({type(experts).__name__}) has no num_experts: not a transformers experts module")
@@ -97,7 +109,7 @@ def shard_experts(experts: nn.Module, comm: Communicator, name: str = "experts")
         if p.dim() < 2 or p.shape[0] != n:
             raise ConfigError(f"{name}.{w} of shape {tuple(p.shape)} is not one row per expert ({n} experts)")
         # the same Parameter object: an optimizer built over the model before the split keeps stepping it
-        p.data = p.detach()[first : first + local].clone()
+        cut(f"{name}.{w}", p, first, local)
     experts.num_experts = local
     experts.expert_range = (first, first + local)  # global ids of the experts held here
     inner = experts.forward  # the module's own forward, over the local experts

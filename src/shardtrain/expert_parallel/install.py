@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import inspect
 import re
+from collections.abc import Callable
 
 from torch import nn
 
 from shardtrain.distributed.communicator import Communicator
 from shardtrain.errors import ConfigError
-from shardtrain.expert_parallel.dispatch import _EXPERT_WEIGHTS, shard_experts
+from shardtrain.expert_parallel.dispatch import _EXPERT_WEIGHTS, keep_rows, shard_experts
 
 _SPLIT_STYLES = ("ep_dispatch_experts", "grouped_gemm")
 
@@ -187,14 +188,19 @@ def experts_to_split(model: nn.Module, ep: int) -> dict[str, nn.Module]:
     return experts
 
 
-def install_expert_parallel(model: nn.Module, comm: Communicator) -> frozenset[int]:
+def install_expert_parallel(
+    model: nn.Module, comm: Communicator, cut: Callable[[str, nn.Parameter, int, int], None] = keep_rows
+) -> frozenset[int]:
     """Keep this rank's experts of every experts module of ``model`` that :func:`experts_to_split` names and route
     their forward through the token exchange over ``comm`` (the expert group); returns the ids of the expert
     parameters, which the engine reduces over the expert-data-parallel group. In place; the parameter objects are
-    kept."""
+    kept. ``cut(name, p, first, count)`` keeps rows ``[first, first + count)`` of an expert weight: in memory and
+    on ``meta`` by slicing (:func:`~shardtrain.expert_parallel.dispatch.keep_rows`); a model built under
+    ``zero.Init()`` passes its construction runtime's (see [Note: experts under sharded construction] in
+    ``zero/init.py``)."""
     ids = set()
     for name, m in experts_to_split(model, comm.size).items():
-        shard_experts(m, comm, name)
+        shard_experts(m, comm, name, cut)
         ids.update(id(p) for w in _EXPERT_WEIGHTS if isinstance(p := getattr(m, w, None), nn.Parameter))
     return frozenset(ids)
 

@@ -43,6 +43,25 @@ same numbers. They are *not* the numbers ``torch.manual_seed`` + a normal build 
 produce a slice of a stream without producing the stream); ``seed`` is ``Init(seed=...)``, else
 ``torch.initial_seed()`` when the context was entered.
 
+[Note: experts under sharded construction]
+Under expert parallelism (``expert_parallel_size: E``) a rank keeps rows ``[ep_rank * n/E, (ep_rank + 1) * n/E)``
+of each fused experts weight ``[n, ...]`` (its experts), chunked over the expert-data-parallel group (the ``dp / E``
+ranks holding the same experts, [Note: expert buckets] in :mod:`shardtrain.zero.layout`). Two ways to get there:
+
+* Deferred (``Init(config)`` with ``expert_parallel_size`` > 1, ``Init(deferred=True)``, or a model built on
+  ``meta``): ``initialize`` cuts the meta rows (``p.shape[0]`` becomes ``n/E``), and :func:`materialize_deferred`
+  gives each element of this rank's chunk the value of its position in the whole tensor, the expert rows being a
+  block on dim 0 over the ``E`` ranks (``global_flat_index`` with ``TPPlacement(0, 1, whole)``). No rank allocates
+  another rank's experts, and the values are those of a one-process deferred build at any (dp, ep).
+* Sharded as built (``Init()``, or ``Init(config, deferred=False)``): the model's values are those of a normal
+  build with the same seed, each parameter chunked over the world. ``initialize`` gathers each expert weight once
+  (as construction did, a rank holds one whole weight at a time), keeps its rows and chunks them over the
+  expert-data-parallel group: one construction runtime, each unit gathered over its own group.
+
+Either way the layout then gathers each unit's expert weights over the expert-data-parallel group, as it does for a
+model built in memory. Rank 0's model is not broadcast first (as it is for a model built in memory): the chunks are
+of one tensor, or computed from positions, so every rank's rows are rows of the same model.
+
 A model built on ``meta`` without ``Init`` has no recipes: ``initialize`` records them by calling each module's
 ``reset_parameters()`` (the convention of FSDP2 and torchtitan); a parameter still without one starts at zero (a
 warning names it) and is expected to be loaded. What cannot be replayed on a chunk (``orthogonal_``, a write
@@ -72,7 +91,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from shardtrain.config.schema import Config, load_config
 from shardtrain.distributed.communicator import Communicator
 from shardtrain.distributed.mesh import ensure_process_group, pick_device
-from shardtrain.distributed.placement import global_flat_index
+from shardtrain.distributed.placement import TPPlacement, global_flat_index
 from shardtrain.errors import ConfigError
 from shardtrain.zero.guarded import ShardedParameter, guard, guard_of, unguard
 from shardtrain.zero.layout import Bucket, ParamSlot, _fragment, build_buckets
@@ -93,11 +112,20 @@ class ConstructionRuntime:
         self.comm = comm
         self.device = device if device is not None else pick_device()
         self._open: list[Unit] = []
+        # units sharded over another group than ``comm`` (expert weights: their expert-data-parallel group)
+        self._groups: weakref.WeakKeyDictionary[Unit, Communicator] = weakref.WeakKeyDictionary()
 
-    def shard(self, name: str, p: nn.Parameter) -> None:
-        (bucket,) = build_buckets([[(name, p)]], self.comm.size, self.comm.rank, own_shard=True)
+    def _group(self, unit: Unit) -> Communicator:
+        return self._groups.get(unit, self.comm)
+
+    def shard(self, name: str, p: nn.Parameter, comm: Communicator | None = None) -> None:
+        """Make ``p`` a one-parameter unit holding this rank's chunk over ``comm`` (default the runtime's)."""
+        comm = comm if comm is not None else self.comm
+        (bucket,) = build_buckets([[(name, p)]], comm.size, comm.rank, own_shard=True)
         bucket.gather_after_step = False
         unit = Unit(-1, name, module=None, buckets=[bucket], runtime=self)
+        if comm is not self.comm:
+            self._groups[unit] = comm
         guard(p, name, unit)
         self._release(unit)
 
@@ -126,15 +154,22 @@ class ConstructionRuntime:
             if b.flat_param.numel() != b.padded_numel:  # a deferred parameter's first gather: shape the buffer
                 self._point_into(b, storage)
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(b.flat_param):
-                self.comm.all_gather(b.flat_param, b.shard, what=f"parameter {unit.name!r} during construction")
+                self._group(unit).all_gather(b.flat_param, b.shard, what=f"parameter {unit.name!r} during construction")
         unit.state = UnitState.GATHERED
         self._open.append(unit)
 
-    def shard_deferred(self, name: str, p: nn.Parameter, values: Callable[[int, int], torch.Tensor]) -> None:
-        """Make ``p`` (a meta parameter) a one-parameter unit holding only this rank's chunk, whose elements
-        ``[a, b)`` of the flattened parameter ``values(a, b)`` computes ([Note: deferred construction]). The
-        full buffer gets storage only when the parameter is gathered."""
-        dp, rank = self.comm.size, self.comm.rank
+    def shard_deferred(
+        self,
+        name: str,
+        p: nn.Parameter,
+        values: Callable[[int, int], torch.Tensor],
+        comm: Communicator | None = None,
+    ) -> None:
+        """Make ``p`` (a meta parameter) a one-parameter unit holding only this rank's chunk over ``comm`` (default
+        the runtime's), whose elements ``[a, b)`` of the flattened parameter ``values(a, b)`` computes ([Note:
+        deferred construction]). The full buffer gets storage only when the parameter is gathered."""
+        comm = comm if comm is not None else self.comm
+        dp, rank = comm.size, comm.rank
         n, dtype, device = p.numel(), p.dtype, self.device
         padded = -(-n // dp) * dp
         lo, hi = rank * (padded // dp), (rank + 1) * (padded // dp)
@@ -149,6 +184,8 @@ class ConstructionRuntime:
         bucket.fragments = [_fragment(slot, lo, hi)]
         _leave_meta(p, torch.zeros((), dtype=dtype, device=device).expand(p.shape))
         unit = Unit(-1, name, module=None, buckets=[bucket], runtime=self)
+        if comm is not self.comm:
+            self._groups[unit] = comm
         guard(p, name, unit)
         unit.state = UnitState.SHARDED
 
@@ -167,6 +204,20 @@ class ConstructionRuntime:
         unguard(p)
         p.data = full
 
+    def keep_rows(self, name: str, p: ShardedParameter, first: int, count: int, comm: Communicator) -> None:
+        """Keep rows ``[first, first + count)`` (dim 0) of ``p``, sharded over ``comm``: ``p`` is gathered whole
+        once, its rows copied out, and it becomes a one-parameter unit of those rows over ``comm`` ([Note: experts
+        under sharded construction])."""
+        self.touch(p)
+        unit = guard_of(p).unit
+        with torch._C.DisableTorchFunctionSubclass(), torch.no_grad():  # layout work on a guarded parameter
+            rows = p.detach()[first : first + count].clone()
+        self._open.remove(unit)
+        self._release(unit)  # the whole tensor's storage goes before the rows are sharded
+        unguard(p)
+        p.data = rows
+        self.shard(name, p, comm)
+
     def post_init(self, module: nn.Module) -> None:
         self.settle()
         for name, p in list(module._parameters.items()):
@@ -181,6 +232,20 @@ def is_under_construction(p: nn.Parameter) -> bool:
 def construction_runtime(p: nn.Parameter) -> ConstructionRuntime:
     """The runtime that built ``p`` under :class:`Init` (``p`` must be under construction)."""
     return guard_of(p).unit.runtime
+
+
+def expert_rows_cut(comm: Communicator) -> Callable[[str, nn.Parameter, int, int], None]:
+    """How expert parallelism keeps rows ``[first, first + count)`` of an expert weight ``p``: one built under
+    :class:`Init` is gathered once and its rows sharded over ``comm`` (the expert-data-parallel group); one on
+    ``meta`` or in memory is sliced ([Note: experts under sharded construction])."""
+
+    def cut(name: str, p: nn.Parameter, first: int, count: int) -> None:
+        if is_under_construction(p):
+            construction_runtime(p).keep_rows(name, p, first, count, comm)
+        else:
+            p.data = p.detach()[first : first + count].clone()
+
+    return cut
 
 
 def _module_classes() -> list[type[nn.Module]]:
@@ -495,6 +560,18 @@ def record_initialization(module: nn.Module) -> None:
             _RECIPES[t] = recipe
 
 
+@dataclass(frozen=True)
+class ExpertRows:
+    """Expert parallelism's cut of the expert weights, for :func:`materialize_deferred`: each is rows
+    ``[ep_rank * n/ep, (ep_rank + 1) * n/ep)`` of the whole ``[n, ...]`` tensor, chunked over ``comm`` ([Note:
+    experts under sharded construction])."""
+
+    ids: frozenset[int]  # the expert weights (ids of their Parameter objects), already cut to this rank's rows
+    comm: Communicator  # the expert-data-parallel group: the ranks holding the same experts
+    ep_rank: int
+    ep: int
+
+
 def materialize_deferred(
     module: nn.Module,
     placements: Mapping[str, Any] | None,
@@ -502,12 +579,16 @@ def materialize_deferred(
     tp_rank: int,
     tp: int,
     device: torch.device,
+    experts: ExpertRows | None = None,
 ) -> None:
     """Give every meta parameter of ``module`` its data-parallel chunk (over ``comm``) of this rank's
-    tensor-parallel block, and every meta buffer its values ([Note: deferred construction]).
+    tensor-parallel block, and every meta buffer its values ([Note: deferred construction]). ``experts``: under
+    expert parallelism, the expert weights get their chunk over the expert-data-parallel group of this rank's
+    experts' rows ([Note: experts under sharded construction]).
 
-    Called by ``initialize`` after ``parallelize`` (which cut meta blocks); the parameters become construction
-    units that the layout gathers one unit at a time, as after ``Init`` without tensor parallelism."""
+    Called by ``initialize`` after ``parallelize`` (which cut meta blocks) and the expert split (which cut meta
+    rows); the parameters become construction units that the layout gathers one unit at a time, as after ``Init``
+    without tensor parallelism."""
     placements = placements or {}
     problems, unset = [], []
     for name, t in [*_distinct(module, False), *_distinct(module, True)]:
@@ -542,12 +623,15 @@ def materialize_deferred(
         if not p.is_meta:
             continue
         recipe = _RECIPES.pop(p, None) or InitRecipe(0)  # none: zeros (warned above)
-        placement = placements.get(name)
+        placement, rank, size, over = placements.get(name), tp_rank, tp, None
+        if experts is not None and id(p) in experts.ids:  # this rank's experts: a block of rows of the whole tensor
+            whole = (p.shape[0] * experts.ep, *p.shape[1:])
+            placement, rank, size, over = TPPlacement(0, 1, whole), experts.ep_rank, experts.ep, experts.comm
 
-        def values(a, b, recipe=recipe, name=name, placement=placement, dtype=p.dtype):
-            return chunk_values(recipe, name, placement, tp_rank, tp, a, b, dtype, device)
+        def values(a, b, recipe=recipe, name=name, placement=placement, rank=rank, size=size, dtype=p.dtype):
+            return chunk_values(recipe, name, placement, rank, size, a, b, dtype, device)
 
-        runtime.shard_deferred(name, p, values)
+        runtime.shard_deferred(name, p, values, over)
 
 
 def _leave_meta(p: nn.Parameter, data: torch.Tensor) -> None:
@@ -579,11 +663,12 @@ class Init:
     """Context manager for sharded construction.
 
     ``Init()`` shards each parameter over the world as it is built ([Note: sharded construction]).
-    ``Init(config)`` with ``tensor_parallel.size`` > 1 (the config ``initialize`` gets: a dict, a path or a
-    :class:`~shardtrain.config.schema.Config`, as DeepSpeed's ``zero.Init(config_dict_or_path=...)``), or
-    ``Init(deferred=True)``, builds the parameters on ``meta`` and writes down their initialization;
-    ``initialize`` (with the tensor-parallel plan) then makes each rank's chunk of its block directly
-    ([Note: deferred construction])::
+    ``Init(config)`` with ``tensor_parallel.size`` > 1 or ``expert_parallel_size`` > 1 (the config ``initialize``
+    gets: a dict, a path or a :class:`~shardtrain.config.schema.Config`, as DeepSpeed's
+    ``zero.Init(config_dict_or_path=...)``), or ``Init(deferred=True)``, builds the parameters on ``meta`` and
+    writes down their initialization; ``initialize`` (with the tensor-parallel plan) then makes each rank's chunk of
+    its block, and of its experts' rows, directly ([Note: deferred construction], [Note: experts under sharded
+    construction])::
 
         with shardtrain.zero.Init(config):
             model = MyModel(model_config)
@@ -605,7 +690,8 @@ class Init:
         if config is not None and config_dict_or_path is not None:
             raise ConfigError("zero.Init: give config or config_dict_or_path (DeepSpeed's name for it), not both")
         cfg = load_config(config if config is not None else config_dict_or_path)
-        self.deferred = cfg.tensor_parallel.degree > 1 if deferred is None else deferred
+        split = cfg.tensor_parallel.degree > 1 or cfg.expert_parallel_size > 1  # each rank makes its blocks only
+        self.deferred = split if deferred is None else deferred
         if not self.deferred and cfg.tensor_parallel.degree > 1:
             raise ConfigError(
                 "zero.Init(deferred=False) with tensor_parallel.size > 1: a parameter sharded as it is built "

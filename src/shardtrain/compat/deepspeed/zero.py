@@ -37,8 +37,9 @@ class DeepSpeedInit:
     """``deepspeed.zero.Init``: build a model with its parameters sharded over the ranks as they are created.
 
     ``enabled=False`` builds it normally. ``config_dict_or_path`` / ``config`` goes to shardtrain's ``zero.Init``:
-    its timeout, and with ``tensor_parallel.size`` > 1 a deferred build whose parameters are materialized as each
-    rank's fragment of its block after the split (docs/sharded-construction.md). Remote devices, quantized weights
+    its timeout, and with ``tensor_parallel.size`` > 1 or ``expert_parallel_size`` > 1 a deferred build whose
+    parameters are materialized as each rank's fragment of its block (or of its experts' rows) after the split
+    (docs/sharded-construction.md). Remote devices, quantized weights
     and other groups are refused by name."""
 
     def __init__(
