@@ -109,10 +109,31 @@ def _train(how: str, kind: str, experts: int, ep: int, zero: dict, steps: int) -
     return out
 
 
-def _runs(cases: list[tuple]) -> list[dict]:
-    out = [_train(*case) for case in cases]
+def _from_pretrained(path: str) -> list[str]:
+    """``shardtrain.from_pretrained`` at ZeRO-3 with ep 2 (built under ``zero.Init(config)``, deferred, each rank
+    reading its experts): the tensors whose values differ from this rank's share of transformers' own
+    ``from_pretrained`` of the same folder."""
+    import transformers
+
+    if dist.get_rank() == 0:
+        tiny_moe("mixtral", 8, seed=3).save_pretrained(path)
     dist.barrier()
-    return out
+    config = {"train_micro_batch_size_per_gpu": 1, "expert_parallel_size": 2, "zero_optimization": UNITS}
+    engine = shardtrain.from_pretrained(
+        transformers.AutoModelForCausalLM, path, config, optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR)
+    )
+    model = engine.module
+    state = _state(engine, model)
+    first, last = model.model.layers[0].mlp.experts.expert_range
+    want = transformers.AutoModelForCausalLM.from_pretrained(path).state_dict()
+    engine.close()
+    assert state.keys() == want.keys()
+    return [k for k, v in want.items() if not torch.equal(state[k], v[first:last] if ".experts." in k else v)]
+
+
+def _runs(cases: list[tuple], path: str | None = None) -> tuple[list[dict], list[str] | None]:
+    out = [_train(*case) for case in cases]
+    return out, _from_pretrained(path) if path is not None else None
 
 
 def reference(kind: str, experts: int, init: dict | None, world: int, steps: int) -> dict:
@@ -146,8 +167,8 @@ def _whole(results: list[dict], key: str) -> dict[str, torch.Tensor]:
     return full
 
 
-def _check(runs: list[list[dict]], cases: list[tuple]) -> None:
-    world = len(runs)
+def _check(runs: list[tuple[list[dict], list[str] | None]], cases: list[tuple]) -> None:
+    world, runs = len(runs), [r[0] for r in runs]
     for i, (how, kind, experts, ep, zero, steps) in enumerate(cases):
         what = f"{kind} built {how}, ep {ep}, world {world}, stage {zero['stage']}"
         results = [r[i] for r in runs]
@@ -213,11 +234,16 @@ WORLD4 = [  # ep 2 x edp 2: expert chunks over 2 ranks, dense over 4
     ("init", "mixtral", 8, 2, MIXED, 2),
     ("init_config", "mixtral", 8, 4, {"stage": 2}, 2),
     ("meta", "mixtral", 8, 2, {"stage": 2}, 2),
+    ("init", "mixtral", 8, 2, {"stage": 0}, 2),
+    # hybrid sharding: dense units within shard groups {0, 1} and {2, 3}, expert units over {0, 2} and {1, 3}
+    ("init_config", "mixtral", 8, 2, {**UNITS, "mics_shard_size": 2}, 2),
 ]
 
 
-def test_built_sharded_at_ep2_trains_like_one_process():
-    _check(run_distributed(_runs, 2, WORLD2, timeout=300), WORLD2)
+def test_built_sharded_at_ep2_trains_like_one_process_and_from_pretrained_reads_each_rank_s_experts(tmp_path):
+    runs = run_distributed(_runs, 2, WORLD2, str(tmp_path / "pretrained"), timeout=300)
+    _check(runs, WORLD2)
+    assert [r[1] for r in runs] == [[], []], "from_pretrained at ZeRO-3, ep 2: tensors unlike transformers' own"
 
 
 def test_built_sharded_at_ep3_with_six_experts_trains_like_one_process():
@@ -231,5 +257,8 @@ def test_built_sharded_at_ep2_by_edp2_trains_like_one_process():
 
 def test_init_with_expert_parallelism_is_deferred_by_default():
     assert shardtrain.zero.Init({"expert_parallel_size": 2}).deferred
+    # DeepSpeed-MoE's and AutoEP's keys for it, as deepspeed.zero.Init(config_dict_or_path=...) is given them
+    assert shardtrain.zero.Init(config_dict_or_path={"moe": {"ep_size": 2, "drop_tokens": False}}).deferred
+    assert shardtrain.zero.Init({"expert_parallel": {"enabled": True, "autoep_size": 2}}).deferred
     assert not shardtrain.zero.Init({"expert_parallel_size": 2}, deferred=False).deferred
     assert not shardtrain.zero.Init({"expert_parallel_size": 1}).deferred

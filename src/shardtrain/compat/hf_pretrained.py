@@ -72,10 +72,10 @@ def from_pretrained(
     Collective: every rank calls it with the same arguments. ``model_cls`` is a transformers model class
     (``GPT2LMHeadModel``) or an Auto class (``AutoModelForCausalLM``). At ZeRO stage 3 the model is built under
     :class:`shardtrain.zero.Init`, so no rank ever holds it whole; each rank then reads from the safetensors files only
-    the rows covering what it holds (:meth:`Engine.load_full_state_dict`). With ``tensor_parallel.size`` > 1 (any
-    stage) it is built under ``zero.Init(config)``, on ``meta``, and each rank reads only its tensor-parallel blocks
-    (docs/sharded-construction.md). Tied weights are loaded once, under any of their names.
-    ``generation_config.json`` is loaded when present.
+    the rows covering what it holds (:meth:`Engine.load_full_state_dict`). With ``tensor_parallel.size`` > 1 or
+    ``expert_parallel_size`` > 1 (any stage) it is built under ``zero.Init(config)``, on ``meta``, and each rank
+    reads only its tensor-parallel blocks and its experts (docs/sharded-construction.md). Tied weights are loaded
+    once, under any of their names. ``generation_config.json`` is loaded when present.
 
     Keys are read as transformers' own ``from_pretrained`` reads them (:mod:`shardtrain.compat.hf_keys`): its
     renamings (``embed_out`` -> ``lm_head``, ViT's ``encoder.layer``, ``block_sparse_moe``), its ``base_model_prefix``
@@ -95,10 +95,10 @@ def from_pretrained(
     from transformers import AutoConfig, GenerationConfig
 
     hf_config = AutoConfig.from_pretrained(str(path))
-    if cfg.zero_optimization.stage == 3 or cfg.tensor_parallel.degree > 1:
+    if cfg.zero_optimization.stage == 3 or cfg.tensor_parallel.degree > 1 or cfg.expert_parallel_size > 1:
         from shardtrain.zero.init import Init
 
-        with Init(cfg):  # deferred (on meta) with tensor parallelism: each rank then makes only its blocks
+        with Init(cfg):  # deferred (on meta) with tensor or expert parallelism: each rank makes only its blocks
             model = _build(model_cls, hf_config, dtype, model_kwargs or {})
     else:
         model = _build(model_cls, hf_config, dtype, model_kwargs or {})
