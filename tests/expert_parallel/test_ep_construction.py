@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import shardtrain
 from shardtrain.testing import run_distributed
-from shardtrain.zero.init import _RECIPES, chunk_values
+from shardtrain.zero.init import _RECIPES, chunk_values, is_under_construction
 
 from helpers.moe_cases import VOCAB, tiny_moe
 
@@ -78,6 +78,9 @@ def _train(how: str, kind: str, experts: int, ep: int, zero: dict, steps: int) -
         "expert_parallel_size": ep,
         "collective_timeout_s": 120.0,
     }
+    import transformers
+
+    assert transformers.MixtralForCausalLM and transformers.Qwen3MoeForCausalLM  # defined before Init wraps classes
     torch.manual_seed(0)
     context = {
         "init_config": lambda: shardtrain.zero.Init(config),
@@ -88,6 +91,7 @@ def _train(how: str, kind: str, experts: int, ep: int, zero: dict, steps: int) -
     with context:
         model = tiny_moe(kind, experts)
     out = {"meta_after_construction": all(p.is_meta for p in model.parameters())}
+    out["sharded_as_built"] = all(is_under_construction(p) for p in model.parameters())
     shapes = Shapes()
     with shapes:
         engine = shardtrain.initialize(model, config=config, optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR))
@@ -182,6 +186,7 @@ def _check(runs: list[tuple[list[dict], list[str] | None]], cases: list[tuple]) 
         experts_of = "model.layers.0.mlp.experts."
         whole = {(experts, *v.shape[1:]) for k, v in results[0]["init"].items() if k.startswith(experts_of)}
         if how == "init":  # sharded as built: initialize gathers each expert weight whole once, to cut its rows
+            assert all(r["sharded_as_built"] for r in results), what
             assert all(whole <= r["shapes"] for r in results), what  # (the measurement sees whole weights)
         if how == "init_config":  # deferred: nothing was built, and no rank ever made a whole expert weight
             for r in results:
