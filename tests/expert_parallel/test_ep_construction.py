@@ -3,7 +3,8 @@
 (sharded over the world as built, the values of a normal build) and on ``meta`` (accelerate's
 ``init_empty_weights``, weights loaded after ``initialize``), trained against one process that builds the same model
 normally, from the same initial values, on the same global batch (losses, global gradient norms, final
-parameters), at ep 2 (world 2), ep 3 with 6 experts (world 3) and ep 2 x edp 2 (world 4, soak)."""
+parameters), at ep 2 (world 2), ep 3 with 6 experts (world 3) and ep 2 x edp 2, with hybrid sharding or sequence
+parallelism (world 4, soak)."""
 
 from __future__ import annotations
 
@@ -66,17 +67,17 @@ def _state(engine, model) -> dict[str, torch.Tensor]:
         return {k: v.detach().float().clone() for k, v in model.state_dict().items()}
 
 
-def _train(how: str, kind: str, experts: int, ep: int, zero: dict, steps: int) -> dict:
+def _train(how: str, kind: str, experts: int, ep: int, zero: dict, steps: int, extra: dict | None = None) -> dict:
     """This rank's run: the model built ``how`` ("init_config": ``zero.Init(config)``, deferred; "init":
     ``zero.Init()``, sharded over the world as built; "meta": on ``meta``, weights loaded after ``initialize``),
-    trained on its rows of every global batch."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    trained on its data-parallel rank's rows of every global batch. ``extra``: more config."""
     config = {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_clipping": CLIP,
         "zero_optimization": zero,
         "expert_parallel_size": ep,
         "collective_timeout_s": 120.0,
+        **(extra or {}),
     }
     import transformers
 
@@ -97,11 +98,12 @@ def _train(how: str, kind: str, experts: int, ep: int, zero: dict, steps: int) -
         engine = shardtrain.initialize(model, config=config, optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR))
     out["shapes"] = shapes.seen
     if how == "meta":  # the weights a normal build makes, loaded into each rank's experts
-        engine.load_full_state_dict(tiny_moe(kind, experts).state_dict() if rank == 0 else None)
+        engine.load_full_state_dict(tiny_moe(kind, experts).state_dict() if dist.get_rank() == 0 else None)
     out["expert_buckets"] = [(b.world, b.numel, b.shard.numel()) for b in engine.layout.buckets if b.expert]
     out["init"] = _state(engine, model)
     losses, norms = [], []
-    for ids in global_batches(world, steps):
+    dp, rank = engine.topology.dp, engine.topology.dp_rank  # sequence-parallel ranks share their rows
+    for ids in global_batches(dp, steps):
         loss = engine(input_ids=ids[rank * MICRO : (rank + 1) * MICRO], labels=ids[rank * MICRO : (rank + 1) * MICRO])
         engine.backward(loss.loss)
         engine.step()
@@ -164,17 +166,17 @@ def reference(kind: str, experts: int, init: dict | None, world: int, steps: int
 def _whole(results: list[dict], key: str) -> dict[str, torch.Tensor]:
     """The full state dict from the ranks of the first expert group: expert weights concatenated in expert order."""
     full = dict(results[0][key])
-    ep = results[0]["topology"][1]
+    group = {r["topology"][2]: r for r in reversed(results)}  # the first rank of each ep_rank: an expert group
     for name in results[0]["held"]:
         for k in [k for k in full if k.startswith(name + ".")]:
-            full[k] = torch.cat([r[key][k] for r in results[:ep]])
+            full[k] = torch.cat([group[i][key][k] for i in sorted(group)])
     return full
 
 
 def _check(runs: list[tuple[list[dict], list[str] | None]], cases: list[tuple]) -> None:
     world, runs = len(runs), [r[0] for r in runs]
-    for i, (how, kind, experts, ep, zero, steps) in enumerate(cases):
-        what = f"{kind} built {how}, ep {ep}, world {world}, stage {zero['stage']}"
+    for i, (how, kind, experts, ep, zero, steps, *extra) in enumerate(cases):
+        what = f"{kind} built {how}, ep {ep}, world {world}, stage {zero['stage']} {extra}"
         results = [r[i] for r in runs]
         dp = results[0]["topology"][0]
         assert [r["topology"] for r in results] == [(dp, ep, k % ep) for k in range(world)], what
@@ -195,14 +197,14 @@ def _check(runs: list[tuple[list[dict], list[str] | None]], cases: list[tuple]) 
             if zero["stage"] == 3:  # each unit's expert weights: this rank's rows, chunked over dp / ep ranks
                 for r in results:
                     for edp, numel, shard in r["expert_buckets"]:
-                        assert edp == dp // ep and shard == -(-numel // edp), (what, edp, numel, shard)
+                        assert edp == world // ep and shard == -(-numel // edp), (what, edp, numel, shard)
             init = one_process_deferred(kind, experts)
             full = _whole(results, "init")
             for k, want in init.items():  # the values a one-process deferred build makes, at this (dp, ep)
                 assert torch.equal(full[k], want), f"{what}: initial {k} differs from the one-process build"
-            ref = reference(kind, experts, init, world, steps)
+            ref = reference(kind, experts, init, dp, steps)
         else:  # a normal build's values: sharded as built (same seed), or loaded
-            ref = reference(kind, experts, None, world, steps)
+            ref = reference(kind, experts, None, dp, steps)
             full = _whole(results, "init")
             for k, want in ref["init"].items():
                 assert torch.equal(full[k], want), f"{what}: initial {k} differs from the normal build"
@@ -234,7 +236,7 @@ WORLD3 = [
     ("init_config", "qwen3_moe", 6, 3, MIXED, 2),
     ("init", "qwen3_moe", 6, 3, {"stage": 1}, 2),
 ]
-WORLD4 = [  # ep 2 x edp 2: expert chunks over 2 ranks, dense over 4
+WORLD4 = [  # ep 2 x edp 2: expert chunks over 2 ranks, dense over 4 (with sequence parallelism: over the dp x sp axis)
     ("init_config", "mixtral", 8, 2, UNITS, 2),
     ("init", "mixtral", 8, 2, MIXED, 2),
     ("init_config", "mixtral", 8, 4, {"stage": 2}, 2),
@@ -242,6 +244,9 @@ WORLD4 = [  # ep 2 x edp 2: expert chunks over 2 ranks, dense over 4
     ("init", "mixtral", 8, 2, {"stage": 0}, 2),
     # hybrid sharding: dense units within shard groups {0, 1} and {2, 3}, expert units over {0, 2} and {1, 3}
     ("init_config", "mixtral", 8, 2, {**UNITS, "mics_shard_size": 2}, 2),
+    # sequence parallelism: dp 2 x sp 2, expert groups of adjacent ranks of the dp x sp axis
+    ("init_config", "mixtral", 8, 2, UNITS, 2, {"sequence_parallel_size": 2}),
+    ("init", "mixtral", 8, 2, {"stage": 2}, 2, {"sequence_parallel_size": 2}),
 ]
 
 
