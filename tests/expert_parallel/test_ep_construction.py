@@ -88,7 +88,7 @@ def _train(how: str, kind: str, experts: int, ep: int, zero: dict, steps: int, e
         "init_config": lambda: shardtrain.zero.Init(config),
         "init": shardtrain.zero.Init,
         # as transformers users build on meta: parameters on meta, buffers (rotary frequencies) computed
-        "meta": lambda: accelerate.init_empty_weights(),
+        "meta": accelerate.init_empty_weights,
     }[how]()
     with context:
         model = tiny_moe(kind, experts)
@@ -105,10 +105,11 @@ def _train(how: str, kind: str, experts: int, ep: int, zero: dict, steps: int, e
     losses, norms = [], []
     dp, rank = engine.topology.dp, engine.topology.dp_rank  # sequence-parallel ranks share their rows
     for ids in global_batches(dp, steps):
-        loss = engine(input_ids=ids[rank * MICRO : (rank + 1) * MICRO], labels=ids[rank * MICRO : (rank + 1) * MICRO])
-        engine.backward(loss.loss)
+        rows = ids[rank * MICRO : (rank + 1) * MICRO]
+        loss = engine(input_ids=rows, labels=rows).loss
+        engine.backward(loss)
         engine.step()
-        losses.append(loss.loss.item())
+        losses.append(loss.item())
         norms.append(engine.get_global_grad_norm())
     out.update(losses=losses, norms=norms, state=_state(engine, model), held=_held(model))
     out["topology"] = (engine.topology.dp, engine.topology.ep, engine.topology.ep_rank)
