@@ -11,7 +11,8 @@ VOCAB = 32
 def tiny_moe(kind: str, experts: int, seed: int = 0, router_logits: bool = True, **overrides):
     """``kind`` ``"mixtral"`` or ``"qwen3_moe"``, seeded with ``seed``; ``router_logits``: the model returns its
     router logits and adds the load-balancing loss (coefficient 0.1) to its loss. ``overrides``: config values
-    that replace the defaults (``num_attention_heads`` a sequence-parallel size divides, ...)."""
+    that replace the defaults (``num_attention_heads`` a sequence- or tensor-parallel size divides, a vocabulary a
+    tensor-parallel size divides, ...)."""
     import transformers
 
     torch.manual_seed(seed)

@@ -807,10 +807,11 @@ def check_expert_layout(cfg: Config, dp: int) -> None:
             f"{dp * sp} / ep_size of them, so choose one of {_divisors(dp * sp)}"
         )
     if sp == 1 and dp % ep:
+        within = f" (world / tensor_parallel.size {tp})" if tp > 1 else ""
         raise ConfigError(
-            f"expert_parallel_size (ep_size) {ep} does not divide the data-parallel size {dp}: the ranks of an expert "
-            f"group are data-parallel ranks, and the ranks holding the same experts are dp / ep_size of them, so "
-            f"choose one of {_divisors(dp)}"
+            f"expert_parallel_size (ep_size) {ep} does not divide the data-parallel size {dp}{within}: the ranks of "
+            f"an expert group are data-parallel ranks, and the ranks holding the same experts are dp / ep_size of "
+            f"them, so choose one of {_divisors(dp)}"
         )
     refused = [
         (
@@ -818,7 +819,6 @@ def check_expert_layout(cfg: Config, dp: int) -> None:
             f"both tensor parallelism (tensor_parallel.size {tp}) and sequence parallelism "
             f"(sequence_parallel_size {sp})",
         ),
-        (cfg.tensor_parallel.degree > 1, f"tensor parallelism (tensor_parallel.size {cfg.tensor_parallel.degree})"),
         (
             zcfg.stage == 3 and zcfg.zero_hpz_partition_size > 1,
             f"ZeRO++ hpZ (zero_optimization.zero_hpz_partition_size {zcfg.zero_hpz_partition_size})",

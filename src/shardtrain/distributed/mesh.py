@@ -358,9 +358,9 @@ def make_groups(
     (group creation is collective). ``shard_size``: hybrid sharding's group size ``S`` (see [Note: the hybrid
     mesh]); None or the whole data-parallel size: no shard and replicate groups. ``sp``: the sequence-parallel
     size (see [Note: the sequence axis]). ``hpz_size``: ZeRO++ hpZ's group size ``H`` (1 or the whole axis: no hpZ
-    group). ``ep``: the expert-parallel size (see [Note: the expert axis]; only with ``tp == 1``, with or without
+    group). ``ep``: the expert-parallel size (see [Note: the expert axis]; with or without tensor parallelism and
     hybrid sharding's groups, cut from the ``dp * sp`` ranks of [Note: experts under sequence parallelism] when
-    ``sp > 1``). Returns ``(main, host)``."""
+    ``sp > 1``, then with ``tp == 1``). Returns ``(main, host)``."""
     dp = world // (tp * sp)
     # rank = (dp_rank * sp + sp_rank) * tp + tp_rank = zero_rank * tp + tp_rank, zero_rank = dp_rank * sp + sp_rank:
     # the index among the dp * sp ranks holding the same tensor-parallel block, over which ZeRO shards
@@ -384,9 +384,10 @@ def make_groups(
         partitions["hpz"] = [
             [((g * hpz_size) + i) * tp + t for i in range(hpz_size)] for g in range(zero // hpz_size) for t in range(tp)
         ]
-    if ep > 1:  # see [Note: the expert axis]; under sequence parallelism ZeRO's axis ([Note: experts under ...])
-        partitions["ep"] = [[g * ep + e for e in range(ep)] for g in range(zero // ep)]
-        partitions["edp"] = [[g * ep + e for g in range(zero // ep)] for e in range(ep)]
+    if ep > 1:  # see [Note: the expert axis]: zero_rank = edp_rank * ep + ep_rank, cut at each tp rank
+        groups = range(zero // ep)
+        partitions["ep"] = [[(g * ep + e) * tp + t for e in range(ep)] for g in groups for t in range(tp)]
+        partitions["edp"] = [[(g * ep + e) * tp + t for g in groups] for e in range(ep) for t in range(tp)]
     return _groups_of(partitions, rank, world, backend, world_group, new_group)
 
 
@@ -466,11 +467,15 @@ class Topology:
     all-to-alls stay inside a node when ``E`` GPUs fit in it), each holding ``num_experts / E`` whole experts of every
     MoE layer; the expert-data-parallel group of a rank is the ``dp / E`` ranks with the same ``ep_rank``, which hold
     the same experts and reduce their gradients together. Batches still differ along the whole ``dp`` axis, and
-    dense parameters are reduced over it. Built with ``tp == 1``: the mesh is ``(edp, ep, tp)``, or with hybrid
-    sharding the ``(replicate, shard, tp)`` one with the expert groups beside it, or with sequence parallelism the
-    ``(dp, sp, tp)`` one with the expert groups beside it ([Note: experts under sequence parallelism]). Hybrid
-    sharding then shards and replicates the dense state only; the expert buckets stay sharded over the
-    expert-data-parallel group, whose ranks hold the only copies of their experts.
+    dense parameters are reduced over it. The mesh is ``(edp, ep, tp)``, or with hybrid sharding the ``(replicate,
+    shard, tp)`` one with the expert groups beside it, or with sequence parallelism the ``(dp, sp, tp)`` one with the
+    expert groups beside it ([Note: experts under sequence parallelism]). Hybrid sharding then shards and replicates
+    the dense state only; the expert buckets stay sharded over the expert-data-parallel group, whose ranks hold the
+    only copies of their experts. With tensor parallelism (``tensor_parallel.size: T``) the global rank stays
+    ``dp_rank * T + tp_rank``, and the expert and expert-data-parallel groups are cut from the data-parallel axis at
+    a fixed tp rank: each tp rank has its own, ``dp_rank * T + tp_rank`` for the ``dp_rank`` s of the group. The
+    ``T`` ranks of a tensor-parallel group hold the same experts, whole ([Note: experts beside tensor parallelism]
+    in :mod:`shardtrain.expert_parallel.dispatch`).
 
     [Note: experts under sequence parallelism]
     With ``sequence_parallel_size: P`` as well, the expert groups are cut from ZeRO's ``dp * P`` axis, not from ``dp``:
@@ -653,11 +658,6 @@ def init_topology(
             f"sequence parallelism (sequence_parallel_size {sp}) is not built; turn one of the three off "
             "(docs/expert-parallel.md)"
         )
-    if ep != 1 and tp != 1:
-        raise LayoutError(
-            f"expert_parallel_size (ep_size) {ep} with tensor parallelism is not built; set expert_parallel_size to 1 "
-            "or turn the other feature off (docs/expert-parallel.md)"
-        )
     if sp != 1:
         return _init_sequence_topology(tp, timeout_s, shard_size, sp, created, world, dev, ep)
     if tp < 1 or world % tp:
@@ -676,8 +676,9 @@ def init_topology(
         )
     replicas = dp // shard
     if ep < 1 or dp % ep:
+        within = f"world {world}" + (f" / tensor_parallel.size {tp}" if tp != 1 else "")
         raise LayoutError(
-            f"expert_parallel_size (ep_size) {ep} does not divide the data-parallel size {dp} (world {world}): the "
+            f"expert_parallel_size (ep_size) {ep} does not divide the data-parallel size {dp} ({within}): the "
             f"ranks of an expert group are data-parallel ranks, and the ranks holding the same experts are dp / "
             f"ep_size of them, so choose one of {[d for d in range(1, dp + 1) if dp % d == 0]}"
         )
@@ -689,7 +690,7 @@ def init_topology(
         ranks = torch.arange(world).view(replicas, shard, tp)
         axes = [groups.replicate, groups.shard, groups.tp]
         mesh = DeviceMesh.from_group(axes, device.type, mesh=ranks, mesh_dim_names=("replicate", "shard", "tp"))
-    elif ep > 1:  # see [Note: the expert axis]: (edp, ep) cut the dp axis, tp is 1
+    elif ep > 1:  # see [Note: the expert axis]: (edp, ep) cut the dp axis at each tp rank
         ranks = torch.arange(world).view(dp // ep, ep, tp)
         axes = [groups.edp, groups.ep, groups.tp]
         mesh = DeviceMesh.from_group(axes, device.type, mesh=ranks, mesh_dim_names=("edp", "ep", "tp"))

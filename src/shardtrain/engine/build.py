@@ -262,7 +262,13 @@ def _build(
     if topology.tp > 1:
         split = frozenset(id(r.param) for r in layout.records if r.tp_split)
         tp_norm = TensorParallelNorm(
-            comms.world, split, topology.zero_rank, topology.tp_rank, replica_rank=topology.replica_rank
+            comms.world,
+            split,
+            topology.zero_rank,
+            topology.tp_rank,
+            replica_rank=topology.replica_rank,
+            expert=expert_ids,
+            ep=topology.ep,
         )
     make_offload = _offload_factory(optimizer, zcfg, topology, files, comms.world, sinks)
     sharded_optimizer = ShardedOptimizer(

@@ -55,7 +55,11 @@ from shardtrain.engine.training_state import (
     save_engine,
 )
 from shardtrain.errors import ConfigError, LayoutError, OptimizerError
-from shardtrain.expert_parallel import install_expert_parallel
+from shardtrain.expert_parallel import (
+    expert_weights,
+    install_expert_parallel,
+    refuse_tensor_parallel_experts_checkpoint,
+)
 from shardtrain.tensor_parallel import check_same_batch, parallelize
 from shardtrain.tensor_parallel.parallelize import check_replicated_gradients
 from shardtrain.zero.host_read import HostRead
@@ -63,6 +67,7 @@ from shardtrain.zero.init import (
     ExpertRows,
     expert_rows_cut,
     is_deferred,
+    is_under_construction,
     materialize_deferred,
     record_initialization,
 )
@@ -469,6 +474,9 @@ class Engine:
         ``checkpoint/async_save.py``). The next ``save_checkpoint`` and ``close()`` wait for it and raise its
         failure. The default is the config's ``checkpoint.writer.decoupled`` (DeepSpeed's key, ``false``). Returns
         the checkpoint's path either way."""
+        refuse_tensor_parallel_experts_checkpoint(
+            self.topology.ep, self.topology.tp, "save_checkpoint"
+        )  # every rank alike
         self._agree("save_checkpoint")
         if self._async_saver is not None:  # one save in flight at most; a failure of the previous one is raised here
             self._async_saver.wait()
@@ -485,6 +493,9 @@ class Engine:
 
         Without ``tag`` the one ``load_dir/latest`` names is loaded. ``load_optimizer_states=False`` loads the
         model weights (masters included) and the loss scale only."""
+        refuse_tensor_parallel_experts_checkpoint(
+            self.topology.ep, self.topology.tp, "load_checkpoint"
+        )  # every rank alike
         self._agree("load_checkpoint")
         if self._async_saver is not None:  # a save in flight is what `latest` will name: load it, not the one before
             self._async_saver.wait()
@@ -660,6 +671,16 @@ def _build(
         record_initialization(model)  # reset_parameters() of a model built on meta without Init, before the split
     if not deferred:
         move_whole_parts(model, cfg.zero_optimization, topology)
+    whole_experts = None
+    # with tensor parallelism the experts stay whole on every tp rank ([Note: experts beside tensor parallelism])
+    if topology.ep > 1 and topology.tp > 1:
+        if deferred or any(is_under_construction(p) for p in model.parameters()):
+            raise ConfigError(
+                f"expert_parallel_size (ep_size) {topology.ep} with tensor_parallel.size {topology.tp} and a model "
+                "built under shardtrain.zero.Init() or on meta is not built: build the model in memory, or leave one "
+                "of the two out (docs/expert-parallel.md)"
+            )
+        whole_experts = expert_weights(model, topology.ep)
     tp_comm, placements = None, None
     if topology.tp > 1:  # split the layers before anything is laid out or built over the parameters
         tp_comm = Communicator(topology.tp_group, topology.timeout_s)
@@ -667,7 +688,9 @@ def _build(
             refuse_sharded_construction(model)
             broadcast_model(model, Communicator(topology.world_group, topology.timeout_s))
         # a plan given at size 1 splits nothing: same script. A deferred model's gradient check needs real parameters
-        placements = parallelize(model, tp_plan, tp_comm, check_replicated_grads=not deferred)
+        placements = parallelize(
+            model, tp_plan, tp_comm, check_replicated_grads=not deferred, whole_experts=whole_experts
+        )
         if not any(p.is_split for p in placements.values()):
             raise LayoutError(
                 f"tensor_parallel.size is {topology.tp} but the tensor-parallel plan splits no parameter of "
@@ -680,7 +703,7 @@ def _build(
         edp_comm = Communicator(topology.edp_group, topology.timeout_s)
         if not deferred:  # meta rows are cut as they are: see [Note: experts under sharded construction]
             broadcast_model(model, Communicator(topology.zero_group, topology.timeout_s), split="expert-parallel")
-        ids = install_expert_parallel(model, ep_comm, expert_rows_cut(edp_comm))
+        ids = install_expert_parallel(model, ep_comm, expert_rows_cut(edp_comm), tp_comm)
         experts, rows = (ids, ep_comm), ExpertRows(ids, edp_comm, topology.ep_rank, topology.ep)
     if deferred:  # each rank's data-parallel chunk of its tensor-parallel block (or experts' rows), nothing more
         dp_comm = Communicator(topology.zero_group, topology.timeout_s)

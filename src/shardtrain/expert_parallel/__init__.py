@@ -7,14 +7,18 @@ layer split over the ranks of an expert group, tokens sent to their experts and 
 
 from shardtrain.expert_parallel.install import (
     declared_ep_plan,
+    expert_weights,
     experts_to_split,
     find_experts,
     install_expert_parallel,
+    refuse_tensor_parallel_experts_checkpoint,
 )
 
 __all__ = [
     "declared_ep_plan",
+    "expert_weights",
     "experts_to_split",
     "find_experts",
     "install_expert_parallel",
+    "refuse_tensor_parallel_experts_checkpoint",
 ]

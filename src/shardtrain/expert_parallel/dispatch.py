@@ -34,6 +34,29 @@ The gradient of an expert's weights is the sum over every rank's tokens routed t
 Data parallelism averages the ranks' losses. So the expert gradients must be divided by the group size ``E`` and
 averaged over the ranks holding the same experts, while dense gradients are averaged over the whole data-parallel
 axis. That is the engine's part when it shards experts; this module computes what one layer computes.
+
+[Note: experts beside tensor parallelism]
+With tensor parallelism on the dense layers (``tensor_parallel.size: T``) the experts are kept whole on every tp
+rank of an expert group, as DeepSpeed-MoE does by default (``enable_expert_tensor_parallelism: false``) and
+Megatron-Core with ``expert_tensor_parallel_size: 1``. The other choice, splitting each expert by tensor
+parallelism as well (transformers' ``moe_tp_experts``, Megatron's ETP = TP), would make every rank compute every
+routed token on a slice of each expert and all-reduce partial outputs, and a checkpoint would have to record
+tensors split along two dimensions at once; whole experts keep the token exchange the only communication of the
+experts and their checkpoint record a block along the expert dimension only. The plan's expert entries are
+therefore dropped under expert parallelism (``replicate_experts`` in :mod:`shardtrain.tensor_parallel.plans`).
+
+The hidden states reaching a MoE layer are the same on the ``T`` ranks of a tensor-parallel group (the dense
+layers before it end in a row-parallel all-reduce), and so is the routing (the router is replicated). Running
+every token through the exchange on each of them would compute each expert's rows ``T`` times. So, as DeepSpeed's
+``drop_tokens`` does, tp rank ``t`` keeps only its share of the tokens (``ceil(N / T)`` rows from ``t *
+ceil(N / T)``, the last ranks fewer, maybe none) and exchanges those over its own expert group (each tp rank has
+its own, [Note: the expert axis]); the outputs are all-gathered over the tensor-parallel group afterwards.
+Backward is the mirror: the all-gather's gradient is this rank's share of the (replicated) output gradient, and
+the share's gradient is all-gathered, so every tp rank holds the whole gradient of the hidden states and the
+routing weights, as tensor parallelism expects of a replicated activation. An expert's weight gradient on tp rank
+``t`` then covers the tokens of share ``t`` only: the ``T`` gradients are summed over the tensor-parallel group
+before they are reduced over the expert-data-parallel group (the plan marks the expert weights
+``replicated_with_grad_allreduce``, so the engine sums them and checks once that they differ between tp ranks).
 """
 
 from __future__ import annotations
@@ -73,6 +96,50 @@ def all_to_all_v(x: torch.Tensor, comm: Communicator, out_splits: list[int], in_
     return _AllToAllV.apply(x, comm, out_splits, in_splits, what)
 
 
+def _share(n: int, size: int, rank: int) -> tuple[int, int]:
+    """Rows ``[lo, hi)`` of ``n`` that tp rank ``rank`` of ``size`` keeps ([Note: experts beside tensor
+    parallelism]): ``ceil(n / size)`` each, the last ranks fewer."""
+    per = -(-n // size)
+    return min(rank * per, n), min((rank + 1) * per, n)
+
+
+def _gather_shares(part: torch.Tensor, n: int, comm: Communicator, what: str) -> torch.Tensor:
+    """Every tp rank's share of ``n`` rows (:func:`_share`) in rank order: padded to ``ceil(n / size)`` rows for one
+    all-gather of equal shapes; the padding is the tail of the result, dropped."""
+    per = -(-n // comm.size)
+    padded = part if part.shape[0] == per else torch.cat([part, part.new_zeros((per - part.shape[0], *part.shape[1:]))])
+    return comm.all_gather_dim(padded.contiguous(), 0, what=what)[:n]
+
+
+class _KeepShare(torch.autograd.Function):
+    """Forward: this tp rank's share of the rows of a replicated tensor. Backward: the shares' gradients
+    all-gathered, the whole gradient on every tp rank (DeepSpeed's ``drop_tokens`` / ``gather_tokens`` pair)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Communicator, what: str) -> torch.Tensor:
+        ctx.comm, ctx.n, ctx.what = comm, x.shape[0], what
+        lo, hi = _share(x.shape[0], comm.size, comm.rank)
+        return x[lo:hi].clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        return _gather_shares(grad, ctx.n, ctx.comm, f"the gradient of {ctx.what}"), None, None
+
+
+class _GatherShares(torch.autograd.Function):
+    """Forward: every tp rank's share all-gathered into the whole, replicated tensor of ``n`` rows. Backward: this
+    rank's share of the (replicated) gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, part: torch.Tensor, n: int, comm: Communicator, what: str) -> torch.Tensor:
+        ctx.lo, ctx.hi = _share(n, comm.size, comm.rank)
+        return _gather_shares(part, n, comm, what)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        return grad[ctx.lo : ctx.hi].contiguous(), None, None, None
+
+
 _EXPERT_WEIGHTS = ("gate_up_proj", "down_proj", "up_proj", "gate_up_proj_bias", "down_proj_bias", "up_proj_bias")
 
 
@@ -86,11 +153,13 @@ def shard_experts(
     comm: Communicator,
     name: str = "experts",
     cut: Callable[[str, nn.Parameter, int, int], None] = keep_rows,
+    tp_comm: Communicator | None = None,
 ) -> None:
     """Keep this rank's experts of a transformers experts module (3-D weights ``[n, ...]``, one row per expert) and
     route its forward through :func:`dispatch` (see [Note: tokens to their experts]). In place. ``cut(name, p,
     first, count)`` keeps rows ``[first, first + count)`` of the weight ``p`` named ``name``: :func:`keep_rows`, or
-    the engine's for a model under sharded construction."""
+    the engine's for a model under sharded construction. ``tp_comm``: the tensor-parallel group, whose ranks hold the
+    same experts and tokens; each sends its share of the tokens ([Note: experts beside tensor parallelism])."""
     n = getattr(experts, "num_experts", None)
     if not isinstance(n, int):
         raise ConfigError(f"{name} ({type(experts).__name__}) has no num_experts: not a transformers experts module")
@@ -117,9 +186,16 @@ def shard_experts(
 
     def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         eager = getattr(getattr(experts, "config", None), "_experts_implementation", "eager") in (None, "eager")
-        return dispatch(
-            hidden_states, top_k_index, top_k_weights, inner, comm, n, name, per_token_sum=not eager, params=weights
-        )
+        if tp_comm is None or tp_comm.size == 1:
+            return dispatch(
+                hidden_states, top_k_index, top_k_weights, inner, comm, n, name, per_token_sum=not eager, params=weights
+            )
+        rows = hidden_states.shape[0]
+        lo, hi = _share(rows, tp_comm.size, tp_comm.rank)
+        x = _KeepShare.apply(hidden_states, tp_comm, f"the tokens of {name}")
+        w = _KeepShare.apply(top_k_weights, tp_comm, f"the routing weights of {name}")
+        out = dispatch(x, top_k_index[lo:hi], w, inner, comm, n, name, per_token_sum=not eager, params=weights)
+        return _GatherShares.apply(out, rows, tp_comm, f"the outputs of {name}")
 
     experts.forward = forward
 

@@ -188,8 +188,21 @@ def experts_to_split(model: nn.Module, ep: int) -> dict[str, nn.Module]:
     return experts
 
 
+def expert_weights(model: nn.Module, ep: int) -> dict[str, list[str]]:
+    """The experts modules :func:`experts_to_split` names, each with the names of its expert weights (what tensor
+    parallelism keeps whole beside expert parallelism, [Note: experts beside tensor parallelism] in
+    :mod:`.dispatch`)."""
+    return {
+        name: [w for w in _EXPERT_WEIGHTS if isinstance(getattr(m, w, None), nn.Parameter)]
+        for name, m in experts_to_split(model, ep).items()
+    }
+
+
 def install_expert_parallel(
-    model: nn.Module, comm: Communicator, cut: Callable[[str, nn.Parameter, int, int], None] = keep_rows
+    model: nn.Module,
+    comm: Communicator,
+    cut: Callable[[str, nn.Parameter, int, int], None] = keep_rows,
+    tp_comm: Communicator | None = None,
 ) -> frozenset[int]:
     """Keep this rank's experts of every experts module of ``model`` that :func:`experts_to_split` names and route
     their forward through the token exchange over ``comm`` (the expert group); returns the ids of the expert
@@ -197,17 +210,32 @@ def install_expert_parallel(
     kept. ``cut(name, p, first, count)`` keeps rows ``[first, first + count)`` of an expert weight: in memory and
     on ``meta`` by slicing (:func:`~shardtrain.expert_parallel.dispatch.keep_rows`); a model built under
     ``zero.Init()`` passes its construction runtime's (see [Note: experts under sharded construction] in
-    ``zero/init.py``)."""
+    ``zero/init.py``). ``tp_comm``: the tensor-parallel group, whose ranks hold the same experts whole and each
+    exchange their share of the tokens ([Note: experts beside tensor parallelism] in :mod:`.dispatch`)."""
     ids = set()
     for name, m in experts_to_split(model, comm.size).items():
-        shard_experts(m, comm, name, cut)
+        shard_experts(m, comm, name, cut, tp_comm)
         ids.update(id(p) for w in _EXPERT_WEIGHTS if isinstance(p := getattr(m, w, None), nn.Parameter))
     return frozenset(ids)
 
 
+def refuse_tensor_parallel_experts_checkpoint(ep: int, tp: int, what: str) -> None:
+    """Checkpoints of split experts under tensor parallelism as well (``tp`` > 1, whose ranks hold the same experts
+    whole, [Note: experts beside tensor parallelism] in :mod:`.dispatch`) are not built: refused before anything is
+    written or read, the same verdict on every rank."""
+    if ep > 1 and tp > 1:
+        raise ConfigError(
+            f"{what} with expert_parallel_size (ep_size) {ep} and tensor_parallel.size {tp} is not built: the layout "
+            "trains, but its checkpoints are not built yet (docs/expert-parallel.md); use full_state_dict() and "
+            "load_full_state_dict(), or save without tensor parallelism"
+        )
+
+
 __all__ = [
     "declared_ep_plan",
+    "expert_weights",
     "experts_to_split",
     "find_experts",
     "install_expert_parallel",
+    "refuse_tensor_parallel_experts_checkpoint",
 ]

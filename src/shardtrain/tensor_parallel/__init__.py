@@ -40,6 +40,7 @@ from shardtrain.tensor_parallel.plans import (
     TPPlan,
     hf_tp_plan,
     own_plan,
+    replicate_experts,
 )
 from shardtrain.tensor_parallel.rng import RegionRNG
 from shardtrain.tensor_parallel.styles import STYLES, TPStyle, packed_colwise, packed_rowwise
@@ -71,6 +72,7 @@ __all__ = [
     "packed_rowwise",
     "parallelize",
     "reduce_from_tp_region",
+    "replicate_experts",
     "scatter_to_tp_region",
     "shard_block",
     "sum_partial_gradients",

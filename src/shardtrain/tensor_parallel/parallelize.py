@@ -25,7 +25,7 @@ engine's reducer) does it.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
@@ -56,7 +56,7 @@ from shardtrain.tensor_parallel.placements import (
     per_rank_attributes,
     plan_param,
 )
-from shardtrain.tensor_parallel.plans import TPPlan, as_plan, best_match, own_plan
+from shardtrain.tensor_parallel.plans import TPPlan, as_plan, best_match, own_plan, replicate_experts
 from shardtrain.tensor_parallel.rng import RegionRNG
 from shardtrain.tensor_parallel.styles import TPStyle, resolve_style
 
@@ -81,6 +81,7 @@ def parallelize(
     tp_comm: Communicator,
     *,
     check_replicated_grads: bool = True,
+    whole_experts: Mapping[str, Sequence[str]] | None = None,
 ) -> dict[str, TPPlacement]:
     """Apply a tensor-parallel plan to ``model`` in place, over the group of ``tp_comm``.
 
@@ -96,9 +97,15 @@ def parallelize(
     parameters across the group once and raise :class:`LayoutError` naming any that differ (applied to split
     activations without ``replicated_with_grad_allreduce``) or that are marked to be summed but already agree
     ([Note: replicated gradients across tensor-parallel ranks]).
+
+    ``whole_experts``: under expert parallelism, the experts modules it splits (name -> their expert weights' names),
+    kept whole on every tp rank: the plan's patterns inside them are dropped and their weights'
+    gradients summed over the group (:func:`~.plans.replicate_experts`).
     """
     explicit = plan is not None
     tp_plan = as_plan(plan) if explicit else own_plan(model)
+    if whole_experts:
+        tp_plan, _ = replicate_experts(tp_plan, whole_experts)
     size = tp_comm.size
     modules = dict(model.named_modules())
     for name, module in modules.items():

@@ -13,7 +13,7 @@ tensor-parallel size, so the model code stays free of parallelism (GPT-2's atten
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -138,6 +138,27 @@ def own_plan(model: nn.Module) -> TPPlan:
         styles={prefix + k: v for k, v in shipped.styles.items()},
         per_rank_attributes={prefix + k: v for k, v in shipped.per_rank_attributes.items()},
     )
+
+
+def replicate_experts(plan: TPPlan, experts: Mapping[str, Sequence[str]]) -> tuple[TPPlan, list[str]]:
+    """``plan`` for a model whose experts modules (name -> its expert weights' names) expert parallelism splits
+    beside tensor parallelism ([Note: experts beside tensor parallelism] in
+    :mod:`shardtrain.expert_parallel.dispatch`): every pattern naming an experts module or anything inside it is
+    dropped (transformers' ``moe_tp_experts`` and its ``packed_colwise`` / ``rowwise`` weights), and each expert
+    weight is ``replicated_with_grad_allreduce``: whole on every tp rank, its gradients summed over the group. Returns
+    the plan and the dropped patterns."""
+
+    def inside(pattern: str) -> bool:
+        parts = pattern.split(".")
+        return any(
+            len(parts) >= len(m.split(".")) and matches(".".join(parts[: len(m.split("."))]), m) for m in experts
+        )
+
+    dropped = [p for p in (*plan.styles, *plan.per_rank_attributes) if inside(p)]
+    styles: dict[str, str | TPStyle] = {p: s for p, s in plan.styles.items() if not inside(p)}
+    styles.update({f"{m}.{w}": "replicated_with_grad_allreduce" for m, weights in experts.items() for w in weights})
+    attributes = {p: a for p, a in plan.per_rank_attributes.items() if not inside(p)}
+    return TPPlan(styles=styles, per_rank_attributes=attributes), list(dict.fromkeys(dropped))
 
 
 def _base_model(model: nn.Module) -> tuple[nn.Module, str]:

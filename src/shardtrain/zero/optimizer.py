@@ -98,13 +98,19 @@ class TensorParallelNorm:
     parameters every tp rank holds the same are counted once (tp rank 0's), and across the data-parallel group
     fragments add up (stages 1-3) or only dp rank 0's whole gradients count (stage 0). One all-reduce over
     every rank carries both sums and the reducer's order flag (see [Note: collective order]); a non-finite
-    value anywhere (fp16 overflow) therefore reaches every rank."""
+    value anywhere (fp16 overflow) therefore reaches every rank.
+
+    Under expert parallelism the expert parameters are held the same by every tp rank (tp rank 0's count) and differ
+    along the data-parallel axis: their fragments (stages 1-3, never replicated by hybrid sharding) count on every
+    data-parallel rank, their whole gradients (stage 0) on the ranks of the first expert group, ``dp_rank < E``."""
 
     world: Communicator
     split: frozenset[int]  # ids of the parameters split by tensor parallelism
     dp_rank: int
     tp_rank: int
     replica_rank: int = 0  # hybrid sharding: only the first replica's fragments count (the others are copies)
+    expert: frozenset[int] = frozenset()  # ids of the expert parameters (expert parallelism)
+    ep: int = 1  # the expert-parallel size E
 
     def global_square(
         self, keys: list[int], grads: list[torch.Tensor], sharded: bool, reducer: GradientReducer
@@ -115,10 +121,13 @@ class TensorParallelNorm:
             return (torch.linalg.vector_norm(torch.stack(torch._foreach_norm(gs))) ** 2).to(torch.float32)
 
         split = square([g for k, g in zip(keys, grads) if k in self.split and g.numel()])
-        replicated = square([g for k, g in zip(keys, grads) if k not in self.split and g.numel()])
+        dense = [g for k, g in zip(keys, grads) if k not in self.split and k not in self.expert and g.numel()]
+        expert = square([g for k, g in zip(keys, grads) if k in self.expert and g.numel()])
         owner = 1.0 if (sharded and self.replica_rank == 0) or self.dp_rank == 0 else 0.0
+        expert_owner = float(sharded or self.dp_rank < self.ep) * float(self.tp_rank == 0)
         flag = torch.full_like(split, float(reducer.order_departed))  # a fill: no copy from the host
-        parts = torch.stack([split * owner, replicated * owner * float(self.tp_rank == 0), flag])
+        replicated = square(dense) * owner * float(self.tp_rank == 0)
+        parts = torch.stack([split * owner, replicated + expert * expert_owner, flag])
         self.world.all_reduce(parts, Reduce.SUM, what="squared gradient norm (data x tensor parallel)")
         if reducer.sharded_grads:
             reducer.settle_order_later(parts[2])
@@ -320,7 +329,9 @@ class ShardedOptimizer:
         inv = self._inverse(loss_scale, on_device)
         if inv is not None and in_memory:
             torch._foreach_mul_(in_memory, inv)
-        if self.expert_group is not None and not self.sharded:
+        if self.tp_norm is not None:  # its own sums over the mesh, expert parameters included
+            local_sq = self._global_square(torch.zeros(()), grads, swapped)
+        elif self.expert_group is not None and not self.sharded:
             local_sq = self._dense_and_expert_square(grads)
         elif self.expert_group is not None and self.norm_comm is not self.comm:
             local_sq = self._hybrid_expert_square(grads, deferred, swapped, inv)

@@ -1,0 +1,269 @@
+"""Expert parallelism beside tensor parallelism (``expert_parallel_size: E`` with ``tensor_parallel.size: T``): the
+dense layers split by the model's plan, the experts whole on every tp rank of an expert group, each tp rank sending
+its share of the tokens ([Note: experts beside tensor parallelism]). Tiny random Qwen3-MoE and Mixtral models trained
+against one process on the same global batch (losses, each rank's load-balancing loss, global gradient norms, the
+final parameters from ``full_state_dict()``) at world 4 = tp 2 x ep 2 (stages 0, 2, 3) and, marked soak, world 6 =
+tp 3 x ep 2 and tp 2 x ep 3 with 6 experts; the groups, and the layouts refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import shardtrain
+from shardtrain.config.schema import check_layout, load_config
+from shardtrain.distributed.mesh import make_groups
+from shardtrain.errors import ConfigError
+from shardtrain.tensor_parallel import assemble_blocks
+from shardtrain.testing import run_distributed
+
+from helpers.moe_cases import VOCAB, tiny_moe
+
+SEQ, LR = 6, 1e-2
+TP3 = {"num_attention_heads": 6, "num_key_value_heads": 3, "vocab_size": 36}  # heads and vocabulary split by 3
+
+
+def _batches(dp: int, n: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB, (dp, SEQ), generator=g) for _ in range(n)]
+
+
+def reference(kind: str, experts: int, dp: int, steps: int, gas: int, clip: float, overrides: dict) -> dict:
+    """One process, the whole global batch: each micro-step's loss is the mean of the data-parallel ranks' losses."""
+    model = tiny_moe(kind, experts, **overrides)
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    batches = _batches(dp, steps * gas)
+    losses, norms, aux = [], [], []
+    for step in range(steps):
+        total = 0.0
+        for m in range(gas):
+            ids = batches[step * gas + m]
+            outs = [model(input_ids=ids[r : r + 1], labels=ids[r : r + 1]) for r in range(dp)]
+            loss = sum(o.loss for o in outs) / dp
+            aux.append([float(o.aux_loss) for o in outs])
+            (loss / gas).backward()
+            total += loss.item() / gas
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return {"losses": losses, "norms": norms, "aux": aux, "params": model.state_dict(), "init": init}
+
+
+def _train(case: tuple) -> dict:
+    """This rank's run of ``case``: its data-parallel rank's rows of every global micro-batch."""
+    kind, experts, tp, ep, stage, steps, gas, clip, overrides, zero = case
+    model = tiny_moe(kind, experts, **overrides)
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": clip,
+        "zero_optimization": {"stage": stage, **zero},
+        "expert_parallel_size": ep,
+        "tensor_parallel": {"size": tp},
+        "collective_timeout_s": 120.0,
+    }
+    engine = shardtrain.initialize(model, config=config, optimizer=torch.optim.AdamW(model.parameters(), lr=LR))
+    topo = engine.topology
+    losses, norms, aux = [], [], []
+    batches = _batches(topo.dp, steps * gas)
+    engine.comm_stats(reset=True)
+    for step in range(steps):
+        total = 0.0
+        for m in range(gas):
+            ids = batches[step * gas + m][topo.dp_rank : topo.dp_rank + 1]
+            out = engine(input_ids=ids, labels=ids)
+            aux.append(float(out.aux_loss.detach()))
+            engine.backward(out.loss)
+            engine.step()
+            total += out.loss.item() / gas
+            if step == 0 and m == 0:
+                first = engine.comm_stats(by_group=True)
+        losses.append(total)
+        norms.append(engine.get_global_grad_norm())
+    held = model.model.layers[0].mlp.experts.expert_range
+    experts = {id(p) for m in model.modules() if hasattr(m, "expert_range") for p in m.parameters()}
+    local = {}  # name -> (this rank's block, its tensor-parallel placement or None, an expert parameter)
+    with engine.gathered(model):  # stage 3: each rank's blocks whole
+        for name, p in model.named_parameters():
+            record = engine.layout.record_of(p)
+            placement = record.tp if record is not None and record.tp_split else None
+            local[name] = (p.detach().clone(), placement, id(p) in experts)
+    full = engine.full_state_dict() if stage < 3 else None  # refused by name at stage 3 (test_ep_engine.py)
+    refused = []
+    for call in (lambda: engine.save_checkpoint("/nonexistent-eptp-dir"), lambda: engine.load_checkpoint("/x")):
+        try:
+            call()
+            refused.append(None)
+        except ConfigError as err:
+            refused.append(str(err))
+    out = {"dp_rank": topo.dp_rank, "tp_rank": topo.tp_rank, "ep_rank": topo.ep_rank, "held": held}
+    out.update(losses=losses, norms=norms, aux=aux, full=full, local=local, refused=refused)
+    out["ep_bytes"] = first.get("ep", {}).get("all_to_all", {}).get("bytes", 0)
+    engine.close()
+    return out
+
+
+def _runs(cases: list[tuple]) -> list[dict]:
+    return [_train(case) for case in cases]
+
+
+def _join(results: list[dict], tp: int, ep: int) -> dict[str, torch.Tensor]:
+    """The whole parameters from each rank's blocks: a tensor-parallel block from the tp ranks of dp rank 0, the
+    experts from the ranks of tp rank 0's first expert group (dp ranks 0 .. E - 1)."""
+    out = {}
+    for name, (t, placement, expert) in results[0]["local"].items():
+        if expert:
+            out[name] = torch.cat([results[e * tp]["local"][name][0] for e in range(ep)])
+        elif placement is not None:
+            out[name] = assemble_blocks([results[i]["local"][name][0] for i in range(tp)], placement)
+        else:
+            out[name] = t
+    return out
+
+
+def _assert_parity(results: list[dict], case: tuple) -> None:
+    kind, experts, tp, ep, stage, steps, gas, clip, overrides, _ = case
+    world = len(results)
+    dp = world // tp
+    what = f"{kind} tp {tp} ep {ep} stage {stage}"
+    ref = reference(kind, experts, dp, steps, gas, clip, overrides)
+    assert [r["dp_rank"] * tp + r["tp_rank"] for r in results] == list(range(world)), what  # rank = dp * T + tp
+    assert [r["ep_rank"] for r in results] == [(r // tp) % ep for r in range(world)], what
+    n = experts // ep
+    assert [r["held"] for r in results] == [(e * n, (e + 1) * n) for e in (r["ep_rank"] for r in results)], what
+    for s, b in enumerate(ref["losses"]):
+        a = sum(r["losses"][s] for r in results) / world  # the tp ranks of a dp rank have its loss
+        assert abs(a - b) <= 2e-5 * abs(b), f"{what}: step {s}: loss {a} vs reference {b}"
+    for r in results:
+        for s, (a, b) in enumerate(zip(r["norms"], ref["norms"])):
+            assert abs(a - b) <= 1e-4 * abs(b), (
+                f"{what}: dp rank {r['dp_rank']}: step {s}: grad norm {a} vs reference {b}"
+            )
+        for i, (a, b) in enumerate(zip(r["aux"], ref["aux"])):
+            want = b[r["dp_rank"]]
+            assert abs(a - want) <= 2e-5 * abs(want), f"{what}: micro-step {i}: aux {a} vs {want}"
+    joined = _join(results, tp, ep)
+    fulls = [joined] + ([results[0]["full"]] if stage < 3 else [])
+    assert all(r["full"] is None for r in results[1:]), what  # full_state_dict(): on rank 0 only
+    for full in fulls:
+        assert full.keys() == ref["params"].keys(), what
+        for k, w in ref["params"].items():
+            moved = (w - ref["init"][k]).norm().item()
+            err = (full[k] - w).norm().item()
+            assert moved > 0, f"{what}: {k} did not move: the check proves nothing"
+            assert err <= 5e-3 * moved, f"{what}: {k}: error {err:.3g} vs distance moved {moved:.3g}"
+    for r in results:  # checkpoints of this layout are refused by name, on every rank
+        assert all(m is not None and f"and tensor_parallel.size {tp} is not built" in m for m in r["refused"]), what
+
+
+UNITS = {"stage3_param_persistence_threshold": 0}
+# (kind, experts, tp, ep, stage, steps, gas, clip, model overrides, more zero_optimization)
+WORLD4 = [
+    ("qwen3_moe", 8, 2, 2, 2, 2, 2, 0.5, {}, {}),  # accumulation, clipping
+    ("mixtral", 8, 2, 2, 3, 2, 1, 0.5, {}, UNITS),  # stage 3: expert units over the expert-data-parallel group
+    ("mixtral", 8, 2, 2, 0, 2, 1, 0.5, {}, {}),  # stage 0: the norm counts each expert gradient once
+]
+WORLD6 = [
+    ("qwen3_moe", 8, 3, 2, 2, 2, 1, 0.5, TP3, {}),  # tp 3 x dp 2, ep 2
+    ("qwen3_moe", 6, 2, 3, 3, 2, 1, 0.5, {}, UNITS),  # tp 2 x dp 3, ep 3 with 6 experts
+    ("mixtral", 6, 2, 3, 1, 2, 1, 0.5, {}, {"mics_shard_size": 1}),  # hybrid sharding: dense replicated 3 times
+]
+
+
+@pytest.fixture(scope="module")
+def world4():
+    return run_distributed(_runs, 4, WORLD4, timeout=300)
+
+
+def test_tp2_ep2_trains_like_one_process(world4):
+    for i, case in enumerate(WORLD4):
+        _assert_parity([r[i] for r in world4], case)
+
+
+def test_each_tp_rank_sends_its_share_of_the_tokens(world4):
+    # the 6 tokens of a data-parallel rank are split 3 + 3 over its two tp ranks: each sends the rows of its 3 tokens
+    # (top-2) that go to the other rank of its expert group, never all 6 tokens' rows
+    hidden, k, mine = 16, 2, 3
+    for r in world4:
+        sent = r[0]["ep_bytes"]  # first micro-step, both layers: counts, rows, ids, outputs; forward and backward
+        most = 2 * (8 + mine * k * 8 + 2 * 2 * mine * k * hidden * 4)
+        assert 0 < sent <= most, (r[0]["dp_rank"], r[0]["tp_rank"], sent, most)
+
+
+@pytest.mark.soak
+def test_odd_layouts_train_like_one_process():
+    runs = run_distributed(_runs, 6, WORLD6, timeout=900)
+    for i, case in enumerate(WORLD6):
+        _assert_parity([r[i] for r in runs], case)
+
+
+def _partitions(world: int, tp: int, ep: int) -> dict[int, dict[str, list[int]]]:
+    out = {}
+    for rank in range(world):
+        main, _ = make_groups(rank, world, tp, "gloo", "world", lambda ranks, backend: ranks, ep=ep)
+        out[rank] = {axis: getattr(main, axis) for axis in ("dp", "tp", "ep", "edp")}
+    return out
+
+
+def test_expert_groups_are_cut_from_the_data_parallel_axis_at_each_tp_rank():
+    groups = _partitions(8, 2, 2)  # dp 4: rank = dp_rank * 2 + tp_rank
+    assert [groups[r]["tp"] for r in (0, 1, 6)] == [[0, 1], [0, 1], [6, 7]]
+    assert [groups[r]["ep"] for r in range(8)] == [[0, 2], [1, 3], [0, 2], [1, 3], [4, 6], [5, 7], [4, 6], [5, 7]]
+    assert [groups[r]["edp"] for r in range(8)] == [[0, 4], [1, 5], [2, 6], [3, 7], [0, 4], [1, 5], [2, 6], [3, 7]]
+    six = _partitions(6, 2, 3)  # dp 3, one expert group per tp rank
+    assert [six[r]["ep"] for r in range(6)] == [[0, 2, 4], [1, 3, 5]] * 3
+    assert [six[r]["edp"] for r in range(6)] == [[r] for r in range(6)]
+
+
+@pytest.mark.parametrize(
+    "config, world, words",
+    [
+        (
+            {"expert_parallel_size": 4, "tensor_parallel": {"size": 2}},
+            4,
+            "expert_parallel_size (ep_size) 4 does not divide the data-parallel size 2 (world / tensor_parallel.size "
+            "2): the ranks of an expert group are data-parallel ranks, and the ranks holding the same experts are dp "
+            "/ ep_size of them, so choose one of [1, 2]",
+        ),
+        (
+            {"expert_parallel_size": 2, "tensor_parallel": {"size": 3}},
+            3,
+            "expert_parallel_size (ep_size) 2 does not divide the data-parallel size 1 (world / tensor_parallel.size 3)",
+        ),
+        (
+            {"expert_parallel_size": 2, "tensor_parallel": {"size": 2}, "sequence_parallel_size": 2},
+            8,
+            "with tensor parallelism and sequence parallelism together is not built",
+        ),
+    ],
+)
+def test_layouts_that_do_not_fit_are_refused_naming_the_sizes(config, world, words):
+    with pytest.raises(ConfigError, match="ep_size") as err:
+        check_layout(load_config(config), world)
+    assert words in str(err.value)
+
+
+def test_a_plan_s_expert_entries_give_way_to_whole_experts():
+    from shardtrain.tensor_parallel import TPPlan, replicate_experts
+
+    plan = TPPlan(
+        styles={
+            "model.layers.*.self_attn.q_proj": "colwise",
+            "model.layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+            "model.layers.*.mlp.experts.down_proj": "rowwise",
+            "model.layers.*.mlp.experts": "moe_tp_experts",
+        }
+    )
+    experts = {f"model.layers.{i}.mlp.experts": ["gate_up_proj", "down_proj"] for i in range(2)}
+    kept, dropped = replicate_experts(plan, experts)
+    assert dropped == [
+        "model.layers.*.mlp.experts.gate_up_proj",
+        "model.layers.*.mlp.experts.down_proj",
+        "model.layers.*.mlp.experts",
+    ]
+    assert dict(kept.styles) == {
+        "model.layers.*.self_attn.q_proj": "colwise",
+        **{f"{m}.{w}": "replicated_with_grad_allreduce" for m, ws in experts.items() for w in ws},
+    }
