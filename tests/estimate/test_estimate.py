@@ -352,6 +352,7 @@ def test_expert_parallelism_holds_the_rank_s_experts_and_is_searched_where_the_m
         (tiny_mixtral, Layout(4, stage=2, ep=3), "does not divide the data-parallel size 4"),
         (functools.partial(tiny_mixtral, 6), Layout(4, stage=2, ep=4), "has 6 experts.*ep_size\\) 4"),
         (tiny_mixtral, Layout(2, stage=2, tp=2, ep=2), "does not divide the data-parallel size 1"),
+        (tiny_mixtral, Layout(4, stage=2, tp=2, ep=2), "with tensor parallelism \\(tp 2\\).*does not model it"),
         (tiny_gpt, Layout(2, stage=2, ep=2), "GPT has no experts module"),
     ]
     for model_fn, layout, message in refusals:

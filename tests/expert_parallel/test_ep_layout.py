@@ -76,7 +76,6 @@ def test_without_expert_parallelism_there_is_no_expert_group():
     "config, world, words",
     [
         ({"expert_parallel_size": 3}, 4, "expert_parallel_size (ep_size) 3 does not divide the data-parallel size 4"),
-        ({"expert_parallel_size": 2, "tensor_parallel": {"size": 2}}, 4, "with tensor parallelism"),
         (
             {"expert_parallel_size": 2, "sequence_parallel_size": 2, "tensor_parallel": {"size": 2}},
             8,

@@ -23,17 +23,17 @@ SEQ, LR = 6, 1e-2
 TP3 = {"num_attention_heads": 6, "num_key_value_heads": 3, "vocab_size": 36}  # heads and vocabulary split by 3
 
 
-def _batches(dp: int, n: int) -> list[torch.Tensor]:
+def _batches(dp: int, n: int, seq: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, VOCAB, (dp, SEQ), generator=g) for _ in range(n)]
+    return [torch.randint(0, VOCAB, (dp, seq), generator=g) for _ in range(n)]
 
 
-def reference(kind: str, experts: int, dp: int, steps: int, gas: int, clip: float, overrides: dict) -> dict:
+def reference(kind: str, experts: int, dp: int, steps: int, gas: int, clip: float, overrides: dict, seq: int) -> dict:
     """One process, the whole global batch: each micro-step's loss is the mean of the data-parallel ranks' losses."""
     model = tiny_moe(kind, experts, **overrides)
     init = {k: v.clone() for k, v in model.state_dict().items()}
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    batches = _batches(dp, steps * gas)
+    batches = _batches(dp, steps * gas, seq)
     losses, norms, aux = [], [], []
     for step in range(steps):
         total = 0.0
@@ -41,7 +41,7 @@ def reference(kind: str, experts: int, dp: int, steps: int, gas: int, clip: floa
             ids = batches[step * gas + m]
             outs = [model(input_ids=ids[r : r + 1], labels=ids[r : r + 1]) for r in range(dp)]
             loss = sum(o.loss for o in outs) / dp
-            aux.append([float(o.aux_loss) for o in outs])
+            aux.append([float(o.aux_loss.detach()) for o in outs])
             (loss / gas).backward()
             total += loss.item() / gas
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
@@ -53,7 +53,7 @@ def reference(kind: str, experts: int, dp: int, steps: int, gas: int, clip: floa
 
 def _train(case: tuple) -> dict:
     """This rank's run of ``case``: its data-parallel rank's rows of every global micro-batch."""
-    kind, experts, tp, ep, stage, steps, gas, clip, overrides, zero = case
+    kind, experts, tp, ep, stage, steps, gas, clip, overrides, zero, seq = case
     model = tiny_moe(kind, experts, **overrides)
     config = {
         "train_micro_batch_size_per_gpu": 1,
@@ -67,7 +67,7 @@ def _train(case: tuple) -> dict:
     engine = shardtrain.initialize(model, config=config, optimizer=torch.optim.AdamW(model.parameters(), lr=LR))
     topo = engine.topology
     losses, norms, aux = [], [], []
-    batches = _batches(topo.dp, steps * gas)
+    batches = _batches(topo.dp, steps * gas, seq)
     engine.comm_stats(reset=True)
     for step in range(steps):
         total = 0.0
@@ -124,11 +124,11 @@ def _join(results: list[dict], tp: int, ep: int) -> dict[str, torch.Tensor]:
 
 
 def _assert_parity(results: list[dict], case: tuple) -> None:
-    kind, experts, tp, ep, stage, steps, gas, clip, overrides, _ = case
+    kind, experts, tp, ep, stage, steps, gas, clip, overrides, _, seq = case
     world = len(results)
     dp = world // tp
-    what = f"{kind} tp {tp} ep {ep} stage {stage}"
-    ref = reference(kind, experts, dp, steps, gas, clip, overrides)
+    what = f"{kind} tp {tp} ep {ep} stage {stage}, {seq} tokens per rank"
+    ref = reference(kind, experts, dp, steps, gas, clip, overrides, seq)
     assert [r["dp_rank"] * tp + r["tp_rank"] for r in results] == list(range(world)), what  # rank = dp * T + tp
     assert [r["ep_rank"] for r in results] == [(r // tp) % ep for r in range(world)], what
     n = experts // ep
@@ -159,16 +159,19 @@ def _assert_parity(results: list[dict], case: tuple) -> None:
 
 
 UNITS = {"stage3_param_persistence_threshold": 0}
-# (kind, experts, tp, ep, stage, steps, gas, clip, model overrides, more zero_optimization)
+# (kind, experts, tp, ep, stage, steps, gas, clip, model overrides, more zero_optimization, tokens per rank)
 WORLD4 = [
-    ("qwen3_moe", 8, 2, 2, 2, 2, 2, 0.5, {}, {}),  # accumulation, clipping
-    ("mixtral", 8, 2, 2, 3, 2, 1, 0.5, {}, UNITS),  # stage 3: expert units over the expert-data-parallel group
-    ("mixtral", 8, 2, 2, 0, 2, 1, 0.5, {}, {}),  # stage 0: the norm counts each expert gradient once
+    ("qwen3_moe", 8, 2, 2, 2, 2, 2, 0.5, {}, {}, SEQ),  # accumulation, clipping
+    ("mixtral", 8, 2, 2, 3, 2, 1, 0.5, {}, UNITS, SEQ),  # stage 3: expert units over the expert-data-parallel group
+    ("mixtral", 8, 2, 2, 0, 2, 1, 0.5, {}, {}, SEQ),  # stage 0: the norm counts each expert gradient once
+    ("mixtral", 8, 2, 2, 1, 2, 1, 0.5, {}, {}, 3),  # 3 tokens per rank: shares of 2 and 1
 ]
 WORLD6 = [
-    ("qwen3_moe", 8, 3, 2, 2, 2, 1, 0.5, TP3, {}),  # tp 3 x dp 2, ep 2
-    ("qwen3_moe", 6, 2, 3, 3, 2, 1, 0.5, {}, UNITS),  # tp 2 x dp 3, ep 3 with 6 experts
-    ("mixtral", 6, 2, 3, 1, 2, 1, 0.5, {}, {"mics_shard_size": 1}),  # hybrid sharding: dense replicated 3 times
+    ("qwen3_moe", 8, 3, 2, 2, 2, 1, 0.5, TP3, {}, SEQ),  # tp 3 x dp 2, ep 2
+    ("qwen3_moe", 8, 3, 2, 3, 2, 1, 0.5, TP3, UNITS, 5),  # shares of 2, 2 and 1 tokens
+    ("qwen3_moe", 8, 3, 2, 1, 2, 1, 0.5, TP3, {}, 2),  # shares of 1, 1 and none: tp rank 2 sends no token
+    ("qwen3_moe", 6, 2, 3, 3, 2, 1, 0.5, {}, UNITS, SEQ),  # tp 2 x dp 3, ep 3 with 6 experts
+    ("mixtral", 6, 2, 3, 1, 2, 1, 0.5, {}, {"mics_shard_size": 1}, SEQ),  # hybrid sharding: dense replicated 3 times
 ]
 
 
@@ -230,7 +233,8 @@ def test_expert_groups_are_cut_from_the_data_parallel_axis_at_each_tp_rank():
         (
             {"expert_parallel_size": 2, "tensor_parallel": {"size": 3}},
             3,
-            "expert_parallel_size (ep_size) 2 does not divide the data-parallel size 1 (world / tensor_parallel.size 3)",
+            "expert_parallel_size (ep_size) 2 does not divide the data-parallel size 1 (world / tensor_parallel.size "
+            "3)",
         ),
         (
             {"expert_parallel_size": 2, "tensor_parallel": {"size": 2}, "sequence_parallel_size": 2},

@@ -424,6 +424,12 @@ def _prepare(
     cfg = layout_config(raw, layout)
     refuse_experts_with_sequence_parallelism(cfg, layout)
     check_expert_layout(cfg, layout.dp)  # what initialize refuses under expert parallelism, in its words
+    if layout.ep > 1 and layout.tp > 1:
+        raise ConfigError(
+            f"expert_parallel_size (ep_size) {layout.ep} with tensor parallelism (tp {layout.tp}): initialize builds "
+            "it (the experts whole on every tp rank, docs/expert-parallel.md), but the estimate does not model it "
+            "yet; estimate the layout with tp 1 at the same data-parallel size, or with expert_parallel_size 1"
+        )
     zcfg = cfg.zero_optimization
     precision = policy_from_config(cfg)
     compute = precision.compute_dtype
