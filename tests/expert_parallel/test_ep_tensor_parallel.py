@@ -66,6 +66,9 @@ def _train(case: tuple) -> dict:
     }
     engine = shardtrain.initialize(model, config=config, optimizer=torch.optim.AdamW(model.parameters(), lr=LR))
     topo = engine.topology
+    routed: list[torch.Tensor] = []  # each layer's experts of every token, in the order of the forwards
+    gates = [m for n, m in model.named_modules() if n.endswith("mlp.gate")]
+    hooks = [g.register_forward_hook(lambda _m, _i, out: routed.append(out[2].clone())) for g in gates]
     losses, norms, aux = [], [], []
     batches = _batches(topo.dp, steps * gas, seq)
     engine.comm_stats(reset=True)
@@ -82,6 +85,8 @@ def _train(case: tuple) -> dict:
                 first = engine.comm_stats(by_group=True)
         losses.append(total)
         norms.append(engine.get_global_grad_norm())
+    for h in hooks:
+        h.remove()
     held = model.model.layers[0].mlp.experts.expert_range
     experts = {id(p) for m in model.modules() if hasattr(m, "expert_range") for p in m.parameters()}
     local = {}  # name -> (this rank's block, its tensor-parallel placement or None, an expert parameter)
@@ -101,6 +106,7 @@ def _train(case: tuple) -> dict:
     out = {"dp_rank": topo.dp_rank, "tp_rank": topo.tp_rank, "ep_rank": topo.ep_rank, "held": held}
     out.update(losses=losses, norms=norms, aux=aux, full=full, local=local, refused=refused)
     out["ep_bytes"] = first.get("ep", {}).get("all_to_all", {}).get("bytes", 0)
+    out["routed"] = routed[: len(gates)]  # the first forward's
     engine.close()
     return out
 
@@ -186,13 +192,21 @@ def test_tp2_ep2_trains_like_one_process(world4):
 
 
 def test_each_tp_rank_sends_its_share_of_the_tokens(world4):
-    # the 6 tokens of a data-parallel rank are split 3 + 3 over its two tp ranks: each sends the rows of its 3 tokens
-    # (top-2) that go to the other rank of its expert group, never all 6 tokens' rows
-    hidden, k, mine = 16, 2, 3
-    for r in world4:
-        sent = r[0]["ep_bytes"]  # first micro-step, both layers: counts, rows, ids, outputs; forward and backward
-        most = 2 * (8 + mine * k * 8 + 2 * 2 * mine * k * hidden * 4)
-        assert 0 < sent <= most, (r[0]["dp_rank"], r[0]["tp_rank"], sent, most)
+    # the 6 tokens of a data-parallel rank are split 3 + 3 over its two tp ranks; tp rank t exchanges the rows of
+    # its 3 tokens with tp rank t of the other data-parallel rank (its expert group), so the bytes of its exchange
+    # are the formula of docs/expert-parallel.md over its share only (the routing recorded on each rank)
+    tp, ep, hidden, case = 2, 2, 16, 1  # case 1: Mixtral, one micro-step per step
+    results = [r[case] for r in world4]
+    for r in results:
+        mine = range(*r["held"])
+        peer = next(o for o in results if o["tp_rank"] == r["tp_rank"] and o["dp_rank"] != r["dp_rank"])
+        lo, hi = r["tp_rank"] * SEQ // tp, (r["tp_rank"] + 1) * SEQ // tp
+        expected = 0
+        for layer, idx in enumerate(r["routed"]):
+            sent = sum(int(e) not in mine for e in idx[lo:hi].flatten())
+            received = sum(int(e) in mine for e in peer["routed"][layer][lo:hi].flatten())
+            expected += 8 * (ep - 1) + sent * 8 + 2 * (sent + received) * hidden * 4
+        assert r["ep_bytes"] == expected, (r["dp_rank"], r["tp_rank"], r["ep_bytes"], expected)
 
 
 @pytest.mark.soak
