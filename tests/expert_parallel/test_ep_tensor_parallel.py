@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import shardtrain
 from shardtrain.config.schema import check_layout, load_config
@@ -54,7 +55,12 @@ def reference(kind: str, experts: int, dp: int, steps: int, gas: int, clip: floa
 def _train(case: tuple) -> dict:
     """This rank's run of ``case``: its data-parallel rank's rows of every global micro-batch."""
     kind, experts, tp, ep, stage, steps, gas, clip, overrides, zero, seq = case
+    zero = dict(zero)
     model = tiny_moe(kind, experts, **overrides)
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    if zero.pop("activation_checkpointing", False):  # transformers' own: each layer's forward again in backward
+        model.gradient_checkpointing_enable()
+        model.train()
     config = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": gas,
@@ -96,6 +102,10 @@ def _train(case: tuple) -> dict:
             placement = record.tp if record is not None and record.tp_split else None
             local[name] = (p.detach().clone(), placement, id(p) in experts)
     full = engine.full_state_dict() if stage < 3 else None  # refused by name at stage 3 (test_ep_engine.py)
+    reloaded = None
+    if stage < 3:  # one process's initial weights loaded into every rank's blocks, read back
+        engine.load_full_state_dict(init if dist.get_rank() == 0 else None)
+        reloaded = engine.full_state_dict()
     refused = []
     for call in (lambda: engine.save_checkpoint("/nonexistent-eptp-dir"), lambda: engine.load_checkpoint("/x")):
         try:
@@ -104,7 +114,7 @@ def _train(case: tuple) -> dict:
         except ConfigError as err:
             refused.append(str(err))
     out = {"dp_rank": topo.dp_rank, "tp_rank": topo.tp_rank, "ep_rank": topo.ep_rank, "held": held}
-    out.update(losses=losses, norms=norms, aux=aux, full=full, local=local, refused=refused)
+    out.update(losses=losses, norms=norms, aux=aux, full=full, local=local, refused=refused, reloaded=reloaded)
     out["ep_bytes"] = first.get("ep", {}).get("all_to_all", {}).get("bytes", 0)
     out["routed"] = routed[: len(gates)]  # the first forward's
     engine.close()
@@ -160,6 +170,10 @@ def _assert_parity(results: list[dict], case: tuple) -> None:
             err = (full[k] - w).norm().item()
             assert moved > 0, f"{what}: {k} did not move: the check proves nothing"
             assert err <= 5e-3 * moved, f"{what}: {k}: error {err:.3g} vs distance moved {moved:.3g}"
+    if stage < 3:  # load_full_state_dict gives every rank its blocks of the whole tensors: read back bit for bit
+        reloaded = results[0]["reloaded"]
+        assert reloaded.keys() == ref["init"].keys(), what
+        assert all(torch.equal(reloaded[k], v) for k, v in ref["init"].items()), what
     for r in results:  # checkpoints of this layout are refused by name, on every rank
         assert all(m is not None and f"and tensor_parallel.size {tp} is not built" in m for m in r["refused"]), what
 
@@ -207,6 +221,22 @@ def test_each_tp_rank_sends_its_share_of_the_tokens(world4):
             received = sum(int(e) in mine for e in peer["routed"][layer][lo:hi].flatten())
             expected += 8 * (ep - 1) + sent * 8 + 2 * (sent + received) * hidden * 4
         assert r["ep_bytes"] == expected, (r["dp_rank"], r["tp_rank"], r["ep_bytes"], expected)
+
+
+OFFLOAD = {"offload_optimizer": {"device": "cpu"}}
+CHECKPOINTING = {"activation_checkpointing": True}
+WORLD4_MORE = [
+    ("mixtral", 8, 2, 2, 2, 2, 1, 0.5, {}, OFFLOAD, SEQ),  # the optimizer steps on the host
+    ("mixtral", 8, 2, 2, 3, 2, 1, 0.5, {}, {**UNITS, **CHECKPOINTING}, SEQ),  # each layer's exchange again in backward
+    ("qwen3_moe", 8, 2, 2, 2, 2, 1, 0.5, {}, {"mics_shard_size": 1, **CHECKPOINTING}, SEQ),  # hybrid sharding
+]
+
+
+@pytest.mark.soak
+def test_tp2_ep2_with_offload_checkpointing_and_hybrid_sharding_trains_like_one_process():
+    runs = run_distributed(_runs, 4, WORLD4_MORE, timeout=600)
+    for i, case in enumerate(WORLD4_MORE):
+        _assert_parity([r[i] for r in runs], case)
 
 
 @pytest.mark.soak

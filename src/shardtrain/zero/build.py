@@ -15,6 +15,7 @@ reducer, the optimizer wrapper and the ZeRO-3 runtime are made from it), in this
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -93,7 +94,9 @@ def build_layout(
         shape = tuple(placement.global_shape) if placement is not None else tuple(t.shape)
         split = None
         if id(t) in expert_ids and ep > 1:  # this rank's experts, rows [ep_rank * n/E, (ep_rank + 1) * n/E)
-            shape = (shape[0] * ep, *shape[1:])
+            if placement is not None:  # whole on every tp rank: the tp block is this rank's experts
+                placement = dataclasses.replace(placement, global_shape=tuple(t.shape))
+            shape = (t.shape[0] * ep, *t.shape[1:])
             split = TPPlacement(0, 1, shape)
         records.append(ParamRecord(tuple(names), t, shape, placement, bucket, slot, ep=split))
     return ShardLayout(
