@@ -26,7 +26,10 @@ Every rank of the group must take part in each backward exchange, also a rank th
 module then returns a tensor outside the autograd graph (transformers' eager loop makes zeros, and an
 ``autograd.Function`` whose inputs need no gradient has no backward), so the exchange would have no backward there
 while the other ranks wait for it in theirs. Its output is therefore tied, with a zero weight, to the received rows
-(or to the experts' weights when the tokens need no gradient), whenever gradients are recorded.
+and to the experts' trainable weights, whenever gradients are recorded: the weights then get a zero gradient, as
+on a rank whose implementation runs its kernels on no row, so that every rank's weights get a gradient in every
+backward (the tensor-parallel check of replicated gradients, [Note: experts beside tensor parallelism], compares
+them in the same backward on every tp rank).
 No token is dropped (no capacity factor): a rank receives what the router sends it, and an expert that receives no
 token contributes nothing.
 
@@ -230,9 +233,9 @@ def dispatch(
     local_ids = all_to_all_v((experts_sorted % per_rank)[:, None], comm, recv, send, f"the expert ids of {what}")
     out = local_experts(received, local_ids, torch.ones_like(local_ids, dtype=x.dtype))
     if torch.is_grad_enabled() and not out.requires_grad:  # no row received: see [Note: tokens to their experts]
-        anchor = received if received.requires_grad else next((p for p in params if p.requires_grad), None)
-        if anchor is not None:
-            out = out + anchor.reshape(-1)[:1].sum().to(out.dtype) * 0
+        anchors = [t for t in (received, *params) if t.requires_grad]
+        if anchors:
+            out = out + sum(t.reshape(-1)[:1].sum().to(out.dtype) for t in anchors) * 0
     back = all_to_all_v(out, comm, send, recv, f"the outputs of {what}")  # [T * k, H], by expert
     back = back * weights.reshape(-1)[order, None]  # in the promoted dtype, as transformers multiplies
     if per_token_sum:
