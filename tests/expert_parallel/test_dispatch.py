@@ -111,3 +111,25 @@ def test_experts_that_do_not_split_over_the_group_are_refused():
 
     with pytest.raises(ConfigError, match="4 experts, which do not split over an expert-parallel group of 3"):
         shard_experts(_experts(4, "eager"), Comm(), "model.layers.0.mlp.experts")
+
+
+def _idle_rank(implementation: str) -> dict:
+    """Rank 1 holds no token and every token of rank 0 picks rank 0's experts: rank 1 receives no row."""
+    comm = Communicator(dist.group.WORLD, timeout_s=60.0)
+    experts = _experts(4, implementation)
+    shard_experts(experts, comm)
+    rows = TOKENS if dist.get_rank() == 0 else 0
+    x = torch.randn(rows, HIDDEN, requires_grad=True)
+    idx = torch.tensor([[0, 1]] * rows, dtype=torch.long).reshape(rows, TOP_K)
+    w = torch.full((rows, TOP_K), 0.5)
+    experts(x, idx, w).sum().backward()
+    return {k: p.grad for k, p in experts.named_parameters()}
+
+
+@pytest.mark.parametrize("implementation", ["eager", "grouped_mm"])
+def test_a_rank_that_receives_no_row_gets_zero_expert_gradients(implementation):
+    # every rank's expert weights get a gradient in every backward (zero where no row arrived), whatever the
+    # implementation does with no row: tensor parallelism's check compares them in the same backward on each rank
+    grads = run_distributed(_idle_rank, 2, implementation)
+    assert all(g is not None and g.abs().max() > 0 for g in grads[0].values())
+    assert grads[1] and all(g is not None and g.abs().max() == 0 for g in grads[1].values())
