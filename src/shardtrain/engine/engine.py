@@ -55,11 +55,7 @@ from shardtrain.engine.training_state import (
     save_engine,
 )
 from shardtrain.errors import ConfigError, LayoutError, OptimizerError
-from shardtrain.expert_parallel import (
-    expert_weights,
-    install_expert_parallel,
-    refuse_tensor_parallel_experts_checkpoint,
-)
+from shardtrain.expert_parallel import expert_weights, install_expert_parallel
 from shardtrain.tensor_parallel import check_same_batch, parallelize
 from shardtrain.tensor_parallel.parallelize import check_replicated_gradients
 from shardtrain.zero.host_read import HostRead
@@ -474,9 +470,6 @@ class Engine:
         ``checkpoint/async_save.py``). The next ``save_checkpoint`` and ``close()`` wait for it and raise its
         failure. The default is the config's ``checkpoint.writer.decoupled`` (DeepSpeed's key, ``false``). Returns
         the checkpoint's path either way."""
-        refuse_tensor_parallel_experts_checkpoint(
-            self.topology.ep, self.topology.tp, "save_checkpoint"
-        )  # every rank alike
         self._agree("save_checkpoint")
         if self._async_saver is not None:  # one save in flight at most; a failure of the previous one is raised here
             self._async_saver.wait()
@@ -493,9 +486,6 @@ class Engine:
 
         Without ``tag`` the one ``load_dir/latest`` names is loaded. ``load_optimizer_states=False`` loads the
         model weights (masters included) and the loss scale only."""
-        refuse_tensor_parallel_experts_checkpoint(
-            self.topology.ep, self.topology.tp, "load_checkpoint"
-        )  # every rank alike
         self._agree("load_checkpoint")
         if self._async_saver is not None:  # a save in flight is what `latest` will name: load it, not the one before
             self._async_saver.wait()

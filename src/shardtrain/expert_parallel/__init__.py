@@ -11,7 +11,6 @@ from shardtrain.expert_parallel.install import (
     experts_to_split,
     find_experts,
     install_expert_parallel,
-    refuse_tensor_parallel_experts_checkpoint,
 )
 
 __all__ = [
@@ -20,5 +19,4 @@ __all__ = [
     "experts_to_split",
     "find_experts",
     "install_expert_parallel",
-    "refuse_tensor_parallel_experts_checkpoint",
 ]

@@ -219,23 +219,10 @@ def install_expert_parallel(
     return frozenset(ids)
 
 
-def refuse_tensor_parallel_experts_checkpoint(ep: int, tp: int, what: str) -> None:
-    """Checkpoints of split experts under tensor parallelism as well (``tp`` > 1, whose ranks hold the same experts
-    whole, [Note: experts beside tensor parallelism] in :mod:`.dispatch`) are not built: refused before anything is
-    written or read, the same verdict on every rank."""
-    if ep > 1 and tp > 1:
-        raise ConfigError(
-            f"{what} with expert_parallel_size (ep_size) {ep} and tensor_parallel.size {tp} is not built: the layout "
-            "trains, but its checkpoints are not built yet (docs/expert-parallel.md); use full_state_dict() and "
-            "load_full_state_dict(), or save without tensor parallelism"
-        )
-
-
 __all__ = [
     "declared_ep_plan",
     "expert_weights",
     "experts_to_split",
     "find_experts",
     "install_expert_parallel",
-    "refuse_tensor_parallel_experts_checkpoint",
 ]
