@@ -47,6 +47,7 @@ from torch.utils.checkpoint import checkpoint
 from shardtrain.errors import ShardtrainError
 from shardtrain.estimate.experts import GroupedMatmulShapes, has_experts, split_experts
 from shardtrain.estimate.source import ModelSource, loss_of
+from shardtrain.expert_parallel import expert_weights
 from shardtrain.zero.layout import Bucket
 from shardtrain.zero.units import find_unit_modules
 
@@ -93,10 +94,12 @@ class ComputePeak:
     """Stage 3: most bytes of units gathered at once (included in ``peak``)."""
 
 
-def build_fake(source: ModelSource, tp: int, compute: torch.dtype, tp_plan: Any = None, ep: int = 1) -> nn.Module:
-    """The model on fake tensors, split for ``tp`` (and its experts for ``ep``, [Note: experts on fake tensors])
-    and cast to ``compute`` as the engine does. Call inside the :class:`FakeTensorMode` the tensors are to live
-    in."""
+def build_fake(
+    source: ModelSource, tp: int, compute: torch.dtype, tp_plan: Any = None, ep: int = 1, split: bool = True
+) -> nn.Module:
+    """The model on fake tensors, split for ``tp`` (and its experts for ``ep``, [Note: experts on fake tensors];
+    ``split`` False: the caller splits them, the tensor-parallel plan keeping them whole already) and cast to
+    ``compute`` as the engine does. Call inside the :class:`FakeTensorMode` the tensors are to live in."""
     model = source.build()
     if not isinstance(model, nn.Module):
         raise TypeError(f"estimate: the model factory {source.name!r} returned {type(model).__name__}, not a module")
@@ -105,13 +108,14 @@ def build_fake(source: ModelSource, tp: int, compute: torch.dtype, tp_plan: Any 
         from shardtrain.tensor_parallel.rng import RegionRNG
 
         plan = tp_plan if tp_plan is not None else source.tp_plan
-        parallelize(model, plan, ShapeOnlyComm(tp), check_replicated_grads=False)
+        whole = expert_weights(model, ep) if ep > 1 else None  # whole on every tp rank, as initialize keeps them
+        parallelize(model, plan, ShapeOnlyComm(tp), check_replicated_grads=False, whole_experts=whole)
         for m in model.modules():  # random-stream forks move no memory, and read a drawn value (none on fakes)
             rng = getattr(m, "rng", None)
             if isinstance(rng, RegionRNG):
                 rng.tp_size = 1
-    if ep > 1:
-        split_experts(model, ep)
+    if ep > 1 and split:
+        split_experts(model, ep, tp)
     if compute != FP32:
         with torch.no_grad():
             for p in model.parameters():

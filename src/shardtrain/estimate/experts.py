@@ -68,17 +68,52 @@ class _SizeOnly:
         self.size, self.rank = size, rank
 
 
-def split_experts(model: nn.Module, ep: int) -> frozenset[int]:
+class _ShapeOnlyShares(torch.autograd.Function):
+    """Tensor parallelism's share of the tokens on fake tensors ([Note: experts beside tensor parallelism] in
+    :mod:`shardtrain.expert_parallel.dispatch`): forward, tp rank 0's share, the largest (a copy); backward, the
+    all-gathered gradient of every row (a new tensor)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, tp: int) -> torch.Tensor:
+        ctx.shape = x.shape
+        return x[: -(-x.shape[0] // tp)].clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        return grad.new_empty(ctx.shape), None
+
+
+class _ShapeOnlyGather(torch.autograd.Function):
+    """The all-gather of every tp rank's share of the outputs on fake tensors: a new tensor of ``n`` rows; backward,
+    this rank's share of the gradient (a copy)."""
+
+    @staticmethod
+    def forward(ctx: Any, part: torch.Tensor, n: int) -> torch.Tensor:
+        ctx.rows = part.shape[0]
+        return part.new_empty((n, *part.shape[1:]))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        return grad[: ctx.rows].clone(), None
+
+
+def split_experts(model: nn.Module, ep: int, tp: int = 1) -> frozenset[int]:
     """Keep rank 0's ``num_experts / ep`` experts of every experts module of ``model`` (fake tensors) as the engine
     does, their forward through :func:`balanced_dispatch`; returns the ids of the expert parameters. Refuses, as
-    ``initialize`` does, a model without experts and a number of experts ``ep`` does not divide."""
+    ``initialize`` does, a model without experts and a number of experts ``ep`` does not divide. ``tp``: the
+    tensor-parallel size, whose ranks each send their share of the tokens (tp rank 0's, the largest, here)."""
     inner = {name: (m.forward, m.num_experts) for name, m in find_experts(model).items()}
     ids = install_expert_parallel(model, _SizeOnly(ep))  # type: ignore[arg-type]
     modules = dict(model.named_modules())
     for name, (forward, n) in inner.items():
 
         def exchange(x, top_k_index, top_k_weights, forward=forward, n=n):
-            return balanced_dispatch(x, top_k_index, top_k_weights, forward, n, ep)
+            if tp == 1:
+                return balanced_dispatch(x, top_k_index, top_k_weights, forward, n, ep)
+            share = _ShapeOnlyShares.apply(x, tp)
+            w = _ShapeOnlyShares.apply(top_k_weights, tp)
+            out = balanced_dispatch(share, top_k_index[: share.shape[0]], w, forward, n, ep)
+            return _ShapeOnlyGather.apply(out, x.shape[0])
 
         modules[name].forward = exchange
     return ids

@@ -424,12 +424,6 @@ def _prepare(
     cfg = layout_config(raw, layout)
     refuse_experts_with_sequence_parallelism(cfg, layout)
     check_expert_layout(cfg, layout.dp)  # what initialize refuses under expert parallelism, in its words
-    if layout.ep > 1 and layout.tp > 1:
-        raise ConfigError(
-            f"expert_parallel_size (ep_size) {layout.ep} with tensor parallelism (tp {layout.tp}): initialize builds "
-            "it (the experts whole on every tp rank, docs/expert-parallel.md), but the estimate does not model it "
-            "yet; estimate the layout with tp 1 at the same data-parallel size, or with expert_parallel_size 1"
-        )
     zcfg = cfg.zero_optimization
     precision = policy_from_config(cfg)
     compute = precision.compute_dtype
@@ -544,8 +538,8 @@ def candidate_layouts(
     """Every (world, stage, tp, offload) combination around ``base`` (dtype, batch, checkpointing kept), and for a
     model whose experts modules hold ``experts`` experts each, every expert-parallel size that divides them all and
     the data-parallel size, at every stage and offload (``initialize`` builds expert parallelism with optimizer
-    offload at stages 1-3 and parameter offload at stage 3, and the estimate lays their state out as it does), without
-    tensor parallelism (which ``initialize`` refuses with it)."""
+    offload at stages 1-3 and parameter offload at stage 3, and the estimate lays their state out as it does), with
+    and without tensor parallelism."""
     experts = list(experts)
     out = []
     for world in worlds:
@@ -573,13 +567,13 @@ def candidate_layouts(
                             ep=1,
                         )
                     )
-                for e in eps if tp == 1 else []:
+                for e in eps:
                     for opt, par in options:
                         out.append(
                             replace(
                                 base,
                                 world=world,
-                                tp=1,
+                                tp=tp,
                                 stage=stage,
                                 offload_optimizer=opt,
                                 offload_param=par,
@@ -667,8 +661,8 @@ def _fake_model(source: ModelSource, tp: int, ep: int, tp_plan: Any, cache: dict
     if ("fake", tp, ep) not in cache:
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         with mode:
-            fake = build_fake(source, tp, torch.float32, tp_plan)
-            experts = split_experts(fake, ep) if ep > 1 else frozenset()
+            fake = build_fake(source, tp, torch.float32, tp_plan, ep, split=False)
+            experts = split_experts(fake, ep, tp) if ep > 1 else frozenset()
         cache["fake", tp, ep] = (fake, experts)
         if cache.get("fast", True):  # an fp32 run without checkpointing needs this very model: build it once
             cache.setdefault("models", {})[model_key(tp, torch.float32, False, None, ep)] = (mode, fake)
