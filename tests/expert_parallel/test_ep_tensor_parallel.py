@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+import transformers
 
 import shardtrain
 from shardtrain.config.schema import check_layout, load_config
@@ -56,6 +57,7 @@ def _train(case: tuple) -> dict:
     """This rank's run of ``case``: its data-parallel rank's rows of every global micro-batch."""
     kind, experts, tp, ep, stage, steps, gas, clip, overrides, zero, seq = case
     zero = dict(zero)
+    pretrained = zero.pop("from_pretrained", None)  # a directory of save_pretrained's files of this very model
     model = tiny_moe(kind, experts, **overrides)
     init = {k: v.clone() for k, v in model.state_dict().items()}
     if zero.pop("activation_checkpointing", False):  # transformers' own: each layer's forward again in backward
@@ -70,7 +72,13 @@ def _train(case: tuple) -> dict:
         "tensor_parallel": {"size": tp},
         "collective_timeout_s": 120.0,
     }
-    engine = shardtrain.initialize(model, config=config, optimizer=torch.optim.AdamW(model.parameters(), lr=LR))
+    if pretrained is not None:  # built under zero.Init(config), each rank reading its blocks and experts
+        engine = shardtrain.from_pretrained(
+            transformers.AutoModelForCausalLM, pretrained, config=config, optimizer=lambda ps: torch.optim.AdamW(ps, LR)
+        )
+        model = engine.module
+    else:
+        engine = shardtrain.initialize(model, config=config, optimizer=torch.optim.AdamW(model.parameters(), lr=LR))
     topo = engine.topology
     routed: list[torch.Tensor] = []  # each layer's experts of every token, in the order of the forwards
     gates = [m for n, m in model.named_modules() if n.endswith("mlp.gate")]
@@ -220,6 +228,8 @@ WORLD4 = [
     ("mixtral", 8, 2, 2, 3, 2, 1, 0.5, {}, UNITS, SEQ),  # stage 3: expert units over the expert-data-parallel group
     ("mixtral", 8, 2, 2, 0, 2, 1, 0.5, {}, {}, SEQ),  # stage 0: the norm counts each expert gradient once
     ("mixtral", 8, 2, 2, 1, 2, 1, 0.5, {}, {}, 3),  # 3 tokens per rank: shares of 2 and 1
+    # shardtrain.from_pretrained: built under zero.Init(config), each rank reads its tp blocks and its experts
+    ("qwen3_moe", 8, 2, 2, 3, 2, 1, 0.5, {}, {**UNITS, "from_pretrained": None}, SEQ),
 ]
 WORLD6 = [
     ("qwen3_moe", 8, 3, 2, 2, 2, 1, 0.5, TP3, {}, SEQ),  # tp 3 x dp 2, ep 2
@@ -230,9 +240,21 @@ WORLD6 = [
 ]
 
 
+def _pretrained(cases: list[tuple], path) -> list[tuple]:
+    """``cases`` with the ``from_pretrained`` directory filled in: save_pretrained's files of the case's model."""
+    out = []
+    for case in cases:
+        if "from_pretrained" in case[9]:
+            tiny_moe(case[0], case[1], **case[8]).save_pretrained(path)
+            case = (*case[:9], {**case[9], "from_pretrained": str(path)}, case[10])
+        out.append(case)
+    return out
+
+
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory):
-    return run_distributed(_runs, 4, WORLD4, str(tmp_path_factory.mktemp("ckpt")), timeout=300)
+    cases = _pretrained(WORLD4, tmp_path_factory.mktemp("pretrained"))
+    return run_distributed(_runs, 4, cases, str(tmp_path_factory.mktemp("ckpt")), timeout=300)
 
 
 def test_tp2_ep2_trains_like_one_process(world4):

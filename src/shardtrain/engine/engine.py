@@ -63,7 +63,6 @@ from shardtrain.zero.init import (
     ExpertRows,
     expert_rows_cut,
     is_deferred,
-    is_under_construction,
     materialize_deferred,
     record_initialization,
 )
@@ -661,16 +660,8 @@ def _build(
         record_initialization(model)  # reset_parameters() of a model built on meta without Init, before the split
     if not deferred:
         move_whole_parts(model, cfg.zero_optimization, topology)
-    whole_experts = None
     # with tensor parallelism the experts stay whole on every tp rank ([Note: experts beside tensor parallelism])
-    if topology.ep > 1 and topology.tp > 1:
-        if deferred or any(is_under_construction(p) for p in model.parameters()):
-            raise ConfigError(
-                f"expert_parallel_size (ep_size) {topology.ep} with tensor_parallel.size {topology.tp} and a model "
-                "built under shardtrain.zero.Init() or on meta is not built: build the model in memory, or leave one "
-                "of the two out (docs/expert-parallel.md)"
-            )
-        whole_experts = expert_weights(model, topology.ep)
+    whole_experts = expert_weights(model, topology.ep) if topology.ep > 1 and topology.tp > 1 else None
     tp_comm, placements = None, None
     if topology.tp > 1:  # split the layers before anything is laid out or built over the parameters
         tp_comm = Communicator(topology.tp_group, topology.timeout_s)
