@@ -23,12 +23,14 @@ def tiny_moe(kind: str, experts: int, seed: int = 0, router_logits: bool = True,
     )  # fmt: skip
     if router_logits:
         shared["router_aux_loss_coef"] = 0.1
-    shared.update(overrides)
     if kind == "mixtral":
-        cfg = transformers.MixtralConfig(intermediate_size=24, num_local_experts=experts, **shared)
+        cfg = transformers.MixtralConfig(
+            **{**shared, "intermediate_size": 24, "num_local_experts": experts, **overrides}
+        )
         return transformers.MixtralForCausalLM(cfg)
-    cfg = transformers.Qwen3MoeConfig(
+    own = dict(
         intermediate_size=24, moe_intermediate_size=12, num_experts=experts, decoder_sparse_step=1, head_dim=4,
-        norm_topk_prob=True, **shared,
+        norm_topk_prob=True,
     )  # fmt: skip
+    cfg = transformers.Qwen3MoeConfig(**{**shared, **own, **overrides})
     return transformers.Qwen3MoeForCausalLM(cfg)

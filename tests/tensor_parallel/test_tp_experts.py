@@ -156,3 +156,33 @@ def test_an_identity_expert_outside_experts_is_refused():
     model = nn.Sequential(nn.Identity(), nn.Linear(4, 4))
     message = _refusal(model, {"0": "moe_identity_expert", "1": "colwise"})
     assert "0: style 'moe_identity_expert'" in message and "no enclosing module" in message, message
+
+
+def test_experts_blocks_grouped_mm_cannot_run_are_refused_with_the_sizes_that_fit():
+    """[Note: grouped_mm's alignment]: Qwen3-MoE's 12 intermediate features per expert over 2 ranks are 6 per rank,
+    24 bytes in fp32, which ``torch._grouped_mm`` refuses deep inside torch at the first forward; the split is refused
+    by name before anything changes. With 24 features (12 per rank) fp32 runs, bf16 (24 bytes) does not; the eager
+    implementation has no such requirement."""
+    from helpers.moe_cases import tiny_moe
+
+    def refusal(model, size, dtype=None):
+        with pytest.raises(LayoutError) as err:
+            parallelize(model, None, _comm(size), check_replicated_grads=False, compute_dtype=dtype)
+        return str(err.value)
+
+    model = tiny_moe("qwen3_moe", 4)
+    assert model.config._experts_implementation == "grouped_mm"
+    message = refusal(model, 2)
+    assert "each rank would hold 6 of the 12 intermediate features" in message, message
+    assert "a multiple of 4 features in float32" in message and "from [1, 3]" in message, message
+    assert "'batched_mm'" in message, message
+    wider = dict(moe_intermediate_size=24)  # 12 features per rank: 48 bytes in fp32, 24 in bf16
+    message = refusal(tiny_moe("qwen3_moe", 4, **wider), 2, torch.bfloat16)
+    assert "12 of the 24" in message and "a multiple of 8 features in bfloat16" in message, message
+    assert "from [1, 3]" in message, message
+    placements = parallelize(tiny_moe("qwen3_moe", 4, **wider), None, _comm(2), check_replicated_grads=False)
+    assert placements["model.layers.0.mlp.experts.down_proj"].local_shape(2)[2] == 12
+    eager = tiny_moe("qwen3_moe", 4)
+    eager.set_experts_implementation("eager")
+    parallelize(eager, None, _comm(2), check_replicated_grads=False, compute_dtype=torch.bfloat16)
+    assert eager.model.layers[0].mlp.experts.down_proj.shape[2] == 6

@@ -670,7 +670,12 @@ def _build(
             broadcast_model(model, Communicator(topology.world_group, topology.timeout_s))
         # a plan given at size 1 splits nothing: same script. A deferred model's gradient check needs real parameters
         placements = parallelize(
-            model, tp_plan, tp_comm, check_replicated_grads=not deferred, whole_experts=whole_experts
+            model,
+            tp_plan,
+            tp_comm,
+            check_replicated_grads=not deferred,
+            whole_experts=whole_experts,
+            compute_dtype=policy_from_config(cfg).compute_dtype,
         )
         if not any(p.is_split for p in placements.values()):
             raise LayoutError(

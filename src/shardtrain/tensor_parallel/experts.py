@@ -52,12 +52,15 @@ def check_experts(
     placements: Mapping[str, TPPlacement],
     size: int,
     identities: tuple[nn.Module, ...] = (),
+    compute_dtype: torch.dtype | None = None,
 ) -> None:
     """Refuse ``moe_tp_experts`` on ``module`` unless the plan's split of its parameters keeps its meaning.
 
     ``placements``: every parameter of ``module`` (names relative to it, children included) -> its placement
     under the plan ([Note: experts under tensor parallelism]). ``identities``: its children styled
-    ``moe_identity_expert`` (:func:`share_identity`), which the probe runs as they will run.
+    ``moe_identity_expert`` (:func:`share_identity`), which the probe runs as they will run. ``compute_dtype``: the
+    dtype the weights will be cast to for training (None: they train as they are), for [Note: grouped_mm's
+    alignment].
     """
     what = f"{name} ({type(module).__name__}): style 'moe_tp_experts'"
     if not any(p.is_split for p in placements.values()):
@@ -67,6 +70,7 @@ def check_experts(
             "leave the module out of it."
         )
     recorded = _check_recorded_layout(module, what, placements, size)
+    _check_grouped_mm_alignment(module, what, placements, size, compute_dtype)
     params = dict(module.named_parameters())
     if any(p.is_meta or is_fake(p) for p in params.values()):
         if not recorded:
@@ -136,6 +140,53 @@ def _check_recorded_layout(module: nn.Module, what: str, placements: Mapping[str
             "would cut a pair in two. Pick a tensor-parallel size that divides the intermediate size."
         )
     return True
+
+
+def _check_grouped_mm_alignment(
+    module: nn.Module,
+    what: str,
+    placements: Mapping[str, TPPlacement],
+    size: int,
+    compute_dtype: torch.dtype | None,
+) -> None:
+    """[Note: grouped_mm's alignment]
+    transformers' default experts implementation, ``grouped_mm``, calls ``torch._grouped_mm``, which requires every
+    stride of its operands but the last to be a multiple of 16 bytes (on CPU and CUDA alike; otherwise
+    ``RuntimeError: strides should be multiple of 16 bytes`` from inside torch at the first forward). A whole model's
+    sizes usually satisfy it, but a tensor-parallel split divides each expert's intermediate features by ``tp``:
+    ``moe_intermediate_size / tp`` elements must fill a multiple of 16 bytes in the dtype the experts run in (4
+    elements in fp32, 8 in bf16 or fp16). Checked on each rank's block shapes, in the weights' dtype and in the
+    compute dtype, before anything changes; refused by name with the sizes that fit. The other implementations
+    (``eager``, ``batched_mm``) have no such requirement. Only the split dimension is checked: the others are the
+    whole model's, which transformers runs as they are."""
+    config = getattr(module, "config", None)
+    if getattr(config, "_experts_implementation", None) != "grouped_mm":
+        return
+    params = dict(module.named_parameters(recurse=False))
+    dtypes = {p.dtype for p in params.values() if p.is_floating_point()}
+    if compute_dtype is not None and any(d == torch.float32 for d in dtypes):
+        dtypes.add(compute_dtype)
+    split = {  # name -> (placement, features per gate/up half or of down_proj, in the whole expert)
+        n: (pl, pl.global_shape[pl.dim] // pl.stride)
+        for n, pl in placements.items()
+        if n in params and pl.is_split and len(pl.global_shape) == 3
+    }
+    for dtype in sorted(dtypes, key=lambda d: d.itemsize):  # the strictest first
+        per = 16 // dtype.itemsize
+        bad = [(n, pl, whole) for n, (pl, whole) in split.items() if (whole // size) % per]
+        if bad:
+            pname, placement, whole = bad[0]
+            fits = [
+                t for t in range(1, whole + 1) if all(w % t == 0 and (w // t) % per == 0 for _, w in split.values())
+            ]
+            raise LayoutError(
+                f"{what}: each rank would hold {whole // size} of the {whole} intermediate features of every expert "
+                f"in {pname} ({placement.describe()}, over {size} ranks), and transformers' 'grouped_mm' experts "
+                f"implementation (torch._grouped_mm) needs rows of a multiple of 16 bytes: a multiple of {per} "
+                f"features in {str(dtype).removeprefix('torch.')}. Use a tensor-parallel size from {fits or [1]}, "
+                "or build the model with experts_implementation='eager' or 'batched_mm' ([Note: grouped_mm's "
+                "alignment])."
+            )
 
 
 def _probe(

@@ -82,6 +82,7 @@ def parallelize(
     *,
     check_replicated_grads: bool = True,
     whole_experts: Mapping[str, Sequence[str]] | None = None,
+    compute_dtype: torch.dtype | None = None,
 ) -> dict[str, TPPlacement]:
     """Apply a tensor-parallel plan to ``model`` in place, over the group of ``tp_comm``.
 
@@ -101,6 +102,9 @@ def parallelize(
     ``whole_experts``: under expert parallelism, the experts modules it splits (name -> their expert weights' names),
     kept whole on every tp rank: the plan's patterns inside them are dropped and their weights'
     gradients summed over the group (:func:`~.plans.replicate_experts`).
+
+    ``compute_dtype``: the dtype the engine casts the weights to for training (None: as they are), which split
+    experts' blocks must suit ([Note: grouped_mm's alignment] in :mod:`~.experts`).
     """
     explicit = plan is not None
     tp_plan = as_plan(plan) if explicit else own_plan(model)
@@ -152,7 +156,7 @@ def parallelize(
             shares = tuple(
                 modules[n] for n, s in module_styles.items() if s.layer == "identity_share" and n.startswith(inside)
             )
-            check_experts(modules[name], name, local, size, shares)
+            check_experts(modules[name], name, local, size, shares, compute_dtype)
         if style.layer == "identity_share" and not in_region(name, module_styles, experts=True):
             raise LayoutError(
                 f"{name}: style 'moe_identity_expert' divides an identity expert's input by the tensor-parallel size "
