@@ -4,6 +4,7 @@ the engine's collectives even when the user created the process group with anoth
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -20,7 +21,7 @@ from shardtrain.testing import run_ranks
 from helpers.tp_cases import Case, config_for, forward_engine, global_batches, make_model, make_optimizer, plan_for
 
 CASE = Case(gas=2, micro=2)
-ASLEEP_S = 25.0  # the stuck peer of the timeout test
+ASLEEP_S = 25.0  # the most the stuck peer of the timeout test sleeps (it wakes once the other rank has its error)
 
 
 class _Fake:
@@ -139,26 +140,34 @@ def test_the_checks_exchange_cpu_tensors_over_the_host_side_groups():
             assert "full_state_dict() is collective: rank 0" in r["error"], r["error"]
 
 
-def _alone_in_a_user_group(timeout: float) -> tuple[str, float]:
+def _alone_in_a_user_group(timeout: float, woken: str) -> tuple[str, float]:
     """The harness created the process group (60 s timeout); the engine is configured with ``timeout``. Rank 1
-    stops calling the engine (it sleeps); rank 0's next check must fail after ``timeout``, not after 60 s."""
+    stops calling the engine (it sleeps); rank 0's next check must fail after ``timeout``, not after 60 s. Rank 1
+    sleeps until rank 0 has its outcome (the file ``woken`` exists) or ``ASLEEP_S`` have passed, so its exit (which
+    fails rank 0's wait too) never comes first."""
     engine = _engine(2, 1, timeout=timeout)
     _micro(engine, 0)
-    if dist.get_rank() == 1:  # long enough that its exit (which fails rank 0's wait too) comes after the bound
-        time.sleep(ASLEEP_S)
+    if dist.get_rank() == 1:
+        deadline = time.monotonic() + ASLEEP_S
+        while not os.path.exists(woken) and time.monotonic() < deadline:
+            time.sleep(0.05)
         return "asleep", 0.0
     started = time.monotonic()
     try:
         _micro(engine, 1)
     except CollectiveTimeoutError as err:
         return str(err), time.monotonic() - started
+    finally:
+        with open(woken, "w"):
+            pass
     return "no error", time.monotonic() - started
 
 
-def test_collective_timeout_holds_when_the_user_created_the_process_group():
+def test_collective_timeout_holds_when_the_user_created_the_process_group(tmp_path):
     """``collective_timeout_s`` was ignored when the process group existed: the engine's collectives ran on the
     user's group and waited for its timeout. Now the engine's own groups carry it."""
-    outcomes = run_ranks(_alone_in_a_user_group, 2, 2.0, init_process_group=True, timeout=50)
+    woken = str(tmp_path / "rank 0 has its outcome")
+    outcomes = run_ranks(_alone_in_a_user_group, 2, 2.0, woken, init_process_group=True, timeout=50)
     message, seconds = outcomes[0].value or (outcomes[0].error, None)
     assert seconds is not None and seconds < ASLEEP_S / 2, (
         seconds,
@@ -166,6 +175,7 @@ def test_collective_timeout_holds_when_the_user_created_the_process_group():
     )  # measured: 2 s (was 25 s: the peer's exit)
     assert message.startswith("rank 0: desync_check of this rank's position"), message
     assert "(collective timeout 2s)" in message, message
+    assert outcomes[1].value == ("asleep", 0.0), outcomes[1]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: inputs on two devices (the CPU and CUDA)")
