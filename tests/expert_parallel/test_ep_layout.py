@@ -66,6 +66,8 @@ def test_under_sequence_parallelism_expert_groups_are_cut_from_the_data_and_sequ
     assert [g["ep"] for g in straddling] == [[0, 1, 2]] * 3 + [[3, 4, 5]] * 3
     assert [g["edp"] for g in straddling] == [[0, 3], [1, 4], [2, 5]] * 2
     assert check_layout(load_config({"expert_parallel_size": 4, "sequence_parallel_size": 2}), 4) == 2
+    both = {"expert_parallel_size": 4, "sequence_parallel_size": 2, "tensor_parallel": {"size": 2}}
+    assert check_layout(load_config(both), 8) == 2  # with tensor parallelism too: E up to dp * sp at each tp rank
 
 
 def test_without_expert_parallelism_there_is_no_expert_group():
@@ -77,9 +79,9 @@ def test_without_expert_parallelism_there_is_no_expert_group():
     [
         ({"expert_parallel_size": 3}, 4, "expert_parallel_size (ep_size) 3 does not divide the data-parallel size 4"),
         (
-            {"expert_parallel_size": 2, "sequence_parallel_size": 2, "tensor_parallel": {"size": 2}},
-            8,
-            "with both tensor parallelism (tensor_parallel.size 2) and sequence parallelism (sequence_parallel_size 2)",
+            {"expert_parallel_size": 4, "sequence_parallel_size": 2, "tensor_parallel": {"size": 2}},
+            4,
+            "4 does not divide the 2 ranks ZeRO shards over (data-parallel size 1 x sequence_parallel_size 2)",
         ),
         (
             {"expert_parallel_size": 3, "sequence_parallel_size": 2},
@@ -103,7 +105,8 @@ def test_layouts_expert_parallelism_is_not_built_for_are_refused_by_name(config,
 @pytest.mark.parametrize(
     "tp, sp, ep, world, words",
     [
-        (2, 2, 2, 8, "2 with both tensor parallelism (tensor_parallel.size 2) and sequence parallelism"),
+        (2, 2, 2, 8, None),  # at each tp rank, from the dp * sp ranks: [Note: experts under sequence parallelism]
+        (2, 2, 4, 4, "4 does not divide the 2 ranks ZeRO shards over (data-parallel size 1 x sequence_parallel_size 2)"),
         (
             1,
             2,

@@ -347,9 +347,10 @@ def test_expert_groups_are_cut_from_the_data_parallel_axis_at_each_tp_rank():
             "3)",
         ),
         (
-            {"expert_parallel_size": 2, "tensor_parallel": {"size": 2}, "sequence_parallel_size": 2},
-            8,
-            "with both tensor parallelism (tensor_parallel.size 2) and sequence parallelism (sequence_parallel_size 2)",
+            {"expert_parallel_size": 4, "tensor_parallel": {"size": 2}, "sequence_parallel_size": 3},
+            6,
+            "expert_parallel_size (ep_size) 4 does not divide the 3 ranks ZeRO shards over (data-parallel size 1 x "
+            "sequence_parallel_size 3)",
         ),
     ],
 )

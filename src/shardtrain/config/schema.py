@@ -815,11 +815,6 @@ def check_expert_layout(cfg: Config, dp: int) -> None:
         )
     refused = [
         (
-            tp > 1 and sp > 1,
-            f"both tensor parallelism (tensor_parallel.size {tp}) and sequence parallelism "
-            f"(sequence_parallel_size {sp})",
-        ),
-        (
             zcfg.stage == 3 and zcfg.zero_hpz_partition_size > 1,
             f"ZeRO++ hpZ (zero_optimization.zero_hpz_partition_size {zcfg.zero_hpz_partition_size})",
         ),

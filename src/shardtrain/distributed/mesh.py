@@ -652,12 +652,6 @@ def init_topology(
     dev = pick_device(device)
     created = ensure_process_group(timeout_s, dev)
     world = dist.get_world_size()
-    if ep != 1 and sp != 1 and tp != 1:
-        raise LayoutError(
-            f"expert_parallel_size (ep_size) {ep} with both tensor parallelism (tensor_parallel.size {tp}) and "
-            f"sequence parallelism (sequence_parallel_size {sp}) is not built; turn one of the three off "
-            "(docs/expert-parallel.md)"
-        )
     if sp != 1:
         return _init_sequence_topology(tp, timeout_s, shard_size, sp, created, world, dev, ep)
     if tp < 1 or world % tp:
