@@ -360,7 +360,7 @@ def make_groups(
     size (see [Note: the sequence axis]). ``hpz_size``: ZeRO++ hpZ's group size ``H`` (1 or the whole axis: no hpZ
     group). ``ep``: the expert-parallel size (see [Note: the expert axis]; with or without tensor parallelism and
     hybrid sharding's groups, cut from the ``dp * sp`` ranks of [Note: experts under sequence parallelism] when
-    ``sp > 1``, then with ``tp == 1``). Returns ``(main, host)``."""
+    ``sp > 1``, at each tp rank, [Note: experts under tensor and sequence parallelism]). Returns ``(main, host)``."""
     dp = world // (tp * sp)
     # rank = (dp_rank * sp + sp_rank) * tp + tp_rank = zero_rank * tp + tp_rank, zero_rank = dp_rank * sp + sp_rank:
     # the index among the dp * sp ranks holding the same tensor-parallel block, over which ZeRO shards
@@ -475,7 +475,8 @@ class Topology:
     ``dp_rank * T + tp_rank``, and the expert and expert-data-parallel groups are cut from the data-parallel axis at
     a fixed tp rank: each tp rank has its own, ``dp_rank * T + tp_rank`` for the ``dp_rank`` s of the group. The
     ``T`` ranks of a tensor-parallel group hold the same experts, whole ([Note: experts beside tensor parallelism]
-    in :mod:`shardtrain.expert_parallel.dispatch`).
+    in :mod:`shardtrain.expert_parallel.dispatch`); with sequence parallelism as well, see [Note: experts under tensor
+    and sequence parallelism].
 
     [Note: experts under sequence parallelism]
     With ``sequence_parallel_size: P`` as well, the expert groups are cut from ZeRO's ``dp * P`` axis, not from ``dp``:
@@ -494,7 +495,28 @@ class Topology:
     token exchange's backward brings them back), so its average over the ``dp * P / E`` expert-data-parallel ranks
     divided by ``E`` ([Note: expert buckets] in ``zero/layout.py``) is the same sum over all ``dp * P`` ranks divided by
     ``dp * P``. Hybrid sharding's shard groups cut the same axis; the expert buckets stay over the expert-data-parallel
-    group, as without sequence parallelism. With tensor parallelism as well it is refused.
+    group, as without sequence parallelism.
+
+    [Note: experts under tensor and sequence parallelism]
+    With ``tensor_parallel.size: T`` as well the global rank is ``zero_rank * T + tp_rank`` (``zero_rank = dp_rank * P +
+    sp_rank``), and the expert and expert-data-parallel groups are those of [Note: experts under sequence parallelism]
+    cut at each tp rank, as [Note: the expert axis] cuts them from the ``dp`` axis: ``(g * E + e) * T + t`` for the
+    ``e`` of an expert group, the ``g`` of an expert-data-parallel one. Each tp rank then sends its share of its tokens
+    ([Note: experts beside tensor parallelism] in :mod:`shardtrain.expert_parallel.dispatch`: ``ceil(N / (P * T))`` of a
+    slice's ``N / P``), which is right because the tp ranks of one ``(dp, sp)`` position hold the same tokens at every
+    MoE layer, by construction: they are handed the same rows (tensor parallelism requires it; the engine checks it at
+    the first step), and the sequence splitter keeps slice ``sp_rank`` of them, the same on each of them (``sp_rank =
+    (rank // T) % P``). The sequence-parallel group of a rank is the ranks with its tp rank ([Note: Ulysses under tensor
+    parallelism]), so attention's all-to-alls trade the slice for a split of that tp rank's heads and back, and the
+    row-parallel output projection sums the tp ranks' heads for each token of the slice; tensor parallelism here keeps
+    the activations between layers whole on every tp rank (no Megatron-style sequence split inside the tensor-parallel
+    group). The hidden states reaching a MoE layer are therefore the slice's, the same on the ``T`` ranks, and so is the
+    routing (the router is replicated); the load-balancing loss is the whole sequence's on each of them (the router
+    logits gathered over each tp rank's sequence-parallel group, [Note: the router's loss under Ulysses] in
+    ``shardtrain.sequence_parallel.router_loss``). A tp rank's expert gradient covers its share of the slice; its sum
+    over the tensor-parallel group is the slice's, what the rank holds without tensor parallelism, and the reduction
+    over the expert-data-parallel group divided by ``E`` is the one above. ``E`` must divide ``dp * P``; ``T`` and ``P``
+    need only what they need without experts (``P`` dividing a tp rank's heads).
     """
 
     rank: int

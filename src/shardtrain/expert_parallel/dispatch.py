@@ -49,7 +49,9 @@ experts and their checkpoint record a block along the expert dimension only. The
 therefore dropped under expert parallelism (``replicate_experts`` in :mod:`shardtrain.tensor_parallel.plans`).
 
 The hidden states reaching a MoE layer are the same on the ``T`` ranks of a tensor-parallel group (the dense
-layers before it end in a row-parallel all-reduce), and so is the routing (the router is replicated). Running
+layers before it end in a row-parallel all-reduce; under sequence parallelism too, each holding the same slice of the
+sequence: [Note: experts under tensor and sequence parallelism] in :mod:`shardtrain.distributed.mesh`), and so is
+the routing (the router is replicated). Running
 every token through the exchange on each of them would compute each expert's rows ``T`` times. So, as DeepSpeed's
 ``drop_tokens`` does, tp rank ``t`` keeps only its share of the tokens (``ceil(N / T)`` rows from ``t *
 ceil(N / T)``, the last ranks fewer, maybe none) and exchanges those over its own expert group (each tp rank has
