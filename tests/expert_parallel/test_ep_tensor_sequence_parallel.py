@@ -1,17 +1,19 @@
 """Expert parallelism with tensor AND sequence parallelism on one mesh (``expert_parallel_size: E``,
-``tensor_parallel.size: T``, ``sequence_parallel_size: P``; [Note: experts under sequence parallelism] in
+``tensor_parallel.size: T``, ``sequence_parallel_size: P``; [Note: experts under tensor and sequence parallelism] in
 ``shardtrain/distributed/mesh.py``): the expert groups cut from the ``dp * P`` ranks at each tp rank, the experts
 whole on every tp rank, each tp rank exchanging its share of its slice's tokens. Tiny random Mixtral and Qwen3-MoE
 models trained against one process on the same global batch (losses with the load-balancing loss, each rank's
 load-balancing loss, global gradient norms, the final parameters from ``full_state_dict()``) at world 4 = tp 2 x
 sp 2 (E 2: the expert group spans the sequence-parallel group) and, marked soak, world 8 = dp 2 x sp 2 x tp 2 (E 2
-and E 4, and a checkpoint resumed bit for bit and loaded at another layout) and world 6 = tp 2 x sp 3 (E 3)."""
+and E 4, a model built by ``shardtrain.from_pretrained`` under ``zero.Init(config)``, and a checkpoint resumed bit for
+bit and loaded at another layout) and world 6 = tp 2 x sp 3 (E 3)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.distributed as dist
+import transformers
 
 import shardtrain
 from shardtrain.distributed.mesh import make_groups
@@ -76,12 +78,19 @@ def _train(case: tuple) -> dict:
     the experts it holds, the tokens each tp rank exchanged in the first forward, and (rank 0) the full state."""
     kind, experts, tp, sp, ep, stage, steps, gas, clip, overrides, zero, seq = case
     zero = dict(zero)
+    pretrained = zero.pop("from_pretrained", None)  # a directory of save_pretrained's files of this very model
     model = tiny_moe(kind, experts, **overrides)
     if zero.pop("activation_checkpointing", False):  # transformers' own: each layer's forward again in backward
         model.gradient_checkpointing_enable()
         model.train()
     config = _config(tp, sp, ep, stage, gas, clip, zero)
-    engine = shardtrain.initialize(model, config=config, optimizer=torch.optim.AdamW(model.parameters(), lr=LR))
+    if pretrained is not None:  # built under zero.Init(config), each rank reading its tp blocks and its experts
+        engine = shardtrain.from_pretrained(
+            transformers.AutoModelForCausalLM, pretrained, config=config, optimizer=lambda ps: torch.optim.AdamW(ps, LR)
+        )
+        model = engine.module
+    else:
+        engine = shardtrain.initialize(model, config=config, optimizer=torch.optim.AdamW(model.parameters(), lr=LR))
     topo = engine.topology
     hidden: list[torch.Tensor] = []  # what the first layer's experts module is handed: this rank's slice's tokens
     experts_module = model.model.layers[0].mlp.experts
@@ -170,6 +179,17 @@ WORLD4 = [  # dp 1 x sp 2 x tp 2, E 2: the expert group at each tp rank is the s
 ]
 
 
+def _pretrained(cases: list[tuple], path) -> list[tuple]:
+    """``cases`` with the ``from_pretrained`` directory filled in: save_pretrained's files of the case's model."""
+    out = []
+    for case in cases:
+        if "from_pretrained" in case[10]:
+            tiny_moe(case[0], case[1], **case[9]).save_pretrained(path)
+            case = (*case[:10], {**case[10], "from_pretrained": str(path)}, case[11])
+        out.append(case)
+    return out
+
+
 def test_tp2_sp2_ep2_trains_like_one_process():
     runs = run_distributed(_runs, 4, WORLD4, timeout=280)
     for i, case in enumerate(WORLD4):
@@ -204,6 +224,8 @@ WORLD8 = [  # dp 2 x sp 2 x tp 2
     ("mixtral", 8, 2, 2, 4, 3, 2, 1, 0.5, {}, {**UNITS, "activation_checkpointing": True}, 8),
     ("mixtral", 8, 2, 2, 2, 1, 2, 1, 0.5, {}, {"mics_shard_size": 2}, 6),  # hybrid sharding over dp * sp
     ("qwen3_moe", 8, 2, 2, 2, 0, 2, 1, 0.5, {}, {}, 6),
+    # shardtrain.from_pretrained: built under zero.Init(config), each rank reads its tp blocks and its experts
+    ("qwen3_moe", 8, 2, 2, 2, 3, 2, 1, 0.5, {}, {**UNITS, "from_pretrained": None}, 6),
 ]
 WORLD6 = [("qwen3_moe", 6, 2, 3, 3, 2, 2, 1, 0.5, SP3, {}, 6)]  # dp 1 x sp 3 x tp 2, 6 experts over 3 ranks
 
@@ -213,7 +235,8 @@ WORLD6 = [("qwen3_moe", 6, 2, 3, 3, 2, 2, 1, 0.5, SP3, {}, 6)]  # dp 1 x sp 3 x 
 def test_dp2_sp2_tp2_with_ep2_and_ep4_trains_like_one_process_and_checkpoints(tmp_path):
     # the checkpoint: saved at dp 2 x sp 2 x tp 2, E 2, stage 2; resumed there and loaded at dp 2 x sp 4 (tp 1), E 4,
     # stage 1: other tensor-parallel blocks, sequence slices and expert blocks
-    runs = run_distributed(_runs, 8, WORLD8, ((2, 2, 2, 2), str(tmp_path), (1, 4, 4, 1)), timeout=870)
+    cases = _pretrained(WORLD8, tmp_path / "pretrained")
+    runs = run_distributed(_runs, 8, cases, ((2, 2, 2, 2), str(tmp_path / "ckpt"), (1, 4, 4, 1)), timeout=870)
     for i, case in enumerate(WORLD8):
         _assert_parity([r[i] for r in runs], case)
         _check_layout([r[i] for r in runs], case)
