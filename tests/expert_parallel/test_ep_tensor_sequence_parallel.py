@@ -6,7 +6,7 @@ models trained against one process on the same global batch (losses with the loa
 load-balancing loss, global gradient norms, the final parameters from ``full_state_dict()``) at world 4 = tp 2 x
 sp 2 (E 2: the expert group spans the sequence-parallel group) and, marked soak, world 8 = dp 2 x sp 2 x tp 2 (E 2
 and E 4, a model built by ``shardtrain.from_pretrained`` under ``zero.Init(config)``, and a checkpoint resumed bit for
-bit and loaded at another layout) and world 6 = tp 2 x sp 3 (E 3)."""
+bit and loaded at another layout) and world 6 = tp 2 x sp 3 (E 3) and tp 3 x sp 2 (E 2)."""
 
 from __future__ import annotations
 
@@ -227,7 +227,13 @@ WORLD8 = [  # dp 2 x sp 2 x tp 2
     # shardtrain.from_pretrained: built under zero.Init(config), each rank reads its tp blocks and its experts
     ("qwen3_moe", 8, 2, 2, 2, 3, 2, 1, 0.5, {}, {**UNITS, "from_pretrained": None}, 6),
 ]
-WORLD6 = [("qwen3_moe", 6, 2, 3, 3, 2, 2, 1, 0.5, SP3, {}, 6)]  # dp 1 x sp 3 x tp 2, 6 experts over 3 ranks
+TP3 = {"num_attention_heads": 6, "num_key_value_heads": 3, "vocab_size": 36}
+"""Heads and vocabulary tp 3 divides, 2 query heads per tp rank for sp 2 (the key/value head repeated)."""
+WORLD6 = [
+    ("qwen3_moe", 6, 2, 3, 3, 2, 2, 1, 0.5, SP3, {}, 6),  # dp 1 x sp 3 x tp 2, 6 experts over 3 ranks
+    # dp 1 x sp 2 x tp 3: slices of 2 tokens, tp shares of 1, 1 and none (tp rank 2 sends no token)
+    ("qwen3_moe", 8, 3, 2, 2, 3, 2, 1, 0.5, TP3, UNITS, 4),
+]
 
 
 @pytest.mark.soak
@@ -244,10 +250,11 @@ def test_dp2_sp2_tp2_with_ep2_and_ep4_trains_like_one_process_and_checkpoints(tm
 
 
 @pytest.mark.soak
-def test_tp2_sp3_ep3_trains_like_one_process():
+def test_tp2_sp3_ep3_and_tp3_sp2_ep2_train_like_one_process():
     runs = run_distributed(_runs, 6, WORLD6, timeout=280)
-    _assert_parity([r[0] for r in runs], WORLD6[0])
-    _check_layout([r[0] for r in runs], WORLD6[0])
+    for i, case in enumerate(WORLD6):
+        _assert_parity([r[i] for r in runs], case)
+        _check_layout([r[i] for r in runs], case)
 
 
 # -- checkpoints -------------------------------------------------------------------------------------------------------
