@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -185,7 +186,9 @@ def test_ranks_that_disagree_fail_at_initialize(what):
         assert f"ranks disagree on the {what}" in message and "ranks [1]" in message
 
 
-def _rank_takes_extra_backward() -> str:
+def _rank_takes_extra_backward(woken: str) -> str:
+    """Rank 0 runs a backward rank 1 never joins; rank 1 stays alive (its exit would end rank 0's wait too) until
+    rank 0 has its outcome (the file ``woken`` exists), at most 30 s."""
     model = make_model(Recipe())
     engine = shardtrain.initialize(
         model,
@@ -200,14 +203,20 @@ def _rank_takes_extra_backward() -> str:
             engine.backward(engine(x, x))  # rank 1 never joins this reduction
         except CollectiveTimeoutError as err:
             return str(err)
+        finally:
+            Path(woken).touch()
         return "no error"
-    time.sleep(8)
+    deadline = time.monotonic() + 30
+    while not Path(woken).exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
     return "waited"
 
 
-def test_diverging_ranks_fail_with_named_timeout():
+def test_diverging_ranks_fail_with_named_timeout(tmp_path):
     start = time.monotonic()
-    message = run_distributed(_rank_takes_extra_backward, 2, init_process_group=False, timeout=60)[0]
+    message = run_distributed(
+        _rank_takes_extra_backward, 2, str(tmp_path / "rank 0 has its outcome"), init_process_group=False, timeout=60
+    )[0]
     assert message.startswith("rank 0: reduce_scatter of gradient bucket")
     assert "collective timeout 3s" in message
     assert time.monotonic() - start < 40
