@@ -231,7 +231,7 @@ def test_the_planner_models_the_secondary_shards(world4):
     assert row.nbytes == world4[0][1]["first_max_held"]
     assert [r for r in hpz.rows if r is not row] == plain.rows
     assert hpz.layout.hpz == 2 and "hpZ 2" in hpz.format()
-    with pytest.raises(ConfigError, match="zero_hpz_partition_size 3 must divide the data-parallel size 4"):
+    with pytest.raises(ConfigError, match="zero_hpz_partition_size 3 does not divide the data-parallel size 4"):
         estimate_memory(
             lambda: make_model(RECIPE), _config(RECIPE, 3), world_size=4, device_type="cpu", activations=False
         )

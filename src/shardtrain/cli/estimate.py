@@ -24,6 +24,8 @@ EPILOG = """examples:
   shardtrain estimate ./my_model_dir --config ds_config.json --world 16 --checkpointing
   shardtrain estimate mypkg.models:build --world 4 --budget 16GiB --seq-len 1024
   shardtrain estimate ./mixtral_dir --world 8 --stage 2 --ep 4 --dtype bf16 --seq-len 4096
+  shardtrain estimate ./llama_dir --world 8 --stage 3 --sp 8 --dtype bf16 --seq-len 32768
+  shardtrain estimate ./llama_dir --budget 80GiB --worlds 8 --sp 4 --seq-len 16384
 
 MODEL is a Hugging Face config.json (or a directory holding one; no weights are read) or a factory
 'package.module:function' returning an nn.Module (the module may define estimate_batch(micro_batch, seq_len) ->
@@ -56,6 +58,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         help="expert-parallel size (expert_parallel_size, DeepSpeed's ep_size): each rank holds num_experts / ep "
         "experts of every MoE layer; with --budget every size that fits the model is tried",
+    )
+    parser.add_argument(
+        "--sp",
+        type=int,
+        help="sequence-parallel size (sequence_parallel_size, Ulysses): each rank holds 1/sp of every sequence; "
+        "with --budget every size from 1 to this one that the world and the model's heads allow is tried "
+        "(without it, only the config's, else 1)",
     )
     parser.add_argument("--offload-optimizer", choices=("none", "cpu", "nvme"), help="where optimizer state lives")
     parser.add_argument("--offload-param", choices=("none", "cpu", "nvme"), help="stage 3: where parameter shards live")
@@ -98,6 +107,7 @@ def _overrides(args: argparse.Namespace) -> dict:
         "tp": args.tp,
         "shard_size": args.mics_shard_size,
         "ep": args.ep,
+        "sp": args.sp,
         "offload_optimizer": args.offload_optimizer,
         "offload_param": args.offload_param,
         "dtype": args.dtype,
@@ -132,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     raw = read_config(args.config)
-    for name in ("world", "micro_batch", "tp", "mics_shard_size", "ep", "seq_len", "jobs"):
+    for name in ("world", "micro_batch", "tp", "mics_shard_size", "ep", "sp", "seq_len", "jobs"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ShardtrainError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
@@ -172,7 +182,7 @@ def _run(args: argparse.Namespace) -> int:
         activations=not args.state_only,
         progress=None,
         workers=args.jobs or _usable_cpus(),
-        **{k: v for k, v in _overrides(args).items() if k in ("dtype", "micro_batch")},
+        **{k: v for k, v in _overrides(args).items() if k in ("dtype", "micro_batch", "sp")},
     )
     if args.json:
         print(json.dumps([_as_json(e) for e in fits], indent=1))

@@ -361,6 +361,11 @@ class Communicator:
             peers = [r for r in dist.get_process_group_ranks(self.group) if r != self.global_rank]
             self._peers_unread = 0 if failure.remember(peers) else self._peers_unread - 1
 
+    @property
+    def ranks(self) -> list[int]:
+        """The global ranks of this group, in the order of their ranks in it."""
+        return list(self._ranks)
+
     def peers(self) -> list[int]:
         """The other ranks of this group (global ranks)."""
         return [r for r in self._ranks if r != self.global_rank]

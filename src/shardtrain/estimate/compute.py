@@ -46,6 +46,7 @@ from torch.utils.checkpoint import checkpoint
 
 from shardtrain.errors import ShardtrainError
 from shardtrain.estimate.experts import GroupedMatmulShapes, has_experts, split_experts
+from shardtrain.estimate.sequence import as_fake, install_sequence_parallel, refuse_shared_config, split_batch
 from shardtrain.estimate.source import ModelSource, loss_of
 from shardtrain.expert_parallel import expert_weights
 from shardtrain.zero.layout import Bucket
@@ -103,6 +104,7 @@ def build_fake(
     model = source.build()
     if not isinstance(model, nn.Module):
         raise TypeError(f"estimate: the model factory {source.name!r} returned {type(model).__name__}, not a module")
+    refuse_shared_config(model, source.name)
     if tp > 1:
         from shardtrain.tensor_parallel import parallelize
         from shardtrain.tensor_parallel.rng import RegionRNG
@@ -289,6 +291,7 @@ def measure_compute(
     unit_classes: list[str] | None = None,
     tp_plan: Any = None,
     ep: int = 1,
+    sp: int = 1,
     gloo: bool = False,
     units: list[tuple[str, int, int]] | None = None,
     prefetch_numel: int = 0,
@@ -299,13 +302,14 @@ def measure_compute(
     """Forward and backward of one micro-batch on fake tensors under ``MemTracker`` (see the module docstring).
 
     ``gloo``: the collectives are gloo's (planning for a machine without accelerator), with the buffers of theirs
-    the module docstring names. ``units``: stage 3, ``(name, gathered bytes, elements)`` of each unit in the
-    layout's order (last block first, ``<root>`` last), whose gathers are replayed by module hooks.
+    the module docstring names. ``sp``: the run is rank 0's of a Ulysses group of that size ([Note: sequence
+    parallelism on fake tensors] in :mod:`.sequence`). ``units``: stage 3, ``(name, gathered bytes, elements)`` of
+    each unit in the layout's order (last block first, ``<root>`` last), whose gathers are replayed by module hooks.
     ``module_peaks``: run torch's ``MemTracker`` as it is (it also keeps each module's peak; slower, the same bytes:
     the reference the fast path is tested against).
-    ``models``: fake models built by earlier calls, by (tp, compute dtype, checkpointing), reused and added to (each
-    run leaves its model as it found it: hooks removed, no gradients). ``progress(done, total)``: called as blocks run
-    forward and parameters get their gradients (hooks that allocate nothing)."""
+    ``models``: fake models built by earlier calls, by (tp, compute dtype, checkpointing, ep, sp), reused and added
+    to (each run leaves its model as it found it: hooks removed, no gradients). ``progress(done, total)``: called as
+    blocks run forward and parameters get their gradients (hooks that allocate nothing)."""
     from torch._subclasses.fake_tensor import (
         DataDependentOutputException,
         DynamicOutputShapeException,
@@ -314,11 +318,11 @@ def measure_compute(
     from torch.distributed._tools.mem_tracker import MemTracker
 
     mixed = compute != FP32
-    key = model_key(tp, compute, checkpointing, unit_classes, ep)
+    key = model_key(tp, compute, checkpointing, unit_classes, ep, sp)
     if models is not None and key in models:
-        mode, model = models.pop(key)  # put back only after a run that finished (hooks removed, grads dropped)
+        mode, model, splitter = models.pop(key)  # put back only after a run that finished (hooks removed, no grads)
     else:
-        mode, model = _build_run_model(source, tp, compute, checkpointing, unit_classes, tp_plan, ep)
+        mode, model, splitter = _build_run_model(source, tp, compute, checkpointing, unit_classes, tp_plan, ep, sp)
     with mode:
         if not source.hf and source.batch is None and _is_transformers_model(model):
             source.hf = True  # a factory returning a transformers model: call it as one
@@ -359,9 +363,21 @@ def measure_compute(
             # MemTracker looks for tensors in every module output, and says so for each None it finds
             warnings.filterwarnings("ignore", "Expected a tensor or a traceable wrapper-subclass", UserWarning)
             base = _total(tracker.get_tracker_snapshot("current"))
-            args, kwargs = source.make_batch(micro_batch, seq_len)
+            held = None
+            if splitter is None:
+                args, kwargs = source.make_batch(micro_batch, seq_len)
+            else:  # the engine's split reads values: on a real batch, then copied into fake tensors
+                from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+                with unset_fake_temporarily():
+                    whole = source.make_batch(micro_batch, seq_len)
+                    parts = split_batch(splitter, whole)
+                held = as_fake(whole)  # the whole batch the caller holds during the step
+                args, kwargs = as_fake(parts)
             try:
-                loss = loss_of(model(*args, **kwargs))
+                out = model(*args, **kwargs)
+                loss = loss_of(out if splitter is None else splitter.combine(out))
+                del out
                 after_forward = _total(tracker.get_tracker_snapshot("current"))
                 loss.backward()
             except (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException) as err:
@@ -373,14 +389,14 @@ def measure_compute(
                 staging.finish(loss.device)
             if gathers is not None:
                 gathers.finish()
-            del loss, args, kwargs
+            del loss, args, kwargs, held
         peak = tracker.get_tracker_snapshot("peak")
         for h in handles:
             h.remove()
         for _, p in params.values():
             p.grad = None
     if models is not None:
-        models[key] = (mode, model)
+        models[key] = (mode, model, splitter)
     snap = next(iter(peak.values()), {})
     by_kind = {str(k.value) if hasattr(k, "value") else str(k): v for k, v in snap.items()}
     return ComputePeak(
@@ -403,16 +419,19 @@ def prepare_models(
     tp_plan: Any,
     models: dict | None,
     ep: int = 1,
+    sp: int = 1,
 ) -> None:
     """Build into ``models`` the fake model a :func:`measure_compute` call with these arguments reuses (nothing when
     it is there already, or ``models`` is None)."""
-    key = model_key(tp, compute, checkpointing, unit_classes, ep)
+    key = model_key(tp, compute, checkpointing, unit_classes, ep, sp)
     if models is not None and key not in models:
-        models[key] = _build_run_model(source, tp, compute, checkpointing, unit_classes, tp_plan, ep)
+        models[key] = _build_run_model(source, tp, compute, checkpointing, unit_classes, tp_plan, ep, sp)
 
 
-def model_key(tp: int, compute: torch.dtype, checkpointing: bool, unit_classes: list[str] | None, ep: int = 1) -> tuple:
-    return (tp, compute, checkpointing, tuple(unit_classes or ()) if checkpointing else None, ep)
+def model_key(
+    tp: int, compute: torch.dtype, checkpointing: bool, unit_classes: list[str] | None, ep: int = 1, sp: int = 1
+) -> tuple:
+    return (tp, compute, checkpointing, tuple(unit_classes or ()) if checkpointing else None, ep, sp)
 
 
 def _build_run_model(
@@ -423,15 +442,19 @@ def _build_run_model(
     unit_classes: list[str] | None,
     tp_plan: Any,
     ep: int = 1,
-) -> tuple[Any, nn.Module]:
+    sp: int = 1,
+) -> tuple[Any, nn.Module, Any]:
+    """A fake-tensor mode, the model built in it, and the splitter of its inputs under sequence parallelism (None
+    without)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
         model = build_fake(source, tp, compute, tp_plan, ep)
+        splitter = install_sequence_parallel(model, sp, tp) if sp > 1 else None
         if checkpointing:
             _checkpoint_units(model, unit_classes)
-    return mode, model
+    return mode, model, splitter
 
 
 def _progress_hooks(

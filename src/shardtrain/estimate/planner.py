@@ -3,8 +3,10 @@
 A layout is what a config decides about memory: world size, ZeRO stage, tensor-parallel size, the ZeRO shard group
 (hybrid sharding: ``zero_optimization.mics_shard_size``), ZeRO++ hpZ's group (``zero_hpz_partition_size``: the
 secondary shards, a transient of forward and backward), the expert-parallel size (``expert_parallel_size``: the
-experts a rank holds, [Note: experts on fake tensors] in :mod:`.experts`), optimizer and parameter offload, compute
-dtype, micro-batch, sequence length and activation checkpointing. Model state comes from the engine's layout code
+experts a rank holds, [Note: experts on fake tensors] in :mod:`.experts`), the sequence-parallel size
+(``sequence_parallel_size``: the slice of each sequence a rank holds, [Note: sequence parallelism on fake tensors] in
+:mod:`.sequence`), optimizer and parameter offload, compute dtype, micro-batch, sequence length and activation
+checkpointing. Model state comes from the engine's layout code
 (:mod:`.state`), activations and temporaries from a fake-tensor run (:mod:`.compute`). A rank's peak is::
 
     model state in memory + buffers + offload buffers
@@ -26,10 +28,11 @@ from typing import Any
 import torch
 import yaml
 
-from shardtrain.config.schema import Config, check_expert_layout, load_config
+from shardtrain.config.schema import Config, check_layout, load_config
 from shardtrain.errors import ConfigError, LayoutError, ShardtrainError
 from shardtrain.estimate.compute import ComputePeak, build_fake, measure_compute, model_key, prepare_models
 from shardtrain.estimate.experts import expert_counts, split_experts
+from shardtrain.estimate.sequence import install_sequence_parallel
 from shardtrain.estimate.source import ModelSource, resolve_source
 from shardtrain.estimate.state import RankState, rank_state
 from shardtrain.zero.precision import policy_from_config
@@ -52,7 +55,11 @@ class Layout:
     their backward; 1: off."""
     ep: int = 1
     """Expert-parallel size (``expert_parallel_size``): each rank holds ``num_experts / ep`` experts of every MoE
-    layer, their ZeRO shards over the ``dp / ep`` ranks holding the same experts; 1: off."""
+    layer, their ZeRO shards over the ``zero / ep`` ranks holding the same experts; 1: off."""
+    sp: int = 1
+    """Sequence-parallel size (``sequence_parallel_size``, Ulysses): the ``sp`` ranks of a group are given the same
+    sequences and each holds ``1/sp`` of their tokens; ZeRO shards over the ``dp * sp`` ranks ([Note: the sequence
+    axis] in ``distributed/mesh.py``); 1: off."""
     offload_optimizer: str = "none"
     offload_param: str = "none"
     dtype: str = "fp32"
@@ -62,17 +69,25 @@ class Layout:
 
     @property
     def dp(self) -> int:
-        return self.world // self.tp
+        """The data-parallel size: ranks given different batches, ``world / (tp * sp)``."""
+        return self.world // (self.tp * self.sp)
+
+    @property
+    def zero(self) -> int:
+        """The ranks ZeRO shards over (those holding the same tensor-parallel block): ``dp * sp``."""
+        return self.dp * self.sp
 
     @property
     def shard_group(self) -> int:
-        return self.shard_size or self.dp
+        return self.shard_size or self.zero
 
     def describe(self) -> str:
         parts = [f"world {self.world}", f"stage {self.stage}", f"tp {self.tp}"]
-        if self.shard_size and self.shard_size != self.dp:
-            parts.append(f"shard {self.shard_size} x replicate {self.dp // self.shard_size}")
-        if 1 < self.hpz < self.dp and self.stage == 3:
+        if self.sp > 1:
+            parts.append(f"sp {self.sp}")
+        if self.shard_size and self.shard_size != self.zero:
+            parts.append(f"shard {self.shard_size} x replicate {self.zero // self.shard_size}")
+        if 1 < self.hpz < self.zero and self.stage == 3:
             parts.append(f"hpZ {self.hpz}")
         if self.ep > 1:
             parts.append(f"ep {self.ep}")
@@ -141,7 +156,9 @@ class MemoryEstimate:
         lines = [
             f"model: {self.model}, {self.parameters / 1e6:,.2f}M parameters",
             f"layout: {lay.describe()}",
-            f"per rank (rank 0 of {lay.world}; dp {lay.dp}, ZeRO shard group {lay.shard_group}):",
+            f"per rank (rank 0 of {lay.world}; dp {lay.dp}"
+            + (f" x sp {lay.sp}" if lay.sp > 1 else "")
+            + f", ZeRO shard group {lay.shard_group}):",
             f"  {'component':<66} {'where':<7} {'bytes':>14}",
         ]
         for r in self.rows:
@@ -208,11 +225,15 @@ def read_config(config: Config | Mapping[str, Any] | str | Path | None) -> dict[
 
 
 def layout_config(raw: Mapping[str, Any], layout: Layout) -> Config:
-    """``raw`` with the layout's keys written in, validated as ``initialize`` would (hybrid keys taken out)."""
+    """``raw`` with the layout's keys written in, validated as ``initialize`` would."""
     data = copy.deepcopy(dict(raw))
     zero = dict(data.get("zero_optimization") or {})
     for key in HYBRID_KEYS:
         zero.pop(key, None)
+    if layout.shard_size is not None:
+        zero["mics_shard_size"] = layout.shard_size
+    if layout.hpz > 1:
+        zero["zero_hpz_partition_size"] = layout.hpz
     zero["stage"] = layout.stage
     for section, device in (("offload_optimizer", layout.offload_optimizer), ("offload_param", layout.offload_param)):
         sub = dict(zero.get(section) or {})
@@ -228,6 +249,7 @@ def layout_config(raw: Mapping[str, Any], layout: Layout) -> Config:
     data["bf16"] = {**dict(data.get("bf16") or {}), "enabled": layout.dtype == "bf16"}
     data["fp16"] = {**dict(data.get("fp16") or {}), "enabled": layout.dtype == "fp16"}
     data["expert_parallel_size"] = layout.ep
+    data["sequence_parallel_size"] = layout.sp
     data["train_micro_batch_size_per_gpu"] = layout.micro_batch
     data.pop("train_batch_size", None)
     data.pop("gradient_accumulation_steps", None)
@@ -239,12 +261,14 @@ def layout_from_config(raw: Mapping[str, Any], world: int, seq_len: int, checkpo
     zero = raw.get("zero_optimization") or {}
     tpc = raw.get("tensor_parallel") or {}
     tp = tpc.get("size") or tpc.get("autotp_size") or 1
+    sp = raw.get("sequence_parallel_size")
+    sp = int(sp) if isinstance(sp, int) and sp > 1 else 1
     dtype = "bf16" if (raw.get("bf16") or {}).get("enabled") is True else "fp32"
     dtype = "fp16" if (raw.get("fp16") or {}).get("enabled") is True else dtype
     micro = raw.get("train_micro_batch_size_per_gpu")
     if not isinstance(micro, int):  # DeepSpeed's rule: the other two determine it; none gives 1
         tb, gas = raw.get("train_batch_size"), raw.get("gradient_accumulation_steps") or 1
-        dp = max(world // int(tp), 1)
+        dp = max(world // (int(tp) * sp), 1)  # the data-parallel size, as initialize lays it out
         micro = tb // (gas * dp) if isinstance(tb, int) and isinstance(gas, int) and tb >= gas * dp else 1
     shard = zero.get("mics_shard_size")
     hpz = zero.get("zero_hpz_partition_size")
@@ -256,6 +280,7 @@ def layout_from_config(raw: Mapping[str, Any], world: int, seq_len: int, checkpo
         shard_size=int(shard) if shard not in (None, -1, 0) else None,
         hpz=int(hpz) if isinstance(hpz, int) and hpz > 1 else 1,
         ep=int(ep) if isinstance(ep, int) and ep > 1 else 1,
+        sp=sp,
         offload_optimizer=(zero.get("offload_optimizer") or {}).get("device") or "none",
         offload_param=(zero.get("offload_param") or {}).get("device") or "none",
         dtype=dtype,
@@ -265,29 +290,11 @@ def layout_from_config(raw: Mapping[str, Any], world: int, seq_len: int, checkpo
     )
 
 
-def _check_layout(layout: Layout, device_type: str) -> None:
-    if layout.world < 1 or layout.tp < 1 or layout.world % layout.tp:
-        raise ConfigError(
-            f"tensor_parallel.size {layout.tp} must divide the world size {layout.world} (dp = world / tp)"
-        )
-    if layout.shard_size is not None and (layout.shard_size < 1 or layout.dp % layout.shard_size):
-        raise ConfigError(
-            f"zero_optimization.mics_shard_size {layout.shard_size} must divide the data-parallel size {layout.dp} "
-            f"(world {layout.world} / tp {layout.tp}): groups of that many ranks each hold one copy"
-        )
-    if layout.hpz > 1 and layout.stage == 3:  # as initialize decides (distributed/mesh.py, zero/hpz.py)
-        if layout.dp % layout.hpz:
-            raise ConfigError(
-                f"zero_optimization.zero_hpz_partition_size {layout.hpz} must divide the data-parallel size "
-                f"{layout.dp} (world {layout.world} / tp {layout.tp})"
-            )
-        if layout.hpz < layout.dp and (layout.shard_size or layout.tp > 1 or layout.offload_param != "none"):
-            raise ConfigError(
-                f"zero_optimization.zero_hpz_partition_size {layout.hpz} with mics_shard_size, tensor parallelism or "
-                "offload_param: initialize refuses the combination (not built), so there is nothing to estimate"
-            )
-    if layout.ep < 1:
-        raise ConfigError(f"expert_parallel_size (ep_size) must be at least 1, got {layout.ep}")
+def _check_layout(layout: Layout, cfg: Config, device_type: str) -> None:
+    """What ``initialize`` refuses of the layout, in its words (``check_layout``: tensor-, sequence- and
+    expert-parallel sizes, hybrid sharding, hpZ; the config's own validation ran in :func:`layout_config`), and what
+    the planner does not plan."""
+    check_layout(cfg, layout.world)
     if layout.dtype not in _DTYPES:
         raise ConfigError(f"dtype {layout.dtype!r}: use one of {', '.join(_DTYPES)}")
     if layout.offload_param != "none" and device_type == "cuda":
@@ -299,21 +306,6 @@ def _check_layout(layout: Layout, device_type: str) -> None:
 
 
 # -- the estimate ----------------------------------------------------------------------------------------
-
-
-def refuse_experts_with_sequence_parallelism(cfg: Config, layout: Layout) -> None:
-    """Expert parallelism with sequence parallelism trains ([Note: experts under sequence parallelism] in
-    ``distributed/mesh.py``), but the planner lays a rank's activations out for whole sequences and its token
-    exchange for all of their tokens: refused by name rather than estimated as something else."""
-    sp = cfg.sequence_parallel_size
-    if layout.ep > 1 and sp > 1:
-        raise ConfigError(
-            f"expert_parallel_size (ep_size) {layout.ep} with sequence_parallel_size {sp}: the estimate does not model "
-            f"sequence parallelism (a rank's 1/{sp} of each sequence, its all-to-alls); the model state is the same "
-            f"as without it at the same world size (ZeRO and the expert groups over all {layout.dp} ranks), so "
-            "estimate with sequence_parallel_size removed (a rank then holds whole sequences: more activations than "
-            "under sequence parallelism)"
-        )
 
 
 def _optimizer_kind(cfg: Config, optimizer: str | None) -> tuple[int, bool]:
@@ -420,28 +412,28 @@ def _prepare(
     cache: dict,
 ) -> _Prepared:
     """The layout's model state (from the engine's layout code) and the fake run it needs, not run yet."""
-    _check_layout(layout, device_type)
     cfg = layout_config(raw, layout)
-    refuse_experts_with_sequence_parallelism(cfg, layout)
-    check_expert_layout(cfg, layout.dp)  # what initialize refuses under expert parallelism, in its words
+    _check_layout(layout, cfg, device_type)  # what initialize refuses, in its words (expert layouts included)
     zcfg = cfg.zero_optimization
     precision = policy_from_config(cfg)
     compute = precision.compute_dtype
     moments, steps = _optimizer_kind(cfg, optimizer)
-    fake, experts = _fake_model(source, layout.tp, layout.ep, tp_plan, cache)
+    # with sequence parallelism the model as initialize leaves it (Ulysses installed, refusing what it refuses): the
+    # same parameters
+    fake, experts = _fake_model(source, layout.tp, layout.ep, tp_plan, cache, layout.sp)
     n_params = sum(p.numel() for p in _fake_model(source, 1, 1, tp_plan, cache)[0].parameters())
     # gradient shards in swap files: as offload/optimizer_state.py's build_gradient_sinks decides
     grads_in_files = zcfg.offload_optimizer.device == "nvme" and zcfg.stage >= 2 and device_type == "cpu"
-    grads_in_files = grads_in_files and layout.tp == 1 and layout.shard_group == layout.dp
+    grads_in_files = grads_in_files and layout.tp == 1 and layout.shard_group == layout.zero
     st = rank_state(
         fake, zcfg, layout.shard_group, 0, compute, moments, steps, device_type, grads_in_files, experts, layout.ep,
-        layout.dp // layout.ep,
+        layout.zero // layout.ep,
     )  # fmt: skip
     buffers = sum(b.numel() * (compute if b.dtype == torch.float32 else b.dtype).itemsize for b in fake.buffers())
     reduce = precision.reduce_dtype if precision.mixed else None
     units = [(u.name, u.nbytes, u.numel) for u in st.units]
     staged = [(b.padded_numel, b.shard_numel, len(b.slots), b.requires_grad) for b in st.buckets]
-    key = (layout.tp, layout.ep, compute, layout.micro_batch, layout.seq_len, layout.checkpointing, reduce)
+    key = (layout.tp, layout.ep, layout.sp, compute, layout.micro_batch, layout.seq_len, layout.checkpointing, reduce)
     # stages 0 and 1 run the same replay (a gradient kept in its flat buffer); 2 stages its buckets, 3 also gathers
     key += (max(layout.stage, 1), tuple(staged) if layout.stage >= 2 else None, tuple(units))
     key += (zcfg.stage3_prefetch_bucket_size, device_type == "cpu")
@@ -459,6 +451,7 @@ def _prepare(
         "unit_classes": zcfg.stage3_unit_classes,
         "tp_plan": tp_plan,
         "ep": layout.ep,
+        "sp": layout.sp,
         "gloo": device_type == "cpu",  # gloo's collectives' buffers (compute.py's module docstring)
         "units": units or None,
         "prefetch_numel": zcfg.stage3_prefetch_bucket_size,
@@ -500,7 +493,7 @@ def _assemble(
     if activations:
         what = "activations, temporaries" + (", gathered units" if comp.gathered else "")
         rows.append(Row(f"{what} (forward/backward peak)", "device", comp.peak, True))
-    if layout.stage == 3 and 1 < layout.hpz < layout.dp:
+    if layout.stage == 3 and 1 < layout.hpz < layout.zero:
         # [Note: secondary shards]: at the end of a forward, 1/H of every unit it released, alive until each unit's
         # backward: all but the root (the first forward, before the unit order is recorded, releases the last block
         # too; later ones keep it gathered); counted beside the forward/backward peak
@@ -531,56 +524,48 @@ def candidate_layouts(
     *,
     stages: Iterable[int] = (0, 1, 2, 3),
     tps: Iterable[int] | None = None,
+    sps: Iterable[int] = (1,),
     offload: bool = True,
     param_offload: bool = True,
     experts: Iterable[int] = (),
 ) -> list[Layout]:
-    """Every (world, stage, tp, offload) combination around ``base`` (dtype, batch, checkpointing kept), and for a
-    model whose experts modules hold ``experts`` experts each, every expert-parallel size that divides them all and
-    the data-parallel size, at every stage and offload (``initialize`` builds expert parallelism with optimizer
-    offload at stages 1-3 and parameter offload at stage 3, and the estimate lays their state out as it does), with
-    and without tensor parallelism."""
-    experts = list(experts)
+    """Every (world, stage, tp, sp, offload) combination around ``base`` (dtype, batch, checkpointing kept) whose
+    tensor- and sequence-parallel sizes divide the world, and for a model whose experts modules hold ``experts``
+    experts each, every expert-parallel size that divides them all and the ranks ZeRO shards over (``dp * sp``), at
+    every stage and offload (``initialize`` builds expert parallelism with optimizer offload at stages 1-3 and
+    parameter offload at stage 3, and the estimate lays their state out as it does), with and without tensor
+    parallelism. Sizes the model's heads refuse, and combinations ``initialize`` does not build (expert, tensor and
+    sequence parallelism together), are left to :func:`_prepare`, which refuses them."""
+    experts, sps = list(experts), list(sps)
     out = []
     for world in worlds:
         for tp in tps or [t for t in range(1, world + 1) if world % t == 0]:
-            if world % tp:
-                continue
-            dp = world // tp
-            eps = [e for e in range(2, dp + 1) if dp % e == 0 and all(n % e == 0 for n in experts)] if experts else []
-            for stage in stages:
-                options = [("none", "none")]
-                if offload and stage >= 1:
-                    options += [("cpu", "none"), ("nvme", "none")]
-                if offload and stage == 3 and param_offload:
-                    options.append(("nvme", "nvme"))
-                for opt, par in options:
-                    out.append(
-                        replace(
-                            base,
-                            world=world,
-                            tp=tp,
-                            stage=stage,
-                            offload_optimizer=opt,
-                            offload_param=par,
-                            shard_size=None,
-                            ep=1,
-                        )
-                    )
-                for e in eps:
-                    for opt, par in options:
-                        out.append(
-                            replace(
-                                base,
-                                world=world,
-                                tp=tp,
-                                stage=stage,
-                                offload_optimizer=opt,
-                                offload_param=par,
-                                shard_size=None,
-                                ep=e,
+            for sp in sps:
+                if world % (tp * sp):
+                    continue
+                zero = world // tp
+                eps = [e for e in range(2, zero + 1) if zero % e == 0 and all(n % e == 0 for n in experts)]
+                for stage in stages:
+                    options = [("none", "none")]
+                    if offload and stage >= 1:
+                        options += [("cpu", "none"), ("nvme", "none")]
+                    if offload and stage == 3 and param_offload:
+                        options.append(("nvme", "nvme"))
+                    for ep in [1, *(eps if experts else [])]:
+                        for opt, par in options:
+                            out.append(
+                                replace(
+                                    base,
+                                    world=world,
+                                    tp=tp,
+                                    sp=sp,
+                                    stage=stage,
+                                    offload_optimizer=opt,
+                                    offload_param=par,
+                                    shard_size=None,
+                                    ep=ep,
+                                )
                             )
-                        )
     return out
 
 
@@ -600,6 +585,7 @@ def fitting_layouts(
     fast: bool = True,
     progress: bool | None = False,
     workers: int = 1,
+    sps: Iterable[int] | None = None,
     **overrides: Any,
 ) -> list[MemoryEstimate]:
     """The layouts whose peak device memory per rank is at most ``budget`` bytes, fewest ranks first, then least
@@ -610,6 +596,17 @@ def fitting_layouts(
     budget: its peak is at least that (the peak is the state plus the larger transient phase), so it cannot fit
     either way. ``workers``: processes the distinct fake runs are spread over ([Note: fake runs in workers]); 1: all
     in this process. ``progress``: a bar of the layouts done, as :func:`estimate_memory`'s.
+
+    ``sps``: the sequence-parallel sizes tried (each where it divides ``world / tp`` and the heads a rank holds);
+    None: every size from 1 to the config's ``sequence_parallel_size`` (or the ``sp`` override), so 1 alone unless
+    one is asked for ([Note: sequence-parallel sizes in a search]).
+
+    [Note: sequence-parallel sizes in a search]
+    Every sequence-parallel size is a fake run of its own per (tensor-parallel size, stage, dtype): its tokens, its
+    exchange. Trying every size that divides the world by default more than doubles a search at 8 ranks (Llama-3-8B's
+    shape, ``--budget 80GiB --worlds 8``: 40 layouts and 24 s in one process without, 92 and 56 s with sizes 1, 2, 4
+    and 8; docs/estimate.md), past the 30 s a search is held to. So a search tries sizes up to the one the user names
+    (``--sp P`` or the config's ``sequence_parallel_size``), which is what a user planning long sequences gives.
     """
     if workers < 1:
         raise ShardtrainError(f"workers must be at least 1, got {workers}")
@@ -618,8 +615,14 @@ def fitting_layouts(
     worlds = list(worlds)
     base = replace(layout_from_config(raw, worlds[0], seq_len, checkpointing), **overrides)
     cache: dict = {"fast": fast}
+    sps = range(1, base.sp + 1) if sps is None else sps
     layouts = candidate_layouts(
-        worlds, base, offload=offload, param_offload=device_type != "cuda", experts=_expert_counts(source, cache)
+        worlds,
+        base,
+        sps=sps,
+        offload=offload,
+        param_offload=device_type != "cuda",
+        experts=_expert_counts(source, cache),
     )
     prepared: list[tuple[_Prepared, ComputePeak | None]] = []  # None: waits for its fake run
     waiting: dict[tuple, list[_Prepared]] = {}
@@ -654,19 +657,24 @@ def fitting_layouts(
     return sorted(fits, key=lambda e: (e.layout.world, e.peak["device"]))
 
 
-def _fake_model(source: ModelSource, tp: int, ep: int, tp_plan: Any, cache: dict) -> tuple[Any, frozenset[int]]:
-    """The fp32 fake model of a (tp, ep) layout and the ids of its expert parameters, built once per search."""
+def _fake_model(
+    source: ModelSource, tp: int, ep: int, tp_plan: Any, cache: dict, sp: int = 1
+) -> tuple[Any, frozenset[int]]:
+    """The fp32 fake model of a (tp, ep, sp) layout and the ids of its expert parameters, built once per search
+    (under sequence parallelism with Ulysses installed: :func:`install_sequence_parallel` refuses what initialize
+    refuses)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    if ("fake", tp, ep) not in cache:
+    if ("fake", tp, ep, sp) not in cache:
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         with mode:
             fake = build_fake(source, tp, torch.float32, tp_plan, ep, split=False)
             experts = split_experts(fake, ep, tp) if ep > 1 else frozenset()
-        cache["fake", tp, ep] = (fake, experts)
+            splitter = install_sequence_parallel(fake, sp, tp) if sp > 1 else None
+        cache["fake", tp, ep, sp] = (fake, experts)
         if cache.get("fast", True):  # an fp32 run without checkpointing needs this very model: build it once
-            cache.setdefault("models", {})[model_key(tp, torch.float32, False, None, ep)] = (mode, fake)
-    return cache["fake", tp, ep]
+            cache.setdefault("models", {})[model_key(tp, torch.float32, False, None, ep, sp)] = (mode, fake, splitter)
+    return cache["fake", tp, ep, sp]
 
 
 def _expert_counts(source: ModelSource, cache: dict) -> list[int]:
@@ -695,7 +703,7 @@ def measure_runs(runs: Mapping[tuple, dict[str, Any]], workers: int = 1) -> Iter
     workers = min(workers, len(keys))
     if workers > 1 and _can_fork():
         for run in runs.values():  # each worker finds its models built
-            model_args = ("source", "tp", "compute", "checkpointing", "unit_classes", "tp_plan", "models", "ep")
+            model_args = ("source", "tp", "compute", "checkpointing", "unit_classes", "tp_plan", "models", "ep", "sp")
             prepare_models(**{k: run[k] for k in model_args})
         yield from _measure_in_workers(keys, runs, workers)
         return

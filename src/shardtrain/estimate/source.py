@@ -19,6 +19,7 @@ Hugging Face model (with ``use_cache=False``, as in training; its output's ``.lo
 
 from __future__ import annotations
 
+import copy
 import importlib
 import json
 import re
@@ -129,7 +130,9 @@ def _from_hf_config(path: Path) -> ModelSource:
     hf_config = AutoConfig.from_pretrained(str(file.parent))
 
     def build() -> nn.Module:
-        return AutoModelForCausalLM.from_config(hf_config)
+        # a config of its own per model: the planner builds several, and sequence parallelism changes a model's
+        # config (its attention implementation)
+        return AutoModelForCausalLM.from_config(copy.deepcopy(hf_config))
 
     vocab = getattr(hf_config, "vocab_size", None) or getattr(getattr(hf_config, "text_config", None), "vocab_size", 2)
     return ModelSource(build=build, name=f"{data['model_type']} ({file})", hf=True, vocab_size=vocab)

@@ -366,9 +366,7 @@ class BatchCheck:
     def __init__(self, comm: Communicator) -> None:
         self.comm = comm
         self.done = False
-        self.global_ranks = (
-            torch.distributed.get_process_group_ranks(comm.group) if comm.size > 1 else [comm.global_rank]
-        )
+        self.global_ranks = list(comm.ranks) if comm.size > 1 else [comm.global_rank]
 
     def who(self, sp_rank: int) -> str:
         return f"sp rank {sp_rank} (global rank {self.global_ranks[sp_rank]})"
