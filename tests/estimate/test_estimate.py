@@ -5,7 +5,9 @@ exists, ZeRO-3's orders are recorded and prefetch runs, the optimizer swapper's 
 counted over every storage reachable from Python, less the same count before this layout's model was built; plus the
 most the step adds to that, from torch's profiler, which records every allocation and free of torch's CPU allocator
 during the step (:class:`shardtrain.estimate.PeakMeter`). Memory outside torch's allocator (the interpreter, gloo's
-buffers, mapped swap-file pages) is not counted, by the meter or the planner.
+buffers, mapped swap-file pages) is not counted, by the meter or the planner. Frees the profiler does not record
+(gloo's worker thread dropping the last reference to a collective's tensors, seen under sequence parallelism) leave the
+measured peak too high by at most the step's unrecorded bytes, which widen the lower bound.
 """
 
 from __future__ import annotations
@@ -76,7 +78,12 @@ def tiny_mixtral(experts: int = 8):
     return MixtralForCausalLM(cfg)
 
 
-MODELS = {"gpt": tiny_gpt, "llama": tiny_llama, "mixtral": tiny_mixtral, "mixtral6": functools.partial(tiny_mixtral, 6)}
+MODELS = {
+    "gpt": tiny_gpt,
+    "llama": tiny_llama,
+    "mixtral": tiny_mixtral,
+    "mixtral6": functools.partial(tiny_mixtral, 6),
+}
 
 
 def model_of(name: str):
@@ -85,7 +92,7 @@ def model_of(name: str):
 
 
 def is_hf(name: str) -> bool:
-    return name.split("-")[0] in MODELS and name.split("-")[0] != "gpt"
+    return name.split("-")[0].startswith(("llama", "mixtral"))
 
 
 # (name, layout, config beyond the layout's keys); every layout is run by the engine and estimated; a name starting
@@ -108,6 +115,9 @@ CASES = [
         Layout(2, stage=3, ep=2, offload_optimizer="nvme", offload_param="nvme", micro_batch=MICRO, seq_len=SEQ),
         {"sub_group_size": 20_000, "offload_param": {"max_in_cpu": 0}},
     ),
+    ("sp2-stage2", Layout(2, stage=2, sp=2, micro_batch=MICRO, seq_len=SEQ), {}),
+    ("sp2-dp2-stage2", Layout(4, stage=2, sp=2, micro_batch=MICRO, seq_len=SEQ), {}),
+    ("mixtral-ep2-sp2-stage2", Layout(2, stage=2, ep=2, sp=2, micro_batch=MICRO, seq_len=SEQ), {}),
 ]
 SOAK_CASES = [
     ("stage2", Layout(2, stage=2, micro_batch=MICRO, seq_len=SEQ), {}),
@@ -153,6 +163,10 @@ SOAK_CASES = [
         Layout(4, stage=3, ep=2, offload_optimizer="nvme", micro_batch=MICRO, seq_len=SEQ),
         {"sub_group_size": 20_000},
     ),
+    ("llama-sp2-stage3-bf16", Layout(2, stage=3, sp=2, dtype="bf16", micro_batch=MICRO, seq_len=SEQ), {}),
+    ("sp2-stage2-checkpointing", Layout(2, stage=2, sp=2, micro_batch=MICRO, seq_len=SEQ, checkpointing=True), {}),
+    ("llama-tp2-sp2-stage1", Layout(4, stage=1, tp=2, sp=2, micro_batch=MICRO, seq_len=SEQ), {}),
+    ("mixtral-ep4-sp2-stage3", Layout(4, stage=3, ep=4, sp=2, micro_batch=MICRO, seq_len=SEQ), {}),
 ]
 
 
@@ -169,6 +183,7 @@ def config_of(layout: Layout, zero_extra: dict, nvme: str | None = None) -> dict
         "tensor_parallel": {"size": layout.tp},
         "bf16": {"enabled": layout.dtype == "bf16"},
         "expert_parallel_size": layout.ep,
+        "sequence_parallel_size": layout.sp,
         "desync_check": False,
     }
 
@@ -213,6 +228,8 @@ def _train_and_measure(cases: list[tuple[str, Layout, dict]], nvme: str) -> dict
                     engine.backward(loss)
                     engine.step()
                     del loss
+            with meter.window(f"after:{name}", scan=True):  # the step's unrecorded frees, read below
+                pass
             # parameter shards in swap files are tensors over mapped files: reachable, but not torch's memory
             mapped = engine._param_offload.mapped_bytes() if engine._param_offload is not None else 0
             out[name] = {"state": engine.state_bytes(), "rank": rank, "mapped": mapped}
@@ -223,6 +240,7 @@ def _train_and_measure(cases: list[tuple[str, Layout, dict]], nvme: str) -> dict
     for name in out:  # what the step added, on what was alive when it started (above what was there before)
         live = meter.live[name] - out[name]["mapped"] - meter.live[f"before:{name}"]
         out[name]["peak"] = meter.rise(name) + live
+        out[name]["unrecorded"] = max(meter.unrecorded_frees(name, f"after:{name}"), 0)
     return out
 
 
@@ -262,7 +280,10 @@ def _check(name: str, got: dict) -> None:
     where = f"{name}: predicted {predicted}, measured {peak}\n{est.format()}"
     unknown = est.state.optimizer.get("offload_buffers", 0) - est.state.offload_buffers_least
     slack = unknown if swap_buffers_unknown(name, est.layout) else 0
-    assert -0.10 * peak <= predicted - peak <= 0.10 * peak + slack, where
+    # frees of the step the profiler missed ([Note: frees the profiler misses] in estimate/measure.py) leave the
+    # measured peak above the bytes alive by at most their sum
+    missed = got["unrecorded"]
+    assert -0.10 * peak - missed <= predicted - peak <= 0.10 * peak + slack, where + f"\nunrecorded frees {missed}"
 
 
 @pytest.mark.parametrize("name", [c[0] for c in CASES])
@@ -377,6 +398,42 @@ def test_expert_parallelism_holds_the_rank_s_experts_and_is_searched_where_the_m
     assert with_sp.model_state() == without.model_state() and with_sp.layout.dp == 2
 
 
+def test_sequence_parallelism_splits_the_sequence_shards_over_dp_times_sp_and_refuses_what_initialize_does():
+    """Under ``sequence_parallel_size: P`` the data-parallel size is ``world / (tp * P)`` (the micro-batch comes
+    from it), ZeRO shards over ``dp * P`` ranks (the state of the same world without it), a rank's forward holds
+    its ``1/P`` of the sequence (less than a whole sequence's activations); a size that does not divide the heads
+    or ``world / tp`` is refused in initialize's words, by the estimate with or without its fake run."""
+    from shardtrain.estimate.planner import layout_from_config
+
+    raw = {"train_batch_size": 16, "sequence_parallel_size": 2, "tensor_parallel": {"size": 2}}
+    layout = layout_from_config(raw, world=8, seq_len=16)
+    assert (layout.sp, layout.dp, layout.zero, layout.micro_batch) == (2, 2, 4, 8)  # 16 sequences over dp 2
+    assert layout_from_config({**raw, "gradient_accumulation_steps": 2}, 8, 16).micro_batch == 4
+    assert layout_from_config({"train_batch_size": 16}, 8, 16).micro_batch == 2  # dp 8 without the two
+    cfg = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    common = {"device_type": "cpu", "tp_plan": GPT_TP_PLAN}
+    with_sp = estimate_memory(tiny_gpt, {**cfg, "sequence_parallel_size": 2}, world_size=4, seq_len=64, **common)
+    assert with_sp.layout.sp == 2 and "sp 2" in with_sp.layout.describe() and "dp 2 x sp 2" in with_sp.format()
+    whole = estimate_memory(tiny_gpt, cfg, layout=replace(with_sp.layout, sp=1), **common)
+    assert with_sp.model_state() == whole.model_state()  # ZeRO over dp * sp = 4 ranks either way
+    assert with_sp.compute.activations < whole.compute.activations and with_sp.compute.peak < whole.compute.peak
+    refusals = [
+        (Layout(3, sp=3, seq_len=48), "sequence_parallel_size 3 does not divide the 4 attention heads"),
+        (Layout(8, tp=2, sp=4, seq_len=16), r"4 does not divide the 2 attention heads a tensor-parallel rank"),
+        (Layout(4, tp=2, sp=3, seq_len=48), "sequence_parallel_size 3 does not divide the 4 processes of this job"),
+    ]
+    for layout, message in refusals:
+        for activations in (True, False):
+            with pytest.raises(ConfigError, match=message):
+                estimate_memory(tiny_gpt, cfg, layout=layout, activations=activations, **common)
+    # a search tries the sizes up to the one asked for, where the world and the heads allow them
+    search = functools.partial(fitting_layouts, tiny_gpt, 2**40, cfg, seq_len=16, offload=False, **common)
+    assert {e.layout.sp for e in search(worlds=(4,))} == {1}
+    asked = search(worlds=(4,), sp=4)
+    assert {(e.layout.tp, e.layout.sp) for e in asked} == {(1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (4, 1)}
+    assert {e.layout.sp for e in search(worlds=(3,), sps=(3,))} == set()  # 4 heads
+
+
 class ReadsValues(torch.nn.Module):
     """A forward that branches on a tensor's value: it cannot run on fake tensors."""
 
@@ -444,6 +501,7 @@ def test_cli_help_lists_the_options(capsys):
         "--tp",
         "--mics-shard-size",
         "--ep",
+        "--sp",
         "--seq-len",
     ):
         assert option in text
@@ -522,6 +580,24 @@ def test_cli_ep_option_and_the_config_key(tmp_path, capsys):
     assert code == 2 and "does not divide the data-parallel size 4" in err
     code, _, err = _cli(capsys, *argv, "--ep", "0")
     assert code == 2 and "--ep must be at least 1" in err
+
+
+def test_cli_sp_option_and_the_config_key(tmp_path, capsys):
+    argv = ["test_estimate:tiny_gpt", "--world", "4", "--stage", "2", "--seq-len", "16", "--json"]
+    code, out, _ = _cli(capsys, *argv, "--sp", "2", "--state-only")
+    assert code == 0 and json.loads(out)["layout"]["sp"] == 2
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"sequence_parallel_size": 4, "train_batch_size": 4}))
+    code, out, _ = _cli(capsys, *argv, "--config", str(config))
+    layout = json.loads(out)["layout"]
+    assert code == 0 and (layout["sp"], layout["micro_batch"]) == (4, 4)  # dp 1: the 4 sequences on every rank
+    code, _, err = _cli(capsys, *argv, "--sp", "3")
+    assert code == 2 and "sequence_parallel_size 3 does not divide the 4 processes" in err
+    code, _, err = _cli(capsys, *argv, "--sp", "0")
+    assert code == 2 and "--sp must be at least 1" in err
+    code, out, _ = _cli(capsys, "test_estimate:tiny_gpt", "--budget", "1TiB", "--worlds", "2", "--sp", "2",
+                        "--no-offload", "--seq-len", "16", "--jobs", "1")  # fmt: skip
+    assert code == 0 and "sp 2" in out
 
 
 def _bytes_of(est) -> tuple:
