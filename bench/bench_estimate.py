@@ -2,17 +2,19 @@
 on this tree and on a reference checkout (the code before a speed-up), each in its own interpreter.
 
     python bench/bench_estimate.py [--base ../wt-est-base] [--layers 32] [--budget 80GiB] [--dtype fp32]
-                                   [--jobs 1,2] [--skip-base-search]
+                                   [--jobs 1,2] [--skip-base-search] [--sp 8]
 
 The model is a ``LlamaConfig`` with Llama-3-8B's sizes (hidden 4096, 32 layers, 32 heads, 8 key/value heads,
 intermediate 14336, vocabulary 128256), written to a temporary directory and read as ``shardtrain estimate`` reads a
 ``config.json``: no weights exist anywhere. One layout: world 8, ZeRO-3, bf16, micro-batch 1 x 2048 tokens. The
 search: ``fitting_layouts(..., worlds=(8,))``, what ``shardtrain estimate CONFIG --budget 80GiB --worlds 8`` runs
-(tensor-parallel sizes 1, 2, 4, 8, stages 0-3, optimizer offload none/cpu/nvme). Each timing includes building the
-fake models, not the interpreter's start or imports. The search runs once per ``--jobs`` value on this tree
-(``workers``: processes its fake runs are spread over; a tree without the argument runs in one process), with wall
-and CPU seconds (this process and its workers). Every run must give the same answer: the script compares each
-layout's rows (component, place, bytes) and fake-run peaks with the reference's and says whether they agree.
+(tensor-parallel sizes 1, 2, 4, 8, stages 0-3, optimizer offload none/cpu/nvme; with ``--sp P`` also every
+sequence-parallel size up to ``P``, as ``--sp P`` does for the command: a tree without it cannot run that search).
+Each timing includes building the fake models, not the interpreter's start or imports. The search runs once per
+``--jobs`` value on this tree (``workers``: processes its fake runs are spread over; a tree without the argument
+runs in one process), with wall and CPU seconds (this process and its workers). Every run must give the same answer:
+the script compares each layout's rows (component, place, bytes) and fake-run peaks with the reference's and says
+whether they agree.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CHILD = """
 import dataclasses, inspect, json, os, sys, time
 from shardtrain.estimate import Layout, estimate_memory, fitting_layouts, parse_bytes
-path, what, budget, dtype, jobs = sys.argv[1:6]
+path, what, budget, dtype, jobs, sp = sys.argv[1:7]
 import transformers  # imported before the clock starts, as the CLI has by then
 def cpu():
     t = os.times()
@@ -41,6 +43,7 @@ if what == "one":
     ests = [estimate_memory(path, layout=Layout(8, stage=3, dtype="bf16", seq_len=2048))]
 else:
     kw = {"workers": int(jobs)} if "workers" in inspect.signature(fitting_layouts).parameters else {}
+    kw.update({"sp": int(sp)} if int(sp) > 1 else {})
     ests = fitting_layouts(path, parse_bytes(budget), worlds=(8,), dtype=dtype, **kw)
 seconds, cpu_seconds = time.perf_counter() - t, cpu() - c
 answer = [[e.layout.describe(), [dataclasses.astuple(r) for r in e.rows], dataclasses.astuple(e.compute), e.peak]
@@ -49,10 +52,10 @@ print(json.dumps({"seconds": seconds, "cpu": cpu_seconds, "answer": answer}))
 """
 
 
-def timed(src: Path, config_dir: str, what: str, budget: str, dtype: str, jobs: int = 1) -> dict:
+def timed(src: Path, config_dir: str, what: str, budget: str, dtype: str, jobs: int = 1, sp: int = 1) -> dict:
     env = {**os.environ, "PYTHONPATH": str(src)}
     out = subprocess.run(
-        [sys.executable, "-c", CHILD, config_dir, what, budget, dtype, str(jobs)],
+        [sys.executable, "-c", CHILD, config_dir, what, budget, dtype, str(jobs), str(sp)],
         env=env,
         check=True,
         capture_output=True,
@@ -69,6 +72,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="the search's compute dtype")
     parser.add_argument("--skip-base-search", action="store_true", help="the reference search takes minutes")
     parser.add_argument("--jobs", default="1,2", help="worker counts the search runs with on this tree")
+    parser.add_argument("--sp", type=int, default=1, help="the search also tries sequence-parallel sizes up to this")
     args = parser.parse_args()
     from transformers import LlamaConfig
 
@@ -88,13 +92,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         cfg.save_pretrained(tmp)
         runs = [("one", "one layout (world 8, stage 3, bf16)", [("before", base, 1), ("after", ROOT / "src", 1)])]
-        search = [("before", base, 1)] if not args.skip_base_search else []
+        search = [("before", base, 1)] if not args.skip_base_search and args.sp == 1 else []
         search += [(f"after, {j} worker(s)", ROOT / "src", j) for j in jobs]
-        runs.append(("search", f"budget search {args.budget}, world 8, {args.dtype}", search))
+        searched = f"budget search {args.budget}, world 8, {args.dtype}"
+        runs.append(("search", searched + (f", sp up to {args.sp}" if args.sp > 1 else ""), search))
         for what, label, trees in runs:
             results = {}
             for tree, src, j in trees:
-                results[tree] = r = timed(src, tmp, what, args.budget, args.dtype, j)
+                sp = args.sp if what == "search" else 1
+                results[tree] = r = timed(src, tmp, what, args.budget, args.dtype, j, sp)
                 print(
                     f"{label}: {tree}: {r['seconds']:.1f} s wall, {r['cpu']:.1f} s CPU, {len(r['answer'])} layout(s), "
                     f"load average {os.getloadavg()[0]:.1f}"

@@ -53,6 +53,7 @@ ALLOWED: dict[str, set[str]] = {
     },
     "shardtrain.estimate": {
         "shardtrain.tensor_parallel",
+        "shardtrain.sequence_parallel",
         "shardtrain.expert_parallel",
         "shardtrain.zero",
         "shardtrain.offload",

@@ -294,6 +294,8 @@ def _check_layout(layout: Layout, cfg: Config, device_type: str) -> None:
     """What ``initialize`` refuses of the layout, in its words (``check_layout``: tensor-, sequence- and
     expert-parallel sizes, hybrid sharding, hpZ; the config's own validation ran in :func:`layout_config`), and what
     the planner does not plan."""
+    if layout.world < 1:
+        raise ConfigError(f"the world size must be at least 1, got {layout.world}")
     check_layout(cfg, layout.world)
     if layout.dtype not in _DTYPES:
         raise ConfigError(f"dtype {layout.dtype!r}: use one of {', '.join(_DTYPES)}")

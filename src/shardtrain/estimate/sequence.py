@@ -29,11 +29,6 @@ from torch import nn
 from shardtrain.errors import ShardtrainError
 
 
-class _Done:
-    def wait(self) -> None:
-        return None
-
-
 class ShapeOnlyGroup:
     """What the Ulysses path asks of a sequence-parallel group's
     :class:`~shardtrain.distributed.communicator.Communicator`, for rank 0 of ``size`` ranks: an all-to-all leaves
@@ -48,8 +43,8 @@ class ShapeOnlyGroup:
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, *, what: str) -> None:
         return None
 
-    def all_reduce(self, t: torch.Tensor, op: Any = "sum", *, what: str, async_op: bool = False) -> Any:
-        return _Done() if async_op else None
+    def all_reduce(self, t: torch.Tensor, op: Any = "sum", *, what: str) -> None:
+        return None
 
     def all_gather_dim(self, inp: torch.Tensor, dim: int, *, what: str) -> torch.Tensor:
         stacked = torch.stack([inp] * self.size)  # as Communicator.all_gather_dim lands the parts
