@@ -606,9 +606,10 @@ def fitting_layouts(
     [Note: sequence-parallel sizes in a search]
     Every sequence-parallel size is a fake run of its own per (tensor-parallel size, stage, dtype): its tokens, its
     exchange. Trying every size that divides the world by default more than doubles a search at 8 ranks (Llama-3-8B's
-    shape, ``--budget 80GiB --worlds 8``: 40 layouts and 24 s in one process without, 92 and 56 s with sizes 1, 2, 4
-    and 8; docs/estimate.md), past the 30 s a search is held to. So a search tries sizes up to the one the user names
-    (``--sp P`` or the config's ``sequence_parallel_size``), which is what a user planning long sequences gives.
+    shape, ``--budget 80GiB --worlds 8``: 20 s in one process without, 49 s with sizes 1, 2, 4 and 8;
+    ``bench/bench_estimate.py --sp 8``, docs/estimate.md), past the 30 s a search is held to. So a search tries
+    sizes up to the one the user names (``--sp P`` or the config's ``sequence_parallel_size``), which is what a user
+    planning long sequences gives.
     """
     if workers < 1:
         raise ShardtrainError(f"workers must be at least 1, got {workers}")
