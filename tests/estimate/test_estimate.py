@@ -167,6 +167,7 @@ SOAK_CASES = [
     ("sp2-stage2-checkpointing", Layout(2, stage=2, sp=2, micro_batch=MICRO, seq_len=SEQ, checkpointing=True), {}),
     ("llama-tp2-sp2-stage1", Layout(4, stage=1, tp=2, sp=2, micro_batch=MICRO, seq_len=SEQ), {}),
     ("mixtral-ep4-sp2-stage3", Layout(4, stage=3, ep=4, sp=2, micro_batch=MICRO, seq_len=SEQ), {}),
+    ("mixtral-tp2-sp2-ep2-stage2", Layout(8, stage=2, tp=2, sp=2, ep=2, micro_batch=MICRO, seq_len=SEQ), {}),
 ]
 
 

@@ -536,8 +536,8 @@ def candidate_layouts(
     experts each, every expert-parallel size that divides them all and the ranks ZeRO shards over (``dp * sp``), at
     every stage and offload (``initialize`` builds expert parallelism with optimizer offload at stages 1-3 and
     parameter offload at stage 3, and the estimate lays their state out as it does), with and without tensor
-    parallelism. Sizes the model's heads refuse, and combinations ``initialize`` does not build (expert, tensor and
-    sequence parallelism together), are left to :func:`_prepare`, which refuses them."""
+    parallelism. Sizes the model's heads refuse, and combinations ``initialize`` does not build, are left to
+    :func:`_prepare`, which refuses them."""
     experts, sps = list(experts), list(sps)
     out = []
     for world in worlds:
