@@ -116,7 +116,6 @@ CASES = [
         {"sub_group_size": 20_000, "offload_param": {"max_in_cpu": 0}},
     ),
     ("sp2-stage2", Layout(2, stage=2, sp=2, micro_batch=MICRO, seq_len=SEQ), {}),
-    ("sp2-dp2-stage2", Layout(4, stage=2, sp=2, micro_batch=MICRO, seq_len=SEQ), {}),
     ("mixtral-ep2-sp2-stage2", Layout(2, stage=2, ep=2, sp=2, micro_batch=MICRO, seq_len=SEQ), {}),
 ]
 SOAK_CASES = [
@@ -163,6 +162,7 @@ SOAK_CASES = [
         Layout(4, stage=3, ep=2, offload_optimizer="nvme", micro_batch=MICRO, seq_len=SEQ),
         {"sub_group_size": 20_000},
     ),
+    ("sp2-dp2-stage2", Layout(4, stage=2, sp=2, micro_batch=MICRO, seq_len=SEQ), {}),
     ("llama-sp2-stage3-bf16", Layout(2, stage=3, sp=2, dtype="bf16", micro_batch=MICRO, seq_len=SEQ), {}),
     ("sp2-stage2-checkpointing", Layout(2, stage=2, sp=2, micro_batch=MICRO, seq_len=SEQ, checkpointing=True), {}),
     ("llama-tp2-sp2-stage1", Layout(4, stage=1, tp=2, sp=2, micro_batch=MICRO, seq_len=SEQ), {}),
