@@ -99,6 +99,9 @@ def is_hf(name: str) -> bool:
 # with "llama" or "mixtral" is that Hugging Face model (mixtral6: with 6 experts), the others the project's GPT
 CASES = [
     ("stage0", Layout(1, stage=0, micro_batch=MICRO, seq_len=SEQ), {}),
+    # a sequence long enough that an S x S mask and attention weights would show ([Note: the estimate's batch is not
+    # packed] in estimate/compute.py)
+    ("llama-1024-stage0", Layout(1, stage=0, micro_batch=1, seq_len=1024), {}),
     ("stage3", Layout(2, stage=3, micro_batch=MICRO, seq_len=SEQ), {}),
     ("tp2-stage1-bf16", Layout(2, stage=1, tp=2, dtype="bf16", micro_batch=MICRO, seq_len=SEQ), {}),
     (

@@ -35,8 +35,8 @@ import functools
 import sys
 import warnings
 import weakref
-from collections.abc import Callable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +58,33 @@ FP32 = torch.float32
 class _Done:
     def wait(self) -> None:
         return None
+
+
+@contextmanager
+def unpacked_batch() -> Iterator[None]:
+    """[Note: the estimate's batch is not packed]
+    Given no attention mask in training, transformers (``masking_utils``) looks at the position ids for several
+    sequences packed into one row (``find_packed_sequence_indices``: consecutive positions that do not step by one),
+    and with none found lets SDPA run causally without building a mask. On fake tensors the values cannot be read, so
+    it assumes packing and builds an ``S x S`` mask and its temporaries (about ``2 S^2`` bytes: 0.5 GiB at 16,384
+    tokens) that a real run of the same batch never makes. The planner's batch is one sequence per row by
+    construction, so while its fake forward runs that function answers what a real run's would: no packed
+    sequences. Everything else about the mask (padding, sliding windows, eager attention) is decided as in a real
+    run."""
+    try:
+        from transformers import masking_utils
+    except ImportError:  # no transformers: no transformers model either
+        yield
+        return
+    original = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if original is None:
+        yield
+        return
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
 
 
 class ShapeOnlyComm:
@@ -374,8 +401,10 @@ def measure_compute(
                     parts = split_batch(splitter, whole)
                 held = as_fake(whole)  # the whole batch the caller holds during the step
                 args, kwargs = as_fake(parts)
+            unpacked = unpacked_batch() if source.hf and source.batch is None else nullcontext()
             try:
-                out = model(*args, **kwargs)
+                with unpacked:
+                    out = model(*args, **kwargs)
                 loss = loss_of(out if splitter is None else splitter.combine(out))
                 del out
                 after_forward = _total(tracker.get_tracker_snapshot("current"))
