@@ -19,38 +19,10 @@ from shardtrain.errors import ConfigError
 from shardtrain.tensor_parallel import assemble_blocks
 from shardtrain.testing import run_distributed
 
-from helpers.moe_cases import VOCAB, tiny_moe
+from helpers.moe_cases import one_process, row_batches, tiny_moe
 
 SEQ, LR = 6, 1e-2
 TP3 = {"num_attention_heads": 6, "num_key_value_heads": 3, "vocab_size": 36}  # heads and vocabulary split by 3
-
-
-def _batches(dp: int, n: int, seq: int) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, VOCAB, (dp, seq), generator=g) for _ in range(n)]
-
-
-def reference(kind: str, experts: int, dp: int, steps: int, gas: int, clip: float, overrides: dict, seq: int) -> dict:
-    """One process, the whole global batch: each micro-step's loss is the mean of the data-parallel ranks' losses."""
-    model = tiny_moe(kind, experts, **overrides)
-    init = {k: v.clone() for k, v in model.state_dict().items()}
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    batches = _batches(dp, steps * gas, seq)
-    losses, norms, aux = [], [], []
-    for step in range(steps):
-        total = 0.0
-        for m in range(gas):
-            ids = batches[step * gas + m]
-            outs = [model(input_ids=ids[r : r + 1], labels=ids[r : r + 1]) for r in range(dp)]
-            loss = sum(o.loss for o in outs) / dp
-            aux.append([float(o.aux_loss.detach()) for o in outs])
-            (loss / gas).backward()
-            total += loss.item() / gas
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
-        opt.step()
-        opt.zero_grad()
-        losses.append(total)
-    return {"losses": losses, "norms": norms, "aux": aux, "params": model.state_dict(), "init": init}
 
 
 def _train(case: tuple) -> dict:
@@ -84,7 +56,7 @@ def _train(case: tuple) -> dict:
     gates = [m for n, m in model.named_modules() if n.endswith("mlp.gate")]
     hooks = [g.register_forward_hook(lambda _m, _i, out: routed.append(out[2].clone())) for g in gates]
     losses, norms, aux = [], [], []
-    batches = _batches(topo.dp, steps * gas, seq)
+    batches = row_batches(topo.dp, steps * gas, seq)
     engine.comm_stats(reset=True)
     for step in range(steps):
         total = 0.0
@@ -153,7 +125,7 @@ def _steps(engine, batches: list[torch.Tensor]) -> list[float]:
 def _checkpoint(path: str) -> dict:
     """A checkpoint saved at tp 2 x ep 2, stage 3: resumed there, and loaded at tp 1 x ep 4, stage 1."""
     engine = _engine(2, 2, 3)
-    batches = _batches(2, 4, SEQ)
+    batches = row_batches(2, 4, SEQ)
     _steps(engine, batches[:2])
     engine.save_checkpoint(path, tag="tp2-ep2")
     saved = engine.full_state_dict()
@@ -189,7 +161,7 @@ def _assert_parity(results: list[dict], case: tuple) -> None:
     world = len(results)
     dp = world // tp
     what = f"{kind} tp {tp} ep {ep} stage {stage}, {seq} tokens per rank"
-    ref = reference(kind, experts, dp, steps, gas, clip, overrides, seq)
+    ref = one_process(kind, experts, dp, steps, gas, clip, overrides, seq, LR)
     assert [r["dp_rank"] * tp + r["tp_rank"] for r in results] == list(range(world)), what  # rank = dp * T + tp
     assert [r["ep_rank"] for r in results] == [(r // tp) % ep for r in range(world)], what
     n = experts // ep

@@ -19,44 +19,13 @@ import shardtrain
 from shardtrain.distributed.mesh import make_groups
 from shardtrain.testing import run_distributed
 
-from helpers.moe_cases import VOCAB, tiny_moe
+from helpers.moe_cases import one_process, row_batches, tiny_moe
 
 LR = 1e-2
 UNITS = {"stage3_param_persistence_threshold": 0}
 SP3 = {"num_attention_heads": 12, "num_key_value_heads": 6}
 """Qwen3-MoE heads (4 wide) that tp 2 x sp 3 divides: 6 query and 3 key/value heads per tp rank, 2 and 1 per sp
 rank."""
-
-
-def _batches(dp: int, n: int, seq: int) -> list[torch.Tensor]:
-    """``n`` global micro-batches of one row per data-parallel rank; the ranks of its sequence- and tensor-parallel
-    groups are given the same row."""
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, VOCAB, (dp, seq), generator=g) for _ in range(n)]
-
-
-def reference(kind: str, experts: int, dp: int, steps: int, gas: int, clip: float, overrides: dict, seq: int) -> dict:
-    """One process on the whole global batch: each micro-step's loss is the mean of the data-parallel ranks' losses
-    on their rows, each with the load-balancing loss of its whole sequence."""
-    model = tiny_moe(kind, experts, **overrides)
-    init = {k: v.clone() for k, v in model.state_dict().items()}
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    batches = _batches(dp, steps * gas, seq)
-    losses, norms, aux = [], [], []
-    for step in range(steps):
-        total = 0.0
-        for m in range(gas):
-            ids = batches[step * gas + m]
-            outs = [model(input_ids=ids[r : r + 1], labels=ids[r : r + 1]) for r in range(dp)]
-            loss = sum(o.loss for o in outs) / dp
-            aux.append([float(o.aux_loss.detach()) for o in outs])
-            (loss / gas).backward()
-            total += loss.item() / gas
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
-        opt.step()
-        opt.zero_grad()
-        losses.append(total)
-    return {"losses": losses, "norms": norms, "aux": aux, "params": model.state_dict(), "init": init}
 
 
 def _config(tp: int, sp: int, ep: int, stage: int, gas: int, clip: float, zero: dict) -> dict:
@@ -95,7 +64,7 @@ def _train(case: tuple) -> dict:
     hidden: list[torch.Tensor] = []  # what the first layer's experts module is handed: this rank's slice's tokens
     experts_module = model.model.layers[0].mlp.experts
     hook = experts_module.register_forward_pre_hook(lambda _m, args: hidden.append(args[0].detach().clone()))
-    batches = _batches(topo.dp, steps * gas, seq)
+    batches = row_batches(topo.dp, steps * gas, seq)
     losses, norms, aux = [], [], []
     for step in range(steps):
         total = 0.0
@@ -129,7 +98,7 @@ def _assert_parity(results: list[dict], case: tuple) -> None:
     world = len(results)
     dp = world // (tp * sp)
     what = f"{kind} dp {dp} x sp {sp} x tp {tp}, ep {ep}, stage {stage}"
-    ref = reference(kind, experts, dp, steps, gas, clip, overrides, seq)
+    ref = one_process(kind, experts, dp, steps, gas, clip, overrides, seq, LR)
     for s, b in enumerate(ref["losses"]):
         a = sum(r["losses"][s] for r in results) / world  # every rank of a sequence returns its row's whole loss
         assert abs(a - b) <= 2e-5 * abs(b), f"{what}: step {s}: loss {a} vs reference {b}"
@@ -270,7 +239,7 @@ def _ckpt_engine(tp: int, sp: int, ep: int, stage: int, seed: int = 0):
 def _ckpt_train(engine, steps: range) -> list[float]:
     dp_rank, losses = engine.topology.dp_rank, []
     for s in steps:
-        ids = _batches(engine.topology.dp, BEFORE + AFTER, CKPT_SEQ)[s][dp_rank : dp_rank + 1]
+        ids = row_batches(engine.topology.dp, BEFORE + AFTER, CKPT_SEQ)[s][dp_rank : dp_rank + 1]
         loss = engine(input_ids=ids, labels=ids).loss
         engine.backward(loss)
         engine.step()
