@@ -19,7 +19,7 @@ import torch.distributed as dist
 from shardtrain.distributed import failure, watchdog
 from shardtrain.distributed.communicator import Communicator
 from shardtrain.distributed.mesh import backend_timeout_s
-from shardtrain.errors import CollectiveTimeoutError, PeerLostError
+from shardtrain.errors import CollectiveTimeoutError, PeerLostError, RankMismatchError
 from shardtrain.testing import run_distributed, run_ranks
 
 
@@ -119,6 +119,31 @@ def test_a_peer_the_store_knows_is_down_ends_the_wait_at_the_probe():
         assert (kind, what, started) == ("reduce_scatter", "bucket 3 gradients", 100.0)
         assert "not completed after 10.0 s" in cause and "rank 2 is gone (pid 4242 on node-a)" in cause
         assert message.startswith("PeerLostError: rank 0: reduce_scatter of bucket 3 gradients failed")
+    finally:
+        dog.stop()
+
+
+def test_a_wait_probe_that_names_a_departure_is_reported_at_the_probe():
+    """A ZeRO-3 rank that departed from a trusted unit order ([Note: departures from a trusted order]) is named by
+    the wait probe; under NCCL the host may be stuck in a CUDA synchronization, so the watchdog runs the probes."""
+    clock, reports, calls = Clock(), [], []
+
+    def probe():
+        calls.append(clock.now)
+        if len(calls) > 1:
+            raise RankMismatchError("ranks are gathering different ZeRO-3 units at the same point (...)")
+
+    dog = watchdog.Watchdog(lambda r, p: None, reports.append, clock, 3600.0, 10.0, wait_probes=lambda: [probe])
+    try:
+        dog.track(FakeWork(), FakeIssuer(timeout_s=600.0), "all_gather", "parameters of unit 'blocks.1'", clock.now)
+        clock.now += 10.0
+        assert dog.check() is None and calls == [110.0]  # probed with the store at the probe interval: nothing yet
+        clock.now += 5.0
+        assert dog.check() is None and calls == [110.0]  # not before the next interval
+        clock.now += 5.0
+        message = dog.check()
+        assert message == "RankMismatchError: ranks are gathering different ZeRO-3 units at the same point (...)"
+        assert reports == [message] and dog.fired == message
     finally:
         dog.stop()
 

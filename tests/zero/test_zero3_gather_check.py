@@ -2,6 +2,8 @@
 the exchange is not waited for at the moment of the gather, it still precedes every data gather, and a rank whose
 path departs from the committed unit still pairs its collectives with the other ranks'."""
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -17,8 +19,9 @@ from helpers.parity import Recipe, make_optimizer
 LAYERS = 4
 
 
-def _events(check: bool) -> dict:
-    """Collectives issued, unit-id exchanges waited for and blocks computed, in order, during the third step."""
+def _events(check: bool, spied: int = 1, steps: int = 3) -> dict:
+    """Collectives issued, unit-id exchanges waited for and blocks computed, in order, during step ``spied``; and
+    the unit-id exchanges of each step."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layer=LAYERS, n_head=4))
     zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_gather_check": check}
@@ -45,21 +48,26 @@ def _events(check: bool) -> dict:
         block.register_full_backward_pre_hook(lambda *_, i=i: events.append(("compute", f"blocks.{i} backward")))
     x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(dist.get_rank()))
     y = torch.roll(x, -1, 1)
-    losses = []
-    for step in range(3):
-        if step == 2:
+    losses, exchanges = [], []
+    for step in range(steps):
+        if step == spied:
             Communicator.all_gather, Handle.wait = spy_all_gather, spy_wait
+        before = engine.comm_stats().get("gather_check", {}).get("calls", 0)
         try:
             loss = engine(x, y)
             engine.backward(loss)
             engine.step()
         finally:
             Communicator.all_gather, Handle.wait = all_gather, wait
-        losses.append(float(loss))
-    return {"events": events, "losses": losses, "gathers": sum(u.gathers for u in engine._runtime.units)}
+        losses.append(loss.item())
+        exchanges.append(engine.comm_stats().get("gather_check", {}).get("calls", 0) - before)
+    gathers = sum(u.gathers for u in engine._runtime.units)
+    return {"events": events, "losses": losses, "gathers": gathers, "exchanges": exchanges}
 
 
 def test_prefetch_checks_are_issued_one_unit_ahead_and_still_precede_their_gathers():
+    """The second step: its passes follow the first's order, not yet trusted (that takes two alike), so every gather
+    is checked, prefetches one unit ahead."""
     on, off = run_distributed(_events, 2, True), run_distributed(_events, 2, False)
     assert on[0]["losses"] == off[0]["losses"]  # the check moves no number
     assert on[0]["gathers"] == off[0]["gathers"]
@@ -80,7 +88,22 @@ def test_prefetch_checks_are_issued_one_unit_ahead_and_still_precede_their_gathe
         assert at_once == ["<root>", "blocks.0", "blocks.2"], events  # root, forward's first, backward's first
 
 
-def _departs_from_the_committed_unit(rank_departs: int) -> str:
+def test_trusted_passes_gather_without_exchanges_and_move_no_number():
+    """Once two passes of a kind gathered alike, the next ones issue their gathers without any exchange (no host
+    rendezvous per gather), and the numbers are those without the check, bitwise."""
+    on, off = run_distributed(_events, 2, True, 4, 6), run_distributed(_events, 2, False, 4, 6)
+    assert on[0]["losses"] == off[0]["losses"] and on[0]["gathers"] == off[0]["gathers"]
+    for r in on:
+        # every gather of the first steps is checked (17 a step: the root, 4 blocks forward, 3 backward... see the
+        # spied second step above); from the fourth step on, none
+        assert r["exchanges"][0] > 0 and r["exchanges"][1] > 0, r["exchanges"]
+        assert r["exchanges"][3:] == [0, 0, 0], r["exchanges"]
+        gathers = [u for kind, u in r["events"] if kind == "all_gather"]
+        assert gathers == [u for kind, u in off[0]["events"] if kind == "all_gather"] and len(gathers) > 0
+        assert not any(kind.startswith("check") or kind == "gather_check" for kind, _ in r["events"]), r["events"]
+
+
+def _departs_from_the_committed_unit(rank_departs: int, steady: int = 2) -> str:
     """Steady training, then one rank runs its blocks in reverse order: its first block is not the one whose
     exchange was issued ahead. Both ranks must fail at once with the units named, not hang or abort in gloo."""
     torch.manual_seed(0)
@@ -90,7 +113,7 @@ def _departs_from_the_committed_unit(rank_departs: int) -> str:
     engine = shardtrain.initialize(model, config=config, optimizer=make_optimizer(model, Recipe()))
     x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(dist.get_rank()))
     y = torch.roll(x, -1, 1)
-    for _ in range(2):
+    for _ in range(steady):
         engine.backward(engine(x, y))
         engine.step()
     if dist.get_rank() == rank_departs:
@@ -103,10 +126,42 @@ def _departs_from_the_committed_unit(rank_departs: int) -> str:
     return "no error"
 
 
+@pytest.mark.parametrize("steady", [1, 4])
 @pytest.mark.parametrize("rank_departs", [0, 1])
-def test_a_rank_departing_from_the_committed_unit_fails_naming_both_units(rank_departs):
-    for message in run_distributed(_departs_from_the_committed_unit, 2, rank_departs, timeout=120):
+def test_a_rank_departing_from_the_order_fails_naming_both_units(rank_departs, steady):
+    """After 1 step (the second is checked: [Note: unit order check]) and after 4 (trusted: [Note: departures from a
+    trusted order]), one rank runs its blocks in reverse: both ranks fail at once naming the units, never hang or
+    abort."""
+    t0 = time.monotonic()
+    for message in run_distributed(_departs_from_the_committed_unit, 2, rank_departs, steady, timeout=120):
         assert "ranks are gathering different ZeRO-3 units" in message, message
-        # the departing rank first honoured the committed gather of blocks.1, then checked its own blocks.3 against
-        # the exchange the other rank had issued ahead for blocks.2
-        assert f"rank {rank_departs}: 'blocks.3'" in message and f"rank {1 - rank_departs}: 'blocks.2'" in message
+        if steady == 1:
+            # the departing rank first honoured the committed gather of blocks.1, then checked its own blocks.3
+            # against the exchange the other rank had issued ahead for blocks.2
+            assert f"rank {rank_departs}: 'blocks.3'" in message and f"rank {1 - rank_departs}: 'blocks.2'" in message
+        else:
+            # trusted: gathers 1-2 (the root, blocks.0 prefetched) were the order's on both; at gather 3 the
+            # departing rank needs blocks.3 where the order (the other rank) has blocks.1
+            assert "gather 3 of a forward pass" in message, message
+            assert f"rank {rank_departs}: 'blocks.3'" in message, message
+            assert f"rank {1 - rank_departs}: 'blocks.1' (the order)" in message, message
+    assert time.monotonic() - t0 < 20  # well inside the collective timeout (20 s): named, not timed out
+
+
+def _departs_at_world(rank_departs: int) -> str:
+    return _departs_from_the_committed_unit(rank_departs, 4)
+
+
+def test_a_rank_departing_from_a_trusted_order_at_world_3_fails_on_every_rank():
+    """Two ranks on the order (each blocked in the order's gather, each answering through its wait probe), one
+    departing: all three fail naming the departing rank's unit and the order's."""
+    for rank, message in enumerate(run_distributed(_departs_at_world, 3, 1, timeout=120)):
+        assert "ranks are gathering different ZeRO-3 units" in message, message
+        assert "rank 1: 'blocks.3'" in message, message
+        # the departing rank decides a second after the first answer that differs: a slow rank may not have answered
+        others = ["rank 0: 'blocks.1' (the order)", "rank 2: 'blocks.1' (the order)"]
+        if rank == 1:
+            assert any(o in message for o in others), message
+            assert all(o in message or o.split(":")[0] + ": no answer" in message for o in others), message
+        else:
+            assert all(o in message for o in others), message

@@ -736,8 +736,9 @@ RULES: tuple[Rule, ...] = (
     _supported(
         _Z + "stage3_gather_check",
         "bool, `true`",
-        "stage 3 (shardtrain key): exchange unit ids before each gather (one 8-byte all-gather) so ranks on "
-        "different paths fail with the unit names; `false` saves that collective",
+        "stage 3 (shardtrain key): ranks on different module paths fail with the unit names before a gather mixes "
+        "them: one 8-byte exchange before each gather until two passes of a kind gathered alike, none after while "
+        "every rank follows that order; `false` turns it off",
     ),
     _no_effect(
         _Z + "stage3_max_live_parameters",

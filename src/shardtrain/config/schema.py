@@ -138,7 +138,8 @@ class ZeroConfig(_Section):
     stage3_unit_classes: list[str] | None = None
     """Stage 3 (shardtrain key): module class names to gather/release as units, instead of repeated blocks."""
     stage3_gather_check: bool = True
-    """Stage 3 (shardtrain key): exchange unit ids before each gather to catch ranks on different paths."""
+    """Stage 3 (shardtrain key): catch ranks on different module paths before a gather mixes them: unit ids exchanged
+    before each gather until two passes of a kind gathered alike, none after while every rank follows that order."""
     sub_group_size: Size = 1_000_000_000
     """With optimizer offload: the optimizer steps this rank's fragments in sub-groups of about this many elements."""
     offload_optimizer: OffloadOptimizerConfig = Field(default_factory=OffloadOptimizerConfig)

@@ -55,11 +55,13 @@ variants). The results are the same; the steps are slower by the backend's launc
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import os
 import pickle
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import StrEnum
@@ -120,6 +122,10 @@ class Handle:
         t0 = time.perf_counter()
         try:
             self._wait_work()
+        except ShardtrainError as err:  # a wait probe named why no peer will come ([Note: probes while waiting])
+            if self._comm.failure is None:
+                self._comm.failure = err  # this group's sequence of collectives is broken: nothing more on it
+            raise
         except RuntimeError as err:
             raise self._comm.describe_failure(self.kind, self.what, err, started=self.started) from err
         finally:
@@ -127,7 +133,52 @@ class Handle:
             self._comm._counts[self.kind].wait_s += time.perf_counter() - t0
 
     def _wait_work(self) -> None:
-        self._work.wait()
+        if _wait_probes and self._comm.backend == "gloo":  # see [Note: probes while waiting]
+            _wait_probing(self._work)
+        else:
+            self._work.wait()
+
+
+WAIT_PROBE_S = 0.5
+"""How long a wait that blocks the host runs before the wait probes look, and then between their looks."""
+_wait_probes: list[Callable[[], None]] = []
+
+
+def add_wait_probe(probe: Callable[[], None]) -> None:
+    """Run ``probe`` every :data:`WAIT_PROBE_S` while a collective's wait blocks this host (see [Note: probes while
+    waiting]); it raises a :class:`~shardtrain.errors.ShardtrainError` to end the wait."""
+    _wait_probes.append(probe)
+
+
+def remove_wait_probe(probe: Callable[[], None]) -> None:
+    with contextlib.suppress(ValueError):
+        _wait_probes.remove(probe)
+
+
+# [Note: probes while waiting]
+# On gloo (the backend measured; the host-side groups are gloo under NCCL too) a collective's wait() blocks the host
+# until every peer has joined it or the group's timeout fires. A peer that will never join, though alive and able to say
+# so (ZeRO-3's unit order: a rank that departed from the order every rank was trusted to follow, [Note: unit order
+# check] in shardtrain.zero.unit_runtime), would leave this rank waiting for the whole collective timeout. So while a
+# probe is registered, a wait on a host-blocking backend waits in slices of WAIT_PROBE_S (gloo's ``Work.wait(timeout)``
+# raises at the slice's end and leaves the collective in flight; measured: the collective completes normally afterwards
+# and the group stays usable) and runs the probes between slices: a few store reads, and only when a wait already took
+# WAIT_PROBE_S. A wait that completes within the first slice costs what a plain wait does. A probe that raises ends the
+# wait; the group is then marked failed ([Note: no collective after a failure]), since its collective is still in
+# flight. Point-to-point waits (the pairwise reduce-scatter) are not sliced: gloo aborts the process when a timed wait
+# on a receive expires (measured).
+def _wait_probing(work: Any) -> None:
+    step = datetime.timedelta(seconds=WAIT_PROBE_S)
+    while True:
+        try:
+            work.wait(step)
+            return
+        except RuntimeError:
+            if work.is_completed():  # completed as the slice ended, or failed: wait() returns or raises its error
+                work.wait()
+                return
+        for probe in list(_wait_probes):
+            probe()
 
 
 # backends whose reduce-scatter takes ReduceOp.AVG (gloo's does not; NCCL's has since NCCL 2.10)

@@ -17,7 +17,10 @@ the oldest collective that has not completed, every :data:`POLL_S`:
 1. From :data:`PROBE_S` after its issue, it asks the rendezvous store, which does not go through NCCL, whether a
    peer of its group reported a failure or was recorded gone, and whether a peer's process on this machine is gone
    (:func:`shardtrain.distributed.failure.peer_down`: a few store reads, no collective, nothing written). A peer down
-   ends the wait at once: :class:`~shardtrain.errors.PeerLostError`.
+   ends the wait at once: :class:`~shardtrain.errors.PeerLostError`. It runs the wait probes too ([Note: probes
+   while waiting] in :mod:`shardtrain.distributed.communicator`), whose error it reports as it is: a ZeRO-3 rank that
+   departed from a trusted unit order ([Note: departures from a trusted order] in :mod:`shardtrain.zero.departure`)
+   is named even when this host is stuck in a CUDA synchronization behind the gather that rank will never join.
 2. At the collective timeout (``collective_timeout_s``) it is a :class:`~shardtrain.errors.CollectiveTimeoutError`.
 
 In both cases the thread makes the survey and the message of the gloo path (``Communicator.describe_failure``),
@@ -168,8 +171,13 @@ class Watchdog:
         clock: Callable[[], float] = time.monotonic,
         poll_s: float = POLL_S,
         probe_s: float = PROBE_S,
+        wait_probes: Callable[[], list[Callable[[], None]]] = list,
     ) -> None:
+        """``wait_probes()``: the probes a blocked wait would run ([Note: probes while waiting] in
+        :mod:`shardtrain.distributed.communicator`), run here too with the store's probe: under NCCL the host may be
+        stuck where no wait runs them (a CUDA synchronization behind the collective)."""
         self._peer_down = peer_down
+        self._wait_probes = wait_probes
         self._report = report if report is not None else _print_and_exit
         self._clock = clock
         self._poll_s, self._probe_s = poll_s, probe_s
@@ -239,6 +247,11 @@ class Watchdog:
         cause: str | None = None
         if waited >= self._probe_s and now - oldest.probed >= self._probe_s:
             oldest.probed = now
+            named = self._probe_waits()
+            if named is not None:  # a peer said why it will never join (a ZeRO-3 unit-order departure)
+                self.fired = named
+                self._report(named)
+                return named
             down = self._peer_down(issuer.global_rank, issuer.peers())
             if down is not None:
                 cause = f"not completed after {waited:.1f} s, and the rendezvous store says {down}"
@@ -256,6 +269,17 @@ class Watchdog:
         self.fired = message
         self._report(message)
         return message
+
+    def _probe_waits(self) -> str | None:
+        """The error a wait probe raises, as the message to report; None when none does."""
+        from shardtrain.errors import ShardtrainError
+
+        for probe in list(self._wait_probes()):
+            try:
+                probe()
+            except ShardtrainError as err:
+                return f"{type(err).__name__}: {err}"
+        return None
 
 
 def _completed(work: Work) -> bool:
@@ -290,9 +314,9 @@ def watchdog() -> Watchdog:
     """This process's watchdog (one for every Communicator of a device backend)."""
     global _watchdog
     if _watchdog is None:
-        from shardtrain.distributed import failure
+        from shardtrain.distributed import communicator, failure
 
-        _watchdog = Watchdog(failure.peer_down)
+        _watchdog = Watchdog(failure.peer_down, wait_probes=lambda: communicator._wait_probes)
         atexit.register(stop_watchdog)
     return _watchdog
 

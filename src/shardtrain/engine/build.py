@@ -221,6 +221,7 @@ def _build(
         secondary=secondary,
         source=param_offload,
         expert_comm=comms.edp,
+        phase_checked=phase_check.comm is not None,
     )
     offload = zcfg.offload_optimizer
     streams = host_copies.copy_streams(topology.device) if offload.device != "none" else None

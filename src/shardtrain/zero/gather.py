@@ -22,6 +22,7 @@ optimizer step at stages 1-2 (:mod:`shardtrain.zero.step_gather`, buckets, not u
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Protocol
@@ -32,6 +33,7 @@ import torch.distributed as dist
 from shardtrain.distributed.communicator import Communicator, Handle
 from shardtrain.distributed.mesh import exchanges_on_host
 from shardtrain.errors import RankMismatchError
+from shardtrain.zero.departure import OrderAgreement
 from shardtrain.zero.hpz import SecondaryShards
 from shardtrain.zero.units import Unit, UnitState
 
@@ -58,12 +60,15 @@ class UnitGathers:
         secondary: SecondaryShards | None = None,
         source: ShardSource | None = None,
         expert_comm: Communicator | None = None,
+        agreement: OrderAgreement | None = None,
     ) -> None:
         """``comm``: the group the units are sharded over; ``check_group``: the host-side group of ``comm``'s ranks,
         for [Note: unit order check] (None: ``comm``'s own group); ``secondary``: ZeRO++ hpZ's secondary shards,
         which backward gathers read ([Note: secondary shards]); ``source``: the shards' swap files;
         ``expert_comm``: under expert parallelism, the expert-data-parallel group the units' expert buckets are
-        sharded over and gathered within ([Note: expert buckets] in :mod:`shardtrain.zero.layout`)."""
+        sharded over and gathered within ([Note: expert buckets] in :mod:`shardtrain.zero.layout`); ``agreement``:
+        how a departure from a trusted order is settled ([Note: departures from a trusted order]), None to check
+        every gather of every pass."""
         self.units, self.comm, self.gather_check = units, comm, gather_check
         self.expert_comm = expert_comm
         self.secondary, self.source = secondary, source
@@ -72,6 +77,14 @@ class UnitGathers:
         same = check_group is None or check_group is comm.group
         self.check_comm = comm if same or not gather_check else Communicator(check_group, comm.timeout_s)
         self.announced: Unit | None = None  # its unit-id exchange was issued ahead (see [Note: unit order check])
+        # a pass's gathers without exchanges once the order is trusted (see [Note: unit order check]): None where
+        # the check is off, or no peer could depart (a group of one)
+        self.agreement = agreement if gather_check else None
+        self.pass_kind: str | None = None  # the forward or backward pass running, if any
+        self.trusted = False  # this pass issues its gathers without exchanges while it follows the order
+        self.sequence: list[int] = []  # the units this pass has gathered, in order
+        self.recorded: dict[str, list[int]] = {}  # by pass kind: the last pass's sequence
+        self.stable: dict[str, bool] = {}  # by pass kind: the last two passes gathered the same sequence
         self.backward = False  # the runtime is in backward: gathers read hpZ's secondary shards where fresh
         self.max_gathered = 0  # most units gathered at once (tests read it)
 
@@ -108,8 +121,43 @@ class UnitGathers:
 
     @property
     def can_announce(self) -> bool:
-        """Whether an exchange may be issued ahead now (checks on, none issued ahead and not yet honoured)."""
-        return self.gather_check and self.announced is None
+        """Whether an exchange may be issued ahead now (checks on, in a pass not trusted, none issued ahead and not
+        yet honoured)."""
+        return self.gather_check and not self.trusted and self.announced is None
+
+    # -- passes and the trusted order -------------------------------------------------------------------
+    def begin_pass(self, kind: str, pinned: bool) -> None:
+        """A forward or backward pass of ``kind`` starts. ``pinned``: every rank entered it through the engine's
+        phase check ([Note: phase agreement] in :mod:`shardtrain.distributed.desync`), so every rank is in this
+        pass; then, if the last two passes of ``kind`` gathered the same units in the same order (each gather
+        checked, or trusted), this one is trusted to do the same (see [Note: unit order check])."""
+        self.pass_kind, self.sequence = kind, []
+        self.trusted = pinned and self.agreement is not None and self.stable.get(kind, False)
+        if self.agreement is not None:
+            self.agreement.begin(kind, self.recorded[kind] if self.trusted else [])
+
+    def end_pass(self) -> None:
+        """The pass ends. A trusted pass that gathered fewer units than the order is a departure too (the other
+        ranks may be waiting in the order's next gather), unless an exception is unwinding it."""
+        kind = self.pass_kind
+        if kind is None:
+            return
+        unwinding = sys.exc_info()[1] is not None
+        if self.trusted and not unwinding and len(self.sequence) < len(self.agreement.expected):
+            self.agreement.declare(len(self.sequence), None)
+        self.stable[kind] = not unwinding and self.recorded.get(kind) == self.sequence
+        self.recorded[kind] = self.sequence
+        self.pass_kind, self.trusted = None, False
+
+    def _follow(self, unit: Unit) -> None:
+        """In a trusted pass, before ``unit``'s gather: if it is not the order's next, settle the departure with
+        the other ranks ([Note: departures from a trusted order]); the pass is then checked gather by gather."""
+        k = len(self.sequence)
+        expected = self.agreement.expected
+        if k < len(expected) and expected[k] == unit.index:
+            return
+        self.agreement.declare(k, unit.index)  # raises unless every rank departed alike
+        self.trusted = False
 
     def announce(self, unit: Unit, why: str) -> None:
         """Issue ``unit``'s unit-id exchange now, ahead of its gather (see [Note: unit order check])."""
@@ -137,20 +185,25 @@ class UnitGathers:
             return
         if unit.state is UnitState.GATHERED:
             return
-        self._honour_announcement(unit)
-        if unit.check is None:
-            unit.why = why
-            unit.check = self._start_check(unit)
-        if unit.check is not None:
-            # verified before the data is issued: all-gathers of different sizes on different ranks would
-            # abort the process inside the backend instead of failing with the units' names
-            self._verify(unit)
+        if self.trusted:
+            self._follow(unit)
+        if not self.trusted:
+            self._honour_announcement(unit)
+            if unit.check is None:
+                unit.why = why
+                unit.check = self._start_check(unit)
+            if unit.check is not None:
+                # verified before the data is issued: all-gathers of different sizes on different ranks would
+                # abort the process inside the backend instead of failing with the units' names
+                self._verify(unit)
         self._issue(unit)
         if not async_op:
             self.wait(unit)
 
     def _issue(self, unit: Unit) -> None:
         """Issue ``unit``'s all-gather (checked already)."""
+        if self.pass_kind is not None:
+            self.sequence.append(unit.index)
         if self.source is not None:
             self.source.will_need(unit)
         secondary = self.backward and self.secondary is not None and self.secondary.usable(unit)

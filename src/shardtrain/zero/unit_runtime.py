@@ -62,6 +62,24 @@ recorded order costs one unit's gather), and then checks its own unit, so its co
 rank that gathers the committed unit; unit ids of different gathers are never compared with each other.
 Only the gathers a pass starts from (the root's, the first prefetch of forward and of backward) and gathers on
 demand (order departures, parameters used outside their unit, ``engine.gathered``) wait for the exchange at once.
+
+Once the order is known, the exchanges stop (issue 33: under NCCL eager ZeRO-3 is host-bound, and a gather that waits
+for another rank's host is a gap on the device; DeepSpeed and FSDP2 have no per-gather check). A pass (a forward with
+gradients, one without, a backward) that the engine started after its phase check ([Note: phase agreement] in
+:mod:`shardtrain.distributed.desync`), and whose kind's last two passes gathered the same units in the same order, is
+*trusted*: it issues its gathers without an exchange as long as each is the one at the same position of that order
+(:class:`~shardtrain.zero.gather.UnitGathers` compares, on the host, per gather). Every rank is in the same pass (the
+phase check), and every rank holds the same order (each gather of the passes that made it was checked, or trusted),
+so ranks that follow it issue the same collectives. A rank whose next gather is not the order's, or whose pass ends
+short of it, has departed; before it issues anything, it settles with the others through the rendezvous store whether
+they departed alike (the pass goes on checked gather by gather) or not (every rank raises, naming the units), while
+the ranks still on the order wait in the order's gather and learn of it from their wait probe: [Note: departures
+from a trusted order] in :mod:`shardtrain.zero.departure`. So a desync is still named before any gather mixes
+buffers or aborts in gloo, and a steady step has no host rendezvous per gather: the check's exchanges are paid on the
+first two steps and after a change of order. Passes the engine did not start (a direct call of the module,
+generation) and gathers outside a pass (``engine.gathered``, ``full_state_dict``) are checked as above.
+``tests/zero/test_zero3_gather_check.py`` counts the exchanges per step and fails a rank departing from a trusted
+order at worlds 2 and 3; ``bench_zero.py --counts`` measures it (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -77,8 +95,9 @@ import torch.distributed as dist
 from torch import nn
 
 from shardtrain.distributed import failure
-from shardtrain.distributed.communicator import Communicator
+from shardtrain.distributed.communicator import Communicator, add_wait_probe, remove_wait_probe
 from shardtrain.errors import ShardtrainError
+from shardtrain.zero.departure import OrderAgreement
 from shardtrain.zero.gather import ShardSource, UnitGathers
 from shardtrain.zero.guarded import ShardedParameter, guard, guard_of
 from shardtrain.zero.hpz import SecondaryShards
@@ -146,11 +165,14 @@ class EagerRuntime(Runtime):
         secondary: SecondaryShards | None = None,
         source: ShardSource | None = None,
         expert_comm: Communicator | None = None,
+        phase_checked: bool = False,
     ) -> None:
         """``check_group``: the host-side group of ``comm``'s ranks, for [Note: unit order check] (None: ``comm``'s
-        own group); ``secondary``: ZeRO++ hpZ's secondary shards ([Note: secondary shards]); ``source``: where the
-        shards are read from before a gather (parameter offload); ``expert_comm``: the group expert buckets are
-        gathered within ([Note: expert buckets] in :mod:`shardtrain.zero.layout`). The last four go to the gather
+        own group); ``phase_checked``: the engine's phase check runs before every forward and backward it makes
+        ([Note: phase agreement]), so that passes the engine runs may be trusted to follow the order;
+        ``secondary``: ZeRO++ hpZ's secondary shards ([Note: secondary shards]); ``source``: where the shards are
+        read from before a gather (parameter offload); ``expert_comm``: the group expert buckets are gathered within
+        ([Note: expert buckets] in :mod:`shardtrain.zero.layout`). All but ``phase_checked`` go to the gather
         service."""
         self.root, self.comm = root, comm
         self.prefetch_numel, self.gather_check = prefetch_numel, gather_check
@@ -166,8 +188,18 @@ class EagerRuntime(Runtime):
                     guard(s.param, s.name, unit)
             unit.state = UnitState.SHARDED
         self.index_storages()
+        # a departure from a trusted order is settled through the store ([Note: departures from a trusted order])
+        self._agreement = None
+        if gather_check and phase_checked and self._units and (comm.size > 1 or expert_comm is not None):
+            comms = [comm, expert_comm if expert_comm is not None and expert_comm.size > 1 else None]
+            if any(c is not None and c.size > 1 for c in comms):
+                self._agreement = OrderAgreement(comms, [u.name for u in self._units], comm.timeout_s)
+                add_wait_probe(self._agreement.probe)
+        self._pinned = False  # the next root forward is the engine's (after its phase check)
         # every gather and release of a unit, its state and the unit-order check ([Note: one gather service])
-        self.gathers = UnitGathers(self._units, comm, gather_check, check_group, secondary, source, expert_comm)
+        self.gathers = UnitGathers(
+            self._units, comm, gather_check, check_group, secondary, source, expert_comm, self._agreement
+        )
         self._forward_depth = 0  # unit or root forwards running (parameters may be gathered on demand)
         self._pushed: list[_SavedTensorHooks | None] = []  # per running forward hook, what it pushed
         self._fwd_order: list[int] | None = None  # recorded on the first forward (see [Note: unit lifecycle])
@@ -198,7 +230,11 @@ class EagerRuntime(Runtime):
         return self._units
 
     def forward(self, call: Call) -> Any:
-        return self.root(*call.args, **call.kwargs)
+        self._pinned = True  # the engine's forward: its phase check ran on every rank
+        try:
+            return self.root(*call.args, **call.kwargs)
+        finally:
+            self._pinned = False
 
     @property
     def hook_ids(self) -> frozenset[int]:
@@ -334,6 +370,8 @@ class EagerRuntime(Runtime):
                 self._need_in_backward(u, "root forward re-run in backward")
             return
         self._fwd_now, self._order_ok = [], True
+        pinned, self._pinned = self._pinned, False  # a nested call of the root is not the engine's
+        self.gathers.begin_pass("forward" if torch.is_grad_enabled() else "forward without gradients", pinned)
         self.forwards_with_grad += torch.is_grad_enabled()
         # kept by a forward that no backward followed: the shards may have changed since
         self.gathers.release_all()
@@ -350,6 +388,7 @@ class EagerRuntime(Runtime):
         self._pop_saved_hooks()
         if self._in_backward:
             return output
+        self.gathers.end_pass()
         if self._fwd_order is None:
             self._fwd_order = list(self._fwd_now)
         keep = self._kept_for_backward(root_units)
@@ -437,6 +476,7 @@ class EagerRuntime(Runtime):
         if not self.units:
             return
         self._in_backward = True
+        self.gathers.begin_pass("backward", pinned=True)  # only the engine's backward calls it, after its check
         self._bwd_now, self._order_ok = [], True
         self._bwd_gathered = []
         for u in self.units:
@@ -445,6 +485,8 @@ class EagerRuntime(Runtime):
             u.last_unpack = None
 
     def end_backward(self) -> None:
+        if self.units:
+            self.gathers.end_pass()
         self._in_backward = False
         self.forwards_with_grad = 0
         if self._bwd_order is None:
@@ -477,6 +519,8 @@ class EagerRuntime(Runtime):
                 u.check[1].wait()
             u.check = None
         self.gathers.announced = None
+        if self._agreement is not None:
+            remove_wait_probe(self._agreement.probe)
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
