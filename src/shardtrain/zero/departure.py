@@ -73,6 +73,7 @@ class OrderAgreement:
         self.kind = ""
         self.expected: list[int] = []  # the gathers every rank was trusted to issue in this pass
         self.agreed: set[int] = set()  # passes where every rank departed alike
+        self.declaring: int | None = None  # the pass whose departure this rank is settling
 
     def begin(self, kind: str, expected: list[int]) -> None:
         """A trusted pass of ``kind`` starts; ``expected``: the unit indices of its gathers, in order."""
@@ -108,7 +109,14 @@ class OrderAgreement:
         order's. Returns when every rank departed alike; raises otherwise (see the Note): as soon as every peer has
         answered, or :data:`GRACE_S` after the first answer that differs (the error then names the ranks that had not
         answered), or when the store goes away."""
+        self.declaring = self.serial
         self._write(position, unit)
+        try:
+            self._settle(position, unit)
+        finally:
+            self.declaring = None
+
+    def _settle(self, position: int, unit: int | None) -> None:
         mine = (position, unit)
         start = time.monotonic()
         pause, probed, differs = 0.002, start, None
@@ -160,8 +168,11 @@ class OrderAgreement:
                 record = self._read(r)
             except ConnectionError:
                 return  # no store: the collective's own failure or timeout names what happened
-            if record is not None and record["position"] is not None and record["serial"] not in self.agreed:
-                records[r] = record
+            if record is None or record["position"] is None or record["serial"] in self.agreed:
+                continue
+            if record["serial"] == self.declaring:  # this rank departed there too and is settling it (the NCCL
+                continue  # watchdog's thread probes while the main thread settles)
+            records[r] = record
         if not records:
             return
         # a peer departed in a pass where this rank did not: this rank is still on the order
