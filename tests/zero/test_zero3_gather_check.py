@@ -165,3 +165,39 @@ def test_a_rank_departing_from_a_trusted_order_at_world_3_fails_on_every_rank():
             assert all(o in message or o.split(":")[0] + ": no answer" in message for o in others), message
         else:
             assert all(o in message for o in others), message
+
+
+def _backward_ends_short(rank_departs: int) -> str:
+    """Trusted steps, then the same forward on every rank, but one rank's loss no longer reaches the first blocks
+    (their output is detached there): its backward gathers fewer units than the order. The reducer would then launch
+    the buckets left over, collectives the other rank (waiting in the order's next gather) never pairs."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layer=LAYERS, n_head=4))
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0}
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": zero, "collective_timeout_s": 20}
+    engine = shardtrain.initialize(model, config=config, optimizer=make_optimizer(model, Recipe()))
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(dist.get_rank()))
+    y = torch.roll(x, -1, 1)
+    for _ in range(4):
+        engine.backward(engine(x, y))
+        engine.step()
+    if dist.get_rank() == rank_departs:
+        model.blocks[1].register_forward_hook(lambda _m, _a, out: out.detach())
+    try:
+        engine.backward(engine(x, y))
+        engine.step()
+    except RankMismatchError as err:
+        return str(err)
+    return "no error"
+
+
+def test_a_trusted_backward_that_ends_short_on_one_rank_fails_before_the_leftover_reductions():
+    """The rank whose trusted backward ends short settles it before the reducer launches what is left ([Note:
+    departures from a trusted order]): every rank fails naming the pass's end and the order's unit, well inside the
+    collective timeout, instead of both waiting in collectives that never pair."""
+    t0 = time.monotonic()
+    for message in run_distributed(_backward_ends_short, 2, 1, timeout=120):
+        assert "ranks are gathering different ZeRO-3 units" in message and "of a backward pass" in message, message
+        assert "rank 1: no unit: its pass ended there" in message, message
+        assert "rank 0: 'blocks." in message and "(the order)" in message, message
+    assert time.monotonic() - t0 < 20  # the collective timeout (20 s): named, not timed out

@@ -192,6 +192,9 @@ class Engine:
                 loss = loss.float() * self.scaler.scale_tensor.to(torch.float32)
             with self._runtime.collectives("backward"):
                 (loss / divisor if divisor != 1 else loss).backward()
+            # before the reducer launches the buckets left over: a ZeRO-3 rank whose trusted backward ended short
+            # must settle it before issuing collectives its peers, waiting in the order's next gather, never pair
+            self._runtime.backward_returned()
             unwinding = False
         finally:
             self._reducer.end_backward(unwinding)

@@ -155,6 +155,10 @@ class GraphRuntime(Runtime):
             self.eager.begin_backward()
             self._eager_backward = True
 
+    def backward_returned(self) -> None:
+        if self._eager_backward:
+            self.eager.backward_returned()
+
     def end_backward(self) -> None:
         if self._eager_backward:
             self.eager.end_backward()

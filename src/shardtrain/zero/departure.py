@@ -16,7 +16,8 @@ others are issuing the order's gather, which this rank will never join). Before 
    check, a host-side gloo exchange), and that wait runs this object's probe every
    :data:`~shardtrain.distributed.communicator.WAIT_PROBE_S` ([Note: probes while waiting] in
    :mod:`shardtrain.distributed.communicator`): the probe finds the departure, writes that this rank did not depart
-   there, and raises.
+   there, and raises. A backward pass ends when ``loss.backward()`` returns, before the gradient reducer launches the
+   buckets left over, collectives that ranks still in the order's gathers would never pair.
 3. If every rank departed at the same position for the same unit, the pass goes on checked gather by gather (the
    exchange of [Note: unit order check]) and nothing is raised. Otherwise every rank raises a
    :class:`~shardtrain.errors.RankMismatchError` naming each rank's unit at the earliest position where a rank

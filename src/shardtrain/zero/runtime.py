@@ -7,7 +7,8 @@ Around every step the engine asks the same five things, whatever the mode and th
   schema, since the gathers are collectives inside the captured graph);
 * ``forward(call)``: run the module (at stage 3 with every unit gathered when it is used);
 * ``begin_backward()`` / ``end_backward()``: around ``loss.backward()`` (stage 3: gather units again as backward
-  needs them, release them once their gradients are in);
+  needs them, release them once their gradients are in); ``backward_returned()`` between ``loss.backward()``
+  returning and the gradient reducer launching what is left;
 * ``gathered(params)``: full parameters outside a forward (``engine.gathered``, ``full_state_dict``);
 * ``release()``: release what a forward that no backward followed left gathered;
 * ``close()``: remove what was installed on the module.
@@ -74,6 +75,11 @@ class Runtime(ABC):
 
     def begin_backward(self) -> None:  # noqa: B027 - nothing to do below stage 3
         pass
+
+    def backward_returned(self) -> None:  # noqa: B027 - nothing to check below stage 3
+        """``loss.backward()`` returned; the gradient reducer has not yet launched the buckets left over. At stage 3 a
+        backward that gathered fewer units than every rank was trusted to gather says so here, before those
+        collectives ([Note: departures from a trusted order] in :mod:`shardtrain.zero.departure`)."""
 
     def end_backward(self) -> None:  # noqa: B027
         pass

@@ -484,8 +484,12 @@ class EagerRuntime(Runtime):
             u.needed_in_backward = False
             u.last_unpack = None
 
+    def backward_returned(self) -> None:
+        if self.units:  # a trusted pass that ended short settles it before the reducer's leftover reductions
+            self.gathers.end_pass()
+
     def end_backward(self) -> None:
-        if self.units:
+        if self.units:  # ends the pass unless backward_returned did (backward raised)
             self.gathers.end_pass()
         self._in_backward = False
         self.forwards_with_grad = 0
