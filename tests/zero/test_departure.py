@@ -70,6 +70,7 @@ def test_a_peer_on_the_order_makes_the_departure_an_error_on_both(store):
 def test_a_probe_names_a_peer_departure_and_answers_it(store):
     agreement, comm = _agreement()
     _record(store, agreement, 1, 1, 3)
+    agreement.at = 2  # this rank issued the order's gather 2 ('blocks.0') and waits in it
     agreement.declaring = agreement.serial  # this rank is settling its own departure of the same pass: not yet
     agreement.probe()
     agreement.declaring = None
@@ -88,3 +89,35 @@ def test_an_unanswered_peer_is_named_once_another_answer_differs(store):
     with pytest.raises(RankMismatchError) as err:
         agreement.declare(2, 3)  # rank 2 never answers: decided GRACE_S after rank 1's answer
     assert "rank 1: 'blocks.1' (the order)" in str(err.value) and "rank 2: no answer" in str(err.value)
+
+
+def _departed(store, agreement: OrderAgreement, rank: int, position: int | None, unit: int | None) -> None:
+    """``rank`` departed at ``position`` and has read the answers (the probing rank does not linger)."""
+    _record(store, agreement, rank, position, unit)
+    store.set(departure._DECIDED_KEY.format(agreement.engine, rank), str(agreement.serial))
+
+
+def test_a_departure_further_on_in_the_pass_is_not_a_mismatch_yet(store):
+    """The peer departed at gather 3; this rank has issued fewer gathers and waits in another collective (a tensor-
+    parallel one, or a gather a third rank holds up): it may depart there alike, so its probe must not raise."""
+    agreement, comm = _agreement()
+    _departed(store, agreement, 1, 2, 3)
+    for issued in (1, 2):  # short of gather 3
+        agreement.at = issued
+        agreement.probe()
+        assert comm.failure is None
+    agreement.at = 3  # this rank issued the order's gather 3 ('blocks.1') and waits in it
+    with pytest.raises(RankMismatchError) as err:
+        agreement.probe()
+    assert "gather 3 of a forward pass" in str(err.value), err.value
+    assert "rank 0: 'blocks.1' (the order)" in str(err.value) and "rank 1: 'blocks.2'" in str(err.value)
+    assert comm.failure is err.value
+
+
+def test_a_departure_in_a_pass_this_rank_ended_is_a_mismatch(store):
+    """The peer's pass ended short (no unit); this rank's ended on the order: it waits beyond the pass."""
+    agreement, _ = _agreement()
+    _departed(store, agreement, 1, 3, None)
+    agreement.at = None
+    with pytest.raises(RankMismatchError, match="rank 1: no unit: its pass ended there"):
+        agreement.probe()

@@ -16,8 +16,11 @@ others are issuing the order's gather, which this rank will never join). Before 
    check, a host-side gloo exchange), and that wait runs this object's probe every
    :data:`~shardtrain.distributed.communicator.WAIT_PROBE_S` ([Note: probes while waiting] in
    :mod:`shardtrain.distributed.communicator`): the probe finds the departure, writes that this rank did not depart
-   there, and raises. A backward pass ends when ``loss.backward()`` returns, before the gradient reducer launches the
-   buckets left over, collectives that ranks still in the order's gathers would never pair.
+   there, and raises. It does so only for a departure at a point this rank has passed on the order (it issued the
+   order's gather there, or its pass ended): a wait short of that point (a tensor-parallel collective, an earlier
+   gather that a third rank holds up) says nothing yet, since this rank may depart there alike. A backward pass ends
+   when ``loss.backward()`` returns, before the gradient reducer launches the buckets left over, collectives that
+   ranks still in the order's gathers would never pair.
 3. If every rank departed at the same position for the same unit, the pass goes on checked gather by gather (the
    exchange of [Note: unit order check]) and nothing is raised. Otherwise every rank raises a
    :class:`~shardtrain.errors.RankMismatchError` naming each rank's unit at the earliest position where a rank
@@ -75,11 +78,12 @@ class OrderAgreement:
         self.expected: list[int] = []  # the gathers every rank was trusted to issue in this pass
         self.agreed: set[int] = set()  # passes where every rank departed alike
         self.declaring: int | None = None  # the pass whose departure this rank is settling
+        self.at: int | None = None  # gathers this rank has issued in the pass begun last; None once it ended
 
     def begin(self, kind: str, expected: list[int]) -> None:
         """A trusted pass of ``kind`` starts; ``expected``: the unit indices of its gathers, in order."""
         self.serial += 1
-        self.kind, self.expected = kind, expected
+        self.kind, self.expected, self.at = kind, expected, 0
 
     # -- the store ------------------------------------------------------------------------------
     def _write(self, position: int | None, unit: int | None) -> None:
@@ -162,7 +166,10 @@ class OrderAgreement:
         raise self._broken(self._mismatch({self.me: mine, **answers}))
 
     def probe(self) -> None:
-        """A wait probe ([Note: probes while waiting]): raise if a peer departed from the order this rank follows."""
+        """A wait probe ([Note: probes while waiting]): raise if a peer departed from the order at a point this rank
+        has passed on the order (it issued the order's gather there, or its pass ended). A departure further on in the
+        pass this rank is in says nothing yet: this rank may be waiting in another collective short of that point (a
+        tensor-parallel one, an earlier gather held up by a third rank) and depart there alike."""
         records: dict[int, dict] = {}
         for r in self.peers:
             try:
@@ -173,6 +180,8 @@ class OrderAgreement:
                 continue
             if record["serial"] == self.declaring:  # this rank departed there too and is settling it (the NCCL
                 continue  # watchdog's thread probes while the main thread settles)
+            if record["serial"] == self.serial and self.at is not None and record["position"] >= self.at:
+                continue  # this rank has not reached that point of the pass yet: it may depart there alike
             records[r] = record
         if not records:
             return

@@ -148,6 +148,8 @@ class UnitGathers:
         self.stable[kind] = not unwinding and self.recorded.get(kind) == self.sequence
         self.recorded[kind] = self.sequence
         self.pass_kind, self.trusted = None, False
+        if self.agreement is not None:
+            self.agreement.at = None
 
     def _follow(self, unit: Unit) -> None:
         """In a trusted pass, before ``unit``'s gather: if it is not the order's next, settle the departure with
@@ -204,6 +206,8 @@ class UnitGathers:
         """Issue ``unit``'s all-gather (checked already)."""
         if self.pass_kind is not None:
             self.sequence.append(unit.index)
+            if self.agreement is not None:  # how far this rank is, for its wait probe
+                self.agreement.at = len(self.sequence)
         if self.source is not None:
             self.source.will_need(unit)
         secondary = self.backward and self.secondary is not None and self.secondary.usable(unit)
