@@ -27,6 +27,10 @@ class FakeComm:
     def peers(self) -> list[int]:
         return self._peers
 
+    def break_group(self, err: Exception) -> None:
+        if self.failure is None:
+            self.failure = err
+
 
 @pytest.fixture
 def store(monkeypatch):

@@ -103,9 +103,10 @@ def test_trusted_passes_gather_without_exchanges_and_move_no_number():
         assert not any(kind.startswith("check") or kind == "gather_check" for kind, _ in r["events"]), r["events"]
 
 
-def _departs_from_the_committed_unit(rank_departs: int, steady: int = 2) -> str:
+def _departs_from_the_committed_unit(rank_departs: int, steady: int = 2, again: bool = False) -> str:
     """Steady training, then one rank runs its blocks in reverse order: its first block is not the one whose
-    exchange was issued ahead. Both ranks must fail at once with the units named, not hang or abort in gloo."""
+    exchange was issued ahead. Both ranks must fail at once with the units named, not hang or abort in gloo.
+    ``again``: the error caught, every rank calls the engine once more (the error of that call follows a newline)."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layer=LAYERS, n_head=4))
     zero = {"stage": 3, "stage3_param_persistence_threshold": 0}
@@ -122,7 +123,13 @@ def _departs_from_the_committed_unit(rank_departs: int, steady: int = 2) -> str:
         engine.backward(engine(x, y))
         engine.step()
     except RankMismatchError as err:
-        return str(err)
+        if not again:
+            return str(err)
+        try:
+            engine(x, y)
+        except RankMismatchError as then:
+            return f"{err}\n{then}"
+        return f"{err}\nno error"
     return "no error"
 
 
@@ -201,3 +208,18 @@ def test_a_trusted_backward_that_ends_short_on_one_rank_fails_before_the_leftove
         assert "rank 1: no unit: its pass ended there" in message, message
         assert "rank 0: 'blocks." in message and "(the order)" in message, message
     assert time.monotonic() - t0 < 20  # the collective timeout (20 s): named, not timed out
+
+
+def _departs_then_calls_again(rank_departs: int) -> str:
+    return _departs_from_the_committed_unit(rank_departs, 4, again=True)
+
+
+def test_after_a_trusted_departure_no_collective_is_issued_on_the_broken_group():
+    """After the error, the unmatched gather of the ranks on the order is still in flight on the group; another
+    collective there (the next call's phase check, over the same gloo group) would meet it instead of its peers'
+    and abort the process in gloo: it is refused on every rank ([Note: no collective after a failure])."""
+    for message in run_distributed(_departs_then_calls_again, 2, 1, timeout=120):
+        first, then = message.split("\n")
+        assert "ranks are gathering different ZeRO-3 units" in first, first
+        assert "not issued, since an earlier collective of this group failed" in then, then
+        assert "ranks are gathering different ZeRO-3 units" in then, then

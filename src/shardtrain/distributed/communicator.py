@@ -123,8 +123,7 @@ class Handle:
         try:
             self._wait_work()
         except ShardtrainError as err:  # a wait probe named why no peer will come ([Note: probes while waiting])
-            if self._comm.failure is None:
-                self._comm.failure = err  # this group's sequence of collectives is broken: nothing more on it
+            self._comm.break_group(err)  # its collective stays in flight, unpaired: nothing more on the group
             raise
         except RuntimeError as err:
             raise self._comm.describe_failure(self.kind, self.what, err, started=self.started) from err
@@ -138,6 +137,10 @@ class Handle:
         else:
             self._work.wait()
 
+
+_broken_groups: dict[int, ShardtrainError] = {}
+"""Process groups (by ``id``) with a collective in flight that no peer will pair, and why (see
+:meth:`Communicator.break_group`)."""
 
 WAIT_PROBE_S = 0.5
 """How long a wait that blocks the host runs before the wait probes look, and then between their looks."""
@@ -326,7 +329,22 @@ class Communicator:
         """Drop the reference to the process group, so that a destroyed group is freed (and its gloo worker
         threads joined) now rather than at interpreter teardown; any later collective raises. Local, not
         collective; see [Note: what the engine starts and who joins it] in :mod:`shardtrain.engine.shutdown`."""
+        if self._group is not None:  # a group freed now may lend its id to a later one
+            _broken_groups.pop(id(self._group), None)
         self._group = None
+
+    def break_group(self, err: ShardtrainError) -> None:
+        """A collective of this group stays in flight that no peer will pair: a wait that a probe ended ([Note:
+        probes while waiting]), or the gather that the peers of a ZeRO-3 rank departing from a trusted unit order
+        issued ([Note: departures from a trusted order] in :mod:`shardtrain.zero.departure`). This Communicator and
+        every other one of the same process group (under gloo the phase check's is often the data-parallel one's)
+        refuse any further collective ([Note: no collective after a failure]): gloo pairs collectives by their
+        order on the group, so the next one would meet that unpaired one, and abort the process when the sizes
+        differ."""
+        if self.failure is None:
+            self.failure = err
+        if self._group is not None:
+            _broken_groups.setdefault(id(self._group), err)
 
     def _gather_traffic(self, out_bytes: int) -> tuple[int, int]:
         """(bytes, sent) of an all-gather whose result has ``out_bytes``: the ring's, on every backend."""
@@ -397,11 +415,14 @@ class Communicator:
     # peer is gone or out of step anyway, so every later collective raises at once, of the first failure's class
     # and with its text (which names the lost rank); in-flight ones still fail through their own wait.
     def _refuse_after_failure(self, kind: str, what: str) -> None:
-        if self.failure is None:
+        failed = self.failure
+        if failed is None and self._group is not None:  # another Communicator of this process group broke it
+            failed = _broken_groups.get(id(self._group))
+        if failed is None:
             return
         me = f"rank {self.global_rank}: "
-        first = str(self.failure).removeprefix(me)
-        raise type(self.failure)(
+        first = str(failed).removeprefix(me)
+        raise type(failed)(
             f"{me}{kind} of {what} not issued, since an earlier collective of this group failed (see [Note: no "
             f"collective after a failure] in shardtrain.distributed.communicator): {first}"
         )

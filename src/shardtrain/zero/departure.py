@@ -27,7 +27,9 @@ others are issuing the order's gather, which this rank will never join). Before 
    departed (as far as it knows: a rank on the order names the departures written when its probe looked; a
    departing rank decides once every peer answered, or a second after the first answer that differs, naming the
    ranks that had not answered yet). The groups' sequences of collectives are broken, so each rank's gathering
-   Communicators refuse any further collective ([Note: no collective after a failure]).
+   Communicators refuse any further collective ([Note: no collective after a failure]), and so does every other
+   Communicator of the same process groups (under gloo the phase check's group is often the data-parallel one, where
+   the order's gather of the ranks on the order stays in flight).
 
 A rank that answers waits (briefly) until the departed ranks have read the answers before it raises: it may host the
 store, and exit as soon as it has raised.
@@ -253,6 +255,5 @@ class OrderAgreement:
 
     def _broken(self, err: Exception) -> Exception:
         for c in self.comms:  # the groups' sequences of collectives no longer match: nothing more on them
-            if c.failure is None:
-                c.failure = err
+            c.break_group(err)
         return err
