@@ -223,3 +223,45 @@ def test_after_a_trusted_departure_no_collective_is_issued_on_the_broken_group()
         assert "ranks are gathering different ZeRO-3 units" in first, first
         assert "not issued, since an earlier collective of this group failed" in then, then
         assert "ranks are gathering different ZeRO-3 units" in then, then
+
+
+def _one_rank_steps_inside_an_except_clause(steps: int, inside: bool = True) -> dict:
+    """Rank 1 runs its third step from inside an ``except`` clause (the exception handled is its caller's, not the
+    pass's; ``inside=False``: as the others do); the losses and the unit-id exchanges of each step."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layer=LAYERS, n_head=4))
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0}
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": zero, "collective_timeout_s": 20}
+    engine = shardtrain.initialize(model, config=config, optimizer=make_optimizer(model, Recipe()))
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(dist.get_rank()))
+    y = torch.roll(x, -1, 1)
+    losses, exchanges = [], []
+
+    def train_step() -> None:
+        before = engine.comm_stats().get("gather_check", {}).get("calls", 0)
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        exchanges.append(engine.comm_stats().get("gather_check", {}).get("calls", 0) - before)
+
+    for step in range(steps):
+        if inside and step == 2 and dist.get_rank() == 1:
+            try:
+                raise KeyError("a batch this rank skipped")
+            except KeyError:
+                train_step()
+        else:
+            train_step()
+    return {"losses": losses, "exchanges": exchanges}
+
+
+def test_a_step_run_inside_an_except_clause_is_not_an_unwinding_pass():
+    """A pass ends while an exception unwinds it only if that exception is not the one its caller was handling when
+    the pass began: else the rank would drop its trusted order alone and check its next gathers with exchanges while
+    the others issue their data gathers (gloo pairs the two and aborts)."""
+    inside = run_distributed(_one_rank_steps_inside_an_except_clause, 2, 5, timeout=120)
+    plain = run_distributed(_one_rank_steps_inside_an_except_clause, 2, 5, False, timeout=120)
+    for r, p in zip(inside, plain, strict=True):
+        assert r == p, (r, p)  # the same losses, bitwise, and the same exchanges
+        assert r["exchanges"][3:] == [0, 0], r  # trusted on both ranks from the fourth step on, as without it

@@ -85,6 +85,7 @@ class UnitGathers:
         self.sequence: list[int] = []  # the units this pass has gathered, in order
         self.recorded: dict[str, list[int]] = {}  # by pass kind: the last pass's sequence
         self.stable: dict[str, bool] = {}  # by pass kind: the last two passes gathered the same sequence
+        self._handled: BaseException | None = None  # the exception being handled when the pass began, if any
         self.backward = False  # the runtime is in backward: gathers read hpZ's secondary shards where fresh
         self.max_gathered = 0  # most units gathered at once (tests read it)
 
@@ -132,6 +133,7 @@ class UnitGathers:
         pass; then, if the last two passes of ``kind`` gathered the same units in the same order (each gather
         checked, or trusted), this one is trusted to do the same (see [Note: unit order check])."""
         self.pass_kind, self.sequence = kind, []
+        self._handled = sys.exc_info()[1]  # what the caller is handling (an except clause): not this pass's error
         self.trusted = pinned and self.agreement is not None and self.stable.get(kind, False)
         if self.agreement is not None:
             self.agreement.begin(kind, self.recorded[kind] if self.trusted else [])
@@ -142,12 +144,13 @@ class UnitGathers:
         kind = self.pass_kind
         if kind is None:
             return
-        unwinding = sys.exc_info()[1] is not None
+        error = sys.exc_info()[1]
+        unwinding = error is not None and error is not self._handled
         if self.trusted and not unwinding and len(self.sequence) < len(self.agreement.expected):
             self.agreement.declare(len(self.sequence), None)
         self.stable[kind] = not unwinding and self.recorded.get(kind) == self.sequence
         self.recorded[kind] = self.sequence
-        self.pass_kind, self.trusted = None, False
+        self.pass_kind, self.trusted, self._handled = None, False, None
         if self.agreement is not None:
             self.agreement.at = None
 
