@@ -60,6 +60,7 @@ import datetime
 import os
 import pickle
 import time
+import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -138,9 +139,9 @@ class Handle:
             self._work.wait()
 
 
-_broken_groups: dict[int, ShardtrainError] = {}
-"""Process groups (by ``id``) with a collective in flight that no peer will pair, and why (see
-:meth:`Communicator.break_group`)."""
+_broken_groups: dict[int, tuple[weakref.ref, ShardtrainError]] = {}
+"""Process groups with a collective in flight that no peer will pair, and why (see :meth:`Communicator.break_group`):
+by ``id``, with a weak reference that tells the group from a later one given the same ``id``."""
 
 WAIT_PROBE_S = 0.5
 """How long a wait that blocks the host runs before the wait probes look, and then between their looks."""
@@ -329,8 +330,6 @@ class Communicator:
         """Drop the reference to the process group, so that a destroyed group is freed (and its gloo worker
         threads joined) now rather than at interpreter teardown; any later collective raises. Local, not
         collective; see [Note: what the engine starts and who joins it] in :mod:`shardtrain.engine.shutdown`."""
-        if self._group is not None:  # a group freed now may lend its id to a later one
-            _broken_groups.pop(id(self._group), None)
         self._group = None
 
     def break_group(self, err: ShardtrainError) -> None:
@@ -343,8 +342,14 @@ class Communicator:
         differ."""
         if self.failure is None:
             self.failure = err
-        if self._group is not None:
-            _broken_groups.setdefault(id(self._group), err)
+        if self._group is not None and self.broken_by() is None:
+            _broken_groups[id(self._group)] = (weakref.ref(self._group), err)
+
+    def broken_by(self) -> ShardtrainError | None:
+        """Why this process group has a collective in flight that no peer will pair (see :meth:`break_group`),
+        None if it has none."""
+        ref, err = _broken_groups.get(id(self._group), (None, None))
+        return err if ref is not None and ref() is self._group else None
 
     def _gather_traffic(self, out_bytes: int) -> tuple[int, int]:
         """(bytes, sent) of an all-gather whose result has ``out_bytes``: the ring's, on every backend."""
@@ -417,7 +422,7 @@ class Communicator:
     def _refuse_after_failure(self, kind: str, what: str) -> None:
         failed = self.failure
         if failed is None and self._group is not None:  # another Communicator of this process group broke it
-            failed = _broken_groups.get(id(self._group))
+            failed = self.broken_by()
         if failed is None:
             return
         me = f"rank {self.global_rank}: "
