@@ -19,14 +19,34 @@ from helpers.parity import Recipe, make_optimizer
 LAYERS = 4
 
 
-def _events(check: bool, spied: int = 1, steps: int = 3) -> dict:
-    """Collectives issued, unit-id exchanges waited for and blocks computed, in order, during step ``spied``; and
-    the unit-id exchanges of each step."""
+def _engine(check: bool = True, timeout_s: float | None = None):
+    """The 4-block GPT at ZeRO-3 with every block a unit, and this rank's batch: ``(model, engine, x, y)``."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layer=LAYERS, n_head=4))
     zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_gather_check": check}
     config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": zero}
+    if timeout_s is not None:
+        config["collective_timeout_s"] = timeout_s
     engine = shardtrain.initialize(model, config=config, optimizer=make_optimizer(model, Recipe()))
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(dist.get_rank()))
+    return model, engine, x, torch.roll(x, -1, 1)
+
+
+def _exchanges(engine) -> int:
+    """Unit-id exchanges issued so far."""
+    return engine.comm_stats().get("gather_check", {}).get("calls", 0)
+
+
+def _train(engine, x, y, steps: int) -> None:
+    for _ in range(steps):
+        engine.backward(engine(x, y))
+        engine.step()
+
+
+def _events(check: bool, spied: int = 1, steps: int = 3) -> dict:
+    """Collectives issued, unit-id exchanges waited for and blocks computed, in order, during step ``spied``; and
+    the unit-id exchanges of each step."""
+    model, engine, x, y = _engine(check)
     events: list[tuple[str, str]] = []
     all_gather, wait = Communicator.all_gather, Handle.wait
 
@@ -46,13 +66,11 @@ def _events(check: bool, spied: int = 1, steps: int = 3) -> dict:
     for i, block in enumerate(model.blocks):
         block.register_forward_pre_hook(lambda *_, i=i: events.append(("compute", f"blocks.{i}")))
         block.register_full_backward_pre_hook(lambda *_, i=i: events.append(("compute", f"blocks.{i} backward")))
-    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(dist.get_rank()))
-    y = torch.roll(x, -1, 1)
     losses, exchanges = [], []
     for step in range(steps):
         if step == spied:
             Communicator.all_gather, Handle.wait = spy_all_gather, spy_wait
-        before = engine.comm_stats().get("gather_check", {}).get("calls", 0)
+        before = _exchanges(engine)
         try:
             loss = engine(x, y)
             engine.backward(loss)
@@ -60,7 +78,7 @@ def _events(check: bool, spied: int = 1, steps: int = 3) -> dict:
         finally:
             Communicator.all_gather, Handle.wait = all_gather, wait
         losses.append(loss.item())
-        exchanges.append(engine.comm_stats().get("gather_check", {}).get("calls", 0) - before)
+        exchanges.append(_exchanges(engine) - before)
     gathers = sum(u.gathers for u in engine._runtime.units)
     return {"events": events, "losses": losses, "gathers": gathers, "exchanges": exchanges}
 
@@ -107,16 +125,8 @@ def _departs_from_the_committed_unit(rank_departs: int, steady: int = 2, again: 
     """Steady training, then one rank runs its blocks in reverse order: its first block is not the one whose
     exchange was issued ahead. Both ranks must fail at once with the units named, not hang or abort in gloo.
     ``again``: the error caught, every rank calls the engine once more (the error of that call follows a newline)."""
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layer=LAYERS, n_head=4))
-    zero = {"stage": 3, "stage3_param_persistence_threshold": 0}
-    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": zero, "collective_timeout_s": 20}
-    engine = shardtrain.initialize(model, config=config, optimizer=make_optimizer(model, Recipe()))
-    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(dist.get_rank()))
-    y = torch.roll(x, -1, 1)
-    for _ in range(steady):
-        engine.backward(engine(x, y))
-        engine.step()
+    model, engine, x, y = _engine(timeout_s=20)
+    _train(engine, x, y, steady)
     if dist.get_rank() == rank_departs:
         model.blocks = torch.nn.ModuleList(list(model.blocks)[::-1])
     try:
@@ -178,16 +188,8 @@ def _backward_ends_short(rank_departs: int) -> str:
     """Trusted steps, then the same forward on every rank, but one rank's loss no longer reaches the first blocks
     (their output is detached there): its backward gathers fewer units than the order. The reducer would then launch
     the buckets left over, collectives the other rank (waiting in the order's next gather) never pairs."""
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layer=LAYERS, n_head=4))
-    zero = {"stage": 3, "stage3_param_persistence_threshold": 0}
-    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": zero, "collective_timeout_s": 20}
-    engine = shardtrain.initialize(model, config=config, optimizer=make_optimizer(model, Recipe()))
-    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(dist.get_rank()))
-    y = torch.roll(x, -1, 1)
-    for _ in range(4):
-        engine.backward(engine(x, y))
-        engine.step()
+    model, engine, x, y = _engine(timeout_s=20)
+    _train(engine, x, y, 4)
     if dist.get_rank() == rank_departs:
         model.blocks[1].register_forward_hook(lambda _m, _a, out: out.detach())
     try:
@@ -228,22 +230,16 @@ def test_after_a_trusted_departure_no_collective_is_issued_on_the_broken_group()
 def _one_rank_steps_inside_an_except_clause(steps: int, inside: bool = True) -> dict:
     """Rank 1 runs its third step from inside an ``except`` clause (the exception handled is its caller's, not the
     pass's; ``inside=False``: as the others do); the losses and the unit-id exchanges of each step."""
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layer=LAYERS, n_head=4))
-    zero = {"stage": 3, "stage3_param_persistence_threshold": 0}
-    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": zero, "collective_timeout_s": 20}
-    engine = shardtrain.initialize(model, config=config, optimizer=make_optimizer(model, Recipe()))
-    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(dist.get_rank()))
-    y = torch.roll(x, -1, 1)
+    _, engine, x, y = _engine(timeout_s=20)
     losses, exchanges = [], []
 
     def train_step() -> None:
-        before = engine.comm_stats().get("gather_check", {}).get("calls", 0)
+        before = _exchanges(engine)
         loss = engine(x, y)
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-        exchanges.append(engine.comm_stats().get("gather_check", {}).get("calls", 0) - before)
+        exchanges.append(_exchanges(engine) - before)
 
     for step in range(steps):
         if inside and step == 2 and dist.get_rank() == 1:

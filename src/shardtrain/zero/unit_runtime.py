@@ -190,11 +190,10 @@ class EagerRuntime(Runtime):
         self.index_storages()
         # a departure from a trusted order is settled through the store ([Note: departures from a trusted order])
         self._agreement = None
-        if gather_check and phase_checked and self._units and (comm.size > 1 or expert_comm is not None):
-            comms = [comm, expert_comm if expert_comm is not None and expert_comm.size > 1 else None]
-            if any(c is not None and c.size > 1 for c in comms):
-                self._agreement = OrderAgreement(comms, [u.name for u in self._units], comm.timeout_s)
-                add_wait_probe(self._agreement.probe)
+        peers = [c for c in (comm, expert_comm) if c is not None and c.size > 1]
+        if gather_check and phase_checked and self._units and peers:
+            self._agreement = OrderAgreement(peers, [u.name for u in self._units], comm.timeout_s)
+            add_wait_probe(self._agreement.probe)
         self._pinned = False  # the next root forward is the engine's (after its phase check)
         # every gather and release of a unit, its state and the unit-order check ([Note: one gather service])
         self.gathers = UnitGathers(
