@@ -3,6 +3,8 @@ import time
 
 import pytest
 
+pytest_plugins = ["pytester"]  # tests of this conftest's own hooks run a small suite in a temporary directory
+
 # Tests spawn several ranks on a 2-core machine: keep each process single-threaded unless told otherwise.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # The suite is a CPU suite (gloo, CPU RSS bounds), also on a machine with a GPU: every engine it makes, in this
@@ -31,6 +33,27 @@ def pytest_runtest_protocol(item, nextitem):
         yield
     finally:
         os.environ.pop(DEADLINE_ENV, None)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` are skipped on a machine without CUDA (see :func:`_gpu_tests_train_on_the_gpu`)."""
+    import torch  # here, not at the top: OMP_NUM_THREADS is set before torch loads
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (marked gpu)")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _gpu_tests_train_on_the_gpu(request, monkeypatch):
+    """The suite trains on the CPU also where there is a GPU (``SHARDTRAIN_DEVICE=cpu`` above); a test marked
+    ``gpu`` is there to train on the GPU, so for it, and the ranks it starts, the setting says so. A GPU machine
+    runs these with ``pytest -m gpu`` (docs/benchmarks-gpu.md)."""
+    if request.node.get_closest_marker("gpu") is not None:
+        monkeypatch.setenv("SHARDTRAIN_DEVICE", "cuda")
 
 
 _RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")

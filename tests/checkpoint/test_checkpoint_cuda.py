@@ -14,10 +14,7 @@ from shardtrain.testing import run_distributed
 
 from helpers.resume import exact_resume, make_engine
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available(),
-    reason="needs a CUDA GPU: saves and loads engine checkpoints of CUDA tensors (NCCL at world 2)",
-)
+pytestmark = pytest.mark.gpu  # engine checkpoints of CUDA tensors (NCCL at world 2)
 
 
 def _resume_on_cuda(root: str) -> list[str]:

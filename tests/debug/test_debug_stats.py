@@ -110,7 +110,7 @@ def test_complex_gets_metadata_only():
     assert s == {"shape": [2], "dtype": "complex64", "numel": 2}
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.bool])
 def test_stats_on_cuda_match_cpu(dtype):
     t = (torch.arange(-50, 50) % 7 - 3).to(dtype)

@@ -4,7 +4,10 @@ these run on a machine without one."""
 
 from __future__ import annotations
 
+import os
+import textwrap
 import types
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -162,3 +165,53 @@ def test_the_engine_trains_where_the_config_says():
     ((device, refused),) = run_distributed(_engine_where_the_config_says, 1)
     assert device == "cpu"  # a machine with a GPU: "cpu" keeps the engine there
     assert "sees no CUDA device" in refused
+
+
+_CONFTEST = Path(__file__).parents[1] / "conftest.py"
+
+
+def test_the_suite_trains_on_the_cpu_beside_a_gpu_except_for_tests_marked_gpu(pytester, monkeypatch):
+    """The suite's conftest: every test trains on the CPU (``SHARDTRAIN_DEVICE=cpu``) also where there is a GPU; a
+    test marked ``gpu`` trains on the GPU (the setting is ``cuda`` for it and the ranks it starts), and is skipped
+    without one. Run on a small suite with the same conftest, with CUDA faked both ways."""
+    pytester.makeconftest(_CONFTEST.read_text())
+    pytester.makeini("[pytest]\nmarkers =\n    gpu: trains on a CUDA GPU\n")
+    pytester.makepyfile(
+        test_marks=textwrap.dedent(
+            """
+            import os
+            import pytest
+
+            @pytest.mark.gpu
+            def test_marked():
+                assert os.environ["SHARDTRAIN_DEVICE"] == "cuda"
+
+            def test_unmarked():
+                assert os.environ["SHARDTRAIN_DEVICE"] == "cpu"
+            """
+        )
+    )
+    monkeypatch.setenv(DEVICE_ENV, "cpu")
+    for available, outcome in ((False, {"passed": 1, "skipped": 1}), (True, {"passed": 2})):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda available=available: available)
+        result = pytester.runpytest_inprocess("--strict-markers", "-p", "no:cacheprovider", "-rs")
+        result.assert_outcomes(**outcome)
+        if not available:
+            result.stdout.fnmatch_lines(["*needs a CUDA GPU (marked gpu)*"])
+        assert os.environ[DEVICE_ENV] == "cpu"  # the marked test's setting ends with it
+
+
+def _device_setting() -> str | None:
+    return os.environ.get(DEVICE_ENV)
+
+
+def test_ranks_take_the_callers_device_setting_not_the_one_their_process_server_started_with(monkeypatch):
+    """``run_distributed`` forks its ranks from a server started once, with the environment of that moment; each
+    rank still gets the environment its caller has when it starts them, here the device setting (a test marked gpu
+    after tests on the CPU)."""
+    monkeypatch.setenv(DEVICE_ENV, "cpu")
+    assert run_distributed(_device_setting, 1, init_process_group=False) == ["cpu"]  # the server is running now
+    monkeypatch.setenv(DEVICE_ENV, "cuda")
+    assert run_distributed(_device_setting, 1, init_process_group=False) == ["cuda"]
+    monkeypatch.delenv(DEVICE_ENV)
+    assert run_distributed(_device_setting, 1, init_process_group=False) == [None]

@@ -60,6 +60,7 @@ def _fp16_reduce() -> tuple[torch.Tensor, torch.Tensor]:
     return eager.cpu(), graph.cpu()
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL at world 2 needs two GPUs")
 def test_fp16_gradients_whose_sum_overflows_reduce_like_eager_on_nccl():
     for eager, graph in run_distributed(_fp16_reduce, 2, init_process_group=False, timeout=300):

@@ -14,7 +14,7 @@ from shardtrain.testing import run_distributed
 
 from helpers.parity import Recipe, global_micro_batches, make_model, make_optimizer
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: host offload of GPU training")
+pytestmark = pytest.mark.gpu  # host offload of GPU training
 
 
 def _train_on_cuda(zero_extra: dict | None, precision: str, optimizer: str = "adamw") -> dict:

@@ -178,7 +178,7 @@ def test_collective_timeout_holds_when_the_user_created_the_process_group(tmp_pa
     assert outcomes[1].value == ("asleep", 0.0), outcomes[1]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: inputs on two devices (the CPU and CUDA)")
+@pytest.mark.gpu  # inputs on two devices (the CPU and CUDA)
 def test_batch_digest_of_inputs_on_two_devices():
     """Inputs on the CPU and on a GPU: one digest, each tensor's the same as on the CPU (the sums were stacked
     across devices, which raises)."""

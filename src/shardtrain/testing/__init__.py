@@ -11,7 +11,8 @@ In pytest, parametrize over world sizes and call it from the test::
     def test_something(world_size):
         results = run_distributed(_body, world_size, arg)
 
-``fn`` must be importable (defined at module level) because processes are started fresh.
+``fn`` must be importable (defined at module level) because processes are started fresh. Each rank has the
+environment its caller had when it started the ranks.
 
 Failure tests (a rank killed, a disk full) use :func:`run_ranks` instead: it never raises for a rank's failure,
 waits until every process has exited on its own, and returns each rank's :class:`RankOutcome` (return value or
@@ -55,11 +56,24 @@ def _free_port() -> int:
 
 
 def _worker(
-    rank: int, world_size: int, port: int, fn: Callable, args: tuple, kwargs: dict, results, threads: int, init_pg: bool
+    rank: int,
+    world_size: int,
+    port: int,
+    fn: Callable,
+    args: tuple,
+    kwargs: dict,
+    results,
+    threads: int,
+    init_pg: bool,
+    environ: dict[str, str],
 ) -> None:
     import torch
     import torch.distributed as dist
 
+    # The caller's environment when it started this rank. A rank is forked from a server started once, whose
+    # environment is the one of that moment: a setting made since (a test's device, DS_ACCELERATOR) would be lost.
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -91,7 +105,9 @@ def _start(fn: Callable, world_size: int, args: tuple, kwargs: dict, threads: in
     port = _free_port()
     procs = [
         _CTX.Process(
-            target=_worker, args=(r, world_size, port, fn, args, kwargs, results, threads, init_pg), daemon=True
+            target=_worker,
+            args=(r, world_size, port, fn, args, kwargs, results, threads, init_pg, dict(os.environ)),
+            daemon=True,
         )
         for r in range(world_size)
     ]
