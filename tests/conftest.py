@@ -10,6 +10,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # The suite is a CPU suite (gloo, CPU RSS bounds), also on a machine with a GPU: every engine it makes, in this
 # process, its spawned ranks and the torchrun jobs it launches, trains on the CPU ([Note: choosing the device]).
 os.environ.setdefault("SHARDTRAIN_DEVICE", "cpu")
+# Real DeepSpeed in the tests (the reference of the migration tests) runs on the CPU beside a GPU too.
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
 # Nothing may be downloaded at test time: Hugging Face models are built from configs with random weights.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
