@@ -113,9 +113,20 @@ class CollectiveCount:
 class Handle:
     """An in-flight collective; ``wait()`` re-raises failures with the rank and what was awaited."""
 
-    def __init__(self, comm: Communicator, work: Any, kind: str, what: str, started: float | None = None) -> None:
+    def __init__(
+        self,
+        comm: Communicator,
+        work: Any,
+        kind: str,
+        what: str,
+        started: float | None = None,
+        watched: watchdog.Pending | None = None,
+    ) -> None:
+        """``watched``: the watchdog's entry for ``work``, told when the wait has returned (it then lets the
+        ``Work`` go, see [Note: failures under NCCL] in :mod:`shardtrain.distributed.watchdog`)."""
         self._comm, self._work, self.kind, self.what = comm, work, kind, what
         self.started = time.monotonic() if started is None else started
+        self._watched = watched
 
     def wait(self) -> None:
         if self._work is None:
@@ -123,6 +134,8 @@ class Handle:
         t0 = time.perf_counter()
         try:
             self._wait_work()
+            if self._watched is not None:
+                self._comm._watchdog.waited(self._watched)
         except ShardtrainError as err:  # a wait probe named why no peer will come ([Note: probes while waiting])
             self._comm.break_group(err)  # its collective stays in flight, unpaired: nothing more on the group
             raise
@@ -450,6 +463,7 @@ class Communicator:
     def _run(self, kind: str, what: str, fn, async_op: bool) -> Handle | None:
         self._refuse_after_failure(kind, what)
         started = time.monotonic()
+        watched = None  # the watchdog's entry of an asynchronous collective, for its Handle's wait
         try:
             work = fn(async_op)
         except RuntimeError as err:
@@ -457,10 +471,12 @@ class Communicator:
         if self._watchdog is not None:
             # an asynchronous collective's Work, or for a synchronous one (issued as the backend issues it, on the
             # current stream) an event recorded after it on that stream
-            watched = work if work is not None else watchdog.stream_marker()
-            if watched is not None:
-                self._watchdog.track(watched, self, kind, what, started)
-        handle = Handle(self, work, kind, what, started)
+            target = work if work is not None else watchdog.stream_marker()
+            if target is not None:
+                entry = self._watchdog.track(target, self, kind, what, started)
+                if work is not None:
+                    watched = entry
+        handle = Handle(self, work, kind, what, started, watched)
         if async_op:
             return handle
         handle.wait()

@@ -38,8 +38,13 @@ the current stream), an event recorded after it. Object collectives (``all_gathe
 exchanges are not watched.
 
 Completed collectives leave the watchdog's queue at the next ``track`` or poll. A ``Work`` keeps its tensors
-alive until it is released, so the queue must not hold finished ones: it holds about as many as the host runs ahead
-of the GPU.
+alive until it is released (PyTorch's NCCL ``Work`` holds its outputs for its whole life), so the queue holds an
+asynchronous collective's ``Work`` only until its ``wait()`` returns. From then on it watches an event recorded on
+the stream that waited, after the wait: it completes when the collective has, and keeps no tensor. Held until the
+GPU finished, the ``Work`` kept each gradient reduce-scatter's output alive for as long as the host ran ahead of
+the GPU: with no host synchronization in a step, the last few of a backward were still allocated at the next
+forward's peak (1.25 GiB more on the 1.3B GPT of docs/benchmarks-gpu.md, the size of the root unit's and four
+blocks' fp32 outputs).
 
 NCCL's watchdog stays as the backstop. The NCCL groups that shardtrain creates get a backend timeout of
 ``collective_timeout_s`` plus :func:`backend_margin_s`, so this watchdog reports first. On a group the user created
@@ -115,6 +120,16 @@ class _StreamMarker:
         return bool(self._event.query())
 
 
+class _Waited:
+    """A collective whose wait blocked the host until it completed."""
+
+    def is_completed(self) -> bool:
+        return True
+
+
+_WAITED = _Waited()
+
+
 def stream_marker() -> _StreamMarker | None:
     """An event after the work queued so far on the current CUDA stream (None without CUDA): what a synchronous NCCL
     collective's completion is watched by. It keeps no tensor alive."""
@@ -187,11 +202,13 @@ class Watchdog:
         self._thread: threading.Thread | None = None
         self.fired: str | None = None  # the message of the failure this watchdog reported
 
-    def track(self, work: Work, issuer: Issuer, kind: str, what: str, started: float) -> None:
-        """Watch ``work`` until it completes; starts the thread on first use."""
+    def track(self, work: Work, issuer: Issuer, kind: str, what: str, started: float) -> Pending:
+        """Watch ``work`` until it completes; starts the thread on first use. Returns its entry, for
+        :meth:`waited`."""
+        pending = Pending(work, issuer, kind, what, started)
         with self._lock:
             self._drop_completed()
-            self._queue.append(Pending(work, issuer, kind, what, started))
+            self._queue.append(pending)
             if self._thread is None or not self._thread.is_alive():
                 self._stop.clear()  # a watchdog stopped at close() serves the next engine
                 device = _current_cuda_device()
@@ -199,6 +216,14 @@ class Watchdog:
                     target=self._run, args=(device,), name="shardtrain-watchdog", daemon=True
                 )
                 self._thread.start()
+        return pending
+
+    def waited(self, pending: Pending) -> None:
+        """``pending``'s ``wait()`` has returned: its ``Work`` is released, and what is watched from now on is an
+        event after the wait on the current stream (without CUDA, the wait blocked the host: it is complete)."""
+        marker = stream_marker()
+        with self._lock:
+            pending.work = marker if marker is not None else _WAITED
 
     def pending(self) -> int:
         with self._lock:
