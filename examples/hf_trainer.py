@@ -22,6 +22,7 @@ import random
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, TrainingArguments
 
+from shardtrain.distributed.mesh import pick_device
 from shardtrain.integrations.hf_trainer import ShardtrainTrainer
 
 ZERO3_AUTO = {
@@ -98,7 +99,7 @@ def main() -> None:
         save_steps=args.save_steps,
         save_total_limit=2,
         report_to="none",
-        use_cpu=not torch.cuda.is_available(),
+        use_cpu=pick_device().type == "cpu",  # where the engine trains (SHARDTRAIN_DEVICE, then CUDA if any)
     )
     trainer = ShardtrainTrainer(
         model=model,

@@ -38,15 +38,18 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` are skipped on a machine without CUDA (see :func:`_gpu_tests_train_on_the_gpu`)."""
+    """Tests marked ``gpu`` are skipped on a machine without CUDA (see :func:`_gpu_tests_train_on_the_gpu`). With
+    one, they run after every other test: some set CUDA up in this process, and a process with CUDA set up must not
+    fork (the memory planner's search then runs its workers in-process, which a CPU test checks)."""
     import torch  # here, not at the top: OMP_NUM_THREADS is set before torch loads
 
+    marked = [item for item in items if item.get_closest_marker("gpu") is not None]
     if torch.cuda.is_available():
+        items[:] = [item for item in items if item.get_closest_marker("gpu") is None] + marked
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (marked gpu)")
-    for item in items:
-        if item.get_closest_marker("gpu") is not None:
-            item.add_marker(skip)
+    for item in marked:
+        item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True)

@@ -172,8 +172,8 @@ _CONFTEST = Path(__file__).parents[1] / "conftest.py"
 
 def test_the_suite_trains_on_the_cpu_beside_a_gpu_except_for_tests_marked_gpu(pytester, monkeypatch):
     """The suite's conftest: every test trains on the CPU (``SHARDTRAIN_DEVICE=cpu``) also where there is a GPU; a
-    test marked ``gpu`` trains on the GPU (the setting is ``cuda`` for it and the ranks it starts), and is skipped
-    without one. Run on a small suite with the same conftest, with CUDA faked both ways."""
+    test marked ``gpu`` trains on the GPU (the setting is ``cuda`` for it and the ranks it starts) after every other
+    test, and is skipped without one. Run on a small suite with the same conftest, with CUDA faked both ways."""
     pytester.makeconftest(_CONFTEST.read_text())
     pytester.makeini("[pytest]\nmarkers =\n    gpu: trains on a CUDA GPU\n")
     pytester.makepyfile(
@@ -194,10 +194,12 @@ def test_the_suite_trains_on_the_cpu_beside_a_gpu_except_for_tests_marked_gpu(py
     monkeypatch.setenv(DEVICE_ENV, "cpu")
     for available, outcome in ((False, {"passed": 1, "skipped": 1}), (True, {"passed": 2})):
         monkeypatch.setattr(torch.cuda, "is_available", lambda available=available: available)
-        result = pytester.runpytest_inprocess("--strict-markers", "-p", "no:cacheprovider", "-rs")
+        result = pytester.runpytest_inprocess("--strict-markers", "-p", "no:cacheprovider", "-rs", "-v")
         result.assert_outcomes(**outcome)
         if not available:
             result.stdout.fnmatch_lines(["*needs a CUDA GPU (marked gpu)*"])
+        else:  # the marked test, first in its file, runs last
+            result.stdout.fnmatch_lines(["*test_unmarked PASSED*", "*test_marked PASSED*"])
         assert os.environ[DEVICE_ENV] == "cpu"  # the marked test's setting ends with it
 
 

@@ -276,7 +276,8 @@ def save_engine(
         }
         rng = {
             "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+            # a run that uses CUDA has set it up; asking otherwise would make a context on GPU 0 for a CPU engine
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None,
             "numpy": np.random.get_state(),
             "python": random.getstate(),
         }
