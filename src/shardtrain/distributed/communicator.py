@@ -134,8 +134,6 @@ class Handle:
         t0 = time.perf_counter()
         try:
             self._wait_work()
-            if self._watched is not None:
-                self._comm._watchdog.waited(self._watched)
         except ShardtrainError as err:  # a wait probe named why no peer will come ([Note: probes while waiting])
             self._comm.break_group(err)  # its collective stays in flight, unpaired: nothing more on the group
             raise
@@ -144,6 +142,9 @@ class Handle:
         finally:
             self._work = None
             self._comm._counts[self.kind].wait_s += time.perf_counter() - t0
+        if self._watched is not None:  # the collective is waited for: the watchdog lets its Work go
+            self._comm._watchdog.waited(self._watched)
+            self._watched = None
 
     def _wait_work(self) -> None:
         if _wait_probes and self._comm.backend == "gloo":  # see [Note: probes while waiting]

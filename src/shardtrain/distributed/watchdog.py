@@ -221,7 +221,10 @@ class Watchdog:
     def waited(self, pending: Pending) -> None:
         """``pending``'s ``wait()`` has returned: its ``Work`` is released, and what is watched from now on is an
         event after the wait on the current stream (without CUDA, the wait blocked the host: it is complete)."""
-        marker = stream_marker()
+        try:
+            marker = stream_marker()
+        except RuntimeError:  # a device that cannot record an event: the Work itself stays watched
+            return
         with self._lock:
             pending.work = marker if marker is not None else _WAITED
 
