@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
+import shlex
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -17,7 +20,8 @@ from shardtrain.distributed import communicator
 from shardtrain.distributed.communicator import FORCE_ENV, Communicator
 from shardtrain.testing import run_distributed
 
-SCRIPT = Path(__file__).parents[2] / "bench" / "gpu_validate.py"
+ROOT = Path(__file__).parents[2]
+SCRIPT = ROOT / "bench" / "gpu_validate.py"
 
 
 def _module():
@@ -114,3 +118,65 @@ def test_a_group_of_one_issues_its_collectives_when_forced_with_the_same_results
     ((calls, values),) = run_distributed(_collectives_of_one, 1, force)
     assert calls == (2 if force else 0)
     assert values == [0.0, 1.0, 2.0, 3.0] + [0.0, 2.0, 4.0, 6.0] + [1.0, 2.0, 3.0, 4.0]
+
+
+def _device_command() -> str:
+    """The command docs/benchmarks-gpu.md gives a session with a GPU: the line in the block after "device call"."""
+    text = (ROOT / "docs" / "benchmarks-gpu.md").read_text()
+    block = text.split("make one device call", 1)[1].split("```", 2)[1]
+    (line,) = [line for line in block.splitlines() if line.strip()]
+    return line
+
+
+def _pytest_runs(command: str) -> list[tuple[list[str], int]]:
+    """Each pytest run of ``command``: its arguments and the number of lines of its output the command keeps."""
+    runs = []
+    for part in command.split(";"):
+        if "-m pytest" not in part:
+            continue
+        args = shlex.split(part.split("-m pytest", 1)[1].split("2>&1", 1)[0])
+        runs.append((args, int(part.rsplit("tail -", 1)[1].split()[0])))
+    return runs
+
+
+def test_the_device_command_fits_the_run_tool_and_names_files_that_exist():
+    command = _device_command()
+    assert len(command) < 2000  # the device tool's limit on a command
+    named = [w for w in shlex.split(command.replace(";", " ")) if w.startswith(("tests/", "bench/"))]
+    assert named and all((ROOT / w).is_file() for w in named), named
+    assert len(_pytest_runs(command)) == 2
+
+
+def test_the_device_commands_test_runs_name_a_failure_in_the_lines_they_keep(pytester):
+    """Each pytest run of the device command, with the suite's ``addopts``, on a small suite with one failure among
+    slow passes: the lines the command keeps of its output name the failing test. An ``-r`` on the command line
+    replaces ``addopts``' ``-ra``, and ``addopts``' 25 durations fill a tail of 25 lines."""
+    (addopts,) = re.findall(r'^addopts = "(.*)"$', (ROOT / "pyproject.toml").read_text(), re.MULTILINE)
+    pytester.makeini("[pytest]\nmarkers =\n    soak: long runs\n")  # addopts deselect it
+    pytester.makepyfile(
+        test_suite=textwrap.dedent(
+            """
+            import time
+            import pytest
+
+            def test_the_one_that_fails():
+                assert False
+
+            @pytest.mark.parametrize("i", range(30))
+            def test_slow(i):
+                time.sleep(0.01)
+            """
+        )
+    )
+    for args, kept in _pytest_runs(_device_command()):
+        reporting, skip = [], False
+        for arg in args:  # the options that shape the report; not its files, plugins nor marker expression
+            if skip or arg in ("-p", "-m"):
+                skip = not skip and arg in ("-p", "-m")
+                continue
+            if arg.startswith("-"):
+                reporting.append(arg)
+        result = pytester.runpytest_inprocess(*shlex.split(addopts), "-p", "no:cacheprovider", *reporting)
+        assert result.ret == pytest.ExitCode.TESTS_FAILED
+        tail = result.outlines[-kept:]
+        assert any("test_the_one_that_fails" in line for line in tail), (reporting, tail)
