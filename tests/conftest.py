@@ -37,19 +37,32 @@ def pytest_runtest_protocol(item, nextitem):
         os.environ.pop(DEADLINE_ENV, None)
 
 
-def pytest_collection_modifyitems(config, items):
+class _GpuTestsLast:
     """Tests marked ``gpu`` are skipped on a machine without CUDA (see :func:`_gpu_tests_train_on_the_gpu`). With
     one, they run after every other test: some set CUDA up in this process, and a process with CUDA set up must not
-    fork (the memory planner's search then runs its workers in-process, which a CPU test checks)."""
-    import torch  # here, not at the top: OMP_NUM_THREADS is set before torch loads
+    fork (the memory planner's search then runs its workers in-process, which a CPU test checks).
 
-    marked = [item for item in items if item.get_closest_marker("gpu") is not None]
-    if torch.cuda.is_available():
-        items[:] = [item for item in items if item.get_closest_marker("gpu") is None] + marked
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (marked gpu)")
-    for item in marked:
-        item.add_marker(skip)
+    The order is settled after every other plugin's: ``--ff`` and ``--nf`` put failed or new tests first from a
+    wrapper of this hook that pytest registers at configuration, after this file. So this is a wrapper too,
+    registered after those (:func:`pytest_configure`), hence the outermost."""
+
+    @pytest.hookimpl(hookwrapper=True, tryfirst=True)
+    def pytest_collection_modifyitems(self, config, items):
+        yield
+        import torch  # here, not at the top: OMP_NUM_THREADS is set before torch loads
+
+        marked = [item for item in items if item.get_closest_marker("gpu") is not None]
+        if torch.cuda.is_available():
+            items[:] = [item for item in items if item.get_closest_marker("gpu") is None] + marked
+            return
+        skip = pytest.mark.skip(reason="needs a CUDA GPU (marked gpu)")
+        for item in marked:
+            item.add_marker(skip)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config):
+    config.pluginmanager.register(_GpuTestsLast(), "shardtrain-gpu-tests-last")
 
 
 @pytest.fixture(autouse=True)

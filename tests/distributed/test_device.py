@@ -203,6 +203,35 @@ def test_the_suite_trains_on_the_cpu_beside_a_gpu_except_for_tests_marked_gpu(py
         assert os.environ[DEVICE_ENV] == "cpu"  # the marked test's setting ends with it
 
 
+def test_tests_marked_gpu_run_last_also_when_failed_tests_run_first(pytester, monkeypatch):
+    """``--ff`` (and ``--nf``) reorder the tests after the conftest's hook would have: a test marked ``gpu`` that
+    failed last time must still run after every other test, on a machine with CUDA (faked)."""
+    pytester.makeconftest(_CONFTEST.read_text())
+    pytester.makeini("[pytest]\nmarkers =\n    gpu: trains on a CUDA GPU\n")
+    pytester.makepyfile(
+        test_order=textwrap.dedent(
+            """
+            import os
+            import pytest
+
+            @pytest.mark.gpu
+            def test_marked():
+                assert os.environ.get("SHARDTRAIN_FAIL_ONCE") != "1"
+
+            def test_unmarked():
+                pass
+            """
+        )
+    )
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("SHARDTRAIN_FAIL_ONCE", "1")
+    pytester.runpytest_inprocess("--strict-markers").assert_outcomes(passed=1, failed=1)
+    monkeypatch.delenv("SHARDTRAIN_FAIL_ONCE")
+    result = pytester.runpytest_inprocess("--strict-markers", "--ff", "-v")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(["*test_unmarked PASSED*", "*test_marked PASSED*"])
+
+
 def _device_setting() -> str | None:
     return os.environ.get(DEVICE_ENV)
 
