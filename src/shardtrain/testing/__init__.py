@@ -103,10 +103,11 @@ def _start(fn: Callable, world_size: int, args: tuple, kwargs: dict, threads: in
         threads = max(1, (os.cpu_count() or 1) // world_size)
     results = _CTX.Queue()
     port = _free_port()
+    environ = dict(os.environ)  # one for every rank
     procs = [
         _CTX.Process(
             target=_worker,
-            args=(r, world_size, port, fn, args, kwargs, results, threads, init_pg, dict(os.environ)),
+            args=(r, world_size, port, fn, args, kwargs, results, threads, init_pg, environ),
             daemon=True,
         )
         for r in range(world_size)
