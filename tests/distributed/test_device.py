@@ -170,26 +170,34 @@ def test_the_engine_trains_where_the_config_says():
 _CONFTEST = Path(__file__).parents[1] / "conftest.py"
 
 
+def _suite_with_a_marked_test(pytester, name: str, marked: str, unmarked: str) -> None:
+    """A small suite under the suite's own conftest: file ``name`` with ``test_marked`` (marked ``gpu``, first) and
+    ``test_unmarked``, whose bodies are the given one-line statements."""
+    pytester.makeconftest(_CONFTEST.read_text())
+    pytester.makeini("[pytest]\nmarkers =\n    gpu: trains on a CUDA GPU\n")
+    source = f"""
+        import os
+        import pytest
+
+        @pytest.mark.gpu
+        def test_marked():
+            {marked}
+
+        def test_unmarked():
+            {unmarked}
+        """
+    pytester.makepyfile(**{name: textwrap.dedent(source)})
+
+
 def test_the_suite_trains_on_the_cpu_beside_a_gpu_except_for_tests_marked_gpu(pytester, monkeypatch):
     """The suite's conftest: every test trains on the CPU (``SHARDTRAIN_DEVICE=cpu``) also where there is a GPU; a
     test marked ``gpu`` trains on the GPU (the setting is ``cuda`` for it and the ranks it starts) after every other
     test, and is skipped without one. Run on a small suite with the same conftest, with CUDA faked both ways."""
-    pytester.makeconftest(_CONFTEST.read_text())
-    pytester.makeini("[pytest]\nmarkers =\n    gpu: trains on a CUDA GPU\n")
-    pytester.makepyfile(
-        test_marks=textwrap.dedent(
-            """
-            import os
-            import pytest
-
-            @pytest.mark.gpu
-            def test_marked():
-                assert os.environ["SHARDTRAIN_DEVICE"] == "cuda"
-
-            def test_unmarked():
-                assert os.environ["SHARDTRAIN_DEVICE"] == "cpu"
-            """
-        )
+    _suite_with_a_marked_test(
+        pytester,
+        "test_marks",
+        'assert os.environ["SHARDTRAIN_DEVICE"] == "cuda"',
+        'assert os.environ["SHARDTRAIN_DEVICE"] == "cpu"',
     )
     monkeypatch.setenv(DEVICE_ENV, "cpu")
     for available, outcome in ((False, {"passed": 1, "skipped": 1}), (True, {"passed": 2})):
@@ -206,23 +214,7 @@ def test_the_suite_trains_on_the_cpu_beside_a_gpu_except_for_tests_marked_gpu(py
 def test_tests_marked_gpu_run_last_also_when_failed_tests_run_first(pytester, monkeypatch):
     """``--ff`` (and ``--nf``) reorder the tests after the conftest's hook would have: a test marked ``gpu`` that
     failed last time must still run after every other test, on a machine with CUDA (faked)."""
-    pytester.makeconftest(_CONFTEST.read_text())
-    pytester.makeini("[pytest]\nmarkers =\n    gpu: trains on a CUDA GPU\n")
-    pytester.makepyfile(
-        test_order=textwrap.dedent(
-            """
-            import os
-            import pytest
-
-            @pytest.mark.gpu
-            def test_marked():
-                assert os.environ.get("SHARDTRAIN_FAIL_ONCE") != "1"
-
-            def test_unmarked():
-                pass
-            """
-        )
-    )
+    _suite_with_a_marked_test(pytester, "test_order", 'assert os.environ.get("SHARDTRAIN_FAIL_ONCE") != "1"', "pass")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setenv("SHARDTRAIN_FAIL_ONCE", "1")
     pytester.runpytest_inprocess("--strict-markers").assert_outcomes(passed=1, failed=1)

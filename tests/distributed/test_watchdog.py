@@ -257,6 +257,16 @@ def test_survivors_name_the_dead_rank_within_the_probe(world, victim):
         assert CollectiveTimeoutError.__name__ not in o.value
 
 
+def _watched_communicator(dog: watchdog.Watchdog) -> Communicator:
+    """A Communicator of the default (gloo) group that ``dog`` watches as if its backend were a device's."""
+    blocks, make = watchdog.blocks_host, watchdog.watchdog
+    watchdog.blocks_host, watchdog.watchdog = (lambda backend: False), (lambda: dog)
+    try:
+        return Communicator(dist.group.WORLD, timeout_s=60.0)
+    finally:
+        watchdog.blocks_host, watchdog.watchdog = blocks, make
+
+
 def _communicator_under_the_watchdog() -> tuple[list[float], int, int, list[str]]:
     """A gloo group of two treated as a device backend: the asynchronous collective's Work goes through the
     watchdog's queue (a synchronous one is watched by a CUDA event, none on the CPU), and the results are what gloo
@@ -271,12 +281,7 @@ def _communicator_under_the_watchdog() -> tuple[list[float], int, int, list[str]
         return original(work, issuer, kind, what, started)
 
     dog.track = track
-    blocks, make = watchdog.blocks_host, watchdog.watchdog
-    watchdog.blocks_host, watchdog.watchdog = (lambda backend: False), (lambda: dog)
-    try:
-        comm = Communicator(dist.group.WORLD, timeout_s=60.0)
-    finally:
-        watchdog.blocks_host, watchdog.watchdog = blocks, make
+    comm = _watched_communicator(dog)
     t = torch.full((4,), float(dist.get_rank() + 1))
     comm.all_reduce(t, what="a sum")
     out = torch.empty(8)
@@ -310,12 +315,7 @@ class HoldingWork(FakeWork):
 def _a_waited_collective():
     os.environ[FORCE_ENV] = "1"  # a group of one that issues its collectives, so that it is watched
     dog = watchdog.Watchdog(failure.peer_down, [].append, poll_s=3600.0, probe_s=10.0)
-    blocks, make = watchdog.blocks_host, watchdog.watchdog
-    watchdog.blocks_host, watchdog.watchdog = (lambda backend: False), (lambda: dog)
-    try:
-        comm = Communicator(dist.group.WORLD, timeout_s=60.0)
-    finally:
-        watchdog.blocks_host, watchdog.watchdog = blocks, make
+    comm = _watched_communicator(dog)
     issued = [HoldingWork(torch.empty(1 << 20))]
     output = weakref.ref(issued[0].outputs[0])
     handle = comm._run("reduce_scatter", "a bucket", lambda async_op: issued.pop(), True)
