@@ -15,7 +15,13 @@ import shardtrain
 
 PACKAGE = Path(shardtrain.__file__).parent
 
-LEAVES = {"shardtrain.errors", "shardtrain.tree", "shardtrain.between_graphs", "shardtrain.models"}
+LEAVES = {
+    "shardtrain.errors",
+    "shardtrain.tree",
+    "shardtrain.between_graphs",
+    "shardtrain.host_read",
+    "shardtrain.models",
+}
 
 # Top to bottom, as docs/architecture.md draws them. Each row: what the room may import besides the leaves.
 ALLOWED: dict[str, set[str]] = {
@@ -35,20 +41,30 @@ ALLOWED: dict[str, set[str]] = {
     "shardtrain.compat": {
         "shardtrain.engine",
         "shardtrain.checkpoint",
+        "shardtrain.runtime",
+        "shardtrain.weights",
+        "shardtrain.construction",
         "shardtrain.zero",
         "shardtrain.config",
+        "shardtrain.plan",
         "shardtrain.distributed",
     },
+    # initialize: the plan applied to the model, one step per axis (engine/parallelize.py)
     "shardtrain.engine": {
         "shardtrain.expert_parallel",
         "shardtrain.graph",
+        "shardtrain.runtime",
+        "shardtrain.weights",
         "shardtrain.checkpoint",
         "shardtrain.sequence_parallel",
         "shardtrain.tensor_parallel",
+        "shardtrain.construction",
         "shardtrain.zero",
         "shardtrain.offload",
+        "shardtrain.precision",
         "shardtrain.optim",
         "shardtrain.config",
+        "shardtrain.plan",
         "shardtrain.distributed",
     },
     "shardtrain.estimate": {
@@ -58,37 +74,60 @@ ALLOWED: dict[str, set[str]] = {
         "shardtrain.zero",
         "shardtrain.offload",
         "shardtrain.config",
+        "shardtrain.plan",
     },
     "shardtrain.graph": {
         "shardtrain.debug",
         "shardtrain.tensor_parallel",
+        "shardtrain.runtime",
         "shardtrain.zero",
         "shardtrain.offload",
+        "shardtrain.plan",
         "shardtrain.distributed",
     },
+    # the runtime interface and its eager implementation (stage 3's unit hooks); graph mode is the other one
+    "shardtrain.runtime": {"shardtrain.zero", "shardtrain.offload", "shardtrain.plan", "shardtrain.distributed"},
+    # full weights into the sharded model: reads the layout and the optimizer wrapper's masters
+    "shardtrain.weights": {"shardtrain.zero", "shardtrain.distributed"},
     "shardtrain.debug": set(),
     "shardtrain.checkpoint": {"shardtrain.distributed"},
-    "shardtrain.sequence_parallel": {"shardtrain.tensor_parallel", "shardtrain.distributed"},
+    "shardtrain.sequence_parallel": {"shardtrain.tensor_parallel", "shardtrain.plan", "shardtrain.distributed"},
     "shardtrain.tensor_parallel": {"shardtrain.distributed"},
     "shardtrain.expert_parallel": {"shardtrain.distributed"},
+    # ZeRO means sharding: it takes policies, never the config
     "shardtrain.zero": {
         "shardtrain.zero.layout",
-        "shardtrain.zero.policy",
+        "shardtrain.zero.units",
+        "shardtrain.zero.guarded",
+        "shardtrain.construction",
         "shardtrain.offload",
+        "shardtrain.precision",
         "shardtrain.optim",
+        "shardtrain.plan",
+        "shardtrain.distributed",
+    },
+    # sharded construction (public as shardtrain.zero.Init): builds one-parameter units; Init(config) reads a config
+    "shardtrain.construction": {
+        "shardtrain.zero.layout",
+        "shardtrain.zero.units",
+        "shardtrain.zero.guarded",
         "shardtrain.config",
         "shardtrain.distributed",
     },
     # offload reads the layout's buckets (the plain data every part reads); the rest of zero is above it
-    "shardtrain.offload": {"shardtrain.zero.layout", "shardtrain.distributed"},
-    "shardtrain.zero.layout": {"shardtrain.zero.policy"},
-    "shardtrain.zero.policy": set(),
+    "shardtrain.offload": {"shardtrain.zero.layout", "shardtrain.plan", "shardtrain.distributed"},
+    "shardtrain.zero.guarded": {"shardtrain.zero.units"},
+    "shardtrain.zero.units": {"shardtrain.zero.layout", "shardtrain.distributed"},
+    "shardtrain.zero.layout": {"shardtrain.plan"},
     # the LR schedulers take the config's validated scheduler sections
     "shardtrain.optim": {"shardtrain.config"},
-    # the config maps an optimizer section onto a class, DeepSpeedAdam included
-    "shardtrain.config": {"shardtrain.optim.adam"},
+    # the config maps an optimizer section onto a class, DeepSpeedAdam included, and a config onto the plan
+    "shardtrain.config": {"shardtrain.optim.adam", "shardtrain.plan"},
     "shardtrain.optim.adam": set(),
-    "shardtrain.distributed": set(),
+    "shardtrain.precision": {"shardtrain.plan"},
+    "shardtrain.distributed": {"shardtrain.plan"},
+    # the typed plan: parallel dimensions and policies, plain data below every package that takes them
+    "shardtrain.plan": set(),
     "shardtrain.testing": set(),
     # the parity harness trains through the public API, as a user's check does
     "shardtrain.testing.parity": {"shardtrain"},

@@ -1,7 +1,7 @@
 """shardtrain: ZeRO sharded data-parallel training for PyTorch, with convergence debugging."""
 
 from shardtrain.compat.hf_pretrained import from_pretrained
-from shardtrain.config.schema import Config, load_config
+from shardtrain.config.sections import Config, load_config
 from shardtrain.engine.engine import Engine, initialize
 from shardtrain.errors import (
     CollectiveError,

@@ -11,8 +11,9 @@ class ConfigError(ShardtrainError, ValueError):
     """The configuration has an unknown key, a wrong type or an impossible value."""
 
 
-class LayoutError(ShardtrainError, ValueError):
-    """The requested parallel layout cannot be built from the processes that exist."""
+class LayoutError(ConfigError):
+    """The requested parallel layout cannot be built from the processes that exist (a kind of :class:`ConfigError`:
+    the plan refuses sizes as this and combinations as its parent, and a caller catches both as one)."""
 
 
 class RankMismatchError(ShardtrainError, RuntimeError):

@@ -168,7 +168,7 @@ def test_hub_layout_loads_as_transformers_loads_it(kind, layout, tmp_path):
 
 def _load_all(folders: list[tuple[str, str]]) -> dict:
     """Every folder at ZeRO-3 on this rank: the full state loaded, and which expert tensors this rank read."""
-    import shardtrain.zero.weights as weights
+    import shardtrain.weights.loading as weights
 
     original, reads = weights._loader, []
 
@@ -281,7 +281,7 @@ def test_base_model_checkpoint_into_a_head_model(tmp_path):
 
 def _load_blocks(kind: str, path: str, config: dict) -> dict:
     """``from_pretrained`` on this rank, with the shapes of every tensor-parallel block it read."""
-    import shardtrain.zero.weights as weights
+    import shardtrain.weights.loading as weights
 
     original, blocks = weights._read_block, []
 

@@ -25,8 +25,8 @@ from shardtrain.checkpoint.foreign.deepspeed_format import loss_scaler_from_deep
 from shardtrain.checkpoint.reader import open_checkpoint
 from shardtrain.cli import main
 from shardtrain.errors import CheckpointError, UnsafePickleError
+from shardtrain.precision.loss_scaler import LossScaler
 from shardtrain.testing import DistributedFailure, run_distributed
-from shardtrain.zero.precision import LossScaler
 
 from helpers.ds import (
     CLIP,

@@ -37,4 +37,4 @@ def test_names_from_the_public_modules():
     assert GatheredParameters is sys.modules["shardtrain.compat.deepspeed.zero"].GatheredParameters
     assert ShardtrainTrainer.__module__ == "shardtrain.compat.hf_trainer"
     assert shardtrain.initialize is shardtrain.engine.initialize
-    assert shardtrain.config.Config is shardtrain.config.schema.Config
+    assert shardtrain.config.Config is shardtrain.config.sections.Config

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from shardtrain.config.schema import Config, ZeroConfig, load_config, resolve_batch_sizes
+from shardtrain.config.sections import Config, ZeroConfig, load_config, resolve_batch_sizes
 from shardtrain.errors import ConfigError
 
 
@@ -137,7 +137,7 @@ def test_inconsistent_batch_sizes(keys, dp, message):
 def test_fp16_auto_cast_casts_floating_tensors_as_deepspeed_does():
     from collections import namedtuple
 
-    from shardtrain.config.schema import cast_inputs_half
+    from shardtrain.config.sections import cast_inputs_half
 
     assert load_config({"fp16": {"enabled": True, "auto_cast": True}}).fp16.auto_cast is True
     Pair = namedtuple("Pair", "a b")
@@ -151,7 +151,7 @@ def test_fp16_auto_cast_casts_floating_tensors_as_deepspeed_does():
 
 
 def test_optimizer_keys_of_deepspeed_sections():
-    from shardtrain.config.schema import optimizer_class_and_kwargs
+    from shardtrain.config.sections import optimizer_class_and_kwargs
 
     def built(params: dict, kind: str = "AdamW"):
         return optimizer_class_and_kwargs(load_config({"optimizer": {"type": kind, "params": params}}).optimizer)

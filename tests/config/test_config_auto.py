@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from shardtrain.config.auto import resolve_auto
-from shardtrain.config.schema import load_config
+from shardtrain.config.sections import load_config
 from shardtrain.errors import ConfigError
 from shardtrain.testing import run_distributed
 

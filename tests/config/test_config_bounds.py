@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from shardtrain.cli import main
-from shardtrain.config.schema import MAX_TIMEOUT_S, MIN_TIMEOUT_S, inspect_config, load_config
+from shardtrain.config.sections import MAX_TIMEOUT_S, MIN_TIMEOUT_S, inspect_config, load_config
 from shardtrain.errors import ConfigError
 
 

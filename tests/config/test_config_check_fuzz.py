@@ -18,9 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shardtrain.cli import main
-from shardtrain.config.schema import (
+from shardtrain.config.plan import check_layout
+from shardtrain.config.sections import (
     INT64_MAX,
-    check_layout,
     inspect_config,
     load_config,
     optimizer_class_and_kwargs,

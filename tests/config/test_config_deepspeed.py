@@ -6,7 +6,7 @@ import pytest
 from pydantic import BaseModel
 
 from shardtrain.config.deepspeed_keys import ALIASES, RULES, RULES_BY_PATH, Kind, markdown_table
-from shardtrain.config.schema import Config, inspect_config, load_config
+from shardtrain.config.sections import Config, inspect_config, load_config
 from shardtrain.errors import ConfigError
 
 DOC = Path(__file__).parents[2] / "docs" / "config.md"
@@ -119,11 +119,12 @@ def test_diagnostics_turned_on_are_accepted_with_a_warning(config, instead, capl
 def test_min_loss_scale_zero_is_no_floor():
     """DeepSpeed runs ``fp16.min_loss_scale: 0`` (Megatron-DeepSpeed's scripts write it): the scale halves at every
     overflow, with no floor."""
-    from shardtrain.zero.precision import LossScaler
+    from shardtrain.config.plan import precision_policy
+    from shardtrain.precision.loss_scaler import LossScaler
 
     cfg = load_config({"fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 2, "min_loss_scale": 0,
                                 "hysteresis": 1}})  # fmt: skip
-    scaler = LossScaler.from_config(cfg)
+    scaler = LossScaler.from_policy(precision_policy(cfg).loss_scale)
     for _ in range(5):
         scaler.update(overflow=True)
     assert scaler.scale == 2.0**-3

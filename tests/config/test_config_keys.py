@@ -33,7 +33,7 @@ from torch import nn
 import shardtrain
 from shardtrain.cli import main
 from shardtrain.config.deepspeed_keys import NO_EFFECT_WHEN, RULES, Kind
-from shardtrain.config.schema import inspect_config
+from shardtrain.config.sections import inspect_config
 from shardtrain.distributed.mesh import pick_device
 from shardtrain.errors import (
     CollectiveTimeoutError,

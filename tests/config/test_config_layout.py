@@ -4,16 +4,15 @@ against that dp, mics and hpZ group sizes; ``check_layout`` gives the verdicts `
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from shardtrain.cli import main
-from shardtrain.config.schema import check_layout, load_config
+from shardtrain.config.plan import check_layout, resolve_plan
+from shardtrain.config.sections import load_config
 from shardtrain.distributed import mesh
-from shardtrain.errors import ConfigError, LayoutError
-from shardtrain.zero.hpz import refuse_unbuilt_hpz
+from shardtrain.errors import ConfigError
 
 
 def check(tmp_path, capsys, world: int, **config) -> tuple[int, str]:
@@ -68,7 +67,8 @@ class _Laid(Exception):
 
 
 def _topology_verdict(monkeypatch, cfg, world: int) -> int | str:
-    """dp, or the refusal, of init_topology (and refuse_unbuilt_hpz) at ``world`` without a process group."""
+    """dp, or the refusal, of what initialize does at ``world`` without a process group: the plan at the job's world
+    size, then init_topology over its dimensions."""
     monkeypatch.setattr(mesh, "pick_device", lambda device: torch.device("cpu"))
     monkeypatch.setattr(mesh, "ensure_process_group", lambda timeout_s, device=None: False)
     monkeypatch.setattr(mesh.dist, "get_world_size", lambda group=None: world)
@@ -77,25 +77,14 @@ def _topology_verdict(monkeypatch, cfg, world: int) -> int | str:
         raise _Laid(axes)
 
     monkeypatch.setattr(mesh, "_make_mesh_groups", laid)
-    z = cfg.zero_optimization
     try:
-        mesh.init_topology(
-            tp=cfg.tensor_parallel.degree,
-            sp=cfg.sequence_parallel_size,
-            shard_size=z.mics_shard_size,
-            hpz_size=z.zero_hpz_partition_size if z.stage == 3 else 1,
-        )
-    except LayoutError as err:
+        mesh.init_topology(resolve_plan(cfg, mesh.join_world()).dims)
+    except ConfigError as err:
         return str(err).split()[0]
     except _Laid:
         pass
     tp, sp = cfg.tensor_parallel.degree, cfg.sequence_parallel_size
-    dp = world // (tp * sp)
-    try:
-        refuse_unbuilt_hpz(cfg, SimpleNamespace(dp=dp, sp=sp, tp=tp))
-    except ConfigError as err:
-        return str(err).split()[0]
-    return dp
+    return world // (tp * sp)
 
 
 def _layout_verdict(cfg, world: int) -> int | str:

@@ -15,7 +15,7 @@ import inspect
 import pytest
 import torch
 
-from shardtrain.config.schema import gradient_predivide, load_config
+from shardtrain.config.sections import gradient_predivide, load_config
 from shardtrain.testing import run_distributed
 
 from helpers.parity import Recipe, assert_parity, engine_run, reference_run

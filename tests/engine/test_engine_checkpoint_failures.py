@@ -13,7 +13,7 @@ import pytest
 import torch.distributed as dist
 
 import shardtrain.checkpoint.writer as writer
-import shardtrain.engine.training_state as engine_checkpoint
+import shardtrain.engine.checkpointing as engine_checkpoint
 from shardtrain.errors import CheckpointError
 from shardtrain.testing import run_distributed
 

@@ -4,8 +4,8 @@ is then skipped in the kernel, without reading it on the host); a section that s
 import pytest
 import torch
 
-from shardtrain.config.schema import load_config
-from shardtrain.engine.build import build_optimizer
+from shardtrain.config.sections import load_config
+from shardtrain.engine.optimizers import build_optimizer
 
 
 def _built(section: dict, device: str) -> torch.optim.Optimizer:

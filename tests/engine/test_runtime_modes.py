@@ -1,5 +1,5 @@
 """One battery, run in eager and in graph mode at ZeRO stage 3 ([Note: one runtime, two implementations] in
-``zero/runtime.py``): whatever the engine offers around a step gives the same results in both modes, or graph mode
+``runtime/interface.py``): whatever the engine offers around a step gives the same results in both modes, or graph mode
 refuses it clearly before anything runs.
 
 The battery, world 2, plain SGD (a wrongly scaled or missing gradient moves a parameter by exactly that much), two

@@ -15,9 +15,9 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import shardtrain
+from shardtrain.construction.sharded_init import _RECIPES, chunk_values, is_under_construction
 from shardtrain.errors import ConfigError
 from shardtrain.testing import run_distributed
-from shardtrain.zero.init import _RECIPES, chunk_values, is_under_construction
 
 from helpers.moe_cases import VOCAB, tiny_moe
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from shardtrain.config.schema import check_layout, load_config
+from shardtrain.config.plan import check_layout
+from shardtrain.config.sections import load_config
 from shardtrain.distributed.mesh import make_groups
 from shardtrain.errors import ConfigError
 
@@ -124,6 +125,7 @@ def test_init_topology_cuts_expert_groups_from_the_sequence_parallel_ranks_or_sa
 
     from shardtrain.distributed import mesh
     from shardtrain.errors import LayoutError
+    from shardtrain.plan.dims import ParallelDims
 
     monkeypatch.setattr(mesh, "pick_device", lambda device: torch.device("cpu"))
     monkeypatch.setattr(mesh, "ensure_process_group", lambda timeout_s, device=None: False)
@@ -136,7 +138,7 @@ def test_init_topology_cuts_expert_groups_from_the_sequence_parallel_ranks_or_sa
 
     monkeypatch.setattr(mesh, "_make_mesh_groups", make_mesh_groups)
     with pytest.raises((LayoutError, RuntimeError)) as err:
-        mesh.init_topology(tp=tp, sp=sp, ep=ep)
+        mesh.init_topology(ParallelDims(world, tp=tp, sp=sp, ep=ep))
     if words is None:
         assert laid == {"sp": sp, "shard_size": world // tp, "ep": ep}, laid
     else:

@@ -379,7 +379,7 @@ def test_plans_are_read_as_transformers_declares_them():
 
 
 def _load(extra: dict):
-    from shardtrain.config.schema import load_config
+    from shardtrain.config.sections import load_config
 
     return load_config({"train_micro_batch_size_per_gpu": 1, **extra})
 

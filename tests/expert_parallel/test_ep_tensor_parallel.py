@@ -13,7 +13,8 @@ import torch.distributed as dist
 import transformers
 
 import shardtrain
-from shardtrain.config.schema import check_layout, load_config
+from shardtrain.config.plan import check_layout
+from shardtrain.config.sections import load_config
 from shardtrain.distributed.mesh import make_groups
 from shardtrain.errors import ConfigError
 from shardtrain.tensor_parallel import assemble_blocks

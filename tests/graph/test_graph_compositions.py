@@ -17,9 +17,10 @@ import torch
 import torch.distributed as dist
 
 import shardtrain
-from shardtrain.config.schema import load_config
+from shardtrain.config.plan import precision_policy
+from shardtrain.config.sections import load_config
+from shardtrain.precision.loss_scaler import LossScaler
 from shardtrain.testing import run_distributed
-from shardtrain.zero.precision import LossScaler
 
 from helpers.tp_cases import (
     Case,
@@ -144,7 +145,7 @@ def reference_run(options: dict, dp: int) -> dict:
         for g in opt.param_groups:
             g["params"] = [masters[p] for p in g["params"]]
         model.half()
-    scaler = LossScaler.from_config(load_config(_config(options, False))) if fp16 else None
+    scaler = LossScaler.from_policy(precision_policy(load_config(_config(options, False))).loss_scale) if fp16 else None
     mid_run = dict(model.named_parameters())[MID_RUN]
     batches = global_batches(CASE, dp)
     out = {"losses": [], "norms": [], "scales": [], "skipped": [], "init": init}
@@ -296,7 +297,7 @@ def test_graph_zero3_collectives_are_counted_in_comm_stats():
     * A training step: the same reduce-scatters (one per trainable bucket and micro-step, in the fp16 wire dtype)
       and the same all-reduce (the gradient norm), calls, bytes and bytes sent.
     * Its all-gathers: both modes keep the root unit and the last unit of the forward gathered for the backward
-      that follows ([Note: kept after forward] in ``zero/unit_runtime.py``, [Note: kept in the graph] in
+      that follows ([Note: kept after forward] in ``runtime/eager.py``, [Note: kept in the graph] in
       ``graph/sharded.py``), so per micro-step every bucket is gathered twice less the root unit and the last block,
       in the graph from the first step on and the same in eager from its second step on (its first forward, not
       knowing the order yet, releases the last block and gathers it again in backward)."""

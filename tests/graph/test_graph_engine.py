@@ -191,11 +191,11 @@ def test_zero3_graph_equals_eager_zero3():
 
 def test_graph_config_errors_name_the_key():
     with pytest.raises(ConfigError, match=r"graph\.compiler"):
-        shardtrain.config.schema.load_config({"graph": {"enabled": True, "compiler": "tvm"}})
+        shardtrain.config.sections.load_config({"graph": {"enabled": True, "compiler": "tvm"}})
     with pytest.raises(ConfigError, match=r"graph\.cache_size"):
-        shardtrain.config.schema.load_config({"graph": {"cache_size": 0}})
+        shardtrain.config.sections.load_config({"graph": {"cache_size": 0}})
     with pytest.raises(ConfigError, match=r"graph\.capture"):
-        shardtrain.config.schema.load_config({"graph": {"capture": True}})
+        shardtrain.config.sections.load_config({"graph": {"capture": True}})
 
 
 def _graph_zero3_until_killed(victim: int, point: str) -> None:

@@ -1,5 +1,5 @@
 """Graph-mode ZeRO-3 keeps from forward to backward exactly what eager ZeRO-3 keeps: the root unit and the last unit
-of the forward order ([Note: kept after forward] in ``zero/unit_runtime.py``, [Note: kept in the graph] in
+of the forward order ([Note: kept after forward] in ``runtime/eager.py``, [Note: kept in the graph] in
 ``graph/sharded.py``), so both modes gather the same bytes per step and hold the same units between forward and
 backward.
 

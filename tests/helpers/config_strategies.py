@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from shardtrain.config.auto import AUTO_VALUE_KEYS
 from shardtrain.config.deepspeed_keys import ALIASES, RULES_BY_PATH
-from shardtrain.config.schema import Config
+from shardtrain.config.sections import Config
 
 
 def _model_paths(model, prefix: str = "") -> list[str]:

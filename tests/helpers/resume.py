@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import shardtrain
-from shardtrain.zero.weights import state_tensors
+from shardtrain.zero.layout import state_tensors
 
 VOCAB, DIM, SEQ, ROWS = 13, 8, 5, 6  # 6 rows split evenly over 1, 2 or 3 ranks
 STEPS, SAVE_AT = 6, 3

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import shardtrain
-from shardtrain.config.schema import inspect_config
+from shardtrain.config.sections import inspect_config
 from shardtrain.testing import run_distributed
 
 from helpers.parity import (

@@ -155,7 +155,7 @@ def grad_peak(nvme: str, offload_grads: bool) -> dict:
     import ctypes
     import gc
 
-    from shardtrain.engine import build
+    from shardtrain.engine import parallelize as build
     from shardtrain.models.gpt import GPT, GPTConfig
     from shardtrain.offload.optimizer_state import GradientSinks
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import shardtrain
-from shardtrain.config.schema import load_config, optimizer_class_and_kwargs
+from shardtrain.config.sections import load_config, optimizer_class_and_kwargs
 from shardtrain.errors import ConfigError
 from shardtrain.optim.adam import DeepSpeedAdam
 from shardtrain.testing import run_distributed

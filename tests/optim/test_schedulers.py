@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from shardtrain.config.schema import SchedulerConfig
+from shardtrain.config.sections import SchedulerConfig
 from shardtrain.optim.schedulers import LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR, build_scheduler
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported: no GPU probing

@@ -33,7 +33,7 @@ from torch import nn
 
 import shardtrain
 from shardtrain.config.deepspeed_keys import ALIASES
-from shardtrain.config.schema import inspect_config, load_config
+from shardtrain.config.sections import inspect_config, load_config
 from shardtrain.errors import CheckpointError, ConfigError, ShardtrainError
 from shardtrain.testing import run_distributed
 

@@ -208,7 +208,7 @@ def _odd(case: Case) -> dict:
 
 def _one_process_values(build, seed: int) -> dict:
     """What a one-process deferred build materializes: every element from its position in the whole tensor."""
-    from shardtrain.zero.init import _RECIPES, chunk_values
+    from shardtrain.construction.sharded_init import _RECIPES, chunk_values
 
     torch.manual_seed(seed)
     with shardtrain.zero.Init(deferred=True):
@@ -264,8 +264,8 @@ def test_global_flat_index_inverts_shard_block():
 def test_recorded_initializations_replay_on_blocks():
     """What Init(deferred) records is replayed with the distributions asked for, and a block computed on its own
     (a fused weight split with stride 3 over 3 ranks) equals that block of the whole tensor."""
+    from shardtrain.construction.sharded_init import _RECIPES, chunk_values
     from shardtrain.distributed.placement import TPPlacement, shard_block
-    from shardtrain.zero.init import _RECIPES, chunk_values
 
     class Inits(nn.Module):
         def __init__(self):
@@ -307,7 +307,7 @@ def test_recorded_initializations_replay_on_blocks():
 def _pretrained(path: str, case: Case) -> dict:
     from transformers import LlamaForCausalLM
 
-    import shardtrain.zero.weights as weights
+    import shardtrain.weights.loading as weights
 
     cfg = config_for(case, stage=3, tp=2)
     reads = []

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 import shardtrain
-from shardtrain.config.schema import load_config
+from shardtrain.config.sections import load_config
 from shardtrain.errors import ConfigError, LayoutError
 from shardtrain.estimate import estimate_memory
 from shardtrain.testing import run_distributed

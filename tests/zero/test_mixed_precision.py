@@ -8,8 +8,8 @@ import torch.distributed as dist
 
 import shardtrain
 from shardtrain.errors import ConfigError, ShardtrainError
+from shardtrain.precision.loss_scaler import LossScaler
 from shardtrain.testing import run_distributed
-from shardtrain.zero.precision import LossScaler
 
 from helpers.parity import VOCAB, Recipe, global_micro_batches, make_model, make_optimizer
 
@@ -221,7 +221,7 @@ def test_dynamic_scaler_hysteresis_and_growth():
 
 
 def test_precision_config_errors():
-    from shardtrain.config.schema import inspect_config, load_config
+    from shardtrain.config.sections import inspect_config, load_config
     from shardtrain.errors import ConfigError
 
     cases = {

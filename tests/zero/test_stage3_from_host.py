@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from shardtrain.config.schema import ZeroConfig
-from shardtrain.engine.build import move_whole_parts
+from shardtrain.engine.parallelize import move_whole_parts
+from shardtrain.plan.policies import ZeroPolicy
 from shardtrain.zero.layout import build_buckets
 
 META = torch.device("meta")
@@ -35,8 +35,8 @@ def _where(model: nn.Module) -> dict[str, str]:
 def test_initialize_moves_what_stays_whole_and_leaves_units_to_the_layout(stage):
     model = Net()
     optimizer_holds = list(model.parameters())
-    zcfg = ZeroConfig(stage=stage, stage3_param_persistence_threshold=1000)
-    move_whole_parts(model, zcfg, types.SimpleNamespace(device=META, tp=1))
+    zero = ZeroPolicy.for_stage(stage, persistence_threshold=1000)
+    move_whole_parts(model, zero, types.SimpleNamespace(device=META, tp=1))
     where = _where(model)
     unit_sized = {"big.weight", "head.weight"}
     for name, device in where.items():
@@ -48,7 +48,7 @@ def test_initialize_moves_what_stays_whole_and_leaves_units_to_the_layout(stage)
 
 def test_with_tensor_parallelism_the_whole_model_moves_first():
     model = Net()
-    move_whole_parts(model, ZeroConfig(stage=3), types.SimpleNamespace(device=META, tp=2))
+    move_whole_parts(model, ZeroPolicy.for_stage(3), types.SimpleNamespace(device=META, tp=2))
     assert set(_where(model).values()) == {"meta"}
 
 

@@ -14,7 +14,7 @@ from shardtrain.errors import ShardtrainError
 from shardtrain.models.gpt import GPT, GPTConfig
 from shardtrain.tensor_parallel import GPT_TP_PLAN
 from shardtrain.testing import run_distributed
-from shardtrain.zero.weights import Conversion, KeyMap
+from shardtrain.weights.loading import Conversion, KeyMap
 
 GPT_CONFIG = GPTConfig(vocab_size=64, seq_len=8, d_model=32, n_layer=2, n_head=4)
 

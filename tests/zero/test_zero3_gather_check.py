@@ -1,4 +1,4 @@
-"""ZeRO-3's unit-order check issued one unit ahead for prefetches ([Note: unit order check] in zero/unit_runtime.py):
+"""ZeRO-3's unit-order check issued one unit ahead for prefetches ([Note: unit order check] in runtime/eager.py):
 the exchange is not waited for at the moment of the gather, it still precedes every data gather, and a rank whose
 path departs from the committed unit still pairs its collectives with the other ranks'."""
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 import shardtrain
 from shardtrain.checkpoint import open_checkpoint
-from shardtrain.config.schema import load_config
+from shardtrain.config.sections import load_config
 from shardtrain.errors import ConfigError, LayoutError
 from shardtrain.testing import run_distributed
 

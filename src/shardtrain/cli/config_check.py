@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import argparse
 
-from shardtrain.config.schema import check_layout, inspect_config, resolve_batch_sizes
+from shardtrain.config.plan import ineffective_offload_keys, refuse_on_device, resolve_plan
+from shardtrain.config.sections import inspect_config, resolve_batch_sizes
 from shardtrain.errors import ConfigError
 
 
@@ -35,25 +36,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check_file(path: str, world_size: int | None = None, device: str | None = None) -> tuple[bool, list[str]]:
-    """(usable, report lines) for one file."""
+    """(usable, report lines) for one file: the config's own problems, then the plan ``initialize`` would build
+    from it (:func:`~shardtrain.config.plan.resolve_plan`) at ``world_size`` ranks on ``device``."""
     report = inspect_config(path)
     problems, no_effect = list(report.problems), list(report.no_effect)
     if report.config is not None and device is not None:
-        from shardtrain.engine.build import refuse_on_device
-        from shardtrain.offload.optimizer_state import ineffective_offload_keys
-
         try:
             refuse_on_device(report.config, device)
         except ConfigError as err:
             problems.append(f"{err} (device {device}: initialize refuses it)")
-        no_effect += [
-            f"{note} (device {device})" for note in ineffective_offload_keys(report.config.zero_optimization, device)
-        ]
+        no_effect += [f"{note} (device {device})" for note in ineffective_offload_keys(report.config, device)]
     if report.config is not None and world_size is not None:
         cfg = report.config
         batch_keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
         try:
-            dp = check_layout(cfg, world_size)
+            dp = resolve_plan(cfg, world_size).dims.dp
             if not any(k in report.autos for k in batch_keys):  # "auto" batch sizes are derived to fit
                 resolve_batch_sizes(cfg, dp)
         except ConfigError as err:

@@ -1,5 +1,5 @@
 """Checkpoint keys the way transformers reads them: :func:`hf_key_mapper` builds the
-:class:`~shardtrain.zero.weights.KeyMap` of a Hub checkpoint from transformers' own key conversion.
+:class:`~shardtrain.weights.loading.KeyMap` of a Hub checkpoint from transformers' own key conversion.
 
 transformers 5 keeps, per model type or class, a list of weight transforms (``conversion_mapping.py``): renamings
 (``embed_out.`` -> ``lm_head.`` for GPT-NeoX, ``encoder.layer.`` -> ``layers.`` for ViT, ``block_sparse_moe`` ->
@@ -8,7 +8,7 @@ transformers 5 keeps, per model type or class, a list of weight transforms (``co
 ``from_pretrained`` applies them forward. We call the same functions, in the same order
 (``get_model_conversion_mapping``, then ``rename_source_key`` per key in ``dot_natural_key`` order, as
 ``convert_and_load_state_dict_in_model`` does), and the converters' own operations make the fused tensors; we only
-decide which rank reads which entries ([Note: converted rows] in :mod:`shardtrain.zero.weights`). No map of our own.
+decide which rank reads which entries ([Note: converted rows] in :mod:`shardtrain.weights.loading`). No map of our own.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from shardtrain.errors import ShardtrainError
-from shardtrain.zero.weights import Conversion, KeyMap, KeyMapper, Loader, TensorHeader
+from shardtrain.weights.loading import Conversion, KeyMap, KeyMapper, Loader, TensorHeader
 
 __all__ = ["hf_key_mapper"]
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from shardtrain.checkpoint.hf_config import hf_config_objects
 from shardtrain.compat.hf_keys import hf_key_mapper
-from shardtrain.config.schema import Config, load_config
+from shardtrain.config.sections import Config, load_config
 from shardtrain.engine.engine import Engine, OptimizerArg, SchedulerArg, initialize
 from shardtrain.errors import ShardtrainError
 
@@ -96,7 +96,7 @@ def from_pretrained(
 
     hf_config = AutoConfig.from_pretrained(str(path))
     if cfg.zero_optimization.stage == 3 or cfg.tensor_parallel.degree > 1 or cfg.expert_parallel_size > 1:
-        from shardtrain.zero.init import Init
+        from shardtrain.construction.sharded_init import Init
 
         with Init(cfg):  # deferred (on meta) with tensor or expert parallelism: each rank makes only its blocks
             model = _build(model_cls, hf_config, dtype, model_kwargs or {})

@@ -50,15 +50,15 @@ import torch
 from torch import nn
 
 from shardtrain.config.auto import resolve_auto
-from shardtrain.config.schema import Config, load_config
+from shardtrain.config.plan import resolve_plan
+from shardtrain.config.sections import Config, load_config
 from shardtrain.distributed.communicator import Communicator
-from shardtrain.distributed.mesh import init_topology
+from shardtrain.distributed.mesh import init_topology, join_world
 from shardtrain.engine import initialize, shutdown
 from shardtrain.engine.engine import Engine
 from shardtrain.errors import ConfigError, ShardtrainError
+from shardtrain.runtime.eager import EagerRuntime
 from shardtrain.zero.build import build_layout
-from shardtrain.zero.precision import policy_from_config
-from shardtrain.zero.unit_runtime import EagerRuntime
 
 log = logging.getLogger("shardtrain")
 
@@ -128,7 +128,11 @@ def shard_frozen_model(model: nn.Module, config: Config, auto_values: dict[str, 
     # as TRL's prepare_deepspeed: a model that is never stepped takes no optimizer, scheduler nor optimizer offload
     data.pop("optimizer", None)
     data.pop("scheduler", None)
+    # nor is it split: the trained model's ZeRO layout, without its tensor and expert axes and hpZ's secondary shards
+    data.pop("tensor_parallel", None)
+    data.pop("expert_parallel_size", None)
     data.get("zero_optimization", {}).pop("offload_optimizer", None)
+    data.get("zero_optimization", {}).pop("zero_hpz_partition_size", None)
     cfg = load_config(data)
     if cfg.sequence_parallel_size != 1:
         raise ConfigError(
@@ -136,11 +140,11 @@ def shard_frozen_model(model: nn.Module, config: Config, auto_values: dict[str, 
             f"{cfg.sequence_parallel_size}; use precompute_ref_log_probs=True or a peft model (its reference is the "
             "model with the adapter disabled)"
         )
-    topology = init_topology(
-        tp=1, timeout_s=cfg.collective_timeout_s, shard_size=cfg.zero_optimization.mics_shard_size, device=cfg.device
-    )
+    world = join_world(cfg.collective_timeout_s, cfg.device)
+    topology = init_topology(resolve_plan(cfg, world).dims, cfg.collective_timeout_s, cfg.device)
     cfg = resolve_auto(cfg, dp=topology.dp, model=model, auto_values=auto_values)
-    policy = policy_from_config(cfg)
+    plan = resolve_plan(cfg, world)
+    policy = plan.precision
     model.requires_grad_(False)  # never trained: nothing is reduced and no gradient is kept for it
     with torch.no_grad():
         for p in model.parameters():
@@ -152,20 +156,19 @@ def shard_frozen_model(model: nn.Module, config: Config, auto_values: dict[str, 
                     m._buffers[name] = buf.to(policy.compute_dtype)
     model.to(topology.device)
     model.eval()
-    zcfg = cfg.zero_optimization
-    if zcfg.stage != 3:
+    if not plan.zero.shard_parameters:
         return None
     comm = Communicator(topology.shard_group, topology.timeout_s)
     dp_comm = Communicator(topology.zero_group, topology.timeout_s) if topology.hybrid else comm
-    layout = build_layout(model, zcfg, comm, dp_comm=dp_comm)  # rank 0's values, this rank's shards cut
+    layout = build_layout(model, plan.zero, comm, dp_comm=dp_comm)  # rank 0's values, this rank's shards cut
     if not layout.unit_buckets:  # every parameter under stage3_param_persistence_threshold: all stay whole
         return None
     return EagerRuntime(
         model,
         layout.unit_buckets,
         comm,
-        zcfg.stage3_prefetch_bucket_size,
-        zcfg.stage3_gather_check,
+        plan.prefetch,
+        plan.zero.gather_check,
         check_group=topology.host_shard_group,
     )
 

@@ -36,7 +36,7 @@ from typing import Any
 from torch import nn
 
 from shardtrain.config.deepspeed_keys import is_auto, unknown_key_message
-from shardtrain.config.schema import Config, ZeroConfig, inspect_config, resolve_batch_sizes
+from shardtrain.config.sections import Config, ZeroConfig, inspect_config, resolve_batch_sizes
 from shardtrain.errors import ConfigError
 
 # auto_values name -> the config keys it fills (dots) when they are "auto" (and must match when they are not).

@@ -2,7 +2,7 @@
 
 One table (:data:`RULES`) says for each key of DeepSpeed's config reference whether it is
 
-* **supported**: same meaning as in DeepSpeed (a field of :class:`shardtrain.config.schema.Config`);
+* **supported**: same meaning as in DeepSpeed (a field of :class:`shardtrain.config.sections.Config`);
 * **accepted, no effect**: the value is checked, then dropped, because what it asks for is what shardtrain always
   does, or it tunes machinery shardtrain does not have;
 * **refused value**: some values are accepted (without effect), the others asked for something not built here;
@@ -1139,7 +1139,7 @@ class NoEffectWhen:
     reason: str
     """Why the key does nothing there."""
     when: Callable[[Any], bool]
-    """Of the validated :class:`shardtrain.config.schema.Config`: whether it is in that mode (an ``"auto"`` value that
+    """Of the validated :class:`shardtrain.config.sections.Config`: whether it is in that mode (an ``"auto"`` value that
     decides the mode counts as not: it is resolved later)."""
 
 

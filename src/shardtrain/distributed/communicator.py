@@ -177,7 +177,7 @@ def remove_wait_probe(probe: Callable[[], None]) -> None:
 # On gloo (the backend measured; the host-side groups are gloo under NCCL too) a collective's wait() blocks the host
 # until every peer has joined it or the group's timeout fires. A peer that will never join, though alive and able to say
 # so (ZeRO-3's unit order: a rank that departed from the order every rank was trusted to follow, [Note: unit order
-# check] in shardtrain.zero.unit_runtime), would leave this rank waiting for the whole collective timeout. So while a
+# check] in shardtrain.runtime.eager), would leave this rank waiting for the whole collective timeout. So while a
 # probe is registered, a wait on a host-blocking backend waits in slices of WAIT_PROBE_S (gloo's ``Work.wait(timeout)``
 # raises at the slice's end and leaves the collective in flight; measured: the collective completes normally afterwards
 # and the group stays usable) and runs the probes between slices: a few store reads, and only when a wait already took

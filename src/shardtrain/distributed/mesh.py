@@ -82,6 +82,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from shardtrain.distributed import failure
 from shardtrain.distributed.watchdog import backend_margin_s
 from shardtrain.errors import LayoutError, ShardtrainError
+from shardtrain.plan.dims import ParallelDims
 
 _ATTEMPT_STORE_KEY = "shardtrain/attempt_store"
 """In torchrun's shared store: ``<port> <token>`` of this attempt's store, hosted by rank 0 (see [Note: restarts
@@ -654,62 +655,42 @@ class Topology:
         return self.host_groups.tp
 
 
-def init_topology(
-    tp: int = 1,
-    timeout_s: float = 1800.0,
-    shard_size: int = -1,
-    sp: int = 1,
-    hpz_size: int = 1,
-    device: str | None = None,
-    ep: int = 1,
-) -> Topology:
-    """Create (or adopt) the process group and the ``(dp, tp)`` device mesh (``(replicate, shard, tp)`` with
-    ``shard_size``, the config's ``mics_shard_size``; -1: no hybrid sharding; ``(dp, sp, tp)`` with ``sp``, the
-    config's ``sequence_parallel_size``), and check the layout is possible. ``hpz_size``: the config's
-    ``zero_hpz_partition_size`` at stage 3 (0 or 1: off), checked and given its group here without tensor or sequence
-    parallelism and hybrid sharding (``initialize`` refuses those combinations by name afterwards). ``device``: the
-    config's ``device`` (:func:`pick_device`). ``ep``: the config's ``expert_parallel_size`` (see [Note: the expert
-    axis]), checked against the data-parallel size here; the combinations it is not built with are refused by
-    ``initialize``."""
+def join_world(timeout_s: float = 1800.0, device: str | None = None) -> int:
+    """Make (or adopt) the default process group on this rank's device (``device``: the config's, see
+    :func:`pick_device`) and return the number of processes: what the plan's dimensions are resolved at."""
+    ensure_process_group(timeout_s, pick_device(device))
+    return dist.get_world_size()
+
+
+def init_topology(dims: ParallelDims, timeout_s: float = 1800.0, device: str | None = None) -> Topology:
+    """The device mesh and the engine's groups for ``dims`` (validated when they were made: every refusal of a size
+    is :class:`~shardtrain.plan.dims.ParallelDims`'): ``(dp, tp)``, ``(replicate, shard, tp)`` with hybrid sharding
+    ([Note: the hybrid mesh]), ``(dp, sp, tp)`` with sequence parallelism ([Note: the sequence axis]), ``(edp, ep,
+    tp)`` with expert parallelism ([Note: the expert axis]). Makes or adopts the default process group first."""
     dev = pick_device(device)
     created = ensure_process_group(timeout_s, dev)
     world = dist.get_world_size()
-    if sp != 1:
-        return _init_sequence_topology(tp, timeout_s, shard_size, sp, created, world, dev, ep)
-    if tp < 1 or world % tp:
-        raise LayoutError(
-            f"tensor_parallel.size {tp} does not divide the {world} processes of this job: the data-parallel size "
-            f"is world / tensor_parallel.size, so choose one of {[d for d in range(1, world + 1) if world % d == 0]}"
-        )
-    dp = world // tp
-    shard = dp if shard_size == -1 else shard_size
-    if shard < 1 or dp % shard:
-        divisors = [d for d in range(1, dp + 1) if dp % d == 0]
-        raise LayoutError(
-            f"zero_optimization.mics_shard_size {shard_size} does not divide the data-parallel size {dp} (world "
-            f"{world} / tensor_parallel.size {tp}): state is sharded within groups of mics_shard_size ranks and "
-            f"replicated across the groups, so choose one of {divisors} (or -1 to shard over all {dp})"
-        )
-    replicas = dp // shard
-    if ep < 1 or dp % ep:
-        within = f"world {world}" + (f" / tensor_parallel.size {tp}" if tp != 1 else "")
-        raise LayoutError(
-            f"expert_parallel_size (ep_size) {ep} does not divide the data-parallel size {dp} ({within}): the "
-            f"ranks of an expert group are data-parallel ranks, and the ranks holding the same experts are dp / "
-            f"ep_size of them, so choose one of {[d for d in range(1, dp + 1) if dp % d == 0]}"
-        )
-    hpz = _hpz_size(hpz_size, dp, world) if tp == 1 and replicas == 1 else 1
+    if dims.world != world:
+        raise LayoutError(f"the layout was planned for {dims.world} processes, but this job has {world}")
+    tp, sp, dp, ep, shard = dims.tp, dims.sp, dims.dp, dims.ep, dims.shard
+    axes = {"sp": sp} if sp > 1 else {"hpz_size": dims.hpz}  # hpZ is not built with sequence parallelism
     device, backend, groups, host_groups, own = _make_mesh_groups(
-        dev, world, tp, timeout_s, created, shard_size=shard, hpz_size=hpz, ep=ep
+        dev, world, tp, timeout_s, created, shard_size=shard, ep=ep, **axes
     )
-    if replicas > 1:  # see [Note: the hybrid mesh]
-        ranks = torch.arange(world).view(replicas, shard, tp)
-        axes = [groups.replicate, groups.shard, groups.tp]
-        mesh = DeviceMesh.from_group(axes, device.type, mesh=ranks, mesh_dim_names=("replicate", "shard", "tp"))
+    if sp > 1:
+        ranks = torch.arange(world).view(dp, sp, tp)
+        mesh = DeviceMesh.from_group(
+            [groups.dp, groups.sp, groups.tp], device.type, mesh=ranks, mesh_dim_names=("dp", "sp", "tp")
+        )
+    elif dims.replicas > 1:  # see [Note: the hybrid mesh]
+        ranks = torch.arange(world).view(dims.replicas, shard, tp)
+        mesh_axes = [groups.replicate, groups.shard, groups.tp]
+        mesh = DeviceMesh.from_group(mesh_axes, device.type, mesh=ranks, mesh_dim_names=("replicate", "shard", "tp"))
     elif ep > 1:  # see [Note: the expert axis]: (edp, ep) cut the dp axis at each tp rank
         ranks = torch.arange(world).view(dp // ep, ep, tp)
-        axes = [groups.edp, groups.ep, groups.tp]
-        mesh = DeviceMesh.from_group(axes, device.type, mesh=ranks, mesh_dim_names=("edp", "ep", "tp"))
+        mesh = DeviceMesh.from_group(
+            [groups.edp, groups.ep, groups.tp], device.type, mesh=ranks, mesh_dim_names=("edp", "ep", "tp")
+        )
     else:
         ranks = torch.arange(world).view(dp, tp)
         mesh = DeviceMesh.from_group([groups.dp, groups.tp], device.type, mesh=ranks, mesh_dim_names=("dp", "tp"))
@@ -724,26 +705,12 @@ def init_topology(
         groups=groups,
         host_groups=host_groups,
         tp=tp,
-        replicas=replicas,
-        hpz_size=hpz,
+        replicas=dims.replicas,
+        sp=sp,
+        hpz_size=dims.hpz,
         ep=ep,
         own_groups=own,
     )
-
-
-def _hpz_size(hpz_size: int, dp: int, world: int) -> int:
-    """ZeRO++ hpZ's group size in effect: 1 when off (0 or 1, as in DeepSpeed) or when it spans every data-parallel
-    rank (the secondary shard would be the whole group's gather: plain ZeRO-3)."""
-    if hpz_size <= 1:
-        return 1
-    if dp % hpz_size:
-        divisors = [d for d in range(1, dp + 1) if dp % d == 0]
-        raise LayoutError(
-            f"zero_optimization.zero_hpz_partition_size {hpz_size} does not divide the data-parallel size {dp} (world "
-            f"{world}): each group of that many adjacent ranks keeps a secondary copy of the parameter shards, so "
-            f"choose one of {divisors} (the ranks of one node), or 1 to turn hpZ off"
-        )
-    return hpz_size if hpz_size < dp else 1
 
 
 def _make_mesh_groups(
@@ -784,72 +751,3 @@ def _make_mesh_groups(
     groups, host_groups = make_groups(dist.get_rank(), world, tp, backend, whole, new_group, **axes)
     _check_one_rank_per_device(device, host_groups.world)
     return device, backend, groups, host_groups, tuple(made)
-
-
-def _init_sequence_topology(
-    tp: int,
-    timeout_s: float,
-    shard_size: int,
-    sp: int,
-    created: bool,
-    world: int,
-    device: torch.device,
-    ep: int = 1,
-) -> Topology:
-    """The ``(dp, sp, tp)`` mesh of [Note: the sequence axis], with hybrid sharding's groups over its ``dp * sp``
-    ranks when ``shard_size`` is not -1, and the expert groups cut from the same ranks when ``ep`` is not 1 ([Note:
-    experts under sequence parallelism])."""
-    if tp < 1 or world % tp:
-        raise LayoutError(
-            f"tensor_parallel.size {tp} does not divide the {world} processes of this job; choose one of "
-            f"{[d for d in range(1, world + 1) if world % d == 0]}"
-        )
-    if sp < 1 or world % (sp * tp):
-        sizes = [d for d in range(1, world // tp + 1) if world % (d * tp) == 0]
-        raise LayoutError(
-            f"sequence_parallel_size {sp} does not divide the {world} processes of this job"
-            + (f" (with tensor_parallel.size {tp}: {world // tp} ranks per tensor-parallel block)" if tp != 1 else "")
-            + ": the data-parallel size is world / (sequence_parallel_size * tensor_parallel.size), so choose one of "
-            f"{sizes}"
-        )
-    dp = world // (sp * tp)
-    zero = dp * sp
-    shard = zero if shard_size == -1 else shard_size
-    if shard < 1 or zero % shard:
-        divisors = [d for d in range(1, zero + 1) if zero % d == 0]
-        raise LayoutError(
-            f"zero_optimization.mics_shard_size {shard_size} does not divide the {zero} ranks ZeRO shards over "
-            f"(data-parallel size {dp} x sequence_parallel_size {sp}): under sequence parallelism state is sharded "
-            f"over the data- and sequence-parallel ranks together, within groups of mics_shard_size and replicated "
-            f"across the groups, so choose one of {divisors} (or -1 to shard over all {zero})"
-        )
-    if ep < 1 or zero % ep:
-        raise LayoutError(
-            f"expert_parallel_size (ep_size) {ep} does not divide the {zero} ranks ZeRO shards over (data-parallel "
-            f"size {dp} x sequence_parallel_size {sp}): under sequence parallelism every one of them holds other "
-            "tokens, an expert group is ep_size adjacent ones and the ranks holding the same experts are "
-            f"{zero} / ep_size of them, so choose one of {[d for d in range(1, zero + 1) if zero % d == 0]}"
-        )
-    device, backend, groups, host_groups, own = _make_mesh_groups(
-        device, world, tp, timeout_s, created, sp=sp, shard_size=shard, ep=ep
-    )
-    ranks = torch.arange(world).view(dp, sp, tp)
-    mesh = DeviceMesh.from_group(
-        [groups.dp, groups.sp, groups.tp], device.type, mesh=ranks, mesh_dim_names=("dp", "sp", "tp")
-    )
-    return Topology(
-        rank=dist.get_rank(),
-        world_size=world,
-        dp=dp,
-        device=device,
-        backend=backend,
-        mesh=mesh,
-        timeout_s=timeout_s,
-        groups=groups,
-        host_groups=host_groups,
-        tp=tp,
-        replicas=zero // shard,
-        sp=sp,
-        ep=ep,
-        own_groups=own,
-    )

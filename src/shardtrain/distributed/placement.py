@@ -168,7 +168,7 @@ def global_flat_index(placement: TPPlacement | None, rank: int, size: int, local
 
     The inverse of :func:`shard_block` element by element, computed without the whole tensor: construction uses
     it to give each element of a block the value its position in the whole tensor defines
-    ([Note: deferred construction] in :mod:`shardtrain.zero.init`)."""
+    ([Note: deferred construction] in :mod:`shardtrain.construction.sharded_init`)."""
     if placement is None or placement.dim is None or size == 1:
         return local
     dim, stride, whole = placement.dim, placement.stride, placement.global_shape

@@ -1,6 +1,6 @@
-"""``initialize`` and the :class:`Engine`: the parts built from (model, config, mesh) (:mod:`.build`),
-forward / backward / step with accumulation (:mod:`.engine`), the training state saved and loaded
-(:mod:`.training_state`) and the monitor (:mod:`.monitor`)."""
+"""``initialize`` and the :class:`Engine`: the parts built from (model, plan, mesh) (:mod:`.build`),
+forward / backward / step with accumulation (:mod:`.engine`), checkpoint save and load (:mod:`.checkpointing`)
+and the monitor (:mod:`.monitor`)."""
 
 from shardtrain.engine.engine import Engine, initialize
 

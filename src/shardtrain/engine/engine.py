@@ -27,26 +27,14 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from shardtrain.checkpoint.async_save import AsyncSaver
 from shardtrain.config.auto import resolve_auto
-from shardtrain.config.schema import Config, cast_inputs_half, load_config, resolve_batch_sizes
+from shardtrain.config.plan import ineffective_offload_keys, resolve_plan
+from shardtrain.config.sections import Config, cast_inputs_half, load_config, resolve_batch_sizes
 from shardtrain.distributed import failure
 from shardtrain.distributed.communicator import Communicator, collecting, merge_stats
-from shardtrain.distributed.mesh import Topology, destroy_own_groups, init_topology, release_groups
+from shardtrain.distributed.mesh import Topology, destroy_own_groups, init_topology, join_world, release_groups
 from shardtrain.distributed.watchdog import stop_watchdog
 from shardtrain.engine import shutdown
-from shardtrain.engine.build import (
-    OptimizerArg,
-    Parts,
-    SchedulerArg,
-    broadcast_model,
-    build_lr_scheduler,
-    build_optimizer,
-    build_parts,
-    move_whole_parts,
-    refuse_sharded_construction,
-    refuse_unbuilt,
-)
-from shardtrain.engine.monitor import StepMetrics, check_monitor_packages
-from shardtrain.engine.training_state import (
+from shardtrain.engine.checkpointing import (
     COUNTERS,
     TrainingState,
     full_state_dict,
@@ -54,21 +42,17 @@ from shardtrain.engine.training_state import (
     load_full_weights,
     save_engine,
 )
-from shardtrain.errors import ConfigError, LayoutError, OptimizerError
-from shardtrain.expert_parallel import expert_weights, install_expert_parallel
-from shardtrain.tensor_parallel import check_same_batch, parallelize
-from shardtrain.tensor_parallel.parallelize import check_replicated_gradients
-from shardtrain.zero.host_read import HostRead
-from shardtrain.zero.init import (
-    ExpertRows,
-    expert_rows_cut,
-    is_deferred,
-    materialize_deferred,
-    record_initialization,
-)
+from shardtrain.engine.monitor import StepMetrics, check_monitor_packages
+from shardtrain.engine.optimizers import OptimizerArg, SchedulerArg, build_lr_scheduler, build_optimizer
+from shardtrain.engine.parallelize import Parts, parallelize
+from shardtrain.errors import ConfigError, OptimizerError
+from shardtrain.host_read import HostRead
+from shardtrain.plan import Plan
+from shardtrain.precision.mixed import check_parameter_dtypes
+from shardtrain.tensor_parallel import check_same_batch
+from shardtrain.weights.loading import KeyMapper
 from shardtrain.zero.optimizer import check_optimizer
-from shardtrain.zero.precision import check_parameter_dtypes, policy_from_config
-from shardtrain.zero.weights import KeyMapper
+from shardtrain.zero.units import find_unit_modules
 
 log = logging.getLogger("shardtrain")
 
@@ -87,13 +71,14 @@ class _PendingOverflow:
 class Engine:
     """Trains ``module`` data-parallel with ZeRO; build it with :func:`initialize`.
 
-    Its parts come from :func:`shardtrain.engine.build.build_parts`; around each step it asks its runtime (eager or
-    graph, [Note: one runtime, two implementations]) to run the forward and to prepare and finish the backward."""
+    Its parts come from :func:`shardtrain.engine.parallelize.parallelize`; around each step it asks its runtime (eager
+    or graph, [Note: one runtime, two implementations]) to run the forward and to prepare and finish the backward."""
 
     def __init__(
         self,
         module: nn.Module,
         config: Config,
+        plan: Plan,
         topology: Topology,
         optimizer: torch.optim.Optimizer,
         lr_scheduler: LRScheduler | None,
@@ -102,7 +87,7 @@ class Engine:
     ) -> None:
         """``communicators``: every communicator built for this engine, released at :meth:`close` (the list
         :func:`~shardtrain.distributed.communicator.collecting` fills while ``initialize`` builds it)."""
-        self.module, self.config, self.topology = module, config, topology
+        self.module, self.config, self.plan, self.topology = module, config, plan, topology
         self.train_batch_size, self.micro_batch_size, self.gradient_accumulation_steps = resolve_batch_sizes(
             config, topology.dp
         )
@@ -148,7 +133,7 @@ class Engine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.config.fp16.enabled is True and self.config.fp16.auto_cast:  # DeepSpeed: positional inputs only
+        if self.plan.precision.cast_inputs:  # fp16's auto_cast; DeepSpeed: positional inputs only
             args = cast_inputs_half(args)
         call = self._runtime.prepare(args, kwargs)
         communicates = self.tp_comm is not None or self._sp is not None or bool(self._expert_comms)
@@ -266,7 +251,7 @@ class Engine:
         overflows is skipped on the device: parameters, masters and optimizer state stay as they were, and the loss
         scaler backs off, without the host waiting to learn it. The host learns it at the next step, or when it asks
         (``skipped_steps``, the scheduler through ``engine.lr_scheduler``, ``get_lr``, a checkpoint), from a copy made
-        at the step (see [Note: reading device values a step later] in :mod:`shardtrain.zero.host_read`). Meanwhile
+        at the step (see [Note: reading device values a step later] in :mod:`shardtrain.host_read`). Meanwhile
         the scheduler has stepped as if the step were applied; an overflow puts its state and the learning rates
         back, before the next step reads them, so every step uses the learning rate DeepSpeed's would (its scheduler
         does not step on an overflow). An overflow at the minimum scale raises then, a step late. Other optimizers
@@ -501,7 +486,7 @@ class Engine:
         return client_state
 
     def _training_state(self) -> TrainingState:
-        """What the checkpoint code reads and restores (see :mod:`shardtrain.engine.training_state`)."""
+        """What the checkpoint code reads and restores (see :mod:`shardtrain.engine.checkpointing`)."""
         return TrainingState(
             module=self.module,
             layout=self.layout,
@@ -529,7 +514,7 @@ class Engine:
         safetensors file(s) or a directory with ``model.safetensors`` / ``model.safetensors.index.json``.
         Tied parameters may appear under any of their names. With ``strict``, missing or unexpected names
         are an error; without, a warning names them. Peak memory: a rank's fragments plus one tensor (see
-        :mod:`shardtrain.zero.weights`). ``key_map`` (files only): how the files' keys become the model's names
+        :mod:`shardtrain.weights.loading`). ``key_map`` (files only): how the files' keys become the model's names
         (default: they are); :func:`shardtrain.from_pretrained` passes transformers' own key conversion.
         """
         self._agree("load_full_state_dict")
@@ -615,10 +600,10 @@ def initialize(
     if not isinstance(model, nn.Module):
         raise TypeError(f"initialize() expects an nn.Module, got {type(model).__name__}")
     with collecting() as comms:  # released by close(): see [Note: what the engine starts and who joins it]
-        return _build(model, cfg, optimizer, lr_scheduler, auto_values, tp_plan, comms)
+        return _initialize(model, cfg, optimizer, lr_scheduler, auto_values, tp_plan, comms)
 
 
-def _build(
+def _initialize(
     model: nn.Module,
     cfg: Config,
     optimizer: OptimizerArg,
@@ -627,23 +612,21 @@ def _build(
     tp_plan: Mapping[str, str] | None,
     communicators: list[Communicator],
 ) -> Engine:
-    topology = init_topology(
-        tp=cfg.tensor_parallel.degree,
-        timeout_s=cfg.collective_timeout_s,
-        shard_size=cfg.zero_optimization.mics_shard_size,
-        sp=cfg.sequence_parallel_size,
-        hpz_size=cfg.zero_optimization.zero_hpz_partition_size if cfg.zero_optimization.stage == 3 else 1,
-        device=cfg.device,
-        ep=cfg.expert_parallel_size,
-    )
-    # "auto" values are resolved before the model is touched
+    world = join_world(cfg.collective_timeout_s, cfg.device)
+    # the plan's layout refusals, before any group is made; "auto" values need its data-parallel size
+    topology = init_topology(resolve_plan(cfg, world).dims, cfg.collective_timeout_s, cfg.device)
+    # "auto" values are resolved before the model is touched; the plan the engine is built from holds them
     cfg = resolve_auto(cfg, dp=topology.dp, model=model, auto_values=auto_values)
+    plan = resolve_plan(cfg, world, topology.device.type)
     if topology.rank == 0:
         log.info("shardtrain config: %s", cfg.model_dump_json(exclude_unset=True))
     resolve_batch_sizes(cfg, topology.dp)  # fail on batch-size mistakes before touching the model
-    refuse_unbuilt(cfg, topology, model)
+    if plan.zero.shard_parameters and plan.zero.unit_classes:
+        find_unit_modules(model, plan.zero.unit_classes)  # names the classes the model does not have
+    for note in ineffective_offload_keys(cfg, topology.device.type):
+        log.warning(note)
     check_monitor_packages(cfg)  # an enabled tensorboard/wandb monitor without its package
-    check_parameter_dtypes(model, policy_from_config(cfg))  # a bf16 model without a bf16 section, ...
+    check_parameter_dtypes(model, plan.precision)  # a bf16 model without a bf16 section, ...
     if not any(p.requires_grad for p in model.parameters()):
         raise OptimizerError(
             f"{type(model).__name__} has no trainable parameters (none with requires_grad=True): nothing to train"
@@ -651,57 +634,14 @@ def _build(
     # the optimizer and scheduler are refused, or built, before the model is touched: moving it to its device, the
     # tensor-parallel split and deferred construction keep every parameter object the optimizer holds
     opt = build_optimizer(model, cfg, optimizer, topology.device)
-    check_optimizer(opt, model, cfg.zero_optimization.stage, cfg.zero_allow_untested_optimizer)
+    check_optimizer(opt, model, plan.zero.stage, cfg.zero_allow_untested_optimizer)
     scheduler = build_lr_scheduler(cfg, opt, lr_scheduler)
     if cfg.seed is not None:
         random.seed(cfg.seed)
         np.random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
-    # built under zero.Init(config) with tensor parallelism, or on meta: its parameters are made below as chunks
-    deferred = is_deferred(model)
-    if deferred:
-        record_initialization(model)  # reset_parameters() of a model built on meta without Init, before the split
-    if not deferred:
-        move_whole_parts(model, cfg.zero_optimization, topology)
-    # with tensor parallelism the experts stay whole on every tp rank ([Note: experts beside tensor parallelism])
-    whole_experts = expert_weights(model, topology.ep) if topology.ep > 1 and topology.tp > 1 else None
-    tp_comm, placements = None, None
-    if topology.tp > 1:  # split the layers before anything is laid out or built over the parameters
-        tp_comm = Communicator(topology.tp_group, topology.timeout_s)
-        if not deferred:  # deferred values are the same on every rank by construction: nothing to broadcast
-            refuse_sharded_construction(model)
-            broadcast_model(model, Communicator(topology.world_group, topology.timeout_s))
-        # a plan given at size 1 splits nothing: same script. A deferred model's gradient check needs real parameters
-        placements = parallelize(
-            model,
-            tp_plan,
-            tp_comm,
-            check_replicated_grads=not deferred,
-            whole_experts=whole_experts,
-            compute_dtype=policy_from_config(cfg).compute_dtype,
-        )
-        if not any(p.is_split for p in placements.values()):
-            raise LayoutError(
-                f"tensor_parallel.size is {topology.tp} but the tensor-parallel plan splits no parameter of "
-                f"{type(model).__name__}: its patterns match none of the model's module names (a model wrapped in "
-                "another module has longer names; pass initialize(tp_plan=...) with the full names)"
-            )
-    experts, rows = None, None
-    if topology.ep > 1:  # each rank keeps its experts of rank 0's model (see [Note: the expert axis])
-        ep_comm = Communicator(topology.ep_group, topology.timeout_s)
-        edp_comm = Communicator(topology.edp_group, topology.timeout_s)
-        if not deferred:  # meta rows are cut as they are: see [Note: experts under sharded construction]
-            broadcast_model(model, Communicator(topology.zero_group, topology.timeout_s), split="expert-parallel")
-        ids = install_expert_parallel(model, ep_comm, expert_rows_cut(edp_comm), tp_comm)
-        experts, rows = (ids, ep_comm), ExpertRows(ids, edp_comm, topology.ep_rank, topology.ep)
-    if deferred:  # each rank's data-parallel chunk of its tensor-parallel block (or experts' rows), nothing more
-        dp_comm = Communicator(topology.zero_group, topology.timeout_s)
-        materialize_deferred(model, placements, dp_comm, topology.tp_rank, topology.tp, topology.device, rows)
-        if tp_comm is not None:
-            check_replicated_gradients(model, placements, tp_comm)
-    # from here on only resources can fail (a full disk, a lost peer): see shardtrain.engine.build
-    parts = build_parts(model, cfg, topology, opt, placements, tp_comm, experts)
-    return Engine(model, cfg, topology, opt, scheduler, parts, communicators)
+    parts = parallelize(model, plan, topology, opt, cfg, tp_plan)
+    return Engine(model, cfg, plan, topology, opt, scheduler, parts, communicators)
 
 
 def _describe(x: Any) -> str:

@@ -60,7 +60,7 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from shardtrain.config.schema import Config, MonitorConfig, WandbConfig
+from shardtrain.config.sections import Config, MonitorConfig, WandbConfig
 from shardtrain.errors import ConfigError
 from shardtrain.tree import iter_tensors
 

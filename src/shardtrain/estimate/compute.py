@@ -49,10 +49,13 @@ from shardtrain.estimate.experts import GroupedMatmulShapes, has_experts, split_
 from shardtrain.estimate.sequence import as_fake, install_sequence_parallel, refuse_shared_config, split_batch
 from shardtrain.estimate.source import ModelSource, loss_of
 from shardtrain.expert_parallel import expert_weights
+from shardtrain.plan.policies import PrefetchPolicy
 from shardtrain.zero.layout import Bucket
 from shardtrain.zero.units import find_unit_modules
 
 FP32 = torch.float32
+
+NO_PREFETCH = PrefetchPolicy(budget=0)
 
 
 class _Done:
@@ -222,7 +225,7 @@ class _Gathers:
     unpacks a saved weight: the same moment, within one operator)."""
 
     def __init__(
-        self, model: nn.Module, units: list[tuple[nn.Module, int, int]], root: int, prefetch: int, gloo: bool
+        self, model: nn.Module, units: list[tuple[nn.Module, int, int]], root: int, prefetch: PrefetchPolicy, gloo: bool
     ) -> None:
         self.units, self.root_bytes, self.prefetch, self.gloo = units, root, prefetch, gloo
         self.alive: dict[int, torch.Tensor] = {}
@@ -254,7 +257,7 @@ class _Gathers:
             torch.empty(nbytes, dtype=torch.uint8)
 
     def _ahead(self, i: int) -> None:
-        if 0 <= i < len(self.units) and self.prefetch > 0 and self.units[i][2] <= self.prefetch:
+        if 0 <= i < len(self.units) and self.prefetch.ahead(self.units[i][2]):
             self._gather(i)
 
     def _root_pre(self, module, args) -> None:
@@ -321,7 +324,7 @@ def measure_compute(
     sp: int = 1,
     gloo: bool = False,
     units: list[tuple[str, int, int]] | None = None,
-    prefetch_numel: int = 0,
+    prefetch: PrefetchPolicy = NO_PREFETCH,
     module_peaks: bool = False,
     models: dict | None = None,
     progress: Callable[[int, int], None] | None = None,
@@ -381,7 +384,7 @@ def measure_compute(
             modules = dict(model.named_modules())
             blocks = [(modules[n], b, k) for n, b, k in units[::-1] if n != "<root>"]
             root = sum(b for n, b, _ in units if n == "<root>")
-            gathers = _Gathers(model, blocks, root, prefetch_numel, gloo)
+            gathers = _Gathers(model, blocks, root, prefetch, gloo)
         tracker = MemTracker() if module_peaks else _peak_only_tracker()
         tracker.track_external(model)
         # a dispatch mode costs Python time per operator: only models with experts call grouped matmuls

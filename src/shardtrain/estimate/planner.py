@@ -28,14 +28,15 @@ from typing import Any
 import torch
 import yaml
 
-from shardtrain.config.schema import Config, check_layout, load_config
+from shardtrain.config.plan import resolve_plan
+from shardtrain.config.sections import Config, load_config
 from shardtrain.errors import ConfigError, LayoutError, ShardtrainError
 from shardtrain.estimate.compute import ComputePeak, build_fake, measure_compute, model_key, prepare_models
 from shardtrain.estimate.experts import expert_counts, split_experts
 from shardtrain.estimate.sequence import install_sequence_parallel
 from shardtrain.estimate.source import ModelSource, resolve_source
 from shardtrain.estimate.state import RankState, rank_state
-from shardtrain.zero.precision import policy_from_config
+from shardtrain.plan import Plan
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 HYBRID_KEYS = ("mics_shard_size", "zero_hpz_partition_size")
@@ -290,13 +291,13 @@ def layout_from_config(raw: Mapping[str, Any], world: int, seq_len: int, checkpo
     )
 
 
-def _check_layout(layout: Layout, cfg: Config, device_type: str) -> None:
-    """What ``initialize`` refuses of the layout, in its words (``check_layout``: tensor-, sequence- and
-    expert-parallel sizes, hybrid sharding, hpZ; the config's own validation ran in :func:`layout_config`), and what
-    the planner does not plan."""
+def _plan(layout: Layout, cfg: Config, device_type: str) -> Plan:
+    """The plan ``initialize`` builds for the layout, refusing what it refuses in its words (the parallel sizes and
+    the combinations; the config's own validation ran in :func:`layout_config`), and what the planner does not
+    plan."""
     if layout.world < 1:
         raise ConfigError(f"the world size must be at least 1, got {layout.world}")
-    check_layout(cfg, layout.world)
+    plan = resolve_plan(cfg, layout.world)
     if layout.dtype not in _DTYPES:
         raise ConfigError(f"dtype {layout.dtype!r}: use one of {', '.join(_DTYPES)}")
     if layout.offload_param != "none" and device_type == "cuda":
@@ -305,6 +306,7 @@ def _check_layout(layout: Layout, cfg: Config, device_type: str) -> None:
             "built for CPU-only machines, docs/offload.md), so there is nothing to estimate; offload the optimizer "
             "instead, or estimate for --device cpu"
         )
+    return plan
 
 
 # -- the estimate ----------------------------------------------------------------------------------------
@@ -415,9 +417,8 @@ def _prepare(
 ) -> _Prepared:
     """The layout's model state (from the engine's layout code) and the fake run it needs, not run yet."""
     cfg = layout_config(raw, layout)
-    _check_layout(layout, cfg, device_type)  # what initialize refuses, in its words (expert layouts included)
-    zcfg = cfg.zero_optimization
-    precision = policy_from_config(cfg)
+    plan = _plan(layout, cfg, device_type)  # what initialize refuses, in its words (expert layouts included)
+    zero, offload, precision = plan.zero, plan.offload, plan.precision
     compute = precision.compute_dtype
     moments, steps = _optimizer_kind(cfg, optimizer)
     # with sequence parallelism the model as initialize leaves it (Ulysses installed, refusing what it refuses): the
@@ -425,11 +426,11 @@ def _prepare(
     fake, experts = _fake_model(source, layout.tp, layout.ep, tp_plan, cache, layout.sp)
     n_params = sum(p.numel() for p in _fake_model(source, 1, 1, tp_plan, cache)[0].parameters())
     # gradient shards in swap files: as offload/optimizer_state.py's build_gradient_sinks decides
-    grads_in_files = zcfg.offload_optimizer.device == "nvme" and zcfg.stage >= 2 and device_type == "cpu"
+    grads_in_files = offload.optimizer.device == "nvme" and zero.shard_gradients and device_type == "cpu"
     grads_in_files = grads_in_files and layout.tp == 1 and layout.shard_group == layout.zero
     st = rank_state(
-        fake, zcfg, layout.shard_group, 0, compute, moments, steps, device_type, grads_in_files, experts, layout.ep,
-        layout.zero // layout.ep,
+        fake, zero, offload, layout.shard_group, 0, compute, moments, steps, device_type, grads_in_files, experts,
+        layout.ep, layout.zero // layout.ep,
     )  # fmt: skip
     buffers = sum(b.numel() * (compute if b.dtype == torch.float32 else b.dtype).itemsize for b in fake.buffers())
     reduce = precision.reduce_dtype if precision.mixed else None
@@ -438,7 +439,7 @@ def _prepare(
     key = (layout.tp, layout.ep, layout.sp, compute, layout.micro_batch, layout.seq_len, layout.checkpointing, reduce)
     # stages 0 and 1 run the same replay (a gradient kept in its flat buffer); 2 stages its buckets, 3 also gathers
     key += (max(layout.stage, 1), tuple(staged) if layout.stage >= 2 else None, tuple(units))
-    key += (zcfg.stage3_prefetch_bucket_size, device_type == "cpu")
+    key += (plan.prefetch, device_type == "cpu")
     run = {
         "source": source,
         "tp": layout.tp,
@@ -450,13 +451,13 @@ def _prepare(
         "bucket_names": st.bucket_names,
         "reduce_dtype": reduce,
         "checkpointing": layout.checkpointing,
-        "unit_classes": zcfg.stage3_unit_classes,
+        "unit_classes": zero.unit_classes,
         "tp_plan": tp_plan,
         "ep": layout.ep,
         "sp": layout.sp,
         "gloo": device_type == "cpu",  # gloo's collectives' buffers (compute.py's module docstring)
         "units": units or None,
-        "prefetch_numel": zcfg.stage3_prefetch_bucket_size,
+        "prefetch": plan.prefetch,
         "module_peaks": not cache.get("fast", True),
         "models": cache.setdefault("models", {}) if cache.get("fast", True) else None,
     }

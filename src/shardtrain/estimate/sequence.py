@@ -59,7 +59,7 @@ class ShapeOnlyGroup:
 
 def install_sequence_parallel(model: nn.Module, sp: int, tp: int = 1) -> Any:
     """Rank 0's view of ``model`` (fake tensors, already split for ``tp``) under Ulysses of size ``sp``, as
-    ``engine/build.py`` installs it: the splitter of its inputs, with the exchange around its attention. Refuses
+    ``engine/parallelize.py`` installs it: the splitter of its inputs, with the exchange around its attention. Refuses
     what ``initialize`` refuses (a size that does not divide the heads, a model whose sequence cannot be split), in
     its words."""
     from shardtrain.sequence_parallel import install_ulysses, make_splitter

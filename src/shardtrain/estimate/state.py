@@ -31,11 +31,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from shardtrain.config.schema import ZeroConfig
 from shardtrain.offload.optimizer_state import make_sub_groups
 from shardtrain.offload.swap import ALIGN
+from shardtrain.plan.policies import OffloadPolicy, ZeroPolicy
 from shardtrain.zero.layout import Bucket, build_buckets, group_by_size
-from shardtrain.zero.policy import ZeroPolicy
 from shardtrain.zero.units import assign_parameters, find_unit_modules
 
 FP32 = torch.float32
@@ -79,7 +78,7 @@ def _stand_ins(model: nn.Module) -> dict[int, nn.Parameter]:
 
 def plan_buckets(
     model: nn.Module,
-    zcfg: ZeroConfig,
+    policy: ZeroPolicy,
     world: int,
     rank: int,
     experts: frozenset[int] = frozenset(),
@@ -90,7 +89,6 @@ def plan_buckets(
     ``experts``: the ids of the expert parameters of a model split for expert parallelism of size ``ep``, laid
     out over the ``expert_world`` ranks holding the same experts (``dp / ep``; None: ``world / ep``, which it is
     without hybrid sharding; this rank's index there: ``rank // ep``)."""
-    policy = ZeroPolicy.for_stage(zcfg.stage)
     proxy = _stand_ins(model)
     # the ranks holding this rank's experts, and its index there; with hybrid sharding too they are all dp / ep of
     # them (expert buckets are never replicated: [Note: expert buckets] in zero/layout.py)
@@ -102,9 +100,9 @@ def plan_buckets(
     units: list[tuple[str, list[int]]] = []
     buckets: list[Bucket] = []
     if policy.shard_parameters:  # as zero/build.py's _plan_units
-        unit_modules = find_unit_modules(model, zcfg.stage3_unit_classes)
+        unit_modules = find_unit_modules(model, policy.unit_classes)
         groups = assign_parameters(model, unit_modules)
-        threshold = zcfg.stage3_param_persistence_threshold
+        threshold = policy.persistence_threshold
         outside = [(n, p) for g in groups for n, p in g if p.numel() < threshold and p.requires_grad]
         named = [*[n for n, _ in unit_modules[::-1]], "<root>"]
         params_of = [*groups[:-1][::-1], groups[-1]]
@@ -133,11 +131,11 @@ def plan_buckets(
     # the group, then the expert buckets over theirs
     dense_outside = [(n, p) for n, p in outside if id(p) not in experts]
     buckets += build_buckets(
-        group_by_size(swap(dense_outside), zcfg.reduce_bucket_size), world, rank, first_index=len(buckets)
+        group_by_size(swap(dense_outside), policy.reduce_bucket_size), world, rank, first_index=len(buckets)
     )
     moe_outside = [(n, p) for n, p in outside if id(p) in experts]
     if moe_outside:
-        grouped = group_by_size(swap(moe_outside), zcfg.reduce_bucket_size)
+        grouped = group_by_size(swap(moe_outside), policy.reduce_bucket_size)
         for b in build_buckets(grouped, ep_world, ep_rank, first_index=len(buckets)):
             b.expert = True
             buckets.append(b)
@@ -153,7 +151,8 @@ def _itemsize(dtype: torch.dtype, compute: torch.dtype) -> int:
 
 def rank_state(
     model: nn.Module,
-    zcfg: ZeroConfig,
+    policy: ZeroPolicy,
+    offload: OffloadPolicy,
     world: int,
     rank: int,
     compute: torch.dtype,
@@ -168,11 +167,10 @@ def rank_state(
     """Bytes of one rank whose ZeRO shard group has ``world`` ranks and which is ``rank`` in it; ``grads_in_files``:
     the gradient shards are in swap files (``GradOffload`` in offload/gradients.py; the caller knows tp and hybrid).
     ``experts``, ``ep``, ``expert_world``: expert parallelism, as :func:`plan_buckets` takes them."""
-    policy = ZeroPolicy.for_stage(zcfg.stage)
     mixed = compute != FP32
-    buckets, units, whole = plan_buckets(model, zcfg, world, rank, experts, ep, expert_world)
+    buckets, units, whole = plan_buckets(model, policy, world, rank, experts, ep, expert_world)
     st = RankState(buckets=buckets, bucket_names=[[s.name for s in b.slots] for b in buckets])
-    opt_dev, par_dev = zcfg.offload_optimizer.device, zcfg.offload_param.device
+    opt_dev, par_dev = offload.optimizer.device, offload.param.device
 
     # parameters (Engine.state_bytes)
     unit_of = {i: name for name, idx in units for i in idx}
@@ -182,7 +180,7 @@ def rank_state(
     mapped_units = set()
     if par_dev == "nvme":  # the first units (layout order) stay in memory up to max_in_cpu elements
         for name, _ in units:
-            if kept + unit_shards[name] <= zcfg.offload_param.max_in_cpu:
+            if kept + unit_shards[name] <= offload.param.max_in_cpu:
                 kept += unit_shards[name]
             else:
                 mapped_units.add(name)
@@ -218,7 +216,7 @@ def rank_state(
     steps = 4 * n_params if step_scalars else 0
     opt: dict[str, int] = {}
     if opt_dev == "nvme":
-        groups = make_sub_groups(stepped, zcfg.sub_group_size, zcfg.offload_optimizer.ratio)
+        groups = make_sub_groups(stepped, offload.optimizer.sub_group_size, offload.optimizer.ratio)
         on_disk = [i for g in groups if g.offloaded for i in g.members]
         in_mem = [i for g in groups if not g.offloaded for i in g.members]
         opt["nvme"] = sum(masters_per[i] + moments_per[i] for i in on_disk)
@@ -227,10 +225,10 @@ def rank_state(
         # when they are in files, each ALIGN-ed in it): at most the ``buffer_count`` largest sub-groups at once
         keys = moments + (1 if mixed else 0) + (1 if grads_in_files else 0)
         sizes = [sum(keys * (-(-4 * stepped[i] // ALIGN) * ALIGN) for i in g.members) for g in groups if g.offloaded]
-        opt["offload_buffers"] = sum(sorted(sizes)[-zcfg.offload_optimizer.buffer_count :])
+        opt["offload_buffers"] = sum(sorted(sizes)[-offload.optimizer.buffer_count :])
         # the pool keeps each buffer at the size of the last sub-group it held (within FRAME_SLACK), which sub-groups
         # those are depends on when the writes finish: between steps at least the smallest ones
-        st.offload_buffers_least = sum(sorted(sizes)[: zcfg.offload_optimizer.buffer_count])
+        st.offload_buffers_least = sum(sorted(sizes)[: offload.optimizer.buffer_count])
     elif opt_dev == "cpu" and device_type == "cuda":
         # host masters: fp32 copies of the fragments, in fp32 training too; state made on the host
         opt["host"] = sum(4 * n for n in stepped) + sum(moments_per)

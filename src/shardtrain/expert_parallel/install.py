@@ -210,8 +210,8 @@ def install_expert_parallel(
     kept. ``cut(name, p, first, count)`` keeps rows ``[first, first + count)`` of an expert weight: in memory and
     on ``meta`` by slicing (:func:`~shardtrain.expert_parallel.dispatch.keep_rows`); a model built under
     ``zero.Init()`` passes its construction runtime's (see [Note: experts under sharded construction] in
-    ``zero/init.py``). ``tp_comm``: the tensor-parallel group, whose ranks hold the same experts whole and each
-    exchange their share of the tokens ([Note: experts beside tensor parallelism] in :mod:`.dispatch`)."""
+    ``construction/sharded_init.py``). ``tp_comm``: the tensor-parallel group, whose ranks hold the same experts whole
+    and each exchange their share of the tokens ([Note: experts beside tensor parallelism] in :mod:`.dispatch`)."""
     ids = set()
     for name, m in experts_to_split(model, comm.size).items():
         shard_experts(m, comm, name, cut, tp_comm)

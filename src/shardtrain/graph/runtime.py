@@ -1,5 +1,5 @@
 """The graph runtime: the engine's forward runs through captured graphs (see [Note: one runtime, two
-implementations] in :mod:`shardtrain.zero.runtime`).
+implementations] in :mod:`shardtrain.runtime.interface`).
 
 At ZeRO stages 0-2 it is a :class:`~shardtrain.graph.captured.CapturedModule` of the module. At stage 3 the units'
 shards are inputs of the graph, which gathers them and reduce-scatters their gradients itself ([Note: ZeRO-3 as graph
@@ -31,10 +31,10 @@ from shardtrain.graph.schema import Schema, differences
 from shardtrain.graph.sharded import UnitInputs
 from shardtrain.graph.swapped import SwappedShards
 from shardtrain.offload.parameters import ParamOffload
+from shardtrain.runtime.eager import EagerRuntime
+from shardtrain.runtime.interface import Call, Runtime
 from shardtrain.tensor_parallel.grad_check import unchecked
 from shardtrain.zero.reducer import GradientReducer
-from shardtrain.zero.runtime import Call, Runtime
-from shardtrain.zero.unit_runtime import EagerRuntime
 from shardtrain.zero.units import Unit
 
 
@@ -81,7 +81,7 @@ class GraphRuntime(Runtime):
                 comm,
                 lambda b: wire_dtype or b.dtype,
                 reducer.shard_grad,
-                eager.prefetch_numel,
+                eager.prefetch,
                 reducer.overlap,
                 predivide=reducer.predivide,
                 tp_partial=tp_partial,

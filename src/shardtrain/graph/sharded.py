@@ -18,7 +18,7 @@ three steps of ours make the result behave like ZeRO-3 rather than like a model 
    joint graph, :func:`recompute_gathers` marks each all-gather, its wait and the views taken of its output
    ``MUST_RECOMPUTE``: the partitioner saves the shard instead and re-gathers the unit in backward. Two units are
    left unmarked, the ones eager ZeRO-3 keeps gathered from forward to backward ([Note: kept after forward] in
-   :mod:`shardtrain.zero.unit_runtime`): the root unit and the last unit of the forward order (see [Note: kept
+   :mod:`shardtrain.runtime.eager`): the root unit and the last unit of the forward order (see [Note: kept
    in the graph]). Their gathered buffers are saved for backward, which does not gather them again.
    Releasing is then the graph's own liveness: the generated code drops each value after its last use, so a
    unit's full buffer is freed right after the last operation that reads it (a kept unit's, in backward).
@@ -92,6 +92,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from shardtrain.distributed.communicator import Communicator
 from shardtrain.errors import GraphCaptureError
 from shardtrain.graph.swapped import read_shard
+from shardtrain.plan.policies import PrefetchPolicy
 from shardtrain.zero.layout import Bucket
 from shardtrain.zero.units import Unit
 
@@ -163,7 +164,7 @@ class UnitInputs:
     """The ZeRO-3 units of an engine as inputs of the captured graph (see [Note: ZeRO-3 as graph operations]).
 
     ``shard_grad(bucket)`` is the reducer's fp32 gradient shard of a trainable bucket: the sink's ``.grad``;
-    ``prefetch_numel`` and ``overlap`` are ``stage3_prefetch_bucket_size`` and ``overlap_comm`` (see
+    ``prefetch`` and ``overlap`` are the prefetch policy and ``overlap_comm`` (see
     :class:`Settings`); ``predivide`` is the reducer's (``prescale_gradients`` / ``gradient_predivide_factor``);
     ``tp_partial``: with tensor parallelism, the tensor-parallel communicator and the ids of the parameters whose
     gradients are partial sums over it (the graphs' tensor-parallel collectives are counted in its stats())."""
@@ -175,7 +176,7 @@ class UnitInputs:
         comm: Communicator,
         wire_dtype: Callable[[Bucket], torch.dtype],
         shard_grad: Callable[[Bucket], torch.Tensor],
-        prefetch_numel: int,
+        prefetch: PrefetchPolicy,
         overlap: bool = True,
         predivide: float | None = None,
         tp_partial: tuple[Communicator, frozenset[int]] | None = None,
@@ -187,7 +188,7 @@ class UnitInputs:
         self.comms = (comm,) if tp_comm is None or tp_comm.alone else (comm, tp_comm)
         # only ZeRO's all-gathers are re-gathered in backward and scheduled, never tensor parallelism's
         self.settings = Settings(
-            prefetch_numel,
+            prefetch,
             overlap,
             group=comm.group.group_name if not comm.alone else "",
             tensor_parallel=len(self.comms) > 1,
@@ -408,16 +409,20 @@ class Scheduled:
     overlapped: int = 0  # reduce-scatters with compute between their issue and their wait
 
 
+ALWAYS_PREFETCH = PrefetchPolicy(budget=2**62)
+"""Every unit gathered one unit ahead (no budget)."""
+
+
 @dataclass(frozen=True)
 class Settings:
     """The ``zero_optimization`` keys the schedule follows, as eager ZeRO-3 does.
 
-    ``prefetch_numel`` (``stage3_prefetch_bucket_size``): a unit's all-gather is issued one unit ahead only if
-    its buffer has at most this many elements (0: no prefetch, each gather issued right before its first use);
+    ``prefetch``: a unit's all-gather is issued one unit ahead when :meth:`PrefetchPolicy.ahead` admits its buffer
+    (else right before its first use);
     ``overlap`` (``overlap_comm``): each reduce-scatter issued as soon as its gradients exist and waited for when
     the next one is issued (false: issued where autograd computes it and waited for at once)."""
 
-    prefetch_numel: int = 2**62
+    prefetch: PrefetchPolicy = ALWAYS_PREFETCH
     overlap: bool = True
     # the process group of ZeRO's collectives (its name): with tensor parallelism the graph also holds all-gathers
     # and all-reduces over the tensor-parallel group, which the passes leave where they are. None: every one
@@ -470,7 +475,7 @@ def schedule_graph(graph: fx.Graph, settings: Settings = Settings()) -> Schedule
     inputs = [n for n in graph.nodes if n.op == "placeholder"]
     starts_on_kept = is_backward(graph) and any(KEPT in n.meta for n in inputs)
     for previous, (_, group) in zip([None, *placed], placed):
-        fits = _gathered_numel(group[0]) <= settings.prefetch_numel
+        fits = settings.prefetch.ahead(_gathered_numel(group[0]))
         if previous is not None and fits:
             _ready(previous[1]).append(group[0])
         elif previous is None and starts_on_kept and fits and group[0].target is _AG:  # a read alone overlaps nothing

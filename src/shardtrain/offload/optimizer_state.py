@@ -647,33 +647,3 @@ def build_optimizer_offload(
     return OptimizerOffload(
         optimizer, stepped, groups, files, buffer_count, world, pin_memory, fragments, sinks.files, sinks.copies
     )
-
-
-def ineffective_offload_keys(zcfg: Any, device_type: str) -> list[str]:
-    """One sentence per offload key the user set that can have no effect in this configuration on a machine
-    whose devices are ``device_type`` (the engine logs them as warnings at ``initialize``): what was set, why it
-    does nothing here, what to do instead."""
-    opt, param = zcfg.offload_optimizer, zcfg.offload_param
-    prefix, notes = "zero_optimization.", []
-    if opt.device == "cpu" and opt.ratio < 1 and device_type != "cuda":
-        notes.append(
-            f"{prefix}offload_optimizer.ratio {opt.ratio} has no effect with device 'cpu' on a machine without a "
-            "GPU: the ratio splits the step between the host and the GPU, and here all optimizer state is in host "
-            "memory anyway; remove it, or use device 'nvme' (ratio: the share of the state kept in files)"
-        )
-    if opt.device != "none" and opt.pin_memory and device_type != "cuda":
-        notes.append(
-            f"{prefix}offload_optimizer.pin_memory has no effect on a machine without a GPU: page-locked host "
-            "memory only speeds copies to and from a GPU; remove it"
-        )
-    if opt.device == "cpu" and "buffer_count" in opt.model_fields_set:
-        notes.append(
-            f"{prefix}offload_optimizer.buffer_count has no effect with device 'cpu': it counts the buffers that "
-            "swap files are read into (device 'nvme'); remove it"
-        )
-    if param.device == "cpu" and "buffer_count" in param.model_fields_set:
-        notes.append(
-            f"{prefix}offload_param.buffer_count has no effect with device 'cpu': it bounds the units read ahead "
-            "from their swap files (device 'nvme'); remove it"
-        )
-    return notes

@@ -18,7 +18,7 @@ import math
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
-from shardtrain.config.schema import (
+from shardtrain.config.sections import (
     LRRangeTestParams,
     OneCycleParams,
     SchedulerConfig,

@@ -15,12 +15,9 @@ The mesh axis is in :mod:`shardtrain.distributed.mesh` ([Note: the sequence axis
 
 from __future__ import annotations
 
-from typing import Any
-
 from torch import nn
 
 from shardtrain.distributed.communicator import Communicator
-from shardtrain.errors import ConfigError
 from shardtrain.sequence_parallel.inputs import SequenceSplitter
 from shardtrain.sequence_parallel.seq2seq import Seq2SeqSplitter, is_encoder_decoder
 from shardtrain.sequence_parallel.ulysses import install as install_ulysses
@@ -34,7 +31,6 @@ __all__ = [
     "install_ulysses",
     "kv_repeats",
     "make_splitter",
-    "refuse_unbuilt_sequence_parallel",
     "ulysses",
 ]
 
@@ -49,15 +45,3 @@ def make_splitter(module: nn.Module, comm: Communicator) -> SequenceSplitter | P
     if is_encoder_decoder(module):
         return Seq2SeqSplitter(module, comm)
     return SequenceSplitter(module, comm)
-
-
-def refuse_unbuilt_sequence_parallel(cfg: Any) -> None:
-    """What sequence parallelism does not build yet, refused by name before the model is touched (tensor
-    parallelism and hybrid sharding compose with it on one mesh, :mod:`shardtrain.distributed.mesh`)."""
-    if cfg.sequence_parallel_size == 1:
-        return
-    if cfg.graph.enabled:
-        raise ConfigError(
-            f"graph.enabled with sequence_parallel_size {cfg.sequence_parallel_size}: the Ulysses all-to-alls do not "
-            "run in captured graphs yet; turn graph mode off (docs/sequence-parallel.md)"
-        )

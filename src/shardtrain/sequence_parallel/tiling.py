@@ -23,7 +23,7 @@ ignored targets), times the incoming gradient; then ``d hidden = g @ W`` for the
 ZeRO's reducer sees one gradient per parameter per backward, as without tiling (DeepSpeed's version needs its
 ``ds_grad_is_ready`` flag because it calls backward per tile). The hidden states and the weight are saved with
 ``save_for_backward``, so under ZeRO-3 the runtime gathers the weight's unit for backward as for any saved weight
-([Note: gathering for backward] in :mod:`shardtrain.zero.unit_runtime`); a tied weight gets this gradient added
+([Note: gathering for backward] in :mod:`shardtrain.runtime.eager`); a tied weight gets this gradient added
 to the embedding's by autograd. Peak memory of the loss: one tile's logits (and their gradient) instead of all.
 
 [Note: the tiled MLP]
@@ -41,13 +41,13 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from shardtrain.errors import ConfigError
+from shardtrain.plan.policies import TilingPolicy
 
 IGNORE_INDEX = -100
 LOGITS_TILE_BYTES = 1 << 30
@@ -353,18 +353,13 @@ def _enable_hf(model: nn.Module, shards: int | None) -> None:
     model.forward = forward
 
 
-def install(model: nn.Module, cfg: Any) -> None:
-    """The config's tiling at ``initialize``: ``tiled_logits_loss`` and ``tiled_mlp_compute`` (and their
-    ``*_shards``)."""
-    if (cfg.tiled_logits_loss or cfg.tiled_mlp_compute) and cfg.graph.enabled:
-        raise ConfigError(
-            "tiled_logits_loss / tiled_mlp_compute with graph.enabled: the tiled Functions recompute in backward "
-            "outside the captured graphs; turn graph mode or tiling off"
-        )
-    if cfg.tiled_logits_loss:
-        enable_tiled_logits_loss(model, cfg.tiled_logits_loss_shards)
-    if cfg.tiled_mlp_compute:
-        enable_tiled_mlp_compute(model, cfg.tiled_mlp_shards)
+def install(model: nn.Module, tiling: TilingPolicy) -> None:
+    """The plan's tiling at ``initialize``: ``tiled_logits_loss`` and ``tiled_mlp_compute`` (and their ``*_shards``;
+    refused with graph mode by the plan)."""
+    if tiling.logits_loss:
+        enable_tiled_logits_loss(model, tiling.logits_loss_shards)
+    if tiling.mlp:
+        enable_tiled_mlp_compute(model, tiling.mlp_shards)
 
 
 __all__: Sequence[str] = [

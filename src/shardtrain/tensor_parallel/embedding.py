@@ -19,7 +19,7 @@ from shardtrain.distributed.communicator import Communicator
 from shardtrain.distributed.placement import ParameterSharder, ShapeOf, TPPlacement, own_shape
 from shardtrain.errors import LayoutError
 from shardtrain.tensor_parallel.communication import gather_from_tp_region, reduce_from_tp_region
-from shardtrain.tensor_parallel.meaning import local_padding_idx
+from shardtrain.tensor_parallel.keeps_meaning import local_padding_idx
 from shardtrain.tensor_parallel.rng import RegionRNG
 
 

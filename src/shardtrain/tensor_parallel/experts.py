@@ -41,7 +41,7 @@ from torch.func import functional_call
 
 from shardtrain.distributed.placement import TPPlacement, shard_block
 from shardtrain.errors import LayoutError
-from shardtrain.tensor_parallel.meaning import is_fake, probe_mode
+from shardtrain.tensor_parallel.keeps_meaning import is_fake, probe_mode
 
 _TOKENS_PER_EXPERT = 3  # probe tokens: every expert sees a few, in either slot of the top-2
 

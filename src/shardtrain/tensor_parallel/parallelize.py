@@ -43,10 +43,10 @@ from shardtrain.tensor_parallel.embedding import (
 )
 from shardtrain.tensor_parallel.experts import check_experts, share_identity
 from shardtrain.tensor_parallel.grad_check import ReplicatedGradCheck
+from shardtrain.tensor_parallel.keeps_meaning import keeps_module
 from shardtrain.tensor_parallel.latent import install_latent_kv_hook, rope_width
 from shardtrain.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from shardtrain.tensor_parallel.loss import VocabParallelCrossEntropy
-from shardtrain.tensor_parallel.meaning import keeps_module
 from shardtrain.tensor_parallel.placements import (
     check_heads,
     check_tied,

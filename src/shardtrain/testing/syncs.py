@@ -8,7 +8,7 @@ them while its block runs:
 
 - **On the CPU** nothing waits, so it counts what *would* wait on a GPU: the dispatch of the operations that read a
   value or size the output by the data (``SYNCING``), through a dispatch mode. Reading host memory through numpy (as
-  :class:`~shardtrain.zero.host_read.HostRead` does with the pinned copies it made) is not such an operation here or
+  :class:`~shardtrain.host_read.HostRead` does with the pinned copies it made) is not such an operation here or
   there. Copies to the host cannot be told from others on the CPU: the GPU run counts them.
 - **On CUDA** it counts what CUDA itself reports: ``torch.cuda.set_sync_debug_mode("warn")`` warns at every
   synchronizing call, and ``torch.cuda.synchronize`` and the stream's and event's ``synchronize`` are counted as they

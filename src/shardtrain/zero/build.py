@@ -1,4 +1,4 @@
-"""From (model, ZeRO config, data-parallel group, tensor-parallel placements) to the
+"""From (model, ZeRO policy, data-parallel group, tensor-parallel placements) to the
 :class:`~shardtrain.zero.layout.ShardLayout`.
 
 Runs once, at the start of ``Engine.__init__`` (after ``parallelize`` cut the tensor-parallel blocks, before the
@@ -22,20 +22,26 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardtrain.config.schema import ZeroConfig
+from shardtrain.construction.sharded_init import construction_runtime, is_under_construction
 from shardtrain.distributed.communicator import Communicator
 from shardtrain.distributed.placement import TPPlacement
+from shardtrain.plan.policies import ZeroPolicy
 from shardtrain.zero.guarded import guard_of
-from shardtrain.zero.init import construction_runtime, is_under_construction
-from shardtrain.zero.layout import Bucket, ParamRecord, ShardLayout, UnitBuckets, build_buckets, group_by_size
-from shardtrain.zero.policy import ZeroPolicy
+from shardtrain.zero.layout import (
+    Bucket,
+    ParamRecord,
+    ShardLayout,
+    UnitBuckets,
+    build_buckets,
+    group_by_size,
+    state_tensors,
+)
 from shardtrain.zero.units import assign_parameters, find_unit_modules
-from shardtrain.zero.weights import state_tensors
 
 
 def build_layout(
     module: nn.Module,
-    zcfg: ZeroConfig,
+    policy: ZeroPolicy,
     comm: Communicator,
     tp_placements: Mapping[str, Any] | None = None,
     *,
@@ -58,14 +64,13 @@ def build_layout(
     over (see [Note: expert buckets]; at stage 3 each unit's expert parameters are buckets of their own in it), with
     ``ep`` and ``ep_rank`` the expert group's size and this rank's index in it: their records say which experts this
     rank holds ([Note: split parameters] in ``zero/layout.py``)."""
-    policy = ZeroPolicy.for_stage(zcfg.stage)
     sync = dp_comm if dp_comm is not None else comm
     replicas = sync.size // comm.size
-    _finish_construction(module, policy, zcfg.stage3_param_persistence_threshold)
+    _finish_construction(module, policy, policy.persistence_threshold)
     expert_ids, expert_comm = experts if experts is not None else (frozenset(), comm)
     units: list[UnitBuckets] = []
     if policy.shard_parameters:
-        units, outside = _plan_units(module, zcfg, comm, sync, device, (expert_ids, expert_comm))
+        units, outside = _plan_units(module, policy, comm, sync, device, (expert_ids, expert_comm))
         buckets = [b for u in units for b in u.buckets]
     else:
         outside = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
@@ -73,11 +78,11 @@ def build_layout(
     # below stage 3 every trainable parameter, at stage 3 the persistent ones: size-based buckets
     dense = [(n, p) for n, p in outside if id(p) not in expert_ids]
     buckets += build_buckets(
-        group_by_size(dense, zcfg.reduce_bucket_size), comm.size, comm.rank, first_index=len(buckets)
+        group_by_size(dense, policy.reduce_bucket_size), comm.size, comm.rank, first_index=len(buckets)
     )
     moe = [(n, p) for n, p in outside if id(p) in expert_ids]
     if moe:  # see [Note: expert buckets]
-        grouped = group_by_size(moe, zcfg.reduce_bucket_size)
+        grouped = group_by_size(moe, policy.reduce_bucket_size)
         for b in build_buckets(grouped, expert_comm.size, expert_comm.rank, first_index=len(buckets)):
             b.expert = True
             buckets.append(b)
@@ -120,7 +125,7 @@ def _finish_construction(module: nn.Module, policy: ZeroPolicy, threshold: int) 
 
 def _plan_units(
     module: nn.Module,
-    zcfg: ZeroConfig,
+    policy: ZeroPolicy,
     comm: Communicator,
     sync: Communicator,
     device: torch.device | None = None,
@@ -133,9 +138,9 @@ def _plan_units(
     parameters' ids and their expert-data-parallel group; a unit's expert parameters get buckets of their own in it,
     sharded over, gathered within and reduced over that group (see [Note: expert buckets])."""
     expert_ids, expert_comm = experts if experts is not None else (frozenset(), comm)
-    unit_modules = find_unit_modules(module, zcfg.stage3_unit_classes)
+    unit_modules = find_unit_modules(module, policy.unit_classes)
     groups = assign_parameters(module, unit_modules)
-    threshold = zcfg.stage3_param_persistence_threshold
+    threshold = policy.persistence_threshold
     # small parameters stay whole: trainable ones are reduced like stage 2, frozen ones are left alone
     persistent = [(n, p) for g in groups for n, p in g if p.numel() < threshold and p.requires_grad]
     named = [*unit_modules[::-1], ("<root>", module)]
@@ -175,14 +180,14 @@ def _plan_units(
     return specs, persistent
 
 
-def laid_out_whole(module: nn.Module, zcfg: ZeroConfig) -> list[torch.Tensor]:
+def laid_out_whole(module: nn.Module, policy: ZeroPolicy) -> list[torch.Tensor]:
     """The tensors that stay whole on their device: every parameter and buffer below stage 3; at stage 3 the
     buffers and the parameters below the persistence threshold, the others going into units (see [Note: stage 3
     from the host])."""
     buffers = list(module.buffers())
-    if not ZeroPolicy.for_stage(zcfg.stage).shard_parameters:
+    if not policy.shard_parameters:
         return [*module.parameters(), *buffers]
-    return [p for p in module.parameters() if p.numel() < zcfg.stage3_param_persistence_threshold] + buffers
+    return [p for p in module.parameters() if p.numel() < policy.persistence_threshold] + buffers
 
 
 def _retire_construction(params: list[nn.Parameter]) -> None:

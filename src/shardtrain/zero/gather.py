@@ -8,7 +8,7 @@ shim's ``GatheredParameters`` and the graph runtime's ``gathered`` all use. They
 with the two collaborators of a gather (ZeRO++ hpZ's secondary shards, and the parameter offload's swap files, which
 must be read before the all-gather sends from them), that owns a unit's state
 (``SHARDED`` / ``GATHERING`` / ``GATHERED``), its in-flight collectives and the unit-order check ([Note: unit order
-check] in :mod:`shardtrain.zero.unit_runtime`). Its interface is four calls: ``gather(unit, why)`` (optionally
+check] in :mod:`shardtrain.runtime.eager`). Its interface is four calls: ``gather(unit, why)`` (optionally
 asynchronous, waited for by ``wait``), ``release(unit)``, ``release_all()`` and the context manager
 ``gathered(units)`` (gather on entry, release on exit what was sharded before). The eager runtime decides *when*
 (hooks, prefetch, the recorded order); this object decides *how*, and is the only one that issues a unit's
@@ -16,8 +16,8 @@ all-gather or frees its full buffer. Graph mode's gathers are operations inside 
 same units (``GraphRuntime`` builds its bucket specs from ``eager.units``), and what a graph leaves is released here.
 
 Gathers that are not a unit's stay where they are, each with its own reason: zero.Init's construction-time gathers
-(:mod:`shardtrain.zero.init`, before any unit runtime exists) and the all-gathers of updated chunks after an
-optimizer step at stages 1-2 (:mod:`shardtrain.zero.step_gather`, buckets, not units).
+(:mod:`shardtrain.construction.sharded_init`, before any unit runtime exists) and the all-gathers of updated chunks
+after an optimizer step at stages 1-2 (:mod:`shardtrain.zero.step_gather`, buckets, not units).
 """
 
 from __future__ import annotations

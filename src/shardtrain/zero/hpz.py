@@ -33,11 +33,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from shardtrain.distributed.communicator import Communicator, Handle
-from shardtrain.errors import ConfigError
 
 if TYPE_CHECKING:
-    from shardtrain.config.schema import Config
-    from shardtrain.distributed.mesh import Topology
     from shardtrain.zero.layout import Bucket
     from shardtrain.zero.units import Unit
 
@@ -112,28 +109,3 @@ class SecondaryShards:
     def drop_all(self) -> None:
         self._held.clear()
         self.held_bytes = 0
-
-
-def refuse_unbuilt_hpz(cfg: Config, topology: Topology) -> None:
-    """hpZ combinations that are not built, refused by name at ``initialize`` (hpZ with ``mics_shard_size`` is
-    refused when the config is loaded). Below stage 3 the key has no effect, as in DeepSpeed; so has a size of 0 or 1
-    (off) or of every rank ZeRO shards over (one group: plain ZeRO-3), and nothing is refused for them."""
-    zcfg = cfg.zero_optimization
-    size = zcfg.zero_hpz_partition_size
-    if zcfg.stage != 3 or size <= 1 or size == topology.dp * topology.sp:
-        return
-    what = None
-    if topology.tp > 1:
-        what = f"tensor parallelism (tensor_parallel.size {topology.tp})"
-    elif topology.sp > 1:
-        what = f"sequence parallelism (sequence_parallel_size {topology.sp})"
-    elif zcfg.offload_param.device != "none":
-        what = f"offload_param.device {zcfg.offload_param.device!r}"
-    elif cfg.graph.enabled:
-        what = "graph mode (graph.enabled)"
-    if what is not None:
-        raise ConfigError(
-            f"zero_optimization.zero_hpz_partition_size {size} (ZeRO++ hpZ) with {what} is not built; remove "
-            "zero_hpz_partition_size (plain ZeRO-3: the same values, backward gathers over every data-parallel "
-            "rank) or turn the other feature off (docs/hybrid-sharding.md)"
-        )

@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from shardtrain.zero.policy import ZeroPolicy
+from shardtrain.plan.policies import ZeroPolicy
 
 
 @dataclass(eq=False)
@@ -316,3 +316,11 @@ class ShardLayout:
     def trainable_buckets(self) -> list[Bucket]:
         """Buckets that are reduced and stepped (frozen stage-3 buckets are only gathered)."""
         return [b for b in self.buckets if b.requires_grad]
+
+
+def state_tensors(module: torch.nn.Module) -> list[tuple[list[str], torch.Tensor]]:
+    """Each distinct parameter and buffer with all its state-dict names (a tied parameter has several)."""
+    grouped: dict[int, tuple[list[str], torch.Tensor]] = {}
+    for name, t in module.state_dict(keep_vars=True).items():
+        grouped.setdefault(id(t), ([], t))[0].append(name)
+    return list(grouped.values())

@@ -50,8 +50,8 @@ from torch import nn
 from shardtrain.distributed.communicator import Communicator, Reduce
 from shardtrain.errors import OptimizerError
 from shardtrain.optim.adam import DeepSpeedAdam
+from shardtrain.plan.policies import ZeroPolicy
 from shardtrain.zero.layout import Bucket, fragment_places, fragment_tensor
-from shardtrain.zero.policy import ZeroPolicy
 from shardtrain.zero.reducer import GradientReducer
 from shardtrain.zero.step_gather import ParameterGathers
 
@@ -64,8 +64,8 @@ class MakeOffload(Protocol):
     what it steps (:meth:`~ShardedOptimizer.stepped_tensors`, after the optimizer's initial state moved to them) and,
     with separate fp32 masters, the compute-dtype fragment of each (else None). The offload takes over that state
     (into its swap files), so it cannot exist before the wrapper; a factory handed in at construction keeps it from
-    being attached afterwards (``engine/build.py`` binds the configuration and the gradient sinks it built before the
-    reducer)."""
+    being attached afterwards (``engine/parallelize.py`` binds the offload policy and the gradient sinks it built
+    before the reducer)."""
 
     def __call__(self, stepped: list[torch.Tensor], fragments: list[torch.Tensor] | None) -> OptimizerOffload: ...
 

@@ -31,7 +31,7 @@ gradients. The order starts as bucket index order (the layout already follows re
 At stages 2-3, where a waiting bucket holds a staging buffer, each rank also records the order in which its
 buckets actually became ready; when it departs from ``launch_order`` on any rank (known for free: the flag
 rides on the gradient-norm all-reduce of the step, and is read on the host at the next step, see [Note: reading
-device values a step later] in :mod:`shardtrain.zero.host_read`), the ranks exchange their observed orders once and
+device values a step later] in :mod:`shardtrain.host_read`), the ranks exchange their observed orders once and
 adopt them if all agree. A model whose gradients complete in another order than its layout (blocks run in
 reverse, parameters used in an unusual order) therefore waits only until the step after next; ranks that take
 different paths keep the previous order, which is always safe. With hybrid sharding the flag and the exchange
@@ -63,9 +63,9 @@ import torch
 
 from shardtrain.distributed.communicator import Communicator, Handle, Reduce
 from shardtrain.errors import ShardtrainError
-from shardtrain.zero.host_read import HostRead
+from shardtrain.host_read import HostRead
+from shardtrain.plan.policies import ZeroPolicy
 from shardtrain.zero.layout import Bucket, ParamSlot
-from shardtrain.zero.policy import ZeroPolicy
 
 
 class GradientFiles(Protocol):
@@ -128,7 +128,7 @@ class GradientReducer:
         expert-parallel size ``E`` their average is divided by (see [Note: expert buckets] in zero/layout.py).
         ``grad_files``: stages 2-3, the gradient shards kept in swap files (:class:`GradientFiles`); ``host_copies``:
         each complete gradient shard copied to the host (:class:`ShardCopies`); both built by the optimizer offload
-        before the reducer (``engine/build.py``)."""
+        before the reducer (``engine/parallelize.py``)."""
         self.buckets, self.comm, self.overlap = buckets, comm, overlap
         self.expert_comm, self.expert_groups = experts if experts is not None else (None, 1)
         self.replicate = replicate if replicate is not None and replicate.size > 1 else None

@@ -10,7 +10,7 @@ its parameters is first needed:
 
 * forward: a pre-hook on every module holding parameters of a bucket in flight waits for that bucket, so the
   gather of a bucket runs behind the forward of every module before the first one using it (ZeRO-3's prefetched
-  units are waited for the same way, in :mod:`shardtrain.zero.unit_runtime`);
+  units are waited for the same way, in :mod:`shardtrain.runtime.eager`);
 * anything else that reads such a parameter (``state_dict()``, ``engine.module.head.weight``, a subscriber's
   pre-hook that reads a weight, a parameter used before the module owning it runs, ``copy.deepcopy``): while its
   bucket is in flight the parameter's class is :class:`GatheringParameter`, whose ``__torch_function__`` waits for

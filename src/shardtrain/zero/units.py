@@ -19,6 +19,7 @@ permanent copy, and the full flat buffer's storage is resized to 0 while the uni
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -75,7 +76,7 @@ class Unit:
         return sum(len(b.slots) for b in self.buckets if b.requires_grad)
 
 
-def find_unit_modules(root: nn.Module, unit_classes: list[str] | None) -> list[tuple[str, nn.Module]]:
+def find_unit_modules(root: nn.Module, unit_classes: Sequence[str] | None) -> list[tuple[str, nn.Module]]:
     """Modules to make units of, outermost first, never one inside another."""
     chosen: list[tuple[str, nn.Module]] = []
 

@@ -30,7 +30,7 @@ from shardtrain.checkpoint.resume_needs import optimizer_state_problems
 from shardtrain.checkpoint.runs import RunTable, SegmentCopier, intersect
 from shardtrain.errors import CheckpointError
 
-# the names engine/training_state.py reads (it imports this package, so they are spelled here, not imported)
+# the names engine/checkpointing.py reads (it imports this package, so they are spelled here, not imported)
 PARAM_GROUPS_KEY, STATE_KINDS_KEY = "optimizer/param_groups", "optimizer/state_kinds"
 ELEMENTWISE, SCALAR = "elementwise", "scalar"
 

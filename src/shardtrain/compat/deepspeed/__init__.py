@@ -15,7 +15,7 @@
         engine.backward(loss)
         engine.step()
 
-The config is the same DeepSpeed JSON (read by :func:`shardtrain.config.schema.load_config`); the optimizer and the LR
+The config is the same DeepSpeed JSON (read by :func:`shardtrain.config.sections.load_config`); the optimizer and the LR
 scheduler are built from its sections as DeepSpeed builds them. Names of DeepSpeed's API that are not provided raise
 :class:`~shardtrain.deepspeed.unsupported.NotProvidedError` naming them (docs/migration-deepspeed.md lists both).
 """
@@ -39,7 +39,7 @@ from shardtrain.compat.deepspeed import accelerator, checkpoint, comm, utils, ze
 from shardtrain.compat.deepspeed.accelerator import get_accelerator  # noqa: F401  `from deepspeed import ...`
 from shardtrain.compat.deepspeed.engine import DeepSpeedEngine
 from shardtrain.compat.deepspeed.unsupported import NotProvidedError, install_refused_imports, not_provided
-from shardtrain.config.schema import load_config, optimizer_class_and_kwargs
+from shardtrain.config.sections import load_config, optimizer_class_and_kwargs
 from shardtrain.distributed.mesh import backend_for, ensure_process_group, pick_device
 from shardtrain.engine import Engine
 from shardtrain.engine import initialize as initialize_engine

@@ -19,10 +19,10 @@ import torch
 from torch import nn
 
 from shardtrain.compat.deepspeed.unsupported import not_provided
+from shardtrain.construction.sharded_init import Init as _ShardedInit
+from shardtrain.construction.sharded_init import construction_runtime, is_under_construction
 from shardtrain.engine.engine import Engine
 from shardtrain.zero.guarded import guard_of
-from shardtrain.zero.init import Init as _ShardedInit
-from shardtrain.zero.init import construction_runtime, is_under_construction
 
 _ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
 """Engines built by ``shardtrain.deepspeed.initialize`` (see [Note: GatheredParameters without an engine

@@ -88,7 +88,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from shardtrain.config.schema import Config, load_config
+from shardtrain.config.sections import Config, load_config
 from shardtrain.distributed.communicator import Communicator
 from shardtrain.distributed.mesh import ensure_process_group, pick_device
 from shardtrain.distributed.placement import TPPlacement, global_flat_index
@@ -664,7 +664,7 @@ class Init:
 
     ``Init()`` shards each parameter over the world as it is built ([Note: sharded construction]).
     ``Init(config)`` with ``tensor_parallel.size`` > 1 or ``expert_parallel_size`` > 1 (the config ``initialize``
-    gets: a dict, a path or a :class:`~shardtrain.config.schema.Config`, as DeepSpeed's
+    gets: a dict, a path or a :class:`~shardtrain.config.sections.Config`, as DeepSpeed's
     ``zero.Init(config_dict_or_path=...)``), or ``Init(deferred=True)``, builds the parameters on ``meta`` and
     writes down their initialization; ``initialize`` (with the tensor-parallel plan) then makes each rank's chunk of
     its block, and of its experts' rows, directly ([Note: deferred construction], [Note: experts under sharded

@@ -65,18 +65,17 @@ from shardtrain.checkpoint.writer import stage
 from shardtrain.distributed.communicator import Communicator
 from shardtrain.engine.optimizer_needs import state_keys_needed
 from shardtrain.errors import CheckpointError
+from shardtrain.runtime.interface import Runtime
 from shardtrain.tensor_parallel import assemble_blocks
-from shardtrain.zero.layout import ParamRecord, ShardLayout, SplitBlock
-from shardtrain.zero.optimizer import ShardedOptimizer
-from shardtrain.zero.runtime import Runtime
-from shardtrain.zero.weights import (
+from shardtrain.weights.loading import (
     KeyMapper,
     load_safetensors,
     load_state_dict_from_rank0,
     safetensors_files,
-    state_tensors,
     weight_destinations,
 )
+from shardtrain.zero.layout import ParamRecord, ShardLayout, SplitBlock, state_tensors
+from shardtrain.zero.optimizer import ShardedOptimizer
 
 log = logging.getLogger("shardtrain")
 
@@ -658,7 +657,7 @@ def _join_blocks(comm: Communicator, local: torch.Tensor, record: ParamRecord, p
 
 
 def load_full_weights(state: TrainingState, source: Any, strict: bool, key_map: KeyMapper | None = None) -> None:
-    """``Engine.load_full_state_dict``: each rank keeps what it holds (see :mod:`shardtrain.zero.weights`)."""
+    """``Engine.load_full_state_dict``: each rank keeps what it holds (see :mod:`shardtrain.weights.loading`)."""
     dests = weight_destinations(state.module, state.layout, state.optimizer)
     if isinstance(source, (str, Path, list, tuple)):
         load_safetensors(dests, safetensors_files(source), strict, key_map)

@@ -34,6 +34,7 @@ from safetensors import safe_open
 from shardtrain.distributed.communicator import Communicator
 from shardtrain.distributed.placement import shard_block
 from shardtrain.errors import ShardtrainError
+from shardtrain.zero.layout import state_tensors
 
 if TYPE_CHECKING:
     from shardtrain.zero.layout import ShardLayout
@@ -152,14 +153,6 @@ class TPBlock:
 
     def cut(self, full: torch.Tensor) -> torch.Tensor:
         return shard_block(full, self.placement, self.index, self.count)
-
-
-def state_tensors(module: torch.nn.Module) -> list[tuple[list[str], torch.Tensor]]:
-    """Each distinct parameter and buffer with all its state-dict names (a tied parameter has several)."""
-    grouped: dict[int, tuple[list[str], torch.Tensor]] = {}
-    for name, t in module.state_dict(keep_vars=True).items():
-        grouped.setdefault(id(t), ([], t))[0].append(name)
-    return list(grouped.values())
 
 
 # -- which checkpoint tensors make which model tensor ------------------------------------------------------------

@@ -1,6 +1,6 @@
 """The eager runtime: the module runs op by op; at ZeRO stage 3 module hooks gather, release and prefetch units
 around forward and backward (the graph runtime's counterpart is :mod:`shardtrain.graph.runtime`; the interface both
-implement is :mod:`shardtrain.zero.runtime`).
+implement is :mod:`shardtrain.runtime.interface`).
 
 [Note: gathering for backward]
 Backward needs a unit's parameters exactly when autograd reads a tensor it saved in forward that aliases the
@@ -97,12 +97,13 @@ from torch import nn
 from shardtrain.distributed import failure
 from shardtrain.distributed.communicator import Communicator, add_wait_probe, remove_wait_probe
 from shardtrain.errors import ShardtrainError
+from shardtrain.plan.policies import PrefetchPolicy
+from shardtrain.runtime.interface import Call, Runtime
 from shardtrain.zero.departure import OrderAgreement
 from shardtrain.zero.gather import ShardSource, UnitGathers
 from shardtrain.zero.guarded import ShardedParameter, guard, guard_of
 from shardtrain.zero.hpz import SecondaryShards
 from shardtrain.zero.layout import Bucket, UnitBuckets
-from shardtrain.zero.runtime import Call, Runtime
 from shardtrain.zero.units import Unit, UnitState
 
 
@@ -148,6 +149,10 @@ class _SavedTensorHooks:
         return self.outer[1](packed) if self.outer is not None else packed
 
 
+NO_PREFETCH = PrefetchPolicy(budget=0)
+"""Each unit gathered right before its use (a model only run forward, a test of the gathers alone)."""
+
+
 class EagerRuntime(Runtime):
     """The module run op by op; at stage 3 the [Note: unit lifecycle] of its units, run by module hooks (none are
     installed below stage 3, where ``units`` is empty)."""
@@ -159,7 +164,7 @@ class EagerRuntime(Runtime):
         root: nn.Module,
         units: list[UnitBuckets],
         comm: Communicator,
-        prefetch_numel: int = 0,
+        prefetch: PrefetchPolicy = NO_PREFETCH,
         gather_check: bool = False,
         check_group: dist.ProcessGroup | None = None,
         secondary: SecondaryShards | None = None,
@@ -175,7 +180,7 @@ class EagerRuntime(Runtime):
         ([Note: expert buckets] in :mod:`shardtrain.zero.layout`). All but ``phase_checked`` go to the gather
         service."""
         self.root, self.comm = root, comm
-        self.prefetch_numel, self.gather_check = prefetch_numel, gather_check
+        self.prefetch, self.gather_check = prefetch, gather_check
         self._units: list[Unit] = []
         self._unit_of_bucket: dict[int, Unit] = {}
         self.unit_of_storage: dict[int, Unit] = {}  # the full buffers' storages (stable across resizes)
@@ -303,14 +308,11 @@ class EagerRuntime(Runtime):
         return True
 
     def _prefetch(self, recorded: list[int], position: int, why: str) -> None:
-        """Start gathering the next unit of the recorded order, if it fits the prefetch budget.
-
-        One unit ahead keeps at most the current and the prefetched unit whole (plus the root unit), and
-        is enough to hide a gather behind one unit's compute."""
+        """Start gathering the next unit of the recorded order, as :class:`PrefetchPolicy` decides."""
         current = recorded[position] if position >= 0 else None
         for k in range(position + 1, len(recorded)):
             unit = self.units[recorded[k]]
-            if unit.state is UnitState.SHARDED and unit.numel <= self.prefetch_numel:
+            if unit.state is UnitState.SHARDED and self.prefetch.ahead(unit.numel):
                 self.gathers.gather(unit, why, async_op=True)
                 unit.prefetches += 1
                 self._announce(recorded, k, why)
@@ -325,7 +327,7 @@ class EagerRuntime(Runtime):
         for index in recorded[position + 1 :]:
             if index != recorded[position]:
                 unit = self.units[index]
-                if unit.state is UnitState.SHARDED and unit.numel <= self.prefetch_numel and unit.check is None:
+                if unit.state is UnitState.SHARDED and self.prefetch.ahead(unit.numel) and unit.check is None:
                     self.gathers.announce(unit, f"{why}, checked one unit ahead")
                 return
 
@@ -377,7 +379,7 @@ class EagerRuntime(Runtime):
         self.gathers.drop_secondaries()  # this forward cuts them again
         for u in root_units:
             self.gathers.gather(u, "root forward")
-        if self._fwd_order and self.prefetch_numel > 0:
+        if self._fwd_order and self.prefetch.enabled:
             self._prefetch(self._fwd_order, -1, "forward prefetch")
 
     def _root_post_forward(self, root_units: list[Unit], module, args, output):
@@ -411,7 +413,7 @@ class EagerRuntime(Runtime):
             return
         in_order = self._record(self._fwd_now, self._fwd_order, unit.index)
         self.gathers.gather(unit, "forward")
-        if in_order and self.prefetch_numel > 0:
+        if in_order and self.prefetch.enabled:
             self._prefetch(self._fwd_order, len(self._fwd_now) - 1, "forward prefetch")
 
     def _post_forward(self, unit: Unit, module, args, output):
@@ -435,7 +437,7 @@ class EagerRuntime(Runtime):
             # recorded whether it is sharded or already being prefetched: the order is what is checked
             in_order = self._record(self._bwd_now, self._bwd_order, unit.index)
             self.gathers.gather(unit, why)
-            if in_order and self.prefetch_numel > 0:
+            if in_order and self.prefetch.enabled:
                 self._prefetch(self._bwd_order, len(self._bwd_now) - 1, "backward prefetch")
         else:
             self.gathers.gather(unit, why)

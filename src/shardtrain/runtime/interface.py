@@ -13,14 +13,14 @@ Around every step the engine asks the same five things, whatever the mode and th
 * ``release()``: release what a forward that no backward followed left gathered;
 * ``close()``: remove what was installed on the module.
 
-:class:`~shardtrain.zero.unit_runtime.EagerRuntime` runs the module op by op, with module hooks around each unit
+:class:`~shardtrain.runtime.eager.EagerRuntime` runs the module op by op, with module hooks around each unit
 ([Note: unit lifecycle]); :class:`~shardtrain.graph.runtime.GraphRuntime` runs it through captured graphs in which
 the gathers and reduce-scatters are graph operations ([Note: ZeRO-3 as graph operations]). ``initialize`` picks one
 (``graph.enabled``) and the engine never asks which. The graph runtime keeps the eager one inside it for what a graph
 cannot hold: a direct call of the module (``engine.module(x)``, generation, a metric computed outside
 ``engine(...)``) runs through the eager unit hooks, which are inert while a graph is traced, and
 ``gathered(params)`` is the same code in both modes. So a feature that works in eager mode works in graph mode, or
-``initialize`` refuses the combination with its reason (``refuse_unbuilt`` in :mod:`shardtrain.engine.build`).
+``initialize`` refuses the combination with its reason (``refuse_unbuilt`` in :mod:`shardtrain.engine.parallelize`).
 ``tests/engine/test_runtime_modes.py`` runs one battery in both modes and compares the results.
 """
 

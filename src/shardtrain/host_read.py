@@ -7,7 +7,7 @@ pageable memory) would stall the host until the device drained, leaving the devi
 next kernels. So the step keeps what it computes on the device:
 
 - the gradient norm stays a tensor (``engine.get_global_grad_norm()`` and the monitor's print steps read it);
-- the fp16 loss scale and its overflow bookkeeping are device tensors (:class:`~shardtrain.zero.precision.LossScaler`),
+- the fp16 loss scale and its overflow bookkeeping are device tensors (:class:`~shardtrain.precision.mixed.LossScaler`),
   and the skip itself happens in the optimizer's kernel (``found_inf``, as ``torch.amp.GradScaler`` hands it to the
   fused optimizers);
 - what the host must decide on (whether any rank saw gradients complete out of order, see [Note: collective order];

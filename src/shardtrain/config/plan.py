@@ -1,0 +1,200 @@
+"""A validated config becomes the typed :class:`~shardtrain.plan.Plan`: here, once, without a process group.
+
+:func:`resolve_plan` is the only place a config's parallel sizes become :class:`~shardtrain.plan.dims.ParallelDims`
+and its sections become the policies the core packages take; every refusal of a layout (a size that does not fit
+the world: :class:`~shardtrain.errors.LayoutError`) or of a combination that is not built
+(:class:`~shardtrain.errors.ConfigError`, of which ``LayoutError`` is a kind) is raised here. ``initialize``,
+``shardtrain config check`` and ``shardtrain estimate`` call it the same way, so they give one verdict in one
+wording.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardtrain.config.sections import Config
+from shardtrain.errors import ConfigError
+from shardtrain.plan import Plan
+from shardtrain.plan.dims import ParallelDims, divisors
+from shardtrain.plan.policies import (
+    GraphPolicy,
+    LossScalePolicy,
+    OffloadPolicy,
+    OptimizerOffloadPolicy,
+    ParamOffloadPolicy,
+    PrecisionPolicy,
+    PrefetchPolicy,
+    TilingPolicy,
+    ZeroPolicy,
+)
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def resolve_plan(cfg: Config, world: int, device_type: str | None = None) -> Plan:
+    """The plan ``cfg`` gives at ``world`` ranks; ``device_type`` (``"cpu"``/``"cuda"``): also what is not built on
+    such devices (``config check`` without ``--device`` leaves it None). Values written ``"auto"`` pass through as
+    they are: ``initialize`` resolves them before it builds its plan."""
+    dims = parallel_dims(cfg, world)
+    refuse_unbuilt(cfg, dims, device_type)
+    zcfg = cfg.zero_optimization
+    zero = ZeroPolicy.for_stage(
+        zcfg.stage,
+        reduce_bucket_size=zcfg.reduce_bucket_size,
+        allgather_bucket_size=zcfg.allgather_bucket_size,
+        overlap_comm=zcfg.overlap_comm,
+        persistence_threshold=zcfg.stage3_param_persistence_threshold,
+        unit_classes=tuple(zcfg.stage3_unit_classes) if zcfg.stage3_unit_classes else None,
+        gather_check=zcfg.stage3_gather_check,
+    )
+    opt, par = zcfg.offload_optimizer, zcfg.offload_param
+    offload = OffloadPolicy(
+        OptimizerOffloadPolicy(
+            opt.device, opt.nvme_path, opt.pin_memory, opt.buffer_count, opt.ratio, zcfg.sub_group_size
+        ),
+        ParamOffloadPolicy(par.device, par.nvme_path, par.buffer_count, par.max_in_cpu),
+    )
+    g = cfg.graph
+    return Plan(
+        dims=dims,
+        zero=zero,
+        precision=precision_policy(cfg),
+        offload=offload,
+        prefetch=PrefetchPolicy(zcfg.stage3_prefetch_bucket_size),
+        graph=GraphPolicy(g.enabled, g.strict, g.cache_size, g.compiler, g.dynamic_shapes),
+        tiling=TilingPolicy(
+            cfg.tiled_logits_loss, cfg.tiled_logits_loss_shards, cfg.tiled_mlp_compute, cfg.tiled_mlp_shards
+        ),
+        device=cfg.device,
+        timeout_s=cfg.collective_timeout_s,
+    )
+
+
+def parallel_dims(cfg: Config, world: int) -> ParallelDims:
+    """The config's parallel sizes at ``world`` ranks (:class:`~shardtrain.errors.LayoutError` for one that does not
+    fit). hpZ's size counts at stage 3 only: below it the key has no effect, as in DeepSpeed."""
+    zcfg = cfg.zero_optimization
+    return ParallelDims(
+        world,
+        tp=cfg.tensor_parallel.degree,
+        sp=cfg.sequence_parallel_size,
+        ep=cfg.expert_parallel_size,
+        shard_size=zcfg.mics_shard_size,
+        hpz_size=zcfg.zero_hpz_partition_size if zcfg.stage == 3 else 1,
+    )
+
+
+def check_layout(cfg: Config, world: int) -> int:
+    """The data-parallel size of ``cfg`` at ``world`` ranks; the plan's refusal (a
+    :class:`~shardtrain.errors.ConfigError`) otherwise."""
+    return resolve_plan(cfg, world).dims.dp
+
+
+def precision_policy(cfg: Config) -> PrecisionPolicy:
+    """Compute, reduction and master dtypes; fp16's loss scaling and input cast."""
+    if cfg.bf16.enabled is True:
+        compute = torch.bfloat16
+    elif cfg.fp16.enabled is True:
+        compute = torch.float16
+    else:
+        compute = torch.float32
+    reduce = _DTYPES[cfg.communication_data_type] if cfg.communication_data_type else torch.float32
+    f = cfg.fp16
+    scale = None
+    if f.enabled is True:
+        scale = LossScalePolicy(
+            f.loss_scale, f.initial_scale_power, f.loss_scale_window, f.hysteresis, f.min_loss_scale
+        )
+    return PrecisionPolicy(
+        compute_dtype=compute, reduce_dtype=reduce, loss_scale=scale, cast_inputs=f.enabled is True and f.auto_cast
+    )
+
+
+def refuse_unbuilt(cfg: Config, dims: ParallelDims, device_type: str | None = None) -> None:
+    """Combinations that are not built, refused by name before anything is touched (the layouts' sizes were
+    checked by :class:`~shardtrain.plan.dims.ParallelDims`)."""
+    if device_type is not None:
+        refuse_on_device(cfg, device_type)
+    if dims.sp > 1 and cfg.graph.enabled:
+        raise ConfigError(
+            f"graph.enabled with sequence_parallel_size {dims.sp}: the Ulysses all-to-alls do not "
+            "run in captured graphs yet; turn graph mode off (docs/sequence-parallel.md)"
+        )
+    zcfg = cfg.zero_optimization
+    hpz = zcfg.zero_hpz_partition_size
+    if dims.ep > 1:
+        refused = [
+            (zcfg.stage == 3 and hpz > 1, f"ZeRO++ hpZ (zero_optimization.zero_hpz_partition_size {hpz})"),
+            (bool(cfg.graph.enabled), "graph mode (graph.enabled)"),
+        ]
+        for hit, what in refused:
+            if hit:
+                raise ConfigError(
+                    f"expert_parallel_size (ep_size) {dims.ep} with {what} is not built; set expert_parallel_size to 1 "
+                    "or turn the other feature off (docs/expert-parallel.md)"
+                )
+    if dims.hpz_asked:  # hpZ (stage 3) with what it is not built with
+        what = None
+        if dims.tp > 1:
+            what = f"tensor parallelism (tensor_parallel.size {dims.tp})"
+        elif dims.sp > 1:
+            what = f"sequence parallelism (sequence_parallel_size {dims.sp})"
+        elif zcfg.offload_param.device != "none":
+            what = f"offload_param.device {zcfg.offload_param.device!r}"
+        elif cfg.graph.enabled:
+            what = "graph mode (graph.enabled)"
+        if what is not None:
+            raise ConfigError(
+                f"zero_optimization.zero_hpz_partition_size {hpz} (ZeRO++ hpZ) with {what} is not built; remove "
+                "zero_hpz_partition_size (plain ZeRO-3: the same values, backward gathers over every data-parallel "
+                "rank) or turn the other feature off (docs/hybrid-sharding.md)"
+            )
+    if (cfg.tiled_logits_loss or cfg.tiled_mlp_compute) and cfg.graph.enabled:
+        raise ConfigError(
+            "tiled_logits_loss / tiled_mlp_compute with graph.enabled: the tiled Functions recompute in backward "
+            "outside the captured graphs; turn graph mode or tiling off"
+        )
+
+
+def refuse_on_device(cfg: Config, device_type: str) -> None:
+    """What is not built on devices of ``device_type`` (``config check --device`` asks the same)."""
+    param = cfg.zero_optimization.offload_param
+    if param.device != "none" and device_type == "cuda":
+        raise ConfigError(
+            f"zero_optimization.offload_param.device {param.device!r} is not built on CUDA yet; use "
+            "offload_optimizer (optimizer state, and fp32 masters, in host memory or on disk) and set "
+            "offload_param.device to 'none' (docs/offload.md)"
+        )
+
+
+def ineffective_offload_keys(cfg: Config, device_type: str) -> list[str]:
+    """One sentence per offload key the user set that can have no effect in this configuration on a machine
+    whose devices are ``device_type`` (the engine logs them as warnings at ``initialize``): what was set, why it
+    does nothing here, what to do instead."""
+    opt, param = cfg.zero_optimization.offload_optimizer, cfg.zero_optimization.offload_param
+    prefix, notes = "zero_optimization.", []
+    if opt.device == "cpu" and opt.ratio < 1 and device_type != "cuda":
+        notes.append(
+            f"{prefix}offload_optimizer.ratio {opt.ratio} has no effect with device 'cpu' on a machine without a "
+            "GPU: the ratio splits the step between the host and the GPU, and here all optimizer state is in host "
+            "memory anyway; remove it, or use device 'nvme' (ratio: the share of the state kept in files)"
+        )
+    if opt.device != "none" and opt.pin_memory and device_type != "cuda":
+        notes.append(
+            f"{prefix}offload_optimizer.pin_memory has no effect on a machine without a GPU: page-locked host "
+            "memory only speeds copies to and from a GPU; remove it"
+        )
+    if opt.device == "cpu" and "buffer_count" in opt.model_fields_set:
+        notes.append(
+            f"{prefix}offload_optimizer.buffer_count has no effect with device 'cpu': it counts the buffers that "
+            "swap files are read into (device 'nvme'); remove it"
+        )
+    if param.device == "cpu" and "buffer_count" in param.model_fields_set:
+        notes.append(
+            f"{prefix}offload_param.buffer_count has no effect with device 'cpu': it bounds the units read ahead "
+            "from their swap files (device 'nvme'); remove it"
+        )
+    return notes
+
+
+__all__ = ["check_layout", "divisors", "ineffective_offload_keys", "parallel_dims", "precision_policy", "resolve_plan"]

@@ -1,0 +1,638 @@
+"""How ``initialize`` applies the plan to a model: one named step per axis, in the order :func:`parallelize` reads.
+
+====================  ==========================================================================================
+apply_construction    a model built deferred (``zero.Init(config)``, ``meta``) records its initialization; any other
+                      moves to the device what stays whole there ([Note: stage 3 from the host])
+apply_tp              the layers split over the tensor-parallel axis (Megatron), before anything is laid out
+apply_ep              each rank keeps its experts; their token exchange is installed
+(materialize)         a deferred model's parameters made as each rank's chunk, after the splits
+communicators         ZeRO's groups and the desync check; ranks agree on config and model; swap directories
+apply_sp              Ulysses around the model's attention; the tiled loss and MLP
+apply_zero            the layout: where every parameter lives (``zero/build.py``); from here on the model is changed
+apply_precision       fp32 masters of each fragment, then parameters and buffers cast to the compute dtype
+apply_units           stage 3's eager runtime: units, hooks and the gather service, handed the parameter offload
+                      and hpZ's secondary shards ([Note: one gather service] in ``zero/gather.py``)
+apply_step            gradient sinks (optimizer offload), the reducer and the optimizer over this rank's fragments
+apply_graph           graph mode around the eager runtime ([Note: one runtime, two implementations])
+monitor               metrics on rank 0
+====================  ==========================================================================================
+
+Each step is handed what the steps before it made; nothing is attached afterwards. Every refusal a user can cause
+happened before: the plan's (:func:`shardtrain.config.plan.resolve_plan`) and ``initialize``'s own checks, so a
+refused ``initialize`` leaves the model as it was. What can fail after the layout is a resource (a full disk, a
+peer lost); the swap directories made for offload are then removed again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardtrain.config.sections import Config, gradient_predivide
+from shardtrain.construction.sharded_init import (
+    ExpertRows,
+    expert_rows_cut,
+    is_deferred,
+    is_under_construction,
+    materialize_deferred,
+    record_initialization,
+)
+from shardtrain.distributed.communicator import Communicator
+from shardtrain.distributed.desync import PhaseCheck
+from shardtrain.distributed.mesh import Topology
+from shardtrain.distributed.placement import TPPlacement
+from shardtrain.engine.monitor import TrainingMonitor
+from shardtrain.errors import ConfigError, LayoutError, RankMismatchError
+from shardtrain.expert_parallel import expert_weights, install_expert_parallel
+from shardtrain.offload import host_copies
+from shardtrain.offload.optimizer_state import (
+    GradientSinks,
+    OptimizerOffload,
+    build_gradient_sinks,
+    build_optimizer_offload,
+    host_masters,
+)
+from shardtrain.offload.parameters import ParamOffload
+from shardtrain.offload.swap import ScratchDir, SwapFiles, on_every_rank, prepare_scratch
+from shardtrain.plan import Plan
+from shardtrain.plan.policies import OffloadPolicy, PrecisionPolicy, ZeroPolicy
+from shardtrain.precision.loss_scaler import LossScaler
+from shardtrain.runtime.eager import EagerRuntime
+from shardtrain.runtime.interface import Runtime
+from shardtrain.sequence_parallel import (
+    PatchSplitter,
+    Seq2SeqSplitter,
+    SequenceSplitter,
+    install_ulysses,
+    make_splitter,
+)
+from shardtrain.sequence_parallel.tiling import install as install_tiling
+from shardtrain.tensor_parallel import parallelize as split_tensor_parallel
+from shardtrain.tensor_parallel.parallelize import check_replicated_gradients
+from shardtrain.zero.build import build_layout, laid_out_whole
+from shardtrain.zero.hpz import SecondaryShards
+from shardtrain.zero.layout import Bucket, ShardLayout, cast_bucket
+from shardtrain.zero.optimizer import ShardedOptimizer, TensorParallelNorm, make_masters
+from shardtrain.zero.reducer import GradientReducer, accumulation_dtype
+
+log = logging.getLogger("shardtrain")
+
+
+@dataclass(frozen=True)
+class Comms:
+    """The engine's communicators (see the table in docs/architecture.md)."""
+
+    shard: Communicator  # ZeRO's collectives: the dp axis, or its shard groups with hybrid sharding
+    replica: Communicator | None  # hybrid sharding: the gradient shards' all-reduce across replicas
+    dp: Communicator  # every data-parallel rank (``shard`` itself without hybrid sharding)
+    world: Communicator  # every rank: checkpoint protocols, agreement checks, the gradient norm on a (dp, tp) mesh
+    tp: Communicator | None  # tensor-parallel layers' collectives (None without tensor parallelism)
+    hpz: Communicator | None = None  # ZeRO++ hpZ at stage 3: backward gathers within a node (None without it)
+    ep: Communicator | None = None  # expert parallelism: the expert group's token exchange (None without it)
+    edp: Communicator | None = None  # expert parallelism: the ranks holding the same experts, their buckets' group
+
+
+@dataclass(frozen=True)
+class Parts:
+    """What :func:`parallelize` returns; the engine holds each under the same name."""
+
+    comms: Comms
+    # sequence parallelism: the all-to-alls and the split of the sequence (or of an encoder-decoder's two)
+    sp: SequenceSplitter | PatchSplitter | Seq2SeqSplitter | None
+    phase_check: PhaseCheck  # [Note: phase agreement]
+    scratch: dict[str, ScratchDir]  # offload's swap directories by config section
+    layout: ShardLayout
+    precision: PrecisionPolicy
+    scaler: LossScaler | None
+    param_offload: ParamOffload | None
+    reducer: GradientReducer
+    optimizer: ShardedOptimizer
+    runtime: Runtime
+    monitor: TrainingMonitor
+
+
+@dataclass(frozen=True)
+class _Split:
+    """What the model-splitting steps made: the tensor-parallel communicator and placements, and under expert
+    parallelism the ids of the expert parameters with the expert group's communicator."""
+
+    tp_comm: Communicator | None = None
+    placements: Mapping[str, TPPlacement] | None = None
+    experts: tuple[frozenset[int], Communicator] | None = None
+
+
+def parallelize(
+    model: nn.Module,
+    plan: Plan,
+    topology: Topology,
+    optimizer: torch.optim.Optimizer,
+    config: Config,
+    tp_plan: Mapping[str, str] | None = None,
+) -> Parts:
+    """Apply ``plan`` to ``model`` in the order of the module docstring and return the engine's parts. Collective.
+    ``config``: only what is not a policy: the ranks' agreement check hashes it, the monitor reads its sections."""
+    deferred = apply_construction(model, plan, topology)
+    split = apply_tp(model, plan, topology, tp_plan, deferred)
+    split = apply_ep(model, topology, split, deferred)
+    comms = make_comms(topology, split.tp_comm, split.experts[1] if split.experts is not None else None)
+    # every rank says where it is before each call that communicates ([Note: phase agreement]); its own
+    # Communicator over the world group, so that comm_stats() keeps only the traffic of the ZeRO formulas
+    phase_check = PhaseCheck(
+        Communicator(topology.host_world_group, topology.timeout_s) if config.desync_check else None,
+        topology.tp,
+        topology.device,
+        sp=topology.sp,
+    )
+    _check_ranks_agree(comms.world, model, config)
+    # swap directories are checked on every rank before the model is touched (see docs/offload.md); a failure of
+    # the rest (a full disk, a peer lost) leaves none behind
+    scratch = _prepare_offload(plan.offload, topology, comms.world)
+    try:
+        sp = apply_sp(model, plan, topology)
+        layout = apply_zero(model, plan.zero, topology, comms, split)
+        masters = apply_precision(model, layout, plan.precision)
+        param_offload = _param_offload(layout, plan.offload, scratch, comms.world, topology.rank)
+        eager = apply_units(model, plan, topology, comms, layout, param_offload, phase_check)
+        reducer, sharded = apply_step(
+            model, plan, topology, comms, layout, masters, eager, split, optimizer, scratch, config
+        )
+        runtime = apply_graph(model, plan, eager, comms, reducer, layout, param_offload)
+    except BaseException:
+        for s in scratch.values():
+            s.remove()
+        raise
+    # metrics, monitors (TensorBoard/CSV/wandb) and wall-clock breakdown: rank 0 only, never communicates
+    monitor = TrainingMonitor(config, topology.rank, topology.device, topology.dp)
+    for comm in (comms.shard, comms.replica, comms.dp, comms.hpz, comms.ep, comms.edp):  # comm_stats() counts from here
+        if comm is not None:
+            comm.reset_stats()
+    scaler = LossScaler.from_policy(plan.precision.loss_scale, topology.device)
+    return Parts(
+        comms, sp, phase_check, scratch, layout, plan.precision, scaler, param_offload, reducer, sharded, runtime,
+        monitor,
+    )  # fmt: skip
+
+
+def make_comms(topology: Topology, tp_comm: Communicator | None, ep_comm: Communicator | None = None) -> Comms:
+    shard = Communicator(topology.shard_group, topology.timeout_s)
+    # see [Note: the hybrid mesh] in shardtrain/mesh.py: gradient shards are all-reduced across the replicas and
+    # what must reach every data-parallel rank goes over the dp axis
+    replica = Communicator(topology.replicate_group, topology.timeout_s) if topology.hybrid else None
+    dp = Communicator(topology.zero_group, topology.timeout_s) if topology.hybrid else shard
+    world = dp if topology.tp == 1 else Communicator(topology.world_group, topology.timeout_s)
+    hpz = Communicator(topology.hpz_group, topology.timeout_s) if topology.hpz_group is not None else None
+    ep = edp = None
+    if topology.ep > 1:  # see [Note: the expert axis] in shardtrain/distributed/mesh.py
+        ep = ep_comm if ep_comm is not None else Communicator(topology.ep_group, topology.timeout_s)
+        edp = Communicator(topology.edp_group, topology.timeout_s)
+    return Comms(shard, replica, dp, world, tp_comm, hpz, ep, edp)
+
+
+# -- the steps, in order ---------------------------------------------------------------------------------------
+
+
+def apply_construction(model: nn.Module, plan: Plan, topology: Topology) -> bool:
+    """Whether ``model`` was built deferred (under ``zero.Init(config)`` with tensor parallelism, or on ``meta``): its
+    parameters are made as chunks after the splits, and a model built on ``meta`` without ``Init`` records its
+    ``reset_parameters()`` now, before the split. Any other model moves to the device what stays whole there."""
+    deferred = is_deferred(model)
+    if deferred:
+        record_initialization(model)
+    else:
+        move_whole_parts(model, plan.zero, topology)
+    return deferred
+
+
+def apply_tp(
+    model: nn.Module, plan: Plan, topology: Topology, tp_plan: Mapping[str, str] | None, deferred: bool
+) -> _Split:
+    """Split the layers over the tensor-parallel axis (docs/tensor-parallel.md), before anything is laid out or
+    built over the parameters. A plan given at size 1 splits nothing: one script serves every layout."""
+    if topology.tp == 1:
+        return _Split()
+    # with expert parallelism the experts stay whole on every tp rank ([Note: experts beside tensor parallelism])
+    whole_experts = expert_weights(model, topology.ep) if topology.ep > 1 else None
+    tp_comm = Communicator(topology.tp_group, topology.timeout_s)
+    if not deferred:  # deferred values are the same on every rank by construction: nothing to broadcast
+        refuse_sharded_construction(model)
+        broadcast_model(model, Communicator(topology.world_group, topology.timeout_s))
+    # a deferred model's gradient check needs real parameters: it runs after materialization (apply_ep)
+    placements = split_tensor_parallel(
+        model,
+        tp_plan,
+        tp_comm,
+        check_replicated_grads=not deferred,
+        whole_experts=whole_experts,
+        compute_dtype=plan.precision.compute_dtype,
+    )
+    if not any(p.is_split for p in placements.values()):
+        raise LayoutError(
+            f"tensor_parallel.size is {topology.tp} but the tensor-parallel plan splits no parameter of "
+            f"{type(model).__name__}: its patterns match none of the model's module names (a model wrapped in "
+            "another module has longer names; pass initialize(tp_plan=...) with the full names)"
+        )
+    return _Split(tp_comm, placements)
+
+
+def apply_ep(model: nn.Module, topology: Topology, split: _Split, deferred: bool) -> _Split:
+    """Each rank keeps its experts of rank 0's model ([Note: the expert axis]); then a deferred model's parameters
+    are made as this rank's data-parallel chunk of its tensor-parallel block (or of its experts' rows)."""
+    rows = None
+    if topology.ep > 1:
+        ep_comm = Communicator(topology.ep_group, topology.timeout_s)
+        edp_comm = Communicator(topology.edp_group, topology.timeout_s)
+        if not deferred:  # meta rows are cut as they are: see [Note: experts under sharded construction]
+            broadcast_model(model, Communicator(topology.zero_group, topology.timeout_s), split="expert-parallel")
+        ids = install_expert_parallel(model, ep_comm, expert_rows_cut(edp_comm), split.tp_comm)
+        split = _Split(split.tp_comm, split.placements, (ids, ep_comm))
+        rows = ExpertRows(ids, edp_comm, topology.ep_rank, topology.ep)
+    if deferred:
+        dp_comm = Communicator(topology.zero_group, topology.timeout_s)
+        materialize_deferred(model, split.placements, dp_comm, topology.tp_rank, topology.tp, topology.device, rows)
+        if split.tp_comm is not None:
+            check_replicated_gradients(model, split.placements, split.tp_comm)
+    return split
+
+
+def apply_sp(model: nn.Module, plan: Plan, topology: Topology) -> Any:
+    """Ulysses around the model's attention (docs/sequence-parallel.md) and ALST's tiled loss and MLP; returns the
+    batch splitter of sequence parallelism (None without it)."""
+    sp = None
+    if topology.sp > 1:
+        sp = make_splitter(model, Communicator(topology.sp_group, topology.timeout_s))
+        install_ulysses(
+            model,
+            sp.comm,
+            tp=topology.tp,
+            key_limit=getattr(sp, "key_limit", None),
+            whole_inputs=getattr(sp, "whole_inputs", None),
+        )
+    install_tiling(model, plan.tiling)
+    return sp
+
+
+def apply_zero(model: nn.Module, policy: ZeroPolicy, topology: Topology, comms: Comms, split: _Split) -> ShardLayout:
+    """Where every parameter lives ([Note: the layout]); built before anything else touches the model."""
+    expert_ids = split.experts[0] if split.experts is not None else frozenset()
+    return build_layout(
+        model,
+        policy,
+        comms.shard,
+        split.placements,
+        tp=topology.tp,
+        tp_rank=topology.tp_rank,
+        dp_comm=comms.dp,
+        device=topology.device,
+        experts=(expert_ids, comms.edp) if comms.edp is not None else None,
+        ep=topology.ep,
+        ep_rank=topology.ep_rank,
+    )
+
+
+def apply_precision(model: nn.Module, layout: ShardLayout, precision: PrecisionPolicy) -> Any:
+    """Mixed precision ([Note: mixed precision]): fp32 masters of each trainable fragment, made from the fp32 values,
+    then the parameters and floating buffers cast to the compute dtype; returns the masters (None without mixed
+    precision). Frozen buckets (stage-3 units) are never stepped, so they get none."""
+    if not precision.mixed:
+        return None
+    masters = make_masters(layout.trainable_buckets, layout.policy)
+    _cast_to_compute_dtype(model, layout, precision)
+    return masters
+
+
+def apply_units(
+    model: nn.Module,
+    plan: Plan,
+    topology: Topology,
+    comms: Comms,
+    layout: ShardLayout,
+    param_offload: ParamOffload | None,
+    phase_check: PhaseCheck,
+) -> EagerRuntime:
+    """The eager runtime: at stage 3 the units, their hooks and the gather service, handed its two collaborators
+    (the parameter offload, made after the cast so that its swap files hold compute-dtype shards, and hpZ's
+    secondary shards, [Note: secondary shards]); below stage 3 it has no units and installs nothing."""
+    secondary = SecondaryShards(comms.hpz) if comms.hpz is not None and layout.unit_buckets else None
+    return EagerRuntime(
+        model,
+        layout.unit_buckets,
+        comms.shard,
+        plan.prefetch,
+        plan.zero.gather_check,
+        check_group=topology.host_shard_group,
+        secondary=secondary,
+        source=param_offload,
+        expert_comm=comms.edp,
+        phase_checked=phase_check.comm is not None,
+    )
+
+
+def apply_step(
+    model: nn.Module,
+    plan: Plan,
+    topology: Topology,
+    comms: Comms,
+    layout: ShardLayout,
+    masters: Any,
+    eager: EagerRuntime,
+    split: _Split,
+    optimizer: torch.optim.Optimizer,
+    scratch: dict[str, ScratchDir],
+    config: Config,
+) -> tuple[GradientReducer, ShardedOptimizer]:
+    """The reducer and the optimizer over this rank's fragments, with the optimizer offload: where the reducer sends
+    complete gradient shards (swap files or host copies) is built first, from the tensors the optimizer wrapper will
+    step (the masters, else the fragments); a device run whose optimizer steps on the host keeps its masters there
+    ([Note: overlapped offload])."""
+    policy, offload = layout.policy, plan.offload.optimizer
+    trainable = layout.trainable_buckets  # frozen buckets (stage-3 units) are never reduced nor stepped
+    streams = host_copies.copy_streams(topology.device) if offload.enabled else None
+    if streams is not None:
+        masters = _host_masters(masters, trainable, policy, plan.offload)
+    files = SwapFiles(scratch["offload_optimizer"], topology.rank) if "offload_optimizer" in scratch else None
+    sinks = GradientSinks()
+    if offload.enabled:
+        sinks = build_gradient_sinks(
+            trainable,
+            masters,
+            files,
+            streams,
+            sharded_state=policy.shard_optimizer_state,
+            sharded_grads=policy.shard_gradients,
+            grad_dtypes=[accumulation_dtype(b.dtype) for b in trainable],
+            read_in_memory=topology.tp > 1 or (comms.replica is not None and comms.replica.size > 1),
+        )
+    partial_grads = _partial_grads(layout)
+    reducer = GradientReducer(
+        trainable,
+        policy,
+        comms.shard,
+        policy.overlap_comm,
+        on_grad_ready=eager.on_grad_ready if eager.units else None,
+        reduce_dtype=plan.precision.reduce_dtype if plan.precision.mixed else None,
+        tp_partial=(comms.tp, partial_grads) if partial_grads and comms.tp is not None else None,
+        predivide=gradient_predivide(config, topology.shard_size),
+        replicate=comms.replica,
+        order_comm=comms.dp,
+        experts=(comms.edp, topology.ep) if comms.edp is not None else None,
+        grad_files=sinks.files,
+        host_copies=sinks.copies,
+    )
+    tp_norm = None
+    if topology.tp > 1:
+        tp_norm = TensorParallelNorm(
+            comms.world,
+            frozenset(id(r.param) for r in layout.records if r.tp_split),
+            topology.zero_rank,
+            topology.tp_rank,
+            replica_rank=topology.replica_rank,
+            expert=split.experts[0] if split.experts is not None else frozenset(),
+            ep=topology.ep,
+        )
+    sharded = ShardedOptimizer(
+        optimizer,
+        model,
+        trainable,
+        reducer,
+        policy,
+        comms.shard,
+        policy.allgather_bucket_size,
+        masters=masters,
+        tp_norm=tp_norm,
+        dp_comm=comms.dp,
+        replica_rank=topology.replica_rank,
+        overlap_gathers=not plan.graph.enabled,  # a captured graph must see plain parameters
+        make_offload=_offload_factory(optimizer, plan.offload, topology, files, comms.world, sinks),
+        experts=(comms.edp, comms.ep) if comms.edp is not None and comms.ep is not None else None,
+    )
+    return reducer, sharded
+
+
+def apply_graph(
+    model: nn.Module,
+    plan: Plan,
+    eager: EagerRuntime,
+    comms: Comms,
+    reducer: GradientReducer,
+    layout: ShardLayout,
+    param_offload: ParamOffload | None,
+) -> Runtime:
+    """The eager runtime, or with ``graph.enabled`` the graph runtime around it."""
+    g = plan.graph
+    if not g.enabled:
+        return eager
+    from shardtrain.graph.runtime import GraphRuntime  # imports TorchDynamo: only when graph mode is on
+
+    precision = plan.precision
+    return GraphRuntime(
+        model,
+        eager,
+        comms.shard,
+        reducer,
+        strict=g.strict,
+        cache_size=g.cache_size,
+        compiler=g.compiler,
+        dynamic_shapes=g.dynamic_shapes,
+        wire_dtype=precision.reduce_dtype if precision.mixed else None,
+        tp_partial=(comms.tp, _partial_grads(layout)) if comms.tp is not None else None,
+        param_offload=param_offload,
+    )
+
+
+# -- what the steps share --------------------------------------------------------------------------------------
+
+
+def _partial_grads(layout: ShardLayout) -> frozenset[int]:
+    """The ids of the parameters whose gradients are partial sums over the tensor-parallel group."""
+    return frozenset(id(r.param) for r in layout.records if r.tp is not None and r.tp.partial_grad)
+
+
+def _param_offload(
+    layout: ShardLayout, offload: OffloadPolicy, scratch: dict[str, ScratchDir], world: Communicator, rank: int
+) -> ParamOffload | None:
+    """Stage 3's unit shards in mapped swap files (``offload_param.device: nvme``), made on every rank or on none;
+    None otherwise."""
+    if offload.param.device != "nvme" or not layout.unit_buckets:
+        return None
+    return on_every_rank(
+        world,
+        "parameter swap files",
+        lambda: ParamOffload(
+            layout.unit_buckets,
+            scratch["offload_param"],
+            rank,
+            offload.param.max_in_cpu,
+            offload.param.buffer_count,
+        ),
+    )
+
+
+def _host_masters(masters: Any, trainable: list[Bucket], policy: ZeroPolicy, offload: OffloadPolicy) -> Any:
+    """The fp32 masters on the host for a device run whose optimizer steps there (see [Note: overlapped offload]):
+    of the shard's slices when the optimizer state is sharded (at stage 3 the parameters themselves are not
+    there), else of the whole parameters."""
+    if policy.shard_optimizer_state:
+        fragments = {
+            id(s.param): b.shard[f.shard_offset : f.shard_offset + f.length]
+            for b in trainable
+            for s, f in zip(b.slots, b.fragments)
+        }
+    else:
+        fragments = {id(s.param): s.param.detach() for b in trainable for s in b.slots}
+    opt = offload.optimizer
+    ratio = opt.ratio if opt.device == "cpu" else 1.0  # nvme: resident sub-groups stay on the host
+    return host_masters(masters, fragments, opt.pin_memory, opt.sub_group_size, ratio)
+
+
+def _offload_factory(
+    optimizer: torch.optim.Optimizer,
+    offload: OffloadPolicy,
+    topology: Topology,
+    files: SwapFiles | None,
+    world: Communicator,
+    sinks: GradientSinks,
+) -> Callable[[list[torch.Tensor], list[torch.Tensor] | None], OptimizerOffload] | None:
+    """What makes the optimizer offload from the tensors :class:`ShardedOptimizer` steps (it takes the optimizer
+    state over in its constructor); None without optimizer offload."""
+    opt = offload.optimizer
+    if not opt.enabled:
+        return None
+
+    def make_offload(stepped: list[torch.Tensor], fragments: list[torch.Tensor] | None) -> OptimizerOffload:
+        return build_optimizer_offload(
+            optimizer,
+            stepped,
+            opt.device,
+            opt.sub_group_size,
+            opt.buffer_count,
+            opt.ratio,
+            opt.pin_memory and topology.device.type == "cuda",  # pinning would make a CUDA context
+            files,
+            world,
+            fragments=fragments,
+            sinks=sinks,
+        )
+
+    return make_offload
+
+
+def move_whole_parts(model: nn.Module, policy: ZeroPolicy, topology: Topology) -> None:
+    """Move to the engine's device what stays whole there; at stage 3 the units' parameters stay where they are
+    until :func:`~shardtrain.zero.build.build_layout` copies them into their unit, one unit at a time.
+
+    [Note: stage 3 from the host]
+    A model built on the host without ``zero.Init`` (or on another device) is not moved whole to the device before
+    it is sharded: at stage 3 the device peak of ``initialize`` would be the whole model, and a model that only fits
+    sharded would run out of memory while ``shardtrain estimate`` says it fits. At stage 3 only the buffers and the
+    parameters below ``stage3_param_persistence_threshold`` are moved first. Each unit's parameters
+    are copied into the unit's flat buffer, made on the device (``build_buckets(device=...)``), when the unit is laid
+    out. The buffer then holds rank 0's values (broadcast), this rank's shard is cut from it, and it is freed before
+    the next unit. The device peak of ``initialize`` is the shards laid out so far plus one unit; the host keeps
+    each parameter until its unit is laid out. With tensor parallelism the model is still moved whole: the
+    tensor-parallel split runs before the layout, on the device.
+    """
+    device = topology.device
+    tensors = [*model.parameters(), *model.buffers()] if topology.tp > 1 else laid_out_whole(model, policy)
+    if all(t.device == device for t in tensors):
+        return
+    if len(tensors) == len([*model.parameters(), *model.buffers()]):
+        model.to(device)
+        return
+    moving = {id(t) for t in tensors if t.device != device}
+    with torch.no_grad():
+        for m in model.modules():
+            for p in m._parameters.values():
+                if p is not None and id(p) in moving:
+                    _move_parameter(p, device)
+            for name, buf in m._buffers.items():
+                if buf is not None and id(buf) in moving:
+                    m._buffers[name] = buf.to(device)
+
+
+def _move_parameter(p: nn.Parameter, device: torch.device) -> None:
+    """``p`` on ``device``, the same object (the optimizer holds it), as ``nn.Module.to`` moves it."""
+    moved = p.data.to(device)
+    grad = p.grad.to(device) if p.grad is not None else None
+    if torch._has_compatible_shallow_copy_type(p.data, moved):
+        p.data = moved
+    else:  # a device whose tensors are of another kind (as nn.Module._apply does): swap, keeping the attributes
+        attributes = dict(p.__dict__)
+        torch.utils.swap_tensors(p, nn.Parameter(moved, requires_grad=p.requires_grad))
+        p.__dict__.update(attributes)
+    p.grad = grad
+
+
+def _cast_to_compute_dtype(module: nn.Module, layout: ShardLayout, policy: PrecisionPolicy) -> None:
+    """See [Note: mixed precision]: buckets, other fp32 parameters and floating buffers."""
+    for b in layout.buckets:
+        if b.dtype == torch.float32:
+            cast_bucket(b, policy.compute_dtype)
+    with torch.no_grad():
+        for p in module.parameters():
+            record = layout.record_of(p)
+            if (record is None or record.bucket is None) and policy.casts(p):
+                p.data = p.data.to(policy.compute_dtype)
+        for m in module.modules():
+            for name, buf in m._buffers.items():
+                if buf is not None and policy.casts(buf):
+                    m._buffers[name] = buf.to(policy.compute_dtype)
+
+
+def _prepare_offload(offload: OffloadPolicy, topology: Topology, world: Communicator) -> dict[str, ScratchDir]:
+    """Each rank's swap directories (device ``nvme``), checked on every rank."""
+    param = offload.param
+    scratch = {}
+    if param.device == "nvme":
+        scratch["offload_param"] = prepare_scratch(
+            param.nvme_path, topology.rank, "zero_optimization.offload_param", world
+        )
+    off = offload.optimizer
+    if off.device == "nvme":
+        scratch["offload_optimizer"] = prepare_scratch(
+            off.nvme_path, topology.rank, "zero_optimization.offload_optimizer", world
+        )
+    return scratch
+
+
+def refuse_sharded_construction(model: nn.Module) -> None:
+    if any(is_under_construction(p) for p in model.parameters()):
+        raise ConfigError(
+            "a model built under shardtrain.zero.Init() (sharded over the world as it was built) cannot be split "
+            "by tensor parallelism: build it under shardtrain.zero.Init(config) with the same config, whose "
+            "tensor_parallel section makes each rank build only its blocks (docs/sharded-construction.md)"
+        )
+
+
+def broadcast_model(model: nn.Module, world: Communicator, split: str = "tensor-parallel") -> None:
+    """Every rank starts from rank 0's full model before tensor (or expert) parallelism cuts each rank's blocks (the
+    data-parallel broadcast after the split only reaches ranks holding the same block). Parameters built under
+    ``zero.Init()`` are chunks of one tensor already, and stay sharded."""
+    with torch.no_grad():
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            if not is_under_construction(t):
+                world.broadcast(t.data, 0, what=f"initial value of {name!r} before the {split} split")
+
+
+def _check_ranks_agree(comm: Communicator, module: nn.Module, cfg: Config) -> None:
+    """Fail at once, naming ranks, if ranks got different configs or models (instead of hanging later)."""
+    structure = [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in module.named_parameters()]
+    mine = {
+        "config": hashlib.sha256(cfg.model_dump_json().encode()).hexdigest()[:16],
+        "model": hashlib.sha256(json.dumps(structure).encode()).hexdigest()[:16],
+    }
+    everyone = comm.all_gather_object(mine, what="config and model fingerprints")
+    for key in ("config", "model"):
+        values = [e[key] for e in everyone]
+        if len(set(values)) > 1:
+            groups: dict[str, list[int]] = {}
+            for r, v in enumerate(values):
+                groups.setdefault(v, []).append(r)
+            detail = "; ".join(f"ranks {rs} have {v}" for v, rs in groups.items())
+            raise RankMismatchError(f"ranks disagree on the {key} passed to initialize(): {detail}")

@@ -1,0 +1,183 @@
+"""The policies the core packages take instead of the config: plain frozen data, built by
+:func:`shardtrain.config.plan.resolve_plan` (as FSDP2's core takes a ``MixedPrecisionPolicy`` and an
+``OffloadPolicy``). Each says what its package does; none knows a config key.
+
+:class:`ZeroPolicy`: what ZeRO shards, as a frozen policy instead of a stage number compared in many places.
+
+=====  ==========================  =================  ===================
+stage  optimizer state (+ masters)  gradients          parameters
+=====  ==========================  =================  ===================
+0      replicated                  all-reduced        replicated
+1      sharded                     reduce-scattered   replicated
+2      sharded                     sharded (staged)   replicated
+3      sharded                     sharded (staged)   sharded in units
+=====  ==========================  =================  ===================
+
+Each stage shards everything the previous one does; :meth:`ZeroPolicy.for_stage` is where a stage number is
+turned into behaviour for the ZeRO components (layout, reducer, optimizer wrapper, units, checkpoint code), which
+read the policy's fields. The stage number itself remains in user-facing places: the config, error messages,
+``check_optimizer`` (stages 1-3 step fragments) and Hugging Face helpers that mirror DeepSpeed's ``stage == 3``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class ZeroPolicy:
+    stage: int
+    shard_optimizer_state: bool
+    """Each data-parallel rank steps only its fragment of every parameter (moments and masters sharded)."""
+    shard_gradients: bool
+    """Gradients are reduce-scattered bucket by bucket during backward; no full gradient buffer survives."""
+    shard_parameters: bool
+    """Parameters live as shards of units, gathered just in time for forward and backward."""
+    reduce_bucket_size: int = 500_000_000
+    """Elements per gradient bucket; also the unit parameters are laid out (and all-gathered) in."""
+    allgather_bucket_size: int = 500_000_000
+    """At most this many elements of parameter all-gathers in flight at once after a step."""
+    overlap_comm: bool = True
+    """Launch each bucket's reduction as soon as its gradients are ready during backward."""
+    persistence_threshold: int = 100_000
+    """Stage 3: parameters with fewer elements stay whole on every rank."""
+    unit_classes: tuple[str, ...] | None = None
+    """Stage 3: module class names gathered and released as units (None: repeated blocks)."""
+    gather_check: bool = True
+    """Stage 3: ranks exchange unit ids before gathers until two passes of a kind gathered alike."""
+
+    @staticmethod
+    def for_stage(stage: int, **knobs: object) -> ZeroPolicy:
+        if stage not in (0, 1, 2, 3):
+            raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
+        return ZeroPolicy(
+            stage=stage,
+            shard_optimizer_state=stage >= 1,
+            shard_gradients=stage >= 2,
+            shard_parameters=stage >= 3,
+            **knobs,  # type: ignore[arg-type]
+        )
+
+    @property
+    def gradient_reduction(self) -> str:
+        """``all_reduce`` (whole gradients), ``reduce_scatter`` at the boundary into full buffers, or ``staged``."""
+        if not self.shard_optimizer_state:
+            return "all_reduce"
+        return "staged" if self.shard_gradients else "reduce_scatter"
+
+
+@dataclass(frozen=True)
+class LossScalePolicy:
+    """fp16's loss scaling, with DeepSpeed's meaning (:class:`shardtrain.precision.loss_scaler.LossScaler`)."""
+
+    static_scale: float = 0.0
+    """0: dynamic scaling; a positive value is a static scale."""
+    initial_scale_power: int = 16
+    window: int = 1000
+    hysteresis: int = 2
+    min_scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    """Which dtype computes, which reduces gradients, which the optimizer steps ([Note: mixed precision] in
+    :mod:`shardtrain.precision.mixed`)."""
+
+    compute_dtype: torch.dtype = torch.float32
+    reduce_dtype: torch.dtype = torch.float32
+    master_dtype: torch.dtype = torch.float32
+    loss_scale: LossScalePolicy | None = None
+    """fp16 only: how the loss is scaled (None: not scaled)."""
+    cast_inputs: bool = False
+    """fp16's ``auto_cast``: floating positional inputs of ``forward`` cast to fp16."""
+
+    @property
+    def mixed(self) -> bool:
+        return self.compute_dtype != self.master_dtype
+
+    def casts(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` (a parameter or buffer) is cast to the compute dtype: fp32 floating tensors only."""
+        return self.mixed and t.dtype == torch.float32
+
+
+@dataclass(frozen=True)
+class OptimizerOffloadPolicy:
+    """Where optimizer state (and fp32 masters) live between steps (``zero_optimization.offload_optimizer``)."""
+
+    device: str = "none"
+    """``none`` (where it is used), ``cpu`` (host memory) or ``nvme`` (swap files)."""
+    nvme_path: str | None = None
+    pin_memory: bool = False
+    buffer_count: int = 4
+    ratio: float = 1.0
+    sub_group_size: int = 1_000_000_000
+    """The optimizer steps this rank's fragments in sub-groups of about this many elements."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.device != "none"
+
+
+@dataclass(frozen=True)
+class ParamOffloadPolicy:
+    """Where stage 3's parameter shards live between gathers (``zero_optimization.offload_param``)."""
+
+    device: str = "none"
+    nvme_path: str | None = None
+    buffer_count: int = 5
+    max_in_cpu: int = 1_000_000_000
+
+    @property
+    def enabled(self) -> bool:
+        return self.device != "none"
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    optimizer: OptimizerOffloadPolicy = field(default_factory=OptimizerOffloadPolicy)
+    param: ParamOffloadPolicy = field(default_factory=ParamOffloadPolicy)
+
+
+@dataclass(frozen=True)
+class PrefetchPolicy:
+    """How far ahead ZeRO-3 gathers units: one unit ahead, within a budget of elements (0: no prefetch).
+
+    The one rule that eager mode (:class:`shardtrain.runtime.eager.EagerRuntime`), graph mode's schedule
+    (:func:`shardtrain.graph.sharded.schedule_graph`) and the memory planner (:mod:`shardtrain.estimate.compute`)
+    follow: the next distinct unit of the recorded order is gathered while the current one computes if its buffer
+    has at most ``budget`` elements. One unit ahead keeps at most the current and the prefetched unit whole (plus
+    the root unit), and is enough to hide a gather behind one unit's compute."""
+
+    budget: int = 50_000_000
+    """Elements of upcoming units gathered ahead of use (``stage3_prefetch_bucket_size``)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.budget > 0
+
+    def ahead(self, numel: int) -> bool:
+        """Whether a unit of ``numel`` elements is gathered one unit ahead of its use."""
+        return self.enabled and numel <= self.budget
+
+
+@dataclass(frozen=True)
+class GraphPolicy:
+    """Graph mode (``graph``): capture the forward and backward per input schema (docs/graph-mode.md)."""
+
+    enabled: bool = False
+    strict: bool = False
+    cache_size: int = 8
+    compiler: str = "aot_eager"
+    dynamic_shapes: bool = True
+
+
+@dataclass(frozen=True)
+class TilingPolicy:
+    """ALST's tiled logits loss and MLP (``tiled_logits_loss``, ``tiled_mlp_compute`` and their shards)."""
+
+    logits_loss: bool = False
+    logits_loss_shards: int | None = None
+    mlp: bool = False
+    mlp_shards: int | None = None

@@ -1,0 +1,62 @@
+"""Mixed precision: which dtype computes, which reduces, which the optimizer sees; and the loss scaler.
+
+[Note: mixed precision]
+With ``bf16`` or ``fp16`` enabled, the module's parameters (flat buffers, see [Note: bucket layout]),
+frozen parameters and floating buffers are cast to the compute dtype after the layout is built. Each rank
+keeps fp32 *master* copies of its fragments, made from the original fp32 values before the cast; the
+optimizer (and its state) sees only the masters. After each step the compute-dtype fragments are refreshed
+from the masters, then gathered as usual.
+
+Gradients are produced in the compute dtype and accumulated in fp32: each is added into the fp32 gradient
+buffer of its bucket (stages 0-1, full size) or staged and reduce-scattered into an fp32 shard (stages
+2-3), then freed. That is what shardtrain keeps for gradient accumulation: 2 bytes per parameter more than
+compute-dtype gradient buffers (stage 1: 2 + 4 + 12/N bytes per parameter, stage 2: 2 + 16/N, stage 3:
+18/N, instead of the 4 + 12/N, 2 + 14/N and 16/N of the ZeRO paper's accounting), in exchange for exact
+accumulation over micro-steps and fp32 gradients ready for the masters without another copy.
+Reductions across ranks run in ``communication_data_type`` (default fp32: the average of N ranks'
+gradients is formed in fp32, at twice the bytes of a bf16 reduction; ``"bf16"``/``"fp16"`` halves the
+bytes and sums in low precision).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shardtrain.errors import ConfigError
+from shardtrain.plan.policies import PrecisionPolicy
+
+
+def check_parameter_dtypes(model: nn.Module, policy: PrecisionPolicy) -> None:
+    """Refuse trainable parameters in a dtype the policy does not train correctly, before the model is touched.
+
+    The flat buffers, gradient reductions and optimizer are built for fp32 parameters, or, under mixed
+    precision, for parameters that are fp32 (cast by shardtrain after its fp32 masters are taken) or
+    already in the compute dtype (the masters are then made from those values), and fp64 without mixed
+    precision. Any other dtype would
+    train silently wrong (a bf16 model without a ``bf16`` section would take steps too small to change its
+    bf16 values). Frozen
+    parameters may have any dtype (a bf16 base model under LoRA adapters): they are never stepped."""
+    allowed = {torch.float32, policy.compute_dtype}
+    if not policy.mixed:  # fp64 trains as it is: its gradients accumulate in fp64 and alias the flat buffers
+        allowed.add(torch.float64)
+    wrong: dict[torch.dtype, list[str]] = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad and p.dtype not in allowed:
+            wrong.setdefault(p.dtype, []).append(name)
+    if not wrong:
+        return
+    dtype, names = next(iter(wrong.items()))
+    shown = ", ".join(names[:5]) + (f" (+{len(names) - 5} more)" if len(names) > 5 else "")
+    short = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype)
+    if policy.mixed:
+        fix = f"cast the model to torch.float32 (or {policy.compute_dtype}, the compute dtype of this config)"
+    elif short is not None:
+        fix = f'keep the model in torch.float32 and set "{short}": {{"enabled": true}} in the config'
+    else:
+        fix = "keep the model in torch.float32"
+    raise ConfigError(
+        f"trainable parameter(s) {shown} have dtype {dtype}, but this config computes in "
+        f"{policy.compute_dtype}; {fix}. shardtrain keeps the fp32 master weights itself and casts the "
+        "model to the compute dtype after taking them, so the model should stay fp32"
+    )
