@@ -1,28 +1,24 @@
 """Failures of collectives that do not block the host (NCCL): named by a watchdog thread, not left to NCCL's.
 
 [Note: failures under NCCL]
-Under NCCL ``wait()`` only makes the current stream wait, so a collective whose peer is gone never raises in Python;
-NCCL's own watchdog kills the process at the group's timeout, naming a sequence number, not the lost rank. So a
-Communicator whose backend does not block the host (:func:`blocks_host`) hands each collective to one daemon thread
-per process (:class:`Watchdog`), which checks the oldest incomplete one every :data:`POLL_S` (``is_completed()``
-reads the CUDA event without waiting). From :data:`PROBE_S` after issue it asks the rendezvous store, not NCCL,
-whether a peer is down (:func:`shardtrain.distributed.failure.peer_down`: :class:`~shardtrain.errors.PeerLostError`)
-and runs the wait probes ([Note: probes while waiting] in :mod:`shardtrain.distributed.communicator`), so a ZeRO-3
-departure ([Note: departures from a trusted order] in :mod:`shardtrain.zero.departure`) is named even while this host
-is stuck in CUDA; at ``collective_timeout_s`` it is a :class:`~shardtrain.errors.CollectiveTimeoutError`.
+Under NCCL ``wait()`` only makes the stream wait: a collective whose peer is gone never raises in Python, and NCCL's
+watchdog kills the process at the group's timeout naming a sequence number, not the lost rank. So a Communicator
+whose backend does not block the host (:func:`blocks_host`) hands each collective to one daemon thread
+(:class:`Watchdog`) checking the oldest incomplete one every :data:`POLL_S` (``is_completed()`` does not wait). From
+:data:`PROBE_S` after issue it asks the store, not NCCL, if a peer is down (:class:`~shardtrain.errors.PeerLostError`;
+:func:`shardtrain.distributed.failure.peer_down`) and runs the wait probes ([Note: probes while waiting] in
+:mod:`shardtrain.distributed.communicator`): a ZeRO-3 rank's departure ([Note: departures from a trusted order] in
+:mod:`shardtrain.zero.departure`) is named even while this host is stuck in CUDA. At ``collective_timeout_s``:
+:class:`~shardtrain.errors.CollectiveTimeoutError`. Either way it builds the gloo path's message, writes this rank's
+failure to the store (peers name the same lost rank), prints it with every thread's stack and ``os._exit``s with
+:data:`EXIT_CODE`; it never raises (the main thread may be blocked in CUDA). ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` 0/2:
+report only; ``TORCH_NCCL_BLOCKING_WAIT=1``, ``SHARDTRAIN_WATCHDOG=0``: no watchdog. Unwatched: object collectives,
+point-to-point, captured graphs.
 
-Either way it builds the gloo path's message (``Communicator.describe_failure``), writes this rank's failure to the
-store (peers then name the same lost rank), prints it with every thread's stack and calls ``os._exit(EXIT_CODE)``.
-It never raises: the main thread may be blocked in CUDA on the kernel that waits for the lost peer.
-``TORCH_NCCL_ASYNC_ERROR_HANDLING`` 0 or 2: report, no exit; ``TORCH_NCCL_BLOCKING_WAIT=1`` or
-``SHARDTRAIN_WATCHDOG=0``: no watchdog. Not watched: object collectives, point-to-point, captured graphs.
-
-An asynchronous ``Work`` is held only until its ``wait()`` returns, then replaced by an event recorded after the wait:
-NCCL's ``Work`` keeps its outputs alive, so holding it while the host runs ahead raised the next forward's peak
-(measured in docs/benchmarks-gpu.md, second session). NCCL's watchdog stays the backstop: our groups get
-``collective_timeout_s`` + :func:`backend_margin_s`; on a user's group with a timeout no longer than ours this one
-fires half a margin earlier (``Communicator.watch_timeout_s``). Known limits and what has run: docs/reliability.md,
-section "Under NCCL" (tests: ``tests/distributed/test_watchdog.py``).
+A ``Work`` is held only until its ``wait()`` returns, then an event after the wait is watched: NCCL's ``Work`` keeps
+its outputs alive, which raised the next forward's peak as the host ran ahead (docs/benchmarks-gpu.md, second session).
+NCCL's watchdog is the backstop: our groups' timeout adds :func:`backend_margin_s`; on a user's group no longer than
+ours this fires half a margin earlier (``Communicator.watch_timeout_s``). Limits: docs/reliability.md, "Under NCCL".
 """
 
 from __future__ import annotations
