@@ -8,8 +8,7 @@ handle, calls nothing but the allowed callables (and, via ``BUILD``, their resul
 allow-list is the whole trust boundary: ``"module.name"`` maps to the real object when calling it with any arguments
 is harmless, else to a stand-in (a safer function of the same signature, a plain class recording its state; this is
 how a foreign format is read without importing its code). Anything else is refused by name before it is resolved.
-A tensor pickled with plain ``pickle`` carries ``torch.save`` bytes, which :data:`TORCH_TENSOR_GLOBALS` hands to
-``torch.load(weights_only=True)``, torch's version of this idea.
+Pickled tensors' ``torch.save`` bytes go to ``torch.load(weights_only=True)`` (:data:`TORCH_TENSOR_GLOBALS`).
 """
 
 from __future__ import annotations

@@ -33,9 +33,8 @@ moves an all-reduce's, twice the theory (a ZeRO-3 step would move 4P, not 3P; me
 "pairwise"``, which ``"auto"`` picks for gloo; NCCL keeps its own): each rank ``isend``s chunk ``j`` to rank ``j`` and
 ``irecv``s its own chunk from its ``N-1`` peers, all posted at once, so transfers run on gloo's threads while the
 caller computes; ``wait()`` sums the ``N`` chunks in rank order, the same on every rank and step: deterministic. A
-ring sends the same bytes in ``N-1`` dependent rounds, each needing a reduction that an asynchronous handle cannot
-do without a thread of its own; one all-to-all round suits gloo's small groups. ``sent`` is what the pairwise
-exchange sends, the factor measured on loopback for gloo's own collectives, and the convention for NCCL (unmeasured).
+ring's ``N-1`` dependent rounds each need a reduction (a thread for an asynchronous handle); one all-to-all round
+suits gloo's small groups. ``sent``: the pairwise bytes, gloo's loopback factor, NCCL's convention (unmeasured).
 
 [Note: a group of one]
 A group of one rank has nothing to exchange: its collectives are copies (or nothing) and are counted with 0 bytes.

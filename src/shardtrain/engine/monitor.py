@@ -25,9 +25,8 @@ the forward); with activation checkpointing the hardware FLOPs, ``(3 + recompute
 them but never enter MFU. Counting once suffices (a training step's shapes do not change); counting every step would
 slow each one. Later print steps write TFLOP/s per rank = model FLOPs / step time and MFU = that / peak
 (``flops_profiler.peak_tflops``, or a known GPU's dense 16-bit peak for bf16/fp16; none for fp32 or the CPU, and then
-no MFU). Nothing synchronizes: the FLOPs are a Python int, the step time is already measured. The profile step's
-report (log or ``output_file``) gives forward, model and hardware FLOPs and, with ``detailed``, the per-module table
-to ``module_depth``.
+no MFU). Nothing synchronizes (a Python int, the step time already taken). The profile step's report (log or
+``output_file``) gives forward, model and hardware FLOPs, and with ``detailed`` the per-module table.
 """
 
 from __future__ import annotations
