@@ -1,38 +1,24 @@
 """Asynchronous checkpoint saves: the snapshot on the caller's thread, the files and the commit in the background.
 
 [Note: asynchronous checkpoints]
-``save_checkpoint(..., async_save=True)`` splits the save protocol of ``writer.py`` in two, as PyTorch DCP's
-``async_save`` and DeepSpeed's decoupled checkpoint engine do:
+``save_checkpoint(..., async_save=True)`` splits ``writer.py``'s protocol in two (as DCP's ``async_save``):
 
-* on the calling thread, :func:`writer.stage` (steps 1-2): rank 0 prepares ``.tmp-<tag>``; every rank copies each
-  tensor it saves (parameters or masters, optimizer state; device tensors into pinned memory, host ones cloned) and
-  encodes its objects (RNG states, scheduler, counters, ``client_state``) into bytes and fresh JSON; one gather over
-  the training group agrees on the plan. A bad tag, an existing tag or an object that cannot be stored is raised
-  here, at once, on every rank. When it returns nothing the save reads is shared with training any more: the next
-  optimizer step cannot change what is written;
-* on one background thread per engine, :func:`writer.commit` (steps 3-5): write and fsync the files, gather the
-  file lists, rank 0 publishes (manifest, rename, ``latest``), gather the outcome. ``latest`` moves only once every
-  rank's files are durable, exactly as in a synchronous save, so a process killed during the background write
-  leaves the previous checkpoint loadable and ``latest`` unchanged (the crash points of ``durable.py`` are the same).
+* on the caller, :func:`writer.stage` (steps 1-2): each rank copies what it saves (device tensors into pinned memory,
+  host ones cloned) and encodes its objects; one gather agrees on the plan; a bad or existing tag or an unstorable
+  object raises here, on every rank. After it, nothing is shared with training: the next step cannot change the save;
+* on one background thread per engine, :func:`writer.commit` (steps 3-5): files written and fsynced, rank 0
+  publishes, outcome gathered. ``latest`` moves only once every rank's files are durable (a kill mid-write leaves it).
 
-The commit's gathers are collectives, and a collective issued from a second thread on the training's process group
-would interleave with training's own collectives in an order that differs between ranks (a deadlock or, worse,
-mismatched data). They run on a separate gloo group created for checkpoints (the same ranks, in the same order),
-once per engine, on the first asynchronous save: ``new_group`` is itself collective over the world, and every rank
-calls ``save_checkpoint`` at the same point (the desync check verifies it). Gloo because the commit exchanges small
-Python objects on the host; it also keeps the background thread off the GPU's NCCL streams. The alternative,
-deferring the commit to the next engine call on the training thread, was rejected: ``latest`` would then lag behind
-durable files by up to a whole save interval, and a crash in between would lose a checkpoint that was on disk.
+The commit's gathers run on a gloo group of their own (same ranks; made at the first asynchronous save, as
+``new_group`` is collective): a second thread's collectives on training's group would interleave differently per rank
+(deadlock or mismatched data); gloo for small host objects, off NCCL's streams. Committing on the training thread's
+next call was rejected: ``latest`` would lag durable files by up to a save interval, and a crash would lose one.
 
-At most one save is in flight per engine: the next ``save_checkpoint`` and ``close()`` wait for it first, and the
-interpreter's exit waits too (the thread is not a daemon; an outcome nobody collected is logged at exit). A failure
-of the background save (a full disk on any rank, a lost peer) is carried between ranks by the commit's gathers as
-in a synchronous save, so every rank holds the same :class:`CheckpointError`; it is raised at the next
-``save_checkpoint`` or ``close()`` on every rank, and nothing was published (``latest`` names the previous
-checkpoint). Not at ``step()``: the background threads of different ranks finish at different times, so a poll at
-each step would raise on one rank at step k and on another at step k+1, and the first would leave the others waiting
-in training's collectives; the next save and ``close()`` are points every rank reaches together, after joining.
-Memory: a host copy of everything this rank saves is held until its files are written.
+At most one save is in flight: the next ``save_checkpoint``, ``close()`` and exit (non-daemon thread) join it. A
+background failure is shared by the commit's gathers: every rank raises the same :class:`CheckpointError` at the next
+``save_checkpoint`` or ``close()``, nothing published. Not at ``step()``: threads finish at different times, so one
+rank would raise a step early and leave the others waiting in training's collectives. Memory: a host copy of all
+this rank saves lives until its files are written.
 """
 
 from __future__ import annotations

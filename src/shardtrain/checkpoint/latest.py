@@ -14,27 +14,20 @@ the DeepSpeed reader (whose ``latest`` has the same form), the DeepSpeed shim, t
 A save is committed when ``latest.tmp``, naming its tag, is durable; it is published when ``latest`` names it.
 Rank 0 publishes in this order (``writer._publish``):
 
-1. ``.tmp-<tag>/manifest.json`` written and fsynced, ``.tmp-<tag>`` fsynced: the new checkpoint is complete;
-2. ``latest.tmp`` (the tag and a newline) written and fsynced, ``save_dir`` fsynced: the journal. From here on
-   the save is committed: whatever happens, the next load or save finishes it (:func:`recover`);
-3. :func:`finish_publish`: an existing ``<tag>`` (a replacement) is moved to ``.trash-<tag>``, ``.tmp-<tag>`` is
-   renamed to ``<tag>``, ``save_dir`` fsynced; ``latest.tmp`` is renamed over ``latest``, ``save_dir`` fsynced;
-   ``.trash-<tag>`` is removed.
+1. ``.tmp-<tag>/manifest.json`` written and fsynced, ``.tmp-<tag>`` fsynced: the checkpoint is complete;
+2. ``latest.tmp`` (tag and newline) written and fsynced, ``save_dir`` fsynced: the journal; from here the next load
+   or save finishes the publish (:func:`recover`);
+3. :func:`finish_publish`: an existing ``<tag>`` moved to ``.trash-<tag>``, ``.tmp-<tag>`` renamed to ``<tag>``,
+   ``save_dir`` fsynced, ``latest.tmp`` renamed over ``latest``, ``save_dir`` fsynced, ``.trash-<tag>`` removed.
 
-Before, the directory was renamed first and ``latest.tmp`` written after: a crash in between left ``<tag>``
-complete and ``latest`` on the previous checkpoint, with nothing on disk saying which of the two was newer. The
-restart loaded the older one, trained to the same step and could not save it again (the tag existed); under
-``torchrun --max-restarts`` every restart died there. With the journal, :func:`recover` (rank 0; called by every
-save's prepare step and by ``engine.load_checkpoint`` before it reads ``latest``) rolls forward: a valid journal
-whose tag is complete, in ``.tmp-<tag>`` (crash before the rename) or in ``<tag>`` (after it), is renamed into place
-and ``latest`` moved onto it; a torn journal (no final newline, not a tag) or one naming nothing complete is
-removed, and the save never happened. A ``.trash-<tag>`` whose ``<tag>`` is missing (an overwrite interrupted by an
-older version, which moved the old copy aside before it had a journal) is moved back. Each of these is a rename, so
-a crash inside :func:`recover` leaves a state it finishes the next time.
-
-Why not scan the directory for a complete tag newer than ``latest``, as torchtitan picks the highest ``step-N``?
-Tags are the user's names with no order (``best``, ``pre-finetune``), and a user may point ``latest`` back at an
-older checkpoint on purpose; a scan would move it forward again. The journal says exactly which save was committed.
+Renaming the directory before any journal left, after a crash, a complete ``<tag>`` that nothing said was newer
+than ``latest``: the restart resumed the older one and could not save the tag again (under ``--max-restarts``, every
+restart died). :func:`recover` (rank 0; every save's prepare and ``engine.load_checkpoint`` call it first) rolls
+forward: a valid journal whose tag is complete (in ``.tmp-<tag>`` or ``<tag>``) is renamed into place and ``latest``
+moved; a torn journal (no final newline) or one naming nothing complete is removed. A ``.trash-<tag>`` without
+``<tag>`` is moved back. Each step is a rename, so a crash inside :func:`recover` is finished next time. Scanning for
+the newest complete tag (as torchtitan's ``step-N``) fails: tags are user names with no order, and a ``latest`` the
+user pointed back on purpose would move forward again.
 """
 
 from __future__ import annotations

@@ -1,17 +1,13 @@
 """Opening the files a checkpoint names: inside its directory, regular files only, never blocking.
 
 [Note: checkpoint member files]
-A checkpoint is read from a directory that may have been downloaded, copied or damaged, so what its manifest names
-is checked before it is opened, and opened so that it can neither leave the directory nor block:
-
-* a name must be a normalised relative path (``format.member_name_problem``: no ``..``, no absolute path, no empty
-  or ``.`` component), checked when the manifest is parsed, before anything is opened;
-* the name joined to the directory must resolve (through symlinks) to a path inside the directory's own resolved
-  path: a symlink to a file of the same checkpoint is followed, one out of it is refused;
-* the path must ``stat`` as a regular file (a FIFO, device, directory or symlink loop is refused by ``stat``, which
-  opens nothing), and is then opened with ``O_NONBLOCK`` and checked again with ``fstat`` on the open descriptor, so a
-  FIFO swapped in between cannot make a read wait for a writer.
-
+A checkpoint may have been downloaded, copied or damaged, so reading a file its manifest names must neither leave
+the directory nor block:
+* the name is a normalised relative path (``format.member_name_problem``: no ``..``, absolute path, empty or ``.``
+  component), checked when the manifest is parsed;
+* joined to the directory, it must resolve (through symlinks) inside the directory's resolved path;
+* it must ``stat`` as a regular file (``stat`` opens nothing, so a FIFO or device is refused unopened), is opened
+  with ``O_NONBLOCK`` and checked again with ``fstat``, so a FIFO swapped in between cannot block a read.
 Every refusal is a ``CheckpointError`` naming the path and what it was needed for.
 """
 

@@ -2,34 +2,18 @@
 how they are stored so that reading them runs no code, and how the pickled objects of format version 1 are read.
 
 [Note: checkpoint objects]
-An object that survives a JSON round trip unchanged is stored inline in the manifest (encoding ``"json"``). Any other
-is stored as a *tagged* JSON tree, also inline (encoding ``"tagged"``): JSON in which an object with the key
-``"$type"`` stands for a value JSON lacks, and the tensors and numpy arrays it holds go into one safetensors file per
-writer (``objects.safetensors``, ``rank<r>.objects.safetensors``), named by the record. Both are data formats, and
-the decoder builds only the types below, so opening a checkpoint runs no code from it.
+Checkpoints are shared like weights, so opening one must run no code: objects are data formats only. A value that
+survives a JSON round trip unchanged is stored inline (encoding ``"json"``); any other as a *tagged* JSON tree, also
+inline (encoding ``"tagged"``), where an object with the key ``"$type"`` stands for a value JSON lacks (non-str dict
+keys, tuple, nan/inf, bytes, tensor, numpy array or scalar), and tensors and arrays go into one safetensors file per
+writer (``objects.safetensors``, ``rank<r>.objects.safetensors``). The decoder builds only those types (the table:
+docs/checkpoint-format.md, "Objects"). Anything else (another class's instance, a function, a set) is refused at save,
+naming where it sits, rather than writing what could not be read back; subclasses come back as their base type
+(``OrderedDict`` as dict, named tuple as tuple, ``nn.Parameter`` as tensor; tensors on the CPU, without grad).
 
-=====================================  ===========================================================================
-value                                  tagged JSON
-=====================================  ===========================================================================
-None, bool, str, int, finite float     itself
-list                                   an array
-dict, str keys, none of them "$type"   an object
-any other dict                         ``{"$type": "dict", "items": [[key, value], ...]}`` (keys: None, bool,
-                                       int, float, str, bytes, or tuples of these)
-tuple                                  ``{"$type": "tuple", "items": [...]}``
-nan, inf, -inf                         ``{"$type": "float", "value": "nan"}``
-bytes, bytearray                       ``{"$type": "bytes", "base64": "..."}``
-torch.Tensor (dense, not complex)      ``{"$type": "tensor", "key": K}``: read back on the CPU, without grad
-numpy array or scalar (numeric, bool)  ``{"$type": "ndarray", "key": K}`` (``"scalar": true`` for a scalar)
-=====================================  ===========================================================================
-
-Anything else (an instance of another class, a function, a set) is refused when saving, naming where it sits in the
-object, instead of writing what could not be read back. Subclasses come back as their base type (an ``OrderedDict``
-as a dict, a named tuple as a tuple, an ``nn.Parameter`` as a tensor).
-
-Format version 1 pickled such objects. Its files are read through an unpickler that admits only the globals that
-version 1 wrote for these types (:data:`V1_PICKLE_GLOBALS`, [Note: restricted unpickling]); a file naming anything
-else is refused by name and nothing in it runs.
+Format version 1 pickled such objects: its files are read through an unpickler that admits only the globals version
+1 wrote for these types (:data:`V1_PICKLE_GLOBALS`, [Note: restricted unpickling]); a file naming anything else is
+refused by name and nothing in it runs.
 """
 
 from __future__ import annotations

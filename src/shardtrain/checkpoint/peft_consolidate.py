@@ -8,16 +8,14 @@ says which module is an adapter layer and what its tensors are called. Nothing o
 here.
 
 [Note: merging one layer at a time]
-``PeftModel.merge_and_unload`` needs the whole model in memory. It visits each outermost peft module (a tuner layer
-such as ``lora.Linear``, or an auxiliary wrapper such as ``ModulesToSaveWrapper``) and replaces it by its base layer,
-merged: ``module.unload_and_optionally_merge_module(...)`` where the module has one, else ``module.merge()`` and
-``module.get_base_layer()``. We do the same per module, alone: a copy of the meta module is given the module's
-tensors from the checkpoint (``load_state_dict(assign=True)``, so each keeps its stored dtype, as in the trained
-model), merged by peft, and its base layer's state dict is what we write under the module's name without
-``base_model.model.``. Done once on meta tensors, this gives the output's names, shapes and dtypes for the
-streaming header; done again with real tensors when the writer reaches the module, it gives the values. Memory is
-one module's tensors (a layer's base weight and its adapters) at a time, as for the rest of consolidation
-([Note: streaming] in ``consolidate.py``).
+``PeftModel.merge_and_unload`` needs the whole model in memory. It replaces each outermost peft module (a tuner layer
+such as ``lora.Linear``, or a wrapper such as ``ModulesToSaveWrapper``) by its merged base layer
+(``unload_and_optionally_merge_module`` where the module has one, else ``merge()`` and ``get_base_layer()``). We do
+the same per module, alone: a copy of the meta module gets the module's checkpoint tensors
+(``load_state_dict(assign=True)``: each keeps its stored dtype, as in the trained model), peft merges it, and its base
+layer's state dict is written under the module's name without ``base_model.model.``. On meta tensors this gives the
+streaming header's names, shapes and dtypes; on real ones, when the writer reaches the module, the values. Memory is
+one module's tensors at a time ([Note: streaming] in ``consolidate.py``).
 """
 
 from __future__ import annotations

@@ -1,19 +1,14 @@
 """Read pickled files without running code from them: only the globals an allow-list names are resolved.
 
 [Note: restricted unpickling]
-A pickle is a program for a small stack machine. The only instructions that reach code outside the pickle look up a
-global (``GLOBAL``, ``STACK_GLOBAL``, ``INST``, ``OBJ`` and the extension-registry codes, all resolved through
-``Unpickler.find_class``) or a persistent id (``Unpickler.persistent_load``); everything else builds containers,
-numbers and strings. An unpickler that answers ``find_class`` only from an allow-list, and refuses persistent ids
-unless the caller handles them, can call nothing but the allowed callables (and, through ``BUILD``, the
-``__setstate__`` of the objects they return). The allow-list is therefore the whole trust boundary: an entry maps
-``"module.name"`` to the real object when calling it with any arguments is harmless, or to a stand-in (a safer
-function with the same signature, a plain class that only records its state) when it is not; the latter is how a
-foreign format's classes are read without importing its code. Anything else is refused by name before it is
-resolved, so nothing in a refused file has run.
-
-``torch.load(weights_only=True)`` is this idea for ``torch.save`` files; a tensor pickled with plain ``pickle``
-carries its storage as ``torch.save`` bytes, which :data:`TORCH_TENSOR_GLOBALS` hands to exactly that loader.
+The only pickle instructions that reach code outside the pickle look up a global (``GLOBAL``, ``STACK_GLOBAL``,
+``INST``, ``OBJ``, extension codes: all through ``Unpickler.find_class``) or a persistent id (``persistent_load``).
+An unpickler answering ``find_class`` only from an allow-list, and refusing persistent ids the caller does not
+handle, calls nothing but the allowed callables (and, via ``BUILD``, their results' ``__setstate__``). So the
+allow-list is the whole trust boundary: ``"module.name"`` maps to the real object when calling it with any arguments
+is harmless, else to a stand-in (a safer function of the same signature, a plain class recording its state; this is
+how a foreign format is read without importing its code). Anything else is refused by name before it is resolved.
+Pickled tensors' ``torch.save`` bytes go to ``torch.load(weights_only=True)`` (:data:`TORCH_TENSOR_GLOBALS`).
 """
 
 from __future__ import annotations

@@ -12,32 +12,24 @@ both. Any subclass of ``Trainer`` (TRL's trainers, your own) gets the same by pu
 ``class MySFTTrainer(ShardtrainTrainerMixin, SFTTrainer)``. See docs/migration-hf-trainer.md.
 
 [Note: how the Trainer drives the engine]
-The Trainer's loop stays the Trainer's (data loading and sharding by accelerate, callbacks, logging, evaluation,
-checkpoint rotation); shardtrain replaces what accelerate would do with DeepSpeed, at the same points:
+The Trainer's loop stays the Trainer's (accelerate's data loading, callbacks, logging, evaluation, checkpoint
+rotation); shardtrain replaces what accelerate does with DeepSpeed, at the same points:
 
-* ``create_optimizer`` builds the engine (``shardtrain.initialize``) the first time: the optimizer is the Trainer's
-  own (``create_optimizer``) unless the config has an ``optimizer`` section, the scheduler the Trainer's own
-  (``create_scheduler`` on that optimizer) unless the config has a ``scheduler`` section. The engine keeps them and
-  steps them; the Trainer gets stand-ins whose ``step``/``zero_grad`` do nothing (as accelerate's DeepSpeed
-  wrappers), and the model it calls is a thin module that calls the engine.
-* The Trainer's ``accelerator`` is wrapped so that ``backward`` runs ``engine.backward`` then ``engine.step``
-  (DeepSpeed's engine is driven the same way by accelerate): at the Trainer's accumulation boundary (its
-  ``sync_gradients``) the engine reduces, clips (``gradient_clipping``), steps optimizer and scheduler. The Trainer's
-  loss is already divided for accumulation (or normalized by ``num_items_in_batch``), so the engine must not divide
-  it again: ``engine.backward(loss, scale_wrt_gas=False)``, as accelerate drives DeepSpeed's engine.
-  ``clip_grad_norm_`` answers the engine's norm of that step.
-* Checkpoints: ``checkpoint-N/`` holds what the Trainer writes (``model.safetensors`` and ``config.json`` from
-  ``save_model``, ``trainer_state.json``, RNG states) and, in place of ``optimizer.pt``/``scheduler.pt``, the
-  engine's sharded checkpoint (``global_stepN/`` and ``latest``), as DeepSpeed's does. ``resume_from_checkpoint``
-  loads it with ``engine.load_checkpoint`` (weights with their fp32 masters, optimizer, scheduler, counters; at any
-  world size or stage), and the Trainer restores its own state and skips the data already seen.
-* ``save_model`` gathers the full weights (``engine.full_state_dict``, one unit at a time) and rank 0 writes them
-  with ``save_pretrained``: a directory ``from_pretrained`` opens; for a peft model, the adapter.
-* A second model the subclass only runs forward (TRL's reference models, teachers, reward models) goes to
-  ``accelerator.prepare_model(model, evaluation_mode=True)`` when DeepSpeed is off, where TRL would call its
-  ``prepare_deepspeed`` with DeepSpeed on. Both are answered as ``prepare_deepspeed`` answers them: the model is cast to
-  the config's compute dtype, put in eval mode and, at ZeRO-3, sharded into units of its own like the trained model
-  (:func:`shard_frozen_model`); below stage 3 it stays whole on every rank (DeepSpeed gives it stage 0).
+* ``create_optimizer`` builds the engine once, with the Trainer's optimizer and scheduler unless the config has
+  ``optimizer``/``scheduler`` sections. The engine steps them; the Trainer gets stand-ins whose ``step``/``zero_grad``
+  do nothing (as accelerate's DeepSpeed wrappers), and a thin module that calls the engine.
+* The ``accelerator``'s ``backward`` runs ``engine.backward`` then ``engine.step`` (reduce, clip, step at the
+  Trainer's ``sync_gradients`` boundary). The Trainer's loss is already divided for accumulation (or normalized by
+  ``num_items_in_batch``), so ``scale_wrt_gas=False``, as accelerate drives DeepSpeed. ``clip_grad_norm_`` answers
+  the engine's norm of that step.
+* ``checkpoint-N/`` holds the Trainer's files and, instead of ``optimizer.pt``/``scheduler.pt``, the engine's sharded
+  checkpoint (``global_stepN/``, ``latest``), as DeepSpeed's; ``resume_from_checkpoint`` loads it with
+  ``engine.load_checkpoint`` at any world size or stage. ``save_model`` gathers the full weights
+  (``engine.full_state_dict``) and rank 0 writes ``save_pretrained`` (a peft model: the adapter).
+* A forward-only second model (TRL's reference, teacher or reward models), passed to ``prepare_deepspeed`` or
+  ``accelerator.prepare_model(model, evaluation_mode=True)``, is treated as ``prepare_deepspeed`` does: cast to the
+  compute dtype, in eval mode, and at ZeRO-3 sharded into units of its own (:func:`shard_frozen_model`); below
+  stage 3 it stays whole (DeepSpeed gives it stage 0).
 """
 
 from __future__ import annotations

@@ -27,23 +27,14 @@ bytes the collective really puts on the wire, per rank (the group's total divide
 algorithms used here each rank sends that much). See [Note: bytes on the wire].
 
 [Note: bytes on the wire]
-Backends do not all move the convention's bytes. Measured on loopback (``/proc/net/dev``, world 2 and 3; the test
-``tests/distributed/test_comm_ring.py`` repeats the measurement): gloo's all-gather moves ``S * (N-1)/N`` per rank and
-its all-reduce ``2 * S * (N-1)/N`` as the convention says, but its ``reduce_scatter_tensor`` moves an all-reduce's
-bytes, ``2 * S * (N-1)/N``, twice the theoretical bytes; a ZeRO-3 step would move 4P instead of 3P, stages 1-2 3P
-instead of 2P. So on gloo the reduce-scatter is ours (``reduce_scatter_impl == "pairwise"``): each rank sends chunk
-``j`` of its input straight to rank ``j`` (``isend``) and receives the ``N-1`` peers' copies of its own chunk
-(``irecv``), all posted at once, so the transfers run on gloo's transport threads while the caller computes; ``wait()``
-adds the ``N`` chunks up in rank order (rank 0's + rank 1's + ...), the same order on every rank and every step, so the
-result is deterministic. Every rank sends exactly ``S * (N-1)/N`` bytes. A ring would send the same bytes in ``N-1``
-dependent rounds, each needing a reduction before the next send, which an asynchronous handle cannot do without a thread
-of its own; the pairwise exchange has one round, which is what matters at the small group sizes gloo is used for (each
-rank talks to its ``N-1`` peers at once, the all-to-all pattern, fine on loopback and a few hosts).
-``bench/bench_comm.py`` measures both against each other: on loopback the pairwise exchange took 0.35-0.6x the time of
-gloo's reduce-scatter from 1 to 24 MiB at world 2 and 3, about an all-gather's time (docs/benchmarks.md, issue 15), so
-``"auto"`` picks it for gloo and leaves NCCL's own reduce-scatter alone. ``sent`` is what the pairwise exchange really
-sends for ours, and the factor measured on loopback for gloo's collectives (its broadcast: ``S * (N-1)/N`` per rank on
-average); for NCCL it is the convention, NCCL's ring algorithms' bytes (not measured here: no GPU).
+Backends do not all move the convention's bytes: on gloo all-gather and all-reduce do, but ``reduce_scatter_tensor``
+moves an all-reduce's, twice the theory (a ZeRO-3 step would move 4P, not 3P; measured in docs/benchmarks.md, issue
+15, and by ``tests/distributed/test_comm_ring.py``). So on gloo the reduce-scatter is ours (``reduce_scatter_impl ==
+"pairwise"``, which ``"auto"`` picks for gloo; NCCL keeps its own): each rank ``isend``s chunk ``j`` to rank ``j`` and
+``irecv``s its own chunk from its ``N-1`` peers, all posted at once, so transfers run on gloo's threads while the
+caller computes; ``wait()`` sums the ``N`` chunks in rank order, the same on every rank and step: deterministic. A
+ring's ``N-1`` dependent rounds each need a reduction (a thread for an asynchronous handle); one all-to-all round
+suits gloo's small groups. ``sent``: the pairwise bytes, gloo's loopback factor, NCCL's convention (unmeasured).
 
 [Note: a group of one]
 A group of one rank has nothing to exchange: its collectives are copies (or nothing) and are counted with 0 bytes.
@@ -174,17 +165,14 @@ def remove_wait_probe(probe: Callable[[], None]) -> None:
 
 
 # [Note: probes while waiting]
-# On gloo (the backend measured; the host-side groups are gloo under NCCL too) a collective's wait() blocks the host
-# until every peer has joined it or the group's timeout fires. A peer that will never join, though alive and able to say
-# so (ZeRO-3's unit order: a rank that departed from the order every rank was trusted to follow, [Note: unit order
-# check] in shardtrain.runtime.eager), would leave this rank waiting for the whole collective timeout. So while a
-# probe is registered, a wait on a host-blocking backend waits in slices of WAIT_PROBE_S (gloo's ``Work.wait(timeout)``
-# raises at the slice's end and leaves the collective in flight; measured: the collective completes normally afterwards
-# and the group stays usable) and runs the probes between slices: a few store reads, and only when a wait already took
-# WAIT_PROBE_S. A wait that completes within the first slice costs what a plain wait does. A probe that raises ends the
-# wait; the group is then marked failed ([Note: no collective after a failure]), since its collective is still in
-# flight. Point-to-point waits (the pairwise reduce-scatter) are not sliced: gloo aborts the process when a timed wait
-# on a receive expires (measured).
+# On gloo a wait() blocks the host until every peer joins or the group's timeout fires, so a peer alive but never
+# coming (a rank that departed from ZeRO-3's trusted unit order, [Note: unit order check] in
+# shardtrain.runtime.eager) would cost the whole collective timeout. So while a probe is registered, a wait on a
+# host-blocking backend waits in slices of WAIT_PROBE_S (gloo's timed ``Work.wait`` raises and leaves the collective
+# in flight and the group usable) and runs the probes (a few store reads) between slices; a wait done within the
+# first slice costs a plain wait. A probe that raises ends the wait and marks the group failed ([Note: no collective
+# after a failure]): its collective is still in flight. Point-to-point waits (the pairwise reduce-scatter) are not
+# sliced: gloo aborts the process when a timed wait on a receive expires.
 def _wait_probing(work: Any) -> None:
     step = datetime.timedelta(seconds=WAIT_PROBE_S)
     while True:
@@ -422,17 +410,12 @@ class Communicator:
         return error
 
     # [Note: no collective after a failure]
-    # Once a collective on this group has failed here, this rank's sequence of collectives on it is no longer the
-    # other ranks': a survivor may have failed one collective earlier or later than this one, or completed what
-    # failed here. Under gloo two operations meet by tag alone (the pairwise reduce-scatter's send/recv tag, the
-    # group's collective counter otherwise), so a collective issued now can meet a *different* one of a surviving
-    # peer; when their sizes differ, gloo's transport thread throws outside any call ("op.preamble.length <=
-    # op.nbytes ... collective mismatch") and the process dies of SIGABRT instead of raising the error that names
-    # the lost rank. Seen with ZeRO-2, world 3, a rank killed in backward: the two survivors failed in different
-    # buckets' waits, each then launched one more bucket from end_backward, and one received the other's 88-byte
-    # chunk of bucket 1 where it expected its 32-byte chunk of bucket 0. Nothing can complete on a group whose
-    # peer is gone or out of step anyway, so every later collective raises at once, of the first failure's class
-    # and with its text (which names the lost rank); in-flight ones still fail through their own wait.
+    # Once a collective on this group failed here, this rank's sequence of collectives on it no longer matches the
+    # survivors' (they may have failed one earlier or later). Gloo pairs operations by tag alone, so a new collective
+    # can meet a different one of a peer; with other sizes gloo's transport thread aborts the process (SIGABRT,
+    # "collective mismatch") instead of raising the error that names the lost rank (seen at ZeRO-2, world 3:
+    # docs/reliability.md, "A rank dies"). Nothing can complete on such a group anyway, so every later collective
+    # raises at once, of the first failure's class and with its text; in-flight ones still fail through their wait.
     def _refuse_after_failure(self, kind: str, what: str) -> None:
         failed = self.failure
         if failed is None and self._group is not None:  # another Communicator of this process group broke it
@@ -623,28 +606,22 @@ class Communicator:
 
     # -- collectives inside captured graphs ---------------------------------------------------------
     # [Note: collectives in graphs]
-    # Graph-mode ZeRO-3 (shardtrain.graph.sharded) traces its gathers and reductions into the graph, so they are
-    # PyTorch's functional collectives (``_c10d_functional``: an op that issues the collective and returns its
-    # output, and ``wait_tensor``), which TorchDynamo and AOT autograd trace as graph nodes and a pass can move.
-    # The reduce-scatter keeps the algorithm chosen above: on gloo the pairwise exchange is an all-to-all of
-    # the ``N`` chunks followed by the same rank-order sum as ``_PairwiseHandle`` (bitwise the eager result);
-    # elsewhere the backend's reduce-scatter, averaging on the wire where the backend can (NCCL's ``avg``, what eager
-    # passes as ``ReduceOp.AVG``: a sum of fp16 gradients can overflow where their average does not, so summing
-    # and dividing afterwards would skip steps eager mode takes), summing and dividing where it cannot (see
-    # :func:`graph_reduce_op`). They fail with the backend's own error after the process group's timeout.
+    # Graph-mode ZeRO-3 (shardtrain.graph.sharded) traces its gathers and reductions as PyTorch's functional
+    # collectives (``_c10d_functional`` ops and ``wait_tensor``), graph nodes that a pass can move. The reduce-scatter
+    # keeps the algorithm chosen above: on gloo an all-to-all of the ``N`` chunks and the same rank-order sum as
+    # ``_PairwiseHandle`` (bitwise the eager result); elsewhere the backend's, averaging on the wire where it can
+    # (NCCL's ``avg``, as eager's ``ReduceOp.AVG``: a sum of fp16 gradients can overflow where their average does
+    # not, so sum-then-divide would skip steps eager takes), else summing and dividing (:func:`graph_reduce_op`).
+    # They fail with the backend's own error after the process group's timeout.
     #
     # [Note: counting a graph's collectives]
-    # A captured graph runs its collectives without passing through the methods above, so they are counted per
-    # graph run instead: when a graph is compiled, :meth:`graph_counts` reads its collectives over this group
-    # from its nodes (the tensors' sizes are the graph's own, static for the shards), and :class:`GraphTraffic`
-    # adds them to ``stats()`` each time the forward graph returns and each time its backward graph has run (a
-    # post-hook on the compiled function's backward node, which autograd calls in Python). The bytes follow the
-    # same formulas as the eager calls (:meth:`_gather_traffic`, :meth:`_reduce_scatter_traffic`): a graph's
-    # all-gather of a unit counts as ``all_gather`` and its reduction (the pairwise exchange's all-to-all, or the
-    # backend's reduce-scatter) as one ``reduce_scatter``, so ``comm_stats()`` compares across modes. With tensor
-    # parallelism at stage 3 the tensor-parallel all-reduces and gathers are in the graph too ([Note: one graph, no
-    # splits] in :mod:`shardtrain.between_graphs`): counted the same way in the tensor-parallel communicator's
-    # ``stats()``, as its eager calls are. Their ``wait_s`` is not measured (the waits are graph operations).
+    # A captured graph's collectives bypass the methods above, so they are counted per graph run: at compile
+    # :meth:`graph_counts` reads this group's collectives from the graph's nodes (static sizes), and
+    # :class:`GraphTraffic` adds them to ``stats()`` each time the forward graph returns and its backward has run (a
+    # post-hook on the compiled backward node). Bytes follow the eager formulas; a unit's gather counts as
+    # ``all_gather`` and its reduction (all-to-all or reduce-scatter) as one ``reduce_scatter``, so ``comm_stats()``
+    # compares across modes. Tensor-parallel collectives in a stage-3 graph ([Note: one graph, no splits] in
+    # :mod:`shardtrain.between_graphs`) are counted the same way in that communicator. ``wait_s`` is not measured.
     def graph_all_gather(self, shard: torch.Tensor) -> torch.Tensor:
         """Every rank's ``shard`` concatenated (traceable; see [Note: collectives in graphs])."""
         if self.alone:

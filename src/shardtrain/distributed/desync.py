@@ -1,52 +1,24 @@
 """Phase agreement: before an engine call's first collective, every rank says where it is in training.
 
 [Note: phase agreement]
-A data-parallel job is correct only while every rank makes the same engine calls in the same order. A rank that
-runs one extra micro-step, skips ``step()`` or calls ``full_state_dict()`` alone issues a different collective than
-its peers, and what happens then depends on luck: gloo waits for the collective timeout (30 minutes by default),
-pairs two collectives of equal size and returns a silently wrong sum, or aborts the process when the sizes differ.
-ZeRO-3's unit-order check ([Note: unit order check]) covers gathers only, over the data-parallel axis.
+A rank that runs an extra micro-step, skips ``step()`` or calls ``full_state_dict()`` alone issues other collectives
+than its peers: gloo then times out, pairs equal sizes into a silently wrong sum, or aborts. ZeRO-3's unit-order
+check ([Note: unit order check]) covers gathers only. So every engine call that communicates (``forward`` at ZeRO-3
+or with TP, ``backward`` on every micro-step, ``step`` at a boundary unless stage 0 without TP, ``gathered``,
+``(load_)full_state_dict``, ``save/load_checkpoint``) starts with one synchronous world all-gather of a fixed-size
+descriptor (marker, call, global step, micro-step, detail). As every such call starts with it, the first collective
+of two diverging ranks is always this check, same size on the same group: it completes and every rank raises the
+same :class:`~shardtrain.errors.RankMismatchError` naming each rank's call.
 
-So every engine call that communicates (``forward`` at ZeRO-3 or with tensor parallelism, ``backward`` on every
-micro-step, ``step`` at an accumulation boundary (not at stage 0 without tensor parallelism: there it issues no
-collective, and the next ``backward``'s check sees its micro-step count), ``gathered`` when it gathers or broadcasts,
-``full_state_dict``, ``load_full_state_dict``, ``save_checkpoint``, ``load_checkpoint``) starts with one
-all-gather over the whole world of a fixed-size descriptor: (marker, call, global step, micro-step, detail). Because
-*every* call that issues a collective starts with this one, the first collective two diverging ranks issue is
-always the check on both, of the same size, on the same group: it completes, both ranks see the disagreement, and
-every rank raises :class:`~shardtrain.errors.RankMismatchError` with the same message naming each rank and what it
-was doing. The check must complete before the call's own collectives are issued, so it is synchronous.
-
-Why the descriptor holds the micro-step count and not only the call: an extra micro-step, or a skipped ``step()``
-between two non-boundary micro-steps, issues the same sequence of calls as a correct run, shifted; only the counts
-tell. ``backward`` is checked on every micro-step (also at stages 0 and 1, where a non-boundary backward does not
-communicate) so that a rank accumulating one micro-batch too many is caught within that optimizer step, not
-after it has mixed the extra gradient into the update. An extra micro-step (forward, backward and step) on one rank
-shifts that rank's accumulation boundaries by one and nothing else: its calls look like its peers' until they stop
-training, at a ``save_checkpoint`` or ``full_state_dict``, where the check catches it. Until then each of its
-optimizer steps combined other micro-batches than its peers' did, which no comparison of calls can see.
-
-Why a Communicator of its own (over the world's ranks, as ``engine.world_comm``): its calls are counted apart,
-so ``engine.comm_stats()`` still holds only the traffic the ZeRO formulas describe.
-
-Why on the host: the descriptor is a CPU tensor exchanged over the host-side world group
-(``Topology.host_world_group``: the world group itself under gloo, a gloo group over the same ranks under NCCL; see
-[Note: the engine's groups] in :mod:`shardtrain.distributed.mesh`). So the check never touches the device: an NCCL
-all-gather would need the descriptor copied to the GPU and the result copied back, and that copy waits for every kernel
-queued before it (the backward's reduce-scatters, a prefetched gather), stalling the overlap that keeps the GPU busy. On
-the host it waits only for the other ranks' Python to reach the same call. It still completes before the call's own
-collectives are issued, which is what makes it the first collective of diverging ranks.
-
-Costs: one all-gather of ``5 * 8 * world`` bytes on the host per checked call: per micro-step one at stage 0,
-two at stages 1-2 (one off the accumulation boundary), three at stage 3 or with tensor parallelism. Each is also a
-point where every rank's host waits for the slowest. ``bench/bench_desync.py`` measures both (see
-docs/reliability.md); ``desync_check: false`` removes it.
-
-What it cannot catch: a rank that calls nothing at all (it sleeps, or waits in a collective of its own, such as a
-user's ``dist.barrier()``): the lone rank's check then waits for ``collective_timeout_s`` and fails with a
-:class:`~shardtrain.errors.CollectiveTimeoutError` whose message says what this rank was doing; if the peer has
-exited instead, with a :class:`~shardtrain.errors.PeerLostError` naming it. A model called directly
-(``engine.module(x)``) at ZeRO-3 bypasses ``forward`` and only meets the unit-order check.
+The micro-step count is needed because an extra micro-step or a skipped non-boundary ``step()`` issues the same calls,
+shifted. ``backward`` is checked on every micro-step (even where it does not communicate) to catch an extra
+micro-batch before it enters the update; an extra full micro-step only shows when ranks stop training
+(``save_checkpoint``, ``full_state_dict``). Its own Communicator (``engine.world_comm``) keeps it out of
+``engine.comm_stats()``. It runs on the host-side world group ([Note: the engine's groups] in
+:mod:`shardtrain.distributed.mesh`): an NCCL exchange would copy back from the GPU, waiting for all queued kernels.
+Cost: 1-3 host all-gathers of ``5 * 8 * world`` bytes per micro-step, each a wait for the slowest rank (measured in
+docs/reliability.md, "Ranks out of step"); ``desync_check: false`` removes it. Not caught: a peer that calls nothing
+(the lone check times out, or raises ``PeerLostError`` if it exited); ``engine.module(x)`` (unit-order check only).
 """
 
 from __future__ import annotations

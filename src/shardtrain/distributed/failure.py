@@ -1,48 +1,24 @@
 """Why a collective failed: which rank is gone, whether a timeout really fired, and where this rank was.
 
 [Note: naming the rank that vanished]
-When a rank is killed (the OOM killer, SIGKILL, a node going down) the kernel closes its sockets and gloo fails the
-survivors' next collective within milliseconds with "Connection reset by peer [127.0.0.1]:48284". That address is a
-listening socket, not a rank (on one host every rank has the same IP), and under a ring algorithm the failing
-connection is often to another survivor that has already given up, not to the dead rank. So the rendezvous store,
-which every rank can reach, is used instead:
+Gloo's error for a killed peer names a listening socket, not a rank, and under a ring the failing connection is often
+to another survivor. So ranks use the rendezvous store, which all can reach:
+1. building a :class:`~shardtrain.distributed.communicator.Communicator` writes ``shardtrain/proc/<global rank>`` =
+   (host, machine id, pid); after its first collectives complete it reads the peers' entries, to still tell who is
+   gone once the store's host has exited;
+2. on a failure it first writes ``shardtrain/failed/<rank>`` = (pid, time), then classifies each peer: *reported*,
+   *gone* (process absent or a zombie on this machine, or recorded ``shardtrain/gone/<rank>`` by another rank, which
+   it records in turn), *alive* (exists, no report), *unknown* (exists, store lost first) or *silent* (other
+   machine, no report). Keys with another pid than the registered one are from an earlier torchrun attempt: ignored;
+3. it polls until every peer reported or is gone, at most :data:`SETTLE_S` for a live rank of this machine (it may be
+   blocked in a collective with us) and :data:`REPORT_WAIT_S` for other machines;
+4. it writes ``shardtrain/surveyed/<rank>`` and waits for the reporters' keys: the store's host must not exit, taking
+   the store, before slower survivors have asked.
 
-1. when a :class:`~shardtrain.distributed.communicator.Communicator` is built, this rank writes
-``shardtrain/proc/<global rank>`` =
-   (host name, machine id, pid); no collective, one store round trip. Once its first collectives complete (every
-   peer has registered by then) it reads the others' entries, so that it can still tell which processes are gone
-   when the store's host has exited;
-2. when one of its collectives fails, it first writes ``shardtrain/failed/<global rank>`` = its pid and the time
-   (so that the others know it was alive when the failure happened, even if it exits right after, and when), then
-   classifies every other rank of the group: *reported* (it wrote its failure key), *gone* (its process, on this
-   machine, no longer exists or is a zombie; or another rank recorded it gone, below), *alive* (its process exists
-   but did not report: it is on another code path or busy), *unknown* (its process exists but the store went away
-   before it could report: it may be failing too), or *silent* (on another machine and no report). A rank it finds
-   gone it records as ``shardtrain/gone/<rank>`` = (its own rank, the time), so that the others learn it by the
-   store's record, including ranks on other machines and ranks that see the process table only after more ranks
-   have exited. A key holding another pid than the registered one is left from an earlier attempt (torchrun's agent
-   keeps its store across restarts) and is ignored;
-3. it polls until every other rank has reported or is gone: the survivors usually fail within milliseconds of
-   each other, and a killed process closes its sockets a moment before it leaves the process table. It waits at
-   most :data:`SETTLE_S` for a rank of this machine that is alive (it may be blocked in a collective with this rank,
-   which no gloo call unblocks but this process's exit), and at most :data:`REPORT_WAIT_S` for other machines;
-4. it writes ``shardtrain/surveyed/<global rank>`` and waits (at most as long) until the ranks that reported have
-   written theirs: the process that hosts the store must not exit, taking the store with it, before the slower
-   survivors have asked.
-
-Who failed first is told by the store's record: the earliest of the gone records and failure keys. That matters
-when rank 0, which hosts the store, is among the dead: rank 2 killed, rank 0 fails, records rank 2 gone and exits
-after step 4, and rank 1, when its process table shows ranks 0 and 2 both gone, still reads that rank 2 went first.
-
-When the store itself cannot be reached, the process that hosts it is gone: rank 0 whenever shardtrain created the
-process group (under torchrun too: rank 0 hosts each attempt's store, [Note: restarts under torchrun] in
-``shardtrain.distributed.mesh``) or the ranks initialized it from ``MASTER_ADDR``/``MASTER_PORT``; the torchrun agent
-of the first node only when the user's group uses the agent's store itself. What was read before it went away is
-kept; a rank whose process still runs is then *unknown*, never "did not fail" (at world 3 with rank 0 killed, rank 2
-fails a few ms after rank 1 asks). The survey costs nothing until a collective fails.
-
-A failure is a timeout only when the collective waited for at least the configured timeout (``elapsed >=
-TIMEOUT_FRACTION * timeout``): a dead peer found in 0.02 s is not called a timeout.
+The first failure is the earliest gone/failed record (it still names rank 2 after rank 0, the store host, recorded it
+and exited). An unreachable store means its host is gone (rank 0, or the first node's torchrun agent when the user's
+group uses that store; [Note: restarts under torchrun] in ``shardtrain.distributed.mesh``): what was read is kept, a
+running process is *unknown*, never "did not fail". A timeout needs ``elapsed >= TIMEOUT_FRACTION * timeout``.
 """
 
 from __future__ import annotations

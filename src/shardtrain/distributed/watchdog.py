@@ -1,64 +1,24 @@
 """Failures of collectives that do not block the host (NCCL): named by a watchdog thread, not left to NCCL's.
 
 [Note: failures under NCCL]
-On gloo a collective's ``wait()`` blocks the calling thread until the peers answer or the group's timeout fires. A
-failure raises in that call, and the Communicator names the lost rank ([Note: naming the rank that vanished] in
-:mod:`shardtrain.distributed.failure`). Under NCCL ``wait()`` only makes the current CUDA stream wait: the host runs
-on, and a collective whose peer is gone never raises in Python. What ends the hang is NCCL's own watchdog thread,
-which at the group's timeout aborts the communicators and, with ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` at torch's
-default, kills the process. Its message names a work sequence number, not the rank that is gone, not what the
-collective carried, and it comes only after the whole timeout even when the peer died at once.
+Under NCCL ``wait()`` only makes the stream wait: a collective whose peer is gone never raises in Python, and NCCL's
+watchdog kills the process at the group's timeout naming a sequence number, not the lost rank. So a Communicator
+whose backend does not block the host (:func:`blocks_host`) hands each collective to one daemon thread
+(:class:`Watchdog`) checking the oldest incomplete one every :data:`POLL_S` (``is_completed()`` does not wait). From
+:data:`PROBE_S` after issue it asks the store, not NCCL, if a peer is down (:class:`~shardtrain.errors.PeerLostError`;
+:func:`shardtrain.distributed.failure.peer_down`) and runs the wait probes ([Note: probes while waiting] in
+:mod:`shardtrain.distributed.communicator`): a ZeRO-3 rank's departure ([Note: departures from a trusted order] in
+:mod:`shardtrain.zero.departure`) is named even while this host is stuck in CUDA. At ``collective_timeout_s``:
+:class:`~shardtrain.errors.CollectiveTimeoutError`. Either way it builds the gloo path's message, writes this rank's
+failure to the store (peers name the same lost rank), prints it with every thread's stack and ``os._exit``s with
+:data:`EXIT_CODE`; it never raises (the main thread may be blocked in CUDA). ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` 0/2:
+report only; ``TORCH_NCCL_BLOCKING_WAIT=1``, ``SHARDTRAIN_WATCHDOG=0``: no watchdog. Unwatched: object collectives,
+point-to-point, captured graphs.
 
-So a Communicator whose backend does not block the host (:func:`blocks_host`) hands every collective it issues to
-this module's :class:`Watchdog`: the ``Work`` (its ``is_completed()`` reads the collective's CUDA event without
-waiting, from any thread), its kind, what it carried and when it was issued. One daemon thread per process looks at
-the oldest collective that has not completed, every :data:`POLL_S`:
-
-1. From :data:`PROBE_S` after its issue, it asks the rendezvous store, which does not go through NCCL, whether a
-   peer of its group reported a failure or was recorded gone, and whether a peer's process on this machine is gone
-   (:func:`shardtrain.distributed.failure.peer_down`: a few store reads, no collective, nothing written). A peer down
-   ends the wait at once: :class:`~shardtrain.errors.PeerLostError`. It runs the wait probes too ([Note: probes
-   while waiting] in :mod:`shardtrain.distributed.communicator`), whose error it reports as it is: a ZeRO-3 rank that
-   departed from a trusted unit order ([Note: departures from a trusted order] in :mod:`shardtrain.zero.departure`)
-   is named even when this host is stuck in a CUDA synchronization behind the gather that rank will never join.
-2. At the collective timeout (``collective_timeout_s``) it is a :class:`~shardtrain.errors.CollectiveTimeoutError`.
-
-In both cases the thread makes the survey and the message of the gloo path (``Communicator.describe_failure``),
-with the main thread's stack for where the rank was: it writes this rank's failure to the store, so the other
-ranks' watchdogs find it at their next probe and name the same lost rank. It prints the message and every thread's
-stack to stderr and ends the process with :data:`EXIT_CODE` (``os._exit``: no atexit handler runs). That is what
-NCCL's watchdog would do a moment later, but with the message first. Nothing is raised in Python: the main thread
-may be blocked inside CUDA, waiting for the very kernel that waits for the lost peer. With
-``TORCH_NCCL_ASYNC_ERROR_HANDLING`` 0 or 2 (keep the process) it reports and does not exit; with
-``TORCH_NCCL_BLOCKING_WAIT=1`` (``wait()`` blocks the host and raises) or ``SHARDTRAIN_WATCHDOG=0`` there is no
-watchdog.
-
-What is watched: an asynchronous collective's ``Work``; for a synchronous one, issued as the backend issues it (on
-the current stream), an event recorded after it. Object collectives (``all_gather_object``) and point-to-point
-exchanges are not watched.
-
-Completed collectives leave the watchdog's queue at the next ``track`` or poll. A ``Work`` keeps its tensors
-alive until it is released (PyTorch's NCCL ``Work`` holds its outputs for its whole life), so the queue holds an
-asynchronous collective's ``Work`` only until its ``wait()`` returns. From then on it watches an event recorded on
-the stream that waited, after the wait: it completes when the collective has, and keeps no tensor. Held until the
-GPU finished, the ``Work`` kept each gradient reduce-scatter's output alive for as long as the host ran ahead of
-the GPU: with no host synchronization in a step, the last few of a backward were still allocated at the next
-forward's peak (1.25 GiB more on the 1.3B GPT of docs/benchmarks-gpu.md, the size of the root unit's and four
-blocks' fp32 outputs).
-
-NCCL's watchdog stays as the backstop. The NCCL groups that shardtrain creates get a backend timeout of
-``collective_timeout_s`` plus :func:`backend_margin_s`, so this watchdog reports first. On a group the user created
-with a timeout of ``collective_timeout_s`` or less, this watchdog calls the timeout half a margin before the group's
-own (``Communicator.watch_timeout_s``).
-
-Known limits: the probe reads the store through the process group's own client, so a store host that vanished
-without closing its connections blocks the probe for the store's timeout; each rank probes every peer's keys, a
-load that grows with the square of the group; and a store host (rank 0) that decides first exits after a short
-linger, so a rank that probes later may name rank 0 as the lost one.
-
-Not covered: collectives inside captured graphs (functional collectives have no ``Work``), whose hang ends at NCCL's
-timeout as before. None of this has run on NCCL with a lost peer on this project's machines. The thread's decisions
-are tested with fake ``Work`` objects and a store (``tests/distributed/test_watchdog.py``).
+A ``Work`` is held only until its ``wait()`` returns, then an event after the wait is watched: NCCL's ``Work`` keeps
+its outputs alive, which raised the next forward's peak as the host ran ahead (docs/benchmarks-gpu.md, second session).
+NCCL's watchdog is the backstop: our groups' timeout adds :func:`backend_margin_s`; on a user's group no longer than
+ours this fires half a margin earlier (``Communicator.watch_timeout_s``). Limits: docs/reliability.md, "Under NCCL".
 """
 
 from __future__ import annotations

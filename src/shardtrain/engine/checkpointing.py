@@ -1,39 +1,24 @@
 """What an engine saves into a checkpoint and how it takes it back, in any layout.
 
 [Note: engine checkpoint contents]
-Logical tensors (see docs/checkpoint-format.md for the storage side):
+Logical tensors (the storage side: docs/checkpoint-format.md, "What the engine stores"):
 
-* ``model/<name>``: every parameter and buffer under its first state-dict name (a tied parameter's other
-  names are aliases), zero-element and non-contiguous ones included. Parameters the optimizer steps are saved
-  as it steps them: the fp32 masters under mixed precision, else the parameters' own values;
-* ``optim/<name>/<key>``: every optimizer state tensor of a stepped parameter (SGD ``momentum_buffer``, AdamW
-  ``exp_avg``, ``exp_avg_sq``, ``step``). A state is *element-wise* (one value per element of the parameter,
-  saved with the parameter's shape and sliced like it) or *scalar* (a 0-dim tensor such as ``step``, stored
-  once). The global object ``optimizer/state_kinds`` records which, because the shapes alone cannot tell for
-  a 0-dim parameter.
+* ``model/<name>``: every parameter and buffer under its first state-dict name (tied names are aliases), zero-element
+  and non-contiguous ones included; stepped parameters as the optimizer steps them (fp32 masters under mixed precision);
+* ``optim/<name>/<key>``: each state tensor of a stepped parameter, *element-wise* (shaped and sliced like it) or
+  *scalar* (0-dim, e.g. ``step``, stored once); ``optimizer/state_kinds`` says which (shapes cannot, for 0-dim ones).
 
-Each rank passes what it holds: its fragment at stages 1-3 (the ``FlatSlice`` of the flattened tensor it
-owns); a tensor every rank holds whole (stage 0, frozen parameters outside stage-3 units, buffers) is split
-into N contiguous slices, one written by each rank, so the writes run in parallel. A parameter that lives in
-a stage-3 unit is saved as the rank's fragment whether it is trainable or frozen; a frozen one simply has
-no optimizer state. A parameter split by tensor or expert parallelism is recorded as this rank's block of it
-(``BlockSlice``; an expert parameter's block is its experts, rows ``[ep_rank * n/E, (ep_rank + 1) * n/E)``), its
-ZeRO fragments as fragments of the block (``BlockFlatSlice``), and a block held whole is split into shares over the
-ranks holding it ([Note: split parameters] in ``zero/layout.py``).
-
-Global objects: ``optimizer/param_groups`` (hyperparameters and parameter names per group),
-``optimizer/state_kinds``, the scheduler and loss-scaler states, engine counters, the saving topology and
-``client_state``; for a transformers model also ``hf/config`` and ``hf/generation_config`` (JSON text, see
-:mod:`shardtrain.checkpoint.hf_config`). Per rank: RNG states. Objects are stored as JSON and safetensors, never pickled
-([Note: checkpoint objects] in ``checkpoint/objects.py``): ``client_state`` may hold plain data, tensors and numpy
-arrays, and anything else is refused when saving, naming where it sits.
-
-Loading reads, for each tensor, the elements this rank now needs (the whole parameter, a stage-3 fragment,
-the master fragment), whatever layout saved them, so a checkpoint taken at N ranks and stage s loads at M
-ranks and stage s'. Param groups are matched by their parameters' names, not by position. Optimizer state is
-cast as ``torch.optim.Optimizer.load_state_dict`` casts it: to the dtype and device of the tensor it belongs
-to, except ``step``, which keeps its own. RNG states are restored only at the saving world size and tensor- and
-expert-parallel sizes.
+Each rank passes what it holds: its ``FlatSlice`` at stages 1-3 (any stage-3 parameter, trainable or frozen); a
+tensor every rank holds whole is split into N contiguous slices, so the writes run in parallel. A tensor- or
+expert-parallel parameter is this rank's block (``BlockSlice``), its ZeRO fragments ``BlockFlatSlice``, a block held
+whole split into shares ([Note: split parameters] in ``zero/layout.py``). Global objects: param groups (with names),
+state kinds, scheduler and loss-scaler states, counters, saving topology, ``client_state``, ``hf/config`` for
+transformers models (:mod:`shardtrain.checkpoint.hf_config`); per rank, RNG states. All are JSON and safetensors, never
+pickled ([Note: checkpoint objects] in ``checkpoint/objects.py``): a ``client_state`` value other than plain data,
+tensors and numpy arrays is refused at save, naming where it sits. Loading reads the elements this rank now needs,
+whatever layout saved them (N ranks at stage s load at M ranks, stage s'); param groups match by parameter names, not
+position; optimizer state is cast as ``Optimizer.load_state_dict`` casts it (``step`` keeps its own); RNG states are
+restored only at the saving world, tensor- and expert-parallel sizes.
 
 [Note: checkpoint failures are collective]
 A save or load may fail on one rank only (its file is damaged, its disk is full, a bug). Every exception on

@@ -2,47 +2,31 @@
 breakdown; the engine owns one :class:`TrainingMonitor` and feeds it from ``forward``/``backward``/``step``.
 
 [Note: monitor metrics]
-Every ``steps_per_print`` optimizer steps, rank 0 writes (x-axis: samples seen, DeepSpeed's ``global_samples``,
-``train_batch_size`` per optimizer step, skipped fp16 steps included as in DeepSpeed):
+Every ``steps_per_print`` optimizer steps rank 0 writes, against samples seen (DeepSpeed's ``global_samples``,
+``train_batch_size`` per step, skipped fp16 steps included), under ``Train/Samples/``:
 
-* ``Train/Samples/train_loss``: mean of rank 0's micro-batch losses of that optimizer step (DeepSpeed's value:
-  rank 0's, not averaged over ranks, so that monitoring never adds a collective);
-* ``Train/Samples/lr``: the first param group's learning rate after the step (``engine.get_lr()[0]``);
-* ``Train/Samples/grad_norm``: the global gradient norm before clipping (``engine.get_global_grad_norm()``);
-* ``Train/Samples/loss_scale``: the fp16 loss scale (1.0 without fp16);
-* ``Train/Samples/step_time_ms``: wall-clock time of the whole iteration, from the end of the previous optimizer
-  step (for the first step: its first forward) to the end of this one, so data loading counts;
-* ``Train/Samples/tokens_per_second``: tokens of the step / step time. Rank 0 counts the elements of the first
-  integer tensor of each ``engine(...)`` call (positional arguments first, then keyword arguments; a dict
-  argument is searched too), e.g. ``input_ids`` including padding; ``engine.step(tokens=n)`` replaces that count
-  for the micro-step it ends. The global rate assumes every rank processes as many tokens as rank 0
-  (``rank-0 tokens x data-parallel size``), as fixed-shape batches do;
-* with ``wall_clock_breakdown``: ``Train/Samples/elapsed_time_ms_forward`` / ``_backward`` / ``_step`` (DeepSpeed's
-  names): milliseconds spent in ``engine.forward``, ``engine.backward`` (summed over the step's micro-steps) and
-  ``engine.step`` (the optimizer step), also logged on logger ``shardtrain``.
+* ``train_loss``: mean of rank 0's micro-batch losses (DeepSpeed's value; not averaged: monitoring adds no collective);
+* ``lr`` (``engine.get_lr()[0]``), ``grad_norm`` (before clipping), ``loss_scale`` (1.0 without fp16);
+* ``step_time_ms``: from the end of the previous step (first step: its first forward), so data loading counts;
+* ``tokens_per_second``: rank 0's tokens x data-parallel size / step time (equal tokens per rank assumed). Tokens are
+  the elements of the first integer tensor of each ``engine(...)`` call (positionals, then keywords; dicts searched;
+  ``input_ids`` with padding), or ``engine.step(tokens=n)`` for the micro-step it ends;
+* with ``wall_clock_breakdown``: ``elapsed_time_ms_forward`` / ``_backward`` / ``_step`` (also logged, ``shardtrain``);
+* with ``flops_profiler.enabled``: ``tflops_per_rank`` and ``mfu`` (see [Note: model FLOPs and MFU]).
 
-* with ``flops_profiler.enabled``, after its profile step: ``Train/Samples/tflops_per_rank`` (model TFLOP/s of this
-  rank) and ``Train/Samples/mfu`` (of the device's peak, when it is known); see [Note: model FLOPs and MFU].
+Names are TensorBoard tags; the CSV monitor writes ``<output_path>/<job_name>/Train_Samples_<metric>.csv`` as
+DeepSpeed's ``csvMonitor`` (header ``step,<metric>`` only in a new file, so a resumed run appends). Nothing here
+communicates: other ranks only count micro-steps.
 
 [Note: model FLOPs and MFU]
-With ``flops_profiler.enabled``, rank 0 counts the FLOPs of every forward of optimizer step ``profile_step + 1``
-(after ``profile_step`` steps, as DeepSpeed's profiler) with ``torch.utils.flop_counter.FlopCounterMode``: the
-operators that run, matrix products and attention, on this rank's share of the work (its micro-batches, its
-tensor-parallel blocks). The backward costs twice the forward, so a step's model FLOPs are ``3 x`` the counted
-forward FLOPs; with activation checkpointing the hardware runs ``(3 + recompute_fwd_factor) x`` (DeepSpeed's
-factor), which is reported beside them but never enters MFU. Counting once is enough: the shapes of a training
-step do not change, and counting every step would slow every step down (the profile step itself is slower, and its
-time is not used). At every later print step, model TFLOP/s per rank = model FLOPs / step time, and MFU = that /
-the device's peak (``flops_profiler.peak_tflops``, or the dense 16-bit tensor-core peak of a known GPU for bf16 and
-fp16 compute; none is assumed for fp32 compute or the CPU, and MFU is then not written). Nothing here synchronizes:
-the FLOPs are a Python integer and the step time is the one the monitor already measures. The report at the
-profile step (the log, or ``output_file``) gives the forward FLOPs, the step's model and hardware FLOPs and, with
-``detailed``, the per-module table to ``module_depth``.
-
-Names with ``/`` are TensorBoard tags as they stand; the CSV monitor writes one file per metric,
-``<output_path>/<job_name>/Train_Samples_train_loss.csv`` with header ``step,train_loss`` and rows
-``<samples>,<value>``, as DeepSpeed's ``csvMonitor`` does (the header is written only when the file is new, so a
-resumed run appends rows). Nothing here communicates: ranks other than 0 only count micro-steps.
+With ``flops_profiler.enabled`` rank 0 counts the forward FLOPs of optimizer step ``profile_step + 1`` (as DeepSpeed)
+with ``FlopCounterMode``, on this rank's share of the work. Model FLOPs per step are ``3 x`` that (backward is twice
+the forward); with activation checkpointing the hardware FLOPs, ``(3 + recompute_fwd_factor) x``, are reported beside
+them but never enter MFU. Counting once suffices (a training step's shapes do not change); counting every step would
+slow each one. Later print steps write TFLOP/s per rank = model FLOPs / step time and MFU = that / peak
+(``flops_profiler.peak_tflops``, or a known GPU's dense 16-bit peak for bf16/fp16; none for fp32 or the CPU, and then
+no MFU). Nothing synchronizes (a Python int, the step time already taken). The profile step's report (log or
+``output_file``) gives forward, model and hardware FLOPs, and with ``detailed`` the per-module table.
 """
 
 from __future__ import annotations

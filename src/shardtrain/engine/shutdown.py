@@ -1,48 +1,24 @@
 """A clean exit: every engine still open is closed at interpreter exit, while the interpreter is whole.
 
 [Note: what the engine starts and who joins it]
-What an engine starts beside the training thread, and what stops it (``Engine.close()`` does all of it, once; the
-exit hook of this module calls ``close()`` for every engine nobody closed):
+``Engine.close()`` stops all of it, once; this module's exit hook closes every engine nobody closed.
+* process groups (``init_topology``; ``Topology.own_groups``): each gloo group runs two workers and a TCP loop, an
+  NCCL group its watchdog. ``close()`` waits for collectives in flight, destroys these groups, then drops every
+  reference the engine holds (``Communicator.release``, which then refuses collectives; ``release_groups``). A gloo
+  group joins its workers only in its destructor, so dropping the references is what frees them ([Note: gloo workers
+  that outlive the engine] in :mod:`shardtrain.distributed.gloo_threads`). The default group is its creator's to
+  destroy: ours at exit (``mesh._destroy_own_process_group``), the Trainer's by ``ShardtrainTrainer.end()``, the
+  user's by the user. Under torchrun rank 0's attempt store goes with the default group.
+* asynchronous saves (``checkpoint/async_save.py``): a non-daemon thread per save, joined by the next save and by
+  ``close()``, and a gloo group destroyed by ``close()``; each file's fsync thread is joined before the write returns.
+* swap (``offload/``): two I/O threads and the directory (else a ``weakref.finalize``); monitors (TensorBoard's
+  writer, a wandb run): all closed by ``close()``. No process is started.
 
-* process groups (``distributed/mesh.py``): ``init_topology`` creates the engine's groups with ``new_group`` (each
-  axis, the host-side gloo twins under NCCL, a world group of its own when the default group is not shardtrain's and
-  the job runs on the CPU or the group has another timeout; ``Topology.own_groups``). Each gloo group runs two worker
-  threads (``pt_gloo_runloop``) and a TCP loop; an NCCL group its watchdog. ``close()`` waits for the collectives
-  still in flight (the parameter all-gathers the last step launched, a ZeRO-3 unit-order exchange issued ahead),
-  destroys these groups (``destroy_own_groups``; for NCCL this joins the watchdog) and then drops every reference the
-  engine holds to a group: each communicator built for it (``Communicator.release``; they refuse a collective
-  afterwards) and the topology's groups and device mesh (``release_groups``). A gloo group's workers are joined only
-  by its destructor, so only this frees them while the interpreter is whole (see [Note: gloo workers that outlive
-  the engine] in :mod:`shardtrain.distributed.gloo_threads`). The default group is its creator's: when shardtrain
-  created it (``ensure_process_group``) ``mesh._destroy_own_process_group`` destroys it at exit; when the Hugging
-  Face Trainer did (accelerate, from ``TrainingArguments``), ``ShardtrainTrainer.end()`` and its exit hook do; a
-  user's own group is the user's to destroy, as PyTorch documents (``destroy_process_group`` at the end of the
-  script).
-* under torchrun, rank 0's TCP store of the attempt (``attempt_store``, a ``pt_tcpstore_uv`` thread): owned by the
-  default group's store, it goes with the default group;
-* the asynchronous checkpoint save (``checkpoint/async_save.py``): one non-daemon thread per save in flight, joined
-  by the next ``save_checkpoint`` and by ``close()`` (and by the interpreter before the exit hooks run), and a gloo
-  group of its own, destroyed by ``close()``; the fsync thread of each file written (``writer.py``), joined before
-  the write returns;
-* optimizer state offloaded to swap files (``offload/optimizer_state.py``): a pool of two I/O threads
-  (``shardtrain-swap``), shut down with ``wait=True`` by ``close()``; the swap directory is removed by ``close()``,
-  else by a ``weakref.finalize`` at exit (``offload/swap.py``);
-* monitors (``engine/monitor.py``): TensorBoard's writer thread and a wandb run, closed by ``close()``.
-
-The engine starts no process (data loader workers are the data loader's; ``shardtrain.testing`` is test tooling).
-
-Why at exit, and why before the interpreter tears down: ``terminate called without an active exception`` (SIGABRT
-after the script has finished; torchrun then reports a finished job as failed) is a gloo worker thread that drops
-the last reference to a completed collective's work object after the interpreter has started to finalize; the core
-dumps and the mechanism are in [Note: gloo workers that outlive the engine]. Destroying a group is not enough: its
-workers live as long as the Python object does, and before ``close()`` dropped the engine's references they reached
-the finalization (2 aborts in 167 Trainer rank exits with destroyed but referenced groups; docs/reliability.md).
-The hook is registered when the first engine is built, after the process group exists, so it runs before
-``mesh._destroy_own_process_group`` (exit hooks run last-registered first): engines first, then the default group;
-the hook this module registers on import runs after both, last, and waits until the gloo workers of groups that
-others keep alive are idle (``settle_gloo_workers``). A failing process (a collective failed, or the script ended
-with an uncaught exception) closes nothing at exit: its collectives in flight may never be matched, and it must exit
-rather than wait for them.
+Why before finalization: a gloo worker dropping a work object after it began aborts the process ("terminate called
+without an active exception"; mechanism and counts: docs/reliability.md, "A clean exit"). The hook is registered at
+the first engine, after the process group exists, so (LIFO) it runs before ``_destroy_own_process_group``; the hook
+registered on import runs last and waits for idle workers of groups others keep (``settle_gloo_workers``). A failing
+process closes nothing at exit: its collectives in flight may never be matched; it must exit, not wait.
 """
 
 from __future__ import annotations

@@ -37,23 +37,19 @@ of [Note: parity bounds]; the float64 run of the reference is what they fall bac
 
 [Note: the layout a recipe describes]
 The reference is always the same model in one process, trained on the whole global micro-batches with the same
-optimizer. What the config's layout changes is which rows a rank is given and how its results map back to that run:
-- *Rows.* ``world = dp * sp * tp`` (``sequence_parallel_size``, ``tensor_parallel.size``; hybrid sharding splits
-  ``dp`` further without changing it). The rows of a micro-batch are split over the ``dp`` data-parallel ranks in
-  order (``engine.topology.dp_rank``); the ``sp * tp`` ranks of one data-parallel rank are all given the same rows,
-  whole sequences included: the engine cuts the sequence (Ulysses) and the weights (the recipe's ``tp_plan``) itself.
-- *Losses.* Every rank of a data-parallel rank's block returns the loss of its rows, the whole sequences' loss, so
-  the mean over all ranks is the mean over the data-parallel ranks, which :func:`assert_parity` compares with the
-  reference's loss. The engine averages gradients over data-parallel ranks. So the reference's loss of a
-  micro-batch is the whole micro-batch's loss (what a user means), which a mean over rows matches; with
-  ``per_rank_loss`` it is the mean of the data-parallel ranks' losses on their rows. A mean over real tokens (labels
-  of -100 ignored) needs that: the ranks hold different numbers of real tokens, so the mean of their means is
-  another loss than the whole batch's mean, and it is the one the engine trains on.
-- *Parameters.* ``engine.full_state_dict()`` joins each tensor's tensor-parallel blocks (a fused weight with its
-  stride) and ZeRO fragments into the full tensor on rank 0: the same names and shapes as the reference's
-  ``state_dict()``.
-- *Precision.* With ``bf16`` the reference computes in bf16 and steps fp32 masters made from the fp32 initial
-  weights, gradients summed in fp32 over the micro-steps, as the engine does (:func:`train_one_process_bf16`).
+optimizer; the config's layout only changes which rows a rank gets and how its results map back:
+- *Rows.* ``world = dp * sp * tp`` (hybrid sharding splits ``dp`` without changing it). A micro-batch's rows are split
+  over the ``dp`` ranks in order (``engine.topology.dp_rank``); the ``sp * tp`` ranks of one data-parallel rank get
+  the same whole rows: the engine cuts sequences (Ulysses) and weights (the recipe's ``tp_plan``) itself.
+- *Losses.* Each rank returns its rows' whole-sequence loss, so the mean over ranks is the mean over data-parallel
+  ranks, which :func:`assert_parity` compares with the reference's: the whole micro-batch's loss, which a mean over
+  rows matches as the engine averages gradients over data-parallel ranks. With ``per_rank_loss`` the reference takes
+  the mean of the data-parallel ranks' losses, as a mean over real tokens needs: ranks hold different numbers of
+  them, so the mean of their means, which the engine trains on, is not the whole batch's mean.
+- *Parameters.* ``engine.full_state_dict()`` joins tensor-parallel blocks (fused weights with their stride) and ZeRO
+  fragments into the reference's names and shapes, on rank 0.
+- *Precision.* With ``bf16`` the reference computes in bf16 and steps fp32 masters made from the fp32 initial weights,
+  gradients summed in fp32 over micro-steps, as the engine (:func:`train_one_process_bf16`).
 """
 
 from __future__ import annotations

@@ -1,23 +1,18 @@
 """Counting the host synchronizations of a block of code, and naming where each was asked for.
 
 [Note: counting host synchronizations]
-A synchronization is the host waiting for the device: reading a device value (``.item()``, ``float(t)``,
-``bool(t)``, ``if t:``), an operation whose output size depends on the data (``nonzero``, ``unique``,
-``masked_select``), a copy to pageable host memory, an explicit ``synchronize``. ``count_host_syncs(device)`` counts
-them while its block runs:
+A synchronization is the host waiting for the device: reading a device value (``.item()``, ``float(t)``, ``if t:``),
+a data-dependent output size (``nonzero``, ``unique``), a copy to pageable host memory, an explicit ``synchronize``.
+``count_host_syncs(device)`` counts them while its block runs:
 
-- **On the CPU** nothing waits, so it counts what *would* wait on a GPU: the dispatch of the operations that read a
-  value or size the output by the data (``SYNCING``), through a dispatch mode. Reading host memory through numpy (as
-  :class:`~shardtrain.host_read.HostRead` does with the pinned copies it made) is not such an operation here or
-  there. Copies to the host cannot be told from others on the CPU: the GPU run counts them.
-- **On CUDA** it counts what CUDA itself reports: ``torch.cuda.set_sync_debug_mode("warn")`` warns at every
-  synchronizing call, and ``torch.cuda.synchronize`` and the stream's and event's ``synchronize`` are counted as they
-  are called. Backward runs on the calling thread meanwhile (autograd's device threads would report their warnings
-  only at the end of backward, under the wrong operation), and a dispatch mode names the operation running when each
-  warning came.
+- **On the CPU** nothing waits, so a dispatch mode counts the operations that *would* wait on a GPU (``SYNCING``).
+  Numpy reads of host memory (:class:`~shardtrain.host_read.HostRead`'s pinned copies) are not among them;
+  copies to the host cannot be told apart on the CPU: only the GPU run counts them.
+- **On CUDA** it counts what CUDA reports (``torch.cuda.set_sync_debug_mode("warn")``) plus explicit ``synchronize``
+  calls. Backward runs on the calling thread meanwhile (autograd's device threads would report only at the end of
+  backward, under the wrong operation), and a dispatch mode names the operation running at each warning.
 
-Each synchronization is recorded under ``"<operation> at <file>:<line>"``, the file and line being the innermost frame
-outside torch and outside the files passed as ``skip`` (the code that asked for it).
+Each is recorded as ``"<operation> at <file>:<line>"``, the innermost frame outside torch and the ``skip`` files.
 """
 
 from __future__ import annotations

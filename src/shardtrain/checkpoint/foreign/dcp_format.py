@@ -2,30 +2,23 @@
 entries map onto a shardtrain checkpoint's names.
 
 [Note: DCP checkpoints]
-``torch.distributed.checkpoint.save`` (FSDP2 scripts, torchtitan) writes ``.metadata``, a pickle of
-``torch.distributed.checkpoint.metadata.Metadata``, and ``__<rank>_<n>.distcp`` files holding ``torch.save``
-serializations of tensor chunks and of other values. The state dict is flattened first: a nested key becomes a
-dotted one (``optimizer.state.blocks.0.attn.qkv.weight.exp_avg``), and ``Metadata.planner_data`` keeps each flat
-key's path (``("optimizer", "state", "blocks.0.attn.qkv.weight", "exp_avg")``), which tells model names with dots
-from nesting. Per tensor the metadata lists its global shape and dtype and its chunks (n-D boxes: offsets and
-sizes); the storage records say where each chunk's bytes are.
-
-torch reads ``.metadata`` with plain ``pickle.load``. We read it through the restricted unpickler of
-``safe_pickle.py`` admitting only the classes DCP's metadata is made of (:func:`dcp_metadata_globals`); the
-chunks and values go through ``torch.load(weights_only=True)``, torch's own restricted loader.
+``torch.distributed.checkpoint.save`` (FSDP2 scripts, torchtitan) writes ``.metadata`` (a pickled ``Metadata``) and
+``__<rank>_<n>.distcp`` files of ``torch.save``-serialized tensor chunks and values. The state dict is flattened to
+dotted keys first; ``Metadata.planner_data`` keeps each key's path, which tells model names with dots from nesting.
+Per tensor the metadata gives global shape, dtype and chunks (n-D boxes); storage records locate each chunk's bytes.
+torch reads ``.metadata`` with plain ``pickle.load``; we use ``safe_pickle.py``'s restricted unpickler admitting only
+DCP's metadata classes (:func:`dcp_metadata_globals`), and ``torch.load(weights_only=True)`` for chunks and values.
 
 Two layouts are recognised (:func:`interpret`):
 
-* **FSDP2 scripts**: ``{"model": get_model_state_dict(...), "optimizer": get_optimizer_state_dict(...)}``
-  (``"optim"`` too, and both inside one wrapper key, as the DCP tutorial's ``{"app": AppState(...)}``); the
-  optimizer as torch returns it (``state`` by parameter name, ``param_groups`` listing names) or flattened
-  (``flatten_optimizer_state_dict=True``: ``state.<name>.<key>``, ``param_groups.<name>.<hyperparameter>``);
-* **torchtitan** (``torchtitan/components/checkpointer/dcp.py``): the model's names at the top level, the
-  optimizer flattened as above, ``lr_scheduler`` (``{"last_epoch": N}``), ``train_state`` (``step``,
+* **FSDP2 scripts**: ``{"model": ..., "optimizer" or "optim": ...}``, possibly inside one wrapper key (the DCP
+  tutorial's ``{"app": AppState(...)}``); the optimizer as torch returns it (``state`` by parameter name,
+  ``param_groups`` listing names) or flattened (``state.<name>.<key>``, ``param_groups.<name>.<hyperparameter>``);
+* **torchtitan**: model names at the top level, the optimizer flattened, ``lr_scheduler``, ``train_state`` (``step``,
   ``ntokens_seen``) and ``dataloader`` (per-rank positions, which do not carry over).
 
-Model tensors become ``model/<name>``, optimizer states ``optim/<name>/<key>`` (the names the engine's load path
-reads); any other top-level entry is the client state.
+Model tensors become ``model/<name>``, optimizer states ``optim/<name>/<key>`` (what the engine's load reads); any
+other top-level entry is the client state.
 """
 
 from __future__ import annotations

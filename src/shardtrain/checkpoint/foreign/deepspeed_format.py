@@ -2,60 +2,41 @@
 
 [Note: DeepSpeed checkpoints as a manifest]
 :class:`~shardtrain.checkpoint.foreign.deepspeed_reader.DeepSpeedReader` offers what
-:class:`~shardtrain.checkpoint.reader.CheckpointReader` offers (a :class:`~shardtrain.checkpoint.format.Manifest`
-of logical tensors ``model/<name>`` and ``optim/<name>/<key>`` with their pieces, ``read``/``read_slice`` of any
-element range or slice, the global ``objects``), so the engine's any-layout load and the consolidation run
-unchanged on it. What DeepSpeed writes, and the piece each part becomes:
+:class:`~shardtrain.checkpoint.reader.CheckpointReader` offers (a :class:`~shardtrain.checkpoint.format.Manifest` of
+``model/<name>`` and ``optim/<name>/<key>`` pieces, ``read``/``read_slice``, ``objects``), so the any-layout load and
+consolidation run unchanged on it. What DeepSpeed writes, and the pieces each part becomes:
 
-* stages 1-2: each rank's ``*zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` holds, per param group, the rank's
-  contiguous partition of the group's flat fp32 masters (``single_partition_of_fp32_groups``) and the optimizer
-  state of that partition (``base_optimizer_state``). The group's flat tensor is its parameters in ``param_shapes``
-  order, each followed by its ``param_alignment_paddings``; the partitions concatenated give it (the padding at the
-  end of the last one is not saved). A parameter is therefore a few ``FlatSlice`` pieces, one per partition it
-  overlaps, exactly the elements ``zero_to_fp32`` takes from the concatenation;
-* stage 3: rank ``r`` holds elements ``[r * ceil(n / N), (r + 1) * ceil(n / N))`` of every parameter (padding
-  past ``n``), one after the other in its group's ``fp32_flat_groups`` tensor; frozen parameters alike in each
-  rank's model-states file (``frozen_param_fragments``);
-* stage 0: the model-states file's ``module`` holds the weights and ``optimizer`` the optimizer's state dict (with
-  bf16/fp16, a wrapper holding the fp32 masters per parameter, ``fp32_groups``, or per group, ``fp32_groups_flat``);
-  no parameter names are saved with it, so the optimizer's parameters are matched to the module's in order;
-* tensor parallelism (AutoTP): each tensor-parallel rank ``t`` writes the files above for its own shards, named
-  ``mp_rank_<t>`` (``zero_pp_rank_<r>_mp_rank_<t>`` at stages 1-3), with the same layout inside; a split parameter
-  is then the pieces of every rank's files, each inside that rank's block ([Note: DeepSpeed tensor parallelism],
-  [Note: DeepSpeed stage 0 with TP]);
-* everywhere: buffers (``buffer_names``) from ``module`` (fp32 like ``zero_to_fp32``), frozen parameters from
-  ``frozen_param_fragments`` (stages 2-3) or ``module`` (stages 0-1), tied parameters from ``shared_params`` (an
-  alias of the entry holding the data).
-
-Weights are the fp32 masters wherever DeepSpeed keeps them, so a tensor read here is bitwise what
-``zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint`` gives. Scalar optimizer states (``step``) exist once
-per param group; every parameter of the group gets it ([Note: DeepSpeed's step counts]).
+* stages 1-2: rank ``r``'s ``*zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` holds its contiguous partition of each
+  group's flat fp32 masters (``single_partition_of_fp32_groups``) and its state (``base_optimizer_state``). The flat
+  tensor is the parameters in ``param_shapes`` order, each followed by its ``param_alignment_paddings`` (the last
+  partition's tail padding unsaved): a parameter is one ``FlatSlice`` per partition it overlaps, as ``zero_to_fp32``;
+* stage 3: rank ``r`` holds elements ``[r * ceil(n / N), (r + 1) * ceil(n / N))`` of every parameter, back to back in
+  ``fp32_flat_groups``; frozen ones alike in ``frozen_param_fragments``;
+* stage 0: ``module`` holds the weights, ``optimizer`` the state dict (with bf16/fp16 the fp32 masters in
+  ``fp32_groups`` or ``fp32_groups_flat``); no names are saved, so parameters are matched to the module's in order;
+* AutoTP: tensor-parallel rank ``t`` writes the files above as ``mp_rank_<t>`` for its shards; a split parameter is
+  every rank's pieces, each inside its block ([Note: DeepSpeed tensor parallelism], [Note: DeepSpeed stage 0 with TP]);
+* everywhere: buffers from ``module`` (fp32), frozen parameters from ``frozen_param_fragments`` (stages 2-3) or
+  ``module`` (0-1), tied ones from ``shared_params``. Weights are the fp32 masters where kept (bitwise
+  ``zero_to_fp32``'s); each parameter gets its group's ``step`` ([Note: DeepSpeed's step counts]).
 
 [Note: DeepSpeed's step counts]
-Which optimizer DeepSpeed built decides how its step count is saved (DeepSpeed 0.19's ``ops/adam`` and
-``runtime/engine.py``); the optimizer state dict is ``base_optimizer_state`` (stages 1-2), ``optimizer_state_dict``
-(stage 3) or ``optimizer`` (stage 0) as above:
+The optimizer DeepSpeed built decides how its step count is saved (DeepSpeed 0.19), in the state dict above:
 
-* torch's Adam/AdamW (``torch_adam: true``) and a torch optimizer passed to ``initialize``: ``state[i]['step']``,
-  a 0-dim float32 tensor;
-* ``FusedAdam`` (the config's ``Adam``/``AdamW`` without offload; with ``DS_ACCELERATOR=cpu`` a CPU build of the
-  same class) and ``DeepSpeedCPUAdam`` (with ``offload_optimizer``): ``state[i]['step']``, a Python int. FusedAdam
-  also keeps ``param_groups[g]['step']``, 0 since DeepSpeed 0.9; older releases counted there and kept no
-  per-parameter step, so a group's count is taken when the state has none (and it is positive). FusedAdam steps a
-  whole group with one count, the last parameter's ``state['step']``, and increments only that one: at stages 1-3
-  a group (or stage-3 sub-group) is one flat tensor, so its count is right; at stage 0 the other parameters of a
-  group keep 0, and every parameter gets the group's largest count;
-* the "elastic" stage 1-2 layout keeps it in ``base_optimizer_state_step`` (that layout is not read here).
+* torch's Adam/AdamW (``torch_adam: true``) or a torch optimizer passed in: ``state[i]['step']``, 0-dim float32;
+* ``FusedAdam`` (``Adam``/``AdamW`` without offload, a CPU build under ``DS_ACCELERATOR=cpu``) and
+  ``DeepSpeedCPUAdam`` (``offload_optimizer``): ``state[i]['step']``, a Python int. FusedAdam's
+  ``param_groups[g]['step']`` is 0 since 0.9; older releases counted only there, so a positive group count is taken
+  when the state has none. FusedAdam steps a group with its last parameter's count and increments only that one:
+  right at stages 1-3 (one flat tensor per group), but at stage 0 the others keep 0, so every parameter gets the
+  group's largest count;
+* the "elastic" stage 1-2 layout (``base_optimizer_state_step``) is not read.
 
-A number becomes a float32 scalar ``optim/<name>/step``, torch's form, so the target optimizer (torch's Adam
-family or shardtrain's ``DeepSpeedAdam``) takes it as if it had counted the steps itself. A group's ``step`` is an
-optimizer state, not a hyperparameter: it is not passed on with the group's ``lr`` and others.
-
-Objects: ``engine/counters`` (global steps, samples, skipped steps), ``engine/scheduler`` (the saved
-``lr_scheduler`` dict, passed through), ``engine/scaler`` (an fp16 run's loss scaler, translated), ``client_state``
-(the top-level keys of the model-states file that DeepSpeed did not write itself), ``optimizer/param_groups``,
-``optimizer/state_kinds``, ``engine/topology`` and, when the save directory holds a Hugging Face ``config.json``
-(the Trainer writes one next to ``latest``), ``hf/config``.
+Each becomes a float32 scalar ``optim/<name>/step``, torch's form, so torch's Adam family or ``DeepSpeedAdam`` takes
+it as its own count; a group's ``step`` is state, not a hyperparameter passed on with ``lr``. Objects:
+``engine/counters``, ``engine/scheduler`` (passed through), ``engine/scaler`` (translated), ``client_state`` (the
+model-states file's keys DeepSpeed did not write), ``optimizer/param_groups``, ``optimizer/state_kinds``,
+``engine/topology`` and ``hf/config`` when the save directory holds the Trainer's ``config.json``.
 """
 
 from __future__ import annotations

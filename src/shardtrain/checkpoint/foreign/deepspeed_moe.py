@@ -1,36 +1,23 @@
 """DeepSpeed's mixture-of-experts checkpoints, read as transformers' fused experts.
 
 [Note: DeepSpeed AutoEP checkpoints]
-DeepSpeed's AutoEP (the config's ``expert_parallel`` section; ``deepspeed/runtime/engine.py``
-``_save_moe_checkpoint``) replaces each MoE block of a transformers model (``model.layers.N.mlp``) by a layer whose
-experts are three tensors per rank, ``experts.w1`` (gate) ``[n/E, I, H]``, ``experts.w3`` (up) ``[n/E, I, H]`` and
-``experts.w2`` (down) ``[n/E, H, I]``, rank ``ep_rank`` holding experts ``[ep_rank * n/E, (ep_rank + 1) * n/E)``
-(DeepSpeed's expert groups are adjacent data-parallel ranks, ``ep_rank = dp_rank % E``, as ours). Its router is
-``router.gate`` (``gate`` is an alias of it). A save at ZeRO stages 1-2 writes:
+DeepSpeed's AutoEP (``expert_parallel`` config; ``_save_moe_checkpoint``) replaces each MoE block's experts by
+``experts.w1`` (gate) ``[n/E, I, H]``, ``experts.w3`` (up) ``[n/E, I, H]`` and ``experts.w2`` (down) ``[n/E, H, I]``;
+rank ``ep_rank = dp_rank % E`` (adjacent ranks, as ours) holds experts ``[ep_rank * n/E, (ep_rank + 1) * n/E)``; its
+router ``router.gate`` becomes the model's ``gate``. At ZeRO stages 1-2 the model-states file holds ``module``
+without experts, ``param_shapes`` and ``ds_autoep_layers`` (per layer ``module_path``, ``num_experts``, ``ep_size``,
+``expert_key_prefix``); the optimizer files partition the experts' group (``moe: True``) over the ``dp / E`` ranks
+holding the same experts (rank ``r``: partition ``r // E`` of expert group ``r % E``); the per-expert
+``layer_<L>_expert_<g>_...`` files hold the module's weights, but the ZeRO masters are read, as ``zero_to_fp32`` does.
 
-* ``mp_rank_00_model_states.pt``: ``module`` without the experts, ``param_shapes`` (the experts under their local
-  names and shapes, in a param group of their own) and ``ds_autoep_layers``: per layer its ``module_path``,
-  ``num_experts``, ``ep_size``, ``expert_key_prefix``;
-* ``zero_pp_rank_<r>_mp_rank_00_optim_states.pt``: as without experts, except that the experts' param group (``moe:
-  True``) is partitioned over the ``dp / E`` ranks holding the same experts (``partition_count``): rank ``r``'s part
-  is partition ``r // E`` of expert group ``r % E``'s flat masters and optimizer state;
-* ``layer_<L>_expert_<g>_mp_rank_00_model_states.pt``: expert ``g`` of MoE layer ``L`` as ``<prefix>.w1.<g>``,
-  ``.w2.<g>``, ``.w3.<g>`` (the module's weights, also held by the ZeRO masters, which are read, as ``zero_to_fp32``
-  does).
-
-transformers' fused experts of Mixtral, Qwen3-MoE and the other standard-layout models are ``gate_up_proj [n, 2I, H]``
-(gate rows, then up rows, per expert) and ``down_proj [n, H, I]``. So the gate rows of all experts, flattened, are
-the row-major flattening of block 0 of 2 along dimension 1 of ``gate_up_proj``, expert-major: element ``k`` of rank
-``e``'s local ``w1`` is element ``e * (n/E) * I * H + k`` of that block. A ZeRO fragment ``[a, b)`` of a local ``w1``
-is therefore ``BlockFlatSlice(BlockSlice(1, 0, 2), e * (n/E) * I * H + a, b - a)`` of ``gate_up_proj`` (``w3``:
-block 1), and of a local ``w2`` the ``FlatSlice(e * (n/E) * H * I + a, b - a)`` of ``down_proj``: the engine's
-any-layout load reads them like any other pieces, and the optimizer state of an expert comes with it. ``router.gate``
-becomes the model's ``gate``.
-
-Refused, naming what is missing: DeepSpeed's own MoE layer (``deepspeed.moe.layer.MoE``: experts as modules,
-``deepspeed_moe.experts.deepspeed_experts.<i>`` keys, which name no transformers parameter), a checkpoint with
-expert files but no ``ds_autoep_layers``, the stage-0 and stage-3 AutoEP layouts, expert tensors of other shapes
-than the above (then no fused tensor of transformers holds them).
+transformers' fused experts are ``gate_up_proj [n, 2I, H]`` (per expert, gate rows then up rows) and ``down_proj
+[n, H, I]``, so all experts' gate rows, flattened expert-major, are block 0 of 2 along dim 1 of ``gate_up_proj``:
+element ``k`` of rank ``e``'s ``w1`` is its element ``e * (n/E) * I * H + k``. A ZeRO fragment ``[a, b)`` of ``w1`` is
+``BlockFlatSlice(BlockSlice(1, 0, 2), e * (n/E) * I * H + a, b - a)`` (``w3``: block 1), of ``w2``
+``FlatSlice(e * (n/E) * H * I + a, b - a)`` of ``down_proj``: the any-layout load reads them like other pieces, with
+their optimizer state. Refused, naming what is missing: DeepSpeed's own ``MoE`` layer (expert modules whose keys name
+no transformers parameter), expert files without ``ds_autoep_layers``, stage-0 and stage-3 AutoEP, expert tensors of
+other shapes (no fused tensor holds them). For users: docs/migration-deepspeed-checkpoints.md, "AutoEP".
 """
 
 from __future__ import annotations

@@ -1,16 +1,14 @@
 """``deepspeed.utils``: the full fp32 value, gradient and optimizer state of a sharded parameter, and the logger.
 
 [Note: safe_get_full_* on fragments]
-DeepSpeed's ``safe_get_full_fp32_param(p)`` (and ``_grad``, ``_optimizer_state``) is collective: each rank writes the
-fragment it owns of ``p`` into a zero tensor of ``p``'s shape, and an all-reduce over the ranks the fragments are
-spread across sums them into the whole tensor, on every rank. Here the fragment is the optimizer's (its fp32 master
-under mixed precision, else the fragment itself; :meth:`ShardedOptimizer.fragment_of`), the ranks are its bucket's
-shard group (the optimizer's, or for an expert parameter under expert parallelism the expert-data-parallel group,
-whose ranks hold the same experts: the whole tensor is then this rank's experts', as in DeepSpeed-MoE), and the sum
-goes through shardtrain's communicator. At stage 0 every rank holds the whole tensor and
-nothing is communicated. ``safe_set_full_*`` is local: each rank copies its fragment's slice of the value given, as
-in DeepSpeed, so every rank must pass the same value. A parameter no engine steps (frozen, or of no engine built by
-``shardtrain.deepspeed.initialize``) gives None, as a parameter without an fp32 copy does in DeepSpeed.
+DeepSpeed's ``safe_get_full_fp32_param(p)`` (and ``_grad``, ``_optimizer_state``) is collective: each rank writes its
+fragment of ``p`` into a zero tensor of ``p``'s shape and an all-reduce over the fragments' ranks sums the whole
+tensor on every rank. Here the fragment is the optimizer's (the fp32 master under mixed precision;
+:meth:`ShardedOptimizer.fragment_of`), the ranks its bucket's shard group (for an expert parameter the
+expert-data-parallel group: the whole tensor is then this rank's experts', as in DeepSpeed-MoE), via shardtrain's
+communicator; stage 0 communicates nothing. ``safe_set_full_*`` is local, as in DeepSpeed: each rank copies its
+slice of the value, so every rank must pass the same value. A parameter no engine steps gives None, as one without
+an fp32 copy does in DeepSpeed.
 """
 
 from __future__ import annotations
