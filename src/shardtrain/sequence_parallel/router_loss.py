@@ -1,17 +1,15 @@
 """A mixture of experts' load-balancing (auxiliary) loss under sequence parallelism: the whole sequence's.
 
 [Note: the router's loss under Ulysses]
-transformers' MoE causal LMs compute the Switch-Transformer loss ``E * sum_e f_e * P_e`` (``f_e`` the fraction of
-unpadded tokens routed to expert ``e``, ``P_e`` its mean router probability, over the batch) in their forward, with
-their module's ``load_balancing_loss_func(gate_logits, num_experts, top_k, attention_mask)``. A product of means is
-not the mean of the slices' products, so a slice's value is wrong (measured in docs/sequence-parallel.md, "Use").
-While an engine's model runs its forward, that function (a global of the model's module, looked up at each call) is
-given each layer's router logits gathered over the group into one process's ``[b * S, E]`` (``(batch, sequence)``
-order) and the engine's 2-D padding mask (the model holds the 4-D one). Every rank thus adds one process's term
-``coef * A`` to its slice's loss, which the weighting ``sum_r n_r / N`` ([Note: the loss over a sequence-parallel
-group] in :mod:`shardtrain.sequence_parallel.inputs`) leaves whole; the gather's backward sends each slice
-``sum_r n_r / N = 1`` of the gradient: one process's. Outside such a forward the function is the model's own; one
-of another signature is refused when called under sequence parallelism.
+transformers' MoE causal LMs compute the load-balancing loss ``E * sum_e f_e * P_e`` over the batch's tokens in their
+forward, with their module's ``load_balancing_loss_func(gate_logits, num_experts, top_k, attention_mask)``: a
+product of means, which on a slice is another number (measured in docs/sequence-parallel.md, "Use"). While an
+engine's model runs its forward, that function (a global of the model's module, looked up at each call) is given
+each layer's router logits gathered over the group into one process's ``[b * S, E]`` and the engine's 2-D padding
+mask, so every rank adds one process's term ``coef * A`` to its slice's loss. The weighting ``sum_r n_r / N``
+([Note: the loss over a sequence-parallel group] in :mod:`shardtrain.sequence_parallel.inputs`) leaves it whole, and
+the gather's backward sends each slice ``sum_r n_r / N = 1`` of its gradient: one process's. Outside such a forward
+the function is the model's own; one of another signature is refused when called under sequence parallelism.
 """
 
 from __future__ import annotations
