@@ -13,7 +13,8 @@ forward eagerly, every unit gathered), so a split is an error. The functions mar
 tensor-parallel collectives and RNG forks) have a traceable form for that case (functional collectives, see [Note:
 collectives in graphs] in :mod:`shardtrain.distributed.communicator`): while :func:`one_graph` is active (the graph
 runtime enters it around a stage-3 call), they are traced into the graph instead of splitting it; they pick their
-traceable form with ``torch.compiler.is_compiling()``. Debug hooks have none and still split (refused at stage 3).
+traceable form with ``torch.compiler.is_compiling()``. Debug hooks are traced differently there ([Note: statistics
+inside the graph] in :mod:`shardtrain.debug.traced`); a subscriber that cannot be traced is refused at stage 3.
 """
 
 from __future__ import annotations

@@ -1,24 +1,20 @@
 """Subscribers inside a captured graph: what graph mode at ZeRO stage 3 runs instead of the hooks' eager splits.
 
 [Note: statistics inside the graph]
-At ZeRO stage 3 graph mode gathers the units inside the captured graph, and no split is possible there ([Note: no
-split at ZeRO stage 3] in :mod:`shardtrain.graph.sharded`): a hook run eagerly would make TorchDynamo run the whole
-forward eagerly, every unit gathered at once. But what a statistics subscriber computes is a reduction of a tensor,
-which can be an operation of the graph like any other. So while such a graph is traced (the manager's
-``traced_call``), each hook does three things that TorchDynamo and AOT autograd trace:
+At ZeRO stage 3 graph mode gathers the units inside the captured graph, which cannot be split ([Note: no split at
+ZeRO stage 3] in :mod:`shardtrain.graph.sharded`): an eager hook would make TorchDynamo run the whole forward
+eagerly, every unit gathered at once. But a statistics subscriber computes a reduction of a tensor, which can be a
+graph operation like any other. So while such a graph is traced (the manager's ``traced_call``) each hook traces:
 
-1. every subscriber's :meth:`~shardtrain.debug.Subscriber.summarize` of each output tensor, torch operations only;
-2. :func:`record`, an operator of ours whose kernel hands those tensors to the host and returns nothing (declared
-   side-effectful, so no pass removes it): it runs where the graph runs it, with the real values;
-3. each output that will receive a gradient goes through :class:`_Observe`, the identity in forward, whose
-   backward is traced into the backward graph: the subscribers' summaries of the gradient, then :func:`record`.
+1. every subscriber's :meth:`~shardtrain.debug.Subscriber.summarize` of each output tensor (torch operations only);
+2. :func:`record`, an operator of ours declared side-effectful (so no pass removes it), whose kernel, run where the
+   graph runs it, hands those tensors to the host: :meth:`~shardtrain.debug.Subscriber.record_summary`;
+3. for each output that will receive a gradient, :class:`_Observe`, the identity in forward, whose backward (traced
+   into the backward graph) summarizes the gradient and calls :func:`record`.
 
-On the host, the kernel of :func:`record` calls the subscriber's
-:meth:`~shardtrain.debug.Subscriber.record_summary` (``.tolist()``, the file write). The step is not a constant of
-the graph (it would change every step): each call passes a *ticket*, a small int64 tensor ``[attachment serial,
-step]`` read from the attachment as a graph input; the backward keeps the one of its forward, so a gradient is
-reported with the step of the forward that produced it, as in eager mode. The units are gathered by the graph's
-own schedule, one at a time ahead of their use: the statistics read activations and gradients, never a parameter.
+The step is not a constant of the graph: each call passes a *ticket*, an int64 tensor ``[attachment serial, step]``
+read as a graph input, and a backward keeps its forward's, so a gradient is reported with its forward's step, as in
+eager mode. The statistics read activations and gradients, never a parameter: the graph's own gather schedule stands.
 """
 
 from __future__ import annotations

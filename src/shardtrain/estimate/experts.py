@@ -1,21 +1,18 @@
 """Mixture-of-experts models on fake tensors: expert parallelism's split and token exchange, and grouped matmuls.
 
 [Note: experts on fake tensors]
-Under ``expert_parallel_size: E`` a rank holds ``num_experts / E`` whole experts of every MoE layer, and its
-experts module's forward exchanges the routed rows by all-to-all (docs/expert-parallel.md). The planner splits the
-fake model with the engine's own code (:func:`~shardtrain.expert_parallel.install_expert_parallel` over a
-communicator that knows only its size and rank 0), so the parameters a rank holds, and the names the expert buckets
-are built from, are the engine's. The exchange itself cannot run on fake tensors: its sizes are the routing's row
-counts, read on the host. So the fake forward replaces it by :func:`balanced_dispatch`, the same operations on
-the assumption of balanced routing, each rank receiving as many rows as it sends (``T * k``, the expectation when
-every expert is equally likely). The exchanged buffers (rows, expert ids, outputs, and their gradients) are new
-tensors of the sent shape, as ``Communicator.all_to_all_v`` makes them. A real run whose routing is uneven receives
-more rows on some ranks; the activations of the experts (a few ``T * k`` by hidden or intermediate size per layer)
-are what moves with it.
+The planner splits the fake model with the engine's own :func:`~shardtrain.expert_parallel.install_expert_parallel`,
+over a communicator that knows only its size and rank 0, so a rank's parameters, and the names its expert buckets
+are built from, are the engine's (docs/expert-parallel.md). The token exchange cannot run on fake tensors (its sizes
+are the routing's row counts, read on the host), so the fake forward replaces it by :func:`balanced_dispatch`: the
+same operations, assuming balanced routing (each rank receives the ``T * k`` rows it sends, the expectation when
+every expert is equally likely), with new buffers of the sent shape, as ``Communicator.all_to_all_v`` makes them.
+Uneven routing in a real run gives some ranks more rows: the experts' activations (a few ``T * k`` by hidden or
+intermediate size per layer) move with it.
 
-transformers' ``grouped_mm`` experts implementation (the default on CPU) calls ``aten._grouped_mm``, which runs in
-fp32 on CPU, but whose shape function (its meta kernel) accepts bfloat16 only, as the CUDA kernel does.
-:class:`GroupedMatmulShapes` gives fake tensors of the other dtypes the output the CPU kernel makes.
+``aten._grouped_mm`` (transformers' default ``grouped_mm`` experts on CPU) runs in fp32 on CPU, but its meta kernel
+accepts bfloat16 only, as the CUDA kernel does: :class:`GroupedMatmulShapes` gives fake tensors of the other dtypes
+the output the CPU kernel makes.
 """
 
 from __future__ import annotations

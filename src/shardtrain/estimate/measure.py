@@ -6,18 +6,18 @@ temporaries inside operators, gloo collectives' torch-side buffers). Started bef
 sum of those events is the number of bytes of tensors alive in the process at every instant, and its maximum inside
 a marked window (a training step after the first, when optimizer state exists) is that step's peak.
 
-[Note: frees the profiler misses]
-The profiler records the allocations and frees made on the threads it follows. A storage whose last reference is
-dropped on another thread is freed unrecorded, and the running sum stays that much too high from then on: gloo's
-worker thread can hold the last reference to the tensors of a collective after the call returned. Seen under
-sequence parallelism (its all-to-alls, gathers and sums over the group): up to 600 KB a step on the tests' models,
-differing from step to step with the threads' timing; none in the layouts without it.
-:meth:`PeakMeter.unrecorded_frees` measures it between two scanned windows.
-
 Not counted, by design: memory outside torch's allocator (the Python interpreter and imported libraries, gloo's own
 buffers, allocator caching; on CUDA the caching allocator's reserve), and pages of memory-mapped swap files (ZeRO
 offload to ``nvme``; the kernel's page cache holds them). Those are what ``ru_maxrss`` adds, and are the same for
 every layout of one program; the planner predicts tensors.
+
+[Note: frees the profiler misses]
+The profiler records the allocations and frees made on the threads it follows. A storage whose last reference is
+dropped on another thread is freed unrecorded, and the running sum stays that much too high from then on: gloo's
+worker thread can hold the last reference to a collective's tensors after the call returned. This happens under
+sequence parallelism (its all-to-alls, gathers and sums over the group), varying with the threads' timing
+(measured in docs/estimate.md, "Sequence parallelism"). :meth:`PeakMeter.unrecorded_frees` measures it between two
+scanned windows.
 """
 
 from __future__ import annotations

@@ -1,22 +1,17 @@
 """Ulysses sequence parallelism on fake tensors: the engine's own splitter and attention, over a shape-only group.
 
 [Note: sequence parallelism on fake tensors]
-Under ``sequence_parallel_size: P`` the ``P`` ranks of a group are given the same whole batch; each keeps its slice
-of the sequence (``S / P`` tokens) through every per-token layer, and attention trades that split for a split of
-the heads (whole sequence, ``heads / P`` of them) by an all-to-all before it and the reverse one after it
-(docs/sequence-parallel.md). The planner runs that very code on the fake model of rank 0 of the group:
-:func:`~shardtrain.sequence_parallel.install_ulysses` routes its attention through the exchange (and refuses, in
-its words, a ``P`` that does not divide the heads a rank holds), and the engine's splitter
+The planner runs the engine's own Ulysses code (docs/sequence-parallel.md) on the fake model of rank 0 of a group:
+:func:`~shardtrain.sequence_parallel.install_ulysses` routes its attention through the exchange (refusing, in its
+words, a ``P`` that does not divide a rank's heads) and the engine's splitter
 (:func:`~shardtrain.sequence_parallel.make_splitter`) cuts the batch and combines the slices' losses, over
-:class:`ShapeOnlyGroup`, a communicator that moves nothing and gives every collective's output its shape.
-
-What runs on fake tensors: the model's forward and backward on the slice, the exchange's buffers (the stacked parts
-sent, the parts received, the tensor they are concatenated into, each way and in backward), the loss's sum over the
-group, and a mixture of experts' router logits gathered over the group for the whole sequence's load-balancing loss.
-What cannot: the split itself reads values (the real targets of each slice are counted, the ranks' batches compared
-by digest), so it runs on a real batch of token ids, outside the fake-tensor mode, and the tensors it hands the model
-are then copied into fake ones, counted with the batch the caller holds. A real rank receives in its all-to-alls
-exactly the bytes it sends (every part has the shape of the one it replaces), so no routing assumption enters.
+:class:`ShapeOnlyGroup`, a communicator that moves nothing and gives every collective's output its shape. So the
+forward and backward on the slice, the exchange's buffers (sent, received, concatenated, each way and in backward),
+the loss's sum over the group and a MoE's router logits gathered for the whole sequence all run on fake tensors.
+The split itself reads values (each slice's real targets are counted, the ranks' batches compared by digest), so it
+runs on a real batch of token ids outside the fake mode; the tensors it hands the model are copied into fake ones,
+counted with the batch the caller holds. A real rank receives in its all-to-alls exactly the bytes it sends, so no
+routing assumption enters.
 """
 
 from __future__ import annotations

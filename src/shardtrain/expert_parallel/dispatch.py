@@ -1,67 +1,41 @@
 """Expert parallelism's token exchange: a mixture-of-experts layer whose experts are split over the ranks of a group.
 
 [Note: tokens to their experts]
-Each rank of an expert-parallel group of ``E`` ranks holds ``n / E`` whole experts of every MoE layer (rank ``r``:
-experts ``[r * n/E, (r + 1) * n/E)``) and its own tokens. The router, the shared experts and every dense parameter
-are as in one process. A layer's forward, given this rank's tokens ``x [T, H]``, their experts ``idx [T, k]`` and
-their routing weights ``w [T, k]`` (what transformers hands its experts module):
+Each rank of an expert group of ``E`` ranks holds ``n / E`` whole experts of every MoE layer (rank ``r``: experts
+``[r * n/E, (r + 1) * n/E)``) and its own tokens; the rest of the model is as in one process. A layer's forward:
 
-1. The ``T * k`` (token, expert) pairs are sorted by expert, stably, so each destination rank's rows are contiguous
-   and in expert order.
-2. The count of rows for each rank is exchanged (an all-to-all of ``E`` integers). This is the one host
-   synchronization of the layer: the sizes of the next exchange must be known on the host.
-3. The rows, and their experts' local indices, go to the ranks holding those experts (an all-to-all with variable
-   sizes).
-4. Each rank runs its experts on what it received, through the experts module's own forward: the same code path
-   as one process, eager, ``grouped_mm`` or ``batched_mm``, over the local experts' weights. It passes a weight of
-   1 per row.
-5. The outputs go back by the reverse exchange. Each row is multiplied by its routing weight in the weights' dtype
-   (fp32 router weights: the product in fp32), as transformers does, and the rows are added up as the module's
-   implementation adds them: ``eager`` rounds each product to the activations' dtype and adds it into its token's
-   output in expert order, as its loop does; ``grouped_mm`` and ``batched_mm`` sum each token's ``k`` products in the
-   product's dtype and round once. In bf16 the two differ; each is the same, bit for bit, as one process's.
+1. sorts the ``T * k`` (token, expert) pairs by expert, stably (each rank's rows contiguous, in expert order);
+2. exchanges the row counts (an all-to-all of ``E`` ints): its one host synchronization, for the next sizes;
+3. sends the rows and their local expert indices to their experts' ranks (an all-to-all with variable sizes);
+4. runs the experts module's own forward on them (one process's code path), with a weight of 1 per row;
+5. sends the outputs back, scales each by its routing weight in the weights' dtype and sums them as the module's
+   implementation does (``eager``: rounded per product, added in expert order; ``grouped_mm``, ``batched_mm``:
+   rounded once): one process's result bit for bit, in bf16 too.
 
-Backward is the same exchanges reversed: :class:`_AllToAllV`'s gradient is the all-to-all with the sizes swapped.
-Every rank of the group must take part in each backward exchange, also a rank that received no row: its experts
-module then returns a tensor outside the autograd graph (transformers' eager loop makes zeros, and an
-``autograd.Function`` whose inputs need no gradient has no backward), so the exchange would have no backward there
-while the other ranks wait for it in theirs. Its output is therefore tied, with a zero weight, to the received rows
-and to the experts' trainable weights, whenever gradients are recorded: the weights then get a zero gradient, as
-on a rank whose implementation runs its kernels on no row, so that every rank's weights get a gradient in every
-backward (the tensor-parallel check of replicated gradients, [Note: experts beside tensor parallelism], compares
-them in the same backward on every tp rank).
-No token is dropped (no capacity factor): a rank receives what the router sends it, and an expert that receives no
-token contributes nothing.
-
-The gradient of an expert's weights is the sum over every rank's tokens routed to it, of each rank's own loss.
-Data parallelism averages the ranks' losses. So the expert gradients must be divided by the group size ``E`` and
-averaged over the ranks holding the same experts, while dense gradients are averaged over the whole data-parallel
-axis. That is the engine's part when it shards experts; this module computes what one layer computes.
+Backward runs the exchanges reversed (:class:`_AllToAllV`), and every rank must take part in each. A rank that
+received no row gets an output outside the autograd graph, so, whenever gradients are recorded, that output is tied
+with a zero weight to the received rows and the experts' trainable weights: every rank's weights get a gradient in
+every backward, as the tensor-parallel check of replicated gradients expects ([Note: experts beside tensor
+parallelism]). No token is dropped (no capacity factor). An expert's gradient sums every rank's loss over its tokens,
+so the engine divides it by ``E`` and averages it over the ranks holding that expert; dense gradients are averaged
+over the whole data-parallel axis.
 
 [Note: experts beside tensor parallelism]
-With tensor parallelism on the dense layers (``tensor_parallel.size: T``) the experts are kept whole on every tp
-rank of an expert group, as DeepSpeed-MoE does by default (``enable_expert_tensor_parallelism: false``) and
-Megatron-Core with ``expert_tensor_parallel_size: 1``. The other choice, splitting each expert by tensor
-parallelism as well (transformers' ``moe_tp_experts``, Megatron's ETP = TP), would make every rank compute every
-routed token on a slice of each expert and all-reduce partial outputs, and a checkpoint would have to record
-tensors split along two dimensions at once; whole experts keep the token exchange the only communication of the
-experts and their checkpoint record a block along the expert dimension only. The plan's expert entries are
-therefore dropped under expert parallelism (``replicate_experts`` in :mod:`shardtrain.tensor_parallel.plans`).
+With tensor parallelism on the dense layers the experts are kept whole on every tp rank of an expert group
+(DeepSpeed-MoE's default, Megatron's ``expert_tensor_parallel_size: 1``). Splitting them as well would add an
+all-reduce of partial outputs for every routed token and checkpoints split along two dimensions; whole experts keep
+the token exchange the experts' only communication. So the plan's expert entries are dropped under expert
+parallelism (``replicate_experts`` in :mod:`shardtrain.tensor_parallel.plans`).
 
-The hidden states reaching a MoE layer are the same on the ``T`` ranks of a tensor-parallel group (the dense
-layers before it end in a row-parallel all-reduce; under sequence parallelism too, each holding the same slice of the
-sequence: [Note: experts under tensor and sequence parallelism] in :mod:`shardtrain.distributed.mesh`), and so is
-the routing (the router is replicated). Running
-every token through the exchange on each of them would compute each expert's rows ``T`` times. So, as DeepSpeed's
-``drop_tokens`` does, tp rank ``t`` keeps only its share of the tokens (``ceil(N / T)`` rows from ``t *
-ceil(N / T)``, the last ranks fewer, maybe none) and exchanges those over its own expert group (each tp rank has
-its own, [Note: the expert axis]); the outputs are all-gathered over the tensor-parallel group afterwards.
-Backward is the mirror: the all-gather's gradient is this rank's share of the (replicated) output gradient, and
-the share's gradient is all-gathered, so every tp rank holds the whole gradient of the hidden states and the
-routing weights, as tensor parallelism expects of a replicated activation. An expert's weight gradient on tp rank
-``t`` then covers the tokens of share ``t`` only: the ``T`` gradients are summed over the tensor-parallel group
-before they are reduced over the expert-data-parallel group (the plan marks the expert weights
-``replicated_with_grad_allreduce``, so the engine sums them and checks once that they differ between tp ranks).
+The hidden states and the routing reaching a MoE layer are the same on the ``T`` ranks of a tensor-parallel group
+(under sequence parallelism too: [Note: experts under tensor and sequence parallelism] in
+:mod:`shardtrain.distributed.mesh`); exchanging every token on each would compute each row ``T`` times. So, as
+DeepSpeed's ``drop_tokens`` does, tp rank ``t`` exchanges only its share (``ceil(N / T)`` rows from
+``t * ceil(N / T)``, maybe none) over its own expert group ([Note: the expert axis]), and the outputs are
+all-gathered over the tensor-parallel group; in backward every tp rank gets the whole gradient of the hidden states
+and routing weights, as for a replicated activation. An expert's weight gradient on tp rank ``t`` covers share ``t``
+only, so the plan marks the expert weights ``replicated_with_grad_allreduce``: summed over the tensor-parallel group
+before the expert-data-parallel reduction.
 """
 
 from __future__ import annotations

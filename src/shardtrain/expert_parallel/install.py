@@ -2,17 +2,14 @@
 expert group (see [Note: tokens to their experts] in :mod:`shardtrain.expert_parallel.dispatch`).
 
 [Note: which experts modules are split]
-An experts module is split when it is transformers' fused experts: an int ``num_experts``, its weights 3-D with one
-row per expert (``gate_up_proj`` / ``down_proj``, and the biases gpt-oss adds), and a forward that takes the routing
-(``hidden_states, top_k_index, top_k_weights``), which is what the token exchange hands it. Where the model declares
-transformers' expert-parallel plan (``base_model_ep_plan`` in its config, read as transformers reads it:
-``model.ep_plan``, full names with ``*`` for the layer number), the plan decides: its ``ep_dispatch_experts``
-modules are split, their ``grouped_gemm`` weights by rows, and an experts module the plan does not name stays whole
-on every rank. A plan style that would split anything else over the expert group (``colwise`` / ``rowwise`` dense
-layers, the removed ``ep_router`` and ``moe_tp_experts``) is refused by name, as is a planned module that is not
-fused experts. Without a plan, every fused experts module is split. A module named ``experts`` that is not fused
-experts is refused, naming its class: a list of one module per expert (Switch Transformers, NLLB-MoE), weights that
-are not one row per expert (DBRX), or a forward given tokens already routed and scaled (Llama 4).
+An experts module is split when it is transformers' fused experts: an int ``num_experts``, 3-D weights with one row
+per expert (``gate_up_proj`` / ``down_proj``, gpt-oss's biases) and a forward taking the routing (``hidden_states,
+top_k_index, top_k_weights``), what the token exchange hands it. A model's expert-parallel plan (``base_model_ep_plan``,
+read as transformers reads ``model.ep_plan``) decides where there is one: its ``ep_dispatch_experts`` modules are
+split (``grouped_gemm`` weights by rows), the others stay whole; other styles (``colwise``, ``rowwise``, the removed
+``ep_router``, ``moe_tp_experts``) and planned modules that are not fused experts are refused by name. Without a plan
+every fused experts module is split; an ``experts`` module that is not fused (Switch Transformers' per-expert list,
+DBRX's layout, Llama 4's pre-routed forward) is refused, naming its class.
 """
 
 from __future__ import annotations

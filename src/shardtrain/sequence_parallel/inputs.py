@@ -20,21 +20,15 @@ slice of the sequence, ``[r * S/P, (r + 1) * S/P)`` for sp rank ``r``:
 * ``attention_mask`` ``[b, S]`` is not split: see [Note: masks under Ulysses].
 
 [Note: masks under Ulysses]
-After the all-to-all a rank holds whole sequences (for its heads), so the attention must see the whole sequence's
-mask, not a slice's. For a transformers model the engine builds it once per forward, before the split, with
-transformers' own ``create_causal_mask`` on the whole batch: the given 2-D padding mask (right or left padding),
-the position ids (sequences packed in one row, told apart by positions restarting, as transformers does when no
-mask is given and the forward makes no key/value cache: ``use_cache=False``) and the causal rule, as the model
-would for one process. For a model whose attention is bidirectional (BERT and other encoders) it is
-``create_bidirectional_mask`` of the padding mask, as such a model builds its own. The result, ``[b, 1, S, S]``
-booleans, is passed to the model as its ``attention_mask``: a 4-D mask goes through the model's mask preparation
-unchanged (for every layer type), and reaches the Ulysses attention, which hands it to the inner attention after the
-exchange (eager attention gets it as the additive mask eager uses), a sliding-window layer's with its window applied
-there ([Note: sliding windows under Ulysses] in :mod:`shardtrain.sequence_parallel.ulysses`). Where transformers
-would use sdpa's own causal (or unmasked) path (no padding, nothing packed) it is None and no ``S x S`` mask is
-made. Positions: the model's own default (``0..S-1``, also for left padding, as transformers does) unless given;
-each slice gets its part. The loss counts real targets only (labels -100 at the padding), summed over the whole
-sequence. A model other than a transformers one takes no mask: all ones is dropped, padding refused.
+After the all-to-all a rank holds whole sequences (for its heads), so attention needs the whole sequence's mask. For
+a transformers model the engine builds it once per forward, before the split, with transformers' own
+``create_causal_mask`` (``create_bidirectional_mask`` for an encoder) from the 2-D padding mask, the position ids
+(packed rows when ``use_cache=False``) and the causal rule, and passes the ``[b, 1, S, S]`` result as the model's
+``attention_mask``: a 4-D mask passes the model's mask preparation unchanged and reaches the Ulysses attention, which
+applies it after the exchange ([Note: sliding windows under Ulysses] in :mod:`shardtrain.sequence_parallel.ulysses`).
+Where transformers would use sdpa's own causal or unmasked path it is None (no ``S x S`` mask). Positions stay
+``0..S-1`` under left padding too, as in transformers; labels are -100 at the padding. A model that is not a
+transformers one takes no mask: all ones is dropped, padding refused.
 
 [Note: the loss over a sequence-parallel group]
 The model computes, on each rank, the mean loss over the real targets (not -100) of its slice. The engine returns

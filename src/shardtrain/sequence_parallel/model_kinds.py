@@ -3,39 +3,23 @@ inputs.
 
 [Note: what the engine assumes of a model's loss]
 The engine splits every ``[b, S, ...]`` input along the sequence and combines the slices' losses ([Note: the loss
-over a sequence-parallel group] in :mod:`shardtrain.sequence_parallel.inputs`). That is right only for a loss that
-is a mean over tokens, each token's term needing only its own position's output. How the labels reach a token
-depends on the head:
+over a sequence-parallel group] in :mod:`shardtrain.sequence_parallel.inputs`): right only for a mean over tokens in
+which each token's term needs only its own position's output. So, per model:
 
-* a causal LM (transformers' ``*ForCausalLM``, a class of its causal-LM mapping such as ``GPT2LMHeadModel`` or
-  ``BertLMHeadModel``) shifts its ``labels`` itself, so the target of a slice's last token lies in the next slice:
-  the engine shifts them over the whole sequence first and passes ``shift_labels``;
-* every other per-token head (masked LM, token classification) compares token ``i`` with label ``i``: the labels
-  are split as they are;
-* a head that reads one pooled token or compares positions across the sequence (sequence classification, question
-  answering, multiple choice, next-sentence prediction) would get a different pooled token on every rank: refused.
-
-Its attention: causal where the model's attention modules say so (``is_causal``, which transformers' sdpa reads),
-bidirectional where they all say not (BERT and other encoders): the whole sequence's padding mask is then
-transformers' ``create_bidirectional_mask``, not ``create_causal_mask``.
-
-Its sequence mixing: attention only, all of it inside the attention function Ulysses wraps. A sparse attention whose
-indexer picks each query's keys before that function, from the tokens its module is given (DeepSeek sparse
-attention's lightning indexer: AXK2, HY-V4), would choose among a slice's tokens: refused by name. A state-space,
-recurrent, linear-attention or convolution layer (Mamba, Falcon-H1's hybrid layers, RWKV, LFM2's short convolutions)
-would run on a rank's slice alone: refused by name (Falcon-H1 trained 3e-5 off in loss in three steps, silently).
-
-Its positions: the engine makes the whole sequence's ``position_ids`` before the split. A model whose forward takes
-none numbers the tokens of its slice from 0 (BigBirdPegasus' causal LM did: 1% off in loss in three steps, silently):
-refused by name.
-
-Its inputs: the engine cuts dimension 1 of what the model is given. An encoder-decoder has two sequences of
-different lengths and cross-attention between them: it has a splitter of its own ([Note: encoder-decoder models under
-Ulysses] in :mod:`shardtrain.sequence_parallel.seq2seq`), which applies the rules here that do not assume one
-sequence. A vision transformer makes its sequence (patches) inside the model, so its inputs' dimension 1 is channels:
-it is split after its embeddings instead ([Note: vision transformers under Ulysses] in
-:mod:`shardtrain.sequence_parallel.vision`), and never reaches these rules. An audio or video model makes its frames
-inside the model too, with convolutions over neighbouring ones: refused by name.
+* labels: a causal LM (transformers' ``*ForCausalLM`` or a class of its causal-LM mapping) shifts its ``labels``
+  itself, so a slice's last target lies in the next slice: the engine shifts them over the whole sequence first and
+  passes ``shift_labels``. Other per-token heads (masked LM, token classification) get their labels split as they
+  are. A head that pools or compares positions (sequence classification, question answering, multiple choice,
+  next-sentence prediction) would pool each rank's slice: refused.
+* attention: causal where the modules' ``is_causal`` says so, else bidirectional (``create_bidirectional_mask``).
+* sequence mixing: all of it inside the attention function Ulysses wraps. Refused by name, as each would see a slice
+  alone: an indexer choosing keys before that function (DeepSeek sparse attention: AXK2, HY-V4), and state-space,
+  recurrent, linear-attention and convolution layers (Mamba, Falcon-H1, RWKV, LFM2).
+* positions: the engine makes the whole sequence's ``position_ids``; a forward taking none numbers each slice from
+  0: refused (the silent loss errors of this and the mixing refusal: docs/sequence-parallel.md, "What is refused").
+* inputs: an encoder-decoder has its own splitter ([Note: encoder-decoder models under Ulysses] in
+  :mod:`shardtrain.sequence_parallel.seq2seq`); a vision transformer is split after its embeddings ([Note: vision
+  transformers under Ulysses] in :mod:`shardtrain.sequence_parallel.vision`); audio and video models are refused.
 """
 
 from __future__ import annotations

@@ -1,21 +1,15 @@
 """A mixture of experts' load-balancing (auxiliary) loss under sequence parallelism: the whole sequence's.
 
 [Note: the router's loss under Ulysses]
-transformers' MoE causal LMs (Mixtral, Qwen2-MoE, OLMoE, ... 31 of the 32 with ``router_aux_loss_coef``) compute
-the Switch-Transformer loss in their forward, from every layer's router logits, with their module's
-``load_balancing_loss_func(gate_logits, num_experts, top_k, attention_mask)``: ``E * sum_e f_e * P_e``, ``f_e`` the
-fraction of (unpadded) tokens routed to expert ``e`` and ``P_e`` its mean router probability, over all tokens of the
-batch. A product of means is not the mean of the slices' products, so on one slice it is another number (3.8e-3
-off at world 2 for Mixtral). While an engine's model runs its forward, that function (a global of the model's
-module, looked up at each call) sees the router logits of the whole sequence: each layer's ``[b * S/P, E]`` is
-gathered over the sequence-parallel group into one process's ``[b * S, E]`` (rows in its ``(batch, sequence)``
-order) and the mask is the 2-D padding mask the engine was given (the model now holds the whole-sequence 4-D one).
-Every rank thus computes one process's aux term ``A``; the model adds ``coef * A`` to its slice's loss, and the
-engine's weighting ``sum_r n_r / N`` of the slices' losses ([Note: the loss over a sequence-parallel group] in
-:mod:`shardtrain.sequence_parallel.inputs`) leaves ``coef * A`` whole. Its gradient: the gather's backward sums what
-every rank's loss sends a slice (``sum_r n_r / N = 1`` of it), so each rank's router gets one process's gradient
-for its tokens. Outside such a forward (another model, the same model without the engine) the function is the
-model's own. A load-balancing function of another signature is refused under sequence parallelism when called.
+transformers' MoE causal LMs compute the load-balancing loss ``E * sum_e f_e * P_e`` over the batch's tokens in their
+forward, with their module's ``load_balancing_loss_func(gate_logits, num_experts, top_k, attention_mask)``: a
+product of means, which on a slice is another number (measured in docs/sequence-parallel.md, "Use"). While an
+engine's model runs its forward, that function (a global of the model's module, looked up at each call) is given
+each layer's router logits gathered over the group into one process's ``[b * S, E]`` and the engine's 2-D padding
+mask, so every rank adds one process's term ``coef * A`` to its slice's loss. The weighting ``sum_r n_r / N``
+([Note: the loss over a sequence-parallel group] in :mod:`shardtrain.sequence_parallel.inputs`) leaves it whole, and
+the gather's backward sends each slice ``sum_r n_r / N = 1`` of its gradient: one process's. Outside such a forward
+the function is the model's own; one of another signature is refused when called under sequence parallelism.
 """
 
 from __future__ import annotations

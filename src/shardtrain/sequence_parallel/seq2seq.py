@@ -1,62 +1,24 @@
 """Sequence parallelism for an encoder-decoder model (T5, BART and their kin): both of its sequences split.
 
 [Note: encoder-decoder models under Ulysses]
-An encoder-decoder model reads two sequences of different lengths: the encoder's (``input_ids`` or
-``inputs_embeds``, ``attention_mask``: ``S_e`` tokens) and the decoder's (``decoder_input_ids`` or
-``decoder_inputs_embeds``, ``labels``, ``decoder_attention_mask``: ``S_d`` tokens). Each is split over the
-sequence-parallel group as one sequence is ([Note: masks under Ulysses] in :mod:`shardtrain.sequence_parallel.inputs`):
-sp rank ``r`` keeps ``[r * S/P, (r + 1) * S/P)`` of each, after each is padded at the end to a multiple of ``P``. The
-encoder's padding is masked out of both attentions that read it as keys (the encoder's own and the cross-attention);
-the decoder's padding gets labels -100 and, its attention causal, no real token reads it. Where the decoder's inputs
-are made from the labels (``labels`` without ``decoder_input_ids``), the engine makes them from the whole labels
-before the split with the model's own ``prepare_decoder_input_ids_from_labels``: the shift to the right crosses the
-slices' boundaries.
+The encoder's sequence (``S_e`` tokens) and the decoder's (``S_d``) are each split as one sequence is ([Note: masks
+under Ulysses] in :mod:`shardtrain.sequence_parallel.inputs`), after padding at the end to a multiple of ``P``: the
+encoder's padding is masked out of both attentions that read it as keys, the decoder's gets labels -100. Decoder
+inputs made from ``labels`` are made from the whole labels before the split (``prepare_decoder_input_ids_from_labels``):
+the shift to the right crosses the slices' boundaries.
 
-There are three attentions, each through the Ulysses exchange of :mod:`shardtrain.sequence_parallel.ulysses`:
+All three attentions go through the Ulysses exchange; the cross-attention's queries come from this rank's decoder
+slice, its keys and values from its slice of the encoder output (the exchange never assumed equal lengths). Not an
+all-gather of the encoder output: every rank would hold and project, in every decoder layer, the whole encoder output,
+so neither memory nor compute would fall with ``P`` (it sends fewer bytes only for a short encoder).
 
-* the encoder's self-attention: bidirectional, under the whole encoder sequence's padding mask;
-* the decoder's self-attention: causal, under the decoder's padding mask where one is given;
-* the cross-attention: the queries are projected from this rank's decoder slice, the keys and values from this
-  rank's slice of the encoder output, and each goes through the same all-to-all as in self-attention
-  (``[b, h, S_d/P, d] -> [b, h/P, S_d, d]`` for the queries, ``[b, h, S_e/P, d] -> [b, h/P, S_e, d]`` for keys and
-  values: the exchange never assumed the lengths equal). A rank then holds, for its heads, every decoder query and
-  every encoder key and value, and attends under the whole ``[b, 1, S_d, S_e]`` encoder padding mask.
-
-Why an all-to-all over heads for the cross-attention rather than an all-gather of the encoder output (every rank
-projecting the whole encoder output to keys and values for its own decoder queries):
-
-* memory: with the gather every rank holds the whole encoder output and, in every decoder layer, the whole keys and
-  values, kept for backward (``2 x layers x S_e x hidden`` per rank): the activations sequence parallelism exists to
-  divide by ``P``. The all-to-all keeps ``1/P`` of them on every rank, as in self-attention;
-* compute: with the gather every rank projects the whole encoder output in every decoder layer (``P`` times the
-  key/value projections' work); here each projects its slice;
-* communication: the gather sends less in all (the encoder output once, ``S_e x hidden``, and its gradient's
-  all-reduce, for the whole decoder, against four all-to-alls per layer of ``(2 S_d + 2 S_e) x hidden / P`` per
-  rank), which would favour it for a short encoder under a deep decoder; but neither the memory nor the compute it
-  costs falls with ``P``, and it is the long sequences sequence parallelism is for;
-* one mechanism: the three attentions share the exchange, its head-count checks and the mask handling.
-
-Masks and position bias. The model is given no mask: every mask it would build would be a slice's. The engine
-builds the three whole masks once per forward, before the split, with transformers' own mask functions (the
-encoder's bidirectional padding mask, the decoder's causal one, the cross-attention's ``[b, 1, S_d, S_e]`` one) and
-the Ulysses attention takes the one of the module's role (:class:`~shardtrain.sequence_parallel.ulysses
-.WholeAttentionInputs`): an attention module of the encoder is the encoder's, one of the decoder is the decoder's
-self-attention when its ``is_causal`` says so and the cross-attention when not. T5's relative position bias is made
-after the exchange from the whole lengths (``compute_bias(S_q, S_k)``), this rank's heads taken from it, once per
-stack and forward by the module that owns the bias (T5's first layer, whose bias the other layers share; UMT5's
-layers each own one); the cross-attention has none.
-
-Positions. A model with absolute positions (BART, mBART, PLBart, Marian, Pegasus, Blenderbot) numbers the tokens of
-the slice it is given from 0: a pre-hook on each stack's ``embed_positions`` adds ``r * S/P`` (the slices are equal),
-and the positions of padding past the real length are held at the last real one (so padding never reaches past the
-position table; its outputs are never read).
-
-The loss: the labels are split as they are (a seq2seq head does not shift them: the decoder's inputs are the shifted
-ones), and each slice's mean is combined as [Note: the loss over a sequence-parallel group] says.
-
-Refused by name: generation state (``encoder_outputs``, ``past_key_values``, ``use_cache=True``), positions made
-another way, attention that does not go through transformers' attention interface (checked at initialize and at the
-first forward), experts (the router's load-balancing loss would be each slice's), tensor parallelism with it.
+The model is given no mask (any it built would be a slice's): the engine builds the three whole masks once per
+forward, before the split, and each attention takes its role's (encoder; decoder self-attention when ``is_causal``;
+else cross-attention). T5's relative bias is made after the exchange from the whole lengths, for this rank's heads.
+Absolute positions (BART and kin): a pre-hook on ``embed_positions`` adds ``r * S/P``, padding held at the last real
+position. Labels are split unshifted; the loss is combined as [Note: the loss over a sequence-parallel group] says.
+Refused by name: generation state, other positions, attention outside transformers' interface, experts, tensor
+parallelism (docs/sequence-parallel.md, "What is refused").
 """
 
 from __future__ import annotations

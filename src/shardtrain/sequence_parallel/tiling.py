@@ -15,16 +15,13 @@ instead of keeping it (Bekman et al., "Arctic Long Sequence Training", 2025: ``T
 
 [Note: the tiled cross-entropy]
 One autograd Function over ``(hidden [N, d], weight [V, d], bias [V])`` returns the *sum* of the token losses (the
-caller divides by the count it means: the real tokens, or transformers' ``num_items_in_batch``). Forward computes,
-tile by tile under ``no_grad``, the fp32 logits, their log-sum-exp (kept: 4 bytes a token) and the target's logit.
-Backward recomputes each tile's logits and writes the gradient of the logits itself, ``softmax - onehot`` (zero on
-ignored targets), times the incoming gradient; then ``d hidden = g @ W`` for the tile and ``d W += g.T @ h``,
-``d b += sum g`` accumulated in fp32 over the tiles. The weight's gradient is returned once, for the whole backward:
-ZeRO's reducer sees one gradient per parameter per backward, as without tiling (DeepSpeed's version needs its
-``ds_grad_is_ready`` flag because it calls backward per tile). The hidden states and the weight are saved with
-``save_for_backward``, so under ZeRO-3 the runtime gathers the weight's unit for backward as for any saved weight
-([Note: gathering for backward] in :mod:`shardtrain.runtime.eager`); a tied weight gets this gradient added
-to the embedding's by autograd. Peak memory of the loss: one tile's logits (and their gradient) instead of all.
+caller divides by its count: the real tokens, or ``num_items_in_batch``). Forward, tile by tile under ``no_grad``,
+keeps only each token's fp32 log-sum-exp and target logit. Backward recomputes each tile's logits, writes their
+gradient ``(softmax - onehot) * g`` itself (zero on ignored targets) and accumulates ``d W`` and ``d b`` over the tiles
+in fp32, returned once per backward: ZeRO's reducer sees one gradient per parameter, as without tiling (DeepSpeed's
+version calls backward per tile and needs its ``ds_grad_is_ready`` flag). The hidden states and the weight are saved
+with ``save_for_backward`` so that ZeRO-3 gathers the weight's unit for backward ([Note: gathering for backward] in
+:mod:`shardtrain.runtime.eager`); a tied weight gets its two gradients summed by autograd.
 
 [Note: the tiled MLP]
 :class:`TiledMLP` runs ``fn(module, x)`` over tiles of the token dimension (``-2``) under ``no_grad`` and saves

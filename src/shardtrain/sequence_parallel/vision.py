@@ -1,42 +1,23 @@
 """Sequence parallelism for vision transformers: the patch sequence is split after the embeddings, not on the inputs.
 
 [Note: vision transformers under Ulysses]
-A vision transformer (ViT, DeiT, DINOv2, ...) is given ``pixel_values [b, c, h, w]``: its sequence, the patches plus
-a class token (and DeiT's distillation token), is made inside the model by its ``embeddings`` module. So the engine
-does not cut the inputs. Every rank of a sequence-parallel group gets the same whole batch and runs the embeddings
-on it. A forward hook then keeps rank ``r``'s slice of their output: ``[r * S'/P, (r + 1) * S'/P)`` of the sequence
-padded at the end to ``S'``, the next multiple of ``P`` (197 tokens at ``P`` 2 become 198).
+The sequence (patches, class token, DeiT's distillation token) is made inside the model by ``embeddings``, so the
+inputs are not cut: every rank of the group runs the embeddings on the whole batch, and a forward hook keeps its
+slice of their output, padded at the end to a multiple of ``P``. The encoder's attention goes through Ulysses
+(:func:`shardtrain.sequence_parallel.ulysses.install_hf`); after the exchange the padded keys are dropped
+(``key_limit``, looked up by the padded length so that a backbone run at two resolutions, or recomputed under
+checkpointing, keeps each one's), so no mask is needed.
 
-- **The encoder** runs on the slices. Its attention goes through Ulysses
-  (:func:`shardtrain.sequence_parallel.ulysses.install_hf`). After the exchange a rank holds the whole padded
-  sequence for its heads. The padded keys are dropped: ``key_limit`` gives the real length ``S``. Attention is
-  bidirectional, so a padded token changes no real token's output.
-- **Before the final norm** (``layernorm``, a forward pre-hook) the slices are gathered into the whole sequence and
-  the padding is dropped. From there every rank computes the same thing on the whole sequence: the norm, the
-  pooler, the head and its loss, whether the head reads the class token (classification) or every patch (masked
-  image modelling). So no head is refused here.
-- **The gradients.** The gather is :func:`~shardtrain.sequence_parallel.all_to_all.gather_over_group`. Its
-  backward sums the group's gradients of the whole sequence and keeps this rank's slice. Every rank backpropagates
-  the same loss, so a slice receives ``P`` times its gradient. ZeRO averages over the ``dp * P`` ranks of the group
-  ([Note: the sequence axis] in :mod:`shardtrain.distributed.mesh`), so the encoder's gradient is the sum over the
-  slices, as in one process. The parameters after the gather (the norm, the head) have the same gradient on every
-  rank, and the average keeps it. The loss is returned as the model computed it, the same on every rank of the
-  group.
+A pre-hook on the final ``layernorm`` gathers the slices and drops the padding: the norm, pooler, head and loss run
+on the whole sequence on every rank, so a class-token head and a per-patch one are both served. Every rank
+backpropagates that same loss, so the gather's backward (``gather_over_group``) gives each slice ``P`` times its
+gradient; ZeRO's average over the ``dp * P`` ranks ([Note: the sequence axis] in :mod:`shardtrain.distributed.mesh`)
+makes it the sum over the slices, as in one process.
 
-- **The inputs** are checked to be the same on every rank of the group at the first forward, as for tokens, and
-  from then on broadcast from sp rank 0: augmentations drawn per rank would otherwise embed a different image on
-  each rank. Dropout is drawn per rank (on its slice, and in the replicated head), as under data parallelism;
-  stochastic depth (``drop_path_rate``) would drop a sample's branch in some slices only, and is refused.
-- **The padding** is dropped from the keys after the exchange (``key_limit``, looked up by the padded length, so a
-  backbone run twice per forward at two resolutions keeps each one's, also when checkpointing recomputes them). A
-  model whose attention does not go through transformers' attention interface is refused at its first forward:
-  no Ulysses call happened between the split and the gather.
-
-Built for transformers models whose base model (``base_model_prefix``) has an ``embeddings`` module that returns the
-sequence and a ``layernorm`` applied to the encoder's output (tested: ViT, DeiT). Others taking ``pixel_values``
-are refused by name, and so are video models (a ``num_frames`` in their config: ViViT, VideoMAE, TimeSformer) and
-audio models (``input_features``, ``input_values``), whose frames are made by convolutions that see neighbouring
-frames.
+The inputs are compared at the first forward and then broadcast from sp rank 0: a per-rank augmentation would embed a
+different image on each rank. Refused: stochastic depth (it would drop a sample's branch in some slices only),
+attention outside transformers' interface (no exchange between split and gather), bases without ``embeddings`` and a
+final ``layernorm``, video and audio models (frames made by convolutions over neighbouring ones).
 """
 
 from __future__ import annotations

@@ -11,19 +11,16 @@ primitive of which layer it was, in forward or backward (e.g. ``all_reduce of th
 'blocks.1.mlp.0' (Megatron's f, backward) failed ...``).
 
 [Note: replicated and split activations]
-Between tensor-parallel layers an activation is either *replicated* (every rank holds the same whole tensor:
-the residual stream) or *split* (rank r holds block r of the last dimension: the output of a column-parallel
-layer, the heads of an attention). The gradient of a replicated activation must come out replicated too: a
-rank whose computation used only its block produces a partial gradient, and ``f`` sums those partial
-gradients. Conversely the gradient of a gathered activation is replicated, so its backward just keeps this
-rank's block.
+Between tensor-parallel layers an activation is either *replicated* (the residual stream) or *split* (rank r holds
+block r of the last dimension: a column-parallel layer's output, an attention's heads). A replicated activation's
+gradient must come out replicated: a rank that used only its block produces a partial gradient, which ``f`` sums.
+A gathered activation's gradient is replicated, so its backward just keeps this rank's block.
 
-In graph mode at ZeRO stages 0-2 the four primitives run eagerly between the pieces of the captured graph
-(:mod:`shardtrain.between_graphs`): their collectives go through c10d work handles, which a graph cannot hold. At
-stage 3 the forward is one graph, which cannot be split ([Note: one graph, no splits]): there they are traced, their
-collectives the communicator's functional ones (``graph_all_reduce``, ``graph_all_gather_dim``; see [Note:
+In graph mode at ZeRO stages 0-2 the four primitives run eagerly between the graph's pieces
+(:mod:`shardtrain.between_graphs`): a graph cannot hold their c10d work handles. At stage 3 the forward is one graph
+([Note: one graph, no splits]), so there they are traced, with the communicator's functional collectives ([Note:
 collectives in graphs] in :mod:`shardtrain.distributed.communicator`), chosen by ``torch.compiler.is_compiling()`` in
-forward and in backward alike. The same bytes move, in the same reduction order: the results are eager's, bitwise.
+forward and backward alike: the same bytes in the same reduction order, so the results are eager's bitwise.
 """
 
 from __future__ import annotations

@@ -11,23 +11,19 @@ token through its slice of every expert, and the outputs are partial sums.
 
 [Note: experts under tensor parallelism]
 ``moe_tp_experts`` is a region (``gather``/``all_reduce``, :func:`~.parallelize.parallelize`): Megatron's **f** on
-every input that requires grad -- the hidden states *and* the router's ``top_k_weights``, which scale this rank's
-partial outputs and so get partial gradients -- and **g** on the output. The router runs before, on the replicated
-hidden states, so every rank routes every token the same way: no token moves between ranks (that is expert
-parallelism, another axis).
+every input that requires grad (the hidden states *and* the router's ``top_k_weights``, which scale this rank's
+partial outputs and so get partial gradients) and **g** on the output. The router runs before, on the replicated
+hidden states, so every rank routes every token alike: no token moves between ranks (that is expert parallelism).
 
-The split is exact only when it matches how the module's forward reads its weights, which the plan does not say
-and transformers does not check (Inkling's plan splits its stacked ``gate_up_proj`` with ``colwise``, stride 1:
-rank 0 would get the gate half only). So before anything changes, :func:`check_experts`
-
-* reads the layout transformers' ``use_experts_implementation`` decorator records on the module (stacked or
-  interleaved gate/up, transposed, biases, a norm after each expert) and refuses a split that does not cut each
-  expert's intermediate features the same way in both projections, a bias (added once per rank, it would be
-  summed ``tp`` times) and a norm after the experts (it needs the whole sum);
-* and, when the weights are real, *probes* the module: its own forward on a few routed tokens, once with the whole
-  weights and once per rank with that rank's blocks (``functional_call``), the per-rank outputs summed. They must
-  agree, or the style is refused by name with the measured difference. Weights on ``meta`` or fake tensors are not
-  probed; a module without the decorator's record is then refused, as nothing can show the split is exact.
+The split is exact only if it matches how the module's forward reads its weights, which neither the plan nor
+transformers checks (Inkling's plan splits its stacked ``gate_up_proj`` with ``colwise``, stride 1: rank 0 would get
+the gate half only). So before anything changes :func:`check_experts` reads the layout transformers'
+``use_experts_implementation`` records on the module (stacked or interleaved gate/up, transposed, biases, a norm
+after each expert) and refuses a split that does not cut each expert's intermediate features alike in both
+projections, a bias (added once per rank: summed ``tp`` times) and a norm after the experts (it needs the whole sum).
+With real weights it also probes the module: its forward on a few routed tokens with the whole weights against the
+sum of the per-rank outputs (``functional_call``), refused by name with the difference if they disagree. Fake or
+``meta`` weights are not probed, and a module without the decorator's record is then refused.
 """
 
 from __future__ import annotations

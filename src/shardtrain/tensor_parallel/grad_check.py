@@ -1,29 +1,22 @@
 """A one-time check that replicated parameters got the same gradient on every tensor-parallel rank.
 
 [Note: replicated gradients across tensor-parallel ranks]
-Every rank of a tensor-parallel group computes on the same batch, so a parameter the plan leaves replicated gets
-the same gradient on each rank -- unless the model applies it to a *split* activation (a per-head norm after a
-column layer, a scale on the MLP's hidden block). Then each rank's gradient is the contribution of its own block
-only, a partial sum, and trained on as is the replicas drift apart step by step, silently. Megatron-LM has the
-user mark such parameters (``sequence_parallel``) and all-reduces their gradients; Hugging Face plans say
-``replicated_with_grad_allreduce``. Neither detects a missing mark. Summing every differing gradient here would
-guess wrong for a parameter used on both kinds of activation, so a missing mark is an error naming the
-parameter and the style to add. The converse mistake, a parameter marked ``partial_grad`` whose gradient is
-already complete on every rank, would count that gradient tp times: an error too.
+A parameter the plan leaves replicated gets the same gradient on every tp rank (same batch) unless the model applies
+it to a *split* activation (a per-head norm after a column layer, a scale on the MLP's hidden block): then each rank
+holds a partial sum, and the replicas drift apart silently. Megatron-LM (``sequence_parallel``) and Hugging Face
+plans (``replicated_with_grad_allreduce``) have the user mark such parameters; neither detects a missing mark. Summing
+every differing gradient would guess wrong for a parameter used on both kinds of activation, so a missing mark is an
+error naming the parameter and the style to add; so is ``partial_grad`` on a gradient already complete (it would
+count ``tp`` times).
 
-How, cheaply: during the first backward a hook on each trainable replicated parameter, registered before any
-hook that sums gradients, records a sketch of the gradient this rank computed -- its norm and its dot products
-with ``_PROJECTIONS`` fixed random vectors, the same vectors on every rank -- and at the end of that backward the
-tensor-parallel ranks exchange the sketches once (one small object all-gather, one host copy of all sketches).
-The difference of two ranks' projections is distributed N(0, ||g_r - g_0||^2), so their root mean square
-estimates ||g_r - g_0||; rounding differences (on CUDA some kernels accumulate in a varying order) stay far
-below ``max(1e-3, 8 eps)`` of the gradient's norm, a partial gradient is far above it. Each parameter's hook is
-removed once the parameter is checked: later steps cost nothing. A parameter that gets no gradient in the first
-backward is checked the first time it gets one.
-
-Graph-mode ZeRO-3 computes the gradients of the units' parameters inside its graph, where no parameter hook fires:
-while the check waits on such parameters (:func:`unchecked`) the graph runtime runs the training forward and
-backward eagerly, so the check sees what eager mode sees and raises the same error (``graph/runtime.py``).
+How, cheaply: in the first backward a hook on each trainable replicated parameter, registered before any hook that
+sums gradients, records a sketch (the norm and the dot products with ``_PROJECTIONS`` random vectors, the same on
+every rank); the tp ranks exchange the sketches once, at the end (one object all-gather). Two ranks' projection
+differences are N(0, ||g_r - g_0||^2), so their root mean square estimates ||g_r - g_0||: rounding stays far below
+``max(1e-3, 8 eps)`` of the norm, a partial gradient far above. A hook is removed once its parameter is checked
+(later steps cost nothing); a parameter without a gradient in the first backward is checked at its first one.
+Graph-mode ZeRO-3 fires no parameter hook inside its graph, so while any such parameter is :func:`unchecked` the
+graph runtime runs the training forward and backward eagerly (``graph/runtime.py``).
 """
 
 from __future__ import annotations

@@ -7,12 +7,10 @@ MLA compresses keys and values through a low-rank projection that every head sha
     k_pass -> kv_a_layernorm -> kv_b_proj (colwise: this rank's heads) -> k_nope, values
     k_rot  -> rotary -> copied to every head of this rank
 
-``kv_b_proj``'s Megatron **f** already sums ``k_pass``'s gradient over the ranks. ``k_rot`` bypasses it and reaches
-this rank's heads directly, so its gradient on each rank covers that rank's heads only: a partial sum. The style
-puts **f** on the ``k_rot`` columns of ``kv_a_proj_with_mqa``'s output (its last ``qk_rope_head_dim``), nothing on
-the others -- an **f** on the whole output would sum ``k_pass``'s gradient a second time. The module itself is not
-replaced or split. The width of ``k_rot`` is read from the enclosing attention's ``qk_rope_head_dim``, else the
-model's (text) config.
+``kv_b_proj``'s Megatron **f** already sums ``k_pass``'s gradient over the ranks; ``k_rot`` bypasses it, so its
+gradient on each rank covers that rank's heads only. The style puts **f** on the ``k_rot`` columns of
+``kv_a_proj_with_mqa``'s output only: an **f** on the whole output would sum ``k_pass``'s gradient twice. Nothing is
+replaced or split; ``k_rot``'s width is the attention's ``qk_rope_head_dim``, else the model's (text) config's.
 """
 
 from __future__ import annotations

@@ -1,35 +1,24 @@
 """Random numbers inside and outside tensor-parallel regions (Megatron's RNG tracker idea, without a tracker).
 
 [Note: tensor-parallel RNG]
-Dropout on a *split* activation (attention probabilities of this rank's heads, the MLP's hidden block) must
-draw different masks on different tensor-parallel ranks, or the ranks would drop the same positions of their
-different blocks: a correlated mask no single-process model has. Dropout on a *replicated* activation (the
-residual stream) must draw the *same* mask on every rank, or the replicas would drift apart.
-
-Megatron-LM keeps a second, per-rank generator state in a tracker and switches to it in a context manager; that
-state must then be saved in checkpoints and restored around activation recomputation. Here the only state is
-the default generator(s), which checkpoints already save per rank and ``torch.utils.checkpoint`` already
-restores before a recompute:
+Dropout on a *split* activation (this rank's heads, the MLP's hidden block) must draw different masks on different
+tp ranks, or they would drop the same positions of different blocks: a correlation no single-process model has.
+Dropout on a *replicated* activation (the residual stream) must draw the same mask on every rank, or the replicas
+drift apart. Megatron keeps a second, per-rank generator state in a tracker, which checkpoints must save and
+recomputation restore; here the only state is the default generators, which both already handle:
 
 * ``enter()`` (a column-parallel layer produced a split output) draws one number ``base`` from the default CPU
-  generator -- the same on every tensor-parallel rank, since their default states agree -- remembers the state
-  after that draw, and re-seeds the default generators (CPU, and the current CUDA device's once CUDA is
-  initialized) from ``(base, tp_rank)``;
-* ``exit()`` (a row-parallel layer takes the split activation in, or anything else makes the activation
-  replicated again) restores the remembered state.
+  generator (the same on every tp rank), remembers the state after the draw and re-seeds the default generators
+  (CPU, and the current CUDA device's once CUDA is initialized) from ``(base, tp_rank)``;
+* ``exit()`` (the activation is replicated again, e.g. in a row-parallel layer) restores the remembered state.
 
-So outside regions the default stream advances identically on every rank (by one draw per region, which also
-makes successive regions use different seeds), and inside a region it depends on the rank. A recompute starts
-from the restored default state, forks to the same seed and reproduces the same masks. Between steps no region
-is open (the model's forward hooks close any region at both ends of the forward), so a checkpoint never needs
-more than the default generator states. With a group of one the fork is skipped entirely, so tensor-parallel
-size 1 draws exactly the numbers of the unparallelized model.
-
-In graph mode at ZeRO stages 0-2 ``enter()`` and ``exit()`` run between the pieces of the captured graph. At stage 3
-the forward is one graph ([Note: one graph, no splits] in :mod:`shardtrain.between_graphs`), which can hold no
-generator state: there ``enter()`` traces only its one draw from the default CPU generator (the stream outside
-regions advances exactly as in eager mode), and no random operation may run inside a region (graph mode refuses a
-graph that draws random numbers with tensor parallelism: ``shardtrain.graph.sharded.refuse_random``).
+So outside regions the default stream advances identically on every rank (one draw per region, which also gives
+successive regions different seeds), and a recompute forks to the same seed and reproduces the masks. The model's
+forward hooks close any region at both ends of the forward, so a checkpoint needs only the default states. A group
+of one skips the fork: tp size 1 draws exactly the unparallelized model's numbers. In graph mode at ZeRO-3 the
+forward is one graph ([Note: one graph, no splits] in :mod:`shardtrain.between_graphs`), which holds no generator
+state: ``enter()`` traces only its one draw, and a graph that draws random numbers under tensor parallelism is
+refused (``shardtrain.graph.sharded.refuse_random``); at stages 0-2 both run between the graph's pieces.
 """
 
 from __future__ import annotations
