@@ -190,8 +190,8 @@ class CapturedModule:
         # runs (see [Note: no split at ZeRO stage 3])
         # [Note: static shapes] With graph.dynamic_shapes: false the sizes are in the schema, so a new size is a new
         # entry (a capture with its reason) and its graph is traced with static sizes: no symbolic shape environment,
-        # sympy reasoning or runtime asserts (45 MiB less RSS on gpt2-10m, docs/graph-memory.md), and Dynamo
-        # never re-traces an entry for a size, since its sizes cannot change
+        # sympy reasoning or runtime asserts (less RSS: docs/graph-memory.md, "Stop 30: graph.dynamic_shapes: false"),
+        # and Dynamo never re-traces an entry for a size, since its sizes cannot change
         entry.run = torch.compile(
             fn, backend=self._backend(entry), dynamic=self.dynamic_shapes, fullgraph=self.units is not None
         )
