@@ -6,10 +6,10 @@ With the step on the host, gradients down, CPU update and parameters back would 
 they overlap (details and timings: docs/offload.md, "Overlapped copies on CUDA"):
 
 * **Gradients, during backward**: once the reducer folded a bucket at the accumulation boundary, side stream ``d2h``
-  copies the shard's host-stepped span into a pinned buffer (after an event on the compute stream; the bucket gets an
-  event). At the end of backward the compute stream waits for ``d2h`` on the device, so nothing after it (unscale,
-  clip, ``zero_grad``, the next accumulation) writes a shard being copied. The copies are raw; the step's unscale and
-  clip multiply the host copies in the same order, so the numbers are the in-memory path's.
+  copies the shard's host-stepped span into a pinned buffer, after a compute-stream event, and records the bucket's
+  event. At the end of backward the compute stream waits for ``d2h`` on the device, so nothing after it (unscale,
+  clip, ``zero_grad``, next accumulation) writes a shard being copied. The copies are raw: the step's unscale and clip
+  multiply the host copies in the same order, so the numbers are the in-memory path's.
 * **The host step, per sub-group**: sub-group k waits on the host for its own buckets' events only. Buckets backward
   did not copy (no boundary backward, graph mode's reductions, hybrid sharding) are copied at the step from its
   unscaled, clipped gradients, all issued before the first sub-group steps.
@@ -18,10 +18,9 @@ they overlap (details and timings: docs/offload.md, "Overlapped copies on CUDA")
   compute-dtype buffer, rounded on the CPU). A master or buffer is rewritten only after the host waited for its
   sub-group's event; at the end of the step the compute stream waits for both side streams before the all-gathers.
 
-No ``synchronize``: the host waits only for copy events and, once a step, the clip coefficient. Streams and events sit
-behind :class:`CopyStreams`, faked on the CPU by ``tests/offload/test_host_copies.py``. Host buffers are views into a
-few flat blocks of exact size, allocated once and page-locked with ``cudaHostRegister`` (unregistered before
-freeing): CUDA's caching host allocator would round each up to a power of two and keep it.
+No ``synchronize``: the host waits only for copy events and, once a step, the clip coefficient (the ordering is
+tested on the CPU through a fake :class:`CopyStreams`). Host buffers view flat blocks allocated once, of exact size,
+page-locked with ``cudaHostRegister``: CUDA's caching host allocator would round each up to a power of two and keep it.
 """
 
 from __future__ import annotations

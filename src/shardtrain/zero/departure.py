@@ -1,25 +1,24 @@
 """A departure from a trusted unit order: every rank says whether it departed too, through the rendezvous store.
 
 [Note: departures from a trusted order]
-A trusted pass gathers without exchanges (see [Note: unit order check]). A rank whose next gather is not the order's
-at that position (or whose pass ends short of it) has departed, and cannot tell alone whether the others departed
-alike (a path change on every rank: still correct) or not (a desync: they issue the order's gather, which it never
-joins). Before issuing anything it 1. writes to the store the pass (a serial every rank counts alike, since trusted
-passes follow the phase check), the position and the unit it needs (or none); 2. waits until every peer of its
-gathering groups has written for this pass. A peer still on the order is blocked in a collective this rank never
-joins (gloo: in ``wait``; NCCL: at the next phase check, a gloo exchange), whose wait runs this object's probe
-([Note: probes while waiting] in :mod:`shardtrain.distributed.communicator`); the probe writes that it did not depart
-there and raises, but only for a point it has passed on the order (short of it, it may yet depart alike). A backward
-pass ends when ``loss.backward()`` returns, before the reducer launches its leftover buckets, which ranks in the
-order's gathers would never pair. 3. If all departed at the same position for the same unit, the pass goes on
-checked; otherwise every rank raises :class:`~shardtrain.errors.RankMismatchError` naming each rank's unit at the
-earliest departure (a departer decides once all answered, or a second after the first differing answer, naming the
-silent ranks), and every Communicator of those groups refuses further collectives ([Note: no collective after a
-failure]). An answering rank waits briefly for the departers to read the answers before raising (it may host the
-store). No data collective of a different unit is ever issued, so a desync is named before anything mixes or aborts.
-Limit: a rank on the order blocked where no probe runs (a CUDA sync under NCCL, the pairwise reduce-scatter's
-point-to-point waits) answers only when that wait ends; the departer then fails at the collective timeout, naming
-who did not answer. Records: one store key per rank and engine, written only on a departure.
+A trusted pass gathers without exchanges ([Note: unit order check]). A rank whose next gather is not the order's at that
+position (or whose pass ends short of it) has departed, and cannot tell alone whether the others departed alike (a path
+change on every rank: still correct) or not (a desync: they issue the order's gather, which it never joins). Before
+issuing anything it 1. writes to the store the pass (a serial every rank counts alike, since trusted passes follow the
+phase check), the position and the unit it needs (or none); 2. waits until every peer of its gathering groups has
+written for this pass. A peer still on the order is blocked in a collective this rank never joins (gloo: in ``wait``;
+NCCL: at the next phase check, a gloo exchange), whose wait runs this object's probe ([Note: probes while waiting] in
+:mod:`shardtrain.distributed.communicator`); the probe writes that it did not depart there and raises, but only for a
+point it has passed on the order (short of it, it may yet depart alike). A backward pass ends when ``loss.backward()``
+returns, before the reducer launches its leftover buckets, which ranks in the order's gathers would never pair. 3. If
+all departed at the same position for the same unit, the pass goes on checked; otherwise every rank raises
+:class:`~shardtrain.errors.RankMismatchError` naming each rank's unit at the earliest departure (a departer decides once
+all answered, or a second after the first differing answer), and every Communicator of those groups refuses further
+collectives ([Note: no collective after a failure]). An answering rank waits briefly for the departers to read the
+answers before raising (it may host the store). No data collective of a different unit is ever issued, so a desync is
+named before anything mixes or aborts. Limit: a rank on the order blocked where no probe runs (a CUDA sync under NCCL,
+the pairwise reduce-scatter's point-to-point waits) answers only when that wait ends; the departer then fails at the
+collective timeout, naming who did not answer. Records: one store key per rank and engine, written only on a departure.
 """
 
 from __future__ import annotations
