@@ -2,24 +2,17 @@
 
 [Note: reading device values a step later]
 A steady-state step does not wait for the device: on CUDA the host queues the next forward while the device still
-runs the step, and every read of a device value in between (``float(t)``, ``bool(t)``, ``.item()``, a copy to
-pageable memory) would stall the host until the device drained, leaving the device idle while the host queues the
-next kernels. So the step keeps what it computes on the device:
-
-- the gradient norm stays a tensor (``engine.get_global_grad_norm()`` and the monitor's print steps read it);
-- the fp16 loss scale and its overflow bookkeeping are device tensors (:class:`~shardtrain.precision.mixed.LossScaler`),
-  and the skip itself happens in the optimizer's kernel (``found_inf``, as ``torch.amp.GradScaler`` hands it to the
-  fused optimizers);
-- what the host must decide on (whether any rank saw gradients complete out of order, see [Note: collective order];
-  whether an fp16 step overflowed, for ``skipped_steps``, the scheduler and the minimum-scale error) is copied with a
-  non-blocking copy into pinned host memory behind a CUDA event when the step computes it, and read at the next step
-  (:class:`HostRead`). By then the device has run a forward and a backward since, so the event has completed and
-  reading the pinned copy costs nothing; should the device still be behind, ``values`` waits on that event only.
-
-Every rank reads the same all-reduced values at the same step, so decisions taken on them (an order exchange, a
-scheduler step taken back) stay collective. On the CPU the copy is made at once. The host copy is read through numpy:
-on CUDA that is a read of host memory the copy has filled, not a device synchronization, and the test suite's
-counter of synchronizing operations (``shardtrain.testing.count_host_syncs``) does not see it, as it should not.
+runs the step, and any read of a device value in between (``float(t)``, ``.item()``, a copy to pageable memory) would
+stall the host until the device drained, idling the device while the host queues. So the step keeps its results on
+the device: the gradient norm stays a tensor (``engine.get_global_grad_norm()`` and the monitor read it); the fp16
+loss scale and its bookkeeping are device tensors (:class:`~shardtrain.precision.mixed.LossScaler`), the skip happening
+in the optimizer's kernel (``found_inf``, as with ``torch.amp.GradScaler``). What the host must decide on (gradients
+completed out of order on some rank, [Note: collective order]; an fp16 overflow, for ``skipped_steps``, the scheduler
+and the minimum-scale error) is copied non-blocking into pinned memory behind a CUDA event and read at the next step
+(:class:`HostRead`), when the event has long completed (else ``values`` waits on that event only). Every rank reads
+the same all-reduced values at the same step, so decisions on them stay collective. On the CPU the copy is made at
+once. The copy is read through numpy, a host-memory read and no device synchronization, which
+``shardtrain.testing.count_host_syncs`` rightly does not count.
 """
 
 from __future__ import annotations

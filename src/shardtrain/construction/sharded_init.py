@@ -5,67 +5,48 @@
     engine = shardtrain.initialize(model, config={"zero_optimization": {"stage": 3}}, ...)
 
 [Note: sharded construction]
-While the context is active, the ``__init__`` of every ``nn.Module`` class is wrapped: when a module's
-constructor returns, each parameter it registered is flattened, padded to the data-parallel size, and only
-this rank's chunk is kept (a one-parameter unit, see :mod:`shardtrain.zero.units`). Every rank runs the
-same constructor code with the same seed, so the chunks are chunks of identical tensors.
-
-Construction code often touches parameters after they were built (a parent's ``apply(_init_weights)``,
-``weight.data.normal_()``). Such a touch gathers that parameter (one all-gather: every rank touches it at
-the same point); it stays whole until the next construction event (another module finished, another
-parameter touched, the context exits), when its chunk is taken back. Values therefore equal those of a
-normal build with the same seed, and a rank holds at most its chunks plus one module's parameters plus one
-touched parameter. ``initialize`` then lays the parameters out into units one unit at a time.
-
-Measured peak RSS may exceed that bound on glibc: its dynamic mmap threshold keeps freed blocks in the heap
-(``MALLOC_MMAP_THRESHOLD_=65536`` or jemalloc make RSS follow what is allocated; see the tests).
-
-Parameters are created on the device shardtrain would pick (the CUDA device of the local rank, else CPU).
-Module classes defined inside the context are not wrapped: define models before entering it.
+While the context is active every ``nn.Module`` class's ``__init__`` is wrapped: when a constructor returns, each
+parameter it registered is flattened, padded to the data-parallel size and cut to this rank's chunk (a one-parameter
+unit, :mod:`shardtrain.zero.units`). Every rank runs the same constructor with the same seed, so the chunks are of
+identical tensors. A later touch of a built parameter (a parent's ``apply(_init_weights)``,
+``weight.data.normal_()``) gathers it (one all-gather; every rank touches it at the same point), and it stays whole
+until the next construction event (another module done, another parameter touched, the context exits). So values
+equal a normal build's with the same seed, and a rank holds at most its chunks plus one module's parameters plus one
+touched parameter (peak RSS on glibc may exceed this: docs/sharded-construction.md, "Memory, measured").
+``initialize`` then lays the parameters out into units one unit at a time. Parameters are created on the device
+shardtrain would pick (the local rank's CUDA device, else CPU). Module classes defined inside the context are not
+wrapped: define models before entering it.
 
 [Note: deferred construction]
-With tensor parallelism a parameter must end up as this rank's block of a split tensor, and which block is known
-only once the model is whole (the plan matches module *names*). So ``Init(config)`` with
-``tensor_parallel.size`` > 1 (or ``Init(deferred=True)``) builds no parameter at all: tensor factories run on the
-``meta`` device and a dispatch mode writes down, per meta storage, the initialization applied to it (a
-:class:`InitRecipe`: ``normal_``, ``uniform_``, ``fill_``/``zero_``, and element-wise in-place ops with scalar
-arguments such as ``trunc_normal_``'s ``erfinv_``/``mul_``/``clamp_``). Tensors computed by other ops (``arange``,
-rotary frequencies) stay real: buffers are small and their values are needed as they are.
-
-``initialize`` then splits the meta model (``parallelize`` cuts meta blocks) and :func:`materialize_deferred`
-makes each parameter directly as this rank's data-parallel chunk of its tensor-parallel block: the chunk's
-elements are computed from their positions in the *whole* tensor (``global_flat_index``) and nothing else, so
-no rank allocates more of a parameter than its chunk, and the values do not depend on the layout. Random steps
-draw from a counter-based generator: element ``i`` of parameter ``name`` after the ``k``-th random step gets a
-value hashed from ``(seed, name, k, i)`` (splitmix64; uniforms from 53 bits, normals by Box-Muller), computed in
-float64 and cast. The same model built on ``meta`` and materialized in one process, or at any (dp, tp), gets the
-same numbers. They are *not* the numbers ``torch.manual_seed`` + a normal build gives (torch's generators cannot
-produce a slice of a stream without producing the stream); ``seed`` is ``Init(seed=...)``, else
-``torch.initial_seed()`` when the context was entered.
+With tensor parallelism a parameter must end up as this rank's block of a split tensor, known only once the model is
+whole (plans match module *names*). So ``Init(config)`` with ``tensor_parallel.size`` > 1 (or ``Init(deferred=True)``)
+builds no parameter: factories run on ``meta`` and a dispatch mode records, per meta storage, the initialization
+applied (an :class:`InitRecipe`: ``normal_``, ``uniform_``, ``fill_``/``zero_``, element-wise in-place ops with scalar
+arguments such as ``trunc_normal_``'s). Tensors computed by other ops (``arange``, rotary frequencies) stay real.
+``initialize`` splits the meta model and :func:`materialize_deferred` makes each parameter directly as this rank's
+chunk of its block, each element computed from its position in the *whole* tensor (``global_flat_index``) alone: no
+rank allocates more than its chunk, and values do not depend on the layout. Random steps hash ``(seed, name, k, i)``,
+since torch's generators cannot produce a slice of a stream alone: the numbers are the same in one process or at any
+(dp, tp), but *not* those of ``torch.manual_seed`` + a normal build (docs/sharded-construction.md, "Initial values").
+``seed`` is ``Init(seed=...)``, else ``torch.initial_seed()`` at entry. A model built on ``meta`` without ``Init``
+has no recipes: ``initialize`` records them by calling each module's ``reset_parameters()`` (as FSDP2 and torchtitan
+do); a parameter still without one starts at zero (with a warning) and is expected to be loaded. What cannot be
+replayed on a chunk (``orthogonal_``, a write through a partial view, a copy from another tensor, a buffer computed on
+``meta``) is refused by name.
 
 [Note: experts under sharded construction]
-Under expert parallelism (``expert_parallel_size: E``) a rank keeps rows ``[ep_rank * n/E, (ep_rank + 1) * n/E)``
-of each fused experts weight ``[n, ...]`` (its experts), chunked over the expert-data-parallel group (the ``dp / E``
-ranks holding the same experts, [Note: expert buckets] in :mod:`shardtrain.zero.layout`). Two ways to get there:
-
-* Deferred (``Init(config)`` with ``expert_parallel_size`` > 1, ``Init(deferred=True)``, or a model built on
-  ``meta``): ``initialize`` cuts the meta rows (``p.shape[0]`` becomes ``n/E``), and :func:`materialize_deferred`
-  gives each element of this rank's chunk the value of its position in the whole tensor, the expert rows being a
-  block on dim 0 over the ``E`` ranks (``global_flat_index`` with ``TPPlacement(0, 1, whole)``). No rank allocates
-  another rank's experts, and the values are those of a one-process deferred build at any (dp, ep).
-* Sharded as built (``Init()``, or ``Init(config, deferred=False)``): the model's values are those of a normal
-  build with the same seed, each parameter chunked over the world. ``initialize`` gathers each expert weight once
-  (as construction did, a rank holds one whole weight at a time), keeps its rows and chunks them over the
-  expert-data-parallel group: one construction runtime, each unit gathered over its own group.
-
-Either way the layout then gathers each unit's expert weights over the expert-data-parallel group, as it does for a
-model built in memory. Rank 0's model is not broadcast first (as it is for a model built in memory): the chunks are
-of one tensor, or computed from positions, so every rank's rows are rows of the same model.
-
-A model built on ``meta`` without ``Init`` has no recipes: ``initialize`` records them by calling each module's
-``reset_parameters()`` (the convention of FSDP2 and torchtitan); a parameter still without one starts at zero (a
-warning names it) and is expected to be loaded. What cannot be replayed on a chunk (``orthogonal_``, a write
-through a partial view, a copy from another tensor, a buffer computed on ``meta``) is refused by name.
+Under expert parallelism (``expert_parallel_size: E``) a rank keeps rows ``[ep_rank * n/E, (ep_rank + 1) * n/E)`` of
+each fused experts weight ``[n, ...]``, chunked over the expert-data-parallel group (the ``dp / E`` ranks holding the
+same experts, [Note: expert buckets] in :mod:`shardtrain.zero.layout`). Deferred (``Init(config)`` with
+``expert_parallel_size`` > 1, ``Init(deferred=True)``, or a model built on ``meta``): ``initialize`` cuts the meta
+rows and :func:`materialize_deferred` computes each element of this rank's chunk from its position in the whole
+tensor (rows a dim-0 block over ``E``: ``TPPlacement(0, 1, whole)``), so no rank allocates another rank's experts and
+values match a one-process deferred build at any (dp, ep). Sharded as built (``Init()``, ``Init(config,
+deferred=False)``): values are a normal build's, chunked over the world; ``initialize`` gathers each expert weight
+once (one whole weight at a time, as construction did), keeps its rows and chunks them over the expert-data-parallel
+group. Either way the layout then gathers each unit's expert weights over that group. Rank 0's model is not broadcast
+first (unlike a model built in memory): the chunks are of one tensor or computed from positions, so every rank's rows
+are rows of the same model.
 """
 
 from __future__ import annotations

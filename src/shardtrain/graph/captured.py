@@ -1,31 +1,24 @@
 """Capture a module's forward and backward into graphs, one per input schema.
 
 [Note: graph mode runs on torch.compile, with a backend of ours]
-PyTorch offers two ways to capture a training step: ``torch.export`` (a whole-program graph of the forward, with no
-Python left; the backward must then be derived with AOT autograd by hand, every unsupported construct is a hard
-error, and nested inputs/outputs, hooks and mutation of buffers each need their own handling) and ``torch.compile``
-(TorchDynamo traces the Python frame, guards every assumption it made, splits the graph where it cannot trace and
-runs that part eagerly, and hands each graph to a *backend*; AOT autograd turns a forward graph into a joint
-forward/backward pair). We use ``torch.compile`` with our own backend:
+We capture with ``torch.compile`` and a backend of ours, not ``torch.export`` (a whole-program forward graph: the
+backward must be derived by hand with AOT autograd, every unsupported construct is a hard error, and nested
+inputs/outputs, hooks and buffer mutation each need their own handling). With ``torch.compile``:
 
-* the backward comes from AOT autograd, as the same engine computes it in eager mode, so gradients and the
-  reducer's gradient hooks (which fire on the parameters' accumulation, outside the graph) behave as in eager;
-* what cannot be captured still runs (eagerly, between graphs), which is the fallback the user is told about, and
-  ``strict`` turns it into an error (every split TorchDynamo reports, except the intended ones of
-  :mod:`shardtrain.between_graphs`: debug hooks, tensor-parallel collectives);
-* the backend sees every graph before it runs (``GraphModule`` + example inputs): the place for our passes;
-* nested inputs and outputs (dicts, dataclasses, namedtuples, ``ModelOutput``) are traced through by Dynamo itself,
-  so outputs come back in the module's own structure, non-tensor leaves as they were.
+* the backward comes from AOT autograd, so gradients and the reducer's gradient hooks (on the parameters'
+  accumulation, outside the graph) behave as in eager;
+* what cannot be captured runs eagerly between graphs (the fallback the user is told about); ``strict`` makes every
+  split an error but the intended ones of :mod:`shardtrain.between_graphs` (debug hooks, tensor-parallel collectives);
+* the backend sees every graph (``GraphModule`` + example inputs) before it runs: the place for our passes;
+* Dynamo traces through nested inputs and outputs (dicts, dataclasses, namedtuples, ``ModelOutput``), so outputs
+  keep the module's structure.
 
-Dynamo's own guards stay on: they check everything the trace assumed, including facts our schema does not hold
-(a global flag read by ``forward``). The schema (:mod:`shardtrain.graph.schema`) is the cache key on top of them,
-so that a re-capture has a stated reason and the cache has a size limit we control. Each cache entry compiles its
-own copy of a small trampoline function (a distinct code object), because Dynamo keeps its compiled code per code
-object: entries then never share compiled code, and dropping an entry drops its graphs.
-
-The inner compiler is AOT autograd with the captured graphs run as they are (``"aot_eager"``, the default: exact
-eager numerics, no C++ compiler needed), or Inductor (``"inductor"``: fused kernels; needs a C++ compiler on a CPU,
-and its fused kernels round differently from eager, so results agree within fp32 noise, not bitwise).
+Dynamo's guards stay on (they cover facts the schema does not hold, such as a global flag ``forward`` reads); the
+schema (:mod:`shardtrain.graph.schema`) is the cache key on top, so each re-capture has a stated reason and the cache
+a size limit we control. Each cache entry compiles its own copy of a small trampoline (a distinct code object, since
+Dynamo keeps compiled code per code object), so entries never share compiled code and dropping one drops its graphs.
+Inner compiler: ``"aot_eager"`` (default: exact eager numerics, no C++ compiler) or ``"inductor"`` (fused kernels;
+needs a C++ compiler on a CPU; rounds differently, so results agree within fp32 noise, not bitwise).
 """
 
 from __future__ import annotations
@@ -197,8 +190,8 @@ class CapturedModule:
         # runs (see [Note: no split at ZeRO stage 3])
         # [Note: static shapes] With graph.dynamic_shapes: false the sizes are in the schema, so a new size is a new
         # entry (a capture with its reason) and its graph is traced with static sizes: no symbolic shape environment,
-        # sympy reasoning or runtime asserts (45 MiB less RSS on gpt2-10m, docs/graph-memory.md), and Dynamo
-        # never re-traces an entry for a size, since its sizes cannot change
+        # sympy reasoning or runtime asserts (less RSS: docs/graph-memory.md, "Stop 30: graph.dynamic_shapes: false"),
+        # and Dynamo never re-traces an entry for a size, since its sizes cannot change
         entry.run = torch.compile(
             fn, backend=self._backend(entry), dynamic=self.dynamic_shapes, fullgraph=self.units is not None
         )

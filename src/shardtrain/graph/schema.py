@@ -1,34 +1,24 @@
 """The input schema of a call: what must be equal for a captured graph to be reused.
 
 [Note: what the schema holds, and why]
-A captured graph is a function of the tensors it was traced with, specialized on everything else. It may be reused
-for a call only if every fact the trace depended on is the same; a graph reused when one of them changed returns the
-old graph's answer silently (ORTModule, with its re-export checks off by default, returned the old output for a
-flipped bool input). The schema is those facts, taken from the call itself:
+A captured graph is specialized on everything but its tensors' values; reused after one of those facts changed, it
+silently returns the old graph's answer (as ORTModule did for a flipped bool input). The schema is those facts, taken
+from the call:
 
-* the call's structure, flattened: every leaf named by its path from the bound argument name (``attention_mask``,
-  ``batch['labels']``, ``cfg.scale``), positional arguments named by the parameter of ``forward`` they bind to;
-* for each tensor leaf: dtype, rank (number of dimensions), device and requires_grad; the sizes only with
-  static shapes (``graph.dynamic_shapes: false``): by default dimension sizes are dynamic, so a new batch size or
-  sequence length reuses the graph, while a static graph is specialized on its sizes and a new size is a new
-  schema (a capture whose reason names the input and both shapes);
-* for every other leaf (bool, int, float, str, None, enums, dtypes, other Python values): its type and value; the
-  trace branched on them or baked them in;
-* the module's mode (``train()`` / ``eval()``, anywhere in the tree: dropout and batch norm trace differently);
-* the set of parameters that require grad (a frozen parameter changes which gradients the backward graph computes);
-* the global modes a trace is specialized on: grad mode (``torch.no_grad()`` traces no backward) and autocast
-  (enabled, and its dtype, on the CPU and on CUDA);
-* the module hooks (forward pre-hooks, forward hooks, backward pre-hooks and backward hooks of every submodule,
-  and the global ones), by handle: TorchDynamo traces the hooks present at capture into the graph and, by default
-  (``skip_nnmodule_hook_guards``), does not guard on them, so a hook added later would silently never run and a
-  removed one would keep running. The engine's own hooks (eager ZeRO-3's unit hooks, which graph mode keeps for
-  direct calls of the module and which do nothing while a graph is traced) are left out: they never change, and a
-  schema holds what the user can change.
+* the call's structure, flattened, each leaf named by its path from the bound argument (``batch['labels']``,
+  ``cfg.scale``; positionals by the ``forward`` parameter they bind to), walked like :mod:`shardtrain.tree` (pytree
+  one level at a time, plus mappings and dataclasses), so nested inputs are named and compared too;
+* per tensor leaf: dtype, rank, device, requires_grad; sizes only with ``graph.dynamic_shapes: false`` (by default
+  sizes are dynamic, so a new batch size or sequence length reuses the graph);
+* every other leaf's type and value (bool, int, str, None, enums, dtypes, ...): the trace branched on or baked them;
+* the module's mode (``train()``/``eval()``, anywhere in the tree);
+* the set of parameters that require grad (it decides which gradients the backward computes);
+* grad mode and autocast (enabled, and its dtype, on the CPU and on CUDA);
+* the module hooks of every submodule and the global ones, by handle: Dynamo traces the hooks present at capture and
+  by default (``skip_nnmodule_hook_guards``) does not guard on them, so a later hook would never run and a removed
+  one would keep running. The engine's own hooks (eager ZeRO-3's unit hooks, inert while tracing) are left out.
 
-Two schemas are compared field by field, so a re-capture is logged with the reasons (``input 'attention_mask':
-dtype int64 -> bool``) instead of "cache miss". Leaves are walked like :mod:`shardtrain.tree` walks tensors (torch's
-pytree one level at a time, plus mappings and dataclasses pytree does not know), so inputs nested in dicts,
-dataclasses, namedtuples or ``ModelOutput`` are named and compared too.
+Schemas are compared field by field, so a re-capture logs its reasons (``input 'mask': dtype int64 -> bool``).
 """
 
 from __future__ import annotations

@@ -1,43 +1,25 @@
 """ZeRO-3 inside the captured graph: gathers, releases and gradient reduce-scatters as graph operations.
 
 [Note: ZeRO-3 as graph operations]
-Eager ZeRO-3 gathers a unit in a module hook, frees it by resizing its storage, and reduces gradients in hooks
-on the parameters: none of that can be traced. In graph mode the engine's forward instead runs
+Eager ZeRO-3's hooks and storage resizes cannot be traced, so graph mode's forward runs ``functional_call(module,
+{name: view of gather(unit shard) for every unit}, args, kwargs)`` with ``gather`` an autograd function: its forward
+all-gathers the unit's flat shard, its backward reduce-scatters (averages) the unit's flat gradient, both functional
+collectives ([Note: collectives in graphs] in :mod:`shardtrain.distributed.communicator`). Three steps make the
+traced pair behave like ZeRO-3, not a model held whole (docs/graph-mode.md, "ZeRO-3 in the graph", walks through):
 
-    parameters = {name: view of gather(unit shard) for every unit}
-    torch.func.functional_call(module, parameters, args, kwargs)
+1. **Release**: saved gathered weights would keep every unit gathered until backward, so before the partitioner runs
+   :func:`recompute_gathers` marks each all-gather, its wait and its views ``MUST_RECOMPUTE``: the shard is saved and
+   backward re-gathers, except for the root and the last unit of the forward order ([Note: kept in the graph]).
+   Release is then the generated code's liveness: a full buffer is freed after the last operation reading it.
+2. **Prefetch and order** (:func:`schedule`, on both graphs): Dynamo traces all gathers first; the pass moves each
+   wait and its views to just before first use and issues each all-gather one unit ahead (at most the current and the
+   prefetched unit gathered). In backward each reduce-scatter is hoisted to its unit's last gradient and waited for
+   when the next is issued (one in flight, as eager). It follows ``stage3_prefetch_bucket_size`` and ``overlap_comm``
+   (:class:`Settings`); a swapped shard's read is part of its gather ([Note: swapped shards in graphs]).
+3. **Gradients**: each trainable bucket has an fp32 leaf *sink* that ``gather`` takes and ignores; its gradient is the
+   bucket's reduce-scattered gradient and its ``.grad`` the reducer's shard buffer, so micro-steps accumulate in place
 
-where ``gather`` is an autograd function whose forward is an all-gather of the unit's flat shard and whose
-backward is the reduce-scatter (average over the data-parallel ranks) of the unit's flat gradient, both
-functional collectives (see [Note: collectives in graphs] in :mod:`shardtrain.distributed.communicator`). TorchDynamo
-and AOT autograd then trace every gather into the forward graph and every reduce-scatter into the backward graph, and
-three steps of ours make the result behave like ZeRO-3 rather than like a model held whole:
-
-1. **Release** (the partitioner). A gathered parameter that backward needs (a weight saved by a matmul) would be
-   saved from forward to backward, so every unit would stay gathered in between. Before AOT autograd splits the
-   joint graph, :func:`recompute_gathers` marks each all-gather, its wait and the views taken of its output
-   ``MUST_RECOMPUTE``: the partitioner saves the shard instead and re-gathers the unit in backward. Two units are
-   left unmarked, the ones eager ZeRO-3 keeps gathered from forward to backward ([Note: kept after forward] in
-   :mod:`shardtrain.runtime.eager`): the root unit and the last unit of the forward order (see [Note: kept
-   in the graph]). Their gathered buffers are saved for backward, which does not gather them again.
-   Releasing is then the graph's own liveness: the generated code drops each value after its last use, so a
-   unit's full buffer is freed right after the last operation that reads it (a kept unit's, in backward).
-2. **Prefetch and order** (:func:`schedule`, run on the forward and the backward graph). Dynamo traces all
-   gathers first (they come before the module call); the pass moves each unit's wait and views to just before
-   their first use and issues the unit's all-gather one unit ahead (when the previous unit's data has arrived),
-   so at most two units are gathered at once, the current one and the prefetched one. In backward, each unit's
-   gradient assembly and reduce-scatter are hoisted to the moment its last gradient is computed, and the result
-   of a reduce-scatter is waited for when the next one is issued: one reduction in flight, as the eager reducer.
-   The schedule follows ``stage3_prefetch_bucket_size`` and ``overlap_comm`` as eager ZeRO-3 does (see
-   :class:`Settings`).
-   A unit whose shard is in a swap file (``offload_param`` to nvme) is first read by an operation of the graph;
-   both steps treat that read as part of the unit's gather (see [Note: swapped shards in graphs]).
-3. **Gradients** land in the reducer's fp32 gradient shards: each trainable bucket has a *sink*, an fp32 leaf
-   tensor that the gather function takes as an input and ignores in forward; its gradient is the reduce-scattered
-   gradient of the bucket, and the sink's ``.grad`` is the reducer's shard buffer itself, so autograd accumulates
-   micro-steps into it in place, in fp32 (what eager does). The optimizer step, clipping, checkpoints and
-   ``engine.gathered()`` read that buffer and the shards exactly as in eager ZeRO-3.
-
+   in fp32 and the step, clipping, checkpoints and ``engine.gathered()`` work as in eager ZeRO-3.
 [Note: no split at ZeRO stage 3]
 Every gather is issued before ``functional_call`` enters its parameter swap, a context manager TorchDynamo cannot
 split. A construct it cannot trace inside the model (``.item()`` control flow, a ``torch.compiler.disable`` hook)
@@ -48,33 +30,22 @@ gather ran), whatever ``graph.strict`` says. Debug subscribers are traced into t
 statistics inside the graph] in :mod:`shardtrain.debug.traced`).
 
 [Note: kept in the graph]
-Eager ZeRO-3 leaves the root unit and the last unit of its recorded forward order gathered for the backward that
-follows; re-gathering them would move their bytes once more for nothing (the root is 40% of the parameters of the
-10.6M GPT-2 of docs/benchmarks.md). The graph keeps the same two, so that a step moves the same bytes in both modes
-and holds the same units between forward and backward. In the joint graph a unit has no name, so
-:func:`recompute_gathers` finds them from what :class:`UnitInputs` knows: it traces one gather per bucket, in the
-order of its buckets (``Settings.buckets``: each bucket's unit and gathered size), so the k-th gather of ZeRO's
-group in the joint graph is bucket k's, which the sizes confirm. The root unit is the one whose module is the
-engine's module; the last unit of the forward order is, of the other units, the one whose gathered parameters the
-forward uses last (the operations that do not depend on a tangent are the forward's): what eager records as the
-last unit hook to run. As in eager mode nothing is kept when no other unit runs in forward (a model whose root is
-its only unit), and every bucket of a kept unit is kept (frozen ones too). A joint graph whose gathers do not
-match the buckets (a gather left out by the trace) keeps nothing: every unit is re-gathered, correct and slower.
-
-Their gathers are left unmarked, not marked to be saved: the partitioner saves what backward reads of them (the
-collective itself is never recomputed). So a kept unit that backward does not read at all (a root holding only an
-embedding, whose gradient needs the indices, not the weight) is freed after forward, where eager holds it until
-its gradients are in; it is not gathered again either way. Memory: at most the root and the last unit whole from
-forward to backward, as in eager mode; the root is whole during the forward anyway (embedding first, head last),
-so at most three units (root, current, prefetched) are gathered at once. The backward graph's inputs saved of a
-kept unit carry its name in their meta (``KEPT``), which :func:`schedule` reads: the backward's first re-gather is
-issued at its start, while the kept units' backward runs (as eager prefetches it), and ``most_gathered`` counts
-the kept units until their last use. For ``offload_param`` nvme the read of a kept unit's shard is not marked
-either: backward neither reads it again nor gathers it.
-
-The numbers are eager ZeRO-3's: the same shards gathered, the same gradients reduced with the same algorithm
-and summation order (the wire dtype of mixed precision included); what can differ is the order in which
-AOT autograd adds the contributions of a parameter used twice (tied embeddings), i.e. fp32 rounding.
+The graph keeps gathered from forward to backward the two units eager ZeRO-3 keeps (the root and the last unit of the
+forward order, [Note: kept after forward] in :mod:`shardtrain.runtime.eager`), so both modes move the same bytes
+and hold the same units. A unit has no name in the joint graph, so :func:`recompute_gathers` finds them by position:
+:class:`UnitInputs` traces one gather per bucket in bucket order (``Settings.buckets``), so the k-th gather of ZeRO's
+group is bucket k's, confirmed by its size. The root unit's module is the engine's module; the last unit is, of the
+others, the one whose parameters the forward (operations not depending on a tangent) uses last: eager's last unit
+hook. Nothing is kept if no other unit runs in forward; every bucket of a kept unit is kept (frozen ones too).
+Gathers that do not match the buckets (one left out by the trace) keep nothing: every unit re-gathered, slower.
+Their gathers are left unmarked, not marked saved: the partitioner saves what backward reads (the collective is never
+recomputed), so a kept unit backward does not read (a root holding only an embedding) is freed after forward, where
+eager holds it until its gradients are in; neither mode gathers it again. At most three units are whole at once
+(root, current, prefetched), as in eager. Saved backward inputs of a kept unit carry its name in their meta
+(``KEPT``), which :func:`schedule` reads: backward's first re-gather is issued at its start, during the kept units'
+backward, and ``most_gathered`` counts the kept units until their last use. With ``offload_param`` nvme a kept unit's
+shard read is not marked either. The numbers are eager ZeRO-3's (same shards, same reduction algorithm and order,
+wire dtype included), but for the order AOT autograd adds a twice-used parameter's contributions (tied embeddings).
 """
 
 from __future__ import annotations

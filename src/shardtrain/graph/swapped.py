@@ -2,23 +2,17 @@
 
 [Note: swapped shards in graphs]
 With ``offload_param: {device: nvme}`` a unit bucket's ``shard`` is a tensor over a shared mapping of its swap file
-([Note: parameter offload] in :mod:`shardtrain.offload.parameters`). Eager ZeRO-3 reads it with one positional
-read into a new buffer just before the unit's all-gather and frees the buffer once the gather is done. A captured graph
-takes the shards as inputs, and handing it the mappings would let the all-gather read them by page faults (a few pages
-per fault, ~30x slower than one read) and leave every page it touched in the process until the next optimizer step: by
-the end of the forward every unit's shard would be resident.
-
-So the graph reads the shard itself: :func:`read_shard` (``shardtrain::read_swapped_shard``) is an opaque custom
-operation whose value is a copy of its input, read from the swap file the input maps (the file and the mapping are
-one page cache, so the read sees every update made through the mapping). Its input, the mapping, costs no memory; its
-output is the buffer the all-gather sends from. Two passes of :mod:`shardtrain.graph.sharded` treat it as part of
-the gather it feeds: the partitioner must recompute it (backward reads the file again before its re-gather instead
-of keeping the buffer from forward to backward; not for the two units kept gathered, which backward neither reads
-nor gathers: [Note: kept in the graph]), and the schedule issues it right before that all-gather, one unit
-ahead of the unit's use like the gather itself. The generated code drops the buffer after its last use (the
-all-gather), so at most the current and the prefetched unit hold one: what eager ZeRO-3 and DeepSpeed's
-ZeRO-Infinity do. (At data-parallel size 1 there is no all-gather: the buffer is the gathered unit itself, read and
-released where a gather would be.) :class:`SwappedShards` counts the buffers alive (``most_live``) for tests.
+([Note: parameter offload] in :mod:`shardtrain.offload.parameters`). Handing the graph the mappings as inputs would
+let the all-gather read them by page faults (far slower than one read: docs/offload.md, "Parameter offload") and
+leave every touched page resident until the next optimizer step: every shard by the end of forward. So the graph
+reads the shard itself: :func:`read_shard` (``shardtrain::read_swapped_shard``) is an opaque custom operation whose
+value is a copy of its input read from the file the input maps (one page cache, so it sees every update made through
+the mapping); its input costs no memory, its output is the all-gather's send buffer. :mod:`shardtrain.graph.sharded`
+treats it as part of its gather: the partitioner recomputes it (backward reads the file again before re-gathering,
+except for the kept units: [Note: kept in the graph]) and the schedule issues it right before the all-gather, one
+unit ahead. The buffer dies after the all-gather, so at most the current and the prefetched unit hold one, as in eager
+ZeRO-3 and ZeRO-Infinity (at data-parallel size 1 the buffer is the gathered unit itself). :class:`SwappedShards`
+counts the live buffers (``most_live``) for tests.
 """
 
 from __future__ import annotations

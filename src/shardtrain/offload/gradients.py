@@ -2,26 +2,20 @@
 ZeRO-Infinity for gradients).
 
 [Note: gradient offload]
-At stages 2-3 the reducer keeps, per bucket, this rank's fp32 gradient shard for the whole step: as much memory
-as the rank's fp32 parameters. With the optimizer state in files (``device: nvme``) the shards go to files too,
-as DeepSpeed's ZeRO-Infinity swaps gradient partitions out: when a bucket's reduce-scatter completes, the reducer
-hands its result to :meth:`GradOffload.fold`, which writes it to ``bucket<i>.grad.bin`` on an I/O thread of the
-swap files (one write in flight: the next bucket's reduction overlaps it); the reducer keeps no in-memory shard for
-such a bucket (it is handed this object at construction, see :class:`~shardtrain.zero.reducer.GradientFiles`). A later
-micro-step of the same step reads the file, adds (the in-memory ``add_``) and writes it back. At the last
-micro-step each fragment's norm is taken from the result while it is in memory. The step is the in-memory step
-([Note: the one step] in :mod:`shardtrain.zero.optimizer`), with these gradients *deferred*: their norms are the
-per-fragment norms taken here (under a loss scale the unscaled norms need the unscaled gradients: each bucket's
-file is read once more for them, one bucket at a time), this rank's I/O failure rides on the norm's all-reduce (so
-every rank raises), and each sub-group's gradients are read into its swap buffer with its optimizer state,
-unscaled and clipped there (the same multiplications) and stepped. So the numbers are bitwise those of in-memory
-gradients, and a rank holds one bucket's reduced gradient on its way to the file and ``buffer_count`` sub-groups of
-gradients with their state.
-Where it is not built the gradients stay in memory: on CUDA (the shards are on the GPU), with tensor parallelism
-or hybrid sharding (their norm and replica all-reduce read the shards), and buckets whose reduction graph mode
-took over. Whether it is built is decided before the reducer exists
+At stages 2-3 the reducer keeps this rank's fp32 gradient shard per bucket for the whole step, as much memory as the
+fp32 parameters. With the optimizer state on ``nvme`` the shards go to files too, as ZeRO-Infinity swaps gradient
+partitions: a completed reduce-scatter is handed to :meth:`GradOffload.fold`, which writes ``bucket<i>.grad.bin`` on
+an I/O thread (one write in flight, overlapped by the next reduction); the reducer keeps no in-memory shard for the
+bucket (:class:`~shardtrain.zero.reducer.GradientFiles`). Later micro-steps read, ``add_`` and write back. Fragment
+norms are taken at the last micro-step while the result is in memory (under a loss scale each file is read once more,
+one bucket at a time, for the unscaled norms). The step is the in-memory one ([Note: the one step] in
+:mod:`shardtrain.zero.optimizer`) with these gradients *deferred*: this rank's I/O failure rides on the norm's
+all-reduce (so every rank raises), and each sub-group's gradients are read into its swap buffer with its state and
+unscaled and clipped there by the same multiplications, so the numbers are bitwise the in-memory ones. A rank holds
+one bucket's reduced gradient on its way out plus ``buffer_count`` sub-groups of gradients with their state. Not
+built (gradients stay in memory) on CUDA, with tensor parallelism or hybrid sharding (their norm and replica
+all-reduce read the shards), or for buckets graph mode reduced; decided before the reducer exists
 (:func:`~shardtrain.offload.optimizer_state.build_gradient_sinks`).
-
 """
 
 from __future__ import annotations

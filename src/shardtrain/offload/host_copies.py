@@ -2,42 +2,25 @@
 (``offload_optimizer.device: cpu`` or ``nvme`` on CUDA), overlapped with the GPU.
 
 [Note: overlapped offload]
-With the optimizer step on the host, a GPU run has three copies per step: the reduced gradient shards to the host,
-the update on the CPU, the updated parameters back. Done one after another, the GPU idles through all of it. Here:
+With the step on the host, gradients down, CPU update and parameters back would idle the GPU if run in series; here
+they overlap (details and timings: docs/offload.md, "Overlapped copies on CUDA"):
 
-* **Gradients, bucket by bucket, during backward.** At the accumulation boundary, when the reducer has folded a
-  bucket's reduction into its gradient shard, an event is recorded on the compute stream; a side stream (``d2h``)
-  waits for it and copies the span of the shard that host-stepped fragments cover into a pinned host buffer,
-  non-blocking, and records the bucket's event. The next bucket's reduction and the rest of backward run meanwhile.
-  At the end of backward the compute stream waits for the side stream (on the device, the host does not wait), so
-  nothing after backward (the unscale and clip of the step, ``zero_grad``, the next micro-step's accumulation)
-  writes a shard still being copied. The copies are of the raw reduced shard: the step's unscale and clip
-  multiplications are applied to the host copies, in the same order (the GPU applies them to its own shards for the
-  norm), so the gradients stepped are those of the in-memory path.
-* **The host step, one sub-group at a time.** Sub-group k waits (on the host) for the events of the buckets its
-  members are in, and only those: while it steps, the copies of later buckets still run. A bucket not copied in
-  backward (no boundary backward since the last step, graph mode's own reductions, hybrid sharding's replica
-  all-reduce that ends backward) is copied at the step, from the step's own (unscaled, clipped) gradients, all such
-  copies issued before the first sub-group steps and each sub-group waiting for its own.
-* **Parameters back, per sub-group.** After sub-group k steps, its updated fp32 masters are copied to the GPU
-  non-blocking on a second side stream (``h2d``), straight from their pinned blocks, and rounded to the compute
-  dtype there (a bf16 fragment gets the rounding ``copy_`` does on the CPU; on the 1.3B GPT of
-  docs/benchmarks-gpu.md that rounding took 170 ms of the CPU per step); the stream's event is kept per sub-group.
-  Masters that are not page-locked (``pin_memory`` false) or live in swap buffers (``nvme``) go through a pinned
-  buffer in the compute dtype instead, rounded on the CPU. A master or buffer is rewritten (by the next step of its
-  sub-group, or the next refresh) only after the host waited for that event, which in a steady run completed long
-  before. At the end of the step the compute stream waits for both side streams, before
-  the all-gathers of the updated chunks are launched.
+* **Gradients, during backward**: once the reducer folded a bucket at the accumulation boundary, side stream ``d2h``
+  copies the shard's host-stepped span into a pinned buffer, after a compute-stream event, and records the bucket's
+  event. At the end of backward the compute stream waits for ``d2h`` on the device, so nothing after it (unscale,
+  clip, ``zero_grad``, next accumulation) writes a shard being copied. The copies are raw: the step's unscale and clip
+  multiply the host copies in the same order, so the numbers are the in-memory path's.
+* **The host step, per sub-group**: sub-group k waits on the host for its own buckets' events only. Buckets backward
+  did not copy (no boundary backward, graph mode's reductions, hybrid sharding) are copied at the step from its
+  unscaled, clipped gradients, all issued before the first sub-group steps.
+* **Parameters back, per sub-group**: its fp32 masters go to the GPU on side stream ``h2d`` from their pinned blocks,
+  rounded to the compute dtype there (masters not page-locked, or in ``nvme`` swap buffers, go through a pinned
+  compute-dtype buffer, rounded on the CPU). A master or buffer is rewritten only after the host waited for its
+  sub-group's event; at the end of the step the compute stream waits for both side streams before the all-gathers.
 
-No step calls ``synchronize`` on a stream or the device: the host waits for a sub-group's copy events and, once per
-step, for the clip coefficient (a scalar the CPU multiplies by). The side streams and events live behind
-:class:`CopyStreams`, so the ordering is tested on the CPU with a fake that runs each queued copy only when its event
-is waited for (``tests/offload/test_host_copies.py``).
-
-Host memory: every buffer is a view into a few large flat blocks, allocated once at ``initialize``. CUDA's caching
-host allocator (``pin_memory=True``) rounds each allocation up to a power of two and never gives it back: a block
-just over 2**k bytes costs 2**(k+1). The blocks here are ordinary host allocations of their exact size, page-locked
-with ``cudaHostRegister`` (and unregistered before they are freed), so pinned memory is the state itself.
+No ``synchronize``: the host waits only for copy events and, once a step, the clip coefficient (the ordering is
+tested on the CPU through a fake :class:`CopyStreams`). Host buffers view flat blocks allocated once, of exact size,
+page-locked with ``cudaHostRegister``: CUDA's caching host allocator would round each up to a power of two and keep it.
 """
 
 from __future__ import annotations

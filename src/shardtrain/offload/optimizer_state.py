@@ -2,43 +2,35 @@
 and ZeRO-Infinity for the optimizer).
 
 [Note: sub-group stepping]
-A rank's stepped tensors (its fp32 fragments, or their masters under mixed precision; see [Note: optimizer
-fragments]) are cut, in the order the optimizer wrapper lists them, into *sub-groups* of about
-``sub_group_size`` elements; a fragment is never split, so one larger than that is a sub-group of its own.
-The user's optimizer steps one sub-group at a time: only that sub-group's tensors carry a ``.grad`` when
-``optimizer.step()`` is called, and torch's optimizers skip a tensor without one. The update of an element
-depends on that element's gradient and state alone (see [Note: element-wise optimizers]) and torch's CPU
-optimizers loop over tensors, so the values are bitwise those of one call over every tensor. Per-tensor
-scalar state (``step``) stays in ``optimizer.state``; element-wise state (``exp_avg``, ``exp_avg_sq``,
-``momentum_buffer``, ...) of an offloaded sub-group is in ``optimizer.state`` only while that sub-group is
-stepped. ``ratio`` < 1 offloads the first sub-groups holding that fraction of the elements; the others keep
-their state resident, as without offload. Step hooks registered on the optimizer run once per sub-group.
+A rank's stepped tensors (fp32 fragments, or their masters under mixed precision; [Note: optimizer fragments]) are
+cut, in the wrapper's order, into *sub-groups* of about ``sub_group_size`` elements (a fragment is never split). The
+user's optimizer steps one sub-group at a time: only its tensors carry a ``.grad`` at ``optimizer.step()``, and torch
+optimizers skip tensors without one. Updates are element-wise ([Note: element-wise optimizers]) and torch's CPU
+optimizers loop over tensors, so the values are bitwise those of one call. Per-tensor scalar state (``step``) stays
+in ``optimizer.state``; an offloaded sub-group's element-wise state (``exp_avg``, ...) is there only while it is
+stepped. ``ratio`` < 1 offloads the first sub-groups holding that fraction of the elements; the rest stay resident.
+Step hooks registered on the optimizer run once per sub-group.
 
 [Note: swap pipeline]
-With ``device: nvme`` each (stepped tensor, state key) has one file in the rank's scratch directory, opened
-only while it is read or written (see [Note: bounded descriptors] in :mod:`shardtrain.offload.swap`). A pool
-of ``buffer_count`` byte buffers holds sub-groups in memory: while sub-group i is stepped, reads of the
-next sub-groups (as many as free buffers allow) and the write-back of the previous ones run on a small
-thread pool (``os.preadv`` / ``os.pwritev`` release the GIL). A buffer is reused only after its write has
-finished, so the element-wise optimizer state in memory never exceeds ``buffer_count`` sub-groups. A buffer
-fits the sub-group it holds: it is reused for one that needs at most ``FRAME_SLACK`` less, else replaced by one
-of the exact size (buffers that only grew each became as large as the largest sub-group: with sub-groups of
-very different sizes, ``buffer_count`` times the largest instead of the sub-groups in flight). The pool is last
-in, first out, so with fewer sub-groups than buffers only as many buffers as sub-groups are ever allocated. The
-exception is a tensor's first step: the optimizer creates its state itself (zeros, in its own memory), which
-is written from there and dropped; on that step one more sub-group can be in memory. Every rank agrees on
-the outcome of the step (one small object all-gather) so that a full disk on one rank raises on all ranks,
-naming the rank and the file, instead of the others waiting for a collective that never comes.
+With ``device: nvme`` each (stepped tensor, state key) has one file in the rank's scratch directory, open only while
+read or written ([Note: bounded descriptors] in :mod:`shardtrain.offload.swap`). A pool of ``buffer_count`` byte
+buffers holds sub-groups: while sub-group i steps, reads of the next (as many as free buffers allow) and write-backs
+of the previous run on a small thread pool (``os.preadv``/``os.pwritev`` release the GIL). A buffer is reused only
+after its write finished, so in-memory element-wise state never exceeds ``buffer_count`` sub-groups, except on a
+tensor's first step, when the optimizer creates its state itself (one more sub-group). A buffer is reused for a
+sub-group needing at most ``FRAME_SLACK`` less, else replaced at the exact size: buffers that only grew would each
+reach the largest sub-group's size. The pool is last in, first out, so with fewer sub-groups than buffers no more
+buffers than sub-groups are allocated. Every rank agrees on the step's outcome (one small object all-gather), so a
+full disk on one rank raises on all, naming rank and file, instead of the others waiting for a collective.
 
 [Note: offloaded masters]
-Under mixed precision the optimizer steps separate fp32 masters; with ``nvme`` they go to the files too (key
-``master``), so a rank keeps neither its 4 bytes of master nor its 8 of Adam moments per element. The master
-stays the same tensor object (``optimizer.state`` and the param groups are keyed on it); between steps its
-storage is an empty one (``Tensor.set_``), during its sub-group's step a view of the buffer, and right after
-that step it refreshes the compute-dtype fragment. What reads or writes a master between steps (loading
-full weights, ``engine.gathered(modifier_rank=...)``, checkpoints) gets its file mapped shared
-(:meth:`OptimizerOffload.master_view`): pages are read and written where they are, never the whole state.
-In fp32 training the stepped tensor is the parameter's own fragment, which is not optimizer state and stays.
+Under mixed precision, with ``nvme`` the fp32 masters go to the files too (key ``master``), so a rank keeps neither
+the 4 bytes of master nor the 8 of Adam moments per element. A master stays the same tensor object
+(``optimizer.state`` and the param groups are keyed on it): between steps its storage is empty (``Tensor.set_``),
+during its sub-group's step a view of the buffer, after which it refreshes the compute-dtype fragment. Readers and
+writers between steps (loading full weights, ``engine.gathered(modifier_rank=...)``, checkpoints) get its file mapped
+shared (:meth:`OptimizerOffload.master_view`): pages are read and written in place, never the whole state. In fp32
+training the stepped tensor is the parameter's own fragment, which is not optimizer state and stays.
 
 Swap directories, files, the page-cache policy and :class:`OffloadError` are in :mod:`shardtrain.offload.swap`.
 """

@@ -2,27 +2,19 @@
 (DeepSpeed's ZeRO-Infinity for parameters).
 
 [Note: parameter offload]
-At stage 3 with ``offload_param: {device: nvme}`` each unit bucket's shard (this rank's chunk of the unit's
-flat parameters, in the compute dtype) becomes a tensor over a shared memory mapping of its own file,
-preallocated with ``posix_fallocate`` (a full disk fails at ``initialize``, never later as a SIGBUS). Every
-reader and writer of ``bucket.shard`` (the all-gather, the optimizer's fragments, weight loading,
-checkpoints) works unchanged on it: pages are read when touched and written back by the kernel. The gathers
-do not touch the mapping: the gather service (it holds this object as its shard source, [Note: one gather service]
-in :mod:`shardtrain.zero.gather`) calls ``will_need`` just before a unit's all-gather is issued (prefetches
-included), which reads each of the unit's shards from its file with one positional read into a new buffer and
-points ``bucket.shard`` at it, so the all-gather sends from it; ``done_with``, once the all-gather has completed,
-points ``bucket.shard`` back at the mapping and frees the buffer. The file and the mapping are
-one page cache, so the read sees every change made through the mapping. (Touching the mapping instead read the
-shard by page faults, a few pages per fault: ~55 MB/s on the 2.48B-parameter benchmark against 1774 MB/s for
-one read of the same bytes.) At most ``buffer_count`` units hold a read buffer at once; a unit gathered past
-that (a deep prefetch) is read through its mapping as before (``MADV_WILLNEED``, then page faults). The optimizer
-step updates the shards in place through the mapping; the pages leave the process one sub-group at a time:
-when a sub-group has been stepped, the pages of its tensors that lie in a mapped shard (fp32 fragments, or the
-compute-dtype fragments its masters refreshed) are dropped at once (:func:`release_mapped`, ``MADV_DONTNEED``:
-a changed page stays in the page cache until written back, nothing is lost), so a step holds one sub-group's
-pages of the shards, not every page it has touched (which, in fp32 training, would be the rank's whole shard: as
-much memory as the parameters the offload was meant to keep out). Units stay in ordinary memory, in unit order,
-while they fit in ``max_in_cpu`` elements.
+At stage 3 with ``offload_param: {device: nvme}`` each unit bucket's shard (compute dtype) becomes a tensor over a
+shared mapping of its own file, preallocated with ``posix_fallocate`` (a full disk fails at ``initialize``, never
+later as a SIGBUS), so every reader and writer of ``bucket.shard`` works on it unchanged. Gathers do not touch the
+mapping, whose page faults are far slower than one read (docs/offload.md, "Parameter offload"): the gather service
+([Note: one gather service] in :mod:`shardtrain.zero.gather`) calls ``will_need`` before a unit's all-gather
+(prefetches too), which reads each shard with one positional read into a new buffer and points ``bucket.shard`` at
+it; ``done_with``, after the all-gather, points it back at the mapping and frees the buffer. File and mapping share
+one page cache, so the read sees every change made through the mapping. At most ``buffer_count`` units hold a read
+buffer; a unit gathered past that (a deep prefetch) is read through its mapping (``MADV_WILLNEED``, page faults). The
+optimizer step updates shards in place through the mapping, and as each sub-group is stepped the pages of its tensors
+in a mapped shard are dropped (:func:`release_mapped`, ``MADV_DONTNEED``; changed pages stay in the page cache), so a
+step holds one sub-group's pages, not every page it touched (in fp32 the whole shard: what the offload keeps out).
+Units stay in ordinary memory, in unit order, while they fit in ``max_in_cpu`` elements.
 
 Swap directories, files, the page-cache policy and :class:`OffloadError` are in :mod:`shardtrain.offload.swap`.
 """

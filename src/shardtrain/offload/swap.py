@@ -2,39 +2,33 @@
 per offloaded tensor, read and written with positional I/O; every error names the rank and the path.
 
 [Note: page cache]
-A write through the page cache only moves the state from this process's memory to the kernel's: a rank
-whose state does not fit in memory would then fill the page cache with dirty pages, and a benchmark would
-measure memory, not the disk. DeepSpeed reads and writes with O_DIRECT. Here a swap file of at least
-``DROP_BYTES`` is synced (``fdatasync``, on the I/O thread, overlapped with the step) and dropped from the
-cache (``posix_fadvise(DONTNEED)``) after each write, and dropped after each read; so the state really
-leaves memory and a full disk surfaces at the step that wrote it (ENOSPC at write-back is reported by the
-sync). Smaller files (biases, norms) stay cached: their bytes do not matter and a sync each would.
+A write through the page cache only moves the state into the kernel's memory: a rank whose state does not fit would
+fill the cache with dirty pages, and a benchmark would measure memory, not the disk (DeepSpeed uses O_DIRECT). So a
+swap file of at least ``DROP_BYTES`` is synced (``fdatasync``, on the I/O thread, overlapped with the step) and
+dropped from the cache (``posix_fadvise(DONTNEED)``) after each write, and dropped after each read: the state really
+leaves memory, and a full disk surfaces at the step that wrote it (the sync reports ENOSPC at write-back). Smaller
+files (biases, norms) stay cached: a sync each would cost more than their bytes.
 
 [Note: scratch directories]
 Swap files are scratch, never state: each run makes ``<nvme_path>/shardtrain-swap-<host>-<pid>-rank<r>-*``
-(``tempfile.mkdtemp``, so never an existing directory), takes an exclusive ``flock`` on its ``lock`` file and
-holds it for the directory's life, then writes ``owner.json`` (:func:`shardtrain.distributed.failure.process_record`).
-The directory is removed by ``Engine.close()``, when its :class:`ScratchDir` is garbage-collected, and at
-interpreter exit. The lock, not a guess from the record, tells a live run from a killed one: the kernel drops a
-process's locks when it ends, however it ends, and a lock is seen across pid namespaces (two containers sharing
-a host name and a disk see each other's pids as missing; that guess deleted a live run's files). When a new run
-prepares its own directory it removes the others that (a) have a lock nobody holds and (b) were made on this
-host by name (locks on a network file system may be local to each client, so another host's directory is
-left alone) and (c) already have their ``owner.json`` (written after the lock is taken, so a directory made a
-moment ago and not locked yet is never taken for a dead one). Without a usable lock (a file system without
-``flock``, or a directory older than the lock) the record decides, through the same liveness check as the
-collective failure survey: only a process of this machine (host, boot and pid namespace) that is gone, or whose
-pid was reused, counts as dead; a directory with neither lock nor record is removed once it is
-``GRACE_S`` old. Checkpoints copy the state out (``OptimizerOffload.state_of`` maps the files; pages are read
-as the writer goes) and loading writes it into fresh files.
+(``tempfile.mkdtemp``: never an existing directory), takes an exclusive ``flock`` on its ``lock`` file for the
+directory's life, then writes ``owner.json`` (:func:`shardtrain.distributed.failure.process_record`). It is removed by
+``Engine.close()``, when its :class:`ScratchDir` is collected, and at interpreter exit. A new run removes other
+directories that (a) have a lock nobody holds, (b) were made on this host by name (network file systems may keep
+locks per client) and (c) have their ``owner.json`` (written after locking, so a directory not locked yet is never
+taken for dead). The lock, not the record, decides: the kernel drops a process's locks however it ends, and locks are
+seen across pid namespaces, where pids are not (guessing from pids deleted a live run's files). Without a usable lock
+(no ``flock``, or a directory older than the lock) the record decides through the failure survey's liveness check
+(only a process of this machine that is gone, or whose pid was reused, is dead); a directory with neither is removed
+once ``GRACE_S`` old. Checkpoints copy the state out (``OptimizerOffload.state_of`` maps the files) and loading
+writes it into fresh files. More in docs/offload.md, "Swap files are scratch".
 
 [Note: bounded descriptors]
-A rank has one swap file per (stepped tensor, state key): a bf16 Llama-70B has ~723 parameters x 3 keys. The
-files are opened for each read or write and closed after it, so a rank holds at most one descriptor per thread
-that touches them, whatever the model: the two I/O threads, and the training thread, which writes offloaded
-gradients and the state the optimizer makes at its first step. Never one per file (which ran into the usual limit
-of 1024 descriptors). An empty fragment (a rank that owns no element of a tensor) has no file at all. An ``open``
-costs microseconds against the read or write of a tensor's state.
+A rank has one swap file per (stepped tensor, state key): thousands for a large model (counts in docs/offload.md,
+"Swap files are scratch"), past the usual descriptor limit if each stayed open. So each file is opened for a read or
+write and closed after it: a rank holds at most one descriptor per thread touching them (the two I/O threads, and
+the training thread, which writes offloaded gradients and the optimizer's first-step state). An empty fragment has
+no file. An ``open`` costs microseconds against a tensor state's I/O.
 """
 
 from __future__ import annotations

@@ -1,21 +1,16 @@
-"""Mixed precision: which dtype computes, which reduces, which the optimizer sees; and the loss scaler.
+"""Mixed precision at run time: which parameter dtypes a precision policy trains (the policy itself is plain data in
+:mod:`shardtrain.plan.policies`; fp16's loss scaler is :mod:`.loss_scaler`).
 
 [Note: mixed precision]
-With ``bf16`` or ``fp16`` enabled, the module's parameters (flat buffers, see [Note: bucket layout]),
-frozen parameters and floating buffers are cast to the compute dtype after the layout is built. Each rank
-keeps fp32 *master* copies of its fragments, made from the original fp32 values before the cast; the
-optimizer (and its state) sees only the masters. After each step the compute-dtype fragments are refreshed
-from the masters, then gathered as usual.
-
-Gradients are produced in the compute dtype and accumulated in fp32: each is added into the fp32 gradient
-buffer of its bucket (stages 0-1, full size) or staged and reduce-scattered into an fp32 shard (stages
-2-3), then freed. That is what shardtrain keeps for gradient accumulation: 2 bytes per parameter more than
-compute-dtype gradient buffers (stage 1: 2 + 4 + 12/N bytes per parameter, stage 2: 2 + 16/N, stage 3:
-18/N, instead of the 4 + 12/N, 2 + 14/N and 16/N of the ZeRO paper's accounting), in exchange for exact
-accumulation over micro-steps and fp32 gradients ready for the masters without another copy.
-Reductions across ranks run in ``communication_data_type`` (default fp32: the average of N ranks'
-gradients is formed in fp32, at twice the bytes of a bf16 reduction; ``"bf16"``/``"fp16"`` halves the
-bytes and sums in low precision).
+With ``bf16`` or ``fp16``, parameters (flat buffers, [Note: bucket layout]), frozen parameters and floating buffers
+are cast to the compute dtype after the layout is built. Each rank keeps fp32 *master* copies of its fragments, made
+from the fp32 values before the cast; the optimizer and its state see only the masters, and after each step the
+compute-dtype fragments are refreshed from them, then gathered as usual. Gradients come in the compute dtype and are
+accumulated in fp32 (added into the bucket's fp32 buffer at stages 0-1, or staged and reduce-scattered into an fp32
+shard at stages 2-3): exact accumulation over micro-steps and fp32 gradients ready for the masters, for 2 bytes per
+parameter more than compute-dtype buffers (stage 1: 2 + 4 + 12/N bytes per parameter, stage 2: 2 + 16/N, stage 3:
+18/N, against the ZeRO paper's 4 + 12/N, 2 + 14/N and 16/N). Reductions run in ``communication_data_type`` (default
+fp32, twice a bf16 reduction's bytes; ``"bf16"``/``"fp16"`` halves them and sums in low precision).
 """
 
 from __future__ import annotations

@@ -3,83 +3,48 @@ around forward and backward (the graph runtime's counterpart is :mod:`shardtrain
 implement is :mod:`shardtrain.runtime.interface`).
 
 [Note: gathering for backward]
-Backward needs a unit's parameters exactly when autograd reads a tensor it saved in forward that aliases the
-unit's storage (a weight saved by a matmul, a view of it). During every forward a ``saved_tensors_hooks``
-pair marks such saved tensors; unpacking one in backward gathers its unit first (recording the backward
-order and prefetching the next unit). This does not depend on how the gradient got there: outputs the hooks
-cannot see (a dataclass, a loss stored on a module), parameters used outside their unit and units with no
-root all work. Inside ``torch.utils.checkpoint`` regions the checkpoint's own hooks are the innermost ones,
-so a unit forward, and every operation that takes a sharded parameter, pushes ours again over them,
-chaining every call to the checkpoint's hooks (its count of saved tensors stays the same). A forward re-run
-by the checkpoint in backward (with or without module hooks: Hugging Face checkpoints ``forward`` itself)
-gathers its unit as a backward need. One case stays unseen: inside a checkpoint region, a tensor derived
-from a parameter by a view (``w.t()``) and saved by a later operation; it is released with its unit once
-the parameter's gradient is in, which is after every use for a trainable parameter. A unit is released in backward
-once every trainable parameter of it has its gradient
-(``on_grad_ready``) and no tensor it saved is left to be unpacked (marks freed with the graph count as
-unpacked); a unit whose last saved tensor was just unpacked is released at the next event in another
-autograd node, since the node that unpacked it is still using it. What is still gathered at the end of
-backward is released then.
+Backward needs a unit's parameters exactly when autograd unpacks a tensor saved in forward that aliases the unit's
+storage (a saved weight, a view of it). A ``saved_tensors_hooks`` pair marks such tensors in every forward; unpacking
+one gathers its unit (recording the backward order, prefetching the next). Keying on saved tensors, not on module
+hooks, also covers outputs hooks cannot see (a dataclass, a loss stored on a module), parameters used outside their
+unit and units with no root. Inside ``torch.utils.checkpoint`` the checkpoint's hooks are innermost, so a unit forward
+and every operation taking a sharded parameter push ours again over them, chaining to the checkpoint's (its count of
+saved tensors is unchanged); a forward the checkpoint re-runs in backward gathers its unit as a backward need. Unseen:
+inside a checkpoint region, a view of a parameter (``w.t()``) saved by a later operation; it is released with its
+unit once the parameter's gradient is in, which is after every use for a trainable parameter.
+Release in backward: once every trainable parameter of the unit has its gradient (``on_grad_ready``) and none of its
+saved tensors is left to unpack (marks freed with the graph count as unpacked). A unit whose last saved tensor was
+just unpacked is released at the next event in another autograd node, since the unpacking node still uses it. What
+is still gathered at the end of backward is released then.
 
 [Note: kept after forward]
-A forward that records gradients leaves two things gathered for the backward that follows, as FSDP2 does for its
-root: the root unit (its head is the first thing backward needs, its embeddings the last) and the last unit of the
-recorded forward order (the first block backward needs). Releasing and re-gathering them would move their bytes
-once more for nothing: on the 10.6M-parameter GPT-2 of docs/benchmarks.md the root holds 40% of the parameters.
-Their backward gathers are then no-ops; they are released with the others, when their gradients are in. A
-forward that no backward follows (evaluation with gradients on) leaves them gathered until the next forward,
-which releases them first, since a step or ``engine.gathered(modifier_rank=...)`` may have changed the shards.
-Memory: at most the root and the last unit stay whole between forward and backward, never more than the root,
-the current and the prefetched unit that forward itself holds. From the second step on a step moves
+A forward that records gradients leaves gathered, as FSDP2 does, the root unit (its head is backward's first need,
+its embeddings the last) and the last unit of the forward order (backward's first block): re-gathering them would
+move their bytes again for nothing (their share of the parameters: docs/benchmarks.md, "Figures from the design
+notes"). Their backward gathers are no-ops; they are released with the others once their gradients are in. A forward
+no backward follows (evaluation with gradients on) leaves them gathered until the next forward, which releases them
+first, since a step or ``engine.gathered(modifier_rank=...)`` may have changed the shards. Memory: never more whole
+than forward itself holds (root, current and prefetched unit). From the second step on a step moves
 ``3P - (root + last unit)`` parameter bytes times ``(N-1)/N``.
 
 [Note: unit order check]
-Before each all-gather the ranks exchange the id of the unit they are about to gather (one 8-byte
-all-gather, on by default: ``zero_optimization.stage3_gather_check``) and compare the ids before the data
-collective is issued, so ranks that took different paths fail with the unit each rank was gathering instead
-of mixing up buffers, hanging, or aborting inside the backend (gloo aborts on all-gathers of different
-sizes). It must complete first: a check that only looked back (compared the ids once per step, or after the
-gather was issued) would come after the mismatched gathers it is meant to prevent, which is exactly when gloo
-aborts and NCCL hangs or mixes buffers. So no gather is issued before the other ranks have announced the same
-unit (for prefetches, one unit ahead: below); its cost is measured in docs/benchmarks.md. The ids are CPU
-tensors exchanged over the data-parallel axis's host-side group (``Topology.host_dp_group``, gloo; see [Note: the
-engine's groups] in :mod:`shardtrain.distributed.mesh`), so on CUDA the check waits for the other ranks' hosts only,
-never for the kernels queued on the device: reading an NCCL result back would wait for every queued gather and
-reduce-scatter, and a prefetch issued behind it would no longer overlap anything. The host keeps running ahead of the
-device as without the check. Turn it off with ``stage3_gather_check: false`` once a model is known to run the same path
-on every rank.
-
-A gather that waits for the other ranks' ids at the moment it is needed makes every gather a rendezvous: on the
-10.6M GPT-2 of docs/benchmarks.md the check cost eager ZeRO-3 7% of its step on a quiet machine (1.087x DDP with
-it, 1.013x without), all of it waiting, none of it work. So the exchange for a prefetch is issued one unit ahead:
-when a prefetch's gather is issued, the id of the unit the next prefetch will gather (the next distinct unit of
-the recorded order, if sharded and within the prefetch budget) is exchanged at once, asynchronously, and waited
-for when that gather is issued, a unit's compute later, by which time the other ranks have issued theirs. The ids
-are still compared before the data collective is issued. Such an exchange is a commitment every rank on the same
-path made: a rank whose next gather is another unit first verifies the committed exchange, issues the committed
-gather, waits for it and releases the unit (so no more units are whole than with a prefetch; a departure from the
-recorded order costs one unit's gather), and then checks its own unit, so its collectives pair with those of a
-rank that gathers the committed unit; unit ids of different gathers are never compared with each other.
-Only the gathers a pass starts from (the root's, the first prefetch of forward and of backward) and gathers on
-demand (order departures, parameters used outside their unit, ``engine.gathered``) wait for the exchange at once.
-
-Once the order is known, the exchanges stop (issue 33: under NCCL eager ZeRO-3 is host-bound, and a gather that waits
-for another rank's host is a gap on the device; DeepSpeed and FSDP2 have no per-gather check). A pass (a forward with
-gradients, one without, a backward) that the engine started after its phase check ([Note: phase agreement] in
-:mod:`shardtrain.distributed.desync`), and whose kind's last two passes gathered the same units in the same order, is
-*trusted*: it issues its gathers without an exchange as long as each is the one at the same position of that order
-(:class:`~shardtrain.zero.gather.UnitGathers` compares, on the host, per gather). Every rank is in the same pass (the
-phase check), and every rank holds the same order (each gather of the passes that made it was checked, or trusted),
-so ranks that follow it issue the same collectives. A rank whose next gather is not the order's, or whose pass ends
-short of it, has departed; before it issues anything, it settles with the others through the rendezvous store whether
-they departed alike (the pass goes on checked gather by gather) or not (every rank raises, naming the units), while
-the ranks still on the order wait in the order's gather and learn of it from their wait probe: [Note: departures
-from a trusted order] in :mod:`shardtrain.zero.departure`. So a desync is still named before any gather mixes
-buffers or aborts in gloo, and a steady step has no host rendezvous per gather: the check's exchanges are paid on the
-first two steps and after a change of order. Passes the engine did not start (a direct call of the module,
-generation) and gathers outside a pass (``engine.gathered``, ``full_state_dict``) are checked as above.
-``tests/zero/test_zero3_gather_check.py`` counts the exchanges per step and fails a rank departing from a trusted
-order at worlds 2 and 3; ``bench_zero.py --counts`` measures it (docs/benchmarks.md).
+Before an all-gather the ranks exchange the id of the unit they will gather (8 bytes; ``stage3_gather_check``, on by
+default) and compare them *before* issuing the data collective: ranks on different paths then fail naming each rank's
+unit instead of mixing buffers, hanging (NCCL) or aborting (gloo). A check that looked back would come too late. The
+ids go over the host-side data-parallel group (``Topology.host_dp_group``, gloo; [Note: the engine's groups] in
+:mod:`shardtrain.distributed.mesh`), so the check never waits for queued kernels, as an NCCL read-back would.
+Waiting at each gather would make it a rendezvous (cost: docs/benchmarks.md, "Figures from the design notes"), so the
+exchange for the next prefetch's unit is issued asynchronously with the gather before it, and waited for when its own
+gather is issued. It commits every rank on the path: a rank whose next gather is another unit first verifies, issues,
+waits for and releases the committed one, then checks its own, so collectives still pair. Gathers that start a pass
+and gathers on demand (departures, parameters used outside their unit, ``engine.gathered``) wait for theirs at once.
+Once the order is known the exchanges stop (eager ZeRO-3 is host-bound under NCCL, issue 33): a pass the engine
+started after its phase check ([Note: phase agreement] in :mod:`shardtrain.distributed.desync`), whose kind's last
+two passes gathered the same units in the same order, is *trusted* and gathers without exchanges while each gather is
+the order's at that position (:class:`~shardtrain.zero.gather.UnitGathers` compares on the host); every rank is in
+the same pass and holds the same order. A rank that departs settles with the others before issuing anything
+([Note: departures from a trusted order] in :mod:`shardtrain.zero.departure`). Passes the engine did not start and
+gathers outside a pass (``engine.gathered``, ``full_state_dict``) stay checked.
 """
 
 from __future__ import annotations

@@ -1,27 +1,20 @@
 """What the engine does around a step, as one interface with an eager and a graph implementation.
 
 [Note: one runtime, two implementations]
-Around every step the engine asks the same five things, whatever the mode and the ZeRO stage:
-
-* ``prepare(args, kwargs)``: what every rank must agree on before this forward (graph mode at stage 3: the input
-  schema, since the gathers are collectives inside the captured graph);
-* ``forward(call)``: run the module (at stage 3 with every unit gathered when it is used);
-* ``begin_backward()`` / ``end_backward()``: around ``loss.backward()`` (stage 3: gather units again as backward
-  needs them, release them once their gradients are in); ``backward_returned()`` between ``loss.backward()``
-  returning and the gradient reducer launching what is left;
-* ``gathered(params)``: full parameters outside a forward (``engine.gathered``, ``full_state_dict``);
-* ``release()``: release what a forward that no backward followed left gathered;
-* ``close()``: remove what was installed on the module.
-
-:class:`~shardtrain.runtime.eager.EagerRuntime` runs the module op by op, with module hooks around each unit
-([Note: unit lifecycle]); :class:`~shardtrain.graph.runtime.GraphRuntime` runs it through captured graphs in which
-the gathers and reduce-scatters are graph operations ([Note: ZeRO-3 as graph operations]). ``initialize`` picks one
-(``graph.enabled``) and the engine never asks which. The graph runtime keeps the eager one inside it for what a graph
-cannot hold: a direct call of the module (``engine.module(x)``, generation, a metric computed outside
-``engine(...)``) runs through the eager unit hooks, which are inert while a graph is traced, and
-``gathered(params)`` is the same code in both modes. So a feature that works in eager mode works in graph mode, or
-``initialize`` refuses the combination with its reason (``refuse_unbuilt`` in :mod:`shardtrain.engine.parallelize`).
-``tests/engine/test_runtime_modes.py`` runs one battery in both modes and compares the results.
+Around every step the engine asks the same things, whatever the mode and ZeRO stage: ``prepare(args, kwargs)`` (what
+all ranks must agree on before this forward: in graph mode at stage 3 the input schema, since gathers are collectives
+inside the graph); ``forward(call)``; ``begin_backward()`` / ``end_backward()`` around ``loss.backward()`` (stage 3:
+gather units as backward needs them, release them once their gradients are in), and ``backward_returned()`` between
+``loss.backward()`` returning and the reducer launching what is left; ``gathered(params)`` (full parameters outside a
+forward); ``release()`` (what a forward with no backward left gathered); ``close()``.
+:class:`~shardtrain.runtime.eager.EagerRuntime` runs the module op by op with hooks around each unit ([Note: unit
+lifecycle]); :class:`~shardtrain.graph.runtime.GraphRuntime` runs captured graphs in which gathers and reduce-scatters
+are graph operations ([Note: ZeRO-3 as graph operations]). ``initialize`` picks one (``graph.enabled``); the engine
+never asks which. The graph runtime keeps the eager one inside for what a graph cannot hold: a direct call of the
+module (``engine.module(x)``, generation) runs through the eager unit hooks, inert while a graph is traced, and
+``gathered`` is the same code in both modes. So a feature works in both modes, or ``initialize`` refuses the
+combination with its reason (``refuse_unbuilt`` in :mod:`shardtrain.engine.parallelize`);
+``tests/engine/test_runtime_modes.py`` runs one battery in both modes.
 """
 
 from __future__ import annotations

@@ -1,46 +1,24 @@
 """A departure from a trusted unit order: every rank says whether it departed too, through the rendezvous store.
 
 [Note: departures from a trusted order]
-Once every rank has run the same gathers in the same order twice in a row, each under the per-gather check of
-[Note: unit order check], the next passes of that kind issue their gathers without an exchange (see the Note's last
-part). A rank whose next gather is not the one at the same position of that order (or whose pass ends before it)
-departs from what every rank was trusted to do. It cannot tell alone whether the others departed the same way (a
-model whose path changed on every rank alike: training stays correct, as under the check) or not (a desync: the
-others are issuing the order's gather, which this rank will never join). Before issuing anything it therefore:
-
-1. writes its departure to the store: the pass (a serial every rank counts alike, since every trusted pass follows the
-   engine's phase check), the position in the pass's gathers, and the unit it needs (or none: the pass ended);
-2. waits until every peer of its gathering groups has written for this pass. A peer that departed at the same
-   position wrote its own departure (step 1); a peer still on the order is blocked in a collective that this rank
-   will never join (gloo blocks the host in ``wait``; under NCCL the host runs on to the next engine call's phase
-   check, a host-side gloo exchange), and that wait runs this object's probe every
-   :data:`~shardtrain.distributed.communicator.WAIT_PROBE_S` ([Note: probes while waiting] in
-   :mod:`shardtrain.distributed.communicator`): the probe finds the departure, writes that this rank did not depart
-   there, and raises. It does so only for a departure at a point this rank has passed on the order (it issued the
-   order's gather there, or its pass ended): a wait short of that point (a tensor-parallel collective, an earlier
-   gather that a third rank holds up) says nothing yet, since this rank may depart there alike. A backward pass ends
-   when ``loss.backward()`` returns, before the gradient reducer launches the buckets left over, collectives that
-   ranks still in the order's gathers would never pair.
-3. If every rank departed at the same position for the same unit, the pass goes on checked gather by gather (the
-   exchange of [Note: unit order check]) and nothing is raised. Otherwise every rank raises a
-   :class:`~shardtrain.errors.RankMismatchError` naming each rank's unit at the earliest position where a rank
-   departed (as far as it knows: a rank on the order names the departures written when its probe looked; a
-   departing rank decides once every peer answered, or a second after the first answer that differs, naming the
-   ranks that had not answered yet). The groups' sequences of collectives are broken, so each rank's gathering
-   Communicators refuse any further collective ([Note: no collective after a failure]), and so does every other
-   Communicator of the same process groups (under gloo the phase check's group is often the data-parallel one, where
-   the order's gather of the ranks on the order stays in flight).
-
-A rank that answers waits (briefly) until the departed ranks have read the answers before it raises: it may host the
-store, and exit as soon as it has raised.
-
-No data collective of a different unit is ever issued: the departing rank decides before issuing, and the ranks on
-the order wait in a collective of the order's unit. So the guarantee of the per-gather check holds (a desync is named
-before anything is mixed or aborts), at the price of a wait probe's slice (half a second) instead of an exchange per
-gather. Limits: a rank still on the order that blocks where no probe runs (a CUDA synchronization under NCCL, the
-pairwise reduce-scatter's point-to-point waits) answers only when that wait ends; the departing rank then fails at
-the collective timeout, naming the ranks that did not answer. The records are one store key per rank and engine,
-written only on a departure.
+A trusted pass gathers without exchanges ([Note: unit order check]). A rank whose next gather is not the order's at that
+position (or whose pass ends short of it) has departed, and cannot tell alone whether the others departed alike (a path
+change on every rank: still correct) or not (a desync: they issue the order's gather, which it never joins). Before
+issuing anything it 1. writes to the store the pass (a serial every rank counts alike, since trusted passes follow the
+phase check), the position and the unit it needs (or none); 2. waits until every peer of its gathering groups has
+written for this pass. A peer still on the order is blocked in a collective this rank never joins (gloo: in ``wait``;
+NCCL: at the next phase check, a gloo exchange), whose wait runs this object's probe ([Note: probes while waiting] in
+:mod:`shardtrain.distributed.communicator`); the probe writes that it did not depart there and raises, but only for a
+point it has passed on the order (short of it, it may yet depart alike). A backward pass ends when ``loss.backward()``
+returns, before the reducer launches its leftover buckets, which ranks in the order's gathers would never pair. 3. If
+all departed at the same position for the same unit, the pass goes on checked; otherwise every rank raises
+:class:`~shardtrain.errors.RankMismatchError` naming each rank's unit at the earliest departure (a departer decides once
+all answered, or a second after the first differing answer), and every Communicator of those groups refuses further
+collectives ([Note: no collective after a failure]). An answering rank waits briefly for the departers to read the
+answers before raising (it may host the store). No data collective of a different unit is ever issued, so a desync is
+named before anything mixes or aborts. Limit: a rank on the order blocked where no probe runs (a CUDA sync under NCCL,
+the pairwise reduce-scatter's point-to-point waits) answers only when that wait ends; the departer then fails at the
+collective timeout, naming who did not answer. Records: one store key per rank and engine, written only on a departure.
 """
 
 from __future__ import annotations

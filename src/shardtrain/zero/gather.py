@@ -2,22 +2,17 @@
 :class:`UnitGathers`.
 
 [Note: one gather service]
-A unit is gathered for forward and backward by the eager runtime's hooks, on demand when a parameter is used
-outside its unit, and by ``engine.gathered(...)``, which ``full_state_dict``, ``save_16bit_model``, the DeepSpeed
-shim's ``GatheredParameters`` and the graph runtime's ``gathered`` all use. They all go through one object, built
-with the two collaborators of a gather (ZeRO++ hpZ's secondary shards, and the parameter offload's swap files, which
-must be read before the all-gather sends from them), that owns a unit's state
-(``SHARDED`` / ``GATHERING`` / ``GATHERED``), its in-flight collectives and the unit-order check ([Note: unit order
-check] in :mod:`shardtrain.runtime.eager`). Its interface is four calls: ``gather(unit, why)`` (optionally
-asynchronous, waited for by ``wait``), ``release(unit)``, ``release_all()`` and the context manager
-``gathered(units)`` (gather on entry, release on exit what was sharded before). The eager runtime decides *when*
-(hooks, prefetch, the recorded order); this object decides *how*, and is the only one that issues a unit's
-all-gather or frees its full buffer. Graph mode's gathers are operations inside the captured graph; they read the
-same units (``GraphRuntime`` builds its bucket specs from ``eager.units``), and what a graph leaves is released here.
-
-Gathers that are not a unit's stay where they are, each with its own reason: zero.Init's construction-time gathers
-(:mod:`shardtrain.construction.sharded_init`, before any unit runtime exists) and the all-gathers of updated chunks
-after an optimizer step at stages 1-2 (:mod:`shardtrain.zero.step_gather`, buckets, not units).
+Every gather of a unit goes through one :class:`UnitGathers`: the eager runtime's hooks (forward, backward, a
+parameter used outside its unit) and ``engine.gathered(...)`` (behind ``full_state_dict``, ``save_16bit_model``,
+DeepSpeed's ``GatheredParameters`` and the graph runtime's ``gathered``). It owns a unit's state (``SHARDED`` /
+``GATHERING`` / ``GATHERED``), its in-flight collectives, the unit-order check ([Note: unit order check] in
+:mod:`shardtrain.runtime.eager`) and the gather's two collaborators (hpZ's secondary shards; the offload's swap
+files, read before the all-gather sends from them), and is the only code that issues a unit's all-gather or frees its
+full buffer. Interface: ``gather(unit, why)`` (optionally asynchronous, see ``wait``), ``release(unit)``,
+``release_all()`` and ``gathered(units)`` (on exit releases only what was sharded before). The eager runtime decides
+*when*, this object *how*. Graph mode's gathers are operations in the captured graph over the same units; what a
+graph leaves gathered is released here. Not a unit's, so not here: zero.Init's construction-time gathers (no unit
+runtime exists yet) and the after-step all-gathers of stages 1-2 (:mod:`shardtrain.zero.step_gather`: buckets).
 """
 
 from __future__ import annotations

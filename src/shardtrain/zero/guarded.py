@@ -1,17 +1,14 @@
 """Guarded parameters: ZeRO-3 parameters whose data may only be read while their unit is gathered.
 
 [Note: guarded parameters]
-Trainable parameters of units become :class:`ShardedParameter` (their class is changed in place, so the
-optimizer, tied modules and hooks keep the same object). Any data access while the unit is not gathered
-(reading ``.data``, an arithmetic op, ``state_dict()``) is intercepted by ``__torch_function__``: inside a
-forward it gathers the owning unit on demand (a parameter used outside the module that owns it; such units
-stay gathered for the backward too); anywhere else it raises an error naming the parameter and the
-``engine.gathered(...)`` context to use. Metadata (shape, dtype, ``.grad``) stays readable.
-
-What the guard knows about a parameter (its name and unit) is kept in a weak map owned by this module, keyed
-by the parameter's identity; nothing is set on the parameter object. The class switch is the one change made to
-the parameter itself (it is how data access is intercepted without a global mode); :func:`unguard` reverts it
-(``zero.Init`` does, for parameters that end up whole). Every parameter of a unit is guarded, frozen ones too.
+Parameters of units (frozen ones too) become :class:`ShardedParameter`, their class changed in place so the optimizer,
+tied modules and hooks keep the same object. That switch, which intercepts data access without a global mode, is the
+only change to the parameter (:func:`unguard` reverts it; ``zero.Init`` does, for parameters that end up whole). A
+data access while the unit is not gathered (``.data``, an arithmetic op, ``state_dict()``) reaches
+``__torch_function__``: inside a forward it gathers the owning unit on demand (a parameter used outside its module;
+such units stay gathered for backward too); elsewhere it raises, naming the parameter and ``engine.gathered(...)``.
+Metadata (shape, dtype, ``.grad``) stays readable. What the guard knows (name, unit) is in a weak map keyed by the
+parameter's identity; nothing is set on the parameter.
 """
 
 from __future__ import annotations

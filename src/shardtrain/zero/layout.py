@@ -1,33 +1,25 @@
 """Flat bucket layout: which parameter lives where in which flat buffer, and what this rank owns.
 
 [Note: bucket layout]
-Trainable parameters (at stage 3 also frozen ones, in buckets of their own) are grouped by dtype and laid out,
-in reverse registration order (roughly the order gradients become ready in backward), into buckets of at most
-``reduce_bucket_size`` elements; a parameter larger than that gets a bucket of its own. A bucket is one flat
-buffer padded to a multiple of the data-parallel size ``N``; rank ``r`` owns the contiguous chunk ``[r*S,
-(r+1)*S)`` with ``S = padded/N``.
-Each module parameter's storage is redirected to its place in the flat buffer, so
-
-* one reduce-scatter of a bucket's gradients gives every rank exactly the gradients of its chunk;
-* the all-gather after the optimizer step writes straight into the parameters (no copy);
-* what rank ``r`` owns of a parameter (its *fragment*) is the intersection of the parameter's range with
-  chunk ``r``, recorded as plain offsets (:class:`Fragment`), never re-derived from padding rules.
-
-Padding elements are zero in parameters and gradients and are never handed to the optimizer.
+Trainable parameters (at stage 3 also frozen ones, in buckets of their own) are grouped by dtype and laid out in
+reverse registration order (roughly the order gradients become ready) into buckets of at most ``reduce_bucket_size``
+elements (a larger parameter gets its own). A bucket is one flat buffer padded to a multiple of the data-parallel
+size ``N``; rank ``r`` owns the chunk ``[r*S, (r+1)*S)``, ``S = padded/N``. Each parameter's storage is redirected to
+its place in the flat buffer, so one reduce-scatter gives every rank exactly its chunk's gradients, and the all-gather
+after the step writes straight into the parameters. A rank's *fragment* of a parameter is the intersection of its
+range with chunk ``r``, recorded as offsets (:class:`Fragment`), never re-derived from padding rules. Padding is zero
+in parameters and gradients and never handed to the optimizer. At stage 3 a bucket is a *unit*
+(:mod:`shardtrain.zero.units`): ``shard`` has storage of its own and the full buffer's storage is freed between uses;
+parameters stay views of the full buffer, so a re-gather refills the very storage autograd saved for backward.
 
 [Note: expert buckets]
 Under expert parallelism (``expert_parallel_size: E``, [Note: the expert axis] in :mod:`shardtrain.distributed.mesh`)
-the expert parameters, which differ between the ranks of an expert group, are laid out in buckets of their own, as
-DeepSpeed-MoE does: padded to, and sharded over, the ``dp / E`` ranks holding the same experts, reduced and
-gathered over that group; dense parameters keep buckets over the whole data-parallel axis. At stage 3 a unit's expert
-parameters are buckets of their own in that unit, gathered within the same group; persistent expert parameters get
-persistent expert buckets. An expert bucket's gradient is the average over its group divided by ``E`` (see [Note:
-tokens to their experts]). Fragments stay disjoint across every data-parallel rank, so the sum of their squares over
-the ``dp`` group counts each expert and dense gradient once.
-
-At stage 3 a bucket is a *unit* (see :mod:`shardtrain.zero.units`): ``shard`` gets storage of its own
-and the full flat buffer's storage is freed between uses; parameters stay views of the full buffer, so a
-re-gather refills the very storage autograd saved for backward.
+expert parameters, which differ between the ranks of an expert group, get buckets of their own, as in DeepSpeed-MoE:
+padded to, sharded, reduced and gathered over the ``dp / E`` ranks holding the same experts; dense parameters keep
+buckets over the whole data-parallel axis. At stage 3 a unit's expert parameters are buckets of their own in that unit
+(persistent ones in persistent expert buckets). An expert bucket's gradient is its group's average divided by ``E``
+([Note: tokens to their experts]). Fragments stay disjoint across all data-parallel ranks, so the sum of their squares
+over ``dp`` counts each expert and dense gradient once.
 """
 
 from __future__ import annotations

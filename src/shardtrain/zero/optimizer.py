@@ -11,31 +11,24 @@ therefore allocated for fragments only: sharded by construction. Every rank hold
 parameter (possibly empty) so param-group indexing is identical on all ranks.
 
 [Note: element-wise optimizers]
-Stepping 1-D fragments gives the same numbers as stepping whole tensors only if the optimizer's update of
-an element depends on that element's gradient and state alone (plus per-tensor scalars such as the step
-count). The global-norm clipping is done before, on all fragments together. Adafactor (factored moments of
-2-D tensors), Muon (orthogonalized matrices), LBFGS (a line search over all parameters) and SparseAdam
-(sparse gradients) are not element-wise. So at stages 1-3 :func:`check_optimizer` accepts the element-wise
-torch classes of :data:`ELEMENTWISE_OPTIMIZERS`, and their subclasses that do not override ``step`` (a
-subclass changing defaults keeps the base update); anything else is refused unless the config sets
-``zero_allow_untested_optimizer: true``. Stage 0 steps whole parameters: every optimizer is accepted.
-Rprop is element-wise but not listed: its sign-based step turns rounding noise in gradients that are zero
-up to rounding (attention key biases) into full steps, so its parity with one process cannot be tested.
+Stepping 1-D fragments equals stepping whole tensors only if an element's update depends on its own gradient and
+state alone (plus per-tensor scalars such as the step count); global-norm clipping is done before, on all fragments
+together. Adafactor, Muon, LBFGS and SparseAdam are not element-wise. So at stages 1-3 :func:`check_optimizer`
+accepts the torch classes of :data:`ELEMENTWISE_OPTIMIZERS` and their subclasses that do not override ``step``;
+anything else needs ``zero_allow_untested_optimizer: true``. Stage 0 steps whole parameters: any optimizer goes.
+Rprop is element-wise but not listed: its sign-based step turns rounding noise in gradients that are zero up to
+rounding (attention key biases) into full steps, so its parity with one process cannot be tested.
 
 [Note: parameters frozen after initialize]
-A parameter frozen after ``initialize`` (``requires_grad_(False)``) keeps its bucket slot and its optimizer state.
-torch.optim steps a parameter whose ``.grad`` is set, and one process sets it at every backward the parameter
-requires grad in, until ``zero_grad``. So the step updates a parameter if it required grad at some
-``engine.backward`` since the gradients were last zeroed (:meth:`GradientReducer.has_gradient`):
-* frozen in the middle of an accumulation window, it gets what its earlier micro-steps accumulated (one process,
-  FSDP2, and DeepSpeed at stages 1 and 2 do the same; DeepSpeed drops it at stage 3);
-* frozen for a whole window, it is not stepped: AdamW neither decays it nor moves it by its moments (DeepSpeed's
-  flat partitions do both);
-* unfrozen in the middle of a window, it gets the gradients of the micro-steps from then on.
-``requires_grad`` is read at each backward, and the training loop sets it alike on every rank. Which slots received
-a gradient on this rank is not used: a parameter one rank's batch did not reach would then be stepped in some ranks'
-fragments and not in others'. For the same reason a trainable parameter no forward used is stepped with a zero
-gradient, as DeepSpeed steps it.
+A parameter frozen after ``initialize`` keeps its bucket slot and optimizer state. As in one process (torch.optim
+steps what has a ``.grad``, set at every backward it required grad in, until ``zero_grad``), the step updates a
+parameter iff it required grad at some ``engine.backward`` since the last zeroing
+(:meth:`GradientReducer.has_gradient`): frozen mid-window it gets its earlier micro-steps' gradients (as in FSDP2 and
+DeepSpeed stages 1-2; DeepSpeed stage 3 drops it); frozen a whole window it is not stepped (no weight decay, no
+moment step; DeepSpeed's flat partitions do both); unfrozen mid-window it gets the micro-steps from then on.
+``requires_grad`` is read at each backward, and the loop sets it alike on every rank. Which slots received a gradient
+on this rank is not used: a parameter one rank's batch missed would be stepped in some ranks' fragments only. For the
+same reason a trainable parameter no forward used is stepped with a zero gradient, as DeepSpeed does.
 """
 
 from __future__ import annotations

@@ -1,54 +1,45 @@
 """Gradient reduction for ZeRO stages 0, 1 and 2, bucket by bucket, overlapped with backward.
 
 [Note: gradient storage per stage]
-* stage 0: each bucket has a full flat gradient buffer; ``param.grad`` is a view into it, so autograd
-  accumulates micro-steps in place. At the accumulation boundary each bucket is all-reduced (averaged).
-* stage 1: same full buffers; at the boundary each bucket is reduce-scattered and the averaged result
-  written into this rank's chunk of the buffer, which the optimizer's fragments view.
-* stages 2 and 3: no full gradient buffer survives a bucket. When a parameter's gradient is ready it is copied into its
-  bucket's staging buffer (allocated empty: each slot's first gradient overwrites it, and what no gradient wrote
-  is zeroed when the bucket is launched; aten::fill_, these memsets among others, took 1.6-2.1% of the CPU time
-  of a profiled step of the 10.6M GPT-2 of docs/benchmarks.md) and
-  ``param.grad`` is freed; a complete bucket is reduce-scattered (every
-  micro-step) and the result added into a persistent ``shard_numel`` gradient buffer. A reduction is
-  finished (waited for, folded in, staging freed) when the next bucket is launched, so once the launch order
-  matches the order gradients complete (see [Note: collective order]) at most two buckets' staging buffers
-  exist at once (``max_staging`` records the high-water mark), plus any bucket whose gradients arrive far
-  apart in time: the stage-3 root unit (the head's gradient comes first, the embeddings' last), or at stage 2
-  a size-based bucket straddling two blocks whose backward order is not the layout's. At stage 3 a bucket belongs to
-  a unit;
-  ``on_grad_ready`` tells the unit runtime each time one of its parameters has its gradient, so a unit is
-  released when its backward is over, independently of when its reduction is launched.
+* stage 0: each bucket has a full flat gradient buffer that ``param.grad`` views, so autograd accumulates micro-steps
+  in place; at the accumulation boundary each bucket is all-reduced (averaged).
+* stage 1: the same buffers; at the boundary each bucket is reduce-scattered and the average written into this
+  rank's chunk, which the optimizer's fragments view.
+* stages 2 and 3: no full gradient buffer outlives a bucket. A ready gradient is copied into its bucket's staging
+  buffer and ``param.grad`` freed; a complete bucket is reduce-scattered (every micro-step) and added into a
+  persistent ``shard_numel`` buffer. Staging is allocated empty: each slot's first gradient overwrites it, and what
+  no gradient wrote is zeroed at launch (memsets cost measurable CPU: docs/benchmarks.md, "Figures from the design
+  notes"). A reduction is finished (waited, folded in, staging freed) when the next bucket launches, so once the
+  launch order matches completion order ([Note: collective order]) at most two staging buffers exist (``max_staging``
+  records it), plus buckets whose gradients arrive far apart (stage 3's root unit: head first, embeddings last; at
+  stage 2 a size-based bucket straddling two blocks whose backward order is not the layout's). At stage 3 a bucket
+  belongs to a unit; ``on_grad_ready`` tells the unit runtime as each parameter's gradient arrives, so a unit is
+  released when its backward is over, however late its reduction launches.
 
-A parameter may receive more than one gradient in one backward (a parameter used both inside and outside a
-reentrant checkpoint): each slot is counted once towards its bucket's readiness and later gradients are
-added to the first. A gradient arriving after its bucket's collective was launched is an error, never lost.
+A parameter may get several gradients in one backward (used inside and outside a reentrant checkpoint): its slot
+counts once towards readiness and later gradients are added to the first. A gradient arriving after its bucket's
+collective was launched is an error, never lost.
 
 [Note: collective order]
-Every rank launches the buckets' collectives in the same order, ``launch_order``: a ready bucket waits for
-the buckets before it in that order, and buckets no rank used are launched at the end of backward with zero
-gradients. The order starts as bucket index order (the layout already follows reverse registration order).
-At stages 2-3, where a waiting bucket holds a staging buffer, each rank also records the order in which its
-buckets actually became ready; when it departs from ``launch_order`` on any rank (known for free: the flag
-rides on the gradient-norm all-reduce of the step, and is read on the host at the next step, see [Note: reading
-device values a step later] in :mod:`shardtrain.host_read`), the ranks exchange their observed orders once and
-adopt them if all agree. A model whose gradients complete in another order than its layout (blocks run in
-reverse, parameters used in an unusual order) therefore waits only until the step after next; ranks that take
-different paths keep the previous order, which is always safe. With hybrid sharding the flag and the exchange
-span every data-parallel rank (``order_comm``), since the replicas' all-reduces must come in one order too.
+Every rank launches the buckets' collectives in the same order, ``launch_order``: a ready bucket waits for the
+buckets before it, and buckets no rank used are launched at the end of backward with zero gradients. It starts as
+bucket index order. At stages 2-3, where a waiting bucket holds a staging buffer, each rank records the order its
+buckets became ready; if it differs from ``launch_order`` on any rank (a flag riding on the step's gradient-norm
+all-reduce, read a step later: [Note: reading device values a step later] in :mod:`shardtrain.host_read`), the
+ranks exchange their observed orders once and adopt them if all agree; ranks on different paths keep the previous
+order, which is always safe. With hybrid sharding the flag and the exchange span every data-parallel rank
+(``order_comm``), since the replicas' all-reduces must come in one order too.
 
 [Note: hybrid gradient reduction]
 With hybrid sharding (``mics_shard_size``, [Note: the hybrid mesh] in :mod:`shardtrain.distributed.mesh`) ``comm`` is
-the shard group: each bucket is reduce-scattered (averaged) within it exactly as above. At the accumulation boundary,
-once a bucket's gradient shard is complete, it is all-reduced (averaged) across the replicas (``replicate``), launched
-as soon as the bucket's reduce-scatter has been folded in, so it overlaps the rest of backward, and waited for at the
-end of backward. Micro-steps before the boundary reduce within the group only, as DeepSpeed's MiCS does: the bytes that
-leave a group per optimizer step are one all-reduce of a shard, ``2 * (P/S) * (R-1)/R``, whatever the accumulation. The
-all-reduce runs in the wire dtype (``communication_data_type``, else the bucket's), from the fp32 accumulation: with one
-micro-step that is the reduce-scatter's own result, exactly representable, so nothing is rounded beyond the two
-reductions themselves. The average of group averages is the average over all ``R * S`` ranks (``prescale_gradients``'
-factors apply within the group, the replica average after). Buckets whose gradients the captured graph reduced
-(graph-mode ZeRO-3, :meth:`GradientReducer.hand_over`) are all-reduced the same way after backward.
+the shard group, within which buckets are reduce-scattered as above. At the accumulation boundary each complete
+gradient shard is all-reduced (averaged) across the replicas (``replicate``), launched once the bucket's
+reduce-scatter is folded in (so it overlaps backward) and waited for at the end of backward. Earlier micro-steps
+reduce within the group only, as MiCS does: a step sends ``2 * (P/S) * (R-1)/R`` bytes out of a group whatever the
+accumulation. The all-reduce runs in the wire dtype from the fp32 accumulation, so with one micro-step nothing is
+rounded beyond the two reductions. The average of group averages is the average over all ``R * S`` ranks
+(``prescale_gradients``' factors apply within the group, the replica average after). Buckets the captured graph
+reduced (graph-mode ZeRO-3, :meth:`GradientReducer.hand_over`) are all-reduced the same way after backward.
 """
 
 from __future__ import annotations

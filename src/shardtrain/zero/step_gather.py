@@ -1,32 +1,24 @@
 """The all-gather after a ZeRO-1/2 step, hidden behind the next forward.
 
 [Note: gathers after the step]
-At stages 1-2 (and for stage 3's persistent parameters) each rank steps only its chunk of every bucket; the other
-ranks' updated chunks arrive by one all-gather per bucket into the flat buffer the parameters view (see [Note:
-bucket layout]). Waiting for all of them at the end of ``step()`` leaves compute idle for the time of an all-gather
-of every parameter. Instead the step issues them asynchronously, in the order the next forward needs them (last
-bucket first: buckets are laid out in reverse registration order), and each bucket is waited for only where one of
-its parameters is first needed:
+At stages 1-2 (and for stage 3's persistent parameters) each rank steps only its chunk of every bucket; the others'
+updated chunks arrive by one all-gather per bucket into the flat buffer the parameters view (see [Note: bucket
+layout]). Waiting for them all at the end of ``step()`` would idle compute for an all-gather of every parameter, so
+the step issues them asynchronously, in the order the next forward needs them (last bucket first), and a bucket is
+waited for only where one of its parameters is first needed:
 
-* forward: a pre-hook on every module holding parameters of a bucket in flight waits for that bucket, so the
-  gather of a bucket runs behind the forward of every module before the first one using it (ZeRO-3's prefetched
-  units are waited for the same way, in :mod:`shardtrain.runtime.eager`);
-* anything else that reads such a parameter (``state_dict()``, ``engine.module.head.weight``, a subscriber's
-  pre-hook that reads a weight, a parameter used before the module owning it runs, ``copy.deepcopy``): while its
-  bucket is in flight the parameter's class is :class:`GatheringParameter`, whose ``__torch_function__`` waits for
-  the bucket and gives every parameter of it back its plain class. Metadata (shape, dtype, ``.grad``) stays
-  readable without waiting, so the reducer's bookkeeping after the step does not wait. Once waited, a parameter is
-  a plain ``nn.Parameter`` again: later operations pay nothing;
-* this rank's chunk of a bucket is the all-gather's input and must not change while it is sent: the optimizer
-  step, and the engine's calls that read or write shards (save, load, full state dict, ``gathered``), wait for
-  every bucket first (:meth:`ParameterGathers.wait_all`).
+* forward: a pre-hook on every module holding parameters of a bucket in flight waits for that bucket;
+* any other read of such a parameter (``state_dict()``, a subscriber's pre-hook, ``copy.deepcopy``, a parameter used
+  before its module runs): while its bucket is in flight its class is :class:`GatheringParameter`, whose
+  ``__torch_function__`` waits and gives the bucket's parameters back their plain class (later operations pay
+  nothing). Metadata (shape, dtype, ``.grad``) reads without waiting, so the reducer's bookkeeping does not wait;
+* this rank's chunk is the all-gather's input and must not change while sent: the step and the engine's calls that
+  read or write shards (save, load, full state dict, ``gathered``) first call :meth:`ParameterGathers.wait_all`.
 
-Every rank issues the same all-gathers in the same order at the end of the step; where each rank waits is local,
-so a rank whose forward takes another path than its peers' changes nothing on the wire. At most
-``allgather_bucket_size`` elements are in flight: past it the oldest gather is waited for at once, as before.
-Graph mode gathers synchronously (a captured graph must see plain parameters, and the hooks would be traced), and
-so does a bucket holding a parameter of another class than ``nn.Parameter`` (the user's class is not switched).
-The values are the same either way: the same collectives write the same buffers, only the host waits elsewhere.
+Every rank issues the same all-gathers in the same order; only where it waits is local, so a rank taking another
+path changes nothing on the wire. At most ``allgather_bucket_size`` elements are in flight (past it the oldest is
+waited for at once). Graph mode gathers synchronously (a captured graph must see plain parameters; hooks would be
+traced), and so does a bucket holding a parameter of a class other than ``nn.Parameter`` (the user's class is kept).
 """
 
 from __future__ import annotations

@@ -1,19 +1,17 @@
 """ZeRO-3 units: which modules are gathered and released together, and each unit's state.
 
 [Note: unit lifecycle]
-A *unit* is a module whose parameters are gathered and released together: by default every block of a
-repeated ``nn.ModuleList``/``nn.Sequential`` stack, plus a root unit with the remaining parameters. Each
-unit owns one flat bucket per dtype (see [Note: bucket layout]); the bucket's ``shard`` is the only
-permanent copy, and the full flat buffer's storage is resized to 0 while the unit is ``SHARDED``.
+A *unit* is a module whose parameters are gathered and released together: by default every block of a repeated
+``nn.ModuleList``/``nn.Sequential`` stack, plus a root unit with the rest. Each unit owns one flat bucket per dtype
+(see [Note: bucket layout]); its ``shard`` is the only permanent copy, and the full buffer's storage is resized to 0
+while the unit is ``SHARDED``.
 
-* forward: the unit's pre-forward hook gathers it (or waits for the prefetch), and prefetches the next
-  unit(s) of the order recorded on the first step; the post-forward hook releases it;
+* forward: the pre-forward hook gathers the unit (or waits for its prefetch) and prefetches the next unit(s) of the
+  order recorded on the first step; the post-forward hook releases it;
 * backward: see [Note: gathering for backward];
-* parameters stay views of the full buffer for their whole life. Releasing frees the storage in place and
-  gathering refills that same storage, so tensors autograd saved in forward see the values again in
-  backward (the version counter is preserved across the refill: the values written are the same).
-* frozen parameters (``requires_grad=False``) are sharded like trainable ones, in buckets of their own that
-  are gathered with the unit and never reduced.
+* parameters stay views of the full buffer for life: release frees the storage in place and gather refills it, so
+  tensors autograd saved in forward see the values again (the version counter is kept: the values are the same);
+* frozen parameters are sharded too, in buckets of their own, gathered with the unit and never reduced.
 """
 
 from __future__ import annotations
