@@ -95,7 +95,8 @@ import torch.distributed as dist
 from torch import nn
 
 from shardtrain.distributed import failure
-from shardtrain.distributed.communicator import Communicator, add_wait_probe, remove_wait_probe
+from shardtrain.distributed.communicator import Communicator
+from shardtrain.distributed.wait_probes import add_wait_probe, remove_wait_probe
 from shardtrain.errors import ShardtrainError
 from shardtrain.zero.departure import OrderAgreement
 from shardtrain.zero.gather import ShardSource, UnitGathers
