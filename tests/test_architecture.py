@@ -4,9 +4,10 @@ cycle, and a docstring saying what each package owns.
 A module's *room* is the longest key of ``ALLOWED`` that names it or a package holding it (``shardtrain.zero.layout``
 is a room of its own; ``shardtrain.zero.reducer`` belongs to ``shardtrain.zero``). An import is allowed inside a room,
 or to a room its row lists; a room carved out of a package is open to whoever may import the package, and to the
-package itself. Every import counts: at module level, ``if TYPE_CHECKING:`` blocks included (a dependency in
-types is still one), and inside functions and methods (a late import is still a dependency, only a deferred one).
-The no-cycle check, too, covers every import.
+package itself. The room ``shardtrain`` is the package's ``__init__`` alone: a row listing it may import the public
+names, not every room of the package. Every import counts: at module level, ``if TYPE_CHECKING:`` blocks included
+(a dependency in types is still one), and inside functions and methods (a late import is still a dependency, only a
+deferred one). The no-cycle check, too, covers every import.
 """
 
 import ast
@@ -92,8 +93,8 @@ ALLOWED: dict[str, set[str]] = {
     "shardtrain.optim.adam": set(),
     "shardtrain.distributed": set(),
     "shardtrain.testing": set(),
-    # the parity harness trains through the public API, as a user's check does
-    "shardtrain.testing.parity": {"shardtrain"},
+    # the parity harness trains through the public API, as a user's check does, on the ranks of run_distributed
+    "shardtrain.testing.parity": {"shardtrain", "shardtrain.testing"},
     **{leaf: set() for leaf in LEAVES},
 }
 
@@ -104,6 +105,9 @@ LATE_IMPORTS_TO_FIX: set[tuple[str, str]] = {
     ("shardtrain.compat.deepspeed.surface", "shardtrain.deepspeed"),
     # compat/deepspeed/comm.py:25, init_distributed(): closes the cycle compat.deepspeed -> comm -> compat.deepspeed
     ("shardtrain.compat.deepspeed.comm", "shardtrain.compat.deepspeed"),
+    # cli/config_check.py:42-43, check_file(): cli may not import engine or offload
+    ("shardtrain.cli.config_check", "shardtrain.engine.build"),
+    ("shardtrain.cli.config_check", "shardtrain.offload.optimizer_state"),
 }
 
 
@@ -151,6 +155,12 @@ def _room(module: str) -> str:
     raise AssertionError(f"{module} is in no room of ALLOWED: add a row for it")
 
 
+def _carved(target: str, room: str) -> bool:
+    """``target`` is a room carved out of ``room``; not of the package's own room ``shardtrain``, its ``__init__``
+    (the public names), which holds every room and opens none of them."""
+    return room != "shardtrain" and target.startswith(room + ".")
+
+
 def test_imports_follow_the_table():
     graph, lines = _checked_graph(), _graph()
     wrong = []
@@ -158,7 +168,7 @@ def test_imports_follow_the_table():
         room = _room(module)
         for dep in sorted(deps):
             target = _room(dep)
-            if not any(target == a or target.startswith(a + ".") for a in {room} | ALLOWED[room] | LEAVES):
+            if not any(target == a or _carved(target, a) for a in {room} | ALLOWED[room] | LEAVES):
                 wrong.append(f"{module} -> {dep} (line {lines[module][dep]}: {room} may not import {target})")
     assert len(graph) > 40  # the walk saw the package
     assert not wrong, "imports the table does not allow:\n" + "\n".join(wrong)
