@@ -4,11 +4,14 @@ cycle, and a docstring saying what each package owns.
 A module's *room* is the longest key of ``ALLOWED`` that names it or a package holding it (``shardtrain.zero.layout``
 is a room of its own; ``shardtrain.zero.reducer`` belongs to ``shardtrain.zero``). An import is allowed inside a room,
 or to a room its row lists; a room carved out of a package is open to whoever may import the package, and to the
-package itself. Imports at module level count, ``if TYPE_CHECKING:`` blocks included (a dependency in
-types is still one); imports inside functions are deliberate late imports and do not count.
+package itself. The room ``shardtrain`` is the package's ``__init__`` alone: a row listing it may import the public
+names, not every room of the package. Every import counts: at module level, ``if TYPE_CHECKING:`` blocks included
+(a dependency in types is still one), and inside functions and methods (a late import is still a dependency, only a
+deferred one). The no-cycle check, too, covers every import.
 """
 
 import ast
+import functools
 from pathlib import Path
 
 import shardtrain
@@ -129,9 +132,21 @@ ALLOWED: dict[str, set[str]] = {
     # the typed plan: parallel dimensions and policies, plain data below every package that takes them
     "shardtrain.plan": set(),
     "shardtrain.testing": set(),
-    # the parity harness trains through the public API, as a user's check does
-    "shardtrain.testing.parity": {"shardtrain"},
+    # the parity harness trains through the public API, as a user's check does, on the ranks of run_distributed
+    "shardtrain.testing.parity": {"shardtrain", "shardtrain.testing"},
     **{leaf: set() for leaf in LEAVES},
+}
+
+# Late imports (inside functions) that break the table or close a cycle, in packages being rewritten (issue 47, item 5):
+# exempt from both checks until then, and each must still occur (a pair fixed leaves this list). Empty it at the merge.
+LATE_IMPORTS_TO_FIX: set[tuple[str, str]] = {
+    # compat/deepspeed/surface.py:159, resolve(): compat may not import the public name shardtrain.deepspeed
+    ("shardtrain.compat.deepspeed.surface", "shardtrain.deepspeed"),
+    # compat/deepspeed/comm.py:25, init_distributed(): closes the cycle compat.deepspeed -> comm -> compat.deepspeed
+    ("shardtrain.compat.deepspeed.comm", "shardtrain.compat.deepspeed"),
+    # cli/config_check.py:42-43, check_file(): cli may not import engine or offload
+    ("shardtrain.cli.config_check", "shardtrain.engine.build"),
+    ("shardtrain.cli.config_check", "shardtrain.offload.optimizer_state"),
 }
 
 
@@ -140,28 +155,35 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports(tree: ast.Module, modules: set[str]) -> set[str]:
-    """Modules imported at module level, ``if TYPE_CHECKING:`` blocks included; ``from pkg import sub`` names the
-    submodule ``pkg.sub`` when there is one (a package's ``__init__`` importing its own submodules is no cycle)."""
-    found, todo = set(), list(tree.body)
-    while todo:
-        node = todo.pop()
+def _imports(tree: ast.Module, modules: set[str]) -> dict[str, int]:
+    """Every module the file imports, with the line of its first import: at module level, under ``if
+    TYPE_CHECKING:``, in class bodies and inside functions and methods, nested anywhere. ``from pkg import sub``
+    names the submodule ``pkg.sub`` when there is one (a package's ``__init__`` importing its own submodules is no
+    cycle)."""
+    found: dict[str, int] = {}
+    for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "shardtrain":
             for alias in node.names:
                 sub = f"{node.module}.{alias.name}"
-                found.add(sub if sub in modules else node.module)
+                found.setdefault(sub if sub in modules else node.module, node.lineno)
         elif isinstance(node, ast.Import):
-            found |= {a.name for a in node.names if a.name.split(".")[0] == "shardtrain"}
-        elif isinstance(node, ast.If | ast.Try):
-            todo += node.body + node.orelse + getattr(node, "handlers", []) + getattr(node, "finalbody", [])
-        elif isinstance(node, ast.ExceptHandler):
-            todo += node.body
+            for alias in node.names:
+                if alias.name.split(".")[0] == "shardtrain":
+                    found.setdefault(alias.name, node.lineno)
     return found
 
 
-def _graph() -> dict[str, set[str]]:
+@functools.cache
+def _graph() -> dict[str, dict[str, int]]:
+    """Each module's imports, each with the line of its first import (parsed once for all the tests)."""
     files = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
-    return {m: _imports(ast.parse(p.read_text()), set(files)) - {m} for m, p in files.items()}
+    graph = {m: _imports(ast.parse(p.read_text()), set(files)) for m, p in files.items()}
+    return {m: {dep: line for dep, line in deps.items() if dep != m} for m, deps in graph.items()}
+
+
+def _checked_graph() -> dict[str, set[str]]:
+    """:func:`_graph` less the pairs of ``LATE_IMPORTS_TO_FIX``: what the table and the no-cycle checks read."""
+    return {m: {dep for dep in deps if (m, dep) not in LATE_IMPORTS_TO_FIX} for m, deps in _graph().items()}
 
 
 def _room(module: str) -> str:
@@ -172,15 +194,21 @@ def _room(module: str) -> str:
     raise AssertionError(f"{module} is in no room of ALLOWED: add a row for it")
 
 
+def _carved(target: str, room: str) -> bool:
+    """``target`` is a room carved out of ``room``; not of the package's own room ``shardtrain``, its ``__init__``
+    (the public names), which holds every room and opens none of them."""
+    return room != "shardtrain" and target.startswith(room + ".")
+
+
 def test_imports_follow_the_table():
-    graph = _graph()
+    graph, lines = _checked_graph(), _graph()
     wrong = []
     for module, deps in sorted(graph.items()):
         room = _room(module)
         for dep in sorted(deps):
             target = _room(dep)
-            if not any(target == a or target.startswith(a + ".") for a in {room} | ALLOWED[room] | LEAVES):
-                wrong.append(f"{module} -> {dep} ({room} may not import {target})")
+            if not any(target == a or _carved(target, a) for a in {room} | ALLOWED[room] | LEAVES):
+                wrong.append(f"{module} -> {dep} (line {lines[module][dep]}: {room} may not import {target})")
     assert len(graph) > 40  # the walk saw the package
     assert not wrong, "imports the table does not allow:\n" + "\n".join(wrong)
 
@@ -191,6 +219,12 @@ def test_every_row_is_a_room_and_every_room_is_used():
     for room, targets in ALLOWED.items():
         assert any(m == room or m.startswith(room + ".") for m in graph), f"{room} is not in the package"
         assert targets <= set(ALLOWED), f"{room} lists unknown rooms: {targets - set(ALLOWED)}"
+
+
+def test_the_late_imports_to_fix_are_still_there():
+    """No stale exemption: each pair of ``LATE_IMPORTS_TO_FIX`` is still imported (remove a pair once fixed)."""
+    graph = _graph()
+    assert {(m, dep) for m, dep in LATE_IMPORTS_TO_FIX if dep not in graph.get(m, {})} == set()
 
 
 def test_the_table_is_layered():
@@ -211,7 +245,8 @@ def test_the_table_is_layered():
 
 
 def test_no_import_cycles():
-    graph = _graph()
+    """Every import counts, late ones included: a cycle closed inside a function is still one."""
+    graph = _checked_graph()
     cycles = []
     state: dict[str, str] = {}
 

@@ -8,7 +8,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from shardtrain.distributed import communicator
+from shardtrain.distributed import wait_probes
 from shardtrain.distributed.communicator import Communicator
 from shardtrain.errors import RankMismatchError
 from shardtrain.testing import run_distributed
@@ -28,7 +28,7 @@ def _late_peer(raise_after: int | None) -> dict:
         time.sleep(1.5)
     out = torch.empty(2 * 3)
     mine = torch.full((3,), float(dist.get_rank() + 1))
-    communicator.add_wait_probe(probe)
+    wait_probes.add_wait_probe(probe)
     try:
         handle = comm.all_gather(out, mine, what="a test tensor", async_op=True)
         try:
@@ -37,7 +37,7 @@ def _late_peer(raise_after: int | None) -> dict:
         except RankMismatchError as err:
             error = str(err)
     finally:
-        communicator.remove_wait_probe(probe)
+        wait_probes.remove_wait_probe(probe)
     refused = None
     if error is not None:
         try:

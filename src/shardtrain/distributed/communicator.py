@@ -46,14 +46,13 @@ variants). The results are the same; the steps are slower by the backend's launc
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import os
 import pickle
 import time
 import weakref
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import StrEnum
@@ -63,6 +62,7 @@ import torch
 import torch.distributed as dist
 
 from shardtrain.distributed import failure, watchdog
+from shardtrain.distributed.wait_probes import registered_wait_probes
 from shardtrain.errors import CollectiveError, CollectiveTimeoutError, PeerLostError, ShardtrainError
 from shardtrain.tree import iter_tensors
 
@@ -138,7 +138,7 @@ class Handle:
             self._watched = None
 
     def _wait_work(self) -> None:
-        if _wait_probes and self._comm.backend == "gloo":  # see [Note: probes while waiting]
+        if registered_wait_probes() and self._comm.backend == "gloo":  # see [Note: probes while waiting]
             _wait_probing(self._work)
         else:
             self._work.wait()
@@ -149,19 +149,8 @@ _broken_groups: dict[int, tuple[weakref.ref, ShardtrainError]] = {}
 by ``id``, with a weak reference that tells the group from a later one given the same ``id``."""
 
 WAIT_PROBE_S = 0.5
-"""How long a wait that blocks the host runs before the wait probes look, and then between their looks."""
-_wait_probes: list[Callable[[], None]] = []
-
-
-def add_wait_probe(probe: Callable[[], None]) -> None:
-    """Run ``probe`` every :data:`WAIT_PROBE_S` while a collective's wait blocks this host (see [Note: probes while
-    waiting]); it raises a :class:`~shardtrain.errors.ShardtrainError` to end the wait."""
-    _wait_probes.append(probe)
-
-
-def remove_wait_probe(probe: Callable[[], None]) -> None:
-    with contextlib.suppress(ValueError):
-        _wait_probes.remove(probe)
+"""How long a wait that blocks the host runs before the wait probes look, and then between their looks (the probes:
+:mod:`shardtrain.distributed.wait_probes`)."""
 
 
 # [Note: probes while waiting]
@@ -183,7 +172,7 @@ def _wait_probing(work: Any) -> None:
             if work.is_completed():  # completed as the slice ended, or failed: wait() returns or raises its error
                 work.wait()
                 return
-        for probe in list(_wait_probes):
+        for probe in list(registered_wait_probes()):
             probe()
 
 

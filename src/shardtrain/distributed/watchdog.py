@@ -148,9 +148,9 @@ class Watchdog:
         probe_s: float = PROBE_S,
         wait_probes: Callable[[], list[Callable[[], None]]] = list,
     ) -> None:
-        """``wait_probes()``: the probes a blocked wait would run ([Note: probes while waiting] in
-        :mod:`shardtrain.distributed.communicator`), run here too with the store's probe: under NCCL the host may be
-        stuck where no wait runs them (a CUDA synchronization behind the collective)."""
+        """``wait_probes()``: the probes a blocked wait would run (:mod:`shardtrain.distributed.wait_probes`, [Note:
+        probes while waiting] in :mod:`shardtrain.distributed.communicator`), run here too with the store's probe:
+        under NCCL the host may be stuck where no wait runs them (a CUDA synchronization behind the collective)."""
         self._peer_down = peer_down
         self._wait_probes = wait_probes
         self._report = report if report is not None else _print_and_exit
@@ -302,9 +302,9 @@ def watchdog() -> Watchdog:
     """This process's watchdog (one for every Communicator of a device backend)."""
     global _watchdog
     if _watchdog is None:
-        from shardtrain.distributed import communicator, failure
+        from shardtrain.distributed import failure, wait_probes
 
-        _watchdog = Watchdog(failure.peer_down, wait_probes=lambda: communicator._wait_probes)
+        _watchdog = Watchdog(failure.peer_down, wait_probes=wait_probes.registered_wait_probes)
         atexit.register(stop_watchdog)
     return _watchdog
 

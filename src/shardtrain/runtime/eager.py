@@ -60,7 +60,8 @@ import torch.distributed as dist
 from torch import nn
 
 from shardtrain.distributed import failure
-from shardtrain.distributed.communicator import Communicator, add_wait_probe, remove_wait_probe
+from shardtrain.distributed.communicator import Communicator
+from shardtrain.distributed.wait_probes import add_wait_probe, remove_wait_probe
 from shardtrain.errors import ShardtrainError
 from shardtrain.plan.policies import PrefetchPolicy
 from shardtrain.runtime.interface import Call, Runtime
