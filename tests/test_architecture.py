@@ -137,18 +137,6 @@ ALLOWED: dict[str, set[str]] = {
     **{leaf: set() for leaf in LEAVES},
 }
 
-# Late imports (inside functions) that break the table or close a cycle, in packages being rewritten (issue 47, item 5):
-# exempt from both checks until then, and each must still occur (a pair fixed leaves this list). Empty it at the merge.
-LATE_IMPORTS_TO_FIX: set[tuple[str, str]] = {
-    # compat/deepspeed/surface.py:159, resolve(): compat may not import the public name shardtrain.deepspeed
-    ("shardtrain.compat.deepspeed.surface", "shardtrain.deepspeed"),
-    # compat/deepspeed/comm.py:25, init_distributed(): closes the cycle compat.deepspeed -> comm -> compat.deepspeed
-    ("shardtrain.compat.deepspeed.comm", "shardtrain.compat.deepspeed"),
-    # cli/config_check.py:42-43, check_file(): cli may not import engine or offload
-    ("shardtrain.cli.config_check", "shardtrain.engine.build"),
-    ("shardtrain.cli.config_check", "shardtrain.offload.optimizer_state"),
-}
-
 
 def _module_name(path: Path) -> str:
     parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
@@ -181,11 +169,6 @@ def _graph() -> dict[str, dict[str, int]]:
     return {m: {dep: line for dep, line in deps.items() if dep != m} for m, deps in graph.items()}
 
 
-def _checked_graph() -> dict[str, set[str]]:
-    """:func:`_graph` less the pairs of ``LATE_IMPORTS_TO_FIX``: what the table and the no-cycle checks read."""
-    return {m: {dep for dep in deps if (m, dep) not in LATE_IMPORTS_TO_FIX} for m, deps in _graph().items()}
-
-
 def _room(module: str) -> str:
     parts = module.split(".")
     for n in range(len(parts), 0, -1):
@@ -201,7 +184,7 @@ def _carved(target: str, room: str) -> bool:
 
 
 def test_imports_follow_the_table():
-    graph, lines = _checked_graph(), _graph()
+    graph = lines = _graph()
     wrong = []
     for module, deps in sorted(graph.items()):
         room = _room(module)
@@ -219,12 +202,6 @@ def test_every_row_is_a_room_and_every_room_is_used():
     for room, targets in ALLOWED.items():
         assert any(m == room or m.startswith(room + ".") for m in graph), f"{room} is not in the package"
         assert targets <= set(ALLOWED), f"{room} lists unknown rooms: {targets - set(ALLOWED)}"
-
-
-def test_the_late_imports_to_fix_are_still_there():
-    """No stale exemption: each pair of ``LATE_IMPORTS_TO_FIX`` is still imported (remove a pair once fixed)."""
-    graph = _graph()
-    assert {(m, dep) for m, dep in LATE_IMPORTS_TO_FIX if dep not in graph.get(m, {})} == set()
 
 
 def test_the_table_is_layered():
@@ -246,7 +223,7 @@ def test_the_table_is_layered():
 
 def test_no_import_cycles():
     """Every import counts, late ones included: a cycle closed inside a function is still one."""
-    graph = _checked_graph()
+    graph = _graph()
     cycles = []
     state: dict[str, str] = {}
 

@@ -23,7 +23,6 @@ scheduler are built from its sections as DeepSpeed builds them. Names of DeepSpe
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 from collections.abc import Callable, Iterable, Mapping
@@ -37,10 +36,10 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDa
 
 from shardtrain.compat.deepspeed import accelerator, checkpoint, comm, utils, zero  # noqa: F401  deepspeed.comm, ...
 from shardtrain.compat.deepspeed.accelerator import get_accelerator  # noqa: F401  `from deepspeed import ...`
+from shardtrain.compat.deepspeed.comm import init_distributed
 from shardtrain.compat.deepspeed.engine import DeepSpeedEngine
 from shardtrain.compat.deepspeed.unsupported import NotProvidedError, install_refused_imports, not_provided
 from shardtrain.config.sections import load_config, optimizer_class_and_kwargs
-from shardtrain.distributed.mesh import backend_for, ensure_process_group, pick_device
 from shardtrain.engine import Engine
 from shardtrain.engine import initialize as initialize_engine
 
@@ -71,44 +70,6 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
 
 __version__ = "0.19.8"
 """The DeepSpeed release whose API this module follows (scripts compare it to pick code paths)."""
-
-
-def init_distributed(
-    dist_backend: str | None = None,
-    auto_mpi_discovery: bool = True,
-    distributed_port: int = 29500,
-    verbose: bool = True,
-    timeout: datetime.timedelta | None = None,
-    init_method: str | None = None,
-    dist_init_required: bool | None = None,
-    config: Any = None,
-    rank: int = -1,
-    world_size: int = -1,
-) -> None:
-    """Join the default process group from torchrun's environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
-    ``MASTER_PORT``), unless one exists. ``dist_backend``: DeepSpeed's names (``nccl``, ``gloo``) or None for the
-    device's (NCCL on CUDA, gloo on the CPU)."""
-    if dist.is_initialized():
-        return
-    if dist_init_required is False:
-        raise ValueError("init_distributed(dist_init_required=False) but no process group exists: create one first")
-    if (
-        init_method is not None
-        or rank != -1
-        or world_size != -1
-        or (dist_backend not in (None, backend_for(pick_device())))
-    ):
-        # an explicit rendezvous: torch's own call, with DeepSpeed's arguments
-        os.environ.setdefault("MASTER_PORT", str(distributed_port))
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        kwargs: dict[str, Any] = {"backend": dist_backend or backend_for(pick_device()), "init_method": init_method}
-        if rank != -1 or world_size != -1:
-            kwargs.update(rank=rank, world_size=world_size)
-        if timeout is not None:
-            kwargs["timeout"] = timeout
-        dist.init_process_group(**kwargs)
-        return
-    ensure_process_group(timeout.total_seconds() if timeout is not None else 1800.0)
 
 
 def _raw_config(config: ConfigArg) -> dict[str, Any]:

@@ -9,6 +9,7 @@ engine's own traffic is in ``engine.comm_stats()``). Every call goes to the defa
 
 from __future__ import annotations
 
+import datetime
 import os
 from typing import Any
 
@@ -16,15 +17,48 @@ import torch
 import torch.distributed as dist
 
 from shardtrain.compat.deepspeed.unsupported import not_provided
+from shardtrain.distributed.mesh import backend_for, ensure_process_group, pick_device
 
 ReduceOp = dist.ReduceOp
 
 
-def init_distributed(*args: Any, **kwargs: Any) -> None:
-    """``deepspeed.init_distributed`` (the same function as ``deepspeed.init_distributed``)."""
-    from shardtrain.compat.deepspeed import init_distributed as join
-
-    join(*args, **kwargs)
+def init_distributed(
+    dist_backend: str | None = None,
+    auto_mpi_discovery: bool = True,
+    distributed_port: int = 29500,
+    verbose: bool = True,
+    timeout: datetime.timedelta | None = None,
+    init_method: str | None = None,
+    dist_init_required: bool | None = None,
+    config: Any = None,
+    rank: int = -1,
+    world_size: int = -1,
+) -> None:
+    """``deepspeed.init_distributed`` and ``deepspeed.comm.init_distributed`` (one function). Join the default
+    process group from torchrun's environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+    ``MASTER_PORT``), unless one exists. ``dist_backend``: DeepSpeed's names (``nccl``, ``gloo``) or None for the
+    device's (NCCL on CUDA, gloo on the CPU)."""
+    if dist.is_initialized():
+        return
+    if dist_init_required is False:
+        raise ValueError("init_distributed(dist_init_required=False) but no process group exists: create one first")
+    if (
+        init_method is not None
+        or rank != -1
+        or world_size != -1
+        or (dist_backend not in (None, backend_for(pick_device())))
+    ):
+        # an explicit rendezvous: torch's own call, with DeepSpeed's arguments
+        os.environ.setdefault("MASTER_PORT", str(distributed_port))
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        kwargs: dict[str, Any] = {"backend": dist_backend or backend_for(pick_device()), "init_method": init_method}
+        if rank != -1 or world_size != -1:
+            kwargs.update(rank=rank, world_size=world_size)
+        if timeout is not None:
+            kwargs["timeout"] = timeout
+        dist.init_process_group(**kwargs)
+        return
+    ensure_process_group(timeout.total_seconds() if timeout is not None else 1800.0)
 
 
 def is_initialized() -> bool:

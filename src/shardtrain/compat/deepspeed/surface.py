@@ -156,7 +156,7 @@ _ENGINE_FIELDS = ("module", "training_dataloader", "config", "shardtrain_engine"
 def resolve(name: str) -> Any:
     """The object ``name`` stands for on ``shardtrain.deepspeed`` (an engine name: the ``DeepSpeedEngine`` class's
     attribute); raises ``NotProvidedError`` for a name that is refused."""
-    import shardtrain.deepspeed as deepspeed
+    import shardtrain.compat.deepspeed as deepspeed  # the module shardtrain.deepspeed names
     from shardtrain.compat.deepspeed.engine import DeepSpeedEngine
 
     head, _, rest = name.partition(".")
