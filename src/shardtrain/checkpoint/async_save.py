@@ -3,7 +3,7 @@
 [Note: asynchronous checkpoints]
 ``save_checkpoint(..., async_save=True)`` splits ``writer.py``'s protocol in two (as DCP's ``async_save``):
 
-* on the caller, :func:`writer.stage` (steps 1-2): each rank copies what it saves (device tensors into pinned memory,
+* on the caller, :func:`writer.prepare` (steps 1-2): each rank copies what it saves (device tensors into pinned memory,
   host ones cloned) and encodes its objects; one gather agrees on the plan; a bad or existing tag or an unstorable
   object raises here, on every rank. After it, nothing is shared with training: the next step cannot change the save;
 * on one background thread per engine, :func:`writer.commit` (steps 3-5): files written and fsynced, rank 0
@@ -33,7 +33,7 @@ import weakref
 
 import torch.distributed as dist
 
-from shardtrain.checkpoint.writer import SaveResult, StagedSave, commit
+from shardtrain.checkpoint.writer import PreparedSave, SaveResult, commit
 from shardtrain.distributed.communicator import Communicator
 
 log = logging.getLogger("shardtrain")
@@ -65,20 +65,20 @@ class AsyncSaver:
             assert self._comm.rank == comm.rank, "the checkpoint group orders ranks like the training group"
         return self._comm
 
-    def start(self, staged: StagedSave, comm: Communicator | None) -> None:
-        """Commit ``staged`` in the background; the previous save must have been waited for."""
+    def start(self, prepared: PreparedSave, comm: Communicator | None) -> None:
+        """Commit ``prepared`` in the background; the previous save must have been waited for."""
         assert not self.in_flight, "wait() for the previous save first"
         self._result, self._error = None, None
-        self._what = str(staged.save_dir / staged.tag)
+        self._what = str(prepared.save_dir / prepared.tag)
         self._thread = threading.Thread(
-            target=self._run, args=(staged, comm), name=f"shardtrain checkpoint {staged.tag}", daemon=False
+            target=self._run, args=(prepared, comm), name=f"shardtrain checkpoint {prepared.tag}", daemon=False
         )
         _unfinished.add(self)
         self._thread.start()
 
-    def _run(self, staged: StagedSave, comm: Communicator | None) -> None:
+    def _run(self, prepared: PreparedSave, comm: Communicator | None) -> None:
         try:
-            self._result = commit(staged, comm)
+            self._result = commit(prepared, comm)
         except BaseException as err:  # raised on the caller's thread by wait()
             self._error = err
 

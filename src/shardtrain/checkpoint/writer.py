@@ -23,7 +23,7 @@ A failure on any rank in steps 1-4 (any exception, not only I/O errors) is carri
 rank raises the same :class:`CheckpointError`, naming the failing ranks and causes, instead of hanging in a
 collective; the temporary directory is removed and nothing is published.
 
-Steps 1-2 are :func:`stage` and steps 3-5 :func:`commit`; an asynchronous save runs the commit in a background
+Steps 1-2 are :func:`prepare` and steps 3-5 :func:`commit`; an asynchronous save runs the commit in a background
 thread ([Note: asynchronous checkpoints] in ``async_save.py``).
 """
 
@@ -316,7 +316,7 @@ def _describe(err: BaseException) -> str:
     return str(err) if isinstance(err, CheckpointError) else f"{type(err).__name__}: {err}"
 
 
-def _raise_failures(errors: list[str | None], stage: str, save_dir: Path, tag: str, rank: int) -> None:
+def _raise_failures(errors: list[str | None], step: str, save_dir: Path, tag: str, rank: int) -> None:
     """Raise on every rank when any rank failed; rank 0 first removes the unpublished temporary directory (every
     rank is past its writes: this runs after a gather)."""
     failed = [(r, e) for r, e in enumerate(errors) if e]
@@ -324,9 +324,9 @@ def _raise_failures(errors: list[str | None], stage: str, save_dir: Path, tag: s
         return
     if rank == 0:
         shutil.rmtree(save_dir / (TMP_PREFIX + tag), ignore_errors=True)
-    unchanged = "; nothing was published ('latest' is unchanged)" if stage != "publishing" else ""
+    unchanged = "; nothing was published ('latest' is unchanged)" if step != "publishing" else ""
     raise CheckpointError(
-        "; ".join(f"rank {r} failed to save checkpoint {save_dir / tag} ({stage}): {e}" for r, e in failed) + unchanged
+        "; ".join(f"rank {r} failed to save checkpoint {save_dir / tag} ({step}): {e}" for r, e in failed) + unchanged
     )
 
 
@@ -353,7 +353,7 @@ def _to_host(pieces: list[SavePiece], copy: bool = False) -> list[SavePiece]:
 
 
 @dataclass
-class StagedSave:
+class PreparedSave:
     """A save after its snapshot (steps 1-2 done): everything steps 3-5 need, in memory that training no longer
     touches, so that they may run in a background thread ([Note: asynchronous checkpoints] in ``async_save.py``)."""
 
@@ -373,7 +373,7 @@ class StagedSave:
     started: float
 
 
-def stage(
+def prepare(
     save_dir: str | os.PathLike,
     tag: str,
     comm: Communicator | None,
@@ -386,7 +386,7 @@ def stage(
     same_save: dict[str, Any] | None = None,
     failure: str | None = None,
     snapshot: bool = False,
-) -> StagedSave:
+) -> PreparedSave:
     """Steps 1-2 of :func:`save` (collective over ``comm``): prepare the directory, copy the pieces to host memory,
     encode the objects, agree on the plan. ``snapshot``: copy host tensors too (not only device ones), so that
     training may change them once this returns; the objects are always encoded here, into bytes and fresh JSON."""
@@ -428,7 +428,7 @@ def stage(
         raise
     keys = piece_keys(holders)
     mine = [(p, keys[(p.name, p.slice)]) for p in pieces if holders[(p.name, p.slice)][0] == rank]
-    return StagedSave(
+    return PreparedSave(
         save_dir,
         tag,
         rank,
@@ -446,11 +446,11 @@ def stage(
     )
 
 
-def commit(staged: StagedSave, comm: Communicator | None) -> SaveResult:
+def commit(prepared: PreparedSave, comm: Communicator | None) -> SaveResult:
     """Steps 3-5 of :func:`save`: write and fsync this rank's files, agree, publish. Collective over ``comm``, which
-    must hold the same ranks in the same order as the one :func:`stage` ran over (it may be another group: a
+    must hold the same ranks in the same order as the one :func:`prepare` ran over (it may be another group: a
     background commit uses the checkpoint group of [Note: asynchronous checkpoints])."""
-    s = staged
+    s = prepared
     save_dir, tag, rank = s.save_dir, s.tag, s.rank
 
     def gather(obj: Any, what: str) -> list[Any]:
@@ -530,10 +530,10 @@ def save(
     same way, so every rank raises one :class:`CheckpointError` naming the failing ranks and causes, and nothing is
     published.
 
-    It is :func:`stage` then :func:`commit` on the calling thread; ``async_save.py`` runs the commit in the
+    It is :func:`prepare` then :func:`commit` on the calling thread; ``async_save.py`` runs the commit in the
     background.
     """
-    staged = stage(
+    prepared = prepare(
         save_dir,
         tag,
         comm,
@@ -545,4 +545,4 @@ def save(
         same_save=same_save,
         failure=failure,
     )
-    return commit(staged, comm)
+    return commit(prepared, comm)

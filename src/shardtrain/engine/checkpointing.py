@@ -46,7 +46,7 @@ from shardtrain.checkpoint.format import MANIFEST_NAME, BlockFlatSlice, BlockSli
 from shardtrain.checkpoint.hf_config import hf_config_objects
 from shardtrain.checkpoint.latest import recover
 from shardtrain.checkpoint.reader import CheckpointReader
-from shardtrain.checkpoint.writer import stage
+from shardtrain.checkpoint.writer import prepare
 from shardtrain.distributed.communicator import Communicator
 from shardtrain.engine.optimizer_needs import state_keys_needed
 from shardtrain.errors import CheckpointError
@@ -277,9 +277,9 @@ def save_engine(
     if saver is None:
         return save(save_dir, tag, state.comm, pieces, **what).path
     commit_comm = saver.commit_comm(state.comm)  # collective the first time: before anything can fail alone
-    staged = stage(save_dir, tag, state.comm, pieces, snapshot=True, **what)
-    saver.start(staged, commit_comm)
-    return staged.save_dir / staged.tag
+    prepared = prepare(save_dir, tag, state.comm, pieces, snapshot=True, **what)
+    saver.start(prepared, commit_comm)
+    return prepared.save_dir / prepared.tag
 
 
 def load_engine(state: TrainingState, load_dir: str | Path, tag: str | None, load_optimizer_states: bool) -> dict:
