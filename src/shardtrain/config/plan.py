@@ -112,14 +112,11 @@ def precision_policy(cfg: Config) -> PrecisionPolicy:
 
 def refuse_unbuilt(cfg: Config, dims: ParallelDims, device_type: str | None = None) -> None:
     """Combinations that are not built, refused by name before anything is touched (the layouts' sizes were
-    checked by :class:`~shardtrain.plan.dims.ParallelDims`)."""
+    checked by :class:`~shardtrain.plan.dims.ParallelDims`; rules that need no world size are the validators of
+    :mod:`shardtrain.config.sections`, which ``load_config`` runs: sequence parallelism with graph mode, offload at
+    stage 0, hpZ with hybrid sharding)."""
     if device_type is not None:
         refuse_on_device(cfg, device_type)
-    if dims.sp > 1 and cfg.graph.enabled:
-        raise ConfigError(
-            f"graph.enabled with sequence_parallel_size {dims.sp}: the Ulysses all-to-alls do not "
-            "run in captured graphs yet; turn graph mode off (docs/sequence-parallel.md)"
-        )
     zcfg = cfg.zero_optimization
     hpz = zcfg.zero_hpz_partition_size
     if dims.ep > 1:

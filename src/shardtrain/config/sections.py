@@ -421,7 +421,7 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _sequence_parallel_graph(self) -> Config:
-        # refused here as well as at initialize (shardtrain.sequence_parallel) so that `config check` says it
+        # a rule that needs no world size: refused when the config is loaded (`config check` says it too)
         if self.sequence_parallel_size != 1 and self.graph.enabled:
             raise ValueError(
                 f"graph.enabled with sequence_parallel_size {self.sequence_parallel_size}: the Ulysses all-to-alls do "
