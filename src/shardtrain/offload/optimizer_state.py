@@ -24,15 +24,13 @@ buffers than sub-groups are allocated. Every rank agrees on the step's outcome (
 full disk on one rank raises on all, naming rank and file, instead of the others waiting for a collective.
 
 [Note: offloaded masters]
-Under mixed precision, with ``nvme`` the fp32 masters go to the files too (key ``master``), so a rank keeps neither
-the 4 bytes of master nor the 8 of Adam moments per element. A master stays the same tensor object
-(``optimizer.state`` and the param groups are keyed on it): between steps its storage is empty (``Tensor.set_``),
-during its sub-group's step a view of the buffer, after which it refreshes the compute-dtype fragment. Readers and
-writers between steps (loading full weights, ``engine.gathered(modifier_rank=...)``, checkpoints) get its file mapped
-shared (:meth:`OptimizerOffload.master_view`): pages are read and written in place, never the whole state. In fp32
-training the stepped tensor is the parameter's own fragment, which is not optimizer state and stays.
-
-Swap directories, files, the page-cache policy and :class:`OffloadError` are in :mod:`shardtrain.offload.swap`.
+Under mixed precision with ``nvme`` the fp32 masters go to the files too (key ``master``), so a rank keeps neither the 4
+bytes of master nor the 8 of Adam moments per element. A master stays the same tensor object (``optimizer.state`` and
+the param groups are keyed on it): between steps its storage is empty (``Tensor.set_``), during its sub-group's step a
+view of the buffer, after which it refreshes the compute-dtype fragment. Readers and writers between steps (loading
+weights, ``engine.gathered(modifier_rank=...)``, checkpoints) get its file mapped shared, never the whole state
+(:meth:`OptimizerOffload.master_view`). In fp32 training the stepped tensor is the parameter's own fragment. Swap files
+and :class:`OffloadError`: :mod:`shardtrain.offload.swap`.
 """
 
 from __future__ import annotations
