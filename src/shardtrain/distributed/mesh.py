@@ -41,10 +41,10 @@ Since PyTorch 2.4 torchrun's rendezvous shares its TCP store with the workers (`
 keeps it across restarts, so a restarted worker may read the previous attempt's address before its peer overwrites it
 (gloo: ``connectFullMesh failed ... Connection refused``; NCCL: a stale unique id; pytorch/pytorch#135712). A key
 prefix from ``TORCHELASTIC_RESTART_COUNT`` fails: the agents of a multi-node job need not agree on it (#108158). So
-under a shared store rank 0 starts its own TCP store per attempt and publishes ``<host> <port> <token>`` under
-:data:`_ATTEMPT_STORE_KEY` (host: its address on the route to the agent's store; token: random, also in its store);
-the others use that store only if it holds the same token, else read the key again (a stale key names a dead port
-or another store). Rank 0 hosts the store, as without a shared store (the failure survey names it when it is silent).
+under a shared store rank 0 starts its own TCP store per attempt (as without one, rank 0 hosts it, so the failure survey
+names it when silent) and publishes ``<host> <port> <token>`` under :data:`_ATTEMPT_STORE_KEY` (host: its address on the
+route to the agent's store; token: random, also in its store); the others use it only if it holds the same token, else
+read the key again (a stale key names a dead port or another store).
 """
 
 from __future__ import annotations

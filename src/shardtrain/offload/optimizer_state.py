@@ -2,14 +2,13 @@
 and ZeRO-Infinity for the optimizer).
 
 [Note: sub-group stepping]
-A rank's stepped tensors (fp32 fragments, or their masters under mixed precision; [Note: optimizer fragments]) are
-cut, in the wrapper's order, into *sub-groups* of about ``sub_group_size`` elements (a fragment is never split). The
-user's optimizer steps one sub-group at a time: only its tensors carry a ``.grad`` at ``optimizer.step()``, and torch
-optimizers skip tensors without one. Updates are element-wise ([Note: element-wise optimizers]) and torch's CPU
-optimizers loop over tensors, so the values are bitwise those of one call. Per-tensor scalar state (``step``) stays
-in ``optimizer.state``; an offloaded sub-group's element-wise state (``exp_avg``, ...) is there only while it is
-stepped. ``ratio`` < 1 offloads the first sub-groups holding that fraction of the elements; the rest stay resident.
-Step hooks registered on the optimizer run once per sub-group.
+A rank's stepped tensors (fp32 fragments, or their masters; [Note: optimizer fragments]) are cut, in the wrapper's
+order, into *sub-groups* of about ``sub_group_size`` elements (never splitting a fragment). The user's optimizer steps
+one sub-group at a time: only its tensors carry a ``.grad``, and torch optimizers skip tensors without one. Updates are
+element-wise ([Note: element-wise optimizers]) and torch's CPU optimizers loop over tensors, so values are bitwise one
+call's. Scalar state (``step``) stays in ``optimizer.state``; an offloaded sub-group's element-wise state is there only
+while stepped. ``ratio`` < 1 offloads the first sub-groups holding that fraction of the elements. Step hooks registered
+on the optimizer run once per sub-group.
 
 [Note: swap pipeline]
 With ``device: nvme`` each (stepped tensor, state key) has one file in the rank's scratch directory, open only while

@@ -18,15 +18,13 @@ Rprop is element-wise but not listed: its sign-based step turns rounding noise i
 rounding (attention key biases) into full steps, so its parity with one process cannot be tested.
 
 [Note: parameters frozen after initialize]
-A parameter frozen after ``initialize`` keeps its bucket slot and optimizer state. As in one process (torch.optim
-steps what has a ``.grad``, set at every backward it required grad in, until ``zero_grad``), the step updates a
-parameter iff it required grad at some ``engine.backward`` since the last zeroing
-(:meth:`GradientReducer.has_gradient`): frozen mid-window it gets its earlier micro-steps' gradients (as in FSDP2 and
-DeepSpeed stages 1-2; DeepSpeed stage 3 drops it); frozen a whole window it is not stepped (no weight decay, no
-moment step; DeepSpeed's flat partitions do both); unfrozen mid-window it gets the micro-steps from then on.
-``requires_grad`` is read at each backward, and the loop sets it alike on every rank. Which slots received a gradient
-on this rank is not used: a parameter one rank's batch missed would be stepped in some ranks' fragments only. For the
-same reason a trainable parameter no forward used is stepped with a zero gradient, as DeepSpeed does.
+A parameter frozen after ``initialize`` keeps its bucket slot and optimizer state. As in one process (torch.optim steps
+what has a ``.grad``, set by every backward it required grad in, until ``zero_grad``), the step updates it iff it
+required grad at some ``engine.backward`` since the last zeroing (:meth:`GradientReducer.has_gradient`): frozen
+mid-window it gets its earlier micro-steps' gradients (as FSDP2, DeepSpeed stages 1-2; stage 3 drops it); frozen a whole
+window it is not stepped (DeepSpeed's flat partitions decay and step it). ``requires_grad`` is read at each backward and
+must be set alike on every rank; which slots got a gradient on this rank is not used (a parameter one rank's batch
+missed would be stepped in some fragments only), so an unused trainable one steps with a zero gradient.
 """
 
 from __future__ import annotations
