@@ -6,13 +6,11 @@ and class name), so plain PyTorch users never pay for them and they stay optiona
 
 [Note: a peft run in a checkpoint]
 A ``peft.PeftModel`` is saved under its own parameter names (``base_model.model.<name>.base_layer.weight``,
-``base_model.model.<name>.lora_A.<adapter>.weight``). The checkpoint keeps the base model's config (with the base
-model's class in ``architectures``, not ``PeftModelForCausalLM``) and every adapter's config, as
-``PeftModel.save_pretrained`` writes it to ``adapter_config.json``, with the names of the active adapters
-(:data:`PEFT_CONFIG_KEY`). Adapters added to a transformers model with ``add_adapter`` are kept the same way; their
-parameter names lack the ``base_model.model.`` prefix, and the object says so. From these two consolidation
-rebuilds the module tree on the meta device and asks peft which tensors are adapters and how they merge
-(``checkpoint/peft_consolidate.py``).
+``...lora_A.<adapter>.weight``). The checkpoint keeps the base model's config (the base class in ``architectures``, not
+``PeftModelForCausalLM``) and every adapter's config as ``PeftModel.save_pretrained`` writes it, with the active
+adapters' names (:data:`PEFT_CONFIG_KEY`). Adapters added with transformers' ``add_adapter`` are kept the same way;
+their names lack ``base_model.model.``, and the object says so. From these, consolidation rebuilds the module tree on
+the meta device and asks peft which tensors are adapters and how they merge (``checkpoint/peft_consolidate.py``).
 """
 
 from __future__ import annotations

@@ -1,14 +1,12 @@
 """Opening the files a checkpoint names: inside its directory, regular files only, never blocking.
 
 [Note: checkpoint member files]
-A checkpoint may have been downloaded, copied or damaged, so reading a file its manifest names must neither leave
-the directory nor block:
-* the name is a normalised relative path (``format.member_name_problem``: no ``..``, absolute path, empty or ``.``
-  component), checked when the manifest is parsed;
-* joined to the directory, it must resolve (through symlinks) inside the directory's resolved path;
-* it must ``stat`` as a regular file (``stat`` opens nothing, so a FIFO or device is refused unopened), is opened
-  with ``O_NONBLOCK`` and checked again with ``fstat``, so a FIFO swapped in between cannot block a read.
-Every refusal is a ``CheckpointError`` naming the path and what it was needed for.
+A checkpoint may have been downloaded, copied or damaged, so reading a file its manifest names must neither leave the
+directory nor block: the name is a normalised relative path (``format.member_name_problem``: no ``..``, absolute, empty
+or ``.`` component), checked when the manifest is parsed; joined to the directory it must resolve (through symlinks)
+inside the directory's resolved path; it must ``stat`` as a regular file (a FIFO or device is refused unopened), is
+opened with ``O_NONBLOCK`` and checked again with ``fstat``, so a FIFO swapped in between cannot block. Every refusal is
+a ``CheckpointError`` naming the path and what it was needed for.
 """
 
 from __future__ import annotations

@@ -8,14 +8,13 @@ says which module is an adapter layer and what its tensors are called. Nothing o
 here.
 
 [Note: merging one layer at a time]
-``PeftModel.merge_and_unload`` needs the whole model in memory. It replaces each outermost peft module (a tuner layer
+``PeftModel.merge_and_unload`` needs the whole model in memory; it replaces each outermost peft module (a tuner layer
 such as ``lora.Linear``, or a wrapper such as ``ModulesToSaveWrapper``) by its merged base layer
-(``unload_and_optionally_merge_module`` where the module has one, else ``merge()`` and ``get_base_layer()``). We do
-the same per module, alone: a copy of the meta module gets the module's checkpoint tensors
-(``load_state_dict(assign=True)``: each keeps its stored dtype, as in the trained model), peft merges it, and its base
-layer's state dict is written under the module's name without ``base_model.model.``. On meta tensors this gives the
-streaming header's names, shapes and dtypes; on real ones, when the writer reaches the module, the values. Memory is
-one module's tensors at a time ([Note: streaming] in ``consolidate.py``).
+(``unload_and_optionally_merge_module`` where it exists, else ``merge()`` and ``get_base_layer()``). We do the same per
+module, alone: a copy of the meta module gets its checkpoint tensors (``load_state_dict(assign=True)``, each in its
+stored dtype), peft merges it, and its base layer's state dict is written under the module's name without
+``base_model.model.``. On meta tensors this gives the streaming header, on real ones the values; memory is one module's
+tensors ([Note: streaming] in ``consolidate.py``).
 """
 
 from __future__ import annotations

@@ -2,13 +2,12 @@
 
 [Note: restricted unpickling]
 The only pickle instructions that reach code outside the pickle look up a global (``GLOBAL``, ``STACK_GLOBAL``,
-``INST``, ``OBJ``, extension codes: all through ``Unpickler.find_class``) or a persistent id (``persistent_load``).
-An unpickler answering ``find_class`` only from an allow-list, and refusing persistent ids the caller does not
-handle, calls nothing but the allowed callables (and, via ``BUILD``, their results' ``__setstate__``). So the
-allow-list is the whole trust boundary: ``"module.name"`` maps to the real object when calling it with any arguments
-is harmless, else to a stand-in (a safer function of the same signature, a plain class recording its state; this is
-how a foreign format is read without importing its code). Anything else is refused by name before it is resolved.
-Pickled tensors' ``torch.save`` bytes go to ``torch.load(weights_only=True)`` (:data:`TORCH_TENSOR_GLOBALS`).
+``INST``, ``OBJ``, extension codes: all via ``Unpickler.find_class``) or a persistent id (``persistent_load``). An
+unpickler answering ``find_class`` from an allow-list only, refusing persistent ids the caller does not handle, calls
+nothing but the allowed callables (and, via ``BUILD``, their results' ``__setstate__``). So the allow-list is the whole
+trust boundary: ``"module.name"`` maps to the real object when calling it with any arguments is harmless, else to a
+stand-in (a safer function of the same signature, a plain class recording its state). Anything else is refused by name.
+Tensors' ``torch.save`` bytes go to ``torch.load(weights_only=True)`` (:data:`TORCH_TENSOR_GLOBALS`).
 """
 
 from __future__ import annotations

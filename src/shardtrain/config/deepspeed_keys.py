@@ -1499,15 +1499,14 @@ def classify(data: Mapping[str, Any], model: type[BaseModel], prefix: str = "") 
 
 
 # [Note: DeepSpeed's MoE keys]
-# DeepSpeed users give expert parallelism in two places: the arguments of DeepSpeed-MoE's layer
-# (`deepspeed.moe.layer.MoE(ep_size=..., capacity_factor=..., drop_tokens=...)`, which the inference config's `moe`
-# section mirrors) and AutoEP's `expert_parallel` section (`enabled`, `autoep_size`, routing overrides). Both are
-# read as sections here: `moe.ep_size` and, with `enabled: true`, `expert_parallel.autoep_size` are
-# `expert_parallel_size`. The other keys describe how DeepSpeed's own MoE layer routes and drops tokens. The model
-# here is transformers', whose forward routes with its own router and drops no token, so a key is accepted (without
-# effect) where its value says the same (`drop_tokens: false`, a capacity factor with it, no noisy gate, AutoEP's
-# "auto" routing) and refused by name where it would drop tokens or route differently. DeepSpeed's default
-# `drop_tokens: true` drops tokens: a capacity key is refused unless `drop_tokens: false` is given with it.
+# DeepSpeed gives expert parallelism in DeepSpeed-MoE's layer arguments (`MoE(ep_size=..., capacity_factor=...,
+# drop_tokens=...)`, mirrored by the inference config's `moe` section) and in AutoEP's `expert_parallel` section. Both
+# are read as sections: `moe.ep_size` and, with `enabled: true`, `expert_parallel.autoep_size` are
+# `expert_parallel_size`. The other keys say how DeepSpeed's own layer routes and drops tokens; transformers' models
+# route with their own router and drop none, so a key is accepted (without effect) where its value says the same
+# (`drop_tokens: false`, a capacity factor with it, no noisy gate, AutoEP's "auto" routing) and refused by name
+# otherwise. DeepSpeed's default `drop_tokens: true` drops tokens: a capacity key is refused unless `drop_tokens: false`
+# comes with it.
 _EP_SIZE_KEYS = {"moe": "ep_size", "expert_parallel": "autoep_size"}
 
 

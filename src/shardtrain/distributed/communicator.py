@@ -27,14 +27,13 @@ bytes the collective really puts on the wire, per rank (the group's total divide
 algorithms used here each rank sends that much). See [Note: bytes on the wire].
 
 [Note: bytes on the wire]
-Backends do not all move the convention's bytes: on gloo all-gather and all-reduce do, but ``reduce_scatter_tensor``
-moves an all-reduce's, twice the theory (a ZeRO-3 step would move 4P, not 3P; measured in docs/benchmarks.md, issue
-15, and by ``tests/distributed/test_comm_ring.py``). So on gloo the reduce-scatter is ours (``reduce_scatter_impl ==
-"pairwise"``, which ``"auto"`` picks for gloo; NCCL keeps its own): each rank ``isend``s chunk ``j`` to rank ``j`` and
-``irecv``s its own chunk from its ``N-1`` peers, all posted at once, so transfers run on gloo's threads while the
-caller computes; ``wait()`` sums the ``N`` chunks in rank order, the same on every rank and step: deterministic. A
-ring's ``N-1`` dependent rounds each need a reduction (a thread for an asynchronous handle); one all-to-all round
-suits gloo's small groups. ``sent``: the pairwise bytes, gloo's loopback factor, NCCL's convention (unmeasured).
+On gloo ``reduce_scatter_tensor`` moves an all-reduce's bytes, twice the convention's (a ZeRO-3 step would move 4P, not
+3P; measured in docs/benchmarks.md, issue 15, and ``tests/distributed/test_comm_ring.py``). So on gloo the
+reduce-scatter is ours (``reduce_scatter_impl == "pairwise"``, which ``"auto"`` picks for gloo; NCCL keeps its own):
+each rank ``isend``s chunk ``j`` to rank ``j`` and ``irecv``s its own from its ``N-1`` peers, all posted at once so
+transfers run on gloo's threads while the caller computes; ``wait()`` sums the ``N`` chunks in rank order,
+deterministic. A ring would need a reduction per dependent round (a thread per handle). ``sent``: the pairwise bytes,
+gloo's loopback factor, NCCL's convention (unmeasured).
 
 [Note: a group of one]
 A group of one rank has nothing to exchange: its collectives are copies (or nothing) and are counted with 0 bytes.

@@ -14,52 +14,37 @@ Three ways to start are supported:
   path runs everywhere.
 
 [Note: the engine's groups]
-Every collective the engine issues runs on a group of its own topology: the world, the ``dp`` axis and the ``tp``
-axis. Each is created with ``collective_timeout_s`` (``new_group`` otherwise gives gloo and NCCL groups 30 minutes,
-whatever the default group's timeout). The default group itself is used for the world axis (and for an axis that
-spans the world) only when its timeout is the configured one: always when shardtrain created it; when the user
-created it beforehand with another timeout, the engine's world group is a new group over the same ranks, so that a
-stuck peer still fails the engine's collectives after ``collective_timeout_s`` (the user's own collectives keep the
-user's timeout). On the CPU (gloo) a default group created by the user or a launcher (the Hugging Face Trainer's,
-through accelerate) is never used by the engine, whatever its timeout: the engine frees every group it uses at
-``close()``, which joins their gloo worker threads (see [Note: what the engine starts and who joins it] in
-:mod:`shardtrain.engine.shutdown`), and the default group is held by others (DeepSpeed's ``deepspeed.comm``, imported
-by transformers once the group exists, keeps it in the defaults of its ``barrier``).
+Every engine collective runs on a group of its own topology (world, ``dp``, ``tp``) created with
+``collective_timeout_s``: ``new_group`` otherwise gives 30 minutes, whatever the default group's timeout. The default
+group serves the world axis only when its timeout is the configured one (always when shardtrain created it); else a
+new group over the same ranks does, so a stuck peer still fails the engine after ``collective_timeout_s``. On gloo a
+default group made by the user or a launcher is never used: ``close()`` frees the engine's groups, joining their
+gloo threads ([Note: what the engine starts and who joins it] in :mod:`shardtrain.engine.shutdown`), and others hold
+the default group (``deepspeed.comm`` keeps it in its ``barrier`` defaults).
 
-Beside them, each axis has a *host-side* group (``host_world_group``, ``host_dp_group``, ``host_tp_group``) for the
-small agreement checks (the desync check, the unit-order check, the tensor-parallel batch check): their payload lives
-in CPU tensors and is exchanged over gloo, so that on CUDA a check never waits for the kernels queued before it (a
-device-to-host copy of an NCCL result would). Where the main backend already exchanges CPU tensors (gloo, or a
-backend string naming gloo for the CPU) the host-side groups are the main ones; under NCCL they are gloo groups over
-the same ranks, created once here (:func:`make_groups`).
+Each axis also has a host-side group (``host_world_group``, ``host_dp_group``, ``host_tp_group``) for the agreement
+checks (desync, unit order, tensor-parallel batch): CPU tensors over gloo, so a check never waits for queued CUDA
+kernels. They are the main groups where the backend already takes CPU tensors, else gloo groups over the same ranks,
+made once in :func:`make_groups`.
 
 [Note: choosing the device]
-The config's ``device`` (``"cpu"`` or ``"cuda"``) chooses; unset, the environment variable ``SHARDTRAIN_DEVICE``
-does (as DeepSpeed's ``DS_ACCELERATOR``: a GPU machine runs a CPU job, or the CPU test suite,
-with ``SHARDTRAIN_DEVICE=cpu``), and without it CUDA when this process sees a device. A CUDA rank takes the device
-``LOCAL_RANK`` of those it sees, or the only one it sees (a launcher that hides the others, as SLURM's
-``--gpus-per-task=1``); more ranks on a node than devices is an error that says so before any collective, and two
-ranks that end up on one device are named at ``init_topology`` (an exchange of host names and device UUIDs) rather
-than by NCCL's first collective. The device is made current (``torch.cuda.set_device``) whoever created the process
-group, and a group shardtrain creates is bound to it (``device_id``), so NCCL's communicator is made eagerly on the
-right device. The CPU picks gloo, CUDA NCCL; a CUDA device with a user's gloo group is refused by name.
+The config's ``device`` (``"cpu"``/``"cuda"``) chooses, else ``SHARDTRAIN_DEVICE`` (as DeepSpeed's ``DS_ACCELERATOR``),
+else CUDA when this process sees a device. A CUDA rank takes device ``LOCAL_RANK``, or the only one it sees (SLURM's
+``--gpus-per-task=1``); more ranks on a node than devices is an error before any collective, and two ranks on one
+device are named at ``init_topology`` (host names and device UUIDs exchanged), not by NCCL's first collective. The
+device is made current whoever created the group, and a group shardtrain creates is bound to it (``device_id``) so
+NCCL's communicator is made eagerly on the right device. CPU picks gloo, CUDA NCCL; CUDA with a user's gloo group is
+refused by name.
 
 [Note: restarts under torchrun]
-Since PyTorch 2.4 torchrun's c10d rendezvous shares its TCP store with the workers (``TORCHELASTIC_USE_AGENT_STORE``
-is ``True``; ``MASTER_ADDR``/``MASTER_PORT`` name the agent's store) and keeps that store across restarts. A
-process group initialized from the environment writes its addresses under the same keys at every attempt, so after
-a restart a worker may read an address of the previous, dead attempt before its peer has overwritten it: gloo then
-fails with ``connectFullMesh failed ... Connection refused`` on every restarted attempt (NCCL reads a stale unique
-id), pytorch/pytorch#135712. A key prefix from ``TORCHELASTIC_RESTART_COUNT`` would not do: each agent counts its
-own restarts, and the agents of a multi-node job do not always agree (pytorch/pytorch#108158). So under a shared
-store rank 0 starts a TCP store of its own on a free port for this attempt and publishes ``<host> <port> <token>``
-under :data:`_ATTEMPT_STORE_KEY` of the agent's store (``host``: rank 0's address on the way to the agent's store,
-which may run on another node; ``token``: random, also written into rank 0's store); the other ranks read that key
-and connect, and use the store only if it holds the same token: a key left by the previous attempt
-names a port where nothing listens any more (connection refused) or another store (another token), and they read
-the key again until rank 0 of this attempt has written it. The process group then starts on a store that holds
-nothing from an earlier attempt, as with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, which a user need not set. As without
-a shared store, rank 0 hosts the store (the failure survey names rank 0 when the store stops answering).
+Since PyTorch 2.4 torchrun's rendezvous shares its TCP store with the workers (``TORCHELASTIC_USE_AGENT_STORE``) and
+keeps it across restarts, so a restarted worker may read the previous attempt's address before its peer overwrites it
+(gloo: ``connectFullMesh failed ... Connection refused``; NCCL: a stale unique id; pytorch/pytorch#135712). A key
+prefix from ``TORCHELASTIC_RESTART_COUNT`` fails: the agents of a multi-node job need not agree on it (#108158). So
+under a shared store rank 0 starts its own TCP store per attempt (as without one, rank 0 hosts it, so the failure survey
+names it when silent) and publishes ``<host> <port> <token>`` under :data:`_ATTEMPT_STORE_KEY` (host: its address on the
+route to the agent's store; token: random, also in its store); the others use it only if it holds the same token, else
+read the key again (a stale key names a dead port or another store).
 """
 
 from __future__ import annotations
@@ -434,90 +419,62 @@ class Topology:
     tensor-parallel block.
 
     [Note: the hybrid mesh]
-    With ``zero_optimization.mics_shard_size: S`` the data-parallel axis is split in two: ``dp = replicas * S`` and
-    ``dp_rank = replica_rank * S + shard_rank``, so a shard group is ``S`` adjacent data-parallel ranks (``S * tp``
-    adjacent global ranks: one node when ``S * tp`` GPUs fit in it), and the replicate group of a rank is the rank
-    with the same shard index (and tp rank) in every other replica. ZeRO shards parameters, gradients and optimizer
-    state over the ``shard`` axis; the ``replicate`` axis holds copies. ``dp`` and ``dp_rank`` stay the axis along
-    which batches differ (every rank of the data-parallel axis gets its own rows), so scripts and batch-size
-    arithmetic are the same with and without hybrid sharding. The ``dp`` group (every replica and shard) remains
-    for what must reach all data-parallel ranks: the initial broadcast, the gradient norm, ``gathered`` with a
-    ``modifier_rank``.
+    With ``zero_optimization.mics_shard_size: S``, ``dp = replicas * S`` and ``dp_rank = replica_rank * S +
+    shard_rank``: a shard group is ``S`` adjacent data-parallel ranks (``S * tp`` adjacent global ranks, one node when
+    they fit), and a rank's replicate group is the ranks with its shard index (and tp rank) in every other replica. ZeRO
+    shards all state over ``shard``; ``replicate`` holds copies. ``dp`` and ``dp_rank`` stay the axis along which
+    batches differ, so scripts and batch-size arithmetic don't change. The ``dp`` group remains for what must reach
+    every data-parallel rank: the initial broadcast, the gradient norm, ``gathered`` with a ``modifier_rank``.
 
     [Note: the sequence axis]
-    With ``sequence_parallel_size: P`` (Ulysses, docs/sequence-parallel.md) the mesh is ``(dp, sp, tp)``:
-    ``world = dp * sp * tp`` and ``rank = (dp_rank * sp + sp_rank) * tp + tp_rank``, so the ``P`` ranks sharing one
-    sequence are adjacent (their all-to-alls stay inside a node). ``dp`` and ``dp_rank`` stay the axis along which
-    batches differ: the ranks of one sequence-parallel group are given the same batch and each keeps its slice of
-    the sequence. ZeRO shards over the ``dp * sp`` ranks holding the same tensor-parallel block, as DeepSpeed does
-    (its "sequence data parallel" group): every one of them holds a full replica of the parameters' gradients for
-    its tokens, so the gradient reduction spans them all (see [Note: the loss over a sequence-parallel group] in
-    ``shardtrain.sequence_parallel.inputs`` for why an average over ``dp * sp`` is the right one). ``zero_rank =
-    dp_rank * sp + sp_rank`` is a rank's index on that axis, and ``zero_group`` is that group (every rank holding the
-    same tensor-parallel block), which the initial broadcast and the deferred construction must reach. With tensor
-    parallelism the sp group of a rank holds the same heads ([Note: Ulysses under tensor parallelism]). Hybrid
-    sharding (``mics_shard_size: S``) cuts the ``dp * sp`` axis as it cuts ``dp`` without sequence parallelism:
-    shard groups of ``S`` adjacent ``zero_rank`` s (ZeRO state sharded within), replicate groups of the same shard
-    index in each of the ``dp * sp / S`` replicas; ``S`` must divide ``dp * sp``. The gradient is still averaged
-    over all ``dp * sp`` ranks (reduce-scatter in the shard, all-reduce across replicas), as without hybrid
-    sharding.
+    With ``sequence_parallel_size: P`` (Ulysses, docs/sequence-parallel.md) the mesh is ``(dp, sp, tp)``: ``world = dp *
+    sp * tp`` and ``rank = (dp_rank * sp + sp_rank) * tp + tp_rank``, so one sequence's ``P`` ranks are adjacent
+    (all-to-alls inside a node). Batches differ along ``dp`` only: an sp group gets the same batch and each rank keeps
+    its slice of the sequence. ZeRO shards over the ``dp * sp`` ranks holding the same tensor-parallel block
+    (DeepSpeed's "sequence data parallel" group): each holds a full gradient for its tokens, so the reduction averages
+    over all of them ([Note: the loss over a sequence-parallel group] in ``shardtrain.sequence_parallel.inputs``).
+    ``zero_rank = dp_rank * sp + sp_rank`` indexes that axis and ``zero_group`` is it (the initial broadcast and
+    deferred construction must reach it). With tensor parallelism an sp group holds the same heads ([Note: Ulysses under
+    tensor parallelism]). Hybrid sharding cuts ``dp * sp`` as it cuts ``dp`` (``S`` must divide ``dp * sp``; shard
+    groups of ``S`` adjacent ``zero_rank`` s); the gradient is still averaged over all ``dp * sp`` ranks.
 
     [Note: the expert axis]
-    With ``expert_parallel_size: E`` (docs/expert-parallel.md) the data-parallel axis is cut as DeepSpeed-MoE cuts
-    it: ``dp_rank = edp_rank * E + ep_rank``. An expert group is ``E`` adjacent data-parallel ranks (their
-    all-to-alls stay inside a node when ``E`` GPUs fit in it), each holding ``num_experts / E`` whole experts of every
-    MoE layer; the expert-data-parallel group of a rank is the ``dp / E`` ranks with the same ``ep_rank``, which hold
-    the same experts and reduce their gradients together. Batches still differ along the whole ``dp`` axis, and
-    dense parameters are reduced over it. The mesh is ``(edp, ep, tp)``, or with hybrid sharding the ``(replicate,
-    shard, tp)`` one with the expert groups beside it, or with sequence parallelism the ``(dp, sp, tp)`` one with the
-    expert groups beside it ([Note: experts under sequence parallelism]). Hybrid sharding then shards and replicates
-    the dense state only; the expert buckets stay sharded over the expert-data-parallel group, whose ranks hold the
-    only copies of their experts. With tensor parallelism (``tensor_parallel.size: T``) the global rank stays
-    ``dp_rank * T + tp_rank``, and the expert and expert-data-parallel groups are cut from the data-parallel axis at
-    a fixed tp rank: each tp rank has its own, ``dp_rank * T + tp_rank`` for the ``dp_rank`` s of the group. The
-    ``T`` ranks of a tensor-parallel group hold the same experts, whole ([Note: experts beside tensor parallelism]
-    in :mod:`shardtrain.expert_parallel.dispatch`); with sequence parallelism as well, see [Note: experts under tensor
-    and sequence parallelism].
+    With ``expert_parallel_size: E`` (docs/expert-parallel.md) the data-parallel axis is cut as DeepSpeed-MoE cuts it:
+    ``dp_rank = edp_rank * E + ep_rank``. An expert group is ``E`` adjacent data-parallel ranks (inside a node when
+    ``E`` GPUs fit), each holding ``num_experts / E`` whole experts of every MoE layer; the expert-data-parallel group
+    is the ``dp / E`` ranks with the same ``ep_rank``, which hold the same experts and reduce their gradients together.
+    Batches still differ along all of ``dp`` and dense parameters are reduced over it; the mesh is ``(edp, ep, tp)``, or
+    the hybrid or sequence-parallel one with the expert groups beside it. Hybrid sharding shards and replicates the
+    dense state only: expert buckets stay sharded over the expert-data-parallel group, which holds their only copies.
+    With tensor parallelism the rank stays ``dp_rank * T + tp_rank`` and the expert groups are cut at each tp rank; the
+    ``T`` ranks of a tp group hold the same experts, whole ([Note: experts beside tensor parallelism] in
+    :mod:`shardtrain.expert_parallel.dispatch`). With sequence parallelism see [Note: experts under sequence
+    parallelism] and [Note: experts under tensor and sequence parallelism].
 
     [Note: experts under sequence parallelism]
     With ``sequence_parallel_size: P`` as well, the expert groups are cut from ZeRO's ``dp * P`` axis, not from ``dp``:
-    ``zero_rank = edp_rank * E + ep_rank``. Every rank of that axis holds other tokens (its slice of its data-parallel
-    rank's sequences), and a MoE layer works on a rank's own tokens (only attention exchanges across the
-    sequence-parallel group), so any ``E`` of them can send each other their tokens, as data-parallel ranks do. ``E``
-    must divide ``dp * P``, so that the expert groups tile the axis; nothing more: with ``E`` dividing ``P`` a group
-    lies within one sequence-parallel group, with ``P`` dividing ``E`` it spans whole ones, and otherwise it straddles
-    them, which changes which ranks exchange tokens, not what any rank computes. Groups of adjacent ranks keep the
-    exchange inside a node when ``E`` GPUs fit in it, and allow every ``E`` up to ``dp * P`` (groups cut from the ``dp``
-    axis alone would stop at ``dp``, and from the sequence-parallel group alone at ``P``). The expert-data-parallel
-    group is the ``dp * P / E`` ranks with the same ``ep_rank``. The gradients need nothing new: under sequence
-    parallelism rank ``r``'s parameters receive ``P * n_r / N`` times the gradient of its slice's mean loss ([Note: the
-    loss over a sequence-parallel group] in ``shardtrain.sequence_parallel.inputs``) and the dense ones are averaged
-    over the ``dp * P`` ranks; a rank's expert gradient is the sum of those contributions over its expert group (the
-    token exchange's backward brings them back), so its average over the ``dp * P / E`` expert-data-parallel ranks
-    divided by ``E`` ([Note: expert buckets] in ``zero/layout.py``) is the same sum over all ``dp * P`` ranks divided by
-    ``dp * P``. Hybrid sharding's shard groups cut the same axis; the expert buckets stay over the expert-data-parallel
-    group, as without sequence parallelism.
+    ``zero_rank = edp_rank * E + ep_rank``. A MoE layer works on a rank's own tokens (only attention crosses the
+    sequence-parallel group), so any ``E`` ranks of that axis can exchange tokens: ``E`` need only divide ``dp * P``
+    (groups cut from ``dp`` alone would stop at ``dp``, from the sp group alone at ``P``), and how a group straddles sp
+    groups changes who exchanges tokens, not what any rank computes. The expert-data-parallel group is the ``dp * P /
+    E`` ranks with the same ``ep_rank``. Gradients need nothing new: a rank's expert gradient sums its expert group's
+    contributions ([Note: the loss over a sequence-parallel group] in ``shardtrain.sequence_parallel.inputs``), so their
+    average over the expert-data-parallel group divided by ``E`` ([Note: expert buckets] in ``zero/layout.py``) is the
+    sum over all ``dp * P`` ranks divided by ``dp * P``. Hybrid sharding leaves the expert buckets as it does without
+    sequence parallelism.
 
     [Note: experts under tensor and sequence parallelism]
-    With ``tensor_parallel.size: T`` as well the global rank is ``zero_rank * T + tp_rank`` (``zero_rank = dp_rank * P +
-    sp_rank``), and the expert and expert-data-parallel groups are those of [Note: experts under sequence parallelism]
-    cut at each tp rank, as [Note: the expert axis] cuts them from the ``dp`` axis: ``(g * E + e) * T + t`` for the
-    ``e`` of an expert group, the ``g`` of an expert-data-parallel one. Each tp rank then sends its share of its tokens
-    ([Note: experts beside tensor parallelism] in :mod:`shardtrain.expert_parallel.dispatch`: ``ceil(N / (P * T))`` of a
-    slice's ``N / P``), which is right because the tp ranks of one ``(dp, sp)`` position hold the same tokens at every
-    MoE layer, by construction: they are handed the same rows (tensor parallelism requires it; the engine checks it at
-    the first step), and the sequence splitter keeps slice ``sp_rank`` of them, the same on each of them (``sp_rank =
-    (rank // T) % P``). The sequence-parallel group of a rank is the ranks with its tp rank ([Note: Ulysses under tensor
-    parallelism]), so attention's all-to-alls trade the slice for a split of that tp rank's heads and back, and the
-    row-parallel output projection sums the tp ranks' heads for each token of the slice; tensor parallelism here keeps
-    the activations between layers whole on every tp rank (no Megatron-style sequence split inside the tensor-parallel
-    group). The hidden states reaching a MoE layer are therefore the slice's, the same on the ``T`` ranks, and so is the
-    routing (the router is replicated); the load-balancing loss is the whole sequence's on each of them (the router
-    logits gathered over each tp rank's sequence-parallel group, [Note: the router's loss under Ulysses] in
-    ``shardtrain.sequence_parallel.router_loss``). A tp rank's expert gradient covers its share of the slice; its sum
-    over the tensor-parallel group is the slice's, what the rank holds without tensor parallelism, and the reduction
-    over the expert-data-parallel group divided by ``E`` is the one above. ``E`` must divide ``dp * P``; ``T`` and ``P``
-    need only what they need without experts (``P`` dividing a tp rank's heads).
+    With ``tensor_parallel.size: T`` as well, rank = ``zero_rank * T + tp_rank`` (``zero_rank = dp_rank * P +
+    sp_rank``), and the expert groups of [Note: experts under sequence parallelism] are cut at each tp rank as in [Note:
+    the expert axis]: ``(g * E + e) * T + t`` for the ``e`` of an expert group, the ``g`` of an expert-data-parallel
+    one. Each tp rank sends only its share of its tokens (``ceil(N / (P * T))`` of a slice's ``N / P``, [Note: experts
+    beside tensor parallelism] in :mod:`shardtrain.expert_parallel.dispatch`). That is right because the tp ranks of one
+    ``(dp, sp)`` position hold the same tokens at every MoE layer: they get the same rows (checked at the first step),
+    keep the same slice (``sp_rank = (rank // T) % P``), and their sp groups share a tp rank ([Note: Ulysses under
+    tensor parallelism]), so activations between layers stay whole on every tp rank (no Megatron-style sequence split)
+    and so does the routing (replicated router; load-balancing loss per [Note: the router's loss under Ulysses] in
+    ``shardtrain.sequence_parallel.router_loss``). The tp ranks' expert gradients sum to the slice's, so the reduction
+    is the one above. ``E`` must divide ``dp * P``; ``T`` and ``P`` need only what they need without experts.
     """
 
     rank: int

@@ -6,15 +6,11 @@ here are the only code that cuts a tensor into its blocks or glues blocks back t
 tests and the checkpoint code agree on what "block r with stride s" means.
 
 [Note: strided blocks]
-A fused weight stacks ``stride`` logical tensors along one dimension (Q, K and V: stride 3; gate and up: 2).
-Rank ``r`` of ``N`` must hold block ``r`` of *each* of them, concatenated in group order, so that the local
-output is again "Q then K then V" and the model's own ``chunk(3, dim=-1)`` still works::
-
-    global dim (stride 2, N = 2):   [ g0 g1 | u0 u1 ]
-    rank 0 holds [ g0 u0 ], rank 1 holds [ g1 u1 ]
-
-With stride 1 this is the plain contiguous split. Dropping the stride of a fused weight gives rank 0
-``[g0 g1]`` (all of gate, none of up): the numbers are wrong, not just permuted.
+A fused weight stacks ``stride`` logical tensors along one dimension (Q, K and V: 3; gate and up: 2). Rank ``r`` of
+``N`` must hold block ``r`` of *each*, in group order, so the local output is again "Q then K then V" and the model's
+own ``chunk(3, dim=-1)`` still works: with stride 2 and N = 2, ``[g0 g1 | u0 u1]`` gives rank 0 ``[g0 u0]`` and rank 1
+``[g1 u1]``. Stride 1 is the plain contiguous split. Dropping a fused weight's stride gives rank 0 ``[g0 g1]`` (all of
+gate, none of up): wrong numbers, not just permuted.
 """
 
 from __future__ import annotations

@@ -19,14 +19,13 @@ DeepSpeed's ``csvMonitor`` (header ``step,<metric>`` only in a new file, so a re
 communicates: other ranks only count micro-steps.
 
 [Note: model FLOPs and MFU]
-With ``flops_profiler.enabled`` rank 0 counts the forward FLOPs of optimizer step ``profile_step + 1`` (as DeepSpeed)
-with ``FlopCounterMode``, on this rank's share of the work. Model FLOPs per step are ``3 x`` that (backward is twice
-the forward); with activation checkpointing the hardware FLOPs, ``(3 + recompute_fwd_factor) x``, are reported beside
-them but never enter MFU. Counting once suffices (a training step's shapes do not change); counting every step would
-slow each one. Later print steps write TFLOP/s per rank = model FLOPs / step time and MFU = that / peak
-(``flops_profiler.peak_tflops``, or a known GPU's dense 16-bit peak for bf16/fp16; none for fp32 or the CPU, and then
-no MFU). Nothing synchronizes (a Python int, the step time already taken). The profile step's report (log or
-``output_file``) gives forward, model and hardware FLOPs, and with ``detailed`` the per-module table.
+With ``flops_profiler.enabled`` rank 0 counts, with ``FlopCounterMode``, the forward FLOPs of its share at optimizer
+step ``profile_step + 1`` (as DeepSpeed), once: a step's shapes don't change, and counting every step would slow each.
+Model FLOPs per step are ``3 x`` that; with activation checkpointing the hardware FLOPs, ``(3 + recompute_fwd_factor)
+x``, are reported beside them, never in MFU. Later print steps write TFLOP/s per rank = model FLOPs / step time and MFU
+= that / peak (``flops_profiler.peak_tflops``, else a known GPU's dense 16-bit peak for bf16/fp16; fp32 or the CPU: no
+MFU). Nothing synchronizes. The profile step's report gives forward, model and hardware FLOPs, and with ``detailed`` the
+per-module table.
 """
 
 from __future__ import annotations

@@ -528,15 +528,13 @@ def move_whole_parts(model: nn.Module, policy: ZeroPolicy, topology: Topology) -
     until :func:`~shardtrain.zero.build.build_layout` copies them into their unit, one unit at a time.
 
     [Note: stage 3 from the host]
-    A model built on the host without ``zero.Init`` (or on another device) is not moved whole to the device before
-    it is sharded: at stage 3 the device peak of ``initialize`` would be the whole model, and a model that only fits
-    sharded would run out of memory while ``shardtrain estimate`` says it fits. At stage 3 only the buffers and the
-    parameters below ``stage3_param_persistence_threshold`` are moved first. Each unit's parameters
-    are copied into the unit's flat buffer, made on the device (``build_buckets(device=...)``), when the unit is laid
-    out. The buffer then holds rank 0's values (broadcast), this rank's shard is cut from it, and it is freed before
-    the next unit. The device peak of ``initialize`` is the shards laid out so far plus one unit; the host keeps
-    each parameter until its unit is laid out. With tensor parallelism the model is still moved whole: the
-    tensor-parallel split runs before the layout, on the device.
+    At stage 3 a model built on the host without ``zero.Init`` (or on another device) is not moved whole to the device:
+    ``initialize``'s device peak would be the whole model, so a model that only fits sharded would run out of memory
+    while ``shardtrain estimate`` says it fits. Only buffers and parameters below ``stage3_param_persistence_threshold``
+    move first; each unit's parameters are copied, when the unit is laid out, into its flat buffer made on the device,
+    which takes rank 0's values (broadcast), is cut to this rank's shard and freed before the next unit (peak: the
+    shards so far plus one unit). With tensor parallelism the model still moves whole: the split runs on the device,
+    before the layout.
     """
     device = topology.device
     tensors = [*model.parameters(), *model.buffers()] if topology.tp > 1 else laid_out_whole(model, policy)

@@ -510,15 +510,12 @@ def _peak_only_tracker() -> Any:
     """torch's ``MemTracker``, keeping only the whole-process peak ([Note: the lean tracker]).
 
     [Note: the lean tracker]
-    ``MemTracker`` keeps, besides the whole-process peak the planner reads, per-module statistics it never reads:
-    after every operator ``_update_peak_stats`` walks every module seen so far (O(modules) per operator, O(layers^2)
-    per run), and every module hook deep-copies the current snapshot. This subclass drops those and keeps every step
-    that moves a byte or a category: the same storages are tracked with the same reference types at the same
-    moments (operator outputs, module parameters, buffers, inputs and outputs, gradient hooks, resizes), and the
-    peak is sampled after every operator as torch samples it, so the peak and its breakdown are torch's. Operator
-    outputs that are a tensor or a flat tuple or list are walked without ``tree_map_only``, and the snapshot at a
-    new peak is a plain copy of a dict of integers; anything else takes torch's own path.
-    ``test_fast_path_gives_the_reference_bytes`` compares it with ``MemTracker`` as it is."""
+    ``MemTracker`` also keeps per-module statistics the planner never reads: after every operator ``_update_peak_stats``
+    walks every module seen (O(layers^2) per run), and every module hook deep-copies the snapshot. This subclass drops
+    those and keeps every step that moves a byte or a category (same storages, reference types and moments; the peak
+    sampled after every operator), so the peak and its breakdown are torch's. Operator outputs that are a tensor or a
+    flat tuple/list skip ``tree_map_only`` and a new peak's snapshot is a plain dict copy; anything else takes torch's
+    path. ``test_fast_path_gives_the_reference_bytes`` compares it with ``MemTracker``."""
     from torch._guards import active_fake_mode
     from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType, _ModState
     from torch.distributed.tensor import DTensor

@@ -2,14 +2,13 @@
 expert group (see [Note: tokens to their experts] in :mod:`shardtrain.expert_parallel.dispatch`).
 
 [Note: which experts modules are split]
-An experts module is split when it is transformers' fused experts: an int ``num_experts``, 3-D weights with one row
-per expert (``gate_up_proj`` / ``down_proj``, gpt-oss's biases) and a forward taking the routing (``hidden_states,
-top_k_index, top_k_weights``), what the token exchange hands it. A model's expert-parallel plan (``base_model_ep_plan``,
-read as transformers reads ``model.ep_plan``) decides where there is one: its ``ep_dispatch_experts`` modules are
-split (``grouped_gemm`` weights by rows), the others stay whole; other styles (``colwise``, ``rowwise``, the removed
-``ep_router``, ``moe_tp_experts``) and planned modules that are not fused experts are refused by name. Without a plan
-every fused experts module is split; an ``experts`` module that is not fused (Switch Transformers' per-expert list,
-DBRX's layout, Llama 4's pre-routed forward) is refused, naming its class.
+An experts module is split when it is transformers' fused experts: an int ``num_experts``, 3-D weights with one row per
+expert (``gate_up_proj``/``down_proj``, gpt-oss's biases) and a forward taking the routing (``hidden_states,
+top_k_index, top_k_weights``), which the token exchange hands it. A model's plan (``base_model_ep_plan``, read as
+transformers reads ``model.ep_plan``) decides where it has one: ``ep_dispatch_experts`` modules are split
+(``grouped_gemm`` weights by rows), others stay whole; other styles and planned modules that are not fused experts are
+refused by name. Without a plan every fused experts module is split; a non-fused ``experts`` module (Switch
+Transformers, DBRX, Llama 4's pre-routed forward) is refused, naming its class.
 """
 
 from __future__ import annotations

@@ -2,25 +2,21 @@
 (``offload_optimizer.device: cpu`` or ``nvme`` on CUDA), overlapped with the GPU.
 
 [Note: overlapped offload]
-With the step on the host, gradients down, CPU update and parameters back would idle the GPU if run in series; here
-they overlap (details and timings: docs/offload.md, "Overlapped copies on CUDA"):
+Gradients down, the CPU update and parameters back overlap instead of idling the GPU in series (details and timings:
+docs/offload.md, "Overlapped copies on CUDA"). The orderings that keep it correct:
 
-* **Gradients, during backward**: once the reducer folded a bucket at the accumulation boundary, side stream ``d2h``
-  copies the shard's host-stepped span into a pinned buffer, after a compute-stream event, and records the bucket's
-  event. At the end of backward the compute stream waits for ``d2h`` on the device, so nothing after it (unscale,
-  clip, ``zero_grad``, next accumulation) writes a shard being copied. The copies are raw: the step's unscale and clip
-  multiply the host copies in the same order, so the numbers are the in-memory path's.
-* **The host step, per sub-group**: sub-group k waits on the host for its own buckets' events only. Buckets backward
-  did not copy (no boundary backward, graph mode's reductions, hybrid sharding) are copied at the step from its
-  unscaled, clipped gradients, all issued before the first sub-group steps.
-* **Parameters back, per sub-group**: its fp32 masters go to the GPU on side stream ``h2d`` from their pinned blocks,
-  rounded to the compute dtype there (masters not page-locked, or in ``nvme`` swap buffers, go through a pinned
-  compute-dtype buffer, rounded on the CPU). A master or buffer is rewritten only after the host waited for its
-  sub-group's event; at the end of the step the compute stream waits for both side streams before the all-gathers.
+* Gradients: once the reducer folded a bucket at the accumulation boundary, side stream ``d2h`` copies the shard's
+  host-stepped span into a pinned buffer after a compute-stream event. At the end of backward the compute stream waits
+  for ``d2h``, so nothing after it (unscale, clip, ``zero_grad``, next accumulation) writes a shard being copied. The
+  copies are raw; the host unscales and clips them in the same order, so the numbers are the in-memory path's.
+* Host step: sub-group k waits on the host for its own buckets' events only. Buckets backward did not copy (no boundary
+  backward, graph mode's reductions, hybrid sharding) are copied at the step, all before the first sub-group steps.
+* Parameters back: fp32 masters go up on side stream ``h2d`` and are rounded there (unpinned or ``nvme`` masters go
+  through a pinned compute-dtype buffer, rounded on the CPU). A master or buffer is rewritten only after the host waited
+  for its sub-group's event; the compute stream waits for both side streams before the all-gathers.
 
-No ``synchronize``: the host waits only for copy events and, once a step, the clip coefficient (the ordering is
-tested on the CPU through a fake :class:`CopyStreams`). Host buffers view flat blocks allocated once, of exact size,
-page-locked with ``cudaHostRegister``: CUDA's caching host allocator would round each up to a power of two and keep it.
+No ``synchronize``: the host waits only for copy events and, once a step, the clip coefficient. Host buffers view flat
+blocks page-locked at exact size with ``cudaHostRegister`` (CUDA's caching host allocator rounds up to a power of two).
 """
 
 from __future__ import annotations

@@ -2,14 +2,13 @@
 and ZeRO-Infinity for the optimizer).
 
 [Note: sub-group stepping]
-A rank's stepped tensors (fp32 fragments, or their masters under mixed precision; [Note: optimizer fragments]) are
-cut, in the wrapper's order, into *sub-groups* of about ``sub_group_size`` elements (a fragment is never split). The
-user's optimizer steps one sub-group at a time: only its tensors carry a ``.grad`` at ``optimizer.step()``, and torch
-optimizers skip tensors without one. Updates are element-wise ([Note: element-wise optimizers]) and torch's CPU
-optimizers loop over tensors, so the values are bitwise those of one call. Per-tensor scalar state (``step``) stays
-in ``optimizer.state``; an offloaded sub-group's element-wise state (``exp_avg``, ...) is there only while it is
-stepped. ``ratio`` < 1 offloads the first sub-groups holding that fraction of the elements; the rest stay resident.
-Step hooks registered on the optimizer run once per sub-group.
+A rank's stepped tensors (fp32 fragments, or their masters; [Note: optimizer fragments]) are cut, in the wrapper's
+order, into *sub-groups* of about ``sub_group_size`` elements (never splitting a fragment). The user's optimizer steps
+one sub-group at a time: only its tensors carry a ``.grad``, and torch optimizers skip tensors without one. Updates are
+element-wise ([Note: element-wise optimizers]) and torch's CPU optimizers loop over tensors, so values are bitwise one
+call's. Scalar state (``step``) stays in ``optimizer.state``; an offloaded sub-group's element-wise state is there only
+while stepped. ``ratio`` < 1 offloads the first sub-groups holding that fraction of the elements. Step hooks registered
+on the optimizer run once per sub-group.
 
 [Note: swap pipeline]
 With ``device: nvme`` each (stepped tensor, state key) has one file in the rank's scratch directory, open only while
@@ -24,15 +23,13 @@ buffers than sub-groups are allocated. Every rank agrees on the step's outcome (
 full disk on one rank raises on all, naming rank and file, instead of the others waiting for a collective.
 
 [Note: offloaded masters]
-Under mixed precision, with ``nvme`` the fp32 masters go to the files too (key ``master``), so a rank keeps neither
-the 4 bytes of master nor the 8 of Adam moments per element. A master stays the same tensor object
-(``optimizer.state`` and the param groups are keyed on it): between steps its storage is empty (``Tensor.set_``),
-during its sub-group's step a view of the buffer, after which it refreshes the compute-dtype fragment. Readers and
-writers between steps (loading full weights, ``engine.gathered(modifier_rank=...)``, checkpoints) get its file mapped
-shared (:meth:`OptimizerOffload.master_view`): pages are read and written in place, never the whole state. In fp32
-training the stepped tensor is the parameter's own fragment, which is not optimizer state and stays.
-
-Swap directories, files, the page-cache policy and :class:`OffloadError` are in :mod:`shardtrain.offload.swap`.
+Under mixed precision with ``nvme`` the fp32 masters go to the files too (key ``master``), so a rank keeps neither the 4
+bytes of master nor the 8 of Adam moments per element. A master stays the same tensor object (``optimizer.state`` and
+the param groups are keyed on it): between steps its storage is empty (``Tensor.set_``), during its sub-group's step a
+view of the buffer, after which it refreshes the compute-dtype fragment. Readers and writers between steps (loading
+weights, ``engine.gathered(modifier_rank=...)``, checkpoints) get its file mapped shared, never the whole state
+(:meth:`OptimizerOffload.master_view`). In fp32 training the stepped tensor is the parameter's own fragment. Swap files
+and :class:`OffloadError`: :mod:`shardtrain.offload.swap`.
 """
 
 from __future__ import annotations

@@ -2,15 +2,13 @@
 :mod:`shardtrain.plan.policies`; fp16's loss scaler is :mod:`.loss_scaler`).
 
 [Note: mixed precision]
-With ``bf16`` or ``fp16``, parameters (flat buffers, [Note: bucket layout]), frozen parameters and floating buffers
-are cast to the compute dtype after the layout is built. Each rank keeps fp32 *master* copies of its fragments, made
-from the fp32 values before the cast; the optimizer and its state see only the masters, and after each step the
-compute-dtype fragments are refreshed from them, then gathered as usual. Gradients come in the compute dtype and are
-accumulated in fp32 (added into the bucket's fp32 buffer at stages 0-1, or staged and reduce-scattered into an fp32
-shard at stages 2-3): exact accumulation over micro-steps and fp32 gradients ready for the masters, for 2 bytes per
-parameter more than compute-dtype buffers (stage 1: 2 + 4 + 12/N bytes per parameter, stage 2: 2 + 16/N, stage 3:
-18/N, against the ZeRO paper's 4 + 12/N, 2 + 14/N and 16/N). Reductions run in ``communication_data_type`` (default
-fp32, twice a bf16 reduction's bytes; ``"bf16"``/``"fp16"`` halves them and sums in low precision).
+With ``bf16`` or ``fp16``, parameters (flat buffers, [Note: bucket layout]), frozen parameters and floating buffers are
+cast to the compute dtype after the layout is built. Each rank keeps fp32 *masters* of its fragments, made before the
+cast; the optimizer sees only them, and after each step the compute-dtype fragments are refreshed from them and
+gathered. Gradients are accumulated in fp32 (the bucket's fp32 buffer at stages 0-1, staged and reduce-scattered into an
+fp32 shard at 2-3): exact over micro-steps, for 2 bytes per parameter more (stages 1/2/3: 2 + 4 + 12/N, 2 + 16/N, 18/N;
+ZeRO paper: 4 + 12/N, 2 + 14/N, 16/N). Reductions run in ``communication_data_type`` (default fp32; ``"bf16"`` or
+``"fp16"`` halves the bytes and sums in low precision).
 """
 
 from __future__ import annotations

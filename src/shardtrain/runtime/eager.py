@@ -18,14 +18,12 @@ just unpacked is released at the next event in another autograd node, since the 
 is still gathered at the end of backward is released then.
 
 [Note: kept after forward]
-A forward that records gradients leaves gathered, as FSDP2 does, the root unit (its head is backward's first need,
-its embeddings the last) and the last unit of the forward order (backward's first block): re-gathering them would
-move their bytes again for nothing (their share of the parameters: docs/benchmarks.md, "Figures from the design
-notes"). Their backward gathers are no-ops; they are released with the others once their gradients are in. A forward
-no backward follows (evaluation with gradients on) leaves them gathered until the next forward, which releases them
-first, since a step or ``engine.gathered(modifier_rank=...)`` may have changed the shards. Memory: never more whole
-than forward itself holds (root, current and prefetched unit). From the second step on a step moves
-``3P - (root + last unit)`` parameter bytes times ``(N-1)/N``.
+A forward that records gradients leaves the root unit (its head is backward's first need, its embeddings the last) and
+the last unit of the forward order gathered, as FSDP2 does: re-gathering them would move their bytes again for nothing.
+Their backward gathers are no-ops; they are released once their gradients are in. After a forward no backward follows,
+they stay gathered until the next forward, which releases them first (a step or ``engine.gathered(modifier_rank=...)``
+may have changed the shards). Memory: never more whole than forward holds (root, current and prefetched unit). A step
+then moves ``3P - (root + last unit)`` parameter bytes times ``(N-1)/N``.
 
 [Note: unit order check]
 Before an all-gather the ranks exchange the id of the unit they will gather (8 bytes; ``stage3_gather_check``, on by

@@ -20,15 +20,13 @@ slice of the sequence, ``[r * S/P, (r + 1) * S/P)`` for sp rank ``r``:
 * ``attention_mask`` ``[b, S]`` is not split: see [Note: masks under Ulysses].
 
 [Note: masks under Ulysses]
-After the all-to-all a rank holds whole sequences (for its heads), so attention needs the whole sequence's mask. For
-a transformers model the engine builds it once per forward, before the split, with transformers' own
-``create_causal_mask`` (``create_bidirectional_mask`` for an encoder) from the 2-D padding mask, the position ids
-(packed rows when ``use_cache=False``) and the causal rule, and passes the ``[b, 1, S, S]`` result as the model's
-``attention_mask``: a 4-D mask passes the model's mask preparation unchanged and reaches the Ulysses attention, which
-applies it after the exchange ([Note: sliding windows under Ulysses] in :mod:`shardtrain.sequence_parallel.ulysses`).
-Where transformers would use sdpa's own causal or unmasked path it is None (no ``S x S`` mask). Positions stay
-``0..S-1`` under left padding too, as in transformers; labels are -100 at the padding. A model that is not a
-transformers one takes no mask: all ones is dropped, padding refused.
+After the all-to-all a rank holds whole sequences, so attention needs the whole sequence's mask. For a transformers
+model the engine builds it per forward, before the split, with ``create_causal_mask`` (``create_bidirectional_mask`` for
+an encoder) from the 2-D padding mask and position ids (packed rows when ``use_cache=False``), and passes the ``[b, 1,
+S, S]`` result as ``attention_mask``: a 4-D mask passes the model's preparation unchanged and the Ulysses attention
+applies it after the exchange ([Note: sliding windows under Ulysses] in :mod:`shardtrain.sequence_parallel.ulysses`);
+None where transformers would take sdpa's causal or unmasked path. Positions stay ``0..S-1`` under left padding. Other
+models take no mask: all ones is dropped, padding refused.
 
 [Note: the loss over a sequence-parallel group]
 The model computes, on each rank, the mean loss over the real targets (not -100) of its slice. The engine returns

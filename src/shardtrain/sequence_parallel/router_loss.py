@@ -1,15 +1,13 @@
 """A mixture of experts' load-balancing (auxiliary) loss under sequence parallelism: the whole sequence's.
 
 [Note: the router's loss under Ulysses]
-transformers' MoE causal LMs compute the load-balancing loss ``E * sum_e f_e * P_e`` over the batch's tokens in their
-forward, with their module's ``load_balancing_loss_func(gate_logits, num_experts, top_k, attention_mask)``: a
-product of means, which on a slice is another number (measured in docs/sequence-parallel.md, "Use"). While an
-engine's model runs its forward, that function (a global of the model's module, looked up at each call) is given
-each layer's router logits gathered over the group into one process's ``[b * S, E]`` and the engine's 2-D padding
-mask, so every rank adds one process's term ``coef * A`` to its slice's loss. The weighting ``sum_r n_r / N``
-([Note: the loss over a sequence-parallel group] in :mod:`shardtrain.sequence_parallel.inputs`) leaves it whole, and
-the gather's backward sends each slice ``sum_r n_r / N = 1`` of its gradient: one process's. Outside such a forward
-the function is the model's own; one of another signature is refused when called under sequence parallelism.
+transformers' MoE causal LMs compute the load-balancing loss ``E * sum_e f_e * P_e`` over the batch's tokens with their
+module's ``load_balancing_loss_func(gate_logits, num_experts, top_k, attention_mask)``: a product of means, which on a
+slice is another number. During an engine forward that function (a module global, looked up per call) gets each layer's
+router logits gathered over the group into one process's ``[b * S, E]`` and the engine's 2-D padding mask, so every rank
+adds one process's term. The weighting ``sum_r n_r / N = 1`` ([Note: the loss over a sequence-parallel group] in
+:mod:`shardtrain.sequence_parallel.inputs`) keeps it whole, and the gather's backward sends each slice one process's
+gradient. Elsewhere the function is the model's own; one of another signature is refused under Ulysses.
 """
 
 from __future__ import annotations

@@ -15,13 +15,12 @@ instead of keeping it (Bekman et al., "Arctic Long Sequence Training", 2025: ``T
 
 [Note: the tiled cross-entropy]
 One autograd Function over ``(hidden [N, d], weight [V, d], bias [V])`` returns the *sum* of the token losses (the
-caller divides by its count: the real tokens, or ``num_items_in_batch``). Forward, tile by tile under ``no_grad``,
-keeps only each token's fp32 log-sum-exp and target logit. Backward recomputes each tile's logits, writes their
-gradient ``(softmax - onehot) * g`` itself (zero on ignored targets) and accumulates ``d W`` and ``d b`` over the tiles
-in fp32, returned once per backward: ZeRO's reducer sees one gradient per parameter, as without tiling (DeepSpeed's
-version calls backward per tile and needs its ``ds_grad_is_ready`` flag). The hidden states and the weight are saved
-with ``save_for_backward`` so that ZeRO-3 gathers the weight's unit for backward ([Note: gathering for backward] in
-:mod:`shardtrain.runtime.eager`); a tied weight gets its two gradients summed by autograd.
+caller divides by its count). Forward, tile by tile under ``no_grad``, keeps each token's fp32 log-sum-exp and target
+logit. Backward recomputes each tile's logits, writes ``(softmax - onehot) * g`` (zero on ignored targets) and
+accumulates ``d W``, ``d b`` in fp32, returned once: ZeRO's reducer sees one gradient per parameter (DeepSpeed's version
+calls backward per tile and needs ``ds_grad_is_ready``). Hidden states and weight go through ``save_for_backward`` so
+ZeRO-3 gathers the weight's unit for backward ([Note: gathering for backward] in :mod:`shardtrain.runtime.eager`);
+autograd sums a tied weight's two gradients.
 
 [Note: the tiled MLP]
 :class:`TiledMLP` runs ``fn(module, x)`` over tiles of the token dimension (``-2``) under ``no_grad`` and saves

@@ -25,14 +25,12 @@ with ``P | kv * k``): still a valid grouped layout, ``g / k`` query heads per ke
 key/value bytes. ``h`` itself must divide by ``P``.
 
 [Note: Ulysses under tensor parallelism]
-With tensor parallelism the q/k/v projections are column-parallel (Megatron): tp rank ``t`` holds query heads
-``[t * h/tp, (t + 1) * h/tp)`` and the key/value heads they read, for its tokens' slice of the sequence, and its
-attention sees only those. Ulysses then runs inside each tensor-parallel rank's heads: the sp group of a rank is the
-ranks with the same tp rank (and dp rank), which hold the same heads for the other slices, and the all-to-all trades
-the sequence split for a split of those ``h/tp`` local heads. Everything above applies with ``h/tp`` and ``kv/tp``
-in place of ``h`` and ``kv``: ``P`` must divide ``h/tp``, and key/value heads fewer than ``P`` per tp rank are
-repeated. Nothing else changes: the output projection (row-parallel) sums the tp ranks' heads per token as without
-sequence parallelism, on each rank's slice of the sequence.
+With tensor parallelism the q/k/v projections are column-parallel: tp rank ``t`` holds query heads ``[t * h/tp, (t + 1)
+* h/tp)`` and the key/value heads they read. Ulysses runs inside each tp rank's heads: a rank's sp group is the ranks
+with its tp (and dp) rank, holding the same heads for the other slices, and the all-to-all trades the sequence split for
+a split of those ``h/tp`` heads. Everything above holds with ``h/tp``, ``kv/tp`` for ``h``, ``kv``: ``P`` must divide
+``h/tp``; fewer than ``P`` key/value heads per tp rank are repeated. The row-parallel output projection sums the tp
+ranks' heads per token as without sequence parallelism.
 
 [Note: attention sinks]
 GPT-OSS and Flint learn one sink logit per query head (``module.sinks``, ``[h]``), which their attention function

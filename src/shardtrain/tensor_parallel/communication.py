@@ -11,16 +11,13 @@ primitive of which layer it was, in forward or backward (e.g. ``all_reduce of th
 'blocks.1.mlp.0' (Megatron's f, backward) failed ...``).
 
 [Note: replicated and split activations]
-Between tensor-parallel layers an activation is either *replicated* (the residual stream) or *split* (rank r holds
-block r of the last dimension: a column-parallel layer's output, an attention's heads). A replicated activation's
-gradient must come out replicated: a rank that used only its block produces a partial gradient, which ``f`` sums.
-A gathered activation's gradient is replicated, so its backward just keeps this rank's block.
-
-In graph mode at ZeRO stages 0-2 the four primitives run eagerly between the graph's pieces
-(:mod:`shardtrain.between_graphs`): a graph cannot hold their c10d work handles. At stage 3 the forward is one graph
-([Note: one graph, no splits]), so there they are traced, with the communicator's functional collectives ([Note:
-collectives in graphs] in :mod:`shardtrain.distributed.communicator`), chosen by ``torch.compiler.is_compiling()`` in
-forward and backward alike: the same bytes in the same reduction order, so the results are eager's bitwise.
+Between tensor-parallel layers an activation is *replicated* (the residual stream) or *split* (rank r holds block r of
+the last dimension: a column-parallel output, an attention's heads). A replicated activation's gradient must come out
+replicated: a rank that used only its block produces a partial gradient, which ``f`` sums; a gathered activation's
+gradient is replicated, so its backward keeps this rank's block. In graph mode at stages 0-2 the four primitives run
+eagerly between the graph's pieces (:mod:`shardtrain.between_graphs`): a graph cannot hold c10d work handles. At stage 3
+(one graph, [Note: one graph, no splits]) they are traced with functional collectives ([Note: collectives in graphs] in
+:mod:`shardtrain.distributed.communicator`), chosen by ``torch.compiler.is_compiling()``: eager's results, bitwise.
 """
 
 from __future__ import annotations

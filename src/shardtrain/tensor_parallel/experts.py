@@ -147,14 +147,12 @@ def _check_grouped_mm_alignment(
 ) -> None:
     """[Note: grouped_mm's alignment]
     transformers' default experts implementation, ``grouped_mm``, calls ``torch._grouped_mm``, which requires every
-    stride of its operands but the last to be a multiple of 16 bytes (on CPU and CUDA alike; otherwise
-    ``RuntimeError: strides should be multiple of 16 bytes`` from inside torch at the first forward). A whole model's
-    sizes usually satisfy it, but a tensor-parallel split divides each expert's intermediate features by ``tp``:
-    ``moe_intermediate_size / tp`` elements must fill a multiple of 16 bytes in the dtype the experts run in (4
-    elements in fp32, 8 in bf16 or fp16). Checked on each rank's block shapes, in the weights' dtype and in the
-    compute dtype, before anything changes; refused by name with the sizes that fit. The other implementations
-    (``eager``, ``batched_mm``) have no such requirement. Only the split dimension is checked: the others are the
-    whole model's, which transformers runs as they are."""
+    stride of its operands but the last to be a multiple of 16 bytes (CPU and CUDA; else ``RuntimeError: strides should
+    be multiple of 16 bytes`` at the first forward). A tensor-parallel split divides each expert's intermediate features
+    by ``tp``, so ``moe_intermediate_size / tp`` elements must fill a multiple of 16 bytes in the experts' dtype (4 in
+    fp32, 8 in bf16/fp16). Checked on each rank's block shapes, in the weights' and the compute dtype, before anything
+    changes; refused by name with the sizes that fit. ``eager`` and ``batched_mm`` need nothing; only the split
+    dimension is checked (the others are the whole model's, which transformers runs as they are)."""
     config = getattr(module, "config", None)
     if getattr(config, "_experts_implementation", None) != "grouped_mm":
         return

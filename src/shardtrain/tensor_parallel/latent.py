@@ -1,16 +1,13 @@
 """Multi-head latent attention (DeepSeek-V2's MLA) under tensor parallelism: transformers' ``mla_kv_a_proj`` style.
 
 [Note: the latent key/value projection]
-MLA compresses keys and values through a low-rank projection that every head shares, kept replicated::
-
-    hidden -> kv_a_proj_with_mqa -> [k_pass (kv_lora_rank) | k_rot (qk_rope_head_dim)]
-    k_pass -> kv_a_layernorm -> kv_b_proj (colwise: this rank's heads) -> k_nope, values
-    k_rot  -> rotary -> copied to every head of this rank
-
-``kv_b_proj``'s Megatron **f** already sums ``k_pass``'s gradient over the ranks; ``k_rot`` bypasses it, so its
-gradient on each rank covers that rank's heads only. The style puts **f** on the ``k_rot`` columns of
-``kv_a_proj_with_mqa``'s output only: an **f** on the whole output would sum ``k_pass``'s gradient twice. Nothing is
-replaced or split; ``k_rot``'s width is the attention's ``qk_rope_head_dim``, else the model's (text) config's.
+MLA compresses keys and values through a low-rank projection shared by every head, kept replicated: ``hidden ->
+kv_a_proj_with_mqa -> [k_pass | k_rot]``; ``k_pass`` goes through ``kv_a_layernorm`` and ``kv_b_proj`` (colwise: this
+rank's heads) to ``k_nope`` and values; ``k_rot`` is rotated and copied to every head of this rank. ``kv_b_proj``'s
+Megatron **f** already sums ``k_pass``'s gradient over the ranks; ``k_rot`` bypasses it, so its gradient covers this
+rank's heads only. The style puts **f** on the ``k_rot`` columns of the output only: on the whole output it would sum
+``k_pass``'s gradient twice. Nothing is replaced or split; ``k_rot``'s width is the attention's ``qk_rope_head_dim``,
+else the model's (text) config's.
 """
 
 from __future__ import annotations

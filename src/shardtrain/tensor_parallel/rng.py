@@ -1,24 +1,21 @@
 """Random numbers inside and outside tensor-parallel regions (Megatron's RNG tracker idea, without a tracker).
 
 [Note: tensor-parallel RNG]
-Dropout on a *split* activation (this rank's heads, the MLP's hidden block) must draw different masks on different
-tp ranks, or they would drop the same positions of different blocks: a correlation no single-process model has.
-Dropout on a *replicated* activation (the residual stream) must draw the same mask on every rank, or the replicas
-drift apart. Megatron keeps a second, per-rank generator state in a tracker, which checkpoints must save and
+Dropout on a *split* activation (this rank's heads, the MLP's hidden block) must draw different masks on different tp
+ranks, or they drop the same positions of different blocks; on a *replicated* one (the residual stream) the same mask on
+every rank, or the replicas drift apart. Megatron keeps a second per-rank generator state that checkpoints must save and
 recomputation restore; here the only state is the default generators, which both already handle:
 
-* ``enter()`` (a column-parallel layer produced a split output) draws one number ``base`` from the default CPU
-  generator (the same on every tp rank), remembers the state after the draw and re-seeds the default generators
-  (CPU, and the current CUDA device's once CUDA is initialized) from ``(base, tp_rank)``;
-* ``exit()`` (the activation is replicated again, e.g. in a row-parallel layer) restores the remembered state.
+* ``enter()`` (a column-parallel layer's split output) draws ``base`` from the default CPU generator (the same on every
+  tp rank), remembers the state after the draw and re-seeds the default generators (CPU, and the current CUDA device's
+  once CUDA is initialized) from ``(base, tp_rank)``;
+* ``exit()`` (the activation is replicated again) restores the remembered state.
 
-So outside regions the default stream advances identically on every rank (one draw per region, which also gives
-successive regions different seeds), and a recompute forks to the same seed and reproduces the masks. The model's
-forward hooks close any region at both ends of the forward, so a checkpoint needs only the default states. A group
-of one skips the fork: tp size 1 draws exactly the unparallelized model's numbers. In graph mode at ZeRO-3 the
-forward is one graph ([Note: one graph, no splits] in :mod:`shardtrain.between_graphs`), which holds no generator
-state: ``enter()`` traces only its one draw, and a graph that draws random numbers under tensor parallelism is
-refused (``shardtrain.graph.sharded.refuse_random``); at stages 0-2 both run between the graph's pieces.
+Outside regions the default stream thus advances alike on every rank, and a recompute forks to the same seed. Forward
+hooks close any region at both ends of the forward, so a checkpoint needs only the default states. A group of one skips
+the fork (tp size 1 draws the unparallelized model's numbers). In graph mode at ZeRO-3 (one graph, [Note: one graph, no
+splits] in :mod:`shardtrain.between_graphs`) ``enter()`` traces only its draw, and a graph drawing random numbers under
+tensor parallelism is refused (``shardtrain.graph.sharded.refuse_random``).
 """
 
 from __future__ import annotations

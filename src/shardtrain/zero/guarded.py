@@ -1,14 +1,12 @@
 """Guarded parameters: ZeRO-3 parameters whose data may only be read while their unit is gathered.
 
 [Note: guarded parameters]
-Parameters of units (frozen ones too) become :class:`ShardedParameter`, their class changed in place so the optimizer,
-tied modules and hooks keep the same object. That switch, which intercepts data access without a global mode, is the
-only change to the parameter (:func:`unguard` reverts it; ``zero.Init`` does, for parameters that end up whole). A
-data access while the unit is not gathered (``.data``, an arithmetic op, ``state_dict()``) reaches
-``__torch_function__``: inside a forward it gathers the owning unit on demand (a parameter used outside its module;
-such units stay gathered for backward too); elsewhere it raises, naming the parameter and ``engine.gathered(...)``.
-Metadata (shape, dtype, ``.grad``) stays readable. What the guard knows (name, unit) is in a weak map keyed by the
-parameter's identity; nothing is set on the parameter.
+Parameters of units (frozen ones too) become :class:`ShardedParameter` by a class change in place, so the optimizer,
+tied modules and hooks keep the same object; it is their only change (:func:`unguard` reverts it, as ``zero.Init`` does
+for parameters that end up whole) and intercepts data access without a global mode. Data access while the unit is not
+gathered (``.data``, an op, ``state_dict()``) reaches ``__torch_function__``: in a forward it gathers the unit (kept
+then for backward too); elsewhere it raises, naming the parameter and ``engine.gathered(...)``. Metadata stays readable.
+The guard's knowledge (name, unit) is in a weak map keyed by identity; nothing is set on the parameter.
 """
 
 from __future__ import annotations

@@ -1,28 +1,17 @@
 """ZeRO++ hierarchical partitioning (hpZ): ``zero_optimization.zero_hpz_partition_size: H`` at stage 3.
 
 [Note: secondary shards]
-Plain ZeRO-3 gathers every unit twice per micro-step over every data-parallel rank: once for forward, once more for
-backward. Across nodes both gathers cross the network. hpZ (ZeRO++, Wang et al. 2023, section 3.2) keeps the primary
-partition as it is (parameters, gradients and optimizer state sharded over all ``N`` data-parallel ranks, so state
-memory is still ``1/N``) and adds a *secondary* one for the backward gather: when a forward that records gradients
-releases a unit, each rank first copies its ``1/H`` slice of the unit's full flat buffer (compute dtype, the values
-just gathered), where the ``H`` ranks of an hpZ group are adjacent (one node). Backward then gathers the unit from
-those slices within the group (``(H-1)/H`` of its bytes, none across nodes) instead of from the primary shards
-over everyone. The values are the same bytes, so the run is bit for bit plain ZeRO-3's.
+Plain ZeRO-3 gathers every unit over all data-parallel ranks twice per micro-step (forward, backward), both across
+nodes. hpZ (ZeRO++, section 3.2) keeps the primary partition (all state sharded over all ``N`` ranks) and adds a
+secondary one for backward: when a forward that records gradients releases a unit, each rank copies its ``1/H`` slice of
+the just-gathered full buffer, the ``H`` ranks of a group being adjacent (one node). Backward gathers the unit from
+those slices within the group: the same bytes, so the run is bit for bit plain ZeRO-3's.
 
-Lifetime. A secondary shard lives from the forward release of its unit to that unit's release in backward (or the
-end of backward, or the next forward, whichever comes first): a rank holds at most the secondary shards of the units
-between their forward and their backward, ``sum(unit bytes) / H`` when every unit is in that window (the end of a
-forward). Units a forward keeps gathered for backward ([Note: kept after forward]) need none. Every forward makes
-them again from its own gather, so gradient accumulation's micro-steps each refresh them. A secondary shard records
-the primary shards it was cut from and their version counters: after an optimizer step, a checkpoint load or
-``engine.gathered(modifier_rank=...)`` has changed a shard in place (or replaced it), it is stale, and the unit is
-gathered from the primary shards instead (as plain ZeRO-3 would), never from the stale copy.
-
-DeepSpeed differs in two ways that change bytes and memory, not values: it keeps the secondary tensors until the
-optimizer step (memory ``P/H`` for the whole step), and then serves every gather from them, so the forwards of later
-micro-steps also stay in the node. Here they are dropped after their unit's backward; the forward of every
-micro-step gathers over all ranks.
+A secondary shard lives until its unit's release in backward (or the end of backward, or the next forward), so each
+micro-step's forward makes it again; units kept gathered for backward ([Note: kept after forward]) need none. It records
+the primary shards it was cut from and their version counters: once an optimizer step, a checkpoint load or
+``engine.gathered(modifier_rank=...)`` changed or replaced one, it is stale and the unit is gathered from the primary
+shards instead. Memory, bytes and how DeepSpeed differs: docs/hybrid-sharding.md, "ZeRO++ hpZ".
 """
 
 from __future__ import annotations

@@ -1,14 +1,12 @@
 """The optimizer step on shards: any ``torch.optim`` optimizer, stepping only this rank's fragments.
 
 [Note: optimizer fragments]
-The user's optimizer object is kept (an LR scheduler built on it keeps working, param groups and their
-hyperparameters are preserved); only the tensors in its param groups are replaced. At stage 0 they stay
-the module's parameters. At stages 1 and 2 each parameter is replaced by its *fragment*: a 1-D view of
-this rank's chunk of the flat parameter buffer (see [Note: bucket layout]). With fp32 parameters the
-fragment *is* the master weight, so the step updates the flat buffer in place and the all-gather that
-follows writes every other rank's updated chunks next to it. Optimizer state (moments, step counts) is
-therefore allocated for fragments only: sharded by construction. Every rank holds a fragment for every
-parameter (possibly empty) so param-group indexing is identical on all ranks.
+The user's optimizer object is kept (an LR scheduler on it keeps working; param groups keep their hyperparameters); only
+the tensors in its param groups are replaced: at stage 0 by nothing, at stages 1-2 by each parameter's *fragment*, a 1-D
+view of this rank's chunk of the flat buffer ([Note: bucket layout]). With fp32 parameters the fragment *is* the master,
+so the step updates the flat buffer in place and the following all-gather writes the other ranks' chunks beside it.
+Optimizer state is thus sharded by construction. Every rank holds a fragment of every parameter (maybe empty), so
+param-group indexing is identical on all ranks.
 
 [Note: element-wise optimizers]
 Stepping 1-D fragments equals stepping whole tensors only if an element's update depends on its own gradient and
@@ -20,15 +18,13 @@ Rprop is element-wise but not listed: its sign-based step turns rounding noise i
 rounding (attention key biases) into full steps, so its parity with one process cannot be tested.
 
 [Note: parameters frozen after initialize]
-A parameter frozen after ``initialize`` keeps its bucket slot and optimizer state. As in one process (torch.optim
-steps what has a ``.grad``, set at every backward it required grad in, until ``zero_grad``), the step updates a
-parameter iff it required grad at some ``engine.backward`` since the last zeroing
-(:meth:`GradientReducer.has_gradient`): frozen mid-window it gets its earlier micro-steps' gradients (as in FSDP2 and
-DeepSpeed stages 1-2; DeepSpeed stage 3 drops it); frozen a whole window it is not stepped (no weight decay, no
-moment step; DeepSpeed's flat partitions do both); unfrozen mid-window it gets the micro-steps from then on.
-``requires_grad`` is read at each backward, and the loop sets it alike on every rank. Which slots received a gradient
-on this rank is not used: a parameter one rank's batch missed would be stepped in some ranks' fragments only. For the
-same reason a trainable parameter no forward used is stepped with a zero gradient, as DeepSpeed does.
+A parameter frozen after ``initialize`` keeps its bucket slot and optimizer state. As in one process (torch.optim steps
+what has a ``.grad``, set by every backward it required grad in, until ``zero_grad``), the step updates it iff it
+required grad at some ``engine.backward`` since the last zeroing (:meth:`GradientReducer.has_gradient`): frozen
+mid-window it gets its earlier micro-steps' gradients (as FSDP2, DeepSpeed stages 1-2; stage 3 drops it); frozen a whole
+window it is not stepped (DeepSpeed's flat partitions decay and step it). ``requires_grad`` is read at each backward and
+must be set alike on every rank; which slots got a gradient on this rank is not used (a parameter one rank's batch
+missed would be stepped in some fragments only), so an unused trainable one steps with a zero gradient.
 """
 
 from __future__ import annotations
@@ -299,15 +295,13 @@ class ShardedOptimizer:
         returns a bool.
 
         [Note: the one step]
-        Every step takes the same path, whatever holds the gradients: (1) the gradients of the tensors stepped now,
-        in memory, or *deferred* to the stepper when they are in swap files (a :class:`SwappedGradients`, [Note:
-        gradient offload]); (2) the in-memory ones unscaled; (3) each member's norm (the deferred ones from their
-        source), the squared global norm summed once over the ranks, with the reducer's order flag and the
-        source's I/O failure on the same all-reduce; (4) the overflow decision; (5) one clip coefficient,
-        applied to the in-memory gradients now and to the deferred ones as they are read; (6) the update: the
-        whole optimizer at once, or one sub-group at a time with offloaded state; (7) the compute-dtype fragments
-        refreshed from the masters and the all-gathers launched. The arithmetic is in one order, so the numbers
-        are bitwise the same wherever the gradients were."""
+        Every step takes one path, whatever holds the gradients: (1) the gradients stepped now, in memory or *deferred*
+        when in swap files (:class:`SwappedGradients`, [Note: gradient offload]); (2) the in-memory ones unscaled; (3)
+        each member's norm (deferred ones from their source), the squared global norm summed once over the ranks, with
+        the reducer's order flag and the source's I/O failure on the same all-reduce; (4) the overflow decision; (5) one
+        clip coefficient, applied now in memory and to deferred ones as read; (6) the update, whole or one sub-group at
+        a time; (7) the compute-dtype fragments refreshed and the all-gathers launched. One arithmetic order: the
+        numbers are bitwise the same wherever the gradients were."""
         self.gathers.wait_all("step")  # the chunks stepped below are the input of the last step's gathers
         swapped = self.offload.grads if self.offload is not None else None
         triples = self._fragment_grads()

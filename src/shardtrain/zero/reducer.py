@@ -21,25 +21,22 @@ counts once towards readiness and later gradients are added to the first. A grad
 collective was launched is an error, never lost.
 
 [Note: collective order]
-Every rank launches the buckets' collectives in the same order, ``launch_order``: a ready bucket waits for the
-buckets before it, and buckets no rank used are launched at the end of backward with zero gradients. It starts as
-bucket index order. At stages 2-3, where a waiting bucket holds a staging buffer, each rank records the order its
-buckets became ready; if it differs from ``launch_order`` on any rank (a flag riding on the step's gradient-norm
-all-reduce, read a step later: [Note: reading device values a step later] in :mod:`shardtrain.host_read`), the
-ranks exchange their observed orders once and adopt them if all agree; ranks on different paths keep the previous
-order, which is always safe. With hybrid sharding the flag and the exchange span every data-parallel rank
-(``order_comm``), since the replicas' all-reduces must come in one order too.
+Every rank launches the buckets' collectives in one order, ``launch_order``: a ready bucket waits for those before it,
+and buckets no rank used are launched at the end of backward with zero gradients. It starts as index order. At stages
+2-3 (a waiting bucket holds a staging buffer) each rank records the order its buckets became ready; if it differs from
+``launch_order`` anywhere (a flag on the step's gradient-norm all-reduce, read a step later: [Note: reading device
+values a step later] in :mod:`shardtrain.host_read`), the ranks exchange their orders once and adopt them if all agree,
+else keep the previous one, always safe. Under hybrid sharding the flag and exchange span every data-parallel rank
+(``order_comm``): the replicas' all-reduces need one order too.
 
 [Note: hybrid gradient reduction]
-With hybrid sharding (``mics_shard_size``, [Note: the hybrid mesh] in :mod:`shardtrain.distributed.mesh`) ``comm`` is
-the shard group, within which buckets are reduce-scattered as above. At the accumulation boundary each complete
-gradient shard is all-reduced (averaged) across the replicas (``replicate``), launched once the bucket's
-reduce-scatter is folded in (so it overlaps backward) and waited for at the end of backward. Earlier micro-steps
-reduce within the group only, as MiCS does: a step sends ``2 * (P/S) * (R-1)/R`` bytes out of a group whatever the
-accumulation. The all-reduce runs in the wire dtype from the fp32 accumulation, so with one micro-step nothing is
-rounded beyond the two reductions. The average of group averages is the average over all ``R * S`` ranks
-(``prescale_gradients``' factors apply within the group, the replica average after). Buckets the captured graph
-reduced (graph-mode ZeRO-3, :meth:`GradientReducer.hand_over`) are all-reduced the same way after backward.
+With hybrid sharding ([Note: the hybrid mesh] in :mod:`shardtrain.distributed.mesh`) ``comm`` is the shard group,
+reduce-scattered within as above. At the accumulation boundary each complete gradient shard is all-reduced (averaged)
+over ``replicate``, launched once its reduce-scatter is folded in (overlapping backward) and waited for at the end of
+backward; earlier micro-steps reduce within the group only, as MiCS does. It runs in the wire dtype from the fp32
+accumulation. The average of group averages is the average over all ``R * S`` ranks (``prescale_gradients`` applies
+within the group, the replica average after). Buckets the captured graph reduced (:meth:`GradientReducer.hand_over`) are
+all-reduced the same way after backward.
 """
 
 from __future__ import annotations

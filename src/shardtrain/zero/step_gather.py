@@ -2,23 +2,21 @@
 
 [Note: gathers after the step]
 At stages 1-2 (and for stage 3's persistent parameters) each rank steps only its chunk of every bucket; the others'
-updated chunks arrive by one all-gather per bucket into the flat buffer the parameters view (see [Note: bucket
-layout]). Waiting for them all at the end of ``step()`` would idle compute for an all-gather of every parameter, so
-the step issues them asynchronously, in the order the next forward needs them (last bucket first), and a bucket is
-waited for only where one of its parameters is first needed:
+chunks arrive by one all-gather per bucket ([Note: bucket layout]). Waiting for all at the end of ``step()`` would idle
+compute, so the step issues them asynchronously, in the order the next forward needs them (last bucket first), and a
+bucket is waited for only where one of its parameters is first needed:
 
-* forward: a pre-hook on every module holding parameters of a bucket in flight waits for that bucket;
-* any other read of such a parameter (``state_dict()``, a subscriber's pre-hook, ``copy.deepcopy``, a parameter used
-  before its module runs): while its bucket is in flight its class is :class:`GatheringParameter`, whose
-  ``__torch_function__`` waits and gives the bucket's parameters back their plain class (later operations pay
-  nothing). Metadata (shape, dtype, ``.grad``) reads without waiting, so the reducer's bookkeeping does not wait;
-* this rank's chunk is the all-gather's input and must not change while sent: the step and the engine's calls that
-  read or write shards (save, load, full state dict, ``gathered``) first call :meth:`ParameterGathers.wait_all`.
+* forward: a pre-hook on each module holding parameters of a bucket in flight waits for that bucket;
+* any other read (``state_dict()``, a subscriber's pre-hook, ``copy.deepcopy``, a parameter used before its module
+  runs): while in flight the parameter's class is :class:`GatheringParameter`, whose ``__torch_function__`` waits and
+  restores the bucket's plain class; metadata (shape, dtype, ``.grad``) reads without waiting;
+* this rank's chunk is the all-gather's input and must not change while sent: the step and the engine's shard readers
+  and writers (save, load, full state dict, ``gathered``) first call :meth:`ParameterGathers.wait_all`.
 
-Every rank issues the same all-gathers in the same order; only where it waits is local, so a rank taking another
-path changes nothing on the wire. At most ``allgather_bucket_size`` elements are in flight (past it the oldest is
-waited for at once). Graph mode gathers synchronously (a captured graph must see plain parameters; hooks would be
-traced), and so does a bucket holding a parameter of a class other than ``nn.Parameter`` (the user's class is kept).
+Every rank issues the same all-gathers in the same order; only where it waits is local. At most
+``allgather_bucket_size`` elements are in flight (past it the oldest is waited for). Graph mode gathers synchronously (a
+captured graph must see plain parameters), and so does a bucket holding a parameter whose class is not ``nn.Parameter``
+(the user's class is kept).
 """
 
 from __future__ import annotations

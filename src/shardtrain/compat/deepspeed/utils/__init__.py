@@ -2,13 +2,11 @@
 
 [Note: safe_get_full_* on fragments]
 DeepSpeed's ``safe_get_full_fp32_param(p)`` (and ``_grad``, ``_optimizer_state``) is collective: each rank writes its
-fragment of ``p`` into a zero tensor of ``p``'s shape and an all-reduce over the fragments' ranks sums the whole
-tensor on every rank. Here the fragment is the optimizer's (the fp32 master under mixed precision;
-:meth:`ShardedOptimizer.fragment_of`), the ranks its bucket's shard group (for an expert parameter the
-expert-data-parallel group: the whole tensor is then this rank's experts', as in DeepSpeed-MoE), via shardtrain's
-communicator; stage 0 communicates nothing. ``safe_set_full_*`` is local, as in DeepSpeed: each rank copies its
-slice of the value, so every rank must pass the same value. A parameter no engine steps gives None, as one without
-an fp32 copy does in DeepSpeed.
+fragment into a zero tensor of ``p``'s shape and an all-reduce sums the whole. Here the fragment is the optimizer's (the
+fp32 master under mixed precision; :meth:`ShardedOptimizer.fragment_of`) and the ranks its bucket's shard group (for an
+expert parameter the expert-data-parallel group, so the tensor is this rank's experts', as in DeepSpeed-MoE); stage 0
+communicates nothing. ``safe_set_full_*`` is local, as in DeepSpeed: each rank copies its slice, so every rank must pass
+the same value. A parameter no engine steps gives None, as one without an fp32 copy does in DeepSpeed.
 """
 
 from __future__ import annotations
