@@ -13,7 +13,7 @@ are graph operations ([Note: ZeRO-3 as graph operations]). ``initialize`` picks 
 never asks which. The graph runtime keeps the eager one inside for what a graph cannot hold: a direct call of the
 module (``engine.module(x)``, generation) runs through the eager unit hooks, inert while a graph is traced, and
 ``gathered`` is the same code in both modes. So a feature works in both modes, or ``initialize`` refuses the
-combination with its reason (``refuse_unbuilt`` in :mod:`shardtrain.engine.parallelize`);
+combination with its reason (``resolve_plan`` in :mod:`shardtrain.config.plan`);
 ``tests/engine/test_runtime_modes.py`` runs one battery in both modes.
 """
 
