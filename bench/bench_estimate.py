@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 CHILD = """
 import dataclasses, inspect, json, os, sys, time
-from shardtrain.estimate import Layout, estimate_memory, fitting_layouts, parse_bytes
+from shardtrain.estimate import Candidate, estimate_memory, fitting_layouts, parse_bytes
 path, what, budget, dtype, jobs, sp = sys.argv[1:7]
 import transformers  # imported before the clock starts, as the CLI has by then
 def cpu():
@@ -40,7 +40,7 @@ def cpu():
     return t.user + t.system + t.children_user + t.children_system
 t, c = time.perf_counter(), cpu()
 if what == "one":
-    ests = [estimate_memory(path, layout=Layout(8, stage=3, dtype="bf16", seq_len=2048))]
+    ests = [estimate_memory(path, layout=Candidate(8, stage=3, dtype="bf16", seq_len=2048))]
 else:
     kw = {"workers": int(jobs)} if "workers" in inspect.signature(fitting_layouts).parameters else {}
     kw.update({"sp": int(sp)} if int(sp) > 1 else {})

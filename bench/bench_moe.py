@@ -258,9 +258,9 @@ def memory_body(variants: list[Variant], steps: int, shape: Shape) -> dict:
 
 
 def estimate(v: Variant, shape: Shape, world: int):
-    from shardtrain.estimate import Layout, estimate_memory
+    from shardtrain.estimate import Candidate, estimate_memory
 
-    layout = Layout(world, stage=v.stage, ep=v.ep, micro_batch=shape.micro_batch, seq_len=shape.seq)
+    layout = Candidate(world, stage=v.stage, ep=v.ep, micro_batch=shape.micro_batch, seq_len=shape.seq)
     return estimate_memory(lambda: build_model(shape), engine_config(v, shape), layout=layout, device_type="cpu")
 
 

@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 import shardtrain
 from shardtrain.cli import main as cli_main
 from shardtrain.errors import ConfigError, ShardtrainError
-from shardtrain.estimate import Layout, PeakMeter, estimate_memory, fitting_layouts, parse_bytes
+from shardtrain.estimate import Candidate, PeakMeter, estimate_memory, fitting_layouts, parse_bytes
 from shardtrain.models.gpt import GPT, GPTConfig
 from shardtrain.tensor_parallel import GPT_TP_PLAN
 from shardtrain.testing import run_distributed
@@ -98,83 +98,87 @@ def is_hf(name: str) -> bool:
 # (name, layout, config beyond the layout's keys); every layout is run by the engine and estimated; a name starting
 # with "llama" or "mixtral" is that Hugging Face model (mixtral6: with 6 experts), the others the project's GPT
 CASES = [
-    ("stage0", Layout(1, stage=0, micro_batch=MICRO, seq_len=SEQ), {}),
+    ("stage0", Candidate(1, stage=0, micro_batch=MICRO, seq_len=SEQ), {}),
     # a sequence long enough that an S x S mask and attention weights would show ([Note: the estimate's batch is not
     # packed] in estimate/compute.py)
-    ("llama-1024-stage0", Layout(1, stage=0, micro_batch=1, seq_len=1024), {}),
-    ("stage3", Layout(2, stage=3, micro_batch=MICRO, seq_len=SEQ), {}),
-    ("tp2-stage1-bf16", Layout(2, stage=1, tp=2, dtype="bf16", micro_batch=MICRO, seq_len=SEQ), {}),
+    ("llama-1024-stage0", Candidate(1, stage=0, micro_batch=1, seq_len=1024), {}),
+    ("stage3", Candidate(2, stage=3, micro_batch=MICRO, seq_len=SEQ), {}),
+    ("tp2-stage1-bf16", Candidate(2, stage=1, tp=2, dtype="bf16", micro_batch=MICRO, seq_len=SEQ), {}),
     (
         "stage3-nvme",
-        Layout(2, stage=3, offload_optimizer="nvme", offload_param="nvme", micro_batch=MICRO, seq_len=SEQ),
+        Candidate(2, stage=3, offload_optimizer="nvme", offload_param="nvme", micro_batch=MICRO, seq_len=SEQ),
         {"sub_group_size": 20_000, "offload_param": {"max_in_cpu": 0}},
     ),
-    ("stage3-bf16", Layout(3, stage=3, dtype="bf16", micro_batch=MICRO, seq_len=SEQ), {}),
-    ("stage2-checkpointing", Layout(3, stage=2, micro_batch=MICRO, seq_len=SEQ, checkpointing=True), {}),
-    ("mixtral-ep2-stage2", Layout(2, stage=2, ep=2, micro_batch=MICRO, seq_len=SEQ), {}),
-    ("mixtral-ep2-stage3", Layout(2, stage=3, ep=2, micro_batch=MICRO, seq_len=SEQ), {}),
+    ("stage3-bf16", Candidate(3, stage=3, dtype="bf16", micro_batch=MICRO, seq_len=SEQ), {}),
+    ("stage2-checkpointing", Candidate(3, stage=2, micro_batch=MICRO, seq_len=SEQ, checkpointing=True), {}),
+    ("mixtral-ep2-stage2", Candidate(2, stage=2, ep=2, micro_batch=MICRO, seq_len=SEQ), {}),
+    ("mixtral-ep2-stage3", Candidate(2, stage=3, ep=2, micro_batch=MICRO, seq_len=SEQ), {}),
     (
         "mixtral-ep2-stage3-nvme",
-        Layout(2, stage=3, ep=2, offload_optimizer="nvme", offload_param="nvme", micro_batch=MICRO, seq_len=SEQ),
+        Candidate(2, stage=3, ep=2, offload_optimizer="nvme", offload_param="nvme", micro_batch=MICRO, seq_len=SEQ),
         {"sub_group_size": 20_000, "offload_param": {"max_in_cpu": 0}},
     ),
-    ("sp2-stage2", Layout(2, stage=2, sp=2, micro_batch=MICRO, seq_len=SEQ), {}),
-    ("mixtral-ep2-sp2-stage2", Layout(2, stage=2, ep=2, sp=2, micro_batch=MICRO, seq_len=SEQ), {}),
+    ("sp2-stage2", Candidate(2, stage=2, sp=2, micro_batch=MICRO, seq_len=SEQ), {}),
+    ("mixtral-ep2-sp2-stage2", Candidate(2, stage=2, ep=2, sp=2, micro_batch=MICRO, seq_len=SEQ), {}),
 ]
 SOAK_CASES = [
-    ("stage2", Layout(2, stage=2, micro_batch=MICRO, seq_len=SEQ), {}),
-    ("stage1-cpu-bf16", Layout(2, stage=1, offload_optimizer="cpu", dtype="bf16", micro_batch=MICRO, seq_len=SEQ), {}),
-    ("llama-stage3-bf16", Layout(2, stage=3, dtype="bf16", micro_batch=MICRO, seq_len=SEQ), {}),
-    ("llama-tp2-stage2", Layout(2, stage=2, tp=2, micro_batch=MICRO, seq_len=SEQ), {}),
-    ("llama-stage2-checkpointing", Layout(3, stage=2, micro_batch=MICRO, seq_len=SEQ, checkpointing=True), {}),
+    ("stage2", Candidate(2, stage=2, micro_batch=MICRO, seq_len=SEQ), {}),
+    (
+        "stage1-cpu-bf16",
+        Candidate(2, stage=1, offload_optimizer="cpu", dtype="bf16", micro_batch=MICRO, seq_len=SEQ),
+        {},
+    ),
+    ("llama-stage3-bf16", Candidate(2, stage=3, dtype="bf16", micro_batch=MICRO, seq_len=SEQ), {}),
+    ("llama-tp2-stage2", Candidate(2, stage=2, tp=2, micro_batch=MICRO, seq_len=SEQ), {}),
+    ("llama-stage2-checkpointing", Candidate(3, stage=2, micro_batch=MICRO, seq_len=SEQ, checkpointing=True), {}),
     (
         "stage3-default-threshold",
-        Layout(2, stage=3, micro_batch=MICRO, seq_len=SEQ),
+        Candidate(2, stage=3, micro_batch=MICRO, seq_len=SEQ),
         {"stage3_param_persistence_threshold": 10_000},
     ),
     (
         "stage3-nvme-optimizer-bf16",
-        Layout(3, stage=3, offload_optimizer="nvme", dtype="bf16", micro_batch=MICRO, seq_len=SEQ),
+        Candidate(3, stage=3, offload_optimizer="nvme", dtype="bf16", micro_batch=MICRO, seq_len=SEQ),
         {},
     ),
-    ("mixtral-stage2", Layout(2, stage=2, micro_batch=MICRO, seq_len=SEQ), {}),
-    ("mixtral-ep2-stage1-bf16", Layout(2, stage=1, ep=2, dtype="bf16", micro_batch=MICRO, seq_len=SEQ), {}),
-    ("mixtral-ep2-stage0", Layout(2, stage=0, ep=2, micro_batch=MICRO, seq_len=SEQ), {}),
-    ("mixtral6-ep3-stage2", Layout(3, stage=2, ep=3, micro_batch=MICRO, seq_len=SEQ), {}),
-    ("mixtral-ep2-dp2-stage2", Layout(4, stage=2, ep=2, micro_batch=MICRO, seq_len=SEQ), {}),
-    ("mixtral-ep4-stage2", Layout(4, stage=2, ep=4, micro_batch=MICRO, seq_len=SEQ), {}),
-    ("mixtral-ep2-dp2-stage3", Layout(4, stage=3, ep=2, micro_batch=MICRO, seq_len=SEQ), {}),
-    ("mixtral-ep2-dp2-stage3-bf16", Layout(4, stage=3, ep=2, dtype="bf16", micro_batch=MICRO, seq_len=SEQ), {}),
+    ("mixtral-stage2", Candidate(2, stage=2, micro_batch=MICRO, seq_len=SEQ), {}),
+    ("mixtral-ep2-stage1-bf16", Candidate(2, stage=1, ep=2, dtype="bf16", micro_batch=MICRO, seq_len=SEQ), {}),
+    ("mixtral-ep2-stage0", Candidate(2, stage=0, ep=2, micro_batch=MICRO, seq_len=SEQ), {}),
+    ("mixtral6-ep3-stage2", Candidate(3, stage=2, ep=3, micro_batch=MICRO, seq_len=SEQ), {}),
+    ("mixtral-ep2-dp2-stage2", Candidate(4, stage=2, ep=2, micro_batch=MICRO, seq_len=SEQ), {}),
+    ("mixtral-ep4-stage2", Candidate(4, stage=2, ep=4, micro_batch=MICRO, seq_len=SEQ), {}),
+    ("mixtral-ep2-dp2-stage3", Candidate(4, stage=3, ep=2, micro_batch=MICRO, seq_len=SEQ), {}),
+    ("mixtral-ep2-dp2-stage3-bf16", Candidate(4, stage=3, ep=2, dtype="bf16", micro_batch=MICRO, seq_len=SEQ), {}),
     (
         "mixtral-ep2-stage1-cpu-bf16",
-        Layout(2, stage=1, ep=2, offload_optimizer="cpu", dtype="bf16", micro_batch=MICRO, seq_len=SEQ),
+        Candidate(2, stage=1, ep=2, offload_optimizer="cpu", dtype="bf16", micro_batch=MICRO, seq_len=SEQ),
         {},
     ),
     (
         "mixtral-stage3-nvme",
-        Layout(2, stage=3, offload_optimizer="nvme", offload_param="nvme", micro_batch=MICRO, seq_len=SEQ),
+        Candidate(2, stage=3, offload_optimizer="nvme", offload_param="nvme", micro_batch=MICRO, seq_len=SEQ),
         {"sub_group_size": 20_000, "offload_param": {"max_in_cpu": 0}},
     ),
     (
         "mixtral-ep2-dp2-stage2-nvme-bf16",
-        Layout(4, stage=2, ep=2, offload_optimizer="nvme", dtype="bf16", micro_batch=MICRO, seq_len=SEQ),
+        Candidate(4, stage=2, ep=2, offload_optimizer="nvme", dtype="bf16", micro_batch=MICRO, seq_len=SEQ),
         {"sub_group_size": 20_000},
     ),
     (
         "mixtral-ep2-dp2-stage3-nvme",
-        Layout(4, stage=3, ep=2, offload_optimizer="nvme", micro_batch=MICRO, seq_len=SEQ),
+        Candidate(4, stage=3, ep=2, offload_optimizer="nvme", micro_batch=MICRO, seq_len=SEQ),
         {"sub_group_size": 20_000},
     ),
-    ("sp2-dp2-stage2", Layout(4, stage=2, sp=2, micro_batch=MICRO, seq_len=SEQ), {}),
-    ("llama-sp2-stage3-bf16", Layout(2, stage=3, sp=2, dtype="bf16", micro_batch=MICRO, seq_len=SEQ), {}),
-    ("sp2-stage2-checkpointing", Layout(2, stage=2, sp=2, micro_batch=MICRO, seq_len=SEQ, checkpointing=True), {}),
-    ("llama-tp2-sp2-stage1", Layout(4, stage=1, tp=2, sp=2, micro_batch=MICRO, seq_len=SEQ), {}),
-    ("mixtral-ep4-sp2-stage3", Layout(4, stage=3, ep=4, sp=2, micro_batch=MICRO, seq_len=SEQ), {}),
-    ("mixtral-tp2-sp2-ep2-stage2", Layout(8, stage=2, tp=2, sp=2, ep=2, micro_batch=MICRO, seq_len=SEQ), {}),
+    ("sp2-dp2-stage2", Candidate(4, stage=2, sp=2, micro_batch=MICRO, seq_len=SEQ), {}),
+    ("llama-sp2-stage3-bf16", Candidate(2, stage=3, sp=2, dtype="bf16", micro_batch=MICRO, seq_len=SEQ), {}),
+    ("sp2-stage2-checkpointing", Candidate(2, stage=2, sp=2, micro_batch=MICRO, seq_len=SEQ, checkpointing=True), {}),
+    ("llama-tp2-sp2-stage1", Candidate(4, stage=1, tp=2, sp=2, micro_batch=MICRO, seq_len=SEQ), {}),
+    ("mixtral-ep4-sp2-stage3", Candidate(4, stage=3, ep=4, sp=2, micro_batch=MICRO, seq_len=SEQ), {}),
+    ("mixtral-tp2-sp2-ep2-stage2", Candidate(8, stage=2, tp=2, sp=2, ep=2, micro_batch=MICRO, seq_len=SEQ), {}),
 ]
 
 
-def config_of(layout: Layout, zero_extra: dict, nvme: str | None = None) -> dict:
+def config_of(layout: Candidate, zero_extra: dict, nvme: str | None = None) -> dict:
     zero: dict = {"stage": layout.stage, "stage3_param_persistence_threshold": 0, **zero_extra}
     for key, device in (("offload_optimizer", layout.offload_optimizer), ("offload_param", layout.offload_param)):
         if device != "none":
@@ -206,7 +210,7 @@ def _loss(engine, name: str, x: torch.Tensor) -> torch.Tensor:
     return engine(x, torch.roll(x, -1, dims=1))
 
 
-def _train_and_measure(cases: list[tuple[str, Layout, dict]], nvme: str) -> dict:
+def _train_and_measure(cases: list[tuple[str, Candidate, dict]], nvme: str) -> dict:
     rank = dist.get_rank()
     meter = PeakMeter()
     out = {}
@@ -268,7 +272,7 @@ def estimated(name: str):
     return est
 
 
-def swap_buffers_unknown(name: str, layout: Layout) -> bool:
+def swap_buffers_unknown(name: str, layout: Candidate) -> bool:
     """Whether a case's peak outside the optimizer step depends on which sub-groups the ``nvme`` swap buffers held
     last: Mixtral's sub-groups differ in size (its fused experts against attention and norms; the project's GPT's
     much less), with experts or without. The estimate counts the ``buffer_count`` largest, the buffers hold at least
@@ -304,7 +308,7 @@ def test_more_layouts_and_a_hugging_face_model_within_10_percent(name):
 def test_hybrid_sharding_shards_within_the_group_and_reads_the_deepspeed_key():
     """``mics_shard_size: S`` shards model state over groups of S ranks (the layout being built for issue 22 item 2):
     a rank of world 4 in groups of 2 holds what a rank of world 2 holds."""
-    base = Layout(2, stage=3, micro_batch=1, seq_len=16)
+    base = Candidate(2, stage=3, micro_batch=1, seq_len=16)
     cfg = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "mics_shard_size": 2}}
     hybrid = estimate_memory(tiny_gpt, cfg, world_size=4, seq_len=16, device_type="cpu", activations=False)
     assert hybrid.layout.shard_size == 2 and hybrid.layout.shard_group == 2
@@ -329,7 +333,7 @@ def test_expert_parallelism_holds_the_rank_s_experts_and_is_searched_where_the_m
     cfg = {"zero_optimization": {"stage": 2}}
 
     def optimizer_elements(world: int, ep: int, stage: int = 2, config: dict = cfg) -> float:
-        layout = Layout(world, stage=stage, ep=ep, seq_len=16)  # fp32 AdamW: 8 bytes of moments per element stepped
+        layout = Candidate(world, stage=stage, ep=ep, seq_len=16)  # fp32 AdamW: 8 bytes of moments per element stepped
         return estimate_memory(tiny_mixtral, config, layout=layout, **common).state.optimizer["device"] / 8
 
     # rank 0's fragments: ceil(padded / group) of the dense buckets over dp, of the expert buckets over dp / E
@@ -343,10 +347,10 @@ def test_expert_parallelism_holds_the_rank_s_experts_and_is_searched_where_the_m
         assert optimizer_elements(4, 2, 3, config) == pytest.approx(dense / 4 + expert / 2 / 2, abs=32)
     # hybrid sharding (shard groups of 2 at dp 4): dense state over the shard group, expert state still over the
     # dp / E ranks holding the same experts (expert buckets are never replicated)
-    hybrid = Layout(4, stage=3, ep=2, shard_size=2, seq_len=16)
+    hybrid = Candidate(4, stage=3, ep=2, shard_size=2, seq_len=16)
     shards = estimate_memory(tiny_mixtral, units, layout=hybrid, **common).state.optimizer["device"] / 8
     assert shards == pytest.approx(dense / 2 + expert / 2 / 2, abs=32)
-    stage3 = estimate_memory(tiny_mixtral, units, layout=Layout(4, stage=3, ep=2, seq_len=16), **common)
+    stage3 = estimate_memory(tiny_mixtral, units, layout=Candidate(4, stage=3, ep=2, seq_len=16), **common)
     assert stage3.state.params["device"] / 4 == pytest.approx(dense / 4 + expert / 2 / 2, abs=32)
     # a block's gathered buffers: its dense parameters whole, and its experts whole on the ranks holding them
     for u in (u for u in stage3.state.units if not u.root):
@@ -363,12 +367,14 @@ def test_expert_parallelism_holds_the_rank_s_experts_and_is_searched_where_the_m
     # group only: at ep 2 a rank steps half of them, at ep 1 half of them too but as tensor-parallel blocks
     # (moe_tp_experts) sharded over both data-parallel ranks: a quarter
     def tp_elements(ep: int) -> float:
-        layout = Layout(4, stage=2, tp=2, ep=ep, seq_len=16)
+        layout = Candidate(4, stage=2, tp=2, ep=ep, seq_len=16)
         return estimate_memory(tiny_mixtral, cfg, layout=layout, **common).state.optimizer["device"] / 8
 
     assert tp_elements(2) - tp_elements(1) == pytest.approx(expert / 2 - expert / 2 / 2, abs=16)
     # the fake run: each tp rank's share of the tokens through the exchange, the outputs gathered
-    with_tp = estimate_memory(tiny_mixtral, cfg, layout=Layout(4, stage=2, tp=2, ep=2, seq_len=16), device_type="cpu")
+    with_tp = estimate_memory(
+        tiny_mixtral, cfg, layout=Candidate(4, stage=2, tp=2, ep=2, seq_len=16), device_type="cpu"
+    )
     assert with_tp.peak["device"] > with_tp.state.params["device"] + with_tp.state.optimizer["device"]
     # with offload: the optimizer's at stages 1-3, the parameters' at stage 3, as initialize builds them with experts
     searched = fitting_layouts(tiny_mixtral, 2**40, cfg, worlds=(4,), offload=True, **common)
@@ -380,25 +386,25 @@ def test_expert_parallelism_holds_the_rank_s_experts_and_is_searched_where_the_m
     # masters and two moments, 12 bytes per element of this rank's fragments, none left on the device
     gpu = {**common, "device_type": "cuda"}
     for stage in (1, 2, 3):
-        layout = Layout(4, stage=stage, ep=2, offload_optimizer="cpu", dtype="bf16", seq_len=16)
+        layout = Candidate(4, stage=stage, ep=2, offload_optimizer="cpu", dtype="bf16", seq_len=16)
         opt = estimate_memory(tiny_mixtral, units, layout=layout, **gpu).state.optimizer
         assert "device" not in opt and opt["host"] / 12 == pytest.approx(dense / 4 + expert / 2 / 2, abs=32)
     assert "ep 4" in next(e for e in fits if e.layout.ep == 4).layout.describe()
     dense_fits = fitting_layouts(tiny_gpt, 2**40, cfg, worlds=(2,), offload=False, **common)
     assert dense_fits and all(e.layout.ep == 1 for e in dense_fits)
     refusals = [
-        (tiny_mixtral, Layout(4, stage=2, ep=3), "does not divide the data-parallel size 4"),
-        (functools.partial(tiny_mixtral, 6), Layout(4, stage=2, ep=4), "has 6 experts.*ep_size\\) 4"),
-        (tiny_mixtral, Layout(2, stage=2, tp=2, ep=2), "does not divide the data-parallel size 1"),
-        (tiny_gpt, Layout(2, stage=2, ep=2), "GPT has no experts module"),
+        (tiny_mixtral, Candidate(4, stage=2, ep=3), "does not divide the data-parallel size 4"),
+        (functools.partial(tiny_mixtral, 6), Candidate(4, stage=2, ep=4), "has 6 experts.*ep_size\\) 4"),
+        (tiny_mixtral, Candidate(2, stage=2, tp=2, ep=2), "does not divide the data-parallel size 1"),
+        (tiny_gpt, Candidate(2, stage=2, ep=2), "GPT has no experts module"),
     ]
     for model_fn, layout, message in refusals:
         with pytest.raises(ConfigError, match=message):
             estimate_memory(model_fn, cfg, layout=replace(layout, seq_len=16), **common)
     # with sequence parallelism: the expert groups are cut from the dp * sp ranks ZeRO shards over, so the state is
     # the one of the same world without it (measured against the engine in the cases above)
-    with_sp = estimate_memory(tiny_mixtral, cfg, layout=Layout(4, stage=2, ep=2, sp=2, seq_len=16), **common)
-    without = estimate_memory(tiny_mixtral, cfg, layout=Layout(4, stage=2, ep=2, seq_len=16), **common)
+    with_sp = estimate_memory(tiny_mixtral, cfg, layout=Candidate(4, stage=2, ep=2, sp=2, seq_len=16), **common)
+    without = estimate_memory(tiny_mixtral, cfg, layout=Candidate(4, stage=2, ep=2, seq_len=16), **common)
     assert with_sp.model_state() == without.model_state() and with_sp.layout.dp == 2
 
 
@@ -422,9 +428,9 @@ def test_sequence_parallelism_splits_the_sequence_shards_over_dp_times_sp_and_re
     assert with_sp.model_state() == whole.model_state()  # ZeRO over dp * sp = 4 ranks either way
     assert with_sp.compute.activations < whole.compute.activations and with_sp.compute.peak < whole.compute.peak
     refusals = [
-        (Layout(3, sp=3, seq_len=48), "sequence_parallel_size 3 does not divide the 4 attention heads"),
-        (Layout(8, tp=2, sp=4, seq_len=16), r"4 does not divide the 2 attention heads a tensor-parallel rank"),
-        (Layout(4, tp=2, sp=3, seq_len=48), "sequence_parallel_size 3 does not divide the 4 processes of this job"),
+        (Candidate(3, sp=3, seq_len=48), "sequence_parallel_size 3 does not divide the 4 attention heads"),
+        (Candidate(8, tp=2, sp=4, seq_len=16), r"4 does not divide the 2 attention heads a tensor-parallel rank"),
+        (Candidate(4, tp=2, sp=3, seq_len=48), "sequence_parallel_size 3 does not divide the 4 processes of this job"),
     ]
     for layout, message in refusals:
         for activations in (True, False):
@@ -454,7 +460,7 @@ def test_bad_layouts_and_models_are_refused_by_name():
         estimate_memory(ReadsValues, world_size=1, seq_len=4, device_type="cpu")
     assert estimate_memory(ReadsValues, world_size=1, seq_len=4, device_type="cpu", activations=False).parameters == 20
     with pytest.raises(ConfigError, match=r"tensor_parallel\.size 2 does not divide the 3 processes of this job"):
-        estimate_memory(tiny_gpt, layout=Layout(3, tp=2, seq_len=16), device_type="cpu")
+        estimate_memory(tiny_gpt, layout=Candidate(3, tp=2, seq_len=16), device_type="cpu")
     with pytest.raises(ShardtrainError, match="neither an existing path"):
         estimate_memory("no/such/config.json", world_size=1)
     with pytest.raises(ShardtrainError, match="has no callable 'nope'"):
@@ -471,13 +477,13 @@ def test_budget_lists_the_layouts_that_fit_fewest_ranks_then_least_memory():
     # planned for accelerators: on gloo the pairwise reduce-scatter's receive buffer puts world 2's stage-2 peak of
     # this 16-token model above world 1's stage 0
     common = {"seq_len": 16, "device_type": "cuda", "tp_plan": GPT_TP_PLAN}
-    budget = estimate_memory(tiny_gpt, cfg, layout=Layout(2, stage=2, seq_len=16), **common).peak["device"]
-    largest = estimate_memory(tiny_gpt, cfg, layout=Layout(1, stage=0, seq_len=16), **common)
+    budget = estimate_memory(tiny_gpt, cfg, layout=Candidate(2, stage=2, seq_len=16), **common).peak["device"]
+    largest = estimate_memory(tiny_gpt, cfg, layout=Candidate(1, stage=0, seq_len=16), **common)
     assert largest.peak["device"] > budget
     fits = fitting_layouts(tiny_gpt, budget, cfg, worlds=(1, 2), offload=False, **common)
     assert fits and all(e.peak["device"] <= budget for e in fits)
     described = [e.layout.describe() for e in fits]
-    assert Layout(2, stage=2, seq_len=16).describe() in described
+    assert Candidate(2, stage=2, seq_len=16).describe() in described
     assert largest.layout.describe() not in described
     assert any(e.layout.tp == 2 for e in fits)  # tensor-parallel layouts are tried (with the plan given)
     keys = [(e.layout.world, e.peak["device"]) for e in fits]
@@ -616,12 +622,12 @@ def test_fast_path_gives_the_reference_bytes(name):
     cfg = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
     common = {"seq_len": 16, "device_type": "cpu", "tp_plan": plan}
     for layout in (
-        Layout(2, stage=3, dtype="bf16", micro_batch=2, seq_len=16),
-        Layout(2, stage=1, tp=2, seq_len=16, checkpointing=True),
+        Candidate(2, stage=3, dtype="bf16", micro_batch=2, seq_len=16),
+        Candidate(2, stage=1, tp=2, seq_len=16, checkpointing=True),
     ):
         fast = estimate_memory(model, cfg, layout=layout, **common)
         assert _bytes_of(fast) == _bytes_of(estimate_memory(model, cfg, layout=layout, fast=False, **common))
-    budget = estimate_memory(model, cfg, layout=Layout(2, stage=2, seq_len=16), **common).peak["device"]
+    budget = estimate_memory(model, cfg, layout=Candidate(2, stage=2, seq_len=16), **common).peak["device"]
     for limit in (budget, 2**40):  # some layouts over the budget by their state alone; none
         fast = fitting_layouts(model, limit, cfg, worlds=(2,), **common)
         reference = fitting_layouts(model, limit, cfg, worlds=(2,), fast=False, **common)

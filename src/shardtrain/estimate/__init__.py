@@ -7,7 +7,7 @@ the layouts that fit a memory budget; ``measure_peak`` measures what the estimat
 
 from shardtrain.estimate.measure import PeakMeter, measure_peak
 from shardtrain.estimate.planner import (
-    Layout,
+    Candidate,
     MemoryEstimate,
     Row,
     estimate_memory,
@@ -18,7 +18,7 @@ from shardtrain.estimate.planner import (
 from shardtrain.estimate.source import ModelSource, resolve_source
 
 __all__ = [
-    "Layout",
+    "Candidate",
     "MemoryEstimate",
     "ModelSource",
     "PeakMeter",

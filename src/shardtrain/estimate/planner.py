@@ -43,8 +43,11 @@ HYBRID_KEYS = ("mics_shard_size", "zero_hpz_partition_size")
 
 
 @dataclass(frozen=True)
-class Layout:
-    """What decides one rank's memory (a config's memory-relevant keys, and the batch shape)."""
+class Candidate:
+    """One candidate parallel layout the planner weighs: what decides one rank's memory (a config's
+    memory-relevant keys, and the batch shape). Its parallel sizes become the plan's
+    :class:`~shardtrain.plan.dims.ParallelDims`; ``ShardLayout`` (:mod:`shardtrain.zero.layout`) is another thing,
+    where each parameter's shard lives."""
 
     world: int
     stage: int = 0
@@ -117,7 +120,7 @@ class MemoryEstimate:
     """One rank's memory in one layout (rank 0: see the module docstring)."""
 
     model: str
-    layout: Layout
+    layout: Candidate
     parameters: int
     """Distinct parameters of the whole model (a tied weight counts once), before any split."""
     device_type: str
@@ -225,7 +228,7 @@ def read_config(config: Config | Mapping[str, Any] | str | Path | None) -> dict[
     return data
 
 
-def layout_config(raw: Mapping[str, Any], layout: Layout) -> Config:
+def layout_config(raw: Mapping[str, Any], layout: Candidate) -> Config:
     """``raw`` with the layout's keys written in, validated as ``initialize`` would."""
     data = copy.deepcopy(dict(raw))
     zero = dict(data.get("zero_optimization") or {})
@@ -257,7 +260,7 @@ def layout_config(raw: Mapping[str, Any], layout: Layout) -> Config:
     return load_config(data)
 
 
-def layout_from_config(raw: Mapping[str, Any], world: int, seq_len: int, checkpointing: bool = False) -> Layout:
+def layout_from_config(raw: Mapping[str, Any], world: int, seq_len: int, checkpointing: bool = False) -> Candidate:
     """The layout a DeepSpeed-style config describes at ``world`` ranks."""
     zero = raw.get("zero_optimization") or {}
     tpc = raw.get("tensor_parallel") or {}
@@ -274,7 +277,7 @@ def layout_from_config(raw: Mapping[str, Any], world: int, seq_len: int, checkpo
     shard = zero.get("mics_shard_size")
     hpz = zero.get("zero_hpz_partition_size")
     ep = raw.get("expert_parallel_size")
-    return Layout(
+    return Candidate(
         world=world,
         stage=int(zero.get("stage", 0)),
         tp=int(tp),
@@ -291,7 +294,7 @@ def layout_from_config(raw: Mapping[str, Any], world: int, seq_len: int, checkpo
     )
 
 
-def _plan(layout: Layout, cfg: Config, device_type: str) -> Plan:
+def _plan(layout: Candidate, cfg: Config, device_type: str) -> Plan:
     """The plan ``initialize`` builds for the layout, refusing what it refuses in its words (the parallel sizes and
     the combinations; the config's own validation ran in :func:`layout_config`), and what the planner does not
     plan."""
@@ -328,7 +331,7 @@ def estimate_memory(
     config: Config | Mapping[str, Any] | str | Path | None = None,
     *,
     world_size: int | None = None,
-    layout: Layout | None = None,
+    layout: Candidate | None = None,
     seq_len: int = 2048,
     checkpointing: bool = False,
     optimizer: str | None = None,
@@ -343,7 +346,7 @@ def estimate_memory(
 
     ``model``: a Hugging Face config path, ``"module:function"``, a zero-argument callable or a
     :class:`ModelSource`. ``config``: a DeepSpeed-style dict or file; ``layout`` (or the keyword ``overrides``,
-    fields of :class:`Layout`: ``stage``, ``tp``, ``shard_size``, ``offload_optimizer``, ``offload_param``,
+    fields of :class:`Candidate`: ``stage``, ``tp``, ``shard_size``, ``offload_optimizer``, ``offload_param``,
     ``dtype``, ``micro_batch``) replaces what it says. ``device_type``: ``"cuda"`` plans for accelerators (optimizer
     offload to ``cpu`` moves state to the host), ``"cpu"`` for a machine without one (everything is host memory).
     ``activations=False``: model state only (no fake forward and backward), as DeepSpeed's estimators.
@@ -370,7 +373,7 @@ def estimate_memory(
 class _Prepared:
     """One layout's model state and what its fake run needs (``key``: layouts with equal keys share one run)."""
 
-    layout: Layout
+    layout: Candidate
     state: RankState
     parameters: int
     buffers: int
@@ -385,7 +388,7 @@ NO_COMPUTE = ComputePeak(0, 0, 0, 0, 0, 0)
 def _estimate(
     source: ModelSource,
     raw: Mapping[str, Any],
-    layout: Layout,
+    layout: Candidate,
     optimizer: str | None,
     device_type: str,
     tp_plan: Any,
@@ -409,7 +412,7 @@ def _estimate(
 def _prepare(
     source: ModelSource,
     raw: Mapping[str, Any],
-    layout: Layout,
+    layout: Candidate,
     optimizer: str | None,
     device_type: str,
     tp_plan: Any,
@@ -523,7 +526,7 @@ def _assemble(
 
 def candidate_layouts(
     worlds: Iterable[int],
-    base: Layout,
+    base: Candidate,
     *,
     stages: Iterable[int] = (0, 1, 2, 3),
     tps: Iterable[int] | None = None,
@@ -531,7 +534,7 @@ def candidate_layouts(
     offload: bool = True,
     param_offload: bool = True,
     experts: Iterable[int] = (),
-) -> list[Layout]:
+) -> list[Candidate]:
     """Every (world, stage, tp, sp, offload) combination around ``base`` (dtype, batch, checkpointing kept) whose
     tensor- and sequence-parallel sizes divide the world, and for a model whose experts modules hold ``experts``
     experts each, every expert-parallel size that divides them all and the ranks ZeRO shards over (``dp * sp``), at
