@@ -260,3 +260,21 @@ def test_class_names_are_unique():
             if isinstance(node, ast.ClassDef):
                 where.setdefault(node.name, []).append(str(path.relative_to(PACKAGE)))
     assert {name: files for name, files in where.items() if len(files) > 1} == {}
+
+
+CORE = ("zero", "offload", "graph", "runtime", "precision", "tensor_parallel", "sequence_parallel", "expert_parallel")
+
+
+def test_core_packages_take_policies_not_the_config():
+    """Issue 47: the core packages read typed policies (``shardtrain.plan``), never ``shardtrain.config``; every
+    import counts, late ones included."""
+    graph = _graph()
+    readers = sorted(
+        f"{m} -> {dep}"
+        for m, deps in graph.items()
+        if m.split(".")[1:2] and m.split(".")[1] in CORE
+        for dep in deps
+        if dep == "shardtrain.config" or dep.startswith("shardtrain.config.")
+    )
+    assert not readers, readers
+    assert all("shardtrain.config" not in ALLOWED[f"shardtrain.{room}"] for room in CORE)

@@ -1,0 +1,145 @@
+"""The plan: a config resolved once, without a process group, into ParallelDims and the policies; one verdict for
+``initialize``, ``config check`` and ``estimate``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from shardtrain.cli.config_check import check_file
+from shardtrain.config.plan import resolve_plan
+from shardtrain.config.sections import load_config
+from shardtrain.errors import ConfigError, LayoutError
+from shardtrain.estimate.planner import Candidate, _plan, layout_config
+from shardtrain.plan.dims import ParallelDims
+from shardtrain.plan.policies import PrefetchPolicy
+
+
+def test_a_config_becomes_its_dims_and_policies():
+    cfg = load_config(
+        {
+            "tensor_parallel": {"size": 2},
+            "sequence_parallel_size": 2,
+            "bf16": {"enabled": True},
+            "communication_data_type": "bf16",
+            "graph": {"enabled": False, "cache_size": 3},
+            "zero_optimization": {
+                "stage": 2,
+                "reduce_bucket_size": 1000,
+                "allgather_bucket_size": 2000,
+                "overlap_comm": False,
+                "stage3_prefetch_bucket_size": 77,
+                "stage3_unit_classes": ["Block"],
+                "sub_group_size": 123,
+                "offload_optimizer": {"device": "nvme", "nvme_path": "/x", "buffer_count": 3, "ratio": 0.5},
+            },
+        }
+    )
+    plan = resolve_plan(cfg, 8)
+    assert (plan.dims.world, plan.dims.tp, plan.dims.sp, plan.dims.dp, plan.dims.zero) == (8, 2, 2, 2, 4)
+    z = plan.zero
+    assert (z.stage, z.shard_optimizer_state, z.shard_gradients, z.shard_parameters) == (2, True, True, False)
+    assert (z.reduce_bucket_size, z.allgather_bucket_size, z.overlap_comm, z.unit_classes) == (
+        1000,
+        2000,
+        False,
+        ("Block",),
+    )
+    assert plan.prefetch == PrefetchPolicy(77)
+    opt = plan.offload.optimizer
+    assert (opt.enabled, opt.device, opt.nvme_path, opt.buffer_count, opt.ratio, opt.sub_group_size) == (
+        True, "nvme", "/x", 3, 0.5, 123,
+    )  # fmt: skip
+    assert not plan.offload.param.enabled
+    p = plan.precision
+    assert (p.compute_dtype, p.reduce_dtype, p.mixed, p.loss_scale) == (torch.bfloat16, torch.bfloat16, True, None)
+    assert plan.graph.cache_size == 3 and not plan.graph.enabled
+    fp16 = resolve_plan(load_config({"fp16": {"enabled": True, "initial_scale_power": 5, "auto_cast": True}}), 1)
+    assert fp16.precision.loss_scale is not None and fp16.precision.loss_scale.initial_scale_power == 5
+    assert fp16.precision.cast_inputs
+
+
+def test_hpz_counts_at_stage_3_only_and_when_smaller_than_the_zero_axis():
+    def hpz(stage: int, size: int, world: int) -> int:
+        cfg = {"zero_optimization": {"stage": stage, "zero_hpz_partition_size": size}}
+        return resolve_plan(load_config(cfg), world).dims.hpz
+
+    assert hpz(3, 2, 4) == 2
+    assert hpz(2, 2, 4) == 1  # below stage 3 the key has no effect, as in DeepSpeed
+    assert hpz(3, 4, 4) == 1  # one group of every rank: plain ZeRO-3
+    assert hpz(3, 0, 4) == 1
+
+
+def test_every_refusal_of_the_plan_is_a_config_error():
+    """Sizes are LayoutErrors, combinations ConfigErrors; a caller catches both as ConfigError."""
+    assert issubclass(LayoutError, ConfigError)
+    with pytest.raises(LayoutError, match=r"tensor_parallel\.size 3 does not divide the 4 processes"):
+        resolve_plan(load_config({"tensor_parallel": {"size": 3}}), 4)
+    with pytest.raises(ConfigError, match=r"\(ZeRO\+\+ hpZ\) with tensor parallelism"):
+        resolve_plan(load_config({"tensor_parallel": {"size": 2}, "zero_optimization": {"stage": 3,
+                                  "zero_hpz_partition_size": 2}}), 8)  # fmt: skip
+    with pytest.raises(ConfigError, match=r"tiled_logits_loss / tiled_mlp_compute with graph\.enabled"):
+        resolve_plan(load_config({"tiled_mlp_compute": True, "graph": {"enabled": True}}), 1)
+    offload_param = load_config({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}})
+    assert resolve_plan(offload_param, 2, "cpu").offload.param.device == "cpu"
+    with pytest.raises(ConfigError, match=r"offload_param\.device 'cpu' is not built on CUDA"):
+        resolve_plan(offload_param, 2, "cuda")
+
+
+@pytest.mark.parametrize(("pp", "cp"), [(2, 1), (1, 2)])
+def test_axes_that_are_not_built_are_refused_by_name(pp, cp):
+    with pytest.raises(LayoutError, match=r"parallelism \(size 2\) is not built"):
+        ParallelDims(4, pp=pp, cp=cp)
+    with pytest.raises(LayoutError, match="world size must be at least 1"):
+        ParallelDims(0)
+
+
+def test_one_prefetch_rule():
+    """One unit ahead within the budget: the rule the eager runtime, graph mode's schedule and the estimate read."""
+    assert [PrefetchPolicy(100).ahead(n) for n in (1, 100, 101)] == [True, True, False]
+    assert not PrefetchPolicy(0).enabled and not PrefetchPolicy(0).ahead(1)
+
+
+CASES = [
+    (4, {"tensor_parallel": {"size": 3}}),
+    (4, {"sequence_parallel_size": 3}),
+    (8, {"tensor_parallel": {"size": 2}, "zero_optimization": {"stage": 1, "mics_shard_size": 3}}),
+    (6, {"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 4}}),
+    (8, {"tensor_parallel": {"size": 2}, "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}}),
+    (4, {"expert_parallel_size": 3}),
+    (4, {"expert_parallel_size": 2, "graph": {"enabled": True}}),
+    (4, {"expert_parallel_size": 2, "zero_optimization": {"stage": 2}}),
+    (8, {"tensor_parallel": {"size": 2}, "sequence_parallel_size": 2, "zero_optimization": {"stage": 3}}),
+]
+
+
+@pytest.mark.parametrize(("world", "config"), CASES)
+def test_config_check_and_the_estimate_give_the_plans_verdict(tmp_path, world, config):
+    """The three entry points build the plan alike: the same dp, or the same refusal in the same words."""
+    try:
+        verdict: int | str = resolve_plan(load_config(config), world).dims.dp
+    except ConfigError as err:
+        verdict = str(err)
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    ok, lines = check_file(str(path), world_size=world)
+    assert ok == isinstance(verdict, int)
+    if not ok:
+        assert any(verdict in line for line in lines), lines
+    zero = config.get("zero_optimization", {})
+    candidate = Candidate(
+        world,
+        stage=zero.get("stage", 0),
+        tp=config.get("tensor_parallel", {}).get("size", 1),
+        sp=config.get("sequence_parallel_size", 1),
+        ep=config.get("expert_parallel_size", 1),
+        shard_size=zero.get("mics_shard_size"),
+        hpz=zero.get("zero_hpz_partition_size", 1),
+    )
+    try:
+        estimated: int | str = _plan(candidate, layout_config(config, candidate), "cpu").dims.dp
+    except ConfigError as err:
+        estimated = str(err)
+    assert estimated == verdict
