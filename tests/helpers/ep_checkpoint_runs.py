@@ -213,7 +213,7 @@ def _from_pretrained(kind: str, experts: int, ep: int, stage: int, save_dir: str
     (rank 0; None elsewhere), and the experts whose tensors this rank read."""
     import transformers
 
-    from shardtrain.zero import weights
+    from shardtrain.weights import loading as weights
 
     path = Path(save_dir) / "pretrained"
     if dist.get_rank() == 0:
