@@ -87,9 +87,9 @@ class ParallelDims:
                     f"of them holds other tokens, an expert group is ep_size adjacent ones and the ranks holding the "
                     f"same experts are {zero} / ep_size of them, so choose one of {divisors(zero)}"
                 )
-            within = f"world {world}" + (f" / tensor_parallel.size {tp}" if tp != 1 else "")
+            within = f" (world / tensor_parallel.size {tp})" if tp > 1 else ""
             raise LayoutError(
-                f"expert_parallel_size (ep_size) {self.ep} does not divide the data-parallel size {dp} ({within}): "
+                f"expert_parallel_size (ep_size) {self.ep} does not divide the data-parallel size {dp}{within}: "
                 f"the ranks of an expert group are data-parallel ranks, and the ranks holding the same experts are "
                 f"dp / ep_size of them, so choose one of {divisors(dp)}"
             )
