@@ -164,12 +164,12 @@ def parallelize(
             model, plan, topology, comms, layout, masters, eager, split, optimizer, scratch, config
         )
         runtime = apply_graph(model, plan, eager, comms, reducer, layout, param_offload)
+        # metrics, monitors (TensorBoard/CSV/wandb) and wall-clock breakdown: rank 0 only, never communicates
+        monitor = TrainingMonitor(config, topology.rank, topology.device, topology.dp)
     except BaseException:
         for s in scratch.values():
             s.remove()
         raise
-    # metrics, monitors (TensorBoard/CSV/wandb) and wall-clock breakdown: rank 0 only, never communicates
-    monitor = TrainingMonitor(config, topology.rank, topology.device, topology.dp)
     for comm in (comms.shard, comms.replica, comms.dp, comms.hpz, comms.ep, comms.edp):  # comm_stats() counts from here
         if comm is not None:
             comm.reset_stats()
