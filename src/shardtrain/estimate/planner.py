@@ -37,6 +37,7 @@ from shardtrain.estimate.sequence import install_sequence_parallel
 from shardtrain.estimate.source import ModelSource, resolve_source
 from shardtrain.estimate.state import RankState, rank_state
 from shardtrain.plan import Plan
+from shardtrain.plan.dims import ParallelDims
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 HYBRID_KEYS = ("mics_shard_size", "zero_hpz_partition_size")
@@ -72,18 +73,22 @@ class Candidate:
     checkpointing: bool = False
 
     @property
+    def dims(self) -> ParallelDims:
+        """The candidate's parallel dimensions (:class:`~shardtrain.errors.LayoutError` for sizes that do not fit)."""
+        hpz = self.hpz if self.stage == 3 else 1
+        return ParallelDims(self.world, self.tp, self.sp, self.ep, self.shard_size or -1, hpz)
+
+    @property
     def dp(self) -> int:
-        """The data-parallel size: ranks given different batches, ``world / (tp * sp)``."""
-        return self.world // (self.tp * self.sp)
+        return self.dims.dp
 
     @property
     def zero(self) -> int:
-        """The ranks ZeRO shards over (those holding the same tensor-parallel block): ``dp * sp``."""
-        return self.dp * self.sp
+        return self.dims.zero
 
     @property
     def shard_group(self) -> int:
-        return self.shard_size or self.zero
+        return self.dims.shard
 
     def describe(self) -> str:
         parts = [f"world {self.world}", f"stage {self.stage}", f"tp {self.tp}"]

@@ -103,17 +103,10 @@ class PrecisionPolicy:
 
 
 @dataclass(frozen=True)
-class OptimizerOffloadPolicy:
-    """Where optimizer state (and fp32 masters) live between steps (``zero_optimization.offload_optimizer``)."""
-
+class _OffloadTarget:
     device: str = "none"
-    """``none`` (where it is used), ``cpu`` (host memory) or ``nvme`` (swap files)."""
+    """``none`` (where it is used), ``cpu`` (host memory) or ``nvme`` (swap files in ``nvme_path``)."""
     nvme_path: str | None = None
-    pin_memory: bool = False
-    buffer_count: int = 4
-    ratio: float = 1.0
-    sub_group_size: int = 1_000_000_000
-    """The optimizer steps this rank's fragments in sub-groups of about this many elements."""
 
     @property
     def enabled(self) -> bool:
@@ -121,17 +114,22 @@ class OptimizerOffloadPolicy:
 
 
 @dataclass(frozen=True)
-class ParamOffloadPolicy:
+class OptimizerOffloadPolicy(_OffloadTarget):
+    """Where optimizer state (and fp32 masters) live between steps (``zero_optimization.offload_optimizer``)."""
+
+    pin_memory: bool = False
+    buffer_count: int = 4
+    ratio: float = 1.0
+    sub_group_size: int = 1_000_000_000
+    """The optimizer steps this rank's fragments in sub-groups of about this many elements."""
+
+
+@dataclass(frozen=True)
+class ParamOffloadPolicy(_OffloadTarget):
     """Where stage 3's parameter shards live between gathers (``zero_optimization.offload_param``)."""
 
-    device: str = "none"
-    nvme_path: str | None = None
     buffer_count: int = 5
     max_in_cpu: int = 1_000_000_000
-
-    @property
-    def enabled(self) -> bool:
-        return self.device != "none"
 
 
 @dataclass(frozen=True)
