@@ -103,6 +103,8 @@ def test_one_prefetch_rule():
 
 
 CASES = [
+    (3, {"tensor_parallel": {"size": 2}}),
+    (3, {"zero_optimization": {"stage": 3, "mics_shard_size": 3}}),
     (4, {"tensor_parallel": {"size": 3}}),
     (4, {"sequence_parallel_size": 3}),
     (8, {"tensor_parallel": {"size": 2}, "zero_optimization": {"stage": 1, "mics_shard_size": 3}}),

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from shardtrain.config.auto import resolve_auto
-from shardtrain.config.plan import resolve_plan
+from shardtrain.config.plan import parallel_dims, resolve_plan
 from shardtrain.config.sections import Config, load_config
 from shardtrain.distributed.communicator import Communicator
 from shardtrain.distributed.mesh import init_topology, join_world
@@ -133,7 +133,7 @@ def shard_frozen_model(model: nn.Module, config: Config, auto_values: dict[str, 
             "model with the adapter disabled)"
         )
     world = join_world(cfg.collective_timeout_s, cfg.device)
-    topology = init_topology(resolve_plan(cfg, world).dims, cfg.collective_timeout_s, cfg.device)
+    topology = init_topology(parallel_dims(cfg, world), cfg.collective_timeout_s, cfg.device)
     cfg = resolve_auto(cfg, dp=topology.dp, model=model, auto_values=auto_values)
     plan = resolve_plan(cfg, world)
     policy = plan.precision

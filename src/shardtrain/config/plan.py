@@ -15,7 +15,7 @@ import torch
 from shardtrain.config.sections import Config
 from shardtrain.errors import ConfigError
 from shardtrain.plan import Plan
-from shardtrain.plan.dims import ParallelDims, divisors
+from shardtrain.plan.dims import ParallelDims
 from shardtrain.plan.policies import (
     GraphPolicy,
     LossScalePolicy,
@@ -194,4 +194,4 @@ def ineffective_offload_keys(cfg: Config, device_type: str) -> list[str]:
     return notes
 
 
-__all__ = ["check_layout", "divisors", "ineffective_offload_keys", "parallel_dims", "precision_policy", "resolve_plan"]
+__all__ = ["check_layout", "ineffective_offload_keys", "parallel_dims", "precision_policy", "resolve_plan"]

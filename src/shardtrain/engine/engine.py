@@ -27,7 +27,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from shardtrain.checkpoint.async_save import AsyncSaver
 from shardtrain.config.auto import resolve_auto
-from shardtrain.config.plan import ineffective_offload_keys, resolve_plan
+from shardtrain.config.plan import ineffective_offload_keys, parallel_dims, resolve_plan
 from shardtrain.config.sections import Config, cast_inputs_half, load_config, resolve_batch_sizes
 from shardtrain.distributed import failure
 from shardtrain.distributed.communicator import Communicator, collecting, merge_stats
@@ -613,9 +613,10 @@ def _initialize(
     communicators: list[Communicator],
 ) -> Engine:
     world = join_world(cfg.collective_timeout_s, cfg.device)
-    # the plan's layout refusals, before any group is made; "auto" values need its data-parallel size
-    topology = init_topology(resolve_plan(cfg, world).dims, cfg.collective_timeout_s, cfg.device)
-    # "auto" values are resolved before the model is touched; the plan the engine is built from holds them
+    # the sizes are checked before any group is made; "auto" values need the data-parallel size they give
+    topology = init_topology(parallel_dims(cfg, world), cfg.collective_timeout_s, cfg.device)
+    # "auto" values are resolved before the model is touched; the plan the engine is built from holds them, and
+    # refuses the combinations that are not built
     cfg = resolve_auto(cfg, dp=topology.dp, model=model, auto_values=auto_values)
     plan = resolve_plan(cfg, world, topology.device.type)
     if topology.rank == 0:

@@ -49,13 +49,11 @@ from shardtrain.estimate.experts import GroupedMatmulShapes, has_experts, split_
 from shardtrain.estimate.sequence import as_fake, install_sequence_parallel, refuse_shared_config, split_batch
 from shardtrain.estimate.source import ModelSource, loss_of
 from shardtrain.expert_parallel import expert_weights
-from shardtrain.plan.policies import PrefetchPolicy
+from shardtrain.plan.policies import NO_PREFETCH, PrefetchPolicy
 from shardtrain.zero.layout import Bucket
 from shardtrain.zero.units import find_unit_modules
 
 FP32 = torch.float32
-
-NO_PREFETCH = PrefetchPolicy(budget=0)
 
 
 class _Done:

@@ -160,6 +160,10 @@ class PrefetchPolicy:
         return self.enabled and numel <= self.budget
 
 
+NO_PREFETCH = PrefetchPolicy(budget=0)
+"""Each unit gathered right before its use (a model only run forward, a test of the gathers alone)."""
+
+
 @dataclass(frozen=True)
 class GraphPolicy:
     """Graph mode (``graph``): capture the forward and backward per input schema (docs/graph-mode.md)."""

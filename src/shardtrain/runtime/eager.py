@@ -61,7 +61,7 @@ from shardtrain.distributed import failure
 from shardtrain.distributed.communicator import Communicator
 from shardtrain.distributed.wait_probes import add_wait_probe, remove_wait_probe
 from shardtrain.errors import ShardtrainError
-from shardtrain.plan.policies import PrefetchPolicy
+from shardtrain.plan.policies import NO_PREFETCH, PrefetchPolicy
 from shardtrain.runtime.interface import Call, Runtime
 from shardtrain.zero.departure import OrderAgreement
 from shardtrain.zero.gather import ShardSource, UnitGathers
@@ -111,10 +111,6 @@ class _SavedTensorHooks:
             self.runtime.on_unpack(packed)
             packed = packed.payload
         return self.outer[1](packed) if self.outer is not None else packed
-
-
-NO_PREFETCH = PrefetchPolicy(budget=0)
-"""Each unit gathered right before its use (a model only run forward, a test of the gathers alone)."""
 
 
 class EagerRuntime(Runtime):
