@@ -67,7 +67,7 @@ def test_loads_dict_json_yaml_and_object(tmp_path):
         ),
         (
             {"optimizer": {"type": "Adam", "params": {"max_grad_norm": 1.0}}, "gradient_clipping": 0.5},
-            ["optimizer.params.max_grad_norm: 1.0 differs from gradient_clipping 0.5"],
+            ["optimizer.params.max_grad_norm: refused, as DeepSpeed refuses it", "top-level `gradient_clipping`"],
         ),
         ({"scheduler": {"type": "WarmupDecayLR", "params": {}}}, ["scheduler.params.total_num_steps", "required"]),
         ({"scheduler": {"type": "WarmupLR", "params": {"warmup_typ": "log"}}}, ["scheduler.params.warmup_typ"]),
@@ -156,17 +156,19 @@ def test_optimizer_keys_of_deepspeed_sections():
     def built(params: dict, kind: str = "AdamW"):
         return optimizer_class_and_kwargs(load_config({"optimizer": {"type": kind, "params": params}}).optimizer)
 
-    # DeepSpeed reads adam_w_mode for AdamW too, and ignores it there (accelerate's templates write it)
-    assert built({"lr": 1e-3, "adam_w_mode": False}) == (torch.optim.AdamW, {"lr": 1e-3})
-    assert built({"lr": 1e-3, "adam_w_mode": False}, "Adam") == (torch.optim.Adam, {"lr": 1e-3})
-    # torch_adam and bias_correction: true leave the torch optimizer as it is
+    # DeepSpeed reads adam_w_mode for AdamW too, and ignores it there (accelerate's templates write it); its fused
+    # Adam's weight_decay default, 0.0, is written in ([Note: DeepSpeed's defaults])
+    assert built({"lr": 1e-3, "adam_w_mode": False}) == (torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 0.0})
+    assert built({"lr": 1e-3, "adam_w_mode": False}, "Adam") == (torch.optim.Adam, {"lr": 1e-3, "weight_decay": 0.0})
+    # bias_correction: true leaves the torch optimizer as it is; torch_adam: true keeps torch's defaults
     assert built({"lr": 1e-3, "torch_adam": False, "bias_correction": True}, "Adam") == (
         torch.optim.AdamW,
-        {"lr": 1e-3},
+        {"lr": 1e-3, "weight_decay": 0.0},
     )
-    cfg = load_config({"optimizer": {"type": "SGD", "params": {"lr": 0.1, "max_grad_norm": 0.5}}})
-    assert cfg.gradient_clipping == 0.5 and "max_grad_norm" not in cfg.optimizer.params
-    same = {"optimizer": {"type": "SGD", "params": {"lr": 0.1, "max_grad_norm": 0.5}}, "gradient_clipping": 0.5}
-    assert load_config(same).gradient_clipping == 0.5
-    auto = load_config({"optimizer": {"type": "SGD", "params": {"max_grad_norm": 1.0}}, "gradient_clipping": "auto"})
-    assert auto.gradient_clipping == 1.0
+    assert built({"lr": 1e-3, "torch_adam": True}) == (torch.optim.AdamW, {"lr": 1e-3})
+    assert built({"lr": 1e-3, "weight_decay": 0.1}) == (torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 0.1})
+    assert built({"lr": 0.1}, "SGD") == (torch.optim.SGD, {"lr": 0.1})
+    # DeepSpeed's engine refuses max_grad_norm among the optimizer's params (it clips with gradient_clipping)
+    for given in ({}, {"gradient_clipping": 0.5}, {"gradient_clipping": "auto"}):
+        with pytest.raises(ConfigError, match="max_grad_norm: refused, as DeepSpeed refuses it"):
+            load_config({"optimizer": {"type": "SGD", "params": {"lr": 0.1, "max_grad_norm": 0.5}}, **given})

@@ -421,8 +421,34 @@ def _communication_dtype(tmp: Path) -> None:
         _micro_step(engine)
         return seen
 
-    assert reduced_dtypes({}) == {torch.float32}
-    assert reduced_dtypes({"communication_data_type": "bf16"}) == {torch.bfloat16}
+    assert reduced_dtypes({}) == {torch.bfloat16}  # DeepSpeed's default: the compute dtype
+    assert reduced_dtypes({"communication_data_type": "fp32"}) == {torch.float32}
+
+
+@effect(_Z + "stage3_gather_16bit_weights_on_model_save")
+def _gather_16bit(tmp: Path) -> None:
+    from shardtrain.compat.deepspeed.engine import DeepSpeedEngine
+
+    def saved(flag: bool) -> tuple[bool, bool]:
+        zero = {**_STAGE3, "stage3_gather_16bit_weights_on_model_save": flag}
+        engine = DeepSpeedEngine(_engine({"zero_optimization": zero}))
+        done = engine.save_16bit_model(str(tmp / str(flag)))
+        return done, (tmp / str(flag) / "pytorch_model.bin").exists()
+
+    assert saved(False) == (False, False)  # as DeepSpeed: nothing written at stage 3 without it
+    assert saved(True) == (True, True)
+
+
+@effect("data_types.grad_accum_dtype")
+def _grad_accum_dtype(tmp: Path) -> None:
+    def grads(config: dict, stage: int) -> torch.dtype:
+        engine = _engine({"bf16": {"enabled": True}, "zero_optimization": {"stage": stage}, **config})
+        reducer = engine._reducer
+        return {g.dtype for g in (reducer.full_grads or reducer.shard_grads)}
+
+    for stage in (1, 2):
+        assert grads({}, stage) == {torch.bfloat16}  # DeepSpeed's default: the compute dtype
+        assert grads({"data_types": {"grad_accum_dtype": "fp32"}}, stage) == {torch.float32}
 
 
 @effect("bf16.enabled")
@@ -430,6 +456,22 @@ def _bf16(tmp: Path) -> None:
     engine = _engine({"bf16": {"enabled": True}})
     assert {p.dtype for p in engine.module.parameters()} == {torch.bfloat16}
     assert {p.dtype for p in _engine({}).module.parameters()} == {torch.float32}
+
+
+@effect("bf16.check_grad_overflow")
+def _bf16_overflow(tmp: Path) -> None:
+    def update(check: bool) -> torch.Tensor:
+        model = _gpt()
+        bf16 = {"enabled": True, "check_grad_overflow": check}
+        engine = _engine({"bf16": bf16, "zero_optimization": {"stage": 1}}, model=model)
+        model.blocks[0].mlp[0].weight.register_hook(lambda g: torch.full_like(g, float("nan")))
+        before = _params(engine)
+        _micro_step(engine)
+        return _params(engine) - before
+
+    skipped = update(True)
+    assert torch.equal(skipped, torch.zeros_like(skipped))  # skipped, as DeepSpeed skips it
+    assert update(False).isnan().any()  # applied: the NaN reaches the weights
 
 
 def _fp16_engine(fp16: dict) -> tuple[shardtrain.Engine, dict]:
@@ -500,19 +542,23 @@ def _min_scale(tmp: Path) -> None:
 
 @effect("gradient_clipping")
 def _clipping(tmp: Path) -> None:
-    free = _update({}, optimizer=_sgd(1.0))
+    free = _update({"gradient_clipping": 0}, optimizer=_sgd(1.0))
+    default = _update({}, optimizer=_sgd(1.0))
     clipped = _update({"gradient_clipping": 1e-3}, optimizer=_sgd(1.0))
-    assert free.norm() > 1e-2
-    assert clipped.norm() == pytest.approx(1e-3, rel=1e-3)  # SGD at lr 1: the update is the clipped gradient
+    assert free.norm() > 1.0  # SGD at lr 1: the update is the (clipped) gradient
+    assert default.norm() == pytest.approx(1.0, rel=1e-3)  # DeepSpeed's default: 1.0
+    assert clipped.norm() == pytest.approx(1e-3, rel=1e-3)
 
 
-@effect("optimizer.params.max_grad_norm")
-def _max_grad_norm(tmp: Path) -> None:
-    sgd = {"type": "SGD", "params": {"lr": 1.0}}
-    free = _update({"optimizer": sgd}, optimizer=None)
-    clipped = _update({"optimizer": {**sgd, "params": {"lr": 1.0, "max_grad_norm": 1e-3}}}, optimizer=None)
-    assert free.norm() > 1e-2
-    assert clipped.norm() == pytest.approx(1e-3, rel=1e-3)  # clipped as gradient_clipping clips
+@effect("optimizer.params.torch_adam")
+def _torch_adam(tmp: Path) -> None:
+    adamw = {"type": "AdamW", "params": {"lr": 0.1}}
+    fused_default = _update({"optimizer": adamw}, optimizer=None)  # DeepSpeed's FusedAdam: weight_decay 0.0
+    no_decay = _update({"optimizer": {**adamw, "params": {"lr": 0.1, "weight_decay": 0.0}}}, optimizer=None)
+    torch_default = _update({"optimizer": {**adamw, "params": {"lr": 0.1, "torch_adam": True}}}, optimizer=None)
+    decay = _update({"optimizer": {**adamw, "params": {"lr": 0.1, "weight_decay": 0.01}}}, optimizer=None)
+    assert torch.equal(fused_default, no_decay) and torch.equal(torch_default, decay)
+    assert not torch.equal(fused_default, torch_default)
 
 
 # -- ZeRO -----------------------------------------------------------------------------------------------------------

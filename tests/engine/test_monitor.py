@@ -51,7 +51,7 @@ class _Records(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def _train(out: str, pass_tokens: bool, breakdown: bool) -> dict:
+def _train(out: str, pass_tokens: bool, breakdown: bool, every: int | float | None = EVERY) -> dict:
     import torch.distributed as dist
 
     rank = dist.get_rank()
@@ -63,7 +63,11 @@ def _train(out: str, pass_tokens: bool, breakdown: bool) -> dict:
     model = SlowGPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=16, n_layer=2, n_head=2))
     engine = shardtrain.initialize(
         model,
-        config=_config(out, wall_clock_breakdown=breakdown),
+        config={
+            k: v
+            for k, v in _config(out, wall_clock_breakdown=breakdown, steps_per_print=every).items()
+            if v is not None
+        },
         optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s)),  # lr moves
     )
@@ -118,8 +122,8 @@ def _read_tensorboard(directory: Path) -> dict[str, list[tuple[int, float]]]:
 
 def test_tensorboard_and_csv_hold_what_the_engine_reported(tmp_path):
     rank0, rank1 = run_distributed(_train, 2, str(tmp_path), False, False, timeout=120)
-    printed = [r for s, r in enumerate(rank0["reported"], 1) if s % EVERY == 0]
-    assert [r["samples"] for r in printed] == [s * MICRO * GAS * 2 for s in range(EVERY, STEPS + 1, EVERY)]
+    printed = rank0["reported"]  # the monitors write every step, as DeepSpeed's; the log every EVERY steps
+    assert [r["samples"] for r in printed] == [s * MICRO * GAS * 2 for s in range(1, STEPS + 1)]
     csv_values = _read_csv(tmp_path / "csv")
     tb_values = _read_tensorboard(tmp_path / "tb")
     assert sorted(csv_values) == sorted(tb_values) == sorted(METRICS)
@@ -136,7 +140,17 @@ def test_tensorboard_and_csv_hold_what_the_engine_reported(tmp_path):
         assert ms >= GAS * FORWARD_SLEEP * 1e3  # the iteration includes GAS sleeping forwards
         assert rate * ms / 1e3 == pytest.approx(tokens, rel=1e-9)
         assert tb_ms == pytest.approx(ms, rel=1e-6)
-    assert any("step 2: loss" in m for m in rank0["log"]) and rank1["log"] == []
+    assert [m.split(":")[0] for m in rank0["log"] if ": loss" in m] == ["step 2", "step 4"] and rank1["log"] == []
+
+
+@pytest.mark.parametrize("every", [None, float("inf")])
+def test_without_steps_per_print_nothing_is_logged_and_the_monitors_still_write(tmp_path, every):
+    """DeepSpeed's default: no periodic log (``inf``, which accelerate writes, says the same); its monitors write
+    every step whatever ``steps_per_print`` says."""
+    rank0, _ = run_distributed(_train, 2, str(tmp_path), False, False, every, timeout=120)
+    assert not [m for m in rank0["log"] if ": loss" in m]
+    written = _read_csv(tmp_path / "csv")["train_loss"]
+    assert written == [(r["samples"], r["train_loss"]) for r in rank0["reported"]]
 
 
 def test_step_tokens_and_wall_clock_breakdown(tmp_path):
@@ -156,7 +170,7 @@ def test_step_tokens_and_wall_clock_breakdown(tmp_path):
     lines = [m for m in rank0["log"] if "forward" in m]
     assert len(lines) == STEPS // EVERY and lines[0].startswith("step 2: forward ")
     assert float(lines[0].split("forward ")[1].split(" ms")[0]) == pytest.approx(
-        values["elapsed_time_ms_forward"][0][1], abs=0.01
+        values["elapsed_time_ms_forward"][EVERY - 1][1], abs=0.01
     )
     assert rank1["log"] == []
 

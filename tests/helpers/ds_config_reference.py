@@ -87,8 +87,43 @@ class _World:
         return self.size
 
 
+class _OptimizerChecked(Exception):
+    """Raised where DeepSpeed's engine, past its checks of the optimizer section's params, would build the optimizer."""
+
+
+class _EngineStandIn:
+    """The two methods ``DeepSpeedEngine._configure_basic_optimizer`` calls before it builds anything."""
+
+    def __init__(self, params: dict) -> None:
+        self.params = params
+
+    def optimizer_params(self) -> dict:
+        return self.params
+
+    def optimizer_name(self) -> str:
+        raise _OptimizerChecked
+
+
+def _engine_refusal(config: dict) -> str:
+    """DeepSpeed's engine's refusal of the ``optimizer`` section's params (``max_grad_norm``), which its parser
+    does not make: its own ``_configure_basic_optimizer``, run up to the point where it would build the optimizer."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    optimizer = config.get("optimizer")
+    if not isinstance(optimizer, dict):
+        return ""
+    try:
+        DeepSpeedEngine._configure_basic_optimizer(_EngineStandIn(dict(optimizer.get("params") or {})), [])
+    except _OptimizerChecked:
+        return ""
+    except ValueError as err:
+        return f"ValueError: {err}"
+    return ""
+
+
 def deepspeed_verdict(config: dict) -> tuple[int, bool, str]:
-    """(implied data-parallel world size, whether DeepSpeed's parser accepts the file there, its error)."""
+    """(implied data-parallel world size, whether DeepSpeed accepts the file there, its error): its parser, then its
+    engine's check of the optimizer section (:func:`_engine_refusal`)."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed.runtime.config as ds_config
 
@@ -101,4 +136,5 @@ def deepspeed_verdict(config: dict) -> tuple[int, bool, str]:
             ds_config.DeepSpeedConfig(filled)
     except Exception as err:  # any refusal of DeepSpeed's: its asserts, pydantic, its own errors
         return world, False, f"{type(err).__name__}: {err}".splitlines()[0]
-    return world, True, ""
+    refusal = _engine_refusal(filled)
+    return world, not refusal, refusal.splitlines()[0] if refusal else ""

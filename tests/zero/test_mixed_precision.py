@@ -53,7 +53,7 @@ def bf16_reference(world: int) -> dict:
     return {"losses": losses, "norms": norms, "params": {n: p.detach().float() for n, p in model.named_parameters()}}
 
 
-def _bf16_run(stage: int, world: int) -> dict:
+def _bf16_run(stage: int, world: int, exact: bool = False) -> dict:
     rank = dist.get_rank()
     model = make_model(RECIPE)
     config = {
@@ -63,6 +63,8 @@ def _bf16_run(stage: int, world: int) -> dict:
         "bf16": {"enabled": True},
         "zero_optimization": _zero(stage),
     }
+    if exact:  # shardtrain's exact choice, by name (DeepSpeed's default is the compute dtype for both)
+        config |= {"communication_data_type": "fp32", "data_types": {"grad_accum_dtype": "fp32"}}
     engine = shardtrain.initialize(model, config=config, optimizer=make_optimizer(model, RECIPE))
     dtypes = {p.dtype for p in model.parameters()} | {
         p.dtype for g in engine.optimizer.param_groups for p in g["params"]
@@ -85,11 +87,16 @@ def _bf16_run(stage: int, world: int) -> dict:
     return {"losses": losses, "norms": norms, "params": params, "dtypes": dtypes, "state": engine.state_bytes()}
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_bf16_parity(stage, world):
+BF16_CASES = [(stage, world, False) for stage in range(4) for world in (1, 2, 3)]
+BF16_CASES += [(1, 3, True), (3, 2, True)]  # fp32 reduction and accumulation, by name
+
+
+@pytest.mark.parametrize(("stage", "world", "exact"), BF16_CASES)
+def test_bf16_parity(stage, world, exact):
+    """DeepSpeed's defaults (bf16 reduction and accumulation) and the exact choice, against one process that sums
+    in fp32."""
     ref = bf16_reference(world)
-    results = run_distributed(_bf16_run, world, stage, world)
+    results = run_distributed(_bf16_run, world, stage, world, exact)
     assert results[0]["dtypes"] == {torch.bfloat16, torch.float32}  # bf16 model, fp32 masters
     for s in range(RECIPE.steps):
         loss = sum(r["losses"][s] for r in results) / world
@@ -114,8 +121,10 @@ def test_bf16_state_bytes_follow_the_formulas():
         half = n // 2  # this rank's share at world 2
         optimizer = state["optimizer"] - 4 * n_tensors  # minus AdamW's scalar 'step' per parameter tensor
         assert optimizer == 12 * half  # fp32 master + two fp32 moments of this rank's half
-        expected_grads = {1: 4 * n, 2: 4 * half, 3: 4 * half}[stage]  # fp32 accumulation: full, or shard
+        expected_grads = {1: 2 * n, 2: 2 * half, 3: 2 * half}[stage]  # bf16 accumulation: full, or shard
         assert state["grads"] == expected_grads, stage
+        exact = run_distributed(_bf16_run, 2, stage, 2, True)[0]["state"]  # data_types.grad_accum_dtype "fp32"
+        assert exact["grads"] == 2 * expected_grads, stage
 
 
 PLANT_STEP = 2

@@ -14,6 +14,7 @@ config key                              resolved from
 ``scheduler.params.warmup_max_lr``      ``auto_values["lr"]``
 ``scheduler.params.warmup_num_steps``   ``auto_values["warmup_num_steps"]``
 ``scheduler.params.total_num_steps``    ``auto_values["total_num_steps"]``
+``stage3_gather_16bit_weights_...``    true (the Trainer saves the full weights)
 ``fp16.enabled`` / ``bf16.enabled``     ``auto_values["precision"]`` (``"fp32"``, ``"bf16"``, ``"fp16"``); false if
                                         not given (the Trainer's default without ``--fp16``/``--bf16``)
 ``zero_optimization.*`` sizes           hidden size h (``model.config.hidden_size``, the largest of
@@ -186,6 +187,8 @@ def _resolve_batch(data: dict[str, Any], dp: int) -> None:
 
 def _resolve_sizes(data: dict[str, Any], model: nn.Module | None, hidden_size: Any) -> None:
     zero = data.get("zero_optimization", {})
+    if is_auto(zero.get("stage3_gather_16bit_weights_on_model_save")):  # the Trainer saves the full weights
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
     stage = ZeroConfig.model_validate({"stage": zero.get("stage", 0)}).stage
     stage3_keys = ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
     if stage != 3:  # no effect below stage 3: the defaults, without asking for a hidden size

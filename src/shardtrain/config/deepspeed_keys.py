@@ -67,6 +67,8 @@ class Rule:
     """Refused value: the part of a refused section that asked for it, for the message."""
     warn_when: Callable[[Any], bool] | None = None
     """No effect, diagnostic: the values that turn the diagnostic on, accepted with a warning (``note``)."""
+    deepspeed_refuses: bool = False
+    """Not supported: DeepSpeed refuses the key as well (``note`` says why, in its words)."""
 
 
 def _whole(v: Any) -> Any:
@@ -128,6 +130,11 @@ def _diagnostic(path: str, note: str) -> Rule:
 
 def _not_supported(path: str, note: str) -> Rule:
     return Rule(path, Kind.NOT_SUPPORTED, note)
+
+
+def _deepspeed_refuses(path: str, note: str) -> Rule:
+    """A key DeepSpeed's engine refuses too (see [Note: DeepSpeed's defaults]): refused here with its reason."""
+    return Rule(path, Kind.NOT_SUPPORTED, note, deepspeed_refuses=True)
 
 
 _ZERO_PP_SAME = "shardtrain communicates in full precision over all data-parallel ranks (the result of ZeRO without it)"
@@ -329,12 +336,12 @@ RULES: tuple[Rule, ...] = (
         '`weight_decay` may be `"auto"`',
         auto='`auto_values["lr"]`, `["betas"]`, `["eps"]`, `["weight_decay"]`',
     ),
-    _no_effect(
+    _supported(
         "optimizer.params.torch_adam",
-        "bool",
-        "DeepSpeed's choice between torch's Adam and its fused kernel (the same update); the optimizer here is "
-        "always torch's",
-        check=StrictBool,
+        "bool, `false`",
+        "DeepSpeed's choice between torch's Adam/AdamW and its fused kernel (the same update, other defaults): "
+        "without it `weight_decay` defaults to 0.0 as in DeepSpeed's FusedAdam and CPUAdam, with `true` to torch's "
+        "(0.01 for AdamW); the optimizer here is always torch's (see [Note: DeepSpeed's defaults])",
     ),
     _supported(
         "optimizer.params.bias_correction",
@@ -343,12 +350,10 @@ RULES: tuple[Rule, ...] = (
         "`lr * m / (sqrt(v) + eps)`, with `shardtrain.optim.adam.DeepSpeedAdam` (the weight decay as `adam_w_mode` "
         "says); `true` is torch's Adam/AdamW",
     ),
-    _supported(
+    _deepspeed_refuses(
         "optimizer.params.max_grad_norm",
-        "float ≥ 0",
-        "read as `gradient_clipping` (apex's and DeepSpeed's fused optimizers clipped the global gradient norm "
-        "with it; DeepSpeed's engine asks for `gradient_clipping` instead); giving both with different values is "
-        "an error",
+        "not an optimizer parameter (the engine clips the global gradient norm, not the optimizer); use the "
+        "top-level `gradient_clipping`",
     ),
     _no_effect("optimizer.legacy_fusion", "bool", "there are no fused DeepSpeed optimizers here", check=StrictBool),
     _supported(
@@ -397,8 +402,9 @@ RULES: tuple[Rule, ...] = (
     # -- communication ---------------------------------------------------------------------------
     _supported(
         "communication_data_type",
-        "`fp32`, `bf16`, `fp16`; fp32",
-        "dtype gradients are reduced in (mixed precision only; the compute dtype halves the bytes)",
+        "`fp32`, `bf16`, `fp16`; the compute dtype",
+        "dtype gradients are reduced in (mixed precision only); absent: the compute dtype, as in DeepSpeed; `fp32` "
+        "sums in full precision for twice the bytes",
     ),
     _no_effect(
         "seq_parallel_communication_data_type",
@@ -494,10 +500,12 @@ RULES: tuple[Rule, ...] = (
         "gradients are accumulated in fp32 and applied at the boundary",
         check=StrictBool,
     ),
-    _only(
+    _supported(
         "bf16.check_grad_overflow",
-        False,
-        "bf16 steps are not checked for inf/nan (fp16 steps are); `true` is not supported",
+        "bool, `true`",
+        "skip a step whose gradients hold inf or NaN (parameters, masters, optimizer state and the scheduler "
+        "untouched; `skipped_steps` counts it), as DeepSpeed does; `false` applies it at ZeRO stages 1-2 and is "
+        "ignored at 0 and 3, where DeepSpeed's bf16 optimizers always skip",
     ),
     *(
         _no_effect(
@@ -529,18 +537,17 @@ RULES: tuple[Rule, ...] = (
         "of `lower_precision_safe_modules` reduced in the autocast dtype is not built; use the `bf16` or `fp16` "
         "section (weights cast to that dtype, fp32 masters), or call `torch.autocast` in your own forward",
     ),
-    Rule(
-        "data_types",
-        Kind.REFUSED_VALUE,
-        "gradients are accumulated in fp32; another `grad_accum_dtype` is not supported",
-        '`{"grad_accum_dtype": "fp32"}`',
-        check=dict,
-        accept=lambda v: set(v) <= {"grad_accum_dtype"} and v.get("grad_accum_dtype", "fp32") in ("fp32", None),
+    _supported("data_types", "section", "DeepSpeed's dtypes section"),
+    _supported(
+        "data_types.grad_accum_dtype",
+        "`fp32` or the compute dtype; the compute dtype",
+        "dtype gradients accumulate in over micro-steps; absent: the compute dtype, as in DeepSpeed; `fp32` is exact, "
+        "for 2 bytes per parameter more",
     ),
     _supported(
         "gradient_clipping",
-        "float ≥ 0, `0`",
-        "clip the global gradient norm (0 = off)",
+        "float ≥ 0, `1.0`",
+        "clip the global gradient norm (0 = off); absent: 1.0, DeepSpeed's default",
         auto='`auto_values["gradient_clipping"]`',
     ),
     # -- ZeRO ------------------------------------------------------------------------------------
@@ -630,7 +637,9 @@ RULES: tuple[Rule, ...] = (
         "path",
         "directory for the swap files (required with `nvme`; checked writable at `initialize` on every rank)",
     ),
-    _supported(_Z + "offload_optimizer.pin_memory", "bool, `false`", "page-locked host buffers (CUDA only)"),
+    _supported(
+        _Z + "offload_optimizer.pin_memory", "bool, `true`", "page-locked host buffers (CUDA only; DeepSpeed's default)"
+    ),
     _supported(
         _Z + "offload_optimizer.buffer_count",
         "int ≥ 1, `4`",
@@ -764,12 +773,12 @@ RULES: tuple[Rule, ...] = (
         "units are transformer blocks or `stage3_unit_classes`, not chosen by granularity",
         check=int,
     ),
-    _no_effect(
+    _supported(
         _Z + "stage3_gather_16bit_weights_on_model_save",
-        "bool",
-        "`engine.full_state_dict()` always gathers full weights",
-        check=StrictBool,
-        auto="nothing to resolve (Hugging Face's Trainer fills it from its save settings)",
+        "bool, `false`",
+        "stage 3: the DeepSpeed shim's `save_16bit_model` gathers and writes the full weights; without it it writes "
+        "nothing and returns False, as DeepSpeed does (`engine.full_state_dict()` gathers them whatever it says)",
+        auto="true (Hugging Face's Trainer saves the full weights with it)",
     ),
     _no_effect(
         _Z + "stage3_use_all_reduce_for_fetch_params",
@@ -848,7 +857,12 @@ RULES: tuple[Rule, ...] = (
         check=StrictBool,
     ),
     # -- logging and monitoring ------------------------------------------------------------------
-    _supported("steps_per_print", "int ≥ 1, `10`", "rank 0 logs loss, lr and grad norm (logger `shardtrain`)"),
+    _supported(
+        "steps_per_print",
+        "int ≥ 1 or `inf`; absent",
+        "rank 0 logs loss, lr and grad norm (logger `shardtrain`) every this many steps; absent or `inf` (accelerate "
+        "writes it): never, as in DeepSpeed",
+    ),
     _supported(
         "wall_clock_breakdown",
         "bool, `false`",
@@ -870,7 +884,11 @@ RULES: tuple[Rule, ...] = (
         for rule in (
             _supported(monitor, "section", f"write scalars with the {monitor} monitor"),
             _supported(f"{monitor}.enabled", "bool, `false`", "turn the monitor on"),
-            _supported(f"{monitor}.output_path", "string, `./runs`", "directory of the monitor's files"),
+            _supported(
+                f"{monitor}.output_path",
+                "string, empty",
+                "directory of the monitor's files; empty: the working directory",
+            ),
             _supported(f"{monitor}.job_name", "string, `DeepSpeedJobName`", "subdirectory of `output_path`"),
         )
     ),
@@ -1446,7 +1464,10 @@ def _apply_rule(rule: Rule, value: Any, found: Findings) -> None:
     """A rule of any kind but SUPPORTED: record a problem or a no-effect note; the key leaves the data."""
     path = rule.path
     if rule.kind is Kind.NOT_SUPPORTED:
-        found.problems.append(f"{path}: a DeepSpeed key shardtrain does not support ({rule.note})")
+        if rule.deepspeed_refuses:
+            found.problems.append(f"{path}: refused, as DeepSpeed refuses it: {rule.note}")
+        else:
+            found.problems.append(f"{path}: a DeepSpeed key shardtrain does not support ({rule.note})")
         return
     bad_type = _check_type(rule, value)
     if bad_type:
@@ -1493,7 +1514,7 @@ def classify(data: Mapping[str, Any], model: type[BaseModel], prefix: str = "") 
     found = Findings()
     out = _walk(data, model, prefix, found)
     if not prefix:
-        _max_grad_norm_as_clipping(out, found)
+        _adam_weight_decay(out)
         _moe_sections(out, found)
     return out, found
 
@@ -1561,31 +1582,30 @@ def _moe_sections(out: dict[str, Any], found: Findings) -> None:
         found.renamed.setdefault("expert_parallel_size", f"{section}.{size_key}")
 
 
-_MAX_GRAD_NORM = "optimizer.params.max_grad_norm"
+# [Note: DeepSpeed's defaults]
+# A DeepSpeed config means here what it means in the DeepSpeed release the shim follows (0.19.8): every key that
+# changes the numbers or the files written has DeepSpeed's default when absent (`gradient_clipping` 1.0, Adam's
+# `weight_decay` 0.0, the bf16 overflow skip, reductions in the compute dtype, no periodic log, monitors written
+# every step), and what DeepSpeed refuses is refused with its reason. Where shardtrain's own choice is better (fp32
+# reductions, fp32 gradient accumulation) it is one key away, named in docs/config.md; tests/config/
+# test_deepspeed_defaults.py holds every default against DeepSpeed's own config objects.
 
 
-def _max_grad_norm_as_clipping(out: dict[str, Any], found: Findings) -> None:
-    """``optimizer.params.max_grad_norm`` (apex's fused optimizers clipped with it) becomes ``gradient_clipping``."""
+def _adam_weight_decay(out: dict[str, Any]) -> None:
+    """``Adam``/``AdamW`` without ``weight_decay``: DeepSpeed builds its FusedAdam (CPUAdam with offload), whose
+    default is 0.0, unless ``torch_adam: true`` asks for torch's class and its default (0.01 for AdamW). The optimizer
+    here is always torch's, so DeepSpeed's 0.0 is written in (see [Note: DeepSpeed's defaults]). ``torch_adam`` says
+    nothing more and leaves the section here."""
     optimizer = out.get("optimizer")
-    params = optimizer.get("params") if isinstance(optimizer, Mapping) else None
-    if not isinstance(params, Mapping) or "max_grad_norm" not in params:
+    params = optimizer.get("params", {}) if isinstance(optimizer, Mapping) else None
+    if not isinstance(params, Mapping):
         return
-    params = dict(params)
-    norm = params.pop("max_grad_norm")
+    torch_adam = params.get("torch_adam", False)
+    params = {k: v for k, v in params.items() if k != "torch_adam"}
+    adam = str(optimizer.get("type", "")).lower() in ("adam", "adamw")
+    if adam and "weight_decay" not in params and torch_adam is not True:
+        params["weight_decay"] = 0.0
     out["optimizer"] = {**optimizer, "params": params}
-    given = out.get("gradient_clipping")
-    if is_auto(norm):
-        found.problems.append(f'{_MAX_GRAD_NORM}: "auto" cannot be derived for this key; give a value')
-    elif "gradient_clipping" in out and not (is_auto(given) or given == norm):
-        found.problems.append(
-            f"{_MAX_GRAD_NORM}: {_describe(norm)} differs from gradient_clipping {_describe(given)}; both clip the "
-            "global gradient norm: give one of them"
-        )
-    else:
-        if "gradient_clipping" not in out or is_auto(given):  # a number here settles an "auto" gradient_clipping
-            out["gradient_clipping"] = norm
-            found.autos.pop("gradient_clipping", None)
-            found.renamed["gradient_clipping"] = _MAX_GRAD_NORM
 
 
 def _walk(data: Mapping[str, Any], model: type[BaseModel] | None, prefix: str, found: Findings) -> dict[str, Any]:

@@ -50,7 +50,13 @@ def resolve_plan(cfg: Config, world: int, device_type: str | None = None) -> Pla
     opt, par = zcfg.offload_optimizer, zcfg.offload_param
     offload = OffloadPolicy(
         OptimizerOffloadPolicy(
-            opt.device, opt.nvme_path, opt.pin_memory, opt.buffer_count, opt.ratio, zcfg.sub_group_size
+            # page-locked memory speeds GPU copies only; on the CPU it would make a CUDA context where one exists
+            opt.device,
+            opt.nvme_path,
+            opt.pin_memory and device_type == "cuda",
+            opt.buffer_count,
+            opt.ratio,
+            zcfg.sub_group_size,
         ),
         ParamOffloadPolicy(par.device, par.nvme_path, par.buffer_count, par.max_in_cpu),
     )
@@ -98,15 +104,24 @@ def precision_policy(cfg: Config) -> PrecisionPolicy:
         compute = torch.float16
     else:
         compute = torch.float32
-    reduce = _DTYPES[cfg.communication_data_type] if cfg.communication_data_type else torch.float32
+    # DeepSpeed's defaults: reduce and accumulate in the compute dtype (see [Note: DeepSpeed's defaults])
+    reduce = _DTYPES[cfg.communication_data_type] if cfg.communication_data_type else compute
+    accum = _DTYPES[cfg.data_types.grad_accum_dtype] if cfg.data_types.grad_accum_dtype else compute
     f = cfg.fp16
     scale = None
     if f.enabled is True:
         scale = LossScalePolicy(
             f.loss_scale, f.initial_scale_power, f.loss_scale_window, f.hysteresis, f.min_loss_scale
         )
+    # DeepSpeed's ZeRO 1-2 optimizer reads bf16.check_grad_overflow; its stage 0 and stage 3 bf16 paths always skip
+    skip = compute == torch.bfloat16 and (cfg.bf16.check_grad_overflow or cfg.zero_optimization.stage in (0, 3))
     return PrecisionPolicy(
-        compute_dtype=compute, reduce_dtype=reduce, loss_scale=scale, cast_inputs=f.enabled is True and f.auto_cast
+        compute_dtype=compute,
+        reduce_dtype=reduce,
+        accum_dtype=accum,
+        loss_scale=scale,
+        cast_inputs=f.enabled is True and f.auto_cast,
+        skip_nonfinite=skip,
     )
 
 
@@ -176,7 +191,7 @@ def ineffective_offload_keys(cfg: Config, device_type: str) -> list[str]:
             "GPU: the ratio splits the step between the host and the GPU, and here all optimizer state is in host "
             "memory anyway; remove it, or use device 'nvme' (ratio: the share of the state kept in files)"
         )
-    if opt.device != "none" and opt.pin_memory and device_type != "cuda":
+    if opt.device != "none" and opt.pin_memory and "pin_memory" in opt.model_fields_set and device_type != "cuda":
         notes.append(
             f"{prefix}offload_optimizer.pin_memory has no effect on a machine without a GPU: page-locked host "
             "memory only speeds copies to and from a GPU; remove it"

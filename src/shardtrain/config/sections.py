@@ -53,6 +53,11 @@ def _integral(v: Any) -> Any:
     return v
 
 
+def _never(v: Any) -> Any:
+    """``steps_per_print: inf`` (accelerate writes it; DeepSpeed takes it) means never, as absent does."""
+    return None if isinstance(v, float) and v == math.inf else _integral(v)
+
+
 def _stage(v: Any) -> Any:
     """DeepSpeed reads ``"stage": "2"`` as 2."""
     return int(v) if isinstance(v, str) and v in ("0", "1", "2", "3") else v
@@ -104,8 +109,9 @@ class _OffloadSection(_Section):
 class OffloadOptimizerConfig(_OffloadSection):
     """DeepSpeed's ``offload_optimizer``: optimizer state (and fp32 masters) in host memory or in files."""
 
-    pin_memory: bool = False
-    """Page-locked host buffers (CUDA: faster copies to and from the GPU; no effect on a CPU-only machine)."""
+    pin_memory: bool = True
+    """Page-locked host buffers (CUDA: faster copies to and from the GPU; no effect on a CPU-only machine). On by
+    default, as in DeepSpeed."""
     buffer_count: Count = 4
     """Device ``nvme``: sub-group buffers in flight (one being stepped, the others read ahead or written back)."""
     ratio: float = Field(default=1.0, gt=0, le=1)
@@ -137,6 +143,9 @@ class ZeroConfig(_Section):
     """Stage 3: elements of upcoming units gathered ahead of use (0 disables prefetch)."""
     stage3_unit_classes: list[str] | None = None
     """Stage 3 (shardtrain key): module class names to gather/release as units, instead of repeated blocks."""
+    stage3_gather_16bit_weights_on_model_save: bool | Auto = False
+    """Stage 3: ``save_16bit_model`` gathers and writes the full weights; without it, as in DeepSpeed, it writes
+    nothing and returns False (``"auto"``: true, what Hugging Face's Trainer wants for its saves)."""
     stage3_gather_check: bool = True
     """Stage 3 (shardtrain key): catch ranks on different module paths before a gather mixes them: unit ids exchanged
     before each gather until two passes of a kind gathered alike, none after while every rank follows that order."""
@@ -222,6 +231,9 @@ class GraphConfig(_Section):
 
 class BF16Config(_Section):
     enabled: bool | Auto = False
+    check_grad_overflow: bool = True
+    """Skip a step whose gradients hold inf or NaN (DeepSpeed's default); ``false``: apply it. DeepSpeed honours
+    ``false`` at ZeRO stages 1 and 2 only (its stage 0 and stage 3 bf16 optimizers always skip), and so does this."""
 
 
 class FP16Config(_Section):
@@ -234,6 +246,15 @@ class FP16Config(_Section):
     min_loss_scale: float = Field(default=1.0, ge=0)
     auto_cast: bool = False
     """Cast the floating tensors among ``forward``'s positional arguments to fp16 (:func:`cast_inputs_half`)."""
+
+    @model_validator(mode="after")
+    def _dynamic_floor(self) -> FP16Config:
+        if self.enabled is True and self.loss_scale == 0 and self.min_loss_scale <= 0:
+            raise ValueError(
+                f"min_loss_scale {self.min_loss_scale:g} with dynamic loss scaling (loss_scale 0): the scale's floor "
+                "must be > 0 (DeepSpeed refuses it too); give a positive min_loss_scale, e.g. 1"
+            )
+        return self
 
 
 def cast_inputs_half(inputs: Any) -> Any:
@@ -337,7 +358,7 @@ class MonitorConfig(_Section):
 
     enabled: bool = False
     output_path: str = ""
-    """Directory for the monitor's files; empty: ``./runs`` relative to the working directory."""
+    """Directory for the monitor's files; empty: the working directory (DeepSpeed's: ``./<job_name>``)."""
     job_name: str = "DeepSpeedJobName"
     """Subdirectory of ``output_path`` for this run."""
 
@@ -349,6 +370,14 @@ class WandbConfig(_Section):
     group: str | None = None
     team: str | None = None
     project: str = "deepspeed"
+
+
+class DataTypesConfig(_Section):
+    """DeepSpeed's ``data_types`` section."""
+
+    grad_accum_dtype: Literal["fp32", "bf16", "fp16"] | None = None
+    """dtype the gradients of compute-dtype parameters are accumulated in over micro-steps; default the compute dtype,
+    as in DeepSpeed; ``"fp32"``: exact accumulation, for 2 bytes per parameter more (see [Note: mixed precision])."""
 
 
 class CheckpointWriterConfig(_Section):
@@ -367,8 +396,9 @@ class Config(_Section):
     train_batch_size: Count | Auto | None = None
     train_micro_batch_size_per_gpu: Count | Auto | None = None
     gradient_accumulation_steps: Count | Auto | None = None
-    gradient_clipping: Annotated[float, Field(ge=0)] | Auto = 0.0
-    """Clip the global gradient norm to this value; 0 disables clipping."""
+    gradient_clipping: Annotated[float, Field(ge=0)] | Auto = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping. DeepSpeed's default, 1.0, when absent (see
+    [Note: DeepSpeed's defaults])."""
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
@@ -391,13 +421,16 @@ class Config(_Section):
     graph: GraphConfig = Field(default_factory=GraphConfig)
     bf16: BF16Config = Field(default_factory=BF16Config)
     fp16: FP16Config = Field(default_factory=FP16Config)
+    data_types: DataTypesConfig = Field(default_factory=DataTypesConfig)
     communication_data_type: Literal["fp32", "bf16", "fp16"] | None = None
-    """dtype gradients are reduced in; default fp32 (see [Note: mixed precision])."""
+    """dtype gradients are reduced in; default the compute dtype, as in DeepSpeed (see [Note: mixed precision])."""
     prescale_gradients: bool = False
     """Divide gradients by the data-parallel size before a summing reduction (:func:`gradient_predivide`)."""
     gradient_predivide_factor: float = Field(default=1.0, gt=0)
     """Divide gradients by this before a summing reduction, by dp / this after (:func:`gradient_predivide`)."""
-    steps_per_print: Count = 10
+    steps_per_print: Annotated[Count | None, BeforeValidator(_never)] = None
+    """Rank 0 logs loss, lr and grad norm every this many optimizer steps; absent (DeepSpeed's default) or ``inf``
+    (what accelerate writes): never. The monitors write every step whatever it says."""
     wall_clock_breakdown: bool = False
     """Log forward/backward/step wall-clock times every ``steps_per_print`` steps (rank 0)."""
     tensorboard: MonitorConfig = Field(default_factory=MonitorConfig)
@@ -452,7 +485,13 @@ class Config(_Section):
         if self.communication_data_type not in (None, "fp32", compute):
             raise ValueError(
                 f"communication_data_type {self.communication_data_type!r} with {compute} compute; use 'fp32' "
-                f"(the default) or {compute!r}"
+                f"or {compute!r} (the default)"
+            )
+        accum = self.data_types.grad_accum_dtype
+        if accum not in (None, "fp32", compute):
+            raise ValueError(
+                f"data_types.grad_accum_dtype {accum!r} with {compute} compute is not built (DeepSpeed refuses most "
+                f"such mixes too); use 'fp32' or {compute!r}, the compute dtype (the default)"
             )
         return self
 

@@ -219,11 +219,13 @@ class Engine:
     def _optimizer_step(self) -> None:
         self._settle_overflow()  # the last step's: before this step reads the learning rate
         scale = self.scaler.scale_tensor if self.scaler is not None else None
-        self._grad_norm, skipped = self._optimizer.step(self.config.gradient_clipping, scale)
+        self._grad_norm, skipped = self._optimizer.step(
+            self.config.gradient_clipping, scale, self.precision.skip_nonfinite
+        )
         if self._param_offload is not None:  # updated shards leave memory (the kernel writes them back)
             self._param_offload.done_with(self._runtime.units)
         if torch.is_tensor(skipped):  # decided on the device: see [Note: an overflow learned a step later]
-            at_minimum = self.scaler.update(skipped)
+            at_minimum = self.scaler.update(skipped) if self.scaler is not None else None
             flags = skipped.reshape(1) if at_minimum is None else torch.stack([skipped, at_minimum])
             self._pending = _PendingOverflow(HostRead(flags), self.global_step + 1, self._scheduler_snapshot())
             if self._lr_scheduler is not None:
@@ -247,15 +249,15 @@ class Engine:
 
     def _settle_overflow(self) -> None:
         """[Note: an overflow learned a step later]
-        With fp16 and an optimizer that skips in its own kernel (torch's fused Adam, AdamW, SGD), a step that
-        overflows is skipped on the device: parameters, masters and optimizer state stay as they were, and the loss
-        scaler backs off, without the host waiting to learn it. The host learns it at the next step, or when it asks
-        (``skipped_steps``, the scheduler through ``engine.lr_scheduler``, ``get_lr``, a checkpoint), from a copy made
-        at the step (see [Note: reading device values a step later] in :mod:`shardtrain.host_read`). Meanwhile
-        the scheduler has stepped as if the step were applied; an overflow puts its state and the learning rates
-        back, before the next step reads them, so every step uses the learning rate DeepSpeed's would (its scheduler
-        does not step on an overflow). An overflow at the minimum scale raises then, a step late. Other optimizers
-        read the overflow on the host before their update (one synchronization per step)."""
+        With fp16 (or bf16 with ``check_grad_overflow``) and an optimizer that skips in its own kernel (torch's fused
+        Adam, AdamW, SGD), a step that overflows is skipped on the device: parameters, masters and optimizer state stay
+        as they were, and the loss scaler (fp16) backs off, without the host waiting to learn it. The host learns it at
+        the next step, or when it asks (``skipped_steps``, the scheduler through ``engine.lr_scheduler``, ``get_lr``, a
+        checkpoint), from a copy made at the step (see [Note: reading device values a step later] in
+        :mod:`shardtrain.host_read`). Meanwhile the scheduler has stepped as if the step were applied; an overflow puts
+        its state and the learning rates back, before the next step reads them, so every step uses the learning rate
+        DeepSpeed's would (its scheduler does not step on an overflow). An overflow at the minimum scale raises then, a
+        step late. Other optimizers read the overflow on the host before their update (one synchronization per step)."""
         pending, self._pending = self._pending, None
         if pending is None:
             return
@@ -274,11 +276,15 @@ class Engine:
     def _count_skip(self, step: int) -> None:
         self._skipped_steps += 1
         self._skipped_at.add(step)
-        log.info("step %d skipped: gradient overflow, loss scale now %g", step, self.loss_scale)
+        if self.scaler is not None:
+            log.info("step %d skipped: gradient overflow, loss scale now %g", step, self.loss_scale)
+        else:  # bf16.check_grad_overflow
+            log.warning("step %d skipped: the gradients hold inf or NaN (bf16.check_grad_overflow)", step)
 
     @property
     def skipped_steps(self) -> int:
-        """Optimizer steps skipped for an fp16 overflow (see [Note: an overflow learned a step later])."""
+        """Optimizer steps skipped for an fp16 overflow or a bf16 inf/NaN gradient (see [Note: an overflow learned a
+        step later])."""
         self._settle_overflow()
         return self._skipped_steps
 
@@ -288,7 +294,7 @@ class Engine:
         self._skipped_steps = value
 
     def step_was_skipped(self, step: int) -> bool:
-        """Whether optimizer step ``step`` (``global_step`` after it) was skipped for an fp16 overflow."""
+        """Whether optimizer step ``step`` (``global_step`` after it) was skipped (fp16 overflow, bf16 inf/NaN)."""
         self._settle_overflow()
         return step in self._skipped_at
 

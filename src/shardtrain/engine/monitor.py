@@ -2,7 +2,8 @@
 breakdown; the engine owns one :class:`TrainingMonitor` and feeds it from ``forward``/``backward``/``step``.
 
 [Note: monitor metrics]
-Every ``steps_per_print`` optimizer steps rank 0 writes, against samples seen (DeepSpeed's ``global_samples``,
+After every optimizer step rank 0 writes to the monitors (as DeepSpeed's do), and logs every ``steps_per_print``
+steps (never without it, DeepSpeed's default), against samples seen (DeepSpeed's ``global_samples``,
 ``train_batch_size`` per step, skipped fp16 steps included), under ``Train/Samples/``:
 
 * ``train_loss``: mean of rank 0's micro-batch losses (DeepSpeed's value; not averaged: monitoring adds no collective);
@@ -11,7 +12,8 @@ Every ``steps_per_print`` optimizer steps rank 0 writes, against samples seen (D
 * ``tokens_per_second``: rank 0's tokens x data-parallel size / step time (equal tokens per rank assumed). Tokens are
   the elements of the first integer tensor of each ``engine(...)`` call (positionals, then keywords; dicts searched;
   ``input_ids`` with padding), or ``engine.step(tokens=n)`` for the micro-step it ends;
-* with ``wall_clock_breakdown``: ``elapsed_time_ms_forward`` / ``_backward`` / ``_step`` (also logged, ``shardtrain``);
+* with ``wall_clock_breakdown`` (or ``flops_profiler.enabled``, as in DeepSpeed): ``elapsed_time_ms_forward`` /
+  ``_backward`` / ``_step`` (also logged, ``shardtrain``);
 * with ``flops_profiler.enabled``: ``tflops_per_rank`` and ``mfu`` (see [Note: model FLOPs and MFU]).
 
 Names are TensorBoard tags; the CSV monitor writes ``<output_path>/<job_name>/Train_Samples_<metric>.csv`` as
@@ -87,8 +89,9 @@ def check_monitor_packages(config: Config) -> None:
 
 
 def log_dir(cfg: MonitorConfig) -> Path:
-    """``output_path/job_name``; an empty ``output_path`` means ``./runs`` (see :class:`MonitorConfig`)."""
-    return Path(cfg.output_path or "runs") / cfg.job_name
+    """``output_path/job_name``; an empty ``output_path`` is the working directory, as in DeepSpeed (see
+    :class:`MonitorConfig`)."""
+    return Path(cfg.output_path) / cfg.job_name
 
 
 class _TensorBoardWriter:
@@ -149,7 +152,8 @@ class TrainingMonitor:
 
     def __init__(self, config: Config, rank: int, device: torch.device, data_parallel_size: int) -> None:
         self.steps_per_print = config.steps_per_print
-        self.breakdown = config.wall_clock_breakdown and rank == 0
+        # DeepSpeed's flops profiler turns the breakdown on too (its config ORs the two)
+        self.breakdown = (config.wall_clock_breakdown or config.flops_profiler.enabled) and rank == 0
         self.dp = data_parallel_size
         self.rank0 = rank == 0
         self._sync_cuda = device.type == "cuda" and self.breakdown  # kernels are asynchronous: time them finished
@@ -242,10 +246,11 @@ class TrainingMonitor:
         if self._counted_forward and step.global_step == self.flops.profile_step + 1:
             self.forward_flops, self._counted_forward = self._counted_forward, 0
             self._report_flops(step.global_step)
-        if step.global_step % self.steps_per_print == 0:
+        print_step = self.steps_per_print is not None and step.global_step % self.steps_per_print == 0
+        if print_step or self.writers:  # the monitors write every step, as DeepSpeed's do
             step_ms = (now - self._step_start) * 1e3 if self._step_start is not None else float("nan")
             loss = float(self._loss_sum) / self._losses if self._loss_sum is not None else float("nan")
-            self.write_metrics(step, loss, step_ms)
+            self.write_metrics(step, loss, step_ms, print_step)
         self._reset_step()
         self._step_start = now  # the next iteration starts now: its data loading counts towards its time
 
@@ -277,21 +282,12 @@ class TrainingMonitor:
             out["mfu"] = tflops / self.peak_tflops
         return out
 
-    def write_metrics(self, step: StepMetrics, loss: float, step_ms: float) -> None:
+    def write_metrics(self, step: StepMetrics, loss: float, step_ms: float, print_step: bool = True) -> None:
+        """Write the metrics to every monitor, and log them when ``print_step``."""
         lr, norm = step.lr, float(step.grad_norm) if step.grad_norm is not None else None
-        log.info("step %d: loss %.4f, lr %.3g, grad norm %.4g", step.global_step, loss, lr, norm)
         rates = self.throughput(step_ms)
-        if rates:
-            mfu = f", MFU {rates['mfu']:.1%}" if "mfu" in rates else ""
-            log.info("step %d: %.3g TFLOP/s per rank%s", step.global_step, rates["tflops_per_rank"], mfu)
-        if self.breakdown:
-            log.info(
-                "step %d: forward %.2f ms, backward %.2f ms, step %.2f ms",
-                step.global_step,
-                self._ms["forward"],
-                self._ms["backward"],
-                self._ms["step"],
-            )
+        if print_step:
+            self._log(step, loss, lr, norm, rates)
         if not self.writers:
             return
         tokens_per_s = self._tokens * self.dp / (step_ms / 1e3) if step_ms > 0 else float("nan")
@@ -309,6 +305,20 @@ class TrainingMonitor:
         events = [(f"Train/Samples/{k}", float(v), step.global_samples) for k, v in values.items()]
         for w in self.writers:
             w.write(events)
+
+    def _log(self, step: StepMetrics, loss: float, lr: float, norm: float | None, rates: dict[str, float]) -> None:
+        log.info("step %d: loss %.4f, lr %.3g, grad norm %.4g", step.global_step, loss, lr, norm)
+        if rates:
+            mfu = f", MFU {rates['mfu']:.1%}" if "mfu" in rates else ""
+            log.info("step %d: %.3g TFLOP/s per rank%s", step.global_step, rates["tflops_per_rank"], mfu)
+        if self.breakdown:
+            log.info(
+                "step %d: forward %.2f ms, backward %.2f ms, step %.2f ms",
+                step.global_step,
+                self._ms["forward"],
+                self._ms["backward"],
+                self._ms["step"],
+            )
 
     def close(self) -> None:
         """Flush and close every writer; a second call does nothing."""

@@ -80,7 +80,7 @@ from shardtrain.zero.build import build_layout, laid_out_whole
 from shardtrain.zero.hpz import SecondaryShards
 from shardtrain.zero.layout import Bucket, ShardLayout, cast_bucket
 from shardtrain.zero.optimizer import ShardedOptimizer, TensorParallelNorm, make_masters
-from shardtrain.zero.reducer import GradientReducer, accumulation_dtype
+from shardtrain.zero.reducer import GradientReducer
 
 log = logging.getLogger("shardtrain")
 
@@ -366,7 +366,7 @@ def apply_step(
             streams,
             sharded_state=policy.shard_optimizer_state,
             sharded_grads=policy.shard_gradients,
-            grad_dtypes=[accumulation_dtype(b.dtype) for b in trainable],
+            grad_dtypes=[plan.precision.grad_dtype(b.dtype) for b in trainable],
             read_in_memory=topology.tp > 1 or (comms.replica is not None and comms.replica.size > 1),
         )
     partial_grads = _partial_grads(layout)
@@ -377,6 +377,7 @@ def apply_step(
         policy.overlap_comm,
         on_grad_ready=eager.on_grad_ready if eager.units else None,
         reduce_dtype=plan.precision.reduce_dtype if plan.precision.mixed else None,
+        accum_dtype=plan.precision.accum_dtype,
         tp_partial=(comms.tp, partial_grads) if partial_grads and comms.tp is not None else None,
         predivide=gradient_predivide(config, topology.shard_size),
         replicate=comms.replica,

@@ -12,8 +12,10 @@ inputs, gradients of activations, and each parameter gradient until the engine t
 The engine's gradient path is replayed around that run, because its buffers are alive at the same time as the
 activations ([Note: gradient storage per stage] in ``zero/reducer.py``):
 
-* stages 0-1 in fp32: ``param.grad`` views a persistent flat buffer (model state), so autograd accumulates into it;
-* stages 0-1 in mixed precision: the compute-dtype gradient is added into the fp32 buffer and dropped;
+* stages 0-1 in fp32, or accumulating in the compute dtype: ``param.grad`` views a persistent flat buffer (model
+  state), so autograd accumulates into it;
+* stages 0-1 in mixed precision accumulating in fp32: the compute-dtype gradient is added into the fp32 buffer and
+  dropped;
 * stages 2-3: each gradient is copied into its bucket's staging buffer (``padded_numel`` elements in the
   reduction dtype, made at the bucket's first gradient) and dropped; a complete bucket is launched in bucket order
   with its reduce-scatter output, and the reduction before it finished then (its staging freed): at most two
@@ -326,6 +328,7 @@ def measure_compute(
     module_peaks: bool = False,
     models: dict | None = None,
     progress: Callable[[int, int], None] | None = None,
+    accum_dtype: torch.dtype = FP32,
 ) -> ComputePeak:
     """Forward and backward of one micro-batch on fake tensors under ``MemTracker`` (see the module docstring).
 
@@ -371,7 +374,7 @@ def measure_compute(
             for _, p in params.values():
                 if not p.requires_grad:
                     continue
-                if mixed:  # added into the fp32 flat buffer (model state), then dropped
+                if mixed and accum_dtype != compute:  # added into the fp32 flat buffer (model state), then dropped
                     handles.append(p.register_post_accumulate_grad_hook(_drop_grad))
                 else:  # a view of the persistent flat buffer: accumulated in place
                     p.grad = torch.zeros_like(p)

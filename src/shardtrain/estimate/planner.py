@@ -438,13 +438,14 @@ def _prepare(
     grads_in_files = grads_in_files and layout.tp == 1 and layout.shard_group == layout.zero
     st = rank_state(
         fake, zero, offload, layout.shard_group, 0, compute, moments, steps, device_type, grads_in_files, experts,
-        layout.ep, layout.zero // layout.ep,
+        layout.ep, layout.zero // layout.ep, precision.accum_dtype,
     )  # fmt: skip
     buffers = sum(b.numel() * (compute if b.dtype == torch.float32 else b.dtype).itemsize for b in fake.buffers())
     reduce = precision.reduce_dtype if precision.mixed else None
     units = [(u.name, u.nbytes, u.numel) for u in st.units]
     staged = [(b.padded_numel, b.shard_numel, len(b.slots), b.requires_grad) for b in st.buckets]
     key = (layout.tp, layout.ep, layout.sp, compute, layout.micro_batch, layout.seq_len, layout.checkpointing, reduce)
+    key += (precision.accum_dtype,)
     # stages 0 and 1 run the same replay (a gradient kept in its flat buffer); 2 stages its buckets, 3 also gathers
     key += (max(layout.stage, 1), tuple(staged) if layout.stage >= 2 else None, tuple(units))
     key += (plan.prefetch, device_type == "cpu")
@@ -458,6 +459,7 @@ def _prepare(
         "buckets": st.buckets,
         "bucket_names": st.bucket_names,
         "reduce_dtype": reduce,
+        "accum_dtype": precision.accum_dtype,
         "checkpointing": layout.checkpointing,
         "unit_classes": zero.unit_classes,
         "tp_plan": tp_plan,

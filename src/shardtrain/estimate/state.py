@@ -8,7 +8,7 @@ to a multiple of the shard group and each rank's fragments are the engine's), on
 
 * parameters: full flat buffers at stages 0-2, unit shards plus whole persistent parameters at stage 3, frozen
   parameters outside buckets, in the compute dtype; less unit shards in parameter swap files (``nvme``);
-* gradients: a full fp32 (accumulation dtype) buffer per bucket at stages 0-1, one shard per bucket at 2-3;
+* gradients: a full buffer in the accumulation dtype per bucket at stages 0-1, one shard per bucket at 2-3;
 * optimizer: fp32 masters of this rank's fragments under mixed precision, the optimizer's element-wise state of
   them (Adam: two moments; SGD with momentum: one) and Adam's 0-dim ``step`` per parameter; what optimizer
   offload keeps in swap files or host memory is reported where it lives.
@@ -163,10 +163,12 @@ def rank_state(
     experts: frozenset[int] = frozenset(),
     ep: int = 1,
     expert_world: int | None = None,
+    accum: torch.dtype = FP32,
 ) -> RankState:
     """Bytes of one rank whose ZeRO shard group has ``world`` ranks and which is ``rank`` in it; ``grads_in_files``:
     the gradient shards are in swap files (``GradOffload`` in offload/gradients.py; the caller knows tp and hybrid).
-    ``experts``, ``ep``, ``expert_world``: expert parallelism, as :func:`plan_buckets` takes them."""
+    ``experts``, ``ep``, ``expert_world``: expert parallelism, as :func:`plan_buckets` takes them. ``accum``: the
+    dtype compute-dtype gradients accumulate in (the precision policy's ``accum_dtype``)."""
     mixed = compute != FP32
     buckets, units, whole = plan_buckets(model, policy, world, rank, experts, ep, expert_world)
     st = RankState(buckets=buckets, bucket_names=[[s.name for s in b.slots] for b in buckets])
@@ -199,7 +201,8 @@ def rank_state(
     for b in buckets:
         if not b.requires_grad:
             continue
-        acc = 4 if _itemsize(b.dtype, compute) < 4 else _itemsize(b.dtype, compute)
+        size = _itemsize(b.dtype, compute)
+        acc = accum.itemsize if size < 4 else size
         grads += (b.shard_numel if policy.shard_gradients else b.padded_numel) * acc
     st.grads = {"device": 0, "nvme": grads} if grads_in_files else {"device": grads}
 

@@ -88,14 +88,24 @@ class PrecisionPolicy:
     compute_dtype: torch.dtype = torch.float32
     reduce_dtype: torch.dtype = torch.float32
     master_dtype: torch.dtype = torch.float32
+    accum_dtype: torch.dtype = torch.float32
+    """What the gradients of compute-dtype parameters accumulate in over micro-steps: the compute dtype (DeepSpeed's
+    default) or fp32 (exact). Gradients of fp32 and fp64 parameters accumulate in their own dtype."""
     loss_scale: LossScalePolicy | None = None
     """fp16 only: how the loss is scaled (None: not scaled)."""
     cast_inputs: bool = False
     """fp16's ``auto_cast``: floating positional inputs of ``forward`` cast to fp16."""
+    skip_nonfinite: bool = False
+    """Without a loss scale (bf16): skip a step whose global gradient norm is inf or NaN, as DeepSpeed's
+    ``bf16.check_grad_overflow`` does (fp16's scaler always skips one)."""
 
     @property
     def mixed(self) -> bool:
         return self.compute_dtype != self.master_dtype
+
+    def grad_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype gradients of ``dtype`` parameters are accumulated in (see ``accum_dtype``)."""
+        return self.accum_dtype if dtype in (torch.bfloat16, torch.float16) else dtype
 
     def casts(self, t: torch.Tensor) -> bool:
         """Whether ``t`` (a parameter or buffer) is cast to the compute dtype: fp32 floating tensors only."""

@@ -5,10 +5,12 @@
 With ``bf16`` or ``fp16``, parameters (flat buffers, [Note: bucket layout]), frozen parameters and floating buffers are
 cast to the compute dtype after the layout is built. Each rank keeps fp32 *masters* of its fragments, made before the
 cast; the optimizer sees only them, and after each step the compute-dtype fragments are refreshed from them and
-gathered. Gradients are accumulated in fp32 (the bucket's fp32 buffer at stages 0-1, staged and reduce-scattered into an
-fp32 shard at 2-3): exact over micro-steps, for 2 bytes per parameter more (stages 1/2/3: 2 + 4 + 12/N, 2 + 16/N, 18/N;
-ZeRO paper: 4 + 12/N, 2 + 14/N, 16/N). Reductions run in ``communication_data_type`` (default fp32; ``"bf16"`` or
-``"fp16"`` halves the bytes and sums in low precision).
+gathered. Gradients accumulate over micro-steps in ``data_types.grad_accum_dtype`` (the bucket's flat buffer at
+stages 0-1, which ``param.grad`` views when it is the compute dtype; a reduce-scattered shard at 2-3) and are reduced
+in ``communication_data_type``; both default to the compute dtype, as in DeepSpeed ([Note: DeepSpeed's defaults]).
+``"fp32"`` for either is exact (fp32 accumulation costs 2 bytes per parameter more: stages 1/2/3 hold 2 + 4 + 12/N,
+2 + 16/N, 18/N; the ZeRO paper's 4 + 12/N, 2 + 14/N, 16/N are the compute-dtype figures), and fp32 reductions move
+twice the bytes.
 """
 
 from __future__ import annotations

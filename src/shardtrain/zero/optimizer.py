@@ -281,18 +281,18 @@ class ShardedOptimizer:
         return triples
 
     def step(
-        self, max_norm: float, loss_scale: torch.Tensor | float | None = None
+        self, max_norm: float, loss_scale: torch.Tensor | float | None = None, skip_nonfinite: bool = False
     ) -> tuple[torch.Tensor, bool | torch.Tensor]:
         """Unscale, clip by the global norm, step, refresh and re-gather parameters (see [Note: the one step]).
 
-        Returns (the norm of the unscaled gradients before clipping, a scalar tensor on the device; whether the
-        step was skipped). Without a loss scale no step is skipped (``False``). With one, a non-finite norm on any
-        rank (it is all-reduced, so every rank sees the same) skips the step and leaves parameters, masters and
-        optimizer state untouched. Where the optimizer can skip in its own kernel (torch's fused optimizers take
-        ``found_inf`` as they take it from ``torch.amp.GradScaler``) and the gradients are in memory, the skip is
-        decided on the device and returned as a boolean tensor, read by nobody during the step (see [Note:
-        reading device values a step later]); otherwise the host reads the norm first (one synchronization) and
-        returns a bool.
+        Returns (the norm of the unscaled gradients before clipping, a scalar tensor on the device; whether the step was
+        skipped). Without a loss scale and without ``skip_nonfinite`` no step is skipped (``False``). With either, a
+        non-finite norm on any rank (it is all-reduced, so every rank sees the same) skips the step and leaves
+        parameters, masters and optimizer state untouched. Where the optimizer can skip in its own kernel (torch's fused
+        optimizers take ``found_inf`` as they take it from ``torch.amp.GradScaler``) and the gradients are in memory,
+        the skip is decided on the device and returned as a boolean tensor, read by nobody during the step (see [Note:
+        reading device values a step later]); otherwise the host reads the norm first (one synchronization) and returns
+        a bool.
 
         [Note: the one step]
         Every step takes one path, whatever holds the gradients: (1) the gradients stepped now, in memory or *deferred*
@@ -328,7 +328,7 @@ class ShardedOptimizer:
             local_sq = self._global_square(local_sq, grads, swapped)
         total_norm = local_sq.sqrt()
         found_inf = None
-        if loss_scale is not None:
+        if loss_scale is not None or skip_nonfinite:
             overflow = ~torch.isfinite(local_sq)
             if not (on_device and getattr(self.optimizer, "_step_supports_amp_scaling", False)):
                 if bool(overflow):  # decided on the host: one synchronization

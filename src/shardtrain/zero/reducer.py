@@ -102,6 +102,7 @@ class GradientReducer:
         overlap: bool,
         on_grad_ready: Callable[[Bucket], None] | None = None,
         reduce_dtype: torch.dtype | None = None,
+        accum_dtype: torch.dtype = torch.float32,
         tp_partial: tuple[Communicator, frozenset[int]] | None = None,
         predivide: float | None = None,
         replicate: Communicator | None = None,
@@ -127,6 +128,7 @@ class GradientReducer:
         self.predivide = predivide
         self.device = buckets[0].shard.device if buckets else torch.device("cpu")
         self.reduce_dtype = reduce_dtype  # None: each bucket's own dtype (see [Note: mixed precision])
+        self.accum_dtype = accum_dtype  # compute-dtype gradients accumulate in it (fp32, or the compute dtype)
         self.mode = policy.gradient_reduction  # see [Note: gradient storage per stage]
         self.sharded_grads = policy.shard_gradients
         self._on_grad_ready = on_grad_ready
@@ -155,21 +157,19 @@ class GradientReducer:
         self.shard_grads: list[torch.Tensor] = []
         self._alias = True
         if not self.sharded_grads:
-            # fp32 buffers for compute-dtype parameters (exact accumulation); else param.grad aliases them
-            self.full_grads = [
-                b.flat_param.new_zeros(b.padded_numel, dtype=accumulation_dtype(b.dtype)) for b in buckets
-            ]
+            # buffers in the accumulation dtype; param.grad aliases those in the parameters' own dtype
+            self.full_grads = [b.flat_param.new_zeros(b.padded_numel, dtype=self._grad_dtype(b)) for b in buckets]
             self._alias = all(g.dtype == b.dtype for b, g in zip(buckets, self.full_grads))
             if self._alias:
                 for b, g in zip(buckets, self.full_grads):
                     for s in b.slots:
                         s.param.grad = self._grad_view(g, s)
-        else:  # fp32 gradient shards for compute-dtype parameters: accumulation over micro-steps is exact
+        else:  # gradient shards in the accumulation dtype (fp32: accumulation over micro-steps is exact)
             in_files = grad_files.on_disk if grad_files is not None else set()
             self.shard_grads = [
-                b.shard.new_empty(0, dtype=accumulation_dtype(b.dtype))
+                b.shard.new_empty(0, dtype=self._grad_dtype(b))
                 if position in in_files
-                else b.shard.new_zeros(b.shard_numel, dtype=accumulation_dtype(b.dtype))
+                else b.shard.new_zeros(b.shard_numel, dtype=self._grad_dtype(b))
                 for position, b in enumerate(buckets)
             ]
         self._hooks = [
@@ -203,7 +203,11 @@ class GradientReducer:
         if self.grad_files is not None:  # those shards are added into here, by the graph: not in files (for good)
             for position in self.grad_files.keep_in_memory(sorted(external)):
                 b = self.buckets[position]
-                self.shard_grads[position] = b.shard.new_zeros(b.shard_numel, dtype=accumulation_dtype(b.dtype))
+                self.shard_grads[position] = b.shard.new_zeros(b.shard_numel, dtype=self._grad_dtype(b))
+
+    def _grad_dtype(self, b: Bucket) -> torch.dtype:
+        """What ``b``'s gradients accumulate in: ``accum_dtype`` for the compute dtypes, else their own dtype."""
+        return self.accum_dtype if b.dtype in (torch.bfloat16, torch.float16) else b.dtype
 
     @staticmethod
     def _grad_view(flat: torch.Tensor, s: ParamSlot) -> torch.Tensor:
@@ -506,8 +510,3 @@ def _tp_sum(tp_comm: Communicator, name: str, grad: torch.Tensor) -> torch.Tenso
     out = grad.clone()
     tp_comm.all_reduce(out, Reduce.SUM, what=f"tensor-parallel partial gradient of {name!r}")
     return out
-
-
-def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype gradients of ``dtype`` parameters are accumulated in: fp32 for the compute dtypes, else their own."""
-    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype

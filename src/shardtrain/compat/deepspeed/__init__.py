@@ -42,6 +42,7 @@ from shardtrain.compat.deepspeed.unsupported import NotProvidedError, install_re
 from shardtrain.config.sections import load_config, optimizer_class_and_kwargs
 from shardtrain.engine import Engine
 from shardtrain.engine import initialize as initialize_engine
+from shardtrain.errors import ConfigError
 
 install_refused_imports()  # `from deepspeed.ops.adam import X` says what to use instead (see RefusedImports)
 
@@ -124,6 +125,12 @@ def initialize(
     if dist_init_required is False and not dist.is_initialized():
         raise ValueError("deepspeed.initialize(dist_init_required=False) but no process group exists: create one first")
     cfg = load_config(config)  # initialize() joins the process group (with the config's timeout) if needed
+    if cfg.train_batch_size is None and cfg.train_micro_batch_size_per_gpu is None:
+        # shardtrain.initialize takes micro-batch 1 there; a DeepSpeed script gets DeepSpeed's refusal
+        raise ConfigError(
+            "deepspeed.initialize: the config gives neither train_batch_size nor train_micro_batch_size_per_gpu; "
+            "DeepSpeed refuses it too: give one of them (the third follows from the others and the world size)"
+        )
     built_optimizer = optimizer
     if optimizer is None and cfg.optimizer is not None and model_parameters is not None:
         # DeepSpeed builds the config's optimizer over model_parameters (which may be param groups)

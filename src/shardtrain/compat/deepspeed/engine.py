@@ -267,13 +267,14 @@ class DeepSpeedEngine:
         return float(self.shardtrain_engine.config.fp16.loss_scale)
 
     def wall_clock_breakdown(self) -> bool:
-        return self.shardtrain_engine.config.wall_clock_breakdown
+        """As DeepSpeed's: ``wall_clock_breakdown``, or the flops profiler, which turns it on."""
+        config = self.shardtrain_engine.config
+        return config.wall_clock_breakdown or config.flops_profiler.enabled
 
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
-        """True: ``save_16bit_model`` and ``_zero3_consolidated_16bit_state_dict`` gather the full weights at every
-        stage (DeepSpeed answers its config's ``stage3_gather_16bit_weights_on_model_save``, false by default, and
-        does not gather them without it)."""
-        return True
+        """The config's ``stage3_gather_16bit_weights_on_model_save`` (false by default), as DeepSpeed answers it:
+        without it ``save_16bit_model`` writes nothing at stage 3, and accelerate's ``get_state_dict`` refuses."""
+        return self.shardtrain_engine.config.zero_optimization.stage3_gather_16bit_weights_on_model_save is True
 
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
         """The full weights in their training dtype on rank 0 (host copies), None on the other ranks; collective.
@@ -298,8 +299,15 @@ class DeepSpeedEngine:
     ) -> bool:
         """The model's weights, whole, in their training dtype, to ``save_dir/save_filename`` on rank 0 (collective:
         every rank calls it). ``.safetensors`` writes safetensors, anything else ``torch.save``'s format, as DeepSpeed
-        and ``from_pretrained`` read it. Unlike DeepSpeed at stage 3, no ``stage3_gather_16bit_weights_on_model_save``
-        is needed: the weights are gathered one tensor at a time. Returns True."""
+        and ``from_pretrained`` read it. Returns True; at stage 3 without ``stage3_gather_16bit_weights_on_model_save``
+        it writes nothing and returns False, as DeepSpeed does (the weights would be gathered one tensor at a time,
+        but a script written for DeepSpeed expects nothing there)."""
+        if self.shardtrain_engine.stage == 3 and not self.zero_gather_16bit_weights_on_model_save():
+            log.info(
+                "did not save the model to %s: stage3_gather_16bit_weights_on_model_save is false (as DeepSpeed)",
+                Path(save_dir) / save_filename,
+            )
+            return False
         state = self.shardtrain_engine.full_state_dict()  # collective; the full weights on rank 0
         if state is None:
             return True
