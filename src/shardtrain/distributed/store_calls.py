@@ -118,10 +118,8 @@ class BoundedStore:
         thread.join(limit)
         if thread.is_alive():
             where = address(self.store)
-            message = (
-                f"{host_of(self.store)} (the store's host{f', {where}' if where else ''}) did not answer within "
-                f"{limit:g} s: stopped, hung or unreachable"
-            )
+            who = f"{host_of(self.store)} (the store's host, {where})" if where else f"the {type(self.store).__name__}"
+            message = f"{who} did not answer within {limit:g} s: stopped, hung or unreachable"
             with _lock:
                 _silent.setdefault(self.key, (thread, message))
             raise StoreSilentError(message)
