@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -117,3 +118,19 @@ def test_an_alive_rank_is_described_by_what_was_known_when_the_survey_ended(stor
     lost, text = failure.explain(survey)
     assert not lost and survey.waited_s >= 0.3  # REPORT_WAIT_S here
     assert f"rank 1 (pid {os.getppid()} on h) is alive and had not reported a failure 0." in text, text
+
+
+def test_a_stopped_rank_of_this_machine_is_named_as_stopped(store):
+    """A peer stopped with SIGSTOP (not the store's host: the store answers) is named as stopped, not as alive and
+    busy."""
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        os.kill(sleeper.pid, signal.SIGSTOP)
+        store.set("shardtrain/proc/1", json.dumps(_proc(sleeper.pid)))
+        survey = failure.survey(0, [1])
+        lost, text = failure.explain(survey)
+        assert survey.stopped == [(1, f"pid {sleeper.pid} on h")] and not survey.alive
+        assert lost and f"rank 1 (pid {sleeper.pid} on h) is stopped (SIGSTOP or a debugger)" in text, text
+    finally:
+        sleeper.kill()
+        sleeper.wait()

@@ -272,7 +272,7 @@ class Communicator:
         # so that a failing peer can tell whether this process is gone, and this one whether a peer is
         self._peers_unread = 3 if self.size > 1 else 0  # reads of the peers' entries left to try
         if self.size > 1:
-            failure.register(self.global_rank)
+            failure.register(self.global_rank, timeout_s)
         # a backend whose wait() does not block the host: a thread names its failures (see [Note: failures under
         # NCCL] in shardtrain.distributed.watchdog)
         self._watchdog = watchdog.watchdog() if not self.alone and not watchdog.blocks_host(self.backend) else None

@@ -18,7 +18,9 @@ to another survivor. So ranks use the rendezvous store, which all can reach:
 The first failure is the earliest gone/failed record (it still names rank 2 after rank 0, the store host, recorded it
 and exited). An unreachable store means its host is gone (rank 0, or the first node's torchrun agent when the user's
 group uses that store; [Note: restarts under torchrun] in ``shardtrain.distributed.mesh``): what was read is kept, a
-running process is *unknown*, never "did not fail". A timeout needs ``elapsed >= TIMEOUT_FRACTION * timeout``.
+running process is *unknown*, never "did not fail". A store that does not answer in time names its host as stopped,
+hung or unreachable ([Note: every wait on the store is bounded] in ``shardtrain.distributed.store_calls``). A timeout
+needs ``elapsed >= TIMEOUT_FRACTION * timeout``.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ from types import FrameType
 from typing import Any
 
 import torch.distributed as dist
+
+from shardtrain.distributed import store_calls
+from shardtrain.distributed.store_calls import BoundedStore, StoreSilentError
 
 REPORT_WAIT_S = 3.0
 """How long a failing rank waits for ranks on other machines to report the same failure."""
@@ -101,6 +106,17 @@ def process_alive(record: dict[str, Any]) -> bool | None:
     return started is None or now is None or now == started  # a different start time: the pid was reused
 
 
+def process_stopped(record: dict[str, Any]) -> bool:
+    """Whether the process ``record`` names runs on this machine and is stopped (SIGSTOP, a debugger's stop)."""
+    if process_alive(record) is not True:
+        return False
+    try:
+        stat = Path(f"/proc/{int(record['pid'])}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError, KeyError, TypeError, ValueError):
+        return False
+
+
 def _process_gone(pid: int) -> bool:
     """True when ``pid`` no longer exists on this machine or is a zombie (exited, not yet reaped)."""
     try:
@@ -125,9 +141,18 @@ def _default_store() -> Any | None:
         return None
 
 
-def register(global_rank: int) -> None:
-    """Step 1 of the Note: make this rank's process findable by the others. Never raises."""
+def bounded_store() -> BoundedStore | None:
+    """The default group's store, every call bounded ([Note: every wait on the store is bounded] in
+    :mod:`shardtrain.distributed.store_calls`); None without one."""
     store = _default_store()
+    return BoundedStore(store) if store is not None else None
+
+
+def register(global_rank: int, timeout_s: float) -> None:
+    """Step 1 of the Note: make this rank's process findable by the others; store calls are bounded by
+    ``timeout_s`` (the collective timeout) from now on. Never raises."""
+    store_calls.use_collective_timeout(timeout_s)
+    store = bounded_store()
     if store is None:
         return
     me = process_record()
@@ -141,7 +166,7 @@ _known: dict[int, dict] = {}
 
 def remember(peers: list[int]) -> bool:
     """Read the registrations of ``peers`` not read yet; True when every one is known. Never raises."""
-    store = _default_store()
+    store = bounded_store()
     if store is None:
         return True
     try:
@@ -161,8 +186,11 @@ class Survey:
     gone: list[tuple[int, str]] = field(default_factory=list)  # (rank, "pid 123 on host")
     alive: list[tuple[int, str]] = field(default_factory=list)
     unknown: list[tuple[int, str]] = field(default_factory=list)  # alive when the store went away
+    stopped: list[tuple[int, str]] = field(default_factory=list)  # a process of this machine stopped (SIGSTOP)
     silent: list[tuple[int, str]] = field(default_factory=list)  # (rank, host or "unknown host")
     store_error: str | None = None
+    store_silent: bool = False
+    """The store did not answer in time (its host stopped or hung) rather than refused (its host gone)."""
     waited_s: float = 0.0
     """How long the survey waited for the others to report."""
     events: dict[int, tuple[float, str]] = field(default_factory=dict)
@@ -190,22 +218,23 @@ def any_failed() -> bool:
 
 def survey(global_rank: int, peers: list[int]) -> Survey:
     """Report this rank's failure and classify ``peers`` (global ranks); see the Note. Never raises."""
-    store = _default_store()
+    store = bounded_store()
     if store is None:
         return Survey(silent=[(r, "unknown host") for r in peers])
-    key = (id(store), tuple(peers))
+    key = (store.key, tuple(peers))
     if key not in _surveys:
         _surveys[key] = _survey(store, global_rank, peers)
     return _surveys[key]
 
 
-def _survey(store: Any, global_rank: int, peers: list[int]) -> Survey:
+def _survey(store: BoundedStore, global_rank: int, peers: list[int]) -> Survey:
     out = Survey()
     procs: dict[int, dict] = {r: _known[r] for r in peers if r in _known}
     status: dict[int, str] = {}
 
     def lost_store(err: Exception) -> None:
-        out.store_error = f"{type(err).__name__}: {_first_line(str(err))}"
+        out.store_silent = isinstance(err, StoreSilentError)
+        out.store_error = str(err) if out.store_silent else f"{type(err).__name__}: {_first_line(str(err))}"
 
     try:
         store.set(_FAILED_KEY.format(global_rank), f"{os.getpid()} {time.time():.6f}")
@@ -230,7 +259,7 @@ def _survey(store: Any, global_rank: int, peers: list[int]) -> Survey:
                         status[r] = "gone"
                         out.events[r] = (found[1], f"rank {found[0]} found it gone")
                         continue
-                except Exception as err:  # the store went away while we asked: its host is gone
+                except Exception as err:  # the store went away while we asked (its host is gone), or is silent
                     lost_store(err)
             alive = process_alive(procs[r]) if r in procs else None  # None: another machine
             if alive is not None:
@@ -258,6 +287,8 @@ def _survey(store: Any, global_rank: int, peers: list[int]) -> Survey:
             out.reported.append(r)
         elif s == "gone":
             out.gone.append((r, where(r)))
+        elif s == "alive" and procs.get(r) and process_stopped(procs[r]):
+            out.stopped.append((r, where(r)))
         elif s == "alive" and out.store_error is not None:
             out.unknown.append((r, where(r)))
         elif s == "alive":
@@ -271,8 +302,9 @@ def peer_down(global_rank: int, peers: list[int]) -> str | None:
     """A sentence naming a peer (global rank) known to be down, or None: it reported a failure, a rank recorded it
     gone, or its process on this machine is gone. Reads the store only, writes nothing and never raises: the NCCL
     watchdog's probe of a collective that is taking long ([Note: failures under NCCL] in
-    :mod:`shardtrain.distributed.watchdog`)."""
-    store = _default_store()
+    :mod:`shardtrain.distributed.watchdog`). A silent store says nothing yet: the collective's timeout decides
+    ([Note: every wait on the store is bounded] in :mod:`shardtrain.distributed.store_calls`)."""
+    store = bounded_store()
     if store is None:
         return None
     remember(peers)
@@ -284,14 +316,16 @@ def peer_down(global_rank: int, peers: list[int]) -> str | None:
             found = _gone_record(store, r, info)
             if found is not None:
                 return f"rank {r} is gone (found by rank {found[0]})"
+        except StoreSilentError:
+            return None
         except Exception as err:  # the store's host is gone: rank 0, or the agent
-            return f"the store no longer answers ({type(err).__name__}): its host, {store_host(store)}, is gone"
+            return f"the store no longer answers ({type(err).__name__}): its host, {store_host(store.store)}, is gone"
         if info is not None and process_alive(info) is False:
             return f"rank {r} is gone (pid {info['pid']} on {info['host']})"
     return None
 
 
-def _written_by(store: Any, key: str, info: dict | None) -> float | None:
+def _written_by(store: BoundedStore, key: str, info: dict | None) -> float | None:
     """When ``key`` was written (wall time; 0.0 when it does not say), if it exists and was written by the process
     ``info`` registered; None otherwise. A torchrun agent keeps its store across restarts, so a key may be left from
     the previous attempt, by a process that no longer exists. The value is "pid" or "pid time"."""
@@ -306,7 +340,7 @@ def _written_by(store: Any, key: str, info: dict | None) -> float | None:
         return 0.0
 
 
-def _gone_record(store: Any, rank: int, info: dict | None) -> tuple[int, float] | None:
+def _gone_record(store: BoundedStore, rank: int, info: dict | None) -> tuple[int, float] | None:
     """(the rank that found ``rank`` gone, when) from the store, or None; a record naming another pid than the one
     ``info`` registered is left from an earlier attempt and ignored."""
     key = _GONE_KEY.format(rank)
@@ -318,7 +352,7 @@ def _gone_record(store: Any, rank: int, info: dict | None) -> tuple[int, float] 
     return int(record["by"]), float(record["time"])
 
 
-def _record_gone(store: Any, rank: int, info: dict, global_rank: int, out: Survey) -> None:
+def _record_gone(store: BoundedStore, rank: int, info: dict, global_rank: int, out: Survey) -> None:
     """Step 2: tell the others, by the store, that this rank found ``rank`` gone (the first finder's record stays)."""
     now = time.time()
     out.events.setdefault(rank, (now, f"rank {global_rank} found it gone"))
@@ -327,7 +361,7 @@ def _record_gone(store: Any, rank: int, info: dict, global_rank: int, out: Surve
         store.compare_set(_GONE_KEY.format(rank), "", record)
 
 
-def _linger(store: Any, global_rank: int, reported: dict[int, dict | None]) -> None:
+def _linger(store: BoundedStore, global_rank: int, reported: dict[int, dict | None]) -> None:
     """Mark this rank's survey done; wait (at most :data:`REPORT_WAIT_S`) until the ranks that reported are done."""
     start = time.monotonic()
     try:
@@ -347,20 +381,8 @@ def store_host(store: Any | None = None) -> str:
     (:func:`shardtrain.distributed.mesh.attempt_store`): the agent hosts it only when its port is the agent's
     ``MASTER_PORT`` (a group the user initialized from the environment)."""
     store = _default_store() if store is None else store
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and _port(store) == os.environ.get("MASTER_PORT"):
-        return "the torchrun agent of the first node (node rank 0)"
-    return "rank 0, which hosts it (killed, e.g. by the OOM killer, or exited)"
-
-
-def _port(store: Any) -> str | None:
-    """The TCP port of ``store`` (under its prefixes), or None."""
-    for _ in range(8):
-        if hasattr(store, "port"):
-            return str(store.port)
-        store = getattr(store, "underlying_store", None)
-        if store is None:
-            return None
-    return None
+    host = store_calls.host_of(store)
+    return host if host != "rank 0" else "rank 0, which hosts it (killed, e.g. by the OOM killer, or exited)"
 
 
 def _first_line(text: str) -> str:
@@ -427,7 +449,10 @@ def explain(s: Survey) -> tuple[bool, str]:
     """(a peer is known to be gone, the sentences that say what is known of the other ranks)."""
     parts: list[str] = []
     lost = False
-    if s.store_error is not None:
+    if s.store_silent:
+        lost = True
+        parts.append(f"the rendezvous store does not answer: {s.store_error}")
+    elif s.store_error is not None:
         lost = True
         parts.append(
             f"the rendezvous store no longer answers ({s.store_error}), so the process hosting it is gone: "
@@ -447,6 +472,10 @@ def explain(s: Survey) -> tuple[bool, str]:
             f"{_ranks(s.alive)} is alive and had not reported a failure {s.waited_s:.2f} s after this one: it is on "
             "another code path, or busy"
         )
+    if s.stopped:
+        lost = True
+        verb = "is" if len(s.stopped) == 1 else "are"
+        parts.append(f"{_ranks(s.stopped)} {verb} stopped (SIGSTOP or a debugger): nothing it is part of can go on")
     if s.unknown:
         parts.append(
             f"{_ranks(s.unknown)} still ran when the store went away, so whether it failed too cannot be told here"

@@ -65,6 +65,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from shardtrain.distributed import failure
+from shardtrain.distributed.store_calls import BoundedStore, StoreSilentError
 from shardtrain.distributed.watchdog import backend_margin_s
 from shardtrain.errors import LayoutError, ShardtrainError
 from shardtrain.plan.dims import ParallelDims
@@ -217,8 +218,11 @@ def _single_process_run() -> bool:
 
 def attempt_store(addr: str, port: int, rank: int, world: int, timeout: datetime.timedelta) -> dist.Store:
     """A store of this attempt only, found through the shared store at ``addr:port`` (see [Note: restarts under
-    torchrun])."""
-    shared = dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)
+    torchrun]). Every call on a store ends within ``timeout`` ([Note: every wait on the store is bounded] in
+    :mod:`shardtrain.distributed.store_calls`): a stopped agent is named, not waited for."""
+    # torch's own timeout ends a wait for a key not yet written; ours, a second later, a host that does not answer
+    limit = timeout.total_seconds() + 1.0
+    shared = BoundedStore(dist.TCPStore(addr, port, world, is_master=False, timeout=timeout), limit)
     if rank == 0:
         own = dist.TCPStore(addr, 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
         token = uuid.uuid4().hex
@@ -227,18 +231,19 @@ def attempt_store(addr: str, port: int, rank: int, world: int, timeout: datetime
         # local end of a connection to that store (the interface the other nodes' traffic to it takes too)
         with socket.create_connection((addr, port), timeout=_PROBE_S) as probe_socket:
             host = probe_socket.getsockname()[0]
-        shared.set(_ATTEMPT_STORE_KEY, f"{host} {own.port} {token}")
+        _published(shared, rank, f"{host} {own.port} {token}")
         return own
     deadline = time.monotonic() + timeout.total_seconds()
     probe = datetime.timedelta(seconds=_PROBE_S)
     while True:
-        host, own_port, token = shared.get(_ATTEMPT_STORE_KEY).decode().split()
+        host, own_port, token = _published(shared, rank).split()
         # a dead attempt's port refuses: asked with a plain socket first, since a store client that cannot connect
         # logs a C++ traceback at every retry
         if _listening(host, int(own_port)):
-            with contextlib.suppress(RuntimeError):  # not a store, or it went away: read the key again
+            with contextlib.suppress(RuntimeError, StoreSilentError):  # not a store, gone or silent: read the key again
                 own = dist.TCPStore(host, int(own_port), world, is_master=False, timeout=probe, wait_for_workers=False)
-                if own.check([_TOKEN_KEY]) and own.get(_TOKEN_KEY).decode() == token:
+                asked = BoundedStore(own, _PROBE_S)
+                if asked.check([_TOKEN_KEY]) and asked.get(_TOKEN_KEY).decode() == token:
                     own.set_timeout(timeout)
                     return own
         if time.monotonic() > deadline:
@@ -248,6 +253,20 @@ def attempt_store(addr: str, port: int, rank: int, world: int, timeout: datetime
                 "token rank 0 wrote. Is rank 0 running? (see [Note: restarts under torchrun] in shardtrain/mesh.py)"
             )
         time.sleep(0.05)
+
+
+def _published(shared: BoundedStore, rank: int, value: str | None = None) -> str:
+    """Write (rank 0) or read this attempt's store address in torchrun's store; a silent agent is named."""
+    try:
+        if value is not None:
+            shared.set(_ATTEMPT_STORE_KEY, value)
+            return value
+        return shared.get(_ATTEMPT_STORE_KEY).decode()
+    except StoreSilentError as err:
+        raise ShardtrainError(
+            f"rank {rank}: torchrun's store, through which this attempt's store is found, does not answer: {err} "
+            "(see [Note: restarts under torchrun] in shardtrain/distributed/mesh.py)"
+        ) from None
 
 
 def _listening(addr: str, port: int) -> bool:

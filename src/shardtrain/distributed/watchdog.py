@@ -201,7 +201,8 @@ class Watchdog:
             thread.join(timeout=5 * self._poll_s)
         if thread is not None and not thread.is_alive():
             self._thread = None
-        # else still in a store call: kept, so that no second thread starts before it has ended
+        # else still in a store call (at most store_calls.limit_s()): kept, so that no second thread starts before it
+        # has ended
         with self._lock:
             self._queue.clear()
 

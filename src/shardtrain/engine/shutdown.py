@@ -13,6 +13,8 @@
   ``close()``, and a gloo group destroyed by ``close()``; each file's fsync thread is joined before the write returns.
 * swap (``offload/``): two I/O threads and the directory (else a ``weakref.finalize``); monitors (TensorBoard's
   writer, a wandb run): all closed by ``close()``. No process is started.
+* a daemon thread per call on the rendezvous store, ended when the call returns; one that the store's host never
+  answers is left to the exit ([Note: every wait on the store is bounded] in ``distributed/store_calls.py``).
 
 Why before finalization: a gloo worker dropping a work object after it began aborts the process ("terminate called
 without an active exception"; mechanism and counts: docs/reliability.md, "A clean exit"). The hook is registered at

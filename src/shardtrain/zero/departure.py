@@ -32,6 +32,7 @@ from collections.abc import Sequence
 
 from shardtrain.distributed import failure
 from shardtrain.distributed.communicator import Communicator
+from shardtrain.distributed.store_calls import StoreSilentError
 from shardtrain.errors import CollectiveTimeoutError, PeerLostError, RankMismatchError
 
 _KEY = "shardtrain/unit_order/{}/{}"  # engine number, global rank
@@ -74,8 +75,9 @@ class OrderAgreement:
 
     def _read(self, rank: int) -> dict | None:
         """``rank``'s record, or None when it wrote none (or one left by an earlier attempt's process: torchrun
-        keeps its store). Raises ``ConnectionError`` when the store does not answer."""
-        store = failure._default_store()
+        keeps its store). Raises ``ConnectionError`` when the store does not answer (in time: [Note: every wait on
+        the store is bounded] in :mod:`shardtrain.distributed.store_calls`)."""
+        store = failure.bounded_store()
         key = _KEY.format(self.engine, rank)
         try:
             if store is None or not store.check([key]):
@@ -106,6 +108,7 @@ class OrderAgreement:
         start = time.monotonic()
         pause, probed, differs = 0.002, start, None
         answers: dict[int, tuple[int | None, int | None]] = {}
+        silent: str | None = None  # the store did not answer in time: asked again until the collective timeout
         while len(answers) < len(self.peers):
             try:
                 for r in self.peers:
@@ -113,10 +116,13 @@ class OrderAgreement:
                     if record is not None and record["serial"] >= self.serial:
                         same_pass = record["serial"] == self.serial and record["position"] is not None
                         answers[r] = (record["position"], record["unit"]) if same_pass else (None, None)
+                silent = None
             except ConnectionError as err:
                 if any(a != mine for a in answers.values()):
                     break  # a peer answered differently before the store went: that decides it
-                raise self._broken(PeerLostError(f"rank {self.me}: {self._what(position, unit)}; {err}")) from err
+                if not isinstance(err.__cause__, StoreSilentError):
+                    raise self._broken(PeerLostError(f"rank {self.me}: {self._what(position, unit)}; {err}")) from err
+                silent = str(err.__cause__)
             now = time.monotonic()
             if differs is None and any(a != mine for a in answers.values()):
                 differs = now
@@ -128,13 +134,17 @@ class OrderAgreement:
                 if down is not None:
                     raise self._broken(PeerLostError(f"rank {self.me}: {self._what(position, unit)}, {down}"))
             if now - start > self.timeout_s:
-                silent = [r for r in self.peers if r not in answers]
+                unanswered = [r for r in self.peers if r not in answers]
+                why = (
+                    f"the rendezvous store does not answer: {silent}"
+                    if silent is not None
+                    else "they are blocked where no wait probe runs, or on another code path"
+                )
                 raise self._broken(
                     CollectiveTimeoutError(
                         f"rank {self.me}: {self._what(position, unit)}; waited {self.timeout_s:g}s (collective "
-                        f"timeout) for rank(s) {silent} to say whether they departed too: they are blocked where no "
-                        "wait probe runs, or on another code path ([Note: departures from a trusted order] in "
-                        "shardtrain.zero.departure)"
+                        f"timeout) for rank(s) {unanswered} to say whether they departed too: {why} ([Note: "
+                        "departures from a trusted order] in shardtrain.zero.departure)"
                     )
                 )
             time.sleep(pause)
@@ -181,8 +191,8 @@ class OrderAgreement:
         """Wait (at most :data:`GRACE_S` + 2 s) until the departed ranks have read this rank's answer: this rank may
         host the store (rank 0), and its process may exit as soon as it raises."""
         deadline = time.monotonic() + GRACE_S + 2.0
-        store = failure._default_store()
-        while departed and time.monotonic() < deadline:
+        store = failure.bounded_store()
+        while departed and store is not None and time.monotonic() < deadline:
             try:
                 departed = [
                     r
@@ -195,8 +205,10 @@ class OrderAgreement:
             time.sleep(0.01)
 
     def _set(self, key: str, value: str) -> None:
-        with contextlib.suppress(Exception):
-            failure._default_store().set(key, value)
+        store = failure.bounded_store()
+        with contextlib.suppress(Exception):  # a silent store costs the others this answer; their error says so
+            if store is not None:
+                store.set(key, value)
 
     def _what(self, position: int, unit: int | None) -> str:
         where = f"gather {position + 1} ({self._name(unit)})"
