@@ -1,0 +1,184 @@
+"""Write Megatron-Core checkpoints with real megatron-core (test-only; ``tests/checkpoint/test_migrate_megatron.py``).
+
+``save OUT TP PP EP KIND``, under torchrun (world = TP x PP x DP): builds a tiny GPT (Llama-style: RMSNorm, rotary,
+SwiGLU, grouped-query attention, untied output layer; KIND ``moe`` adds 4 experts, top-2, sequential experts) with
+the local (no TransformerEngine, no apex) layer spec on CPU/gloo and saves it as Megatron-LM does: a ``torch_dist``
+distributed checkpoint in ``OUT/iter_0000001`` with ``args``, ``iteration`` and ``checkpoint_version`` in its common
+state, and ``OUT/latest_checkpointed_iteration.txt``.
+
+``logits OUT KIND REF``, one process: Megatron loads that checkpoint at tp 1 x pp 1 (its own resharding) and writes
+the logits of one batch to REF (``{"tokens", "logits"}``): the reference the consolidated model must reproduce.
+
+[Note: megatron-core on CPU] The MoE layers use the "allgather" token dispatcher ("alltoall" makes a CUDA
+stream). megatron-core 0.16 saves with two CUDA calls that have nothing to do on a CPU (a
+``torch.cuda.synchronize`` before copying tensors, the save-status flags placed on ``torch.cuda.current_device()``);
+they are replaced below by their CPU meaning. Its CUDA RNG tracker cannot be seeded on CPU; dropout is 0, so nothing
+draws from it, and its fork is a no-op here. The MoE router's forward names
+``te_general_gemm``, which megatron-core 0.16 leaves undefined without TransformerEngine: it is defined as None (TE
+absent). Everything else is megatron-core's own code.
+"""
+
+import argparse
+import contextlib
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+VOCAB, SEQ, HIDDEN, FFN, HEADS, GROUPS, LAYERS, EXPERTS = 64, 16, 32, 48, 4, 2, 4, 4
+
+
+def _cpu_only() -> None:
+    torch.cuda.synchronize = lambda *a, **k: None  # [Note: megatron-core on CPU]
+    torch.cuda.current_device = lambda: "cpu"
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):  # megatron 0.16 forgets to define it when TE is absent
+        moe_utils.te_general_gemm = None
+
+
+def _config(kind: str, tp: int, pp: int, ep: int):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    moe = {}
+    if kind == "moe":
+        moe = dict(num_moe_experts=EXPERTS, moe_router_topk=2, moe_ffn_hidden_size=FFN, moe_aux_loss_coeff=0.0)
+        moe |= dict(moe_token_dispatcher_type="allgather", moe_router_load_balancing_type="none")
+    return TransformerConfig(
+        num_layers=LAYERS,
+        hidden_size=HIDDEN,
+        ffn_hidden_size=FFN,
+        num_attention_heads=HEADS,
+        num_query_groups=GROUPS,
+        use_cpu_initialization=True,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        normalization="RMSNorm",
+        layernorm_epsilon=1e-5,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        init_method_std=0.05,  # large enough that the logits differ clearly between tokens
+        **moe,
+    )
+
+
+def _model(kind: str, tp: int, pp: int, ep: int):
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    config = _config(kind, tp, pp, ep)
+    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, normalization="RMSNorm")
+    return GPTModel(
+        config,
+        spec,
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+        rotary_base=10000,
+    )
+
+
+def _args(kind: str, tp: int, pp: int, ep: int) -> argparse.Namespace:
+    """The part of Megatron-LM's ``args`` that describes the model (Megatron-LM saves the whole namespace)."""
+    args = argparse.Namespace(
+        num_layers=LAYERS,
+        hidden_size=HIDDEN,
+        ffn_hidden_size=FFN,
+        num_attention_heads=HEADS,
+        group_query_attention=True,
+        num_query_groups=GROUPS,
+        kv_channels=HIDDEN // HEADS,
+        padded_vocab_size=VOCAB,
+        max_position_embeddings=SEQ,
+        position_embedding_type="rope",
+        rotary_base=10000,
+        rotary_interleaved=False,
+        normalization="RMSNorm",
+        norm_epsilon=1e-5,
+        swiglu=True,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        untie_embeddings_and_output_weights=True,
+        qk_layernorm=False,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        params_dtype=torch.float32,
+        num_experts=None,
+    )
+    if kind == "moe":
+        args.num_experts, args.moe_router_topk, args.moe_ffn_hidden_size = EXPERTS, 2, FFN
+        args.moe_grouped_gemm = False
+    return args
+
+
+def save(out: str, tp: int, pp: int, ep: int, kind: str) -> None:
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+
+    dist.init_process_group("gloo")
+    _cpu_only()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep
+    )
+    torch.manual_seed(1234)  # use_cpu_initialization: the master weights are drawn on every rank alike, then split
+    model = _model(kind, tp, pp, ep)
+    state = {
+        "args": _args(kind, tp, pp, ep),
+        "checkpoint_version": 3.0,
+        "iteration": 1,
+        "model": model.sharded_state_dict(),
+    }
+    ckpt = os.path.join(out, "iter_0000001")
+    if dist.get_rank() == 0:
+        os.makedirs(ckpt, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(state, ckpt)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        with open(os.path.join(out, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write("1")
+    dist.destroy_process_group()
+
+
+def logits(out: str, kind: str, ref: str) -> None:
+    from megatron.core import dist_checkpointing, tensor_parallel
+    from megatron.core import parallel_state as ps
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{ref}.rendezvous")
+    _cpu_only()
+    ps.initialize_model_parallel()
+    # [Note: megatron-core on CPU]: the attention's dropout region forks the CUDA RNG tracker; dropout is 0
+    tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+    model = _model(kind, 1, 1, 1)
+    state = dist_checkpointing.load({"model": model.sharded_state_dict()}, os.path.join(out, "iter_0000001"))
+    model.load_state_dict(state["model"])
+    model.eval()
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(7))
+    position_ids = torch.arange(SEQ).expand(2, SEQ)
+    with torch.no_grad():
+        # megatron's default causal mask is made on "cuda": pass it (True = masked), as its data loaders do
+        causal = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1)[None, None]
+        out_logits = model(tokens, position_ids, attention_mask=causal)
+    torch.save({"tokens": tokens, "logits": out_logits.float()}, ref)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "save":
+        save(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6])
+    else:
+        logits(sys.argv[2], sys.argv[3], sys.argv[4])
