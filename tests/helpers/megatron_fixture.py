@@ -91,8 +91,12 @@ def _model(kind: str, tp: int, pp: int, ep: int):
 
 
 def _args(kind: str, tp: int, pp: int, ep: int) -> argparse.Namespace:
-    """The part of Megatron-LM's ``args`` that describes the model (Megatron-LM saves the whole namespace)."""
+    """The part of Megatron-LM's ``args`` that describes the model (Megatron-LM saves the whole namespace), and one
+    of megatron's enums, as Megatron-LM's args hold them."""
+    from megatron.core.transformer.enums import AttnBackend
+
     args = argparse.Namespace(
+        attention_backend=AttnBackend.auto,
         num_layers=LAYERS,
         hidden_size=HIDDEN,
         ffn_hidden_size=FFN,
@@ -128,7 +132,9 @@ def save(out: str, tp: int, pp: int, ep: int, kind: str) -> None:
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
-    dist.init_process_group("gloo")
+    own_group = not dist.is_initialized()  # under torchrun; run_distributed makes the group itself
+    if own_group:
+        dist.init_process_group("gloo")
     _cpu_only()
     ps.initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep
@@ -150,15 +156,18 @@ def save(out: str, tp: int, pp: int, ep: int, kind: str) -> None:
     if dist.get_rank() == 0:
         with open(os.path.join(out, "latest_checkpointed_iteration.txt"), "w") as f:
             f.write("1")
-    dist.destroy_process_group()
+    ps.destroy_model_parallel()
+    if own_group:
+        dist.destroy_process_group()
 
 
 def logits(out: str, kind: str, ref: str) -> None:
     from megatron.core import dist_checkpointing, tensor_parallel
     from megatron.core import parallel_state as ps
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{ref}.rendezvous")
+    own_group = not dist.is_initialized()
+    if own_group:
+        dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{ref}.rendezvous")
     _cpu_only()
     ps.initialize_model_parallel()
     # [Note: megatron-core on CPU]: the attention's dropout region forks the CUDA RNG tracker; dropout is 0
@@ -174,7 +183,70 @@ def logits(out: str, kind: str, ref: str) -> None:
         causal = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1)[None, None]
         out_logits = model(tokens, position_ids, attention_mask=causal)
     torch.save({"tokens": tokens, "logits": out_logits.float()}, ref)
-    dist.destroy_process_group()
+    ps.destroy_model_parallel()
+    if own_group:
+        dist.destroy_process_group()
+
+
+# -- shardtrain's side ----------------------------------------------------------------------------------------------
+ROWS, STEPS, LR = 6, 2, 1e-2  # 6 rows: every data-parallel size of worlds 1-3 divides them
+
+
+def train_batches() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(11)
+    return [torch.randint(0, VOCAB, (ROWS, SEQ), generator=gen) for _ in range(STEPS)]
+
+
+def hf_model(config_json: str, seed: int):
+    """The transformers model the consolidated config describes, with weights from ``seed`` (then overwritten)."""
+    import json
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    raw = json.loads(config_json)
+    config = AutoConfig.for_model(raw.pop("model_type"), **raw)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+
+
+def train(model, batches: list[torch.Tensor], dp: int = 1, dp_rank: int = 0, opt=None) -> list[float]:
+    """``STEPS`` steps on this rank's rows of each batch (an engine, or a plain model and its ``opt``); the losses."""
+    per = ROWS // dp
+    losses = []
+    for x in batches:
+        mine = x[dp_rank * per : (dp_rank + 1) * per]
+        loss = model(input_ids=mine, labels=mine).loss
+        if opt is None:
+            model.backward(loss)
+            model.step()
+        else:
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def engine_load_body(save_dir: str, config_json: str, stage: int, tp: int, ref_tokens: torch.Tensor) -> dict:
+    """An engine at (world, ``stage``, ``tp``) over a model from another seed loads the Megatron checkpoint; returns
+    the full state dict (rank 0), the logits of ``ref_tokens`` and the losses of ``STEPS`` steps after it."""
+    import shardtrain
+
+    model = hf_model(config_json, seed=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    config = {
+        "train_micro_batch_size_per_gpu": ROWS // (dist.get_world_size() // tp),
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "tensor_parallel": {"size": tp},
+    }
+    engine = shardtrain.initialize(model, config=config, optimizer=opt)
+    engine.load_checkpoint(save_dir, load_optimizer_states=False)
+    loaded_step = engine.global_step
+    state = engine.full_state_dict()
+    with torch.no_grad():
+        logits = engine(input_ids=ref_tokens).logits
+    losses = train(engine, train_batches(), engine.topology.dp, engine.topology.dp_rank)
+    return {"state": state, "logits": logits, "losses": losses, "step": loaded_step}
 
 
 if __name__ == "__main__":

@@ -150,7 +150,7 @@ class MegatronValue:
         return f"{type(self).__name__}{self.args}"
 
 
-_REFUSED = re.compile(r"GLOBAL ([\w.]+) was not an allowed global|Unsupported global: GLOBAL ([\w.]+)")
+_REFUSED = re.compile(r"GLOBAL ([\w.]+)")  # how torch's weights-only unpickler names the global it refused
 
 
 def load_common(ckpt: Path) -> dict[str, Any]:
@@ -167,10 +167,11 @@ def load_common(ckpt: Path) -> dict[str, Any]:
             break
         except pickle.UnpicklingError as err:
             found = _REFUSED.search(str(err))
-            name = (found.group(1) or found.group(2)) if found else None
+            name = found.group(1) if found else None
             if name is None or not name.startswith("megatron."):
+                what = name or next((ln.strip() for ln in str(err).splitlines() if "GLOBAL" in ln), "an object")
                 raise UnsafePickleError(
-                    f"{path}: refused to unpickle {name or str(err)[:200]!r}: Megatron's common state holds only "
+                    f"{path}: refused to unpickle {what!r}: Megatron's common state holds only "
                     "containers, numbers, strings, tensors, argparse.Namespace and megatron's own enums (nothing from "
                     "it was run)"
                 ) from None
