@@ -139,6 +139,13 @@ def test_moe_loads_into_zero3(moe, tmp_path):
     torch.testing.assert_close(torch.tensor(got), torch.tensor(ref["losses"]), rtol=LOSS_RTOL, atol=0)
 
 
+def test_loading_the_optimizer_state_is_refused_by_name(dense):
+    config = open_checkpoint(dense["dir"]).objects["hf/config"]
+    said = run_distributed(mf.engine_default_load_body, 1, str(dense["dir"]), config)[0]
+    assert "optimizer state (the distributed optimizer's) is not read" in said
+    assert "load_optimizer_states=False" in said
+
+
 def _copy(case: dict, tmp_path: Path) -> Path:
     out = tmp_path / "copy"
     shutil.copytree(case["dir"], out)

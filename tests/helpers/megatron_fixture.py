@@ -249,6 +249,21 @@ def engine_load_body(save_dir: str, config_json: str, stage: int, tp: int, ref_t
     return {"state": state, "logits": logits, "losses": losses, "step": loaded_step}
 
 
+def engine_default_load_body(save_dir: str, config_json: str) -> str:
+    """What ``load_checkpoint`` with the optimizer state (the default) says of a Megatron checkpoint."""
+    import shardtrain
+    from shardtrain.errors import CheckpointError
+
+    model = hf_model(config_json, seed=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    engine = shardtrain.initialize(model, config={"train_micro_batch_size_per_gpu": 1}, optimizer=opt)
+    try:
+        engine.load_checkpoint(save_dir)
+    except CheckpointError as err:
+        return str(err)
+    return "loaded"
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "save":
         save(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6])

@@ -10,6 +10,7 @@ that hold it). Memory: the result and at most one stacked layer slab of one Mega
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 from collections.abc import Callable
@@ -39,7 +40,9 @@ HF_CONFIG_KEY = "hf/config"  # consolidate.py's name: config.json is written fro
 
 
 class _Chunks(DcpReader):
-    """DCP's chunk reading (``DcpReader._read``) over megatron's metadata, which DCP's own sorting does not know."""
+    """DCP's chunk reading (``DcpReader._read``) over megatron's metadata, which ``DcpReader.__init__`` would sort
+    as a torchtitan checkpoint (and refuse for its save plans). It sets exactly the fields ``_read`` uses: the
+    path for errors, the chunks already checked for coverage, the storage reader."""
 
     def __init__(self, path: Path, md: Any) -> None:
         self.path, self._md, self._covered = path, md, set()
@@ -63,8 +66,11 @@ class MegatronReader:
                 f"{self.path}: common.pt holds no 'args' (Megatron-LM saves them); the model's heads, query groups "
                 "and experts cannot be known without them"
             )
-        self.arch = Architecture.from_args(args, self.path)
         self._sources: dict[str, MegatronSource] = sources_of(md, self.path)
+        self.arch = Architecture.from_args(args, self.path)
+        embedding = self._sources.get("embedding.word_embeddings.weight")
+        if not self.arch.vocab and embedding is not None:  # args without padded_vocab_size: the embedding's rows
+            self.arch = dataclasses.replace(self.arch, vocab=embedding.global_shape[0])
         tensors = hf_entries(self._sources, self.arch, self.path)
         self.manifest = MegatronManifest(self.path.name, _world_size(md), tensors)
         self._chunks = _Chunks(self.path, md)
