@@ -9,13 +9,18 @@ state, and ``OUT/latest_checkpointed_iteration.txt``.
 ``logits OUT KIND REF``, one process: Megatron loads that checkpoint at tp 1 x pp 1 (its own resharding) and writes
 the logits of one batch to REF (``{"tokens", "logits"}``): the reference the consolidated model must reproduce.
 
-[Note: megatron-core on CPU] The MoE layers use the "allgather" token dispatcher ("alltoall" makes a CUDA
-stream). megatron-core 0.16 saves with two CUDA calls that have nothing to do on a CPU (a
-``torch.cuda.synchronize`` before copying tensors, the save-status flags placed on ``torch.cuda.current_device()``);
-they are replaced below by their CPU meaning. Its CUDA RNG tracker cannot be seeded on CPU; dropout is 0, so nothing
-draws from it, and its fork is a no-op here. The MoE router's forward names
-``te_general_gemm``, which megatron-core 0.16 leaves undefined without TransformerEngine: it is defined as None (TE
-absent). Everything else is megatron-core's own code.
+[Note: megatron-core on CPU]
+What megatron-core 0.16 needs to run here, each given its CPU meaning below and nothing else changed:
+- saving calls ``torch.cuda.synchronize`` before copying tensors and puts its save-status flags on
+  ``torch.cuda.current_device()``: a no-op, and the CPU;
+- its CUDA RNG tracker cannot be seeded on CPU; dropout is 0, so nothing draws from it and its fork is a no-op;
+- the MoE router's forward names ``te_general_gemm``, left undefined without TransformerEngine: None (TE absent);
+- the MoE layers use the "allgather" token dispatcher ("alltoall" makes a CUDA stream);
+- the default causal mask is made on "cuda": the logits pass it explicitly.
+What cannot run: the distributed optimizer (``DistributedOptimizer`` requires ``torch.cuda.*Tensor`` parameters and
+allocates on "cuda"), so these fixtures hold no optimizer state and Megatron's own training cannot be continued.
+
+``engine_load_body`` and ``engine_default_load_body`` are shardtrain's side (run by ``run_distributed``).
 """
 
 import argparse
