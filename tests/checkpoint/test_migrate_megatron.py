@@ -10,6 +10,7 @@ on from the loaded weights must give the losses of single-process training from 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import socket
@@ -82,6 +83,30 @@ def test_consolidated_llama_equals_megatrons_model(dense, tmp_path):
     torch.testing.assert_close(logits, dense["ref"]["logits"], atol=LOGITS_ATOL, rtol=0)
     # the un-fusing is what makes them equal: q and k swapped by group would give other logits
     assert dense["ref"]["logits"].std() > 0.1
+
+
+def test_consolidation_reads_one_layer_slab_at_a_time(dense, tmp_path):
+    """Streaming: no read during consolidation is larger than one layer of the largest Megatron tensor (the
+    stacked tensors hold all layers; reading one whole would grow with the model)."""
+    reader = open_checkpoint(dense["dir"])
+    chunks = reader._chunks
+    largest_slab = max(
+        math.prod(s.global_shape[1:]) if s.key.startswith("decoder.layers.") else math.prod(s.global_shape)
+        for s in reader._sources.values()
+    )
+    sizes = []
+    plain_read = chunks._read
+
+    def counting_read(entry, flat_range, dtype):
+        sizes.append(entry.numel if flat_range is None else flat_range[1] - flat_range[0])
+        return plain_read(entry, flat_range, dtype)
+
+    chunks._read = counting_read
+    consolidate(reader, tmp_path / "hf", progress=False)
+    assert len(sizes) >= len(reader.manifest.tensors)
+    assert max(sizes) <= largest_slab
+    stacked = max(math.prod(s.global_shape) for s in reader._sources.values())
+    assert max(sizes) * mf.LAYERS <= stacked  # what a whole-tensor read would have cost
 
 
 @pytest.mark.soak
