@@ -17,14 +17,17 @@ What megatron-core 0.16 needs to run here, each given its CPU meaning below and 
 - the MoE router's forward names ``te_general_gemm``, left undefined without TransformerEngine: None (TE absent);
 - the MoE layers use the "allgather" token dispatcher ("alltoall" makes a CUDA stream);
 - the default causal mask is made on "cuda": the logits pass it explicitly.
-What cannot run: the distributed optimizer (``DistributedOptimizer`` requires ``torch.cuda.*Tensor`` parameters and
-allocates on "cuda"), so these fixtures hold no optimizer state and Megatron's own training cannot be continued.
+- the (non-distributed) optimizer makes its loss-scale and overflow tensors on "cuda": made on the CPU; gradient
+  clipping asserts CUDA gradients: the training fixture does not clip.
+What cannot run: the distributed optimizer (``DistributedOptimizer`` requires ``torch.cuda.*Tensor`` parameters),
+so the training fixture uses megatron's plain fp32 optimizer, at tp 1 x pp 1.
 
 ``engine_load_body`` and ``engine_default_load_body`` are shardtrain's side (run by ``run_distributed``).
 """
 
 import argparse
 import contextlib
+import functools
 import os
 import sys
 
@@ -193,6 +196,83 @@ def logits(out: str, kind: str, ref: str) -> None:
         dist.destroy_process_group()
 
 
+TRAIN_SAVE_AT, TRAIN_STEPS = 2, 4  # Megatron trains 2 steps, saves (iteration 2), goes on for 2 more
+
+
+def _train_batches(count: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(5)
+    return [torch.randint(0, VOCAB, (ROWS, SEQ), generator=gen) for _ in range(count)]
+
+
+def _cuda_allocations_on_cpu() -> None:
+    """[Note: megatron-core on CPU]: megatron's optimizer makes its loss-scale and overflow tensors with
+    ``device='cuda'``; here they are made on the CPU."""
+
+    def on_cpu(factory):
+        @functools.wraps(factory)
+        def make(*args, **kwargs):
+            if str(kwargs.get("device", "")).startswith("cuda"):
+                kwargs["device"] = "cpu"
+            return factory(*args, **kwargs)
+
+        return make
+
+    for name in ("tensor", "zeros", "empty", "ones", "full"):
+        setattr(torch, name, on_cpu(getattr(torch, name)))
+
+
+def megatron_train(out: str, ref: str) -> None:
+    """One process (tp 1 x pp 1: megatron's optimizer runs on CPU only there, see the note): Megatron trains the
+    dense model with its (non-distributed) Adam, saves model and optimizer state at ``TRAIN_SAVE_AT`` as Megatron-LM
+    does, and goes on; REF gets the losses of every step (the continuation is what a resume must reproduce)."""
+    from megatron.core import dist_checkpointing, tensor_parallel
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{ref}.rendezvous")
+    _cpu_only()
+    _cuda_allocations_on_cpu()
+    ps.initialize_model_parallel()
+    tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+    torch.manual_seed(1234)
+    model = _model("dense", 1, 1, 1)
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+    # clip_grad 0: megatron's clipping asserts CUDA tensors; weight decay 0: one set of hyperparameters
+    config = OptimizerConfig(optimizer="adam", lr=LR, weight_decay=0.0, clip_grad=0.0, adam_eps=1e-8)
+    opt = get_megatron_optimizer(config, [ddp])
+    causal = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1)[None, None]
+    position_ids = torch.arange(SEQ).expand(ROWS, SEQ)
+    losses = []
+    for step, tokens in enumerate(_train_batches(TRAIN_STEPS)):
+        if step == TRAIN_SAVE_AT:
+            model_sd = model.sharded_state_dict()
+            state = {
+                "args": _args("dense", 1, 1, 1),
+                "checkpoint_version": 3.0,
+                "iteration": step,
+                "model": model_sd,
+                "optimizer": opt.sharded_state_dict(model.sharded_state_dict()),
+            }
+            ckpt = os.path.join(out, f"iter_{step:07d}")
+            os.makedirs(ckpt, exist_ok=True)
+            dist_checkpointing.save(state, ckpt)
+            with open(os.path.join(out, "latest_checkpointed_iteration.txt"), "w") as f:
+                f.write(str(step))
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        labels = torch.roll(tokens, -1, dims=1)  # the next token; the last position has none and is left out
+        per_token = ddp(tokens, position_ids, attention_mask=causal, labels=labels)
+        loss = per_token[:, :-1].float().mean()
+        loss.backward()
+        ddp.finish_grad_sync()
+        opt.step()
+        losses.append(loss.item())
+    torch.save({"losses": losses}, ref)
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
 # -- shardtrain's side ----------------------------------------------------------------------------------------------
 ROWS, STEPS, LR = 6, 2, 1e-2  # 6 rows: every data-parallel size of worlds 1-3 divides them
 
@@ -254,6 +334,30 @@ def engine_load_body(save_dir: str, config_json: str, stage: int, tp: int, ref_t
     return {"state": state, "logits": logits, "losses": losses, "step": loaded_step}
 
 
+def engine_resume_body(save_dir: str, config_json: str, stage: int, tp: int, with_optimizer: bool) -> dict:
+    """An engine at (world, ``stage``, ``tp``) resumes Megatron's training checkpoint (its Adam in megatron's two
+    groups: weights, then norms) and trains the steps Megatron trained after it; this rank's losses."""
+    import shardtrain
+
+    model = hf_model(config_json, seed=1)
+    groups = [
+        {"params": [p for p in model.parameters() if p.dim() > 1]},
+        {"params": [p for p in model.parameters() if p.dim() == 1]},
+    ]
+    opt = torch.optim.AdamW(groups, lr=LR, weight_decay=0.0, eps=1e-8)
+    dp = dist.get_world_size() // tp
+    config = {
+        "train_micro_batch_size_per_gpu": ROWS // dp,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "tensor_parallel": {"size": tp},
+    }
+    engine = shardtrain.initialize(model, config=config, optimizer=opt)
+    engine.load_checkpoint(save_dir, load_optimizer_states=with_optimizer)
+    batches = _train_batches(TRAIN_STEPS)[TRAIN_SAVE_AT:]
+    losses = train(engine, batches, engine.topology.dp, engine.topology.dp_rank)
+    return {"losses": losses, "tp_rank": engine.topology.tp_rank, "step": engine.global_step}
+
+
 def engine_default_load_body(save_dir: str, config_json: str) -> str:
     """What ``load_checkpoint`` with the optimizer state (the default) says of a Megatron checkpoint."""
     import shardtrain
@@ -272,5 +376,7 @@ def engine_default_load_body(save_dir: str, config_json: str) -> str:
 if __name__ == "__main__":
     if sys.argv[1] == "save":
         save(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6])
+    elif sys.argv[1] == "train":
+        megatron_train(sys.argv[2], sys.argv[3])
     else:
         logits(sys.argv[2], sys.argv[3], sys.argv[4])

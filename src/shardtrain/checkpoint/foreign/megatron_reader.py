@@ -21,7 +21,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 from shardtrain.checkpoint.foreign.dcp_format import DcpTensorEntry, _world_size
-from shardtrain.checkpoint.foreign.dcp_reader import PARAM_GROUPS_KEY, DcpReader
+from shardtrain.checkpoint.foreign.dcp_reader import ELEMENTWISE, PARAM_GROUPS_KEY, SCALAR, STATE_KINDS_KEY, DcpReader
 from shardtrain.checkpoint.foreign.megatron_format import (
     Architecture,
     MegatronManifest,
@@ -30,6 +30,8 @@ from shardtrain.checkpoint.foreign.megatron_format import (
     hf_entries,
     load_common,
     load_megatron_metadata,
+    optimizer_entries,
+    param_groups,
     sources_of,
 )
 from shardtrain.checkpoint.format import Slice, slice_destination
@@ -72,6 +74,10 @@ class MegatronReader:
         if not self.arch.vocab and embedding is not None:  # args without padded_vocab_size: the embedding's rows
             self.arch = dataclasses.replace(self.arch, vocab=embedding.global_shape[0])
         tensors = hf_entries(self._sources, self.arch, self.path)
+        optimizer = self.common.get("optimizer") if isinstance(self.common.get("optimizer"), dict) else {}
+        step = (optimizer.get("state") or {}).get("common_step")
+        self._groups = optimizer.get("param_groups")
+        tensors |= optimizer_entries(tensors, self._sources, None if step is None else float(step))
         self.manifest = MegatronManifest(self.path.name, _world_size(md), tensors)
         self._chunks = _Chunks(self.path, md)
         self._objects: dict[str, Any] | None = None
@@ -106,6 +112,8 @@ class MegatronReader:
 
     def _elements(self, entry: MegatronTensorEntry, a: int, b: int, dtype: torch.dtype | None) -> torch.Tensor:
         """Elements ``[a, b)`` of ``entry`` flattened: per Megatron tensor, one read of the runs' bounding range."""
+        if entry.value is not None:
+            return torch.full((b - a,), entry.value, dtype=dtype or entry.torch_dtype)
         out = torch.empty(b - a, dtype=dtype or entry.torch_dtype)
         wanted, at = [], 0  # (key, source start, length, position in out)
         for key, start, length in entry.runs:
@@ -130,7 +138,7 @@ class MegatronReader:
     @property
     def objects(self) -> dict[str, Any]:
         """The transformers config of the model (``hf/config``, written as ``config.json`` by consolidation), the
-        iteration as the engine's global step, and an empty client state."""
+        iteration as the engine's global step, an empty client state, and with optimizer state its param groups."""
         if self._objects is None:
             objects = _MegatronObjects(self.path)
             weights = next(iter(self.manifest.tensors.values())).torch_dtype
@@ -139,9 +147,15 @@ class MegatronReader:
             if isinstance(iteration, int):
                 objects["engine/counters"] = {"global_step": iteration}
             objects["client_state"] = {}
+            states = {n.rpartition("/")[2] for n in self.manifest.tensors if n.startswith("optim/")}
+            if states:  # [Note: Megatron optimizer state]
+                model = {n: e for n, e in self.manifest.tensors.items() if n.startswith("model/")}
+                objects[PARAM_GROUPS_KEY] = param_groups(self._groups, model, self.path)
+                objects[STATE_KINDS_KEY] = {k: SCALAR if k == "step" else ELEMENTWISE for k in sorted(states)}
+            not_read = "" if states else "the optimizer state, "
             warnings.warn(
-                f"Megatron checkpoint {self.path}: not carried over: the optimizer state, the learning-rate "
-                "scheduler, RNG states and the data position (only the model weights are read)",
+                f"Megatron checkpoint {self.path}: not carried over: {not_read}the learning-rate scheduler, RNG "
+                "states and the data position",
                 stacklevel=3,
             )
             self._objects = objects
@@ -175,7 +189,8 @@ class _MegatronObjects(dict):
     def get(self, key: str, default: Any = None) -> Any:
         if key == PARAM_GROUPS_KEY and key not in self:
             raise CheckpointError(
-                f"Megatron checkpoint {self._path}: its optimizer state (the distributed optimizer's) is not read by "
-                "shardtrain yet; load it with load_optimizer_states=False (or consolidate it without --optimizer)"
+                f"Megatron checkpoint {self._path} holds no optimizer state in model space (none saved, or the "
+                "distributed optimizer's per-bucket formats, which shardtrain does not read yet); load it with "
+                "load_optimizer_states=False (or consolidate it without --optimizer)"
             )
         return super().get(key, default)
