@@ -81,6 +81,12 @@ def open_checkpoint(path: str | os.PathLike, tag: str | None = None, *, verify: 
 
     if (ds_dir := find_deepspeed_dir(path, tag)) is not None:
         return DeepSpeedReader(ds_dir)  # type: ignore[return-value]  # the same reading interface
+    from shardtrain.checkpoint.foreign.megatron_format import find_megatron_checkpoint  # Megatron-Core torch_dist
+
+    if (megatron_dir := find_megatron_checkpoint(path, tag)) is not None:  # before DCP: it is a DCP directory too
+        from shardtrain.checkpoint.foreign.megatron_reader import MegatronReader
+
+        return MegatronReader(megatron_dir)  # type: ignore[return-value]  # the same reading interface
     from shardtrain.checkpoint.foreign.dcp_format import find_dcp_checkpoint  # torch DCP (FSDP2, torchtitan)
 
     if (dcp_dir := find_dcp_checkpoint(path, tag)) is not None:
