@@ -20,6 +20,18 @@ whatever layout saved them (N ranks at stage s load at M ranks, stage s'); param
 position; optimizer state is cast as ``Optimizer.load_state_dict`` casts it (``step`` keeps its own); RNG states are
 restored only at the saving world, tensor- and expert-parallel sizes.
 
+[Note: the accumulation boundary at resume]
+The engine steps the optimizer when ``(micro_steps + 1) % gradient_accumulation_steps == 0`` (as DeepSpeed; the
+Trainer integration and the DeepSpeed shim test it so too). So ``micro_steps`` is ``global_step * gas +`` the
+micro-batches since the last optimizer step, for the run's current ``gas``: a load recomputes it from the saved
+counters and the saving run's ``gradient_accumulation_steps`` (``engine/topology``), never restores it as is (from
+world 2 to world 1 with the accumulation doubled, a restored odd count made every later step straddle two
+accumulations). A checkpoint saved at a boundary resumes at any ``gas`` (world size, micro-batch and accumulation
+may all change while the global batch stays) and continues as one process would. One saved mid-accumulation (its
+accumulated gradients are not saved: the accumulation goes on from zero gradients) resumes only at its own ``gas``
+and is refused at another, naming both. Without a recorded ``gas`` (DeepSpeed's checkpoints) a count that is a
+multiple of ``global_step`` is a boundary; any other is kept as saved.
+
 [Note: checkpoint failures are collective]
 A save or load may fail on one rank only (its file is damaged, its disk is full, a bug). Every exception on
 any rank is caught and carried in the next object gather, so every rank raises one ``CheckpointError``
@@ -354,6 +366,7 @@ def _load(state: TrainingState, load_dir: str | Path, tag: str | None, load_opti
             raise CheckpointError(
                 f"{entry.name!r}: shape {tuple(entry.global_shape)} in the checkpoint, {tuple(dest.shape)} in the model"
             )
+    counters = _resumed_counters(objects, state.run["gradient_accumulation_steps"], reader)
     if load_optimizer_states:
         group_matches = _match_param_groups(state, objects.get(PARAM_GROUPS_KEY), reader)
         _check_state_keys(state, reader, entry_name)
@@ -385,9 +398,8 @@ def _load(state: TrainingState, load_dir: str | Path, tag: str | None, load_opti
             state.lr_scheduler.load_state_dict(objects["engine/scheduler"])
     if state.scaler is not None and objects.get("engine/scaler") is not None:
         state.scaler.load_state_dict(objects["engine/scaler"])
-    counters = objects.get("engine/counters", {})
     state.counters.clear()
-    state.counters.update({k: counters[k] for k in COUNTERS if k in counters})
+    state.counters.update(counters)
     if same_layout:
         if rng is not None:  # read (and so checked) before the engine was touched
             torch.set_rng_state(rng["torch"])
@@ -404,6 +416,36 @@ def _load(state: TrainingState, load_dir: str | Path, tag: str | None, load_opti
             stacklevel=4,
         )
     return objects.get("client_state", {})
+
+
+def _resumed_counters(objects: dict, gas: int, reader: CheckpointReader) -> dict[str, int]:
+    """The saved counters, ``micro_steps`` placed for this run's ``gas`` ([Note: the accumulation boundary at
+    resume]). Refuses a checkpoint saved mid-accumulation at another ``gradient_accumulation_steps``."""
+    saved = objects.get("engine/counters", {})
+    counters = {k: saved[k] for k in COUNTERS if k in saved}
+    if "micro_steps" not in counters:
+        return counters
+    step, micro = counters.get("global_step", 0), counters["micro_steps"]
+    saved_gas = objects.get("engine/topology", {}).get("gradient_accumulation_steps")
+    if saved_gas is None:  # not recorded (a DeepSpeed checkpoint): a boundary when micro_steps = step x some gas
+        at_boundary = micro % step == 0 if step else micro == 0
+        if not at_boundary:
+            return counters  # cannot tell where in an accumulation it is: as saved
+        into = 0
+    else:
+        into = micro - step * saved_gas
+        if not 0 <= into < saved_gas:  # written after a resume that shifted the count: where its own count says
+            into = micro % saved_gas
+    if into and saved_gas != gas:
+        raise CheckpointError(
+            f"{reader.path}: saved in the middle of an accumulation ({into} of gradient_accumulation_steps="
+            f"{saved_gas} micro-batches after optimizer step {step}), and this run accumulates "
+            f"gradient_accumulation_steps={gas}: the accumulation cannot go on at another count. Resume with "
+            f"gradient_accumulation_steps={saved_gas}, or from a checkpoint saved at an accumulation boundary "
+            "(after the engine.step() that stepped the optimizer)"
+        )
+    counters["micro_steps"] = step * gas + into
+    return counters
 
 
 def _check_scheduler_form(scheduler: Any, saved: Any, reader: CheckpointReader) -> None:
