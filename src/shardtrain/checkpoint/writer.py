@@ -60,6 +60,7 @@ from shardtrain.checkpoint.latest import (
     JOURNAL_NAME,
     TMP_PREFIX,
     TRASH_PREFIX,
+    PublishError,
     complete_checkpoint_problem,
     finish_publish,
     read_latest,
@@ -294,6 +295,13 @@ def _publish(save_dir: Path, tag: str, manifest: Manifest) -> None:
     crash_point("manifest_written")
     fsync_path(tmp)
     crash_point("tmp_synced")
+    missing = [name for name in (MANIFEST_NAME, *manifest.files) if not (tmp / name).is_file()]
+    if missing:  # [Note: publish what exists] in latest.py
+        what = f"{tmp} is gone" if not tmp.is_dir() else f"{tmp} lacks {', '.join(missing[:3])}"
+        raise PublishError(
+            f"checkpoint {save_dir / tag} vanished before it was published ({what}: deleted, or removed by another "
+            f"job saving into {save_dir}); nothing was published"
+        )
     write_journal(save_dir, tag)  # committed: a crash from here on is finished by the next load or save
     finish_publish(save_dir, tag)  # an existing <tag> is replaced only now: the new copy is complete and durable
 
@@ -316,16 +324,24 @@ def _describe(err: BaseException) -> str:
     return str(err) if isinstance(err, CheckpointError) else f"{type(err).__name__}: {err}"
 
 
-def _raise_failures(errors: list[str | None], step: str, save_dir: Path, tag: str, rank: int) -> None:
-    """Raise on every rank when any rank failed; rank 0 first removes the unpublished temporary directory (every
-    rank is past its writes: this runs after a gather)."""
+def _raise_failures(
+    errors: list[str | None],
+    step: str,
+    save_dir: Path,
+    tag: str,
+    rank: int,
+    error_type: type[CheckpointError] = CheckpointError,
+    remove_tmp: bool = True,
+) -> None:
+    """Raise ``error_type`` on every rank when any rank failed; rank 0 first removes the unpublished temporary
+    directory unless ``remove_tmp`` is False (every rank is past its writes: this runs after a gather)."""
     failed = [(r, e) for r, e in enumerate(errors) if e]
     if not failed:
         return
-    if rank == 0:
+    if rank == 0 and remove_tmp:
         shutil.rmtree(save_dir / (TMP_PREFIX + tag), ignore_errors=True)
     unchanged = "; nothing was published ('latest' is unchanged)" if step != "publishing" else ""
-    raise CheckpointError(
+    raise error_type(
         "; ".join(f"rank {r} failed to save checkpoint {save_dir / tag} ({step}): {e}" for r, e in failed) + unchanged
     )
 
@@ -487,16 +503,20 @@ def commit(prepared: PreparedSave, comm: Communicator | None) -> SaveResult:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     publish_error: str | None = None
+    vanished = False  # the checkpoint was gone before it was published: a PublishError on every rank
     if rank == 0:
         try:
             _publish(save_dir, tag, manifest)
         except Exception as err:
+            vanished = isinstance(err, PublishError)
             # committed or not, leave a state the message describes: finish or drop the journal now
             with contextlib.suppress(Exception):
                 recover(save_dir)
             publish_error = f"{_describe(err)}; {_latest_state(save_dir, tag)}"
         crash_point("done")
-    _raise_failures([gather(publish_error, "checkpoint published")[0]], "publishing", save_dir, tag, rank)
+    publish_error, vanished = gather((publish_error, vanished), "checkpoint published")[0]
+    error_type = PublishError if vanished else CheckpointError
+    _raise_failures([publish_error], "publishing", save_dir, tag, rank, error_type)
     return SaveResult(save_dir / tag, manifest, written, time.perf_counter() - s.started)
 
 
