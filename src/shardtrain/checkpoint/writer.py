@@ -3,9 +3,10 @@
 Protocol (every rank calls :func:`save` with the same ``save_dir`` and ``tag``; ``docs/checkpoint-format.md`` has
 the full argument):
 
-1. rank 0 validates the tag, finishes a publish a crash interrupted (``latest.recover``), refuses an existing tag
-   unless ``overwrite`` or it may be replaced (:func:`_replaceable`), removes leftovers of crashed saves (``.tmp-*``,
-   ``.trash-*``) and creates ``.tmp-<tag>``;
+1. rank 0 validates the tag, claims the directory for this job ([Note: one job per save directory] in
+   ``owner.py``; another job's directory is refused here, untouched), finishes a publish a crash interrupted
+   (``latest.recover``), refuses an existing tag unless ``overwrite`` or it may be replaced (:func:`_replaceable`),
+   removes leftovers of crashed saves (``.tmp-*``, ``.trash-*``) and creates ``.tmp-<tag>``;
 2. one ``all_gather_object`` shares the piece descriptors (and rank 0's outcome of step 1); every rank then computes
    the same plan: which rank stores each replicated piece (the lowest that holds it), whether shapes and dtypes
    agree, whether the pieces cover every tensor exactly once;
@@ -68,6 +69,7 @@ from shardtrain.checkpoint.latest import (
     write_journal,
 )
 from shardtrain.checkpoint.objects import TaggedEncoder, encode_tensor_file
+from shardtrain.checkpoint.owner import SaveDirInUseError, SaveDirOwner
 from shardtrain.checkpoint.plan import piece_keys, plan_pieces, rank_file, tensor_entries
 from shardtrain.checkpoint.safetensors_io import GLOBAL_SHAPES_KEY, write_streaming
 from shardtrain.distributed.communicator import Communicator
@@ -138,8 +140,9 @@ def _replaceable(final: Path, same_save: dict[str, Any] | None) -> str | None:
     [Note: saving a tag that exists]
     A save never silently destroys a checkpoint, but a restarted job must be able to save again. Replaced, always
     through a complete new copy first ([Note: the publish journal]): ``final`` when it is complete and holds the
-    global objects ``same_save`` (the engine passes its step counters: the same save, done again by a run that
-    resumed from an earlier checkpoint, as DeepSpeed and torch DCP overwrite a step's directory); or when it is
+    global objects ``same_save`` (the engine passes its step counters and its torchrun run id: the same save, done
+    again by a restart of the job that resumed from an earlier checkpoint, as DeepSpeed and torch DCP overwrite a
+    step's directory; another job's checkpoint is not replaced, [Note: one job per save directory]); or when it is
     incomplete (no manifest, or one that does not parse or whose files are missing) and holds nothing but the files
     a checkpoint of ours holds, so that it could never load. Refused: a complete checkpoint of another step (a tag
     the user reuses: the message says how to replace it), and a directory with other files (not ours, e.g.
@@ -154,6 +157,11 @@ def _replaceable(final: Path, same_save: dict[str, Any] | None) -> str | None:
             held = {k: objects[k].value if k in objects and objects[k].encoding == "json" else None for k in same_save}
             if held == same_save:
                 return None
+            if "engine/run_id" in same_save and {**held, "engine/run_id": None} == {**same_save, "engine/run_id": None}:
+                return (
+                    f" (saved at the same point of training by another job, torchrun run id {held['engine/run_id']}; "
+                    f"this job's is {same_save['engine/run_id']}: only a restart of the job that saved it replaces it)"
+                )
             return f" (a complete checkpoint of another point of training: {held}, this save is at {same_save})"
         return ""
     others = sorted(p.name for p in final.iterdir() if not (_OUR_FILE_RE.fullmatch(p.name) and p.is_file()))
@@ -162,11 +170,20 @@ def _replaceable(final: Path, same_save: dict[str, Any] | None) -> str | None:
     return None
 
 
-def _prepare(save_dir: Path, tag: str, overwrite: bool, same_save: dict[str, Any] | None = None) -> str | None:
-    """Rank 0, step 1. Returns an error message instead of raising (it travels to the other ranks)."""
+def _prepare(
+    save_dir: Path,
+    tag: str,
+    overwrite: bool,
+    same_save: dict[str, Any] | None = None,
+    owner: SaveDirOwner | None = None,
+) -> str | None:
+    """Rank 0, step 1. Returns an error message instead of raising (it travels to the other ranks), except
+    :class:`SaveDirInUseError`: another job's directory, where nothing may be touched (not even ``.tmp-<tag>``)."""
     try:
         check_tag(tag)
         save_dir.mkdir(parents=True, exist_ok=True)
+        if owner is not None:
+            owner.claim(save_dir)  # before anything in the directory is read or changed
         for line in recover(save_dir):
             log.warning("checkpoint directory %s: %s", save_dir, line)
         final = save_dir / tag
@@ -187,6 +204,8 @@ def _prepare(save_dir: Path, tag: str, overwrite: bool, same_save: dict[str, Any
                     leftover.unlink()
         tmp = save_dir / (TMP_PREFIX + tag)
         tmp.mkdir()  # no fsync of save_dir needed: nothing relies on .tmp-<tag> surviving a crash
+    except SaveDirInUseError:
+        raise
     except CheckpointError as err:
         return str(err)
     except Exception as err:  # OSError, or anything else: it must reach the other ranks (no hang)
@@ -402,10 +421,13 @@ def prepare(
     same_save: dict[str, Any] | None = None,
     failure: str | None = None,
     snapshot: bool = False,
+    owner: SaveDirOwner | None = None,
 ) -> PreparedSave:
     """Steps 1-2 of :func:`save` (collective over ``comm``): prepare the directory, copy the pieces to host memory,
     encode the objects, agree on the plan. ``snapshot``: copy host tensors too (not only device ones), so that
-    training may change them once this returns; the objects are always encoded here, into bytes and fresh JSON."""
+    training may change them once this returns; the objects are always encoded here, into bytes and fresh JSON.
+    ``owner``: the job's claims, which rank 0 extends to ``save_dir`` ([Note: one job per save directory]); it must
+    hold the directory until the commit is over (None: the caller holds it, or nobody guards it)."""
     t0 = time.perf_counter()
     crash_point("start")
     save_dir = Path(save_dir)
@@ -414,7 +436,12 @@ def prepare(
     def gather(obj: Any, what: str) -> list[Any]:
         return comm.all_gather_object(obj, what=what) if comm is not None else [obj]
 
-    prep_error = _prepare(save_dir, tag, overwrite, same_save) if rank == 0 else None
+    prep_error = refusal = None
+    if rank == 0:
+        try:
+            prep_error = _prepare(save_dir, tag, overwrite, same_save, owner)
+        except SaveDirInUseError as err:
+            refusal = str(err)
     local_error, descs = failure, []
     if local_error is None:
         try:
@@ -434,7 +461,9 @@ def prepare(
                 global_records, global_data = _encode_objects(global_objects or {}, object_file(None))
         except Exception as err:
             local_error = f"encoding its objects: {_describe(err)}"
-    gathered = gather((descs, prep_error or local_error, aliases or {}), "checkpoint piece descriptors")
+    gathered = gather((descs, prep_error or local_error, aliases or {}, refusal), "checkpoint piece descriptors")
+    if gathered[0][3] is not None:  # another job's directory: every rank raises, nothing is removed
+        raise SaveDirInUseError(gathered[0][3])
     _raise_failures([g[1] for g in gathered], "preparing", save_dir, tag, rank)
     try:
         tensors, holders = plan_pieces([g[0] for g in gathered], gathered[0][2])
@@ -532,6 +561,7 @@ def save(
     overwrite: bool = False,
     same_save: dict[str, Any] | None = None,
     failure: str | None = None,
+    owner: SaveDirOwner | None = None,
 ) -> SaveResult:
     """Save one checkpoint ``save_dir/tag`` collectively; every rank of ``comm`` calls this (``None``: one process).
 
@@ -550,19 +580,30 @@ def save(
     same way, so every rank raises one :class:`CheckpointError` naming the failing ranks and causes, and nothing is
     published.
 
+    ``owner``: the job's claims on save directories, held on after the save ([Note: one job per save directory]);
+    by default the directory is claimed for this save only. Another job's directory raises
+    :class:`SaveDirInUseError` on every rank, and nothing in it is touched.
+
     It is :func:`prepare` then :func:`commit` on the calling thread; ``async_save.py`` runs the commit in the
     background.
     """
-    prepared = prepare(
-        save_dir,
-        tag,
-        comm,
-        pieces,
-        rank_objects=rank_objects,
-        global_objects=global_objects,
-        aliases=aliases,
-        overwrite=overwrite,
-        same_save=same_save,
-        failure=failure,
-    )
-    return commit(prepared, comm)
+    temporary = owner is None
+    owner = SaveDirOwner() if temporary else owner
+    try:
+        prepared = prepare(
+            save_dir,
+            tag,
+            comm,
+            pieces,
+            rank_objects=rank_objects,
+            global_objects=global_objects,
+            aliases=aliases,
+            overwrite=overwrite,
+            same_save=same_save,
+            failure=failure,
+            owner=owner,
+        )
+        return commit(prepared, comm)
+    finally:
+        if temporary:
+            owner.release()

@@ -57,6 +57,7 @@ from shardtrain.checkpoint.async_save import AsyncSaver
 from shardtrain.checkpoint.format import MANIFEST_NAME, BlockFlatSlice, BlockSlice, numel
 from shardtrain.checkpoint.hf_config import hf_config_objects
 from shardtrain.checkpoint.latest import recover
+from shardtrain.checkpoint.owner import SaveDirOwner, owned_elsewhere, run_id
 from shardtrain.checkpoint.reader import CheckpointReader
 from shardtrain.checkpoint.writer import prepare
 from shardtrain.distributed.communicator import Communicator
@@ -91,7 +92,8 @@ class TrainingState:
     lr_scheduler: Any  # an LRScheduler or None
     scaler: Any  # a LossScaler or None
     counters: dict[str, int]  # COUNTERS
-    run: dict[str, Any]  # compute_dtype, gradient_accumulation_steps (recorded, informative)
+    run: dict[str, Any]  # compute_dtype, gradient_accumulation_steps (recorded; the latter read by a resume)
+    owner: SaveDirOwner | None = None  # the engine's save directories ([Note: one job per save directory])
 
 
 PARAM_GROUPS_KEY = "optimizer/param_groups"
@@ -250,8 +252,9 @@ def save_engine(
     snapshot is taken and the plan agreed, and ``saver`` writes and publishes in the background ([Note:
     asynchronous checkpoints]); the caller must have waited for its previous save."""
     failure, pieces, aliases, global_objects, rng = None, [], {}, {}, {}
-    # the same save done again (a restarted run reaching a step it had saved): the tag is replaced, safely
-    same_save = {"engine/counters": {k: state.counters[k] for k in COUNTERS}}
+    # the same save done again (a restart of this job reaching a step it had saved): the tag is replaced, safely;
+    # another job's checkpoint is not (its run id differs), see [Note: one job per save directory]
+    same_save = {"engine/counters": {k: state.counters[k] for k in COUNTERS}, "engine/run_id": run_id()}
     try:
         pieces, aliases, optimizer_objects = collect_pieces(state)
         global_objects = {
@@ -268,6 +271,7 @@ def save_engine(
             "engine/scheduler": state.lr_scheduler.state_dict() if state.lr_scheduler is not None else None,
             "engine/scaler": state.scaler.state_dict() if state.scaler is not None else None,
             "client_state": client_state if client_state is not None else {},
+            **({"engine/run_id": same_save["engine/run_id"]} if same_save["engine/run_id"] is not None else {}),
             **hf_config_objects(state.module),  # a transformers model's config: consolidation writes config.json
         }
         rng = {
@@ -287,9 +291,9 @@ def save_engine(
         "same_save": same_save,
     }
     if saver is None:
-        return save(save_dir, tag, state.comm, pieces, **what).path
+        return save(save_dir, tag, state.comm, pieces, owner=state.owner, **what).path
     commit_comm = saver.commit_comm(state.comm)  # collective the first time: before anything can fail alone
-    prepared = prepare(save_dir, tag, state.comm, pieces, snapshot=True, **what)
+    prepared = prepare(save_dir, tag, state.comm, pieces, snapshot=True, owner=state.owner, **what)
     saver.start(prepared, commit_comm)
     return prepared.save_dir / prepared.tag
 
@@ -326,7 +330,10 @@ def _recover(state: TrainingState, load_dir: str | Path) -> None:
     if state.comm.rank == 0:
         try:
             path = Path(load_dir)
-            if path.is_dir() and not (path / MANIFEST_NAME).is_file():
+            owner = owned_elsewhere(path) if path.is_dir() else None
+            if owner is not None:  # its own saves finish what they interrupted: [Note: one job per save directory]
+                log.info("checkpoint directory %s belongs to a running job (%s): loaded as it is", path, owner)
+            elif path.is_dir() and not (path / MANIFEST_NAME).is_file():
                 for line in recover(path):
                     log.warning("checkpoint directory %s: %s", path, line)
         except Exception as err:
