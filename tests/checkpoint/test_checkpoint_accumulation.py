@@ -5,18 +5,44 @@ the middle of an accumulation resumes at its own accumulation only, and is refus
 
 from __future__ import annotations
 
+import os
+import random
+import signal
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
 
 import shardtrain
+from shardtrain.checkpoint.durable import CRASH_POINTS, KILL_ENV
 from shardtrain.engine.checkpointing import _resumed_counters
 from shardtrain.errors import CheckpointError
-from shardtrain.testing import DistributedFailure, run_distributed
+from shardtrain.testing import DistributedFailure, run_distributed, run_ranks
 
-from helpers.resume import ROWS, ResumeNet, batches, make_optimizer
+from helpers.resume import ROWS, SEQ, VOCAB, ResumeNet, make_optimizer
 
 STEPS = 6
+
+
+def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``ROWS`` rows of optimizer step ``step`` (inputs, next-token targets)."""
+    x = torch.randint(0, VOCAB, (ROWS, SEQ), generator=torch.Generator().manual_seed(1000 + step))
+    return x, torch.roll(x, -1, 1)
+
+
+def train_step(engine) -> None:
+    """One optimizer step on global batch ``engine.global_step``: micro-batch ``k`` of rank ``r`` is rows
+    ``(k * world + r) * micro ...``."""
+    rank, world, gas = dist.get_rank(), dist.get_world_size(), engine.gradient_accumulation_steps
+    micro = ROWS // (world * gas)
+    step = engine.global_step
+    x, y = global_batch(step)
+    for k in range(gas):
+        rows = slice((k * world + rank) * micro, (k * world + rank + 1) * micro)
+        engine.backward(engine(x[rows], y[rows]))
+        engine.step()
+    assert engine.global_step == step + 1, (engine.global_step, step)  # one optimizer step per global batch
 
 
 def make_engine(seed: int, stage: int, gas: int):
@@ -31,18 +57,11 @@ def make_engine(seed: int, stage: int, gas: int):
 
 
 def train(engine, steps: range) -> list[dict[str, torch.Tensor] | None]:
-    """Optimizer steps ``steps`` of the global batches (``ROWS`` rows each): micro-batch ``k`` of rank ``r`` is
-    rows ``(k * world + r) * micro ...``. Returns the full state after each step (rank 0; None elsewhere)."""
-    rank, world, gas = dist.get_rank(), dist.get_world_size(), engine.gradient_accumulation_steps
-    micro = ROWS // (world * gas)
+    """Optimizer steps ``steps``; returns the full state after each (rank 0; None elsewhere)."""
     after = []
     for s in steps:
-        x, y = batches()[s]
-        for k in range(gas):
-            rows = slice((k * world + rank) * micro, (k * world + rank + 1) * micro)
-            engine.backward(engine(x[rows], y[rows]))
-            engine.step()
-        assert engine.global_step == s + 1, (engine.global_step, s)  # one optimizer step per global batch
+        assert engine.global_step == s
+        train_step(engine)
         after.append(engine.full_state_dict())
     return after
 
@@ -64,12 +83,13 @@ def _second_part(root: str, stage: int, gas: int, save_at: int) -> list:
     return after
 
 
-def one_process() -> list[dict[str, torch.Tensor]]:
+def one_process(steps: int = STEPS) -> list[dict[str, torch.Tensor]]:
     """Plain PyTorch on the whole global batch: the state after each step."""
     model = ResumeNet(0)
     opt = make_optimizer(model, "sgd")
     after = []
-    for x, y in batches():
+    for step in range(steps):
+        x, y = global_batch(step)
         model(x, y).backward()
         opt.step()
         opt.zero_grad()
@@ -105,7 +125,7 @@ def test_a_resume_at_another_accumulation_continues_as_one_process(tmp_path, fir
 def _mid_accumulation(root: str, load_gas: int) -> tuple[int, int]:
     engine = make_engine(0, 1, 2)
     train(engine, range(1))
-    x, y = batches()[1]
+    x, y = global_batch(1)
     engine.backward(engine(x[:3], y[:3]))  # one micro-batch of the second step's two
     engine.step()
     engine.save_checkpoint(root)
@@ -142,3 +162,48 @@ def test_a_checkpoint_saved_at_a_boundary_resumes_at_the_boundary():
     assert _resumed_counters(objects(7, None), 2, Reader)["micro_steps"] == 7  # cannot tell: as saved
     with pytest.raises(CheckpointError, match=r"gradient_accumulation_steps=2 micro-batches .* accumulates "):
         _resumed_counters(objects(7, 2), 1, Reader)
+
+
+# -- soak: kills during saves, another accumulation at every restart -------------------------------------------------
+
+SOAK_STEPS = 40
+LAYOUTS = [(1, 1), (2, 1), (3, 2), (1, 3), (2, 3), (3, 1), (1, 2), (2, 1)]  # (world, gas) of each attempt, in turn
+
+
+def _attempt(root: str, attempt: int, gas: int, kill_at: str | None, async_save: bool) -> dict | None:
+    """One launch: resume from ``root/latest`` if there is one, train to SOAK_STEPS saving after every step; rank 0
+    is killed at ``kill_at`` (a save crash point, ``point:n``). Returns the final full state (rank 0)."""
+    engine = make_engine(100 + attempt, 2, gas)  # every value of a resumed attempt comes from the checkpoint
+    if (Path(root) / "latest").exists():
+        engine.load_checkpoint(root)
+    if kill_at is not None and dist.get_rank() == 0:
+        os.environ[KILL_ENV] = kill_at
+    while engine.global_step < SOAK_STEPS:
+        train_step(engine)
+        engine.save_checkpoint(root, async_save=async_save)
+    state = engine.full_state_dict()
+    engine.close()
+    return state
+
+
+@pytest.mark.soak
+@pytest.mark.timeout(1800)
+def test_kills_during_saves_with_another_accumulation_at_each_restart_end_as_one_process(tmp_path):
+    rng = random.Random(55)
+    root = str(tmp_path / "ck")
+    kills = 0
+    for attempt, (world, gas) in enumerate(LAYOUTS):
+        last = attempt == len(LAYOUTS) - 1
+        kill_at = None if last else f"{rng.choice(CRASH_POINTS)}:{rng.randint(1, 4)}"
+        outcomes = run_ranks(_attempt, world, root, attempt, gas, kill_at, rng.random() < 0.5, timeout=300)
+        killed = outcomes[0].exitcode == -signal.SIGKILL
+        kills += killed
+        assert not [o.rank for o in outcomes if o.killed_by_harness], f"attempt {attempt}: processes left behind"
+        if last or not killed:  # it trained to the end
+            assert all(o.error is None for o in outcomes), [o.error for o in outcomes]
+            final = outcomes[0].value
+            break
+    assert kills >= len(LAYOUTS) // 2, kills  # most attempts were killed during a save
+    want = one_process(SOAK_STEPS)[-1]
+    for name, value in want.items():
+        torch.testing.assert_close(final[name], value, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
