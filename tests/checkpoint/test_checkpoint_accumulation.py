@@ -173,8 +173,9 @@ LAYOUTS = [(1, 1), (2, 1), (3, 2), (1, 3), (2, 3), (3, 1), (1, 2), (2, 1)]  # (w
 def _attempt(root: str, attempt: int, gas: int, kill_at: str | None, async_save: bool) -> dict | None:
     """One launch: resume from ``root/latest`` if there is one, train to SOAK_STEPS saving after every step; rank 0
     is killed at ``kill_at`` (a save crash point, ``point:n``). Returns the final full state (rank 0)."""
-    engine = make_engine(100 + attempt, 2, gas)  # every value of a resumed attempt comes from the checkpoint
-    if (Path(root) / "latest").exists():
+    resuming = (Path(root) / "latest").exists()
+    engine = make_engine(100 + attempt if resuming else 0, 2, gas)  # resumed: every value from the checkpoint
+    if resuming:
         engine.load_checkpoint(root)
     if kill_at is not None and dist.get_rank() == 0:
         os.environ[KILL_ENV] = kill_at

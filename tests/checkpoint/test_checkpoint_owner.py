@@ -19,7 +19,7 @@ import torch.distributed as dist
 from shardtrain.checkpoint import FlatSlice, SavePiece, open_checkpoint, save, writer
 from shardtrain.checkpoint.durable import KILL_ENV
 from shardtrain.checkpoint.latest import read_latest
-from shardtrain.checkpoint.owner import OWNER_NAME, RUN_ID_ENV, SaveDirInUseError, SaveDirOwner
+from shardtrain.checkpoint.owner import OWNER_NAME, RUN_ID_ENV, SaveDirInUseError, SaveDirOwner, owned_elsewhere
 from shardtrain.errors import CheckpointError
 from shardtrain.testing import run_distributed
 
@@ -176,3 +176,20 @@ def test_the_same_save_is_done_again_only_by_the_same_job(tmp_path, saved_by, sa
     with pytest.raises(CheckpointError, match="saved at the same point of training by another job, torchrun run id "):
         save(tmp_path, "t", None, again, same_save=same_save)
     assert torch.equal(open_checkpoint(tmp_path).read("model/w").reshape(-1), torch.arange(6.0))
+
+
+def test_a_load_leaves_the_recovery_to_a_live_owner(tmp_path):
+    """A load from a directory another process owns must not finish (or drop) the owner's publish in progress."""
+    save(tmp_path, "a", None, PIECE)
+    pid, go = _hold_in_child(tmp_path)
+    try:
+        owner = owned_elsewhere(tmp_path)
+        assert owner is not None and f"pid {pid} on " in owner and "torchrun run id child" in owner, owner
+    finally:
+        os.write(go, b"1")
+        os.waitpid(pid, 0)
+    assert owned_elsewhere(tmp_path) is None  # its process has exited
+    held = SaveDirOwner()
+    held.claim(tmp_path)
+    assert owned_elsewhere(tmp_path) is None  # this process's own directory
+    held.release()
