@@ -350,14 +350,13 @@ def _raise_failures(
     tag: str,
     rank: int,
     error_type: type[CheckpointError] = CheckpointError,
-    remove_tmp: bool = True,
 ) -> None:
     """Raise ``error_type`` on every rank when any rank failed; rank 0 first removes the unpublished temporary
-    directory unless ``remove_tmp`` is False (every rank is past its writes: this runs after a gather)."""
+    directory (every rank is past its writes: this runs after a gather)."""
     failed = [(r, e) for r, e in enumerate(errors) if e]
     if not failed:
         return
-    if rank == 0 and remove_tmp:
+    if rank == 0:
         shutil.rmtree(save_dir / (TMP_PREFIX + tag), ignore_errors=True)
     unchanged = "; nothing was published ('latest' is unchanged)" if step != "publishing" else ""
     raise error_type(
