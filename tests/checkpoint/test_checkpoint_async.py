@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from shardtrain.checkpoint import open_checkpoint, writer
 from shardtrain.checkpoint.durable import KILL_ENV
+from shardtrain.checkpoint.owner import OWNER_NAME
 from shardtrain.errors import CheckpointError
 from shardtrain.testing import run_distributed, run_ranks
 
@@ -135,7 +136,7 @@ def _full_disk_in_the_background(root: str) -> dict:
         except CheckpointError as err:
             out["async"] = str(err)
     dist.barrier()
-    out["listing"] = sorted(os.listdir(root))
+    out["listing"] = sorted(n for n in os.listdir(root) if n != OWNER_NAME)  # the engine is open
     fresh = make_engine(1, 1, "adamw")
     fresh.load_checkpoint(root)
     out["previous"] = differences(saved, snapshot(fresh))

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from shardtrain.checkpoint import FlatSlice, SavePiece, open_checkpoint, save
+from shardtrain.checkpoint import FlatSlice, SavePiece, latest, open_checkpoint, save, writer
 from shardtrain.checkpoint.foreign.deepspeed_format import find_deepspeed_dir
-from shardtrain.checkpoint.latest import LatestError, read_latest, recover
+from shardtrain.checkpoint.latest import LatestError, PublishError, read_latest, recover
+from shardtrain.distributed.communicator import Communicator
 from shardtrain.errors import CheckpointError, ShardtrainError
 from shardtrain.testing import run_distributed
 
@@ -144,3 +147,53 @@ def test_recover_moves_back_what_an_interrupted_overwrite_moved_aside(save_dir):
         f"moved {save_dir / '.trash-a'} back to {save_dir / 'a'}: an interrupted overwrite had moved it aside"
     ]
     assert open_checkpoint(save_dir).manifest.tag == "a"
+
+
+# -- publish what exists ([Note: publish what exists] in checkpoint/latest.py) ---------------------------------------
+
+
+def _vanish_at(point: str, save_dir):
+    """A crash-point hook that removes the save's temporary directory when the save reaches ``point`` (as a user's
+    ``rm`` or another job's clean-up would)."""
+
+    def hook(name, path=None):
+        if name == point:
+            shutil.rmtree(save_dir / ".tmp-b")
+
+    return hook
+
+
+@pytest.mark.parametrize(
+    ("module", "point"),
+    [(writer, "tmp_synced"), (latest, "latest_tmp_written")],  # before the journal, between journal and rename
+)
+def test_a_save_whose_directory_vanished_before_publish_fails_and_latest_keeps_the_previous(
+    save_dir, monkeypatch, module, point
+):
+    monkeypatch.setattr(module, "crash_point", _vanish_at(point, save_dir))
+    with pytest.raises(PublishError, match=r"vanished before it was published .*'latest' still names 'a'"):
+        save(save_dir, "b", None, PIECE)
+    monkeypatch.undo()
+    assert read_latest(save_dir) == "a"
+    assert sorted(p.name for p in save_dir.iterdir()) == ["a", "latest"]  # no journal, no half-published tag
+    torch.testing.assert_close(open_checkpoint(save_dir).read("model/w").reshape(-1), PIECE[0].tensor, rtol=0, atol=0)
+    save(save_dir, "b", None, PIECE)  # the tag can be saved again
+    assert read_latest(save_dir) == "b"
+
+
+def _vanish_on_every_rank(root: str) -> str:
+    comm = Communicator(dist.group.WORLD, 60.0)
+    save(root, "a", comm, [SavePiece("model/w", (2, 4), FlatSlice(4 * comm.rank, 4), torch.ones(4))])
+    if comm.rank == 0:
+        writer.crash_point = _vanish_at("tmp_synced", Path(root))
+    try:
+        save(root, "b", comm, [SavePiece("model/w", (2, 4), FlatSlice(4 * comm.rank, 4), torch.ones(4))])
+    except PublishError as err:
+        return f"{type(err).__name__}: {err}"
+    return "saved"
+
+
+def test_every_rank_raises_the_publish_error(tmp_path):
+    for rank, message in enumerate(run_distributed(_vanish_on_every_rank, 2, str(tmp_path), timeout=60)):
+        assert message.startswith("PublishError: rank 0 failed to save checkpoint"), (rank, message)
+    assert read_latest(tmp_path) == "a"

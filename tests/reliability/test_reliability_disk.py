@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from shardtrain.checkpoint.owner import OWNER_NAME
 from shardtrain.errors import CheckpointError
 from shardtrain.testing import run_distributed
 
@@ -77,7 +78,7 @@ def _disk_faults(root: str, stage: int) -> dict:
         else:
             out[name] = _timed(lambda: engine.save_checkpoint(root, tag=tag))  # noqa: B023
         dist.barrier()
-        out[name] += (sorted(os.listdir(root)),)
+        out[name] += (sorted(n for n in os.listdir(root) if n != OWNER_NAME),)
         dist.barrier()  # every rank has looked before the next save starts
 
     # an unwritable directory
@@ -89,7 +90,7 @@ def _disk_faults(root: str, stage: int) -> dict:
     if rank == 0:
         os.chmod(root, 0o755)
     dist.barrier()
-    out["unwritable"] += (sorted(os.listdir(root)),)
+    out["unwritable"] += (sorted(n for n in os.listdir(root) if n != OWNER_NAME),)
 
     # the previous checkpoint is still what `latest` names, and loads exactly
     fresh = make_engine(1, stage, "adamw")
@@ -186,7 +187,7 @@ def _fill_real_disk(root: str) -> tuple[str, float]:
     dist.barrier()
     result = _timed(lambda: engine.save_checkpoint(root, tag="toobig"))
     dist.barrier()
-    return result + (sorted(os.listdir(root)),)
+    return result + (sorted(n for n in os.listdir(root) if n != OWNER_NAME),)
 
 
 def _free_bytes(path: str) -> int:

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from shardtrain.checkpoint import open_checkpoint
 from shardtrain.checkpoint.durable import CRASH_POINTS
+from shardtrain.checkpoint.owner import OWNER_NAME
 from shardtrain.testing import run_distributed, run_ranks
 
 from helpers.reliability import arm, check_rank_death
@@ -68,7 +69,7 @@ def _resume(cases: list[tuple[str, int, int, str]]) -> list[str]:
             problems.append(f"{point}: the step after loading differs")
         fresh.save_checkpoint(root, tag="next")
         dist.barrier()
-        leftovers = sorted(n for n in os.listdir(root) if n.startswith(".") or n.endswith(".tmp"))
+        leftovers = sorted(n for n in os.listdir(root) if (n.startswith(".") and n != OWNER_NAME) or n.endswith(".tmp"))
         if leftovers:
             problems.append(f"{point}: left after the next save: {leftovers}")
     return problems

@@ -20,6 +20,13 @@ Rank 0 publishes in this order (``writer._publish``):
 3. :func:`finish_publish`: an existing ``<tag>`` moved to ``.trash-<tag>``, ``.tmp-<tag>`` renamed to ``<tag>``,
    ``save_dir`` fsynced, ``latest.tmp`` renamed over ``latest``, ``save_dir`` fsynced, ``.trash-<tag>`` removed.
 
+[Note: publish what exists]
+``latest`` moves only onto a checkpoint that is there: before the journal, ``.tmp-<tag>`` must hold its manifest and
+every file the manifest lists (``writer._publish``); before ``latest.tmp`` is renamed over ``latest``, ``<tag>``
+must hold its manifest (:func:`finish_publish`). Otherwise (the directory was deleted, or another job's clean-up
+removed it) the journal is dropped and the save fails with a :class:`PublishError`: a save that returned has a
+checkpoint, and ``latest`` never names a tag without one.
+
 Renaming the directory before any journal left, after a crash, a complete ``<tag>`` that nothing said was newer
 than ``latest``: the restart resumed the older one and could not save the tag again (under ``--max-restarts``, every
 restart died). :func:`recover` (rank 0; every save's prepare and ``engine.load_checkpoint`` call it first) rolls
@@ -49,6 +56,11 @@ MAX_LATEST_BYTES = 4096  # a tag is a short name; anything longer is not a `late
 
 class LatestError(CheckpointError):
     """``latest`` names something that is not a checkpoint tag inside its save directory."""
+
+
+class PublishError(CheckpointError):
+    """The checkpoint a save was publishing is gone or incomplete (its directory deleted, or removed by another job's
+    clean-up): ``latest`` was not moved and still names the previous checkpoint ([Note: publish what exists])."""
 
 
 def _inside(path: Path, directory: Path) -> bool:
@@ -183,6 +195,13 @@ def finish_publish(save_dir: Path, tag: str) -> None:
         os.replace(tmp, final)
         fsync_path(save_dir)
     crash_point("renamed")
+    if not (final / MANIFEST_NAME).is_file():  # [Note: publish what exists]
+        (save_dir / JOURNAL_NAME).unlink(missing_ok=True)
+        fsync_path(save_dir)
+        raise PublishError(
+            f"checkpoint {final} vanished before it was published (neither it nor {tmp} holds {MANIFEST_NAME}: "
+            f"deleted, or removed by another job saving into {save_dir}); {LATEST_NAME!r} was not moved"
+        )
     os.replace(save_dir / JOURNAL_NAME, save_dir / LATEST_NAME)
     crash_point("latest_renamed")
     fsync_path(save_dir)

@@ -3,9 +3,10 @@
 Protocol (every rank calls :func:`save` with the same ``save_dir`` and ``tag``; ``docs/checkpoint-format.md`` has
 the full argument):
 
-1. rank 0 validates the tag, finishes a publish a crash interrupted (``latest.recover``), refuses an existing tag
-   unless ``overwrite`` or it may be replaced (:func:`_replaceable`), removes leftovers of crashed saves (``.tmp-*``,
-   ``.trash-*``) and creates ``.tmp-<tag>``;
+1. rank 0 validates the tag, claims the directory for this job ([Note: one job per save directory] in
+   ``owner.py``; another job's directory is refused here, untouched), finishes a publish a crash interrupted
+   (``latest.recover``), refuses an existing tag unless ``overwrite`` or it may be replaced (:func:`_replaceable`),
+   removes leftovers of crashed saves (``.tmp-*``, ``.trash-*``) and creates ``.tmp-<tag>``;
 2. one ``all_gather_object`` shares the piece descriptors (and rank 0's outcome of step 1); every rank then computes
    the same plan: which rank stores each replicated piece (the lowest that holds it), whether shapes and dtypes
    agree, whether the pieces cover every tensor exactly once;
@@ -60,6 +61,7 @@ from shardtrain.checkpoint.latest import (
     JOURNAL_NAME,
     TMP_PREFIX,
     TRASH_PREFIX,
+    PublishError,
     complete_checkpoint_problem,
     finish_publish,
     read_latest,
@@ -67,6 +69,7 @@ from shardtrain.checkpoint.latest import (
     write_journal,
 )
 from shardtrain.checkpoint.objects import TaggedEncoder, encode_tensor_file
+from shardtrain.checkpoint.owner import SaveDirInUseError, SaveDirOwner
 from shardtrain.checkpoint.plan import piece_keys, plan_pieces, rank_file, tensor_entries
 from shardtrain.checkpoint.safetensors_io import GLOBAL_SHAPES_KEY, write_streaming
 from shardtrain.distributed.communicator import Communicator
@@ -137,8 +140,9 @@ def _replaceable(final: Path, same_save: dict[str, Any] | None) -> str | None:
     [Note: saving a tag that exists]
     A save never silently destroys a checkpoint, but a restarted job must be able to save again. Replaced, always
     through a complete new copy first ([Note: the publish journal]): ``final`` when it is complete and holds the
-    global objects ``same_save`` (the engine passes its step counters: the same save, done again by a run that
-    resumed from an earlier checkpoint, as DeepSpeed and torch DCP overwrite a step's directory); or when it is
+    global objects ``same_save`` (the engine passes its step counters and its torchrun run id: the same save, done
+    again by a restart of the job that resumed from an earlier checkpoint, as DeepSpeed and torch DCP overwrite a
+    step's directory; another job's checkpoint is not replaced, [Note: one job per save directory]); or when it is
     incomplete (no manifest, or one that does not parse or whose files are missing) and holds nothing but the files
     a checkpoint of ours holds, so that it could never load. Refused: a complete checkpoint of another step (a tag
     the user reuses: the message says how to replace it), and a directory with other files (not ours, e.g.
@@ -153,6 +157,11 @@ def _replaceable(final: Path, same_save: dict[str, Any] | None) -> str | None:
             held = {k: objects[k].value if k in objects and objects[k].encoding == "json" else None for k in same_save}
             if held == same_save:
                 return None
+            if "engine/run_id" in same_save and {**held, "engine/run_id": None} == {**same_save, "engine/run_id": None}:
+                return (
+                    f" (saved at the same point of training by another job, torchrun run id {held['engine/run_id']}; "
+                    f"this job's is {same_save['engine/run_id']}: only a restart of the job that saved it replaces it)"
+                )
             return f" (a complete checkpoint of another point of training: {held}, this save is at {same_save})"
         return ""
     others = sorted(p.name for p in final.iterdir() if not (_OUR_FILE_RE.fullmatch(p.name) and p.is_file()))
@@ -161,11 +170,20 @@ def _replaceable(final: Path, same_save: dict[str, Any] | None) -> str | None:
     return None
 
 
-def _prepare(save_dir: Path, tag: str, overwrite: bool, same_save: dict[str, Any] | None = None) -> str | None:
-    """Rank 0, step 1. Returns an error message instead of raising (it travels to the other ranks)."""
+def _prepare(
+    save_dir: Path,
+    tag: str,
+    overwrite: bool,
+    same_save: dict[str, Any] | None = None,
+    owner: SaveDirOwner | None = None,
+) -> str | None:
+    """Rank 0, step 1. Returns an error message instead of raising (it travels to the other ranks), except
+    :class:`SaveDirInUseError`: another job's directory, where nothing may be touched (not even ``.tmp-<tag>``)."""
     try:
         check_tag(tag)
         save_dir.mkdir(parents=True, exist_ok=True)
+        if owner is not None:
+            owner.claim(save_dir)  # before anything in the directory is read or changed
         for line in recover(save_dir):
             log.warning("checkpoint directory %s: %s", save_dir, line)
         final = save_dir / tag
@@ -186,6 +204,8 @@ def _prepare(save_dir: Path, tag: str, overwrite: bool, same_save: dict[str, Any
                     leftover.unlink()
         tmp = save_dir / (TMP_PREFIX + tag)
         tmp.mkdir()  # no fsync of save_dir needed: nothing relies on .tmp-<tag> surviving a crash
+    except SaveDirInUseError:
+        raise
     except CheckpointError as err:
         return str(err)
     except Exception as err:  # OSError, or anything else: it must reach the other ranks (no hang)
@@ -294,6 +314,13 @@ def _publish(save_dir: Path, tag: str, manifest: Manifest) -> None:
     crash_point("manifest_written")
     fsync_path(tmp)
     crash_point("tmp_synced")
+    missing = [name for name in (MANIFEST_NAME, *manifest.files) if not (tmp / name).is_file()]
+    if missing:  # [Note: publish what exists] in latest.py
+        what = f"{tmp} is gone" if not tmp.is_dir() else f"{tmp} lacks {', '.join(missing[:3])}"
+        raise PublishError(
+            f"checkpoint {save_dir / tag} vanished before it was published ({what}: deleted, or removed by another "
+            f"job saving into {save_dir}); nothing was published"
+        )
     write_journal(save_dir, tag)  # committed: a crash from here on is finished by the next load or save
     finish_publish(save_dir, tag)  # an existing <tag> is replaced only now: the new copy is complete and durable
 
@@ -316,16 +343,23 @@ def _describe(err: BaseException) -> str:
     return str(err) if isinstance(err, CheckpointError) else f"{type(err).__name__}: {err}"
 
 
-def _raise_failures(errors: list[str | None], step: str, save_dir: Path, tag: str, rank: int) -> None:
-    """Raise on every rank when any rank failed; rank 0 first removes the unpublished temporary directory (every
-    rank is past its writes: this runs after a gather)."""
+def _raise_failures(
+    errors: list[str | None],
+    step: str,
+    save_dir: Path,
+    tag: str,
+    rank: int,
+    error_type: type[CheckpointError] = CheckpointError,
+) -> None:
+    """Raise ``error_type`` on every rank when any rank failed; rank 0 first removes the unpublished temporary
+    directory (every rank is past its writes: this runs after a gather)."""
     failed = [(r, e) for r, e in enumerate(errors) if e]
     if not failed:
         return
     if rank == 0:
         shutil.rmtree(save_dir / (TMP_PREFIX + tag), ignore_errors=True)
     unchanged = "; nothing was published ('latest' is unchanged)" if step != "publishing" else ""
-    raise CheckpointError(
+    raise error_type(
         "; ".join(f"rank {r} failed to save checkpoint {save_dir / tag} ({step}): {e}" for r, e in failed) + unchanged
     )
 
@@ -386,10 +420,13 @@ def prepare(
     same_save: dict[str, Any] | None = None,
     failure: str | None = None,
     snapshot: bool = False,
+    owner: SaveDirOwner | None = None,
 ) -> PreparedSave:
     """Steps 1-2 of :func:`save` (collective over ``comm``): prepare the directory, copy the pieces to host memory,
     encode the objects, agree on the plan. ``snapshot``: copy host tensors too (not only device ones), so that
-    training may change them once this returns; the objects are always encoded here, into bytes and fresh JSON."""
+    training may change them once this returns; the objects are always encoded here, into bytes and fresh JSON.
+    ``owner``: the job's claims, which rank 0 extends to ``save_dir`` ([Note: one job per save directory]); it must
+    hold the directory until the commit is over (None: the caller holds it, or nobody guards it)."""
     t0 = time.perf_counter()
     crash_point("start")
     save_dir = Path(save_dir)
@@ -398,7 +435,12 @@ def prepare(
     def gather(obj: Any, what: str) -> list[Any]:
         return comm.all_gather_object(obj, what=what) if comm is not None else [obj]
 
-    prep_error = _prepare(save_dir, tag, overwrite, same_save) if rank == 0 else None
+    prep_error = refusal = None
+    if rank == 0:
+        try:
+            prep_error = _prepare(save_dir, tag, overwrite, same_save, owner)
+        except SaveDirInUseError as err:
+            refusal = str(err)
     local_error, descs = failure, []
     if local_error is None:
         try:
@@ -418,7 +460,9 @@ def prepare(
                 global_records, global_data = _encode_objects(global_objects or {}, object_file(None))
         except Exception as err:
             local_error = f"encoding its objects: {_describe(err)}"
-    gathered = gather((descs, prep_error or local_error, aliases or {}), "checkpoint piece descriptors")
+    gathered = gather((descs, prep_error or local_error, aliases or {}, refusal), "checkpoint piece descriptors")
+    if gathered[0][3] is not None:  # another job's directory: every rank raises, nothing is removed
+        raise SaveDirInUseError(gathered[0][3])
     _raise_failures([g[1] for g in gathered], "preparing", save_dir, tag, rank)
     try:
         tensors, holders = plan_pieces([g[0] for g in gathered], gathered[0][2])
@@ -487,16 +531,20 @@ def commit(prepared: PreparedSave, comm: Communicator | None) -> SaveResult:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     publish_error: str | None = None
+    vanished = False  # the checkpoint was gone before it was published: a PublishError on every rank
     if rank == 0:
         try:
             _publish(save_dir, tag, manifest)
         except Exception as err:
+            vanished = isinstance(err, PublishError)
             # committed or not, leave a state the message describes: finish or drop the journal now
             with contextlib.suppress(Exception):
                 recover(save_dir)
             publish_error = f"{_describe(err)}; {_latest_state(save_dir, tag)}"
         crash_point("done")
-    _raise_failures([gather(publish_error, "checkpoint published")[0]], "publishing", save_dir, tag, rank)
+    publish_error, vanished = gather((publish_error, vanished), "checkpoint published")[0]
+    error_type = PublishError if vanished else CheckpointError
+    _raise_failures([publish_error], "publishing", save_dir, tag, rank, error_type)
     return SaveResult(save_dir / tag, manifest, written, time.perf_counter() - s.started)
 
 
@@ -512,6 +560,7 @@ def save(
     overwrite: bool = False,
     same_save: dict[str, Any] | None = None,
     failure: str | None = None,
+    owner: SaveDirOwner | None = None,
 ) -> SaveResult:
     """Save one checkpoint ``save_dir/tag`` collectively; every rank of ``comm`` calls this (``None``: one process).
 
@@ -530,19 +579,30 @@ def save(
     same way, so every rank raises one :class:`CheckpointError` naming the failing ranks and causes, and nothing is
     published.
 
+    ``owner``: the job's claims on save directories, held on after the save ([Note: one job per save directory]);
+    by default the directory is claimed for this save only. Another job's directory raises
+    :class:`SaveDirInUseError` on every rank, and nothing in it is touched.
+
     It is :func:`prepare` then :func:`commit` on the calling thread; ``async_save.py`` runs the commit in the
     background.
     """
-    prepared = prepare(
-        save_dir,
-        tag,
-        comm,
-        pieces,
-        rank_objects=rank_objects,
-        global_objects=global_objects,
-        aliases=aliases,
-        overwrite=overwrite,
-        same_save=same_save,
-        failure=failure,
-    )
-    return commit(prepared, comm)
+    temporary = owner is None
+    owner = SaveDirOwner() if temporary else owner
+    try:
+        prepared = prepare(
+            save_dir,
+            tag,
+            comm,
+            pieces,
+            rank_objects=rank_objects,
+            global_objects=global_objects,
+            aliases=aliases,
+            overwrite=overwrite,
+            same_save=same_save,
+            failure=failure,
+            owner=owner,
+        )
+        return commit(prepared, comm)
+    finally:
+        if temporary:
+            owner.release()

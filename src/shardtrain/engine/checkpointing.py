@@ -20,6 +20,18 @@ whatever layout saved them (N ranks at stage s load at M ranks, stage s'); param
 position; optimizer state is cast as ``Optimizer.load_state_dict`` casts it (``step`` keeps its own); RNG states are
 restored only at the saving world, tensor- and expert-parallel sizes.
 
+[Note: the accumulation boundary at resume]
+The engine steps the optimizer when ``(micro_steps + 1) % gradient_accumulation_steps == 0`` (as DeepSpeed; the
+Trainer integration and the DeepSpeed shim test it so too). So ``micro_steps`` is ``global_step * gas +`` the
+micro-batches since the last optimizer step, for the run's current ``gas``: a load recomputes it from the saved
+counters and the saving run's ``gradient_accumulation_steps`` (``engine/topology``), never restores it as is (from
+world 2 to world 1 with the accumulation doubled, a restored odd count made every later step straddle two
+accumulations). A checkpoint saved at a boundary resumes at any ``gas`` (world size, micro-batch and accumulation
+may all change while the global batch stays) and continues as one process would. One saved mid-accumulation (its
+accumulated gradients are not saved: the accumulation goes on from zero gradients) resumes only at its own ``gas``
+and is refused at another, naming both. Without a recorded ``gas`` (DeepSpeed's checkpoints) a count that is a
+multiple of ``global_step`` is a boundary; any other is kept as saved.
+
 [Note: checkpoint failures are collective]
 A save or load may fail on one rank only (its file is damaged, its disk is full, a bug). Every exception on
 any rank is caught and carried in the next object gather, so every rank raises one ``CheckpointError``
@@ -45,6 +57,7 @@ from shardtrain.checkpoint.async_save import AsyncSaver
 from shardtrain.checkpoint.format import MANIFEST_NAME, BlockFlatSlice, BlockSlice, numel
 from shardtrain.checkpoint.hf_config import hf_config_objects
 from shardtrain.checkpoint.latest import recover
+from shardtrain.checkpoint.owner import SaveDirOwner, owned_elsewhere, run_id
 from shardtrain.checkpoint.reader import CheckpointReader
 from shardtrain.checkpoint.writer import prepare
 from shardtrain.distributed.communicator import Communicator
@@ -79,7 +92,8 @@ class TrainingState:
     lr_scheduler: Any  # an LRScheduler or None
     scaler: Any  # a LossScaler or None
     counters: dict[str, int]  # COUNTERS
-    run: dict[str, Any]  # compute_dtype, gradient_accumulation_steps (recorded, informative)
+    run: dict[str, Any]  # compute_dtype, gradient_accumulation_steps (recorded; the latter read by a resume)
+    owner: SaveDirOwner | None = None  # the engine's save directories ([Note: one job per save directory])
 
 
 PARAM_GROUPS_KEY = "optimizer/param_groups"
@@ -238,8 +252,9 @@ def save_engine(
     snapshot is taken and the plan agreed, and ``saver`` writes and publishes in the background ([Note:
     asynchronous checkpoints]); the caller must have waited for its previous save."""
     failure, pieces, aliases, global_objects, rng = None, [], {}, {}, {}
-    # the same save done again (a restarted run reaching a step it had saved): the tag is replaced, safely
-    same_save = {"engine/counters": {k: state.counters[k] for k in COUNTERS}}
+    # the same save done again (a restart of this job reaching a step it had saved): the tag is replaced, safely;
+    # another job's checkpoint is not (its run id differs), see [Note: one job per save directory]
+    same_save = {"engine/counters": {k: state.counters[k] for k in COUNTERS}, "engine/run_id": run_id()}
     try:
         pieces, aliases, optimizer_objects = collect_pieces(state)
         global_objects = {
@@ -256,6 +271,7 @@ def save_engine(
             "engine/scheduler": state.lr_scheduler.state_dict() if state.lr_scheduler is not None else None,
             "engine/scaler": state.scaler.state_dict() if state.scaler is not None else None,
             "client_state": client_state if client_state is not None else {},
+            **({"engine/run_id": same_save["engine/run_id"]} if same_save["engine/run_id"] is not None else {}),
             **hf_config_objects(state.module),  # a transformers model's config: consolidation writes config.json
         }
         rng = {
@@ -275,9 +291,9 @@ def save_engine(
         "same_save": same_save,
     }
     if saver is None:
-        return save(save_dir, tag, state.comm, pieces, **what).path
+        return save(save_dir, tag, state.comm, pieces, owner=state.owner, **what).path
     commit_comm = saver.commit_comm(state.comm)  # collective the first time: before anything can fail alone
-    prepared = prepare(save_dir, tag, state.comm, pieces, snapshot=True, **what)
+    prepared = prepare(save_dir, tag, state.comm, pieces, snapshot=True, owner=state.owner, **what)
     saver.start(prepared, commit_comm)
     return prepared.save_dir / prepared.tag
 
@@ -314,7 +330,10 @@ def _recover(state: TrainingState, load_dir: str | Path) -> None:
     if state.comm.rank == 0:
         try:
             path = Path(load_dir)
-            if path.is_dir() and not (path / MANIFEST_NAME).is_file():
+            owner = owned_elsewhere(path) if path.is_dir() else None
+            if owner is not None:  # its own saves finish what they interrupted: [Note: one job per save directory]
+                log.info("checkpoint directory %s belongs to a running job (%s): loaded as it is", path, owner)
+            elif path.is_dir() and not (path / MANIFEST_NAME).is_file():
                 for line in recover(path):
                     log.warning("checkpoint directory %s: %s", path, line)
         except Exception as err:
@@ -354,6 +373,7 @@ def _load(state: TrainingState, load_dir: str | Path, tag: str | None, load_opti
             raise CheckpointError(
                 f"{entry.name!r}: shape {tuple(entry.global_shape)} in the checkpoint, {tuple(dest.shape)} in the model"
             )
+    counters = _resumed_counters(objects, state.run["gradient_accumulation_steps"], reader)
     if load_optimizer_states:
         group_matches = _match_param_groups(state, objects.get(PARAM_GROUPS_KEY), reader)
         _check_state_keys(state, reader, entry_name)
@@ -385,9 +405,8 @@ def _load(state: TrainingState, load_dir: str | Path, tag: str | None, load_opti
             state.lr_scheduler.load_state_dict(objects["engine/scheduler"])
     if state.scaler is not None and objects.get("engine/scaler") is not None:
         state.scaler.load_state_dict(objects["engine/scaler"])
-    counters = objects.get("engine/counters", {})
     state.counters.clear()
-    state.counters.update({k: counters[k] for k in COUNTERS if k in counters})
+    state.counters.update(counters)
     if same_layout:
         if rng is not None:  # read (and so checked) before the engine was touched
             torch.set_rng_state(rng["torch"])
@@ -404,6 +423,36 @@ def _load(state: TrainingState, load_dir: str | Path, tag: str | None, load_opti
             stacklevel=4,
         )
     return objects.get("client_state", {})
+
+
+def _resumed_counters(objects: dict, gas: int, reader: CheckpointReader) -> dict[str, int]:
+    """The saved counters, ``micro_steps`` placed for this run's ``gas`` ([Note: the accumulation boundary at
+    resume]). Refuses a checkpoint saved mid-accumulation at another ``gradient_accumulation_steps``."""
+    saved = objects.get("engine/counters", {})
+    counters = {k: saved[k] for k in COUNTERS if k in saved}
+    if "micro_steps" not in counters:
+        return counters
+    step, micro = counters.get("global_step", 0), counters["micro_steps"]
+    saved_gas = objects.get("engine/topology", {}).get("gradient_accumulation_steps")
+    if saved_gas is None:  # not recorded (a DeepSpeed checkpoint): a boundary when micro_steps = step x some gas
+        at_boundary = micro % step == 0 if step else micro == 0
+        if not at_boundary:
+            return counters  # cannot tell where in an accumulation it is: as saved
+        into = 0
+    else:
+        into = micro - step * saved_gas
+        if not 0 <= into < saved_gas:  # written after a resume that shifted the count: where its own count says
+            into = micro % saved_gas
+    if into and saved_gas != gas:
+        raise CheckpointError(
+            f"{reader.path}: saved in the middle of an accumulation ({into} of gradient_accumulation_steps="
+            f"{saved_gas} micro-batches after optimizer step {step}), and this run accumulates "
+            f"gradient_accumulation_steps={gas}: the accumulation cannot go on at another count. Resume with "
+            f"gradient_accumulation_steps={saved_gas}, or from a checkpoint saved at an accumulation boundary "
+            "(after the engine.step() that stepped the optimizer)"
+        )
+    counters["micro_steps"] = step * gas + into
+    return counters
 
 
 def _check_scheduler_form(scheduler: Any, saved: Any, reader: CheckpointReader) -> None:

@@ -26,6 +26,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
 from shardtrain.checkpoint.async_save import AsyncSaver
+from shardtrain.checkpoint.owner import SaveDirOwner
 from shardtrain.config.auto import resolve_auto
 from shardtrain.config.plan import ineffective_offload_keys, parallel_dims, resolve_plan
 from shardtrain.config.sections import Config, cast_inputs_half, load_config, resolve_batch_sizes
@@ -111,6 +112,7 @@ class Engine:
         self._pending: _PendingOverflow | None = None  # the last fp16 step's overflow, on its way to the host
         self._batch_checked = self.tp_comm is None
         self._async_saver: AsyncSaver | None = None  # made by the first asynchronous save_checkpoint
+        self._save_dirs = SaveDirOwner()  # rank 0's claims: [Note: one job per save directory]
         self._closed = False
         self._comms = communicators if communicators is not None else []
         # parameters frozen when the buckets and the optimizer state were built: unfreezing one later is refused
@@ -322,6 +324,7 @@ class Engine:
         finally:
             if saver is not None:
                 saver.close()
+            self._save_dirs.release()  # after the save in flight: another job may save there now
             if not failure.any_failed():  # a broken group's work is not waited for (see destroy_own_groups)
                 self._optimizer.wait_gathers()  # the last step's parameter all-gathers
             self._reducer.remove_hooks()
@@ -505,6 +508,7 @@ class Engine:
                 "compute_dtype": str(self.precision.compute_dtype).removeprefix("torch."),
                 "gradient_accumulation_steps": self.gradient_accumulation_steps,
             },
+            owner=self._save_dirs,
         )
 
     def load_full_state_dict(
