@@ -42,6 +42,17 @@ class CheckpointError(ShardtrainError, RuntimeError):
     """A checkpoint cannot be written or read as asked (missing, damaged, unsupported, inconsistent pieces)."""
 
 
+class PublishError(CheckpointError):
+    """The checkpoint a save was publishing is gone or incomplete (its directory deleted, or removed by another job's
+    clean-up): ``latest`` was not moved and still names the previous checkpoint ([Note: publish what exists] in
+    ``shardtrain.checkpoint.latest``)."""
+
+
+class SaveDirInUseError(CheckpointError):
+    """Another job owns the save directory ([Note: one job per save directory] in ``shardtrain.checkpoint.owner``);
+    nothing in it was touched."""
+
+
 class UnsafePickleError(CheckpointError):
     """A pickled file refers to a class or function outside the allow-list of the format being read; nothing from
     it was run (see [Note: restricted unpickling] in ``shardtrain.checkpoint.safe_pickle``)."""

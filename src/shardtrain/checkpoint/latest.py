@@ -46,7 +46,7 @@ from pathlib import Path
 
 from shardtrain.checkpoint.durable import crash_point, fsync_path, naming
 from shardtrain.checkpoint.format import LATEST_NAME, MANIFEST_NAME, Manifest
-from shardtrain.errors import CheckpointError
+from shardtrain.errors import CheckpointError, PublishError
 
 TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
@@ -56,11 +56,6 @@ MAX_LATEST_BYTES = 4096  # a tag is a short name; anything longer is not a `late
 
 class LatestError(CheckpointError):
     """``latest`` names something that is not a checkpoint tag inside its save directory."""
-
-
-class PublishError(CheckpointError):
-    """The checkpoint a save was publishing is gone or incomplete (its directory deleted, or removed by another job's
-    clean-up): ``latest`` was not moved and still names the previous checkpoint ([Note: publish what exists])."""
 
 
 def _inside(path: Path, directory: Path) -> bool:

@@ -30,17 +30,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shardtrain.errors import CheckpointError
+from shardtrain.errors import CheckpointError, SaveDirInUseError  # noqa: F401  importable from here too
 
 log = logging.getLogger("shardtrain")
 
 OWNER_NAME = ".owner"
 RUN_ID_ENV = "TORCHELASTIC_RUN_ID"
 CLAIM_RETRY_S = 1.0  # a load's probe holds a shared lock for an instant: a claim retries this long before refusing
-
-
-class SaveDirInUseError(CheckpointError):
-    """Another job owns the save directory ([Note: one job per save directory]); nothing in it was touched."""
 
 
 def run_id() -> str | None:
