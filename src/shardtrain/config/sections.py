@@ -27,7 +27,7 @@ from typing import Annotated, Any, Literal
 
 import torch
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainValidator, ValidationError, model_validator
 
 from shardtrain.config.deepspeed_keys import (
     AUTO,
@@ -74,6 +74,21 @@ above 8.64e13 s ``datetime.timedelta`` itself overflows); 1e9 stays well inside.
 
 Count = Annotated[int, BeforeValidator(_integral), Field(strict=True, ge=1, le=INT64_MAX)]
 Size = Annotated[int, BeforeValidator(_integral), Field(strict=True, ge=0, le=INT64_MAX)]
+
+
+def _count_or_never(v: Any) -> int | float:
+    """A whole number >= 1, or ``inf``: never. accelerate writes ``"steps_per_print": inf`` into every DeepSpeed config
+    it builds, and DeepSpeed takes it (its ``global_steps % steps_per_print`` is then never 0); the one infinite value
+    accepted ([Note: bounded config values]), for an interval only, never for a size."""
+    if isinstance(v, float) and v == math.inf:
+        return v
+    v = _integral(v)
+    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= INT64_MAX:
+        raise ValueError("expected a whole number >= 1, or inf to never print")
+    return v
+
+
+CountOrNever = Annotated[int | float, PlainValidator(_count_or_never)]
 
 
 class _Section(BaseModel):
@@ -397,7 +412,8 @@ class Config(_Section):
     """Divide gradients by the data-parallel size before a summing reduction (:func:`gradient_predivide`)."""
     gradient_predivide_factor: float = Field(default=1.0, gt=0)
     """Divide gradients by this before a summing reduction, by dp / this after (:func:`gradient_predivide`)."""
-    steps_per_print: Count = 10
+    steps_per_print: CountOrNever = 10
+    """Log loss, learning rate and gradient norm every this many optimizer steps (rank 0); ``inf``: never."""
     wall_clock_breakdown: bool = False
     """Log forward/backward/step wall-clock times every ``steps_per_print`` steps (rank 0)."""
     tensorboard: MonitorConfig = Field(default_factory=MonitorConfig)
