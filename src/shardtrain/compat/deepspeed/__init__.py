@@ -34,7 +34,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
-from shardtrain.compat.deepspeed import accelerator, checkpoint, comm, utils, zero  # noqa: F401  deepspeed.comm, ...
+from shardtrain.compat.accelerate import check_accelerate_world
+from shardtrain.compat.deepspeed import accelerator, checkpoint, comm, runtime, utils, zero  # noqa: F401  deepspeed.comm, ...
 from shardtrain.compat.deepspeed.accelerator import get_accelerator  # noqa: F401  `from deepspeed import ...`
 from shardtrain.compat.deepspeed.comm import init_distributed
 from shardtrain.compat.deepspeed.engine import DeepSpeedEngine
@@ -124,6 +125,7 @@ def initialize(
     if dist_init_required is False and not dist.is_initialized():
         raise ValueError("deepspeed.initialize(dist_init_required=False) but no process group exists: create one first")
     cfg = load_config(config)  # initialize() joins the process group (with the config's timeout) if needed
+    check_accelerate_world()  # under accelerate: its count of processes is the launcher's
     built_optimizer = optimizer
     if optimizer is None and cfg.optimizer is not None and model_parameters is not None:
         # DeepSpeed builds the config's optimizer over model_parameters (which may be param groups)
