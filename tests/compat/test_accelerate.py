@@ -10,6 +10,7 @@ cut short), a scheduler of each kind accelerate knows, save_state after the firs
 from __future__ import annotations
 
 import importlib.metadata
+import math
 import sys
 import types
 
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 from shardtrain.compat.deepspeed.unsupported import NotProvidedError
+from shardtrain.config.sections import load_config
 from shardtrain.errors import ShardtrainError
 from shardtrain.testing import run_distributed
 
@@ -73,6 +75,28 @@ def test_accelerate_loop_equals_deepspeed_at_zero3(tmp_path):
 @pytest.mark.parametrize("variant", cases.VARIANTS)
 def test_accelerate_loop_equals_deepspeed_every_stage(variant, tmp_path):
     _compare([1, 2, 3], variant, tmp_path)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_configs_accelerate_writes_are_taken(stage):
+    """The config DeepSpeedPlugin writes from its arguments (``steps_per_print: inf``, offload sections with
+    ``nvme_path: None``), with what ``prepare`` adds: the batch sizes and ``zero_allow_untested_optimizer``."""
+    from accelerate.utils import DeepSpeedPlugin
+
+    offload = "cpu" if stage else "none"  # offload needs ZeRO (DeepSpeed refuses it at stage 0 too)
+    plugin = DeepSpeedPlugin(
+        zero_stage=stage, gradient_clipping=1.0, offload_optimizer_device=offload, zero3_init_flag=False
+    )
+    config = dict(plugin.deepspeed_config)
+    assert config["steps_per_print"] == math.inf
+    config.update(
+        train_batch_size=8,
+        train_micro_batch_size_per_gpu=2,
+        gradient_accumulation_steps=2,
+        zero_allow_untested_optimizer=True,
+    )
+    cfg = load_config(config)
+    assert (cfg.steps_per_print, cfg.zero_optimization.stage) == (math.inf, stage)
 
 
 def test_cpu_world_miscounted_by_accelerate_is_named():
