@@ -43,6 +43,7 @@ ALLOWED: dict[str, set[str]] = {
     "shardtrain": {"shardtrain.compat", "shardtrain.config", "shardtrain.engine"},
     "shardtrain.compat": {
         "shardtrain.engine",
+        "shardtrain.optim",  # deepspeed.runtime.lr_schedules: DeepSpeed's schedulers are shardtrain.optim's
         "shardtrain.checkpoint",
         "shardtrain.runtime",
         "shardtrain.weights",

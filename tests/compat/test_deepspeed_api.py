@@ -121,3 +121,56 @@ def test_engine_queries_save_16bit_model_and_close(tmp_path):
     assert set(weights) == set(full) - {"2.bias"}  # the frozen parameter left out
     assert all(torch.equal(weights[k], full[k]) for k in weights)
     assert sorted(os.listdir(tmp_path)) == ["model.safetensors", "pytorch_model.bin"]
+
+
+def _declared_boundary_runs() -> dict:
+    """DeepSpeed's documented pattern for a declared boundary (``set_gradient_accumulation_boundary`` before each
+    backward, ``step()`` after the last only, as accelerate drives it), an accumulation cut short by a declared
+    boundary, and the count-driven loop (``step()`` after every backward) on the same micro-batches."""
+    import shardtrain.deepspeed as deepspeed
+
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 3,
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": 2},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0, "torch_adam": True}},
+    }
+    g = torch.Generator().manual_seed(dist.get_rank())
+    batches = [torch.randn(2, 4, generator=g) for _ in range(8)]
+
+    def engine():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+        return deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)[0]
+
+    def weights(e) -> list[torch.Tensor]:  # rank 0's (collective)
+        return list((e.shardtrain_engine.full_state_dict() or {}).values())
+
+    counted, declared = engine(), engine()
+    # 3 + 3 + 2 micro-batches: the last accumulation is cut short (accelerate at the end of its loader)
+    for i, x in enumerate(batches):
+        end = i in (2, 5, 7)
+        if i == 7:
+            counted.shardtrain_engine.micro_steps += 1  # the count-driven loop skips to the boundary itself
+        counted.backward(counted(x).square().mean())
+        counted.step()
+        declared.set_gradient_accumulation_boundary(end)
+        declared.backward(declared(x).square().mean())
+        if end:
+            declared.step()
+    out = {"steps": (counted.global_steps, declared.global_steps)}
+    out["same"] = all(torch.equal(a, b) for a, b in zip(weights(counted), weights(declared), strict=True))
+    out["micro_steps"] = (counted.micro_steps, declared.micro_steps)
+    declared.set_gradient_accumulation_boundary(False)
+    declared.backward(declared(batches[0]).square().mean())
+    declared.backward(declared(batches[1]).square().mean())
+    with pytest.raises(deepspeed.NotProvidedError, match=r"longer than gradient_accumulation_steps \(3\)"):
+        declared.backward(declared(batches[2]).square().mean())  # still declared off a boundary: a 4th micro-batch
+    counted.close(), declared.close()
+    return out
+
+
+def test_declared_accumulation_boundary_is_followed_as_deepspeed_follows_it():
+    out = run_distributed(_declared_boundary_runs, 2)[0]
+    assert out == {"steps": (3, 3), "same": True, "micro_steps": (9, 9)}

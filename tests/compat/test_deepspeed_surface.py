@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import re
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -81,6 +82,18 @@ def _zero_to_fp32(c, which: str):
     return model[2].weight.dtype == torch.float32
 
 
+def _scheduler(name: str, c) -> bool:
+    """DeepSpeed's scheduler class by its name: built on an optimizer, it steps (its arguments: DeepSpeed's)."""
+    optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    cls = getattr(c.ds.runtime.lr_schedules, name)
+    kwargs = {"total_num_steps": 10} if name in ("WarmupDecayLR", "WarmupCosineLR") else {}
+    if name == "OneCycle":
+        kwargs = {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1}
+    scheduler = cls(optimizer, **kwargs)
+    scheduler.step()
+    return type(scheduler).__name__ in c.ds.runtime.lr_schedules.VALID_LR_SCHEDULES
+
+
 # Each name listed as working, called in this order (the engine is built first, destroyed last).
 CALLS = {
     "deepspeed.__version__": lambda c: isinstance(c.ds.__version__, str),
@@ -127,6 +140,14 @@ CALLS = {
     "deepspeed.checkpoint.utils.clone_tensors_for_torch_save": lambda c: torch.equal(
         c.ds.checkpoint.utils.clone_tensors_for_torch_save({"a": torch.ones(2)})["a"], torch.ones(2)
     ),
+    "deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES": lambda c: (
+        c.ds.runtime.lr_schedules.VALID_LR_SCHEDULES
+        == ["LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
+    ),
+    **{
+        f"deepspeed.runtime.lr_schedules.{name}": partial(_scheduler, name)
+        for name in ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
+    },
     "deepspeed.initialize": _init,
     "deepspeed.DeepSpeedEngine": lambda c: isinstance(c.engine, c.ds.DeepSpeedEngine),
     "engine.train": lambda c: c.engine.train() is c.engine,

@@ -19,6 +19,8 @@ import pytest
         ("shardtrain.deepspeed.checkpoint.utils", "shardtrain.compat.deepspeed.checkpoint.utils"),
         ("shardtrain.integrations.hf_trainer", "shardtrain.compat.hf_trainer"),
         ("shardtrain.integrations.trl_trainers", "shardtrain.compat.trl_trainers"),
+        ("shardtrain.integrations.accelerate", "shardtrain.compat.accelerate"),
+        ("shardtrain.deepspeed.runtime.lr_schedules", "shardtrain.compat.deepspeed.runtime.lr_schedules"),
     ],
 )
 def test_public_name_is_the_real_module(public, real):

@@ -24,6 +24,19 @@ def test_collective_timeout_outside_what_a_process_group_takes_is_refused(value)
     assert problem.startswith("collective_timeout_s: ") and ("finite" in problem or "equal to" in problem), problem
 
 
+def test_steps_per_print_is_a_whole_number_or_inf():
+    """accelerate writes ``steps_per_print: inf`` into every DeepSpeed config it builds (DeepSpeed then never prints):
+    the one infinite value taken, and only there; the logging itself is checked in test_config_keys.py."""
+    assert load_config({"steps_per_print": math.inf}).steps_per_print is None  # never, as absent (DeepSpeed's default)
+    assert load_config({"steps_per_print": 5.0}).steps_per_print == 5
+    assert load_config(json.loads('{"steps_per_print": Infinity}')).steps_per_print is None
+    for bad in (-math.inf, math.nan, 1.5, 0, -1, True, "10", 2**63):
+        (problem,) = inspect_config({"steps_per_print": bad}).problems
+        assert problem.startswith("steps_per_print: "), (bad, problem)
+    with pytest.raises(ConfigError, match="reduce_bucket_size"):  # a size stays finite
+        load_config({"zero_optimization": {"reduce_bucket_size": math.inf}})
+
+
 def test_the_timeout_bounds_work_in_a_real_process_group():
     """A world-1 gloo group made with each bound runs a collective (torch overflows near 9.2e9 s and rounds
     below 1 ms to 0: see MAX_TIMEOUT_S)."""

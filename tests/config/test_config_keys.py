@@ -814,6 +814,8 @@ def _logged(config: dict, steps: int = 4) -> list[str]:
 def _steps_per_print(tmp: Path) -> None:
     assert [line.split(":")[0] for line in _logged({"steps_per_print": 2})] == ["step 2", "step 4"]
     assert len(_logged({"steps_per_print": 1})) == 4
+    assert _logged({"steps_per_print": float("inf")}) == []  # accelerate's value: never, as DeepSpeed
+    assert _logged({"steps_per_print": None}) == []  # DeepSpeed's default: never
 
 
 @effect("checkpoint.writer.decoupled")

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardtrain.compat.accelerate import launch_world_problem
 from shardtrain.config.auto import resolve_auto
 from shardtrain.config.plan import parallel_dims, resolve_plan
 from shardtrain.config.sections import Config, load_config
@@ -365,6 +366,9 @@ class ShardtrainTrainerMixin:
                 "save_on_each_node is not supported: save_model gathers the weights on global rank 0 only; save to "
                 "storage every node can read"
             )
+        world = launch_world_problem(args.world_size, "TrainingArguments")
+        if world is not None:  # the batch sizes and "auto" values below would be one process's
+            problems.append(world)
         if args.n_gpu > 1:
             problems.append(
                 "this process drives several GPUs (torch.nn.DataParallel); launch one process per GPU with torchrun"

@@ -27,7 +27,7 @@ from typing import Annotated, Any, Literal
 
 import torch
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainValidator, ValidationError, model_validator
 
 from shardtrain.config.deepspeed_keys import (
     AUTO,
@@ -53,11 +53,6 @@ def _integral(v: Any) -> Any:
     return v
 
 
-def _never(v: Any) -> Any:
-    """``steps_per_print: inf`` (accelerate writes it; DeepSpeed takes it) means never, as absent does."""
-    return None if isinstance(v, float) and v == math.inf else _integral(v)
-
-
 def _stage(v: Any) -> Any:
     """DeepSpeed reads ``"stage": "2"`` as 2."""
     return int(v) if isinstance(v, str) and v in ("0", "1", "2", "3") else v
@@ -79,6 +74,22 @@ above 8.64e13 s ``datetime.timedelta`` itself overflows); 1e9 stays well inside.
 
 Count = Annotated[int, BeforeValidator(_integral), Field(strict=True, ge=1, le=INT64_MAX)]
 Size = Annotated[int, BeforeValidator(_integral), Field(strict=True, ge=0, le=INT64_MAX)]
+
+
+def _count_or_never(v: Any) -> int | None:
+    """A whole number >= 1, or never: ``inf`` or ``null`` (None, DeepSpeed's default). accelerate writes
+    ``"steps_per_print": inf`` into every DeepSpeed config it builds, and DeepSpeed takes it (its ``global_steps %
+    steps_per_print`` is then never 0); the one infinite value accepted ([Note: bounded config values]), for an
+    interval only, never for a size, and read as None."""
+    if v is None or (isinstance(v, float) and v == math.inf):
+        return None
+    v = _integral(v)
+    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= INT64_MAX:
+        raise ValueError("expected a whole number >= 1, or inf to never print")
+    return v
+
+
+CountOrNever = Annotated[int | None, PlainValidator(_count_or_never)]
 
 
 class _Section(BaseModel):
@@ -428,7 +439,7 @@ class Config(_Section):
     """Divide gradients by the data-parallel size before a summing reduction (:func:`gradient_predivide`)."""
     gradient_predivide_factor: float = Field(default=1.0, gt=0)
     """Divide gradients by this before a summing reduction, by dp / this after (:func:`gradient_predivide`)."""
-    steps_per_print: Annotated[Count | None, BeforeValidator(_never)] = None
+    steps_per_print: CountOrNever = None
     """Rank 0 logs loss, lr and grad norm every this many optimizer steps; absent (DeepSpeed's default) or ``inf``
     (what accelerate writes): never. The monitors write every step whatever it says."""
     wall_clock_breakdown: bool = False

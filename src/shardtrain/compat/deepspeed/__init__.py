@@ -34,7 +34,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
-from shardtrain.compat.deepspeed import accelerator, checkpoint, comm, utils, zero  # noqa: F401  deepspeed.comm, ...
+from shardtrain.compat.accelerate import check_accelerate_world
+from shardtrain.compat.deepspeed import accelerator, checkpoint, comm, runtime, utils, zero  # noqa: F401  deepspeed.comm, ...
 from shardtrain.compat.deepspeed.accelerator import get_accelerator  # noqa: F401  `from deepspeed import ...`
 from shardtrain.compat.deepspeed.comm import init_distributed
 from shardtrain.compat.deepspeed.engine import DeepSpeedEngine
@@ -125,6 +126,7 @@ def initialize(
     if dist_init_required is False and not dist.is_initialized():
         raise ValueError("deepspeed.initialize(dist_init_required=False) but no process group exists: create one first")
     cfg = load_config(config)  # initialize() joins the process group (with the config's timeout) if needed
+    check_accelerate_world()  # under accelerate: its count of processes is the launcher's
     if cfg.train_batch_size is None and cfg.train_micro_batch_size_per_gpu is None:
         # shardtrain.initialize takes micro-batch 1 there; a DeepSpeed script gets DeepSpeed's refusal
         raise ConfigError(

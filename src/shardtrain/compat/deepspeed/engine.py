@@ -10,6 +10,16 @@ A DeepSpeed script calls ``backward`` and ``step`` after every micro-batch; ``st
 LR scheduler only at an accumulation boundary (``(micro_steps + 1) % gradient_accumulation_steps == 0``), and
 ``global_steps`` / ``global_samples`` count optimizer steps and the samples they consumed. shardtrain's ``Engine``
 follows the same protocol (see ``shardtrain/engine.py``), so each call maps onto one call of it.
+
+[Note: a declared accumulation boundary]
+A script may declare the boundary instead (``set_gradient_accumulation_boundary``, before each backward) and call
+``step()`` only after the last backward of an accumulation: accelerate drives DeepSpeed so. DeepSpeed then takes the
+declaration and never counts. The engine's count is the boundary here (the reducer reduces by it), so the adapter keeps
+the count where the declarations put it: a backward declared off a boundary is counted at once (the ``step()``
+DeepSpeed would not need; a later ``step()`` for it does nothing, as DeepSpeed's off a boundary); a boundary declared
+early (accelerate ends an accumulation at the end of its data loader) moves the count to it, as the Trainer
+integration does; the loss is still divided by ``gradient_accumulation_steps``, as DeepSpeed divides it. A declared
+accumulation longer than ``gradient_accumulation_steps`` is refused (the count would reduce and step at its end).
 """
 
 from __future__ import annotations
@@ -30,17 +40,36 @@ from shardtrain.engine.engine import Engine
 log = logging.getLogger("shardtrain")
 
 
-class DeepSpeedEngine:
+class _Refused:
+    """A name ``nn.Module`` defines that DeepSpeed's engine means otherwise: not an attribute (``hasattr`` is False),
+    so that reading it goes to ``DeepSpeedEngine.__getattr__``, which refuses it by name with what to use."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        raise AttributeError(self.name)
+
+
+class DeepSpeedEngine(nn.Module):
     """What DeepSpeed scripts call on the engine ``deepspeed.initialize`` returns; anything else of DeepSpeed's
-    engine raises :class:`~shardtrain.deepspeed.unsupported.NotProvidedError` naming it."""
+    engine raises :class:`~shardtrain.deepspeed.unsupported.NotProvidedError` naming it.
+
+    An ``nn.Module`` whose child ``module`` is the model, as DeepSpeed's engine: accelerate and other libraries
+    unwrap a prepared model by ``isinstance(model, DeepSpeedEngine)`` and walk it as a module."""
 
     def __init__(self, engine: Engine, training_dataloader: Any = None, config: Any = None) -> None:
+        super().__init__()
         self.shardtrain_engine = engine
         self.module: nn.Module = engine.module
         self.training_dataloader = training_dataloader
         self.config = config
         """The config as ``deepspeed.initialize`` was given it (a dict or a path), as DeepSpeed's ``engine.config``."""
         self._stepped_at: int | None = None  # the global step the last step() ended, if it was a boundary
+        # [Note: a declared accumulation boundary]: the script's last declaration (None: never declared, the count
+        # rules), and whether the last backward was already counted (a later step() for it does nothing)
+        self._declared_boundary: bool | None = None
+        self._counted_by_backward = False
 
     # -- the training loop -------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -54,13 +83,24 @@ class DeepSpeedEngine:
         returns ``loss`` as DeepSpeed does."""
         if retain_graph:
             raise not_provided("engine.backward(retain_graph=True)", "run forward again for a second backward")
-        self.shardtrain_engine.backward(loss, scale_wrt_gas=scale_wrt_gas)
+        engine = self.shardtrain_engine
+        declared = self._declared_boundary
+        if declared is not None:
+            self._follow_declared_boundary(declared)
+        engine.backward(loss, scale_wrt_gas=scale_wrt_gas)
+        if declared is False:  # counted now: the script may not call step() until its declared boundary
+            engine.step()
+            self._counted_by_backward = True
+            self._stepped_at = None
         return loss
 
     def step(self, lr_kwargs: dict | None = None) -> None:
         """Call after every micro-batch; see [Note: DeepSpeed's step protocol]."""
         if lr_kwargs:
             raise not_provided("engine.step(lr_kwargs=...)", "the LR scheduler steps without arguments")
+        if self._counted_by_backward:  # a declared non-boundary, counted by its backward: DeepSpeed does nothing
+            self._counted_by_backward = False
+            return
         engine = self.shardtrain_engine
         boundary = engine.is_gradient_accumulation_boundary()
         engine.step()
@@ -71,18 +111,28 @@ class DeepSpeedEngine:
         return self.shardtrain_engine.is_gradient_accumulation_boundary()
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
-        """DeepSpeed lets a script declare the boundary (accelerate does before every backward); here the engine
-        counts micro-steps against ``gradient_accumulation_steps``, so a declaration that agrees with the count is
-        accepted and one that does not is refused (the config's ``gradient_accumulation_steps`` is then not the
-        script's)."""
-        counted = self.shardtrain_engine.is_gradient_accumulation_boundary()
-        if bool(is_boundary) != counted:
-            raise not_provided(
-                f"engine.set_gradient_accumulation_boundary({bool(is_boundary)}) at micro-step "
-                f"{self.shardtrain_engine.micro_steps}, where the count of gradient_accumulation_steps "
-                f"({self.shardtrain_engine.gradient_accumulation_steps}) says {counted}",
-                "set the config's gradient_accumulation_steps to the number of micro-batches the script accumulates",
-            )
+        """Declare whether the next backward ends an accumulation (accelerate does before every backward); see
+        [Note: a declared accumulation boundary]."""
+        self._counted_by_backward = False  # a new micro-step: step() for the last one is no longer expected
+        self._declared_boundary = bool(is_boundary)
+        self._follow_declared_boundary(self._declared_boundary)
+
+    def _follow_declared_boundary(self, declared: bool) -> None:
+        engine = self.shardtrain_engine
+        counted = engine.is_gradient_accumulation_boundary()
+        if declared == counted:
+            return
+        gas = engine.gradient_accumulation_steps
+        if declared:  # an accumulation cut short: the count moves to its boundary
+            engine.micro_steps += gas - 1 - engine.micro_steps % gas
+            return
+        raise not_provided(
+            f"an accumulation longer than gradient_accumulation_steps ({gas}): "
+            f"engine.set_gradient_accumulation_boundary(False) at micro-step {engine.micro_steps}, where the count "
+            "ends one",
+            "set the config's gradient_accumulation_steps to the number of micro-batches the script accumulates "
+            "(with accelerate: Accelerator(gradient_accumulation_steps=...) and the config's the same)",
+        )
 
     def zero_grad(self) -> None:
         """Clear the gradients accumulated since the last optimizer step (the engine also clears them after each
@@ -90,12 +140,17 @@ class DeepSpeedEngine:
         self.shardtrain_engine._reducer.zero_grads()
 
     def train(self, mode: bool = True) -> DeepSpeedEngine:
+        self.training = mode
         self.shardtrain_engine.train(mode)
         return self
 
     def eval(self) -> DeepSpeedEngine:
-        self.shardtrain_engine.eval()
-        return self
+        return self.train(False)
+
+    # nn.Module's methods that mean something else on DeepSpeed's engine: refused as the names it lacks
+    state_dict = _Refused()
+    load_state_dict = _Refused()
+    compile = _Refused()
 
     # -- counters and settings ---------------------------------------------------------------------
     @property
@@ -329,6 +384,10 @@ class DeepSpeedEngine:
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or name == "shardtrain_engine":  # copy/pickle probes; construction not finished
             raise AttributeError(name)
+        try:
+            return super().__getattr__(name)  # the child module ``module``, as nn.Module keeps it
+        except AttributeError:
+            pass
         instead = _ENGINE_INSTEAD.get(
             name, "the shardtrain engine underneath is engine.shardtrain_engine (its methods: shardtrain/engine.py)"
         )
@@ -342,6 +401,8 @@ _FULL_WEIGHTS = (
 _ENGINE_INSTEAD = {
     "save_fp16_model": _FULL_WEIGHTS + "; or save_16bit_model()",
     "state_dict": _FULL_WEIGHTS + "; engine.module.state_dict() at stages 0-2",
+    "load_state_dict": "engine.load_checkpoint(dir), or engine.shardtrain_engine.load_full_state_dict(state_dict) "
+    "for full weights",
     "set_train_batch_size": "set train_batch_size or gradient_accumulation_steps in the config",
     "offload_states": "offload is configured: zero_optimization.offload_optimizer / offload_param",
     "reload_states": "offload is configured: zero_optimization.offload_optimizer / offload_param",

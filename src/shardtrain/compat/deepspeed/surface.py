@@ -5,8 +5,8 @@ sources for ``deepspeed.``, ``from deepspeed... import`` and calls on the engine
 
 * ``DSE``: DeepSpeedExamples' ``training/`` scripts (commit ``45b4b7156c87``);
 * ``transformers`` 5.23 (``integrations/deepspeed.py``, ``trainer.py``, the models that gather under ZeRO-3),
-  ``accelerate`` (``accelerator.py``, ``state.py``, ``utils/deepspeed.py``, ``utils/operations.py``), ``TRL`` and
-  ``peft``, as installed beside shardtrain;
+  ``accelerate`` (``accelerator.py``, ``state.py``, ``utils/deepspeed.py``, ``utils/operations.py``,
+  ``utils/other.py``), ``TRL`` and ``peft``, as installed beside shardtrain;
 * ``docs``: DeepSpeed's documented API (``deepspeed.utils`` of 0.19.8) that none of those happens to call.
 
 A name's status is not written here: :func:`status` resolves the name on ``shardtrain.deepspeed`` and reports
@@ -87,6 +87,15 @@ SURFACE: tuple[ApiName, ...] = (
         "deepspeed.utils.zero_to_fp32.load_state_dict_from_zero_checkpoint",
     ),
     ApiName("deepspeed.checkpoint.utils.clone_tensors_for_torch_save", "accelerate"),
+    ApiName("deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES", "accelerate"),
+    ApiName("deepspeed.runtime.lr_schedules.WarmupLR", "DSE, accelerate's examples"),
+    *_rows(
+        "docs",
+        "deepspeed.runtime.lr_schedules.WarmupDecayLR",
+        "deepspeed.runtime.lr_schedules.WarmupCosineLR",
+        "deepspeed.runtime.lr_schedules.OneCycle",
+        "deepspeed.runtime.lr_schedules.LRRangeTest",
+    ),
     # refused
     *_rows(
         "docs",
@@ -98,7 +107,9 @@ SURFACE: tuple[ApiName, ...] = (
     ApiName("deepspeed.utils.groups", "transformers, accelerate"),
     ApiName("deepspeed.utils.set_z3_leaf_modules", "DSE, accelerate"),
     ApiName("deepspeed.ops", "DSE, accelerate"),
-    ApiName("deepspeed.runtime", "DSE, transformers, accelerate, TRL"),
+    ApiName("deepspeed.runtime.engine", "TRL"),
+    ApiName("deepspeed.runtime.zero", "DSE, transformers, TRL"),
+    ApiName("deepspeed.runtime.sequence_parallel", "accelerate"),
     ApiName("deepspeed.tp_model_init", "DSE, transformers"),
     ApiName("deepspeed.pipe", "DSE"),
     ApiName("deepspeed.moe", "DSE"),
