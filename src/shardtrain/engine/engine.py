@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import random
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import contextmanager
@@ -224,6 +225,8 @@ class Engine:
         self._grad_norm, skipped = self._optimizer.step(
             self.config.gradient_clipping, scale, self.precision.skip_nonfinite
         )
+        if self.scaler is not None or self.precision.skip_nonfinite:  # a skipped step's norm is inf, as DeepSpeed's
+            self._grad_norm = torch.nan_to_num(self._grad_norm, nan=math.inf)
         if self._param_offload is not None:  # updated shards leave memory (the kernel writes them back)
             self._param_offload.done_with(self._runtime.units)
         if torch.is_tensor(skipped):  # decided on the device: see [Note: an overflow learned a step later]
