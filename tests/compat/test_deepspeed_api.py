@@ -75,7 +75,13 @@ def _engine_queries(workdir: str) -> dict:
 
     config = {
         "train_micro_batch_size_per_gpu": 2,
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        # at stage 3 save_16bit_model writes only with this key, as DeepSpeed (without: False, tested in
+        # tests/config/test_config_keys.py)
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            "stage3_gather_16bit_weights_on_model_save": True,
+        },
         "fp16": {"enabled": False, "loss_scale": 0},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
         "steps_per_print": 10**6,

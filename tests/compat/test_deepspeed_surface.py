@@ -24,7 +24,11 @@ def _init(c):
     config = {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            "stage3_gather_16bit_weights_on_model_save": True,  # save_16bit_model writes at stage 3 only with it
+        },
         "bf16": {"enabled": True},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
         "steps_per_print": 10**6,

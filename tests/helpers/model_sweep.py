@@ -384,6 +384,7 @@ def engine_config(mode: str, world: int = WORLD) -> dict:
         "tensor_parallel": {"size": tp},
         "sequence_parallel_size": sp,
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "gradient_clipping": 0,  # SGD without clipping, as the reference (DeepSpeed's default would clip at 1.0)
         "collective_timeout_s": 60,
     }
 

@@ -633,16 +633,22 @@ class Communicator:
         stacked = self.graph_all_gather(inp.contiguous())  # [N * inp.shape[0], ...]: rank r's inp at block r
         return torch.cat(stacked.chunk(self.size, 0), dim=dim)
 
-    def graph_reduce_scatter_avg(self, full: torch.Tensor, predivide: float | None = None) -> torch.Tensor:
+    def graph_reduce_scatter_avg(
+        self, full: torch.Tensor, predivide: float | None = None, divide_first: bool = False
+    ) -> torch.Tensor:
         """This rank's chunk of the average of every rank's ``full`` (traceable; see [Note: collectives in
         graphs]). ``predivide`` (``prescale_gradients`` / ``gradient_predivide_factor``, as the eager reducer takes
         it): ``full`` is multiplied by ``1/predivide`` before a summing reduction and the result by
-        ``predivide/N``, in the same dtype and order as eager, so that the same fp16 sums stay finite."""
+        ``predivide/N``, in the same dtype and order as eager, so that the same fp16 sums stay finite.
+        ``divide_first``: ``full`` is divided by ``N`` before the sum, as the eager reducer's low-precision
+        reductions are ([Note: low-precision reductions divide first] in ``zero/reducer.py``)."""
         n = self.size
         if self.alone:
             return full
         name = self.group.group_name
-        if predivide is not None and predivide != 1:
+        if divide_first:
+            full, predivide = full / n, float(n)  # then summed; predivide/N = 1 leaves the sum as it is
+        elif predivide is not None and predivide != 1:
             full = full * (1.0 / predivide)  # the reciprocal, as the eager reducer (and DeepSpeed): the same rounding
         if self.reduce_scatter_impl != "pairwise":
             op = graph_reduce_op(self.backend) if predivide is None else Reduce.SUM

@@ -65,6 +65,7 @@ from shardtrain.errors import GraphCaptureError
 from shardtrain.graph.swapped import read_shard
 from shardtrain.plan.policies import PrefetchPolicy
 from shardtrain.zero.layout import Bucket
+from shardtrain.zero.reducer import divides_first
 from shardtrain.zero.units import Unit
 
 
@@ -125,7 +126,9 @@ def _gather_function(spec: BucketSpec) -> type[torch.autograd.Function]:
             flat = [g.reshape(-1).to(spec.wire_dtype) for g in grads]
             if len(sizes) > len(grads):  # the padding up to a multiple of the data-parallel size
                 flat.append(flat[0].new_zeros(sizes[-1]))
-            reduced = spec.comm.graph_reduce_scatter_avg(torch.cat(flat), spec.predivide)
+            reduced = spec.comm.graph_reduce_scatter_avg(
+                torch.cat(flat), spec.predivide, divides_first(spec.predivide, spec.wire_dtype)
+            )
             return None, reduced.to(ctx.sink_dtype)
 
     return GatherUnit

@@ -297,6 +297,10 @@ class GradientReducer:
     def _wire_dtype(self, b: Bucket) -> torch.dtype:
         return self.reduce_dtype or b.dtype
 
+    def _divides_first(self, wire: torch.dtype) -> bool:
+        """See [Note: low-precision reductions divide first]."""
+        return divides_first(self.predivide, wire) and self.mode != "all_reduce"
+
     def _comm_of(self, b: Bucket) -> Communicator:
         return self.expert_comm if b.expert and self.expert_comm is not None else self.comm
 
@@ -306,7 +310,8 @@ class GradientReducer:
         self._launched.add(position)
         what = f"gradient bucket {b.index} ({b.numel} elements)"
         wire = self._wire_dtype(b)
-        op = Reduce.AVG if self.predivide is None else Reduce.SUM
+        first = self._divides_first(wire)
+        op = Reduce.AVG if self.predivide is None and not first else Reduce.SUM
         if self.mode == "all_reduce":
             buf = self.full_grads[position]
             tmp = buf if buf.dtype == wire else buf.to(wire)  # reduced in the wire dtype, written back after
@@ -316,7 +321,7 @@ class GradientReducer:
         else:
             if self.mode == "reduce_scatter":
                 inp = self.full_grads[position].to(wire)  # no copy when the dtypes agree
-                if self.predivide is not None and inp is self.full_grads[position]:
+                if (self.predivide is not None or first) and inp is self.full_grads[position]:
                     inp = inp.clone()  # the other ranks' parts of the local gradient stay as computed
             else:
                 inp = self._staging.pop(position, None)
@@ -329,6 +334,8 @@ class GradientReducer:
                             inp[s.offset : s.offset + s.numel].zero_()
                     inp[b.numel :].zero_()
             self._prescale(inp)
+            if first:
+                inp.div_(comm.size)
             out = inp.new_empty(b.shard_numel)
             handle = comm.reduce_scatter(out, inp, op, what=what, async_op=True)
             self._pending.append(_Pending(b, handle, out, inp))
@@ -510,3 +517,20 @@ def _tp_sum(tp_comm: Communicator, name: str, grad: torch.Tensor) -> torch.Tenso
     out = grad.clone()
     tp_comm.all_reduce(out, Reduce.SUM, what=f"tensor-parallel partial gradient of {name!r}")
     return out
+
+
+# [Note: low-precision reductions divide first]
+# DeepSpeed's ZeRO 1-2 (``average_tensor``) and ZeRO-3 (``reduce_scatter_coalesced``) divide each gradient bucket by
+# the group's size *before* the summing reduce-scatter. In fp16 or bf16 (the reduction dtype by default, as in
+# DeepSpeed) that decides whether a sum near the dtype's largest value overflows: summed first, two ranks' fp16
+# values above 32752 give inf and the step is skipped, divided first they do not. So a reduce-scatter in a low-
+# precision dtype divides first (``div_``, DeepSpeed's rounding) and sums, eager and in graphs alike; fp32 reductions
+# and stage 0's all-reduce (DeepSpeed's ``allreduce_bucket`` sums, then divides) average as the backend does, and
+# ``prescale_gradients`` / ``gradient_predivide_factor`` keep their own rule (:func:`gradient_predivide`).
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def divides_first(predivide: float | None, wire: torch.dtype) -> bool:
+    """Whether a reduce-scatter in ``wire`` divides by the group's size before it sums (see [Note: low-precision
+    reductions divide first]); ``predivide``: the prescale factor, whose own rule wins when given."""
+    return predivide is None and wire in LOW_PRECISION
