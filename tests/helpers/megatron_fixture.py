@@ -321,6 +321,7 @@ def engine_load_body(save_dir: str, config_json: str, stage: int, tp: int, ref_t
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     config = {
         "train_micro_batch_size_per_gpu": ROWS // (dist.get_world_size() // tp),
+        "gradient_clipping": 0.0,  # the single-process reference does not clip
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
         "tensor_parallel": {"size": tp},
     }
@@ -348,6 +349,7 @@ def engine_resume_body(save_dir: str, config_json: str, stage: int, tp: int, wit
     dp = dist.get_world_size() // tp
     config = {
         "train_micro_batch_size_per_gpu": ROWS // dp,
+        "gradient_clipping": 0.0,  # Megatron's run does not clip (clip_grad 0); DeepSpeed's default would clip at 1.0
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
         "tensor_parallel": {"size": tp},
     }
