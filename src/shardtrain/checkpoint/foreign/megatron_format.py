@@ -47,6 +47,7 @@ def find_megatron_checkpoint(path: str | Path, tag: str | None) -> Path | None:
         path = path / tag
     if _is_torch_dist(path):
         return path
+    _refuse_legacy(path)
     latest = path / LATEST_ITERATION_NAME
     if tag is None and latest.is_file():
         text = latest.read_text().strip()
@@ -56,17 +57,24 @@ def find_megatron_checkpoint(path: str | Path, tag: str | None) -> Path | None:
             )
         ckpt = path / f"iter_{int(text):07d}"
         if not _is_torch_dist(ckpt):
-            if (ckpt / "mp_rank_00").is_dir() or (ckpt / "mp_rank_00_000").is_dir():
-                raise CheckpointError(
-                    f"{ckpt}: a legacy Megatron checkpoint (mp_rank_* pickles); only torch_dist checkpoints are read "
-                    "(save with --ckpt-format torch_dist, or convert with Megatron-LM's checkpoint converter)"
-                )
+            _refuse_legacy(ckpt)
             raise CheckpointError(
                 f"{latest} names iteration {text}, but {ckpt} is not a complete torch_dist "
                 "checkpoint (no .metadata or metadata.json)"
             )
         return ckpt
     return None
+
+
+def _refuse_legacy(path: Path) -> None:
+    """A legacy ``iter_*/mp_rank_XX[_YYY]/model_optim_rng.pt`` checkpoint (the iteration or one rank's directory) is
+    named as such. Directories only: DeepSpeed's ``mp_rank_00_model_states.pt`` are files."""
+    rank_dir = path.name.startswith("mp_rank_") and (path / "model_optim_rng.pt").is_file()
+    if rank_dir or (path / "mp_rank_00").is_dir() or (path / "mp_rank_00_000").is_dir():
+        raise CheckpointError(
+            f"{path}: a legacy Megatron checkpoint (mp_rank_* pickles); only torch_dist checkpoints are read "
+            "(save with --ckpt-format torch_dist, or convert with Megatron-LM's checkpoint converter)"
+        )
 
 
 def _is_torch_dist(path: Path) -> bool:
