@@ -1,10 +1,13 @@
 """Megatron-Core ``torch_dist`` checkpoints are consolidated and loaded into any shardtrain layout (issue 54, item 3).
 
 The fixtures are written by real megatron-core (its PyPI package, on CPU/gloo; ``helpers/megatron_fixture.py`` says
-which CUDA calls are given their CPU meaning): a Llama-style GPT saved at tp 2 x pp 2 (world 4), and its MoE
-version (4 experts, top-2) at pp 2 x ep 2. Megatron itself then loads each at tp 1 x pp 1 and computes the logits of
-one batch: the consolidated transformers model and every shardtrain layout must give the same logits, and training
-on from the loaded weights must give the losses of single-process training from the consolidated model.
+which CUDA calls are given their CPU meaning) and committed under ``tests/data/megatron_core`` (its README says which
+version and command): a Llama-style GPT saved at tp 2 x pp 2 (world 4), its MoE version (4 experts, top-2) at
+pp 2 x ep 2, and a tp 1 x pp 1 training run saved with its Adam state. Megatron itself loaded each saved model at
+tp 1 x pp 1 and computed the logits of one batch (``expected.json``): the consolidated transformers model and every
+shardtrain layout must give the same logits, and training on from the loaded weights must give the losses of
+single-process training from the consolidated model. The soak test regenerates the data with megatron-core and
+checks that it still holds what the default tests compare against.
 """
 
 from __future__ import annotations
@@ -13,10 +16,6 @@ import json
 import math
 import os
 import shutil
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -30,51 +29,34 @@ from shardtrain.testing import run_distributed
 
 from helpers import megatron_fixture as mf
 
-pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 LOGITS_ATOL = 1e-5  # fp32; Megatron's and transformers' kernels sum in other orders (measured: 2.4e-7)
 LOSS_RTOL = 1e-5
 
 
-def _run(*argv: str) -> None:
-    """A megatron-core process (its save starts worker processes, which run_distributed's daemons may not)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+@pytest.fixture(scope="module")
+def expected() -> dict:
+    return mf.expected_values()
 
 
-def _write(out: Path, world: int, tp: int, pp: int, ep: int, kind: str) -> dict:
-    start = time.monotonic()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}", f"--master-port={port}"]
-    _run(*torchrun, mf.__file__, "save", str(out), str(tp), str(pp), str(ep), kind)
-    ref = out / "reference.pt"
-    _run(sys.executable, mf.__file__, "logits", str(out), kind, str(ref))
-    return {"dir": out, "ref": torch.load(ref), "seconds": time.monotonic() - start}
-
-
-@pytest.fixture(scope="session")
-def dense(tmp_path_factory) -> dict:
+@pytest.fixture(scope="module")
+def dense(expected) -> dict:
     """A Llama-style GPT written by megatron-core at tp 2 x pp 2 (world 4)."""
-    return _write(tmp_path_factory.mktemp("megatron_dense"), 4, 2, 2, 1, "dense")
+    return {"dir": mf.DATA / "dense", "ref": expected["dense"]}
 
 
-@pytest.fixture(scope="session")
-def moe(tmp_path_factory) -> dict:
+@pytest.fixture(scope="module")
+def moe(expected) -> dict:
     """Its MoE version at pp 2 x ep 2 (world 4, experts numbered across the expert-parallel ranks)."""
-    return _write(tmp_path_factory.mktemp("megatron_moe"), 4, 1, 2, 2, "moe")
+    return {"dir": mf.DATA / "moe", "ref": expected["moe"]}
 
 
-@pytest.fixture(scope="session")
-def trained(tmp_path_factory) -> dict:
-    """Megatron trains the dense model 4 steps with its Adam (tp 1 x pp 1: see [Note: megatron-core on CPU]),
+@pytest.fixture(scope="module")
+def trained(expected) -> dict:
+    """Megatron trained the dense model 4 steps with its Adam (tp 1 x pp 1: see [Note: megatron-core on CPU]),
     saving model and optimizer state after step 2; the losses of all 4 steps."""
-    out = tmp_path_factory.mktemp("megatron_trained")
-    _run(sys.executable, mf.__file__, "train", str(out), str(out / "losses.pt"))
-    return {"dir": out, "losses": torch.load(out / "losses.pt")["losses"]}
+    return {"dir": mf.DATA / "trained", "losses": expected["trained"]["losses"]}
 
 
 def _consolidated_logits(case: dict, out: Path) -> tuple[torch.Tensor, object]:
@@ -118,7 +100,6 @@ def test_consolidation_reads_one_layer_slab_at_a_time(dense, tmp_path):
     assert max(sizes) * mf.LAYERS <= stacked  # what a whole-tensor read would have cost
 
 
-@pytest.mark.soak
 def test_consolidated_mixtral_equals_megatrons_model(moe, tmp_path):
     logits, model = _consolidated_logits(moe, tmp_path / "hf")
     assert type(model).__name__ == "MixtralForCausalLM"
@@ -161,7 +142,6 @@ def test_load_into_another_layout(dense, tmp_path, world, stage, tp):
     torch.testing.assert_close(torch.tensor(got), torch.tensor(ref["losses"]), rtol=LOSS_RTOL, atol=0)
 
 
-@pytest.mark.soak
 def test_moe_loads_into_zero3(moe, tmp_path):
     consolidate(open_checkpoint(moe["dir"]), tmp_path / "hf", progress=False)
     ref = _single_process(moe, tmp_path / "hf")
@@ -246,6 +226,7 @@ def test_code_in_common_state_is_refused_before_anything_runs(dense, tmp_path):
 
 
 def test_args_outside_llama_are_refused_by_name(dense, tmp_path):
+    pytest.importorskip("megatron.core")  # to edit the args, common.pt is unpickled with megatron's own enums
     ckpt = _copy(dense, tmp_path)
     common = torch.load(ckpt / "common.pt", weights_only=False)
     common["args"].normalization = "LayerNorm"
@@ -255,8 +236,41 @@ def test_args_outside_llama_are_refused_by_name(dense, tmp_path):
         open_checkpoint(ckpt)
 
 
-def test_legacy_layout_is_named(tmp_path):
-    (tmp_path / "iter_0000005" / "mp_rank_00").mkdir(parents=True)
+@pytest.mark.parametrize("rank_dir", ["mp_rank_00", "mp_rank_00_000"], ids=["tp", "tp-pp"])
+def test_legacy_layout_is_named(tmp_path, rank_dir):
+    """Named from the save directory, the iteration directory and one rank's directory alike."""
+    iteration = tmp_path / "iter_0000005"
+    (iteration / rank_dir).mkdir(parents=True)
+    (iteration / rank_dir / "model_optim_rng.pt").write_bytes(b"")
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("5")
-    with pytest.raises(CheckpointError, match="legacy Megatron checkpoint"):
-        open_checkpoint(tmp_path)
+    for path in (tmp_path, iteration, iteration / rank_dir):
+        with pytest.raises(CheckpointError, match="legacy Megatron checkpoint"):
+            open_checkpoint(path)
+
+
+def _tensors(path: Path) -> dict[str, torch.Tensor]:
+    reader = open_checkpoint(path)
+    return {name: reader.read(name) for name in reader.manifest.tensors}
+
+
+@pytest.mark.soak
+def test_committed_fixtures_are_what_megatron_core_writes(tmp_path):
+    """megatron-core writes the committed data again: the same tensors under the same names, the same logits
+    and losses. A megatron-core that saved or computed otherwise fails here, not silently in the tests above."""
+    pytest.importorskip("megatron.core")
+    fresh = mf.regenerate(tmp_path)
+    committed = json.loads((mf.DATA / "expected.json").read_text())
+    assert fresh["megatron_core"] == committed["megatron_core"]
+    for kind in mf.FIXTURES:
+        assert fresh[kind]["tokens"] == committed[kind]["tokens"]
+        torch.testing.assert_close(
+            torch.tensor(fresh[kind]["logits"]), torch.tensor(committed[kind]["logits"]), atol=1e-6, rtol=0
+        )
+    torch.testing.assert_close(
+        torch.tensor(fresh["trained"]["losses"]), torch.tensor(committed["trained"]["losses"]), rtol=1e-6, atol=0
+    )
+    for kind in (*mf.FIXTURES, "trained"):
+        now, then = _tensors(tmp_path / kind), _tensors(mf.DATA / kind)
+        assert now.keys() == then.keys()
+        for name, value in then.items():
+            torch.testing.assert_close(now[name], value, atol=1e-6, rtol=1e-6, msg=f"{kind}: {name}")

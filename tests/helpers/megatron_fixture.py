@@ -22,20 +22,29 @@ What megatron-core 0.16 needs to run here, each given its CPU meaning below and 
 What cannot run: the distributed optimizer (``DistributedOptimizer`` requires ``torch.cuda.*Tensor`` parameters),
 so the training fixture uses megatron's plain fp32 optimizer, at tp 1 x pp 1.
 
+``regenerate [OUT]`` writes all three fixtures (dense tp 2 x pp 2, MoE pp 2 x ep 2, the tp 1 x pp 1 training run)
+and their ``expected.json`` into OUT (default ``tests/data/megatron_core``, what the default tests read): the same
+function the soak test runs to check that the committed data is still what megatron-core writes.
+
 ``engine_load_body`` and ``engine_default_load_body`` are shardtrain's side (run by ``run_distributed``).
 """
 
 import argparse
 import contextlib
 import functools
+import json
 import os
+import socket
+import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-VOCAB, SEQ, HIDDEN, FFN, HEADS, GROUPS, LAYERS, EXPERTS = 64, 16, 32, 48, 4, 2, 4, 4
+VOCAB, SEQ, HIDDEN, FFN, HEADS, GROUPS, LAYERS, EXPERTS = 64, 16, 32, 48, 4, 2, 2, 4  # ~1 MB of fixtures
 
 
 def _cpu_only() -> None:
@@ -321,6 +330,7 @@ def engine_load_body(save_dir: str, config_json: str, stage: int, tp: int, ref_t
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     config = {
         "train_micro_batch_size_per_gpu": ROWS // (dist.get_world_size() // tp),
+        "gradient_clipping": 0.0,  # the single-process reference does not clip
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
         "tensor_parallel": {"size": tp},
     }
@@ -348,6 +358,7 @@ def engine_resume_body(save_dir: str, config_json: str, stage: int, tp: int, wit
     dp = dist.get_world_size() // tp
     config = {
         "train_micro_batch_size_per_gpu": ROWS // dp,
+        "gradient_clipping": 0.0,  # Megatron's run does not clip (clip_grad 0); DeepSpeed's default would clip at 1.0
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
         "tensor_parallel": {"size": tp},
     }
@@ -373,10 +384,64 @@ def engine_default_load_body(save_dir: str, config_json: str) -> str:
     return "loaded"
 
 
+# -- the committed fixtures ------------------------------------------------------------------------------------------
+DATA = Path(__file__).parents[1] / "data" / "megatron_core"
+FIXTURES = {"dense": (2, 2, 1), "moe": (1, 2, 2)}  # kind -> (tp, pp, ep), world 4
+
+
+def _run(*argv: str) -> None:
+    """A megatron-core process (its save starts worker processes, which run_distributed's daemons may not)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"{argv[-5:]} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+
+
+def regenerate(out: Path) -> dict:
+    """Write the three fixtures into ``out`` with real megatron-core, and ``out/expected.json`` (the tokens and
+    Megatron's logits of each saved model, the losses of Megatron's training run); returns the expected values."""
+    import megatron.core
+
+    expected: dict = {"megatron_core": megatron.core.__version__}
+    with tempfile.TemporaryDirectory() as scratch:
+        for kind, (tp, pp, ep) in FIXTURES.items():
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4", f"--master-port={port}"]
+            _run(*torchrun, __file__, "save", str(out / kind), str(tp), str(pp), str(ep), kind)
+            ref = os.path.join(scratch, f"{kind}.pt")
+            _run(sys.executable, __file__, "logits", str(out / kind), kind, ref)
+            values = torch.load(ref)
+            expected[kind] = {"tokens": values["tokens"].tolist(), "logits": values["logits"].tolist()}
+        (out / "trained").mkdir(parents=True, exist_ok=True)
+        ref = os.path.join(scratch, "trained.pt")
+        _run(sys.executable, __file__, "train", str(out / "trained"), ref)
+        expected["trained"] = {"losses": torch.load(ref)["losses"]}
+    _write_expected(out / "expected.json", expected)
+    return expected
+
+
+def _write_expected(path: Path, expected: dict) -> None:
+    """One line per value: small, and a regenerated file diffs by value."""
+    lines = [f"  {json.dumps(kind)}: {json.dumps(value)}" for kind, value in expected.items()]
+    path.write_text("{\n" + ",\n".join(lines) + "\n}\n")
+
+
+def expected_values(out: Path = DATA) -> dict:
+    """``expected.json`` with the tokens and logits as tensors."""
+    raw = json.loads((out / "expected.json").read_text())
+    for kind in FIXTURES:
+        raw[kind] = {"tokens": torch.tensor(raw[kind]["tokens"]), "logits": torch.tensor(raw[kind]["logits"])}
+    return raw
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "save":
         save(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6])
     elif sys.argv[1] == "train":
         megatron_train(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "regenerate":
+        regenerate(Path(sys.argv[2]) if len(sys.argv) > 2 else DATA)
     else:
         logits(sys.argv[2], sys.argv[3], sys.argv[4])

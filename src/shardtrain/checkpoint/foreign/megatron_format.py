@@ -1,27 +1,12 @@
-"""What a Megatron-Core ``torch_dist`` checkpoint holds, read without running code from it, and how its tensors map
-onto a Hugging Face Llama (dense) or Mixtral (MoE) model's names.
+"""The files of a Megatron-Core ``torch_dist`` checkpoint and their metadata, read without running code from them.
 
 [Note: Megatron torch_dist checkpoints]
 Megatron-LM saves ``<save>/iter_<7 digits>/`` (and ``<save>/latest_checkpointed_iteration.txt``); the directory is a
 torch DCP checkpoint (``.metadata``, ``__<rank>_<n>.distcp``) plus ``common.pt`` (``torch.save`` of what is not
 sharded: ``args``, ``iteration``, ...) and ``metadata.json`` (``"sharded_backend": "torch_dist"``). Each tensor is
-stored under its ``ShardedTensor`` key with its *global* shape, whatever tp x pp x ep wrote it:
-
-* the layers of the decoder are one stacked tensor with a leading layer axis (``decoder.layers.<rest>``, layers
-  numbered globally across pipeline stages), or one tensor per layer (``decoder.layers.<N>.<rest>``);
-* the experts of an MoE layer add an expert axis after it (``mlp.experts.experts.linear_fc1.weight``: layers x
-  experts x ...), numbered globally across expert-parallel ranks;
-* the SwiGLU ``linear_fc1`` is stored as [gate; up] of the whole model (megatron's swiglu sharded factory splits
-  each rank's [gate_r; up_r] into the two halves), so gate is its first half, up its second;
-* the fused ``linear_qkv`` holds, per query group, that group's query heads, then its key head, then its value head
-  (rows of ``head_dim``), groups in order;
-* the input norm is ``self_attention.linear_qkv.layer_norm_weight`` and the pre-MLP norm
-  ``mlp.linear_fc1.layer_norm_weight`` (TransformerEngine's fused names, which the local spec keeps), or
-  ``input_layernorm.weight`` / ``pre_mlp_layernorm.weight`` (a separate norm module).
-
-Each Hugging Face tensor is therefore a list of runs (contiguous element ranges) of one or more Megatron tensors
-(:class:`MegatronTensorEntry`); reading one never reads more than the stacked layer slab it lies in. The model's
-shape (heads, query groups, experts) comes from Megatron-LM's ``args`` in ``common.pt``, read through
+stored under its ``ShardedTensor`` key with its *global* shape, whatever tp x pp x ep wrote it (how those keys map
+onto a Hugging Face model: [Note: Megatron tensor layout] in ``megatron_names.py``).
+The model's shape (heads, query groups, experts) comes from Megatron-LM's ``args`` in ``common.pt``, read through
 ``torch.load(weights_only=True)`` with inert stand-ins for ``argparse.Namespace`` and megatron's enums
 (:func:`load_common`); the ``.metadata`` pickle through ``safe_pickle.py`` with DCP's classes plus the save plans
 megatron caches in it (:func:`load_megatron_metadata`).
@@ -41,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from shardtrain.checkpoint.foreign.dcp_format import METADATA_NAME, dcp_metadata_globals
-from shardtrain.checkpoint.format import DTYPES, dtype_name, numel
+from shardtrain.checkpoint.format import dtype_name
 from shardtrain.checkpoint.safe_pickle import restricted_loads
 from shardtrain.errors import CheckpointError, UnsafePickleError
 
@@ -50,6 +35,7 @@ if TYPE_CHECKING:
 
 COMMON_NAME, MEGATRON_METADATA_NAME = "common.pt", "metadata.json"
 LATEST_ITERATION_NAME = "latest_checkpointed_iteration.txt"
+OPTIMIZER_STATE = "optimizer.state."  # + "<state key>.<model key>": megatron's optimizer state in model space
 
 
 def find_megatron_checkpoint(path: str | Path, tag: str | None) -> Path | None:
@@ -61,6 +47,7 @@ def find_megatron_checkpoint(path: str | Path, tag: str | None) -> Path | None:
         path = path / tag
     if _is_torch_dist(path):
         return path
+    _refuse_legacy(path)
     latest = path / LATEST_ITERATION_NAME
     if tag is None and latest.is_file():
         text = latest.read_text().strip()
@@ -70,17 +57,24 @@ def find_megatron_checkpoint(path: str | Path, tag: str | None) -> Path | None:
             )
         ckpt = path / f"iter_{int(text):07d}"
         if not _is_torch_dist(ckpt):
-            if (ckpt / "mp_rank_00").is_dir() or (ckpt / "mp_rank_00_000").is_dir():
-                raise CheckpointError(
-                    f"{ckpt}: a legacy Megatron checkpoint (mp_rank_* pickles); only torch_dist checkpoints are read "
-                    "(save with --ckpt-format torch_dist, or convert with Megatron-LM's checkpoint converter)"
-                )
+            _refuse_legacy(ckpt)
             raise CheckpointError(
                 f"{latest} names iteration {text}, but {ckpt} is not a complete torch_dist "
                 "checkpoint (no .metadata or metadata.json)"
             )
         return ckpt
     return None
+
+
+def _refuse_legacy(path: Path) -> None:
+    """A legacy ``iter_*/mp_rank_XX[_YYY]/model_optim_rng.pt`` checkpoint (the iteration or one rank's directory) is
+    named as such. Directories only: DeepSpeed's ``mp_rank_00_model_states.pt`` are files."""
+    rank_dir = path.name.startswith("mp_rank_") and (path / "model_optim_rng.pt").is_file()
+    if rank_dir or (path / "mp_rank_00").is_dir() or (path / "mp_rank_00_000").is_dir():
+        raise CheckpointError(
+            f"{path}: a legacy Megatron checkpoint (mp_rank_* pickles); only torch_dist checkpoints are read "
+            "(save with --ckpt-format torch_dist, or convert with Megatron-LM's checkpoint converter)"
+        )
 
 
 def _is_torch_dist(path: Path) -> bool:
@@ -189,108 +183,6 @@ def load_common(ckpt: Path) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
-class Architecture:
-    """The shape of a Megatron GPT model, from Megatron-LM's ``args``: what un-fusing and the Hugging Face
-    config need."""
-
-    layers: int
-    hidden: int
-    ffn: int
-    heads: int
-    groups: int
-    head_dim: int
-    vocab: int
-    max_positions: int
-    eps: float
-    rope_theta: float
-    tied: bool
-    experts: int | None
-    top_k: int
-    qkv_bias: bool
-
-    @staticmethod
-    def from_args(args: Any, source: Path) -> Architecture:
-        """Check that ``args`` describe a model a Llama (dense) or Mixtral (MoE) reproduces, and keep its shape."""
-        a = vars(args) if not isinstance(args, dict) else args
-
-        def get(key: str, default: Any = None) -> Any:
-            return a.get(key, default)
-
-        refusals = [
-            (get("normalization", "LayerNorm") != "RMSNorm", f"normalization={get('normalization', 'LayerNorm')!r}"),
-            (not get("swiglu", False), "no swiglu (a Llama MLP is SwiGLU)"),
-            (get("add_bias_linear", True), "add_bias_linear (Llama's linear layers have no bias)"),
-            (get("position_embedding_type", "learned_absolute") != "rope", "position embeddings are not rotary"),
-            (get("rotary_interleaved", False), "rotary_interleaved"),
-            (get("qk_layernorm", False), "qk_layernorm"),
-            (get("multi_latent_attention", False), "multi-latent attention"),
-            (get("rotary_percent", 1.0) != 1.0, f"rotary_percent={get('rotary_percent')}"),
-            ((get("moe_shared_expert_intermediate_size") or 0) > 0, "shared experts"),
-        ]
-        if bad := [what for cond, what in refusals if cond]:
-            raise CheckpointError(
-                f"{source}: a Megatron model with {', '.join(bad)}; shardtrain reads Llama-style GPT models "
-                "(RMSNorm, SwiGLU, rotary, no linear bias) and their Mixtral-style MoE versions"
-            )
-        heads = int(get("num_attention_heads"))
-        experts = get("num_experts")
-        ffn = get("moe_ffn_hidden_size") if experts else get("ffn_hidden_size")
-        return Architecture(
-            layers=int(get("num_layers")),
-            hidden=int(get("hidden_size")),
-            ffn=int(ffn or get("ffn_hidden_size")),
-            heads=heads,
-            groups=int(get("num_query_groups") or heads) if get("group_query_attention", False) else heads,
-            head_dim=int(get("kv_channels") or get("hidden_size") // heads),
-            vocab=int(get("padded_vocab_size") or 0),
-            max_positions=int(get("max_position_embeddings") or get("seq_length") or 4096),
-            eps=float(get("norm_epsilon", 1e-5)),
-            rope_theta=float(get("rotary_base", 10000)),
-            tied=not get("untie_embeddings_and_output_weights", False),
-            experts=int(experts) if experts else None,
-            top_k=int(get("moe_router_topk", 2)),
-            qkv_bias=bool(get("add_qkv_bias", False)),
-        )
-
-    def hf_config(self, dtype: torch.dtype) -> dict[str, Any]:
-        """A transformers ``config.json`` of the model (Llama, or Mixtral with experts)."""
-        config: dict[str, Any] = {
-            "hidden_size": self.hidden,
-            "intermediate_size": self.ffn,
-            "num_hidden_layers": self.layers,
-            "num_attention_heads": self.heads,
-            "num_key_value_heads": self.groups,
-            "head_dim": self.head_dim,
-            "vocab_size": self.vocab,
-            "max_position_embeddings": self.max_positions,
-            "rms_norm_eps": self.eps,
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
-            "tie_word_embeddings": self.tied,
-            "hidden_act": "silu",
-            "dtype": str(dtype).removeprefix("torch."),
-        }
-        if self.experts is None:
-            return {
-                **config,
-                "model_type": "llama",
-                "architectures": ["LlamaForCausalLM"],
-                "attention_bias": self.qkv_bias,
-                "mlp_bias": False,
-            }
-        if self.qkv_bias:
-            raise CheckpointError("a Megatron MoE model with add_qkv_bias has no Mixtral counterpart")
-        return {
-            **config,
-            "model_type": "mixtral",
-            "architectures": ["MixtralForCausalLM"],
-            "num_local_experts": self.experts,
-            "num_experts_per_tok": self.top_k,
-            "sliding_window": None,
-            "router_aux_loss_coef": 0.0,
-        }
-
-
-@dataclass(frozen=True)
 class MegatronSource:
     """One Megatron tensor as the checkpoint stores it: DCP ``key``, global shape, dtype, chunks."""
 
@@ -298,52 +190,6 @@ class MegatronSource:
     global_shape: tuple[int, ...]
     dtype: str
     chunks: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
-
-
-@dataclass(frozen=True)
-class MegatronTensorEntry:
-    """A Hugging Face tensor of a Megatron checkpoint: ``runs`` are ``(source key, flat start, length)`` of Megatron
-    tensors whose elements, concatenated, are this tensor's flattened elements."""
-
-    name: str
-    global_shape: tuple[int, ...]
-    dtype: str
-    runs: tuple[tuple[str, int, int], ...]
-    aliases: tuple[str, ...] = ()
-    value: float | None = None  # a scalar megatron keeps in its common state (the optimizer's step count)
-
-    @property
-    def numel(self) -> int:
-        return numel(self.global_shape)
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.torch_dtype.itemsize
-
-    @property
-    def chunks(self) -> tuple[tuple[str, int, int], ...]:  # what `checkpoint inspect` counts
-        return self.runs
-
-
-@dataclass(frozen=True)
-class MegatronManifest:
-    """The part of a manifest that loading reads: ``model/<hf name>`` tensors and the saving world size."""
-
-    tag: str
-    world_size: int
-    tensors: dict[str, MegatronTensorEntry]
-
-    def resolve(self, name: str) -> MegatronTensorEntry:
-        try:
-            return self.tensors[name]
-        except KeyError:
-            raise CheckpointError(
-                f"tensor {name!r} is not in Megatron checkpoint {self.tag!r} ({len(self.tensors)} tensors)"
-            ) from None
 
 
 def sources_of(md: Metadata, ckpt: Path) -> dict[str, MegatronSource]:
@@ -365,183 +211,3 @@ def sources_of(md: Metadata, ckpt: Path) -> dict[str, MegatronSource]:
         chunks = tuple((tuple(map(int, c.offsets)), tuple(map(int, c.sizes))) for c in meta.chunks)
         out[key] = MegatronSource(key, tuple(map(int, meta.size)), dtype, chunks)
     return out
-
-
-OPTIMIZER_STATE = "optimizer.state."  # + "<state key>.<model key>": megatron's optimizer state in model space
-_LAYER = re.compile(r"decoder\.layers\.(?:(\d+)\.)?(.+)")
-
-
-def hf_entries(sources: dict[str, MegatronSource], arch: Architecture, ckpt: Path) -> dict[str, MegatronTensorEntry]:
-    """Every ``model/<hf name>`` of the Llama / Mixtral model, as runs of the Megatron tensors (see the note)."""
-    out: dict[str, MegatronTensorEntry] = {}
-    by_layer: dict[int, dict[str, tuple[MegatronSource, int]]] = {}  # layer -> rest -> (source, flat offset)
-    unmapped = []
-    for key, src in sources.items():
-        if key.endswith("._extra_state") or "_extra_state/" in key or key.startswith(OPTIMIZER_STATE):
-            continue
-        whole = {
-            "embedding.word_embeddings.weight": "model.embed_tokens.weight",
-            "decoder.final_layernorm.weight": "model.norm.weight",
-            "output_layer.weight": "lm_head.weight",
-        }.get(key)
-        if whole is not None:
-            out[f"model/{whole}"] = MegatronTensorEntry(
-                f"model/{whole}", src.global_shape, src.dtype, ((key, 0, numel(src.global_shape)),)
-            )
-            continue
-        m = _LAYER.fullmatch(key)
-        if m is None:
-            unmapped.append(key)
-            continue
-        if m.group(1) is not None:  # one tensor per layer
-            by_layer.setdefault(int(m.group(1)), {})[m.group(2)] = (src, 0)
-        else:  # stacked: the leading axis numbers the layers
-            if src.global_shape[0] != arch.layers:
-                raise CheckpointError(f"{ckpt}: {key!r} stacks {src.global_shape[0]} layers, args say {arch.layers}")
-            per = numel(src.global_shape[1:])
-            for layer in range(arch.layers):
-                by_layer.setdefault(layer, {})[m.group(2)] = (
-                    MegatronSource(key, src.global_shape[1:], src.dtype, src.chunks),
-                    layer * per,
-                )
-    if unmapped:
-        raise CheckpointError(f"{ckpt}: Megatron tensors with no Llama/Mixtral counterpart: {unmapped[:5]}")
-    if sorted(by_layer) != list(range(arch.layers)):
-        raise CheckpointError(f"{ckpt}: holds layers {sorted(by_layer)}, args say {arch.layers} layers")
-    for layer, parts in sorted(by_layer.items()):
-        out.update(_layer_entries(layer, parts, arch, ckpt))
-    return out
-
-
-def _layer_entries(
-    layer: int, parts: dict[str, tuple[MegatronSource, int]], arch: Architecture, ckpt: Path
-) -> dict[str, MegatronTensorEntry]:
-    prefix = f"model.layers.{layer}."
-    out: dict[str, MegatronTensorEntry] = {}
-    used: set[str] = set()
-
-    def add(hf: str, rest: str, shape: tuple[int, ...], rows: list[tuple[int, int]] | None = None) -> None:
-        src, base = parts[rest]
-        used.add(rest)
-        row = numel(src.global_shape[1:]) if src.global_shape else 1
-        spans = rows if rows is not None else [(0, src.global_shape[0] if src.global_shape else 1)]
-        runs = tuple((src.key, base + a * row, (b - a) * row) for a, b in spans)
-        if sum(r[2] for r in runs) != numel(shape):
-            raise CheckpointError(
-                f"{ckpt}: Megatron tensor {src.key!r} of layer {layer} has shape "
-                f"{src.global_shape}, which does not fit {prefix}{hf} {shape} of the args"
-            )
-        out[f"model/{prefix}{hf}"] = MegatronTensorEntry(f"model/{prefix}{hf}", shape, src.dtype, runs)
-
-    def first(*names: str) -> str:
-        found = [n for n in names if n in parts]
-        if not found:
-            raise CheckpointError(f"{ckpt}: layer {layer} has none of {names}; the checkpoint is incomplete")
-        return found[0]
-
-    h, d, g = arch.hidden, arch.head_dim, arch.groups
-    per_group = arch.heads // g  # query heads of a group, then its key and value heads ([Note: Megatron ...])
-    rows_of = {  # rows of the fused QKV of each of q, k, v: per group
-        "q_proj": [(i * (per_group + 2) * d, (i * (per_group + 2) + per_group) * d) for i in range(g)],
-        "k_proj": [
-            ((i * (per_group + 2) + per_group) * d, (i * (per_group + 2) + per_group + 1) * d) for i in range(g)
-        ],
-        "v_proj": [((i * (per_group + 2) + per_group + 1) * d, (i + 1) * (per_group + 2) * d) for i in range(g)],
-    }
-    add("input_layernorm.weight", first("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"), (h,))
-    for proj, rows in rows_of.items():
-        heads = arch.heads if proj == "q_proj" else g
-        add(f"self_attn.{proj}.weight", "self_attention.linear_qkv.weight", (heads * d, h), rows)
-        if "self_attention.linear_qkv.bias" in parts:
-            add(f"self_attn.{proj}.bias", "self_attention.linear_qkv.bias", (heads * d,), rows)
-    add("self_attn.o_proj.weight", "self_attention.linear_proj.weight", (h, arch.heads * d))
-    add("post_attention_layernorm.weight", first("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"), (h,))
-    f = arch.ffn
-    if arch.experts is None:
-        add("mlp.gate_proj.weight", "mlp.linear_fc1.weight", (f, h), [(0, f)])
-        add("mlp.up_proj.weight", "mlp.linear_fc1.weight", (f, h), [(f, 2 * f)])
-        add("mlp.down_proj.weight", "mlp.linear_fc2.weight", (h, f))
-    else:
-        e = arch.experts
-        add("mlp.gate.weight", "mlp.router.weight", (e, h))
-        for hf, name, shape in (("gate_up_proj", "linear_fc1", (e, 2 * f, h)), ("down_proj", "linear_fc2", (e, h, f))):
-            stacked = f"mlp.experts.experts.{name}.weight"
-            if stacked in parts:  # [Note: Megatron torch_dist checkpoints]: experts x [gate; up] x hidden
-                add(f"mlp.experts.{hf}", stacked, shape)
-                continue
-            per_expert = [f"mlp.experts.local_experts.{i}.{name}.weight" for i in range(e)]
-            if not all(p in parts for p in per_expert):
-                raise CheckpointError(
-                    f"{ckpt}: layer {layer}'s experts are stored in a form shardtrain does not read "
-                    f"(neither {stacked!r} nor one tensor per expert)"
-                )
-            runs = []
-            for p in per_expert:
-                src, base = parts[p]
-                used.add(p)
-                runs.append((src.key, base, numel(src.global_shape)))
-            out[f"model/{prefix}mlp.experts.{hf}"] = MegatronTensorEntry(
-                f"model/{prefix}mlp.experts.{hf}", shape, parts[per_expert[0]][0].dtype, tuple(runs)
-            )
-    if left := sorted(set(parts) - used):
-        raise CheckpointError(f"{ckpt}: layer {layer}'s Megatron tensors {left} have no Llama/Mixtral counterpart")
-    return out
-
-
-# [Note: Megatron optimizer state]
-# Megatron's optimizer state sharded "in model space" is stored as ``optimizer.state.<state key>.<model key>`` with
-# the model tensor's global shape and layout (``exp_avg``, ``exp_avg_sq``), so each Hugging Face tensor's state is
-# the same runs of those tensors; the step count is one number in the common state (``optimizer.state.common_step``).
-# The param groups (in ``optimizer.param_groups`` of the common state) do not list their parameters; megatron's
-# default grouping decides: ``wd_mult`` 0 holds the biases and 1-D parameters (norms), ``wd_mult`` 1 the rest.
-# Other groupings (``lr_mult``, decoupled learning rates, experts' groups) are refused by name. ``fp32_param``
-# (the masters of a bf16 run) is not read: the engine makes its masters from the weights.
-
-ADAM_HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
-
-
-def optimizer_entries(
-    model: dict[str, MegatronTensorEntry], sources: dict[str, MegatronSource], step: float | None
-) -> dict[str, MegatronTensorEntry]:
-    """``optim/<hf name>/<state key>`` for every model tensor whose state the checkpoint holds, and its ``step``
-    ([Note: Megatron optimizer state])."""
-    kinds = sorted({k[len(OPTIMIZER_STATE) :].split(".", 1)[0] for k in sources if k.startswith(OPTIMIZER_STATE)})
-    kinds = [k for k in kinds if k != "fp32_param"]
-    out: dict[str, MegatronTensorEntry] = {}
-    for name, entry in model.items():
-        hf = name.removeprefix("model/")
-        found = False
-        for kind in kinds:
-            keys = {key: f"{OPTIMIZER_STATE}{kind}.{key}" for key, _, _ in entry.runs}
-            states = [sources.get(k) for k in keys.values()]
-            if not all(st is not None and st.global_shape == sources[m].global_shape for m, st in zip(keys, states)):
-                continue
-            runs = tuple((keys[key], start, length) for key, start, length in entry.runs)
-            out[f"optim/{hf}/{kind}"] = MegatronTensorEntry(f"optim/{hf}/{kind}", entry.global_shape, "float32", runs)
-            found = True
-        if found and step is not None:
-            out[f"optim/{hf}/step"] = MegatronTensorEntry(f"optim/{hf}/step", (), "float32", (), value=step)
-    return out
-
-
-def param_groups(saved: Any, model: dict[str, MegatronTensorEntry], ckpt: Path) -> list[dict[str, Any]]:
-    """Megatron's param groups with their parameters' Hugging Face names, by megatron's default grouping
-    ([Note: Megatron optimizer state])."""
-    if not isinstance(saved, list) or not all(isinstance(g, dict) for g in saved):
-        raise CheckpointError(f"{ckpt}: common.pt's optimizer.param_groups is not a list of groups; it is damaged")
-    odd = [g for g in saved if g.get("lr_mult", 1.0) != 1.0 or g.get("is_expert_parallel") or g.get("is_decoupled_lr")]
-    if odd or sorted(g.get("wd_mult", 1.0) for g in saved) not in ([0.0, 1.0], [1.0], [0.0]):
-        raise CheckpointError(
-            f"{ckpt}: Megatron param groups other than its default (no weight decay for biases and norms) cannot be "
-            "matched to parameters (the checkpoint does not list them); load with load_optimizer_states=False"
-        )
-
-    def no_decay(entry: MegatronTensorEntry) -> bool:  # megatron's rule on its own (per-layer) tensors
-        return len(entry.global_shape) == 1
-
-    groups = []
-    for g in saved:
-        params = [n.removeprefix("model/") for n, e in model.items() if no_decay(e) == (g.get("wd_mult", 1.0) == 0.0)]
-        hyper = {k: (list(g[k]) if isinstance(g[k], tuple) else g[k]) for k in ADAM_HYPERPARAMETERS if k in g}
-        groups.append({**hyper, "params": params})
-    return groups

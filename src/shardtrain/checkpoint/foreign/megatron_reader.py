@@ -1,7 +1,8 @@
 """Read a Megatron-Core ``torch_dist`` checkpoint through the interface of
 :class:`~shardtrain.checkpoint.reader.CheckpointReader`, under a Hugging Face Llama / Mixtral model's names, so that
 the engine loads it into any layout and ``shardtrain checkpoint consolidate`` writes what ``from_pretrained`` opens
-([Note: Megatron torch_dist checkpoints] in ``megatron_format.py`` says what maps to what).
+([Note: Megatron torch_dist checkpoints] in ``megatron_format.py`` and [Note: Megatron tensor layout] in
+``megatron_names.py`` say what maps to what).
 
 A read of a Hugging Face tensor (whole, a flat range, or a slice) finds the runs of Megatron tensors it needs and
 reads their bounding range from each with DCP's own reader (``dcp_reader.py``: only the chunks, and their rows,
@@ -22,18 +23,15 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from shardtrain.checkpoint.foreign.dcp_format import DcpTensorEntry, _world_size
 from shardtrain.checkpoint.foreign.dcp_reader import ELEMENTWISE, PARAM_GROUPS_KEY, SCALAR, STATE_KINDS_KEY, DcpReader
+from shardtrain.checkpoint.foreign.megatron_architecture import Architecture
 from shardtrain.checkpoint.foreign.megatron_format import (
-    Architecture,
-    MegatronManifest,
     MegatronSource,
-    MegatronTensorEntry,
-    hf_entries,
     load_common,
     load_megatron_metadata,
-    optimizer_entries,
-    param_groups,
     sources_of,
 )
+from shardtrain.checkpoint.foreign.megatron_names import MegatronManifest, MegatronTensorEntry, hf_entries
+from shardtrain.checkpoint.foreign.megatron_optimizer import optimizer_entries, param_groups
 from shardtrain.checkpoint.format import Slice, slice_destination
 from shardtrain.checkpoint.runs import RunTable, SegmentCopier, intersect
 from shardtrain.errors import CheckpointError
