@@ -139,7 +139,9 @@ def test_nvme_offload_under_mixed_precision_is_bitwise_in_memory_training(precis
     """fp32 masters (resident) and compute-dtype parameters: the offloaded moments step them exactly alike."""
     recipe = Recipe(steps=3)
     nvme = {"sub_group_size": 2000, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}
-    top = {precision: {"enabled": True}}
+    # gradient shards go to the files when they accumulate in fp32 (the dtype stepped), by name: DeepSpeed's default,
+    # the compute dtype, keeps them in memory at half the bytes
+    top = {precision: {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}
     plain = run_distributed(train, 2, recipe, 3, 2, None, 2000, top)
     offloaded = run_distributed(train, 2, recipe, 3, 2, nvme, 2000, top)
     _bitwise_equal(offloaded, plain)

@@ -435,6 +435,7 @@ def _prepare(
     n_params = sum(p.numel() for p in _fake_model(source, 1, 1, tp_plan, cache)[0].parameters())
     # gradient shards in swap files: as offload/optimizer_state.py's build_gradient_sinks decides
     grads_in_files = offload.optimizer.device == "nvme" and zero.shard_gradients and device_type == "cpu"
+    grads_in_files = grads_in_files and precision.grad_dtype(compute) == torch.float32  # accumulated as stepped
     grads_in_files = grads_in_files and layout.tp == 1 and layout.shard_group == layout.zero
     st = rank_state(
         fake, zero, offload, layout.shard_group, 0, compute, moments, steps, device_type, grads_in_files, experts,

@@ -38,6 +38,7 @@ from torch import nn
 
 from shardtrain.distributed.communicator import Communicator, Reduce
 from shardtrain.errors import OptimizerError
+from shardtrain.host_read import HostRead
 from shardtrain.optim.adam import DeepSpeedAdam
 from shardtrain.plan.policies import ZeroPolicy
 from shardtrain.zero.layout import Bucket, fragment_places, fragment_tensor
@@ -330,11 +331,15 @@ class ShardedOptimizer:
         found_inf = None
         if loss_scale is not None or skip_nonfinite:
             overflow = ~torch.isfinite(local_sq)
-            if not (on_device and getattr(self.optimizer, "_step_supports_amp_scaling", False)):
-                if bool(overflow):  # decided on the host: one synchronization
-                    return total_norm, True
-            else:
+            if on_device and getattr(self.optimizer, "_step_supports_amp_scaling", False):
                 found_inf = overflow
+            elif self.offload is not None:
+                # the host step waits for the norm anyway (its clip coefficient): the flag is read the same way, a
+                # copy to pinned memory behind an event ([Note: reading device values a step later])
+                if HostRead(overflow).values()[0]:
+                    return total_norm, True
+            elif bool(overflow):  # decided on the host: one synchronization
+                return total_norm, True
         coef = None
         if max_norm > 0 and (in_memory or deferred):
             # identical to torch.nn.utils.clip_grad_norm_: scale by max_norm/(norm+1e-6), never up
