@@ -73,6 +73,7 @@ ALLOWED: dict[str, set[str]] = {
         "shardtrain.distributed",
     },
     "shardtrain.estimate": {
+        "shardtrain.activations",
         "shardtrain.tensor_parallel",
         "shardtrain.sequence_parallel",
         "shardtrain.expert_parallel",

@@ -61,3 +61,14 @@ def test_policies_under_zero3(case, world):
     _check(results, case, world)
     for r in results:
         assert r["full"]["kept_bytes"] < r["none"]["kept_bytes"], {n: r[n]["kept_bytes"] for n in ALL}
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_policies_under_tensor_parallelism(stage):
+    """(dp 1, tp 2): the recompute runs the tensor-parallel collectives again in backward, on every tp rank in the
+    same order; bitwise as no checkpointing."""
+    results = run_distributed(policy_runs, 2, "gpt", stage, ["none", "full", "selective", "full+cpu"], tp=2)
+    for r in results:
+        for name in ("full", "selective", "full+cpu"):
+            assert_bitwise(r[name], r["none"], f"tp 2 {name} vs none")
+    assert_parity([results[0]["none"]], ref("gpt", 1))

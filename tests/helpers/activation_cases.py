@@ -71,7 +71,12 @@ def policy_runs(case: str, stage: int, names: list[str], steps: int = 3, tp: int
         }
         if tp > 1:
             config["tensor_parallel"] = {"size": tp}
-        engine = shardtrain.initialize(model, config=config, optimizer=optimizer(model))
+        tp_plan = None
+        if tp > 1:
+            from shardtrain.tensor_parallel import GPT_TP_PLAN
+
+            tp_plan = GPT_TP_PLAN
+        engine = shardtrain.initialize(model, config=config, optimizer=optimizer(model), tp_plan=tp_plan)
         offload = offload_of(model)
         losses, norms, kept, offloaded = [], [], None, []
         for s, x in enumerate(batches(dp, steps)):
