@@ -996,21 +996,22 @@ RULES: tuple[Rule, ...] = (
         "it sizes DeepSpeed's contiguous checkpoint buffer; here the checkpointed blocks are ZeRO-3's units",
         check=StrictInt,
     ),
-    _only(
+    _supported(
         "activation_checkpointing.contiguous_memory_optimization",
-        False,
-        "DeepSpeed's copy of the checkpoints into one preallocated buffer is not built (the caching allocator "
-        "holds them); remove it or set it to false",
+        "bool, `false`",
+        "DeepSpeed's copy of the checkpoints into one preallocated buffer: `true` refused with a policy (not built: "
+        "the caching allocator holds them)",
     ),
-    _only(
+    _supported(
         "activation_checkpointing.synchronize_checkpoint_boundary",
-        False,
-        "a device synchronize around every checkpoint (a timing aid) is not built; remove it or set it to false",
+        "bool, `false`",
+        "a device synchronize around every checkpoint (a timing aid): `true` refused with a policy (not built)",
     ),
-    _only(
+    _supported(
         "activation_checkpointing.profile",
-        False,
-        "DeepSpeed's timers around checkpoint calls are not built; use `flops_profiler` or torch's profiler",
+        "bool, `false`",
+        "DeepSpeed's timers around checkpoint calls: `true` refused with a policy (not built; use `flops_profiler` "
+        "or torch's profiler)",
     ),
     # -- features that are not built -------------------------------------------------------------
     _not_supported("sparse_attention", "DeepSpeed's sparse attention modules are not provided"),
@@ -1227,7 +1228,13 @@ NO_EFFECT_WHEN: tuple[NoEffectWhen, ...] = (
             "no block is checkpointed (DeepSpeed's section alone checkpoints nothing either)",
             lambda c: c.activation_checkpointing.policy == "none",
         )
-        for key in ("cpu_checkpointing", "partition_activations")
+        for key in (
+            "cpu_checkpointing",
+            "partition_activations",
+            "contiguous_memory_optimization",
+            "synchronize_checkpoint_boundary",
+            "profile",
+        )
     ),
     NoEffectWhen(
         "activation_checkpointing.partition_activations",

@@ -254,8 +254,26 @@ class ActivationCheckpointingConfig(_Section):
     """With tensor parallelism each rank would keep 1/tp of a block's inputs: refused there (not built); without it
     there is nothing to partition."""
 
+    contiguous_memory_optimization: bool = False
+    """DeepSpeed copies its checkpoints into one preallocated buffer: not built, refused with a policy."""
+    synchronize_checkpoint_boundary: bool = False
+    """DeepSpeed synchronizes the device around each checkpoint (a timing aid): not built, refused with a policy."""
+    profile: bool = False
+    """DeepSpeed times its checkpoint calls: not built, refused with a policy."""
+
     @model_validator(mode="after")
     def _policy_built(self) -> ActivationCheckpointingConfig:
+        unbuilt = {
+            "contiguous_memory_optimization": "the copy of the checkpoints into one preallocated buffer (the caching "
+            "allocator holds them here)",
+            "synchronize_checkpoint_boundary": "a device synchronize around every checkpoint",
+            "profile": "timers around the checkpoint calls (use flops_profiler or torch's profiler)",
+        }
+        for key, what in unbuilt.items():
+            if getattr(self, key) and self.policy != "none":
+                raise ValueError(
+                    f"{key}: true with policy {self.policy!r}: {what} is not built; remove it or set it to false"
+                )
         if self.policy == "budget":
             raise ValueError(
                 "policy 'budget' (the planner choosing what to keep under a memory budget) is not built; use "
