@@ -72,3 +72,15 @@ def test_policies_under_tensor_parallelism(stage):
         for name in ("full", "selective", "full+cpu"):
             assert_bitwise(r[name], r["none"], f"tp 2 {name} vs none")
     assert_parity([results[0]["none"]], ref("gpt", 1))
+
+
+def test_policies_under_ulysses():
+    """(dp 1, sp 2) at stage 3, Llama: the recompute runs Ulysses' all-to-alls again in backward; bitwise as no
+    checkpointing, which is at parity with one process."""
+    pytest.importorskip("transformers")
+    results = run_distributed(policy_runs, 2, "llama", 3, ["none", "full", "selective", "full+cpu"], sp=2)
+    for r in results:
+        for name in ("full", "selective", "full+cpu"):
+            assert_bitwise(r[name], r["none"], f"sp 2 {name} vs none")
+        assert r["full"]["kept_bytes"] < r["selective"]["kept_bytes"] < r["none"]["kept_bytes"]
+    assert_parity([results[0]["none"]], ref("llama", 1))

@@ -52,14 +52,14 @@ def offload_of(model: torch.nn.Module) -> HostOffload | None:
     return None
 
 
-def policy_runs(case: str, stage: int, names: list[str], steps: int = 3, tp: int = 1) -> dict:
+def policy_runs(case: str, stage: int, names: list[str], steps: int = 3, tp: int = 1, sp: int = 1) -> dict:
     """Train ``case`` at ZeRO ``stage`` once per section of ``names``; per name the losses, grad norms and final
     parameters (rank 0's full state), the bytes the first forward left alive for backward (storages made during it
     that are alive until backward starts), and the host offload's counts."""
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    dp, dp_rank = world // tp, rank // tp
+    dp, dp_rank = world // (tp * sp), rank // (tp * sp)  # the ranks of a tp or sp group share their batch
     out = {}
     for name in names:
         model = BUILDERS[case]()
@@ -71,6 +71,8 @@ def policy_runs(case: str, stage: int, names: list[str], steps: int = 3, tp: int
         }
         if tp > 1:
             config["tensor_parallel"] = {"size": tp}
+        if sp > 1:
+            config["sequence_parallel_size"] = sp
         tp_plan = None
         if tp > 1:
             from shardtrain.tensor_parallel import GPT_TP_PLAN
