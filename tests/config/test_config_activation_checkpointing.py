@@ -78,8 +78,13 @@ def test_partitioned_activations_with_tensor_parallelism_are_refused():
     resolve_plan(load_config({AC: {"partition_activations": True}, "tensor_parallel": {"size": 2}}), 2)  # no policy
 
 
-def _no_blocks() -> str:
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+def _refused(kind: str) -> str:
+    if kind == "no blocks":
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    else:
+        from helpers.model_cases import _llama
+
+        model = _llama("non-reentrant")  # transformers' own gradient checkpointing on
     before = {k: v.clone() for k, v in model.state_dict().items()}
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     try:
@@ -87,11 +92,18 @@ def _no_blocks() -> str:
         shardtrain.initialize(model, config=config, optimizer=opt)
     except ConfigError as e:
         assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
-        assert not model[0]._forward_pre_hooks  # refused before the model was touched
+        assert not any(m._forward_pre_hooks for m in model.modules())  # refused before the model was touched
         return str(e)
     return "initialize accepted it"
 
 
 def test_a_model_without_blocks_is_refused_by_name():
-    (message,) = run_distributed(_no_blocks, 1)
+    (message,) = run_distributed(_refused, 1, "no blocks")
     assert "has no repeated blocks to checkpoint" in message and "stage3_unit_classes" in message, message
+
+
+def test_a_model_checkpointing_itself_is_refused_by_name():
+    """transformers' own gradient checkpointing and a policy would checkpoint every layer twice."""
+    pytest.importorskip("transformers")
+    (message,) = run_distributed(_refused, 1, "checkpointing itself")
+    assert "would be checkpointed twice" in message and "gradient_checkpointing_enable" in message, message

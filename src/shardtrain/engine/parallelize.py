@@ -355,10 +355,17 @@ def apply_activation_checkpointing(model: nn.Module, plan: Plan, topology: Topol
 
 
 def checkpointed_blocks(model: nn.Module, plan: Plan) -> list[nn.Module]:
-    """The blocks ``plan.activations`` checkpoints: ZeRO-3's units without the root; a model with none is refused."""
+    """The blocks ``plan.activations`` checkpoints: ZeRO-3's units without the root; a model with none, or whose
+    transformers layers checkpoint themselves already, is refused."""
     policy: ActivationPolicy = plan.activations
     if not policy.enabled:
         return []
+    if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
+        raise ConfigError(
+            f"activation_checkpointing.policy {policy.recompute!r} on a model whose own gradient checkpointing is on "
+            "(transformers' gradient_checkpointing_enable(), or the Trainer's gradient_checkpointing): each block "
+            "would be checkpointed twice; turn one of them off"
+        )
     blocks = [m for _, m in find_unit_modules(model, plan.zero.unit_classes) if m is not model]
     if not blocks:
         raise ConfigError(
