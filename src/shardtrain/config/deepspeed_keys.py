@@ -1247,9 +1247,14 @@ NO_EFFECT_WHEN: tuple[NoEffectWhen, ...] = (
         for key in (
             "stage3_param_persistence_threshold",
             "stage3_prefetch_bucket_size",
-            "stage3_unit_classes",
             "stage3_gather_check",
         )
+    ),
+    NoEffectWhen(
+        _Z + "stage3_unit_classes",
+        'at ZeRO stages 0-2 with `activation_checkpointing.policy: "none"`',
+        "applies to stage 3 only (and to the blocks a checkpointing policy checkpoints)",
+        lambda c: _zero_stage(c) != 3 and c.activation_checkpointing.policy == "none",
     ),
     NoEffectWhen(
         _Z + "stage3_gather_check",
