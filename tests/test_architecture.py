@@ -55,6 +55,7 @@ ALLOWED: dict[str, set[str]] = {
     },
     # initialize: the plan applied to the model, one step per axis (engine/parallelize.py)
     "shardtrain.engine": {
+        "shardtrain.activations",
         "shardtrain.expert_parallel",
         "shardtrain.graph",
         "shardtrain.runtime",
@@ -72,6 +73,7 @@ ALLOWED: dict[str, set[str]] = {
         "shardtrain.distributed",
     },
     "shardtrain.estimate": {
+        "shardtrain.activations",
         "shardtrain.tensor_parallel",
         "shardtrain.sequence_parallel",
         "shardtrain.expert_parallel",
@@ -118,6 +120,8 @@ ALLOWED: dict[str, set[str]] = {
         "shardtrain.config",
         "shardtrain.distributed",
     },
+    # activation checkpointing by policy and the host offload of the inputs kept: torch's checkpoint, given blocks
+    "shardtrain.activations": {"shardtrain.plan"},
     # offload reads the layout's buckets (the plain data every part reads); the rest of zero is above it
     "shardtrain.offload": {"shardtrain.zero.layout", "shardtrain.plan", "shardtrain.distributed"},
     "shardtrain.zero.guarded": {"shardtrain.zero.units"},
@@ -263,7 +267,17 @@ def test_class_names_are_unique():
     assert {name: files for name, files in where.items() if len(files) > 1} == {}
 
 
-CORE = ("zero", "offload", "graph", "runtime", "precision", "tensor_parallel", "sequence_parallel", "expert_parallel")
+CORE = (
+    "zero",
+    "offload",
+    "graph",
+    "runtime",
+    "precision",
+    "tensor_parallel",
+    "sequence_parallel",
+    "expert_parallel",
+    "activations",
+)
 
 
 def test_core_packages_take_policies_not_the_config():

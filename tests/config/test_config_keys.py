@@ -788,6 +788,66 @@ def _unit_classes(tmp: Path) -> None:
     assert "blocks.0" not in names(["CausalSelfAttention"])
 
 
+_AC = "activation_checkpointing"
+
+
+def _block_forwards(config: dict) -> tuple[int, int]:
+    """Calls of the first block's forward in one micro-step, and the block inputs the engine put in host memory."""
+    engine = _engine(config)
+    calls = []
+    engine.module.blocks[0].register_forward_pre_hook(lambda *_: calls.append(1))
+    _micro_step(engine)
+    offloads = [
+        hook.__self__.offloaded
+        for hook in engine.module.blocks[0]._forward_pre_hooks.values()
+        if type(getattr(hook, "__self__", None)).__name__ == "HostOffload"
+    ]
+    return len(calls), sum(offloads)
+
+
+@effect(f"{_AC}.policy")
+def _ac_policy(tmp: Path) -> None:
+    # full and selective run each block's forward again in backward
+    assert _block_forwards({}) == (1, 0)
+    assert _block_forwards({_AC: {"policy": "full"}}) == (2, 0)
+    assert _block_forwards({_AC: {"policy": "selective"}}) == (2, 0)
+
+
+@effect(f"{_AC}.cpu_checkpointing")
+def _ac_cpu(tmp: Path) -> None:
+    # one input of each of the two blocks, moved to host memory and back
+    assert _block_forwards({_AC: {"policy": "full", "cpu_checkpointing": True}}) == (2, 2)
+
+
+@effect(f"{_AC}.partition_activations")
+def _ac_partition(tmp: Path) -> None:
+    from shardtrain.config.plan import resolve_plan
+    from shardtrain.config.sections import load_config
+
+    tp = {"tensor_parallel": {"size": 2}}
+    resolve_plan(load_config({_AC: {"policy": "full"}, **tp}), 2)
+    try:
+        resolve_plan(load_config({_AC: {"policy": "full", "partition_activations": True}, **tp}), 2)
+    except ConfigError as e:
+        assert "partition_activations" in str(e) and "not built" in str(e), e
+    else:
+        raise AssertionError("partition_activations with tensor parallelism was accepted")
+
+
+@effect(f"{_AC}.contiguous_memory_optimization", f"{_AC}.synchronize_checkpoint_boundary", f"{_AC}.profile")
+def _ac_unbuilt(tmp: Path) -> None:
+    from shardtrain.config.sections import load_config
+
+    for key in ("contiguous_memory_optimization", "synchronize_checkpoint_boundary", "profile"):
+        load_config({_AC: {"policy": "full", key: False}})
+        try:
+            load_config({_AC: {"policy": "full", key: True}})
+        except ConfigError as e:
+            assert f"{key}: true with policy 'full'" in str(e), e
+        else:
+            raise AssertionError(f"{key}: true with a policy was accepted")
+
+
 @effect(_Z + "stage3_gather_check")
 def _gather_check(tmp: Path) -> None:
     def checks(on: bool) -> int:
@@ -1412,6 +1472,20 @@ MODE_EXAMPLES: list[tuple[str, dict]] = [
     ("graph.cache_size", {"graph": {"cache_size": 2}}),
     ("graph.compiler", {"graph": {"compiler": "inductor"}}),
     ("graph.dynamic_shapes", {"graph": {"dynamic_shapes": False}}),
+    *(
+        (f"activation_checkpointing.{key}", {"activation_checkpointing": {key: True}})
+        for key in (
+            "cpu_checkpointing",
+            "partition_activations",
+            "contiguous_memory_optimization",
+            "synchronize_checkpoint_boundary",
+            "profile",
+        )
+    ),
+    (
+        "activation_checkpointing.partition_activations",
+        {"activation_checkpointing": {"policy": "full", "partition_activations": True}},
+    ),
 ]
 
 

@@ -963,13 +963,57 @@ RULES: tuple[Rule, ...] = (
         "DeepSpeed's throughput timers; see `wall_clock_breakdown`",
         check=dict,
     ),
-    # -- features that are not built -------------------------------------------------------------
-    _no_effect(
+    # -- activation checkpointing: DeepSpeed's section, with shardtrain's policy ------------------------
+    _supported(
         "activation_checkpointing",
         "section",
-        "configures `deepspeed.checkpointing`, which a model calls itself; use `torch.utils.checkpoint`",
-        check=dict,
+        "activation checkpointing of the model's blocks (ZeRO-3's units, at every stage) by `policy`: "
+        "docs/activation-checkpointing.md",
     ),
+    _supported(
+        "activation_checkpointing.policy",
+        '`"none"`, `"full"`, `"selective"`; `"none"`',
+        "shardtrain key: `full` keeps each block's inputs and recomputes the block in backward; `selective` also "
+        "keeps matmul and attention outputs and recomputes the rest; `none` recomputes nothing (DeepSpeed's "
+        "section only configures `deepspeed.checkpointing`, which a model calls itself); `budget` is refused: not "
+        "built",
+    ),
+    _supported(
+        "activation_checkpointing.cpu_checkpointing",
+        "bool, `false`",
+        "the inputs checkpointed blocks keep wait in host memory between forward and backward (pinned, copied on a "
+        "side stream, back one block ahead)",
+    ),
+    _supported(
+        "activation_checkpointing.partition_activations",
+        "bool, `false`",
+        "with tensor parallelism each rank would keep 1/tp of the block inputs: refused there (not built); "
+        "without it there is nothing to partition",
+    ),
+    _no_effect(
+        "activation_checkpointing.number_checkpoints",
+        "int ≥ 1",
+        "it sizes DeepSpeed's contiguous checkpoint buffer; here the checkpointed blocks are ZeRO-3's units",
+        check=StrictInt,
+    ),
+    _supported(
+        "activation_checkpointing.contiguous_memory_optimization",
+        "bool, `false`",
+        "DeepSpeed's copy of the checkpoints into one preallocated buffer: `true` refused with a policy (not built: "
+        "the caching allocator holds them)",
+    ),
+    _supported(
+        "activation_checkpointing.synchronize_checkpoint_boundary",
+        "bool, `false`",
+        "a device synchronize around every checkpoint (a timing aid): `true` refused with a policy (not built)",
+    ),
+    _supported(
+        "activation_checkpointing.profile",
+        "bool, `false`",
+        "DeepSpeed's timers around checkpoint calls: `true` refused with a policy (not built; use `flops_profiler` "
+        "or torch's profiler)",
+    ),
+    # -- features that are not built -------------------------------------------------------------
     _not_supported("sparse_attention", "DeepSpeed's sparse attention modules are not provided"),
     _not_supported("pipeline", "pipeline parallelism is not supported"),
     _supported("tensor_parallel", "section", "tensor parallelism on a (data, tensor) mesh: docs/tensor-parallel.md"),
@@ -1178,13 +1222,39 @@ _NO_SWAP = "there are no swap files"
 
 NO_EFFECT_WHEN: tuple[NoEffectWhen, ...] = (
     *(
+        NoEffectWhen(
+            f"activation_checkpointing.{key}",
+            'with `policy: "none"`',
+            "no block is checkpointed (DeepSpeed's section alone checkpoints nothing either)",
+            lambda c: c.activation_checkpointing.policy == "none",
+        )
+        for key in (
+            "cpu_checkpointing",
+            "partition_activations",
+            "contiguous_memory_optimization",
+            "synchronize_checkpoint_boundary",
+            "profile",
+        )
+    ),
+    NoEffectWhen(
+        "activation_checkpointing.partition_activations",
+        "without tensor parallelism",
+        "each rank's block inputs are its own already: nothing to partition",
+        lambda c: c.tensor_parallel.degree == 1,
+    ),
+    *(
         NoEffectWhen(_Z + key, "at ZeRO stages 0-2", "applies to stage 3 only", lambda c: _zero_stage(c) != 3)
         for key in (
             "stage3_param_persistence_threshold",
             "stage3_prefetch_bucket_size",
-            "stage3_unit_classes",
             "stage3_gather_check",
         )
+    ),
+    NoEffectWhen(
+        _Z + "stage3_unit_classes",
+        'at ZeRO stages 0-2 with `activation_checkpointing.policy: "none"`',
+        "applies to stage 3 only (and to the blocks a checkpointing policy checkpoints)",
+        lambda c: _zero_stage(c) != 3 and c.activation_checkpointing.policy == "none",
     ),
     NoEffectWhen(
         _Z + "stage3_gather_check",

@@ -17,6 +17,7 @@ from shardtrain.errors import ConfigError
 from shardtrain.plan import Plan
 from shardtrain.plan.dims import ParallelDims
 from shardtrain.plan.policies import (
+    ActivationPolicy,
     GraphPolicy,
     LossScalePolicy,
     OffloadPolicy,
@@ -71,6 +72,7 @@ def resolve_plan(cfg: Config, world: int, device_type: str | None = None) -> Pla
         tiling=TilingPolicy(
             cfg.tiled_logits_loss, cfg.tiled_logits_loss_shards, cfg.tiled_mlp_compute, cfg.tiled_mlp_shards
         ),
+        activations=activation_policy(cfg),
         device=cfg.device,
         timeout_s=cfg.collective_timeout_s,
     )
@@ -125,6 +127,14 @@ def precision_policy(cfg: Config) -> PrecisionPolicy:
     )
 
 
+def activation_policy(cfg: Config) -> ActivationPolicy:
+    """What ``activation_checkpointing`` recomputes, and whether the inputs kept wait in host memory (only when
+    something is checkpointed: DeepSpeed's keys alone checkpoint nothing)."""
+    ac = cfg.activation_checkpointing
+    recompute = "none" if ac.policy == "budget" else ac.policy  # "budget" was refused by the section
+    return ActivationPolicy(recompute, offload_inputs=ac.cpu_checkpointing and recompute != "none")
+
+
 def refuse_unbuilt(cfg: Config, dims: ParallelDims, device_type: str | None = None) -> None:
     """Combinations that are not built, refused by name before anything is touched (the layouts' sizes were
     checked by :class:`~shardtrain.plan.dims.ParallelDims`; rules that need no world size are the validators of
@@ -161,6 +171,13 @@ def refuse_unbuilt(cfg: Config, dims: ParallelDims, device_type: str | None = No
                 "zero_hpz_partition_size (plain ZeRO-3: the same values, backward gathers over every data-parallel "
                 "rank) or turn the other feature off (docs/hybrid-sharding.md)"
             )
+    ac = cfg.activation_checkpointing
+    if ac.partition_activations and ac.policy != "none" and dims.tp > 1:
+        raise ConfigError(
+            f"activation_checkpointing.partition_activations with tensor_parallel.size {dims.tp} is not built (each "
+            "rank would keep 1/tp of every checkpointed block's inputs); remove it (each rank keeps the whole "
+            "inputs), or use cpu_checkpointing to keep them in host memory"
+        )
     if (cfg.tiled_logits_loss or cfg.tiled_mlp_compute) and cfg.graph.enabled:
         raise ConfigError(
             "tiled_logits_loss / tiled_mlp_compute with graph.enabled: the tiled Functions recompute in backward "
@@ -209,4 +226,11 @@ def ineffective_offload_keys(cfg: Config, device_type: str) -> list[str]:
     return notes
 
 
-__all__ = ["check_layout", "ineffective_offload_keys", "parallel_dims", "precision_policy", "resolve_plan"]
+__all__ = [
+    "activation_policy",
+    "check_layout",
+    "ineffective_offload_keys",
+    "parallel_dims",
+    "precision_policy",
+    "resolve_plan",
+]

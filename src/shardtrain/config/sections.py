@@ -240,6 +240,49 @@ class GraphConfig(_Section):
     graph per set of sizes, specialized on them (less memory and capture work for fixed-shape training)."""
 
 
+class ActivationCheckpointingConfig(_Section):
+    """Activation checkpointing of the model's blocks (DeepSpeed's section, with shardtrain's ``policy``; see
+    docs/activation-checkpointing.md). The blocks are the modules ZeRO-3 makes units of, at every stage."""
+
+    policy: Literal["none", "full", "selective", "budget"] = "none"
+    """``none``: nothing is recomputed (DeepSpeed's behaviour: its section only configures the model's own calls);
+    ``full``: each block keeps only its inputs and runs again in backward; ``selective``: each block also keeps its
+    matmul and attention outputs and recomputes the rest. ``budget`` is refused: not built."""
+    cpu_checkpointing: bool = False
+    """The inputs checkpointed blocks keep wait in host memory between forward and backward."""
+    partition_activations: bool = False
+    """With tensor parallelism each rank would keep 1/tp of a block's inputs: refused there (not built); without it
+    there is nothing to partition."""
+
+    contiguous_memory_optimization: bool = False
+    """DeepSpeed copies its checkpoints into one preallocated buffer: not built, refused with a policy."""
+    synchronize_checkpoint_boundary: bool = False
+    """DeepSpeed synchronizes the device around each checkpoint (a timing aid): not built, refused with a policy."""
+    profile: bool = False
+    """DeepSpeed times its checkpoint calls: not built, refused with a policy."""
+
+    @model_validator(mode="after")
+    def _policy_built(self) -> ActivationCheckpointingConfig:
+        unbuilt = {
+            "contiguous_memory_optimization": "the copy of the checkpoints into one preallocated buffer (the caching "
+            "allocator holds them here)",
+            "synchronize_checkpoint_boundary": "a device synchronize around every checkpoint",
+            "profile": "timers around the checkpoint calls (use flops_profiler or torch's profiler)",
+        }
+        for key, what in unbuilt.items():
+            if getattr(self, key) and self.policy != "none":
+                raise ValueError(
+                    f"{key}: true with policy {self.policy!r}: {what} is not built; remove it or set it to false"
+                )
+        if self.policy == "budget":
+            raise ValueError(
+                "policy 'budget' (the planner choosing what to keep under a memory budget) is not built; use "
+                "'selective' (matmul and attention outputs kept) or 'full' (block inputs only), and "
+                "`shardtrain estimate` to compare their memory"
+            )
+        return self
+
+
 class BF16Config(_Section):
     enabled: bool | Auto = False
     check_grad_overflow: bool = True
@@ -430,6 +473,7 @@ class Config(_Section):
     tiled_mlp_shards: Count | None = None
     """Tiles of the tiled MLP; default ALST's: ``ceil(tokens / hidden size)``."""
     graph: GraphConfig = Field(default_factory=GraphConfig)
+    activation_checkpointing: ActivationCheckpointingConfig = Field(default_factory=ActivationCheckpointingConfig)
     bf16: BF16Config = Field(default_factory=BF16Config)
     fp16: FP16Config = Field(default_factory=FP16Config)
     data_types: DataTypesConfig = Field(default_factory=DataTypesConfig)
@@ -470,6 +514,16 @@ class Config(_Section):
             raise ValueError(
                 f"graph.enabled with sequence_parallel_size {self.sequence_parallel_size}: the Ulysses all-to-alls do "
                 "not run in captured graphs yet; turn graph mode off (docs/sequence-parallel.md)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _activation_checkpointing_graph(self) -> Config:
+        if self.activation_checkpointing.policy != "none" and self.graph.enabled:
+            raise ValueError(
+                f"activation_checkpointing.policy {self.activation_checkpointing.policy!r} with graph.enabled: the "
+                "recompute runs module hooks in backward, outside the captured graphs; turn graph mode off, or "
+                "set policy 'none'"
             )
         return self
 

@@ -12,6 +12,9 @@ apply_zero            the layout: where every parameter lives (``zero/build.py``
 apply_precision       fp32 masters of each fragment, then parameters and buffers cast to the compute dtype
 apply_units           stage 3's eager runtime: units, hooks and the gather service, handed the parameter offload
                       and hpZ's secondary shards ([Note: one gather service] in ``zero/gather.py``)
+apply_activation_checkpointing   the blocks (ZeRO-3's units) recomputed in backward by policy, their inputs kept in
+                      host memory with ``cpu_checkpointing`` (after the runtime: [Note: the order of a checkpointed
+                      block's hooks])
 apply_step            gradient sinks (optimizer offload), the reducer and the optimizer over this rank's fragments
 apply_graph           graph mode around the eager runtime ([Note: one runtime, two implementations])
 monitor               metrics on rank 0
@@ -35,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardtrain.activations import HostOffload, apply_checkpointing
 from shardtrain.config.sections import Config, gradient_predivide
 from shardtrain.construction.sharded_init import (
     ExpertRows,
@@ -62,7 +66,7 @@ from shardtrain.offload.optimizer_state import (
 from shardtrain.offload.parameters import ParamOffload
 from shardtrain.offload.swap import ScratchDir, SwapFiles, on_every_rank, prepare_scratch
 from shardtrain.plan import Plan
-from shardtrain.plan.policies import OffloadPolicy, PrecisionPolicy, ZeroPolicy
+from shardtrain.plan.policies import ActivationPolicy, OffloadPolicy, PrecisionPolicy, ZeroPolicy
 from shardtrain.precision.loss_scaler import LossScaler
 from shardtrain.runtime.eager import EagerRuntime
 from shardtrain.runtime.interface import Runtime
@@ -81,6 +85,7 @@ from shardtrain.zero.hpz import SecondaryShards
 from shardtrain.zero.layout import Bucket, ShardLayout, cast_bucket
 from shardtrain.zero.optimizer import ShardedOptimizer, TensorParallelNorm, make_masters
 from shardtrain.zero.reducer import GradientReducer
+from shardtrain.zero.units import find_unit_modules
 
 log = logging.getLogger("shardtrain")
 
@@ -116,6 +121,7 @@ class Parts:
     optimizer: ShardedOptimizer
     runtime: Runtime
     monitor: TrainingMonitor
+    activation_offload: HostOffload | None = None  # the host copies of checkpointed blocks' inputs (cpu_checkpointing)
 
 
 @dataclass(frozen=True)
@@ -138,6 +144,7 @@ def parallelize(
 ) -> Parts:
     """Apply ``plan`` to ``model`` in the order of the module docstring and return the engine's parts. Collective.
     ``config``: only what is not a policy: the ranks' agreement check hashes it, the monitor reads its sections."""
+    checkpointed_blocks(model, plan)  # refused before the model is touched
     deferred = apply_construction(model, plan, topology)
     split = apply_tp(model, plan, topology, tp_plan, deferred)
     split = apply_ep(model, topology, split, deferred)
@@ -160,6 +167,7 @@ def parallelize(
         masters = apply_precision(model, layout, plan.precision)
         param_offload = _param_offload(layout, plan.offload, scratch, comms.world, topology.rank)
         eager = apply_units(model, plan, topology, comms, layout, param_offload, phase_check)
+        activation_offload = apply_activation_checkpointing(model, plan, topology)
         reducer, sharded = apply_step(
             model, plan, topology, comms, layout, masters, eager, split, optimizer, scratch, config
         )
@@ -176,7 +184,7 @@ def parallelize(
     scaler = LossScaler.from_policy(plan.precision.loss_scale, topology.device)
     return Parts(
         comms, sp, phase_check, scratch, layout, plan.precision, scaler, param_offload, reducer, sharded, runtime,
-        monitor,
+        monitor, activation_offload,
     )  # fmt: skip
 
 
@@ -332,6 +340,40 @@ def apply_units(
         expert_comm=comms.edp,
         phase_checked=phase_check.comm is not None,
     )
+
+
+def apply_activation_checkpointing(model: nn.Module, plan: Plan, topology: Topology) -> HostOffload | None:
+    """Checkpoint the blocks ZeRO-3 makes units of (at every stage) as ``plan.activations`` says; returns the host
+    offload of their inputs (None without ``cpu_checkpointing``). After the stage-3 runtime, whose hooks must be
+    outside the checkpoint's ([Note: the order of a checkpointed block's hooks])."""
+    policy = plan.activations
+    if not policy.enabled:
+        return None
+    offload = HostOffload(topology.device) if policy.offload_inputs else None
+    apply_checkpointing(checkpointed_blocks(model, plan), policy, offload)
+    return offload
+
+
+def checkpointed_blocks(model: nn.Module, plan: Plan) -> list[nn.Module]:
+    """The blocks ``plan.activations`` checkpoints: ZeRO-3's units without the root; a model with none, or whose
+    transformers layers checkpoint themselves already, is refused."""
+    policy: ActivationPolicy = plan.activations
+    if not policy.enabled:
+        return []
+    if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
+        raise ConfigError(
+            f"activation_checkpointing.policy {policy.recompute!r} on a model whose own gradient checkpointing is on "
+            "(transformers' gradient_checkpointing_enable(), or the Trainer's gradient_checkpointing): each block "
+            "would be checkpointed twice; turn one of them off"
+        )
+    blocks = [m for _, m in find_unit_modules(model, plan.zero.unit_classes) if m is not model]
+    if not blocks:
+        raise ConfigError(
+            f"activation_checkpointing.policy {policy.recompute!r}: {type(model).__name__} has no repeated blocks "
+            "to checkpoint (a ModuleList or Sequential of two or more modules of one class); name the block class "
+            "with zero_optimization.stage3_unit_classes"
+        )
+    return blocks
 
 
 def apply_step(

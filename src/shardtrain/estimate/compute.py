@@ -44,8 +44,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
+from shardtrain.activations import keep_matmuls
 from shardtrain.errors import ShardtrainError
 from shardtrain.estimate.experts import GroupedMatmulShapes, has_experts, split_experts
 from shardtrain.estimate.sequence import as_fake, install_sequence_parallel, refuse_shared_config, split_batch
@@ -293,17 +294,20 @@ class _Gathers:
             h.remove()
 
 
-def _checkpoint_units(model: nn.Module, unit_classes: list[str] | None) -> None:
-    """Activation checkpointing of every block (the modules ZeRO-3 would make units), non-reentrant."""
+def _checkpoint_units(model: nn.Module, unit_classes: list[str] | None, selective: bool = False) -> None:
+    """Activation checkpointing of every block (the modules ZeRO-3 would make units), non-reentrant; ``selective``:
+    with the per-operation policy of ``activation_checkpointing.policy: "selective"``."""
+    kwargs: dict[str, Any] = {"use_reentrant": False}
+    if selective:
+        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, keep_matmuls)
     if getattr(model, "supports_gradient_checkpointing", False):  # transformers: its own, as users enable it
-        kwargs = {"use_reentrant": False}
         if hasattr(model, "activation_checkpointing_enable"):
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         return
     for _, m in find_unit_modules(model, unit_classes):
-        m.forward = functools.partial(checkpoint, m.forward, use_reentrant=False)
+        m.forward = functools.partial(checkpoint, m.forward, **kwargs)
 
 
 def measure_compute(
@@ -317,7 +321,7 @@ def measure_compute(
     buckets: list[Bucket],
     bucket_names: list[list[str]],
     reduce_dtype: torch.dtype | None,
-    checkpointing: bool = False,
+    checkpointing: bool | str = False,
     unit_classes: list[str] | None = None,
     tp_plan: Any = None,
     ep: int = 1,
@@ -447,7 +451,7 @@ def prepare_models(
     *,
     tp: int,
     compute: torch.dtype,
-    checkpointing: bool,
+    checkpointing: bool | str,
     unit_classes: list[str] | None,
     tp_plan: Any,
     models: dict | None,
@@ -462,7 +466,7 @@ def prepare_models(
 
 
 def model_key(
-    tp: int, compute: torch.dtype, checkpointing: bool, unit_classes: list[str] | None, ep: int = 1, sp: int = 1
+    tp: int, compute: torch.dtype, checkpointing: bool | str, unit_classes: list[str] | None, ep: int = 1, sp: int = 1
 ) -> tuple:
     return (tp, compute, checkpointing, tuple(unit_classes or ()) if checkpointing else None, ep, sp)
 
@@ -471,7 +475,7 @@ def _build_run_model(
     source: ModelSource,
     tp: int,
     compute: torch.dtype,
-    checkpointing: bool,
+    checkpointing: bool | str,
     unit_classes: list[str] | None,
     tp_plan: Any,
     ep: int = 1,
@@ -486,7 +490,7 @@ def _build_run_model(
         model = build_fake(source, tp, compute, tp_plan, ep)
         splitter = install_sequence_parallel(model, sp, tp) if sp > 1 else None
         if checkpointing:
-            _checkpoint_units(model, unit_classes)
+            _checkpoint_units(model, unit_classes, selective=checkpointing == "selective")
     return mode, model, splitter
 
 

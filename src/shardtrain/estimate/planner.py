@@ -70,7 +70,9 @@ class Candidate:
     dtype: str = "fp32"
     micro_batch: int = 1
     seq_len: int = 2048
-    checkpointing: bool = False
+    checkpointing: bool | str = False
+    """Activation checkpointing of every block: ``True`` (``policy: "full"``), ``"selective"`` (matmul and attention
+    outputs kept, the rest recomputed), ``False`` (none)."""
 
     @property
     def dims(self) -> ParallelDims:
@@ -106,7 +108,7 @@ class Candidate:
             parts.append(f"params->{self.offload_param}")
         parts += [self.dtype, f"micro-batch {self.micro_batch} x seq {self.seq_len}"]
         if self.checkpointing:
-            parts.append("checkpointing")
+            parts.append("selective checkpointing" if self.checkpointing == "selective" else "checkpointing")
         return ", ".join(parts)
 
 
@@ -265,8 +267,11 @@ def layout_config(raw: Mapping[str, Any], layout: Candidate) -> Config:
     return load_config(data)
 
 
-def layout_from_config(raw: Mapping[str, Any], world: int, seq_len: int, checkpointing: bool = False) -> Candidate:
-    """The layout a DeepSpeed-style config describes at ``world`` ranks."""
+def layout_from_config(
+    raw: Mapping[str, Any], world: int, seq_len: int, checkpointing: bool | str = False
+) -> Candidate:
+    """The layout a DeepSpeed-style config describes at ``world`` ranks; its ``activation_checkpointing.policy``
+    turns checkpointing on as ``initialize`` would (``checkpointing``, the CLI's flag, asks for ``full``)."""
     zero = raw.get("zero_optimization") or {}
     tpc = raw.get("tensor_parallel") or {}
     tp = tpc.get("size") or tpc.get("autotp_size") or 1
@@ -295,8 +300,14 @@ def layout_from_config(raw: Mapping[str, Any], world: int, seq_len: int, checkpo
         dtype=dtype,
         micro_batch=micro,
         seq_len=seq_len,
-        checkpointing=checkpointing,
+        checkpointing=_policy_checkpointing(raw) or checkpointing,
     )
+
+
+def _policy_checkpointing(raw: Mapping[str, Any]) -> bool | str:
+    """What the config's ``activation_checkpointing.policy`` checkpoints, as :attr:`Candidate.checkpointing`."""
+    policy = (raw.get("activation_checkpointing") or {}).get("policy", "none")
+    return {"full": True, "selective": "selective"}.get(policy, False)
 
 
 def _plan(layout: Candidate, cfg: Config, device_type: str) -> Plan:
@@ -338,7 +349,7 @@ def estimate_memory(
     world_size: int | None = None,
     layout: Candidate | None = None,
     seq_len: int = 2048,
-    checkpointing: bool = False,
+    checkpointing: bool | str = False,
     optimizer: str | None = None,
     device_type: str = "cuda",
     tp_plan: Any = None,
@@ -590,7 +601,7 @@ def fitting_layouts(
     *,
     worlds: Iterable[int] = (1, 2, 4, 8),
     seq_len: int = 2048,
-    checkpointing: bool = False,
+    checkpointing: bool | str = False,
     optimizer: str | None = None,
     device_type: str = "cuda",
     offload: bool = True,

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from shardtrain.plan.dims import ParallelDims
 from shardtrain.plan.policies import (
+    ActivationPolicy,
     GraphPolicy,
     OffloadPolicy,
     PrecisionPolicy,
@@ -31,6 +32,7 @@ class Plan:
     prefetch: PrefetchPolicy = field(default_factory=PrefetchPolicy)
     graph: GraphPolicy = field(default_factory=GraphPolicy)
     tiling: TilingPolicy = field(default_factory=TilingPolicy)
+    activations: ActivationPolicy = field(default_factory=ActivationPolicy)
     device: str | None = None
     """``"cpu"``, ``"cuda"``, or None: ``SHARDTRAIN_DEVICE``, then CUDA when available ([Note: choosing the device])."""
     timeout_s: float = 1800.0

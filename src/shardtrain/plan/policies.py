@@ -22,6 +22,7 @@ read the policy's fields. The stage number itself remains in user-facing places:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
@@ -193,3 +194,22 @@ class TilingPolicy:
     logits_loss_shards: int | None = None
     mlp: bool = False
     mlp_shards: int | None = None
+
+
+@dataclass(frozen=True)
+class ActivationPolicy:
+    """Activation checkpointing (``activation_checkpointing``): which activations of each block are recomputed in
+    backward instead of kept, and where the kept block inputs wait (docs/activation-checkpointing.md). The blocks
+    are the modules ZeRO-3 makes units of (``ZeroPolicy.unit_classes``, else repeated blocks), at every stage."""
+
+    recompute: Literal["none", "full", "selective"] = "none"
+    """``none``: everything a block saves is kept; ``full``: a block keeps only its inputs and runs its forward
+    again in backward; ``selective``: it also keeps the outputs of matmuls and attention, and recomputes the rest
+    (pointwise operations, norms)."""
+    offload_inputs: bool = False
+    """The inputs a checkpointed block keeps wait in host memory between forward and backward (DeepSpeed's
+    ``cpu_checkpointing``)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.recompute != "none"

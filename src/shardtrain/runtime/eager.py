@@ -56,6 +56,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
 
 from shardtrain.distributed import failure
 from shardtrain.distributed.communicator import Communicator
@@ -369,7 +370,10 @@ class EagerRuntime(Runtime):
         self._forward_depth += 1
         self._push_saved_hooks()
         if self._in_backward:  # re-run by an activation checkpoint: its backward follows at once
-            self._need_in_backward(unit, "forward re-run in backward (activation checkpointing)")
+            # the gather is ours, not the block's: a selective checkpoint's dispatch mode, which replays the block's
+            # own operations only, must not see it (its forward ran before the checkpoint's hooks)
+            with _disable_current_modes():
+                self._need_in_backward(unit, "forward re-run in backward (activation checkpointing)")
             return
         in_order = self._record(self._fwd_now, self._fwd_order, unit.index)
         self.gathers.gather(unit, "forward")
