@@ -55,6 +55,7 @@ ALLOWED: dict[str, set[str]] = {
     },
     # initialize: the plan applied to the model, one step per axis (engine/parallelize.py)
     "shardtrain.engine": {
+        "shardtrain.pipeline_parallel",
         "shardtrain.expert_parallel",
         "shardtrain.graph",
         "shardtrain.runtime",
@@ -98,6 +99,8 @@ ALLOWED: dict[str, set[str]] = {
     "shardtrain.sequence_parallel": {"shardtrain.tensor_parallel", "shardtrain.plan", "shardtrain.distributed"},
     "shardtrain.tensor_parallel": {"shardtrain.distributed"},
     "shardtrain.expert_parallel": {"shardtrain.distributed"},
+    # pipeline stages cut from the model and run by torch.distributed.pipelining's schedules
+    "shardtrain.pipeline_parallel": set(),
     # ZeRO means sharding: it takes policies, never the config
     "shardtrain.zero": {
         "shardtrain.zero.layout",
@@ -263,7 +266,17 @@ def test_class_names_are_unique():
     assert {name: files for name, files in where.items() if len(files) > 1} == {}
 
 
-CORE = ("zero", "offload", "graph", "runtime", "precision", "tensor_parallel", "sequence_parallel", "expert_parallel")
+CORE = (
+    "zero",
+    "offload",
+    "graph",
+    "runtime",
+    "precision",
+    "tensor_parallel",
+    "sequence_parallel",
+    "expert_parallel",
+    "pipeline_parallel",
+)
 
 
 def test_core_packages_take_policies_not_the_config():

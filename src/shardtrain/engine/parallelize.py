@@ -1,6 +1,7 @@
 """How ``initialize`` applies the plan to a model: one named step per axis, in the order :func:`parallelize` reads.
 
 ====================  ==========================================================================================
+apply_pp              the model pruned to this rank's pipeline stages, each stage's forward a module of its own
 apply_construction    a model built deferred (``zero.Init(config)``, ``meta``) records its initialization; any other
                       moves to the device what stays whole there ([Note: stage 3 from the host])
 apply_tp              the layers split over the tensor-parallel axis (Megatron), before anything is laid out
@@ -61,6 +62,7 @@ from shardtrain.offload.optimizer_state import (
 )
 from shardtrain.offload.parameters import ParamOffload
 from shardtrain.offload.swap import ScratchDir, SwapFiles, on_every_rank, prepare_scratch
+from shardtrain.pipeline_parallel import Pipeline, cut_model
 from shardtrain.plan import Plan
 from shardtrain.plan.policies import OffloadPolicy, PrecisionPolicy, ZeroPolicy
 from shardtrain.precision.loss_scaler import LossScaler
@@ -116,6 +118,7 @@ class Parts:
     optimizer: ShardedOptimizer
     runtime: Runtime
     monitor: TrainingMonitor
+    pipeline: Pipeline | None = None  # pipeline parallelism: this rank's stages and their schedule
 
 
 @dataclass(frozen=True)
@@ -138,6 +141,7 @@ def parallelize(
 ) -> Parts:
     """Apply ``plan`` to ``model`` in the order of the module docstring and return the engine's parts. Collective.
     ``config``: only what is not a policy: the ranks' agreement check hashes it, the monitor reads its sections."""
+    pipeline = apply_pp(model, plan, topology)
     deferred = apply_construction(model, plan, topology)
     split = apply_tp(model, plan, topology, tp_plan, deferred)
     split = apply_ep(model, topology, split, deferred)
@@ -176,7 +180,7 @@ def parallelize(
     scaler = LossScaler.from_policy(plan.precision.loss_scale, topology.device)
     return Parts(
         comms, sp, phase_check, scratch, layout, plan.precision, scaler, param_offload, reducer, sharded, runtime,
-        monitor,
+        monitor, pipeline,
     )  # fmt: skip
 
 
@@ -196,6 +200,18 @@ def make_comms(topology: Topology, tp_comm: Communicator | None, ep_comm: Commun
 
 
 # -- the steps, in order ---------------------------------------------------------------------------------------
+
+
+def apply_pp(model: nn.Module, plan: Plan, topology: Topology) -> Pipeline | None:
+    """Pipeline parallelism: ``model`` pruned in place to this rank's stages (``pp_rank``, ``pp_rank + pp``, ...
+    of ``pp * stages_per_rank``, torch's loop placement), their names kept ([Note: stages keep the model's names] in
+    ``pipeline_parallel/cut.py``); the engine builds the schedule over them, once it knows the micro-batches."""
+    if plan.dims.pp == 1:
+        return None
+    num_stages = plan.dims.pp * plan.pipeline.stages_per_rank
+    stage_ids = list(range(topology.pp_rank, num_stages, plan.dims.pp))
+    parts, loss_fn = cut_model(model, num_stages, stage_ids)
+    return Pipeline(parts, stage_ids, num_stages, loss_fn)
 
 
 def apply_construction(model: nn.Module, plan: Plan, topology: Topology) -> bool:
@@ -374,7 +390,9 @@ def apply_step(
         trainable,
         policy,
         comms.shard,
-        policy.overlap_comm,
+        # under pipeline parallelism a bucket is reduced once, after the schedule's last micro-batch ([Note: one
+        # pipeline step] in pipeline_parallel/schedule.py), not when its first micro-batch's gradients are ready
+        policy.overlap_comm and plan.dims.pp == 1,
         on_grad_ready=eager.on_grad_ready if eager.units else None,
         reduce_dtype=plan.precision.reduce_dtype if plan.precision.mixed else None,
         accum_dtype=plan.precision.accum_dtype,
@@ -412,6 +430,7 @@ def apply_step(
         overlap_gathers=not plan.graph.enabled,  # a captured graph must see plain parameters
         make_offload=_offload_factory(optimizer, plan.offload, topology, files, comms.world, sinks),
         experts=(comms.edp, comms.ep) if comms.edp is not None and comms.ep is not None else None,
+        stage_comm=Communicator(topology.pp_group, topology.timeout_s) if topology.pp > 1 else None,
     )
     return reducer, sharded
 

@@ -13,6 +13,7 @@ from shardtrain.plan.dims import ParallelDims
 from shardtrain.plan.policies import (
     GraphPolicy,
     OffloadPolicy,
+    PipelinePolicy,
     PrecisionPolicy,
     PrefetchPolicy,
     TilingPolicy,
@@ -30,6 +31,7 @@ class Plan:
     offload: OffloadPolicy = field(default_factory=OffloadPolicy)
     prefetch: PrefetchPolicy = field(default_factory=PrefetchPolicy)
     graph: GraphPolicy = field(default_factory=GraphPolicy)
+    pipeline: PipelinePolicy = field(default_factory=PipelinePolicy)
     tiling: TilingPolicy = field(default_factory=TilingPolicy)
     device: str | None = None
     """``"cpu"``, ``"cuda"``, or None: ``SHARDTRAIN_DEVICE``, then CUDA when available ([Note: choosing the device])."""
