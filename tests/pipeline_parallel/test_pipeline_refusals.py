@@ -1,0 +1,100 @@
+"""What a pipeline-parallel engine refuses, by name and before anything hangs: the ordinary training calls,
+checkpoints (not built in this slice), micro-batches the schedule cannot run, models it cannot cut."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import shardtrain
+from shardtrain.errors import ConfigError
+from shardtrain.models.gpt import GPT, GPTConfig
+from shardtrain.pipeline_parallel import check_can_cut, layers_of_stages
+from shardtrain.testing import run_distributed
+
+VOCAB, SEQ = 32, 8
+
+
+def _gpt(tied: bool = False, layers: int = 2) -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=16, n_layer=layers, n_head=2, tie_embeddings=tied))
+
+
+def _batch(rows: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.randint(0, VOCAB, (rows, SEQ))
+    return x, torch.roll(x, -1, dims=1)
+
+
+def _message(call) -> str:
+    try:
+        call()
+    except ConfigError as err:
+        return str(err)
+    return "no error"
+
+
+PIPE = {"pipeline_parallel_size": 2, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2}
+
+
+def _refusals() -> dict[str, str]:
+    out = {}
+    model = _gpt(tied=True)
+    out["tied"] = _message(lambda: shardtrain.initialize(model, PIPE, optimizer=torch.optim.SGD(model.parameters())))
+    out["tied model kept"] = str(len(model.blocks))  # refused before the model was cut
+    few = {**PIPE, "gradient_accumulation_steps": 1}
+    model = _gpt()
+    out["few"] = _message(lambda: shardtrain.initialize(model, few, optimizer=torch.optim.SGD(model.parameters())))
+    model = _gpt()
+    engine = shardtrain.initialize(model, PIPE, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = _batch()
+    out["forward"] = _message(lambda: engine(x, y))
+    out["backward"] = _message(lambda: engine.backward(torch.ones(())))
+    out["step"] = _message(engine.step)
+    out["save"] = _message(lambda: engine.save_checkpoint("/nonexistent"))
+    out["load"] = _message(lambda: engine.load_checkpoint("/nonexistent"))
+    out["shapes"] = _message(lambda: engine.train_batch(iter([_batch(2), _batch(3)])))
+    mask = {"input_ids": x, "attention_mask": torch.ones_like(x), "labels": y}
+    out["keys"] = _message(lambda: engine.train_batch(iter([mask, mask])))
+    # the refusals above left nothing half done: a step still runs, and the loss is the same on both stages
+    out["loss"] = repr(float(engine.train_batch(iter([_batch(), _batch()]))))
+    engine.close()
+    return out
+
+
+def test_pipeline_engine_refusals():
+    results = run_distributed(_refusals, 2)
+    for r in results:
+        assert "ties its input embedding and its output head" in r["tied"] and r["tied model kept"] == "2"
+        assert "needs at least pipeline_parallel_size (2) micro-batches" in r["few"], r["few"]
+        for call in ("forward", "backward", "step"):
+            assert "use loss = engine.train_batch(data_iter)" in r[call], r[call]
+        for call in ("save", "load"):
+            assert "pipeline_parallel_size 2 is not built yet" in r[call], r[call]
+        assert "micro-batches of one pipeline step have inputs of different shapes" in r["shapes"], r["shapes"]
+        assert "attention_mask" in r["keys"] and "one label key" in r["keys"], r["keys"]
+    assert results[0]["loss"] == results[1]["loss"]
+
+
+def _not_a_pipeline() -> str:
+    model = nn.Linear(4, 4)
+    engine = shardtrain.initialize(
+        model, {"train_micro_batch_size_per_gpu": 1}, optimizer=torch.optim.SGD(model.parameters())
+    )
+    message = _message(lambda: engine.train_batch(iter([])))
+    engine.close()
+    return message
+
+
+def test_train_batch_without_pipeline_is_refused():
+    (message,) = run_distributed(_not_a_pipeline, 1)
+    assert "set pipeline_parallel_size > 1" in message, message
+
+
+def test_models_that_cannot_be_cut_are_named():
+    with pytest.raises(ConfigError, match="Sequential cannot be cut into pipeline stages yet"):
+        check_can_cut(nn.Sequential(nn.Linear(2, 2)), 2)
+    with pytest.raises(ConfigError, match="has 2 layers, fewer than the 3 pipeline stages"):
+        check_can_cut(_gpt(), 3)
+    # earlier stages take one more layer where they do not divide
+    assert layers_of_stages(5, 3) == [range(0, 2), range(2, 4), range(4, 5)]
