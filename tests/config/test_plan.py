@@ -185,3 +185,9 @@ def test_pipeline_plan():
         load_config({"pipeline": {"schedule": "Interleaved1F1B"}})
     with pytest.raises(ConfigError, match="use Interleaved1F1B for several"):
         load_config({"pipeline": {"schedule": "1F1B", "stages_per_rank": 2}})
+
+
+def test_the_planner_refuses_pipeline_stages_by_name():
+    cfg = layout_config({"pipeline_parallel_size": 2}, Candidate(world=4))
+    with pytest.raises(ConfigError, match="planner does not plan pipeline stages yet"):
+        _plan(Candidate(world=4), cfg, "cpu")
