@@ -1,5 +1,5 @@
 """What a pipeline-parallel engine refuses, by name and before anything hangs: the ordinary training calls,
-checkpoints (not built in this slice), micro-batches the schedule cannot run, models it cannot cut."""
+micro-batches the schedule cannot run, models it cannot cut."""
 
 from __future__ import annotations
 
@@ -51,8 +51,6 @@ def _refusals() -> dict[str, str]:
     out["forward"] = _message(lambda: engine(x, y))
     out["backward"] = _message(lambda: engine.backward(torch.ones(())))
     out["step"] = _message(engine.step)
-    out["save"] = _message(lambda: engine.save_checkpoint("/nonexistent"))
-    out["load"] = _message(lambda: engine.load_checkpoint("/nonexistent"))
     out["shapes"] = _message(lambda: engine.train_batch(iter([_batch(2), _batch(3)])))
     mask = {"input_ids": x, "attention_mask": torch.ones_like(x), "labels": y}
     out["keys"] = _message(lambda: engine.train_batch(iter([mask, mask])))
@@ -69,8 +67,6 @@ def test_pipeline_engine_refusals():
         assert "needs at least pipeline_parallel_size (2) micro-batches" in r["few"], r["few"]
         for call in ("forward", "backward", "step"):
             assert "use loss = engine.train_batch(data_iter)" in r[call], r[call]
-        for call in ("save", "load"):
-            assert "pipeline_parallel_size 2 is not built yet" in r[call], r[call]
         assert "micro-batches of one pipeline step have inputs of different shapes" in r["shapes"], r["shapes"]
         assert "attention_mask" in r["keys"] and "one label key" in r["keys"], r["keys"]
     assert results[0]["loss"] == results[1]["loss"]

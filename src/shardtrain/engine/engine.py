@@ -110,6 +110,8 @@ class Engine:
                 plan.pipeline.schedule, self.gradient_accumulation_steps, topology.pp_group, topology.device
             )
             self._pp_comm = Communicator(topology.pp_group, topology.timeout_s)
+            # checkpoints run their protocol over every rank: each stage writes its own tensors into one manifest
+            self._checkpoint_comm = Communicator(topology.world_group, topology.timeout_s)
         self.optimizer, self._lr_scheduler = optimizer, lr_scheduler
         self.global_step = 0
         self.micro_steps = 0
@@ -539,7 +541,6 @@ class Engine:
         ``checkpoint/async_save.py``). The next ``save_checkpoint`` and ``close()`` wait for it and raise its
         failure. The default is the config's ``checkpoint.writer.decoupled`` (DeepSpeed's key, ``false``). Returns
         the checkpoint's path either way."""
-        self._refuse_checkpoint_on_pipeline("save_checkpoint")
         self._agree("save_checkpoint")
         if self._async_saver is not None:  # one save in flight at most; a failure of the previous one is raised here
             self._async_saver.wait()
@@ -556,7 +557,6 @@ class Engine:
 
         Without ``tag`` the one ``load_dir/latest`` names is loaded. ``load_optimizer_states=False`` loads the
         model weights (masters included) and the loss scale only."""
-        self._refuse_checkpoint_on_pipeline("load_checkpoint")
         self._agree("load_checkpoint")
         if self._async_saver is not None:  # a save in flight is what `latest` will name: load it, not the one before
             self._async_saver.wait()
@@ -569,29 +569,24 @@ class Engine:
         self.global_samples = state.counters.get("global_samples", self.global_step * self.train_batch_size)
         return client_state
 
-    def _refuse_checkpoint_on_pipeline(self, call: str) -> None:
-        if self._pipeline is not None:
-            raise ConfigError(
-                f"engine.{call} with pipeline_parallel_size {self.topology.pp} is not built yet: each stage's ranks "
-                "hold other parameters, and the checkpoint protocol does not yet join the stages' manifests; save "
-                "from a run at pipeline_parallel_size 1 (docs/pipeline-parallel.md)"
-            )
-
     def _training_state(self) -> TrainingState:
         """What the checkpoint code reads and restores (see :mod:`shardtrain.engine.checkpointing`)."""
+        pipelined = self._pipeline is not None
         return TrainingState(
             module=self.module,
             layout=self.layout,
             optimizer=self._optimizer,
-            comm=self.world_comm,
+            comm=self._checkpoint_comm if pipelined else self.world_comm,
             lr_scheduler=self.lr_scheduler,
             scaler=self.scaler,
             counters={k: getattr(self, k) for k in COUNTERS},
             run={
                 "compute_dtype": str(self.precision.compute_dtype).removeprefix("torch."),
                 "gradient_accumulation_steps": self.gradient_accumulation_steps,
+                **({"pp": self.topology.pp} if pipelined else {}),
             },
             owner=self._save_dirs,
+            stage_comm=self._pp_comm if pipelined else None,
         )
 
     def load_full_state_dict(

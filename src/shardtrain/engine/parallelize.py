@@ -141,7 +141,7 @@ def parallelize(
 ) -> Parts:
     """Apply ``plan`` to ``model`` in the order of the module docstring and return the engine's parts. Collective.
     ``config``: only what is not a policy: the ranks' agreement check hashes it, the monitor reads its sections."""
-    pipeline = apply_pp(model, plan, topology)
+    pipeline = apply_pp(model, plan, topology, optimizer)
     deferred = apply_construction(model, plan, topology)
     split = apply_tp(model, plan, topology, tp_plan, deferred)
     split = apply_ep(model, topology, split, deferred)
@@ -202,15 +202,19 @@ def make_comms(topology: Topology, tp_comm: Communicator | None, ep_comm: Commun
 # -- the steps, in order ---------------------------------------------------------------------------------------
 
 
-def apply_pp(model: nn.Module, plan: Plan, topology: Topology) -> Pipeline | None:
+def apply_pp(model: nn.Module, plan: Plan, topology: Topology, optimizer: torch.optim.Optimizer) -> Pipeline | None:
     """Pipeline parallelism: ``model`` pruned in place to this rank's stages (``pp_rank``, ``pp_rank + pp``, ...
     of ``pp * stages_per_rank``, torch's loop placement), their names kept ([Note: stages keep the model's names] in
-    ``pipeline_parallel/cut.py``); the engine builds the schedule over them, once it knows the micro-batches."""
+    ``pipeline_parallel/cut.py``); the engine builds the schedule over them, once it knows the micro-batches. The
+    optimizer's param groups keep only this rank's parameters: the others' memory is freed with the model's."""
     if plan.dims.pp == 1:
         return None
     num_stages = plan.dims.pp * plan.pipeline.stages_per_rank
     stage_ids = list(range(topology.pp_rank, num_stages, plan.dims.pp))
     parts, loss_fn = cut_model(model, num_stages, stage_ids)
+    kept = {id(p) for p in model.parameters()}
+    for group in optimizer.param_groups:
+        group["params"] = [p for p in group["params"] if id(p) in kept]
     return Pipeline(parts, stage_ids, num_stages, loss_fn)
 
 
