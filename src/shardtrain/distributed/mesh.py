@@ -695,8 +695,10 @@ def init_topology(dims: ParallelDims, timeout_s: float = 1800.0, device: str | N
         raise LayoutError(f"the layout was planned for {dims.world} processes, but this job has {world}")
     tp, sp, dp, ep, shard = dims.tp, dims.sp, dims.dp, dims.ep, dims.shard
     axes = {"sp": sp} if sp > 1 else {"hpz_size": dims.hpz}  # hpZ is not built with sequence parallelism
+    if dims.pp > 1:
+        axes["pp"] = dims.pp
     device, backend, groups, host_groups, own = _make_mesh_groups(
-        dev, world, tp, timeout_s, created, shard_size=shard, ep=ep, pp=dims.pp, **axes
+        dev, world, tp, timeout_s, created, shard_size=shard, ep=ep, **axes
     )
     if dims.pp > 1:  # the plan refuses pp beside sp, ep and hybrid sharding: (pp, dp, tp) is the whole mesh
         ranks = torch.arange(world).view(dims.pp, dp, tp)
