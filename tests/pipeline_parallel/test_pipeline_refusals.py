@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import shardtrain
-from shardtrain.errors import ConfigError
+from shardtrain.errors import ConfigError, RankMismatchError
 from shardtrain.models.gpt import GPT, GPTConfig
 from shardtrain.pipeline_parallel import check_can_cut, layers_of_stages
 from shardtrain.testing import run_distributed
@@ -54,8 +54,18 @@ def _refusals() -> dict[str, str]:
     out["shapes"] = _message(lambda: engine.train_batch(iter([_batch(2), _batch(3)])))
     mask = {"input_ids": x, "attention_mask": torch.ones_like(x), "labels": y}
     out["keys"] = _message(lambda: engine.train_batch(iter([mask, mask])))
+    out["ran out"] = _message(lambda: engine.train_batch(iter([_batch()])))
     # the refusals above left nothing half done: a step still runs, and the loss is the same on both stages
     out["loss"] = repr(float(engine.train_batch(iter([_batch(), _batch()]))))
+    shorter = torch.randint(0, VOCAB, (2, SEQ - 2))  # a shorter sequence than the first step's
+    out["later shape"] = _message(lambda: engine.train_batch(iter([(shorter, shorter), (shorter, shorter)])))
+    # one rank's data runs out alone: both fail at once, naming it, instead of one waiting in the schedule
+    short = [_batch()] if torch.distributed.get_rank() == 1 else [_batch(), _batch()]
+    try:
+        engine.train_batch(iter(short))
+        out["alone"] = "no error"
+    except RankMismatchError as err:
+        out["alone"] = str(err)
     engine.close()
     return out
 
@@ -69,7 +79,11 @@ def test_pipeline_engine_refusals():
             assert "use loss = engine.train_batch(data_iter)" in r[call], r[call]
         assert "micro-batches of one pipeline step have inputs of different shapes" in r["shapes"], r["shapes"]
         assert "attention_mask" in r["keys"] and "one label key" in r["keys"], r["keys"]
+        assert "data_iter ran out after 1 of the 2 micro-batches" in r["ran out"], r["ran out"]
+        assert "where the first step's were (2, 8)" in r["later shape"], r["later shape"]
     assert results[0]["loss"] == results[1]["loss"]
+    for r in results:
+        assert "train_batch" in r["alone"] and "rank 1" in r["alone"], r["alone"]
 
 
 def _not_a_pipeline() -> str:

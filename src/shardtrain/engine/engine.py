@@ -242,8 +242,19 @@ class Engine:
                 "loss = engine(batch); engine.backward(loss); engine.step()"
             )
         self._refuse_unfrozen()
-        self._agree("train_batch")
-        micro = [next(data_iter) for _ in range(self.gradient_accumulation_steps)]
+        micro = []
+        for _ in range(self.gradient_accumulation_steps):
+            try:
+                micro.append(next(data_iter))
+            except StopIteration:
+                break
+        # the ranks agree on how many micro-batches they pulled: one that ran out alone fails on every rank, named
+        self._agree("train_batch", detail=len(micro))
+        if len(micro) < self.gradient_accumulation_steps:
+            raise ConfigError(
+                f"data_iter ran out after {len(micro)} of the {self.gradient_accumulation_steps} micro-batches of a "
+                "pipeline step (gradient_accumulation_steps): give train_batch an iterator with whole steps left"
+            )
         with self.monitor.timed("backward"):
             self._reducer.begin_backward(True)
             unwinding = True

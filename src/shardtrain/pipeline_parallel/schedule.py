@@ -76,6 +76,7 @@ class Pipeline:
         self.parts, self.stage_ids, self.num_stages, self.loss_fn = parts, stage_ids, num_stages, loss_fn
         self._schedule = None
         self._device = torch.device("cpu")
+        self._shapes: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # the first step's inputs and labels
 
     @property
     def first(self) -> bool:
@@ -105,6 +106,15 @@ class Pipeline:
         pairs = [split_micro_batch(b) for b in micro_batches]
         inputs = _join([x for x, _ in pairs], "inputs").to(self._device)
         labels = _join([y for _, y in pairs], "labels").to(self._device)
+        shapes = (tuple(pairs[0][0].shape), tuple(pairs[0][1].shape))
+        if self._shapes is not None and shapes != self._shapes:
+            # the stages learned their activations' shapes at the first step: others would hang or fail deep in torch
+            raise ConfigError(
+                f"pipeline micro-batches of inputs {shapes[0]} and labels {shapes[1]}, where the first step's were "
+                f"{self._shapes[0]} and {self._shapes[1]}: the stages exchange activations of the shapes of the first "
+                "step; pad every micro-batch to one shape (the same rows and sequence length)"
+            )
+        self._shapes = shapes
         args = (inputs,) if self.first else ()
         if self.last:
             losses: list[torch.Tensor] = []
