@@ -112,17 +112,13 @@ def test_gpt_pp2(schedule):
     check("gpt", pp=2, world=2, schedule=schedule)
 
 
-def test_gpt_pp3_1f1b():
-    check("gpt", pp=3, world=3)
+@pytest.mark.parametrize("schedule", ["GPipe", "1F1B"])
+def test_gpt_pp3(schedule):
+    check("gpt", pp=3, world=3, schedule=schedule)
 
 
 def test_llama_pp2_1f1b():
     check("llama", pp=2, world=2)
-
-
-@pytest.mark.soak
-def test_gpt_pp3_gpipe():
-    check("gpt", pp=3, world=3, schedule="GPipe")
 
 
 @pytest.mark.soak
@@ -136,6 +132,11 @@ def test_gpt_interleaved_two_stages_per_rank():
 
 def test_gpt_pp2_dp2_zero1():
     check("gpt", pp=2, world=4, stage=1)
+
+
+@pytest.mark.soak
+def test_llama_interleaved_two_stages_per_rank():
+    check("llama", pp=2, world=2, schedule="Interleaved1F1B", stages_per_rank=2)
 
 
 @pytest.mark.soak
