@@ -96,6 +96,21 @@ def _not_a_pipeline() -> str:
     return message
 
 
+def _stages_disagree() -> str:
+    model = _gpt()
+    clip = 0.5 if torch.distributed.get_rank() == 1 else 1.0  # rank 1 holds the other stage
+    try:
+        shardtrain.initialize(model, {**PIPE, "gradient_clipping": clip}, optimizer=torch.optim.SGD(model.parameters()))
+    except RankMismatchError as err:
+        return str(err)
+    return "no error"
+
+
+def test_stages_with_other_configs_fail_at_initialize():
+    for message in run_distributed(_stages_disagree, 2):
+        assert "ranks disagree on the config" in message, message
+
+
 def test_train_batch_without_pipeline_is_refused():
     (message,) = run_distributed(_not_a_pipeline, 1)
     assert "set pipeline_parallel_size > 1" in message, message

@@ -155,6 +155,8 @@ def parallelize(
         sp=topology.sp,
     )
     _check_ranks_agree(comms.world, model, config)
+    if pipeline is not None:  # the stages hold other layers, but their configs must agree too
+        _check_ranks_agree(Communicator(topology.world_group, topology.timeout_s), model, config, ("config",))
     # swap directories are checked on every rank before the model is touched (see docs/offload.md); a failure of
     # the rest (a full disk, a peer lost) leaves none behind
     scratch = _prepare_offload(plan.offload, topology, comms.world)
@@ -642,15 +644,18 @@ def broadcast_model(model: nn.Module, world: Communicator, split: str = "tensor-
                 world.broadcast(t.data, 0, what=f"initial value of {name!r} before the {split} split")
 
 
-def _check_ranks_agree(comm: Communicator, module: nn.Module, cfg: Config) -> None:
-    """Fail at once, naming ranks, if ranks got different configs or models (instead of hanging later)."""
+def _check_ranks_agree(
+    comm: Communicator, module: nn.Module, cfg: Config, keys: tuple[str, ...] = ("config", "model")
+) -> None:
+    """Fail at once, naming ranks, if ranks got different configs or models (instead of hanging later); ``keys``:
+    which of the two are compared."""
     structure = [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in module.named_parameters()]
     mine = {
         "config": hashlib.sha256(cfg.model_dump_json().encode()).hexdigest()[:16],
         "model": hashlib.sha256(json.dumps(structure).encode()).hexdigest()[:16],
     }
     everyone = comm.all_gather_object(mine, what="config and model fingerprints")
-    for key in ("config", "model"):
+    for key in keys:
         values = [e[key] for e in everyone]
         if len(set(values)) > 1:
             groups: dict[str, list[int]] = {}
