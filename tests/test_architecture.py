@@ -56,6 +56,7 @@ ALLOWED: dict[str, set[str]] = {
     # initialize: the plan applied to the model, one step per axis (engine/parallelize.py)
     "shardtrain.engine": {
         "shardtrain.activations",
+        "shardtrain.pipeline_parallel",
         "shardtrain.expert_parallel",
         "shardtrain.graph",
         "shardtrain.runtime",
@@ -100,6 +101,8 @@ ALLOWED: dict[str, set[str]] = {
     "shardtrain.sequence_parallel": {"shardtrain.tensor_parallel", "shardtrain.plan", "shardtrain.distributed"},
     "shardtrain.tensor_parallel": {"shardtrain.distributed"},
     "shardtrain.expert_parallel": {"shardtrain.distributed"},
+    # pipeline stages cut from the model and run by torch.distributed.pipelining's schedules
+    "shardtrain.pipeline_parallel": set(),
     # ZeRO means sharding: it takes policies, never the config
     "shardtrain.zero": {
         "shardtrain.zero.layout",
@@ -277,6 +280,7 @@ CORE = (
     "sequence_parallel",
     "expert_parallel",
     "activations",
+    "pipeline_parallel",
 )
 
 

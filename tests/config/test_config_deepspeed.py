@@ -161,7 +161,10 @@ def test_refused_values_name_key_value_and_what_is_accepted(config, fragments):
 @pytest.mark.parametrize(
     ("config", "fragments"),
     [
-        ({"pipeline": {"stages": 2}}, ["pipeline: a DeepSpeed key shardtrain does not support", "pipeline"]),
+        (
+            {"pipeline": {"stages": 2}},
+            ["pipeline.stages: a DeepSpeed key shardtrain does not support", "pipeline_parallel_size"],
+        ),
         ({"sparse_attention": {"mode": "fixed"}}, ["sparse_attention", "not provided"]),
         ({"zero_optimization": {"leaf_module": {}}}, ["zero_optimization.leaf_module", "stage3_unit_classes"]),
     ],

@@ -73,6 +73,9 @@ TWO_RANKS = (
     "moe.ep_size",
     "expert_parallel.autoep_size",
     "expert_parallel.enabled",
+    "pipeline_parallel_size",
+    "pipeline.schedule",
+    "pipeline.stages_per_rank",
 )
 """Keys shown by the world-2 run (:func:`_two_ranks`)."""
 FOUR_RANKS = (_Z + "zero_hpz_partition_size",)
@@ -1323,6 +1326,32 @@ def _two_ranks(timeout_s: float) -> dict[str, Any]:
         experts = engine.module.model.layers[0].mlp.experts
         out[key] = (engine.topology.ep, getattr(experts, "expert_range", None), tuple(experts.gate_up_proj.shape))
         engine.close()
+    # pipeline_parallel_size 2: each rank holds one of the GPT's two blocks; pipeline.schedule orders the last stage's
+    # forwards (F) and backwards (B) of a step's 2 micro-batches: GPipe all forwards first, 1F1B alternating
+    for schedule in ("GPipe", "1F1B"):
+        pipe = {"pipeline_parallel_size": 2, "gradient_accumulation_steps": 2, "pipeline": {"schedule": schedule}}
+        engine = _engine({**pipe, **timeout})
+        order: list[str] = []
+
+        def record(module: nn.Module, args: Any, output: torch.Tensor, order: list[str] = order) -> None:
+            order.append("F")
+            output.register_hook(lambda grad: order.append("B"))
+
+        engine._pipeline.parts[0].register_forward_hook(record)
+        engine.train_batch(iter([_batch(), _batch(2)]))  # the first step also infers the stages' shapes
+        order.clear()
+        engine.train_batch(iter([_batch(), _batch(2)]))
+        blocks = sorted({n.split(".")[1] for n, _ in engine.module.named_parameters() if n.startswith("blocks.")})
+        out[f"pipeline {schedule}"] = (engine.topology.pp, engine.topology.pp_rank, blocks, "".join(order))
+        engine.close()
+    # pipeline.stages_per_rank 2: 4 stages of a 4-block GPT, stages 0 and 2 on rank 0, 1 and 3 on rank 1
+    torch.manual_seed(0)
+    four = GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=32, n_layer=4, n_head=4))
+    pipe = {"pipeline_parallel_size": 2, "gradient_accumulation_steps": 2}
+    engine = _engine({**pipe, "pipeline": {"schedule": "Interleaved1F1B", "stages_per_rank": 2}, **timeout}, four)
+    engine.train_batch(iter([_batch(), _batch(2)]))
+    out["stages_per_rank"] = [part.layer_ids for part in engine._pipeline.parts]
+    engine.close()
     # a rank that skips a micro-step: with the desync check both ranks fail at once, naming where each one is
     engine = _engine({"zero_optimization": {"stage": 2}, **timeout})
     _micro_step(engine)
@@ -1377,6 +1406,10 @@ def test_keys_that_need_two_ranks():
     for key in ("moe.ep_size", "expert_parallel.autoep_size"):
         assert [r[key] for r in results] == [(2, (0, 2), (2, 48, 16)), (2, (2, 4), (2, 48, 16))], key
     assert [r["expert_parallel.enabled"] for r in results] == [(1, None, (4, 48, 16))] * 2
+    # pipeline_parallel_size 2: block 0 on rank 0, block 1 on rank 1; the last stage's order is the schedule's
+    assert [r["pipeline GPipe"][:3] for r in results] == [(2, 0, ["0"]), (2, 1, ["1"])]
+    assert results[1]["pipeline GPipe"][3] == "FFBB" and results[1]["pipeline 1F1B"][3] == "FBFB"
+    assert [r["stages_per_rank"] for r in results] == [[["0"], ["2"]], [["1"], ["3"]]]
     # collective_timeout_s: the lone reduction fails after that many seconds, naming it
     message, waited = results[0]["timeout"], results[0]["timeout_s"]
     assert f"collective timeout {timeout_s:g}s" in message, message

@@ -88,10 +88,9 @@ def test_every_refusal_of_the_plan_is_a_config_error():
         resolve_plan(offload_param, 2, "cuda")
 
 
-@pytest.mark.parametrize(("pp", "cp"), [(2, 1), (1, 2)])
-def test_axes_that_are_not_built_are_refused_by_name(pp, cp):
-    with pytest.raises(LayoutError, match=r"parallelism \(size 2\) is not built"):
-        ParallelDims(4, pp=pp, cp=cp)
+def test_axes_that_are_not_built_are_refused_by_name():
+    with pytest.raises(LayoutError, match=r"context parallelism \(size 2\) is not built"):
+        ParallelDims(4, cp=2)
     with pytest.raises(LayoutError, match="world size must be at least 1"):
         ParallelDims(0)
 
@@ -145,3 +144,51 @@ def test_config_check_and_the_estimate_give_the_plans_verdict(tmp_path, world, c
     except ConfigError as err:
         estimated = str(err)
     assert estimated == verdict
+
+
+def test_pipeline_axis_is_cut_before_the_others():
+    """pp stages of world / pp ranks each; dp is what is left within a stage."""
+    dims = ParallelDims(6, pp=3)
+    assert (dims.stage_world, dims.dp, dims.zero) == (2, 2, 2)
+    with pytest.raises(LayoutError, match=r"pipeline_parallel_size 4 does not divide the 6 processes.*\[1, 2, 3, 6\]"):
+        ParallelDims(6, pp=4)
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        ({"zero_optimization": {"stage": 2}}, "ZeRO stage 2"),
+        ({"zero_optimization": {"stage": 3}}, "ZeRO stage 3"),
+        ({"tensor_parallel": {"size": 2}}, "tensor parallelism"),
+        ({"sequence_parallel_size": 2}, "sequence parallelism"),
+        ({"expert_parallel_size": 2}, "expert parallelism"),
+        ({"zero_optimization": {"stage": 1, "mics_shard_size": 1}}, "hybrid sharding"),
+        ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}, "optimizer offload"),
+        ({"graph": {"enabled": True}}, "graph mode"),
+        ({"bf16": {"enabled": True}}, "bf16"),
+        ({"fp16": {"enabled": True}}, "fp16"),
+        ({"activation_checkpointing": {"policy": "full"}}, "activation checkpointing"),
+    ],
+)
+def test_pipeline_with_what_is_not_built_is_refused_by_name(extra, named):
+    cfg = load_config({"pipeline_parallel_size": 2, **extra})
+    with pytest.raises(ConfigError, match=f"pipeline_parallel_size 2 with {named}.*not built yet"):
+        resolve_plan(cfg, 8)
+
+
+def test_pipeline_plan():
+    cfg = load_config({"pipeline_parallel_size": 2, "pipeline": {"schedule": "gpipe"}})
+    plan = resolve_plan(cfg, 4)
+    assert (plan.dims.pp, plan.dims.dp, plan.pipeline.schedule, plan.pipeline.stages_per_rank) == (2, 2, "gpipe", 1)
+    with pytest.raises(ConfigError, match="ZBVZeroBubble' is not built"):
+        load_config({"pipeline": {"schedule": "ZBVZeroBubble"}})
+    with pytest.raises(ConfigError, match="multi-stage schedule needs stages_per_rank of 2 or more"):
+        load_config({"pipeline": {"schedule": "Interleaved1F1B"}})
+    with pytest.raises(ConfigError, match="use Interleaved1F1B for several"):
+        load_config({"pipeline": {"schedule": "1F1B", "stages_per_rank": 2}})
+
+
+def test_the_planner_refuses_pipeline_stages_by_name():
+    cfg = layout_config({"pipeline_parallel_size": 2}, Candidate(world=4))
+    with pytest.raises(ConfigError, match="planner does not plan pipeline stages yet"):
+        _plan(Candidate(world=4), cfg, "cpu")

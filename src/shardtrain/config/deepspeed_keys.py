@@ -1015,7 +1015,33 @@ RULES: tuple[Rule, ...] = (
     ),
     # -- features that are not built -------------------------------------------------------------
     _not_supported("sparse_attention", "DeepSpeed's sparse attention modules are not provided"),
-    _not_supported("pipeline", "pipeline parallelism is not supported"),
+    _supported("pipeline", "section", "pipeline parallelism's schedule: docs/pipeline-parallel.md"),
+    _supported(
+        "pipeline.schedule",
+        'str, `"1F1B"`',
+        "a `torch.distributed.pipelining` schedule: `GPipe`, `1F1B`; with `stages_per_rank` > 1 `Interleaved1F1B`, "
+        "`LoopedBFS`",
+    ),
+    _supported("pipeline.stages_per_rank", "int ≥ 1, `1`", "stages each pipeline rank holds (multi-stage schedules)"),
+    _not_supported(
+        "pipeline.stages", "set `pipeline_parallel_size` (DeepSpeed reads the stages from its PipelineModule)"
+    ),
+    *(
+        _not_supported(f"pipeline.{key}", "DeepSpeed's PipelineModule engine; shardtrain cuts the model by layers")
+        for key in (
+            "partition",
+            "seed_layers",
+            "activation_checkpoint_interval",
+            "pipe_partitioned",
+            "grad_partitioned",
+        )
+    ),
+    _supported(
+        "pipeline_parallel_size",
+        "int ≥ 1, `1`",
+        "pipeline parallelism: stages the model is cut into by layers, each held by world / size ranks; micro-batches "
+        "per step = `gradient_accumulation_steps`: docs/pipeline-parallel.md",
+    ),
     _supported("tensor_parallel", "section", "tensor parallelism on a (data, tensor) mesh: docs/tensor-parallel.md"),
     _supported(
         "tensor_parallel.size",

@@ -23,6 +23,7 @@ from shardtrain.plan.policies import (
     OffloadPolicy,
     OptimizerOffloadPolicy,
     ParamOffloadPolicy,
+    PipelinePolicy,
     PrecisionPolicy,
     PrefetchPolicy,
     TilingPolicy,
@@ -69,6 +70,7 @@ def resolve_plan(cfg: Config, world: int, device_type: str | None = None) -> Pla
         offload=offload,
         prefetch=PrefetchPolicy(zcfg.stage3_prefetch_bucket_size),
         graph=GraphPolicy(g.enabled, g.strict, g.cache_size, g.compiler, g.dynamic_shapes),
+        pipeline=PipelinePolicy(cfg.pipeline.schedule, cfg.pipeline.stages_per_rank),
         tiling=TilingPolicy(
             cfg.tiled_logits_loss, cfg.tiled_logits_loss_shards, cfg.tiled_mlp_compute, cfg.tiled_mlp_shards
         ),
@@ -87,6 +89,7 @@ def parallel_dims(cfg: Config, world: int) -> ParallelDims:
         tp=cfg.tensor_parallel.degree,
         sp=cfg.sequence_parallel_size,
         ep=cfg.expert_parallel_size,
+        pp=cfg.pipeline_parallel_size,
         shard_size=zcfg.mics_shard_size,
         hpz_size=zcfg.zero_hpz_partition_size if zcfg.stage == 3 else 1,
     )
@@ -144,6 +147,8 @@ def refuse_unbuilt(cfg: Config, dims: ParallelDims, device_type: str | None = No
         refuse_on_device(cfg, device_type)
     zcfg = cfg.zero_optimization
     hpz = zcfg.zero_hpz_partition_size
+    if dims.pp > 1:
+        refuse_unbuilt_pipeline(cfg, dims)
     if dims.ep > 1:
         refused = [
             (zcfg.stage == 3 and hpz > 1, f"ZeRO++ hpZ (zero_optimization.zero_hpz_partition_size {hpz})"),
@@ -183,6 +188,34 @@ def refuse_unbuilt(cfg: Config, dims: ParallelDims, device_type: str | None = No
             "tiled_logits_loss / tiled_mlp_compute with graph.enabled: the tiled Functions recompute in backward "
             "outside the captured graphs; turn graph mode or tiling off"
         )
+
+
+def refuse_unbuilt_pipeline(cfg: Config, dims: ParallelDims) -> None:
+    """What pipeline parallelism is not built with yet (docs/pipeline-parallel.md), refused by name."""
+    zcfg = cfg.zero_optimization
+    refused = [
+        (zcfg.stage > 1, f"ZeRO stage {zcfg.stage} (zero_optimization.stage; stages 0 and 1 are built)"),
+        (dims.tp > 1, f"tensor parallelism (tensor_parallel.size {dims.tp})"),
+        (dims.sp > 1, f"sequence parallelism (sequence_parallel_size {dims.sp})"),
+        (dims.ep > 1, f"expert parallelism (expert_parallel_size {dims.ep})"),
+        (dims.replicas > 1, f"hybrid sharding (zero_optimization.mics_shard_size {zcfg.mics_shard_size})"),
+        (zcfg.offload_optimizer.device != "none", "optimizer offload (zero_optimization.offload_optimizer)"),
+        (zcfg.offload_param.device != "none", "parameter offload (zero_optimization.offload_param)"),
+        (bool(cfg.graph.enabled), "graph mode (graph.enabled)"),
+        (cfg.fp16.enabled is True, "fp16 (its loss scale and overflow skip are not yet agreed across stages)"),
+        (cfg.bf16.enabled is True, "bf16 (its overflow check is not yet agreed across stages)"),
+        (cfg.tiled_logits_loss or cfg.tiled_mlp_compute, "tiled_logits_loss / tiled_mlp_compute"),
+        (
+            cfg.activation_checkpointing.policy != "none",
+            f"activation checkpointing (activation_checkpointing.policy {cfg.activation_checkpointing.policy!r})",
+        ),
+    ]
+    for hit, what in refused:
+        if hit:
+            raise ConfigError(
+                f"pipeline_parallel_size {dims.pp} with {what} is not built yet; set pipeline_parallel_size to 1 or "
+                "turn the other feature off (docs/pipeline-parallel.md says what composes)"
+            )
 
 
 def refuse_on_device(cfg: Config, device_type: str) -> None:

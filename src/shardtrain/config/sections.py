@@ -225,6 +225,41 @@ class TensorParallelConfig(_Section):
         return max(1, self.autotp_size) if self.autotp_size is not None else self.size
 
 
+PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS")
+"""The schedules of ``torch.distributed.pipelining`` built here: those that place stage ``i`` on pipeline rank
+``i % pp`` and run a whole backward per micro-batch (the V-shaped ``ZBVZeroBubble`` and ``DualPipeV`` place stages
+otherwise, and the zero-bubble ones split the backward, which the gradient reducer does not follow yet)."""
+
+
+class PipelineConfig(_Section):
+    """Pipeline parallelism's schedule (see docs/pipeline-parallel.md); the size is ``pipeline_parallel_size``."""
+
+    schedule: str = "1F1B"
+    """A schedule name ``torch.distributed.pipelining.schedules.get_schedule_class`` accepts, among those built here:
+    ``GPipe``, ``1F1B`` (the default), and with ``stages_per_rank`` > 1 ``Interleaved1F1B`` or
+    ``LoopedBFS``."""
+    stages_per_rank: Count = 1
+    """Stages each pipeline rank holds: the model is cut into ``pipeline_parallel_size * stages_per_rank`` stages."""
+
+    @model_validator(mode="after")
+    def _schedule(self) -> PipelineConfig:
+        known = {name.lower(): name for name in PIPELINE_SCHEDULES}
+        name = known.get(self.schedule.lower())
+        if name is None:
+            raise ValueError(f"pipeline.schedule {self.schedule!r} is not built; use one of {list(PIPELINE_SCHEDULES)}")
+        multi = name in ("Interleaved1F1B", "LoopedBFS")
+        if multi != (self.stages_per_rank > 1):
+            raise ValueError(
+                f"pipeline.schedule {name!r} with stages_per_rank {self.stages_per_rank}: "
+                + (
+                    "a multi-stage schedule needs stages_per_rank of 2 or more"
+                    if multi
+                    else "GPipe and 1F1B run one stage per rank; use Interleaved1F1B for several"
+                )
+            )
+        return self
+
+
 class GraphConfig(_Section):
     """Graph mode (shardtrain section): capture the forward and backward per input schema (docs/graph-mode.md)."""
 
@@ -463,6 +498,10 @@ class Config(_Section):
     expert_parallel_size: Count = 1
     """Expert parallelism: ranks of one expert group, each holding num_experts / size whole experts of every MoE layer
     (DeepSpeed-MoE's ``ep_size``, one size for every layer; docs/expert-parallel.md)."""
+    pipeline_parallel_size: Count = 1
+    """Pipeline parallelism: stages the model is cut into by layers, each held by world / size ranks; micro-batches
+    per step are ``gradient_accumulation_steps`` (docs/pipeline-parallel.md)."""
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     tiled_logits_loss: bool = False
     """ALST's tiled loss (shardtrain key): the causal-LM cross-entropy computed over tiles of the tokens, each tile's
     logits recomputed in backward, so the whole logits never exist (docs/sequence-parallel.md)."""

@@ -41,9 +41,10 @@ CALLS = (
     "load_full_state_dict",
     "save_checkpoint",
     "load_checkpoint",
+    "train_batch",
 )
 """The engine calls that are checked; a call's index is its code in the descriptor."""
-TRAINING_CALLS = frozenset({"forward", "backward", "step"})
+TRAINING_CALLS = frozenset({"forward", "backward", "step", "train_batch"})
 _MARKER = 0x53_48_44_53_59_4E_43  # "SHDSYNC": a descriptor, not another collective's payload
 _FIELDS = 5  # marker, call, global step, micro-step, detail (graph-mode ZeRO-3: the input schema's fingerprint)
 

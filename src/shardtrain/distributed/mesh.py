@@ -339,6 +339,9 @@ class Groups:
     edp: dist.ProcessGroup | None = None
     """Expert parallelism: the ``dp / E`` ranks holding the same experts, which their gradients are reduced over
     (None without expert parallelism)."""
+    pp: dist.ProcessGroup | None = None
+    """Pipeline parallelism: the ``pp`` ranks holding the same place in each stage, which send each other activations
+    (None without it; see [Note: the pipeline axis])."""
     hpz: dist.ProcessGroup | None = None
     """ZeRO++ hpZ: the ``H`` adjacent data-parallel ranks that re-gather units for backward from their secondary
     shards (None without hpZ; see [Note: secondary shards] in :mod:`shardtrain.zero.hpz`)."""
@@ -355,6 +358,7 @@ def make_groups(
     sp: int = 1,
     hpz_size: int = 1,
     ep: int = 1,
+    pp: int = 1,
 ) -> tuple[Groups, Groups]:
     """The engine's groups and their host-side twins (see [Note: the engine's groups]).
 
@@ -365,8 +369,11 @@ def make_groups(
     size (see [Note: the sequence axis]). ``hpz_size``: ZeRO++ hpZ's group size ``H`` (1 or the whole axis: no hpZ
     group). ``ep``: the expert-parallel size (see [Note: the expert axis]; with or without tensor parallelism and
     hybrid sharding's groups, cut from the ``dp * sp`` ranks of [Note: experts under sequence parallelism] when
-    ``sp > 1``, at each tp rank, [Note: experts under tensor and sequence parallelism]). Returns ``(main, host)``."""
-    dp = world // (tp * sp)
+    ``sp > 1``, at each tp rank, [Note: experts under tensor and sequence parallelism]). ``pp``: the pipeline size;
+    every other axis is cut within each stage's ``world / pp`` ranks ([Note: the pipeline axis]). Returns ``(main,
+    host)``."""
+    stage_world = world // pp
+    dp = stage_world // (tp * sp)
     # rank = (dp_rank * sp + sp_rank) * tp + tp_rank = zero_rank * tp + tp_rank, zero_rank = dp_rank * sp + sp_rank:
     # the index among the dp * sp ranks holding the same tensor-parallel block, over which ZeRO shards
     zero = dp * sp
@@ -393,6 +400,12 @@ def make_groups(
         groups = range(zero // ep)
         partitions["ep"] = [[(g * ep + e) * tp + t for e in range(ep)] for g in groups for t in range(tp)]
         partitions["edp"] = [[(g * ep + e) * tp + t for g in groups] for e in range(ep) for t in range(tp)]
+    if pp > 1:  # see [Note: the pipeline axis]: the same groups in every stage, and the stages' ranks at one place
+        partitions = {
+            axis: [[s * stage_world + r for r in ranks] for s in range(pp) for ranks in partition]
+            for axis, partition in partitions.items()
+        }
+        partitions["pp"] = [[s * stage_world + r for s in range(pp)] for r in range(stage_world)]
     return _groups_of(partitions, rank, world, backend, world_group, new_group)
 
 
@@ -494,6 +507,15 @@ class Topology:
     and so does the routing (replicated router; load-balancing loss per [Note: the router's loss under Ulysses] in
     ``shardtrain.sequence_parallel.router_loss``). The tp ranks' expert gradients sum to the slice's, so the reduction
     is the one above. ``E`` must divide ``dp * P``; ``T`` and ``P`` need only what they need without experts.
+
+    [Note: the pipeline axis]
+    With ``pipeline_parallel_size: P`` the mesh is ``(pp, dp, tp)`` and ``rank = pp_rank * (world / P) + r``: each
+    stage is held by ``world / P`` adjacent ranks, and ``r``, the rank within the stage, is laid out as a whole job
+    without pipelining would be (``dp_rank = r // tp``), so every axis above is cut inside one stage and ZeRO shards a
+    stage's parameters over that stage's data-parallel ranks only. A rank's pipeline group is the ``P`` ranks with its
+    ``r``: they hold the same rows (``dp_rank``) of every micro-batch, and the schedule sends activations between
+    them. torch's pipelining library numbers stages along that group (stage ``i`` on ``pp_rank i % P``, then ``i + P``
+    with several stages per rank).
     """
 
     rank: int
@@ -514,10 +536,32 @@ class Topology:
     """ZeRO++ hpZ: ranks of a secondary-shard group (``zero_hpz_partition_size``); 1 without hpZ."""
     ep: int = 1
     """The expert-parallel size ``E`` (see [Note: the expert axis]); 1 without expert parallelism."""
+    pp: int = 1
+    """The pipeline-parallel size ``P`` (see [Note: the pipeline axis]); 1 without pipeline parallelism."""
     own_groups: tuple[dist.ProcessGroup, ...] = ()
     """The groups :func:`init_topology` created for this topology (``new_group``), in creation order: what
     :func:`destroy_own_groups` destroys. Never the default group, which its creator destroys (see [Note: what the
     engine starts and who joins it] in :mod:`shardtrain.engine.shutdown`)."""
+
+    @property
+    def pp_rank(self) -> int:
+        """Which pipeline stage this rank holds (the first of its stages with several per rank)."""
+        return self.rank // self.stage_world
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup | None:
+        """The ``pp`` ranks holding the other stages of this rank's rows (None without pipeline parallelism)."""
+        return self.groups.pp
+
+    @property
+    def stage_world(self) -> int:
+        """The ranks holding one pipeline stage (``world_size / pp``; every rank without pipeline parallelism)."""
+        return self.world_size // self.pp
+
+    @property
+    def _stage_rank(self) -> int:
+        """This rank's index among its stage's ranks: what every axis but ``pp`` is cut from."""
+        return self.rank % self.stage_world
 
     @property
     def hpz_group(self) -> dist.ProcessGroup | None:
@@ -555,19 +599,19 @@ class Topology:
     @property
     def dp_rank(self) -> int:
         """This rank's index along the axis batches differ on (``replica_rank * shard_size + shard_rank``)."""
-        return self.rank // (self.tp * self.sp)
+        return self._stage_rank // (self.tp * self.sp)
 
     @property
     def zero_rank(self) -> int:
         """This rank's index among the ``dp * sp`` ranks holding its tensor-parallel block (``dp_rank * sp +
         sp_rank``; ``dp_rank`` without sequence parallelism): the axis ZeRO shards over, hybrid sharding's
         ``replica_rank * shard_size + shard_rank``."""
-        return self.rank // self.tp
+        return self._stage_rank // self.tp
 
     @property
     def sp_rank(self) -> int:
         """This rank's index in its sequence-parallel group: which slice of the sequence it holds."""
-        return (self.rank // self.tp) % self.sp
+        return (self._stage_rank // self.tp) % self.sp
 
     @property
     def sp_group(self) -> dist.ProcessGroup | None:
@@ -590,11 +634,11 @@ class Topology:
 
     @property
     def shard_rank(self) -> int:
-        return (self.rank // self.tp) % self.shard_size
+        return (self._stage_rank // self.tp) % self.shard_size
 
     @property
     def replica_rank(self) -> int:
-        return (self.rank // self.tp) // self.shard_size
+        return (self._stage_rank // self.tp) // self.shard_size
 
     @property
     def shard_group(self) -> dist.ProcessGroup:
@@ -642,7 +686,8 @@ def init_topology(dims: ParallelDims, timeout_s: float = 1800.0, device: str | N
     """The device mesh and the engine's groups for ``dims`` (validated when they were made: every refusal of a size
     is :class:`~shardtrain.plan.dims.ParallelDims`'): ``(dp, tp)``, ``(replicate, shard, tp)`` with hybrid sharding
     ([Note: the hybrid mesh]), ``(dp, sp, tp)`` with sequence parallelism ([Note: the sequence axis]), ``(edp, ep,
-    tp)`` with expert parallelism ([Note: the expert axis]). Makes or adopts the default process group first."""
+    tp)`` with expert parallelism ([Note: the expert axis]), ``(pp, dp, tp)`` with pipeline parallelism ([Note: the
+    pipeline axis]). Makes or adopts the default process group first."""
     dev = pick_device(device)
     created = ensure_process_group(timeout_s, dev)
     world = dist.get_world_size()
@@ -650,10 +695,17 @@ def init_topology(dims: ParallelDims, timeout_s: float = 1800.0, device: str | N
         raise LayoutError(f"the layout was planned for {dims.world} processes, but this job has {world}")
     tp, sp, dp, ep, shard = dims.tp, dims.sp, dims.dp, dims.ep, dims.shard
     axes = {"sp": sp} if sp > 1 else {"hpz_size": dims.hpz}  # hpZ is not built with sequence parallelism
+    if dims.pp > 1:
+        axes["pp"] = dims.pp
     device, backend, groups, host_groups, own = _make_mesh_groups(
         dev, world, tp, timeout_s, created, shard_size=shard, ep=ep, **axes
     )
-    if sp > 1:
+    if dims.pp > 1:  # the plan refuses pp beside sp, ep and hybrid sharding: (pp, dp, tp) is the whole mesh
+        ranks = torch.arange(world).view(dims.pp, dp, tp)
+        mesh = DeviceMesh.from_group(
+            [groups.pp, groups.dp, groups.tp], device.type, mesh=ranks, mesh_dim_names=("pp", "dp", "tp")
+        )
+    elif sp > 1:
         ranks = torch.arange(world).view(dp, sp, tp)
         mesh = DeviceMesh.from_group(
             [groups.dp, groups.sp, groups.tp], device.type, mesh=ranks, mesh_dim_names=("dp", "sp", "tp")
@@ -685,6 +737,7 @@ def init_topology(dims: ParallelDims, timeout_s: float = 1800.0, device: str | N
         sp=sp,
         hpz_size=dims.hpz,
         ep=ep,
+        pp=dims.pp,
         own_groups=own,
     )
 

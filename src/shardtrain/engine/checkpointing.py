@@ -94,6 +94,7 @@ class TrainingState:
     counters: dict[str, int]  # COUNTERS
     run: dict[str, Any]  # compute_dtype, gradient_accumulation_steps (recorded; the latter read by a resume)
     owner: SaveDirOwner | None = None  # the engine's save directories ([Note: one job per save directory])
+    stage_comm: Communicator | None = None  # pipeline parallelism: the ranks holding the other stages
 
 
 PARAM_GROUPS_KEY = "optimizer/param_groups"
@@ -241,6 +242,19 @@ def _describe_failure(err: BaseException) -> str:
     return str(err) if isinstance(err, CheckpointError) else f"{type(err).__name__}: {err}"
 
 
+def _merge_stage_param_groups(stage_comm: Communicator, global_objects: dict[str, Any]) -> None:
+    """[Note: param groups across stages] Under pipeline parallelism a rank's optimizer holds its stages' parameters
+    only; the checkpoint records each param group with every stage's names, so that any layout, pipelined or not,
+    matches its groups by name ([Note: engine checkpoint contents])."""
+    stages = stage_comm.all_gather_object(global_objects.get(PARAM_GROUPS_KEY), what="param groups of every stage")
+    if PARAM_GROUPS_KEY not in global_objects or any(groups is None for groups in stages):
+        return  # a rank failed to collect: the save is abandoned on every rank
+    merged = [
+        dict(group, params=[n for groups in stages for n in groups[gi]["params"]]) for gi, group in enumerate(stages[0])
+    ]
+    global_objects[PARAM_GROUPS_KEY] = merged
+
+
 def save_engine(
     state: TrainingState,
     save_dir: str | Path,
@@ -283,6 +297,8 @@ def save_engine(
         }
     except Exception as err:  # the save is abandoned on every rank (see the Note)
         failure = f"collecting what to save: {_describe_failure(err)}"
+    if state.stage_comm is not None:  # outside the try: every rank of the pipeline group exchanges
+        _merge_stage_param_groups(state.stage_comm, global_objects)
     what = {
         "rank_objects": {"rng": rng},
         "global_objects": global_objects,
@@ -306,8 +322,9 @@ def load_engine(state: TrainingState, load_dir: str | Path, tag: str | None, loa
     and every rank raises the failing ranks' messages (see [Note: checkpoint failures are collective])."""
     _recover(state, load_dir)
     error, client_state = None, {}
+    whole_groups = _whole_model_groups(state) if load_optimizer_states else None
     try:
-        client_state = _load(state, load_dir, tag, load_optimizer_states)
+        client_state = _load(state, load_dir, tag, load_optimizer_states, whole_groups)
     except Exception as err:
         error = _describe_failure(err)
         cause = err
@@ -343,7 +360,25 @@ def _recover(state: TrainingState, load_dir: str | Path) -> None:
         raise CheckpointError(f"rank 0 failed to load checkpoint {load_dir}: {outcome}")
 
 
-def _load(state: TrainingState, load_dir: str | Path, tag: str | None, load_optimizer_states: bool) -> dict:
+def _whole_model_groups(state: TrainingState) -> list[list[list[str]]] | None:
+    """Under pipeline parallelism, each param group's parameter names (every name of each) on every stage, which
+    the checkpoint's groups are matched against ([Note: param groups across stages]); None without it. Collective
+    over the pipeline group, before anything that can fail on one rank only."""
+    if state.stage_comm is None:
+        return None
+    names = _names_by_tensor(state)
+    mine = [[names[id(p)] for p in group["params"]] for group in state.optimizer.optimizer.param_groups]
+    stages = state.stage_comm.all_gather_object(mine, what="param groups of every stage")
+    return [[ns for groups in stages for ns in groups[gi]] for gi in range(len(mine))]
+
+
+def _load(
+    state: TrainingState,
+    load_dir: str | Path,
+    tag: str | None,
+    load_optimizer_states: bool,
+    whole_groups: list[list[list[str]]] | None = None,
+) -> dict:
     reader = open_checkpoint(load_dir, tag)
     manifest = reader.manifest
 
@@ -359,9 +394,10 @@ def _load(state: TrainingState, load_dir: str | Path, tag: str | None, load_opti
 
     objects = reader.objects
     topology = objects.get("engine/topology", {})
-    same_layout = (topology.get("tp", 1), topology.get("ep", 1), manifest.world_size) == (
+    same_layout = (topology.get("tp", 1), topology.get("ep", 1), topology.get("pp", 1), manifest.world_size) == (
         state.layout.tp,
         state.layout.ep,
+        state.run.get("pp", 1),
         state.comm.size,
     )
     rng = reader.rank_objects(state.comm.rank).get("rng") if same_layout else None
@@ -375,7 +411,7 @@ def _load(state: TrainingState, load_dir: str | Path, tag: str | None, load_opti
             )
     counters = _resumed_counters(objects, state.run["gradient_accumulation_steps"], reader)
     if load_optimizer_states:
-        group_matches = _match_param_groups(state, objects.get(PARAM_GROUPS_KEY), reader)
+        group_matches = _match_param_groups(state, objects.get(PARAM_GROUPS_KEY), reader, whole_groups)
         _check_state_keys(state, reader, entry_name)
 
     for dest in dests:
@@ -585,10 +621,14 @@ def _cast_like_torch(key: str, value: torch.Tensor, stepped: torch.Tensor, group
 
 
 def _match_param_groups(
-    state: TrainingState, saved: list[dict] | None, reader: CheckpointReader
+    state: TrainingState,
+    saved: list[dict] | None,
+    reader: CheckpointReader,
+    whole_groups: list[list[list[str]]] | None = None,
 ) -> list[tuple[dict, dict]]:
     """Pair every current param group with the saved group holding the same parameter names; refuses any other
-    grouping, naming the group and the parameters."""
+    grouping, naming the group and the parameters. ``whole_groups``: under pipeline parallelism, each group's names
+    on every stage (:func:`_whole_model_groups`), which are matched instead of this rank's."""
     if saved is None:
         raise CheckpointError(f"{reader.path}: has no {PARAM_GROUPS_KEY!r}; load it with load_optimizer_states=False")
     names = _names_by_tensor(state)
@@ -599,7 +639,8 @@ def _match_param_groups(
         "or load with load_optimizer_states=False"
     )
     for gi, group in enumerate(state.optimizer.optimizer.param_groups):
-        here = [names[id(p)] for p in group["params"]]  # every name of each parameter
+        # every name of each parameter (of every stage's share of the group under pipeline parallelism)
+        here = [names[id(p)] for p in group["params"]] if whole_groups is None else whole_groups[gi]
         missing = [ns[0] for ns in here if not any(n in saved_group_of for n in ns)]
         if missing:
             raise CheckpointError(

@@ -15,7 +15,7 @@ import copy
 import logging
 import math
 import random
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +32,7 @@ from shardtrain.config.auto import resolve_auto
 from shardtrain.config.plan import ineffective_offload_keys, parallel_dims, resolve_plan
 from shardtrain.config.sections import Config, cast_inputs_half, load_config, resolve_batch_sizes
 from shardtrain.distributed import failure
-from shardtrain.distributed.communicator import Communicator, collecting, merge_stats
+from shardtrain.distributed.communicator import Communicator, Reduce, collecting, merge_stats
 from shardtrain.distributed.mesh import Topology, destroy_own_groups, init_topology, join_world, release_groups
 from shardtrain.distributed.watchdog import stop_watchdog
 from shardtrain.engine import shutdown
@@ -49,6 +49,7 @@ from shardtrain.engine.optimizers import OptimizerArg, SchedulerArg, build_lr_sc
 from shardtrain.engine.parallelize import Parts, parallelize
 from shardtrain.errors import ConfigError, OptimizerError
 from shardtrain.host_read import HostRead
+from shardtrain.pipeline_parallel import check_can_cut, check_micro_batches
 from shardtrain.plan import Plan
 from shardtrain.precision.mixed import check_parameter_dtypes
 from shardtrain.tensor_parallel import check_same_batch
@@ -103,6 +104,14 @@ class Engine:
         self.precision, self.scaler = parts.precision, parts.scaler
         self._param_offload, self._reducer, self._optimizer = parts.param_offload, parts.reducer, parts.optimizer
         self._runtime, self.monitor = parts.runtime, parts.monitor
+        self._pipeline = parts.pipeline
+        if self._pipeline is not None:
+            self._pipeline.build(
+                plan.pipeline.schedule, self.gradient_accumulation_steps, topology.pp_group, topology.device
+            )
+            self._pp_comm = Communicator(topology.pp_group, topology.timeout_s)
+            # checkpoints run their protocol over every rank: each stage writes its own tensors into one manifest
+            self._checkpoint_comm = Communicator(topology.world_group, topology.timeout_s)
         self.optimizer, self._lr_scheduler = optimizer, lr_scheduler
         self.global_step = 0
         self.micro_steps = 0
@@ -136,6 +145,7 @@ class Engine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._refuse_on_pipeline("engine(...)")
         if self.plan.precision.cast_inputs:  # fp16's auto_cast; DeepSpeed: positional inputs only
             args = cast_inputs_half(args)
         call = self._runtime.prepare(args, kwargs)
@@ -164,6 +174,7 @@ class Engine:
 
         ``scale_wrt_gas=False`` (DeepSpeed's argument): the loss is already divided for accumulation (as the Hugging
         Face Trainer's is), so it is backpropagated as given."""
+        self._refuse_on_pipeline("engine.backward")
         if not torch.is_tensor(loss) or loss.numel() != 1:
             raise ValueError(f"engine.backward expects a scalar loss tensor, got {_describe(loss)}")
         self._agree("backward")  # every micro-step: see [Note: phase agreement] for why
@@ -193,6 +204,7 @@ class Engine:
 
         ``tokens``: this rank's tokens in the micro-batch just processed, for the ``tokens_per_second`` metric;
         by default rank 0 counts the elements of the first integer tensor passed to ``engine(...)``."""
+        self._refuse_on_pipeline("engine.step")
         self.monitor.end_micro_step(tokens)
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
@@ -208,6 +220,69 @@ class Engine:
         scale = self.scaler.scale_tensor if self.scaler is not None else 1.0
         lr = self.optimizer.param_groups[0]["lr"]
         self.monitor.end_optimizer_step(StepMetrics(self.global_step, self.global_samples, lr, self._grad_norm, scale))
+
+    def _refuse_on_pipeline(self, call: str) -> None:
+        if self._pipeline is not None:
+            raise ConfigError(
+                f"{call} on a pipeline-parallel engine (pipeline_parallel_size {self.topology.pp}): each rank holds "
+                "only its stages, so a step is one schedule over the step's micro-batches; use "
+                "loss = engine.train_batch(data_iter)"
+            )
+
+    def train_batch(self, data_iter: Iterator[Any]) -> torch.Tensor:
+        """One optimizer step of a pipeline-parallel engine: pull ``gradient_accumulation_steps`` micro-batches from
+        ``data_iter`` (each an ``(inputs, labels)`` pair or a dict with ``labels``/``targets``), run the schedule,
+        reduce gradients over the data-parallel ranks, clip by the norm over every stage, step; returns the step's
+        mean loss over its micro-batches and data-parallel ranks, the same on every rank (as DeepSpeed's
+        ``PipelineEngine.train_batch``). Collective: every rank calls it with an iterator of its data-parallel rank's
+        rows ([Note: one pipeline step] in ``pipeline_parallel/schedule.py``)."""
+        if self._pipeline is None:
+            raise ConfigError(
+                "engine.train_batch runs a pipeline schedule: set pipeline_parallel_size > 1, or train with "
+                "loss = engine(batch); engine.backward(loss); engine.step()"
+            )
+        self._refuse_unfrozen()
+        micro = []
+        for _ in range(self.gradient_accumulation_steps):
+            try:
+                micro.append(next(data_iter))
+            except StopIteration:
+                break
+        # the ranks agree on how many micro-batches they pulled: one that ran out alone fails on every rank, named
+        self._agree("train_batch", detail=len(micro))
+        if len(micro) < self.gradient_accumulation_steps:
+            raise ConfigError(
+                f"data_iter ran out after {len(micro)} of the {self.gradient_accumulation_steps} micro-batches of a "
+                "pipeline step (gradient_accumulation_steps): give train_batch an iterator with whole steps left"
+            )
+        with self.monitor.timed("backward"):
+            self._reducer.begin_backward(True)
+            unwinding = True
+            try:
+                loss = self._pipeline.run(micro)
+                unwinding = False
+            finally:
+                self._reducer.end_backward(unwinding)
+        self.micro_steps += self.gradient_accumulation_steps
+        with self.monitor.timed("step"):
+            self._optimizer_step()
+        self.global_samples += self.train_batch_size
+        loss = self._mean_loss(loss)
+        self.monitor.record_loss(loss)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.monitor.end_optimizer_step(StepMetrics(self.global_step, self.global_samples, lr, self._grad_norm, 1.0))
+        return loss
+
+    def _mean_loss(self, loss: torch.Tensor | None) -> torch.Tensor:
+        """The last stage's loss, averaged over its data-parallel ranks and sent to every stage."""
+        t = self.topology
+        if loss is None:
+            loss = torch.zeros((), dtype=torch.float32, device=t.device)
+        loss = loss.detach().to(torch.float32).clone()
+        if self._pipeline.last:
+            self._dp_comm.all_reduce(loss, Reduce.AVG, what="pipeline loss (data parallel)")
+        self._pp_comm.broadcast(loss, t.pp - 1, what="pipeline loss (from the last stage)")
+        return loss
 
     def _refuse_unfrozen(self) -> None:
         unfrozen = [n for n, p in self._frozen_at_initialize if p.requires_grad]
@@ -447,6 +522,14 @@ class Engine:
         self._agree("full_state_dict")
         t = self.topology
         ep_comm = self._expert_comms.get("ep")
+        if self._pipeline is not None:  # each stage's first rank holds its stage's tensors under the model's names
+            mine = full_state_dict(
+                self._training_state(), self._runtime, None, t.rank % t.stage_world, t.dp_rank, t.device
+            )
+            # every pipeline group exchanges (object collectives are collective); only stage rank 0's hold tensors:
+            # in this slice the whole model passes through the host of global rank 0's pipeline group
+            stages = self._pp_comm.all_gather_object(mine, what="full state dict (pipeline stages)")
+            return {k: v for part in stages for k, v in part.items()} if t.rank == 0 else None
         return full_state_dict(
             self._training_state(), self._runtime, self.tp_comm, t.rank, t.dp_rank, t.device, ep_comm
         )
@@ -499,19 +582,22 @@ class Engine:
 
     def _training_state(self) -> TrainingState:
         """What the checkpoint code reads and restores (see :mod:`shardtrain.engine.checkpointing`)."""
+        pipelined = self._pipeline is not None
         return TrainingState(
             module=self.module,
             layout=self.layout,
             optimizer=self._optimizer,
-            comm=self.world_comm,
+            comm=self._checkpoint_comm if pipelined else self.world_comm,
             lr_scheduler=self.lr_scheduler,
             scaler=self.scaler,
             counters={k: getattr(self, k) for k in COUNTERS},
             run={
                 "compute_dtype": str(self.precision.compute_dtype).removeprefix("torch."),
                 "gradient_accumulation_steps": self.gradient_accumulation_steps,
+                **({"pp": self.topology.pp} if pipelined else {}),
             },
             owner=self._save_dirs,
+            stage_comm=self._pp_comm if pipelined else None,
         )
 
     def load_full_state_dict(
@@ -634,7 +720,10 @@ def _initialize(
     plan = resolve_plan(cfg, world, topology.device.type)
     if topology.rank == 0:
         log.info("shardtrain config: %s", cfg.model_dump_json(exclude_unset=True))
-    resolve_batch_sizes(cfg, topology.dp)  # fail on batch-size mistakes before touching the model
+    _, _, gas = resolve_batch_sizes(cfg, topology.dp)  # fail on batch-size mistakes before touching the model
+    if plan.dims.pp > 1:  # what cannot be cut or scheduled, before the model is touched
+        check_can_cut(model, plan.dims.pp * plan.pipeline.stages_per_rank)
+        check_micro_batches(plan.pipeline.schedule, gas, plan.dims.pp)
     if plan.zero.shard_parameters and plan.zero.unit_classes:
         find_unit_modules(model, plan.zero.unit_classes)  # names the classes the model does not have
     for note in ineffective_offload_keys(cfg, topology.device.type):

@@ -1,6 +1,7 @@
 """How ``initialize`` applies the plan to a model: one named step per axis, in the order :func:`parallelize` reads.
 
 ====================  ==========================================================================================
+apply_pp              the model pruned to this rank's pipeline stages, each stage's forward a module of its own
 apply_construction    a model built deferred (``zero.Init(config)``, ``meta``) records its initialization; any other
                       moves to the device what stays whole there ([Note: stage 3 from the host])
 apply_tp              the layers split over the tensor-parallel axis (Megatron), before anything is laid out
@@ -65,6 +66,7 @@ from shardtrain.offload.optimizer_state import (
 )
 from shardtrain.offload.parameters import ParamOffload
 from shardtrain.offload.swap import ScratchDir, SwapFiles, on_every_rank, prepare_scratch
+from shardtrain.pipeline_parallel import Pipeline, cut_model
 from shardtrain.plan import Plan
 from shardtrain.plan.policies import ActivationPolicy, OffloadPolicy, PrecisionPolicy, ZeroPolicy
 from shardtrain.precision.loss_scaler import LossScaler
@@ -122,6 +124,7 @@ class Parts:
     runtime: Runtime
     monitor: TrainingMonitor
     activation_offload: HostOffload | None = None  # the host copies of checkpointed blocks' inputs (cpu_checkpointing)
+    pipeline: Pipeline | None = None  # pipeline parallelism: this rank's stages and their schedule
 
 
 @dataclass(frozen=True)
@@ -145,6 +148,7 @@ def parallelize(
     """Apply ``plan`` to ``model`` in the order of the module docstring and return the engine's parts. Collective.
     ``config``: only what is not a policy: the ranks' agreement check hashes it, the monitor reads its sections."""
     checkpointed_blocks(model, plan)  # refused before the model is touched
+    pipeline = apply_pp(model, plan, topology, optimizer)
     deferred = apply_construction(model, plan, topology)
     split = apply_tp(model, plan, topology, tp_plan, deferred)
     split = apply_ep(model, topology, split, deferred)
@@ -158,6 +162,8 @@ def parallelize(
         sp=topology.sp,
     )
     _check_ranks_agree(comms.world, model, config)
+    if pipeline is not None:  # the stages hold other layers, but their configs must agree too
+        _check_ranks_agree(Communicator(topology.world_group, topology.timeout_s), model, config, ("config",))
     # swap directories are checked on every rank before the model is touched (see docs/offload.md); a failure of
     # the rest (a full disk, a peer lost) leaves none behind
     scratch = _prepare_offload(plan.offload, topology, comms.world)
@@ -184,7 +190,7 @@ def parallelize(
     scaler = LossScaler.from_policy(plan.precision.loss_scale, topology.device)
     return Parts(
         comms, sp, phase_check, scratch, layout, plan.precision, scaler, param_offload, reducer, sharded, runtime,
-        monitor, activation_offload,
+        monitor, activation_offload, pipeline,
     )  # fmt: skip
 
 
@@ -204,6 +210,22 @@ def make_comms(topology: Topology, tp_comm: Communicator | None, ep_comm: Commun
 
 
 # -- the steps, in order ---------------------------------------------------------------------------------------
+
+
+def apply_pp(model: nn.Module, plan: Plan, topology: Topology, optimizer: torch.optim.Optimizer) -> Pipeline | None:
+    """Pipeline parallelism: ``model`` pruned in place to this rank's stages (``pp_rank``, ``pp_rank + pp``, ...
+    of ``pp * stages_per_rank``, torch's loop placement), their names kept ([Note: stages keep the model's names] in
+    ``pipeline_parallel/cut.py``); the engine builds the schedule over them, once it knows the micro-batches. The
+    optimizer's param groups keep only this rank's parameters: the others' memory is freed with the model's."""
+    if plan.dims.pp == 1:
+        return None
+    num_stages = plan.dims.pp * plan.pipeline.stages_per_rank
+    stage_ids = list(range(topology.pp_rank, num_stages, plan.dims.pp))
+    parts, loss_fn = cut_model(model, num_stages, stage_ids)
+    kept = {id(p) for p in model.parameters()}
+    for group in optimizer.param_groups:
+        group["params"] = [p for p in group["params"] if id(p) in kept]
+    return Pipeline(parts, stage_ids, num_stages, loss_fn)
 
 
 def apply_construction(model: nn.Module, plan: Plan, topology: Topology) -> bool:
@@ -416,7 +438,9 @@ def apply_step(
         trainable,
         policy,
         comms.shard,
-        policy.overlap_comm,
+        # under pipeline parallelism a bucket is reduced once, after the schedule's last micro-batch ([Note: one
+        # pipeline step] in pipeline_parallel/schedule.py), not when its first micro-batch's gradients are ready
+        policy.overlap_comm and plan.dims.pp == 1,
         on_grad_ready=eager.on_grad_ready if eager.units else None,
         reduce_dtype=plan.precision.reduce_dtype if plan.precision.mixed else None,
         accum_dtype=plan.precision.accum_dtype,
@@ -454,6 +478,7 @@ def apply_step(
         overlap_gathers=not plan.graph.enabled,  # a captured graph must see plain parameters
         make_offload=_offload_factory(optimizer, plan.offload, topology, files, comms.world, sinks),
         experts=(comms.edp, comms.ep) if comms.edp is not None and comms.ep is not None else None,
+        stage_comm=Communicator(topology.pp_group, topology.timeout_s) if topology.pp > 1 else None,
     )
     return reducer, sharded
 
@@ -661,15 +686,18 @@ def broadcast_model(model: nn.Module, world: Communicator, split: str = "tensor-
                 world.broadcast(t.data, 0, what=f"initial value of {name!r} before the {split} split")
 
 
-def _check_ranks_agree(comm: Communicator, module: nn.Module, cfg: Config) -> None:
-    """Fail at once, naming ranks, if ranks got different configs or models (instead of hanging later)."""
+def _check_ranks_agree(
+    comm: Communicator, module: nn.Module, cfg: Config, keys: tuple[str, ...] = ("config", "model")
+) -> None:
+    """Fail at once, naming ranks, if ranks got different configs or models (instead of hanging later); ``keys``:
+    which of the two are compared."""
     structure = [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in module.named_parameters()]
     mine = {
         "config": hashlib.sha256(cfg.model_dump_json().encode()).hexdigest()[:16],
         "model": hashlib.sha256(json.dumps(structure).encode()).hexdigest()[:16],
     }
     everyone = comm.all_gather_object(mine, what="config and model fingerprints")
-    for key in ("config", "model"):
+    for key in keys:
         values = [e[key] for e in everyone]
         if len(set(values)) > 1:
             groups: dict[str, list[int]] = {}

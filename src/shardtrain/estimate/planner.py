@@ -317,6 +317,11 @@ def _plan(layout: Candidate, cfg: Config, device_type: str) -> Plan:
     if layout.world < 1:
         raise ConfigError(f"the world size must be at least 1, got {layout.world}")
     plan = resolve_plan(cfg, layout.world)
+    if plan.dims.pp > 1:
+        raise ConfigError(
+            f"pipeline_parallel_size {plan.dims.pp}: the planner does not plan pipeline stages yet (each rank's share "
+            "of the layers and the first stage's activations); estimate at pipeline_parallel_size 1"
+        )
     if layout.dtype not in _DTYPES:
         raise ConfigError(f"dtype {layout.dtype!r}: use one of {', '.join(_DTYPES)}")
     if layout.offload_param != "none" and device_type == "cuda":

@@ -14,6 +14,7 @@ from shardtrain.plan.policies import (
     ActivationPolicy,
     GraphPolicy,
     OffloadPolicy,
+    PipelinePolicy,
     PrecisionPolicy,
     PrefetchPolicy,
     TilingPolicy,
@@ -31,6 +32,7 @@ class Plan:
     offload: OffloadPolicy = field(default_factory=OffloadPolicy)
     prefetch: PrefetchPolicy = field(default_factory=PrefetchPolicy)
     graph: GraphPolicy = field(default_factory=GraphPolicy)
+    pipeline: PipelinePolicy = field(default_factory=PipelinePolicy)
     tiling: TilingPolicy = field(default_factory=TilingPolicy)
     activations: ActivationPolicy = field(default_factory=ActivationPolicy)
     device: str | None = None

@@ -1,6 +1,8 @@
 """The parallel dimensions of a job, validated once and without a process group.
 
-``world = dp * sp * tp`` (the pipeline and context axes, ``pp`` and ``cp``, are held at 1 until they are built).
+``world = pp * dp * sp * tp`` (the context axis, ``cp``, is held at 1 until it is built). Each of the ``pp`` pipeline
+stages is a job of ``world / pp`` ranks laid out as without pipelining ([Note: the pipeline axis] in
+:mod:`shardtrain.distributed.mesh`).
 ZeRO shards over the ``dp * sp`` ranks holding the same tensor-parallel block (``zero``), within groups of
 ``shard`` of them with hybrid sharding (``replicas = zero / shard``); expert groups are ``ep`` adjacent ranks of
 that axis; ZeRO++ hpZ keeps secondary shards within groups of ``hpz`` adjacent ones. How ranks are numbered along
@@ -38,17 +40,22 @@ class ParallelDims:
     hpz_size: int = 1
     """ZeRO++ hpZ's group size as asked (``zero_hpz_partition_size`` at stage 3; 0 or 1: off)."""
     pp: int = 1
-    """Pipeline-parallel size: not built yet, so 1."""
+    """Pipeline-parallel size (``pipeline_parallel_size``): stage ranks, each holding its own stages of the model."""
     cp: int = 1
     """Context-parallel size: not built yet, so 1."""
 
     def __post_init__(self) -> None:
-        world, tp, sp = self.world, self.tp, self.sp
-        if world < 1:
-            raise LayoutError(f"the world size must be at least 1, got {world}")
-        for name, size in (("pipeline", self.pp), ("context", self.cp)):
-            if size != 1:
-                raise LayoutError(f"{name} parallelism (size {size}) is not built; use size 1")
+        if self.world < 1:
+            raise LayoutError(f"the world size must be at least 1, got {self.world}")
+        if self.cp != 1:
+            raise LayoutError(f"context parallelism (size {self.cp}) is not built; use size 1")
+        if self.pp < 1 or self.world % self.pp:
+            raise LayoutError(
+                f"pipeline_parallel_size {self.pp} does not divide the {self.world} processes of this job: each "
+                f"pipeline stage is held by world / pipeline_parallel_size ranks: choose one of {divisors(self.world)}"
+            )
+        # every other axis is laid out within one stage's ranks
+        world, tp, sp = self.stage_world, self.tp, self.sp
         if tp < 1 or world % tp:
             raise LayoutError(
                 f"tensor_parallel.size {tp} does not divide the {world} processes of this job: the data-parallel "
@@ -102,9 +109,14 @@ class ParallelDims:
             )
 
     @property
+    def stage_world(self) -> int:
+        """The ranks holding one pipeline stage: ``world / pp`` (the whole world without pipelining)."""
+        return self.world // self.pp
+
+    @property
     def dp(self) -> int:
-        """The data-parallel size: ranks given different batches, ``world / (tp * sp)``."""
-        return self.world // (self.tp * self.sp)
+        """The data-parallel size: ranks given different batches, ``world / (pp * tp * sp)``."""
+        return self.stage_world // (self.tp * self.sp)
 
     @property
     def zero(self) -> int:

@@ -176,6 +176,16 @@ NO_PREFETCH = PrefetchPolicy(budget=0)
 
 
 @dataclass(frozen=True)
+class PipelinePolicy:
+    """Pipeline parallelism's schedule (``pipeline``); its size is ``ParallelDims.pp``."""
+
+    schedule: str = "1F1B"
+    """A name ``torch.distributed.pipelining.schedules.get_schedule_class`` accepts."""
+    stages_per_rank: int = 1
+    """Stages each pipeline rank holds: the model is cut into ``pp * stages_per_rank`` stages."""
+
+
+@dataclass(frozen=True)
 class GraphPolicy:
     """Graph mode (``graph``): capture the forward and backward per input schema (docs/graph-mode.md)."""
 

@@ -143,6 +143,7 @@ class ShardedOptimizer:
         overlap_gathers: bool = True,
         make_offload: MakeOffload | None = None,
         experts: tuple[Communicator, Communicator] | None = None,
+        stage_comm: Communicator | None = None,
     ) -> None:
         """``comm``: the group the buckets are sharded over; with hybrid sharding (``dp_comm``: every data-parallel
         rank, ``replica_rank``: this rank's replica) the shard group. ``overlap_gathers``: the all-gathers after a
@@ -151,8 +152,10 @@ class ShardedOptimizer:
         the optimizer steps every tensor at once, in memory). ``experts``: under expert parallelism, the
         expert-data-parallel group the expert buckets are gathered over and the expert group whose ranks hold
         different experts (the norm at stage 0 sums their expert squares; see [Note: expert buckets] in
-        zero/layout.py)."""
+        zero/layout.py). ``stage_comm``: under pipeline parallelism, the ranks holding the other stages, over which the
+        squared norm is summed as well ([Note: the norm across stages])."""
         self.optimizer, self.buckets, self.reducer = optimizer, buckets, reducer
+        self.stage_comm = stage_comm
         self.tp_norm = tp_norm  # with tensor parallelism: how the squared norm is summed (see the class)
         self.comm, self.allgather_bucket_numel = comm, allgather_bucket_numel
         # the norm's all-reduce when it carries the reducer's order flag: every data-parallel rank must see the flag
@@ -327,6 +330,11 @@ class ShardedOptimizer:
         else:
             local_sq = self._local_square(grads, in_memory, deferred, swapped, inv)
             local_sq = self._global_square(local_sq, grads, swapped)
+        if self.stage_comm is not None:
+            # [Note: the norm across stages] each pipeline stage holds other parameters: the global norm, which the
+            # clip coefficient and the reported norm must share on every rank, sums every stage's square
+            local_sq = local_sq.clone()  # its own storage: it may be a view of the dp reduction's buffer
+            self.stage_comm.all_reduce(local_sq, Reduce.SUM, what="squared gradient norm (pipeline stages)")
         total_norm = local_sq.sqrt()
         found_inf = None
         if loss_scale is not None or skip_nonfinite:

@@ -1,0 +1,157 @@
+"""A model cut by layers into pipeline stages: the project's GPT and Hugging Face Llama-family decoders.
+
+[Note: stages keep the model's names]
+A rank keeps only its stages' pieces, pruned from the model in place: layers it does not hold are dropped from the
+layer list (which becomes a ``ModuleDict`` keyed by the layers' original indices), and the embeddings, final norm
+and head are set to None where another stage holds them. Every kept parameter therefore has the name it has in the
+whole model (``blocks.3.attn.qkv.weight``), so the layout, ``full_state_dict`` and checkpoints speak of the same
+logical tensors at any pipeline size. Each stage's forward is a small module of its own (:class:`GPTStage`,
+:class:`LlamaStage`) holding the kept pieces it runs: the first embeds, the last applies the final norm and head
+(the loss is the schedule's ``loss_fn``, run on the last stage's output), and every Llama stage makes the rotary
+embeddings and the causal mask it needs from its own input (they hold no parameters).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from shardtrain.errors import ConfigError
+from shardtrain.models.gpt import GPT
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def layers_of_stages(num_layers: int, num_stages: int) -> list[range]:
+    """Each stage's layers: as even as they come, earlier stages one more where they do not divide."""
+    if num_layers < num_stages:
+        raise ConfigError(
+            f"the model has {num_layers} layers, fewer than the {num_stages} pipeline stages "
+            "(pipeline_parallel_size x pipeline.stages_per_rank): each stage needs at least one; use fewer stages"
+        )
+    base, extra = divmod(num_layers, num_stages)
+    starts = [s * base + min(s, extra) for s in range(num_stages + 1)]
+    return [range(starts[s], starts[s + 1]) for s in range(num_stages)]
+
+
+def _keep_layers(layers: nn.ModuleList, kept: list[int]) -> nn.ModuleDict:
+    return nn.ModuleDict({str(i): layers[i] for i in kept})
+
+
+class GPTStage(nn.Module):
+    """One stage of :class:`~shardtrain.models.gpt.GPT`: token and position embeddings on the first, the blocks of
+    ``layers``, the final norm and head on the last (logits out; see [Note: stages keep the model's names])."""
+
+    def __init__(self, model: GPT, layers: range, first: bool, last: bool) -> None:
+        super().__init__()
+        self.first, self.last, self.layer_ids = first, last, [str(i) for i in layers]
+        self.tok, self.pos = (model.tok, model.pos) if first else (None, None)
+        self.blocks = nn.ModuleList(model.blocks[i] for i in self.layer_ids)
+        self.ln_f, self.head = (model.ln_f, model.head) if last else (None, None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:  # x: token ids [b, t]
+            x = self.tok(x) + self.pos(torch.arange(x.shape[1], device=x.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x)) if self.last else x
+
+
+class LlamaStage(nn.Module):
+    """One stage of a Hugging Face Llama-family causal LM (``model.embed_tokens``, ``model.layers``, ``model.norm``,
+    ``model.rotary_emb``, ``lm_head``): each stage makes its rotary embeddings and causal mask from its input."""
+
+    def __init__(self, model: nn.Module, layers: range, first: bool, last: bool) -> None:
+        super().__init__()
+        inner = model.model
+        self.config = model.config
+        self.first, self.last = first, last
+        self.embed_tokens = inner.embed_tokens if first else None
+        self.layers = nn.ModuleList(inner.layers[str(i)] for i in layers)
+        self.rotary_emb = inner.rotary_emb
+        self.norm, self.lm_head = (inner.norm, model.lm_head) if last else (None, None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask
+
+        h = self.embed_tokens(x) if self.first else x  # x: token ids [b, t], else hidden states [b, t, d]
+        position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        mask = create_causal_mask(
+            config=self.config, inputs_embeds=h, attention_mask=None, past_key_values=None, position_ids=position_ids
+        )
+        position_embeddings = self.rotary_emb(h, position_ids=position_ids)
+        for layer in self.layers:
+            h = layer(h, attention_mask=mask, position_embeddings=position_embeddings, position_ids=position_ids)
+            h = h[0] if isinstance(h, tuple) else h
+        return self.lm_head(self.norm(h)) if self.last else h
+
+
+def _is_llama_family(model: nn.Module) -> bool:
+    inner = getattr(model, "model", None)
+    return all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")) and hasattr(
+        model, "lm_head"
+    )
+
+
+def _refuse_tied(name: str, embedding: nn.Module, head: nn.Module) -> None:
+    if embedding.weight is head.weight:
+        raise ConfigError(
+            f"{name} ties its input embedding and its output head (one weight on the first and the last pipeline "
+            "stage): tied embeddings under pipeline parallelism are not built yet; untie them (GPTConfig."
+            "tie_embeddings=False, or tie_word_embeddings=False in a transformers config) or use "
+            "pipeline_parallel_size 1"
+        )
+
+
+def check_can_cut(model: nn.Module, num_stages: int) -> None:
+    """Refuse, before anything is changed, a model that cannot be cut into ``num_stages`` stages here."""
+    if isinstance(model, GPT):
+        _refuse_tied("this GPT", model.tok, model.head)
+        layers_of_stages(len(model.blocks), num_stages)
+    elif _is_llama_family(model):
+        _refuse_tied(type(model).__name__, model.model.embed_tokens, model.lm_head)
+        layers_of_stages(len(model.model.layers), num_stages)
+    else:
+        raise ConfigError(
+            f"{type(model).__name__} cannot be cut into pipeline stages yet: built are shardtrain's GPT and Hugging "
+            "Face Llama-family causal LMs (model.embed_tokens, model.layers, model.norm, model.rotary_emb, lm_head); "
+            "use pipeline_parallel_size 1"
+        )
+
+
+def cut_model(model: nn.Module, num_stages: int, stages: list[int]) -> tuple[list[nn.Module], LossFn]:
+    """Prune ``model`` in place to the pieces of ``stages`` (of ``num_stages``) and return each stage's module, in
+    the order of ``stages``, and the loss of the last stage's output against the labels (see [Note: stages keep
+    the model's names])."""
+    check_can_cut(model, num_stages)
+    llama = not isinstance(model, GPT)
+    inner = model.model if llama else model
+    layer_list = inner.layers if llama else inner.blocks
+    split = layers_of_stages(len(layer_list), num_stages)
+    kept = sorted(i for s in stages for i in split[s])
+    holds_first, holds_last = 0 in stages, num_stages - 1 in stages
+    if llama:
+        inner.layers = _keep_layers(layer_list, kept)
+        if not holds_first:
+            inner.embed_tokens = None
+        if not holds_last:
+            inner.norm, model.lm_head = None, None
+        parts = [LlamaStage(model, split[s], s == 0, s == num_stages - 1) for s in stages]
+        vocab = model.config.vocab_size
+
+        def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            return model.loss_function(logits=logits, labels=labels, vocab_size=vocab)
+
+        return parts, loss
+    inner.blocks = _keep_layers(layer_list, kept)
+    if not holds_first:
+        model.tok, model.pos = None, None
+    if not holds_last:
+        model.ln_f, model.head = None, None
+    parts = [GPTStage(model, split[s], s == 0, s == num_stages - 1) for s in stages]
+    return parts, model.loss
+
+
+__all__ = ["GPTStage", "LlamaStage", "check_can_cut", "cut_model", "layers_of_stages"]

@@ -1,0 +1,127 @@
+"""This rank's pipeline stages on ``torch.distributed.pipelining``'s ``PipelineStage`` and schedules.
+
+[Note: one pipeline step]
+``engine.train_batch`` pulls ``gradient_accumulation_steps`` micro-batches and hands them to :meth:`Pipeline.run`,
+which joins them along the rows and lets torch's schedule cut them again (``tensor_split`` along dim 0: the same
+micro-batches). The first stage is given the inputs, the last the labels; the loss function divides each
+micro-batch's loss by their count (``scale_grads=False``), so the gradients summed over micro-batches are those of
+the mean loss, as ``engine.backward`` divides by the accumulation steps. The schedule's backward is plain autograd
+(``torch.autograd.backward`` per stage output), so the gradient reducer's hooks see every parameter's gradient
+accumulate; the engine opens one reducer backward around the whole schedule, without overlap, so each bucket is
+reduced once per step, after the last micro-batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
+
+from shardtrain.errors import ConfigError
+from shardtrain.pipeline_parallel.cut import LossFn
+
+LABEL_KEYS = ("labels", "targets")
+
+
+def split_micro_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(inputs, labels)`` of one micro-batch: a 2-tuple as DeepSpeed's ``PipelineModule`` takes, or a dict with
+    the labels under ``labels`` (transformers) or ``targets`` (shardtrain's GPT) and one input tensor."""
+    if isinstance(batch, Mapping):
+        labels = [k for k in LABEL_KEYS if k in batch]
+        inputs = [k for k in batch if k not in LABEL_KEYS]
+        if len(labels) != 1 or len(inputs) != 1:
+            raise ConfigError(
+                f"a pipeline micro-batch dict needs one label key ({' or '.join(LABEL_KEYS)}) and one input tensor, "
+                f"got keys {sorted(batch)}; other inputs (attention_mask, position_ids) are not built under pipeline "
+                "parallelism yet"
+            )
+        return batch[inputs[0]], batch[labels[0]]
+    if isinstance(batch, Sequence) and len(batch) == 2 and all(torch.is_tensor(t) for t in batch):
+        return batch[0], batch[1]
+    raise ConfigError(
+        f"a pipeline micro-batch is an (inputs, labels) pair of tensors or a dict of them, got {type(batch).__name__}"
+    )
+
+
+def _join(tensors: list[torch.Tensor], what: str) -> torch.Tensor:
+    shapes = {tuple(t.shape) for t in tensors}
+    if len(shapes) != 1:
+        raise ConfigError(
+            f"the micro-batches of one pipeline step have {what} of different shapes {sorted(shapes)}: the schedule "
+            "sends activations of one shape between stages; pad or bucket them to one shape per step"
+        )
+    return torch.cat(tensors)
+
+
+def check_micro_batches(schedule: str, micro_batches: int, pp: int) -> None:
+    """Refuse a step of fewer micro-batches than the schedule needs (1F1B and the interleaved ones: one per stage
+    rank), before the model is touched."""
+    if micro_batches < pp and schedule.lower() in ("1f1b", "interleaved1f1b"):
+        raise ConfigError(
+            f"pipeline.schedule {schedule!r} needs at least pipeline_parallel_size ({pp}) micro-batches per step, got "
+            f"gradient_accumulation_steps {micro_batches}; raise it (more micro-batches also shrink the bubble) or use "
+            "GPipe"
+        )
+
+
+class Pipeline:
+    """This rank's stages (``stage_ids`` of ``num_stages``) and the schedule that runs them."""
+
+    def __init__(self, parts: list[nn.Module], stage_ids: list[int], num_stages: int, loss_fn: LossFn) -> None:
+        self.parts, self.stage_ids, self.num_stages, self.loss_fn = parts, stage_ids, num_stages, loss_fn
+        self._schedule = None
+        self._device = torch.device("cpu")
+        self._shapes: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # the first step's inputs and labels
+
+    @property
+    def first(self) -> bool:
+        return 0 in self.stage_ids
+
+    @property
+    def last(self) -> bool:
+        return self.num_stages - 1 in self.stage_ids
+
+    def build(self, schedule: str, micro_batches: int, group: dist.ProcessGroup, device: torch.device) -> None:
+        """The ``PipelineStage`` of each part and ``schedule`` over ``micro_batches`` (see [Note: one pipeline
+        step])."""
+        check_micro_batches(schedule, micro_batches, dist.get_world_size(group))
+        cls = get_schedule_class(schedule)
+        stages = [PipelineStage(p, s, self.num_stages, device, group=group) for p, s in zip(self.parts, self.stage_ids)]
+        k, self._device = micro_batches, device
+
+        def loss(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            return self.loss_fn(output, labels) / k
+
+        multi = issubclass(cls, PipelineScheduleMulti)
+        self._schedule = cls(stages if multi else stages[0], n_microbatches=k, loss_fn=loss, scale_grads=False)
+
+    def run(self, micro_batches: list[Any]) -> torch.Tensor | None:
+        """One step's forward and backward over ``micro_batches``; the sum of their losses divided by their count on
+        the last stage's rank (the mean loss), None elsewhere."""
+        pairs = [split_micro_batch(b) for b in micro_batches]
+        inputs = _join([x for x, _ in pairs], "inputs").to(self._device)
+        labels = _join([y for _, y in pairs], "labels").to(self._device)
+        shapes = (tuple(pairs[0][0].shape), tuple(pairs[0][1].shape))
+        if self._shapes is not None and shapes != self._shapes:
+            # the stages learned their activations' shapes at the first step: others would hang or fail deep in torch
+            raise ConfigError(
+                f"pipeline micro-batches of inputs {shapes[0]} and labels {shapes[1]}, where the first step's were "
+                f"{self._shapes[0]} and {self._shapes[1]}: the stages exchange activations of the shapes of the first "
+                "step; pad every micro-batch to one shape (the same rows and sequence length)"
+            )
+        self._shapes = shapes
+        args = (inputs,) if self.first else ()
+        if self.last:
+            losses: list[torch.Tensor] = []
+            self._schedule.step(*args, target=labels, losses=losses)
+            return torch.stack([x.detach() for x in losses]).sum()
+        self._schedule.step(*args)
+        return None
+
+
+__all__ = ["Pipeline", "check_micro_batches", "split_micro_batch"]

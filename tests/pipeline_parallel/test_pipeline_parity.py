@@ -1,0 +1,145 @@
+"""Pipeline parallelism against one process on the same global batch: each step's loss and global gradient norm, and
+the final parameters (tolerances of [Note: parity bounds]), for shardtrain's GPT and a tiny Hugging Face Llama."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import shardtrain
+from shardtrain.models.gpt import GPT, GPTConfig
+from shardtrain.testing import run_distributed
+from shardtrain.testing.parity import assert_parity, train_one_process
+
+VOCAB, SEQ, LAYERS = 64, 16, 4
+STEPS, GAS, MICRO, CLIP = 3, 4, 2, 0.5
+
+
+def make_model(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    if kind == "gpt":
+        return GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=32, n_layer=LAYERS, n_head=4))
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+    )
+    return LlamaForCausalLM(cfg)
+
+
+def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+
+
+def global_batches(kind: str, dp: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every micro-step's global rows: GPT's targets are the next tokens, Llama's labels the tokens (it shifts)."""
+    g = torch.Generator().manual_seed(1234)
+    out = []
+    for _ in range(STEPS * GAS):
+        x = torch.randint(0, VOCAB, (MICRO * dp, SEQ), generator=g)
+        out.append((x, torch.roll(x, -1, dims=1) if kind == "gpt" else x.clone()))
+    return out
+
+
+def model_loss(kind: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return model(x, y) if kind == "gpt" else model(input_ids=x, labels=y).loss
+
+
+def reference(kind: str, dp: int) -> dict:
+    batches = global_batches(kind, dp)
+
+    def run(dtype: torch.dtype) -> dict:
+        model = make_model(kind).to(dtype)
+        return train_one_process(
+            model, make_optimizer(model), lambda m, i: model_loss(kind, m, *batches[i]), STEPS, GAS, CLIP
+        )
+
+    ref = run(torch.float32)
+    ref["exact"] = run(torch.float64)["params"]
+    return ref
+
+
+def pipeline_run(kind: str, pp: int, schedule: str, stages_per_rank: int, stage: int) -> dict:
+    model = make_model(kind)
+    world = torch.distributed.get_world_size()
+    config = {
+        "pipeline_parallel_size": pp,
+        "pipeline": {"schedule": schedule, "stages_per_rank": stages_per_rank},
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": GAS,
+        "gradient_clipping": CLIP,
+        "zero_optimization": {"stage": stage},
+    }
+    engine = shardtrain.initialize(model, config, optimizer=make_optimizer(model))
+    t = engine.topology
+    assert (t.pp, t.dp, t.pp_rank) == (pp, world // pp, torch.distributed.get_rank() // (world // pp))
+    rows = slice(t.dp_rank * MICRO, (t.dp_rank + 1) * MICRO)
+    batches = [(x[rows], y[rows]) for x, y in global_batches(kind, t.dp)]
+    if kind == "llama":  # the dict form, as transformers' collators make it
+        batches = [{"input_ids": x, "labels": y} for x, y in batches]
+    losses, norms = [], []
+    for step in range(STEPS):
+        loss = engine.train_batch(iter(batches[step * GAS : (step + 1) * GAS]))
+        losses.append(float(loss))
+        norms.append(engine.get_global_grad_norm())
+    names = sorted(n for n, _ in engine.module.named_parameters())
+    out = {"losses": losses, "norms": norms, "params": engine.full_state_dict(), "names": names}
+    engine.close()
+    return out
+
+
+def check(kind: str, pp: int, world: int, schedule: str = "1F1B", stages_per_rank: int = 1, stage: int = 0) -> None:
+    results = run_distributed(pipeline_run, world, kind, pp, schedule, stages_per_rank, stage)
+    ref = reference(kind, world // pp)
+    assert_parity(results, ref)
+    # each stage rank holds only its own layers, under the whole model's names
+    held = [set(r["names"]) for r in results[:: world // pp]]
+    assert all(a.isdisjoint(b) for i, a in enumerate(held) for b in held[i + 1 :])
+    assert set().union(*held) == set(ref["params"])
+
+
+@pytest.mark.parametrize("schedule", ["GPipe", "1F1B"])
+def test_gpt_pp2(schedule):
+    check("gpt", pp=2, world=2, schedule=schedule)
+
+
+@pytest.mark.parametrize("schedule", ["GPipe", "1F1B"])
+def test_gpt_pp3(schedule):
+    check("gpt", pp=3, world=3, schedule=schedule)
+
+
+def test_llama_pp2_1f1b():
+    check("llama", pp=2, world=2)
+
+
+@pytest.mark.soak
+def test_llama_pp3_gpipe():
+    check("llama", pp=3, world=3, schedule="GPipe")
+
+
+def test_gpt_interleaved_two_stages_per_rank():
+    check("gpt", pp=2, world=2, schedule="Interleaved1F1B", stages_per_rank=2)
+
+
+def test_gpt_pp2_dp2_zero1():
+    check("gpt", pp=2, world=4, stage=1)
+
+
+@pytest.mark.soak
+def test_llama_interleaved_two_stages_per_rank():
+    check("llama", pp=2, world=2, schedule="Interleaved1F1B", stages_per_rank=2)
+
+
+@pytest.mark.soak
+@pytest.mark.parametrize("stage", [0, 1])
+def test_llama_pp2_dp2(stage):
+    check("llama", pp=2, world=4, stage=stage)
