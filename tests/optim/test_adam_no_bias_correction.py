@@ -116,10 +116,12 @@ def test_config_builds_it_in_deepspeeds_weight_decay_mode():
     def built(kind, **params):
         return optimizer_class_and_kwargs(load_config({"optimizer": {"type": kind, "params": params}}).optimizer)
 
-    assert built("Adam", bias_correction=False) == (DeepSpeedAdam, {"bias_correction": False, "adam_w_mode": True})
+    # DeepSpeed's fused Adam: weight_decay 0.0 when the config gives none
+    no_decay = {"weight_decay": 0.0, "bias_correction": False, "adam_w_mode": True}
+    assert built("Adam", bias_correction=False) == (DeepSpeedAdam, no_decay)
     assert built("Adam", bias_correction=False, adam_w_mode=False)[1]["adam_w_mode"] is False
     assert built("AdamW", bias_correction=False, adam_w_mode=False)[1]["adam_w_mode"] is True  # as in DeepSpeed
-    assert built("AdamW", bias_correction=True) == (torch.optim.AdamW, {})
+    assert built("AdamW", bias_correction=True) == (torch.optim.AdamW, {"weight_decay": 0.0})
     for params, fragment in (
         ({"bias_correction": "no"}, "optimizer.params.bias_correction: expected true or false, got 'no'"),
         ({"bias_correction": False, "amsgrad": True}, "optimizer.params.amsgrad"),  # FusedAdam refuses it too
