@@ -22,6 +22,9 @@ Variants (``--variants``, comma-separated; default all):
   effect (everything is in host memory already), so there it runs as ``stage2:offload``.
 * ``stage2:fp16``, ``stage3:fp16``: fp16 with dynamic loss scaling instead of bf16; the fused AdamW skips an
   overflowing step in its kernel, so the overflow never has to be read during the step.
+* ``stage3:selective``, ``stage3:full``, ``stage3:full-cpu``: activation checkpointing by policy
+  (``activation_checkpointing.policy``: matmul outputs kept, the rest recomputed; or whole blocks recomputed, their
+  inputs in pinned host memory with ``-cpu``): the peak against ``stage3``'s, and the recompute's time.
 * ``stage2:nccl``, ``stage3:nccl``: every collective issued although the group has one rank
   (``SHARDTRAIN_FORCE_COLLECTIVES=1``, [Note: a group of one]). On a GPU this runs NCCL's streams, the waits and the
   buffer frees after them. On the CPU the group is gloo's.
@@ -93,6 +96,9 @@ VARIANTS = (
     "stage3:nccl",
     "stage2:fp16",
     "stage3:fp16",
+    "stage3:selective",
+    "stage3:full",
+    "stage3:full-cpu",
 )
 LR, BETAS, EPS, WEIGHT_DECAY, CLIP = 3e-4, (0.9, 0.95), 1e-8, 0.1, 1.0
 PARTIAL_RATIO = 0.25  # ``stage2:offload-partial``: the fraction of the optimizer's elements stepped on the host
@@ -159,6 +165,10 @@ def engine_config(variant: str, micro_batch: int, device: torch.device) -> dict[
     if variant.endswith(":fp16"):  # dynamic loss scaling; the fused AdamW skips an overflow in its kernel
         del config["bf16"]
         config["fp16"] = {"enabled": True, "initial_scale_power": 16}
+    if variant.endswith(":selective"):  # docs/activation-checkpointing.md
+        config["activation_checkpointing"] = {"policy": "selective"}
+    if ":full" in variant:
+        config["activation_checkpointing"] = {"policy": "full", "cpu_checkpointing": variant.endswith("-cpu")}
     return config
 
 
