@@ -57,6 +57,7 @@ def test_the_tiny_run_trains_every_variant_to_plain_pytorchs_losses(tmp_path):
     assert "synchronizes at" not in done.stdout
 
 
+@pytest.mark.soak  # suite time: every variant's numbers are checked in process by the test below
 def test_each_variant_runs_in_a_process_of_its_own(tmp_path):
     out = tmp_path / "results.json"
     argv = ["--tiny", "--variants", "plain,stage3:nccl", "--steps", "1", "--warmup", "1", "--json", str(out)]

@@ -294,7 +294,10 @@ def _check(name: str, got: dict) -> None:
     assert -0.10 * peak - missed <= predicted - peak <= 0.10 * peak + slack, where + f"\nunrecorded frees {missed}"
 
 
-@pytest.mark.parametrize("name", [c[0] for c in CASES])
+# "stage0" under soak (suite time): stage 0 stays checked by default with Llama's 1024 tokens
+@pytest.mark.parametrize(
+    "name", [pytest.param(c[0], marks=pytest.mark.soak) if c[0] == "stage0" else c[0] for c in CASES]
+)
 def test_model_state_is_exact_and_peak_within_10_percent(name):
     _check(name, measured()[name])
 

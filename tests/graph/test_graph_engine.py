@@ -87,7 +87,7 @@ def assert_eval_matches(r: dict, case: Case) -> None:
     ("model", "stage", "world"),
     [
         ("gpt", 0, 1),
-        ("gpt", 1, 3),
+        pytest.param("gpt", 1, 3, marks=pytest.mark.soak),  # world 3 by default at stage 3 (suite time)
         ("gpt", 2, 2),
         pytest.param("llama", 2, 2, marks=pytest.mark.soak),  # Llama by default at stage 3 (below)
         pytest.param("gpt", 3, 1, marks=pytest.mark.soak),  # stage 3 by default at world 3 (and Llama's at 2)
@@ -143,7 +143,7 @@ def test_graph_mode_with_tensor_parallelism(model, stage):
         assert r["graph"]["captures"] == 2 and r["graph"]["fallbacks"] == [], r["graph"]
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [pytest.param(2, marks=pytest.mark.soak), 3])  # stage 2 under soak: suite time
 def test_graph_mode_bf16(stage):
     case = Case(dtype="bf16", steps=2)
     results = run_distributed(graph_run, 2, case, stage, timeout=600)
@@ -218,7 +218,10 @@ def _graph_zero3_until_killed(victim: int, point: str) -> None:
         engine.step()
 
 
-@pytest.mark.parametrize(("point", "world", "victim"), [("forward", 2, 1), ("backward", 3, 2)])
+@pytest.mark.parametrize(
+    ("point", "world", "victim"),
+    [("forward", 2, 1), pytest.param("backward", 3, 2, marks=pytest.mark.soak)],  # suite time: one by default
+)
 def test_a_rank_killed_inside_the_zero3_graph_is_named(point, world, victim):
     """The survivors are inside the captured graph's gathers or reduce-scatters when the peer dies: they stop with the
     PeerLostError eager collectives raise, naming the killed rank, not with gloo's error."""

@@ -85,7 +85,7 @@ def assert_sgd_parity(got: list[dict], ref: list[dict], init: dict, what: str) -
             assert err <= 1e-4 * moved + 1e-7, f"{what}: step {step}: {k}: error {err:.3g} vs moved {moved:.3g}"
 
 
-@pytest.mark.parametrize(("stage", "world"), [(1, 3), (3, 3)])
+@pytest.mark.parametrize(("stage", "world"), [pytest.param(1, 3, marks=pytest.mark.soak), (3, 3)])  # suite time
 def test_graph_mode_with_sgd_trains_like_one_process(stage, world):
     """Plain SGD without clipping, gradient accumulation over 2 micro-steps, world 3: the parameters after every step
     are one process's on the whole batch (AdamW, which normalizes gradients, would hide a wrong scale)."""

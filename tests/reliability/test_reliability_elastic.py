@@ -38,7 +38,7 @@ def _uninterrupted(ckpt_dir: str) -> list[tuple[int, float]]:
     return elastic_train.train(ckpt_dir, STEPS, SAVE_EVERY)
 
 
-@pytest.mark.parametrize("killer", ["itself", "outside"])
+@pytest.mark.parametrize("killer", [pytest.param("itself", marks=pytest.mark.soak), "outside"])  # suite time
 def test_a_killed_rank_is_restarted_and_training_resumes_exactly(tmp_path, killer):
     """``itself``: rank 1 sends itself SIGKILL after step 5. ``outside``: it waits after step 5 and this test sends
     it SIGKILL (``os.kill`` on the pid it published), as the OOM killer or an operator would."""

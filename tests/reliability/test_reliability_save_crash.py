@@ -83,7 +83,7 @@ def test_cases_cover_every_point_and_phase_at_both_worlds():
             assert {p for p, _, _ in cases} & set(points), (world, points)
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.soak), 3])  # suite time: world 3 by default
 def test_sigkill_at_each_save_phase(tmp_path, world):
     done = []
     for point, victim, stage in CASES[world]:
