@@ -70,6 +70,26 @@ def numel(shape: tuple[int, ...]) -> int:
     return math.prod(shape)
 
 
+class SizedTensor:
+    """What a logical tensor's ``global_shape`` and ``dtype`` (a :data:`DTYPES` name) give: its element count, torch
+    dtype and bytes. Shared by this format's :class:`TensorEntry` and the foreign formats' entries."""
+
+    global_shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def numel(self) -> int:
+        return numel(self.global_shape)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.torch_dtype.itemsize
+
+
 def crc32(data: Any, running: int = 0) -> int:
     """zlib's CRC-32 (the same polynomial and values) of a buffer, continuing from ``running``.
 
@@ -307,7 +327,7 @@ class Piece:
 
 
 @dataclass(frozen=True)
-class TensorEntry:
+class TensorEntry(SizedTensor):
     """A logical tensor: global shape and dtype, the pieces that together cover it, and alias names (tied)."""
 
     name: str
@@ -346,18 +366,6 @@ class TensorEntry:
             "a tensor may have",
         )
         check_coverage(self.name, self.global_shape, [p.slice for p in self.pieces])
-
-    @property
-    def numel(self) -> int:
-        return numel(self.global_shape)
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.torch_dtype.itemsize
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {"shape": list(self.global_shape), "dtype": self.dtype}

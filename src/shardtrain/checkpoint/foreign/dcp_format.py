@@ -30,9 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
-from shardtrain.checkpoint.format import DTYPES, LATEST_NAME, MANIFEST_NAME, dtype_name, numel
+from shardtrain.checkpoint.format import DTYPES, LATEST_NAME, MANIFEST_NAME, SizedTensor, dtype_name
 from shardtrain.checkpoint.safe_pickle import restricted_loads
 from shardtrain.errors import CheckpointError
 
@@ -133,7 +131,7 @@ def find_dcp_checkpoint(path: str | Path, tag: str | None) -> Path | None:
 
 
 @dataclass(frozen=True)
-class DcpTensorEntry:
+class DcpTensorEntry(SizedTensor):
     """A logical tensor of a DCP checkpoint under a shardtrain name: DCP's flat ``key`` and its chunks
     (``(offsets, sizes)`` boxes of the global tensor)."""
 
@@ -143,18 +141,6 @@ class DcpTensorEntry:
     key: str
     chunks: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
     aliases: tuple[str, ...] = ()
-
-    @property
-    def numel(self) -> int:
-        return numel(self.global_shape)
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.torch_dtype.itemsize
 
 
 @dataclass(frozen=True)

@@ -223,7 +223,11 @@ class DcpReader:
 
     def _build_objects(self) -> dict[str, Any]:
         c = self.contents
-        objects: dict[str, Any] = _Objects(self.path)
+        objects: dict[str, Any] = ObjectsWithoutOptimizer(
+            f"torch DCP checkpoint {self.path} holds no optimizer state (no 'optimizer' entry with param groups, as "
+            "get_optimizer_state_dict returns them); load it with load_optimizer_states=False (or consolidate it "
+            "without --optimizer)"
+        )
         groups = self._param_groups()
         if groups is not None:
             objects[PARAM_GROUPS_KEY] = groups
@@ -315,20 +319,17 @@ class DcpReader:
         return problems
 
 
-class _Objects(dict):
-    """The objects dict; asking for the param groups of a checkpoint without optimizer state explains why."""
+class ObjectsWithoutOptimizer(dict):
+    """A foreign checkpoint's objects dict; asking for the param groups of one without optimizer state raises
+    ``why`` (the DCP and Megatron readers say each their reason)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, why: str) -> None:
         super().__init__()
-        self._path = path
+        self._why = why
 
     def get(self, key: str, default: Any = None) -> Any:
         if key == PARAM_GROUPS_KEY and key not in self:
-            raise CheckpointError(
-                f"torch DCP checkpoint {self._path} holds no optimizer state (no 'optimizer' entry with param "
-                "groups, as get_optimizer_state_dict returns them); load it with load_optimizer_states=False (or "
-                "consolidate it without --optimizer)"
-            )
+            raise CheckpointError(self._why)
         return super().get(key, default)
 
 

@@ -23,16 +23,14 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from shardtrain.checkpoint.foreign.megatron_architecture import Architecture
 from shardtrain.checkpoint.foreign.megatron_format import OPTIMIZER_STATE, MegatronSource
-from shardtrain.checkpoint.format import DTYPES, numel
+from shardtrain.checkpoint.format import SizedTensor, numel
 from shardtrain.errors import CheckpointError
 
 
 @dataclass(frozen=True)
-class MegatronTensorEntry:
+class MegatronTensorEntry(SizedTensor):
     """A Hugging Face tensor of a Megatron checkpoint: ``runs`` are ``(source key, flat start, length)`` of Megatron
     tensors whose elements, concatenated, are this tensor's flattened elements."""
 
@@ -42,18 +40,6 @@ class MegatronTensorEntry:
     runs: tuple[tuple[str, int, int], ...]
     aliases: tuple[str, ...] = ()
     value: float | None = None  # a scalar megatron keeps in its common state (the optimizer's step count)
-
-    @property
-    def numel(self) -> int:
-        return numel(self.global_shape)
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.torch_dtype.itemsize
 
     @property
     def chunks(self) -> tuple[tuple[str, int, int], ...]:  # what `checkpoint inspect` counts

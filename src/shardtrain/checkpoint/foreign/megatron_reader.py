@@ -22,7 +22,14 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 from shardtrain.checkpoint.foreign.dcp_format import DcpTensorEntry, _world_size
-from shardtrain.checkpoint.foreign.dcp_reader import ELEMENTWISE, PARAM_GROUPS_KEY, SCALAR, STATE_KINDS_KEY, DcpReader
+from shardtrain.checkpoint.foreign.dcp_reader import (
+    ELEMENTWISE,
+    PARAM_GROUPS_KEY,
+    SCALAR,
+    STATE_KINDS_KEY,
+    DcpReader,
+    ObjectsWithoutOptimizer,
+)
 from shardtrain.checkpoint.foreign.megatron_architecture import Architecture
 from shardtrain.checkpoint.foreign.megatron_format import (
     MegatronSource,
@@ -138,7 +145,11 @@ class MegatronReader:
         """The transformers config of the model (``hf/config``, written as ``config.json`` by consolidation), the
         iteration as the engine's global step, an empty client state, and with optimizer state its param groups."""
         if self._objects is None:
-            objects = _MegatronObjects(self.path)
+            objects = ObjectsWithoutOptimizer(
+                f"Megatron checkpoint {self.path} holds no optimizer state in model space (none saved, or the "
+                "distributed optimizer's per-bucket formats, which shardtrain does not read yet); load it with "
+                "load_optimizer_states=False (or consolidate it without --optimizer)"
+            )
             weights = next(iter(self.manifest.tensors.values())).torch_dtype
             objects[HF_CONFIG_KEY] = json.dumps(self.arch.hf_config(weights))
             iteration = self.common.get("iteration")
@@ -175,20 +186,3 @@ class MegatronReader:
             if progress is not None:
                 progress(self._dcp_entry(key).nbytes)
         return problems
-
-
-class _MegatronObjects(dict):
-    """The objects dict; asking for the param groups explains that the optimizer state is not read."""
-
-    def __init__(self, path: Path) -> None:
-        super().__init__()
-        self._path = path
-
-    def get(self, key: str, default: Any = None) -> Any:
-        if key == PARAM_GROUPS_KEY and key not in self:
-            raise CheckpointError(
-                f"Megatron checkpoint {self._path} holds no optimizer state in model space (none saved, or the "
-                "distributed optimizer's per-bucket formats, which shardtrain does not read yet); load it with "
-                "load_optimizer_states=False (or consolidate it without --optimizer)"
-            )
-        return super().get(key, default)
