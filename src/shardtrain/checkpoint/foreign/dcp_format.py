@@ -90,23 +90,34 @@ _EXPECTED = (
 )
 
 
-def load_metadata(ckpt: Path) -> Metadata:
-    """``ckpt/.metadata`` through :func:`dcp_metadata_globals`; anything else in it is refused by name."""
+_NO_STORAGE = (
+    "has no storage records (written by a storage writer other than torch's FileSystemWriter); only file-system DCP "
+    "checkpoints are read"
+)
+
+
+def load_metadata(
+    ckpt: Path,
+    allowed: dict[str, Any] | None = None,
+    expected: str = _EXPECTED,
+    what: str = "the DCP metadata",
+    no_storage: str = _NO_STORAGE,
+) -> Metadata:
+    """``ckpt/.metadata`` through ``allowed`` (default :func:`dcp_metadata_globals`); anything else in it is refused
+    by name. ``expected``, ``what`` and ``no_storage`` word the errors for a format built on DCP's (Megatron's)."""
     from torch.distributed.checkpoint.metadata import Metadata
 
     path = ckpt / METADATA_NAME
     try:
         data = path.read_bytes()
     except OSError as err:
-        raise CheckpointError(f"{path}: cannot read the DCP metadata: {err}") from None
-    md = restricted_loads(data, dcp_metadata_globals(), source=str(path), expected=_EXPECTED)
+        raise CheckpointError(f"{path}: cannot read {what}: {err}") from None
+    allowed = allowed if allowed is not None else dcp_metadata_globals()
+    md = restricted_loads(data, allowed, source=str(path), expected=expected)
     if not isinstance(md, Metadata) or not isinstance(md.state_dict_metadata, dict):
         raise CheckpointError(f"{path}: holds a {type(md).__name__}, not DCP metadata; the file is damaged")
     if not isinstance(md.storage_data, dict):
-        raise CheckpointError(
-            f"{path}: has no storage records (written by a storage writer other than torch's FileSystemWriter); "
-            "only file-system DCP checkpoints are read"
-        )
+        raise CheckpointError(f"{path}: {no_storage}")
     return md
 
 

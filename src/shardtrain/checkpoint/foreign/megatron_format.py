@@ -25,9 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from shardtrain.checkpoint.foreign.dcp_format import METADATA_NAME, dcp_metadata_globals
+from shardtrain.checkpoint.foreign.dcp_format import METADATA_NAME, dcp_metadata_globals, load_metadata
 from shardtrain.checkpoint.format import dtype_name
-from shardtrain.checkpoint.safe_pickle import restricted_loads
 from shardtrain.errors import CheckpointError, UnsafePickleError
 
 if TYPE_CHECKING:
@@ -102,21 +101,15 @@ def _metadata_globals() -> dict[str, Any]:
 
 
 def load_megatron_metadata(ckpt: Path) -> Metadata:
-    """``ckpt/.metadata`` through the allow-list above; anything else is refused by name."""
-    from torch.distributed.checkpoint.metadata import Metadata
-
-    path = ckpt / METADATA_NAME
-    try:
-        data = path.read_bytes()
-    except OSError as err:
-        raise CheckpointError(f"{path}: cannot read the checkpoint metadata: {err}") from None
-    expected = "a Megatron torch_dist .metadata file holds only DCP's metadata and save-plan classes, sizes, dtypes"
-    md = restricted_loads(data, _metadata_globals(), source=str(path), expected=expected)
-    if not isinstance(md, Metadata) or not isinstance(md.state_dict_metadata, dict):
-        raise CheckpointError(f"{path}: holds a {type(md).__name__}, not DCP metadata; the file is damaged")
-    if not isinstance(md.storage_data, dict):
-        raise CheckpointError(f"{path}: has no storage records; the checkpoint is incomplete")
-    return md
+    """``ckpt/.metadata`` through the allow-list above (DCP's reading, :func:`load_metadata`); anything else is
+    refused by name."""
+    return load_metadata(
+        ckpt,
+        _metadata_globals(),
+        expected="a Megatron torch_dist .metadata file holds only DCP's metadata and save-plan classes, sizes, dtypes",
+        what="the checkpoint metadata",
+        no_storage="has no storage records; the checkpoint is incomplete",
+    )
 
 
 class MegatronArgs:
