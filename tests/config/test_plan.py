@@ -157,8 +157,7 @@ def test_pipeline_axis_is_cut_before_the_others():
 @pytest.mark.parametrize(
     ("extra", "named"),
     [
-        ({"zero_optimization": {"stage": 2}}, "ZeRO stage 2"),
-        ({"zero_optimization": {"stage": 3}}, "ZeRO stage 3"),
+        ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}}, r"ZeRO\+\+ hpZ"),
         ({"tensor_parallel": {"size": 2}}, "tensor parallelism"),
         ({"sequence_parallel_size": 2}, "sequence parallelism"),
         ({"expert_parallel_size": 2}, "expert parallelism"),
@@ -180,6 +179,9 @@ def test_pipeline_plan():
     cfg = load_config({"pipeline_parallel_size": 2, "pipeline": {"schedule": "gpipe"}})
     plan = resolve_plan(cfg, 4)
     assert (plan.dims.pp, plan.dims.dp, plan.pipeline.schedule, plan.pipeline.stages_per_rank) == (2, 2, "gpipe", 1)
+    for stage in (2, 3):  # ZeRO over each stage's data-parallel ranks
+        plan = resolve_plan(load_config({"pipeline_parallel_size": 2, "zero_optimization": {"stage": stage}}), 4)
+        assert (plan.dims.pp, plan.zero.stage) == (2, stage)
     with pytest.raises(ConfigError, match="ZBVZeroBubble' is not built"):
         load_config({"pipeline": {"schedule": "ZBVZeroBubble"}})
     with pytest.raises(ConfigError, match="multi-stage schedule needs stages_per_rank of 2 or more"):

@@ -26,13 +26,13 @@ def _batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def _engine(pp: int, seed: int = 0) -> shardtrain.Engine:
+def _engine(pp: int, seed: int = 0, stage: int = 1) -> shardtrain.Engine:
     model = _model(seed)
     config = {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": GAS,
         "pipeline_parallel_size": pp,
-        "zero_optimization": {"stage": 1},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
     }
     # SGD with momentum: state to resume, and no normalisation that turns a zero gradient's rounding (the attention
     # key bias, [Note: parity bounds]) into full steps, so pp 1 and pp 2 stay within rounding of each other
@@ -57,16 +57,17 @@ def _train(engine: shardtrain.Engine, batches: list, steps: range) -> list[float
     return losses
 
 
-def _save_and_resume(path: str) -> dict:
+def _save_and_resume(path: str, stage: int = 1) -> dict:
     batches = _batches(4)
-    engine = _engine(pp=2)
+    engine = _engine(pp=2, stage=stage)
     _train(engine, batches, range(2))
     engine.save_checkpoint(path, tag="step2")
     saved = engine.full_state_dict()
     straight = _train(engine, batches, range(2, 4))
     final = engine.full_state_dict()
     engine.close()
-    resumed_engine = _engine(pp=2, seed=1)  # other initial weights: everything must come from the checkpoint
+    # other initial weights: everything must come from the checkpoint
+    resumed_engine = _engine(pp=2, seed=1, stage=stage)
     resumed_engine.load_checkpoint(path, tag="step2")
     resumed = _train(resumed_engine, batches, range(2, 4))
     out = {
@@ -91,13 +92,17 @@ def _load_at_pp1(path: str) -> dict:
     return out
 
 
-def test_pp2_checkpoint_resumes_exactly_and_loads_at_pp1(tmp_path):
-    path = str(tmp_path / "ckpt")
-    first, _ = run_distributed(_save_and_resume, 2, path)
+def _assert_resumed_exactly(first: dict) -> None:
     assert first["resumed"] == first["straight"] and first["global_step"] == 4
     assert first["final"].keys() == first["resumed final"].keys() == first["saved"].keys()
     for name, value in first["final"].items():
         assert torch.equal(value, first["resumed final"][name]), name
+
+
+def test_pp2_checkpoint_resumes_exactly_and_loads_at_pp1(tmp_path):
+    path = str(tmp_path / "ckpt")
+    first, _ = run_distributed(_save_and_resume, 2, path)
+    _assert_resumed_exactly(first)
     (one,) = run_distributed(_load_at_pp1, 1, path)
     assert one["loaded"].keys() == first["saved"].keys()
     for name, value in first["saved"].items():
@@ -107,3 +112,9 @@ def test_pp2_checkpoint_resumes_exactly_and_loads_at_pp1(tmp_path):
         assert abs(a - b) <= 1e-5 * abs(b), (one["losses"], first["straight"])
     for name, value in first["final"].items():
         assert torch.allclose(one["final"][name], value, rtol=1e-4, atol=1e-6), name
+
+
+def test_pp2_dp2_zero3_checkpoint_resumes_exactly(tmp_path):
+    """At ZeRO-3 over each stage's two data-parallel ranks, each rank writes its shards of its stage's tensors."""
+    first = run_distributed(_save_and_resume, 4, str(tmp_path / "ckpt"), 3)[0]
+    _assert_resumed_exactly(first)

@@ -77,7 +77,8 @@ def pipeline_run(kind: str, pp: int, schedule: str, stages_per_rank: int, stage:
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": GAS,
         "gradient_clipping": CLIP,
-        "zero_optimization": {"stage": stage},
+        # at stage 3 every parameter in a unit, none kept whole for being small
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
     }
     engine = shardtrain.initialize(model, config, optimizer=make_optimizer(model))
     t = engine.topology
@@ -92,12 +93,21 @@ def pipeline_run(kind: str, pp: int, schedule: str, stages_per_rank: int, stage:
         losses.append(float(loss))
         norms.append(engine.get_global_grad_norm())
     names = sorted(n for n, _ in engine.module.named_parameters())
-    out = {"losses": losses, "norms": norms, "params": engine.full_state_dict(), "names": names}
+    # ZeRO-3's all-gathers of unit parameters and reduce-scatters of gradient buckets over the training steps
+    calls = {k: v["calls"] for k, v in engine.comm_stats().items()}
+    units = {"units": len(engine._runtime.units), "gathers": sorted({u.gathers for u in engine._runtime.units})}
+    units |= {"all_gather": calls.get("all_gather", 0), "reduce_scatter": calls.get("reduce_scatter", 0)}
+    units["buckets"] = len(engine.layout.buckets)
+    whole = [b.flat_param.untyped_storage().size() for u in engine._runtime.units for b in u.buckets]
+    units["released"] = not any(whole)  # between steps only the shards are kept
+    out = {"losses": losses, "norms": norms, "params": engine.full_state_dict(), "names": names, "zero": units}
     engine.close()
     return out
 
 
-def check(kind: str, pp: int, world: int, schedule: str = "1F1B", stages_per_rank: int = 1, stage: int = 0) -> None:
+def check(
+    kind: str, pp: int, world: int, schedule: str = "1F1B", stages_per_rank: int = 1, stage: int = 0
+) -> list[dict]:
     results = run_distributed(pipeline_run, world, kind, pp, schedule, stages_per_rank, stage)
     ref = reference(kind, world // pp)
     assert_parity(results, ref)
@@ -105,6 +115,7 @@ def check(kind: str, pp: int, world: int, schedule: str = "1F1B", stages_per_ran
     held = [set(r["names"]) for r in results[:: world // pp]]
     assert all(a.isdisjoint(b) for i, a in enumerate(held) for b in held[i + 1 :])
     assert set().union(*held) == set(ref["params"])
+    return results
 
 
 @pytest.mark.parametrize("schedule", ["GPipe", "1F1B"])
@@ -143,3 +154,27 @@ def test_llama_interleaved_two_stages_per_rank():
 @pytest.mark.parametrize("stage", [0, 1])
 def test_llama_pp2_dp2(stage):
     check("llama", pp=2, world=4, stage=stage)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_gpt_pp2_dp2_zero23(stage):
+    # the reduction is deferred to the step's last micro-batch: one reduce-scatter per bucket per step (GAS of 4
+    # micro-batches would give four); at stage 3 each unit is gathered once per step, for the whole schedule, and
+    # released after it ([Note: a stage gathered for its schedule])
+    for r in check("gpt", pp=2, world=4, stage=stage):
+        zero = r["zero"]
+        assert zero["reduce_scatter"] == STEPS * zero["buckets"], zero
+        if stage == 3:
+            assert zero["units"] >= 1 and zero["gathers"] == [STEPS] and zero["released"], zero
+            assert zero["all_gather"] == STEPS * zero["units"], zero
+        else:
+            assert zero["units"] == 0, zero
+
+
+def test_gpt_pp3_zero3():
+    check("gpt", pp=3, world=3, stage=3)
+
+
+@pytest.mark.soak
+def test_llama_pp2_dp2_zero3():
+    check("llama", pp=2, world=4, stage=3)

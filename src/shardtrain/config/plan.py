@@ -194,11 +194,11 @@ def refuse_unbuilt_pipeline(cfg: Config, dims: ParallelDims) -> None:
     """What pipeline parallelism is not built with yet (docs/pipeline-parallel.md), refused by name."""
     zcfg = cfg.zero_optimization
     refused = [
-        (zcfg.stage > 1, f"ZeRO stage {zcfg.stage} (zero_optimization.stage; stages 0 and 1 are built)"),
         (dims.tp > 1, f"tensor parallelism (tensor_parallel.size {dims.tp})"),
         (dims.sp > 1, f"sequence parallelism (sequence_parallel_size {dims.sp})"),
         (dims.ep > 1, f"expert parallelism (expert_parallel_size {dims.ep})"),
         (dims.replicas > 1, f"hybrid sharding (zero_optimization.mics_shard_size {zcfg.mics_shard_size})"),
+        (dims.hpz_asked, f"ZeRO++ hpZ (zero_optimization.zero_hpz_partition_size {zcfg.zero_hpz_partition_size})"),
         (zcfg.offload_optimizer.device != "none", "optimizer offload (zero_optimization.offload_optimizer)"),
         (zcfg.offload_param.device != "none", "parameter offload (zero_optimization.offload_param)"),
         (bool(cfg.graph.enabled), "graph mode (graph.enabled)"),

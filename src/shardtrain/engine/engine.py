@@ -255,11 +255,14 @@ class Engine:
                 f"data_iter ran out after {len(micro)} of the {self.gradient_accumulation_steps} micro-batches of a "
                 "pipeline step (gradient_accumulation_steps): give train_batch an iterator with whole steps left"
             )
+        # stage 3: the stage's units whole from the first forward to the last backward, released before the
+        # deferred reductions ([Note: a stage gathered for its schedule] in pipeline_parallel/schedule.py)
         with self.monitor.timed("backward"):
             self._reducer.begin_backward(True)
             unwinding = True
             try:
-                loss = self._pipeline.run(micro)
+                with self._runtime.gathered(list(self.module.parameters())):
+                    loss = self._pipeline.run(micro)
                 unwinding = False
             finally:
                 self._reducer.end_backward(unwinding)

@@ -348,7 +348,9 @@ def apply_units(
 ) -> EagerRuntime:
     """The eager runtime: at stage 3 the units, their hooks and the gather service, handed its two collaborators
     (the parameter offload, made after the cast so that its swap files hold compute-dtype shards, and hpZ's
-    secondary shards, [Note: secondary shards]); below stage 3 it has no units and installs nothing."""
+    secondary shards, [Note: secondary shards]); below stage 3 it has no units and installs nothing. Under pipeline
+    parallelism it installs no hooks: ``train_batch`` gathers the stage for its whole schedule ([Note: a stage gathered
+    for its schedule] in ``pipeline_parallel/schedule.py``)."""
     secondary = SecondaryShards(comms.hpz) if comms.hpz is not None and layout.unit_buckets else None
     return EagerRuntime(
         model,
@@ -361,6 +363,7 @@ def apply_units(
         source=param_offload,
         expert_comm=comms.edp,
         phase_checked=phase_check.comm is not None,
+        module_hooks=plan.dims.pp == 1,
     )
 
 

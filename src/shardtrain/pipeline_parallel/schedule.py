@@ -9,6 +9,17 @@ the mean loss, as ``engine.backward`` divides by the accumulation steps. The sch
 (``torch.autograd.backward`` per stage output), so the gradient reducer's hooks see every parameter's gradient
 accumulate; the engine opens one reducer backward around the whole schedule, without overlap, so each bucket is
 reduced once per step, after the last micro-batch.
+
+[Note: a stage gathered for its schedule]
+At ZeRO stage 3 ``train_batch`` gathers all of this rank's units (its stages' parameters, over the stage's
+data-parallel ranks) before the schedule's first forward and releases them after its last backward, before the
+deferred reduce-scatters: FSDP2's ``reshard_after_forward=False`` with PP (torchtitan's choice when pp > 1). A
+schedule interleaves the micro-batches' forwards and backwards, so gathering per unit and pass would all-gather each
+unit twice per micro-batch: ``2 m`` times the bytes, for a stage that holds ``1 / pp`` of the model. Gathered once,
+a step moves ``P (N - 1) / N`` parameter bytes and reduces each bucket once. The cost is memory during the step: the
+stage's whole parameters and its whole gradients (the reducer's staging, [Note: gradient storage per stage]); between
+steps only the shards, the fp32 gradient shards and the optimizer state stay. So the runtime installs no unit hooks
+under pipeline parallelism (the stage modules, not the model, run the forwards).
 """
 
 from __future__ import annotations

@@ -132,6 +132,7 @@ class EagerRuntime(Runtime):
         source: ShardSource | None = None,
         expert_comm: Communicator | None = None,
         phase_checked: bool = False,
+        module_hooks: bool = True,
     ) -> None:
         """``check_group``: the host-side group of ``comm``'s ranks, for [Note: unit order check] (None: ``comm``'s
         own group); ``phase_checked``: the engine's phase check runs before every forward and backward it makes
@@ -139,7 +140,9 @@ class EagerRuntime(Runtime):
         ``secondary``: ZeRO++ hpZ's secondary shards ([Note: secondary shards]); ``source``: where the shards are
         read from before a gather (parameter offload); ``expert_comm``: the group expert buckets are gathered within
         ([Note: expert buckets] in :mod:`shardtrain.zero.layout`). All but ``phase_checked`` go to the gather
-        service."""
+        service. ``module_hooks=False``: no forward hooks; the caller gathers the units around what runs them
+        (pipeline parallelism, [Note: a stage gathered for its schedule] in
+        :mod:`shardtrain.pipeline_parallel.schedule`)."""
         self.root, self.comm = root, comm
         self.prefetch, self.gather_check = prefetch, gather_check
         self._units: list[Unit] = []
@@ -179,7 +182,7 @@ class EagerRuntime(Runtime):
         for u in self.units:
             by_module.setdefault(id(u.module), []).append(u)
         self._hooks = []
-        if not self.units:  # below stage 3: the module runs as it is
+        if not self.units or not module_hooks:  # below stage 3: the module runs as it is
             return
         for u in self.units:
             if u.module is root:
