@@ -86,14 +86,14 @@ def test_pipeline_engine_refusals():
         assert "train_batch" in r["alone"] and "rank 1" in r["alone"], r["alone"]
 
 
-def _not_a_pipeline() -> str:
+def _not_a_pipeline() -> tuple[str, str]:
     model = nn.Linear(4, 4)
     engine = shardtrain.initialize(
         model, {"train_micro_batch_size_per_gpu": 1}, optimizer=torch.optim.SGD(model.parameters())
     )
-    message = _message(lambda: engine.train_batch(iter([])))
+    messages = _message(lambda: engine.train_batch(iter([]))), _message(lambda: engine.eval_batch(iter([])))
     engine.close()
-    return message
+    return messages
 
 
 def _stages_disagree() -> str:
@@ -111,9 +111,10 @@ def test_stages_with_other_configs_fail_at_initialize():
         assert "ranks disagree on the config" in message, message
 
 
-def test_train_batch_without_pipeline_is_refused():
-    (message,) = run_distributed(_not_a_pipeline, 1)
-    assert "set pipeline_parallel_size > 1" in message, message
+def test_train_and_eval_batch_without_pipeline_are_refused():
+    ((train, evaluate),) = run_distributed(_not_a_pipeline, 1)
+    assert "set pipeline_parallel_size > 1" in train, train
+    assert "eval_batch runs a pipeline schedule" in evaluate, evaluate
 
 
 def test_models_that_cannot_be_cut_are_named():

@@ -42,6 +42,7 @@ CALLS = (
     "save_checkpoint",
     "load_checkpoint",
     "train_batch",
+    "eval_batch",
 )
 """The engine calls that are checked; a call's index is its code in the descriptor."""
 TRAINING_CALLS = frozenset({"forward", "backward", "step", "train_batch"})

@@ -242,19 +242,7 @@ class Engine:
                 "loss = engine(batch); engine.backward(loss); engine.step()"
             )
         self._refuse_unfrozen()
-        micro = []
-        for _ in range(self.gradient_accumulation_steps):
-            try:
-                micro.append(next(data_iter))
-            except StopIteration:
-                break
-        # the ranks agree on how many micro-batches they pulled: one that ran out alone fails on every rank, named
-        self._agree("train_batch", detail=len(micro))
-        if len(micro) < self.gradient_accumulation_steps:
-            raise ConfigError(
-                f"data_iter ran out after {len(micro)} of the {self.gradient_accumulation_steps} micro-batches of a "
-                "pipeline step (gradient_accumulation_steps): give train_batch an iterator with whole steps left"
-            )
+        micro = self._pull_micro_batches(data_iter, "train_batch")
         # stage 3: the stage's units whole from the first forward to the last backward, released before the
         # deferred reductions ([Note: a stage gathered for its schedule] in pipeline_parallel/schedule.py)
         with self.monitor.timed("backward"):
@@ -276,7 +264,70 @@ class Engine:
         self.monitor.end_optimizer_step(StepMetrics(self.global_step, self.global_samples, lr, self._grad_norm, 1.0))
         return loss
 
-    def _mean_loss(self, loss: torch.Tensor | None) -> torch.Tensor:
+    def eval_batch(
+        self,
+        data_iter: Iterator[Any],
+        return_logits: bool = False,
+        compute_loss: bool = True,
+        reduce_output: str | None = "avg",
+        bcast_loss: bool = True,
+        num_micro_batches: int | None = None,
+    ) -> torch.Tensor | None:
+        """The mean loss of ``gradient_accumulation_steps`` micro-batches pulled from ``data_iter``, as
+        :meth:`train_batch` pulls them, over the forward schedule only: no gradients, no step, the module in eval
+        mode (dropout off) and back in its mode after. Returned on every rank (``bcast_loss=False``: on the last
+        stage's ranks, None elsewhere), as DeepSpeed's ``PipelineEngine.eval_batch``, whose arguments it takes; the
+        logits, other reductions and another micro-batch count are refused by name. Collective."""
+        if self._pipeline is None:
+            raise ConfigError(
+                "engine.eval_batch runs a pipeline schedule: set pipeline_parallel_size > 1, or evaluate with "
+                "torch.no_grad() and engine(batch)"
+            )
+        unbuilt = [
+            (return_logits, "return_logits=True (the last stage's logits)"),
+            (not compute_loss, "compute_loss=False (outputs without a loss)"),
+            (reduce_output != "avg", f"reduce_output={reduce_output!r} (only 'avg', the mean loss, is built)"),
+            (
+                num_micro_batches not in (None, self.gradient_accumulation_steps),
+                f"num_micro_batches={num_micro_batches} (the schedule runs gradient_accumulation_steps "
+                f"{self.gradient_accumulation_steps})",
+            ),
+        ]
+        for hit, what in unbuilt:
+            if hit:
+                raise ConfigError(
+                    f"engine.eval_batch with {what} is not built; call eval_batch(data_iter) for the mean loss"
+                )
+        micro = self._pull_micro_batches(data_iter, "eval_batch")
+        training = self.module.training
+        self.module.eval()
+        try:
+            # stage 3: gathered for the forwards, as for a train step ([Note: a stage gathered for its schedule])
+            with torch.no_grad(), self._runtime.gathered(list(self.module.parameters())):
+                loss = self._pipeline.run(micro, train=False)
+        finally:
+            self.module.train(training)
+        return self._mean_loss(loss, broadcast=bcast_loss)
+
+    def _pull_micro_batches(self, data_iter: Iterator[Any], call: str) -> list[Any]:
+        """A pipeline step's ``gradient_accumulation_steps`` micro-batches, pulled by every rank, or a named error on
+        every rank."""
+        micro = []
+        for _ in range(self.gradient_accumulation_steps):
+            try:
+                micro.append(next(data_iter))
+            except StopIteration:
+                break
+        # the ranks agree on how many micro-batches they pulled: one that ran out alone fails on every rank, named
+        self._agree(call, detail=len(micro))
+        if len(micro) < self.gradient_accumulation_steps:
+            raise ConfigError(
+                f"data_iter ran out after {len(micro)} of the {self.gradient_accumulation_steps} micro-batches of a "
+                f"pipeline step (gradient_accumulation_steps): give {call} an iterator with whole steps left"
+            )
+        return micro
+
+    def _mean_loss(self, loss: torch.Tensor | None, broadcast: bool = True) -> torch.Tensor | None:
         """The last stage's loss, averaged over its data-parallel ranks and sent to every stage."""
         t = self.topology
         if loss is None:
@@ -284,6 +335,8 @@ class Engine:
         loss = loss.detach().to(torch.float32).clone()
         if self._pipeline.last:
             self._dp_comm.all_reduce(loss, Reduce.AVG, what="pipeline loss (data parallel)")
+        if not broadcast:
+            return loss if self._pipeline.last else None
         self._pp_comm.broadcast(loss, t.pp - 1, what="pipeline loss (from the last stage)")
         return loss
 

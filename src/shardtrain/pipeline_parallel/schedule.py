@@ -87,7 +87,9 @@ class Pipeline:
         self.parts, self.stage_ids, self.num_stages, self.loss_fn = parts, stage_ids, num_stages, loss_fn
         self._schedule = None
         self._device = torch.device("cpu")
-        self._shapes: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # the first step's inputs and labels
+        # the first train step's and the first eval step's inputs and labels: torch's schedule infers the stages'
+        # activation shapes again when it turns from training to evaluation or back, never within one
+        self._shapes: dict[bool, tuple[tuple[int, ...], tuple[int, ...]]] = {}
 
     @property
     def first(self) -> bool:
@@ -111,27 +113,30 @@ class Pipeline:
         multi = issubclass(cls, PipelineScheduleMulti)
         self._schedule = cls(stages if multi else stages[0], n_microbatches=k, loss_fn=loss, scale_grads=False)
 
-    def run(self, micro_batches: list[Any]) -> torch.Tensor | None:
-        """One step's forward and backward over ``micro_batches``; the sum of their losses divided by their count on
-        the last stage's rank (the mean loss), None elsewhere."""
+    def run(self, micro_batches: list[Any], train: bool = True) -> torch.Tensor | None:
+        """One step's forward and backward over ``micro_batches`` (``train=False``: the forwards only, torch's
+        ``schedule.eval``; the caller disables gradients); the sum of their losses divided by their count on the last
+        stage's rank (the mean loss), None elsewhere."""
         pairs = [split_micro_batch(b) for b in micro_batches]
         inputs = _join([x for x, _ in pairs], "inputs").to(self._device)
         labels = _join([y for _, y in pairs], "labels").to(self._device)
         shapes = (tuple(pairs[0][0].shape), tuple(pairs[0][1].shape))
-        if self._shapes is not None and shapes != self._shapes:
+        first = self._shapes.setdefault(train, shapes)
+        if shapes != first:
             # the stages learned their activations' shapes at the first step: others would hang or fail deep in torch
+            what = "step" if train else "eval_batch"
             raise ConfigError(
-                f"pipeline micro-batches of inputs {shapes[0]} and labels {shapes[1]}, where the first step's were "
-                f"{self._shapes[0]} and {self._shapes[1]}: the stages exchange activations of the shapes of the first "
-                "step; pad every micro-batch to one shape (the same rows and sequence length)"
+                f"pipeline micro-batches of inputs {shapes[0]} and labels {shapes[1]}, where the first {what}'s were "
+                f"{first[0]} and {first[1]}: the stages exchange activations of the shapes of the first {what}; pad "
+                "every micro-batch to one shape (the same rows and sequence length)"
             )
-        self._shapes = shapes
         args = (inputs,) if self.first else ()
+        run = self._schedule.step if train else self._schedule.eval
         if self.last:
             losses: list[torch.Tensor] = []
-            self._schedule.step(*args, target=labels, losses=losses)
+            run(*args, target=labels, losses=losses)
             return torch.stack([x.detach() for x in losses]).sum()
-        self._schedule.step(*args)
+        run(*args)
         return None
 
 
