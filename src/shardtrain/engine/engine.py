@@ -49,7 +49,7 @@ from shardtrain.engine.optimizers import OptimizerArg, SchedulerArg, build_lr_sc
 from shardtrain.engine.parallelize import Parts, parallelize
 from shardtrain.errors import ConfigError, OptimizerError
 from shardtrain.host_read import HostRead
-from shardtrain.pipeline_parallel import check_can_cut, check_micro_batches
+from shardtrain.pipeline_parallel import PipelineGrid, check_can_cut, check_micro_batches
 from shardtrain.plan import Plan
 from shardtrain.precision.mixed import check_parameter_dtypes
 from shardtrain.tensor_parallel import check_same_batch
@@ -139,6 +139,51 @@ class Engine:
     def mode(self) -> str:
         """``"eager"`` or ``"graph"`` (``graph.enabled``), chosen once by :func:`initialize`."""
         return self._runtime.mode
+
+    # -- DeepSpeed's pipeline queries (deepspeed/runtime/pipe/engine.py, topology.py) ---------------------------
+    @property
+    def grid(self) -> PipelineGrid:
+        """DeepSpeed's ``PipelineParallelGrid`` queries (``get_data_parallel_rank()``, ``get_pipe_parallel_rank()``,
+        ``get_slice_parallel_world_size()``, ...) on this engine's mesh; at pipeline size 1 one stage."""
+        t = self.topology
+        return PipelineGrid(
+            global_rank=t.rank,
+            world_size=t.world_size,
+            pipe_parallel_size=t.pp,
+            data_parallel_size=t.dp,
+            slice_parallel_size=t.tp,
+            stage_id=t.pp_rank,
+            data_parallel_id=t.dp_rank,
+            slice_rank=t.tp_rank,
+            pipe_group=t.pp_group,
+            data_group=t.groups.dp,
+            slice_group=t.tp_group,
+            sp=t.sp,
+        )
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches per step, ``gradient_accumulation_steps`` (DeepSpeed's ``PipelineEngine.micro_batches``)."""
+        return self.gradient_accumulation_steps
+
+    @property
+    def stage_id(self) -> int:
+        """This rank's pipeline rank (DeepSpeed's stage id; with several stages per rank, the first is ``stage_id``,
+        the others ``stage_id + num_stages``, ...)."""
+        return self.topology.pp_rank
+
+    @property
+    def num_stages(self) -> int:
+        """The pipeline-parallel size, as DeepSpeed's ``num_stages`` (its grid's ``pipe_parallel_size``)."""
+        return self.topology.pp
+
+    def is_first_stage(self) -> bool:
+        """Whether this rank holds the first stage (the one that reads the inputs)."""
+        return self.stage_id == 0
+
+    def is_last_stage(self) -> bool:
+        """Whether this rank holds the last stage (the one that computes the loss)."""
+        return self.stage_id == self.num_stages - 1
 
     # -- the training loop -------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
