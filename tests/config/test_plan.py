@@ -164,7 +164,6 @@ def test_pipeline_axis_is_cut_before_the_others():
         ({"zero_optimization": {"stage": 1, "mics_shard_size": 1}}, "hybrid sharding"),
         ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}, "optimizer offload"),
         ({"graph": {"enabled": True}}, "graph mode"),
-        ({"bf16": {"enabled": True}}, "bf16"),
         ({"fp16": {"enabled": True}}, "fp16"),
         ({"activation_checkpointing": {"policy": "full"}}, "activation checkpointing"),
     ],

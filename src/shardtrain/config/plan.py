@@ -202,8 +202,7 @@ def refuse_unbuilt_pipeline(cfg: Config, dims: ParallelDims) -> None:
         (zcfg.offload_optimizer.device != "none", "optimizer offload (zero_optimization.offload_optimizer)"),
         (zcfg.offload_param.device != "none", "parameter offload (zero_optimization.offload_param)"),
         (bool(cfg.graph.enabled), "graph mode (graph.enabled)"),
-        (cfg.fp16.enabled is True, "fp16 (its loss scale and overflow skip are not yet agreed across stages)"),
-        (cfg.bf16.enabled is True, "bf16 (its overflow check is not yet agreed across stages)"),
+        (cfg.fp16.enabled is True, "fp16 (the schedule's loss function does not apply the loss scale yet)"),
         (cfg.tiled_logits_loss or cfg.tiled_mlp_compute, "tiled_logits_loss / tiled_mlp_compute"),
         (
             cfg.activation_checkpointing.policy != "none",

@@ -332,7 +332,9 @@ class ShardedOptimizer:
             local_sq = self._global_square(local_sq, grads, swapped)
         if self.stage_comm is not None:
             # [Note: the norm across stages] each pipeline stage holds other parameters: the global norm, which the
-            # clip coefficient and the reported norm must share on every rank, sums every stage's square
+            # clip coefficient and the reported norm must share on every rank, sums every stage's square. The
+            # overflow decision below reads this sum: an inf or NaN on any stage skips the step on every stage
+            # (bf16's check_grad_overflow), with no all-reduce of a found-inf flag of its own
             local_sq = local_sq.clone()  # its own storage: it may be a view of the dp reduction's buffer
             self.stage_comm.all_reduce(local_sq, Reduce.SUM, what="squared gradient norm (pipeline stages)")
         total_norm = local_sq.sqrt()
