@@ -139,6 +139,12 @@ def test_gpt_pp3_zero3():
     check("gpt", pp=3, world=3, stage=3)
 
 
+def test_gpt_interleaved_zero3():
+    """Two stages per rank: both stage modules' units gathered for the schedule, once per step."""
+    for r in check("gpt", pp=2, world=2, schedule="Interleaved1F1B", stages_per_rank=2, stage=3):
+        assert r["zero"]["gathers"] == [STEPS] and r["zero"]["released"], r["zero"]
+
+
 @pytest.mark.soak
 def test_llama_pp2_dp2_zero3():
     check("llama", pp=2, world=4, stage=3)
