@@ -15,8 +15,15 @@ from shardtrain.testing.parity import train_one_process_bf16
 
 from helpers.pipeline import CLIP, GAS, MICRO, STEPS, global_batches, make_model, make_optimizer
 
+# DeepSpeed's defaults (accumulation and reduction in bf16); shardtrain's exact choice; fp32 accumulation alone
+PRECISIONS = {
+    "bf16": {},
+    "exact": {"communication_data_type": "fp32", "data_types": {"grad_accum_dtype": "fp32"}},
+    "fp32 accumulation": {"communication_data_type": "bf16", "data_types": {"grad_accum_dtype": "fp32"}},
+}
 
-def _config(stage: int, exact: bool) -> dict:
+
+def _config(stage: int, precision: str) -> dict:
     config = {
         "pipeline_parallel_size": 2,
         "train_micro_batch_size_per_gpu": MICRO,
@@ -25,15 +32,23 @@ def _config(stage: int, exact: bool) -> dict:
         "bf16": {"enabled": True},
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
     }
-    if exact:  # shardtrain's exact choice, by name (DeepSpeed's default is the compute dtype for both)
-        config |= {"communication_data_type": "fp32", "data_types": {"grad_accum_dtype": "fp32"}}
-    return config
+    return config | PRECISIONS[precision]
 
 
-def _bf16_run(stage: int, exact: bool) -> dict:
+def _bf16_run(stage: int, precision: str) -> dict:
     model = make_model("gpt")
-    engine = shardtrain.initialize(model, _config(stage, exact), optimizer=make_optimizer(model))
+    engine = shardtrain.initialize(model, _config(stage, precision), optimizer=make_optimizer(model))
     dtypes = {p.dtype for p in engine.module.parameters()}
+    # stages 2-3: what each bucket's staging buffer, which sums the step's micro-batches, holds when it is reduced
+    reducer, staged = engine._reducer, set()
+    launch = reducer._launch
+
+    def spy(position: int) -> None:
+        if position in reducer._staging:
+            staged.add(reducer._staging[position].dtype)
+        launch(position)
+
+    reducer._launch = spy
     losses, norms = [], []
     batches = global_batches("gpt", 1)
     for step in range(STEPS):
@@ -42,16 +57,19 @@ def _bf16_run(stage: int, exact: bool) -> dict:
     full = engine.full_state_dict()
     params = {n: v.float() for n, v in full.items()} if full is not None else None
     engine.close()
-    return {"losses": losses, "norms": norms, "params": params, "dtypes": dtypes}
+    return {"losses": losses, "norms": norms, "params": params, "dtypes": dtypes, "staged": staged}
 
 
-@pytest.mark.parametrize(("stage", "exact"), [(1, False), (3, True)])
-def test_bf16_pp2_matches_one_process(stage, exact):
+@pytest.mark.parametrize(("stage", "precision"), [(1, "bf16"), (3, "exact"), (2, "fp32 accumulation")])
+def test_bf16_pp2_matches_one_process(stage, precision):
     model = make_model("gpt")
     batches = global_batches("gpt", 1)
     ref = train_one_process_bf16(model, make_optimizer(model), lambda m, i: m(*batches[i]), STEPS, GAS, CLIP)
-    results = run_distributed(_bf16_run, 2, stage, exact)
+    results = run_distributed(_bf16_run, 2, stage, precision)
     assert all(r["dtypes"] == {torch.bfloat16} for r in results)  # each stage computes in bf16
+    # the step's micro-batches are summed in grad_accum_dtype, whatever the wire's ([Note: gradient storage per stage])
+    accumulated = {1: set(), 2: {torch.float32}, 3: {torch.float32}}[stage]
+    assert all(r["staged"] == accumulated for r in results), [r["staged"] for r in results]
     for s in range(STEPS):
         for r in results:  # the same loss and norm on both stages
             assert abs(r["losses"][s] - ref["losses"][s]) <= 1e-3 * ref["losses"][s], (s, r["losses"], ref["losses"])
@@ -68,7 +86,7 @@ def test_bf16_pp2_matches_one_process(stage, exact):
 
 def _overflow_on_one_stage() -> dict:
     model = make_model("gpt")
-    engine = shardtrain.initialize(model, _config(1, False), optimizer=make_optimizer(model))
+    engine = shardtrain.initialize(model, _config(1, "bf16"), optimizer=make_optimizer(model))
     batches = global_batches("gpt", 1)
     # the second step's gradients of one parameter of the first stage only are made non-finite
     poisoned = {"step": None}

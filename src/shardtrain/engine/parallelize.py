@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from shardtrain.activations import HostOffload, apply_checkpointing
-from shardtrain.config.sections import Config, gradient_predivide
+from shardtrain.config.sections import Config, gradient_predivide, resolve_batch_sizes
 from shardtrain.construction.sharded_init import (
     ExpertRows,
     expert_rows_cut,
@@ -454,6 +454,8 @@ def apply_step(
         experts=(comms.edp, topology.ep) if comms.edp is not None else None,
         grad_files=sinks.files,
         host_copies=sinks.copies,
+        # a pipeline step's micro-batches in one backward ([Note: one pipeline step])
+        micro_batches_per_backward=resolve_batch_sizes(config, topology.dp)[2] if plan.dims.pp > 1 else 1,
     )
     tp_norm = None
     if topology.tp > 1:

@@ -14,7 +14,9 @@
   records it), plus buckets whose gradients arrive far apart (stage 3's root unit: head first, embeddings last; at
   stage 2 a size-based bucket straddling two blocks whose backward order is not the layout's). At stage 3 a bucket
   belongs to a unit; ``on_grad_ready`` tells the unit runtime as each parameter's gradient arrives, so a unit is
-  released when its backward is over, however late its reduction launches.
+  released when its backward is over, however late its reduction launches. Under pipeline parallelism one backward
+  spans the step's micro-batches (reduced once, after the last): the staging buffers then accumulate them in the
+  accumulation dtype, cast to the wire dtype at launch, as the shard would have.
 
 A parameter may get several gradients in one backward (used inside and outside a reentrant checkpoint): its slot
 counts once towards readiness and later gradients are added to the first. A gradient arriving after its bucket's
@@ -110,6 +112,7 @@ class GradientReducer:
         experts: tuple[Communicator, int] | None = None,
         grad_files: GradientFiles | None = None,
         host_copies: ShardCopies | None = None,
+        micro_batches_per_backward: int = 1,
     ) -> None:
         """``replicate``: hybrid sharding's replicate group (see [Note: hybrid gradient reduction]); ``order_comm``:
         the ranks that must agree on the launch order (every data-parallel rank; default ``comm``). ``experts``:
@@ -117,8 +120,11 @@ class GradientReducer:
         expert-parallel size ``E`` their average is divided by (see [Note: expert buckets] in zero/layout.py).
         ``grad_files``: stages 2-3, the gradient shards kept in swap files (:class:`GradientFiles`); ``host_copies``:
         each complete gradient shard copied to the host (:class:`ShardCopies`); both built by the optimizer offload
-        before the reducer (``engine/parallelize.py``)."""
+        before the reducer (``engine/parallelize.py``). ``micro_batches_per_backward`` > 1: one backward spans a
+        pipeline step's micro-batches, so at stages 2-3 the staging buffers accumulate them, in the accumulation
+        dtype, and are cast to the wire dtype at launch ([Note: gradient storage per stage])."""
         self.buckets, self.comm, self.overlap = buckets, comm, overlap
+        self.staging_accumulates = micro_batches_per_backward > 1
         self.expert_comm, self.expert_groups = experts if experts is not None else (None, 1)
         self.replicate = replicate if replicate is not None and replicate.size > 1 else None
         self.order_comm = order_comm if order_comm is not None else comm
@@ -265,7 +271,7 @@ class GradientReducer:
                 if staging is None:
                     # not zeroed: every slot is written by its first gradient; the rest is zeroed at launch
                     staging = self._staging[position] = bucket.shard.new_empty(
-                        bucket.padded_numel, dtype=self._wire_dtype(bucket)
+                        bucket.padded_numel, dtype=self._staging_dtype(bucket)
                     )
                     self.max_staging = max(self.max_staging, len(self._staging) + len(self._pending))
                 target = staging[slot.offset : slot.offset + slot.numel]
@@ -296,6 +302,9 @@ class GradientReducer:
 
     def _wire_dtype(self, b: Bucket) -> torch.dtype:
         return self.reduce_dtype or b.dtype
+
+    def _staging_dtype(self, b: Bucket) -> torch.dtype:
+        return self._grad_dtype(b) if self.staging_accumulates else self._wire_dtype(b)
 
     def _divides_first(self, wire: torch.dtype) -> bool:
         """See [Note: low-precision reductions divide first]."""
@@ -333,6 +342,7 @@ class GradientReducer:
                         if i not in got:
                             inp[s.offset : s.offset + s.numel].zero_()
                     inp[b.numel :].zero_()
+                    inp = inp.to(wire)  # no copy unless the step's micro-batches accumulated in a wider dtype
             self._prescale(inp)
             if first:
                 inp.div_(comm.size)
