@@ -17,9 +17,10 @@ deferred reduce-scatters: FSDP2's ``reshard_after_forward=False`` with PP (torch
 schedule interleaves the micro-batches' forwards and backwards, so gathering per unit and pass would all-gather each
 unit twice per micro-batch: ``2 m`` times the bytes, for a stage that holds ``1 / pp`` of the model. Gathered once,
 a step moves ``P (N - 1) / N`` parameter bytes and reduces each bucket once. The cost is memory during the step: the
-stage's whole parameters and its whole gradients (the reducer's staging, [Note: gradient storage per stage]); between
-steps only the shards, the fp32 gradient shards and the optimizer state stay. So the runtime installs no unit hooks
-under pipeline parallelism (the stage modules, not the model, run the forwards).
+stage's whole parameters and its whole gradients (the reducer's staging, in the accumulation dtype, [Note: gradient
+storage per stage]); between steps only the shards, the gradient shards and the optimizer state stay. So the runtime
+installs no unit hooks under pipeline parallelism (the stage modules, not the model, run the forwards), and ZeRO-3's
+prefetch and ``stage3_max_live_parameters`` do not apply.
 """
 
 from __future__ import annotations
