@@ -186,15 +186,22 @@ def rank_state(
                 kept += unit_shards[name]
             else:
                 mapped_units.add(name)
+    # on a GPU the unit shards parameter offload does not put in files wait in host memory ([Note: parameter uploads])
+    uploaded = device_type == "cuda" and par_dev != "none"
+    on_host = 0
     for b in buckets:
         size = _itemsize(b.dtype, compute)
         n = b.padded_numel if b.gather_after_step else b.shard_numel
         if unit_of.get(b.index) in mapped_units:
             mapped += n * size
+        elif uploaded and b.index in unit_of:
+            on_host += n * size
         else:
             resident += n * size
     resident += sum(p.numel() * _itemsize(p.dtype, compute) for _, p in whole)
     st.params = {"device": resident, "nvme": mapped}
+    if on_host:
+        st.params["host"] = on_host
 
     # gradients (GradientReducer)
     grads = 0
