@@ -30,7 +30,8 @@ class DeferredUploads:
     """:class:`~shardtrain.offload.param_uploads.UploadStreams` on the CPU. ``upload`` queues the copy on ``h2d``
     and returns a buffer of NaN; work issued inside ``issuing`` runs on ``h2d`` after the copies queued before it (so
     the queue is run first, as the stream would); ``use`` is the compute stream's wait. ``log``: ("copy", n, home
-    address), ("issue", n), ("wait", n), ("free", n), with ``n`` the upload's number, and the test's ("use", unit)."""
+    unit), ("issue", n), ("wait", n), ("free", n), with ``n`` the upload's number, and the test's ("use", unit); the
+    test sets ``unit`` (the unit being uploaded)."""
 
     pins = False
 
@@ -39,7 +40,7 @@ class DeferredUploads:
         self.queue: list = []
         self.numbers = itertools.count()
         self.number_of: dict[int, int] = {}  # id(buffer) -> its upload's number
-        self.pending_issue: list[int] = []  # uploads whose copies ran in the last issuing context
+        self.unit: int | None = None
 
     def mark(self) -> str:
         return "compute"
@@ -50,7 +51,7 @@ class DeferredUploads:
         self.queue.append((n, lambda: buffer.copy_(host)))
         self.number_of[id(buffer)] = n
         weakref.finalize(buffer, self.log.append, ("free", n))
-        self.log.append(("copy", n, host.data_ptr()))
+        self.log.append(("copy", n, self.unit))
         return buffer
 
     @contextmanager
@@ -73,9 +74,10 @@ class DeferredUploads:
             self.log.append(("wait", self.number_of[id(b)]))
 
 
-def train_uploaded(recipe: Recipe, world: int, top: dict, offload: str | None) -> dict:
-    """Runs on every rank: stage 3, with ``offload`` (``"cpu"``) the parameters' and the optimizer's offload as on a
-    GPU through the fakes; else plain stage 3. Returns the losses, norms, full parameters and the uploads' log."""
+def train_uploaded(recipe: Recipe, world: int, top: dict, offload: str | None, nvme_path: str = "") -> dict:
+    """Runs on every rank: stage 3, with ``offload`` (``"cpu"``, or ``"nvme"``: every unit in swap files) the
+    parameters' and the optimizer's offload as on a GPU through the fakes; else plain stage 3. Returns the losses,
+    norms, full parameters and the uploads' log."""
     import torch.distributed as dist
 
     rank = dist.get_rank()
@@ -89,6 +91,8 @@ def train_uploaded(recipe: Recipe, world: int, top: dict, offload: str | None) -
     if offload is not None:
         zero["offload_optimizer"] = {"device": "cpu"}
         zero["offload_param"] = {"device": offload}
+        if offload == "nvme":
+            zero["offload_param"].update(nvme_path=nvme_path, max_in_cpu=0)
     config = {
         "train_micro_batch_size_per_gpu": recipe.micro,
         "gradient_accumulation_steps": recipe.gas,
@@ -101,9 +105,16 @@ def train_uploaded(recipe: Recipe, world: int, top: dict, offload: str | None) -
     if offload is not None:
         source = engine._param_offload
         assert isinstance(source, param_uploads.ParamUploads)
-        unit_of = {b.shard.data_ptr(): u.index for u in engine._runtime.units for b in u.buckets}
-        # at rest every unit shard is a view into the host blocks
-        out["homes_in_blocks"] = all(
+        original = source.will_need
+
+        def will_need(unit) -> None:
+            source.streams.unit = unit.index
+            original(unit)
+
+        source.will_need = will_need  # the gather service calls it through the instance
+        # at rest every unit shard is a view into the host blocks, or (nvme) into its swap file's mapping
+        out["mapped_bytes"] = source.mapped_bytes()
+        out["homes_in_blocks"] = offload == "nvme" or all(
             any(blk.data_ptr() <= b.shard.data_ptr() < blk.data_ptr() + blk.numel() for blk in source.arena.blocks)
             for u in engine._runtime.units
             for b in u.buckets
@@ -120,10 +131,11 @@ def train_uploaded(recipe: Recipe, world: int, top: dict, offload: str | None) -
         import gc
 
         gc.collect()
-        out["log"] = [(e[0], e[1], unit_of[e[2]]) if e[0] == "copy" else e for e in log]
+        out["log"] = log
         out["uploads"] = source.uploads
         out["units"] = len(engine._runtime.units)
         out["inflight_after"] = len(source._inflight)
+        out["file_reads"] = source.files.reads if source.files is not None else 0
     engine.close()
     return out
 
@@ -168,18 +180,22 @@ def _check_order(log: list) -> tuple[int, int]:
     return len(unit_of), uses
 
 
-@pytest.mark.parametrize(("world", "precision"), [(1, "bf16"), (3, "bf16"), (2, "fp32")])
-def test_parameter_offload_on_the_gpu_path_is_bitwise_parameters_on_the_device(world, precision):
-    """The CUDA code path of ``offload_param: cpu`` beside ``offload_optimizer: cpu``, streams faked: losses, gradient
-    norms and parameters equal stage 3 without offload, bit for bit; each unit is uploaded once per gather, in the
-    order copy, issue, wait, free, and used only after its wait; nothing is left in flight."""
+@pytest.mark.parametrize(
+    ("world", "precision", "device"), [(1, "bf16", "cpu"), (3, "bf16", "cpu"), (2, "fp32", "cpu"), (2, "bf16", "nvme")]
+)
+def test_parameter_offload_on_the_gpu_path_is_bitwise_parameters_on_the_device(world, precision, device, tmp_path):
+    """The CUDA code path of ``offload_param`` (``cpu``; ``nvme``: read from the swap file, then uploaded) beside
+    ``offload_optimizer: cpu``, streams faked: losses, gradient norms and parameters equal stage 3 without offload,
+    bit for bit; each unit is uploaded once per gather, in the order copy, issue, wait, free, and used only after its
+    wait; nothing is left in flight."""
     recipe = Recipe(steps=3)
     top = {} if precision == "fp32" else {precision: {"enabled": True}}
     plain = run_distributed(train_uploaded, world, recipe, world, top, None)
-    uploaded = run_distributed(train_uploaded, world, recipe, world, top, "cpu")
+    uploaded = run_distributed(train_uploaded, world, recipe, world, top, device, str(tmp_path))
     _bitwise_equal(uploaded, plain)
     for r in uploaded:
         assert r["homes_in_blocks"]
+        assert (r["mapped_bytes"] > 0 and r["file_reads"] > 0) == (device == "nvme")
         assert r["inflight_after"] == 0
         uploads, uses = _check_order(r["log"])
         assert uploads == r["uploads"] > 0
