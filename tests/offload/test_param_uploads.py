@@ -310,3 +310,51 @@ def test_on_cuda_parameter_offload_is_bitwise_optimizer_offload_alone(device, tm
     assert kept["shard_devices"] == {"cuda"} and moved["shard_devices"] == {"cpu"}
     assert moved["pinned"] or device == "nvme"
     assert moved["peak"] < kept["peak"]
+
+
+def _resume(recipe: Recipe, where: str, saved_with: str | None, loaded_with: str | None) -> dict:
+    """Runs on every rank: two steps with ``saved_with`` parameter offload (the GPU path, faked), a checkpoint, then a
+    fresh engine with ``loaded_with`` loads it and trains one more step."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    param_uploads.upload_streams = lambda device: DeferredUploads([])
+    host_copies.copy_streams = lambda device: DeferredStreams()
+
+    def engine_with(offload: str | None):
+        zero = {"stage": 3, "reduce_bucket_size": 2000, "allgather_bucket_size": 2000,
+                "offload_optimizer": {"device": "cpu"}, "stage3_param_persistence_threshold": 0}  # fmt: skip
+        if offload is not None:
+            zero["offload_param"] = {"device": offload}
+        config = {"train_micro_batch_size_per_gpu": recipe.micro, "gradient_accumulation_steps": recipe.gas,
+                  "gradient_clipping": recipe.clip, "bf16": {"enabled": True}, "zero_optimization": zero}  # fmt: skip
+        model = make_model(recipe)
+        return shardtrain.initialize(model, config=config, optimizer=make_optimizer(model, recipe))
+
+    batches = global_micro_batches(recipe, dist.get_world_size())
+    first = engine_with(saved_with)
+    assert isinstance(first._param_offload, param_uploads.ParamUploads) == (saved_with is not None)
+    losses = [train_step(first, recipe, batches, step, rank) for step in range(2)]
+    first.save_checkpoint(where)
+    first.close()
+    second = engine_with(loaded_with)
+    assert isinstance(second._param_offload, param_uploads.ParamUploads) == (loaded_with is not None)
+    second.load_checkpoint(where)
+    losses.append(train_step(second, recipe, batches, 2, rank))
+    out = {"losses": losses, "norms": [second.get_global_grad_norm()], "params": second.full_state_dict()}
+    second.close()
+    return out
+
+
+def test_checkpoints_of_the_gpu_path_load_into_parameters_on_the_device_and_back(tmp_path):
+    """A checkpoint saved from host shards (the GPU path, faked) loads into a run whose parameters stay on the device,
+    and one saved there loads into host shards: the third step's loss and the parameters are those of the run
+    without parameter offload on either side, bit for bit (world 2)."""
+    recipe = Recipe(steps=3)
+    runs = {
+        (saved, loaded): run_distributed(_resume, 2, recipe, str(tmp_path / f"{saved}-{loaded}"), saved, loaded)
+        for saved, loaded in ((None, None), ("cpu", None), (None, "cpu"))
+    }
+    reference = runs[(None, None)]
+    for key in (("cpu", None), (None, "cpu")):
+        _bitwise_equal(runs[key], reference)
