@@ -718,6 +718,9 @@ def test_parameter_offload_on_a_gpu_counts_the_unit_shards_in_host_memory():
     assert moved.state.params["host"] + moved.state.params["device"] == kept.state.params["device"]
     assert moved.state.params["device"] < kept.state.params["device"] // 10  # buffers' whole parameters only
     assert moved.peak["host"] == kept.peak["host"] + moved.state.params["host"]
+    # the host step's fp32 gradient copies are host memory too, one element per element stepped there (both runs)
+    stepped = sum(f.length for b in kept.state.buckets if b.requires_grad for f in b.fragments)
+    assert kept.state.grads["host"] == moved.state.grads["host"] == 4 * stepped
     assert any(r.where == "host" and r.component.startswith("parameters") and r.nbytes for r in moved.rows)
     # on a CPU-only machine 'cpu' is where the shards are: nothing moves
     on_cpu = estimate_memory(tiny_gpt, cfg, layout=layout, **{**common, "device_type": "cpu"})

@@ -502,6 +502,8 @@ def _assemble(
     ]
     if st.grads.get("nvme"):
         rows.append(Row("gradients in swap files", "nvme", st.grads["nvme"]))
+    if st.grads.get("host"):
+        rows.append(Row("gradients (fp32 host copies for the host step)", "host", st.grads["host"]))
     opt = st.optimizer
     if "device" in opt:
         rows.append(Row("optimizer state (fp32 masters + moments)", "device", opt["device"]))

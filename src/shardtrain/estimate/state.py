@@ -246,6 +246,14 @@ def rank_state(
         opt["device"] = sum(masters_per) + sum(moments_per)
     opt["steps"] = steps
     st.optimizer = opt
+    if device_type == "cuda" and opt_dev != "none":
+        # the host step's gradients: each reduced shard copied into a page-locked fp32 buffer ([Note: overlapped
+        # offload]), one element per element stepped there
+        on_host = range(len(stepped))  # nvme: every master is on the host, in a file or resident
+        if opt_dev == "cpu":  # partial offload (ratio): the other sub-groups step on the device
+            groups = make_sub_groups(stepped, offload.optimizer.sub_group_size, offload.optimizer.ratio)
+            on_host = [i for g in groups if g.offloaded for i in g.members]
+        st.grads["host"] = sum(4 * stepped[i] for i in on_host)
 
     # stage 3: gathered units
     for name, idx in units:

@@ -54,9 +54,9 @@ class UploadStreams(Protocol):
         """A new device tensor that side stream ``h2d`` fills from ``host`` once ``after`` has completed."""
 
     def issuing(self) -> Any:
-        """A context manager: work issued inside it runs on ``h2d`` (after everything the compute stream issued
-        before it); returns from ``__enter__`` nothing, and its ``done`` attribute, once exited, is an event on
-        ``h2d`` after that work."""
+        """A context manager: work issued inside it runs on ``h2d``, after everything the compute stream issued
+        before it. It yields an object whose ``done``, once the context exited, is an event on ``h2d`` after that
+        work."""
 
     def use(self, event: Any, buffers: list[torch.Tensor]) -> None:
         """The compute stream waits (on the device) for ``event``; ``buffers`` are recorded to the compute stream."""
@@ -102,6 +102,8 @@ class CudaUploads:
 
 
 class _Issued:
+    """What :meth:`CudaUploads.issuing` yields: ``done`` is set when its context exits."""
+
     done: Any = None
 
 
