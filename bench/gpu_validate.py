@@ -17,6 +17,10 @@ Variants (``--variants``, comma-separated; default all):
   model.
 * ``stage2:offload``, ``stage3:offload``: the optimizer's state and step in host memory (``offload_optimizer``
   ``cpu``, pinned on CUDA).
+* ``stage3:offload-param``, ``stage3:offload-param-nvme``: ZeRO-Infinity, the parameters' unit shards in pinned host
+  memory (or every unit in swap files under the temporary directory), each copied to the GPU on a side stream before
+  its gather ([Note: parameter uploads]), beside ``stage3:offload``'s optimizer offload (parameter offload alone is
+  refused on CUDA). On the CPU ``cpu`` has no effect (the shards are in host memory already); ``nvme`` runs.
 * ``stage2:offload-partial``: DeepSpeed's partial offload (``offload_optimizer.ratio`` 0.25, sub-groups of 50M
   elements): the first quarter of the state is stepped on the host, the rest on the GPU. On the CPU the ratio has no
   effect (everything is in host memory already), so there it runs as ``stage2:offload``.
@@ -92,6 +96,8 @@ VARIANTS = (
     "stage2:offload",
     "stage2:offload-partial",
     "stage3:offload",
+    "stage3:offload-param",
+    "stage3:offload-param-nvme",
     "stage2:nccl",
     "stage3:nccl",
     "stage2:fp16",
@@ -157,6 +163,11 @@ def engine_config(variant: str, micro_batch: int, device: torch.device) -> dict[
     }
     if ":offload" in variant:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": device.type == "cuda"}
+    if ":offload-param" in variant:  # ZeRO-Infinity: the unit shards in host memory or files, uploaded per gather
+        nvme = variant.endswith("-nvme")
+        zero["offload_param"] = {"device": "nvme" if nvme else "cpu"}
+        if nvme:
+            zero["offload_param"].update(nvme_path=tempfile.gettempdir(), max_in_cpu=0)
     if variant.endswith(":offload-partial"):  # DeepSpeed's partial offload: a quarter of the state on the host
         zero["offload_optimizer"]["ratio"] = PARTIAL_RATIO
         zero["sub_group_size"] = PARTIAL_SUB_GROUP

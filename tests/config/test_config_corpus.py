@@ -116,3 +116,23 @@ def test_corpus_numbers():
     accepted = {n for n, w in DEEPSPEED.items() if w is not None}
     usable = {n for n, v in EXPECTED.items() if v is None}
     assert (len(EXPECTED), len(usable), len(accepted), len(accepted - usable)) == (83, 74, 75, 3)
+
+
+def test_real_parameter_offload_configs_pass_the_cuda_check():
+    """Every stage-3 config of the corpus with ``offload_param`` passes ``config check --device cuda`` (parameter
+    offload is built on CUDA beside optimizer offload), but those without ``offload_optimizer``, refused by name."""
+    passed, refused = set(), set()
+    for path in sorted(CORPUS.glob("*.json")):
+        zero = json.loads(path.read_text()).get("zero_optimization") or {}
+        device = (zero.get("offload_param") or {}).get("device", "none")
+        if zero.get("stage") != 3 or device in ("none", None) or EXPECTED[path.name] is not None:
+            continue
+        ok, lines = check_file(str(path), 2, "cuda")
+        if ok:
+            passed.add(path.name)
+        else:
+            assert (zero.get("offload_optimizer") or {}).get("device", "none") == "none", lines
+            assert any("on CUDA is not built without offload_optimizer" in line for line in lines), lines
+            refused.add(path.name)
+    assert "transformers__ds_config_zero3.json" in passed and "llava__zero3_offload.json" in passed
+    assert (len(passed), len(refused)) == (8, 2)

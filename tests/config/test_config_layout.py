@@ -115,14 +115,21 @@ def test_check_layout_agrees_with_init_topology(monkeypatch, world):
 
 
 def test_config_check_device_says_what_initialize_refuses_there(tmp_path, capsys):
-    """Hugging Face's standard ZeRO-3 offload config: usable on a CPU-only machine, refused on CUDA (``offload_param``
-    is not built there), as ``initialize`` would refuse it; without ``--device`` nothing is said of devices."""
+    """Hugging Face's standard ZeRO-3 offload config: usable on a CPU-only machine and on CUDA (parameter offload
+    is built there beside optimizer offload, [Note: parameter uploads]); parameter offload alone is refused on CUDA,
+    as ``initialize`` would refuse it; without ``--device`` nothing is said of devices."""
     path = tmp_path / "ds.json"
     zero = {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}
     path.write_text(json.dumps({"zero_optimization": zero, "train_micro_batch_size_per_gpu": 1}))
     assert main(["config", "check", str(path), "-q"]) == 0
     assert main(["config", "check", str(path), "-q", "--device", "cpu"]) == 0
+    assert main(["config", "check", str(path), "-q", "--device", "cuda"]) == 0
+    alone = tmp_path / "alone.json"
+    zero = {"stage": 3, "offload_param": {"device": "cpu"}}
+    alone.write_text(json.dumps({"zero_optimization": zero, "train_micro_batch_size_per_gpu": 1}))
+    assert main(["config", "check", str(alone), "-q", "--device", "cpu"]) == 0
     capsys.readouterr()
-    assert main(["config", "check", str(path), "-q", "--device", "cuda"]) == 2
+    assert main(["config", "check", str(alone), "-q", "--device", "cuda"]) == 2
     out = capsys.readouterr().out
-    assert "offload_param.device 'cpu' is not built on CUDA" in out and "initialize refuses it" in out
+    assert "offload_param.device 'cpu' on CUDA is not built without offload_optimizer" in out
+    assert "initialize refuses it" in out

@@ -84,7 +84,7 @@ def test_every_refusal_of_the_plan_is_a_config_error():
         resolve_plan(load_config({"tiled_mlp_compute": True, "graph": {"enabled": True}}), 1)
     offload_param = load_config({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}})
     assert resolve_plan(offload_param, 2, "cpu").offload.param.device == "cpu"
-    with pytest.raises(ConfigError, match=r"offload_param\.device 'cpu' is not built on CUDA"):
+    with pytest.raises(ConfigError, match=r"offload_param\.device 'cpu' on CUDA is not built without offload_opt"):
         resolve_plan(offload_param, 2, "cuda")
 
 

@@ -704,3 +704,31 @@ def test_progress_bar_shows_the_layouts_tried(monkeypatch, capsys):
     # interval, 0.1 s, which a fast run finishes within)
     (bar,) = bars
     assert bar.unit == "step" and bar.total > 1 and bar.n == bar.total
+
+
+def test_parameter_offload_on_a_gpu_counts_the_unit_shards_in_host_memory():
+    """``offload_param: cpu`` on CUDA ([Note: parameter uploads]): the unit shards the device held move to host
+    memory, byte for byte, and the search tries it; without optimizer offload it is refused as initialize refuses it."""
+    cfg = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
+    common = {"seq_len": 16, "device_type": "cuda", "activations": False}
+    kept = estimate_memory(tiny_gpt, cfg, layout=Candidate(2, stage=3, offload_optimizer="cpu", dtype="bf16"), **common)
+    layout = Candidate(2, stage=3, offload_optimizer="cpu", offload_param="cpu", dtype="bf16")
+    moved = estimate_memory(tiny_gpt, cfg, layout=layout, **common)
+    assert moved.state.params["host"] > 0
+    assert moved.state.params["host"] + moved.state.params["device"] == kept.state.params["device"]
+    assert moved.state.params["device"] < kept.state.params["device"] // 10  # buffers' whole parameters only
+    assert moved.peak["host"] == kept.peak["host"] + moved.state.params["host"]
+    # the host step's fp32 gradient copies are host memory too, one element per element stepped there (both runs)
+    stepped = sum(f.length for b in kept.state.buckets if b.requires_grad for f in b.fragments)
+    assert kept.state.grads["host"] == moved.state.grads["host"] == 4 * stepped
+    assert any(r.where == "host" and r.component.startswith("parameters") and r.nbytes for r in moved.rows)
+    # on a CPU-only machine 'cpu' is where the shards are: nothing moves
+    on_cpu = estimate_memory(tiny_gpt, cfg, layout=layout, **{**common, "device_type": "cpu"})
+    assert "host" not in on_cpu.state.params
+    with pytest.raises(ConfigError, match="on CUDA is not built without offload_optimizer"):
+        estimate_memory(tiny_gpt, cfg, layout=Candidate(2, stage=3, offload_param="cpu"), **common)
+    searched = fitting_layouts(tiny_gpt, 2**40, cfg, worlds=(2,), offload=True, tp_plan=None, **common)
+    assert {(e.layout.offload_optimizer, e.layout.offload_param) for e in searched if e.layout.stage == 3} >= {
+        ("cpu", "cpu"),
+        ("nvme", "nvme"),
+    }

@@ -684,15 +684,16 @@ RULES: tuple[Rule, ...] = (
     _supported(
         _Z + "offload_param.device",
         '`"none"`, `"cpu"`, `"nvme"`; none',
-        "stage 3 only. `nvme`: each unit's shard in a mapped swap file, read before its gather; `cpu`: where "
-        "parameters are on a CPU-only machine (both are refused on CUDA, not built there yet)",
+        "stage 3 only. `nvme`: each unit's shard in a mapped swap file, read before its gather; `cpu`: on CUDA each "
+        "unit's shard in page-locked host memory, copied to the GPU on a side stream before its gather (both need "
+        "`offload_optimizer` on CUDA); on a CPU-only machine `cpu` is where the shards are already",
     ),
     _supported(_Z + "offload_param.nvme_path", "path", "directory for the parameter swap files"),
     _no_effect(
         _Z + "offload_param.pin_memory",
         "bool",
-        "parameter offload is built for CPU-only machines (refused on CUDA), where no device copies from "
-        "page-locked memory",
+        "on CUDA the host shards of parameter offload are always page-locked (their copies to the GPU overlap "
+        "compute only from page-locked memory); on a CPU-only machine nothing copies from it",
         check=StrictBool,
     ),
     _supported(
@@ -1339,13 +1340,6 @@ NO_EFFECT_WHEN: tuple[NoEffectWhen, ...] = (
         "at ZeRO stages 0-2",
         "only stage 3 shards parameters; DeepSpeed hands `offload_param` to stage 3 alone and ignores it below",
         lambda c: _zero_stage(c) != 3,
-    ),
-    NoEffectWhen(
-        _Z + "offload_param.device",
-        "with `cpu`",
-        "on a CPU-only machine stage-3 shards live in host memory anyway; on CUDA `cpu` is refused at `initialize` "
-        "(not built there yet)",
-        lambda c: _param_offload(c) == "cpu",
     ),
     *(
         NoEffectWhen(

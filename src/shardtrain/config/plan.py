@@ -218,14 +218,39 @@ def refuse_unbuilt_pipeline(cfg: Config, dims: ParallelDims) -> None:
 
 
 def refuse_on_device(cfg: Config, device_type: str) -> None:
-    """What is not built on devices of ``device_type`` (``config check --device`` asks the same)."""
-    param = cfg.zero_optimization.offload_param
-    if param.device != "none" and device_type == "cuda":
-        raise ConfigError(
-            f"zero_optimization.offload_param.device {param.device!r} is not built on CUDA yet; use "
-            "offload_optimizer (optimizer state, and fp32 masters, in host memory or on disk) and set "
-            "offload_param.device to 'none' (docs/offload.md)"
-        )
+    """What is not built on devices of ``device_type`` (``config check --device`` asks the same). Parameter offload on
+    CUDA ([Note: parameter uploads] in :mod:`shardtrain.offload.param_uploads`) is built beside optimizer offload
+    (whose host step writes the host shards), in eager mode, without tensor or expert parallelism."""
+    zcfg = cfg.zero_optimization
+    param, opt = zcfg.offload_param, zcfg.offload_optimizer
+    if param.device == "none" or device_type != "cuda" or zcfg.stage != 3:
+        return
+    refused = [
+        (
+            opt.device == "none",
+            "without offload_optimizer (the host step writes the host shards); add "
+            '"offload_optimizer": {"device": "cpu"} (DeepSpeed\'s ZeRO-Infinity configs set both)',
+        ),
+        (
+            opt.device == "cpu" and opt.ratio < 1,
+            f"with offload_optimizer.ratio {opt.ratio} (part of the step on the GPU); remove the ratio",
+        ),
+        (bool(cfg.graph.enabled), "with graph mode (graph.enabled); turn graph mode off"),
+        (
+            cfg.tensor_parallel.degree not in (1, "auto"),
+            f"with tensor parallelism (tensor_parallel.size {cfg.tensor_parallel.degree}); set it to 1",
+        ),
+        (
+            cfg.expert_parallel_size not in (1, "auto"),
+            f"with expert parallelism (expert_parallel_size {cfg.expert_parallel_size}); set it to 1",
+        ),
+    ]
+    for hit, what in refused:
+        if hit:
+            raise ConfigError(
+                f"zero_optimization.offload_param.device {param.device!r} on CUDA is not built {what}, or set "
+                "offload_param.device to 'none' (docs/offload.md)"
+            )
 
 
 def ineffective_offload_keys(cfg: Config, device_type: str) -> list[str]:

@@ -56,7 +56,7 @@ from shardtrain.distributed.placement import TPPlacement
 from shardtrain.engine.monitor import TrainingMonitor
 from shardtrain.errors import ConfigError, LayoutError, RankMismatchError
 from shardtrain.expert_parallel import expert_weights, install_expert_parallel
-from shardtrain.offload import host_copies
+from shardtrain.offload import host_copies, param_uploads
 from shardtrain.offload.optimizer_state import (
     GradientSinks,
     OptimizerOffload,
@@ -83,6 +83,7 @@ from shardtrain.sequence_parallel.tiling import install as install_tiling
 from shardtrain.tensor_parallel import parallelize as split_tensor_parallel
 from shardtrain.tensor_parallel.parallelize import check_replicated_gradients
 from shardtrain.zero.build import build_layout, laid_out_whole
+from shardtrain.zero.gather import ShardSource
 from shardtrain.zero.hpz import SecondaryShards
 from shardtrain.zero.layout import Bucket, ShardLayout, cast_bucket
 from shardtrain.zero.optimizer import ShardedOptimizer, TensorParallelNorm, make_masters
@@ -118,7 +119,7 @@ class Parts:
     layout: ShardLayout
     precision: PrecisionPolicy
     scaler: LossScaler | None
-    param_offload: ParamOffload | None
+    param_offload: ParamOffload | param_uploads.ParamUploads | None
     reducer: GradientReducer
     optimizer: ShardedOptimizer
     runtime: Runtime
@@ -171,7 +172,7 @@ def parallelize(
         sp = apply_sp(model, plan, topology)
         layout = apply_zero(model, plan.zero, topology, comms, split)
         masters = apply_precision(model, layout, plan.precision)
-        param_offload = _param_offload(layout, plan.offload, scratch, comms.world, topology.rank)
+        param_offload = _param_offload(layout, plan.offload, scratch, comms.world, topology.rank, topology.device)
         eager = apply_units(model, plan, topology, comms, layout, param_offload, phase_check)
         activation_offload = apply_activation_checkpointing(model, plan, topology)
         reducer, sharded = apply_step(
@@ -343,7 +344,7 @@ def apply_units(
     topology: Topology,
     comms: Comms,
     layout: ShardLayout,
-    param_offload: ParamOffload | None,
+    param_offload: ShardSource | None,
     phase_check: PhaseCheck,
 ) -> EagerRuntime:
     """The eager runtime: at stage 3 the units, their hooks and the gather service, handed its two collaborators
@@ -435,6 +436,8 @@ def apply_step(
             sharded_grads=policy.shard_gradients,
             grad_dtypes=[plan.precision.grad_dtype(b.dtype) for b in trainable],
             read_in_memory=topology.tp > 1 or (comms.replica is not None and comms.replica.size > 1),
+            # parameter offload on the device: the fragments are host shards ([Note: parameter uploads])
+            host_fragments=plan.offload.param.device != "none" and bool(layout.unit_buckets),
         )
     partial_grads = _partial_grads(layout)
     reducer = GradientReducer(
@@ -495,7 +498,7 @@ def apply_graph(
     comms: Comms,
     reducer: GradientReducer,
     layout: ShardLayout,
-    param_offload: ParamOffload | None,
+    param_offload: ShardSource | None,
 ) -> Runtime:
     """The eager runtime, or with ``graph.enabled`` the graph runtime around it."""
     g = plan.graph
@@ -515,7 +518,8 @@ def apply_graph(
         dynamic_shapes=g.dynamic_shapes,
         wire_dtype=precision.reduce_dtype if precision.mixed else None,
         tp_partial=(comms.tp, _partial_grads(layout)) if comms.tp is not None else None,
-        param_offload=param_offload,
+        # parameter uploads on a GPU are refused with graph mode by the plan: only swap files reach here
+        param_offload=param_offload if isinstance(param_offload, ParamOffload) else None,
     )
 
 
@@ -528,23 +532,36 @@ def _partial_grads(layout: ShardLayout) -> frozenset[int]:
 
 
 def _param_offload(
-    layout: ShardLayout, offload: OffloadPolicy, scratch: dict[str, ScratchDir], world: Communicator, rank: int
-) -> ParamOffload | None:
-    """Stage 3's unit shards in mapped swap files (``offload_param.device: nvme``), made on every rank or on none;
-    None otherwise."""
-    if offload.param.device != "nvme" or not layout.unit_buckets:
+    layout: ShardLayout,
+    offload: OffloadPolicy,
+    scratch: dict[str, ScratchDir],
+    world: Communicator,
+    rank: int,
+    device: torch.device,
+) -> ShardSource | None:
+    """Stage 3's unit shards away from the device between gathers, made on every rank or on none: in mapped swap
+    files (``offload_param.device: nvme``, [Note: parameter offload]); on a GPU also in page-locked host memory
+    (``cpu``), uploaded per gather ([Note: parameter uploads]). None otherwise (``cpu`` on a CPU-only machine:
+    the shards are in host memory already)."""
+    if offload.param.device == "none" or not layout.unit_buckets:
         return None
-    return on_every_rank(
-        world,
-        "parameter swap files",
-        lambda: ParamOffload(
-            layout.unit_buckets,
-            scratch["offload_param"],
-            rank,
-            offload.param.max_in_cpu,
-            offload.param.buffer_count,
-        ),
-    )
+    streams = param_uploads.upload_streams(device)
+    if offload.param.device != "nvme" and streams is None:
+        return None
+
+    def make() -> ShardSource:
+        files = None
+        if offload.param.device == "nvme":
+            files = ParamOffload(
+                layout.unit_buckets,
+                scratch["offload_param"],
+                rank,
+                offload.param.max_in_cpu,
+                offload.param.buffer_count,
+            )
+        return files if streams is None else param_uploads.ParamUploads(layout.unit_buckets, streams, files)
+
+    return on_every_rank(world, "parameter swap files" if offload.param.device == "nvme" else "host shards", make)
 
 
 def _host_masters(masters: Any, trainable: list[Bucket], policy: ZeroPolicy, offload: OffloadPolicy) -> Any:

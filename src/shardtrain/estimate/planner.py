@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import yaml
 
-from shardtrain.config.plan import resolve_plan
+from shardtrain.config.plan import refuse_on_device, resolve_plan
 from shardtrain.config.sections import Config, load_config
 from shardtrain.errors import ConfigError, LayoutError, ShardtrainError
 from shardtrain.estimate.compute import ComputePeak, build_fake, measure_compute, model_key, prepare_models
@@ -324,12 +324,8 @@ def _plan(layout: Candidate, cfg: Config, device_type: str) -> Plan:
         )
     if layout.dtype not in _DTYPES:
         raise ConfigError(f"dtype {layout.dtype!r}: use one of {', '.join(_DTYPES)}")
-    if layout.offload_param != "none" and device_type == "cuda":
-        raise ConfigError(
-            f"offload_param {layout.offload_param!r} on accelerators: initialize refuses it (parameter offload is "
-            "built for CPU-only machines, docs/offload.md), so there is nothing to estimate; offload the optimizer "
-            "instead, or estimate for --device cpu"
-        )
+    if device_type is not None:  # what initialize refuses on such devices (parameter offload's companions on CUDA)
+        refuse_on_device(cfg, device_type)
     return plan
 
 
@@ -501,10 +497,13 @@ def _assemble(
     rows = [
         Row("parameters", "device", st.params.get("device", 0)),
         Row("parameters in swap files", "nvme", st.params.get("nvme", 0)),
+        Row("parameters (unit shards, uploaded per gather)", "host", st.params.get("host", 0)),
         Row("gradients", "device", st.grads["device"]),
     ]
     if st.grads.get("nvme"):
         rows.append(Row("gradients in swap files", "nvme", st.grads["nvme"]))
+    if st.grads.get("host"):
+        rows.append(Row("gradients (fp32 host copies for the host step)", "host", st.grads["host"]))
     opt = st.optimizer
     if "device" in opt:
         rows.append(Row("optimizer state (fp32 masters + moments)", "device", opt["device"]))
@@ -557,6 +556,7 @@ def candidate_layouts(
     sps: Iterable[int] = (1,),
     offload: bool = True,
     param_offload: bool = True,
+    host_params: bool = False,
     experts: Iterable[int] = (),
 ) -> list[Candidate]:
     """Every (world, stage, tp, sp, offload) combination around ``base`` (dtype, batch, checkpointing kept) whose
@@ -564,7 +564,8 @@ def candidate_layouts(
     experts each, every expert-parallel size that divides them all and the ranks ZeRO shards over (``dp * sp``), at
     every stage and offload (``initialize`` builds expert parallelism with optimizer offload at stages 1-3 and
     parameter offload at stage 3, and the estimate lays their state out as it does), with and without tensor
-    parallelism. Sizes the model's heads refuse, and combinations ``initialize`` does not build, are left to
+    parallelism; ``host_params``: also parameter offload to host memory (a GPU machine's). Sizes the model's heads
+    refuse, and combinations ``initialize`` does not build, are left to
     :func:`_prepare`, which refuses them."""
     experts, sps = list(experts), list(sps)
     out = []
@@ -581,6 +582,8 @@ def candidate_layouts(
                         options += [("cpu", "none"), ("nvme", "none")]
                     if offload and stage == 3 and param_offload:
                         options.append(("nvme", "nvme"))
+                    if offload and stage == 3 and host_params:  # on a GPU: shards in host memory, uploaded
+                        options.append(("cpu", "cpu"))
                     for ep in [1, *(eps if experts else [])]:
                         for opt, par in options:
                             out.append(
@@ -652,7 +655,7 @@ def fitting_layouts(
         base,
         sps=sps,
         offload=offload,
-        param_offload=device_type != "cuda",
+        host_params=device_type == "cuda",
         experts=_expert_counts(source, cache),
     )
     prepared: list[tuple[_Prepared, ComputePeak | None]] = []  # None: waits for its fake run

@@ -186,15 +186,22 @@ def rank_state(
                 kept += unit_shards[name]
             else:
                 mapped_units.add(name)
+    # on a GPU the unit shards parameter offload does not put in files wait in host memory ([Note: parameter uploads])
+    uploaded = device_type == "cuda" and par_dev != "none"
+    on_host = 0
     for b in buckets:
         size = _itemsize(b.dtype, compute)
         n = b.padded_numel if b.gather_after_step else b.shard_numel
         if unit_of.get(b.index) in mapped_units:
             mapped += n * size
+        elif uploaded and b.index in unit_of:
+            on_host += n * size
         else:
             resident += n * size
     resident += sum(p.numel() * _itemsize(p.dtype, compute) for _, p in whole)
     st.params = {"device": resident, "nvme": mapped}
+    if on_host:
+        st.params["host"] = on_host
 
     # gradients (GradientReducer)
     grads = 0
@@ -239,6 +246,14 @@ def rank_state(
         opt["device"] = sum(masters_per) + sum(moments_per)
     opt["steps"] = steps
     st.optimizer = opt
+    if device_type == "cuda" and opt_dev != "none":
+        # the host step's gradients: each reduced shard copied into a page-locked fp32 buffer ([Note: overlapped
+        # offload]), one element per element stepped there
+        on_host = range(len(stepped))  # nvme: every master is on the host, in a file or resident
+        if opt_dev == "cpu":  # partial offload (ratio): the other sub-groups step on the device
+            groups = make_sub_groups(stepped, offload.optimizer.sub_group_size, offload.optimizer.ratio)
+            on_host = [i for g in groups if g.offloaded for i in g.members]
+        st.grads["host"] = sum(4 * stepped[i] for i in on_host)
 
     # stage 3: gathered units
     for name, idx in units:

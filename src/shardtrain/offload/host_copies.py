@@ -210,10 +210,14 @@ class HostCopies:
         stepped: list[torch.Tensor],
         fragments: list[torch.Tensor],
         direct: list[bool],
+        host_fragments: bool = False,
     ) -> None:
         """``direct[i]``: the fragment is sent back from the master itself (page-locked, not a swap buffer); else
-        through a compute-dtype buffer."""
+        through a compute-dtype buffer. ``host_fragments``: the fragments are host shards (parameter offload on the
+        device, [Note: parameter uploads] in :mod:`shardtrain.offload.param_uploads`): the step writes them itself,
+        rounding on the host, and nothing goes back to the device."""
         self.streams, self.where, self.host = streams, where, host
+        self.host_fragments = host_fragments
         self.stepped, self.fragments = stepped, fragments
         spans: dict[int, list[int]] = {}
         for i, (position, offset, n) in enumerate(where):
@@ -233,7 +237,7 @@ class HostCopies:
             else self.spans[where[i][0]].host[where[i][1] - self.spans[where[i][0]].lo :][: where[i][2]]
             for i in range(len(where))
         ]
-        back = [i for i in range(len(where)) if host[i] and where[i][2] and not direct[i]]
+        back = [i for i in range(len(where)) if host[i] and where[i][2] and not (direct[i] or host_fragments)]
         self.back_arena = HostArena(
             [where[i][2] * fragments[i].element_size() for i in back], streams.pins, block=PIN_BLOCK
         )
@@ -334,11 +338,15 @@ class HostCopies:
                 if not (self.host[i] and self.where[i][2]):
                     continue
                 master = self.stepped[i].view_as(self.fragments[i])
+                if self.host_fragments:  # the shard's home is on the host: the next gather uploads it
+                    self.fragments[i].copy_(master)
+                    continue
                 source = master if self.direct[i] else self.sources[i]
                 if source is not master:
                     source.copy_(master)  # rounded to the compute dtype on the CPU, as copy_ rounds
                 self.streams.to_device(self.fragments[i], source, after)
-        self._returned[members[0]] = self.streams.record("h2d")
+        if not self.host_fragments:
+            self._returned[members[0]] = self.streams.record("h2d")
 
     def finish(self) -> None:
         """End of a step: the compute stream (the all-gathers, the next forward) waits for every copy; the host

@@ -577,6 +577,7 @@ def build_gradient_sinks(
     sharded_grads: bool,
     grad_dtypes: list[torch.dtype],
     read_in_memory: bool,
+    host_fragments: bool = False,
 ) -> GradientSinks:
     """The gradient sinks of the optimizer offload over the reducer's ``buckets`` (trainable, in its order). The
     stepped tensors are the fp32 ``masters`` (by parameter id) or, without them, the fragments, in the wrapper's
@@ -586,7 +587,8 @@ def build_gradient_sinks(
 
     With ``streams`` (CUDA) and separate masters, some of them on the host: the host copies. Else the gradient shards
     go to swap files where that is built: state in files (``files``), gradients sharded and accumulated in the dtype
-    stepped (fp32), on the host, and not read in memory. Else gradients stay in memory (no sink)."""
+    stepped (fp32), on the host, and not read in memory. Else gradients stay in memory (no sink).
+    ``host_fragments``: the fragments are host shards (parameter offload on the device): the step writes them."""
     places = fragment_places(buckets)
     fragments = [fragment_tensor(b, i, sharded_state) for b, i in places]
     stepped = [masters[id(b.slots[i].param)] for b, i in places] if masters is not None else fragments
@@ -600,7 +602,7 @@ def build_gradient_sinks(
         # fragments go back from their page-locked masters themselves (rounded on the device); masters in swap
         # buffers (files) through a compute-dtype buffer
         direct = [files is None and (not streams.pins or s.is_pinned()) for s in stepped]
-        copies = HostCopies(streams, [w[:3] for w in where], host, stepped, fragments, direct)
+        copies = HostCopies(streams, [w[:3] for w in where], host, stepped, fragments, direct, host_fragments)
         return GradientSinks(copies=copies)
     device = buckets[0].shard.device if buckets else torch.device("cpu")
     if (

@@ -22,6 +22,7 @@ Swap directories, files, the page-cache policy and :class:`OffloadError` are in 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import mmap
 import os
 import weakref
@@ -180,6 +181,10 @@ class ParamOffload:
                 b.shard = self.read_shard(b)
         self._held[unit.index] = held
         self.most_ahead = max(self.most_ahead, len(self._held))
+
+    def issuing(self, unit) -> contextlib.AbstractContextManager[None]:
+        """The all-gathers send from host memory here: nothing to order them after."""
+        return contextlib.nullcontext()
 
     def done_with(self, units) -> None:
         """Once gathered (or after the optimizer step, every unit): a read buffer is freed, the bucket's shard is

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Protocol
 
 import torch
@@ -35,10 +35,14 @@ from shardtrain.zero.units import Unit, UnitState
 
 class ShardSource(Protocol):
     """Where a unit's shards live when not in ordinary memory (parameter offload's swap files,
-    :class:`~shardtrain.offload.parameters.ParamOffload`): told before a unit's all-gather is issued (prefetches
-    included, so in gather order) and once it has completed, when the shard may leave memory again."""
+    :class:`~shardtrain.offload.parameters.ParamOffload`; on a GPU, host memory:
+    :class:`~shardtrain.offload.param_uploads.ParamUploads`): told before a unit's all-gather is issued (prefetches
+    included, so in gather order) and once it has completed, when the shard may leave memory again; ``issuing``
+    wraps each of the unit's all-gathers (on a GPU: issued on the stream that copied the shard in)."""
 
     def will_need(self, unit: Unit) -> None: ...
+
+    def issuing(self, unit: Unit) -> AbstractContextManager[None]: ...
 
     def done_with(self, units: Iterable[Unit]) -> None: ...
 
@@ -90,7 +94,7 @@ class UnitGathers:
         if not self.gather_check:
             return None
         comm = self.check_comm
-        device = "cpu" if comm.size == 1 or exchanges_on_host(comm.backend) else unit.buckets[0].shard.device
+        device = "cpu" if comm.size == 1 or exchanges_on_host(comm.backend) else unit.buckets[0].flat_param.device
         mine = torch.tensor([unit.index], dtype=torch.int64, device=device)
         everyone = mine.new_empty(comm.size)
         what = f"unit-order check before gathering {unit.name!r}"
@@ -212,7 +216,8 @@ class UnitGathers:
         for i, b in enumerate(unit.buckets):
             b.flat_param.untyped_storage().resize_(b.padded_numel * b.flat_param.element_size())
             comm = self.expert_comm if b.expert and self.expert_comm is not None else self.comm
-            with torch.autograd._unsafe_preserve_version_counter(b.flat_param):
+            issuing = self.source.issuing(unit) if self.source is not None else nullcontext()
+            with torch.autograd._unsafe_preserve_version_counter(b.flat_param), issuing:
                 unit.pending.append(
                     self.secondary.all_gather(unit, i)
                     if secondary

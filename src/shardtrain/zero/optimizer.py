@@ -392,7 +392,7 @@ class ShardedOptimizer:
             elif g is not None and g.numel():
                 norms.append(next(memory_norms))
         if not norms:
-            device = self.buckets[0].shard.device if self.buckets else "cpu"
+            device = self.buckets[0].flat_param.device if self.buckets else "cpu"
             return torch.zeros((), device=device)
         return (torch.linalg.vector_norm(torch.stack(norms)) ** 2).to(torch.float32)
 

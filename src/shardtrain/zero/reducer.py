@@ -132,7 +132,7 @@ class GradientReducer:
         # None: reductions average (AVG). Else DeepSpeed's prescale_gradients / gradient_predivide_factor: each
         # bucket is multiplied by 1/predivide, summed, then by predivide/N (see config.gradient_predivide)
         self.predivide = predivide
-        self.device = buckets[0].shard.device if buckets else torch.device("cpu")
+        self.device = buckets[0].flat_param.device if buckets else torch.device("cpu")  # shards may be on the host
         self.reduce_dtype = reduce_dtype  # None: each bucket's own dtype (see [Note: mixed precision])
         self.accum_dtype = accum_dtype  # compute-dtype gradients accumulate in it (fp32, or the compute dtype)
         self.mode = policy.gradient_reduction  # see [Note: gradient storage per stage]
@@ -173,9 +173,9 @@ class GradientReducer:
         else:  # gradient shards in the accumulation dtype (fp32: accumulation over micro-steps is exact)
             in_files = grad_files.on_disk if grad_files is not None else set()
             self.shard_grads = [
-                b.shard.new_empty(0, dtype=self._grad_dtype(b))
+                b.flat_param.new_empty(0, dtype=self._grad_dtype(b))
                 if position in in_files
-                else b.shard.new_zeros(b.shard_numel, dtype=self._grad_dtype(b))
+                else b.flat_param.new_zeros(b.shard_numel, dtype=self._grad_dtype(b))
                 for position, b in enumerate(buckets)
             ]
         self._hooks = [
@@ -209,7 +209,7 @@ class GradientReducer:
         if self.grad_files is not None:  # those shards are added into here, by the graph: not in files (for good)
             for position in self.grad_files.keep_in_memory(sorted(external)):
                 b = self.buckets[position]
-                self.shard_grads[position] = b.shard.new_zeros(b.shard_numel, dtype=self._grad_dtype(b))
+                self.shard_grads[position] = b.flat_param.new_zeros(b.shard_numel, dtype=self._grad_dtype(b))
 
     def _grad_dtype(self, b: Bucket) -> torch.dtype:
         """What ``b``'s gradients accumulate in: ``accum_dtype`` for the compute dtypes, else their own dtype."""
@@ -270,7 +270,7 @@ class GradientReducer:
                 staging = self._staging.get(position)
                 if staging is None:
                     # not zeroed: every slot is written by its first gradient; the rest is zeroed at launch
-                    staging = self._staging[position] = bucket.shard.new_empty(
+                    staging = self._staging[position] = bucket.flat_param.new_empty(
                         bucket.padded_numel, dtype=self._staging_dtype(bucket)
                     )
                     self.max_staging = max(self.max_staging, len(self._staging) + len(self._pending))
@@ -335,7 +335,7 @@ class GradientReducer:
             else:
                 inp = self._staging.pop(position, None)
                 if inp is None:  # no parameter of the bucket got a gradient on this rank
-                    inp = b.shard.new_zeros(b.padded_numel, dtype=wire)
+                    inp = b.flat_param.new_zeros(b.padded_numel, dtype=wire)
                 else:  # what no gradient wrote: slots without one this backward, and the padding
                     got = self._got[position]
                     for i, s in enumerate(b.slots):
