@@ -1,0 +1,220 @@
+"""Context-parallel attention (``context_parallel_size``, docs/context-parallel.md): each rank of a cp group holds
+two chunks of every sequence and attends its queries to the keys and values of the whole sequence.
+
+[Note: load-balanced chunks]
+A sequence of ``S`` tokens is cut into ``2 * C`` chunks of ``S / 2C``; cp rank ``r`` holds chunk ``r`` and chunk
+``2C - 1 - r`` (a head and a tail, torch's ``_HeadTailLoadBalancer`` layout). Under causal attention a query of
+chunk ``m`` reads the keys of chunks ``0..m``, so rank ``r`` reads ``r + 1`` and ``2C - r`` chunks: ``2C + 1`` on
+every rank, the causal work equal. Every per-token input is cut this way (``positions_of``), so the model sees its
+tokens in the order ``[chunk r, chunk 2C-1-r]`` and only attention needs to know where each token lies.
+
+[Note: why not torch's context_parallel]
+``torch.distributed.tensor.experimental.context_parallel`` (torch 2.13) replaces SDPA's CUDA ops
+(``_scaled_dot_product_flash_attention``, ``_efficient_attention``, ``_cudnn_attention``) by a ring of them, merged
+by their log-sum-exp. It serves neither these models on the CPU (SDPA dispatches
+``_scaled_dot_product_flash_attention_for_cpu`` there, which it does not replace) nor any mask beyond
+``is_causal``: packed documents need one, and its load balancer requires ``is_causal``. So this module does what it
+cannot: the keys and values of the cp group are all-gathered (backward: the reduce-scatter of their gradients),
+and each local query chunk attends, with SDPA (its fused kernels, its exact backward), to the keys of the chunks up
+to its own, masked by causality and document. The chunks past it are never read (the load balance above). This is
+Llama 3's all-gather context parallelism (Dubey et al., 2024, section 3.3.2), chosen there for document masks.
+A ring moves the same bytes (each rank receives the ``C - 1`` other ranks' keys and values, in forward and their
+gradients in backward) in ``C - 1`` steps that can overlap compute and holds one chunk at a time; with the
+all-gather each rank holds every key and value of its layer, ``kv_heads / heads`` of the queries' size per token
+(a quarter or less for the GQA models of long-context training). The partial outputs of a ring are merged by their
+log-sum-exp; here each query chunk's keys meet in one SDPA call, whose softmax is that merge, exactly.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardtrain.distributed.communicator import Communicator
+from shardtrain.errors import ConfigError
+
+
+def positions_of(length: int, size: int, rank: int, device: Any = None) -> torch.Tensor:
+    """The global indices of the tokens cp rank ``rank`` of ``size`` holds, in its order: chunk ``rank`` then chunk
+    ``2 * size - 1 - rank`` of ``2 * size`` ([Note: load-balanced chunks])."""
+    chunk = length // (2 * size)
+    head = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
+    tail = torch.arange((2 * size - 1 - rank) * chunk, (2 * size - rank) * chunk, device=device)
+    return torch.cat([head, tail])
+
+
+@dataclass
+class ContextSplit:
+    """What the attention of one forward needs to know of the split: the whole sequence's length, and the document
+    of each token of the whole sequence ``[b, S]`` (None: one document per row, plain causal attention)."""
+
+    length: int
+    documents: torch.Tensor | None = None
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along dimension 2 (every rank's chunks, in rank order); backward: the reduce-scatter (sum) of the
+    gradient, since every rank's attention read every rank's keys and values."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Communicator, what: str) -> torch.Tensor:
+        ctx.comm, ctx.what = comm, what
+        return comm.all_gather_dim(x, 2, what=f"{what} (context-parallel all-gather, forward)")
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        comm = ctx.comm
+        b, h, whole, d = grad.shape
+        per = whole // comm.size
+        by_rank = grad.reshape(b, h, comm.size, per, d).permute(2, 0, 1, 3, 4).contiguous()  # [C, b, h, s, d]
+        out = grad.new_empty(b, h, per, d)
+        what = f"the gradient of {ctx.what} (context-parallel reduce-scatter, backward)"
+        comm.reduce_scatter(out.view(-1), by_rank.view(-1), what=what)
+        return out, None, None
+
+
+def whole_sequence(x: torch.Tensor, comm: Communicator, what: str) -> torch.Tensor:
+    """``x [b, h, s, d]`` (this rank's chunks) -> ``[b, h, S, d]`` in the sequence's own order, differentiable."""
+    gathered = _GatherSequence.apply(x.contiguous(), comm, what)  # [b, h, C * s, d], rank-major
+    length = gathered.shape[2]
+    order = torch.cat([positions_of(length, comm.size, r, x.device) for r in range(comm.size)])
+    return gathered.index_select(2, torch.argsort(order))
+
+
+def context_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    comm: Communicator,
+    split: ContextSplit,
+    scale: float | None = None,
+    what: str = "attention",
+) -> torch.Tensor:
+    """Causal attention of this rank's queries ``[b, h, s, d]`` to the whole sequence's keys and values (gathered
+    from this rank's ``[b, kv, s, d]``), no token reading another document's: [Note: why not torch's
+    context_parallel]. Returns ``[b, h, s, d]``, in the order of this rank's tokens."""
+    c, r = comm.size, comm.rank
+    keys = whole_sequence(key, comm, f"the keys of {what}")
+    values = whole_sequence(value, comm, f"the values of {what}")
+    if keys.shape[1] != query.shape[1]:  # grouped-query attention: each key/value head serves a group of queries
+        groups = query.shape[1] // keys.shape[1]
+        keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
+    chunk = query.shape[2] // 2
+    outputs = []
+    for half, m in enumerate((r, 2 * c - 1 - r)):  # the head chunk, then the tail chunk ([Note: load-balanced chunks])
+        q = query[:, :, half * chunk : (half + 1) * chunk]
+        visible = (m + 1) * chunk  # keys of chunks 0..m: the later ones are all in the future
+        i = torch.arange(m * chunk, visible, device=query.device)[:, None]  # the queries' global positions
+        j = torch.arange(visible, device=query.device)[None, :]
+        allowed = j <= i  # [chunk, visible]
+        if split.documents is not None:
+            docs = split.documents.to(query.device)
+            same = docs[:, m * chunk : visible, None] == docs[:, None, :visible]  # [b, chunk, visible]
+            allowed = (allowed & same)[:, None]
+        out = F.scaled_dot_product_attention(
+            q, keys[:, :, :visible], values[:, :, :visible], attn_mask=allowed, scale=scale
+        )
+        outputs.append(out)
+    return torch.cat(outputs, dim=2)
+
+
+# -- transformers models ---------------------------------------------------------------------------------------------
+_counter = itertools.count()
+
+
+def refuse_unserved(model: nn.Module) -> None:
+    """What context attention does not serve in a transformers model, refused at initialize: a sliding window, an
+    attention implementation other than sdpa or eager, attention dropout."""
+    config = model.config
+    name = type(model).__name__
+    layer_types = getattr(config, "layer_types", None) or ()
+    window = getattr(config, "sliding_window", None)
+    if any("sliding" in str(t) for t in layer_types) or (
+        window is not None and getattr(config, "use_sliding_window", True) and not layer_types
+    ):
+        raise ConfigError(
+            f"{name} has sliding-window attention (config.sliding_window {window}): context parallelism serves full "
+            "causal attention only so far; use sequence_parallel_size (Ulysses applies the window), or set "
+            "config.sliding_window = None if every sequence is shorter than the window"
+        )
+    inner = config._attn_implementation or "sdpa"
+    if inner.startswith("shardtrain_"):
+        raise ConfigError(f"{name} already runs shardtrain's attention ({inner}): initialize it once")
+    if inner not in ("sdpa", "eager"):
+        raise ConfigError(
+            f"attn_implementation {inner!r} under context parallelism is not built; load the model with "
+            "attn_implementation='sdpa' or 'eager'"
+        )
+    dropout = getattr(config, "attention_dropout", 0.0) or 0.0
+    if dropout:
+        raise ConfigError(
+            f"{name} has attention_dropout {dropout}: context attention applies none; set it to 0.0 to train with "
+            "context_parallel_size"
+        )
+
+
+def install_hf(model: nn.Module, comm: Communicator, current: Callable[[], ContextSplit]) -> str:
+    """Route ``model``'s attention through :func:`context_attention`, registered in transformers'
+    ``AttentionInterface`` as Ulysses is; ``current()``: the split of the forward running. Returns the name."""
+    from transformers import AttentionInterface
+
+    refuse_unserved(model)
+
+    def attention(module, query, key, value, attention_mask, *, dropout=0.0, scaling=None, **kwargs):
+        what = f"{type(module).__name__} {getattr(module, 'layer_idx', '')}".strip()
+        if attention_mask is not None:  # the engine passes none: a mask made here would be a chunk's
+            raise ConfigError(f"{what} was given an attention mask under context parallelism; pass none")
+        for key_name in ("sliding_window", "softcap"):
+            if kwargs.get(key_name) is not None:
+                raise ConfigError(f"{what} uses {key_name}, which context attention does not apply yet")
+        if torch.is_tensor(getattr(module, "sinks", None)):
+            raise ConfigError(f"{what} has attention sinks, which context attention does not apply yet")
+        out = context_attention(query, key, value, comm, current(), scaling, what)
+        return out.transpose(1, 2).contiguous(), None  # [b, s, h, d], as transformers' attention functions
+
+    name = f"shardtrain_context_{next(_counter)}"
+    AttentionInterface.register(name, attention)
+    model.config._attn_implementation = name
+    return name
+
+
+# -- the project's GPT -----------------------------------------------------------------------------------------------
+def install_gpt(model: nn.Module, comm: Communicator, current: Callable[[], ContextSplit]) -> int:
+    """Replace each ``CausalSelfAttention.attention`` of the project's GPT by context attention; returns how many."""
+    from shardtrain.models.gpt import CausalSelfAttention
+
+    count = 0
+    for name, m in model.named_modules():
+        if isinstance(m, CausalSelfAttention):
+            if m.dropout:
+                raise ConfigError(f"GPT dropout {m.dropout} under context parallelism: not applied; set it to 0.0")
+
+            def attention(q, k, v, name=name):
+                return context_attention(q, k, v, comm, current(), None, repr(name))
+
+            m.attention = attention
+            count += 1
+    return count
+
+
+def install(model: nn.Module, comm: Communicator, current: Callable[[], ContextSplit]) -> None:
+    """Context attention in ``model``: a transformers model or the project's GPT; anything else is refused."""
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "_attn_implementation"):
+        install_hf(model, comm, current)
+        return
+    if install_gpt(model, comm, current):
+        return
+    raise ConfigError(
+        f"context_parallel_size > 1 needs to reach the attention of {type(model).__name__}: built for transformers "
+        "causal LMs (through their attention interface) and shardtrain's GPT; another model is not supported yet"
+    )
+
+
+__all__ = ["ContextSplit", "context_attention", "install", "positions_of", "whole_sequence"]

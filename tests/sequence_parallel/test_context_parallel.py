@@ -1,0 +1,255 @@
+"""Context parallelism (``context_parallel_size``, docs/context-parallel.md): each sequence in load-balanced chunks
+over the cp ranks, keys and values gathered for attention. Parity with one process on the same global batches
+(losses every step, gradient norms, final parameters), with causal and packed-document masks, and what is refused.
+"""
+
+from __future__ import annotations
+
+import itertools
+from functools import partial
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from shardtrain.errors import ConfigError, ShardtrainError
+from shardtrain.testing import run_distributed
+from shardtrain.testing.parity import assert_params_near, engine_run, reference_run
+
+from helpers.sp_cases import keyword_recipe
+
+VOCAB, SEQ, ROWS, STEPS, GAS = 64, 12, 2, 2, 2
+
+
+def _llama(attn: str = "sdpa") -> torch.nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,  # grouped-query: each gathered key/value head serves two query heads
+        max_position_embeddings=SEQ,
+        tie_word_embeddings=False,
+        attn_implementation=attn,
+    )
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _documents(x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """Position ids restarting at each document: 2 or 3 documents per row, cut at random places."""
+    rows = []
+    for _ in range(x.shape[0]):
+        cuts = sorted(torch.randperm(SEQ - 1, generator=g)[: 1 + int(torch.randint(2, (1,), generator=g))] + 1)
+        starts = [0, *[int(c) for c in cuts], SEQ]
+        rows.append(torch.cat([torch.arange(b - a) for a, b in itertools.pairwise(starts)]))
+    return torch.stack(rows)
+
+
+def _batches(dp: int, packed: bool) -> list[dict[str, torch.Tensor]]:
+    """``ROWS * dp`` rows per micro-step; labels the tokens with a fifth dropped (-100); packed: position ids
+    restarting per document and no key/value cache (transformers then keeps documents apart)."""
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for _ in range(STEPS * GAS):
+        x = torch.randint(0, VOCAB, (ROWS * dp, SEQ), generator=g)
+        labels = torch.where(torch.rand(x.shape, generator=g) < 0.8, x, -100)
+        batch = {"input_ids": x, "labels": labels}
+        if packed:
+            batch.update(position_ids=_documents(x, g), use_cache=False)
+        out.append(batch)
+    return out
+
+
+def _layout(engine) -> dict:
+    """Where this rank sits and what its cp group moved: its all-gathers (keys and values, and each forward's
+    real-token counts) and reduce-scatters (the keys' and values' gradients)."""
+    topo, stats = engine.topology, engine._sp.comm.stats()
+    return {
+        "axes": (topo.cp, topo.cp_rank, topo.dp, topo.dp_rank, topo.zero_rank, topo.shard_size),
+        "moved": {kind: (s["calls"], s["bytes"]) for kind, s in stats.items()},
+    }
+
+
+def _check_parity(world: int, cp: int, stage: int, packed: bool, attn: str = "sdpa") -> list[dict]:
+    dp = world // cp
+    config = {"context_parallel_size": cp, "zero_optimization": {"stage": stage}}
+    recipe = keyword_recipe(partial(_llama, attn), partial(_batches, dp, packed), GAS, config)
+    results = run_distributed(engine_run, world, recipe, _layout, init_process_group=False)
+    ref = reference_run(recipe, dp)
+    losses = [sum(r["losses"][s] for r in results[::cp]) / dp for s in range(STEPS)]
+    for s, (got, want) in enumerate(zip(losses, ref["losses"])):
+        assert abs(got - want) <= 1e-5 * abs(want), f"step {s}: loss {got} vs one process {want}"
+    for r in results:
+        for s, (got, want) in enumerate(zip(r["norms"], ref["norms"])):
+            assert abs(got - want) <= 1e-4 * want, f"step {s}: gradient norm {got} vs one process {want}"
+    assert_params_near(results[0]["params"], ref["params"], ref["init"], exact=ref["exact"], require_moved=True)
+    # rank = (dp_rank * cp + cp_rank); ZeRO shards over all dp * cp ranks
+    assert [r["axes"] for r in results] == [(cp, i % cp, dp, i // cp, i, world) for i in range(world)]
+    # per layer and micro-step: the keys and values [rows, kv heads, S, head dim] (fp32) gathered, (cp - 1) / cp of
+    # them received, and their gradients reduce-scattered; plus one all-gather of the real-token counts per forward
+    layers, micro_steps, whole = 2, STEPS * GAS, ROWS * 2 * SEQ * 8 * 4
+    kv_bytes = layers * micro_steps * 2 * whole * (cp - 1) // cp
+    counts = micro_steps * cp * 3 * 8 * (cp - 1) // cp
+    for r in results:
+        assert r["moved"]["all_gather"] == (layers * micro_steps * 2 + micro_steps, kv_bytes + counts), r["moved"]
+        assert r["moved"]["reduce_scatter"] == (layers * micro_steps * 2, kv_bytes), r["moved"]
+    return results
+
+
+@pytest.mark.parametrize(
+    ("world", "cp", "stage", "packed"),
+    [(2, 2, 3, False), (2, 2, 1, True), (3, 3, 2, True), (4, 2, 3, True)],
+)
+def test_parity_with_one_process(world, cp, stage, packed):
+    """cp 2 and cp 3 (the chunks of a rank far apart), causal and packed documents, ZeRO 1-3; cp 2 x dp 2 at
+    stage 3 (world 4: ZeRO shards over the four ranks, two of which hold other rows)."""
+    _check_parity(world, cp, stage, packed)
+
+
+@pytest.mark.soak
+@pytest.mark.parametrize(
+    ("world", "cp", "stage", "packed", "attn"),
+    [(3, 3, 0, False, "sdpa"), (2, 2, 2, True, "eager"), (4, 2, 1, False, "sdpa"), (4, 4, 3, True, "sdpa")],
+)
+def test_parity_more_layouts(world, cp, stage, packed, attn):
+    _check_parity(world, cp, stage, packed, attn)
+
+
+def test_each_rank_holds_a_head_and_a_tail_chunk():
+    from shardtrain.sequence_parallel.ring import positions_of
+
+    assert positions_of(12, 3, 0).tolist() == [0, 1, 10, 11]
+    assert positions_of(12, 3, 1).tolist() == [2, 3, 8, 9]
+    assert positions_of(12, 3, 2).tolist() == [4, 5, 6, 7]
+    every = torch.cat([positions_of(16, 4, r) for r in range(4)])
+    assert sorted(every.tolist()) == list(range(16))
+
+
+def _attend_as_cp_ranks(cp: int, documents: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every cp rank's context attention, computed in one process with the gathers played by hand, against SDPA on
+    the whole sequence with the same mask; returns (got, want) in the sequence's order."""
+    from shardtrain.sequence_parallel import ring
+
+    g = torch.Generator().manual_seed(0)
+    b, h, kv, s, d = 2, 4, 2, 4 * cp, 8
+    q, k, v = (torch.randn(b, n, s, d, generator=g, dtype=torch.float64) for n in (h, kv, kv))
+    mask = torch.ones(s, s, dtype=torch.bool).tril()
+    if documents is not None:
+        mask = mask & (documents[:, :, None] == documents[:, None, :])
+        mask = mask[:, None]
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(h // kv, 1), v.repeat_interleave(h // kv, 1), attn_mask=mask
+    )
+    got = torch.empty_like(want)
+    whole_keys = {"k": k, "v": v}
+
+    def gathered(x, comm, what):  # what the all-gather returns: the whole sequence, in order
+        return whole_keys["k"] if "keys" in what else whole_keys["v"]
+
+    split = ring.ContextSplit(s, documents)
+    original = ring.whole_sequence
+    ring.whole_sequence = gathered
+    try:
+        for r in range(cp):
+            mine = ring.positions_of(s, cp, r)
+            comm = SimpleNamespace(size=cp, rank=r)
+            got[:, :, mine] = ring.context_attention(q[:, :, mine], k[:, :, mine], v[:, :, mine], comm, split)
+    finally:
+        ring.whole_sequence = original
+    return got, want
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+def test_attention_is_the_whole_sequences_causal_and_document_attention(cp):
+    """Each rank's two chunks read exactly the keys one process's masked attention reads (float64: equal to
+    rounding), with one document per row and with documents crossing the chunks' and ranks' boundaries."""
+    from shardtrain.sequence_parallel.context_inputs import documents_of
+
+    got, want = _attend_as_cp_ranks(cp, None)
+    assert (got - want).abs().max().item() < 1e-12
+    s = 4 * cp
+    positions = torch.stack([torch.cat([torch.arange(3), torch.arange(s - 3)]), torch.arange(s)])
+    positions[1, s // 2 :] = torch.arange(s - s // 2)
+    documents = documents_of(positions)
+    assert documents[0, :4].tolist() == [0, 0, 0, 1] and documents[1, s // 2] == 1
+    got, want = _attend_as_cp_ranks(cp, documents)
+    assert (got - want).abs().max().item() < 1e-12
+    assert documents_of(torch.arange(s)[None]) is None  # one document: plain causal attention
+
+
+def _cp_refusal(world: int, config: dict) -> str:
+    from shardtrain.config.plan import resolve_plan
+    from shardtrain.config.sections import load_config
+
+    try:
+        resolve_plan(load_config({"train_micro_batch_size_per_gpu": 1, **config}), world)
+    except ConfigError as err:
+        return str(err)
+    return "no error"
+
+
+def test_what_context_parallelism_is_not_built_with_is_refused_by_name():
+    cp2 = {"context_parallel_size": 2}
+    assert "context_parallel_size 3 does not divide the 4 processes" in _cp_refusal(4, {"context_parallel_size": 3})
+    for config, named in [
+        ({"sequence_parallel_size": 2}, "Ulysses sequence parallelism (sequence_parallel_size 2)"),
+        ({"tensor_parallel": {"size": 2}}, "tensor parallelism (tensor_parallel.size 2)"),
+        ({"expert_parallel_size": 2}, "expert parallelism (expert_parallel_size 2)"),
+        ({"pipeline_parallel_size": 2}, "pipeline parallelism (pipeline_parallel_size 2)"),
+        (
+            {"zero_optimization": {"stage": 1, "mics_shard_size": 2}},
+            "hybrid sharding (zero_optimization.mics_shard_size 2)",
+        ),
+        ({"tiled_mlp_compute": True}, "tiled_logits_loss / tiled_mlp_compute"),
+    ]:
+        message = _cp_refusal(8, {**cp2, **config})
+        assert f"context_parallel_size 2 with {named} is not built yet" in message, message
+    assert "the ring attention's collectives do not run in captured graphs" in _cp_refusal(
+        2, {**cp2, "graph": {"enabled": True}}
+    )
+    assert _cp_refusal(8, {**cp2, "zero_optimization": {"stage": 3}}) == "no error"
+
+
+def _splitter_refusal(build) -> str:
+    from shardtrain.sequence_parallel import ContextSplitter, install_context_attention
+
+    comm = SimpleNamespace(size=2, rank=0, global_rank=0, ranks=[0, 1])
+    try:
+        model = build()
+        splitter = ContextSplitter(model, comm)
+        install_context_attention(model, comm, lambda: splitter.current)
+    except ShardtrainError as err:
+        return str(err)
+    return "no error"
+
+
+def test_models_and_masks_not_served_are_refused_by_name():
+    import transformers
+
+    tiny = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, num_hidden_layers=1, intermediate_size=32)
+    mistral = transformers.MistralConfig(**tiny, num_key_value_heads=2, sliding_window=4)
+    bert = transformers.BertConfig(**tiny)
+    assert "has sliding-window attention (config.sliding_window 4)" in _splitter_refusal(
+        lambda: transformers.MistralForCausalLM(mistral)
+    )
+    assert "BertForMaskedLM attends bidirectionally" in _splitter_refusal(lambda: transformers.BertForMaskedLM(bert))
+    assert "attention_dropout 0.1" in _splitter_refusal(
+        lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**tiny, attention_dropout=0.1))
+    )
+    assert _splitter_refusal(_llama) == "no error"
+    # a padding mask and a length that does not cut into 2 x cp chunks: refused at the forward, before any collective
+    from shardtrain.sequence_parallel import ContextSplitter
+
+    splitter = ContextSplitter(_llama(), SimpleNamespace(size=2, rank=0, global_rank=0, ranks=[0, 1]))
+    splitter._batch_check.done = True
+    x = torch.zeros(1, SEQ, dtype=torch.long)
+    pad = torch.ones_like(x)
+    pad[0, -2:] = 0
+    with pytest.raises(ConfigError, match="with padding or of more than two dimensions"):
+        splitter.split((), {"input_ids": x, "attention_mask": pad})
+    with pytest.raises(ConfigError, match="sequence length 10 is not divisible by 2 x context_parallel_size 2"):
+        splitter.split((), {"input_ids": x[:, :10]})
