@@ -14,9 +14,9 @@ import torch
 
 from shardtrain.errors import ConfigError, ShardtrainError
 from shardtrain.testing import run_distributed
-from shardtrain.testing.parity import assert_params_near, engine_run, reference_run
+from shardtrain.testing.parity import Recipe, assert_params_near, engine_run, reference_run
 
-from helpers.sp_cases import keyword_recipe
+from helpers.sp_cases import adamw, keyword_recipe
 
 VOCAB, SEQ, ROWS, STEPS, GAS = 64, 12, 2, 2, 2
 
@@ -37,6 +37,27 @@ def _llama(attn: str = "sdpa") -> torch.nn.Module:
         attn_implementation=attn,
     )
     return transformers.LlamaForCausalLM(cfg)
+
+
+def _gpt() -> torch.nn.Module:
+    from shardtrain.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=32, n_layer=2, n_head=4))
+
+
+def _gpt_batches(dp: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(tokens, targets aligned with them) of each micro-step, ``ROWS * dp`` rows."""
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for _ in range(STEPS * GAS):
+        x = torch.randint(0, VOCAB, (ROWS * dp, SEQ), generator=g)
+        out.append((x, torch.roll(x, -1, dims=1)))
+    return out
+
+
+def _gpt_loss(model, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return model(*batch)
 
 
 def _documents(x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
@@ -75,9 +96,13 @@ def _layout(engine) -> dict:
 
 
 def _check_parity(world: int, cp: int, stage: int, packed: bool, attn: str = "sdpa") -> list[dict]:
+    """``attn``: the tiny Llama's attention implementation, or "gpt" (the project's GPT, causal only)."""
     dp = world // cp
     config = {"context_parallel_size": cp, "zero_optimization": {"stage": stage}}
-    recipe = keyword_recipe(partial(_llama, attn), partial(_batches, dp, packed), GAS, config)
+    if attn == "gpt":
+        recipe = Recipe(_gpt, adamw, partial(_gpt_batches, dp), _gpt_loss, GAS, 1.0, config, per_rank_loss=True)
+    else:
+        recipe = keyword_recipe(partial(_llama, attn), partial(_batches, dp, packed), GAS, config)
     results = run_distributed(engine_run, world, recipe, _layout, init_process_group=False)
     ref = reference_run(recipe, dp)
     losses = [sum(r["losses"][s] for r in results[::cp]) / dp for s in range(STEPS)]
@@ -91,7 +116,8 @@ def _check_parity(world: int, cp: int, stage: int, packed: bool, attn: str = "sd
     assert [r["axes"] for r in results] == [(cp, i % cp, dp, i // cp, i, world) for i in range(world)]
     # per layer and micro-step: the keys and values [rows, kv heads, S, head dim] (fp32) gathered, (cp - 1) / cp of
     # them received, and their gradients reduce-scattered; plus one all-gather of the real-token counts per forward
-    layers, micro_steps, whole = 2, STEPS * GAS, ROWS * 2 * SEQ * 8 * 4
+    kv_heads = 4 if attn == "gpt" else 2
+    layers, micro_steps, whole = 2, STEPS * GAS, ROWS * kv_heads * SEQ * 8 * 4
     kv_bytes = layers * micro_steps * 2 * whole * (cp - 1) // cp
     counts = micro_steps * cp * 3 * 8 * (cp - 1) // cp
     for r in results:
@@ -101,19 +127,21 @@ def _check_parity(world: int, cp: int, stage: int, packed: bool, attn: str = "sd
 
 
 @pytest.mark.parametrize(
-    ("world", "cp", "stage", "packed"),
-    [(2, 2, 3, False), (2, 2, 1, True), (3, 3, 2, True), (4, 2, 3, True)],
+    ("world", "cp", "stage", "packed", "attn"),
+    [(2, 2, 3, False, "sdpa"), (2, 2, 1, True, "sdpa"), (3, 3, 2, True, "sdpa"), (4, 2, 3, True, "sdpa")]
+    + [(2, 2, 2, False, "gpt")],
 )
-def test_parity_with_one_process(world, cp, stage, packed):
-    """cp 2 and cp 3 (the chunks of a rank far apart), causal and packed documents, ZeRO 1-3; cp 2 x dp 2 at
-    stage 3 (world 4: ZeRO shards over the four ranks, two of which hold other rows)."""
-    _check_parity(world, cp, stage, packed)
+def test_parity_with_one_process(world, cp, stage, packed, attn):
+    """A tiny Llama at cp 2 and cp 3 (the chunks of a rank far apart), causal and packed documents, ZeRO 1-3; cp 2
+    x dp 2 at stage 3 (world 4: ZeRO shards over the four ranks, two of which hold other rows); the project's GPT."""
+    _check_parity(world, cp, stage, packed, attn)
 
 
 @pytest.mark.soak
 @pytest.mark.parametrize(
     ("world", "cp", "stage", "packed", "attn"),
-    [(3, 3, 0, False, "sdpa"), (2, 2, 2, True, "eager"), (4, 2, 1, False, "sdpa"), (4, 4, 3, True, "sdpa")],
+    [(3, 3, 0, False, "sdpa"), (2, 2, 2, True, "eager"), (4, 2, 1, False, "sdpa"), (4, 4, 3, True, "sdpa")]
+    + [(3, 3, 3, False, "gpt")],
 )
 def test_parity_more_layouts(world, cp, stage, packed, attn):
     _check_parity(world, cp, stage, packed, attn)

@@ -733,7 +733,9 @@ def init_topology(dims: ParallelDims, timeout_s: float = 1800.0, device: str | N
     tp, sp, dp, ep, shard = dims.tp, dims.sp, dims.dp, dims.ep, dims.shard
     cp = dims.cp
     # hpZ is not built with sequence or context parallelism
-    axes = {"sp": sp, "cp": cp} if sp * cp > 1 else {"hpz_size": dims.hpz}
+    axes = {"sp": sp} if sp * cp > 1 else {"hpz_size": dims.hpz}
+    if cp > 1:
+        axes["cp"] = cp
     if dims.pp > 1:
         axes["pp"] = dims.pp
     device, backend, groups, host_groups, own = _make_mesh_groups(
