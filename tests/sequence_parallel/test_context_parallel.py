@@ -86,8 +86,8 @@ def _batches(dp: int, packed: bool) -> list[dict[str, torch.Tensor]]:
 
 
 def _layout(engine) -> dict:
-    """Where this rank sits and what its cp group moved: its all-gathers (keys and values, and each forward's
-    real-token counts) and reduce-scatters (the keys' and values' gradients)."""
+    """Where this rank sits and what its cp group moved: its ring steps (keys and values), reduce-scatters (their
+    gradients) and all-gathers (each forward's real-token counts)."""
     topo, stats = engine.topology, engine._sp.comm.stats()
     return {
         "axes": (topo.cp, topo.cp_rank, topo.dp, topo.dp_rank, topo.zero_rank, topo.shard_size),
@@ -114,15 +114,17 @@ def _check_parity(world: int, cp: int, stage: int, packed: bool, attn: str = "sd
     assert_params_near(results[0]["params"], ref["params"], ref["init"], exact=ref["exact"], require_moved=True)
     # rank = (dp_rank * cp + cp_rank); ZeRO shards over all dp * cp ranks
     assert [r["axes"] for r in results] == [(cp, i % cp, dp, i // cp, i, world) for i in range(world)]
-    # per layer and micro-step: the keys and values [rows, kv heads, S, head dim] (fp32) gathered, (cp - 1) / cp of
-    # them received, and their gradients reduce-scattered; plus one all-gather of the real-token counts per forward
+    # per layer and micro-step: the keys and values [rows, kv heads, S, head dim] (fp32) passed around the ring in
+    # cp - 1 steps, (cp - 1) / cp of them received, and their gradients reduce-scattered in one call; plus one
+    # all-gather of the real-token counts per forward
     kv_heads = 4 if attn == "gpt" else 2
     layers, micro_steps, whole = 2, STEPS * GAS, ROWS * kv_heads * SEQ * 8 * 4
     kv_bytes = layers * micro_steps * 2 * whole * (cp - 1) // cp
     counts = micro_steps * cp * 3 * 8 * (cp - 1) // cp
     for r in results:
-        assert r["moved"]["all_gather"] == (layers * micro_steps * 2 + micro_steps, kv_bytes + counts), r["moved"]
-        assert r["moved"]["reduce_scatter"] == (layers * micro_steps * 2, kv_bytes), r["moved"]
+        assert r["moved"]["ring"] == (layers * micro_steps * (cp - 1), kv_bytes), r["moved"]
+        assert r["moved"]["reduce_scatter"] == (layers * micro_steps, kv_bytes), r["moved"]
+        assert r["moved"]["all_gather"] == (micro_steps, counts), r["moved"]
     return results
 
 
@@ -175,8 +177,8 @@ def _attend_as_cp_ranks(cp: int, documents: torch.Tensor | None) -> tuple[torch.
     got = torch.empty_like(want)
     whole_keys = {"k": k, "v": v}
 
-    def gathered(x, comm, what):  # what the all-gather returns: the whole sequence, in order
-        return whole_keys["k"] if "keys" in what else whole_keys["v"]
+    def gathered(x, comm, what):  # what the ring returns: the whole sequence, in order
+        return torch.stack([whole_keys["k"], whole_keys["v"]])
 
     split = ring.ContextSplit(s, documents)
     original = ring.whole_sequence

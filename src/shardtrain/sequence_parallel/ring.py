@@ -58,33 +58,40 @@ class ContextSplit:
     documents: torch.Tensor | None = None
 
 
-class _GatherSequence(torch.autograd.Function):
-    """All-gather along dimension 2 (every rank's chunks, in rank order); backward: the reduce-scatter (sum) of the
+class _PassAround(torch.autograd.Function):
+    """Every rank's chunks ``[..., s, d]`` passed around the ring (``C - 1`` steps, each rank sending what it last
+    received to the next), concatenated along dimension -2 in rank order; backward: the reduce-scatter (sum) of the
     gradient, since every rank's attention read every rank's keys and values."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, comm: Communicator, what: str) -> torch.Tensor:
         ctx.comm, ctx.what = comm, what
-        return comm.all_gather_dim(x, 2, what=f"{what} (context-parallel all-gather, forward)")
+        c, r = comm.size, comm.rank
+        parts: list[torch.Tensor] = [x] * c
+        held = x
+        for step in range(1, c):
+            received = torch.empty_like(held)
+            comm.ring_step(received, held, what=f"{what} (context-parallel ring, step {step} of {c - 1})")
+            parts[(r - step) % c] = held = received
+        return torch.cat(parts, dim=-2)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         comm = ctx.comm
-        b, h, whole, d = grad.shape
-        per = whole // comm.size
-        by_rank = grad.reshape(b, h, comm.size, per, d).permute(2, 0, 1, 3, 4).contiguous()  # [C, b, h, s, d]
-        out = grad.new_empty(b, h, per, d)
+        per = grad.shape[-2] // comm.size
+        by_rank = torch.stack(grad.split(per, dim=-2)).contiguous()  # [C, ..., s, d]: chunk j is rank j's
+        out = grad.new_empty(by_rank.shape[1:])
         what = f"the gradient of {ctx.what} (context-parallel reduce-scatter, backward)"
         comm.reduce_scatter(out.view(-1), by_rank.view(-1), what=what)
         return out, None, None
 
 
 def whole_sequence(x: torch.Tensor, comm: Communicator, what: str) -> torch.Tensor:
-    """``x [b, h, s, d]`` (this rank's chunks) -> ``[b, h, S, d]`` in the sequence's own order, differentiable."""
-    gathered = _GatherSequence.apply(x.contiguous(), comm, what)  # [b, h, C * s, d], rank-major
-    length = gathered.shape[2]
+    """``x [..., s, d]`` (this rank's chunks) -> ``[..., S, d]`` in the sequence's own order, differentiable."""
+    passed = _PassAround.apply(x.contiguous(), comm, what)  # [..., C * s, d], rank-major
+    length = passed.shape[-2]
     order = torch.cat([positions_of(length, comm.size, r, x.device) for r in range(comm.size)])
-    return gathered.index_select(2, torch.argsort(order))
+    return passed.index_select(-2, torch.argsort(order))
 
 
 def context_attention(
@@ -100,8 +107,7 @@ def context_attention(
     from this rank's ``[b, kv, s, d]``), no token reading another document's: [Note: why not torch's
     context_parallel]. Returns ``[b, h, s, d]``, in the order of this rank's tokens."""
     c, r = comm.size, comm.rank
-    keys = whole_sequence(key, comm, f"the keys of {what}")
-    values = whole_sequence(value, comm, f"the values of {what}")
+    keys, values = whole_sequence(torch.stack([key, value]), comm, f"the keys and values of {what}").unbind(0)
     if keys.shape[1] != query.shape[1]:  # grouped-query attention: each key/value head serves a group of queries
         groups = query.shape[1] // keys.shape[1]
         keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
