@@ -21,6 +21,11 @@ from helpers.sp_cases import adamw, keyword_recipe
 VOCAB, SEQ, ROWS, STEPS, GAS = 64, 12, 2, 2, 2
 
 
+def _length(cp: int) -> int:
+    """A sequence length that cuts into ``2 * cp`` chunks: 12 for cp 2 and 3, 16 for cp 4."""
+    return SEQ if SEQ % (2 * cp) == 0 else 16
+
+
 def _llama(attn: str = "sdpa") -> torch.nn.Module:
     import transformers
 
@@ -32,7 +37,7 @@ def _llama(attn: str = "sdpa") -> torch.nn.Module:
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,  # grouped-query: each gathered key/value head serves two query heads
-        max_position_embeddings=SEQ,
+        max_position_embeddings=16,
         tie_word_embeddings=False,
         attn_implementation=attn,
     )
@@ -62,21 +67,21 @@ def _gpt_loss(model, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
 
 def _documents(x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
     """Position ids restarting at each document: 2 or 3 documents per row, cut at random places."""
-    rows = []
+    rows, length = [], x.shape[1]
     for _ in range(x.shape[0]):
-        cuts = sorted(torch.randperm(SEQ - 1, generator=g)[: 1 + int(torch.randint(2, (1,), generator=g))] + 1)
-        starts = [0, *[int(c) for c in cuts], SEQ]
+        cuts = sorted(torch.randperm(length - 1, generator=g)[: 1 + int(torch.randint(2, (1,), generator=g))] + 1)
+        starts = [0, *[int(c) for c in cuts], length]
         rows.append(torch.cat([torch.arange(b - a) for a, b in itertools.pairwise(starts)]))
     return torch.stack(rows)
 
 
-def _batches(dp: int, packed: bool) -> list[dict[str, torch.Tensor]]:
+def _batches(dp: int, packed: bool, length: int = SEQ) -> list[dict[str, torch.Tensor]]:
     """``ROWS * dp`` rows per micro-step; labels the tokens with a fifth dropped (-100); packed: position ids
     restarting per document and no key/value cache (transformers then keeps documents apart)."""
     g = torch.Generator().manual_seed(7)
     out = []
     for _ in range(STEPS * GAS):
-        x = torch.randint(0, VOCAB, (ROWS * dp, SEQ), generator=g)
+        x = torch.randint(0, VOCAB, (ROWS * dp, length), generator=g)
         labels = torch.where(torch.rand(x.shape, generator=g) < 0.8, x, -100)
         batch = {"input_ids": x, "labels": labels}
         if packed:
@@ -102,7 +107,7 @@ def _check_parity(world: int, cp: int, stage: int, packed: bool, attn: str = "sd
     if attn == "gpt":
         recipe = Recipe(_gpt, adamw, partial(_gpt_batches, dp), _gpt_loss, GAS, 1.0, config, per_rank_loss=True)
     else:
-        recipe = keyword_recipe(partial(_llama, attn), partial(_batches, dp, packed), GAS, config)
+        recipe = keyword_recipe(partial(_llama, attn), partial(_batches, dp, packed, _length(cp)), GAS, config)
     results = run_distributed(engine_run, world, recipe, _layout, init_process_group=False)
     ref = reference_run(recipe, dp)
     losses = [sum(r["losses"][s] for r in results[::cp]) / dp for s in range(STEPS)]
@@ -118,7 +123,7 @@ def _check_parity(world: int, cp: int, stage: int, packed: bool, attn: str = "sd
     # cp - 1 steps, (cp - 1) / cp of them received, and their gradients reduce-scattered in one call; plus one
     # all-gather of the real-token counts per forward
     kv_heads = 4 if attn == "gpt" else 2
-    layers, micro_steps, whole = 2, STEPS * GAS, ROWS * kv_heads * SEQ * 8 * 4
+    layers, micro_steps, whole = 2, STEPS * GAS, ROWS * kv_heads * _length(cp) * 8 * 4
     kv_bytes = layers * micro_steps * 2 * whole * (cp - 1) // cp
     counts = micro_steps * cp * 3 * 8 * (cp - 1) // cp
     for r in results:

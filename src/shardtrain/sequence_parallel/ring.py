@@ -10,19 +10,18 @@ tokens in the order ``[chunk r, chunk 2C-1-r]`` and only attention needs to know
 
 [Note: why not torch's context_parallel]
 ``torch.distributed.tensor.experimental.context_parallel`` (torch 2.13) replaces SDPA's CUDA ops
-(``_scaled_dot_product_flash_attention``, ``_efficient_attention``, ``_cudnn_attention``) by a ring of them, merged
+(``_scaled_dot_product_flash_attention``, ``_efficient_attention``, ``_cudnn_attention``) by a ring of them merged
 by their log-sum-exp. It serves neither these models on the CPU (SDPA dispatches
-``_scaled_dot_product_flash_attention_for_cpu`` there, which it does not replace) nor any mask beyond
-``is_causal``: packed documents need one, and its load balancer requires ``is_causal``. So this module does what it
-cannot: the keys and values of the cp group are all-gathered (backward: the reduce-scatter of their gradients),
-and each local query chunk attends, with SDPA (its fused kernels, its exact backward), to the keys of the chunks up
-to its own, masked by causality and document. The chunks past it are never read (the load balance above). This is
-Llama 3's all-gather context parallelism (Dubey et al., 2024, section 3.3.2), chosen there for document masks.
-A ring moves the same bytes (each rank receives the ``C - 1`` other ranks' keys and values, in forward and their
-gradients in backward) in ``C - 1`` steps that can overlap compute and holds one chunk at a time; with the
-all-gather each rank holds every key and value of its layer, ``kv_heads / heads`` of the queries' size per token
-(a quarter or less for the GQA models of long-context training). The partial outputs of a ring are merged by their
-log-sum-exp; here each query chunk's keys meet in one SDPA call, whose softmax is that merge, exactly.
+``_scaled_dot_product_flash_attention_for_cpu`` there, which it does not replace) nor any mask beyond ``is_causal``
+(packed documents need one; its load balancer requires ``is_causal``). So here the keys and values of the cp group
+are passed around the ring (``C - 1`` point-to-point steps, ``Communicator.ring_step``; backward: the reduce-scatter
+of their gradients) and each local query chunk attends with SDPA (its fused kernels, its exact backward) to the keys
+of the chunks up to its own, masked by causality and document; later chunks are never read. The passes are not yet
+overlapped with compute, so each rank holds the whole sequence's keys and values of one layer (``kv_heads / heads``
+of the queries' size: a quarter or less for GQA models), as Llama 3's all-gather context parallelism does for
+document masks (Dubey et al., 2024, 3.3.2); an overlapped ring would merge per-chunk outputs by their log-sum-exp,
+which one SDPA call over a chunk's visible keys does exactly. Ring or all-gather move the same bytes; on gloo the
+ring measured cheaper (docs/benchmarks.md, bench/bench_context_parallel.py).
 """
 
 from __future__ import annotations
