@@ -100,25 +100,28 @@ def _layout(engine) -> dict:
     }
 
 
-def _check_parity(world: int, cp: int, stage: int, packed: bool, attn: str = "sdpa") -> list[dict]:
-    """``attn``: the tiny Llama's attention implementation, or "gpt" (the project's GPT, causal only)."""
-    dp = world // cp
-    config = {"context_parallel_size": cp, "zero_optimization": {"stage": stage}}
+def _check_parity(world: int, cp: int, stage: int, packed: bool, attn: str = "sdpa", sp: int = 1) -> list[dict]:
+    """``attn``: the tiny Llama's attention implementation, or "gpt" (the project's GPT, causal only); ``sp``:
+    Ulysses within each cp rank."""
+    dp = world // (cp * sp)
+    config = {"context_parallel_size": cp, "sequence_parallel_size": sp, "zero_optimization": {"stage": stage}}
     if attn == "gpt":
         recipe = Recipe(_gpt, adamw, partial(_gpt_batches, dp), _gpt_loss, GAS, 1.0, config, per_rank_loss=True)
     else:
-        recipe = keyword_recipe(partial(_llama, attn), partial(_batches, dp, packed, _length(cp)), GAS, config)
+        recipe = keyword_recipe(partial(_llama, attn), partial(_batches, dp, packed, _length(cp * sp)), GAS, config)
     results = run_distributed(engine_run, world, recipe, _layout, init_process_group=False)
     ref = reference_run(recipe, dp)
-    losses = [sum(r["losses"][s] for r in results[::cp]) / dp for s in range(STEPS)]
+    losses = [sum(r["losses"][s] for r in results[:: cp * sp]) / dp for s in range(STEPS)]
     for s, (got, want) in enumerate(zip(losses, ref["losses"])):
         assert abs(got - want) <= 1e-5 * abs(want), f"step {s}: loss {got} vs one process {want}"
     for r in results:
         for s, (got, want) in enumerate(zip(r["norms"], ref["norms"])):
             assert abs(got - want) <= 1e-4 * want, f"step {s}: gradient norm {got} vs one process {want}"
     assert_params_near(results[0]["params"], ref["params"], ref["init"], exact=ref["exact"], require_moved=True)
-    # rank = (dp_rank * cp + cp_rank); ZeRO shards over all dp * cp ranks
-    assert [r["axes"] for r in results] == [(cp, i % cp, dp, i // cp, i, world) for i in range(world)]
+    # rank = (dp_rank * cp + cp_rank) * sp + sp_rank; ZeRO shards over all dp * cp * sp ranks
+    assert [r["axes"] for r in results] == [(cp, i // sp % cp, dp, i // (cp * sp), i, world) for i in range(world)]
+    if sp > 1:  # the ring's bytes are in the cp group's communicator, not the sequence group's
+        return results
     # per layer and micro-step: the keys and values [rows, kv heads, S, head dim] (fp32) passed around the ring in
     # cp - 1 steps, (cp - 1) / cp of them received, and their gradients reduce-scattered in one call; plus one
     # all-gather of the real-token counts per forward
@@ -152,6 +155,15 @@ def test_parity_with_one_process(world, cp, stage, packed, attn):
 )
 def test_parity_more_layouts(world, cp, stage, packed, attn):
     _check_parity(world, cp, stage, packed, attn)
+
+
+@pytest.mark.parametrize(
+    ("attn", "stage", "packed"), [("sdpa", 3, True), pytest.param("gpt", 1, False, marks=pytest.mark.soak)]
+)
+def test_parity_with_ulysses_inside_each_cp_rank(attn, stage, packed):
+    """sp 2 x cp 2 (world 4): heads over the sp ranks of a cp rank (Ulysses' all-to-all gathers that cp rank's two
+    chunks), chunks over cp; the Llama's 2 key/value heads split over sp 2."""
+    _check_parity(4, 2, stage, packed, attn, sp=2)
 
 
 def test_each_rank_holds_a_head_and_a_tail_chunk():
@@ -231,7 +243,6 @@ def test_what_context_parallelism_is_not_built_with_is_refused_by_name():
     cp2 = {"context_parallel_size": 2}
     assert "context_parallel_size 3 does not divide the 4 processes" in _cp_refusal(4, {"context_parallel_size": 3})
     for config, named in [
-        ({"sequence_parallel_size": 2}, "Ulysses sequence parallelism (sequence_parallel_size 2)"),
         ({"tensor_parallel": {"size": 2}}, "tensor parallelism (tensor_parallel.size 2)"),
         ({"expert_parallel_size": 2}, "expert parallelism (expert_parallel_size 2)"),
         ({"pipeline_parallel_size": 2}, "pipeline parallelism (pipeline_parallel_size 2)"),
@@ -247,6 +258,7 @@ def test_what_context_parallelism_is_not_built_with_is_refused_by_name():
         2, {**cp2, "graph": {"enabled": True}}
     )
     assert _cp_refusal(8, {**cp2, "zero_optimization": {"stage": 3}}) == "no error"
+    assert _cp_refusal(8, {**cp2, "sequence_parallel_size": 2}) == "no error"  # dp 2 x cp 2 x sp 2
 
 
 def _splitter_refusal(build) -> str:

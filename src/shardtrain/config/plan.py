@@ -225,7 +225,6 @@ def refuse_unbuilt_context(cfg: Config, dims: ParallelDims) -> None:
     """What context parallelism is not built with yet (docs/context-parallel.md), refused by name."""
     zcfg = cfg.zero_optimization
     refused = [
-        (dims.sp > 1, f"Ulysses sequence parallelism (sequence_parallel_size {dims.sp})"),
         (dims.tp > 1, f"tensor parallelism (tensor_parallel.size {dims.tp})"),
         (dims.ep > 1, f"expert parallelism (expert_parallel_size {dims.ep})"),
         (dims.pp > 1, f"pipeline parallelism (pipeline_parallel_size {dims.pp})"),

@@ -336,6 +336,9 @@ class Groups:
     cp: dist.ProcessGroup | None = None
     """Context parallelism: the ``cp`` ranks that hold one sequence's load-balanced chunks (None without it; see
     [Note: the context axis])."""
+    seq: dist.ProcessGroup | None = None
+    """Context with sequence parallelism: the ``cp * sp`` ranks sharing one sequence (None unless both; see [Note:
+    the context axis])."""
     ep: dist.ProcessGroup | None = None
     """Expert parallelism: the ``E`` adjacent data-parallel ranks holding different experts (None without it; see
     [Note: the expert axis])."""
@@ -396,6 +399,8 @@ def make_groups(
             for s in range(sp)
             for t in range(tp)
         ]
+    if cp > 1 and sp > 1:  # the cp * sp ranks of one sequence: the loss and the batch check span them
+        partitions["seq"] = [[(d * seq + i) * tp + t for i in range(seq)] for d in range(dp) for t in range(tp)]
     if seq > 1:
         partitions["dp_sp"] = [[i * tp + t for i in range(zero)] for t in range(tp)]  # ZeRO's ranks: same tp block
     if shard_size is not None and shard_size != zero:
@@ -656,6 +661,14 @@ class Topology:
         return self.groups.cp
 
     @property
+    def seq_group(self) -> dist.ProcessGroup | None:
+        """Every rank sharing this rank's sequence: the cp group, the sp group, or with both the ``cp * sp`` ranks
+        of [Note: the context axis]; None without either."""
+        if self.groups.seq is not None:
+            return self.groups.seq
+        return self.groups.cp if self.groups.cp is not None else self.groups.sp
+
+    @property
     def tp_group(self) -> dist.ProcessGroup:
         return self.mesh.get_group("tp")
 
@@ -746,7 +759,15 @@ def init_topology(dims: ParallelDims, timeout_s: float = 1800.0, device: str | N
         mesh = DeviceMesh.from_group(
             [groups.pp, groups.dp, groups.tp], device.type, mesh=ranks, mesh_dim_names=("pp", "dp", "tp")
         )
-    elif cp > 1:  # the plan refuses cp beside sp, ep and hybrid sharding for now: (dp, cp, tp) is the whole mesh
+    elif cp > 1 and sp > 1:  # the plan refuses cp beside ep and hybrid sharding for now
+        ranks = torch.arange(world).view(dp, cp, sp, tp)
+        mesh = DeviceMesh.from_group(
+            [groups.dp, groups.cp, groups.sp, groups.tp],
+            device.type,
+            mesh=ranks,
+            mesh_dim_names=("dp", "cp", "sp", "tp"),
+        )
+    elif cp > 1:  # the plan refuses cp beside ep and hybrid sharding for now: (dp, cp, tp) is the whole mesh
         ranks = torch.arange(world).view(dp, cp, tp)
         mesh = DeviceMesh.from_group(
             [groups.dp, groups.cp, groups.tp], device.type, mesh=ranks, mesh_dim_names=("dp", "cp", "tp")

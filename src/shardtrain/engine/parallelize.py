@@ -298,9 +298,11 @@ def apply_sp(model: nn.Module, plan: Plan, topology: Topology) -> Any:
     (docs/context-parallel.md), and ALST's tiled loss and MLP; returns the batch splitter of sequence or context
     parallelism (None without either)."""
     sp = None
-    if topology.cp > 1:  # the plan refuses cp beside sp for now (docs/context-parallel.md)
-        cp = ContextSplitter(model, Communicator(topology.cp_group, topology.timeout_s))
-        install_context_attention(model, cp.comm, lambda: cp.current)
+    if topology.cp > 1:  # with Ulysses inside each cp rank when sp > 1 (docs/context-parallel.md)
+        cp = ContextSplitter(model, Communicator(topology.seq_group, topology.timeout_s), topology.cp)
+        ulysses_comm = Communicator(topology.sp_group, topology.timeout_s) if topology.sp > 1 else None
+        ring_comm = Communicator(topology.cp_group, topology.timeout_s) if topology.sp > 1 else cp.comm
+        install_context_attention(model, ring_comm, lambda: cp.current, ulysses_comm)
         sp = cp
     elif topology.sp > 1:
         sp = make_splitter(model, Communicator(topology.sp_group, topology.timeout_s))

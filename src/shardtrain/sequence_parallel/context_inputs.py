@@ -39,11 +39,16 @@ def documents_of(positions: torch.Tensor) -> torch.Tensor | None:
 
 
 class ContextSplitter(SequenceSplitter):
-    """Splits the inputs of each forward into this cp rank's two chunks and combines the loss over the cp group;
-    :attr:`current` is the split the attention reads ([Note: packed documents under context parallelism])."""
+    """Splits the inputs of each forward into this rank's share of its cp rank's two chunks and combines the loss
+    over the ranks sharing the sequence; :attr:`current` is the split the attention reads ([Note: packed documents
+    under context parallelism]). ``comm``: those ranks, ``cp * sp`` of them, ranked ``cp_rank * sp + sp_rank``
+    ([Note: the context axis] in :mod:`shardtrain.distributed.mesh`); ``cp``: the context-parallel size (the
+    group's size without Ulysses)."""
 
-    def __init__(self, module: nn.Module, comm: Communicator) -> None:
+    def __init__(self, module: nn.Module, comm: Communicator, cp: int | None = None) -> None:
         super().__init__(module, comm)
+        self.cp = cp or comm.size
+        self.sp = comm.size // self.cp  # Ulysses' ranks within a cp rank: each holds 1/sp of its two chunks
         if not self._causal:
             raise ConfigError(
                 f"{type(unwrapped(module)).__name__} attends bidirectionally: context parallelism serves causal "
@@ -54,18 +59,22 @@ class ContextSplitter(SequenceSplitter):
     def _length(self, args: tuple, kwargs: dict[str, Any]) -> int:
         length = super()._length(args, kwargs)
         if length % (2 * self.size):
+            ulysses = f" x sequence_parallel_size {self.sp}" if self.sp > 1 else ""
             raise ConfigError(
-                f"sequence length {length} is not divisible by 2 x context_parallel_size {self.size}: each rank holds "
-                f"two of {2 * self.size} equal chunks (one near the start, one near the end, so that causal work is "
-                f"equal). Pad every sequence at the end to a multiple of {2 * self.size} (labels -100 there)"
+                f"sequence length {length} is not divisible by 2 x context_parallel_size {self.cp}{ulysses}: each cp "
+                f"rank holds two of {2 * self.cp} equal chunks (one near the start, one near the end, so that causal "
+                f"work is equal){', split over its sp ranks' if self.sp > 1 else ''}. Pad every sequence at the end "
+                f"to a multiple of {2 * self.size} (labels -100 there)"
             )
         return length
 
     def _slice(self, v: Any) -> Any:
         if not torch.is_tensor(v) or v.dim() < 2:
             return v
-        mine = positions_of(v.shape[1], self.size, self.rank, v.device)
-        return v.index_select(1, mine)
+        cp_rank, sp_rank = divmod(self.rank, self.sp)
+        mine = positions_of(v.shape[1], self.cp, cp_rank, v.device)  # this cp rank's two chunks
+        per = mine.shape[0] // self.sp  # Ulysses' all-to-all gathers them back in sp-rank order
+        return v.index_select(1, mine[sp_rank * per : (sp_rank + 1) * per])
 
     def _whole_mask(
         self, mask: Any, positions: torch.Tensor | None, first: torch.Tensor, length: int, kwargs: dict[str, Any]

@@ -37,6 +37,7 @@ from torch import nn
 
 from shardtrain.distributed.communicator import Communicator
 from shardtrain.errors import ConfigError
+from shardtrain.sequence_parallel.ulysses import kv_repeats, ulysses
 
 
 def positions_of(length: int, size: int, rank: int, device: Any = None) -> torch.Tensor:
@@ -164,12 +165,29 @@ def refuse_unserved(model: nn.Module) -> None:
         )
 
 
-def install_hf(model: nn.Module, comm: Communicator, current: Callable[[], ContextSplit]) -> str:
+def _with_ulysses(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attend: Callable, sp: Communicator | None, what: str
+) -> torch.Tensor:
+    """``attend(q, k, v) -> [b, h, s, d]`` on this rank's tokens, or with ``sp`` (Ulysses within a cp rank, [Note:
+    the context axis]) on all of its cp rank's tokens for ``h / sp`` heads, after the exchange. Returns ``[b, s, h,
+    d]``."""
+    if sp is None:
+        return attend(query, key, value).transpose(1, 2)
+    return ulysses(query, key, value, sp, lambda q, k, v: attend(q, k, v).transpose(1, 2), what)
+
+
+def install_hf(
+    model: nn.Module, comm: Communicator, current: Callable[[], ContextSplit], sp: Communicator | None = None
+) -> str:
     """Route ``model``'s attention through :func:`context_attention`, registered in transformers'
-    ``AttentionInterface`` as Ulysses is; ``current()``: the split of the forward running. Returns the name."""
+    ``AttentionInterface`` as Ulysses is; ``current()``: the split of the forward running; ``sp``: Ulysses' group
+    within a cp rank (None without it). Returns the name."""
     from transformers import AttentionInterface
 
     refuse_unserved(model)
+    heads = getattr(model.config, "num_attention_heads", None)
+    if sp is not None and isinstance(heads, int):  # refused at initialize rather than at the first forward
+        kv_repeats(heads, getattr(model.config, "num_key_value_heads", None) or heads, sp.size)
 
     def attention(module, query, key, value, attention_mask, *, dropout=0.0, scaling=None, **kwargs):
         what = f"{type(module).__name__} {getattr(module, 'layer_idx', '')}".strip()
@@ -180,8 +198,11 @@ def install_hf(model: nn.Module, comm: Communicator, current: Callable[[], Conte
                 raise ConfigError(f"{what} uses {key_name}, which context attention does not apply yet")
         if torch.is_tensor(getattr(module, "sinks", None)):
             raise ConfigError(f"{what} has attention sinks, which context attention does not apply yet")
-        out = context_attention(query, key, value, comm, current(), scaling, what)
-        return out.transpose(1, 2).contiguous(), None  # [b, s, h, d], as transformers' attention functions
+
+        def attend(q, k, v):
+            return context_attention(q, k, v, comm, current(), scaling, what)
+
+        return _with_ulysses(query, key, value, attend, sp, what).contiguous(), None  # [b, s, h, d], as transformers'
 
     name = f"shardtrain_context_{next(_counter)}"
     AttentionInterface.register(name, attention)
@@ -190,8 +211,11 @@ def install_hf(model: nn.Module, comm: Communicator, current: Callable[[], Conte
 
 
 # -- the project's GPT -----------------------------------------------------------------------------------------------
-def install_gpt(model: nn.Module, comm: Communicator, current: Callable[[], ContextSplit]) -> int:
-    """Replace each ``CausalSelfAttention.attention`` of the project's GPT by context attention; returns how many."""
+def install_gpt(
+    model: nn.Module, comm: Communicator, current: Callable[[], ContextSplit], sp: Communicator | None = None
+) -> int:
+    """Replace each ``CausalSelfAttention.attention`` of the project's GPT by context attention (inside Ulysses'
+    exchange with ``sp``); returns how many."""
     from shardtrain.models.gpt import CausalSelfAttention
 
     count = 0
@@ -199,22 +223,30 @@ def install_gpt(model: nn.Module, comm: Communicator, current: Callable[[], Cont
         if isinstance(m, CausalSelfAttention):
             if m.dropout:
                 raise ConfigError(f"GPT dropout {m.dropout} under context parallelism: not applied; set it to 0.0")
+            if sp is not None:
+                kv_repeats(m.n_head, m.n_head, sp.size)
 
-            def attention(q, k, v, name=name):
+            def attend(q, k, v, name=name):
                 return context_attention(q, k, v, comm, current(), None, repr(name))
+
+            def attention(q, k, v, attend=attend, name=name):
+                return _with_ulysses(q, k, v, attend, sp, repr(name)).transpose(1, 2)  # [b, h, s, d]
 
             m.attention = attention
             count += 1
     return count
 
 
-def install(model: nn.Module, comm: Communicator, current: Callable[[], ContextSplit]) -> None:
-    """Context attention in ``model``: a transformers model or the project's GPT; anything else is refused."""
+def install(
+    model: nn.Module, comm: Communicator, current: Callable[[], ContextSplit], sp: Communicator | None = None
+) -> None:
+    """Context attention over the cp group ``comm`` in ``model`` (a transformers model or the project's GPT;
+    anything else is refused), inside Ulysses' exchange over ``sp`` when given."""
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "_attn_implementation"):
-        install_hf(model, comm, current)
+        install_hf(model, comm, current, sp)
         return
-    if install_gpt(model, comm, current):
+    if install_gpt(model, comm, current, sp):
         return
     raise ConfigError(
         f"context_parallel_size > 1 needs to reach the attention of {type(model).__name__}: built for transformers "
