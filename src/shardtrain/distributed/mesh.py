@@ -492,11 +492,13 @@ class Topology:
     [Note: the context axis]
     With ``context_parallel_size: C`` (ring attention, docs/context-parallel.md) the sequence is shared by ``C * sp``
     ranks: ``rank = ((dp_rank * C + cp_rank) * sp + sp_rank) * tp + tp_rank``, so Ulysses' ``sp`` ranks stay adjacent
-    (heads over sp) and the ``C`` ranks of a cp group hold chunks of one sequence (the mesh is ``(dp, cp, tp)`` while
-    cp beside sp is refused). Batches differ along ``dp`` only. Every one of the ``dp * C * sp`` ranks computes a
-    gradient of all parameters from its tokens, so ZeRO shards and averages over all of them, as over ``dp * sp``
-    ([Note: the loss over a sequence-parallel group] in ``shardtrain.sequence_parallel.inputs`` holds for any split of
-    the tokens); ``zero_rank = dp_rank * C * sp + cp_rank * sp + sp_rank``. No parameter is split by cp.
+    (heads over sp) and the ``C`` ranks of a cp group hold chunks of one sequence; the mesh is ``(dp, cp, sp, tp)``
+    (``(dp, cp, tp)`` without Ulysses). The ``C * sp`` ranks of one sequence are the ``seq`` group (the loss, the
+    batch check); the sp ranks of a cp rank split its two chunks, and Ulysses' all-to-all gathers them back for
+    ``h / sp`` heads before the ring over cp. Batches differ along ``dp`` only. Every one of the ``dp * C * sp``
+    ranks computes a gradient of all parameters from its tokens, so ZeRO shards and averages over all of them ([Note:
+    the loss over a sequence-parallel group] in ``shardtrain.sequence_parallel.inputs`` holds for any split);
+    ``zero_rank = dp_rank * C * sp + cp_rank * sp + sp_rank``. No parameter is split by cp.
 
     [Note: the expert axis]
     With ``expert_parallel_size: E`` (docs/expert-parallel.md) the data-parallel axis is cut as DeepSpeed-MoE cuts it:

@@ -1,7 +1,8 @@
 """The parallel dimensions of a job, validated once and without a process group.
 
-``world = pp * dp * cp * sp * tp``. Each of the ``pp`` pipeline stages is a job of ``world / pp`` ranks laid out as
-without pipelining ([Note: the pipeline axis] in :mod:`shardtrain.distributed.mesh`).
+``world = pp * dp * cp * sp * tp`` (the ``cp * sp`` ranks of one sequence adjacent, [Note: the context axis]).
+Each of the ``pp`` pipeline stages is a job of ``world / pp`` ranks laid out as without pipelining ([Note: the
+pipeline axis] in :mod:`shardtrain.distributed.mesh`).
 ZeRO shards over the ``dp * cp * sp`` ranks holding the same tensor-parallel block (``zero``), within groups of
 ``shard`` of them with hybrid sharding (``replicas = zero / shard``); expert groups are ``ep`` adjacent ranks of
 that axis; ZeRO++ hpZ keeps secondary shards within groups of ``hpz`` adjacent ones. How ranks are numbered along
