@@ -48,15 +48,15 @@ def _gpt() -> torch.nn.Module:
     from shardtrain.models.gpt import GPT, GPTConfig
 
     torch.manual_seed(0)
-    return GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=32, n_layer=2, n_head=4))
+    return GPT(GPTConfig(vocab_size=VOCAB, seq_len=16, d_model=32, n_layer=2, n_head=4))
 
 
-def _gpt_batches(dp: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _gpt_batches(dp: int, length: int = SEQ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(tokens, targets aligned with them) of each micro-step, ``ROWS * dp`` rows."""
     g = torch.Generator().manual_seed(7)
     out = []
     for _ in range(STEPS * GAS):
-        x = torch.randint(0, VOCAB, (ROWS * dp, SEQ), generator=g)
+        x = torch.randint(0, VOCAB, (ROWS * dp, length), generator=g)
         out.append((x, torch.roll(x, -1, dims=1)))
     return out
 
@@ -106,7 +106,8 @@ def _check_parity(world: int, cp: int, stage: int, packed: bool, attn: str = "sd
     dp = world // (cp * sp)
     config = {"context_parallel_size": cp, "sequence_parallel_size": sp, "zero_optimization": {"stage": stage}}
     if attn == "gpt":
-        recipe = Recipe(_gpt, adamw, partial(_gpt_batches, dp), _gpt_loss, GAS, 1.0, config, per_rank_loss=True)
+        batches = partial(_gpt_batches, dp, _length(cp * sp))
+        recipe = Recipe(_gpt, adamw, batches, _gpt_loss, GAS, 1.0, config, per_rank_loss=True)
     else:
         recipe = keyword_recipe(partial(_llama, attn), partial(_batches, dp, packed, _length(cp * sp)), GAS, config)
     results = run_distributed(engine_run, world, recipe, _layout, init_process_group=False)
