@@ -301,3 +301,12 @@ def test_models_and_masks_not_served_are_refused_by_name():
         splitter.split((), {"input_ids": x, "attention_mask": pad})
     with pytest.raises(ConfigError, match="sequence length 10 is not divisible by 2 x context_parallel_size 2"):
         splitter.split((), {"input_ids": x[:, :10]})
+
+
+def test_a_diverging_rank_is_named_by_its_cp_and_sp_coordinates():
+    """The desync check's names follow the mesh: rank = ((dp_rank * cp + cp_rank) * sp + sp_rank) * tp + tp_rank."""
+    from shardtrain.distributed.desync import PhaseCheck
+
+    assert PhaseCheck(None, 1, torch.device("cpu"), cp=2).name(3) == "rank 3 (dp 1, cp 1)"
+    assert PhaseCheck(None, 1, torch.device("cpu"), sp=2, cp=2).name(5) == "rank 5 (dp 1, cp 0, sp 1)"
+    assert PhaseCheck(None, 2, torch.device("cpu"), sp=2).name(5) == "rank 5 (dp 1, sp 0, tp 1)"

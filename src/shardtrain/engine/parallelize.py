@@ -162,6 +162,7 @@ def parallelize(
         topology.tp,
         topology.device,
         sp=topology.sp,
+        cp=topology.cp,
     )
     _check_ranks_agree(comms.world, model, config)
     if pipeline is not None:  # the stages hold other layers, but their configs must agree too
