@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import shardtrain
 from shardtrain.errors import ConfigError, ShardtrainError
 from shardtrain.testing import run_distributed
 from shardtrain.testing.parity import Recipe, assert_params_near, engine_run, reference_run
@@ -310,3 +311,60 @@ def test_a_diverging_rank_is_named_by_its_cp_and_sp_coordinates():
     assert PhaseCheck(None, 1, torch.device("cpu"), cp=2).name(3) == "rank 3 (dp 1, cp 1)"
     assert PhaseCheck(None, 1, torch.device("cpu"), sp=2, cp=2).name(5) == "rank 5 (dp 1, cp 0, sp 1)"
     assert PhaseCheck(None, 2, torch.device("cpu"), sp=2).name(5) == "rank 5 (dp 1, sp 0, tp 1)"
+
+
+def _checkpoint_engine(layout: dict):
+    model = _gpt()
+    config = {"train_micro_batch_size_per_gpu": ROWS, "zero_optimization": {"stage": 1}, **layout}
+    return shardtrain.initialize(model, config=config, optimizer=adamw(model))
+
+
+def _save_then_train(layout: dict, path: str) -> dict:
+    """Train one step at ``layout``, save, train one more: the saved weights, the next step's loss, the weights then."""
+    engine, data, out = _checkpoint_engine(layout), _gpt_batches(1), {}
+    for step in range(2):
+        if step == 1:
+            engine.save_checkpoint(path)
+            out["saved"] = engine.full_state_dict()
+        loss = engine(*data[step])
+        engine.backward(loss)
+        engine.step()
+        out["next_loss"] = loss.item()
+    out["after"] = engine.full_state_dict()
+    return out
+
+
+def _load_then_train(layout: dict, path: str) -> dict:
+    engine = _checkpoint_engine(layout)
+    engine.load_checkpoint(path)
+    loaded = engine.full_state_dict()
+    loss = engine(*_gpt_batches(1)[1])
+    engine.backward(loss)
+    engine.step()
+    return {"loaded": loaded, "next_loss": loss.item(), "after": engine.full_state_dict()}
+
+
+def _check_resumes(tmp_path, saved_at: dict, loaded_at: dict) -> None:
+    """Saved at one layout of one sequence's ranks, loaded at another: the same weights, the same next step (Adam's
+    moments and step count came back), as if training had not stopped. No parameter is split by cp."""
+    path, world = str(tmp_path / "ckpt"), lambda layout: max(layout.values(), default=1)
+    saved = run_distributed(_save_then_train, world(saved_at), saved_at, path, init_process_group=False)[0]
+    loaded = run_distributed(_load_then_train, world(loaded_at), loaded_at, path, init_process_group=False)[0]
+    assert loaded["loaded"].keys() == saved["saved"].keys()
+    for k, v in saved["saved"].items():
+        assert torch.equal(loaded["loaded"][k], v), k
+    assert abs(loaded["next_loss"] - saved["next_loss"]) <= 1e-5 * saved["next_loss"]
+    assert_params_near(loaded["after"], saved["after"], saved["saved"], require_moved=True)
+
+
+def test_a_checkpoint_saved_at_cp_2_loads_at_sp_2(tmp_path):
+    _check_resumes(tmp_path, {"context_parallel_size": 2}, {"sequence_parallel_size": 2})
+
+
+@pytest.mark.soak
+@pytest.mark.parametrize(
+    ("saved_at", "loaded_at"),
+    [({"context_parallel_size": 2}, {}), ({"sequence_parallel_size": 2}, {"context_parallel_size": 2})],
+)
+def test_a_checkpoint_moves_between_sequence_layouts(tmp_path, saved_at, loaded_at):
+    _check_resumes(tmp_path, saved_at, loaded_at)
