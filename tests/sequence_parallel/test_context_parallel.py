@@ -101,11 +101,14 @@ def _layout(engine) -> dict:
     }
 
 
-def _check_parity(world: int, cp: int, stage: int, packed: bool, attn: str = "sdpa", sp: int = 1) -> list[dict]:
+def _check_parity(
+    world: int, cp: int, stage: int, packed: bool, attn: str = "sdpa", sp: int = 1, extra: dict | None = None
+) -> list[dict]:
     """``attn``: the tiny Llama's attention implementation, or "gpt" (the project's GPT, causal only); ``sp``:
-    Ulysses within each cp rank."""
+    Ulysses within each cp rank; ``extra``: more of the engine's config."""
     dp = world // (cp * sp)
     config = {"context_parallel_size": cp, "sequence_parallel_size": sp, "zero_optimization": {"stage": stage}}
+    config.update(extra or {})
     if attn == "gpt":
         batches = partial(_gpt_batches, dp, _length(cp * sp))
         recipe = Recipe(_gpt, adamw, batches, _gpt_loss, GAS, 1.0, config, per_rank_loss=True)
@@ -132,7 +135,9 @@ def _check_parity(world: int, cp: int, stage: int, packed: bool, attn: str = "sd
     kv_bytes = layers * micro_steps * 2 * whole * (cp - 1) // cp
     counts = micro_steps * cp * 3 * 8 * (cp - 1) // cp
     for r in results:
-        assert r["moved"]["ring"] == (layers * micro_steps * (cp - 1), kv_bytes), r["moved"]
+        # a checkpointed block's forward runs again in backward, its ring steps too
+        passes = 2 if (extra or {}).get("activation_checkpointing", {}).get("policy", "none") != "none" else 1
+        assert r["moved"]["ring"] == (passes * layers * micro_steps * (cp - 1), passes * kv_bytes), r["moved"]
         assert r["moved"]["reduce_scatter"] == (layers * micro_steps, kv_bytes), r["moved"]
         assert r["moved"]["all_gather"] == (micro_steps, counts), r["moved"]
     return results
@@ -157,6 +162,13 @@ def test_parity_with_one_process(world, cp, stage, packed, attn):
 )
 def test_parity_more_layouts(world, cp, stage, packed, attn):
     _check_parity(world, cp, stage, packed, attn)
+
+
+@pytest.mark.soak
+@pytest.mark.parametrize("stage", [1, 3])
+def test_parity_with_activation_checkpointing(stage):
+    """Every block recomputed in backward: its attention's ring steps run again, on the same forward's split."""
+    _check_parity(2, 2, stage, True, extra={"activation_checkpointing": {"policy": "full"}})
 
 
 @pytest.mark.parametrize(
