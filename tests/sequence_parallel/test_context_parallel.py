@@ -45,6 +45,32 @@ def _llama(attn: str = "sdpa") -> torch.nn.Module:
     return transformers.LlamaForCausalLM(cfg)
 
 
+def _mixtral(attn: str = "sdpa") -> torch.nn.Module:
+    """A mixture of experts whose load-balancing loss (large, so that a per-chunk one would show) is the whole
+    sequence's, gathered over the sequence's ranks as under Ulysses."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        output_router_logits=True,
+        router_aux_loss_coef=0.5,
+        tie_word_embeddings=False,
+        sliding_window=None,
+        experts_implementation="eager",
+        attn_implementation=attn,
+    )
+    return transformers.MixtralForCausalLM(cfg)
+
+
 def _gpt() -> torch.nn.Module:
     from shardtrain.models.gpt import GPT, GPTConfig
 
@@ -113,7 +139,8 @@ def _check_parity(
         batches = partial(_gpt_batches, dp, _length(cp * sp))
         recipe = Recipe(_gpt, adamw, batches, _gpt_loss, GAS, 1.0, config, per_rank_loss=True)
     else:
-        recipe = keyword_recipe(partial(_llama, attn), partial(_batches, dp, packed, _length(cp * sp)), GAS, config)
+        make = partial(_mixtral, "sdpa") if attn == "mixtral" else partial(_llama, attn)
+        recipe = keyword_recipe(make, partial(_batches, dp, packed, _length(cp * sp)), GAS, config)
     results = run_distributed(engine_run, world, recipe, _layout, init_process_group=False)
     ref = reference_run(recipe, dp)
     losses = [sum(r["losses"][s] for r in results[:: cp * sp]) / dp for s in range(STEPS)]
@@ -139,7 +166,8 @@ def _check_parity(
         passes = 2 if (extra or {}).get("activation_checkpointing", {}).get("policy", "none") != "none" else 1
         assert r["moved"]["ring"] == (passes * layers * micro_steps * (cp - 1), passes * kv_bytes), r["moved"]
         assert r["moved"]["reduce_scatter"] == (layers * micro_steps, kv_bytes), r["moved"]
-        assert r["moved"]["all_gather"] == (micro_steps, counts), r["moved"]
+        if attn != "mixtral":  # which also gathers its router logits over the group for its load-balancing loss
+            assert r["moved"]["all_gather"] == (micro_steps, counts), r["moved"]
     return results
 
 
@@ -162,6 +190,12 @@ def test_parity_with_one_process(world, cp, stage, packed, attn):
 )
 def test_parity_more_layouts(world, cp, stage, packed, attn):
     _check_parity(world, cp, stage, packed, attn)
+
+
+@pytest.mark.soak  # about 27 s here
+def test_parity_of_a_mixture_of_experts_with_its_load_balancing_loss():
+    """Mixtral at cp 2: its load-balancing loss is one process's (router logits of every chunk gathered)."""
+    _check_parity(2, 2, 2, False, "mixtral")
 
 
 @pytest.mark.soak
