@@ -69,6 +69,7 @@ TWO_RANKS = (
     "collective_timeout_s",
     _Z + "mics_shard_size",
     "sequence_parallel_size",
+    "context_parallel_size",
     "expert_parallel_size",
     "moe.ep_size",
     "expert_parallel.autoep_size",
@@ -1307,6 +1308,13 @@ def _two_ranks(timeout_s: float) -> dict[str, Any]:
     loss = _micro_step(engine)
     calls = engine._sp.comm.stats()["all_to_all"]["calls"]
     out["sequence_parallel_size"] = (engine.topology.sp, engine.topology.dp, engine.topology.sp_rank, calls, loss)
+    # context_parallel_size 2: both ranks share one sequence, holding chunks 0 and 3, 1 and 2 of 4; each layer
+    # passes its keys and values to the other rank (one ring step) and reduce-scatters their gradients
+    engine = _engine({"context_parallel_size": 2, **timeout})
+    loss = _micro_step(engine)
+    moved = engine._sp.comm.stats()
+    calls = (moved["ring"]["calls"], moved["reduce_scatter"]["calls"])
+    out["context_parallel_size"] = (engine.topology.cp, engine.topology.dp, engine.topology.cp_rank, calls, loss)
     # expert_parallel_size 2: each rank holds 2 of a tiny Mixtral's 4 experts and sends tokens to the other's
     engine = _engine({"expert_parallel_size": 2, **timeout}, model=_mixtral())
     engine.backward(engine(input_ids=torch.arange(6).view(1, 6), labels=torch.arange(6).view(1, 6)).loss)
@@ -1400,6 +1408,12 @@ def test_keys_that_need_two_ranks():
     layers = 2
     assert [r["sequence_parallel_size"][:4] for r in results] == [(2, 1, 0, 8 * layers), (2, 1, 1, 8 * layers)]
     assert results[0]["sequence_parallel_size"][4] == results[1]["sequence_parallel_size"][4]
+    # context_parallel_size 2: cp ranks 0 and 1 of one group, keys and values of 2 layers, the whole sequence's loss
+    assert [r["context_parallel_size"][:4] for r in results] == [
+        (2, 1, 0, (layers, layers)),
+        (2, 1, 1, (layers, layers)),
+    ]
+    assert results[0]["context_parallel_size"][4] == results[1]["context_parallel_size"][4]
     # expert_parallel_size 2: experts [0, 2) and [2, 4) of each MoE layer, the token exchange through the ep group
     assert [r["expert_parallel_size"][:3] for r in results] == [(2, (0, 2), (2, 48, 16)), (2, (2, 4), (2, 48, 16))]
     assert all(r["expert_parallel_size"][3] > 0 for r in results)

@@ -35,6 +35,11 @@ def test_batch_sizes_are_checked_against_the_data_parallel_size(tmp_path, capsys
     code, out = check(tmp_path, capsys, 8, train_batch_size=8, train_micro_batch_size_per_gpu=1,
                       gradient_accumulation_steps=1, **sp2)  # fmt: skip
     assert code == 2 and "data-parallel size (2)" in out, out
+    cp2 = {"context_parallel_size": 2, "zero_optimization": {"stage": 3}}  # world 8: dp 4
+    assert check(tmp_path, capsys, 8, train_batch_size=4, train_micro_batch_size_per_gpu=1, **cp2)[0] == 0
+    code, out = check(tmp_path, capsys, 8, train_batch_size=8, train_micro_batch_size_per_gpu=1,
+                      gradient_accumulation_steps=1, **cp2)  # fmt: skip
+    assert code == 2 and "data-parallel size (4)" in out, out
 
 
 @pytest.mark.parametrize(
@@ -44,6 +49,10 @@ def test_batch_sizes_are_checked_against_the_data_parallel_size(tmp_path, capsys
         (4, {"tensor_parallel": {"autotp_size": 3}}, "tensor_parallel.size 3 does not divide the 4 processes"),
         (4, {"sequence_parallel_size": 3}, "sequence_parallel_size 3 does not divide the 4 processes"),
         (4, {"sequence_parallel_size": 4, "tensor_parallel": {"size": 2}}, "sequence_parallel_size 4 does not"),
+        (4, {"context_parallel_size": 3}, "context_parallel_size 3 does not divide the 4 processes"),
+        (8, {"context_parallel_size": 2, "tensor_parallel": {"size": 2}},
+         "context_parallel_size 2 with tensor parallelism (tensor_parallel.size 2) is not built yet"),
+        (8, {"context_parallel_size": 4, "sequence_parallel_size": 4}, "context_parallel_size 4 does not divide"),
         (8, {"tensor_parallel": {"size": 2}, "zero_optimization": {"stage": 1, "mics_shard_size": 3}},
          "mics_shard_size 3 does not divide the 4 ranks"),
         (6, {"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 4}},

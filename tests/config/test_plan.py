@@ -88,9 +88,12 @@ def test_every_refusal_of_the_plan_is_a_config_error():
         resolve_plan(offload_param, 2, "cuda")
 
 
-def test_axes_that_are_not_built_are_refused_by_name():
-    with pytest.raises(LayoutError, match=r"context parallelism \(size 2\) is not built"):
-        ParallelDims(4, cp=2)
+def test_sizes_that_cannot_be_laid_out_are_refused_by_name():
+    # context parallelism is an axis of its own: dp = world / cp, ZeRO over dp x cp
+    dims = ParallelDims(4, cp=2)
+    assert (dims.dp, dims.zero) == (2, 4)
+    with pytest.raises(LayoutError, match=r"context_parallel_size 3 does not divide the 4 processes.* \[1, 2, 4\]"):
+        ParallelDims(4, cp=3)
     with pytest.raises(LayoutError, match="world size must be at least 1"):
         ParallelDims(0)
 

@@ -1176,6 +1176,12 @@ RULES: tuple[Rule, ...] = (
         "`step()` or calls `full_state_dict()` alone fails at once on every rank, naming each; `false` saves it",
     ),
     _supported(
+        "context_parallel_size",
+        "int ≥ 1, `1`",
+        "shardtrain key: context parallelism (ring attention): ranks sharing each sequence in load-balanced chunks; "
+        "data-parallel size = world / size: docs/context-parallel.md",
+    ),
+    _supported(
         "tiled_logits_loss",
         "bool, `false`",
         "shardtrain key (ALST's `TiledFusedLogitsLoss`): the causal-LM loss over tiles of the tokens, each tile's "

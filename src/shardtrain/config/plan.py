@@ -88,6 +88,7 @@ def parallel_dims(cfg: Config, world: int) -> ParallelDims:
         world,
         tp=cfg.tensor_parallel.degree,
         sp=cfg.sequence_parallel_size,
+        cp=cfg.context_parallel_size,
         ep=cfg.expert_parallel_size,
         pp=cfg.pipeline_parallel_size,
         shard_size=zcfg.mics_shard_size,
@@ -147,6 +148,8 @@ def refuse_unbuilt(cfg: Config, dims: ParallelDims, device_type: str | None = No
         refuse_on_device(cfg, device_type)
     zcfg = cfg.zero_optimization
     hpz = zcfg.zero_hpz_partition_size
+    if dims.cp > 1:
+        refuse_unbuilt_context(cfg, dims)
     if dims.pp > 1:
         refuse_unbuilt_pipeline(cfg, dims)
     if dims.ep > 1:
@@ -214,6 +217,25 @@ def refuse_unbuilt_pipeline(cfg: Config, dims: ParallelDims) -> None:
             raise ConfigError(
                 f"pipeline_parallel_size {dims.pp} with {what} is not built yet; set pipeline_parallel_size to 1 or "
                 "turn the other feature off (docs/pipeline-parallel.md says what composes)"
+            )
+
+
+def refuse_unbuilt_context(cfg: Config, dims: ParallelDims) -> None:
+    """What context parallelism is not built with yet (docs/context-parallel.md), refused by name."""
+    zcfg = cfg.zero_optimization
+    refused = [
+        (dims.tp > 1, f"tensor parallelism (tensor_parallel.size {dims.tp})"),
+        (dims.ep > 1, f"expert parallelism (expert_parallel_size {dims.ep})"),
+        (dims.pp > 1, f"pipeline parallelism (pipeline_parallel_size {dims.pp})"),
+        (dims.replicas > 1, f"hybrid sharding (zero_optimization.mics_shard_size {zcfg.mics_shard_size})"),
+        (dims.hpz_asked, f"ZeRO++ hpZ (zero_optimization.zero_hpz_partition_size {zcfg.zero_hpz_partition_size})"),
+        (cfg.tiled_logits_loss or cfg.tiled_mlp_compute, "tiled_logits_loss / tiled_mlp_compute"),
+    ]
+    for hit, what in refused:
+        if hit:
+            raise ConfigError(
+                f"context_parallel_size {dims.cp} with {what} is not built yet; set context_parallel_size to 1 or "
+                "turn the other feature off (docs/context-parallel.md says what composes)"
             )
 
 

@@ -495,6 +495,9 @@ class Config(_Section):
     sequence_parallel_size: Count = 1
     """Ulysses sequence parallelism: ranks sharing one sequence, each holding 1/size of it (DeepSpeed's key;
     docs/sequence-parallel.md)."""
+    context_parallel_size: Count = 1
+    """Context parallelism (ring attention, shardtrain key): ranks sharing one sequence, each holding two of its
+    ``2 * size`` chunks (a head and a tail, so causal work is equal); docs/context-parallel.md."""
     expert_parallel_size: Count = 1
     """Expert parallelism: ranks of one expert group, each holding num_experts / size whole experts of every MoE layer
     (DeepSpeed-MoE's ``ep_size``, one size for every layer; docs/expert-parallel.md)."""
@@ -553,6 +556,15 @@ class Config(_Section):
             raise ValueError(
                 f"graph.enabled with sequence_parallel_size {self.sequence_parallel_size}: the Ulysses all-to-alls do "
                 "not run in captured graphs yet; turn graph mode off (docs/sequence-parallel.md)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _context_parallel_graph(self) -> Config:
+        if self.context_parallel_size != 1 and self.graph.enabled:
+            raise ValueError(
+                f"graph.enabled with context_parallel_size {self.context_parallel_size}: the ring attention's "
+                "collectives do not run in captured graphs yet; turn graph mode off (docs/context-parallel.md)"
             )
         return self
 

@@ -206,6 +206,15 @@ class _PairwiseHandle(Handle):
             out.div_(len(parts))
 
 
+class _PointToPointHandle(Handle):
+    """A ring step's send and receive, waited without slices ([Note: probes while waiting]: gloo aborts the process
+    when a timed wait on a receive expires)."""
+
+    def _wait_work(self) -> None:
+        for w in self._work:
+            w.wait()
+
+
 def _backend_timeout_s(group: dist.ProcessGroup) -> float | None:
     """The timeout ``group``'s CUDA backend was created with (NCCL's watchdog fires at it), when it says."""
     try:
@@ -572,6 +581,29 @@ class Communicator:
             lambda a: dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group, async_op=a),
             False,
         )
+
+    def ring_step(self, out: torch.Tensor, inp: torch.Tensor, *, what: str) -> None:
+        """One step of a ring: ``inp`` goes to the next rank of the group (``rank + 1``), ``out`` is filled from the
+        previous one (``rank - 1``). Counted as the bytes of ``inp`` (what this rank sends), so ``size - 1`` steps
+        count an all-gather's ``S * (N-1)/N`` of the whole ``S``. Point-to-point, as the pairwise reduce-scatter."""
+        nbytes = inp.numel() * inp.element_size()
+        self._count("ring", nbytes)
+        if self.alone:
+            out.copy_(inp)
+            return
+        self._refuse_after_failure("ring", what)
+        n, me = self.size, self.rank
+        tag, self._tag = self._tag, (self._tag + 1) % (1 << 30)
+        started = time.monotonic()
+        try:
+            works = [
+                dist.irecv(out, src=self._ranks[(me - 1) % n], group=self.group, tag=tag),
+                dist.isend(inp, dst=self._ranks[(me + 1) % n], group=self.group, tag=tag),
+            ]
+        except RuntimeError as err:
+            raise self.describe_failure("ring", what, err, started=started) from err
+        _PointToPointHandle(self, works, "ring", what, started).wait()
+        self._completed()
 
     def broadcast(self, t: torch.Tensor, src: int = 0, *, what: str) -> None:
         """Broadcast from group rank ``src``."""

@@ -67,9 +67,9 @@ class PhaseCheck:
     """The check of [Note: phase agreement] over ``comm`` (the whole world; a host-side group, see the note);
     ``comm=None`` disables it."""
 
-    def __init__(self, comm: Communicator | None, tp: int, device: torch.device, sp: int = 1) -> None:
+    def __init__(self, comm: Communicator | None, tp: int, device: torch.device, sp: int = 1, cp: int = 1) -> None:
         self.comm = comm if comm is not None and comm.size > 1 else None
-        self.tp, self.sp = tp, sp
+        self.tp, self.sp, self.cp = tp, sp, cp
         # the descriptor's device: the CPU over a host-side group; a device group (NCCL) needs it on the device
         on_host = self.comm is None or exchanges_on_host(self.comm.backend)
         self.device = torch.device("cpu") if on_host else device
@@ -95,13 +95,15 @@ class PhaseCheck:
         raise RankMismatchError(self.message([_decode(row) for row in rows]))
 
     def name(self, rank: int) -> str:
-        """The rank and its mesh coordinates (rank = (dp_rank * sp + sp_rank) * tp + tp_rank,
+        """The rank and its mesh coordinates (rank = ((dp_rank * cp + cp_rank) * sp + sp_rank) * tp + tp_rank,
         shardtrain.distributed.mesh)."""
-        if self.tp == 1 and self.sp == 1:
+        if self.tp == 1 and self.sp == 1 and self.cp == 1:
             return f"rank {rank}"
         block, tp_rank = divmod(rank, self.tp)
-        dp_rank, sp_rank = divmod(block, self.sp)
-        axes = [f"dp {dp_rank}"] + [f"sp {sp_rank}"] * (self.sp > 1) + [f"tp {tp_rank}"] * (self.tp > 1)
+        block, sp_rank = divmod(block, self.sp)
+        dp_rank, cp_rank = divmod(block, self.cp)
+        axes = [f"dp {dp_rank}"] + [f"cp {cp_rank}"] * (self.cp > 1) + [f"sp {sp_rank}"] * (self.sp > 1)
+        axes += [f"tp {tp_rank}"] * (self.tp > 1)
         return f"rank {rank} ({', '.join(axes)})"
 
     def names(self, ranks: list[int]) -> str:

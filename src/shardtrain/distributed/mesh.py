@@ -331,8 +331,14 @@ class Groups:
     sp: dist.ProcessGroup | None = None
     """Sequence parallelism: the ``sp`` adjacent ranks that share one sequence (None without it)."""
     dp_sp: dist.ProcessGroup | None = None
-    """Sequence parallelism: the ``dp * sp`` ranks ZeRO shards over (None without it; see [Note: the sequence
-    axis])."""
+    """Sequence or context parallelism: the ``dp * cp * sp`` ranks ZeRO shards over (None without either; see [Note:
+    the sequence axis], [Note: the context axis])."""
+    cp: dist.ProcessGroup | None = None
+    """Context parallelism: the ``cp`` ranks that hold one sequence's load-balanced chunks (None without it; see
+    [Note: the context axis])."""
+    seq: dist.ProcessGroup | None = None
+    """Context with sequence parallelism: the ``cp * sp`` ranks sharing one sequence (None unless both; see [Note:
+    the context axis])."""
     ep: dist.ProcessGroup | None = None
     """Expert parallelism: the ``E`` adjacent data-parallel ranks holding different experts (None without it; see
     [Note: the expert axis])."""
@@ -359,6 +365,7 @@ def make_groups(
     hpz_size: int = 1,
     ep: int = 1,
     pp: int = 1,
+    cp: int = 1,
 ) -> tuple[Groups, Groups]:
     """The engine's groups and their host-side twins (see [Note: the engine's groups]).
 
@@ -370,19 +377,31 @@ def make_groups(
     group). ``ep``: the expert-parallel size (see [Note: the expert axis]; with or without tensor parallelism and
     hybrid sharding's groups, cut from the ``dp * sp`` ranks of [Note: experts under sequence parallelism] when
     ``sp > 1``, at each tp rank, [Note: experts under tensor and sequence parallelism]). ``pp``: the pipeline size;
-    every other axis is cut within each stage's ``world / pp`` ranks ([Note: the pipeline axis]). Returns ``(main,
-    host)``."""
+    every other axis is cut within each stage's ``world / pp`` ranks ([Note: the pipeline axis]). ``cp``: the
+    context-parallel size ([Note: the context axis]). Returns ``(main, host)``."""
     stage_world = world // pp
-    dp = stage_world // (tp * sp)
-    # rank = (dp_rank * sp + sp_rank) * tp + tp_rank = zero_rank * tp + tp_rank, zero_rank = dp_rank * sp + sp_rank:
-    # the index among the dp * sp ranks holding the same tensor-parallel block, over which ZeRO shards
-    zero = dp * sp
+    seq = cp * sp  # the ranks sharing one sequence
+    dp = stage_world // (tp * seq)
+    # rank = (dp_rank * seq + seq_rank) * tp + tp_rank = zero_rank * tp + tp_rank, seq_rank = cp_rank * sp + sp_rank,
+    # zero_rank = dp_rank * seq + seq_rank: the index among the dp * cp * sp ranks holding the same tensor-parallel
+    # block, over which ZeRO shards
+    zero = dp * seq
     partitions = {
-        "dp": [[(d * sp + s) * tp + t for d in range(dp)] for s in range(sp) for t in range(tp)],  # same sp, tp
+        "dp": [[(d * seq + s) * tp + t for d in range(dp)] for s in range(seq) for t in range(tp)],  # same seq, tp
         "tp": [[i * tp + t for t in range(tp)] for i in range(zero)],  # tp adjacent ranks
     }
     if sp > 1:
-        partitions["sp"] = [[(d * sp + s) * tp + t for s in range(sp)] for d in range(dp) for t in range(tp)]
+        partitions["sp"] = [[(g * sp + s) * tp + t for s in range(sp)] for g in range(dp * cp) for t in range(tp)]
+    if cp > 1:  # see [Note: the context axis]: the cp ranks with one dp rank, sp rank and tp rank
+        partitions["cp"] = [
+            [((d * cp + c) * sp + s) * tp + t for c in range(cp)]
+            for d in range(dp)
+            for s in range(sp)
+            for t in range(tp)
+        ]
+    if cp > 1 and sp > 1:  # the cp * sp ranks of one sequence: the loss and the batch check span them
+        partitions["seq"] = [[(d * seq + i) * tp + t for i in range(seq)] for d in range(dp) for t in range(tp)]
+    if seq > 1:
         partitions["dp_sp"] = [[i * tp + t for i in range(zero)] for t in range(tp)]  # ZeRO's ranks: same tp block
     if shard_size is not None and shard_size != zero:
         s, replicas = shard_size, zero // shard_size
@@ -470,6 +489,17 @@ class Topology:
     tensor parallelism]). Hybrid sharding cuts ``dp * sp`` as it cuts ``dp`` (``S`` must divide ``dp * sp``; shard
     groups of ``S`` adjacent ``zero_rank`` s); the gradient is still averaged over all ``dp * sp`` ranks.
 
+    [Note: the context axis]
+    With ``context_parallel_size: C`` (ring attention, docs/context-parallel.md) the sequence is shared by ``C * sp``
+    ranks: ``rank = ((dp_rank * C + cp_rank) * sp + sp_rank) * tp + tp_rank``, so Ulysses' ``sp`` ranks stay adjacent
+    (heads over sp) and the ``C`` ranks of a cp group hold chunks of one sequence; the mesh is ``(dp, cp, sp, tp)``
+    (``(dp, cp, tp)`` without Ulysses). The ``C * sp`` ranks of one sequence are the ``seq`` group (the loss, the
+    batch check); the sp ranks of a cp rank split its two chunks, and Ulysses' all-to-all gathers them back for
+    ``h / sp`` heads before the ring over cp. Batches differ along ``dp`` only. Every one of the ``dp * C * sp``
+    ranks computes a gradient of all parameters from its tokens, so ZeRO shards and averages over all of them ([Note:
+    the loss over a sequence-parallel group] in ``shardtrain.sequence_parallel.inputs`` holds for any split);
+    ``zero_rank = dp_rank * C * sp + cp_rank * sp + sp_rank``. No parameter is split by cp.
+
     [Note: the expert axis]
     With ``expert_parallel_size: E`` (docs/expert-parallel.md) the data-parallel axis is cut as DeepSpeed-MoE cuts it:
     ``dp_rank = edp_rank * E + ep_rank``. An expert group is ``E`` adjacent data-parallel ranks (inside a node when
@@ -532,6 +562,9 @@ class Topology:
     """Hybrid sharding: copies of the sharded state (``dp // mics_shard_size``); 1 without it."""
     sp: int = 1
     """Sequence parallelism: ranks sharing one sequence (``sequence_parallel_size``); 1 without it."""
+    cp: int = 1
+    """Context parallelism: ranks sharing one sequence in load-balanced chunks (``context_parallel_size``; [Note: the
+    context axis]); 1 without it."""
     hpz_size: int = 1
     """ZeRO++ hpZ: ranks of a secondary-shard group (``zero_hpz_partition_size``); 1 without hpZ."""
     ep: int = 1
@@ -599,7 +632,7 @@ class Topology:
     @property
     def dp_rank(self) -> int:
         """This rank's index along the axis batches differ on (``replica_rank * shard_size + shard_rank``)."""
-        return self._stage_rank // (self.tp * self.sp)
+        return self._stage_rank // (self.tp * self.sp * self.cp)
 
     @property
     def zero_rank(self) -> int:
@@ -619,6 +652,25 @@ class Topology:
         return self.groups.sp
 
     @property
+    def cp_rank(self) -> int:
+        """This rank's index in its context-parallel group: which two chunks of the sequence it holds ([Note: the
+        context axis])."""
+        return (self._stage_rank // (self.tp * self.sp)) % self.cp
+
+    @property
+    def cp_group(self) -> dist.ProcessGroup | None:
+        """None without context parallelism."""
+        return self.groups.cp
+
+    @property
+    def seq_group(self) -> dist.ProcessGroup | None:
+        """Every rank sharing this rank's sequence: the cp group, the sp group, or with both the ``cp * sp`` ranks
+        of [Note: the context axis]; None without either."""
+        if self.groups.seq is not None:
+            return self.groups.seq
+        return self.groups.cp if self.groups.cp is not None else self.groups.sp
+
+    @property
     def tp_group(self) -> dist.ProcessGroup:
         return self.mesh.get_group("tp")
 
@@ -630,7 +682,7 @@ class Topology:
     def shard_size(self) -> int:
         """Ranks ZeRO shards state over: ``mics_shard_size``, or the whole data-parallel size (times the
         sequence-parallel size, see [Note: the sequence axis])."""
-        return self.dp * self.sp // self.replicas
+        return self.dp * self.cp * self.sp // self.replicas
 
     @property
     def shard_rank(self) -> int:
@@ -694,7 +746,11 @@ def init_topology(dims: ParallelDims, timeout_s: float = 1800.0, device: str | N
     if dims.world != world:
         raise LayoutError(f"the layout was planned for {dims.world} processes, but this job has {world}")
     tp, sp, dp, ep, shard = dims.tp, dims.sp, dims.dp, dims.ep, dims.shard
-    axes = {"sp": sp} if sp > 1 else {"hpz_size": dims.hpz}  # hpZ is not built with sequence parallelism
+    cp = dims.cp
+    # hpZ is not built with sequence or context parallelism
+    axes = {"sp": sp} if sp * cp > 1 else {"hpz_size": dims.hpz}
+    if cp > 1:
+        axes["cp"] = cp
     if dims.pp > 1:
         axes["pp"] = dims.pp
     device, backend, groups, host_groups, own = _make_mesh_groups(
@@ -704,6 +760,19 @@ def init_topology(dims: ParallelDims, timeout_s: float = 1800.0, device: str | N
         ranks = torch.arange(world).view(dims.pp, dp, tp)
         mesh = DeviceMesh.from_group(
             [groups.pp, groups.dp, groups.tp], device.type, mesh=ranks, mesh_dim_names=("pp", "dp", "tp")
+        )
+    elif cp > 1 and sp > 1:  # the plan refuses cp beside ep and hybrid sharding for now
+        ranks = torch.arange(world).view(dp, cp, sp, tp)
+        mesh = DeviceMesh.from_group(
+            [groups.dp, groups.cp, groups.sp, groups.tp],
+            device.type,
+            mesh=ranks,
+            mesh_dim_names=("dp", "cp", "sp", "tp"),
+        )
+    elif cp > 1:  # the plan refuses cp beside ep and hybrid sharding for now: (dp, cp, tp) is the whole mesh
+        ranks = torch.arange(world).view(dp, cp, tp)
+        mesh = DeviceMesh.from_group(
+            [groups.dp, groups.cp, groups.tp], device.type, mesh=ranks, mesh_dim_names=("dp", "cp", "tp")
         )
     elif sp > 1:
         ranks = torch.arange(world).view(dp, sp, tp)
@@ -735,6 +804,7 @@ def init_topology(dims: ParallelDims, timeout_s: float = 1800.0, device: str | N
         tp=tp,
         replicas=dims.replicas,
         sp=sp,
+        cp=cp,
         hpz_size=dims.hpz,
         ep=ep,
         pp=dims.pp,

@@ -8,7 +8,7 @@ apply_tp              the layers split over the tensor-parallel axis (Megatron),
 apply_ep              each rank keeps its experts; their token exchange is installed
 (materialize)         a deferred model's parameters made as each rank's chunk, after the splits
 communicators         ZeRO's groups and the desync check; ranks agree on config and model; swap directories
-apply_sp              Ulysses around the model's attention; the tiled loss and MLP
+apply_sp              Ulysses (or context-parallel attention) around the model's attention; the tiled loss and MLP
 apply_zero            the layout: where every parameter lives (``zero/build.py``); from here on the model is changed
 apply_precision       fp32 masters of each fragment, then parameters and buffers cast to the compute dtype
 apply_units           stage 3's eager runtime: units, hooks and the gather service, handed the parameter offload
@@ -73,9 +73,11 @@ from shardtrain.precision.loss_scaler import LossScaler
 from shardtrain.runtime.eager import EagerRuntime
 from shardtrain.runtime.interface import Runtime
 from shardtrain.sequence_parallel import (
+    ContextSplitter,
     PatchSplitter,
     Seq2SeqSplitter,
     SequenceSplitter,
+    install_context_attention,
     install_ulysses,
     make_splitter,
 )
@@ -113,7 +115,7 @@ class Parts:
 
     comms: Comms
     # sequence parallelism: the all-to-alls and the split of the sequence (or of an encoder-decoder's two)
-    sp: SequenceSplitter | PatchSplitter | Seq2SeqSplitter | None
+    sp: SequenceSplitter | PatchSplitter | Seq2SeqSplitter | ContextSplitter | None
     phase_check: PhaseCheck  # [Note: phase agreement]
     scratch: dict[str, ScratchDir]  # offload's swap directories by config section
     layout: ShardLayout
@@ -161,6 +163,7 @@ def parallelize(
         topology.tp,
         topology.device,
         sp=topology.sp,
+        cp=topology.cp,
     )
     _check_ranks_agree(comms.world, model, config)
     if pipeline is not None:  # the stages hold other layers, but their configs must agree too
@@ -293,10 +296,17 @@ def apply_ep(model: nn.Module, topology: Topology, split: _Split, deferred: bool
 
 
 def apply_sp(model: nn.Module, plan: Plan, topology: Topology) -> Any:
-    """Ulysses around the model's attention (docs/sequence-parallel.md) and ALST's tiled loss and MLP; returns the
-    batch splitter of sequence parallelism (None without it)."""
+    """Ulysses around the model's attention (docs/sequence-parallel.md), or context-parallel attention
+    (docs/context-parallel.md), and ALST's tiled loss and MLP; returns the batch splitter of sequence or context
+    parallelism (None without either)."""
     sp = None
-    if topology.sp > 1:
+    if topology.cp > 1:  # with Ulysses inside each cp rank when sp > 1 (docs/context-parallel.md)
+        cp = ContextSplitter(model, Communicator(topology.seq_group, topology.timeout_s), topology.cp)
+        ulysses_comm = Communicator(topology.sp_group, topology.timeout_s) if topology.sp > 1 else None
+        ring_comm = Communicator(topology.cp_group, topology.timeout_s) if topology.sp > 1 else cp.comm
+        install_context_attention(model, ring_comm, lambda: cp.current, ulysses_comm)
+        sp = cp
+    elif topology.sp > 1:
         sp = make_splitter(model, Communicator(topology.sp_group, topology.timeout_s))
         install_ulysses(
             model,

@@ -1,9 +1,9 @@
 """The parallel dimensions of a job, validated once and without a process group.
 
-``world = pp * dp * sp * tp`` (the context axis, ``cp``, is held at 1 until it is built). Each of the ``pp`` pipeline
-stages is a job of ``world / pp`` ranks laid out as without pipelining ([Note: the pipeline axis] in
-:mod:`shardtrain.distributed.mesh`).
-ZeRO shards over the ``dp * sp`` ranks holding the same tensor-parallel block (``zero``), within groups of
+``world = pp * dp * cp * sp * tp`` (the ``cp * sp`` ranks of one sequence adjacent, [Note: the context axis]).
+Each of the ``pp`` pipeline stages is a job of ``world / pp`` ranks laid out as without pipelining ([Note: the
+pipeline axis] in :mod:`shardtrain.distributed.mesh`).
+ZeRO shards over the ``dp * cp * sp`` ranks holding the same tensor-parallel block (``zero``), within groups of
 ``shard`` of them with hybrid sharding (``replicas = zero / shard``); expert groups are ``ep`` adjacent ranks of
 that axis; ZeRO++ hpZ keeps secondary shards within groups of ``hpz`` adjacent ones. How ranks are numbered along
 each axis is :func:`shardtrain.distributed.mesh.make_groups`'s ([Note: the sequence axis], [Note: the expert axis]).
@@ -42,13 +42,12 @@ class ParallelDims:
     pp: int = 1
     """Pipeline-parallel size (``pipeline_parallel_size``): stage ranks, each holding its own stages of the model."""
     cp: int = 1
-    """Context-parallel size: not built yet, so 1."""
+    """Context-parallel size (ring attention, ``context_parallel_size``): ranks sharing one sequence in load-balanced
+    chunks ([Note: the context axis] in :mod:`shardtrain.distributed.mesh`)."""
 
     def __post_init__(self) -> None:
         if self.world < 1:
             raise LayoutError(f"the world size must be at least 1, got {self.world}")
-        if self.cp != 1:
-            raise LayoutError(f"context parallelism (size {self.cp}) is not built; use size 1")
         if self.pp < 1 or self.world % self.pp:
             raise LayoutError(
                 f"pipeline_parallel_size {self.pp} does not divide the {self.world} processes of this job: each "
@@ -69,6 +68,15 @@ class ParallelDims:
                 + (per_block if tp != 1 else "")
                 + ": the data-parallel size is world / (sequence_parallel_size * tensor_parallel.size), so choose one "
                 f"of {sizes}"
+            )
+        cp = self.cp
+        if cp < 1 or world % (cp * sp * tp):
+            sizes = [d for d in range(1, world // (sp * tp) + 1) if world % (d * sp * tp) == 0]
+            raise LayoutError(
+                f"context_parallel_size {cp} does not divide the {world} processes of this job"
+                + (f" (with sequence_parallel_size {sp} x tensor_parallel.size {tp})" if sp * tp > 1 else "")
+                + ": the data-parallel size is world / (context_parallel_size * sequence_parallel_size * "
+                f"tensor_parallel.size), so choose one of {sizes}"
             )
         dp, zero = self.dp, self.zero
         if self.shard_size == 0 or self.shard_size < -1 or zero % self.shard:
@@ -101,7 +109,7 @@ class ParallelDims:
                 f"dp / ep_size of them, so choose one of {divisors(dp)}"
             )
         hpz = self.hpz_size
-        if hpz > 1 and tp == 1 and sp == 1 and self.replicas == 1 and dp % hpz:
+        if hpz > 1 and tp == 1 and sp == 1 and cp == 1 and self.replicas == 1 and dp % hpz:
             raise LayoutError(
                 f"zero_optimization.zero_hpz_partition_size {hpz} does not divide the data-parallel size {dp} (world "
                 f"{world}): each group of that many adjacent ranks keeps a secondary copy of the parameter shards, "
@@ -115,13 +123,13 @@ class ParallelDims:
 
     @property
     def dp(self) -> int:
-        """The data-parallel size: ranks given different batches, ``world / (pp * tp * sp)``."""
-        return self.stage_world // (self.tp * self.sp)
+        """The data-parallel size: ranks given different batches, ``world / (pp * tp * sp * cp)``."""
+        return self.stage_world // (self.tp * self.sp * self.cp)
 
     @property
     def zero(self) -> int:
-        """The ranks ZeRO shards over (those holding the same tensor-parallel block): ``dp * sp``."""
-        return self.dp * self.sp
+        """The ranks ZeRO shards over (those holding the same tensor-parallel block): ``dp * cp * sp``."""
+        return self.dp * self.cp * self.sp
 
     @property
     def shard(self) -> int:
@@ -138,7 +146,7 @@ class ParallelDims:
         """hpZ's group size in effect: 1 when off (0 or 1, as in DeepSpeed), when it spans every data-parallel rank
         (plain ZeRO-3), or beside tensor or sequence parallelism or hybrid sharding (refused by name by the plan:
         :func:`shardtrain.config.plan.resolve_plan`)."""
-        if self.hpz_size <= 1 or self.tp > 1 or self.sp > 1 or self.replicas > 1:
+        if self.hpz_size <= 1 or self.tp > 1 or self.sp > 1 or self.cp > 1 or self.replicas > 1:
             return 1
         return self.hpz_size if self.hpz_size < self.dp else 1
 

@@ -1,4 +1,5 @@
-"""Ulysses sequence parallelism (``sequence_parallel_size``; docs/sequence-parallel.md).
+"""Ulysses sequence parallelism (``sequence_parallel_size``; docs/sequence-parallel.md) and context parallelism
+(``context_parallel_size``, ring attention; docs/context-parallel.md).
 
     all_to_all.py  the all-to-all trading a sequence split for a head split, and the loss's sum, as autograd Functions
     ulysses.py     attention around the exchange; plugged into transformers models and the project's GPT
@@ -7,6 +8,8 @@
     vision.py      a vision transformer's patch sequence, split after its embeddings and gathered before its norm
     model_kinds.py what a model does with the sequence (shifts its labels? causal attention?) and what is refused
     router_loss.py a mixture of experts' load-balancing loss over the whole sequence
+    ring.py        context-parallel attention: load-balanced chunks, keys and values gathered over the cp group
+    context_inputs.py  what the engine does to a forward's inputs under context parallelism (chunks, documents)
     tiling.py      ALST's tiled loss and tiled MLP (``tiled_logits_loss``, ``tiled_mlp_compute``), with or without
                    sequence parallelism
 
@@ -18,16 +21,20 @@ from __future__ import annotations
 from torch import nn
 
 from shardtrain.distributed.communicator import Communicator
+from shardtrain.sequence_parallel.context_inputs import ContextSplitter
 from shardtrain.sequence_parallel.inputs import SequenceSplitter
+from shardtrain.sequence_parallel.ring import install as install_context_attention
 from shardtrain.sequence_parallel.seq2seq import Seq2SeqSplitter, is_encoder_decoder
 from shardtrain.sequence_parallel.ulysses import install as install_ulysses
 from shardtrain.sequence_parallel.ulysses import kv_repeats, ulysses
 from shardtrain.sequence_parallel.vision import PatchSplitter, is_vision
 
 __all__ = [
+    "ContextSplitter",
     "PatchSplitter",
     "Seq2SeqSplitter",
     "SequenceSplitter",
+    "install_context_attention",
     "install_ulysses",
     "kv_repeats",
     "make_splitter",

@@ -113,8 +113,10 @@ class Recipe:
         return _rows_in(self.batches()[0])
 
     def _sharing(self) -> tuple[int, int]:
-        """``(tp, sp)``: the config's tensor- and sequence-parallel sizes, whose ranks share rows."""
-        return (self.config.get("tensor_parallel") or {}).get("size", 1), self.config.get("sequence_parallel_size", 1)
+        """``(tp, sp)``: the config's tensor-parallel size and the ranks sharing a sequence (sequence- times
+        context-parallel size), whose ranks share rows."""
+        tp = (self.config.get("tensor_parallel") or {}).get("size", 1)
+        return tp, self.config.get("sequence_parallel_size", 1) * self.config.get("context_parallel_size", 1)
 
     def data_parallel(self, world: int) -> int:
         """The data-parallel ranks of ``world`` processes under the config's tensor and sequence parallelism."""

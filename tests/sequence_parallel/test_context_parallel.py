@@ -1,0 +1,416 @@
+"""Context parallelism (``context_parallel_size``, docs/context-parallel.md): each sequence in load-balanced chunks
+over the cp ranks, keys and values gathered for attention. Parity with one process on the same global batches
+(losses every step, gradient norms, final parameters), with causal and packed-document masks, and what is refused.
+"""
+
+from __future__ import annotations
+
+import itertools
+from functools import partial
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import shardtrain
+from shardtrain.errors import ConfigError, ShardtrainError
+from shardtrain.testing import run_distributed
+from shardtrain.testing.parity import Recipe, assert_params_near, engine_run, reference_run
+
+from helpers.sp_cases import adamw, keyword_recipe
+
+VOCAB, SEQ, ROWS, STEPS, GAS = 64, 12, 2, 2, 2
+
+
+def _length(cp: int) -> int:
+    """A sequence length that cuts into ``2 * cp`` chunks: 12 for cp 2 and 3, 16 for cp 4."""
+    return SEQ if SEQ % (2 * cp) == 0 else 16
+
+
+def _llama(attn: str = "sdpa") -> torch.nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,  # grouped-query: each gathered key/value head serves two query heads
+        max_position_embeddings=16,
+        tie_word_embeddings=False,
+        attn_implementation=attn,
+    )
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _mixtral(attn: str = "sdpa") -> torch.nn.Module:
+    """A mixture of experts whose load-balancing loss (large, so that a per-chunk one would show) is the whole
+    sequence's, gathered over the sequence's ranks as under Ulysses."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        output_router_logits=True,
+        router_aux_loss_coef=0.5,
+        tie_word_embeddings=False,
+        sliding_window=None,
+        experts_implementation="eager",
+        attn_implementation=attn,
+    )
+    return transformers.MixtralForCausalLM(cfg)
+
+
+def _gpt() -> torch.nn.Module:
+    from shardtrain.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=VOCAB, seq_len=16, d_model=32, n_layer=2, n_head=4))
+
+
+def _gpt_batches(dp: int, length: int = SEQ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(tokens, targets aligned with them) of each micro-step, ``ROWS * dp`` rows."""
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for _ in range(STEPS * GAS):
+        x = torch.randint(0, VOCAB, (ROWS * dp, length), generator=g)
+        out.append((x, torch.roll(x, -1, dims=1)))
+    return out
+
+
+def _gpt_loss(model, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return model(*batch)
+
+
+def _documents(x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """Position ids restarting at each document: 2 or 3 documents per row, cut at random places."""
+    rows, length = [], x.shape[1]
+    for _ in range(x.shape[0]):
+        cuts = sorted(torch.randperm(length - 1, generator=g)[: 1 + int(torch.randint(2, (1,), generator=g))] + 1)
+        starts = [0, *[int(c) for c in cuts], length]
+        rows.append(torch.cat([torch.arange(b - a) for a, b in itertools.pairwise(starts)]))
+    return torch.stack(rows)
+
+
+def _batches(dp: int, packed: bool, length: int = SEQ) -> list[dict[str, torch.Tensor]]:
+    """``ROWS * dp`` rows per micro-step; labels the tokens with a fifth dropped (-100); packed: position ids
+    restarting per document and no key/value cache (transformers then keeps documents apart)."""
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for _ in range(STEPS * GAS):
+        x = torch.randint(0, VOCAB, (ROWS * dp, length), generator=g)
+        labels = torch.where(torch.rand(x.shape, generator=g) < 0.8, x, -100)
+        batch = {"input_ids": x, "labels": labels}
+        if packed:
+            batch.update(position_ids=_documents(x, g), use_cache=False)
+        out.append(batch)
+    return out
+
+
+def _layout(engine) -> dict:
+    """Where this rank sits and what its cp group moved: its ring steps (keys and values), reduce-scatters (their
+    gradients) and all-gathers (each forward's real-token counts)."""
+    topo, stats = engine.topology, engine._sp.comm.stats()
+    return {
+        "axes": (topo.cp, topo.cp_rank, topo.dp, topo.dp_rank, topo.zero_rank, topo.shard_size),
+        "moved": {kind: (s["calls"], s["bytes"]) for kind, s in stats.items()},
+    }
+
+
+def _check_parity(
+    world: int, cp: int, stage: int, packed: bool, attn: str = "sdpa", sp: int = 1, extra: dict | None = None
+) -> list[dict]:
+    """``attn``: the tiny Llama's attention implementation, or "gpt" (the project's GPT, causal only); ``sp``:
+    Ulysses within each cp rank; ``extra``: more of the engine's config."""
+    dp = world // (cp * sp)
+    config = {"context_parallel_size": cp, "sequence_parallel_size": sp, "zero_optimization": {"stage": stage}}
+    config.update(extra or {})
+    if attn == "gpt":
+        batches = partial(_gpt_batches, dp, _length(cp * sp))
+        recipe = Recipe(_gpt, adamw, batches, _gpt_loss, GAS, 1.0, config, per_rank_loss=True)
+    else:
+        make = partial(_mixtral, "sdpa") if attn == "mixtral" else partial(_llama, attn)
+        recipe = keyword_recipe(make, partial(_batches, dp, packed, _length(cp * sp)), GAS, config)
+    results = run_distributed(engine_run, world, recipe, _layout, init_process_group=False)
+    ref = reference_run(recipe, dp)
+    losses = [sum(r["losses"][s] for r in results[:: cp * sp]) / dp for s in range(STEPS)]
+    for s, (got, want) in enumerate(zip(losses, ref["losses"])):
+        assert abs(got - want) <= 1e-5 * abs(want), f"step {s}: loss {got} vs one process {want}"
+    for r in results:
+        for s, (got, want) in enumerate(zip(r["norms"], ref["norms"])):
+            assert abs(got - want) <= 1e-4 * want, f"step {s}: gradient norm {got} vs one process {want}"
+    assert_params_near(results[0]["params"], ref["params"], ref["init"], exact=ref["exact"], require_moved=True)
+    # rank = (dp_rank * cp + cp_rank) * sp + sp_rank; ZeRO shards over all dp * cp * sp ranks
+    assert [r["axes"] for r in results] == [(cp, i // sp % cp, dp, i // (cp * sp), i, world) for i in range(world)]
+    if sp > 1:  # the ring's bytes are in the cp group's communicator, not the sequence group's
+        return results
+    # per layer and micro-step: the keys and values [rows, kv heads, S, head dim] (fp32) passed around the ring in
+    # cp - 1 steps, (cp - 1) / cp of them received, and their gradients reduce-scattered in one call; plus one
+    # all-gather of the real-token counts per forward
+    kv_heads = 4 if attn == "gpt" else 2
+    layers, micro_steps, whole = 2, STEPS * GAS, ROWS * kv_heads * _length(cp) * 8 * 4
+    kv_bytes = layers * micro_steps * 2 * whole * (cp - 1) // cp
+    counts = micro_steps * cp * 3 * 8 * (cp - 1) // cp
+    for r in results:
+        # a checkpointed block's forward runs again in backward, its ring steps too
+        passes = 2 if (extra or {}).get("activation_checkpointing", {}).get("policy", "none") != "none" else 1
+        assert r["moved"]["ring"] == (passes * layers * micro_steps * (cp - 1), passes * kv_bytes), r["moved"]
+        assert r["moved"]["reduce_scatter"] == (layers * micro_steps, kv_bytes), r["moved"]
+        if attn != "mixtral":  # which also gathers its router logits over the group for its load-balancing loss
+            assert r["moved"]["all_gather"] == (micro_steps, counts), r["moved"]
+    return results
+
+
+@pytest.mark.parametrize(
+    ("world", "cp", "stage", "packed", "attn"),
+    [(2, 2, 3, False, "sdpa"), (2, 2, 1, True, "sdpa"), (3, 3, 2, True, "sdpa"), (4, 2, 3, True, "sdpa")]
+    + [(2, 2, 2, False, "gpt")],
+)
+def test_parity_with_one_process(world, cp, stage, packed, attn):
+    """A tiny Llama at cp 2 and cp 3 (the chunks of a rank far apart), causal and packed documents, ZeRO 1-3; cp 2
+    x dp 2 at stage 3 (world 4: ZeRO shards over the four ranks, two of which hold other rows); the project's GPT."""
+    _check_parity(world, cp, stage, packed, attn)
+
+
+@pytest.mark.soak
+@pytest.mark.parametrize(
+    ("world", "cp", "stage", "packed", "attn"),
+    [(3, 3, 0, False, "sdpa"), (2, 2, 2, True, "eager"), (4, 2, 1, False, "sdpa"), (4, 4, 3, True, "sdpa")]
+    + [(3, 3, 3, False, "gpt")],
+)
+def test_parity_more_layouts(world, cp, stage, packed, attn):
+    _check_parity(world, cp, stage, packed, attn)
+
+
+@pytest.mark.soak  # about 27 s here
+def test_parity_of_a_mixture_of_experts_with_its_load_balancing_loss():
+    """Mixtral at cp 2: its load-balancing loss is one process's (router logits of every chunk gathered)."""
+    _check_parity(2, 2, 2, False, "mixtral")
+
+
+@pytest.mark.soak
+@pytest.mark.parametrize("stage", [1, 3])
+def test_parity_with_activation_checkpointing(stage):
+    """Every block recomputed in backward: its attention's ring steps run again, on the same forward's split."""
+    _check_parity(2, 2, stage, True, extra={"activation_checkpointing": {"policy": "full"}})
+
+
+@pytest.mark.parametrize(
+    ("attn", "stage", "packed"), [("sdpa", 3, True), pytest.param("gpt", 1, False, marks=pytest.mark.soak)]
+)
+def test_parity_with_ulysses_inside_each_cp_rank(attn, stage, packed):
+    """sp 2 x cp 2 (world 4): heads over the sp ranks of a cp rank (Ulysses' all-to-all gathers that cp rank's two
+    chunks), chunks over cp; the Llama's 2 key/value heads split over sp 2."""
+    _check_parity(4, 2, stage, packed, attn, sp=2)
+
+
+def test_each_rank_holds_a_head_and_a_tail_chunk():
+    from shardtrain.sequence_parallel.ring import positions_of
+
+    assert positions_of(12, 3, 0).tolist() == [0, 1, 10, 11]
+    assert positions_of(12, 3, 1).tolist() == [2, 3, 8, 9]
+    assert positions_of(12, 3, 2).tolist() == [4, 5, 6, 7]
+    every = torch.cat([positions_of(16, 4, r) for r in range(4)])
+    assert sorted(every.tolist()) == list(range(16))
+
+
+def _attend_as_cp_ranks(cp: int, documents: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every cp rank's context attention, computed in one process with the gathers played by hand, against SDPA on
+    the whole sequence with the same mask; returns (got, want) in the sequence's order."""
+    from shardtrain.sequence_parallel import ring
+
+    g = torch.Generator().manual_seed(0)
+    b, h, kv, s, d = 2, 4, 2, 4 * cp, 8
+    q, k, v = (torch.randn(b, n, s, d, generator=g, dtype=torch.float64) for n in (h, kv, kv))
+    mask = torch.ones(s, s, dtype=torch.bool).tril()
+    if documents is not None:
+        mask = mask & (documents[:, :, None] == documents[:, None, :])
+        mask = mask[:, None]
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(h // kv, 1), v.repeat_interleave(h // kv, 1), attn_mask=mask
+    )
+    got = torch.empty_like(want)
+    whole_keys = {"k": k, "v": v}
+
+    def gathered(x, comm, what):  # what the ring returns: the whole sequence, in order
+        return torch.stack([whole_keys["k"], whole_keys["v"]])
+
+    split = ring.ContextSplit(s, documents)
+    original = ring.whole_sequence
+    ring.whole_sequence = gathered
+    try:
+        for r in range(cp):
+            mine = ring.positions_of(s, cp, r)
+            comm = SimpleNamespace(size=cp, rank=r)
+            got[:, :, mine] = ring.context_attention(q[:, :, mine], k[:, :, mine], v[:, :, mine], comm, split)
+    finally:
+        ring.whole_sequence = original
+    return got, want
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+def test_attention_is_the_whole_sequences_causal_and_document_attention(cp):
+    """Each rank's two chunks read exactly the keys one process's masked attention reads (float64: equal to
+    rounding), with one document per row and with documents crossing the chunks' and ranks' boundaries."""
+    from shardtrain.sequence_parallel.context_inputs import documents_of
+
+    got, want = _attend_as_cp_ranks(cp, None)
+    assert (got - want).abs().max().item() < 1e-12
+    s = 4 * cp
+    positions = torch.stack([torch.cat([torch.arange(3), torch.arange(s - 3)]), torch.arange(s)])
+    positions[1, s // 2 :] = torch.arange(s - s // 2)
+    documents = documents_of(positions)
+    assert documents[0, :4].tolist() == [0, 0, 0, 1] and documents[1, s // 2] == 1
+    got, want = _attend_as_cp_ranks(cp, documents)
+    assert (got - want).abs().max().item() < 1e-12
+    assert documents_of(torch.arange(s)[None]) is None  # one document: plain causal attention
+
+
+def _cp_refusal(world: int, config: dict) -> str:
+    from shardtrain.config.plan import resolve_plan
+    from shardtrain.config.sections import load_config
+
+    try:
+        resolve_plan(load_config({"train_micro_batch_size_per_gpu": 1, **config}), world)
+    except ConfigError as err:
+        return str(err)
+    return "no error"
+
+
+def test_what_context_parallelism_is_not_built_with_is_refused_by_name():
+    cp2 = {"context_parallel_size": 2}
+    assert "context_parallel_size 3 does not divide the 4 processes" in _cp_refusal(4, {"context_parallel_size": 3})
+    for config, named in [
+        ({"tensor_parallel": {"size": 2}}, "tensor parallelism (tensor_parallel.size 2)"),
+        ({"expert_parallel_size": 2}, "expert parallelism (expert_parallel_size 2)"),
+        ({"pipeline_parallel_size": 2}, "pipeline parallelism (pipeline_parallel_size 2)"),
+        (
+            {"zero_optimization": {"stage": 1, "mics_shard_size": 2}},
+            "hybrid sharding (zero_optimization.mics_shard_size 2)",
+        ),
+        ({"tiled_mlp_compute": True}, "tiled_logits_loss / tiled_mlp_compute"),
+    ]:
+        message = _cp_refusal(8, {**cp2, **config})
+        assert f"context_parallel_size 2 with {named} is not built yet" in message, message
+    assert "the ring attention's collectives do not run in captured graphs" in _cp_refusal(
+        2, {**cp2, "graph": {"enabled": True}}
+    )
+    assert _cp_refusal(8, {**cp2, "zero_optimization": {"stage": 3}}) == "no error"
+    assert _cp_refusal(8, {**cp2, "sequence_parallel_size": 2}) == "no error"  # dp 2 x cp 2 x sp 2
+
+
+def _splitter_refusal(build) -> str:
+    from shardtrain.sequence_parallel import ContextSplitter, install_context_attention
+
+    comm = SimpleNamespace(size=2, rank=0, global_rank=0, ranks=[0, 1])
+    try:
+        model = build()
+        splitter = ContextSplitter(model, comm)
+        install_context_attention(model, comm, lambda: splitter.current)
+    except ShardtrainError as err:
+        return str(err)
+    return "no error"
+
+
+def test_models_and_masks_not_served_are_refused_by_name():
+    import transformers
+
+    tiny = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, num_hidden_layers=1, intermediate_size=32)
+    mistral = transformers.MistralConfig(**tiny, num_key_value_heads=2, sliding_window=4)
+    bert = transformers.BertConfig(**tiny)
+    assert "has sliding-window attention (config.sliding_window 4)" in _splitter_refusal(
+        lambda: transformers.MistralForCausalLM(mistral)
+    )
+    assert "BertForMaskedLM attends bidirectionally" in _splitter_refusal(lambda: transformers.BertForMaskedLM(bert))
+    assert "attention_dropout 0.1" in _splitter_refusal(
+        lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**tiny, attention_dropout=0.1))
+    )
+    assert _splitter_refusal(_llama) == "no error"
+    # a padding mask and a length that does not cut into 2 x cp chunks: refused at the forward, before any collective
+    from shardtrain.sequence_parallel import ContextSplitter
+
+    splitter = ContextSplitter(_llama(), SimpleNamespace(size=2, rank=0, global_rank=0, ranks=[0, 1]))
+    splitter._batch_check.done = True
+    x = torch.zeros(1, SEQ, dtype=torch.long)
+    pad = torch.ones_like(x)
+    pad[0, -2:] = 0
+    with pytest.raises(ConfigError, match="with padding or of more than two dimensions"):
+        splitter.split((), {"input_ids": x, "attention_mask": pad})
+    with pytest.raises(ConfigError, match="sequence length 10 is not divisible by 2 x context_parallel_size 2"):
+        splitter.split((), {"input_ids": x[:, :10]})
+
+
+def test_a_diverging_rank_is_named_by_its_cp_and_sp_coordinates():
+    """The desync check's names follow the mesh: rank = ((dp_rank * cp + cp_rank) * sp + sp_rank) * tp + tp_rank."""
+    from shardtrain.distributed.desync import PhaseCheck
+
+    assert PhaseCheck(None, 1, torch.device("cpu"), cp=2).name(3) == "rank 3 (dp 1, cp 1)"
+    assert PhaseCheck(None, 1, torch.device("cpu"), sp=2, cp=2).name(5) == "rank 5 (dp 1, cp 0, sp 1)"
+    assert PhaseCheck(None, 2, torch.device("cpu"), sp=2).name(5) == "rank 5 (dp 1, sp 0, tp 1)"
+
+
+def _checkpoint_engine(layout: dict):
+    model = _gpt()
+    config = {"train_micro_batch_size_per_gpu": ROWS, "zero_optimization": {"stage": 1}, **layout}
+    return shardtrain.initialize(model, config=config, optimizer=adamw(model))
+
+
+def _save_then_train(layout: dict, path: str) -> dict:
+    """Train one step at ``layout``, save, train one more: the saved weights, the next step's loss, the weights then."""
+    engine, data, out = _checkpoint_engine(layout), _gpt_batches(1), {}
+    for step in range(2):
+        if step == 1:
+            engine.save_checkpoint(path)
+            out["saved"] = engine.full_state_dict()
+        loss = engine(*data[step])
+        engine.backward(loss)
+        engine.step()
+        out["next_loss"] = loss.item()
+    out["after"] = engine.full_state_dict()
+    return out
+
+
+def _load_then_train(layout: dict, path: str) -> dict:
+    engine = _checkpoint_engine(layout)
+    engine.load_checkpoint(path)
+    loaded = engine.full_state_dict()
+    loss = engine(*_gpt_batches(1)[1])
+    engine.backward(loss)
+    engine.step()
+    return {"loaded": loaded, "next_loss": loss.item(), "after": engine.full_state_dict()}
+
+
+def _check_resumes(tmp_path, saved_at: dict, loaded_at: dict) -> None:
+    """Saved at one layout of one sequence's ranks, loaded at another: the same weights, the same next step (Adam's
+    moments and step count came back), as if training had not stopped. No parameter is split by cp."""
+    path, world = str(tmp_path / "ckpt"), lambda layout: max(layout.values(), default=1)
+    saved = run_distributed(_save_then_train, world(saved_at), saved_at, path, init_process_group=False)[0]
+    loaded = run_distributed(_load_then_train, world(loaded_at), loaded_at, path, init_process_group=False)[0]
+    assert loaded["loaded"].keys() == saved["saved"].keys()
+    for k, v in saved["saved"].items():
+        assert torch.equal(loaded["loaded"][k], v), k
+    assert abs(loaded["next_loss"] - saved["next_loss"]) <= 1e-5 * saved["next_loss"]
+    assert_params_near(loaded["after"], saved["after"], saved["saved"], require_moved=True)
+
+
+def test_a_checkpoint_saved_at_cp_2_loads_at_sp_2(tmp_path):
+    _check_resumes(tmp_path, {"context_parallel_size": 2}, {"sequence_parallel_size": 2})
+
+
+@pytest.mark.soak
+@pytest.mark.parametrize(
+    ("saved_at", "loaded_at"),
+    [({"context_parallel_size": 2}, {}), ({"sequence_parallel_size": 2}, {"context_parallel_size": 2})],
+)
+def test_a_checkpoint_moves_between_sequence_layouts(tmp_path, saved_at, loaded_at):
+    _check_resumes(tmp_path, saved_at, loaded_at)
