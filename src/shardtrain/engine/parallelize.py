@@ -9,6 +9,7 @@ apply_ep              each rank keeps its experts; their token exchange is insta
 (materialize)         a deferred model's parameters made as each rank's chunk, after the splits
 communicators         ZeRO's groups and the desync check; ranks agree on config and model; swap directories
 apply_sp              Ulysses around the model's attention; the tiled loss and MLP
+apply_fp8             the linear layers torchao's float8 training converts, by policy; the rest kept by name
 apply_zero            the layout: where every parameter lives (``zero/build.py``); from here on the model is changed
 apply_precision       fp32 masters of each fragment, then parameters and buffers cast to the compute dtype
 apply_units           stage 3's eager runtime: units, hooks and the gather service, handed the parameter offload
@@ -68,7 +69,8 @@ from shardtrain.offload.parameters import ParamOffload
 from shardtrain.offload.swap import ScratchDir, SwapFiles, on_every_rank, prepare_scratch
 from shardtrain.pipeline_parallel import Pipeline, cut_model
 from shardtrain.plan import Plan
-from shardtrain.plan.policies import ActivationPolicy, OffloadPolicy, PrecisionPolicy, ZeroPolicy
+from shardtrain.plan.policies import ActivationPolicy, Float8Policy, OffloadPolicy, PrecisionPolicy, ZeroPolicy
+from shardtrain.precision.float8 import Float8Conversion, convert_to_float8
 from shardtrain.precision.loss_scaler import LossScaler
 from shardtrain.runtime.eager import EagerRuntime
 from shardtrain.runtime.interface import Runtime
@@ -125,6 +127,7 @@ class Parts:
     monitor: TrainingMonitor
     activation_offload: HostOffload | None = None  # the host copies of checkpointed blocks' inputs (cpu_checkpointing)
     pipeline: Pipeline | None = None  # pipeline parallelism: this rank's stages and their schedule
+    fp8: Float8Conversion | None = None  # fp8.enabled: the layers converted to torchao's Float8Linear, and those kept
 
 
 @dataclass(frozen=True)
@@ -169,6 +172,7 @@ def parallelize(
     scratch = _prepare_offload(plan.offload, topology, comms.world)
     try:
         sp = apply_sp(model, plan, topology)
+        fp8 = apply_fp8(model, plan.fp8)
         layout = apply_zero(model, plan.zero, topology, comms, split)
         masters = apply_precision(model, layout, plan.precision)
         param_offload = _param_offload(layout, plan.offload, scratch, comms.world, topology.rank)
@@ -190,7 +194,7 @@ def parallelize(
     scaler = LossScaler.from_policy(plan.precision.loss_scale, topology.device)
     return Parts(
         comms, sp, phase_check, scratch, layout, plan.precision, scaler, param_offload, reducer, sharded, runtime,
-        monitor, activation_offload, pipeline,
+        monitor, activation_offload, pipeline, fp8,
     )  # fmt: skip
 
 
@@ -362,6 +366,13 @@ def apply_units(
         expert_comm=comms.edp,
         phase_checked=phase_check.comm is not None,
     )
+
+
+def apply_fp8(model: nn.Module, policy: Float8Policy) -> Float8Conversion | None:
+    """With ``fp8.enabled``, the linear layers swapped for torchao's ``Float8Linear`` (``precision/float8.py``), before
+    the layout: the conversion keeps every Parameter object, so what is built over them (layout, masters, units'
+    hooks on the blocks around the converted layers) is built as without fp8 ([Note: no float8 state])."""
+    return convert_to_float8(model, policy) if policy.enabled else None
 
 
 def apply_activation_checkpointing(model: nn.Module, plan: Plan, topology: Topology) -> HostOffload | None:
