@@ -1233,8 +1233,8 @@ def _graph_compiler(tmp: Path) -> None:
         inductor.compile_fx = real
 
 
-def _fp8_engine(fp8: dict) -> shardtrain.Engine:
-    return _engine({"fp8": {"enabled": True, "emulate": True, **fp8}})
+def _fp8_engine(fp8: dict, config: dict | None = None) -> shardtrain.Engine:
+    return _engine({"fp8": {"enabled": True, "emulate": True, **fp8}, **(config or {})})
 
 
 @effect("fp8.enabled")
@@ -1263,6 +1263,17 @@ def _fp8_emulate(tmp: Path) -> None:
     assert _fp8_engine({}).module.blocks[0].mlp[0].config.emulate
     with pytest.raises(ConfigError, match=r"fp8\.emulate"):  # the CPU has no float8 matmuls
         _engine({"fp8": {"enabled": True}})
+
+
+@effect("fp8.gather_in_float8")
+def _fp8_gather_in_float8(tmp: Path) -> None:
+    def gathered(on: bool) -> dict:
+        engine = _fp8_engine({"gather_in_float8": on}, {"zero_optimization": _STAGE3})
+        _micro_step(engine)
+        return engine.comm_stats()
+
+    assert "all_gather_float8" not in gathered(False)
+    assert gathered(True)["all_gather_float8"]["calls"] > 0
 
 
 @effect("fp8.filter.exclude")
@@ -1543,6 +1554,15 @@ MODE_EXAMPLES: list[tuple[str, dict]] = [
     ("fp8.recipe", {"fp8": {"recipe": "rowwise"}}),
     ("fp8.emulate", {"fp8": {"emulate": True}}),
     ("fp8.filter.exclude", {"fp8": {"filter": {"exclude": ["head"]}}}),
+    ("fp8.gather_in_float8", {"fp8": {"gather_in_float8": False}}),
+    ("fp8.gather_in_float8", {"fp8": {"enabled": True, "gather_in_float8": False}, "zero_optimization": {"stage": 2}}),
+    (
+        "fp8.gather_in_float8",
+        {
+            "fp8": {"enabled": True, "recipe": "rowwise", "gather_in_float8": False},
+            "zero_optimization": {"stage": 3},
+        },
+    ),
     ("graph.strict", {"graph": {"strict": True}}),
     ("graph.cache_size", {"graph": {"cache_size": 2}}),
     ("graph.compiler", {"graph": {"compiler": "inductor"}}),

@@ -1,5 +1,6 @@
-"""ZeRO-3's gather of float8 weights in float8 (issue 50, part 3: the primitive, [Note: gathering in float8]): the
-bytes it moves, and numerics equal bit for bit to casting the whole weight gathered in bf16."""
+"""ZeRO-3's gather of float8 weights in float8 (issue 50, part 3, [Note: gathering in float8]): the bytes it moves,
+and numerics equal bit for bit to casting the whole weight gathered in the compute dtype, for one bucket and for the
+engine's training at stage 3."""
 
 import pytest
 import torch
@@ -61,7 +62,11 @@ def _gather_both_ways() -> dict:
     casts = [gathered.weights[0], gathered.weights[1]]
     precast = _run(model, x, casts)
     return {
-        "bytes": (bf16["all_gather"]["bytes"], fp8["all_gather"]["bytes"], fp8.get("all_reduce", {}).get("calls", 0)),
+        "bytes": (
+            bf16["all_gather"]["bytes"],
+            fp8["all_gather_float8"]["bytes"],
+            fp8.get("all_reduce", {}).get("calls", 0),
+        ),
         "same_casts": all(
             torch.equal(c._data.view(torch.uint8), r._data.view(torch.uint8)) and torch.equal(c._scale, r._scale)
             for c, r in zip(casts, reference)
@@ -83,3 +88,55 @@ def test_the_float8_gather_moves_half_of_bf16s_bytes_and_trains_bit_for_bit_as_t
         # output, input gradient and both weight gradients: the same bits
         assert r["same_training"] == [True] * 4, r["same_training"]
         assert r["weight_grad_moved"]
+
+
+# -- in the engine: ZeRO-3's units gather their converted weights in float8 ------------------------------------------
+
+
+def _engine_run(gather_in_float8: bool, bf16: bool) -> dict:
+    import shardtrain
+    from shardtrain.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layer=2, n_head=4))
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "bf16": {"enabled": bf16},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "fp8": {"enabled": True, "emulate": True, "gather_in_float8": gather_in_float8},
+    }
+    engine = shardtrain.initialize(model, config=config, optimizer=torch.optim.AdamW(model.parameters(), lr=3e-3))
+    g = torch.Generator().manual_seed(1 + dist.get_rank())
+    losses = []
+    for _ in range(3):
+        engine.comm.reset_stats()
+        for _ in range(2):
+            x = torch.randint(0, 64, (2, 16), generator=g)
+            loss = engine(x, torch.roll(x, -1, dims=1))
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+    stats = engine.comm.stats()  # the last step's
+    params = engine.full_state_dict()
+    engine.close()
+    return {"losses": losses, "stats": stats, "params": params}
+
+
+def _both_ways(bf16: bool) -> tuple[dict, dict]:
+    return _engine_run(True, bf16), _engine_run(False, bf16)
+
+
+@pytest.mark.parametrize(("world", "bf16"), [(2, False), (3, True)])
+def test_zero3_gathers_converted_weights_in_float8_for_half_the_bytes_with_the_same_numerics(world, bf16):
+    for rank, (fp8, plain) in enumerate(run_distributed(_both_ways, world, bf16, timeout=200)):
+        # the same casts either way (tensorwise: the whole weight's scale), so the same bits
+        assert fp8["losses"] == plain["losses"]
+        if rank == 0:
+            assert fp8["params"].keys() == plain["params"].keys()
+            assert all(torch.equal(fp8["params"][k], plain["params"][k]) for k in fp8["params"])
+        in_float8 = fp8["stats"]["all_gather_float8"]["bytes"]
+        converted_in_compute_dtype = plain["stats"]["all_gather"]["bytes"] - fp8["stats"]["all_gather"]["bytes"]
+        assert in_float8 > 0 and "all_gather_float8" not in plain["stats"]
+        # per step: 1 byte per element against bf16's 2 (fp32's 4)
+        assert in_float8 * (2 if bf16 else 4) == converted_in_compute_dtype, (in_float8, converted_in_compute_dtype)

@@ -1233,6 +1233,12 @@ RULES: tuple[Rule, ...] = (
         "list of patterns, `[]`",
         "module names (`fnmatch` patterns, e.g. `blocks.0.*`) of linear layers kept in high precision",
     ),
+    _supported(
+        "fp8.gather_in_float8",
+        "bool, `true`",
+        "ZeRO-3 gathers the converted weights for forward and backward in float8, 1 byte per element, cast with the "
+        "whole weight's scale: the numerics of gathering them in the compute dtype, half of bf16's bytes",
+    ),
 )
 
 RULES_BY_PATH: dict[str, Rule] = {r.path: r for r in RULES}
@@ -1279,7 +1285,19 @@ NO_EFFECT_WHEN: tuple[NoEffectWhen, ...] = (
             "no layer is converted to float8",
             lambda c: not c.fp8.enabled,
         )
-        for key in ("recipe", "emulate", "filter.exclude")
+        for key in ("recipe", "emulate", "filter.exclude", "gather_in_float8")
+    ),
+    NoEffectWhen(
+        "fp8.gather_in_float8",
+        "at ZeRO stages 0-2",
+        "parameters are whole on every rank: nothing is gathered before a matmul",
+        lambda c: _zero_stage(c) != 3,
+    ),
+    NoEffectWhen(
+        "fp8.gather_in_float8",
+        'with a `recipe` other than `"tensorwise"`',
+        "the rowwise recipes scale each row of the weight as the matmul uses it: it is gathered in the compute dtype",
+        lambda c: c.fp8.recipe != "tensorwise",
     ),
     *(
         NoEffectWhen(

@@ -76,7 +76,9 @@ def resolve_plan(cfg: Config, world: int, device_type: str | None = None) -> Pla
             cfg.tiled_logits_loss, cfg.tiled_logits_loss_shards, cfg.tiled_mlp_compute, cfg.tiled_mlp_shards
         ),
         activations=activation_policy(cfg),
-        fp8=Float8Policy(cfg.fp8.enabled, cfg.fp8.recipe, cfg.fp8.emulate, tuple(cfg.fp8.filter.exclude)),
+        fp8=Float8Policy(
+            cfg.fp8.enabled, cfg.fp8.recipe, cfg.fp8.emulate, tuple(cfg.fp8.filter.exclude), cfg.fp8.gather_in_float8
+        ),
         device=cfg.device,
         timeout_s=cfg.collective_timeout_s,
     )

@@ -295,6 +295,9 @@ class FP8Config(_Section):
     """torchao's emulation: the same casts and scales, the matmuls on dequantized values, on devices without fp8
     matmuls (the CPU, CUDA below capability 8.9)."""
     filter: FP8FilterConfig = Field(default_factory=FP8FilterConfig)
+    gather_in_float8: bool = True
+    """ZeRO-3 with the tensorwise recipe: forward and backward gather the converted weights in float8, 1 byte per
+    element, cast with the whole weight's scale (the same numerics as gathering them in the compute dtype)."""
 
 
 class ActivationCheckpointingConfig(_Section):

@@ -85,6 +85,7 @@ from shardtrain.sequence_parallel.tiling import install as install_tiling
 from shardtrain.tensor_parallel import parallelize as split_tensor_parallel
 from shardtrain.tensor_parallel.parallelize import check_replicated_gradients
 from shardtrain.zero.build import build_layout, laid_out_whole
+from shardtrain.zero.float8_gather import take_precast_weights
 from shardtrain.zero.hpz import SecondaryShards
 from shardtrain.zero.layout import Bucket, ShardLayout, cast_bucket
 from shardtrain.zero.optimizer import ShardedOptimizer, TensorParallelNorm, make_masters
@@ -173,7 +174,8 @@ def parallelize(
     try:
         sp = apply_sp(model, plan, topology)
         fp8 = apply_fp8(model, plan.fp8)
-        layout = apply_zero(model, plan.zero, topology, comms, split)
+        float8 = float8_weights(model, plan, fp8)
+        layout = apply_zero(model, plan.zero, topology, comms, split, float8, plan.fp8.gather_in_float8)
         masters = apply_precision(model, layout, plan.precision)
         param_offload = _param_offload(layout, plan.offload, scratch, comms.world, topology.rank)
         eager = apply_units(model, plan, topology, comms, layout, param_offload, phase_check)
@@ -312,10 +314,21 @@ def apply_sp(model: nn.Module, plan: Plan, topology: Topology) -> Any:
     return sp
 
 
-def apply_zero(model: nn.Module, policy: ZeroPolicy, topology: Topology, comms: Comms, split: _Split) -> ShardLayout:
-    """Where every parameter lives ([Note: the layout]); built before anything else touches the model."""
+def apply_zero(
+    model: nn.Module,
+    policy: ZeroPolicy,
+    topology: Topology,
+    comms: Comms,
+    split: _Split,
+    float8: Mapping[int, nn.Module] | None = None,
+    gather_in_float8: bool = True,
+) -> ShardLayout:
+    """Where every parameter lives ([Note: the layout]); built before anything else touches the model. ``float8``:
+    the converted weights at stage 3, with their modules: buckets of their own in their units, gathered in float8
+    with ``gather_in_float8`` ([Note: gathering in float8]; the modules then take the pre-cast weights), else in the
+    compute dtype (the same layout: the same numerics)."""
     expert_ids = split.experts[0] if split.experts is not None else frozenset()
-    return build_layout(
+    layout = build_layout(
         model,
         policy,
         comms.shard,
@@ -327,7 +340,23 @@ def apply_zero(model: nn.Module, policy: ZeroPolicy, topology: Topology, comms: 
         experts=(expert_ids, comms.edp) if comms.edp is not None else None,
         ep=topology.ep,
         ep_rank=topology.ep_rank,
+        float8=float8,
     )
+    for b in layout.buckets:
+        if b.float8 is not None and not gather_in_float8:  # the same buckets, gathered in the compute dtype
+            b.float8 = b.float8_data = None
+        for m in (b.float8 or {}).values():
+            take_precast_weights(m)
+    return layout
+
+
+def float8_weights(model: nn.Module, plan: Plan, conversion: Float8Conversion | None) -> dict[int, nn.Module]:
+    """The converted weights ZeRO-3 can gather in float8, by id, each with its ``Float8Linear``: at stage 3 with the
+    tensorwise recipe (one scale per weight, which the gather computes)."""
+    if conversion is None or not plan.zero.shard_parameters or plan.fp8.recipe != "tensorwise":
+        return {}
+    modules = [model.get_submodule(name) for name in conversion.converted]
+    return {id(m.weight): m for m in modules}
 
 
 def apply_precision(model: nn.Module, layout: ShardLayout, precision: PrecisionPolicy) -> Any:

@@ -218,6 +218,8 @@ class Float8Policy:
     exclude: tuple[str, ...] = ()
     """``fnmatch`` patterns of module names kept in high precision, besides the output head and the layers whose
     sizes the fp8 kernels cannot take."""
+    gather_in_float8: bool = True
+    """ZeRO-3 with the tensorwise recipe: forward and backward gather the converted weights in float8."""
 
 
 @dataclass(frozen=True)
