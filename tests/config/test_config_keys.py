@@ -1555,6 +1555,7 @@ MODE_EXAMPLES: list[tuple[str, dict]] = [
     ("fp8.emulate", {"fp8": {"emulate": True}}),
     ("fp8.filter.exclude", {"fp8": {"filter": {"exclude": ["head"]}}}),
     ("fp8.gather_in_float8", {"fp8": {"gather_in_float8": False}}),
+    ("fp8.gather_in_float8", {"fp8": {"enabled": True, "gather_in_float8": False}, "graph": {"enabled": True}}),
     ("fp8.gather_in_float8", {"fp8": {"enabled": True, "gather_in_float8": False}, "zero_optimization": {"stage": 2}}),
     (
         "fp8.gather_in_float8",

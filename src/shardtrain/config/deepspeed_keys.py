@@ -1289,6 +1289,12 @@ NO_EFFECT_WHEN: tuple[NoEffectWhen, ...] = (
     ),
     NoEffectWhen(
         "fp8.gather_in_float8",
+        "with `graph.enabled: true`",
+        "graph mode gathers the units as operations of its captured graphs, in the compute dtype",
+        lambda c: bool(c.graph.enabled),
+    ),
+    NoEffectWhen(
+        "fp8.gather_in_float8",
         "at ZeRO stages 0-2",
         "parameters are whole on every rank: nothing is gathered before a matmul",
         lambda c: _zero_stage(c) != 3,

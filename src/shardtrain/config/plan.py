@@ -231,7 +231,6 @@ def refuse_unbuilt_fp8(cfg: Config, dims: ParallelDims) -> None:
         (dims.sp > 1, f"sequence parallelism (sequence_parallel_size {dims.sp})"),
         (dims.ep > 1, f"expert parallelism (expert_parallel_size {dims.ep})"),
         (dims.pp > 1, f"pipeline parallelism (pipeline_parallel_size {dims.pp})"),
-        (bool(cfg.graph.enabled), "graph mode (graph.enabled)"),
     ]
     for hit, what in refused:
         if hit:
