@@ -123,11 +123,11 @@ def _gpt() -> nn.Module:
     return GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=32, n_layer=2, n_head=4))
 
 
-def _gpt_by_torchao() -> nn.Module:
+def _gpt_by_torchao(recipe: str = "tensorwise") -> nn.Module:
     """torchao's own conversion of the same model, with the filter a user would write: all but the head."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    config = dataclasses.replace(Float8LinearConfig.from_recipe_name("tensorwise"), emulate=True)
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=True)
     return convert_to_float8_training(_gpt(), module_filter_fn=lambda m, fqn: fqn != "head", config=config)
 
 
@@ -175,7 +175,9 @@ def _stages(recipe: Recipe, stages: tuple[int, ...]) -> dict[int, dict]:
 # stage 1 at world 2 to 3e-7, 3e-4, 6e-3: its gradients are reduced in another order, and fp8's casts are
 # discontinuous (an amax one ulp off rescales a tensor, an element rounds to the next float8 value). The same training
 # without fp8 misses the reference by 3e-4 (losses), 7e-3 (norms), 0.3 (params): the bounds are 30x, 7x and 15x
-# below that.
+# below that. Rowwise at world 2 agrees to 6e-8 and 1e-7. Rowwise at world 3 does not (9e-4 in the first step's
+# norm): its scales are rounded down to powers of 2, so the 1/3 the reference's mean puts on each rank's output
+# gradient before the cast, and the engine's average after it, quantize differently (1/2 is exact either way).
 LOSS_RTOL, NORM_RTOL, PARAM_TOL = 1e-5, 1e-3, 2e-2
 
 
@@ -190,13 +192,15 @@ def _assert_near(results: list[dict], ref: dict, what: str) -> None:
     assert_params_near(results[0]["params"], ref["params"], ref["init"], tol=PARAM_TOL, what=f"{what}: ")
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_the_engines_fp8_training_at_zero_1_2_3_equals_torchaos_single_process_fp8_training(world):
-    ref = reference_run(REFERENCE, world, exact=False)
+@pytest.mark.parametrize(("world", "recipe"), [(2, "tensorwise"), (3, "tensorwise"), (2, "rowwise")])
+def test_the_engines_fp8_training_at_zero_1_2_3_equals_torchaos_single_process_fp8_training(world, recipe):
+    reference = dataclasses.replace(REFERENCE, make_model=functools.partial(_gpt_by_torchao, recipe))
+    ref = reference_run(reference, world, exact=False)
     plain = reference_run(dataclasses.replace(REFERENCE, make_model=_gpt), world, exact=False)
     with pytest.raises(AssertionError):  # the bounds tell fp8 from its absence
         _assert_near([{**plain, "params": plain["params"]}], ref, "without fp8")
-    ranks = run_distributed(_stages, world, ENGINE, (1, 2, 3), timeout=240)
+    engine = dataclasses.replace(ENGINE, config={"fp8": {**FP8, "recipe": recipe}})
+    ranks = run_distributed(_stages, world, engine, (1, 2, 3), timeout=240)
     for stage in (1, 2, 3):
         results = [r[stage] for r in ranks]
         assert len(results[0]["converted"]) == 8
