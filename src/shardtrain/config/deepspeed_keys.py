@@ -1295,6 +1295,12 @@ NO_EFFECT_WHEN: tuple[NoEffectWhen, ...] = (
     ),
     NoEffectWhen(
         "fp8.gather_in_float8",
+        "with ZeRO++ hpZ (`zero_hpz_partition_size` > 1)",
+        "hpZ cuts its secondary shards from the units gathered in the compute dtype",
+        lambda c: _zero_stage(c) == 3 and c.zero_optimization.zero_hpz_partition_size > 1,
+    ),
+    NoEffectWhen(
+        "fp8.gather_in_float8",
         "at ZeRO stages 0-2",
         "parameters are whole on every rank: nothing is gathered before a matmul",
         lambda c: _zero_stage(c) != 3,

@@ -175,8 +175,9 @@ def parallelize(
         sp = apply_sp(model, plan, topology)
         fp8 = apply_fp8(model, plan.fp8)
         float8 = float8_weights(model, plan, fp8)
-        # graph mode gathers the units as operations of its captured graphs: in the compute dtype
-        in_float8 = plan.fp8.gather_in_float8 and not plan.graph.enabled
+        # graph mode gathers the units as operations of its captured graphs, and hpZ cuts its secondary shards from
+        # the gathered compute-dtype buffers: both in the compute dtype
+        in_float8 = plan.fp8.gather_in_float8 and not plan.graph.enabled and not plan.dims.hpz_asked
         layout = apply_zero(model, plan.zero, topology, comms, split, float8, in_float8)
         masters = apply_precision(model, layout, plan.precision)
         param_offload = _param_offload(layout, plan.offload, scratch, comms.world, topology.rank)
