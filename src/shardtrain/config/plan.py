@@ -149,6 +149,7 @@ def refuse_unbuilt(cfg: Config, dims: ParallelDims, device_type: str | None = No
     stage 0, hpZ with hybrid sharding)."""
     if device_type is not None:
         refuse_on_device(cfg, device_type)
+        refuse_fp8_on_device(cfg, device_type)
     zcfg = cfg.zero_optimization
     hpz = zcfg.zero_hpz_partition_size
     if dims.pp > 1:
@@ -253,8 +254,9 @@ def fp8_matmuls_missing(device_type: str) -> str | None:
     return None
 
 
-def refuse_on_device(cfg: Config, device_type: str) -> None:
-    """What is not built on devices of ``device_type`` (``config check --device`` asks the same)."""
+def refuse_fp8_on_device(cfg: Config, device_type: str) -> None:
+    """``fp8.enabled`` without ``fp8.emulate`` on devices of ``device_type`` without float8 matmuls (``config check
+    --device`` asks the same)."""
     if cfg.fp8.enabled and not cfg.fp8.emulate:
         missing = fp8_matmuls_missing(device_type)
         if missing is not None:
@@ -262,6 +264,10 @@ def refuse_on_device(cfg: Config, device_type: str) -> None:
                 f"fp8.enabled without fp8.emulate: {missing}; set fp8.emulate to true (torchao's emulation: the same "
                 "casts and scales, the matmuls on dequantized values, slower) or train on an H100-class GPU"
             )
+
+
+def refuse_on_device(cfg: Config, device_type: str) -> None:
+    """What is not built on devices of ``device_type`` (``config check --device`` asks the same)."""
     param = cfg.zero_optimization.offload_param
     if param.device != "none" and device_type == "cuda":
         raise ConfigError(
@@ -308,6 +314,7 @@ __all__ = [
     "ineffective_offload_keys",
     "parallel_dims",
     "precision_policy",
+    "refuse_fp8_on_device",
     "refuse_unbuilt_fp8",
     "resolve_plan",
 ]
