@@ -29,6 +29,9 @@ Variants (``--variants``, comma-separated; default all):
 * ``stage3:selective``, ``stage3:full``, ``stage3:full-cpu``: activation checkpointing by policy
   (``activation_checkpointing.policy``: matmul outputs kept, the rest recomputed; or whole blocks recomputed, their
   inputs in pinned host memory with ``-cpu``): the peak against ``stage3``'s, and the recompute's time.
+* ``stage3:fp8``, ``stage3:inductor:fp8``: ``stage3`` and ``stage3:inductor`` with the ``fp8`` section (torchao's
+  float8 matmuls, tensorwise; the eager one gathers the converted weights in float8): docs/fp8.md. Emulated on the
+  CPU, where the variant checks that it runs and stays within the loss tolerance, not its speed.
 * ``stage2:nccl``, ``stage3:nccl``: every collective issued although the group has one rank
   (``SHARDTRAIN_FORCE_COLLECTIVES=1``, [Note: a group of one]). On a GPU this runs NCCL's streams, the waits and the
   buffer frees after them. On the CPU the group is gloo's.
@@ -105,6 +108,8 @@ VARIANTS = (
     "stage3:selective",
     "stage3:full",
     "stage3:full-cpu",
+    "stage3:fp8",
+    "stage3:inductor:fp8",
 )
 LR, BETAS, EPS, WEIGHT_DECAY, CLIP = 3e-4, (0.9, 0.95), 1e-8, 0.1, 1.0
 PARTIAL_RATIO = 0.25  # ``stage2:offload-partial``: the fraction of the optimizer's elements stepped on the host
@@ -171,8 +176,10 @@ def engine_config(variant: str, micro_batch: int, device: torch.device) -> dict[
     if variant.endswith(":offload-partial"):  # DeepSpeed's partial offload: a quarter of the state on the host
         zero["offload_optimizer"]["ratio"] = PARTIAL_RATIO
         zero["sub_group_size"] = PARTIAL_SUB_GROUP
-    if variant.endswith(":inductor"):
+    if ":inductor" in variant:
         config["graph"] = {"enabled": True, "compiler": "inductor", "dynamic_shapes": False}
+    if variant.endswith(":fp8"):  # docs/fp8.md; emulated where there are no float8 matmuls (the CPU)
+        config["fp8"] = {"enabled": True, "emulate": device.type != "cuda"}
     if variant.endswith(":fp16"):  # dynamic loss scaling; the fused AdamW skips an overflow in its kernel
         del config["bf16"]
         config["fp16"] = {"enabled": True, "initial_scale_power": 16}
@@ -270,7 +277,7 @@ def run_variant(
         step(*next(it))
     sync(device)
     warmup_s = time.perf_counter() - started
-    syncs, sync_sites = count_syncs(step, next(it), device, graph=variant.endswith(":inductor"))
+    syncs, sync_sites = count_syncs(step, next(it), device, graph=":inductor" in variant)
     sync(device)
     cpu0, wall0 = cpu_seconds(), time.perf_counter()
     for _ in range(args.steps):

@@ -1234,6 +1234,56 @@ def _graph_compiler(tmp: Path) -> None:
         inductor.compile_fx = real
 
 
+def _fp8_engine(fp8: dict, config: dict | None = None) -> shardtrain.Engine:
+    return _engine({"fp8": {"enabled": True, "emulate": True, **fp8}, **(config or {})})
+
+
+@effect("fp8.enabled")
+def _fp8_enabled(tmp: Path) -> None:
+    from torchao.float8.float8_linear import Float8Linear
+
+    assert type(_engine({}).module.blocks[0].mlp[0]) is nn.Linear
+    engine = _fp8_engine({})
+    assert type(engine.module.blocks[0].mlp[0]) is Float8Linear and engine.fp8.kept == {"head": "output head"}
+    _micro_step(engine)
+
+
+@effect("fp8.recipe")
+def _fp8_recipe(tmp: Path) -> None:
+    from torchao.float8.config import ScalingGranularity
+
+    def granularity(recipe: str) -> ScalingGranularity:
+        return _fp8_engine({"recipe": recipe}).module.blocks[0].mlp[0].config.cast_config_input.scaling_granularity
+
+    assert granularity("tensorwise") is ScalingGranularity.TENSORWISE
+    assert granularity("rowwise") is ScalingGranularity.AXISWISE
+
+
+@effect("fp8.emulate")
+def _fp8_emulate(tmp: Path) -> None:
+    assert _fp8_engine({}).module.blocks[0].mlp[0].config.emulate
+    with pytest.raises(ConfigError, match=r"fp8\.emulate"):  # the CPU has no float8 matmuls
+        _engine({"fp8": {"enabled": True}})
+
+
+@effect("fp8.gather_in_float8")
+def _fp8_gather_in_float8(tmp: Path) -> None:
+    def gathered(on: bool) -> dict:
+        engine = _fp8_engine({"gather_in_float8": on}, {"zero_optimization": _STAGE3})
+        _micro_step(engine)
+        return engine.comm_stats()
+
+    assert "all_gather_float8" not in gathered(False)
+    assert gathered(True)["all_gather_float8"]["calls"] > 0
+
+
+@effect("fp8.filter.exclude")
+def _fp8_filter_exclude(tmp: Path) -> None:
+    engine = _fp8_engine({"filter": {"exclude": ["blocks.0.*"]}})
+    assert type(engine.module.blocks[0].mlp[0]) is nn.Linear and type(engine.module.blocks[1].mlp[0]) is not nn.Linear
+    assert engine.fp8.kept["blocks.0.mlp.0"] == "fp8.filter.exclude 'blocks.0.*'"
+
+
 # -- the runs -------------------------------------------------------------------------------------------------------
 
 
@@ -1514,6 +1564,19 @@ MODE_EXAMPLES: list[tuple[str, dict]] = [
     ("fp16.auto_cast", {"fp16": {"auto_cast": True}}),
     ("tiled_logits_loss_shards", {"tiled_logits_loss_shards": 4}),
     ("tiled_mlp_shards", {"tiled_mlp_shards": 4}),
+    ("fp8.recipe", {"fp8": {"recipe": "rowwise"}}),
+    ("fp8.emulate", {"fp8": {"emulate": True}}),
+    ("fp8.filter.exclude", {"fp8": {"filter": {"exclude": ["head"]}}}),
+    ("fp8.gather_in_float8", {"fp8": {"gather_in_float8": False}}),
+    ("fp8.gather_in_float8", {"fp8": {"enabled": True, "gather_in_float8": False}, "graph": {"enabled": True}}),
+    ("fp8.gather_in_float8", {"fp8": {"enabled": True, "gather_in_float8": False}, "zero_optimization": {"stage": 2}}),
+    (
+        "fp8.gather_in_float8",
+        {
+            "fp8": {"enabled": True, "recipe": "rowwise", "gather_in_float8": False},
+            "zero_optimization": {"stage": 3},
+        },
+    ),
     ("graph.strict", {"graph": {"strict": True}}),
     ("graph.cache_size", {"graph": {"cache_size": 2}}),
     ("graph.compiler", {"graph": {"compiler": "inductor"}}),

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from shardtrain.config.plan import ineffective_offload_keys, refuse_on_device, resolve_plan
+from shardtrain.config.plan import ineffective_offload_keys, refuse_fp8_on_device, refuse_on_device, resolve_plan
 from shardtrain.config.sections import inspect_config, resolve_batch_sizes
 from shardtrain.errors import ConfigError
 
@@ -43,6 +43,7 @@ def check_file(path: str, world_size: int | None = None, device: str | None = No
     if report.config is not None and device is not None:
         try:
             refuse_on_device(report.config, device)
+            refuse_fp8_on_device(report.config, device)
         except ConfigError as err:
             problems.append(f"{err} (device {device}: initialize refuses it)")
         no_effect += [f"{note} (device {device})" for note in ineffective_offload_keys(report.config, device)]

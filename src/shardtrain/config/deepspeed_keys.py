@@ -1215,6 +1215,37 @@ RULES: tuple[Rule, ...] = (
         "bool, `true`",
         "graphs generic in the inputs' sizes; `false`: one graph per set of sizes, specialized on them",
     ),
+    _supported("fp8", "section", "shardtrain key: float8 matmuls through torchao: docs/fp8.md"),
+    _supported(
+        "fp8.enabled",
+        "bool, `false`",
+        "the model's `nn.Linear` layers swapped for torchao's `Float8Linear` (the output head and sizes not divisible "
+        "by 16 kept in high precision, logged by name)",
+    ),
+    _supported(
+        "fp8.recipe",
+        '`"tensorwise"`, `"rowwise"` or `"rowwise_with_gw_hp"`, `"tensorwise"`',
+        "torchao's float8 training recipe: one scale per tensor, per row, or per row with the weight gradient's "
+        "matmul in high precision",
+    ),
+    _supported(
+        "fp8.emulate",
+        "bool, `false`",
+        "torchao's emulation (the same casts, matmuls on dequantized values): needed without float8 matmuls (the CPU, "
+        "CUDA below capability 8.9), where `enabled` alone is refused",
+    ),
+    _supported("fp8.filter", "section", "which linear layers stay in high precision"),
+    _supported(
+        "fp8.filter.exclude",
+        "list of patterns, `[]`",
+        "module names (`fnmatch` patterns, e.g. `blocks.0.*`) of linear layers kept in high precision",
+    ),
+    _supported(
+        "fp8.gather_in_float8",
+        "bool, `true`",
+        "ZeRO-3 gathers the converted weights for forward and backward in float8, 1 byte per element, cast with the "
+        "whole weight's scale: the numerics of gathering them in the compute dtype, half of bf16's bytes",
+    ),
 )
 
 RULES_BY_PATH: dict[str, Rule] = {r.path: r for r in RULES}
@@ -1254,6 +1285,39 @@ _OFF = "nothing is offloaded"
 _NO_SWAP = "there are no swap files"
 
 NO_EFFECT_WHEN: tuple[NoEffectWhen, ...] = (
+    *(
+        NoEffectWhen(
+            f"fp8.{key}",
+            "without `fp8.enabled: true`",
+            "no layer is converted to float8",
+            lambda c: not c.fp8.enabled,
+        )
+        for key in ("recipe", "emulate", "filter.exclude", "gather_in_float8")
+    ),
+    NoEffectWhen(
+        "fp8.gather_in_float8",
+        "with `graph.enabled: true`",
+        "graph mode gathers the units as operations of its captured graphs, in the compute dtype",
+        lambda c: bool(c.graph.enabled),
+    ),
+    NoEffectWhen(
+        "fp8.gather_in_float8",
+        "with ZeRO++ hpZ (`zero_hpz_partition_size` > 1)",
+        "hpZ cuts its secondary shards from the units gathered in the compute dtype",
+        lambda c: _zero_stage(c) == 3 and c.zero_optimization.zero_hpz_partition_size > 1,
+    ),
+    NoEffectWhen(
+        "fp8.gather_in_float8",
+        "at ZeRO stages 0-2",
+        "parameters are whole on every rank: nothing is gathered before a matmul",
+        lambda c: _zero_stage(c) != 3,
+    ),
+    NoEffectWhen(
+        "fp8.gather_in_float8",
+        'with a `recipe` other than `"tensorwise"`',
+        "the rowwise recipes scale each row of the weight as the matmul uses it: it is gathered in the compute dtype",
+        lambda c: c.fp8.recipe != "tensorwise",
+    ),
     *(
         NoEffectWhen(
             f"activation_checkpointing.{key}",

@@ -18,6 +18,7 @@ from shardtrain.plan import Plan
 from shardtrain.plan.dims import ParallelDims
 from shardtrain.plan.policies import (
     ActivationPolicy,
+    Float8Policy,
     GraphPolicy,
     LossScalePolicy,
     OffloadPolicy,
@@ -75,6 +76,9 @@ def resolve_plan(cfg: Config, world: int, device_type: str | None = None) -> Pla
             cfg.tiled_logits_loss, cfg.tiled_logits_loss_shards, cfg.tiled_mlp_compute, cfg.tiled_mlp_shards
         ),
         activations=activation_policy(cfg),
+        fp8=Float8Policy(
+            cfg.fp8.enabled, cfg.fp8.recipe, cfg.fp8.emulate, tuple(cfg.fp8.filter.exclude), cfg.fp8.gather_in_float8
+        ),
         device=cfg.device,
         timeout_s=cfg.collective_timeout_s,
     )
@@ -146,6 +150,7 @@ def refuse_unbuilt(cfg: Config, dims: ParallelDims, device_type: str | None = No
     stage 0, hpZ with hybrid sharding)."""
     if device_type is not None:
         refuse_on_device(cfg, device_type)
+        refuse_fp8_on_device(cfg, device_type)
     zcfg = cfg.zero_optimization
     hpz = zcfg.zero_hpz_partition_size
     if dims.cp > 1:
@@ -186,6 +191,8 @@ def refuse_unbuilt(cfg: Config, dims: ParallelDims, device_type: str | None = No
             "rank would keep 1/tp of every checkpointed block's inputs); remove it (each rank keeps the whole "
             "inputs), or use cpu_checkpointing to keep them in host memory"
         )
+    if cfg.fp8.enabled:
+        refuse_unbuilt_fp8(cfg, dims)
     if (cfg.tiled_logits_loss or cfg.tiled_mlp_compute) and cfg.graph.enabled:
         raise ConfigError(
             "tiled_logits_loss / tiled_mlp_compute with graph.enabled: the tiled Functions recompute in backward "
@@ -236,6 +243,48 @@ def refuse_unbuilt_context(cfg: Config, dims: ParallelDims) -> None:
             raise ConfigError(
                 f"context_parallel_size {dims.cp} with {what} is not built yet; set context_parallel_size to 1 or "
                 "turn the other feature off (docs/context-parallel.md says what composes)"
+            )
+
+
+def refuse_unbuilt_fp8(cfg: Config, dims: ParallelDims) -> None:
+    """What FP8 training is not built with yet (docs/fp8.md says what composes), refused by name."""
+    refused = [
+        (dims.tp > 1, f"tensor parallelism (tensor_parallel.size {dims.tp}; torchao's float8 TP styles are not wired)"),
+        (dims.sp > 1, f"sequence parallelism (sequence_parallel_size {dims.sp})"),
+        (dims.ep > 1, f"expert parallelism (expert_parallel_size {dims.ep})"),
+        (dims.pp > 1, f"pipeline parallelism (pipeline_parallel_size {dims.pp})"),
+        (dims.cp > 1, f"context parallelism (context_parallel_size {dims.cp})"),
+    ]
+    for hit, what in refused:
+        if hit:
+            raise ConfigError(
+                f"fp8.enabled with {what} is not built yet; turn fp8 or the other feature off (docs/fp8.md says what "
+                "composes)"
+            )
+
+
+def fp8_matmuls_missing(device_type: str) -> str | None:
+    """Why devices of ``device_type`` cannot run float8 matmuls (None: they can, or a CUDA device is not visible
+    here to ask). torch's ``_scaled_mm`` needs CUDA capability 8.9 (Ada) or above."""
+    if device_type != "cuda":
+        return f"the {device_type} has no float8 matmuls"
+    if not torch.cuda.is_available():
+        return None  # `config check --device cuda` on a machine without the GPU: initialize asks the device itself
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) < (8, 9):
+        return f"{torch.cuda.get_device_name()} (CUDA capability {major}.{minor}) has no float8 matmuls (8.9 needed)"
+    return None
+
+
+def refuse_fp8_on_device(cfg: Config, device_type: str) -> None:
+    """``fp8.enabled`` without ``fp8.emulate`` on devices of ``device_type`` without float8 matmuls (``config check
+    --device`` asks the same)."""
+    if cfg.fp8.enabled and not cfg.fp8.emulate:
+        missing = fp8_matmuls_missing(device_type)
+        if missing is not None:
+            raise ConfigError(
+                f"fp8.enabled without fp8.emulate: {missing}; set fp8.emulate to true (torchao's emulation: the same "
+                "casts and scales, the matmuls on dequantized values, slower) or train on an H100-class GPU"
             )
 
 
@@ -308,8 +357,11 @@ def ineffective_offload_keys(cfg: Config, device_type: str) -> list[str]:
 __all__ = [
     "activation_policy",
     "check_layout",
+    "fp8_matmuls_missing",
     "ineffective_offload_keys",
     "parallel_dims",
     "precision_policy",
+    "refuse_fp8_on_device",
+    "refuse_unbuilt_fp8",
     "resolve_plan",
 ]

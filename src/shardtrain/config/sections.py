@@ -275,6 +275,31 @@ class GraphConfig(_Section):
     graph per set of sizes, specialized on them (less memory and capture work for fixed-shape training)."""
 
 
+class FP8FilterConfig(_Section):
+    """Which ``nn.Linear`` layers stay in high precision besides those the fp8 kernels cannot take."""
+
+    exclude: list[str] = Field(default_factory=list)
+    """Module-name patterns (``fnmatch``: ``*`` and ``?``, matched against the whole name, e.g.
+    ``"blocks.0.*"``) of linear layers that keep computing in the compute dtype."""
+
+
+class FP8Config(_Section):
+    """FP8 training (shardtrain section): the model's ``nn.Linear`` layers compute their matmuls in float8 through
+    torchao's ``convert_to_float8_training`` (docs/fp8.md)."""
+
+    enabled: bool = False
+    recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "tensorwise"
+    """torchao's float8 training recipe (``Float8LinearConfig.from_recipe_name``): one scale per tensor, one per row,
+    or one per row with the weight gradient's matmul in high precision."""
+    emulate: bool = False
+    """torchao's emulation: the same casts and scales, the matmuls on dequantized values, on devices without fp8
+    matmuls (the CPU, CUDA below capability 8.9)."""
+    filter: FP8FilterConfig = Field(default_factory=FP8FilterConfig)
+    gather_in_float8: bool = True
+    """ZeRO-3 with the tensorwise recipe: forward and backward gather the converted weights in float8, 1 byte per
+    element, cast with the whole weight's scale (the same numerics as gathering them in the compute dtype)."""
+
+
 class ActivationCheckpointingConfig(_Section):
     """Activation checkpointing of the model's blocks (DeepSpeed's section, with shardtrain's ``policy``; see
     docs/activation-checkpointing.md). The blocks are the modules ZeRO-3 makes units of, at every stage."""
@@ -516,6 +541,7 @@ class Config(_Section):
     """Tiles of the tiled MLP; default ALST's: ``ceil(tokens / hidden size)``."""
     graph: GraphConfig = Field(default_factory=GraphConfig)
     activation_checkpointing: ActivationCheckpointingConfig = Field(default_factory=ActivationCheckpointingConfig)
+    fp8: FP8Config = Field(default_factory=FP8Config)
     bf16: BF16Config = Field(default_factory=BF16Config)
     fp16: FP16Config = Field(default_factory=FP16Config)
     data_types: DataTypesConfig = Field(default_factory=DataTypesConfig)
@@ -602,6 +628,11 @@ class Config(_Section):
             raise ValueError(
                 f"communication_data_type {self.communication_data_type!r} with {compute} compute; use 'fp32' "
                 f"or {compute!r} (the default)"
+            )
+        if self.fp8.enabled and compute == "fp16":
+            raise ValueError(
+                "fp8.enabled with fp16: torchao's float8 training keeps its high-precision side in bf16 or fp32 "
+                "(fp16's range cannot hold what a float8 scale undoes); use bf16 with fp8"
             )
         accum = self.data_types.grad_accum_dtype
         if accum not in (None, "fp32", compute):

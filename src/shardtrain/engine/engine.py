@@ -105,6 +105,7 @@ class Engine:
         self._param_offload, self._reducer, self._optimizer = parts.param_offload, parts.reducer, parts.optimizer
         self._runtime, self.monitor = parts.runtime, parts.monitor
         self._pipeline = parts.pipeline
+        self.fp8 = parts.fp8  # fp8.enabled: the layers converted to float8 and those kept, by name (else None)
         if self._pipeline is not None:
             self._pipeline.build(
                 plan.pipeline.schedule, self.gradient_accumulation_steps, topology.pp_group, topology.device

@@ -9,6 +9,7 @@ apply_ep              each rank keeps its experts; their token exchange is insta
 (materialize)         a deferred model's parameters made as each rank's chunk, after the splits
 communicators         ZeRO's groups and the desync check; ranks agree on config and model; swap directories
 apply_sp              Ulysses (or context-parallel attention) around the model's attention; the tiled loss and MLP
+apply_fp8             the linear layers torchao's float8 training converts, by policy; the rest kept by name
 apply_zero            the layout: where every parameter lives (``zero/build.py``); from here on the model is changed
 apply_precision       fp32 masters of each fragment, then parameters and buffers cast to the compute dtype
 apply_units           stage 3's eager runtime: units, hooks and the gather service, handed the parameter offload
@@ -68,7 +69,8 @@ from shardtrain.offload.parameters import ParamOffload
 from shardtrain.offload.swap import ScratchDir, SwapFiles, on_every_rank, prepare_scratch
 from shardtrain.pipeline_parallel import Pipeline, cut_model
 from shardtrain.plan import Plan
-from shardtrain.plan.policies import ActivationPolicy, OffloadPolicy, PrecisionPolicy, ZeroPolicy
+from shardtrain.plan.policies import ActivationPolicy, Float8Policy, OffloadPolicy, PrecisionPolicy, ZeroPolicy
+from shardtrain.precision.float8 import Float8Conversion, convert_to_float8
 from shardtrain.precision.loss_scaler import LossScaler
 from shardtrain.runtime.eager import EagerRuntime
 from shardtrain.runtime.interface import Runtime
@@ -85,6 +87,7 @@ from shardtrain.sequence_parallel.tiling import install as install_tiling
 from shardtrain.tensor_parallel import parallelize as split_tensor_parallel
 from shardtrain.tensor_parallel.parallelize import check_replicated_gradients
 from shardtrain.zero.build import build_layout, laid_out_whole
+from shardtrain.zero.float8_gather import take_precast_weights
 from shardtrain.zero.gather import ShardSource
 from shardtrain.zero.hpz import SecondaryShards
 from shardtrain.zero.layout import Bucket, ShardLayout, cast_bucket
@@ -128,6 +131,7 @@ class Parts:
     monitor: TrainingMonitor
     activation_offload: HostOffload | None = None  # the host copies of checkpointed blocks' inputs (cpu_checkpointing)
     pipeline: Pipeline | None = None  # pipeline parallelism: this rank's stages and their schedule
+    fp8: Float8Conversion | None = None  # fp8.enabled: the layers converted to torchao's Float8Linear, and those kept
 
 
 @dataclass(frozen=True)
@@ -173,7 +177,12 @@ def parallelize(
     scratch = _prepare_offload(plan.offload, topology, comms.world)
     try:
         sp = apply_sp(model, plan, topology)
-        layout = apply_zero(model, plan.zero, topology, comms, split)
+        fp8 = apply_fp8(model, plan.fp8)
+        float8 = float8_weights(model, plan, fp8)
+        # graph mode gathers the units as operations of its captured graphs, and hpZ cuts its secondary shards from
+        # the gathered compute-dtype buffers: both in the compute dtype
+        in_float8 = plan.fp8.gather_in_float8 and not plan.graph.enabled and not plan.dims.hpz_asked
+        layout = apply_zero(model, plan.zero, topology, comms, split, float8, in_float8)
         masters = apply_precision(model, layout, plan.precision)
         param_offload = _param_offload(layout, plan.offload, scratch, comms.world, topology.rank, topology.device)
         eager = apply_units(model, plan, topology, comms, layout, param_offload, phase_check)
@@ -194,7 +203,7 @@ def parallelize(
     scaler = LossScaler.from_policy(plan.precision.loss_scale, topology.device)
     return Parts(
         comms, sp, phase_check, scratch, layout, plan.precision, scaler, param_offload, reducer, sharded, runtime,
-        monitor, activation_offload, pipeline,
+        monitor, activation_offload, pipeline, fp8,
     )  # fmt: skip
 
 
@@ -319,10 +328,21 @@ def apply_sp(model: nn.Module, plan: Plan, topology: Topology) -> Any:
     return sp
 
 
-def apply_zero(model: nn.Module, policy: ZeroPolicy, topology: Topology, comms: Comms, split: _Split) -> ShardLayout:
-    """Where every parameter lives ([Note: the layout]); built before anything else touches the model."""
+def apply_zero(
+    model: nn.Module,
+    policy: ZeroPolicy,
+    topology: Topology,
+    comms: Comms,
+    split: _Split,
+    float8: Mapping[int, nn.Module] | None = None,
+    gather_in_float8: bool = True,
+) -> ShardLayout:
+    """Where every parameter lives ([Note: the layout]); built before anything else touches the model. ``float8``:
+    the converted weights at stage 3, with their modules: buckets of their own in their units, gathered in float8
+    with ``gather_in_float8`` ([Note: gathering in float8]; the modules then take the pre-cast weights), else in the
+    compute dtype (the same layout: the same numerics)."""
     expert_ids = split.experts[0] if split.experts is not None else frozenset()
-    return build_layout(
+    layout = build_layout(
         model,
         policy,
         comms.shard,
@@ -334,7 +354,23 @@ def apply_zero(model: nn.Module, policy: ZeroPolicy, topology: Topology, comms: 
         experts=(expert_ids, comms.edp) if comms.edp is not None else None,
         ep=topology.ep,
         ep_rank=topology.ep_rank,
+        float8=float8,
     )
+    for b in layout.buckets:
+        if b.float8 is not None and not gather_in_float8:  # the same buckets, gathered in the compute dtype
+            b.float8 = b.float8_data = None
+        for m in (b.float8 or {}).values():
+            take_precast_weights(m)
+    return layout
+
+
+def float8_weights(model: nn.Module, plan: Plan, conversion: Float8Conversion | None) -> dict[int, nn.Module]:
+    """The converted weights ZeRO-3 can gather in float8, by id, each with its ``Float8Linear``: at stage 3 with the
+    tensorwise recipe (one scale per weight, which the gather computes)."""
+    if conversion is None or not plan.zero.shard_parameters or plan.fp8.recipe != "tensorwise":
+        return {}
+    modules = [model.get_submodule(name) for name in conversion.converted]
+    return {id(m.weight): m for m in modules}
 
 
 def apply_precision(model: nn.Module, layout: ShardLayout, precision: PrecisionPolicy) -> Any:
@@ -376,6 +412,13 @@ def apply_units(
         phase_checked=phase_check.comm is not None,
         module_hooks=plan.dims.pp == 1,
     )
+
+
+def apply_fp8(model: nn.Module, policy: Float8Policy) -> Float8Conversion | None:
+    """With ``fp8.enabled``, the linear layers swapped for torchao's ``Float8Linear`` (``precision/float8.py``), before
+    the layout: the conversion keeps every Parameter object, so what is built over them (layout, masters, units'
+    hooks on the blocks around the converted layers) is built as without fp8 ([Note: no float8 state])."""
+    return convert_to_float8(model, policy) if policy.enabled else None
 
 
 def apply_activation_checkpointing(model: nn.Module, plan: Plan, topology: Topology) -> HostOffload | None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from shardtrain.plan.dims import ParallelDims
 from shardtrain.plan.policies import (
     ActivationPolicy,
+    Float8Policy,
     GraphPolicy,
     OffloadPolicy,
     PipelinePolicy,
@@ -35,6 +36,7 @@ class Plan:
     pipeline: PipelinePolicy = field(default_factory=PipelinePolicy)
     tiling: TilingPolicy = field(default_factory=TilingPolicy)
     activations: ActivationPolicy = field(default_factory=ActivationPolicy)
+    fp8: Float8Policy = field(default_factory=Float8Policy)
     device: str | None = None
     """``"cpu"``, ``"cuda"``, or None: ``SHARDTRAIN_DEVICE``, then CUDA when available ([Note: choosing the device])."""
     timeout_s: float = 1800.0

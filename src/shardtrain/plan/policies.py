@@ -207,6 +207,22 @@ class TilingPolicy:
 
 
 @dataclass(frozen=True)
+class Float8Policy:
+    """FP8 training (``fp8``): which linear layers torchao converts, and how they scale (docs/fp8.md)."""
+
+    enabled: bool = False
+    recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "tensorwise"
+    """torchao's recipe name (``Float8LinearConfig.from_recipe_name``)."""
+    emulate: bool = False
+    """Matmuls on dequantized values (devices without fp8 matmuls; the numerics of the casts are the same)."""
+    exclude: tuple[str, ...] = ()
+    """``fnmatch`` patterns of module names kept in high precision, besides the output head and the layers whose
+    sizes the fp8 kernels cannot take."""
+    gather_in_float8: bool = True
+    """ZeRO-3 with the tensorwise recipe: forward and backward gather the converted weights in float8."""
+
+
+@dataclass(frozen=True)
 class ActivationPolicy:
     """Activation checkpointing (``activation_checkpointing``): which activations of each block are recomputed in
     backward instead of kept, and where the kept block inputs wait (docs/activation-checkpointing.md). The blocks

@@ -100,8 +100,10 @@ class _SavedTensorHooks:
 
     def pack(self, t: torch.Tensor) -> object:
         packed = self.outer[0](t) if self.outer is not None else t
+        # a float8 weight gathered in float8 is torchao's wrapper around a view of its unit's 1-byte buffer
+        inner = getattr(t, "_data", None)
         try:
-            key = t.untyped_storage()._cdata
+            key = (inner if isinstance(inner, torch.Tensor) else t).untyped_storage()._cdata
         except (RuntimeError, NotImplementedError):  # a tensor without a plain storage cannot alias a unit
             return packed
         unit = self.runtime.unit_of_storage.get(key)
@@ -213,6 +215,12 @@ class EagerRuntime(Runtime):
         """Map each unit's full-buffer storage to the unit; again whenever buffers are re-created (a cast to the
         compute dtype makes new ones)."""
         self.unit_of_storage = {b.flat_param.untyped_storage()._cdata: u for u in self.units for b in u.buckets}
+        self.unit_of_storage |= {
+            b.float8_data.untyped_storage()._cdata: u
+            for u in self.units
+            for b in u.buckets
+            if b.float8_data is not None
+        }
 
     # -- gather / release: the gather service ([Note: one gather service] in zero/gather.py) ---------------
     @property
@@ -244,7 +252,7 @@ class EagerRuntime(Runtime):
             self._need_in_backward(unit, f"parameter {g.name!r} used in backward")
             return
         if self._forward_depth > 0:  # a parameter used outside its unit
-            self.gathers.gather(unit, f"parameter {g.name!r} used outside its unit")
+            self.gathers.gather(unit, f"parameter {g.name!r} used outside its unit", high_precision=True)
             return
         raise ShardtrainError(
             f"parameter {g.name!r} is partitioned by ZeRO stage 3 and not gathered here. Read it inside "

@@ -52,6 +52,7 @@ def build_layout(
     experts: tuple[frozenset[int], Communicator] | None = None,
     ep: int = 1,
     ep_rank: int = 0,
+    float8: Mapping[int, nn.Module] | None = None,
 ) -> ShardLayout:
     """Lay ``module``'s parameters out over the group of ``comm`` (see the module docstring).
 
@@ -63,14 +64,16 @@ def build_layout(
     under expert parallelism, the ids of the expert parameters and the expert-data-parallel group they are laid out
     over (see [Note: expert buckets]; at stage 3 each unit's expert parameters are buckets of their own in it), with
     ``ep`` and ``ep_rank`` the expert group's size and this rank's index in it: their records say which experts this
-    rank holds ([Note: split parameters] in ``zero/layout.py``)."""
+    rank holds ([Note: split parameters] in ``zero/layout.py``). ``float8``: at stage 3, the ids of the weights
+    gathered in float8, each with its torchao ``Float8Linear``; they get buckets of their own in their unit
+    ([Note: gathering in float8] in ``zero/float8_gather.py``)."""
     sync = dp_comm if dp_comm is not None else comm
     replicas = sync.size // comm.size
     _finish_construction(module, policy, policy.persistence_threshold)
     expert_ids, expert_comm = experts if experts is not None else (frozenset(), comm)
     units: list[UnitBuckets] = []
     if policy.shard_parameters:
-        units, outside = _plan_units(module, policy, comm, sync, device, (expert_ids, expert_comm))
+        units, outside = _plan_units(module, policy, comm, sync, device, (expert_ids, expert_comm), float8 or {})
         buckets = [b for u in units for b in u.buckets]
     else:
         outside = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
@@ -130,6 +133,7 @@ def _plan_units(
     sync: Communicator,
     device: torch.device | None = None,
     experts: tuple[frozenset[int], Communicator] | None = None,
+    float8: Mapping[int, nn.Module] | None = None,
 ) -> tuple[list[UnitBuckets], list[tuple[str, nn.Parameter]]]:
     """Stage 3: each unit's buckets in expected backward order, and the persistent parameters.
 
@@ -148,15 +152,17 @@ def _plan_units(
     specs: list[UnitBuckets] = []
     index = 0
     for (name, m), params in zip(named, params_of):
-        by_kind: dict[tuple[torch.dtype, bool, bool], list[tuple[str, nn.Parameter]]] = {}
-        for n, p in params:  # trainable and frozen, dense and expert parameters in buckets of their own
+        by_kind: dict[tuple[torch.dtype, bool, bool, bool], list[tuple[str, nn.Parameter]]] = {}
+        # trainable and frozen, dense, expert and float8-gathered parameters in buckets of their own
+        for n, p in params:
             if p.numel() >= threshold:
-                by_kind.setdefault((p.dtype, p.requires_grad, id(p) in expert_ids), []).append((n, p))
+                kind = (p.dtype, p.requires_grad, id(p) in expert_ids, id(p) in (float8 or {}))
+                by_kind.setdefault(kind, []).append((n, p))
         if not by_kind:
             continue
         # one unit at a time: its full buffer exists only until rank 0's values are in and the shard is cut
-        dense = [g for (_, _, moe), g in by_kind.items() if not moe]
-        moe = [g for (_, _, moe), g in by_kind.items() if moe]
+        dense = [g for (_, _, moe, _), g in by_kind.items() if not moe]
+        moe = [g for (_, _, moe, _), g in by_kind.items() if moe]
         buckets = build_buckets(dense, comm.size, comm.rank, first_index=index, device=device)
         if moe:  # see [Note: expert buckets]
             for b in build_buckets(
@@ -171,6 +177,10 @@ def _plan_units(
             b.shard = b.flat_param[lo:hi].clone()
             b.gather_after_step = False
             b.flat_param.untyped_storage().resize_(0)
+            if float8 and id(b.slots[0].param) in float8:  # see [Note: gathering in float8]
+                b.float8 = {i: float8[id(slot.param)] for i, slot in enumerate(b.slots)}
+                b.float8_data = torch.empty(b.padded_numel, dtype=torch.uint8, device=b.flat_param.device)
+                b.float8_data.untyped_storage().resize_(0)
         _retire_construction([p for _, p in params if is_under_construction(p)])
         index += len(buckets)
         specs.append(UnitBuckets(name, m, buckets))

@@ -29,6 +29,7 @@ from shardtrain.distributed.communicator import Communicator, Handle
 from shardtrain.distributed.mesh import exchanges_on_host
 from shardtrain.errors import RankMismatchError
 from shardtrain.zero.departure import OrderAgreement
+from shardtrain.zero.float8_gather import drop_precast, set_precast, start_float8_gather
 from shardtrain.zero.hpz import SecondaryShards
 from shardtrain.zero.units import Unit, UnitState
 
@@ -181,13 +182,17 @@ class UnitGathers:
             self.release(announced)
 
     # -- gather / release --------------------------------------------------------------------------------
-    def gather(self, unit: Unit, why: str, async_op: bool = False) -> None:
-        """Make ``unit`` whole (collective over ``comm``); ``async_op``: issue only (:meth:`wait` completes it)."""
+    def gather(self, unit: Unit, why: str, async_op: bool = False, high_precision: bool = False) -> None:
+        """Make ``unit`` whole (collective over ``comm``); ``async_op``: issue only (:meth:`wait` completes it).
+        ``high_precision``: float8 buckets too in their own dtype (a read of the weights, not a matmul's gather:
+        [Note: gathering in float8] in ``zero/float8_gather.py``)."""
         if unit.state is UnitState.GATHERING:
-            if not async_op:
-                self.wait(unit)
-            return
+            if async_op:
+                return
+            self.wait(unit)
         if unit.state is UnitState.GATHERED:
+            if high_precision and unit.float8_only:
+                self._fill_high_precision(unit)
             return
         if self.trusted:
             self._follow(unit)
@@ -200,11 +205,20 @@ class UnitGathers:
                 # verified before the data is issued: all-gathers of different sizes on different ranks would
                 # abort the process inside the backend instead of failing with the units' names
                 self._verify(unit)
-        self._issue(unit)
+        self._issue(unit, high_precision)
         if not async_op:
             self.wait(unit)
 
-    def _issue(self, unit: Unit) -> None:
+    def _fill_high_precision(self, unit: Unit) -> None:
+        """The float8 buckets of ``unit``, gathered in float8 for its matmuls, gathered again in their own dtype."""
+        for b in unit.buckets:
+            if b.float8 is not None:
+                b.flat_param.untyped_storage().resize_(b.padded_numel * b.flat_param.element_size())
+                with torch.autograd._unsafe_preserve_version_counter(b.flat_param):
+                    self.comm.all_gather(b.flat_param, b.shard, what=f"parameters of unit {unit.name!r}")
+        unit.float8_only = False
+
+    def _issue(self, unit: Unit, high_precision: bool = False) -> None:
         """Issue ``unit``'s all-gather (checked already)."""
         if self.pass_kind is not None:
             self.sequence.append(unit.index)
@@ -213,7 +227,12 @@ class UnitGathers:
         if self.source is not None:
             self.source.will_need(unit)
         secondary = self.backward and self.secondary is not None and self.secondary.usable(unit)
+        unit.float8_only = False
         for i, b in enumerate(unit.buckets):
+            if b.float8 is not None and not high_precision:  # [Note: gathering in float8]
+                unit.pending.append(start_float8_gather(b, self.comm, async_op=True))
+                unit.float8_only = True
+                continue
             b.flat_param.untyped_storage().resize_(b.padded_numel * b.flat_param.element_size())
             comm = self.expert_comm if b.expert and self.expert_comm is not None else self.comm
             issuing = self.source.issuing(unit) if self.source is not None else nullcontext()
@@ -233,6 +252,10 @@ class UnitGathers:
             h.wait()
         unit.pending.clear()
         unit.state = UnitState.GATHERED
+        if unit.float8_only:
+            for b in unit.buckets:
+                if b.float8 is not None:
+                    set_precast(b)
         if self.source is not None:
             self.source.done_with([unit])
 
@@ -247,7 +270,11 @@ class UnitGathers:
             self.secondary.drop(unit)
         for b in unit.buckets:
             b.flat_param.untyped_storage().resize_(0)
+            if b.float8_data is not None:
+                b.float8_data.untyped_storage().resize_(0)
+                drop_precast(b)
         unit.state = UnitState.SHARDED
+        unit.float8_only = False
 
     def release_all(self, keep: Iterable[Unit] = (), keep_secondary: bool = False) -> None:
         """Release every unit not sharded, but those in ``keep``."""
@@ -266,7 +293,7 @@ class UnitGathers:
         """Gather ``units`` (collective: every rank must enter) and release on exit those that were sharded."""
         was = {u.index: u.state for u in units}
         for u in units:
-            self.gather(u, why)
+            self.gather(u, why, high_precision=True)
         try:
             yield
         finally:

@@ -77,6 +77,13 @@ class Bucket:
     expert: bool = False
     """Expert parameters under expert parallelism: ``world`` and ``rank`` are the expert-data-parallel group's, and
     the bucket is reduced and gathered over that group (see [Note: expert buckets])."""
+    float8: dict[int, nn.Module] | None = None
+    """Stage 3 with fp8: slot index -> the torchao ``Float8Linear`` whose weight the slot is; forward and backward
+    gather these weights in float8 into ``float8_data`` ([Note: gathering in float8] in ``zero/float8_gather.py``)."""
+    float8_data: torch.Tensor | None = field(default=None, repr=False)
+    """The float8 gather's full 1-byte buffer; its storage is freed while the unit is sharded, as ``flat_param``'s."""
+    float8_scales: torch.Tensor | None = field(default=None, repr=False)
+    """The scales of the float8 gather in flight or done (one per converted slot, in slot order)."""
 
     @property
     def shard_numel(self) -> int:

@@ -64,6 +64,7 @@ class Unit:
     needed_in_backward: bool = False  # gathered for this backward already (order recorded)
     prefetches: int = 0  # how often it was gathered ahead of use (tests and benchmarks read it)
     gathers: int = 0  # all-gathers issued for it (tests read it)
+    float8_only: bool = False  # gathered for its matmuls: its float8 buckets hold float8 weights only
 
     @property
     def numel(self) -> int:
