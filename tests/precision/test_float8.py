@@ -55,6 +55,7 @@ def test_without_emulate_a_device_without_fp8_matmuls_is_refused_by_name(tmp_pat
         ({"tensor_parallel": {"size": 2}}, "tensor parallelism"),
         ({"sequence_parallel_size": 2}, "sequence parallelism"),
         ({"expert_parallel_size": 2}, "expert parallelism"),
+        ({"context_parallel_size": 2}, "context parallelism"),
     ],
 )
 def test_what_fp8_is_not_built_with_is_refused_by_name(config, what):
