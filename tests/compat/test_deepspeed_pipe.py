@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import shardtrain.deepspeed as deepspeed
-from shardtrain.compat.deepspeed.runtime.pipe.module import partition_layers
+from shardtrain.compat.deepspeed.runtime.pipe.module import partition_layers, set_random_seed
 from shardtrain.deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from shardtrain.errors import ConfigError
 from shardtrain.testing import run_distributed
@@ -134,7 +134,7 @@ def test_refusals_name_what():
 # -- the script, trained -------------------------------------------------------------------------------------------
 
 
-def _script(pp: int) -> dict:
+def _script(pp: int, clip: float = CLIP) -> dict:
     """What a DeepSpeed pipeline script does, with `import shardtrain.deepspeed as deepspeed`."""
     world = dist.get_world_size()
     Block.built = 0
@@ -143,7 +143,7 @@ def _script(pp: int) -> dict:
     config = {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": GAS,
-        "gradient_clipping": CLIP,
+        "gradient_clipping": clip,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WD}},
         "steps_per_print": 10**6,
     }
@@ -163,8 +163,9 @@ def _script(pp: int) -> dict:
     for step in range(STEPS):
         losses.append(float(engine.train_batch(iter(batches[step * GAS : (step + 1) * GAS]))))
         norms.append(engine.get_global_grad_norm())
+    out_eval = float(engine.eval_batch(iter(batches[:GAS])))  # the trained model on the first step's batches
     held = sorted({name.split(".")[0] for name, _ in engine.module.named_parameters()}, key=int)
-    out = {"losses": losses, "norms": norms, "built": built, "held": held, "stage": stage}
+    out = {"losses": losses, "norms": norms, "built": built, "held": held, "stage": stage, "eval": out_eval}
     out["params"] = engine.shardtrain_engine.full_state_dict()
     engine.destroy()
     return out
@@ -177,9 +178,12 @@ def _reference(dp: int) -> dict:
     def run(dtype: torch.dtype) -> dict:
         model = pipeline_module(1).to(dtype)
         opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
-        return train_one_process(
+        out = train_one_process(
             model, opt, lambda m, i: loss_fn(m(batches[i][0].to(dtype)), batches[i][1]), STEPS, GAS, CLIP
         )
+        with torch.no_grad():
+            out["eval"] = sum(float(loss_fn(model(x.to(dtype)), y)) for x, y in batches[:GAS]) / GAS
+        return out
 
     assert net.parts == [0, len(layers())]
     ref = run(torch.float32)
@@ -190,7 +194,9 @@ def _reference(dp: int) -> dict:
 @pytest.mark.parametrize(("pp", "world"), [(2, 2), (3, 3)])
 def test_pipeline_module_script_equals_one_process(pp, world):
     results = run_distributed(_script, world, pp)
-    assert_parity(results, _reference(world // pp))
+    ref = _reference(world // pp)
+    assert_parity(results, ref)
+    assert all(r["eval"] == pytest.approx(ref["eval"], rel=1e-5) for r in results), ([r["eval"] for r in results], ref)
     bounds = partition_layers(layers(), pp, "parameters")
     for r in results:
         # each rank built only its stage's LayerSpecs and holds only that stage's layers, under their global index
@@ -209,3 +215,64 @@ def _mismatched_config(_: int) -> str:
 
 def test_config_that_disagrees_with_num_stages_is_refused():
     assert run_distributed(_mismatched_config, 2, 0) == ["ok", "ok"]
+
+
+# -- against DeepSpeed's own PipelineEngine ---------------------------------------------------------------------------
+
+
+def _deepspeed_script(pp: int, clip: float) -> dict:
+    """The same script under real DeepSpeed (CPU accelerator, gloo): its PipelineModule and PipelineEngine."""
+    import contextlib
+    import io
+
+    import deepspeed as real
+
+    real.init_distributed(dist_backend="gloo")  # as a script does (the process group exists: DeepSpeed adopts it)
+    # seed_fn: DeepSpeed 0.19.8's default hands random.seed the numpy integer its balanced partition made, which
+    # Python 3.11 refuses on every stage but the first; the same seeding, given an int
+    net = real.pipe.PipelineModule(
+        _deepspeed_specs(layers()),
+        num_stages=pp,
+        loss_fn=loss_fn,
+        seed_layers=True,
+        seed_fn=lambda seed: set_random_seed(int(seed)),
+        partition_method="parameters",
+    )
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": GAS,
+        "gradient_clipping": clip,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WD, "torch_adam": True},
+        },
+        "steps_per_print": 10**6,
+    }
+    with contextlib.redirect_stdout(io.StringIO()):
+        engine, _, _, _ = real.initialize(
+            model=net, model_parameters=[p for p in net.parameters() if p.requires_grad], config=config
+        )
+    dp = engine.grid.get_data_parallel_world_size()
+    rank = engine.grid.get_data_parallel_rank()
+    rows = slice(rank * MICRO, (rank + 1) * MICRO)
+    batches = [(x[rows], y[rows]) for x, y in global_batches(dp)]
+    losses, norms = [], []
+    with contextlib.redirect_stdout(io.StringIO()):
+        for step in range(STEPS):
+            losses.append(float(engine.train_batch(iter(batches[step * GAS : (step + 1) * GAS]))))
+            norms.append(engine.get_global_grad_norm())
+    params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    return {"losses": losses, "norms": norms, "params": params}
+
+
+def test_pipeline_module_script_equals_deepspeeds_pipeline_engine():
+    """Without clipping: DeepSpeed 0.19.8's pipeline engine (fp32, ZeRO 0) clips by the norm of the first stage's
+    gradients only (its clip_grad_norm_ counts the parameters of model-parallel rank 0, and the grid's model-parallel
+    group is the pipeline's), where shardtrain clips by the norm over every stage, as one process does."""
+    pytest.importorskip("deepspeed.runtime.pipe.engine")
+    ours = run_distributed(_script, 2, 2, 0.0)
+    theirs = run_distributed(_deepspeed_script, 2, 2, 0.0)
+    for a, b in zip(ours, theirs):
+        assert a["losses"] == pytest.approx(b["losses"], rel=1e-5), (a["losses"], b["losses"])
+    for name, value in {k: v for r in theirs for k, v in r["params"].items()}.items():
+        torch.testing.assert_close(ours[0]["params"][name], value, rtol=1e-5, atol=1e-6)
