@@ -12,9 +12,10 @@ embeddings and the causal mask it needs from its own input (they hold no paramet
 
 [Note: a model built as its stage]
 A model may come already cut: DeepSpeed's ``PipelineModule`` (the shim's, ``compat/deepspeed/runtime/pipe``) builds
-only its rank's stage when it is constructed. Such a model offers ``pipeline_stage(num_stages, stage_ids)``
-(:class:`BuiltAsStage`), returning itself as the stage module and its loss, or refusing a layout it was not built
-for; nothing is pruned.
+only its rank's stage when it is constructed. Such a model offers ``pipeline_stages(num_stages, stage_ids)``
+(:class:`BuiltAsStage`), returning the module of each of ``stage_ids`` (a ``PipelineModule``: itself) and the last
+stage's loss, or refusing a layout it was not built for; nothing is pruned, and the parameters keep the model's
+names.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 class BuiltAsStage(Protocol):
     """A model that holds one pipeline stage from its construction ([Note: a model built as its stage])."""
 
-    def pipeline_stage(self, num_stages: int, stage_ids: list[int]) -> tuple[nn.Module, LossFn]: ...
+    def pipeline_stages(self, num_stages: int, stage_ids: list[int]) -> tuple[list[nn.Module], LossFn]: ...
 
 
 def layers_of_stages(num_layers: int, num_stages: int) -> list[range]:
@@ -142,8 +143,7 @@ def cut_model(model: nn.Module, num_stages: int, stages: list[int]) -> tuple[lis
     the order of ``stages``, and the loss of the last stage's output against the labels (see [Note: stages keep
     the model's names]); a model built as its stage returns itself ([Note: a model built as its stage])."""
     if isinstance(model, BuiltAsStage):
-        part, loss = model.pipeline_stage(num_stages, list(stages))
-        return [part], loss
+        return model.pipeline_stages(num_stages, list(stages))
     check_can_cut(model, num_stages)
     llama = not isinstance(model, GPT)
     inner = model.model if llama else model

@@ -9,7 +9,7 @@ layers are built; another stage's are never constructed (under ``"parameters"`` 
 count its parameters; here they are built on the ``meta`` device, which allocates nothing). Built layers are
 registered under their index in the whole list (``"3"``, so ``3.weight``), as DeepSpeed names them: the names are the
 same at any number of stages, so checkpoints and ``full_state_dict`` speak of the same tensors. ``initialize`` runs
-the module as the rank's one pipeline stage (``pipeline_stage`` below) on ``torch.distributed.pipelining``; its
+the module as the rank's one pipeline stage (``pipeline_stages`` below) on ``torch.distributed.pipelining``; its
 forward is DeepSpeed's: each layer called on the previous one's output.
 """
 
@@ -199,7 +199,7 @@ class PipelineModule(nn.Module):
         return inputs
 
     # -- what shardtrain's pipeline asks of a model built as one stage (pipeline_parallel/cut.py) -----------------
-    def pipeline_stage(self, num_stages: int, stage_ids: list[int]) -> tuple[nn.Module, Callable]:
+    def pipeline_stages(self, num_stages: int, stage_ids: list[int]) -> tuple[list[nn.Module], Callable]:
         """This module as the rank's stage ``stage_ids[0]`` of ``num_stages``, and the last stage's loss."""
         if num_stages != self.num_stages or stage_ids != [self.stage_id]:
             raise ConfigError(
@@ -208,7 +208,7 @@ class PipelineModule(nn.Module):
                 "pipeline.stages_per_rank 1"
             )
         loss_fn = self.loss_fn
-        return self, (lambda outputs, labels: loss_fn(outputs, labels)) if loss_fn else (lambda outputs, _: outputs)
+        return [self], (lambda outputs, labels: loss_fn(outputs, labels)) if loss_fn else (lambda outputs, _: outputs)
 
     def stage_owner(self, layer_idx: int) -> int:
         """The stage that holds layer ``layer_idx``."""
