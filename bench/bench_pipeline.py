@@ -1,7 +1,7 @@
 """The pipeline bubble of each schedule, measured against its theory, and the bytes the stages send per step against
 the activation-size formula.
 
-    python bench/bench_pipeline.py [--pp 2 4] [--micro-batches 4 8 16] [--forward-ms 10] [--layers 8]
+    python bench/bench_pipeline.py [--pp 2 4] [--micro-batches 4 16] [--forward-ms 30] [--layers 8] [--steps 2]
 
 Each run trains a stack of ``--layers`` equal layers at ``world = pp`` (one rank per pipeline stage rank, gloo on
 CPU) through ``shardtrain.initialize`` with ``pipeline_parallel_size = pp``, for every schedule (``GPipe``, ``1F1B``,
@@ -154,13 +154,13 @@ def _run(args: argparse.Namespace, pp: int) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pp", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8, 16])
+    parser.add_argument("--micro-batches", type=int, nargs="+", default=[4, 16])
     parser.add_argument("--layers", type=int, default=8, help="divisible by pp * 2 (the interleaved stages)")
-    parser.add_argument("--forward-ms", type=float, default=10.0)
+    parser.add_argument("--forward-ms", type=float, default=30.0, help="a layer's forward; its backward twice that")
     parser.add_argument("--rows", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--width", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up step)")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps (after one warm-up step)")
     args = parser.parse_args()
     print(f"# {' '.join(sys.argv)}")
     machine = f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores"
