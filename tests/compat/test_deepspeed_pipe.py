@@ -276,3 +276,30 @@ def test_pipeline_module_script_equals_deepspeeds_pipeline_engine():
         assert a["losses"] == pytest.approx(b["losses"], rel=1e-5), (a["losses"], b["losses"])
     for name, value in {k: v for r in theirs for k, v in r["params"].items()}.items():
         torch.testing.assert_close(ours[0]["params"][name], value, rtol=1e-5, atol=1e-6)
+
+
+def _from_training_data(_: int) -> dict:
+    """``train_batch()`` without an iterator pulls from the loader of ``training_data``, again from its start when it
+    runs out (DeepSpeed's RepeatingLoader); without either, it is refused by name."""
+    x, y = (torch.cat(t) for t in zip(*global_batches(1)[: 2 * GAS]))  # two steps' rows
+    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS, "steps_per_print": 10**6}
+    net = pipeline_module(2)
+    engine, _, loader, _ = deepspeed.initialize(
+        model=net,
+        optimizer=torch.optim.SGD(net.parameters(), lr=0.0),  # no update: the third step repeats the first
+        training_data=torch.utils.data.TensorDataset(x, y),
+        config=config,
+    )
+    losses = [float(engine.train_batch()) for _ in range(3)]
+    first = [float(engine.train_batch(iter(list(loader)[:GAS])))]
+    bare = pipeline_module(2)
+    plain, _, _, _ = deepspeed.initialize(model=bare, optimizer=torch.optim.SGD(bare.parameters()), config=config)
+    with pytest.raises(ConfigError, match="without a data_iter"):
+        plain.train_batch()
+    return {"losses": losses, "first": first}
+
+
+def test_train_batch_pulls_from_training_data():
+    for r in run_distributed(_from_training_data, 2, 0):
+        a, b, c = r["losses"]
+        assert a != b and c == pytest.approx(a, rel=1e-6) and r["first"][0] == pytest.approx(a, rel=1e-6), r
