@@ -5,6 +5,7 @@ equals the same layers trained in one process (losses every step, gradient norms
 from __future__ import annotations
 
 import os
+import random
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported anywhere in this process
 
@@ -108,6 +109,20 @@ def test_partition_is_deepspeeds(method, num_stages):
     ours = partition_layers(specs, num_stages, method)
     assert ours == _deepspeeds_boundaries(_deepspeed_specs(specs), num_stages, method)
     assert ours[0] == 0 and ours[-1] == len(specs) and ours == sorted(ours)
+
+
+def test_balanced_partition_cuts_where_deepspeeds_does_on_random_weights():
+    """Our own balanced partition against DeepSpeed's ``partition_balanced`` itself, on weights with many ties
+    (small integers) and without (floats): the same boundaries, its tie-breaks included."""
+    utils = pytest.importorskip("deepspeed.runtime.utils")
+    from shardtrain.compat.deepspeed.runtime.pipe.partition import partition_balanced
+
+    rng = random.Random(0)
+    for case in range(300):
+        n, parts = rng.randint(1, 14), rng.randint(1, 6)
+        weights = [rng.randint(0, 4) if case % 2 else rng.uniform(0, 10) for _ in range(n)]
+        want = [int(b) for b in utils.partition_balanced(weights, parts)]
+        assert partition_balanced(weights, parts) == want, (weights, parts)
 
 
 def test_partition_by_parameters_allocates_nothing():

@@ -1,13 +1,14 @@
-"""DeepSpeed's layer partition arithmetic (``deepspeed/runtime/utils.py``: ``partition_uniform``,
-``partition_balanced``), ported line for line so that a ``PipelineModule`` is cut at the layers DeepSpeed 0.19 cuts
-it; tests/compat/test_deepspeed_pipe.py compares both with DeepSpeed's own ``PipelineModule._partition_layers``.
-Each returns ``num_parts + 1`` boundaries: part ``p`` holds the layers ``parts[p]:parts[p + 1]``."""
+"""Where DeepSpeed 0.19 cuts a ``PipelineModule``: the boundaries its ``partition_uniform`` and
+``partition_balanced`` (``deepspeed/runtime/utils.py``) give, computed here in our own code (the shim stands in for
+DeepSpeed, so it cannot import it); tests/compat/test_deepspeed_pipe.py compares both with DeepSpeed's own
+``PipelineModule._partition_layers``. Each returns ``num_parts + 1`` boundaries: part ``p`` holds the layers
+``parts[p]:parts[p + 1]``."""
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Sequence
-
-import numpy as np
 
 
 def partition_uniform(num_items: int, num_parts: int) -> list[int]:
@@ -19,33 +20,30 @@ def partition_uniform(num_items: int, num_parts: int) -> list[int]:
 
 
 def partition_balanced(weights: Sequence[float], num_parts: int) -> list[int]:
-    """The linear partition that minimises the spread (heaviest minus lightest part) of the parts' summed weights,
-    by DeepSpeed's dynamic programme, its ties broken as DeepSpeed breaks them (the last split point that reaches the
-    least spread)."""
-    n, m = len(weights), num_parts
-    if n <= m:
-        return partition_uniform(n, m)
-    dp_max = np.full((n + 1, m + 1), np.inf)
-    dp_min = np.full((n + 1, m + 1), np.inf)
-    dp_cost = np.full((n + 1, m + 1), np.inf)
-    position = np.zeros((n + 1, m + 1), dtype=int)
-    prefix_sum = np.zeros(n + 1)
-    prefix_sum[1:] = np.cumsum(weights)
-    dp_max[0, 0] = 0
-    dp_cost[0, 0] = 0
-    for i in range(1, n + 1):
-        for j in range(1, min(i, m) + 1):
-            for k in range(i):
-                max_sum = max(dp_max[k, j - 1], prefix_sum[i] - prefix_sum[k])
-                min_sum = min(dp_min[k, j - 1], prefix_sum[i] - prefix_sum[k])
-                cost = max_sum - min_sum
-                if dp_cost[i, j] >= cost:
-                    dp_cost[i, j], dp_max[i, j], dp_min[i, j], position[i, j] = cost, max_sum, min_sum, k
-    parts = [n]
-    for j in reversed(range(1, m + 1)):
-        parts.append(int(position[parts[-1], j]))
-    parts.reverse()
-    return parts
+    """Contiguous parts whose summed weights spread least (heaviest part minus lightest), found the way DeepSpeed
+    finds them: part by part, each prefix of the layers keeps only its one best cut (so the result is DeepSpeed's
+    cut, not always the best possible one), and among cuts of equal spread the one furthest right wins."""
+    n = len(weights)
+    if n <= num_parts:
+        return partition_uniform(n, num_parts)
+    prefix = [0.0, *itertools.accumulate(float(w) for w in weights)]
+    # best[parts][end]: (spread, heaviest, lightest, start of the last part) of the first `end` layers in `parts`
+    best: list[dict[int, tuple[float, float, float, int]]] = [{0: (0.0, 0.0, math.inf, 0)}]
+    for parts in range(1, num_parts + 1):
+        row: dict[int, tuple[float, float, float, int]] = {}
+        for end in range(parts, n + 1):
+            for start, (_, heaviest, lightest, _) in sorted(best[parts - 1].items()):
+                if start >= end:
+                    break
+                last = prefix[end] - prefix[start]
+                cut = (max(heaviest, last) - min(lightest, last), max(heaviest, last), min(lightest, last), start)
+                if end not in row or cut[0] <= row[end][0]:
+                    row[end] = cut
+        best.append(row)
+    bounds = [n]
+    for parts in range(num_parts, 0, -1):
+        bounds.append(best[parts][bounds[-1]][3])
+    return bounds[::-1]
 
 
 __all__ = ["partition_balanced", "partition_uniform"]
