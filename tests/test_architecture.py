@@ -51,6 +51,7 @@ ALLOWED: dict[str, set[str]] = {
         "shardtrain.zero",
         "shardtrain.config",
         "shardtrain.plan",
+        "shardtrain.pipeline_parallel",  # deepspeed.pipe: PipelineEngine's grid
         "shardtrain.distributed",
     },
     # initialize: the plan applied to the model, one step per axis (engine/parallelize.py)

@@ -115,7 +115,7 @@ def _shim_api(workdir: str) -> dict:
     # the module: names of DeepSpeed's API that are not provided
     _raises(lambda: deepspeed.comm.reduce_scatter_coalesced, "deepspeed.comm.reduce_scatter_coalesced", "torch.dist")
     _raises(lambda: deepspeed.zero.TiledLinear, "deepspeed.zero.TiledLinear")
-    out["hasattr"] = hasattr(deepspeed, "pipe"), hasattr(deepspeed, "initialize")
+    out["hasattr"] = hasattr(deepspeed, "moe"), hasattr(deepspeed, "initialize")
     _raises(lambda: deepspeed.zero.Init(remote_device="nvme"), "deepspeed.zero.Init(remote_device=...)")
     _raises(lambda: deepspeed.zero.GatheredParameters([], fwd_module=nn.Linear(1, 1)), "fwd_module")
 

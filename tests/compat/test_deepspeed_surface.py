@@ -134,6 +134,8 @@ CALLS = {
     "get_accelerator().max_memory_reserved": lambda c: c.ds.get_accelerator().max_memory_reserved() >= 0,
     "get_accelerator().reset_peak_memory_stats": lambda c: c.ds.get_accelerator().reset_peak_memory_stats() is None,
     "deepspeed.zero.Init": _zero_init,
+    # a PipelineModule's own engine is tested in tests/compat/test_deepspeed_pipe.py; here: the names import
+    "deepspeed.pipe": lambda c: c.ds.pipe.PipelineModule is c.ds.PipelineModule and callable(c.ds.pipe.LayerSpec),
     "deepspeed.zero.register_external_parameter": lambda c: (
         c.ds.zero.register_external_parameter(nn.Linear(1, 1), nn.Parameter(torch.zeros(1))) is None
     ),
@@ -252,7 +254,7 @@ def test_refused_names_say_what_to_use(name):
         ("from shardtrain.deepspeed.utils import groups", "topology"),
         ("from shardtrain.deepspeed import DeepSpeedConfig", "load_config"),
         ("from shardtrain.deepspeed.runtime.zero.partition_parameters import ZeroParamStatus", "GatheredParameters"),
-        ("import shardtrain.deepspeed.pipe", "pipeline"),
+        ("import shardtrain.deepspeed.moe", "expert_parallel_size"),
     ],
 )
 def test_importing_a_refused_name_says_what_to_use(statement, instead):

@@ -9,11 +9,19 @@ logical tensors at any pipeline size. Each stage's forward is a small module of 
 :class:`LlamaStage`) holding the kept pieces it runs: the first embeds, the last applies the final norm and head
 (the loss is the schedule's ``loss_fn``, run on the last stage's output), and every Llama stage makes the rotary
 embeddings and the causal mask it needs from its own input (they hold no parameters).
+
+[Note: a model built as its stage]
+A model may come already cut: DeepSpeed's ``PipelineModule`` (the shim's, ``compat/deepspeed/runtime/pipe``) builds
+only its rank's stage when it is constructed. Such a model offers ``pipeline_stages(num_stages, stage_ids)``
+(:class:`BuiltAsStage`), returning the module of each of ``stage_ids`` (a ``PipelineModule``: itself) and the last
+stage's loss, or refusing a layout it was not built for; nothing is pruned, and the parameters keep the model's
+names.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -22,6 +30,13 @@ from shardtrain.errors import ConfigError
 from shardtrain.models.gpt import GPT
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@runtime_checkable
+class BuiltAsStage(Protocol):
+    """A model that holds one pipeline stage from its construction ([Note: a model built as its stage])."""
+
+    def pipeline_stages(self, num_stages: int, stage_ids: list[int]) -> tuple[list[nn.Module], LossFn]: ...
 
 
 def layers_of_stages(num_layers: int, num_stages: int) -> list[range]:
@@ -107,6 +122,8 @@ def _refuse_tied(name: str, embedding: nn.Module, head: nn.Module) -> None:
 
 def check_can_cut(model: nn.Module, num_stages: int) -> None:
     """Refuse, before anything is changed, a model that cannot be cut into ``num_stages`` stages here."""
+    if isinstance(model, BuiltAsStage):
+        return  # it says itself, in cut_model, whether it was built for this layout
     if isinstance(model, GPT):
         _refuse_tied("this GPT", model.tok, model.head)
         layers_of_stages(len(model.blocks), num_stages)
@@ -124,7 +141,9 @@ def check_can_cut(model: nn.Module, num_stages: int) -> None:
 def cut_model(model: nn.Module, num_stages: int, stages: list[int]) -> tuple[list[nn.Module], LossFn]:
     """Prune ``model`` in place to the pieces of ``stages`` (of ``num_stages``) and return each stage's module, in
     the order of ``stages``, and the loss of the last stage's output against the labels (see [Note: stages keep
-    the model's names])."""
+    the model's names]); a model built as its stage returns itself ([Note: a model built as its stage])."""
+    if isinstance(model, BuiltAsStage):
+        return model.pipeline_stages(num_stages, list(stages))
     check_can_cut(model, num_stages)
     llama = not isinstance(model, GPT)
     inner = model.model if llama else model
@@ -154,4 +173,4 @@ def cut_model(model: nn.Module, num_stages: int, stages: list[int]) -> tuple[lis
     return parts, model.loss
 
 
-__all__ = ["GPTStage", "LlamaStage", "check_can_cut", "cut_model", "layers_of_stages"]
+__all__ = ["BuiltAsStage", "GPTStage", "LlamaStage", "check_can_cut", "cut_model", "layers_of_stages"]

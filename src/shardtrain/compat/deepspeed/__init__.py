@@ -35,10 +35,11 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
 from shardtrain.compat.accelerate import check_accelerate_world
-from shardtrain.compat.deepspeed import accelerator, checkpoint, comm, runtime, utils, zero  # noqa: F401  deepspeed.comm, ...
+from shardtrain.compat.deepspeed import accelerator, checkpoint, comm, pipe, runtime, utils, zero  # noqa: F401  deepspeed.comm, ...
 from shardtrain.compat.deepspeed.accelerator import get_accelerator  # noqa: F401  `from deepspeed import ...`
 from shardtrain.compat.deepspeed.comm import init_distributed
 from shardtrain.compat.deepspeed.engine import DeepSpeedEngine
+from shardtrain.compat.deepspeed.runtime.pipe import PipelineEngine, PipelineModule
 from shardtrain.compat.deepspeed.unsupported import NotProvidedError, install_refused_imports, not_provided
 from shardtrain.config.sections import load_config, optimizer_class_and_kwargs
 from shardtrain.engine import Engine
@@ -50,6 +51,8 @@ install_refused_imports()  # `from deepspeed.ops.adam import X` says what to use
 __all__ = [
     "DeepSpeedEngine",
     "NotProvidedError",
+    "PipelineEngine",
+    "PipelineModule",
     "add_config_arguments",
     "init_distributed",
     "initialize",
@@ -102,7 +105,9 @@ def initialize(
     ``args.deepspeed_config``; giving it two ways is an error, as in DeepSpeed. With an ``optimizer`` section the
     optimizer is built over ``model_parameters`` (param groups kept; default: the model's trainable parameters);
     with a ``scheduler`` section the scheduler is built on it. ``training_data``: a map-style dataset, batched by
-    ``train_micro_batch_size_per_gpu`` over a ``DistributedSampler`` as DeepSpeed's loader does."""
+    ``train_micro_batch_size_per_gpu`` over a ``DistributedSampler`` as DeepSpeed's loader does. A
+    :class:`~shardtrain.deepspeed.pipe.PipelineModule` gives a :class:`PipelineEngine` (``train_batch``), its
+    ``num_stages`` the config's ``pipeline_parallel_size``."""
     if model is None:
         raise ValueError("deepspeed.initialize: model is required")
     if mpu is not None:
@@ -126,6 +131,8 @@ def initialize(
     if dist_init_required is False and not dist.is_initialized():
         raise ValueError("deepspeed.initialize(dist_init_required=False) but no process group exists: create one first")
     cfg = load_config(config)  # initialize() joins the process group (with the config's timeout) if needed
+    if isinstance(model, PipelineModule):
+        cfg = _pipeline_config(cfg, model)
     check_accelerate_world()  # under accelerate: its count of processes is the launcher's
     if cfg.train_batch_size is None and cfg.train_micro_batch_size_per_gpu is None:
         # shardtrain.initialize takes micro-batch 1 there; a DeepSpeed script gets DeepSpeed's refusal
@@ -148,8 +155,25 @@ def initialize(
     loader = None
     if training_data is not None:
         loader = _data_loader(engine, training_data, collate_fn, _raw_config(config).get("dataloader_drop_last", False))
-    adapter = DeepSpeedEngine(engine, loader, config)
+    adapter = (PipelineEngine if isinstance(model, PipelineModule) else DeepSpeedEngine)(engine, loader, config)
     return adapter, engine.optimizer, loader, engine.lr_scheduler
+
+
+def _pipeline_config(cfg: Any, model: PipelineModule) -> Any:
+    """The config with the module's ``num_stages`` as ``pipeline_parallel_size`` (DeepSpeed reads the stages from
+    the module; a config that says otherwise is refused)."""
+    given = cfg.pipeline_parallel_size if "pipeline_parallel_size" in cfg.model_fields_set else None
+    if given is not None and given != model.num_stages:
+        raise ConfigError(
+            f"the config's pipeline_parallel_size {given} and the PipelineModule's num_stages {model.num_stages} "
+            "differ: leave pipeline_parallel_size out (the module's num_stages is used)"
+        )
+    if model.num_stages == 1:
+        raise not_provided(
+            "a PipelineModule with num_stages=1",
+            "train it as a plain module (engine(x), backward, step) or with num_stages >= 2",
+        )
+    return cfg.model_copy(update={"pipeline_parallel_size": model.num_stages})
 
 
 def _data_loader(engine: Engine, data: Dataset, collate_fn: Callable | None, drop_last: bool) -> DataLoader:
@@ -179,7 +203,6 @@ def __getattr__(name: str) -> Any:
     instead = {
         "checkpointing": "use torch.utils.checkpoint for activation checkpointing",
         "ops": "DeepSpeed's fused kernels are not provided: the config's Adam/AdamW are torch's (torch_adam)",
-        "pipe": "pipeline parallelism is not built",
         "moe": "DeepSpeed-MoE's layer is not provided: train a transformers MoE model with expert_parallel_size; "
         "the config's `moe` section reads the layer's arguments (ep_size, drop_tokens, ...: docs/expert-parallel.md)",
         "init_inference": "inference engines are not built: use the model directly",

@@ -406,7 +406,9 @@ _ENGINE_INSTEAD = {
     "set_train_batch_size": "set train_batch_size or gradient_accumulation_steps in the config",
     "offload_states": "offload is configured: zero_optimization.offload_optimizer / offload_param",
     "reload_states": "offload is configured: zero_optimization.offload_optimizer / offload_param",
-    "train_batch": "pipeline parallelism is not built: run forward, backward and step per micro-batch",
-    "eval_batch": "pipeline parallelism is not built: call the engine on the batch under torch.no_grad()",
+    "train_batch": "train_batch runs a pipeline: build the model as a deepspeed.pipe.PipelineModule (or run forward, "
+    "backward and step per micro-batch)",
+    "eval_batch": "eval_batch runs a pipeline: build the model as a deepspeed.pipe.PipelineModule (or call the "
+    "engine on the batch under torch.no_grad())",
     "compile": "call torch.compile on the model yourself, or turn on the config's graph mode (docs/graph-mode.md)",
 }

@@ -1,10 +1,12 @@
-"""``deepspeed.runtime``: only :mod:`.lr_schedules` (accelerate reads its ``VALID_LR_SCHEDULES``); every other name of
+"""``deepspeed.runtime``: :mod:`.lr_schedules` (accelerate reads its ``VALID_LR_SCHEDULES``) and :mod:`.pipe`
+(``PipelineModule``, ``PipelineEngine``); every other name of
 DeepSpeed's internals is refused by name, saying what to use."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from shardtrain.compat.deepspeed.runtime import pipe  # noqa: F401  deepspeed.runtime.pipe
 from shardtrain.compat.deepspeed.unsupported import not_provided
 
 _INSTEAD = {
