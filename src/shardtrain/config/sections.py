@@ -624,6 +624,14 @@ def optimizer_class_and_kwargs(
     ``"auto"`` is an error.
     """
     kind = cfg.type.lower()
+    if kind == "muon":
+        raise ConfigError(
+            "optimizer.type: 'Muon' (DeepSpeed's Muon for 2-D hidden weights and AdamW for the rest) is not served "
+            "yet: Muon orthogonalizes each matrix whole, and ZeRO stages 1-3 step flat fragments (docs/muon.md). "
+            "At ZeRO stage 0 without tensor parallelism, pass the optimizer to initialize(optimizer=...) (a "
+            "torch.optim.Muon over 2-D parameters only, or a combined Muon + AdamW optimizer); otherwise use Adam, "
+            "AdamW or SGD"
+        )
     if kind not in _OPTIMIZERS:
         raise ConfigError(
             f"optimizer.type: {cfg.type!r} is not supported; allowed: Adam, AdamW, SGD "

@@ -13,7 +13,9 @@ Stepping 1-D fragments equals stepping whole tensors only if an element's update
 state alone (plus per-tensor scalars such as the step count); global-norm clipping is done before, on all fragments
 together. Adafactor, Muon, LBFGS and SparseAdam are not element-wise. So at stages 1-3 :func:`check_optimizer`
 accepts the torch classes of :data:`ELEMENTWISE_OPTIMIZERS` and their subclasses that do not override ``step``;
-anything else needs ``zero_allow_untested_optimizer: true``. Stage 0 steps whole parameters: any optimizer goes.
+anything else needs ``zero_allow_untested_optimizer: true``, and one known or probed not to be element-wise is refused
+whatever that key says ([Note: optimizers that need the whole tensor] in zero/elementwise.py). Stage 0 steps whole
+parameters: any optimizer goes, unless tensor parallelism splits them (then the same check).
 Rprop is element-wise but not listed: its sign-based step turns rounding noise in gradients that are zero up to
 rounding (attention key biases) into full steps, so its parity with one process cannot be tested.
 
@@ -41,6 +43,7 @@ from shardtrain.errors import OptimizerError
 from shardtrain.host_read import HostRead
 from shardtrain.optim.adam import DeepSpeedAdam
 from shardtrain.plan.policies import ZeroPolicy
+from shardtrain.zero.elementwise import known_not_elementwise, slice_mismatch
 from shardtrain.zero.layout import Bucket, fragment_places, fragment_tensor
 from shardtrain.zero.reducer import GradientReducer
 from shardtrain.zero.step_gather import ParameterGathers
@@ -586,22 +589,15 @@ def _elementwise_base(cls: type) -> type | None:
 
 
 def check_optimizer(
-    optimizer: torch.optim.Optimizer, module: nn.Module, stage: int, allow_untested: bool = False
+    optimizer: torch.optim.Optimizer, module: nn.Module, stage: int, allow_untested: bool = False, tp: int = 1
 ) -> None:
-    """Refuse an optimizer that cannot be stepped on this stage's tensors or that does not cover the model."""
+    """Refuse an optimizer that cannot be stepped on this stage's tensors (1-D fragments at stages 1-3, row blocks under
+    tensor parallelism ``tp > 1``) or that does not cover the model. See [Note: element-wise optimizers] and [Note:
+    optimizers that need the whole tensor] in zero/elementwise.py."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise OptimizerError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    if stage > 0 and not allow_untested and _elementwise_base(type(optimizer)) is None:
-        cls = type(optimizer)
-        own_step = any(issubclass(cls, b) for b in ELEMENTWISE_OPTIMIZERS)
-        why = "it overrides step()" if own_step else "its update is not known to be element-wise"
-        raise OptimizerError(
-            f"{cls.__module__}.{cls.__qualname__} cannot be used at ZeRO stage {stage}: {why}, and ZeRO hands "
-            "the optimizer flat 1-D fragments of the parameters, not whole tensors (an update that factors or "
-            "orthogonalizes matrices, or needs all parameters at once, would be silently wrong). Use an "
-            f"element-wise optimizer ({', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}), ZeRO stage 0, "
-            'or set "zero_allow_untested_optimizer": true if its update is element-wise'
-        )
+    if stage > 0 or tp > 1:
+        _check_elementwise(optimizer, stage, allow_untested, tp)
     if any(_has_stepped(s) for s in optimizer.state.values()):
         raise OptimizerError("the optimizer already holds state (it has taken a step); pass a freshly built optimizer")
     names = {id(p): n for n, p in module.named_parameters()}
@@ -623,6 +619,45 @@ def check_optimizer(
         raise OptimizerError(
             f"trainable parameters not in any optimizer param group: {', '.join(missing[:5])}"
             f"{' ...' if len(missing) > 5 else ''}; add them to the optimizer or set requires_grad=False"
+        )
+
+
+def _check_elementwise(optimizer: torch.optim.Optimizer, stage: int, allow_untested: bool, tp: int) -> None:
+    cls = type(optimizer)
+    if _elementwise_base(cls) is not None:
+        return
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    where = f"ZeRO stage {stage}" if stage > 0 else f"tensor parallel size {tp}"
+    pieces = (
+        "flat 1-D fragments of the parameters" if stage > 0 else "each rank's block of a split matrix"
+    ) + ", not whole tensors"
+    ways_out = (
+        f"Use ZeRO stage 0{' without tensor parallelism' if tp > 1 else ''}, or an element-wise optimizer "
+        f"({', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)})"
+    )
+    known = known_not_elementwise(cls)
+    if known is not None:
+        base, why = known
+        raise OptimizerError(
+            f"{name} cannot be used at {where}: {why} ({base}), and the optimizer would step {pieces}, a "
+            f"different algorithm. {ways_out}. zero_allow_untested_optimizer does not lift "
+            "this: the step is known not to be element-wise"
+        )
+    mismatch = slice_mismatch(optimizer, tp=tp, flat=stage > 0)
+    if mismatch is not None:
+        raise OptimizerError(
+            f"{name} cannot be used at {where}: its step is not element-wise ({mismatch}), and the optimizer would "
+            f"step {pieces}. {ways_out}. zero_allow_untested_optimizer does not lift this: "
+            "the probe showed the difference"
+        )
+    if not allow_untested:
+        own_step = any(issubclass(cls, b) for b in ELEMENTWISE_OPTIMIZERS)
+        why = "it overrides step()" if own_step else "its update is not known to be element-wise"
+        raise OptimizerError(
+            f"{name} cannot be used at {where}: {why}, and ZeRO hands the optimizer {pieces} (an update that "
+            "factors or orthogonalizes matrices, or needs all parameters at once, would be silently wrong; a probe on "
+            "a small tensor found no difference or could not step it: evidence, not proof). "
+            f'{ways_out}, or set "zero_allow_untested_optimizer": true if its update is element-wise'
         )
 
 
