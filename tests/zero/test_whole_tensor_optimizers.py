@@ -208,5 +208,5 @@ def test_every_class_the_table_names_exists_where_its_library_is_installed():
 def test_deepspeeds_muon_config_type_is_refused_by_name_with_the_ways_out():
     model = nn.Linear(4, 4, bias=False)
     config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "Muon", "params": {"muon_lr": 0.02}}}
-    with pytest.raises(ConfigError, match=r"'Muon' \(DeepSpeed's Muon .*not served yet.*ZeRO stage 0"):
+    with pytest.raises(ConfigError, match=r"'Muon' \(DeepSpeed's Muon .*not served from the config yet.*MuonWithAdamW"):
         shardtrain.initialize(model, config=config)

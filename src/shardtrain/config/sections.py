@@ -627,10 +627,9 @@ def optimizer_class_and_kwargs(
     if kind == "muon":
         raise ConfigError(
             "optimizer.type: 'Muon' (DeepSpeed's Muon for 2-D hidden weights and AdamW for the rest) is not served "
-            "yet: Muon orthogonalizes each matrix whole, and ZeRO stages 1-3 step flat fragments (docs/muon.md). "
-            "At ZeRO stage 0 without tensor parallelism, pass the optimizer to initialize(optimizer=...) (a "
-            "torch.optim.Muon over 2-D parameters only, or a combined Muon + AdamW optimizer); otherwise use Adam, "
-            "AdamW or SGD"
+            "from the config yet (docs/muon.md). Pass initialize(optimizer=shardtrain.optim.muon.MuonWithAdamW(...)) "
+            "with 'use_muon' param groups (served at ZeRO stage 0 and at 1-3 by owner ranks), or use Adam, AdamW or "
+            "SGD"
         )
     if kind not in _OPTIMIZERS:
         raise ConfigError(

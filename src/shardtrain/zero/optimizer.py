@@ -42,9 +42,11 @@ from shardtrain.distributed.communicator import Communicator, Reduce
 from shardtrain.errors import OptimizerError
 from shardtrain.host_read import HostRead
 from shardtrain.optim.adam import DeepSpeedAdam
+from shardtrain.optim.muon import MuonWithAdamW
 from shardtrain.plan.policies import ZeroPolicy
 from shardtrain.zero.elementwise import known_not_elementwise, slice_mismatch
 from shardtrain.zero.layout import Bucket, fragment_places, fragment_tensor
+from shardtrain.zero.muon_owners import MuonOwners
 from shardtrain.zero.reducer import GradientReducer
 from shardtrain.zero.step_gather import ParameterGathers
 
@@ -189,11 +191,34 @@ class ShardedOptimizer:
             self._move_initial_state()
             for group in optimizer.param_groups:
                 group["params"] = [self._stepped.get(id(p), p) for p in group["params"]]
+        if isinstance(optimizer, MuonWithAdamW) and self.sharded:
+            self._bind_muon_owners(optimizer, make_offload, tp_norm, experts, stage_comm)
         # sub-group stepping with offloaded state, made from the tensors stepped (after the state moved to them)
         self.offload: OptimizerOffload | None = None
         if make_offload is not None:
             fragments = self.stepped_fragments() if masters is not None else None
             self.offload = make_offload(self.stepped_tensors(), fragments)
+
+    def _bind_muon_owners(self, optimizer: MuonWithAdamW, make_offload, tp_norm, experts, stage_comm) -> None:
+        """Muon's orthogonalization on owner ranks ([Note: one owner per matrix] in zero/muon_owners.py)."""
+        unserved = [
+            what
+            for what, present in (
+                ("optimizer offload", make_offload is not None),
+                ("tensor parallelism", tp_norm is not None),
+                ("expert parallelism", experts is not None),
+                ("pipeline parallelism", stage_comm is not None),
+            )
+            if present
+        ]
+        if unserved:
+            raise OptimizerError(
+                f"MuonWithAdamW at ZeRO stages 1-3 is not served yet with {', '.join(unserved)} (docs/muon.md); "
+                "use it without them, or AdamW"
+            )
+        places = {id(self._stepped[k]): (b, i) for k, (_, b, i) in self._frag.items()}
+        muon = [id(p) for g in optimizer.param_groups if g["use_muon"] for p in g["params"]]
+        optimizer.whole_matrices = MuonOwners(self.comm, {k: places[k] for k in muon})
 
     def _move_initial_state(self) -> None:
         """State an optimizer made at construction (Adagrad's ``sum`` and ``step``) follows the tensors it
@@ -626,6 +651,8 @@ def _check_elementwise(optimizer: torch.optim.Optimizer, stage: int, allow_untes
     cls = type(optimizer)
     if _elementwise_base(cls) is not None:
         return
+    if cls is MuonWithAdamW and tp == 1:  # served on owner ranks ([Note: Muon on owners] in optim/muon.py)
+        return
     name = f"{cls.__module__}.{cls.__qualname__}"
     where = f"ZeRO stage {stage}" if stage > 0 else f"tensor parallel size {tp}"
     pieces = (
@@ -634,6 +661,7 @@ def _check_elementwise(optimizer: torch.optim.Optimizer, stage: int, allow_untes
     ways_out = (
         f"Use ZeRO stage 0{' without tensor parallelism' if tp > 1 else ''}, or an element-wise optimizer "
         f"({', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)})"
+        + (", or for Muon shardtrain.optim.muon.MuonWithAdamW (served at ZeRO 1-3 without tensor parallelism)")
     )
     known = known_not_elementwise(cls)
     if known is not None:
