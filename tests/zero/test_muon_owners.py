@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+import shardtrain
 from shardtrain.models.gpt import GPT, GPTConfig
 from shardtrain.optim.muon import MuonWithAdamW
 from shardtrain.testing import parity, run_distributed
@@ -171,3 +172,44 @@ def test_muon_at_zero_matches_on_a_tiny_hf_llama():
 def test_muon_at_stage_0_steps_whole_matrices():
     recipe = _recipe("gpt", 0)
     _assert_muon_parity(run_distributed(parity.engine_run, 1, recipe), recipe, 1)
+
+
+def _train_resumed(recipe: parity.Recipe, save_dir: str, resume_at: int | None) -> dict:
+    """On every rank: the recipe's steps straight, or saved after ``resume_at`` steps and loaded into a fresh engine
+    (a model from another seed: every value must come from the checkpoint) for the rest."""
+    import torch.distributed as dist
+
+    batches = recipe.batches()
+    engine = parity.build_engine(recipe)
+    losses = []
+    for step in range(recipe.steps):
+        if step == resume_at:
+            engine.save_checkpoint(save_dir, tag="mid")
+            engine.close()
+            model = recipe.make_model()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1.0)
+            engine = shardtrain.initialize(
+                model, config=recipe.engine_config(dist.get_world_size()), optimizer=_served(model)
+            )
+            engine.load_checkpoint(save_dir, tag="mid")
+        for m in range(recipe.gas):
+            rows = recipe.rows_of(batches[step * recipe.gas + m], dist.get_rank(), dist.get_world_size())
+            loss = recipe.loss(engine, rows)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+    out = {"losses": losses, "params": engine.full_state_dict()}
+    engine.close()
+    return out
+
+
+def test_muon_checkpoint_resumes_exactly_at_zero_2(tmp_path):
+    recipe = _recipe("gpt", 2)
+    straight = run_distributed(_train_resumed, 2, recipe, str(tmp_path / "unused"), None)
+    resumed = run_distributed(_train_resumed, 2, recipe, str(tmp_path / "ckpt"), 1)
+    for a, b in zip(straight, resumed):
+        assert a["losses"] == b["losses"]
+    for k, v in straight[0]["params"].items():
+        assert torch.equal(v, resumed[0]["params"][k]), k
