@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import shardtrain
+from shardtrain.errors import OptimizerError
 from shardtrain.models.gpt import GPT, GPTConfig
 from shardtrain.optim.muon import MuonWithAdamW
 from shardtrain.testing import parity, run_distributed
@@ -213,3 +214,34 @@ def test_muon_checkpoint_resumes_exactly_at_zero_2(tmp_path):
         assert a["losses"] == b["losses"]
     for k, v in straight[0]["params"].items():
         assert torch.equal(v, resumed[0]["params"][k]), k
+
+
+def test_muon_with_adamw_says_what_is_wrong_with_its_groups():
+    model = _model("gpt")
+    muon, rest = _split(model)
+    with pytest.raises(ValueError, match=r"param_groups\[0\] has no 'use_muon'"):
+        MuonWithAdamW([dict(params=muon)])
+    with pytest.raises(ValueError, match=r"param_groups\[1\]: Muon steps 2-D parameters only, got shapes \[\(32,\)"):
+        MuonWithAdamW([dict(params=muon, use_muon=True), dict(params=rest[2:], use_muon=True)])
+
+
+def _initialize_says(extra: dict) -> str:
+    import torch.distributed as dist
+
+    recipe = _recipe("gpt", 2)
+    model = recipe.make_model()
+    base = recipe.engine_config(dist.get_world_size())
+    config = {**base, **extra, "zero_optimization": {**base["zero_optimization"], **extra.get("zero_optimization", {})}}
+    try:
+        shardtrain.initialize(model, config=config, optimizer=_served(model))
+    except OptimizerError as err:
+        return str(err)
+    return "ok"
+
+
+def test_muon_with_what_it_does_not_serve_yet_is_refused_by_name(tmp_path):
+    offload = {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}
+    said = run_distributed(_initialize_says, 1, offload)[0]
+    assert "MuonWithAdamW at ZeRO stages 1-3 is not served yet with optimizer offload" in said, said
+    said = run_distributed(_initialize_says, 2, {"tensor_parallel": {"size": 2}})[0]
+    assert "MuonWithAdamW is not served under tensor parallelism (size 2) yet" in said, said

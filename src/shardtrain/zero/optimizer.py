@@ -651,8 +651,14 @@ def _check_elementwise(optimizer: torch.optim.Optimizer, stage: int, allow_untes
     cls = type(optimizer)
     if _elementwise_base(cls) is not None:
         return
-    if cls is MuonWithAdamW and tp == 1:  # served on owner ranks ([Note: Muon on owners] in optim/muon.py)
-        return
+    if cls is MuonWithAdamW:  # served on owner ranks ([Note: Muon on owners] in optim/muon.py), without tp
+        if tp == 1:
+            return
+        raise OptimizerError(
+            f"MuonWithAdamW is not served under tensor parallelism (size {tp}) yet: its Newton-Schulz would run on "
+            "each rank's block of a split matrix, not on the whole matrix (docs/muon.md). Use tensor_parallel.size 1 "
+            "(ZeRO 0-3 are served), or AdamW"
+        )
     name = f"{cls.__module__}.{cls.__qualname__}"
     where = f"ZeRO stage {stage}" if stage > 0 else f"tensor parallel size {tp}"
     pieces = (
