@@ -364,6 +364,15 @@ def test_optimizers_that_need_whole_tensors_are_refused_at_stages_1_to_3(stage):
             assert "zero_allow_untested_optimizer" in message
 
 
-def test_untested_optimizers_are_allowed_by_the_config_key():
+def test_untested_optimizers_are_allowed_by_the_config_key_unless_known_or_probed_not_elementwise():
     r = run_distributed(_optimizer_policy, 1, 2, True)[0]
-    assert set(r.values()) == {"ok"}, r
+    # a probe step on flat pieces agrees with the whole-tensor step: the key lets them through, as in DeepSpeed
+    assert {n: r.pop(n) for n in ("_OwnStepAdamW", "_UnknownOptimizer", "_SubclassedAdamW")} == dict.fromkeys(
+        ("_OwnStepAdamW", "_UnknownOptimizer", "_SubclassedAdamW"), "ok"
+    )
+    # known to need whole tensors: refused by name whatever the key says, with the ways out
+    for name, message in r.items():
+        assert name in message and "stage 2" in message and "ZeRO stage 0" in message, (name, message)
+        assert "zero_allow_untested_optimizer does not lift this" in message, (name, message)
+    assert "orthogonalizes each 2-D matrix" in r["Muon"] and "torch.optim._muon.Muon" in r["Muon"]
+    assert "factors each matrix's second moment" in r["Adafactor"]

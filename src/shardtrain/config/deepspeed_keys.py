@@ -387,11 +387,12 @@ RULES: tuple[Rule, ...] = (
     _supported(
         "zero_allow_untested_optimizer",
         "bool, `false`",
-        "accept at stages 1-3 an optimizer not known to be element-wise; by default only SGD, Adam, AdamW, "
-        "Adamax, NAdam, RAdam, Adagrad, Adadelta, RMSprop, ASGD, shardtrain's DeepSpeedAdam and their subclasses "
-        "that keep their "
-        "`step` are (ZeRO steps 1-D fragments: Adafactor, Muon, LBFGS, SparseAdam would be wrong); stage 0 "
-        "accepts any optimizer",
+        "accept at stages 1-3 (or under tensor parallelism) an optimizer not known to be element-wise whose step a "
+        "probe at `initialize` finds element-wise on a small tensor; by default only SGD, Adam, AdamW, Adamax, NAdam, "
+        "RAdam, Adagrad, Adadelta, RMSprop, ASGD, shardtrain's DeepSpeedAdam and their subclasses that keep their "
+        "`step` are. Optimizers known to need whole tensors (Muon, Adafactor, LAMB, Shampoo, LBFGS, SparseAdam) or "
+        "that the probe shows are not element-wise are refused whatever this key says (docs/muon.md); stage 0 "
+        "without tensor parallelism accepts any optimizer",
     ),
     _no_effect(
         "zero_force_ds_cpu_optimizer",
@@ -1368,9 +1369,9 @@ NO_EFFECT_WHEN: tuple[NoEffectWhen, ...] = (
     ),
     NoEffectWhen(
         "zero_allow_untested_optimizer",
-        "at ZeRO stage 0",
+        "at ZeRO stage 0 without tensor parallelism",
         "stage 0 steps whole parameters and accepts any optimizer",
-        lambda c: _zero_stage(c) == 0,
+        lambda c: _zero_stage(c) == 0 and c.tensor_parallel.degree == 1,
     ),
     NoEffectWhen(
         _Z + "sub_group_size",

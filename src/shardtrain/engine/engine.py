@@ -839,7 +839,7 @@ def _initialize(
     # the optimizer and scheduler are refused, or built, before the model is touched: moving it to its device, the
     # tensor-parallel split and deferred construction keep every parameter object the optimizer holds
     opt = build_optimizer(model, cfg, optimizer, topology.device)
-    check_optimizer(opt, model, plan.zero.stage, cfg.zero_allow_untested_optimizer)
+    check_optimizer(opt, model, plan.zero.stage, cfg.zero_allow_untested_optimizer, tp=plan.dims.tp)
     scheduler = build_lr_scheduler(cfg, opt, lr_scheduler)
     if cfg.seed is not None:
         random.seed(cfg.seed)

@@ -13,9 +13,9 @@ in ``step`` than update its state (a collective, a counter), and is not checked.
 
 from __future__ import annotations
 
-from collections import OrderedDict, defaultdict
-
 import torch
+
+from shardtrain.zero.elementwise import detached_copy
 
 _PROBED_MODULES = ("torch.optim.", "shardtrain.")
 
@@ -35,14 +35,7 @@ def state_keys_needed(optimizer: torch.optim.Optimizer) -> list[frozenset[str] |
         like = params[0]
         probe_param = torch.zeros(2, dtype=like.dtype, device=like.device, requires_grad=True)
         probe_param.grad = torch.zeros_like(probe_param)
-        # the class and every attribute shared (not copy.copy: __setstate__ would touch the shared state); its own
-        # state, groups and hooks
-        probe = cls.__new__(cls)
-        probe.__dict__.update(optimizer.__dict__)
-        probe.state = defaultdict(dict)
-        probe.param_groups = [{**group, "params": [probe_param]}]
-        probe._optimizer_step_pre_hooks = OrderedDict()
-        probe._optimizer_step_post_hooks = OrderedDict()
+        probe = detached_copy(optimizer, group, [probe_param])
         try:
             with torch.no_grad():
                 # the class's step: an LR scheduler replaces the instance's ``step`` by one bound to the original

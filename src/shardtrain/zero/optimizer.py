@@ -13,7 +13,9 @@ Stepping 1-D fragments equals stepping whole tensors only if an element's update
 state alone (plus per-tensor scalars such as the step count); global-norm clipping is done before, on all fragments
 together. Adafactor, Muon, LBFGS and SparseAdam are not element-wise. So at stages 1-3 :func:`check_optimizer`
 accepts the torch classes of :data:`ELEMENTWISE_OPTIMIZERS` and their subclasses that do not override ``step``;
-anything else needs ``zero_allow_untested_optimizer: true``. Stage 0 steps whole parameters: any optimizer goes.
+anything else needs ``zero_allow_untested_optimizer: true``, and one known or probed not to be element-wise is refused
+whatever that key says ([Note: optimizers that need the whole tensor] in zero/elementwise.py). Stage 0 steps whole
+parameters: any optimizer goes, unless tensor parallelism splits them (then the same check).
 Rprop is element-wise but not listed: its sign-based step turns rounding noise in gradients that are zero up to
 rounding (attention key biases) into full steps, so its parity with one process cannot be tested.
 
@@ -40,8 +42,11 @@ from shardtrain.distributed.communicator import Communicator, Reduce
 from shardtrain.errors import OptimizerError
 from shardtrain.host_read import HostRead
 from shardtrain.optim.adam import DeepSpeedAdam
+from shardtrain.optim.muon import MuonWithAdamW
 from shardtrain.plan.policies import ZeroPolicy
+from shardtrain.zero.elementwise import known_not_elementwise, slice_mismatch
 from shardtrain.zero.layout import Bucket, fragment_places, fragment_tensor
+from shardtrain.zero.muon_owners import MuonOwners
 from shardtrain.zero.reducer import GradientReducer
 from shardtrain.zero.step_gather import ParameterGathers
 
@@ -186,11 +191,34 @@ class ShardedOptimizer:
             self._move_initial_state()
             for group in optimizer.param_groups:
                 group["params"] = [self._stepped.get(id(p), p) for p in group["params"]]
+        if isinstance(optimizer, MuonWithAdamW) and self.sharded:
+            self._bind_muon_owners(optimizer, make_offload, tp_norm, experts, stage_comm)
         # sub-group stepping with offloaded state, made from the tensors stepped (after the state moved to them)
         self.offload: OptimizerOffload | None = None
         if make_offload is not None:
             fragments = self.stepped_fragments() if masters is not None else None
             self.offload = make_offload(self.stepped_tensors(), fragments)
+
+    def _bind_muon_owners(self, optimizer: MuonWithAdamW, make_offload, tp_norm, experts, stage_comm) -> None:
+        """Muon's orthogonalization on owner ranks ([Note: one owner per matrix] in zero/muon_owners.py)."""
+        unserved = [
+            what
+            for what, present in (
+                ("optimizer offload", make_offload is not None),
+                ("tensor parallelism", tp_norm is not None),
+                ("expert parallelism", experts is not None),
+                ("pipeline parallelism", stage_comm is not None),
+            )
+            if present
+        ]
+        if unserved:
+            raise OptimizerError(
+                f"MuonWithAdamW at ZeRO stages 1-3 is not served yet with {', '.join(unserved)} (docs/muon.md); "
+                "use it without them, or AdamW"
+            )
+        places = {id(self._stepped[k]): (b, i) for k, (_, b, i) in self._frag.items()}
+        muon = [id(p) for g in optimizer.param_groups if g["use_muon"] for p in g["params"]]
+        optimizer.whole_matrices = MuonOwners(self.comm, {k: places[k] for k in muon})
 
     def _move_initial_state(self) -> None:
         """State an optimizer made at construction (Adagrad's ``sum`` and ``step``) follows the tensors it
@@ -586,22 +614,15 @@ def _elementwise_base(cls: type) -> type | None:
 
 
 def check_optimizer(
-    optimizer: torch.optim.Optimizer, module: nn.Module, stage: int, allow_untested: bool = False
+    optimizer: torch.optim.Optimizer, module: nn.Module, stage: int, allow_untested: bool = False, tp: int = 1
 ) -> None:
-    """Refuse an optimizer that cannot be stepped on this stage's tensors or that does not cover the model."""
+    """Refuse an optimizer that cannot be stepped on this stage's tensors (1-D fragments at stages 1-3, row blocks under
+    tensor parallelism ``tp > 1``) or that does not cover the model. See [Note: element-wise optimizers] and [Note:
+    optimizers that need the whole tensor] in zero/elementwise.py."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise OptimizerError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    if stage > 0 and not allow_untested and _elementwise_base(type(optimizer)) is None:
-        cls = type(optimizer)
-        own_step = any(issubclass(cls, b) for b in ELEMENTWISE_OPTIMIZERS)
-        why = "it overrides step()" if own_step else "its update is not known to be element-wise"
-        raise OptimizerError(
-            f"{cls.__module__}.{cls.__qualname__} cannot be used at ZeRO stage {stage}: {why}, and ZeRO hands "
-            "the optimizer flat 1-D fragments of the parameters, not whole tensors (an update that factors or "
-            "orthogonalizes matrices, or needs all parameters at once, would be silently wrong). Use an "
-            f"element-wise optimizer ({', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}), ZeRO stage 0, "
-            'or set "zero_allow_untested_optimizer": true if its update is element-wise'
-        )
+    if stage > 0 or tp > 1:
+        _check_elementwise(optimizer, stage, allow_untested, tp)
     if any(_has_stepped(s) for s in optimizer.state.values()):
         raise OptimizerError("the optimizer already holds state (it has taken a step); pass a freshly built optimizer")
     names = {id(p): n for n, p in module.named_parameters()}
@@ -623,6 +644,54 @@ def check_optimizer(
         raise OptimizerError(
             f"trainable parameters not in any optimizer param group: {', '.join(missing[:5])}"
             f"{' ...' if len(missing) > 5 else ''}; add them to the optimizer or set requires_grad=False"
+        )
+
+
+def _check_elementwise(optimizer: torch.optim.Optimizer, stage: int, allow_untested: bool, tp: int) -> None:
+    cls = type(optimizer)
+    if _elementwise_base(cls) is not None:
+        return
+    if cls is MuonWithAdamW:  # served on owner ranks ([Note: Muon on owners] in optim/muon.py), without tp
+        if tp == 1:
+            return
+        raise OptimizerError(
+            f"MuonWithAdamW is not served under tensor parallelism (size {tp}) yet: its Newton-Schulz would run on "
+            "each rank's block of a split matrix, not on the whole matrix (docs/muon.md). Use tensor_parallel.size 1 "
+            "(ZeRO 0-3 are served), or AdamW"
+        )
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    where = f"ZeRO stage {stage}" if stage > 0 else f"tensor parallel size {tp}"
+    pieces = (
+        "flat 1-D fragments of the parameters" if stage > 0 else "each rank's block of a split matrix"
+    ) + ", not whole tensors"
+    ways_out = (
+        f"Use ZeRO stage 0{' without tensor parallelism' if tp > 1 else ''}, or an element-wise optimizer "
+        f"({', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)})"
+        + (", or for Muon shardtrain.optim.muon.MuonWithAdamW (served at ZeRO 1-3 without tensor parallelism)")
+    )
+    known = known_not_elementwise(cls)
+    if known is not None:
+        base, why = known
+        raise OptimizerError(
+            f"{name} cannot be used at {where}: {why} ({base}), and the optimizer would step {pieces}, a "
+            f"different algorithm. {ways_out}. zero_allow_untested_optimizer does not lift "
+            "this: the step is known not to be element-wise"
+        )
+    mismatch = slice_mismatch(optimizer, tp=tp, flat=stage > 0)
+    if mismatch is not None:
+        raise OptimizerError(
+            f"{name} cannot be used at {where}: its step is not element-wise ({mismatch}), and the optimizer would "
+            f"step {pieces}. {ways_out}. zero_allow_untested_optimizer does not lift this: "
+            "the probe showed the difference"
+        )
+    if not allow_untested:
+        own_step = any(issubclass(cls, b) for b in ELEMENTWISE_OPTIMIZERS)
+        why = "it overrides step()" if own_step else "its update is not known to be element-wise"
+        raise OptimizerError(
+            f"{name} cannot be used at {where}: {why}, and ZeRO hands the optimizer {pieces} (an update that "
+            "factors or orthogonalizes matrices, or needs all parameters at once, would be silently wrong; a probe on "
+            "a small tensor found no difference or could not step it: evidence, not proof). "
+            f'{ways_out}, or set "zero_allow_untested_optimizer": true if its update is element-wise'
         )
 
 
