@@ -149,8 +149,9 @@ def test_refusals_name_what():
 # -- the script, trained -------------------------------------------------------------------------------------------
 
 
-def _script(pp: int, clip: float = CLIP) -> dict:
-    """What a DeepSpeed pipeline script does, with `import shardtrain.deepspeed as deepspeed`."""
+def _script(pp: int, clip: float = CLIP, pipeline: dict | None = None) -> dict:
+    """What a DeepSpeed pipeline script does, with `import shardtrain.deepspeed as deepspeed` (``pipeline``: the
+    config's DeepSpeed ``pipeline`` section, if any)."""
     world = dist.get_world_size()
     Block.built = 0
     net = pipeline_module(pp)
@@ -161,6 +162,7 @@ def _script(pp: int, clip: float = CLIP) -> dict:
         "gradient_clipping": clip,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WD}},
         "steps_per_print": 10**6,
+        **({"pipeline": pipeline} if pipeline is not None else {}),
     }
     engine, _, _, _ = deepspeed.initialize(
         model=net, model_parameters=[p for p in net.parameters() if p.requires_grad], config=config
@@ -220,10 +222,37 @@ def test_pipeline_module_script_equals_one_process(pp, world):
         assert all(int(i) in mine for i in r["held"]) and r["held"], (r, bounds)
 
 
+def _deepspeeds_pipeline_section(**changes: object) -> dict:
+    """The ``pipeline`` section DeepSpeed 0.19.8 fills in for a config without one (every key it has, at its
+    default; ``use_reentrant`` is read by its PipelineEngine with None meaning true), with ``changes``."""
+    from deepspeed.runtime.config import get_pipeline_config
+
+    return {**get_pipeline_config({}), "use_reentrant": None, **changes}
+
+
+@pytest.mark.parametrize("stages", ["auto", 2])
+def test_deepspeeds_pipeline_section_at_its_defaults_trains_as_without_it(stages):
+    # DeepSpeed's defaults (stages "auto", partition "best", pipe/grad_partitioned true, ...) written out: accepted,
+    # and the script trains exactly as the same layers in one process (the section changes nothing)
+    section = _deepspeeds_pipeline_section(stages=stages)
+    assert set(section) == {"stages", "partition", "seed_layers", "activation_checkpoint_interval", "pipe_partitioned",
+                            "grad_partitioned", "use_reentrant"}  # fmt: skip
+    results = run_distributed(_script, 2, 2, CLIP, section)
+    assert_parity(results, _reference(1))
+
+
 def _mismatched_config(_: int) -> str:
     net = pipeline_module(2)
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2, "pipeline_parallel_size": 1}
     with pytest.raises(ConfigError, match="pipeline_parallel_size 1 and the PipelineModule's num_stages 2"):
+        deepspeed.initialize(model=net, model_parameters=net.parameters(), config=config)
+    # DeepSpeed's pipeline.stages is not read by DeepSpeed; one that names another size than num_stages is refused
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2, "pipeline": {"stages": 3}}
+    with pytest.raises(ConfigError, match=r"pipeline.stages 3 but the pipeline has 2 stage\(s\).*num_stages"):
+        deepspeed.initialize(model=net, model_parameters=net.parameters(), config=config)
+    # activation checkpointing every N layers is not built under pipelines: refused by name, not dropped
+    config = {**config, "pipeline": _deepspeeds_pipeline_section(activation_checkpoint_interval=1)}
+    with pytest.raises(ConfigError, match=r"pipeline\.activation_checkpoint_interval: 1 is not supported"):
         deepspeed.initialize(model=net, model_parameters=net.parameters(), config=config)
     return "ok"
 

@@ -161,10 +161,6 @@ def test_refused_values_name_key_value_and_what_is_accepted(config, fragments):
 @pytest.mark.parametrize(
     ("config", "fragments"),
     [
-        (
-            {"pipeline": {"stages": 2}},
-            ["pipeline.stages: a DeepSpeed key shardtrain does not support", "pipeline_parallel_size"],
-        ),
         ({"sparse_attention": {"mode": "fixed"}}, ["sparse_attention", "not provided"]),
         ({"zero_optimization": {"leaf_module": {}}}, ["zero_optimization.leaf_module", "stage3_unit_classes"]),
     ],
@@ -174,6 +170,53 @@ def test_not_supported_keys(config, fragments):
         load_config(config)
     for fragment in fragments:
         assert fragment in str(err.value)
+
+
+def test_deepspeeds_pipeline_section_is_classified_key_by_key():
+    # every key DeepSpeed's get_pipeline_config fills in (and use_reentrant, which its PipelineEngine reads) has a
+    # rule, and the section as DeepSpeed writes it out loads: [Note: DeepSpeed's pipeline keys]
+    from deepspeed.runtime.config import get_pipeline_config
+
+    section = {**get_pipeline_config({}), "use_reentrant": None}
+    assert all(f"pipeline.{key}" in RULES_BY_PATH for key in section), sorted(section)
+    report = inspect_config({"pipeline_parallel_size": 2, "pipeline": section})
+    assert report.problems == [] and report.config is not None
+    assert report.config.pipeline.stages == "auto"
+    assert report.autos == {"pipeline.stages": "`pipeline_parallel_size` (a PipelineModule's `num_stages`)"}
+    ignored = {line.split(":")[0] for line in report.no_effect}
+    assert ignored == {f"pipeline.{k}" for k in section} - {"pipeline.stages"}
+    # the values DeepSpeed ignores or that change nothing without tensor parallelism are accepted at any value
+    other = {"partition": "uniform", "seed_layers": True, "pipe_partitioned": False, "grad_partitioned": False}
+    assert load_config({"pipeline": {**section, **other, "use_reentrant": False}}).pipeline.stages == "auto"
+
+
+@pytest.mark.parametrize(
+    ("pipeline", "fragment"),
+    [
+        ({"activation_checkpoint_interval": 2}, "pipeline.activation_checkpoint_interval: 2 is not supported"),
+        ({"pipe_partitioned": "yes"}, "pipeline.pipe_partitioned: Input should be a valid boolean"),
+        ({"grad_partitioned": 1}, "pipeline.grad_partitioned: Input should be a valid boolean"),
+        ({"partition": 3}, "pipeline.partition: Input should be a valid string"),
+        ({"use_reentrant": "no"}, "pipeline.use_reentrant"),
+        ({"stages": 0}, "pipeline.stages"),
+        ({"stages": "all"}, "pipeline.stages"),
+        ({"stage": 2}, "pipeline.stage: unknown key 'stage'; did you mean 'stages'?"),
+    ],
+)
+def test_deepspeeds_pipeline_values_not_served_are_refused_by_name(pipeline, fragment):
+    with pytest.raises(ConfigError) as err:
+        load_config({"pipeline": pipeline})
+    assert fragment in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize(("config", "pp"), [({"pipeline_parallel_size": 2, "pipeline": {"stages": 4}}, 2),
+                                             ({"pipeline": {"stages": 2}}, 1)])  # fmt: skip
+def test_pipeline_stages_other_than_the_pipelines_size_are_refused(config, pp):
+    from shardtrain.config.plan import resolve_plan
+
+    with pytest.raises(ConfigError, match=rf"pipeline.stages {config['pipeline']['stages']} but the pipeline has {pp}"):
+        resolve_plan(load_config(config), 4)
+    assert resolve_plan(load_config({**config, "pipeline": {"stages": pp}}), 4).dims.pp == pp
 
 
 def test_every_problem_is_reported_not_only_the_first():

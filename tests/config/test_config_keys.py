@@ -1076,6 +1076,15 @@ def _flops_peak(tmp: Path) -> None:
     assert "mfu" not in engine.monitor.throughput(1000.0) and "MFU" not in logged  # no peak known on the CPU
 
 
+@effect("pipeline.stages")
+def _pipeline_stages(tmp: Path) -> None:
+    # DeepSpeed reads no value of it (the stages are the pipeline's size); a value naming another size is refused
+    assert _engine({"pipeline": {"stages": "auto"}}).config.pipeline.stages == 1  # "auto": the pipeline's size
+    assert _engine({"pipeline": {"stages": 1}}).config.pipeline.stages == 1
+    with pytest.raises(ConfigError, match=r"pipeline.stages 2 but the pipeline has 1 stage\(s\)"):
+        _engine({"pipeline": {"stages": 2}})
+
+
 # -- shardtrain's own keys -------------------------------------------------------------------------------------------
 
 

@@ -17,6 +17,7 @@ config key                              resolved from
 ``stage3_gather_16bit_weights_...``    true (the Trainer saves the full weights)
 ``fp16.enabled`` / ``bf16.enabled``     ``auto_values["precision"]`` (``"fp32"``, ``"bf16"``, ``"fp16"``); false if
                                         not given (the Trainer's default without ``--fp16``/``--bf16``)
+``pipeline.stages``                     ``pipeline_parallel_size`` (a PipelineModule's ``num_stages``)
 ``zero_optimization.*`` sizes           hidden size h (``model.config.hidden_size``, the largest of
                                         ``hidden_sizes``, or ``auto_values["hidden_size"]``):
                                         ``reduce_bucket_size`` h², at stage 3 ``stage3_prefetch_bucket_size``
@@ -133,6 +134,8 @@ def resolve_auto(
                 _set(data, path, value)
     if is_auto(_get(data, "scheduler.params.warmup_min_lr")):
         _set(data, "scheduler.params.warmup_min_lr", 0.0)
+    if is_auto(_get(data, "pipeline.stages")):  # DeepSpeed reads the stages from its PipelineModule, never from here
+        _set(data, "pipeline.stages", cfg.pipeline_parallel_size)
     _resolve_precision(data, values.get("precision"))
     _resolve_batch(data, dp)
     _resolve_sizes(data, model, values.get("hidden_size"))

@@ -137,6 +137,18 @@ def _deepspeed_refuses(path: str, note: str) -> Rule:
     return Rule(path, Kind.NOT_SUPPORTED, note, deepspeed_refuses=True)
 
 
+# [Note: DeepSpeed's pipeline keys]
+# DeepSpeed 0.19.8 fills its `pipeline` section with defaults (`runtime/config.py`'s `get_pipeline_config`) and copies
+# any key given; its PipelineEngine then reads only `activation_checkpoint_interval`, `use_reentrant`,
+# `pipe_partitioned` and `grad_partitioned`. `stages`, `partition` and `seed_layers` are never read: the stages,
+# the cut and the seeding are the PipelineModule's `num_stages`, `partition_method` and `seed_layers`, which the shim's
+# PipelineModule takes as DeepSpeed's does. So `partition` and `seed_layers` are accepted without effect at any value,
+# as DeepSpeed ignores them; `stages` is kept and must name the pipeline's size (a config that says 4 for a 2-stage
+# module contradicts itself; `config.plan` refuses it). `pipe_partitioned`/`grad_partitioned` split what crosses a
+# stage boundary into 1/tp pieces only when DeepSpeed's model-parallel size is above 1; pipeline parallelism with
+# tensor parallelism is refused here, so DeepSpeed sends whole tensors too: the same bytes and values at any value
+# (when pp x tp is built, `true` becomes a p2p volume the shardtrain pipeline does not cut: revisit these rows).
+# `activation_checkpoint_interval` > 0 asks for checkpointing, not built under pipelines: only 0 is accepted.
 _ZERO_PP_SAME = "shardtrain communicates in full precision over all data-parallel ranks (the result of ZeRO without it)"
 _Z = "zero_optimization."
 
@@ -1017,7 +1029,12 @@ RULES: tuple[Rule, ...] = (
     ),
     # -- features that are not built -------------------------------------------------------------
     _not_supported("sparse_attention", "DeepSpeed's sparse attention modules are not provided"),
-    _supported("pipeline", "section", "pipeline parallelism's schedule: docs/pipeline-parallel.md"),
+    _supported(
+        "pipeline",
+        "section",
+        "pipeline parallelism's schedule (docs/pipeline-parallel.md), and DeepSpeed's pipeline engine keys at the "
+        "values that are what shardtrain does ([Note: DeepSpeed's pipeline keys])",
+    ),
     _supported(
         "pipeline.schedule",
         'str, `"1F1B"`',
@@ -1025,18 +1042,48 @@ RULES: tuple[Rule, ...] = (
         "`LoopedBFS`",
     ),
     _supported("pipeline.stages_per_rank", "int ≥ 1, `1`", "stages each pipeline rank holds (multi-stage schedules)"),
-    _not_supported(
-        "pipeline.stages", "set `pipeline_parallel_size` (DeepSpeed reads the stages from its PipelineModule)"
+    _supported(
+        "pipeline.stages",
+        'int ≥ 1 or `"auto"` (DeepSpeed\'s default)',
+        "DeepSpeed's pipeline ranks, which DeepSpeed reads from its PipelineModule's `num_stages`, never from here: "
+        "accepted when it is that number (`pipeline_parallel_size`, or a PipelineModule's `num_stages`), refused "
+        "at initialize when it names another",
+        auto="`pipeline_parallel_size` (a PipelineModule's `num_stages`)",
+    ),
+    _no_effect(
+        "pipeline.partition",
+        'str, `"best"`',
+        "DeepSpeed reads no value of it: its PipelineModule's `partition_method` cuts the layers, as here",
+        check=StrictStr,
+    ),
+    _no_effect(
+        "pipeline.seed_layers",
+        "bool, `false`",
+        "DeepSpeed reads no value of it: its PipelineModule's `seed_layers` reseeds the layers, as here",
+        check=StrictBool,
+    ),
+    _only(
+        "pipeline.activation_checkpoint_interval",
+        0,
+        "DeepSpeed's PipelineEngine checkpoints the PipelineModule's layers in runs of this many; activation "
+        "checkpointing under pipeline parallelism is not built yet",
+    ),
+    _no_effect(
+        "pipeline.use_reentrant",
+        "bool or `null` (`true`)",
+        "it picks the function DeepSpeed checkpoints with under `activation_checkpoint_interval` > 0, which is "
+        "refused here: nothing is checkpointed",
+        check=StrictBool | None,
     ),
     *(
-        _not_supported(f"pipeline.{key}", "DeepSpeed's PipelineModule engine; shardtrain cuts the model by layers")
-        for key in (
-            "partition",
-            "seed_layers",
-            "activation_checkpoint_interval",
-            "pipe_partitioned",
-            "grad_partitioned",
+        _no_effect(
+            f"pipeline.{key}",
+            "bool, `true`",
+            f"DeepSpeed splits the {what} sent between stages into 1/tp pieces only with tensor (model) parallelism, "
+            "which is not built with pipeline parallelism here: without it DeepSpeed sends them whole, as here",
+            check=StrictBool,
         )
+        for key, what in (("pipe_partitioned", "activations"), ("grad_partitioned", "gradients"))
     ),
     _supported(
         "pipeline_parallel_size",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from shardtrain.config.deepspeed_keys import is_auto
 from shardtrain.config.sections import Config
 from shardtrain.errors import ConfigError
 from shardtrain.plan import Plan
@@ -151,6 +152,13 @@ def refuse_unbuilt(cfg: Config, dims: ParallelDims, device_type: str | None = No
     if device_type is not None:
         refuse_on_device(cfg, device_type)
         refuse_fp8_on_device(cfg, device_type)
+    stages = cfg.pipeline.stages
+    if stages is not None and not is_auto(stages) and stages != dims.pp:  # [Note: DeepSpeed's pipeline keys]
+        raise ConfigError(
+            f"pipeline.stages {stages} but the pipeline has {dims.pp} stage(s) (pipeline_parallel_size, or a "
+            "PipelineModule's num_stages, which DeepSpeed reads the stages from): write "
+            f'"auto" or {dims.pp}, or remove pipeline.stages'
+        )
     zcfg = cfg.zero_optimization
     hpz = zcfg.zero_hpz_partition_size
     if dims.cp > 1:

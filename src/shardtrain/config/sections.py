@@ -240,6 +240,10 @@ class PipelineConfig(_Section):
     ``LoopedBFS``."""
     stages_per_rank: Count = 1
     """Stages each pipeline rank holds: the model is cut into ``pipeline_parallel_size * stages_per_rank`` stages."""
+    stages: Count | Auto | None = None
+    """DeepSpeed's key: the pipeline's size, which must be ``pipeline_parallel_size`` (a PipelineModule's
+    ``num_stages``); ``"auto"`` is resolved to it at ``initialize``, unset it is not checked (see [Note: DeepSpeed's
+    pipeline keys])."""
 
     @model_validator(mode="after")
     def _schedule(self) -> PipelineConfig:
