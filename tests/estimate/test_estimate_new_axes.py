@@ -7,6 +7,8 @@ gathers' bytes (ZeRO's communicator's ``all_gather_float8``); the printed bubble
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -189,3 +191,24 @@ def test_a_search_tries_pipeline_sizes_up_to_the_config_s_and_each_stage_holds_l
     # at stage 0 pipeline rank 0 holds its two blocks and the embeddings, not the whole model
     assert by_size[2, 0, 1] < by_size[1, 0, 1]
     assert "pp 2 (1F1B, 2 micro-batches; pp rank 0)" in {e.layout.describe() for e in fits if e.layout.pp == 2}.pop()
+
+
+def test_cli_pp_cp_options_print_the_bubble_and_the_ring_s_bytes(capsys):
+    from shardtrain.cli import main as cli_main
+
+    def cli(*argv: str) -> tuple[int, str, str]:
+        code = cli_main(["estimate", "test_estimate_new_axes:tiny_gpt", "--world", "2", "--seq-len", str(SEQ), *argv])
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    code, out, _ = cli("--pp", "2", "--pp-rank", "1", "--json")
+    got = json.loads(out)
+    assert code == 0 and (got["layout"]["pp"], got["layout"]["pp_rank"]) == (2, 1)
+    assert got["pipeline_bubble"] == pytest.approx(1 / 2)  # one micro-batch: (p-1)/(m+p-1)
+    code, out, _ = cli("--cp", "2")
+    # 3 layers x keys and values [1 row, 4 heads, 16 tokens, 8] fp32 (4 KiB) x (cp-1)/cp
+    assert code == 0 and "sent per step: context-parallel ring (keys and values): 6.00 KiB" in out
+    code, _, err = cli("--pp", "3")
+    assert code == 2 and "pipeline_parallel_size 3 does not divide the 2 processes" in err
+    code, _, err = cli("--cp", "0")
+    assert code == 2 and "--cp must be at least 1" in err
