@@ -57,6 +57,7 @@ PIPELINE = {
     "gradient_accumulation_steps": GAS,
     "zero_optimization": {"stage": 1},
 }
+PIPELINE_3 = {**PIPELINE, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
 CONTEXT = {
     "context_parallel_size": 2,
     "train_micro_batch_size_per_gpu": MICRO,
@@ -85,6 +86,11 @@ def _counted() -> dict:
     batches = [(x, torch.roll(x, -1, dims=1)) for x in (_tokens(g) for _ in range(GAS))]
     engine.train_batch(iter(batches))
     out["pipeline"] = (engine.topology.pp_rank, engine.state_bytes())
+    engine.close()
+    model = tiny_gpt()  # ZeRO-3: each stage's units, sharded over its one rank
+    engine = shardtrain.initialize(model, PIPELINE_3, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+    engine.train_batch(iter(batches))
+    out["pipeline_3"] = engine.state_bytes()
     engine.close()
 
     model = tiny_llama()
@@ -119,6 +125,9 @@ def test_each_pipeline_stage_s_model_state_is_the_engine_s(counted):
     parameters, gradients and optimizer state of each equal what the engine's ranks of that stage hold."""
     for pp_rank, held in (r["pipeline"] for r in counted):
         est = estimate_memory(tiny_gpt, PIPELINE, world_size=2, seq_len=SEQ, device_type="cpu", pp_rank=pp_rank)
+        assert est.model_state() == held, (pp_rank, est.model_state(), held)
+    for pp_rank, held in ((r["pipeline"][0], r["pipeline_3"]) for r in counted):
+        est = estimate_memory(tiny_gpt, PIPELINE_3, world_size=2, seq_len=SEQ, device_type="cpu", pp_rank=pp_rank)
         assert est.model_state() == held, (pp_rank, est.model_state(), held)
     stages = [
         estimate_memory(tiny_gpt, PIPELINE, world_size=2, seq_len=SEQ, pp_rank=r, activations=False) for r in (0, 1)

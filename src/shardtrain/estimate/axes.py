@@ -4,12 +4,13 @@
 A pipeline rank holds its stages' layers only, cut as ``initialize`` cuts them (``pipeline_parallel/cut.py``'s
 :func:`~shardtrain.pipeline_parallel.cut.cut_model`, run on the fake model), so its model state is the engine's layout
 of those parameters over the stage's ``world / pp`` ranks. Its activations are not a fake run of the stage (a middle
-stage takes hidden states, not token ids): the whole model's saved activations of one micro-batch are scaled by the
-stage's share of the layers, and held for as many micro-batches as the schedule keeps in flight on it: under 1F1B
-stage ``s`` of ``p`` starts ``min(m, p - s)`` forwards before its first backward (the first stage the most), under
-GPipe all ``m``. The forward/backward peak above that is the whole model's one micro-batch (an upper bound of a
-stage's). The bubble, the idle fraction of a step with equal stage costs, is ``(p-1)/(v*m + p-1)`` for ``v`` stages
-per rank (GPipe and 1F1B: ``v = 1``); the zero-bubble schedules are not modelled and say so.
+stage takes hidden states, not token ids): the whole model's saved activations of one micro-batch (its fake run
+replays the whole model's ZeRO layout at the stage's shard group) are scaled by the stage's share of the layers, and
+held for as many micro-batches as the schedule keeps in flight on it: under 1F1B stage ``s`` of ``p`` starts
+``min(m, p - s)`` forwards before its first backward (the first stage the most), under GPipe all ``m``. The
+forward/backward peak above that is the whole model's one micro-batch (an upper bound of a stage's). The bubble, the
+idle fraction of a step with equal stage costs, is ``(p-1)/(v*m + p-1)`` for ``v`` stages per rank (GPipe and 1F1B:
+``v = 1``); the zero-bubble schedules are not modelled and say so.
 """
 
 from __future__ import annotations

@@ -544,8 +544,16 @@ def _prepare(
     )  # fmt: skip
     buffers = sum(b.numel() * (compute if b.dtype == torch.float32 else b.dtype).itemsize for b in fake.buffers())
     reduce = precision.reduce_dtype if precision.mixed else None
-    units = [(u.name, u.nbytes, u.numel) for u in st.units]
-    staged = [(b.padded_numel, b.shard_numel, len(b.slots), b.requires_grad) for b in st.buckets]
+    ran = st  # the layout the fake run replays
+    if layout.pp > 1:  # it runs the whole model ([Note: pipeline stages in the estimate]): the whole model's layout
+        whole_fake, whole_experts = _fake_model(source, layout.tp, layout.ep, tp_plan, cache)
+        ran = rank_state(
+            whole_fake, zero, offload, layout.shard_group, 0, compute, moments, steps, device_type, grads_in_files,
+            whole_experts, layout.ep, layout.zero // layout.ep, precision.accum_dtype,
+            _float8_weights(whole_fake, plan),
+        )  # fmt: skip
+    units = [(u.name, u.nbytes, u.numel) for u in ran.units]
+    staged = [(b.padded_numel, b.shard_numel, len(b.slots), b.requires_grad) for b in ran.buckets]
     # under context parallelism a rank runs 1/cp of every sequence's tokens; its attention's whole-sequence keys and
     # values are a row of their own (_assemble)
     seq_len = layout.seq_len // layout.cp
@@ -561,8 +569,8 @@ def _prepare(
         "micro_batch": layout.micro_batch,
         "seq_len": seq_len,
         "stage": layout.stage,
-        "buckets": st.buckets,
-        "bucket_names": st.bucket_names,
+        "buckets": ran.buckets,
+        "bucket_names": ran.bucket_names,
         "reduce_dtype": reduce,
         "accum_dtype": precision.accum_dtype,
         "checkpointing": layout.checkpointing,
