@@ -79,6 +79,8 @@ ALLOWED: dict[str, set[str]] = {
         "shardtrain.tensor_parallel",
         "shardtrain.sequence_parallel",
         "shardtrain.expert_parallel",
+        "shardtrain.pipeline_parallel",
+        "shardtrain.precision",
         "shardtrain.zero",
         "shardtrain.offload",
         "shardtrain.config",

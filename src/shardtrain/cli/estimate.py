@@ -97,6 +97,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="model state only (parameters, gradients, optimizer): no fake forward/backward, as DeepSpeed's estimator",
     )
+    parser.add_argument(
+        "--pp",
+        type=int,
+        help="pipeline-parallel size (pipeline_parallel_size): each rank holds its stages' layers; with --budget "
+        "every size from 1 to this one that divides the world is tried; micro-batches are the config's "
+        "gradient_accumulation_steps, the schedule its pipeline.schedule",
+    )
+    parser.add_argument(
+        "--pp-rank", type=int, help="with --pp: the pipeline rank reported (default 0, the first stage's)"
+    )
+    parser.add_argument(
+        "--cp",
+        type=int,
+        help="context-parallel size (context_parallel_size, ring attention): each rank holds 1/cp of every sequence",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.set_defaults(func=run)
 
@@ -108,6 +123,9 @@ def _overrides(args: argparse.Namespace) -> dict:
         "shard_size": args.mics_shard_size,
         "ep": args.ep,
         "sp": args.sp,
+        "pp": args.pp,
+        "pp_rank": args.pp_rank,
+        "cp": args.cp,
         "offload_optimizer": args.offload_optimizer,
         "offload_param": args.offload_param,
         "dtype": args.dtype,
@@ -123,6 +141,8 @@ def _as_json(est: MemoryEstimate) -> dict:
         "layout": asdict(est.layout),
         "rows": [asdict(r) for r in est.rows],
         "peak": est.peak,
+        "sent_per_step": est.traffic,
+        "pipeline_bubble": est.bubble,
     }
 
 
@@ -142,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     raw = read_config(args.config)
-    for name in ("world", "micro_batch", "tp", "mics_shard_size", "ep", "sp", "seq_len", "jobs"):
+    for name in ("world", "micro_batch", "tp", "mics_shard_size", "ep", "sp", "pp", "cp", "seq_len", "jobs"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ShardtrainError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
@@ -182,7 +202,7 @@ def _run(args: argparse.Namespace) -> int:
         activations=not args.state_only,
         progress=None,
         workers=args.jobs or _usable_cpus(),
-        **{k: v for k, v in _overrides(args).items() if k in ("dtype", "micro_batch", "sp")},
+        **{k: v for k, v in _overrides(args).items() if k in ("dtype", "micro_batch", "sp", "pp", "cp")},
     )
     if args.json:
         print(json.dumps([_as_json(e) for e in fits], indent=1))

@@ -5,8 +5,11 @@ A layout is what a config decides about memory: world size, ZeRO stage, tensor-p
 secondary shards, a transient of forward and backward), the expert-parallel size (``expert_parallel_size``: the
 experts a rank holds, [Note: experts on fake tensors] in :mod:`.experts`), the sequence-parallel size
 (``sequence_parallel_size``: the slice of each sequence a rank holds, [Note: sequence parallelism on fake tensors] in
-:mod:`.sequence`), optimizer and parameter offload, compute dtype, micro-batch, sequence length and activation
-checkpointing. Model state comes from the engine's layout code
+:mod:`.sequence`), the context-parallel size (``context_parallel_size``: ``1/cp`` of every sequence, the ring's keys
+and values and bytes), the pipeline-parallel size (``pipeline_parallel_size``: a pipeline rank's stages, its
+micro-batches in flight, the schedule's bubble, [Note: pipeline stages in the estimate] in :mod:`.axes`), fp8 (the
+float8 gathers of ZeRO-3), optimizer and parameter offload, compute dtype, micro-batch, sequence length and
+activation checkpointing. Model state comes from the engine's layout code
 (:mod:`.state`), activations and temporaries from a fake-tensor run (:mod:`.compute`). A rank's peak is::
 
     model state in memory + buffers + offload buffers
@@ -31,13 +34,24 @@ import yaml
 from shardtrain.config.plan import refuse_on_device, resolve_plan
 from shardtrain.config.sections import Config, load_config
 from shardtrain.errors import ConfigError, LayoutError, ShardtrainError
+from shardtrain.estimate.axes import (
+    attention_shape,
+    bubble_fraction,
+    gathered_keys_values,
+    in_flight,
+    layer_list,
+    ring_bytes,
+    stage_ids,
+)
 from shardtrain.estimate.compute import ComputePeak, build_fake, measure_compute, model_key, prepare_models
 from shardtrain.estimate.experts import expert_counts, split_experts
 from shardtrain.estimate.sequence import install_sequence_parallel
 from shardtrain.estimate.source import ModelSource, resolve_source
-from shardtrain.estimate.state import RankState, rank_state
+from shardtrain.estimate.state import RankState, UnitSize, rank_state
+from shardtrain.pipeline_parallel.cut import cut_model
 from shardtrain.plan import Plan
 from shardtrain.plan.dims import ParallelDims
+from shardtrain.precision.float8 import output_heads, why_kept
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 HYBRID_KEYS = ("mics_shard_size", "zero_hpz_partition_size")
@@ -65,6 +79,23 @@ class Candidate:
     """Sequence-parallel size (``sequence_parallel_size``, Ulysses): the ``sp`` ranks of a group are given the same
     sequences and each holds ``1/sp`` of their tokens; ZeRO shards over the ``dp * sp`` ranks ([Note: the sequence
     axis] in ``distributed/mesh.py``); 1: off."""
+    cp: int = 1
+    """Context-parallel size (``context_parallel_size``, ring attention): each rank holds ``1/cp`` of every
+    sequence's tokens and, while a layer attends, the whole sequence's keys and values; ZeRO shards over
+    ``dp * cp * sp``; 1: off."""
+    pp: int = 1
+    """Pipeline-parallel size (``pipeline_parallel_size``): each rank holds its stages' layers, laid out over the
+    ``world / pp`` ranks of its stage ([Note: pipeline stages in the estimate] in :mod:`.axes`); 1: off."""
+    pp_rank: int = 0
+    """The pipeline rank reported (0: the first stage's, which holds the most activations under 1F1B)."""
+    schedule: str = "1F1B"
+    stages_per_rank: int = 1
+    micro_batches: int = 1
+    """Micro-batches per step (``gradient_accumulation_steps``): the pipeline schedule's ``m``; the ring's bytes
+    per step."""
+    fp8: bool = False
+    """FP8 training (``fp8.enabled``): at stage 3 with the tensorwise recipe the converted weights are gathered in
+    float8, 1 byte per element."""
     offload_optimizer: str = "none"
     offload_param: str = "none"
     dtype: str = "fp32"
@@ -78,7 +109,7 @@ class Candidate:
     def dims(self) -> ParallelDims:
         """The candidate's parallel dimensions (:class:`~shardtrain.errors.LayoutError` for sizes that do not fit)."""
         hpz = self.hpz if self.stage == 3 else 1
-        return ParallelDims(self.world, self.tp, self.sp, self.ep, self.shard_size or -1, hpz)
+        return ParallelDims(self.world, self.tp, self.sp, self.ep, self.shard_size or -1, hpz, self.pp, self.cp)
 
     @property
     def dp(self) -> int:
@@ -96,6 +127,13 @@ class Candidate:
         parts = [f"world {self.world}", f"stage {self.stage}", f"tp {self.tp}"]
         if self.sp > 1:
             parts.append(f"sp {self.sp}")
+        if self.cp > 1:
+            parts.append(f"cp {self.cp}")
+        if self.pp > 1:
+            v = f" x {self.stages_per_rank} stages per rank" if self.stages_per_rank > 1 else ""
+            parts.append(
+                f"pp {self.pp}{v} ({self.schedule}, {self.micro_batches} micro-batches; pp rank {self.pp_rank})"
+            )
         if self.shard_size and self.shard_size != self.zero:
             parts.append(f"shard {self.shard_size} x replicate {self.zero // self.shard_size}")
         if 1 < self.hpz < self.zero and self.stage == 3:
@@ -106,7 +144,7 @@ class Candidate:
             parts.append(f"optimizer->{self.offload_optimizer}")
         if self.offload_param != "none":
             parts.append(f"params->{self.offload_param}")
-        parts += [self.dtype, f"micro-batch {self.micro_batch} x seq {self.seq_len}"]
+        parts += [self.dtype + (" + fp8" if self.fp8 else ""), f"micro-batch {self.micro_batch} x seq {self.seq_len}"]
         if self.checkpointing:
             parts.append("selective checkpointing" if self.checkpointing == "selective" else "checkpointing")
         return ", ".join(parts)
@@ -134,6 +172,10 @@ class MemoryEstimate:
     rows: list[Row] = field(default_factory=list)
     state: RankState | None = None
     compute: ComputePeak | None = None
+    traffic: dict[str, int] = field(default_factory=dict)
+    """Bytes this rank sends per step, by what sends them (the ring, the float8 gathers); printed below the rows."""
+    bubble: float | None = None
+    """The pipeline schedule's idle fraction, ``(p-1)/(v*m + p-1)``; None without pipelining or not modelled."""
 
     def total(self, where: str, transient: bool = True) -> int:
         return sum(r.nbytes for r in self.rows if r.where == where and (transient or not r.transient))
@@ -167,7 +209,10 @@ class MemoryEstimate:
         lines = [
             f"model: {self.model}, {self.parameters / 1e6:,.2f}M parameters",
             f"layout: {lay.describe()}",
-            f"per rank (rank 0 of {lay.world}; dp {lay.dp}"
+            f"per rank (rank 0 of {lay.world // lay.pp}"
+            + (f" on pipeline rank {lay.pp_rank} of {lay.pp}" if lay.pp > 1 else "")
+            + f"; dp {lay.dp}"
+            + (f" x cp {lay.cp}" if lay.cp > 1 else "")
             + (f" x sp {lay.sp}" if lay.sp > 1 else "")
             + f", ZeRO shard group {lay.shard_group}):",
             f"  {'component':<66} {'where':<7} {'bytes':>14}",
@@ -181,6 +226,13 @@ class MemoryEstimate:
             f"  peak: device {fmt_bytes(peak['device'])}, host {fmt_bytes(peak['host'])}, "
             f"nvme {fmt_bytes(peak['nvme'])}"
         )
+        for what, nbytes in self.traffic.items():
+            lines.append(f"  sent per step: {what}: {fmt_bytes(nbytes)}")
+        if lay.pp > 1:
+            v, p, m = lay.stages_per_rank, lay.pp, lay.micro_batches
+            formula = f"(p-1)/({'v*' if v > 1 else ''}m+p-1) = {p - 1}/({f'{v}*' if v > 1 else ''}{m}+{p - 1})"
+            told = f"{self.bubble:.4f}, {formula}" if self.bubble is not None else "not modelled for this schedule"
+            lines.append(f"  pipeline bubble ({lay.schedule}, p {p}, m {m}): {told}")
         return "\n".join(lines)
 
 
@@ -261,9 +313,15 @@ def layout_config(raw: Mapping[str, Any], layout: Candidate) -> Config:
     data["fp16"] = {**dict(data.get("fp16") or {}), "enabled": layout.dtype == "fp16"}
     data["expert_parallel_size"] = layout.ep
     data["sequence_parallel_size"] = layout.sp
+    data["context_parallel_size"] = layout.cp
+    data["pipeline_parallel_size"] = layout.pp
+    pipeline = dict(data.get("pipeline") or {})
+    pipeline.update(schedule=layout.schedule, stages_per_rank=layout.stages_per_rank)
+    data["pipeline"] = pipeline
+    data["fp8"] = {**dict(data.get("fp8") or {}), "enabled": layout.fp8}
     data["train_micro_batch_size_per_gpu"] = layout.micro_batch
     data.pop("train_batch_size", None)
-    data.pop("gradient_accumulation_steps", None)
+    data["gradient_accumulation_steps"] = layout.micro_batches
     return load_config(data)
 
 
@@ -277,12 +335,15 @@ def layout_from_config(
     tp = tpc.get("size") or tpc.get("autotp_size") or 1
     sp = raw.get("sequence_parallel_size")
     sp = int(sp) if isinstance(sp, int) and sp > 1 else 1
+    cp, pp = (raw.get(key) for key in ("context_parallel_size", "pipeline_parallel_size"))
+    cp, pp = (int(n) if isinstance(n, int) and n > 1 else 1 for n in (cp, pp))
+    pipeline = raw.get("pipeline") or {}
     dtype = "bf16" if (raw.get("bf16") or {}).get("enabled") is True else "fp32"
     dtype = "fp16" if (raw.get("fp16") or {}).get("enabled") is True else dtype
     micro = raw.get("train_micro_batch_size_per_gpu")
     if not isinstance(micro, int):  # DeepSpeed's rule: the other two determine it; none gives 1
         tb, gas = raw.get("train_batch_size"), raw.get("gradient_accumulation_steps") or 1
-        dp = max(world // (int(tp) * sp), 1)  # the data-parallel size, as initialize lays it out
+        dp = max(world // (int(tp) * sp * cp * pp), 1)  # the data-parallel size, as initialize lays it out
         micro = tb // (gas * dp) if isinstance(tb, int) and isinstance(gas, int) and tb >= gas * dp else 1
     shard = zero.get("mics_shard_size")
     hpz = zero.get("zero_hpz_partition_size")
@@ -295,6 +356,12 @@ def layout_from_config(
         hpz=int(hpz) if isinstance(hpz, int) and hpz > 1 else 1,
         ep=int(ep) if isinstance(ep, int) and ep > 1 else 1,
         sp=sp,
+        cp=cp,
+        pp=pp,
+        schedule=str(pipeline.get("schedule", "1F1B")),
+        stages_per_rank=int(pipeline.get("stages_per_rank", 1)),
+        micro_batches=_micro_batches(raw),
+        fp8=(raw.get("fp8") or {}).get("enabled") is True,
         offload_optimizer=(zero.get("offload_optimizer") or {}).get("device") or "none",
         offload_param=(zero.get("offload_param") or {}).get("device") or "none",
         dtype=dtype,
@@ -302,6 +369,14 @@ def layout_from_config(
         seq_len=seq_len,
         checkpointing=_policy_checkpointing(raw) or checkpointing,
     )
+
+
+def _micro_batches(raw: Mapping[str, Any]) -> int:
+    """``gradient_accumulation_steps``, or what ``train_batch_size`` makes of it (1 when neither says)."""
+    gas = raw.get("gradient_accumulation_steps")
+    if isinstance(gas, int) and gas >= 1:
+        return gas
+    return 1
 
 
 def _policy_checkpointing(raw: Mapping[str, Any]) -> bool | str:
@@ -317,11 +392,8 @@ def _plan(layout: Candidate, cfg: Config, device_type: str) -> Plan:
     if layout.world < 1:
         raise ConfigError(f"the world size must be at least 1, got {layout.world}")
     plan = resolve_plan(cfg, layout.world)
-    if plan.dims.pp > 1:
-        raise ConfigError(
-            f"pipeline_parallel_size {plan.dims.pp}: the planner does not plan pipeline stages yet (each rank's share "
-            "of the layers and the first stage's activations); estimate at pipeline_parallel_size 1"
-        )
+    if not 0 <= layout.pp_rank < plan.dims.pp:
+        raise ConfigError(f"pp_rank {layout.pp_rank}: the pipeline ranks are 0 to {plan.dims.pp - 1}")
     if layout.dtype not in _DTYPES:
         raise ConfigError(f"dtype {layout.dtype!r}: use one of {', '.join(_DTYPES)}")
     if device_type is not None:  # what initialize refuses on such devices (parameter offload's companions on CUDA)
@@ -397,6 +469,10 @@ class _Prepared:
     key: tuple
     run: dict[str, Any]
     """:func:`measure_compute`'s keyword arguments."""
+    layer_share: float = 1.0
+    """The share of the model's layers this rank's pipeline stages hold (1 without pipelining)."""
+    shape: tuple[int, int, int] = (0, 0, 0)
+    """(layers, key/value heads a rank attends with, head dimension), for the context-parallel rows."""
 
 
 NO_COMPUTE = ComputePeak(0, 0, 0, 0, 0, 0)
@@ -444,20 +520,44 @@ def _prepare(
     # with sequence parallelism the model as initialize leaves it (Ulysses installed, refusing what it refuses): the
     # same parameters
     fake, experts = _fake_model(source, layout.tp, layout.ep, tp_plan, cache, layout.sp)
-    n_params = sum(p.numel() for p in _fake_model(source, 1, 1, tp_plan, cache)[0].parameters())
+    whole = _fake_model(source, 1, 1, tp_plan, cache)[0]
+    n_params = sum(p.numel() for p in whole.parameters())
+    layer_share = 1.0
+    if layout.pp > 1:  # [Note: pipeline stages in the estimate]
+        fake, experts = _stage_model(source, layout, tp_plan, cache)
+        layer_share = len(layer_list(fake)) / len(layer_list(whole))
+    shape = attention_shape(whole) or (0, 0, 0)
+    if layout.cp > 1 and not any(shape):
+        raise ConfigError(
+            f"estimate: context_parallel_size {layout.cp}: the planner reads the layers, key/value heads and head "
+            f"dimension from a transformers config or the project's GPT, and {source.name!r} has neither"
+        )
+    layers, kv_heads, head_dim = shape
+    float8 = _float8_weights(fake, plan)
     # gradient shards in swap files: as offload/optimizer_state.py's build_gradient_sinks decides
     grads_in_files = offload.optimizer.device == "nvme" and zero.shard_gradients and device_type == "cpu"
     grads_in_files = grads_in_files and precision.grad_dtype(compute) == torch.float32  # accumulated as stepped
     grads_in_files = grads_in_files and layout.tp == 1 and layout.shard_group == layout.zero
     st = rank_state(
         fake, zero, offload, layout.shard_group, 0, compute, moments, steps, device_type, grads_in_files, experts,
-        layout.ep, layout.zero // layout.ep, precision.accum_dtype,
+        layout.ep, layout.zero // layout.ep, precision.accum_dtype, float8,
     )  # fmt: skip
     buffers = sum(b.numel() * (compute if b.dtype == torch.float32 else b.dtype).itemsize for b in fake.buffers())
     reduce = precision.reduce_dtype if precision.mixed else None
-    units = [(u.name, u.nbytes, u.numel) for u in st.units]
-    staged = [(b.padded_numel, b.shard_numel, len(b.slots), b.requires_grad) for b in st.buckets]
-    key = (layout.tp, layout.ep, layout.sp, compute, layout.micro_batch, layout.seq_len, layout.checkpointing, reduce)
+    ran = st  # the layout the fake run replays
+    if layout.pp > 1:  # it runs the whole model ([Note: pipeline stages in the estimate]): the whole model's layout
+        whole_fake, whole_experts = _fake_model(source, layout.tp, layout.ep, tp_plan, cache)
+        ran = rank_state(
+            whole_fake, zero, offload, layout.shard_group, 0, compute, moments, steps, device_type, grads_in_files,
+            whole_experts, layout.ep, layout.zero // layout.ep, precision.accum_dtype,
+            _float8_weights(whole_fake, plan),
+        )  # fmt: skip
+    units = [(u.name, u.nbytes, u.numel) for u in ran.units]
+    staged = [(b.padded_numel, b.shard_numel, len(b.slots), b.requires_grad) for b in ran.buckets]
+    # under context parallelism a rank runs 1/cp of every sequence's tokens; its attention's whole-sequence keys and
+    # values are a row of their own (_assemble)
+    seq_len = layout.seq_len // layout.cp
+    key = (layout.tp, layout.ep, layout.sp, compute, layout.micro_batch, seq_len, layout.checkpointing, reduce)
     key += (precision.accum_dtype,)
     # stages 0 and 1 run the same replay (a gradient kept in its flat buffer); 2 stages its buckets, 3 also gathers
     key += (max(layout.stage, 1), tuple(staged) if layout.stage >= 2 else None, tuple(units))
@@ -467,10 +567,10 @@ def _prepare(
         "tp": layout.tp,
         "compute": compute,
         "micro_batch": layout.micro_batch,
-        "seq_len": layout.seq_len,
+        "seq_len": seq_len,
         "stage": layout.stage,
-        "buckets": st.buckets,
-        "bucket_names": st.bucket_names,
+        "buckets": ran.buckets,
+        "bucket_names": ran.bucket_names,
         "reduce_dtype": reduce,
         "accum_dtype": precision.accum_dtype,
         "checkpointing": layout.checkpointing,
@@ -484,7 +584,38 @@ def _prepare(
         "module_peaks": not cache.get("fast", True),
         "models": cache.setdefault("models", {}) if cache.get("fast", True) else None,
     }
-    return _Prepared(layout, st, n_params, buffers, key, run)
+    shape = (layers, max(kv_heads // (layout.tp * layout.sp), 1), head_dim)
+    return _Prepared(layout, st, n_params, buffers, key, run, layer_share, shape)
+
+
+def _stage_model(source: ModelSource, layout: Candidate, tp_plan: Any, cache: dict) -> tuple[Any, frozenset[int]]:
+    """The fp32 fake model of pipeline rank ``layout.pp_rank``: its stages' pieces, cut as ``initialize`` cuts
+    them (``pipeline_parallel/cut.py``, refusing what it refuses), and the ids of its expert parameters."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    key = ("stage", layout.tp, layout.ep, layout.pp, layout.stages_per_rank, layout.pp_rank)
+    if key not in cache:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            fake = build_fake(source, layout.tp, torch.float32, tp_plan, layout.ep, split=False)
+            num_stages = layout.pp * layout.stages_per_rank
+            cut_model(fake, num_stages, stage_ids(layout.pp, layout.stages_per_rank, layout.pp_rank))
+            experts = split_experts(fake, layout.ep, layout.tp) if layout.ep > 1 else frozenset()
+        cache[key] = (fake, experts)
+    return cache[key]
+
+
+def _float8_weights(model: Any, plan: Plan) -> frozenset[int]:
+    """The ids of the weights ZeRO-3 gathers in float8, as ``engine/parallelize.py`` picks them: the linear layers
+    torchao converts ([Note: which linears convert to float8] in ``precision/float8.py``), at stage 3 with the
+    tensorwise recipe, gathered in float8 unless graph mode or hpZ gathers them in the compute dtype."""
+    fp8 = plan.fp8
+    if not (fp8.enabled and fp8.gather_in_float8 and fp8.recipe == "tensorwise" and plan.zero.shard_parameters):
+        return frozenset()
+    if plan.graph.enabled or plan.dims.hpz_asked:
+        return frozenset()
+    heads = output_heads(model)
+    linears = [(n, m) for n, m in model.named_modules() if type(m) is torch.nn.Linear]
+    return frozenset(id(m.weight) for n, m in linears if why_kept(n, m, heads, fp8.exclude) is None)
 
 
 def _assemble(
@@ -522,6 +653,43 @@ def _assemble(
     if activations:
         what = "activations, temporaries" + (", gathered units" if comp.gathered else "")
         rows.append(Row(f"{what} (forward/backward peak)", "device", comp.peak, True))
+    if activations and layout.pp > 1:  # [Note: pipeline stages in the estimate]
+        held = in_flight(layout.schedule, layout.pp, layout.micro_batches, layout.pp_rank) * layout.stages_per_rank
+        per_micro_batch = int(comp.activations * prep.layer_share)
+        rows.append(
+            Row(
+                f"activations of {held - 1} more micro-batches in flight ({layout.schedule})",
+                "device",
+                per_micro_batch * (held - 1),
+                True,
+            )
+        )
+    layers, kv_heads, head_dim = prep.shape
+    itemsize = _DTYPES[layout.dtype].itemsize
+    rows_per_rank = layout.micro_batch
+    if activations and layout.cp > 1:  # [Note: why not torch's context_parallel] in sequence_parallel/ring.py
+        kv = gathered_keys_values(rows_per_rank, layout.seq_len, kv_heads, head_dim, itemsize)
+        rows.append(Row("whole-sequence keys and values of a layer (cp ring)", "device", kv, True))
+    float8_units = [u for u in st.units if u.float8_numel]
+    if float8_units:
+        shards = [b.shard_numel for b in st.buckets if b.float8 is not None]
+        rows.append(Row("float8 cast of a bucket's shard (1 byte/element)", "device", max(shards), True))
+    if layout.cp > 1:
+        passes = 2 if layout.checkpointing else 1
+        sent, scattered = ring_bytes(
+            rows_per_rank, layout.seq_len, kv_heads, head_dim, itemsize, layers, layout.cp, passes
+        )
+        if layout.pp > 1:
+            layers_here = round(layers * prep.layer_share)
+            sent, scattered = sent * layers_here // layers, scattered * layers_here // layers
+        est.traffic["context-parallel ring (keys and values)"] = sent * layout.micro_batches
+        est.traffic["context-parallel reduce-scatter (their gradients, backward)"] = scattered * layout.micro_batches
+    if float8_units:
+        est.traffic["ZeRO-3 float8 gathers (1 byte/element)"] = layout.micro_batches * float8_gather_bytes(
+            st.units, layout.shard_group
+        )
+    if layout.pp > 1:
+        est.bubble = bubble_fraction(layout.schedule, layout.pp, layout.micro_batches, layout.stages_per_rank)
     if layout.stage == 3 and 1 < layout.hpz < layout.zero:
         # [Note: secondary shards]: at the end of a forward, 1/H of every unit it released, alive until each unit's
         # backward: all but the root (the first forward, before the unit order is recorded, releases the last block
@@ -544,6 +712,17 @@ def _assemble(
     return est
 
 
+def float8_gather_bytes(units: list[UnitSize], shard_group: int) -> int:
+    """Bytes one rank receives in ZeRO-3's float8 gathers of one micro-batch, counted as the communicator counts an
+    all-gather (``(N-1)/N`` of the buffer): each unit holding converted weights gathered for forward, and again for
+    backward but the last block's, which stays gathered from its forward ([Note: kept after forward] in
+    :mod:`.compute`)."""
+    blocks = [u for u in units if not u.root]
+    last_block = blocks[0] if blocks else None  # units are in the layout's order: last block first
+    gathers = sum(u.float8_numel * (1 if u is last_block or u.root else 2) for u in units)
+    return gathers * (shard_group - 1) // shard_group
+
+
 # -- budgets -----------------------------------------------------------------------------------------------
 
 
@@ -554,6 +733,7 @@ def candidate_layouts(
     stages: Iterable[int] = (0, 1, 2, 3),
     tps: Iterable[int] | None = None,
     sps: Iterable[int] = (1,),
+    pps: Iterable[int] = (1,),
     offload: bool = True,
     param_offload: bool = True,
     host_params: bool = False,
@@ -569,12 +749,13 @@ def candidate_layouts(
     :func:`_prepare`, which refuses them."""
     experts, sps = list(experts), list(sps)
     out = []
-    for world in worlds:
+    for world, pp in [(w, p) for w in worlds for p in pps if w % p == 0]:
+        base = replace(base, pp=pp)
         for tp in tps or [t for t in range(1, world + 1) if world % t == 0]:
             for sp in sps:
-                if world % (tp * sp):
+                if world % (tp * sp * base.cp * pp):
                     continue
-                zero = world // tp
+                zero = world // (tp * pp)
                 eps = [e for e in range(2, zero + 1) if zero % e == 0 and all(n % e == 0 for n in experts)]
                 for stage in stages:
                     options = [("none", "none")]
@@ -619,6 +800,7 @@ def fitting_layouts(
     progress: bool | None = False,
     workers: int = 1,
     sps: Iterable[int] | None = None,
+    pps: Iterable[int] | None = None,
     **overrides: Any,
 ) -> list[MemoryEstimate]:
     """The layouts whose peak device memory per rank is at most ``budget`` bytes, fewest ranks first, then least
@@ -632,7 +814,9 @@ def fitting_layouts(
 
     ``sps``: the sequence-parallel sizes tried (each where it divides ``world / tp`` and the heads a rank holds);
     None: every size from 1 to the config's ``sequence_parallel_size`` (or the ``sp`` override), so 1 alone unless
-    one is asked for ([Note: sequence-parallel sizes in a search]).
+    one is asked for ([Note: sequence-parallel sizes in a search]). ``pps``: the pipeline-parallel sizes tried, each
+    where it divides the world (reported for pipeline rank 0, the first stage's); None: every size from 1 to the
+    config's ``pipeline_parallel_size`` (or the ``pp`` override), for the same reason.
 
     [Note: sequence-parallel sizes in a search]
     Every sequence-parallel size is a fake run of its own per (tensor-parallel size, stage, dtype): its tokens, its
@@ -650,10 +834,12 @@ def fitting_layouts(
     base = replace(layout_from_config(raw, worlds[0], seq_len, checkpointing), **overrides)
     cache: dict = {"fast": fast}
     sps = range(1, base.sp + 1) if sps is None else sps
+    pps = range(1, base.pp + 1) if pps is None else pps
     layouts = candidate_layouts(
         worlds,
         base,
         sps=sps,
+        pps=pps,
         offload=offload,
         host_params=device_type == "cuda",
         experts=_expert_counts(source, cache),

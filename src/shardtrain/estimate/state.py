@@ -46,6 +46,9 @@ class UnitSize:
     nbytes: int  # its full (gathered) flat buffers in the compute dtype
     numel: int
     root: bool
+    float8_numel: int = 0
+    """Elements of its buckets gathered in float8, 1 byte each in ``nbytes`` ([Note: gathering in float8] in
+    ``zero/float8_gather.py``)."""
 
 
 @dataclass
@@ -84,12 +87,16 @@ def plan_buckets(
     experts: frozenset[int] = frozenset(),
     ep: int = 1,
     expert_world: int | None = None,
+    float8: frozenset[int] = frozenset(),
 ) -> tuple[list[Bucket], list[tuple[str, list[int]]], list[tuple[str, nn.Parameter]]]:
     """The engine's buckets (stand-ins), stage-3 units as (name, bucket indices) and the parameters held whole.
     ``experts``: the ids of the expert parameters of a model split for expert parallelism of size ``ep``, laid
     out over the ``expert_world`` ranks holding the same experts (``dp / ep``; None: ``world / ep``, which it is
-    without hybrid sharding; this rank's index there: ``rank // ep``)."""
+    without hybrid sharding; this rank's index there: ``rank // ep``). ``float8``: at stage 3, the ids of the
+    weights gathered in float8: buckets of their own in their unit, as ``zero/build.py`` makes them (their
+    ``float8`` set to an empty mapping: the planner has no ``Float8Linear``)."""
     proxy = _stand_ins(model)
+    float8_stand_ins = {id(proxy[i]) for i in float8 if i in proxy}
     # the ranks holding this rank's experts, and its index there; with hybrid sharding too they are all dp / ep of
     # them (expert buckets are never replicated: [Note: expert buckets] in zero/layout.py)
     ep_world, ep_rank = (expert_world or world // ep), rank // ep
@@ -109,20 +116,23 @@ def plan_buckets(
         for name, params in zip(named, params_of):
             # trainable and frozen, dense and expert parameters in buckets of their own; the expert ones after the
             # dense ones of the unit, sharded over the ranks holding the same experts
-            by_kind: dict[tuple[torch.dtype, bool, bool], list[tuple[str, nn.Parameter]]] = {}
+            by_kind: dict[tuple[torch.dtype, bool, bool, bool], list[tuple[str, nn.Parameter]]] = {}
             for n, p in params:
                 if p.numel() >= threshold:
-                    by_kind.setdefault((p.dtype, p.requires_grad, id(p) in experts), []).append((n, p))
+                    kind = (p.dtype, p.requires_grad, id(p) in experts, id(p) in float8)
+                    by_kind.setdefault(kind, []).append((n, p))
             if not by_kind:
                 continue
-            dense = [swap(g) for (_, _, moe), g in by_kind.items() if not moe]
-            moe = [swap(g) for (_, _, moe), g in by_kind.items() if moe]
+            dense = [swap(g) for (_, _, moe, _), g in by_kind.items() if not moe]
+            moe = [swap(g) for (_, _, moe, _), g in by_kind.items() if moe]
             made = build_buckets(dense, world, rank, first_index=len(buckets))
             for b in build_buckets(moe, ep_world, ep_rank, first_index=len(buckets) + len(dense)):
                 b.expert = True
                 made.append(b)
             for b in made:
                 b.gather_after_step = False
+                if id(b.slots[0].param) in float8_stand_ins:
+                    b.float8 = {}
             units.append((name, [b.index for b in made]))
             buckets += made
     else:
@@ -164,13 +174,15 @@ def rank_state(
     ep: int = 1,
     expert_world: int | None = None,
     accum: torch.dtype = FP32,
+    float8: frozenset[int] = frozenset(),
 ) -> RankState:
     """Bytes of one rank whose ZeRO shard group has ``world`` ranks and which is ``rank`` in it; ``grads_in_files``:
     the gradient shards are in swap files (``GradOffload`` in offload/gradients.py; the caller knows tp and hybrid).
     ``experts``, ``ep``, ``expert_world``: expert parallelism, as :func:`plan_buckets` takes them. ``accum``: the
-    dtype compute-dtype gradients accumulate in (the precision policy's ``accum_dtype``)."""
+    dtype compute-dtype gradients accumulate in (the precision policy's ``accum_dtype``). ``float8``: the weights
+    ZeRO-3 gathers in float8 (:func:`plan_buckets`); their units' gathered bytes count 1 per element."""
     mixed = compute != FP32
-    buckets, units, whole = plan_buckets(model, policy, world, rank, experts, ep, expert_world)
+    buckets, units, whole = plan_buckets(model, policy, world, rank, experts, ep, expert_world, float8)
     st = RankState(buckets=buckets, bucket_names=[[s.name for s in b.slots] for b in buckets])
     opt_dev, par_dev = offload.optimizer.device, offload.param.device
 
@@ -257,6 +269,10 @@ def rank_state(
 
     # stage 3: gathered units
     for name, idx in units:
-        nbytes = sum(buckets[i].padded_numel * _itemsize(buckets[i].dtype, compute) for i in idx)
-        st.units.append(UnitSize(name, nbytes, sum(buckets[i].padded_numel for i in idx), name == "<root>"))
+        in_float8 = sum(buckets[i].padded_numel for i in idx if buckets[i].float8 is not None)
+        nbytes = in_float8 + sum(
+            buckets[i].padded_numel * _itemsize(buckets[i].dtype, compute) for i in idx if buckets[i].float8 is None
+        )
+        numel = sum(buckets[i].padded_numel for i in idx)
+        st.units.append(UnitSize(name, nbytes, numel, name == "<root>", in_float8))
     return st

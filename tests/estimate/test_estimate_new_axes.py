@@ -1,0 +1,223 @@
+"""The planner on the axes built after it: pipeline stages, context parallelism's ring, fp8's float8 gathers.
+
+Each estimate is held against what a world-2 engine run holds or counts: each pipeline stage's model state
+(``engine.state_bytes()`` on its ranks), the ring's bytes (the context-parallel communicator's counts), the float8
+gathers' bytes (ZeRO's communicator's ``all_gather_float8``); the printed bubble against its formula.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import shardtrain
+from shardtrain.errors import ConfigError
+from shardtrain.estimate import Candidate, estimate_memory, fitting_layouts
+from shardtrain.models.gpt import GPT, GPTConfig
+from shardtrain.testing import run_distributed
+
+VOCAB, SEQ, MICRO, GAS = 64, 16, 2, 2
+
+
+def tiny_gpt() -> GPT:
+    """Three blocks: two stages hold two and one ([Note: stages keep the model's names]), the first the
+    embeddings, the last the head; both dimensions of its linears are multiples of 16, so they convert to fp8."""
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=32, n_layer=3, n_head=4))
+
+
+def six_block_gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=32, n_layer=6, n_head=4))
+
+
+def tiny_llama() -> torch.nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,  # the ring passes the key/value heads only
+        max_position_embeddings=SEQ,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
+    return transformers.LlamaForCausalLM(cfg)
+
+
+PIPELINE = {
+    "pipeline_parallel_size": 2,
+    "train_micro_batch_size_per_gpu": MICRO,
+    "gradient_accumulation_steps": GAS,
+    "zero_optimization": {"stage": 1},
+}
+PIPELINE_3 = {**PIPELINE, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+CONTEXT = {
+    "context_parallel_size": 2,
+    "train_micro_batch_size_per_gpu": MICRO,
+    "gradient_accumulation_steps": GAS,
+    "zero_optimization": {"stage": 2},
+}
+FP8 = {
+    "train_micro_batch_size_per_gpu": MICRO,
+    "gradient_accumulation_steps": GAS,
+    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    "fp8": {"enabled": True, "emulate": True},
+}
+
+
+def _tokens(g: torch.Generator) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (MICRO, SEQ), generator=g)
+
+
+def _counted() -> dict:
+    """On each rank of world 2: the state a pp-2 engine holds after a step, the bytes a cp-2 engine's ring and
+    reduce-scatters moved in a step, and the float8 gathers' bytes of a ZeRO-3 fp8 engine's second step."""
+    g = torch.Generator().manual_seed(1)
+    out = {}
+    model = tiny_gpt()
+    engine = shardtrain.initialize(model, PIPELINE, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+    batches = [(x, torch.roll(x, -1, dims=1)) for x in (_tokens(g) for _ in range(GAS))]
+    engine.train_batch(iter(batches))
+    out["pipeline"] = (engine.topology.pp_rank, engine.state_bytes())
+    engine.close()
+    model = tiny_gpt()  # ZeRO-3: each stage's units, sharded over its one rank
+    engine = shardtrain.initialize(model, PIPELINE_3, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+    engine.train_batch(iter(batches))
+    out["pipeline_3"] = engine.state_bytes()
+    engine.close()
+
+    model = tiny_llama()
+    engine = shardtrain.initialize(model, CONTEXT, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+    for _ in range(GAS):
+        x = _tokens(g)
+        engine.backward(engine(input_ids=x, labels=x).loss)
+        engine.step()
+    out["ring"] = {kind: s["bytes"] for kind, s in engine._sp.comm.stats().items()}
+    engine.close()
+
+    model = tiny_gpt()
+    engine = shardtrain.initialize(model, FP8, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+    for _ in range(2):  # the second step: the unit order is recorded, the last block kept gathered for backward
+        engine.comm.reset_stats()
+        for _ in range(GAS):
+            x = _tokens(g)
+            engine.backward(engine(x, torch.roll(x, -1, dims=1)))
+            engine.step()
+    out["float8"] = engine.comm.stats()["all_gather_float8"]["bytes"]
+    engine.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def counted() -> list[dict]:
+    return run_distributed(_counted, 2)
+
+
+def test_each_pipeline_stage_s_model_state_is_the_engine_s(counted):
+    """Stage 0 holds the embeddings and two blocks, stage 1 a block, the final norm and the head: the planner's
+    parameters, gradients and optimizer state of each equal what the engine's ranks of that stage hold."""
+    for pp_rank, held in (r["pipeline"] for r in counted):
+        est = estimate_memory(tiny_gpt, PIPELINE, world_size=2, seq_len=SEQ, device_type="cpu", pp_rank=pp_rank)
+        assert est.model_state() == held, (pp_rank, est.model_state(), held)
+    for pp_rank, held in ((r["pipeline"][0], r["pipeline_3"]) for r in counted):
+        est = estimate_memory(tiny_gpt, PIPELINE_3, world_size=2, seq_len=SEQ, device_type="cpu", pp_rank=pp_rank)
+        assert est.model_state() == held, (pp_rank, est.model_state(), held)
+    stages = [
+        estimate_memory(tiny_gpt, PIPELINE, world_size=2, seq_len=SEQ, pp_rank=r, activations=False) for r in (0, 1)
+    ]
+    whole = estimate_memory(tiny_gpt, {**PIPELINE, "pipeline_parallel_size": 1}, world_size=1, seq_len=SEQ)
+    # the stages hold the whole model between them, none twice
+    assert sum(s.model_state()["params"] for s in stages) == whole.model_state()["params"]
+
+
+def test_the_ring_s_bytes_per_step_are_the_engine_s(counted):
+    """Keys and values of two key/value heads of the whole sequence, (cp-1)/cp of them sent around the ring per layer
+    and micro-batch, and as many reduce-scattered in backward: the planner's per-step bytes are the counted ones."""
+    est = estimate_memory(tiny_llama, CONTEXT, world_size=2, seq_len=SEQ, device_type="cpu")
+    for r in counted:
+        assert est.traffic["context-parallel ring (keys and values)"] == r["ring"]["ring"]
+        assert est.traffic["context-parallel reduce-scatter (their gradients, backward)"] == r["ring"]["reduce_scatter"]
+    kv = [row.nbytes for row in est.rows if row.component.startswith("whole-sequence keys and values")]
+    assert kv == [2 * MICRO * 2 * SEQ * 8 * 4]  # keys and values [rows, kv heads, S, head dim], fp32
+
+
+def test_the_float8_gathers_bytes_per_step_are_the_engine_s(counted):
+    """ZeRO-3 with fp8 gathers the converted weights (the blocks' linears; the head stays in high precision) in
+    float8, 1 byte per element: the planner's bytes per step equal those the engine counted."""
+    est = estimate_memory(tiny_gpt, FP8, world_size=2, seq_len=SEQ, device_type="cpu")
+    assert all(r["float8"] > 0 for r in counted)
+    for r in counted:
+        assert est.traffic["ZeRO-3 float8 gathers (1 byte/element)"] == r["float8"]
+    # the gathered float8 units count 1 byte per converted element, not the compute dtype's 4
+    plain = estimate_memory(tiny_gpt, {**FP8, "fp8": {"enabled": False}}, world_size=2, seq_len=SEQ, device_type="cpu")
+    converted = sum(u.float8_numel for u in est.state.units)
+    assert sum(u.nbytes for u in plain.state.units) - sum(u.nbytes for u in est.state.units) == 3 * converted
+    assert converted == 3 * 12 * 32 * 32 and "ZeRO-3 float8 gathers" not in str(plain.traffic)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "v", "m", "bubble", "in_flight"),
+    [
+        ("1F1B", 1, 4, 1 / 5, 2),
+        ("GPipe", 1, 4, 1 / 5, 4),
+        ("1F1B", 1, 1, 1 / 2, 1),
+        ("Interleaved1F1B", 2, 2, 1 / 5, 4),
+    ],
+)
+def test_the_bubble_is_printed_and_the_first_stage_holds_the_micro_batches_in_flight(schedule, v, m, bubble, in_flight):
+    """(p-1)/(v*m + p-1) at p 2; the first stage keeps min(m, p) micro-batches' activations per stage under 1F1B
+    (and its interleaved form), all m under GPipe: that many times the stage's share of one micro-batch's."""
+    config = {**PIPELINE, "gradient_accumulation_steps": m, "pipeline": {"schedule": schedule, "stages_per_rank": v}}
+    est = estimate_memory(six_block_gpt, config, world_size=2, seq_len=SEQ, device_type="cpu")
+    assert est.bubble == pytest.approx(bubble)
+    assert f"pipeline bubble ({schedule}, p 2, m {m}): {bubble:.4f}" in est.format()
+    more = [row.nbytes for row in est.rows if "more micro-batches in flight" in row.component]
+    share = 3 / 6  # pipeline rank 0's blocks: 0-2 of two stages, or 0-1 and 4 of four
+    assert more == [int(est.compute.activations * share) * (in_flight - 1)]
+
+
+def test_layouts_the_planner_cannot_plan_are_refused_by_name():
+    with pytest.raises(ConfigError, match="pp_rank 2: the pipeline ranks are 0 to 1"):
+        estimate_memory(tiny_gpt, PIPELINE, world_size=2, seq_len=SEQ, pp_rank=2, activations=False)
+    with pytest.raises(ConfigError, match="fewer than the 4 pipeline stages"):
+        estimate_memory(tiny_gpt, {**PIPELINE, "pipeline_parallel_size": 4}, world_size=4, seq_len=SEQ)
+    assert Candidate(4, pp=2, cp=2).dims.dp == 1
+
+
+def test_a_search_tries_pipeline_sizes_up_to_the_config_s_and_each_stage_holds_less():
+    fits = fitting_layouts(
+        tiny_gpt, 2**40, PIPELINE, worlds=(2,), seq_len=SEQ, device_type="cpu", offload=False, activations=False
+    )
+    by_size = {(e.layout.pp, e.layout.stage, e.layout.tp): e.model_state()["params"] for e in fits}
+    assert {pp for pp, _, _ in by_size} == {1, 2}
+    # at stage 0 pipeline rank 0 holds its two blocks and the embeddings, not the whole model
+    assert by_size[2, 0, 1] < by_size[1, 0, 1]
+    assert "pp 2 (1F1B, 2 micro-batches; pp rank 0)" in {e.layout.describe() for e in fits if e.layout.pp == 2}.pop()
+
+
+def test_cli_pp_cp_options_print_the_bubble_and_the_ring_s_bytes(capsys):
+    from shardtrain.cli import main as cli_main
+
+    def cli(*argv: str) -> tuple[int, str, str]:
+        code = cli_main(["estimate", "test_estimate_new_axes:tiny_gpt", "--world", "2", "--seq-len", str(SEQ), *argv])
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    code, out, _ = cli("--pp", "2", "--pp-rank", "1", "--json")
+    got = json.loads(out)
+    assert code == 0 and (got["layout"]["pp"], got["layout"]["pp_rank"]) == (2, 1)
+    assert got["pipeline_bubble"] == pytest.approx(1 / 2)  # one micro-batch: (p-1)/(m+p-1)
+    code, out, _ = cli("--cp", "2")
+    # 3 layers x keys and values [1 row, 4 heads, 16 tokens, 8] fp32 (4 KiB) x (cp-1)/cp
+    assert code == 0 and "sent per step: context-parallel ring (keys and values): 6.00 KiB" in out
+    code, _, err = cli("--pp", "3")
+    assert code == 2 and "pipeline_parallel_size 3 does not divide the 2 processes" in err
+    code, _, err = cli("--cp", "0")
+    assert code == 2 and "--cp must be at least 1" in err
