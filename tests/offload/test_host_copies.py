@@ -218,7 +218,8 @@ def train_through_copies(recipe: Recipe, stage: int, world: int, top: dict, offl
     return out
 
 
-def _bitwise_equal(a: list[dict], b: list[dict]) -> None:
+def assert_runs_bitwise_equal(a: list[dict], b: list[dict]) -> None:
+    """Every rank's losses and gradient norms, and rank 0's final parameters, bit for bit."""
     for ra, rb in zip(a, b):
         assert ra["losses"] == rb["losses"]
         assert ra["norms"] == rb["norms"]
@@ -239,7 +240,7 @@ def test_training_through_overlapped_copies_is_bitwise_training_without_offload(
     top = {} if precision == "fp32" else {precision: {"enabled": True}}
     plain = run_distributed(train_through_copies, world, recipe, stage, world, top, False, False)
     copied = run_distributed(train_through_copies, world, recipe, stage, world, top, True, False)
-    _bitwise_equal(copied, plain)
+    assert_runs_bitwise_equal(copied, plain)
     for r in copied:
         assert r["groups"] > 1
         assert r["copies_per_step"] == [r["buckets"]] * recipe.steps  # in backward, none left for the step
@@ -258,7 +259,7 @@ def test_copies_made_at_the_step_instead_of_backward_are_bitwise_too(precision):
     top = {precision: {"enabled": True}}
     plain = run_distributed(train_through_copies, 2, recipe, 2, 2, top, False, False)
     copied = run_distributed(train_through_copies, 2, recipe, 2, 2, top, True, True)
-    _bitwise_equal(copied, plain)
+    assert_runs_bitwise_equal(copied, plain)
     for r in copied:
         assert r["copies_per_step"] == [r["host_fragments"]] * recipe.steps  # one per fragment, at the step
         assert r["host_fragments"] > r["buckets"]

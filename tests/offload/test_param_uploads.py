@@ -21,7 +21,7 @@ from shardtrain.config.plan import resolve_plan
 from shardtrain.errors import ConfigError
 from shardtrain.offload import host_copies, param_uploads
 from shardtrain.testing import run_distributed
-from test_host_copies import DeferredStreams
+from test_host_copies import DeferredStreams, assert_runs_bitwise_equal
 
 from helpers.parity import Recipe, global_micro_batches, make_model, make_optimizer, train_step
 
@@ -140,15 +140,6 @@ def train_uploaded(recipe: Recipe, world: int, top: dict, offload: str | None, n
     return out
 
 
-def _bitwise_equal(a: list[dict], b: list[dict]) -> None:
-    for ra, rb in zip(a, b):
-        assert ra["losses"] == rb["losses"]
-        assert ra["norms"] == rb["norms"]
-    assert a[0]["params"].keys() == b[0]["params"].keys()
-    for k, v in a[0]["params"].items():
-        assert torch.equal(v, b[0]["params"][k]), k
-
-
 def _check_order(log: list) -> tuple[int, int]:
     """Every upload: copied, then issued (its copy run on the stream before the collective), then waited for by the
     compute stream, then freed; every use of a unit after the wait of its latest upload. Returns (uploads, uses)."""
@@ -192,7 +183,7 @@ def test_parameter_offload_on_the_gpu_path_is_bitwise_parameters_on_the_device(w
     top = {} if precision == "fp32" else {precision: {"enabled": True}}
     plain = run_distributed(train_uploaded, world, recipe, world, top, None)
     uploaded = run_distributed(train_uploaded, world, recipe, world, top, device, str(tmp_path))
-    _bitwise_equal(uploaded, plain)
+    assert_runs_bitwise_equal(uploaded, plain)
     for r in uploaded:
         assert r["homes_in_blocks"]
         assert (r["mapped_bytes"] > 0 and r["file_reads"] > 0) == (device == "nvme")
@@ -357,4 +348,4 @@ def test_checkpoints_of_the_gpu_path_load_into_parameters_on_the_device_and_back
     }
     reference = runs[(None, None)]
     for key in (("cpu", None), (None, "cpu")):
-        _bitwise_equal(runs[key], reference)
+        assert_runs_bitwise_equal(runs[key], reference)
