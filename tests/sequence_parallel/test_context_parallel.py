@@ -214,6 +214,28 @@ def test_parity_with_ulysses_inside_each_cp_rank(attn, stage, packed):
     _check_parity(4, 2, stage, packed, attn, sp=2)
 
 
+def _bf16_run(recipe: Recipe) -> dict:
+    run = engine_run(recipe)
+    return {**run, "params": {n: v.float() for n, v in run["params"].items()} if run["params"] else None}
+
+
+def test_bf16_parity():
+    """bf16 compute with fp32 masters at cp 2 (packed documents): the keys and values gathered and passed around the
+    ring in bf16, their gradients reduce-scattered back; at the mixed-precision bar of
+    tests/zero/test_mixed_precision.py (and of Ulysses' bf16 test) against one process's bf16 training."""
+    config = {"context_parallel_size": 2, "zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}
+    recipe = keyword_recipe(_llama, partial(_batches, 1, True, _length(2)), GAS, config)
+    ref = reference_run(recipe, 1, bf16=True)
+    results = run_distributed(_bf16_run, 2, recipe, init_process_group=False)
+    for s in range(STEPS):
+        assert abs(results[0]["losses"][s] - ref["losses"][s]) <= 1e-3 * ref["losses"][s], s
+        assert abs(results[0]["norms"][s] - ref["norms"][s]) <= 2e-2 * ref["norms"][s], s
+    init = _llama().state_dict()
+    err = sum((results[0]["params"][n] - want).abs().sum().item() for n, want in ref["params"].items())
+    moved = sum((want - init[n].to(torch.bfloat16).float()).abs().sum().item() for n, want in ref["params"].items())
+    assert 0 < err <= 0.1 * moved, (err, moved)
+
+
 def test_each_rank_holds_a_head_and_a_tail_chunk():
     from shardtrain.sequence_parallel.ring import positions_of
 
