@@ -192,7 +192,12 @@ def test_pipeline_plan():
         load_config({"pipeline": {"schedule": "1F1B", "stages_per_rank": 2}})
 
 
-def test_the_planner_refuses_pipeline_stages_by_name():
-    cfg = layout_config({"pipeline_parallel_size": 2}, Candidate(world=4))
-    with pytest.raises(ConfigError, match="planner does not plan pipeline stages yet"):
-        _plan(Candidate(world=4), cfg, "cpu")
+def test_the_planner_plans_pipeline_stages_and_refuses_a_rank_outside_them_by_name():
+    """The planner learned pipeline stages (tests/estimate/test_estimate_new_axes.py checks its numbers): it plans the
+    layout initialize would, and names a pipeline rank the layout does not have."""
+    cfg = layout_config({}, Candidate(world=4, pp=2))
+    assert cfg.pipeline_parallel_size == 2
+    plan = _plan(Candidate(world=4, pp=2), cfg, "cpu")
+    assert (plan.dims.pp, plan.dims.dp) == (2, 2)
+    with pytest.raises(ConfigError, match="pp_rank 2: the pipeline ranks are 0 to 1"):
+        _plan(Candidate(world=4, pp=2, pp_rank=2), cfg, "cpu")
