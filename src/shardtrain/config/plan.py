@@ -208,6 +208,13 @@ def refuse_unbuilt(cfg: Config, dims: ParallelDims, device_type: str | None = No
         )
 
 
+def _refuse_first(refused: list[tuple[bool, str]], feature: str, way_out: str) -> None:
+    """Refuse the first combination in ``refused`` that is present: "``feature`` with <it> is not built yet; ..."."""
+    what = next((what for hit, what in refused if hit), None)
+    if what is not None:
+        raise ConfigError(f"{feature} with {what} is not built yet; {way_out}")
+
+
 def refuse_unbuilt_pipeline(cfg: Config, dims: ParallelDims) -> None:
     """What pipeline parallelism is not built with yet (docs/pipeline-parallel.md), refused by name."""
     zcfg = cfg.zero_optimization
@@ -227,12 +234,11 @@ def refuse_unbuilt_pipeline(cfg: Config, dims: ParallelDims) -> None:
             f"activation checkpointing (activation_checkpointing.policy {cfg.activation_checkpointing.policy!r})",
         ),
     ]
-    for hit, what in refused:
-        if hit:
-            raise ConfigError(
-                f"pipeline_parallel_size {dims.pp} with {what} is not built yet; set pipeline_parallel_size to 1 or "
-                "turn the other feature off (docs/pipeline-parallel.md says what composes)"
-            )
+    _refuse_first(
+        refused,
+        f"pipeline_parallel_size {dims.pp}",
+        "set pipeline_parallel_size to 1 or turn the other feature off (docs/pipeline-parallel.md says what composes)",
+    )
 
 
 def refuse_unbuilt_context(cfg: Config, dims: ParallelDims) -> None:
@@ -246,12 +252,11 @@ def refuse_unbuilt_context(cfg: Config, dims: ParallelDims) -> None:
         (dims.hpz_asked, f"ZeRO++ hpZ (zero_optimization.zero_hpz_partition_size {zcfg.zero_hpz_partition_size})"),
         (cfg.tiled_logits_loss or cfg.tiled_mlp_compute, "tiled_logits_loss / tiled_mlp_compute"),
     ]
-    for hit, what in refused:
-        if hit:
-            raise ConfigError(
-                f"context_parallel_size {dims.cp} with {what} is not built yet; set context_parallel_size to 1 or "
-                "turn the other feature off (docs/context-parallel.md says what composes)"
-            )
+    _refuse_first(
+        refused,
+        f"context_parallel_size {dims.cp}",
+        "set context_parallel_size to 1 or turn the other feature off (docs/context-parallel.md says what composes)",
+    )
 
 
 def refuse_unbuilt_fp8(cfg: Config, dims: ParallelDims) -> None:
@@ -263,12 +268,7 @@ def refuse_unbuilt_fp8(cfg: Config, dims: ParallelDims) -> None:
         (dims.pp > 1, f"pipeline parallelism (pipeline_parallel_size {dims.pp})"),
         (dims.cp > 1, f"context parallelism (context_parallel_size {dims.cp})"),
     ]
-    for hit, what in refused:
-        if hit:
-            raise ConfigError(
-                f"fp8.enabled with {what} is not built yet; turn fp8 or the other feature off (docs/fp8.md says what "
-                "composes)"
-            )
+    _refuse_first(refused, "fp8.enabled", "turn fp8 or the other feature off (docs/fp8.md says what composes)")
 
 
 def fp8_matmuls_missing(device_type: str) -> str | None:
