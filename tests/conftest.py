@@ -16,6 +16,19 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+# The ranks of most distributed tests build Hugging Face models: import transformers and the modules of the models
+# the suite builds most once, in the server the ranks are forked from, instead of once per rank (seconds each here).
+_MODELS_THE_RANKS_BUILD = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "gpt2", "bert")
+
+
+def _preload_for_the_ranks() -> None:
+    from shardtrain.testing import preload
+
+    preload("transformers", *(f"transformers.models.{name}.modeling_{name}" for name in _MODELS_THE_RANKS_BUILD))
+
+
+_preload_for_the_ranks()
+
 _DEADLINE_MARGIN_S = 15  # time left for run_distributed to kill its ranks and report before pytest-timeout fires
 
 

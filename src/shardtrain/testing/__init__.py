@@ -42,7 +42,18 @@ from pathlib import Path
 from typing import Any
 
 _CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "shardtrain"])
+_PRELOADED = ["torch", "torch.distributed", "torch._dynamo", "shardtrain"]
+_CTX.set_forkserver_preload(_PRELOADED)
+
+
+def preload(*modules: str) -> None:
+    """Import ``modules`` once in the server the ranks are forked from, besides torch and shardtrain, so that no
+    rank imports them again: a suite whose ranks build Hugging Face models saves the import of transformers and of
+    each model's module (seconds per rank on a small machine). Call it before the first rank starts (a test suite's
+    ``conftest.py``); later calls do not reach a server already running. A module that fails to import there is
+    skipped by multiprocessing, and imported by the rank that needs it as before, so the list changes no result.
+    Module-level settings read at import (environment variables) are those of the moment the server starts."""
+    _CTX.set_forkserver_preload(_PRELOADED + [m for m in modules if m not in _PRELOADED])
 
 
 class DistributedFailure(AssertionError):
