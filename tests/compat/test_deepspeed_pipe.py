@@ -17,7 +17,7 @@ from torch import nn
 
 import shardtrain.deepspeed as deepspeed
 from shardtrain.compat.deepspeed.runtime.pipe.module import partition_layers, set_random_seed
-from shardtrain.deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from shardtrain.deepspeed.pipe import LayerSpec, PipelineModule
 from shardtrain.errors import ConfigError
 from shardtrain.testing import run_distributed
 from shardtrain.testing.parity import assert_parity, train_one_process
@@ -134,8 +134,6 @@ def test_partition_by_parameters_allocates_nothing():
 
 
 def test_refusals_name_what():
-    with pytest.raises(deepspeed.NotProvidedError, match="TiedLayerSpec"):
-        PipelineModule([TiedLayerSpec("embed", nn.Linear, 2, 2), nn.ReLU()], num_stages=1)
     with pytest.raises(deepspeed.NotProvidedError, match="activation_checkpoint_interval=2"):
         PipelineModule(layers(), num_stages=1, activation_checkpoint_interval=2)
     with pytest.raises(ConfigError, match="'profile' is not implemented"):

@@ -39,9 +39,6 @@ PIPE = {"pipeline_parallel_size": 2, "train_micro_batch_size_per_gpu": 2, "gradi
 
 def _refusals() -> dict[str, str]:
     out = {}
-    model = _gpt(tied=True)
-    out["tied"] = _message(lambda: shardtrain.initialize(model, PIPE, optimizer=torch.optim.SGD(model.parameters())))
-    out["tied model kept"] = str(len(model.blocks))  # refused before the model was cut
     few = {**PIPE, "gradient_accumulation_steps": 1}
     model = _gpt()
     out["few"] = _message(lambda: shardtrain.initialize(model, few, optimizer=torch.optim.SGD(model.parameters())))
@@ -73,7 +70,6 @@ def _refusals() -> dict[str, str]:
 def test_pipeline_engine_refusals():
     results = run_distributed(_refusals, 2)
     for r in results:
-        assert "ties its input embedding and its output head" in r["tied"] and r["tied model kept"] == "2"
         assert "needs at least pipeline_parallel_size (2) micro-batches" in r["few"], r["few"]
         for call in ("forward", "backward", "step"):
             assert "use loss = engine.train_batch(data_iter)" in r[call], r[call]

@@ -47,7 +47,7 @@ from shardtrain.engine.checkpointing import (
 from shardtrain.engine.monitor import StepMetrics, check_monitor_packages
 from shardtrain.engine.optimizers import OptimizerArg, SchedulerArg, build_lr_scheduler, build_optimizer
 from shardtrain.engine.parallelize import Parts, parallelize
-from shardtrain.errors import ConfigError, OptimizerError
+from shardtrain.errors import ConfigError, OptimizerError, ShardtrainError
 from shardtrain.host_read import HostRead
 from shardtrain.pipeline_parallel import PipelineGrid, check_can_cut, check_micro_batches
 from shardtrain.plan import Plan
@@ -113,6 +113,9 @@ class Engine:
             self._pp_comm = Communicator(topology.pp_group, topology.timeout_s)
             # checkpoints run their protocol over every rank: each stage writes its own tensors into one manifest
             self._checkpoint_comm = Communicator(topology.world_group, topology.timeout_s)
+            # the first and last stage sum a tied weight's gradients ([Note: weights tied across stages])
+            tied = self._pipeline.tied
+            self._tied_comm = Communicator(topology.pp_ends_group, topology.timeout_s) if tied else None
         self.optimizer, self._lr_scheduler = optimizer, lr_scheduler
         self.global_step = 0
         self.micro_steps = 0
@@ -297,6 +300,7 @@ class Engine:
             try:
                 with self._runtime.gathered(list(self.module.parameters())):
                     loss = self._pipeline.run(micro)
+                self._sum_tied_gradients()
                 unwinding = False
             finally:
                 self._reducer.end_backward(unwinding)
@@ -309,6 +313,26 @@ class Engine:
         lr = self.optimizer.param_groups[0]["lr"]
         self.monitor.end_optimizer_step(StepMetrics(self.global_step, self.global_samples, lr, self._grad_norm, 1.0))
         return loss
+
+    def _sum_tied_gradients(self) -> None:
+        """[Note: weights tied across stages] in ``pipeline_parallel/cut.py``: the first and last stage's ranks at
+        one place add their gradients of the weights they share, before the data-parallel reduction reads them."""
+        if self._tied_comm is None:
+            return
+        tied = self._pipeline.tied
+        grads = [self._reducer.unreduced_grad(p) for p in tied]
+        flat = torch.cat(
+            [(g if g is not None else torch.zeros_like(p)).reshape(-1).to(torch.float32) for p, g in zip(tied, grads)]
+        )
+        self._tied_comm.all_reduce(flat, Reduce.SUM, what="tied weights' gradients (first and last pipeline stage)")
+        missing = [n for p, g in zip(tied, grads) if g is None for n in self.layout.record_of(p).names[:1]]
+        if missing:  # after the all-reduce, so that the other end is not left waiting in it
+            raise ShardtrainError(
+                f"{', '.join(missing)}: tied across the first and last pipeline stage but given no gradient by this "
+                "stage's forwards; a weight tied across stages must be used by both"
+            )
+        for g, summed in zip(grads, flat.split([p.numel() for p in tied])):
+            g.copy_(summed.view_as(g))
 
     def eval_batch(
         self,
@@ -700,6 +724,10 @@ class Engine:
             },
             owner=self._save_dirs,
             stage_comm=self._pp_comm if pipelined else None,
+            # a weight tied across stages is written by the first ([Note: weights tied across stages])
+            written_elsewhere=frozenset(id(p) for p in self._pipeline.tied)
+            if pipelined and not self._pipeline.first
+            else frozenset(),
         )
 
     def load_full_state_dict(

@@ -84,8 +84,18 @@ def check_micro_batches(schedule: str, micro_batches: int, pp: int) -> None:
 class Pipeline:
     """This rank's stages (``stage_ids`` of ``num_stages``) and the schedule that runs them."""
 
-    def __init__(self, parts: list[nn.Module], stage_ids: list[int], num_stages: int, loss_fn: LossFn) -> None:
+    def __init__(
+        self,
+        parts: list[nn.Module],
+        stage_ids: list[int],
+        num_stages: int,
+        loss_fn: LossFn,
+        tied: list[nn.Parameter] | None = None,
+    ) -> None:
         self.parts, self.stage_ids, self.num_stages, self.loss_fn = parts, stage_ids, num_stages, loss_fn
+        # the parameters this rank shares with the other end of the pipeline, in one order on both ([Note: weights
+        # tied across stages] in pipeline_parallel/cut.py); empty on the middle stages and for an untied model
+        self.tied: list[nn.Parameter] = list(tied or [])
         self._schedule = None
         self._device = torch.device("cpu")
         # the first train step's and the first eval step's inputs and labels: torch's schedule infers the stages'
