@@ -154,8 +154,15 @@ def parallelize(
 ) -> Parts:
     """Apply ``plan`` to ``model`` in the order of the module docstring and return the engine's parts. Collective.
     ``config``: only what is not a policy: the ranks' agreement check hashes it, the monitor reads its sections."""
-    checkpointed_blocks(model, plan)  # refused before the model is touched
+    # refused before the model is touched; found in the whole model, whose layer list a pipeline's cut turns into a
+    # ModuleDict of this rank's layers ([Note: stages keep the model's names] in pipeline_parallel/cut.py)
+    blocks = checkpointed_blocks(model, plan)
     pipeline = apply_pp(model, plan, topology, optimizer)
+    if pipeline is not None:
+        kept = {id(m) for m in model.modules()}
+        blocks = [b for b in blocks if id(b) in kept]
+    else:  # found again once the model is laid out, as they always were
+        blocks = None
     deferred = apply_construction(model, plan, topology)
     split = apply_tp(model, plan, topology, tp_plan, deferred)
     split = apply_ep(model, topology, split, deferred)
@@ -186,7 +193,9 @@ def parallelize(
         masters = apply_precision(model, layout, plan.precision)
         param_offload = _param_offload(layout, plan.offload, scratch, comms.world, topology.rank, topology.device)
         eager = apply_units(model, plan, topology, comms, layout, param_offload, phase_check)
-        activation_offload = apply_activation_checkpointing(model, plan, topology)
+        activation_offload = apply_activation_checkpointing(
+            blocks if blocks is not None else checkpointed_blocks(model, plan), plan, topology
+        )
         # a weight tied across the first and last stage counts in the norm on the first ([Note: weights tied
         # across stages] in pipeline_parallel/cut.py)
         counted_elsewhere = frozenset(id(p) for p in pipeline.tied) if pipeline and not pipeline.first else frozenset()
@@ -435,15 +444,16 @@ def apply_fp8(model: nn.Module, policy: Float8Policy) -> Float8Conversion | None
     return convert_to_float8(model, policy) if policy.enabled else None
 
 
-def apply_activation_checkpointing(model: nn.Module, plan: Plan, topology: Topology) -> HostOffload | None:
-    """Checkpoint the blocks ZeRO-3 makes units of (at every stage) as ``plan.activations`` says; returns the host
-    offload of their inputs (None without ``cpu_checkpointing``). After the stage-3 runtime, whose hooks must be
-    outside the checkpoint's ([Note: the order of a checkpointed block's hooks])."""
+def apply_activation_checkpointing(blocks: list[nn.Module], plan: Plan, topology: Topology) -> HostOffload | None:
+    """Checkpoint ``blocks`` (:func:`checkpointed_blocks`: those ZeRO-3 makes units of, at every stage; under
+    pipeline parallelism this rank's) as ``plan.activations`` says; returns the host offload of their inputs (None
+    without ``cpu_checkpointing``). After the stage-3 runtime, whose hooks must be outside the checkpoint's ([Note:
+    the order of a checkpointed block's hooks])."""
     policy = plan.activations
     if not policy.enabled:
         return None
     offload = HostOffload(topology.device) if policy.offload_inputs else None
-    apply_checkpointing(checkpointed_blocks(model, plan), policy, offload)
+    apply_checkpointing(blocks, policy, offload)
     return offload
 
 
