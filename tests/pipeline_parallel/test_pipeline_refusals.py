@@ -107,6 +107,24 @@ def test_stages_with_other_configs_fail_at_initialize():
         assert "ranks disagree on the config" in message, message
 
 
+def _ranks_given_other_shapes() -> str:
+    model = _gpt()
+    engine = shardtrain.initialize(model, PIPE, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    seq = SEQ if torch.distributed.get_rank() == 0 else SEQ - 2  # each rank's own shape, the same within its steps
+    x = torch.randint(0, VOCAB, (2, seq))
+    message = _message(lambda: engine.train_batch(iter([(x, x), (x, x)])))
+    engine.close()
+    return message
+
+
+def test_pipeline_ranks_given_other_shapes_are_refused_by_name_on_every_rank():
+    """The stages learn their activations' shapes at the first step: ranks of one pipeline given other shapes would
+    exchange mismatched tensors ([Note: guarded stage exchanges])."""
+    for message in run_distributed(_ranks_given_other_shapes, 2):
+        assert "given micro-batches of different shapes" in message, message
+        assert f"rank 0: inputs (2, {SEQ})" in message and f"rank 1: inputs (2, {SEQ - 2})" in message, message
+
+
 def test_train_and_eval_batch_without_pipeline_are_refused():
     ((train, evaluate),) = run_distributed(_not_a_pipeline, 1)
     assert "set pipeline_parallel_size > 1" in train, train
