@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from shardtrain.compat.deepspeed.runtime.pipe.partition import partition_balanced, partition_uniform
 from shardtrain.compat.deepspeed.unsupported import not_provided
@@ -146,11 +147,6 @@ class PipelineModule(nn.Module):
         refused = [
             (topology is not None, "PipelineModule(topology=...)", "give num_stages: the mesh is (pipe, data)"),
             (
-                activation_checkpoint_interval != 0,
-                f"PipelineModule(activation_checkpoint_interval={activation_checkpoint_interval})",
-                "activation checkpointing under pipeline parallelism is not built yet: use 0",
-            ),
-            (
                 dynamic_shape,
                 "PipelineModule(dynamic_shape=True)",
                 "the stages exchange activations of the first step's shapes: pad micro-batches to one shape",
@@ -171,7 +167,13 @@ class PipelineModule(nn.Module):
         self.stage_id = rank // (world // num_stages)
         self.loss_fn = loss_fn
         self.seed_layers, self.seed_fn, self.base_seed = seed_layers, seed_fn or set_random_seed, base_seed
-        self.activation_checkpoint_interval = 0
+        if activation_checkpoint_interval < 0:
+            raise ConfigError(f"activation_checkpoint_interval must be >= 0, got {activation_checkpoint_interval}")
+        # DeepSpeed's default function is its own reentrant checkpoint; torch's non-reentrant one computes the same
+        # values and also gives a chunk whose inputs need no gradient (token ids into an embedding) its gradients
+        self.activation_checkpoint_interval = activation_checkpoint_interval
+        self.activation_checkpoint_func = activation_checkpoint_func or partial(checkpoint, use_reentrant=False)
+        self.checkpointable_layers = checkpointable_layers
         self._layer_specs = list(layers)
         self.parts = partition_layers(self._layer_specs, num_stages, partition_method)
         if num_stages > 1 and any(a == b for a, b in zip(self.parts, self.parts[1:])):
@@ -204,14 +206,42 @@ class PipelineModule(nn.Module):
 
     def forward(self, inputs: Any) -> Any:
         """This stage's layers, each called on the previous one's output (with ``seed_layers``, each reseeded per
-        micro-batch by DeepSpeed's rule, ``base_seed * micro_batch + layer``, so dropout draws as DeepSpeed's)."""
+        micro-batch by DeepSpeed's rule, ``base_seed * micro_batch + layer``, so dropout draws as DeepSpeed's); with
+        ``activation_checkpoint_interval`` k > 0, every k layers checkpointed as one chunk when they hold parameters
+        (DeepSpeed's ``_is_checkpointable``), recomputed in backward with the same seeds."""
         self._micro_offset += 1
-        micro = self._micro_offset + 1
-        for index, layer in zip(range(self._local_start, self._local_stop), self.forward_funcs):
-            if self.seed_layers:
-                self.seed_fn(self.base_seed * micro + index)
-            inputs = layer(inputs)
-        return inputs
+        micro = self._micro_offset + 1  # the closure's: a recomputation in backward reseeds as the forward did
+
+        def run_range(start: int, stop: int) -> Callable:
+            def run(*x: Any) -> Any:
+                x = x[0] if len(x) == 1 else x
+                for index in range(start, stop):
+                    if self.seed_layers:
+                        self.seed_fn(self.base_seed * micro + self._local_start + index)
+                    x = self.forward_funcs[index](x)
+                return x
+
+            return run
+
+        count, interval = len(self.forward_funcs), self.activation_checkpoint_interval
+        if interval == 0:
+            return run_range(0, count)(inputs)
+        x = inputs
+        for start in range(0, count, interval):
+            stop = min(start + interval, count)
+            args = x if isinstance(x, tuple) else (x,)
+            if self._is_checkpointable(self.forward_funcs[start:stop]):
+                x = self.activation_checkpoint_func(run_range(start, stop), *args)
+            else:
+                x = run_range(start, stop)(*args)
+        return x
+
+    def _is_checkpointable(self, funcs: list[Callable]) -> bool:
+        """DeepSpeed's rule: the chunk's layers are all of ``checkpointable_layers`` where given, else some layer
+        of the chunk holds parameters."""
+        if self.checkpointable_layers is not None:
+            return all(type(f).__name__ in self.checkpointable_layers for f in funcs)
+        return any(any(True for _ in f.parameters()) for f in funcs if isinstance(f, nn.Module))
 
     def _stages_of_tied_keys(self) -> dict[str, list[int]]:
         """The stages holding each ``TiedLayerSpec`` key; a key on stages other than the first and the last (or on
