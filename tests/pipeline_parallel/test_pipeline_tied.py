@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import shardtrain
+from shardtrain.distributed.mesh import make_groups
 from shardtrain.testing import run_distributed
 from shardtrain.testing.parity import assert_parity, train_one_process
 
@@ -65,6 +66,16 @@ def _train(engine: shardtrain.Engine, kind: str, steps: range) -> tuple[list[flo
             with engine._runtime.gathered([held]):
                 tied.append(held.detach().clone())
     return losses, norms, tied
+
+
+def test_the_tied_weights_group_holds_the_first_and_last_stage_ranks_at_one_place():
+    """pp 3 x dp 2 (world 6): ranks r and 4 + r sum the tied gradients; the middle stage's ranks are in no such
+    group; at pp 2 the pipeline group is that group (``Topology.pp_ends_group``)."""
+    ends = {}
+    for rank in range(6):
+        main, _ = make_groups(rank, 6, 1, "gloo", "world", lambda ranks, backend: ranks, pp=3)
+        ends[rank] = main.pp_ends
+    assert ends == {0: [0, 4], 1: [1, 5], 2: None, 3: None, 4: [0, 4], 5: [1, 5]}
 
 
 def _tied_run(kind: str, pp: int, stage: int, schedule: str, stages_per_rank: int) -> dict:
