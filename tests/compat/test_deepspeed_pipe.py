@@ -17,7 +17,7 @@ from torch import nn
 
 import shardtrain.deepspeed as deepspeed
 from shardtrain.compat.deepspeed.runtime.pipe.module import partition_layers, set_random_seed
-from shardtrain.deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from shardtrain.deepspeed.pipe import LayerSpec, PipelineModule
 from shardtrain.errors import ConfigError
 from shardtrain.testing import run_distributed
 from shardtrain.testing.parity import assert_parity, train_one_process
@@ -134,10 +134,8 @@ def test_partition_by_parameters_allocates_nothing():
 
 
 def test_refusals_name_what():
-    with pytest.raises(deepspeed.NotProvidedError, match="TiedLayerSpec"):
-        PipelineModule([TiedLayerSpec("embed", nn.Linear, 2, 2), nn.ReLU()], num_stages=1)
-    with pytest.raises(deepspeed.NotProvidedError, match="activation_checkpoint_interval=2"):
-        PipelineModule(layers(), num_stages=1, activation_checkpoint_interval=2)
+    with pytest.raises(ConfigError, match="activation_checkpoint_interval must be >= 0"):
+        PipelineModule(layers(), num_stages=1, activation_checkpoint_interval=-1)
     with pytest.raises(ConfigError, match="'profile' is not implemented"):
         PipelineModule(layers(), num_stages=1, partition_method="profile")
     with pytest.raises(ConfigError, match="no layer's class name matches"):
@@ -347,3 +345,33 @@ def test_train_batch_pulls_from_training_data():
     for r in run_distributed(_from_training_data, 2, 0):
         a, b, c = r["losses"]
         assert a != b and c == pytest.approx(a, rel=1e-6) and r["first"][0] == pytest.approx(a, rel=1e-6), r
+
+
+def _checkpointed_script(pp: int, interval: int) -> dict:
+    """Training with every ``interval`` layers checkpointed, and how often each Block ran forward."""
+    net = PipelineModule(
+        layers(), num_stages=pp, loss_fn=loss_fn, seed_layers=True, activation_checkpoint_interval=interval
+    )
+    runs = {"n": 0}
+    for layer in net.children():
+        if isinstance(layer, Block):
+            layer.fc.register_forward_hook(lambda *_: runs.__setitem__("n", runs["n"] + 1))
+    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS, "steps_per_print": 10**6}
+    opt = torch.optim.AdamW(net.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    engine, _, _, _ = deepspeed.initialize(model=net, optimizer=opt, config=config)
+    batches = global_batches(1)
+    losses = [float(engine.train_batch(iter(batches[s * GAS : (s + 1) * GAS]))) for s in range(STEPS)]
+    out = {"losses": losses, "runs": runs["n"], "params": engine.shardtrain_engine.full_state_dict()}
+    engine.destroy()
+    return out
+
+
+def test_activation_checkpoint_interval_recomputes_and_trains_bitwise_the_same():
+    """DeepSpeed's ``activation_checkpoint_interval``: chunks of 2 layers holding parameters recomputed in
+    backward, reseeded as in their forward; the training is bitwise the one without it."""
+    plain = run_distributed(_checkpointed_script, 2, 2, 0)
+    chunked = run_distributed(_checkpointed_script, 2, 2, 2)
+    for a, b in zip(plain, chunked):
+        assert a["losses"] == b["losses"]
+        assert b["runs"] > a["runs"] > 0, (a["runs"], b["runs"])  # the Blocks ran again in backward
+    assert all(torch.equal(v, chunked[0]["params"][n]) for n, v in plain[0]["params"].items())

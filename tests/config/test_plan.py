@@ -167,8 +167,6 @@ def test_pipeline_axis_is_cut_before_the_others():
         ({"zero_optimization": {"stage": 1, "mics_shard_size": 1}}, "hybrid sharding"),
         ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}, "optimizer offload"),
         ({"graph": {"enabled": True}}, "graph mode"),
-        ({"fp16": {"enabled": True}}, "fp16"),
-        ({"activation_checkpointing": {"policy": "full"}}, "activation checkpointing"),
     ],
 )
 def test_pipeline_with_what_is_not_built_is_refused_by_name(extra, named):

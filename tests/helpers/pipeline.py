@@ -12,10 +12,11 @@ VOCAB, SEQ, LAYERS = 64, 16, 4
 STEPS, GAS, MICRO, CLIP = 3, 4, 2, 0.5
 
 
-def make_model(kind: str) -> nn.Module:
+def make_model(kind: str, tied: bool = False) -> nn.Module:
+    """``tied``: the output head is the input embedding (GPT-2's and ``tie_word_embeddings``' layout)."""
     torch.manual_seed(0)
     if kind == "gpt":
-        return GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=32, n_layer=LAYERS, n_head=4))
+        return GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=32, n_layer=LAYERS, n_head=4, tie_embeddings=tied))
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
@@ -26,7 +27,7 @@ def make_model(kind: str) -> nn.Module:
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=SEQ,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
         attn_implementation="eager",
     )
     return LlamaForCausalLM(cfg)

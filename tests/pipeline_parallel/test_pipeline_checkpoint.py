@@ -1,5 +1,5 @@
-"""Checkpoints of a pipeline-parallel engine: a save at pp 2 resumes bit for bit at pp 2, and loads at pp 1 (one
-manifest of the model's logical tensors, each stage writing its own, [Note: stages keep the model's names])."""
+"""Checkpoints of a pipeline-parallel engine: a save at pp 2 resumes bit for bit at pp 2, and loads at pp 1 and pp 4
+(one manifest of the model's logical tensors, each stage writing its own, [Note: stages keep the model's names])."""
 
 from __future__ import annotations
 
@@ -32,6 +32,8 @@ def _engine(pp: int, seed: int = 0, stage: int = 1) -> shardtrain.Engine:
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": GAS,
         "pipeline_parallel_size": pp,
+        # GAS micro-batches: 1F1B needs one per stage, GPipe runs at any number of stages
+        "pipeline": {"schedule": "GPipe" if pp > GAS else "1F1B"},
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
     }
     # SGD with momentum: state to resume, and no normalisation that turns a zero gradient's rounding (the attention
@@ -82,8 +84,8 @@ def _save_and_resume(path: str, stage: int = 1) -> dict:
     return out
 
 
-def _load_at_pp1(path: str) -> dict:
-    engine = _engine(pp=1, seed=1)
+def _load_at(path: str, pp: int = 1) -> dict:
+    engine = _engine(pp=pp, seed=1)
     engine.load_checkpoint(path, tag="step2")
     loaded = engine.full_state_dict()
     losses = _train(engine, _batches(4), range(2, 4))
@@ -99,19 +101,22 @@ def _assert_resumed_exactly(first: dict) -> None:
         assert torch.equal(value, first["resumed final"][name]), name
 
 
-def test_pp2_checkpoint_resumes_exactly_and_loads_at_pp1(tmp_path):
+def test_pp2_checkpoint_resumes_exactly_and_loads_at_pp1_and_pp4(tmp_path):
     path = str(tmp_path / "ckpt")
     first, _ = run_distributed(_save_and_resume, 2, path)
     _assert_resumed_exactly(first)
-    (one,) = run_distributed(_load_at_pp1, 1, path)
-    assert one["loaded"].keys() == first["saved"].keys()
-    for name, value in first["saved"].items():
-        assert torch.equal(one["loaded"][name], value), name
-    # the same training from there, in one process: the pipeline's summation order only
-    for a, b in zip(one["losses"], first["straight"]):
-        assert abs(a - b) <= 1e-5 * abs(b), (one["losses"], first["straight"])
-    for name, value in first["final"].items():
-        assert torch.allclose(one["final"][name], value, rtol=1e-4, atol=1e-6), name
+    (one,) = run_distributed(_load_at, 1, path)
+    # four stages of one layer each (world 4), every rank reading its layer's tensors and optimizer state
+    four = run_distributed(_load_at, 4, path, 4)[0]
+    for other in (one, four):
+        assert other["loaded"].keys() == first["saved"].keys()
+        for name, value in first["saved"].items():
+            assert torch.equal(other["loaded"][name], value), name
+        # the same training from there: the pipeline's summation order only
+        for a, b in zip(other["losses"], first["straight"]):
+            assert abs(a - b) <= 1e-5 * abs(b), (other["losses"], first["straight"])
+        for name, value in first["final"].items():
+            assert torch.allclose(other["final"][name], value, rtol=1e-4, atol=1e-6), name
 
 
 def test_pp2_dp2_zero3_checkpoint_resumes_exactly(tmp_path):

@@ -465,7 +465,8 @@ def prepare(
         raise SaveDirInUseError(gathered[0][3])
     _raise_failures([g[1] for g in gathered], "preparing", save_dir, tag, rank)
     try:
-        tensors, holders = plan_pieces([g[0] for g in gathered], gathered[0][2])
+        # every rank's aliases: under pipeline parallelism a tied head's name is known to the last stage only
+        tensors, holders = plan_pieces([g[0] for g in gathered], {k: v for g in gathered for k, v in g[2].items()})
     except CheckpointError:  # computed from the same gathered data on every rank: every rank raises it
         if rank == 0:
             shutil.rmtree(save_dir / (TMP_PREFIX + tag), ignore_errors=True)

@@ -227,12 +227,7 @@ def refuse_unbuilt_pipeline(cfg: Config, dims: ParallelDims) -> None:
         (zcfg.offload_optimizer.device != "none", "optimizer offload (zero_optimization.offload_optimizer)"),
         (zcfg.offload_param.device != "none", "parameter offload (zero_optimization.offload_param)"),
         (bool(cfg.graph.enabled), "graph mode (graph.enabled)"),
-        (cfg.fp16.enabled is True, "fp16 (the schedule's loss function does not apply the loss scale yet)"),
         (cfg.tiled_logits_loss or cfg.tiled_mlp_compute, "tiled_logits_loss / tiled_mlp_compute"),
-        (
-            cfg.activation_checkpointing.policy != "none",
-            f"activation checkpointing (activation_checkpointing.policy {cfg.activation_checkpointing.policy!r})",
-        ),
     ]
     _refuse_first(
         refused,

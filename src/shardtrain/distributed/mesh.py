@@ -348,6 +348,10 @@ class Groups:
     pp: dist.ProcessGroup | None = None
     """Pipeline parallelism: the ``pp`` ranks holding the same place in each stage, which send each other activations
     (None without it; see [Note: the pipeline axis])."""
+    pp_ends: dist.ProcessGroup | None = None
+    """Pipeline parallelism at ``pp > 2``: the first and the last stage's ranks at one place, which sum the gradients
+    of the weights tied across them (at ``pp`` 2 the ``pp`` group itself; see [Note: weights tied across stages] in
+    :mod:`shardtrain.pipeline_parallel.cut`)."""
     hpz: dist.ProcessGroup | None = None
     """ZeRO++ hpZ: the ``H`` adjacent data-parallel ranks that re-gather units for backward from their secondary
     shards (None without hpZ; see [Note: secondary shards] in :mod:`shardtrain.zero.hpz`)."""
@@ -425,6 +429,8 @@ def make_groups(
             for axis, partition in partitions.items()
         }
         partitions["pp"] = [[s * stage_world + r for s in range(pp)] for r in range(stage_world)]
+        if pp > 2:
+            partitions["pp_ends"] = [[r, (pp - 1) * stage_world + r] for r in range(stage_world)]
     return _groups_of(partitions, rank, world, backend, world_group, new_group)
 
 
@@ -585,6 +591,12 @@ class Topology:
     def pp_group(self) -> dist.ProcessGroup | None:
         """The ``pp`` ranks holding the other stages of this rank's rows (None without pipeline parallelism)."""
         return self.groups.pp
+
+    @property
+    def pp_ends_group(self) -> dist.ProcessGroup | None:
+        """This rank's first and last stage ranks (the ``pp`` group at ``pp`` 2; None without pipeline
+        parallelism): where the gradients of weights tied across the two are summed."""
+        return self.groups.pp if self.pp == 2 else self.groups.pp_ends
 
     @property
     def stage_world(self) -> int:

@@ -95,6 +95,9 @@ class TrainingState:
     run: dict[str, Any]  # compute_dtype, gradient_accumulation_steps (recorded; the latter read by a resume)
     owner: SaveDirOwner | None = None  # the engine's save directories ([Note: one job per save directory])
     stage_comm: Communicator | None = None  # pipeline parallelism: the ranks holding the other stages
+    # pipeline parallelism: the ids of parameters another stage writes (a weight tied across the first and last
+    # stage is written by the first: [Note: weights tied across stages] in pipeline_parallel/cut.py)
+    written_elsewhere: frozenset[int] = frozenset()
 
 
 PARAM_GROUPS_KEY = "optimizer/param_groups"
@@ -192,6 +195,8 @@ def collect_pieces(state: TrainingState) -> tuple[list[SavePiece], dict[str, str
         for names, t in state_tensors(state.module):
             name = names[0]
             aliases.update({f"model/{alias}": f"model/{name}" for alias in names[1:]})
+            if id(t) in state.written_elsewhere:
+                continue
             record = layout.record_of(t)
             split = layout.block_of(record)
             shape = tuple(record.global_shape) if record is not None else tuple(t.shape)
@@ -249,8 +254,9 @@ def _merge_stage_param_groups(stage_comm: Communicator, global_objects: dict[str
     stages = stage_comm.all_gather_object(global_objects.get(PARAM_GROUPS_KEY), what="param groups of every stage")
     if PARAM_GROUPS_KEY not in global_objects or any(groups is None for groups in stages):
         return  # a rank failed to collect: the save is abandoned on every rank
-    merged = [
-        dict(group, params=[n for groups in stages for n in groups[gi]["params"]]) for gi, group in enumerate(stages[0])
+    merged = [  # a weight tied across stages is in both stages' groups: named once
+        dict(group, params=list(dict.fromkeys(n for groups in stages for n in groups[gi]["params"])))
+        for gi, group in enumerate(stages[0])
     ]
     global_objects[PARAM_GROUPS_KEY] = merged
 

@@ -15,6 +15,7 @@ import copy
 import logging
 import math
 import random
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -47,9 +48,9 @@ from shardtrain.engine.checkpointing import (
 from shardtrain.engine.monitor import StepMetrics, check_monitor_packages
 from shardtrain.engine.optimizers import OptimizerArg, SchedulerArg, build_lr_scheduler, build_optimizer
 from shardtrain.engine.parallelize import Parts, parallelize
-from shardtrain.errors import ConfigError, OptimizerError
+from shardtrain.errors import ConfigError, OptimizerError, ShardtrainError
 from shardtrain.host_read import HostRead
-from shardtrain.pipeline_parallel import PipelineGrid, check_can_cut, check_micro_batches
+from shardtrain.pipeline_parallel import PipelineGrid, check_can_cut, check_micro_batches, split_micro_batch
 from shardtrain.plan import Plan
 from shardtrain.precision.mixed import check_parameter_dtypes
 from shardtrain.tensor_parallel import check_same_batch
@@ -107,12 +108,20 @@ class Engine:
         self._pipeline = parts.pipeline
         self.fp8 = parts.fp8  # fp8.enabled: the layers converted to float8 and those kept, by name (else None)
         if self._pipeline is not None:
+            scaler = self.scaler
             self._pipeline.build(
-                plan.pipeline.schedule, self.gradient_accumulation_steps, topology.pp_group, topology.device
+                plan.pipeline.schedule,
+                self.gradient_accumulation_steps,
+                topology.pp_group,
+                topology.device,
+                (lambda: scaler.scale_tensor) if scaler is not None else None,
             )
             self._pp_comm = Communicator(topology.pp_group, topology.timeout_s)
             # checkpoints run their protocol over every rank: each stage writes its own tensors into one manifest
             self._checkpoint_comm = Communicator(topology.world_group, topology.timeout_s)
+            # the first and last stage sum a tied weight's gradients ([Note: weights tied across stages])
+            tied = self._pipeline.tied
+            self._tied_comm = Communicator(topology.pp_ends_group, topology.timeout_s) if tied else None
         self.optimizer, self._lr_scheduler = optimizer, lr_scheduler
         self.global_step = 0
         self.micro_steps = 0
@@ -296,7 +305,8 @@ class Engine:
             unwinding = True
             try:
                 with self._runtime.gathered(list(self.module.parameters())):
-                    loss = self._pipeline.run(micro)
+                    loss = self._run_schedule(micro, train=True)
+                self._sum_tied_gradients()
                 unwinding = False
             finally:
                 self._reducer.end_backward(unwinding)
@@ -309,6 +319,53 @@ class Engine:
         lr = self.optimizer.param_groups[0]["lr"]
         self.monitor.end_optimizer_step(StepMetrics(self.global_step, self.global_samples, lr, self._grad_norm, 1.0))
         return loss
+
+    def _run_schedule(self, micro: list[Any], train: bool) -> torch.Tensor | None:
+        """[Note: guarded stage exchanges] The schedule's sends and receives are torch's, on the pipeline group,
+        whose waits end at the engine's collective timeout (its groups are made with it). A failure there (a stage
+        rank that died closes its connections at once; one that hangs, at the timeout) is described as a failed
+        collective is: which peer is gone, or that it timed out. Before the first step of each kind the pipeline's
+        ranks agree on the micro-batches' shapes, which the stages learn then: ranks given different shapes are
+        refused by name on every rank, where the schedule would exchange mismatched activations."""
+        shapes = [tuple(t.shape) for t in split_micro_batch(micro[0])]
+        if not self._pipeline.knows_shapes(train):
+            every = self._pp_comm.all_gather_object(shapes, what="pipeline micro-batch shapes")
+            if any(other != shapes for other in every):
+                t = self.topology
+                ranks = [s * t.stage_world + t.rank % t.stage_world for s in range(t.pp)]
+                seen = "; ".join(f"rank {r}: inputs {x}, labels {y}" for r, (x, y) in zip(ranks, every))
+                raise ConfigError(
+                    f"the pipeline's ranks were given micro-batches of different shapes ({seen}): the stages exchange "
+                    "activations of one shape; give every rank of a pipeline the same rows and sequence length"
+                )
+        started = time.monotonic()
+        try:
+            return self._pipeline.run(micro, train=train)
+        except RuntimeError as err:
+            if not failure.backend_error(err):
+                raise
+            what = "pipeline activations and gradients between stages"
+            raise self._pp_comm.describe_failure("send/recv", what, err, started=started) from err
+
+    def _sum_tied_gradients(self) -> None:
+        """[Note: weights tied across stages] in ``pipeline_parallel/cut.py``: the first and last stage's ranks at
+        one place add their gradients of the weights they share, before the data-parallel reduction reads them."""
+        if self._tied_comm is None:
+            return
+        tied = self._pipeline.tied
+        grads = [self._reducer.unreduced_grad(p) for p in tied]
+        flat = torch.cat(
+            [(g if g is not None else torch.zeros_like(p)).reshape(-1).to(torch.float32) for p, g in zip(tied, grads)]
+        )
+        self._tied_comm.all_reduce(flat, Reduce.SUM, what="tied weights' gradients (first and last pipeline stage)")
+        missing = [n for p, g in zip(tied, grads) if g is None for n in self.layout.record_of(p).names[:1]]
+        if missing:  # after the all-reduce, so that the other end is not left waiting in it
+            raise ShardtrainError(
+                f"{', '.join(missing)}: tied across the first and last pipeline stage but given no gradient by this "
+                "stage's forwards; a weight tied across stages must be used by both"
+            )
+        for g, summed in zip(grads, flat.split([p.numel() for p in tied])):
+            g.copy_(summed.view_as(g))
 
     def eval_batch(
         self,
@@ -350,7 +407,7 @@ class Engine:
         try:
             # stage 3: gathered for the forwards, as for a train step ([Note: a stage gathered for its schedule])
             with torch.no_grad(), self._runtime.gathered(list(self.module.parameters())):
-                loss = self._pipeline.run(micro, train=False)
+                loss = self._run_schedule(micro, train=False)
         finally:
             self.module.train(training)
         return self._mean_loss(loss, broadcast=bcast_loss)
@@ -700,6 +757,10 @@ class Engine:
             },
             owner=self._save_dirs,
             stage_comm=self._pp_comm if pipelined else None,
+            # a weight tied across stages is written by the first ([Note: weights tied across stages])
+            written_elsewhere=frozenset(id(p) for p in self._pipeline.tied)
+            if pipelined and not self._pipeline.first
+            else frozenset(),
         )
 
     def load_full_state_dict(

@@ -67,7 +67,7 @@ from shardtrain.offload.optimizer_state import (
 )
 from shardtrain.offload.parameters import ParamOffload
 from shardtrain.offload.swap import ScratchDir, SwapFiles, on_every_rank, prepare_scratch
-from shardtrain.pipeline_parallel import Pipeline, cut_model
+from shardtrain.pipeline_parallel import Pipeline, cut_model, tied_across_stages
 from shardtrain.plan import Plan
 from shardtrain.plan.policies import ActivationPolicy, Float8Policy, OffloadPolicy, PrecisionPolicy, ZeroPolicy
 from shardtrain.precision.float8 import Float8Conversion, convert_to_float8
@@ -154,8 +154,15 @@ def parallelize(
 ) -> Parts:
     """Apply ``plan`` to ``model`` in the order of the module docstring and return the engine's parts. Collective.
     ``config``: only what is not a policy: the ranks' agreement check hashes it, the monitor reads its sections."""
-    checkpointed_blocks(model, plan)  # refused before the model is touched
+    # refused before the model is touched; found in the whole model, whose layer list a pipeline's cut turns into a
+    # ModuleDict of this rank's layers ([Note: stages keep the model's names] in pipeline_parallel/cut.py)
+    blocks = checkpointed_blocks(model, plan)
     pipeline = apply_pp(model, plan, topology, optimizer)
+    if pipeline is not None:
+        kept = {id(m) for m in model.modules()}
+        blocks = [b for b in blocks if id(b) in kept]
+    else:  # found again once the model is laid out, as they always were
+        blocks = None
     deferred = apply_construction(model, plan, topology)
     split = apply_tp(model, plan, topology, tp_plan, deferred)
     split = apply_ep(model, topology, split, deferred)
@@ -186,9 +193,14 @@ def parallelize(
         masters = apply_precision(model, layout, plan.precision)
         param_offload = _param_offload(layout, plan.offload, scratch, comms.world, topology.rank, topology.device)
         eager = apply_units(model, plan, topology, comms, layout, param_offload, phase_check)
-        activation_offload = apply_activation_checkpointing(model, plan, topology)
+        activation_offload = apply_activation_checkpointing(
+            blocks if blocks is not None else checkpointed_blocks(model, plan), plan, topology
+        )
+        # a weight tied across the first and last stage counts in the norm on the first ([Note: weights tied
+        # across stages] in pipeline_parallel/cut.py)
+        counted_elsewhere = frozenset(id(p) for p in pipeline.tied) if pipeline and not pipeline.first else frozenset()
         reducer, sharded = apply_step(
-            model, plan, topology, comms, layout, masters, eager, split, optimizer, scratch, config
+            model, plan, topology, comms, layout, masters, eager, split, optimizer, scratch, config, counted_elsewhere
         )
         runtime = apply_graph(model, plan, eager, comms, reducer, layout, param_offload)
         # metrics, monitors (TensorBoard/CSV/wandb) and wall-clock breakdown: rank 0 only, never communicates
@@ -234,11 +246,22 @@ def apply_pp(model: nn.Module, plan: Plan, topology: Topology, optimizer: torch.
         return None
     num_stages = plan.dims.pp * plan.pipeline.stages_per_rank
     stage_ids = list(range(topology.pp_rank, num_stages, plan.dims.pp))
+    tied = [p for p in tied_across_stages(model) if p.requires_grad]  # read before the cut prunes the model
     parts, loss_fn = cut_model(model, num_stages, stage_ids)
     kept = {id(p) for p in model.parameters()}
     for group in optimizer.param_groups:
         group["params"] = [p for p in group["params"] if id(p) in kept]
-    return Pipeline(parts, stage_ids, num_stages, loss_fn)
+    tied = [p for p in tied if id(p) in kept]
+    if tied and not any(p.is_meta for p in tied):
+        # the last stage starts from the first stage's values, as DeepSpeed's _synchronize_tied_weights: a
+        # PipelineModule builds its tied module once per stage ([Note: weights tied across stages])
+        ends = Communicator(topology.pp_ends_group, topology.timeout_s)
+        for p in tied:
+            value = p.detach().to(topology.device, copy=True)
+            ends.broadcast(value, 0, what="weights tied across stages (the first stage's initial values)")
+            with torch.no_grad():
+                p.copy_(value)
+    return Pipeline(parts, stage_ids, num_stages, loss_fn, tied)
 
 
 def apply_construction(model: nn.Module, plan: Plan, topology: Topology) -> bool:
@@ -421,15 +444,16 @@ def apply_fp8(model: nn.Module, policy: Float8Policy) -> Float8Conversion | None
     return convert_to_float8(model, policy) if policy.enabled else None
 
 
-def apply_activation_checkpointing(model: nn.Module, plan: Plan, topology: Topology) -> HostOffload | None:
-    """Checkpoint the blocks ZeRO-3 makes units of (at every stage) as ``plan.activations`` says; returns the host
-    offload of their inputs (None without ``cpu_checkpointing``). After the stage-3 runtime, whose hooks must be
-    outside the checkpoint's ([Note: the order of a checkpointed block's hooks])."""
+def apply_activation_checkpointing(blocks: list[nn.Module], plan: Plan, topology: Topology) -> HostOffload | None:
+    """Checkpoint ``blocks`` (:func:`checkpointed_blocks`: those ZeRO-3 makes units of, at every stage; under
+    pipeline parallelism this rank's) as ``plan.activations`` says; returns the host offload of their inputs (None
+    without ``cpu_checkpointing``). After the stage-3 runtime, whose hooks must be outside the checkpoint's ([Note:
+    the order of a checkpointed block's hooks])."""
     policy = plan.activations
     if not policy.enabled:
         return None
     offload = HostOffload(topology.device) if policy.offload_inputs else None
-    apply_checkpointing(checkpointed_blocks(model, plan), policy, offload)
+    apply_checkpointing(blocks, policy, offload)
     return offload
 
 
@@ -467,11 +491,13 @@ def apply_step(
     optimizer: torch.optim.Optimizer,
     scratch: dict[str, ScratchDir],
     config: Config,
+    counted_elsewhere: frozenset[int] = frozenset(),
 ) -> tuple[GradientReducer, ShardedOptimizer]:
     """The reducer and the optimizer over this rank's fragments, with the optimizer offload: where the reducer sends
     complete gradient shards (swap files or host copies) is built first, from the tensors the optimizer wrapper will
     step (the masters, else the fragments); a device run whose optimizer steps on the host keeps its masters there
-    ([Note: overlapped offload])."""
+    ([Note: overlapped offload]). ``counted_elsewhere``: the parameters whose gradient another pipeline stage counts
+    in the global norm (a tied weight's, [Note: weights tied across stages] in ``pipeline_parallel/cut.py``)."""
     policy, offload = layout.policy, plan.offload.optimizer
     trainable = layout.trainable_buckets  # frozen buckets (stage-3 units) are never reduced nor stepped
     streams = host_copies.copy_streams(topology.device) if offload.enabled else None
@@ -540,6 +566,7 @@ def apply_step(
         make_offload=_offload_factory(optimizer, plan.offload, topology, files, comms.world, sinks),
         experts=(comms.edp, comms.ep) if comms.edp is not None and comms.ep is not None else None,
         stage_comm=Communicator(topology.pp_group, topology.timeout_s) if topology.pp > 1 else None,
+        counted_elsewhere=counted_elsewhere,
     )
     return reducer, sharded
 

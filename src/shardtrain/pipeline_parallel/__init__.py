@@ -2,7 +2,7 @@
 stages and schedules (:mod:`.schedule`), DeepSpeed's grid queries over the mesh (:mod:`.grid`);
 docs/pipeline-parallel.md."""
 
-from shardtrain.pipeline_parallel.cut import check_can_cut, cut_model, layers_of_stages
+from shardtrain.pipeline_parallel.cut import check_can_cut, cut_model, layers_of_stages, tied_across_stages
 from shardtrain.pipeline_parallel.grid import PipelineGrid
 from shardtrain.pipeline_parallel.schedule import Pipeline, check_micro_batches, split_micro_batch
 
@@ -14,4 +14,5 @@ __all__ = [
     "cut_model",
     "layers_of_stages",
     "split_micro_batch",
+    "tied_across_stages",
 ]

@@ -10,6 +10,17 @@ logical tensors at any pipeline size. Each stage's forward is a small module of 
 (the loss is the schedule's ``loss_fn``, run on the last stage's output), and every Llama stage makes the rotary
 embeddings and the causal mask it needs from its own input (they hold no parameters).
 
+[Note: weights tied across stages]
+A model whose output head is its input embedding (GPT-2, ``tie_word_embeddings=True``, ``GPTConfig.tie_embeddings``)
+holds the one weight on the first stage (embedding) and the last (head). The last stage keeps the embedding module
+too (unused there: it holds only the tied weight), so the weight has the same names on both stages
+(``tok.weight``, ``head.weight``), as in the whole model. Each step, before the data-parallel reduction, the two
+stages' ranks at one place add their gradients (one all-reduce over ``Topology.pp_ends_group``): every rank then
+holds the whole model's gradient of the weight, both reduce and step it alike, and it stays equal on the two stages.
+It is counted once in the global norm (the first stage's) and written once to a checkpoint (by the first stage).
+:func:`tied_across_stages` names these weights; a model built as its stage says its own (a ``PipelineModule``'s
+``TiedLayerSpec`` layers, from its ``tied_across_stages()``).
+
 [Note: a model built as its stage]
 A model may come already cut: DeepSpeed's ``PipelineModule`` (the shim's, ``compat/deepspeed/runtime/pipe``) builds
 only its rank's stage when it is constructed. Such a model offers ``pipeline_stages(num_stages, stage_ids)``
@@ -110,14 +121,23 @@ def _is_llama_family(model: nn.Module) -> bool:
     )
 
 
-def _refuse_tied(name: str, embedding: nn.Module, head: nn.Module) -> None:
-    if embedding.weight is head.weight:
-        raise ConfigError(
-            f"{name} ties its input embedding and its output head (one weight on the first and the last pipeline "
-            "stage): tied embeddings under pipeline parallelism are not built yet; untie them (GPTConfig."
-            "tie_embeddings=False, or tie_word_embeddings=False in a transformers config) or use "
-            "pipeline_parallel_size 1"
-        )
+def _tied_weight(embedding: nn.Module, head: nn.Module) -> nn.Parameter | None:
+    return embedding.weight if embedding.weight is head.weight else None
+
+
+def tied_across_stages(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters the first and the last pipeline stage share, in one order on both ([Note: weights tied across
+    stages]); read before :func:`cut_model` prunes the model (after it, a rank sees only its own stages')."""
+    if isinstance(model, BuiltAsStage):  # its tied weights, where it has any: ``tied_across_stages()``
+        own = getattr(model, "tied_across_stages", None)
+        return list(own()) if own is not None else []
+    if isinstance(model, GPT):
+        tied = _tied_weight(model.tok, model.head)
+    elif _is_llama_family(model):
+        tied = _tied_weight(model.model.embed_tokens, model.lm_head)
+    else:
+        tied = None
+    return [tied] if tied is not None else []
 
 
 def check_can_cut(model: nn.Module, num_stages: int) -> None:
@@ -125,10 +145,8 @@ def check_can_cut(model: nn.Module, num_stages: int) -> None:
     if isinstance(model, BuiltAsStage):
         return  # it says itself, in cut_model, whether it was built for this layout
     if isinstance(model, GPT):
-        _refuse_tied("this GPT", model.tok, model.head)
         layers_of_stages(len(model.blocks), num_stages)
     elif _is_llama_family(model):
-        _refuse_tied(type(model).__name__, model.model.embed_tokens, model.lm_head)
         layers_of_stages(len(model.model.layers), num_stages)
     else:
         raise ConfigError(
@@ -151,9 +169,11 @@ def cut_model(model: nn.Module, num_stages: int, stages: list[int]) -> tuple[lis
     split = layers_of_stages(len(layer_list), num_stages)
     kept = sorted(i for s in stages for i in split[s])
     holds_first, holds_last = 0 in stages, num_stages - 1 in stages
+    # the last stage keeps a tied embedding for its head's weight ([Note: weights tied across stages])
+    keeps_embedding = holds_first or (holds_last and bool(tied_across_stages(model)))
     if llama:
         inner.layers = _keep_layers(layer_list, kept)
-        if not holds_first:
+        if not keeps_embedding:
             inner.embed_tokens = None
         if not holds_last:
             inner.norm, model.lm_head = None, None
@@ -166,11 +186,19 @@ def cut_model(model: nn.Module, num_stages: int, stages: list[int]) -> tuple[lis
         return parts, loss
     inner.blocks = _keep_layers(layer_list, kept)
     if not holds_first:
-        model.tok, model.pos = None, None
+        model.tok, model.pos = (model.tok if keeps_embedding else None), None
     if not holds_last:
         model.ln_f, model.head = None, None
     parts = [GPTStage(model, split[s], s == 0, s == num_stages - 1) for s in stages]
     return parts, model.loss
 
 
-__all__ = ["BuiltAsStage", "GPTStage", "LlamaStage", "check_can_cut", "cut_model", "layers_of_stages"]
+__all__ = [
+    "BuiltAsStage",
+    "GPTStage",
+    "LlamaStage",
+    "check_can_cut",
+    "cut_model",
+    "layers_of_stages",
+    "tied_across_stages",
+]

@@ -25,7 +25,7 @@ prefetch and ``stage3_max_live_parameters`` do not apply.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -84,10 +84,22 @@ def check_micro_batches(schedule: str, micro_batches: int, pp: int) -> None:
 class Pipeline:
     """This rank's stages (``stage_ids`` of ``num_stages``) and the schedule that runs them."""
 
-    def __init__(self, parts: list[nn.Module], stage_ids: list[int], num_stages: int, loss_fn: LossFn) -> None:
+    def __init__(
+        self,
+        parts: list[nn.Module],
+        stage_ids: list[int],
+        num_stages: int,
+        loss_fn: LossFn,
+        tied: list[nn.Parameter] | None = None,
+    ) -> None:
         self.parts, self.stage_ids, self.num_stages, self.loss_fn = parts, stage_ids, num_stages, loss_fn
+        # the parameters this rank shares with the other end of the pipeline, in one order on both ([Note: weights
+        # tied across stages] in pipeline_parallel/cut.py); empty on the middle stages and for an untied model
+        self.tied: list[nn.Parameter] = list(tied or [])
         self._schedule = None
         self._device = torch.device("cpu")
+        self._training = True  # whether the running step trains (an fp16 loss is scaled) or evaluates
+        self._unscaled: dict[int, torch.Tensor] = {}  # id of a loss given to the schedule: the unscaled loss
         # the first train step's and the first eval step's inputs and labels: torch's schedule infers the stages'
         # activation shapes again when it turns from training to evaluation or back, never within one
         self._shapes: dict[bool, tuple[tuple[int, ...], tuple[int, ...]]] = {}
@@ -100,19 +112,44 @@ class Pipeline:
     def last(self) -> bool:
         return self.num_stages - 1 in self.stage_ids
 
-    def build(self, schedule: str, micro_batches: int, group: dist.ProcessGroup, device: torch.device) -> None:
+    def build(
+        self,
+        schedule: str,
+        micro_batches: int,
+        group: dist.ProcessGroup,
+        device: torch.device,
+        loss_scale: Callable[[], torch.Tensor] | None = None,
+    ) -> None:
         """The ``PipelineStage`` of each part and ``schedule`` over ``micro_batches`` (see [Note: one pipeline
-        step])."""
+        step]); ``loss_scale``: fp16's current loss scale, which a training step's losses are multiplied by before
+        the schedule's backward ([Note: fp16's loss scale in the schedule])."""
         check_micro_batches(schedule, micro_batches, dist.get_world_size(group))
         cls = get_schedule_class(schedule)
         stages = [PipelineStage(p, s, self.num_stages, device, group=group) for p, s in zip(self.parts, self.stage_ids)]
         k, self._device = micro_batches, device
 
         def loss(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-            return self.loss_fn(output, labels) / k
+            value = self.loss_fn(output, labels)
+            if loss_scale is None or not self._training:
+                scaled = value / k
+            else:
+                # [Note: fp16's loss scale in the schedule] as engine.backward scales a loss: in fp32 (the scaled
+                # loss may not fit fp16), by the scale on the device, then divided by the micro-batches; the
+                # optimizer unscales, and an overflow on any stage skips the step on every stage ([Note: the norm
+                # across stages] in zero/optimizer.py)
+                scaled = value.float() * loss_scale().to(torch.float32) / k
+            # what the step reports, unscaled, by the tensor torch lists among the step's losses (the schedule may
+            # call the loss more often than once per micro-batch, on the first step's shape inference)
+            self._unscaled[id(scaled)] = (value / k).detach()
+            return scaled
 
         multi = issubclass(cls, PipelineScheduleMulti)
         self._schedule = cls(stages if multi else stages[0], n_microbatches=k, loss_fn=loss, scale_grads=False)
+
+    def knows_shapes(self, train: bool) -> bool:
+        """Whether the stages have learned their activations' shapes for a training (or evaluation) step: after
+        the first such step, whose micro-batches' shapes every later one must have."""
+        return train in self._shapes
 
     def run(self, micro_batches: list[Any], train: bool = True) -> torch.Tensor | None:
         """One step's forward and backward over ``micro_batches`` (``train=False``: the forwards only, torch's
@@ -133,10 +170,13 @@ class Pipeline:
             )
         args = (inputs,) if self.first else ()
         run = self._schedule.step if train else self._schedule.eval
+        self._training, self._unscaled = train, {}
         if self.last:
             losses: list[torch.Tensor] = []
             run(*args, target=labels, losses=losses)
-            return torch.stack([x.detach() for x in losses]).sum()
+            mean = torch.stack([self._unscaled[id(x)] for x in losses]).sum()
+            self._unscaled = {}
+            return mean
         run(*args)
         return None
 

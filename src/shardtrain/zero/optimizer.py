@@ -149,6 +149,7 @@ class ShardedOptimizer:
         make_offload: MakeOffload | None = None,
         experts: tuple[Communicator, Communicator] | None = None,
         stage_comm: Communicator | None = None,
+        counted_elsewhere: frozenset[int] = frozenset(),
     ) -> None:
         """``comm``: the group the buckets are sharded over; with hybrid sharding (``dp_comm``: every data-parallel
         rank, ``replica_rank``: this rank's replica) the shard group. ``overlap_gathers``: the all-gathers after a
@@ -158,9 +159,10 @@ class ShardedOptimizer:
         expert-data-parallel group the expert buckets are gathered over and the expert group whose ranks hold
         different experts (the norm at stage 0 sums their expert squares; see [Note: expert buckets] in
         zero/layout.py). ``stage_comm``: under pipeline parallelism, the ranks holding the other stages, over which the
-        squared norm is summed as well ([Note: the norm across stages])."""
+        squared norm is summed as well ([Note: the norm across stages]); ``counted_elsewhere``: the ids of parameters
+        whose gradient another stage holds too and counts in that sum (a weight tied across stages), left out here."""
         self.optimizer, self.buckets, self.reducer = optimizer, buckets, reducer
-        self.stage_comm = stage_comm
+        self.stage_comm, self.counted_elsewhere = stage_comm, counted_elsewhere
         self.tp_norm = tp_norm  # with tensor parallelism: how the squared norm is summed (see the class)
         self.comm, self.allgather_bucket_numel = comm, allgather_bucket_numel
         # the norm's all-reduce when it carries the reducer's order flag: every data-parallel rank must see the flag
@@ -355,6 +357,12 @@ class ShardedOptimizer:
         elif self.expert_group is not None and self.norm_comm is not self.comm:
             local_sq = self._hybrid_expert_square(grads, deferred, swapped, inv)
             local_sq = self._global_square(local_sq, grads, swapped, weighted=True)
+        elif self.counted_elsewhere:  # under pipeline parallelism (no offload, tp or experts there): a tied weight
+            counted = [None if k in self.counted_elsewhere else g for k, g in zip(self._frag, grads)]
+            local_sq = self._local_square(
+                counted, [g for g in counted if g is not None and g.numel()], deferred, None, inv
+            )
+            local_sq = self._global_square(local_sq, grads, swapped)
         else:
             local_sq = self._local_square(grads, in_memory, deferred, swapped, inv)
             local_sq = self._global_square(local_sq, grads, swapped)

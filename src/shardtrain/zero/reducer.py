@@ -440,6 +440,24 @@ class GradientReducer:
                 self._proposal = list(self._observed)
         self._reset_backward()
 
+    def unreduced_grad(self, param: torch.Tensor) -> torch.Tensor | None:
+        """During a backward that has launched no reduction yet (overlap off, as under pipeline parallelism):
+        ``param``'s gradient on this rank, accumulated over the backward's micro-batches, as a view that the
+        reduction will read; None if none arrived. What a weight tied across pipeline stages is summed in ([Note:
+        weights tied across stages] in ``pipeline_parallel/cut.py``)."""
+        if self._launched or self._pending:
+            raise ShardtrainError("unreduced_grad after this backward's reductions were launched")
+        for position, bucket in enumerate(self.buckets):
+            for index, slot in enumerate(bucket.slots):
+                if slot.param is not param:
+                    continue
+                if index not in self._got[position]:
+                    return None
+                if not self.sharded_grads:
+                    return self._grad_view(self.full_grads[position], slot)
+                return self._staging[position][slot.offset : slot.offset + slot.numel].view(slot.param.shape)
+        raise ShardtrainError("unreduced_grad of a parameter in none of the reducer's buckets")
+
     def _failed(self) -> bool:
         comms = (self.comm, self.replicate, self.order_comm, self.expert_comm)
         return any(c is not None and c.failure is not None for c in comms)

@@ -18,12 +18,14 @@ from __future__ import annotations
 import random
 import re
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from shardtrain.compat.deepspeed.runtime.pipe.partition import partition_balanced, partition_uniform
 from shardtrain.compat.deepspeed.unsupported import not_provided
@@ -48,8 +50,10 @@ class LayerSpec:
 
 
 class TiedLayerSpec(LayerSpec):
-    """A layer whose weights several stages share (DeepSpeed sums their gradients across those stages). Accepted
-    here; a :class:`PipelineModule` that holds one is refused by name (the tied gradient sum is not built)."""
+    """A layer whose weights several layers share, under ``key``: built once per stage that holds one of them
+    (``tied_modules.<key>``), called as ``forward_fn(module, x)`` where given; the ``tied_weight_attr`` parameters'
+    gradients are summed across the stages (as DeepSpeed does). Ties between the first and the last stage are built
+    ([Note: weights tied across stages] in ``pipeline_parallel/cut.py``); others are refused by name."""
 
     def __init__(
         self,
@@ -63,6 +67,15 @@ class TiedLayerSpec(LayerSpec):
         super().__init__(typename, *module_args, **module_kwargs)
         self.key, self.forward_fn = key, forward_fn
         self.tied_weight_attr = [tied_weight_attr] if isinstance(tied_weight_attr, str) else list(tied_weight_attr)
+
+
+def _dotted_attr(module: nn.Module, path: str) -> nn.Parameter:
+    value: Any = module
+    for part in path.split("."):
+        value = getattr(value, part)
+    if not isinstance(value, nn.Parameter):
+        raise ConfigError(f"TiedLayerSpec's tied_weight_attr {path!r} is not a parameter of {type(module).__name__}")
+    return value
 
 
 def set_random_seed(seed: int) -> None:
@@ -134,11 +147,6 @@ class PipelineModule(nn.Module):
         refused = [
             (topology is not None, "PipelineModule(topology=...)", "give num_stages: the mesh is (pipe, data)"),
             (
-                activation_checkpoint_interval != 0,
-                f"PipelineModule(activation_checkpoint_interval={activation_checkpoint_interval})",
-                "activation checkpointing under pipeline parallelism is not built yet: use 0",
-            ),
-            (
                 dynamic_shape,
                 "PipelineModule(dynamic_shape=True)",
                 "the stages exchange activations of the first step's shapes: pad micro-batches to one shape",
@@ -149,13 +157,6 @@ class PipelineModule(nn.Module):
                 raise not_provided(what, instead)
         if num_stages is None or num_stages < 1:
             raise ConfigError(f"PipelineModule needs num_stages >= 1, got {num_stages}")
-        tied = [layer.key for layer in layers if isinstance(layer, TiedLayerSpec)]
-        if tied:
-            raise not_provided(
-                f"TiedLayerSpec (keys {sorted(set(tied))})",
-                "the tied weight's gradient sum across the stages that hold it is not built yet: give each stage "
-                "its own layer (untied), or train without pipeline parallelism",
-            )
         if any(isinstance(layer, PipelineModule) for layer in layers):
             raise ConfigError("a PipelineModule inside a PipelineModule's layers: DeepSpeed does not build it either")
         world = dist.get_world_size() if dist.is_initialized() else 1
@@ -166,7 +167,13 @@ class PipelineModule(nn.Module):
         self.stage_id = rank // (world // num_stages)
         self.loss_fn = loss_fn
         self.seed_layers, self.seed_fn, self.base_seed = seed_layers, seed_fn or set_random_seed, base_seed
-        self.activation_checkpoint_interval = 0
+        if activation_checkpoint_interval < 0:
+            raise ConfigError(f"activation_checkpoint_interval must be >= 0, got {activation_checkpoint_interval}")
+        # DeepSpeed's default function is its own reentrant checkpoint; torch's non-reentrant one computes the same
+        # values and also gives a chunk whose inputs need no gradient (token ids into an embedding) its gradients
+        self.activation_checkpoint_interval = activation_checkpoint_interval
+        self.activation_checkpoint_func = activation_checkpoint_func or partial(checkpoint, use_reentrant=False)
+        self.checkpointable_layers = checkpointable_layers
         self._layer_specs = list(layers)
         self.parts = partition_layers(self._layer_specs, num_stages, partition_method)
         if num_stages > 1 and any(a == b for a, b in zip(self.parts, self.parts[1:])):
@@ -175,12 +182,22 @@ class PipelineModule(nn.Module):
                 f"{self.parts} for {len(self._layer_specs)} layers): use fewer stages or another partition_method"
             )
         self._local_start, self._local_stop = self.parts[self.stage_id], self.parts[self.stage_id + 1]
+        self._tied_stages = self._stages_of_tied_keys()
+        self.tied_modules = nn.ModuleDict()  # DeepSpeed's names: tied_modules.<key>.<parameter>
+        self.tied_weight_attrs: dict[str, list[str]] = {}
         self.forward_funcs: list[Callable] = []
         self._micro_offset = 0
         for index in range(self._local_start, self._local_stop):
             layer = self._layer_specs[index]
             if seed_layers:
                 self.seed_fn(base_seed + index)
+            if isinstance(layer, TiedLayerSpec):  # one module per key on this stage, as DeepSpeed builds it
+                if layer.key not in self.tied_modules:
+                    self.tied_modules[layer.key] = layer.build()
+                    self.tied_weight_attrs[layer.key] = layer.tied_weight_attr
+                module = self.tied_modules[layer.key]
+                self.forward_funcs.append(module if layer.forward_fn is None else partial(layer.forward_fn, module))
+                continue
             if isinstance(layer, LayerSpec):
                 layer = layer.build()
             if isinstance(layer, nn.Module):
@@ -189,16 +206,70 @@ class PipelineModule(nn.Module):
 
     def forward(self, inputs: Any) -> Any:
         """This stage's layers, each called on the previous one's output (with ``seed_layers``, each reseeded per
-        micro-batch by DeepSpeed's rule, ``base_seed * micro_batch + layer``, so dropout draws as DeepSpeed's)."""
+        micro-batch by DeepSpeed's rule, ``base_seed * micro_batch + layer``, so dropout draws as DeepSpeed's); with
+        ``activation_checkpoint_interval`` k > 0, every k layers checkpointed as one chunk when they hold parameters
+        (DeepSpeed's ``_is_checkpointable``), recomputed in backward with the same seeds."""
         self._micro_offset += 1
-        micro = self._micro_offset + 1
-        for index, layer in zip(range(self._local_start, self._local_stop), self.forward_funcs):
-            if self.seed_layers:
-                self.seed_fn(self.base_seed * micro + index)
-            inputs = layer(inputs)
-        return inputs
+        micro = self._micro_offset + 1  # the closure's: a recomputation in backward reseeds as the forward did
+
+        def run_range(start: int, stop: int) -> Callable:
+            def run(*x: Any) -> Any:
+                x = x[0] if len(x) == 1 else x
+                for index in range(start, stop):
+                    if self.seed_layers:
+                        self.seed_fn(self.base_seed * micro + self._local_start + index)
+                    x = self.forward_funcs[index](x)
+                return x
+
+            return run
+
+        count, interval = len(self.forward_funcs), self.activation_checkpoint_interval
+        if interval == 0:
+            return run_range(0, count)(inputs)
+        x = inputs
+        for start in range(0, count, interval):
+            stop = min(start + interval, count)
+            args = x if isinstance(x, tuple) else (x,)
+            if self._is_checkpointable(self.forward_funcs[start:stop]):
+                x = self.activation_checkpoint_func(run_range(start, stop), *args)
+            else:
+                x = run_range(start, stop)(*args)
+        return x
+
+    def _is_checkpointable(self, funcs: list[Callable]) -> bool:
+        """DeepSpeed's rule: the chunk's layers are all of ``checkpointable_layers`` where given, else some layer
+        of the chunk holds parameters."""
+        if self.checkpointable_layers is not None:
+            return all(type(f).__name__ in self.checkpointable_layers for f in funcs)
+        return any(any(True for _ in f.parameters()) for f in funcs if isinstance(f, nn.Module))
+
+    def _stages_of_tied_keys(self) -> dict[str, list[int]]:
+        """The stages holding each ``TiedLayerSpec`` key; a key on stages other than the first and the last (or on
+        one stage alone) is refused by name."""
+        stages: dict[str, set[int]] = {}
+        for index, layer in enumerate(self._layer_specs):
+            if isinstance(layer, TiedLayerSpec):
+                stages.setdefault(layer.key, set()).add(self.stage_owner(index))
+        ends = {0, self.num_stages - 1}
+        for key, held in stages.items():
+            if len(held) > 1 and held != ends:
+                raise not_provided(
+                    f"TiedLayerSpec {key!r} on pipeline stages {sorted(held)}",
+                    "weights tied across the first and the last stage are built (an input embedding and an output "
+                    "head); give the other stages their own layer, or change partition_method",
+                )
+        return {key: sorted(held) for key, held in stages.items()}
 
     # -- what shardtrain's pipeline asks of a model built as one stage (pipeline_parallel/cut.py) -----------------
+    def tied_across_stages(self) -> list[nn.Parameter]:
+        """The ``tied_weight_attr`` parameters of this stage's keys that the first and the last stage share, by key
+        and attribute: one order on both ([Note: weights tied across stages] in ``pipeline_parallel/cut.py``)."""
+        params = []
+        for key in sorted(k for k, held in self._tied_stages.items() if len(held) > 1 and k in self.tied_modules):
+            for attr in self.tied_weight_attrs[key]:
+                params.append(_dotted_attr(self.tied_modules[key], attr))
+        return params
+
     def pipeline_stages(self, num_stages: int, stage_ids: list[int]) -> tuple[list[nn.Module], Callable]:
         """This module as the rank's stage ``stage_ids[0]`` of ``num_stages``, and the last stage's loss."""
         if num_stages != self.num_stages or stage_ids != [self.stage_id]:
