@@ -85,6 +85,7 @@ from shardtrain.sequence_parallel import (
 )
 from shardtrain.sequence_parallel.tiling import install as install_tiling
 from shardtrain.tensor_parallel import parallelize as split_tensor_parallel
+from shardtrain.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from shardtrain.tensor_parallel.parallelize import check_replicated_gradients
 from shardtrain.zero.build import build_layout, laid_out_whole
 from shardtrain.zero.float8_gather import take_precast_weights
@@ -177,7 +178,7 @@ def parallelize(
     scratch = _prepare_offload(plan.offload, topology, comms.world)
     try:
         sp = apply_sp(model, plan, topology)
-        fp8 = apply_fp8(model, plan.fp8)
+        fp8 = apply_fp8(model, plan.fp8, tensor_parallel=split.tp_comm is not None)
         float8 = float8_weights(model, plan, fp8)
         # graph mode gathers the units as operations of its captured graphs, and hpZ cuts its secondary shards from
         # the gathered compute-dtype buffers: both in the compute dtype
@@ -369,7 +370,9 @@ def float8_weights(model: nn.Module, plan: Plan, conversion: Float8Conversion | 
     tensorwise recipe (one scale per weight, which the gather computes)."""
     if conversion is None or not plan.zero.shard_parameters or plan.fp8.recipe != "tensorwise":
         return {}
-    modules = [model.get_submodule(name) for name in conversion.converted]
+    # a tensor-parallel layer's weight is a block: its scale is the whole weight's, over the tensor-parallel ranks
+    # ([Note: float8 under tensor parallelism]); its unit gathers it in the compute dtype
+    modules = [model.get_submodule(name) for name in conversion.converted if name not in conversion.tensor_parallel]
     return {id(m.weight): m for m in modules}
 
 
@@ -414,11 +417,16 @@ def apply_units(
     )
 
 
-def apply_fp8(model: nn.Module, policy: Float8Policy) -> Float8Conversion | None:
+def apply_fp8(model: nn.Module, policy: Float8Policy, tensor_parallel: bool = False) -> Float8Conversion | None:
     """With ``fp8.enabled``, the linear layers swapped for torchao's ``Float8Linear`` (``precision/float8.py``), before
     the layout: the conversion keeps every Parameter object, so what is built over them (layout, masters, units'
-    hooks on the blocks around the converted layers) is built as without fp8 ([Note: no float8 state])."""
-    return convert_to_float8(model, policy) if policy.enabled else None
+    hooks on the blocks around the converted layers) is built as without fp8 ([Note: no float8 state]). After
+    ``apply_tp``: with ``tensor_parallel`` the column- and row-parallel layers compute their local matmul in float8
+    ([Note: float8 under tensor parallelism] in ``tensor_parallel/float8.py``)."""
+    if not policy.enabled:
+        return None
+    parallel = (ColumnParallelLinear, RowParallelLinear) if tensor_parallel else ()
+    return convert_to_float8(model, policy, parallel_linears=parallel)
 
 
 def apply_activation_checkpointing(model: nn.Module, plan: Plan, topology: Topology) -> HostOffload | None:
