@@ -1,6 +1,7 @@
 """FP8 training composed with the model-splitting axes (issue 50): tensor parallelism (the column- and row-parallel
-layers' local matmul in float8, scales over the whole tensors), against torchao's own single-process fp8 training
-of the same model and batches (emulated: the CPU has no fp8 matmuls)."""
+layers' local matmul in float8, scales over the whole tensors), Ulysses sequence parallelism and hybrid sharding,
+against torchao's own single-process fp8 training of the same model and batches (emulated: the CPU has no fp8
+matmuls)."""
 
 import dataclasses
 import functools
@@ -21,18 +22,37 @@ FP8 = {"enabled": True, "emulate": True}
 VOCAB, SEQ = 120, 16  # splits over 2 and 3 ranks, and no linear but the head has 120 outputs
 
 
-def _gpt(d_model: int, n_head: int) -> nn.Module:
+def _gpt(d_model: int, n_head: int, seq: int = SEQ) -> nn.Module:
     torch.manual_seed(0)
-    return GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=d_model, n_layer=2, n_head=n_head))
+    return GPT(GPTConfig(vocab_size=VOCAB, seq_len=seq, d_model=d_model, n_layer=2, n_head=n_head))
 
 
-def _gpt_by_torchao(d_model: int, n_head: int) -> nn.Module:
+def _gpt_by_torchao(d_model: int, n_head: int, seq: int = SEQ) -> nn.Module:
     """torchao's own conversion of the same model, with the filter a user would write: all but the head."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     config = dataclasses.replace(Float8LinearConfig.from_recipe_name("tensorwise"), emulate=True)
-    model = _gpt(d_model, n_head)
+    model = _gpt(d_model, n_head, seq)
     return convert_to_float8_training(model, module_filter_fn=lambda m, fqn: fqn != "head", config=config)
+
+
+def _gpt_by_torchao_per_sequence_part(d_model: int, n_head: int, seq: int, sp: int) -> nn.Module:
+    """torchao's conversion of the same model, each converted linear applied to each of ``sp`` parts of the sequence
+    on its own: each part's activations and output gradients cast with their own scales, as each sequence-parallel
+    rank casts its tokens (torchao's per-rank scaling, [Note: float8 and the data and sequence axes])."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    model = _gpt_by_torchao(d_model, n_head, seq)
+    for m in model.modules():
+        if isinstance(m, Float8Linear):
+            m.forward = functools.partial(_per_sequence_part, m, sp)
+    return model
+
+
+def _per_sequence_part(module: nn.Module, sp: int, x: torch.Tensor) -> torch.Tensor:
+    from torchao.float8.float8_linear import Float8Linear
+
+    return torch.cat([Float8Linear.forward(module, part) for part in x.chunk(sp, dim=1)], dim=1)
 
 
 def _sgd(model: nn.Module) -> torch.optim.Optimizer:
@@ -44,11 +64,11 @@ def _sgd(model: nn.Module) -> torch.optim.Optimizer:
 
 
 @functools.cache
-def _batches(rows: int = 6) -> list:
+def _batches(rows: int = 6, seq: int = SEQ) -> list:
     g = torch.Generator().manual_seed(1)
     out = []
     for _ in range(8):
-        x = torch.randint(0, VOCAB, (rows, SEQ), generator=g)
+        x = torch.randint(0, VOCAB, (rows, seq), generator=g)
         out.append((x, torch.roll(x, -1, dims=1)))
     return out
 
@@ -78,7 +98,7 @@ def _stages(recipe: Recipe, stages: tuple[int, ...]) -> dict[int, dict]:
         run = train_rows(engine, recipe)
         run["params"] = engine.full_state_dict()
         run["fp8"] = engine.fp8
-        run["tp_repr"] = repr(engine.module.blocks[0].mlp[0])
+        run["repr"] = repr(engine.module.blocks[0].mlp[0])
         engine.close()
         out[stage] = run
     return out
@@ -136,7 +156,7 @@ def test_tensor_parallel_fp8_at_zero_1_and_3_equals_torchaos_single_process_fp8_
         # the parallel linears convert; the vocabulary-parallel head stays in high precision
         assert len(fp8.tensor_parallel) == 8 and set(fp8.converted) == set(fp8.tensor_parallel)
         assert fp8.kept == {"head": "output head"}
-        assert "float8" in results[0]["tp_repr"]
+        assert "float8" in results[0]["repr"]
         _assert_near(results, ref, world // tp, f"tp {tp}, stage {stage}")
 
 
@@ -146,3 +166,68 @@ def test_tensor_parallel_fp8_refuses_what_it_does_not_scale_whole():
     with pytest.raises(ConfigError, match=r"fp8.enabled with tensor parallelism .* graph mode"):
         resolve_plan(load_config({"fp8": FP8, "tensor_parallel": {"size": 2}, "graph": {"enabled": True}}), 2, "cpu")
     resolve_plan(load_config({"fp8": FP8, "tensor_parallel": {"size": 2}}), 2, "cpu")  # tensorwise, eager: built
+
+
+# -- sequence parallelism (Ulysses) ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("world", "sp", "stages"), [(2, 2, (1, 3)), (3, 3, (3,))])
+def test_sequence_parallel_fp8_equals_torchao_casting_each_ranks_part_of_the_sequence(world, sp, stages):
+    """Ulysses: the linears see whole hidden dimensions and this rank's part of the sequence, cast with its own
+    scales by torchao; the reference casts each part on its own likewise."""
+    seq = 24  # splits over 2 and 3 ranks
+    make_ref = functools.partial(_gpt_by_torchao_per_sequence_part, 48, 6, seq, sp)
+    rows = functools.partial(_batches, 6, seq)
+    ref = reference_run(Recipe(make_ref, _sgd, rows, _loss, gas=2, clip=1.0, per_rank_loss=True), 1, exact=False)
+    whole = reference_run(
+        Recipe(functools.partial(_gpt_by_torchao, 48, 6, seq), _sgd, rows, _loss, gas=2, clip=1.0), 1, exact=False
+    )
+    with pytest.raises(AssertionError):  # the bounds tell casting each part from casting the whole sequence
+        _assert_near([whole], ref, 1, "the whole sequence cast at once")
+    config = {"fp8": FP8, "sequence_parallel_size": sp}
+    recipe = Recipe(functools.partial(_gpt, 48, 6, seq), _sgd, rows, _loss, gas=2, clip=1.0, config=config)
+    ranks = run_distributed(_stages, world, recipe, stages, timeout=240)
+    for stage in stages:
+        results = [r[stage] for r in ranks]
+        assert len(results[0]["fp8"].converted) == 8
+        _assert_near(results, ref, 1, f"sp {sp}, stage {stage}")
+
+
+# -- hybrid sharding -------------------------------------------------------------------------------------------------
+
+
+def _hybrid(recipe: Recipe) -> dict:
+    engine = build_engine(recipe)
+    run = train_rows(engine, recipe)
+    run["params"] = engine.full_state_dict()
+    run["float8_gathers"] = {
+        group: stats.get("all_gather_float8", {}).get("calls", 0)
+        for group, stats in engine.comm_stats(by_group=True).items()
+    }
+    engine.close()
+    return run
+
+
+def test_hybrid_sharded_zero3_gathers_fp8_weights_in_float8_within_the_shard_group_and_equals_torchao():
+    """World 4, two replicas of two shards (``mics_shard_size`` 2): each data-parallel rank casts its own rows, as
+    without hybrid sharding; the units' converted weights are gathered in float8 over the shard group."""
+    rows = functools.partial(_batches, 8)
+    ref = reference_run(
+        Recipe(functools.partial(_gpt_by_torchao, 32, 4), _sgd, rows, _loss, gas=2, clip=1.0, per_rank_loss=True),
+        4,
+        exact=False,
+    )
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "mics_shard_size": 2}
+    recipe = Recipe(
+        functools.partial(_gpt, 32, 4),
+        _sgd,
+        rows,
+        _loss,
+        gas=2,
+        clip=1.0,
+        config={"fp8": FP8, "zero_optimization": zero},
+    )
+    ranks = run_distributed(_hybrid, 4, recipe, timeout=240)
+    for r in ranks:  # the float8 gathers run within the shard group, none across replicas
+        assert r["float8_gathers"]["shard"] > 0 and r["float8_gathers"]["replicate"] == 0, r["float8_gathers"]
+    _assert_near(ranks, ref, 4, "hybrid 2 x 2, stage 3")

@@ -12,6 +12,15 @@ the weight it is given, with a scale from that weight's amax. So master weights 
 were (fp32), a checkpoint holds the same keys and dtypes with or without fp8, and a run saved with fp8 loads without
 it and back. At ZeRO-3 the cast runs on the whole gathered weight: the converted module is inside its unit, whose
 pre-forward hook gathers it before ``Float8Linear.forward`` reads ``self.weight``.
+
+[Note: float8 and the data and sequence axes]
+torchao scales an activation and its output gradient by the amax of what the rank computes on. A data-parallel rank
+casts its rows, a sequence-parallel (Ulysses) rank its part of the sequence (the linears see whole hidden dimensions),
+each with its own scales, as FSDP2 and torchtitan's context parallelism do with torchao: nothing is all-reduced for
+them. The weight is whole on every rank (or gathered whole by ZeRO-3), so its scale is one process's. The tests'
+reference is torchao's single-process training with each rank's rows or sequence part cast on its own. Tensor
+parallelism splits weights and hidden dimensions, whose scales are made whole ([Note: float8 under tensor
+parallelism] in ``tensor_parallel/float8.py``).
 """
 
 from __future__ import annotations
