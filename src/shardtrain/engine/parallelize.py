@@ -30,6 +30,7 @@ peer lost); the swap directories made for offload are then removed again.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -184,6 +185,7 @@ def parallelize(
         # the gathered compute-dtype buffers: both in the compute dtype
         in_float8 = plan.fp8.gather_in_float8 and not plan.graph.enabled and not plan.dims.hpz_asked
         layout = apply_zero(model, plan.zero, topology, comms, split, float8, in_float8)
+        fp8 = with_float8_gathers(model, fp8, layout)
         masters = apply_precision(model, layout, plan.precision)
         param_offload = _param_offload(layout, plan.offload, scratch, comms.world, topology.rank, topology.device)
         eager = apply_units(model, plan, topology, comms, layout, param_offload, phase_check)
@@ -363,6 +365,17 @@ def apply_zero(
         for m in (b.float8 or {}).values():
             take_precast_weights(m)
     return layout
+
+
+def with_float8_gathers(
+    model: nn.Module, conversion: Float8Conversion | None, layout: ShardLayout
+) -> Float8Conversion | None:
+    """``conversion`` with the names of the layers whose weights ZeRO-3 gathers in float8 (what the layout made)."""
+    if conversion is None:
+        return None
+    in_float8 = {id(m) for b in layout.buckets for m in (b.float8 or {}).values()}
+    names = tuple(name for name, m in model.named_modules() if id(m) in in_float8)
+    return dataclasses.replace(conversion, gathered_in_float8=names)
 
 
 def float8_weights(model: nn.Module, plan: Plan, conversion: Float8Conversion | None) -> dict[int, nn.Module]:

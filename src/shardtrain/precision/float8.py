@@ -55,6 +55,20 @@ class Float8Conversion:
     the others are torchao's ``Float8Linear``."""
     recipe: str = "tensorwise"
     emulated: bool = False
+    gathered_in_float8: tuple[str, ...] = ()
+    """The converted layers whose weights ZeRO-3 gathers in float8 ([Note: gathering in float8]); the others' are
+    gathered (at stage 3) in the compute dtype: graph mode, a rowwise recipe, hpZ, tensor-parallel layers."""
+
+    def as_dict(self) -> dict:
+        """What ``engine.graph_stats()["fp8"]`` reports: the recipe, the layers converted and kept, the gathers."""
+        return {
+            "recipe": self.recipe,
+            "emulated": self.emulated,
+            "converted": list(self.converted),
+            "kept": dict(self.kept),
+            "tensor_parallel": list(self.tensor_parallel),
+            "gathered_in_float8": list(self.gathered_in_float8),
+        }
 
 
 def float8_config(policy: Float8Policy) -> Float8LinearConfig:
