@@ -52,7 +52,6 @@ def test_without_emulate_a_device_without_fp8_matmuls_is_refused_by_name(tmp_pat
 @pytest.mark.parametrize(
     ("config", "what"),
     [
-        ({"expert_parallel_size": 2}, "expert parallelism"),
         ({"context_parallel_size": 2}, "context parallelism"),
     ],
 )

@@ -98,7 +98,8 @@ def _stages(recipe: Recipe, stages: tuple[int, ...]) -> dict[int, dict]:
         run = train_rows(engine, recipe)
         run["params"] = engine.full_state_dict()
         run["fp8"] = engine.fp8
-        run["repr"] = repr(engine.module.blocks[0].mlp[0])
+        blocks = getattr(engine.module, "blocks", None)
+        run["repr"] = repr(blocks[0].mlp[0]) if blocks is not None else ""
         engine.close()
         out[stage] = run
     return out
@@ -191,6 +192,59 @@ def test_sequence_parallel_fp8_equals_torchao_casting_each_ranks_part_of_the_seq
         results = [r[stage] for r in ranks]
         assert len(results[0]["fp8"].converted) == 8
         _assert_near(results, ref, 1, f"sp {sp}, stage {stage}")
+
+
+# -- expert parallelism ----------------------------------------------------------------------------------------------
+
+
+def _moe(fp8_reference: bool) -> nn.Module:
+    """A tiny Mixtral (hidden 32: every attention projection converts), without the load-balancing loss. Its experts
+    are transformers' fused ``MixtralExperts`` (3-d parameters, no ``nn.Linear``): they stay in high precision."""
+    from helpers.moe_cases import tiny_moe
+
+    model = tiny_moe("mixtral", 4, router_logits=False, hidden_size=32, vocab_size=40)  # 40: no projection's size
+    if not fp8_reference:
+        return model
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name("tensorwise"), emulate=True)
+    return convert_to_float8_training(model, module_filter_fn=lambda m, fqn: "self_attn" in fqn, config=config)
+
+
+def _moe_batches() -> list:
+    from helpers.moe_cases import row_batches
+
+    return [(ids,) for ids in row_batches(4, 4, 16)]
+
+
+def _moe_loss(model: nn.Module, batch: tuple) -> torch.Tensor:
+    (ids,) = batch
+    return model(input_ids=ids, labels=ids).loss
+
+
+def test_expert_parallel_fp8_converts_the_dense_linears_and_equals_torchao():
+    """ep 2 at world 2 (ZeRO 1 and 3): the attention projections convert and each rank casts its rows; the experts'
+    tokens cross ranks in high precision (fused experts: no linear to convert)."""
+    ref = reference_run(
+        Recipe(functools.partial(_moe, True), _sgd, _moe_batches, _moe_loss, gas=2, clip=1.0, per_rank_loss=True),
+        2,
+        exact=False,
+    )
+    plain = reference_run(
+        Recipe(functools.partial(_moe, False), _sgd, _moe_batches, _moe_loss, gas=2, clip=1.0, per_rank_loss=True),
+        2,
+        exact=False,
+    )
+    with pytest.raises(AssertionError):
+        _assert_near([plain], ref, 2, "without fp8")
+    config = {"fp8": FP8, "expert_parallel_size": 2}
+    recipe = Recipe(functools.partial(_moe, False), _sgd, _moe_batches, _moe_loss, gas=2, clip=1.0, config=config)
+    ranks = run_distributed(_stages, 2, recipe, (1, 3), timeout=240)
+    for stage in (1, 3):
+        results = [r[stage] for r in ranks]
+        fp8 = results[0]["fp8"]
+        assert len(fp8.converted) == 8 and all("self_attn" in n for n in fp8.converted), fp8.converted
+        _assert_near(results, ref, 2, f"ep 2, stage {stage}")
 
 
 # -- hybrid sharding -------------------------------------------------------------------------------------------------

@@ -266,7 +266,6 @@ def refuse_unbuilt_fp8(cfg: Config, dims: ParallelDims) -> None:
         # [Note: float8 under tensor parallelism]: one scale per whole tensor, its amax all-reduced over tp
         (dims.tp > 1 and cfg.fp8.recipe != "tensorwise", f"{tp}) and fp8.recipe {cfg.fp8.recipe!r} (tensorwise only)"),
         (dims.tp > 1 and cfg.graph.enabled, f"{tp}) and graph mode (graph.enabled)"),
-        (dims.ep > 1, f"expert parallelism (expert_parallel_size {dims.ep})"),
         (dims.pp > 1, f"pipeline parallelism (pipeline_parallel_size {dims.pp})"),
         (dims.cp > 1, f"context parallelism (context_parallel_size {dims.cp})"),
     ]

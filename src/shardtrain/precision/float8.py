@@ -158,7 +158,7 @@ def convert_to_float8(
         elif isinstance(m, nn.Linear):  # torchao would swap it too, and its own forward would be lost
             kept[name] = f"{type(m).__name__}, a subclass of nn.Linear with a forward of its own"
     convert_to_float8_training(model, module_filter_fn=lambda m, name: name in chosen, config=config)
-    converted = tuple(name for name, m in model.named_modules() if isinstance(m, Float8Linear) or name in set(parallel))
+    converted = tuple(n for n, m in model.named_modules() if isinstance(m, Float8Linear) or n in set(parallel))
     log.info(
         "fp8 (%s%s): %d linear layers converted; kept in high precision: %s",
         policy.recipe,
