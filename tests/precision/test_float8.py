@@ -52,9 +52,6 @@ def test_without_emulate_a_device_without_fp8_matmuls_is_refused_by_name(tmp_pat
 @pytest.mark.parametrize(
     ("config", "what"),
     [
-        ({"tensor_parallel": {"size": 2}}, "tensor parallelism"),
-        ({"sequence_parallel_size": 2}, "sequence parallelism"),
-        ({"expert_parallel_size": 2}, "expert parallelism"),
         ({"context_parallel_size": 2}, "context parallelism"),
     ],
 )
@@ -302,7 +299,31 @@ def test_graph_mode_captures_the_fp8_model_and_trains_it_as_eager_mode_does():
     for rank, r in enumerate(run_distributed(_eager_and_graph, 2, timeout=240)):
         eager, graph = r["eager"], r["graph"]
         assert graph["stats"]["captures"] == 1 and not graph["stats"]["fallbacks"]  # strict: no graph break either
+        assert len(graph["stats"]["fp8"]["converted"]) == 8 and graph["stats"]["fp8"]["gathered_in_float8"] == []
         assert eager["float8_gathers"] > 0 and graph["float8_gathers"] == 0  # graph mode gathers in bf16/fp32
         assert graph["losses"] == eager["losses"] and graph["norms"] == eager["norms"]
         if rank == 0:
             assert all(torch.equal(graph["params"][k], v) for k, v in eager["params"].items())
+
+
+def _graph_stats_at_initialize() -> dict:
+    """What an engine at ZeRO-3 says of fp8 in graph mode and in eager mode, as built (the soak test below checks
+    the stats again after a capture)."""
+    out = {}
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0}
+    for mode, graph in (("eager", {}), ("graph", {"graph": {"enabled": True}})):
+        engine = build_engine(dataclasses.replace(ENGINE, config={**ENGINE.config, "zero_optimization": zero, **graph}))
+        out[mode] = {"stats": engine.graph_stats(), "fp8": engine.fp8}
+        engine.close()
+    return out
+
+
+def test_graph_stats_say_which_layers_run_in_fp8_with_which_recipe_and_that_graph_mode_gathers_them_unconverted():
+    (r,) = run_distributed(_graph_stats_at_initialize, 1, timeout=240)
+    eager, graph = r["eager"], r["graph"]
+    assert eager["stats"] is None  # graph mode off: no graph stats
+    assert len(eager["fp8"].gathered_in_float8) == 8  # eager ZeRO-3: every converted weight gathered in float8
+    fp8 = graph["stats"]["fp8"]
+    assert fp8["recipe"] == "tensorwise" and fp8["emulated"] is True
+    assert len(fp8["converted"]) == 8 and fp8["kept"] == {"head": "output head"}
+    assert fp8["gathered_in_float8"] == []  # the captured graphs gather in the compute dtype

@@ -256,10 +256,11 @@ def refuse_unbuilt_context(cfg: Config, dims: ParallelDims) -> None:
 
 def refuse_unbuilt_fp8(cfg: Config, dims: ParallelDims) -> None:
     """What FP8 training is not built with yet (docs/fp8.md says what composes), refused by name."""
+    tp = f"tensor parallelism (tensor_parallel.size {dims.tp}"
     refused = [
-        (dims.tp > 1, f"tensor parallelism (tensor_parallel.size {dims.tp}; torchao's float8 TP styles are not wired)"),
-        (dims.sp > 1, f"sequence parallelism (sequence_parallel_size {dims.sp})"),
-        (dims.ep > 1, f"expert parallelism (expert_parallel_size {dims.ep})"),
+        # [Note: float8 under tensor parallelism]: one scale per whole tensor, its amax all-reduced over tp
+        (dims.tp > 1 and cfg.fp8.recipe != "tensorwise", f"{tp}) and fp8.recipe {cfg.fp8.recipe!r} (tensorwise only)"),
+        (dims.tp > 1 and cfg.graph.enabled, f"{tp}) and graph mode (graph.enabled)"),
         (dims.pp > 1, f"pipeline parallelism (pipeline_parallel_size {dims.pp})"),
         (dims.cp > 1, f"context parallelism (context_parallel_size {dims.cp})"),
     ]

@@ -632,8 +632,12 @@ class Engine:
 
     def graph_stats(self) -> dict[str, Any] | None:
         """Graph mode's captures, reuses, evictions and the reasons of every capture (None when graph mode is off);
-        see :class:`shardtrain.graph.GraphStats`."""
-        return self._runtime.graph_stats()
+        see :class:`shardtrain.graph.GraphStats`. With fp8, ``"fp8"``: the recipe, the layers converted and kept,
+        and those whose ZeRO-3 gathers move float8 (none in graph mode: its graphs gather in the compute dtype)."""
+        stats = self._runtime.graph_stats()
+        if stats is not None and self.fp8 is not None:
+            stats = {**stats, "fp8": self.fp8.as_dict()}
+        return stats
 
     def comm_stats(self, reset: bool = False, by_group: bool = False) -> dict[str, dict]:
         """Calls and bytes per collective kind since the last reset (see :mod:`shardtrain.distributed.communicator`),

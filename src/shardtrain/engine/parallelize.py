@@ -30,6 +30,7 @@ peer lost); the swap directories made for offload are then removed again.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -85,6 +86,7 @@ from shardtrain.sequence_parallel import (
 )
 from shardtrain.sequence_parallel.tiling import install as install_tiling
 from shardtrain.tensor_parallel import parallelize as split_tensor_parallel
+from shardtrain.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from shardtrain.tensor_parallel.parallelize import check_replicated_gradients
 from shardtrain.zero.build import build_layout, laid_out_whole
 from shardtrain.zero.float8_gather import take_precast_weights
@@ -184,12 +186,13 @@ def parallelize(
     scratch = _prepare_offload(plan.offload, topology, comms.world)
     try:
         sp = apply_sp(model, plan, topology)
-        fp8 = apply_fp8(model, plan.fp8)
+        fp8 = apply_fp8(model, plan.fp8, tensor_parallel=split.tp_comm is not None)
         float8 = float8_weights(model, plan, fp8)
         # graph mode gathers the units as operations of its captured graphs, and hpZ cuts its secondary shards from
         # the gathered compute-dtype buffers: both in the compute dtype
         in_float8 = plan.fp8.gather_in_float8 and not plan.graph.enabled and not plan.dims.hpz_asked
         layout = apply_zero(model, plan.zero, topology, comms, split, float8, in_float8)
+        fp8 = with_float8_gathers(model, fp8, layout)
         masters = apply_precision(model, layout, plan.precision)
         param_offload = _param_offload(layout, plan.offload, scratch, comms.world, topology.rank, topology.device)
         eager = apply_units(model, plan, topology, comms, layout, param_offload, phase_check)
@@ -387,12 +390,25 @@ def apply_zero(
     return layout
 
 
+def with_float8_gathers(
+    model: nn.Module, conversion: Float8Conversion | None, layout: ShardLayout
+) -> Float8Conversion | None:
+    """``conversion`` with the names of the layers whose weights ZeRO-3 gathers in float8 (what the layout made)."""
+    if conversion is None:
+        return None
+    in_float8 = {id(m) for b in layout.buckets for m in (b.float8 or {}).values()}
+    names = tuple(name for name, m in model.named_modules() if id(m) in in_float8)
+    return dataclasses.replace(conversion, gathered_in_float8=names)
+
+
 def float8_weights(model: nn.Module, plan: Plan, conversion: Float8Conversion | None) -> dict[int, nn.Module]:
     """The converted weights ZeRO-3 can gather in float8, by id, each with its ``Float8Linear``: at stage 3 with the
     tensorwise recipe (one scale per weight, which the gather computes)."""
     if conversion is None or not plan.zero.shard_parameters or plan.fp8.recipe != "tensorwise":
         return {}
-    modules = [model.get_submodule(name) for name in conversion.converted]
+    # a tensor-parallel layer's weight is a block: its scale is the whole weight's, over the tensor-parallel ranks
+    # ([Note: float8 under tensor parallelism]); its unit gathers it in the compute dtype
+    modules = [model.get_submodule(name) for name in conversion.converted if name not in conversion.tensor_parallel]
     return {id(m.weight): m for m in modules}
 
 
@@ -437,11 +453,16 @@ def apply_units(
     )
 
 
-def apply_fp8(model: nn.Module, policy: Float8Policy) -> Float8Conversion | None:
+def apply_fp8(model: nn.Module, policy: Float8Policy, tensor_parallel: bool = False) -> Float8Conversion | None:
     """With ``fp8.enabled``, the linear layers swapped for torchao's ``Float8Linear`` (``precision/float8.py``), before
     the layout: the conversion keeps every Parameter object, so what is built over them (layout, masters, units'
-    hooks on the blocks around the converted layers) is built as without fp8 ([Note: no float8 state])."""
-    return convert_to_float8(model, policy) if policy.enabled else None
+    hooks on the blocks around the converted layers) is built as without fp8 ([Note: no float8 state]). After
+    ``apply_tp``: with ``tensor_parallel`` the column- and row-parallel layers compute their local matmul in float8
+    ([Note: float8 under tensor parallelism] in ``tensor_parallel/float8.py``)."""
+    if not policy.enabled:
+        return None
+    parallel = (ColumnParallelLinear, RowParallelLinear) if tensor_parallel else ()
+    return convert_to_float8(model, policy, parallel_linears=parallel)
 
 
 def apply_activation_checkpointing(blocks: list[nn.Module], plan: Plan, topology: Topology) -> HostOffload | None:

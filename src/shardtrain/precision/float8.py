@@ -12,6 +12,15 @@ the weight it is given, with a scale from that weight's amax. So master weights 
 were (fp32), a checkpoint holds the same keys and dtypes with or without fp8, and a run saved with fp8 loads without
 it and back. At ZeRO-3 the cast runs on the whole gathered weight: the converted module is inside its unit, whose
 pre-forward hook gathers it before ``Float8Linear.forward`` reads ``self.weight``.
+
+[Note: float8 and the data and sequence axes]
+torchao scales an activation and its output gradient by the amax of what the rank computes on. A data-parallel rank
+casts its rows, a sequence-parallel (Ulysses) rank its part of the sequence (the linears see whole hidden dimensions),
+each with its own scales, as FSDP2 and torchtitan's context parallelism do with torchao: nothing is all-reduced for
+them. The weight is whole on every rank (or gathered whole by ZeRO-3), so its scale is one process's. The tests'
+reference is torchao's single-process training with each rank's rows or sequence part cast on its own. Tensor
+parallelism splits weights and hidden dimensions, whose scales are made whole ([Note: float8 under tensor
+parallelism] in ``tensor_parallel/float8.py``).
 """
 
 from __future__ import annotations
@@ -41,6 +50,25 @@ class Float8Conversion:
     converted: tuple[str, ...]
     kept: dict[str, str]
     """Module name -> why it stays in the compute dtype (output head, sizes, ``fp8.filter.exclude``)."""
+    tensor_parallel: tuple[str, ...] = ()
+    """The converted tensor-parallel layers (their local matmul in float8, ``use_float8``), a part of ``converted``;
+    the others are torchao's ``Float8Linear``."""
+    recipe: str = "tensorwise"
+    emulated: bool = False
+    gathered_in_float8: tuple[str, ...] = ()
+    """The converted layers whose weights ZeRO-3 gathers in float8 ([Note: gathering in float8]); the others' are
+    gathered (at stage 3) in the compute dtype: graph mode, a rowwise recipe, hpZ, tensor-parallel layers."""
+
+    def as_dict(self) -> dict:
+        """What ``engine.graph_stats()["fp8"]`` reports: the recipe, the layers converted and kept, the gathers."""
+        return {
+            "recipe": self.recipe,
+            "emulated": self.emulated,
+            "converted": list(self.converted),
+            "kept": dict(self.kept),
+            "tensor_parallel": list(self.tensor_parallel),
+            "gathered_in_float8": list(self.gathered_in_float8),
+        }
 
 
 def float8_config(policy: Float8Policy) -> Float8LinearConfig:
@@ -68,20 +96,25 @@ def output_heads(model: nn.Module) -> set[int]:
     heads: set[int] = set()
     getter = getattr(model, "get_output_embeddings", None)
     declared = getter() if callable(getter) else None
-    if isinstance(declared, nn.Linear):
+    if isinstance(declared, nn.Module):
         heads.add(id(declared))
-    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    # a tensor-parallel embedding or linear layer is an embedding or a linear of its global sizes
+    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding) or _is_parallel(m, "num_embeddings")]
     tied = {id(e.weight) for e in embeddings}
     vocab_sizes = {e.num_embeddings for e in embeddings}
-    for m in model.modules():
-        if isinstance(m, nn.Linear) and (id(m.weight) in tied or m.out_features in vocab_sizes):
-            heads.add(id(m))
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear) or _is_parallel(m, "out_features")]
+    heads |= {id(m) for m in linears if id(m.weight) in tied or m.out_features in vocab_sizes}
     return heads
 
 
-def why_kept(name: str, module: nn.Linear, heads: set[int], exclude: tuple[str, ...]) -> str | None:
+def _is_parallel(module: nn.Module, size: str) -> bool:
+    """Whether ``module`` is one of shardtrain's tensor-parallel layers (a ``comm`` and the global ``size``)."""
+    return hasattr(module, "comm") and isinstance(getattr(module, size, None), int) and hasattr(module, "weight")
+
+
+def why_kept(name: str, module: nn.Module, heads: set[int], exclude: tuple[str, ...]) -> str | None:
     """Why the linear layer ``name`` stays in high precision ([Note: which linears convert to float8]); None: it
-    converts."""
+    converts. A tensor-parallel layer's sizes are its block's: what the kernels get."""
     if id(module) in heads:
         return "output head"
     out_features, in_features = module.weight.shape
@@ -93,17 +126,30 @@ def why_kept(name: str, module: nn.Linear, heads: set[int], exclude: tuple[str, 
     return None
 
 
-def convert_to_float8(model: nn.Module, policy: Float8Policy) -> Float8Conversion:
+def convert_to_float8(
+    model: nn.Module, policy: Float8Policy, parallel_linears: tuple[type, ...] = ()
+) -> Float8Conversion:
     """``model``'s linear layers swapped in place for torchao's ``Float8Linear`` of ``policy``'s recipe, except those
-    [Note: which linears convert to float8] keeps; the kept ones are logged by name."""
+    [Note: which linears convert to float8] keeps; the kept ones are logged by name. ``parallel_linears``: the
+    tensor-parallel layer classes (with a ``use_float8(config)`` method), converted in place by the same rules: their
+    local matmul runs through torchao's float8 matmul ([Note: float8 under tensor parallelism])."""
     from torchao.float8 import convert_to_float8_training
     from torchao.float8.float8_linear import Float8Linear
 
     heads = output_heads(model)
     kept: dict[str, str] = {}
     chosen: set[str] = set()
+    parallel: list[str] = []
+    config = float8_config(policy)
     for name, m in model.named_modules():
-        if type(m) is nn.Linear:
+        if parallel_linears and isinstance(m, parallel_linears):
+            reason = why_kept(name, m, heads, policy.exclude)
+            if reason is None:
+                m.use_float8(config)
+                parallel.append(name)
+            else:
+                kept[name] = reason
+        elif type(m) is nn.Linear:
             reason = why_kept(name, m, heads, policy.exclude)
             if reason is None:
                 chosen.add(name)
@@ -111,8 +157,8 @@ def convert_to_float8(model: nn.Module, policy: Float8Policy) -> Float8Conversio
                 kept[name] = reason
         elif isinstance(m, nn.Linear):  # torchao would swap it too, and its own forward would be lost
             kept[name] = f"{type(m).__name__}, a subclass of nn.Linear with a forward of its own"
-    convert_to_float8_training(model, module_filter_fn=lambda m, name: name in chosen, config=float8_config(policy))
-    converted = tuple(name for name, m in model.named_modules() if isinstance(m, Float8Linear))
+    convert_to_float8_training(model, module_filter_fn=lambda m, name: name in chosen, config=config)
+    converted = tuple(n for n, m in model.named_modules() if isinstance(m, Float8Linear) or n in set(parallel))
     log.info(
         "fp8 (%s%s): %d linear layers converted; kept in high precision: %s",
         policy.recipe,
@@ -120,7 +166,7 @@ def convert_to_float8(model: nn.Module, policy: Float8Policy) -> Float8Conversio
         len(converted),
         "; ".join(f"{n} ({why})" for n, why in kept.items()) or "none",
     )
-    return Float8Conversion(converted, kept)
+    return Float8Conversion(converted, kept, tuple(parallel), policy.recipe, policy.emulate)
 
 
 __all__ = ["FP8_DIM_MULTIPLE", "Float8Conversion", "convert_to_float8", "float8_config", "output_heads", "why_kept"]

@@ -8,6 +8,7 @@ Files, lower ones never importing higher ones::
     latent.py         multi-head latent attention's shared key/value projection (mla_kv_a_proj)
     styles.py         the style vocabulary (Hugging Face's names) -> TPStyle
     layers.py         ColumnParallelLinear, RowParallelLinear      (from nn.Linear or transformers' Conv1D)
+    float8.py         their local matmul in float8 (fp8): torchao's casts with the whole tensors' scales
     embedding.py      VocabParallelEmbedding, HiddenParallelEmbedding
     loss.py           vocab_parallel_cross_entropy, VocabParallelCrossEntropy
     batch_check.py    check_same_batch: every tensor-parallel rank got the same inputs

@@ -34,6 +34,7 @@ from shardtrain.tensor_parallel.communication import (
     reduce_from_tp_region,
     scatter_to_tp_region,
 )
+from shardtrain.tensor_parallel.float8 import Float8Matmul, float8_linear
 from shardtrain.tensor_parallel.rng import RegionRNG
 
 
@@ -75,8 +76,22 @@ class _ParallelLinear(nn.Module):
         self.bias = module.bias
         self.in_features, self.out_features = global_weight_shape[in_dim], global_weight_shape[self.out_dim]
         self.comm, self.stride, self.communicate, self.rng, self.name = comm, stride, communicate, rng, name
+        self.float8: Float8Matmul | None = None  # fp8: the local matmul in float8 (use_float8)
+
+    def use_float8(self, config: object) -> None:
+        """Compute the local matmul in float8 with torchao's ``Float8LinearConfig`` ``config`` (tensorwise), each
+        split tensor scaled as the whole one ([Note: float8 under tensor parallelism] in ``float8.py``)."""
+        if self.out_dim != 0:
+            raise LayoutError(f"{self.name or 'the layer'}: float8 takes nn.Linear layers, not transformers' Conv1D")
+        self.float8 = Float8Matmul.of(config)
 
     def _local_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.float8 is not None:
+            row = isinstance(self, RowParallelLinear)
+            y = float8_linear(
+                x, self.weight, self.float8, self.comm, input_split=row, output_split=not row, what=repr(self.name)
+            )
+            return y if bias is None else y + bias.to(y.dtype)
         if self.out_dim == 0:  # nn.Linear: weight [out, in] (one of them split)
             return F.linear(x, self.weight, bias)
         # Conv1D: weight [in, out], computed as transformers' Conv1D.forward does
@@ -85,8 +100,10 @@ class _ParallelLinear(nn.Module):
         return y.view(*x.shape[:-1], y.shape[-1])
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, tp={self.comm.size}" + (
-            f", stride={self.stride}" if self.stride > 1 else ""
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, tp={self.comm.size}"
+            + (f", stride={self.stride}" if self.stride > 1 else "")
+            + (", float8" if self.float8 is not None else "")
         )
 
 
