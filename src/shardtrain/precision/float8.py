@@ -84,7 +84,8 @@ def float8_config(policy: Float8Policy) -> Float8LinearConfig:
 def output_heads(model: nn.Module) -> set[int]:
     """Ids of the linear layers that project onto the vocabulary (or a model's declared output): the model's
     ``get_output_embeddings()`` (transformers), a linear whose weight is an embedding's (tied), and a linear whose
-    outputs are as many as an embedding's rows.
+    outputs are as many as the largest embedding's rows when the model names no head and ties none (a size alone
+    would also catch an inner layer whose width happens to equal a position table's or the vocabulary's).
 
     [Note: which linears convert to float8]
     A linear converts unless (1) it is the output head: the logits feed a softmax over the vocabulary, where
@@ -101,9 +102,11 @@ def output_heads(model: nn.Module) -> set[int]:
     # a tensor-parallel embedding or linear layer is an embedding or a linear of its global sizes
     embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding) or _is_parallel(m, "num_embeddings")]
     tied = {id(e.weight) for e in embeddings}
-    vocab_sizes = {e.num_embeddings for e in embeddings}
     linears = [m for m in model.modules() if isinstance(m, nn.Linear) or _is_parallel(m, "out_features")]
-    heads |= {id(m) for m in linears if id(m.weight) in tied or m.out_features in vocab_sizes}
+    heads |= {id(m) for m in linears if id(m.weight) in tied}
+    if not heads and embeddings:
+        vocab = max(e.num_embeddings for e in embeddings)
+        heads |= {id(m) for m in linears if m.out_features == vocab}
     return heads
 
 
