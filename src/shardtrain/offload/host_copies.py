@@ -331,18 +331,31 @@ class HostCopies:
         if event is not None:
             self.streams.wait(event)
 
-    def send_back(self, members: tuple[int, ...], after: Any) -> None:
-        """The sub-group's updated values to its device fragments, non-blocking, on the ``h2d`` stream."""
+    def staged(self, i: int) -> torch.Tensor | None:
+        """The host tensor member ``i``'s updated values are rounded into on the host before they go back (its
+        compute-dtype buffer, or with ``host_fragments`` the fragment itself); None where the master goes itself.
+        The one pass writes it block by block ([Note: one pass over a sub-group] in
+        :mod:`shardtrain.offload.one_pass`), after :meth:`before_step`."""
+        if not (self.host[i] and self.where[i][2]):
+            return None
+        if self.host_fragments:
+            return self.fragments[i]
+        return None if self.direct[i] else self.sources[i]
+
+    def send_back(self, members: tuple[int, ...], after: Any, staged: set[int] = frozenset()) -> None:
+        """The sub-group's updated values to its device fragments, non-blocking, on the ``h2d`` stream;
+        ``staged``: members whose :meth:`staged` tensor the step has written already."""
         with torch.no_grad():
             for i in members:
                 if not (self.host[i] and self.where[i][2]):
                     continue
                 master = self.stepped[i].view_as(self.fragments[i])
                 if self.host_fragments:  # the shard's home is on the host: the next gather uploads it
-                    self.fragments[i].copy_(master)
+                    if i not in staged:
+                        self.fragments[i].copy_(master)
                     continue
                 source = master if self.direct[i] else self.sources[i]
-                if source is not master:
+                if source is not master and i not in staged:
                     source.copy_(master)  # rounded to the compute dtype on the CPU, as copy_ rounds
                 self.streams.to_device(self.fragments[i], source, after)
         if not self.host_fragments:

@@ -1,0 +1,231 @@
+"""The host step of an offloaded optimizer in one pass over memory: the clip factor, the update and the rounding to
+the compute dtype, block by block, on all host cores.
+
+[Note: one pass over a sub-group]
+The multi-pass host step reads and writes every element of a sub-group once per operation: the clip's multiply, each
+of AdamW's ~8 element-wise ops, then the rounding to the compute-dtype fragment, each a full sweep through DRAM.
+:class:`OnePassStep` cuts the sub-group into blocks of at most :data:`BLOCK_ELEMENTS` elements per tensor and runs
+the whole sequence on one block before the next, so the block's gradient, master, moments and fragment stay in the
+core's cache between the ops and DRAM sees each byte once. The ops are the same ones in the same order: the pending
+gradient factors (``Tensor.mul_``, as ``torch._foreach_mul_`` applies them on the CPU), then the optimizer's own
+functional update (``torch.optim.adam.adam`` with the arguments ``Adam.step`` passes, or
+:meth:`~shardtrain.optim.adam.DeepSpeedAdam.update_views`), then ``copy_`` into the fragment. Every op is element-wise,
+so each element's result is the multi-pass step's bit for bit; ``tests/offload/test_one_pass.py`` checks every byte.
+The step count is the one thing not element-wise: each block's update reads a copy of the count before the step
+(torch's update adds one to it), and the count itself is advanced once, after the last block.
+Blocks run on a pool of ``torch.get_num_threads()`` Python threads: torch's ops release the GIL.
+Only what the update of torch's Adam/AdamW (not fused, not capturable, not differentiable) or DeepSpeedAdam is, with
+no step hooks and with state already made (a tensor's first step makes it), takes this path; anything else steps as
+before, whole tensors, so the numbers are the same either way.
+
+[Note: host-step block size]
+:data:`BLOCK_ELEMENTS` = 32768 elements, 128 KiB per fp32 tensor. Each block's ~12 ops touch the gradient, master,
+two moments, a temporary and the fragment, ~0.7 MiB, within a core's L2 (1-2 MiB on current server CPUs). 32768 is
+ATen's grain size: an op on at most that many elements runs on the calling thread; on more, every op of every worker
+would open a parallel region over all cores, oversubscribing them, and on a loaded host waiting at each op's barrier
+(measured on the 2-core bench host: the blocks on one Python thread with torch's two intra-op threads took 6-12 s
+for 16M elements, against 0.35 s on two Python threads). Smaller blocks pay Python's dispatch of the ~12 ops (a few
+microseconds each, under the GIL) more often: 8192 was slower than 32768 in ``bench/bench_offload.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+import torch.optim.optimizer as optimizer_base
+from torch.optim.adam import adam as torch_adam
+
+BLOCK_ELEMENTS = 32768  # see [Note: host-step block size]
+
+Piece = tuple[int, int, int]
+"""(member, first element, end element) of one stepped tensor, flattened."""
+
+
+def cut_blocks(numels: Sequence[int], group_of: Sequence[int], block: int = BLOCK_ELEMENTS) -> list[list[Piece]]:
+    """Members of ``numels`` elements, in order, cut into blocks of at most ``block`` elements: a large member in
+    several, small consecutive members of the same param group (``group_of``) packed into one (fewer Python calls)."""
+    blocks: list[list[Piece]] = []
+    current: list[Piece] = []
+    room = block
+    for i, n in enumerate(numels):
+        if current and group_of[i] != group_of[current[0][0]]:
+            blocks.append(current)
+            current, room = [], block
+        lo = 0
+        while lo < n or (n == 0 and lo == 0):  # an empty member still advances its step count: one empty piece
+            take = min(n - lo, room)
+            current.append((i, lo, lo + take))
+            lo += take
+            room -= take
+            if room == 0:
+                blocks.append(current)
+                current, room = [], block
+            if n == 0:
+                break
+    if current:
+        blocks.append(current)
+    return blocks
+
+
+def _adam_kind(optimizer: torch.optim.Optimizer) -> str | None:
+    """Which update :class:`OnePassStep` runs for ``optimizer``: "torch" (torch's Adam/AdamW), "views" (an optimizer
+    with an ``update_views`` class method: DeepSpeedAdam), or None where it steps as before ([Note: one pass over a
+    sub-group])."""
+    hooks = (
+        getattr(optimizer, "_optimizer_step_pre_hooks", None),
+        getattr(optimizer, "_optimizer_step_post_hooks", None),
+        optimizer_base._global_optimizer_pre_hooks,
+        optimizer_base._global_optimizer_post_hooks,
+    )
+    if any(hooks):
+        return None  # hooks run once per sub-group ([Note: sub-group stepping]): only optimizer.step calls them
+    if callable(getattr(type(optimizer), "update_views", None)):  # DeepSpeedAdam (shardtrain.optim, a room above)
+        return "views"
+    if type(optimizer) in (torch.optim.Adam, torch.optim.AdamW):
+        plain = all(
+            not g.get("fused") and not g.get("capturable") and not g.get("differentiable")
+            for g in optimizer.param_groups
+        )
+        return "torch" if plain else None
+    return None
+
+
+_STATE_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+class OnePassStep:
+    """Steps sub-groups of ``optimizer``'s tensors in one pass (see [Note: one pass over a sub-group])."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, block: int = BLOCK_ELEMENTS, workers: int | None = None):
+        self.optimizer, self.block = optimizer, block
+        self.workers = workers if workers is not None else torch.get_num_threads()
+        self._pool: ThreadPoolExecutor | None = None
+        self._group_index: dict[int, int] = {}
+
+    @staticmethod
+    def supports(optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer``'s update can run here (else its own ``step`` over whole tensors)."""
+        return _adam_kind(optimizer) is not None
+
+    def ready(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """Whether ``tensors`` can step here now: the optimizer is supported and each has its state (a first step
+        makes the state: the optimizer's own ``step`` does that)."""
+        kind = _adam_kind(self.optimizer)
+        if kind is None:
+            return False
+        for t in tensors:
+            state = self.optimizer.state.get(t)
+            if not state or "step" not in state or any(k not in state for k in _STATE_KEYS):
+                return False
+            group = self._param_group(t)
+            if group is None or (group.get("amsgrad") and "max_exp_avg_sq" not in state):
+                return False
+            if t.is_complex() or t.device.type != "cpu":
+                return False
+        return True
+
+    def _param_group(self, t: torch.Tensor) -> dict[str, Any] | None:
+        if id(t) not in self._group_index:
+            self._group_index = {id(p): k for k, g in enumerate(self.optimizer.param_groups) for p in g["params"]}
+        k = self._group_index.get(id(t))
+        return None if k is None else self.optimizer.param_groups[k]
+
+    def step(
+        self,
+        tensors: Sequence[torch.Tensor],
+        grads: Sequence[torch.Tensor],
+        outs: Sequence[torch.Tensor | None],
+        factors: Sequence[Sequence[torch.Tensor | float]],
+    ) -> None:
+        """One step of ``tensors`` (each :meth:`ready`) with gradients ``grads``: each gradient multiplied in place
+        by its ``factors`` in order, the update, then ``outs[i]`` (a tensor of ``tensors[i]``'s numel, any dtype, or
+        None) given the updated values, block by block."""
+        kind = _adam_kind(self.optimizer)
+        states = [self.optimizer.state[t] for t in tensors]
+        groups = [self._param_group(t) for t in tensors]
+        flat = [t.view(-1) for t in tensors]
+        flat_grads = [g.view(-1) for g in grads]
+        flat_outs = [None if o is None else o.view(-1) for o in outs]
+        if kind == "views":  # its step counts advance first, as in DeepSpeedAdam.step
+            for s in states:
+                s["step"] += 1
+            counts = [float(s["step"]) for s in states]
+        group_ids = [id(g) for g in groups]
+        blocks = cut_blocks([t.numel() for t in flat], group_ids, self.block)
+
+        def run(block: list[Piece]) -> None:
+            members = [i for i, _, _ in block]
+            ps = [flat[i][lo:hi] for i, lo, hi in block]
+            gs = [flat_grads[i][lo:hi] for i, lo, hi in block]
+            for i, g in zip(members, gs):
+                for f in factors[i]:
+                    g.mul_(f)
+            group = groups[members[0]]
+            ms = [states[i]["exp_avg"].view(-1)[lo:hi] for i, lo, hi in block]
+            vs = [states[i]["exp_avg_sq"].view(-1)[lo:hi] for i, lo, hi in block]
+            if kind == "views":
+                type(self.optimizer).update_views(group, ps, gs, ms, vs, [counts[i] for i in members])
+            else:
+                amsgrad = group["amsgrad"]
+                maxes = [states[i]["max_exp_avg_sq"].view(-1)[lo:hi] for i, lo, hi in block] if amsgrad else []
+                beta1, beta2 = group["betas"]
+                torch_adam(
+                    ps,
+                    gs,
+                    ms,
+                    vs,
+                    maxes,
+                    [states[i]["step"].clone() for i in members],  # advanced once, after every block
+                    amsgrad=amsgrad,
+                    has_complex=False,
+                    beta1=beta1,
+                    beta2=beta2,
+                    lr=group["lr"],
+                    weight_decay=group["weight_decay"],
+                    eps=group["eps"],
+                    maximize=group["maximize"],
+                    foreach=group["foreach"],
+                    capturable=False,
+                    differentiable=False,
+                    fused=group["fused"],
+                    decoupled_weight_decay=group.get(
+                        "decoupled_weight_decay", type(self.optimizer) is torch.optim.AdamW
+                    ),
+                )
+            for (i, lo, hi), p in zip(block, ps):
+                if flat_outs[i] is not None:
+                    flat_outs[i][lo:hi].copy_(p)
+
+        with torch.no_grad():
+            if self.workers <= 1 or len(blocks) <= 1:
+                for b in blocks:
+                    run(b)
+            else:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="shardtrain-host-step")
+                for future in [self._pool.submit(run, b) for b in blocks]:
+                    future.result()
+            if kind == "torch":
+                for s in states:
+                    s["step"] += 1
+
+    def close(self) -> None:
+        """Join the worker threads."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+def host_step_bytes(optimizer: torch.optim.Optimizer, compute_itemsize: int) -> int:
+    """Bytes per parameter that one pass of the host step reads and writes in DRAM: the fp32 gradient (read,
+    written back clipped), the fp32 master and the optimizer's element-wise state (each read and written), the
+    compute-dtype fragment (written; 0 where the master is the parameter)."""
+    state = 2 * 4 if _adam_kind(optimizer) is not None else 0
+    amsgrad = any(g.get("amsgrad") for g in optimizer.param_groups)
+    return 2 * 4 + 2 * 4 + 2 * (state + (4 if amsgrad else 0)) + compute_itemsize
+
+
+__all__ = ["BLOCK_ELEMENTS", "OnePassStep", "cut_blocks", "host_step_bytes"]
