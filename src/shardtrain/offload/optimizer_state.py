@@ -654,6 +654,7 @@ def build_gradient_sinks(
     grad_dtypes: list[torch.dtype],
     read_in_memory: bool,
     host_fragments: bool = False,
+    pin_memory: bool = True,
 ) -> GradientSinks:
     """The gradient sinks of the optimizer offload over the reducer's ``buckets`` (trainable, in its order). The
     stepped tensors are the fp32 ``masters`` (by parameter id) or, without them, the fragments, in the wrapper's
@@ -664,7 +665,8 @@ def build_gradient_sinks(
     With ``streams`` (CUDA) and separate masters, some of them on the host: the host copies. Else the gradient shards
     go to swap files where that is built: state in files (``files``), gradients sharded and accumulated in the dtype
     stepped (fp32), on the host, and not read in memory. Else gradients stay in memory (no sink).
-    ``host_fragments``: the fragments are host shards (parameter offload on the device): the step writes them."""
+    ``host_fragments``: the fragments are host shards (parameter offload on the device): the step writes them.
+    ``pin_memory``: ``offload_optimizer.pin_memory``, the copies' host buffers page-locked (with ``streams.pins``)."""
     places = fragment_places(buckets)
     fragments = [fragment_tensor(b, i, sharded_state) for b, i in places]
     stepped = [masters[id(b.slots[i].param)] for b, i in places] if masters is not None else fragments
@@ -677,8 +679,11 @@ def build_gradient_sinks(
             return GradientSinks()
         # fragments go back from their page-locked masters themselves (rounded on the device); masters in swap
         # buffers (files) through a compute-dtype buffer
-        direct = [files is None and (not streams.pins or s.is_pinned()) for s in stepped]
-        copies = HostCopies(streams, [w[:3] for w in where], host, stepped, fragments, direct, host_fragments)
+        pins = streams.pins and pin_memory
+        direct = [files is None and (not pins or s.is_pinned()) for s in stepped]
+        copies = HostCopies(
+            streams, [w[:3] for w in where], host, stepped, fragments, direct, host_fragments, pin_memory
+        )
         return GradientSinks(copies=copies)
     device = buckets[0].shard.device if buckets else torch.device("cpu")
     if (
