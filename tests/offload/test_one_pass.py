@@ -21,20 +21,19 @@ from helpers.parity import Recipe, global_micro_batches, make_model, train_step
 SIZES = (1, 37, 1000, 70001, 0, 257)
 
 
-def test_cut_blocks_splits_large_members_and_packs_small_ones_of_one_param_group():
-    blocks = cut_blocks([5, 3, 12, 0, 2], [0, 0, 0, 0, 1], block=8)
+def test_cut_blocks_splits_large_members_on_aligned_elements_and_packs_small_ones_of_one_param_group():
+    blocks = cut_blocks([100, 20, 300, 0, 2], [0, 0, 0, 0, 1], block=128)
     assert blocks == [
-        [(0, 0, 5), (1, 0, 3)],
-        [(2, 0, 8)],
-        [(2, 8, 12), (3, 0, 0)],
+        [(0, 0, 100), (1, 0, 20)],  # 8 elements left: member 2's piece would stop unaligned inside it
+        [(2, 0, 128)],
+        [(2, 128, 256)],
+        [(2, 256, 300), (3, 0, 0)],
         [(4, 0, 2)],  # another param group starts a block
     ]
-    covered = {}
     for b in blocks:
-        assert sum(hi - lo for _, lo, hi in b) <= 8
-        for i, lo, hi in b:
-            covered.setdefault(i, []).append((lo, hi))
-    assert covered[2] == [(0, 8), (8, 12)]
+        assert sum(hi - lo for _, lo, hi in b) <= 128
+    with pytest.raises(ValueError, match="multiple of 64"):
+        cut_blocks([10], [0], block=100)
 
 
 def _tensors(seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -49,6 +48,8 @@ OPTIMIZERS = {
     "adamw-no-decay": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.0),
     "adam-l2-amsgrad": lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.05, amsgrad=True, maximize=True),
     "adam-foreach": lambda ps: torch.optim.Adam(ps, lr=1e-2, foreach=True),
+    "adamw-fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True),
+    "adam-fused-amsgrad": lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.1, amsgrad=True, fused=True),
     "two-groups": lambda ps: torch.optim.AdamW(
         [{"params": ps[:3]}, {"params": ps[3:], "lr": 3e-3, "weight_decay": 0.0}], lr=1e-2, weight_decay=0.1
     ),
@@ -107,7 +108,8 @@ def test_one_pass_refuses_what_it_cannot_run_and_the_optimizer_steps_itself():
     ps = _tensors(0)[0]
     for opt in (
         torch.optim.SGD(ps, lr=0.1),
-        torch.optim.AdamW(ps, fused=True),
+        torch.optim.NAdam(ps),
+        torch.optim.AdamW(ps, differentiable=True),
     ):
         assert not OnePassStep.supports(opt)
     hooked = torch.optim.AdamW(ps)

@@ -10,13 +10,19 @@ core's cache between the ops and DRAM sees each byte once. The ops are the same 
 gradient factors (``Tensor.mul_``, as ``torch._foreach_mul_`` applies them on the CPU), then the optimizer's own
 functional update (``torch.optim.adam.adam`` with the arguments ``Adam.step`` passes, or
 :meth:`~shardtrain.optim.adam.DeepSpeedAdam.update_views`), then ``copy_`` into the fragment. Every op is element-wise,
-so each element's result is the multi-pass step's bit for bit; ``tests/offload/test_one_pass.py`` checks every byte.
-The step count is the one thing not element-wise: each block's update reads a copy of the count before the step
-(torch's update adds one to it), and the count itself is advanced once, after the last block.
-Blocks run on a pool of ``torch.get_num_threads()`` Python threads: torch's ops release the GIL.
-Only what the update of torch's Adam/AdamW (not fused, not capturable, not differentiable) or DeepSpeedAdam is, with
-no step hooks and with state already made (a tensor's first step makes it), takes this path; anything else steps as
-before, whole tensors, so the numbers are the same either way.
+so each element's result is the multi-pass step's bit for bit ([Note: vector tails] for the one catch);
+``tests/offload/test_one_pass.py`` checks every byte. The step count is not element-wise: each block's update reads a
+copy of the count before the step (torch's update adds one to it); the count itself advances once, after the last
+block. Blocks run on a pool of ``torch.get_num_threads()`` Python threads (torch's ops release the GIL). Torch's
+Adam/AdamW (plain, foreach or fused; not capturable, not differentiable) and DeepSpeedAdam, with no step hooks and
+with their state made (a tensor's first step makes it), take this path; anything else steps as before, whole tensors.
+
+[Note: vector tails]
+A CPU kernel runs vector lanes over the body of each range it is handed and a scalar loop over the rest, and torch's
+fused Adam rounds differently in the two (measured: moments differ in the last bit when a piece ends unaligned).
+Its own run splits a tensor over the intra-op threads at multiples of a cache line, so its only scalar elements are
+the tensor's last ``numel % 16``. Every piece here starts at a multiple of :data:`PIECE_ALIGN` elements of its
+tensor and ends at one or at the tensor's end, leaving the scalar loop the same elements.
 
 [Note: host-step block size]
 :data:`BLOCK_ELEMENTS` = 32768 elements, 128 KiB per fp32 tensor. Each block's ~12 ops touch the gradient, master,
@@ -39,6 +45,7 @@ import torch.optim.optimizer as optimizer_base
 from torch.optim.adam import adam as torch_adam
 
 BLOCK_ELEMENTS = 32768  # see [Note: host-step block size]
+PIECE_ALIGN = 64  # elements: a piece starts on a multiple of it (see [Note: vector tails])
 
 Piece = tuple[int, int, int]
 """(member, first element, end element) of one stepped tensor, flattened."""
@@ -47,6 +54,8 @@ Piece = tuple[int, int, int]
 def cut_blocks(numels: Sequence[int], group_of: Sequence[int], block: int = BLOCK_ELEMENTS) -> list[list[Piece]]:
     """Members of ``numels`` elements, in order, cut into blocks of at most ``block`` elements: a large member in
     several, small consecutive members of the same param group (``group_of``) packed into one (fewer Python calls)."""
+    if block <= 0 or block % PIECE_ALIGN:
+        raise ValueError(f"a host-step block is a positive multiple of {PIECE_ALIGN} elements, got {block}")
     blocks: list[list[Piece]] = []
     current: list[Piece] = []
     room = block
@@ -57,6 +66,12 @@ def cut_blocks(numels: Sequence[int], group_of: Sequence[int], block: int = BLOC
         lo = 0
         while lo < n or (n == 0 and lo == 0):  # an empty member still advances its step count: one empty piece
             take = min(n - lo, room)
+            if lo + take < n:  # a piece that stops inside its member stops on an aligned element
+                take -= take % PIECE_ALIGN
+                if take == 0:
+                    blocks.append(current)
+                    current, room = [], block
+                    continue
             current.append((i, lo, lo + take))
             lo += take
             room -= take
@@ -85,10 +100,7 @@ def _adam_kind(optimizer: torch.optim.Optimizer) -> str | None:
     if callable(getattr(type(optimizer), "update_views", None)):  # DeepSpeedAdam (shardtrain.optim, a room above)
         return "views"
     if type(optimizer) in (torch.optim.Adam, torch.optim.AdamW):
-        plain = all(
-            not g.get("fused") and not g.get("capturable") and not g.get("differentiable")
-            for g in optimizer.param_groups
-        )
+        plain = all(not g.get("capturable") and not g.get("differentiable") for g in optimizer.param_groups)
         return "torch" if plain else None
     return None
 
