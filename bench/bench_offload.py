@@ -124,6 +124,9 @@ def train(layers: int, d_model: int, steps: int, zero: dict) -> dict:
 # addcdiv_ (p, m, denom r; p w, 16), the rounding (p r, 4 + 2). One pass: g, p, m, v each read and written back (32)
 # and the fragment written (2).
 MULTI_PASS_BYTES = 8 + 8 + 12 + 8 + 12 + 8 + 8 + 8 + 16 + 6
+# with torch's fused CPU AdamW (``--fused``, what bench/gpu_validate.py steps): the clip (8), the fused update (g r,
+# p, m, v r+w: 28), the rounding (6)
+MULTI_PASS_FUSED_BYTES = 8 + 28 + 6
 ONE_PASS_BYTES = 32 + 2
 
 
@@ -143,14 +146,11 @@ def memory_bandwidth(mib: int = 512, repeats: int = 5) -> dict:
     return {"triad": max(triad), "copy": max(copy)}
 
 
-def host_step(params: int, sub_group_size: int, repeats: int, block: int | None) -> dict:
+def host_step(params: int, sub_group_size: int, repeats: int, block: int | None, fused: bool = False) -> dict:
     """Median seconds of the offloaded host step over ``params`` elements, multi-pass and one pass, and whether
     both ended bitwise equal (they start from the same values and take the same gradients)."""
-    from shardtrain.offload import one_pass as one_pass_module
     from shardtrain.offload.optimizer_state import OptimizerOffload, make_sub_groups
 
-    if block is not None:
-        one_pass_module.BLOCK_ELEMENTS = block
     sizes = [min(4 * 2**20, params - k) for k in range(0, params, 4 * 2**20)]  # 4M-element fragments
     gen = torch.Generator().manual_seed(0)
     coef = torch.tensor(0.6)
@@ -158,7 +158,7 @@ def host_step(params: int, sub_group_size: int, repeats: int, block: int | None)
     def build():
         masters = [torch.randn(n, generator=torch.Generator().manual_seed(k)) for k, n in enumerate(sizes)]
         fragments = [m.to(torch.bfloat16) for m in masters]
-        optimizer = torch.optim.AdamW(masters, lr=1e-4, weight_decay=0.01)
+        optimizer = torch.optim.AdamW(masters, lr=1e-4, weight_decay=0.01, fused=fused)
         groups = make_sub_groups(sizes, sub_group_size)
         offload = OptimizerOffload(optimizer, masters, groups, None, 1, None, fragments=fragments)
         if block is not None:
@@ -204,15 +204,17 @@ def host_step_report(args: argparse.Namespace) -> None:
     print(f"memory bandwidth: triad {bw['triad'] / 1e9:.1f} GB/s, copy {bw['copy'] / 1e9:.1f} GB/s")
     p = args.params
     print(
-        f"host step: {p / 1e6:.0f}M fp32 masters, bf16 fragments, AdamW (weight decay), clip; "
+        f"host step: {p / 1e6:.0f}M fp32 masters, bf16 fragments, {'fused ' if args.fused else ''}AdamW (weight "
+        "decay), clip; "
         f"sub_group_size {args.sub_group_size:,}"
     )
     print(f"{'path':<24} {'bytes/param':>11} {'step s':>8} {'GB/s':>6} {'floor s':>8} {'step / floor':>12}")
     result = None
     for block in args.blocks or [BLOCK_ELEMENTS]:
-        result = host_step(p, args.sub_group_size, args.repeats, block)
+        result = host_step(p, args.sub_group_size, args.repeats, block, args.fused)
+        multi_bytes = MULTI_PASS_FUSED_BYTES if args.fused else MULTI_PASS_BYTES
         for name, key, nbytes in (
-            ("multi-pass", "multi", MULTI_PASS_BYTES),
+            ("multi-pass", "multi", multi_bytes),
             (f"one pass, block {block}", "one", ONE_PASS_BYTES),
         ):
             floor = nbytes * p / bw["triad"]
@@ -240,8 +242,12 @@ def main() -> None:
     parser.add_argument("--sub-group-size", type=int, default=1_000_000_000, help="--host-step: DeepSpeed's default")
     parser.add_argument("--repeats", type=int, default=3, help="--host-step: timed steps of each path")
     parser.add_argument("--blocks", type=int, nargs="*", help="--host-step: block sizes to try (elements)")
+    parser.add_argument("--fused", action="store_true", help="--host-step: torch's fused CPU AdamW")
+    parser.add_argument("--threads", type=int, help="--host-step: torch's intra-op threads (the pass's workers)")
     args = parser.parse_args()
     if args.host_step:
+        if args.threads:
+            torch.set_num_threads(args.threads)
         host_step_report(args)
         return
     Path(args.nvme_path).mkdir(parents=True, exist_ok=True)

@@ -272,7 +272,14 @@ class OptimizerOffload:
         """Whether the caller leaves the clip coefficient of the in-memory gradients to :meth:`step` (its
         ``factors``), which applies it in the one pass ([Note: one pass over a sub-group]): gradients in memory,
         stepped on the host as they are (no swap files, no copies)."""
-        return self.one_pass and self.files is None and self.copies is None and OnePassStep.supports(self.optimizer)
+        on_host = all(s.device.type == "cpu" for s in self.stepped)  # else the caller's device clips them
+        return (
+            self.one_pass
+            and on_host
+            and self.files is None
+            and self.copies is None
+            and OnePassStep.supports(self.optimizer)
+        )
 
     def step(
         self,
