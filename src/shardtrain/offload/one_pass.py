@@ -25,13 +25,15 @@ the tensor's last ``numel % 16``. Every piece here starts at a multiple of :data
 tensor and ends at one or at the tensor's end, leaving the scalar loop the same elements.
 
 [Note: host-step block size]
-:data:`BLOCK_ELEMENTS` = 32768 elements, 128 KiB per fp32 tensor. Each block's ~12 ops touch the gradient, master,
-two moments, a temporary and the fragment, ~0.7 MiB, within a core's L2 (1-2 MiB on current server CPUs). 32768 is
-ATen's grain size: an op on at most that many elements runs on the calling thread; on more, every op of every worker
-would open a parallel region over all cores, oversubscribing them, and on a loaded host waiting at each op's barrier
-(measured on the 2-core bench host: the blocks on one Python thread with torch's two intra-op threads took 6-12 s
-for 16M elements, against 0.35 s on two Python threads). Smaller blocks pay Python's dispatch of the ~12 ops (a few
-microseconds each, under the GIL) more often: 8192 was slower than 32768 in ``bench/bench_offload.py``.
+:data:`BLOCK_ELEMENTS` = 131072 elements, 512 KiB per fp32 tensor: a block's ~12 ops touch its gradient, master,
+two moments, two temporaries and the fragment, ~3 MiB, which stays in a core's L2 and its share of L3 between the
+ops. While the workers run, torch's intra-op threads are set to 1 (restored after): each worker's op runs on its own
+thread, instead of every op of every worker opening an OpenMP team over all cores (on the loaded 2-core VM, one
+Python thread over two intra-op threads took 6-12 s for 16M elements, two workers 0.35 s). Per block the pass pays
+Python's dispatch of ~12 ops and the temporaries' allocation; measured on that VM with ``bench/bench_offload.py
+--host-step`` (34M elements; seconds per step, one thread): 8192 2.13, 32768 0.48, 131072 0.39, 524288 0.36; two
+threads: 32768 0.93, 0.91, 0.61; 131072 0.78, 0.17, 0.39 (three runs). Larger blocks gain little past 131072 and
+leave the cache. To be confirmed on a GPU host's CPU (16+ cores, a larger L3), where no run has been made yet.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ import torch
 import torch.optim.optimizer as optimizer_base
 from torch.optim.adam import adam as torch_adam
 
-BLOCK_ELEMENTS = 32768  # see [Note: host-step block size]
+BLOCK_ELEMENTS = 131072  # see [Note: host-step block size]
 PIECE_ALIGN = 64  # elements: a piece starts on a multiple of it (see [Note: vector tails])
 
 Piece = tuple[int, int, int]
@@ -218,8 +220,13 @@ class OnePassStep:
             else:
                 if self._pool is None:
                     self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="shardtrain-host-step")
-                for future in [self._pool.submit(run, b) for b in blocks]:
-                    future.result()
+                intra_op = torch.get_num_threads()
+                torch.set_num_threads(1)  # the workers are the parallelism (see [Note: host-step block size])
+                try:
+                    for future in [self._pool.submit(run, b) for b in blocks]:
+                        future.result()
+                finally:
+                    torch.set_num_threads(intra_op)
             if kind == "torch":
                 for s in states:
                     s["step"] += 1

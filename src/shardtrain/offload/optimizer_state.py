@@ -286,14 +286,15 @@ class OptimizerOffload:
         grads: list[torch.Tensor | None],
         on_disk: frozenset[int] = frozenset(),
         transform: Rescale | None = None,
-        factors: tuple[torch.Tensor | float, ...] = (),
+        factors: tuple[torch.Tensor | float, ...] | None = None,
     ) -> None:
         """Step every sub-group with ``grads[i]`` as the gradient of ``stepped[i]`` (None: not stepped). Members in
         ``on_disk`` have their gradient in a swap file instead (see [Note: gradient offload]): it is read with the
         sub-group's state and ``transform(list of gradients)`` (unscale, clip) applied in place before the step.
         ``factors``: the multiplications still due, in order, on the gradients this step scales itself: with
         :attr:`takes_clip`, the in-memory ones' clip coefficient; with copies, the raw host copies' unscale and clip
-        (what ``transform`` does to them, done in the one pass instead where it runs)."""
+        (what ``transform`` does to them, done in the one pass instead where it runs; None: not given, ``transform``
+        scales them)."""
         grads = list(grads)
         self.refreshed = [False] * len(self.stepped)
         if self.copies is not None:  # the buckets backward did not copy, from the step's gradients
@@ -351,7 +352,7 @@ class OptimizerOffload:
         group: SubGroup,
         grads: list[torch.Tensor | None],
         transform: Rescale | None = None,
-        factors: tuple[torch.Tensor | float, ...] = (),
+        factors: tuple[torch.Tensor | float, ...] | None = None,
     ) -> None:
         members = [i for i in group.members if grads[i] is not None]
         if self.copies is not None and self.copies.covers(group.members):
@@ -365,6 +366,7 @@ class OptimizerOffload:
             self.fragments[i] if self.fragments is not None and self.fragments[i].numel() else None for i in members
         ]
         passed = set()
+        factors = factors or ()
         if self._one_pass_ready(members, host, outs):
             self._one_pass_step.step([self.stepped[i] for i in members], host, outs, [factors] * len(members))
             passed = {i for i, o in zip(members, outs) if o is not None}
@@ -390,7 +392,7 @@ class OptimizerOffload:
         group: SubGroup,
         members: list[int],
         transform: Rescale | None,
-        factors: tuple[torch.Tensor | float, ...] = (),
+        factors: tuple[torch.Tensor | float, ...] | None = None,
     ) -> None:
         """A sub-group stepped on the host with overlapped copies (see [Note: overlapped offload]): wait for its
         buckets' gradient copies only, unscale and clip the raw ones (``transform``, or ``factors`` in the one pass),
@@ -398,13 +400,14 @@ class OptimizerOffload:
         copies = self.copies
         host, raw = copies.host_grads(members)
         outs = [copies.staged(i) for i in members]
-        one_pass = (transform is None or factors) and self._one_pass_ready(members, host, outs)
+        # the one pass scales the raw copies itself: by the factors the caller gave for them
+        one_pass = (transform is None or factors is not None) and self._one_pass_ready(members, host, outs)
         if not one_pass and transform is not None and raw:
             transform(raw)
         copies.before_step(group.members)  # its masters and copy-back buffers are free to be rewritten
         if one_pass:
             raw_ids = {id(g) for g in raw}
-            due = [factors if id(g) in raw_ids else () for g in host]
+            due = [(factors or ()) if id(g) in raw_ids else () for g in host]
             self._one_pass_step.step([self.stepped[i] for i in members], host, outs, due)
             copies.send_back(
                 group.members, self._copied_after, staged={i for i, o in zip(members, outs) if o is not None}
