@@ -219,3 +219,44 @@ def test_resume_with_the_one_pass_is_bitwise_the_multi_pass_step(tmp_path):
     one = run_distributed(train, 3, recipe, 3, zero, dict(top), True, str(tmp_path), None)
     _same(one, multi)
     assert one[0]["passes"] >= 2  # the loaded state is ready: both resumed steps take one pass
+
+
+def train_copies(one_pass: bool, stage: int, world: int, top: dict) -> dict:
+    """Runs on every rank: training through the CPU fakes of CUDA's copy streams (``test_host_copies``), page-locking
+    as CUDA's do with ``pin_memory`` (the plan of a CPU machine says no): the masters are not page-locked here, so
+    every value goes back through a copy-back buffer the pass rounds into. How many sub-groups took the one pass."""
+    import test_host_copies
+    from shardtrain.engine import parallelize
+    from shardtrain.offload import one_pass as one_pass_module
+
+    test_host_copies.DeferredStreams.pins = True  # this worker process only
+    sinks = parallelize.build_gradient_sinks
+    parallelize.build_gradient_sinks = lambda *args, **kwargs: sinks(*args, **{**kwargs, "pin_memory": True})
+    OptimizerOffload.one_pass = one_pass
+    passes = []
+    original = one_pass_module.OnePassStep.step
+
+    def counted(self, tensors, *args):
+        passes.append(len(tensors))
+        return original(self, tensors, *args)
+
+    one_pass_module.OnePassStep.step = counted
+    out = test_host_copies.train_through_copies(Recipe(steps=3, clip=0.05), stage, world, top, True, False)
+    out["passes"] = len(passes)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("stage", "world", "top"), [(2, 3, {"bf16": {"enabled": True}}), (3, 1, {"fp16": {"enabled": True}})]
+)
+def test_the_host_copies_path_with_the_one_pass_is_bitwise_the_multi_pass_step(stage, world, top):
+    """CUDA's path on the CPU: the raw host copies unscaled and clipped in the pass, the update, the rounding into
+    the copy-back buffers; every loss, norm and final weight as the multi-pass step's."""
+    multi = run_distributed(train_copies, world, False, stage, world, top)
+    one = run_distributed(train_copies, world, True, stage, world, top)
+    for a, b in zip(one, multi):
+        assert a["losses"] == b["losses"] and a["norms"] == b["norms"]
+        assert a["direct"] == 0 < a["members"]  # every member goes back through a buffer the pass rounds into
+    for k, v in multi[0]["params"].items():
+        assert torch.equal(one[0]["params"][k], v), k
+    assert multi[0]["passes"] == 0 and one[0]["passes"] >= 2
