@@ -118,6 +118,22 @@ def test_one_pass_refuses_what_it_cannot_run_and_the_optimizer_steps_itself():
     assert OnePassStep.supports(torch.optim.AdamW(ps)) and OnePassStep.supports(DeepSpeedAdam(ps))
 
 
+def test_a_failing_block_raises_after_every_worker_stopped_and_the_intra_op_threads_are_restored():
+    params, grads = _tensors(0)
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    opt.step()
+    one_pass = OnePassStep(opt, block=64, workers=3)
+    threads = torch.get_num_threads()
+    factors = [()] * len(params)
+    factors[3] = (torch.ones(2),)  # cannot scale a piece of 64 elements: that member's blocks fail
+    with pytest.raises(RuntimeError, match="must match the size"):
+        one_pass.step(params, grads, [None] * len(params), factors)
+    assert torch.get_num_threads() == threads
+    one_pass.close()
+
+
 # -- whole training runs ----------------------------------------------------------------------------
 
 

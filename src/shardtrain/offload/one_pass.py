@@ -39,7 +39,7 @@ leave the cache. To be confirmed on a GPU host's CPU (16+ cores, a larger L3), w
 from __future__ import annotations
 
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 import torch
@@ -223,7 +223,9 @@ class OnePassStep:
                 intra_op = torch.get_num_threads()
                 torch.set_num_threads(1)  # the workers are the parallelism (see [Note: host-step block size])
                 try:
-                    for future in [self._pool.submit(run, b) for b in blocks]:
+                    futures = [self._pool.submit(run, b) for b in blocks]
+                    wait(futures)  # all of them, failed or not: no worker writes after the step returns or raises
+                    for future in futures:
                         future.result()
                 finally:
                     torch.set_num_threads(intra_op)
@@ -238,13 +240,4 @@ class OnePassStep:
             self._pool = None
 
 
-def host_step_bytes(optimizer: torch.optim.Optimizer, compute_itemsize: int) -> int:
-    """Bytes per parameter that one pass of the host step reads and writes in DRAM: the fp32 gradient (read,
-    written back clipped), the fp32 master and the optimizer's element-wise state (each read and written), the
-    compute-dtype fragment (written; 0 where the master is the parameter)."""
-    state = 2 * 4 if _adam_kind(optimizer) is not None else 0
-    amsgrad = any(g.get("amsgrad") for g in optimizer.param_groups)
-    return 2 * 4 + 2 * 4 + 2 * (state + (4 if amsgrad else 0)) + compute_itemsize
-
-
-__all__ = ["BLOCK_ELEMENTS", "OnePassStep", "cut_blocks", "host_step_bytes"]
+__all__ = ["BLOCK_ELEMENTS", "PIECE_ALIGN", "OnePassStep", "cut_blocks"]
