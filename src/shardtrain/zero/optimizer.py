@@ -382,13 +382,19 @@ class ShardedOptimizer:
         if max_norm > 0 and (in_memory or deferred):
             # identical to torch.nn.utils.clip_grad_norm_: scale by max_norm/(norm+1e-6), never up
             coef = torch.clamp(max_norm / (local_sq.sqrt() + 1e-6), max=1.0)
-            if in_memory and not (self.offload is not None and self.offload.takes_clip):
+            if in_memory and not self._offload_clips():
                 # else applied in the host step's one pass ([Note: one pass over a sub-group] in offload/one_pass.py)
                 torch._foreach_mul_(in_memory, coef)
         self._update(grads, deferred, triples, inv, coef, found_inf)
         # every rank's updated chunks into the full flat buffers, waited for where they are next needed
         self.gathers.launch()
         return total_norm, found_inf if found_inf is not None else False
+
+    def _offload_clips(self) -> bool:
+        """Whether the in-memory gradients' clip is left to the offload's step, which applies it in its one pass
+        ([Note: one pass over a sub-group] in offload/one_pass.py). Never when another step replaces the offload's
+        (a ``zenflow`` attribute, the stall-free step): that one takes its gradients clipped."""
+        return self.offload is not None and self.offload.takes_clip and getattr(self, "zenflow", None) is None
 
     @staticmethod
     def _inverse(loss_scale: torch.Tensor | float | None, on_device: bool) -> torch.Tensor | float | None:
@@ -551,7 +557,7 @@ class ShardedOptimizer:
             if copied:  # what transform does to the raw host copies, for the one pass to do instead
                 factors = tuple(f for f in (inv, host_coef) if f is not None)
             else:  # the clip left to the offload's step (takes_clip), or nothing
-                factors = (coef,) if coef is not None and self.offload.takes_clip else ()
+                factors = (coef,) if coef is not None and self._offload_clips() else ()
             self.offload.step(grads, deferred, transform if deferred or copied else None, factors)
         else:
             stepped = [s for s, _, g in triples if g is not None]
