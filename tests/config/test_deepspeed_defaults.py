@@ -116,6 +116,10 @@ def test_offload_defaults_are_deepspeeds(device):
     ours = _ours({"zero_optimization": zero}).zero_optimization.offload_optimizer
     theirs = _deepspeed({"zero_optimization": zero}).zero_config.offload_optimizer
     assert (ours.pin_memory, ours.buffer_count, ours.ratio) == (theirs.pin_memory, theirs.buffer_count, theirs.ratio)
+    zero = {"stage": 3, "offload_param": {"device": device, "nvme_path": "/tmp"}}
+    ours = _ours({"zero_optimization": zero}).zero_optimization.offload_param
+    theirs = _deepspeed({"zero_optimization": zero}).zero_config.offload_param
+    assert (ours.pin_memory, ours.buffer_count) == (theirs.pin_memory, theirs.buffer_count)
 
 
 def test_flops_profiler_turns_the_wall_clock_breakdown_on_as_in_deepspeed():

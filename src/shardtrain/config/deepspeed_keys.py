@@ -702,12 +702,11 @@ RULES: tuple[Rule, ...] = (
         "`offload_optimizer` on CUDA); on a CPU-only machine `cpu` is where the shards are already",
     ),
     _supported(_Z + "offload_param.nvme_path", "path", "directory for the parameter swap files"),
-    _no_effect(
+    _supported(
         _Z + "offload_param.pin_memory",
-        "bool",
-        "on CUDA the host shards of parameter offload are always page-locked (their copies to the GPU overlap "
-        "compute only from page-locked memory); on a CPU-only machine nothing copies from it",
-        check=StrictBool,
+        "bool, `true`",
+        "page-locked host shards of parameter offload (CUDA only: their copies to the GPU overlap compute only from "
+        "page-locked memory; `false`: pageable shards, copied without that overlap)",
     ),
     _supported(
         _Z + "offload_param.buffer_count",

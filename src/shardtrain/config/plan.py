@@ -62,7 +62,9 @@ def resolve_plan(cfg: Config, world: int, device_type: str | None = None) -> Pla
             opt.ratio,
             zcfg.sub_group_size,
         ),
-        ParamOffloadPolicy(par.device, par.nvme_path, par.buffer_count, par.max_in_cpu),
+        ParamOffloadPolicy(
+            par.device, par.nvme_path, par.buffer_count, par.max_in_cpu, par.pin_memory and device_type == "cuda"
+        ),
     )
     g = cfg.graph
     return Plan(
@@ -344,6 +346,11 @@ def ineffective_offload_keys(cfg: Config, device_type: str) -> list[str]:
         notes.append(
             f"{prefix}offload_optimizer.pin_memory has no effect on a machine without a GPU: page-locked host "
             "memory only speeds copies to and from a GPU; remove it"
+        )
+    if param.device != "none" and param.pin_memory and "pin_memory" in param.model_fields_set and device_type != "cuda":
+        notes.append(
+            f"{prefix}offload_param.pin_memory has no effect on a machine without a GPU: page-locked host "
+            "memory only speeds copies to a GPU; remove it"
         )
     if opt.device == "cpu" and "buffer_count" in opt.model_fields_set:
         notes.append(

@@ -138,6 +138,9 @@ class OffloadParamConfig(_OffloadSection):
     """Device ``nvme``: units read ahead of their gather at most (the next read waits until one is gathered)."""
     max_in_cpu: Size = 1_000_000_000
     """Device ``nvme``: parameter elements kept in host memory (the first units) instead of on disk."""
+    pin_memory: bool = True
+    """Page-locked host shards (CUDA: their copies to the GPU overlap compute; no effect on a CPU-only machine). On
+    by default, as ``offload_optimizer.pin_memory``."""
 
 
 class ZeroConfig(_Section):

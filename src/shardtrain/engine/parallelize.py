@@ -538,6 +538,7 @@ def apply_step(
             read_in_memory=topology.tp > 1 or (comms.replica is not None and comms.replica.size > 1),
             # parameter offload on the device: the fragments are host shards ([Note: parameter uploads])
             host_fragments=plan.offload.param.device != "none" and bool(layout.unit_buckets),
+            pin_memory=offload.pin_memory,
         )
     partial_grads = _partial_grads(layout)
     reducer = GradientReducer(
@@ -660,7 +661,9 @@ def _param_offload(
                 offload.param.max_in_cpu,
                 offload.param.buffer_count,
             )
-        return files if streams is None else param_uploads.ParamUploads(layout.unit_buckets, streams, files)
+        if streams is None:
+            return files
+        return param_uploads.ParamUploads(layout.unit_buckets, streams, files, offload.param.pin_memory)
 
     return on_every_rank(world, "parameter swap files" if offload.param.device == "nvme" else "host shards", make)
 

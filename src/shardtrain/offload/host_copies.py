@@ -79,6 +79,8 @@ class HostArena:
     ``pin``); ``breaks``: indices that start a new block."""
 
     def __init__(self, nbytes: list[int], pin: bool, breaks: set[int] = frozenset(), block: int = PIN_BLOCK) -> None:
+        self.pinned = pin
+        """Whether the blocks were asked to be page-locked (they are where CUDA is available)."""
         sizes, self._where = pack_blocks(nbytes, breaks, block)
         self.blocks = [host_block(n, pin) for n in sizes]
         self._nbytes = nbytes
@@ -211,12 +213,15 @@ class HostCopies:
         fragments: list[torch.Tensor],
         direct: list[bool],
         host_fragments: bool = False,
+        pin_memory: bool = True,
     ) -> None:
         """``direct[i]``: the fragment is sent back from the master itself (page-locked, not a swap buffer); else
         through a compute-dtype buffer. ``host_fragments``: the fragments are host shards (parameter offload on the
         device, [Note: parameter uploads] in :mod:`shardtrain.offload.param_uploads`): the step writes them itself,
-        rounding on the host, and nothing goes back to the device."""
+        rounding on the host, and nothing goes back to the device. ``pin_memory``: ``offload_optimizer.pin_memory``;
+        the host buffers are page-locked where it and ``streams.pins`` are both true."""
         self.streams, self.where, self.host = streams, where, host
+        self.pins = streams.pins and pin_memory
         self.host_fragments = host_fragments
         self.stepped, self.fragments = stepped, fragments
         spans: dict[int, list[int]] = {}
@@ -225,7 +230,7 @@ class HostCopies:
                 lo, hi = spans.get(position, [offset, offset + n])
                 spans[position] = [min(lo, offset), max(hi, offset + n)]
         positions = sorted(spans)
-        self.grad_arena = HostArena([(spans[p][1] - spans[p][0]) * 4 for p in positions], streams.pins)
+        self.grad_arena = HostArena([(spans[p][1] - spans[p][0]) * 4 for p in positions], self.pins)
         self.spans = {
             p: _Span(p, spans[p][0], spans[p][1], self.grad_arena.view(k, torch.float32, (spans[p][1] - spans[p][0],)))
             for k, p in enumerate(positions)
@@ -239,7 +244,7 @@ class HostCopies:
         ]
         back = [i for i in range(len(where)) if host[i] and where[i][2] and not (direct[i] or host_fragments)]
         self.back_arena = HostArena(
-            [where[i][2] * fragments[i].element_size() for i in back], streams.pins, block=PIN_BLOCK
+            [where[i][2] * fragments[i].element_size() for i in back], self.pins, block=PIN_BLOCK
         )
         self.sources: dict[int, torch.Tensor] = {
             i: self.back_arena.view(k, fragments[i].dtype, fragments[i].shape) for k, i in enumerate(back)
@@ -331,18 +336,31 @@ class HostCopies:
         if event is not None:
             self.streams.wait(event)
 
-    def send_back(self, members: tuple[int, ...], after: Any) -> None:
-        """The sub-group's updated values to its device fragments, non-blocking, on the ``h2d`` stream."""
+    def staged(self, i: int) -> torch.Tensor | None:
+        """The host tensor member ``i``'s updated values are rounded into on the host before they go back (its
+        compute-dtype buffer, or with ``host_fragments`` the fragment itself); None where the master goes itself.
+        The one pass writes it block by block ([Note: one pass over a sub-group] in
+        :mod:`shardtrain.offload.one_pass`), after :meth:`before_step`."""
+        if not (self.host[i] and self.where[i][2]):
+            return None
+        if self.host_fragments:
+            return self.fragments[i]
+        return None if self.direct[i] else self.sources[i]
+
+    def send_back(self, members: tuple[int, ...], after: Any, staged: set[int] = frozenset()) -> None:
+        """The sub-group's updated values to its device fragments, non-blocking, on the ``h2d`` stream;
+        ``staged``: members whose :meth:`staged` tensor the step has written already."""
         with torch.no_grad():
             for i in members:
                 if not (self.host[i] and self.where[i][2]):
                     continue
                 master = self.stepped[i].view_as(self.fragments[i])
                 if self.host_fragments:  # the shard's home is on the host: the next gather uploads it
-                    self.fragments[i].copy_(master)
+                    if i not in staged:
+                        self.fragments[i].copy_(master)
                     continue
                 source = master if self.direct[i] else self.sources[i]
-                if source is not master:
+                if source is not master and i not in staged:
                     source.copy_(master)  # rounded to the compute dtype on the CPU, as copy_ rounds
                 self.streams.to_device(self.fragments[i], source, after)
         if not self.host_fragments:

@@ -47,6 +47,7 @@ import torch
 from shardtrain.distributed.communicator import Communicator
 from shardtrain.offload.gradients import GradOffload
 from shardtrain.offload.host_copies import CopyStreams, HostCopies, host_block, pack_blocks
+from shardtrain.offload.one_pass import OnePassStep
 from shardtrain.offload.parameters import release_mapped
 from shardtrain.offload.swap import ALIGN, GRAD, OffloadError, SwapFiles
 from shardtrain.zero.layout import fragment_places, fragment_tensor
@@ -138,6 +139,11 @@ class OptimizerOffload:
     """Steps ``optimizer`` one sub-group at a time over ``stepped`` (see [Note: sub-group stepping]); with
     ``files``, element-wise state of offloaded sub-groups lives in them (see [Note: swap pipeline])."""
 
+    one_pass: bool = True
+    """Step each sub-group in one pass over memory where the optimizer allows it ([Note: one pass over a sub-group]
+    in :mod:`shardtrain.offload.one_pass`). False: the multi-pass step, kept as the reference the tests and
+    ``bench/bench_offload.py`` compare against (bitwise the same numbers)."""
+
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
@@ -163,6 +169,10 @@ class OptimizerOffload:
         self.world, self.pin = world, pin_memory and torch.cuda.is_available()
         self.buffer_count = buffer_count
         self._index = {id(s): i for i, s in enumerate(stepped)}
+        self._one_pass_step = OnePassStep(optimizer)
+        self.refreshed = [False] * len(stepped)
+        """Per member: its compute-dtype fragment was written by this step's one pass (the caller's refresh skips
+        it)."""
         for s in stepped:
             follow_device(optimizer.state.get(s), s)
         self._group_of = {i: g for g in groups for i in g.members}
@@ -257,22 +267,42 @@ class OptimizerOffload:
         return self.copies.host_scalar(t)
 
     # -- the step --
+    @property
+    def takes_clip(self) -> bool:
+        """Whether the caller leaves the clip coefficient of the in-memory gradients to :meth:`step` (its
+        ``factors``), which applies it in the one pass ([Note: one pass over a sub-group]): gradients in memory,
+        stepped on the host as they are (no swap files, no copies)."""
+        on_host = all(s.device.type == "cpu" for s in self.stepped)  # else the caller's device clips them
+        return (
+            self.one_pass
+            and on_host
+            and self.files is None
+            and self.copies is None
+            and OnePassStep.supports(self.optimizer)
+        )
+
     def step(
         self,
         grads: list[torch.Tensor | None],
         on_disk: frozenset[int] = frozenset(),
         transform: Rescale | None = None,
+        factors: tuple[torch.Tensor | float, ...] | None = None,
     ) -> None:
         """Step every sub-group with ``grads[i]`` as the gradient of ``stepped[i]`` (None: not stepped). Members in
         ``on_disk`` have their gradient in a swap file instead (see [Note: gradient offload]): it is read with the
-        sub-group's state and ``transform(list of gradients)`` (unscale, clip) applied in place before the step."""
+        sub-group's state and ``transform(list of gradients)`` (unscale, clip) applied in place before the step.
+        ``factors``: the multiplications still due, in order, on the gradients this step scales itself: with
+        :attr:`takes_clip`, the in-memory ones' clip coefficient; with copies, the raw host copies' unscale and clip
+        (what ``transform`` does to them, done in the one pass instead where it runs; None: not given, ``transform``
+        scales them)."""
         grads = list(grads)
+        self.refreshed = [False] * len(self.stepped)
         if self.copies is not None:  # the buckets backward did not copy, from the step's gradients
             self._copied_after = self.copies.prepare(grads)
         try:
             if self.files is None:
                 for g in self.groups:
-                    self._step_group(g, grads, transform)
+                    self._step_group(g, grads, transform, factors)
                 return
             self._files_step(grads, on_disk, transform)
         finally:
@@ -304,33 +334,87 @@ class OptimizerOffload:
             for i in members:
                 self.stepped[i].grad = None
 
-    def _step_group(self, group: SubGroup, grads: list[torch.Tensor | None], transform: Rescale | None = None) -> None:
+    def _one_pass_ready(self, members: list[int], grads: list[torch.Tensor], outs: list[torch.Tensor | None]) -> bool:
+        """Whether ``members`` step in one pass now ([Note: one pass over a sub-group]): enabled, the optimizer's
+        update and state allow it, every tensor flat in memory on the host."""
+        if not self.one_pass or not members:
+            return False
+        tensors = [self.stepped[i] for i in members]
+        flat = tensors + list(grads) + [o for o in outs if o is not None]
+        if not all(t.is_contiguous() and t.device.type == "cpu" for t in flat):
+            return False
+        if any(o is not None and o.numel() != t.numel() for o, t in zip(outs, tensors)):
+            return False
+        return self._one_pass_step.ready(tensors)
+
+    def _step_group(
+        self,
+        group: SubGroup,
+        grads: list[torch.Tensor | None],
+        transform: Rescale | None = None,
+        factors: tuple[torch.Tensor | float, ...] | None = None,
+    ) -> None:
         members = [i for i in group.members if grads[i] is not None]
         if self.copies is not None and self.copies.covers(group.members):
-            self._step_host_group(group, members, transform)
+            self._step_host_group(group, members, transform, factors)
             return
         host = [grads[i].to(self.stepped[i].device, non_blocking=True) for i in members]  # CUDA: to the host
         if any(g.device != grads[i].device for g, i in zip(host, members)) and torch.cuda.is_available():
             torch.cuda.current_stream().synchronize()  # device-to-host copies done before the CPU reads them
-        self._step_members(members, host)
+        # the fragments refreshed in the pass: all of them with separate masters, whoever would refresh them after
+        outs = [
+            self.fragments[i] if self.fragments is not None and self.fragments[i].numel() else None for i in members
+        ]
+        passed = set()
+        factors = factors or ()
+        if self._one_pass_ready(members, host, outs):
+            self._one_pass_step.step([self.stepped[i] for i in members], host, outs, [factors] * len(members))
+            passed = {i for i, o in zip(members, outs) if o is not None}
+            for i in passed:
+                self.refreshed[i] = True
+        else:
+            with torch.no_grad():
+                present = [g for g in host if g.numel()]
+                for f in factors:  # the clip the caller left to this step, as it would have applied it
+                    if present:
+                        torch._foreach_mul_(present, f)
+            self._step_members(members, host)
         if self.holds_masters:  # refresh the compute-dtype fragments while the masters are in memory
             with torch.no_grad():
                 for i in group.members:
-                    if self.fragments[i].numel():
+                    if self.fragments[i].numel() and i not in passed:
                         self.fragments[i].copy_(self.stepped[i].view_as(self.fragments[i]))
         # parameter offload: the pages of this sub-group's shards leave memory now, not after the whole step
         release_mapped([self.stepped[i] for i in members] + [self.fragments[i] for i in members if self.fragments])
 
-    def _step_host_group(self, group: SubGroup, members: list[int], transform: Rescale | None) -> None:
+    def _step_host_group(
+        self,
+        group: SubGroup,
+        members: list[int],
+        transform: Rescale | None,
+        factors: tuple[torch.Tensor | float, ...] | None = None,
+    ) -> None:
         """A sub-group stepped on the host with overlapped copies (see [Note: overlapped offload]): wait for its
-        buckets' gradient copies only, unscale and clip the raw ones (``transform``), step, send the values back."""
+        buckets' gradient copies only, unscale and clip the raw ones (``transform``, or ``factors`` in the one pass),
+        step, send the values back (those rounded on the host written in the one pass)."""
         copies = self.copies
         host, raw = copies.host_grads(members)
-        if transform is not None and raw:
+        outs = [copies.staged(i) for i in members]
+        # the one pass scales the raw copies itself: by the factors the caller gave for them
+        one_pass = (transform is None or factors is not None) and self._one_pass_ready(members, host, outs)
+        if not one_pass and transform is not None and raw:
             transform(raw)
         copies.before_step(group.members)  # its masters and copy-back buffers are free to be rewritten
-        self._step_members(members, host)
-        copies.send_back(group.members, self._copied_after)
+        if one_pass:
+            raw_ids = {id(g) for g in raw}
+            due = [(factors or ()) if id(g) in raw_ids else () for g in host]
+            self._one_pass_step.step([self.stepped[i] for i in members], host, outs, due)
+            copies.send_back(
+                group.members, self._copied_after, staged={i for i, o in zip(members, outs) if o is not None}
+            )
+        else:
+            self._step_members(members, host)
+            copies.send_back(group.members, self._copied_after)
 
     def _park(self, i: int) -> None:
         """An offloaded master holds no memory between steps (same tensor object: the optimizer keys on it)."""
@@ -514,7 +598,9 @@ class OptimizerOffload:
                     w.result()
 
     def close(self) -> None:
-        """Stop the I/O threads, close the files (the scratch directory is removed by its owner)."""
+        """Stop the I/O threads and the one pass's workers, close the files (the scratch directory is removed by
+        its owner)."""
+        self._one_pass_step.close()
         if self.files is not None:
             self.files.close()
         while not self._frames.empty():
@@ -578,6 +664,7 @@ def build_gradient_sinks(
     grad_dtypes: list[torch.dtype],
     read_in_memory: bool,
     host_fragments: bool = False,
+    pin_memory: bool = True,
 ) -> GradientSinks:
     """The gradient sinks of the optimizer offload over the reducer's ``buckets`` (trainable, in its order). The
     stepped tensors are the fp32 ``masters`` (by parameter id) or, without them, the fragments, in the wrapper's
@@ -588,7 +675,8 @@ def build_gradient_sinks(
     With ``streams`` (CUDA) and separate masters, some of them on the host: the host copies. Else the gradient shards
     go to swap files where that is built: state in files (``files``), gradients sharded and accumulated in the dtype
     stepped (fp32), on the host, and not read in memory. Else gradients stay in memory (no sink).
-    ``host_fragments``: the fragments are host shards (parameter offload on the device): the step writes them."""
+    ``host_fragments``: the fragments are host shards (parameter offload on the device): the step writes them.
+    ``pin_memory``: ``offload_optimizer.pin_memory``, the copies' host buffers page-locked (with ``streams.pins``)."""
     places = fragment_places(buckets)
     fragments = [fragment_tensor(b, i, sharded_state) for b, i in places]
     stepped = [masters[id(b.slots[i].param)] for b, i in places] if masters is not None else fragments
@@ -601,8 +689,11 @@ def build_gradient_sinks(
             return GradientSinks()
         # fragments go back from their page-locked masters themselves (rounded on the device); masters in swap
         # buffers (files) through a compute-dtype buffer
-        direct = [files is None and (not streams.pins or s.is_pinned()) for s in stepped]
-        copies = HostCopies(streams, [w[:3] for w in where], host, stepped, fragments, direct, host_fragments)
+        pins = streams.pins and pin_memory
+        direct = [files is None and (not pins or s.is_pinned()) for s in stepped]
+        copies = HostCopies(
+            streams, [w[:3] for w in where], host, stepped, fragments, direct, host_fragments, pin_memory
+        )
         return GradientSinks(copies=copies)
     device = buckets[0].shard.device if buckets else torch.device("cpu")
     if (

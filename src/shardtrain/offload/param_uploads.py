@@ -116,13 +116,22 @@ def upload_streams(device: torch.device) -> UploadStreams | None:
 class ParamUploads:
     """A :class:`~shardtrain.zero.gather.ShardSource`: unit shards at home on the host, uploaded per gather (see
     [Note: parameter uploads]). ``files``: the swap files of ``nvme`` (their units' shards are at home there);
-    every other unit bucket's shard moves into page-locked blocks (``streams.pins``) here, leaving the device."""
+    every other unit bucket's shard moves into host blocks here, leaving the device, page-locked where
+    ``pin_memory`` (``offload_param.pin_memory``) and ``streams.pins`` are both true."""
 
-    def __init__(self, units: list[UnitBuckets], streams: UploadStreams, files: ParamOffload | None = None) -> None:
+    def __init__(
+        self,
+        units: list[UnitBuckets],
+        streams: UploadStreams,
+        files: ParamOffload | None = None,
+        pin_memory: bool = True,
+    ) -> None:
         self.streams, self.files = streams, files
         mapped = files.mapped_units if files is not None else set()
         resident = [b for i, u in enumerate(units) if i not in mapped for b in u.buckets]
-        self.arena = HostArena([b.shard.numel() * b.shard.element_size() for b in resident], streams.pins)
+        self.arena = HostArena(
+            [b.shard.numel() * b.shard.element_size() for b in resident], streams.pins and pin_memory
+        )
         for k, b in enumerate(resident):
             home = self.arena.view(k, b.shard.dtype, b.shard.shape)
             home.copy_(b.shard)

@@ -128,3 +128,18 @@ class DeepSpeedAdam(torch.optim.Optimizer):
         if weight_decay != 0 and group["adam_w_mode"]:
             torch._foreach_mul_(params, 1 - lr * weight_decay)
         torch._foreach_addcdiv_(params, exp_avgs, denom, step_sizes)
+
+    @classmethod
+    def update_views(
+        cls,
+        group: dict[str, Any],
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        exp_avgs: list[torch.Tensor],
+        exp_avg_sqs: list[torch.Tensor],
+        steps: list[float],
+    ) -> None:
+        """The update of :meth:`step` on views of its tensors (blocks of them), with their step counts already
+        advanced: what the offloaded host step runs in one pass over memory ([Note: one pass over a sub-group] in
+        :mod:`shardtrain.offload.one_pass`)."""
+        cls._update(group, params, grads, exp_avgs, exp_avg_sqs, steps)

@@ -390,12 +390,19 @@ class ShardedOptimizer:
         if max_norm > 0 and (in_memory or deferred):
             # identical to torch.nn.utils.clip_grad_norm_: scale by max_norm/(norm+1e-6), never up
             coef = torch.clamp(max_norm / (local_sq.sqrt() + 1e-6), max=1.0)
-            if in_memory:
+            if in_memory and not self._offload_clips():
+                # else applied in the host step's one pass ([Note: one pass over a sub-group] in offload/one_pass.py)
                 torch._foreach_mul_(in_memory, coef)
         self._update(grads, deferred, triples, inv, coef, found_inf)
         # every rank's updated chunks into the full flat buffers, waited for where they are next needed
         self.gathers.launch()
         return total_norm, found_inf if found_inf is not None else False
+
+    def _offload_clips(self) -> bool:
+        """Whether the in-memory gradients' clip is left to the offload's step, which applies it in its one pass
+        ([Note: one pass over a sub-group] in offload/one_pass.py). Never when another step replaces the offload's
+        (a ``zenflow`` attribute, the stall-free step): that one takes its gradients clipped."""
+        return self.offload is not None and self.offload.takes_clip and getattr(self, "zenflow", None) is None
 
     @staticmethod
     def _inverse(loss_scale: torch.Tensor | float | None, on_device: bool) -> torch.Tensor | float | None:
@@ -555,7 +562,11 @@ class ShardedOptimizer:
                     torch._foreach_mul_(read, host_coef if read[0].device == host_coef.device else coef)
 
             copied = self.offload.copies is not None
-            self.offload.step(grads, deferred, transform if deferred or copied else None)
+            if copied:  # what transform does to the raw host copies, for the one pass to do instead
+                factors = tuple(f for f in (inv, host_coef) if f is not None)
+            else:  # the clip left to the offload's step (takes_clip), or nothing
+                factors = (coef,) if coef is not None and self._offload_clips() else ()
+            self.offload.step(grads, deferred, transform if deferred or copied else None, factors)
         else:
             stepped = [s for s, _, g in triples if g is not None]
             for s, g in zip(stepped, (g for g in grads if g is not None)):
@@ -569,10 +580,12 @@ class ShardedOptimizer:
             # refresh the compute-dtype fragments from the fp32 masters (offloaded ones refreshed as stepped, host
             # masters sent back as their sub-groups stepped: [Note: overlapped offload] in offload/host_copies.py)
             sent = self.offload.copies.host if self.offload is not None and self.offload.copies is not None else None
+            # written already in the host step's one pass ([Note: one pass over a sub-group] in offload/one_pass.py)
+            passed = self.offload.refreshed if self.offload is not None else None
             pairs = [
                 (t, m)
                 for k, ((t, _, _), m) in enumerate(zip(self._frag.values(), self._stepped.values()))
-                if t.numel() and not (sent is not None and sent[k])
+                if t.numel() and not (sent is not None and sent[k]) and not (passed is not None and passed[k])
             ]
             same = [(t, m) for t, m in pairs if t.device == m.device]
             with torch.no_grad():
