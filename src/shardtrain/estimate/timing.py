@@ -27,8 +27,8 @@ shard``, the pipeline's neighbours ``world / pp`` apart.
 * ZeRO-3's unit gathers run ahead of the unit that needs them (prefetch) and gradients are reduce-scattered while
   backward goes on: both hide behind the micro-batch's compute, less the first gather of forward and the last
   bucket's reduction, which nothing covers; ``overlap`` of the profile says how much of the rest hides.
-* Stage 0-1's reductions run once per step, at the accumulation boundary, behind the last micro-batch's backward;
-  stage 2's every micro-batch's. The all-gather after the step (stages 1-2) is exposed.
+* Stages 0-1 reduce the gradients once per step, at the accumulation boundary, behind the last micro-batch's
+  backward; stages 2-3 every micro-batch's. The all-gather after the step (stages 1-2) is exposed.
 * Tensor-, sequence- and expert-parallel collectives are on the critical path (each layer waits for its result):
   exposed. So is the context-parallel ring (not overlapped in the engine yet) and the pipeline's p2p.
 * A pipeline step is the stage's micro-batches stretched by the bubble: ``/ (1 - (p-1)/(v m + p-1))``.
@@ -160,7 +160,7 @@ def measure_work(
     :func:`~shardtrain.estimate.compute.measure_compute`; ``models`` is the same cache of fake models)."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    from shardtrain.estimate.compute import _build_run_model, model_key, unpacked_batch
+    from shardtrain.estimate.compute import _build_run_model, _is_transformers_model, model_key, unpacked_batch
     from shardtrain.estimate.sequence import as_fake, split_batch
 
     key = model_key(tp, compute, checkpointing, unit_classes, ep, sp)
@@ -171,6 +171,8 @@ def measure_work(
     work = Work()
     counter = _WorkCounter(work)
     with mode:
+        if not source.hf and source.batch is None and _is_transformers_model(model):
+            source.hf = True  # a factory returning a transformers model: call it as one
         if source.vocab_size is None and source.batch is None:
             emb = next((m for m in model.modules() if isinstance(m, torch.nn.Embedding)), None)
             source.vocab_size = emb.num_embeddings if emb is not None else 2
@@ -231,9 +233,10 @@ class ZeroTraffic:
 
 
 def zero_traffic(state: RankState, stage: int, wire_itemsize: dict[int, int] | None = None) -> ZeroTraffic:
-    """ZeRO's bytes per step from the layout's buckets and units, as the engine moves them: stage 0 all-reduces the
-    gradients once per step, stage 1 reduce-scatters them once per step, stage 2 every micro-batch, each followed by
-    an all-gather of the parameters after the step; stage 3 gathers every unit for forward and again for backward
+    """ZeRO's bytes per step from the layout's buckets and units, as the engine moves them (its communicator's counts,
+    ``tests/estimate/test_estimate_time.py``): stage 0 all-reduces the gradients once per step, stage 1
+    reduce-scatters them once per step, stage 2 every micro-batch; stages 1-2 all-gather the parameters after the
+    step; stage 3 gathers every unit for forward and again for backward
     (the last block and the root once: they stay gathered, [Note: kept after forward] in :mod:`.compute`) and
     reduce-scatters every micro-batch. ``wire_itemsize``: the reduction's bytes per element by bucket index (default:
     the bucket's dtype)."""
@@ -417,9 +420,7 @@ def step_time(work: Work, zero: ZeroTraffic, s: StepInputs, cluster: Cluster) ->
     window = fwd + bwd if s.stage == 3 else bwd
     hidden_micro = eff.overlap * min(max(per_micro_zero - unhidden, 0.0), window)
     exposed_zero = m * (per_micro_zero - hidden_micro)
-    if s.stage in (0, 1):
-        hidden = eff.overlap * min(max(boundary_zero - unhidden, 0.0), bwd)
-        exposed_zero += boundary_zero - hidden
+    exposed_zero += boundary_zero - eff.overlap * min(boundary_zero, bwd)
     exposed_zero += zero_time(zero.after_step)
     ring = collective_time("all_gather", s.ring_bytes, s.cp, place.span("cp"), cluster) * share
     p2p = 0.0
