@@ -19,7 +19,7 @@ from shardtrain.estimate.source import resolve_source
 from shardtrain.estimate.timing import (
     Op,
     StepInputs,
-    Work,
+    MicroBatchWork,
     ZeroTraffic,
     _WorkCounter,
     collective_time,
@@ -74,7 +74,7 @@ def test_flops_are_torch_flop_counters_on_a_real_module_and_on_the_fake_run():
     want = counter.get_total_flops()
     assert want > 0
 
-    work = Work()
+    work = MicroBatchWork()
     mode = _WorkCounter(work)
     with mode:
         loss = model(idx, idx)
@@ -177,7 +177,7 @@ def _inputs(**kw) -> StepInputs:
 
 def test_the_1f1b_bubble_is_p_minus_1_over_m_plus_p_minus_1():
     """With pipeline stages of equal cost, the bubble's share of the step is ``(p-1)/(m+p-1)``."""
-    work = Work()
+    work = MicroBatchWork()
     work.ops[Op("matmul", 10**12, 0, False)] = 1
     work.ops[Op("matmul", 2 * 10**12, 0, True)] = 1
     cluster = builtin_cluster("H100-SXM", 8)

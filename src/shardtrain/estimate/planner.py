@@ -49,7 +49,7 @@ from shardtrain.estimate.experts import expert_counts, split_experts
 from shardtrain.estimate.sequence import install_sequence_parallel
 from shardtrain.estimate.source import ModelSource, resolve_source
 from shardtrain.estimate.state import RankState, UnitSize, rank_state
-from shardtrain.estimate.timing import StepInputs, TimeEstimate, Work, measure_work, step_time, zero_traffic
+from shardtrain.estimate.timing import StepInputs, TimeEstimate, MicroBatchWork, measure_work, step_time, zero_traffic
 from shardtrain.pipeline_parallel.cut import cut_model
 from shardtrain.plan import Plan
 from shardtrain.plan.dims import ParallelDims
@@ -524,7 +524,7 @@ def time_prepared(prep: _Prepared, est: MemoryEstimate, cluster: Cluster, cache:
     work_key = ("work", *prep.key[:7], tuple(run["unit_classes"] or ()))
     if work_key not in cache:
         cache[work_key] = measure_work(**run)
-    work: Work = cache[work_key]
+    work: MicroBatchWork = cache[work_key]
     reduce = run["reduce_dtype"]
     wire_items = {b.index: reduce.itemsize for b in st.buckets} if reduce is not None else None
     traffic = zero_traffic(st, layout.stage, wire_items)

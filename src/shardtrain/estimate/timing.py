@@ -86,7 +86,7 @@ class Op:
 
 
 @dataclass
-class Work:
+class MicroBatchWork:
     """One micro-batch's forward and backward on one rank, from the fake run."""
 
     ops: Counter = field(default_factory=Counter)
@@ -103,7 +103,7 @@ class Work:
 class _WorkCounter(TorchDispatchMode):
     """Each operator's kind, FLOPs and bytes ([Note: the roofline])."""
 
-    def __init__(self, work: Work) -> None:
+    def __init__(self, work: MicroBatchWork) -> None:
         super().__init__()
         self.work = work
         self.backward = False
@@ -155,7 +155,7 @@ def measure_work(
     sp: int = 1,
     models: dict | None = None,
     **_: Any,
-) -> Work:
+) -> MicroBatchWork:
     """One micro-batch's forward and backward on fake tensors, counted per operator (takes the keyword arguments of
     :func:`~shardtrain.estimate.compute.measure_compute`; ``models`` is the same cache of fake models)."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
@@ -168,7 +168,7 @@ def measure_work(
         mode, model, splitter = models.pop(key)
     else:
         mode, model, splitter = _build_run_model(source, tp, compute, checkpointing, unit_classes, tp_plan, ep, sp)
-    work = Work()
+    work = MicroBatchWork()
     counter = _WorkCounter(work)
     with mode:
         if not source.hf and source.batch is None and _is_transformers_model(model):
@@ -389,7 +389,7 @@ class StepInputs:
     """Pipeline: one micro-batch's activation at a stage boundary (sent forward, its gradient back)."""
 
 
-def step_time(work: Work, zero: ZeroTraffic, s: StepInputs, cluster: Cluster) -> TimeEstimate:
+def step_time(work: MicroBatchWork, zero: ZeroTraffic, s: StepInputs, cluster: Cluster) -> TimeEstimate:
     """The step of one layout on ``cluster`` ([Note: the roofline], [Note: the alpha-beta model], [Note: what
     overlaps])."""
     eff = cluster.efficiencies
@@ -479,7 +479,7 @@ __all__ = [
     "Op",
     "StepInputs",
     "TimeEstimate",
-    "Work",
+    "MicroBatchWork",
     "ZeroTraffic",
     "collective_time",
     "measure_work",
