@@ -17,9 +17,9 @@ from shardtrain.estimate import estimate_memory
 from shardtrain.estimate.cluster import Cluster, Efficiencies, builtin_cluster, cluster_from_dict, read_cluster
 from shardtrain.estimate.source import resolve_source
 from shardtrain.estimate.timing import (
+    MicroBatchWork,
     Op,
     StepInputs,
-    MicroBatchWork,
     ZeroTraffic,
     _WorkCounter,
     collective_time,

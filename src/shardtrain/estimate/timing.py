@@ -476,10 +476,10 @@ def sum_kinds(items: Iterable[wire.Collective]) -> dict[tuple[str, str], int]:
 
 
 __all__ = [
+    "MicroBatchWork",
     "Op",
     "StepInputs",
     "TimeEstimate",
-    "MicroBatchWork",
     "ZeroTraffic",
     "collective_time",
     "measure_work",
