@@ -218,3 +218,43 @@ def test_a_cluster_file_overrides_a_gpu_and_bad_ones_are_refused_by_name(tmp_pat
     path.write_text("{not json")
     with pytest.raises(ConfigError, match="not JSON"):
         read_cluster(path)
+
+
+def _cli(capsys, *argv: str) -> tuple[int, str, str]:
+    from shardtrain.cli import main as cli_main
+
+    code = cli_main(["estimate", "test_estimate_time:tiny_gpt", "--seq-len", str(SEQ), *argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_the_command_prints_and_carries_the_time_fields(capsys):
+    code, out, _ = _cli(capsys, "--world", "2", "--stage", "3", "--time", "--gpu", "H200", "--json")
+    data = json.loads(out)
+    assert code == 0
+    assert {"step_time_s", "tokens_per_s_per_gpu", "mfu", "exposed_comm_s", "peak"} <= set(data)
+    assert data["step_time_s"] == pytest.approx(sum(data["parts_s"].values()))
+    assert data["tokens_per_s_per_gpu"] == pytest.approx(SEQ / data["step_time_s"])  # micro-batch 1 x SEQ a rank
+    code, out, _ = _cli(capsys, "--world", "2", "--time", "--gpu", "H200")
+    assert code == 0 and "tokens/s per GPU" in out and "MFU" in out
+    code, _, err = _cli(capsys, "--world", "2", "--time")
+    assert code == 2 and "--time needs a cluster" in err
+    code, _, err = _cli(capsys, "--world", "2", "--time", "--gpu", "H200", "--cluster", "x.json")
+    assert code == 2 and "not both" in err
+
+
+def test_a_search_at_1024_gpus_ranks_by_speed_within_a_minute(capsys):
+    """``--budget`` on 128 nodes of 8 GPUs: every layout that fits, ranked by predicted tokens/s, each after the
+    first with why it is slower; the whole search under a minute (in one process)."""
+    import time
+
+    start = time.perf_counter()
+    code, out, _ = _cli(capsys, "--budget", "80GiB", "--gpu", "H100-SXM", "--nodes", "128", "--jobs", "1")
+    elapsed = time.perf_counter() - start
+    assert code == 0
+    assert elapsed < 60, elapsed
+    lines = out.splitlines()
+    assert "by predicted tokens/s per GPU" in lines[0]
+    speeds = [float(line.split()[1].replace(",", "")) for line in lines if line.strip()[:2] in ("1.", "2.", "3.")]
+    assert len(speeds) == 3 and speeds == sorted(speeds, reverse=True)
+    assert "slower than 1." in out

@@ -17,8 +17,9 @@ layouts: the fp8 peak for matmuls).
 [Note: the alpha-beta model]
 A collective over ``n`` ranks costs ``steps x latency + bus bytes / (link bandwidth x link efficiency)``, the bus
 bytes as the communicator counts them (all-reduce ``2 S (n-1)/n``, all-gather, reduce-scatter and all-to-all
-``S (n-1)/n``, p2p ``S``), the steps of a ring (``n - 1``; all-reduce ``2 (n - 1)``; p2p 1). The link is NVLink when
-the group's ranks lie in one node, else the network per GPU (a ring across nodes runs at its slowest link). The mesh
+``S (n-1)/n``, p2p ``S``), the steps of a ring (``n - 1``; all-reduce ``2 (n - 1)``, or a tree's ``2 log2 n``
+where fewer, as NCCL picks a tree for small all-reduces; p2p 1). The link is NVLink when the group's ranks lie in
+one node, else the network per GPU (a ring across nodes runs at its slowest link). The mesh
 puts tensor-parallel ranks adjacent, then sequence, then data (``distributed/mesh.py``), so a group spans
 ``size x stride`` consecutive ranks: tp ``tp``, sp ``tp x sp``, ep ``tp x ep``, ZeRO's shard group ``tp x sp x
 shard``, the pipeline's neighbours ``world / pp`` apart.
@@ -42,6 +43,7 @@ Python time beyond the per-operator overhead.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterable
 from contextlib import nullcontext
@@ -317,6 +319,8 @@ def collective_time(kind: str, nbytes: float, size: int, span: int, cluster: Clu
     intra = span <= cluster.gpus_per_node
     gb_s = gpu.intra_node_gb_s if intra else gpu.inter_node_gb_s_per_gpu
     steps = {"all_reduce": 2 * (size - 1), "p2p": 1}.get(kind, size - 1)
+    if kind == "all_reduce":  # NCCL's tree for small messages: 2 log2(n) latencies where the ring's are more
+        steps = min(steps, 2 * math.ceil(math.log2(size)))
     return steps * eff.latency_us * 1e-6 + nbytes / (gb_s * 1e9 * eff.link)
 
 
