@@ -258,3 +258,19 @@ def test_a_search_at_1024_gpus_ranks_by_speed_within_a_minute(capsys):
     speeds = [float(line.split()[1].replace(",", "")) for line in lines if line.strip()[:2] in ("1.", "2.", "3.")]
     assert len(speeds) == 3 and speeds == sorted(speeds, reverse=True)
     assert "slower than 1." in out
+
+
+def test_calibrate_writes_a_profile_the_cluster_option_reads(tmp_path, capsys):
+    """``shardtrain calibrate`` at world 1 (the collectives are measured by the benchmark at worlds 2-4): every
+    figure the time model needs is measured and positive, and ``--cluster`` reads the file back."""
+    from shardtrain.cli import main as cli_main
+
+    path = tmp_path / "profile.json"
+    assert cli_main(["calibrate", "--out", str(path), "--world", "1", "--threads", "1"]) == 0
+    capsys.readouterr()
+    cluster = read_cluster(path)
+    assert cluster.gpu.fp32_tflops > 0 and cluster.gpu.hbm_tb_s > 0 and cluster.efficiencies.op_overhead_us > 0
+    assert max(e for _, e in cluster.efficiencies.matmul) == pytest.approx(1.0)
+    code, out, _ = _cli(capsys, "--world", "1", "--time", "--cluster", str(path), "--json")
+    assert code == 0 and json.loads(out)["step_time_s"] > 0
+    assert cli_main(["calibrate", "--out", str(path), "--world", "0"]) == 2
