@@ -11,7 +11,8 @@ What it measures, each the way the time model uses it ([Note: the roofline], [No
   efficiency 1: what was measured is what an operator gets);
 * the host's time per operator (``op_overhead_us``): an eager operator on a one-element tensor that needs a
   gradient, as a training step issues hundreds;
-* collectives at the world it runs (``--world``, gloo on this machine, through the project's
+* at ``--world`` ranks every figure is measured on all ranks at once (on a CPU they share its cores); and
+  collectives at that world (``--world``, gloo on this machine, through the project's
   :class:`~shardtrain.distributed.communicator.Communicator`): the latency of a small all-reduce per algorithm step,
   the bus bandwidth of a large one (``intra_node_gb_s``; the ranks are one node), and how much of an all-reduce
   hides behind a matmul running at the same time (``overlap``; on a CPU both compete for the same cores).
@@ -121,36 +122,49 @@ def _collectives(sizes: tuple[int, int]) -> dict[str, float]:
     return {"latency_us": latency * 1e6, "intra_node_gb_s": bus_gb_s, "overlap": overlap}
 
 
-def calibrate(world: int = 2, threads: int | None = None) -> dict[str, Any]:
-    """The profile of this machine (a dict ``--cluster`` reads): ``gpu: "cpu"``, ``gpus_per_node`` the world
-    measured."""
+def _measure(world: int, threads: int | None) -> dict[str, Any]:
+    """Every measurement on this process; at ``world > 1`` run on each rank at once, so that the rates are what each
+    of ``world`` processes gets while the others run too (on a CPU they share its cores)."""
     if threads is not None:
         torch.set_num_threads(threads)
     fp32 = measure_matmuls(torch.float32)
     bf16 = measure_matmuls(torch.bfloat16)
     peak = max(rate for _, rate in fp32)
-    profile: dict[str, Any] = {
-        "gpu": "cpu",
-        "gpus_per_node": world,
-        "nodes": 1,
+    out: dict[str, Any] = {
         "fp32_tflops": peak / 1e12,
         "bf16_tflops": max(rate for _, rate in bf16) / 1e12,
         "matmul_efficiency": [[flops, min(rate / peak, 1.0)] for flops, rate in fp32],
         "attention_efficiency": min(measure_attention() / peak, 1.0),
         "hbm_tb_s": measure_memory_bandwidth() / 1e12,
-        "memory_efficiency": 1.0,
-        "link_efficiency": 1.0,
         "op_overhead_us": measure_op_overhead() * 1e6,
-        "source": f"shardtrain calibrate on this machine, world {world}, torch threads {torch.get_num_threads()}",
     }
+    if world > 1:
+        out.update(_collectives((4096, 16 * 2**20)))
+    else:
+        out.update({"intra_node_gb_s": out["hbm_tb_s"] * 1e3, "overlap": 0.0, "latency_us": 0.0})
+    return out
+
+
+def calibrate(world: int = 2, threads: int | None = None) -> dict[str, Any]:
+    """The profile of this machine (a dict ``--cluster`` reads): ``gpu: "cpu"``, ``gpus_per_node`` the world
+    measured; each figure the median over the ranks (the efficiency curve rank 0's)."""
     if world > 1:
         from shardtrain.testing import run_distributed
 
-        per_rank = run_distributed(_collectives, world, (4096, 16 * 2**20), threads=threads)
-        profile.update({k: statistics.median(r[k] for r in per_rank) for k in per_rank[0]})
+        per_rank = run_distributed(_measure, world, world, threads, threads=threads)
     else:
-        profile.update({"intra_node_gb_s": profile["hbm_tb_s"] * 1e3, "overlap": 0.0, "latency_us": 0.0})
-    return profile
+        per_rank = [_measure(1, threads)]
+    merged = {k: statistics.median(r[k] for r in per_rank) for k in per_rank[0] if k != "matmul_efficiency"}
+    return {
+        "gpu": "cpu",
+        "gpus_per_node": world,
+        "nodes": 1,
+        **merged,
+        "matmul_efficiency": per_rank[0]["matmul_efficiency"],
+        "memory_efficiency": 1.0,
+        "link_efficiency": 1.0,
+        "source": f"shardtrain calibrate on this machine, world {world}, torch threads {torch.get_num_threads()}",
+    }
 
 
 def write_profile(profile: dict[str, Any], path: str | Path) -> None:

@@ -29,7 +29,9 @@ shard``, the pipeline's neighbours ``world / pp`` apart.
   backward goes on: both hide behind the micro-batch's compute, less the first gather of forward and the last
   bucket's reduction, which nothing covers; ``overlap`` of the profile says how much of the rest hides.
 * Stages 0-1 reduce the gradients once per step, at the accumulation boundary, behind the last micro-batch's
-  backward; stages 2-3 every micro-batch's. The all-gather after the step (stages 1-2) is exposed.
+  backward; stages 2-3 every micro-batch's. The all-gather after the step (stages 1-2) is waited for by the first
+  module of the next forward that reads each bucket ([Note: gathers after the step] in ``zero/step_gather.py``):
+  it hides behind the next step's first forward.
 * Tensor-, sequence- and expert-parallel collectives are on the critical path (each layer waits for its result):
   exposed. So is the context-parallel ring (not overlapped in the engine yet) and the pipeline's p2p.
 * A pipeline step is the stage's micro-batches stretched by the bubble: ``/ (1 - (p-1)/(v m + p-1))``.
@@ -52,6 +54,7 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from shardtrain.estimate import wire
@@ -113,6 +116,8 @@ class _WorkCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if not any(isinstance(t, torch.Tensor) for t in tree_leaves(out)):
+            return out  # a query of metadata (a device, a size): no kernel runs
         packet = func._overloadpacket
         flops, kind = 0, "memory"
         if packet in flop_registry:
@@ -133,8 +138,6 @@ class _WorkCounter(TorchDispatchMode):
 
 
 def _bytes(args: Any, kwargs: Any, out: Any) -> int:
-    from torch.utils._pytree import tree_leaves
-
     seen, total = set(), 0
     for t in tree_leaves((args, kwargs, out)):
         if isinstance(t, torch.Tensor) and id(t) not in seen:
@@ -304,7 +307,7 @@ class Placement:
             "sp": inner * self.sp,
             "cp": inner * self.sp * self.cp,
             "ep": inner * self.ep,
-            "zero": inner * self.sp * self.cp * self.shard,
+            "zero": inner * self.shard,  # the shard group holds the sequence and context ranks already
             "replicate": self.world // self.pp,
             "pp": self.world,
         }[axis]
@@ -317,7 +320,7 @@ def collective_time(kind: str, nbytes: float, size: int, span: int, cluster: Clu
         return 0.0
     gpu, eff = cluster.gpu, cluster.efficiencies
     intra = span <= cluster.gpus_per_node
-    gb_s = gpu.intra_node_gb_s if intra else gpu.inter_node_gb_s_per_gpu
+    gb_s = gpu.intra_node_gb_s if intra or not gpu.inter_node_gb_s_per_gpu else gpu.inter_node_gb_s_per_gpu
     steps = {"all_reduce": 2 * (size - 1), "p2p": 1}.get(kind, size - 1)
     if kind == "all_reduce":  # NCCL's tree for small messages: 2 log2(n) latencies where the ring's are more
         steps = min(steps, 2 * math.ceil(math.log2(size)))
@@ -425,7 +428,8 @@ def step_time(work: MicroBatchWork, zero: ZeroTraffic, s: StepInputs, cluster: C
     hidden_micro = eff.overlap * min(max(per_micro_zero - unhidden, 0.0), window)
     exposed_zero = m * (per_micro_zero - hidden_micro)
     exposed_zero += boundary_zero - eff.overlap * min(boundary_zero, bwd)
-    exposed_zero += zero_time(zero.after_step)
+    after = zero_time(zero.after_step)
+    exposed_zero += after - eff.overlap * min(after, fwd)
     ring = collective_time("all_gather", s.ring_bytes, s.cp, place.span("cp"), cluster) * share
     p2p = 0.0
     if s.pp > 1 and s.boundary_bytes:
@@ -465,7 +469,7 @@ def _optimizer_time(s: StepInputs, cluster: Cluster) -> tuple[float, float]:
     nbytes = n * (ADAM_BYTES_PER_ELEMENT + copy)
     if s.offload_optimizer == "none" or cluster.gpu.name == "cpu":
         return nbytes / (cluster.gpu.hbm_tb_s * 1e12 * cluster.efficiencies.memory), 0.0
-    host_share = max(cluster.gpus_per_node, 1)  # a node's ranks share its host memory
+    host_share = max(min(cluster.gpus_per_node, s.world), 1)  # a node's ranks share its host memory
     host = nbytes * host_share / (cluster.host_gb_s * 1e9)
     copies = n * (4 + max(copy, 2)) / (cluster.pcie_gb_s * 1e9)  # fp32 gradients down, parameters up
     return host, copies
