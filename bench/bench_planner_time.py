@@ -2,6 +2,9 @@
 Face Llama and a tiny Mixtral at worlds 1-4 on gloo.
 
     PYTHONPATH=src python bench/bench_planner_time.py [--steps 4] [--only gpt,llama,mixtral] [--markdown FILE]
+    PYTHONPATH=src python bench/bench_planner_time.py --h200
+
+``--h200`` predicts the GPU validation's H200 runs (docs/benchmarks-gpu.md) from the shipped H200 profile instead.
 
 For each world it first runs ``shardtrain calibrate``'s measurements at that world (every rank at once, one torch
 thread each, as the training runs), and predicts each layout's step from that profile
@@ -117,12 +120,46 @@ def train(model_name: str, extra: dict, steps: int) -> float:
     return statistics.median(times)
 
 
+# docs/benchmarks-gpu.md, NVIDIA H200, world 1, the 1.3B GPT (24 layers, d_model 2048, vocab 32000), micro-batch
+# 4 x 2048, bf16: ms per step measured (first session, 2026-11-27; offload: call 4 of the second, overlapped copies)
+H200_MEASURED = {(0, "none"): 144.5, (1, "none"): 148.8, (2, "none"): 147.5, (3, "none"): 149.6, (2, "cpu"): 772.0}
+
+
+def big_gpt() -> torch.nn.Module:
+    from shardtrain.models.gpt import GPT, GPTConfig
+
+    return GPT(GPTConfig(vocab_size=32000, seq_len=2048, d_model=2048, n_layer=24, n_head=16))
+
+
+def h200_check() -> str:
+    """The shipped H200 profile's predictions of the GPU validation's runs (no GPU needed: the planner's fake run)."""
+    from shardtrain.estimate import estimate_memory
+    from shardtrain.estimate.cluster import builtin_cluster
+
+    cluster = builtin_cluster("H200", gpus_per_node=1)
+    lines = ["| H200 variant | predicted ms | measured ms | predicted / measured |", "|---|---:|---:|---:|"]
+    for (stage, offload), measured in H200_MEASURED.items():
+        est = estimate_memory(
+            big_gpt, {"bf16": {"enabled": True}}, world_size=1, stage=stage, offload_optimizer=offload,
+            seq_len=2048, micro_batch=4, device_type="cuda", cluster=cluster,
+        )  # fmt: skip
+        assert est.time is not None
+        predicted = est.time.step_time_s * 1e3
+        name = f"stage{stage}" + (":offload" if offload != "none" else "")
+        lines.append(f"| {name} | {predicted:.1f} | {measured:.1f} | {predicted / measured:.2f} |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--h200", action="store_true", help="only the shipped H200 profile against the GPU validation")
     parser.add_argument("--only", default="gpt,llama,mixtral")
     parser.add_argument("--markdown", help="also write the table to this file")
     args = parser.parse_args()
+    if args.h200:
+        print(h200_check())
+        return 0
 
     from shardtrain.estimate import estimate_memory
     from shardtrain.estimate.calibrate import calibrate
