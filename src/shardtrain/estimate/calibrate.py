@@ -17,7 +17,8 @@ What it measures, each the way the time model uses it ([Note: the roofline], [No
   the bus bandwidth of a large one (``intra_node_gb_s``; the ranks are one node), and how much of an all-reduce
   hides behind a matmul running at the same time (``overlap``; on a CPU both compete for the same cores).
 
-Each measurement is the median of a few repetitions after a warm-up. The machine may be shared: a profile made on
+Each local measurement is the median of three windows of a quarter second each (:data:`WINDOW_S`), each collective
+one the median of a few calls, after a warm-up. The machine may be shared: a profile made on
 a loaded machine predicts that load, so calibrate where the runs will be (the benchmark makes its own in the same
 run, ``bench/bench_planner_time.py``).
 """
@@ -34,6 +35,26 @@ from typing import Any
 import torch
 
 MATMUL_SHAPES = ((128, 128, 128), (256, 256, 256), (512, 512, 512), (1024, 1024, 1024), (2048, 512, 512))
+
+
+WINDOW_S = 0.25
+"""Each local measurement runs its operation over windows of at least this long: a shared machine's scheduler gives a
+process its share of the cores over time slices, and a burst shorter than one slice would miss the waits a training
+step has."""
+
+
+def _windowed_s(fn: Callable[[], Any], windows: int = 3) -> float:
+    """Seconds per call of ``fn``: the median over ``windows`` windows of :data:`WINDOW_S` of the mean call (local
+    measurements only: a collective's calls must be the same count on every rank)."""
+    fn()  # warm-up
+    means = []
+    for _ in range(windows):
+        calls, start = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - start) < WINDOW_S or not calls:
+            fn()
+            calls += 1
+        means.append(elapsed / calls)
+    return statistics.median(means)
 
 
 def _median_s(fn: Callable[[], Any], repeats: int = 5, inner: int = 3) -> float:
@@ -53,7 +74,7 @@ def measure_matmuls(dtype: torch.dtype) -> list[tuple[float, float]]:
     for m, k, n in MATMUL_SHAPES:
         a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
         flops = 2 * m * k * n
-        out.append((float(flops), flops / _median_s(lambda a=a, b=b: a @ b)))
+        out.append((float(flops), flops / _windowed_s(lambda a=a, b=b: a @ b)))
     return out
 
 
@@ -63,7 +84,7 @@ def measure_attention() -> float:
 
     q = torch.randn(2, 4, 256, 64)
     flops = sdpa_flop_count(q.shape, q.shape, q.shape)
-    seconds = _median_s(lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True))
+    seconds = _windowed_s(lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True))
     return flops / seconds
 
 
@@ -71,7 +92,7 @@ def measure_memory_bandwidth(nbytes: int = 256 * 2**20) -> float:
     """Bytes per second a copy reads and writes."""
     src = torch.empty(nbytes // 4, dtype=torch.float32).fill_(1.0)
     dst = torch.empty_like(src)
-    return 2 * nbytes / _median_s(lambda: dst.copy_(src))
+    return 2 * nbytes / _windowed_s(lambda: dst.copy_(src))
 
 
 def measure_op_overhead(ops: int = 2000) -> float:
@@ -83,7 +104,7 @@ def measure_op_overhead(ops: int = 2000) -> float:
         for _ in range(ops):
             y = y * 1.0
 
-    return _median_s(run, repeats=3, inner=1) / ops
+    return _windowed_s(run) / ops
 
 
 def _collectives(sizes: tuple[int, int]) -> dict[str, float]:

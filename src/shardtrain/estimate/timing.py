@@ -166,6 +166,7 @@ def measure_work(
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     from shardtrain.estimate.compute import _build_run_model, _is_transformers_model, model_key, unpacked_batch
+    from shardtrain.estimate.experts import GroupedMatmulShapes, has_experts
     from shardtrain.estimate.sequence import as_fake, split_batch
 
     key = model_key(tp, compute, checkpointing, unit_classes, ep, sp)
@@ -188,10 +189,13 @@ def measure_work(
                 parts = split_batch(splitter, source.make_batch(micro_batch, seq_len))
             args, kwargs = as_fake(parts)
         unpacked = unpacked_batch() if source.hf and source.batch is None else nullcontext()
+        # experts' grouped matmuls need the memory run's shapes on fake tensors; the counter is entered after it,
+        # so it sees each call before that mode answers it
+        grouped = GroupedMatmulShapes() if has_experts(model) else nullcontext()
         with wire.recording() as calls:
             wire.set_backward(False)
             try:
-                with counter, unpacked:
+                with grouped, counter, unpacked:
                     out = model(*args, **kwargs)
                     loss = loss_of(out if splitter is None else splitter.combine(out))
                     counter.backward = True
