@@ -183,13 +183,19 @@ def main() -> int:
             f"overlap {eff.overlap:.2f}"
         )
     rows = []
+    failed = []
     for model_name, world, extra, label in layouts:
-        est = estimate_memory(
-            MODELS[model_name], config_of(extra), world_size=world, seq_len=SEQ, device_type="cpu",
-            cluster=profiles[world],
-        )  # fmt: skip
-        assert est.time is not None
-        measured = run_distributed(train, world, model_name, extra, args.steps, threads=1, timeout=600)[0]
+        try:
+            est = estimate_memory(
+                MODELS[model_name], config_of(extra), world_size=world, seq_len=SEQ, device_type="cpu",
+                cluster=profiles[world],
+            )  # fmt: skip
+            assert est.time is not None
+            measured = run_distributed(train, world, model_name, extra, args.steps, threads=1, timeout=600)[0]
+        except Exception as err:  # a layout that fails is reported, the others still measured
+            failed.append(f"{model_name} world {world} {label}: {type(err).__name__}: {str(err)[:200]}")
+            print(f"FAILED {failed[-1]}", flush=True)
+            continue
         predicted = est.time.step_time_s
         tokens = est.layout.dp * MICRO * SEQ / world
         rows.append((model_name, world, label, predicted, measured, tokens / predicted, tokens / measured))
@@ -219,6 +225,7 @@ def main() -> int:
             f"measured at {ratio:.0%} of the measured fastest (world {best_measured[1]} {best_measured[2]}): "
             f"{'within' if ratio >= 0.9 else 'NOT within'} 10%"
         )
+    lines += [f"failed: {f}" for f in failed]
     load_after = os.getloadavg()
     lines.append(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} (1-minute)")
     text = "\n".join(lines)
