@@ -277,3 +277,22 @@ def test_calibrate_writes_a_profile_the_cluster_option_reads(tmp_path, capsys):
     code, out, _ = _cli(capsys, "--world", "1", "--time", "--cluster", str(path), "--json")
     assert code == 0 and json.loads(out)["step_time_s"] > 0
     assert cli_main(["calibrate", "--out", str(path), "--world", "0"]) == 2
+
+
+def test_expert_parallel_work_counts_grouped_matmuls_and_the_token_exchange():
+    """A Mixtral at ep 2: the experts' grouped matmuls (not in torch's registry) are matmul FLOPs, and the token
+    exchange is recorded on the expert axis, forward and backward, at a balanced routing's bytes."""
+    from helpers.moe_cases import tiny_moe
+
+    def mixtral() -> torch.nn.Module:
+        return tiny_moe("mixtral", 4, router_logits=False)
+
+    source = resolve_source(mixtral)
+    whole = measure_work(source, tp=1, compute=torch.float32, micro_batch=MICRO, seq_len=SEQ)
+    split = measure_work(source, tp=1, compute=torch.float32, micro_batch=MICRO, seq_len=SEQ, ep=2)
+    assert split.flops("matmul") > 0
+    exchanges = [c for c in split.collectives if c.axis == "ep"]
+    assert {c.backward for c in exchanges} == {False, True} and not whole.collectives
+    rows = MICRO * SEQ * 2  # top-2: each token's row goes to two experts
+    hidden_bytes = rows * 16 * 4  # hidden 16, fp32
+    assert max(c.nbytes for c in exchanges) == hidden_bytes // 2  # S (n-1)/n at n = 2
