@@ -85,6 +85,8 @@ ALLOWED: dict[str, set[str]] = {
         "shardtrain.offload",
         "shardtrain.config",
         "shardtrain.plan",
+        "shardtrain.distributed",  # calibrate: collectives measured through the Communicator
+        "shardtrain.testing",  # calibrate: the ranks it measures at (run_distributed)
     },
     "shardtrain.graph": {
         "shardtrain.debug",

@@ -1,6 +1,6 @@
 """The ``shardtrain`` command (also ``python -m shardtrain``): one module per subcommand (:mod:`.checkpoint`,
-:mod:`.config_check`, :mod:`.estimate`, :mod:`.demo`; ``compare`` is :mod:`shardtrain.debug.compare`'s); this module
-only dispatches.
+:mod:`.config_check`, :mod:`.estimate`, :mod:`.calibrate`, :mod:`.demo`; ``compare`` is
+:mod:`shardtrain.debug.compare`'s); this module only dispatches.
 """
 
 from __future__ import annotations
@@ -45,6 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     est = sub.add_parser("estimate", help="memory per rank for a model and layout, or the layouts that fit a budget")
     estimate_cli.add_arguments(est)
+
+    from shardtrain.cli import calibrate as calibrate_cli
+
+    cal = sub.add_parser("calibrate", help="measure this machine and write a cluster profile for estimate --cluster")
+    calibrate_cli.add_arguments(cal)
     return parser
 
 

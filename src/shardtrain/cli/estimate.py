@@ -9,6 +9,7 @@ import sys
 from dataclasses import asdict, replace
 
 from shardtrain.errors import ShardtrainError
+from shardtrain.estimate.cluster import GPUS, Cluster, builtin_cluster, read_cluster
 from shardtrain.estimate.planner import (
     MemoryEstimate,
     estimate_memory,
@@ -17,6 +18,7 @@ from shardtrain.estimate.planner import (
     layout_from_config,
     parse_bytes,
     read_config,
+    why_slower,
 )
 
 EPILOG = """examples:
@@ -26,6 +28,9 @@ EPILOG = """examples:
   shardtrain estimate ./mixtral_dir --world 8 --stage 2 --ep 4 --dtype bf16 --seq-len 4096
   shardtrain estimate ./llama_dir --world 8 --stage 3 --sp 8 --dtype bf16 --seq-len 32768
   shardtrain estimate ./llama_dir --budget 80GiB --worlds 8 --sp 4 --seq-len 16384
+  shardtrain estimate ./llama_dir --world 64 --stage 3 --dtype bf16 --time --gpu H100-SXM --gpus-per-node 8
+  shardtrain estimate ./llama_dir --budget 80GiB --gpu H200 --gpus-per-node 8 --nodes 128 --dtype bf16
+  shardtrain estimate mypkg.models:build --world 4 --time --cluster profile.json   (from shardtrain calibrate)
 
 MODEL is a Hugging Face config.json (or a directory holding one; no weights are read) or a factory
 'package.module:function' returning an nn.Module (the module may define estimate_batch(micro_batch, seq_len) ->
@@ -112,6 +117,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         help="context-parallel size (context_parallel_size, ring attention): each rank holds 1/cp of every sequence",
     )
+    parser.add_argument(
+        "--time",
+        action="store_true",
+        help="also predict the step time, tokens/s per GPU, MFU and exposed communication on the cluster "
+        "(--cluster or --gpu; docs/estimate.md, 'Time')",
+    )
+    parser.add_argument("--cluster", help="cluster profile (JSON: gpu, gpus_per_node, overrides; shardtrain calibrate)")
+    parser.add_argument("--gpu", choices=sorted(GPUS), help="a built-in GPU for the time model")
+    parser.add_argument("--gpus-per-node", type=int, help="with --gpu: GPUs per node (default 8)")
+    parser.add_argument("--nodes", type=int, help="with --gpu: nodes (default 1); the world is gpus-per-node x nodes")
+    parser.add_argument("--top", type=int, default=5, help="with --budget and a cluster: the fastest layouts shown")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.set_defaults(func=run)
 
@@ -143,7 +159,24 @@ def _as_json(est: MemoryEstimate) -> dict:
         "peak": est.peak,
         "sent_per_step": est.traffic,
         "pipeline_bubble": est.bubble,
+        **(est.time.as_dict() if est.time is not None else {}),
     }
+
+
+def _cluster(args: argparse.Namespace) -> Cluster | None:
+    """The cluster the time model runs on: ``--cluster FILE``, or ``--gpu`` with its node shape; None without
+    either (and without ``--time``)."""
+    if args.cluster and args.gpu:
+        raise ShardtrainError("give --cluster FILE or --gpu NAME, not both")
+    if args.cluster:
+        cluster = read_cluster(args.cluster)
+    elif args.gpu:
+        cluster = builtin_cluster(args.gpu, args.gpus_per_node or 8, args.nodes or 1)
+    elif args.time:
+        raise ShardtrainError("--time needs a cluster: --cluster FILE (shardtrain calibrate writes one) or --gpu NAME")
+    else:
+        return None
+    return cluster
 
 
 def _usable_cpus() -> int:
@@ -162,12 +195,15 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     raw = read_config(args.config)
-    for name in ("world", "micro_batch", "tp", "mics_shard_size", "ep", "sp", "pp", "cp", "seq_len", "jobs"):
+    names = ("world", "micro_batch", "tp", "mics_shard_size", "ep", "sp", "pp", "cp", "seq_len", "jobs")
+    for name in (*names, "gpus_per_node", "nodes", "top"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ShardtrainError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    cluster = _cluster(args)
+    world = args.world or (cluster.world if cluster is not None and (args.gpu or args.cluster) else None)
     if args.budget is None:
-        layout = replace(layout_from_config(raw, args.world or 1, args.seq_len, args.checkpointing), **_overrides(args))
+        layout = replace(layout_from_config(raw, world or 1, args.seq_len, args.checkpointing), **_overrides(args))
         est = estimate_memory(
             args.model,
             raw,
@@ -176,6 +212,7 @@ def _run(args: argparse.Namespace) -> int:
             device_type=args.device,
             activations=not args.state_only,
             progress=None,  # a bar on stderr, on a terminal only
+            cluster=cluster,
         )
         print(json.dumps(_as_json(est), indent=1) if args.json else est.format())
         return 0
@@ -188,7 +225,7 @@ def _run(args: argparse.Namespace) -> int:
                 f"--worlds {args.worlds!r}: give world sizes separated by commas, e.g. 1,2,4,8"
             ) from None
     else:
-        worlds = [args.world] if args.world else [1, 2, 4, 8]
+        worlds = [world] if world else [1, 2, 4, 8]
     fits = fitting_layouts(
         args.model,
         budget,
@@ -202,6 +239,7 @@ def _run(args: argparse.Namespace) -> int:
         activations=not args.state_only,
         progress=None,
         workers=args.jobs or _usable_cpus(),
+        cluster=cluster,
         **{k: v for k, v in _overrides(args).items() if k in ("dtype", "micro_batch", "sp", "pp", "cp")},
     )
     if args.json:
@@ -210,9 +248,34 @@ def _run(args: argparse.Namespace) -> int:
     if not fits:
         print(f"no layout with world sizes {worlds} fits {fmt_bytes(budget)} of device memory per rank")
         return 1
+    if cluster is not None:
+        _print_ranked(fits, budget, args.top)
+        return 0
     print(f"layouts that fit {fmt_bytes(budget)} of device memory per rank, fewest ranks first, then least memory:")
     print(f"  {'device':>11} {'host':>11} {'nvme':>11}  layout")
     for e in fits:
         sizes = " ".join(f"{fmt_bytes(e.peak[where]):>11}" for where in ("device", "host", "nvme"))
         print(f"  {sizes}  {e.layout.describe()}")
     return 0
+
+
+def _print_ranked(fits: list[MemoryEstimate], budget: int, top: int) -> None:
+    """The fastest ``top`` layouts that fit, each after the first with what makes it slower."""
+    print(
+        f"{len(fits)} layouts fit {fmt_bytes(budget)} of device memory per rank; the fastest {min(top, len(fits))} "
+        "by predicted tokens/s per GPU:"
+    )
+    best = fits[0].time
+    assert best is not None
+    for i, e in enumerate(fits[:top]):
+        t = e.time
+        assert t is not None
+        print(
+            f"  {i + 1}. {t.tokens_per_s_per_gpu:>12,.0f} tokens/s/GPU  step {t.step_time_s * 1e3:9.2f} ms  "
+            f"MFU {t.mfu:6.1%}  device {fmt_bytes(e.peak['device']):>11}  {e.layout.describe()}"
+        )
+        if i:
+            print(
+                f"       slower than 1. by {1 - t.tokens_per_s_per_gpu / best.tokens_per_s_per_gpu:.0%}: "
+                f"{why_slower(best, t)}"
+            )

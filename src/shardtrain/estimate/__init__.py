@@ -1,8 +1,11 @@
-"""The memory planner: how many bytes each rank needs, and which layouts fit a budget (``shardtrain estimate``).
+"""The planner: how many bytes each rank needs, which layouts fit a budget, and how fast each runs on a described
+cluster (``shardtrain estimate``, ``shardtrain calibrate``).
 
 See docs/estimate.md. ``estimate_memory`` gives one layout's bytes per rank (model state from the engine's own
 layout code on storage-less parameters, activations from a fake-tensor run of the model); ``fitting_layouts`` lists
-the layouts that fit a memory budget; ``measure_peak`` measures what the estimate is compared with.
+the layouts that fit a memory budget; ``measure_peak`` measures what the estimate is compared with. With
+``cluster=`` (:mod:`.cluster`: built-in GPUs, a profile file ``shardtrain calibrate`` writes, :mod:`.calibrate`)
+each estimate also carries its predicted step (:mod:`.timing`).
 """
 
 from shardtrain.estimate.measure import PeakMeter, measure_peak

@@ -48,6 +48,7 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 
 from shardtrain.activations import keep_matmuls
 from shardtrain.errors import ShardtrainError
+from shardtrain.estimate import wire
 from shardtrain.estimate.experts import GroupedMatmulShapes, has_experts, split_experts
 from shardtrain.estimate.sequence import as_fake, install_sequence_parallel, refuse_shared_config, split_batch
 from shardtrain.estimate.source import ModelSource, loss_of
@@ -94,15 +95,17 @@ def unpacked_batch() -> Iterator[None]:
 class ShapeOnlyComm:
     """What tensor-parallel layers ask of a :class:`~shardtrain.distributed.communicator.Communicator`, for fake
     tensors: the group's size and this rank; sums and maxima leave the tensor as it is, a gather concatenates ``size``
-    copies."""
+    copies. Each call is noted for the time model (:mod:`.wire`)."""
 
     def __init__(self, size: int, rank: int = 0) -> None:
         self.size, self.rank = size, rank
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum", *, what: str, async_op: bool = False) -> Any:
+        wire.note("all_reduce", "tp", self.size, t.numel() * t.element_size())
         return _Done() if async_op else None
 
     def all_gather_dim(self, inp: torch.Tensor, dim: int, *, what: str) -> torch.Tensor:
+        wire.note("all_gather", "tp", self.size, inp.numel() * inp.element_size() * self.size)
         return torch.cat([inp] * self.size, dim=dim)
 
     def all_gather_object(self, obj: Any, *, what: str) -> list[Any]:

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from shardtrain.estimate import wire
 from shardtrain.expert_parallel import find_experts, install_expert_parallel
 
 
@@ -30,12 +31,15 @@ class _ShapeOnlyExchange(torch.autograd.Function):
     """An all-to-all of rows under balanced routing on fake tensors: a new tensor of the sent shape each way."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, ep: int) -> torch.Tensor:
+        ctx.ep = ep
+        wire.note("all_to_all", "ep", ep, x.numel() * x.element_size())
         return torch.empty_like(x, memory_format=torch.contiguous_format)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return torch.empty_like(grad, memory_format=torch.contiguous_format)
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        wire.note("all_to_all", "ep", ctx.ep, grad.numel() * grad.element_size())
+        return torch.empty_like(grad, memory_format=torch.contiguous_format), None
 
 
 def balanced_dispatch(
@@ -50,10 +54,10 @@ def balanced_dispatch(
     order = torch.argsort(flat, stable=True)
     experts_sorted = flat[order]
     rows = x[order // k]  # [T * k, H]
-    received = _ShapeOnlyExchange.apply(rows)
-    local_ids = _ShapeOnlyExchange.apply((experts_sorted % per_rank)[:, None])
+    received = _ShapeOnlyExchange.apply(rows, ep)
+    local_ids = _ShapeOnlyExchange.apply((experts_sorted % per_rank)[:, None], ep)
     out = local_experts(received, local_ids, torch.ones_like(local_ids, dtype=x.dtype))
-    back = _ShapeOnlyExchange.apply(out)
+    back = _ShapeOnlyExchange.apply(out, ep)
     back = back * weights.reshape(-1)[order, None].to(back.dtype)
     return torch.zeros_like(x).index_add(0, order // k, back.to(x.dtype))
 

@@ -43,11 +43,13 @@ from shardtrain.estimate.axes import (
     ring_bytes,
     stage_ids,
 )
+from shardtrain.estimate.cluster import Cluster
 from shardtrain.estimate.compute import ComputePeak, build_fake, measure_compute, model_key, prepare_models
 from shardtrain.estimate.experts import expert_counts, split_experts
 from shardtrain.estimate.sequence import install_sequence_parallel
 from shardtrain.estimate.source import ModelSource, resolve_source
 from shardtrain.estimate.state import RankState, UnitSize, rank_state
+from shardtrain.estimate.timing import MicroBatchWork, StepInputs, TimeEstimate, measure_work, step_time, zero_traffic
 from shardtrain.pipeline_parallel.cut import cut_model
 from shardtrain.plan import Plan
 from shardtrain.plan.dims import ParallelDims
@@ -176,6 +178,8 @@ class MemoryEstimate:
     """Bytes this rank sends per step, by what sends them (the ring, the float8 gathers); printed below the rows."""
     bubble: float | None = None
     """The pipeline schedule's idle fraction, ``(p-1)/(v*m + p-1)``; None without pipelining or not modelled."""
+    time: TimeEstimate | None = None
+    """The predicted step on a cluster (``cluster=`` given; :mod:`.timing`)."""
 
     def total(self, where: str, transient: bool = True) -> int:
         return sum(r.nbytes for r in self.rows if r.where == where and (transient or not r.transient))
@@ -233,6 +237,8 @@ class MemoryEstimate:
             formula = f"(p-1)/({'v*' if v > 1 else ''}m+p-1) = {p - 1}/({f'{v}*' if v > 1 else ''}{m}+{p - 1})"
             told = f"{self.bubble:.4f}, {formula}" if self.bubble is not None else "not modelled for this schedule"
             lines.append(f"  pipeline bubble ({lay.schedule}, p {p}, m {m}): {told}")
+        if self.time is not None:
+            lines.append(self.time.format())
         return "\n".join(lines)
 
 
@@ -429,6 +435,7 @@ def estimate_memory(
     activations: bool = True,
     fast: bool = True,
     progress: bool | None = False,
+    cluster: Cluster | None = None,
     **overrides: Any,
 ) -> MemoryEstimate:
     """Bytes per rank of training ``model`` with ``config`` (see the module docstring).
@@ -442,7 +449,8 @@ def estimate_memory(
     ``tp_plan``: the tensor-parallel plan ``initialize`` would get (default: the factory module's ``tp_plan``, or a
     Hugging Face model's own). ``fast=False``: torch's ``MemTracker`` as it is (per-module peaks too; the same bytes,
     slower: the reference the fast path is tested against). ``progress``: a progress bar on stderr when the run takes
-    more than :data:`PROGRESS_DELAY_S` (None: only on a terminal).
+    more than :data:`PROGRESS_DELAY_S` (None: only on a terminal). ``cluster``: also predict the step's time on it
+    (``est.time``, :mod:`.timing`).
     """
     source = resolve_source(model)
     raw = read_config(config)
@@ -454,7 +462,7 @@ def estimate_memory(
     cache: dict = {"fast": fast}
     with _bar(progress, 1, "estimate", "layout") as bar:
         cache["ticker"] = _ticker(bar)
-        est = _estimate(source, raw, layout, optimizer, device_type, tp_plan, cache, activations)
+        est = _estimate(source, raw, layout, optimizer, device_type, tp_plan, cache, activations, cluster)
     return est
 
 
@@ -473,6 +481,8 @@ class _Prepared:
     """The share of the model's layers this rank's pipeline stages hold (1 without pipelining)."""
     shape: tuple[int, int, int] = (0, 0, 0)
     """(layers, key/value heads a rank attends with, head dimension), for the context-parallel rows."""
+    hidden: int = 0
+    """The model's hidden size (a pipeline boundary's activation per token), 0 when it says none."""
 
 
 NO_COMPUTE = ComputePeak(0, 0, 0, 0, 0, 0)
@@ -487,6 +497,7 @@ def _estimate(
     tp_plan: Any,
     cache: dict,
     activations: bool = True,
+    cluster: Cluster | None = None,
 ) -> MemoryEstimate:
     """One layout's estimate; ``cache`` keeps what layouts share (fake models per tensor-parallel size, the
     parameter count, fake runs whose inputs are the same) across the calls of one search, and says whether to run
@@ -499,7 +510,55 @@ def _estimate(
         comp = cache["compute", prep.key]
     else:
         comp = cache["compute", prep.key] = measure_compute(**prep.run, progress=cache.get("ticker"))
-    return _assemble(source, prep, comp, device_type, activations)
+    est = _assemble(source, prep, comp, device_type, activations)
+    if cluster is not None:
+        est.time = time_prepared(prep, est, cluster, cache)
+    return est
+
+
+def time_prepared(prep: _Prepared, est: MemoryEstimate, cluster: Cluster, cache: dict) -> TimeEstimate:
+    """The layout's predicted step on ``cluster`` (:mod:`.timing`): the work of one micro-batch from a fake run
+    counted per operator (one per distinct model and batch, kept in ``cache``), ZeRO's traffic from the layout's
+    buckets and units, the pipeline's bubble and the ring's bytes from the memory estimate."""
+    layout, st, run = prep.layout, prep.state, prep.run
+    work_key = ("work", *prep.key[:7], tuple(run["unit_classes"] or ()))
+    if work_key not in cache:
+        cache[work_key] = measure_work(**run)
+    work: MicroBatchWork = cache[work_key]
+    reduce = run["reduce_dtype"]
+    wire_items = {b.index: reduce.itemsize for b in st.buckets} if reduce is not None else None
+    traffic = zero_traffic(st, layout.stage, wire_items)
+    trainable = [b for b in st.buckets if b.requires_grad]
+    if layout.stage == 0:
+        stepped = sum(b.numel for b in trainable)
+    else:
+        stepped = sum(f.length for b in trainable for f in b.fragments)
+    ring = sum(v for k, v in est.traffic.items() if k.startswith("context-parallel"))
+    itemsize = _DTYPES[layout.dtype].itemsize
+    inputs = StepInputs(
+        world=layout.world,
+        dp=layout.dp,
+        micro_batch=layout.micro_batch,
+        seq_len=layout.seq_len,
+        micro_batches=layout.micro_batches,
+        dtype=layout.dtype,
+        fp8=layout.fp8,
+        stage=layout.stage,
+        tp=layout.tp,
+        sp=layout.sp,
+        cp=layout.cp,
+        ep=layout.ep,
+        pp=layout.pp,
+        shard=layout.shard_group,
+        stages_per_rank=layout.stages_per_rank,
+        bubble=est.bubble,
+        layer_share=prep.layer_share,
+        stepped_elements=stepped,
+        offload_optimizer=layout.offload_optimizer,
+        ring_bytes=ring,
+        boundary_bytes=layout.micro_batch * (layout.seq_len // layout.cp) * prep.hidden * itemsize,
+    )
+    return step_time(work, traffic, inputs, cluster)
 
 
 def _prepare(
@@ -585,7 +644,15 @@ def _prepare(
         "models": cache.setdefault("models", {}) if cache.get("fast", True) else None,
     }
     shape = (layers, max(kv_heads // (layout.tp * layout.sp), 1), head_dim)
-    return _Prepared(layout, st, n_params, buffers, key, run, layer_share, shape)
+    return _Prepared(layout, st, n_params, buffers, key, run, layer_share, shape, _hidden_size(whole))
+
+
+def _hidden_size(model: Any) -> int:
+    """A transformers config's ``hidden_size`` or the project's GPT's ``d_model`` (0: neither)."""
+    for cfg, name in ((getattr(model, "config", None), "hidden_size"), (getattr(model, "cfg", None), "d_model")):
+        if isinstance(getattr(cfg, name, None), int):
+            return getattr(cfg, name)
+    return 0
 
 
 def _stage_model(source: ModelSource, layout: Candidate, tp_plan: Any, cache: dict) -> tuple[Any, frozenset[int]]:
@@ -801,6 +868,7 @@ def fitting_layouts(
     workers: int = 1,
     sps: Iterable[int] | None = None,
     pps: Iterable[int] | None = None,
+    cluster: Cluster | None = None,
     **overrides: Any,
 ) -> list[MemoryEstimate]:
     """The layouts whose peak device memory per rank is at most ``budget`` bytes, fewest ranks first, then least
@@ -816,7 +884,9 @@ def fitting_layouts(
     None: every size from 1 to the config's ``sequence_parallel_size`` (or the ``sp`` override), so 1 alone unless
     one is asked for ([Note: sequence-parallel sizes in a search]). ``pps``: the pipeline-parallel sizes tried, each
     where it divides the world (reported for pipeline rank 0, the first stage's); None: every size from 1 to the
-    config's ``pipeline_parallel_size`` (or the ``pp`` override), for the same reason.
+    config's ``pipeline_parallel_size`` (or the ``pp`` override), for the same reason. ``cluster``: each fit also
+    gets its predicted step there (``est.time``), and the fits are ranked by predicted tokens/s per GPU, fastest
+    first (:func:`rank_by_speed`).
 
     [Note: sequence-parallel sizes in a search]
     Every sequence-parallel size is a fake run of its own per (tensor-parallel size, stage, dtype): its tokens, its
@@ -873,8 +943,30 @@ def fitting_layouts(
             continue
         est = _assemble(source, prep, comp, device_type, activations)
         if est.peak["device"] <= budget:
+            if cluster is not None:
+                est.time = time_prepared(prep, est, cluster, cache)
             fits.append(est)
+    if cluster is not None:
+        return rank_by_speed(fits)
     return sorted(fits, key=lambda e: (e.layout.world, e.peak["device"]))
+
+
+def rank_by_speed(fits: list[MemoryEstimate]) -> list[MemoryEstimate]:
+    """Fastest first: predicted tokens/s per GPU, ties to less device memory."""
+    return sorted(fits, key=lambda e: (-(e.time.tokens_per_s_per_gpu if e.time else 0.0), e.peak["device"]))
+
+
+def why_slower(best: TimeEstimate, other: TimeEstimate, top: int = 2) -> str:
+    """The parts of ``other``'s step that make it slower than ``best``'s, largest first (per token: a layout with
+    more data-parallel ranks carries more tokens a step)."""
+    scale = best.tokens_per_s_per_gpu / other.tokens_per_s_per_gpu if other.tokens_per_s_per_gpu else 1.0
+    keys = set(best.parts) | set(other.parts)
+    # each part per GPU-token of the layout: its share of the step, times the step per token
+    per_token_best = {k: best.parts.get(k, 0.0) / best.step_time_s for k in keys}
+    per_token_other = {k: other.parts.get(k, 0.0) / other.step_time_s * scale for k in keys}
+    diff = sorted(((per_token_other[k] - per_token_best[k], k) for k in keys), reverse=True)
+    named = [f"{k} {d:+.0%} of the best's step" for d, k in diff[:top] if d > 0.005]
+    return "; ".join(named) or "within rounding of the best"
 
 
 def _fake_model(

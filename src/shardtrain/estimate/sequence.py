@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from shardtrain.errors import ShardtrainError
+from shardtrain.estimate import wire
 
 
 class ShapeOnlyGroup:
@@ -29,19 +30,21 @@ class ShapeOnlyGroup:
     :class:`~shardtrain.distributed.communicator.Communicator`, for rank 0 of ``size`` ranks: an all-to-all leaves
     the output it is given as it is (allocated by the caller in the received shape), a sum leaves its tensor, a
     gather allocates what the communicator's does (the stacked parts, then their concatenation), every part this
-    rank's, and an object gather returns ``size`` copies. Works on fake and real tensors alike."""
+    rank's, and an object gather returns ``size`` copies. Works on fake and real tensors alike; each call is noted
+    for the time model (:mod:`.wire`)."""
 
     def __init__(self, size: int, rank: int = 0) -> None:
         self.size, self.rank, self.global_rank = size, rank, rank
         self.ranks = list(range(size))
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, *, what: str) -> None:
-        return None
+        wire.note("all_to_all", "sp", self.size, inp.numel() * inp.element_size())
 
     def all_reduce(self, t: torch.Tensor, op: Any = "sum", *, what: str) -> None:
-        return None
+        wire.note("all_reduce", "sp", self.size, t.numel() * t.element_size())
 
     def all_gather_dim(self, inp: torch.Tensor, dim: int, *, what: str) -> torch.Tensor:
+        wire.note("all_gather", "sp", self.size, inp.numel() * inp.element_size() * self.size)
         stacked = torch.stack([inp] * self.size)  # as Communicator.all_gather_dim lands the parts
         return torch.cat(stacked.unbind(0), dim=dim % inp.dim())
 

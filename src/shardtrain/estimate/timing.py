@@ -1,0 +1,502 @@
+"""The time model: one layout's step time, tokens/s per GPU, MFU and exposed communication on a described cluster.
+
+It reads what the memory planner already has: the fake run of one micro-batch (every operator's FLOPs and bytes,
+every tensor-, sequence- and expert-parallel collective, :func:`measure_work`), the layout's ZeRO buckets and units
+(the gathers and reductions of a step, :func:`zero_traffic`), and the pipeline's and ring's arithmetic
+(:mod:`.axes`). :func:`step_time` puts them on a :class:`~shardtrain.estimate.cluster.Cluster`.
+
+[Note: the roofline]
+An operator takes ``max(FLOPs / (peak x efficiency), bytes / (HBM bandwidth x memory efficiency))`` plus the host's
+per-operator overhead (measured on a CPU by ``calibrate``; zero on a GPU, whose launches run ahead of its kernels).
+FLOPs are ``torch.utils.flop_counter``'s registry's (matmuls, convolutions, attention; CPU's fused attention, which
+the registry does not list, by the registry's own ``sdpa_flop_count``). Its kind picks the efficiency: a matmul's
+by its FLOPs (small matmuls reach less of the peak; the profile's curve), attention one figure, everything else is
+memory-bound: its bytes are its inputs' and outputs' (views move nothing). The peak is the compute dtype's (fp8
+layouts: the fp8 peak for matmuls).
+
+[Note: the alpha-beta model]
+A collective over ``n`` ranks costs ``steps x latency + bus bytes / (link bandwidth x link efficiency)``, the bus
+bytes as the communicator counts them (all-reduce ``2 S (n-1)/n``, all-gather, reduce-scatter and all-to-all
+``S (n-1)/n``, p2p ``S``), the steps of a ring (``n - 1``; all-reduce ``2 (n - 1)``, or a tree's ``2 log2 n``
+where fewer, as NCCL picks a tree for small all-reduces; p2p 1). The link is NVLink when the group's ranks lie in
+one node, else the network per GPU (a ring across nodes runs at its slowest link). The mesh
+puts tensor-parallel ranks adjacent, then sequence, then data (``distributed/mesh.py``), so a group spans
+``size x stride`` consecutive ranks: tp ``tp``, sp ``tp x sp``, ep ``tp x ep``, ZeRO's shard group ``tp x sp x
+shard``, the pipeline's neighbours ``world / pp`` apart.
+
+[Note: what overlaps]
+* ZeRO-3's unit gathers run ahead of the unit that needs them (prefetch) and gradients are reduce-scattered while
+  backward goes on: both hide behind the micro-batch's compute, less the first gather of forward and the last
+  bucket's reduction, which nothing covers; ``overlap`` of the profile says how much of the rest hides.
+* Stages 0-1 reduce the gradients once per step, at the accumulation boundary, behind the last micro-batch's
+  backward; stages 2-3 every micro-batch's. The all-gather after the step (stages 1-2) is waited for by the first
+  module of the next forward that reads each bucket ([Note: gathers after the step] in ``zero/step_gather.py``):
+  it hides behind the next step's first forward.
+* Tensor-, sequence- and expert-parallel collectives are on the critical path (each layer waits for its result):
+  exposed. So is the context-parallel ring (not overlapped in the engine yet) and the pipeline's p2p.
+* A pipeline step is the stage's micro-batches stretched by the bubble: ``/ (1 - (p-1)/(v m + p-1))``.
+* Activation checkpointing's recompute is in the fake run itself (the checkpointed forward runs again in backward).
+* The optimizer step is memory-bound: Adam reads and writes 28 bytes per fp32 element stepped (parameter, gradient,
+  two moments in; parameter, moments out) plus the compute-dtype copy; with optimizer offload it runs at the host's
+  bandwidth, after the gradients' copy down and before the parameters' copy up (PCIe).
+Left out: stragglers, congestion, kernels the fake run cannot see (fused kernels of a compiler), and the host's
+Python time beyond the per-operator overhead.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterable
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+from shardtrain.estimate import wire
+from shardtrain.estimate.cluster import Cluster
+from shardtrain.estimate.source import ModelSource, loss_of
+from shardtrain.estimate.state import RankState, UnitSize
+
+aten = torch.ops.aten
+
+_ATTENTION = {
+    aten._scaled_dot_product_efficient_attention,
+    aten._scaled_dot_product_flash_attention,
+    aten._scaled_dot_product_cudnn_attention,
+    aten._scaled_dot_product_efficient_attention_backward,
+    aten._scaled_dot_product_flash_attention_backward,
+    aten._scaled_dot_product_cudnn_attention_backward,
+    aten._flash_attention_forward,
+    aten._efficient_attention_forward,
+    aten._flash_attention_backward,
+    aten._efficient_attention_backward,
+}
+_CPU_ATTENTION = aten._scaled_dot_product_flash_attention_for_cpu
+_CPU_ATTENTION_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward
+_NO_BYTES = {aten.detach, aten._unsafe_view, aten.lift_fresh, aten.empty, aten.empty_like, aten.empty_strided}
+_NO_BYTES |= {aten.new_empty, aten.new_empty_strided, aten.alias}
+
+
+@dataclass(frozen=True)
+class Op:
+    kind: str  # matmul, attention or memory
+    flops: int
+    nbytes: int
+    backward: bool
+
+
+@dataclass
+class MicroBatchWork:
+    """One micro-batch's forward and backward on one rank, from the fake run."""
+
+    ops: Counter = field(default_factory=Counter)
+    """:class:`Op` -> how many times it ran (identical layers collapse into one entry)."""
+    forward_flops: int = 0
+    """FLOPs of the forward (before backward started): the model FLOPs are three times it ([Note: model FLOPs and
+    MFU] in ``engine/monitor.py``)."""
+    collectives: list[wire.Collective] = field(default_factory=list)
+
+    def flops(self, kind: str | None = None) -> int:
+        return sum(op.flops * n for op, n in self.ops.items() if kind in (None, op.kind))
+
+
+class _WorkCounter(TorchDispatchMode):
+    """Each operator's kind, FLOPs and bytes ([Note: the roofline])."""
+
+    def __init__(self, work: MicroBatchWork) -> None:
+        super().__init__()
+        self.work = work
+        self.backward = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not any(isinstance(t, torch.Tensor) for t in tree_leaves(out)):
+            return out  # a query of metadata (a device, a size): no kernel runs
+        packet = func._overloadpacket
+        flops, kind = 0, "memory"
+        if packet in flop_registry:
+            flops = flop_registry[packet](*args, **kwargs, out_val=out)
+            kind = "attention" if packet in _ATTENTION else "matmul"
+        elif packet is _CPU_ATTENTION:
+            flops, kind = sdpa_flop_count(args[0].shape, args[1].shape, args[2].shape), "attention"
+        elif packet is _CPU_ATTENTION_BACKWARD:
+            flops = sdpa_backward_flop_count(args[0].shape, args[1].shape, args[2].shape, args[3].shape)
+            kind = "attention"
+        elif packet is aten._grouped_mm:  # not in the registry: each output element is a dot product
+            flops, kind = 2 * out.numel() * args[0].shape[-1], "matmul"
+        nbytes = 0 if func.is_view or packet in _NO_BYTES else _bytes(args, kwargs, out)
+        self.work.ops[Op(kind, int(flops), nbytes, self.backward)] += 1
+        if not self.backward:
+            self.work.forward_flops += int(flops)
+        return out
+
+
+def _bytes(args: Any, kwargs: Any, out: Any) -> int:
+    seen, total = set(), 0
+    for t in tree_leaves((args, kwargs, out)):
+        if isinstance(t, torch.Tensor) and id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
+
+
+def measure_work(
+    source: ModelSource,
+    *,
+    tp: int,
+    compute: torch.dtype,
+    micro_batch: int,
+    seq_len: int,
+    checkpointing: bool | str = False,
+    unit_classes: list[str] | None = None,
+    tp_plan: Any = None,
+    ep: int = 1,
+    sp: int = 1,
+    models: dict | None = None,
+    **_: Any,
+) -> MicroBatchWork:
+    """One micro-batch's forward and backward on fake tensors, counted per operator (takes the keyword arguments of
+    :func:`~shardtrain.estimate.compute.measure_compute`; ``models`` is the same cache of fake models)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from shardtrain.estimate.compute import _build_run_model, _is_transformers_model, model_key, unpacked_batch
+    from shardtrain.estimate.experts import GroupedMatmulShapes, has_experts
+    from shardtrain.estimate.sequence import as_fake, split_batch
+
+    key = model_key(tp, compute, checkpointing, unit_classes, ep, sp)
+    if models is not None and key in models:
+        mode, model, splitter = models.pop(key)
+    else:
+        mode, model, splitter = _build_run_model(source, tp, compute, checkpointing, unit_classes, tp_plan, ep, sp)
+    work = MicroBatchWork()
+    counter = _WorkCounter(work)
+    with mode:
+        if not source.hf and source.batch is None and _is_transformers_model(model):
+            source.hf = True  # a factory returning a transformers model: call it as one
+        if source.vocab_size is None and source.batch is None:
+            emb = next((m for m in model.modules() if isinstance(m, torch.nn.Embedding)), None)
+            source.vocab_size = emb.num_embeddings if emb is not None else 2
+        if splitter is None:
+            args, kwargs = source.make_batch(micro_batch, seq_len)
+        else:
+            with unset_fake_temporarily():
+                parts = split_batch(splitter, source.make_batch(micro_batch, seq_len))
+            args, kwargs = as_fake(parts)
+        unpacked = unpacked_batch() if source.hf and source.batch is None else nullcontext()
+        # experts' grouped matmuls need the memory run's shapes on fake tensors; the counter is entered after it,
+        # so it sees each call before that mode answers it
+        grouped = GroupedMatmulShapes() if has_experts(model) else nullcontext()
+        with wire.recording() as calls:
+            wire.set_backward(False)
+            try:
+                with grouped, counter, unpacked:
+                    out = model(*args, **kwargs)
+                    loss = loss_of(out if splitter is None else splitter.combine(out))
+                    counter.backward = True
+                    wire.set_backward(True)
+                    loss.backward()
+            finally:
+                wire.set_backward(False)
+        work.collectives = list(calls)
+        for p in model.parameters():
+            p.grad = None
+    if models is not None:
+        models[key] = (mode, model, splitter)
+    return work
+
+
+# -- ZeRO's traffic --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ZeroTraffic:
+    """Bus bytes (the communicator's convention) of ZeRO's collectives over one optimizer step of ``m``
+    micro-batches, split by when they run ([Note: what overlaps])."""
+
+    per_micro_batch: dict[str, int]
+    """Every micro-batch: stage 3's unit gathers (``all_gather``), stage 2-3's reduce-scatter."""
+    at_boundary: dict[str, int]
+    """Once per step behind the last backward: stage 0's all-reduce, stage 1's reduce-scatter."""
+    after_step: dict[str, int]
+    """After the optimizer step: the all-gather of stages 1-2 (and stage 3's persistent parameters)."""
+    first_gather: int = 0
+    """Bus bytes of the first unit gathered in forward (nothing to hide it behind)."""
+    last_reduce: int = 0
+    """Bus bytes of the last bucket reduced in backward."""
+    group: int = 1
+    """Ranks of ZeRO's shard group."""
+
+    def per_step(self, micro_batches: int) -> dict[str, int]:
+        out: Counter = Counter()
+        for kind, nbytes in self.per_micro_batch.items():
+            out[kind] += nbytes * micro_batches
+        out.update(self.at_boundary)
+        out.update(self.after_step)
+        return dict(out)
+
+
+def zero_traffic(state: RankState, stage: int, wire_itemsize: dict[int, int] | None = None) -> ZeroTraffic:
+    """ZeRO's bytes per step from the layout's buckets and units, as the engine moves them (its communicator's counts,
+    ``tests/estimate/test_estimate_time.py``): stage 0 all-reduces the gradients once per step, stage 1
+    reduce-scatters them once per step, stage 2 every micro-batch; stages 1-2 all-gather the parameters after the
+    step; stage 3 gathers every unit for forward and again for backward
+    (the last block and the root once: they stay gathered, [Note: kept after forward] in :mod:`.compute`) and
+    reduce-scatters every micro-batch. ``wire_itemsize``: the reduction's bytes per element by bucket index (default:
+    the bucket's dtype)."""
+    per_micro: Counter = Counter()
+    boundary: Counter = Counter()
+    after: Counter = Counter()
+    reduced = []
+    for b in state.buckets:
+        if not b.requires_grad or b.world <= 1:
+            continue
+        item = (wire_itemsize or {}).get(b.index, b.dtype.itemsize)
+        full = b.padded_numel * item
+        moved = full * (b.world - 1) // b.world
+        reduced.append(moved)
+        if stage == 0:
+            boundary["all_reduce"] += 2 * moved
+        elif stage == 1:
+            boundary["reduce_scatter"] += moved
+        else:
+            per_micro["reduce_scatter"] += moved
+        if stage in (1, 2) or (stage == 3 and b.gather_after_step):
+            after["all_gather"] += b.padded_numel * b.dtype.itemsize * (b.world - 1) // b.world
+    first = 0
+    if stage == 3:
+        groups = {b.world for b in state.buckets if b.world > 1}
+        n = max(groups) if groups else 1
+        per_micro["all_gather"] += _unit_gathers(state.units, n)
+        blocks = [u for u in state.units if not u.root]
+        first = blocks[-1].nbytes * (n - 1) // n if blocks else 0  # units are in the layout's order: last first
+    group = max((b.world for b in state.buckets), default=1)
+    last = reduced[-1] if reduced else 0
+    return ZeroTraffic(dict(per_micro), dict(boundary), dict(after), first, last, group)
+
+
+def _unit_gathers(units: list[UnitSize], n: int) -> int:
+    """Bus bytes of one micro-batch's unit gathers (see :func:`zero_traffic`)."""
+    if n <= 1:
+        return 0
+    blocks = [u for u in units if not u.root]
+    last_block = blocks[0] if blocks else None
+    return sum(u.nbytes * (1 if u is last_block or u.root else 2) for u in units) * (n - 1) // n
+
+
+# -- the step on a cluster --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Placement:
+    """How many consecutive ranks a group of each axis spans, and its size ([Note: the alpha-beta model])."""
+
+    world: int
+    tp: int = 1
+    sp: int = 1
+    cp: int = 1
+    ep: int = 1
+    pp: int = 1
+    shard: int = 1
+
+    def span(self, axis: str) -> int:
+        inner = self.tp
+        return {
+            "tp": self.tp,
+            "sp": inner * self.sp,
+            "cp": inner * self.sp * self.cp,
+            "ep": inner * self.ep,
+            "zero": inner * self.shard,  # the shard group holds the sequence and context ranks already
+            "replicate": self.world // self.pp,
+            "pp": self.world,
+        }[axis]
+
+
+def collective_time(kind: str, nbytes: float, size: int, span: int, cluster: Cluster) -> float:
+    """Seconds of one collective of ``nbytes`` bus bytes over ``size`` ranks spanning ``span`` consecutive ranks
+    ([Note: the alpha-beta model])."""
+    if size <= 1 or nbytes <= 0:
+        return 0.0
+    gpu, eff = cluster.gpu, cluster.efficiencies
+    intra = span <= cluster.gpus_per_node
+    gb_s = gpu.intra_node_gb_s if intra or not gpu.inter_node_gb_s_per_gpu else gpu.inter_node_gb_s_per_gpu
+    steps = {"all_reduce": 2 * (size - 1), "p2p": 1}.get(kind, size - 1)
+    if kind == "all_reduce":  # NCCL's tree for small messages: 2 log2(n) latencies where the ring's are more
+        steps = min(steps, 2 * math.ceil(math.log2(size)))
+    return steps * eff.latency_us * 1e-6 + nbytes / (gb_s * 1e9 * eff.link)
+
+
+def op_time(op: Op, cluster: Cluster, dtype: str, fp8: bool = False) -> float:
+    """Seconds of one operator on ``cluster``'s GPU ([Note: the roofline])."""
+    eff = cluster.efficiencies
+    peak = cluster.peak_tflops(dtype, fp8 and op.kind == "matmul") * 1e12
+    hbm = cluster.gpu.hbm_tb_s * 1e12 * eff.memory
+    rate = eff.matmul_at(op.flops) if op.kind == "matmul" else eff.attention
+    compute = op.flops / (peak * rate) if op.flops else 0.0
+    return max(compute, op.nbytes / hbm) + eff.op_overhead_us * 1e-6
+
+
+@dataclass(frozen=True)
+class TimeEstimate:
+    """One layout's predicted step on a cluster (seconds unless named otherwise)."""
+
+    step_time_s: float
+    tokens_per_s_per_gpu: float
+    mfu: float
+    exposed_comm_s: float
+    parts: dict[str, float]
+    """The step's parts, which add up to ``step_time_s``: forward, backward (with recompute), exposed
+    collectives by axis, the optimizer step, offload's copies, the pipeline bubble."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "step_time_s": self.step_time_s,
+            "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
+            "mfu": self.mfu,
+            "exposed_comm_s": self.exposed_comm_s,
+            "parts_s": dict(self.parts),
+        }
+
+    def format(self) -> str:
+        parts = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in self.parts.items() if v > 0)
+        return (
+            f"  time: step {self.step_time_s * 1e3:.2f} ms, {self.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, "
+            f"MFU {self.mfu:.1%}, exposed communication {self.exposed_comm_s * 1e3:.2f} ms\n    ({parts})"
+        )
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """What :func:`step_time` reads of a layout besides the fake run's work."""
+
+    world: int
+    dp: int
+    micro_batch: int
+    seq_len: int
+    micro_batches: int
+    dtype: str
+    fp8: bool = False
+    stage: int = 0
+    tp: int = 1
+    sp: int = 1
+    cp: int = 1
+    ep: int = 1
+    pp: int = 1
+    shard: int = 1
+    stages_per_rank: int = 1
+    bubble: float | None = None
+    layer_share: float = 1.0
+    stepped_elements: int = 0
+    """fp32 elements this rank's optimizer steps (its fragments; every element at stage 0)."""
+    offload_optimizer: str = "none"
+    ring_bytes: int = 0
+    """Context-parallel ring: bytes sent and reduce-scattered per step ([Note: why not torch's context_parallel])."""
+    boundary_bytes: int = 0
+    """Pipeline: one micro-batch's activation at a stage boundary (sent forward, its gradient back)."""
+
+
+def step_time(work: MicroBatchWork, zero: ZeroTraffic, s: StepInputs, cluster: Cluster) -> TimeEstimate:
+    """The step of one layout on ``cluster`` ([Note: the roofline], [Note: the alpha-beta model], [Note: what
+    overlaps])."""
+    eff = cluster.efficiencies
+    place = Placement(s.world, s.tp, s.sp, s.cp, s.ep, s.pp, s.shard)
+    fwd = bwd = 0.0
+    times: dict[Op, float] = {}
+    for op, n in work.ops.items():
+        t = times.setdefault(op, op_time(op, cluster, s.dtype, s.fp8)) * n
+        if op.backward:
+            bwd += t
+        else:
+            fwd += t
+    share = s.layer_share
+    fwd, bwd = fwd * share, bwd * share
+    model_comm = Counter()
+    for c in work.collectives:
+        model_comm[c.axis] += collective_time(c.kind, c.nbytes, c.size, place.span(c.axis), cluster) * share
+    zspan = place.span("zero")
+
+    def zero_time(kinds: dict[str, int]) -> float:
+        return sum(collective_time(k, v, zero.group, zspan, cluster) for k, v in kinds.items())
+
+    m = s.micro_batches
+    per_micro_zero = zero_time(zero.per_micro_batch)
+    boundary_zero = zero_time(zero.at_boundary)
+    unhidden = zero_time({"all_gather": zero.first_gather}) + zero_time({"reduce_scatter": zero.last_reduce})
+    unhidden = min(unhidden, per_micro_zero + boundary_zero)
+    window = fwd + bwd if s.stage == 3 else bwd
+    hidden_micro = eff.overlap * min(max(per_micro_zero - unhidden, 0.0), window)
+    exposed_zero = m * (per_micro_zero - hidden_micro)
+    exposed_zero += boundary_zero - eff.overlap * min(boundary_zero, bwd)
+    after = zero_time(zero.after_step)
+    exposed_zero += after - eff.overlap * min(after, fwd)
+    ring = collective_time("all_gather", s.ring_bytes, s.cp, place.span("cp"), cluster) * share
+    p2p = 0.0
+    if s.pp > 1 and s.boundary_bytes:
+        p2p = 2 * m * collective_time("p2p", s.boundary_bytes, 2, place.span("pp"), cluster)
+    optimizer, offload = _optimizer_time(s, cluster)
+    micro = fwd + bwd + sum(model_comm.values())
+    pipeline = m * micro + ring
+    bubble = pipeline * s.bubble / (1 - s.bubble) if s.pp > 1 and s.bubble else 0.0
+    parts = {
+        "forward": m * fwd,
+        "backward": m * bwd,
+        **{f"{axis} collectives": m * t for axis, t in sorted(model_comm.items())},
+        "zero collectives (exposed)": exposed_zero,
+        "cp ring": ring,
+        "pipeline p2p": p2p,
+        "pipeline bubble": bubble,
+        "optimizer step": optimizer,
+        "offload copies": offload,
+    }
+    step = sum(parts.values())
+    tokens = s.dp * m * s.micro_batch * s.seq_len
+    model_flops = 3 * work.forward_flops * share * m  # this rank's share of the model FLOPs
+    peak = cluster.peak_tflops(s.dtype, s.fp8) * 1e12
+    exposed = sum(m * t for t in model_comm.values()) + exposed_zero + ring + p2p
+    return TimeEstimate(step, tokens / step / s.world, model_flops / step / peak, exposed, parts)
+
+
+ADAM_BYTES_PER_ELEMENT = 28
+"""Adam on fp32 masters: parameter, gradient and two moments read, parameter and two moments written
+(docs/benchmarks-gpu.md, 'The floor of a host step')."""
+
+
+def _optimizer_time(s: StepInputs, cluster: Cluster) -> tuple[float, float]:
+    """(the optimizer step, offload's copies) in seconds ([Note: what overlaps])."""
+    n = s.stepped_elements
+    copy = 2 if s.dtype in ("bf16", "fp16") else 0  # the compute-dtype copy written after the step
+    nbytes = n * (ADAM_BYTES_PER_ELEMENT + copy)
+    if s.offload_optimizer == "none" or cluster.gpu.name == "cpu":
+        return nbytes / (cluster.gpu.hbm_tb_s * 1e12 * cluster.efficiencies.memory), 0.0
+    host_share = max(min(cluster.gpus_per_node, s.world), 1)  # a node's ranks share its host memory
+    host = nbytes * host_share / (cluster.host_gb_s * 1e9)
+    copies = n * (4 + max(copy, 2)) / (cluster.pcie_gb_s * 1e9)  # fp32 gradients down, parameters up
+    return host, copies
+
+
+def sum_kinds(items: Iterable[wire.Collective]) -> dict[tuple[str, str], int]:
+    """Bus bytes of the recorded collectives by (axis, kind)."""
+    out: Counter = Counter()
+    for c in items:
+        out[c.axis, c.kind] += c.nbytes
+    return dict(out)
+
+
+__all__ = [
+    "MicroBatchWork",
+    "Op",
+    "StepInputs",
+    "TimeEstimate",
+    "ZeroTraffic",
+    "collective_time",
+    "measure_work",
+    "op_time",
+    "step_time",
+    "sum_kinds",
+    "zero_traffic",
+]

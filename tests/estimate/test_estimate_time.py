@@ -1,0 +1,298 @@
+"""The time model's pieces (``estimate/timing.py``, ``estimate/cluster.py``): FLOPs against torch's counter on a real
+module, ZeRO's and tensor parallelism's bytes against the engine's communicators, the 1F1B bubble against its
+formula, the alpha-beta and roofline arithmetic, and the cluster profile's refusals. Timed comparisons against
+measured steps live in ``bench/bench_planner_time.py``, not here."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+
+import shardtrain
+from shardtrain.errors import ConfigError
+from shardtrain.estimate import estimate_memory
+from shardtrain.estimate.cluster import Cluster, Efficiencies, builtin_cluster, cluster_from_dict, read_cluster
+from shardtrain.estimate.source import resolve_source
+from shardtrain.estimate.timing import (
+    MicroBatchWork,
+    Op,
+    StepInputs,
+    ZeroTraffic,
+    _WorkCounter,
+    collective_time,
+    measure_work,
+    op_time,
+    step_time,
+    sum_kinds,
+)
+from shardtrain.models.gpt import GPT, GPTConfig
+from shardtrain.testing import run_distributed
+
+VOCAB, SEQ, MICRO, GAS, D, LAYERS, HEADS = 64, 16, 2, 2, 32, 3, 4
+
+
+def tiny_gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=D, n_layer=LAYERS, n_head=HEADS))
+
+
+def tiny_llama() -> torch.nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _attention_flops(batch: int, layers: int) -> int:
+    shape = (batch, HEADS, SEQ, D // HEADS)
+    return layers * (sdpa_flop_count(shape, shape, shape) + sdpa_backward_flop_count(shape, shape, shape, shape))
+
+
+def test_flops_are_torch_flop_counters_on_a_real_module_and_on_the_fake_run():
+    """The matmul FLOPs of a forward and backward equal ``FlopCounterMode``'s, counted on the real module and on the
+    planner's fake run alike; CPU's fused attention (which the registry does not list, so the counter gives it 0)
+    is the registry's own ``sdpa_flop_count`` per layer."""
+    model = tiny_gpt()
+    idx = torch.randint(0, VOCAB, (MICRO, SEQ))
+    counter = FlopCounterMode(display=False)
+    with counter:
+        model(idx, idx).backward()
+    want = counter.get_total_flops()
+    assert want > 0
+
+    work = MicroBatchWork()
+    mode = _WorkCounter(work)
+    with mode:
+        loss = model(idx, idx)
+        mode.backward = True
+        loss.backward()
+    assert work.flops("matmul") == want
+    assert work.flops("attention") == _attention_flops(MICRO, LAYERS)
+    forward = FlopCounterMode(display=False)
+    with forward, torch.no_grad():
+        model(idx, idx)
+    shape = (MICRO, HEADS, SEQ, D // HEADS)
+    assert work.forward_flops == forward.get_total_flops() + LAYERS * sdpa_flop_count(shape, shape, shape)
+
+    fake = measure_work(resolve_source(tiny_gpt), tp=1, compute=torch.float32, micro_batch=MICRO, seq_len=SEQ)
+    assert fake.flops("matmul") == want
+    assert fake.flops("attention") == _attention_flops(MICRO, LAYERS)
+
+
+def test_recompute_is_counted_once_more_under_checkpointing():
+    """Activation checkpointing runs each block's forward again in backward: the fake run sees it (torch's
+    non-reentrant checkpoint stops recomputing once it has what backward needs, so a block's last matmul, whose
+    output nothing saves, is not run again: less than the blocks' forward)."""
+    source = resolve_source(tiny_gpt)
+    plain = measure_work(source, tp=1, compute=torch.float32, micro_batch=MICRO, seq_len=SEQ)
+    full = measure_work(source, tp=1, compute=torch.float32, micro_batch=MICRO, seq_len=SEQ, checkpointing=True)
+    assert full.forward_flops == plain.forward_flops
+    recomputed = full.flops() - plain.flops()
+    head = 2 * MICRO * SEQ * D * VOCAB  # the output head is outside the blocks: not recomputed
+    assert 0.5 * (plain.forward_flops - head) < recomputed < plain.forward_flops - head
+
+
+def _engine_bytes(stage: int, tp: int) -> dict:
+    import torch.distributed as dist
+
+    model = tiny_llama() if tp > 1 else tiny_gpt()
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": GAS,
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000, "stage3_param_persistence_threshold": 0},
+        "tensor_parallel": {"size": tp},
+    }
+    engine = shardtrain.initialize(model, config=config, optimizer=torch.optim.AdamW(model.parameters()))
+    torch.manual_seed(dist.get_rank() // tp)
+    totals = []
+    for _ in range(3):
+        for _ in range(GAS):
+            idx = torch.randint(0, VOCAB, (MICRO, SEQ))
+            out = engine(input_ids=idx, labels=idx) if tp > 1 else engine(idx, idx)
+            engine.backward(out.loss if tp > 1 else out)
+            engine.step()  # DeepSpeed's protocol: every micro-batch; it steps at the boundary
+        totals.append({"zero": engine.comm_stats(reset=True), "tp": engine.tp_comm.stats() if tp > 1 else {}})
+        if tp > 1:
+            engine.tp_comm.reset_stats()
+    return totals
+
+
+def _per_step(totals: list[dict], group: str) -> dict[str, int]:
+    """The third step's bytes (counted from a reset after the second; the gradient norm's few-byte all-reduce is not
+    ZeRO's and is dropped)."""
+    return {k: v["bytes"] for k, v in totals[2][group].items() if v["bytes"] > 8}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_zero_bytes_per_step_equal_the_engines_counts(stage):
+    """Each stage's gathers and reductions of one step (2 micro-batches, world 2, every parameter in a unit at stage
+    3) as the time model counts them from the layout, against ZeRO's communicator's bytes."""
+    totals = run_distributed(_engine_bytes, 2, stage, 1)[0]
+    est = estimate_memory(
+        tiny_gpt,
+        {"zero_optimization": {"reduce_bucket_size": 2000, "stage3_param_persistence_threshold": 0}},
+        world_size=2,
+        stage=stage,
+        micro_batch=MICRO,
+        micro_batches=GAS,
+        seq_len=SEQ,
+        device_type="cpu",
+        cluster=builtin_cluster("H100-SXM", 8),
+    )
+    from shardtrain.estimate.timing import zero_traffic
+
+    predicted = zero_traffic(est.state, stage).per_step(GAS)
+    assert predicted == _per_step(totals, "zero")
+    assert est.time is not None and est.time.step_time_s > 0
+
+
+def test_tensor_parallel_bytes_equal_the_engines_counts():
+    """The fake run's recorded tensor-parallel collectives of one micro-batch (Llama, tp 2) against the engine's
+    tensor-parallel communicator, per step of 2 micro-batches."""
+    totals = run_distributed(_engine_bytes, 2, 1, 2)[0]
+    work = measure_work(resolve_source(tiny_llama), tp=2, compute=torch.float32, micro_batch=MICRO, seq_len=SEQ)
+    recorded = {kind: GAS * n for (axis, kind), n in sum_kinds(work.collectives).items() if axis == "tp"}
+    assert recorded and recorded == _per_step(totals, "tp")
+
+
+def _inputs(**kw) -> StepInputs:
+    base = dict(world=8, dp=8, micro_batch=1, seq_len=SEQ, micro_batches=8, dtype="bf16")
+    return StepInputs(**{**base, **kw})
+
+
+def test_the_1f1b_bubble_is_p_minus_1_over_m_plus_p_minus_1():
+    """With pipeline stages of equal cost, the bubble's share of the step is ``(p-1)/(m+p-1)``."""
+    work = MicroBatchWork()
+    work.ops[Op("matmul", 10**12, 0, False)] = 1
+    work.ops[Op("matmul", 2 * 10**12, 0, True)] = 1
+    cluster = builtin_cluster("H100-SXM", 8)
+    p, m = 4, 8
+    est = step_time(work, ZeroTraffic({}, {}, {}), _inputs(pp=p, dp=2, micro_batches=m, bubble=3 / 11), cluster)
+    assert est.parts["pipeline bubble"] / est.step_time_s == pytest.approx((p - 1) / (m + p - 1))
+
+
+def test_alpha_beta_and_roofline_arithmetic():
+    """An all-reduce of S bytes over n ranks costs a tree's ``2 log2 n`` latencies (fewer than a ring's ``2(n-1)``)
+    plus ``2 S (n-1)/n`` bytes at the link's rate, within a node NVLink's, across nodes the network's per GPU; an
+    all-gather a ring's ``n - 1`` latencies. A matmul takes its FLOPs at the matmul rate,
+    a memory-bound operator its bytes at HBM's."""
+    eff = Efficiencies(matmul=((1.0, 0.5),), memory=0.5, link=0.5, latency_us=10.0)
+    h100 = Cluster(builtin_cluster("H100-SXM", 8).gpu, 8, 2, eff)
+    s = 10**9
+    intra = collective_time("all_reduce", 2 * s * 7 // 8, 8, 8, h100)
+    assert intra == pytest.approx(6 * 10e-6 + 2 * s * 7 / 8 / (450e9 * 0.5))
+    inter = collective_time("all_reduce", 2 * s * 15 // 16, 16, 16, h100)
+    assert inter == pytest.approx(8 * 10e-6 + 2 * s * 15 / 16 / (50e9 * 0.5))
+    gather = collective_time("all_gather", s * 3 // 4, 4, 4, h100)
+    assert gather == pytest.approx(3 * 10e-6 + s * 3 / 4 / (450e9 * 0.5))
+    assert op_time(Op("matmul", 989 * 10**12, 0, False), h100, "bf16") == pytest.approx(2.0)
+    assert op_time(Op("memory", 0, 3_350 * 10**9, False), h100, "bf16") == pytest.approx(2.0)
+    assert op_time(Op("matmul", 1979 * 10**12, 0, False), h100, "bf16", fp8=True) == pytest.approx(2.0)
+
+
+def test_a_cluster_file_overrides_a_gpu_and_bad_ones_are_refused_by_name(tmp_path):
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps({"gpu": "H100-SXM", "gpus_per_node": 4, "nodes": 2, "inter_node_gb_s_per_gpu": 25}))
+    cluster = read_cluster(path)
+    assert (cluster.world, cluster.gpu.inter_node_gb_s_per_gpu, cluster.gpu.bf16_tflops) == (8, 25, 989.0)
+    with pytest.raises(ConfigError, match=r"unknown GPU 'V100'.*H100-SXM"):
+        cluster_from_dict({"gpu": "V100", "gpus_per_node": 8})
+    with pytest.raises(ConfigError, match="bf16_tflop"):
+        cluster_from_dict({"gpu": "H200", "gpus_per_node": 8, "bf16_tflop": 900})
+    with pytest.raises(ConfigError, match="gpus_per_node"):
+        cluster_from_dict({"gpu": "H200", "gpus_per_node": 0})
+    with pytest.raises(ConfigError, match="fp32_tflops"):
+        cluster_from_dict({"gpu": "cpu", "gpus_per_node": 2})
+    path.write_text("{not json")
+    with pytest.raises(ConfigError, match="not JSON"):
+        read_cluster(path)
+
+
+def _cli(capsys, *argv: str) -> tuple[int, str, str]:
+    from shardtrain.cli import main as cli_main
+
+    code = cli_main(["estimate", "test_estimate_time:tiny_gpt", "--seq-len", str(SEQ), *argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_the_command_prints_and_carries_the_time_fields(capsys):
+    code, out, _ = _cli(capsys, "--world", "2", "--stage", "3", "--time", "--gpu", "H200", "--json")
+    data = json.loads(out)
+    assert code == 0
+    assert {"step_time_s", "tokens_per_s_per_gpu", "mfu", "exposed_comm_s", "peak"} <= set(data)
+    assert data["step_time_s"] == pytest.approx(sum(data["parts_s"].values()))
+    assert data["tokens_per_s_per_gpu"] == pytest.approx(SEQ / data["step_time_s"])  # micro-batch 1 x SEQ a rank
+    code, out, _ = _cli(capsys, "--world", "2", "--time", "--gpu", "H200")
+    assert code == 0 and "tokens/s per GPU" in out and "MFU" in out
+    code, _, err = _cli(capsys, "--world", "2", "--time")
+    assert code == 2 and "--time needs a cluster" in err
+    code, _, err = _cli(capsys, "--world", "2", "--time", "--gpu", "H200", "--cluster", "x.json")
+    assert code == 2 and "not both" in err
+
+
+def test_a_search_at_1024_gpus_ranks_by_speed_within_a_minute(capsys):
+    """``--budget`` on 128 nodes of 8 GPUs: every layout that fits, ranked by predicted tokens/s, each after the
+    first with why it is slower; the whole search under a minute (in one process)."""
+    import time
+
+    start = time.perf_counter()
+    code, out, _ = _cli(capsys, "--budget", "80GiB", "--gpu", "H100-SXM", "--nodes", "128", "--jobs", "1")
+    elapsed = time.perf_counter() - start
+    assert code == 0
+    assert elapsed < 60, elapsed
+    lines = out.splitlines()
+    assert "by predicted tokens/s per GPU" in lines[0]
+    speeds = [float(line.split()[1].replace(",", "")) for line in lines if line.strip()[:2] in ("1.", "2.", "3.")]
+    assert len(speeds) == 3 and speeds == sorted(speeds, reverse=True)
+    assert "slower than 1." in out
+
+
+def test_calibrate_writes_a_profile_the_cluster_option_reads(tmp_path, capsys):
+    """``shardtrain calibrate`` at world 1 (the collectives are measured by the benchmark at worlds 2-4): every
+    figure the time model needs is measured and positive, and ``--cluster`` reads the file back."""
+    from shardtrain.cli import main as cli_main
+
+    path = tmp_path / "profile.json"
+    assert cli_main(["calibrate", "--out", str(path), "--world", "1", "--threads", "1"]) == 0
+    capsys.readouterr()
+    cluster = read_cluster(path)
+    assert cluster.gpu.fp32_tflops > 0 and cluster.gpu.hbm_tb_s > 0 and cluster.efficiencies.op_overhead_us > 0
+    assert max(e for _, e in cluster.efficiencies.matmul) == pytest.approx(1.0)
+    code, out, _ = _cli(capsys, "--world", "1", "--time", "--cluster", str(path), "--json")
+    assert code == 0 and json.loads(out)["step_time_s"] > 0
+    assert cli_main(["calibrate", "--out", str(path), "--world", "0"]) == 2
+
+
+def test_expert_parallel_work_counts_grouped_matmuls_and_the_token_exchange():
+    """A Mixtral at ep 2: the experts' grouped matmuls (not in torch's registry) are matmul FLOPs, and the token
+    exchange is recorded on the expert axis, forward and backward, at a balanced routing's bytes."""
+    from helpers.moe_cases import tiny_moe
+
+    def mixtral() -> torch.nn.Module:
+        return tiny_moe("mixtral", 4, router_logits=False)
+
+    source = resolve_source(mixtral)
+    whole = measure_work(source, tp=1, compute=torch.float32, micro_batch=MICRO, seq_len=SEQ)
+    split = measure_work(source, tp=1, compute=torch.float32, micro_batch=MICRO, seq_len=SEQ, ep=2)
+    assert split.flops("matmul") > 0
+    exchanges = [c for c in split.collectives if c.axis == "ep"]
+    assert {c.backward for c in exchanges} == {False, True} and not whole.collectives
+    rows = MICRO * SEQ * 2  # top-2: each token's row goes to two experts
+    hidden_bytes = rows * 16 * 4  # hidden 16, fp32
+    assert max(c.nbytes for c in exchanges) == hidden_bytes // 2  # S (n-1)/n at n = 2
