@@ -136,8 +136,11 @@ ALLOWED: dict[str, set[str]] = {
     # the LR schedulers take the config's validated scheduler sections
     "shardtrain.optim": {"shardtrain.config"},
     # the config maps an optimizer section onto a class, DeepSpeedAdam included, and a config onto the plan
-    "shardtrain.config": {"shardtrain.optim.adam", "shardtrain.plan"},
+    "shardtrain.config": {"shardtrain.optim.adam", "shardtrain.optim.deepspeed_muon", "shardtrain.plan"},
     "shardtrain.optim.adam": set(),
+    # DeepSpeed's Muon type (built from the config) on shardtrain's Muon + AdamW, which ZeRO's owners serve
+    "shardtrain.optim.deepspeed_muon": {"shardtrain.optim.muon"},
+    "shardtrain.optim.muon": set(),
     "shardtrain.precision": {"shardtrain.plan"},
     "shardtrain.distributed": {"shardtrain.plan"},
     # the typed plan: parallel dimensions and policies, plain data below every package that takes them

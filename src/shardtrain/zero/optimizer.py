@@ -651,11 +651,11 @@ def _check_elementwise(optimizer: torch.optim.Optimizer, stage: int, allow_untes
     cls = type(optimizer)
     if _elementwise_base(cls) is not None:
         return
-    if cls is MuonWithAdamW:  # served on owner ranks ([Note: Muon on owners] in optim/muon.py), without tp
+    if issubclass(cls, MuonWithAdamW):  # served on owner ranks ([Note: Muon on owners] in optim/muon.py), without tp
         if tp == 1:
             return
         raise OptimizerError(
-            f"MuonWithAdamW is not served under tensor parallelism (size {tp}) yet: its Newton-Schulz would run on "
+            f"{cls.__name__} is not served under tensor parallelism (size {tp}) yet: its Newton-Schulz would run on "
             "each rank's block of a split matrix, not on the whole matrix (docs/muon.md). Use tensor_parallel.size 1 "
             "(ZeRO 0-3 are served), or AdamW"
         )
