@@ -84,6 +84,7 @@ ALLOWED: dict[str, set[str]] = {
         "shardtrain.zero",
         "shardtrain.offload",
         "shardtrain.config",
+        "shardtrain.optim.deepspeed_muon",  # DeepSpeed's Muon split: which matrices the owners gather
         "shardtrain.plan",
     },
     "shardtrain.graph": {

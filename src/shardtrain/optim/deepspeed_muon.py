@@ -24,7 +24,7 @@ guards the momentum against a non-finite gradient; shardtrain skips an overflowe
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -45,10 +45,10 @@ CONFIG_KEYS = (*{*MUON_KEYS, *ADAM_KEYS}, "muon_lr", "adam_lr", "adam_w_mode", "
 implementation, the same formula; ``per_head_muon`` is served only false)."""
 
 
-def is_deepspeed_muon_parameter(name: str, param: torch.Tensor) -> bool:
+def is_deepspeed_muon_parameter(name: str, shape: Sequence[int]) -> bool:
     """DeepSpeed's split ([Note: DeepSpeed's Muon is not torch's]): 2 or more dims, no "embed" or "lm_head"."""
     lowered = name.lower()
-    return param.ndim >= 2 and "embed" not in lowered and "lm_head" not in lowered
+    return len(shape) >= 2 and "embed" not in lowered and "lm_head" not in lowered
 
 
 def newton_schulz_dtype(method: str, device: torch.device) -> torch.dtype:
@@ -187,7 +187,7 @@ class DeepSpeedMuon(MuonWithAdamW):
                     f"{unnamed} are not the model's: pass the model's own parameters"
                 )
             for use_muon, keys, lr_key in halves:
-                half = [p for p in trainable if is_deepspeed_muon_parameter(names[id(p)], p) is use_muon]
+                half = [p for p in trainable if is_deepspeed_muon_parameter(names[id(p)], p.shape) is use_muon]
                 if not half:
                     continue
                 settings = {k: params[k] for k in keys if k in params}
