@@ -336,10 +336,12 @@ RULES: tuple[Rule, ...] = (
     ),
     _supported(
         "optimizer.type",
-        "`Adam`, `AdamW`, `SGD`",
+        "`Adam`, `AdamW`, `SGD`, `Muon`",
         "`Adam` means AdamW unless `params.adam_w_mode: false`, `AdamW` is AdamW whatever `adam_w_mode` says (as in "
-        "DeepSpeed); other types (Lamb, OneBitAdam, "
-        "Muon, ...) are refused: pass a torch optimizer to `initialize(optimizer=...)`",
+        "DeepSpeed); `Muon` is DeepSpeed's Muon + Adam split (`shardtrain.optim.deepspeed_muon`, its keys `lr`, "
+        "`momentum`, `weight_decay`, `ns_method`, `betas`, `eps`, `muon_lr`, `adam_lr`, `adam_w_mode`, `torch_adam`; "
+        "docs/muon.md); other types (Lamb, OneBitAdam, ...) are refused: pass a torch optimizer to "
+        "`initialize(optimizer=...)`",
     ),
     _supported(
         "optimizer.params",
@@ -812,7 +814,7 @@ RULES: tuple[Rule, ...] = (
     _no_effect(
         _Z + "save_muon_momentum_buffer_in_memory",
         "bool",
-        "there is no Muon optimizer",
+        "Muon's momentum is optimizer state like Adam's moments, sharded and kept in memory (or offloaded) with it",
         check=StrictBool,
     ),
     _not_supported(_Z + "leaf_module", "use `zero_optimization.stage3_unit_classes` to choose units"),

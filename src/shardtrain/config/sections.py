@@ -40,6 +40,8 @@ from shardtrain.config.deepspeed_keys import (
 )
 from shardtrain.errors import ConfigError
 from shardtrain.optim.adam import DeepSpeedAdam
+from shardtrain.optim.deepspeed_muon import CONFIG_KEYS as MUON_CONFIG_KEYS
+from shardtrain.optim.deepspeed_muon import NS_METHODS, DeepSpeedMuon
 
 log = logging.getLogger("shardtrain")
 
@@ -662,6 +664,37 @@ _SCHEDULERS: dict[str, type[_Section]] = {
 }
 
 
+def _deepspeed_muon_params(cfg: OptimizerConfig, allow_auto: bool) -> dict[str, Any]:
+    """DeepSpeed's Muon type's keys, checked; the optimizer is built by ``DeepSpeedMuon.from_config`` (it needs the
+    model's parameter names). See [Note: DeepSpeed's Muon is not torch's] in optim/deepspeed_muon.py."""
+    autos = [k for k, v in cfg.params.items() if is_auto(v)]
+    if autos and not allow_auto:
+        raise ConfigError(f'optimizer.params.{autos[0]}: "auto" was not resolved; give a value')
+    params = {k: v for k, v in cfg.params.items() if not is_auto(v)}
+    for key in [*params, *autos]:
+        if key not in MUON_CONFIG_KEYS:
+            raise ConfigError(unknown_key_message(f"optimizer.params.{key}", key, sorted(MUON_CONFIG_KEYS)))
+    for key, value in params.items():
+        if key in ("adam_w_mode", "torch_adam", "per_head_muon"):
+            if not isinstance(value, bool):
+                raise ConfigError(f"optimizer.params.{key}: expected true or false, got {value!r}")
+        elif key == "ns_method":
+            if value not in NS_METHODS:
+                raise ConfigError(f"optimizer.params.ns_method: expected one of {list(NS_METHODS)}, got {value!r}")
+        elif key == "betas":
+            if not isinstance(value, (list, tuple)) or len(value) != 2 or not all(_is_finite(b) for b in value):
+                raise ConfigError(f"optimizer.params.betas: expected two numbers [beta1, beta2], got {value!r}")
+        elif not _is_finite(value):
+            raise ConfigError(f"optimizer.params.{key}: expected a finite number, got {value!r}")
+    if params.get("per_head_muon"):
+        raise ConfigError(
+            "optimizer.params.per_head_muon: DeepSpeed's per-head orthogonalization of attention projections is not "
+            "served (docs/muon.md); leave it false (each matrix orthogonalized whole)"
+        )
+    params.pop("torch_adam", None)  # which of DeepSpeed's Adam implementations: the same formula
+    return params
+
+
 def optimizer_class_and_kwargs(
     cfg: OptimizerConfig, allow_auto: bool = False
 ) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
@@ -675,12 +708,7 @@ def optimizer_class_and_kwargs(
     """
     kind = cfg.type.lower()
     if kind == "muon":
-        raise ConfigError(
-            "optimizer.type: 'Muon' (DeepSpeed's Muon for 2-D hidden weights and AdamW for the rest) is not served "
-            "from the config yet (docs/muon.md). Pass initialize(optimizer=shardtrain.optim.muon.MuonWithAdamW(...)) "
-            "with 'use_muon' param groups (served at ZeRO stage 0 and at 1-3 by owner ranks), or use Adam, AdamW or "
-            "SGD"
-        )
+        return DeepSpeedMuon, _deepspeed_muon_params(cfg, allow_auto)
     if kind not in _OPTIMIZERS:
         raise ConfigError(
             f"optimizer.type: {cfg.type!r} is not supported; allowed: Adam, AdamW, SGD "

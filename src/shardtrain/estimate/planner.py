@@ -50,6 +50,7 @@ from shardtrain.estimate.sequence import install_sequence_parallel
 from shardtrain.estimate.source import ModelSource, resolve_source
 from shardtrain.estimate.state import RankState, UnitSize, rank_state
 from shardtrain.estimate.timing import MicroBatchWork, StepInputs, TimeEstimate, measure_work, step_time, zero_traffic
+from shardtrain.optim.deepspeed_muon import is_deepspeed_muon_parameter
 from shardtrain.pipeline_parallel.cut import cut_model
 from shardtrain.plan import Plan
 from shardtrain.plan.dims import ParallelDims
@@ -418,7 +419,29 @@ def _optimizer_kind(cfg: Config, optimizer: str | None) -> tuple[int, bool]:
     if kind == "sgd":
         momentum = cfg.optimizer.params.get("momentum", 0) if cfg.optimizer and optimizer is None else 0
         return (1 if momentum else 0), False
-    raise ConfigError(f"optimizer {kind!r}: the planner knows Adam, AdamW and SGD")
+    if kind == "muon":  # DeepSpeed's type: its Adam half's; the Muon half is counted by _muon_of
+        return 2, True
+    raise ConfigError(f"optimizer {kind!r}: the planner knows Adam, AdamW, SGD and DeepSpeed's Muon")
+
+
+def _muon_of(cfg: Config, optimizer: str | None):
+    """DeepSpeed's Muon split by name and shape ([Note: DeepSpeed's Muon is not torch's]), or None."""
+    kind = (optimizer or (cfg.optimizer.type if cfg.optimizer else "adamw")).lower()
+    return is_deepspeed_muon_parameter if kind == "muon" else None
+
+
+def muon_owner_traffic(buckets: list, shard_group: int, muon) -> dict[str, int]:
+    """Bytes per optimizer step of Muon's owners ([Note: one owner per matrix] in zero/muon_owners.py): every
+    trainable bucket holding a Muon matrix is all-gathered and reduce-scattered once in fp32, as the engine's
+    communicator counts them (the ring's (n - 1) / n of the bucket)."""
+    if muon is None or shard_group == 1:
+        return {}
+    padded = [b.padded_numel for b in buckets if b.requires_grad and any(muon(s.name, s.shape) for s in b.slots)]
+    moved = sum(4 * n * (shard_group - 1) // shard_group for n in padded)
+    return {
+        "Muon updates to their owners (all-gather, fp32)": moved,
+        "orthogonalized Muon updates back (reduce-scatter, fp32)": moved,
+    }
 
 
 def estimate_memory(
@@ -483,6 +506,10 @@ class _Prepared:
     """(layers, key/value heads a rank attends with, head dimension), for the context-parallel rows."""
     hidden: int = 0
     """The model's hidden size (a pipeline boundary's activation per token), 0 when it says none."""
+    step_traffic: dict[str, int] = field(default_factory=dict)
+    """Bytes per optimizer step the optimizer's own collectives move (Muon's owners)."""
+    owner_buffers: int = 0
+    """Muon's owners' largest gathered bucket, its result and this rank's chunk (fp32), alive in the step."""
 
 
 NO_COMPUTE = ComputePeak(0, 0, 0, 0, 0, 0)
@@ -576,6 +603,7 @@ def _prepare(
     zero, offload, precision = plan.zero, plan.offload, plan.precision
     compute = precision.compute_dtype
     moments, steps = _optimizer_kind(cfg, optimizer)
+    muon = _muon_of(cfg, optimizer)
     # with sequence parallelism the model as initialize leaves it (Ulysses installed, refusing what it refuses): the
     # same parameters
     fake, experts = _fake_model(source, layout.tp, layout.ep, tp_plan, cache, layout.sp)
@@ -599,7 +627,7 @@ def _prepare(
     grads_in_files = grads_in_files and layout.tp == 1 and layout.shard_group == layout.zero
     st = rank_state(
         fake, zero, offload, layout.shard_group, 0, compute, moments, steps, device_type, grads_in_files, experts,
-        layout.ep, layout.zero // layout.ep, precision.accum_dtype, float8,
+        layout.ep, layout.zero // layout.ep, precision.accum_dtype, float8, muon,
     )  # fmt: skip
     buffers = sum(b.numel() * (compute if b.dtype == torch.float32 else b.dtype).itemsize for b in fake.buffers())
     reduce = precision.reduce_dtype if precision.mixed else None
@@ -644,7 +672,14 @@ def _prepare(
         "models": cache.setdefault("models", {}) if cache.get("fast", True) else None,
     }
     shape = (layers, max(kv_heads // (layout.tp * layout.sp), 1), head_dim)
-    return _Prepared(layout, st, n_params, buffers, key, run, layer_share, shape, _hidden_size(whole))
+    traffic, owners = {}, 0
+    if muon is not None and zero.shard_optimizer_state:  # [Note: one owner per matrix] in zero/muon_owners.py
+        traffic = muon_owner_traffic(st.buckets, layout.shard_group, muon)
+        held = [b for b in st.buckets if b.requires_grad and any(muon(s.name, s.shape) for s in b.slots)]
+        owners = max((4 * (2 * b.padded_numel + b.shard_numel) for b in held), default=0)
+    return _Prepared(
+        layout, st, n_params, buffers, key, run, layer_share, shape, _hidden_size(whole), traffic, owners
+    )
 
 
 def _hidden_size(model: Any) -> int:
@@ -774,6 +809,11 @@ def _assemble(
     largest = max((f.length for b in st.buckets if b.requires_grad for f in b.fragments), default=0)
     if layout.stage == 0:
         largest = max((s.numel for b in st.buckets if b.requires_grad for s in b.slots), default=0)
+    if prep.owner_buffers:
+        rows.append(
+            Row("Muon owners' gathered bucket, result and chunk (fp32)", "device", prep.owner_buffers, True, "step")
+        )
+    est.traffic.update(prep.step_traffic)
     rows.append(Row("optimizer step temporaries", host if opt.get("host") else "device", 4 * largest, True, "step"))
     est.rows = rows
     return est

@@ -42,12 +42,14 @@ from shardtrain.distributed.communicator import Communicator, Reduce
 from shardtrain.errors import OptimizerError
 from shardtrain.host_read import HostRead
 from shardtrain.optim.adam import DeepSpeedAdam
+from shardtrain.optim.lamb import Lamb
 from shardtrain.optim.muon import MuonWithAdamW
 from shardtrain.plan.policies import ZeroPolicy
 from shardtrain.zero.elementwise import known_not_elementwise, slice_mismatch
 from shardtrain.zero.layout import Bucket, fragment_places, fragment_tensor
 from shardtrain.zero.muon_owners import MuonOwners
 from shardtrain.zero.reducer import GradientReducer
+from shardtrain.zero.shard_sums import ShardSums
 from shardtrain.zero.step_gather import ParameterGathers
 
 if TYPE_CHECKING:
@@ -193,16 +195,20 @@ class ShardedOptimizer:
             self._move_initial_state()
             for group in optimizer.param_groups:
                 group["params"] = [self._stepped.get(id(p), p) for p in group["params"]]
-        if isinstance(optimizer, MuonWithAdamW) and self.sharded:
-            self._bind_muon_owners(optimizer, make_offload, tp_norm, experts, stage_comm)
+        if isinstance(optimizer, (MuonWithAdamW, Lamb)) and self.sharded:
+            self._refuse_unserved_whole_tensor(type(optimizer).__name__, make_offload, tp_norm, experts, stage_comm)
+            if isinstance(optimizer, MuonWithAdamW):
+                self._bind_muon_owners(optimizer)
+            else:  # [Note: LAMB's norms across shards] in optim/lamb.py
+                optimizer.tensor_norms = ShardSums(self.comm)
         # sub-group stepping with offloaded state, made from the tensors stepped (after the state moved to them)
         self.offload: OptimizerOffload | None = None
         if make_offload is not None:
             fragments = self.stepped_fragments() if masters is not None else None
             self.offload = make_offload(self.stepped_tensors(), fragments)
 
-    def _bind_muon_owners(self, optimizer: MuonWithAdamW, make_offload, tp_norm, experts, stage_comm) -> None:
-        """Muon's orthogonalization on owner ranks ([Note: one owner per matrix] in zero/muon_owners.py)."""
+    def _refuse_unserved_whole_tensor(self, name: str, make_offload, tp_norm, experts, stage_comm) -> None:
+        """What the owners of whole-tensor optimizers do not serve yet, refused by name."""
         unserved = [
             what
             for what, present in (
@@ -215,9 +221,12 @@ class ShardedOptimizer:
         ]
         if unserved:
             raise OptimizerError(
-                f"MuonWithAdamW at ZeRO stages 1-3 is not served yet with {', '.join(unserved)} (docs/muon.md); "
+                f"{name} at ZeRO stages 1-3 is not served yet with {', '.join(unserved)} (docs/muon.md); "
                 "use it without them, or AdamW"
             )
+
+    def _bind_muon_owners(self, optimizer: MuonWithAdamW) -> None:
+        """Muon's orthogonalization on owner ranks ([Note: one owner per matrix] in zero/muon_owners.py)."""
         places = {id(self._stepped[k]): (b, i) for k, (_, b, i) in self._frag.items()}
         muon = [id(p) for g in optimizer.param_groups if g["use_muon"] for p in g["params"]]
         optimizer.whole_matrices = MuonOwners(self.comm, {k: places[k] for k in muon})
@@ -672,13 +681,15 @@ def _check_elementwise(optimizer: torch.optim.Optimizer, stage: int, allow_untes
     cls = type(optimizer)
     if _elementwise_base(cls) is not None:
         return
-    if cls is MuonWithAdamW:  # served on owner ranks ([Note: Muon on owners] in optim/muon.py), without tp
+    if issubclass(cls, (MuonWithAdamW, Lamb)):  # served at ZeRO 1-3 ([Note: Muon on owners], [Note: LAMB's norms
+        # across shards]), without tp
         if tp == 1:
             return
         raise OptimizerError(
-            f"MuonWithAdamW is not served under tensor parallelism (size {tp}) yet: its Newton-Schulz would run on "
-            "each rank's block of a split matrix, not on the whole matrix (docs/muon.md). Use tensor_parallel.size 1 "
-            "(ZeRO 0-3 are served), or AdamW"
+            f"{cls.__name__} is not served under tensor parallelism (size {tp}) yet: its "
+            f"{'Newton-Schulz' if issubclass(cls, MuonWithAdamW) else 'trust ratio'} would read each rank's block of "
+            "a split matrix, not the whole matrix (docs/muon.md). Use tensor_parallel.size 1 (ZeRO 0-3 are served), "
+            "or AdamW"
         )
     name = f"{cls.__module__}.{cls.__qualname__}"
     where = f"ZeRO stage {stage}" if stage > 0 else f"tensor parallel size {tp}"
