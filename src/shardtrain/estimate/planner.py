@@ -677,9 +677,7 @@ def _prepare(
         traffic = muon_owner_traffic(st.buckets, layout.shard_group, muon)
         held = [b for b in st.buckets if b.requires_grad and any(muon(s.name, s.shape) for s in b.slots)]
         owners = max((4 * (2 * b.padded_numel + b.shard_numel) for b in held), default=0)
-    return _Prepared(
-        layout, st, n_params, buffers, key, run, layer_share, shape, _hidden_size(whole), traffic, owners
-    )
+    return _Prepared(layout, st, n_params, buffers, key, run, layer_share, shape, _hidden_size(whole), traffic, owners)
 
 
 def _hidden_size(model: Any) -> int:
