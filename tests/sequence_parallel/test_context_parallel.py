@@ -130,12 +130,20 @@ def _layout(engine) -> dict:
 
 
 def _check_parity(
-    world: int, cp: int, stage: int, packed: bool, attn: str = "sdpa", sp: int = 1, extra: dict | None = None
+    world: int,
+    cp: int,
+    stage: int,
+    packed: bool,
+    attn: str = "sdpa",
+    sp: int = 1,
+    extra: dict | None = None,
+    tp: int = 1,
 ) -> list[dict]:
     """``attn``: the tiny Llama's attention implementation, or "gpt" (the project's GPT, causal only); ``sp``:
     Ulysses within each cp rank; ``extra``: more of the engine's config."""
-    dp = world // (cp * sp)
+    dp, seq = world // (cp * sp * tp), cp * sp
     config = {"context_parallel_size": cp, "sequence_parallel_size": sp, "zero_optimization": {"stage": stage}}
+    config["tensor_parallel"] = {"size": tp}
     config.update(extra or {})
     if attn == "gpt":
         batches = partial(_gpt_batches, dp, _length(cp * sp))
@@ -145,7 +153,7 @@ def _check_parity(
         recipe = keyword_recipe(make, partial(_batches, dp, packed, _length(cp * sp)), GAS, config)
     results = run_distributed(engine_run, world, recipe, _layout, init_process_group=False)
     ref = reference_run(recipe, dp)
-    losses = [sum(r["losses"][s] for r in results[:: cp * sp]) / dp for s in range(STEPS)]
+    losses = [sum(r["losses"][s] for r in results[:: seq * tp]) / dp for s in range(STEPS)]
     for s, (got, want) in enumerate(zip(losses, ref["losses"])):
         assert abs(got - want) <= 1e-5 * abs(want), f"step {s}: loss {got} vs one process {want}"
     for r in results:
@@ -153,10 +161,12 @@ def _check_parity(
             assert abs(got - want) <= 1e-4 * want, f"step {s}: gradient norm {got} vs one process {want}"
     assert_params_near(results[0]["params"], ref["params"], ref["init"], exact=ref["exact"], require_moved=True)
     # rank = (dp_rank * cp + cp_rank) * sp + sp_rank; ZeRO shards over all dp * cp * sp ranks
-    assert [r["axes"] for r in results] == [(cp, i // sp % cp, dp, i // (cp * sp), i, world) for i in range(world)]
+    # ZeRO shards over the dp * cp * sp ranks holding one tensor-parallel block
+    axes = [(cp, i // (sp * tp) % cp, dp, i // (seq * tp), i // tp, dp * seq) for i in range(world)]
+    assert [r["axes"] for r in results] == axes
     if sp > 1:  # the ring's bytes are in the cp group's communicator, not the sequence group's
         return results
-    kv_heads = 4 if attn == "gpt" else 2
+    kv_heads = (4 if attn == "gpt" else 2) // tp  # each tp rank's key/value heads go around its own cp group
     layers, micro_steps, whole = 2, STEPS * GAS, ROWS * kv_heads * _length(cp) * 8 * 4
     # a checkpointed block's forward runs again in backward, its ring steps too
     passes = 2 if (extra or {}).get("activation_checkpointing", {}).get("policy", "none") != "none" else 1
@@ -282,6 +292,13 @@ def test_the_window_changes_the_training():
     assert abs(with_window[1] - without[1]) > 1e-3, (with_window, without)
 
 
+@pytest.mark.parametrize(("stage", "packed"), [(1, True), pytest.param(3, False, marks=pytest.mark.soak)])
+def test_parity_with_tensor_parallelism(stage, packed):
+    """cp 2 x tp 2 (world 4): each tp rank's heads (2 query heads, 1 key/value head of the Llama) attend over its own
+    cp group (the ranks of its tp rank), the row-parallel output projection summing the heads as without cp."""
+    _check_parity(4, 2, stage, packed, tp=2)
+
+
 def _bf16_run(recipe: Recipe) -> dict:
     run = engine_run(recipe)
     return {**run, "params": {n: v.float() for n, v in run["params"].items()} if run["params"] else None}
@@ -341,7 +358,6 @@ def test_what_context_parallelism_is_not_built_with_is_refused_by_name():
     cp2 = {"context_parallel_size": 2}
     assert "context_parallel_size 3 does not divide the 4 processes" in _cp_refusal(4, {"context_parallel_size": 3})
     for config, named in [
-        ({"tensor_parallel": {"size": 2}}, "tensor parallelism (tensor_parallel.size 2)"),
         ({"expert_parallel_size": 2}, "expert parallelism (expert_parallel_size 2)"),
         ({"pipeline_parallel_size": 2}, "pipeline parallelism (pipeline_parallel_size 2)"),
         (
@@ -357,6 +373,7 @@ def test_what_context_parallelism_is_not_built_with_is_refused_by_name():
     )
     assert _cp_refusal(8, {**cp2, "zero_optimization": {"stage": 3}}) == "no error"
     assert _cp_refusal(8, {**cp2, "sequence_parallel_size": 2}) == "no error"  # dp 2 x cp 2 x sp 2
+    assert _cp_refusal(8, {**cp2, "tensor_parallel": {"size": 2}}) == "no error"  # dp 2 x cp 2 x tp 2
 
 
 def _splitter_refusal(build) -> str:

@@ -177,17 +177,23 @@ def _with_ulysses(
 
 
 def install_hf(
-    model: nn.Module, comm: Communicator, current: Callable[[], ContextSplit], sp: Communicator | None = None
+    model: nn.Module,
+    comm: Communicator,
+    current: Callable[[], ContextSplit],
+    sp: Communicator | None = None,
+    tp: int = 1,
 ) -> str:
     """Route ``model``'s attention through :func:`context_attention`, registered in transformers'
     ``AttentionInterface`` as Ulysses is; ``current()``: the split of the forward running; ``sp``: Ulysses' group
-    within a cp rank (None without it). Returns the name."""
+    within a cp rank (None without it); ``tp``: the tensor-parallel size (each rank attends ``1/tp`` of the heads
+    over its own cp group). Returns the name."""
     from transformers import AttentionInterface
 
     refuse_unserved(model)
     heads = getattr(model.config, "num_attention_heads", None)
     if sp is not None and isinstance(heads, int):  # refused at initialize rather than at the first forward
-        kv_repeats(heads, getattr(model.config, "num_key_value_heads", None) or heads, sp.size)
+        kv_heads = getattr(model.config, "num_key_value_heads", None) or heads
+        kv_repeats(heads // tp, max(kv_heads // tp, 1), sp.size, tp)
 
     def attention(module, query, key, value, attention_mask, *, dropout=0.0, scaling=None, **kwargs):
         what = f"{type(module).__name__} {getattr(module, 'layer_idx', '')}".strip()
@@ -216,7 +222,11 @@ def install_hf(
 
 # -- the project's GPT -----------------------------------------------------------------------------------------------
 def install_gpt(
-    model: nn.Module, comm: Communicator, current: Callable[[], ContextSplit], sp: Communicator | None = None
+    model: nn.Module,
+    comm: Communicator,
+    current: Callable[[], ContextSplit],
+    sp: Communicator | None = None,
+    tp: int = 1,
 ) -> int:
     """Replace each ``CausalSelfAttention.attention`` of the project's GPT by context attention (inside Ulysses'
     exchange with ``sp``); returns how many."""
@@ -228,7 +238,7 @@ def install_gpt(
             if m.dropout:
                 raise ConfigError(f"GPT dropout {m.dropout} under context parallelism: not applied; set it to 0.0")
             if sp is not None:
-                kv_repeats(m.n_head, m.n_head, sp.size)
+                kv_repeats(m.n_head // tp, m.n_head // tp, sp.size, tp)
 
             def attend(q, k, v, name=name):
                 return context_attention(q, k, v, comm, current(), None, repr(name))
@@ -242,15 +252,19 @@ def install_gpt(
 
 
 def install(
-    model: nn.Module, comm: Communicator, current: Callable[[], ContextSplit], sp: Communicator | None = None
+    model: nn.Module,
+    comm: Communicator,
+    current: Callable[[], ContextSplit],
+    sp: Communicator | None = None,
+    tp: int = 1,
 ) -> None:
     """Context attention over the cp group ``comm`` in ``model`` (a transformers model or the project's GPT;
     anything else is refused), inside Ulysses' exchange over ``sp`` when given."""
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "_attn_implementation"):
-        install_hf(model, comm, current, sp)
+        install_hf(model, comm, current, sp, tp)
         return
-    if install_gpt(model, comm, current, sp):
+    if install_gpt(model, comm, current, sp, tp):
         return
     raise ConfigError(
         f"context_parallel_size > 1 needs to reach the attention of {type(model).__name__}: built for transformers "
