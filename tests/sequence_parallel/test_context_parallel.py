@@ -123,9 +123,11 @@ def _layout(engine) -> dict:
     """Where this rank sits and what its cp group moved: its ring steps (keys and values), reduce-scatters (their
     gradients) and all-gathers (each forward's real-token counts)."""
     topo, stats = engine.topology, engine._sp.comm.stats()
+    experts = engine._expert_comms.get("ep")  # expert parallelism's token exchange, when there is one
     return {
         "axes": (topo.cp, topo.cp_rank, topo.dp, topo.dp_rank, topo.zero_rank, topo.shard_size),
         "moved": {kind: (s["calls"], s["bytes"]) for kind, s in stats.items()},
+        "experts": (topo.ep, topo.ep_rank, sum(s["calls"] for s in experts.stats().values()) if experts else 0),
     }
 
 
@@ -299,6 +301,16 @@ def test_parity_with_tensor_parallelism(stage, packed):
     _check_parity(4, 2, stage, packed, tp=2)
 
 
+@pytest.mark.soak  # about 60 s here
+def test_parity_of_a_mixture_of_experts_with_expert_parallelism():
+    """Mixtral at cp 2 x ep 2 (world 4): each rank's tokens (its two chunks) sent to the ranks holding their experts,
+    the load-balancing loss the whole sequence's."""
+    results = _check_parity(4, 2, 1, False, "mixtral", extra={"expert_parallel_size": 2})
+    # experts [0, 2) on zero ranks 0 and 2, [2, 4) on 1 and 3 (zero_rank % ep): a cp pair holds different experts
+    assert [r["experts"][:2] for r in results] == [(2, 0), (2, 1), (2, 0), (2, 1)]
+    assert all(r["experts"][2] > 0 for r in results)  # tokens were exchanged
+
+
 def _bf16_run(recipe: Recipe) -> dict:
     run = engine_run(recipe)
     return {**run, "params": {n: v.float() for n, v in run["params"].items()} if run["params"] else None}
@@ -358,7 +370,6 @@ def test_what_context_parallelism_is_not_built_with_is_refused_by_name():
     cp2 = {"context_parallel_size": 2}
     assert "context_parallel_size 3 does not divide the 4 processes" in _cp_refusal(4, {"context_parallel_size": 3})
     for config, named in [
-        ({"expert_parallel_size": 2}, "expert parallelism (expert_parallel_size 2)"),
         ({"pipeline_parallel_size": 2}, "pipeline parallelism (pipeline_parallel_size 2)"),
         (
             {"zero_optimization": {"stage": 1, "mics_shard_size": 2}},
@@ -374,6 +385,7 @@ def test_what_context_parallelism_is_not_built_with_is_refused_by_name():
     assert _cp_refusal(8, {**cp2, "zero_optimization": {"stage": 3}}) == "no error"
     assert _cp_refusal(8, {**cp2, "sequence_parallel_size": 2}) == "no error"  # dp 2 x cp 2 x sp 2
     assert _cp_refusal(8, {**cp2, "tensor_parallel": {"size": 2}}) == "no error"  # dp 2 x cp 2 x tp 2
+    assert _cp_refusal(8, {**cp2, "expert_parallel_size": 2}) == "no error"
 
 
 def _splitter_refusal(build) -> str:
