@@ -165,6 +165,23 @@ def refuse_unserved(model: nn.Module) -> None:
         )
 
 
+def refuse_eager_rows_without_keys(split: ContextSplit, inner: str, what: str) -> None:
+    """Under a model loaded with eager attention, a query that reads no key (a left-padded row's first tokens, a
+    row of padding only for an encoder) is refused: eager attention adds the dtype's minimum where SDPA masks, so
+    such a row averages every value of the sequence, future ones included, where SDPA (and context attention, [Note:
+    masks from global positions] in :mod:`shardtrain.sequence_parallel.ring_attention`) gives 0; the two train
+    differently when that token's output has a target."""
+    if inner != "eager" or split.real is None:
+        return
+    empty = ~split.real[:, 0] if split.causal else ~split.real.any(-1)
+    if bool(empty.any()):
+        raise ConfigError(
+            f"{what}: rows {empty.nonzero().flatten().tolist()} begin with padding, whose queries read no key; the "
+            "model's eager attention then averages every value and context attention gives 0 (as sdpa does). Load "
+            "the model with attn_implementation='sdpa', or pad at the end"
+        )
+
+
 def _with_ulysses(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attend: Callable, sp: Communicator | None, what: str
 ) -> torch.Tensor:
@@ -190,6 +207,7 @@ def install_hf(
     from transformers import AttentionInterface
 
     refuse_unserved(model)
+    inner = model.config._attn_implementation or "sdpa"
     heads = getattr(model.config, "num_attention_heads", None)
     if sp is not None and isinstance(heads, int):  # refused at initialize rather than at the first forward
         kv_heads = getattr(model.config, "num_key_value_heads", None) or heads
@@ -210,7 +228,9 @@ def install_hf(
             raise ConfigError(f"{what} has attention sinks, which context attention does not apply yet")
 
         def attend(q, k, v):
-            return context_attention(q, k, v, comm, current(), scaling, what, window)
+            split = current()
+            refuse_eager_rows_without_keys(split, inner, what)
+            return context_attention(q, k, v, comm, split, scaling, what, window)
 
         return _with_ulysses(query, key, value, attend, sp, what).contiguous(), None  # [b, s, h, d], as transformers'
 
