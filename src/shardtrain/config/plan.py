@@ -242,8 +242,6 @@ def refuse_unbuilt_context(cfg: Config, dims: ParallelDims) -> None:
     """What context parallelism is not built with yet (docs/context-parallel.md), refused by name."""
     zcfg = cfg.zero_optimization
     refused = [
-        (dims.tp > 1, f"tensor parallelism (tensor_parallel.size {dims.tp})"),
-        (dims.ep > 1, f"expert parallelism (expert_parallel_size {dims.ep})"),
         (dims.pp > 1, f"pipeline parallelism (pipeline_parallel_size {dims.pp})"),
         (dims.replicas > 1, f"hybrid sharding (zero_optimization.mics_shard_size {zcfg.mics_shard_size})"),
         (dims.hpz_asked, f"ZeRO++ hpZ (zero_optimization.zero_hpz_partition_size {zcfg.zero_hpz_partition_size})"),

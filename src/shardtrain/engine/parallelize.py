@@ -339,7 +339,7 @@ def apply_sp(model: nn.Module, plan: Plan, topology: Topology) -> Any:
         cp = ContextSplitter(model, Communicator(topology.seq_group, topology.timeout_s), topology.cp)
         ulysses_comm = Communicator(topology.sp_group, topology.timeout_s) if topology.sp > 1 else None
         ring_comm = Communicator(topology.cp_group, topology.timeout_s) if topology.sp > 1 else cp.comm
-        install_context_attention(model, ring_comm, lambda: cp.current, ulysses_comm)
+        install_context_attention(model, ring_comm, lambda: cp.current, ulysses_comm, topology.tp)
         sp = cp
     elif topology.sp > 1:
         sp = make_splitter(model, Communicator(topology.sp_group, topology.timeout_s))

@@ -55,6 +55,7 @@ from shardtrain.pipeline_parallel.cut import cut_model
 from shardtrain.plan import Plan
 from shardtrain.plan.dims import ParallelDims
 from shardtrain.precision.float8 import output_heads, why_kept
+from shardtrain.sequence_parallel.ring import merged_ring_serves
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 HYBRID_KEYS = ("mics_shard_size", "zero_hpz_partition_size")
@@ -767,9 +768,13 @@ def _assemble(
     layers, kv_heads, head_dim = prep.shape
     itemsize = _DTYPES[layout.dtype].itemsize
     rows_per_rank = layout.micro_batch
-    if activations and layout.cp > 1:  # [Note: why not torch's context_parallel] in sequence_parallel/ring.py
-        kv = gathered_keys_values(rows_per_rank, layout.seq_len, kv_heads, head_dim, itemsize)
-        rows.append(Row("whole-sequence keys and values of a layer (cp ring)", "device", kv, True))
+    merged = layout.cp > 1 and merged_ring_serves(
+        layout.cp
+    )  # [Note: which context attention] in sequence_parallel/ring.py
+    if activations and layout.cp > 1:
+        kv = gathered_keys_values(rows_per_rank, layout.seq_len, kv_heads, head_dim, itemsize, layout.cp, merged)
+        what = "keys and values of three cp ranks' chunks (merged ring)" if merged else "whole-sequence keys and values"
+        rows.append(Row(f"{what} of a layer (cp ring)", "device", kv, True))
     float8_units = [u for u in st.units if u.float8_numel]
     if float8_units:
         shards = [b.shard_numel for b in st.buckets if b.float8 is not None]
@@ -777,13 +782,16 @@ def _assemble(
     if layout.cp > 1:
         passes = 2 if layout.checkpointing else 1
         sent, scattered = ring_bytes(
-            rows_per_rank, layout.seq_len, kv_heads, head_dim, itemsize, layers, layout.cp, passes
+            rows_per_rank, layout.seq_len, kv_heads, head_dim, itemsize, layers, layout.cp, passes, merged
         )
         if layout.pp > 1:
             layers_here = round(layers * prep.layer_share)
             sent, scattered = sent * layers_here // layers, scattered * layers_here // layers
         est.traffic["context-parallel ring (keys and values)"] = sent * layout.micro_batches
-        est.traffic["context-parallel reduce-scatter (their gradients, backward)"] = scattered * layout.micro_batches
+        if scattered:
+            est.traffic["context-parallel reduce-scatter (their gradients, backward)"] = (
+                scattered * layout.micro_batches
+            )
     if float8_units:
         est.traffic["ZeRO-3 float8 gathers (1 byte/element)"] = layout.micro_batches * float8_gather_bytes(
             st.units, layout.shard_group
@@ -839,6 +847,7 @@ def candidate_layouts(
     tps: Iterable[int] | None = None,
     sps: Iterable[int] = (1,),
     pps: Iterable[int] = (1,),
+    cps: Iterable[int] | None = None,
     offload: bool = True,
     param_offload: bool = True,
     host_params: bool = False,
@@ -851,14 +860,15 @@ def candidate_layouts(
     parameter offload at stage 3, and the estimate lays their state out as it does), with and without tensor
     parallelism; ``host_params``: also parameter offload to host memory (a GPU machine's). Sizes the model's heads
     refuse, and combinations ``initialize`` does not build, are left to
-    :func:`_prepare`, which refuses them."""
+    :func:`_prepare`, which refuses them. ``cps``: the context-parallel sizes tried (None: ``base``'s alone)."""
     experts, sps = list(experts), list(sps)
+    cps = [base.cp] if cps is None else list(cps)
     out = []
-    for world, pp in [(w, p) for w in worlds for p in pps if w % p == 0]:
-        base = replace(base, pp=pp)
+    for world, pp, cp in [(w, p, c) for w in worlds for p in pps for c in cps if w % (p * c) == 0]:
+        base = replace(base, pp=pp, cp=cp)
         for tp in tps or [t for t in range(1, world + 1) if world % t == 0]:
             for sp in sps:
-                if world % (tp * sp * base.cp * pp):
+                if world % (tp * sp * cp * pp):
                     continue
                 zero = world // (tp * pp)
                 eps = [e for e in range(2, zero + 1) if zero % e == 0 and all(n % e == 0 for n in experts)]
@@ -907,6 +917,7 @@ def fitting_layouts(
     sps: Iterable[int] | None = None,
     pps: Iterable[int] | None = None,
     cluster: Cluster | None = None,
+    cps: Iterable[int] | None = None,
     **overrides: Any,
 ) -> list[MemoryEstimate]:
     """The layouts whose peak device memory per rank is at most ``budget`` bytes, fewest ranks first, then least
@@ -922,7 +933,10 @@ def fitting_layouts(
     None: every size from 1 to the config's ``sequence_parallel_size`` (or the ``sp`` override), so 1 alone unless
     one is asked for ([Note: sequence-parallel sizes in a search]). ``pps``: the pipeline-parallel sizes tried, each
     where it divides the world (reported for pipeline rank 0, the first stage's); None: every size from 1 to the
-    config's ``pipeline_parallel_size`` (or the ``pp`` override), for the same reason. ``cluster``: each fit also
+    config's ``pipeline_parallel_size`` (or the ``pp`` override), for the same reason. ``cps``: the context-parallel
+    sizes tried, each where it divides the world with the others (a cp rank runs ``1/cp`` of each sequence's tokens,
+    holds the ring's keys and values and sends its bytes); None: every size from 1 to the config's
+    ``context_parallel_size`` (or the ``cp`` override), for the same reason. ``cluster``: each fit also
     gets its predicted step there (``est.time``), and the fits are ranked by predicted tokens/s per GPU, fastest
     first (:func:`rank_by_speed`).
 
@@ -943,11 +957,13 @@ def fitting_layouts(
     cache: dict = {"fast": fast}
     sps = range(1, base.sp + 1) if sps is None else sps
     pps = range(1, base.pp + 1) if pps is None else pps
+    cps = range(1, base.cp + 1) if cps is None else cps
     layouts = candidate_layouts(
         worlds,
         base,
         sps=sps,
         pps=pps,
+        cps=cps,
         offload=offload,
         host_params=device_type == "cuda",
         experts=_expert_counts(source, cache),
