@@ -72,7 +72,7 @@ class ReferenceZenFlow:
         self.steps += 1
         u = self.steps - r["full_warm_up_rounds"]
         if u <= 0:
-            self._host(grads)
+            self._host(grads)  # step t of the bias correction: the same count as the host updates here
             for p, m in zip(self.params, self.masters):
                 p.copy_(m)
             return
@@ -102,8 +102,18 @@ class ReferenceZenFlow:
                 self._land()
 
     def _host(self, grads: list[torch.Tensor]) -> None:
+        """The host update at step ``self.steps``: Adam's bias correction of that step, as DeepSpeed's CPU Adam is
+        handed the step id."""
         for m, g in zip(self.masters, grads):
             m.grad = g.clone()
+            if self.host.state[m]:
+                self.host.state[m]["step"].fill_(self.steps - 1)
+            else:
+                self.host.state[m] = {
+                    "step": torch.tensor(float(self.steps - 1)),
+                    "exp_avg": torch.zeros_like(m),
+                    "exp_avg_sq": torch.zeros_like(m),
+                }
         self.host.step()
 
     def _land(self) -> None:

@@ -16,7 +16,8 @@ one steps the selected elements of ``S`` gathered into compact tensors. Step ``t
    (DeepSpeed's ``clear_selected_mv``).
 3. Every step after warm-up the device twin steps the selected elements with this step's gradient, and every
    element's gradient is added to ``A``.
-4. When ``u % update_interval == 0`` the host twin steps ``H`` with ``A / update_interval`` and ``A`` restarts. The
+4. When ``u % update_interval == 0`` the host twin steps ``H`` with ``A / update_interval`` and ``A`` restarts, its
+   bias correction that of step ``t`` (DeepSpeed hands its CPU Adam the step id, not a count of host updates). The
    result *lands*, ``S[unselected] = H[unselected]``, at once; with ``overlap_step`` the step runs in a thread and
    lands at the next host update (or selection step), ``update_interval`` steps late: never later. The selected
    elements of ``H`` are the host's own (they never land) until the next selection copies ``S`` over them.
@@ -120,7 +121,7 @@ class ZenFlowStep:
         u = self.steps - p.full_warm_up_rounds
         if u <= 0:
             self._sync_hyper(self.host)
-            self._host_update([g for g in grads])
+            self._host_update([g for g in grads], self.steps)
             for k, g in enumerate(grads):
                 if g is not None:
                     self.flat[k].copy_(self.masters[k])
@@ -144,9 +145,9 @@ class ZenFlowStep:
             self._sync_hyper(self.host)
             self.landing = True
             if self._pool is not None:
-                self._future = self._pool.submit(self._host_update, interval)
+                self._future = self._pool.submit(self._host_update, interval, self.steps)
             else:
-                self._host_update(interval)
+                self._host_update(interval, self.steps)
                 self.settle(land=True)
             for a in self.accum:
                 a.zero_()
@@ -165,14 +166,21 @@ class ZenFlowStep:
                     f[sel] = kept
             self.landing = False
 
-    def _host_update(self, grads: list[torch.Tensor | None]) -> None:
-        stepped = [(m, g) for m, g in zip(self.masters, grads) if g is not None]
-        for m, g in stepped:
+    def _host_update(self, grads: list[torch.Tensor | None], step_id: int) -> None:
+        """The host twin's step over the masters with ``grads``, as step ``step_id`` of Adam's bias correction."""
+        stepped = [(k, m, g) for k, (m, g) in enumerate(zip(self.masters, grads)) if g is not None]
+        for k, m, g in stepped:
             m.grad = g
+            state = self.host.state[m]
+            if not state:  # Adam's own initial state, made here so that its step count can be set
+                state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(m), exp_avg_sq=torch.zeros_like(m))
+                if self.host.param_groups[self.group_of[k]].get("amsgrad"):
+                    state["max_exp_avg_sq"] = torch.zeros_like(m)
+            state["step"] = torch.tensor(float(step_id - 1))  # Adam adds one before it corrects
         try:
             self.host.step()
         finally:
-            for m, _ in stepped:
+            for _, m, _ in stepped:
                 m.grad = None
 
     def _device_update(self, grads: list[torch.Tensor | None]) -> None:
