@@ -121,7 +121,7 @@ class ZenFlowStep:
         u = self.steps - p.full_warm_up_rounds
         if u <= 0:
             self._sync_hyper(self.host)
-            self._host_update([g for g in grads], self.steps)
+            self._host_update(grads, self.steps)
             for k, g in enumerate(grads):
                 if g is not None:
                     self.flat[k].copy_(self.masters[k])
@@ -247,23 +247,26 @@ class ZenFlowStep:
             chosen = torch.zeros(shape[1], dtype=torch.bool)
             chosen[torch.topk(sums[k], count).indices] = True
             selected.append(torch.nonzero(chosen[self._columns(k)]).view(-1))
-        self._take_selection(selected, None)
+        self._take_selection(selected)
 
-    def _take_selection(self, selected: list[torch.Tensor], moments: list[dict] | None) -> None:
-        """New compact tensors for ``selected``; their device-twin state restarts at zero (``moments`` None, the
-        step count kept) or is ``moments`` (a loaded checkpoint's)."""
-        old = [self.device.state.pop(p, {}) for p in self.picked]
-        self.selected = selected
-        self.picked = [f[s].clone() for f, s in zip(self.flat, selected)]
-        for g, params in zip(self.device.param_groups, self._by_group(self.picked)):
-            g["params"] = params
-        for k, p in enumerate(self.picked):
-            if moments is not None:
-                state = moments[k]
-            else:
-                state = {key: torch.zeros_like(p) if torch.is_tensor(v) and v.dim() else v for key, v in old[k].items()}
-            if state:
-                self.device.state[p] = state
+    def _take_selection(self, selected: list[torch.Tensor]) -> None:
+        """New compact tensors for ``selected``; their device-twin state restarts at zero, the step count kept."""
+        for k, sel in enumerate(selected):
+            old = self.device.state.get(self.picked[k], {})
+            zeros = torch.zeros(sel.numel(), dtype=self.flat[k].dtype)
+            fresh = {key: zeros.clone() if torch.is_tensor(v) and v.dim() else v for key, v in old.items()}
+            self._set_member(k, sel, fresh)
+
+    def _set_member(self, k: int, selected: torch.Tensor, state: dict) -> None:
+        """Member ``k``'s selected elements and its device-twin state (``state``: compact, or empty)."""
+        old = self.picked[k]
+        self.device.state.pop(old, None)
+        self.selected[k] = selected
+        self.picked[k] = self.flat[k][selected].clone()
+        params = self.device.param_groups[self.group_of[k]]["params"]
+        params[next(i for i, p in enumerate(params) if p is old)] = self.picked[k]
+        if state:
+            self.device.state[self.picked[k]] = state
 
     # -- checkpoints -----------------------------------------------------------------------------------------------
 
@@ -316,16 +319,12 @@ class ZenFlowStep:
         if mask is None or not self.steps > self.policy.full_warm_up_rounds:
             return
         sel = torch.nonzero(mask.reshape(-1)).view(-1)
-        moments = {}
-        for key, v in mine.items():
-            if key.startswith("device_"):
-                name = key.removeprefix("device_")
-                moments[name] = v.reshape(-1)[sel].clone() if v.dim() else v
-        selected = list(self.selected)
-        selected[k] = sel
-        states = [self.device.state.get(p, {}) for p in self.picked]
-        states[k] = moments
-        self._take_selection([s if s is not None else torch.empty(0, dtype=torch.long) for s in selected], states)
+        moments = {
+            key.removeprefix("device_"): v.reshape(-1)[sel].clone() if v.dim() else v
+            for key, v in mine.items()
+            if key.startswith("device_")
+        }
+        self._set_member(k, sel, moments)
 
     def _index(self, stepped: torch.Tensor) -> int:
         for k, s in enumerate(self.stepped):
