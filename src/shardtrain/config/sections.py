@@ -145,6 +145,54 @@ class OffloadParamConfig(_OffloadSection):
     by default, as ``offload_optimizer.pin_memory``."""
 
 
+class ZenFlowConfig(_Section):
+    """DeepSpeed 0.19.8's ``zero_optimization.zenflow``: stall-free optimizer offload, see [Note: the ZenFlow rule]
+    in :mod:`shardtrain.offload.zenflow` and docs/offload.md. Defaults are DeepSpeed's; its ``offload``,
+    ``auto_ratio`` and ``pt_reserved_cores_perc`` are classified in the key table (refused or without effect)."""
+
+    topk_ratio: float = Field(default=0.1, gt=0, lt=1)
+    """Fraction of each 2-D weight's columns (by gradient magnitude) updated every step."""
+    select_strategy: Literal["auto", "step", "epoch"] = "auto"
+    """When the columns are reselected: every ``select_interval`` steps (``step``) or epochs (``epoch``; ``auto``:
+    every epoch). Without a data loader in ``initialize`` an epoch has no length: selected once, as DeepSpeed does."""
+    select_interval: Count | Auto | None = None
+    """Steps (or epochs) between reselections; ``"auto"`` (or absent) only with ``select_strategy`` ``"auto"``."""
+    update_interval: Count | None = None
+    """Steps between host updates of the other columns (their gradients averaged over them). Required: DeepSpeed's
+    default, ``"auto"`` (an adaptive interval), is not built."""
+    overlap_step: bool = False
+    """The host update runs in a thread while the next ``update_interval`` steps train; it lands one interval late."""
+    full_warm_up_rounds: Size = 0
+    """Steps of plain full updates before the split starts."""
+
+    @model_validator(mode="after")
+    def _intervals(self) -> ZenFlowConfig:
+        if self.update_interval is None:
+            raise ValueError(
+                'update_interval: DeepSpeed\'s default "auto" (an adaptive interval) is not built; give a whole number '
+                "of steps between host updates (DeepSpeed's examples use 4)"
+            )
+        if self.select_strategy == "auto" and self.select_interval not in (None, "auto"):
+            raise ValueError(
+                f'select_interval {self.select_interval} with select_strategy "auto" (which selects once per epoch, '
+                'as DeepSpeed does); set select_strategy "step" to reselect every select_interval steps'
+            )
+        if self.select_strategy != "auto" and self.select_interval in (None, "auto"):
+            raise ValueError(
+                f'select_strategy "{self.select_strategy}" needs a whole number select_interval (DeepSpeed\'s rule), '
+                'got "auto"'
+            )
+        if self.select_strategy == "step":
+            every, update = self.select_interval, self.update_interval
+            if every < update or every % update:
+                raise ValueError(
+                    f"select_interval {every} is not a multiple of update_interval {update}: columns are reselected "
+                    "right after a host update, so that no gradient waits in the accumulator for a column that "
+                    "changes side; give a multiple of update_interval"
+                )
+        return self
+
+
 class ZeroConfig(_Section):
     stage: Annotated[Literal[0, 1, 2, 3], BeforeValidator(_stage)] = 0
     reduce_bucket_size: Size | Auto = 500_000_000
@@ -169,6 +217,8 @@ class ZeroConfig(_Section):
     """With optimizer offload: the optimizer steps this rank's fragments in sub-groups of about this many elements."""
     offload_optimizer: OffloadOptimizerConfig = Field(default_factory=OffloadOptimizerConfig)
     offload_param: OffloadParamConfig = Field(default_factory=OffloadParamConfig)
+    zenflow: ZenFlowConfig | None = None
+    """Stall-free optimizer offload (DeepSpeed's ZenFlow; with ``offload_optimizer.device`` ``cpu``)."""
     mics_shard_size: Annotated[int, BeforeValidator(_integral), Field(strict=True, le=INT64_MAX)] = -1
     """Hybrid sharding (DeepSpeed's MiCS key): shard parameters, gradients and optimizer state within groups of this
     many adjacent data-parallel ranks and replicate them across groups (-1: one group of every data-parallel rank);
@@ -184,6 +234,12 @@ class ZeroConfig(_Section):
             raise ValueError(
                 f"offload_optimizer.device {self.offload_optimizer.device!r} needs ZeRO stage 1, 2 or 3 (the "
                 "optimizer state is offloaded per rank's shard); set stage >= 1 or device 'none'"
+            )
+        if self.zenflow is not None and (self.stage not in (1, 2) or self.offload_optimizer.device != "cpu"):
+            raise ValueError(
+                f"zenflow needs ZeRO stage 1 or 2 with offload_optimizer.device 'cpu' (as DeepSpeed's ZenFlow for "
+                f"stages 1-2), got stage {self.stage} with device {self.offload_optimizer.device!r}; its stage-3 "
+                "form is not built"
             )
         if self.offload_param.device != "none" and self.stage != 3:
             # DeepSpeed hands offload_param to stage 3 only and ignores it below (it has no parameter shards to

@@ -578,6 +578,8 @@ class Engine:
             self._runtime.release()  # units a forward without backward kept gathered: their memory back
             self._runtime.close()  # waits for a ZeRO-3 unit-order exchange issued ahead
             self.monitor.close()
+            if self._optimizer.zenflow is not None:  # its host update in flight, and its thread
+                self._optimizer.zenflow.close()
             if self._optimizer.offload is not None:  # swap files are scratch: removed with their directory
                 self._optimizer.offload.close()
             for scratch in self._scratch.values():

@@ -54,6 +54,15 @@ from shardtrain.zero.step_gather import ParameterGathers
 
 if TYPE_CHECKING:
     from shardtrain.offload.optimizer_state import OptimizerOffload
+    from shardtrain.offload.zenflow import ZenFlowStep
+
+
+class MakeZenFlow(Protocol):
+    """How :class:`ShardedOptimizer` gets the stall-free step ([Note: the ZenFlow rule] in
+    :mod:`shardtrain.offload.zenflow`): called once, after the offload, with what it steps, the global shape of each
+    one's parameter and where its fragment starts in that parameter flattened."""
+
+    def __call__(self, stepped: list[torch.Tensor], shapes: list[torch.Size], starts: list[int]) -> ZenFlowStep: ...
 
 
 class MakeOffload(Protocol):
@@ -152,6 +161,7 @@ class ShardedOptimizer:
         experts: tuple[Communicator, Communicator] | None = None,
         stage_comm: Communicator | None = None,
         counted_elsewhere: frozenset[int] = frozenset(),
+        make_zenflow: MakeZenFlow | None = None,
     ) -> None:
         """``comm``: the group the buckets are sharded over; with hybrid sharding (``dp_comm``: every data-parallel
         rank, ``replica_rank``: this rank's replica) the shard group. ``overlap_gathers``: the all-gathers after a
@@ -162,7 +172,8 @@ class ShardedOptimizer:
         different experts (the norm at stage 0 sums their expert squares; see [Note: expert buckets] in
         zero/layout.py). ``stage_comm``: under pipeline parallelism, the ranks holding the other stages, over which the
         squared norm is summed as well ([Note: the norm across stages]); ``counted_elsewhere``: the ids of parameters
-        whose gradient another stage holds too and counts in that sum (a weight tied across stages), left out here."""
+        whose gradient another stage holds too and counts in that sum (a weight tied across stages), left out here.
+        ``make_zenflow``: the stall-free step replaces the offload's (see :data:`MakeZenFlow`)."""
         self.optimizer, self.buckets, self.reducer = optimizer, buckets, reducer
         self.stage_comm, self.counted_elsewhere = stage_comm, counted_elsewhere
         self.tp_norm = tp_norm  # with tensor parallelism: how the squared norm is summed (see the class)
@@ -206,6 +217,12 @@ class ShardedOptimizer:
         if make_offload is not None:
             fragments = self.stepped_fragments() if masters is not None else None
             self.offload = make_offload(self.stepped_tensors(), fragments)
+        self.zenflow: ZenFlowStep | None = None
+        if make_zenflow is not None:
+            places = self.fragment_places()
+            shapes = [b.slots[i].shape for b, i in places]
+            starts = [b.fragments[i].start if self.sharded else 0 for b, i in places]
+            self.zenflow = make_zenflow(self.stepped_tensors(), shapes, starts)
 
     def _refuse_unserved_whole_tensor(self, name: str, make_offload, tp_norm, experts, stage_comm) -> None:
         """What the owners of whole-tensor optimizers do not serve yet, refused by name."""
@@ -265,13 +282,17 @@ class ShardedOptimizer:
 
     def state_of(self, stepped: torch.Tensor) -> dict:
         """The optimizer state of a stepped tensor, offloaded parts included (mapped, not read into memory)."""
+        if self.zenflow is not None:
+            return self.zenflow.state_of(stepped)
         if self.offload is not None:
             return self.offload.state_of(stepped)
         return self.optimizer.state.get(stepped, {})
 
     def set_state(self, stepped: torch.Tensor, state: dict) -> None:
         """Replace the optimizer state of a stepped tensor (an empty dict removes it)."""
-        if self.offload is not None:
+        if self.zenflow is not None:
+            self.zenflow.set_state(stepped, state)
+        elif self.offload is not None:
             self.offload.set_state(stepped, state)
         elif state:
             self.optimizer.state[stepped] = state
@@ -410,8 +431,8 @@ class ShardedOptimizer:
     def _offload_clips(self) -> bool:
         """Whether the in-memory gradients' clip is left to the offload's step, which applies it in its one pass
         ([Note: one pass over a sub-group] in offload/one_pass.py). Never when another step replaces the offload's
-        (a ``zenflow`` attribute, the stall-free step): that one takes its gradients clipped."""
-        return self.offload is not None and self.offload.takes_clip and getattr(self, "zenflow", None) is None
+        (``zenflow``, the stall-free step): that one takes its gradients clipped."""
+        return self.offload is not None and self.offload.takes_clip and self.zenflow is None
 
     @staticmethod
     def _inverse(loss_scale: torch.Tensor | float | None, on_device: bool) -> torch.Tensor | float | None:
@@ -558,6 +579,9 @@ class ShardedOptimizer:
             finally:
                 for s, grad in frozen:
                     s.grad = grad
+            return
+        if self.zenflow is not None:  # gradients in memory, unscaled and clipped ([Note: the ZenFlow rule])
+            self.zenflow.step(grads)
             return
         if self.offload is not None:  # one sub-group at a time (see [Note: sub-group stepping])
             # host-stepped gradients copied in backward are raw: unscaled and clipped on the host, by the same factors
