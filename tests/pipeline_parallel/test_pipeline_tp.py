@@ -9,11 +9,23 @@ import pytest
 import torch
 
 import shardtrain
+from shardtrain.distributed.mesh import make_groups
 from shardtrain.testing import run_distributed
 from shardtrain.testing.parity import assert_parity
-from test_pipeline_parity import reference
+from test_pipeline_parity import model_loss, reference
 
 from helpers.pipeline import CLIP, GAS, MICRO, SEQ, STEPS, VOCAB, global_batches, make_model, make_optimizer
+
+
+def test_a_stage_group_holds_one_stage_ranks_under_tensor_parallelism():
+    """pp 2 x tp 2 x dp 2 (world 8): the ranks that broadcast, agree and sum the tp norm are one stage's four; without
+    tensor parallelism no such group is made (the dp group serves)."""
+    stage = {}
+    for rank in range(8):
+        main, _ = make_groups(rank, 8, 2, "gloo", "world", lambda ranks, backend: ranks, pp=2)
+        stage[rank] = main.stage
+        assert make_groups(rank, 8, 1, "gloo", "world", lambda ranks, backend: ranks, pp=2)[0].stage is None
+    assert stage == {r: [0, 1, 2, 3] if r < 4 else [4, 5, 6, 7] for r in range(8)}
 
 
 def tp_plan(kind: str):
@@ -55,7 +67,9 @@ def pp_tp_run(kind: str, pp: int, tp: int, stage: int) -> dict:
         norms.append(engine.get_global_grad_norm())
     # the shapes this rank holds (a split weight's tp block), to compare with the whole model's
     held = {n: tuple(p.shape) for n, p in engine.module.named_parameters()}
-    out = {"losses": losses, "norms": norms, "params": engine.full_state_dict(), "held": held}
+    # evaluation builds a schedule of its own, its shapes given as training's are
+    evaluated = float(engine.eval_batch(iter(batches[:GAS])))
+    out = {"losses": losses, "norms": norms, "params": engine.full_state_dict(), "held": held, "eval": evaluated}
     engine.close()
     return out
 
@@ -64,15 +78,26 @@ def check(kind: str, stage: int, world: int = 4) -> None:
     results = run_distributed(pp_tp_run, world, kind, 2, 2, stage)
     ref = reference(kind, world // 4)
     assert_parity(results, ref)
-    # ranks 0, 1 hold stage 0 and ranks 2, 3 stage 1, each a tp rank's blocks: a weight split in two, the rest whole
-    for stage_ranks in (results[0:2], results[2:4]):
-        a, b = (r["held"] for r in stage_ranks)
+    # eval_batch: the mean loss of the first step's micro-batches under the trained parameters, as one process has it
+    model = make_model(kind)
+    model.load_state_dict(results[0]["params"])
+    with torch.no_grad():
+        expected = sum(float(model_loss(kind, model, x, y)) for x, y in global_batches(kind, world // 4)[:GAS]) / GAS
+    assert all(abs(r["eval"] - expected) <= 1e-5 * abs(expected) for r in results), (
+        [r["eval"] for r in results],
+        expected,
+    )
+    # the first world / 2 ranks hold stage 0, the others stage 1; ranks 2 i and 2 i + 1 a tp pair, each holding its
+    # block of a split weight (half of it) and the rest whole
+    stage_world = world // 2
+    for first in (0, stage_world):
+        a, b = results[first]["held"], results[first + 1]["held"]
         assert a.keys() == b.keys() and a.keys() < ref["params"].keys()
         halves = [n for n in a if a[n] != tuple(ref["params"][n].shape)]
         assert halves, "no parameter of the stage is split over tp"
         for n in halves:
             assert 2 * torch.Size(a[n]).numel() == ref["params"][n].numel(), n
-    assert results[0]["held"].keys().isdisjoint(results[2]["held"].keys())
+    assert results[0]["held"].keys().isdisjoint(results[stage_world]["held"].keys())
 
 
 @pytest.mark.parametrize("stage", [1, 3])
@@ -83,6 +108,13 @@ def test_gpt_pp2_tp2(stage):
 @pytest.mark.parametrize("stage", [1, 3])
 def test_llama_pp2_tp2(stage):
     check("llama", stage)
+
+
+@pytest.mark.soak
+@pytest.mark.parametrize("stage", [1, 3])
+def test_gpt_pp2_tp2_dp2(stage):
+    """World 8: each stage's four ranks two tp pairs of two data-parallel ranks."""
+    check("gpt", stage, world=8)
 
 
 def _ckpt_batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -29,9 +29,9 @@ stage is therefore given its example input and output (torch's static mode, whic
 first stage's input is its first micro-batch's ids, another's the ``[rows, seq, width]`` hidden states in the
 compute dtype, and each output comes from one real forward of the stage on that input, without gradients and with
 the random state restored; the float ones are marked as requiring a gradient, which torch's static mode reads as
-"a gradient is sent back for it". The stages and the schedule are built at the first step of each kind (training, eval),
-whose micro-batches' shapes every later step of that kind must have; with tensor parallelism an evaluation builds
-a schedule of its own rather than letting torch infer the shapes again.
+"a gradient is sent back for it". The stages and the schedule are built at the first step of each kind (training,
+evaluation), whose micro-batches' shapes every later step of that kind must have; with tensor parallelism an
+evaluation builds a schedule of its own rather than letting torch infer the shapes again.
 """
 
 from __future__ import annotations
