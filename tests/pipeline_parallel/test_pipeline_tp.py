@@ -193,3 +193,14 @@ def test_pp2_tp2_checkpoint_loads_at_pp1_tp1(tmp_path):
         assert abs(a - b) <= 1e-5 * abs(b), (one["losses"], first["straight"])
     for name, value in first["final"].items():
         assert torch.allclose(one["final"][name], value, rtol=1e-4, atol=1e-6), name
+
+
+def test_a_model_without_a_hidden_size_is_refused_by_name_under_pp_and_tp():
+    """The stages' shapes are given from the model's hidden size; a model that says none (a PipelineModule, a bare
+    module) is refused by name, not failed deep in torch's shape inference."""
+    from shardtrain.engine.parallelize import activation_width
+    from shardtrain.errors import ConfigError
+
+    assert activation_width(make_model("gpt")) == 32 and activation_width(make_model("llama")) == 32
+    with pytest.raises(ConfigError, match=r"Sequential with pipeline and tensor parallelism is not built yet"):
+        activation_width(torch.nn.Sequential(torch.nn.Linear(4, 4)))
