@@ -34,11 +34,11 @@ def tp_plan(kind: str):
     return GPT_TP_PLAN if kind == "gpt" else None  # Llama: the plan its config carries
 
 
-def config(pp: int, tp: int, stage: int) -> dict:
+def config(pp: int, tp: int, stage: int, schedule: str = "1F1B") -> dict:
     return {
         "pipeline_parallel_size": pp,
         "tensor_parallel": {"size": tp},
-        "pipeline": {"schedule": "1F1B"},
+        "pipeline": {"schedule": schedule, "stages_per_rank": 2 if schedule == "Interleaved1F1B" else 1},
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": GAS,
         "gradient_clipping": CLIP,
@@ -55,9 +55,11 @@ def batches_of(kind: str, engine) -> list:
     return batches
 
 
-def pp_tp_run(kind: str, pp: int, tp: int, stage: int) -> dict:
+def pp_tp_run(kind: str, pp: int, tp: int, stage: int, schedule: str) -> dict:
     model = make_model(kind)
-    engine = shardtrain.initialize(model, config(pp, tp, stage), optimizer=make_optimizer(model), tp_plan=tp_plan(kind))
+    engine = shardtrain.initialize(
+        model, config(pp, tp, stage, schedule), optimizer=make_optimizer(model), tp_plan=tp_plan(kind)
+    )
     t = engine.topology
     assert (t.pp, t.tp, t.dp) == (pp, tp, torch.distributed.get_world_size() // (pp * tp))
     batches = batches_of(kind, engine)
@@ -74,8 +76,8 @@ def pp_tp_run(kind: str, pp: int, tp: int, stage: int) -> dict:
     return out
 
 
-def check(kind: str, stage: int, world: int = 4) -> None:
-    results = run_distributed(pp_tp_run, world, kind, 2, 2, stage)
+def check(kind: str, stage: int, world: int = 4, schedule: str = "1F1B") -> None:
+    results = run_distributed(pp_tp_run, world, kind, 2, 2, stage, schedule)
     ref = reference(kind, world // 4)
     assert_parity(results, ref)
     # eval_batch: the mean loss of the first step's micro-batches under the trained parameters, as one process has it
@@ -108,6 +110,11 @@ def test_gpt_pp2_tp2(stage):
 @pytest.mark.parametrize("stage", [1, 3])
 def test_llama_pp2_tp2(stage):
     check("llama", stage)
+
+
+def test_gpt_pp2_tp2_interleaved():
+    """Two stages per rank, each given its shapes: the second's input is hidden states received from the other rank."""
+    check("gpt", 1, schedule="Interleaved1F1B")
 
 
 @pytest.mark.soak
