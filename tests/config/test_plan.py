@@ -161,7 +161,6 @@ def test_pipeline_axis_is_cut_before_the_others():
     ("extra", "named"),
     [
         ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}}, r"ZeRO\+\+ hpZ"),
-        ({"tensor_parallel": {"size": 2}}, "tensor parallelism"),
         ({"sequence_parallel_size": 2}, "sequence parallelism"),
         ({"expert_parallel_size": 2}, "expert parallelism"),
         ({"zero_optimization": {"stage": 1, "mics_shard_size": 1}}, "hybrid sharding"),
@@ -172,6 +171,15 @@ def test_pipeline_axis_is_cut_before_the_others():
 def test_pipeline_with_what_is_not_built_is_refused_by_name(extra, named):
     cfg = load_config({"pipeline_parallel_size": 2, **extra})
     with pytest.raises(ConfigError, match=f"pipeline_parallel_size 2 with {named}.*not built yet"):
+        resolve_plan(cfg, 8)
+
+
+def test_pipeline_with_tensor_parallelism_is_planned():
+    """pp 2 x tp 2 is built (tests/pipeline_parallel/test_pipeline_tp.py); with sp beside it, still refused."""
+    plan = resolve_plan(load_config({"pipeline_parallel_size": 2, "tensor_parallel": {"size": 2}}), 8)
+    assert (plan.dims.pp, plan.dims.tp, plan.dims.dp) == (2, 2, 2)
+    cfg = load_config({"pipeline_parallel_size": 2, "tensor_parallel": {"size": 2}, "sequence_parallel_size": 2})
+    with pytest.raises(ConfigError, match=r"pipeline_parallel_size 2 with sequence parallelism.*not built yet"):
         resolve_plan(cfg, 8)
 
 

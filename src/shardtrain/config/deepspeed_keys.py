@@ -1138,7 +1138,8 @@ RULES: tuple[Rule, ...] = (
             f"pipeline.{key}",
             "bool, `true`",
             f"DeepSpeed splits the {what} sent between stages into 1/tp pieces only with tensor (model) parallelism, "
-            "which is not built with pipeline parallelism here: without it DeepSpeed sends them whole, as here",
+            "which is not built with a `PipelineModule` here (refused by name): without it DeepSpeed sends them "
+            "whole, as here (shardtrain's GPT and Hugging Face models under pp x tp send them whole too)",
             check=StrictBool,
         )
         for key, what in (("pipe_partitioned", "activations"), ("grad_partitioned", "gradients"))

@@ -263,7 +263,6 @@ def refuse_unbuilt_pipeline(cfg: Config, dims: ParallelDims) -> None:
     """What pipeline parallelism is not built with yet (docs/pipeline-parallel.md), refused by name."""
     zcfg = cfg.zero_optimization
     refused = [
-        (dims.tp > 1, f"tensor parallelism (tensor_parallel.size {dims.tp})"),
         (dims.sp > 1, f"sequence parallelism (sequence_parallel_size {dims.sp})"),
         (dims.ep > 1, f"expert parallelism (expert_parallel_size {dims.ep})"),
         (dims.replicas > 1, f"hybrid sharding (zero_optimization.mics_shard_size {zcfg.mics_shard_size})"),

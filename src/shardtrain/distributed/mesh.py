@@ -352,6 +352,9 @@ class Groups:
     """Pipeline parallelism at ``pp > 2``: the first and the last stage's ranks at one place, which sum the gradients
     of the weights tied across them (at ``pp`` 2 the ``pp`` group itself; see [Note: weights tied across stages] in
     :mod:`shardtrain.pipeline_parallel.cut`)."""
+    stage: dist.ProcessGroup | None = None
+    """Pipeline with tensor parallelism: the ``world / pp`` ranks holding this rank's stage, which broadcast the
+    model, agree on it and sum the tensor-parallel norm (None otherwise: there the ``dp`` group serves)."""
     hpz: dist.ProcessGroup | None = None
     """ZeRO++ hpZ: the ``H`` adjacent data-parallel ranks that re-gather units for backward from their secondary
     shards (None without hpZ; see [Note: secondary shards] in :mod:`shardtrain.zero.hpz`)."""
@@ -431,6 +434,8 @@ def make_groups(
         partitions["pp"] = [[s * stage_world + r for s in range(pp)] for r in range(stage_world)]
         if pp > 2:
             partitions["pp_ends"] = [[r, (pp - 1) * stage_world + r] for r in range(stage_world)]
+        if tp > 1:  # what the world group serves without pipelining: one stage's ranks hold one model
+            partitions["stage"] = [[s * stage_world + r for r in range(stage_world)] for s in range(pp)]
     return _groups_of(partitions, rank, world, backend, world_group, new_group)
 
 
@@ -724,6 +729,12 @@ class Topology:
     @property
     def world_group(self) -> dist.ProcessGroup:
         return self.groups.world
+
+    @property
+    def model_group(self) -> dist.ProcessGroup:
+        """The ranks holding one whole model (or, under pipeline parallelism, one stage of it): the world group
+        without pipelining, this rank's stage's ranks with it."""
+        return self.groups.stage if self.groups.stage is not None else self.groups.world
 
     @property
     def host_world_group(self) -> dist.ProcessGroup:

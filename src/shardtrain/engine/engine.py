@@ -121,6 +121,7 @@ class Engine:
                 topology.pp_group,
                 topology.device,
                 (lambda: scaler.scale_tensor) if scaler is not None else None,
+                activation_dtype=plan.precision.compute_dtype,
             )
             self._pp_comm = Communicator(topology.pp_group, topology.timeout_s)
             # checkpoints run their protocol over every rank: each stage writes its own tensors into one manifest
@@ -694,8 +695,8 @@ class Engine:
         t = self.topology
         ep_comm = self._expert_comms.get("ep")
         if self._pipeline is not None:  # each stage's first rank holds its stage's tensors under the model's names
-            mine = full_state_dict(
-                self._training_state(), self._runtime, None, t.rank % t.stage_world, t.dp_rank, t.device
+            mine = full_state_dict(  # a stage's tensor-parallel blocks joined over its tp group
+                self._training_state(), self._runtime, self.tp_comm, t.rank % t.stage_world, t.dp_rank, t.device
             )
             # every pipeline group exchanges (object collectives are collective); only stage rank 0's hold tensors:
             # in this slice the whole model passes through the host of global rank 0's pipeline group

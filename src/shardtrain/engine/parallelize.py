@@ -95,7 +95,7 @@ from shardtrain.sequence_parallel import (
 from shardtrain.sequence_parallel.tiling import install as install_tiling
 from shardtrain.tensor_parallel import parallelize as split_tensor_parallel
 from shardtrain.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from shardtrain.tensor_parallel.parallelize import check_replicated_gradients
+from shardtrain.tensor_parallel.parallelize import check_plan_matches, check_replicated_gradients
 from shardtrain.zero.build import build_layout, laid_out_whole
 from shardtrain.zero.float8_gather import take_precast_weights
 from shardtrain.zero.gather import ShardSource
@@ -167,6 +167,8 @@ def parallelize(
     # refused before the model is touched; found in the whole model, whose layer list a pipeline's cut turns into a
     # ModuleDict of this rank's layers ([Note: stages keep the model's names] in pipeline_parallel/cut.py)
     blocks = checkpointed_blocks(model, plan)
+    if plan.dims.pp > 1 and topology.tp > 1 and tp_plan is not None:  # a stage holds only some of its patterns
+        check_plan_matches(model, tp_plan)
     pipeline = apply_pp(model, plan, topology, optimizer)
     if pipeline is not None:
         kept = {id(m) for m in model.modules()}
@@ -236,7 +238,8 @@ def make_comms(topology: Topology, tp_comm: Communicator | None, ep_comm: Commun
     # what must reach every data-parallel rank goes over the dp axis
     replica = Communicator(topology.replicate_group, topology.timeout_s) if topology.hybrid else None
     dp = Communicator(topology.zero_group, topology.timeout_s) if topology.hybrid else shard
-    world = dp if topology.tp == 1 else Communicator(topology.world_group, topology.timeout_s)
+    # the ranks of one model: under pipeline parallelism one stage's ([Note: tensor parallelism in a pipeline stage])
+    world = dp if topology.tp == 1 else Communicator(topology.model_group, topology.timeout_s)
     hpz = Communicator(topology.hpz_group, topology.timeout_s) if topology.hpz_group is not None else None
     ep = edp = None
     if topology.ep > 1:  # see [Note: the expert axis] in shardtrain/distributed/mesh.py
@@ -258,6 +261,11 @@ def apply_pp(model: nn.Module, plan: Plan, topology: Topology, optimizer: torch.
     num_stages = plan.dims.pp * plan.pipeline.stages_per_rank
     stage_ids = list(range(topology.pp_rank, num_stages, plan.dims.pp))
     tied = [p for p in tied_across_stages(model) if p.requires_grad]  # read before the cut prunes the model
+    # [Note: tensor parallelism in a pipeline stage] torch cannot infer a tensor-parallel stage's shapes on meta
+    # tensors: they are given ([Note: stage shapes given, not inferred] in pipeline_parallel/schedule.py). The ranks
+    # of one stage hold one model as the world's do without pipelining: they broadcast it, agree on it and sum the
+    # tensor-parallel norm over ``Topology.model_group``; a stage's full_state_dict joins its blocks over tp.
+    width = activation_width(model) if topology.tp > 1 else None  # refused by name before the model is touched
     parts, loss_fn = cut_model(model, num_stages, stage_ids)
     kept = {id(p) for p in model.parameters()}
     for group in optimizer.param_groups:
@@ -272,7 +280,21 @@ def apply_pp(model: nn.Module, plan: Plan, topology: Topology, optimizer: torch.
             ends.broadcast(value, 0, what="weights tied across stages (the first stage's initial values)")
             with torch.no_grad():
                 p.copy_(value)
-    return Pipeline(parts, stage_ids, num_stages, loss_fn, tied)
+    return Pipeline(parts, stage_ids, num_stages, loss_fn, tied, activation_width=width)
+
+
+def activation_width(model: nn.Module) -> int:
+    """The hidden size a cut model's stages send each other: a GPT's ``d_model``, a Hugging Face model's
+    ``hidden_size``."""
+    cfg = getattr(model, "cfg", None)
+    width = getattr(cfg, "d_model", None) or getattr(getattr(model, "config", None), "hidden_size", None)
+    if width is None:
+        raise ConfigError(
+            f"{type(model).__name__} with pipeline and tensor parallelism is not built yet: the stages' activation "
+            "shapes are read from the hidden size of a GPT (cfg.d_model) or a Hugging Face model (config.hidden_size), "
+            "and it has neither; set tensor_parallel.size 1 or pipeline_parallel_size 1"
+        )
+    return int(width)
 
 
 def apply_construction(model: nn.Module, plan: Plan, topology: Topology) -> bool:
@@ -299,7 +321,7 @@ def apply_tp(
     tp_comm = Communicator(topology.tp_group, topology.timeout_s)
     if not deferred:  # deferred values are the same on every rank by construction: nothing to broadcast
         refuse_sharded_construction(model)
-        broadcast_model(model, Communicator(topology.world_group, topology.timeout_s))
+        broadcast_model(model, Communicator(topology.model_group, topology.timeout_s))
     # a deferred model's gradient check needs real parameters: it runs after materialization (apply_ep)
     placements = split_tensor_parallel(
         model,
@@ -308,6 +330,7 @@ def apply_tp(
         check_replicated_grads=not deferred,
         whole_experts=whole_experts,
         compute_dtype=plan.precision.compute_dtype,
+        one_stage=plan.dims.pp > 1,
     )
     if not any(p.is_split for p in placements.values()):
         raise LayoutError(

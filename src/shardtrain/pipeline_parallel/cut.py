@@ -6,7 +6,9 @@ layer list (which becomes a ``ModuleDict`` keyed by the layers' original indices
 and head are set to None where another stage holds them. Every kept parameter therefore has the name it has in the
 whole model (``blocks.3.attn.qkv.weight``), so the layout, ``full_state_dict`` and checkpoints speak of the same
 logical tensors at any pipeline size. Each stage's forward is a small module of its own (:class:`GPTStage`,
-:class:`LlamaStage`) holding the kept pieces it runs: the first embeds, the last applies the final norm and head
+:class:`LlamaStage`) that runs the kept pieces, read from the model at each call (the later steps, tensor
+parallelism's above all, replace some of them: a stage holding the pieces would run the replaced ones): the first
+embeds, the last applies the final norm and head
 (the loss is the schedule's ``loss_fn``, run on the last stage's output), and every Llama stage makes the rotary
 embeddings and the causal mask it needs from its own input (they hold no parameters).
 
@@ -73,16 +75,15 @@ class GPTStage(nn.Module):
     def __init__(self, model: GPT, layers: range, first: bool, last: bool) -> None:
         super().__init__()
         self.first, self.last, self.layer_ids = first, last, [str(i) for i in layers]
-        self.tok, self.pos = (model.tok, model.pos) if first else (None, None)
-        self.blocks = nn.ModuleList(model.blocks[i] for i in self.layer_ids)
-        self.ln_f, self.head = (model.ln_f, model.head) if last else (None, None)
+        self._whole = (model,)  # not a submodule: the model's pieces are read at each call
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        model = self._whole[0]
         if self.first:  # x: token ids [b, t]
-            x = self.tok(x) + self.pos(torch.arange(x.shape[1], device=x.device))
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln_f(x)) if self.last else x
+            x = model.tok(x) + model.pos(torch.arange(x.shape[1], device=x.device))
+        for i in self.layer_ids:
+            x = model.blocks[i](x)
+        return model.head(model.ln_f(x)) if self.last else x
 
 
 class LlamaStage(nn.Module):
@@ -91,27 +92,27 @@ class LlamaStage(nn.Module):
 
     def __init__(self, model: nn.Module, layers: range, first: bool, last: bool) -> None:
         super().__init__()
-        inner = model.model
         self.config = model.config
-        self.first, self.last = first, last
-        self.embed_tokens = inner.embed_tokens if first else None
-        self.layers = nn.ModuleList(inner.layers[str(i)] for i in layers)
-        self.rotary_emb = inner.rotary_emb
-        self.norm, self.lm_head = (inner.norm, model.lm_head) if last else (None, None)
+        self.first, self.last, self.layer_ids = first, last, [str(i) for i in layers]
+        self._whole = (model,)  # not a submodule: the model's pieces are read at each call
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from transformers.masking_utils import create_causal_mask
 
-        h = self.embed_tokens(x) if self.first else x  # x: token ids [b, t], else hidden states [b, t, d]
+        model = self._whole[0]
+        inner = model.model
+        h = inner.embed_tokens(x) if self.first else x  # x: token ids [b, t], else hidden states [b, t, d]
         position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
         mask = create_causal_mask(
             config=self.config, inputs_embeds=h, attention_mask=None, past_key_values=None, position_ids=position_ids
         )
-        position_embeddings = self.rotary_emb(h, position_ids=position_ids)
-        for layer in self.layers:
-            h = layer(h, attention_mask=mask, position_embeddings=position_embeddings, position_ids=position_ids)
+        position_embeddings = inner.rotary_emb(h, position_ids=position_ids)
+        for i in self.layer_ids:
+            h = inner.layers[i](
+                h, attention_mask=mask, position_embeddings=position_embeddings, position_ids=position_ids
+            )
             h = h[0] if isinstance(h, tuple) else h
-        return self.lm_head(self.norm(h)) if self.last else h
+        return model.lm_head(inner.norm(h)) if self.last else h
 
 
 def _is_llama_family(model: nn.Module) -> bool:
@@ -190,7 +191,13 @@ def cut_model(model: nn.Module, num_stages: int, stages: list[int]) -> tuple[lis
     if not holds_last:
         model.ln_f, model.head = None, None
     parts = [GPTStage(model, split[s], s == 0, s == num_stages - 1) for s in stages]
-    return parts, model.loss
+
+    def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # read when called: a tensor-parallel plan replaces ``model.loss`` after the cut (its vocab-parallel loss of
+        # the head's column blocks, [Note: tensor parallelism in a pipeline stage] in engine/parallelize.py)
+        return model.loss(logits, targets)
+
+    return parts, gpt_loss
 
 
 __all__ = [

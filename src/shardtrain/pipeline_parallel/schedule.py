@@ -21,6 +21,17 @@ stage's whole parameters and its whole gradients (the reducer's staging, in the 
 storage per stage]); between steps only the shards, the gradient shards and the optimizer state stay. So the runtime
 installs no unit hooks under pipeline parallelism (the stage modules, not the model, run the forwards), and ZeRO-3's
 prefetch and ``stage3_max_live_parameters`` do not apply.
+
+[Note: stage shapes given, not inferred]
+torch's ``PipelineStage`` infers the activations' shapes by running each stage's forward on meta tensors, which
+tensor-parallel layers cannot do (a vocab-parallel embedding masks its ids by value). With tensor parallelism every
+stage is therefore given its example input and output (torch's static mode, which all stages must vote for): the
+first stage's input is its first micro-batch's ids, another's the ``[rows, seq, width]`` hidden states in the
+compute dtype, and each output comes from one real forward of the stage on that input, without gradients and with
+the random state restored; the float ones are marked as requiring a gradient, which torch's static mode reads as
+"a gradient is sent back for it". The stages and the schedule are built at the first step of each kind (training,
+evaluation), whose micro-batches' shapes every later step of that kind must have; with tensor parallelism an
+evaluation builds a schedule of its own rather than letting torch infer the shapes again.
 """
 
 from __future__ import annotations
@@ -91,8 +102,16 @@ class Pipeline:
         num_stages: int,
         loss_fn: LossFn,
         tied: list[nn.Parameter] | None = None,
+        activation_width: int | None = None,
     ) -> None:
+        """``activation_width``: the hidden size the stages send each other, where their shapes are given rather
+        than inferred ([Note: stage shapes given, not inferred]); None: torch infers them."""
         self.parts, self.stage_ids, self.num_stages, self.loss_fn = parts, stage_ids, num_stages, loss_fn
+        self.activation_width = activation_width
+        self._make_schedule: Callable[[list[tuple[torch.Tensor, torch.Tensor]] | None], Any] | None = None
+        self._schedules: dict[bool, Any] = {}  # with given shapes: each kind's, built at its first step
+        self._activation_dtype = torch.float32
+        self._micro_batches = 1
         # the parameters this rank shares with the other end of the pipeline, in one order on both ([Note: weights
         # tied across stages] in pipeline_parallel/cut.py); empty on the middle stages and for an untied model
         self.tied: list[nn.Parameter] = list(tied or [])
@@ -119,14 +138,15 @@ class Pipeline:
         group: dist.ProcessGroup,
         device: torch.device,
         loss_scale: Callable[[], torch.Tensor] | None = None,
+        activation_dtype: torch.dtype = torch.float32,
     ) -> None:
         """The ``PipelineStage`` of each part and ``schedule`` over ``micro_batches`` (see [Note: one pipeline
         step]); ``loss_scale``: fp16's current loss scale, which a training step's losses are multiplied by before
         the schedule's backward ([Note: fp16's loss scale in the schedule])."""
         check_micro_batches(schedule, micro_batches, dist.get_world_size(group))
         cls = get_schedule_class(schedule)
-        stages = [PipelineStage(p, s, self.num_stages, device, group=group) for p, s in zip(self.parts, self.stage_ids)]
-        k, self._device = micro_batches, device
+        k, self._device, self._activation_dtype = micro_batches, device, activation_dtype
+        self._micro_batches = k
 
         def loss(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
             value = self.loss_fn(output, labels)
@@ -144,7 +164,40 @@ class Pipeline:
             return scaled
 
         multi = issubclass(cls, PipelineScheduleMulti)
-        self._schedule = cls(stages if multi else stages[0], n_microbatches=k, loss_fn=loss, scale_grads=False)
+
+        def make(examples: list[tuple[torch.Tensor, torch.Tensor]] | None) -> Any:
+            given = examples or [(None, None)] * len(self.parts)
+            stages = [
+                PipelineStage(p, s, self.num_stages, device, input_args=x, output_args=y, group=group)
+                for p, s, (x, y) in zip(self.parts, self.stage_ids, given)
+            ]
+            return cls(stages if multi else stages[0], n_microbatches=k, loss_fn=loss, scale_grads=False)
+
+        self._make_schedule = make
+        if self.activation_width is None:
+            self._schedule = make(None)
+
+    def _examples(self, inputs: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each of this rank's stages' example input and output for one micro-batch of ``inputs`` (the step's
+        rows joined): [Note: stage shapes given, not inferred]."""
+        micro = inputs[: inputs.shape[0] // self._micro_batches]
+        hidden = (micro.shape[0], micro.shape[1], self.activation_width)
+        out = []
+        on_device = self._device.type != "cpu"  # the CPU generator is forked always
+        devices = [self._device] if on_device else []
+        with torch.no_grad(), torch.random.fork_rng(devices, device_type=self._device.type if on_device else "cuda"):
+            for part, stage in zip(self.parts, self.stage_ids):
+                x = micro if stage == 0 else torch.zeros(hidden, dtype=self._activation_dtype, device=self._device)
+                # torch sends a gradient back for what its example says requires one: every float activation
+                out.append((x if stage == 0 else x.requires_grad_(), part(x).requires_grad_()))
+        return out
+
+    def _schedule_for(self, inputs: torch.Tensor, train: bool) -> Any:
+        if self.activation_width is None:
+            return self._schedule
+        if train not in self._schedules:
+            self._schedules[train] = self._make_schedule(self._examples(inputs))
+        return self._schedules[train]
 
     def knows_shapes(self, train: bool) -> bool:
         """Whether the stages have learned their activations' shapes for a training (or evaluation) step: after
@@ -169,7 +222,8 @@ class Pipeline:
                 "every micro-batch to one shape (the same rows and sequence length)"
             )
         args = (inputs,) if self.first else ()
-        run = self._schedule.step if train else self._schedule.eval
+        schedule = self._schedule_for(inputs, train)
+        run = schedule.step if train else schedule.eval
         self._training, self._unscaled = train, {}
         if self.last:
             losses: list[torch.Tensor] = []

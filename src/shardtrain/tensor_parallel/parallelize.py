@@ -83,6 +83,7 @@ def parallelize(
     check_replicated_grads: bool = True,
     whole_experts: Mapping[str, Sequence[str]] | None = None,
     compute_dtype: torch.dtype | None = None,
+    one_stage: bool = False,
 ) -> dict[str, TPPlacement]:
     """Apply a tensor-parallel plan to ``model`` in place, over the group of ``tp_comm``.
 
@@ -105,9 +106,12 @@ def parallelize(
 
     ``compute_dtype``: the dtype the engine casts the weights to for training (None: as they are), which split
     experts' blocks must suit ([Note: grouped_mm's alignment] in :mod:`~.experts`).
+
+    ``one_stage``: ``model`` is pruned to one pipeline stage's pieces, so a pattern of a given plan may match
+    only another stage's (the caller checks the plan against the whole model first, :func:`check_plan_matches`).
     """
-    explicit = plan is not None
-    tp_plan = as_plan(plan) if explicit else own_plan(model)
+    explicit = plan is not None and not one_stage
+    tp_plan = as_plan(plan) if plan is not None else own_plan(model)
     if whole_experts:
         tp_plan, _ = replicate_experts(tp_plan, whole_experts)
     size = tp_comm.size
@@ -220,6 +224,12 @@ def sum_partial_gradients(model: nn.Module, placements: Mapping[str, TPPlacement
         placement = placements.get(name)
         if placement is not None and placement.partial_grad and p.grad is not None:
             tp_comm.all_reduce(p.grad, what=f"the partial gradients of {name!r} (summed over tp ranks)")
+
+
+def check_plan_matches(model: nn.Module, plan: Mapping[str, str | TPStyle] | TPPlan) -> None:
+    """Raise :class:`LayoutError` naming a pattern of ``plan`` that matches no module or parameter of ``model``
+    (what :func:`parallelize` checks of a given plan; run on the whole model before a pipeline cuts it)."""
+    _match(model, as_plan(plan), explicit=True)
 
 
 def _match(model: nn.Module, plan: TPPlan, explicit: bool) -> tuple[dict[str, TPStyle], dict[str, TPStyle]]:
