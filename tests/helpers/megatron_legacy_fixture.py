@@ -34,8 +34,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).parent))
-import megatron_fixture as mf  # noqa: E402
+from helpers import megatron_fixture as mf
 
 DATA = Path(__file__).parents[1] / "data" / "megatron_legacy"
 SAVE_TP, SAVE_PP = 2, 2
