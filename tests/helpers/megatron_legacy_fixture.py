@@ -21,7 +21,8 @@ What ran beyond [Note: megatron-core on CPU] (``megatron_fixture.py``), each giv
 - ``validate_args`` asks the CUDA device's architecture (to warn about ``CUDA_DEVICE_MAX_CONNECTIONS``): 10;
 - ``get_rng_state`` saves ``torch.cuda.get_rng_state()``: an empty byte tensor (there is no CUDA generator).
 The rest of ``save_checkpoint`` (checkpoint names, ``generate_state_dict``, ``torch.save``, the tracker file) is
-Megatron-LM's code as released.
+Megatron-LM's code as released. Not written: the distributed optimizer's state (``DistributedOptimizer`` refuses
+parameters whose ``type()`` is not ``torch.cuda.*Tensor``; docs/migration-megatron.md says what a probe found).
 """
 
 import os
