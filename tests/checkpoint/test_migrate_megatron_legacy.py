@@ -171,6 +171,13 @@ def test_missing_rank_directory_is_named(tmp_path):
         open_checkpoint(ckpt)
 
 
+def test_expert_parallel_legacy_checkpoint_is_refused_by_name(tmp_path):
+    ckpt = _copy(tmp_path)
+    (ckpt / "mp_rank_00_000").rename(ckpt / "mp_rank_00_000_001")
+    with pytest.raises(CheckpointError, match=r"legacy Megatron checkpoint with expert parallelism"):
+        open_checkpoint(ckpt)
+
+
 def test_empty_rank_file_is_named_from_every_path(tmp_path):
     """A rank file that is no torch.save file is named, whichever of the save, iteration or rank directory is
     given (what the former refusal of the legacy layout covered)."""
