@@ -236,18 +236,6 @@ def test_args_outside_llama_are_refused_by_name(dense, tmp_path):
         open_checkpoint(ckpt)
 
 
-@pytest.mark.parametrize("rank_dir", ["mp_rank_00", "mp_rank_00_000"], ids=["tp", "tp-pp"])
-def test_legacy_layout_is_named(tmp_path, rank_dir):
-    """Named from the save directory, the iteration directory and one rank's directory alike."""
-    iteration = tmp_path / "iter_0000005"
-    (iteration / rank_dir).mkdir(parents=True)
-    (iteration / rank_dir / "model_optim_rng.pt").write_bytes(b"")
-    (tmp_path / "latest_checkpointed_iteration.txt").write_text("5")
-    for path in (tmp_path, iteration, iteration / rank_dir):
-        with pytest.raises(CheckpointError, match="legacy Megatron checkpoint"):
-            open_checkpoint(path)
-
-
 def _tensors(path: Path) -> dict[str, torch.Tensor]:
     reader = open_checkpoint(path)
     return {name: reader.read(name) for name in reader.manifest.tensors}

@@ -81,11 +81,15 @@ def open_checkpoint(path: str | os.PathLike, tag: str | None = None, *, verify: 
 
     if (ds_dir := find_deepspeed_dir(path, tag)) is not None:
         return DeepSpeedReader(ds_dir)  # type: ignore[return-value]  # the same reading interface
-    from shardtrain.checkpoint.foreign.megatron_format import find_megatron_checkpoint  # Megatron-Core torch_dist
+    from shardtrain.checkpoint.foreign.megatron_format import find_megatron_checkpoint  # Megatron torch_dist, legacy
 
     if (megatron_dir := find_megatron_checkpoint(path, tag)) is not None:  # before DCP: it is a DCP directory too
+        from shardtrain.checkpoint.foreign.megatron_format import is_legacy_checkpoint
+        from shardtrain.checkpoint.foreign.megatron_legacy import LegacyMegatronReader
         from shardtrain.checkpoint.foreign.megatron_reader import MegatronReader
 
+        if is_legacy_checkpoint(megatron_dir):  # mp_rank_*/model_optim_rng.pt (Megatron-LM's --ckpt-format torch)
+            return LegacyMegatronReader(megatron_dir)  # type: ignore[return-value]
         return MegatronReader(megatron_dir)  # type: ignore[return-value]  # the same reading interface
     from shardtrain.checkpoint.foreign.dcp_format import find_dcp_checkpoint  # torch DCP (FSDP2, torchtitan)
 

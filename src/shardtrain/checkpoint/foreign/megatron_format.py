@@ -34,19 +34,25 @@ if TYPE_CHECKING:
 
 COMMON_NAME, MEGATRON_METADATA_NAME = "common.pt", "metadata.json"
 LATEST_ITERATION_NAME = "latest_checkpointed_iteration.txt"
+LEGACY_RANK_FILE = "model_optim_rng.pt"  # in iter_N/mp_rank_<tp:02d>[_<pp:03d>][_<ep:03d>]/, --ckpt-format torch
+LEGACY_RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?")
 OPTIMIZER_STATE = "optimizer.state."  # + "<state key>.<model key>": megatron's optimizer state in model space
 
 
 def find_megatron_checkpoint(path: str | Path, tag: str | None) -> Path | None:
-    """The Megatron ``torch_dist`` checkpoint directory ``path`` names, or None when it is none: the directory
-    itself, ``path/tag``, or (a Megatron-LM save directory) the ``iter_*`` directory its
-    ``latest_checkpointed_iteration.txt`` names."""
+    """The Megatron checkpoint directory ``path`` names, or None when it is none: a ``torch_dist`` directory or a
+    legacy iteration directory ([Note: legacy Megatron checkpoints] in ``megatron_legacy.py``) itself, ``path/tag``,
+    the iteration one legacy rank directory belongs to, or (a Megatron-LM save directory) the ``iter_*`` directory
+    its ``latest_checkpointed_iteration.txt`` names."""
     path = Path(path)
     if tag is not None:
         path = path / tag
-    if _is_torch_dist(path):
+    if _is_torch_dist(path) or is_legacy_checkpoint(path):
         return path
-    _refuse_legacy(path)
+    if (
+        LEGACY_RANK_DIR.fullmatch(path.name) and (path / LEGACY_RANK_FILE).is_file()
+    ):  # one rank's directory: its iteration
+        return path.parent
     latest = path / LATEST_ITERATION_NAME
     if tag is None and latest.is_file():
         text = latest.read_text().strip()
@@ -55,25 +61,20 @@ def find_megatron_checkpoint(path: str | Path, tag: str | None) -> Path | None:
                 f"{latest}: holds {text[:40]!r}, not an iteration number (release checkpoints are not read)"
             )
         ckpt = path / f"iter_{int(text):07d}"
-        if not _is_torch_dist(ckpt):
-            _refuse_legacy(ckpt)
+        if not (_is_torch_dist(ckpt) or is_legacy_checkpoint(ckpt)):
             raise CheckpointError(
-                f"{latest} names iteration {text}, but {ckpt} is not a complete torch_dist "
-                "checkpoint (no .metadata or metadata.json)"
+                f"{latest} names iteration {text}, but {ckpt} is neither a complete torch_dist checkpoint "
+                "(no .metadata or metadata.json) nor a legacy one (no mp_rank_*/model_optim_rng.pt)"
             )
         return ckpt
     return None
 
 
-def _refuse_legacy(path: Path) -> None:
-    """A legacy ``iter_*/mp_rank_XX[_YYY]/model_optim_rng.pt`` checkpoint (the iteration or one rank's directory) is
-    named as such. Directories only: DeepSpeed's ``mp_rank_00_model_states.pt`` are files."""
-    rank_dir = path.name.startswith("mp_rank_") and (path / "model_optim_rng.pt").is_file()
-    if rank_dir or (path / "mp_rank_00").is_dir() or (path / "mp_rank_00_000").is_dir():
-        raise CheckpointError(
-            f"{path}: a legacy Megatron checkpoint (mp_rank_* pickles); only torch_dist checkpoints are read "
-            "(save with --ckpt-format torch_dist, or convert with Megatron-LM's checkpoint converter)"
-        )
+def is_legacy_checkpoint(path: Path) -> bool:
+    """Whether ``path`` is an iteration directory of legacy ``mp_rank_*/model_optim_rng.pt`` files."""
+    return path.is_dir() and any(
+        LEGACY_RANK_DIR.fullmatch(d.name) and (d / LEGACY_RANK_FILE).is_file() for d in path.iterdir()
+    )
 
 
 def _is_torch_dist(path: Path) -> bool:
@@ -141,26 +142,43 @@ _REFUSED = re.compile(r"GLOBAL ([\w.]+)")  # how torch's weights-only unpickler 
 
 
 def load_common(ckpt: Path) -> dict[str, Any]:
-    """``common.pt`` through ``torch.load(weights_only=True)``: ``argparse.Namespace`` becomes :class:`MegatronArgs`,
-    each ``megatron.*`` name an inert :class:`MegatronValue` subclass; any other global is refused by name."""
+    """``common.pt`` through :func:`load_megatron_pickle`."""
     path = ckpt / COMMON_NAME
     if not path.is_file():
         raise CheckpointError(f"{path}: missing; a Megatron torch_dist checkpoint keeps its common state there")
+    return load_megatron_pickle(path, "common state")
+
+
+# What a legacy ``model_optim_rng.pt`` adds to the common state's names: its RNG states (numpy's array and dtype
+# records, kept as inert values, never rebuilt) and the exit signal in ``args``.
+RNG_STATE_NAMES = (
+    "numpy._core.multiarray._reconstruct",
+    "numpy.core.multiarray._reconstruct",
+    "numpy.ndarray",
+    "numpy.dtype",
+    "signal.Signals",
+)
+
+
+def load_megatron_pickle(path: Path, what: str, *, inert: tuple[str, ...] = (), mmap: bool = False) -> dict[str, Any]:
+    """A ``torch.save`` file of Megatron's through ``torch.load(weights_only=True)``: ``argparse.Namespace``
+    becomes :class:`MegatronArgs`, each ``megatron.*`` name (and each of ``inert``) an inert :class:`MegatronValue`
+    subclass; any other global is refused by name. ``mmap``: the tensors stay in the file until read."""
     allowed: list[tuple[Any, str]] = [(MegatronArgs, "argparse.Namespace")]
+    allowed += [(type(name.rsplit(".", 1)[1], (MegatronValue,), {}), name) for name in inert]
     for _ in range(64):  # each round admits one more megatron name; a file naming more is refused
         try:
             with torch.serialization.safe_globals(allowed):
-                data = torch.load(path, map_location="cpu", weights_only=True)
+                data = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
             break
         except pickle.UnpicklingError as err:
             found = _REFUSED.search(str(err))
             name = found.group(1) if found else None
             if name is None or not name.startswith("megatron."):
-                what = name or next((ln.strip() for ln in str(err).splitlines() if "GLOBAL" in ln), "an object")
+                named = name or next((ln.strip() for ln in str(err).splitlines() if "GLOBAL" in ln), "an object")
                 raise UnsafePickleError(
-                    f"{path}: refused to unpickle {what!r}: Megatron's common state holds only "
-                    "containers, numbers, strings, tensors, argparse.Namespace and megatron's own enums (nothing from "
-                    "it was run)"
+                    f"{path}: refused to unpickle {named!r}: Megatron's {what} holds only containers, numbers, "
+                    "strings, tensors, argparse.Namespace and megatron's own enums (nothing from it was run)"
                 ) from None
             allowed.append((type(name.rsplit(".", 1)[1], (MegatronValue,), {}), name))
         except (RuntimeError, zipfile.BadZipFile, EOFError, OSError, ValueError) as err:
@@ -169,7 +187,7 @@ def load_common(ckpt: Path) -> dict[str, Any]:
                 "damaged or truncated"
             ) from None
     else:
-        raise UnsafePickleError(f"{path}: names more than 64 megatron classes; not a Megatron common state")
+        raise UnsafePickleError(f"{path}: names more than 64 megatron classes; not a Megatron {what}")
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: holds a {type(data).__name__}, not the dict megatron saves")
     return data

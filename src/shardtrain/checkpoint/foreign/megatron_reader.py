@@ -130,10 +130,14 @@ class MegatronReader:
             mine = [w for w in wanted if w[0] == key]
             lo = min(w[1] for w in mine)
             hi = max(w[1] + w[2] for w in mine)
-            values = self._chunks._read(self._dcp_entry(key), (lo, hi), dtype or entry.torch_dtype)
+            values = self._read_source(key, lo, hi, dtype or entry.torch_dtype)
             for _, start, length, pos in mine:
                 out[pos : pos + length] = values[start - lo : start - lo + length]
         return out
+
+    def _read_source(self, key: str, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
+        """Elements ``[lo, hi)`` of Megatron tensor ``key`` flattened."""
+        return self._chunks._read(self._dcp_entry(key), (lo, hi), dtype)
 
     def _dcp_entry(self, key: str) -> DcpTensorEntry:
         src = self._sources[key]
