@@ -688,6 +688,23 @@ def _optimizer_pin_memory(tmp: Path) -> None:
         assert masters and all(m.device.type == "cpu" and m.is_pinned() == pin for m in masters)
 
 
+@effect(_Z + "offload_param.pin_memory")
+def _param_pin_memory(tmp: Path) -> None:
+    # A CPU-only torch cannot page-lock: the choice is checked where it is made, the plan for a GPU machine, whose
+    # value the parameter uploads' host buffers are asked for with (tests/offload/test_pin_memory.py runs that far)
+    from shardtrain.config.plan import resolve_plan
+    from shardtrain.config.sections import load_config
+
+    for pin in (True, False):
+        zero = {
+            "stage": 3,
+            "offload_optimizer": {"device": "cpu"},
+            "offload_param": {"device": "cpu", "pin_memory": pin},
+        }
+        plan = resolve_plan(load_config({"zero_optimization": zero}), 2, "cuda")
+        assert plan.offload.param.pin_memory == pin and plan.offload.optimizer.pin_memory
+
+
 @effect(_Z + "offload_optimizer.buffer_count")
 def _optimizer_buffer_count(tmp: Path) -> None:
     def held(count: int, where: Path) -> int:
