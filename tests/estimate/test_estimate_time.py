@@ -23,6 +23,7 @@ from shardtrain.estimate.timing import (
     ZeroTraffic,
     _WorkCounter,
     collective_time,
+    is_metadata_only,
     measure_work,
     op_time,
     step_time,
@@ -203,6 +204,25 @@ def test_alpha_beta_and_roofline_arithmetic():
     assert op_time(Op("matmul", 989 * 10**12, 0, False), h100, "bf16") == pytest.approx(2.0)
     assert op_time(Op("memory", 0, 3_350 * 10**9, False), h100, "bf16") == pytest.approx(2.0)
     assert op_time(Op("matmul", 1979 * 10**12, 0, False), h100, "bf16", fp8=True) == pytest.approx(2.0)
+
+
+def test_views_are_charged_no_bytes_and_no_host_overhead():
+    """[Note: metadata-only operators]: by the schema's alias rule, views are metadata-only and in-place or copying
+    operators are not; a view costs nothing on a host that pays 10 us per operator, a kernel does; and a real model's
+    fake run holds views (so the first slice overcharged it)."""
+    aten = torch.ops.aten
+    views = (aten.view.default, aten.t.default, aten.transpose.int, aten.expand.default, aten.as_strided.default)
+    views += (aten.detach.default, aten.split.Tensor, aten._unsafe_view.default)
+    assert all(is_metadata_only(f) for f in views)
+    kernels = (aten.add_.Tensor, aten.copy_.default, aten.mm.default, aten.clone.default, aten.add.Tensor)
+    assert not any(is_metadata_only(f) for f in kernels)
+    cpu = Cluster(builtin_cluster("H100-SXM", 1).gpu, 1, 1, Efficiencies(op_overhead_us=10.0))
+    assert op_time(Op("memory", 0, 0, False, metadata_only=True), cpu, "fp32") == 0.0
+    assert op_time(Op("memory", 0, 0, False), cpu, "fp32") == pytest.approx(10e-6)
+    work = measure_work(resolve_source(tiny_gpt), tp=1, compute=torch.float32, micro_batch=MICRO, seq_len=SEQ)
+    counted = {flag: sum(n for op, n in work.ops.items() if op.metadata_only == flag) for flag in (True, False)}
+    assert counted[True] > 0 and counted[False] > 0
+    assert all(op.nbytes == 0 and op.flops == 0 for op in work.ops if op.metadata_only)
 
 
 def test_a_cluster_file_overrides_a_gpu_and_bad_ones_are_refused_by_name(tmp_path):

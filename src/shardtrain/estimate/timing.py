@@ -7,7 +7,8 @@ every tensor-, sequence- and expert-parallel collective, :func:`measure_work`), 
 
 [Note: the roofline]
 An operator takes ``max(FLOPs / (peak x efficiency), bytes / (HBM bandwidth x memory efficiency))`` plus the host's
-per-operator overhead (measured on a CPU by ``calibrate``; zero on a GPU, whose launches run ahead of its kernels).
+per-operator overhead (measured on a CPU by ``calibrate``; zero on a GPU, whose launches run ahead of its kernels),
+charged to operators that run a kernel only ([Note: metadata-only operators]).
 FLOPs are ``torch.utils.flop_counter``'s registry's (matmuls, convolutions, attention; CPU's fused attention, which
 the registry does not list, by the registry's own ``sdpa_flop_count``). Its kind picks the efficiency: a matmul's
 by its FLOPs (small matmuls reach less of the peak; the profile's curve), attention one figure, everything else is
@@ -39,6 +40,14 @@ shard``, the pipeline's neighbours ``world / pp`` apart.
 * The optimizer step is memory-bound: Adam reads and writes 28 bytes per fp32 element stepped (parameter, gradient,
   two moments in; parameter, moments out) plus the compute-dtype copy; with optimizer offload it runs at the host's
   bandwidth, after the gradients' copy down and before the parameters' copy up (PCIe).
+[Note: metadata-only operators]
+A view (``view``, ``t``, ``transpose``, ``expand``, ``as_strided``, ``detach``, ``split``...) makes a tensor that
+shares its input's storage: no kernel, no bytes. The rule is the operator's schema: every output aliases an input
+(``alias_info`` set) and none is written (``is_write`` false; an in-place ``add_`` aliases its output too, but runs
+a kernel). ``_unsafe_view``, ``alias`` and ``lift_fresh``, whose schemas declare no alias but which return their
+input's storage, are listed by name. Such an operator is charged neither bytes nor the per-operator overhead: the
+first slice charged the overhead to every operator, and views are a third of a transformer's eager operators.
+
 Left out: stragglers, congestion, kernels the fake run cannot see (fused kernels of a compiler), and the host's
 Python time beyond the per-operator overhead.
 """
@@ -80,6 +89,16 @@ _CPU_ATTENTION = aten._scaled_dot_product_flash_attention_for_cpu
 _CPU_ATTENTION_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward
 _NO_BYTES = {aten.detach, aten._unsafe_view, aten.lift_fresh, aten.empty, aten.empty_like, aten.empty_strided}
 _NO_BYTES |= {aten.new_empty, aten.new_empty_strided, aten.alias}
+_ALIAS_UNDECLARED = {aten._unsafe_view, aten.alias, aten.lift_fresh}
+"""Operators that return their input's storage without their schema saying so ([Note: metadata-only operators])."""
+
+
+def is_metadata_only(func: torch._ops.OpOverload) -> bool:
+    """Whether ``func`` only makes a new view of its input ([Note: metadata-only operators])."""
+    if func._overloadpacket in _ALIAS_UNDECLARED:
+        return True
+    returns = func._schema.returns
+    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
 
 
 @dataclass(frozen=True)
@@ -88,6 +107,8 @@ class Op:
     flops: int
     nbytes: int
     backward: bool
+    metadata_only: bool = False
+    """A view: no kernel runs, no host overhead is charged ([Note: metadata-only operators])."""
 
 
 @dataclass
@@ -130,8 +151,9 @@ class _WorkCounter(TorchDispatchMode):
             kind = "attention"
         elif packet is aten._grouped_mm:  # not in the registry: each output element is a dot product
             flops, kind = 2 * out.numel() * args[0].shape[-1], "matmul"
-        nbytes = 0 if func.is_view or packet in _NO_BYTES else _bytes(args, kwargs, out)
-        self.work.ops[Op(kind, int(flops), nbytes, self.backward)] += 1
+        metadata_only = is_metadata_only(func)
+        nbytes = 0 if metadata_only or packet in _NO_BYTES else _bytes(args, kwargs, out)
+        self.work.ops[Op(kind, int(flops), nbytes, self.backward, metadata_only)] += 1
         if not self.backward:
             self.work.forward_flops += int(flops)
         return out
@@ -338,7 +360,8 @@ def op_time(op: Op, cluster: Cluster, dtype: str, fp8: bool = False) -> float:
     hbm = cluster.gpu.hbm_tb_s * 1e12 * eff.memory
     rate = eff.matmul_at(op.flops) if op.kind == "matmul" else eff.attention
     compute = op.flops / (peak * rate) if op.flops else 0.0
-    return max(compute, op.nbytes / hbm) + eff.op_overhead_us * 1e-6
+    overhead = 0.0 if op.metadata_only else eff.op_overhead_us * 1e-6
+    return max(compute, op.nbytes / hbm) + overhead
 
 
 @dataclass(frozen=True)
@@ -494,6 +517,7 @@ __all__ = [
     "TimeEstimate",
     "ZeroTraffic",
     "collective_time",
+    "is_metadata_only",
     "measure_work",
     "op_time",
     "step_time",
