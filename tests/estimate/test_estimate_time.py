@@ -171,6 +171,38 @@ def test_tensor_parallel_bytes_equal_the_engines_counts():
     assert recorded and recorded == _per_step(totals, "tp")
 
 
+def _replica_bytes(stage: int) -> int:
+    """The engine's all-reduce bytes across replicas in one step (hybrid sharding, shard groups of 2)."""
+    model = tiny_gpt()
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": GAS,
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000, "mics_shard_size": 2},
+    }
+    engine = shardtrain.initialize(model, config=config, optimizer=torch.optim.AdamW(model.parameters()))
+    engine.comm_stats(reset=True)
+    for _ in range(GAS):
+        idx = torch.randint(0, VOCAB, (MICRO, SEQ))
+        engine.backward(engine(idx, idx))
+        engine.step()
+    return engine.comm_stats(by_group=True)["replicate"]["all_reduce"]["bytes"]
+
+
+def test_hybrid_sharding_replica_all_reduce_equals_the_engines_bytes():
+    """World 4 as 2 shard groups of 2 (stage 2): each rank's gradient shards all-reduced over the 2 replicas once a
+    step, as the time model counts them from the layout, against the engine's replicate communicator; the step
+    carries their time (a layout without replicas has none)."""
+    measured = run_distributed(_replica_bytes, 4, 2)[0]
+    config = {"zero_optimization": {"reduce_bucket_size": 2000, "mics_shard_size": 2}}
+    kw = dict(world_size=4, stage=2, micro_batch=MICRO, micro_batches=GAS, seq_len=SEQ, device_type="cpu")
+    est = estimate_memory(tiny_gpt, config, cluster=builtin_cluster("H100-SXM", 2, 2), **kw)
+    from shardtrain.estimate.timing import zero_traffic
+
+    traffic = zero_traffic(est.state, 2, replicas=est.layout.zero // est.layout.shard_group)
+    assert traffic.replicas == 2 and traffic.replica_all_reduce == measured > 0
+    assert zero_traffic(est.state, 2).replica_all_reduce == 0
+
+
 def _inputs(**kw) -> StepInputs:
     base = dict(world=8, dp=8, micro_batch=1, seq_len=SEQ, micro_batches=8, dtype="bf16")
     return StepInputs(**{**base, **kw})
@@ -223,6 +255,26 @@ def test_views_are_charged_no_bytes_and_no_host_overhead():
     counted = {flag: sum(n for op, n in work.ops.items() if op.metadata_only == flag) for flag in (True, False)}
     assert counted[True] > 0 and counted[False] > 0
     assert all(op.nbytes == 0 and op.flops == 0 for op in work.ops if op.metadata_only)
+
+
+def test_the_offloaded_host_step_is_its_bytes_over_the_host_bandwidth_and_nvme_adds_its_swaps():
+    """Optimizer offload: the host step moves 34 bytes per stepped element (bf16: one pass, docs/offload.md) at the
+    profile's ``host_gb_s``, shared by a node's ranks; NVMe offload adds its swap bytes at ``nvme_gb_s``."""
+    cluster = cluster_from_dict({"gpu": "H200", "gpus_per_node": 4, "host_gb_s": 50, "nvme_gb_s": 2})
+    n, swapped = 10**9, 3 * 10**9
+    on_host = step_time(MicroBatchWork(), ZeroTraffic({}, {}, {}), _inputs(world=4, dp=4, stepped_elements=n,
+                        offload_optimizer="cpu"), cluster)  # fmt: skip
+    assert on_host.parts["optimizer step"] == pytest.approx(n * 34 * 4 / 50e9)
+    assert on_host.parts["nvme swaps"] == 0
+    on_disk = step_time(MicroBatchWork(), ZeroTraffic({}, {}, {}), _inputs(world=4, dp=4, stepped_elements=n,
+                        offload_optimizer="nvme", nvme_bytes=swapped), cluster)  # fmt: skip
+    assert on_disk.parts["nvme swaps"] == pytest.approx(swapped * 4 / 2e9)
+    assert on_disk.step_time_s > on_host.step_time_s
+    kw = dict(world_size=2, stage=3, micro_batch=MICRO, seq_len=SEQ, cluster=builtin_cluster("H200", 8))
+    cpu = estimate_memory(tiny_gpt, offload_optimizer="cpu", **kw).time
+    nvme = estimate_memory(tiny_gpt, offload_optimizer="nvme", **kw).time
+    assert cpu is not None and nvme is not None
+    assert cpu.parts["optimizer step"] > 0 and cpu.parts["nvme swaps"] == 0 < nvme.parts["nvme swaps"]
 
 
 def test_a_cluster_file_overrides_a_gpu_and_bad_ones_are_refused_by_name(tmp_path):
@@ -293,6 +345,7 @@ def test_calibrate_writes_a_profile_the_cluster_option_reads(tmp_path, capsys):
     capsys.readouterr()
     cluster = read_cluster(path)
     assert cluster.gpu.fp32_tflops > 0 and cluster.gpu.hbm_tb_s > 0 and cluster.efficiencies.op_overhead_us > 0
+    assert cluster.host_gb_s == pytest.approx(cluster.gpu.hbm_tb_s * 1e3)  # a CPU's host memory is its memory
     assert max(e for _, e in cluster.efficiencies.matmul) == pytest.approx(1.0)
     code, out, _ = _cli(capsys, "--world", "1", "--time", "--cluster", str(path), "--json")
     assert code == 0 and json.loads(out)["step_time_s"] > 0

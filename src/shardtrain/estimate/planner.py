@@ -527,7 +527,7 @@ def time_prepared(prep: _Prepared, est: MemoryEstimate, cluster: Cluster, cache:
     work: MicroBatchWork = cache[work_key]
     reduce = run["reduce_dtype"]
     wire_items = {b.index: reduce.itemsize for b in st.buckets} if reduce is not None else None
-    traffic = zero_traffic(st, layout.stage, wire_items)
+    traffic = zero_traffic(st, layout.stage, wire_items, replicas=layout.zero // layout.shard_group)
     trainable = [b for b in st.buckets if b.requires_grad]
     if layout.stage == 0:
         stepped = sum(b.numel for b in trainable)
@@ -555,10 +555,18 @@ def time_prepared(prep: _Prepared, est: MemoryEstimate, cluster: Cluster, cache:
         layer_share=prep.layer_share,
         stepped_elements=stepped,
         offload_optimizer=layout.offload_optimizer,
+        nvme_bytes=_swap_bytes(st, layout.micro_batches),
         ring_bytes=ring,
         boundary_bytes=layout.micro_batch * (layout.seq_len // layout.cp) * prep.hidden * itemsize,
     )
     return step_time(work, traffic, inputs, cluster)
+
+
+def _swap_bytes(st: RankState, micro_batches: int) -> int:
+    """Bytes read and written on NVMe swap files per step ([Note: what overlaps] in :mod:`.timing`): the optimizer
+    state's files read and written once, the parameter shards' read for each micro-batch's forward and backward and
+    written after the step."""
+    return 2 * st.optimizer.get("nvme", 0) + st.params.get("nvme", 0) * (2 * micro_batches + 1)
 
 
 def _prepare(

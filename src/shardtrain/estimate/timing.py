@@ -38,8 +38,15 @@ shard``, the pipeline's neighbours ``world / pp`` apart.
 * A pipeline step is the stage's micro-batches stretched by the bubble: ``/ (1 - (p-1)/(v m + p-1))``.
 * Activation checkpointing's recompute is in the fake run itself (the checkpointed forward runs again in backward).
 * The optimizer step is memory-bound: Adam reads and writes 28 bytes per fp32 element stepped (parameter, gradient,
-  two moments in; parameter, moments out) plus the compute-dtype copy; with optimizer offload it runs at the host's
-  bandwidth, after the gradients' copy down and before the parameters' copy up (PCIe).
+  two moments in; parameter, moments out) plus the compute-dtype copy. With optimizer offload it is the host step
+  in one pass ([Note: one pass over a sub-group] in ``offload/one_pass.py``): :data:`HOST_STEP_BYTES_PER_ELEMENT`
+  over the cluster's ``host_gb_s``, shared by a node's ranks, after the gradients' copy down and before the
+  parameters' copy up (PCIe). NVMe offload adds the swap files' bytes (optimizer state read and written once per
+  step; parameter shards read for each micro-batch's forward and backward, written after the step) at
+  ``nvme_gb_s``, not overlapped (the sub-groups' swaps are waited for between steps).
+* Hybrid sharding's replica all-reduce (each rank's gradient shard over the ``zero / shard`` replicas, once per step
+  at the boundary, [Note: hybrid gradient reduction] in ``zero/reducer.py``) hides behind the last backward as the
+  boundary reduction does, in what is left of it.
 [Note: metadata-only operators]
 A view (``view``, ``t``, ``transpose``, ``expand``, ``as_strided``, ``detach``, ``split``...) makes a tensor that
 shares its input's storage: no kernel, no bytes. The rule is the operator's schema: every output aliases an input
@@ -253,6 +260,9 @@ class ZeroTraffic:
     """Bus bytes of the last bucket reduced in backward."""
     group: int = 1
     """Ranks of ZeRO's shard group."""
+    replica_all_reduce: int = 0
+    """Hybrid sharding: bus bytes of the gradient shards' all-reduce over the replicas, once per step."""
+    replicas: int = 1
 
     def per_step(self, micro_batches: int) -> dict[str, int]:
         out: Counter = Counter()
@@ -263,16 +273,20 @@ class ZeroTraffic:
         return dict(out)
 
 
-def zero_traffic(state: RankState, stage: int, wire_itemsize: dict[int, int] | None = None) -> ZeroTraffic:
+def zero_traffic(
+    state: RankState, stage: int, wire_itemsize: dict[int, int] | None = None, replicas: int = 1
+) -> ZeroTraffic:
     """ZeRO's bytes per step from the layout's buckets and units, as the engine moves them (its communicator's counts,
     ``tests/estimate/test_estimate_time.py``): stage 0 all-reduces the gradients once per step, stage 1
     reduce-scatters them once per step, stage 2 every micro-batch; stages 1-2 all-gather the parameters after the
     step; stage 3 gathers every unit for forward and again for backward
     (the last block and the root once: they stay gathered, [Note: kept after forward] in :mod:`.compute`) and
     reduce-scatters every micro-batch. ``wire_itemsize``: the reduction's bytes per element by bucket index (default:
-    the bucket's dtype)."""
+    the bucket's dtype). ``replicas``: hybrid sharding's replica count; each rank's shard of every dense bucket is
+    all-reduced across them once per step (expert buckets never are)."""
     per_micro: Counter = Counter()
     boundary: Counter = Counter()
+    replica = 0
     after: Counter = Counter()
     reduced = []
     for b in state.buckets:
@@ -282,6 +296,8 @@ def zero_traffic(state: RankState, stage: int, wire_itemsize: dict[int, int] | N
         full = b.padded_numel * item
         moved = full * (b.world - 1) // b.world
         reduced.append(moved)
+        if replicas > 1 and not b.expert:
+            replica += 2 * (full // b.world) * (replicas - 1) // replicas
         if stage == 0:
             boundary["all_reduce"] += 2 * moved
         elif stage == 1:
@@ -299,7 +315,7 @@ def zero_traffic(state: RankState, stage: int, wire_itemsize: dict[int, int] | N
         first = blocks[-1].nbytes * (n - 1) // n if blocks else 0  # units are in the layout's order: last first
     group = max((b.world for b in state.buckets), default=1)
     last = reduced[-1] if reduced else 0
-    return ZeroTraffic(dict(per_micro), dict(boundary), dict(after), first, last, group)
+    return ZeroTraffic(dict(per_micro), dict(boundary), dict(after), first, last, group, replica, replicas)
 
 
 def _unit_gathers(units: list[UnitSize], n: int) -> int:
@@ -417,6 +433,10 @@ class StepInputs:
     stepped_elements: int = 0
     """fp32 elements this rank's optimizer steps (its fragments; every element at stage 0)."""
     offload_optimizer: str = "none"
+    nvme_bytes: int = 0
+    """NVMe offload: bytes read and written on swap files per step ([Note: what overlaps])."""
+    compile: bool = False
+    """``torch.compile``: memory-bound operators fuse into their neighbours ([Note: what compile changes])."""
     ring_bytes: int = 0
     """Context-parallel ring: bytes sent and reduce-scattered per step ([Note: why not torch's context_parallel])."""
     boundary_bytes: int = 0
@@ -455,13 +475,15 @@ def step_time(work: MicroBatchWork, zero: ZeroTraffic, s: StepInputs, cluster: C
     hidden_micro = eff.overlap * min(max(per_micro_zero - unhidden, 0.0), window)
     exposed_zero = m * (per_micro_zero - hidden_micro)
     exposed_zero += boundary_zero - eff.overlap * min(boundary_zero, bwd)
+    replica = collective_time("all_reduce", zero.replica_all_reduce, zero.replicas, place.span("replicate"), cluster)
+    exposed_zero += replica - eff.overlap * min(replica, max(bwd - boundary_zero, 0.0))
     after = zero_time(zero.after_step)
     exposed_zero += after - eff.overlap * min(after, fwd)
     ring = collective_time("all_gather", s.ring_bytes, s.cp, place.span("cp"), cluster) * share
     p2p = 0.0
     if s.pp > 1 and s.boundary_bytes:
         p2p = 2 * m * collective_time("p2p", s.boundary_bytes, 2, place.span("pp"), cluster)
-    optimizer, offload = _optimizer_time(s, cluster)
+    optimizer, offload, disk = _optimizer_time(s, cluster)
     micro = fwd + bwd + sum(model_comm.values())
     pipeline = m * micro + ring
     bubble = pipeline * s.bubble / (1 - s.bubble) if s.pp > 1 and s.bubble else 0.0
@@ -475,6 +497,7 @@ def step_time(work: MicroBatchWork, zero: ZeroTraffic, s: StepInputs, cluster: C
         "pipeline bubble": bubble,
         "optimizer step": optimizer,
         "offload copies": offload,
+        "nvme swaps": disk,
     }
     step = sum(parts.values())
     tokens = s.dp * m * s.micro_batch * s.seq_len
@@ -487,19 +510,27 @@ def step_time(work: MicroBatchWork, zero: ZeroTraffic, s: StepInputs, cluster: C
 ADAM_BYTES_PER_ELEMENT = 28
 """Adam on fp32 masters: parameter, gradient and two moments read, parameter and two moments written
 (docs/benchmarks-gpu.md, 'The floor of a host step')."""
+HOST_STEP_BYTES_PER_ELEMENT = 32
+"""The offloaded host step in one pass: gradient, master and both moments, each fp32, read and written once
+(docs/offload.md, 'The host step in one pass': 34 bytes a parameter with the bf16 fragment written, which is added
+for a half-precision compute dtype). ``offload/one_pass.py`` exposes no figure of its own to read."""
 
 
-def _optimizer_time(s: StepInputs, cluster: Cluster) -> tuple[float, float]:
-    """(the optimizer step, offload's copies) in seconds ([Note: what overlaps])."""
+def _optimizer_time(s: StepInputs, cluster: Cluster) -> tuple[float, float, float]:
+    """(the optimizer step, offload's copies, NVMe swaps) in seconds ([Note: what overlaps])."""
     n = s.stepped_elements
     copy = 2 if s.dtype in ("bf16", "fp16") else 0  # the compute-dtype copy written after the step
-    nbytes = n * (ADAM_BYTES_PER_ELEMENT + copy)
-    if s.offload_optimizer == "none" or cluster.gpu.name == "cpu":
-        return nbytes / (cluster.gpu.hbm_tb_s * 1e12 * cluster.efficiencies.memory), 0.0
-    host_share = max(min(cluster.gpus_per_node, s.world), 1)  # a node's ranks share its host memory
-    host = nbytes * host_share / (cluster.host_gb_s * 1e9)
-    copies = n * (4 + max(copy, 2)) / (cluster.pcie_gb_s * 1e9)  # fp32 gradients down, parameters up
-    return host, copies
+    if s.offload_optimizer == "none":
+        rate = cluster.gpu.hbm_tb_s * 1e12 * cluster.efficiencies.memory
+        return n * (ADAM_BYTES_PER_ELEMENT + copy) / rate, 0.0, 0.0
+    host_bytes = n * (HOST_STEP_BYTES_PER_ELEMENT + copy)
+    cpu_only = cluster.gpu.name == "cpu"
+    # a node's ranks share its host memory and disks; calibrate's figures are per rank already (all ranks at once)
+    node_share = 1 if cpu_only else max(min(cluster.gpus_per_node, s.world), 1)
+    host = host_bytes * node_share / (cluster.host_gb_s * 1e9)
+    disk = s.nvme_bytes * node_share / (cluster.nvme_gb_s * 1e9)
+    copies = 0.0 if cpu_only else n * (4 + max(copy, 2)) / (cluster.pcie_gb_s * 1e9)  # gradients down, params up
+    return host, copies, disk
 
 
 def sum_kinds(items: Iterable[wire.Collective]) -> dict[tuple[str, str], int]:
@@ -511,6 +542,7 @@ def sum_kinds(items: Iterable[wire.Collective]) -> dict[tuple[str, str], int]:
 
 
 __all__ = [
+    "HOST_STEP_BYTES_PER_ELEMENT",
     "MicroBatchWork",
     "Op",
     "StepInputs",
