@@ -369,3 +369,112 @@ def test_expert_parallel_work_counts_grouped_matmuls_and_the_token_exchange():
     rows = MICRO * SEQ * 2  # top-2: each token's row goes to two experts
     hidden_bytes = rows * 16 * 4  # hidden 16, fp32
     assert max(c.nbytes for c in exchanges) == hidden_bytes // 2  # S (n-1)/n at n = 2
+
+
+def wide_gpt() -> GPT:
+    """Wide enough that its matmuls, not latencies, decide an H200's step (the speed flags' tests)."""
+    return GPT(GPTConfig(vocab_size=VOCAB, seq_len=512, d_model=1024, n_layer=4, n_head=8))
+
+
+def _step(capsys, *argv: str, model: str = "test_estimate_time:wide_gpt") -> dict:
+    """One layout of ``model`` on 2 H200s (stage 3, bf16, micro-batch 2 x 512) with ``argv`` added, as JSON."""
+    from shardtrain.cli import main as cli_main
+
+    base = ["estimate", model, "--seq-len", "512", "--gpu", "H200", "--time", "--world", "2", "--stage", "3"]
+    code = cli_main([*base, "--dtype", "bf16", "--micro-batch", "2", "--json", *argv])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    return json.loads(out.out)
+
+
+def _refused(capsys, *argv: str) -> str:
+    code, _, err = _cli(capsys, "--world", "4", "--time", "--gpu", "H200", *argv)
+    assert code == 2
+    return err
+
+
+def test_ac_recomputes_more_as_it_keeps_less_and_checkpointing_is_full(capsys):
+    """``--ac``: full recomputes each block's forward in backward, selective only what it does not keep, none
+    nothing: the backward and the step grow in that order; ``--checkpointing`` is ``--ac full``; both at once with
+    another choice is refused by name."""
+    steps = {ac: _step(capsys, "--ac", ac) for ac in ("none", "selective", "full")}
+    backward = [steps[ac]["parts_s"]["backward"] for ac in ("none", "selective", "full")]
+    assert backward[0] < backward[1] < backward[2]
+    assert steps["none"]["step_time_s"] < steps["selective"]["step_time_s"] < steps["full"]["step_time_s"]
+    assert _step(capsys, "--checkpointing")["step_time_s"] == steps["full"]["step_time_s"]
+    assert "--checkpointing is --ac full" in _refused(capsys, "--ac", "selective", "--checkpointing")
+
+
+def test_compile_fuses_pointwise_operators_and_fp8_speeds_up_the_matmuls(capsys):
+    """``--compile`` and ``--fp8`` each shorten the step of the same layout; the memory is the same under
+    ``--compile`` (it changes the time model only)."""
+    plain = _step(capsys)
+    compiled = _step(capsys, "--compile")
+    fp8 = _step(capsys, "--fp8")
+    assert compiled["parts_s"]["forward"] < plain["parts_s"]["forward"]
+    assert compiled["step_time_s"] < plain["step_time_s"] and compiled["peak"] == plain["peak"]
+    assert fp8["parts_s"]["forward"] < plain["parts_s"]["forward"] and fp8["layout"]["fp8"]
+
+
+def test_only_converted_linears_matmuls_run_at_the_fp8_peak():
+    """[Note: fp8 matmuls]: a matmul whose operand is a converted weight's shape (or its transpose) runs at the fp8
+    peak, one of an unconverted shape (an output head) at bf16's; the pointwise operator fused under compile is
+    charged its output's bytes only."""
+    h200 = builtin_cluster("H200", 8)
+    converted = Op("matmul", 10**12, 0, False, shapes=((32, 128), (512, 32)))  # x (512 x 128) @ W^T (128 x 32)
+    head = Op("matmul", 10**12, 0, False, shapes=((64, 32), (512, 64)))
+    work = MicroBatchWork()
+    work.ops[converted] = work.ops[head] = 1
+    est = step_time(
+        work,
+        ZeroTraffic({}, {}, {}),
+        _inputs(world=1, dp=1, micro_batches=1, fp8=True, float8_linears={(128, 32)}),
+        h200,
+    )
+    want = op_time(converted, h200, "bf16", fp8=True) + op_time(head, h200, "bf16")
+    assert est.parts["forward"] == pytest.approx(want)
+    assert op_time(converted, h200, "bf16", fp8=True) < op_time(head, h200, "bf16")
+    add = Op("memory", 0, 3 * 10**9, False, pointwise=True, out_bytes=10**9)
+    assert op_time(add, h200, "bf16", compiled=True) == pytest.approx(op_time(add, h200, "bf16") / 3)
+
+
+def test_schedule_sets_the_pipeline_bubble_and_unknown_ones_are_refused(capsys):
+    """``--schedule``: 1F1B and GPipe idle ``(p-1)/(m+p-1)``, Interleaved1F1B with 2 stages a rank
+    ``(p-1)/(2m+p-1)``, a shorter step; a name the pipeline section does not build, a schedule without ``--pp``
+    and a multi-stage schedule with one stage a rank are refused by name."""
+    pipe = ("--world", "4", "--stage", "1", "--pp", "2", "--global-batch", "16")
+    one_f_one_b = _step(capsys, *pipe)
+    gpipe = _step(capsys, *pipe, "--schedule", "GPipe")
+    interleaved = _step(capsys, *pipe, "--schedule", "interleaved1f1b", "--stages-per-rank", "2")
+    m = 16 // (2 * 2)
+    assert one_f_one_b["pipeline_bubble"] == gpipe["pipeline_bubble"] == pytest.approx(1 / (m + 1))
+    assert interleaved["pipeline_bubble"] == pytest.approx(1 / (2 * m + 1))
+    assert interleaved["layout"]["schedule"] == "Interleaved1F1B"
+    assert interleaved["step_time_s"] < one_f_one_b["step_time_s"]
+    assert "'ZBVZeroBubble' is not built; use one of GPipe" in _refused(
+        capsys, "--pp", "2", "--schedule", "ZBVZeroBubble"
+    )
+    assert "give --pp 2 or more" in _refused(capsys, "--schedule", "GPipe")
+    assert "needs stages_per_rank of 2" in _refused(capsys, "--pp", "2", "--schedule", "Interleaved1F1B")
+
+
+def test_global_batch_sets_the_accumulation_and_the_search_respects_it(capsys):
+    """``--global-batch``: micro-batch x accumulation x dp equals it (a batch no accumulation makes up is refused
+    with its numbers); a ``--budget`` search with a cluster tries micro-batch sizes and every checkpointing choice,
+    and every layout it lists makes up the global batch."""
+    one = _step(capsys, "--global-batch", "16")
+    assert one["layout"]["micro_batches"] == 16 // (2 * 2)
+    assert "global batch 6 is not a multiple of micro-batch 2 x data-parallel size 4 = 8" in _refused(
+        capsys, "--micro-batch", "2", "--global-batch", "6"
+    )
+    code, out, _ = _cli(capsys, "--budget", "1GiB", "--gpu", "H200", "--gpus-per-node", "2", "--global-batch", "8",
+                        "--no-offload", "--jobs", "1", "--json")  # fmt: skip
+    fits = json.loads(out)
+    assert code == 0 and fits
+    for e in fits:
+        lay = e["layout"]
+        assert lay["micro_batch"] * lay["micro_batches"] * lay["world"] // (lay["tp"] * lay["sp"]) == 8
+    assert {e["layout"]["micro_batch"] for e in fits} == {1, 2, 4}
+    assert {str(e["layout"]["checkpointing"]) for e in fits} == {"False", "selective", "True"}
+    speeds = [e["tokens_per_s_per_gpu"] for e in fits]
+    assert speeds == sorted(speeds, reverse=True)

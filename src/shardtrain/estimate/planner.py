@@ -106,6 +106,9 @@ class Candidate:
     checkpointing: bool | str = False
     """Activation checkpointing of every block: ``True`` (``policy: "full"``), ``"selective"`` (matmul and attention
     outputs kept, the rest recomputed), ``False`` (none)."""
+    compile: bool = False
+    """``torch.compile`` of the model: changes the predicted time only ([Note: what compile changes] in
+    :mod:`.timing`), not the memory."""
 
     @property
     def dims(self) -> ParallelDims:
@@ -147,9 +150,25 @@ class Candidate:
         if self.offload_param != "none":
             parts.append(f"params->{self.offload_param}")
         parts += [self.dtype + (" + fp8" if self.fp8 else ""), f"micro-batch {self.micro_batch} x seq {self.seq_len}"]
+        if self.micro_batches > 1 and self.pp == 1:
+            parts.append(f"{self.micro_batches} micro-batches")
         if self.checkpointing:
             parts.append("selective checkpointing" if self.checkpointing == "selective" else "checkpointing")
+        if self.compile:
+            parts.append("compiled")
         return ", ".join(parts)
+
+
+def with_global_batch(layout: Candidate, global_batch: int) -> Candidate:
+    """``layout`` with the micro-batches per step that make ``micro_batch x micro_batches x dp`` equal
+    ``global_batch`` (:class:`~shardtrain.errors.ConfigError` where no whole number does)."""
+    per_micro = layout.micro_batch * layout.dp
+    if global_batch % per_micro:
+        raise ConfigError(
+            f"global batch {global_batch} is not a multiple of micro-batch {layout.micro_batch} x data-parallel "
+            f"size {layout.dp} = {per_micro} sequences: pick a global batch, micro-batch or world that divides"
+        )
+    return replace(layout, micro_batches=global_batch // per_micro)
 
 
 @dataclass(frozen=True)
@@ -483,6 +502,8 @@ class _Prepared:
     """(layers, key/value heads a rank attends with, head dimension), for the context-parallel rows."""
     hidden: int = 0
     """The model's hidden size (a pipeline boundary's activation per token), 0 when it says none."""
+    float8_linears: frozenset[tuple[int, int]] = frozenset()
+    """FP8 training: the converted linears' weight shapes (:func:`_float8_linear_shapes`)."""
 
 
 NO_COMPUTE = ComputePeak(0, 0, 0, 0, 0, 0)
@@ -543,6 +564,8 @@ def time_prepared(prep: _Prepared, est: MemoryEstimate, cluster: Cluster, cache:
         micro_batches=layout.micro_batches,
         dtype=layout.dtype,
         fp8=layout.fp8,
+        float8_linears=prep.float8_linears,
+        compile=layout.compile,
         stage=layout.stage,
         tp=layout.tp,
         sp=layout.sp,
@@ -652,7 +675,8 @@ def _prepare(
         "models": cache.setdefault("models", {}) if cache.get("fast", True) else None,
     }
     shape = (layers, max(kv_heads // (layout.tp * layout.sp), 1), head_dim)
-    return _Prepared(layout, st, n_params, buffers, key, run, layer_share, shape, _hidden_size(whole))
+    float8_linears = _float8_linear_shapes(fake, plan)
+    return _Prepared(layout, st, n_params, buffers, key, run, layer_share, shape, _hidden_size(whole), float8_linears)
 
 
 def _hidden_size(model: Any) -> int:
@@ -677,6 +701,16 @@ def _stage_model(source: ModelSource, layout: Candidate, tp_plan: Any, cache: di
             experts = split_experts(fake, layout.ep, layout.tp) if layout.ep > 1 else frozenset()
         cache[key] = (fake, experts)
     return cache[key]
+
+
+def _float8_linear_shapes(model: Any, plan: Plan) -> frozenset[tuple[int, int]]:
+    """The weight shapes (out, in) of the linear layers torchao converts ([Note: which linears convert to float8] in
+    ``precision/float8.py``), whose matmuls run at the fp8 peak ([Note: fp8 matmuls] in :mod:`.timing`)."""
+    if not plan.fp8.enabled:
+        return frozenset()
+    heads = output_heads(model)
+    linears = [(n, m) for n, m in model.named_modules() if type(m) is torch.nn.Linear]
+    return frozenset(tuple(m.weight.shape) for n, m in linears if why_kept(n, m, heads, plan.fp8.exclude) is None)
 
 
 def _float8_weights(model: Any, plan: Plan) -> frozenset[int]:
@@ -877,6 +911,9 @@ def fitting_layouts(
     sps: Iterable[int] | None = None,
     pps: Iterable[int] | None = None,
     cluster: Cluster | None = None,
+    micro_batch_sizes: Iterable[int] | None = None,
+    checkpointings: Iterable[bool | str] | None = None,
+    global_batch: int | None = None,
     **overrides: Any,
 ) -> list[MemoryEstimate]:
     """The layouts whose peak device memory per rank is at most ``budget`` bytes, fewest ranks first, then least
@@ -895,6 +932,11 @@ def fitting_layouts(
     config's ``pipeline_parallel_size`` (or the ``pp`` override), for the same reason. ``cluster``: each fit also
     gets its predicted step there (``est.time``), and the fits are ranked by predicted tokens/s per GPU, fastest
     first (:func:`rank_by_speed`).
+
+    ``micro_batch_sizes`` and ``checkpointings``: also search these micro-batch sizes and checkpointing choices
+    (``False``, ``"selective"``, ``True``) around every layout (None: the base layout's only); each is a fake run of
+    its own. ``global_batch``: keep only the layouts whose ``micro_batch x dp`` divides it, each with the
+    micro-batches per step that make it up (:func:`with_global_batch`).
 
     [Note: sequence-parallel sizes in a search]
     Every sequence-parallel size is a fake run of its own per (tensor-parallel size, stage, dtype): its tokens, its
@@ -922,6 +964,7 @@ def fitting_layouts(
         host_params=device_type == "cuda",
         experts=_expert_counts(source, cache),
     )
+    layouts = _batch_variants(layouts, micro_batch_sizes, checkpointings, global_batch)
     prepared: list[tuple[_Prepared, ComputePeak | None]] = []  # None: waits for its fake run
     waiting: dict[tuple, list[_Prepared]] = {}
     with _bar(progress, len(layouts), "layouts", "layout") as bar:
@@ -957,6 +1000,30 @@ def fitting_layouts(
     if cluster is not None:
         return rank_by_speed(fits)
     return sorted(fits, key=lambda e: (e.layout.world, e.peak["device"]))
+
+
+def _batch_variants(
+    layouts: list[Candidate],
+    micro_batch_sizes: Iterable[int] | None,
+    checkpointings: Iterable[bool | str] | None,
+    global_batch: int | None,
+) -> list[Candidate]:
+    """Every layout at each micro-batch size and checkpointing asked for, those that cannot make up
+    ``global_batch`` left out (see :func:`fitting_layouts`)."""
+    sizes = list(micro_batch_sizes) if micro_batch_sizes is not None else None
+    acs = list(checkpointings) if checkpointings is not None else None
+    out = []
+    for layout in layouts:
+        for micro in sizes or [layout.micro_batch]:
+            for ac in [layout.checkpointing] if acs is None else acs:
+                variant = replace(layout, micro_batch=micro, checkpointing=ac)
+                if global_batch is not None:
+                    try:
+                        variant = with_global_batch(variant, global_batch)
+                    except (ConfigError, LayoutError):  # sizes that do not divide: not a layout of this batch
+                        continue
+                out.append(variant)
+    return out
 
 
 def rank_by_speed(fits: list[MemoryEstimate]) -> list[MemoryEstimate]:

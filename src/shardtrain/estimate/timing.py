@@ -13,7 +13,7 @@ FLOPs are ``torch.utils.flop_counter``'s registry's (matmuls, convolutions, atte
 the registry does not list, by the registry's own ``sdpa_flop_count``). Its kind picks the efficiency: a matmul's
 by its FLOPs (small matmuls reach less of the peak; the profile's curve), attention one figure, everything else is
 memory-bound: its bytes are its inputs' and outputs' (views move nothing). The peak is the compute dtype's (fp8
-layouts: the fp8 peak for matmuls).
+layouts: the fp8 peak for the converted linears' matmuls, [Note: fp8 matmuls]).
 
 [Note: the alpha-beta model]
 A collective over ``n`` ranks costs ``steps x latency + bus bytes / (link bandwidth x link efficiency)``, the bus
@@ -54,6 +54,22 @@ shares its input's storage: no kernel, no bytes. The rule is the operator's sche
 a kernel). ``_unsafe_view``, ``alias`` and ``lift_fresh``, whose schemas declare no alias but which return their
 input's storage, are listed by name. Such an operator is charged neither bytes nor the per-operator overhead: the
 first slice charged the overhead to every operator, and views are a third of a transformer's eager operators.
+
+[Note: fp8 matmuls]
+The fake run does not convert linears to float8 (its memory is the engine's, which keeps bf16 weights and casts per
+call), so the fp8 matmuls are found by shape: a matmul of a converted linear has the weight, or its transpose, as
+an operand or as its output (forward ``x @ W^T``, input gradient ``dy @ W``, weight gradient ``dy^T @ x``); the
+converted weights' shapes are the linears torchao converts (``precision/float8.py``). Such a matmul runs at the fp8
+peak, every other one (attention's, the output head's, layers left in bf16) at the compute dtype's. A bf16 matmul
+of the same shape as a converted weight would be counted as fp8: a stated approximation.
+
+[Note: what compile changes]
+``--compile`` (``torch.compile``'s Inductor) fuses chains of element-wise operators into one kernel: the model
+charges a pointwise operator (``torch.Tag.pointwise``) only its output's bytes (its inputs come from the fused
+producer's registers) and no per-operator host time (one launch per fused kernel). Matmuls, attention and the
+other memory-bound operators (reductions, copies, indexing) are charged as in eager. It is a lower bound of what
+fusion saves where a pointwise input comes from memory, an upper bound where the chain's intermediate outputs are
+never written; no compiled step has been timed against it yet.
 
 Left out: stragglers, congestion, kernels the fake run cannot see (fused kernels of a compiler), and the host's
 Python time beyond the per-operator overhead.
@@ -116,6 +132,12 @@ class Op:
     backward: bool
     metadata_only: bool = False
     """A view: no kernel runs, no host overhead is charged ([Note: metadata-only operators])."""
+    pointwise: bool = False
+    """Element-wise (``torch.Tag.pointwise``): fused under compile ([Note: what compile changes])."""
+    out_bytes: int = 0
+    """Its outputs' bytes (a fused pointwise operator's only traffic)."""
+    shapes: tuple[tuple[int, int], ...] = ()
+    """A matmul's operands' and output's last two dimensions ([Note: fp8 matmuls])."""
 
 
 @dataclass
@@ -159,11 +181,22 @@ class _WorkCounter(TorchDispatchMode):
         elif packet is aten._grouped_mm:  # not in the registry: each output element is a dot product
             flops, kind = 2 * out.numel() * args[0].shape[-1], "matmul"
         metadata_only = is_metadata_only(func)
-        nbytes = 0 if metadata_only or packet in _NO_BYTES else _bytes(args, kwargs, out)
-        self.work.ops[Op(kind, int(flops), nbytes, self.backward, metadata_only)] += 1
+        moved = not (metadata_only or packet in _NO_BYTES)
+        nbytes = _bytes(args, kwargs, out) if moved else 0
+        pointwise = torch.Tag.pointwise in func.tags
+        out_bytes = _bytes((), {}, out) if moved and pointwise else 0
+        shapes = _matrix_shapes(args, out) if kind == "matmul" else ()
+        op = Op(kind, int(flops), nbytes, self.backward, metadata_only, pointwise, out_bytes, shapes)
+        self.work.ops[op] += 1
         if not self.backward:
             self.work.forward_flops += int(flops)
         return out
+
+
+def _matrix_shapes(args: Any, out: Any) -> tuple[tuple[int, int], ...]:
+    """The last two dimensions of a matmul's tensor operands and output ([Note: fp8 matmuls])."""
+    tensors = [t for t in tree_leaves((args, out)) if isinstance(t, torch.Tensor) and t.dim() >= 2]
+    return tuple(sorted({(int(t.shape[-2]), int(t.shape[-1])) for t in tensors}))
 
 
 def _bytes(args: Any, kwargs: Any, out: Any) -> int:
@@ -369,15 +402,25 @@ def collective_time(kind: str, nbytes: float, size: int, span: int, cluster: Clu
     return steps * eff.latency_us * 1e-6 + nbytes / (gb_s * 1e9 * eff.link)
 
 
-def op_time(op: Op, cluster: Cluster, dtype: str, fp8: bool = False) -> float:
-    """Seconds of one operator on ``cluster``'s GPU ([Note: the roofline])."""
+def op_time(op: Op, cluster: Cluster, dtype: str, fp8: bool = False, compiled: bool = False) -> float:
+    """Seconds of one operator on ``cluster``'s GPU ([Note: the roofline]); ``fp8``: a matmul at the fp8 peak
+    ([Note: fp8 matmuls]); ``compiled``: fused if pointwise ([Note: what compile changes])."""
     eff = cluster.efficiencies
     peak = cluster.peak_tflops(dtype, fp8 and op.kind == "matmul") * 1e12
     hbm = cluster.gpu.hbm_tb_s * 1e12 * eff.memory
     rate = eff.matmul_at(op.flops) if op.kind == "matmul" else eff.attention
     compute = op.flops / (peak * rate) if op.flops else 0.0
-    overhead = 0.0 if op.metadata_only else eff.op_overhead_us * 1e-6
-    return max(compute, op.nbytes / hbm) + overhead
+    fused = compiled and op.pointwise
+    nbytes = op.out_bytes if fused else op.nbytes
+    overhead = 0.0 if op.metadata_only or fused else eff.op_overhead_us * 1e-6
+    return max(compute, nbytes / hbm) + overhead
+
+
+def _is_float8_matmul(op: Op, float8_linears: frozenset[tuple[int, int]]) -> bool:
+    """Whether ``op`` is a converted linear's matmul ([Note: fp8 matmuls])."""
+    if op.kind != "matmul":
+        return False
+    return any(shape in float8_linears or shape[::-1] in float8_linears for shape in op.shapes)
 
 
 @dataclass(frozen=True)
@@ -420,6 +463,8 @@ class StepInputs:
     micro_batches: int
     dtype: str
     fp8: bool = False
+    float8_linears: frozenset[tuple[int, int]] | None = None
+    """FP8: the converted linears' weight shapes ([Note: fp8 matmuls]); None: every matmul at the fp8 peak."""
     stage: int = 0
     tp: int = 1
     sp: int = 1
@@ -451,7 +496,10 @@ def step_time(work: MicroBatchWork, zero: ZeroTraffic, s: StepInputs, cluster: C
     fwd = bwd = 0.0
     times: dict[Op, float] = {}
     for op, n in work.ops.items():
-        t = times.setdefault(op, op_time(op, cluster, s.dtype, s.fp8)) * n
+        if op not in times:
+            fp8 = s.fp8 and (s.float8_linears is None or _is_float8_matmul(op, s.float8_linears))
+            times[op] = op_time(op, cluster, s.dtype, fp8, s.compile)
+        t = times[op] * n
         if op.backward:
             bwd += t
         else:
