@@ -33,6 +33,8 @@ EPILOG = """examples:
   shardtrain estimate ./llama_dir --world 64 --stage 3 --dtype bf16 --time --gpu H100-SXM --gpus-per-node 8
   shardtrain estimate ./llama_dir --budget 80GiB --gpu H200 --gpus-per-node 8 --nodes 128 --dtype bf16
   shardtrain estimate mypkg.models:build --world 4 --time --cluster profile.json   (from shardtrain calibrate)
+  shardtrain estimate ./llama_dir --world 16 --pp 4 --schedule Interleaved1F1B --stages-per-rank 2 --ac selective \
+      --fp8 --compile --global-batch 256 --dtype bf16 --time --gpu H100-SXM --gpus-per-node 8 --nodes 2
 
 MODEL is a Hugging Face config.json (or a directory holding one; no weights are read) or a factory
 'package.module:function' returning an nn.Module (the module may define estimate_batch(micro_batch, seq_len) ->
