@@ -14,6 +14,10 @@
    * L * (S / P) * d * 4 * (P - 1) / P`` (q, k, v and the output, forward and backward), context ``4 * L * S * d_kv
    * 4 * (C - 1) / C`` (keys and values passed around in forward, their gradients reduce-scattered in backward),
    plus the engine's real-token count exchange (a few bytes).
+3. **Gathered or merged attention** ([Note: which context attention] in ``shardtrain/sequence_parallel/ring.py``):
+   one attention's forward and backward (queries ``[1, 8, S / C, 64]``, keys and values ``[1, 2, S / C, 64]`` fp32,
+   causal) by each path at world 2 and 3: seconds (median of ``--attention-repeats``) and the bytes its autograd
+   saved for backward on one rank (``torch.autograd.graph.saved_tensors_hooks``).
 """
 
 from __future__ import annotations
@@ -96,6 +100,37 @@ def _step_job(lengths: list[int], d_model: int, layers: int) -> dict:
     return out
 
 
+def _attention_paths(lengths: list[int], repeats: int) -> dict:
+    from shardtrain.sequence_parallel.ring import context_attention
+    from shardtrain.sequence_parallel.ring_attention import ContextSplit
+
+    comm = Communicator(dist.group.WORLD, 60.0)
+    out = {}
+    for length in lengths:
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(1, 8, length // comm.size, 64, generator=g, requires_grad=True)
+        k, v = (torch.randn(1, 2, length // comm.size, 64, generator=g, requires_grad=True) for _ in range(2))
+        for merged in (False, True):
+            samples, saved = [], []
+
+            def keep(t: torch.Tensor, saved: list[int] = saved) -> torch.Tensor:
+                saved.append(t.numel() * t.element_size())
+                return t
+
+            for i in range(repeats + 1):
+                saved.clear()
+                dist.barrier()
+                started = time.perf_counter()
+                with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+                    attended = context_attention(q, k, v, comm, ContextSplit(length), merged=merged)
+                attended.sum().backward()
+                dist.barrier()
+                if i:  # the first is a warm-up
+                    samples.append(time.perf_counter() - started)
+            out[(length, merged)] = (statistics.median(samples), sum(saved))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384])
@@ -105,6 +140,8 @@ def main() -> None:
     parser.add_argument("--step-lengths", type=int, nargs="+", default=[2048, 4096])
     parser.add_argument("--d-model", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--attention-lengths", type=int, nargs="+", default=[2048, 4096])
+    parser.add_argument("--attention-repeats", type=int, default=5)
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     print(f"# {' '.join(sys.argv)}")
@@ -130,6 +167,15 @@ def main() -> None:
         else:
             formula = 4 * args.layers * length * args.d_model * FP32 // 2
         print(f"| {name} | {length} | {seconds:.3f} | {moved} | {formula} | {moved / formula:.4f} |")
+    print("\n## one attention, forward and backward: gathered vs merged (log-sum-exp) ring")
+    print("| world | S | gathered (s) | merged (s) | merged / gathered | saved for backward: gathered | merged |")
+    print("|---|---|---|---|---|---|---|")
+    for world in (2, 3):
+        lengths = [n // (2 * world) * 2 * world for n in args.attention_lengths]
+        got = run_distributed(_attention_paths, world, lengths, args.attention_repeats, threads=1)[0]
+        for length in lengths:
+            (gathered, kept), (merged, held) = got[(length, False)], got[(length, True)]
+            print(f"| {world} | {length} | {gathered:.3f} | {merged:.3f} | {merged / gathered:.2f} | {kept} | {held} |")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
-"""Distributed Muon (shardtrain.optim.muon.MuonWithAdamW on owner ranks) against AdamW at the same ZeRO stage, on gloo.
+"""Distributed Muon (MuonWithAdamW and DeepSpeed's Muon type on owner ranks) and LAMB against AdamW, same ZeRO stage.
 
     python bench/bench_muon.py [--world 2] [--stage 2] [--steps 8] [--d-model 128] [--layers 4]
 
 One job; each rank builds the project's GPT twice (same seed), one engine with AdamW on every parameter and one with
 Muon on the blocks' matrices and AdamW on the rest, and times optimizer steps of each in alternation (forward,
-backward and step of one micro-batch; the median of the slowest rank's times). Bytes per step are the engine's own
+backward and step of one micro-batch; the median of the slowest rank's times); likewise DeepSpeed's Muon type
+(``DeepSpeedMuon.from_config``, its Gram Newton-Schulz in fp32 on a CPU) and LAMB (``shardtrain.optim.lamb.Lamb``,
+its norms summed over the shard group). Bytes per step are the engine's own
 counters (``comm_stats``: the bus-bandwidth convention), per collective kind. Prints the ratio Muon / AdamW of both,
 and the owners' Newton-Schulz cost per rank (rows x cols x min) over its mean: the load balance.
 """
@@ -21,10 +23,13 @@ import torch.distributed as dist
 
 import shardtrain
 from shardtrain.models.gpt import GPT, GPTConfig
+from shardtrain.optim.deepspeed_muon import DeepSpeedMuon
+from shardtrain.optim.lamb import Lamb
 from shardtrain.optim.muon import MuonWithAdamW
 from shardtrain.testing import run_distributed
 
 VOCAB, SEQ, ROWS = 256, 64, 4
+KINDS = ("adamw", "muon", "ds-muon", "lamb")
 
 
 def _model(d_model: int, layers: int) -> GPT:
@@ -35,15 +40,19 @@ def _model(d_model: int, layers: int) -> GPT:
 def _optimizer(model: GPT, kind: str) -> torch.optim.Optimizer:
     if kind == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=3e-4)
+    if kind == "lamb":
+        return Lamb(model.parameters(), lr=1e-3)
+    if kind == "ds-muon":
+        return DeepSpeedMuon.from_config(model, None, {"muon_lr": 0.02, "adam_lr": 3e-4})
     hidden = [p for n, p in model.named_parameters() if p.ndim == 2 and n.startswith("blocks.")]
     rest = [p for n, p in model.named_parameters() if not (p.ndim == 2 and n.startswith("blocks."))]
     return MuonWithAdamW([dict(params=hidden, use_muon=True, lr=0.02), dict(params=rest, use_muon=False, lr=3e-4)])
 
 
 def body(stage: int, steps: int, d_model: int, layers: int) -> dict:
-    config = {"train_micro_batch_size_per_gpu": ROWS, "zero_optimization": {"stage": stage}}
+    config = {"train_micro_batch_size_per_gpu": ROWS, "zero_optimization": {"stage": stage}, "gradient_clipping": 0}
     engines = {}
-    for kind in ("adamw", "muon"):
+    for kind in KINDS:
         model = _model(d_model, layers)
         engines[kind] = shardtrain.initialize(model, config=config, optimizer=_optimizer(model, kind))
     g = torch.Generator().manual_seed(dist.get_rank())
@@ -82,15 +91,16 @@ def main() -> None:
         f"{args.world}, ZeRO stage {args.stage}, GPT d_model {args.d_model} x {args.layers} layers, {ROWS}x{SEQ} rows"
     )
     median = {}
-    for kind in ("adamw", "muon"):
+    for kind in KINDS:
         slowest = [max(r["times"][kind][i] for r in ranks) for i in range(args.steps)]
         median[kind] = statistics.median(slowest)
         total = sum(v["bytes"] for v in ranks[0]["stats"][kind].values())
         kinds = ", ".join(f"{k} {v['bytes'] / 2**20:.2f}" for k, v in ranks[0]["stats"][kind].items())
-        print(f"{kind:6s} step {median[kind] * 1e3:8.1f} ms   bytes/step {total / 2**20:7.2f} MiB ({kinds})")
+        print(f"{kind:7s} step {median[kind] * 1e3:8.1f} ms   bytes/step {total / 2**20:7.2f} MiB ({kinds})")
         median[kind + "_bytes"] = total
-    time_ratio, bytes_ratio = median["muon"] / median["adamw"], median["muon_bytes"] / median["adamw_bytes"]
-    print(f"Muon / AdamW: step time {time_ratio:.2f}x, bytes {bytes_ratio:.2f}x")
+    for kind in KINDS[1:]:
+        time_ratio, bytes_ratio = median[kind] / median["adamw"], median[kind + "_bytes"] / median["adamw_bytes"]
+        print(f"{kind} / AdamW: step time {time_ratio:.2f}x, bytes {bytes_ratio:.2f}x")
     load = ranks[0]["load"]
     if load:
         mean = sum(load) / len(load)

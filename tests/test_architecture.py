@@ -84,6 +84,7 @@ ALLOWED: dict[str, set[str]] = {
         "shardtrain.zero",
         "shardtrain.offload",
         "shardtrain.config",
+        "shardtrain.optim.deepspeed_muon",  # DeepSpeed's Muon split: which matrices the owners gather
         "shardtrain.plan",
         "shardtrain.distributed",  # calibrate: collectives measured through the Communicator
         "shardtrain.testing",  # calibrate: the ranks it measures at (run_distributed)
@@ -138,8 +139,11 @@ ALLOWED: dict[str, set[str]] = {
     # the LR schedulers take the config's validated scheduler sections
     "shardtrain.optim": {"shardtrain.config"},
     # the config maps an optimizer section onto a class, DeepSpeedAdam included, and a config onto the plan
-    "shardtrain.config": {"shardtrain.optim.adam", "shardtrain.plan"},
+    "shardtrain.config": {"shardtrain.optim.adam", "shardtrain.optim.deepspeed_muon", "shardtrain.plan"},
     "shardtrain.optim.adam": set(),
+    # DeepSpeed's Muon type (built from the config) on shardtrain's Muon + AdamW, which ZeRO's owners serve
+    "shardtrain.optim.deepspeed_muon": {"shardtrain.optim.muon"},
+    "shardtrain.optim.muon": set(),
     "shardtrain.precision": {"shardtrain.plan"},
     "shardtrain.distributed": {"shardtrain.plan"},
     # the typed plan: parallel dimensions and policies, plain data below every package that takes them

@@ -699,6 +699,50 @@ def _optimizer_buffer_count(tmp: Path) -> None:
     assert 0 < one < four  # more sub-groups in memory at once
 
 
+def _zenflow_trace(steps: int, **rule: Any) -> list[dict]:
+    """Per step of a fresh ZenFlow engine: what the rule holds after it ([Note: the ZenFlow rule])."""
+    zero = {"stage": 2, "offload_optimizer": {"device": "cpu"}, "zenflow": {"update_interval": 2, **rule}}
+    engine = _engine({"zero_optimization": zero}, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2))
+    zf, trace = engine._optimizer.zenflow, []
+    for _ in range(steps):
+        _micro_step(engine)
+        tok = zf.selected[0]  # tok.weight (64 x 32), the first stepped tensor
+        trace.append({"tok": tok, "selected": 0 if tok is None else tok.numel()})
+        trace[-1].update(landing=zf.landing, accumulated=zf.accumulated)
+    engine.close()
+    return trace
+
+
+@effect(
+    _Z + "zenflow.topk_ratio",
+    _Z + "zenflow.select_strategy",
+    _Z + "zenflow.select_interval",
+    _Z + "zenflow.update_interval",
+    _Z + "zenflow.overlap_step",
+    _Z + "zenflow.full_warm_up_rounds",
+)
+def _zenflow(tmp: Path) -> None:
+    adamw = {"optimizer": lambda p: torch.optim.AdamW(p, lr=1e-2)}
+    plain = _update({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, 3, **adamw)
+    zero = {"stage": 2, "offload_optimizer": {"device": "cpu"}, "zenflow": {"update_interval": 2}}
+    assert not torch.allclose(_update({"zero_optimization": zero}, 3, **adamw), plain)  # the split changes it
+    # topk_ratio: a quarter (8) or half (16) of tok.weight's 32 columns, 64 rows each
+    assert _zenflow_trace(1, topk_ratio=0.25)[0]["selected"] == 8 * 64
+    assert _zenflow_trace(1, topk_ratio=0.5)[0]["selected"] == 16 * 64
+    # full_warm_up_rounds: no columns selected during the plain full updates
+    assert [t["selected"] for t in _zenflow_trace(3, full_warm_up_rounds=2)] == [0, 0, 3 * 64]  # 0.1 x 32
+    # update_interval: gradients accumulate for that many steps, then the host update restarts the sum
+    assert [t["accumulated"] for t in _zenflow_trace(3, update_interval=3)] == [1, 2, 0]
+    # overlap_step: the host update is still to land after its step, instead of landing at once
+    assert [t["landing"] for t in _zenflow_trace(2, overlap_step=True)] == [False, True]
+    assert [t["landing"] for t in _zenflow_trace(2)] == [False, False]
+    # select_strategy "step" with select_interval 2: reselected at step 3; "auto" (no data loader): selected once
+    every = _zenflow_trace(3, select_strategy="step", select_interval=2)
+    once = _zenflow_trace(3)
+    assert every[1]["tok"] is every[0]["tok"] and every[2]["tok"] is not every[0]["tok"]
+    assert once[2]["tok"] is once[0]["tok"]
+
+
 @effect(_Z + "offload_optimizer.ratio")
 def _optimizer_ratio(tmp: Path) -> None:
     def offloaded(ratio: float, where: Path) -> tuple[int, int]:

@@ -221,3 +221,35 @@ def test_cli_pp_cp_options_print_the_bubble_and_the_ring_s_bytes(capsys):
     assert code == 2 and "pipeline_parallel_size 3 does not divide the 2 processes" in err
     code, _, err = cli("--cp", "0")
     assert code == 2 and "--cp must be at least 1" in err
+
+
+def test_a_search_tries_context_parallel_sizes_up_to_the_config_s_and_cp_runs_fewer_tokens():
+    """Sizes 1 and 2 at world 2 (the config's cp 2 and below): a cp-2 layout's activations are those of half the
+    tokens, so under the cp-1 layout's at the same stage and tensor-parallel size, and it carries the ring's rows."""
+    fits = fitting_layouts(
+        tiny_llama, 2**40, CONTEXT, worlds=(2,), seq_len=SEQ, device_type="cpu", offload=False, fast=False
+    )
+    by_layout = {(e.layout.cp, e.layout.stage, e.layout.tp): e for e in fits}
+    assert {cp for cp, _, _ in by_layout} == {1, 2}
+    for (cp, stage, tp), est in by_layout.items():
+        if cp == 2:
+            assert est.compute.activations < by_layout[1, stage, tp].compute.activations, (stage, tp)
+            assert "context-parallel ring (keys and values)" in est.traffic
+        else:
+            assert not any(k.startswith("context-parallel") for k in est.traffic)
+
+
+def test_the_merged_ring_s_bytes_and_held_keys_and_values_from_cp_3():
+    """From cp 3 the engine runs the log-sum-exp-merged ring ([Note: which context attention]): per layer and
+    micro-batch a rank sends its own keys and values (1/cp of the sequence's) cp - 1 times forward, cp - 1 times
+    backward and their gradient cp times (the counts tests/sequence_parallel/test_context_parallel.py asserts of the
+    engine), reduce-scatters nothing, and holds its own chunk and two in flight."""
+    config = {**CONTEXT, "context_parallel_size": 3}
+    seq = 24
+    est = estimate_memory(tiny_llama, config, world_size=3, seq_len=seq, device_type="cpu")
+    whole = 2 * MICRO * 2 * seq * 8 * 4  # keys and values [rows, kv heads, S, head dim], fp32
+    layers = 2
+    assert est.traffic["context-parallel ring (keys and values)"] == GAS * layers * whole // 3 * (2 + 2 + 3)
+    assert not any("reduce-scatter" in k for k in est.traffic if k.startswith("context-parallel"))
+    kv = [row.nbytes for row in est.rows if "(cp ring)" in row.component]
+    assert kv == [3 * whole // 3]

@@ -5,6 +5,7 @@ over the cp ranks, keys and values gathered for attention. Parity with one proce
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from functools import partial
 from types import SimpleNamespace
@@ -14,6 +15,7 @@ import torch
 
 import shardtrain
 from shardtrain.errors import ConfigError, ShardtrainError
+from shardtrain.sequence_parallel.ring import merged_ring_serves
 from shardtrain.testing import run_distributed
 from shardtrain.testing.parity import Recipe, assert_params_near, engine_run, reference_run
 
@@ -121,19 +123,29 @@ def _layout(engine) -> dict:
     """Where this rank sits and what its cp group moved: its ring steps (keys and values), reduce-scatters (their
     gradients) and all-gathers (each forward's real-token counts)."""
     topo, stats = engine.topology, engine._sp.comm.stats()
+    experts = engine._expert_comms.get("ep")  # expert parallelism's token exchange, when there is one
     return {
         "axes": (topo.cp, topo.cp_rank, topo.dp, topo.dp_rank, topo.zero_rank, topo.shard_size),
         "moved": {kind: (s["calls"], s["bytes"]) for kind, s in stats.items()},
+        "experts": (topo.ep, topo.ep_rank, sum(s["calls"] for s in experts.stats().values()) if experts else 0),
     }
 
 
 def _check_parity(
-    world: int, cp: int, stage: int, packed: bool, attn: str = "sdpa", sp: int = 1, extra: dict | None = None
+    world: int,
+    cp: int,
+    stage: int,
+    packed: bool,
+    attn: str = "sdpa",
+    sp: int = 1,
+    extra: dict | None = None,
+    tp: int = 1,
 ) -> list[dict]:
     """``attn``: the tiny Llama's attention implementation, or "gpt" (the project's GPT, causal only); ``sp``:
     Ulysses within each cp rank; ``extra``: more of the engine's config."""
-    dp = world // (cp * sp)
+    dp, seq = world // (cp * sp * tp), cp * sp
     config = {"context_parallel_size": cp, "sequence_parallel_size": sp, "zero_optimization": {"stage": stage}}
+    config["tensor_parallel"] = {"size": tp}
     config.update(extra or {})
     if attn == "gpt":
         batches = partial(_gpt_batches, dp, _length(cp * sp))
@@ -143,7 +155,7 @@ def _check_parity(
         recipe = keyword_recipe(make, partial(_batches, dp, packed, _length(cp * sp)), GAS, config)
     results = run_distributed(engine_run, world, recipe, _layout, init_process_group=False)
     ref = reference_run(recipe, dp)
-    losses = [sum(r["losses"][s] for r in results[:: cp * sp]) / dp for s in range(STEPS)]
+    losses = [sum(r["losses"][s] for r in results[:: seq * tp]) / dp for s in range(STEPS)]
     for s, (got, want) in enumerate(zip(losses, ref["losses"])):
         assert abs(got - want) <= 1e-5 * abs(want), f"step {s}: loss {got} vs one process {want}"
     for r in results:
@@ -151,21 +163,30 @@ def _check_parity(
             assert abs(got - want) <= 1e-4 * want, f"step {s}: gradient norm {got} vs one process {want}"
     assert_params_near(results[0]["params"], ref["params"], ref["init"], exact=ref["exact"], require_moved=True)
     # rank = (dp_rank * cp + cp_rank) * sp + sp_rank; ZeRO shards over all dp * cp * sp ranks
-    assert [r["axes"] for r in results] == [(cp, i // sp % cp, dp, i // (cp * sp), i, world) for i in range(world)]
+    # ZeRO shards over the dp * cp * sp ranks holding one tensor-parallel block
+    axes = [(cp, i // (sp * tp) % cp, dp, i // (seq * tp), i // tp, dp * seq) for i in range(world)]
+    assert [r["axes"] for r in results] == axes
     if sp > 1:  # the ring's bytes are in the cp group's communicator, not the sequence group's
         return results
-    # per layer and micro-step: the keys and values [rows, kv heads, S, head dim] (fp32) passed around the ring in
-    # cp - 1 steps, (cp - 1) / cp of them received, and their gradients reduce-scattered in one call; plus one
-    # all-gather of the real-token counts per forward
-    kv_heads = 4 if attn == "gpt" else 2
+    kv_heads = (4 if attn == "gpt" else 2) // tp  # each tp rank's key/value heads go around its own cp group
     layers, micro_steps, whole = 2, STEPS * GAS, ROWS * kv_heads * _length(cp) * 8 * 4
-    kv_bytes = layers * micro_steps * 2 * whole * (cp - 1) // cp
+    # a checkpointed block's forward runs again in backward, its ring steps too
+    passes = 2 if (extra or {}).get("activation_checkpointing", {}).get("policy", "none") != "none" else 1
     counts = micro_steps * cp * 3 * 8 * (cp - 1) // cp
     for r in results:
-        # a checkpointed block's forward runs again in backward, its ring steps too
-        passes = 2 if (extra or {}).get("activation_checkpointing", {}).get("policy", "none") != "none" else 1
-        assert r["moved"]["ring"] == (passes * layers * micro_steps * (cp - 1), passes * kv_bytes), r["moved"]
-        assert r["moved"]["reduce_scatter"] == (layers * micro_steps, kv_bytes), r["moved"]
+        if merged_ring_serves(cp):
+            # [Note: the log-sum-exp merge]: per layer and micro-step, each rank's keys and values [rows, kv heads,
+            # S / cp, head dim] (fp32) sent cp - 1 times in forward, cp - 1 times again in backward, and their
+            # gradient cp times; no reduce-scatter
+            calls = layers * micro_steps * ((passes + 1) * (cp - 1) + cp)
+            assert r["moved"]["ring"] == (calls, calls * 2 * whole // cp), r["moved"]
+            assert "reduce_scatter" not in r["moved"], r["moved"]
+        else:
+            # gathered: the keys and values passed around the ring in cp - 1 steps, (cp - 1) / cp of them received,
+            # and their gradients reduce-scattered in one call
+            kv_bytes = layers * micro_steps * 2 * whole * (cp - 1) // cp
+            assert r["moved"]["ring"] == (passes * layers * micro_steps * (cp - 1), passes * kv_bytes), r["moved"]
+            assert r["moved"]["reduce_scatter"] == (layers * micro_steps, kv_bytes), r["moved"]
         if attn != "mixtral":  # which also gathers its router logits over the group for its load-balancing loss
             assert r["moved"]["all_gather"] == (micro_steps, counts), r["moved"]
     return results
@@ -214,6 +235,98 @@ def test_parity_with_ulysses_inside_each_cp_rank(attn, stage, packed):
     _check_parity(4, 2, stage, packed, attn, sp=2)
 
 
+def _check_recipe(recipe: Recipe, cp: int, stage: int) -> None:
+    """A one-data-parallel-rank recipe of another test file run at ``cp`` against one process."""
+    config = {**recipe.config, "sequence_parallel_size": 1, "context_parallel_size": cp}
+    recipe = dataclasses.replace(recipe, config={**config, "zero_optimization": {"stage": stage}})
+    results = run_distributed(engine_run, cp, recipe, init_process_group=False)
+    ref = reference_run(recipe)
+    for r in results:
+        for s in range(STEPS):
+            got, want = r["losses"][s], ref["losses"][s]
+            assert abs(got - want) <= 1e-5 * abs(want), f"step {s}: loss {got} vs one process {want}"
+            got, want = r["norms"][s], ref["norms"][s]
+            assert abs(got - want) <= 1e-4 * want, f"step {s}: gradient norm {got} vs one process {want}"
+    assert_params_near(results[0]["params"], ref["params"], ref["init"], exact=ref["exact"], require_moved=True)
+
+
+@pytest.mark.parametrize(
+    ("attn", "cp", "stage"),
+    [("sdpa", 2, 2), pytest.param("sdpa", 3, 2, marks=pytest.mark.soak)],
+)
+def test_padded_batch_parity(attn, cp, stage):
+    """Padding masks (row 0 right-padded, row 1 left-padded by 3 to 6 tokens, labels -100 there): the left-padded
+    row's first queries read no key, and at cp 3 (the merged ring) a chunk of it is padding only; no token reads
+    padding on any rank."""
+    from test_sequence_parallel_padding import recipe
+
+    _check_recipe(recipe(attn, False, 1, 1, stage), cp, stage)
+
+
+def test_a_left_padded_row_under_eager_attention_is_refused():
+    """Eager attention (one process) gives a query that reads no key the mean of every value, SDPA gives 0: the two
+    runs of test_padded_batch_parity's batches differ by 5e-3 at the first loss. Context attention computes SDPA's,
+    so an eager model's left-padded rows are refused by name; right padding and sdpa are served."""
+    from shardtrain.sequence_parallel.ring import refuse_eager_rows_without_keys
+    from shardtrain.sequence_parallel.ring_attention import ContextSplit
+
+    real = torch.ones(2, SEQ, dtype=torch.bool)
+    real[0, -3:] = False  # right padding: every query reads key 0
+    refuse_eager_rows_without_keys(ContextSplit(SEQ, real=real), "eager", "LlamaAttention 0")
+    real[1, :2] = False
+    with pytest.raises(ConfigError, match=r"LlamaAttention 0: rows \[1\] begin with padding"):
+        refuse_eager_rows_without_keys(ContextSplit(SEQ, real=real), "eager", "LlamaAttention 0")
+    refuse_eager_rows_without_keys(ContextSplit(SEQ, real=real), "sdpa", "LlamaAttention 0")
+    refuse_eager_rows_without_keys(ContextSplit(SEQ, real=real, causal=False), "eager", "BertSelfAttention")
+
+
+@pytest.mark.parametrize(
+    ("case", "cp", "stage"),
+    [("mistral_window", 2, 1), ("bert", 2, 3), pytest.param("mistral_window", 3, 3, marks=pytest.mark.soak)]
+    + [pytest.param("bert", 3, 2, marks=pytest.mark.soak)],
+)
+def test_sliding_window_and_encoder_parity(case, cp, stage):
+    """A Mistral whose window (5) is shorter than the sequence (12) and longer than a chunk, and a BERT masked LM
+    (bidirectional: every query reads every key, of both chunks of every rank), with padded rows from the second
+    micro-step on."""
+    from test_sequence_parallel_models import _recipe
+
+    _check_recipe(_recipe(case), cp, stage)
+
+
+def test_the_window_changes_the_training():
+    """The Mistral above trains differently without its window, so the parity above sees a window ignored."""
+    from test_sequence_parallel_models import _recipe
+
+    windowed = _recipe("mistral_window")
+
+    def unwindowed():
+        model = windowed.make_model()
+        model.config.sliding_window = None
+        return model
+
+    with_window = reference_run(windowed, exact=False)["losses"]
+    without = reference_run(dataclasses.replace(windowed, make_model=unwindowed), exact=False)["losses"]
+    assert abs(with_window[1] - without[1]) > 1e-3, (with_window, without)
+
+
+@pytest.mark.parametrize(("stage", "packed"), [(1, True), pytest.param(3, False, marks=pytest.mark.soak)])
+def test_parity_with_tensor_parallelism(stage, packed):
+    """cp 2 x tp 2 (world 4): each tp rank's heads (2 query heads, 1 key/value head of the Llama) attend over its own
+    cp group (the ranks of its tp rank), the row-parallel output projection summing the heads as without cp."""
+    _check_parity(4, 2, stage, packed, tp=2)
+
+
+@pytest.mark.soak  # about 60 s here
+def test_parity_of_a_mixture_of_experts_with_expert_parallelism():
+    """Mixtral at cp 2 x ep 2 (world 4): each rank's tokens (its two chunks) sent to the ranks holding their experts,
+    the load-balancing loss the whole sequence's."""
+    results = _check_parity(4, 2, 1, False, "mixtral", extra={"expert_parallel_size": 2})
+    # experts [0, 2) on zero ranks 0 and 2, [2, 4) on 1 and 3 (zero_rank % ep): a cp pair holds different experts
+    assert [r["experts"][:2] for r in results] == [(2, 0), (2, 1), (2, 0), (2, 1)]
+    assert all(r["experts"][2] > 0 for r in results)  # tokens were exchanged
+
+
 def _bf16_run(recipe: Recipe) -> dict:
     run = engine_run(recipe)
     return {**run, "params": {n: v.float() for n, v in run["params"].items()} if run["params"] else None}
@@ -246,55 +359,15 @@ def test_each_rank_holds_a_head_and_a_tail_chunk():
     assert sorted(every.tolist()) == list(range(16))
 
 
-def _attend_as_cp_ranks(cp: int, documents: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every cp rank's context attention, computed in one process with the gathers played by hand, against SDPA on
-    the whole sequence with the same mask; returns (got, want) in the sequence's order."""
-    from shardtrain.sequence_parallel import ring
-
-    g = torch.Generator().manual_seed(0)
-    b, h, kv, s, d = 2, 4, 2, 4 * cp, 8
-    q, k, v = (torch.randn(b, n, s, d, generator=g, dtype=torch.float64) for n in (h, kv, kv))
-    mask = torch.ones(s, s, dtype=torch.bool).tril()
-    if documents is not None:
-        mask = mask & (documents[:, :, None] == documents[:, None, :])
-        mask = mask[:, None]
-    want = torch.nn.functional.scaled_dot_product_attention(
-        q, k.repeat_interleave(h // kv, 1), v.repeat_interleave(h // kv, 1), attn_mask=mask
-    )
-    got = torch.empty_like(want)
-    whole_keys = {"k": k, "v": v}
-
-    def gathered(x, comm, what):  # what the ring returns: the whole sequence, in order
-        return torch.stack([whole_keys["k"], whole_keys["v"]])
-
-    split = ring.ContextSplit(s, documents)
-    original = ring.whole_sequence
-    ring.whole_sequence = gathered
-    try:
-        for r in range(cp):
-            mine = ring.positions_of(s, cp, r)
-            comm = SimpleNamespace(size=cp, rank=r)
-            got[:, :, mine] = ring.context_attention(q[:, :, mine], k[:, :, mine], v[:, :, mine], comm, split)
-    finally:
-        ring.whole_sequence = original
-    return got, want
-
-
-@pytest.mark.parametrize("cp", [2, 3])
-def test_attention_is_the_whole_sequences_causal_and_document_attention(cp):
-    """Each rank's two chunks read exactly the keys one process's masked attention reads (float64: equal to
-    rounding), with one document per row and with documents crossing the chunks' and ranks' boundaries."""
+def test_documents_are_numbered_from_the_positions():
+    """Attention alone, with these documents and every other mask, is checked in test_ring_attention.py."""
     from shardtrain.sequence_parallel.context_inputs import documents_of
 
-    got, want = _attend_as_cp_ranks(cp, None)
-    assert (got - want).abs().max().item() < 1e-12
-    s = 4 * cp
+    s = 12
     positions = torch.stack([torch.cat([torch.arange(3), torch.arange(s - 3)]), torch.arange(s)])
     positions[1, s // 2 :] = torch.arange(s - s // 2)
     documents = documents_of(positions)
     assert documents[0, :4].tolist() == [0, 0, 0, 1] and documents[1, s // 2] == 1
-    got, want = _attend_as_cp_ranks(cp, documents)
-    assert (got - want).abs().max().item() < 1e-12
     assert documents_of(torch.arange(s)[None]) is None  # one document: plain causal attention
 
 
@@ -313,8 +386,6 @@ def test_what_context_parallelism_is_not_built_with_is_refused_by_name():
     cp2 = {"context_parallel_size": 2}
     assert "context_parallel_size 3 does not divide the 4 processes" in _cp_refusal(4, {"context_parallel_size": 3})
     for config, named in [
-        ({"tensor_parallel": {"size": 2}}, "tensor parallelism (tensor_parallel.size 2)"),
-        ({"expert_parallel_size": 2}, "expert parallelism (expert_parallel_size 2)"),
         ({"pipeline_parallel_size": 2}, "pipeline parallelism (pipeline_parallel_size 2)"),
         (
             {"zero_optimization": {"stage": 1, "mics_shard_size": 2}},
@@ -329,6 +400,8 @@ def test_what_context_parallelism_is_not_built_with_is_refused_by_name():
     )
     assert _cp_refusal(8, {**cp2, "zero_optimization": {"stage": 3}}) == "no error"
     assert _cp_refusal(8, {**cp2, "sequence_parallel_size": 2}) == "no error"  # dp 2 x cp 2 x sp 2
+    assert _cp_refusal(8, {**cp2, "tensor_parallel": {"size": 2}}) == "no error"  # dp 2 x cp 2 x tp 2
+    assert _cp_refusal(8, {**cp2, "expert_parallel_size": 2}) == "no error"
 
 
 def _splitter_refusal(build) -> str:
@@ -349,25 +422,23 @@ def test_models_and_masks_not_served_are_refused_by_name():
 
     tiny = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, num_hidden_layers=1, intermediate_size=32)
     mistral = transformers.MistralConfig(**tiny, num_key_value_heads=2, sliding_window=4)
-    bert = transformers.BertConfig(**tiny)
-    assert "has sliding-window attention (config.sliding_window 4)" in _splitter_refusal(
-        lambda: transformers.MistralForCausalLM(mistral)
-    )
-    assert "BertForMaskedLM attends bidirectionally" in _splitter_refusal(lambda: transformers.BertForMaskedLM(bert))
+    bert = transformers.BertConfig(**tiny)  # attention_probs_dropout_prob 0.1 by default
+    assert _splitter_refusal(lambda: transformers.MistralForCausalLM(mistral)) == "no error"  # the window is applied
+    assert "BertForMaskedLM has attention_dropout 0.1" in _splitter_refusal(lambda: transformers.BertForMaskedLM(bert))
+    bert.attention_probs_dropout_prob = 0.0
+    assert _splitter_refusal(lambda: transformers.BertForMaskedLM(bert)) == "no error"  # bidirectional is served
     assert "attention_dropout 0.1" in _splitter_refusal(
         lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**tiny, attention_dropout=0.1))
     )
     assert _splitter_refusal(_llama) == "no error"
-    # a padding mask and a length that does not cut into 2 x cp chunks: refused at the forward, before any collective
+    # a 4-D mask and a length that does not cut into 2 x cp chunks: refused at the forward, before any collective
     from shardtrain.sequence_parallel import ContextSplitter
 
     splitter = ContextSplitter(_llama(), SimpleNamespace(size=2, rank=0, global_rank=0, ranks=[0, 1]))
     splitter._batch_check.done = True
     x = torch.zeros(1, SEQ, dtype=torch.long)
-    pad = torch.ones_like(x)
-    pad[0, -2:] = 0
-    with pytest.raises(ConfigError, match="with padding or of more than two dimensions"):
-        splitter.split((), {"input_ids": x, "attention_mask": pad})
+    with pytest.raises(ConfigError, match=r"only a \[batch, seq\] padding mask of the inputs' shape \(1, 12\)"):
+        splitter.split((), {"input_ids": x, "attention_mask": torch.ones(1, 1, SEQ, SEQ)})
     with pytest.raises(ConfigError, match="sequence length 10 is not divisible by 2 x context_parallel_size 2"):
         splitter.split((), {"input_ids": x[:, :10]})
 

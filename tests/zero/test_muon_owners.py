@@ -260,3 +260,68 @@ def test_muon_with_what_it_does_not_serve_yet_is_refused_by_name(tmp_path):
     assert "MuonWithAdamW at ZeRO stages 1-3 is not served yet with optimizer offload" in said, said
     said = run_distributed(_initialize_says, 2, {"tensor_parallel": {"size": 2}})[0]
     assert "MuonWithAdamW is not served under tensor parallelism (size 2) yet" in said, said
+
+
+def test_muon_at_hybrid_sharding_matches_one_process():
+    # 2 replicas x 1 shard: each rank owns every matrix of its shard group; the replicas' gradients are all-reduced
+    recipe = _recipe("gpt", 2)
+    zero = {**recipe.config["zero_optimization"], "mics_shard_size": 1}
+    recipe = dataclasses.replace(recipe, config={**recipe.config, "zero_optimization": zero})
+    _assert_muon_parity(run_distributed(parity.engine_run, 2, recipe), recipe, 2)
+
+
+@pytest.mark.soak
+def test_muon_at_hybrid_sharding_2_by_2_and_hpz_matches_one_process():
+    for stage, extra in ((2, {"mics_shard_size": 2}), (3, {"zero_hpz_partition_size": 2})):
+        recipe = dataclasses.replace(_recipe("gpt", stage), batches=functools.partial(_batches, 3, 2, 8))
+        zero = {**recipe.config["zero_optimization"], **extra}
+        recipe = dataclasses.replace(recipe, config={**recipe.config, "zero_optimization": zero})
+        _assert_muon_parity(run_distributed(parity.engine_run, 4, recipe), recipe, 4)
+
+
+def _resume_part(recipe: parity.Recipe, save_dir: str, steps: range, save: bool) -> dict:
+    """On every rank: the recipe's ``steps`` (loaded from ``save_dir`` first unless they start at 0, into a model
+    from another seed), saved at the end with ``save``; losses, norms and the full parameters."""
+    import torch.distributed as dist
+
+    batches = recipe.batches()
+    model = recipe.make_model()
+    if steps.start > 0:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+    engine = shardtrain.initialize(model, config=recipe.engine_config(dist.get_world_size()), optimizer=_served(model))
+    if steps.start > 0:
+        engine.load_checkpoint(save_dir, tag="mid")
+    topo = engine.topology
+    losses, norms = [], []
+    for step in steps:
+        total = 0.0
+        for m in range(recipe.gas):
+            loss = recipe.loss(engine, recipe.rows_of(batches[step * recipe.gas + m], topo.dp_rank, topo.dp))
+            engine.backward(loss)
+            engine.step()
+            total += loss.item() / recipe.gas
+        losses.append(total)
+        norms.append(engine.get_global_grad_norm())
+    if save:
+        engine.save_checkpoint(save_dir, tag="mid")
+    out = {"losses": losses, "norms": norms, "params": engine.full_state_dict()}
+    engine.close()
+    return out
+
+
+@pytest.mark.parametrize("world, stage", [(3, 3), (1, 1)])
+def test_muon_checkpoint_saved_at_world_2_stage_2_continues_at_another_layout(tmp_path, world, stage):
+    """Muon's momentum (element-wise state, sharded like Adam's moments) reshards like it: the run continues as one
+    process's straight run."""
+    first = _recipe("gpt", 2)
+    saved = run_distributed(_resume_part, 2, first, str(tmp_path), range(0, 1), True)
+    then = _recipe("gpt", stage)
+    resumed = run_distributed(_resume_part, world, then, str(tmp_path), range(1, first.steps), False)
+    # each step's global loss: the mean of the ranks' (equal rows) in either part
+    losses = [sum(r["losses"][0] for r in saved) / 2] + [
+        sum(r["losses"][s] for r in resumed) / world for s in range(first.steps - 1)
+    ]
+    joined = [{"losses": losses, "norms": saved[0]["norms"] + r["norms"], "params": r["params"]} for r in resumed]
+    _assert_muon_parity(joined, first, len(joined))

@@ -12,7 +12,9 @@ import torch
 from torch import nn
 
 import shardtrain
-from shardtrain.errors import ConfigError, OptimizerError
+from shardtrain.config.sections import load_config
+from shardtrain.engine.optimizers import build_optimizer
+from shardtrain.errors import OptimizerError
 from shardtrain.models.gpt import GPT, GPTConfig
 from shardtrain.tensor_parallel import GPT_TP_PLAN
 from shardtrain.testing import parity, run_distributed
@@ -205,8 +207,14 @@ def test_every_class_the_table_names_exists_where_its_library_is_installed():
     assert found >= 7, found  # torch's four, transformers' Adafactor, DeepSpeed's Lamb and Muons
 
 
-def test_deepspeeds_muon_config_type_is_refused_by_name_with_the_ways_out():
-    model = nn.Linear(4, 4, bias=False)
-    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "Muon", "params": {"muon_lr": 0.02}}}
-    with pytest.raises(ConfigError, match=r"'Muon' \(DeepSpeed's Muon .*not served from the config yet.*MuonWithAdamW"):
-        shardtrain.initialize(model, config=config)
+def test_deepspeeds_muon_config_type_builds_deepspeeds_split():
+    """Served now (tests/compat/test_deepspeed_muon.py holds it against DeepSpeed): no longer refused."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_clipping": 0,
+        "optimizer": {"type": "Muon", "params": {"muon_lr": 0.02}},
+    }
+    opt = build_optimizer(model, load_config(config), None)
+    assert type(opt).__name__ == "DeepSpeedMuon"
+    assert [len(g["params"]) for g in opt.param_groups if g["use_muon"]] == [2]  # the two weights

@@ -136,6 +136,9 @@ def resolve_auto(
         _set(data, "scheduler.params.warmup_min_lr", 0.0)
     if is_auto(_get(data, "pipeline.stages")):  # DeepSpeed reads the stages from its PipelineModule, never from here
         _set(data, "pipeline.stages", cfg.pipeline_parallel_size)
+    zenflow = data.get("zero_optimization", {}).get("zenflow")
+    if isinstance(zenflow, dict) and is_auto(zenflow.get("select_interval")):
+        del zenflow["select_interval"]  # DeepSpeed's own "auto": ZenFlow's select_strategy "auto" gives its meaning
     _resolve_precision(data, values.get("precision"))
     _resolve_batch(data, dp)
     _resolve_sizes(data, model, values.get("hidden_size"))

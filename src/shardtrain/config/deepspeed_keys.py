@@ -336,10 +336,12 @@ RULES: tuple[Rule, ...] = (
     ),
     _supported(
         "optimizer.type",
-        "`Adam`, `AdamW`, `SGD`",
+        "`Adam`, `AdamW`, `SGD`, `Muon`",
         "`Adam` means AdamW unless `params.adam_w_mode: false`, `AdamW` is AdamW whatever `adam_w_mode` says (as in "
-        "DeepSpeed); other types (Lamb, OneBitAdam, "
-        "Muon, ...) are refused: pass a torch optimizer to `initialize(optimizer=...)`",
+        "DeepSpeed); `Muon` is DeepSpeed's Muon + Adam split (`shardtrain.optim.deepspeed_muon`, its keys `lr`, "
+        "`momentum`, `weight_decay`, `ns_method`, `betas`, `eps`, `muon_lr`, `adam_lr`, `adam_w_mode`, `torch_adam`; "
+        "docs/muon.md); other types (Lamb, OneBitAdam, ...) are refused: pass a torch optimizer to "
+        "`initialize(optimizer=...)`",
     ),
     _supported(
         "optimizer.params",
@@ -731,11 +733,68 @@ RULES: tuple[Rule, ...] = (
         "legacy spelling; use `offload_optimizer.pin_memory`",
         check=StrictBool,
     ),
-    _no_effect(
+    _supported(
         _Z + "zenflow",
         "section",
-        "ZenFlow (stale-update CPU offload) is not built; offload here steps with current gradients",
-        check=dict,
+        "stall-free offload (DeepSpeed's ZenFlow), stages 1-2 with `offload_optimizer.device` `cpu`: each step the "
+        "most important gradient columns update at once, the rest accumulate and update on the host every "
+        "`update_interval` steps: docs/offload.md#zenflow",
+    ),
+    _supported(
+        _Z + "zenflow.topk_ratio",
+        "0 < float < 1, `0.1`",
+        "fraction of each 2-D weight's columns updated every step: those with the largest sum of absolute gradients "
+        "over the rows at a selection step; non-2-D parameters update whole every step",
+    ),
+    _supported(
+        _Z + "zenflow.select_strategy",
+        '`"auto"`, `"step"`, `"epoch"`; `"auto"`',
+        "`step`: columns reselected every `select_interval` steps; `epoch`/`auto`: every epoch, which without a data "
+        "loader in `initialize` means once, at the first step after warm-up (DeepSpeed does the same then)",
+    ),
+    _supported(
+        _Z + "zenflow.select_interval",
+        'int ≥ 1 (a multiple of `update_interval`) or `"auto"`; `"auto"`',
+        'steps (or epochs, `select_strategy` `"epoch"`) between reselections',
+        auto='DeepSpeed\'s own value, with `select_strategy` `"auto"` only: once per epoch',
+    ),
+    _supported(
+        _Z + "zenflow.update_interval",
+        'int ≥ 1, required (DeepSpeed\'s default `"auto"`, an adaptive interval, is not built)',
+        "the other columns' gradients are averaged over this many steps and applied by the host optimizer then",
+    ),
+    _supported(
+        _Z + "zenflow.overlap_step",
+        "bool, `false`",
+        "the host update runs in a thread during the next `update_interval` steps and lands at their end (at most "
+        "one interval late); `false`: it lands at once",
+    ),
+    _supported(
+        _Z + "zenflow.full_warm_up_rounds",
+        "int ≥ 0, `0`",
+        "steps of plain full updates (every column, current gradients) before the split starts",
+    ),
+    _only(
+        _Z + "zenflow.offload",
+        False,
+        "the selected columns' optimizer state in host memory is not built (it stays where the step runs)",
+    ),
+    _no_effect(
+        _Z + "zenflow.auto_ratio",
+        "0 ≤ float ≤ 1",
+        "the threshold of the adaptive `update_interval`, which is not built",
+        check=_NUMBER,
+    ),
+    _no_effect(
+        _Z + "zenflow.pt_reserved_cores_perc",
+        "0 ≤ float ≤ 1",
+        "DeepSpeed splits the cores between training and its optimizer process; here the host update is a thread "
+        "of the training process, on torch's threads",
+        check=_NUMBER,
+    ),
+    _not_supported(
+        _Z + "zenflow.steps_per_epoch",
+        "DeepSpeed's engine sets it from its data loader, a user does not; remove it",
     ),
     _supported(
         _Z + "stage3_param_persistence_threshold",
@@ -812,7 +871,7 @@ RULES: tuple[Rule, ...] = (
     _no_effect(
         _Z + "save_muon_momentum_buffer_in_memory",
         "bool",
-        "there is no Muon optimizer",
+        "Muon's momentum is optimizer state like Adam's moments, sharded and kept in memory (or offloaded) with it",
         check=StrictBool,
     ),
     _not_supported(_Z + "leaf_module", "use `zero_optimization.stage3_unit_classes` to choose units"),

@@ -29,6 +29,7 @@ from shardtrain.plan.policies import (
     PrecisionPolicy,
     PrefetchPolicy,
     TilingPolicy,
+    ZenFlowPolicy,
     ZeroPolicy,
 )
 
@@ -61,6 +62,7 @@ def resolve_plan(cfg: Config, world: int, device_type: str | None = None) -> Pla
             opt.buffer_count,
             opt.ratio,
             zcfg.sub_group_size,
+            zenflow_policy(cfg),
         ),
         ParamOffloadPolicy(
             par.device, par.nvme_path, par.buffer_count, par.max_in_cpu, par.pin_memory and device_type == "cuda"
@@ -85,6 +87,44 @@ def resolve_plan(cfg: Config, world: int, device_type: str | None = None) -> Pla
         device=cfg.device,
         timeout_s=cfg.collective_timeout_s,
     )
+
+
+def zenflow_policy(cfg: Config) -> ZenFlowPolicy | None:
+    """``zero_optimization.zenflow`` as a policy. The epoch strategies select once: an epoch has no length without
+    a data loader, and ``initialize`` takes none (DeepSpeed's ZenFlow does the same without one)."""
+    zf = cfg.zero_optimization.zenflow
+    if zf is None:
+        return None
+    every = zf.select_interval if zf.select_strategy == "step" and isinstance(zf.select_interval, int) else 0
+    return ZenFlowPolicy(zf.topk_ratio, zf.update_interval or 1, every, zf.overlap_step, zf.full_warm_up_rounds)
+
+
+def refuse_unbuilt_zenflow(cfg: Config, dims: ParallelDims) -> None:
+    """What stall-free offload (``zero_optimization.zenflow``) is not built with, refused by name."""
+    zcfg, gas = cfg.zero_optimization, cfg.gradient_accumulation_steps
+    refused = [
+        (dims.tp > 1, f"tensor parallelism (tensor_parallel.size {dims.tp}; a column's gradient is split)"),
+        (dims.sp > 1, f"sequence parallelism (sequence_parallel_size {dims.sp})"),
+        (dims.cp > 1, f"context parallelism (context_parallel_size {dims.cp})"),
+        (dims.ep > 1, f"expert parallelism (expert_parallel_size {dims.ep})"),
+        (dims.pp > 1, f"pipeline parallelism (pipeline_parallel_size {dims.pp})"),
+        (dims.replicas > 1, f"hybrid sharding (zero_optimization.mics_shard_size {zcfg.mics_shard_size})"),
+        (bool(cfg.graph.enabled), "graph mode (graph.enabled)"),
+        (bool(cfg.fp8.enabled), "fp8 (fp8.enabled)"),
+        (cfg.optimizer is not None and cfg.optimizer.type.lower() not in ("adam", "adamw"), _non_adam(cfg)),
+        (
+            isinstance(gas, int) and gas > 1,
+            f"gradient_accumulation_steps {gas} (DeepSpeed replaces it by update_interval under ZenFlow: every "
+            "micro-step is a step; set gradient_accumulation_steps to 1)",
+        ),
+    ]
+    _refuse_first(
+        refused, "zero_optimization.zenflow", "remove zenflow or turn the other feature off (docs/offload.md)"
+    )
+
+
+def _non_adam(cfg: Config) -> str:
+    return f"optimizer.type {cfg.optimizer.type!r} (ZenFlow's two updates are Adam's)" if cfg.optimizer else ""
 
 
 def parallel_dims(cfg: Config, world: int) -> ParallelDims:
@@ -203,6 +243,8 @@ def refuse_unbuilt(cfg: Config, dims: ParallelDims, device_type: str | None = No
         )
     if cfg.fp8.enabled:
         refuse_unbuilt_fp8(cfg, dims)
+    if zcfg.zenflow is not None:
+        refuse_unbuilt_zenflow(cfg, dims)
     if (cfg.tiled_logits_loss or cfg.tiled_mlp_compute) and cfg.graph.enabled:
         raise ConfigError(
             "tiled_logits_loss / tiled_mlp_compute with graph.enabled: the tiled Functions recompute in backward "
@@ -242,8 +284,6 @@ def refuse_unbuilt_context(cfg: Config, dims: ParallelDims) -> None:
     """What context parallelism is not built with yet (docs/context-parallel.md), refused by name."""
     zcfg = cfg.zero_optimization
     refused = [
-        (dims.tp > 1, f"tensor parallelism (tensor_parallel.size {dims.tp})"),
-        (dims.ep > 1, f"expert parallelism (expert_parallel_size {dims.ep})"),
         (dims.pp > 1, f"pipeline parallelism (pipeline_parallel_size {dims.pp})"),
         (dims.replicas > 1, f"hybrid sharding (zero_optimization.mics_shard_size {zcfg.mics_shard_size})"),
         (dims.hpz_asked, f"ZeRO++ hpZ (zero_optimization.zero_hpz_partition_size {zcfg.zero_hpz_partition_size})"),
@@ -300,6 +340,11 @@ def refuse_on_device(cfg: Config, device_type: str) -> None:
     (whose host step writes the host shards), in eager mode, without tensor or expert parallelism."""
     zcfg = cfg.zero_optimization
     param, opt = zcfg.offload_param, zcfg.offload_optimizer
+    if zcfg.zenflow is not None and device_type == "cuda":
+        raise ConfigError(
+            "zero_optimization.zenflow on CUDA is not built yet: the split step runs where the gradients and the "
+            "stepped tensors are (the CPU); remove zenflow for plain CPU offload on the GPU (docs/offload.md#zenflow)"
+        )
     if param.device == "none" or device_type != "cuda" or zcfg.stage != 3:
         return
     refused = [

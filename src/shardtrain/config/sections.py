@@ -40,6 +40,8 @@ from shardtrain.config.deepspeed_keys import (
 )
 from shardtrain.errors import ConfigError
 from shardtrain.optim.adam import DeepSpeedAdam
+from shardtrain.optim.deepspeed_muon import CONFIG_KEYS as MUON_CONFIG_KEYS
+from shardtrain.optim.deepspeed_muon import NS_METHODS, DeepSpeedMuon
 
 log = logging.getLogger("shardtrain")
 
@@ -143,6 +145,54 @@ class OffloadParamConfig(_OffloadSection):
     by default, as ``offload_optimizer.pin_memory``."""
 
 
+class ZenFlowConfig(_Section):
+    """DeepSpeed 0.19.8's ``zero_optimization.zenflow``: stall-free optimizer offload, see [Note: the ZenFlow rule]
+    in :mod:`shardtrain.offload.zenflow` and docs/offload.md. Defaults are DeepSpeed's; its ``offload``,
+    ``auto_ratio`` and ``pt_reserved_cores_perc`` are classified in the key table (refused or without effect)."""
+
+    topk_ratio: float = Field(default=0.1, gt=0, lt=1)
+    """Fraction of each 2-D weight's columns (by gradient magnitude) updated every step."""
+    select_strategy: Literal["auto", "step", "epoch"] = "auto"
+    """When the columns are reselected: every ``select_interval`` steps (``step``) or epochs (``epoch``; ``auto``:
+    every epoch). Without a data loader in ``initialize`` an epoch has no length: selected once, as DeepSpeed does."""
+    select_interval: Count | Auto | None = None
+    """Steps (or epochs) between reselections; ``"auto"`` (or absent) only with ``select_strategy`` ``"auto"``."""
+    update_interval: Count | None = None
+    """Steps between host updates of the other columns (their gradients averaged over them). Required: DeepSpeed's
+    default, ``"auto"`` (an adaptive interval), is not built."""
+    overlap_step: bool = False
+    """The host update runs in a thread while the next ``update_interval`` steps train; it lands one interval late."""
+    full_warm_up_rounds: Size = 0
+    """Steps of plain full updates before the split starts."""
+
+    @model_validator(mode="after")
+    def _intervals(self) -> ZenFlowConfig:
+        if self.update_interval is None:
+            raise ValueError(
+                'update_interval: DeepSpeed\'s default "auto" (an adaptive interval) is not built; give a whole number '
+                "of steps between host updates (DeepSpeed's examples use 4)"
+            )
+        if self.select_strategy == "auto" and self.select_interval not in (None, "auto"):
+            raise ValueError(
+                f'select_interval {self.select_interval} with select_strategy "auto" (which selects once per epoch, '
+                'as DeepSpeed does); set select_strategy "step" to reselect every select_interval steps'
+            )
+        if self.select_strategy != "auto" and self.select_interval in (None, "auto"):
+            raise ValueError(
+                f'select_strategy "{self.select_strategy}" needs a whole number select_interval (DeepSpeed\'s rule), '
+                'got "auto"'
+            )
+        if self.select_strategy == "step":
+            every, update = self.select_interval, self.update_interval
+            if every < update or every % update:
+                raise ValueError(
+                    f"select_interval {every} is not a multiple of update_interval {update}: columns are reselected "
+                    "right after a host update, so that no gradient waits in the accumulator for a column that "
+                    "changes side; give a multiple of update_interval"
+                )
+        return self
+
+
 class ZeroConfig(_Section):
     stage: Annotated[Literal[0, 1, 2, 3], BeforeValidator(_stage)] = 0
     reduce_bucket_size: Size | Auto = 500_000_000
@@ -167,6 +217,8 @@ class ZeroConfig(_Section):
     """With optimizer offload: the optimizer steps this rank's fragments in sub-groups of about this many elements."""
     offload_optimizer: OffloadOptimizerConfig = Field(default_factory=OffloadOptimizerConfig)
     offload_param: OffloadParamConfig = Field(default_factory=OffloadParamConfig)
+    zenflow: ZenFlowConfig | None = None
+    """Stall-free optimizer offload (DeepSpeed's ZenFlow; with ``offload_optimizer.device`` ``cpu``)."""
     mics_shard_size: Annotated[int, BeforeValidator(_integral), Field(strict=True, le=INT64_MAX)] = -1
     """Hybrid sharding (DeepSpeed's MiCS key): shard parameters, gradients and optimizer state within groups of this
     many adjacent data-parallel ranks and replicate them across groups (-1: one group of every data-parallel rank);
@@ -182,6 +234,12 @@ class ZeroConfig(_Section):
             raise ValueError(
                 f"offload_optimizer.device {self.offload_optimizer.device!r} needs ZeRO stage 1, 2 or 3 (the "
                 "optimizer state is offloaded per rank's shard); set stage >= 1 or device 'none'"
+            )
+        if self.zenflow is not None and (self.stage not in (1, 2) or self.offload_optimizer.device != "cpu"):
+            raise ValueError(
+                f"zenflow needs ZeRO stage 1 or 2 with offload_optimizer.device 'cpu' (as DeepSpeed's ZenFlow for "
+                f"stages 1-2), got stage {self.stage} with device {self.offload_optimizer.device!r}; its stage-3 "
+                "form is not built"
             )
         if self.offload_param.device != "none" and self.stage != 3:
             # DeepSpeed hands offload_param to stage 3 only and ignores it below (it has no parameter shards to
@@ -662,6 +720,37 @@ _SCHEDULERS: dict[str, type[_Section]] = {
 }
 
 
+def _deepspeed_muon_params(cfg: OptimizerConfig, allow_auto: bool) -> dict[str, Any]:
+    """DeepSpeed's Muon type's keys, checked; the optimizer is built by ``DeepSpeedMuon.from_config`` (it needs the
+    model's parameter names). See [Note: DeepSpeed's Muon is not torch's] in optim/deepspeed_muon.py."""
+    autos = [k for k, v in cfg.params.items() if is_auto(v)]
+    if autos and not allow_auto:
+        raise ConfigError(f'optimizer.params.{autos[0]}: "auto" was not resolved; give a value')
+    params = {k: v for k, v in cfg.params.items() if not is_auto(v)}
+    for key in [*params, *autos]:
+        if key not in MUON_CONFIG_KEYS:
+            raise ConfigError(unknown_key_message(f"optimizer.params.{key}", key, sorted(MUON_CONFIG_KEYS)))
+    for key, value in params.items():
+        if key in ("adam_w_mode", "torch_adam", "per_head_muon"):
+            if not isinstance(value, bool):
+                raise ConfigError(f"optimizer.params.{key}: expected true or false, got {value!r}")
+        elif key == "ns_method":
+            if value not in NS_METHODS:
+                raise ConfigError(f"optimizer.params.ns_method: expected one of {list(NS_METHODS)}, got {value!r}")
+        elif key == "betas":
+            if not isinstance(value, (list, tuple)) or len(value) != 2 or not all(_is_finite(b) for b in value):
+                raise ConfigError(f"optimizer.params.betas: expected two numbers [beta1, beta2], got {value!r}")
+        elif not _is_finite(value):
+            raise ConfigError(f"optimizer.params.{key}: expected a finite number, got {value!r}")
+    if params.get("per_head_muon"):
+        raise ConfigError(
+            "optimizer.params.per_head_muon: DeepSpeed's per-head orthogonalization of attention projections is not "
+            "served (docs/muon.md); leave it false (each matrix orthogonalized whole)"
+        )
+    params.pop("torch_adam", None)  # which of DeepSpeed's Adam implementations: the same formula
+    return params
+
+
 def optimizer_class_and_kwargs(
     cfg: OptimizerConfig, allow_auto: bool = False
 ) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
@@ -675,12 +764,7 @@ def optimizer_class_and_kwargs(
     """
     kind = cfg.type.lower()
     if kind == "muon":
-        raise ConfigError(
-            "optimizer.type: 'Muon' (DeepSpeed's Muon for 2-D hidden weights and AdamW for the rest) is not served "
-            "from the config yet (docs/muon.md). Pass initialize(optimizer=shardtrain.optim.muon.MuonWithAdamW(...)) "
-            "with 'use_muon' param groups (served at ZeRO stage 0 and at 1-3 by owner ranks), or use Adam, AdamW or "
-            "SGD"
-        )
+        return DeepSpeedMuon, _deepspeed_muon_params(cfg, allow_auto)
     if kind not in _OPTIMIZERS:
         raise ConfigError(
             f"optimizer.type: {cfg.type!r} is not supported; allowed: Adam, AdamW, SGD "

@@ -582,15 +582,17 @@ class Communicator:
             False,
         )
 
-    def ring_step(self, out: torch.Tensor, inp: torch.Tensor, *, what: str) -> None:
+    def ring_step(self, out: torch.Tensor, inp: torch.Tensor, *, what: str, async_op: bool = False) -> Handle | None:
         """One step of a ring: ``inp`` goes to the next rank of the group (``rank + 1``), ``out`` is filled from the
         previous one (``rank - 1``). Counted as the bytes of ``inp`` (what this rank sends), so ``size - 1`` steps
-        count an all-gather's ``S * (N-1)/N`` of the whole ``S``. Point-to-point, as the pairwise reduce-scatter."""
+        count an all-gather's ``S * (N-1)/N`` of the whole ``S``. Point-to-point, as the pairwise reduce-scatter.
+        ``async_op``: return the in-flight step's handle (``out`` is filled, and ``inp`` free to change, once its
+        ``wait()`` returns), so that compute overlaps the transfer."""
         nbytes = inp.numel() * inp.element_size()
         self._count("ring", nbytes)
         if self.alone:
             out.copy_(inp)
-            return
+            return Handle(self, None, "ring", what) if async_op else None
         self._refuse_after_failure("ring", what)
         n, me = self.size, self.rank
         tag, self._tag = self._tag, (self._tag + 1) % (1 << 30)
@@ -602,8 +604,12 @@ class Communicator:
             ]
         except RuntimeError as err:
             raise self.describe_failure("ring", what, err, started=started) from err
-        _PointToPointHandle(self, works, "ring", what, started).wait()
+        handle = _PointToPointHandle(self, works, "ring", what, started)
+        if async_op:
+            return handle
+        handle.wait()
         self._completed()
+        return None
 
     def broadcast(self, t: torch.Tensor, src: int = 0, *, what: str) -> None:
         """Broadcast from group rank ``src``."""

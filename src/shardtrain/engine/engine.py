@@ -46,7 +46,13 @@ from shardtrain.engine.checkpointing import (
     save_engine,
 )
 from shardtrain.engine.monitor import StepMetrics, check_monitor_packages
-from shardtrain.engine.optimizers import OptimizerArg, SchedulerArg, build_lr_scheduler, build_optimizer
+from shardtrain.engine.optimizers import (
+    OptimizerArg,
+    SchedulerArg,
+    build_lr_scheduler,
+    build_optimizer,
+    refuse_deepspeed_muon_clipping,
+)
 from shardtrain.engine.parallelize import Parts, parallelize
 from shardtrain.errors import ConfigError, OptimizerError, ShardtrainError
 from shardtrain.host_read import HostRead
@@ -572,6 +578,8 @@ class Engine:
             self._runtime.release()  # units a forward without backward kept gathered: their memory back
             self._runtime.close()  # waits for a ZeRO-3 unit-order exchange issued ahead
             self.monitor.close()
+            if self._optimizer.zenflow is not None:  # its host update in flight, and its thread
+                self._optimizer.zenflow.close()
             if self._optimizer.offload is not None:  # swap files are scratch: removed with their directory
                 self._optimizer.offload.close()
             for scratch in self._scratch.values():
@@ -905,6 +913,7 @@ def _initialize(
     # tensor-parallel split and deferred construction keep every parameter object the optimizer holds
     opt = build_optimizer(model, cfg, optimizer, topology.device)
     check_optimizer(opt, model, plan.zero.stage, cfg.zero_allow_untested_optimizer, tp=plan.dims.tp)
+    refuse_deepspeed_muon_clipping(opt, plan.zero.stage, cfg.gradient_clipping)
     scheduler = build_lr_scheduler(cfg, opt, lr_scheduler)
     if cfg.seed is not None:
         random.seed(cfg.seed)

@@ -12,6 +12,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from shardtrain.config.sections import Config, optimizer_class_and_kwargs
 from shardtrain.errors import ConfigError, OptimizerError
+from shardtrain.optim.deepspeed_muon import DeepSpeedMuon
 from shardtrain.optim.schedulers import build_scheduler
 
 OptimizerArg = torch.optim.Optimizer | Callable[[Any], torch.optim.Optimizer] | None
@@ -43,9 +44,24 @@ def build_optimizer(
     if cfg.optimizer is None:
         raise ConfigError("no optimizer: pass initialize(optimizer=...) or add an 'optimizer' section to the config")
     cls, kwargs = optimizer_class_and_kwargs(cfg.optimizer)
+    if cls is DeepSpeedMuon:  # splits the parameters by their names, as DeepSpeed does
+        return DeepSpeedMuon.from_config(model, None, kwargs)
     if device is not None and device.type == "cuda" and cls in FUSED_ON_CUDA and not {"fused", "foreach"} & {*kwargs}:
         kwargs["fused"] = True
     return cls([p for p in model.parameters() if p.requires_grad], **kwargs)
+
+
+def refuse_deepspeed_muon_clipping(optimizer: torch.optim.Optimizer, stage: int, clipping: float) -> None:
+    """DeepSpeed's Muon type at ZeRO 1-3 clips by another norm than shardtrain's: refused by name while it is not
+    built ([Note: DeepSpeed's Muon is not torch's] in optim/deepspeed_muon.py)."""
+    if isinstance(optimizer, DeepSpeedMuon) and stage > 0 and clipping:
+        raise ConfigError(
+            f"DeepSpeed's Muon optimizer type at ZeRO stage {stage} with gradient_clipping {clipping}: DeepSpeed "
+            "0.19.8 writes the orthogonalized Muon updates into the gradient partitions at stages 1-3 and clips by "
+            "their norm (with the Adam gradients'), not by the gradients' norm, and that is not built here. Set "
+            '"gradient_clipping": 0 (DeepSpeed\'s default is 1.0), or use ZeRO stage 0, where DeepSpeed clips the '
+            "gradients as shardtrain does"
+        )
 
 
 def build_lr_scheduler(cfg: Config, opt: torch.optim.Optimizer, lr_scheduler: SchedulerArg) -> LRScheduler | None:

@@ -68,9 +68,17 @@ from shardtrain.offload.optimizer_state import (
 )
 from shardtrain.offload.parameters import ParamOffload
 from shardtrain.offload.swap import ScratchDir, SwapFiles, on_every_rank, prepare_scratch
+from shardtrain.offload.zenflow import ZenFlowStep
 from shardtrain.pipeline_parallel import Pipeline, cut_model, tied_across_stages
 from shardtrain.plan import Plan
-from shardtrain.plan.policies import ActivationPolicy, Float8Policy, OffloadPolicy, PrecisionPolicy, ZeroPolicy
+from shardtrain.plan.policies import (
+    ActivationPolicy,
+    Float8Policy,
+    OffloadPolicy,
+    PrecisionPolicy,
+    ZenFlowPolicy,
+    ZeroPolicy,
+)
 from shardtrain.precision.float8 import Float8Conversion, convert_to_float8
 from shardtrain.precision.loss_scaler import LossScaler
 from shardtrain.runtime.eager import EagerRuntime
@@ -93,7 +101,7 @@ from shardtrain.zero.float8_gather import take_precast_weights
 from shardtrain.zero.gather import ShardSource
 from shardtrain.zero.hpz import SecondaryShards
 from shardtrain.zero.layout import Bucket, ShardLayout, cast_bucket
-from shardtrain.zero.optimizer import ShardedOptimizer, TensorParallelNorm, make_masters
+from shardtrain.zero.optimizer import MakeZenFlow, ShardedOptimizer, TensorParallelNorm, make_masters
 from shardtrain.zero.reducer import GradientReducer
 from shardtrain.zero.units import find_unit_modules
 
@@ -339,7 +347,7 @@ def apply_sp(model: nn.Module, plan: Plan, topology: Topology) -> Any:
         cp = ContextSplitter(model, Communicator(topology.seq_group, topology.timeout_s), topology.cp)
         ulysses_comm = Communicator(topology.sp_group, topology.timeout_s) if topology.sp > 1 else None
         ring_comm = Communicator(topology.cp_group, topology.timeout_s) if topology.sp > 1 else cp.comm
-        install_context_attention(model, ring_comm, lambda: cp.current, ulysses_comm)
+        install_context_attention(model, ring_comm, lambda: cp.current, ulysses_comm, topology.tp)
         sp = cp
     elif topology.sp > 1:
         sp = make_splitter(model, Communicator(topology.sp_group, topology.timeout_s))
@@ -589,8 +597,18 @@ def apply_step(
         experts=(comms.edp, comms.ep) if comms.edp is not None and comms.ep is not None else None,
         stage_comm=Communicator(topology.pp_group, topology.timeout_s) if topology.pp > 1 else None,
         counted_elsewhere=counted_elsewhere,
+        make_zenflow=_zenflow_factory(optimizer, offload.zenflow, comms.shard),
     )
     return reducer, sharded
+
+
+def _zenflow_factory(
+    optimizer: torch.optim.Optimizer, policy: ZenFlowPolicy | None, comm: Communicator
+) -> MakeZenFlow | None:
+    """The stall-free step over the optimizer's tensors (``zero_optimization.zenflow``), None without it."""
+    if policy is None:
+        return None
+    return lambda stepped, shapes, starts: ZenFlowStep(optimizer, stepped, shapes, starts, policy, comm)
 
 
 def apply_graph(

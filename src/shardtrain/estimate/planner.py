@@ -50,10 +50,12 @@ from shardtrain.estimate.sequence import install_sequence_parallel
 from shardtrain.estimate.source import ModelSource, resolve_source
 from shardtrain.estimate.state import RankState, UnitSize, rank_state
 from shardtrain.estimate.timing import MicroBatchWork, StepInputs, TimeEstimate, measure_work, step_time, zero_traffic
+from shardtrain.optim.deepspeed_muon import is_deepspeed_muon_parameter
 from shardtrain.pipeline_parallel.cut import cut_model
 from shardtrain.plan import Plan
 from shardtrain.plan.dims import ParallelDims
 from shardtrain.precision.float8 import output_heads, why_kept
+from shardtrain.sequence_parallel.ring import merged_ring_serves
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 HYBRID_KEYS = ("mics_shard_size", "zero_hpz_partition_size")
@@ -437,7 +439,29 @@ def _optimizer_kind(cfg: Config, optimizer: str | None) -> tuple[int, bool]:
     if kind == "sgd":
         momentum = cfg.optimizer.params.get("momentum", 0) if cfg.optimizer and optimizer is None else 0
         return (1 if momentum else 0), False
-    raise ConfigError(f"optimizer {kind!r}: the planner knows Adam, AdamW and SGD")
+    if kind == "muon":  # DeepSpeed's type: its Adam half's; the Muon half is counted by _muon_of
+        return 2, True
+    raise ConfigError(f"optimizer {kind!r}: the planner knows Adam, AdamW, SGD and DeepSpeed's Muon")
+
+
+def _muon_of(cfg: Config, optimizer: str | None):
+    """DeepSpeed's Muon split by name and shape ([Note: DeepSpeed's Muon is not torch's]), or None."""
+    kind = (optimizer or (cfg.optimizer.type if cfg.optimizer else "adamw")).lower()
+    return is_deepspeed_muon_parameter if kind == "muon" else None
+
+
+def muon_owner_traffic(buckets: list, shard_group: int, muon) -> dict[str, int]:
+    """Bytes per optimizer step of Muon's owners ([Note: one owner per matrix] in zero/muon_owners.py): every
+    trainable bucket holding a Muon matrix is all-gathered and reduce-scattered once in fp32, as the engine's
+    communicator counts them (the ring's (n - 1) / n of the bucket)."""
+    if muon is None or shard_group == 1:
+        return {}
+    padded = [b.padded_numel for b in buckets if b.requires_grad and any(muon(s.name, s.shape) for s in b.slots)]
+    moved = sum(4 * n * (shard_group - 1) // shard_group for n in padded)
+    return {
+        "Muon updates to their owners (all-gather, fp32)": moved,
+        "orthogonalized Muon updates back (reduce-scatter, fp32)": moved,
+    }
 
 
 def estimate_memory(
@@ -502,6 +526,10 @@ class _Prepared:
     """(layers, key/value heads a rank attends with, head dimension), for the context-parallel rows."""
     hidden: int = 0
     """The model's hidden size (a pipeline boundary's activation per token), 0 when it says none."""
+    step_traffic: dict[str, int] = field(default_factory=dict)
+    """Bytes per optimizer step the optimizer's own collectives move (Muon's owners)."""
+    owner_buffers: int = 0
+    """Muon's owners' largest gathered bucket, its result and this rank's chunk (fp32), alive in the step."""
     float8_linears: frozenset[tuple[int, int]] = frozenset()
     """FP8 training: the converted linears' weight shapes (:func:`_float8_linear_shapes`)."""
 
@@ -607,6 +635,7 @@ def _prepare(
     zero, offload, precision = plan.zero, plan.offload, plan.precision
     compute = precision.compute_dtype
     moments, steps = _optimizer_kind(cfg, optimizer)
+    muon = _muon_of(cfg, optimizer)
     # with sequence parallelism the model as initialize leaves it (Ulysses installed, refusing what it refuses): the
     # same parameters
     fake, experts = _fake_model(source, layout.tp, layout.ep, tp_plan, cache, layout.sp)
@@ -630,7 +659,7 @@ def _prepare(
     grads_in_files = grads_in_files and layout.tp == 1 and layout.shard_group == layout.zero
     st = rank_state(
         fake, zero, offload, layout.shard_group, 0, compute, moments, steps, device_type, grads_in_files, experts,
-        layout.ep, layout.zero // layout.ep, precision.accum_dtype, float8,
+        layout.ep, layout.zero // layout.ep, precision.accum_dtype, float8, muon,
     )  # fmt: skip
     buffers = sum(b.numel() * (compute if b.dtype == torch.float32 else b.dtype).itemsize for b in fake.buffers())
     reduce = precision.reduce_dtype if precision.mixed else None
@@ -675,8 +704,14 @@ def _prepare(
         "models": cache.setdefault("models", {}) if cache.get("fast", True) else None,
     }
     shape = (layers, max(kv_heads // (layout.tp * layout.sp), 1), head_dim)
-    float8_linears = _float8_linear_shapes(fake, plan)
-    return _Prepared(layout, st, n_params, buffers, key, run, layer_share, shape, _hidden_size(whole), float8_linears)
+    traffic, owners = {}, 0
+    if muon is not None and zero.shard_optimizer_state:  # [Note: one owner per matrix] in zero/muon_owners.py
+        traffic = muon_owner_traffic(st.buckets, layout.shard_group, muon)
+        held = [b for b in st.buckets if b.requires_grad and any(muon(s.name, s.shape) for s in b.slots)]
+        owners = max((4 * (2 * b.padded_numel + b.shard_numel) for b in held), default=0)
+    prep = _Prepared(layout, st, n_params, buffers, key, run, layer_share, shape, _hidden_size(whole), traffic, owners)
+    prep.float8_linears = _float8_linear_shapes(fake, plan)
+    return prep
 
 
 def _hidden_size(model: Any) -> int:
@@ -776,9 +811,13 @@ def _assemble(
     layers, kv_heads, head_dim = prep.shape
     itemsize = _DTYPES[layout.dtype].itemsize
     rows_per_rank = layout.micro_batch
-    if activations and layout.cp > 1:  # [Note: why not torch's context_parallel] in sequence_parallel/ring.py
-        kv = gathered_keys_values(rows_per_rank, layout.seq_len, kv_heads, head_dim, itemsize)
-        rows.append(Row("whole-sequence keys and values of a layer (cp ring)", "device", kv, True))
+    merged = layout.cp > 1 and merged_ring_serves(
+        layout.cp
+    )  # [Note: which context attention] in sequence_parallel/ring.py
+    if activations and layout.cp > 1:
+        kv = gathered_keys_values(rows_per_rank, layout.seq_len, kv_heads, head_dim, itemsize, layout.cp, merged)
+        what = "keys and values of three cp ranks' chunks (merged ring)" if merged else "whole-sequence keys and values"
+        rows.append(Row(f"{what} of a layer (cp ring)", "device", kv, True))
     float8_units = [u for u in st.units if u.float8_numel]
     if float8_units:
         shards = [b.shard_numel for b in st.buckets if b.float8 is not None]
@@ -786,13 +825,16 @@ def _assemble(
     if layout.cp > 1:
         passes = 2 if layout.checkpointing else 1
         sent, scattered = ring_bytes(
-            rows_per_rank, layout.seq_len, kv_heads, head_dim, itemsize, layers, layout.cp, passes
+            rows_per_rank, layout.seq_len, kv_heads, head_dim, itemsize, layers, layout.cp, passes, merged
         )
         if layout.pp > 1:
             layers_here = round(layers * prep.layer_share)
             sent, scattered = sent * layers_here // layers, scattered * layers_here // layers
         est.traffic["context-parallel ring (keys and values)"] = sent * layout.micro_batches
-        est.traffic["context-parallel reduce-scatter (their gradients, backward)"] = scattered * layout.micro_batches
+        if scattered:
+            est.traffic["context-parallel reduce-scatter (their gradients, backward)"] = (
+                scattered * layout.micro_batches
+            )
     if float8_units:
         est.traffic["ZeRO-3 float8 gathers (1 byte/element)"] = layout.micro_batches * float8_gather_bytes(
             st.units, layout.shard_group
@@ -816,6 +858,11 @@ def _assemble(
     largest = max((f.length for b in st.buckets if b.requires_grad for f in b.fragments), default=0)
     if layout.stage == 0:
         largest = max((s.numel for b in st.buckets if b.requires_grad for s in b.slots), default=0)
+    if prep.owner_buffers:
+        rows.append(
+            Row("Muon owners' gathered bucket, result and chunk (fp32)", "device", prep.owner_buffers, True, "step")
+        )
+    est.traffic.update(prep.step_traffic)
     rows.append(Row("optimizer step temporaries", host if opt.get("host") else "device", 4 * largest, True, "step"))
     est.rows = rows
     return est
@@ -843,6 +890,7 @@ def candidate_layouts(
     tps: Iterable[int] | None = None,
     sps: Iterable[int] = (1,),
     pps: Iterable[int] = (1,),
+    cps: Iterable[int] | None = None,
     offload: bool = True,
     param_offload: bool = True,
     host_params: bool = False,
@@ -855,14 +903,15 @@ def candidate_layouts(
     parameter offload at stage 3, and the estimate lays their state out as it does), with and without tensor
     parallelism; ``host_params``: also parameter offload to host memory (a GPU machine's). Sizes the model's heads
     refuse, and combinations ``initialize`` does not build, are left to
-    :func:`_prepare`, which refuses them."""
+    :func:`_prepare`, which refuses them. ``cps``: the context-parallel sizes tried (None: ``base``'s alone)."""
     experts, sps = list(experts), list(sps)
+    cps = [base.cp] if cps is None else list(cps)
     out = []
-    for world, pp in [(w, p) for w in worlds for p in pps if w % p == 0]:
-        base = replace(base, pp=pp)
+    for world, pp, cp in [(w, p, c) for w in worlds for p in pps for c in cps if w % (p * c) == 0]:
+        base = replace(base, pp=pp, cp=cp)
         for tp in tps or [t for t in range(1, world + 1) if world % t == 0]:
             for sp in sps:
-                if world % (tp * sp * base.cp * pp):
+                if world % (tp * sp * cp * pp):
                     continue
                 zero = world // (tp * pp)
                 eps = [e for e in range(2, zero + 1) if zero % e == 0 and all(n % e == 0 for n in experts)]
@@ -911,6 +960,7 @@ def fitting_layouts(
     sps: Iterable[int] | None = None,
     pps: Iterable[int] | None = None,
     cluster: Cluster | None = None,
+    cps: Iterable[int] | None = None,
     micro_batch_sizes: Iterable[int] | None = None,
     checkpointings: Iterable[bool | str] | None = None,
     global_batch: int | None = None,
@@ -929,7 +979,10 @@ def fitting_layouts(
     None: every size from 1 to the config's ``sequence_parallel_size`` (or the ``sp`` override), so 1 alone unless
     one is asked for ([Note: sequence-parallel sizes in a search]). ``pps``: the pipeline-parallel sizes tried, each
     where it divides the world (reported for pipeline rank 0, the first stage's); None: every size from 1 to the
-    config's ``pipeline_parallel_size`` (or the ``pp`` override), for the same reason. ``cluster``: each fit also
+    config's ``pipeline_parallel_size`` (or the ``pp`` override), for the same reason. ``cps``: the context-parallel
+    sizes tried, each where it divides the world with the others (a cp rank runs ``1/cp`` of each sequence's tokens,
+    holds the ring's keys and values and sends its bytes); None: every size from 1 to the config's
+    ``context_parallel_size`` (or the ``cp`` override), for the same reason. ``cluster``: each fit also
     gets its predicted step there (``est.time``), and the fits are ranked by predicted tokens/s per GPU, fastest
     first (:func:`rank_by_speed`).
 
@@ -955,11 +1008,13 @@ def fitting_layouts(
     cache: dict = {"fast": fast}
     sps = range(1, base.sp + 1) if sps is None else sps
     pps = range(1, base.pp + 1) if pps is None else pps
+    cps = range(1, base.cp + 1) if cps is None else cps
     layouts = candidate_layouts(
         worlds,
         base,
         sps=sps,
         pps=pps,
+        cps=cps,
         offload=offload,
         host_params=device_type == "cuda",
         experts=_expert_counts(source, cache),

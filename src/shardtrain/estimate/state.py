@@ -26,6 +26,7 @@ Stage 3 also gives each unit's gathered size (its dense and expert buffers whole
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -175,12 +176,15 @@ def rank_state(
     expert_world: int | None = None,
     accum: torch.dtype = FP32,
     float8: frozenset[int] = frozenset(),
+    muon: Callable[[str, torch.Size], bool] | None = None,
 ) -> RankState:
     """Bytes of one rank whose ZeRO shard group has ``world`` ranks and which is ``rank`` in it; ``grads_in_files``:
     the gradient shards are in swap files (``GradOffload`` in offload/gradients.py; the caller knows tp and hybrid).
     ``experts``, ``ep``, ``expert_world``: expert parallelism, as :func:`plan_buckets` takes them. ``accum``: the
     dtype compute-dtype gradients accumulate in (the precision policy's ``accum_dtype``). ``float8``: the weights
-    ZeRO-3 gathers in float8 (:func:`plan_buckets`); their units' gathered bytes count 1 per element."""
+    ZeRO-3 gathers in float8 (:func:`plan_buckets`); their units' gathered bytes count 1 per element. ``muon(name,
+    shape)``: the parameters a Muon optimizer steps, with one state tensor (its momentum) and no step counter; the
+    others keep ``moments`` and ``step_scalars``."""
     mixed = compute != FP32
     buckets, units, whole = plan_buckets(model, policy, world, rank, experts, ep, expert_world, float8)
     st = RankState(buckets=buckets, bucket_names=[[s.name for s in b.slots] for b in buckets])
@@ -226,16 +230,12 @@ def rank_state(
     st.grads = {"device": 0, "nvme": grads} if grads_in_files else {"device": grads}
 
     # optimizer (ShardedOptimizer.state_bytes and offload/optimizer_state.py)
-    stepped = [
-        f.length if policy.shard_optimizer_state else s.numel
-        for b in buckets
-        if b.requires_grad
-        for s, f in zip(b.slots, b.fragments)
-    ]
-    n_params = len(stepped)
+    slots = [(s, f) for b in buckets if b.requires_grad for s, f in zip(b.slots, b.fragments)]
+    stepped = [f.length if policy.shard_optimizer_state else s.numel for s, f in slots]
+    by_muon = [muon is not None and muon(s.name, s.shape) for s, _ in slots]
     masters_per = [4 * n if mixed else 0 for n in stepped]
-    moments_per = [4 * moments * n for n in stepped]
-    steps = 4 * n_params if step_scalars else 0
+    moments_per = [4 * (1 if m else moments) * n for n, m in zip(stepped, by_muon)]
+    steps = 4 * by_muon.count(False) if step_scalars else 0
     opt: dict[str, int] = {}
     if opt_dev == "nvme":
         groups = make_sub_groups(stepped, offload.optimizer.sub_group_size, offload.optimizer.ratio)

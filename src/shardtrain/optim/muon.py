@@ -58,13 +58,17 @@ class MuonWithAdamW(torch.optim.Optimizer):
     ``adjust_lr_fn``; AdamW's: ``lr``, ``betas``, ``eps``, ``weight_decay``, ``amsgrad``. See [Note: Muon on owners]."""
 
     _init_group = torch.optim.Adam._init_group  # what AdamW's step (run on the AdamW groups) calls on its optimizer
+    muon_defaults: dict[str, Any] = _MUON_DEFAULTS
+    """What a ``use_muon`` group that does not say gets (torch.optim.Muon's defaults but ``lr``)."""
+    adam_defaults: dict[str, Any] = _ADAMW_DEFAULTS
+    """What an AdamW group that does not say gets (torch.optim.AdamW's defaults but ``lr``, ``weight_decay``)."""
 
     def __init__(self, param_groups: Iterable[dict], lr: float = 1e-3, weight_decay: float = 0.1) -> None:
         groups = [dict(g) for g in param_groups]
         for i, g in enumerate(groups):
             if "use_muon" not in g:
                 raise ValueError(f"param_groups[{i}] has no 'use_muon': say which groups Muon steps")
-            defaults = _MUON_DEFAULTS if g["use_muon"] else {**_ADAMW_DEFAULTS, "eps": 1e-8}
+            defaults = self.muon_defaults if g["use_muon"] else self.adam_defaults
             for k, v in defaults.items():
                 g.setdefault(k, v)
             if g["use_muon"]:
@@ -106,9 +110,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
             buf.lerp_(p.grad, 1 - momentum)
             updates.append(p.grad.lerp(buf, momentum) if group["nesterov"] else buf)
 
-        def orthogonalize(matrix: torch.Tensor) -> torch.Tensor:
-            return _zeropower_via_newtonschulz(matrix, group["ns_coefficients"], group["ns_steps"], group["eps"])
-
+        orthogonalize = self._orthogonalizer(group)
         if self.whole_matrices is None:
             updates = [orthogonalize(u) for u in updates]
             shapes = [p.shape for p in params]
@@ -116,6 +118,17 @@ class MuonWithAdamW(torch.optim.Optimizer):
             updates = self.whole_matrices(params, updates, orthogonalize)
             shapes = [self.whole_matrices.shape_of(p) for p in params]
         for p, update, shape in zip(params, updates, shapes):
-            adjusted_lr = _adjust_lr(lr, group["adjust_lr_fn"], shape)
             p.mul_(1 - lr * group["weight_decay"])
-            p.add_(update.view_as(p), alpha=-adjusted_lr)
+            p.add_(update.view_as(p), alpha=-self._step_size(group, shape))
+
+    def _orthogonalizer(self, group: dict) -> Orthogonalize:
+        """What replaces a whole matrix's update: torch's Newton-Schulz with the group's coefficients."""
+
+        def orthogonalize(matrix: torch.Tensor) -> torch.Tensor:
+            return _zeropower_via_newtonschulz(matrix, group["ns_coefficients"], group["ns_steps"], group["eps"])
+
+        return orthogonalize
+
+    def _step_size(self, group: dict, shape: torch.Size) -> float:
+        """torch's learning rate for a matrix of ``shape`` (``_adjust_lr``: sqrt(max(1, rows / cols)) by default)."""
+        return _adjust_lr(float(group["lr"]), group["adjust_lr_fn"], shape)

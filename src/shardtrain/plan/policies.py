@@ -125,6 +125,23 @@ class _OffloadTarget:
 
 
 @dataclass(frozen=True)
+class ZenFlowPolicy:
+    """Stall-free offload (DeepSpeed's ZenFlow, ``zero_optimization.zenflow``): the rule is [Note: the ZenFlow
+    rule] in :mod:`shardtrain.offload.zenflow`."""
+
+    topk_ratio: float = 0.1
+    """Fraction of each 2-D weight's columns updated every step."""
+    update_interval: int = 1
+    """Steps between host updates of the other columns."""
+    select_interval: int = 0
+    """Steps between reselections of the columns (a multiple of ``update_interval``); 0: selected once."""
+    overlap_step: bool = False
+    """The host update runs in a thread and lands ``update_interval`` steps later."""
+    full_warm_up_rounds: int = 0
+    """Steps of plain full updates first."""
+
+
+@dataclass(frozen=True)
 class OptimizerOffloadPolicy(_OffloadTarget):
     """Where optimizer state (and fp32 masters) live between steps (``zero_optimization.offload_optimizer``)."""
 
@@ -133,6 +150,8 @@ class OptimizerOffloadPolicy(_OffloadTarget):
     ratio: float = 1.0
     sub_group_size: int = 1_000_000_000
     """The optimizer steps this rank's fragments in sub-groups of about this many elements."""
+    zenflow: ZenFlowPolicy | None = None
+    """Stall-free offload (``zero_optimization.zenflow``); None: every step updates every element on the host."""
 
 
 @dataclass(frozen=True)

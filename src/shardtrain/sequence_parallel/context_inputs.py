@@ -2,7 +2,8 @@
 Ulysses (:mod:`shardtrain.sequence_parallel.inputs`: labels shifted once over the whole sequence, the whole
 sequence's positions, the loss over the group's real tokens), but each rank keeps two load-balanced chunks of the
 sequence instead of one slice ([Note: load-balanced chunks] in :mod:`shardtrain.sequence_parallel.ring`), and no
-mask is built: the attention makes its causal and document masks from the tokens' global positions.
+mask is built: the attention makes its masks (causal or not, window, documents, padding) from the tokens' global
+positions ([Note: masks from global positions] in :mod:`shardtrain.sequence_parallel.ring_attention`).
 
 [Note: packed documents under context parallelism]
 Rows packing several documents say so by ``position_ids`` restarting (transformers' rule,
@@ -10,8 +11,9 @@ Rows packing several documents say so by ``position_ids`` restarting (transforme
 numbers the documents of the whole row before the split and hands them to every layer's attention (``ContextSplit``),
 which lets a query read a key only within its document, on whichever rank either lies. As transformers does, rows
 are taken as packed only without a key/value cache (``use_cache=False``, or gradient checkpointing in training);
-otherwise one process attends across the documents too, and so does this. A padding ``attention_mask`` is refused:
-pad at the end with labels -100 (causal attention keeps the pad tokens from the real ones).
+otherwise one process attends across the documents too, and so does this. A padding ``attention_mask`` ``[b, S]``
+is handed to the attention whole (``ContextSplit.real``), and then, as transformers, no packing is read from the
+positions.
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ from torch import nn
 from shardtrain.distributed.communicator import Communicator
 from shardtrain.errors import ConfigError
 from shardtrain.sequence_parallel.inputs import SequenceSplitter
-from shardtrain.sequence_parallel.model_kinds import unwrapped
 from shardtrain.sequence_parallel.ring import ContextSplit, positions_of
 
 
@@ -49,11 +50,6 @@ class ContextSplitter(SequenceSplitter):
         super().__init__(module, comm)
         self.cp = cp or comm.size
         self.sp = comm.size // self.cp  # Ulysses' ranks within a cp rank: each holds 1/sp of its two chunks
-        if not self._causal:
-            raise ConfigError(
-                f"{type(unwrapped(module)).__name__} attends bidirectionally: context parallelism serves causal "
-                "attention only so far; use sequence_parallel_size (Ulysses) for encoders"
-            )
         self.current = ContextSplit(0)
 
     def _length(self, args: tuple, kwargs: dict[str, Any]) -> int:
@@ -79,19 +75,27 @@ class ContextSplitter(SequenceSplitter):
     def _whole_mask(
         self, mask: Any, positions: torch.Tensor | None, first: torch.Tensor, length: int, kwargs: dict[str, Any]
     ) -> None:
-        if mask is not None and (not torch.is_tensor(mask) or mask.dim() != 2 or not bool(mask.all())):
+        """No mask for the model: the attention reads :attr:`current` ([Note: masks from global positions])."""
+        if mask is not None and (not torch.is_tensor(mask) or mask.dim() != 2 or tuple(mask.shape) != first.shape[:2]):
             shape = tuple(mask.shape) if torch.is_tensor(mask) else mask
             raise ConfigError(
-                f"an attention_mask ({shape}) with padding or of more than two dimensions under context parallelism "
-                "is not built: pad each sequence at the end with labels -100 and pass no mask (causal attention "
-                "keeps the pad tokens from the real ones); pack documents by position_ids restarting at 0"
+                f"an attention_mask {shape} under context parallelism: only a [batch, seq] padding mask of the inputs' "
+                f"shape {tuple(first.shape[:2])} is built (1 on real tokens, 0 on padding); pack documents by "
+                "position_ids restarting at 0"
             )
+        if mask is not None and self._hf_config is None and not bool(mask.all()):
+            raise ConfigError(
+                f"an attention_mask with padding under context parallelism is built for transformers models; "
+                f"{self._model_name} is not one: pad at the end with targets -100 and pass no mask"
+            )
+        real = mask.bool() if mask is not None and not bool(mask.all()) else None
         documents = None
-        if self._hf_config is not None and positions is not None and not self._uses_cache(kwargs):
+        # as transformers: rows are taken as packed only without a padding mask and without a key/value cache
+        if self._hf_config is not None and positions is not None and mask is None and not self._uses_cache(kwargs):
             documents = documents_of(positions)
             if documents is not None and documents.shape[0] != first.shape[0]:
                 documents = documents.expand(first.shape[0], -1)
-        self.current = ContextSplit(length, documents)
+        self.current = ContextSplit(length, documents, real, causal=self._causal)
         return None
 
 

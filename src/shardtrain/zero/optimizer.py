@@ -42,16 +42,27 @@ from shardtrain.distributed.communicator import Communicator, Reduce
 from shardtrain.errors import OptimizerError
 from shardtrain.host_read import HostRead
 from shardtrain.optim.adam import DeepSpeedAdam
+from shardtrain.optim.lamb import Lamb
 from shardtrain.optim.muon import MuonWithAdamW
 from shardtrain.plan.policies import ZeroPolicy
 from shardtrain.zero.elementwise import known_not_elementwise, slice_mismatch
 from shardtrain.zero.layout import Bucket, fragment_places, fragment_tensor
 from shardtrain.zero.muon_owners import MuonOwners
 from shardtrain.zero.reducer import GradientReducer
+from shardtrain.zero.shard_sums import ShardSums
 from shardtrain.zero.step_gather import ParameterGathers
 
 if TYPE_CHECKING:
     from shardtrain.offload.optimizer_state import OptimizerOffload
+    from shardtrain.offload.zenflow import ZenFlowStep
+
+
+class MakeZenFlow(Protocol):
+    """How :class:`ShardedOptimizer` gets the stall-free step ([Note: the ZenFlow rule] in
+    :mod:`shardtrain.offload.zenflow`): called once, after the offload, with what it steps, the global shape of each
+    one's parameter and where its fragment starts in that parameter flattened."""
+
+    def __call__(self, stepped: list[torch.Tensor], shapes: list[torch.Size], starts: list[int]) -> ZenFlowStep: ...
 
 
 class MakeOffload(Protocol):
@@ -150,6 +161,7 @@ class ShardedOptimizer:
         experts: tuple[Communicator, Communicator] | None = None,
         stage_comm: Communicator | None = None,
         counted_elsewhere: frozenset[int] = frozenset(),
+        make_zenflow: MakeZenFlow | None = None,
     ) -> None:
         """``comm``: the group the buckets are sharded over; with hybrid sharding (``dp_comm``: every data-parallel
         rank, ``replica_rank``: this rank's replica) the shard group. ``overlap_gathers``: the all-gathers after a
@@ -160,7 +172,8 @@ class ShardedOptimizer:
         different experts (the norm at stage 0 sums their expert squares; see [Note: expert buckets] in
         zero/layout.py). ``stage_comm``: under pipeline parallelism, the ranks holding the other stages, over which the
         squared norm is summed as well ([Note: the norm across stages]); ``counted_elsewhere``: the ids of parameters
-        whose gradient another stage holds too and counts in that sum (a weight tied across stages), left out here."""
+        whose gradient another stage holds too and counts in that sum (a weight tied across stages), left out here.
+        ``make_zenflow``: the stall-free step replaces the offload's (see :data:`MakeZenFlow`)."""
         self.optimizer, self.buckets, self.reducer = optimizer, buckets, reducer
         self.stage_comm, self.counted_elsewhere = stage_comm, counted_elsewhere
         self.tp_norm = tp_norm  # with tensor parallelism: how the squared norm is summed (see the class)
@@ -193,16 +206,26 @@ class ShardedOptimizer:
             self._move_initial_state()
             for group in optimizer.param_groups:
                 group["params"] = [self._stepped.get(id(p), p) for p in group["params"]]
-        if isinstance(optimizer, MuonWithAdamW) and self.sharded:
-            self._bind_muon_owners(optimizer, make_offload, tp_norm, experts, stage_comm)
+        if isinstance(optimizer, (MuonWithAdamW, Lamb)) and self.sharded:
+            self._refuse_unserved_whole_tensor(type(optimizer).__name__, make_offload, tp_norm, experts, stage_comm)
+            if isinstance(optimizer, MuonWithAdamW):
+                self._bind_muon_owners(optimizer)
+            else:  # [Note: LAMB's norms across shards] in optim/lamb.py
+                optimizer.tensor_norms = ShardSums(self.comm)
         # sub-group stepping with offloaded state, made from the tensors stepped (after the state moved to them)
         self.offload: OptimizerOffload | None = None
         if make_offload is not None:
             fragments = self.stepped_fragments() if masters is not None else None
             self.offload = make_offload(self.stepped_tensors(), fragments)
+        self.zenflow: ZenFlowStep | None = None
+        if make_zenflow is not None:
+            places = self.fragment_places()
+            shapes = [b.slots[i].shape for b, i in places]
+            starts = [b.fragments[i].start if self.sharded else 0 for b, i in places]
+            self.zenflow = make_zenflow(self.stepped_tensors(), shapes, starts)
 
-    def _bind_muon_owners(self, optimizer: MuonWithAdamW, make_offload, tp_norm, experts, stage_comm) -> None:
-        """Muon's orthogonalization on owner ranks ([Note: one owner per matrix] in zero/muon_owners.py)."""
+    def _refuse_unserved_whole_tensor(self, name: str, make_offload, tp_norm, experts, stage_comm) -> None:
+        """What the owners of whole-tensor optimizers do not serve yet, refused by name."""
         unserved = [
             what
             for what, present in (
@@ -215,9 +238,12 @@ class ShardedOptimizer:
         ]
         if unserved:
             raise OptimizerError(
-                f"MuonWithAdamW at ZeRO stages 1-3 is not served yet with {', '.join(unserved)} (docs/muon.md); "
+                f"{name} at ZeRO stages 1-3 is not served yet with {', '.join(unserved)} (docs/muon.md); "
                 "use it without them, or AdamW"
             )
+
+    def _bind_muon_owners(self, optimizer: MuonWithAdamW) -> None:
+        """Muon's orthogonalization on owner ranks ([Note: one owner per matrix] in zero/muon_owners.py)."""
         places = {id(self._stepped[k]): (b, i) for k, (_, b, i) in self._frag.items()}
         muon = [id(p) for g in optimizer.param_groups if g["use_muon"] for p in g["params"]]
         optimizer.whole_matrices = MuonOwners(self.comm, {k: places[k] for k in muon})
@@ -256,13 +282,17 @@ class ShardedOptimizer:
 
     def state_of(self, stepped: torch.Tensor) -> dict:
         """The optimizer state of a stepped tensor, offloaded parts included (mapped, not read into memory)."""
+        if self.zenflow is not None:
+            return self.zenflow.state_of(stepped)
         if self.offload is not None:
             return self.offload.state_of(stepped)
         return self.optimizer.state.get(stepped, {})
 
     def set_state(self, stepped: torch.Tensor, state: dict) -> None:
         """Replace the optimizer state of a stepped tensor (an empty dict removes it)."""
-        if self.offload is not None:
+        if self.zenflow is not None:
+            self.zenflow.set_state(stepped, state)
+        elif self.offload is not None:
             self.offload.set_state(stepped, state)
         elif state:
             self.optimizer.state[stepped] = state
@@ -401,8 +431,8 @@ class ShardedOptimizer:
     def _offload_clips(self) -> bool:
         """Whether the in-memory gradients' clip is left to the offload's step, which applies it in its one pass
         ([Note: one pass over a sub-group] in offload/one_pass.py). Never when another step replaces the offload's
-        (a ``zenflow`` attribute, the stall-free step): that one takes its gradients clipped."""
-        return self.offload is not None and self.offload.takes_clip and getattr(self, "zenflow", None) is None
+        (``zenflow``, the stall-free step): that one takes its gradients clipped."""
+        return self.offload is not None and self.offload.takes_clip and self.zenflow is None
 
     @staticmethod
     def _inverse(loss_scale: torch.Tensor | float | None, on_device: bool) -> torch.Tensor | float | None:
@@ -550,6 +580,9 @@ class ShardedOptimizer:
                 for s, grad in frozen:
                     s.grad = grad
             return
+        if self.zenflow is not None:  # gradients in memory, unscaled and clipped ([Note: the ZenFlow rule])
+            self.zenflow.step(grads)
+            return
         if self.offload is not None:  # one sub-group at a time (see [Note: sub-group stepping])
             # host-stepped gradients copied in backward are raw: unscaled and clipped on the host, by the same factors
             # ([Note: overlapped offload] in offload/host_copies.py); the coefficient is read once for them
@@ -672,13 +705,15 @@ def _check_elementwise(optimizer: torch.optim.Optimizer, stage: int, allow_untes
     cls = type(optimizer)
     if _elementwise_base(cls) is not None:
         return
-    if cls is MuonWithAdamW:  # served on owner ranks ([Note: Muon on owners] in optim/muon.py), without tp
+    if issubclass(cls, (MuonWithAdamW, Lamb)):  # served at ZeRO 1-3 ([Note: Muon on owners], [Note: LAMB's norms
+        # across shards]), without tp
         if tp == 1:
             return
         raise OptimizerError(
-            f"MuonWithAdamW is not served under tensor parallelism (size {tp}) yet: its Newton-Schulz would run on "
-            "each rank's block of a split matrix, not on the whole matrix (docs/muon.md). Use tensor_parallel.size 1 "
-            "(ZeRO 0-3 are served), or AdamW"
+            f"{cls.__name__} is not served under tensor parallelism (size {tp}) yet: its "
+            f"{'Newton-Schulz' if issubclass(cls, MuonWithAdamW) else 'trust ratio'} would read each rank's block of "
+            "a split matrix, not the whole matrix (docs/muon.md). Use tensor_parallel.size 1 (ZeRO 0-3 are served), "
+            "or AdamW"
         )
     name = f"{cls.__module__}.{cls.__qualname__}"
     where = f"ZeRO stage {stage}" if stage > 0 else f"tensor parallel size {tp}"

@@ -45,6 +45,7 @@ from shardtrain.config.sections import load_config, optimizer_class_and_kwargs
 from shardtrain.engine import Engine
 from shardtrain.engine import initialize as initialize_engine
 from shardtrain.errors import ConfigError
+from shardtrain.optim.deepspeed_muon import DeepSpeedMuon
 
 install_refused_imports()  # `from deepspeed.ops.adam import X` says what to use instead (see RefusedImports)
 
@@ -145,7 +146,10 @@ def initialize(
         # DeepSpeed builds the config's optimizer over model_parameters (which may be param groups)
         cls, kwargs = optimizer_class_and_kwargs(cfg.optimizer)
         groups = list(model_parameters)
-        built_optimizer = cls(groups, **kwargs)
+        if cls is DeepSpeedMuon:  # DeepSpeed tags each parameter of the model (use_muon) before splitting groups
+            built_optimizer = DeepSpeedMuon.from_config(model, groups, kwargs)
+        else:
+            built_optimizer = cls(groups, **kwargs)
         cfg = cfg.model_copy(update={"optimizer": None})
     elif callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer) and model_parameters is not None:
         groups = list(model_parameters)
