@@ -188,6 +188,7 @@ def _replica_bytes(stage: int) -> int:
     return engine.comm_stats(by_group=True)["replicate"]["all_reduce"]["bytes"]
 
 
+@pytest.mark.soak  # four ranks of the engine: 25-29 s on the shared 2-core machine
 def test_hybrid_sharding_replica_all_reduce_equals_the_engines_bytes():
     """World 4 as 2 shard groups of 2 (stage 2): each rank's gradient shards all-reduced over the 2 replicas once a
     step, as the time model counts them from the layout, against the engine's replicate communicator; the step
@@ -458,15 +459,20 @@ def test_schedule_sets_the_pipeline_bubble_and_unknown_ones_are_refused(capsys):
     assert "needs stages_per_rank of 2" in _refused(capsys, "--pp", "2", "--schedule", "Interleaved1F1B")
 
 
-def test_global_batch_sets_the_accumulation_and_the_search_respects_it(capsys):
-    """``--global-batch``: micro-batch x accumulation x dp equals it (a batch no accumulation makes up is refused
-    with its numbers); a ``--budget`` search with a cluster tries micro-batch sizes and every checkpointing choice,
-    and every layout it lists makes up the global batch."""
+def test_global_batch_sets_the_accumulation_and_refuses_a_batch_it_cannot_make_up(capsys):
+    """``--global-batch``: micro-batch x accumulation x dp equals it; a batch no accumulation makes up is refused
+    with its numbers."""
     one = _step(capsys, "--global-batch", "16")
     assert one["layout"]["micro_batches"] == 16 // (2 * 2)
     assert "global batch 6 is not a multiple of micro-batch 2 x data-parallel size 4 = 8" in _refused(
         capsys, "--micro-batch", "2", "--global-batch", "6"
     )
+
+
+@pytest.mark.soak  # 72 layouts, 9-42 s on the shared 2-core machine
+def test_the_budget_search_tries_micro_batches_and_checkpointing_within_the_global_batch(capsys):
+    """A ``--budget`` search with a cluster tries micro-batch sizes and every checkpointing choice, and every layout
+    it lists makes up ``--global-batch``, fastest first."""
     code, out, _ = _cli(capsys, "--budget", "1GiB", "--gpu", "H200", "--gpus-per-node", "2", "--global-batch", "8",
                         "--no-offload", "--jobs", "1", "--json")  # fmt: skip
     fits = json.loads(out)
