@@ -23,6 +23,7 @@ from shardtrain.estimate.timing import (
     ZeroTraffic,
     _WorkCounter,
     collective_time,
+    is_metadata_only,
     measure_work,
     op_time,
     step_time,
@@ -170,6 +171,39 @@ def test_tensor_parallel_bytes_equal_the_engines_counts():
     assert recorded and recorded == _per_step(totals, "tp")
 
 
+def _replica_bytes(stage: int) -> int:
+    """The engine's all-reduce bytes across replicas in one step (hybrid sharding, shard groups of 2)."""
+    model = tiny_gpt()
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": GAS,
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000, "mics_shard_size": 2},
+    }
+    engine = shardtrain.initialize(model, config=config, optimizer=torch.optim.AdamW(model.parameters()))
+    engine.comm_stats(reset=True)
+    for _ in range(GAS):
+        idx = torch.randint(0, VOCAB, (MICRO, SEQ))
+        engine.backward(engine(idx, idx))
+        engine.step()
+    return engine.comm_stats(by_group=True)["replicate"]["all_reduce"]["bytes"]
+
+
+@pytest.mark.soak  # four ranks of the engine: 25-29 s on the shared 2-core machine
+def test_hybrid_sharding_replica_all_reduce_equals_the_engines_bytes():
+    """World 4 as 2 shard groups of 2 (stage 2): each rank's gradient shards all-reduced over the 2 replicas once a
+    step, as the time model counts them from the layout, against the engine's replicate communicator; the step
+    carries their time (a layout without replicas has none)."""
+    measured = run_distributed(_replica_bytes, 4, 2)[0]
+    config = {"zero_optimization": {"reduce_bucket_size": 2000, "mics_shard_size": 2}}
+    kw = dict(world_size=4, stage=2, micro_batch=MICRO, micro_batches=GAS, seq_len=SEQ, device_type="cpu")
+    est = estimate_memory(tiny_gpt, config, cluster=builtin_cluster("H100-SXM", 2, 2), **kw)
+    from shardtrain.estimate.timing import zero_traffic
+
+    traffic = zero_traffic(est.state, 2, replicas=est.layout.zero // est.layout.shard_group)
+    assert traffic.replicas == 2 and traffic.replica_all_reduce == measured > 0
+    assert zero_traffic(est.state, 2).replica_all_reduce == 0
+
+
 def _inputs(**kw) -> StepInputs:
     base = dict(world=8, dp=8, micro_batch=1, seq_len=SEQ, micro_batches=8, dtype="bf16")
     return StepInputs(**{**base, **kw})
@@ -203,6 +237,45 @@ def test_alpha_beta_and_roofline_arithmetic():
     assert op_time(Op("matmul", 989 * 10**12, 0, False), h100, "bf16") == pytest.approx(2.0)
     assert op_time(Op("memory", 0, 3_350 * 10**9, False), h100, "bf16") == pytest.approx(2.0)
     assert op_time(Op("matmul", 1979 * 10**12, 0, False), h100, "bf16", fp8=True) == pytest.approx(2.0)
+
+
+def test_views_are_charged_no_bytes_and_no_host_overhead():
+    """[Note: metadata-only operators]: by the schema's alias rule, views are metadata-only and in-place or copying
+    operators are not; a view costs nothing on a host that pays 10 us per operator, a kernel does; and a real model's
+    fake run holds views (so the first slice overcharged it)."""
+    aten = torch.ops.aten
+    views = (aten.view.default, aten.t.default, aten.transpose.int, aten.expand.default, aten.as_strided.default)
+    views += (aten.detach.default, aten.split.Tensor, aten._unsafe_view.default)
+    assert all(is_metadata_only(f) for f in views)
+    kernels = (aten.add_.Tensor, aten.copy_.default, aten.mm.default, aten.clone.default, aten.add.Tensor)
+    assert not any(is_metadata_only(f) for f in kernels)
+    cpu = Cluster(builtin_cluster("H100-SXM", 1).gpu, 1, 1, Efficiencies(op_overhead_us=10.0))
+    assert op_time(Op("memory", 0, 0, False, metadata_only=True), cpu, "fp32") == 0.0
+    assert op_time(Op("memory", 0, 0, False), cpu, "fp32") == pytest.approx(10e-6)
+    work = measure_work(resolve_source(tiny_gpt), tp=1, compute=torch.float32, micro_batch=MICRO, seq_len=SEQ)
+    counted = {flag: sum(n for op, n in work.ops.items() if op.metadata_only == flag) for flag in (True, False)}
+    assert counted[True] > 0 and counted[False] > 0
+    assert all(op.nbytes == 0 and op.flops == 0 for op in work.ops if op.metadata_only)
+
+
+def test_the_offloaded_host_step_is_its_bytes_over_the_host_bandwidth_and_nvme_adds_its_swaps():
+    """Optimizer offload: the host step moves 34 bytes per stepped element (bf16: one pass, docs/offload.md) at the
+    profile's ``host_gb_s``, shared by a node's ranks; NVMe offload adds its swap bytes at ``nvme_gb_s``."""
+    cluster = cluster_from_dict({"gpu": "H200", "gpus_per_node": 4, "host_gb_s": 50, "nvme_gb_s": 2})
+    n, swapped = 10**9, 3 * 10**9
+    on_host = step_time(MicroBatchWork(), ZeroTraffic({}, {}, {}), _inputs(world=4, dp=4, stepped_elements=n,
+                        offload_optimizer="cpu"), cluster)  # fmt: skip
+    assert on_host.parts["optimizer step"] == pytest.approx(n * 34 * 4 / 50e9)
+    assert on_host.parts["nvme swaps"] == 0
+    on_disk = step_time(MicroBatchWork(), ZeroTraffic({}, {}, {}), _inputs(world=4, dp=4, stepped_elements=n,
+                        offload_optimizer="nvme", nvme_bytes=swapped), cluster)  # fmt: skip
+    assert on_disk.parts["nvme swaps"] == pytest.approx(swapped * 4 / 2e9)
+    assert on_disk.step_time_s > on_host.step_time_s
+    kw = dict(world_size=2, stage=3, micro_batch=MICRO, seq_len=SEQ, cluster=builtin_cluster("H200", 8))
+    cpu = estimate_memory(tiny_gpt, offload_optimizer="cpu", **kw).time
+    nvme = estimate_memory(tiny_gpt, offload_optimizer="nvme", **kw).time
+    assert cpu is not None and nvme is not None
+    assert cpu.parts["optimizer step"] > 0 and cpu.parts["nvme swaps"] == 0 < nvme.parts["nvme swaps"]
 
 
 def test_a_cluster_file_overrides_a_gpu_and_bad_ones_are_refused_by_name(tmp_path):
@@ -273,6 +346,7 @@ def test_calibrate_writes_a_profile_the_cluster_option_reads(tmp_path, capsys):
     capsys.readouterr()
     cluster = read_cluster(path)
     assert cluster.gpu.fp32_tflops > 0 and cluster.gpu.hbm_tb_s > 0 and cluster.efficiencies.op_overhead_us > 0
+    assert cluster.host_gb_s == pytest.approx(cluster.gpu.hbm_tb_s * 1e3)  # a CPU's host memory is its memory
     assert max(e for _, e in cluster.efficiencies.matmul) == pytest.approx(1.0)
     code, out, _ = _cli(capsys, "--world", "1", "--time", "--cluster", str(path), "--json")
     assert code == 0 and json.loads(out)["step_time_s"] > 0
@@ -296,3 +370,117 @@ def test_expert_parallel_work_counts_grouped_matmuls_and_the_token_exchange():
     rows = MICRO * SEQ * 2  # top-2: each token's row goes to two experts
     hidden_bytes = rows * 16 * 4  # hidden 16, fp32
     assert max(c.nbytes for c in exchanges) == hidden_bytes // 2  # S (n-1)/n at n = 2
+
+
+def wide_gpt() -> GPT:
+    """Wide enough that its matmuls, not latencies, decide an H200's step (the speed flags' tests)."""
+    return GPT(GPTConfig(vocab_size=VOCAB, seq_len=512, d_model=1024, n_layer=4, n_head=8))
+
+
+def _step(capsys, *argv: str, model: str = "test_estimate_time:wide_gpt") -> dict:
+    """One layout of ``model`` on 2 H200s (stage 3, bf16, micro-batch 2 x 512) with ``argv`` added, as JSON."""
+    from shardtrain.cli import main as cli_main
+
+    base = ["estimate", model, "--seq-len", "512", "--gpu", "H200", "--time", "--world", "2", "--stage", "3"]
+    code = cli_main([*base, "--dtype", "bf16", "--micro-batch", "2", "--json", *argv])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    return json.loads(out.out)
+
+
+def _refused(capsys, *argv: str) -> str:
+    code, _, err = _cli(capsys, "--world", "4", "--time", "--gpu", "H200", *argv)
+    assert code == 2
+    return err
+
+
+def test_ac_recomputes_more_as_it_keeps_less_and_checkpointing_is_full(capsys):
+    """``--ac``: full recomputes each block's forward in backward, selective only what it does not keep, none
+    nothing: the backward and the step grow in that order; ``--checkpointing`` is ``--ac full``; both at once with
+    another choice is refused by name."""
+    steps = {ac: _step(capsys, "--ac", ac) for ac in ("none", "selective", "full")}
+    backward = [steps[ac]["parts_s"]["backward"] for ac in ("none", "selective", "full")]
+    assert backward[0] < backward[1] < backward[2]
+    assert steps["none"]["step_time_s"] < steps["selective"]["step_time_s"] < steps["full"]["step_time_s"]
+    assert _step(capsys, "--checkpointing")["step_time_s"] == steps["full"]["step_time_s"]
+    assert "--checkpointing is --ac full" in _refused(capsys, "--ac", "selective", "--checkpointing")
+
+
+def test_compile_fuses_pointwise_operators_and_fp8_speeds_up_the_matmuls(capsys):
+    """``--compile`` and ``--fp8`` each shorten the step of the same layout; the memory is the same under
+    ``--compile`` (it changes the time model only)."""
+    plain = _step(capsys)
+    compiled = _step(capsys, "--compile")
+    fp8 = _step(capsys, "--fp8")
+    assert compiled["parts_s"]["forward"] < plain["parts_s"]["forward"]
+    assert compiled["step_time_s"] < plain["step_time_s"] and compiled["peak"] == plain["peak"]
+    assert fp8["parts_s"]["forward"] < plain["parts_s"]["forward"] and fp8["layout"]["fp8"]
+
+
+def test_only_converted_linears_matmuls_run_at_the_fp8_peak():
+    """[Note: fp8 matmuls]: a matmul whose operand is a converted weight's shape (or its transpose) runs at the fp8
+    peak, one of an unconverted shape (an output head) at bf16's; the pointwise operator fused under compile is
+    charged its output's bytes only."""
+    h200 = builtin_cluster("H200", 8)
+    converted = Op("matmul", 10**12, 0, False, shapes=((32, 128), (512, 32)))  # x (512 x 128) @ W^T (128 x 32)
+    head = Op("matmul", 10**12, 0, False, shapes=((64, 32), (512, 64)))
+    work = MicroBatchWork()
+    work.ops[converted] = work.ops[head] = 1
+    est = step_time(
+        work,
+        ZeroTraffic({}, {}, {}),
+        _inputs(world=1, dp=1, micro_batches=1, fp8=True, float8_linears={(128, 32)}),
+        h200,
+    )
+    want = op_time(converted, h200, "bf16", fp8=True) + op_time(head, h200, "bf16")
+    assert est.parts["forward"] == pytest.approx(want)
+    assert op_time(converted, h200, "bf16", fp8=True) < op_time(head, h200, "bf16")
+    add = Op("memory", 0, 3 * 10**9, False, pointwise=True, out_bytes=10**9)
+    assert op_time(add, h200, "bf16", compiled=True) == pytest.approx(op_time(add, h200, "bf16") / 3)
+
+
+def test_schedule_sets_the_pipeline_bubble_and_unknown_ones_are_refused(capsys):
+    """``--schedule``: 1F1B and GPipe idle ``(p-1)/(m+p-1)``, Interleaved1F1B with 2 stages a rank
+    ``(p-1)/(2m+p-1)``, a shorter step; a name the pipeline section does not build, a schedule without ``--pp``
+    and a multi-stage schedule with one stage a rank are refused by name."""
+    pipe = ("--world", "4", "--stage", "1", "--pp", "2", "--global-batch", "16")
+    one_f_one_b = _step(capsys, *pipe)
+    gpipe = _step(capsys, *pipe, "--schedule", "GPipe")
+    interleaved = _step(capsys, *pipe, "--schedule", "interleaved1f1b", "--stages-per-rank", "2")
+    m = 16 // (2 * 2)
+    assert one_f_one_b["pipeline_bubble"] == gpipe["pipeline_bubble"] == pytest.approx(1 / (m + 1))
+    assert interleaved["pipeline_bubble"] == pytest.approx(1 / (2 * m + 1))
+    assert interleaved["layout"]["schedule"] == "Interleaved1F1B"
+    assert interleaved["step_time_s"] < one_f_one_b["step_time_s"]
+    assert "'ZBVZeroBubble' is not built; use one of GPipe" in _refused(
+        capsys, "--pp", "2", "--schedule", "ZBVZeroBubble"
+    )
+    assert "give --pp 2 or more" in _refused(capsys, "--schedule", "GPipe")
+    assert "needs stages_per_rank of 2" in _refused(capsys, "--pp", "2", "--schedule", "Interleaved1F1B")
+
+
+def test_global_batch_sets_the_accumulation_and_refuses_a_batch_it_cannot_make_up(capsys):
+    """``--global-batch``: micro-batch x accumulation x dp equals it; a batch no accumulation makes up is refused
+    with its numbers."""
+    one = _step(capsys, "--global-batch", "16")
+    assert one["layout"]["micro_batches"] == 16 // (2 * 2)
+    assert "global batch 6 is not a multiple of micro-batch 2 x data-parallel size 4 = 8" in _refused(
+        capsys, "--micro-batch", "2", "--global-batch", "6"
+    )
+
+
+@pytest.mark.soak  # 72 layouts, 9-42 s on the shared 2-core machine
+def test_the_budget_search_tries_micro_batches_and_checkpointing_within_the_global_batch(capsys):
+    """A ``--budget`` search with a cluster tries micro-batch sizes and every checkpointing choice, and every layout
+    it lists makes up ``--global-batch``, fastest first."""
+    code, out, _ = _cli(capsys, "--budget", "1GiB", "--gpu", "H200", "--gpus-per-node", "2", "--global-batch", "8",
+                        "--no-offload", "--jobs", "1", "--json")  # fmt: skip
+    fits = json.loads(out)
+    assert code == 0 and fits
+    for e in fits:
+        lay = e["layout"]
+        assert lay["micro_batch"] * lay["micro_batches"] * lay["world"] // (lay["tp"] * lay["sp"]) == 8
+    assert {e["layout"]["micro_batch"] for e in fits} == {1, 2, 4}
+    assert {str(e["layout"]["checkpointing"]) for e in fits} == {"False", "selective", "True"}
+    speeds = [e["tokens_per_s_per_gpu"] for e in fits]
+    assert speeds == sorted(speeds, reverse=True)

@@ -8,6 +8,7 @@ import os
 import sys
 from dataclasses import asdict, replace
 
+from shardtrain.config.sections import PIPELINE_SCHEDULES
 from shardtrain.errors import ShardtrainError
 from shardtrain.estimate.cluster import GPUS, Cluster, builtin_cluster, read_cluster
 from shardtrain.estimate.planner import (
@@ -19,6 +20,7 @@ from shardtrain.estimate.planner import (
     parse_bytes,
     read_config,
     why_slower,
+    with_global_batch,
 )
 
 EPILOG = """examples:
@@ -31,6 +33,8 @@ EPILOG = """examples:
   shardtrain estimate ./llama_dir --world 64 --stage 3 --dtype bf16 --time --gpu H100-SXM --gpus-per-node 8
   shardtrain estimate ./llama_dir --budget 80GiB --gpu H200 --gpus-per-node 8 --nodes 128 --dtype bf16
   shardtrain estimate mypkg.models:build --world 4 --time --cluster profile.json   (from shardtrain calibrate)
+  shardtrain estimate ./llama_dir --world 16 --pp 4 --schedule Interleaved1F1B --stages-per-rank 2 --ac selective \
+      --fp8 --compile --global-batch 256 --dtype bf16 --time --gpu H100-SXM --gpus-per-node 8 --nodes 2
 
 MODEL is a Hugging Face config.json (or a directory holding one; no weights are read) or a factory
 'package.module:function' returning an nn.Module (the module may define estimate_batch(micro_batch, seq_len) ->
@@ -39,6 +43,13 @@ overrides them. Numbers are per rank, for rank 0 (the one holding the most optim
 fake tensors: nothing is allocated, and activations are measured by running one micro-batch's forward and backward on
 them. See docs/estimate.md for what is counted.
 """
+
+
+AC_CHOICES = ("none", "selective", "full")
+AC_CHECKPOINTING: dict[str, bool | str] = {"none": False, "selective": "selective", "full": True}
+"""``--ac`` as :attr:`~shardtrain.estimate.planner.Candidate.checkpointing`."""
+SEARCHED_MICRO_BATCHES = (1, 2, 4, 8)
+"""Micro-batch sizes a ``--budget`` search with a cluster tries when ``--micro-batch`` is not given."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -76,7 +87,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="compute dtype (bf16/fp16: mixed precision)")
     parser.add_argument("--micro-batch", type=int, help="sequences per rank and micro-step")
     parser.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
-    parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing of every block")
+    parser.add_argument(
+        "--checkpointing", action="store_true", help="activation checkpointing of every block (--ac full)"
+    )
+    parser.add_argument(
+        "--ac",
+        choices=AC_CHOICES,
+        help="activation checkpointing of every block: none, selective (matmul and attention outputs kept) or full; "
+        "with --budget and a cluster, all three are searched unless given",
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile: the time model fuses element-wise operators (docs/estimate.md, 'Time'); memory unchanged",
+    )
+    parser.add_argument("--fp8", action="store_true", help="FP8 training: converted linears' matmuls at the fp8 peak")
+    parser.add_argument(
+        "--schedule",
+        help=f"with --pp: the pipeline schedule (the pipeline section's names: {', '.join(PIPELINE_SCHEDULES)})",
+    )
+    parser.add_argument(
+        "--stages-per-rank", type=int, help="with --pp: stages per pipeline rank (Interleaved1F1B, LoopedBFS: 2+)"
+    )
+    parser.add_argument(
+        "--global-batch",
+        type=int,
+        help="sequences per optimizer step: micro-batch x accumulation x dp must equal it (the accumulation steps "
+        "follow); with --budget, layouts that cannot make it up are left out",
+    )
     parser.add_argument("--optimizer", choices=("adamw", "adam", "sgd"), help="default: the config's, else AdamW")
     parser.add_argument(
         "--device",
@@ -146,8 +184,30 @@ def _overrides(args: argparse.Namespace) -> dict:
         "offload_param": args.offload_param,
         "dtype": args.dtype,
         "micro_batch": args.micro_batch,
+        "checkpointing": AC_CHECKPOINTING[args.ac] if args.ac else None,
+        "fp8": True if args.fp8 else None,
+        "compile": True if args.compile else None,
+        "schedule": args.schedule,
+        "stages_per_rank": args.stages_per_rank,
     }
     return {k: v for k, v in pairs.items() if v is not None}
+
+
+def _check_speed_flags(args: argparse.Namespace) -> None:
+    """Refuse the speed settings that contradict each other, by name."""
+    if args.ac is not None and args.ac != "full" and args.checkpointing:
+        raise ShardtrainError(f"--checkpointing is --ac full; it contradicts --ac {args.ac}: give one")
+    if args.schedule is not None:
+        known = {name.lower(): name for name in PIPELINE_SCHEDULES}
+        if args.schedule.lower() not in known:
+            raise ShardtrainError(
+                f"--schedule {args.schedule!r} is not built; use one of {', '.join(PIPELINE_SCHEDULES)}"
+            )
+        args.schedule = known[args.schedule.lower()]
+        if not args.pp or args.pp < 2:
+            raise ShardtrainError("--schedule names a pipeline schedule: give --pp 2 or more with it")
+    if args.stages_per_rank is not None and (not args.pp or args.pp < 2):
+        raise ShardtrainError("--stages-per-rank is a pipeline setting: give --pp 2 or more with it")
 
 
 def _as_json(est: MemoryEstimate) -> dict:
@@ -196,14 +256,17 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     raw = read_config(args.config)
     names = ("world", "micro_batch", "tp", "mics_shard_size", "ep", "sp", "pp", "cp", "seq_len", "jobs")
-    for name in (*names, "gpus_per_node", "nodes", "top"):
+    for name in (*names, "gpus_per_node", "nodes", "top", "global_batch", "stages_per_rank"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ShardtrainError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    _check_speed_flags(args)
     cluster = _cluster(args)
     world = args.world or (cluster.world if cluster is not None and (args.gpu or args.cluster) else None)
     if args.budget is None:
         layout = replace(layout_from_config(raw, world or 1, args.seq_len, args.checkpointing), **_overrides(args))
+        if args.global_batch is not None:
+            layout = with_global_batch(layout, args.global_batch)
         est = estimate_memory(
             args.model,
             raw,
@@ -226,6 +289,10 @@ def _run(args: argparse.Namespace) -> int:
             ) from None
     else:
         worlds = [world] if world else [1, 2, 4, 8]
+    # with a cluster the search ranks by speed, and micro-batch and checkpointing change speed: search them too
+    searched = cluster is not None
+    sizes = SEARCHED_MICRO_BATCHES if searched and args.micro_batch is None else None
+    acs = list(AC_CHECKPOINTING.values()) if searched and args.ac is None and not args.checkpointing else None
     fits = fitting_layouts(
         args.model,
         budget,
@@ -240,7 +307,10 @@ def _run(args: argparse.Namespace) -> int:
         progress=None,
         workers=args.jobs or _usable_cpus(),
         cluster=cluster,
-        **{k: v for k, v in _overrides(args).items() if k in ("dtype", "micro_batch", "sp", "pp", "cp")},
+        micro_batch_sizes=sizes,
+        checkpointings=acs,
+        global_batch=args.global_batch,
+        **{k: v for k, v in _overrides(args).items() if k in SEARCH_OVERRIDES},
     )
     if args.json:
         print(json.dumps([_as_json(e) for e in fits], indent=1))
@@ -257,6 +327,11 @@ def _run(args: argparse.Namespace) -> int:
         sizes = " ".join(f"{fmt_bytes(e.peak[where]):>11}" for where in ("device", "host", "nvme"))
         print(f"  {sizes}  {e.layout.describe()}")
     return 0
+
+
+SEARCH_OVERRIDES = ("dtype", "micro_batch", "sp", "pp", "cp", "checkpointing", "fp8", "compile", "schedule")
+SEARCH_OVERRIDES += ("stages_per_rank",)
+"""The options a ``--budget`` search keeps fixed for every layout it tries."""
 
 
 def _print_ranked(fits: list[MemoryEstimate], budget: int, top: int) -> None:

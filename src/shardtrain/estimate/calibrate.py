@@ -8,7 +8,9 @@ What it measures, each the way the time model uses it ([Note: the roofline], [No
 * attention (``scaled_dot_product_attention``, FLOPs by ``torch.utils.flop_counter``'s ``sdpa_flop_count``): its
   rate over the fp32 peak;
 * memory bandwidth: a copy of a tensor larger than the caches (bytes read and written per second, ``hbm_tb_s``,
-  efficiency 1: what was measured is what an operator gets);
+  efficiency 1: what was measured is what an operator gets); on a CPU the host's memory is that same memory, so it
+  is also ``host_gb_s``, the rate of an offloaded optimizer's host step (on a GPU machine the profile's default is
+  the GPU validation's host step, :class:`~shardtrain.estimate.cluster.Cluster`);
 * the host's time per operator (``op_overhead_us``): an eager operator on a one-element tensor that needs a
   gradient, as a training step issues hundreds;
 * at ``--world`` ranks every figure is measured on all ranks at once (on a CPU they share its cores); and
@@ -151,12 +153,14 @@ def _measure(world: int, threads: int | None) -> dict[str, Any]:
     fp32 = measure_matmuls(torch.float32)
     bf16 = measure_matmuls(torch.bfloat16)
     peak = max(rate for _, rate in fp32)
+    memory = measure_memory_bandwidth()
     out: dict[str, Any] = {
         "fp32_tflops": peak / 1e12,
         "bf16_tflops": max(rate for _, rate in bf16) / 1e12,
         "matmul_efficiency": [[flops, min(rate / peak, 1.0)] for flops, rate in fp32],
         "attention_efficiency": min(measure_attention() / peak, 1.0),
-        "hbm_tb_s": measure_memory_bandwidth() / 1e12,
+        "hbm_tb_s": memory / 1e12,
+        "host_gb_s": memory / 1e9,
         "op_overhead_us": measure_op_overhead() * 1e6,
     }
     if world > 1:

@@ -126,6 +126,9 @@ class Cluster:
     reached (docs/benchmarks-gpu.md, 'The floor of a host step')."""
     pcie_gb_s: float = 25.0
     """Host-device copies of offload, one direction (PCIe Gen4/5 x16 in practice; assumed, not measured)."""
+    nvme_gb_s: float = 6.0
+    """NVMe offload's swap files, a node's ranks together, reads and writes alike: assumed, not measured (no run of
+    this project has timed its swap files on a GPU host); a cluster file's ``nvme_gb_s`` replaces it."""
 
     @property
     def world(self) -> int:
@@ -154,6 +157,7 @@ class _ClusterFile(BaseModel):
     inter_node_gb_s_per_gpu: Annotated[float, Field(gt=0)] | None = None
     host_gb_s: Annotated[float, Field(gt=0)] | None = None
     pcie_gb_s: Annotated[float, Field(gt=0)] | None = None
+    nvme_gb_s: Annotated[float, Field(gt=0)] | None = None
     matmul_efficiency: list[tuple[Annotated[float, Field(gt=0)], Annotated[float, Field(gt=0, le=1)]]] | None = None
     attention_efficiency: Annotated[float, Field(gt=0, le=1)] | None = None
     memory_efficiency: Annotated[float, Field(gt=0, le=1)] | None = None
@@ -197,7 +201,7 @@ def cluster_from_dict(data: object, where: str = "cluster") -> Cluster:
     }
     eff = replace(eff, **{k: v for k, v in pairs.items() if v is not None})
     cluster = replace(base, gpu=gpu, efficiencies=eff)
-    host = {k: getattr(spec, k) for k in ("host_gb_s", "pcie_gb_s") if getattr(spec, k) is not None}
+    host = {k: getattr(spec, k) for k in ("host_gb_s", "pcie_gb_s", "nvme_gb_s") if getattr(spec, k) is not None}
     cluster = replace(cluster, **host)
     missing = [k for k in ("fp32_tflops", "hbm_tb_s", "intra_node_gb_s") if not getattr(gpu, k)]
     if missing:

@@ -108,6 +108,9 @@ class Candidate:
     checkpointing: bool | str = False
     """Activation checkpointing of every block: ``True`` (``policy: "full"``), ``"selective"`` (matmul and attention
     outputs kept, the rest recomputed), ``False`` (none)."""
+    compile: bool = False
+    """``torch.compile`` of the model: changes the predicted time only ([Note: what compile changes] in
+    :mod:`.timing`), not the memory."""
 
     @property
     def dims(self) -> ParallelDims:
@@ -149,9 +152,25 @@ class Candidate:
         if self.offload_param != "none":
             parts.append(f"params->{self.offload_param}")
         parts += [self.dtype + (" + fp8" if self.fp8 else ""), f"micro-batch {self.micro_batch} x seq {self.seq_len}"]
+        if self.micro_batches > 1 and self.pp == 1:
+            parts.append(f"{self.micro_batches} micro-batches")
         if self.checkpointing:
             parts.append("selective checkpointing" if self.checkpointing == "selective" else "checkpointing")
+        if self.compile:
+            parts.append("compiled")
         return ", ".join(parts)
+
+
+def with_global_batch(layout: Candidate, global_batch: int) -> Candidate:
+    """``layout`` with the micro-batches per step that make ``micro_batch x micro_batches x dp`` equal
+    ``global_batch`` (:class:`~shardtrain.errors.ConfigError` where no whole number does)."""
+    per_micro = layout.micro_batch * layout.dp
+    if global_batch % per_micro:
+        raise ConfigError(
+            f"global batch {global_batch} is not a multiple of micro-batch {layout.micro_batch} x data-parallel "
+            f"size {layout.dp} = {per_micro} sequences: pick a global batch, micro-batch or world that divides"
+        )
+    return replace(layout, micro_batches=global_batch // per_micro)
 
 
 @dataclass(frozen=True)
@@ -511,6 +530,8 @@ class _Prepared:
     """Bytes per optimizer step the optimizer's own collectives move (Muon's owners)."""
     owner_buffers: int = 0
     """Muon's owners' largest gathered bucket, its result and this rank's chunk (fp32), alive in the step."""
+    float8_linears: frozenset[tuple[int, int]] = frozenset()
+    """FP8 training: the converted linears' weight shapes (:func:`_float8_linear_shapes`)."""
 
 
 NO_COMPUTE = ComputePeak(0, 0, 0, 0, 0, 0)
@@ -555,7 +576,7 @@ def time_prepared(prep: _Prepared, est: MemoryEstimate, cluster: Cluster, cache:
     work: MicroBatchWork = cache[work_key]
     reduce = run["reduce_dtype"]
     wire_items = {b.index: reduce.itemsize for b in st.buckets} if reduce is not None else None
-    traffic = zero_traffic(st, layout.stage, wire_items)
+    traffic = zero_traffic(st, layout.stage, wire_items, replicas=layout.zero // layout.shard_group)
     trainable = [b for b in st.buckets if b.requires_grad]
     if layout.stage == 0:
         stepped = sum(b.numel for b in trainable)
@@ -571,6 +592,8 @@ def time_prepared(prep: _Prepared, est: MemoryEstimate, cluster: Cluster, cache:
         micro_batches=layout.micro_batches,
         dtype=layout.dtype,
         fp8=layout.fp8,
+        float8_linears=prep.float8_linears,
+        compile=layout.compile,
         stage=layout.stage,
         tp=layout.tp,
         sp=layout.sp,
@@ -583,10 +606,18 @@ def time_prepared(prep: _Prepared, est: MemoryEstimate, cluster: Cluster, cache:
         layer_share=prep.layer_share,
         stepped_elements=stepped,
         offload_optimizer=layout.offload_optimizer,
+        nvme_bytes=_swap_bytes(st, layout.micro_batches),
         ring_bytes=ring,
         boundary_bytes=layout.micro_batch * (layout.seq_len // layout.cp) * prep.hidden * itemsize,
     )
     return step_time(work, traffic, inputs, cluster)
+
+
+def _swap_bytes(st: RankState, micro_batches: int) -> int:
+    """Bytes read and written on NVMe swap files per step ([Note: what overlaps] in :mod:`.timing`): the optimizer
+    state's files read and written once, the parameter shards' read for each micro-batch's forward and backward and
+    written after the step."""
+    return 2 * st.optimizer.get("nvme", 0) + st.params.get("nvme", 0) * (2 * micro_batches + 1)
 
 
 def _prepare(
@@ -678,7 +709,9 @@ def _prepare(
         traffic = muon_owner_traffic(st.buckets, layout.shard_group, muon)
         held = [b for b in st.buckets if b.requires_grad and any(muon(s.name, s.shape) for s in b.slots)]
         owners = max((4 * (2 * b.padded_numel + b.shard_numel) for b in held), default=0)
-    return _Prepared(layout, st, n_params, buffers, key, run, layer_share, shape, _hidden_size(whole), traffic, owners)
+    prep = _Prepared(layout, st, n_params, buffers, key, run, layer_share, shape, _hidden_size(whole), traffic, owners)
+    prep.float8_linears = _float8_linear_shapes(fake, plan)
+    return prep
 
 
 def _hidden_size(model: Any) -> int:
@@ -703,6 +736,16 @@ def _stage_model(source: ModelSource, layout: Candidate, tp_plan: Any, cache: di
             experts = split_experts(fake, layout.ep, layout.tp) if layout.ep > 1 else frozenset()
         cache[key] = (fake, experts)
     return cache[key]
+
+
+def _float8_linear_shapes(model: Any, plan: Plan) -> frozenset[tuple[int, int]]:
+    """The weight shapes (out, in) of the linear layers torchao converts ([Note: which linears convert to float8] in
+    ``precision/float8.py``), whose matmuls run at the fp8 peak ([Note: fp8 matmuls] in :mod:`.timing`)."""
+    if not plan.fp8.enabled:
+        return frozenset()
+    heads = output_heads(model)
+    linears = [(n, m) for n, m in model.named_modules() if type(m) is torch.nn.Linear]
+    return frozenset(tuple(m.weight.shape) for n, m in linears if why_kept(n, m, heads, plan.fp8.exclude) is None)
 
 
 def _float8_weights(model: Any, plan: Plan) -> frozenset[int]:
@@ -918,6 +961,9 @@ def fitting_layouts(
     pps: Iterable[int] | None = None,
     cluster: Cluster | None = None,
     cps: Iterable[int] | None = None,
+    micro_batch_sizes: Iterable[int] | None = None,
+    checkpointings: Iterable[bool | str] | None = None,
+    global_batch: int | None = None,
     **overrides: Any,
 ) -> list[MemoryEstimate]:
     """The layouts whose peak device memory per rank is at most ``budget`` bytes, fewest ranks first, then least
@@ -939,6 +985,11 @@ def fitting_layouts(
     ``context_parallel_size`` (or the ``cp`` override), for the same reason. ``cluster``: each fit also
     gets its predicted step there (``est.time``), and the fits are ranked by predicted tokens/s per GPU, fastest
     first (:func:`rank_by_speed`).
+
+    ``micro_batch_sizes`` and ``checkpointings``: also search these micro-batch sizes and checkpointing choices
+    (``False``, ``"selective"``, ``True``) around every layout (None: the base layout's only); each is a fake run of
+    its own. ``global_batch``: keep only the layouts whose ``micro_batch x dp`` divides it, each with the
+    micro-batches per step that make it up (:func:`with_global_batch`).
 
     [Note: sequence-parallel sizes in a search]
     Every sequence-parallel size is a fake run of its own per (tensor-parallel size, stage, dtype): its tokens, its
@@ -968,6 +1019,7 @@ def fitting_layouts(
         host_params=device_type == "cuda",
         experts=_expert_counts(source, cache),
     )
+    layouts = _batch_variants(layouts, micro_batch_sizes, checkpointings, global_batch)
     prepared: list[tuple[_Prepared, ComputePeak | None]] = []  # None: waits for its fake run
     waiting: dict[tuple, list[_Prepared]] = {}
     with _bar(progress, len(layouts), "layouts", "layout") as bar:
@@ -1003,6 +1055,30 @@ def fitting_layouts(
     if cluster is not None:
         return rank_by_speed(fits)
     return sorted(fits, key=lambda e: (e.layout.world, e.peak["device"]))
+
+
+def _batch_variants(
+    layouts: list[Candidate],
+    micro_batch_sizes: Iterable[int] | None,
+    checkpointings: Iterable[bool | str] | None,
+    global_batch: int | None,
+) -> list[Candidate]:
+    """Every layout at each micro-batch size and checkpointing asked for, those that cannot make up
+    ``global_batch`` left out (see :func:`fitting_layouts`)."""
+    sizes = list(micro_batch_sizes) if micro_batch_sizes is not None else None
+    acs = list(checkpointings) if checkpointings is not None else None
+    out = []
+    for layout in layouts:
+        for micro in sizes or [layout.micro_batch]:
+            for ac in [layout.checkpointing] if acs is None else acs:
+                variant = replace(layout, micro_batch=micro, checkpointing=ac)
+                if global_batch is not None:
+                    try:
+                        variant = with_global_batch(variant, global_batch)
+                    except (ConfigError, LayoutError):  # sizes that do not divide: not a layout of this batch
+                        continue
+                out.append(variant)
+    return out
 
 
 def rank_by_speed(fits: list[MemoryEstimate]) -> list[MemoryEstimate]:

@@ -7,12 +7,13 @@ every tensor-, sequence- and expert-parallel collective, :func:`measure_work`), 
 
 [Note: the roofline]
 An operator takes ``max(FLOPs / (peak x efficiency), bytes / (HBM bandwidth x memory efficiency))`` plus the host's
-per-operator overhead (measured on a CPU by ``calibrate``; zero on a GPU, whose launches run ahead of its kernels).
+per-operator overhead (measured on a CPU by ``calibrate``; zero on a GPU, whose launches run ahead of its kernels),
+charged to operators that run a kernel only ([Note: metadata-only operators]).
 FLOPs are ``torch.utils.flop_counter``'s registry's (matmuls, convolutions, attention; CPU's fused attention, which
 the registry does not list, by the registry's own ``sdpa_flop_count``). Its kind picks the efficiency: a matmul's
 by its FLOPs (small matmuls reach less of the peak; the profile's curve), attention one figure, everything else is
 memory-bound: its bytes are its inputs' and outputs' (views move nothing). The peak is the compute dtype's (fp8
-layouts: the fp8 peak for matmuls).
+layouts: the fp8 peak for the converted linears' matmuls, [Note: fp8 matmuls]).
 
 [Note: the alpha-beta model]
 A collective over ``n`` ranks costs ``steps x latency + bus bytes / (link bandwidth x link efficiency)``, the bus
@@ -37,8 +38,39 @@ shard``, the pipeline's neighbours ``world / pp`` apart.
 * A pipeline step is the stage's micro-batches stretched by the bubble: ``/ (1 - (p-1)/(v m + p-1))``.
 * Activation checkpointing's recompute is in the fake run itself (the checkpointed forward runs again in backward).
 * The optimizer step is memory-bound: Adam reads and writes 28 bytes per fp32 element stepped (parameter, gradient,
-  two moments in; parameter, moments out) plus the compute-dtype copy; with optimizer offload it runs at the host's
-  bandwidth, after the gradients' copy down and before the parameters' copy up (PCIe).
+  two moments in; parameter, moments out) plus the compute-dtype copy. With optimizer offload it is the host step
+  in one pass ([Note: one pass over a sub-group] in ``offload/one_pass.py``): :data:`HOST_STEP_BYTES_PER_ELEMENT`
+  over the cluster's ``host_gb_s``, shared by a node's ranks, after the gradients' copy down and before the
+  parameters' copy up (PCIe). NVMe offload adds the swap files' bytes (optimizer state read and written once per
+  step; parameter shards read for each micro-batch's forward and backward, written after the step) at
+  ``nvme_gb_s``, not overlapped (the sub-groups' swaps are waited for between steps).
+* Hybrid sharding's replica all-reduce (each rank's gradient shard over the ``zero / shard`` replicas, once per step
+  at the boundary, [Note: hybrid gradient reduction] in ``zero/reducer.py``) hides behind the last backward as the
+  boundary reduction does, in what is left of it.
+[Note: metadata-only operators]
+A view (``view``, ``t``, ``transpose``, ``expand``, ``as_strided``, ``detach``, ``split``...) makes a tensor that
+shares its input's storage: no kernel, no bytes. The rule is the operator's schema: every output aliases an input
+(``alias_info`` set) and none is written (``is_write`` false; an in-place ``add_`` aliases its output too, but runs
+a kernel). ``_unsafe_view``, ``alias`` and ``lift_fresh``, whose schemas declare no alias but which return their
+input's storage, are listed by name. Such an operator is charged neither bytes nor the per-operator overhead: the
+first slice charged the overhead to every operator, and views are a third of a transformer's eager operators.
+
+[Note: fp8 matmuls]
+The fake run does not convert linears to float8 (its memory is the engine's, which keeps bf16 weights and casts per
+call), so the fp8 matmuls are found by shape: a matmul of a converted linear has the weight, or its transpose, as
+an operand or as its output (forward ``x @ W^T``, input gradient ``dy @ W``, weight gradient ``dy^T @ x``); the
+converted weights' shapes are the linears torchao converts (``precision/float8.py``). Such a matmul runs at the fp8
+peak, every other one (attention's, the output head's, layers left in bf16) at the compute dtype's. A bf16 matmul
+of the same shape as a converted weight would be counted as fp8: a stated approximation.
+
+[Note: what compile changes]
+``--compile`` (``torch.compile``'s Inductor) fuses chains of element-wise operators into one kernel: the model
+charges a pointwise operator (``torch.Tag.pointwise``) only its output's bytes (its inputs come from the fused
+producer's registers) and no per-operator host time (one launch per fused kernel). Matmuls, attention and the
+other memory-bound operators (reductions, copies, indexing) are charged as in eager. It is a lower bound of what
+fusion saves where a pointwise input comes from memory, an upper bound where the chain's intermediate outputs are
+never written; no compiled step has been timed against it yet.
+
 Left out: stragglers, congestion, kernels the fake run cannot see (fused kernels of a compiler), and the host's
 Python time beyond the per-operator overhead.
 """
@@ -80,6 +112,16 @@ _CPU_ATTENTION = aten._scaled_dot_product_flash_attention_for_cpu
 _CPU_ATTENTION_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward
 _NO_BYTES = {aten.detach, aten._unsafe_view, aten.lift_fresh, aten.empty, aten.empty_like, aten.empty_strided}
 _NO_BYTES |= {aten.new_empty, aten.new_empty_strided, aten.alias}
+_ALIAS_UNDECLARED = {aten._unsafe_view, aten.alias, aten.lift_fresh}
+"""Operators that return their input's storage without their schema saying so ([Note: metadata-only operators])."""
+
+
+def is_metadata_only(func: torch._ops.OpOverload) -> bool:
+    """Whether ``func`` only makes a new view of its input ([Note: metadata-only operators])."""
+    if func._overloadpacket in _ALIAS_UNDECLARED:
+        return True
+    returns = func._schema.returns
+    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
 
 
 @dataclass(frozen=True)
@@ -88,6 +130,14 @@ class Op:
     flops: int
     nbytes: int
     backward: bool
+    metadata_only: bool = False
+    """A view: no kernel runs, no host overhead is charged ([Note: metadata-only operators])."""
+    pointwise: bool = False
+    """Element-wise (``torch.Tag.pointwise``): fused under compile ([Note: what compile changes])."""
+    out_bytes: int = 0
+    """Its outputs' bytes (a fused pointwise operator's only traffic)."""
+    shapes: tuple[tuple[int, int], ...] = ()
+    """A matmul's operands' and output's last two dimensions ([Note: fp8 matmuls])."""
 
 
 @dataclass
@@ -130,11 +180,23 @@ class _WorkCounter(TorchDispatchMode):
             kind = "attention"
         elif packet is aten._grouped_mm:  # not in the registry: each output element is a dot product
             flops, kind = 2 * out.numel() * args[0].shape[-1], "matmul"
-        nbytes = 0 if func.is_view or packet in _NO_BYTES else _bytes(args, kwargs, out)
-        self.work.ops[Op(kind, int(flops), nbytes, self.backward)] += 1
+        metadata_only = is_metadata_only(func)
+        moved = not (metadata_only or packet in _NO_BYTES)
+        nbytes = _bytes(args, kwargs, out) if moved else 0
+        pointwise = torch.Tag.pointwise in func.tags
+        out_bytes = _bytes((), {}, out) if moved and pointwise else 0
+        shapes = _matrix_shapes(args, out) if kind == "matmul" else ()
+        op = Op(kind, int(flops), nbytes, self.backward, metadata_only, pointwise, out_bytes, shapes)
+        self.work.ops[op] += 1
         if not self.backward:
             self.work.forward_flops += int(flops)
         return out
+
+
+def _matrix_shapes(args: Any, out: Any) -> tuple[tuple[int, int], ...]:
+    """The last two dimensions of a matmul's tensor operands and output ([Note: fp8 matmuls])."""
+    tensors = [t for t in tree_leaves((args, out)) if isinstance(t, torch.Tensor) and t.dim() >= 2]
+    return tuple(sorted({(int(t.shape[-2]), int(t.shape[-1])) for t in tensors}))
 
 
 def _bytes(args: Any, kwargs: Any, out: Any) -> int:
@@ -231,6 +293,9 @@ class ZeroTraffic:
     """Bus bytes of the last bucket reduced in backward."""
     group: int = 1
     """Ranks of ZeRO's shard group."""
+    replica_all_reduce: int = 0
+    """Hybrid sharding: bus bytes of the gradient shards' all-reduce over the replicas, once per step."""
+    replicas: int = 1
 
     def per_step(self, micro_batches: int) -> dict[str, int]:
         out: Counter = Counter()
@@ -241,16 +306,20 @@ class ZeroTraffic:
         return dict(out)
 
 
-def zero_traffic(state: RankState, stage: int, wire_itemsize: dict[int, int] | None = None) -> ZeroTraffic:
+def zero_traffic(
+    state: RankState, stage: int, wire_itemsize: dict[int, int] | None = None, replicas: int = 1
+) -> ZeroTraffic:
     """ZeRO's bytes per step from the layout's buckets and units, as the engine moves them (its communicator's counts,
     ``tests/estimate/test_estimate_time.py``): stage 0 all-reduces the gradients once per step, stage 1
     reduce-scatters them once per step, stage 2 every micro-batch; stages 1-2 all-gather the parameters after the
     step; stage 3 gathers every unit for forward and again for backward
     (the last block and the root once: they stay gathered, [Note: kept after forward] in :mod:`.compute`) and
     reduce-scatters every micro-batch. ``wire_itemsize``: the reduction's bytes per element by bucket index (default:
-    the bucket's dtype)."""
+    the bucket's dtype). ``replicas``: hybrid sharding's replica count; each rank's shard of every dense bucket is
+    all-reduced across them once per step (expert buckets never are)."""
     per_micro: Counter = Counter()
     boundary: Counter = Counter()
+    replica = 0
     after: Counter = Counter()
     reduced = []
     for b in state.buckets:
@@ -260,6 +329,8 @@ def zero_traffic(state: RankState, stage: int, wire_itemsize: dict[int, int] | N
         full = b.padded_numel * item
         moved = full * (b.world - 1) // b.world
         reduced.append(moved)
+        if replicas > 1 and not b.expert:
+            replica += 2 * (full // b.world) * (replicas - 1) // replicas
         if stage == 0:
             boundary["all_reduce"] += 2 * moved
         elif stage == 1:
@@ -277,7 +348,7 @@ def zero_traffic(state: RankState, stage: int, wire_itemsize: dict[int, int] | N
         first = blocks[-1].nbytes * (n - 1) // n if blocks else 0  # units are in the layout's order: last first
     group = max((b.world for b in state.buckets), default=1)
     last = reduced[-1] if reduced else 0
-    return ZeroTraffic(dict(per_micro), dict(boundary), dict(after), first, last, group)
+    return ZeroTraffic(dict(per_micro), dict(boundary), dict(after), first, last, group, replica, replicas)
 
 
 def _unit_gathers(units: list[UnitSize], n: int) -> int:
@@ -331,14 +402,25 @@ def collective_time(kind: str, nbytes: float, size: int, span: int, cluster: Clu
     return steps * eff.latency_us * 1e-6 + nbytes / (gb_s * 1e9 * eff.link)
 
 
-def op_time(op: Op, cluster: Cluster, dtype: str, fp8: bool = False) -> float:
-    """Seconds of one operator on ``cluster``'s GPU ([Note: the roofline])."""
+def op_time(op: Op, cluster: Cluster, dtype: str, fp8: bool = False, compiled: bool = False) -> float:
+    """Seconds of one operator on ``cluster``'s GPU ([Note: the roofline]); ``fp8``: a matmul at the fp8 peak
+    ([Note: fp8 matmuls]); ``compiled``: fused if pointwise ([Note: what compile changes])."""
     eff = cluster.efficiencies
     peak = cluster.peak_tflops(dtype, fp8 and op.kind == "matmul") * 1e12
     hbm = cluster.gpu.hbm_tb_s * 1e12 * eff.memory
     rate = eff.matmul_at(op.flops) if op.kind == "matmul" else eff.attention
     compute = op.flops / (peak * rate) if op.flops else 0.0
-    return max(compute, op.nbytes / hbm) + eff.op_overhead_us * 1e-6
+    fused = compiled and op.pointwise
+    nbytes = op.out_bytes if fused else op.nbytes
+    overhead = 0.0 if op.metadata_only or fused else eff.op_overhead_us * 1e-6
+    return max(compute, nbytes / hbm) + overhead
+
+
+def _is_float8_matmul(op: Op, float8_linears: frozenset[tuple[int, int]]) -> bool:
+    """Whether ``op`` is a converted linear's matmul ([Note: fp8 matmuls])."""
+    if op.kind != "matmul":
+        return False
+    return any(shape in float8_linears or shape[::-1] in float8_linears for shape in op.shapes)
 
 
 @dataclass(frozen=True)
@@ -381,6 +463,8 @@ class StepInputs:
     micro_batches: int
     dtype: str
     fp8: bool = False
+    float8_linears: frozenset[tuple[int, int]] | None = None
+    """FP8: the converted linears' weight shapes ([Note: fp8 matmuls]); None: every matmul at the fp8 peak."""
     stage: int = 0
     tp: int = 1
     sp: int = 1
@@ -394,6 +478,10 @@ class StepInputs:
     stepped_elements: int = 0
     """fp32 elements this rank's optimizer steps (its fragments; every element at stage 0)."""
     offload_optimizer: str = "none"
+    nvme_bytes: int = 0
+    """NVMe offload: bytes read and written on swap files per step ([Note: what overlaps])."""
+    compile: bool = False
+    """``torch.compile``: memory-bound operators fuse into their neighbours ([Note: what compile changes])."""
     ring_bytes: int = 0
     """Context-parallel ring: bytes sent and reduce-scattered per step ([Note: why not torch's context_parallel])."""
     boundary_bytes: int = 0
@@ -408,7 +496,10 @@ def step_time(work: MicroBatchWork, zero: ZeroTraffic, s: StepInputs, cluster: C
     fwd = bwd = 0.0
     times: dict[Op, float] = {}
     for op, n in work.ops.items():
-        t = times.setdefault(op, op_time(op, cluster, s.dtype, s.fp8)) * n
+        if op not in times:
+            fp8 = s.fp8 and (s.float8_linears is None or _is_float8_matmul(op, s.float8_linears))
+            times[op] = op_time(op, cluster, s.dtype, fp8, s.compile)
+        t = times[op] * n
         if op.backward:
             bwd += t
         else:
@@ -432,13 +523,15 @@ def step_time(work: MicroBatchWork, zero: ZeroTraffic, s: StepInputs, cluster: C
     hidden_micro = eff.overlap * min(max(per_micro_zero - unhidden, 0.0), window)
     exposed_zero = m * (per_micro_zero - hidden_micro)
     exposed_zero += boundary_zero - eff.overlap * min(boundary_zero, bwd)
+    replica = collective_time("all_reduce", zero.replica_all_reduce, zero.replicas, place.span("replicate"), cluster)
+    exposed_zero += replica - eff.overlap * min(replica, max(bwd - boundary_zero, 0.0))
     after = zero_time(zero.after_step)
     exposed_zero += after - eff.overlap * min(after, fwd)
     ring = collective_time("all_gather", s.ring_bytes, s.cp, place.span("cp"), cluster) * share
     p2p = 0.0
     if s.pp > 1 and s.boundary_bytes:
         p2p = 2 * m * collective_time("p2p", s.boundary_bytes, 2, place.span("pp"), cluster)
-    optimizer, offload = _optimizer_time(s, cluster)
+    optimizer, offload, disk = _optimizer_time(s, cluster)
     micro = fwd + bwd + sum(model_comm.values())
     pipeline = m * micro + ring
     bubble = pipeline * s.bubble / (1 - s.bubble) if s.pp > 1 and s.bubble else 0.0
@@ -452,6 +545,7 @@ def step_time(work: MicroBatchWork, zero: ZeroTraffic, s: StepInputs, cluster: C
         "pipeline bubble": bubble,
         "optimizer step": optimizer,
         "offload copies": offload,
+        "nvme swaps": disk,
     }
     step = sum(parts.values())
     tokens = s.dp * m * s.micro_batch * s.seq_len
@@ -464,19 +558,27 @@ def step_time(work: MicroBatchWork, zero: ZeroTraffic, s: StepInputs, cluster: C
 ADAM_BYTES_PER_ELEMENT = 28
 """Adam on fp32 masters: parameter, gradient and two moments read, parameter and two moments written
 (docs/benchmarks-gpu.md, 'The floor of a host step')."""
+HOST_STEP_BYTES_PER_ELEMENT = 32
+"""The offloaded host step in one pass: gradient, master and both moments, each fp32, read and written once
+(docs/offload.md, 'The host step in one pass': 34 bytes a parameter with the bf16 fragment written, which is added
+for a half-precision compute dtype). ``offload/one_pass.py`` exposes no figure of its own to read."""
 
 
-def _optimizer_time(s: StepInputs, cluster: Cluster) -> tuple[float, float]:
-    """(the optimizer step, offload's copies) in seconds ([Note: what overlaps])."""
+def _optimizer_time(s: StepInputs, cluster: Cluster) -> tuple[float, float, float]:
+    """(the optimizer step, offload's copies, NVMe swaps) in seconds ([Note: what overlaps])."""
     n = s.stepped_elements
     copy = 2 if s.dtype in ("bf16", "fp16") else 0  # the compute-dtype copy written after the step
-    nbytes = n * (ADAM_BYTES_PER_ELEMENT + copy)
-    if s.offload_optimizer == "none" or cluster.gpu.name == "cpu":
-        return nbytes / (cluster.gpu.hbm_tb_s * 1e12 * cluster.efficiencies.memory), 0.0
-    host_share = max(min(cluster.gpus_per_node, s.world), 1)  # a node's ranks share its host memory
-    host = nbytes * host_share / (cluster.host_gb_s * 1e9)
-    copies = n * (4 + max(copy, 2)) / (cluster.pcie_gb_s * 1e9)  # fp32 gradients down, parameters up
-    return host, copies
+    if s.offload_optimizer == "none":
+        rate = cluster.gpu.hbm_tb_s * 1e12 * cluster.efficiencies.memory
+        return n * (ADAM_BYTES_PER_ELEMENT + copy) / rate, 0.0, 0.0
+    host_bytes = n * (HOST_STEP_BYTES_PER_ELEMENT + copy)
+    cpu_only = cluster.gpu.name == "cpu"
+    # a node's ranks share its host memory and disks; calibrate's figures are per rank already (all ranks at once)
+    node_share = 1 if cpu_only else max(min(cluster.gpus_per_node, s.world), 1)
+    host = host_bytes * node_share / (cluster.host_gb_s * 1e9)
+    disk = s.nvme_bytes * node_share / (cluster.nvme_gb_s * 1e9)
+    copies = 0.0 if cpu_only else n * (4 + max(copy, 2)) / (cluster.pcie_gb_s * 1e9)  # gradients down, params up
+    return host, copies, disk
 
 
 def sum_kinds(items: Iterable[wire.Collective]) -> dict[tuple[str, str], int]:
@@ -488,12 +590,14 @@ def sum_kinds(items: Iterable[wire.Collective]) -> dict[tuple[str, str], int]:
 
 
 __all__ = [
+    "HOST_STEP_BYTES_PER_ELEMENT",
     "MicroBatchWork",
     "Op",
     "StepInputs",
     "TimeEstimate",
     "ZeroTraffic",
     "collective_time",
+    "is_metadata_only",
     "measure_work",
     "op_time",
     "step_time",
