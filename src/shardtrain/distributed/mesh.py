@@ -759,8 +759,9 @@ def init_topology(dims: ParallelDims, timeout_s: float = 1800.0, device: str | N
         raise LayoutError(f"the layout was planned for {dims.world} processes, but this job has {world}")
     tp, sp, dp, ep, shard = dims.tp, dims.sp, dims.dp, dims.ep, dims.shard
     cp = dims.cp
-    # hpZ is not built with sequence or context parallelism
-    axes = {"sp": sp} if sp * cp > 1 else {"hpz_size": dims.hpz}
+    # hpZ is not built with sequence parallelism (dims.hpz is 1 then); with context parallelism its groups are
+    # adjacent ranks of ZeRO's dp * cp axis
+    axes = {"sp": sp, "hpz_size": dims.hpz}
     if cp > 1:
         axes["cp"] = cp
     if dims.pp > 1:

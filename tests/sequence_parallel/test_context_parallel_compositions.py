@@ -1,0 +1,78 @@
+"""Context parallelism (docs/context-parallel.md) composed with hybrid sharding, ZeRO++ hpZ and the tiled loss and
+MLP: parity with one process on the same global batches (losses every step, gradient norms, final parameters)."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+
+from shardtrain.testing import run_distributed
+from shardtrain.testing.parity import assert_params_near, engine_run, reference_run
+from test_context_parallel import GAS, STEPS, _batches, _length, _llama
+
+from helpers.sp_cases import keyword_recipe
+
+
+def _groups(engine) -> dict:
+    """Where this rank sits on ZeRO's axis, and the sizes of its shard, replicate and hpZ groups."""
+    topo = engine.topology
+    size = lambda group: None if group is None else group.size()  # noqa: E731
+    return {
+        "axes": (topo.cp_rank, topo.dp_rank, topo.zero_rank, topo.shard_size, topo.replicas),
+        "groups": (size(topo.groups.shard), size(topo.replicate_group), size(topo.hpz_group)),
+        "hpz_gathers": engine._runtime.hpz.gathers if engine._runtime.hpz is not None else 0,
+    }
+
+
+def _parity(world: int, cp: int, config: dict, packed: bool = True) -> list[dict]:
+    dp = world // cp
+    config = {"context_parallel_size": cp, **config}
+    recipe = keyword_recipe(_llama, partial(_batches, dp, packed, _length(cp)), GAS, config)
+    results = run_distributed(engine_run, world, recipe, _groups, init_process_group=False)
+    ref = reference_run(recipe, dp)
+    losses = [sum(r["losses"][s] for r in results[::cp]) / dp for s in range(STEPS)]
+    for s, (got, want) in enumerate(zip(losses, ref["losses"])):
+        assert abs(got - want) <= 1e-5 * abs(want), f"step {s}: loss {got} vs one process {want}"
+    for r in results:
+        for s, (got, want) in enumerate(zip(r["norms"], ref["norms"])):
+            assert abs(got - want) <= 1e-4 * want, f"step {s}: gradient norm {got} vs one process {want}"
+    assert_params_near(results[0]["params"], ref["params"], ref["init"], exact=ref["exact"], require_moved=True)
+    return results
+
+
+@pytest.mark.parametrize("stage", [3, pytest.param(1, marks=pytest.mark.soak)])
+def test_hybrid_sharding_parity(stage):
+    """cp 2 x dp 2 (world 4) with mics_shard_size 2: ZeRO's axis is zero_rank = dp_rank * cp + cp_rank, so a shard
+    group is one sequence's two cp ranks (adjacent) and the replicate group the ranks of the same cp rank in the
+    other dp rank; the gradient still averaged over all four."""
+    results = _parity(4, 2, {"zero_optimization": {"stage": stage, "mics_shard_size": 2}})
+    assert [r["axes"] for r in results] == [(i % 2, i // 2, i, 2, 2) for i in range(4)]
+    assert all(r["groups"] == (2, 2, None) for r in results)
+
+
+@pytest.mark.parametrize("world", [4, pytest.param(3, marks=pytest.mark.soak)])
+def test_hpz_parity(world):
+    """ZeRO-3 with zero_hpz_partition_size 2 at cp 2 x dp 2 (world 4): an hpZ group is two adjacent ranks of ZeRO's
+    dp * cp axis, one sequence's cp ranks, and backward gathers every unit from its secondary shards there; the
+    values are plain ZeRO-3's. World 3 (cp 3, hpz 3 = every ZeRO rank): plain ZeRO-3, no hpZ group."""
+    cp, hpz = (2, 2) if world == 4 else (3, 3)
+    # no parameter persistent (DeepSpeed's threshold, 1e5 elements, would keep every one of this tiny Llama whole)
+    zero = {"stage": 3, "zero_hpz_partition_size": hpz, "stage3_param_persistence_threshold": 0}
+    results = _parity(world, cp, {"zero_optimization": zero})
+    if world == 4:
+        assert all(r["groups"] == (None, None, 2) for r in results)
+        # backward's unit gathers served from the secondary shards, inside the group
+        assert all(r["hpz_gathers"] > 0 for r in results), [r["hpz_gathers"] for r in results]
+    else:
+        assert all(r["groups"][2] is None and r["hpz_gathers"] == 0 for r in results)
+
+
+def test_an_hpz_group_that_does_not_divide_zeros_axis_is_refused():
+    from shardtrain.errors import LayoutError
+    from shardtrain.plan.dims import ParallelDims
+
+    with pytest.raises(LayoutError, match=r"zero_hpz_partition_size 3 does not divide the 4 ranks ZeRO shards over"):
+        ParallelDims(4, cp=2, hpz_size=3)
+    assert ParallelDims(4, cp=2, hpz_size=2).hpz == 2
+    assert ParallelDims(8, cp=2, sp=2, hpz_size=2).hpz == 1  # beside Ulysses: refused by the plan
