@@ -25,11 +25,19 @@ def _groups(engine) -> dict:
     }
 
 
-def _parity(world: int, cp: int, config: dict, packed: bool = True) -> list[dict]:
+def _tiles(engine) -> dict:
+    """Whether the model's loss and every MLP's forward were replaced by the tiled ones."""
+    model = engine.module
+    mlps = [m for n, m in model.named_modules() if n.endswith(".mlp")]
+    tiled = [getattr(m.forward, "__shardtrain_tiled__", False) for m in (model, *mlps)]
+    return {"tiled": tiled}
+
+
+def _parity(world: int, cp: int, config: dict, packed: bool = True, inspect=_groups) -> list[dict]:
     dp = world // cp
     config = {"context_parallel_size": cp, **config}
     recipe = keyword_recipe(_llama, partial(_batches, dp, packed, _length(cp)), GAS, config)
-    results = run_distributed(engine_run, world, recipe, _groups, init_process_group=False)
+    results = run_distributed(engine_run, world, recipe, inspect, init_process_group=False)
     ref = reference_run(recipe, dp)
     losses = [sum(r["losses"][s] for r in results[::cp]) / dp for s in range(STEPS)]
     for s, (got, want) in enumerate(zip(losses, ref["losses"])):
@@ -76,3 +84,17 @@ def test_an_hpz_group_that_does_not_divide_zeros_axis_is_refused():
         ParallelDims(4, cp=2, hpz_size=3)
     assert ParallelDims(4, cp=2, hpz_size=2).hpz == 2
     assert ParallelDims(8, cp=2, sp=2, hpz_size=2).hpz == 1  # beside Ulysses: refused by the plan
+
+
+_TILED = {"tiled_logits_loss": True, "tiled_logits_loss_shards": 3, "tiled_mlp_compute": True, "tiled_mlp_shards": 2}
+
+
+@pytest.mark.parametrize(("world", "cp", "stage"), [(2, 2, 3), (3, 3, 2)])
+def test_tiled_loss_and_mlp_parity(world, cp, stage):
+    """The tiled loss (3 tiles) and MLP (2 tiles) at cp 2 (ZeRO-3: the head and MLPs gathered for the recompute) and
+    cp 3 (the merged ring), packed documents, a fifth of the labels -100: each rank tiles its own two chunks, and the
+    loss is the whole sequence's mean over its real tokens, counted over the cp group (the chunks hold different
+    counts) as without tiling ([Note: the loss over a sequence-parallel group])."""
+    zero = {"stage": stage, "stage3_param_persistence_threshold": 0}
+    results = _parity(world, cp, {"zero_optimization": zero, **_TILED}, inspect=_tiles)
+    assert all(r["tiled"] == [True, True, True] for r in results), results

@@ -284,7 +284,6 @@ def refuse_unbuilt_context(cfg: Config, dims: ParallelDims) -> None:
     """What context parallelism is not built with yet (docs/context-parallel.md), refused by name."""
     refused = [
         (dims.pp > 1, f"pipeline parallelism (pipeline_parallel_size {dims.pp})"),
-        (cfg.tiled_logits_loss or cfg.tiled_mlp_compute, "tiled_logits_loss / tiled_mlp_compute"),
     ]
     _refuse_first(
         refused,
