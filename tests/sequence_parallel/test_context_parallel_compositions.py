@@ -9,7 +9,7 @@ import pytest
 
 from shardtrain.testing import run_distributed
 from shardtrain.testing.parity import assert_params_near, engine_run, reference_run
-from test_context_parallel import GAS, STEPS, _batches, _length, _llama
+from test_context_parallel import GAS, STEPS, _batches, _check_parity, _length, _llama
 
 from helpers.sp_cases import keyword_recipe
 
@@ -98,3 +98,18 @@ def test_tiled_loss_and_mlp_parity(world, cp, stage):
     zero = {"stage": stage, "stage3_param_persistence_threshold": 0}
     results = _parity(world, cp, {"zero_optimization": zero, **_TILED}, inspect=_tiles)
     assert all(r["tiled"] == [True, True, True] for r in results), results
+
+
+@pytest.mark.soak
+@pytest.mark.parametrize(
+    ("sp", "cp", "tp", "stage", "packed", "attn"),
+    [(2, 2, 2, 1, True, "sdpa"), (2, 2, 1, 3, True, "sdpa"), (2, 4, 1, 2, True, "sdpa")],
+    ids=["sp2-cp2-tp2", "sp2-cp2-dp2", "gqa-sp2-cp4"],
+)
+def test_world_8_parity(sp, cp, tp, stage, packed, attn):
+    """World 8, packed documents: sp 2 x cp 2 x tp 2 (the Llama's 4 query heads and 2 key/value heads: 2 and 1 per
+    tp rank, that one repeated for Ulysses' 2 sp ranks, each going around its cp group); the issue's sp 2 x cp 2 x
+    dp 2 at ZeRO-3 (ZeRO over all 8 ranks); the Llama at sp 2 x cp 4, one sequence over 8 ranks, which Ulysses
+    alone cannot reach (its 4 query heads must divide by sequence_parallel_size, [Note: key/value heads under
+    Ulysses]): 16 tokens in 8 chunks of two, each rank holding two tokens."""
+    _check_parity(8, cp, stage, packed, attn, sp=sp, tp=tp)
