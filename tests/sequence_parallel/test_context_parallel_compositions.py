@@ -33,13 +33,13 @@ def _tiles(engine) -> dict:
     return {"tiled": tiled}
 
 
-def _parity(world: int, cp: int, config: dict, packed: bool = True, inspect=_groups) -> list[dict]:
-    dp = world // cp
-    config = {"context_parallel_size": cp, **config}
-    recipe = keyword_recipe(_llama, partial(_batches, dp, packed, _length(cp)), GAS, config)
+def _parity(world: int, cp: int, config: dict, packed: bool = True, inspect=_groups, sp: int = 1) -> list[dict]:
+    dp = world // (cp * sp)
+    config = {"context_parallel_size": cp, "sequence_parallel_size": sp, **config}
+    recipe = keyword_recipe(_llama, partial(_batches, dp, packed, _length(cp * sp)), GAS, config)
     results = run_distributed(engine_run, world, recipe, inspect, init_process_group=False)
     ref = reference_run(recipe, dp)
-    losses = [sum(r["losses"][s] for r in results[::cp]) / dp for s in range(STEPS)]
+    losses = [sum(r["losses"][s] for r in results[:: cp * sp]) / dp for s in range(STEPS)]
     for s, (got, want) in enumerate(zip(losses, ref["losses"])):
         assert abs(got - want) <= 1e-5 * abs(want), f"step {s}: loss {got} vs one process {want}"
     for r in results:
@@ -57,6 +57,15 @@ def test_hybrid_sharding_parity(stage):
     results = _parity(4, 2, {"zero_optimization": {"stage": stage, "mics_shard_size": 2}})
     assert [r["axes"] for r in results] == [(i % 2, i // 2, i, 2, 2) for i in range(4)]
     assert all(r["groups"] == (2, 2, None) for r in results)
+
+
+@pytest.mark.soak
+def test_hybrid_sharding_with_ulysses_parity():
+    """sp 2 x cp 2 x dp 2 (world 8) with mics_shard_size 4: a shard group is one sequence's four ranks, replicated
+    across the two dp ranks."""
+    results = _parity(8, 2, {"zero_optimization": {"stage": 3, "mics_shard_size": 4}}, sp=2)
+    assert [r["axes"] for r in results] == [(i // 2 % 2, i // 4, i, 4, 2) for i in range(8)]
+    assert all(r["groups"] == (4, 2, None) for r in results)
 
 
 @pytest.mark.parametrize("world", [4, pytest.param(3, marks=pytest.mark.soak)])
