@@ -50,8 +50,9 @@ def test_batch_sizes_are_checked_against_the_data_parallel_size(tmp_path, capsys
         (4, {"sequence_parallel_size": 3}, "sequence_parallel_size 3 does not divide the 4 processes"),
         (4, {"sequence_parallel_size": 4, "tensor_parallel": {"size": 2}}, "sequence_parallel_size 4 does not"),
         (4, {"context_parallel_size": 3}, "context_parallel_size 3 does not divide the 4 processes"),
-        (8, {"context_parallel_size": 2, "tiled_mlp_compute": True},
-         "context_parallel_size 2 with tiled_logits_loss / tiled_mlp_compute is not built yet"),
+        (8, {"context_parallel_size": 2, "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 3}},
+         "zero_hpz_partition_size 3 does not divide the 8 ranks ZeRO shards over (data-parallel size 4 x "
+         "context_parallel_size 2)"),
         (8, {"context_parallel_size": 4, "sequence_parallel_size": 4}, "context_parallel_size 4 does not divide"),
         (8, {"tensor_parallel": {"size": 2}, "zero_optimization": {"stage": 1, "mics_shard_size": 3}},
          "mics_shard_size 3 does not divide the 4 ranks"),

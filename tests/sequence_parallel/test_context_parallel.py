@@ -387,11 +387,6 @@ def test_what_context_parallelism_is_not_built_with_is_refused_by_name():
     assert "context_parallel_size 3 does not divide the 4 processes" in _cp_refusal(4, {"context_parallel_size": 3})
     for config, named in [
         ({"pipeline_parallel_size": 2}, "pipeline parallelism (pipeline_parallel_size 2)"),
-        (
-            {"zero_optimization": {"stage": 1, "mics_shard_size": 2}},
-            "hybrid sharding (zero_optimization.mics_shard_size 2)",
-        ),
-        ({"tiled_mlp_compute": True}, "tiled_logits_loss / tiled_mlp_compute"),
     ]:
         message = _cp_refusal(8, {**cp2, **config})
         assert f"context_parallel_size 2 with {named} is not built yet" in message, message
@@ -402,6 +397,10 @@ def test_what_context_parallelism_is_not_built_with_is_refused_by_name():
     assert _cp_refusal(8, {**cp2, "sequence_parallel_size": 2}) == "no error"  # dp 2 x cp 2 x sp 2
     assert _cp_refusal(8, {**cp2, "tensor_parallel": {"size": 2}}) == "no error"  # dp 2 x cp 2 x tp 2
     assert _cp_refusal(8, {**cp2, "expert_parallel_size": 2}) == "no error"
+    # hybrid sharding, hpZ and tiling: test_context_parallel_compositions.py
+    assert _cp_refusal(2, {**cp2, "tiled_mlp_compute": True, "tiled_logits_loss": True}) == "no error"
+    assert _cp_refusal(8, {**cp2, "zero_optimization": {"stage": 1, "mics_shard_size": 2}}) == "no error"
+    assert _cp_refusal(8, {**cp2, "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}}) == "no error"
 
 
 def _splitter_refusal(build) -> str:

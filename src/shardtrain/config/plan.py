@@ -281,12 +281,8 @@ def refuse_unbuilt_pipeline(cfg: Config, dims: ParallelDims) -> None:
 
 def refuse_unbuilt_context(cfg: Config, dims: ParallelDims) -> None:
     """What context parallelism is not built with yet (docs/context-parallel.md), refused by name."""
-    zcfg = cfg.zero_optimization
     refused = [
         (dims.pp > 1, f"pipeline parallelism (pipeline_parallel_size {dims.pp})"),
-        (dims.replicas > 1, f"hybrid sharding (zero_optimization.mics_shard_size {zcfg.mics_shard_size})"),
-        (dims.hpz_asked, f"ZeRO++ hpZ (zero_optimization.zero_hpz_partition_size {zcfg.zero_hpz_partition_size})"),
-        (cfg.tiled_logits_loss or cfg.tiled_mlp_compute, "tiled_logits_loss / tiled_mlp_compute"),
     ]
     _refuse_first(
         refused,

@@ -509,7 +509,9 @@ class Topology:
     ``h / sp`` heads before the ring over cp. Batches differ along ``dp`` only. Every one of the ``dp * C * sp``
     ranks computes a gradient of all parameters from its tokens, so ZeRO shards and averages over all of them ([Note:
     the loss over a sequence-parallel group] in ``shardtrain.sequence_parallel.inputs`` holds for any split);
-    ``zero_rank = dp_rank * C * sp + cp_rank * sp + sp_rank``. No parameter is split by cp.
+    ``zero_rank = dp_rank * C * sp + cp_rank * sp + sp_rank``. No parameter is split by cp. Hybrid sharding and
+    (without Ulysses) hpZ cut that axis as they cut ``dp`` alone: groups of adjacent ``zero_rank`` s, one sequence's
+    ranks first.
 
     [Note: the expert axis]
     With ``expert_parallel_size: E`` (docs/expert-parallel.md) the data-parallel axis is cut as DeepSpeed-MoE cuts it:
@@ -770,8 +772,9 @@ def init_topology(dims: ParallelDims, timeout_s: float = 1800.0, device: str | N
         raise LayoutError(f"the layout was planned for {dims.world} processes, but this job has {world}")
     tp, sp, dp, ep, shard = dims.tp, dims.sp, dims.dp, dims.ep, dims.shard
     cp = dims.cp
-    # hpZ is not built with sequence or context parallelism
-    axes = {"sp": sp} if sp * cp > 1 else {"hpz_size": dims.hpz}
+    # hpZ is not built with sequence parallelism (dims.hpz is 1 then); with context parallelism its groups are
+    # adjacent ranks of ZeRO's dp * cp axis
+    axes = {"sp": sp, "hpz_size": dims.hpz}
     if cp > 1:
         axes["cp"] = cp
     if dims.pp > 1:
@@ -784,7 +787,7 @@ def init_topology(dims: ParallelDims, timeout_s: float = 1800.0, device: str | N
         mesh = DeviceMesh.from_group(
             [groups.pp, groups.dp, groups.tp], device.type, mesh=ranks, mesh_dim_names=("pp", "dp", "tp")
         )
-    elif cp > 1 and sp > 1:  # the plan refuses cp beside ep and hybrid sharding for now
+    elif cp > 1 and sp > 1:  # hybrid sharding's and the expert groups beside it, cut from the dp * cp * sp axis
         ranks = torch.arange(world).view(dp, cp, sp, tp)
         mesh = DeviceMesh.from_group(
             [groups.dp, groups.cp, groups.sp, groups.tp],
@@ -792,7 +795,7 @@ def init_topology(dims: ParallelDims, timeout_s: float = 1800.0, device: str | N
             mesh=ranks,
             mesh_dim_names=("dp", "cp", "sp", "tp"),
         )
-    elif cp > 1:  # the plan refuses cp beside ep and hybrid sharding for now: (dp, cp, tp) is the whole mesh
+    elif cp > 1:  # hybrid sharding's, hpZ's and the expert groups beside it, cut from the dp * cp axis
         ranks = torch.arange(world).view(dp, cp, tp)
         mesh = DeviceMesh.from_group(
             [groups.dp, groups.cp, groups.tp], device.type, mesh=ranks, mesh_dim_names=("dp", "cp", "tp")

@@ -109,6 +109,13 @@ class ParallelDims:
                 f"dp / ep_size of them, so choose one of {divisors(dp)}"
             )
         hpz = self.hpz_size
+        if hpz > 1 and tp == 1 and sp == 1 and cp > 1 and self.replicas == 1 and zero % hpz:
+            raise LayoutError(
+                f"zero_optimization.zero_hpz_partition_size {hpz} does not divide the {zero} ranks ZeRO shards over "
+                f"(data-parallel size {dp} x context_parallel_size {cp}): each group of that many adjacent ones (the "
+                f"cp ranks of a sequence first) keeps a secondary copy of the parameter shards, so choose one of "
+                f"{divisors(zero)}, or 1 to turn hpZ off"
+            )
         if hpz > 1 and tp == 1 and sp == 1 and cp == 1 and self.replicas == 1 and dp % hpz:
             raise LayoutError(
                 f"zero_optimization.zero_hpz_partition_size {hpz} does not divide the data-parallel size {dp} (world "
@@ -143,12 +150,13 @@ class ParallelDims:
 
     @property
     def hpz(self) -> int:
-        """hpZ's group size in effect: 1 when off (0 or 1, as in DeepSpeed), when it spans every data-parallel rank
-        (plain ZeRO-3), or beside tensor or sequence parallelism or hybrid sharding (refused by name by the plan:
-        :func:`shardtrain.config.plan.resolve_plan`)."""
-        if self.hpz_size <= 1 or self.tp > 1 or self.sp > 1 or self.cp > 1 or self.replicas > 1:
+        """hpZ's group size in effect: 1 when off (0 or 1, as in DeepSpeed), when it spans every ZeRO rank (plain
+        ZeRO-3), or beside tensor or sequence parallelism or hybrid sharding (refused by name by the plan:
+        :func:`shardtrain.config.plan.resolve_plan`). With context parallelism its groups are cut from the ``dp *
+        cp`` ranks ZeRO shards over, as ZeRO's are ([Note: secondary shards] in :mod:`shardtrain.zero.hpz`)."""
+        if self.hpz_size <= 1 or self.tp > 1 or self.sp > 1 or self.replicas > 1:
             return 1
-        return self.hpz_size if self.hpz_size < self.dp else 1
+        return self.hpz_size if self.hpz_size < self.zero else 1
 
     @property
     def hpz_asked(self) -> bool:
