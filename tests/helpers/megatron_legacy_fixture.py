@@ -8,7 +8,8 @@ namespace package) takes ``megatron.training`` from the source and ``megatron.co
 the two modules ``megatron.training`` imports and our venv lacks (``six``, ``triton``: ``MEGATRON_LM_DEPS=<dir>``,
 ``pip install --target <dir> six triton``). Nothing of it is needed to read the committed fixtures.
 
-``save OUT TP PP SCRATCH``, under torchrun (world = TP x PP): the tiny Llama-style GPT of ``megatron_fixture.py``,
+``save OUT TP PP SCRATCH [KIND EP]``, under torchrun (world 4): the tiny Llama-style GPT of ``megatron_fixture.py``
+(KIND ``moe``: its MoE version, sequential experts, at expert parallelism EP),
 Megatron-LM's real ``args`` (``parse_args`` + ``validate_args`` of the command line below), saved by
 ``save_checkpoint`` at iteration 1; the same model also saved as ``torch_dist`` into SCRATCH so that
 ``megatron_fixture.logits`` (Megatron loading it at tp 1 x pp 1, its own resharding) gives the reference logits.
@@ -158,8 +159,8 @@ def train(out: str, ref: str) -> None:
 
 
 def regenerate(out: Path) -> dict:
-    """Write ``out/dense`` (tp 2 x pp 2) and ``out/trained`` (tp 1 x pp 1, with Adam) with Megatron-LM's legacy
-    save, and ``out/expected.json``; returns the expected values."""
+    """Write ``out/dense`` (tp 2 x pp 2), ``out/moe`` (pp 2 x ep 2) and ``out/trained`` (tp 1 x pp 1, with Adam)
+    with Megatron-LM's legacy save, and ``out/expected.json``; returns the expected values."""
     import megatron.core
 
     expected: dict = {"megatron_core": megatron.core.__version__}
