@@ -249,6 +249,24 @@ def test_empty_rank_file_is_named_from_every_path(tmp_path):
             open_checkpoint(path)
 
 
+def test_opens_in_a_process_whose_safe_globals_hold_numpys_real_classes():
+    """megatron-core's import adds numpy's ``_reconstruct`` and ``ndarray`` to torch's process-wide safe globals;
+    the RNG state's arrays must still load as inert records ([Note: process-wide safe globals shadow the inert
+    ones]), and nothing is dropped from the process's list."""
+    import numpy as np
+
+    before = torch.serialization.get_safe_globals()
+    torch.serialization.add_safe_globals([np._core.multiarray._reconstruct, np.ndarray, np.dtype])
+    try:
+        with_numpy = torch.serialization.get_safe_globals()
+        reader = open_checkpoint(lf.DATA / "moe")
+        assert reader.ep == lf.MOE_EP
+        assert set(map(repr, torch.serialization.get_safe_globals())) >= set(map(repr, with_numpy))
+    finally:
+        torch.serialization.clear_safe_globals()
+        torch.serialization.add_safe_globals(before)
+
+
 class _Payload:
     def __reduce__(self):
         return (os.system, ("touch /tmp/shardtrain-megatron-legacy-pwned",))
