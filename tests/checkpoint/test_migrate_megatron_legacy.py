@@ -116,6 +116,55 @@ def test_load_into_another_layout(expected, tmp_path, world, stage, tp):
     torch.testing.assert_close(torch.tensor(got), torch.tensor(ref_losses), rtol=LOSS_RTOL, atol=0)
 
 
+def test_expert_parallel_mixtral_equals_megatrons_model(expected, tmp_path):
+    """pp 2 x ep 2 (``mp_rank_00_<pp>_<ep>``): each expert rank's local experts stitched at their global index;
+    the transformers Mixtral gives Megatron's logits, and every tensor equals megatron-core's ``torch_dist`` save of
+    the same model (``megatron_core/moe``: same seed and layout), so no expert lands at another's index."""
+    from transformers import AutoModelForCausalLM
+
+    reader = open_checkpoint(lf.DATA / "moe")
+    assert isinstance(reader, LegacyMegatronReader)
+    assert (reader.tp, reader.pp, reader.ep) == (lf.MOE_TP, lf.MOE_PP, lf.MOE_EP)
+    dist = open_checkpoint(mf.DATA / "moe")
+    assert reader.manifest.tensors.keys() == dist.manifest.tensors.keys()
+    for name in dist.manifest.tensors:
+        torch.testing.assert_close(reader.read(name), dist.read(name), atol=0, rtol=0, msg=name)
+    out = tmp_path / "hf"
+    consolidate(reader, out, progress=False)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert type(model).__name__ == "MixtralForCausalLM"
+    with torch.no_grad():
+        logits = model(expected["moe"]["tokens"]).logits
+    torch.testing.assert_close(logits, expected["moe"]["logits"], atol=LOGITS_ATOL, rtol=0)
+    assert expected["moe"]["logits"].std() > 0.1
+
+
+@pytest.mark.parametrize(("world", "stage", "ep"), [(2, 3, 2), (3, 1, 1)], ids=["world2-zero3-ep2", "world3-zero1"])
+def test_expert_parallel_checkpoint_loads_into_another_layout(expected, tmp_path, world, stage, ep):
+    """The pp 2 x ep 2 checkpoint loaded by an engine at another layout: exactly the consolidated weights,
+    Megatron's logits, and training on equal to one process from the consolidated Mixtral."""
+    import safetensors.torch
+
+    hf_dir = tmp_path / "hf"
+    consolidate(open_checkpoint(lf.DATA / "moe"), hf_dir, progress=False)
+    config = json.loads((hf_dir / "config.json").read_text())
+    config.pop("dtype", None)
+    text = json.dumps(config)
+    model = mf.hf_model(text, seed=2)
+    weights = safetensors.torch.load_file(hf_dir / "model.safetensors")
+    model.load_state_dict(weights)
+    ref_losses = mf.train(model, mf.train_batches(), opt=torch.optim.AdamW(model.parameters(), lr=mf.LR))
+    tokens = expected["moe"]["tokens"]
+    results = run_distributed(mf.engine_load_body, world, str(lf.DATA / "moe"), text, stage, 1, tokens, ep)
+    for name, value in weights.items():
+        torch.testing.assert_close(results[0]["state"][name], value, atol=0, rtol=0, msg=name)
+    for r in results:
+        torch.testing.assert_close(r["logits"], expected["moe"]["logits"], atol=LOGITS_ATOL, rtol=0)
+        assert r["step"] == 1
+    got = [sum(s) / world for s in zip(*(r["losses"] for r in results))]
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(ref_losses), rtol=LOSS_RTOL, atol=0)
+
+
 @pytest.mark.parametrize(("world", "stage"), [(2, 3), (3, 2)], ids=["world2-zero3", "world3-zero2"])
 def test_resume_continues_megatrons_training(expected, world, stage):
     """Loss parity with Megatron's own steps 3-4 after resuming its legacy save: weights, Adam moments and step
@@ -132,7 +181,7 @@ def test_resume_continues_megatrons_training(expected, world, stage):
 def _copy(tmp_path: Path, kind: str = "dense") -> Path:
     out = tmp_path / kind
     shutil.copytree(lf.DATA / kind, out)
-    return out / ("iter_0000001" if kind == "dense" else "iter_0000002")
+    return out / ("iter_0000002" if kind == "trained" else "iter_0000001")
 
 
 def test_rank_directory_and_save_directory_open_the_iteration(tmp_path):
@@ -171,10 +220,20 @@ def test_missing_rank_directory_is_named(tmp_path):
         open_checkpoint(ckpt)
 
 
-def test_expert_parallel_legacy_checkpoint_is_refused_by_name(tmp_path):
+def test_missing_expert_rank_directory_is_named(tmp_path):
+    ckpt = _copy(tmp_path, "moe")
+    shutil.rmtree(ckpt / "mp_rank_00_001_001")
+    with pytest.raises(
+        CheckpointError, match=r"rank directories \['mp_rank_00_001_001'\] missing for tp 1 x pp 2 x ep 2"
+    ):
+        open_checkpoint(ckpt)
+
+
+def test_expert_rank_directory_the_args_do_not_name_is_refused(tmp_path):
+    """A third number on a dense checkpoint's rank directory (expert parallelism its args do not have)."""
     ckpt = _copy(tmp_path)
     (ckpt / "mp_rank_00_000").rename(ckpt / "mp_rank_00_000_001")
-    with pytest.raises(CheckpointError, match=r"legacy Megatron checkpoint with expert parallelism"):
+    with pytest.raises(CheckpointError, match=r"rank directory mp_rank_00_000_001 does not fit the args"):
         open_checkpoint(ckpt)
 
 
@@ -188,6 +247,24 @@ def test_empty_rank_file_is_named_from_every_path(tmp_path):
     for path in (tmp_path, iteration, iteration / "mp_rank_00"):
         with pytest.raises(CheckpointError, match=r"model_optim_rng\.pt: not a readable torch\.save file"):
             open_checkpoint(path)
+
+
+def test_opens_in_a_process_whose_safe_globals_hold_numpys_real_classes():
+    """megatron-core's import adds numpy's ``_reconstruct`` and ``ndarray`` to torch's process-wide safe globals;
+    the RNG state's arrays must still load as inert records ([Note: process-wide safe globals shadow the inert
+    ones]), and nothing is dropped from the process's list."""
+    import numpy as np
+
+    before = torch.serialization.get_safe_globals()
+    torch.serialization.add_safe_globals([np._core.multiarray._reconstruct, np.ndarray, np.dtype])
+    try:
+        with_numpy = torch.serialization.get_safe_globals()
+        reader = open_checkpoint(lf.DATA / "moe")
+        assert reader.ep == lf.MOE_EP
+        assert set(map(repr, torch.serialization.get_safe_globals())) >= set(map(repr, with_numpy))
+    finally:
+        torch.serialization.clear_safe_globals()
+        torch.serialization.add_safe_globals(before)
 
 
 class _Payload:
@@ -209,7 +286,7 @@ def test_optimizer_grouping_other_than_megatrons_default_is_refused():
     import copy
 
     reader = open_checkpoint(lf.DATA / "trained")
-    saved = copy.deepcopy(reader._loaded[(0, 0)]["optimizer"])
+    saved = copy.deepcopy(reader._loaded[(0, 0, 0)]["optimizer"])
     assert len(reader._positions(saved, 0, 0)) == len(saved["state"])  # the file as saved: every position matched
     groups = saved["param_groups"]
     groups[1]["params"].append(groups[0]["params"].pop())
@@ -231,7 +308,11 @@ def test_committed_fixtures_are_what_megatron_lm_writes(tmp_path):
         torch.tensor(fresh["dense"]["logits"]), torch.tensor(committed["dense"]["logits"]), atol=1e-6, rtol=0
     )
     assert fresh["trained"]["losses"] == pytest.approx(committed["trained"]["losses"], rel=1e-6)
-    for kind in ("dense", "trained"):
+    assert fresh["moe"]["tokens"] == committed["moe"]["tokens"]
+    torch.testing.assert_close(
+        torch.tensor(fresh["moe"]["logits"]), torch.tensor(committed["moe"]["logits"]), atol=1e-6, rtol=0
+    )
+    for kind in ("dense", "moe", "trained"):
         now, then = open_checkpoint(tmp_path / kind), open_checkpoint(lf.DATA / kind)
         assert now.manifest.tensors.keys() == then.manifest.tensors.keys()
         for name in then.manifest.tensors:

@@ -321,9 +321,11 @@ def train(model, batches: list[torch.Tensor], dp: int = 1, dp_rank: int = 0, opt
     return losses
 
 
-def engine_load_body(save_dir: str, config_json: str, stage: int, tp: int, ref_tokens: torch.Tensor) -> dict:
-    """An engine at (world, ``stage``, ``tp``) over a model from another seed loads the Megatron checkpoint; returns
-    the full state dict (rank 0), the logits of ``ref_tokens`` and the losses of ``STEPS`` steps after it."""
+def engine_load_body(
+    save_dir: str, config_json: str, stage: int, tp: int, ref_tokens: torch.Tensor, ep: int = 1
+) -> dict:
+    """An engine at (world, ``stage``, ``tp``, ``ep``) over a model from another seed loads the Megatron checkpoint;
+    returns the full state dict (rank 0), the logits of ``ref_tokens`` and the losses of ``STEPS`` steps after it."""
     import shardtrain
 
     model = hf_model(config_json, seed=1)
@@ -334,6 +336,8 @@ def engine_load_body(save_dir: str, config_json: str, stage: int, tp: int, ref_t
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
         "tensor_parallel": {"size": tp},
     }
+    if ep > 1:
+        config["expert_parallel_size"] = ep
     engine = shardtrain.initialize(model, config=config, optimizer=opt)
     engine.load_checkpoint(save_dir, load_optimizer_states=False)
     loaded_step = engine.global_step

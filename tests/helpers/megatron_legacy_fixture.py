@@ -8,7 +8,8 @@ namespace package) takes ``megatron.training`` from the source and ``megatron.co
 the two modules ``megatron.training`` imports and our venv lacks (``six``, ``triton``: ``MEGATRON_LM_DEPS=<dir>``,
 ``pip install --target <dir> six triton``). Nothing of it is needed to read the committed fixtures.
 
-``save OUT TP PP SCRATCH``, under torchrun (world = TP x PP): the tiny Llama-style GPT of ``megatron_fixture.py``,
+``save OUT TP PP SCRATCH [KIND EP]``, under torchrun (world 4): the tiny Llama-style GPT of ``megatron_fixture.py``
+(KIND ``moe``: its MoE version, sequential experts, at expert parallelism EP),
 Megatron-LM's real ``args`` (``parse_args`` + ``validate_args`` of the command line below), saved by
 ``save_checkpoint`` at iteration 1; the same model also saved as ``torch_dist`` into SCRATCH so that
 ``megatron_fixture.logits`` (Megatron loading it at tp 1 x pp 1, its own resharding) gives the reference logits.
@@ -39,6 +40,7 @@ from helpers import megatron_fixture as mf
 
 DATA = Path(__file__).parents[1] / "data" / "megatron_legacy"
 SAVE_TP, SAVE_PP = 2, 2
+MOE_TP, MOE_PP, MOE_EP = 1, 2, 2  # the layout of megatron_core/moe: iter_N/mp_rank_00_<pp:03d>_<ep:03d>/
 
 
 def megatron_lm_path() -> str | None:
@@ -53,7 +55,7 @@ def _import_megatron_lm() -> None:
             sys.path.append(path)  # after site-packages: megatron.core stays the installed wheel
 
 
-def _megatron_lm_args(tp: int, pp: int, save: str, iteration_interval: int):
+def _megatron_lm_args(tp: int, pp: int, save: str, iteration_interval: int, kind: str = "dense", ep: int = 1):
     """Megatron-LM's full ``args`` for the command line a user would give this model."""
     import megatron.training.arguments as arguments
     from megatron.training.global_vars import set_args
@@ -67,6 +69,10 @@ def _megatron_lm_args(tp: int, pp: int, save: str, iteration_interval: int):
         --save-interval {iteration_interval} --train-iters {mf.TRAIN_STEPS} --micro-batch-size {mf.ROWS}
         --lr {mf.LR} --weight-decay 0 --clip-grad 0 --adam-eps 1e-8 --hidden-dropout 0 --attention-dropout 0
         --init-method-std 0.05 --use-cpu-initialization --no-gradient-accumulation-fusion""".split()
+    if kind == "moe":  # megatron_fixture's MoE: sequential experts, allgather dispatcher, no aux loss
+        argv += f"""--num-experts {mf.EXPERTS} --moe-router-topk 2 --moe-ffn-hidden-size {mf.FFN}
+            --moe-aux-loss-coeff 0 --moe-token-dispatcher-type allgather --moe-router-load-balancing-type none
+            --expert-model-parallel-size {ep}""".split()
     old = sys.argv
     sys.argv = ["pretrain_gpt.py", *argv]
     try:
@@ -84,7 +90,7 @@ def _cpu_rng() -> None:
     torch.cuda.get_rng_state = lambda *a, **k: torch.empty(0, dtype=torch.uint8)  # [Note: Megatron-LM's legacy ...]
 
 
-def save(out: str, tp: int, pp: int, scratch: str) -> None:
+def save(out: str, tp: int, pp: int, scratch: str, kind: str = "dense", ep: int = 1) -> None:
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
     from megatron.training.checkpointing import save_checkpoint
@@ -92,10 +98,12 @@ def save(out: str, tp: int, pp: int, scratch: str) -> None:
     dist.init_process_group("gloo")
     mf._cpu_only()
     _cpu_rng()
-    _megatron_lm_args(tp, pp, out, 1)
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    _megatron_lm_args(tp, pp, out, 1, kind, ep)
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep
+    )
     torch.manual_seed(1234)
-    model = mf._model("dense", tp, pp, 1)
+    model = mf._model(kind, tp, pp, ep)
     save_checkpoint(1, [model], None, None, 0)
     ckpt = os.path.join(scratch, "iter_0000001")  # the same weights as torch_dist: Megatron computes their logits
     if dist.get_rank() == 0:
@@ -151,8 +159,8 @@ def train(out: str, ref: str) -> None:
 
 
 def regenerate(out: Path) -> dict:
-    """Write ``out/dense`` (tp 2 x pp 2) and ``out/trained`` (tp 1 x pp 1, with Adam) with Megatron-LM's legacy
-    save, and ``out/expected.json``; returns the expected values."""
+    """Write ``out/dense`` (tp 2 x pp 2), ``out/moe`` (pp 2 x ep 2) and ``out/trained`` (tp 1 x pp 1, with Adam)
+    with Megatron-LM's legacy save, and ``out/expected.json``; returns the expected values."""
     import megatron.core
 
     expected: dict = {"megatron_core": megatron.core.__version__}
@@ -168,6 +176,13 @@ def regenerate(out: Path) -> dict:
         _run(sys.executable, mf.__file__, "logits", dist_copy, "dense", ref)
         values = torch.load(ref)
         expected["dense"] = {"tokens": values["tokens"].tolist(), "logits": values["logits"].tolist()}
+        dist_copy = os.path.join(scratch, "moe_torch_dist")
+        moe = (str(MOE_TP), str(MOE_PP), dist_copy, "moe", str(MOE_EP))
+        _run(*torchrun, __file__, "save", str(out / "moe"), *moe)
+        ref = os.path.join(scratch, "moe.pt")
+        _run(sys.executable, mf.__file__, "logits", dist_copy, "moe", ref)
+        values = torch.load(ref)
+        expected["moe"] = {"tokens": values["tokens"].tolist(), "logits": values["logits"].tolist()}
         ref = os.path.join(scratch, "trained.pt")
         _run(sys.executable, __file__, "train", str(out / "trained"), ref)
         expected["trained"] = {"losses": torch.load(ref)["losses"]}
@@ -188,14 +203,15 @@ def expected_values(out: Path = DATA) -> dict:
     import json
 
     raw = json.loads((out / "expected.json").read_text())
-    raw["dense"] = {k: torch.tensor(v) for k, v in raw["dense"].items()}
+    for kind in ("dense", "moe"):
+        raw[kind] = {k: torch.tensor(v) for k, v in raw[kind].items()}
     return raw
 
 
 if __name__ == "__main__":
     _import_megatron_lm()
     if sys.argv[1] == "save":
-        save(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
+        save(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], *sys.argv[6:7], *map(int, sys.argv[7:8]))
     elif sys.argv[1] == "train":
         train(sys.argv[2], sys.argv[3])
     else:

@@ -14,11 +14,13 @@ megatron caches in it (:func:`load_megatron_metadata`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import pickle
 import re
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -168,7 +170,7 @@ def load_megatron_pickle(path: Path, what: str, *, inert: tuple[str, ...] = (), 
     allowed += [(type(name.rsplit(".", 1)[1], (MegatronValue,), {}), name) for name in inert]
     for _ in range(64):  # each round admits one more megatron name; a file naming more is refused
         try:
-            with torch.serialization.safe_globals(allowed):
+            with _without_process_safe_globals(), torch.serialization.safe_globals(allowed):
                 data = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
             break
         except pickle.UnpicklingError as err:
@@ -191,6 +193,21 @@ def load_megatron_pickle(path: Path, what: str, *, inert: tuple[str, ...] = (), 
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: holds a {type(data).__name__}, not the dict megatron saves")
     return data
+
+
+@contextlib.contextmanager
+def _without_process_safe_globals() -> Iterator[None]:
+    """[Note: process-wide safe globals shadow the inert ones]
+    ``torch.serialization.add_safe_globals`` entries (megatron-core's ``safe_globals.py`` adds numpy's real
+    ``_reconstruct`` and ``ndarray`` on import) are looked up before a ``safe_globals`` context's; with them the
+    RNG state's arrays are rebuilt by numpy from our inert records and the load fails (``TypeError: _reconstruct``).
+    They are set aside for the load and put back after it, so a process that imported megatron reads the same."""
+    saved = torch.serialization.get_safe_globals()
+    torch.serialization.clear_safe_globals()
+    try:
+        yield
+    finally:
+        torch.serialization.add_safe_globals(saved)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,10 @@ whole tensor is [gate_0 .. gate_n; up_0 .. up_n] (the ``torch_dist`` layout of [
 are replicated (rank 0's is read). Pipeline stage p's local layer i is layer ``p * layers / pp + i`` (uniform
 stages; Megatron-LM's uneven splits are refused by name). The stitched tensors get ``torch_dist``'s names, and
 ``megatron_names.py`` maps them as for a ``torch_dist`` checkpoint.
+With expert parallelism the directory gains ``_<ep:03d>`` (``mp_rank_<tp:02d>_<ep:03d>`` at pp 1, which the args
+tell apart from a pipeline rank): expert rank z holds its ``experts / ep`` local experts
+(``mlp.experts.local_experts.<i>``), global expert ``z * experts / ep + i``; every other tensor is the same on each
+expert rank (rank 0's is read).
 The optimizer's state is indexed by position: its param groups list positions, and megatron fills each group from
 ``named_parameters()`` in order (its default rule: 1-D tensors and biases in the group with ``wd_mult`` 0), so a
 position is matched to a model tensor by that rule and checked by shape. Files are read by
@@ -45,6 +49,7 @@ from shardtrain.checkpoint.format import dtype_name
 from shardtrain.errors import CheckpointError
 
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+_LOCAL_EXPERT = re.compile(r"(.*\.mlp\.experts\.local_experts\.)(\d+)(\..+)")
 # Megatron-LM arguments that make pipeline stages uneven (layer offsets this reader does not compute)
 _UNEVEN_STAGES = (
     "decoder_first_pipeline_num_layers",
@@ -65,7 +70,7 @@ def split_of(key: str) -> str:
         return "swiglu"
     if key.endswith(("linear_proj.weight", "linear_fc2.weight")):
         return "columns"
-    if key.endswith(("layernorm.weight", "layer_norm_weight")):
+    if key.endswith(("layernorm.weight", "layer_norm_weight", "mlp.router.weight")):
         return "replicated"
     raise CheckpointError(f"Megatron tensor {key!r}: no known tensor-parallel split (a Llama-style GPT has none such)")
 
@@ -102,48 +107,70 @@ class LegacyMegatronReader(MegatronReader):
     def __init__(self, path: Path) -> None:  # deliberately not MegatronReader's: no DCP metadata here
         self.path = Path(path)
         self.verify_reads = False  # the files store no checksums
-        self._files = self._rank_files()
-        self._loaded = {
-            rank: load_megatron_pickle(f, "checkpoint", inert=RNG_STATE_NAMES, mmap=True)
-            for rank, f in self._files.items()
+        numbered = self._rank_files()
+        loaded = {
+            numbers: load_megatron_pickle(f, "checkpoint", inert=RNG_STATE_NAMES, mmap=True)
+            for numbers, f in numbered.items()
         }
-        first = self._loaded[(0, 0)]
-        args = first.get("args")
+        first_file = numbered[min(numbered)]
+        args = loaded[min(numbered)].get("args")
         if args is None:
-            raise CheckpointError(f"{self._files[(0, 0)]}: holds no 'args'; the model's shape cannot be known")
+            raise CheckpointError(f"{first_file}: holds no 'args'; the model's shape cannot be known")
         self.arch = Architecture.from_args(args, self.path)
-        self.tp, self.pp = self._grid(vars(args))
+        ranks = self._ranks(vars(args), list(numbered))
+        self._files = {ranks[n]: f for n, f in numbered.items()}
+        self._loaded = {ranks[n]: d for n, d in loaded.items()}
+        self.tp, self.pp, self.ep = self._grid(vars(args))
+        first = self._loaded[(0, 0, 0)]
         self.common = {"iteration": first.get("iteration")}
-        self._where: dict[str, tuple[str, int, str | None]] = {}  # global key -> (local key, stage, state kind)
+        self._where: dict[str, tuple[str, int, int, str | None]] = {}  # key -> (local key, stage, expert rank, state)
         sources = self._model_sources()
         tensors = hf_entries(sources, self.arch, self.path)
         step = self._optimizer_sources(sources)
         tensors |= optimizer_entries(tensors, sources, step)
         self._sources: dict[str, MegatronSource] = sources
-        self.manifest = MegatronManifest(self.path.name, self.tp * self.pp, tensors)
+        self.manifest = MegatronManifest(self.path.name, self.tp * self.pp * self.ep, tensors)
         self._objects: dict[str, Any] | None = None
         self._last: tuple[str, torch.Tensor] | None = None  # the last stitched tensor: q, k and v read one in turn
 
     # -- the files --------------------------------------------------------------------------------
-    def _rank_files(self) -> dict[tuple[int, int], Path]:
+    def _rank_files(self) -> dict[tuple[int, ...], Path]:
+        """Each rank directory's file by the numbers of its name (what they mean: ``_ranks``)."""
         files = {}
         for d in sorted(self.path.iterdir()):
             m = LEGACY_RANK_DIR.fullmatch(d.name)
             if m is None:
                 continue
-            if m.group(3) is not None:
-                raise CheckpointError(
-                    f"{d}: a legacy Megatron checkpoint with expert parallelism; shardtrain reads legacy "
-                    "checkpoints of dense models (MoE models: save with --ckpt-format torch_dist)"
-                )
             if not (d / LEGACY_RANK_FILE).is_file():
                 raise CheckpointError(f"{d / LEGACY_RANK_FILE}: missing; every rank directory holds one")
-            files[(int(m.group(1)), int(m.group(2) or 0))] = d / LEGACY_RANK_FILE
+            files[tuple(int(g) for g in m.groups() if g is not None)] = d / LEGACY_RANK_FILE
+        if not files:
+            raise CheckpointError(f"{self.path}: no mp_rank_* directory holding {LEGACY_RANK_FILE}")
         return files
 
-    def _grid(self, args: dict[str, Any]) -> tuple[int, int]:
+    def _ranks(self, args: dict[str, Any], numbered: list[tuple[int, ...]]) -> dict[tuple[int, ...], tuple[int, ...]]:
+        """(tp, pp, ep) rank of each directory's numbers: the second number is the pipeline rank at pp > 1, else
+        the expert rank ([Note: legacy Megatron checkpoints])."""
+        pp_named = int(args.get("pipeline_model_parallel_size") or 1) > 1
+        ep_named = int(args.get("expert_model_parallel_size") or 1) > 1
+        out = {}
+        for numbers in numbered:
+            if len(numbers) != 1 + pp_named + ep_named:
+                raise CheckpointError(
+                    f"{self.path}: rank directory {_dir_name(*numbers)} does not fit the args "
+                    f"(pipeline_model_parallel_size > 1: {pp_named}, expert_model_parallel_size > 1: {ep_named})"
+                )
+            t, rest = numbers[0], list(numbers[1:])
+            p = rest.pop(0) if pp_named else 0
+            out[numbers] = (t, p, rest.pop(0) if ep_named else 0)
+        return out
+
+    def _grid(self, args: dict[str, Any]) -> tuple[int, int, int]:
         tp = int(args.get("tensor_model_parallel_size") or 1)
         pp = int(args.get("pipeline_model_parallel_size") or 1)
+        ep = int(args.get("expert_model_parallel_size") or 1)
+        if ep > 1 and (self.arch.experts or 0) % ep:
+            raise CheckpointError(f"{self.path}: {self.arch.experts} experts do not split over {ep} expert ranks")
         if uneven := [name for name in _UNEVEN_STAGES if args.get(name)]:
             raise CheckpointError(
                 f"{self.path}: pipeline stages set by {uneven}; shardtrain reads legacy checkpoints with "
@@ -151,21 +178,25 @@ class LegacyMegatronReader(MegatronReader):
             )
         if self.arch.layers % pp:
             raise CheckpointError(f"{self.path}: {self.arch.layers} layers do not split into {pp} even stages")
-        expected = {(t, p) for t in range(tp) for p in range(pp)}
+        grid = f"tp {tp} x pp {pp}" + (f" x ep {ep}" if ep > 1 else "")
+        expected = {(t, p, z) for t in range(tp) for p in range(pp) for z in range(ep)}
         if missing := sorted(expected - set(self._files)):
-            names = [f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") for t, p in missing]
-            raise CheckpointError(f"{self.path}: rank directories {names} missing for tp {tp} x pp {pp}")
+            names = [_dir_name(t, *([p] if pp > 1 else []), *([z] if ep > 1 else [])) for t, p, z in missing]
+            raise CheckpointError(f"{self.path}: rank directories {names} missing for {grid}")
         if extra := sorted(set(self._files) - expected):
-            raise CheckpointError(f"{self.path}: rank directories {extra} beyond tp {tp} x pp {pp} of its args")
-        return tp, pp
+            raise CheckpointError(f"{self.path}: rank directories {extra} beyond {grid} of its args")
+        return tp, pp, ep
 
-    def _model(self, tp_rank: int, stage: int) -> dict[str, Any]:
-        model = self._loaded[(tp_rank, stage)].get("model")
+    def _model(self, tp_rank: int, stage: int, expert_rank: int = 0) -> dict[str, Any]:
+        model = self._loaded[(tp_rank, stage, expert_rank)].get("model")
         if not isinstance(model, dict):
-            raise CheckpointError(f"{self._files[(tp_rank, stage)]}: holds no 'model' state dict")
+            raise CheckpointError(f"{self._files[(tp_rank, stage, expert_rank)]}: holds no 'model' state dict")
         return model
 
-    def _global_key(self, key: str, stage: int) -> str:
+    def _global_key(self, key: str, stage: int, expert_rank: int = 0) -> str:
+        """Layer numbers offset by stage, local experts by expert rank ([Note: legacy Megatron checkpoints])."""
+        if m := _LOCAL_EXPERT.fullmatch(key):
+            key = f"{m.group(1)}{expert_rank * (self.arch.experts // self.ep) + int(m.group(2))}{m.group(3)}"
         m = _LAYER.fullmatch(key)
         if m is None:
             return key
@@ -174,19 +205,22 @@ class LegacyMegatronReader(MegatronReader):
     def _model_sources(self) -> dict[str, MegatronSource]:
         sources = {}
         for stage in range(self.pp):
-            for key, value in self._model(0, stage).items():
-                if key.endswith("_extra_state") or not isinstance(value, torch.Tensor):
-                    continue
-                shards = [self._model(t, stage).get(key) for t in range(self.tp)]
-                if not all(isinstance(s, torch.Tensor) for s in shards):
-                    raise CheckpointError(f"{self.path}: tensor {key!r} of stage {stage} missing on some tp rank")
-                split = split_of(key)
-                shape = _stitched_shape(split, [tuple(s.shape) for s in shards], key)
-                name = self._global_key(key, stage)
-                if name in sources:
-                    raise CheckpointError(f"{self.path}: {name!r} is held by more than one pipeline stage")
-                sources[name] = MegatronSource(name, shape, _dtype(value, key), ())
-                self._where[name] = (key, stage, None)
+            for z in range(self.ep):
+                for key, value in self._model(0, stage, z).items():
+                    if key.endswith("_extra_state") or not isinstance(value, torch.Tensor):
+                        continue
+                    if z > 0 and not _LOCAL_EXPERT.fullmatch(key):
+                        continue  # the same on every expert rank: rank 0's is read
+                    shards = [self._model(t, stage, z).get(key) for t in range(self.tp)]
+                    if not all(isinstance(s, torch.Tensor) for s in shards):
+                        raise CheckpointError(f"{self.path}: tensor {key!r} of stage {stage} missing on some tp rank")
+                    split = split_of(key)
+                    shape = _stitched_shape(split, [tuple(s.shape) for s in shards], key)
+                    name = self._global_key(key, stage, z)
+                    if name in sources:
+                        raise CheckpointError(f"{self.path}: {name!r} is held by more than one pipeline/expert rank")
+                    sources[name] = MegatronSource(name, shape, _dtype(value, key), ())
+                    self._where[name] = (key, stage, z, None)
         return sources
 
     # -- the optimizer ----------------------------------------------------------------------------
@@ -195,38 +229,42 @@ class LegacyMegatronReader(MegatronReader):
         checkpoints]); its step count (one for all), or None without optimizer state."""
         steps: set[float] = set()
         groups = self._groups = None
-        for (t, p), data in sorted(self._loaded.items()):
+        for (t, p, z), data in sorted(self._loaded.items()):
             saved = data.get("optimizer")
             if isinstance(saved, dict) and "fp32_from_fp16_params" in saved:  # a bf16/fp16 run: masters not read
                 saved = saved.get("optimizer")
             if not (isinstance(saved, dict) and isinstance(saved.get("state"), dict) and saved["state"]):
                 return None  # none saved, or the distributed optimizer's (in distrib_optim.pt): not read
             groups = saved.get("param_groups")
-            by_position = self._positions(saved, t, p)
+            by_position = self._positions(saved, t, p, z)
             for position, state in saved["state"].items():
                 key = by_position[position]
-                name = self._global_key(key, p)
+                if z > 0 and not _LOCAL_EXPERT.fullmatch(key):
+                    continue  # as the model's: rank 0's is read
+                name = self._global_key(key, p, z)
                 for kind, value in state.items():
                     if kind == "step":
                         steps.add(float(value))
                         continue
-                    if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(self._model(t, p)[key].shape):
+                    if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(
+                        self._model(t, p, z)[key].shape
+                    ):
                         raise CheckpointError(
-                            f"{self._files[(t, p)]}: optimizer state {kind!r} of position {position} does not "
+                            f"{self._files[(t, p, z)]}: optimizer state {kind!r} of position {position} does not "
                             f"have the shape of {key!r}, the tensor megatron's grouping puts there"
                         )
                     state_key = f"{OPTIMIZER_STATE}{kind}.{name}"
                     if t == 0:
                         sources[state_key] = MegatronSource(state_key, sources[name].global_shape, "float32", ())
-                        self._where[state_key] = (key, p, kind)
+                        self._where[state_key] = (key, p, z, kind)
         if len(steps) > 1:
             raise CheckpointError(f"{self.path}: the optimizer's step counts differ ({sorted(steps)})")
         self._groups = groups
         return steps.pop() if steps else None
 
-    def _positions(self, saved: dict[str, Any], t: int, p: int) -> dict[int, str]:
+    def _positions(self, saved: dict[str, Any], t: int, p: int, z: int = 0) -> dict[int, str]:
         """Position -> local model key, by megatron's default grouping ([Note: legacy Megatron checkpoints])."""
-        model = self._model(t, p)
+        model = self._model(t, p, z)
         names = [k for k, v in model.items() if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")]
         out = {}
         for group in saved.get("param_groups") or []:
@@ -234,14 +272,15 @@ class LegacyMegatronReader(MegatronReader):
             mine = [n for n in names if (model[n].dim() == 1 or n.endswith(".bias")) == no_decay]
             if len(mine) != len(group.get("params", ())):
                 raise CheckpointError(
-                    f"{self._files[(t, p)]}: a param group of {len(group.get('params', ()))} parameters, where "
+                    f"{self._files[(t, p, z)]}: a param group of {len(group.get('params', ()))} parameters, where "
                     f"megatron's default grouping gives {len(mine)}; other groupings are not read (load with "
                     "load_optimizer_states=False)"
                 )
             out.update(zip(group["params"], mine))
         if missing := set(saved["state"]) - set(out):
             raise CheckpointError(
-                f"{self._files[(t, p)]}: optimizer state for positions {sorted(missing)[:5]} that no param group lists"
+                f"{self._files[(t, p, z)]}: optimizer state for positions {sorted(missing)[:5]} that no param "
+                "group lists"
             )
         return out
 
@@ -252,15 +291,15 @@ class LegacyMegatronReader(MegatronReader):
         return self._last[1].reshape(-1)[lo:hi].to(dtype)
 
     def _stitch(self, key: str) -> torch.Tensor:
-        local, stage, kind = self._where[key]
+        local, stage, z, kind = self._where[key]
         shards = []
         for t in range(self.tp):
             if kind is None:
-                shards.append(self._model(t, stage)[local])
+                shards.append(self._model(t, stage, z)[local])
                 continue
-            saved = self._loaded[(t, stage)]["optimizer"]
+            saved = self._loaded[(t, stage, z)]["optimizer"]
             saved = saved.get("optimizer", saved) if "fp32_from_fp16_params" in saved else saved
-            position = {v: k for k, v in self._positions(saved, t, stage).items()}[local]
+            position = {v: k for k, v in self._positions(saved, t, stage, z).items()}[local]
             shards.append(saved["state"][position][kind])
         try:
             whole = stitch(split_of(local), shards)
@@ -281,6 +320,11 @@ class LegacyMegatronReader(MegatronReader):
             if progress is not None:
                 progress(torch.Size(src.global_shape).numel() * 4)
         return problems
+
+
+def _dir_name(tp_rank: int, *more: int) -> str:
+    """Megatron-LM's rank directory name: ``mp_rank_<tp:02d>`` then ``_<pp:03d>`` and ``_<ep:03d>`` where > 1."""
+    return f"mp_rank_{tp_rank:02d}" + "".join(f"_{n:03d}" for n in more)
 
 
 def _dtype(value: torch.Tensor, key: str) -> str:
