@@ -26,6 +26,10 @@ ADAMW = dict(lr=3e-3, weight_decay=0.01)
 
 def _model(kind: str) -> nn.Module:
     torch.manual_seed(0)
+    if kind == "mixtral":  # no load-balancing loss: a loss over the whole batch is the mean of the ranks' rows
+        from helpers.moe_cases import tiny_moe
+
+        return tiny_moe("mixtral", 4, router_logits=False, vocab_size=VOCAB, max_position_embeddings=SEQ)
     if kind == "gpt":
         return GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=32, n_layer=2, n_head=4))
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -44,8 +48,9 @@ def _model(kind: str) -> nn.Module:
 
 
 def _hidden(name: str, p: torch.Tensor) -> bool:
-    """DeepSpeed's selection: 2-D weights of the blocks; embeddings, head, norms and biases go to AdamW."""
-    return p.ndim == 2 and ("blocks." in name or "layers." in name)
+    """DeepSpeed's selection: 2-D weights of the blocks (and a MoE's 3-D stacks of experts' matrices); embeddings,
+    head, norms and biases go to AdamW."""
+    return p.ndim in (2, 3) and ("blocks." in name or "layers." in name)
 
 
 def _split(model: nn.Module) -> tuple[list, list]:
@@ -59,23 +64,35 @@ def _served(model: nn.Module) -> torch.optim.Optimizer:
 
 
 class _TorchMuonAndAdamW:
-    """The reference: torch's own Muon and AdamW, stepped together."""
+    """The reference: torch's own Muon and AdamW, stepped together; a 3-D stack of experts' matrices is stepped as
+    one torch Muon parameter per expert (copies that take the stack's gradient slices and are written back)."""
 
     def __init__(self, model: nn.Module) -> None:
         muon, rest = _split(model)
-        self.parts = [torch.optim.Muon(muon, **MUON), torch.optim.AdamW(rest, **ADAMW)]
+        self.stacks = [p for p in muon if p.ndim == 3]
+        self.experts = {id(p): [nn.Parameter(m.detach().clone()) for m in p.unbind(0)] for p in self.stacks}
+        matrices = [p for p in muon if p.ndim == 2] + [e for p in self.stacks for e in self.experts[id(p)]]
+        self.parts = [torch.optim.Muon(matrices, **MUON), torch.optim.AdamW(rest, **ADAMW)]
 
     @property
     def param_groups(self) -> list[dict]:  # what the bf16 reference replaces by fp32 masters
         return [g for part in self.parts for g in part.param_groups]
 
     def step(self) -> None:
+        for p in self.stacks:
+            for expert, grad in zip(self.experts[id(p)], p.grad.unbind(0)):
+                expert.grad = grad.clone()
         for part in self.parts:
             part.step()
+        with torch.no_grad():
+            for p in self.stacks:
+                p.copy_(torch.stack(self.experts[id(p)]))
 
     def zero_grad(self) -> None:
         for part in self.parts:
             part.zero_grad()
+        for p in self.stacks:
+            p.grad = None
 
 
 def _batches(steps: int = 3, gas: int = 2, rows: int = 6) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -88,6 +105,8 @@ def _loss(model, batch) -> torch.Tensor:
     x, y = batch
     if isinstance(getattr(model, "module", model), GPT):
         return model(x, y)
+    if getattr(getattr(model, "module", model).config, "model_type", "") == "mixtral":
+        return model(input_ids=x, labels=x).loss  # labels shift inside
     logits = model(input_ids=x).logits
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
@@ -127,7 +146,7 @@ class _Noisy:
         self.param_groups = optimizer.param_groups
 
     def step(self) -> None:
-        for p in (p for g in self.param_groups for p in g["params"]):
+        for p in [p for g in self.param_groups for p in g["params"]] + self.optimizer.stacks:
             if p.grad is not None:
                 p.grad.mul_(1 + NOISE * torch.randn(p.grad.shape, generator=self.generator))
         self.optimizer.step()
@@ -364,4 +383,22 @@ def test_block_wise_orthogonalization_under_tensor_parallelism_fails_parity():
 def test_muon_at_tp_2_by_dp_2_matches_one_process():
     """World 4: each tp group of owners (one data-parallel index) gathers only the matrices its ranks own."""
     recipe = dataclasses.replace(_tp_recipe("gpt", 2), batches=functools.partial(_batches, 3, 2, 8))
+    _assert_muon_parity(run_distributed(parity.engine_run, 4, recipe), recipe, 4)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_muon_at_expert_parallel_2_orthogonalizes_each_expert_matrix_on_its_own(stage):
+    """ep 2 (world 2) on a tiny Mixtral: each rank holds two of the four experts, every expert's matrix is
+    orthogonalized on its own ([Note: experts' matrices]) by an owner in its expert shard group; parity with one
+    process running torch's Muon with each expert as its own parameter."""
+    recipe = _recipe("mixtral", stage)
+    recipe = dataclasses.replace(recipe, config={**recipe.config, "expert_parallel_size": 2})
+    _assert_muon_parity(run_distributed(parity.engine_run, 2, recipe), recipe, 2)
+
+
+@pytest.mark.soak
+def test_muon_at_expert_parallel_2_by_dp_2_matches_one_process():
+    """World 4: the expert buckets are sharded over 2 expert-data-parallel ranks, whose owners split the experts."""
+    recipe = dataclasses.replace(_recipe("mixtral", 2), batches=functools.partial(_batches, 3, 2, 8))
+    recipe = dataclasses.replace(recipe, config={**recipe.config, "expert_parallel_size": 2})
     _assert_muon_parity(run_distributed(parity.engine_run, 4, recipe), recipe, 4)

@@ -33,8 +33,8 @@ from shardtrain.zero.layout import Bucket
 
 
 def _cost(shape: torch.Size) -> int:
-    rows, cols = shape
-    return rows * cols * min(rows, cols)
+    *stacked, rows, cols = shape  # [experts, rows, cols]: one Newton-Schulz per expert
+    return rows * cols * min(rows, cols) * (stacked[0] if stacked else 1)
 
 
 class TensorParallelBlocks:
@@ -61,18 +61,33 @@ class MuonOwners:
     under tensor parallelism, the split matrices' placements."""
 
     def __init__(
-        self, comm: Communicator, places: dict[int, tuple[Bucket, int]], blocks: TensorParallelBlocks | None = None
+        self,
+        comm: Communicator,
+        places: dict[int, tuple[Bucket, int]],
+        blocks: TensorParallelBlocks | None = None,
+        expert_comm: Communicator | None = None,
     ) -> None:
-        self.comm, self.places, self.blocks = comm, places, blocks
-        load = [0] * comm.size
+        """``expert_comm``: under expert parallelism, the expert-data-parallel group that expert buckets are sharded
+        over; their matrices get owners there ([Note: experts' matrices] in optim/muon.py)."""
+        self.comm, self.places, self.blocks, self.expert_comm = comm, places, blocks, expert_comm
         self.owner: dict[int, int] = {}
-        # by the local shape: the same on every tp rank, so a matrix's owners share a data-parallel index
-        for key in sorted(places, key=lambda k: -_cost(self._slot_shape(k))):
-            rank = min(range(comm.size), key=lambda r: load[r])
-            self.owner[key] = rank
-            load[rank] += _cost(self._slot_shape(key))
-        self.load = load
-        """Newton-Schulz cost (rows x cols x min) per rank of the shard group."""
+        loads: dict[str, list[int]] = {}
+        for kind in ("dense", "expert"):
+            keys = [k for k in places if (places[k][0].expert and expert_comm is not None) == (kind == "expert")]
+            group = self.comm if kind == "dense" or expert_comm is None else expert_comm
+            load = [0] * group.size
+            # by the local shape: the same on every tp rank, so a matrix's owners share a data-parallel index
+            for key in sorted(keys, key=lambda k: -_cost(self._slot_shape(k))):
+                rank = min(range(len(load)), key=lambda r: load[r])
+                self.owner[key] = rank
+                load[rank] += _cost(self._slot_shape(key))
+            loads[kind] = load
+        self.load, self.expert_load = loads["dense"], loads["expert"]
+        """Newton-Schulz cost (rows x cols x min, per expert) per rank of the shard group, and of the expert shard
+        group for experts' matrices."""
+
+    def _comm_of(self, bucket: Bucket) -> Communicator:
+        return self.expert_comm if bucket.expert and self.expert_comm is not None else self.comm
 
     def _slot_shape(self, key: int) -> torch.Size:
         b, i = self.places[key]
@@ -92,15 +107,16 @@ class MuonOwners:
             b = self.places[id(s)][0]
             by_bucket.setdefault(id(b), (b, []))[1].append(n)
         out: list[torch.Tensor | None] = [None] * len(stepped)
-        me = self.comm.rank
         for b, members in by_bucket.values():
+            comm = self._comm_of(b)
+            me = comm.rank
             dtype, device = pieces[members[0]].dtype, pieces[members[0]].device
             full = torch.zeros(b.padded_numel, dtype=dtype, device=device)
             chunk = full.view(b.world, -1)[b.rank]
             for n in members:
                 f = b.fragments[self.places[id(stepped[n])][1]]
                 chunk[f.shard_offset : f.shard_offset + f.length].copy_(pieces[n].reshape(-1))
-            self.comm.all_gather(full, chunk, what="Muon updates to their owners")
+            comm.all_gather(full, chunk, what="Muon updates to their owners")
             result = torch.zeros_like(full)
             for n in members:
                 slot = b.slots[self.places[id(stepped[n])][1]]
@@ -112,7 +128,7 @@ class MuonOwners:
                         whole = orthogonalize(whole)
                     result[slot.offset : slot.offset + slot.numel].copy_(whole.reshape(-1))
             mine = torch.empty_like(chunk)
-            self.comm.reduce_scatter(mine, result, Reduce.SUM, what="orthogonalized Muon updates from their owners")
+            comm.reduce_scatter(mine, result, Reduce.SUM, what="orthogonalized Muon updates from their owners")
             for n in members:
                 f = b.fragments[self.places[id(stepped[n])][1]]
                 out[n] = mine[f.shard_offset : f.shard_offset + f.length]

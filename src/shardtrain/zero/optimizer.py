@@ -213,8 +213,10 @@ class ShardedOptimizer:
                 group["params"] = [self._stepped.get(id(p), p) for p in group["params"]]
         if isinstance(optimizer, (MuonWithAdamW, Lamb)) and self.sharded:
             # Muon assembles tensor-parallel blocks ([Note: Muon's matrices under tensor parallelism]); LAMB does not
-            tp_unserved = tp_norm if isinstance(optimizer, Lamb) else None
-            self._refuse_unserved_whole_tensor(type(optimizer).__name__, make_offload, tp_unserved, experts, stage_comm)
+            lamb = isinstance(optimizer, Lamb)  # Muon serves experts' matrices too ([Note: experts' matrices])
+            self._refuse_unserved_whole_tensor(
+                type(optimizer).__name__, make_offload, tp_norm if lamb else None, experts if lamb else None, stage_comm
+            )
             if isinstance(optimizer, MuonWithAdamW):
                 self._bind_muon_owners(optimizer)
             else:  # [Note: LAMB's norms across shards] in optim/lamb.py
@@ -259,7 +261,7 @@ class ShardedOptimizer:
             blocks = TensorParallelBlocks(
                 tp_comm, {id(self._stepped[k]): placements[k] for k in placements if k in self._stepped}
             )
-        optimizer.whole_matrices = MuonOwners(self.comm, {k: places[k] for k in muon}, blocks)
+        optimizer.whole_matrices = MuonOwners(self.comm, {k: places[k] for k in muon}, blocks, self.expert_comm)
 
     def _move_initial_state(self) -> None:
         """State an optimizer made at construction (Adagrad's ``sum`` and ``step``) follows the tensors it
