@@ -745,7 +745,7 @@ def _check_elementwise(optimizer: torch.optim.Optimizer, stage: int, allow_untes
     ways_out = (
         f"Use ZeRO stage 0{' without tensor parallelism' if tp > 1 else ''}, or an element-wise optimizer "
         f"({', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)})"
-        + (", or for Muon shardtrain.optim.muon.MuonWithAdamW (served at ZeRO 1-3 without tensor parallelism)")
+        + (", or for Muon shardtrain.optim.muon.MuonWithAdamW (served at ZeRO 1-3, with tensor and expert parallelism)")
     )
     known = known_not_elementwise(cls)
     if known is not None:
