@@ -255,7 +255,9 @@ def test_muon_with_adamw_says_what_is_wrong_with_its_groups():
     muon, rest = _split(model)
     with pytest.raises(ValueError, match=r"param_groups\[0\] has no 'use_muon'"):
         MuonWithAdamW([dict(params=muon)])
-    with pytest.raises(ValueError, match=r"param_groups\[1\]: Muon steps 2-D parameters only, got shapes \[\(32,\)"):
+    said = r"param_groups\[1\]: Muon steps 2-D parameters \(or 3-D stacks of experts' matrices\) only, got shapes "
+    said += r"\[\(32,\)"
+    with pytest.raises(ValueError, match=said):
         MuonWithAdamW([dict(params=muon, use_muon=True), dict(params=rest[2:], use_muon=True)])
 
 
