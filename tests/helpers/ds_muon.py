@@ -101,3 +101,45 @@ def both(stages: list[int], params: dict) -> dict:
     return {
         (name, stage): train(name, stage, params) for name in ("deepspeed", "shardtrain.deepspeed") for stage in stages
     }
+
+
+def _steps(engine, rows: list[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    n = ROWS // world
+    losses = []
+    for x, y in rows:
+        loss = engine(x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n])
+        engine.backward(loss)
+        engine.step()
+        total = torch.tensor([float(loss.detach())], dtype=torch.float64)
+        dist.all_reduce(total)
+        losses.append(float(total) / world)
+    return losses
+
+
+def resume_deepspeeds_checkpoint(stage: int, params: dict, save_dir: str, split: int = 2) -> dict:
+    """On every rank: real DeepSpeed trains ``split`` steps, saves its checkpoint and continues to STEPS (its own
+    continuation); then ``shardtrain.deepspeed`` on a model from another seed loads that checkpoint and continues the
+    same steps. Both continuations' losses and final parameters."""
+    import deepspeed
+
+    import shardtrain.deepspeed as shim
+
+    torch.compiler.set_stance("force_eager")  # DeepSpeed's compiled muon_update runs eagerly (module docstring)
+    world = dist.get_world_size()
+    out = {}
+    for name, module in (("deepspeed", deepspeed), ("shardtrain.deepspeed", shim)):
+        model = MuonNet(seed=0 if name == "deepspeed" else 1)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        with contextlib.redirect_stdout(io.StringIO()):
+            engine, *_ = module.initialize(model=model, model_parameters=trainable, config=config(stage, params, world))
+            if name == "deepspeed":
+                _steps(engine, batches()[:split])
+                engine.save_checkpoint(save_dir, tag="mid")
+            else:
+                engine.load_checkpoint(save_dir, tag="mid")
+        losses = _steps(engine, batches()[split:])
+        with module.zero.GatheredParameters(list(engine.module.parameters())):
+            params_out = {n: p.detach().clone().float() for n, p in engine.module.named_parameters()}
+        out[name] = {"losses": losses, "params": params_out}
+    return out

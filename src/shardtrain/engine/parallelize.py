@@ -621,6 +621,9 @@ def apply_step(
         stage_comm=Communicator(topology.pp_group, topology.timeout_s) if topology.pp > 1 else None,
         counted_elsewhere=counted_elsewhere,
         make_zenflow=_zenflow_factory(optimizer, offload.zenflow, comms.shard),
+        tp_blocks=(comms.tp, {id(r.param): r.tp for r in layout.records if r.tp_split})
+        if comms.tp is not None
+        else None,
     )
     return reducer, sharded
 

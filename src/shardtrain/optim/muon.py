@@ -10,6 +10,12 @@ operation that needs the matrix: in one process (or ZeRO stage 0) the tensors ar
 which gathers each matrix's update fragments to one owner rank (owners spread over the shard group by size), runs the
 same function there and scatters the result back. The numbers are torch's: the same function on the same matrix.
 The AdamW groups step through ``torch.optim.AdamW.step`` itself, on those groups alone.
+
+[Note: experts' matrices]
+A mixture-of-experts layer stores its experts' weights as one 3-D parameter ``[experts, rows, cols]`` (transformers'
+fused experts). Muon orthogonalizes each expert's matrix on its own (as torch's Muon on each expert as a separate
+parameter would) and scales the learning rate by one matrix's ``rows / cols``. Under expert parallelism a rank holds
+a block of whole experts (dim 0), so its owner orthogonalizes whole matrices without any other expert group's help.
 """
 
 from __future__ import annotations
@@ -52,7 +58,8 @@ _ADAMW_DEFAULTS: dict[str, Any] = dict(
 
 
 class MuonWithAdamW(torch.optim.Optimizer):
-    """Param groups with ``use_muon: True`` (2-D parameters) step as ``torch.optim.Muon``, the others as
+    """Param groups with ``use_muon: True`` (2-D parameters, or 3-D stacks of experts' matrices: [Note: experts'
+    matrices]) step as ``torch.optim.Muon``, the others as
     ``torch.optim.AdamW``, each group with its own hyperparameters (DeepSpeed's ``MuonWithAuxAdam`` split). Muon's
     keys: ``lr``, ``weight_decay``, ``momentum``, ``nesterov``, ``ns_coefficients``, ``ns_steps``, ``eps``,
     ``adjust_lr_fn``; AdamW's: ``lr``, ``betas``, ``eps``, ``weight_decay``, ``amsgrad``. See [Note: Muon on owners]."""
@@ -72,9 +79,12 @@ class MuonWithAdamW(torch.optim.Optimizer):
             for k, v in defaults.items():
                 g.setdefault(k, v)
             if g["use_muon"]:
-                flat = [tuple(p.shape) for p in g["params"] if p.ndim != 2]
+                flat = [tuple(p.shape) for p in g["params"] if p.ndim not in (2, 3)]
                 if flat:
-                    raise ValueError(f"param_groups[{i}]: Muon steps 2-D parameters only, got shapes {flat}")
+                    raise ValueError(
+                        f"param_groups[{i}]: Muon steps 2-D parameters (or 3-D stacks of experts' matrices) only, "
+                        f"got shapes {flat}"
+                    )
         super().__init__(groups, {"lr": lr, "weight_decay": weight_decay, "differentiable": False})
         self.whole_matrices: WholeMatrices | None = None
 
@@ -125,10 +135,12 @@ class MuonWithAdamW(torch.optim.Optimizer):
         """What replaces a whole matrix's update: torch's Newton-Schulz with the group's coefficients."""
 
         def orthogonalize(matrix: torch.Tensor) -> torch.Tensor:
+            if matrix.ndim == 3:  # [Note: experts' matrices]
+                return torch.stack([orthogonalize(m) for m in matrix.unbind(0)])
             return _zeropower_via_newtonschulz(matrix, group["ns_coefficients"], group["ns_steps"], group["eps"])
 
         return orthogonalize
 
     def _step_size(self, group: dict, shape: torch.Size) -> float:
         """torch's learning rate for a matrix of ``shape`` (``_adjust_lr``: sqrt(max(1, rows / cols)) by default)."""
-        return _adjust_lr(float(group["lr"]), group["adjust_lr_fn"], shape)
+        return _adjust_lr(float(group["lr"]), group["adjust_lr_fn"], shape[-2:])  # one expert's matrix

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from shardtrain.distributed.communicator import Communicator, Reduce
+from shardtrain.distributed.placement import TPPlacement
 from shardtrain.errors import OptimizerError
 from shardtrain.host_read import HostRead
 from shardtrain.optim.adam import DeepSpeedAdam
@@ -47,7 +48,7 @@ from shardtrain.optim.muon import MuonWithAdamW
 from shardtrain.plan.policies import ZeroPolicy
 from shardtrain.zero.elementwise import known_not_elementwise, slice_mismatch
 from shardtrain.zero.layout import Bucket, fragment_places, fragment_tensor
-from shardtrain.zero.muon_owners import MuonOwners
+from shardtrain.zero.muon_owners import MuonOwners, TensorParallelBlocks
 from shardtrain.zero.reducer import GradientReducer
 from shardtrain.zero.shard_sums import ShardSums
 from shardtrain.zero.step_gather import ParameterGathers
@@ -162,6 +163,7 @@ class ShardedOptimizer:
         stage_comm: Communicator | None = None,
         counted_elsewhere: frozenset[int] = frozenset(),
         make_zenflow: MakeZenFlow | None = None,
+        tp_blocks: tuple[Communicator, dict[int, TPPlacement]] | None = None,
     ) -> None:
         """``comm``: the group the buckets are sharded over; with hybrid sharding (``dp_comm``: every data-parallel
         rank, ``replica_rank``: this rank's replica) the shard group. ``overlap_gathers``: the all-gathers after a
@@ -173,10 +175,13 @@ class ShardedOptimizer:
         zero/layout.py). ``stage_comm``: under pipeline parallelism, the ranks holding the other stages, over which the
         squared norm is summed as well ([Note: the norm across stages]); ``counted_elsewhere``: the ids of parameters
         whose gradient another stage holds too and counts in that sum (a weight tied across stages), left out here.
-        ``make_zenflow``: the stall-free step replaces the offload's (see :data:`MakeZenFlow`)."""
+        ``make_zenflow``: the stall-free step replaces the offload's (see :data:`MakeZenFlow`). ``tp_blocks``: under
+        tensor parallelism, the tensor-parallel group and each split parameter's placement (by id), which Muon's
+        owners assemble whole matrices from ([Note: Muon's matrices under tensor parallelism])."""
         self.optimizer, self.buckets, self.reducer = optimizer, buckets, reducer
         self.stage_comm, self.counted_elsewhere = stage_comm, counted_elsewhere
         self.tp_norm = tp_norm  # with tensor parallelism: how the squared norm is summed (see the class)
+        self.tp_blocks = tp_blocks
         self.comm, self.allgather_bucket_numel = comm, allgather_bucket_numel
         # the norm's all-reduce when it carries the reducer's order flag: every data-parallel rank must see the flag
         # (see [Note: collective order]); the replicas' copies of the fragments count once
@@ -207,7 +212,11 @@ class ShardedOptimizer:
             for group in optimizer.param_groups:
                 group["params"] = [self._stepped.get(id(p), p) for p in group["params"]]
         if isinstance(optimizer, (MuonWithAdamW, Lamb)) and self.sharded:
-            self._refuse_unserved_whole_tensor(type(optimizer).__name__, make_offload, tp_norm, experts, stage_comm)
+            # Muon assembles tensor-parallel blocks ([Note: Muon's matrices under tensor parallelism]); LAMB does not
+            lamb = isinstance(optimizer, Lamb)  # Muon serves experts' matrices too ([Note: experts' matrices])
+            self._refuse_unserved_whole_tensor(
+                type(optimizer).__name__, make_offload, tp_norm if lamb else None, experts if lamb else None, stage_comm
+            )
             if isinstance(optimizer, MuonWithAdamW):
                 self._bind_muon_owners(optimizer)
             else:  # [Note: LAMB's norms across shards] in optim/lamb.py
@@ -246,7 +255,13 @@ class ShardedOptimizer:
         """Muon's orthogonalization on owner ranks ([Note: one owner per matrix] in zero/muon_owners.py)."""
         places = {id(self._stepped[k]): (b, i) for k, (_, b, i) in self._frag.items()}
         muon = [id(p) for g in optimizer.param_groups if g["use_muon"] for p in g["params"]]
-        optimizer.whole_matrices = MuonOwners(self.comm, {k: places[k] for k in muon})
+        blocks = None
+        if self.tp_blocks is not None:
+            tp_comm, placements = self.tp_blocks
+            blocks = TensorParallelBlocks(
+                tp_comm, {id(self._stepped[k]): placements[k] for k in placements if k in self._stepped}
+            )
+        optimizer.whole_matrices = MuonOwners(self.comm, {k: places[k] for k in muon}, blocks, self.expert_comm)
 
     def _move_initial_state(self) -> None:
         """State an optimizer made at construction (Adagrad's ``sum`` and ``step``) follows the tensors it
@@ -706,14 +721,21 @@ def _check_elementwise(optimizer: torch.optim.Optimizer, stage: int, allow_untes
     if _elementwise_base(cls) is not None:
         return
     if issubclass(cls, (MuonWithAdamW, Lamb)):  # served at ZeRO 1-3 ([Note: Muon on owners], [Note: LAMB's norms
-        # across shards]), without tp
+        # across shards]); Muon under tp at ZeRO 1-3 ([Note: Muon's matrices under tensor parallelism])
         if tp == 1:
             return
+        if issubclass(cls, MuonWithAdamW):
+            if stage > 0:
+                return
+            raise OptimizerError(
+                f"{cls.__name__} under tensor parallelism (size {tp}) is served at ZeRO stages 1-3 only: at stage 0 "
+                "its Newton-Schulz would read each rank's block of a split matrix, not the whole matrix "
+                "(docs/muon.md). Use ZeRO stage 1, 2 or 3, or tensor_parallel.size 1"
+            )
         raise OptimizerError(
-            f"{cls.__name__} is not served under tensor parallelism (size {tp}) yet: its "
-            f"{'Newton-Schulz' if issubclass(cls, MuonWithAdamW) else 'trust ratio'} would read each rank's block of "
-            "a split matrix, not the whole matrix (docs/muon.md). Use tensor_parallel.size 1 (ZeRO 0-3 are served), "
-            "or AdamW"
+            f"{cls.__name__} is not served under tensor parallelism (size {tp}) yet: its trust ratio would read each "
+            "rank's block of a split matrix, not the whole matrix (docs/muon.md). Use tensor_parallel.size 1 "
+            "(ZeRO 0-3 are served), or AdamW"
         )
     name = f"{cls.__module__}.{cls.__qualname__}"
     where = f"ZeRO stage {stage}" if stage > 0 else f"tensor parallel size {tp}"
@@ -723,7 +745,7 @@ def _check_elementwise(optimizer: torch.optim.Optimizer, stage: int, allow_untes
     ways_out = (
         f"Use ZeRO stage 0{' without tensor parallelism' if tp > 1 else ''}, or an element-wise optimizer "
         f"({', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)})"
-        + (", or for Muon shardtrain.optim.muon.MuonWithAdamW (served at ZeRO 1-3 without tensor parallelism)")
+        + (", or for Muon shardtrain.optim.muon.MuonWithAdamW (served at ZeRO 1-3, with tensor and expert parallelism)")
     )
     known = known_not_elementwise(cls)
     if known is not None:

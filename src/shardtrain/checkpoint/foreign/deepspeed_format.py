@@ -411,6 +411,12 @@ class DeepSpeedLayout:
                 kinds[k] = "elementwise"
             for k in scalar:
                 kinds[k] = "scalar"
+            whole_momentum = stage != 3 and self._whole_momentum(
+                saved_groups[g], optim_files, state_keys, state_index, lengths
+            )
+            if whole_momentum:
+                elementwise.discard("momentum_buffer")
+            momentum_at = [0] * world  # [Note: DeepSpeed's Muon momentum at ZeRO 1-2]: where each rank's next one is
             offset = 0  # stages 1-2: in the group's flat tensor; stage 3: in each rank's part
             starts = [sum(lengths[:r]) for r in range(world)]
             for i, (name, shape) in enumerate(group_shapes.items()):
@@ -441,6 +447,18 @@ class DeepSpeedLayout:
                         self._piece(tensors, f"optim/{name}/{k}", f, (*state_keys, "state", state_index, k), at, where)
                 for k in elementwise:
                     self._optim_shapes[f"optim/{name}/{k}"] = (logical, state0[k].dtype)
+                if whole_momentum:
+                    if block is not None:
+                        raise CheckpointError(
+                            f"{self.path}: {name}: DeepSpeed's Muon momentum of a tensor-parallel block is not read"
+                        )
+                    key = (*state_keys, "state", state_index, "momentum_buffer")
+                    first = spans[0][0]  # every rank whose partition it touches holds it whole: the first one's
+                    self._piece(tensors, f"optim/{name}/momentum_buffer", optim_files[first], key, momentum_at[first],
+                                FlatSlice(0, n))  # fmt: skip
+                    for r, _, _ in spans:
+                        momentum_at[r] += n
+                    self._optim_shapes[f"optim/{name}/momentum_buffer"] = (logical, state0["momentum_buffer"].dtype)
                 if mp_rank > 0:
                     continue
                 for k, (keys, dtype, number) in scalar.items():
@@ -461,6 +479,25 @@ class DeepSpeedLayout:
                     f"{used}; the checkpoint is damaged or of a layout this reader does not know"
                 )
         return stage, world
+
+    def _whole_momentum(
+        self, group: dict, optim_files: list[str], state_keys: tuple, state_index: int, lengths: list[int]
+    ) -> bool:
+        """[Note: DeepSpeed's Muon momentum at ZeRO 1-2]
+        DeepSpeed 0.19.8's Muon at ZeRO 1-2 orthogonalizes each parameter whole while it flattens the gradient
+        partition (``get_flat_partition``), so a rank's ``momentum_buffer`` (the state of its flat fp32 partition of a
+        ``use_muon`` group) is not the partition's size: it is the whole momentum of every parameter that touches the
+        rank's partition, in the group's order, unpadded (``_muon_momentum_buffer``). A parameter that straddles two
+        partitions is held whole by both ranks (the same values: both stepped it on the same gradient); the reader
+        takes the first rank's. Detected by the size, per group: a buffer the partition's size is partitioned."""
+        if not group.get("use_muon"):
+            return False
+        for f, length in zip(optim_files, lengths):
+            states = _dig(self._file(f), (*state_keys, "state"), str(self.path / f))
+            buffer = states.get(state_index, {}).get("momentum_buffer")
+            if torch.is_tensor(buffer) and buffer.numel() != length:
+                return True
+        return False
 
     def _expert_pieces(
         self, g, group_shapes, optim_files, partitions, masters, state_keys, base, paddings, out
