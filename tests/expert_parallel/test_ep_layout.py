@@ -140,6 +140,6 @@ def test_init_topology_cuts_expert_groups_from_the_sequence_parallel_ranks_or_sa
     with pytest.raises((LayoutError, RuntimeError)) as err:
         mesh.init_topology(ParallelDims(world, tp=tp, sp=sp, ep=ep))
     if words is None:
-        assert laid == {"sp": sp, "shard_size": world // tp, "ep": ep}, laid
+        assert laid == {"sp": sp, "shard_size": world // tp, "ep": ep, "hpz_size": 1}, laid  # no hpZ asked
     else:
         assert isinstance(err.value, LayoutError) and "expert_parallel_size (ep_size) " + words in str(err.value)
