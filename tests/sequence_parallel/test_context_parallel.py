@@ -73,6 +73,27 @@ def _mixtral(attn: str = "sdpa") -> torch.nn.Module:
     return transformers.MixtralForCausalLM(cfg)
 
 
+def _mistral(attn: str = "sdpa") -> torch.nn.Module:
+    """A sliding window (5) shorter than the sequence (12 or 16) and longer than a chunk (2 or 3 tokens), so that a
+    query reads keys of its own and the previous chunks and not all of them."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.MistralConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=16,
+        sliding_window=5,
+        tie_word_embeddings=False,
+        attn_implementation=attn,
+    )
+    return transformers.MistralForCausalLM(cfg)
+
+
 def _gpt() -> torch.nn.Module:
     from shardtrain.models.gpt import GPT, GPTConfig
 
@@ -141,7 +162,8 @@ def _check_parity(
     extra: dict | None = None,
     tp: int = 1,
 ) -> list[dict]:
-    """``attn``: the tiny Llama's attention implementation, or "gpt" (the project's GPT, causal only); ``sp``:
+    """``attn``: the tiny Llama's attention implementation, or "gpt" (the project's GPT, causal only), "mixtral" (a
+    mixture of experts with its load-balancing loss), "mistral" (a sliding window); ``sp``:
     Ulysses within each cp rank; ``extra``: more of the engine's config."""
     dp, seq = world // (cp * sp * tp), cp * sp
     config = {"context_parallel_size": cp, "sequence_parallel_size": sp, "zero_optimization": {"stage": stage}}
@@ -151,7 +173,8 @@ def _check_parity(
         batches = partial(_gpt_batches, dp, _length(cp * sp))
         recipe = Recipe(_gpt, adamw, batches, _gpt_loss, GAS, 1.0, config, per_rank_loss=True)
     else:
-        make = partial(_mixtral, "sdpa") if attn == "mixtral" else partial(_llama, attn)
+        models = {"mixtral": partial(_mixtral, "sdpa"), "mistral": partial(_mistral, "sdpa")}
+        make = models.get(attn, partial(_llama, attn))
         recipe = keyword_recipe(make, partial(_batches, dp, packed, _length(cp * sp)), GAS, config)
     results = run_distributed(engine_run, world, recipe, _layout, init_process_group=False)
     ref = reference_run(recipe, dp)
@@ -207,16 +230,39 @@ def test_parity_with_one_process(world, cp, stage, packed, attn):
 @pytest.mark.parametrize(
     ("world", "cp", "stage", "packed", "attn"),
     [(3, 3, 0, False, "sdpa"), (2, 2, 2, True, "eager"), (4, 2, 1, False, "sdpa"), (4, 4, 3, True, "sdpa")]
-    + [(3, 3, 3, False, "gpt")],
+    + [(3, 3, 3, False, "gpt"), (4, 2, 3, False, "sdpa")],
 )
 def test_parity_more_layouts(world, cp, stage, packed, attn):
+    """The last: cp 2 x dp 2 at ZeRO-3 with the causal mask (the default case above has packed documents)."""
     _check_parity(world, cp, stage, packed, attn)
 
 
-@pytest.mark.soak  # about 27 s here
-def test_parity_of_a_mixture_of_experts_with_its_load_balancing_loss():
-    """Mixtral at cp 2: its load-balancing loss is one process's (router logits of every chunk gathered)."""
-    _check_parity(2, 2, 2, False, "mixtral")
+@pytest.mark.soak  # about 27 s here each
+@pytest.mark.parametrize("packed", [False, True])
+def test_parity_of_a_mixture_of_experts_with_its_load_balancing_loss(packed):
+    """Mixtral at cp 2: its load-balancing loss is one process's (router logits of every chunk gathered), with the
+    causal mask and with packed documents (the router sees every token whatever its document)."""
+    _check_parity(2, 2, 2, packed, "mixtral")
+
+
+@pytest.mark.parametrize(("world", "cp", "stage"), [(2, 2, 1), pytest.param(3, 3, 3, marks=pytest.mark.soak)])
+def test_parity_of_a_sliding_window_with_packed_documents(world, cp, stage):
+    """Mistral's window (5) intersected with packed documents: a query reads the keys of its own document within
+    the window, across chunk boundaries of other ranks; at cp 2 by the gathered path, at cp 3 by the merged ring,
+    which computes only the blocks the window reaches (its padding-mask case is test_sliding_window_and_encoder_parity
+    below)."""
+    _check_parity(world, cp, stage, True, "mistral")
+    if cp == 2:  # the window matters on these batches (2e-3 at the first loss), so the parity sees it ignored
+
+        def unwindowed() -> torch.nn.Module:
+            model = _mistral()
+            model.config.sliding_window = None
+            return model
+
+        recipe = keyword_recipe(_mistral, partial(_batches, 1, True, _length(cp)), GAS, {})
+        with_window = reference_run(recipe, exact=False)["losses"]
+        without = reference_run(dataclasses.replace(recipe, make_model=unwindowed), exact=False)["losses"]
+        assert abs(with_window[0] - without[0]) > 1e-3, (with_window, without)
 
 
 @pytest.mark.soak
@@ -227,12 +273,31 @@ def test_parity_with_activation_checkpointing(stage):
 
 
 @pytest.mark.parametrize(
-    ("attn", "stage", "packed"), [("sdpa", 3, True), pytest.param("gpt", 1, False, marks=pytest.mark.soak)]
+    ("attn", "stage", "packed"),
+    [("sdpa", 3, True)]
+    + [pytest.param(*case, marks=pytest.mark.soak) for case in [("gpt", 1, False), ("sdpa", 2, False)]],
 )
 def test_parity_with_ulysses_inside_each_cp_rank(attn, stage, packed):
     """sp 2 x cp 2 (world 4): heads over the sp ranks of a cp rank (Ulysses' all-to-all gathers that cp rank's two
-    chunks), chunks over cp; the Llama's 2 key/value heads split over sp 2."""
+    chunks), chunks over cp; the Llama's 2 key/value heads split over sp 2; packed documents and causal."""
     _check_parity(4, 2, stage, packed, attn, sp=2)
+
+
+def test_the_gqa_split_ulysses_alone_refuses_is_served_by_sp_times_cp():
+    """The Llama (4 query heads, 2 key/value heads) over 8 ranks per sequence: Ulysses alone refuses it by name at
+    initialize (sp 8 does not divide 4 heads), sp 2 x cp 4 installs (test_world_8_parity[gqa-sp2-cp4] trains it,
+    soak)."""
+    from shardtrain.sequence_parallel import install_ulysses
+    from shardtrain.sequence_parallel.ring import install
+
+    def comm(size: int) -> SimpleNamespace:
+        return SimpleNamespace(size=size, rank=0, global_rank=0, ranks=list(range(size)))
+
+    with pytest.raises(ConfigError, match="sequence_parallel_size 8 does not divide the 4 attention heads"):
+        install_ulysses(_llama(), comm(8))
+    model = _llama()
+    install(model, comm(4), lambda: None, sp=comm(2))
+    assert model.config._attn_implementation.startswith("shardtrain_context"), model.config._attn_implementation
 
 
 def _check_recipe(recipe: Recipe, cp: int, stage: int) -> None:
