@@ -82,10 +82,12 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
 
 
 def _additive(mask: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
-    """A boolean mask as the additive one (0 or -inf, of the queries' dtype) the CPU flash kernel takes."""
+    """A boolean mask as the additive one (0 or -inf, of the queries' dtype) the CPU flash kernel takes: ``log`` of
+    its 1s and 0s in place, exactly 0 and -inf, so that the block's one ``n x m`` float tensor is the only one made
+    (zeros filled out of place with a negated mask held three, the peak of a block: docs/benchmarks.md)."""
     if mask is None:
         return None
-    return torch.zeros(mask.shape, dtype=like.dtype, device=like.device).masked_fill(~mask, float("-inf"))
+    return mask.to(device=like.device, dtype=like.dtype).log_()
 
 
 # [Note: the block kernels]
