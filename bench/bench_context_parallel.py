@@ -18,6 +18,18 @@
    one attention's forward and backward (queries ``[1, 8, S / C, 64]``, keys and values ``[1, 2, S / C, 64]`` fp32,
    causal) by each path at world 2 and 3: seconds (median of ``--attention-repeats``) and the bytes its autograd
    saved for backward on one rank (``torch.autograd.graph.saved_tensors_hooks``).
+4. **Activation memory per rank against cp** (``--memory-length``): a tiny Llama (4 query heads, 2 key/value heads,
+   d 64, MLP 256, 2 layers) at cp 1, 2, 3 and 4 (world = cp, ZeRO-1, one sequence of ``S`` tokens): the bytes one
+   forward saves for backward on each rank in the attention modules and in the MLPs ([Note: what is counted as
+   activation memory] in ``bench/bench_tp.py``, whose counter this uses), the largest rank's, against ``1/cp`` of
+   cp 1's. At cp 2 both attention paths are measured: the gathered one the engine picks there and the merged ring
+   ([Note: which context attention] in ``shardtrain/sequence_parallel/ring.py``).
+5. **The longest sequence that fits a per-rank budget** (``--budget-mib``), world 4: the GQA Llama above at sp 4
+   (Ulysses alone) and at sp 2 x cp 2, and a Llama with 2 heads, both key/value heads (Ulysses is capped at sp 2),
+   at sp 2 x dp 2 and at sp 2 x cp 2. A length fits when the peak of one forward and backward on every rank, as
+   torch's ``MemTracker`` measures it (parameters, gradients, activations and temporaries, all live storages), is
+   within the budget; the length (a multiple of 8 tokens) is doubled from 256 until it does not fit, then bisected
+   to 8 tokens.
 """
 
 from __future__ import annotations
@@ -131,6 +143,90 @@ def _attention_paths(lengths: list[int], repeats: int) -> dict:
     return out
 
 
+_MEMORY_MODEL = {"hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2, "vocab_size": 64}
+
+
+def _llama(heads: int, kv_heads: int) -> torch.nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        **_MEMORY_MODEL,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=1 << 20,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+def _llama_engine(heads: int, kv_heads: int, layout: dict) -> shardtrain.Engine:
+    model = _llama(heads, kv_heads)
+    config = {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**9, "zero_optimization": {"stage": 1}}
+    return shardtrain.initialize(model, config={**config, **layout}, optimizer=torch.optim.AdamW(model.parameters()))
+
+
+def _saved_by_region(cp: int, length: int, merged_from: int) -> dict:
+    """Bytes one forward saves for backward on this rank, in the attention modules and in the MLPs."""
+    from bench_tp import count_saved
+    from shardtrain.sequence_parallel import ring
+
+    ring.MERGED_RING_FROM_CP = merged_from  # [Note: which context attention], moved to measure both paths at cp 2
+    engine = _llama_engine(4, 2, {"context_parallel_size": cp})
+    x = torch.randint(0, _MEMORY_MODEL["vocab_size"], (1, length), generator=torch.Generator().manual_seed(1))
+    with count_saved(engine.module, {"self_attn": "attention", "mlp": "mlp"}) as saved:
+        loss = engine(input_ids=x, labels=x, use_cache=False).loss
+    engine.backward(loss)
+    engine.close()
+    return dict(saved)
+
+
+def _peak_bytes(engine: shardtrain.Engine, length: int, document: int | None) -> int:
+    """The largest rank's peak of live storages over one forward and backward of a sequence of ``length`` tokens
+    (packed documents of ``document`` tokens, positions restarting, when given)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    x = torch.randint(0, _MEMORY_MODEL["vocab_size"], (1, length), generator=torch.Generator().manual_seed(1))
+    packed = {} if document is None else {"position_ids": torch.arange(length)[None] % document}
+    tracker = MemTracker()
+    tracker.track_external(engine.module)
+    with tracker:
+        engine.backward(engine(input_ids=x, labels=x, use_cache=False, **packed).loss)
+    engine.module.zero_grad(set_to_none=True)
+    peak = torch.tensor(sum(v["Total"] for v in tracker.get_tracker_snapshot("peak").values()))
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return int(peak)
+
+
+def _longest_fitting(
+    heads: int, kv_heads: int, layout: dict, budget: int, merged_from: int, document: int | None
+) -> tuple[int, int, int]:
+    """(the longest length that fits ``budget`` bytes on every rank, its peak, probes run): doubled from 256 tokens
+    until a length does not fit, then bisected to 8 tokens."""
+    from shardtrain.sequence_parallel import ring
+
+    ring.MERGED_RING_FROM_CP = merged_from  # [Note: which context attention], moved to measure both paths at cp 2
+    engine = _llama_engine(heads, kv_heads, layout)
+    peaks: dict[int, int] = {}
+
+    def fits(length: int) -> bool:
+        peaks[length] = _peak_bytes(engine, length, document)
+        return peaks[length] <= budget
+
+    fit, unfit = 0, 256
+    while fits(unfit):
+        fit, unfit = unfit, 2 * unfit
+    while unfit - fit > 8:
+        middle = (fit + unfit) // 16 * 8
+        if fits(middle):
+            fit = middle
+        else:
+            unfit = middle
+    engine.close()
+    return fit, peaks.get(fit, 0), len(peaks)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384])
@@ -142,10 +238,25 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--attention-lengths", type=int, nargs="+", default=[2048, 4096])
     parser.add_argument("--attention-repeats", type=int, default=5)
+    parser.add_argument("--memory-length", type=int, default=1536, help="a multiple of 24 (2 x cp for cp 1-4)")
+    parser.add_argument("--budget-mib", type=float, default=24.0)
+    parser.add_argument("--fit-document", type=int, default=None, help="tokens per packed document (default: causal)")
+    parser.add_argument(
+        "--sections",
+        nargs="+",
+        default=["transfer", "step", "attention", "memory", "fit"],
+        choices=["transfer", "step", "attention", "memory", "fit"],
+    )
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     print(f"# {' '.join(sys.argv)}")
     print(f"# machine: {platform.machine()}, {os.cpu_count()} cores (shared), torch {torch.__version__}, gloo")
+    print(f"# load average at the start: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    for section in args.sections:
+        globals()[f"_print_{section}"](args)
+
+
+def _print_transfer(args: argparse.Namespace) -> None:
     print("\n| world | S | keys+values bytes received per rank | all-gather (ms) | ring (ms) | ring / gather |")
     print("|---|---|---|---|---|---|")
     for world in (2, 3):
@@ -157,6 +268,9 @@ def main() -> None:
                 f"| {world} | {length} | {nbytes} | {t['gather'] * 1e3:.2f} | {t['ring'] * 1e3:.2f} | "
                 f"{t['ring'] / t['gather']:.2f} |"
             )
+
+
+def _print_step(args: argparse.Namespace) -> None:
     print(f"\n## one step, GPT d {args.d_model}, {args.layers} layers, 4 heads (d_kv = d), world 2, ZeRO-1")
     print("| layout | S | step (s) | bytes moved by the sequence group | formula | ratio |")
     print("|---|---|---|---|---|---|")
@@ -167,6 +281,9 @@ def main() -> None:
         else:
             formula = 4 * args.layers * length * args.d_model * FP32 // 2
         print(f"| {name} | {length} | {seconds:.3f} | {moved} | {formula} | {moved / formula:.4f} |")
+
+
+def _print_attention(args: argparse.Namespace) -> None:
     print("\n## one attention, forward and backward: gathered vs merged (log-sum-exp) ring")
     print("| world | S | gathered (s) | merged (s) | merged / gathered | saved for backward: gathered | merged |")
     print("|---|---|---|---|---|---|---|")
@@ -176,6 +293,62 @@ def main() -> None:
         for length in lengths:
             (gathered, kept), (merged, held) = got[(length, False)], got[(length, True)]
             print(f"| {world} | {length} | {gathered:.3f} | {merged:.3f} | {merged / gathered:.2f} | {kept} | {held} |")
+
+
+def _print_memory(args: argparse.Namespace) -> None:
+    from shardtrain.sequence_parallel.ring import MERGED_RING_FROM_CP
+
+    length = args.memory_length
+    print(f"\n## activation memory per rank against cp: Llama h 4, kv 2, d 64, MLP 256, 2 layers, S {length}")
+    print("| cp | attention path | attention: saved (bytes) | x cp / cp 1's | MLP: saved (bytes) | x cp / cp 1's |")
+    print("|---|---|---|---|---|---|")
+    runs = [(1, MERGED_RING_FROM_CP), (2, MERGED_RING_FROM_CP), (2, 2), (3, MERGED_RING_FROM_CP), (4, 4)]
+    base = None
+    for cp, merged_from in runs:
+        ranks = run_distributed(_saved_by_region, cp, cp, length, merged_from, init_process_group=False, threads=1)
+        attention, mlp = (max(r[region] for r in ranks) for region in ("attention", "mlp"))
+        base = base or (attention, mlp)
+        path = "-" if cp == 1 else "merged ring" if cp >= merged_from else "gathered"
+        print(
+            f"| {cp} | {path} | {attention:,} | {attention * cp / base[0]:.3f} | {mlp:,} | {mlp * cp / base[1]:.3f} |"
+        )
+
+
+def _print_fit(args: argparse.Namespace) -> None:
+    budget, document = int(args.budget_mib * 2**20), args.fit_document
+    what = "causal" if document is None else f"packed documents of {document} tokens"
+    print(f"\n## the longest sequence within {args.budget_mib:g} MiB per rank (peak, MemTracker), world 4, {what}")
+    print("| model | layout | attention path | longest S | its peak, largest rank (bytes) | probes |")
+    print("|---|---|---|---|---|---|")
+    from shardtrain.sequence_parallel.ring import MERGED_RING_FROM_CP
+
+    ulysses, both = {"sequence_parallel_size": 4}, {"sequence_parallel_size": 2, "context_parallel_size": 2}
+    cases = [
+        ("Llama h 4, kv 2", 4, 2, "sp 4 (Ulysses alone)", ulysses, MERGED_RING_FROM_CP),
+        ("Llama h 4, kv 2", 4, 2, "sp 2 x cp 2", both, MERGED_RING_FROM_CP),
+        ("Llama h 4, kv 2", 4, 2, "sp 2 x cp 2", both, 2),
+        ("Llama h 2, kv 2", 2, 2, "sp 2 x dp 2", {"sequence_parallel_size": 2}, MERGED_RING_FROM_CP),
+        ("Llama h 2, kv 2", 2, 2, "sp 2 x cp 2", both, MERGED_RING_FROM_CP),
+        ("Llama h 2, kv 2", 2, 2, "sp 2 x cp 2", both, 2),
+    ]
+    if MERGED_RING_FROM_CP <= 2:  # the engine's own choice at cp 2 is then the merged ring: measured once
+        cases = [case for case in cases if case[-1] == MERGED_RING_FROM_CP]
+    for model, heads, kv_heads, name, layout, merged_from in cases:
+        path = "-" if "context_parallel_size" not in layout else "merged ring" if merged_from <= 2 else "gathered"
+        got = run_distributed(
+            _longest_fitting,
+            4,
+            heads,
+            kv_heads,
+            layout,
+            budget,
+            merged_from,
+            document,
+            init_process_group=False,
+            threads=1,
+        )
+        longest, peak, probes = got[0]
+        print(f"| {model} | {name} | {path} | {longest} | {peak:,} | {probes} |")
 
 
 if __name__ == "__main__":
