@@ -157,3 +157,24 @@ def test_a_window_that_matters():
     """The window changes the attention (so the tests above would fail with it ignored)."""
     full, windowed = _reference("causal", 12), _reference("window", 12)
     assert (full["out"] - windowed["out"]).abs().max().item() > 1e-2
+
+
+def test_a_masked_block_makes_one_float_mask():
+    """A masked block on the CPU's fused kernel: its peak (measured by torch's MemTracker) above its inputs is the one
+    ``n x m`` float mask the kernel takes, plus the block's output; building it as zeros filled out of place with a
+    negated mask held three ``n x m`` tensors at once (the longest sequence within a budget: docs/benchmarks.md)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from shardtrain.sequence_parallel.ring_attention import _block_forward
+
+    n, heads, d = 512, 2, 16
+    q, k, v = (torch.randn(1, heads, n, d) for _ in range(3))
+    mask = torch.ones(n, n, dtype=torch.bool).tril()[None, None]
+    tracker = MemTracker()
+    with tracker:
+        out, _ = _block_forward(q, k, v, mask, d**-0.5)
+    peak = next(iter(tracker.get_tracker_snapshot("peak").values()))["Total"]
+    float_mask, outputs = n * n * 4, out.nbytes + heads * n * 4  # the mask; the output and its log-sum-exp
+    assert peak <= float_mask + 2 * outputs, (peak, float_mask, outputs)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=d**-0.5)
+    assert torch.allclose(out, want, atol=1e-6)
