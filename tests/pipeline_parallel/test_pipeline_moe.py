@@ -1,0 +1,171 @@
+"""Mixture-of-experts models under pipeline parallelism against one process on the same global batch (losses every
+step, gradient norms, final parameters with the experts reassembled; [Note: parity bounds]): Hugging Face Qwen2-MoE
+and Mixtral with their load-balancing loss on (``output_router_logits``), served across stages ([Note: the router's
+loss across stages]): pp 2 (world 2, Qwen2-MoE, 1F1B) and pp 2 x ep 2 (world 4, Mixtral, ZeRO 1); ZeRO 3 and
+Interleaved1F1B at pp 2 x ep 2 under soak. The loss's arithmetic split over stages is transformers' own to the bit,
+and a model whose loss is another function is refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import shardtrain
+from shardtrain.errors import ConfigError
+from shardtrain.pipeline_parallel import cut_model
+from shardtrain.pipeline_parallel.router_loss import StageRouters, _finish
+from shardtrain.testing import run_distributed
+from shardtrain.testing.parity import assert_parity, train_one_process
+
+VOCAB, SEQ, LAYERS, EXPERTS = 32, 8, 4, 4
+STEPS, GAS, MICRO, CLIP, LR = 2, 4, 1, 0.5, 1e-2
+
+
+def make_moe(kind: str, router_loss: bool = True):
+    """A tiny random ``kind`` (``qwen2_moe`` with its shared expert, or ``mixtral``) whose load-balancing loss is on
+    (``output_router_logits``), weighted enough to move the routers."""
+    import transformers
+
+    torch.manual_seed(0)
+    shared = dict(
+        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
+        num_experts_per_tok=2, initializer_range=0.2, max_position_embeddings=SEQ, tie_word_embeddings=False,
+        attn_implementation="eager", experts_implementation="eager", output_router_logits=router_loss,
+        router_aux_loss_coef=0.1,
+    )  # fmt: skip
+    if kind == "qwen2_moe":
+        cfg = transformers.Qwen2MoeConfig(
+            intermediate_size=24, moe_intermediate_size=12, shared_expert_intermediate_size=20, num_experts=EXPERTS,
+            decoder_sparse_step=1, norm_topk_prob=False, **shared,
+        )  # fmt: skip
+        return transformers.Qwen2MoeForCausalLM(cfg)
+    cfg = transformers.MixtralConfig(intermediate_size=12, num_local_experts=EXPERTS, head_dim=4, **shared)
+    return transformers.MixtralForCausalLM(cfg)
+
+
+def global_batches(dp: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(0, VOCAB, (MICRO * dp, SEQ), generator=g) for _ in range(STEPS * GAS)]
+
+
+def reference(kind: str, dp: int) -> dict:
+    """One process: each micro-step's loss the mean of the data-parallel ranks' forwards on their rows (the
+    load-balancing loss is over one forward's tokens, as under data parallelism)."""
+    batches = global_batches(dp)
+
+    def loss(model, i: int) -> torch.Tensor:
+        rows = [batches[i][r * MICRO : (r + 1) * MICRO] for r in range(dp)]
+        return sum(model(input_ids=x, labels=x).loss for x in rows) / dp
+
+    def run(dtype: torch.dtype) -> dict:
+        model = make_moe(kind).to(dtype)
+        return train_one_process(model, torch.optim.AdamW(model.parameters(), lr=LR), loss, STEPS, GAS, CLIP)
+
+    ref = run(torch.float32)
+    ref["exact"] = run(torch.float64)["params"]
+    return ref
+
+
+def pipeline_run(kind: str, pp: int, ep: int, stage: int, schedule: str) -> dict:
+    model = make_moe(kind)
+    config = {
+        "pipeline_parallel_size": pp,
+        "expert_parallel_size": ep,
+        "pipeline": {"schedule": schedule, "stages_per_rank": 2 if schedule == "Interleaved1F1B" else 1},
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": GAS,
+        "gradient_clipping": CLIP,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "collective_timeout_s": 120.0,
+    }
+    engine = shardtrain.initialize(model, config, optimizer=torch.optim.AdamW(model.parameters(), lr=LR))
+    t = engine.topology
+    rows = slice(t.dp_rank * MICRO, (t.dp_rank + 1) * MICRO)
+    batches = [{"input_ids": x[rows], "labels": x[rows]} for x in global_batches(t.dp)]
+    losses, norms = [], []
+    for step in range(STEPS):
+        losses.append(float(engine.train_batch(iter(batches[step * GAS : (step + 1) * GAS]))))
+        norms.append(engine.get_global_grad_norm())
+    held = {n: m.expert_range for n, m in model.named_modules() if hasattr(m, "expert_range")}
+    out = {"losses": losses, "norms": norms, "params": engine.full_state_dict(), "held": held, "ep": t.ep}
+    engine.close()
+    return out
+
+
+def check(kind: str, pp: int, ep: int, world: int, stage: int = 0, schedule: str = "1F1B") -> list[dict]:
+    results = run_distributed(pipeline_run, world, kind, pp, ep, stage, schedule, timeout=300.0)
+    assert all(r["ep"] == ep for r in results)
+    if ep > 1:  # each rank of a stage holds EXPERTS / ep of its layers' experts
+        per_rank = EXPERTS // ep
+        assert all(len(r["held"]) == LAYERS // pp for r in results), [r["held"] for r in results]
+        assert {first for r in results for first, _ in r["held"].values()} == {0, per_rank}
+    assert_parity(results, reference(kind, world // pp))
+    return results
+
+
+def test_router_loss_split_over_stages_is_transformers_own():
+    """The sums carried across a cut after layer 1 of 3, finished on the last stage, give transformers'
+    load_balancing_loss_func of all three layers' logits to the bit, value and gradient."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    logits = torch.randn(3, 10, EXPERTS, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    theirs = load_balancing_loss_func(tuple(logits.unbind(0)), EXPERTS, 2, None)
+    (expected,) = torch.autograd.grad(theirs, logits)
+    first, last = StageRouters([], 0, EXPERTS, 2), StageRouters([], 0, EXPERTS, 2)
+    sent = first.continued(first.start(torch.device("cpu")), list(logits.unbind(0))[:1])
+    received = sent.detach().requires_grad_()  # what the next stage gets, and sends a gradient back for
+    ours = _finish(last.continued(received, list(logits.unbind(0))[1:]), 30.0)
+    (to_first,) = torch.autograd.grad(ours, received, retain_graph=True)
+    (later,) = torch.autograd.grad(ours, logits)
+    (earlier,) = torch.autograd.grad(sent, logits, to_first)
+    assert torch.equal(ours, theirs)
+    assert torch.equal(earlier + later, expected)
+
+
+def test_a_stage_returns_the_routers_sums_and_the_last_adds_the_loss():
+    """Cut without processes: the first of two stages sends its hidden states and the sums of its layers' routers;
+    the last stage's loss is transformers' whole-model loss (cross-entropy plus the weighted load-balancing loss)."""
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    whole = make_moe("qwen2_moe")
+    expected = whole(input_ids=ids, labels=ids).loss
+    firsts, _ = cut_model(make_moe("qwen2_moe"), 2, [0])
+    lasts, loss = cut_model(make_moe("qwen2_moe"), 2, [1])
+    hidden, sums = firsts[0](ids)
+    assert hidden.shape == (2, SEQ, 16) and sums.shape == (2, EXPERTS) and sums.requires_grad
+    assert sums[0].sum() == 2 * SEQ * 2 * (LAYERS // 2)  # top-2 picks of every row of the first stage's layers
+    out = lasts[0](hidden, sums)
+    assert torch.allclose(loss(out, ids), expected, rtol=1e-6, atol=0)
+    without = make_moe("qwen2_moe", router_loss=False)
+    parts, plain = cut_model(without, 2, [0, 1])
+    assert torch.is_tensor(parts[0](ids)) and plain(parts[1](parts[0](ids)), ids) < expected
+
+
+def test_a_load_balancing_loss_of_another_form_is_refused(monkeypatch):
+    import transformers.models.qwen2_moe.modeling_qwen2_moe as qwen2_moe
+
+    def z_loss_too(gate_logits, num_experts=None, top_k=2, attention_mask=None):
+        return torch.stack([g.logsumexp(-1).square().mean() for g in gate_logits]).mean()
+
+    monkeypatch.setattr(qwen2_moe, "load_balancing_loss_func", z_loss_too)
+    model = make_moe("qwen2_moe")
+    with pytest.raises(ConfigError, match=r"output_router_logits under pipeline parallelism.*load_balancing_loss_func"):
+        cut_model(model, 2, [0])
+    assert len(model.model.layers) == LAYERS  # refused before anything was pruned
+
+
+def test_qwen2_moe_pp2_1f1b():
+    check("qwen2_moe", pp=2, ep=1, world=2)
+
+
+def test_mixtral_pp2_ep2_zero1():
+    check("mixtral", pp=2, ep=2, world=4, stage=1)
+
+
+@pytest.mark.soak
+def test_mixtral_pp2_ep2_zero3():
+    check("mixtral", pp=2, ep=2, world=4, stage=3)
+
+
+@pytest.mark.soak
+def test_qwen2_moe_pp2_ep2_interleaved():
+    check("qwen2_moe", pp=2, ep=2, world=4, stage=1, schedule="Interleaved1F1B")
