@@ -103,6 +103,11 @@ class LlamaStage(nn.Module):
         self._whole = (model,)  # not a submodule: the model's pieces are read at each call
         self.routers = routers
 
+    def carried_examples(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """What the stage takes beside the hidden states, as examples where the shapes are given ([Note: stage
+        shapes given, not inferred] in :mod:`.schedule`): the routers' sums, or nothing."""
+        return (self.routers.start(device),) if self.routers is not None else ()
+
     def forward(
         self, x: torch.Tensor, router_sums: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:

@@ -22,11 +22,13 @@ logits: a model whose function differs (another formula, a z-loss) is refused by
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from shardtrain.errors import ConfigError
 
@@ -126,15 +128,21 @@ def router_recorder(model: nn.Module) -> tuple[type[nn.Module], int] | None:
     if missing or function is None:
         what = f"it has no {', '.join(missing)}" if missing else "its module has no load_balancing_loss_func"
         raise _refuse(model, what)
-    experts, top_k = int(model.num_experts), int(model.num_experts_per_tok)
-    logits = torch.randn(3, 5, experts, generator=torch.Generator().manual_seed(0))
-    layers = list(logits.unbind(0))
-    staged = _accumulate(_accumulate(torch.zeros(2, experts), layers[:1], top_k), layers[1:], top_k)
-    with torch.no_grad():
-        theirs = function(tuple(layers), experts, top_k, None)
-    if not torch.is_tensor(theirs) or not torch.allclose(_finish(staged, 15.0), theirs.float(), rtol=1e-5, atol=0):
+    if not _same_function(function, int(model.num_experts), int(model.num_experts_per_tok)):
         raise _refuse(model, f"{function.__module__}.load_balancing_loss_func is not the function served here")
     return target, int(getattr(recorder, "index", 0) or 0)
+
+
+@functools.cache
+def _same_function(function: Callable, experts: int, top_k: int) -> bool:
+    """Whether the sums carried over a cut, finished, give ``function``'s value on random logits of three layers."""
+    # real tensors also where the model is fake (the planner cuts a fake model, estimate/planner.py)
+    with unset_fake_temporarily(), torch.no_grad():
+        logits = torch.randn(3, 5, experts, generator=torch.Generator().manual_seed(0))
+        layers = list(logits.unbind(0))
+        staged = _accumulate(_accumulate(torch.zeros(2, experts), layers[:1], top_k), layers[1:], top_k)
+        theirs = function(tuple(layers), experts, top_k, None)
+        return torch.is_tensor(theirs) and torch.allclose(_finish(staged, 15.0), theirs.float(), rtol=1e-5, atol=0)
 
 
 __all__ = ["RouterLoss", "StageRouters", "router_recorder"]
