@@ -61,7 +61,11 @@ def reference(kind: str, dp: int) -> dict:
         model = make_moe(kind).to(dtype)
         return train_one_process(model, torch.optim.AdamW(model.parameters(), lr=LR), loss, STEPS, GAS, CLIP)
 
-    ref = run(torch.float32)
+    model = make_moe(kind)
+    ref = train_one_process(model, torch.optim.AdamW(model.parameters(), lr=LR), loss, STEPS, GAS, CLIP)
+    model.eval()
+    with torch.no_grad():  # the trained model on the first step's micro-batches, the load-balancing loss included
+        ref["eval"] = sum(float(loss(model, i)) for i in range(GAS)) / GAS
     ref["exact"] = run(torch.float64)["params"]
     return ref
 
@@ -87,9 +91,10 @@ def pipeline_run(kind: str, pp: int, ep: int, stage: int, schedule: str, tp: int
     for step in range(STEPS):
         losses.append(float(engine.train_batch(iter(batches[step * GAS : (step + 1) * GAS]))))
         norms.append(engine.get_global_grad_norm())
+    evaluated = float(engine.eval_batch(iter(batches[:GAS])))
     held = {n: m.expert_range for n, m in model.named_modules() if hasattr(m, "expert_range")}
     out = {"losses": losses, "norms": norms, "params": engine.full_state_dict(), "held": held, "ep": t.ep}
-    out |= {"state_bytes": engine.state_bytes(), "config": config}
+    out |= {"eval": evaluated, "state_bytes": engine.state_bytes(), "config": config}
     engine.close()
     return out
 
@@ -101,7 +106,10 @@ def check(kind: str, pp: int, ep: int, world: int, stage: int = 0, schedule: str
         per_rank = EXPERTS // ep
         assert all(len(r["held"]) == LAYERS // pp for r in results), [r["held"] for r in results]
         assert {first for r in results for first, _ in r["held"].values()} == {0, per_rank}
-    assert_parity(results, reference(kind, world // (pp * tp)))
+    ref = reference(kind, world // (pp * tp))
+    assert_parity(results, ref)
+    for r in results:  # eval_batch of the trained stages: one process's evaluation of its trained model
+        assert abs(r["eval"] - ref["eval"]) <= 1e-5 * abs(ref["eval"]), (r["eval"], ref["eval"])
     return results
 
 
