@@ -70,9 +70,12 @@ def reference(kind: str, dp: int) -> dict:
     return ref
 
 
-def pipeline_run(kind: str, pp: int, ep: int, stage: int, schedule: str, tp: int = 1) -> dict:
+def pipeline_run(
+    kind: str, pp: int, ep: int, stage: int, schedule: str, tp: int = 1, extra: dict | None = None
+) -> dict:
     model = make_moe(kind)
     config = {
+        **(extra or {}),
         "pipeline_parallel_size": pp,
         "expert_parallel_size": ep,
         "tensor_parallel": {"size": tp},
@@ -87,20 +90,30 @@ def pipeline_run(kind: str, pp: int, ep: int, stage: int, schedule: str, tp: int
     t = engine.topology
     rows = slice(t.dp_rank * MICRO, (t.dp_rank + 1) * MICRO)
     batches = [{"input_ids": x[rows], "labels": x[rows]} for x in global_batches(t.dp)]
+    routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+    calls = [0]
+    hooks = [r.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1)) for r in routers]
     losses, norms = [], []
     for step in range(STEPS):
+        calls[0] = 0  # the first step also runs torch's inference of the stages' shapes
         losses.append(float(engine.train_batch(iter(batches[step * GAS : (step + 1) * GAS]))))
         norms.append(engine.get_global_grad_norm())
+    # the routers' runs in the last step: once per micro-batch, twice where they are recomputed in backward
+    router_runs = calls[0] / (GAS * len(routers))
+    for h in hooks:
+        h.remove()
     evaluated = float(engine.eval_batch(iter(batches[:GAS])))
     held = {n: m.expert_range for n, m in model.named_modules() if hasattr(m, "expert_range")}
     out = {"losses": losses, "norms": norms, "params": engine.full_state_dict(), "held": held, "ep": t.ep}
-    out |= {"eval": evaluated, "state_bytes": engine.state_bytes(), "config": config}
+    out |= {"router_runs": router_runs, "eval": evaluated, "state_bytes": engine.state_bytes(), "config": config}
     engine.close()
     return out
 
 
-def check(kind: str, pp: int, ep: int, world: int, stage: int = 0, schedule: str = "1F1B", tp: int = 1) -> list[dict]:
-    results = run_distributed(pipeline_run, world, kind, pp, ep, stage, schedule, tp, timeout=300.0)
+def check(
+    kind: str, pp: int, ep: int, world: int, stage: int = 0, schedule: str = "1F1B", tp: int = 1, **extra: dict
+) -> list[dict]:
+    results = run_distributed(pipeline_run, world, kind, pp, ep, stage, schedule, tp, extra, timeout=300.0)
     assert all(r["ep"] == ep for r in results)
     if ep > 1:  # each rank of a stage holds EXPERTS / ep of its layers' experts
         per_rank = EXPERTS // ep
@@ -164,7 +177,7 @@ def test_a_load_balancing_loss_of_another_form_is_refused(monkeypatch):
 
 
 def test_qwen2_moe_pp2_1f1b():
-    check("qwen2_moe", pp=2, ep=1, world=2)
+    assert [r["router_runs"] for r in check("qwen2_moe", pp=2, ep=1, world=2)] == [1, 1]
 
 
 def test_mixtral_pp2_ep2_zero1():
@@ -206,3 +219,11 @@ def test_mixtral_pp2_tp2():
     """Tensor parallelism in each stage: the stages' shapes given, the routers' sums among them ([Note: stage
     shapes given, not inferred])."""
     check("mixtral", pp=2, ep=1, world=4, stage=1, tp=2)
+
+
+@pytest.mark.soak
+def test_qwen2_moe_pp2_ep2_activation_checkpointing():
+    """The blocks recomputed in backward: the routers run again there, outside the stage's forward, and are not
+    recorded twice; the load-balancing loss's gradient reaches them through the recomputation."""
+    results = check("qwen2_moe", pp=2, ep=2, world=4, stage=1, activation_checkpointing={"policy": "full"})
+    assert [r["router_runs"] for r in results] == [2, 2, 2, 2]
