@@ -2,8 +2,9 @@
 step, gradient norms, final parameters with the experts reassembled; [Note: parity bounds]): Hugging Face Qwen2-MoE
 and Mixtral with their load-balancing loss on (``output_router_logits``), served across stages ([Note: the router's
 loss across stages]): pp 2 (world 2, Qwen2-MoE, 1F1B) and pp 2 x ep 2 (world 4, Mixtral, ZeRO 1); ZeRO 3 and
-Interleaved1F1B at pp 2 x ep 2 under soak. The loss's arithmetic split over stages is transformers' own to the bit,
-and a model whose loss is another function is refused by name."""
+Interleaved1F1B, activation checkpointing, pp 2 x tp 2 and a pp 2 x ep 2 checkpoint (resumed bit for bit, loaded in one
+process) under soak. The loss's arithmetic split over stages is transformers' own to the bit, and a model whose loss
+is another function is refused by name."""
 
 from __future__ import annotations
 
@@ -21,12 +22,12 @@ VOCAB, SEQ, LAYERS, EXPERTS = 32, 8, 4, 4
 STEPS, GAS, MICRO, CLIP, LR = 2, 4, 1, 0.5, 1e-2
 
 
-def make_moe(kind: str, router_loss: bool = True):
+def make_moe(kind: str, router_loss: bool = True, seed: int = 0):
     """A tiny random ``kind`` (``qwen2_moe`` with its shared expert, or ``mixtral``; ``tied_mixtral`` with its head
     tied to the embedding) whose load-balancing loss is on (``output_router_logits``)."""
     import transformers
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     shared = dict(
         vocab_size=VOCAB, hidden_size=16, num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
         num_experts_per_tok=2, initializer_range=0.2, max_position_embeddings=SEQ,
@@ -227,3 +228,58 @@ def test_qwen2_moe_pp2_ep2_activation_checkpointing():
     recorded twice; the load-balancing loss's gradient reaches them through the recomputation."""
     results = check("qwen2_moe", pp=2, ep=2, world=4, stage=1, activation_checkpointing={"policy": "full"})
     assert [r["router_runs"] for r in results] == [2, 2, 2, 2]
+
+
+def _checkpoint_engine(pp: int, ep: int, seed: int) -> shardtrain.Engine:
+    model = make_moe("mixtral", seed=seed)
+    config = {
+        "pipeline_parallel_size": pp,
+        "expert_parallel_size": ep,
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": GAS,
+        "zero_optimization": {"stage": 1},
+    }
+    return shardtrain.initialize(model, config, optimizer=torch.optim.AdamW(model.parameters(), lr=LR))
+
+
+def _save_and_resume(path: str) -> dict:
+    """A step at pp 2 x ep 2, a save, a second step; then an engine of other initial weights loads the save and
+    takes the second step again."""
+    engine = _checkpoint_engine(2, 2, seed=0)
+    t = engine.topology
+    rows = slice(t.dp_rank * MICRO, (t.dp_rank + 1) * MICRO)
+    batches = [{"input_ids": x[rows], "labels": x[rows]} for x in global_batches(t.dp)]
+    engine.train_batch(iter(batches[:GAS]))
+    engine.save_checkpoint(path, tag="step1")
+    out = {"saved": engine.full_state_dict(), "straight": float(engine.train_batch(iter(batches[GAS:])))}
+    out["final"] = engine.full_state_dict()
+    engine.close()
+    resumed = _checkpoint_engine(2, 2, seed=1)
+    resumed.load_checkpoint(path, tag="step1")
+    out["resumed"] = float(resumed.train_batch(iter(batches[GAS:])))
+    out["resumed final"] = resumed.full_state_dict()
+    resumed.close()
+    return out
+
+
+def _load_whole(path: str) -> dict:
+    engine = _checkpoint_engine(1, 1, seed=1)
+    engine.load_checkpoint(path, tag="step1")
+    loaded = engine.full_state_dict()
+    engine.close()
+    return loaded
+
+
+@pytest.mark.soak
+def test_pp2_ep2_checkpoint_resumes_exactly_and_loads_in_one_process(tmp_path):
+    """Each stage's ranks write their experts' rows into one manifest of the model's tensors: a pp 2 x ep 2 save
+    resumes bit for bit (losses and parameters) and loads without pipelining or expert parallelism, whole."""
+    path = str(tmp_path / "ckpt")
+    first = run_distributed(_save_and_resume, 4, path, timeout=300.0)[0]
+    assert first["resumed"] == first["straight"]
+    assert first["final"].keys() == first["resumed final"].keys()
+    assert all(torch.equal(v, first["resumed final"][k]) for k, v in first["final"].items())
+    (whole,) = run_distributed(_load_whole, 1, path)
+    assert whole.keys() == first["saved"].keys()
+    assert all(torch.equal(whole[k], v) for k, v in first["saved"].items())
+    assert any(k.endswith("experts.gate_up_proj") and v.shape[0] == EXPERTS for k, v in whole.items())
