@@ -13,7 +13,7 @@ import torch
 
 import shardtrain
 from shardtrain.errors import ConfigError
-from shardtrain.pipeline_parallel import cut_model
+from shardtrain.pipeline_parallel import check_can_cut, cut_model
 from shardtrain.pipeline_parallel.router_loss import StageRouters, _finish
 from shardtrain.testing import run_distributed
 from shardtrain.testing.parity import assert_parity, train_one_process
@@ -172,7 +172,10 @@ def test_a_load_balancing_loss_of_another_form_is_refused(monkeypatch):
 
     monkeypatch.setattr(qwen2_moe, "load_balancing_loss_func", z_loss_too)
     model = make_moe("qwen2_moe")
-    with pytest.raises(ConfigError, match=r"output_router_logits under pipeline parallelism.*load_balancing_loss_func"):
+    refused = r"output_router_logits under pipeline parallelism.*load_balancing_loss_func"
+    with pytest.raises(ConfigError, match=refused):
+        check_can_cut(model, 2)  # initialize's check, before the model is touched
+    with pytest.raises(ConfigError, match=refused):
         cut_model(model, 2, [0])
     assert len(model.model.layers) == LAYERS  # refused before anything was pruned
 

@@ -139,10 +139,6 @@ def _routers_of(layers: nn.Module, recorder: tuple[type[nn.Module], int]) -> lis
     return [m for m in layers.modules() if isinstance(m, recorder[0])]
 
 
-def _count_routers(layer_list: nn.ModuleList, recorder: tuple[type[nn.Module], int]) -> int:
-    return len(_routers_of(layer_list, recorder))
-
-
 def _stage_routers(
     model: nn.Module,
     layer_list: nn.ModuleList,
@@ -195,6 +191,7 @@ def check_can_cut(model: nn.Module, num_stages: int) -> None:
         layers_of_stages(len(model.blocks), num_stages)
     elif _is_llama_family(model):
         layers_of_stages(len(model.model.layers), num_stages)
+        router_recorder(model)  # a load-balancing loss not served across stages is refused here
     else:
         raise ConfigError(
             f"{type(model).__name__} cannot be cut into pipeline stages yet: built are shardtrain's GPT and Hugging "
@@ -229,7 +226,7 @@ def cut_model(model: nn.Module, num_stages: int, stages: list[int]) -> tuple[lis
             inner.norm, model.lm_head = None, None
         parts = [LlamaStage(model, split[s], s == 0, s == num_stages - 1, r) for s, r in zip(stages, routers)]
         vocab = model.config.vocab_size
-        router_loss = RouterLoss(model, _count_routers(layer_list, recorder)) if recorder is not None else None
+        router_loss = RouterLoss(model, len(_routers_of(layer_list, recorder))) if recorder is not None else None
 
         def loss(output: torch.Tensor | tuple[torch.Tensor, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
             logits = output[0] if router_loss is not None else output
