@@ -162,7 +162,6 @@ def test_pipeline_axis_is_cut_before_the_others():
     [
         ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}}, r"ZeRO\+\+ hpZ"),
         ({"sequence_parallel_size": 2}, "sequence parallelism"),
-        ({"expert_parallel_size": 2}, "expert parallelism"),
         ({"zero_optimization": {"stage": 1, "mics_shard_size": 1}}, "hybrid sharding"),
         ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}, "optimizer offload"),
         ({"graph": {"enabled": True}}, "graph mode"),
@@ -180,6 +179,21 @@ def test_pipeline_with_tensor_parallelism_is_planned():
     assert (plan.dims.pp, plan.dims.tp, plan.dims.dp) == (2, 2, 2)
     cfg = load_config({"pipeline_parallel_size": 2, "tensor_parallel": {"size": 2}, "sequence_parallel_size": 2})
     with pytest.raises(ConfigError, match=r"pipeline_parallel_size 2 with sequence parallelism.*not built yet"):
+        resolve_plan(cfg, 8)
+
+
+def test_pipeline_with_expert_parallelism_is_planned():
+    """pp 2 x ep 2 is built (tests/pipeline_parallel/test_pipeline_moe.py): the expert groups are cut from each
+    stage's data-parallel ranks, so ep must divide world / pp, not the world; hpZ beside it is still refused."""
+    plan = resolve_plan(load_config({"pipeline_parallel_size": 2, "expert_parallel_size": 2}), 4)
+    assert (plan.dims.pp, plan.dims.ep, plan.dims.dp) == (2, 2, 2)
+    with pytest.raises(
+        LayoutError, match=r"expert_parallel_size \(ep_size\) 4 does not divide the data-parallel size 2"
+    ):
+        resolve_plan(load_config({"pipeline_parallel_size": 2, "expert_parallel_size": 4}), 4)
+    hpz = {"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}}
+    cfg = load_config({"pipeline_parallel_size": 2, "expert_parallel_size": 2, **hpz})
+    with pytest.raises(ConfigError, match=r"pipeline_parallel_size 2 with ZeRO\+\+ hpZ.*not built yet"):
         resolve_plan(cfg, 8)
 
 

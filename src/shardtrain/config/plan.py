@@ -264,7 +264,6 @@ def refuse_unbuilt_pipeline(cfg: Config, dims: ParallelDims) -> None:
     zcfg = cfg.zero_optimization
     refused = [
         (dims.sp > 1, f"sequence parallelism (sequence_parallel_size {dims.sp})"),
-        (dims.ep > 1, f"expert parallelism (expert_parallel_size {dims.ep})"),
         (dims.replicas > 1, f"hybrid sharding (zero_optimization.mics_shard_size {zcfg.mics_shard_size})"),
         (dims.hpz_asked, f"ZeRO++ hpZ (zero_optimization.zero_hpz_partition_size {zcfg.zero_hpz_partition_size})"),
         (zcfg.offload_optimizer.device != "none", "optimizer offload (zero_optimization.offload_optimizer)"),

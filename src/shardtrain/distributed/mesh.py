@@ -558,7 +558,9 @@ class Topology:
     stage's parameters over that stage's data-parallel ranks only. A rank's pipeline group is the ``P`` ranks with its
     ``r``: they hold the same rows (``dp_rank``) of every micro-batch, and the schedule sends activations between
     them. torch's pipelining library numbers stages along that group (stage ``i`` on ``pp_rank i % P``, then ``i + P``
-    with several stages per rank).
+    with several stages per rank). With experts the expert and expert-data-parallel groups of [Note: the expert axis]
+    are cut from a stage's data-parallel ranks, beside the mesh: a stage's ranks exchange tokens of its MoE layers,
+    all in the order of the one schedule every rank of the stage runs.
     """
 
     rank: int
@@ -782,7 +784,7 @@ def init_topology(dims: ParallelDims, timeout_s: float = 1800.0, device: str | N
     device, backend, groups, host_groups, own = _make_mesh_groups(
         dev, world, tp, timeout_s, created, shard_size=shard, ep=ep, **axes
     )
-    if dims.pp > 1:  # the plan refuses pp beside sp, ep and hybrid sharding: (pp, dp, tp) is the whole mesh
+    if dims.pp > 1:  # the plan refuses pp beside sp and hybrid sharding: (pp, dp, tp), the expert groups beside it
         ranks = torch.arange(world).view(dims.pp, dp, tp)
         mesh = DeviceMesh.from_group(
             [groups.pp, groups.dp, groups.tp], device.type, mesh=ranks, mesh_dim_names=("pp", "dp", "tp")

@@ -695,8 +695,14 @@ class Engine:
         t = self.topology
         ep_comm = self._expert_comms.get("ep")
         if self._pipeline is not None:  # each stage's first rank holds its stage's tensors under the model's names
-            mine = full_state_dict(  # a stage's tensor-parallel blocks joined over its tp group
-                self._training_state(), self._runtime, self.tp_comm, t.rank % t.stage_world, t.dp_rank, t.device
+            mine = full_state_dict(  # a stage's tensor-parallel blocks joined over its tp group, its experts over ep
+                self._training_state(),
+                self._runtime,
+                self.tp_comm,
+                t.rank % t.stage_world,
+                t.dp_rank,
+                t.device,
+                ep_comm,
             )
             # every pipeline group exchanges (object collectives are collective); only stage rank 0's hold tensors:
             # in this slice the whole model passes through the host of global rank 0's pipeline group

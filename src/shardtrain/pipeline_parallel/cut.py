@@ -33,6 +33,7 @@ names.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
@@ -41,6 +42,7 @@ from torch import nn
 
 from shardtrain.errors import ConfigError
 from shardtrain.models.gpt import GPT
+from shardtrain.pipeline_parallel.router_loss import RouterLoss, StageRouters, router_recorder
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -88,15 +90,27 @@ class GPTStage(nn.Module):
 
 class LlamaStage(nn.Module):
     """One stage of a Hugging Face Llama-family causal LM (``model.embed_tokens``, ``model.layers``, ``model.norm``,
-    ``model.rotary_emb``, ``lm_head``): each stage makes its rotary embeddings and causal mask from its input."""
+    ``model.rotary_emb``, ``lm_head``): each stage makes its rotary embeddings and causal mask from its input. With
+    ``routers`` (a mixture of experts' load-balancing loss) every stage also takes and returns the routers' running
+    sums beside the hidden states ([Note: the router's loss across stages] in :mod:`.router_loss`)."""
 
-    def __init__(self, model: nn.Module, layers: range, first: bool, last: bool) -> None:
+    def __init__(
+        self, model: nn.Module, layers: range, first: bool, last: bool, routers: StageRouters | None = None
+    ) -> None:
         super().__init__()
         self.config = model.config
         self.first, self.last, self.layer_ids = first, last, [str(i) for i in layers]
         self._whole = (model,)  # not a submodule: the model's pieces are read at each call
+        self.routers = routers
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def carried_examples(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """What the stage takes beside the hidden states, as examples where the shapes are given ([Note: stage
+        shapes given, not inferred] in :mod:`.schedule`): the routers' sums, or nothing."""
+        return (self.routers.start(device),) if self.routers is not None else ()
+
+    def forward(
+        self, x: torch.Tensor, router_sums: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         from transformers.masking_utils import create_causal_mask
 
         model = self._whole[0]
@@ -107,12 +121,40 @@ class LlamaStage(nn.Module):
             config=self.config, inputs_embeds=h, attention_mask=None, past_key_values=None, position_ids=position_ids
         )
         position_embeddings = inner.rotary_emb(h, position_ids=position_ids)
-        for i in self.layer_ids:
-            h = inner.layers[i](
-                h, attention_mask=mask, position_embeddings=position_embeddings, position_ids=position_ids
-            )
-            h = h[0] if isinstance(h, tuple) else h
-        return model.lm_head(inner.norm(h)) if self.last else h
+        recording = self.routers.recording() if self.routers is not None else contextlib.nullcontext([])
+        with recording as router_logits:
+            for i in self.layer_ids:
+                h = inner.layers[i](
+                    h, attention_mask=mask, position_embeddings=position_embeddings, position_ids=position_ids
+                )
+                h = h[0] if isinstance(h, tuple) else h
+        out = model.lm_head(inner.norm(h)) if self.last else h
+        if self.routers is None:
+            return out
+        sums = router_sums if router_sums is not None else self.routers.start(h.device)
+        return out, self.routers.continued(sums, router_logits)
+
+
+def _routers_of(layers: nn.Module, recorder: tuple[type[nn.Module], int]) -> list[nn.Module]:
+    return [m for m in layers.modules() if isinstance(m, recorder[0])]
+
+
+def _stage_routers(
+    model: nn.Module,
+    layer_list: nn.ModuleList,
+    split: list[range],
+    stages: list[int],
+    recorder: tuple[type[nn.Module], int] | None,
+) -> list[StageRouters | None]:
+    """Each of ``stages``' routers, where the model adds a load-balancing loss ([Note: the router's loss across
+    stages] in :mod:`.router_loss`); None each without one."""
+    if recorder is None:
+        return [None] * len(stages)
+    experts, top_k = int(model.num_experts), int(model.num_experts_per_tok)
+    return [
+        StageRouters([r for i in split[s] for r in _routers_of(layer_list[i], recorder)], recorder[1], experts, top_k)
+        for s in stages
+    ]
 
 
 def _is_llama_family(model: nn.Module) -> bool:
@@ -149,6 +191,7 @@ def check_can_cut(model: nn.Module, num_stages: int) -> None:
         layers_of_stages(len(model.blocks), num_stages)
     elif _is_llama_family(model):
         layers_of_stages(len(model.model.layers), num_stages)
+        router_recorder(model)  # a load-balancing loss not served across stages is refused here
     else:
         raise ConfigError(
             f"{type(model).__name__} cannot be cut into pipeline stages yet: built are shardtrain's GPT and Hugging "
@@ -173,16 +216,24 @@ def cut_model(model: nn.Module, num_stages: int, stages: list[int]) -> tuple[lis
     # the last stage keeps a tied embedding for its head's weight ([Note: weights tied across stages])
     keeps_embedding = holds_first or (holds_last and bool(tied_across_stages(model)))
     if llama:
+        # [Note: the router's loss across stages] in router_loss.py: read before the layers are pruned
+        recorder = router_recorder(model)
+        routers = _stage_routers(model, layer_list, split, stages, recorder)
         inner.layers = _keep_layers(layer_list, kept)
         if not keeps_embedding:
             inner.embed_tokens = None
         if not holds_last:
             inner.norm, model.lm_head = None, None
-        parts = [LlamaStage(model, split[s], s == 0, s == num_stages - 1) for s in stages]
+        parts = [LlamaStage(model, split[s], s == 0, s == num_stages - 1, r) for s, r in zip(stages, routers)]
         vocab = model.config.vocab_size
+        router_loss = RouterLoss(model, len(_routers_of(layer_list, recorder))) if recorder is not None else None
 
-        def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-            return model.loss_function(logits=logits, labels=labels, vocab_size=vocab)
+        def loss(output: torch.Tensor | tuple[torch.Tensor, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+            logits = output[0] if router_loss is not None else output
+            value = model.loss_function(logits=logits, labels=labels, vocab_size=vocab)
+            if router_loss is None:
+                return value
+            return value + router_loss(output[1], logits.shape[0] * logits.shape[1])
 
         return parts, loss
     inner.blocks = _keep_layers(layer_list, kept)

@@ -108,7 +108,7 @@ class Pipeline:
         than inferred ([Note: stage shapes given, not inferred]); None: torch infers them."""
         self.parts, self.stage_ids, self.num_stages, self.loss_fn = parts, stage_ids, num_stages, loss_fn
         self.activation_width = activation_width
-        self._make_schedule: Callable[[list[tuple[torch.Tensor, torch.Tensor]] | None], Any] | None = None
+        self._make_schedule: Callable[[list[Any] | None], Any] | None = None
         self._schedules: dict[bool, Any] = {}  # with given shapes: each kind's, built at its first step
         self._activation_dtype = torch.float32
         self._micro_batches = 1
@@ -165,7 +165,7 @@ class Pipeline:
 
         multi = issubclass(cls, PipelineScheduleMulti)
 
-        def make(examples: list[tuple[torch.Tensor, torch.Tensor]] | None) -> Any:
+        def make(examples: list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] | None) -> Any:
             given = examples or [(None, None)] * len(self.parts)
             stages = [
                 PipelineStage(p, s, self.num_stages, device, input_args=x, output_args=y, group=group)
@@ -177,9 +177,10 @@ class Pipeline:
         if self.activation_width is None:
             self._schedule = make(None)
 
-    def _examples(self, inputs: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Each of this rank's stages' example input and output for one micro-batch of ``inputs`` (the step's
-        rows joined): [Note: stage shapes given, not inferred]."""
+    def _examples(self, inputs: torch.Tensor) -> list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]]:
+        """Each of this rank's stages' example inputs and outputs for one micro-batch of ``inputs`` (the step's
+        rows joined): [Note: stage shapes given, not inferred]. A stage that takes more than the hidden states (the
+        routers' sums, [Note: the router's loss across stages]) says what beside them (``carried_examples``)."""
         micro = inputs[: inputs.shape[0] // self._micro_batches]
         hidden = (micro.shape[0], micro.shape[1], self.activation_width)
         out = []
@@ -187,9 +188,17 @@ class Pipeline:
         devices = [self._device] if on_device else []
         with torch.no_grad(), torch.random.fork_rng(devices, device_type=self._device.type if on_device else "cuda"):
             for part, stage in zip(self.parts, self.stage_ids):
-                x = micro if stage == 0 else torch.zeros(hidden, dtype=self._activation_dtype, device=self._device)
-                # torch sends a gradient back for what its example says requires one: every float activation
-                out.append((x if stage == 0 else x.requires_grad_(), part(x).requires_grad_()))
+                if stage == 0:
+                    args: tuple[torch.Tensor, ...] = (micro,)
+                else:
+                    x = torch.zeros(hidden, dtype=self._activation_dtype, device=self._device)
+                    carried = getattr(part, "carried_examples", None)
+                    args = (x, *(carried(self._device) if carried is not None else ()))
+                    # torch sends a gradient back for what its example says requires one: every float activation
+                    args = tuple(a.requires_grad_() for a in args)
+                result = part(*args)
+                outputs = result if isinstance(result, tuple) else (result,)
+                out.append((args, tuple(o.requires_grad_() for o in outputs)))
         return out
 
     def _schedule_for(self, inputs: torch.Tensor, train: bool) -> Any:

@@ -402,7 +402,7 @@ class ShardedOptimizer:
         elif self.expert_group is not None and self.norm_comm is not self.comm:
             local_sq = self._hybrid_expert_square(grads, deferred, swapped, inv)
             local_sq = self._global_square(local_sq, grads, swapped, weighted=True)
-        elif self.counted_elsewhere:  # under pipeline parallelism (no offload, tp or experts there): a tied weight
+        elif self.counted_elsewhere:  # under pipeline parallelism (no offload or tp there): a tied weight
             counted = [None if k in self.counted_elsewhere else g for k, g in zip(self._frag, grads)]
             local_sq = self._local_square(
                 counted, [g for g in counted if g is not None and g.numel()], deferred, None, inv
@@ -487,9 +487,10 @@ class ShardedOptimizer:
     def _dense_and_expert_square(self, grads: list[torch.Tensor | None]) -> torch.Tensor:
         """Stage 0 under expert parallelism: every rank holds every gradient it reduced, the dense ones the same on
         every rank, the expert ones of other experts on each rank of its expert group; the squared norm is the
-        dense square plus the expert squares summed over the expert group (each gradient counted once)."""
+        dense square plus the expert squares summed over the expert group (each gradient counted once; a weight tied
+        across pipeline stages only on the stage that counts it, ``counted_elsewhere`` elsewhere)."""
         expert = [b.expert for _, b, _ in self._frag.values()]
-        dense_grads = [None if e else g for g, e in zip(grads, expert)]
+        dense_grads = [None if e or k in self.counted_elsewhere else g for k, g, e in zip(self._frag, grads, expert)]
         expert_grads = [g if e else None for g, e in zip(grads, expert)]
 
         def square(gs: list[torch.Tensor | None]) -> torch.Tensor:
