@@ -262,8 +262,12 @@ def _refuse_first(refused: list[tuple[bool, str]], feature: str, way_out: str) -
 def refuse_unbuilt_pipeline(cfg: Config, dims: ParallelDims) -> None:
     """What pipeline parallelism is not built with yet (docs/pipeline-parallel.md), refused by name."""
     zcfg = cfg.zero_optimization
+    split = f"sequence_parallel_size {dims.sp} x context_parallel_size {dims.cp}"
     refused = [
-        (dims.sp > 1, f"sequence parallelism (sequence_parallel_size {dims.sp})"),
+        # [Note: a sequence split in a pipeline] (engine/pipeline_sequence.py) is built and tested with one of the
+        # two splits and without tensor parallelism beside it
+        (dims.sp > 1 and dims.cp > 1, f"both sequence and context parallelism ({split})"),
+        (dims.sp * dims.cp > 1 and dims.tp > 1, f"tensor parallelism ({split}, tensor_parallel.size {dims.tp})"),
         (dims.ep > 1, f"expert parallelism (expert_parallel_size {dims.ep})"),
         (dims.replicas > 1, f"hybrid sharding (zero_optimization.mics_shard_size {zcfg.mics_shard_size})"),
         (dims.hpz_asked, f"ZeRO++ hpZ (zero_optimization.zero_hpz_partition_size {zcfg.zero_hpz_partition_size})"),
@@ -281,8 +285,14 @@ def refuse_unbuilt_pipeline(cfg: Config, dims: ParallelDims) -> None:
 
 def refuse_unbuilt_context(cfg: Config, dims: ParallelDims) -> None:
     """What context parallelism is not built with yet (docs/context-parallel.md), refused by name."""
+    # [Note: a sequence split in a pipeline] in engine/pipeline_sequence.py: a stage sets the split its attention
+    # reads at its forward; a checkpointed layer recomputed in backward would read a later micro-batch's
+    recomputed = cfg.activation_checkpointing.policy not in ("none", "budget")
     refused = [
-        (dims.pp > 1, f"pipeline parallelism (pipeline_parallel_size {dims.pp})"),
+        (
+            dims.pp > 1 and recomputed,
+            f"pipeline parallelism (pipeline_parallel_size {dims.pp}) and activation checkpointing",
+        ),
     ]
     _refuse_first(
         refused,

@@ -86,26 +86,51 @@ class GPTStage(nn.Module):
         return model.head(model.ln_f(x)) if self.last else x
 
 
+@runtime_checkable
+class StageInputs(Protocol):
+    """What a Llama stage's layers are given beside its hidden states when the sequence is split over ranks (a
+    stage's ``sequence``, [Note: a sequence split in a pipeline] in ``engine/pipeline_sequence.py``)."""
+
+    def stage_inputs(
+        self, hidden: torch.Tensor, position_ids: torch.Tensor, whole_positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+
 class LlamaStage(nn.Module):
     """One stage of a Hugging Face Llama-family causal LM (``model.embed_tokens``, ``model.layers``, ``model.norm``,
-    ``model.rotary_emb``, ``lm_head``): each stage makes its rotary embeddings and causal mask from its input."""
+    ``model.rotary_emb``, ``lm_head``): each stage makes its rotary embeddings and causal mask from its input and the
+    micro-batch's ``position_ids`` (every stage is given them; ``0..t-1`` when none; sequences packed in a row are
+    told apart by their positions restarting, as transformers does without a cache). ``sequence``: where the
+    sequence is split over ranks, what makes the positions and the mask instead (set after the cut)."""
+
+    takes_position_ids = True
 
     def __init__(self, model: nn.Module, layers: range, first: bool, last: bool) -> None:
         super().__init__()
         self.config = model.config
         self.first, self.last, self.layer_ids = first, last, [str(i) for i in layers]
         self._whole = (model,)  # not a submodule: the model's pieces are read at each call
+        self.sequence: StageInputs | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, **given: torch.Tensor) -> torch.Tensor:
         from transformers.masking_utils import create_causal_mask
 
         model = self._whole[0]
         inner = model.model
         h = inner.embed_tokens(x) if self.first else x  # x: token ids [b, t], else hidden states [b, t, d]
-        position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
-        mask = create_causal_mask(
-            config=self.config, inputs_embeds=h, attention_mask=None, past_key_values=None, position_ids=position_ids
-        )
+        if self.sequence is not None:  # this rank's share of the sequence: global positions, the whole mask
+            position_ids, mask = self.sequence.stage_inputs(h, **given)
+        else:
+            position_ids = given.get("position_ids")
+            if position_ids is None:
+                position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+            mask = create_causal_mask(
+                config=self.config,
+                inputs_embeds=h,
+                attention_mask=None,
+                past_key_values=None,
+                position_ids=position_ids,
+            )
         position_embeddings = inner.rotary_emb(h, position_ids=position_ids)
         for i in self.layer_ids:
             h = inner.layers[i](
@@ -157,6 +182,18 @@ def check_can_cut(model: nn.Module, num_stages: int) -> None:
         )
 
 
+def check_can_split_sequence(model: nn.Module, sp: int, cp: int) -> None:
+    """Refuse, before anything is changed, a model whose stages cannot split their sequence over ``sp * cp`` ranks
+    here: built for Hugging Face Llama-family stages (:class:`LlamaStage`, whose positions and masks are made from
+    what every stage is given)."""
+    if isinstance(model, (GPT, BuiltAsStage)) or not _is_llama_family(model):
+        raise ConfigError(
+            f"pipeline parallelism with sequence_parallel_size {sp} x context_parallel_size {cp} is built for Hugging "
+            f"Face Llama-family causal LMs cut into stages, not {type(model).__name__}: set sequence_parallel_size "
+            "and context_parallel_size to 1, or pipeline_parallel_size to 1"
+        )
+
+
 def cut_model(model: nn.Module, num_stages: int, stages: list[int]) -> tuple[list[nn.Module], LossFn]:
     """Prune ``model`` in place to the pieces of ``stages`` (of ``num_stages``) and return each stage's module, in
     the order of ``stages``, and the loss of the last stage's output against the labels (see [Note: stages keep
@@ -204,7 +241,9 @@ __all__ = [
     "BuiltAsStage",
     "GPTStage",
     "LlamaStage",
+    "StageInputs",
     "check_can_cut",
+    "check_can_split_sequence",
     "cut_model",
     "layers_of_stages",
     "tied_across_stages",

@@ -1,0 +1,145 @@
+"""Pipeline parallelism with the sequence split in each stage, Ulysses (pp 2 x sp 2) and the ring (pp 2 x cp 2), world
+4, against one process on the same global batch: each step's loss and gradient norm and the final parameters
+(tolerances of [Note: parity bounds]) of a tiny Hugging Face Llama, causal and with packed documents (position ids
+restarting), at ZeRO 1 and 3; the stages exchange each rank's share of the sequence ([Note: a sequence split in a
+pipeline] in engine/pipeline_sequence.py); packed documents at pp 2 alone; what is not built is refused by name."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import shardtrain
+from shardtrain.errors import ConfigError
+from shardtrain.testing import run_distributed
+from shardtrain.testing.parity import assert_parity, train_one_process
+
+from helpers.pipeline import CLIP, GAS, MICRO, SEQ, STEPS, VOCAB, make_model, make_optimizer
+
+
+def _documents(rows: int, g: torch.Generator) -> torch.Tensor:
+    """Position ids restarting at each document: 2 or 3 documents per row, cut at random places."""
+    out = []
+    for _ in range(rows):
+        cuts = sorted(torch.randperm(SEQ - 1, generator=g)[: 1 + int(torch.randint(2, (1,), generator=g))] + 1)
+        starts = [0, *[int(c) for c in cuts], SEQ]
+        out.append(torch.cat([torch.arange(b - a) for a, b in itertools.pairwise(starts)]))
+    return torch.stack(out)
+
+
+def global_batches(dp: int, packed: bool) -> list[dict[str, torch.Tensor]]:
+    """Every micro-step's global rows: labels the tokens with a fifth dropped (-100: the sequence ranks hold
+    different numbers of real targets); packed: position ids restarting per document."""
+    g = torch.Generator().manual_seed(1234)
+    out = []
+    for _ in range(STEPS * GAS):
+        x = torch.randint(0, VOCAB, (MICRO * dp, SEQ), generator=g)
+        batch = {"input_ids": x, "labels": torch.where(torch.rand(x.shape, generator=g) < 0.8, x, -100)}
+        if packed:
+            batch["position_ids"] = _documents(x.shape[0], g)
+        out.append(batch)
+    return out
+
+
+def reference(packed: bool) -> dict:
+    batches = global_batches(1, packed)
+
+    def run(dtype: torch.dtype) -> dict:
+        model = make_model("llama").to(dtype)
+        # without a key/value cache transformers keeps packed documents apart, as a pipeline's stages do
+        step = lambda m, i: m(**batches[i], use_cache=False).loss  # noqa: E731
+        return train_one_process(model, make_optimizer(model), step, STEPS, GAS, CLIP)
+
+    ref = run(torch.float32)
+    ref["exact"] = run(torch.float64)["params"]
+    return ref
+
+
+def config(sp: int, cp: int, stage: int, schedule: str = "1F1B") -> dict:
+    return {
+        "pipeline_parallel_size": 2,
+        "sequence_parallel_size": sp,
+        "context_parallel_size": cp,
+        "pipeline": {"schedule": schedule},
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": GAS,
+        "gradient_clipping": CLIP,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    }
+
+
+def split_run(sp: int, cp: int, stage: int, schedule: str, packed: bool) -> dict:
+    model = make_model("llama")
+    engine = shardtrain.initialize(model, config(sp, cp, stage, schedule), optimizer=make_optimizer(model))
+    t = engine.topology
+    assert (t.pp, t.sp, t.cp, t.dp, t.world_size) == (2, sp, cp, 1, 2 * sp * cp)
+    # the hidden states every kept layer is given: this rank's share of the sequence
+    seen: set[tuple[int, ...]] = set()
+    for layer in engine.module.model.layers.values():
+        layer.register_forward_pre_hook(lambda _, args: seen.add(tuple(args[0].shape)))
+    batches = global_batches(t.dp, packed)  # every rank of a stage's sequence group: the same whole rows
+    losses, norms = [], []
+    for step in range(STEPS):
+        losses.append(float(engine.train_batch(iter(batches[step * GAS : (step + 1) * GAS]))))
+        norms.append(engine.get_global_grad_norm())
+    out = {"losses": losses, "norms": norms, "params": engine.full_state_dict(), "seen": seen}
+    engine.close()
+    return out
+
+
+def check(sp: int, cp: int, stage: int, packed: bool, schedule: str = "1F1B") -> None:
+    results = run_distributed(split_run, 2 * sp * cp, sp, cp, stage, schedule, packed)
+    assert_parity(results, reference(packed))
+    share = SEQ // (sp * cp)
+    assert all(r["seen"] == {(MICRO, share, 32)} for r in results), [r["seen"] for r in results]
+
+
+@pytest.mark.parametrize(("stage", "packed"), [(1, True), (3, False)])
+def test_ulysses_in_each_stage(stage, packed):
+    """pp 2 x sp 2: each stage's sp ranks split the sequence (one slice each) and the heads, 1F1B."""
+    check(sp=2, cp=1, stage=stage, packed=packed)
+
+
+@pytest.mark.parametrize(("stage", "packed"), [(3, True), pytest.param(1, False, marks=pytest.mark.soak)])
+def test_ring_in_each_stage(stage, packed):
+    """pp 2 x cp 2: each stage's cp ranks hold a head and a tail chunk; packed documents stay apart."""
+    check(sp=1, cp=2, stage=stage, packed=packed)
+
+
+@pytest.mark.soak
+@pytest.mark.parametrize(("sp", "cp"), [(2, 1), (1, 2)])
+def test_gpipe_with_the_sequence_split(sp, cp):
+    check(sp=sp, cp=cp, stage=1, packed=True, schedule="GPipe")
+
+
+def test_packed_documents_without_a_split():
+    """pp 2 alone (world 2): every stage is given the micro-batch's position ids, and keeps the documents apart."""
+    check(sp=1, cp=1, stage=0, packed=True)
+
+
+def _refused(model_kind: str, extra: dict) -> str:
+    model = make_model(model_kind)
+    with pytest.raises(ConfigError) as err:
+        shardtrain.initialize(model, {**config(2, 1, 1), **extra}, optimizer=make_optimizer(model))
+    return str(err.value)
+
+
+def refusals() -> list[str]:
+    return [
+        _refused("gpt", {}),
+        _refused("llama", {"sequence_parallel_size": 1, "context_parallel_size": 2,
+                           "activation_checkpointing": {"policy": "full"}}),
+    ]  # fmt: skip
+
+
+def test_what_is_not_built_is_refused_by_name():
+    """The project's GPT (its stages make positions of their own) and the ring with activation checkpointing (a
+    recomputed layer would read a later micro-batch's split)."""
+    gpt, checkpointed = run_distributed(refusals, 4)[0]
+    assert "built for Hugging Face Llama-family" in gpt and "GPT" in gpt
+    assert (
+        "context_parallel_size 2 with pipeline parallelism" in checkpointed
+        and "activation checkpointing" in checkpointed
+    )
