@@ -43,14 +43,21 @@ def global_batches(dp: int, packed: bool) -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def reference(packed: bool) -> dict:
-    batches = global_batches(1, packed)
+def rows_of(batch: dict[str, torch.Tensor], dp_rank: int) -> dict[str, torch.Tensor]:
+    return {k: v[dp_rank * MICRO : (dp_rank + 1) * MICRO] for k, v in batch.items()}
+
+
+def reference(packed: bool, dp: int = 1) -> dict:
+    batches = global_batches(dp, packed)
+
+    def loss(model: torch.nn.Module, i: int) -> torch.Tensor:
+        # each data-parallel rank's mean over its real targets, averaged as the engine averages gradients; without a
+        # key/value cache transformers keeps packed documents apart, as a pipeline's stages do
+        return sum(model(**rows_of(batches[i], d), use_cache=False).loss for d in range(dp)) / dp
 
     def run(dtype: torch.dtype) -> dict:
         model = make_model("llama").to(dtype)
-        # without a key/value cache transformers keeps packed documents apart, as a pipeline's stages do
-        step = lambda m, i: m(**batches[i], use_cache=False).loss  # noqa: E731
-        return train_one_process(model, make_optimizer(model), step, STEPS, GAS, CLIP)
+        return train_one_process(model, make_optimizer(model), loss, STEPS, GAS, CLIP)
 
     ref = run(torch.float32)
     ref["exact"] = run(torch.float64)["params"]
@@ -70,28 +77,40 @@ def config(sp: int, cp: int, stage: int, schedule: str = "1F1B") -> dict:
     }
 
 
-def split_run(sp: int, cp: int, stage: int, schedule: str, packed: bool) -> dict:
+def split_run(sp: int, cp: int, stage: int, schedule: str, packed: bool, dp: int) -> dict:
     model = make_model("llama")
     engine = shardtrain.initialize(model, config(sp, cp, stage, schedule), optimizer=make_optimizer(model))
     t = engine.topology
-    assert (t.pp, t.sp, t.cp, t.dp, t.world_size) == (2, sp, cp, 1, 2 * sp * cp)
+    assert (t.pp, t.sp, t.cp, t.dp, t.world_size) == (2, sp, cp, dp, 2 * sp * cp * dp)
     # the hidden states every kept layer is given: this rank's share of the sequence
     seen: set[tuple[int, ...]] = set()
     for layer in engine.module.model.layers.values():
         layer.register_forward_pre_hook(lambda _, args: seen.add(tuple(args[0].shape)))
-    batches = global_batches(t.dp, packed)  # every rank of a stage's sequence group: the same whole rows
+    # every rank of a stage's sequence group: the same whole rows, its data-parallel rank's
+    batches = [rows_of(b, t.dp_rank) for b in global_batches(dp, packed)]
     losses, norms = [], []
     for step in range(STEPS):
         losses.append(float(engine.train_batch(iter(batches[step * GAS : (step + 1) * GAS]))))
         norms.append(engine.get_global_grad_norm())
-    out = {"losses": losses, "norms": norms, "params": engine.full_state_dict(), "seen": seen}
+    # evaluation builds a schedule of its own, its shapes given as training's are
+    evaluated = float(engine.eval_batch(iter(batches[:GAS])))
+    out = {"losses": losses, "norms": norms, "params": engine.full_state_dict(), "seen": seen, "eval": evaluated}
     engine.close()
     return out
 
 
-def check(sp: int, cp: int, stage: int, packed: bool, schedule: str = "1F1B") -> None:
-    results = run_distributed(split_run, 2 * sp * cp, sp, cp, stage, schedule, packed)
-    assert_parity(results, reference(packed))
+def check(sp: int, cp: int, stage: int, packed: bool, schedule: str = "1F1B", dp: int = 1) -> None:
+    results = run_distributed(split_run, 2 * sp * cp * dp, sp, cp, stage, schedule, packed, dp)
+    assert_parity(results, reference(packed, dp))
+    # eval_batch: the mean loss of the first step's micro-batches under the trained parameters, as one process has it
+    model = make_model("llama")
+    model.load_state_dict(results[0]["params"])
+    with torch.no_grad():
+        losses = [
+            model(**rows_of(b, d), use_cache=False).loss for b in global_batches(dp, packed)[:GAS] for d in range(dp)
+        ]
+        expected = float(sum(losses)) / (GAS * dp)
+    assert all(abs(r["eval"] - expected) <= 1e-5 * abs(expected) for r in results), [r["eval"] for r in results]
     share = SEQ // (sp * cp)
     assert all(r["seen"] == {(MICRO, share, 32)} for r in results), [r["seen"] for r in results]
 
@@ -112,6 +131,13 @@ def test_ring_in_each_stage(stage, packed):
 @pytest.mark.parametrize(("sp", "cp"), [(2, 1), (1, 2)])
 def test_gpipe_with_the_sequence_split(sp, cp):
     check(sp=sp, cp=cp, stage=1, packed=True, schedule="GPipe")
+
+
+@pytest.mark.soak
+@pytest.mark.parametrize(("sp", "cp"), [(2, 1), (1, 2)])
+def test_with_data_parallel_ranks(sp, cp):
+    """pp 2 x dp 2 x (sp 2 or cp 2), world 8: ZeRO 3 shards each stage over its dp x sp (or cp) ranks."""
+    check(sp=sp, cp=cp, stage=3, packed=True, dp=2)
 
 
 def test_packed_documents_without_a_split():

@@ -106,13 +106,17 @@ class SequenceShare(Protocol):
         ...
 
 
-def _join(tensors: list[torch.Tensor], what: str) -> torch.Tensor:
+def _check_one_shape(tensors: list[torch.Tensor], what: str) -> None:
     shapes = {tuple(t.shape) for t in tensors}
     if len(shapes) != 1:
         raise ConfigError(
             f"the micro-batches of one pipeline step have {what} of different shapes {sorted(shapes)}: the schedule "
             "sends activations of one shape between stages; pad or bucket them to one shape per step"
         )
+
+
+def _join(tensors: list[torch.Tensor], what: str) -> torch.Tensor:
+    _check_one_shape(tensors, what)
     return torch.cat(tensors)
 
 
@@ -260,6 +264,8 @@ class Pipeline:
         ``schedule.eval``; the caller disables gradients); the sum of their losses divided by their count on the last
         stage's rank (the mean loss), None elsewhere."""
         pairs = [split_micro_batch(b) for b in micro_batches]
+        _check_one_shape([x for x, _ in pairs], "inputs")
+        _check_one_shape([y for _, y in pairs], "labels")
         shapes = (tuple(pairs[0][0].shape), tuple(pairs[0][1].shape))
         first = self._shapes.setdefault(train, shapes)
         if shapes != first:
