@@ -95,6 +95,7 @@ def split_run(sp: int, cp: int, stage: int, schedule: str, packed: bool, dp: int
     # evaluation builds a schedule of its own, its shapes given as training's are
     evaluated = float(engine.eval_batch(iter(batches[:GAS])))
     out = {"losses": losses, "norms": norms, "params": engine.full_state_dict(), "seen": seen, "eval": evaluated}
+    out["grid"] = (engine.grid.dp_group, engine.grid.pp_group)  # DeepSpeed's rank lists
     engine.close()
     return out
 
@@ -111,6 +112,12 @@ def check(sp: int, cp: int, stage: int, packed: bool, schedule: str = "1F1B", dp
         ]
         expected = float(sum(losses)) / (GAS * dp)
     assert all(abs(r["eval"] - expected) <= 1e-5 * abs(expected) for r in results), [r["eval"] for r in results]
+    # DeepSpeed's grid: a rank's data-parallel peers hold its stage and its share of the sequence
+    seq, stage_world = sp * cp, sp * cp * dp
+    for rank, r in enumerate(results):
+        base, place = divmod(rank, stage_world)
+        peers = [base * stage_world + d * seq + place % seq for d in range(dp)]
+        assert r["grid"] == (peers, [place, stage_world + place]), (rank, r["grid"])
     share = SEQ // (sp * cp)
     assert all(r["seen"] == {(MICRO, share, 32)} for r in results), [r["seen"] for r in results]
 
