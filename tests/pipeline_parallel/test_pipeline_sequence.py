@@ -77,9 +77,9 @@ def config(sp: int, cp: int, stage: int, schedule: str = "1F1B") -> dict:
     }
 
 
-def split_run(sp: int, cp: int, stage: int, schedule: str, packed: bool, dp: int) -> dict:
+def split_run(sp: int, cp: int, stage: int, schedule: str, packed: bool, dp: int, extra: dict) -> dict:
     model = make_model("llama")
-    engine = shardtrain.initialize(model, config(sp, cp, stage, schedule), optimizer=make_optimizer(model))
+    engine = shardtrain.initialize(model, {**config(sp, cp, stage, schedule), **extra}, optimizer=make_optimizer(model))
     t = engine.topology
     assert (t.pp, t.sp, t.cp, t.dp, t.world_size) == (2, sp, cp, dp, 2 * sp * cp * dp)
     # the hidden states every kept layer is given: this rank's share of the sequence
@@ -100,8 +100,10 @@ def split_run(sp: int, cp: int, stage: int, schedule: str, packed: bool, dp: int
     return out
 
 
-def check(sp: int, cp: int, stage: int, packed: bool, schedule: str = "1F1B", dp: int = 1) -> None:
-    results = run_distributed(split_run, 2 * sp * cp * dp, sp, cp, stage, schedule, packed, dp)
+def check(
+    sp: int, cp: int, stage: int, packed: bool, schedule: str = "1F1B", dp: int = 1, extra: dict | None = None
+) -> None:
+    results = run_distributed(split_run, 2 * sp * cp * dp, sp, cp, stage, schedule, packed, dp, extra or {})
     assert_parity(results, reference(packed, dp))
     # eval_batch: the mean loss of the first step's micro-batches under the trained parameters, as one process has it
     model = make_model("llama")
@@ -145,6 +147,12 @@ def test_gpipe_with_the_sequence_split(sp, cp):
 def test_with_data_parallel_ranks(sp, cp):
     """pp 2 x dp 2 x (sp 2 or cp 2), world 8: ZeRO 3 shards each stage over its dp x sp (or cp) ranks."""
     check(sp=sp, cp=cp, stage=3, packed=True, dp=2)
+
+
+@pytest.mark.soak
+def test_ulysses_with_activation_checkpointing():
+    """Each stage's blocks recomputed in backward, their whole-sequence mask an input the checkpoint keeps."""
+    check(sp=2, cp=1, stage=3, packed=True, extra={"activation_checkpointing": {"policy": "full"}})
 
 
 def test_packed_documents_without_a_split():
