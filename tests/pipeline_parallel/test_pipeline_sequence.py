@@ -149,10 +149,11 @@ def test_with_data_parallel_ranks(sp, cp):
     check(sp=sp, cp=cp, stage=3, packed=True, dp=2)
 
 
-@pytest.mark.soak
-def test_ulysses_with_activation_checkpointing():
-    """Each stage's blocks recomputed in backward, their whole-sequence mask an input the checkpoint keeps."""
-    check(sp=2, cp=1, stage=3, packed=True, extra={"activation_checkpointing": {"policy": "full"}})
+@pytest.mark.parametrize(("sp", "cp"), [pytest.param(2, 1, marks=pytest.mark.soak), (1, 2)])
+def test_with_activation_checkpointing(sp, cp):
+    """Each stage's blocks recomputed in backward, under 1F1B after the next micro-batch's forward: the whole
+    sequence's mask (Ulysses) or the ring's split with its documents is an input the checkpoint keeps."""
+    check(sp=sp, cp=cp, stage=1, packed=True, extra={"activation_checkpointing": {"policy": "full"}})
 
 
 def test_packed_documents_without_a_split():
@@ -167,20 +168,8 @@ def _refused(model_kind: str, extra: dict) -> str:
     return str(err.value)
 
 
-def refusals() -> list[str]:
-    return [
-        _refused("gpt", {}),
-        _refused("llama", {"sequence_parallel_size": 1, "context_parallel_size": 2,
-                           "activation_checkpointing": {"policy": "full"}}),
-    ]  # fmt: skip
-
-
-def test_what_is_not_built_is_refused_by_name():
-    """The project's GPT (its stages make positions of their own) and the ring with activation checkpointing (a
-    recomputed layer would read a later micro-batch's split)."""
-    gpt, checkpointed = run_distributed(refusals, 4)[0]
-    assert "built for Hugging Face Llama-family" in gpt and "GPT" in gpt
-    assert (
-        "context_parallel_size 2 with pipeline parallelism" in checkpointed
-        and "activation checkpointing" in checkpointed
-    )
+def test_a_model_whose_stages_cannot_split_the_sequence_is_refused_by_name():
+    """The project's GPT (its stages make positions of their own); Ulysses and the ring together, and either with
+    tensor parallelism, are refused by the plan (tests/config/test_plan.py)."""
+    message = run_distributed(_refused, 4, "gpt", {})[0]
+    assert "built for Hugging Face Llama-family causal LMs cut into stages, not GPT" in message, message

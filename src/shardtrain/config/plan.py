@@ -203,8 +203,6 @@ def refuse_unbuilt(cfg: Config, dims: ParallelDims, device_type: str | None = No
         )
     zcfg = cfg.zero_optimization
     hpz = zcfg.zero_hpz_partition_size
-    if dims.cp > 1:
-        refuse_unbuilt_context(cfg, dims)
     if dims.pp > 1:
         refuse_unbuilt_pipeline(cfg, dims)
     if dims.ep > 1:
@@ -280,24 +278,6 @@ def refuse_unbuilt_pipeline(cfg: Config, dims: ParallelDims) -> None:
         refused,
         f"pipeline_parallel_size {dims.pp}",
         "set pipeline_parallel_size to 1 or turn the other feature off (docs/pipeline-parallel.md says what composes)",
-    )
-
-
-def refuse_unbuilt_context(cfg: Config, dims: ParallelDims) -> None:
-    """What context parallelism is not built with yet (docs/context-parallel.md), refused by name."""
-    # [Note: a sequence split in a pipeline] in engine/pipeline_sequence.py: a stage sets the split its attention
-    # reads at its forward; a checkpointed layer recomputed in backward would read a later micro-batch's
-    recomputed = cfg.activation_checkpointing.policy not in ("none", "budget")
-    refused = [
-        (
-            dims.pp > 1 and recomputed,
-            f"pipeline parallelism (pipeline_parallel_size {dims.pp}) and activation checkpointing",
-        ),
-    ]
-    _refuse_first(
-        refused,
-        f"context_parallel_size {dims.cp}",
-        "set context_parallel_size to 1 or turn the other feature off (docs/context-parallel.md says what composes)",
     )
 
 

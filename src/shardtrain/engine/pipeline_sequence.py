@@ -1,7 +1,7 @@
 """Sequence or context parallelism inside each pipeline stage: the pipeline's share of the sequence split.
 
 [Note: a sequence split in a pipeline]
-Every rank of a stage's sequence group (its sp ranks, its cp ranks, or the ``cp * sp`` of both) is given the same
+Every rank of a stage's sequence group (its sp ranks or its cp ranks) is given the same
 whole micro-batches, as without pipelining, and the engine splits each one as the batch splitter does
 (``SequenceSplitter.split``: labels shifted once over the whole sequence, this rank's slice under Ulysses or its two
 load-balanced chunks under the ring): the first stage is given this rank's tokens, so every activation the stages
@@ -9,12 +9,13 @@ send each other is this rank's share ``[rows, S / (sp * cp), width]`` and the st
 Every stage is also given, per micro-batch, its share of the position ids (rotary embeddings at global positions)
 and the whole row's (``whole_positions``), from which each stage makes what its attention needs where it is
 needed: under Ulysses the whole sequence's mask (transformers' own, None for plain causal attention; [Note: masks
-under Ulysses]), under the ring the split the attention reads (``ContextSplitter.current``, its documents from the
-positions; [Note: packed documents under context parallelism]). Rows are read as packed as a pipeline's stages
-read them without a split: always, a pipeline has no key/value cache. The last stage's loss is the micro-batch's
-mean over the whole sequence's real targets, the sum and count of this rank's share summed over the group by an
-all-reduce whose backward is the all-reduce of the gradients, as [Note: the loss over a sequence-parallel group]
-says; ZeRO's average over the stage's ``dp * sp * cp`` ranks then gives one process's gradient.
+under Ulysses]), under the ring the split its attention reads (documents from the positions, [Note: packed
+documents under context parallelism]), handed to every layer call: 1F1B runs one micro-batch's forward between
+another's forward and backward, so a layer recomputed in backward must not read the splitter's latest split. Rows
+are read as packed always, as a pipeline's stages read them without a split (a pipeline has no key/value cache).
+The last stage's loss is the micro-batch's mean over the whole sequence's real targets: this rank's sum and count
+summed over the group by an all-reduce whose backward is the all-reduce of the gradients, as [Note: the loss over a
+sequence-parallel group] says; ZeRO's average over the stage's ``dp * sp * cp`` ranks gives one process's gradient.
 """
 
 from __future__ import annotations
@@ -50,16 +51,17 @@ class SequenceInPipeline:
 
     def stage_inputs(
         self, hidden: torch.Tensor, position_ids: torch.Tensor, whole_positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """A stage's position ids and attention mask for one micro-batch: the whole sequence's mask under Ulysses;
-        under the ring none, the split its attention reads set instead."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, object]]:
+        """A stage's position ids, attention mask and what else its layers are given, for one micro-batch: the whole
+        sequence's mask under Ulysses; under the ring none, and the split its attention reads, handed to every
+        layer (a layer recomputed in backward keeps it with its inputs) and set as the splitter's current one."""
         rows, length = whole_positions.shape
         if self.context:
-            documents = documents_of(whole_positions)
-            self.splitter.current = ContextSplit(length, documents, None, causal=True)
-            return position_ids, None
+            split = ContextSplit(length, documents_of(whole_positions), None, causal=True)
+            self.splitter.current = split
+            return position_ids, None, {"context_split": split}
         mask = whole_sequence_mask(self.config, None, whole_positions, rows, length, hidden.device)
-        return position_ids, mask
+        return position_ids, mask, {}
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The micro-batch's mean loss over the whole sequence's real targets (``labels``: this rank's, shifted)."""

@@ -34,7 +34,7 @@ names.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -93,7 +93,9 @@ class StageInputs(Protocol):
 
     def stage_inputs(
         self, hidden: torch.Tensor, position_ids: torch.Tensor, whole_positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+    ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, Any]]:
+        """The stage's position ids, attention mask and what else every layer is given."""
+        ...
 
 
 class LlamaStage(nn.Module):
@@ -118,8 +120,9 @@ class LlamaStage(nn.Module):
         model = self._whole[0]
         inner = model.model
         h = inner.embed_tokens(x) if self.first else x  # x: token ids [b, t], else hidden states [b, t, d]
+        layer_kwargs: dict[str, Any] = {}
         if self.sequence is not None:  # this rank's share of the sequence: global positions, the whole mask
-            position_ids, mask = self.sequence.stage_inputs(h, **given)
+            position_ids, mask, layer_kwargs = self.sequence.stage_inputs(h, **given)
         else:
             position_ids = given.get("position_ids")
             if position_ids is None:
@@ -134,7 +137,11 @@ class LlamaStage(nn.Module):
         position_embeddings = inner.rotary_emb(h, position_ids=position_ids)
         for i in self.layer_ids:
             h = inner.layers[i](
-                h, attention_mask=mask, position_embeddings=position_embeddings, position_ids=position_ids
+                h,
+                attention_mask=mask,
+                position_embeddings=position_embeddings,
+                position_ids=position_ids,
+                **layer_kwargs,
             )
             h = h[0] if isinstance(h, tuple) else h
         return model.lm_head(inner.norm(h)) if self.last else h
