@@ -173,3 +173,20 @@ def test_a_model_whose_stages_cannot_split_the_sequence_is_refused_by_name():
     tensor parallelism, are refused by the plan (tests/config/test_plan.py)."""
     message = run_distributed(_refused, 4, "gpt", {})[0]
     assert "built for Hugging Face Llama-family causal LMs cut into stages, not GPT" in message, message
+
+
+def _gpt_given_positions() -> str:
+    model = make_model("gpt")
+    config = {"pipeline_parallel_size": 2, "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS}
+    engine = shardtrain.initialize(model, config, optimizer=make_optimizer(model))
+    x = torch.zeros(MICRO, SEQ, dtype=torch.long)
+    micro = {"idx": x, "targets": x, "position_ids": torch.arange(SEQ)}
+    with pytest.raises(ConfigError) as err:
+        engine.train_batch(iter([micro] * GAS))
+    engine.close()
+    return str(err.value)
+
+
+def test_position_ids_for_stages_that_take_none_are_refused_by_name():
+    message = run_distributed(_gpt_given_positions, 2)[0]
+    assert "position_ids in the micro-batches of a pipeline of GPTStage" in message, message
