@@ -161,7 +161,8 @@ def test_pipeline_axis_is_cut_before_the_others():
     ("extra", "named"),
     [
         ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}}, r"ZeRO\+\+ hpZ"),
-        ({"sequence_parallel_size": 2}, "sequence parallelism"),
+        ({"sequence_parallel_size": 2, "context_parallel_size": 2}, "both sequence and context parallelism"),
+        ({"sequence_parallel_size": 2, "expert_parallel_size": 2}, "expert parallelism"),
         ({"zero_optimization": {"stage": 1, "mics_shard_size": 1}}, "hybrid sharding"),
         ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}, "optimizer offload"),
         ({"graph": {"enabled": True}}, "graph mode"),
@@ -174,12 +175,16 @@ def test_pipeline_with_what_is_not_built_is_refused_by_name(extra, named):
 
 
 def test_pipeline_with_tensor_parallelism_is_planned():
-    """pp 2 x tp 2 is built (tests/pipeline_parallel/test_pipeline_tp.py); with sp beside it, still refused."""
+    """pp 2 x tp 2 is built (tests/pipeline_parallel/test_pipeline_tp.py), and pp 2 x sp 2 and pp 2 x cp 2
+    (tests/pipeline_parallel/test_pipeline_sequence.py); a split sequence with tp beside it, still refused."""
     plan = resolve_plan(load_config({"pipeline_parallel_size": 2, "tensor_parallel": {"size": 2}}), 8)
     assert (plan.dims.pp, plan.dims.tp, plan.dims.dp) == (2, 2, 2)
-    cfg = load_config({"pipeline_parallel_size": 2, "tensor_parallel": {"size": 2}, "sequence_parallel_size": 2})
-    with pytest.raises(ConfigError, match=r"pipeline_parallel_size 2 with sequence parallelism.*not built yet"):
-        resolve_plan(cfg, 8)
+    for split in ("sequence_parallel_size", "context_parallel_size"):
+        plan = resolve_plan(load_config({"pipeline_parallel_size": 2, split: 2}), 8)
+        assert (plan.dims.pp, plan.dims.sp * plan.dims.cp, plan.dims.dp) == (2, 2, 2)
+        cfg = load_config({"pipeline_parallel_size": 2, "tensor_parallel": {"size": 2}, split: 2})
+        with pytest.raises(ConfigError, match=r"pipeline_parallel_size 2 with tensor parallelism \(sequence_parallel"):
+            resolve_plan(cfg, 8)
 
 
 def test_pipeline_with_expert_parallelism_is_planned():

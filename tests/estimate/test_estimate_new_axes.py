@@ -253,3 +253,18 @@ def test_the_merged_ring_s_bytes_and_held_keys_and_values_from_cp_3():
     assert not any("reduce-scatter" in k for k in est.traffic if k.startswith("context-parallel"))
     kv = [row.nbytes for row in est.rows if "(cp ring)" in row.component]
     assert kv == [3 * whole // 3]
+
+
+def test_a_pipeline_with_the_sequence_split_in_each_stage_is_estimated():
+    """pp 2 x sp 2 and pp 2 x cp 2 (world 4) are built for Hugging Face Llama-family models
+    (tests/pipeline_parallel/test_pipeline_sequence.py): estimated, each stage's rank running 1/2 of every sequence's
+    tokens; the project's GPT refused as initialize refuses it."""
+    plain = estimate_memory(tiny_llama, PIPELINE, world_size=2, seq_len=SEQ, device_type="cpu")
+    for split in ("sequence_parallel_size", "context_parallel_size"):
+        est = estimate_memory(tiny_llama, {**PIPELINE, split: 2}, world_size=4, seq_len=SEQ, device_type="cpu")
+        assert est.layout.pp == 2 and est.layout.sp * est.layout.cp == 2
+        assert est.compute.activations < plain.compute.activations, split
+        with pytest.raises(
+            ConfigError, match="built for Hugging Face Llama-family causal LMs cut into stages, not GPT"
+        ):
+            estimate_memory(tiny_gpt, {**PIPELINE, split: 2}, world_size=4, seq_len=SEQ, device_type="cpu")

@@ -286,3 +286,13 @@ def test_pp2_ep2_checkpoint_resumes_exactly_and_loads_in_one_process(tmp_path):
     assert whole.keys() == first["saved"].keys()
     assert all(torch.equal(whole[k], v) for k, v in first["saved"].items())
     assert any(k.endswith("experts.gate_up_proj") and v.shape[0] == EXPERTS for k, v in whole.items())
+
+
+def test_a_sequence_split_beside_the_load_balancing_loss_is_refused_by_name():
+    """Each rank's routers would see its share of the tokens only: refused before the model is touched; without the
+    loss the same model may split its sequence."""
+    from shardtrain.pipeline_parallel.cut import check_can_split_sequence
+
+    with pytest.raises(ConfigError, match=r"sequence_parallel_size 2 x context_parallel_size 1 and a mixture"):
+        check_can_split_sequence(make_moe("mixtral"), 2, 1)
+    check_can_split_sequence(make_moe("mixtral", router_loss=False), 1, 2)

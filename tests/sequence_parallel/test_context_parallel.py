@@ -451,14 +451,20 @@ def test_what_context_parallelism_is_not_built_with_is_refused_by_name():
     cp2 = {"context_parallel_size": 2}
     assert "context_parallel_size 3 does not divide the 4 processes" in _cp_refusal(4, {"context_parallel_size": 3})
     for config, named in [
-        ({"pipeline_parallel_size": 2}, "pipeline parallelism (pipeline_parallel_size 2)"),
+        (
+            {"pipeline_parallel_size": 2, "sequence_parallel_size": 2},
+            "both sequence and context parallelism (sequence_parallel_size 2 x context_parallel_size 2)",
+        ),
     ]:
         message = _cp_refusal(8, {**cp2, **config})
-        assert f"context_parallel_size 2 with {named} is not built yet" in message, message
+        assert f"pipeline_parallel_size 2 with {named} is not built yet" in message, message
     assert "the ring attention's collectives do not run in captured graphs" in _cp_refusal(
         2, {**cp2, "graph": {"enabled": True}}
     )
     assert _cp_refusal(8, {**cp2, "zero_optimization": {"stage": 3}}) == "no error"
+    assert _cp_refusal(8, {**cp2, "pipeline_parallel_size": 2}) == "no error"  # pp 2 x dp 2 x cp 2
+    checkpointed = {**cp2, "pipeline_parallel_size": 2, "activation_checkpointing": {"policy": "full"}}
+    assert _cp_refusal(8, checkpointed) == "no error"
     assert _cp_refusal(8, {**cp2, "sequence_parallel_size": 2}) == "no error"  # dp 2 x cp 2 x sp 2
     assert _cp_refusal(8, {**cp2, "tensor_parallel": {"size": 2}}) == "no error"  # dp 2 x cp 2 x tp 2
     assert _cp_refusal(8, {**cp2, "expert_parallel_size": 2}) == "no error"

@@ -754,6 +754,18 @@ class Topology:
         return self.host_groups.tp
 
 
+def _pipeline_sequence_mesh(groups: Groups, device_type: str, world: int, dims: ParallelDims) -> DeviceMesh:
+    """The mesh of pipeline parallelism with the sequence split in each stage: ``(pp, dp, cp, sp, tp)``, the axes of
+    size 1 left out, each stage's ranks laid out as a whole job without pipelining ([Note: the pipeline axis])."""
+    axes = [("pp", dims.pp, groups.pp), ("dp", dims.dp, groups.dp), ("cp", dims.cp, groups.cp)]
+    axes += [("sp", dims.sp, groups.sp), ("tp", dims.tp, groups.tp)]
+    kept = [(name, size, group) for name, size, group in axes if size > 1 or name in ("dp", "tp")]
+    ranks = torch.arange(world).view(*(size for _, size, _ in kept))
+    return DeviceMesh.from_group(
+        [g for _, _, g in kept], device_type, mesh=ranks, mesh_dim_names=tuple(name for name, _, _ in kept)
+    )
+
+
 def join_world(timeout_s: float = 1800.0, device: str | None = None) -> int:
     """Make (or adopt) the default process group on this rank's device (``device``: the config's, see
     :func:`pick_device`) and return the number of processes: what the plan's dimensions are resolved at."""
@@ -784,7 +796,9 @@ def init_topology(dims: ParallelDims, timeout_s: float = 1800.0, device: str | N
     device, backend, groups, host_groups, own = _make_mesh_groups(
         dev, world, tp, timeout_s, created, shard_size=shard, ep=ep, **axes
     )
-    if dims.pp > 1:  # the plan refuses pp beside sp and hybrid sharding: (pp, dp, tp), the expert groups beside it
+    if dims.pp > 1 and cp * sp > 1:
+        mesh = _pipeline_sequence_mesh(groups, device.type, world, dims)
+    elif dims.pp > 1:  # the plan refuses pp beside hybrid sharding: (pp, dp, tp), the expert groups beside it
         ranks = torch.arange(world).view(dims.pp, dp, tp)
         mesh = DeviceMesh.from_group(
             [groups.pp, groups.dp, groups.tp], device.type, mesh=ranks, mesh_dim_names=("pp", "dp", "tp")

@@ -175,7 +175,7 @@ class Engine:
             pipe_group=t.pp_group,
             data_group=t.groups.dp,
             slice_group=t.tp_group,
-            sp=t.sp,
+            sp=t.sp * t.cp,  # the ranks sharing a sequence sit between the data and the model axes
         )
 
     @property

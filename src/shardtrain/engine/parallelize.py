@@ -56,6 +56,7 @@ from shardtrain.distributed.desync import PhaseCheck
 from shardtrain.distributed.mesh import Topology
 from shardtrain.distributed.placement import TPPlacement
 from shardtrain.engine.monitor import TrainingMonitor
+from shardtrain.engine.pipeline_sequence import SequenceInPipeline
 from shardtrain.errors import ConfigError, LayoutError, RankMismatchError
 from shardtrain.expert_parallel import expert_weights, install_expert_parallel
 from shardtrain.offload import host_copies, param_uploads
@@ -70,6 +71,7 @@ from shardtrain.offload.parameters import ParamOffload
 from shardtrain.offload.swap import ScratchDir, SwapFiles, on_every_rank, prepare_scratch
 from shardtrain.offload.zenflow import ZenFlowStep
 from shardtrain.pipeline_parallel import Pipeline, cut_model, tied_across_stages
+from shardtrain.pipeline_parallel.cut import check_can_split_sequence
 from shardtrain.plan import Plan
 from shardtrain.plan.policies import (
     ActivationPolicy,
@@ -196,6 +198,8 @@ def parallelize(
     scratch = _prepare_offload(plan.offload, topology, comms.world)
     try:
         sp = apply_sp(model, plan, topology)
+        if pipeline is not None and sp is not None:  # [Note: a sequence split in a pipeline]
+            pipeline.share_sequence(SequenceInPipeline(sp, model.config))
         fp8 = apply_fp8(model, plan.fp8, tensor_parallel=split.tp_comm is not None)
         float8 = float8_weights(model, plan, fp8)
         # graph mode gathers the units as operations of its captured graphs, and hpZ cuts its secondary shards from
@@ -265,7 +269,11 @@ def apply_pp(model: nn.Module, plan: Plan, topology: Topology, optimizer: torch.
     # tensors: they are given ([Note: stage shapes given, not inferred] in pipeline_parallel/schedule.py). The ranks
     # of one stage hold one model as the world's do without pipelining: they broadcast it, agree on it and sum the
     # tensor-parallel norm over ``Topology.model_group``; a stage's full_state_dict joins its blocks over tp.
-    width = activation_width(model) if topology.tp > 1 else None  # refused by name before the model is touched
+    splits_sequence = topology.sp > 1 or topology.cp > 1  # [Note: a sequence split in a pipeline]
+    if splits_sequence:
+        check_can_split_sequence(model, topology.sp, topology.cp)
+    # refused by name before the model is touched; given where a stage's exchanges cannot run on meta tensors
+    width = activation_width(model) if topology.tp > 1 or splits_sequence else None
     parts, loss_fn = cut_model(model, num_stages, stage_ids)
     kept = {id(p) for p in model.parameters()}
     for group in optimizer.param_groups:

@@ -51,7 +51,7 @@ from shardtrain.estimate.source import ModelSource, resolve_source
 from shardtrain.estimate.state import RankState, UnitSize, rank_state
 from shardtrain.estimate.timing import MicroBatchWork, StepInputs, TimeEstimate, measure_work, step_time, zero_traffic
 from shardtrain.optim.deepspeed_muon import is_deepspeed_muon_parameter
-from shardtrain.pipeline_parallel.cut import cut_model
+from shardtrain.pipeline_parallel.cut import check_can_split_sequence, cut_model
 from shardtrain.plan import Plan
 from shardtrain.plan.dims import ParallelDims
 from shardtrain.precision.float8 import output_heads, why_kept
@@ -608,7 +608,8 @@ def time_prepared(prep: _Prepared, est: MemoryEstimate, cluster: Cluster, cache:
         offload_optimizer=layout.offload_optimizer,
         nvme_bytes=_swap_bytes(st, layout.micro_batches),
         ring_bytes=ring,
-        boundary_bytes=layout.micro_batch * (layout.seq_len // layout.cp) * prep.hidden * itemsize,
+        # a stage sends each rank's share of the sequence ([Note: a sequence split in a pipeline] in the engine)
+        boundary_bytes=layout.micro_batch * (layout.seq_len // (layout.cp * layout.sp)) * prep.hidden * itemsize,
     )
     return step_time(work, traffic, inputs, cluster)
 
@@ -735,6 +736,8 @@ def _stage_model(source: ModelSource, layout: Candidate, tp_plan: Any, cache: di
             cut_model(fake, num_stages, stage_ids(layout.pp, layout.stages_per_rank, layout.pp_rank))
             experts = split_experts(fake, layout.ep, layout.tp) if layout.ep > 1 else frozenset()
         cache[key] = (fake, experts)
+    if layout.sp * layout.cp > 1:  # as apply_pp refuses it
+        check_can_split_sequence(cache[key][0], layout.sp, layout.cp)
     return cache[key]
 
 

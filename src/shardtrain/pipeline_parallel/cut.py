@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -88,11 +88,28 @@ class GPTStage(nn.Module):
         return model.head(model.ln_f(x)) if self.last else x
 
 
+@runtime_checkable
+class StageInputs(Protocol):
+    """What a Llama stage's layers are given beside its hidden states when the sequence is split over ranks (a
+    stage's ``sequence``, [Note: a sequence split in a pipeline] in ``engine/pipeline_sequence.py``)."""
+
+    def stage_inputs(
+        self, hidden: torch.Tensor, position_ids: torch.Tensor, whole_positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, Any]]:
+        """The stage's position ids, attention mask and what else every layer is given."""
+        ...
+
+
 class LlamaStage(nn.Module):
     """One stage of a Hugging Face Llama-family causal LM (``model.embed_tokens``, ``model.layers``, ``model.norm``,
-    ``model.rotary_emb``, ``lm_head``): each stage makes its rotary embeddings and causal mask from its input. With
+    ``model.rotary_emb``, ``lm_head``): each stage makes its rotary embeddings and causal mask from its input and the
+    micro-batch's ``position_ids`` (every stage is given them; ``0..t-1`` when none; sequences packed in a row are
+    told apart by their positions restarting, as transformers does without a cache). ``sequence``: where the
+    sequence is split over ranks, what makes the positions and the mask instead (set after the cut). With
     ``routers`` (a mixture of experts' load-balancing loss) every stage also takes and returns the routers' running
     sums beside the hidden states ([Note: the router's loss across stages] in :mod:`.router_loss`)."""
+
+    takes_position_ids = True
 
     def __init__(
         self, model: nn.Module, layers: range, first: bool, last: bool, routers: StageRouters | None = None
@@ -102,6 +119,7 @@ class LlamaStage(nn.Module):
         self.first, self.last, self.layer_ids = first, last, [str(i) for i in layers]
         self._whole = (model,)  # not a submodule: the model's pieces are read at each call
         self.routers = routers
+        self.sequence: StageInputs | None = None
 
     def carried_examples(self, device: torch.device) -> tuple[torch.Tensor, ...]:
         """What the stage takes beside the hidden states, as examples where the shapes are given ([Note: stage
@@ -109,23 +127,37 @@ class LlamaStage(nn.Module):
         return (self.routers.start(device),) if self.routers is not None else ()
 
     def forward(
-        self, x: torch.Tensor, router_sums: torch.Tensor | None = None
+        self, x: torch.Tensor, router_sums: torch.Tensor | None = None, **given: torch.Tensor
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         from transformers.masking_utils import create_causal_mask
 
         model = self._whole[0]
         inner = model.model
         h = inner.embed_tokens(x) if self.first else x  # x: token ids [b, t], else hidden states [b, t, d]
-        position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
-        mask = create_causal_mask(
-            config=self.config, inputs_embeds=h, attention_mask=None, past_key_values=None, position_ids=position_ids
-        )
+        layer_kwargs: dict[str, Any] = {}
+        if self.sequence is not None:  # this rank's share of the sequence: global positions, the whole mask
+            position_ids, mask, layer_kwargs = self.sequence.stage_inputs(h, **given)
+        else:
+            position_ids = given.get("position_ids")
+            if position_ids is None:
+                position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+            mask = create_causal_mask(
+                config=self.config,
+                inputs_embeds=h,
+                attention_mask=None,
+                past_key_values=None,
+                position_ids=position_ids,
+            )
         position_embeddings = inner.rotary_emb(h, position_ids=position_ids)
         recording = self.routers.recording() if self.routers is not None else contextlib.nullcontext([])
         with recording as router_logits:
             for i in self.layer_ids:
                 h = inner.layers[i](
-                    h, attention_mask=mask, position_embeddings=position_embeddings, position_ids=position_ids
+                    h,
+                    attention_mask=mask,
+                    position_embeddings=position_embeddings,
+                    position_ids=position_ids,
+                    **layer_kwargs,
                 )
                 h = h[0] if isinstance(h, tuple) else h
         out = model.lm_head(inner.norm(h)) if self.last else h
@@ -200,6 +232,26 @@ def check_can_cut(model: nn.Module, num_stages: int) -> None:
         )
 
 
+def check_can_split_sequence(model: nn.Module, sp: int, cp: int) -> None:
+    """Refuse, before anything is changed, a model whose stages cannot split their sequence over ``sp * cp`` ranks
+    here: built for Hugging Face Llama-family stages (:class:`LlamaStage`, whose positions and masks are made from
+    what every stage is given)."""
+    if isinstance(model, (GPT, BuiltAsStage)) or not _is_llama_family(model):
+        raise ConfigError(
+            f"pipeline parallelism with sequence_parallel_size {sp} x context_parallel_size {cp} is built for Hugging "
+            f"Face Llama-family causal LMs cut into stages, not {type(model).__name__}: set sequence_parallel_size "
+            "and context_parallel_size to 1, or pipeline_parallel_size to 1"
+        )
+    if getattr(getattr(model, "config", None), "output_router_logits", False):
+        # each rank's routers see its share of the tokens; the load-balancing loss needs the whole sequence's sums
+        # ([Note: the router's loss across stages] in router_loss.py), which are not summed over the split yet
+        raise ConfigError(
+            f"pipeline parallelism with sequence_parallel_size {sp} x context_parallel_size {cp} and a mixture of "
+            f"experts' load-balancing loss ({type(model).__name__}, config.output_router_logits) is not built yet: "
+            "set output_router_logits to False, or the sequence split or pipeline_parallel_size to 1"
+        )
+
+
 def cut_model(model: nn.Module, num_stages: int, stages: list[int]) -> tuple[list[nn.Module], LossFn]:
     """Prune ``model`` in place to the pieces of ``stages`` (of ``num_stages``) and return each stage's module, in
     the order of ``stages``, and the loss of the last stage's output against the labels (see [Note: stages keep
@@ -255,7 +307,9 @@ __all__ = [
     "BuiltAsStage",
     "GPTStage",
     "LlamaStage",
+    "StageInputs",
     "check_can_cut",
+    "check_can_split_sequence",
     "cut_model",
     "layers_of_stages",
     "tied_across_stages",

@@ -16,8 +16,9 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class PipelineGrid:
-    """This rank's place in the ``(pipe, data, model)`` grid and its groups; ``sp``: the sequence-parallel size
-    (DeepSpeed's pipeline grid has no such axis: its ranks sit between the data and the model axes here)."""
+    """This rank's place in the ``(pipe, data, model)`` grid and its groups; ``sp``: the ranks sharing a sequence,
+    ``sp * cp`` (DeepSpeed's pipeline grid has no such axis: its ranks sit between the data and the model axes
+    here)."""
 
     global_rank: int
     world_size: int

@@ -37,7 +37,7 @@ evaluation builds a schedule of its own rather than letting torch infer the shap
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -49,19 +49,21 @@ from shardtrain.errors import ConfigError
 from shardtrain.pipeline_parallel.cut import LossFn
 
 LABEL_KEYS = ("labels", "targets")
+POSITION_KEY = "position_ids"  # beside the one input: given to every stage (packed documents, global positions)
 
 
 def split_micro_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """``(inputs, labels)`` of one micro-batch: a 2-tuple as DeepSpeed's ``PipelineModule`` takes, or a dict with
-    the labels under ``labels`` (transformers) or ``targets`` (shardtrain's GPT) and one input tensor."""
+    the labels under ``labels`` (transformers) or ``targets`` (shardtrain's GPT), one input tensor and, for a Hugging
+    Face Llama-family model, ``position_ids`` (:func:`micro_batch_positions`)."""
     if isinstance(batch, Mapping):
         labels = [k for k in LABEL_KEYS if k in batch]
-        inputs = [k for k in batch if k not in LABEL_KEYS]
+        inputs = [k for k in batch if k not in (*LABEL_KEYS, POSITION_KEY)]
         if len(labels) != 1 or len(inputs) != 1:
             raise ConfigError(
-                f"a pipeline micro-batch dict needs one label key ({' or '.join(LABEL_KEYS)}) and one input tensor, "
-                f"got keys {sorted(batch)}; other inputs (attention_mask, position_ids) are not built under pipeline "
-                "parallelism yet"
+                f"a pipeline micro-batch dict needs one label key ({' or '.join(LABEL_KEYS)}) and one input tensor "
+                f"(and may have {POSITION_KEY}), got keys {sorted(batch)}; other inputs (attention_mask) are not built "
+                "under pipeline parallelism yet"
             )
         return batch[inputs[0]], batch[labels[0]]
     if isinstance(batch, Sequence) and len(batch) == 2 and all(torch.is_tensor(t) for t in batch):
@@ -71,13 +73,50 @@ def split_micro_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
-def _join(tensors: list[torch.Tensor], what: str) -> torch.Tensor:
+def micro_batch_positions(batch: Any) -> torch.Tensor | None:
+    """A micro-batch dict's ``position_ids`` ``[rows or 1, seq]`` (or ``[seq]``) as ``[rows, seq]``; None when it has
+    none."""
+    positions = batch.get(POSITION_KEY) if isinstance(batch, Mapping) else None
+    if positions is None:
+        return None
+    inputs, _ = split_micro_batch(batch)
+    if not torch.is_tensor(positions) or positions.shape[-1] != inputs.shape[-1] or positions.dim() > 2:
+        shape = tuple(positions.shape) if torch.is_tensor(positions) else type(positions).__name__
+        raise ConfigError(
+            f"position_ids {shape} in a pipeline micro-batch of inputs {tuple(inputs.shape)}: give [rows, seq] (or "
+            "[1, seq], [seq]) positions of its tokens"
+        )
+    return positions.reshape(-1, positions.shape[-1]).expand(inputs.shape[0], -1)
+
+
+@runtime_checkable
+class SequenceShare(Protocol):
+    """Where the sequence is split over ranks (sequence or context parallelism in each stage, [Note: a sequence
+    split in a pipeline] in ``engine/pipeline_sequence.py``): each micro-batch's share of this rank, and the loss over
+    the ranks sharing the sequence."""
+
+    def prepare(
+        self, inputs: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """This rank's inputs and labels and what every stage is given with them, from the whole micro-batch."""
+        ...
+
+    def loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The whole micro-batch's mean loss from this rank's output and labels."""
+        ...
+
+
+def _check_one_shape(tensors: list[torch.Tensor], what: str) -> None:
     shapes = {tuple(t.shape) for t in tensors}
     if len(shapes) != 1:
         raise ConfigError(
             f"the micro-batches of one pipeline step have {what} of different shapes {sorted(shapes)}: the schedule "
             "sends activations of one shape between stages; pad or bucket them to one shape per step"
         )
+
+
+def _join(tensors: list[torch.Tensor], what: str) -> torch.Tensor:
+    _check_one_shape(tensors, what)
     return torch.cat(tensors)
 
 
@@ -122,6 +161,18 @@ class Pipeline:
         # the first train step's and the first eval step's inputs and labels: torch's schedule infers the stages'
         # activation shapes again when it turns from training to evaluation or back, never within one
         self._shapes: dict[bool, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+        self.sequence: SequenceShare | None = None  # the sequence split over ranks in each stage (else None)
+
+    def share_sequence(self, sequence: SequenceShare) -> None:
+        """Split every micro-batch's sequence over ranks as ``sequence`` says: its inputs and labels, what the
+        stages are given, and the loss ([Note: a sequence split in a pipeline] in ``engine/pipeline_sequence.py``);
+        before the first step. The stages' shapes are then given, not inferred: the inference would run their
+        exchanges on meta tensors."""
+        if self.activation_width is None:
+            raise ConfigError("a pipeline whose sequence is split over ranks is given its stages' activation width")
+        self.sequence, self.loss_fn = sequence, sequence.loss
+        for part in self.parts:
+            part.sequence = sequence
 
     @property
     def first(self) -> bool:
@@ -177,11 +228,16 @@ class Pipeline:
         if self.activation_width is None:
             self._schedule = make(None)
 
-    def _examples(self, inputs: torch.Tensor) -> list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]]:
+    def _examples(
+        self, inputs: torch.Tensor, given: dict[str, torch.Tensor]
+    ) -> list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]]:
         """Each of this rank's stages' example inputs and outputs for one micro-batch of ``inputs`` (the step's
-        rows joined): [Note: stage shapes given, not inferred]. A stage that takes more than the hidden states (the
-        routers' sums, [Note: the router's loss across stages]) says what beside them (``carried_examples``)."""
-        micro = inputs[: inputs.shape[0] // self._micro_batches]
+        rows joined), given the first micro-batch's share of ``given``: [Note: stage shapes given, not inferred]. A
+        stage that takes more than the hidden states (the routers' sums, [Note: the router's loss across stages])
+        says what beside them (``carried_examples``)."""
+        rows = inputs.shape[0] // self._micro_batches
+        micro = inputs[:rows]
+        kwargs = {k: v[:rows] for k, v in given.items()}
         hidden = (micro.shape[0], micro.shape[1], self.activation_width)
         out = []
         on_device = self._device.type != "cpu"  # the CPU generator is forked always
@@ -196,16 +252,16 @@ class Pipeline:
                     args = (x, *(carried(self._device) if carried is not None else ()))
                     # torch sends a gradient back for what its example says requires one: every float activation
                     args = tuple(a.requires_grad_() for a in args)
-                result = part(*args)
+                result = part(*args, **kwargs)
                 outputs = result if isinstance(result, tuple) else (result,)
                 out.append((args, tuple(o.requires_grad_() for o in outputs)))
         return out
 
-    def _schedule_for(self, inputs: torch.Tensor, train: bool) -> Any:
+    def _schedule_for(self, inputs: torch.Tensor, given: dict[str, torch.Tensor], train: bool) -> Any:
         if self.activation_width is None:
             return self._schedule
         if train not in self._schedules:
-            self._schedules[train] = self._make_schedule(self._examples(inputs))
+            self._schedules[train] = self._make_schedule(self._examples(inputs, given))
         return self._schedules[train]
 
     def knows_shapes(self, train: bool) -> bool:
@@ -218,8 +274,8 @@ class Pipeline:
         ``schedule.eval``; the caller disables gradients); the sum of their losses divided by their count on the last
         stage's rank (the mean loss), None elsewhere."""
         pairs = [split_micro_batch(b) for b in micro_batches]
-        inputs = _join([x for x, _ in pairs], "inputs").to(self._device)
-        labels = _join([y for _, y in pairs], "labels").to(self._device)
+        _check_one_shape([x for x, _ in pairs], "inputs")
+        _check_one_shape([y for _, y in pairs], "labels")
         shapes = (tuple(pairs[0][0].shape), tuple(pairs[0][1].shape))
         first = self._shapes.setdefault(train, shapes)
         if shapes != first:
@@ -230,18 +286,50 @@ class Pipeline:
                 f"{first[0]} and {first[1]}: the stages exchange activations of the shapes of the first {what}; pad "
                 "every micro-batch to one shape (the same rows and sequence length)"
             )
+        inputs, labels, given = self._prepare(micro_batches, pairs)
         args = (inputs,) if self.first else ()
-        schedule = self._schedule_for(inputs, train)
+        schedule = self._schedule_for(inputs, given, train)
         run = schedule.step if train else schedule.eval
         self._training, self._unscaled = train, {}
         if self.last:
             losses: list[torch.Tensor] = []
-            run(*args, target=labels, losses=losses)
+            run(*args, target=labels, losses=losses, **given)
             mean = torch.stack([self._unscaled[id(x)] for x in losses]).sum()
             self._unscaled = {}
             return mean
-        run(*args)
+        run(*args, **given)
         return None
 
+    def _prepare(
+        self, micro_batches: list[Any], pairs: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """The step's inputs and labels, its micro-batches' rows joined, and what every stage is given beside them
+        (joined likewise; torch's schedule cuts them again per micro-batch): each micro-batch's position ids, and
+        under a sequence split this rank's share of each."""
+        positions = [micro_batch_positions(b) for b in micro_batches]
+        if any(p is not None for p in positions) and not all(
+            getattr(part, "takes_position_ids", False) for part in self.parts
+        ):
+            raise ConfigError(
+                f"position_ids in the micro-batches of a pipeline of {type(self.parts[0]).__name__}: built for "
+                "Hugging Face Llama-family stages; give (inputs, labels) only"
+            )
+        if any(p is None for p in positions) and any(p is not None for p in positions):
+            raise ConfigError(
+                "position_ids in some micro-batches of a pipeline step and not in others: give all or none"
+            )
+        device = self._device
+        if self.sequence is not None:
+            shares = [
+                self.sequence.prepare(x.to(device), y.to(device), None if p is None else p.to(device))
+                for (x, y), p in zip(pairs, positions)
+            ]
+        else:
+            shares = [(x, y, {} if p is None else {POSITION_KEY: p}) for (x, y), p in zip(pairs, positions)]
+        inputs = _join([x for x, _, _ in shares], "inputs").to(device)
+        labels = _join([y for _, y, _ in shares], "labels").to(device)
+        given = {k: _join([g[k] for _, _, g in shares], k).to(device) for k in shares[0][2]}
+        return inputs, labels, given
 
-__all__ = ["Pipeline", "check_micro_batches", "split_micro_batch"]
+
+__all__ = ["Pipeline", "SequenceShare", "check_micro_batches", "micro_batch_positions", "split_micro_batch"]

@@ -227,8 +227,12 @@ def install_hf(
         if torch.is_tensor(getattr(module, "sinks", None)):
             raise ConfigError(f"{what} has attention sinks, which context attention does not apply yet")
 
+        # a pipeline stage hands its micro-batch's split to every layer ([Note: a sequence split in a pipeline] in
+        # engine/pipeline_sequence.py): kept with the layer's inputs, so a layer recomputed in backward reads its own
+        given = kwargs.get("context_split")
+
         def attend(q, k, v):
-            split = current()
+            split = given if given is not None else current()
             refuse_eager_rows_without_keys(split, inner, what)
             return context_attention(q, k, v, comm, split, scaling, what, window)
 
