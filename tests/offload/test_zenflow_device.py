@@ -1,0 +1,186 @@
+"""ZenFlow on a GPU ([Note: ZenFlow on the device] in shardtrain/offload/zenflow_device.py), driven on the CPU: the
+device's choice of streams is replaced where it is made (``zenflow_device.zenflow_streams``) by a fake whose copies
+run only when an event after them is waited for, on the host or by the compute stream, as a CUDA stream would have
+run them by then; a copy's destination holds NaN until it has run, so a reader that did not wait changes the
+numbers. Training through the fake is bitwise the CPU path of the same rule, at worlds 1 and 3, with and without
+``overlap_step``, in bf16 and fp32; after warm-up the training thread never waits for a copy; dropping either kind
+of wait breaks parity."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import shardtrain
+from shardtrain.offload import zenflow_device
+from shardtrain.testing import run_distributed
+from test_zenflow import RECIPE, RULE, zenflow_config
+
+from helpers.parity import Recipe, global_micro_batches, make_model, make_optimizer, train_step
+
+STEPS = 8  # warm-up 2; selections at u = 1 and 5; host updates at u = 2, 4, 6
+
+
+class FakeStreams:
+    """:class:`~shardtrain.offload.zenflow_device.ZenFlowStreams` on the CPU. ``log``: ("copy", stream, n) as a
+    copy is queued, ("ran", stream, n) as it runs, ("wait" | "device_wait", stream, n, thread name, phase) for each
+    wait; ``drop``: the kind of wait that does nothing (the test that a missing wait is caught); ``phase``: set by
+    the test (the step being trained)."""
+
+    pins = False
+
+    def __init__(self, drop: str | None = None) -> None:
+        self.drop, self.phase = drop, -1
+        self.log: list[tuple] = []
+        self.pending: dict[str, list] = {"d2h": [], "h2d": []}
+        self.issued = {"d2h": 0, "h2d": 0}
+        self.ran = {"d2h": 0, "h2d": 0}
+        self.lock = threading.RLock()  # the accumulating and host-update threads wait too
+
+    def mark(self) -> tuple[str, int]:
+        return ("compute", 0)
+
+    def _queue(self, stream: str, dst: torch.Tensor, src: torch.Tensor) -> None:
+        with self.lock:
+            dst.fill_(float("nan"))  # not written until the copy has run
+            self.pending[stream].append(lambda: dst.copy_(src))
+            self.issued[stream] += 1
+            self.log.append(("copy", stream, self.issued[stream]))
+
+    def to_host(self, dst: torch.Tensor, src: torch.Tensor, after) -> None:
+        self._queue("d2h", dst, src)
+
+    def to_device(self, dst: torch.Tensor, src: torch.Tensor, after) -> None:
+        self._queue("h2d", dst, src)
+
+    def record(self, stream: str) -> tuple[str, int]:
+        with self.lock:
+            return (stream, self.issued[stream])
+
+    def _wait(self, kind: str, event: tuple[str, int]) -> None:
+        stream, upto = event
+        with self.lock:
+            self.log.append((kind, stream, upto, threading.current_thread().name, self.phase))
+            if kind == self.drop or stream == "compute":
+                return
+            while self.ran[stream] < upto:
+                self.pending[stream].pop(0)()
+                self.ran[stream] += 1
+                self.log.append(("ran", stream, self.ran[stream]))
+
+    def wait(self, event) -> None:
+        self._wait("wait", event)
+
+    def device_wait(self, event) -> None:
+        self._wait("device_wait", event)
+
+
+def train(rule: dict, precision: dict, fake: bool, drop: str | None = None) -> dict:
+    """Runs on every rank: ZenFlow at stage 2 with the device path through the fake (``fake``), else the CPU path."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    streams = FakeStreams(drop) if fake else None
+    if fake:
+        zenflow_device.zenflow_streams = lambda device: streams  # this worker process only
+    recipe = Recipe(steps=STEPS, gas=1, micro=RECIPE.micro, clip=RECIPE.clip, lr=RECIPE.lr)
+    model = make_model(recipe)
+    config = {**zenflow_config(rule), **precision}
+    engine = shardtrain.initialize(model, config=config, optimizer=make_optimizer(model, recipe))
+    step = engine._optimizer.zenflow
+    assert isinstance(step, zenflow_device.DeviceZenFlowStep) == fake
+    batches = global_micro_batches(recipe, dist.get_world_size())
+    losses = []
+    for t in range(STEPS):
+        if streams is not None:
+            streams.phase = t
+        losses.append(train_step(engine, recipe, batches, t, rank))
+    out = {"losses": losses, "params": engine.full_state_dict()}
+    if streams is not None:
+        out["log"] = streams.log
+        out["left"] = {s: streams.issued[s] - streams.ran[s] for s in streams.issued}
+    engine.close()
+    return out
+
+
+def _check_waits(log: list, warm_up: int) -> None:
+    """Every copy ran before the run ended, each because a wait after it asked for it; the training thread waited
+    for a copy only in warm-up steps (plain offload)."""
+    copies = [e for e in log if e[0] == "copy"]
+    ran = {(e[1], e[2]) for e in log if e[0] == "ran"}
+    assert copies and all((e[1], e[2]) in ran for e in copies), "a copy never ran"
+    waits = [e for e in log if e[0] in ("wait", "device_wait")]
+    assert {e[1] for e in waits if e[0] == "wait"} == {"d2h", "h2d"}  # gradients down; landings before H rewritten
+    assert any(e[0] == "device_wait" and e[1] == "h2d" for e in waits)  # landings before the compute stream reads
+    training = [e for e in waits if e[0] == "wait" and e[3] == threading.main_thread().name]
+    assert training and all(e[4] < warm_up for e in training), training
+    assert any(e[0] == "wait" and e[3].startswith("zenflow-accumulate") for e in waits)
+
+
+@pytest.mark.parametrize(
+    ("world", "overlap", "precision"),
+    [(1, True, {}), (1, False, {"bf16": {"enabled": True}}), (3, True, {"bf16": {"enabled": True}})],
+)
+def test_the_device_path_is_bitwise_the_cpu_path(world, overlap, precision):
+    """Losses and parameters after 8 steps (warm-up, two selections, three host updates) equal the CPU path's bit
+    for bit; every copy's wait is recorded, and after warm-up only the side threads wait for copies."""
+    rule = {**RULE, "overlap_step": overlap}
+    cpu = run_distributed(train, world, rule, precision, False)
+    device = run_distributed(train, world, rule, precision, True)
+    for name, value in cpu[0]["params"].items():  # rank 0 holds the full state dict
+        assert torch.equal(device[0]["params"][name], value), name
+    for c, d in zip(cpu, device):
+        assert d["losses"] == c["losses"]
+        assert d["left"] == {"d2h": 0, "h2d": 0}
+        _check_waits(d["log"], RULE["full_warm_up_rounds"])
+
+
+@pytest.mark.parametrize("drop", ["wait", "device_wait"])
+def test_a_missing_wait_breaks_parity(drop):
+    """The fake is strict: the accumulating thread reading its staging buffer without waiting for the copy
+    (``wait``), or the compute stream using a landing's buffer without waiting for it (``device_wait``), puts NaN
+    into the weights."""
+    rule = {**RULE, "overlap_step": True}
+    (out,) = run_distributed(train, 1, rule, {}, True, drop)
+    assert not all(torch.isfinite(v).all() for v in out["params"].values())
+
+
+def test_update_interval_auto_on_the_device_path_is_bitwise_the_cpu_path():
+    """``update_interval: "auto"`` through the fake gives the CPU path's weights ([Note: update_interval "auto"])."""
+    rule = {**RULE, "update_interval": "auto", "topk_ratio": 0.1, "select_interval": 8, "overlap_step": True}
+    cpu = run_distributed(train, 1, rule, {}, False)
+    device = run_distributed(train, 1, rule, {}, True)
+    assert device[0]["losses"] == cpu[0]["losses"]
+    for name, value in cpu[0]["params"].items():
+        assert torch.equal(device[0]["params"][name], value), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_the_device_path_trains_near_the_cpu_rule():
+    """On a real GPU (CUDA streams and events): ZenFlow at world 1 against the CPU path of the same rule, to the
+    rounding of the GPU's Adam and matmuls."""
+
+    def run(fake_device: bool) -> dict:
+        return run_distributed(_train_on, 1, "cuda" if fake_device else "cpu")[0]
+
+    gpu, cpu = run(True), run(False)
+    for name, value in cpu["params"].items():
+        torch.testing.assert_close(gpu["params"][name].cpu(), value, rtol=0, atol=5e-4, msg=name)
+
+
+def _train_on(device: str) -> dict:
+    import torch.distributed as dist
+
+    recipe = Recipe(steps=STEPS, gas=1, micro=RECIPE.micro, clip=RECIPE.clip, lr=RECIPE.lr)
+    model = make_model(recipe)
+    config = {**zenflow_config({**RULE, "overlap_step": True}), "device": device}
+    engine = shardtrain.initialize(model, config=config, optimizer=make_optimizer(model, recipe))
+    assert isinstance(engine._optimizer.zenflow, zenflow_device.DeviceZenFlowStep) == (device == "cuda")
+    batches = global_micro_batches(recipe, dist.get_world_size())
+    losses = [train_step(engine, recipe, batches, t, 0) for t in range(STEPS)]
+    out = {"losses": losses, "params": {k: v.cpu() for k, v in engine.full_state_dict().items()}}
+    engine.close()
+    return out
