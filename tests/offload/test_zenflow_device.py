@@ -182,3 +182,56 @@ def _train_on(device: str) -> dict:
     out = {"losses": losses, "params": {k: v.cpu() for k, v in engine.full_state_dict().items()}}
     engine.close()
     return out
+
+
+def _held(rule: dict) -> dict:
+    """Runs on one rank: the bytes the device path holds after a few steps, by where they live."""
+    import torch.distributed as dist
+
+    zenflow_device.zenflow_streams = lambda device: FakeStreams()
+    recipe = Recipe(steps=3, gas=1, micro=RECIPE.micro, clip=RECIPE.clip, lr=RECIPE.lr)
+    model = make_model(recipe)
+    config = {**zenflow_config(rule), "bf16": {"enabled": True}}
+    engine = shardtrain.initialize(model, config=config, optimizer=make_optimizer(model, recipe))
+    batches = global_micro_batches(recipe, dist.get_world_size())
+    for t in range(recipe.steps):
+        train_step(engine, recipe, batches, t, 0)
+    zf = engine._optimizer.zenflow
+    zf.settle(land=False)
+
+    def nbytes(tensors) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def state(twin) -> list[torch.Tensor]:
+        return [v for st in twin.state.values() for v in st.values() if torch.is_tensor(v) and v.dim()]
+
+    out = {
+        "selected": nbytes(zf.picked) + nbytes(state(zf.device)),
+        "host_state": nbytes(zf.masters) + nbytes(state(zf.host)),
+        "host_grads": nbytes(zf.accum + zf.spare) + sum(nbytes(s) for s in zf._staging if s is not None),
+        "masters": nbytes(engine._optimizer.stepped_tensors()),
+    }
+    engine.close()
+    return out
+
+
+def test_the_planner_counts_the_buffers_the_device_path_holds():
+    """``shardtrain estimate`` for a ZenFlow config on CUDA ([Note: ZenFlow in the estimate]): the selected columns
+    and their moments on the device, the host masters and moments, the accumulators and staging buffers on the host
+    equal, byte for byte, what the engine holds after three steps (world 1: the rank holds whole weights, so the
+    selected elements are exact); S, the fp32 masters, stays on the device."""
+    from shardtrain.estimate import estimate_memory
+
+    rule = {**RULE, "full_warm_up_rounds": 0, "overlap_step": True}
+    (held,) = run_distributed(_held, 1, rule)
+    config = {**zenflow_config(rule), "bf16": {"enabled": True}}
+    recipe = Recipe(steps=3, gas=1, micro=RECIPE.micro, clip=RECIPE.clip, lr=RECIPE.lr)
+    est = estimate_memory(lambda: make_model(recipe), config, world_size=1, device_type="cuda", activations=False)
+    assert {k: est.state.zenflow[k] for k in ("selected", "host_state", "host_grads")} == {
+        k: held[k] for k in ("selected", "host_state", "host_grads")
+    }
+    assert est.state.optimizer["device"] == held["masters"]
+    rows = {r.component: (r.where, r.nbytes) for r in est.rows}
+    assert rows["ZenFlow: selected columns (fp32 + moments)"] == ("device", held["selected"])
+    assert rows["ZenFlow: gradient accumulators (double-buffered) + staging"] == ("host", held["host_grads"])
+    assert "gradients (fp32 host copies for the host step)" not in rows  # plain offload's copies are not made
