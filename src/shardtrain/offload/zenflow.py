@@ -355,6 +355,9 @@ class ZenFlowStep:
         """Member ``k``'s selected elements and its device-twin state (``state``: compact, or empty)."""
         old = self.picked[k]
         self.device.state.pop(old, None)
+        here = self.flat[k].device  # a checkpoint's tensors are read on the host
+        selected = selected.to(here)
+        state = {key: v.to(here) if torch.is_tensor(v) and v.dim() else v for key, v in state.items()}
         self.selected[k] = selected
         self.picked[k] = self.flat[k][selected].clone()
         params = self.device.param_groups[self.group_of[k]]["params"]

@@ -109,12 +109,11 @@ class DeviceZenFlowStep(ZenFlowStep):
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="zenflow-host")  # the host update, waited for
         self._before_host_write: list[Any] = []  # events the next host update waits for before it writes H
-        self._interval: Future | None = None
 
     # -- gradients down --------------------------------------------------------------------------------------------
 
-    def _stage(self, grads: list[torch.Tensor | None]) -> tuple[list[torch.Tensor], Any]:
-        """This step's gradients copied down into a staging buffer; returns it and the copy's event."""
+    def _stage(self, grads: list[torch.Tensor | None]) -> tuple[int, list[torch.Tensor], Any]:
+        """This step's gradients copied down into a staging buffer; returns its slot, it and the copy's event."""
         slot = self._parity
         self._parity ^= 1
         if self._staging[slot] is None:
@@ -131,10 +130,10 @@ class DeviceZenFlowStep(ZenFlowStep):
         for k, g in enumerate(snapshots):
             if g is not None:
                 self.streams.to_host(staging[k], g, after)
-        return staging, self.streams.record("d2h")
+        return slot, staging, self.streams.record("d2h")
 
     def _accumulate(self, grads: list[torch.Tensor | None]) -> None:
-        staging, copied = self._stage(grads)
+        slot, staging, copied = self._stage(grads)
         present = [g is not None for g in grads]
 
         def add() -> None:
@@ -143,14 +142,14 @@ class DeviceZenFlowStep(ZenFlowStep):
                 if here:
                     self.accum[k].add_(staging[k])
 
-        self._staged[self._parity ^ 1] = self._accumulating.submit(add)
+        self._staged[slot] = self._accumulating.submit(add)
         for k, here in enumerate(present):
             self.touched[k] = self.touched[k] or here
 
     def _warm_up(self, grads: list[torch.Tensor | None]) -> None:
-        staging, copied = self._stage(grads)
+        slot, staging, copied = self._stage(grads)
         self.streams.wait(copied)  # plain offload: the host steps this step's gradients now
-        self._staged[self._parity ^ 1] = None
+        self._staged[slot] = None
         self._write_host(
             lambda: self._host_update([s if g is not None else None for s, g in zip(staging, grads)], self.steps)
         )
