@@ -105,6 +105,11 @@ def train(rule: dict, precision: dict, fake: bool, drop: str | None = None) -> d
     return out
 
 
+def both_paths(rule: dict, precision: dict) -> tuple[dict, dict]:
+    """Runs on every rank: the CPU path, then the device path through the fake (one process start for both)."""
+    return train(rule, precision, False), train(rule, precision, True)
+
+
 def _check_waits(log: list, warm_up: int) -> None:
     """Every copy ran before the run ended, each because a wait after it asked for it; the training thread waited
     for a copy only in warm-up steps (plain offload)."""
@@ -127,8 +132,7 @@ def test_the_device_path_is_bitwise_the_cpu_path(world, overlap, precision):
     """Losses and parameters after 8 steps (warm-up, two selections, three host updates) equal the CPU path's bit
     for bit; every copy's wait is recorded, and after warm-up only the side threads wait for copies."""
     rule = {**RULE, "overlap_step": overlap}
-    cpu = run_distributed(train, world, rule, precision, False)
-    device = run_distributed(train, world, rule, precision, True)
+    cpu, device = zip(*run_distributed(both_paths, world, rule, precision))
     for name, value in cpu[0]["params"].items():  # rank 0 holds the full state dict
         assert torch.equal(device[0]["params"][name], value), name
     for c, d in zip(cpu, device):
@@ -150,8 +154,7 @@ def test_a_missing_wait_breaks_parity(drop):
 def test_update_interval_auto_on_the_device_path_is_bitwise_the_cpu_path():
     """``update_interval: "auto"`` through the fake gives the CPU path's weights ([Note: update_interval "auto"])."""
     rule = {**RULE, "update_interval": "auto", "topk_ratio": 0.1, "select_interval": 8, "overlap_step": True}
-    cpu = run_distributed(train, 1, rule, {}, False)
-    device = run_distributed(train, 1, rule, {}, True)
+    cpu, device = zip(*run_distributed(both_paths, 1, rule, {}))
     assert device[0]["losses"] == cpu[0]["losses"]
     for name, value in cpu[0]["params"].items():
         assert torch.equal(device[0]["params"][name], value), name
