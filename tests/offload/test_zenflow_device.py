@@ -161,30 +161,46 @@ def test_update_interval_auto_on_the_device_path_is_bitwise_the_cpu_path():
 
 
 @pytest.mark.gpu
-def test_on_a_gpu_the_device_path_trains_near_the_cpu_rule(monkeypatch):
-    """On a real GPU (CUDA streams, events and pinned memory): ZenFlow at world 1 against the CPU path of the same
-    rule, to the rounding of the GPU's Adam and matmuls."""
-    gpu = run_distributed(_train_on, 1, "cuda")[0]
-    monkeypatch.setenv("SHARDTRAIN_DEVICE", "cpu")  # the reference's rank on the CPU, under gloo
-    cpu = run_distributed(_train_on, 1, "cpu")[0]
+def test_on_a_gpu_the_device_path_trains_as_the_cpu_path(monkeypatch):
+    """On a real GPU (CUDA streams, events, page-locked host buffers): ZenFlow at world 1 against the CPU path of
+    the same rule, each weight within 1% of what training moved it (the GPU's matmuls and Adam round otherwise);
+    the selected columns and their moments on the GPU, the host masters page-locked."""
+    gpu = run_distributed(_train_on, 1, "cuda", init_process_group=False, timeout=300)[0]
+    monkeypatch.setenv("SHARDTRAIN_DEVICE", "cpu")  # the reference on the CPU
+    cpu = run_distributed(_train_on, 1, "cpu", init_process_group=False, timeout=300)[0]
+    assert gpu["where"] == {"picked": {"cuda"}, "masters": {"cpu"}, "pinned": True}
     assert all(abs(a - b) <= 1e-3 * abs(b) for a, b in zip(gpu["losses"], cpu["losses"])), (gpu, cpu)
     for name, value in cpu["params"].items():
-        torch.testing.assert_close(gpu["params"][name], value, rtol=0, atol=5e-4, msg=name)
+        moved = (value - cpu["initial"][name]).norm()
+        assert (gpu["params"][name] - value).norm() <= 1e-2 * moved + 1e-6, name
 
 
 def _train_on(device: str) -> dict:
-    import torch.distributed as dist
+    from shardtrain.distributed.mesh import ensure_process_group
 
+    ensure_process_group(300.0)
     recipe = Recipe(steps=STEPS, gas=1, micro=RECIPE.micro, clip=RECIPE.clip, lr=RECIPE.lr)
     model = make_model(recipe)
+    initial = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
     config = {**zenflow_config({**RULE, "overlap_step": True}), "device": device}
     engine = shardtrain.initialize(model, config=config, optimizer=make_optimizer(model, recipe))
-    assert isinstance(engine._optimizer.zenflow, zenflow_device.DeviceZenFlowStep) == (device == "cuda")
-    batches = global_micro_batches(recipe, dist.get_world_size())
-    losses = [train_step(engine, recipe, batches, t, 0) for t in range(STEPS)]
-    out = {"losses": losses, "params": {k: v.cpu() for k, v in engine.full_state_dict().items()}}
+    zf = engine._optimizer.zenflow
+    assert isinstance(zf, zenflow_device.DeviceZenFlowStep) == (device == "cuda")
+    losses = []
+    for step in range(STEPS):
+        x, y = global_micro_batches(recipe, 1)[step]
+        loss = engine(x.to(engine.device), y.to(engine.device))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    where = {
+        "picked": {t.device.type for t in zf.picked},
+        "masters": {t.device.type for t in zf.masters},
+        "pinned": all(t.is_pinned() for t in zf.masters if t.numel()),
+    }
+    params = {k: v.detach().float().cpu() for k, v in engine.full_state_dict().items()}
     engine.close()
-    return out
+    return {"losses": losses, "params": params, "initial": initial, "where": where}
 
 
 def _held(rule: dict) -> dict:

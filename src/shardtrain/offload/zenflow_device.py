@@ -18,8 +18,10 @@ gradients come down into (all page-locked where the device pins). The orderings:
   host update waits for it too before it rewrites ``H``.
 * Warm-up (plain offload): the host waits for each step's gradients to come down, steps, and ``S = H`` goes up as a
   landing does.
-Nothing else makes the host wait for the device ("auto" adds its decision's read: [Note: update_interval "auto"] in
-:mod:`shardtrain.offload.zenflow`). The numbers are the CPU path's: the same tensors meet the same operations.
+Besides, a selection step reads the device once (``nonzero``: how many elements the chosen columns hold), and
+"auto" reads its decision's sums every step ([Note: update_interval "auto"] in :mod:`shardtrain.offload.zenflow`);
+nothing else makes the host wait for the device. The numbers are the CPU path's: the same tensors meet the same
+operations.
 """
 
 from __future__ import annotations
