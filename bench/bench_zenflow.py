@@ -76,12 +76,13 @@ ZENFLOW = {
 }
 
 
-def compare(steps: int, layers: int, tail: int, seed: int = 0) -> dict:
-    """Both runs; the tail means, the gap and the corpus entropy."""
+def compare(steps: int, layers: int, tail: int, seed: int = 0, update_interval: int | str = 4) -> dict:
+    """Both runs; the tail means, the gap and the corpus entropy. ``update_interval``: ZenFlow's (``"auto"``:
+    DeepSpeed's adaptive interval)."""
     from shardtrain.models.markov import MarkovCorpus
 
     sync, sync_s = train(None, steps, layers, seed)
-    zen, zen_s = train(ZENFLOW, steps, layers, seed)
+    zen, zen_s = train({**ZENFLOW, "update_interval": update_interval}, steps, layers, seed)
     tail = min(tail, steps)
     sync_tail, zen_tail = statistics.mean(sync[-tail:]), statistics.mean(zen[-tail:])
     drop = sync[0] - sync_tail
@@ -102,13 +103,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--tail", type=int, default=50, help="steps averaged at the end of each run")
+    parser.add_argument("--update-interval", default="4", help='ZenFlow\'s update_interval: steps, or "auto"')
     args = parser.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    r = compare(args.steps, args.layers, args.tail)
+    update = args.update_interval if args.update_interval == "auto" else int(args.update_interval)
+    r = compare(args.steps, args.layers, args.tail, update_interval=update)
     print(f"steps {args.steps}, layers {args.layers}, loss mean of the last {args.tail} steps")
     print("| run | final loss | s/step |\n|---|---|---|")
     print(f"| synchronous CPU offload | {r['sync']:.4f} | {r['sync_s']:.3f} |")
-    print(f"| zenflow (topk 0.1, update 4, overlap) | {r['zenflow']:.4f} | {r['zenflow_s']:.3f} |")
+    print(f"| zenflow (topk 0.1, update {update}, overlap) | {r['zenflow']:.4f} | {r['zenflow_s']:.3f} |")
     print(f"first loss {r['first']:.4f}, corpus entropy {r['entropy']:.4f}")
     print(f"gap zenflow - sync: {r['gap']:+.4f} ({100 * r['gap_of_drop']:+.1f}% of the synchronous run's drop)")
     print(

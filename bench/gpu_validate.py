@@ -22,6 +22,10 @@ Variants (``--variants``, comma-separated; default all):
   memory (or every unit in swap files under the temporary directory), each copied to the GPU on a side stream before
   its gather ([Note: parameter uploads]), beside ``stage3:offload``'s optimizer offload (parameter offload alone is
   refused on CUDA). On the CPU ``cpu`` has no effect (the shards are in host memory already); ``nvme`` runs.
+* ``stage2:offload:zenflow``: stall-free offload (DeepSpeed's ZenFlow example section: ``topk_ratio`` 0.1,
+  ``update_interval`` 4, ``overlap_step``): the top tenth of each weight's columns and their Adam state on the GPU
+  every step, the rest accumulated and stepped on the host in a thread ([Note: ZenFlow on the device]); its losses
+  part from ``plain``'s by the rule's staleness, within the tolerance over these few steps.
 * ``stage2:offload-partial``: DeepSpeed's partial offload (``offload_optimizer.ratio`` 0.25, sub-groups of 50M
   elements): the first quarter of the state is stepped on the host, the rest on the GPU. On the CPU the ratio has no
   effect (everything is in host memory already), so there it runs as ``stage2:offload``.
@@ -106,6 +110,7 @@ VARIANTS = (
     "stage3:inductor",
     "stage3:host",
     "stage2:offload",
+    "stage2:offload:zenflow",
     "stage2:offload-partial",
     "stage3:offload",
     "stage3:offload-param",
@@ -196,6 +201,8 @@ def engine_config(variant: str, micro_batch: int, device: torch.device) -> dict[
         zero["offload_param"] = {"device": "nvme" if nvme else "cpu"}
         if nvme:
             zero["offload_param"].update(nvme_path=tempfile.gettempdir(), max_in_cpu=0)
+    if variant.endswith(":zenflow"):  # stall-free offload: DeepSpeed's example section (docs/offload.md#zenflow)
+        zero["zenflow"] = {"topk_ratio": 0.1, "update_interval": 4, "overlap_step": True}
     if variant.endswith(":offload-partial"):  # DeepSpeed's partial offload: a quarter of the state on the host
         zero["offload_optimizer"]["ratio"] = PARTIAL_RATIO
         zero["sub_group_size"] = PARTIAL_SUB_GROUP

@@ -737,6 +737,7 @@ def _zenflow_trace(steps: int, **rule: Any) -> list[dict]:
     _Z + "zenflow.update_interval",
     _Z + "zenflow.overlap_step",
     _Z + "zenflow.full_warm_up_rounds",
+    _Z + "zenflow.auto_ratio",
 )
 def _zenflow(tmp: Path) -> None:
     adamw = {"optimizer": lambda p: torch.optim.AdamW(p, lr=1e-2)}
@@ -750,6 +751,9 @@ def _zenflow(tmp: Path) -> None:
     assert [t["selected"] for t in _zenflow_trace(3, full_warm_up_rounds=2)] == [0, 0, 3 * 64]  # 0.1 x 32
     # update_interval: gradients accumulate for that many steps, then the host update restarts the sum
     assert [t["accumulated"] for t in _zenflow_trace(3, update_interval=3)] == [1, 2, 0]
+    # update_interval "auto" with auto_ratio: 0 asks no weight to call for it (a host update every step); 1 asks all
+    assert [t["accumulated"] for t in _zenflow_trace(3, update_interval="auto", auto_ratio=0.0)] == [0, 0, 0]
+    assert [t["accumulated"] for t in _zenflow_trace(3, update_interval="auto", auto_ratio=1.0)] != [0, 0, 0]
     # overlap_step: the host update is still to land after its step, instead of landing at once
     assert [t["landing"] for t in _zenflow_trace(2, overlap_step=True)] == [False, True]
     assert [t["landing"] for t in _zenflow_trace(2)] == [False, False]

@@ -55,6 +55,10 @@ class ReferenceZenFlow:
         self.compact: list[torch.Tensor] = []
         self.device: torch.optim.AdamW | None = None
         self.steps, self.landing = 0, False
+        self.summed = 0  # steps in the accumulator
+        self.updates: list[int] = []  # the steps (after warm-up) of each host update
+        two_d = sum(p.dim() == 2 for p in self.params)  # update_interval "auto": DeepSpeed's sums per 2-D weight
+        self.avg_critic, self.non_critic = [0.0] * two_d, [0.0] * two_d
 
     def _adamw(self, tensors: list[torch.Tensor]) -> torch.optim.AdamW:
         """make_optimizer's two groups: weight decay on matrices only."""
@@ -92,14 +96,37 @@ class ReferenceZenFlow:
                 p.copy_(self.compact[k])
         for a, g in zip(self.accum, grads):
             a.add_(g)
-        if u % r["update_interval"] == 0:
+        self.summed += 1
+        if r["update_interval"] == "auto":
+            due = self._auto_due(grads) or u % r["select_interval"] == 0
+        else:
+            due = u % r["update_interval"] == 0
+        if due:
+            self.updates.append(u)
             self._land()
-            self._host([a / r["update_interval"] for a in self.accum])
+            self._host([a / self.summed for a in self.accum])
+            self.summed = 0
             for a in self.accum:
                 a.zero_()
             self.landing = True
             if not r.get("overlap_step"):
                 self._land()
+
+    def _auto_due(self, grads: list[torch.Tensor]) -> bool:
+        """DeepSpeed 0.19.8's test (``_process_selected_fp32_groups_grad``), written out on whole gradients."""
+        r, k = self.rule["topk_ratio"], self.summed
+        two_d = [(k_, g) for k_, (p, g) in enumerate(zip(self.params, grads)) if p.dim() == 2]
+        over = 0
+        for j, (k_, g) in enumerate(two_d):
+            critic = g[:, self.cols[k_]].double().abs().sum().item()
+            total = g.double().abs().sum().item()
+            self.avg_critic[j] = (self.avg_critic[j] * (k - 1) + critic) / k / (r * 10)
+            self.non_critic[j] += (total - critic) / ((1 - r) * 10)
+            over += self.non_critic[j] >= self.avg_critic[j]
+        if over >= int(self.rule.get("auto_ratio", 0.99) * len(two_d)):
+            self.non_critic = [0.0] * len(two_d)
+            return True
+        return False
 
     def _host(self, grads: list[torch.Tensor]) -> None:
         """The host update at step ``self.steps``: Adam's bias correction of that step, as DeepSpeed's CPU Adam is
@@ -222,6 +249,31 @@ def test_state_after_n_steps_equals_the_reference_rule(world, overlap, tmp_path)
     assert not torch.allclose(plain["params"]["blocks.0.mlp.0.weight"], ref["params"]["blocks.0.mlp.0.weight"])
 
 
+def test_update_interval_auto_equals_the_reference_rule(tmp_path):
+    """``update_interval: "auto"`` (DeepSpeed's default, [Note: update_interval "auto"]) at world 2: the host
+    updates come when the unselected columns' gradient sums outweigh the selected ones' as DeepSpeed computes it
+    (written out in the reference), not every fixed number of steps; weights and host masters equal the reference."""
+    rule = {**RULE, "update_interval": "auto", "overlap_step": True, "topk_ratio": 0.1, "select_interval": 8}
+    ref_model = make_model(RECIPE)
+    ref = ReferenceZenFlow(ref_model, rule)
+    batches = global_micro_batches(RECIPE, 2)
+    for step in range(RECIPE.steps):
+        ref_model.zero_grad()
+        ref_model(*batches[step]).backward()
+        torch.nn.utils.clip_grad_norm_(ref.params, RECIPE.clip)
+        ref.step([p.grad for p in ref.params])
+    gaps = {b - a for a, b in zip([0, *ref.updates], ref.updates)}
+    assert len(ref.updates) >= 3 and len(gaps) > 1, ref.updates  # an adaptive interval, not a fixed one
+    out = run_distributed(engine_run, 2, rule, RECIPE.steps, str(tmp_path / "c"))
+    assert_near(out[0]["params"], {n: p.detach() for n, p in ref_model.named_parameters()})
+    saved = _saved(tmp_path / "c")
+    names = {id(p): n for n, p in ref_model.named_parameters()}
+    assert_near({names[id(p)]: saved[f"optim/{names[id(p)]}/zenflow_master"] for p in ref.params},
+                {names[id(p)]: m for p, m in zip(ref.params, ref.masters)})  # fmt: skip
+    fixed = reference_run(2, {**rule, "update_interval": 2, "select_interval": 8})
+    assert not torch.equal(fixed["params"]["blocks.0.mlp.0.weight"], out[0]["params"]["blocks.0.mlp.0.weight"])
+
+
 def test_checkpoint_with_a_host_update_in_flight_resumes_bitwise(tmp_path):
     """Saved after step 5 at world 2 (warm-up 2, so u = 3): the host update submitted at u = 2 is in flight, one
     step's gradients wait in the accumulator, and the columns selected at u = 1 carry the device twin's moments. The
@@ -256,8 +308,8 @@ def test_checkpoint_loads_at_another_world_size(tmp_path):
     [
         ({"update_interval": 2, "topk_ratio": 1.0}, "zenflow.topk_ratio"),
         ({"update_interval": 0}, "zenflow.update_interval"),
-        ({"topk_ratio": 0.1}, 'update_interval: DeepSpeed\'s default "auto"'),
-        ({"update_interval": "auto"}, "zenflow.update_interval"),
+        ({"update_interval": "often"}, "zenflow.update_interval"),
+        ({"update_interval": "auto", "auto_ratio": 1.5}, "zenflow.auto_ratio"),
         ({"update_interval": 4, "select_strategy": "step", "select_interval": 6}, "not a multiple of update_interval"),
         ({"update_interval": 4, "select_strategy": "step"}, 'select_strategy "step" needs a whole number'),
         ({"update_interval": 4, "select_interval": 8}, 'with select_strategy "auto"'),
@@ -293,11 +345,17 @@ def test_what_does_not_compose_is_refused_by_name(change, named):
         resolve_plan(load_config(config), 2)
 
 
-def test_cuda_is_refused_by_name_until_built():
-    from shardtrain.config.plan import resolve_plan
+def test_config_check_on_cuda_accepts_zenflow(tmp_path):
+    """ZenFlow is built on CUDA ([Note: ZenFlow on the device] in shardtrain/offload/zenflow_device.py):
+    ``config check --device cuda`` on DeepSpeed's example ZenFlow config exits 0 (it refused before)."""
+    import shutil
 
-    with pytest.raises(ConfigError, match="zenflow on CUDA is not built"):
-        resolve_plan(load_config(zenflow_config({"update_interval": 2})), 1, "cuda")
+    from shardtrain.cli import main
+
+    path = tmp_path / "zf.json"
+    shutil.copy(Path(__file__).parents[1] / "data/ds_configs/dsexamples__zenflow_zf_config.json", path)
+    assert main(["config", "check", str(path), "-q", "--device", "cuda"]) == 0
+    assert main(["config", "check", str(path), "-q", "--device", "cpu"]) == 0
 
 
 def test_deepspeeds_zenflow_example_config_is_accepted():

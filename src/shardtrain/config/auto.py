@@ -139,6 +139,8 @@ def resolve_auto(
     zenflow = data.get("zero_optimization", {}).get("zenflow")
     if isinstance(zenflow, dict) and is_auto(zenflow.get("select_interval")):
         del zenflow["select_interval"]  # DeepSpeed's own "auto": ZenFlow's select_strategy "auto" gives its meaning
+    if isinstance(zenflow, dict) and is_auto(zenflow.get("update_interval")):
+        del zenflow["update_interval"]  # DeepSpeed's own "auto", the default: the adaptive interval
     _resolve_precision(data, values.get("precision"))
     _resolve_batch(data, dp)
     _resolve_sizes(data, model, values.get("hidden_size"))

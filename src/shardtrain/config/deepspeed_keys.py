@@ -736,7 +736,8 @@ RULES: tuple[Rule, ...] = (
     _supported(
         _Z + "zenflow",
         "section",
-        "stall-free offload (DeepSpeed's ZenFlow), stages 1-2 with `offload_optimizer.device` `cpu`: each step the "
+        "stall-free offload (DeepSpeed's ZenFlow), stages 1-2 with `offload_optimizer.device` `cpu`, on the CPU and "
+        "CUDA: each step the "
         "most important gradient columns update at once, the rest accumulate and update on the host every "
         "`update_interval` steps: docs/offload.md#zenflow",
     ),
@@ -760,8 +761,10 @@ RULES: tuple[Rule, ...] = (
     ),
     _supported(
         _Z + "zenflow.update_interval",
-        'int ≥ 1, required (DeepSpeed\'s default `"auto"`, an adaptive interval, is not built)',
+        'int ≥ 1 or `"auto"`; `"auto"`',
         "the other columns' gradients are averaged over this many steps and applied by the host optimizer then",
+        auto="DeepSpeed's adaptive interval: a host update when the other columns' gradients outweigh the selected "
+        "ones' in `auto_ratio` of the 2-D weights (docs/offload.md#zenflow)",
     ),
     _supported(
         _Z + "zenflow.overlap_step",
@@ -779,11 +782,10 @@ RULES: tuple[Rule, ...] = (
         False,
         "the selected columns' optimizer state in host memory is not built (it stays where the step runs)",
     ),
-    _no_effect(
+    _supported(
         _Z + "zenflow.auto_ratio",
-        "0 ≤ float ≤ 1",
-        "the threshold of the adaptive `update_interval`, which is not built",
-        check=_NUMBER,
+        "0 ≤ float ≤ 1, `0.99`",
+        'with `update_interval` `"auto"`: the fraction of 2-D weights that must call for a host update',
     ),
     _no_effect(
         _Z + "zenflow.pt_reserved_cores_perc",

@@ -96,7 +96,8 @@ def zenflow_policy(cfg: Config) -> ZenFlowPolicy | None:
     if zf is None:
         return None
     every = zf.select_interval if zf.select_strategy == "step" and isinstance(zf.select_interval, int) else 0
-    return ZenFlowPolicy(zf.topk_ratio, zf.update_interval or 1, every, zf.overlap_step, zf.full_warm_up_rounds)
+    update = 0 if zf.update_interval == "auto" else zf.update_interval  # 0: [Note: update_interval "auto"]
+    return ZenFlowPolicy(zf.topk_ratio, update, every, zf.overlap_step, zf.full_warm_up_rounds, zf.auto_ratio)
 
 
 def refuse_unbuilt_zenflow(cfg: Config, dims: ParallelDims) -> None:
@@ -325,11 +326,6 @@ def refuse_on_device(cfg: Config, device_type: str) -> None:
     (whose host step writes the host shards), in eager mode, without tensor or expert parallelism."""
     zcfg = cfg.zero_optimization
     param, opt = zcfg.offload_param, zcfg.offload_optimizer
-    if zcfg.zenflow is not None and device_type == "cuda":
-        raise ConfigError(
-            "zero_optimization.zenflow on CUDA is not built yet: the split step runs where the gradients and the "
-            "stepped tensors are (the CPU); remove zenflow for plain CPU offload on the GPU (docs/offload.md#zenflow)"
-        )
     if param.device == "none" or device_type != "cuda" or zcfg.stage != 3:
         return
     refused = [

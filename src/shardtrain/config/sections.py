@@ -157,21 +157,20 @@ class ZenFlowConfig(_Section):
     every epoch). Without a data loader in ``initialize`` an epoch has no length: selected once, as DeepSpeed does."""
     select_interval: Count | Auto | None = None
     """Steps (or epochs) between reselections; ``"auto"`` (or absent) only with ``select_strategy`` ``"auto"``."""
-    update_interval: Count | None = None
-    """Steps between host updates of the other columns (their gradients averaged over them). Required: DeepSpeed's
-    default, ``"auto"`` (an adaptive interval), is not built."""
+    update_interval: Count | Auto = "auto"
+    """Steps between host updates of the other columns (their gradients averaged over them); ``"auto"`` (DeepSpeed's
+    default): when the other columns' gradients outweigh the selected ones' ([Note: update_interval "auto"] in
+    :mod:`shardtrain.offload.zenflow`)."""
     overlap_step: bool = False
     """The host update runs in a thread while the next ``update_interval`` steps train; it lands one interval late."""
     full_warm_up_rounds: Size = 0
     """Steps of plain full updates before the split starts."""
+    auto_ratio: float = Field(default=0.99, ge=0, le=1)
+    """With ``update_interval`` ``"auto"``: the fraction of 2-D weights whose other columns must outweigh the
+    selected ones for a host update."""
 
     @model_validator(mode="after")
     def _intervals(self) -> ZenFlowConfig:
-        if self.update_interval is None:
-            raise ValueError(
-                'update_interval: DeepSpeed\'s default "auto" (an adaptive interval) is not built; give a whole number '
-                "of steps between host updates (DeepSpeed's examples use 4)"
-            )
         if self.select_strategy == "auto" and self.select_interval not in (None, "auto"):
             raise ValueError(
                 f'select_interval {self.select_interval} with select_strategy "auto" (which selects once per epoch, '
@@ -182,7 +181,7 @@ class ZenFlowConfig(_Section):
                 f'select_strategy "{self.select_strategy}" needs a whole number select_interval (DeepSpeed\'s rule), '
                 'got "auto"'
             )
-        if self.select_strategy == "step":
+        if self.select_strategy == "step" and self.update_interval != "auto":
             every, update = self.select_interval, self.update_interval
             if every < update or every % update:
                 raise ValueError(

@@ -59,7 +59,7 @@ from shardtrain.engine.monitor import TrainingMonitor
 from shardtrain.engine.pipeline_sequence import SequenceInPipeline
 from shardtrain.errors import ConfigError, LayoutError, RankMismatchError
 from shardtrain.expert_parallel import expert_weights, install_expert_parallel
-from shardtrain.offload import host_copies, param_uploads
+from shardtrain.offload import host_copies, param_uploads, zenflow_device
 from shardtrain.offload.optimizer_state import (
     GradientSinks,
     OptimizerOffload,
@@ -560,12 +560,14 @@ def apply_step(
     in the global norm (a tied weight's, [Note: weights tied across stages] in ``pipeline_parallel/cut.py``)."""
     policy, offload = layout.policy, plan.offload.optimizer
     trainable = layout.trainable_buckets  # frozen buckets (stage-3 units) are never reduced nor stepped
-    streams = host_copies.copy_streams(topology.device) if offload.enabled else None
+    # ZenFlow on a GPU: the masters stay on the device, what it moves it moves itself ([Note: ZenFlow on the device])
+    zenflow_streams = zenflow_device.zenflow_streams(topology.device) if offload.zenflow is not None else None
+    streams = host_copies.copy_streams(topology.device) if offload.enabled and zenflow_streams is None else None
     if streams is not None:
         masters = _host_masters(masters, trainable, policy, plan.offload)
     files = SwapFiles(scratch["offload_optimizer"], topology.rank) if "offload_optimizer" in scratch else None
     sinks = GradientSinks()
-    if offload.enabled:
+    if offload.enabled and zenflow_streams is None:
         sinks = build_gradient_sinks(
             trainable,
             masters,
@@ -624,11 +626,13 @@ def apply_step(
         dp_comm=comms.dp,
         replica_rank=topology.replica_rank,
         overlap_gathers=not plan.graph.enabled,  # a captured graph must see plain parameters
-        make_offload=_offload_factory(optimizer, plan.offload, topology, files, comms.world, sinks),
+        make_offload=None
+        if zenflow_streams is not None
+        else _offload_factory(optimizer, plan.offload, topology, files, comms.world, sinks),
         experts=(comms.edp, comms.ep) if comms.edp is not None and comms.ep is not None else None,
         stage_comm=Communicator(topology.pp_group, topology.timeout_s) if topology.pp > 1 else None,
         counted_elsewhere=counted_elsewhere,
-        make_zenflow=_zenflow_factory(optimizer, offload.zenflow, comms.shard),
+        make_zenflow=_zenflow_factory(optimizer, offload.zenflow, comms.shard, zenflow_streams, offload.pin_memory),
         tp_blocks=(comms.tp, {id(r.param): r.tp for r in layout.records if r.tp_split})
         if comms.tp is not None
         else None,
@@ -637,11 +641,20 @@ def apply_step(
 
 
 def _zenflow_factory(
-    optimizer: torch.optim.Optimizer, policy: ZenFlowPolicy | None, comm: Communicator
+    optimizer: torch.optim.Optimizer,
+    policy: ZenFlowPolicy | None,
+    comm: Communicator,
+    streams: zenflow_device.ZenFlowStreams | None = None,
+    pin_memory: bool = True,
 ) -> MakeZenFlow | None:
-    """The stall-free step over the optimizer's tensors (``zero_optimization.zenflow``), None without it."""
+    """The stall-free step over the optimizer's tensors (``zero_optimization.zenflow``), None without it; with
+    ``streams`` (a GPU) its device form ([Note: ZenFlow on the device])."""
     if policy is None:
         return None
+    if streams is not None:
+        return lambda stepped, shapes, starts: zenflow_device.DeviceZenFlowStep(
+            optimizer, stepped, shapes, starts, policy, comm, streams, pin_memory
+        )
     return lambda stepped, shapes, starts: ZenFlowStep(optimizer, stepped, shapes, starts, policy, comm)
 
 

@@ -789,6 +789,10 @@ def _assemble(
         rows.append(Row("optimizer state (fp32 masters + moments)", "host", opt["host"]))
     if "nvme" in opt:
         rows.append(Row("optimizer state in swap files", "nvme", opt["nvme"]))
+    if st.zenflow:  # [Note: ZenFlow in the estimate] in estimate/state.py
+        rows.append(Row("ZenFlow: selected columns (fp32 + moments)", "device", st.zenflow["selected"]))
+        rows.append(Row("ZenFlow: host masters + host optimizer moments", host, st.zenflow["host_state"]))
+        rows.append(Row("ZenFlow: gradient accumulators (double-buffered) + staging", host, st.zenflow["host_grads"]))
     rows.append(Row("optimizer step counters", host if opt.get("host") else "device", opt.get("steps", 0)))
     if opt.get("offload_buffers"):
         rows.append(Row("optimizer swap buffers", host, opt["offload_buffers"]))

@@ -64,6 +64,10 @@ class RankState:
     buckets: list[Bucket] = field(default_factory=list)
     """Stand-in buckets (meta parameters) in the engine's order, trainable and frozen."""
     bucket_names: list[list[str]] = field(default_factory=list)
+    zenflow: dict[str, int] = field(default_factory=dict)
+    """Stall-free offload (``zero_optimization.zenflow``), [Note: ZenFlow in the estimate]: ``selected`` (device: the
+    top-k columns' fp32 values and the device twin's moments), ``host_state`` (host masters and the host twin's
+    moments), ``host_grads`` (the accumulator, its twin and two staging buffers the gradients come down into)."""
     offload_buffers_least: int = 0
     """``nvme`` optimizer offload: the bytes of the ``buffer_count`` smallest sub-groups' swap buffers. The estimate
     counts the largest ones (``optimizer["offload_buffers"]``), which the pipeline holds in a step; between steps the
@@ -251,6 +255,10 @@ def rank_state(
         # the pool keeps each buffer at the size of the last sub-group it held (within FRAME_SLACK), which sub-groups
         # those are depends on when the writes finish: between steps at least the smallest ones
         st.offload_buffers_least = sum(sorted(sizes)[: offload.optimizer.buffer_count])
+    elif offload.optimizer.zenflow is not None:
+        st.zenflow = _zenflow_bytes(offload, slots, stepped, moments, device_type)
+        opt["device"] = sum(masters_per)  # S: the fp32 masters stay where the step runs
+        steps *= 2  # each twin counts its steps
     elif opt_dev == "cpu" and device_type == "cuda":
         # host masters: fp32 copies of the fragments, in fp32 training too; state made on the host
         opt["host"] = sum(4 * n for n in stepped) + sum(moments_per)
@@ -258,7 +266,7 @@ def rank_state(
         opt["device"] = sum(masters_per) + sum(moments_per)
     opt["steps"] = steps
     st.optimizer = opt
-    if device_type == "cuda" and opt_dev != "none":
+    if device_type == "cuda" and opt_dev != "none" and offload.optimizer.zenflow is None:
         # the host step's gradients: each reduced shard copied into a page-locked fp32 buffer ([Note: overlapped
         # offload]), one element per element stepped there
         on_host = range(len(stepped))  # nvme: every master is on the host, in a file or resident
@@ -276,3 +284,33 @@ def rank_state(
         numel = sum(buckets[i].padded_numel for i in idx)
         st.units.append(UnitSize(name, nbytes, numel, name == "<root>", in_float8))
     return st
+
+
+def _zenflow_bytes(
+    offload: OffloadPolicy, slots: list, stepped: list[int], moments: int, device_type: str
+) -> dict[str, int]:
+    """[Note: ZenFlow in the estimate]
+    What :class:`~shardtrain.offload.zenflow.ZenFlowStep` (on a GPU :class:`~shardtrain.offload.zenflow_device.
+    DeviceZenFlowStep`) holds besides ``S`` (the fp32 masters, counted as without offload): the selected elements in
+    fp32 and the device twin's ``moments`` of them (``selected``); host masters ``H`` and the host twin's moments
+    (``host_state``); the accumulator ``A`` and its twin, and on a GPU two staging buffers (``host_grads``), all
+    fp32 (the dtype the step's gradients arrive in, checked against the engine in a test). A 2-D weight's selected
+    elements are ``max(1, int(columns * topk_ratio))`` columns of every row; a rank's fragment holds its share of
+    them (exact where the rank holds whole weights, the expected share otherwise: the gradients decide which columns
+    are selected); other parameters are selected whole.
+    Transient on a GPU: each step's gradient snapshots and, at a landing, an fp32 buffer of ``S``'s size."""
+    ratio = offload.optimizer.zenflow.topk_ratio
+    selected = 0
+    for (s, _), n in zip(slots, stepped):
+        shape = s.shape
+        if len(shape) == 2 and shape[1]:
+            selected += n * max(1, int(shape[1] * ratio)) // shape[1]
+        else:
+            selected += n
+    total = sum(stepped)
+    staging = 2 * 4 * total if device_type == "cuda" else 0
+    return {
+        "selected": 4 * (1 + moments) * selected,
+        "host_state": 4 * (1 + moments) * total,
+        "host_grads": 2 * 4 * total + staging,
+    }

@@ -16,11 +16,12 @@ one steps the selected elements of ``S`` gathered into compact tensors. Step ``t
    (DeepSpeed's ``clear_selected_mv``).
 3. Every step after warm-up the device twin steps the selected elements with this step's gradient, and every
    element's gradient is added to ``A``.
-4. When ``u % update_interval == 0`` the host twin steps ``H`` with ``A / update_interval`` and ``A`` restarts, its
-   bias correction that of step ``t`` (DeepSpeed hands its CPU Adam the step id, not a count of host updates). The
-   result *lands*, ``S[unselected] = H[unselected]``, at once; with ``overlap_step`` the step runs in a thread and
-   lands at the next host update (or selection step), ``update_interval`` steps late: never later. The selected
-   elements of ``H`` are the host's own (they never land) until the next selection copies ``S`` over them.
+4. When ``u % update_interval == 0`` (``"auto"``: [Note: update_interval "auto"]) the host twin steps ``H`` with
+   ``A`` divided by the steps summed in it, and ``A`` restarts, its bias correction that of step ``t`` (DeepSpeed
+   hands its CPU Adam the step id, not a count of host updates). The result *lands*, ``S[unselected] =
+   H[unselected]``, at once; with ``overlap_step`` the step runs in a thread and lands at the next host update (or
+   selection step), one interval late: never later. The selected elements of ``H`` are the host's own (they never
+   land) until the next selection copies ``S`` over them.
 The gradients are those of the one step ([Note: the one step]): unscaled and clipped by the global norm.
 """
 
@@ -64,6 +65,46 @@ def check_zenflow_optimizer(optimizer: torch.optim.Optimizer) -> None:
         )
 
 
+class AutoInterval:
+    """When the host update is due under ``update_interval: "auto"``.
+
+    [Note: update_interval "auto"]
+    DeepSpeed 0.19.8's adaptive interval (its default; threshold ``auto_ratio``). Per 2-D parameter, with
+    ``r = topk_ratio``, ``k`` the steps summed in ``A`` this interval (this one included) and this step's gradient
+    summed over the ranks: ``critic = sum |g[selected]|``, ``total = sum |g|``,
+        avg_critic = (avg_critic * (k - 1) + critic) / k / (10 r)     (kept across intervals)
+        non_critic += (total - critic) / (10 (1 - r))                 (restarts at 0 after each host update)
+    The host update (rule 4) runs at this step when at least ``int(auto_ratio * n)`` of the ``n`` 2-D parameters
+    have ``non_critic >= avg_critic``, and before every reselection. The formulas are DeepSpeed's
+    (``_process_selected_fp32_groups_grad``) as written, the division by ``10 r`` inside the running mean
+    included; its sums are bfloat16, ours float64. DeepSpeed carries the decision to the engine through a two-slot
+    flag toggled at each backward; here it takes effect at the step it is reached. Deciding needs the sums on the
+    host: with "auto" every step reads one all-reduced vector of two numbers per 2-D parameter (the one host wait
+    per step this setting adds; DeepSpeed's comparison in Python reads them too).
+    """
+
+    def __init__(self, members: list[int], topk_ratio: float, auto_ratio: float) -> None:
+        self.members, self.topk_ratio = members, topk_ratio
+        self.needed = int(auto_ratio * len(members))
+        self.avg_critic = [0.0] * len(members)
+        self.non_critic = [0.0] * len(members)
+
+    def due(self, sums: torch.Tensor, k: int) -> bool:
+        """Take one step's sums (:meth:`ZenFlowStep._critic_sums`); whether the host update runs now."""
+        values = sums.tolist()
+        n, r = len(self.members), self.topk_ratio
+        over = 0
+        for j in range(n):
+            total, critic = values[j], values[n + j]
+            self.avg_critic[j] = (self.avg_critic[j] * (k - 1) + critic) / k / (r * 10)
+            self.non_critic[j] += (total - critic) / ((1 - r) * 10)
+            over += self.non_critic[j] >= self.avg_critic[j]
+        due = over >= self.needed
+        if due:
+            self.non_critic = [0.0] * n
+        return due
+
+
 class ZenFlowStep:
     """The step of [Note: the ZenFlow rule] over ``stepped`` (flat fragments of parameters of ``shapes``, each
     starting at element ``starts[k]`` of its parameter flattened); ``comm``: the ranks a parameter's fragments are
@@ -96,13 +137,15 @@ class ZenFlowStep:
         self.spare = [torch.zeros_like(f) for f in self.flat]  # the interval the host step reads
         self.touched = [False] * len(stepped)  # members with a gradient in this interval
         self.selected: list[torch.Tensor | None] = [None] * len(stepped)  # element indices in the fragment, sorted
-        self.picked: list[torch.Tensor] = [torch.empty(0, dtype=f.dtype) for f in self.flat]
+        self.picked: list[torch.Tensor] = [torch.empty(0, dtype=f.dtype, device=f.device) for f in self.flat]
         self.device = _twin(optimizer, self._by_group(self.picked))
         self.steps = 0  # steps taken under this rule
         self.accumulated = 0  # steps summed in ``accum``
         self.landing = False  # a host update computed (or computing) that has not landed
         self._future: Future | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="zenflow-host") if policy.overlap_step else None
+        two_d = [k for k, shape in enumerate(shapes) if len(shape) == 2]
+        self._auto = AutoInterval(two_d, policy.topk_ratio, policy.auto_ratio) if not policy.update_interval else None
 
     def _by_group(self, tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
         groups: list[list[torch.Tensor]] = [[] for _ in self.optimizer.param_groups]
@@ -121,36 +164,69 @@ class ZenFlowStep:
         u = self.steps - p.full_warm_up_rounds
         if u <= 0:
             self._sync_hyper(self.host)
-            self._host_update(grads, self.steps)
-            for k, g in enumerate(grads):
-                if g is not None:
-                    self.flat[k].copy_(self.masters[k])
+            self._warm_up(grads)
             return
         if u == 1 or (p.select_interval and (u - 1) % p.select_interval == 0):
             self.settle(land=True)
-            for k, f in enumerate(self.flat):
-                self.masters[k].copy_(f)
+            self._masters_from_stepped()
             self._select(grads)
         self._device_update(grads)
+        self._accumulate(grads)
+        self.accumulated += 1
+        if self._update_due(u, grads):
+            self.settle(land=True)
+            self._sync_hyper(self.host)
+            self.landing = True
+            self._launch_host_update()
+
+    # the parts of a step a device run does with copies (:mod:`shardtrain.offload.zenflow_device`)
+
+    def _warm_up(self, grads: list[torch.Tensor | None]) -> None:
+        """Rule (1): the host twin steps ``H`` with this step's gradients and ``S = H``."""
+        self._host_update(grads, self.steps)
+        for k, g in enumerate(grads):
+            if g is not None:
+                self.flat[k].copy_(self.masters[k])
+
+    def _masters_from_stepped(self) -> None:
+        """Rule (2): ``H = S``."""
+        for k, f in enumerate(self.flat):
+            self.masters[k].copy_(f)
+
+    def _accumulate(self, grads: list[torch.Tensor | None]) -> None:
+        """Rule (3): every element's gradient is added to ``A``."""
         for k, g in enumerate(grads):
             if g is not None:
                 self.accum[k].add_(g)
                 self.touched[k] = True
-        self.accumulated += 1
-        if u % p.update_interval == 0:
+
+    def _close_interval(self) -> list[torch.Tensor | None]:
+        """Rule (4)'s gradients: ``A / steps summed``; ``A`` restarts (into the other buffer)."""
+        self.accum, self.spare = self.spare, self.accum
+        interval = [s.div_(self.accumulated) if t else None for s, t in zip(self.spare, self.touched)]
+        self.touched, self.accumulated = [False] * len(self.flat), 0
+        for a in self.accum:
+            a.zero_()
+        return interval
+
+    def _launch_host_update(self) -> None:
+        """Rule (4): the host twin's step with the interval's gradients, in the thread with ``overlap_step``."""
+        interval = self._close_interval()
+        if self._pool is not None:
+            self._future = self._pool.submit(self._host_update, interval, self.steps)
+        else:
+            self._host_update(interval, self.steps)
             self.settle(land=True)
-            self.accum, self.spare = self.spare, self.accum
-            interval = [s.div_(self.accumulated) if t else None for s, t in zip(self.spare, self.touched)]
-            self.touched, self.accumulated = [False] * len(self.flat), 0
-            self._sync_hyper(self.host)
-            self.landing = True
-            if self._pool is not None:
-                self._future = self._pool.submit(self._host_update, interval, self.steps)
-            else:
-                self._host_update(interval, self.steps)
-                self.settle(land=True)
-            for a in self.accum:
-                a.zero_()
+
+    def _update_due(self, u: int, grads: list[torch.Tensor | None]) -> bool:
+        """Whether rule (4) runs at this step: every ``update_interval`` steps, or ([Note: update_interval
+        "auto"]) when the unselected columns' gradients outweigh the selected ones' (and always right before a
+        reselection, so that no gradient waits in ``A`` for a column that changes side)."""
+        p = self.policy
+        if p.update_interval:
+            return u % p.update_interval == 0
+        due = self._auto.due(self._critic_sums(grads), self.accumulated)
+        return due or bool(p.select_interval and u % p.select_interval == 0)
 
     def settle(self, land: bool) -> None:
         """Finish a host update in flight; with ``land``, its result lands on the unselected elements."""
@@ -212,7 +288,7 @@ class ZenFlowStep:
             if len(shape) != 2:
                 local.append(None)
                 continue
-            sums = torch.zeros(shape[1], dtype=torch.float64)
+            sums = torch.zeros(shape[1], dtype=torch.float64, device=self.flat[k].device)
             g = grads[k]
             if g is not None and g.numel():
                 sums.index_add_(0, self._columns(k), g.abs().to(torch.float64))
@@ -231,20 +307,38 @@ class ZenFlowStep:
             return out
         return local
 
+    def _critic_sums(self, grads: list[torch.Tensor | None]) -> torch.Tensor:
+        """Per 2-D member (in order): the sum of |gradient| over the whole parameter, then over its selected
+        columns; float64, summed over the ranks (every rank holds a member of each parameter, maybe empty)."""
+        device = self.flat[0].device if self.flat else torch.device("cpu")
+        members = self._auto.members
+        sums = torch.zeros(2 * len(members), dtype=torch.float64, device=device)
+        for j, k in enumerate(members):
+            g, sel = grads[k], self.selected[k]
+            if g is None or not g.numel():
+                continue
+            sums[j] = g.abs().to(torch.float64).sum()
+            if sel is not None and sel.numel():
+                sums[len(members) + j] = g[sel].abs().to(torch.float64).sum()
+        if members:
+            self.comm.all_reduce(sums, Reduce.SUM, what="zenflow update_interval auto")
+        return sums
+
     def _columns(self, k: int) -> torch.Tensor:
         """The column of each element of member ``k``'s fragment (row-major)."""
         n = self.flat[k].numel()
-        return (torch.arange(self.starts[k], self.starts[k] + n) % self.shapes[k][1]).long()
+        columns = torch.arange(self.starts[k], self.starts[k] + n, device=self.flat[k].device)
+        return (columns % self.shapes[k][1]).long()
 
     def _select(self, grads: list[torch.Tensor | None]) -> None:
         sums = self._column_sums(grads)
         selected = []
         for k, shape in enumerate(self.shapes):
             if sums[k] is None:
-                selected.append(torch.arange(self.flat[k].numel()))
+                selected.append(torch.arange(self.flat[k].numel(), device=self.flat[k].device))
                 continue
             count = max(1, int(shape[1] * self.policy.topk_ratio))
-            chosen = torch.zeros(shape[1], dtype=torch.bool)
+            chosen = torch.zeros(shape[1], dtype=torch.bool, device=self.flat[k].device)
             chosen[torch.topk(sums[k], count).indices] = True
             selected.append(torch.nonzero(chosen[self._columns(k)]).view(-1))
         self._take_selection(selected)
@@ -253,7 +347,7 @@ class ZenFlowStep:
         """New compact tensors for ``selected``; their device-twin state restarts at zero, the step count kept."""
         for k, sel in enumerate(selected):
             old = self.device.state.get(self.picked[k], {})
-            zeros = torch.zeros(sel.numel(), dtype=self.flat[k].dtype)
+            zeros = torch.zeros(sel.numel(), dtype=self.flat[k].dtype, device=self.flat[k].device)
             fresh = {key: zeros.clone() if torch.is_tensor(v) and v.dim() else v for key, v in old.items()}
             self._set_member(k, sel, fresh)
 
@@ -261,6 +355,9 @@ class ZenFlowStep:
         """Member ``k``'s selected elements and its device-twin state (``state``: compact, or empty)."""
         old = self.picked[k]
         self.device.state.pop(old, None)
+        here = self.flat[k].device  # a checkpoint's tensors are read on the host
+        selected = selected.to(here)
+        state = {key: v.to(here) if torch.is_tensor(v) and v.dim() else v for key, v in state.items()}
         self.selected[k] = selected
         self.picked[k] = self.flat[k][selected].clone()
         params = self.device.param_groups[self.group_of[k]]["params"]
@@ -296,6 +393,10 @@ class ZenFlowStep:
         out[STATE_PREFIX + "accumulated"] = torch.tensor(float(self.accumulated))
         out[STATE_PREFIX + "landing"] = torch.tensor(float(self.landing))
         out[STATE_PREFIX + "touched"] = torch.tensor(float(self.touched[k]))
+        if self._auto is not None and k in self._auto.members:
+            j = self._auto.members.index(k)
+            out[STATE_PREFIX + "auto_avg_critic"] = torch.tensor(self._auto.avg_critic[j], dtype=torch.float64)
+            out[STATE_PREFIX + "auto_non_critic"] = torch.tensor(self._auto.non_critic[j], dtype=torch.float64)
         return out
 
     def set_state(self, stepped: torch.Tensor, state: dict) -> None:
@@ -315,6 +416,10 @@ class ZenFlowStep:
         self.accumulated = int(mine["accumulated"]) if "accumulated" in mine else 0
         self.landing = bool(mine["landing"]) if "landing" in mine else False
         self.touched[k] = bool(mine["touched"]) if "touched" in mine else False
+        if self._auto is not None and k in self._auto.members:
+            j = self._auto.members.index(k)
+            self._auto.avg_critic[j] = float(mine["auto_avg_critic"]) if "auto_avg_critic" in mine else 0.0
+            self._auto.non_critic[j] = float(mine["auto_non_critic"]) if "auto_non_critic" in mine else 0.0
         mask = mine.get("selected")
         if mask is None or not self.steps > self.policy.full_warm_up_rounds:
             return

@@ -132,13 +132,17 @@ class ZenFlowPolicy:
     topk_ratio: float = 0.1
     """Fraction of each 2-D weight's columns updated every step."""
     update_interval: int = 1
-    """Steps between host updates of the other columns."""
+    """Steps between host updates of the other columns; 0: ``"auto"`` ([Note: update_interval "auto"] in
+    :mod:`shardtrain.offload.zenflow`)."""
     select_interval: int = 0
     """Steps between reselections of the columns (a multiple of ``update_interval``); 0: selected once."""
     overlap_step: bool = False
     """The host update runs in a thread and lands ``update_interval`` steps later."""
     full_warm_up_rounds: int = 0
     """Steps of plain full updates first."""
+    auto_ratio: float = 0.99
+    """With ``update_interval`` 0: the fraction of 2-D parameters whose other columns must outweigh the selected
+    ones for a host update."""
 
 
 @dataclass(frozen=True)
