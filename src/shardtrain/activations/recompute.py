@@ -59,20 +59,21 @@ def keep_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPoli
 def apply_checkpointing(
     blocks: Sequence[nn.Module], policy: ActivationPolicy, offload: HostOffload | None = None
 ) -> list[Any]:
-    """Checkpoint each of ``blocks`` as ``policy`` says, their inputs kept in host memory through ``offload`` (None:
-    kept where they are); returns the hook handles added besides the checkpoint's own. Called after stage 3's runtime
-    installed its hooks ([Note: the order of a checkpointed block's hooks])."""
+    """Checkpoint each of ``blocks`` as ``policy`` says (``budget``: each as its chosen :attr:`per_block`), their
+    inputs kept in host memory through ``offload`` (None: kept where they are); returns the hook handles added
+    besides the checkpoint's own. Called after stage 3's runtime installed its hooks ([Note: the order of a
+    checkpointed block's hooks]). The planner applies it to its fake models too, so what it measures is this."""
     if not policy.enabled:
         return []
-    context_fn = (
-        partial(create_selective_checkpoint_contexts, keep_matmuls) if policy.recompute == "selective" else None
-    )
+    selective = partial(create_selective_checkpoint_contexts, keep_matmuls)
     handles = []
-    for block in blocks:
-        if context_fn is None:
-            composable_checkpoint(block)
+    for block, recompute in zip(blocks, policy.block_choices(len(blocks)), strict=True):
+        if recompute == "none":
+            continue
+        if recompute == "selective":
+            composable_checkpoint(block, context_fn=selective)
         else:
-            composable_checkpoint(block, context_fn=context_fn)
+            composable_checkpoint(block)
         if offload is not None:
             handles += offload.install(block)
         handles.append(block.register_forward_pre_hook(_without_cache, with_kwargs=True, prepend=True))

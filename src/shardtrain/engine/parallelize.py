@@ -35,7 +35,7 @@ import hashlib
 import json
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -56,7 +56,9 @@ from shardtrain.distributed.desync import PhaseCheck
 from shardtrain.distributed.mesh import Topology
 from shardtrain.distributed.placement import TPPlacement
 from shardtrain.engine.monitor import TrainingMonitor
-from shardtrain.errors import ConfigError, LayoutError, RankMismatchError
+from shardtrain.errors import ConfigError, LayoutError, RankMismatchError, ShardtrainError
+from shardtrain.estimate.activation_budget import choose_checkpointing, source_of_module
+from shardtrain.estimate.planner import fmt_bytes
 from shardtrain.expert_parallel import expert_weights, install_expert_parallel
 from shardtrain.offload import host_copies, param_uploads
 from shardtrain.offload.optimizer_state import (
@@ -507,6 +509,53 @@ def apply_activation_checkpointing(blocks: list[nn.Module], plan: Plan, topology
     offload = HostOffload(topology.device) if policy.offload_inputs else None
     apply_checkpointing(blocks, policy, offload)
     return offload
+
+
+def choose_activation_budget(
+    model: nn.Module,
+    plan: Plan,
+    config: Config,
+    topology: Topology,
+    optimizer: torch.optim.Optimizer,
+    tp_plan: Mapping[str, str] | None,
+) -> Plan:
+    """``policy: "budget"``: ``plan`` with each block's recompute chosen by the planner so that the predicted peak
+    fits the budget, the least recompute that does ([Note: checkpointing by budget] in
+    ``estimate/activation_budget.py``); logged on rank 0. A budget nothing fits is refused by name. Every other
+    policy: ``plan`` as it is. Before the model is touched: the planner copies it onto fake tensors."""
+    policy = plan.activations
+    if policy.recompute != "budget":
+        return plan
+    assert policy.memory_budget is not None and policy.budget_seq_len is not None  # the config's section says so
+    blocks = checkpointed_blocks(model, plan)  # the same refusals as the other policies, first
+    if any(p.is_meta or p.numel() == 0 for p in model.parameters()):
+        raise ConfigError(
+            "activation_checkpointing.policy 'budget' plans on the model's shapes, and some parameters have none yet "
+            "(on the meta device, or built sharded by zero.Init): build the model whole, or use 'selective' or "
+            "'full' (`shardtrain estimate --memory-limit` says which fits)"
+        )
+    kind = type(optimizer).__name__.lower()
+    choice = choose_checkpointing(
+        source_of_module(model),
+        config,
+        world_size=topology.world_size,
+        budget=policy.memory_budget,
+        seq_len=policy.budget_seq_len,
+        device_type=topology.device.type,
+        offload_inputs=policy.offload_inputs,
+        tp_plan=tp_plan,
+        optimizer=kind if kind in ("adam", "adamw", "sgd") else None,
+    )
+    if len(choice.per_block) != len(blocks):  # the planner found the blocks the engine checkpoints
+        raise ShardtrainError(f"the budget's choice covers {len(choice.per_block)} blocks, the model has {len(blocks)}")
+    if topology.rank == 0:
+        log.info(
+            "activation checkpointing by budget: %s against a budget of %s (%d tokens per sequence)",
+            choice.describe(),
+            fmt_bytes(policy.memory_budget),
+            policy.budget_seq_len,
+        )
+    return replace(plan, activations=replace(policy, per_block=choice.per_block))
 
 
 def checkpointed_blocks(model: nn.Module, plan: Plan) -> list[nn.Module]:
