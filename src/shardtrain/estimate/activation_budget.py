@@ -106,9 +106,7 @@ class _Ladder:
         key = (per_block, offload)
         if key not in self.measured:
             layout = replace(self.layout, checkpointing=per_block, offload_activations=offload)
-            est = _estimate(
-                self.source, self.raw, layout, self.optimizer, self.device_type, self.tp_plan, self.cache
-            )
+            est = _estimate(self.source, self.raw, layout, self.optimizer, self.device_type, self.tp_plan, self.cache)
             host = est.compute.host_activations if est.compute is not None else 0
             self.measured[key] = CheckpointingChoice(per_block, offload, predicted_peak(est), host, est)
         return self.measured[key]
