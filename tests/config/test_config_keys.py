@@ -13,6 +13,7 @@ for what needs two ranks (tensor parallelism, the desync check, the collective t
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -888,6 +889,7 @@ def _budget(gib: float, seq: int = SEQ) -> dict:
     return {_AC: {"policy": "budget", "memory_budget_gib": gib, "budget_seq_len": seq}}
 
 
+@functools.cache
 def _every_block_full_gib() -> float:
     """The planner's peak of :func:`_engine`'s GPT with every block checkpointed fully: the tightest budget that
     fits."""

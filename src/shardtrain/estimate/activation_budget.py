@@ -112,10 +112,13 @@ class _Ladder:
         return self.measured[key]
 
     def lowest_fitting(self, rungs: list[tuple[BlockRecompute, ...]], budget: int, offload: bool):
-        """The first rung whose peak is at most ``budget`` (bisection: the peak falls along the ladder), or None."""
+        """The first rung whose peak is at most ``budget`` (bisection: the peak falls along the ladder), or None.
+        The ends first: a loose budget needs one fake run, an impossible one two."""
+        if self.measure(rungs[0], offload).peak <= budget:
+            return self.measure(rungs[0], offload)
         if self.measure(rungs[-1], offload).peak > budget:
             return None
-        lo, hi = 0, len(rungs) - 1  # rungs[hi] fits
+        lo, hi = 1, len(rungs) - 1  # rungs[hi] fits, rungs[lo - 1] does not
         while lo < hi:
             mid = (lo + hi) // 2
             if self.measure(rungs[mid], offload).peak <= budget:
