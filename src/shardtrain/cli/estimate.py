@@ -284,7 +284,7 @@ def _run(args: argparse.Namespace) -> int:
             progress=None,  # a bar on stderr, on a terminal only
             cluster=cluster,
         )
-        limit = _memory_limit(args, cluster)
+        limit = _memory_limit(args, cluster, raw)
         fit = _fit(args, raw, layout, est, limit) if limit is not None and not args.state_only else None
         if args.json:
             print(json.dumps({**_as_json(est), **({"fit": fit} if fit is not None else {})}, indent=1))
@@ -293,6 +293,8 @@ def _run(args: argparse.Namespace) -> int:
             if fit is not None:
                 print(_fit_text(fit, layout.seq_len))
         return 0
+    if args.memory_limit is not None:
+        raise ShardtrainError("--memory-limit checks one layout; --budget searches layouts: give one of them")
     budget = parse_bytes(args.budget)
     if args.worlds:
         try:
@@ -343,12 +345,14 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _memory_limit(args: argparse.Namespace, cluster: Cluster | None) -> int | None:
-    """``--memory-limit``, else with ``--gpu`` the GPU's memory; None: no limit to check."""
+def _memory_limit(args: argparse.Namespace, cluster: Cluster | None, raw: dict) -> int | None:
+    """``--memory-limit``, else the config's ``memory_budget_gib`` (``policy: "budget"``: the choice ``initialize``
+    would make), else with ``--gpu`` the GPU's memory; None: no limit to check."""
     if args.memory_limit is not None:
-        if args.budget is not None:
-            raise ShardtrainError("--memory-limit checks one layout; --budget searches layouts: give one of them")
         return parse_bytes(args.memory_limit)
+    ac = raw.get("activation_checkpointing") or {}
+    if ac.get("policy") == "budget" and isinstance(ac.get("memory_budget_gib"), (int, float)):
+        return int(ac["memory_budget_gib"] * 2**30)
     if args.gpu and cluster is not None:
         return int(cluster.gpu.hbm_gib * 2**30)
     return None

@@ -218,7 +218,14 @@ def source_of_module(module: nn.Module) -> ModelSource:
     def build() -> nn.Module:
         mode = active_fake_mode()
         assert mode is not None, "the planner builds models inside its FakeTensorMode"
-        with FakeCopyMode(mode):
-            return copy.deepcopy(module)
+        try:
+            with FakeCopyMode(mode):
+                return copy.deepcopy(module)
+        except Exception as err:  # an attribute deepcopy cannot copy: said by name, not as its traceback
+            raise ConfigError(
+                f"activation checkpointing by budget plans on a copy of {type(module).__name__} on fake tensors, "
+                f"and copying it failed ({type(err).__name__}: {err}); use policy 'selective' or 'full' "
+                "(`shardtrain estimate --memory-limit` with a factory of the model says which fits)"
+            ) from err
 
     return ModelSource(build=build, name=type(module).__name__)
