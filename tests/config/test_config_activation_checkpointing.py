@@ -79,11 +79,14 @@ def test_refused_by_name(config, fragments):
         assert fragment in str(err.value), f"{fragment!r} not in: {err.value}"
 
 
-def test_partitioned_activations_with_tensor_parallelism_are_refused():
-    cfg = load_config({AC: {"policy": "full", "partition_activations": True}, "tensor_parallel": {"size": 2}})
-    with pytest.raises(ConfigError, match=r"partition_activations with tensor_parallel\.size 2 is not built"):
+def test_partitioned_activations_with_tensor_parallelism_and_host_offload_are_refused():
+    section = {"policy": "full", "partition_activations": True}
+    tp = {"tensor_parallel": {"size": 2}}
+    assert resolve_plan(load_config({AC: section, **tp}), 2).activations == ActivationPolicy("full", False, True)
+    cfg = load_config({AC: {**section, "cpu_checkpointing": True}, **tp})
+    with pytest.raises(ConfigError, match=r"partition_activations with cpu_checkpointing and tensor_parallel\.size 2"):
         resolve_plan(cfg, 2)
-    resolve_plan(load_config({AC: {"partition_activations": True}, "tensor_parallel": {"size": 2}}), 2)  # no policy
+    resolve_plan(load_config({AC: {"partition_activations": True}, **tp}), 2)  # no policy
 
 
 def test_budget_with_pipeline_parallelism_is_refused():

@@ -4,13 +4,15 @@ the bytes a forward leaves alive for its backward."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import shardtrain
-from shardtrain.activations import HostOffload
+from shardtrain.activations import HostOffload, TPPartition
 
 from helpers.model_cases import MICRO, _gpt, _llama, batches, loss_of, optimizer, trained
 
@@ -42,12 +44,13 @@ class _Outputs(TorchDispatchMode):
         return out
 
 
-def offload_of(model: torch.nn.Module) -> HostOffload | None:
-    """The engine's host offload of checkpointed inputs, found on a block's forward hooks."""
+def offload_of(model: torch.nn.Module, kind: type = HostOffload) -> Any:
+    """The engine's host offload (or ``kind``: its tensor-parallel partition) of checkpointed inputs, found on a
+    block's forward hooks."""
     for m in model.modules():
         for hook in m._forward_pre_hooks.values():
             owner = getattr(hook, "__self__", None)
-            if isinstance(owner, HostOffload):
+            if isinstance(owner, kind):
                 return owner
     return None
 
@@ -118,6 +121,7 @@ def policy_runs(
             "offloaded": offloaded,
             "peak_host_bytes": offload.peak_host_bytes if offload is not None else 0,
             "per_block": engine.plan.activations.per_block,
+            "partitioned": getattr(offload_of(model, TPPartition), "partitioned", 0),
         }
     return out
 

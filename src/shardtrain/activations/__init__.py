@@ -3,6 +3,7 @@
 :class:`~shardtrain.plan.policies.ActivationPolicy` and the blocks, never the config."""
 
 from shardtrain.activations.host_offload import HostOffload
+from shardtrain.activations.partition import TPPartition
 from shardtrain.activations.recompute import KEPT_OPS, apply_checkpointing, keep_matmuls
 
-__all__ = ["KEPT_OPS", "HostOffload", "apply_checkpointing", "keep_matmuls"]
+__all__ = ["KEPT_OPS", "HostOffload", "TPPartition", "apply_checkpointing", "keep_matmuls"]

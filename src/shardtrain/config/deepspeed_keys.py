@@ -1071,8 +1071,8 @@ RULES: tuple[Rule, ...] = (
     _supported(
         "activation_checkpointing.partition_activations",
         "bool, `false`",
-        "with tensor parallelism each rank would keep 1/tp of the block inputs: refused there (not built); "
-        "without it there is nothing to partition",
+        "with tensor parallelism each rank keeps 1/tp of a checkpointed block's inputs, all-gathered over the "
+        "tensor-parallel group before the recompute (with `cpu_checkpointing` refused: not built)",
     ),
     _no_effect(
         "activation_checkpointing.number_checkpoints",

@@ -186,6 +186,7 @@ def activation_policy(cfg: Config) -> ActivationPolicy:
     return ActivationPolicy(
         ac.policy,
         offload_inputs=ac.cpu_checkpointing and ac.policy != "none",
+        partition_inputs=ac.partition_activations and ac.policy != "none",
         memory_budget=budget,
         budget_seq_len=ac.budget_seq_len,
     )
@@ -240,11 +241,10 @@ def refuse_unbuilt(cfg: Config, dims: ParallelDims, device_type: str | None = No
                 "rank) or turn the other feature off (docs/hybrid-sharding.md)"
             )
     ac = cfg.activation_checkpointing
-    if ac.partition_activations and ac.policy != "none" and dims.tp > 1:
+    if ac.partition_activations and ac.cpu_checkpointing and ac.policy != "none" and dims.tp > 1:
         raise ConfigError(
-            f"activation_checkpointing.partition_activations with tensor_parallel.size {dims.tp} is not built (each "
-            "rank would keep 1/tp of every checkpointed block's inputs); remove it (each rank keeps the whole "
-            "inputs), or use cpu_checkpointing to keep them in host memory"
+            f"activation_checkpointing.partition_activations with cpu_checkpointing and tensor_parallel.size "
+            f"{dims.tp} is not built (the partitioned inputs are not moved to host memory); use one of them"
         )
     if ac.policy == "budget" and dims.pp > 1:
         raise ConfigError(

@@ -381,8 +381,8 @@ class ActivationCheckpointingConfig(_Section):
     cpu_checkpointing: bool = False
     """The inputs checkpointed blocks keep wait in host memory between forward and backward."""
     partition_activations: bool = False
-    """With tensor parallelism each rank would keep 1/tp of a block's inputs: refused there (not built); without it
-    there is nothing to partition."""
+    """With tensor parallelism each rank keeps 1/tp of a checkpointed block's inputs, all-gathered before the
+    recompute (not with ``cpu_checkpointing``); without it there is nothing to partition."""
 
     contiguous_memory_optimization: bool = False
     """DeepSpeed copies its checkpoints into one preallocated buffer: not built, refused with a policy."""

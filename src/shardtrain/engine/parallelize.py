@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardtrain.activations import HostOffload, apply_checkpointing
+from shardtrain.activations import HostOffload, TPPartition, apply_checkpointing
 from shardtrain.config.sections import Config, gradient_predivide, resolve_batch_sizes
 from shardtrain.construction.sharded_init import (
     ExpertRows,
@@ -209,7 +209,7 @@ def parallelize(
         param_offload = _param_offload(layout, plan.offload, scratch, comms.world, topology.rank, topology.device)
         eager = apply_units(model, plan, topology, comms, layout, param_offload, phase_check)
         activation_offload = apply_activation_checkpointing(
-            blocks if blocks is not None else checkpointed_blocks(model, plan), plan, topology
+            blocks if blocks is not None else checkpointed_blocks(model, plan), plan, topology, split.tp_comm
         )
         # a weight tied across the first and last stage counts in the norm on the first ([Note: weights tied
         # across stages] in pipeline_parallel/cut.py)
@@ -498,7 +498,9 @@ def apply_fp8(model: nn.Module, policy: Float8Policy, tensor_parallel: bool = Fa
     return convert_to_float8(model, policy, parallel_linears=parallel)
 
 
-def apply_activation_checkpointing(blocks: list[nn.Module], plan: Plan, topology: Topology) -> HostOffload | None:
+def apply_activation_checkpointing(
+    blocks: list[nn.Module], plan: Plan, topology: Topology, tp_comm: Communicator | None = None
+) -> HostOffload | None:
     """Checkpoint ``blocks`` (:func:`checkpointed_blocks`: those ZeRO-3 makes units of, at every stage; under
     pipeline parallelism this rank's) as ``plan.activations`` says; returns the host offload of their inputs (None
     without ``cpu_checkpointing``). After the stage-3 runtime, whose hooks must be outside the checkpoint's ([Note:
@@ -507,7 +509,15 @@ def apply_activation_checkpointing(blocks: list[nn.Module], plan: Plan, topology
     if not policy.enabled:
         return None
     offload = HostOffload(topology.device) if policy.offload_inputs else None
-    apply_checkpointing(blocks, policy, offload)
+    partition = None
+    if policy.partition_inputs and tp_comm is not None and tp_comm.size > 1:  # [Note: partitioned block inputs]
+        comm = tp_comm
+
+        def gather(chunk: torch.Tensor) -> torch.Tensor:
+            return comm.all_gather_dim(chunk, 0, what="partitioned activation checkpoint")
+
+        partition = TPPartition(comm.rank, comm.size, gather)
+    apply_checkpointing(blocks, policy, offload, partition)
     return offload
 
 

@@ -262,6 +262,9 @@ class ActivationPolicy:
     offload_inputs: bool = False
     """The inputs a checkpointed block keeps wait in host memory between forward and backward (DeepSpeed's
     ``cpu_checkpointing``)."""
+    partition_inputs: bool = False
+    """Under tensor parallelism each rank keeps ``1/tp`` of the inputs a checkpointed block keeps, all-gathered
+    before the recompute (DeepSpeed's ``partition_activations``; nothing to partition at tp 1)."""
     memory_budget: int | None = None
     """``budget``: the bytes one rank's predicted peak must fit (device memory; on a machine without accelerator
     the process's)."""
