@@ -1,5 +1,6 @@
-"""Activations: checkpointing of blocks by policy (:mod:`.recompute`) and the host offload of the inputs they keep
-(:mod:`.host_offload`); docs/activation-checkpointing.md. Takes an
+"""Activations: checkpointing of blocks by policy (:mod:`.recompute`), the host offload of the inputs they keep
+(:mod:`.host_offload`) and their partition over the tensor-parallel group (:mod:`.partition`);
+docs/activation-checkpointing.md. Takes an
 :class:`~shardtrain.plan.policies.ActivationPolicy` and the blocks, never the config."""
 
 from shardtrain.activations.host_offload import HostOffload
