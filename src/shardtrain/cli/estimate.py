@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from dataclasses import asdict, replace
@@ -378,7 +379,8 @@ def _section_of(setting: dict, limit: int, seq_len: int) -> dict:
     policy = setting["setting"].split(",")[0]
     section: dict = {"policy": policy}
     if policy == "budget":
-        section.update(memory_budget_gib=round(limit / 2**30, 3), budget_seq_len=seq_len)
+        # up to the next 1e-6 GiB (about 1 KiB): a budget rounded down might not fit the rung chosen here
+        section.update(memory_budget_gib=math.ceil(limit / 2**30 * 1e6) / 1e6, budget_seq_len=seq_len)
     if setting["cpu_checkpointing"]:
         section["cpu_checkpointing"] = True
     return section
