@@ -168,7 +168,8 @@ class Candidate:
             parts.append(f"checkpointing by block ({describe_blocks(self.checkpointing)})")
         elif self.checkpointing:
             parts.append("selective checkpointing" if self.checkpointing == "selective" else "checkpointing")
-        if self.offload_activations and self.checkpointing and set(self.checkpointing) != {"none"}:
+        per_block = self.checkpointing if isinstance(self.checkpointing, tuple) else (self.checkpointing,)
+        if self.offload_activations and any(ac and ac != "none" for ac in per_block):
             parts.append("checkpoints in host memory")
         if self.compile:
             parts.append("compiled")
@@ -176,7 +177,7 @@ class Candidate:
 
 
 def describe_blocks(per_block: tuple[str, ...]) -> str:
-    """Each block's recompute in runs, e.g. ``blocks 0-1 full, 2-3 selective``."""
+    """Each block's recompute in runs of blocks, e.g. ``0-1 full, 2-3 selective``."""
     runs: list[list] = []
     for i, what in enumerate(per_block):
         if runs and runs[-1][2] == what:
