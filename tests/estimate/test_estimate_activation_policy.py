@@ -75,3 +75,19 @@ def test_estimate_says_which_activation_setting_makes_the_model_fit(capsys):
     argv = ["estimate", "test_estimate_activation_policy:deep_gpt", "--micro-batch", "2", "--seq-len", "256"]
     assert main([*argv, "--memory-limit", str(full_on_host - 1)]) == 0  # nothing fits: said in words
     assert "no activation checkpointing setting makes it fit" in capsys.readouterr().out
+
+
+def test_a_layout_names_its_checkpointing():
+    """A per-block choice in runs of blocks, and host-kept inputs only where some block is checkpointed (failed
+    before the fix: a whole-model policy with cpu_checkpointing raised in ``describe``)."""
+    from shardtrain.estimate.planner import Candidate
+
+    def said(ac) -> str:
+        return Candidate(1, checkpointing=ac, offload_activations=True).describe()
+
+    assert said(True).endswith("micro-batch 1 x seq 2048, checkpointing, checkpoints in host memory")
+    assert said("selective").endswith("selective checkpointing, checkpoints in host memory")
+    assert said(("full", "full", "selective", "none")).endswith(
+        "checkpointing by block (0-1 full, 2 selective, 3 none), checkpoints in host memory"
+    )
+    assert "host memory" not in said(False) and "host memory" not in said(("none", "none"))
