@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+import torch
 from torch import nn
 
 from shardtrain.config.plan import resolve_plan
@@ -220,7 +221,18 @@ def source_of_module(module: nn.Module) -> ModelSource:
         assert mode is not None, "the planner builds models inside its FakeTensorMode"
         try:
             with FakeCopyMode(mode):
-                return copy.deepcopy(module)
+                fake = copy.deepcopy(module)
+            # the planner's batches are CPU tensors, as its own fake models are: a model already on its device too
+            # (``.data``, as build_fake casts: fake parameters cannot be swapped)
+            with torch.no_grad():
+                for p in fake.parameters():
+                    if p.device.type != "cpu":
+                        p.data = p.data.to("cpu")
+                for m in fake.modules():
+                    for name, buf in m._buffers.items():
+                        if buf is not None and buf.device.type != "cpu":
+                            m._buffers[name] = buf.to("cpu")
+            return fake
         except Exception as err:  # an attribute deepcopy cannot copy: said by name, not as its traceback
             raise ConfigError(
                 f"activation checkpointing by budget plans on a copy of {type(module).__name__} on fake tensors, "
