@@ -73,6 +73,7 @@ ALLOWED: dict[str, set[str]] = {
         "shardtrain.config",
         "shardtrain.plan",
         "shardtrain.distributed",
+        "shardtrain.estimate",  # activation checkpointing by budget: the planner's fake run chooses the blocks
     },
     "shardtrain.estimate": {
         "shardtrain.activations",

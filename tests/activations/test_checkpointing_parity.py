@@ -84,3 +84,18 @@ def test_policies_under_ulysses():
             assert_bitwise(r[name], r["none"], f"sp 2 {name} vs none")
         assert r["full"]["kept_bytes"] < r["selective"]["kept_bytes"] < r["none"]["kept_bytes"]
     assert_parity([results[0]["none"]], ref("llama", 1))
+
+
+@pytest.mark.parametrize("stage", [pytest.param(0, marks=pytest.mark.soak), 3])
+def test_partitioned_inputs_under_tensor_parallelism(stage):
+    """``partition_activations`` at tp 2 ([Note: partitioned block inputs]): each rank keeps half of every
+    checkpointed block's input and all-gathers it before the recompute; bitwise as no checkpointing and as whole
+    inputs, with fewer bytes kept than ``full``. Failed before: refused as not built."""
+    partitioned = {"policy": "full", "partition_activations": True}
+    sections = {"none": {}, "full": {"policy": "full"}, "full+partition": partitioned}
+    results = run_distributed(policy_runs, 2, "gpt", stage, list(sections), tp=2, sections=sections)
+    for r in results:
+        assert_bitwise(r["full+partition"], r["none"], f"tp 2 stage {stage}: partitioned vs none")
+        assert r["full+partition"]["partitioned"] == 3 * 3  # one input of each of 3 blocks, each of 3 steps
+        assert r["full"]["partitioned"] == 0
+        assert r["full+partition"]["kept_bytes"] < r["full"]["kept_bytes"], r

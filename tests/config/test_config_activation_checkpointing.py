@@ -24,6 +24,10 @@ AC = "activation_checkpointing"
         # DeepSpeed's keys alone checkpoint nothing: offload of nothing is no offload
         ({"cpu_checkpointing": True, "partition_activations": True}, ActivationPolicy("none", False)),
         ({"policy": "full", "number_checkpoints": 4}, ActivationPolicy("full", False)),
+        (
+            {"policy": "budget", "memory_budget_gib": 0.5, "budget_seq_len": 64, "cpu_checkpointing": True},
+            ActivationPolicy("budget", True, memory_budget=2**29, budget_seq_len=64),
+        ),
     ],
 )
 def test_the_plan_takes_the_policy(section, policy):
@@ -52,7 +56,11 @@ def test_deepspeed_keys_without_effect_are_reported(section, fragment):
 @pytest.mark.parametrize(
     ("config", "fragments"),
     [
-        ({AC: {"policy": "budget"}}, ["policy 'budget'", "not built", "'selective'"]),
+        ({AC: {"policy": "budget"}}, ["policy 'budget' needs memory_budget_gib", "budget_seq_len"]),
+        ({AC: {"policy": "budget", "memory_budget_gib": 8}}, ["policy 'budget' needs", "budget_seq_len"]),
+        ({AC: {"policy": "full", "memory_budget_gib": 8}}, ["memory_budget_gib with policy 'full'", "'budget' only"]),
+        ({AC: {"budget_seq_len": 512}}, ["budget_seq_len with policy 'none'"]),
+        ({AC: {"policy": "budget", "memory_budget_gib": 0, "budget_seq_len": 8}}, [f"{AC}.memory_budget_gib"]),
         ({AC: {"policy": "layers"}}, [f"{AC}.policy"]),
         (
             {AC: {"policy": "full", "contiguous_memory_optimization": True}},
@@ -71,11 +79,21 @@ def test_refused_by_name(config, fragments):
         assert fragment in str(err.value), f"{fragment!r} not in: {err.value}"
 
 
-def test_partitioned_activations_with_tensor_parallelism_are_refused():
-    cfg = load_config({AC: {"policy": "full", "partition_activations": True}, "tensor_parallel": {"size": 2}})
-    with pytest.raises(ConfigError, match=r"partition_activations with tensor_parallel\.size 2 is not built"):
+def test_partitioned_activations_with_tensor_parallelism_and_host_offload_are_refused():
+    section = {"policy": "full", "partition_activations": True}
+    tp = {"tensor_parallel": {"size": 2}}
+    assert resolve_plan(load_config({AC: section, **tp}), 2).activations == ActivationPolicy("full", False, True)
+    cfg = load_config({AC: {**section, "cpu_checkpointing": True}, **tp})
+    with pytest.raises(ConfigError, match=r"partition_activations with cpu_checkpointing and tensor_parallel\.size 2"):
         resolve_plan(cfg, 2)
-    resolve_plan(load_config({AC: {"partition_activations": True}, "tensor_parallel": {"size": 2}}), 2)  # no policy
+    resolve_plan(load_config({AC: {"partition_activations": True}, **tp}), 2)  # no policy
+
+
+def test_budget_with_pipeline_parallelism_is_refused():
+    section = {"policy": "budget", "memory_budget_gib": 8, "budget_seq_len": 64}
+    cfg = load_config({AC: section, "pipeline_parallel_size": 2})
+    with pytest.raises(ConfigError, match=r"policy 'budget' with pipeline_parallel_size 2 is not built"):
+        resolve_plan(cfg, 2)
 
 
 def _refused(kind: str) -> str:

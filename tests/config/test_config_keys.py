@@ -13,6 +13,7 @@ for what needs two ranks (tensor parallelism, the desync check, the collective t
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -888,19 +889,48 @@ def _ac_cpu(tmp: Path) -> None:
     assert _block_forwards({_AC: {"policy": "full", "cpu_checkpointing": True}}) == (2, 2)
 
 
+def _budget(gib: float, seq: int = SEQ) -> dict:
+    return {_AC: {"policy": "budget", "memory_budget_gib": gib, "budget_seq_len": seq}}
+
+
+@functools.cache
+def _every_block_full_gib() -> float:
+    """The planner's peak of :func:`_engine`'s GPT with every block checkpointed fully: the tightest budget that
+    fits."""
+    from shardtrain.estimate.activation_budget import _ladder_for
+
+    config = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**6}
+    ladder, rungs = _ladder_for(_gpt, config, 1, SEQ, pick_device().type, None, "sgd", None)
+    return ladder.measure(rungs[-1], False).peak / 2**30
+
+
+@effect(f"{_AC}.memory_budget_gib")
+def _ac_budget(tmp: Path) -> None:
+    assert _block_forwards(_budget(1000.0)) == (1, 0)  # a loose budget: nothing recomputed
+    assert _block_forwards(_budget(_every_block_full_gib())) == (2, 0)  # the tightest: every block recomputed
+
+
+@effect(f"{_AC}.budget_seq_len")
+def _ac_budget_seq_len(tmp: Path) -> None:
+    try:  # the tightest budget at SEQ tokens, planned for sequences 8 times longer: nothing fits
+        _engine(_budget(_every_block_full_gib(), 8 * SEQ))
+    except ConfigError as e:
+        assert "no choice of checkpointing fits" in str(e) and f"x {8 * SEQ} tokens" in str(e), e
+    else:
+        raise AssertionError("a budget_seq_len nothing fits was accepted")
+
+
 @effect(f"{_AC}.partition_activations")
 def _ac_partition(tmp: Path) -> None:
     from shardtrain.config.plan import resolve_plan
     from shardtrain.config.sections import load_config
 
+    # what the engine reads: each tensor-parallel rank keeps 1/tp of the block inputs (run at tp 2 in
+    # tests/activations/test_checkpointing_parity.py::test_partitioned_inputs_under_tensor_parallelism)
     tp = {"tensor_parallel": {"size": 2}}
-    resolve_plan(load_config({_AC: {"policy": "full"}, **tp}), 2)
-    try:
-        resolve_plan(load_config({_AC: {"policy": "full", "partition_activations": True}, **tp}), 2)
-    except ConfigError as e:
-        assert "partition_activations" in str(e) and "not built" in str(e), e
-    else:
-        raise AssertionError("partition_activations with tensor parallelism was accepted")
+    assert not resolve_plan(load_config({_AC: {"policy": "full"}, **tp}), 2).activations.partition_inputs
+    on = {_AC: {"policy": "full", "partition_activations": True}, **tp}
+    assert resolve_plan(load_config(on), 2).activations.partition_inputs
 
 
 @effect(f"{_AC}.contiguous_memory_optimization", f"{_AC}.synchronize_checkpoint_boundary", f"{_AC}.profile")

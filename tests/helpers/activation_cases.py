@@ -4,13 +4,15 @@ the bytes a forward leaves alive for its backward."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import shardtrain
-from shardtrain.activations import HostOffload
+from shardtrain.activations import HostOffload, TPPartition
 
 from helpers.model_cases import MICRO, _gpt, _llama, batches, loss_of, optimizer, trained
 
@@ -42,20 +44,39 @@ class _Outputs(TorchDispatchMode):
         return out
 
 
-def offload_of(model: torch.nn.Module) -> HostOffload | None:
-    """The engine's host offload of checkpointed inputs, found on a block's forward hooks."""
+def offload_of(model: torch.nn.Module, kind: type = HostOffload) -> Any:
+    """The engine's host offload (or ``kind``: its tensor-parallel partition) of checkpointed inputs, found on a
+    block's forward hooks."""
     for m in model.modules():
         for hook in m._forward_pre_hooks.values():
             owner = getattr(hook, "__self__", None)
-            if isinstance(owner, HostOffload):
+            if isinstance(owner, kind):
                 return owner
     return None
 
 
-def policy_runs(case: str, stage: int, names: list[str], steps: int = 3, tp: int = 1, sp: int = 1) -> dict:
-    """Train ``case`` at ZeRO ``stage`` once per section of ``names``; per name the losses, grad norms and final
-    parameters (rank 0's full state), the bytes the first forward left alive for backward (storages made during it
-    that are alive until backward starts), and the host offload's counts."""
+def config_of(stage: int, section: dict, tp: int = 1, sp: int = 1) -> dict:
+    """The config :func:`policy_runs` trains with."""
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 3000, "stage3_param_persistence_threshold": 0},
+        "activation_checkpointing": section,
+    }
+    if tp > 1:
+        config["tensor_parallel"] = {"size": tp}
+    if sp > 1:
+        config["sequence_parallel_size"] = sp
+    return config
+
+
+def policy_runs(
+    case: str, stage: int, names: list[str], steps: int = 3, tp: int = 1, sp: int = 1, sections: dict | None = None
+) -> dict:
+    """Train ``case`` at ZeRO ``stage`` once per section of ``names`` (in ``sections``, default :data:`SECTIONS`);
+    per name the losses, grad norms and final parameters (rank 0's full state), the bytes the first forward left
+    alive for backward (storages made during it that are alive until backward starts), the host offload's counts,
+    and each block's recompute as the plan says (``policy: "budget"``: the planner's choice)."""
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -63,16 +84,7 @@ def policy_runs(case: str, stage: int, names: list[str], steps: int = 3, tp: int
     out = {}
     for name in names:
         model = BUILDERS[case]()
-        config = {
-            "train_micro_batch_size_per_gpu": MICRO,
-            "gradient_clipping": 1.0,
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": 3000, "stage3_param_persistence_threshold": 0},
-            "activation_checkpointing": SECTIONS[name],
-        }
-        if tp > 1:
-            config["tensor_parallel"] = {"size": tp}
-        if sp > 1:
-            config["sequence_parallel_size"] = sp
+        config = config_of(stage, (sections or SECTIONS)[name], tp, sp)
         tp_plan = None
         if tp > 1:
             from shardtrain.tensor_parallel import GPT_TP_PLAN
@@ -108,6 +120,8 @@ def policy_runs(case: str, stage: int, names: list[str], steps: int = 3, tp: int
             "kept_bytes": kept,
             "offloaded": offloaded,
             "peak_host_bytes": offload.peak_host_bytes if offload is not None else 0,
+            "per_block": engine.plan.activations.per_block,
+            "partitioned": getattr(offload_of(model, TPPartition), "partitioned", 0),
         }
     return out
 
@@ -143,4 +157,4 @@ def assert_bitwise(run: dict, base: dict, what: str) -> None:
             assert torch.equal(run["params"][k], v), f"{what}: parameter {k} differs"
 
 
-__all__ = ["BUILDERS", "SECTIONS", "assert_bitwise", "offload_of", "policy_runs", "reference"]
+__all__ = ["BUILDERS", "SECTIONS", "assert_bitwise", "config_of", "offload_of", "policy_runs", "reference"]

@@ -90,7 +90,7 @@ class HostOffload:
         previous = self._pass[-2] if len(self._pass) > 1 else None
         nbytes = t.numel() * t.element_size()
         if self._stream is None:
-            copy = _HostCopy(t.detach().to("cpu", copy=True), nbytes, block, previous)
+            copy = _HostCopy(self._to_host(t), nbytes, block, previous)
         else:
             host = torch.empty_like(t, device="cpu", pin_memory=True)
             self._stream.wait_stream(torch.cuda.current_stream(t.device))  # t is complete on the compute stream
@@ -132,10 +132,18 @@ class HostOffload:
             if copy is None or copy.device is not None:
                 continue
             if self._stream is None:
-                copy.device = copy.host.to(self.device)
+                copy.device = self._to_device(copy.host)
                 continue
             with torch.cuda.stream(self._stream):
                 self._stream.wait_event(copy.copied)
                 copy.device = copy.host.to(self.device, non_blocking=True)
                 copy.fetched = torch.cuda.Event()
                 copy.fetched.record()
+
+    def _to_host(self, t: torch.Tensor) -> Any:
+        """Without a side stream (the CPU): a plain copy in host memory. The planner's fake run overrides this pair
+        to keep shapes only, so that its tracker sees the device bytes alone."""
+        return t.detach().to("cpu", copy=True)
+
+    def _to_device(self, host: Any) -> torch.Tensor:
+        return host.to(self.device)

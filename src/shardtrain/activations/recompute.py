@@ -27,6 +27,7 @@ from torch.distributed._composable import checkpoint as composable_checkpoint
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from shardtrain.activations.host_offload import HostOffload
+from shardtrain.activations.partition import TPPartition
 from shardtrain.plan.policies import ActivationPolicy
 
 _aten = torch.ops.aten
@@ -57,24 +58,31 @@ def keep_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPoli
 
 
 def apply_checkpointing(
-    blocks: Sequence[nn.Module], policy: ActivationPolicy, offload: HostOffload | None = None
+    blocks: Sequence[nn.Module],
+    policy: ActivationPolicy,
+    offload: HostOffload | None = None,
+    partition: TPPartition | None = None,
 ) -> list[Any]:
-    """Checkpoint each of ``blocks`` as ``policy`` says, their inputs kept in host memory through ``offload`` (None:
-    kept where they are); returns the hook handles added besides the checkpoint's own. Called after stage 3's runtime
-    installed its hooks ([Note: the order of a checkpointed block's hooks])."""
+    """Checkpoint each of ``blocks`` as ``policy`` says (``budget``: each as its chosen :attr:`per_block`), their
+    inputs kept in host memory through ``offload``, or ``1/tp`` of them through ``partition`` (None: kept whole
+    where they are); returns the hook handles added besides the checkpoint's own. Called after stage 3's runtime
+    installed its hooks ([Note: the order of a checkpointed block's hooks]). The planner applies it to its fake
+    models too, so what it measures is this."""
     if not policy.enabled:
         return []
-    context_fn = (
-        partial(create_selective_checkpoint_contexts, keep_matmuls) if policy.recompute == "selective" else None
-    )
+    selective = partial(create_selective_checkpoint_contexts, keep_matmuls)
     handles = []
-    for block in blocks:
-        if context_fn is None:
-            composable_checkpoint(block)
+    for block, recompute in zip(blocks, policy.block_choices(len(blocks)), strict=True):
+        if recompute == "none":
+            continue
+        if recompute == "selective":
+            composable_checkpoint(block, context_fn=selective)
         else:
-            composable_checkpoint(block, context_fn=context_fn)
+            composable_checkpoint(block)
         if offload is not None:
             handles += offload.install(block)
+        if partition is not None:
+            handles += partition.install(block)
         handles.append(block.register_forward_pre_hook(_without_cache, with_kwargs=True, prepend=True))
     return handles
 

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from dataclasses import asdict, replace
 
 from shardtrain.config.sections import PIPELINE_SCHEDULES
 from shardtrain.errors import ShardtrainError
+from shardtrain.estimate.activation_budget import fitting_checkpointing, predicted_peak
 from shardtrain.estimate.cluster import GPUS, Cluster, builtin_cluster, read_cluster
 from shardtrain.estimate.planner import (
     MemoryEstimate,
+    describe_blocks,
     estimate_memory,
     fitting_layouts,
     fmt_bytes,
@@ -123,6 +126,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="plan for accelerators (default; cpu offload moves state to the host) or a CPU-only machine",
     )
     parser.add_argument("--budget", help="device memory per rank (e.g. 16GiB, 80GB): list the layouts that fit")
+    parser.add_argument(
+        "--memory-limit",
+        help="without --budget: device memory per rank the layout must fit (default with --gpu: the GPU's); when it "
+        "does not, the cheapest activation checkpointing setting that makes it fit is printed (--json: 'fit')",
+    )
     parser.add_argument(
         "--worlds",
         default=None,
@@ -277,8 +285,17 @@ def _run(args: argparse.Namespace) -> int:
             progress=None,  # a bar on stderr, on a terminal only
             cluster=cluster,
         )
-        print(json.dumps(_as_json(est), indent=1) if args.json else est.format())
+        limit = _memory_limit(args, cluster, raw)
+        fit = _fit(args, raw, layout, est, limit) if limit is not None and not args.state_only else None
+        if args.json:
+            print(json.dumps({**_as_json(est), **({"fit": fit} if fit is not None else {})}, indent=1))
+        else:
+            print(est.format())
+            if fit is not None:
+                print(_fit_text(fit, layout.seq_len))
         return 0
+    if args.memory_limit is not None:
+        raise ShardtrainError("--memory-limit checks one layout; --budget searches layouts: give one of them")
     budget = parse_bytes(args.budget)
     if args.worlds:
         try:
@@ -327,6 +344,64 @@ def _run(args: argparse.Namespace) -> int:
         sizes = " ".join(f"{fmt_bytes(e.peak[where]):>11}" for where in ("device", "host", "nvme"))
         print(f"  {sizes}  {e.layout.describe()}")
     return 0
+
+
+def _memory_limit(args: argparse.Namespace, cluster: Cluster | None, raw: dict) -> int | None:
+    """``--memory-limit``, else the config's ``memory_budget_gib`` (``policy: "budget"``: the choice ``initialize``
+    would make), else with ``--gpu`` the GPU's memory; None: no limit to check."""
+    if args.memory_limit is not None:
+        return parse_bytes(args.memory_limit)
+    ac = raw.get("activation_checkpointing") or {}
+    if ac.get("policy") == "budget" and isinstance(ac.get("memory_budget_gib"), (int, float)):
+        return int(ac["memory_budget_gib"] * 2**30)
+    if args.gpu and cluster is not None:
+        return int(cluster.gpu.hbm_gib * 2**30)
+    return None
+
+
+def _fit(args: argparse.Namespace, raw: dict, layout, est: MemoryEstimate, limit: int) -> dict:
+    """Whether the layout fits ``limit``, and when it does not the cheapest activation setting that does
+    ([Note: checkpointing by budget] in estimate/activation_budget.py); None in ``setting``: none does."""
+    peak = predicted_peak(est)
+    out: dict = {"limit": limit, "peak": peak, "fits": peak <= limit}
+    if peak > limit:
+        choice = fitting_checkpointing(
+            args.model, raw, layout, limit, device_type=args.device, optimizer=args.optimizer
+        )
+        out["setting"] = choice.as_dict() if choice is not None else None
+        if choice is not None:
+            out["setting"]["config"] = _section_of(choice.as_dict(), limit, layout.seq_len)
+    return out
+
+
+def _section_of(setting: dict, limit: int, seq_len: int) -> dict:
+    """The ``activation_checkpointing`` section that asks for ``setting``."""
+    policy = setting["setting"].split(",")[0]
+    section: dict = {"policy": policy}
+    if policy == "budget":
+        # up to the next 1e-6 GiB (about 1 KiB): a budget rounded down might not fit the rung chosen here
+        section.update(memory_budget_gib=math.ceil(limit / 2**30 * 1e6) / 1e6, budget_seq_len=seq_len)
+    if setting["cpu_checkpointing"]:
+        section["cpu_checkpointing"] = True
+    return section
+
+
+def _fit_text(fit: dict, seq_len: int) -> str:
+    head = f"memory limit {fmt_bytes(fit['limit'])} per rank: the predicted peak {fmt_bytes(fit['peak'])} "
+    if fit["fits"]:
+        return head + "fits"
+    setting = fit["setting"]
+    if setting is None:
+        return head + (
+            "does not fit, and no activation checkpointing setting makes it fit (every block full, inputs in host "
+            "memory included): shard more, or shorten the sequence or the micro-batch"
+        )
+    blocks = describe_blocks(tuple(setting["per_block"]))
+    host = f", host {fmt_bytes(setting['host_bytes'])} of block inputs" if setting["cpu_checkpointing"] else ""
+    return (
+        head + f"does not fit; the cheapest activation setting that fits: {setting['setting']} ({blocks}): predicted "
+        f'peak {fmt_bytes(setting["peak"])}{host}\n  "activation_checkpointing": {json.dumps(setting["config"])}'
+    )
 
 
 SEARCH_OVERRIDES = ("dtype", "micro_batch", "sp", "pp", "cp", "checkpointing", "fp8", "compile", "schedule")

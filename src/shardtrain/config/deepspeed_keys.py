@@ -1046,11 +1046,23 @@ RULES: tuple[Rule, ...] = (
     ),
     _supported(
         "activation_checkpointing.policy",
-        '`"none"`, `"full"`, `"selective"`; `"none"`',
+        '`"none"`, `"full"`, `"selective"`, `"budget"`; `"none"`',
         "shardtrain key: `full` keeps each block's inputs and recomputes the block in backward; `selective` also "
         "keeps matmul and attention outputs and recomputes the rest; `none` recomputes nothing (DeepSpeed's "
-        "section only configures `deepspeed.checkpointing`, which a model calls itself); `budget` is refused: not "
-        "built",
+        "section only configures `deepspeed.checkpointing`, which a model calls itself); `budget` picks per block "
+        "under `memory_budget_gib`",
+    ),
+    _supported(
+        "activation_checkpointing.memory_budget_gib",
+        "number > 0; none",
+        'shardtrain key, with `policy: "budget"` (required there, refused elsewhere): the GiB one rank\'s predicted '
+        "peak must fit; the planner picks per block none, selective or full (the least recompute that fits)",
+    ),
+    _supported(
+        "activation_checkpointing.budget_seq_len",
+        "int ≥ 1; none",
+        'shardtrain key, with `policy: "budget"` (required there, refused elsewhere): the tokens per sequence the '
+        "budget is planned for",
     ),
     _supported(
         "activation_checkpointing.cpu_checkpointing",
@@ -1061,8 +1073,8 @@ RULES: tuple[Rule, ...] = (
     _supported(
         "activation_checkpointing.partition_activations",
         "bool, `false`",
-        "with tensor parallelism each rank would keep 1/tp of the block inputs: refused there (not built); "
-        "without it there is nothing to partition",
+        "with tensor parallelism each rank keeps 1/tp of a checkpointed block's inputs, all-gathered over the "
+        "tensor-parallel group before the recompute (with `cpu_checkpointing` refused: not built)",
     ),
     _no_effect(
         "activation_checkpointing.number_checkpoints",

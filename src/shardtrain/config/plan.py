@@ -183,8 +183,14 @@ def activation_policy(cfg: Config) -> ActivationPolicy:
     """What ``activation_checkpointing`` recomputes, and whether the inputs kept wait in host memory (only when
     something is checkpointed: DeepSpeed's keys alone checkpoint nothing)."""
     ac = cfg.activation_checkpointing
-    recompute = "none" if ac.policy == "budget" else ac.policy  # "budget" was refused by the section
-    return ActivationPolicy(recompute, offload_inputs=ac.cpu_checkpointing and recompute != "none")
+    budget = round(ac.memory_budget_gib * 2**30) if ac.memory_budget_gib is not None else None
+    return ActivationPolicy(
+        ac.policy,
+        offload_inputs=ac.cpu_checkpointing and ac.policy != "none",
+        partition_inputs=ac.partition_activations and ac.policy != "none",
+        memory_budget=budget,
+        budget_seq_len=ac.budget_seq_len,
+    )
 
 
 def refuse_unbuilt(cfg: Config, dims: ParallelDims, device_type: str | None = None) -> None:
@@ -234,11 +240,15 @@ def refuse_unbuilt(cfg: Config, dims: ParallelDims, device_type: str | None = No
                 "rank) or turn the other feature off (docs/hybrid-sharding.md)"
             )
     ac = cfg.activation_checkpointing
-    if ac.partition_activations and ac.policy != "none" and dims.tp > 1:
+    if ac.partition_activations and ac.cpu_checkpointing and ac.policy != "none" and dims.tp > 1:
         raise ConfigError(
-            f"activation_checkpointing.partition_activations with tensor_parallel.size {dims.tp} is not built (each "
-            "rank would keep 1/tp of every checkpointed block's inputs); remove it (each rank keeps the whole "
-            "inputs), or use cpu_checkpointing to keep them in host memory"
+            f"activation_checkpointing.partition_activations with cpu_checkpointing and tensor_parallel.size "
+            f"{dims.tp} is not built (the partitioned inputs are not moved to host memory); use one of them"
+        )
+    if ac.policy == "budget" and dims.pp > 1:
+        raise ConfigError(
+            f"activation_checkpointing.policy 'budget' with pipeline_parallel_size {dims.pp} is not built (the "
+            "planner chooses for the whole model's blocks, a stage holds some); use 'selective' or 'full'"
         )
     if cfg.fp8.enabled:
         refuse_unbuilt_fp8(cfg, dims)

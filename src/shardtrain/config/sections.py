@@ -371,12 +371,17 @@ class ActivationCheckpointingConfig(_Section):
     policy: Literal["none", "full", "selective", "budget"] = "none"
     """``none``: nothing is recomputed (DeepSpeed's behaviour: its section only configures the model's own calls);
     ``full``: each block keeps only its inputs and runs again in backward; ``selective``: each block also keeps its
-    matmul and attention outputs and recomputes the rest. ``budget`` is refused: not built."""
+    matmul and attention outputs and recomputes the rest; ``budget``: the planner picks per block (none, selective
+    or full) at ``initialize``, the least recompute whose predicted peak fits ``memory_budget_gib``."""
+    memory_budget_gib: float | None = Field(default=None, gt=0)
+    """``budget``: GiB one rank's predicted peak must fit (device memory; on a CPU the process's)."""
+    budget_seq_len: Count | None = None
+    """``budget``: tokens per sequence the budget is planned for (one micro-batch of it is run on fake tensors)."""
     cpu_checkpointing: bool = False
     """The inputs checkpointed blocks keep wait in host memory between forward and backward."""
     partition_activations: bool = False
-    """With tensor parallelism each rank would keep 1/tp of a block's inputs: refused there (not built); without it
-    there is nothing to partition."""
+    """With tensor parallelism each rank keeps 1/tp of a checkpointed block's inputs, all-gathered before the
+    recompute (not with ``cpu_checkpointing``); without it there is nothing to partition."""
 
     contiguous_memory_optimization: bool = False
     """DeepSpeed copies its checkpoints into one preallocated buffer: not built, refused with a policy."""
@@ -398,11 +403,17 @@ class ActivationCheckpointingConfig(_Section):
                 raise ValueError(
                     f"{key}: true with policy {self.policy!r}: {what} is not built; remove it or set it to false"
                 )
-        if self.policy == "budget":
+        budget_keys = [k for k in ("memory_budget_gib", "budget_seq_len") if getattr(self, k) is not None]
+        if self.policy == "budget" and len(budget_keys) < 2:
             raise ValueError(
-                "policy 'budget' (the planner choosing what to keep under a memory budget) is not built; use "
-                "'selective' (matmul and attention outputs kept) or 'full' (block inputs only), and "
-                "`shardtrain estimate` to compare their memory"
+                "policy 'budget' needs memory_budget_gib (the GiB one rank's peak must fit) and budget_seq_len (the "
+                "tokens per sequence it is planned for), e.g. "
+                '{"policy": "budget", "memory_budget_gib": 70, "budget_seq_len": 8192}'
+            )
+        if self.policy != "budget" and budget_keys:
+            raise ValueError(
+                f"{' and '.join(budget_keys)} with policy {self.policy!r}: read by policy 'budget' only; set "
+                "policy to 'budget' or remove them"
             )
         return self
 

@@ -53,7 +53,7 @@ from shardtrain.engine.optimizers import (
     build_optimizer,
     refuse_deepspeed_muon_clipping,
 )
-from shardtrain.engine.parallelize import Parts, parallelize
+from shardtrain.engine.parallelize import Parts, choose_activation_budget, parallelize
 from shardtrain.errors import ConfigError, OptimizerError, ShardtrainError
 from shardtrain.host_read import HostRead
 from shardtrain.pipeline_parallel import PipelineGrid, check_can_cut, check_micro_batches, split_micro_batch
@@ -926,6 +926,7 @@ def _initialize(
         random.seed(cfg.seed)
         np.random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
+    plan = choose_activation_budget(model, plan, cfg, topology, opt, tp_plan)
     parts = parallelize(model, plan, topology, opt, cfg, tp_plan)
     return Engine(model, cfg, plan, topology, opt, scheduler, parts, communicators)
 

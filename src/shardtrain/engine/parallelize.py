@@ -35,13 +35,13 @@ import hashlib
 import json
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
 
-from shardtrain.activations import HostOffload, apply_checkpointing
+from shardtrain.activations import HostOffload, TPPartition, apply_checkpointing
 from shardtrain.config.sections import Config, gradient_predivide, resolve_batch_sizes
 from shardtrain.construction.sharded_init import (
     ExpertRows,
@@ -57,7 +57,9 @@ from shardtrain.distributed.mesh import Topology
 from shardtrain.distributed.placement import TPPlacement
 from shardtrain.engine.monitor import TrainingMonitor
 from shardtrain.engine.pipeline_sequence import SequenceInPipeline
-from shardtrain.errors import ConfigError, LayoutError, RankMismatchError
+from shardtrain.errors import ConfigError, LayoutError, RankMismatchError, ShardtrainError
+from shardtrain.estimate.activation_budget import choose_checkpointing, source_of_module
+from shardtrain.estimate.planner import fmt_bytes
 from shardtrain.expert_parallel import expert_weights, install_expert_parallel
 from shardtrain.offload import host_copies, param_uploads, zenflow_device
 from shardtrain.offload.optimizer_state import (
@@ -211,7 +213,7 @@ def parallelize(
         param_offload = _param_offload(layout, plan.offload, scratch, comms.world, topology.rank, topology.device)
         eager = apply_units(model, plan, topology, comms, layout, param_offload, phase_check)
         activation_offload = apply_activation_checkpointing(
-            blocks if blocks is not None else checkpointed_blocks(model, plan), plan, topology
+            blocks if blocks is not None else checkpointed_blocks(model, plan), plan, topology, split.tp_comm
         )
         # a weight tied across the first and last stage counts in the norm on the first ([Note: weights tied
         # across stages] in pipeline_parallel/cut.py)
@@ -504,7 +506,9 @@ def apply_fp8(model: nn.Module, policy: Float8Policy, tensor_parallel: bool = Fa
     return convert_to_float8(model, policy, parallel_linears=parallel)
 
 
-def apply_activation_checkpointing(blocks: list[nn.Module], plan: Plan, topology: Topology) -> HostOffload | None:
+def apply_activation_checkpointing(
+    blocks: list[nn.Module], plan: Plan, topology: Topology, tp_comm: Communicator | None = None
+) -> HostOffload | None:
     """Checkpoint ``blocks`` (:func:`checkpointed_blocks`: those ZeRO-3 makes units of, at every stage; under
     pipeline parallelism this rank's) as ``plan.activations`` says; returns the host offload of their inputs (None
     without ``cpu_checkpointing``). After the stage-3 runtime, whose hooks must be outside the checkpoint's ([Note:
@@ -513,8 +517,63 @@ def apply_activation_checkpointing(blocks: list[nn.Module], plan: Plan, topology
     if not policy.enabled:
         return None
     offload = HostOffload(topology.device) if policy.offload_inputs else None
-    apply_checkpointing(blocks, policy, offload)
+    partition = None
+    if policy.partition_inputs and tp_comm is not None and tp_comm.size > 1:  # [Note: partitioned block inputs]
+        comm = tp_comm
+
+        def gather(chunk: torch.Tensor) -> torch.Tensor:
+            return comm.all_gather_dim(chunk, 0, what="partitioned activation checkpoint")
+
+        partition = TPPartition(comm.rank, comm.size, gather)
+    apply_checkpointing(blocks, policy, offload, partition)
     return offload
+
+
+def choose_activation_budget(
+    model: nn.Module,
+    plan: Plan,
+    config: Config,
+    topology: Topology,
+    optimizer: torch.optim.Optimizer,
+    tp_plan: Mapping[str, str] | None,
+) -> Plan:
+    """``policy: "budget"``: ``plan`` with each block's recompute chosen by the planner so that the predicted peak
+    fits the budget, the least recompute that does ([Note: checkpointing by budget] in
+    ``estimate/activation_budget.py``); logged on rank 0. A budget nothing fits is refused by name. Every other
+    policy: ``plan`` as it is. Before the model is touched: the planner copies it onto fake tensors."""
+    policy = plan.activations
+    if policy.recompute != "budget":
+        return plan
+    assert policy.memory_budget is not None and policy.budget_seq_len is not None  # the config's section says so
+    blocks = checkpointed_blocks(model, plan)  # the same refusals as the other policies, first
+    if any(p.is_meta or p.numel() == 0 for p in model.parameters()):
+        raise ConfigError(
+            "activation_checkpointing.policy 'budget' plans on the model's shapes, and some parameters have none yet "
+            "(on the meta device, or built sharded by zero.Init): build the model whole, or use 'selective' or "
+            "'full' (`shardtrain estimate --memory-limit` says which fits)"
+        )
+    kind = type(optimizer).__name__.lower()
+    choice = choose_checkpointing(
+        source_of_module(model),
+        config,
+        world_size=topology.world_size,
+        budget=policy.memory_budget,
+        seq_len=policy.budget_seq_len,
+        device_type=topology.device.type,
+        offload_inputs=policy.offload_inputs,
+        tp_plan=tp_plan,
+        optimizer=kind if kind in ("adam", "adamw", "sgd") else None,
+    )
+    if len(choice.per_block) != len(blocks):  # the planner found the blocks the engine checkpoints
+        raise ShardtrainError(f"the budget's choice covers {len(choice.per_block)} blocks, the model has {len(blocks)}")
+    if topology.rank == 0:
+        log.info(
+            "activation checkpointing by budget: %s against a budget of %s (%d tokens per sequence)",
+            choice.describe(),
+            fmt_bytes(policy.memory_budget),
+            policy.budget_seq_len,
+        )
+    return replace(plan, activations=replace(policy, per_block=choice.per_block))
 
 
 def checkpointed_blocks(model: nn.Module, plan: Plan) -> list[nn.Module]:

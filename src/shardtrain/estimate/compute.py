@@ -46,14 +46,14 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-from shardtrain.activations import keep_matmuls
+from shardtrain.activations import HostOffload, apply_checkpointing, keep_matmuls
 from shardtrain.errors import ShardtrainError
 from shardtrain.estimate import wire
 from shardtrain.estimate.experts import GroupedMatmulShapes, has_experts, split_experts
 from shardtrain.estimate.sequence import as_fake, install_sequence_parallel, refuse_shared_config, split_batch
 from shardtrain.estimate.source import ModelSource, loss_of
 from shardtrain.expert_parallel import expert_weights
-from shardtrain.plan.policies import NO_PREFETCH, PrefetchPolicy
+from shardtrain.plan.policies import NO_PREFETCH, ActivationPolicy, BlockRecompute, PrefetchPolicy
 from shardtrain.zero.layout import Bucket
 from shardtrain.zero.units import find_unit_modules
 
@@ -127,6 +127,43 @@ class ComputePeak:
     """Stages 2-3: most bytes of gradient staging buffers alive at once."""
     gathered: int
     """Stage 3: most bytes of units gathered at once (included in ``peak``)."""
+    host_activations: int = 0
+    """``cpu_checkpointing``: most bytes of checkpointed blocks' inputs in host memory at once."""
+
+
+@dataclass(frozen=True)
+class BlockCheckpointing:
+    """Checkpointing applied as the engine applies it (:func:`shardtrain.activations.apply_checkpointing` on the
+    blocks :func:`checkpointed_blocks` finds): a recompute per block, and whether the inputs kept go to host memory
+    (``cpu_checkpointing``, replayed by :class:`_ShapeOnlyHostOffload`)."""
+
+    per_block: tuple[BlockRecompute, ...] | BlockRecompute
+    """One recompute per block, or one for every block."""
+    offload_inputs: bool = False
+
+    @property
+    def policy(self) -> ActivationPolicy:
+        if isinstance(self.per_block, str):
+            return ActivationPolicy(self.per_block, self.offload_inputs)
+        return ActivationPolicy("budget", self.offload_inputs, per_block=self.per_block)
+
+
+def checkpointed_blocks(model: nn.Module, unit_classes: list[str] | None) -> list[nn.Module]:
+    """The blocks the engine checkpoints (``engine/parallelize.py``): ZeRO-3's units without the root."""
+    return [m for _, m in find_unit_modules(model, unit_classes) if m is not model]
+
+
+class _ShapeOnlyHostOffload(HostOffload):
+    """The engine's host offload on fake tensors: a block input's host copy is its shape alone, so the tracker sees
+    the device's bytes (the input freed after forward, fetched again in backward with the block before it) and the
+    host's are counted here (``peak_host_bytes``)."""
+
+    def _to_host(self, t: torch.Tensor) -> Any:
+        return (t.shape, t.dtype, t.device)
+
+    def _to_device(self, host: Any) -> torch.Tensor:
+        shape, dtype, device = host
+        return torch.empty(shape, dtype=dtype, device=device)
 
 
 def build_fake(
@@ -324,7 +361,7 @@ def measure_compute(
     buckets: list[Bucket],
     bucket_names: list[list[str]],
     reduce_dtype: torch.dtype | None,
-    checkpointing: bool | str = False,
+    checkpointing: bool | str | BlockCheckpointing = False,
     unit_classes: list[str] | None = None,
     tp_plan: Any = None,
     ep: int = 1,
@@ -387,6 +424,9 @@ def measure_compute(
                     p.grad = torch.zeros_like(p)
         if progress is not None:
             handles += _progress_hooks(model, params, unit_classes, progress)
+        host_offload = getattr(model, "_shardtrain_host_offload", None)
+        if host_offload is not None:
+            host_offload.peak_host_bytes = host_offload.host_bytes = 0
         gathers = None
         if units:
             modules = dict(model.named_modules())
@@ -446,6 +486,7 @@ def measure_compute(
         peak_temporaries=by_kind.get("Temp", 0),
         staging=staging.most if staging is not None else 0,
         gathered=gathers.most if gathers is not None else 0,
+        host_activations=host_offload.peak_host_bytes if host_offload is not None else 0,
     )
 
 
@@ -454,7 +495,7 @@ def prepare_models(
     *,
     tp: int,
     compute: torch.dtype,
-    checkpointing: bool | str,
+    checkpointing: bool | str | BlockCheckpointing,
     unit_classes: list[str] | None,
     tp_plan: Any,
     models: dict | None,
@@ -469,7 +510,12 @@ def prepare_models(
 
 
 def model_key(
-    tp: int, compute: torch.dtype, checkpointing: bool | str, unit_classes: list[str] | None, ep: int = 1, sp: int = 1
+    tp: int,
+    compute: torch.dtype,
+    checkpointing: bool | str | BlockCheckpointing,
+    unit_classes: list[str] | None,
+    ep: int = 1,
+    sp: int = 1,
 ) -> tuple:
     return (tp, compute, checkpointing, tuple(unit_classes or ()) if checkpointing else None, ep, sp)
 
@@ -478,7 +524,7 @@ def _build_run_model(
     source: ModelSource,
     tp: int,
     compute: torch.dtype,
-    checkpointing: bool | str,
+    checkpointing: bool | str | BlockCheckpointing,
     unit_classes: list[str] | None,
     tp_plan: Any,
     ep: int = 1,
@@ -492,7 +538,11 @@ def _build_run_model(
     with mode:
         model = build_fake(source, tp, compute, tp_plan, ep)
         splitter = install_sequence_parallel(model, sp, tp) if sp > 1 else None
-        if checkpointing:
+        if isinstance(checkpointing, BlockCheckpointing):
+            offload = _ShapeOnlyHostOffload(torch.device("cpu")) if checkpointing.offload_inputs else None
+            apply_checkpointing(checkpointed_blocks(model, unit_classes), checkpointing.policy, offload)
+            model._shardtrain_host_offload = offload  # read back by measure_compute
+        elif checkpointing:
             _checkpoint_units(model, unit_classes, selective=checkpointing == "selective")
     return mode, model, splitter
 

@@ -44,7 +44,14 @@ from shardtrain.estimate.axes import (
     stage_ids,
 )
 from shardtrain.estimate.cluster import Cluster
-from shardtrain.estimate.compute import ComputePeak, build_fake, measure_compute, model_key, prepare_models
+from shardtrain.estimate.compute import (
+    BlockCheckpointing,
+    ComputePeak,
+    build_fake,
+    measure_compute,
+    model_key,
+    prepare_models,
+)
 from shardtrain.estimate.experts import expert_counts, split_experts
 from shardtrain.estimate.sequence import install_sequence_parallel
 from shardtrain.estimate.source import ModelSource, resolve_source
@@ -105,9 +112,12 @@ class Candidate:
     dtype: str = "fp32"
     micro_batch: int = 1
     seq_len: int = 2048
-    checkpointing: bool | str = False
+    checkpointing: bool | str | tuple[str, ...] = False
     """Activation checkpointing of every block: ``True`` (``policy: "full"``), ``"selective"`` (matmul and attention
-    outputs kept, the rest recomputed), ``False`` (none)."""
+    outputs kept, the rest recomputed), ``False`` (none); a tuple: each block's (``"none"``, ``"selective"``,
+    ``"full"``, in the order of the blocks), as ``policy: "budget"`` chooses."""
+    offload_activations: bool = False
+    """``cpu_checkpointing``: the inputs the checkpointed blocks keep wait in host memory."""
     compile: bool = False
     """``torch.compile`` of the model: changes the predicted time only ([Note: what compile changes] in
     :mod:`.timing`), not the memory."""
@@ -154,11 +164,38 @@ class Candidate:
         parts += [self.dtype + (" + fp8" if self.fp8 else ""), f"micro-batch {self.micro_batch} x seq {self.seq_len}"]
         if self.micro_batches > 1 and self.pp == 1:
             parts.append(f"{self.micro_batches} micro-batches")
-        if self.checkpointing:
+        if isinstance(self.checkpointing, tuple):
+            parts.append(f"checkpointing by block ({describe_blocks(self.checkpointing)})")
+        elif self.checkpointing:
             parts.append("selective checkpointing" if self.checkpointing == "selective" else "checkpointing")
+        per_block = self.checkpointing if isinstance(self.checkpointing, tuple) else (self.checkpointing,)
+        if self.offload_activations and any(ac and ac != "none" for ac in per_block):
+            parts.append("checkpoints in host memory")
         if self.compile:
             parts.append("compiled")
         return ", ".join(parts)
+
+
+def describe_blocks(per_block: tuple[str, ...]) -> str:
+    """Each block's recompute in runs of blocks, e.g. ``0-1 full, 2-3 selective``."""
+    runs: list[list] = []
+    for i, what in enumerate(per_block):
+        if runs and runs[-1][2] == what:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i, what])
+    return ", ".join(f"{a}{f'-{b}' if b > a else ''} {what}" for a, b, what in runs)
+
+
+def run_checkpointing(layout: Candidate) -> bool | str | BlockCheckpointing:
+    """What the fake run applies: the blocks' recompute as the engine applies it where it is per block or its inputs
+    go to host memory, else the whole-model setting of before."""
+    ac = layout.checkpointing
+    if not isinstance(ac, tuple) and not (layout.offload_activations and ac):
+        return ac
+    if not isinstance(ac, tuple):
+        return BlockCheckpointing("full" if ac is True else "selective", layout.offload_activations)
+    return BlockCheckpointing(ac, layout.offload_activations)
 
 
 def with_global_batch(layout: Candidate, global_batch: int) -> Candidate:
@@ -395,6 +432,7 @@ def layout_from_config(
         micro_batch=micro,
         seq_len=seq_len,
         checkpointing=_policy_checkpointing(raw) or checkpointing,
+        offload_activations=(raw.get("activation_checkpointing") or {}).get("cpu_checkpointing") is True,
     )
 
 
@@ -677,7 +715,8 @@ def _prepare(
     # under context parallelism a rank runs 1/cp of every sequence's tokens; its attention's whole-sequence keys and
     # values are a row of their own (_assemble)
     seq_len = layout.seq_len // layout.cp
-    key = (layout.tp, layout.ep, layout.sp, compute, layout.micro_batch, seq_len, layout.checkpointing, reduce)
+    checkpointing = run_checkpointing(layout)
+    key = (layout.tp, layout.ep, layout.sp, compute, layout.micro_batch, seq_len, checkpointing, reduce)
     key += (precision.accum_dtype,)
     # stages 0 and 1 run the same replay (a gradient kept in its flat buffer); 2 stages its buckets, 3 also gathers
     key += (max(layout.stage, 1), tuple(staged) if layout.stage >= 2 else None, tuple(units))
@@ -693,7 +732,7 @@ def _prepare(
         "bucket_names": ran.bucket_names,
         "reduce_dtype": reduce,
         "accum_dtype": precision.accum_dtype,
-        "checkpointing": layout.checkpointing,
+        "checkpointing": checkpointing,
         "unit_classes": zero.unit_classes,
         "tp_plan": tp_plan,
         "ep": layout.ep,
@@ -799,6 +838,9 @@ def _assemble(
     rows.append(Row("buffers", "device", buffers))
     if activations:
         rows.append(Row("activations saved for backward (end of forward)", "device", comp.activations, True, "in"))
+    if comp.host_activations:
+        what = "checkpointed blocks' inputs (cpu_checkpointing, at most)"
+        rows.append(Row(what, host, comp.host_activations, True))
     if comp.gathered:
         rows.append(Row("gathered units at most (root + current + prefetched)", "device", comp.gathered, True, "in"))
     if activations:

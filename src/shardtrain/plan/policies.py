@@ -247,20 +247,48 @@ class Float8Policy:
     """ZeRO-3 with the tensorwise recipe: forward and backward gather the converted weights in float8."""
 
 
+BlockRecompute = Literal["none", "full", "selective"]
+"""What one block recomputes in backward (:class:`ActivationPolicy`)."""
+
+
 @dataclass(frozen=True)
 class ActivationPolicy:
     """Activation checkpointing (``activation_checkpointing``): which activations of each block are recomputed in
     backward instead of kept, and where the kept block inputs wait (docs/activation-checkpointing.md). The blocks
     are the modules ZeRO-3 makes units of (``ZeroPolicy.unit_classes``, else repeated blocks), at every stage."""
 
-    recompute: Literal["none", "full", "selective"] = "none"
+    recompute: Literal["none", "full", "selective", "budget"] = "none"
     """``none``: everything a block saves is kept; ``full``: a block keeps only its inputs and runs its forward
     again in backward; ``selective``: it also keeps the outputs of matmuls and attention, and recomputes the rest
-    (pointwise operations, norms)."""
+    (pointwise operations, norms); ``budget``: each block as :attr:`per_block` says, chosen at ``initialize`` by the
+    planner so that the predicted peak fits :attr:`memory_budget` ([Note: checkpointing by budget] in
+    ``estimate/activation_budget.py``)."""
     offload_inputs: bool = False
     """The inputs a checkpointed block keeps wait in host memory between forward and backward (DeepSpeed's
     ``cpu_checkpointing``)."""
+    partition_inputs: bool = False
+    """Under tensor parallelism each rank keeps ``1/tp`` of the inputs a checkpointed block keeps, all-gathered
+    before the recompute (DeepSpeed's ``partition_activations``; nothing to partition at tp 1)."""
+    memory_budget: int | None = None
+    """``budget``: the bytes one rank's predicted peak must fit (device memory; on a machine without accelerator
+    the process's)."""
+    budget_seq_len: int | None = None
+    """``budget``: the tokens per sequence the budget is planned for (the planner runs one micro-batch of it)."""
+    per_block: tuple[BlockRecompute, ...] = ()
+    """``budget``, once chosen: the recompute of each checkpointed block, in the order of the blocks; empty before."""
 
     @property
     def enabled(self) -> bool:
         return self.recompute != "none"
+
+    def block_choices(self, blocks: int) -> tuple[BlockRecompute, ...]:
+        """The recompute of each of ``blocks`` blocks: :attr:`per_block` for ``budget`` (it must be chosen by then),
+        else :attr:`recompute` for every block."""
+        if self.recompute != "budget":
+            return (self.recompute,) * blocks
+        if len(self.per_block) != blocks:
+            raise ValueError(
+                f"the budget's choice covers {len(self.per_block)} blocks, the model has {blocks}: choose it for "
+                "this model (shardtrain.estimate.choose_checkpointing)"
+            )
+        return self.per_block
