@@ -276,9 +276,6 @@ def _initialize_says(extra: dict) -> str:
 
 
 def test_muon_with_what_it_does_not_serve_yet_is_refused_by_name(tmp_path):
-    offload = {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}
-    said = run_distributed(_initialize_says, 1, offload)[0]
-    assert "MuonWithAdamW at ZeRO stages 1-3 is not served yet with optimizer offload" in said, said
     at_stage_0 = {"tensor_parallel": {"size": 2}, "zero_optimization": {"stage": 0}}
     said = run_distributed(_initialize_says, 2, at_stage_0)[0]
     assert "MuonWithAdamW under tensor parallelism (size 2) is served at ZeRO stages 1-3 only" in said, said
@@ -404,3 +401,77 @@ def test_muon_at_expert_parallel_2_by_dp_2_matches_one_process():
     recipe = dataclasses.replace(_recipe("mixtral", 2), batches=functools.partial(_batches, 3, 2, 8))
     recipe = dataclasses.replace(recipe, config={**recipe.config, "expert_parallel_size": 2})
     _assert_muon_parity(run_distributed(parity.engine_run, 4, recipe), recipe, 4)
+
+
+def _offload_recipe(stage: int, device: str, nvme_path: str = "") -> parity.Recipe:
+    """Optimizer offload with sub-groups smaller than a bucket's chunk and larger than some fragments: a cut by each
+    rank's fragments would differ between the ranks ([Note: sub-groups of whole buckets])."""
+    recipe = _recipe("gpt", stage)
+    offload = {"device": device, **({"nvme_path": nvme_path, "buffer_count": 2} if device == "nvme" else {})}
+    zero = {**recipe.config["zero_optimization"], "sub_group_size": 1200, "offload_optimizer": offload}
+    return dataclasses.replace(recipe, config={**recipe.config, "zero_optimization": zero})
+
+
+@pytest.mark.parametrize("world, stage, device", [(2, 2, "cpu"), (3, 3, "cpu"), (2, 3, "nvme")])
+def test_muon_with_optimizer_offload_matches_one_process(world, stage, device, tmp_path):
+    recipe = _offload_recipe(stage, device, str(tmp_path))
+    _assert_muon_parity(run_distributed(parity.engine_run, world, recipe), recipe, world)
+
+
+def _sub_groups(recipe: parity.Recipe) -> dict:
+    from shardtrain.offload.optimizer_state import make_sub_groups
+
+    engine = parity.build_engine(recipe)
+    offload = engine._optimizer.offload
+    by_fragments = make_sub_groups([s.numel() for s in offload.stepped], 1200)
+    params = [b.slots[i].name for b, i in engine._optimizer.fragment_places()]
+    out = {
+        "served": [[params[i] for i in g.members] for g in offload.groups],
+        "by_fragments": [[params[i] for i in g.members] for g in by_fragments],
+    }
+    engine.close()
+    return out
+
+
+def test_muon_offload_sub_groups_are_whole_buckets_the_same_on_every_rank():
+    """[Note: sub-groups of whole buckets]: each rank steps the same parameters in each sub-group (the owners'
+    collectives pair up), where a cut by each rank's fragments differs between the ranks."""
+    ranks = run_distributed(_sub_groups, 3, _offload_recipe(2, "cpu"))
+    assert len(ranks[0]["served"]) > 1
+    assert all(r["served"] == ranks[0]["served"] for r in ranks)
+    assert any(r["by_fragments"] != ranks[0]["by_fragments"] for r in ranks)
+
+
+@pytest.mark.soak
+@pytest.mark.parametrize("world, stage", [(3, 2), (2, 3)])
+def test_muon_with_optimizer_offload_matches_one_process_more_layouts(world, stage):
+    recipe = _offload_recipe(stage, "cpu")
+    _assert_muon_parity(run_distributed(parity.engine_run, world, recipe), recipe, world)
+
+
+def test_muon_checkpoint_under_optimizer_offload_resumes_exactly(tmp_path):
+    (tmp_path / "swap").mkdir()
+    recipe = _offload_recipe(2, "nvme", str(tmp_path / "swap"))
+    straight = run_distributed(_train_resumed, 2, recipe, str(tmp_path / "unused"), None)
+    resumed = run_distributed(_train_resumed, 2, recipe, str(tmp_path / "ckpt"), 1)
+    for a, b in zip(straight, resumed):
+        assert a["losses"] == b["losses"]
+    for k, v in straight[0]["params"].items():
+        assert torch.equal(v, resumed[0]["params"][k]), k
+
+
+def _build_says(recipe: parity.Recipe) -> str:
+    try:
+        parity.build_engine(recipe)
+    except OptimizerError as err:
+        return str(err)
+    return "ok"
+
+
+def test_muon_with_offload_and_tensor_parallelism_is_refused_by_name():
+    recipe = _tp_recipe("gpt", 2)
+    zero = {**recipe.config["zero_optimization"], "offload_optimizer": {"device": "cpu"}}
+    said = run_distributed(
+        _build_says, 2, dataclasses.replace(recipe, config={**recipe.config, "zero_optimization": zero})
+    )[0]
+    assert "MuonWithAdamW at ZeRO stages 1-3 is not served yet with optimizer offload together with tensor " in said
