@@ -551,3 +551,41 @@ def test_muon_with_offload_and_tensor_parallelism_is_refused_by_name():
         _build_says, 2, dataclasses.replace(recipe, config={**recipe.config, "zero_optimization": zero})
     )[0]
     assert "MuonWithAdamW at ZeRO stages 1-3 is not served yet with optimizer offload together with tensor " in said
+
+
+def _pipeline_run(recipe: parity.Recipe, pp: int) -> dict:
+    """The recipe under pipeline parallelism (pp stages x world / pp data-parallel ranks): each stage's data-parallel
+    group owns its stage's matrices."""
+    import torch.distributed as dist
+
+    dp = dist.get_world_size() // pp
+    model = recipe.make_model()
+    config = {
+        **recipe.config,
+        "pipeline_parallel_size": pp,
+        "train_micro_batch_size_per_gpu": recipe.rows // dp,
+        "gradient_accumulation_steps": recipe.gas,
+        "gradient_clipping": recipe.clip,
+    }
+    engine = shardtrain.initialize(model, config, optimizer=_served(model))
+    t = engine.topology
+    rows = slice(t.dp_rank * (recipe.rows // dp), (t.dp_rank + 1) * (recipe.rows // dp))
+    batches = [(x[rows], y[rows]) for x, y in recipe.batches()]
+    losses, norms = [], []
+    for step in range(recipe.steps):
+        losses.append(float(engine.train_batch(iter(batches[step * recipe.gas : (step + 1) * recipe.gas]))))
+        norms.append(engine.get_global_grad_norm())
+    out = {"losses": losses, "norms": norms, "params": engine.full_state_dict()}
+    engine.close()
+    return out
+
+
+@pytest.mark.parametrize("world, stage", [(2, 1), pytest.param(4, 2, marks=pytest.mark.soak)])
+def test_muon_under_pipeline_parallelism_matches_one_process(world, stage):
+    """pp 2 x dp 1 (ZeRO 1) and pp 2 x dp 2 (ZeRO 2, soak): each stage's data-parallel group owns its stage's
+    matrices; the global norm sums the stages' squares ([Note: the norm across stages])."""
+    recipe = _recipe("gpt", stage)
+    results = run_distributed(_pipeline_run, world, recipe, 2)
+    assert results[0]["params"].keys() == dict(recipe.make_model().named_parameters()).keys()  # rank 0 has all
+    for r in results:  # every rank reports the step's loss and the global norm
+        _assert_muon_parity([{**r, "params": results[0]["params"]}], recipe, 1)

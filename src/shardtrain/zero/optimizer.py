@@ -264,7 +264,7 @@ class ShardedOptimizer:
                 ("expert parallelism", experts is not None and lamb),
                 ("optimizer offload together with tensor parallelism", offload and tp_norm is not None and not lamb),
                 ("optimizer offload together with expert parallelism", offload and experts is not None and not lamb),
-                ("pipeline parallelism", stage_comm is not None),
+                ("pipeline parallelism", stage_comm is not None and lamb),
             )
             if present
         ]
