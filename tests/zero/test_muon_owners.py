@@ -519,9 +519,13 @@ def test_muon_offload_sub_groups_are_whole_buckets_the_same_on_every_rank():
 
 
 @pytest.mark.soak
-@pytest.mark.parametrize("world, stage", [(3, 2), (2, 3)])
-def test_muon_with_optimizer_offload_matches_one_process_more_layouts(world, stage):
+@pytest.mark.parametrize("world, stage, hybrid", [(3, 2, False), (2, 3, False), (2, 2, True)])
+def test_muon_with_optimizer_offload_matches_one_process_more_layouts(world, stage, hybrid):
+    """``hybrid``: 2 replicas x 1 shard (mics_shard_size 1)."""
     recipe = _offload_recipe(stage, "cpu")
+    if hybrid:
+        zero = {**recipe.config["zero_optimization"], "mics_shard_size": 1}
+        recipe = dataclasses.replace(recipe, config={**recipe.config, "zero_optimization": zero})
     _assert_muon_parity(run_distributed(parity.engine_run, world, recipe), recipe, world)
 
 
