@@ -254,8 +254,8 @@ class ShardedOptimizer:
 
     def _refuse_unserved_whole_tensor(self, name: str, make_offload, tp_norm, experts, stage_comm, lamb: bool) -> None:
         """What the owners of whole-tensor optimizers do not serve yet, refused by name: LAMB with tensor, expert or
-        pipeline parallelism, and Muon's optimizer offload together with tensor, expert or pipeline parallelism (the
-        sub-groups of whole buckets are served and tested without them)."""
+        pipeline parallelism, and Muon's optimizer offload together with tensor or expert parallelism (the sub-groups
+        of whole buckets are served and tested without them; the plan refuses offload with pipeline parallelism)."""
         offload = make_offload is not None
         unserved = [
             what
@@ -264,10 +264,6 @@ class ShardedOptimizer:
                 ("expert parallelism", experts is not None and lamb),
                 ("optimizer offload together with tensor parallelism", offload and tp_norm is not None and not lamb),
                 ("optimizer offload together with expert parallelism", offload and experts is not None and not lamb),
-                (
-                    "optimizer offload together with pipeline parallelism",
-                    offload and stage_comm is not None and not lamb,
-                ),
                 ("pipeline parallelism", stage_comm is not None and lamb),
             )
             if present
