@@ -1,6 +1,7 @@
 """Distributed Muon (MuonWithAdamW and DeepSpeed's Muon type on owner ranks) and LAMB against AdamW, same ZeRO stage.
 
     python bench/bench_muon.py [--world 2] [--stage 2] [--steps 8] [--d-model 128] [--layers 4]
+                               [--offload none|cpu|nvme] [--sub-group-size N] [--nvme-path DIR]
 
 One job; each rank builds the project's GPT twice (same seed), one engine with AdamW on every parameter and one with
 Muon on the blocks' matrices and AdamW on the rest, and times optimizer steps of each in alternation (forward,
@@ -8,7 +9,8 @@ backward and step of one micro-batch; the median of the slowest rank's times); l
 (``DeepSpeedMuon.from_config``, its Gram Newton-Schulz in fp32 on a CPU) and LAMB (``shardtrain.optim.lamb.Lamb``,
 its norms summed over the shard group). Bytes per step are the engine's own
 counters (``comm_stats``: the bus-bandwidth convention), per collective kind. Prints the ratio Muon / AdamW of both,
-and the owners' Newton-Schulz cost per rank (rows x cols x min) over its mean: the load balance.
+and the owners' Newton-Schulz cost per rank (rows x cols x min) over its mean: the load balance. ``--offload``: every
+engine with ``offload_optimizer`` (sub-groups of ``--sub-group-size`` elements; Muon's and LAMB's of whole buckets).
 """
 
 from __future__ import annotations
@@ -49,8 +51,9 @@ def _optimizer(model: GPT, kind: str) -> torch.optim.Optimizer:
     return MuonWithAdamW([dict(params=hidden, use_muon=True, lr=0.02), dict(params=rest, use_muon=False, lr=3e-4)])
 
 
-def body(stage: int, steps: int, d_model: int, layers: int) -> dict:
-    config = {"train_micro_batch_size_per_gpu": ROWS, "zero_optimization": {"stage": stage}, "gradient_clipping": 0}
+def body(stage: int, steps: int, d_model: int, layers: int, offload: dict | None = None) -> dict:
+    zero = {"stage": stage, **(offload or {})}
+    config = {"train_micro_batch_size_per_gpu": ROWS, "zero_optimization": zero, "gradient_clipping": 0}
     engines = {}
     for kind in KINDS:
         model = _model(d_model, layers)
@@ -84,11 +87,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--d-model", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--offload", choices=("none", "cpu", "nvme"), default="none")
+    parser.add_argument("--sub-group-size", type=int, default=1_000_000_000)
+    parser.add_argument("--nvme-path", default="/tmp", help="with --offload nvme: where the swap files go")
     args = parser.parse_args()
-    ranks = run_distributed(body, args.world, args.stage, args.steps, args.d_model, args.layers, timeout=1200)
+    offload = None
+    if args.offload != "none":
+        device = {"device": args.offload, **({"nvme_path": args.nvme_path} if args.offload == "nvme" else {})}
+        offload = {"offload_optimizer": device, "sub_group_size": args.sub_group_size}
+    ranks = run_distributed(body, args.world, args.stage, args.steps, args.d_model, args.layers, offload, timeout=1200)
     print(
         f"machine: {platform.machine()} {platform.processor() or ''}, torch {torch.__version__}, gloo, world "
         f"{args.world}, ZeRO stage {args.stage}, GPT d_model {args.d_model} x {args.layers} layers, {ROWS}x{SEQ} rows"
+        + (f", offload_optimizer {args.offload}, sub_group_size {args.sub_group_size}" if offload else "")
     )
     median = {}
     for kind in KINDS:

@@ -198,12 +198,14 @@ def test_real_deepspeed_and_the_shim_agree_with_the_standard_newton_schulz_in_bf
 
 
 @pytest.mark.soak
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_a_checkpoint_deepspeed_wrote_with_its_muon_continues_as_deepspeed_does(tmp_path, stage):
     """Real DeepSpeed trains 2 steps at world 2, saves, continues 2; the shim loads that checkpoint into a model from
     another seed and continues the same 2 steps. DeepSpeed's Muon momentum at ZeRO 1-2 is each touching parameter's
     whole momentum per rank ([Note: DeepSpeed's Muon momentum at ZeRO 1-2]); read as a partition (before), the second
-    step's loss was 2.81566 against DeepSpeed's 2.81154. Measured now: equal losses, parameters within 1e-7."""
+    step's loss was 2.81566 against DeepSpeed's 2.81154. Measured now: equal losses, parameters within 1e-7. At ZeRO 3
+    DeepSpeed keeps the momentum partitioned like the fp32 partition, read as any partitioned state (measured: equal
+    losses, parameters within 3e-7)."""
     out = run_distributed(ds_muon.resume_deepspeeds_checkpoint, 2, stage, ds_muon.MUON, str(tmp_path), timeout=600)
     theirs, ours = out[0]["deepspeed"], out[0]["shardtrain.deepspeed"]
     torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(theirs["losses"]), rtol=1e-5, atol=0)

@@ -68,3 +68,81 @@ def test_the_planner_counts_muon_s_owners_and_state_as_the_engine(stage):
     assert est.model_state()["optimizer"] < adamw.model_state()["optimizer"]
     owners = [row for row in est.rows if row.component.startswith("Muon owners' gathered bucket")]
     assert len(owners) == 1 and owners[0].nbytes > 0
+
+
+LAMB_SUMS = "LAMB's per-tensor squared sums (all-reduce, fp32)"
+
+
+def _given(model: torch.nn.Module, optimizer: str) -> torch.optim.Optimizer:
+    """The optimizer object a user passes to initialize: MuonWithAdamW with DeepSpeed's selection, Lamb, AdamW."""
+    from shardtrain.optim.deepspeed_muon import is_deepspeed_muon_parameter
+    from shardtrain.optim.lamb import Lamb
+    from shardtrain.optim.muon import MuonWithAdamW
+
+    if optimizer == "lamb":
+        return Lamb(model.parameters(), lr=1e-3)
+    if optimizer == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=1e-3)
+    named = list(model.named_parameters())
+    muon = [p for n, p in named if is_deepspeed_muon_parameter(n, p.shape)]
+    rest = [p for n, p in named if not is_deepspeed_muon_parameter(n, p.shape)]
+    return MuonWithAdamW([dict(params=muon, use_muon=True, lr=0.02), dict(params=rest, use_muon=False, lr=1e-3)])
+
+
+def _object_config(stage: int, offload: str) -> dict:
+    config = _config(stage, "AdamW")
+    del config["optimizer"]
+    if offload != "none":
+        config["zero_optimization"]["offload_optimizer"] = {"device": offload}
+    return config
+
+
+def _counted_objects(stage: int, offload: str) -> dict:
+    """As :func:`_counted`, for optimizer objects passed to initialize."""
+    out = {}
+    g = torch.Generator().manual_seed(1)
+    for optimizer in ("adamw", "muon-adamw", "lamb"):
+        model = tiny_gpt()
+        engine = shardtrain.initialize(model, _object_config(stage, offload), optimizer=_given(model, optimizer))
+        x = torch.randint(0, VOCAB, (MICRO, SEQ), generator=g)
+        engine.backward(engine(x, torch.roll(x, -1, dims=1)))
+        engine.comm.reset_stats()
+        engine.step()
+        out[optimizer] = {
+            "bytes": {kind: s["bytes"] for kind, s in engine.comm.stats().items()},
+            "state": engine.state_bytes(),
+        }
+        engine.close()
+    return out
+
+
+@pytest.mark.parametrize("offload", ["none", "cpu"])
+def test_the_planner_counts_muon_with_adamw_and_lamb_passed_to_initialize(offload):
+    """``optimizer="muon-adamw"`` / ``"lamb"``: the state and the extra bytes per step of MuonWithAdamW (its owners)
+    and Lamb (its shard sums) passed to initialize, with and without optimizer offload (a CPU run: the owners' buffers
+    where the optimizer steps)."""
+    counted = run_distributed(_counted_objects, 2, 2, offload)
+    config = _object_config(2, offload)
+    plans = {
+        o: estimate_memory(tiny_gpt, config, world_size=2, seq_len=SEQ, device_type="cpu", optimizer=o)
+        for o in ("adamw", "muon-adamw", "lamb")
+    }
+    assert plans["muon-adamw"].traffic[GATHER] > 0 and plans["lamb"].traffic[LAMB_SUMS] > 0
+    for rank, r in enumerate(counted):
+        muon = {k: r["muon-adamw"]["bytes"][k] - r["adamw"]["bytes"].get(k, 0) for k in r["muon-adamw"]["bytes"]}
+        assert muon["all_gather"] == plans["muon-adamw"].traffic[GATHER], (rank, muon)
+        assert muon["reduce_scatter"] == plans["muon-adamw"].traffic[SCATTER], (rank, muon)
+        lamb = r["lamb"]["bytes"]["all_reduce"] - r["adamw"]["bytes"]["all_reduce"]
+        assert lamb == plans["lamb"].traffic[LAMB_SUMS], (rank, lamb)
+        if rank == 0:
+            for o in plans:
+                assert plans[o].model_state() == r[o]["state"], (o, plans[o].model_state(), r[o]["state"])
+    owners = [row for row in plans["muon-adamw"].rows if row.component.startswith("Muon owners' gathered bucket")]
+    assert len(owners) == 1 and owners[0].nbytes > 0
+
+
+def test_the_planner_refuses_what_initialize_refuses_of_muon_under_offload():
+    from shardtrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="'muon-adamw' with offload_optimizer 'cpu' on a GPU"):
+        estimate_memory(tiny_gpt, _object_config(2, "cpu"), world_size=2, seq_len=SEQ, optimizer="muon-adamw")

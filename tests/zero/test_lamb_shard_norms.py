@@ -106,6 +106,18 @@ def test_lamb_at_zero_matches_one_process_lamb_from_the_paper_more_layouts(world
     _check(world, stage)
 
 
+@pytest.mark.parametrize("world, stage, device", [(3, 2, "cpu"), (2, 3, "nvme")])
+def test_lamb_with_optimizer_offload_matches_one_process_lamb_from_the_paper(world, stage, device, tmp_path):
+    """Sub-groups of whole buckets ([Note: sub-groups of whole buckets] in offload/optimizer_state.py): each
+    sub-group's shard sums are one all-reduce that every rank makes over the same tensors."""
+    recipe = dataclasses.replace(_recipe(stage), loss=_loss)
+    offload = {"device": device, **({"nvme_path": str(tmp_path)} if device == "nvme" else {})}
+    zero = {**recipe.config["zero_optimization"], "sub_group_size": 1200, "offload_optimizer": offload}
+    recipe = dataclasses.replace(recipe, config={**recipe.config, "zero_optimization": zero})
+    reference = parity.reference_run(dataclasses.replace(recipe, make_optimizer=_paper), world)
+    parity.assert_parity(run_distributed(parity.engine_run, world, recipe), reference)
+
+
 def test_lamb_with_per_shard_norms_would_be_another_algorithm():
     """What the shared norms remove: the same fragments stepped with each fragment's own norms end elsewhere."""
     torch.manual_seed(0)

@@ -118,7 +118,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="sequences per optimizer step: micro-batch x accumulation x dp must equal it (the accumulation steps "
         "follow); with --budget, layouts that cannot make it up are left out",
     )
-    parser.add_argument("--optimizer", choices=("adamw", "adam", "sgd"), help="default: the config's, else AdamW")
+    parser.add_argument(
+        "--optimizer",
+        choices=("adamw", "adam", "sgd", "muon-adamw", "lamb"),
+        help="default: the config's, else AdamW; for an optimizer passed to initialize: muon-adamw "
+        "(shardtrain.optim.muon.MuonWithAdamW, planned with DeepSpeed's Muon selection), lamb (shardtrain.optim.lamb)",
+    )
     parser.add_argument(
         "--device",
         choices=("cuda", "cpu"),

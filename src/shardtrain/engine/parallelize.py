@@ -34,7 +34,7 @@ import dataclasses
 import hashlib
 import json
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -65,6 +65,7 @@ from shardtrain.offload import host_copies, param_uploads, zenflow_device
 from shardtrain.offload.optimizer_state import (
     GradientSinks,
     OptimizerOffload,
+    WholeBuckets,
     build_gradient_sinks,
     build_optimizer_offload,
     host_masters,
@@ -105,7 +106,7 @@ from shardtrain.zero.float8_gather import take_precast_weights
 from shardtrain.zero.gather import ShardSource
 from shardtrain.zero.hpz import SecondaryShards
 from shardtrain.zero.layout import Bucket, ShardLayout, cast_bucket
-from shardtrain.zero.optimizer import MakeZenFlow, ShardedOptimizer, TensorParallelNorm, make_masters
+from shardtrain.zero.optimizer import MakeOffload, MakeZenFlow, ShardedOptimizer, TensorParallelNorm, make_masters
 from shardtrain.zero.reducer import GradientReducer
 from shardtrain.zero.units import find_unit_modules
 
@@ -816,14 +817,16 @@ def _offload_factory(
     files: SwapFiles | None,
     world: Communicator,
     sinks: GradientSinks,
-) -> Callable[[list[torch.Tensor], list[torch.Tensor] | None], OptimizerOffload] | None:
+) -> MakeOffload | None:
     """What makes the optimizer offload from the tensors :class:`ShardedOptimizer` steps (it takes the optimizer
     state over in its constructor); None without optimizer offload."""
     opt = offload.optimizer
     if not opt.enabled:
         return None
 
-    def make_offload(stepped: list[torch.Tensor], fragments: list[torch.Tensor] | None) -> OptimizerOffload:
+    def make_offload(
+        stepped: list[torch.Tensor], fragments: list[torch.Tensor] | None, whole_buckets: WholeBuckets | None = None
+    ) -> OptimizerOffload:
         return build_optimizer_offload(
             optimizer,
             stepped,
@@ -836,6 +839,7 @@ def _offload_factory(
             world,
             fragments=fragments,
             sinks=sinks,
+            whole_buckets=whole_buckets,
         )
 
     return make_offload

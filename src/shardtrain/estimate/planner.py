@@ -477,15 +477,57 @@ def _optimizer_kind(cfg: Config, optimizer: str | None) -> tuple[int, bool]:
     if kind == "sgd":
         momentum = cfg.optimizer.params.get("momentum", 0) if cfg.optimizer and optimizer is None else 0
         return (1 if momentum else 0), False
-    if kind == "muon":  # DeepSpeed's type: its Adam half's; the Muon half is counted by _muon_of
+    if kind in MUON_KINDS:  # its Adam half's; the Muon half is counted by _muon_of
         return 2, True
-    raise ConfigError(f"optimizer {kind!r}: the planner knows Adam, AdamW, SGD and DeepSpeed's Muon")
+    if kind == "lamb":  # shardtrain.optim.lamb.Lamb: Adam's moments and step
+        return 2, True
+    raise ConfigError(
+        f"optimizer {kind!r}: the planner knows Adam, AdamW, SGD, DeepSpeed's Muon ('muon'), shardtrain's "
+        "MuonWithAdamW ('muon-adamw') and Lamb ('lamb')"
+    )
+
+
+MUON_KINDS = ("muon", "muon-adamw")
+"""DeepSpeed's Muon config type, and :class:`~shardtrain.optim.muon.MuonWithAdamW` passed to ``initialize`` (planned
+with DeepSpeed's selection: Muon for the 2-D and larger weights but embeddings and head, AdamW for the rest)."""
+
+
+def _kind(cfg: Config, optimizer: str | None) -> str:
+    return (optimizer or (cfg.optimizer.type if cfg.optimizer else "adamw")).lower()
 
 
 def _muon_of(cfg: Config, optimizer: str | None):
-    """DeepSpeed's Muon split by name and shape ([Note: DeepSpeed's Muon is not torch's]), or None."""
-    kind = (optimizer or (cfg.optimizer.type if cfg.optimizer else "adamw")).lower()
-    return is_deepspeed_muon_parameter if kind == "muon" else None
+    """The Muon parameters by name and shape ([Note: DeepSpeed's Muon is not torch's]), or None."""
+    return is_deepspeed_muon_parameter if _kind(cfg, optimizer) in MUON_KINDS else None
+
+
+def _refuse_unserved_offload(cfg: Config, optimizer: str | None, layout: Candidate, device_type: str) -> None:
+    """What ``initialize`` refuses of an optimizer with a collective step under optimizer offload (zero/optimizer.py's
+    ``ShardedOptimizer``), in the planner's words."""
+    kind = _kind(cfg, optimizer)
+    if kind not in (*MUON_KINDS, "lamb") or layout.offload_optimizer == "none" or layout.stage == 0:
+        return
+    if device_type == "cuda":
+        raise ConfigError(
+            f"optimizer {kind!r} with offload_optimizer {layout.offload_optimizer!r} on a GPU: the host step with "
+            "its owners' collectives (or LAMB's shard sums) is not served yet (docs/muon.md); plan it without "
+            "optimizer offload, or with device_type 'cpu'"
+        )
+    if layout.tp > 1 or layout.ep > 1:
+        raise ConfigError(
+            f"optimizer {kind!r} with optimizer offload and tensor or expert parallelism is not served yet "
+            "(docs/muon.md)"
+        )
+
+
+def lamb_sum_traffic(buckets: list, shard_group: int) -> dict[str, int]:
+    """Bytes per optimizer step of LAMB's shard sums ([Note: LAMB's norms across shards] in optim/lamb.py): a
+    (tensors x 2) fp32 matrix all-reduced per param group (the planner's one group), as the communicator counts a
+    ring all-reduce; with offload once per sub-group (not counted here)."""
+    if shard_group == 1:
+        return {}
+    tensors = sum(len(b.slots) for b in buckets if b.requires_grad)
+    return {"LAMB's per-tensor squared sums (all-reduce, fp32)": 2 * 8 * tensors * (shard_group - 1) // shard_group}
 
 
 def muon_owner_traffic(buckets: list, shard_group: int, muon) -> dict[str, int]:
@@ -675,6 +717,8 @@ def _prepare(
     compute = precision.compute_dtype
     moments, steps = _optimizer_kind(cfg, optimizer)
     muon = _muon_of(cfg, optimizer)
+    _refuse_unserved_offload(cfg, optimizer, layout, device_type)
+    collective = zero.shard_optimizer_state and (muon is not None or _kind(cfg, optimizer) == "lamb")
     # with sequence parallelism the model as initialize leaves it (Ulysses installed, refusing what it refuses): the
     # same parameters
     fake, experts = _fake_model(source, layout.tp, layout.ep, tp_plan, cache, layout.sp)
@@ -698,7 +742,7 @@ def _prepare(
     grads_in_files = grads_in_files and layout.tp == 1 and layout.shard_group == layout.zero
     st = rank_state(
         fake, zero, offload, layout.shard_group, 0, compute, moments, steps, device_type, grads_in_files, experts,
-        layout.ep, layout.zero // layout.ep, precision.accum_dtype, float8, muon,
+        layout.ep, layout.zero // layout.ep, precision.accum_dtype, float8, muon, collective,
     )  # fmt: skip
     buffers = sum(b.numel() * (compute if b.dtype == torch.float32 else b.dtype).itemsize for b in fake.buffers())
     reduce = precision.reduce_dtype if precision.mixed else None
@@ -749,6 +793,8 @@ def _prepare(
         traffic = muon_owner_traffic(st.buckets, layout.shard_group, muon)
         held = [b for b in st.buckets if b.requires_grad and any(muon(s.name, s.shape) for s in b.slots)]
         owners = max((4 * (2 * b.padded_numel + b.shard_numel) for b in held), default=0)
+    elif collective:
+        traffic = lamb_sum_traffic(st.buckets, layout.shard_group)
     prep = _Prepared(layout, st, n_params, buffers, key, run, layer_share, shape, _hidden_size(whole), traffic, owners)
     prep.float8_linears = _float8_linear_shapes(fake, plan)
     return prep
@@ -909,7 +955,13 @@ def _assemble(
         largest = max((s.numel for b in st.buckets if b.requires_grad for s in b.slots), default=0)
     if prep.owner_buffers:
         rows.append(
-            Row("Muon owners' gathered bucket, result and chunk (fp32)", "device", prep.owner_buffers, True, "step")
+            Row(
+                "Muon owners' gathered bucket, result and chunk (fp32)",
+                host if opt.get("host") else "device",  # where the optimizer steps (a CPU run's offload: memory)
+                prep.owner_buffers,
+                True,
+                "step",
+            )
         )
     est.traffic.update(prep.step_traffic)
     rows.append(Row("optimizer step temporaries", host if opt.get("host") else "device", 4 * largest, True, "step"))

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from shardtrain.offload.optimizer_state import make_sub_groups
+from shardtrain.offload.optimizer_state import SubGroup, WholeBuckets, make_sub_groups, whole_bucket_sub_groups
 from shardtrain.offload.swap import ALIGN
 from shardtrain.plan.policies import OffloadPolicy, ZeroPolicy
 from shardtrain.zero.layout import Bucket, build_buckets, group_by_size
@@ -181,6 +181,7 @@ def rank_state(
     accum: torch.dtype = FP32,
     float8: frozenset[int] = frozenset(),
     muon: Callable[[str, torch.Size], bool] | None = None,
+    collective_step: bool = False,
 ) -> RankState:
     """Bytes of one rank whose ZeRO shard group has ``world`` ranks and which is ``rank`` in it; ``grads_in_files``:
     the gradient shards are in swap files (``GradOffload`` in offload/gradients.py; the caller knows tp and hybrid).
@@ -188,7 +189,9 @@ def rank_state(
     dtype compute-dtype gradients accumulate in (the precision policy's ``accum_dtype``). ``float8``: the weights
     ZeRO-3 gathers in float8 (:func:`plan_buckets`); their units' gathered bytes count 1 per element. ``muon(name,
     shape)``: the parameters a Muon optimizer steps, with one state tensor (its momentum) and no step counter; the
-    others keep ``moments`` and ``step_scalars``."""
+    others keep ``moments`` and ``step_scalars``. ``collective_step``: the optimizer's step is collective (Muon's
+    owners, LAMB's shard sums), its offloaded sub-groups are whole buckets ([Note: sub-groups of whole buckets] in
+    offload/optimizer_state.py)."""
     mixed = compute != FP32
     buckets, units, whole = plan_buckets(model, policy, world, rank, experts, ep, expert_world, float8)
     st = RankState(buckets=buckets, bucket_names=[[s.name for s in b.slots] for b in buckets])
@@ -242,7 +245,9 @@ def rank_state(
     steps = 4 * by_muon.count(False) if step_scalars else 0
     opt: dict[str, int] = {}
     if opt_dev == "nvme":
-        groups = make_sub_groups(stepped, offload.optimizer.sub_group_size, offload.optimizer.ratio)
+        groups = _sub_groups(
+            buckets, stepped, offload.optimizer.sub_group_size, offload.optimizer.ratio, collective_step
+        )
         on_disk = [i for g in groups if g.offloaded for i in g.members]
         in_mem = [i for g in groups if not g.offloaded for i in g.members]
         opt["nvme"] = sum(masters_per[i] + moments_per[i] for i in on_disk)
@@ -271,7 +276,9 @@ def rank_state(
         # offload]), one element per element stepped there
         on_host = range(len(stepped))  # nvme: every master is on the host, in a file or resident
         if opt_dev == "cpu":  # partial offload (ratio): the other sub-groups step on the device
-            groups = make_sub_groups(stepped, offload.optimizer.sub_group_size, offload.optimizer.ratio)
+            groups = _sub_groups(
+                buckets, stepped, offload.optimizer.sub_group_size, offload.optimizer.ratio, collective_step
+            )
             on_host = [i for g in groups if g.offloaded for i in g.members]
         st.grads["host"] = sum(4 * stepped[i] for i in on_host)
 
@@ -314,3 +321,13 @@ def _zenflow_bytes(
         "host_state": 4 * (1 + moments) * total,
         "host_grads": 2 * 4 * total + staging,
     }
+
+
+def _sub_groups(buckets: list, stepped: list[int], size: int, ratio: float, collective_step: bool) -> list[SubGroup]:
+    """The optimizer offload's sub-groups over the trainable buckets' ``stepped`` sizes, as
+    ``build_optimizer_offload`` cuts them."""
+    if not collective_step:
+        return make_sub_groups(stepped, size, ratio)
+    trainable = [b for b in buckets if b.requires_grad]
+    where = tuple(k for k, b in enumerate(trainable) for _ in b.slots)
+    return whole_bucket_sub_groups(stepped, WholeBuckets(where, tuple(b.shard_numel for b in trainable)), size, ratio)

@@ -10,6 +10,17 @@ call's. Scalar state (``step``) stays in ``optimizer.state``; an offloaded sub-g
 while stepped. ``ratio`` < 1 offloads the first sub-groups holding that fraction of the elements. Step hooks registered
 on the optimizer run once per sub-group.
 
+[Note: sub-groups of whole buckets]
+An optimizer whose step is collective over the shard group (Muon's owners, [Note: one owner per matrix] in
+zero/muon_owners.py: two collectives per bucket; LAMB's shard sums, one all-reduce per param group and step call)
+needs every rank to step the same sub-groups in the same order, each holding the same buckets: a rank's fragments
+differ in size from another's, so sub-groups cut by them differ, and the collectives would pair different buckets or
+hang. For such an optimizer sub-groups are cut at bucket boundaries by each bucket's chunk size (the same on every
+rank), and whether one is offloaded (``ratio``) is decided on chunk sizes too. Within a sub-group every rank holds a
+fragment (maybe empty) of every parameter of its buckets, so the step's collectives line up, and each tensor's
+whole update (or norm) is the one a single step over all tensors would make: the values are bitwise those of one
+call's step.
+
 [Note: swap pipeline]
 With ``device: nvme`` each (stepped tensor, state key) has one file in the rank's scratch directory, open only while
 read or written ([Note: bounded descriptors] in :mod:`shardtrain.offload.swap`). A pool of ``buffer_count`` byte
@@ -95,6 +106,33 @@ def make_sub_groups(numels: list[int], size: int, ratio: float = 1.0) -> list[Su
         offloaded_so_far += n if offloaded else 0
         out.append(SubGroup(gi, tuple(members), n, offloaded))
     return out
+
+
+@dataclass(frozen=True)
+class WholeBuckets:
+    """Where each stepped tensor lies, for an optimizer whose step is collective ([Note: sub-groups of whole
+    buckets]): ``bucket[i]``, the position of member ``i``'s bucket (members of a bucket are consecutive), and
+    ``chunk[b]``, that bucket's chunk size (elements), the same on every rank of its shard group."""
+
+    bucket: tuple[int, ...]
+    chunk: tuple[int, ...]
+
+
+def whole_bucket_sub_groups(numels: list[int], buckets: WholeBuckets, size: int, ratio: float = 1.0) -> list[SubGroup]:
+    """Sub-groups that never split a bucket, cut by the buckets' chunk sizes rather than this rank's fragments, so
+    that every rank of the shard group cuts the same ([Note: sub-groups of whole buckets]). ``numels``: each member's
+    size here (a sub-group's ``numel``)."""
+    runs: list[list[int]] = []  # the members of each bucket, in order
+    for i, b in enumerate(buckets.bucket):
+        if not runs or buckets.bucket[runs[-1][0]] != b:
+            runs.append([])
+        runs[-1].append(i)
+    by_chunk = make_sub_groups([buckets.chunk[buckets.bucket[run[0]]] for run in runs], size, ratio)
+    return [
+        SubGroup(g.index, members, sum(numels[i] for i in members), g.offloaded)
+        for g in by_chunk
+        for members in [tuple(i for r in g.members for i in runs[r])]
+    ]
 
 
 # -- the offloaded optimizer step ------------------------------------------------------------------
@@ -720,11 +758,17 @@ def build_optimizer_offload(
     world: Communicator,
     fragments: list[torch.Tensor] | None = None,
     sinks: GradientSinks | None = None,
+    whole_buckets: WholeBuckets | None = None,
 ) -> OptimizerOffload:
     """Sub-groups over ``stepped`` and, with ``device == "nvme"``, the swap ``files``; ``fragments``: with separate
     fp32 masters, the compute-dtype fragment of each (the masters are then offloaded too); ``sinks``: the gradient
-    sinks :func:`build_gradient_sinks` made over the same tensors."""
-    groups = make_sub_groups([s.numel() for s in stepped], sub_group_size, ratio if device == "nvme" else 0.0)
+    sinks :func:`build_gradient_sinks` made over the same tensors; ``whole_buckets``: the optimizer's step is
+    collective, its sub-groups are whole buckets ([Note: sub-groups of whole buckets])."""
+    numels, ratio = [s.numel() for s in stepped], ratio if device == "nvme" else 0.0
+    if whole_buckets is not None:
+        groups = whole_bucket_sub_groups(numels, whole_buckets, sub_group_size, ratio)
+    else:
+        groups = make_sub_groups(numels, sub_group_size, ratio)
     sinks = sinks if sinks is not None else GradientSinks()
     return OptimizerOffload(
         optimizer, stepped, groups, files, buffer_count, world, pin_memory, fragments, sinks.files, sinks.copies

@@ -42,6 +42,7 @@ from shardtrain.distributed.communicator import Communicator, Reduce
 from shardtrain.distributed.placement import TPPlacement
 from shardtrain.errors import OptimizerError
 from shardtrain.host_read import HostRead
+from shardtrain.offload.optimizer_state import WholeBuckets
 from shardtrain.optim.adam import DeepSpeedAdam
 from shardtrain.optim.lamb import Lamb
 from shardtrain.optim.muon import MuonWithAdamW
@@ -74,7 +75,14 @@ class MakeOffload(Protocol):
     being attached afterwards (``engine/parallelize.py`` binds the offload policy and the gradient sinks it built
     before the reducer)."""
 
-    def __call__(self, stepped: list[torch.Tensor], fragments: list[torch.Tensor] | None) -> OptimizerOffload: ...
+    def __call__(
+        self,
+        stepped: list[torch.Tensor],
+        fragments: list[torch.Tensor] | None,
+        whole_buckets: WholeBuckets | None = None,
+    ) -> OptimizerOffload:
+        """``whole_buckets``: the optimizer's step is collective over the shard group, its sub-groups must be whole
+        buckets ([Note: sub-groups of whole buckets] in offload/optimizer_state.py)."""
 
 
 IO_FAILED = float(1 << 20)
@@ -211,11 +219,12 @@ class ShardedOptimizer:
             self._move_initial_state()
             for group in optimizer.param_groups:
                 group["params"] = [self._stepped.get(id(p), p) for p in group["params"]]
-        if isinstance(optimizer, (MuonWithAdamW, Lamb)) and self.sharded:
+        collective_step = isinstance(optimizer, (MuonWithAdamW, Lamb)) and self.sharded
+        if collective_step:
             # Muon assembles tensor-parallel blocks ([Note: Muon's matrices under tensor parallelism]); LAMB does not
             lamb = isinstance(optimizer, Lamb)  # Muon serves experts' matrices too ([Note: experts' matrices])
             self._refuse_unserved_whole_tensor(
-                type(optimizer).__name__, make_offload, tp_norm if lamb else None, experts if lamb else None, stage_comm
+                type(optimizer).__name__, make_offload, tp_norm, experts, stage_comm, lamb
             )
             if isinstance(optimizer, MuonWithAdamW):
                 self._bind_muon_owners(optimizer)
@@ -225,7 +234,17 @@ class ShardedOptimizer:
         self.offload: OptimizerOffload | None = None
         if make_offload is not None:
             fragments = self.stepped_fragments() if masters is not None else None
-            self.offload = make_offload(self.stepped_tensors(), fragments)
+            if collective_step and any(
+                s.device != b.shard.device for s, (_, b, _) in zip(self._stepped.values(), self._frag.values())
+            ):
+                raise OptimizerError(
+                    f"{type(optimizer).__name__} with optimizer offload is served where the optimizer steps on the "
+                    "engine's device (CPU runs); the host step of a GPU run (host masters, overlapped copies) has not "
+                    "been run with its owners' collectives yet (docs/muon.md). Use it without offload_optimizer on "
+                    "a GPU, or AdamW"
+                )
+            whole = self._whole_buckets() if collective_step else None
+            self.offload = make_offload(self.stepped_tensors(), fragments, whole)
         self.zenflow: ZenFlowStep | None = None
         if make_zenflow is not None:
             places = self.fragment_places()
@@ -233,15 +252,19 @@ class ShardedOptimizer:
             starts = [b.fragments[i].start if self.sharded else 0 for b, i in places]
             self.zenflow = make_zenflow(self.stepped_tensors(), shapes, starts)
 
-    def _refuse_unserved_whole_tensor(self, name: str, make_offload, tp_norm, experts, stage_comm) -> None:
-        """What the owners of whole-tensor optimizers do not serve yet, refused by name."""
+    def _refuse_unserved_whole_tensor(self, name: str, make_offload, tp_norm, experts, stage_comm, lamb: bool) -> None:
+        """What the owners of whole-tensor optimizers do not serve yet, refused by name: LAMB with tensor, expert or
+        pipeline parallelism, and Muon's optimizer offload together with tensor or expert parallelism (the sub-groups
+        of whole buckets are served and tested without them; the plan refuses offload with pipeline parallelism)."""
+        offload = make_offload is not None
         unserved = [
             what
             for what, present in (
-                ("optimizer offload", make_offload is not None),
-                ("tensor parallelism", tp_norm is not None),
-                ("expert parallelism", experts is not None),
-                ("pipeline parallelism", stage_comm is not None),
+                ("tensor parallelism", tp_norm is not None and lamb),
+                ("expert parallelism", experts is not None and lamb),
+                ("optimizer offload together with tensor parallelism", offload and tp_norm is not None and not lamb),
+                ("optimizer offload together with expert parallelism", offload and experts is not None and not lamb),
+                ("pipeline parallelism", stage_comm is not None and lamb),
             )
             if present
         ]
@@ -250,6 +273,16 @@ class ShardedOptimizer:
                 f"{name} at ZeRO stages 1-3 is not served yet with {', '.join(unserved)} (docs/muon.md); "
                 "use it without them, or AdamW"
             )
+
+    def _whole_buckets(self) -> WholeBuckets:
+        """Each stepped tensor's bucket and each bucket's chunk size ([Note: sub-groups of whole buckets])."""
+        position: dict[int, int] = {}
+        chunks: list[int] = []
+        for _, b, _ in self._frag.values():
+            if id(b) not in position:
+                position[id(b)] = len(chunks)
+                chunks.append(b.shard_numel)
+        return WholeBuckets(tuple(position[id(b)] for _, b, _ in self._frag.values()), tuple(chunks))
 
     def _bind_muon_owners(self, optimizer: MuonWithAdamW) -> None:
         """Muon's orthogonalization on owner ranks ([Note: one owner per matrix] in zero/muon_owners.py)."""

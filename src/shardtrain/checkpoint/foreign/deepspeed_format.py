@@ -489,7 +489,9 @@ class DeepSpeedLayout:
         ``use_muon`` group) is not the partition's size: it is the whole momentum of every parameter that touches the
         rank's partition, in the group's order, unpadded (``_muon_momentum_buffer``). A parameter that straddles two
         partitions is held whole by both ranks (the same values: both stepped it on the same gradient); the reader
-        takes the first rank's. Detected by the size, per group: a buffer the partition's size is partitioned."""
+        takes the first rank's. Detected by the size, per group: a buffer the partition's size is partitioned, as
+        at ZeRO 3, where DeepSpeed keeps each parameter's ``partition_numel`` slice of the momentum at its place in
+        the fp32 partition (``_muon_update_sub_group``; tests/compat/test_deepspeed_muon.py reads one)."""
         if not group.get("use_muon"):
             return False
         for f, length in zip(optim_files, lengths):
