@@ -182,9 +182,16 @@ def test_the_config_and_the_schedules_name_the_same_zero_bubble_schedules():
 def test_the_bubble_from_torch_s_action_lists(pp, m):
     """[Note: a schedule's bubble from its own actions]: for the interleaved 1F1B family the idle slots of torch's
     lists are the formula ``(p-1)/(v m + p-1)``; the zero-bubble schedules' weight passes fill all but
-    ``(p-1)/(3 v m + p-1)`` (forward, input pass and weight pass of equal cost)."""
+    ``(p-1)/(3 v m + p-1)`` (forward, input pass and weight pass of equal cost) once ``m >= 2p``."""
     for schedule in ("Interleaved1F1B", "LoopedBFS"):
         assert order.simulated_bubble(schedule, pp, m, 2) == pytest.approx((pp - 1) / (2 * m + pp - 1))
     assert order.simulated_bubble("Interleaved1F1B", pp, m, 3) == pytest.approx((pp - 1) / (3 * m + pp - 1))
     for schedule in order.SPLIT_BACKWARD_SCHEDULES:
         assert order.simulated_bubble(schedule, pp, m, 2) == pytest.approx((pp - 1) / (6 * m + pp - 1))
+
+
+def test_the_bubble_counts_what_a_formula_misses():
+    """With as few micro-batches as pipeline ranks, ZBVZeroBubble's warm-up is not filled by weight passes: its
+    action lists idle more than ``(p-1)/(6m+p-1)`` says, and the estimate reports what they idle."""
+    zbv = order.simulated_bubble("ZBVZeroBubble", 4, 4, 2)
+    assert zbv == pytest.approx(0.2) and zbv > 3 / (6 * 4 + 3)

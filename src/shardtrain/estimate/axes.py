@@ -12,7 +12,8 @@ multi-stage schedules, the zero-bubble ones included, are counted per stage as 1
 that is the whole model's one micro-batch (an upper bound of a stage's). The bubble, the idle fraction of a step with
 equal stage costs, is ``(p-1)/(m + p-1)`` for GPipe and 1F1B, and for the multi-stage schedules the idle time of
 torch's own action lists ([Note: a schedule's bubble from its own actions] in pipeline_parallel/order.py): it is
-``(p-1)/(v*m + p-1)`` for the interleaved ones, ``(p-1)/(3*v*m + p-1)`` for the zero-bubble ones at these counts.
+``(p-1)/(v*m + p-1)`` for the interleaved ones, ``(p-1)/(3*v*m + p-1)`` for the zero-bubble ones at ``v = 2`` once
+``m >= 2p`` (ZBVZeroBubble's warm-up leaves more below).
 """
 
 from __future__ import annotations
