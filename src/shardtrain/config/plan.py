@@ -283,12 +283,8 @@ def refuse_unbuilt_pipeline(cfg: Config, dims: ParallelDims) -> None:
     schedule = cfg.pipeline.schedule_name
     if schedule in SPLIT_BACKWARD_SCHEDULES:  # [Note: the weight pass reaches the reducer]
         checkpointing = cfg.activation_checkpointing.policy != "none" or cfg.pipeline.activation_checkpoint_interval
-        refused += [
-            # a tensor-parallel layer's partial gradients are summed by tensor hooks the weight pass does not run
-            (dims.tp > 1, f"the zero-bubble schedule {schedule!r} and tensor parallelism (tensor_parallel.size)"),
-            # a checkpointed block is recomputed in the input pass and again in the weight pass
-            (bool(checkpointing), f"the zero-bubble schedule {schedule!r} and activation checkpointing"),
-        ]
+        # a checkpointed block is recomputed in the input pass and again in the weight pass
+        refused.append((bool(checkpointing), f"the zero-bubble schedule {schedule!r} and activation checkpointing"))
     _refuse_first(
         refused,
         f"pipeline_parallel_size {dims.pp}",

@@ -63,6 +63,7 @@ from shardtrain.pipeline_parallel import (
     last_stage_rank,
     split_micro_batch,
 )
+from shardtrain.pipeline_parallel.order import V_SHAPED_SCHEDULES
 from shardtrain.plan import Plan
 from shardtrain.precision.mixed import check_parameter_dtypes
 from shardtrain.tensor_parallel import check_same_batch
@@ -416,6 +417,13 @@ class Engine:
                 raise ConfigError(
                     f"engine.eval_batch with {what} is not built; call eval_batch(data_iter) for the mean loss"
                 )
+        if self.plan.pipeline.schedule in V_SHAPED_SCHEDULES:
+            # torch's runtime hands a rank's stage its neighbour's input gradient locally in eval too, and fails
+            raise ConfigError(
+                f"engine.eval_batch under pipeline.schedule {self.plan.pipeline.schedule!r} is not built: torch's "
+                "V-shaped schedules run no forward-only step; evaluate with a checkpoint loaded under a loop-placed "
+                "schedule (1F1B, Interleaved1F1B, InterleavedZeroBubble) or without pipelining"
+            )
         micro = self._pull_micro_batches(data_iter, "eval_batch")
         training = self.module.training
         self.module.eval()

@@ -19,11 +19,12 @@ here (:class:`_SplitBackwardStage`) runs torch's weight pass itself, with every 
 None, over the rank's own parameters (a stage module reads the model's pieces and holds none itself: [Note: stages
 keep the model's names]); each weight that pass gave a gradient is then handed to the reducer
 (``grads_set_directly``), which folds it as its hook would (into the gradient buffer or the staging), exactly once
-per micro-batch; the others get their ``.grad`` back. The first stage has no input gradient to send: torch runs its
-whole backward in the W slot, through ``AccumulateGrad``, so the hooks see it as under 1F1B. The V-shaped schedules
-(``ZBVZeroBubble``, ``DualPipeV``) hold stages ``r`` and ``2 pp - 1 - r`` on pipeline rank ``r``
-(:func:`stage_ids_of_rank`): the first and the last stage on rank 0, whose loss that rank reports and whose tied
-weight is one parameter there (nothing to sum across ranks).
+per micro-batch; the others get their ``.grad`` back. Hooks on the weights themselves (tensor parallelism's sum of a
+replicated weight's partial gradients over tp) run in that ``torch.autograd.grad`` as in a whole backward. The first
+stage sends no input gradient: torch runs its whole backward in the W slot, through ``AccumulateGrad``, as under
+1F1B. The V-shaped schedules (``ZBVZeroBubble``, ``DualPipeV``) hold stages ``r`` and ``2 pp - 1 - r`` on pipeline
+rank ``r`` (:func:`stage_ids_of_rank`): the first and the last stage on rank 0, whose loss that rank reports and
+whose tied weight is one parameter there (nothing to sum across ranks).
 
 [Note: a stage gathered for its schedule]
 At ZeRO stage 3 ``train_batch`` gathers all of this rank's units (its stages' parameters, over the stage's
