@@ -9,8 +9,9 @@ the previous stage's forward of the micro-batch, a backward (``B`` or ``I``) the
 backward, a weight pass its input pass. With equal stage costs, a forward costs 1, an input pass 1, a weight pass 1
 and a whole backward 2 (the zero-bubble paper's ``T_F = T_B = T_W``); transfers are free. The bubble is the idle
 share of ``pp`` ranks over the step's span. For the loop-placed 1F1B family this reproduces ``(p-1)/(v m + p-1)``
-(tests/estimate: the interleaved schedule's), and it counts the zero-bubble schedules' warm-up and drain where the
-weight passes do not fill them. torch builds the lists from the stages' counts alone; stand-in stages give it those.
+(tested in tests/pipeline_parallel/test_pipeline_zero_bubble.py), and it counts the zero-bubble schedules' warm-up
+and drain where the weight passes do not fill them. torch builds the lists from the stages' counts alone; stand-in
+stages give it those.
 """
 
 from __future__ import annotations
