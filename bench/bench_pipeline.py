@@ -2,24 +2,32 @@
 the activation-size formula.
 
     python bench/bench_pipeline.py [--pp 2 4] [--micro-batches 4 16] [--forward-ms 30] [--layers 8] [--steps 2]
+        [--schedules GPipe 1F1B Interleaved1F1B ZBVZeroBubble InterleavedZeroBubble]
 
 Each run trains a stack of ``--layers`` equal layers at ``world = pp`` (one rank per pipeline stage rank, gloo on
 CPU) through ``shardtrain.initialize`` with ``pipeline_parallel_size = pp``, for every schedule (``GPipe``, ``1F1B``,
-``Interleaved1F1B`` with two stages per rank) and every micro-batch count ``m`` (``gradient_accumulation_steps``).
+and with two stages per rank ``Interleaved1F1B`` and the zero-bubble ``ZBVZeroBubble`` and ``InterleavedZeroBubble``)
+and every micro-batch count ``m`` (``gradient_accumulation_steps``).
 
 [Note: equal stage costs by sleeping]
-A layer's forward sleeps ``--forward-ms`` and its backward twice that (an autograd Function around a per-channel
-scale): every stage costs the same, whatever the machine's load, and the sleeping ranks leave the shared cores to
-each other. A rank's useful work per step is then ``W = m * (layers / pp) * 3 * forward_ms``, and the bubble is
-the rest of the step's wall time ``T`` (rank 0's, median over the timed steps; the step's loss broadcast makes every
-rank's the same): ``bubble = 1 - W / T``. Theory for equal stages, ``v`` stages per rank:
-``(p - 1) / (v m + p - 1)`` (GPipe and 1F1B: v = 1; Interleaved1F1B: v = 2). What exceeds it is the schedule's
-own time (Python, the p2p hand-offs, the optimizer step and the loss broadcast), printed as ``overhead ms``.
+A layer's forward sleeps ``--forward-ms`` and its backward twice that, half on the way to its input and half on the
+way to its weight (autograd Functions around a per-channel scale), so a zero-bubble schedule's input pass and weight
+pass each cost a forward, the zero-bubble paper's ``T_F = T_B = T_W``: every stage costs the same, whatever the
+machine's load, and the sleeping ranks leave the shared cores to each other. A rank's useful work per step is then
+``W = m * (layers / pp) * 3 * forward_ms``, and the bubble is the rest of the step's wall time ``T`` (rank 0's,
+median over the timed steps; the step's loss broadcast makes every rank's the same): ``bubble = 1 - W / T``. Theory
+for equal stages is the planner's (``shardtrain.estimate.axes.bubble_fraction``): ``(p - 1) / (m + p - 1)`` for
+GPipe and 1F1B, and for the multi-stage schedules the idle slots of torch's own action lists ([Note: a schedule's
+bubble from its own actions] in pipeline_parallel/order.py): ``(p - 1) / (2 m + p - 1)`` for Interleaved1F1B,
+``(p - 1) / (6 m + p - 1)`` for the zero-bubble ones at two stages per rank once ``m >= 2p``. What exceeds it is
+the schedule's own time (Python, the p2p hand-offs, the optimizer step and the loss broadcast), printed as
+``overhead ms``.
 
 Bytes: every ``isend`` that ``torch.distributed.pipelining`` issues goes through its ``_batch_p2p``, wrapped here to
 add up the tensors' bytes (the first step, which also sends the shapes, is not counted). Formula per step, all ranks
-together: each of the ``S - 1`` stage boundaries (``S = v p`` stages) carries each micro-batch's activation forward
-and its gradient back, ``2 m (S - 1) b t d 4`` bytes for fp32 activations of ``[b, t, d]``.
+together: each of the ``B`` stage boundaries between two ranks (``S - 1`` of the ``S = v p`` stages; a V-shaped
+schedule's middle one, stages ``p - 1`` and ``p`` on one rank, hands over in memory) carries each micro-batch's
+activation forward and its gradient back, ``2 m B b t d 4`` bytes for fp32 activations of ``[b, t, d]``.
 """
 
 from __future__ import annotations
@@ -36,10 +44,13 @@ import torch.distributed as dist
 from torch import nn
 
 import shardtrain
+from shardtrain.estimate.axes import bubble_fraction
+from shardtrain.pipeline_parallel import stage_ids_of_rank
 from shardtrain.testing import run_distributed
 
 FP32 = 4
-SCHEDULES = (("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2))
+SCHEDULES = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2, "ZBVZeroBubble": 2, "InterleavedZeroBubble": 2}
+"""Each schedule and the stages per rank it runs here."""
 
 
 class _Sleep(torch.autograd.Function):
@@ -58,13 +69,17 @@ class _Sleep(torch.autograd.Function):
 
 
 class SleepLayer(nn.Module):
+    """``x * scale``: a forward's sleep on the input's path, and a backward's sleep on each of the input's and the
+    weight's paths ([Note: equal stage costs by sleeping])."""
+
     def __init__(self, width: int, forward_s: float) -> None:
         super().__init__()
         self.scale = nn.Parameter(torch.ones(width))
         self.forward_s = forward_s
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Sleep.apply(x * self.scale, self.forward_s, 2 * self.forward_s)
+        to_input = _Sleep.apply(x, self.forward_s, self.forward_s)
+        return to_input * _Sleep.apply(self.scale, 0.0, self.forward_s)
 
 
 class SleepStack(nn.Module):
@@ -105,10 +120,13 @@ def _run(args: argparse.Namespace, pp: int) -> list[dict]:
     rank = dist.get_rank()
     shape = (args.rows, args.tokens, args.width)
     out = []
-    for schedule, per_rank in SCHEDULES:
+    for schedule in args.schedules:
+        per_rank = SCHEDULES[schedule]
         num_stages = pp * per_rank
+        stage_ids = stage_ids_of_rank(schedule, pp, per_rank, rank)
+        owner = {s: r for r in range(pp) for s in stage_ids_of_rank(schedule, pp, per_rank, r)}
+        boundaries = sum(owner[s] != owner[s + 1] for s in range(num_stages - 1))
         for m in args.micro_batches:
-            stage_ids = list(range(rank, num_stages, pp))
             model = SleepStack(args.layers, num_stages, stage_ids, args.width, args.forward_ms / 1000)
             config = {
                 "pipeline_parallel_size": pp,
@@ -132,8 +150,8 @@ def _run(args: argparse.Namespace, pp: int) -> list[dict]:
             engine.close()
             step_s = statistics.median(times[1:])
             work_s = m * (args.layers / pp) * 3 * args.forward_ms / 1000
-            theory = (pp - 1) / (per_rank * m + pp - 1)
-            formula = 2 * m * (num_stages - 1) * args.rows * args.tokens * args.width * FP32
+            theory = bubble_fraction(schedule, pp, m, per_rank)
+            formula = 2 * m * boundaries * args.rows * args.tokens * args.width * FP32
             out.append(
                 {
                     "schedule": schedule,
@@ -161,13 +179,14 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--steps", type=int, default=2, help="timed steps (after one warm-up step)")
+    parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES))
     args = parser.parse_args()
     print(f"# {' '.join(sys.argv)}")
     machine = f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores"
     print(f"# {machine}, load average {os.getloadavg()[0]:.1f} at start, torch {torch.__version__}")
     print(
-        "| schedule | pp | v | m | step ms | bubble measured | theory (p-1)/(vm+p-1) | measured / theory | "
-        "overhead ms | bytes sent / step | formula 2m(S-1)btd4 | ratio |"
+        "| schedule | pp | v | m | step ms | bubble measured | theory (planner) | measured / theory | "
+        "overhead ms | bytes sent / step | formula 2mBbtd4 | ratio |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for pp in args.pp:

@@ -248,10 +248,6 @@ def _mismatched_config(_: int) -> str:
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2, "pipeline": {"stages": 3}}
     with pytest.raises(ConfigError, match=r"pipeline.stages 3 but the pipeline has 2 stage\(s\).*num_stages"):
         deepspeed.initialize(model=net, model_parameters=net.parameters(), config=config)
-    # activation checkpointing every N layers is not built under pipelines: refused by name, not dropped
-    config = {**config, "pipeline": _deepspeeds_pipeline_section(activation_checkpoint_interval=1)}
-    with pytest.raises(ConfigError, match=r"pipeline\.activation_checkpoint_interval: 1 is not supported"):
-        deepspeed.initialize(model=net, model_parameters=net.parameters(), config=config)
     return "ok"
 
 
@@ -347,16 +343,24 @@ def test_train_batch_pulls_from_training_data():
         assert a != b and c == pytest.approx(a, rel=1e-6) and r["first"][0] == pytest.approx(a, rel=1e-6), r
 
 
-def _checkpointed_script(pp: int, interval: int) -> dict:
-    """Training with every ``interval`` layers checkpointed, and how often each Block ran forward."""
+def _checkpointed_script(pp: int, interval: int, in_config: bool = False) -> dict:
+    """Training with every ``interval`` layers checkpointed (``in_config``: asked by the config's
+    ``pipeline.activation_checkpoint_interval``, as DeepSpeed's PipelineEngine sets its module's), and how often
+    each Block ran forward."""
     net = PipelineModule(
-        layers(), num_stages=pp, loss_fn=loss_fn, seed_layers=True, activation_checkpoint_interval=interval
+        layers(),
+        num_stages=pp,
+        loss_fn=loss_fn,
+        seed_layers=True,
+        activation_checkpoint_interval=0 if in_config else interval,
     )
     runs = {"n": 0}
     for layer in net.children():
         if isinstance(layer, Block):
             layer.fc.register_forward_hook(lambda *_: runs.__setitem__("n", runs["n"] + 1))
     config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS, "steps_per_print": 10**6}
+    if in_config:
+        config["pipeline"] = {"activation_checkpoint_interval": interval}
     opt = torch.optim.AdamW(net.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
     engine, _, _, _ = deepspeed.initialize(model=net, optimizer=opt, config=config)
     batches = global_batches(1)
@@ -375,3 +379,13 @@ def test_activation_checkpoint_interval_recomputes_and_trains_bitwise_the_same()
         assert a["losses"] == b["losses"]
         assert b["runs"] > a["runs"] > 0, (a["runs"], b["runs"])  # the Blocks ran again in backward
     assert all(torch.equal(v, chunked[0]["params"][n]) for n, v in plain[0]["params"].items())
+
+
+def test_config_activation_checkpoint_interval_sets_the_modules():
+    """The config's ``pipeline.activation_checkpoint_interval`` is the module's, as DeepSpeed's PipelineEngine sets
+    it: the same recomputations and the same training as the constructor's argument."""
+    by_module = run_distributed(_checkpointed_script, 2, 2, 2)
+    by_config = run_distributed(_checkpointed_script, 2, 2, 2, True)
+    for a, b in zip(by_module, by_config):
+        assert a["losses"] == b["losses"] and a["runs"] == b["runs"], (a["runs"], b["runs"])
+    assert all(torch.equal(v, by_config[0]["params"][n]) for n, v in by_module[0]["params"].items())

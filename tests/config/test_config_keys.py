@@ -78,6 +78,7 @@ TWO_RANKS = (
     "pipeline_parallel_size",
     "pipeline.schedule",
     "pipeline.stages_per_rank",
+    "pipeline.activation_checkpoint_interval",
 )
 """Keys shown by the world-2 run (:func:`_two_ranks`)."""
 FOUR_RANKS = (_Z + "zero_hpz_partition_size",)
@@ -1514,6 +1515,18 @@ def _two_ranks(timeout_s: float) -> dict[str, Any]:
     engine.train_batch(iter([_batch(), _batch(2)]))
     out["stages_per_rank"] = [part.layer_ids for part in engine._pipeline.parts]
     engine.close()
+    # pipeline.activation_checkpoint_interval 1: each held block recomputed whole in backward (its first norm runs
+    # twice per micro-batch), as activation_checkpointing.policy "full"; 0: once
+    for interval in (0, 1):
+        engine = _engine({**pipe, "pipeline": {"activation_checkpoint_interval": interval}, **timeout})
+        runs = {"n": 0}
+        for block in engine.module.blocks.values():
+            block.ln1.register_forward_hook(lambda *_, runs=runs: runs.__setitem__("n", runs["n"] + 1))
+        engine.train_batch(iter([_batch(), _batch(2)]))  # the first step also infers the stages' shapes
+        runs["n"] = 0
+        engine.train_batch(iter([_batch(), _batch(2)]))
+        out[f"interval {interval}"] = (engine.plan.activations.recompute, runs["n"])
+        engine.close()
     # a rank that skips a micro-step: with the desync check both ranks fail at once, naming where each one is
     engine = _engine({"zero_optimization": {"stage": 2}, **timeout})
     _micro_step(engine)
@@ -1578,6 +1591,7 @@ def test_keys_that_need_two_ranks():
     assert [r["pipeline GPipe"][:3] for r in results] == [(2, 0, ["0"]), (2, 1, ["1"])]
     assert results[1]["pipeline GPipe"][3] == "FFBB" and results[1]["pipeline 1F1B"][3] == "FBFB"
     assert [r["stages_per_rank"] for r in results] == [[["0"], ["2"]], [["1"], ["3"]]]
+    assert [(r["interval 0"], r["interval 1"]) for r in results] == [(("none", 2), ("full", 4))] * 2
     # collective_timeout_s: the lone reduction fails after that many seconds, naming it
     message, waited = results[0]["timeout"], results[0]["timeout_s"]
     assert f"collective timeout {timeout_s:g}s" in message, message

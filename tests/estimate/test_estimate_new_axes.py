@@ -169,10 +169,14 @@ def test_the_float8_gathers_bytes_per_step_are_the_engine_s(counted):
         ("GPipe", 1, 4, 1 / 5, 4),
         ("1F1B", 1, 1, 1 / 2, 1),
         ("Interleaved1F1B", 2, 2, 1 / 5, 4),
+        # the V-shaped zero-bubble schedule: stages 0 and 3 on rank 0 (blocks 0-1 and 5), the idle slots of
+        # torch's own action lists ([Note: a schedule's bubble from its own actions])
+        ("ZBVZeroBubble", 2, 4, 1 / 25, 4),
     ],
 )
 def test_the_bubble_is_printed_and_the_first_stage_holds_the_micro_batches_in_flight(schedule, v, m, bubble, in_flight):
-    """(p-1)/(v*m + p-1) at p 2; the first stage keeps min(m, p) micro-batches' activations per stage under 1F1B
+    """(p-1)/(v*m + p-1) at p 2 (zero-bubble: (p-1)/(3*v*m + p-1)); the first stage keeps min(m, p) micro-batches'
+    activations per stage under 1F1B
     (and its interleaved form), all m under GPipe: that many times the stage's share of one micro-batch's."""
     config = {**PIPELINE, "gradient_accumulation_steps": m, "pipeline": {"schedule": schedule, "stages_per_rank": v}}
     est = estimate_memory(six_block_gpt, config, world_size=2, seq_len=SEQ, device_type="cpu")

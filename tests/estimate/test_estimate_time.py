@@ -441,8 +441,8 @@ def test_only_converted_linears_matmuls_run_at_the_fp8_peak():
 
 def test_schedule_sets_the_pipeline_bubble_and_unknown_ones_are_refused(capsys):
     """``--schedule``: 1F1B and GPipe idle ``(p-1)/(m+p-1)``, Interleaved1F1B with 2 stages a rank
-    ``(p-1)/(2m+p-1)``, a shorter step; a name the pipeline section does not build, a schedule without ``--pp``
-    and a multi-stage schedule with one stage a rank are refused by name."""
+    ``(p-1)/(2m+p-1)``, a shorter step, ZBVZeroBubble ``(p-1)/(6m+p-1)``; a name the pipeline section does not
+    build, a schedule without ``--pp`` and a multi-stage schedule with one stage a rank are refused by name."""
     pipe = ("--world", "4", "--stage", "1", "--pp", "2", "--global-batch", "16")
     one_f_one_b = _step(capsys, *pipe)
     gpipe = _step(capsys, *pipe, "--schedule", "GPipe")
@@ -452,9 +452,9 @@ def test_schedule_sets_the_pipeline_bubble_and_unknown_ones_are_refused(capsys):
     assert interleaved["pipeline_bubble"] == pytest.approx(1 / (2 * m + 1))
     assert interleaved["layout"]["schedule"] == "Interleaved1F1B"
     assert interleaved["step_time_s"] < one_f_one_b["step_time_s"]
-    assert "'ZBVZeroBubble' is not built; use one of GPipe" in _refused(
-        capsys, "--pp", "2", "--schedule", "ZBVZeroBubble"
-    )
+    zbv = _step(capsys, *pipe, "--schedule", "zbvzerobubble", "--stages-per-rank", "2")
+    assert zbv["pipeline_bubble"] == pytest.approx(1 / (3 * 2 * m + 1))  # forward = input pass = weight pass
+    assert "'Zero' is not built; use one of GPipe" in _refused(capsys, "--pp", "2", "--schedule", "Zero")
     assert "give --pp 2 or more" in _refused(capsys, "--schedule", "GPipe")
     assert "needs stages_per_rank of 2" in _refused(capsys, "--pp", "2", "--schedule", "Interleaved1F1B")
 

@@ -8,6 +8,11 @@ import pytest
 import torch
 
 import shardtrain
+from shardtrain.config.plan import resolve_plan
+from shardtrain.config.sections import load_config
+from shardtrain.engine.parallelize import apply_checkpoint_interval
+from shardtrain.errors import ConfigError
+from shardtrain.plan import Plan
 from shardtrain.testing import run_distributed
 from shardtrain.testing.parity import assert_parity, train_one_process
 
@@ -83,3 +88,33 @@ def test_selective_checkpointing_llama_pp2_zero3():
 @pytest.mark.soak
 def test_full_checkpointing_gpt_pp3_zero1():
     _check("gpt", pp=3, stage=1, policy="full")
+
+
+def _interval_plan(interval: int, pp: int = 2, **extra: object) -> Plan:
+    return resolve_plan(
+        load_config({"pipeline_parallel_size": pp, "pipeline": {"activation_checkpoint_interval": interval}, **extra}),
+        pp,
+    )
+
+
+def test_deepspeeds_checkpoint_interval_of_one_is_each_block_recomputed_whole():
+    """[Note: DeepSpeed's checkpoint interval]: 1 is policy "full" for a model cut here; 0 changes nothing."""
+    assert apply_checkpoint_interval(make_model("gpt"), _interval_plan(1)).activations.recompute == "full"
+    assert apply_checkpoint_interval(make_model("gpt"), _interval_plan(0)).activations.recompute == "none"
+
+
+@pytest.mark.parametrize(
+    ("interval", "extra", "named"),
+    [
+        (2, {}, "activation_checkpoint_interval 2 on GPT: shardtrain checkpoints each block"),
+        (1, {"activation_checkpointing": {"policy": "selective"}}, "ask for two checkpointings"),
+    ],
+)
+def test_a_checkpoint_interval_not_built_for_a_cut_model_is_refused_by_name(interval, extra, named):
+    with pytest.raises(ConfigError, match=named):
+        apply_checkpoint_interval(make_model("gpt"), _interval_plan(interval, **extra))
+
+
+def test_a_checkpoint_interval_without_a_pipeline_is_refused_by_name():
+    with pytest.raises(ConfigError, match=r"activation_checkpoint_interval 1 is DeepSpeed's PipelineEngine key"):
+        _interval_plan(1, pp=1)

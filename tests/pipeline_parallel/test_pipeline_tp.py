@@ -38,7 +38,7 @@ def config(pp: int, tp: int, stage: int, schedule: str = "1F1B") -> dict:
     return {
         "pipeline_parallel_size": pp,
         "tensor_parallel": {"size": tp},
-        "pipeline": {"schedule": schedule, "stages_per_rank": 2 if schedule == "Interleaved1F1B" else 1},
+        "pipeline": {"schedule": schedule, "stages_per_rank": 1 if schedule in ("1F1B", "GPipe") else 2},
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": GAS,
         "gradient_clipping": CLIP,

@@ -148,7 +148,8 @@ def _deepspeed_refuses(path: str, note: str) -> Rule:
 # stage boundary into 1/tp pieces only when DeepSpeed's model-parallel size is above 1; pipeline parallelism with
 # tensor parallelism is refused here, so DeepSpeed sends whole tensors too: the same bytes and values at any value
 # (when pp x tp is built, `true` becomes a p2p volume the shardtrain pipeline does not cut: revisit these rows).
-# `activation_checkpoint_interval` > 0 asks for checkpointing, not built under pipelines: only 0 is accepted.
+# `activation_checkpoint_interval` > 0 checkpoints layers in runs of that many ([Note: DeepSpeed's checkpoint
+# interval] in engine/parallelize.py).
 _ZERO_PP_SAME = "shardtrain communicates in full precision over all data-parallel ranks (the result of ZeRO without it)"
 _Z = "zero_optimization."
 
@@ -1111,7 +1112,8 @@ RULES: tuple[Rule, ...] = (
         "pipeline.schedule",
         'str, `"1F1B"`',
         "a `torch.distributed.pipelining` schedule: `GPipe`, `1F1B`; with `stages_per_rank` > 1 `Interleaved1F1B`, "
-        "`LoopedBFS`",
+        "`LoopedBFS`, the zero-bubble `InterleavedZeroBubble`, and (exactly 2) the V-shaped `ZBVZeroBubble` and "
+        "`DualPipeV`",
     ),
     _supported("pipeline.stages_per_rank", "int ≥ 1, `1`", "stages each pipeline rank holds (multi-stage schedules)"),
     _supported(
@@ -1134,17 +1136,19 @@ RULES: tuple[Rule, ...] = (
         "DeepSpeed reads no value of it: its PipelineModule's `seed_layers` reseeds the layers, as here",
         check=StrictBool,
     ),
-    _only(
+    _supported(
         "pipeline.activation_checkpoint_interval",
-        0,
-        "DeepSpeed's PipelineEngine checkpoints the PipelineModule's layers in runs of this many; activation "
-        "checkpointing under pipeline parallelism is not built yet",
+        "int ≥ 0, `0`",
+        "DeepSpeed's PipelineEngine checkpoints the layers in runs of this many: a `PipelineModule`'s as DeepSpeed "
+        "does (its `activation_checkpoint_interval`); a model cut here (shardtrain's GPT, Hugging Face decoders) "
+        "checkpoints each block on its own, so 1 is `activation_checkpointing.policy` `full` and more is refused by "
+        "name; under pipeline parallelism only (refused at `pipeline_parallel_size` 1)",
     ),
     _no_effect(
         "pipeline.use_reentrant",
         "bool or `null` (`true`)",
-        "it picks the function DeepSpeed checkpoints with under `activation_checkpoint_interval` > 0, which is "
-        "refused here: nothing is checkpointed",
+        "it picks DeepSpeed's reentrant or non-reentrant checkpoint function under `activation_checkpoint_interval` "
+        "> 0: the same values; shardtrain's checkpoints are torch's non-reentrant ones at any value",
         check=StrictBool | None,
     ),
     *(

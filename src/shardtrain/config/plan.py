@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from shardtrain.config.deepspeed_keys import is_auto
-from shardtrain.config.sections import Config
+from shardtrain.config.sections import SPLIT_BACKWARD_SCHEDULES, Config
 from shardtrain.errors import ConfigError
 from shardtrain.plan import Plan
 from shardtrain.plan.dims import ParallelDims
@@ -76,7 +76,9 @@ def resolve_plan(cfg: Config, world: int, device_type: str | None = None) -> Pla
         offload=offload,
         prefetch=PrefetchPolicy(zcfg.stage3_prefetch_bucket_size),
         graph=GraphPolicy(g.enabled, g.strict, g.cache_size, g.compiler, g.dynamic_shapes),
-        pipeline=PipelinePolicy(cfg.pipeline.schedule, cfg.pipeline.stages_per_rank),
+        pipeline=PipelinePolicy(
+            cfg.pipeline.schedule_name, cfg.pipeline.stages_per_rank, cfg.pipeline.activation_checkpoint_interval
+        ),
         tiling=TilingPolicy(
             cfg.tiled_logits_loss, cfg.tiled_logits_loss_shards, cfg.tiled_mlp_compute, cfg.tiled_mlp_shards
         ),
@@ -212,6 +214,12 @@ def refuse_unbuilt(cfg: Config, dims: ParallelDims, device_type: str | None = No
     hpz = zcfg.zero_hpz_partition_size
     if dims.pp > 1:
         refuse_unbuilt_pipeline(cfg, dims)
+    elif cfg.pipeline.activation_checkpoint_interval > 0:
+        raise ConfigError(
+            f"pipeline.activation_checkpoint_interval {cfg.pipeline.activation_checkpoint_interval} is DeepSpeed's "
+            "PipelineEngine key, and there is no pipeline here (pipeline_parallel_size 1); checkpoint with "
+            'activation_checkpointing.policy ("full" or "selective") instead'
+        )
     if dims.ep > 1:
         refused = [
             (zcfg.stage == 3 and hpz > 1, f"ZeRO++ hpZ (zero_optimization.zero_hpz_partition_size {hpz})"),
@@ -285,6 +293,11 @@ def refuse_unbuilt_pipeline(cfg: Config, dims: ParallelDims) -> None:
         (bool(cfg.graph.enabled), "graph mode (graph.enabled)"),
         (cfg.tiled_logits_loss or cfg.tiled_mlp_compute, "tiled_logits_loss / tiled_mlp_compute"),
     ]
+    schedule = cfg.pipeline.schedule_name
+    if schedule in SPLIT_BACKWARD_SCHEDULES:  # [Note: the weight pass reaches the reducer]
+        checkpointing = cfg.activation_checkpointing.policy != "none" or cfg.pipeline.activation_checkpoint_interval
+        # a checkpointed block is recomputed in the input pass and again in the weight pass
+        refused.append((bool(checkpointing), f"the zero-bubble schedule {schedule!r} and activation checkpointing"))
     _refuse_first(
         refused,
         f"pipeline_parallel_size {dims.pp}",

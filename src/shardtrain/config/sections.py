@@ -285,10 +285,23 @@ class TensorParallelConfig(_Section):
         return max(1, self.autotp_size) if self.autotp_size is not None else self.size
 
 
-PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS")
-"""The schedules of ``torch.distributed.pipelining`` built here: those that place stage ``i`` on pipeline rank
-``i % pp`` and run a whole backward per micro-batch (the V-shaped ``ZBVZeroBubble`` and ``DualPipeV`` place stages
-otherwise, and the zero-bubble ones split the backward, which the gradient reducer does not follow yet)."""
+PIPELINE_SCHEDULES = (
+    "GPipe",
+    "1F1B",
+    "Interleaved1F1B",
+    "LoopedBFS",
+    "InterleavedZeroBubble",
+    "ZBVZeroBubble",
+    "DualPipeV",
+)
+"""The schedules of ``torch.distributed.pipelining`` built here. The zero-bubble ones (``InterleavedZeroBubble``,
+``ZBVZeroBubble``, ``DualPipeV``) split each backward into an input and a weight pass, which the gradient reducer is
+handed ([Note: the weight pass reaches the reducer] in pipeline_parallel/schedule.py); the V-shaped ones place
+stages ``r`` and ``2 pp - 1 - r`` on pipeline rank ``r``, two per rank."""
+SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+"""The zero-bubble schedules (``pipeline_parallel/order.py`` names the same; config imports no axis)."""
+MULTI_STAGE_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+"""Schedules that run several stages per rank (``stages_per_rank`` >= 2; exactly 2 for the V-shaped ones)."""
 
 
 class PipelineConfig(_Section):
@@ -296,14 +309,19 @@ class PipelineConfig(_Section):
 
     schedule: str = "1F1B"
     """A schedule name ``torch.distributed.pipelining.schedules.get_schedule_class`` accepts, among those built here:
-    ``GPipe``, ``1F1B`` (the default), and with ``stages_per_rank`` > 1 ``Interleaved1F1B`` or
-    ``LoopedBFS``."""
+    ``GPipe``, ``1F1B`` (the default), and with ``stages_per_rank`` > 1 ``Interleaved1F1B``, ``LoopedBFS``,
+    ``InterleavedZeroBubble``, or (exactly 2) ``ZBVZeroBubble`` and ``DualPipeV``."""
     stages_per_rank: Count = 1
     """Stages each pipeline rank holds: the model is cut into ``pipeline_parallel_size * stages_per_rank`` stages."""
     stages: Count | Auto | None = None
     """DeepSpeed's key: the pipeline's size, which must be ``pipeline_parallel_size`` (a PipelineModule's
     ``num_stages``); ``"auto"`` is resolved to it at ``initialize``, unset it is not checked (see [Note: DeepSpeed's
     pipeline keys])."""
+    activation_checkpoint_interval: Size = 0
+    """DeepSpeed's PipelineEngine key: checkpoint the layers in runs of this many (0: none). A ``PipelineModule``
+    checkpoints its layers so, as DeepSpeed's; a model cut here checkpoints each block on its own, so only 1 (each
+    block recomputed whole, ``activation_checkpointing.policy`` full) is built for it ([Note: DeepSpeed's checkpoint
+    interval] in engine/parallelize.py)."""
 
     @model_validator(mode="after")
     def _schedule(self) -> PipelineConfig:
@@ -311,7 +329,7 @@ class PipelineConfig(_Section):
         name = known.get(self.schedule.lower())
         if name is None:
             raise ValueError(f"pipeline.schedule {self.schedule!r} is not built; use one of {list(PIPELINE_SCHEDULES)}")
-        multi = name in ("Interleaved1F1B", "LoopedBFS")
+        multi = name in MULTI_STAGE_SCHEDULES
         if multi != (self.stages_per_rank > 1):
             raise ValueError(
                 f"pipeline.schedule {name!r} with stages_per_rank {self.stages_per_rank}: "
@@ -321,7 +339,17 @@ class PipelineConfig(_Section):
                     else "GPipe and 1F1B run one stage per rank; use Interleaved1F1B for several"
                 )
             )
+        if name in ("ZBVZeroBubble", "DualPipeV") and self.stages_per_rank != 2:
+            raise ValueError(
+                f"pipeline.schedule {name!r} with stages_per_rank {self.stages_per_rank}: a V-shaped schedule holds "
+                "exactly 2 stages per rank (r and 2 pp - 1 - r); set stages_per_rank 2, or use InterleavedZeroBubble"
+            )
         return self
+
+    @property
+    def schedule_name(self) -> str:
+        """``schedule`` spelled as ``PIPELINE_SCHEDULES`` spells it (the name is matched without case)."""
+        return {name.lower(): name for name in PIPELINE_SCHEDULES}[self.schedule.lower()]
 
 
 class GraphConfig(_Section):

@@ -53,10 +53,17 @@ from shardtrain.engine.optimizers import (
     build_optimizer,
     refuse_deepspeed_muon_clipping,
 )
-from shardtrain.engine.parallelize import Parts, choose_activation_budget, parallelize
+from shardtrain.engine.parallelize import Parts, apply_checkpoint_interval, choose_activation_budget, parallelize
 from shardtrain.errors import ConfigError, OptimizerError, ShardtrainError
 from shardtrain.host_read import HostRead
-from shardtrain.pipeline_parallel import PipelineGrid, check_can_cut, check_micro_batches, split_micro_batch
+from shardtrain.pipeline_parallel import (
+    PipelineGrid,
+    check_can_cut,
+    check_micro_batches,
+    last_stage_rank,
+    split_micro_batch,
+)
+from shardtrain.pipeline_parallel.order import V_SHAPED_SCHEDULES
 from shardtrain.plan import Plan
 from shardtrain.precision.mixed import check_parameter_dtypes
 from shardtrain.tensor_parallel import check_same_batch
@@ -122,6 +129,7 @@ class Engine:
                 topology.device,
                 (lambda: scaler.scale_tensor) if scaler is not None else None,
                 activation_dtype=plan.precision.compute_dtype,
+                grads_set_directly=self._reducer.grads_set_directly,
             )
             self._pp_comm = Communicator(topology.pp_group, topology.timeout_s)
             # checkpoints run their protocol over every rank: each stage writes its own tensors into one manifest
@@ -196,11 +204,12 @@ class Engine:
 
     def is_first_stage(self) -> bool:
         """Whether this rank holds the first stage (the one that reads the inputs)."""
-        return self.stage_id == 0
+        return self._pipeline.first if self._pipeline is not None else self.stage_id == 0
 
     def is_last_stage(self) -> bool:
-        """Whether this rank holds the last stage (the one that computes the loss)."""
-        return self.stage_id == self.num_stages - 1
+        """Whether this rank holds the last stage (the one that computes the loss; pipeline rank 0's under a
+        V-shaped schedule)."""
+        return self._pipeline.last if self._pipeline is not None else self.stage_id == self.num_stages - 1
 
     # -- the training loop -------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -408,6 +417,13 @@ class Engine:
                 raise ConfigError(
                     f"engine.eval_batch with {what} is not built; call eval_batch(data_iter) for the mean loss"
                 )
+        if self.plan.pipeline.schedule in V_SHAPED_SCHEDULES:
+            # torch's runtime hands a rank's stage its neighbour's input gradient locally in eval too, and fails
+            raise ConfigError(
+                f"engine.eval_batch under pipeline.schedule {self.plan.pipeline.schedule!r} is not built: torch's "
+                "V-shaped schedules run no forward-only step; evaluate with a checkpoint loaded under a loop-placed "
+                "schedule (1F1B, Interleaved1F1B, InterleavedZeroBubble) or without pipelining"
+            )
         micro = self._pull_micro_batches(data_iter, "eval_batch")
         training = self.module.training
         self.module.eval()
@@ -447,7 +463,8 @@ class Engine:
             self._dp_comm.all_reduce(loss, Reduce.AVG, what="pipeline loss (data parallel)")
         if not broadcast:
             return loss if self._pipeline.last else None
-        self._pp_comm.broadcast(loss, t.pp - 1, what="pipeline loss (from the last stage)")
+        source = last_stage_rank(self.plan.pipeline.schedule, t.pp)
+        self._pp_comm.broadcast(loss, source, what="pipeline loss (from the last stage)")
         return loss
 
     def _refuse_unfrozen(self) -> None:
@@ -905,7 +922,7 @@ def _initialize(
     _, _, gas = resolve_batch_sizes(cfg, topology.dp)  # fail on batch-size mistakes before touching the model
     if plan.dims.pp > 1:  # what cannot be cut or scheduled, before the model is touched
         check_can_cut(model, plan.dims.pp * plan.pipeline.stages_per_rank)
-        check_micro_batches(plan.pipeline.schedule, gas, plan.dims.pp)
+        check_micro_batches(plan.pipeline.schedule, gas, plan.dims.pp, plan.pipeline.stages_per_rank)
     if plan.zero.shard_parameters and plan.zero.unit_classes:
         find_unit_modules(model, plan.zero.unit_classes)  # names the classes the model does not have
     for note in ineffective_offload_keys(cfg, topology.device.type):
@@ -926,6 +943,8 @@ def _initialize(
         random.seed(cfg.seed)
         np.random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
+    if plan.dims.pp > 1:  # the last refusal before the model is touched, which a PipelineModule's interval is
+        plan = apply_checkpoint_interval(model, plan)  # [Note: DeepSpeed's checkpoint interval]
     plan = choose_activation_budget(model, plan, cfg, topology, opt, tp_plan)
     parts = parallelize(model, plan, topology, opt, cfg, tp_plan)
     return Engine(model, cfg, plan, topology, opt, scheduler, parts, communicators)

@@ -22,7 +22,9 @@ apply_graph           graph mode around the eager runtime ([Note: one runtime, t
 monitor               metrics on rank 0
 ====================  ==========================================================================================
 
-Each step is handed what the steps before it made; nothing is attached afterwards. Every refusal a user can cause
+Before the first, ``initialize`` resolves what DeepSpeed's pipeline keys ask of this model
+(:func:`apply_checkpoint_interval`). Each step is handed what the steps before it made; nothing is attached
+afterwards. Every refusal a user can cause
 happened before: the plan's (:func:`shardtrain.config.plan.resolve_plan`) and ``initialize``'s own checks, so a
 refused ``initialize`` leaves the model as it was. What can fail after the layout is a resource (a full disk, a
 peer lost); the swap directories made for offload are then removed again.
@@ -73,8 +75,8 @@ from shardtrain.offload.optimizer_state import (
 from shardtrain.offload.parameters import ParamOffload
 from shardtrain.offload.swap import ScratchDir, SwapFiles, on_every_rank, prepare_scratch
 from shardtrain.offload.zenflow import ZenFlowStep
-from shardtrain.pipeline_parallel import Pipeline, cut_model, tied_across_stages
-from shardtrain.pipeline_parallel.cut import check_can_split_sequence
+from shardtrain.pipeline_parallel import Pipeline, cut_model, stage_ids_of_rank, tied_across_stages
+from shardtrain.pipeline_parallel.cut import BuiltAsStage, check_can_split_sequence
 from shardtrain.plan import Plan
 from shardtrain.plan.policies import (
     ActivationPolicy,
@@ -266,7 +268,7 @@ def apply_pp(model: nn.Module, plan: Plan, topology: Topology, optimizer: torch.
     if plan.dims.pp == 1:
         return None
     num_stages = plan.dims.pp * plan.pipeline.stages_per_rank
-    stage_ids = list(range(topology.pp_rank, num_stages, plan.dims.pp))
+    stage_ids = stage_ids_of_rank(plan.pipeline.schedule, plan.dims.pp, plan.pipeline.stages_per_rank, topology.pp_rank)
     tied = [p for p in tied_across_stages(model) if p.requires_grad]  # read before the cut prunes the model
     # [Note: tensor parallelism in a pipeline stage] torch cannot infer a tensor-parallel stage's shapes on meta
     # tensors: they are given ([Note: stage shapes given, not inferred] in pipeline_parallel/schedule.py). The ranks
@@ -282,6 +284,8 @@ def apply_pp(model: nn.Module, plan: Plan, topology: Topology, optimizer: torch.
     for group in optimizer.param_groups:
         group["params"] = [p for p in group["params"] if id(p) in kept]
     tied = [p for p in tied if id(p) in kept]
+    if 0 in stage_ids and num_stages - 1 in stage_ids:
+        tied = []  # a V-shaped schedule's first and last stage: one parameter on one rank, nothing to sum across
     if tied and not any(p.is_meta for p in tied):
         # the last stage starts from the first stage's values, as DeepSpeed's _synchronize_tied_weights: a
         # PipelineModule builds its tied module once per stage ([Note: weights tied across stages])
@@ -291,7 +295,42 @@ def apply_pp(model: nn.Module, plan: Plan, topology: Topology, optimizer: torch.
             ends.broadcast(value, 0, what="weights tied across stages (the first stage's initial values)")
             with torch.no_grad():
                 p.copy_(value)
-    return Pipeline(parts, stage_ids, num_stages, loss_fn, tied, activation_width=width)
+    return Pipeline(
+        parts, stage_ids, num_stages, loss_fn, tied, activation_width=width, weights=list(model.parameters())
+    )
+
+
+def apply_checkpoint_interval(model: nn.Module, plan: Plan) -> Plan:
+    """[Note: DeepSpeed's checkpoint interval] DeepSpeed's PipelineEngine sets its ``PipelineModule``'s
+    ``activation_checkpoint_interval`` from ``pipeline.activation_checkpoint_interval`` > 0, and the module then
+    checkpoints its layers in runs of that many (those holding parameters). A shim ``PipelineModule`` (a model built
+    as its stage) is given the interval likewise and checkpoints as DeepSpeed's. A model cut here checkpoints each
+    block (ZeRO-3's units) on its own, whole: an interval of 1 is ``activation_checkpointing.policy`` ``full`` (the
+    returned plan's), as DeepSpeed checkpoints one layer per run; a longer run is not built and refused by name, as
+    is an interval beside another ``policy``. Before the model is touched."""
+    interval = plan.pipeline.checkpoint_interval
+    if interval == 0:
+        return plan
+    if isinstance(model, BuiltAsStage):
+        if not hasattr(model, "activation_checkpoint_interval"):
+            raise ConfigError(
+                f"pipeline.activation_checkpoint_interval {interval}: {type(model).__name__} is built as its stage "
+                "but has no activation_checkpoint_interval to set (a PipelineModule's); remove the key"
+            )
+        model.activation_checkpoint_interval = interval
+        return plan
+    if interval > 1:
+        raise ConfigError(
+            f"pipeline.activation_checkpoint_interval {interval} on {type(model).__name__}: shardtrain checkpoints "
+            "each block of a model it cuts on its own, not runs of several; set it to 1 (each block recomputed in "
+            'backward, as activation_checkpointing.policy "full") or use activation_checkpointing.policy'
+        )
+    if plan.activations.recompute not in ("none", "full"):
+        raise ConfigError(
+            f"pipeline.activation_checkpoint_interval 1 (each block recomputed whole) and activation_checkpointing."
+            f"policy {plan.activations.recompute!r} ask for two checkpointings; give one of them"
+        )
+    return dataclasses.replace(plan, activations=dataclasses.replace(plan.activations, recompute="full"))
 
 
 def activation_width(model: nn.Module) -> int:

@@ -7,10 +7,13 @@ of those parameters over the stage's ``world / pp`` ranks. Its activations are n
 stage takes hidden states, not token ids): the whole model's saved activations of one micro-batch (its fake run
 replays the whole model's ZeRO layout at the stage's shard group) are scaled by the stage's share of the layers, and
 held for as many micro-batches as the schedule keeps in flight on it: under 1F1B stage ``s`` of ``p`` starts
-``min(m, p - s)`` forwards before its first backward (the first stage the most), under GPipe all ``m``. The
-forward/backward peak above that is the whole model's one micro-batch (an upper bound of a stage's). The bubble, the
-idle fraction of a step with equal stage costs, is ``(p-1)/(v*m + p-1)`` for ``v`` stages per rank (GPipe and 1F1B:
-``v = 1``); the zero-bubble schedules are not modelled and say so.
+``min(m, p - s)`` forwards before its first backward (the first stage the most), under GPipe all ``m``; the
+multi-stage schedules, the zero-bubble ones included, are counted per stage as 1F1B. The forward/backward peak above
+that is the whole model's one micro-batch (an upper bound of a stage's). The bubble, the idle fraction of a step with
+equal stage costs, is ``(p-1)/(m + p-1)`` for GPipe and 1F1B, and for the multi-stage schedules the idle time of
+torch's own action lists ([Note: a schedule's bubble from its own actions] in pipeline_parallel/order.py): it is
+``(p-1)/(v*m + p-1)`` for the interleaved ones, ``(p-1)/(3*v*m + p-1)`` for the zero-bubble ones at ``v = 2`` once
+``m >= 2p`` (ZBVZeroBubble's warm-up leaves more below).
 """
 
 from __future__ import annotations
@@ -19,17 +22,20 @@ from typing import Any
 
 from torch import nn
 
+from shardtrain.pipeline_parallel.order import is_multi_stage, simulated_bubble, stage_ids_of_rank
+
 IN_FLIGHT_ALL = ("GPipe",)
 """Schedules that run every micro-batch's forward before any backward."""
-BUBBLE_MODELLED = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS")
-"""Schedules whose bubble is ``(p-1)/(v*m + p-1)`` ([Note: pipeline stages in the estimate])."""
 
 
 def bubble_fraction(schedule: str, pp: int, micro_batches: int, stages_per_rank: int = 1) -> float | None:
-    """The idle fraction of a step with equal stage costs; None for a schedule not modelled."""
-    if schedule not in BUBBLE_MODELLED:
-        return None
-    return (pp - 1) / (stages_per_rank * micro_batches + pp - 1)
+    """The idle fraction of a step with equal stage costs ([Note: pipeline stages in the estimate]); None for a
+    schedule not modelled."""
+    if is_multi_stage(schedule):
+        return simulated_bubble(schedule, pp, micro_batches, stages_per_rank)
+    if schedule in ("GPipe", "1F1B"):
+        return (pp - 1) / (micro_batches + pp - 1)
+    return None
 
 
 def in_flight(schedule: str, pp: int, micro_batches: int, pp_rank: int = 0, stages_per_rank: int = 1) -> int:
@@ -40,9 +46,9 @@ def in_flight(schedule: str, pp: int, micro_batches: int, pp_rank: int = 0, stag
     return min(micro_batches, pp - pp_rank)
 
 
-def stage_ids(pp: int, stages_per_rank: int, pp_rank: int) -> list[int]:
-    """The stages pipeline rank ``pp_rank`` holds, as ``engine/parallelize.py`` gives them (looped)."""
-    return list(range(pp_rank, pp * stages_per_rank, pp))
+def stage_ids(pp: int, stages_per_rank: int, pp_rank: int, schedule: str = "1F1B") -> list[int]:
+    """The stages pipeline rank ``pp_rank`` holds, as ``engine/parallelize.py`` gives them (looped, or V-shaped)."""
+    return stage_ids_of_rank(schedule, pp, stages_per_rank, pp_rank)
 
 
 def layer_list(model: nn.Module) -> Any:

@@ -59,6 +59,7 @@ from shardtrain.estimate.state import RankState, UnitSize, rank_state
 from shardtrain.estimate.timing import MicroBatchWork, StepInputs, TimeEstimate, measure_work, step_time, zero_traffic
 from shardtrain.optim.deepspeed_muon import is_deepspeed_muon_parameter
 from shardtrain.pipeline_parallel.cut import check_can_split_sequence, cut_model
+from shardtrain.pipeline_parallel.order import SPLIT_BACKWARD_SCHEDULES
 from shardtrain.plan import Plan
 from shardtrain.plan.dims import ParallelDims
 from shardtrain.precision.float8 import output_heads, why_kept
@@ -235,7 +236,8 @@ class MemoryEstimate:
     traffic: dict[str, int] = field(default_factory=dict)
     """Bytes this rank sends per step, by what sends them (the ring, the float8 gathers); printed below the rows."""
     bubble: float | None = None
-    """The pipeline schedule's idle fraction, ``(p-1)/(v*m + p-1)``; None without pipelining or not modelled."""
+    """The pipeline schedule's idle fraction ([Note: pipeline stages in the estimate] in estimate/axes.py); None
+    without pipelining or not modelled."""
     time: TimeEstimate | None = None
     """The predicted step on a cluster (``cluster=`` given; :mod:`.timing`)."""
 
@@ -293,6 +295,8 @@ class MemoryEstimate:
         if lay.pp > 1:
             v, p, m = lay.stages_per_rank, lay.pp, lay.micro_batches
             formula = f"(p-1)/({'v*' if v > 1 else ''}m+p-1) = {p - 1}/({f'{v}*' if v > 1 else ''}{m}+{p - 1})"
+            if lay.schedule in SPLIT_BACKWARD_SCHEDULES:  # [Note: a schedule's bubble from its own actions]
+                formula = "idle slots of torch's action lists, forward = input pass = weight pass"
             told = f"{self.bubble:.4f}, {formula}" if self.bubble is not None else "not modelled for this schedule"
             lines.append(f"  pipeline bubble ({lay.schedule}, p {p}, m {m}): {told}")
         if self.time is not None:
@@ -818,7 +822,7 @@ def _stage_model(source: ModelSource, layout: Candidate, tp_plan: Any, cache: di
         with FakeTensorMode(allow_non_fake_inputs=True):
             fake = build_fake(source, layout.tp, torch.float32, tp_plan, layout.ep, split=False)
             num_stages = layout.pp * layout.stages_per_rank
-            cut_model(fake, num_stages, stage_ids(layout.pp, layout.stages_per_rank, layout.pp_rank))
+            cut_model(fake, num_stages, stage_ids(layout.pp, layout.stages_per_rank, layout.pp_rank, layout.schedule))
             experts = split_experts(fake, layout.ep, layout.tp) if layout.ep > 1 else frozenset()
         cache[key] = (fake, experts)
     if layout.sp * layout.cp > 1:  # as apply_pp refuses it

@@ -5,10 +5,26 @@
 which joins them along the rows and lets torch's schedule cut them again (``tensor_split`` along dim 0: the same
 micro-batches). The first stage is given the inputs, the last the labels; the loss function divides each
 micro-batch's loss by their count (``scale_grads=False``), so the gradients summed over micro-batches are those of
-the mean loss, as ``engine.backward`` divides by the accumulation steps. The schedule's backward is plain autograd
+the mean loss, as ``engine.backward`` divides by the accumulation steps. A whole backward is plain autograd
 (``torch.autograd.backward`` per stage output), so the gradient reducer's hooks see every parameter's gradient
-accumulate; the engine opens one reducer backward around the whole schedule, without overlap, so each bucket is
-reduced once per step, after the last micro-batch.
+accumulate (a split one: [Note: the weight pass reaches the reducer]); the engine opens one reducer backward around
+the whole schedule, without overlap, so each bucket is reduced once per step, after the last micro-batch.
+
+[Note: the weight pass reaches the reducer]
+The zero-bubble schedules (``SPLIT_BACKWARD_SCHEDULES``) split a micro-batch's backward into an input pass (I: the
+gradient sent to the previous stage, ``torch.autograd.grad`` of the stage's inputs, no weight touched) and a later
+weight pass (W), torch's ``stage_backward_weight``: ``torch.autograd.grad`` of the weights, written into ``.grad`` by
+assignment or ``+=``, not through ``AccumulateGrad``, so the reducer's post-accumulate hooks never run. Each stage
+here (:class:`_SplitBackwardStage`) runs torch's weight pass itself, with every weight's ``.grad`` set aside and
+None, over the rank's own parameters (a stage module reads the model's pieces and holds none itself: [Note: stages
+keep the model's names]); each weight that pass gave a gradient is then handed to the reducer
+(``grads_set_directly``), which folds it as its hook would (into the gradient buffer or the staging), exactly once
+per micro-batch; the others get their ``.grad`` back. Hooks on the weights themselves (tensor parallelism's sum of a
+replicated weight's partial gradients over tp) run in that ``torch.autograd.grad`` as in a whole backward. The first
+stage sends no input gradient: torch runs its whole backward in the W slot, through ``AccumulateGrad``, as under
+1F1B. The V-shaped schedules (``ZBVZeroBubble``, ``DualPipeV``) hold stages ``r`` and ``2 pp - 1 - r`` on pipeline
+rank ``r`` (:func:`stage_ids_of_rank`): the first and the last stage on rank 0, whose loss that rank reports and
+whose tied weight is one parameter there (nothing to sum across ranks).
 
 [Note: a stage gathered for its schedule]
 At ZeRO stage 3 ``train_batch`` gathers all of this rank's units (its stages' parameters, over the stage's
@@ -43,13 +59,54 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
 
 from shardtrain.errors import ConfigError
 from shardtrain.pipeline_parallel.cut import LossFn
+from shardtrain.pipeline_parallel.order import (
+    SPLIT_BACKWARD_SCHEDULES,
+    V_SHAPED_SCHEDULES,
+    is_multi_stage,
+    last_stage_rank,
+    schedule_actions,
+    stage_ids_of_rank,
+)
 
 LABEL_KEYS = ("labels", "targets")
 POSITION_KEY = "position_ids"  # beside the one input: given to every stage (packed documents, global positions)
+GradsSetDirectly = Callable[[list[nn.Parameter]], None]
+"""Hands the reducer weights whose ``.grad`` a pass assigned rather than accumulated ([Note: the weight pass reaches
+the reducer])."""
+
+
+class _SplitBackwardStage(PipelineStage):
+    """A ``PipelineStage`` whose input and weight passes run over ``weights`` and hand the weight gradients to the
+    reducer ([Note: the weight pass reaches the reducer])."""
+
+    def __init__(self, *args: Any, weights: list[nn.Parameter], deliver: GradsSetDirectly, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._weights, self._deliver = weights, deliver
+
+    def backward_maybe_with_nosync(
+        self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False
+    ) -> tuple[tuple[torch.Tensor | None, ...], list[dict[str, Any]] | None]:
+        if backward_type == "input":
+            return stage_backward_input(
+                bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"], iter(self._weights)
+            )
+        if backward_type != "weight":  # a whole backward: AccumulateGrad runs the reducer's hooks
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        held = [p.grad for p in self._weights]  # the reducer's buffer views (ZeRO 0-1) or None
+        for p in self._weights:
+            p.grad = None
+        stage_backward_weight(iter(self._weights), bwd_kwargs["param_groups"])
+        got = [p for p in self._weights if p.grad is not None]
+        for p, grad in zip(self._weights, held):
+            if p.grad is None:
+                p.grad = grad
+        self._deliver(got)
+        return (), None
 
 
 def split_micro_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,15 +177,17 @@ def _join(tensors: list[torch.Tensor], what: str) -> torch.Tensor:
     return torch.cat(tensors)
 
 
-def check_micro_batches(schedule: str, micro_batches: int, pp: int) -> None:
+def check_micro_batches(schedule: str, micro_batches: int, pp: int, stages_per_rank: int = 1) -> None:
     """Refuse a step of fewer micro-batches than the schedule needs (1F1B and the interleaved ones: one per stage
-    rank), before the model is touched."""
+    rank; the multi-stage ones as torch's own check of its action lists), before the model is touched."""
     if micro_batches < pp and schedule.lower() in ("1f1b", "interleaved1f1b"):
         raise ConfigError(
             f"pipeline.schedule {schedule!r} needs at least pipeline_parallel_size ({pp}) micro-batches per step, got "
             f"gradient_accumulation_steps {micro_batches}; raise it (more micro-batches also shrink the bubble) or use "
             "GPipe"
         )
+    if is_multi_stage(schedule):
+        schedule_actions(schedule, pp, stages_per_rank, micro_batches)
 
 
 class Pipeline:
@@ -142,10 +201,14 @@ class Pipeline:
         loss_fn: LossFn,
         tied: list[nn.Parameter] | None = None,
         activation_width: int | None = None,
+        weights: list[nn.Parameter] | None = None,
     ) -> None:
         """``activation_width``: the hidden size the stages send each other, where their shapes are given rather
-        than inferred ([Note: stage shapes given, not inferred]); None: torch infers them."""
+        than inferred ([Note: stage shapes given, not inferred]); None: torch infers them. ``weights``: this rank's
+        parameters, which a zero-bubble schedule's weight passes differentiate ([Note: the weight pass reaches the
+        reducer])."""
         self.parts, self.stage_ids, self.num_stages, self.loss_fn = parts, stage_ids, num_stages, loss_fn
+        self.weights: list[nn.Parameter] = list(weights or [])
         self.activation_width = activation_width
         self._make_schedule: Callable[[list[Any] | None], Any] | None = None
         self._schedules: dict[bool, Any] = {}  # with given shapes: each kind's, built at its first step
@@ -190,11 +253,13 @@ class Pipeline:
         device: torch.device,
         loss_scale: Callable[[], torch.Tensor] | None = None,
         activation_dtype: torch.dtype = torch.float32,
+        grads_set_directly: GradsSetDirectly | None = None,
     ) -> None:
         """The ``PipelineStage`` of each part and ``schedule`` over ``micro_batches`` (see [Note: one pipeline
         step]); ``loss_scale``: fp16's current loss scale, which a training step's losses are multiplied by before
-        the schedule's backward ([Note: fp16's loss scale in the schedule])."""
-        check_micro_batches(schedule, micro_batches, dist.get_world_size(group))
+        the schedule's backward ([Note: fp16's loss scale in the schedule]); ``grads_set_directly``: under a
+        zero-bubble schedule, where its weight passes' gradients go ([Note: the weight pass reaches the reducer])."""
+        check_micro_batches(schedule, micro_batches, dist.get_world_size(group), len(self.parts))
         cls = get_schedule_class(schedule)
         k, self._device, self._activation_dtype = micro_batches, device, activation_dtype
         self._micro_batches = k
@@ -215,13 +280,24 @@ class Pipeline:
             return scaled
 
         multi = issubclass(cls, PipelineScheduleMulti)
+        split = cls.__name__.removeprefix("Schedule") in SPLIT_BACKWARD_SCHEDULES
+        if split and grads_set_directly is None:
+            raise ConfigError(
+                f"pipeline.schedule {schedule!r} splits the backward: its weight gradients need a reducer"
+            )
+        weights = [p for p in self.weights if p.requires_grad]
+
+        def stage(part: nn.Module, index: int, x: Any, y: Any) -> PipelineStage:
+            common = {"input_args": x, "output_args": y, "group": group}
+            if split:
+                return _SplitBackwardStage(
+                    part, index, self.num_stages, device, weights=weights, deliver=grads_set_directly, **common
+                )
+            return PipelineStage(part, index, self.num_stages, device, **common)
 
         def make(examples: list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] | None) -> Any:
             given = examples or [(None, None)] * len(self.parts)
-            stages = [
-                PipelineStage(p, s, self.num_stages, device, input_args=x, output_args=y, group=group)
-                for p, s, (x, y) in zip(self.parts, self.stage_ids, given)
-            ]
+            stages = [stage(p, s, x, y) for p, s, (x, y) in zip(self.parts, self.stage_ids, given)]
             return cls(stages if multi else stages[0], n_microbatches=k, loss_fn=loss, scale_grads=False)
 
         self._make_schedule = make
@@ -332,4 +408,15 @@ class Pipeline:
         return inputs, labels, given
 
 
-__all__ = ["Pipeline", "SequenceShare", "check_micro_batches", "micro_batch_positions", "split_micro_batch"]
+__all__ = [
+    "SPLIT_BACKWARD_SCHEDULES",
+    "V_SHAPED_SCHEDULES",
+    "GradsSetDirectly",
+    "Pipeline",
+    "SequenceShare",
+    "check_micro_batches",
+    "last_stage_rank",
+    "micro_batch_positions",
+    "split_micro_batch",
+    "stage_ids_of_rank",
+]

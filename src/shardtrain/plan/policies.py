@@ -208,6 +208,8 @@ class PipelinePolicy:
     """A name ``torch.distributed.pipelining.schedules.get_schedule_class`` accepts."""
     stages_per_rank: int = 1
     """Stages each pipeline rank holds: the model is cut into ``pp * stages_per_rank`` stages."""
+    checkpoint_interval: int = 0
+    """DeepSpeed's ``pipeline.activation_checkpoint_interval``: layers checkpointed in runs of this many (0: none)."""
 
 
 @dataclass(frozen=True)

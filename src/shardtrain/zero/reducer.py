@@ -178,9 +178,9 @@ class GradientReducer:
                 else b.flat_param.new_zeros(b.shard_numel, dtype=self._grad_dtype(b))
                 for position, b in enumerate(buckets)
             ]
-        self._hooks = [
-            s.param.register_post_accumulate_grad_hook(self._make_hook(b.index, s)) for b in buckets for s in b.slots
-        ]
+        hooks = {id(s.param): self._make_hook(b.index, s) for b in buckets for s in b.slots}
+        self._hook_of = hooks  # what a gradient set directly is handed to (grads_set_directly)
+        self._hooks = [s.param.register_post_accumulate_grad_hook(hooks[id(s.param)]) for b in buckets for s in b.slots]
         if tp_partial is not None:  # before accumulation into .grad, so micro-steps are summed once
             tp_comm, ids = tp_partial
             for b in buckets:
@@ -291,6 +291,16 @@ class GradientReducer:
                     self._launch_ready()
 
         return hook
+
+    def grads_set_directly(self, params: list[torch.Tensor]) -> None:
+        """Each of ``params`` holds in ``.grad`` a gradient a pass assigned rather than accumulated (no
+        ``AccumulateGrad``, so no hook ran): folded in as the hook folds one (a pipeline's weight pass, [Note: the
+        weight pass reaches the reducer] in ``pipeline_parallel/schedule.py``)."""
+        for p in params:
+            hook = self._hook_of.get(id(p))
+            if hook is None:
+                raise ShardtrainError("a gradient set directly on a parameter in none of the reducer's buckets")
+            hook(p)
 
     def _launch_ready(self) -> None:
         order = self.launch_order
