@@ -70,11 +70,17 @@ GPUS: dict[str, Gpu] = {
     )
 }
 
-MATMUL_EFFICIENCY_H200 = 0.519
-"""The H200 validation's stage-0 step at 51.9% MFU (docs/benchmarks-gpu.md, 2026-11-27, 1.3B GPT, bf16, 513
-TFLOP/s of 989): the only matmul-rate measurement this project has on a GPU, taken for the H100 and H200. It is a
-whole step's rate (attention and pointwise kernels included), so charging those kernels again separately makes the
-prediction slower than a pure matmul rate would: a stated bias, until ``calibrate`` runs on such a GPU."""
+STEP_MFU_H200 = 0.519
+"""The H200 validation's stage-0 step at 51.9% MFU (docs/benchmarks-gpu.md, 2026-11-27, 1.3B GPT, bf16, 513 TFLOP/s
+of 989, 144.5 ms a step): the only GPU step this project has measured."""
+
+MATMUL_EFFICIENCY_H200 = 0.631
+"""The matmul and attention rate (of the bf16 peak) at which the time model's own account of that step takes the
+measured 144.5 ms: its memory-bound operators (at ``memory`` 0.8 of HBM) and the optimizer step take 25.6 ms of
+it, so its matmuls and attention (74.1 TFLOP) take 118.9 ms. ``bench/bench_planner_time.py --h200`` gives both
+predictions: 170.1 ms at :data:`STEP_MFU_H200` taken as the matmul rate (what shipped first: the whole step's rate,
+with the memory-bound operators then charged a second time), 144.5 ms at this. Taken for the H100 and H200 alike
+(the same dense bf16 peak); a ``calibrate`` run on such a GPU replaces it with a matmul rate measured by shape."""
 
 
 @dataclass(frozen=True)
@@ -108,8 +114,8 @@ class Efficiencies:
 GPU_EFFICIENCIES = Efficiencies(
     matmul=((1.0, MATMUL_EFFICIENCY_H200),),
     attention=MATMUL_EFFICIENCY_H200,
-    source="matmul and attention: docs/benchmarks-gpu.md's H200 stage-0 MFU (MATMUL_EFFICIENCY_H200); memory, link, "
-    "latency: assumed, not measured",
+    source="matmul and attention: the rate at which the model takes docs/benchmarks-gpu.md's measured H200 stage-0 "
+    "step (MATMUL_EFFICIENCY_H200); memory, link, latency: assumed, not measured",
 )
 
 

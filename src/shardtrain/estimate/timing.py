@@ -20,10 +20,19 @@ A collective over ``n`` ranks costs ``steps x latency + bus bytes / (link bandwi
 bytes as the communicator counts them (all-reduce ``2 S (n-1)/n``, all-gather, reduce-scatter and all-to-all
 ``S (n-1)/n``, p2p ``S``), the steps of a ring (``n - 1``; all-reduce ``2 (n - 1)``, or a tree's ``2 log2 n``
 where fewer, as NCCL picks a tree for small all-reduces; p2p 1). The link is NVLink when the group's ranks lie in
-one node, else the network per GPU (a ring across nodes runs at its slowest link). The mesh
+one node, else the network ([Note: rings across nodes]). The mesh
 puts tensor-parallel ranks adjacent, then sequence, then data (``distributed/mesh.py``), so a group spans
 ``size x stride`` consecutive ranks: tp ``tp``, sp ``tp x sp``, ep ``tp x ep``, ZeRO's shard group ``tp x sp x
 shard``, the pipeline's neighbours ``world / pp`` apart.
+
+[Note: rings across nodes]
+A group that spans nodes with ``k`` of its ranks in each node crosses between nodes on ``k`` network adapters at
+once (one per GPU, [Note: link bandwidths] in :mod:`.cluster`): NCCL builds one ring (a channel) per adapter, each
+carrying ``1/k`` of the bytes, so the bytes a rank sends move at ``k`` times one adapter's rate, at most NVLink's
+(the ring's hops within a node carry all of them). ``k`` is the node's GPUs over the group's stride (``span /
+size``), at least 1: ZeRO's group at tp 1 has all 8 ranks of a node in it, at tp 8 one. Charging every group one
+adapter's rate put the data-parallel reductions of Megatron-LM's 1.7B model over 48 GPUs (docs/planner.md) at
+8x their time, exposed behind a backward they fit in.
 
 [Note: what overlaps]
 * ZeRO-3's unit gathers run ahead of the unit that needs them (prefetch) and gradients are reduce-scattered while
@@ -47,6 +56,15 @@ shard``, the pipeline's neighbours ``world / pp`` apart.
 * Hybrid sharding's replica all-reduce (each rank's gradient shard over the ``zero / shard`` replicas, once per step
   at the boundary, [Note: hybrid gradient reduction] in ``zero/reducer.py``) hides behind the last backward as the
   boundary reduction does, in what is left of it.
+[Note: attention under context parallelism]
+Under context parallelism the fake run is one rank's ``S / cp`` tokens, and its attention operator attends them to
+those ``S / cp`` keys only; the ring attends them to the whole sequence's ``S`` keys (``cp`` chunks, one per ring
+step, [Note: which context attention] in ``sequence_parallel/ring.py``). So an attention operator's time, forward,
+backward and recomputed alike, is ``cp`` times the fake run's, and so are its FLOPs in the model FLOPs (MFU). The
+matmuls, norms and the rest see the rank's tokens only and are as the fake run counts them. Without it the planner
+put torchtitan's Llama-3.1-8B at 65,536 tokens on FSDP 4 x CP 2 (docs/planner.md) at the speed of 32,768 tokens on
+one rank, 1.68x the published figure.
+
 [Note: metadata-only operators]
 A view (``view``, ``t``, ``transpose``, ``expand``, ``as_strided``, ``detach``, ``split``...) makes a tensor that
 shares its input's storage: no kernel, no bytes. The rule is the operator's schema: every output aliases an input
@@ -395,7 +413,10 @@ def collective_time(kind: str, nbytes: float, size: int, span: int, cluster: Clu
         return 0.0
     gpu, eff = cluster.gpu, cluster.efficiencies
     intra = span <= cluster.gpus_per_node
-    gb_s = gpu.intra_node_gb_s if intra or not gpu.inter_node_gb_s_per_gpu else gpu.inter_node_gb_s_per_gpu
+    gb_s = gpu.intra_node_gb_s
+    if not intra and gpu.inter_node_gb_s_per_gpu:  # [Note: rings across nodes]
+        per_node = max(1, min(size, cluster.gpus_per_node // max(span // size, 1)))
+        gb_s = min(gpu.intra_node_gb_s, per_node * gpu.inter_node_gb_s_per_gpu)
     steps = {"all_reduce": 2 * (size - 1), "p2p": 1}.get(kind, size - 1)
     if kind == "all_reduce":  # NCCL's tree for small messages: 2 log2(n) latencies where the ring's are more
         steps = min(steps, 2 * math.ceil(math.log2(size)))
@@ -499,7 +520,7 @@ def step_time(work: MicroBatchWork, zero: ZeroTraffic, s: StepInputs, cluster: C
         if op not in times:
             fp8 = s.fp8 and (s.float8_linears is None or _is_float8_matmul(op, s.float8_linears))
             times[op] = op_time(op, cluster, s.dtype, fp8, s.compile)
-        t = times[op] * n
+        t = times[op] * n * (s.cp if op.kind == "attention" else 1)  # [Note: attention under context parallelism]
         if op.backward:
             bwd += t
         else:
@@ -549,7 +570,9 @@ def step_time(work: MicroBatchWork, zero: ZeroTraffic, s: StepInputs, cluster: C
     }
     step = sum(parts.values())
     tokens = s.dp * m * s.micro_batch * s.seq_len
-    model_flops = 3 * work.forward_flops * share * m  # this rank's share of the model FLOPs
+    forward_attention = sum(op.flops * n for op, n in work.ops.items() if op.kind == "attention" and not op.backward)
+    forward_flops = work.forward_flops + (s.cp - 1) * forward_attention  # [Note: attention under context parallelism]
+    model_flops = 3 * forward_flops * share * m  # this rank's share of the model FLOPs
     peak = cluster.peak_tflops(s.dtype, s.fp8) * 1e12
     exposed = sum(m * t for t in model_comm.values()) + exposed_zero + ring + p2p
     return TimeEstimate(step, tokens / step / s.world, model_flops / step / peak, exposed, parts)
