@@ -178,3 +178,44 @@ def test_a_masked_block_makes_one_float_mask():
     assert peak <= float_mask + 2 * outputs, (peak, float_mask, outputs)
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=d**-0.5)
     assert torch.allclose(out, want, atol=1e-6)
+
+
+def test_a_plain_causal_block_makes_no_float_mask():
+    """[Note: plain causal blocks]: the diagonal block of plain causal data runs the fused kernel's ``is_causal``, no
+    mask: its peak above its inputs (MemTracker) stays below the one ``n x n`` float mask the masked call makes, and
+    forward (output, log-sum-exp) and backward (dq, dk, dv) equal the masked call's to 1e-6."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from shardtrain.sequence_parallel.ring_attention import _block_backward, _block_forward
+
+    n, heads, d = 512, 2, 16
+    q, k, v, do = (torch.randn(1, heads, n, d) for _ in range(4))
+    mask = torch.ones(n, n, dtype=torch.bool).tril()[None, None]
+    float_mask = n * n * 4
+
+    def peak_of(call):
+        tracker = MemTracker()
+        with tracker:
+            result = call()
+        return next(iter(tracker.get_tracker_snapshot("peak").values()))["Total"], result
+
+    masked_peak, (masked_out, masked_lse) = peak_of(lambda: _block_forward(q, k, v, mask, d**-0.5))
+    peak, (out, lse) = peak_of(lambda: _block_forward(q, k, v, None, d**-0.5, causal=True))
+    assert masked_peak > float_mask, masked_peak  # the masked call does make the mask this test is about
+    assert peak < float_mask, (peak, float_mask)
+    assert torch.allclose(out, masked_out, atol=1e-6) and torch.allclose(lse, masked_lse, atol=1e-6)
+
+    masked_peak, masked_grads = peak_of(lambda: _block_backward(do, q, k, v, out, lse, mask, d**-0.5))
+    peak, grads = peak_of(lambda: _block_backward(do, q, k, v, out, lse, None, d**-0.5, causal=True))
+    assert peak < float_mask < masked_peak, (peak, float_mask, masked_peak)
+    for got, want in zip(grads, masked_grads):
+        assert torch.allclose(got, want, atol=1e-6), (got - want).abs().max()
+
+
+def test_merged_ring_at_cp_2_is_whole_sequence_attention():
+    """cp 2, the engine's default path from cp 2 on ([Note: which context attention]): every mask, fused and unfused
+    blocks, outputs and gradients equal one process's to 1e-10 in float64 (plain causal through [Note: plain causal
+    blocks])."""
+    results = _check(KINDS, 2, merged=True)
+    for kind in KINDS:  # forward: 1 chunk step; backward: 1 chunk step and 2 steps of the chunks' gradients
+        assert [r[kind]["ring"] for r in results] == [4, 4], kind
