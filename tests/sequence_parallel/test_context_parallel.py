@@ -15,7 +15,6 @@ import torch
 
 import shardtrain
 from shardtrain.errors import ConfigError, ShardtrainError
-from shardtrain.sequence_parallel.ring import merged_ring_serves
 from shardtrain.testing import run_distributed
 from shardtrain.testing.parity import Recipe, assert_params_near, engine_run, reference_run
 
@@ -197,19 +196,12 @@ def _check_parity(
     passes = 2 if (extra or {}).get("activation_checkpointing", {}).get("policy", "none") != "none" else 1
     counts = micro_steps * cp * 3 * 8 * (cp - 1) // cp
     for r in results:
-        if merged_ring_serves(cp):
-            # [Note: the log-sum-exp merge]: per layer and micro-step, each rank's keys and values [rows, kv heads,
-            # S / cp, head dim] (fp32) sent cp - 1 times in forward, cp - 1 times again in backward, and their
-            # gradient cp times; no reduce-scatter
-            calls = layers * micro_steps * ((passes + 1) * (cp - 1) + cp)
-            assert r["moved"]["ring"] == (calls, calls * 2 * whole // cp), r["moved"]
-            assert "reduce_scatter" not in r["moved"], r["moved"]
-        else:
-            # gathered: the keys and values passed around the ring in cp - 1 steps, (cp - 1) / cp of them received,
-            # and their gradients reduce-scattered in one call
-            kv_bytes = layers * micro_steps * 2 * whole * (cp - 1) // cp
-            assert r["moved"]["ring"] == (passes * layers * micro_steps * (cp - 1), passes * kv_bytes), r["moved"]
-            assert r["moved"]["reduce_scatter"] == (layers * micro_steps, kv_bytes), r["moved"]
+        # [Note: the log-sum-exp merge], at every cp ([Note: which context attention]): per layer and micro-step,
+        # each rank's keys and values [rows, kv heads, S / cp, head dim] (fp32) sent cp - 1 times in forward, cp - 1
+        # times again in backward, and their gradient cp times; no reduce-scatter
+        calls = layers * micro_steps * ((passes + 1) * (cp - 1) + cp)
+        assert r["moved"]["ring"] == (calls, calls * 2 * whole // cp), r["moved"]
+        assert "reduce_scatter" not in r["moved"], r["moved"]
         if attn != "mixtral":  # which also gathers its router logits over the group for its load-balancing loss
             assert r["moved"]["all_gather"] == (micro_steps, counts), r["moved"]
     return results

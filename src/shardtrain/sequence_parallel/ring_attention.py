@@ -1,6 +1,7 @@
 """Ring attention merged by log-sum-exp: each arriving key/value chunk attended as it arrives, so that a rank never
-holds a layer's whole-sequence keys and values (docs/context-parallel.md). The masks of both context-attention paths
-(this one and the gathered one of :mod:`shardtrain.sequence_parallel.ring`) are built here, from global positions.
+holds a layer's whole-sequence keys and values (docs/context-parallel.md); the engine's context attention at every
+cp size ([Note: which context attention] in :mod:`shardtrain.sequence_parallel.ring`). Its masks are built here, from
+global positions.
 
 [Note: masks from global positions]
 Whether query ``i`` reads key ``j`` (both global positions of the whole sequence ``[0, S)``) is decided from the
@@ -16,11 +17,12 @@ per query row; over the chunks, ``lse = logaddexp_j lse_j`` and ``o = sum_j exp(
 softmax over all the keys read. A row with no key read has ``lse = -inf`` and contributes 0. Forward: ``C`` steps,
 the next chunk's transfer (``Communicator.ring_step(async_op=True)``) in flight while the current one is attended;
 saved for backward: this rank's own keys and values, its output and ``lse`` (``1/C`` of the sequence's keys and
-values, where the gathered path's SDPA saves the whole sequence's, repeated to every query head). Backward (the
-standard ring-attention backward, FlashAttention's per block): the keys and values go around the ring again, each
-rank recomputes ``p = exp(s - lse)`` for its queries against the chunk it holds, adds ``dq += ds k``, and adds its
-``dk = ds^T q``, ``dv = p^T do`` to the chunk's gradient, which travels with the chunk; after ``C`` steps each chunk's
-gradient comes home with one more step. Ring bytes per layer: ``C - 1`` chunk steps forward, ``2C - 1`` backward.
+values, where SDPA over gathered keys and values would save the whole sequence's, repeated to every query head).
+Backward (the standard ring-attention backward, FlashAttention's per block): the keys and values go around the ring
+again, each rank recomputes ``p = exp(s - lse)`` for its queries against the chunk it holds, adds ``dq += ds k``,
+and adds its ``dk = ds^T q``, ``dv = p^T do`` to the chunk's gradient, which travels with the chunk; after ``C``
+steps each chunk's gradient comes home with one more step. Ring bytes per layer: ``C - 1`` chunk steps forward,
+``2C - 1`` backward.
 """
 
 from __future__ import annotations
