@@ -24,9 +24,11 @@ by one SDPA call per local query chunk (Llama 3's all-gather context parallelism
 49's close removed it. Measured (docs/benchmarks.md, issue 49, gloo on 2 shared CPU cores): at ``C = 2`` its
 attention saved 5.42x the ``1/C`` share of one process's activations for backward (9,191,424 bytes against the
 ring's 1,695,744, a Llama at ``S`` 1536: torch's CPU SDPA saves its ``(S/C) x S`` float mask, every layer), so it
-missed the ``1/C`` goal and grew with ``S^2``; its one advantage, time where the ring has one step and nothing to
-overlap (its backward moves ``C - 1`` chunks against the ring's ``2C - 1``), was within this machine's noise (the
-ring 0.99x and 1.27x its time at ``S`` 4096 and 2048). Nothing needed it: the ring serves every mask it served.
+missed the ``1/C`` goal and grew with ``S^2``. What it had for it at ``C = 2``: half the ring's bytes (its backward
+one reduce-scatter, the ring's a chunk step and two gradient steps) and, with one ring step and nothing to overlap,
+perhaps time: the ring took 0.99x-1.73x its time over two runs of one attention on this loaded machine, which could
+not separate the two. Nothing needed it (the ring serves every mask it served), so no config key keeps it; the time
+is to be measured on GPUs.
 """
 
 from __future__ import annotations
