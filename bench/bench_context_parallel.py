@@ -11,20 +11,16 @@
 2. **A training step** of the project's GPT (fp32, ZeRO-1, one sequence of ``S`` tokens shared by both ranks) at world
    2 under ``sequence_parallel_size 2`` (Ulysses) and ``context_parallel_size 2``: seconds per step (median of 3
    after one warm-up) and the bytes this rank's sequence group moved in one step, against the formulas: Ulysses ``8
-   * L * (S / P) * d * 4 * (P - 1) / P`` (q, k, v and the output, forward and backward), context ``4 * L * S * d_kv
-   * 4 * (C - 1) / C`` (keys and values passed around in forward, their gradients reduce-scattered in backward),
-   plus the engine's real-token count exchange (a few bytes).
-3. **Gathered or merged attention** ([Note: which context attention] in ``shardtrain/sequence_parallel/ring.py``):
-   one attention's forward and backward (queries ``[1, 8, S / C, 64]``, keys and values ``[1, 2, S / C, 64]`` fp32,
-   causal) by each path at world 2 and 3: seconds (median of ``--attention-repeats``) and the bytes its autograd
-   saved for backward on one rank (``torch.autograd.graph.saved_tensors_hooks``).
-4. **Activation memory per rank against cp** (``--memory-length``): a tiny Llama (4 query heads, 2 key/value heads,
+   * L * (S / P) * d * 4 * (P - 1) / P`` (q, k, v and the output, forward and backward), context ``2 * L * (S / C)
+   * d_kv * 4 * (3C - 2)`` (a rank's own keys and values sent ``C - 1`` times in forward, ``C - 1`` times in backward
+   and their gradient ``C`` times: [Note: the log-sum-exp merge]), plus the engine's real-token count exchange (a few
+   bytes).
+3. **Activation memory per rank against cp** (``--memory-length``): a tiny Llama (4 query heads, 2 key/value heads,
    d 64, MLP 256, 2 layers) at cp 1, 2, 3 and 4 (world = cp, ZeRO-1, one sequence of ``S`` tokens): the bytes one
    forward saves for backward on each rank in the attention modules and in the MLPs ([Note: what is counted as
    activation memory] in ``bench/bench_tp.py``, whose counter this uses), the largest rank's, against ``1/cp`` of
-   cp 1's. At cp 2 both attention paths are measured: the gathered one the engine picks there and the merged ring
-   ([Note: which context attention] in ``shardtrain/sequence_parallel/ring.py``).
-5. **The longest sequence that fits a per-rank budget** (``--budget-mib``), world 4: the GQA Llama above at sp 4
+   cp 1's (the merged ring at every cp: [Note: which context attention] in ``shardtrain/sequence_parallel/ring.py``).
+4. **The longest sequence that fits a per-rank budget** (``--budget-mib``), world 4: the GQA Llama above at sp 4
    (Ulysses alone) and at sp 2 x cp 2, and a Llama with 2 heads, both key/value heads (Ulysses is capped at sp 2),
    at sp 2 x dp 2 and at sp 2 x cp 2. A length fits when the peak of one forward and backward on every rank, as
    torch's ``MemTracker`` measures it (parameters, gradients, activations and temporaries, all live storages), is
@@ -112,37 +108,6 @@ def _step_job(lengths: list[int], d_model: int, layers: int) -> dict:
     return out
 
 
-def _attention_paths(lengths: list[int], repeats: int) -> dict:
-    from shardtrain.sequence_parallel.ring import context_attention
-    from shardtrain.sequence_parallel.ring_attention import ContextSplit
-
-    comm = Communicator(dist.group.WORLD, 60.0)
-    out = {}
-    for length in lengths:
-        g = torch.Generator().manual_seed(0)
-        q = torch.randn(1, 8, length // comm.size, 64, generator=g, requires_grad=True)
-        k, v = (torch.randn(1, 2, length // comm.size, 64, generator=g, requires_grad=True) for _ in range(2))
-        for merged in (False, True):
-            samples, saved = [], []
-
-            def keep(t: torch.Tensor, saved: list[int] = saved) -> torch.Tensor:
-                saved.append(t.numel() * t.element_size())
-                return t
-
-            for i in range(repeats + 1):
-                saved.clear()
-                dist.barrier()
-                started = time.perf_counter()
-                with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-                    attended = context_attention(q, k, v, comm, ContextSplit(length), merged=merged)
-                attended.sum().backward()
-                dist.barrier()
-                if i:  # the first is a warm-up
-                    samples.append(time.perf_counter() - started)
-            out[(length, merged)] = (statistics.median(samples), sum(saved))
-    return out
-
-
 _MEMORY_MODEL = {"hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2, "vocab_size": 64}
 
 
@@ -167,12 +132,10 @@ def _llama_engine(heads: int, kv_heads: int, layout: dict) -> shardtrain.Engine:
     return shardtrain.initialize(model, config={**config, **layout}, optimizer=torch.optim.AdamW(model.parameters()))
 
 
-def _saved_by_region(cp: int, length: int, merged_from: int) -> dict:
+def _saved_by_region(cp: int, length: int) -> dict:
     """Bytes one forward saves for backward on this rank, in the attention modules and in the MLPs."""
     from bench_tp import count_saved
-    from shardtrain.sequence_parallel import ring
 
-    ring.MERGED_RING_FROM_CP = merged_from  # [Note: which context attention], moved to measure both paths at cp 2
     engine = _llama_engine(4, 2, {"context_parallel_size": cp})
     x = torch.randint(0, _MEMORY_MODEL["vocab_size"], (1, length), generator=torch.Generator().manual_seed(1))
     with count_saved(engine.module, {"self_attn": "attention", "mlp": "mlp"}) as saved:
@@ -200,13 +163,10 @@ def _peak_bytes(engine: shardtrain.Engine, length: int, document: int | None) ->
 
 
 def _longest_fitting(
-    heads: int, kv_heads: int, layout: dict, budget: int, merged_from: int, document: int | None
+    heads: int, kv_heads: int, layout: dict, budget: int, document: int | None
 ) -> tuple[int, int, int]:
     """(the longest length that fits ``budget`` bytes on every rank, its peak, probes run): doubled from 256 tokens
     until a length does not fit, then bisected to 8 tokens."""
-    from shardtrain.sequence_parallel import ring
-
-    ring.MERGED_RING_FROM_CP = merged_from  # [Note: which context attention], moved to measure both paths at cp 2
     engine = _llama_engine(heads, kv_heads, layout)
     peaks: dict[int, int] = {}
 
@@ -236,16 +196,14 @@ def main() -> None:
     parser.add_argument("--step-lengths", type=int, nargs="+", default=[2048, 4096])
     parser.add_argument("--d-model", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--attention-lengths", type=int, nargs="+", default=[2048, 4096])
-    parser.add_argument("--attention-repeats", type=int, default=5)
     parser.add_argument("--memory-length", type=int, default=1536, help="a multiple of 24 (2 x cp for cp 1-4)")
     parser.add_argument("--budget-mib", type=float, default=24.0)
     parser.add_argument("--fit-document", type=int, default=None, help="tokens per packed document (default: causal)")
     parser.add_argument(
         "--sections",
         nargs="+",
-        default=["transfer", "step", "attention", "memory", "fit"],
-        choices=["transfer", "step", "attention", "memory", "fit"],
+        default=["transfer", "step", "memory", "fit"],
+        choices=["transfer", "step", "memory", "fit"],
     )
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -279,36 +237,21 @@ def _print_step(args: argparse.Namespace) -> None:
         if name.startswith("Ulysses"):
             formula = 8 * args.layers * (length // 2) * args.d_model * FP32 // 2
         else:
-            formula = 4 * args.layers * length * args.d_model * FP32 // 2
+            formula = 2 * args.layers * (length // 2) * args.d_model * FP32 * (3 * 2 - 2)
         print(f"| {name} | {length} | {seconds:.3f} | {moved} | {formula} | {moved / formula:.4f} |")
 
 
-def _print_attention(args: argparse.Namespace) -> None:
-    print("\n## one attention, forward and backward: gathered vs merged (log-sum-exp) ring")
-    print("| world | S | gathered (s) | merged (s) | merged / gathered | saved for backward: gathered | merged |")
-    print("|---|---|---|---|---|---|---|")
-    for world in (2, 3):
-        lengths = [n // (2 * world) * 2 * world for n in args.attention_lengths]
-        got = run_distributed(_attention_paths, world, lengths, args.attention_repeats, threads=1)[0]
-        for length in lengths:
-            (gathered, kept), (merged, held) = got[(length, False)], got[(length, True)]
-            print(f"| {world} | {length} | {gathered:.3f} | {merged:.3f} | {merged / gathered:.2f} | {kept} | {held} |")
-
-
 def _print_memory(args: argparse.Namespace) -> None:
-    from shardtrain.sequence_parallel.ring import MERGED_RING_FROM_CP
-
     length = args.memory_length
     print(f"\n## activation memory per rank against cp: Llama h 4, kv 2, d 64, MLP 256, 2 layers, S {length}")
     print("| cp | attention path | attention: saved (bytes) | x cp / cp 1's | MLP: saved (bytes) | x cp / cp 1's |")
     print("|---|---|---|---|---|---|")
-    runs = [(1, MERGED_RING_FROM_CP), (2, MERGED_RING_FROM_CP), (2, 2), (3, MERGED_RING_FROM_CP), (4, 4)]
     base = None
-    for cp, merged_from in runs:
-        ranks = run_distributed(_saved_by_region, cp, cp, length, merged_from, init_process_group=False, threads=1)
+    for cp in (1, 2, 3, 4):
+        ranks = run_distributed(_saved_by_region, cp, cp, length, init_process_group=False, threads=1)
         attention, mlp = (max(r[region] for r in ranks) for region in ("attention", "mlp"))
         base = base or (attention, mlp)
-        path = "-" if cp == 1 else "merged ring" if cp >= merged_from else "gathered"
+        path = "-" if cp == 1 else "merged ring"
         print(
             f"| {cp} | {path} | {attention:,} | {attention * cp / base[0]:.3f} | {mlp:,} | {mlp * cp / base[1]:.3f} |"
         )
@@ -320,21 +263,15 @@ def _print_fit(args: argparse.Namespace) -> None:
     print(f"\n## the longest sequence within {args.budget_mib:g} MiB per rank (peak, MemTracker), world 4, {what}")
     print("| model | layout | attention path | longest S | its peak, largest rank (bytes) | probes |")
     print("|---|---|---|---|---|---|")
-    from shardtrain.sequence_parallel.ring import MERGED_RING_FROM_CP
-
     ulysses, both = {"sequence_parallel_size": 4}, {"sequence_parallel_size": 2, "context_parallel_size": 2}
     cases = [
-        ("Llama h 4, kv 2", 4, 2, "sp 4 (Ulysses alone)", ulysses, MERGED_RING_FROM_CP),
-        ("Llama h 4, kv 2", 4, 2, "sp 2 x cp 2", both, MERGED_RING_FROM_CP),
-        ("Llama h 4, kv 2", 4, 2, "sp 2 x cp 2", both, 2),
-        ("Llama h 2, kv 2", 2, 2, "sp 2 x dp 2", {"sequence_parallel_size": 2}, MERGED_RING_FROM_CP),
-        ("Llama h 2, kv 2", 2, 2, "sp 2 x cp 2", both, MERGED_RING_FROM_CP),
-        ("Llama h 2, kv 2", 2, 2, "sp 2 x cp 2", both, 2),
+        ("Llama h 4, kv 2", 4, 2, "sp 4 (Ulysses alone)", ulysses),
+        ("Llama h 4, kv 2", 4, 2, "sp 2 x cp 2", both),
+        ("Llama h 2, kv 2", 2, 2, "sp 2 x dp 2", {"sequence_parallel_size": 2}),
+        ("Llama h 2, kv 2", 2, 2, "sp 2 x cp 2", both),
     ]
-    if MERGED_RING_FROM_CP <= 2:  # the engine's own choice at cp 2 is then the merged ring: measured once
-        cases = [case for case in cases if case[-1] == MERGED_RING_FROM_CP]
-    for model, heads, kv_heads, name, layout, merged_from in cases:
-        path = "-" if "context_parallel_size" not in layout else "merged ring" if merged_from <= 2 else "gathered"
+    for model, heads, kv_heads, name, layout in cases:
+        path = "-" if "context_parallel_size" not in layout else "merged ring"
         got = run_distributed(
             _longest_fitting,
             4,
@@ -342,7 +279,6 @@ def _print_fit(args: argparse.Namespace) -> None:
             kv_heads,
             layout,
             budget,
-            merged_from,
             document,
             init_process_group=False,
             threads=1,

@@ -138,14 +138,19 @@ def test_each_pipeline_stage_s_model_state_is_the_engine_s(counted):
 
 
 def test_the_ring_s_bytes_per_step_are_the_engine_s(counted):
-    """Keys and values of two key/value heads of the whole sequence, (cp-1)/cp of them sent around the ring per layer
-    and micro-batch, and as many reduce-scattered in backward: the planner's per-step bytes are the counted ones."""
+    """cp 2 runs the log-sum-exp-merged ring ([Note: which context attention]): per layer and micro-batch a rank's
+    own keys and values (half of two key/value heads of the sequence) sent once forward, once backward and their
+    gradient twice, nothing reduce-scattered: the planner's per-step bytes are the counted ones; the keys and values
+    it holds while attending are the sequence's (its own chunk and the other rank's)."""
     est = estimate_memory(tiny_llama, CONTEXT, world_size=2, seq_len=SEQ, device_type="cpu")
+    whole = 2 * MICRO * 2 * SEQ * 8 * 4  # keys and values [rows, kv heads, S, head dim], fp32
     for r in counted:
+        assert "reduce_scatter" not in r["ring"], r["ring"]
         assert est.traffic["context-parallel ring (keys and values)"] == r["ring"]["ring"]
-        assert est.traffic["context-parallel reduce-scatter (their gradients, backward)"] == r["ring"]["reduce_scatter"]
-    kv = [row.nbytes for row in est.rows if row.component.startswith("whole-sequence keys and values")]
-    assert kv == [2 * MICRO * 2 * SEQ * 8 * 4]  # keys and values [rows, kv heads, S, head dim], fp32
+    assert est.traffic["context-parallel ring (keys and values)"] == GAS * 2 * whole // 2 * (1 + 1 + 2)
+    assert not any("reduce-scatter" in k for k in est.traffic if k.startswith("context-parallel"))
+    kv = [row.nbytes for row in est.rows if "(cp ring)" in row.component]
+    assert kv == [whole]
 
 
 def test_the_float8_gathers_bytes_per_step_are_the_engine_s(counted):
@@ -219,8 +224,9 @@ def test_cli_pp_cp_options_print_the_bubble_and_the_ring_s_bytes(capsys):
     assert code == 0 and (got["layout"]["pp"], got["layout"]["pp_rank"]) == (2, 1)
     assert got["pipeline_bubble"] == pytest.approx(1 / 2)  # one micro-batch: (p-1)/(m+p-1)
     code, out, _ = cli("--cp", "2")
-    # 3 layers x keys and values [1 row, 4 heads, 16 tokens, 8] fp32 (4 KiB) x (cp-1)/cp
-    assert code == 0 and "sent per step: context-parallel ring (keys and values): 6.00 KiB" in out
+    # 3 layers x a rank's half of the keys and values [1 row, 4 heads, 16 tokens, 8] fp32 (4 KiB) sent once forward,
+    # once backward and their gradient twice (the merged ring at cp 2: [Note: which context attention])
+    assert code == 0 and "sent per step: context-parallel ring (keys and values): 24.00 KiB" in out
     code, _, err = cli("--pp", "3")
     assert code == 2 and "pipeline_parallel_size 3 does not divide the 2 processes" in err
     code, _, err = cli("--cp", "0")
@@ -243,10 +249,10 @@ def test_a_search_tries_context_parallel_sizes_up_to_the_config_s_and_cp_runs_fe
             assert not any(k.startswith("context-parallel") for k in est.traffic)
 
 
-def test_the_merged_ring_s_bytes_and_held_keys_and_values_from_cp_3():
-    """From cp 3 the engine runs the log-sum-exp-merged ring ([Note: which context attention]): per layer and
-    micro-batch a rank sends its own keys and values (1/cp of the sequence's) cp - 1 times forward, cp - 1 times
-    backward and their gradient cp times (the counts tests/sequence_parallel/test_context_parallel.py asserts of the
+def test_the_merged_ring_s_bytes_and_held_keys_and_values_at_cp_3():
+    """At cp 3 the log-sum-exp-merged ring ([Note: which context attention]): per layer and micro-batch a rank sends
+    its own keys and values (1/cp of the sequence's) cp - 1 times forward, cp - 1 times backward and their gradient cp
+    times (the counts tests/sequence_parallel/test_context_parallel.py asserts of the
     engine), reduce-scatters nothing, and holds its own chunk and two in flight."""
     config = {**CONTEXT, "context_parallel_size": 3}
     seq = 24

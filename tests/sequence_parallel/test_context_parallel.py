@@ -1,6 +1,7 @@
 """Context parallelism (``context_parallel_size``, docs/context-parallel.md): each sequence in load-balanced chunks
-over the cp ranks, keys and values gathered for attention. Parity with one process on the same global batches
-(losses every step, gradient norms, final parameters), with causal and packed-document masks, and what is refused.
+over the cp ranks, keys and values passed around a ring for attention. Parity with one process on the same global
+batches (losses every step, gradient norms, final parameters), with causal and packed-document masks, and what is
+refused.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import torch
 
 import shardtrain
 from shardtrain.errors import ConfigError, ShardtrainError
-from shardtrain.sequence_parallel.ring import merged_ring_serves
 from shardtrain.testing import run_distributed
 from shardtrain.testing.parity import Recipe, assert_params_near, engine_run, reference_run
 
@@ -39,7 +39,7 @@ def _llama(attn: str = "sdpa") -> torch.nn.Module:
         intermediate_size=48,
         num_hidden_layers=2,
         num_attention_heads=4,
-        num_key_value_heads=2,  # grouped-query: each gathered key/value head serves two query heads
+        num_key_value_heads=2,  # grouped-query: each key/value head passed around serves two query heads
         max_position_embeddings=16,
         tie_word_embeddings=False,
         attn_implementation=attn,
@@ -197,19 +197,12 @@ def _check_parity(
     passes = 2 if (extra or {}).get("activation_checkpointing", {}).get("policy", "none") != "none" else 1
     counts = micro_steps * cp * 3 * 8 * (cp - 1) // cp
     for r in results:
-        if merged_ring_serves(cp):
-            # [Note: the log-sum-exp merge]: per layer and micro-step, each rank's keys and values [rows, kv heads,
-            # S / cp, head dim] (fp32) sent cp - 1 times in forward, cp - 1 times again in backward, and their
-            # gradient cp times; no reduce-scatter
-            calls = layers * micro_steps * ((passes + 1) * (cp - 1) + cp)
-            assert r["moved"]["ring"] == (calls, calls * 2 * whole // cp), r["moved"]
-            assert "reduce_scatter" not in r["moved"], r["moved"]
-        else:
-            # gathered: the keys and values passed around the ring in cp - 1 steps, (cp - 1) / cp of them received,
-            # and their gradients reduce-scattered in one call
-            kv_bytes = layers * micro_steps * 2 * whole * (cp - 1) // cp
-            assert r["moved"]["ring"] == (passes * layers * micro_steps * (cp - 1), passes * kv_bytes), r["moved"]
-            assert r["moved"]["reduce_scatter"] == (layers * micro_steps, kv_bytes), r["moved"]
+        # [Note: the log-sum-exp merge], at every cp ([Note: which context attention]): per layer and micro-step,
+        # each rank's keys and values [rows, kv heads, S / cp, head dim] (fp32) sent cp - 1 times in forward, cp - 1
+        # times again in backward, and their gradient cp times; no reduce-scatter
+        calls = layers * micro_steps * ((passes + 1) * (cp - 1) + cp)
+        assert r["moved"]["ring"] == (calls, calls * 2 * whole // cp), r["moved"]
+        assert "reduce_scatter" not in r["moved"], r["moved"]
         if attn != "mixtral":  # which also gathers its router logits over the group for its load-balancing loss
             assert r["moved"]["all_gather"] == (micro_steps, counts), r["moved"]
     return results
@@ -248,8 +241,8 @@ def test_parity_of_a_mixture_of_experts_with_its_load_balancing_loss(packed):
 @pytest.mark.parametrize(("world", "cp", "stage"), [(2, 2, 1), pytest.param(3, 3, 3, marks=pytest.mark.soak)])
 def test_parity_of_a_sliding_window_with_packed_documents(world, cp, stage):
     """Mistral's window (5) intersected with packed documents: a query reads the keys of its own document within
-    the window, across chunk boundaries of other ranks; at cp 2 by the gathered path, at cp 3 by the merged ring,
-    which computes only the blocks the window reaches (its padding-mask case is test_sliding_window_and_encoder_parity
+    the window, across chunk boundaries of other ranks; by the merged ring at cp 2 and cp 3, which computes only the
+    blocks the window reaches (its padding-mask case is test_sliding_window_and_encoder_parity
     below)."""
     _check_parity(world, cp, stage, True, "mistral")
     if cp == 2:  # the window matters on these batches (2e-3 at the first loss), so the parity sees it ignored
@@ -321,7 +314,7 @@ def _check_recipe(recipe: Recipe, cp: int, stage: int) -> None:
 )
 def test_padded_batch_parity(attn, cp, stage):
     """Padding masks (row 0 right-padded, row 1 left-padded by 3 to 6 tokens, labels -100 there): the left-padded
-    row's first queries read no key, and at cp 3 (the merged ring) a chunk of it is padding only; no token reads
+    row's first queries read no key, and at cp 3 a chunk of it is padding only; no token reads
     padding on any rank."""
     from test_sequence_parallel_padding import recipe
 
@@ -398,8 +391,8 @@ def _bf16_run(recipe: Recipe) -> dict:
 
 
 def test_bf16_parity():
-    """bf16 compute with fp32 masters at cp 2 (packed documents): the keys and values gathered and passed around the
-    ring in bf16, their gradients reduce-scattered back; at the mixed-precision bar of
+    """bf16 compute with fp32 masters at cp 2 (packed documents): the keys and values passed around the ring in bf16,
+    their gradients passed back with them; at the mixed-precision bar of
     tests/zero/test_mixed_precision.py (and of Ulysses' bf16 test) against one process's bf16 training."""
     config = {"context_parallel_size": 2, "zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}
     recipe = keyword_recipe(_llama, partial(_batches, 1, True, _length(2)), GAS, config)

@@ -101,7 +101,7 @@ _TILED = {"tiled_logits_loss": True, "tiled_logits_loss_shards": 3, "tiled_mlp_c
 @pytest.mark.parametrize(("world", "cp", "stage"), [(2, 2, 3), (3, 3, 2)])
 def test_tiled_loss_and_mlp_parity(world, cp, stage):
     """The tiled loss (3 tiles) and MLP (2 tiles) at cp 2 (ZeRO-3: the head and MLPs gathered for the recompute) and
-    cp 3 (the merged ring), packed documents, a fifth of the labels -100: each rank tiles its own two chunks, and the
+    cp 3, packed documents, a fifth of the labels -100: each rank tiles its own two chunks, and the
     loss is the whole sequence's mean over its real tokens, counted over the cp group (the chunks hold different
     counts) as without tiling ([Note: the loss over a sequence-parallel group])."""
     zero = {"stage": stage, "stage3_param_persistence_threshold": 0}

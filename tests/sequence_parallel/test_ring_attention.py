@@ -1,5 +1,5 @@
 """Context attention alone (sequence_parallel/ring_attention.py, ring.py): every cp rank's queries against the whole
-sequence's keys and values, by the log-sum-exp-merged ring and by the gathered path, in float64 against torch's SDPA
+sequence's keys and values, by the log-sum-exp-merged ring (the engine's at every cp), in float64 against torch's SDPA
 on the whole sequence with the mask transformers builds there (causal, packed documents, padding, sliding windows,
 bidirectional encoders): outputs and the gradients of queries, keys and values. And what each path holds."""
 
@@ -48,7 +48,7 @@ def _inputs(length: int) -> tuple[torch.Tensor, ...]:
     return q, k, v, grad
 
 
-def _attend_on_rank(kind: str, length: int, merged: bool) -> dict:
+def _attend_on_rank(kind: str, length: int) -> dict:
     """This cp rank's output and gradients (its tokens' rows), and the bytes its attention saved for backward."""
     from shardtrain.distributed.communicator import Communicator
     from shardtrain.sequence_parallel.ring import context_attention, positions_of
@@ -68,7 +68,7 @@ def _attend_on_rank(kind: str, length: int, merged: bool) -> dict:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-        out = context_attention(q, k, v, comm, split, what="test", window=window, merged=merged)
+        out = context_attention(q, k, v, comm, split, what="test", window=window)
     out.backward(grad)
     return {
         "out": out.detach(),
@@ -88,34 +88,33 @@ def _reference(kind: str, length: int) -> dict:
     return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
 
 
-def _every_kind_on_rank(kinds: list[str], length: int, merged: bool) -> dict:
-    """Each mask's results on this rank (one process group for all; the merged ring's blocks by the CPU's fused
-    kernel, and again by the matmuls other devices run), and one causal attention over a longer sequence by each
-    path, for the bytes it saves for backward."""
+def _every_kind_on_rank(kinds: list[str], length: int) -> dict:
+    """Each mask's results on this rank (one process group for all; the ring's blocks by the CPU's fused kernel, and
+    again by the matmuls other devices run), and one causal attention over a longer sequence, for the bytes it saves
+    for backward."""
     from shardtrain.sequence_parallel import ring_attention
 
-    out = {kind: _attend_on_rank(kind, length, merged) for kind in kinds}
-    if merged:
-        ring_attention.FUSED_BLOCKS_ON = ()
-        out.update({f"{kind} unfused": _attend_on_rank(kind, length, merged) for kind in kinds})
-        ring_attention.FUSED_BLOCKS_ON = ("cpu",)
-    out["saved"] = {path: _attend_on_rank("causal", 96, path)["saved"] for path in (True, False)}
+    out = {kind: _attend_on_rank(kind, length) for kind in kinds}
+    ring_attention.FUSED_BLOCKS_ON = ()
+    out.update({f"{kind} unfused": _attend_on_rank(kind, length) for kind in kinds})
+    ring_attention.FUSED_BLOCKS_ON = ("cpu",)
+    out["saved"] = _attend_on_rank("causal", 96)["saved"]
     return out
 
 
-def _check(kinds: list[str], cp: int, merged: bool) -> list[dict]:
+def _check(kinds: list[str], cp: int) -> list[dict]:
     from shardtrain.sequence_parallel.ring import positions_of
 
     length = 4 * cp
-    results = run_distributed(_every_kind_on_rank, cp, kinds, length, merged)
-    for kind in [*kinds, *(f"{k} unfused" for k in kinds if merged)]:
+    results = run_distributed(_every_kind_on_rank, cp, kinds, length)
+    for kind in [*kinds, *(f"{k} unfused" for k in kinds)]:
         want = _reference(kind.removesuffix(" unfused"), length)
         for name in ("out", "dq", "dk", "dv"):
             got = torch.empty_like(want[name])
             for r, result in enumerate(results):
                 got[:, :, positions_of(length, cp, r)] = result[kind][name]
             err = (got - want[name]).abs().max().item()
-            assert err < 1e-10, f"{kind}, cp {cp}, merged {merged}: {name} off by {err}"
+            assert err < 1e-10, f"{kind}, cp {cp}: {name} off by {err}"
     return results
 
 
@@ -130,27 +129,25 @@ KINDS = [
 ]
 
 
-def test_merged_ring_is_whole_sequence_attention():
-    """The log-sum-exp merge at cp 3 (each rank's two chunks far apart; a left-padded query reads no key) equals one
-    process's masked SDPA (transformers' mask functions on the whole sequence) to 1e-10 in float64, for every mask,
-    gradients included: the backward is exact. And the bytes one rank's attention saves for backward (float64, a
-    sequence of 96): the merged ring keeps its own keys and values, its queries, output and log-sum-exp, so its
-    key/value bytes are 1/cp of the sequence's; the gathered path's SDPA keeps every chunk's visible keys and values,
-    repeated to every query head."""
-    cp, length = 3, 96
-    results = _check(KINDS, cp, merged=True)
-    for kind in KINDS:  # forward: 2 chunk steps; backward: 2 chunk steps and 3 steps of the chunks' gradients
-        assert [r[kind]["ring"] for r in results] == [7, 7, 7], kind
+def _saved_for_backward(cp: int, length: int = 96) -> int:
+    """What one rank's ring attention saves for backward (float64): its own keys and values (``1/cp`` of the
+    sequence's), its queries, output and log-sum-exp; no mask, no other rank's chunk."""
     per_token = B * D * 8  # one head of one token, float64
     own_kv = 2 * KV * (length // cp) * per_token
     queries_out = 2 * H * (length // cp) * per_token
-    lse = B * H * (length // cp) * 8
-    assert [r["saved"][True] for r in results] == [own_kv + queries_out + lse] * cp
-    assert all(r["saved"][False] > 3 * own_kv + queries_out for r in results), [r["saved"] for r in results]
+    return own_kv + queries_out + B * H * (length // cp) * 8
 
 
-def test_gathered_path_applies_the_same_masks():
-    _check(["padding", "window documents", "bidirectional padding", "bidirectional window"], 2, merged=False)
+def test_merged_ring_is_whole_sequence_attention():
+    """The log-sum-exp merge at cp 3 (each rank's two chunks far apart; a left-padded query reads no key) equals one
+    process's masked SDPA (transformers' mask functions on the whole sequence) to 1e-10 in float64, for every mask,
+    gradients included: the backward is exact. And the bytes one rank's attention saves for backward (a sequence of
+    96) are 1/cp of what it would save on one process."""
+    cp = 3
+    results = _check(KINDS, cp)
+    for kind in KINDS:  # forward: 2 chunk steps; backward: 2 chunk steps and 3 steps of the chunks' gradients
+        assert [r[kind]["ring"] for r in results] == [7, 7, 7], kind
+    assert [r["saved"] for r in results] == [_saved_for_backward(cp)] * cp
 
 
 def test_a_window_that_matters():
@@ -178,3 +175,46 @@ def test_a_masked_block_makes_one_float_mask():
     assert peak <= float_mask + 2 * outputs, (peak, float_mask, outputs)
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=d**-0.5)
     assert torch.allclose(out, want, atol=1e-6)
+
+
+def test_a_plain_causal_block_makes_no_float_mask():
+    """[Note: plain causal blocks]: the diagonal block of plain causal data runs the fused kernel's ``is_causal``, no
+    mask: its peak above its inputs (MemTracker) stays below the one ``n x n`` float mask the masked call makes, and
+    forward (output, log-sum-exp) and backward (dq, dk, dv) equal the masked call's to 1e-6."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from shardtrain.sequence_parallel.ring_attention import _block_backward, _block_forward
+
+    n, heads, d = 512, 2, 16
+    q, k, v, do = (torch.randn(1, heads, n, d) for _ in range(4))
+    mask = torch.ones(n, n, dtype=torch.bool).tril()[None, None]
+    float_mask = n * n * 4
+
+    def peak_of(call):
+        tracker = MemTracker()
+        with tracker:
+            result = call()
+        return next(iter(tracker.get_tracker_snapshot("peak").values()))["Total"], result
+
+    masked_peak, (masked_out, masked_lse) = peak_of(lambda: _block_forward(q, k, v, mask, d**-0.5))
+    peak, (out, lse) = peak_of(lambda: _block_forward(q, k, v, None, d**-0.5, causal=True))
+    assert masked_peak > float_mask, masked_peak  # the masked call does make the mask this test is about
+    assert peak < float_mask, (peak, float_mask)
+    assert torch.allclose(out, masked_out, atol=1e-6) and torch.allclose(lse, masked_lse, atol=1e-6)
+
+    masked_peak, masked_grads = peak_of(lambda: _block_backward(do, q, k, v, out, lse, mask, d**-0.5))
+    peak, grads = peak_of(lambda: _block_backward(do, q, k, v, out, lse, None, d**-0.5, causal=True))
+    assert peak < float_mask < masked_peak, (peak, float_mask, masked_peak)
+    for got, want in zip(grads, masked_grads):
+        assert torch.allclose(got, want, atol=1e-6), (got - want).abs().max()
+
+
+def test_merged_ring_at_cp_2_is_whole_sequence_attention():
+    """cp 2 runs the merged ring too ([Note: which context attention]): every mask, fused and unfused blocks,
+    outputs and gradients equal one process's to 1e-10 in float64 (plain causal through [Note: plain causal blocks]),
+    and a rank saves for backward 1/2 of what one process saves (the gathered path that ran at cp 2 saved every
+    chunk's keys and values, repeated to every query head, and its float mask)."""
+    results = _check(KINDS, 2)
+    for kind in KINDS:  # forward: 1 chunk step; backward: 1 chunk step and 2 steps of the chunks' gradients
+        assert [r[kind]["ring"] for r in results] == [4, 4], kind
+    assert [r["saved"] for r in results] == [_saved_for_backward(2)] * 2

@@ -73,45 +73,28 @@ def attention_shape(model: nn.Module) -> tuple[int, int, int] | None:
 
 
 def ring_bytes(
-    rows: int,
-    seq_len: int,
-    kv_heads: int,
-    head_dim: int,
-    itemsize: int,
-    layers: int,
-    cp: int,
-    passes: int = 1,
-    merged: bool = False,
-) -> tuple[int, int]:
-    """(bytes one rank sends around the context-parallel ring, bytes it reduce-scatters in backward) per
-    micro-batch. Gathered ([Note: which context attention] in ``sequence_parallel/ring.py``): every layer passes the
-    keys and values of its sequence chunks in ``cp - 1`` steps (``passes``: 2 when a checkpointed block runs its
-    forward again in backward), and reduce-scatters their gradients, each ``(cp - 1) / cp`` of the whole sequence's
-    keys and values. ``merged`` (the log-sum-exp-merged ring, [Note: the log-sum-exp merge] in
-    ``sequence_parallel/ring_attention.py``): a rank's own chunk (``1/cp`` of them) sent ``cp - 1`` times per forward
-    pass, ``cp - 1`` times again in backward and its gradient ``cp`` times; nothing reduce-scattered."""
-    whole = 2 * rows * kv_heads * seq_len * head_dim * itemsize  # keys and values of the whole sequence
-    if merged:
-        return layers * whole // cp * (passes * (cp - 1) + (cp - 1) + cp), 0
-    moved = layers * whole * (cp - 1) // cp
-    return passes * moved, moved
-
-
-def gathered_keys_values(
-    rows: int, seq_len: int, kv_heads: int, head_dim: int, itemsize: int, cp: int = 1, merged: bool = False
+    rows: int, seq_len: int, kv_heads: int, head_dim: int, itemsize: int, layers: int, cp: int, passes: int = 1
 ) -> int:
-    """The keys and values of one layer the ring attention holds while it attends: the whole sequence's (gathered),
-    or (``merged``) a rank's own chunk and the two in flight, ``3 / cp`` of them."""
-    whole = 2 * rows * kv_heads * seq_len * head_dim * itemsize
-    return 3 * whole // cp if merged else whole
+    """Bytes one rank sends around the context-parallel ring per micro-batch (the log-sum-exp-merged ring, [Note: the
+    log-sum-exp merge] in ``sequence_parallel/ring_attention.py``): in every layer a rank's own chunk (``1/cp`` of the
+    sequence's keys and values) sent ``cp - 1`` times per forward pass (``passes``: 2 when a checkpointed block runs
+    its forward again in backward), ``cp - 1`` times again in backward and its gradient ``cp`` times."""
+    whole = 2 * rows * kv_heads * seq_len * head_dim * itemsize  # keys and values of the whole sequence
+    return layers * whole // cp * (passes * (cp - 1) + (cp - 1) + cp)
+
+
+def ring_keys_values(rows: int, seq_len: int, kv_heads: int, head_dim: int, itemsize: int, cp: int) -> int:
+    """The keys and values of one layer the ring attention holds while it attends: a rank's own chunk and the two in
+    flight, ``3 / cp`` of the sequence's (at cp 2 the other rank's one chunk: all of it)."""
+    return min(3, cp) * (2 * rows * kv_heads * seq_len * head_dim * itemsize) // cp
 
 
 __all__ = [
     "attention_shape",
     "bubble_fraction",
-    "gathered_keys_values",
     "in_flight",
     "layer_list",
     "ring_bytes",
+    "ring_keys_values",
     "stage_ids",
 ]

@@ -37,10 +37,10 @@ from shardtrain.errors import ConfigError, LayoutError, ShardtrainError
 from shardtrain.estimate.axes import (
     attention_shape,
     bubble_fraction,
-    gathered_keys_values,
     in_flight,
     layer_list,
     ring_bytes,
+    ring_keys_values,
     stage_ids,
 )
 from shardtrain.estimate.cluster import Cluster
@@ -63,7 +63,6 @@ from shardtrain.pipeline_parallel.order import SPLIT_BACKWARD_SCHEDULES
 from shardtrain.plan import Plan
 from shardtrain.plan.dims import ParallelDims
 from shardtrain.precision.float8 import output_heads, why_kept
-from shardtrain.sequence_parallel.ring import merged_ring_serves
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 HYBRID_KEYS = ("mics_shard_size", "zero_hpz_partition_size")
@@ -760,8 +759,8 @@ def _prepare(
         )  # fmt: skip
     units = [(u.name, u.nbytes, u.numel) for u in ran.units]
     staged = [(b.padded_numel, b.shard_numel, len(b.slots), b.requires_grad) for b in ran.buckets]
-    # under context parallelism a rank runs 1/cp of every sequence's tokens; its attention's whole-sequence keys and
-    # values are a row of their own (_assemble)
+    # under context parallelism a rank runs 1/cp of every sequence's tokens; the keys and values its ring attention
+    # holds are a row of their own (_assemble)
     seq_len = layout.seq_len // layout.cp
     checkpointing = run_checkpointing(layout)
     key = (layout.tp, layout.ep, layout.sp, compute, layout.micro_batch, seq_len, checkpointing, reduce)
@@ -910,30 +909,19 @@ def _assemble(
     layers, kv_heads, head_dim = prep.shape
     itemsize = _DTYPES[layout.dtype].itemsize
     rows_per_rank = layout.micro_batch
-    merged = layout.cp > 1 and merged_ring_serves(
-        layout.cp
-    )  # [Note: which context attention] in sequence_parallel/ring.py
-    if activations and layout.cp > 1:
-        kv = gathered_keys_values(rows_per_rank, layout.seq_len, kv_heads, head_dim, itemsize, layout.cp, merged)
-        what = "keys and values of three cp ranks' chunks (merged ring)" if merged else "whole-sequence keys and values"
-        rows.append(Row(f"{what} of a layer (cp ring)", "device", kv, True))
+    if activations and layout.cp > 1:  # [Note: which context attention] in sequence_parallel/ring.py
+        kv = ring_keys_values(rows_per_rank, layout.seq_len, kv_heads, head_dim, itemsize, layout.cp)
+        rows.append(Row("keys and values of three cp ranks' chunks of a layer (cp ring)", "device", kv, True))
     float8_units = [u for u in st.units if u.float8_numel]
     if float8_units:
         shards = [b.shard_numel for b in st.buckets if b.float8 is not None]
         rows.append(Row("float8 cast of a bucket's shard (1 byte/element)", "device", max(shards), True))
     if layout.cp > 1:
         passes = 2 if layout.checkpointing else 1
-        sent, scattered = ring_bytes(
-            rows_per_rank, layout.seq_len, kv_heads, head_dim, itemsize, layers, layout.cp, passes, merged
-        )
+        sent = ring_bytes(rows_per_rank, layout.seq_len, kv_heads, head_dim, itemsize, layers, layout.cp, passes)
         if layout.pp > 1:
-            layers_here = round(layers * prep.layer_share)
-            sent, scattered = sent * layers_here // layers, scattered * layers_here // layers
+            sent = sent * round(layers * prep.layer_share) // layers
         est.traffic["context-parallel ring (keys and values)"] = sent * layout.micro_batches
-        if scattered:
-            est.traffic["context-parallel reduce-scatter (their gradients, backward)"] = (
-                scattered * layout.micro_batches
-            )
     if float8_units:
         est.traffic["ZeRO-3 float8 gathers (1 byte/element)"] = layout.micro_batches * float8_gather_bytes(
             st.units, layout.shard_group

@@ -14,19 +14,21 @@ tokens in the order ``[chunk r, chunk 2C-1-r]`` and only attention needs to know
 by their log-sum-exp. It serves neither these models on the CPU (SDPA dispatches
 ``_scaled_dot_product_flash_attention_for_cpu`` there, which it does not replace) nor any mask beyond ``is_causal``
 (packed documents, padding and windows need one; its load balancer requires ``is_causal``). So here each rank's
-keys and values go around the cp group's ring (``Communicator.ring_step``), attended either as they arrive, merged
-by log-sum-exp ([Note: the log-sum-exp merge] in :mod:`shardtrain.sequence_parallel.ring_attention`), or all
-gathered first and attended by one SDPA call per local query chunk over the keys up to its own (later chunks are
-never read; backward: the reduce-scatter of their gradients), as Llama 3's all-gather context parallelism does for
-document masks (Dubey et al., 2024, 3.3.2). Both mask from global positions ([Note: masks from global positions]).
+keys and values go around the cp group's ring (``Communicator.ring_step``), attended as they arrive and merged by
+log-sum-exp ([Note: the log-sum-exp merge] in :mod:`shardtrain.sequence_parallel.ring_attention`), masked from
+global positions ([Note: masks from global positions]).
 
 [Note: which context attention]
-The gathered path holds the whole sequence's keys and values of a layer while it attends, and its SDPA saves them
-(repeated to every query head) for backward, in every layer; the merged ring saves this rank's own ``1/C`` and holds
-at most two more chunks in flight. At ``C = 2`` the ring has one step, nothing to overlap, and its backward moves
-three times the gathered path's bytes (``2C - 1`` chunks against ``C - 1``); measured on gloo (2 shared CPU cores,
-docs/benchmarks.md) the gathered path was as fast or faster there, the two within noise at ``C = 3``. So the merged
-ring serves from ``MERGED_RING_FROM_CP`` (3) ranks on, the gathered path below.
+Every cp size runs the log-sum-exp-merged ring. Its alternative, all the keys and values gathered first and attended
+by one SDPA call per local query chunk (Llama 3's all-gather context parallelism), served ``C = 2`` until issue
+49's close removed it. Measured (docs/benchmarks.md, issue 49, gloo on 2 shared CPU cores): at ``C = 2`` its
+attention saved 5.42x the ``1/C`` share of one process's activations for backward (9,191,424 bytes against the
+ring's 1,695,744, a Llama at ``S`` 1536: torch's CPU SDPA saves its ``(S/C) x S`` float mask, every layer), so it
+missed the ``1/C`` goal and grew with ``S^2``. What it had for it at ``C = 2``: half the ring's bytes (its backward
+one reduce-scatter, the ring's a chunk step and two gradient steps) and, with one ring step and nothing to overlap,
+perhaps time: the ring took 0.99x-1.73x its time over two runs of one attention on this loaded machine, which could
+not separate the two. Nothing needed it (the ring serves every mask it served), so no config key keeps it; the time
+is to be measured on GPUs.
 """
 
 from __future__ import annotations
@@ -36,12 +38,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from shardtrain.distributed.communicator import Communicator
 from shardtrain.errors import ConfigError
-from shardtrain.sequence_parallel.ring_attention import ContextSplit, allowed, ring_attention
+from shardtrain.sequence_parallel.ring_attention import ContextSplit, ring_attention
 from shardtrain.sequence_parallel.ulysses import kv_repeats, ulysses
 
 
@@ -54,50 +55,6 @@ def positions_of(length: int, size: int, rank: int, device: Any = None) -> torch
     return torch.cat([head, tail])
 
 
-class _PassAround(torch.autograd.Function):
-    """Every rank's chunks ``[..., s, d]`` passed around the ring (``C - 1`` steps, each rank sending what it last
-    received to the next), concatenated along dimension -2 in rank order; backward: the reduce-scatter (sum) of the
-    gradient, since every rank's attention read every rank's keys and values."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, comm: Communicator, what: str) -> torch.Tensor:
-        ctx.comm, ctx.what = comm, what
-        c, r = comm.size, comm.rank
-        parts: list[torch.Tensor] = [x] * c
-        held = x
-        for step in range(1, c):
-            received = torch.empty_like(held)
-            comm.ring_step(received, held, what=f"{what} (context-parallel ring, step {step} of {c - 1})")
-            parts[(r - step) % c] = held = received
-        return torch.cat(parts, dim=-2)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        comm = ctx.comm
-        per = grad.shape[-2] // comm.size
-        by_rank = torch.stack(grad.split(per, dim=-2)).contiguous()  # [C, ..., s, d]: chunk j is rank j's
-        out = grad.new_empty(by_rank.shape[1:])
-        what = f"the gradient of {ctx.what} (context-parallel reduce-scatter, backward)"
-        comm.reduce_scatter(out.view(-1), by_rank.view(-1), what=what)
-        return out, None, None
-
-
-def whole_sequence(x: torch.Tensor, comm: Communicator, what: str) -> torch.Tensor:
-    """``x [..., s, d]`` (this rank's chunks) -> ``[..., S, d]`` in the sequence's own order, differentiable."""
-    passed = _PassAround.apply(x.contiguous(), comm, what)  # [..., C * s, d], rank-major
-    length = passed.shape[-2]
-    order = torch.cat([positions_of(length, comm.size, r, x.device) for r in range(comm.size)])
-    return passed.index_select(-2, torch.argsort(order))
-
-
-MERGED_RING_FROM_CP = 3
-
-
-def merged_ring_serves(cp: int) -> bool:
-    """[Note: which context attention]: the log-sum-exp-merged ring from ``MERGED_RING_FROM_CP`` ranks on."""
-    return cp >= MERGED_RING_FROM_CP
-
-
 def context_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -107,36 +64,16 @@ def context_attention(
     scale: float | None = None,
     what: str = "attention",
     window: int | None = None,
-    merged: bool | None = None,
 ) -> torch.Tensor:
     """This rank's queries ``[b, h, s, d]`` attending to the whole sequence's keys and values (this rank's ``[b, kv,
     s, d]`` and the other cp ranks'), masked as [Note: masks from global positions] says (``window``: a sliding
-    window); merged by log-sum-exp as they arrive, or gathered first (``merged``; by default [Note: which context
-    attention]). Returns ``[b, h, s, d]``, in the order of this rank's tokens."""
-    c, r = comm.size, comm.rank
+    window), by the log-sum-exp-merged ring ([Note: which context attention]). Returns ``[b, h, s, d]``, in the order
+    of this rank's tokens."""
 
     def positions(rank: int) -> torch.Tensor:
-        return positions_of(split.length, c, rank, query.device)
+        return positions_of(split.length, comm.size, rank, query.device)
 
-    if merged if merged is not None else merged_ring_serves(c):
-        return ring_attention(query, key, value, comm, split, positions, scale, window, what)
-    keys, values = whole_sequence(torch.stack([key, value]), comm, f"the keys and values of {what}").unbind(0)
-    if keys.shape[1] != query.shape[1]:  # grouped-query attention: each key/value head serves a group of queries
-        groups = query.shape[1] // keys.shape[1]
-        keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
-    chunk = query.shape[2] // 2
-    outputs = []
-    for half, m in enumerate((r, 2 * c - 1 - r)):  # the head chunk, then the tail chunk ([Note: load-balanced chunks])
-        q = query[:, :, half * chunk : (half + 1) * chunk]
-        # causal: the keys of chunks 0..m, the later ones all in the future; an encoder reads them all
-        visible = (m + 1) * chunk if split.causal else split.length
-        mine = torch.arange(m * chunk, (m + 1) * chunk, device=query.device)
-        mask = allowed(split, mine, torch.arange(visible, device=query.device), window)
-        out = F.scaled_dot_product_attention(
-            q, keys[:, :, :visible], values[:, :, :visible], attn_mask=mask, scale=scale
-        )
-        outputs.append(out)
-    return torch.cat(outputs, dim=2)
+    return ring_attention(query, key, value, comm, split, positions, scale, window, what)
 
 
 # -- transformers models ---------------------------------------------------------------------------------------------
@@ -296,4 +233,4 @@ def install(
     )
 
 
-__all__ = ["ContextSplit", "context_attention", "install", "positions_of", "whole_sequence"]
+__all__ = ["ContextSplit", "context_attention", "install", "positions_of"]

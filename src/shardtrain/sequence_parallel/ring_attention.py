@@ -1,6 +1,7 @@
 """Ring attention merged by log-sum-exp: each arriving key/value chunk attended as it arrives, so that a rank never
-holds a layer's whole-sequence keys and values (docs/context-parallel.md). The masks of both context-attention paths
-(this one and the gathered one of :mod:`shardtrain.sequence_parallel.ring`) are built here, from global positions.
+holds a layer's whole-sequence keys and values (docs/context-parallel.md); the engine's context attention at every
+cp size ([Note: which context attention] in :mod:`shardtrain.sequence_parallel.ring`). Its masks are built here, from
+global positions.
 
 [Note: masks from global positions]
 Whether query ``i`` reads key ``j`` (both global positions of the whole sequence ``[0, S)``) is decided from the
@@ -16,11 +17,12 @@ per query row; over the chunks, ``lse = logaddexp_j lse_j`` and ``o = sum_j exp(
 softmax over all the keys read. A row with no key read has ``lse = -inf`` and contributes 0. Forward: ``C`` steps,
 the next chunk's transfer (``Communicator.ring_step(async_op=True)``) in flight while the current one is attended;
 saved for backward: this rank's own keys and values, its output and ``lse`` (``1/C`` of the sequence's keys and
-values, where the gathered path's SDPA saves the whole sequence's, repeated to every query head). Backward (the
-standard ring-attention backward, FlashAttention's per block): the keys and values go around the ring again, each
-rank recomputes ``p = exp(s - lse)`` for its queries against the chunk it holds, adds ``dq += ds k``, and adds its
-``dk = ds^T q``, ``dv = p^T do`` to the chunk's gradient, which travels with the chunk; after ``C`` steps each chunk's
-gradient comes home with one more step. Ring bytes per layer: ``C - 1`` chunk steps forward, ``2C - 1`` backward.
+values, where SDPA over gathered keys and values would save the whole sequence's, repeated to every query head).
+Backward (the standard ring-attention backward, FlashAttention's per block): the keys and values go around the ring
+again, each rank recomputes ``p = exp(s - lse)`` for its queries against the chunk it holds, adds ``dq += ds k``,
+and adds its ``dk = ds^T q``, ``dv = p^T do`` to the chunk's gradient, which travels with the chunk; after ``C``
+steps each chunk's gradient comes home with one more step. Ring bytes per layer: ``C - 1`` chunk steps forward,
+``2C - 1`` backward.
 """
 
 from __future__ import annotations
@@ -100,18 +102,24 @@ FUSED_BLOCKS_ON = ("cpu",)
 """The devices whose blocks run torch's fused kernel ([Note: the block kernels]); the others run the matmuls."""
 
 
+def _causal_block(mask: torch.Tensor | None, causal: bool, n: int, m: int, device) -> torch.Tensor | None:
+    """The unfused kernels' mask of a block: ``mask``, or (``causal``) the lower triangle it stands for."""
+    return torch.ones(n, m, dtype=torch.bool, device=device).tril()[None, None] if causal else mask
+
+
 def _block_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float, causal: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out [b, h, n, d], lse [b, h, n])`` of ``q`` attending to ``k``, ``v`` (heads repeated) under ``mask``."""
+    """``(out [b, h, n, d], lse [b, h, n])`` of ``q`` attending to ``k``, ``v`` (heads repeated) under ``mask``, or
+    (``causal``, no mask) each query ``i`` to keys ``0..i`` of the block ([Note: plain causal blocks])."""
     if q.device.type in FUSED_BLOCKS_ON:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, attn_mask=_additive(mask, q), scale=scale
+            q, k, v, is_causal=causal, attn_mask=_additive(mask, q), scale=scale
         )
         if mask is not None:
             lse = lse.masked_fill(~mask.any(-1), float("-inf"))
         return out, lse
-    s = _scores(q, k, mask, scale)
+    s = _scores(q, k, _causal_block(mask, causal, q.shape[-2], k.shape[-2], q.device), scale)
     lse = torch.logsumexp(s, dim=-1)
     return torch.matmul(torch.exp(s - _finite(lse)[..., None]), v), lse
 
@@ -125,12 +133,15 @@ def _block_backward(
     lse: torch.Tensor,
     mask: torch.Tensor | None,
     scale: float,
+    causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)`` of one block given the merged ``out`` and ``lse`` (finite) of the whole attention."""
+    """``(dq, dk, dv)`` of one block given the merged ``out`` and ``lse`` (finite) of the whole attention (``mask``
+    and ``causal`` as :func:`_block_forward` takes them)."""
     if q.device.type in FUSED_BLOCKS_ON:
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            do, q, k, v, out, lse, 0.0, False, attn_mask=_additive(mask, q), scale=scale
+            do, q, k, v, out, lse, 0.0, causal, attn_mask=_additive(mask, q), scale=scale
         )
+    mask = _causal_block(mask, causal, q.shape[-2], k.shape[-2], q.device)
     p = torch.exp(_scores(q, k, mask, scale) - lse[..., None])  # [b, h, n, m]; 0 where masked
     ds = p * (torch.matmul(do, v.transpose(-1, -2)) - (do * out).sum(-1, keepdim=True))
     dq = torch.matmul(ds, k) * scale
@@ -167,6 +178,25 @@ def _chunks_read(
     return slice(min(rows) * chunk, (max(rows) + 1) * chunk), slice(min(cols) * chunk, (max(cols) + 1) * chunk)
 
 
+# [Note: plain causal blocks]
+# On causal data with no packed documents, padding or window, no block needs a mask. A rank's own two chunks against
+# themselves (the first ring step) are a square whose global positions rise along both sides (the head chunk, then
+# the tail chunk: [Note: load-balanced chunks] in :mod:`shardtrain.sequence_parallel.ring`), so ``j <= i`` is the
+# lower triangle of the block's own indices: the kernel's ``is_causal``. Against another rank's chunks,
+# :func:`_chunks_read` keeps only keys wholly in the queries' past (the arriving head chunk when it comes from a lower
+# rank, this rank's tail chunk when from a higher one), so every query reads every key of the block: no mask. The
+# blocks wholly in the future are skipped there. So no ``(S/C) x (S/C)`` float mask is built, where a masked block
+# makes one in forward and again in backward (the CPU kernel takes it additive, [Note: the block kernels]).
+def _block_mask(
+    split: ContextSplit, window: int | None, positions, mine: int, theirs: int, rows: slice, cols: slice
+) -> tuple[torch.Tensor | None, bool]:
+    """``(mask, causal)`` of the block of this rank's (``mine``) query ``rows`` against cp rank ``theirs``' key
+    ``cols``: [Note: plain causal blocks] where it holds, else [Note: masks from global positions]."""
+    if split.causal and window is None and split.documents is None and split.real is None:
+        return None, mine == theirs
+    return allowed(split, positions(mine)[rows], positions(theirs)[cols], window), False
+
+
 class RingAttention(torch.autograd.Function):
     """Attention of this rank's queries ``[b, h, s, d]`` (its two chunks, positions ``mine``) to every rank's keys and
     values ``[2, b, kv, s, d]`` passed around the ring, merged by log-sum-exp: [Note: the log-sum-exp merge]."""
@@ -190,9 +220,9 @@ class RingAttention(torch.autograd.Function):
             block = _chunks_read(split, window, c, r, src, chunk)
             if block is not None:
                 rows, cols = block
-                mask = allowed(split, positions(r)[rows], positions(src)[cols], window)
+                mask, causal = _block_mask(split, window, positions, r, src, rows, cols)
                 k, v = (t[:, :, cols].to(dtype).repeat_interleave(groups, dim=1) for t in held.unbind(0))
-                block_out, block_lse = _block_forward(q[:, :, rows], k, v, mask, scale)
+                block_out, block_lse = _block_forward(q[:, :, rows], k, v, mask, scale, causal)
                 was, was_lse = out[:, :, rows], lse[:, :, rows]
                 merged = torch.logaddexp(was_lse, block_lse)
                 safe = _finite(merged)
@@ -235,10 +265,11 @@ class RingAttention(torch.autograd.Function):
             grad = torch.zeros(held.shape, dtype=dtype, device=held.device)  # [2, b, kv, s, d]
             if block is not None:
                 rows, cols = block
-                mask = allowed(split, positions(r)[rows], positions(src)[cols], window)
+                mask, causal = _block_mask(split, window, positions, r, src, rows, cols)
                 k, v = (t[:, :, cols].to(dtype).repeat_interleave(groups, dim=1) for t in held.unbind(0))
                 q_rows, o_rows, do_rows = q[:, :, rows], out[:, :, rows], do[:, :, rows]
-                dq_block, dk, dv = _block_backward(do_rows, q_rows, k, v, o_rows, safe[:, :, rows], mask, scale)
+                lse_rows = safe[:, :, rows]
+                dq_block, dk, dv = _block_backward(do_rows, q_rows, k, v, o_rows, lse_rows, mask, scale, causal)
                 dq[:, :, rows] += dq_block
                 grad[:, :, :, cols] = torch.stack([_grouped(dk, groups), _grouped(dv, groups)])
             if grad_handle is not None:  # the gradient this chunk gathered on the ranks before, now arrived
