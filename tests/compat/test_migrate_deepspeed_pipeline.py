@@ -21,6 +21,7 @@ from torch import nn
 
 import shardtrain
 import shardtrain.deepspeed as deepspeed
+import test_deepspeed_pipe_tied as tied
 from shardtrain.checkpoint.reader import open_checkpoint
 from shardtrain.cli import main
 from shardtrain.deepspeed.pipe import PipelineModule
@@ -68,7 +69,42 @@ def _write(root: str) -> dict:
                     engine.save_checkpoint(f"{root}/zero{stage}", tag="saved")
                 losses.append(float(engine.train_batch(iter(data[s * GAS : (s + 1) * GAS]))))
         out[stage] = {"losses": losses, "params": {n: p.detach().clone() for n, p in engine.module.named_parameters()}}
+    data = tied_batches()
+    for stage in STAGES:  # the tied embedding (GPT-2's tie, through forward_fn)
+        net = real.pipe.PipelineModule(deepspeed_tied_layers(), num_stages=2, loss_fn=tied.loss_fn, seed_layers=True,
+                                       seed_fn=lambda seed: set_random_seed(int(seed)))  # fmt: skip
+        with contextlib.redirect_stdout(io.StringIO()):
+            engine, _, _, _ = real.initialize(model=net, model_parameters=list(net.parameters()), config=_config(stage))
+            losses = []
+            for s in range(STEPS):
+                if s == SAVE_AT:
+                    engine.save_checkpoint(f"{root}/tied{stage}", tag="saved")
+                losses.append(float(engine.train_batch(iter(data[s * GAS : (s + 1) * GAS]))))
+        params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+        out[f"tied{stage}"] = {"losses": losses, "params": params}
     return out
+
+
+def tied_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(13)
+    out = []
+    for _ in range(STEPS * GAS):
+        x = torch.randint(0, tied.VOCAB, (MICRO, tied.SEQ), generator=g)
+        out.append((x, torch.roll(x, -1, dims=1)))
+    return out
+
+
+def deepspeed_tied_layers() -> list:
+    """test_deepspeed_pipe_tied's layers with DeepSpeed's own specs."""
+    from deepspeed.runtime.pipe.module import LayerSpec as DSLayerSpec
+    from deepspeed.runtime.pipe.module import TiedLayerSpec as DSTiedLayerSpec
+
+    return [
+        DSTiedLayerSpec("embed", nn.Embedding, tied.VOCAB, tied.WIDTH),
+        *[DSLayerSpec(tied.Block, tied.WIDTH) for _ in range(4)],
+        DSLayerSpec(nn.LayerNorm, tied.WIDTH),
+        DSTiedLayerSpec("embed", nn.Embedding, tied.VOCAB, tied.WIDTH, forward_fn=tied.head, tied_weight_attr="weight"),
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +112,10 @@ def ds_pipeline_checkpoints(tmp_path_factory):
     pytest.importorskip("deepspeed.runtime.pipe.engine")
     root = tmp_path_factory.mktemp("deepspeed_pipeline")
     full = run_distributed(_write, 2, str(root), timeout=400)
-    params = {stage: {k: v for r in full for k, v in r[stage]["params"].items()} for stage in STAGES}
-    return root, {stage: {"losses": full[0][stage]["losses"], "params": params[stage]} for stage in STAGES}
+    # each stage's parameters from its rank (a tie's on both: equal, DeepSpeed keeps them so)
+    cases = [*STAGES, *(f"tied{stage}" for stage in STAGES)]
+    params = {case: {k: v for r in full for k, v in r[case]["params"].items()} for case in cases}
+    return root, {case: {"losses": full[0][case]["losses"], "params": params[case]} for case in cases}
 
 
 class Half(nn.Module):
@@ -197,3 +235,51 @@ def test_missing_layer_file_is_refused_by_name(ds_pipeline_checkpoints, tmp_path
     (damaged / "saved" / "layer_05-model_states.pt").unlink()
     with pytest.raises(CheckpointError, match="layer_05-model_states.pt" if stage else "a layer file is missing"):
         open_checkpoint(damaged, "saved")
+
+
+def _resume_tied(path: str, pp: int) -> dict:
+    """The shim's PipelineModule with the tie, at ``pp`` stages (world ``pp``; pp 1 trained as a plain module)."""
+    torch.manual_seed(5)
+    net = PipelineModule(tied.layers(), num_stages=pp, loss_fn=tied.loss_fn)
+    data = tied_batches()[SAVE_AT * GAS :]
+    if pp == 1:
+        engine = shardtrain.initialize(net, _config(1))
+        engine.load_checkpoint(path, tag="saved")
+        loaded, losses = engine.full_state_dict(), []
+        for s in range(STEPS - SAVE_AT):
+            total = 0.0
+            for x, y in data[s * GAS : (s + 1) * GAS]:
+                loss = tied.loss_fn(engine(x), y)
+                engine.backward(loss)
+                engine.step()
+                total += float(loss) / GAS
+            losses.append(total)
+        out = {"losses": losses, "loaded": loaded, "final": engine.full_state_dict()}
+        engine.close()
+        return out
+    engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=_config(1))
+    engine.load_checkpoint(path, tag="saved")
+    loaded = engine.shardtrain_engine.full_state_dict()
+    losses = [float(engine.train_batch(iter(data[s * GAS : (s + 1) * GAS]))) for s in range(STEPS - SAVE_AT)]
+    out = {"losses": losses, "loaded": loaded, "final": engine.shardtrain_engine.full_state_dict()}
+    engine.destroy()
+    return out
+
+
+def test_tied_layers_at_zero1_continue_as_deepspeed(ds_pipeline_checkpoints):
+    """``tied_modules.embed.weight``: on both of DeepSpeed's stages, in the first stage's layer file (layer 0) only
+    (the last stage's use is a function); read once, loaded on both of the shim's stages at pp 2 and once at pp 1."""
+    root, runs = ds_pipeline_checkpoints
+    path = str(root / "tied1")
+    saved = _saved_weights(path)
+    assert tied.TIED in saved and "0.weight" not in saved
+    for pp in (2, 1):
+        got = run_distributed(_resume_tied, pp, path, pp, timeout=300)[0]
+        _assert_continues_as_deepspeed(got, runs["tied1"], saved)
+
+
+def test_tied_layers_at_zero0_are_refused_by_name(ds_pipeline_checkpoints):
+    """ZeRO 0 saves no parameter names: the tie's copy on the last stage cannot be told from a layer's."""
+    root, _ = ds_pipeline_checkpoints
+    with pytest.raises(CheckpointError, match="TiedLayerSpec was saved at ZeRO stage 0"):
+        open_checkpoint(root / "tied0", "saved")

@@ -351,13 +351,25 @@ class DeepSpeedLayout:
     _optim_shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]
 
     def _zero_pieces(
-        self, main, tensors, shapes, dtypes, groups, kinds, mp_rank: int = 0, optim_files=None, blocks=None
+        self,
+        main,
+        tensors,
+        shapes,
+        dtypes,
+        groups,
+        kinds,
+        mp_rank: int = 0,
+        optim_files=None,
+        blocks=None,
+        known: set[str] | None = None,
     ) -> tuple[int, int]:
         """Pieces of the trainable parameters and their optimizer state at stages 1-3, from the files of tensor
         parallel rank ``mp_rank`` (``main`` is its model-states file). ``blocks``: parameter name -> (the
         tensor-parallel block this rank holds, or None when replicated; the logical shape), for ``mp_rank_XX``
-        checkpoints ([Note: DeepSpeed tensor parallelism])."""
+        checkpoints ([Note: DeepSpeed tensor parallelism]). ``known``: names read already (a tied module's copy on
+        another pipeline stage, [Note: DeepSpeed pipeline checkpoints]), placed in the flat tensor but not read."""
         blocks = blocks or {}
+        known = known or set()
         optim_files = optim_files if optim_files is not None else self.optim_files
         first = self._file(optim_files[0])
         osd = _dig(first, ("optimizer_state_dict",), str(self.path / optim_files[0]))
@@ -438,7 +450,8 @@ class DeepSpeedLayout:
                 shape = tuple(shape)
                 n = math.prod(shape)
                 block, logical = blocks.get(name, (None, shape))
-                replica = mp_rank > 0 and block is None  # replicated over tensor parallelism: rank 0's copy
+                # replicated over tensor parallelism (rank 0's copy), or a tie's copy read from an earlier stage
+                replica = (mp_rank > 0 and block is None) or name in known
                 shapes[name], dtypes[name] = logical, self._tensor(_Source(optim_files[0], (*masters, g), 0)).dtype
                 spans = []  # (rank, offset in the rank's tensor, FlatSlice of the parameter)
                 if stage == 3:
@@ -629,7 +642,10 @@ class DeepSpeedLayout:
             stage_main = self._file(self._model_name(s))
             if optim_files[s]:
                 files = [optim_files[s][r] for r in sorted(optim_files[s])]
-                stage, world = self._zero_pieces(stage_main, tensors, shapes, dtypes, stage_groups, kinds, 0, files)
+                # a tied module's copy on a later stage: the first stage's pieces (kept equal by DeepSpeed)
+                stage, world = self._zero_pieces(
+                    stage_main, tensors, shapes, dtypes, stage_groups, kinds, 0, files, known=set(shapes)
+                )
             else:
                 self._stage0_pieces(stage_main, tensors, shapes, dtypes, stage_groups, kinds, file=self._model_name(s))
             for g, group in enumerate(stage_groups):
