@@ -805,7 +805,7 @@ def _assemble(
     # [Note: pipeline stages in the estimate]: a stage saves its share of the layers' activations; the temporaries
     # above them are the whole model's (an upper bound of a stage's)
     per_micro_batch = int(comp.activations * prep.layer_share) if layout.pp > 1 else comp.activations
-    fwd_bwd_peak = max(comp.peak - comp.activations, 0) + per_micro_batch
+    fwd_bwd_peak = max(comp.peak - comp.activations, 0) + per_micro_batch if layout.pp > 1 else comp.peak
     if activations:
         what = "activations saved for backward (end of forward" + (", this stage's layers)" if layout.pp > 1 else ")")
         rows.append(Row(what, "device", per_micro_batch, True, "in"))
