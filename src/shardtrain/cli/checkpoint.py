@@ -127,7 +127,9 @@ def inspect(args: argparse.Namespace) -> int:
     if topology.get("format") == "deepspeed":  # read through DeepSpeedReader (see deepspeed_reader.py)
         print(
             f"written by DeepSpeed {topology.get('ds_version')}: ZeRO stage {topology.get('zero_stage')}, "
-            f"{topology.get('dp')} data-parallel rank(s); counters {objects.get('engine/counters')}"
+            f"{topology.get('dp')} data-parallel rank(s)"
+            + (f", {topology['pp']} pipeline stage(s) (layer files)" if topology.get("pp", 1) > 1 else "")
+            + f"; counters {objects.get('engine/counters')}"
         )
     print(f"global objects: {', '.join(sorted(m.objects)) or '-'}")
     per_rank = sorted({k for objs in m.rank_objects.values() for k in objs})

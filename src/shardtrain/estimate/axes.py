@@ -8,10 +8,15 @@ stage takes hidden states, not token ids): the whole model's saved activations o
 replays the whole model's ZeRO layout at the stage's shard group) are scaled by the stage's share of the layers, and
 held for as many micro-batches as the schedule keeps in flight on it: under 1F1B stage ``s`` of ``p`` starts
 ``min(m, p - s)`` forwards before its first backward (the first stage the most), under GPipe all ``m``; the
-multi-stage schedules, the zero-bubble ones included, are counted per stage as 1F1B. The forward/backward peak above
-that is the whole model's one micro-batch (an upper bound of a stage's). The bubble, the idle fraction of a step with
-equal stage costs, is ``(p-1)/(m + p-1)`` for GPipe and 1F1B, and for the multi-stage schedules the idle time of
-torch's own action lists ([Note: a schedule's bubble from its own actions] in pipeline_parallel/order.py): it is
+multi-stage schedules, the zero-bubble ones included, are counted per stage as 1F1B. The forward/backward peak of the
+micro-batch in work is that share of the saved activations plus the whole model's temporaries above them (an upper
+bound of a stage's): charging a stage the whole model's saved activations put the first stage's peak at pp 2 30% above
+the engine's measured one (tests/estimate/test_estimate_pipeline_peak.py). Beside them, torch's stages allocate a
+receive buffer per micro-batch for the activations (all but the first stage) and for their gradients (all but the
+last), and the last stage keeps every micro-batch's logits for the step's merged output (:func:`pipeline_buffers`);
+without them the last stage's peak was 17% under the measured one. The bubble, the idle fraction of a step with equal
+stage costs, is ``(p-1)/(m + p-1)`` for GPipe and 1F1B, and for the multi-stage schedules the idle time of torch's own
+action lists ([Note: a schedule's bubble from its own actions] in pipeline_parallel/order.py): it is
 ``(p-1)/(v*m + p-1)`` for the interleaved ones, ``(p-1)/(3*v*m + p-1)`` for the zero-bubble ones at ``v = 2`` once
 ``m >= 2p`` (ZBVZeroBubble's warm-up leaves more below).
 """
@@ -44,6 +49,17 @@ def in_flight(schedule: str, pp: int, micro_batches: int, pp_rank: int = 0, stag
     if schedule in IN_FLIGHT_ALL:
         return micro_batches
     return min(micro_batches, pp - pp_rank)
+
+
+def pipeline_buffers(pp: int, pp_rank: int, micro_batches: int, boundary: int, output: int) -> tuple[int, int]:
+    """(receive buffers, outputs kept) of pipeline rank ``pp_rank`` for a step, in bytes ([Note: pipeline stages in
+    the estimate]): torch's stages allocate one activation receive buffer per micro-batch (every stage but the
+    first) and one gradient receive buffer per micro-batch (every stage but the last), each a boundary activation
+    (``boundary`` bytes); the last stage keeps every micro-batch's output (``output`` bytes: the logits) until the
+    step merges them."""
+    first, last = pp_rank == 0, pp_rank == pp - 1
+    receive = micro_batches * boundary * ((not first) + (not last))
+    return receive, micro_batches * output if last else 0
 
 
 def stage_ids(pp: int, stages_per_rank: int, pp_rank: int, schedule: str = "1F1B") -> list[int]:
@@ -94,6 +110,7 @@ __all__ = [
     "bubble_fraction",
     "in_flight",
     "layer_list",
+    "pipeline_buffers",
     "ring_bytes",
     "ring_keys_values",
     "stage_ids",

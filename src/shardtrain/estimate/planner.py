@@ -39,6 +39,7 @@ from shardtrain.estimate.axes import (
     bubble_fraction,
     in_flight,
     layer_list,
+    pipeline_buffers,
     ring_bytes,
     ring_keys_values,
     stage_ids,
@@ -615,6 +616,8 @@ class _Prepared:
     """Muon's owners' largest gathered bucket, its result and this rank's chunk (fp32), alive in the step."""
     float8_linears: frozenset[tuple[int, int]] = frozenset()
     """FP8 training: the converted linears' weight shapes (:func:`_float8_linear_shapes`)."""
+    vocab: int = 0
+    """The model's vocabulary size (the last pipeline stage's output per token), 0 when it says none."""
 
 
 NO_COMPUTE = ComputePeak(0, 0, 0, 0, 0, 0)
@@ -799,6 +802,7 @@ def _prepare(
     elif collective:
         traffic = lamb_sum_traffic(st.buckets, layout.shard_group)
     prep = _Prepared(layout, st, n_params, buffers, key, run, layer_share, shape, _hidden_size(whole), traffic, owners)
+    prep.vocab = _vocab_size(whole)
     prep.float8_linears = _float8_linear_shapes(fake, plan)
     return prep
 
@@ -808,6 +812,14 @@ def _hidden_size(model: Any) -> int:
     for cfg, name in ((getattr(model, "config", None), "hidden_size"), (getattr(model, "cfg", None), "d_model")):
         if isinstance(getattr(cfg, name, None), int):
             return getattr(cfg, name)
+    return 0
+
+
+def _vocab_size(model: Any) -> int:
+    """A transformers config's or the project's GPT's ``vocab_size`` (0: neither)."""
+    for cfg in (getattr(model, "config", None), getattr(model, "cfg", None)):
+        if isinstance(getattr(cfg, "vocab_size", None), int):
+            return cfg.vocab_size
     return 0
 
 
@@ -885,8 +897,13 @@ def _assemble(
     if opt.get("offload_buffers"):
         rows.append(Row("optimizer swap buffers", host, opt["offload_buffers"]))
     rows.append(Row("buffers", "device", buffers))
+    # [Note: pipeline stages in the estimate]: a stage saves its share of the layers' activations; the temporaries
+    # above them are the whole model's (an upper bound of a stage's)
+    per_micro_batch = int(comp.activations * prep.layer_share) if layout.pp > 1 else comp.activations
+    fwd_bwd_peak = max(comp.peak - comp.activations, 0) + per_micro_batch if layout.pp > 1 else comp.peak
     if activations:
-        rows.append(Row("activations saved for backward (end of forward)", "device", comp.activations, True, "in"))
+        what = "activations saved for backward (end of forward" + (", this stage's layers)" if layout.pp > 1 else ")")
+        rows.append(Row(what, "device", per_micro_batch, True, "in"))
     if comp.host_activations:
         what = "checkpointed blocks' inputs (cpu_checkpointing, at most)"
         rows.append(Row(what, host, comp.host_activations, True))
@@ -894,10 +911,9 @@ def _assemble(
         rows.append(Row("gathered units at most (root + current + prefetched)", "device", comp.gathered, True, "in"))
     if activations:
         what = "activations, temporaries" + (", gathered units" if comp.gathered else "")
-        rows.append(Row(f"{what} (forward/backward peak)", "device", comp.peak, True))
+        rows.append(Row(f"{what} (forward/backward peak)", "device", fwd_bwd_peak, True))
     if activations and layout.pp > 1:  # [Note: pipeline stages in the estimate]
         held = in_flight(layout.schedule, layout.pp, layout.micro_batches, layout.pp_rank) * layout.stages_per_rank
-        per_micro_batch = int(comp.activations * prep.layer_share)
         rows.append(
             Row(
                 f"activations of {held - 1} more micro-batches in flight ({layout.schedule})",
@@ -906,6 +922,15 @@ def _assemble(
                 True,
             )
         )
+        tokens_bytes = layout.micro_batch * layout.seq_len * _DTYPES[layout.dtype].itemsize
+        receive, outputs = pipeline_buffers(
+            layout.pp, layout.pp_rank, layout.micro_batches, tokens_bytes * prep.hidden, tokens_bytes * prep.vocab
+        )
+        rows.append(Row("pipeline receive buffers (activations, their gradients; per micro-batch)", "device", receive))
+        if outputs:
+            rows.append(
+                Row("last stage's outputs of every micro-batch (the step's merged output)", "device", outputs, True)
+            )
     layers, kv_heads, head_dim = prep.shape
     itemsize = _DTYPES[layout.dtype].itemsize
     rows_per_rank = layout.micro_batch

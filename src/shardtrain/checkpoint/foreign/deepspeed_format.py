@@ -55,6 +55,7 @@ import torch
 
 from shardtrain.checkpoint.foreign.deepspeed_moe import AutoEPNames, check_expert_shapes
 from shardtrain.checkpoint.foreign.deepspeed_pickle import LossScalerState, load_deepspeed_file
+from shardtrain.checkpoint.foreign.deepspeed_pipeline import pipeline_modules
 from shardtrain.checkpoint.format import (
     DTYPE_NAMES,
     FORMAT_VERSION,
@@ -199,6 +200,11 @@ class DeepSpeedLayout:
             if key not in main:
                 raise CheckpointError(f"{where}: has no {key!r}; not a DeepSpeed model-states file")
         self._autoep = AutoEPNames.of(main, d, where)  # [Note: DeepSpeed AutoEP checkpoints]
+        # [Note: DeepSpeed pipeline checkpoints]: mp_rank_<s> is pipeline stage s, its module read from layer files
+        stage_modules = pipeline_modules(d, [self._model_name(m) for m in mp_ranks], self._file)
+        if stage_modules is not None:
+            for m, stage_module in zip(mp_ranks, stage_modules):
+                self._file(self._model_name(m))["module"] = stage_module
         optim_files: dict[int, dict[int, str]] = {m: {} for m in mp_ranks}  # tp rank -> dp rank -> file
         for p in d.glob("*_optim_states.pt"):
             m = _OPTIM_FILE.match(p.name)
@@ -218,20 +224,28 @@ class DeepSpeedLayout:
                 + " is not read ([Note: DeepSpeed AutoEP checkpoints]); save the run at ZeRO stage 1 or 2"
             )
         # per tensor-parallel rank: parameter name -> (its block there, or None when replicated; the logical shape)
-        all_blocks = {m: self._tp_blocks(self._file(self._model_name(m)), m) for m in mp_ranks} if mp_ranks[1:] else {}
+        tensor_parallel = mp_ranks[1:] and stage_modules is None
+        all_blocks = (
+            {m: self._tp_blocks(self._file(self._model_name(m)), m) for m in mp_ranks} if tensor_parallel else {}
+        )
         blocks = all_blocks.get(0, {})
         module = main["module"]
         if not isinstance(module, dict):
             raise CheckpointError(f"{where}: 'module' is a {type(module).__name__}, not a state dict")
-        buffers = set(main.get("buffer_names") or ())
         shared = dict(main.get("shared_params") or {})  # alias -> name holding the data
+        # (file, its module): each pipeline stage's, or the one model-states file's
+        module_files = [self._model_name(m) for m in (mp_ranks if stage_modules is not None else [0])]
+        buffers = {b for f in module_files for b in (self._file(f).get("buffer_names") or ())}
         tensors: dict[str, list[Piece]] = {}
         shapes: dict[str, tuple[int, ...]] = {}
         dtypes: dict[str, torch.dtype] = {}
         groups: list[dict] = []
         kinds: dict[str, str] = {}
 
-        if self.optim_files:
+        self._optim_shapes = {}
+        if stage_modules is not None:
+            stage, world = self._pipeline_pieces(mp_ranks, optim_files, tensors, shapes, dtypes, groups, kinds)
+        elif self.optim_files:
             stage, world = self._zero_pieces(main, tensors, shapes, dtypes, groups, kinds, blocks=blocks)
             for m in mp_ranks[1:]:
                 files = [optim_files[m][r] for r in sorted(optim_files[m])]
@@ -239,7 +253,6 @@ class DeepSpeedLayout:
                 self._zero_pieces(other, tensors, shapes, dtypes, groups, kinds, m, files, all_blocks[m])
         else:
             stage, world = 0, int(main.get("dp_world_size") or 1)
-            self._optim_shapes = {}
             for m in mp_ranks:  # every tensor-parallel rank's module and optimizer: [Note: DeepSpeed stage 0 with TP]
                 other = main if m == 0 else self._file(self._model_name(m))
                 found = self._stage0_pieces(other, tensors, shapes, dtypes, groups, kinds, m, all_blocks.get(m))
@@ -249,7 +262,10 @@ class DeepSpeedLayout:
         # everything not stepped by the optimizer: buffers and frozen parameters. A frozen parameter that tensor
         # parallelism splits is in every tensor-parallel rank's files, each holding its block.
         frozen_shapes = main.get("frozen_param_shapes") or {}
-        for ds_name, value in module.items():
+        for module_file, ds_name, value in (
+            (f, n, v) for f in module_files for n, v in self._file(f)["module"].items()
+        ):
+            home = module_file  # the file this module entry is in (tensor-parallel rank 0's, or a pipeline stage's)
             name = ds_name if self._autoep is None else self._autoep.model_name(ds_name)
             if name is None or name in shapes or ds_name in shared:
                 continue
@@ -266,13 +282,13 @@ class DeepSpeedLayout:
                             for r in range(world)
                         ]
                     else:
-                        spans = [(self._model_name(m), FlatSlice(0, n))]
+                        spans = [(home if m == 0 else self._model_name(m), FlatSlice(0, n))]
                     mine = all_blocks[m][name][0] if block is not None else None
                     for file, w in spans:
                         self._piece(
                             tensors, f"model/{name}", file, ("frozen_param_fragments", name), 0, _within(mine, w)
                         )
-                dtypes[name] = self._tensor(_Source(main_name, ("frozen_param_fragments", name), 0)).dtype
+                dtypes[name] = self._tensor(_Source(home, ("frozen_param_fragments", name), 0)).dtype
                 shapes[name] = logical or local
                 continue
             if not torch.is_tensor(value):
@@ -290,7 +306,7 @@ class DeepSpeedLayout:
                 self._piece(
                     tensors,
                     f"model/{name}",
-                    self._model_name(m),
+                    home if m == 0 else self._model_name(m),
                     ("module", ds_name),
                     0,
                     _within(mine, FlatSlice(0, value.numel())),
@@ -321,7 +337,8 @@ class DeepSpeedLayout:
             dp_rank = int((re.search(r"zero_pp_rank_(\d+)", f) or [0, 0])[1])
             tp_rank = int((re.search(r"mp_rank_(\d+)", f) or [0, 0])[1])
             files[f] = FileEntry(f, dp_rank * len(mp_ranks) + tp_rank, (d / f).stat().st_size)
-        self._objects = self._make_objects(main, groups, kinds, stage, world, len(mp_ranks))
+        pp = len(mp_ranks) if stage_modules is not None else 1
+        self._objects = self._make_objects(main, groups, kinds, stage, world, len(mp_ranks) // pp, pp)
         return Manifest(
             version=FORMAT_VERSION,
             tag=d.name,
@@ -334,16 +351,26 @@ class DeepSpeedLayout:
     _optim_shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]
 
     def _zero_pieces(
-        self, main, tensors, shapes, dtypes, groups, kinds, mp_rank: int = 0, optim_files=None, blocks=None
+        self,
+        main,
+        tensors,
+        shapes,
+        dtypes,
+        groups,
+        kinds,
+        mp_rank: int = 0,
+        optim_files=None,
+        blocks=None,
+        known: set[str] | None = None,
     ) -> tuple[int, int]:
         """Pieces of the trainable parameters and their optimizer state at stages 1-3, from the files of tensor
         parallel rank ``mp_rank`` (``main`` is its model-states file). ``blocks``: parameter name -> (the
         tensor-parallel block this rank holds, or None when replicated; the logical shape), for ``mp_rank_XX``
-        checkpoints ([Note: DeepSpeed tensor parallelism])."""
+        checkpoints ([Note: DeepSpeed tensor parallelism]). ``known``: names read already (a tied module's copy on
+        another pipeline stage, [Note: DeepSpeed pipeline checkpoints]), placed in the flat tensor but not read."""
         blocks = blocks or {}
+        known = known or set()
         optim_files = optim_files if optim_files is not None else self.optim_files
-        if mp_rank == 0:
-            self._optim_shapes = {}
         first = self._file(optim_files[0])
         osd = _dig(first, ("optimizer_state_dict",), str(self.path / optim_files[0]))
         stage = int(osd.get("zero_stage", -1))
@@ -423,7 +450,8 @@ class DeepSpeedLayout:
                 shape = tuple(shape)
                 n = math.prod(shape)
                 block, logical = blocks.get(name, (None, shape))
-                replica = mp_rank > 0 and block is None  # replicated over tensor parallelism: rank 0's copy
+                # replicated over tensor parallelism (rank 0's copy), or a tie's copy read from an earlier stage
+                replica = (mp_rank > 0 and block is None) or name in known
                 shapes[name], dtypes[name] = logical, self._tensor(_Source(optim_files[0], (*masters, g), 0)).dtype
                 spans = []  # (rank, offset in the rank's tensor, FlatSlice of the parameter)
                 if stage == 3:
@@ -605,6 +633,29 @@ class DeepSpeedLayout:
             out[name] = _block_of(name, entry, mp_rank, local, where)
         return out
 
+    def _pipeline_pieces(
+        self, stages: list[int], optim_files: dict[int, dict[int, str]], tensors, shapes, dtypes, groups, kinds
+    ) -> tuple[int, int]:
+        """[Note: DeepSpeed pipeline checkpoints]: each stage read as a checkpoint of its own parameters (rank 0's
+        part, whole), its optimizer's param groups joined to the other stages' group by group."""
+        stage, world = 0, int(self._file(self._model_name(0)).get("dp_world_size") or 1)
+        for s in stages:
+            stage_groups: list[dict] = []
+            stage_main = self._file(self._model_name(s))
+            if optim_files[s]:
+                files = [optim_files[s][r] for r in sorted(optim_files[s])]
+                # a tied module's copy on a later stage: the first stage's pieces (kept equal by DeepSpeed)
+                stage, world = self._zero_pieces(
+                    stage_main, tensors, shapes, dtypes, stage_groups, kinds, 0, files, known=set(shapes)
+                )
+            else:
+                self._stage0_pieces(stage_main, tensors, shapes, dtypes, stage_groups, kinds, file=self._model_name(s))
+            for g, group in enumerate(stage_groups):
+                if g == len(groups):
+                    groups.append({**group, "params": []})
+                groups[g]["params"] += [n for n in group["params"] if n not in groups[g]["params"]]
+        return stage, world
+
     def _model_name(self, mp_rank: int, dp_rank: int = 0) -> str:
         """The model-states file of a tensor-parallel rank: one per data-parallel rank at stage 3
         (``zero_pp_rank_<dp>_mp_rank_<tp>``), one per tensor-parallel rank otherwise (``mp_rank_<tp>``)."""
@@ -613,7 +664,7 @@ class DeepSpeedLayout:
         return f"mp_rank_{mp_rank:02d}_model_states.pt"
 
     def _stage0_pieces(
-        self, main, tensors, shapes, dtypes, groups, kinds, mp_rank: int = 0, blocks=None
+        self, main, tensors, shapes, dtypes, groups, kinds, mp_rank: int = 0, blocks=None, file: str | None = None
     ) -> dict[str, str]:
         """Stage 0: weights from ``module``; the optimizer's parameters matched to the module's in order (no names
         are saved). Returns the tied pairs found (alias -> name), which stage 0 does not record either.
@@ -626,7 +677,7 @@ class DeepSpeedLayout:
         its element-wise states are one ``BlockSlice`` piece per rank; replicated ones, scalar states and the
         param groups are read from rank 0."""
         blocks = blocks or {}
-        file = self._model_name(mp_rank)
+        file = file or self._model_name(mp_rank)  # given: a pipeline stage's ([Note: DeepSpeed pipeline checkpoints])
         where = str(self.path / file)
         module = main["module"]
         if not isinstance(module, dict):
@@ -733,7 +784,7 @@ class DeepSpeedLayout:
         return out
 
     def _make_objects(
-        self, main: dict, groups: list, kinds: dict, stage: int, world: int, tp: int = 1
+        self, main: dict, groups: list, kinds: dict, stage: int, world: int, tp: int = 1, pp: int = 1
     ) -> dict[str, Any]:
         config = main.get("ds_config") if isinstance(main.get("ds_config"), dict) else {}
         gas = int(config.get("gradient_accumulation_steps") or 1) if isinstance(config, dict) else 1
@@ -746,9 +797,10 @@ class DeepSpeedLayout:
                 "global_samples": int(main.get("global_samples", 0)),
             },
             "engine/topology": {
-                "world_size": world * tp,
+                "world_size": world * tp * pp,
                 "dp": world,
                 "tp": tp,
+                "pp": pp,
                 "zero_stage": stage,
                 "format": "deepspeed",
                 "ds_version": str(main.get("ds_version")),
