@@ -184,13 +184,14 @@ def test_pipeline_with_what_is_not_built_is_refused_by_name(extra, named):
         {"stage": 3, "mics_shard_size": 2},
     ],
 )
-def test_pipeline_with_optimizer_offload_or_hybrid_sharding_is_planned(zero):
+def test_pipeline_with_what_is_built_is_planned(zero):
     """Built under pipelines (tests/pipeline_parallel/test_pipeline_zero_features.py): each stage's data-parallel
     ranks offload, or shard and replicate, as a world of their own would."""
     plan = resolve_plan(load_config({"pipeline_parallel_size": 2, "zero_optimization": zero}), 8)
     assert (plan.dims.pp, plan.dims.dp) == (2, 4)
     assert plan.dims.replicas == 4 // zero.get("mics_shard_size", 4)
     assert resolve_plan(load_config({"pipeline_parallel_size": 2, "graph": {"enabled": True}}), 8).graph.enabled
+    assert resolve_plan(load_config({"pipeline_parallel_size": 2, "tiled_mlp_compute": True}), 8).tiling.mlp
 
 
 def test_pipeline_with_tensor_parallelism_is_planned():

@@ -269,7 +269,9 @@ def refuse_unbuilt_pipeline(cfg: Config, dims: ParallelDims) -> None:
         # does not yet leave out a tied weight another stage counts ([Note: the norm across stages])
         (zcfg.offload_optimizer.device == "nvme", "optimizer offload to NVMe (zero_optimization.offload_optimizer)"),
         (zcfg.offload_param.device != "none", "parameter offload (zero_optimization.offload_param)"),
-        (cfg.tiled_logits_loss or cfg.tiled_mlp_compute, "tiled_logits_loss / tiled_mlp_compute"),
+        # the last stage's loss is the pipeline's loss function on the head's logits, not the model's forward where
+        # the tiled loss sits (tiled_mlp_compute is built: each stage's MLPs tiled)
+        (cfg.tiled_logits_loss, "tiled_logits_loss"),
     ]
     _refuse_first(
         refused,

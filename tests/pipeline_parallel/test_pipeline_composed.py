@@ -1,7 +1,8 @@
-"""Pipeline parallelism with ZeRO's memory features over each stage's data-parallel ranks: optimizer offload to host
-memory and hybrid sharding (``mics_shard_size``). Parity with one process training the same global batch (losses and
-global gradient norms every step, final parameters; [Note: parity bounds]), on GPT with its head tied to the input
-embedding, so the norm across stages must count the tied weight once ([Note: the norm across stages])."""
+"""Pipeline parallelism composed with what each stage's ranks run: optimizer offload to host memory and hybrid sharding
+(``mics_shard_size``) over a stage's data-parallel ranks, graph mode per stage, ALST's tiled MLP. Parity with one
+process training the same global batch (losses and global gradient norms every step, final parameters; [Note: parity
+bounds]), on GPT with its head tied to the input embedding, so the norm across stages must count the tied weight once
+([Note: the norm across stages])."""
 
 from __future__ import annotations
 
@@ -53,6 +54,8 @@ def _pipeline_run(pp: int, zero: dict, extra: dict) -> dict:
     # graph mode per stage: each stage module's captures, and the calls served by a captured graph
     graphs = [p.captured.graph_stats() for p in engine._pipeline.parts if hasattr(p, "captured")]
     layout["graphs"] = [(g["captures"], g["reuses"], len(g["fallbacks"])) for g in graphs]
+    # tiled_mlp_compute: this rank's MLPs run tiled
+    layout["tiled"] = sum(getattr(m.forward, "__shardtrain_tiled__", False) for m in engine.module.modules())
     out = {"losses": losses, "norms": norms, "params": engine.full_state_dict(), "layout": layout}
     engine.close()
     return out
@@ -103,3 +106,10 @@ def test_graph_mode_per_stage_pp2(stage):
     for r in _check(2, 2, {"stage": stage}, {"graph": {"enabled": True, "compiler": "aot_eager", "strict": True}}):
         ((captures, reuses, fallbacks),) = r["layout"]["graphs"]  # this rank's one stage
         assert captures == 1 and reuses >= calls - 1 and fallbacks == 0, r["layout"]
+
+
+def test_tiled_mlp_pp2():
+    """Each stage's MLPs (two blocks of four per rank) run as ALST's tiled MLP, recomputed tile by tile in the
+    schedule's backward."""
+    for r in _check(2, 2, {"stage": 1}, {"tiled_mlp_compute": True, "tiled_mlp_shards": 2}):
+        assert r["layout"]["tiled"] == 2, r["layout"]
