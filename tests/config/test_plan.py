@@ -168,6 +168,7 @@ NVME = {"device": "nvme", "nvme_path": "/tmp"}
         ({"zero_optimization": {"stage": 1, "offload_optimizer": NVME}}, "optimizer offload to NVMe"),
         ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}, "parameter offload"),
         ({"tiled_logits_loss": True}, "tiled_logits_loss"),
+        ({"graph": {"enabled": True}, "tensor_parallel": {"size": 2}}, "graph mode and tensor parallelism"),
     ],
 )
 def test_pipeline_with_what_is_not_built_is_refused_by_name(extra, named):

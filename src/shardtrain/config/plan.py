@@ -272,6 +272,9 @@ def refuse_unbuilt_pipeline(cfg: Config, dims: ParallelDims) -> None:
         # the last stage's loss is the pipeline's loss function on the head's logits, not the model's forward where
         # the tiled loss sits (tiled_mlp_compute is built: each stage's MLPs tiled)
         (cfg.tiled_logits_loss, "tiled_logits_loss"),
+        # the graph runtime's tensor-parallel handling (the replicated-gradient check's eager step, partial gradients
+        # summed in ZeRO-3's graphs) is not carried to captured stages ([Note: graph mode per pipeline stage])
+        (cfg.graph.enabled and dims.tp > 1, f"graph mode and tensor parallelism (tensor_parallel.size {dims.tp})"),
     ]
     _refuse_first(
         refused,
