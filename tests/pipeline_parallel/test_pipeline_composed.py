@@ -57,6 +57,12 @@ def _pipeline_run(pp: int, zero: dict, extra: dict) -> dict:
     # tiled_mlp_compute: this rank's MLPs run tiled
     layout["tiled"] = sum(getattr(m.forward, "__shardtrain_tiled__", False) for m in engine.module.modules())
     out = {"losses": losses, "norms": norms, "params": engine.full_state_dict(), "layout": layout}
+    if graphs:  # an evaluation through the stages' graphs (of the trained parameters)
+        out["eval"] = float(engine.eval_batch(iter(batches[:GAS])))
+        evaluated = [p.captured.graph_stats() for p in engine._pipeline.parts]
+        layout["eval_fallbacks"] = sum(len(g["fallbacks"]) for g in evaluated)
+        before = sum(g["captures"] + g["reuses"] for g in graphs)
+        layout["eval_calls"] = sum(g["captures"] + g["reuses"] for g in evaluated) - before
     engine.close()
     return out
 
@@ -101,11 +107,19 @@ def test_hybrid_sharding_pp2_two_replicas_of_shard_2_zero3():
 @pytest.mark.parametrize("stage", [1, 3])
 def test_graph_mode_per_stage_pp2(stage):
     """Each stage module captured once (one schema: the same micro-batch shape every step), every later
-    micro-batch's forward served by its graph, nothing run eagerly ([Note: graph mode per pipeline stage])."""
+    micro-batch's forward served by its graph, nothing run eagerly ([Note: graph mode per pipeline stage]); then
+    ``eval_batch`` through the stages' graphs against one process's evaluation of the trained parameters."""
     calls = STEPS * GAS
-    for r in _check(2, 2, {"stage": stage}, {"graph": {"enabled": True, "compiler": "aot_eager", "strict": True}}):
+    results = _check(2, 2, {"stage": stage}, {"graph": {"enabled": True, "compiler": "aot_eager", "strict": True}})
+    trained = make_model("gpt", tied=True)
+    trained.load_state_dict(results[0]["params"])
+    with torch.no_grad():  # one process's evaluation of the first step's micro-batches, by the trained parameters
+        expected = sum(float(trained(x, y)) for x, y in global_batches("gpt", 1)[:GAS]) / GAS
+    for r in results:
         ((captures, reuses, fallbacks),) = r["layout"]["graphs"]  # this rank's one stage
         assert captures == 1 and reuses >= calls - 1 and fallbacks == 0, r["layout"]
+        assert abs(r["eval"] - expected) <= 1e-5 * expected, (r["eval"], expected)
+        assert r["layout"]["eval_calls"] >= GAS and r["layout"]["eval_fallbacks"] == 0, r["layout"]
 
 
 def test_tiled_mlp_pp2():
