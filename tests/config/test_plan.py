@@ -165,7 +165,6 @@ NVME = {"device": "nvme", "nvme_path": "/tmp"}
     [
         ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}}, r"ZeRO\+\+ hpZ"),
         ({"sequence_parallel_size": 2}, "sequence parallelism"),
-        ({"zero_optimization": {"stage": 1, "offload_optimizer": NVME}}, "optimizer offload to NVMe"),
         ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}, "parameter offload"),
         ({"tiled_logits_loss": True}, "tiled_logits_loss"),
         ({"graph": {"enabled": True}, "tensor_parallel": {"size": 2}}, "graph mode and tensor parallelism"),
@@ -181,6 +180,7 @@ def test_pipeline_with_what_is_not_built_is_refused_by_name(extra, named):
     "zero",
     [
         {"stage": 1, "offload_optimizer": {"device": "cpu"}},
+        {"stage": 2, "offload_optimizer": NVME},
         {"stage": 3, "mics_shard_size": 1},
         {"stage": 3, "mics_shard_size": 2},
     ],

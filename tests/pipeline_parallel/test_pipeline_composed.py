@@ -84,6 +84,13 @@ def test_optimizer_offload_pp2_dp2_zero3():
         assert r["layout"]["offloaded"] and r["layout"]["dp"] == 2, r["layout"]
 
 
+def test_optimizer_offload_to_nvme_pp2(tmp_path):
+    """The gradients and optimizer state in swap files: the norm read from them still counts the tied weight once."""
+    offload = {"device": "nvme", "nvme_path": str(tmp_path)}
+    for r in _check(2, 2, {"stage": 2, "offload_optimizer": offload}):
+        assert r["layout"]["offloaded"], r["layout"]
+
+
 def test_hybrid_sharding_pp2_two_replicas_zero3():
     """Each stage's two data-parallel ranks are two replicas of a shard of one (``mics_shard_size`` 1)."""
     for r in _check(4, 2, {"stage": 3, "mics_shard_size": 1}):

@@ -265,9 +265,6 @@ def refuse_unbuilt_pipeline(cfg: Config, dims: ParallelDims) -> None:
     refused = [
         (dims.sp > 1, f"sequence parallelism (sequence_parallel_size {dims.sp})"),
         (dims.hpz_asked, f"ZeRO++ hpZ (zero_optimization.zero_hpz_partition_size {zcfg.zero_hpz_partition_size})"),
-        # optimizer offload to host memory is built (docs/pipeline-parallel.md); to NVMe the swapped gradients' norm
-        # does not yet leave out a tied weight another stage counts ([Note: the norm across stages])
-        (zcfg.offload_optimizer.device == "nvme", "optimizer offload to NVMe (zero_optimization.offload_optimizer)"),
         (zcfg.offload_param.device != "none", "parameter offload (zero_optimization.offload_param)"),
         # the last stage's loss is the pipeline's loss function on the head's logits, not the model's forward where
         # the tiled loss sits (tiled_mlp_compute is built: each stage's MLPs tiled)
