@@ -165,7 +165,8 @@ NVME = {"device": "nvme", "nvme_path": "/tmp"}
     [
         ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}}, r"ZeRO\+\+ hpZ"),
         ({"sequence_parallel_size": 2}, "sequence parallelism"),
-        ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}, "parameter offload"),
+        ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}, "parameter offload to host memory"),
+        ({"zero_optimization": {"stage": 3, "offload_param": NVME}, "graph": {"enabled": True}}, "graph mode and"),
         ({"tiled_logits_loss": True}, "tiled_logits_loss"),
         ({"graph": {"enabled": True}, "tensor_parallel": {"size": 2}}, "graph mode and tensor parallelism"),
     ],
@@ -181,6 +182,7 @@ def test_pipeline_with_what_is_not_built_is_refused_by_name(extra, named):
     [
         {"stage": 1, "offload_optimizer": {"device": "cpu"}},
         {"stage": 2, "offload_optimizer": NVME},
+        {"stage": 3, "offload_param": NVME},
         {"stage": 3, "mics_shard_size": 1},
         {"stage": 3, "mics_shard_size": 2},
     ],

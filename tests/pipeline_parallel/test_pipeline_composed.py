@@ -50,6 +50,7 @@ def _pipeline_run(pp: int, zero: dict, extra: dict) -> dict:
     state = [v for s in engine.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
     offloaded = engine._optimizer.offload is not None
     layout = {"replicas": t.replicas, "shard": t.shard_size, "dp": t.dp, "offloaded": offloaded}
+    layout["params"] = type(engine._param_offload).__name__  # where the units' shards wait (None: on the device)
     layout["state_devices"] = sorted({v.device.type for v in state})
     # graph mode per stage: each stage module's captures, and the calls served by a captured graph
     graphs = [p.captured.graph_stats() for p in engine._pipeline.parts if hasattr(p, "captured")]
@@ -89,6 +90,12 @@ def test_optimizer_offload_to_nvme_pp2(tmp_path):
     offload = {"device": "nvme", "nvme_path": str(tmp_path)}
     for r in _check(2, 2, {"stage": 2, "offload_optimizer": offload}):
         assert r["layout"]["offloaded"], r["layout"]
+
+
+def test_parameter_offload_to_nvme_pp2_dp2_zero3(tmp_path):
+    """The units' shards in swap files, read before the schedule's one gather of the stage."""
+    for r in _check(4, 2, {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}}):
+        assert r["layout"]["dp"] == 2 and r["layout"]["params"] != "NoneType", r["layout"]
 
 
 def test_hybrid_sharding_pp2_two_replicas_zero3():

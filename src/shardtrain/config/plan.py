@@ -265,9 +265,12 @@ def refuse_unbuilt_pipeline(cfg: Config, dims: ParallelDims) -> None:
     refused = [
         (dims.sp > 1, f"sequence parallelism (sequence_parallel_size {dims.sp})"),
         (dims.hpz_asked, f"ZeRO++ hpZ (zero_optimization.zero_hpz_partition_size {zcfg.zero_hpz_partition_size})"),
-        (zcfg.offload_param.device != "none", "parameter offload (zero_optimization.offload_param)"),
         # the last stage's loss is the pipeline's loss function on the head's logits, not the model's forward where
         # the tiled loss sits (tiled_mlp_compute is built: each stage's MLPs tiled)
+        # to NVMe the stage's shards are read from swap files before the schedule's one gather (tested); to host
+        # memory the uploads to the device ([Note: parameter uploads]) are not tested under a pipeline
+        (zcfg.offload_param.device == "cpu", "parameter offload to host memory (zero_optimization.offload_param)"),
+        (cfg.graph.enabled and zcfg.offload_param.device != "none", "graph mode and parameter offload"),
         (cfg.tiled_logits_loss, "tiled_logits_loss"),
         # the graph runtime's tensor-parallel handling (the replicated-gradient check's eager step, partial gradients
         # summed in ZeRO-3's graphs) is not carried to captured stages ([Note: graph mode per pipeline stage])
