@@ -157,21 +157,45 @@ def test_pipeline_axis_is_cut_before_the_others():
         ParallelDims(6, pp=4)
 
 
+NVME = {"device": "nvme", "nvme_path": "/tmp"}
+
+
 @pytest.mark.parametrize(
     ("extra", "named"),
     [
         ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}}, r"ZeRO\+\+ hpZ"),
         ({"sequence_parallel_size": 2, "context_parallel_size": 2}, "both sequence and context parallelism"),
         ({"sequence_parallel_size": 2, "expert_parallel_size": 2}, "expert parallelism"),
-        ({"zero_optimization": {"stage": 1, "mics_shard_size": 1}}, "hybrid sharding"),
-        ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}, "optimizer offload"),
-        ({"graph": {"enabled": True}}, "graph mode"),
+        ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}, "parameter offload to host memory"),
+        ({"zero_optimization": {"stage": 3, "offload_param": NVME}, "graph": {"enabled": True}}, "graph mode and"),
+        ({"tiled_logits_loss": True}, "tiled_logits_loss"),
+        ({"graph": {"enabled": True}, "tensor_parallel": {"size": 2}}, "graph mode and tensor parallelism"),
     ],
 )
 def test_pipeline_with_what_is_not_built_is_refused_by_name(extra, named):
     cfg = load_config({"pipeline_parallel_size": 2, **extra})
     with pytest.raises(ConfigError, match=f"pipeline_parallel_size 2 with {named}.*not built yet"):
         resolve_plan(cfg, 8)
+
+
+@pytest.mark.parametrize(
+    "zero",
+    [
+        {"stage": 1, "offload_optimizer": {"device": "cpu"}},
+        {"stage": 2, "offload_optimizer": NVME},
+        {"stage": 3, "offload_param": NVME},
+        {"stage": 3, "mics_shard_size": 1},
+        {"stage": 3, "mics_shard_size": 2},
+    ],
+)
+def test_pipeline_with_what_is_built_is_planned(zero):
+    """Built under pipelines (tests/pipeline_parallel/test_pipeline_composed.py): each stage's data-parallel
+    ranks offload, or shard and replicate, as a world of their own would."""
+    plan = resolve_plan(load_config({"pipeline_parallel_size": 2, "zero_optimization": zero}), 8)
+    assert (plan.dims.pp, plan.dims.dp) == (2, 4)
+    assert plan.dims.replicas == 4 // zero.get("mics_shard_size", 4)
+    assert resolve_plan(load_config({"pipeline_parallel_size": 2, "graph": {"enabled": True}}), 8).graph.enabled
+    assert resolve_plan(load_config({"pipeline_parallel_size": 2, "tiled_mlp_compute": True}), 8).tiling.mlp
 
 
 def test_pipeline_with_tensor_parallelism_is_planned():

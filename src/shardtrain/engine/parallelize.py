@@ -224,7 +224,7 @@ def parallelize(
         reducer, sharded = apply_step(
             model, plan, topology, comms, layout, masters, eager, split, optimizer, scratch, config, counted_elsewhere
         )
-        runtime = apply_graph(model, plan, eager, comms, reducer, layout, param_offload)
+        runtime = apply_graph(model, plan, eager, comms, reducer, layout, param_offload, pipeline)
         # metrics, monitors (TensorBoard/CSV/wandb) and wall-clock breakdown: rank 0 only, never communicates
         monitor = TrainingMonitor(config, topology.rank, topology.device, topology.dp)
     except BaseException:
@@ -765,10 +765,20 @@ def apply_graph(
     reducer: GradientReducer,
     layout: ShardLayout,
     param_offload: ShardSource | None,
+    pipeline: Pipeline | None = None,
 ) -> Runtime:
-    """The eager runtime, or with ``graph.enabled`` the graph runtime around it."""
+    """The eager runtime, or with ``graph.enabled`` the graph runtime around it; under pipeline parallelism the
+    eager runtime, each of the ``pipeline``'s stage modules captured instead ([Note: graph mode per pipeline stage]
+    in ``graph/stage.py``)."""
     g = plan.graph
     if not g.enabled:
+        return eager
+    if pipeline is not None:
+        from shardtrain.graph.stage import CapturedStage  # imports TorchDynamo: only when graph mode is on
+
+        options = {"cache_size": g.cache_size, "compiler": g.compiler, "dynamic_shapes": g.dynamic_shapes}
+        params = list(model.parameters())  # this rank's stages' (the model is pruned to them)
+        pipeline.parts = [CapturedStage(p, params, strict=g.strict, **options) for p in pipeline.parts]
         return eager
     from shardtrain.graph.runtime import GraphRuntime  # imports TorchDynamo: only when graph mode is on
 

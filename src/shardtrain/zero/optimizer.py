@@ -435,10 +435,13 @@ class ShardedOptimizer:
         elif self.expert_group is not None and self.norm_comm is not self.comm:
             local_sq = self._hybrid_expert_square(grads, deferred, swapped, inv)
             local_sq = self._global_square(local_sq, grads, swapped, weighted=True)
-        elif self.counted_elsewhere:  # under pipeline parallelism (no offload or tp there): a tied weight
-            counted = [None if k in self.counted_elsewhere else g for k, g in zip(self._frag, grads)]
+        elif self.counted_elsewhere:  # under pipeline parallelism (no tp there): a tied weight another stage counts
+            keys = list(self._frag)
+            counted = [None if k in self.counted_elsewhere else g for k, g in zip(keys, grads)]
+            # gradients in swap files are left out by their index (their entries in ``grads`` are None)
+            counted_deferred = frozenset(i for i in deferred if keys[i] not in self.counted_elsewhere)
             local_sq = self._local_square(
-                counted, [g for g in counted if g is not None and g.numel()], deferred, None, inv
+                counted, [g for g in counted if g is not None and g.numel()], counted_deferred, swapped, inv
             )
             local_sq = self._global_square(local_sq, grads, swapped)
         else:
