@@ -47,9 +47,11 @@ from shardtrain.optim.adam import DeepSpeedAdam
 from shardtrain.optim.lamb import Lamb
 from shardtrain.optim.muon import MuonWithAdamW
 from shardtrain.plan.policies import ZeroPolicy
+from shardtrain.zero import owner_staging
 from shardtrain.zero.elementwise import known_not_elementwise, slice_mismatch
 from shardtrain.zero.layout import Bucket, fragment_places, fragment_tensor
 from shardtrain.zero.muon_owners import MuonOwners, TensorParallelBlocks
+from shardtrain.zero.owner_staging import OwnerStaging
 from shardtrain.zero.reducer import GradientReducer
 from shardtrain.zero.shard_sums import ShardSums
 from shardtrain.zero.step_gather import ParameterGathers
@@ -226,23 +228,19 @@ class ShardedOptimizer:
             self._refuse_unserved_whole_tensor(
                 type(optimizer).__name__, make_offload, tp_norm, experts, stage_comm, lamb
             )
+            # a host step (optimizer offload on a GPU) hands its collectives host tensors: they run on device copies
+            # ([Note: the owners' collectives on the device] in zero/owner_staging.py)
+            staging = (
+                owner_staging.device_staging(buckets[0].shard.device) if make_offload is not None and buckets else None
+            )
             if isinstance(optimizer, MuonWithAdamW):
-                self._bind_muon_owners(optimizer)
+                self._bind_muon_owners(optimizer, staging)
             else:  # [Note: LAMB's norms across shards] in optim/lamb.py
-                optimizer.tensor_norms = ShardSums(self.comm)
+                optimizer.tensor_norms = ShardSums(self.comm, staging)
         # sub-group stepping with offloaded state, made from the tensors stepped (after the state moved to them)
         self.offload: OptimizerOffload | None = None
         if make_offload is not None:
             fragments = self.stepped_fragments() if masters is not None else None
-            if collective_step and any(
-                s.device != b.shard.device for s, (_, b, _) in zip(self._stepped.values(), self._frag.values())
-            ):
-                raise OptimizerError(
-                    f"{type(optimizer).__name__} with optimizer offload is served where the optimizer steps on the "
-                    "engine's device (CPU runs); the host step of a GPU run (host masters, overlapped copies) has not "
-                    "been run with its owners' collectives yet (docs/muon.md). Use it without offload_optimizer on "
-                    "a GPU, or AdamW"
-                )
             whole = self._whole_buckets() if collective_step else None
             self.offload = make_offload(self.stepped_tensors(), fragments, whole)
         self.zenflow: ZenFlowStep | None = None
@@ -284,7 +282,7 @@ class ShardedOptimizer:
                 chunks.append(b.shard_numel)
         return WholeBuckets(tuple(position[id(b)] for _, b, _ in self._frag.values()), tuple(chunks))
 
-    def _bind_muon_owners(self, optimizer: MuonWithAdamW) -> None:
+    def _bind_muon_owners(self, optimizer: MuonWithAdamW, staging: OwnerStaging | None) -> None:
         """Muon's orthogonalization on owner ranks ([Note: one owner per matrix] in zero/muon_owners.py)."""
         places = {id(self._stepped[k]): (b, i) for k, (_, b, i) in self._frag.items()}
         muon = [id(p) for g in optimizer.param_groups if g["use_muon"] for p in g["params"]]
@@ -294,7 +292,9 @@ class ShardedOptimizer:
             blocks = TensorParallelBlocks(
                 tp_comm, {id(self._stepped[k]): placements[k] for k in placements if k in self._stepped}
             )
-        optimizer.whole_matrices = MuonOwners(self.comm, {k: places[k] for k in muon}, blocks, self.expert_comm)
+        optimizer.whole_matrices = MuonOwners(
+            self.comm, {k: places[k] for k in muon}, blocks, self.expert_comm, staging
+        )
 
     def _move_initial_state(self) -> None:
         """State an optimizer made at construction (Adagrad's ``sum`` and ``step``) follows the tensors it
