@@ -189,6 +189,19 @@ def test_muon_on_the_gpu_host_step_is_bitwise_the_cpu_offload_path(world, stage,
         assert d["downs"] % recipe.steps == 0  # the same buckets every step
 
 
+def test_muon_with_tensor_parallelism_on_the_gpu_host_step_is_bitwise_the_cpu_offload_path():
+    """tp 2 (world 2): the owner's tensor-parallel gather reads the staged device bucket too."""
+    from shardtrain.tensor_parallel import GPT_TP_PLAN
+
+    recipe = _recipe(_muon, 2, {})
+    recipe = dataclasses.replace(recipe, config={**recipe.config, "tensor_parallel": {"size": 2}}, tp_plan=GPT_TP_PLAN)
+    cpu = run_distributed(train, 2, recipe, False)
+    device = run_distributed(train, 2, recipe, True)
+    _assert_bitwise(device, cpu)
+    for d in device:
+        assert d["ups"] == d["downs"] == d["waits"] > 0 and d["handed"] == 2 * d["downs"] and d["left"] == 0
+
+
 @pytest.mark.parametrize(("world", "stage"), [(2, 2), (3, 3)])
 def test_lamb_on_the_gpu_host_step_is_bitwise_the_cpu_offload_path(world, stage):
     """LAMB's per-tensor sums all-reduced on a staged device buffer: one copy up and one waited copy down per param

@@ -510,7 +510,7 @@ def _refuse_unserved_offload(cfg: Config, optimizer: str | None, layout: Candida
     kind = _kind(cfg, optimizer)
     if kind not in (*MUON_KINDS, "lamb") or layout.offload_optimizer == "none" or layout.stage == 0:
         return
-    if layout.tp > 1 or layout.ep > 1:
+    if kind == "lamb" and (layout.tp > 1 or layout.ep > 1):  # Muon's offload is served with both
         raise ConfigError(
             f"optimizer {kind!r} with optimizer offload and tensor or expert parallelism is not served yet "
             "(docs/muon.md)"

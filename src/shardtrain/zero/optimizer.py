@@ -225,9 +225,7 @@ class ShardedOptimizer:
         if collective_step:
             # Muon assembles tensor-parallel blocks ([Note: Muon's matrices under tensor parallelism]); LAMB does not
             lamb = isinstance(optimizer, Lamb)  # Muon serves experts' matrices too ([Note: experts' matrices])
-            self._refuse_unserved_whole_tensor(
-                type(optimizer).__name__, make_offload, tp_norm, experts, stage_comm, lamb
-            )
+            self._refuse_unserved_whole_tensor(type(optimizer).__name__, tp_norm, experts, stage_comm, lamb)
             # a host step (optimizer offload on a GPU) hands its collectives host tensors: they run on device copies
             # ([Note: the owners' collectives on the device] in zero/owner_staging.py)
             staging = (
@@ -250,18 +248,16 @@ class ShardedOptimizer:
             starts = [b.fragments[i].start if self.sharded else 0 for b, i in places]
             self.zenflow = make_zenflow(self.stepped_tensors(), shapes, starts)
 
-    def _refuse_unserved_whole_tensor(self, name: str, make_offload, tp_norm, experts, stage_comm, lamb: bool) -> None:
+    def _refuse_unserved_whole_tensor(self, name: str, tp_norm, experts, stage_comm, lamb: bool) -> None:
         """What the owners of whole-tensor optimizers do not serve yet, refused by name: LAMB with tensor, expert or
-        pipeline parallelism, and Muon's optimizer offload together with tensor or expert parallelism (the sub-groups
-        of whole buckets are served and tested without them; the plan refuses offload with pipeline parallelism)."""
-        offload = make_offload is not None
+        pipeline parallelism. Muon's optimizer offload with tensor or expert parallelism is served: every tp rank
+        cuts the same sub-groups of whole buckets (same local shapes), so the tp gathers pair up; an expert bucket's
+        owners are in its expert shard group (tests/zero/test_muon_owners.py)."""
         unserved = [
             what
             for what, present in (
                 ("tensor parallelism", tp_norm is not None and lamb),
                 ("expert parallelism", experts is not None and lamb),
-                ("optimizer offload together with tensor parallelism", offload and tp_norm is not None and not lamb),
-                ("optimizer offload together with expert parallelism", offload and experts is not None and not lamb),
                 ("pipeline parallelism", stage_comm is not None and lamb),
             )
             if present
