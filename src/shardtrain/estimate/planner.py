@@ -511,13 +511,7 @@ def _refuse_unserved_offload(cfg: Config, optimizer: str | None, layout: Candida
     kind = _kind(cfg, optimizer)
     if kind not in (*MUON_KINDS, "lamb") or layout.offload_optimizer == "none" or layout.stage == 0:
         return
-    if device_type == "cuda":
-        raise ConfigError(
-            f"optimizer {kind!r} with offload_optimizer {layout.offload_optimizer!r} on a GPU: the host step with "
-            "its owners' collectives (or LAMB's shard sums) is not served yet (docs/muon.md); plan it without "
-            "optimizer offload, or with device_type 'cpu'"
-        )
-    if layout.tp > 1 or layout.ep > 1:
+    if kind == "lamb" and (layout.tp > 1 or layout.ep > 1):  # Muon's offload is served with both
         raise ConfigError(
             f"optimizer {kind!r} with optimizer offload and tensor or expert parallelism is not served yet "
             "(docs/muon.md)"
@@ -974,7 +968,9 @@ def _assemble(
         rows.append(
             Row(
                 "Muon owners' gathered bucket, result and chunk (fp32)",
-                host if opt.get("host") else "device",  # where the optimizer steps (a CPU run's offload: memory)
+                # the communicator's device: a GPU's host step stages its collectives there ([Note: the owners'
+                # collectives on the device] in zero/owner_staging.py); a CPU run's offload steps in memory
+                "device",
                 prep.owner_buffers,
                 True,
                 "step",

@@ -30,6 +30,7 @@ from shardtrain.distributed.communicator import Communicator, Reduce
 from shardtrain.distributed.placement import TPPlacement, assemble_blocks, shard_block
 from shardtrain.optim.muon import Orthogonalize
 from shardtrain.zero.layout import Bucket
+from shardtrain.zero.owner_staging import OwnerStaging
 
 
 def _cost(shape: torch.Size) -> int:
@@ -66,10 +67,14 @@ class MuonOwners:
         places: dict[int, tuple[Bucket, int]],
         blocks: TensorParallelBlocks | None = None,
         expert_comm: Communicator | None = None,
+        staging: OwnerStaging | None = None,
     ) -> None:
         """``expert_comm``: under expert parallelism, the expert-data-parallel group that expert buckets are sharded
-        over; their matrices get owners there ([Note: experts' matrices] in optim/muon.py)."""
+        over; their matrices get owners there ([Note: experts' matrices] in optim/muon.py). ``staging``: where the
+        communicator's device is not the host, the copies that put a host step's updates on it ([Note: the owners'
+        collectives on the device] in zero/owner_staging.py)."""
         self.comm, self.places, self.blocks, self.expert_comm = comm, places, blocks, expert_comm
+        self.staging = staging
         self.owner: dict[int, int] = {}
         loads: dict[str, list[int]] = {}
         for kind in ("dense", "expert"):
@@ -107,15 +112,22 @@ class MuonOwners:
             b = self.places[id(s)][0]
             by_bucket.setdefault(id(b), (b, []))[1].append(n)
         out: list[torch.Tensor | None] = [None] * len(stepped)
+        landing: list[tuple[list[int], Bucket, torch.Tensor, object]] = []  # results still being copied to the host
         for b, members in by_bucket.values():
             comm = self._comm_of(b)
             me = comm.rank
             dtype, device = pieces[members[0]].dtype, pieces[members[0]].device
-            full = torch.zeros(b.padded_numel, dtype=dtype, device=device)
+            # a host step's collectives run on the communicator's device ([Note: the owners' collectives on the
+            # device] in zero/owner_staging.py)
+            staged = self.staging is not None and device.type == "cpu"
+            full = torch.zeros(b.padded_numel, dtype=dtype, device=self.staging.device if staged else device)
             chunk = full.view(b.world, -1)[b.rank]
+            written = torch.zeros(chunk.shape, dtype=dtype) if staged else chunk
             for n in members:
                 f = b.fragments[self.places[id(stepped[n])][1]]
-                chunk[f.shard_offset : f.shard_offset + f.length].copy_(pieces[n].reshape(-1))
+                written[f.shard_offset : f.shard_offset + f.length].copy_(pieces[n].reshape(-1))
+            if staged:
+                self.staging.up(chunk, written)
             comm.all_gather(full, chunk, what="Muon updates to their owners")
             result = torch.zeros_like(full)
             for n in members:
@@ -129,6 +141,13 @@ class MuonOwners:
                     result[slot.offset : slot.offset + slot.numel].copy_(whole.reshape(-1))
             mine = torch.empty_like(chunk)
             comm.reduce_scatter(mine, result, Reduce.SUM, what="orthogonalized Muon updates from their owners")
+            event = None
+            if staged:  # waited for after every bucket's collectives are queued: the buckets' work overlaps
+                mine, event = self.staging.down(mine)
+            landing.append((members, b, mine, event))
+        for members, b, mine, event in landing:
+            if event is not None:
+                self.staging.wait(event)
             for n in members:
                 f = b.fragments[self.places[id(stepped[n])][1]]
                 out[n] = mine[f.shard_offset : f.shard_offset + f.length]

@@ -47,9 +47,11 @@ from shardtrain.optim.adam import DeepSpeedAdam
 from shardtrain.optim.lamb import Lamb
 from shardtrain.optim.muon import MuonWithAdamW
 from shardtrain.plan.policies import ZeroPolicy
+from shardtrain.zero import owner_staging
 from shardtrain.zero.elementwise import known_not_elementwise, slice_mismatch
 from shardtrain.zero.layout import Bucket, fragment_places, fragment_tensor
 from shardtrain.zero.muon_owners import MuonOwners, TensorParallelBlocks
+from shardtrain.zero.owner_staging import OwnerStaging
 from shardtrain.zero.reducer import GradientReducer
 from shardtrain.zero.shard_sums import ShardSums
 from shardtrain.zero.step_gather import ParameterGathers
@@ -223,26 +225,20 @@ class ShardedOptimizer:
         if collective_step:
             # Muon assembles tensor-parallel blocks ([Note: Muon's matrices under tensor parallelism]); LAMB does not
             lamb = isinstance(optimizer, Lamb)  # Muon serves experts' matrices too ([Note: experts' matrices])
-            self._refuse_unserved_whole_tensor(
-                type(optimizer).__name__, make_offload, tp_norm, experts, stage_comm, lamb
+            self._refuse_unserved_whole_tensor(type(optimizer).__name__, tp_norm, experts, stage_comm, lamb)
+            # a host step (optimizer offload on a GPU) hands its collectives host tensors: they run on device copies
+            # ([Note: the owners' collectives on the device] in zero/owner_staging.py)
+            staging = (
+                owner_staging.device_staging(buckets[0].shard.device) if make_offload is not None and buckets else None
             )
             if isinstance(optimizer, MuonWithAdamW):
-                self._bind_muon_owners(optimizer)
+                self._bind_muon_owners(optimizer, staging)
             else:  # [Note: LAMB's norms across shards] in optim/lamb.py
-                optimizer.tensor_norms = ShardSums(self.comm)
+                optimizer.tensor_norms = ShardSums(self.comm, staging)
         # sub-group stepping with offloaded state, made from the tensors stepped (after the state moved to them)
         self.offload: OptimizerOffload | None = None
         if make_offload is not None:
             fragments = self.stepped_fragments() if masters is not None else None
-            if collective_step and any(
-                s.device != b.shard.device for s, (_, b, _) in zip(self._stepped.values(), self._frag.values())
-            ):
-                raise OptimizerError(
-                    f"{type(optimizer).__name__} with optimizer offload is served where the optimizer steps on the "
-                    "engine's device (CPU runs); the host step of a GPU run (host masters, overlapped copies) has not "
-                    "been run with its owners' collectives yet (docs/muon.md). Use it without offload_optimizer on "
-                    "a GPU, or AdamW"
-                )
             whole = self._whole_buckets() if collective_step else None
             self.offload = make_offload(self.stepped_tensors(), fragments, whole)
         self.zenflow: ZenFlowStep | None = None
@@ -252,18 +248,16 @@ class ShardedOptimizer:
             starts = [b.fragments[i].start if self.sharded else 0 for b, i in places]
             self.zenflow = make_zenflow(self.stepped_tensors(), shapes, starts)
 
-    def _refuse_unserved_whole_tensor(self, name: str, make_offload, tp_norm, experts, stage_comm, lamb: bool) -> None:
+    def _refuse_unserved_whole_tensor(self, name: str, tp_norm, experts, stage_comm, lamb: bool) -> None:
         """What the owners of whole-tensor optimizers do not serve yet, refused by name: LAMB with tensor, expert or
-        pipeline parallelism, and Muon's optimizer offload together with tensor or expert parallelism (the sub-groups
-        of whole buckets are served and tested without them; the plan refuses offload with pipeline parallelism)."""
-        offload = make_offload is not None
+        pipeline parallelism. Muon's optimizer offload with tensor or expert parallelism is served: every tp rank
+        cuts the same sub-groups of whole buckets (same local shapes), so the tp gathers pair up; an expert bucket's
+        owners are in its expert shard group (tests/zero/test_muon_owners.py)."""
         unserved = [
             what
             for what, present in (
                 ("tensor parallelism", tp_norm is not None and lamb),
                 ("expert parallelism", experts is not None and lamb),
-                ("optimizer offload together with tensor parallelism", offload and tp_norm is not None and not lamb),
-                ("optimizer offload together with expert parallelism", offload and experts is not None and not lamb),
                 ("pipeline parallelism", stage_comm is not None and lamb),
             )
             if present
@@ -284,7 +278,7 @@ class ShardedOptimizer:
                 chunks.append(b.shard_numel)
         return WholeBuckets(tuple(position[id(b)] for _, b, _ in self._frag.values()), tuple(chunks))
 
-    def _bind_muon_owners(self, optimizer: MuonWithAdamW) -> None:
+    def _bind_muon_owners(self, optimizer: MuonWithAdamW, staging: OwnerStaging | None) -> None:
         """Muon's orthogonalization on owner ranks ([Note: one owner per matrix] in zero/muon_owners.py)."""
         places = {id(self._stepped[k]): (b, i) for k, (_, b, i) in self._frag.items()}
         muon = [id(p) for g in optimizer.param_groups if g["use_muon"] for p in g["params"]]
@@ -294,7 +288,9 @@ class ShardedOptimizer:
             blocks = TensorParallelBlocks(
                 tp_comm, {id(self._stepped[k]): placements[k] for k in placements if k in self._stepped}
             )
-        optimizer.whole_matrices = MuonOwners(self.comm, {k: places[k] for k in muon}, blocks, self.expert_comm)
+        optimizer.whole_matrices = MuonOwners(
+            self.comm, {k: places[k] for k in muon}, blocks, self.expert_comm, staging
+        )
 
     def _move_initial_state(self) -> None:
         """State an optimizer made at construction (Adagrad's ``sum`` and ``step``) follows the tensors it
