@@ -222,3 +222,72 @@ def test_the_llama3_8b_shape_builds_on_the_meta_device_and_the_planner_estimates
     assert est.peak["device"] > 16 * num_parameters(model)  # fp32 masters and Adam, bf16 weights and gradients
     overridden = module.shape(argparse.Namespace(**{**vars(args), "layers": 1, "seq": 1024}))[0]
     assert (overridden.n_layer, overridden.seq_len, overridden.d_model) == (1, 1024, 4096)
+
+
+# -- bench/longest_seq.py: the longest sequence each variant fits, [Note: the longest-sequence search] ----------
+
+LONGEST = ROOT / "bench" / "longest_seq.py"
+
+
+def _longest_module():
+    spec = importlib.util.spec_from_file_location("longest_seq", LONGEST)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("start", [256, 512, 1024])
+def test_the_search_finds_the_longest_fitting_length_for_every_boundary(start):
+    """Against a scan: for every boundary from below the start to past many doublings, the search returns the
+    longest multiple of the resolution that fits and the next one as the first that does not."""
+    module = _longest_module()
+    resolution = 256
+    for boundary in range(0, 40 * 1024, 128):  # lengths up to ``boundary`` fit
+
+        def probe(seq, boundary=boundary):
+            return module.Probe(seq, seq <= boundary, "" if seq <= boundary else "out of memory")
+
+        lo, hi, probes = module.longest_fitting(probe, start, resolution)
+        expected = boundary // resolution * resolution
+        if expected < start:
+            assert lo is None and hi.seq == start and len(probes) == 1
+            continue
+        assert lo.seq == expected and hi.seq == expected + resolution, (boundary, [q.seq for q in probes])
+        assert len({q.seq for q in probes}) == len(probes)  # no length probed twice
+
+
+def test_the_search_stops_at_a_crash_and_at_the_cap_and_refuses_a_start_off_the_resolution():
+    module = _longest_module()
+
+    def crashing(seq):  # fits to 3000, crashes (not out of memory) from 4096: no boundary to bisect towards
+        return module.Probe(seq, seq <= 3000, "" if seq <= 3000 else "failed (exit 1)")
+
+    lo, hi, probes = module.longest_fitting(crashing, 1024, 256)
+    assert (lo.seq, hi.seq, hi.conclusive, len(probes)) == (2048, 4096, False, 3)
+    lo, hi, _ = module.longest_fitting(lambda seq: module.Probe(seq, True), 1024, 256, max_seq=8192)
+    assert lo.seq == 8192 and hi is None
+    with pytest.raises(ValueError, match="multiple of the resolution"):
+        module.longest_fitting(lambda seq: module.Probe(seq, True), 1000, 256)
+
+
+def test_the_tiny_search_under_a_memory_limit_finds_the_boundary_and_reports_it(tmp_path):
+    """The tiny GPT on the CPU under a simulated 3 MiB device: the length reported fits under the limit, one
+    resolution more ran out of memory (the probe's own ``torch.OutOfMemoryError``, not a crash), the peaks of the
+    probes that fit grow with the length, and the JSON has the step time, tokens/s and ratio."""
+    out = tmp_path / "longest.json"
+    argv = ["--tiny", "--in-process", "--variants", "stage3", "--seq", "128", "--resolution", "32"]
+    argv += ["--memory-limit-mib", "3", "--warmup", "0", "--steps", "1", "--max-seq", "1024", "--json", str(out)]
+    done = subprocess.run([sys.executable, str(LONGEST), *argv], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    (found,) = json.loads(out.read_text())["variants"].values()
+    longest, too_long = found["longest"], found["first_too_long"]
+    assert found["limit"] == "out of memory above"
+    assert too_long["seq"] == longest["seq"] + 32 and too_long["reason"] == "out of memory"
+    assert 128 <= longest["seq"] < 1024 and longest["peak_bytes"] <= 3 * 2**20
+    fitting = sorted((q["seq"], q["peak_bytes"]) for q in found["probes"] if q["fits"])
+    assert [peak for _, peak in fitting] == sorted(peak for _, peak in fitting)
+    assert found["length_ratio"] == 1.0 and found["tokens_per_s"] == pytest.approx(
+        2 * longest["seq"] / longest["step_s"]
+    )
+    assert f"stage3 {longest['seq']:>8}"[:6] in done.stdout
