@@ -54,6 +54,7 @@ def test_the_tiny_run_trains_every_variant_to_plain_pytorchs_losses(tmp_path):
     for name, r in by_name.items():
         assert len(r["losses"]) == 2 + 1 + 3 and all(torch.isfinite(torch.tensor(r["losses"])))
         assert r["step_s"] > 0 and r["cpu_per_wall"] > 0
+        assert r["tokens_per_s"] == pytest.approx(2 * 32 / r["step_s"])  # micro-batch 2 x sequence 32 per step
         assert (r["syncs_per_step"] is None) == (":inductor" in name)  # no dispatch mode around a graph
         assert (r["estimate"] is None) == (name == "plain")
     for name, r in by_name.items():  # fused AdamW, clipping without reading the norm; the engine's step the same
@@ -82,6 +83,19 @@ def test_each_variant_runs_in_a_process_of_its_own(tmp_path):
     assert [r["variant"] for r in results["results"]] == ["plain", "stage3:nccl"]
     assert results["plain_drift"] > 0 and results["device"] == "CPU" and results["problems"] == []
     assert "plain again at the end" in done.stdout
+
+
+def test_without_plain_the_variants_run_and_report_tokens_per_second(tmp_path, capsys, monkeypatch):
+    """``--no-plain`` (the 8B run, whose plain PyTorch reference cannot fit the card): no ``plain`` run, no ratios
+    to it, the variant's step time and tokens/s."""
+    out = tmp_path / "results.json"
+    argv = ["--tiny", "--in-process", "--no-plain", "--variants", "stage3", "--steps", "1", "--warmup", "1"]
+    monkeypatch.setenv("SHARDTRAIN_DEVICE", "cpu")  # main sets it for --tiny; restored after the test
+    assert _module().main([*argv, "--json", str(out)]) == 0
+    (result,) = json.loads(out.read_text())["results"]
+    assert result["variant"] == "stage3" and result["tokens_per_s"] == pytest.approx(64 / result["step_s"])
+    (row,) = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("stage3 ")]
+    assert row[2] == "-" and float(row[3]) == pytest.approx(result["tokens_per_s"], rel=1e-2, abs=1)
 
 
 def test_a_loss_that_leaves_the_tolerance_is_named_with_its_step():
