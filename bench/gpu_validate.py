@@ -248,8 +248,10 @@ class Plain:
 
 
 class OnEngine:
-    def __init__(self, variant: str, cfg: GPTConfig, micro_batch: int, device: torch.device) -> None:
-        config = engine_config(variant, micro_batch, device)
+    def __init__(
+        self, variant: str, cfg: GPTConfig, micro_batch: int, device: torch.device, extra: dict | None = None
+    ) -> None:
+        config = {**engine_config(variant, micro_batch, device), **(extra or {})}  # extra: top-level keys added
         forced = variant.endswith(":nccl")
         if forced:  # read when the engine's communicators are made
             os.environ[FORCE_ENV] = "1"

@@ -173,7 +173,8 @@ def probe_once(args: argparse.Namespace, variant: str, seq: int) -> Probe:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         data = gv.batches(cfg, micro_batch, args.warmup + args.steps, device)
-        runner = gv.Plain(cfg, device) if variant == "plain" else gv.OnEngine(variant, cfg, micro_batch, device)
+        extra = {"tiled_logits_loss": True} if args.tiled_logits_loss else None
+        runner = gv.Plain(cfg, device) if variant == "plain" else gv.OnEngine(variant, cfg, micro_batch, device, extra)
 
         def peak() -> int:
             return torch.cuda.max_memory_allocated() if cuda else tracker.peak
@@ -273,6 +274,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resolution", type=int, default=256, help="bisect to this many tokens")
     p.add_argument("--max-seq", type=int, default=None, help="double no further than this")
     p.add_argument("--memory-limit-mib", type=float, default=None, help="a simulated device memory (the CPU's)")
+    p.add_argument(
+        "--tiled-logits-loss",
+        action="store_true",
+        help="the engine's tiled loss (ALST's): the whole logits never exist, so the layers, not the head, set the "
+        "length",
+    )
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=1)
     p.add_argument("--probe-timeout", type=float, default=None, help="seconds; a probe past it ends the search")

@@ -305,3 +305,26 @@ def test_the_tiny_search_under_a_memory_limit_finds_the_boundary_and_reports_it(
         2 * longest["seq"] / longest["step_s"]
     )
     assert f"stage3 {longest['seq']:>8}"[:6] in done.stdout
+
+
+def test_the_second_device_command_fits_one_call_with_each_run_under_its_own_timeout():
+    """docs/benchmarks-gpu.md's second command (issue 51's 8B run and longest sequences): one line within the device
+    tool's 2,000 characters; each script run under a ``timeout`` of its own, together within a call's 600 s; the
+    scripts and the options it passes exist, and its variants are known."""
+    text = (ROOT / "docs" / "benchmarks-gpu.md").read_text()
+    block = text.split("## The second command", 1)[1].split("```", 2)[1]
+    (command,) = [line for line in block.splitlines() if line.strip()]
+    assert len(command) < 2000
+    runs = [part.strip() for part in command.split(";") if "bench/" in part]
+    assert [shlex.split(run)[3] for run in runs] == ["bench/gpu_validate.py", "bench/longest_seq.py"]
+    timeouts = [int(shlex.split(run)[1]) for run in runs if run.startswith("timeout ")]
+    assert len(timeouts) == len(runs) and sum(timeouts) <= 600 - 30  # 30 s for the install and nvidia-smi
+    known = _module().VARIANTS
+    for run in runs:
+        words = shlex.split(run.split("2>&1", 1)[0])
+        script = (ROOT / words[3]).read_text()
+        for option in (w for w in words[4:] if w.startswith("--")):
+            assert f'"{option}"' in script, (words[3], option)
+        variants = words[words.index("--variants") + 1].split(",")
+        assert set(variants) <= set(known), variants
+        assert "--json" in words and words[words.index("--json") + 1].startswith("$OUT/")
