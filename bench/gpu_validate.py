@@ -73,7 +73,8 @@ and with ``stage0``'s (``--engine-rtol``). On a mismatch the script exits with s
 step. ``plain`` is timed first and last; the printed drift between the two is the noise the ratios carry. ``--no-plain``
 runs no ``plain`` (a model whose fp32 weights and Adam state do not fit the device, such as ``--shape llama3-8b
 --layers 32``): no ratios to it and no FLOPs, the step times and tokens/s only.
-docs/benchmarks-gpu.md has the device command and the results.
+docs/benchmarks-gpu.md has the device commands and the results. ``bench/longest_seq.py`` runs these variants at the
+longest sequence each fits (issue 51's activation goals).
 """
 
 from __future__ import annotations

@@ -328,3 +328,15 @@ def test_the_second_device_command_fits_one_call_with_each_run_under_its_own_tim
         variants = words[words.index("--variants") + 1].split(",")
         assert set(variants) <= set(known), variants
         assert "--json" in words and words[words.index("--json") + 1].startswith("$OUT/")
+
+
+@pytest.mark.soak  # suite time: a process per probe; the search itself is checked in process above
+def test_the_search_runs_each_probe_in_a_process_of_its_own(tmp_path):
+    out = tmp_path / "longest.json"
+    argv = ["--tiny", "--variants", "stage3", "--seq", "128", "--resolution", "64", "--memory-limit-mib", "3"]
+    argv += ["--warmup", "0", "--steps", "1", "--max-seq", "1024", "--probe-timeout", "120", "--json", str(out)]
+    done = subprocess.run([sys.executable, str(LONGEST), *argv], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    (found,) = json.loads(out.read_text())["variants"].values()
+    assert found["first_too_long"]["seq"] == found["longest"]["seq"] + 64
+    assert found["first_too_long"]["reason"] == "out of memory"
