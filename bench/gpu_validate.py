@@ -59,7 +59,7 @@ Each is named by its operation and the line that asked for it ([Note: counting h
 :mod:`shardtrain.testing.syncs`).
 
 Each variant prints:
-* its step time, and the ratio of that time to ``plain``'s;
+* its step time, and the ratio of that time to ``plain``'s; tokens per second (micro-batch x sequence per step);
 * host syncs per step;
 * CPU seconds per wall second over the timed steps (``getrusage``: every thread of the process);
 * peak allocated and reserved GPU memory, against ``shardtrain estimate``'s device peak for that layout (``/ est``:
@@ -70,8 +70,11 @@ Each variant prints:
 
 Each engine variant's losses are compared with ``plain``'s (``--loss-rtol``: bf16 compute against bf16 autocast),
 and with ``stage0``'s (``--engine-rtol``). On a mismatch the script exits with status 1, naming the variant and the
-step. ``plain`` is timed first and last; the printed drift between the two is the noise the ratios carry.
-docs/benchmarks-gpu.md has the device command and the results.
+step. ``plain`` is timed first and last; the printed drift between the two is the noise the ratios carry. ``--no-plain``
+runs no ``plain`` (a model whose fp32 weights and Adam state do not fit the device, such as ``--shape llama3-8b
+--layers 32``): no ratios to it and no FLOPs, the step times and tokens/s only.
+docs/benchmarks-gpu.md has the device commands and the results. ``bench/longest_seq.py`` runs these variants at the
+longest sequence each fits (issue 51's activation goals).
 """
 
 from __future__ import annotations
@@ -143,6 +146,7 @@ class Result:
     estimate: int | None
     losses: list[float] = field(default_factory=list)
     sync_sites: dict[str, int] = field(default_factory=dict)  # where the counted step synchronized: file:line -> n
+    tokens_per_s: float | None = None  # micro-batch x sequence over the step time
 
 
 SHAPES: dict[str, dict[str, int]] = {
@@ -245,8 +249,10 @@ class Plain:
 
 
 class OnEngine:
-    def __init__(self, variant: str, cfg: GPTConfig, micro_batch: int, device: torch.device) -> None:
-        config = engine_config(variant, micro_batch, device)
+    def __init__(
+        self, variant: str, cfg: GPTConfig, micro_batch: int, device: torch.device, extra: dict | None = None
+    ) -> None:
+        config = {**engine_config(variant, micro_batch, device), **(extra or {})}  # extra: top-level keys added
         forced = variant.endswith(":nccl")
         if forced:  # read when the engine's communicators are made
             os.environ[FORCE_ENV] = "1"
@@ -337,6 +343,7 @@ def run_variant(
         init_peak_allocated=init_peak,
         estimate=estimate,
         losses=[float(v) for v in losses],  # read once, after the timing
+        tokens_per_s=micro_batch * cfg.seq_len * args.steps / wall,
     )
     return result
 
@@ -438,6 +445,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine-rtol", type=float, default=1e-2, help="engine variants against stage0")
     p.add_argument("--json", default=None, help="write the results here too, after each variant")
     p.add_argument("--in-process", action="store_true", help="every variant in this process (the test suite's)")
+    p.add_argument(
+        "--no-plain",
+        action="store_true",
+        help="run no plain PyTorch reference (a model whose fp32 weights and Adam state do not fit the device): "
+        "no ratios to plain, no FLOPs",
+    )
     p.add_argument("--only", default=None, help=argparse.SUPPRESS)  # a child's variant
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)  # where a child writes its result
     args = p.parse_args(argv)
@@ -455,6 +468,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     cfg, micro_batch = shape(args)
     order = ["plain"] + [v for v in variants if v != "plain"] + ["plain"]  # plain again at the end: the drift
+    if args.no_plain:
+        order = [v for v in variants if v != "plain"]
     results: dict[str, Result] = {}
     failures: list[str] = []
     info: dict[str, Any] = {}
@@ -463,10 +478,10 @@ def main(argv: list[str] | None = None) -> int:
         result, got, failed = spawn(argv, v, args)
         if failed:
             failures.append(failed)
-            if v == "plain" and k == 0:
+            if v == "plain" and k == 0 and not args.no_plain:
                 break  # nothing to compare with
             continue
-        if k == len(order) - 1:
+        if k == len(order) - 1 and not args.no_plain:
             last = result
         else:
             results[v] = result
@@ -474,34 +489,36 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {v}: {result.step_s * 1e3:.1f} ms/step", flush=True)
         if args.json:
             write_json(args.json, info, results, last, failures)
-    if "plain" not in results:
+    if "plain" not in results and not (args.no_plain and results):
         print("\n".join(failures), file=sys.stderr)
         return 1
-    flops, where = info["flops"], info["device"]
+    flops, where = info.get("flops"), info["device"]
     peak = peak_tflops(where, args.peak_tflops)
     print(
         f"{where}, torch {torch.__version__}; GPT {num_parameters(build(cfg, torch.device('meta'))) / 1e6:,.1f}M "
         f"parameters, {cfg.n_layer} layers, d_model {cfg.d_model}, micro-batch {micro_batch} x sequence "
-        f"{cfg.seq_len}; {flops / 1e12:.2f} TFLOP per step; {args.warmup} warm-up + 1 counted + {args.steps} timed"
+        f"{cfg.seq_len}; {'-' if flops is None else f'{flops / 1e12:.2f}'} TFLOP per step; {args.warmup} warm-up + "
+        f"1 counted + {args.steps} timed"
     )
-    base = results["plain"].step_s
+    base = results["plain"].step_s if "plain" in results else None
     if last is not None:
         print(f"plain again at the end: {last.step_s / base:.3f}x the first plain run (the noise in the ratios)")
     head = (
-        f"{'variant':<22} {'ms/step':>9} {'x plain':>8} {'warm-up s':>9} {'syncs':>6} {'cpu/wall':>8} "
+        f"{'variant':<22} {'ms/step':>9} {'x plain':>8} {'tokens/s':>9} {'warm-up s':>9} {'syncs':>6} {'cpu/wall':>8} "
         f"{'peak alloc':>11} {'reserved':>11} {'estimate':>11} {'/ est':>6} {'init peak':>11} {'TFLOP/s':>8} {'MFU':>6}"
     )
     print(head)
     for v, r in results.items():
-        tflops = flops / r.step_s / 1e12
+        tflops = None if flops is None else flops / r.step_s / 1e12
         print(
-            f"{v:<22} {r.step_s * 1e3:>9.1f} {r.step_s / base:>8.3f} {r.warmup_s:>9.1f} "
+            f"{v:<22} {r.step_s * 1e3:>9.1f} {'-' if base is None else f'{r.step_s / base:.3f}':>8} "
+            f"{r.tokens_per_s:>9.0f} {r.warmup_s:>9.1f} "
             f"{'-' if r.syncs_per_step is None else r.syncs_per_step:>6} {r.cpu_per_wall:>8.2f} "
             f"{fmt_bytes(r.peak_allocated) if r.peak_allocated is not None else '-':>11} "
             f"{fmt_bytes(r.peak_reserved) if r.peak_reserved is not None else '-':>11} "
             f"{fmt_bytes(r.estimate) if r.estimate is not None else '-':>11} {against_estimate(r):>6} "
-            f"{fmt_bytes(r.init_peak_allocated) if r.init_peak_allocated is not None else '-':>11} {tflops:>8.2f} "
-            f"{f'{tflops / peak:.1%}' if peak else '-':>6}"
+            f"{fmt_bytes(r.init_peak_allocated) if r.init_peak_allocated is not None else '-':>11} "
+            f"{'-' if tflops is None else f'{tflops:.2f}':>8} {f'{tflops / peak:.1%}' if peak and tflops else '-':>6}"
         )
     for fp8, bf16 in (("stage3:inductor:fp8", "stage3:inductor"), ("stage3:fp8", "stage3")):
         if fp8 in results and bf16 in results:  # fp8's goal: at most 0.80x on the llama3-8b shape (docs/fp8.md)

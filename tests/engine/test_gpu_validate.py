@@ -54,6 +54,7 @@ def test_the_tiny_run_trains_every_variant_to_plain_pytorchs_losses(tmp_path):
     for name, r in by_name.items():
         assert len(r["losses"]) == 2 + 1 + 3 and all(torch.isfinite(torch.tensor(r["losses"])))
         assert r["step_s"] > 0 and r["cpu_per_wall"] > 0
+        assert r["tokens_per_s"] == pytest.approx(2 * 32 / r["step_s"])  # micro-batch 2 x sequence 32 per step
         assert (r["syncs_per_step"] is None) == (":inductor" in name)  # no dispatch mode around a graph
         assert (r["estimate"] is None) == (name == "plain")
     for name, r in by_name.items():  # fused AdamW, clipping without reading the norm; the engine's step the same
@@ -82,6 +83,19 @@ def test_each_variant_runs_in_a_process_of_its_own(tmp_path):
     assert [r["variant"] for r in results["results"]] == ["plain", "stage3:nccl"]
     assert results["plain_drift"] > 0 and results["device"] == "CPU" and results["problems"] == []
     assert "plain again at the end" in done.stdout
+
+
+def test_without_plain_the_variants_run_and_report_tokens_per_second(tmp_path, capsys, monkeypatch):
+    """``--no-plain`` (the 8B run, whose plain PyTorch reference cannot fit the card): no ``plain`` run, no ratios
+    to it, the variant's step time and tokens/s."""
+    out = tmp_path / "results.json"
+    argv = ["--tiny", "--in-process", "--no-plain", "--variants", "stage3", "--steps", "1", "--warmup", "1"]
+    monkeypatch.setenv("SHARDTRAIN_DEVICE", "cpu")  # main sets it for --tiny; restored after the test
+    assert _module().main([*argv, "--json", str(out)]) == 0
+    (result,) = json.loads(out.read_text())["results"]
+    assert result["variant"] == "stage3" and result["tokens_per_s"] == pytest.approx(64 / result["step_s"])
+    (row,) = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("stage3 ")]
+    assert row[2] == "-" and float(row[3]) == pytest.approx(result["tokens_per_s"], rel=1e-2, abs=1)
 
 
 def test_a_loss_that_leaves_the_tolerance_is_named_with_its_step():
@@ -222,3 +236,107 @@ def test_the_llama3_8b_shape_builds_on_the_meta_device_and_the_planner_estimates
     assert est.peak["device"] > 16 * num_parameters(model)  # fp32 masters and Adam, bf16 weights and gradients
     overridden = module.shape(argparse.Namespace(**{**vars(args), "layers": 1, "seq": 1024}))[0]
     assert (overridden.n_layer, overridden.seq_len, overridden.d_model) == (1, 1024, 4096)
+
+
+# -- bench/longest_seq.py: the longest sequence each variant fits, [Note: the longest-sequence search] ----------
+
+LONGEST = ROOT / "bench" / "longest_seq.py"
+
+
+def _longest_module():
+    spec = importlib.util.spec_from_file_location("longest_seq", LONGEST)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("start", [256, 512, 1024])
+def test_the_search_finds_the_longest_fitting_length_for_every_boundary(start):
+    """Against a scan: for every boundary from below the start to past many doublings, the search returns the
+    longest multiple of the resolution that fits and the next one as the first that does not."""
+    module = _longest_module()
+    resolution = 256
+    for boundary in range(0, 40 * 1024, 128):  # lengths up to ``boundary`` fit
+
+        def probe(seq, boundary=boundary):
+            return module.Probe(seq, seq <= boundary, "" if seq <= boundary else "out of memory")
+
+        lo, hi, probes = module.longest_fitting(probe, start, resolution)
+        expected = boundary // resolution * resolution
+        if expected < start:
+            assert lo is None and hi.seq == start and len(probes) == 1
+            continue
+        assert lo.seq == expected and hi.seq == expected + resolution, (boundary, [q.seq for q in probes])
+        assert len({q.seq for q in probes}) == len(probes)  # no length probed twice
+
+
+def test_the_search_stops_at_a_crash_and_at_the_cap_and_refuses_a_start_off_the_resolution():
+    module = _longest_module()
+
+    def crashing(seq):  # fits to 3000, crashes (not out of memory) from 4096: no boundary to bisect towards
+        return module.Probe(seq, seq <= 3000, "" if seq <= 3000 else "failed (exit 1)")
+
+    lo, hi, probes = module.longest_fitting(crashing, 1024, 256)
+    assert (lo.seq, hi.seq, hi.conclusive, len(probes)) == (2048, 4096, False, 3)
+    lo, hi, _ = module.longest_fitting(lambda seq: module.Probe(seq, True), 1024, 256, max_seq=8192)
+    assert lo.seq == 8192 and hi is None
+    with pytest.raises(ValueError, match="multiple of the resolution"):
+        module.longest_fitting(lambda seq: module.Probe(seq, True), 1000, 256)
+
+
+def test_the_tiny_search_under_a_memory_limit_finds_the_boundary_and_reports_it(tmp_path):
+    """The tiny GPT on the CPU under a simulated 3 MiB device: the length reported fits under the limit, one
+    resolution more ran out of memory (the probe's own ``torch.OutOfMemoryError``, not a crash), the peaks of the
+    probes that fit grow with the length, and the JSON has the step time, tokens/s and ratio."""
+    out = tmp_path / "longest.json"
+    argv = ["--tiny", "--in-process", "--variants", "stage3", "--seq", "128", "--resolution", "32"]
+    argv += ["--memory-limit-mib", "3", "--warmup", "0", "--steps", "1", "--max-seq", "1024", "--json", str(out)]
+    done = subprocess.run([sys.executable, str(LONGEST), *argv], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    (found,) = json.loads(out.read_text())["variants"].values()
+    longest, too_long = found["longest"], found["first_too_long"]
+    assert found["limit"] == "out of memory above"
+    assert too_long["seq"] == longest["seq"] + 32 and too_long["reason"] == "out of memory"
+    assert 128 <= longest["seq"] < 1024 and longest["peak_bytes"] <= 3 * 2**20
+    fitting = sorted((q["seq"], q["peak_bytes"]) for q in found["probes"] if q["fits"])
+    assert [peak for _, peak in fitting] == sorted(peak for _, peak in fitting)
+    assert found["length_ratio"] == 1.0 and found["tokens_per_s"] == pytest.approx(
+        2 * longest["seq"] / longest["step_s"]
+    )
+    assert f"stage3 {longest['seq']:>8}"[:6] in done.stdout
+
+
+def test_the_second_device_command_fits_one_call_with_each_run_under_its_own_timeout():
+    """docs/benchmarks-gpu.md's second command (issue 51's 8B run and longest sequences): one line within the device
+    tool's 2,000 characters; each script run under a ``timeout`` of its own, together within a call's 600 s; the
+    scripts and the options it passes exist, and its variants are known."""
+    text = (ROOT / "docs" / "benchmarks-gpu.md").read_text()
+    block = text.split("## The second command", 1)[1].split("```", 2)[1]
+    (command,) = [line for line in block.splitlines() if line.strip()]
+    assert len(command) < 2000
+    runs = [part.strip() for part in command.split(";") if "bench/" in part]
+    assert [shlex.split(run)[3] for run in runs] == ["bench/gpu_validate.py", "bench/longest_seq.py"]
+    timeouts = [int(shlex.split(run)[1]) for run in runs if run.startswith("timeout ")]
+    assert len(timeouts) == len(runs) and sum(timeouts) <= 600 - 30  # 30 s for the install and nvidia-smi
+    known = _module().VARIANTS
+    for run in runs:
+        words = shlex.split(run.split("2>&1", 1)[0])
+        script = (ROOT / words[3]).read_text()
+        for option in (w for w in words[4:] if w.startswith("--")):
+            assert f'"{option}"' in script, (words[3], option)
+        variants = words[words.index("--variants") + 1].split(",")
+        assert set(variants) <= set(known), variants
+        assert "--json" in words and words[words.index("--json") + 1].startswith("$OUT/")
+
+
+@pytest.mark.soak  # suite time: a process per probe; the search itself is checked in process above
+def test_the_search_runs_each_probe_in_a_process_of_its_own(tmp_path):
+    out = tmp_path / "longest.json"
+    argv = ["--tiny", "--variants", "stage3", "--seq", "128", "--resolution", "64", "--memory-limit-mib", "3"]
+    argv += ["--warmup", "0", "--steps", "1", "--max-seq", "1024", "--probe-timeout", "120", "--json", str(out)]
+    done = subprocess.run([sys.executable, str(LONGEST), *argv], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    (found,) = json.loads(out.read_text())["variants"].values()
+    assert found["first_too_long"]["seq"] == found["longest"]["seq"] + 64
+    assert found["first_too_long"]["reason"] == "out of memory"
