@@ -43,7 +43,8 @@ adapter's rate put the data-parallel reductions of Megatron-LM's 1.7B model over
   module of the next forward that reads each bucket ([Note: gathers after the step] in ``zero/step_gather.py``):
   it hides behind the next step's first forward.
 * Tensor-, sequence- and expert-parallel collectives are on the critical path (each layer waits for its result):
-  exposed. So is the context-parallel ring (not overlapped in the engine yet) and the pipeline's p2p.
+  exposed (tensor parallelism as shardtrain runs it; other stacks' in [Note: how a stack runs its TP]). So is the
+  context-parallel ring (not overlapped in the engine yet) and the pipeline's p2p.
 * A pipeline step is the stage's micro-batches stretched by the bubble: ``/ (1 - (p-1)/(v m + p-1))``.
 * Activation checkpointing's recompute is in the fake run itself (the checkpointed forward runs again in backward).
 * The optimizer step is memory-bound: Adam reads and writes 28 bytes per fp32 element stepped (parameter, gradient,
@@ -89,6 +90,18 @@ other memory-bound operators (reductions, copies, indexing) are charged as in ea
 fusion saves where a pointwise input comes from memory, an upper bound where the chain's intermediate outputs are
 never written; no compiled step has been timed against it yet.
 
+[Note: how a stack runs its TP]
+``tp_style`` says how the layout's tensor parallelism runs. ``shardtrain`` (the engine's): each block's all-reduce
+exposed, and the operators between the parallel regions (norms, residual adds, dropout) run on the whole sequence on
+every rank. ``sequence-parallel`` (Megatron-LM's ``--sequence-parallel``, torchtitan's ``SequenceParallel``): the
+all-reduce becomes a reduce-scatter and an all-gather over the sequence (the same bus bytes, ``2 (n-1)`` ring steps),
+and those operators run on ``1/tp`` of it: a memory-bound operator whose output's last dimension is the model's
+hidden size takes ``1/tp`` of the fake run's time (inside the parallel regions the widths are split already).
+``sequence-parallel-overlap`` adds the overlap of those collectives with the matmuls next to them (Megatron's
+``--tp-comm-overlap``, NeMo's default; torchtitan's Async TP): per micro-batch, forward and backward apart, the
+exposed part is ``max(0, TP collectives - matmul time)``. The slowdown of a matmul that shares the GPU with a
+collective is left out. Without this, every published tp 4-8 row was predicted 0.53-0.86x (docs/planner.md).
+
 Left out: stragglers, congestion, kernels the fake run cannot see (fused kernels of a compiler), and the host's
 Python time beyond the per-operator overhead.
 """
@@ -107,6 +120,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
+from shardtrain.errors import LayoutError
 from shardtrain.estimate import wire
 from shardtrain.estimate.cluster import Cluster
 from shardtrain.estimate.source import ModelSource, loss_of
@@ -156,6 +170,8 @@ class Op:
     """Its outputs' bytes (a fused pointwise operator's only traffic)."""
     shapes: tuple[tuple[int, int], ...] = ()
     """A matmul's operands' and output's last two dimensions ([Note: fp8 matmuls])."""
+    width: int = 0
+    """Its first output's last dimension ([Note: how a stack runs its TP])."""
 
 
 @dataclass
@@ -204,7 +220,9 @@ class _WorkCounter(TorchDispatchMode):
         pointwise = torch.Tag.pointwise in func.tags
         out_bytes = _bytes((), {}, out) if moved and pointwise else 0
         shapes = _matrix_shapes(args, out) if kind == "matmul" else ()
-        op = Op(kind, int(flops), nbytes, self.backward, metadata_only, pointwise, out_bytes, shapes)
+        first = next((t for t in tree_leaves(out) if isinstance(t, torch.Tensor)), None)
+        width = int(first.shape[-1]) if first is not None and first.dim() else 0
+        op = Op(kind, int(flops), nbytes, self.backward, metadata_only, pointwise, out_bytes, shapes, width)
         self.work.ops[op] += 1
         if not self.backward:
             self.work.forward_flops += int(flops)
@@ -507,20 +525,32 @@ class StepInputs:
     """Context-parallel ring: bytes sent and reduce-scattered per step ([Note: why not torch's context_parallel])."""
     boundary_bytes: int = 0
     """Pipeline: one micro-batch's activation at a stage boundary (sent forward, its gradient back)."""
+    tp_style: str = "shardtrain"
+    """How the tensor parallelism runs: one of :data:`TP_STYLES` ([Note: how a stack runs its TP])."""
+    hidden: int = 0
+    """The model's hidden size (the width of the operators sequence parallelism splits; 0: unknown)."""
 
 
 def step_time(work: MicroBatchWork, zero: ZeroTraffic, s: StepInputs, cluster: Cluster) -> TimeEstimate:
     """The step of one layout on ``cluster`` ([Note: the roofline], [Note: the alpha-beta model], [Note: what
     overlaps])."""
     eff = cluster.efficiencies
+    if s.tp_style not in TP_STYLES:
+        raise LayoutError(f"tp_style {s.tp_style!r}: expected one of {', '.join(TP_STYLES)}")
     place = Placement(s.world, s.tp, s.sp, s.cp, s.ep, s.pp, s.shard)
+    split_sequence = s.tp > 1 and s.tp_style != "shardtrain" and s.hidden > 0  # [Note: how a stack runs its TP]
     fwd = bwd = 0.0
+    matmul = {False: 0.0, True: 0.0}  # by phase (backward?): what TP's collectives may hide behind
     times: dict[Op, float] = {}
     for op, n in work.ops.items():
         if op not in times:
             fp8 = s.fp8 and (s.float8_linears is None or _is_float8_matmul(op, s.float8_linears))
             times[op] = op_time(op, cluster, s.dtype, fp8, s.compile)
         t = times[op] * n * (s.cp if op.kind == "attention" else 1)  # [Note: attention under context parallelism]
+        if split_sequence and op.kind == "memory" and op.width == s.hidden:
+            t /= s.tp
+        if op.kind == "matmul":
+            matmul[op.backward] += t
         if op.backward:
             bwd += t
         else:
@@ -528,8 +558,18 @@ def step_time(work: MicroBatchWork, zero: ZeroTraffic, s: StepInputs, cluster: C
     share = s.layer_share
     fwd, bwd = fwd * share, bwd * share
     model_comm = Counter()
+    tp_comm = {False: 0.0, True: 0.0}
     for c in work.collectives:
-        model_comm[c.axis] += collective_time(c.kind, c.nbytes, c.size, place.span(c.axis), cluster) * share
+        if c.axis == "tp" and c.kind == "all_reduce" and s.tp_style != "shardtrain":  # a reduce-scatter + all-gather
+            t = sum(collective_time(k, c.nbytes / 2, c.size, place.span("tp"), cluster) for k in _SP_HALVES)
+        else:
+            t = collective_time(c.kind, c.nbytes, c.size, place.span(c.axis), cluster)
+        if c.axis == "tp" and s.tp_style == "sequence-parallel-overlap":
+            tp_comm[c.backward] += t * share
+        else:
+            model_comm[c.axis] += t * share
+    if s.tp_style == "sequence-parallel-overlap":
+        model_comm["tp"] += sum(max(0.0, tp_comm[b] - matmul[b] * share) for b in (False, True))
     zspan = place.span("zero")
 
     def zero_time(kinds: dict[str, int]) -> float:
@@ -578,6 +618,11 @@ def step_time(work: MicroBatchWork, zero: ZeroTraffic, s: StepInputs, cluster: C
     return TimeEstimate(step, tokens / step / s.world, model_flops / step / peak, exposed, parts)
 
 
+TP_STYLES = ("shardtrain", "sequence-parallel", "sequence-parallel-overlap")
+"""How a layout's tensor parallelism runs ([Note: how a stack runs its TP])."""
+_SP_HALVES = ("reduce_scatter", "all_gather")
+
+
 ADAM_BYTES_PER_ELEMENT = 28
 """Adam on fp32 masters: parameter, gradient and two moments read, parameter and two moments written
 (docs/benchmarks-gpu.md, 'The floor of a host step')."""
@@ -614,6 +659,7 @@ def sum_kinds(items: Iterable[wire.Collective]) -> dict[tuple[str, str], int]:
 
 __all__ = [
     "HOST_STEP_BYTES_PER_ELEMENT",
+    "TP_STYLES",
     "MicroBatchWork",
     "Op",
     "StepInputs",
