@@ -259,6 +259,19 @@ def test_views_are_charged_no_bytes_and_no_host_overhead():
     assert all(op.nbytes == 0 and op.flops == 0 for op in work.ops if op.metadata_only)
 
 
+def test_the_offloaded_host_steps_bytes_are_the_one_pass_steps_own_figure():
+    """The time model reads the host step's bytes per element from ``offload/one_pass.py`` (no copy of the docs'
+    34): the figure there, plus the bf16 fragment, is what a host step is charged."""
+    from shardtrain.estimate import timing
+    from shardtrain.offload import one_pass
+
+    assert timing.HOST_STEP_BYTES_PER_ELEMENT is one_pass.HOST_STEP_BYTES_PER_ELEMENT == 32
+    cluster = cluster_from_dict({"gpu": "H200", "gpus_per_node": 1, "host_gb_s": 10})
+    inputs = _inputs(world=1, dp=1, stepped_elements=10**9, offload_optimizer="cpu")
+    step = step_time(MicroBatchWork(), ZeroTraffic({}, {}, {}), inputs, cluster).parts["optimizer step"]
+    assert step == pytest.approx(10**9 * (one_pass.HOST_STEP_BYTES_PER_ELEMENT + 2) / 10e9)
+
+
 def test_the_offloaded_host_step_is_its_bytes_over_the_host_bandwidth_and_nvme_adds_its_swaps():
     """Optimizer offload: the host step moves 34 bytes per stepped element (bf16: one pass, docs/offload.md) at the
     profile's ``host_gb_s``, shared by a node's ranks; NVMe offload adds its swap bytes at ``nvme_gb_s``."""

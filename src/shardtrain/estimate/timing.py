@@ -125,6 +125,7 @@ from shardtrain.estimate import wire
 from shardtrain.estimate.cluster import Cluster
 from shardtrain.estimate.source import ModelSource, loss_of
 from shardtrain.estimate.state import RankState, UnitSize
+from shardtrain.offload.one_pass import HOST_STEP_BYTES_PER_ELEMENT
 
 aten = torch.ops.aten
 
@@ -626,10 +627,6 @@ _SP_HALVES = ("reduce_scatter", "all_gather")
 ADAM_BYTES_PER_ELEMENT = 28
 """Adam on fp32 masters: parameter, gradient and two moments read, parameter and two moments written
 (docs/benchmarks-gpu.md, 'The floor of a host step')."""
-HOST_STEP_BYTES_PER_ELEMENT = 32
-"""The offloaded host step in one pass: gradient, master and both moments, each fp32, read and written once
-(docs/offload.md, 'The host step in one pass': 34 bytes a parameter with the bf16 fragment written, which is added
-for a half-precision compute dtype). ``offload/one_pass.py`` exposes no figure of its own to read."""
 
 
 def _optimizer_time(s: StepInputs, cluster: Cluster) -> tuple[float, float, float]:
