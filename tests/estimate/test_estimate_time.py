@@ -493,6 +493,23 @@ def test_schedule_sets_the_pipeline_bubble_and_unknown_ones_are_refused(capsys):
     assert "needs stages_per_rank of 2" in _refused(capsys, "--pp", "2", "--schedule", "Interleaved1F1B")
 
 
+def test_the_schedule_is_honoured_where_the_config_sets_the_pipeline(capsys, tmp_path):
+    """A config's ``pipeline_parallel_size`` is a pipeline as ``--pp`` is: its ``pipeline.schedule`` sets the
+    bubble, and ``--schedule`` (refused before unless ``--pp`` was given) overrides it."""
+    path = tmp_path / "ds.json"
+    pipe = ("--world", "4", "--stage", "1", "--global-batch", "16", "--config", str(path))
+    m = 16 // (2 * 2)
+    path.write_text(json.dumps({"pipeline_parallel_size": 2, "pipeline": {"schedule": "Interleaved1F1B",
+                                                                          "stages_per_rank": 2}}))  # fmt: skip
+    from_config = _step(capsys, *pipe)
+    assert from_config["layout"]["schedule"] == "Interleaved1F1B"
+    assert from_config["pipeline_bubble"] == pytest.approx(1 / (2 * m + 1))
+    path.write_text(json.dumps({"pipeline_parallel_size": 2}))
+    flagged = _step(capsys, *pipe, "--schedule", "interleaved1f1b", "--stages-per-rank", "2")
+    assert flagged["layout"]["schedule"] == "Interleaved1F1B" and flagged["layout"]["pp"] == 2
+    assert flagged["pipeline_bubble"] == pytest.approx(1 / (2 * m + 1))
+
+
 def test_global_batch_sets_the_accumulation_and_refuses_a_batch_it_cannot_make_up(capsys):
     """``--global-batch``: micro-batch x accumulation x dp equals it; a batch no accumulation makes up is refused
     with its numbers."""

@@ -206,8 +206,11 @@ def _overrides(args: argparse.Namespace) -> dict:
     return {k: v for k, v in pairs.items() if v is not None}
 
 
-def _check_speed_flags(args: argparse.Namespace) -> None:
-    """Refuse the speed settings that contradict each other, by name."""
+def _check_speed_flags(args: argparse.Namespace, raw: dict) -> None:
+    """Refuse the speed settings that contradict each other, by name. The pipeline's size is ``--pp`` or, without
+    it, the config's ``pipeline_parallel_size``: ``--schedule`` applies wherever either sets one."""
+    config_pp = raw.get("pipeline_parallel_size")
+    pp = args.pp or (config_pp if isinstance(config_pp, int) else 1)
     if args.ac is not None and args.ac != "full" and args.checkpointing:
         raise ShardtrainError(f"--checkpointing is --ac full; it contradicts --ac {args.ac}: give one")
     if args.schedule is not None:
@@ -217,9 +220,9 @@ def _check_speed_flags(args: argparse.Namespace) -> None:
                 f"--schedule {args.schedule!r} is not built; use one of {', '.join(PIPELINE_SCHEDULES)}"
             )
         args.schedule = known[args.schedule.lower()]
-        if not args.pp or args.pp < 2:
+        if pp < 2:
             raise ShardtrainError("--schedule names a pipeline schedule: give --pp 2 or more with it")
-    if args.stages_per_rank is not None and (not args.pp or args.pp < 2):
+    if args.stages_per_rank is not None and pp < 2:
         raise ShardtrainError("--stages-per-rank is a pipeline setting: give --pp 2 or more with it")
 
 
@@ -273,7 +276,7 @@ def _run(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ShardtrainError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
-    _check_speed_flags(args)
+    _check_speed_flags(args, raw)
     cluster = _cluster(args)
     world = args.world or (cluster.world if cluster is not None and (args.gpu or args.cluster) else None)
     if args.budget is None:
