@@ -535,3 +535,21 @@ def test_the_budget_search_tries_micro_batches_and_checkpointing_within_the_glob
     assert {str(e["layout"]["checkpointing"]) for e in fits} == {"False", "selective", "True"}
     speeds = [e["tokens_per_s_per_gpu"] for e in fits]
     assert speeds == sorted(speeds, reverse=True)
+
+
+def test_offloads_copies_hide_behind_backward_and_the_host_step():
+    """[Note: overlapped offload]: the fp32 gradients' copy down hides behind the last backward, the fp32 masters'
+    copy up behind the host step; only what each cannot cover is exposed (charged in series before)."""
+    cluster = cluster_from_dict({"gpu": "H200", "gpus_per_node": 1, "host_gb_s": 10, "pcie_gb_s": 20})
+    n = 10**9
+    down = up = n * 4 / 20e9  # 0.2 s each way
+    host = n * 34 / 10e9  # 3.4 s: covers the copy up
+    work = MicroBatchWork()
+    work.ops[Op("memory", 0, 10**11, True)] += 1  # a backward of 10**11 bytes
+    backward = op_time(Op("memory", 0, 10**11, True), cluster, "bf16")
+    assert 0 < backward < down  # the case the test is built for: the copy down sticks out of backward
+    inputs = _inputs(world=1, dp=1, micro_batches=1, stepped_elements=n, offload_optimizer="cpu")
+    parts = step_time(work, ZeroTraffic({}, {}, {}), inputs, cluster).parts
+    assert parts["optimizer step"] == pytest.approx(host)
+    assert parts["offload copies"] == pytest.approx(down - backward)
+    assert up < host
