@@ -553,3 +553,26 @@ def test_offloads_copies_hide_behind_backward_and_the_host_step():
     assert parts["optimizer step"] == pytest.approx(host)
     assert parts["offload copies"] == pytest.approx(down - backward)
     assert up < host
+
+
+@pytest.mark.soak  # fake runs of a 1.3B-parameter GPT: minutes on the shared 2-core machine
+def test_the_h200_validation_runs_are_predicted_within_15_percent_from_the_shipped_profile():
+    """docs/benchmarks-gpu.md's measured H200 steps (the 1.3B GPT, world 1: plain and stages 0-3, and optimizer
+    offload with overlapped copies), predicted from the shipped H200 profile (``bench/bench_planner_time.py
+    --h200``), each within 15%."""
+    import importlib.util
+    import re
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("bench_planner_time", root / "bench" / "bench_planner_time.py")
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench
+    spec.loader.exec_module(bench)
+    doc = (root / "docs" / "benchmarks-gpu.md").read_text()
+    assert re.search(r"\| 4 \(overlapped copies\) \| stage2:offload \| 772 \|", doc)  # the figure the bench copies
+    table = bench.h200_check()
+    ratios = {cells[0]: float(cells[3]) for cells in (line.strip("| ").split(" | ") for line in table.splitlines()[2:])}
+    assert len(ratios) == 5
+    assert all(0.85 <= r <= 1.15 for r in ratios.values()), ratios
