@@ -225,3 +225,23 @@ def test_sequence_parallel_tp_runs_the_hidden_wide_operators_on_a_slice_of_the_s
     assert overlap["tp collectives"] == pytest.approx(halves[False] - matmul[False])
     with pytest.raises(LayoutError, match="tp_style 'megatron'"):
         _tp_step("megatron", work, cluster)
+
+
+def test_the_cli_takes_a_tp_style_and_refuses_an_unknown_one(capsys, monkeypatch):
+    """``--tp-style``: the overlapped sequence-parallel style exposes less tp communication than shardtrain's own on
+    the same layout; a name it does not know is refused by argparse, by name."""
+    import json
+
+    from shardtrain.cli import main as cli_main
+
+    base = ["estimate", "test_estimate_time:tiny_llama", "--seq-len", "16", "--gpu", "H200", "--time", "--world", "2",
+            "--tp", "2", "--dtype", "bf16", "--json"]  # fmt: skip
+    monkeypatch.syspath_prepend(str(ROOT / "tests" / "estimate"))  # the model factory's module
+    parts = {}
+    for style in ("shardtrain", "sequence-parallel-overlap"):
+        assert cli_main([*base, "--tp-style", style]) == 0
+        parts[style] = json.loads(capsys.readouterr().out)["parts_s"]
+    assert parts["sequence-parallel-overlap"]["tp collectives"] < parts["shardtrain"]["tp collectives"]
+    with pytest.raises(SystemExit):
+        cli_main([*base, "--tp-style", "megatron"])
+    assert "invalid choice: 'megatron'" in capsys.readouterr().err

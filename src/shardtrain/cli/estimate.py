@@ -25,6 +25,7 @@ from shardtrain.estimate.planner import (
     why_slower,
     with_global_batch,
 )
+from shardtrain.estimate.timing import TP_STYLES
 
 EPILOG = """examples:
   shardtrain estimate meta-llama/config.json --world 8 --stage 3 --dtype bf16 --micro-batch 1 --seq-len 4096
@@ -108,6 +109,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--schedule",
         help=f"with --pp: the pipeline schedule (the pipeline section's names: {', '.join(PIPELINE_SCHEDULES)})",
+    )
+    parser.add_argument(
+        "--tp-style",
+        choices=TP_STYLES,
+        help="how the tensor parallelism runs, for the time: shardtrain's (default), or another stack's sequence "
+        "parallelism, with its TP communication overlapped behind the matmuls or not (docs/planner.md)",
     )
     parser.add_argument(
         "--stages-per-rank", type=int, help="with --pp: stages per pipeline rank (Interleaved1F1B, LoopedBFS: 2+)"
@@ -202,6 +209,7 @@ def _overrides(args: argparse.Namespace) -> dict:
         "compile": True if args.compile else None,
         "schedule": args.schedule,
         "stages_per_rank": args.stages_per_rank,
+        "tp_style": args.tp_style,
     }
     return {k: v for k, v in pairs.items() if v is not None}
 
@@ -413,7 +421,7 @@ def _fit_text(fit: dict, seq_len: int) -> str:
 
 
 SEARCH_OVERRIDES = ("dtype", "micro_batch", "sp", "pp", "cp", "checkpointing", "fp8", "compile", "schedule")
-SEARCH_OVERRIDES += ("stages_per_rank",)
+SEARCH_OVERRIDES += ("stages_per_rank", "tp_style")
 """The options a ``--budget`` search keeps fixed for every layout it tries."""
 
 
