@@ -94,7 +94,7 @@ def layout_of(run: dict[str, Any], sources: dict[str, Any]) -> Any:
         run["gpus"], stage=run["stage"], tp=run["tp"], pp=run["pp"], cp=run["cp"],
         schedule=run.get("schedule", "1F1B"), stages_per_rank=run.get("vp", 1), fp8=fp8, dtype="bf16",
         micro_batch=run["micro_batch"], seq_len=run["seq_len"], checkpointing=checkpointing,
-        compile=fused(run, sources),
+        compile=fused(run, sources), tp_style=run.get("tp_style", "shardtrain"),
     )  # fmt: skip
     from shardtrain.estimate.planner import with_global_batch
 
@@ -165,6 +165,9 @@ def describe(run: dict[str, Any], sources: dict[str, Any]) -> str:
     if run.get("vp", 1) > 1:
         parts.append(f"vp {run['vp']}")
     extras = [run["precision"]]
+    style = run.get("tp_style", "shardtrain")
+    if run["tp"] > 1 and style != "shardtrain":  # [Note: how a stack runs its TP] in estimate/timing.py
+        extras.append("SP, TP comm overlapped" if style == "sequence-parallel-overlap" else "SP")
     if fused(run, sources):
         extras.append("compile" if run["compile"] else "fused kernels")
     if run["ac"] != "none":

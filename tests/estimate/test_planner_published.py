@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from shardtrain.estimate.cluster import builtin_cluster
-from shardtrain.estimate.timing import MicroBatchWork, Op, StepInputs, ZeroTraffic, collective_time, step_time
+from shardtrain.estimate.timing import MicroBatchWork, Op, StepInputs, ZeroTraffic, collective_time, op_time, step_time
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "planner.md"
@@ -171,3 +171,77 @@ def test_a_group_across_nodes_crosses_on_an_adapter_per_rank_it_has_in_a_node():
     assert rate(8, 8) == pytest.approx(450)
     wide = builtin_cluster("H100-SXM", 16, 2)  # 16 adapters a node would be 800 GB/s: NVLink's 450 is the ceiling
     assert nbytes / (collective_time("all_gather", nbytes, 32, 32, wide) - 31 * 5e-6) / link / 1e9 == pytest.approx(450)
+
+
+def _tp_block(hidden: int) -> MicroBatchWork:
+    """One block's work at tp 4 with hand-set sizes: a matmul, a norm over the hidden size, a pointwise operator on
+    the split width, forward and backward, and the block's all-reduce in each phase."""
+    from shardtrain.estimate.wire import Collective
+
+    work = MicroBatchWork()
+    for backward in (False, True):
+        work.ops[Op("matmul", 2 * 10**12, 10**6, backward, shapes=((1, 1),), width=hidden // 4)] += 1
+        work.ops[Op("memory", 0, 4 * 10**9, backward, width=hidden)] += 1  # norm / residual: the whole hidden
+        work.ops[Op("memory", 0, 2 * 10**9, backward, width=hidden // 4)] += 1  # inside the parallel region
+        # forward's collective longer than its matmul, backward's shorter: the overlap hides only what fits
+        work.collectives.append(Collective("all_reduce", "tp", 4, (5 if backward else 20) * 10**8, backward))
+    return work
+
+
+def _tp_step(style: str, work: MicroBatchWork, cluster) -> dict[str, float]:
+    inputs = StepInputs(world=4, dp=1, micro_batch=1, seq_len=8, micro_batches=1, dtype="bf16", tp=4, hidden=64,
+                        tp_style=style)  # fmt: skip
+    return step_time(work, ZeroTraffic({}, {}, {}), inputs, cluster).parts
+
+
+def test_sequence_parallel_tp_runs_the_hidden_wide_operators_on_a_slice_of_the_sequence():
+    """[Note: how a stack runs its TP]: Megatron-style sequence parallelism charges the operators whose output is
+    the hidden size 1/tp of their time (the split-width ones and the matmuls unchanged) and the all-reduce as a
+    reduce-scatter plus an all-gather of the same bus bytes; the overlapped style exposes per phase only what the
+    phase's matmuls cannot cover."""
+    from shardtrain.errors import LayoutError
+
+    cluster = builtin_cluster("H100-SXM", 8)
+    work = _tp_block(64)
+    ops = {op: op_time(op, cluster, "bf16") for op in work.ops}
+    times = {(op.kind, op.width, op.backward): t for op, t in ops.items()}
+    plain = _tp_step("shardtrain", work, cluster)
+    sp = _tp_step("sequence-parallel", work, cluster)
+    overlap = _tp_step("sequence-parallel-overlap", work, cluster)
+    for phase, backward in (("forward", False), ("backward", True)):
+        whole = times["memory", 64, backward]
+        assert plain[phase] == pytest.approx(sum(t for k, t in times.items() if k[2] == backward))
+        assert plain[phase] - sp[phase] == pytest.approx(whole * 3 / 4)
+        assert overlap[phase] == pytest.approx(sp[phase])
+    halves = {
+        b: sum(collective_time(k, c.nbytes / 2, 4, 4, cluster) for k in ("reduce_scatter", "all_gather"))
+        for c in work.collectives
+        for b in [c.backward]
+    }
+    assert sp["tp collectives"] == pytest.approx(halves[False] + halves[True])
+    assert sp["tp collectives"] > plain["tp collectives"]  # 2 (n - 1) ring steps, not the tree's 2 log2 n
+    matmul = {b: times["matmul", 16, b] for b in (False, True)}
+    assert halves[False] > matmul[False] and halves[True] < matmul[True]  # the case the test is built for
+    assert overlap["tp collectives"] == pytest.approx(halves[False] - matmul[False])
+    with pytest.raises(LayoutError, match="tp_style 'megatron'"):
+        _tp_step("megatron", work, cluster)
+
+
+def test_the_cli_takes_a_tp_style_and_refuses_an_unknown_one(capsys, monkeypatch):
+    """``--tp-style``: the overlapped sequence-parallel style exposes less tp communication than shardtrain's own on
+    the same layout; a name it does not know is refused by argparse, by name."""
+    import json
+
+    from shardtrain.cli import main as cli_main
+
+    base = ["estimate", "test_estimate_time:tiny_llama", "--seq-len", "16", "--gpu", "H200", "--time", "--world", "2",
+            "--tp", "2", "--dtype", "bf16", "--json"]  # fmt: skip
+    monkeypatch.syspath_prepend(str(ROOT / "tests" / "estimate"))  # the model factory's module
+    parts = {}
+    for style in ("shardtrain", "sequence-parallel-overlap"):
+        assert cli_main([*base, "--tp-style", style]) == 0
+        parts[style] = json.loads(capsys.readouterr().out)["parts_s"]
+    assert parts["sequence-parallel-overlap"]["tp collectives"] < parts["shardtrain"]["tp collectives"]
+    with pytest.raises(SystemExit):
+        cli_main([*base, "--tp-style", "megatron"])
+    assert "invalid choice: 'megatron'" in capsys.readouterr().err

@@ -25,6 +25,7 @@ from shardtrain.estimate.planner import (
     why_slower,
     with_global_batch,
 )
+from shardtrain.estimate.timing import TP_STYLES
 
 EPILOG = """examples:
   shardtrain estimate meta-llama/config.json --world 8 --stage 3 --dtype bf16 --micro-batch 1 --seq-len 4096
@@ -108,6 +109,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--schedule",
         help=f"with --pp: the pipeline schedule (the pipeline section's names: {', '.join(PIPELINE_SCHEDULES)})",
+    )
+    parser.add_argument(
+        "--tp-style",
+        choices=TP_STYLES,
+        help="how the tensor parallelism runs, for the time: shardtrain's (default), or another stack's sequence "
+        "parallelism, with its TP communication overlapped behind the matmuls or not (docs/planner.md)",
     )
     parser.add_argument(
         "--stages-per-rank", type=int, help="with --pp: stages per pipeline rank (Interleaved1F1B, LoopedBFS: 2+)"
@@ -202,12 +209,16 @@ def _overrides(args: argparse.Namespace) -> dict:
         "compile": True if args.compile else None,
         "schedule": args.schedule,
         "stages_per_rank": args.stages_per_rank,
+        "tp_style": args.tp_style,
     }
     return {k: v for k, v in pairs.items() if v is not None}
 
 
-def _check_speed_flags(args: argparse.Namespace) -> None:
-    """Refuse the speed settings that contradict each other, by name."""
+def _check_speed_flags(args: argparse.Namespace, raw: dict) -> None:
+    """Refuse the speed settings that contradict each other, by name. The pipeline's size is ``--pp`` or, without
+    it, the config's ``pipeline_parallel_size``: ``--schedule`` applies wherever either sets one."""
+    config_pp = raw.get("pipeline_parallel_size")
+    pp = args.pp or (config_pp if isinstance(config_pp, int) else 1)
     if args.ac is not None and args.ac != "full" and args.checkpointing:
         raise ShardtrainError(f"--checkpointing is --ac full; it contradicts --ac {args.ac}: give one")
     if args.schedule is not None:
@@ -217,9 +228,9 @@ def _check_speed_flags(args: argparse.Namespace) -> None:
                 f"--schedule {args.schedule!r} is not built; use one of {', '.join(PIPELINE_SCHEDULES)}"
             )
         args.schedule = known[args.schedule.lower()]
-        if not args.pp or args.pp < 2:
+        if pp < 2:
             raise ShardtrainError("--schedule names a pipeline schedule: give --pp 2 or more with it")
-    if args.stages_per_rank is not None and (not args.pp or args.pp < 2):
+    if args.stages_per_rank is not None and pp < 2:
         raise ShardtrainError("--stages-per-rank is a pipeline setting: give --pp 2 or more with it")
 
 
@@ -273,7 +284,7 @@ def _run(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ShardtrainError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
-    _check_speed_flags(args)
+    _check_speed_flags(args, raw)
     cluster = _cluster(args)
     world = args.world or (cluster.world if cluster is not None and (args.gpu or args.cluster) else None)
     if args.budget is None:
@@ -410,7 +421,7 @@ def _fit_text(fit: dict, seq_len: int) -> str:
 
 
 SEARCH_OVERRIDES = ("dtype", "micro_batch", "sp", "pp", "cp", "checkpointing", "fp8", "compile", "schedule")
-SEARCH_OVERRIDES += ("stages_per_rank",)
+SEARCH_OVERRIDES += ("stages_per_rank", "tp_style")
 """The options a ``--budget`` search keeps fixed for every layout it tries."""
 
 

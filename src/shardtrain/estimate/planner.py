@@ -122,6 +122,9 @@ class Candidate:
     compile: bool = False
     """``torch.compile`` of the model: changes the predicted time only ([Note: what compile changes] in
     :mod:`.timing`), not the memory."""
+    tp_style: str = "shardtrain"
+    """How the tensor parallelism runs (``shardtrain``, ``sequence-parallel``, ``sequence-parallel-overlap``): the
+    time only, for layouts of other stacks ([Note: how a stack runs its TP] in :mod:`.timing`)."""
 
     @property
     def dims(self) -> ParallelDims:
@@ -690,6 +693,8 @@ def time_prepared(prep: _Prepared, est: MemoryEstimate, cluster: Cluster, cache:
         ring_bytes=ring,
         # a stage sends each rank's share of the sequence ([Note: a sequence split in a pipeline] in the engine)
         boundary_bytes=layout.micro_batch * (layout.seq_len // (layout.cp * layout.sp)) * prep.hidden * itemsize,
+        tp_style=layout.tp_style,
+        hidden=prep.hidden,
     )
     return step_time(work, traffic, inputs, cluster)
 

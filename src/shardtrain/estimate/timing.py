@@ -43,16 +43,20 @@ adapter's rate put the data-parallel reductions of Megatron-LM's 1.7B model over
   module of the next forward that reads each bucket ([Note: gathers after the step] in ``zero/step_gather.py``):
   it hides behind the next step's first forward.
 * Tensor-, sequence- and expert-parallel collectives are on the critical path (each layer waits for its result):
-  exposed. So is the context-parallel ring (not overlapped in the engine yet) and the pipeline's p2p.
+  exposed (tensor parallelism as shardtrain runs it; other stacks' in [Note: how a stack runs its TP]). So is the
+  context-parallel ring (not overlapped in the engine yet) and the pipeline's p2p.
 * A pipeline step is the stage's micro-batches stretched by the bubble: ``/ (1 - (p-1)/(v m + p-1))``.
 * Activation checkpointing's recompute is in the fake run itself (the checkpointed forward runs again in backward).
 * The optimizer step is memory-bound: Adam reads and writes 28 bytes per fp32 element stepped (parameter, gradient,
   two moments in; parameter, moments out) plus the compute-dtype copy. With optimizer offload it is the host step
   in one pass ([Note: one pass over a sub-group] in ``offload/one_pass.py``): :data:`HOST_STEP_BYTES_PER_ELEMENT`
-  over the cluster's ``host_gb_s``, shared by a node's ranks, after the gradients' copy down and before the
-  parameters' copy up (PCIe). NVMe offload adds the swap files' bytes (optimizer state read and written once per
-  step; parameter shards read for each micro-batch's forward and backward, written after the step) at
-  ``nvme_gb_s``, not overlapped (the sub-groups' swaps are waited for between steps).
+  over the cluster's ``host_gb_s``, shared by a node's ranks. Its PCIe copies overlap ([Note: overlapped offload]
+  in ``offload/host_copies.py``): the fp32 gradients' copy down behind the last backward, the fp32 masters' copy up
+  (rounded on the device) behind the host step of the next sub-group; what does not fit is exposed. Charged in
+  series, the H200 validation's offload step was predicted 1.22x its measured 772 ms. NVMe offload adds the swap
+  files' bytes (optimizer state read and written once per step; parameter shards read for each micro-batch's
+  forward and backward, written after the step) at ``nvme_gb_s``, not overlapped (the sub-groups' swaps are waited
+  for between steps).
 * Hybrid sharding's replica all-reduce (each rank's gradient shard over the ``zero / shard`` replicas, once per step
   at the boundary, [Note: hybrid gradient reduction] in ``zero/reducer.py``) hides behind the last backward as the
   boundary reduction does, in what is left of it.
@@ -89,6 +93,18 @@ other memory-bound operators (reductions, copies, indexing) are charged as in ea
 fusion saves where a pointwise input comes from memory, an upper bound where the chain's intermediate outputs are
 never written; no compiled step has been timed against it yet.
 
+[Note: how a stack runs its TP]
+``tp_style`` says how the layout's tensor parallelism runs. ``shardtrain`` (the engine's): each block's all-reduce
+exposed, and the operators between the parallel regions (norms, residual adds, dropout) run on the whole sequence on
+every rank. ``sequence-parallel`` (Megatron-LM's ``--sequence-parallel``, torchtitan's ``SequenceParallel``): the
+all-reduce becomes a reduce-scatter and an all-gather over the sequence (the same bus bytes, ``2 (n-1)`` ring steps),
+and those operators run on ``1/tp`` of it: a memory-bound operator whose output's last dimension is the model's
+hidden size takes ``1/tp`` of the fake run's time (inside the parallel regions the widths are split already).
+``sequence-parallel-overlap`` adds the overlap of those collectives with the matmuls next to them (Megatron's
+``--tp-comm-overlap``, NeMo's default; torchtitan's Async TP): per micro-batch, forward and backward apart, the
+exposed part is ``max(0, TP collectives - matmul time)``. The slowdown of a matmul that shares the GPU with a
+collective is left out. Without this, every published tp 4-8 row was predicted 0.53-0.86x (docs/planner.md).
+
 Left out: stragglers, congestion, kernels the fake run cannot see (fused kernels of a compiler), and the host's
 Python time beyond the per-operator overhead.
 """
@@ -107,10 +123,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
+from shardtrain.errors import LayoutError
 from shardtrain.estimate import wire
 from shardtrain.estimate.cluster import Cluster
 from shardtrain.estimate.source import ModelSource, loss_of
 from shardtrain.estimate.state import RankState, UnitSize
+from shardtrain.offload.one_pass import HOST_STEP_BYTES_PER_ELEMENT
 
 aten = torch.ops.aten
 
@@ -156,6 +174,8 @@ class Op:
     """Its outputs' bytes (a fused pointwise operator's only traffic)."""
     shapes: tuple[tuple[int, int], ...] = ()
     """A matmul's operands' and output's last two dimensions ([Note: fp8 matmuls])."""
+    width: int = 0
+    """Its first output's last dimension ([Note: how a stack runs its TP])."""
 
 
 @dataclass
@@ -204,7 +224,9 @@ class _WorkCounter(TorchDispatchMode):
         pointwise = torch.Tag.pointwise in func.tags
         out_bytes = _bytes((), {}, out) if moved and pointwise else 0
         shapes = _matrix_shapes(args, out) if kind == "matmul" else ()
-        op = Op(kind, int(flops), nbytes, self.backward, metadata_only, pointwise, out_bytes, shapes)
+        first = next((t for t in tree_leaves(out) if isinstance(t, torch.Tensor)), None)
+        width = int(first.shape[-1]) if first is not None and first.dim() else 0
+        op = Op(kind, int(flops), nbytes, self.backward, metadata_only, pointwise, out_bytes, shapes, width)
         self.work.ops[op] += 1
         if not self.backward:
             self.work.forward_flops += int(flops)
@@ -507,20 +529,32 @@ class StepInputs:
     """Context-parallel ring: bytes sent and reduce-scattered per step ([Note: why not torch's context_parallel])."""
     boundary_bytes: int = 0
     """Pipeline: one micro-batch's activation at a stage boundary (sent forward, its gradient back)."""
+    tp_style: str = "shardtrain"
+    """How the tensor parallelism runs: one of :data:`TP_STYLES` ([Note: how a stack runs its TP])."""
+    hidden: int = 0
+    """The model's hidden size (the width of the operators sequence parallelism splits; 0: unknown)."""
 
 
 def step_time(work: MicroBatchWork, zero: ZeroTraffic, s: StepInputs, cluster: Cluster) -> TimeEstimate:
     """The step of one layout on ``cluster`` ([Note: the roofline], [Note: the alpha-beta model], [Note: what
     overlaps])."""
     eff = cluster.efficiencies
+    if s.tp_style not in TP_STYLES:
+        raise LayoutError(f"tp_style {s.tp_style!r}: expected one of {', '.join(TP_STYLES)}")
     place = Placement(s.world, s.tp, s.sp, s.cp, s.ep, s.pp, s.shard)
+    split_sequence = s.tp > 1 and s.tp_style != "shardtrain" and s.hidden > 0  # [Note: how a stack runs its TP]
     fwd = bwd = 0.0
+    matmul = {False: 0.0, True: 0.0}  # by phase (backward?): what TP's collectives may hide behind
     times: dict[Op, float] = {}
     for op, n in work.ops.items():
         if op not in times:
             fp8 = s.fp8 and (s.float8_linears is None or _is_float8_matmul(op, s.float8_linears))
             times[op] = op_time(op, cluster, s.dtype, fp8, s.compile)
         t = times[op] * n * (s.cp if op.kind == "attention" else 1)  # [Note: attention under context parallelism]
+        if split_sequence and op.kind == "memory" and op.width == s.hidden:
+            t /= s.tp
+        if op.kind == "matmul":
+            matmul[op.backward] += t
         if op.backward:
             bwd += t
         else:
@@ -528,8 +562,18 @@ def step_time(work: MicroBatchWork, zero: ZeroTraffic, s: StepInputs, cluster: C
     share = s.layer_share
     fwd, bwd = fwd * share, bwd * share
     model_comm = Counter()
+    tp_comm = {False: 0.0, True: 0.0}
     for c in work.collectives:
-        model_comm[c.axis] += collective_time(c.kind, c.nbytes, c.size, place.span(c.axis), cluster) * share
+        if c.axis == "tp" and c.kind == "all_reduce" and s.tp_style != "shardtrain":  # a reduce-scatter + all-gather
+            t = sum(collective_time(k, c.nbytes / 2, c.size, place.span("tp"), cluster) for k in _SP_HALVES)
+        else:
+            t = collective_time(c.kind, c.nbytes, c.size, place.span(c.axis), cluster)
+        if c.axis == "tp" and s.tp_style == "sequence-parallel-overlap":
+            tp_comm[c.backward] += t * share
+        else:
+            model_comm[c.axis] += t * share
+    if s.tp_style == "sequence-parallel-overlap":
+        model_comm["tp"] += sum(max(0.0, tp_comm[b] - matmul[b] * share) for b in (False, True))
     zspan = place.span("zero")
 
     def zero_time(kinds: dict[str, int]) -> float:
@@ -552,7 +596,10 @@ def step_time(work: MicroBatchWork, zero: ZeroTraffic, s: StepInputs, cluster: C
     p2p = 0.0
     if s.pp > 1 and s.boundary_bytes:
         p2p = 2 * m * collective_time("p2p", s.boundary_bytes, 2, place.span("pp"), cluster)
-    optimizer, offload, disk = _optimizer_time(s, cluster)
+    optimizer, (down, up), disk = _optimizer_time(s, cluster)
+    # [Note: overlapped offload] in offload/host_copies.py: gradients go down behind the last backward, each
+    # sub-group's parameters up while the next one steps on the host
+    offload = down - eff.overlap * min(down, bwd) + up - eff.overlap * min(up, optimizer)
     micro = fwd + bwd + sum(model_comm.values())
     pipeline = m * micro + ring
     bubble = pipeline * s.bubble / (1 - s.bubble) if s.pp > 1 and s.bubble else 0.0
@@ -578,30 +625,33 @@ def step_time(work: MicroBatchWork, zero: ZeroTraffic, s: StepInputs, cluster: C
     return TimeEstimate(step, tokens / step / s.world, model_flops / step / peak, exposed, parts)
 
 
+TP_STYLES = ("shardtrain", "sequence-parallel", "sequence-parallel-overlap")
+"""How a layout's tensor parallelism runs ([Note: how a stack runs its TP])."""
+_SP_HALVES = ("reduce_scatter", "all_gather")
+
+
 ADAM_BYTES_PER_ELEMENT = 28
 """Adam on fp32 masters: parameter, gradient and two moments read, parameter and two moments written
 (docs/benchmarks-gpu.md, 'The floor of a host step')."""
-HOST_STEP_BYTES_PER_ELEMENT = 32
-"""The offloaded host step in one pass: gradient, master and both moments, each fp32, read and written once
-(docs/offload.md, 'The host step in one pass': 34 bytes a parameter with the bf16 fragment written, which is added
-for a half-precision compute dtype). ``offload/one_pass.py`` exposes no figure of its own to read."""
 
 
-def _optimizer_time(s: StepInputs, cluster: Cluster) -> tuple[float, float, float]:
-    """(the optimizer step, offload's copies, NVMe swaps) in seconds ([Note: what overlaps])."""
+def _optimizer_time(s: StepInputs, cluster: Cluster) -> tuple[float, tuple[float, float], float]:
+    """(the optimizer step, offload's copies (gradients down, parameters up), NVMe swaps) in seconds, before any
+    overlap ([Note: what overlaps])."""
     n = s.stepped_elements
     copy = 2 if s.dtype in ("bf16", "fp16") else 0  # the compute-dtype copy written after the step
     if s.offload_optimizer == "none":
         rate = cluster.gpu.hbm_tb_s * 1e12 * cluster.efficiencies.memory
-        return n * (ADAM_BYTES_PER_ELEMENT + copy) / rate, 0.0, 0.0
+        return n * (ADAM_BYTES_PER_ELEMENT + copy) / rate, (0.0, 0.0), 0.0
     host_bytes = n * (HOST_STEP_BYTES_PER_ELEMENT + copy)
     cpu_only = cluster.gpu.name == "cpu"
     # a node's ranks share its host memory and disks; calibrate's figures are per rank already (all ranks at once)
     node_share = 1 if cpu_only else max(min(cluster.gpus_per_node, s.world), 1)
     host = host_bytes * node_share / (cluster.host_gb_s * 1e9)
     disk = s.nvme_bytes * node_share / (cluster.nvme_gb_s * 1e9)
-    copies = 0.0 if cpu_only else n * (4 + max(copy, 2)) / (cluster.pcie_gb_s * 1e9)  # gradients down, params up
-    return host, copies, disk
+    # fp32 gradients down; fp32 masters up, rounded on the device ([Note: overlapped offload])
+    pcie = 0.0 if cpu_only else n * 4 / (cluster.pcie_gb_s * 1e9)
+    return host, (pcie, pcie), disk
 
 
 def sum_kinds(items: Iterable[wire.Collective]) -> dict[tuple[str, str], int]:
@@ -614,6 +664,7 @@ def sum_kinds(items: Iterable[wire.Collective]) -> dict[tuple[str, str], int]:
 
 __all__ = [
     "HOST_STEP_BYTES_PER_ELEMENT",
+    "TP_STYLES",
     "MicroBatchWork",
     "Op",
     "StepInputs",

@@ -47,6 +47,10 @@ import torch.optim.optimizer as optimizer_base
 from torch.optim.adam import adam as torch_adam
 
 BLOCK_ELEMENTS = 131072  # see [Note: host-step block size]
+HOST_STEP_BYTES_PER_ELEMENT = 32
+"""DRAM bytes one pass moves per fp32 element stepped ([Note: one pass over a sub-group]): the gradient, the master
+and both moments, read once and written once (4 x 4 x 2); writing a half-precision fragment adds its itemsize (34
+bytes for bf16, docs/offload.md 'The host step in one pass'). The time model reads it (``estimate/timing.py``)."""
 PIECE_ALIGN = 64  # elements: a piece starts on a multiple of it (see [Note: vector tails])
 
 Piece = tuple[int, int, int]
