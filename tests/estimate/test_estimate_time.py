@@ -333,16 +333,21 @@ def test_the_command_prints_and_carries_the_time_fields(capsys):
     assert code == 2 and "not both" in err
 
 
-@pytest.mark.soak  # two searches, 50-150 s together on the shared 2-core machine
 def test_a_search_at_1024_gpus_ranks_by_speed_with_the_fake_runs_of_one_node(capsys, monkeypatch):
     """``--budget`` on 128 nodes of 8 GPUs: every layout that fits, ranked by predicted tokens/s, each after the
     first with why it is slower. What bounds its time (measured by ``bench/bench_search_time.py``, not here: a
     wall clock under load says nothing): the fake runs, seconds each, are one per distinct (tp, sp, ep, batch,
-    checkpointing), as many at 1,024 GPUs as at 8; only the model-state arithmetic grows with the layouts."""
+    checkpointing), as many at 1,024 GPUs as at 8, and the fake model of each (tp, ep) is built once, whether it is
+    refused or not; only the model-state arithmetic grows with the layouts."""
     from shardtrain.estimate import planner
 
     runs: list[int] = []
-    real_runs, real_work = planner.measure_runs, planner.measure_work
+    real_runs, real_work, real_build = planner.measure_runs, planner.measure_work, planner.build_fake
+    built: list[tuple[int, int]] = []
+
+    def counted_build(source, tp, dtype, tp_plan, ep, split=False):  # type: ignore[no-untyped-def]
+        built.append((tp, ep))
+        return real_build(source, tp, dtype, tp_plan, ep, split=split)
 
     def counted_runs(keyed, workers=1):  # type: ignore[no-untyped-def]
         runs.append(len(keyed))
@@ -354,12 +359,15 @@ def test_a_search_at_1024_gpus_ranks_by_speed_with_the_fake_runs_of_one_node(cap
 
     monkeypatch.setattr(planner, "measure_runs", counted_runs)
     monkeypatch.setattr(planner, "measure_work", counted_work)
+    monkeypatch.setattr(planner, "build_fake", counted_build)
     per_search = []
     for nodes in ("1", "128"):
         runs.clear()
+        built.clear()
         code, out, _ = _cli(capsys, "--budget", "80GiB", "--gpu", "H100-SXM", "--nodes", nodes, "--jobs", "1")
         assert code == 0
         per_search.append((sum(n for n in runs if n > 0), runs.count(-1)))
+        assert len(built) == len(set(built)), sorted(built)  # a refused size is not built again per layout
     assert per_search[0] == per_search[1], per_search
     memory_runs, work_runs = per_search[1]
     assert 0 < work_runs <= memory_runs <= 64, per_search
