@@ -1,4 +1,5 @@
 import os
+import sys
 import time
 
 import pytest
@@ -12,6 +13,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("SHARDTRAIN_DEVICE", "cpu")
 # Real DeepSpeed in the tests (the reference of the migration tests) runs on the CPU beside a GPU too.
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+# DeepSpeed JIT-compiles its CPU Adam ops (about 100 s on 2 cores) into torch's extension directory. Torch's
+# default, ~/.cache/torch_extensions, is shared by every virtual environment of the machine, and its build commands
+# name the venv's include paths: a run from another venv (a fresh clone) rewrites them and the next run from this
+# one rebuilds (86 s measured in a test's setup). A directory inside this venv keeps one build per venv.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 # Nothing may be downloaded at test time: Hugging Face models are built from configs with random weights.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -14,7 +14,7 @@ skip that step (``skipped_steps``, the fp32 masters bitwise unchanged across it)
 
 Default cost: two starts of two processes, about 20 s on 2 cores (most of it importing DeepSpeed); world 3 and the
 emulated old defaults (about 45 s) under ``-m soak``. The first run on a machine also builds DeepSpeed's CPU FusedAdam
-(about 100 s once, cached in ``~/.cache/torch_extensions``, as ``test_migrate_deepspeed_optimizers.py`` does).
+(about 100 s once per venv, cached in it by ``tests/conftest.py``, as ``test_migrate_deepspeed_optimizers.py`` does).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 DeepSpeed's default for a config's ``optimizer: {type: AdamW}`` is its ``FusedAdam`` (with ``DS_ACCELERATOR=cpu``
 a CPU build of the same class, JIT-compiled on first use: about 100 s once on a 2-core machine, then cached in
-``~/.cache/torch_extensions``), whose ``step`` is a Python int in the state dict; with ``offload_optimizer`` it is
+the venv by ``tests/conftest.py``), whose ``step`` is a Python int in the state dict; with ``offload_optimizer`` it is
 ``DeepSpeedCPUAdam`` (an int too); ``torch_adam: true`` and a client torch optimizer save a 0-dim tensor
 ([Note: DeepSpeed's step counts] in ``deepspeed_format.py``). Before the reader took the int, such a checkpoint
 loaded its moments without ``step`` and the first ``engine.step()`` failed with ``KeyError: 'step'``.

@@ -91,7 +91,7 @@ def _train(call, steps: range, dp: int | None = None, dp_rank: int | None = None
 # Which optimizer DeepSpeed builds, and how its ``step`` is saved ([Note: DeepSpeed's step counts] in
 # deepspeed_format.py): "torch_adam" the config's AdamW with ``torch_adam: true`` (torch's AdamW, a tensor step);
 # "fused" the config's AdamW as most scripts write it (DeepSpeed's FusedAdam, built for the CPU accelerator: a
-# C++ extension JIT-compiled on first use, about 100 s on a 2-core machine, cached in ~/.cache/torch_extensions;
+# C++ extension JIT-compiled on first use, about 100 s on a 2-core machine, cached in the venv (tests/conftest.py);
 # an int step); "cpu_offload" the same with ``offload_optimizer`` (DeepSpeedCPUAdam, an int step); "client" a
 # torch AdamW passed to ``initialize``.
 OPTIMIZERS = ("torch_adam", "fused", "cpu_offload", "client")
@@ -123,10 +123,10 @@ STALE_BUILD_S = 600  # a JIT build of DeepSpeed's CPU Adam ops takes about 100 s
 def clear_stale_extension_builds() -> list[str]:
     """Remove the torch-extension build directories whose build lock is older than :data:`STALE_BUILD_S`.
 
-    DeepSpeed JIT-compiles its CPU Adam ops into ``~/.cache/torch_extensions`` under a lock file that torch's
-    ``FileBaton`` waits on without a limit. A build killed midway (a test timed out during it) leaves the lock and no
-    library, and every later build of that op waits forever. Such a directory is removed, so the next build starts
-    clean; returns the names of what was removed."""
+    DeepSpeed JIT-compiles its CPU Adam ops into torch's extension directory (the venv's: ``tests/conftest.py``)
+    under a lock file that torch's ``FileBaton`` waits on without a limit. A build killed midway (a test timed out
+    during it) leaves the lock and no library, and every later build of that op waits forever. Such a directory is
+    removed, so the next build starts clean; returns the names of what was removed."""
     import shutil
     import time
 

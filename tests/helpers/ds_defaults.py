@@ -8,7 +8,7 @@ overflow skip are each side's defaults. The loss is multiplied by :data:`LOSS_MU
 the gradient norm is above 1.0 at every step and DeepSpeed's default clipping changes every update.
 
 Which optimizer real DeepSpeed builds from that config: ``FusedAdam`` (``torch_adam`` absent), its CPU build under
-``DS_ACCELERATOR=cpu`` (a C++ extension JIT-compiled once, cached in ``~/.cache/torch_extensions``: see
+``DS_ACCELERATOR=cpu`` (a C++ extension JIT-compiled once, cached in the venv: see
 :data:`helpers.ds.OPTIMIZERS`). That is DeepSpeed's own default path: FusedAdam's ``weight_decay`` default (0.0) and
 the engine's ``gradient_clipping`` default (1.0) are both exercised, not a stand-in.
 """
