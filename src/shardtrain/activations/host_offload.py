@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardtrain.activations.block_hooks import BlockInputHooks
+
 
 @dataclass(eq=False)
 class _HostCopy:
@@ -38,7 +40,7 @@ class _HostCopy:
 
 
 @dataclass
-class HostOffload:
+class HostOffload(BlockInputHooks):
     """Saved-tensor hooks moving the inputs of checkpointed blocks to host memory ([Note: offloaded block inputs]);
     one per engine, installed on each block by :func:`shardtrain.activations.apply_checkpointing`."""
 
@@ -57,31 +59,11 @@ class HostOffload:
         if self.device.type == "cuda":
             self._stream = torch.cuda.Stream(self.device)
 
-    def install(self, block: nn.Module) -> list[Any]:
-        """Push the hooks around ``block``'s forward, outermost ([Note: the order of a checkpointed block's
-        hooks]); returns the handles."""
-        return [
-            block.register_forward_pre_hook(self._enter, prepend=True),
-            block.register_forward_hook(self._leave, always_call=True),
-        ]
-
-    def _enter(self, module: nn.Module, args: Any) -> None:
-        # the recompute in backward saves into the checkpoint's holders, never to the host
-        if not torch.is_grad_enabled() or torch._C._current_autograd_node() is not None:
-            self._open.append(None)
-            return
+    def _entering(self, module: nn.Module) -> None:
         if id(module) in self._seen:  # a block seen again: a new forward
             self._pass, self._seen = [], set()
         self._seen.add(id(module))
         self._pass.append([])
-        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        hooks.__enter__()
-        self._open.append(hooks)
-
-    def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
-        hooks = self._open.pop()
-        if hooks is not None:
-            hooks.__exit__(None, None, None)
 
     def _pack(self, t: torch.Tensor) -> _HostCopy | torch.Tensor:
         if t.device.type == "cpu" and self.device.type != "cpu":  # already in host memory

@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+
+from shardtrain.activations.block_hooks import BlockInputHooks
 
 
 @dataclass(eq=False)
@@ -34,7 +35,7 @@ class _Chunk:
 
 
 @dataclass
-class TPPartition:
+class TPPartition(BlockInputHooks):
     """Saved-tensor hooks keeping ``1/size`` of each checkpointed block's inputs ([Note: partitioned block
     inputs]); installed on each block by :func:`shardtrain.activations.apply_checkpointing`."""
 
@@ -47,26 +48,6 @@ class TPPartition:
 
     def __post_init__(self) -> None:
         self._open: list[Any] = []
-
-    def install(self, block: nn.Module) -> list[Any]:
-        return [
-            block.register_forward_pre_hook(self._enter, prepend=True),
-            block.register_forward_hook(self._leave, always_call=True),
-        ]
-
-    def _enter(self, module: nn.Module, args: Any) -> None:
-        # the recompute in backward saves into the checkpoint's holders, never partitioned
-        if not torch.is_grad_enabled() or torch._C._current_autograd_node() is not None:
-            self._open.append(None)
-            return
-        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        hooks.__enter__()
-        self._open.append(hooks)
-
-    def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
-        hooks = self._open.pop()
-        if hooks is not None:
-            hooks.__exit__(None, None, None)
 
     def _pack(self, t: torch.Tensor) -> _Chunk | torch.Tensor:
         if not t.is_floating_point() or t.numel() < self.size:
