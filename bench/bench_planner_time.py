@@ -1,7 +1,7 @@
 """The time model against this machine: predicted vs measured step time of layouts of the project's GPT, a tiny Hugging
 Face Llama and a tiny Mixtral at worlds 1-4 on gloo.
 
-    PYTHONPATH=src python bench/bench_planner_time.py [--steps 4] [--only gpt,llama,mixtral] [--markdown FILE]
+    PYTHONPATH=src python bench/bench_planner_time.py [--steps 8] [--only gpt,llama,mixtral] [--markdown FILE]
     PYTHONPATH=src python bench/bench_planner_time.py --h200
 
 ``--h200`` predicts the GPU validation's H200 runs (docs/benchmarks-gpu.md) from the shipped H200 profile instead.
@@ -152,7 +152,7 @@ def h200_check() -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--h200", action="store_true", help="only the shipped H200 profile against the GPU validation")
     parser.add_argument("--only", default="gpt,llama,mixtral")
     parser.add_argument("--markdown", help="also write the table to this file")
@@ -180,7 +180,8 @@ def main() -> int:
             f"# calibrate world {world} ({time.perf_counter() - start:.0f} s): fp32 {gpu.fp32_tflops * 1e3:.1f}"
             f" GFLOP/s, memory {gpu.hbm_tb_s * 1e3:.1f} GB/s, op {eff.op_overhead_us:.1f} us, "
             f"all-reduce {gpu.intra_node_gb_s:.2f} GB/s, latency {eff.latency_us:.0f} us, "
-            f"overlap {eff.overlap:.2f}"
+            f"overlap {eff.overlap:.2f}, sync skew {eff.sync_skew:.2f}, "
+            f"optimizer {eff.optimizer_us_per_tensor:.0f} us a tensor"
         )
     rows = []
     failed = []

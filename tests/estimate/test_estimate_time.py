@@ -6,6 +6,7 @@ measured steps live in ``bench/bench_planner_time.py``, not here."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -305,6 +306,8 @@ def test_a_cluster_file_overrides_a_gpu_and_bad_ones_are_refused_by_name(tmp_pat
         cluster_from_dict({"gpu": "H200", "gpus_per_node": 0})
     with pytest.raises(ConfigError, match="fp32_tflops"):
         cluster_from_dict({"gpu": "cpu", "gpus_per_node": 2})
+    with pytest.raises(ConfigError, match=r"elementwise_ns_per_element\.gelu"):
+        cluster_from_dict({"gpu": "H200", "gpus_per_node": 8, "elementwise_ns_per_element": {"gelu": -1.0}})
     path.write_text("{not json")
     with pytest.raises(ConfigError, match="not JSON"):
         read_cluster(path)
@@ -390,6 +393,10 @@ def test_calibrate_writes_a_profile_the_cluster_option_reads(tmp_path, capsys):
     assert cluster.gpu.fp32_tflops > 0 and cluster.gpu.hbm_tb_s > 0 and cluster.efficiencies.op_overhead_us > 0
     assert cluster.host_gb_s == pytest.approx(cluster.gpu.hbm_tb_s * 1e3)  # a CPU's host memory is its memory
     assert max(e for _, e in cluster.efficiencies.matmul) == pytest.approx(1.0)
+    assert cluster.efficiencies.optimizer_us_per_tensor > 0
+    from shardtrain.estimate.calibrate import ELEMENTWISE_OPERATORS
+
+    assert [name for name, ns in cluster.efficiencies.elementwise_ns if ns > 0] == sorted(ELEMENTWISE_OPERATORS)
     code, out, _ = _cli(capsys, "--world", "1", "--time", "--cluster", str(path), "--json")
     assert code == 0 and json.loads(out)["step_time_s"] > 0
     assert cli_main(["calibrate", "--out", str(path), "--world", "0"]) == 2
@@ -584,3 +591,119 @@ def test_the_h200_validation_runs_are_predicted_within_15_percent_from_the_shipp
     ratios = {cells[0]: float(cells[3]) for cells in (line.strip("| ").split(" | ") for line in table.splitlines()[2:])}
     assert len(ratios) == 5
     assert all(0.85 <= r <= 1.15 for r in ratios.values()), ratios
+
+
+def test_arithmetic_bound_operators_take_their_calibrated_time_per_element():
+    """[Note: arithmetic-bound operators]: the fake run names a memory-bound operator (``gelu`` by its form) and
+    counts its output's elements; an operator the profile lists takes ``max(bytes / bandwidth, elements x ns)``,
+    one it does not list its bytes only; a GPU profile lists none."""
+    x = torch.randn(8, 16)
+    work = MicroBatchWork()
+    with _WorkCounter(work):
+        torch.nn.functional.gelu(x, approximate="tanh")
+        torch.nn.functional.gelu(x)
+        x + x
+    named = {op.name: op for op in work.ops}
+    assert set(named) == {"gelu:tanh", "gelu", "add"} and all(op.elements == 128 for op in work.ops)
+    eff = Efficiencies(memory=1.0, elementwise_ns=(("gelu:tanh", 1e6),))  # 1 ms per element
+    cpu = Cluster(builtin_cluster("H100-SXM", 1).gpu, 1, 1, eff)
+    assert op_time(named["gelu:tanh"], cpu, "fp32") == pytest.approx(128 * 1e-3)
+    bytes_only = named["gelu"].nbytes / (cpu.gpu.hbm_tb_s * 1e12)
+    assert op_time(named["gelu"], cpu, "fp32") == pytest.approx(bytes_only)
+    assert builtin_cluster("H100-SXM", 8).efficiencies.elementwise_ns == ()
+
+
+def test_the_optimizer_step_charges_its_host_loop_per_tensor_stepped():
+    """[Note: the optimizer's host loop]: the step is its bytes plus ``optimizer_us_per_tensor`` per tensor this rank
+    steps: every parameter at stage 0, each fragment of its shard at stages 1-3 (at world 2 the buckets' fragments:
+    a parameter cut by the shard boundary counts on both ranks)."""
+    profile = {"gpu": "cpu", "gpus_per_node": 2, "fp32_tflops": 1.0, "hbm_tb_s": 1.0, "intra_node_gb_s": 1.0}
+    cluster = cluster_from_dict({**profile, "optimizer_us_per_tensor": 1000.0})  # 1 ms a tensor
+    without = cluster_from_dict(profile)
+    tensors = len(list(tiny_gpt().parameters()))
+    kw = dict(micro_batch=MICRO, seq_len=SEQ, device_type="cpu")
+    for stage, world in ((0, 1), (2, 2)):
+        with_loop = estimate_memory(tiny_gpt, world_size=world, stage=stage, cluster=cluster, **kw).time
+        bytes_only = estimate_memory(tiny_gpt, world_size=world, stage=stage, cluster=without, **kw).time
+        assert with_loop is not None and bytes_only is not None
+        loop = with_loop.parts["optimizer step"] - bytes_only.parts["optimizer step"]
+        if stage == 0:
+            assert loop == pytest.approx(tensors * 1e-3)
+        else:  # each rank steps a fragment of most parameters: more than half of them, at most all and one cut
+            assert tensors / 2 * 1e-3 < loop <= (tensors + 1) * 1e-3
+
+
+def test_the_last_buckets_reduction_and_the_first_gather_after_the_step_are_exposed():
+    """[Note: what overlaps]: the boundary's last bucket is reduced after backward's last gradient and the next
+    forward first reads the last bucket's after-step gather: neither hides, even at overlap 1; a model in one bucket
+    hides none of its reduction, one in two equal buckets half of it."""
+    eff = Efficiencies(memory=1.0, link=1.0, latency_us=0.0, overlap=1.0)
+    cluster = Cluster(builtin_cluster("H100-SXM", 2).gpu, 2, 1, eff)
+    work = MicroBatchWork()
+    work.ops[Op("memory", 0, 10**13, True)] += 1  # a backward far longer than the reductions
+    work.ops[Op("memory", 0, 10**13, False)] += 1
+    s = 10**11
+    full = collective_time("all_reduce", s, 2, 2, cluster)
+
+    def exposed(traffic: ZeroTraffic, stage: int) -> float:
+        inputs = _inputs(world=2, dp=2, micro_batches=1, stage=stage)
+        return step_time(work, traffic, inputs, cluster).parts["zero collectives (exposed)"]
+
+    one_bucket = ZeroTraffic({}, {"all_reduce": s}, {}, last_reduce=s // 2, group=2)
+    assert exposed(one_bucket, 0) == pytest.approx(full)
+    assert exposed(replace(one_bucket, last_reduce=s // 4), 0) == pytest.approx(full / 2)
+    gather = collective_time("all_gather", s, 2, 2, cluster)
+    one_bucket = ZeroTraffic({}, {}, {"all_gather": s}, first_after_gather=s, group=2)
+    assert exposed(one_bucket, 1) == pytest.approx(gather)
+    assert exposed(replace(one_bucket, first_after_gather=s // 4), 1) == pytest.approx(gather / 4)
+
+
+def test_each_collective_pays_its_latencies_and_the_sharded_step_adds_the_norms_all_reduce():
+    """[Note: the alpha-beta model]: ZeRO's collectives are one per bucket and one per unit gathered, each paying its
+    ring steps' latencies; stages 1-3 add the squared norm's all-reduce. With no bytes to move, the exposed time is
+    latencies only: stage 2 over 3 buckets at world 2 pays 3 reduce-scatters, 3 gathers and the norm's 2 steps."""
+    eff = Efficiencies(latency_us=1000.0, overlap=0.0)
+    cluster = Cluster(builtin_cluster("H100-SXM", 2).gpu, 2, 1, eff)
+    calls = {"per_micro_batch": {"reduce_scatter": 3}, "after_step": {"all_gather": 3}}
+    traffic = ZeroTraffic({"reduce_scatter": 1}, {}, {"all_gather": 1}, group=2, calls=calls)
+    inputs = _inputs(world=2, dp=2, micro_batches=1, stage=2)
+    exposed = step_time(MicroBatchWork(), traffic, inputs, cluster).parts["zero collectives (exposed)"]
+    assert exposed == pytest.approx((3 + 3 + 2) * 1e-3, rel=1e-3)
+    kw = dict(world_size=2, micro_batch=MICRO, seq_len=SEQ, device_type="cpu")
+    config = {"zero_optimization": {"stage": 3, "reduce_bucket_size": 2000}, "train_micro_batch_size_per_gpu": MICRO}
+    est = estimate_memory(tiny_gpt, config, cluster=cluster, **kw)
+    assert est.time is not None
+    traffic_calls = est.time.parts["zero collectives (exposed)"]
+    assert traffic_calls > (2 * LAYERS + 2) * 1e-3  # every unit's gathers and every bucket's reduce-scatter
+
+
+def test_calibrate_times_kernels_over_operands_larger_than_the_caches():
+    """[Note: cold operands]: a calibrated kernel turns through operand sets adding up to ``COLD_BYTES``; the
+    elementwise cases are the operators the timing model looks up."""
+    from shardtrain.estimate import calibrate
+
+    sets = []
+    turn = calibrate._rotating(lambda: sets.append(torch.empty(2**20, dtype=torch.uint8)) or sets[-1], 2**20)
+    seen = {id(turn()) for _ in range(3 * len(sets))}
+    assert len(seen) == len(sets) == calibrate.COLD_BYTES // 2**20
+    assert tuple(calibrate._elementwise_cases()) == calibrate.ELEMENTWISE_OPERATORS
+
+
+def test_a_multi_rank_steps_compute_is_stretched_by_the_calibrated_sync_skew():
+    """[Note: ranks that meet]: with ``sync_skew`` 0.5, a world-2 step's forward, backward and optimizer step take
+    1.5x what they take at world 1 on the same profile; a GPU profile has no skew, and a negative one is refused."""
+    cluster = Cluster(builtin_cluster("H100-SXM", 2).gpu, 2, 1, Efficiencies(sync_skew=0.5, memory=1.0))
+    work = MicroBatchWork()
+    work.ops[Op("memory", 0, 10**12, False)] += 1
+    work.ops[Op("memory", 0, 2 * 10**12, True)] += 1
+
+    def parts(world: int) -> dict[str, float]:
+        inputs = _inputs(world=world, dp=world, micro_batches=1, stepped_elements=10**9)
+        return step_time(work, ZeroTraffic({}, {}, {}), inputs, cluster).parts
+
+    one, two = parts(1), parts(2)
+    for part in ("forward", "backward", "optimizer step"):
+        assert two[part] == pytest.approx(1.5 * one[part]) and one[part] > 0
+    assert builtin_cluster("H100-SXM", 8).efficiencies.sync_skew == 0.0
+    with pytest.raises(ConfigError, match="sync_skew"):
+        cluster_from_dict({"gpu": "H200", "gpus_per_node": 8, "sync_skew": -0.1})

@@ -4,7 +4,9 @@ What it measures, each the way the time model uses it ([Note: the roofline], [No
 :mod:`.timing`):
 
 * matmuls of a few shapes in fp32 and bf16: the best rate is the peak (``fp32_tflops``, ``bf16_tflops``), each
-  shape's rate over it the efficiency at its FLOPs (``matmul_efficiency``, a curve);
+  shape's rate over it the efficiency at its FLOPs (``matmul_efficiency``, a curve); in fp32 each shape in the three
+  layouts a linear layer runs (``x @ W.T`` forward, ``dy @ W`` and ``dy.T @ x`` backward), its rate their mean: on
+  this CPU a layout alone is 0.7-1.0x another at the same FLOPs;
 * attention (``scaled_dot_product_attention``, FLOPs by ``torch.utils.flop_counter``'s ``sdpa_flop_count``): its
   rate over the fp32 peak;
 * memory bandwidth: a copy of a tensor larger than the caches (bytes read and written per second, ``hbm_tb_s``,
@@ -13,11 +15,35 @@ What it measures, each the way the time model uses it ([Note: the roofline], [No
   the GPU validation's host step, :class:`~shardtrain.estimate.cluster.Cluster`);
 * the host's time per operator (``op_overhead_us``): an eager operator on a one-element tensor that needs a
   gradient, as a training step issues hundreds;
+* the optimizer's host loop (``optimizer_us_per_tensor``, [Note: the optimizer's host loop] in :mod:`.timing`) and
+  the arithmetic of the element-wise operators of :data:`ELEMENTWISE_OPERATORS` (``elementwise_ns_per_element``,
+  [Note: arithmetic-bound operators]);
 * at ``--world`` ranks every figure is measured on all ranks at once (on a CPU they share its cores); and
   collectives at that world (``--world``, gloo on this machine, through the project's
   :class:`~shardtrain.distributed.communicator.Communicator`): the latency of a small all-reduce per algorithm step,
-  the bus bandwidth of a large one (``intra_node_gb_s``; the ranks are one node), and how much of an all-reduce
-  hides behind a matmul running at the same time (``overlap``; on a CPU both compete for the same cores).
+  the bus bandwidth of a large one after a block of compute (``intra_node_gb_s``; the ranks are one node), how much
+  a block of compute stretches when the ranks meet after it (``sync_skew``, [Note: a collective after compute]),
+  and how much of an all-reduce hides behind a matmul running at the same time (``overlap``; on a CPU both compete
+  for the same cores).
+
+[Note: cold operands]
+A kernel timed over the same operands again and again reads them from the CPU's caches; in a training step an
+operator reads activations and weights that the operators between pushed out (a small model's step touches more than
+the 32 MiB last-level cache of this machine). So each kernel is timed over operand sets that add up to
+:data:`COLD_BYTES`, taken in turn: on this machine that made a matmul of a small model's shapes 10-15% slower and an
+``add`` of 1 MiB tensors 2.4x slower than over one set, as the step sees them; the first profiles, timed hot, put
+the benchmark's GPT step at 0.68x its measured time.
+
+[Note: a collective after compute]
+Ranks that meet at a collective move at the pace of the slowest, and on a CPU shared by more ranks than cores (or by
+other jobs) a peer may first have to be scheduled. Measured here (two cores): a 4 KiB all-reduce alone took 2.7 ms
+at world 2, but added 5.2 ms to a 14 ms block of matmuls before it; at world 3 it added 16.5 ms to 20 ms, at world 4
+19 ms to 28 ms. What it adds beyond its own time grows with the compute before it (the ranks drift apart while they
+compute), so it is a stretch of compute, not a latency: ``sync_skew`` is that excess over the block's time, and the
+time model stretches a multi-rank step's compute by it ([Note: ranks that meet] in :mod:`.timing`); the latency
+stays the collective's own, timed alone. Without it every multi-rank layout of the benchmark's GPT was predicted
+0.53-0.71x its measured step; charged as a latency of every collective instead, a tensor-parallel layout (a
+collective every millisecond of compute) came out 2-3x its measured step.
 
 Each local measurement is the median of three windows of a quarter second each (:data:`WINDOW_S`), each collective
 one the median of a few calls, after a warm-up. The machine may be shared: a profile made on
@@ -27,7 +53,9 @@ run, ``bench/bench_planner_time.py``).
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -45,14 +73,14 @@ process its share of the cores over time slices, and a burst shorter than one sl
 step has."""
 
 
-def _windowed_s(fn: Callable[[], Any], windows: int = 3) -> float:
+def _windowed_s(fn: Callable[[], Any], windows: int = 3, window_s: float = WINDOW_S) -> float:
     """Seconds per call of ``fn``: the median over ``windows`` windows of :data:`WINDOW_S` of the mean call (local
     measurements only: a collective's calls must be the same count on every rank)."""
     fn()  # warm-up
     means = []
     for _ in range(windows):
         calls, start = 0, time.perf_counter()
-        while (elapsed := time.perf_counter() - start) < WINDOW_S or not calls:
+        while (elapsed := time.perf_counter() - start) < window_s or not calls:
             fn()
             calls += 1
         means.append(elapsed / calls)
@@ -70,24 +98,47 @@ def _median_s(fn: Callable[[], Any], repeats: int = 5, inner: int = 3) -> float:
     return statistics.median(times)
 
 
-def measure_matmuls(dtype: torch.dtype) -> list[tuple[float, float]]:
-    """(FLOPs, FLOP/s) of one matmul of each of :data:`MATMUL_SHAPES`."""
+COLD_BYTES = 96 * 2**20
+"""The operand sets a kernel is timed over add up to this ([Note: cold operands])."""
+
+
+def _rotating(make: Callable[[], Any], set_bytes: int) -> Callable[[], Any]:
+    """A function returning the next of ``COLD_BYTES / set_bytes`` operand sets from ``make``, round and round
+    ([Note: cold operands])."""
+    sets = [make() for _ in range(max(2, COLD_BYTES // max(set_bytes, 1)))]
+    turn = itertools.cycle(sets)
+    return lambda: next(turn)
+
+
+LINEAR_MATMULS = (lambda x, w, dy: x @ w.T, lambda x, w, dy: dy @ w, lambda x, w, dy: dy.T @ x)
+"""A linear layer's matmuls: forward, input gradient, weight gradient."""
+
+
+def measure_matmuls(dtype: torch.dtype, layouts: bool = False) -> list[tuple[float, float]]:
+    """(FLOPs, FLOP/s) of one matmul of each of :data:`MATMUL_SHAPES`; ``layouts``: the mean time of the three
+    matmuls of a linear layer of that shape (tokens ``m``, in ``k``, out ``n``). Operands cold ([Note: cold
+    operands])."""
     out = []
     for m, k, n in MATMUL_SHAPES:
-        a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+        shapes = ((m, k), (n, k), (m, n))
+        nbytes = sum(a * b for a, b in shapes) * dtype.itemsize
+        operands = _rotating(lambda shapes=shapes: tuple(torch.randn(*s, dtype=dtype) for s in shapes), nbytes)
         flops = 2 * m * k * n
-        out.append((float(flops), flops / _windowed_s(lambda a=a, b=b: a @ b)))
+        runs = LINEAR_MATMULS if layouts else LINEAR_MATMULS[:1]
+        seconds = statistics.mean(_windowed_s(lambda mm=mm, operands=operands: mm(*operands())) for mm in runs)
+        out.append((float(flops), flops / seconds))
     return out
 
 
 def measure_attention() -> float:
-    """FLOP/s of a causal fp32 attention (batch 2, 4 heads, 256 tokens, head dimension 64)."""
+    """FLOP/s of a causal fp32 attention (batch 2, 4 heads, 256 tokens, head dimension 64), operands cold."""
     from torch.utils.flop_counter import sdpa_flop_count
 
-    q = torch.randn(2, 4, 256, 64)
-    flops = sdpa_flop_count(q.shape, q.shape, q.shape)
-    seconds = _windowed_s(lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True))
-    return flops / seconds
+    shape = (2, 4, 256, 64)
+    flops = sdpa_flop_count(shape, shape, shape)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    qkv = _rotating(lambda: tuple(torch.randn(shape) for _ in range(3)), 3 * math.prod(shape) * 4)
+    return flops / _windowed_s(lambda: sdpa(*qkv(), is_causal=True))
 
 
 def measure_memory_bandwidth(nbytes: int = 256 * 2**20) -> float:
@@ -109,40 +160,128 @@ def measure_op_overhead(ops: int = 2000) -> float:
     return _windowed_s(run) / ops
 
 
+def _elementwise_cases() -> dict[str, Callable[[], torch.Tensor]]:
+    """Each of :data:`ELEMENTWISE_OPERATORS` on 1 MiB fp32 tensors (256 rows of 1,024, a small model's activations),
+    operands cold ([Note: cold operands])."""
+    aten = torch.ops.aten
+    weight, bias = torch.ones(1024), torch.zeros(1024)
+
+    def operands() -> dict[str, torch.Tensor]:
+        x = torch.randn(256, 1024)
+        _, mean, rstd = aten.native_layer_norm(x, [1024], weight, bias, 1e-5)
+        return {"x": x, "g": torch.randn(256, 1024), "soft": x.softmax(-1), "log_soft": x.log_softmax(-1),
+                "mean": mean, "rstd": rstd}  # fmt: skip
+
+    sets = _rotating(operands, 4 * 2**20)
+    cases: dict[str, Callable[[dict[str, torch.Tensor]], torch.Tensor]] = {
+        "gelu": lambda o: aten.gelu(o["x"]),
+        "gelu:tanh": lambda o: aten.gelu(o["x"], approximate="tanh"),
+        "gelu_backward": lambda o: aten.gelu_backward(o["g"], o["x"]),
+        "gelu_backward:tanh": lambda o: aten.gelu_backward(o["g"], o["x"], approximate="tanh"),
+        "silu": lambda o: aten.silu(o["x"]),
+        "silu_backward": lambda o: aten.silu_backward(o["g"], o["x"]),
+        "tanh": lambda o: aten.tanh(o["x"]),
+        "tanh_backward": lambda o: aten.tanh_backward(o["g"], o["x"]),
+        "sigmoid": lambda o: aten.sigmoid(o["x"]),
+        "exp": lambda o: aten.exp(o["x"]),
+        "rsqrt": lambda o: aten.rsqrt(o["x"]),
+        "sin": lambda o: aten.sin(o["x"]),
+        "cos": lambda o: aten.cos(o["x"]),
+        "_softmax": lambda o: aten._softmax(o["x"], -1, False),
+        "_softmax_backward_data": lambda o: aten._softmax_backward_data(o["g"], o["soft"], -1, torch.float32),
+        "_log_softmax": lambda o: aten._log_softmax(o["x"], -1, False),
+        "_log_softmax_backward_data": lambda o: aten._log_softmax_backward_data(
+            o["g"], o["log_soft"], -1, torch.float32
+        ),
+        "native_layer_norm": lambda o: aten.native_layer_norm(o["x"], [1024], weight, bias, 1e-5)[0],
+        "native_layer_norm_backward": lambda o: aten.native_layer_norm_backward(
+            o["g"], o["x"], [1024], o["mean"], o["rstd"], weight, bias, [True, True, True]
+        )[0],
+    }
+    return {name: (lambda case=case: case(sets())) for name, case in cases.items()}
+
+
+ELEMENTWISE_OPERATORS = (
+    *("gelu", "gelu:tanh", "gelu_backward", "gelu_backward:tanh", "silu", "silu_backward", "tanh", "tanh_backward"),
+    *("sigmoid", "exp", "rsqrt", "sin", "cos", "_softmax", "_softmax_backward_data", "_log_softmax"),
+    *("_log_softmax_backward_data", "native_layer_norm", "native_layer_norm_backward"),
+)
+"""The operators whose arithmetic may bound them on a CPU ([Note: arithmetic-bound operators] in :mod:`.timing`):
+the activations, softmaxes and norms of the transformers the planner times, by aten name (``gelu``'s with its form)."""
+
+
+def measure_elementwise(window_s: float = 0.05) -> dict[str, float]:
+    """Nanoseconds per output element of each of :data:`ELEMENTWISE_OPERATORS` (short windows: 19 operators)."""
+    out = {}
+    for name, run in _elementwise_cases().items():
+        out[name] = _windowed_s(run, window_s=window_s) / run().numel() * 1e9
+    return out
+
+
+def measure_optimizer_loop(tensors: int = 64) -> float:
+    """Seconds per tensor of an AdamW step with gradient clipping over ``tensors`` tensors of 64 elements (their
+    bytes negligible): the optimizer's host loop ([Note: the optimizer's host loop] in :mod:`.timing`)."""
+    params = [torch.nn.Parameter(torch.randn(64)) for _ in range(tensors)]
+    for p in params:
+        p.grad = torch.randn(64)
+    optimizer = torch.optim.AdamW(params, lr=1e-4)
+
+    def step() -> None:
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+
+    return _windowed_s(step) / tensors
+
+
 def _collectives(sizes: tuple[int, int]) -> dict[str, float]:
-    """On every rank: (latency per step, bus GB/s, overlap) of all-reduces over the world (gloo)."""
+    """On every rank: latency per step, bus GB/s, overlap and the stretch of compute that ends in a collective
+    ([Note: a collective after compute]), from all-reduces over the world (gloo)."""
     import torch.distributed as dist
 
     from shardtrain.distributed.communicator import Communicator
+    from shardtrain.estimate.timing import collective_steps
 
     comm = Communicator(dist.group.WORLD, timeout_s=120.0)
     n = comm.size
     small, large = (torch.ones(s // 4) for s in sizes)
-
-    def reduce(t: torch.Tensor) -> None:
-        comm.all_reduce(t, what="calibrate")
-
-    steps = 2 * (n - 1)
-    latency = _median_s(lambda: reduce(small), repeats=7, inner=5) / steps
-    large_s = _median_s(lambda: reduce(large), repeats=5, inner=1)
-    bus_gb_s = 2 * sizes[1] * (n - 1) / n / (large_s - steps * latency) / 1e9
     a = torch.randn(512, 512)
 
     def matmuls() -> None:
         for _ in range(8):
             a @ a
 
-    alone = _median_s(matmuls, repeats=5, inner=1)
+    def after_compute(t: torch.Tensor) -> None:
+        matmuls()
+        comm.all_reduce(t, what="calibrate")
 
     def both() -> None:
         handle = comm.all_reduce(large, what="calibrate (overlap)", async_op=True)
         matmuls()
         handle.wait()
 
-    together = _median_s(both, repeats=5, inner=1)
-    hidden = alone + large_s - together
-    overlap = min(max(hidden / min(alone, large_s), 0.0), 1.0)
-    return {"latency_us": latency * 1e6, "intra_node_gb_s": bus_gb_s, "overlap": overlap}
+    small_alone = _median_s(lambda: comm.all_reduce(small, what="calibrate"), repeats=7, inner=5)
+    # paired, each block started from a meeting of the ranks: the load of the minute cancels out of the differences
+    alone: list[float] = []
+    with_small: list[float] = []
+    with_large: list[float] = []
+    for _ in range(11):
+        for times, block in ((alone, matmuls), (with_small, lambda: after_compute(small)),
+                             (with_large, lambda: after_compute(large))):  # fmt: skip
+            comm.all_reduce(small, what="calibrate (meet)")
+            start = time.perf_counter()
+            block()
+            times.append(time.perf_counter() - start)
+    together = _median_s(both, repeats=9, inner=1)
+    latency = small_alone / collective_steps("all_reduce", n)
+    block_s = statistics.median(alone)
+    added = statistics.median(b - a for a, b in zip(alone, with_small))
+    skew = max(added - small_alone, 0.0) / block_s
+    large_added = statistics.median(c - b for b, c in zip(with_small, with_large))
+    bus_gb_s = 2 * sizes[1] * (n - 1) / n / max(large_added, 1e-6) / 1e9
+    large_block_s = statistics.median(with_large)
+    large_s = max(large_block_s - block_s, 1e-6)
+    overlap = min(max((large_block_s - together) / min(block_s, large_s), 0.0), 1.0)
+    return {"latency_us": latency * 1e6, "intra_node_gb_s": bus_gb_s, "overlap": overlap, "sync_skew": skew}
 
 
 def _measure(world: int, threads: int | None) -> dict[str, Any]:
@@ -150,7 +289,7 @@ def _measure(world: int, threads: int | None) -> dict[str, Any]:
     of ``world`` processes gets while the others run too (on a CPU they share its cores)."""
     if threads is not None:
         torch.set_num_threads(threads)
-    fp32 = measure_matmuls(torch.float32)
+    fp32 = measure_matmuls(torch.float32, layouts=True)
     bf16 = measure_matmuls(torch.bfloat16)
     peak = max(rate for _, rate in fp32)
     memory = measure_memory_bandwidth()
@@ -162,6 +301,8 @@ def _measure(world: int, threads: int | None) -> dict[str, Any]:
         "hbm_tb_s": memory / 1e12,
         "host_gb_s": memory / 1e9,
         "op_overhead_us": measure_op_overhead() * 1e6,
+        "optimizer_us_per_tensor": measure_optimizer_loop() * 1e6,
+        **{f"elementwise:{k}": v for k, v in measure_elementwise().items()},
     }
     if world > 1:
         out.update(_collectives((4096, 16 * 2**20)))
@@ -180,11 +321,13 @@ def calibrate(world: int = 2, threads: int | None = None) -> dict[str, Any]:
     else:
         per_rank = [_measure(1, threads)]
     merged = {k: statistics.median(r[k] for r in per_rank) for k in per_rank[0] if k != "matmul_efficiency"}
+    elementwise = {k.split(":", 1)[1]: merged.pop(k) for k in list(merged) if k.startswith("elementwise:")}
     return {
         "gpu": "cpu",
         "gpus_per_node": world,
         "nodes": 1,
         **merged,
+        "elementwise_ns_per_element": elementwise,
         "matmul_efficiency": per_rank[0]["matmul_efficiency"],
         "memory_efficiency": 1.0,
         "link_efficiency": 1.0,

@@ -96,9 +96,25 @@ class Efficiencies:
     """The share of overlappable communication that hides behind compute (1: all of it; 0: none, as on a CPU whose
     cores run both)."""
     latency_us: float = 5.0
+    sync_skew: float = 0.0
+    """How much a rank's compute stretches when the ranks meet at a collective after it ([Note: ranks that meet] in
+    :mod:`.timing`): measured by ``calibrate`` on a shared CPU; 0 on a GPU cluster (stragglers are left out)."""
     op_overhead_us: float = 0.0
     """Host time per dispatched operator (eager CPU training pays it; a GPU's launches hide behind its kernels)."""
+    optimizer_us_per_tensor: float = 0.0
+    """Host time of the optimizer step and the gradient clipping per tensor stepped, beyond their bytes ([Note: the
+    optimizer's host loop] in :mod:`.timing`); 0 on a GPU, whose step kernels run behind the host."""
+    elementwise_ns: tuple[tuple[str, float], ...] = ()
+    """(operator, nanoseconds per output element) of the operators whose arithmetic, not their bytes, bounds them on
+    this machine ([Note: arithmetic-bound operators] in :mod:`.timing`); empty on a GPU."""
     source: str = "assumed (not measured): run shardtrain calibrate"
+
+    def elementwise_ns_of(self, name: str) -> float:
+        """Nanoseconds per output element of operator ``name`` where its arithmetic bounds it, else 0."""
+        for known, ns in self.elementwise_ns:
+            if known == name:
+                return ns
+        return 0.0
 
     def matmul_at(self, flops: float) -> float:
         points = sorted(self.matmul)
@@ -170,7 +186,10 @@ class _ClusterFile(BaseModel):
     link_efficiency: Annotated[float, Field(gt=0, le=1)] | None = None
     overlap: Annotated[float, Field(ge=0, le=1)] | None = None
     latency_us: Annotated[float, Field(ge=0)] | None = None
+    sync_skew: Annotated[float, Field(ge=0)] | None = None
     op_overhead_us: Annotated[float, Field(ge=0)] | None = None
+    optimizer_us_per_tensor: Annotated[float, Field(ge=0)] | None = None
+    elementwise_ns_per_element: dict[str, Annotated[float, Field(gt=0)]] | None = None
     source: str | None = None
 
 
@@ -202,7 +221,12 @@ def cluster_from_dict(data: object, where: str = "cluster") -> Cluster:
         "link": spec.link_efficiency,
         "overlap": spec.overlap,
         "latency_us": spec.latency_us,
+        "sync_skew": spec.sync_skew,
         "op_overhead_us": spec.op_overhead_us,
+        "optimizer_us_per_tensor": spec.optimizer_us_per_tensor,
+        "elementwise_ns": tuple(sorted(spec.elementwise_ns_per_element.items()))
+        if spec.elementwise_ns_per_element is not None
+        else None,
         "source": spec.source,
     }
     eff = replace(eff, **{k: v for k, v in pairs.items() if v is not None})

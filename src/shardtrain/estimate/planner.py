@@ -663,8 +663,10 @@ def time_prepared(prep: _Prepared, est: MemoryEstimate, cluster: Cluster, cache:
     trainable = [b for b in st.buckets if b.requires_grad]
     if layout.stage == 0:
         stepped = sum(b.numel for b in trainable)
+        tensors = sum(len(b.slots) for b in trainable)
     else:
         stepped = sum(f.length for b in trainable for f in b.fragments)
+        tensors = sum(len(b.fragments) for b in trainable)
     ring = sum(v for k, v in est.traffic.items() if k.startswith("context-parallel"))
     itemsize = _DTYPES[layout.dtype].itemsize
     inputs = StepInputs(
@@ -688,6 +690,7 @@ def time_prepared(prep: _Prepared, est: MemoryEstimate, cluster: Cluster, cache:
         bubble=est.bubble,
         layer_share=prep.layer_share,
         stepped_elements=stepped,
+        stepped_tensors=tensors,
         offload_optimizer=layout.offload_optimizer,
         nvme_bytes=_swap_bytes(st, layout.micro_batches),
         ring_bytes=ring,

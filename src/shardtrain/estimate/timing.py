@@ -19,7 +19,9 @@ layouts: the fp8 peak for the converted linears' matmuls, [Note: fp8 matmuls]).
 A collective over ``n`` ranks costs ``steps x latency + bus bytes / (link bandwidth x link efficiency)``, the bus
 bytes as the communicator counts them (all-reduce ``2 S (n-1)/n``, all-gather, reduce-scatter and all-to-all
 ``S (n-1)/n``, p2p ``S``), the steps of a ring (``n - 1``; all-reduce ``2 (n - 1)``, or a tree's ``2 log2 n``
-where fewer, as NCCL picks a tree for small all-reduces; p2p 1). The link is NVLink when the group's ranks lie in
+where fewer, as NCCL picks a tree for small all-reduces; p2p 1). Each call pays its steps: ZeRO's collectives are
+one per bucket and one per unit gathered, and the step adds the squared norm's all-reduce at stages 1-3 (the first
+slice charged one latency per kind of collective). The link is NVLink when the group's ranks lie in
 one node, else the network ([Note: rings across nodes]). The mesh
 puts tensor-parallel ranks adjacent, then sequence, then data (``distributed/mesh.py``), so a group spans
 ``size x stride`` consecutive ranks: tp ``tp``, sp ``tp x sp``, ep ``tp x ep``, ZeRO's shard group ``tp x sp x
@@ -39,9 +41,12 @@ adapter's rate put the data-parallel reductions of Megatron-LM's 1.7B model over
   backward goes on: both hide behind the micro-batch's compute, less the first gather of forward and the last
   bucket's reduction, which nothing covers; ``overlap`` of the profile says how much of the rest hides.
 * Stages 0-1 reduce the gradients once per step, at the accumulation boundary, behind the last micro-batch's
-  backward; stages 2-3 every micro-batch's. The all-gather after the step (stages 1-2) is waited for by the first
-  module of the next forward that reads each bucket ([Note: gathers after the step] in ``zero/step_gather.py``):
-  it hides behind the next step's first forward.
+  backward, less the last bucket's reduction (it starts when backward's last gradient is in; a model in one bucket
+  hides nothing); stages 2-3 every micro-batch's. The all-gather after the step (stages 1-2) is waited for by the
+  first module of the next forward that reads each bucket ([Note: gathers after the step] in
+  ``zero/step_gather.py``): it hides behind the next step's first forward, less the bucket read first (the
+  embedding's: buckets are built in backward's order, so it is the last). Charging both as hidden put the
+  benchmark's one-bucket GPT at world 2 2-4 ms short of the engine's measured waits (bench_planner_time.py).
 * Tensor-, sequence- and expert-parallel collectives are on the critical path (each layer waits for its result):
   exposed (tensor parallelism as shardtrain runs it; other stacks' in [Note: how a stack runs its TP]). So is the
   context-parallel ring (not overlapped in the engine yet) and the pipeline's p2p.
@@ -105,8 +110,35 @@ hidden size takes ``1/tp`` of the fake run's time (inside the parallel regions t
 exposed part is ``max(0, TP collectives - matmul time)``. The slowdown of a matmul that shares the GPU with a
 collective is left out. Without this, every published tp 4-8 row was predicted 0.53-0.86x (docs/planner.md).
 
+[Note: ranks that meet]
+Ranks that meet at collectives move at the pace of the slowest: between two meetings they drift apart, and the
+others wait for the last. On a GPU cluster that is its stragglers (left out: ``sync_skew`` 0); on a CPU shared by
+more ranks than cores, a rank that is not scheduled when its peers arrive. ``calibrate`` measures how much a block
+of compute stretches when the ranks meet after it ([Note: a collective after compute] in :mod:`.calibrate`), and
+a multi-rank step's compute (forward, backward, the optimizer step) is stretched by it. Every compute interval of a
+step ends at some meeting, so the stretch is of the whole compute, however many collectives cut it up.
+
+[Note: arithmetic-bound operators]
+On a GPU an element-wise operator, a softmax or a norm is bound by its bytes. On a CPU core some are bound by their
+arithmetic instead: a tanh-form GELU computes a polynomial and a tanh per element, a log-softmax an exponential and a
+logarithm, so ``gelu`` over a 1 MiB tensor takes 4-5x what its bytes take at the measured bandwidth (and 16x an
+``add`` of the same size). ``calibrate`` times each operator of its ``ELEMENTWISE_OPERATORS`` on this machine and
+records nanoseconds per output element; such an operator takes ``max(bytes / bandwidth, elements x ns)``. A GPU
+profile lists none (its kernels are bound by bytes). The operator is named by its aten name, and ``gelu`` and
+``gelu_backward`` by their form too (``gelu:tanh``): the two forms differ by 2x here. Without it the fake run's GELUs,
+softmaxes and norms of the benchmark's GPT were charged 1.2 ms of the 5 ms they take (bench_planner_time.py).
+
+[Note: the optimizer's host loop]
+torch's optimizers on CPU tensors step one tensor at a time (``foreach`` is for CUDA tensors), and the gradient
+clipping's scale is applied per tensor: about a dozen operators a tensor, each paying the host's dispatch, plus the
+Python of the loop. That host time grows with the tensors stepped, not their elements: 53 tensors of the benchmark's
+GPT take 5 ms to step where their bytes take 1.4 ms. ``calibrate`` measures it (``measure_optimizer_loop``: AdamW
+with clipping over tensors small enough that their bytes do not count) as ``optimizer_us_per_tensor``; the step
+is charged that per tensor this rank steps (every parameter at stage 0, each fragment of its shard at stages 1-3),
+beside its bytes. A GPU profile has 0: a fused or for-each step is a handful of launches that run ahead of the device.
+
 Left out: stragglers, congestion, kernels the fake run cannot see (fused kernels of a compiler), and the host's
-Python time beyond the per-operator overhead.
+Python time beyond the per-operator overhead and the optimizer's loop.
 """
 
 from __future__ import annotations
@@ -176,6 +208,10 @@ class Op:
     """A matmul's operands' and output's last two dimensions ([Note: fp8 matmuls])."""
     width: int = 0
     """Its first output's last dimension ([Note: how a stack runs its TP])."""
+    name: str = ""
+    """A memory-bound operator's aten name, with ``gelu``'s form ([Note: arithmetic-bound operators])."""
+    elements: int = 0
+    """Elements of its first output ([Note: arithmetic-bound operators])."""
 
 
 @dataclass
@@ -226,11 +262,23 @@ class _WorkCounter(TorchDispatchMode):
         shapes = _matrix_shapes(args, out) if kind == "matmul" else ()
         first = next((t for t in tree_leaves(out) if isinstance(t, torch.Tensor)), None)
         width = int(first.shape[-1]) if first is not None and first.dim() else 0
+        name, elements = "", 0
+        if kind == "memory" and moved and first is not None:
+            name, elements = _elementwise_name(packet, kwargs), first.numel()
         op = Op(kind, int(flops), nbytes, self.backward, metadata_only, pointwise, out_bytes, shapes, width)
+        op = Op(**{**op.__dict__, "name": name, "elements": elements}) if elements else op
         self.work.ops[op] += 1
         if not self.backward:
             self.work.forward_flops += int(flops)
         return out
+
+
+def _elementwise_name(packet: Any, kwargs: dict) -> str:
+    """The name an arithmetic-bound operator is calibrated under ([Note: arithmetic-bound operators])."""
+    name = packet.__name__
+    if name in ("gelu", "gelu_backward") and kwargs.get("approximate", "none") == "tanh":
+        return f"{name}:tanh"
+    return name
 
 
 def _matrix_shapes(args: Any, out: Any) -> tuple[tuple[int, int], ...]:
@@ -330,12 +378,18 @@ class ZeroTraffic:
     first_gather: int = 0
     """Bus bytes of the first unit gathered in forward (nothing to hide it behind)."""
     last_reduce: int = 0
-    """Bus bytes of the last bucket reduced in backward."""
+    """Bus bytes of the last bucket reduced in backward (a reduce-scatter's; an all-reduce moves twice them)."""
+    first_after_gather: int = 0
+    """Bus bytes of the after-step all-gather of the bucket the next forward reads first (the last bucket: they are
+    built in backward's order), which nothing hides ([Note: what overlaps])."""
     group: int = 1
     """Ranks of ZeRO's shard group."""
     replica_all_reduce: int = 0
     """Hybrid sharding: bus bytes of the gradient shards' all-reduce over the replicas, once per step."""
     replicas: int = 1
+    calls: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Collectives by when (``per_micro_batch``, ``at_boundary``, ``after_step``) and kind: one per bucket or unit
+    gathered, each paying its latencies (one of each kind where absent)."""
 
     def per_step(self, micro_batches: int) -> dict[str, int]:
         out: Counter = Counter()
@@ -361,7 +415,9 @@ def zero_traffic(
     boundary: Counter = Counter()
     replica = 0
     after: Counter = Counter()
+    calls: dict[str, Counter] = {"per_micro_batch": Counter(), "at_boundary": Counter(), "after_step": Counter()}
     reduced = []
+    first_after = 0
     for b in state.buckets:
         if not b.requires_grad or b.world <= 1:
             continue
@@ -373,22 +429,32 @@ def zero_traffic(
             replica += 2 * (full // b.world) * (replicas - 1) // replicas
         if stage == 0:
             boundary["all_reduce"] += 2 * moved
+            calls["at_boundary"]["all_reduce"] += 1
         elif stage == 1:
             boundary["reduce_scatter"] += moved
+            calls["at_boundary"]["reduce_scatter"] += 1
         else:
             per_micro["reduce_scatter"] += moved
+            calls["per_micro_batch"]["reduce_scatter"] += 1
         if stage in (1, 2) or (stage == 3 and b.gather_after_step):
-            after["all_gather"] += b.padded_numel * b.dtype.itemsize * (b.world - 1) // b.world
+            first_after = b.padded_numel * b.dtype.itemsize * (b.world - 1) // b.world
+            after["all_gather"] += first_after
+            calls["after_step"]["all_gather"] += 1
     first = 0
     if stage == 3:
         groups = {b.world for b in state.buckets if b.world > 1}
         n = max(groups) if groups else 1
         per_micro["all_gather"] += _unit_gathers(state.units, n)
         blocks = [u for u in state.units if not u.root]
+        if n > 1:
+            calls["per_micro_batch"]["all_gather"] += sum(1 if u.root or u is blocks[0] else 2 for u in state.units)
         first = blocks[-1].nbytes * (n - 1) // n if blocks else 0  # units are in the layout's order: last first
     group = max((b.world for b in state.buckets), default=1)
     last = reduced[-1] if reduced else 0
-    return ZeroTraffic(dict(per_micro), dict(boundary), dict(after), first, last, group, replica, replicas)
+    return ZeroTraffic(
+        dict(per_micro), dict(boundary), dict(after), first, last, first_after, group, replica, replicas,
+        {when: dict(kinds) for when, kinds in calls.items()},
+    )  # fmt: skip
 
 
 def _unit_gathers(units: list[UnitSize], n: int) -> int:
@@ -428,9 +494,9 @@ class Placement:
         }[axis]
 
 
-def collective_time(kind: str, nbytes: float, size: int, span: int, cluster: Cluster) -> float:
-    """Seconds of one collective of ``nbytes`` bus bytes over ``size`` ranks spanning ``span`` consecutive ranks
-    ([Note: the alpha-beta model])."""
+def collective_time(kind: str, nbytes: float, size: int, span: int, cluster: Cluster, calls: int = 1) -> float:
+    """Seconds of ``calls`` collectives moving ``nbytes`` bus bytes together over ``size`` ranks spanning ``span``
+    consecutive ranks ([Note: the alpha-beta model]): each call pays its latencies."""
     if size <= 1 or nbytes <= 0:
         return 0.0
     gpu, eff = cluster.gpu, cluster.efficiencies
@@ -439,10 +505,16 @@ def collective_time(kind: str, nbytes: float, size: int, span: int, cluster: Clu
     if not intra and gpu.inter_node_gb_s_per_gpu:  # [Note: rings across nodes]
         per_node = max(1, min(size, cluster.gpus_per_node // max(span // size, 1)))
         gb_s = min(gpu.intra_node_gb_s, per_node * gpu.inter_node_gb_s_per_gpu)
+    latency = calls * collective_steps(kind, size) * eff.latency_us * 1e-6
+    return latency + nbytes / (gb_s * 1e9 * eff.link)
+
+
+def collective_steps(kind: str, size: int) -> int:
+    """Latencies one collective over ``size`` ranks pays ([Note: the alpha-beta model])."""
     steps = {"all_reduce": 2 * (size - 1), "p2p": 1}.get(kind, size - 1)
     if kind == "all_reduce":  # NCCL's tree for small messages: 2 log2(n) latencies where the ring's are more
         steps = min(steps, 2 * math.ceil(math.log2(size)))
-    return steps * eff.latency_us * 1e-6 + nbytes / (gb_s * 1e9 * eff.link)
+    return steps
 
 
 def op_time(op: Op, cluster: Cluster, dtype: str, fp8: bool = False, compiled: bool = False) -> float:
@@ -456,7 +528,8 @@ def op_time(op: Op, cluster: Cluster, dtype: str, fp8: bool = False, compiled: b
     fused = compiled and op.pointwise
     nbytes = op.out_bytes if fused else op.nbytes
     overhead = 0.0 if op.metadata_only or fused else eff.op_overhead_us * 1e-6
-    return max(compute, nbytes / hbm) + overhead
+    arithmetic = op.elements * eff.elementwise_ns_of(op.name) * 1e-9  # [Note: arithmetic-bound operators]
+    return max(compute, nbytes / hbm, arithmetic) + overhead
 
 
 def _is_float8_matmul(op: Op, float8_linears: frozenset[tuple[int, int]]) -> bool:
@@ -520,6 +593,9 @@ class StepInputs:
     layer_share: float = 1.0
     stepped_elements: int = 0
     """fp32 elements this rank's optimizer steps (its fragments; every element at stage 0)."""
+    stepped_tensors: int = 0
+    """Tensors this rank's optimizer steps: its parameters at stage 0, its fragments at 1-3 ([Note: the optimizer's
+    host loop])."""
     offload_optimizer: str = "none"
     nvme_bytes: int = 0
     """NVMe offload: bytes read and written on swap files per step ([Note: what overlaps])."""
@@ -560,7 +636,8 @@ def step_time(work: MicroBatchWork, zero: ZeroTraffic, s: StepInputs, cluster: C
         else:
             fwd += t
     share = s.layer_share
-    fwd, bwd = fwd * share, bwd * share
+    stretch = 1 + eff.sync_skew if s.world > 1 else 1.0  # [Note: ranks that meet]
+    fwd, bwd = fwd * share * stretch, bwd * share * stretch
     model_comm = Counter()
     tp_comm = {False: 0.0, True: 0.0}
     for c in work.collectives:
@@ -576,27 +653,36 @@ def step_time(work: MicroBatchWork, zero: ZeroTraffic, s: StepInputs, cluster: C
         model_comm["tp"] += sum(max(0.0, tp_comm[b] - matmul[b] * share) for b in (False, True))
     zspan = place.span("zero")
 
-    def zero_time(kinds: dict[str, int]) -> float:
-        return sum(collective_time(k, v, zero.group, zspan, cluster) for k, v in kinds.items())
+    def zero_time(kinds: dict[str, int], when: str = "") -> float:
+        calls = zero.calls.get(when, {})
+        return sum(collective_time(k, v, zero.group, zspan, cluster, calls.get(k, 1)) for k, v in kinds.items())
 
     m = s.micro_batches
-    per_micro_zero = zero_time(zero.per_micro_batch)
-    boundary_zero = zero_time(zero.at_boundary)
+    per_micro_zero = zero_time(zero.per_micro_batch, "per_micro_batch")
+    boundary_zero = zero_time(zero.at_boundary, "at_boundary")
     unhidden = zero_time({"all_gather": zero.first_gather}) + zero_time({"reduce_scatter": zero.last_reduce})
     unhidden = min(unhidden, per_micro_zero + boundary_zero)
     window = fwd + bwd if s.stage == 3 else bwd
     hidden_micro = eff.overlap * min(max(per_micro_zero - unhidden, 0.0), window)
     exposed_zero = m * (per_micro_zero - hidden_micro)
-    exposed_zero += boundary_zero - eff.overlap * min(boundary_zero, bwd)
+    # the boundary's last bucket is reduced after backward's last gradient: nothing is left to hide it
+    last_kind = "all_reduce" if s.stage == 0 else "reduce_scatter"
+    last_bucket = min(zero_time({last_kind: zero.last_reduce * (2 if s.stage == 0 else 1)}), boundary_zero)
+    hideable = boundary_zero - last_bucket
+    exposed_zero += last_bucket + hideable - eff.overlap * min(hideable, bwd)
     replica = collective_time("all_reduce", zero.replica_all_reduce, zero.replicas, place.span("replicate"), cluster)
     exposed_zero += replica - eff.overlap * min(replica, max(bwd - boundary_zero, 0.0))
-    after = zero_time(zero.after_step)
-    exposed_zero += after - eff.overlap * min(after, fwd)
+    after = zero_time(zero.after_step, "after_step")
+    first_after = min(zero_time({"all_gather": zero.first_after_gather}), after)  # the next forward's first read
+    exposed_zero += after - eff.overlap * min(after - first_after, fwd)
+    if s.stage >= 1:  # the step's squared-norm all-reduce (two numbers), which every rank waits for
+        exposed_zero += collective_time("all_reduce", 8, zero.group, zspan, cluster)
     ring = collective_time("all_gather", s.ring_bytes, s.cp, place.span("cp"), cluster) * share
     p2p = 0.0
     if s.pp > 1 and s.boundary_bytes:
         p2p = 2 * m * collective_time("p2p", s.boundary_bytes, 2, place.span("pp"), cluster)
     optimizer, (down, up), disk = _optimizer_time(s, cluster)
+    optimizer *= stretch
     # [Note: overlapped offload] in offload/host_copies.py: gradients go down behind the last backward, each
     # sub-group's parameters up while the next one steps on the host
     offload = down - eff.overlap * min(down, bwd) + up - eff.overlap * min(up, optimizer)
@@ -642,7 +728,9 @@ def _optimizer_time(s: StepInputs, cluster: Cluster) -> tuple[float, tuple[float
     copy = 2 if s.dtype in ("bf16", "fp16") else 0  # the compute-dtype copy written after the step
     if s.offload_optimizer == "none":
         rate = cluster.gpu.hbm_tb_s * 1e12 * cluster.efficiencies.memory
-        return n * (ADAM_BYTES_PER_ELEMENT + copy) / rate, (0.0, 0.0), 0.0
+        # [Note: the optimizer's host loop]
+        loop = s.stepped_tensors * cluster.efficiencies.optimizer_us_per_tensor * 1e-6
+        return n * (ADAM_BYTES_PER_ELEMENT + copy) / rate + loop, (0.0, 0.0), 0.0
     host_bytes = n * (HOST_STEP_BYTES_PER_ELEMENT + copy)
     cpu_only = cluster.gpu.name == "cpu"
     # a node's ranks share its host memory and disks; calibrate's figures are per rank already (all ranks at once)
