@@ -98,10 +98,12 @@ def train(rule: dict, precision: dict, fake: bool, drop: str | None = None) -> d
             streams.phase = t
         losses.append(train_step(engine, recipe, batches, t, rank))
     out = {"losses": losses, "params": engine.full_state_dict()}
+    # closed first: the accumulating thread may still be adding the last step's gradients (their copies down wait
+    # on it), and close() lets it finish; read before, a loaded machine showed copies not yet run
+    engine.close()
     if streams is not None:
         out["log"] = streams.log
         out["left"] = {s: streams.issued[s] - streams.ran[s] for s in streams.issued}
-    engine.close()
     return out
 
 
