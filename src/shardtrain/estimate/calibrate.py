@@ -41,7 +41,9 @@ at world 2, but added 5.2 ms to a 14 ms block of matmuls before it; at world 3 i
 19 ms to 28 ms. What it adds beyond its own time grows with the compute before it (the ranks drift apart while they
 compute), so it is a stretch of compute, not a latency: ``sync_skew`` is that excess over the block's time, and the
 time model stretches a multi-rank step's compute by it ([Note: ranks that meet] in :mod:`.timing`); the latency
-stays the collective's own, timed alone. Without it every multi-rank layout of the benchmark's GPT was predicted
+stays the collective's own, timed alone. Each is timed in a loop of its own, as a training loop runs: blocks timed
+each from a meeting of the ranks measured a stretch of 0.09 at world 3 against the loop's 0.68-1.16 (a rank late
+out of the meeting starts its own clock late). Without it every multi-rank layout of the benchmark's GPT was predicted
 0.53-0.71x its measured step; charged as a latency of every collective instead, a tensor-parallel layout (a
 collective every millisecond of compute) came out 2-3x its measured step.
 
@@ -261,25 +263,14 @@ def _collectives(sizes: tuple[int, int]) -> dict[str, float]:
         handle.wait()
 
     small_alone = _median_s(lambda: comm.all_reduce(small, what="calibrate"), repeats=7, inner=5)
-    # paired, each block started from a meeting of the ranks: the load of the minute cancels out of the differences
-    alone: list[float] = []
-    with_small: list[float] = []
-    with_large: list[float] = []
-    for _ in range(11):
-        for times, block in ((alone, matmuls), (with_small, lambda: after_compute(small)),
-                             (with_large, lambda: after_compute(large))):  # fmt: skip
-            comm.all_reduce(small, what="calibrate (meet)")
-            start = time.perf_counter()
-            block()
-            times.append(time.perf_counter() - start)
+    # each in a loop of its own, as a training loop runs: the ranks leave one meeting together and drift until the next
+    block_s = _median_s(matmuls, repeats=11, inner=1)
+    with_small = _median_s(lambda: after_compute(small), repeats=11, inner=1)
+    large_block_s = _median_s(lambda: after_compute(large), repeats=11, inner=1)
     together = _median_s(both, repeats=9, inner=1)
     latency = small_alone / collective_steps("all_reduce", n)
-    block_s = statistics.median(alone)
-    added = statistics.median(b - a for a, b in zip(alone, with_small))
-    skew = max(added - small_alone, 0.0) / block_s
-    large_added = statistics.median(c - b for b, c in zip(with_small, with_large))
-    bus_gb_s = 2 * sizes[1] * (n - 1) / n / max(large_added, 1e-6) / 1e9
-    large_block_s = statistics.median(with_large)
+    skew = max(with_small - block_s - small_alone, 0.0) / block_s
+    bus_gb_s = 2 * sizes[1] * (n - 1) / n / max(large_block_s - with_small, 1e-6) / 1e9
     large_s = max(large_block_s - block_s, 1e-6)
     overlap = min(max((large_block_s - together) / min(block_s, large_s), 0.0), 1.0)
     return {"latency_us": latency * 1e6, "intra_node_gb_s": bus_gb_s, "overlap": overlap, "sync_skew": skew}
