@@ -1,7 +1,8 @@
 """The time model against this machine: predicted vs measured step time of layouts of the project's GPT, a tiny Hugging
 Face Llama and a tiny Mixtral at worlds 1-4 on gloo.
 
-    PYTHONPATH=src python bench/bench_planner_time.py [--steps 8] [--only gpt,llama,mixtral] [--markdown FILE]
+    PYTHONPATH=src python bench/bench_planner_time.py [--steps 8] [--repeats 3] [--only gpt,llama,mixtral]
+        [--markdown FILE]
     PYTHONPATH=src python bench/bench_planner_time.py --h200
 
 ``--h200`` predicts the GPU validation's H200 runs (docs/benchmarks-gpu.md) from the shipped H200 profile instead.
@@ -10,7 +11,9 @@ For each world it first runs ``shardtrain calibrate``'s measurements at that wor
 thread each, as the training runs), and predicts each layout's step from that profile
 (``estimate_memory(..., device_type="cpu", cluster=profile)``); then it trains the layout with the engine
 (``shardtrain.initialize``, AdamW, clipping 1.0, one torch thread per rank) and takes the median over ranks of each
-rank's median step wall time after two warm-up steps. It prints the table, the median absolute error (goal: 20%),
+rank's median step wall time after two warm-up steps. With ``--repeats R`` (3) each world is calibrated R times and
+each layout trained R times, round after round, and the medians taken: on this shared machine one run of a layout
+lands anywhere within +-15% of another. It prints the table, the median absolute error (goal: 20%),
 and per model whether the layout predicted fastest (tokens/s per GPU) is measured within 10% of the measured fastest.
 The machine's load average is printed before and after: the CPUs are shared, and a profile made under one load
 predicts that load.
@@ -150,9 +153,23 @@ def h200_check() -> str:
     return "\n".join(lines)
 
 
+def median_profile(runs: list[dict]) -> dict:
+    """One profile from several ``calibrate`` runs: each figure's median (the matmul curve of the first run)."""
+    out = dict(runs[0])
+    for key, value in runs[0].items():
+        if isinstance(value, float):
+            out[key] = statistics.median(r[key] for r in runs)
+        elif isinstance(value, dict):
+            out[key] = {k: statistics.median(r[key][k] for r in runs) for k in value}
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="calibrations per world and trainings per layout, interleaved; medians"
+    )
     parser.add_argument("--h200", action="store_true", help="only the shipped H200 profile against the GPU validation")
     parser.add_argument("--only", default="gpt,llama,mixtral")
     parser.add_argument("--markdown", help="also write the table to this file")
@@ -171,32 +188,45 @@ def main() -> int:
     load_before = os.getloadavg()
     print(f"# bench_planner_time: {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}")
     print(f"# load average before: {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}")
+    measured_profiles: dict[int, list[dict]] = {}
+    for _ in range(args.repeats):
+        for world in sorted({lay[1] for lay in layouts}):
+            measured_profiles.setdefault(world, []).append(calibrate(world, threads=1))
     profiles = {}
-    for world in sorted({lay[1] for lay in layouts}):
-        start = time.perf_counter()
-        profiles[world] = cluster_from_dict(calibrate(world, threads=1), f"calibrate at world {world}")
+    for world, runs in measured_profiles.items():
+        profiles[world] = cluster_from_dict(median_profile(runs), f"calibrate at world {world}")
         gpu, eff = profiles[world].gpu, profiles[world].efficiencies
+        skews = ", ".join(f"{r.get('sync_skew', 0.0):.2f}" for r in runs)
         print(
-            f"# calibrate world {world} ({time.perf_counter() - start:.0f} s): fp32 {gpu.fp32_tflops * 1e3:.1f}"
+            f"# calibrate world {world} (median of {len(runs)}): fp32 {gpu.fp32_tflops * 1e3:.1f}"
             f" GFLOP/s, memory {gpu.hbm_tb_s * 1e3:.1f} GB/s, op {eff.op_overhead_us:.1f} us, "
             f"all-reduce {gpu.intra_node_gb_s:.2f} GB/s, latency {eff.latency_us:.0f} us, "
-            f"overlap {eff.overlap:.2f}, sync skew {eff.sync_skew:.2f}, "
+            f"overlap {eff.overlap:.2f}, sync skew {eff.sync_skew:.2f} ({skews}), "
             f"optimizer {eff.optimizer_us_per_tensor:.0f} us a tensor"
         )
+    per_layout: dict[int, list[float]] = {}
+    for _ in range(args.repeats):  # round after round, so that a minute of load falls on every layout alike
+        for index, (model_name, world, extra, _label) in enumerate(layouts):
+            try:
+                per_rank = run_distributed(train, world, model_name, extra, args.steps, threads=1, timeout=600)
+                # the median over ranks: on a shared CPU each rank gets its own share of the cores
+                per_layout.setdefault(index, []).append(statistics.median(per_rank))
+            except Exception as err:  # a layout that fails is reported, the others still measured
+                per_layout[index] = []
+                print(f"FAILED {model_name} world {world}: {type(err).__name__}: {str(err)[:200]}", flush=True)
     rows = []
     failed = []
-    for model_name, world, extra, label in layouts:
+    for index, (model_name, world, extra, label) in enumerate(layouts):
         try:
             est = estimate_memory(
                 MODELS[model_name], config_of(extra), world_size=world, seq_len=SEQ, device_type="cpu",
                 cluster=profiles[world],
             )  # fmt: skip
             assert est.time is not None
-            # the median over ranks: on a shared CPU each rank gets its own share of the cores, and rank 0's alone
-            # is one draw of it
-            per_rank = run_distributed(train, world, model_name, extra, args.steps, threads=1, timeout=600)
-            measured = statistics.median(per_rank)
-        except Exception as err:  # a layout that fails is reported, the others still measured
+            if not per_layout.get(index):
+                raise RuntimeError("its training failed (above)")
+            measured = statistics.median(per_layout[index])
+        except Exception as err:
             failed.append(f"{model_name} world {world} {label}: {type(err).__name__}: {str(err)[:200]}")
             print(f"FAILED {failed[-1]}", flush=True)
             continue
@@ -205,7 +235,8 @@ def main() -> int:
         rows.append((model_name, world, label, predicted, measured, tokens / predicted, tokens / measured))
         print(
             f"{model_name:8} world {world} {label:32} predicted {predicted * 1e3:8.1f} ms  measured "
-            f"{measured * 1e3:8.1f} ms  error {predicted / measured - 1:+.0%}",
+            f"{measured * 1e3:8.1f} ms  error {predicted / measured - 1:+.0%}  (runs "
+            f"{', '.join(f'{t * 1e3:.1f}' for t in per_layout[index])} ms)",
             flush=True,
         )
     errors = [abs(p / m - 1) for *_, p, m, _, _ in rows]
