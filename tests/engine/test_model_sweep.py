@@ -100,8 +100,7 @@ def test_an_engine_learning_rate_off_by_a_thousandth_is_a_mismatch_for_extra_inp
     assert status == "mismatch" and detail, (status, detail)
 
 
-# world 2 (tp 2 alone) under soak (suite time): world 4 runs the same tp 2 plan with ZeRO-3 sharding over 2 dp ranks
-@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.soak), 4])
+@pytest.mark.parametrize("world", [2, 4])
 def test_gemma_zero3_with_tensor_parallelism_matches_one_process(world):
     """Gemma's scaled embedding, ``(1 + weight)`` norms and soft-capped logits under the engine with its own plan
     at tensor_parallel.size 2 and ZeRO stage 3 (world 4: two data-parallel ranks shard each block)."""

@@ -19,8 +19,7 @@ def ref(case: str, world: int, steps: int = 4) -> dict:
     return reference(case, world, steps)
 
 
-# world 2 of these two under soak (suite time): world 3, the odd one, stays
-@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.soak), 3])
+@pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("case", ["dataclass", "aux_loss"])
 def test_gradients_the_output_hooks_cannot_see(case, world):
     """Failed before (processes died reading released storage: 'setStorage ... storage of size 0', a SIGSEGV
