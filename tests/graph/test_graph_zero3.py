@@ -100,6 +100,9 @@ def _eager_then_graph_sgd(case: Case, stage: int, plan: list[bool]) -> tuple[dic
     return sgd_run(case, stage, False, plan), sgd_run(case, stage, True, plan)
 
 
+# suite time (15 s fresh): by default test_graph_compositions.py freezes and unfreezes a parameter mid-run at world 3
+# (bitwise eager ZeRO-3, frozen steps bitwise unchanged, the first graph reused once unfrozen, one process's numbers)
+@pytest.mark.soak
 def test_a_parameter_frozen_after_initialize_stops_training_and_trains_again_when_unfrozen():
     """World 2, SGD, stage 3: ``FROZEN`` is frozen after the first step and unfrozen after the third. While frozen
     it keeps its value exactly (as in eager ZeRO-3, where it gets no gradient); unfrozen, it trains again; every

@@ -72,7 +72,7 @@ def _bitwise_body(cases: list) -> list[str]:
     return problems
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.soak), 3])  # world 3, the odd one, by default
 def test_bitwise_same_as_gathering_at_the_step(world):
     """Deferring the waits changes where the host waits, never a value: losses, gradient norms and parameters
     equal those of the synchronous gather exactly, at an odd world size too."""
