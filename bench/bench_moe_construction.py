@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "tensor_parallel")]  # LiveBytes and its helpers
+sys.path.insert(0, str(ROOT / "src"))
 
 import shardtrain  # noqa: E402
 from shardtrain.testing import run_distributed  # noqa: E402
@@ -44,7 +44,7 @@ def build(args: argparse.Namespace):
 def measure(how: str, args: argparse.Namespace) -> tuple[float, float, float]:
     import transformers
 
-    from test_tp_construction import LiveBytes
+    from shardtrain.testing.live_bytes import LiveBytes
 
     assert transformers.MixtralForCausalLM  # defined before Init wraps the module classes
     config = {

@@ -12,8 +12,8 @@ the reason, and never the whole run. Each probe runs in a fresh process (its all
 own), or in this one with ``--in-process``.
 
 On the CPU there is no device memory to run out of, so ``--memory-limit-mib`` stands in for it: the probe measures
-the peak of its steps' live tensor storages (:class:`LiveBytes`, a dispatch mode) and raises the same
-``torch.OutOfMemoryError`` when it is over the limit. On CUDA the limit, when given, is checked against
+the peak of its steps' live tensor storages (``shardtrain.testing.live_bytes.LiveBytes``, a dispatch mode) and raises
+the same ``torch.OutOfMemoryError`` when it is over the limit. On CUDA the limit, when given, is checked against
 ``torch.cuda.max_memory_allocated`` the same way (a smaller card simulated on a bigger one).
 
 It prints, and writes to ``--json``, each variant's longest length, its step time, tokens/s and peak memory, its
@@ -38,14 +38,13 @@ import subprocess
 import sys
 import tempfile
 import time
-import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from shardtrain.testing.live_bytes import LiveBytes
 
 
 def _gpu_validate() -> Any:
@@ -122,36 +121,6 @@ def longest_fitting(
         else:
             return lo, got, probes
     return lo, hi, probes
-
-
-class LiveBytes(TorchDispatchMode):
-    """Peak bytes of the live tensor storages that operators returned while active (a storage counts until freed,
-    or 0 once resized to 0, as a released ZeRO-3 unit is): the CPU's stand-in for the device allocator's peak."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live: dict[int, weakref.ref] = {}
-        self.peak = 0
-
-    def _sample(self) -> None:
-        total = 0
-        for key, ref in list(self.live.items()):
-            storage = ref()
-            if storage is None:
-                del self.live[key]
-            else:
-                total += storage.nbytes()
-        self.peak = max(self.peak, total)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self._sample()
-        out = func(*args, **(kwargs or {}))
-        for t in pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and not t.is_meta:
-                storage = t.untyped_storage()
-                self.live.setdefault(storage._cdata, weakref.ref(storage))
-        self._sample()
-        return out
 
 
 def probe_once(args: argparse.Namespace, variant: str, seq: int) -> Probe:
