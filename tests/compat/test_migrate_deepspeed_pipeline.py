@@ -44,11 +44,24 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
-def _write(root: str) -> dict:
-    """DeepSpeed's own run per ZeRO stage: saved after SAVE_AT steps, then its continuation's losses and weights."""
+def _train_saving(real, net, stage: int, data: list, path: str) -> dict:
+    """DeepSpeed's pipeline engine over ``net`` at ZeRO ``stage``: saved to ``path`` after SAVE_AT steps, then its
+    continuation's losses and weights."""
     import contextlib
     import io
 
+    with contextlib.redirect_stdout(io.StringIO()):
+        engine, _, _, _ = real.initialize(model=net, model_parameters=list(net.parameters()), config=_config(stage))
+        losses = []
+        for s in range(STEPS):
+            if s == SAVE_AT:
+                engine.save_checkpoint(path, tag="saved")
+            losses.append(float(engine.train_batch(iter(data[s * GAS : (s + 1) * GAS]))))
+    return {"losses": losses, "params": {n: p.detach().clone() for n, p in engine.module.named_parameters()}}
+
+
+def _write(root: str) -> dict:
+    """DeepSpeed's own run per ZeRO stage: saved after SAVE_AT steps, then its continuation's losses and weights."""
     import deepspeed as real
 
     from shardtrain.compat.deepspeed.runtime.pipe.module import set_random_seed
@@ -61,27 +74,12 @@ def _write(root: str) -> dict:
             deepspeed_specs(layers()), num_stages=2, loss_fn=loss_fn, seed_layers=True,
             seed_fn=lambda seed: set_random_seed(int(seed)), partition_method="parameters",
         )  # fmt: skip
-        with contextlib.redirect_stdout(io.StringIO()):
-            engine, _, _, _ = real.initialize(model=net, model_parameters=list(net.parameters()), config=_config(stage))
-            losses = []
-            for s in range(STEPS):
-                if s == SAVE_AT:
-                    engine.save_checkpoint(f"{root}/zero{stage}", tag="saved")
-                losses.append(float(engine.train_batch(iter(data[s * GAS : (s + 1) * GAS]))))
-        out[stage] = {"losses": losses, "params": {n: p.detach().clone() for n, p in engine.module.named_parameters()}}
+        out[stage] = _train_saving(real, net, stage, data, f"{root}/zero{stage}")
     data = tied_batches()
     for stage in STAGES:  # the tied embedding (GPT-2's tie, through forward_fn)
         net = real.pipe.PipelineModule(deepspeed_tied_layers(), num_stages=2, loss_fn=tied.loss_fn, seed_layers=True,
                                        seed_fn=lambda seed: set_random_seed(int(seed)))  # fmt: skip
-        with contextlib.redirect_stdout(io.StringIO()):
-            engine, _, _, _ = real.initialize(model=net, model_parameters=list(net.parameters()), config=_config(stage))
-            losses = []
-            for s in range(STEPS):
-                if s == SAVE_AT:
-                    engine.save_checkpoint(f"{root}/tied{stage}", tag="saved")
-                losses.append(float(engine.train_batch(iter(data[s * GAS : (s + 1) * GAS]))))
-        params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-        out[f"tied{stage}"] = {"losses": losses, "params": params}
+        out[f"tied{stage}"] = _train_saving(real, net, stage, data, f"{root}/tied{stage}")
     return out
 
 
