@@ -153,17 +153,6 @@ def h200_check() -> str:
     return "\n".join(lines)
 
 
-def median_profile(runs: list[dict]) -> dict:
-    """One profile from several ``calibrate`` runs: each figure's median (the matmul curve of the first run)."""
-    out = dict(runs[0])
-    for key, value in runs[0].items():
-        if isinstance(value, float):
-            out[key] = statistics.median(r[key] for r in runs)
-        elif isinstance(value, dict):
-            out[key] = {k: statistics.median(r[key][k] for r in runs) for k in value}
-    return out
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
@@ -179,7 +168,7 @@ def main() -> int:
         return 0
 
     from shardtrain.estimate import estimate_memory
-    from shardtrain.estimate.calibrate import calibrate
+    from shardtrain.estimate.calibrate import calibrate, median_profile
     from shardtrain.estimate.cluster import cluster_from_dict
     from shardtrain.testing import run_distributed
 

@@ -294,12 +294,24 @@ def _measure(world: int, threads: int | None) -> dict[str, Any]:
         "host_gb_s": memory / 1e9,
         "op_overhead_us": measure_op_overhead() * 1e6,
         "optimizer_us_per_tensor": measure_optimizer_loop() * 1e6,
-        **{f"elementwise:{k}": v for k, v in measure_elementwise().items()},
+        "elementwise_ns_per_element": measure_elementwise(),
     }
     if world > 1:
         out.update(_collectives((4096, 16 * 2**20)))
     else:
         out.update({"intra_node_gb_s": out["hbm_tb_s"] * 1e3, "overlap": 0.0, "latency_us": 0.0})
+    return out
+
+
+def median_profile(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One set of figures from several measurements (ranks, or repeated runs): each number's median, each table's
+    entry by entry; the rest (the matmul curve) the first run's."""
+    out = dict(runs[0])
+    for key, value in runs[0].items():
+        if isinstance(value, float):
+            out[key] = statistics.median(r[key] for r in runs)
+        elif isinstance(value, dict):
+            out[key] = {k: statistics.median(r[key][k] for r in runs) for k in value}
     return out
 
 
@@ -312,15 +324,11 @@ def calibrate(world: int = 2, threads: int | None = None) -> dict[str, Any]:
         per_rank = run_distributed(_measure, world, world, threads, threads=threads)
     else:
         per_rank = [_measure(1, threads)]
-    merged = {k: statistics.median(r[k] for r in per_rank) for k in per_rank[0] if k != "matmul_efficiency"}
-    elementwise = {k.split(":", 1)[1]: merged.pop(k) for k in list(merged) if k.startswith("elementwise:")}
     return {
         "gpu": "cpu",
         "gpus_per_node": world,
         "nodes": 1,
-        **merged,
-        "elementwise_ns_per_element": elementwise,
-        "matmul_efficiency": per_rank[0]["matmul_efficiency"],
+        **median_profile(per_rank),
         "memory_efficiency": 1.0,
         "link_efficiency": 1.0,
         "source": f"shardtrain calibrate on this machine, world {world}, torch threads {torch.get_num_threads()}",

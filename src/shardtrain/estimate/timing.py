@@ -265,8 +265,8 @@ class _WorkCounter(TorchDispatchMode):
         name, elements = "", 0
         if kind == "memory" and moved and first is not None:
             name, elements = _elementwise_name(packet, kwargs), first.numel()
-        op = Op(kind, int(flops), nbytes, self.backward, metadata_only, pointwise, out_bytes, shapes, width)
-        op = Op(**{**op.__dict__, "name": name, "elements": elements}) if elements else op
+        op = Op(kind, int(flops), nbytes, self.backward, metadata_only, pointwise, out_bytes, shapes, width, name,
+                elements)  # fmt: skip
         self.work.ops[op] += 1
         if not self.backward:
             self.work.forward_flops += int(flops)
